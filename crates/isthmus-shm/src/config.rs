@@ -1,0 +1,145 @@
+//! Sizes, limits and policies of a connection.
+
+use std::time::Duration;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::layout::{ARENA_GRANULE, FRAME_HEADER_LEN};
+
+/// Who may connect to a server.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub enum PeerPolicy {
+    /// Only processes running as the server's own uid (the default).
+    #[default]
+    SameUid,
+    /// The server's own uid plus these.
+    Uids(Vec<u32>),
+    /// Anyone who can reach the socket (its directory's permissions still apply).
+    Any,
+}
+
+impl PeerPolicy {
+    pub(crate) fn allows(&self, own_uid: u32, peer_uid: u32) -> bool {
+        match self {
+            PeerPolicy::SameUid => peer_uid == own_uid,
+            PeerPolicy::Uids(list) => peer_uid == own_uid || list.contains(&peer_uid),
+            PeerPolicy::Any => true,
+        }
+    }
+}
+
+/// How long a waiter spins before it sleeps on the doorbell.
+///
+/// Spinning answers in ~0.3 µs where a sleep/wake costs ~10 µs, but a spinner holds a core the
+/// peer may need. The spin is bounded by time, and after the first fifth of it every iteration
+/// yields the CPU, so a peer that shares this core still gets to run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SpinPolicy {
+    /// Upper bound on spinning per wait; zero sleeps at once.
+    pub max: Duration,
+}
+
+impl Default for SpinPolicy {
+    fn default() -> SpinPolicy {
+        SpinPolicy { max: Duration::from_micros(50) }
+    }
+}
+
+/// Configuration of one side of a connection.
+///
+/// The ring and arena sizes a side configures are the ones it *sends* through: the client's
+/// values size the client→server direction, the server's the server→client direction. The
+/// server clamps a client's request to [`Config::max_ring_size`] and [`Config::max_arena_size`].
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Bytes of frame ring this side sends into. A power of two, 4 KiB to 64 MiB.
+    pub ring_size: usize,
+    /// Bytes of payload arena this side allocates from. A multiple of 64 KiB, up to 4 GiB.
+    pub arena_size: usize,
+    /// Messages up to this many bytes travel inline in the ring; larger ones through the arena.
+    /// At most a quarter of the ring.
+    pub inline_max: usize,
+    /// Largest message this side accepts; a larger one is refused with
+    /// [`ErrorKind::MessageTooLarge`] and the connection goes on.
+    pub max_message_size: u64,
+    /// Spinning before sleeping.
+    pub spin: SpinPolicy,
+    /// How long the server waits for a client's hello, and each side for each handshake read
+    /// or write, before giving up on the connection.
+    pub handshake_timeout: Duration,
+    /// Who may be at the other end. A server checks the connecting client's uid; a client
+    /// checks the server's (root is always accepted as a server).
+    pub peer_policy: PeerPolicy,
+    /// Server only: the largest ring a client may ask for.
+    pub max_ring_size: usize,
+    /// Server only: the largest arena a client may ask for.
+    pub max_arena_size: usize,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            ring_size: 1 << 20,
+            arena_size: 64 << 20,
+            inline_max: 8 << 10,
+            max_message_size: 4 << 30,
+            spin: SpinPolicy::default(),
+            handshake_timeout: Duration::from_secs(5),
+            peer_policy: PeerPolicy::default(),
+            max_ring_size: 64 << 20,
+            max_arena_size: 4 << 30,
+        }
+    }
+}
+
+/// Bounds every ring size must respect.
+pub(crate) const MIN_RING: usize = 4 << 10;
+pub(crate) const MAX_RING: usize = 64 << 20;
+/// Arenas are whole granules and at most 4 GiB so offsets fit comfortably.
+pub(crate) const MAX_ARENA: usize = 4 << 30;
+pub(crate) const ARENA_MULTIPLE: usize = 64 << 10;
+
+pub(crate) fn check_ring_size(what: &str, n: usize) -> Result<()> {
+    if n.is_power_of_two() && (MIN_RING..=MAX_RING).contains(&n) {
+        Ok(())
+    } else {
+        Err(Error::new(
+            ErrorKind::InvalidConfig,
+            format!("{what} is {n} bytes; it must be a power of two from {MIN_RING} to {MAX_RING}"),
+        ))
+    }
+}
+
+pub(crate) fn check_arena_size(what: &str, n: usize) -> Result<()> {
+    if n % ARENA_MULTIPLE == 0 && (ARENA_MULTIPLE..=MAX_ARENA).contains(&n) {
+        Ok(())
+    } else {
+        Err(Error::new(
+            ErrorKind::InvalidConfig,
+            format!(
+                "{what} is {n} bytes; it must be a multiple of {ARENA_MULTIPLE} from {ARENA_MULTIPLE} to {MAX_ARENA}"
+            ),
+        ))
+    }
+}
+
+impl Config {
+    /// Checks every value; the error names the field, its value and the allowed range.
+    pub fn validate(&self) -> Result<()> {
+        check_ring_size("ring_size", self.ring_size)?;
+        check_arena_size("arena_size", self.arena_size)?;
+        check_ring_size("max_ring_size", self.max_ring_size)?;
+        check_arena_size("max_arena_size", self.max_arena_size)?;
+        let inline_cap = self.ring_size / 4 - FRAME_HEADER_LEN;
+        if self.inline_max > inline_cap {
+            return Err(Error::new(
+                ErrorKind::InvalidConfig,
+                format!(
+                    "inline_max is {} bytes; with a {}-byte ring it may be at most {inline_cap}",
+                    self.inline_max, self.ring_size
+                ),
+            ));
+        }
+        debug_assert!(self.arena_size >= ARENA_GRANULE);
+        Ok(())
+    }
+}

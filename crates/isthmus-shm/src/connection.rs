@@ -1,0 +1,739 @@
+//! A connection: a [`Sender`] any number of threads share and one [`Receiver`].
+
+use std::collections::HashMap;
+use std::fmt;
+use std::ops::{Deref, DerefMut};
+use std::os::fd::BorrowedFd;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use bytes::Bytes;
+
+use crate::arena::{Allocator, ArenaOwner, Lease, Releaser};
+use crate::config::{Config, SpinPolicy};
+use crate::doorbell::{wake_if_parked, Bell, Waiter};
+use crate::error::{Error, ErrorKind, Result};
+use crate::frame::{flags, ArenaDescriptor, FrameHeader, Kind};
+use crate::layout::{self, CLIENT_TO_SERVER, SERVER_TO_CLIENT};
+use crate::link::{Health, Link};
+use crate::ring::{FrameConsumer, FrameProducer};
+use crate::segment::Segment;
+use crate::stats::{Counters, Stats};
+
+/// Which end of the handshake this side was.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// Connected to a listener.
+    Client,
+    /// Accepted by a listener.
+    Server,
+}
+
+/// Credentials of the process at the other end, from `SO_PEERCRED`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerInfo {
+    /// Process id.
+    pub pid: i32,
+    /// User id.
+    pub uid: u32,
+    /// Group id.
+    pub gid: u32,
+}
+
+/// A frame as delivered to the receiver. For MESSAGE frames `body` is the whole message,
+/// however it travelled: copied out of the ring, a view into the peer's arena, or reassembled
+/// from pieces.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Frame {
+    /// The frame kind.
+    pub kind: Kind,
+    /// Flag bits (the transport-internal [`flags::ARENA`] is never set here).
+    pub flags: u8,
+    /// The stream the frame belongs to.
+    pub stream: u64,
+    /// The body.
+    pub body: Bytes,
+}
+
+impl fmt::Debug for Frame {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Frame")
+            .field("kind", &self.kind)
+            .field("flags", &self.flags)
+            .field("stream", &self.stream)
+            .field("len", &self.body.len())
+            .finish()
+    }
+}
+
+/// The doorbells of one connection: ours we sleep on, the peer's we ring.
+#[derive(Debug)]
+pub(crate) struct Bells {
+    pub(crate) my_rx: Arc<Bell>,
+    pub(crate) my_tx: Arc<Bell>,
+    pub(crate) peer_rx: Arc<Bell>,
+    pub(crate) peer_tx: Arc<Bell>,
+}
+
+/// State shared by the sender and receiver of one connection.
+#[derive(Debug)]
+struct Core {
+    seg: Arc<Segment>,
+    role: Role,
+    tx: usize,
+    rx: usize,
+    inline_max: usize,
+    max_message_size: u64,
+    spin: SpinPolicy,
+    link: Link,
+    bells: Bells,
+    stats: Stats,
+    peer: PeerInfo,
+    ring: Mutex<FrameProducer>,
+    arena: Mutex<ArenaOwner>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
+    m.lock().map_err(|_| Error::new(ErrorKind::Closed, "a thread panicked while sending on this connection"))
+}
+
+impl Core {
+    fn tx_waiter(&self, what: &'static str) -> Waiter<'_> {
+        Waiter {
+            bell: &self.bells.my_tx,
+            parked: self.seg.ctl_u32(self.tx, layout::CTL_PRODUCER_PARKED),
+            link: &self.link,
+            spin: self.spin,
+            stats: &self.stats,
+            what,
+        }
+    }
+
+    fn rx_waiter(&self) -> Waiter<'_> {
+        Waiter {
+            bell: &self.bells.my_rx,
+            parked: self.seg.ctl_u32(self.rx, layout::CTL_CONSUMER_PARKED),
+            link: &self.link,
+            spin: self.spin,
+            stats: &self.stats,
+            what: "waiting for a frame",
+        }
+    }
+
+    /// A fatal error: remember it, tell the peer, hand it back.
+    fn fail(&self, e: Error) -> Error {
+        if e.is_fatal() {
+            self.link.fail(Error::new(e.kind(), e.to_string()));
+        }
+        e
+    }
+
+    fn try_push(&self, header: &FrameHeader, body: &[&[u8]]) -> Result<bool> {
+        self.link.check()?;
+        let pushed = lock(&self.ring)?.try_push(header, body).map_err(|e| self.fail(e))?;
+        if pushed {
+            self.stats.add(&self.stats.frames_sent, 1);
+            if wake_if_parked(self.seg.ctl_u32(self.tx, layout::CTL_CONSUMER_PARKED), &self.bells.peer_rx) {
+                self.stats.add(&self.stats.doorbells_rung, 1);
+            }
+        }
+        Ok(pushed)
+    }
+
+    fn ring_has_room(&self, body_len: usize) -> Result<bool> {
+        lock(&self.ring)?.has_room(body_len).map_err(|e| self.fail(e))
+    }
+
+    fn try_alloc(&self, len: usize) -> Result<Option<(usize, *mut u8)>> {
+        self.link.check()?;
+        let mut arena = lock(&self.arena)?;
+        let got = arena.try_alloc(len).map_err(|e| self.fail(e))?;
+        if got.is_some() {
+            self.stats.max(&self.stats.arena_high_water, arena.allocator().high_water() as u64);
+        }
+        Ok(got)
+    }
+
+    fn arena_has_room(&self, len: usize) -> Result<bool> {
+        lock(&self.arena)?.can_alloc(len).map_err(|e| self.fail(e))
+    }
+
+    fn check_block_len(&self, len: usize) -> Result<()> {
+        let cap = self.seg.layout().arena_size[self.tx];
+        if Allocator::block_len(len) > cap {
+            return Err(Error::new(
+                ErrorKind::TooLarge,
+                format!("a {len}-byte block does not fit this side's {cap}-byte arena"),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The sending half of a connection. Cheap to clone; clones share one ring, serialised by a lock
+/// in this process's memory (never one in shared memory).
+#[derive(Clone)]
+pub struct Sender {
+    core: Arc<Core>,
+}
+
+impl fmt::Debug for Sender {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Sender").field("role", &self.core.role).finish_non_exhaustive()
+    }
+}
+
+/// How a message of a given size travels.
+enum Route {
+    Inline,
+    Block,
+    Pieces(usize),
+}
+
+impl Sender {
+    fn route(&self, len: usize) -> Route {
+        let arena = self.core.seg.layout().arena_size[self.core.tx];
+        if len <= self.core.inline_max {
+            Route::Inline
+        } else if len <= arena / 2 {
+            Route::Block
+        } else {
+            // Quarter-arena pieces let the receiver copy one out while we fill the next.
+            Route::Pieces(arena / 4)
+        }
+    }
+
+    /// Sends one frame with an inline body (HEADERS, TRAILERS, CANCEL, PING, GOAWAY, or a small
+    /// MESSAGE), waiting for ring room until `deadline`.
+    pub fn send(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[u8], deadline: Option<Instant>) -> Result<()> {
+        self.send_parts(kind, frame_flags, stream, &[body], deadline)
+    }
+
+    /// Like [`send`](Self::send) with a body given in parts (a header and a payload, say),
+    /// copied into the ring back to back with no intermediate buffer.
+    pub fn send_parts(
+        &self,
+        kind: Kind,
+        frame_flags: u8,
+        stream: u64,
+        body: &[&[u8]],
+        deadline: Option<Instant>,
+    ) -> Result<()> {
+        let header = self.header(kind, frame_flags, stream, body)?;
+        let len = header.len as usize;
+        loop {
+            if self.core.try_push(&header, body)? {
+                return Ok(());
+            }
+            self.core.stats.add(&self.core.stats.ring_full_waits, 1);
+            self.core
+                .tx_waiter("waiting for room in the frame ring")
+                .wait(deadline, || self.core.ring_has_room(len))?;
+        }
+    }
+
+    fn header(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[&[u8]]) -> Result<FrameHeader> {
+        if frame_flags & flags::ARENA != 0 {
+            return Err(Error::new(
+                ErrorKind::InvalidConfig,
+                "the ARENA flag is the transport's own; send blocks with send_block",
+            ));
+        }
+        let len: usize = body.iter().map(|b| b.len()).sum();
+        let len = u32::try_from(len)
+            .map_err(|_| Error::new(ErrorKind::TooLarge, format!("a {len}-byte frame body is too large")))?;
+        if kind == Kind::Message {
+            self.core.stats.add(&self.core.stats.bytes_sent, len as u64);
+        }
+        Ok(FrameHeader { len, kind, flags: frame_flags, stream })
+    }
+
+    /// Sends a message of any size, 0 bytes to many GiB: inline if small, through one arena block
+    /// if it fits half the arena, else in quarter-arena pieces the receiver reassembles.
+    /// Waits for ring and arena room until `deadline`.
+    pub fn send_message(&self, stream: u64, frame_flags: u8, payload: &[u8], deadline: Option<Instant>) -> Result<()> {
+        match self.route(payload.len()) {
+            Route::Inline => self.send(Kind::Message, frame_flags, stream, payload, deadline),
+            Route::Block => {
+                let mut block = self.alloc(payload.len(), deadline)?;
+                block.copy_from_slice(payload);
+                self.send_block(stream, frame_flags, block, deadline)
+            }
+            Route::Pieces(piece) => {
+                let total = payload.len() as u64;
+                let mut chunks = payload.chunks(piece).peekable();
+                while let Some(chunk) = chunks.next() {
+                    let last = chunks.peek().is_none();
+                    let mut block = self.alloc(chunk.len(), deadline)?;
+                    block.copy_from_slice(chunk);
+                    let f = if last { frame_flags } else { frame_flags & !flags::END_STREAM };
+                    self.send_block_as(stream, f, block, total, deadline)?;
+                }
+                Ok(())
+            }
+        }
+    }
+
+    /// Takes a writable block of `len` bytes from this side's arena, waiting until `deadline`
+    /// for the peer to release room. Fill it (or serialize into it) and pass it to
+    /// [`send_block`](Self::send_block): the receiver reads it in place, with no copy.
+    pub fn alloc(&self, len: usize, deadline: Option<Instant>) -> Result<BlockMut> {
+        self.core.check_block_len(len)?;
+        loop {
+            if let Some((offset, ptr)) = self.core.try_alloc(len)? {
+                return Ok(BlockMut { sender: self.clone(), offset, ptr, len, sent: false });
+            }
+            self.core.stats.add(&self.core.stats.arena_full_waits, 1);
+            self.core
+                .tx_waiter("waiting for room in the payload arena")
+                .wait(deadline, || self.core.arena_has_room(len))?;
+        }
+    }
+
+    /// Sends a filled block as one MESSAGE; the block's length is its [`BlockMut::len`].
+    pub fn send_block(&self, stream: u64, frame_flags: u8, block: BlockMut, deadline: Option<Instant>) -> Result<()> {
+        let total = block.len as u64;
+        self.send_block_as(stream, frame_flags, block, total, deadline)
+    }
+
+    fn send_block_as(
+        &self,
+        stream: u64,
+        frame_flags: u8,
+        mut block: BlockMut,
+        total: u64,
+        deadline: Option<Instant>,
+    ) -> Result<()> {
+        if !Arc::ptr_eq(&block.sender.core, &self.core) {
+            return Err(Error::new(
+                ErrorKind::InvalidConfig,
+                "a block can only be sent on the connection it was allocated from",
+            ));
+        }
+        if block.len == 0 {
+            drop(block);
+            return self.send(Kind::Message, frame_flags, stream, &[], deadline);
+        }
+        if frame_flags & flags::ARENA != 0 {
+            return Err(Error::new(ErrorKind::InvalidConfig, "the ARENA flag is the transport's own"));
+        }
+        let d = ArenaDescriptor { offset: block.offset as u64, len: block.len as u64, total };
+        let body = d.encode();
+        let header =
+            FrameHeader { len: body.len() as u32, kind: Kind::Message, flags: frame_flags | flags::ARENA, stream };
+        self.core.stats.add(&self.core.stats.bytes_sent, block.len as u64);
+        loop {
+            if self.core.try_push(&header, &[&body])? {
+                block.sent = true; // the peer owns it until it comes back on the release ring
+                return Ok(());
+            }
+            self.core.stats.add(&self.core.stats.ring_full_waits, 1);
+            self.core
+                .tx_waiter("waiting for room in the frame ring")
+                .wait(deadline, || self.core.ring_has_room(body.len()))?;
+        }
+    }
+
+    /// Async [`send`](Self::send) for tokio; wrap in `tokio::time::timeout` for a deadline.
+    #[cfg(feature = "tokio")]
+    pub async fn send_async(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[u8]) -> Result<()> {
+        let header = self.header(kind, frame_flags, stream, &[body])?;
+        loop {
+            if self.core.try_push(&header, &[body])? {
+                return Ok(());
+            }
+            self.core.stats.add(&self.core.stats.ring_full_waits, 1);
+            self.core
+                .tx_waiter("waiting for room in the frame ring")
+                .wait_async(|| self.core.ring_has_room(body.len()))
+                .await?;
+        }
+    }
+
+    /// Async [`alloc`](Self::alloc) for tokio.
+    #[cfg(feature = "tokio")]
+    pub async fn alloc_async(&self, len: usize) -> Result<BlockMut> {
+        self.core.check_block_len(len)?;
+        loop {
+            if let Some((offset, ptr)) = self.core.try_alloc(len)? {
+                return Ok(BlockMut { sender: self.clone(), offset, ptr, len, sent: false });
+            }
+            self.core.stats.add(&self.core.stats.arena_full_waits, 1);
+            self.core
+                .tx_waiter("waiting for room in the payload arena")
+                .wait_async(|| self.core.arena_has_room(len))
+                .await?;
+        }
+    }
+
+    /// Largest message that travels inline in the ring.
+    pub fn inline_max(&self) -> usize {
+        self.core.inline_max
+    }
+
+    /// Largest block [`alloc`](Self::alloc) can return: this side's arena size.
+    pub fn max_block(&self) -> usize {
+        self.core.seg.layout().arena_size[self.core.tx]
+    }
+
+    /// Closes the connection: the peer sees EOF, and every wait here ends with
+    /// [`ErrorKind::Closed`].
+    pub fn close(&self) {
+        self.core.link.fail(Error::new(ErrorKind::Closed, "the connection was closed by this side"));
+    }
+
+    /// True once the connection is closed, from either end or by an error.
+    pub fn is_closed(&self) -> bool {
+        self.core.link.health.is_closed()
+    }
+
+    /// Checks the socket now (one non-blocking system call) and reports a dead peer.
+    pub fn check_alive(&self) -> Result<()> {
+        self.core.link.poll_alive()
+    }
+
+    /// The connection's counters.
+    pub fn counters(&self) -> Counters {
+        self.core.stats.snapshot()
+    }
+
+    /// Credentials of the peer process.
+    pub fn peer(&self) -> PeerInfo {
+        self.core.peer
+    }
+
+    /// Which end of the handshake this side was.
+    pub fn role(&self) -> Role {
+        self.core.role
+    }
+
+    /// Test support: writes `bytes` at `offset` of the shared segment, as a hostile or buggy
+    /// peer could, bypassing every protocol. Out-of-range writes are clipped. Never use this for
+    /// anything but testing how the *other* side copes.
+    #[doc(hidden)]
+    pub fn scribble_for_tests(&self, offset: usize, bytes: &[u8]) {
+        let total = self.core.seg.layout().total;
+        if offset >= total {
+            return;
+        }
+        let n = bytes.len().min(total - offset);
+        if n == 0 {
+            return;
+        }
+        self.core.seg.region(offset, n).write_wrapping(0, &bytes[..n]);
+    }
+
+    /// Test support: rings the peer's receive doorbell, as a producer does after publishing.
+    #[doc(hidden)]
+    pub fn ring_peer_for_tests(&self) {
+        self.core.bells.peer_rx.ring();
+    }
+
+    /// Test support: the segment's layout, to aim [`scribble_for_tests`](Self::scribble_for_tests).
+    #[doc(hidden)]
+    pub fn layout_for_tests(&self) -> crate::layout::Layout {
+        *self.core.seg.layout()
+    }
+}
+
+/// A writable block of this side's arena, not yet sent. Dropping it unsent gives it back.
+pub struct BlockMut {
+    sender: Sender,
+    offset: usize,
+    ptr: *mut u8,
+    len: usize,
+    sent: bool,
+}
+
+// SAFETY: the block is exclusively ours (the allocator handed it out once and nothing else
+// writes to it until it is sent), and the Sender inside keeps the mapping alive.
+unsafe impl Send for BlockMut {}
+// SAFETY: shared references only read.
+unsafe impl Sync for BlockMut {}
+
+impl BlockMut {
+    /// Shortens the block to `len` bytes (for a serializer that wrote less than it reserved).
+    /// The arena space stays reserved until the receiver releases it.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+}
+
+impl fmt::Debug for BlockMut {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BlockMut").field("offset", &self.offset).field("len", &self.len).finish()
+    }
+}
+
+impl Deref for BlockMut {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        // SAFETY: `ptr..ptr+len` is a block of our arena that the allocator gave to this value
+        // alone; the mapping lives while `sender` does.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}
+
+impl DerefMut for BlockMut {
+    fn deref_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as in `deref`; `&mut self` makes this the only reference.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for BlockMut {
+    fn drop(&mut self) {
+        if self.sent {
+            return;
+        }
+        if let Ok(mut arena) = self.sender.core.arena.lock() {
+            arena.free_unsent(self.offset);
+        }
+    }
+}
+
+/// A message arriving in pieces.
+#[derive(Debug)]
+struct Partial {
+    buf: Vec<u8>,
+    received: u64,
+    total: u64,
+    oversize: bool,
+}
+
+/// The receiving half of a connection. One per connection: the frame ring has one reader.
+pub struct Receiver {
+    core: Arc<Core>,
+    ring: FrameConsumer,
+    releaser: Arc<Releaser>,
+    partial: HashMap<u64, Partial>,
+}
+
+impl fmt::Debug for Receiver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Receiver").field("role", &self.core.role).finish_non_exhaustive()
+    }
+}
+
+impl Receiver {
+    /// Takes the next frame if one is waiting. Frames the peer wrote before it died are still
+    /// delivered; after them comes [`ErrorKind::PeerGone`].
+    pub fn try_recv(&mut self) -> Result<Option<Frame>> {
+        loop {
+            let health = &self.core.link.health;
+            if health.is_closed() && health.error().kind() != ErrorKind::PeerGone {
+                return Err(health.error());
+            }
+            let raw = match self.ring.try_pop() {
+                Ok(Some(raw)) => raw,
+                Ok(None) => {
+                    health.check()?;
+                    return Ok(None);
+                }
+                Err(e) => return Err(self.core.fail(e)),
+            };
+            let c = &self.core;
+            c.stats.add(&c.stats.frames_received, 1);
+            wake_if_parked(c.seg.ctl_u32(c.rx, layout::CTL_PRODUCER_PARKED), &c.bells.peer_tx);
+            match self.deliver(raw.header, raw.body) {
+                Ok(Some(frame)) => return Ok(Some(frame)),
+                Ok(None) => continue, // a piece of a larger message
+                Err(e) => return Err(self.core.fail(e)),
+            }
+        }
+    }
+
+    fn deliver(&mut self, h: FrameHeader, body: Bytes) -> Result<Option<Frame>> {
+        let c = &self.core;
+        let frame = |body: Bytes| Frame { kind: h.kind, flags: h.flags & !flags::ARENA, stream: h.stream, body };
+        if h.kind != Kind::Message {
+            if matches!(h.kind, Kind::Cancel | Kind::Trailers) {
+                // The stream is over: a message cut short by a sender's deadline goes with it.
+                self.partial.remove(&h.stream);
+            }
+            return Ok(Some(frame(body)));
+        }
+        if h.flags & flags::ARENA == 0 {
+            if self.partial.contains_key(&h.stream) {
+                return Err(Error::protocol(format!(
+                    "stream {}: an inline message arrived in the middle of a message in pieces",
+                    h.stream
+                )));
+            }
+            c.stats.add(&c.stats.bytes_received, body.len() as u64);
+            if body.len() as u64 > c.max_message_size {
+                return Err(self.too_large(h.stream, body.len() as u64));
+            }
+            return Ok(Some(frame(body)));
+        }
+        let arena_size = c.seg.layout().arena_size[c.rx] as u64;
+        let d = ArenaDescriptor::decode(&body, arena_size)?;
+        let lease = Lease::new(self.releaser.clone(), d.offset, d.len);
+        c.stats.add(&c.stats.bytes_received, d.len);
+        if d.len == d.total && !self.partial.contains_key(&h.stream) {
+            if d.total > c.max_message_size {
+                return Err(self.too_large(h.stream, d.total));
+            }
+            return Ok(Some(frame(Bytes::from_owner(lease))));
+        }
+        let limit = c.max_message_size;
+        let p = self.partial.entry(h.stream).or_insert_with(|| {
+            let oversize = d.total > limit;
+            // Reserve a bounded start and grow with what actually arrives (large reallocations
+            // are remaps, not copies), so a lying `total` costs the peer, not us.
+            let cap = if oversize { 0 } else { d.total.min(16 << 20) as usize };
+            Partial { buf: Vec::with_capacity(cap), received: 0, total: d.total, oversize }
+        });
+        if p.total != d.total || p.received + d.len > p.total {
+            return Err(Error::protocol(format!(
+                "stream {}: message piece of {} bytes does not continue a {}-byte message ({} received)",
+                h.stream, d.len, p.total, p.received
+            )));
+        }
+        if !p.oversize {
+            p.buf.extend_from_slice(lease.as_ref());
+        }
+        drop(lease);
+        p.received += d.len;
+        if p.received < p.total {
+            return Ok(None);
+        }
+        let p = self.partial.remove(&h.stream).ok_or_else(|| Error::protocol("partial message vanished"))?;
+        if p.oversize {
+            return Err(self.too_large(h.stream, p.total));
+        }
+        Ok(Some(frame(Bytes::from(p.buf))))
+    }
+
+    fn too_large(&self, stream: u64, size: u64) -> Error {
+        Error::new(
+            ErrorKind::MessageTooLarge,
+            format!(
+                "stream {stream}: received a {size}-byte message, larger than the limit of {} bytes",
+                self.core.max_message_size
+            ),
+        )
+    }
+
+    /// Waits for the next frame until `deadline`: spins briefly, then sleeps on the doorbell.
+    pub fn recv(&mut self, deadline: Option<Instant>) -> Result<Frame> {
+        loop {
+            if let Some(f) = self.try_recv()? {
+                return Ok(f);
+            }
+            let ring = &self.ring;
+            match self.core.rx_waiter().wait(deadline, || ring.is_ready()) {
+                // Frames the peer wrote before it died come first; try_recv reports the death.
+                Err(e) if e.kind() == ErrorKind::PeerGone => continue,
+                r => r?,
+            }
+        }
+    }
+
+    /// Async [`recv`](Self::recv) for tokio; cancel-safe (no frame is lost if the future is
+    /// dropped). Wrap in `tokio::time::timeout` for a deadline.
+    #[cfg(feature = "tokio")]
+    pub async fn recv_async(&mut self) -> Result<Frame> {
+        loop {
+            if let Some(f) = self.try_recv()? {
+                return Ok(f);
+            }
+            let ring = &self.ring;
+            match self.core.rx_waiter().wait_async(|| ring.is_ready()).await {
+                Err(e) if e.kind() == ErrorKind::PeerGone => continue,
+                r => r?,
+            }
+        }
+    }
+
+    /// For an external event loop (epoll, asyncio, libuv): announces that this side is about to
+    /// sleep on [`doorbell_fd`](Self::doorbell_fd). Returns false, and announces nothing, if a
+    /// frame is already waiting; then call [`try_recv`](Self::try_recv) instead of sleeping.
+    /// After the loop reports the fd readable, call [`disarm`](Self::disarm).
+    pub fn arm(&self) -> Result<bool> {
+        let parked = self.core.seg.ctl_u32(self.core.rx, layout::CTL_CONSUMER_PARKED);
+        parked.store(1, std::sync::atomic::Ordering::Relaxed);
+        std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
+        if self.ring.is_ready().map_err(|e| self.core.fail(e))? {
+            parked.store(0, std::sync::atomic::Ordering::Relaxed);
+            return Ok(false);
+        }
+        Ok(true)
+    }
+
+    /// Ends a sleep begun with [`arm`](Self::arm): clears the announcement and the doorbell and
+    /// checks the socket, reporting a dead peer.
+    pub fn disarm(&self) -> Result<()> {
+        let parked = self.core.seg.ctl_u32(self.core.rx, layout::CTL_CONSUMER_PARKED);
+        parked.store(0, std::sync::atomic::Ordering::Relaxed);
+        crate::sys::eventfd_drain(self.core.bells.my_rx.fd());
+        self.core.link.observe_socket();
+        self.core.link.check()
+    }
+
+    /// The eventfd the peer rings when frames arrive while this side is armed.
+    pub fn doorbell_fd(&self) -> BorrowedFd<'_> {
+        self.core.bells.my_rx.fd()
+    }
+
+    /// The handshake socket: readable (EOF) when the peer is gone.
+    pub fn liveness_fd(&self) -> BorrowedFd<'_> {
+        self.core.link.fd()
+    }
+}
+
+/// An established connection: one [`Sender`] and one [`Receiver`].
+#[derive(Debug)]
+pub struct Connection {
+    /// The sending half.
+    pub sender: Sender,
+    /// The receiving half.
+    pub receiver: Receiver,
+}
+
+/// Everything the handshake produced, ready to become a [`Connection`].
+pub(crate) struct Parts {
+    pub(crate) seg: Arc<Segment>,
+    pub(crate) role: Role,
+    pub(crate) link: Link,
+    pub(crate) bells: Bells,
+    pub(crate) peer: PeerInfo,
+}
+
+impl Connection {
+    pub(crate) fn from_parts(p: Parts, cfg: &Config) -> Connection {
+        let (tx, rx) = match p.role {
+            Role::Client => (CLIENT_TO_SERVER, SERVER_TO_CLIENT),
+            Role::Server => (SERVER_TO_CLIENT, CLIENT_TO_SERVER),
+        };
+        let layout = *p.seg.layout();
+        // A message must fit the ring inline; the ring may be the peer's choice and smaller
+        // than ours was.
+        let inline_max = cfg.inline_max.min(layout.ring_size[tx] / 4 - layout::FRAME_HEADER_LEN);
+        let health: Arc<Health> = p.link.health.clone();
+        let releaser = Arc::new(Releaser::new(p.seg.clone(), rx, p.bells.peer_tx.clone(), health));
+        let core = Arc::new(Core {
+            ring: Mutex::new(FrameProducer::new(p.seg.clone(), tx)),
+            arena: Mutex::new(ArenaOwner::new(&p.seg, tx)),
+            seg: p.seg.clone(),
+            role: p.role,
+            tx,
+            rx,
+            inline_max,
+            max_message_size: cfg.max_message_size,
+            spin: cfg.spin,
+            link: p.link,
+            bells: p.bells,
+            stats: Stats::default(),
+            peer: p.peer,
+        });
+        let receiver =
+            Receiver { ring: FrameConsumer::new(p.seg, rx), core: core.clone(), releaser, partial: HashMap::new() };
+        Connection { sender: Sender { core }, receiver }
+    }
+
+    /// Splits into the two halves.
+    pub fn split(self) -> (Sender, Receiver) {
+        (self.sender, self.receiver)
+    }
+}

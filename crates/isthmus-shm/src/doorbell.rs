@@ -1,0 +1,240 @@
+//! Doorbells: an eventfd plus a "parked" flag in the segment, so a producer makes a system call
+//! only when its consumer really sleeps.
+//!
+//! The sleeper sets its parked flag, issues a full fence, and checks its condition once more
+//! before it sleeps; the waker publishes its change, issues a full fence, and reads the flag.
+//! Whichever runs second sees the other's write (Dekker), so no wake-up is lost. The waker swaps
+//! the flag back to zero so a burst of frames costs one `write(2)`, not one each.
+//!
+//! Several threads may wait on one bell (two senders, one blocked on ring room and one on arena
+//! room). Only one of them — the *poller* — sleeps on the eventfd and drains it; the others wait
+//! on an in-process event the poller fires when it wakes. A drain can therefore never swallow a
+//! wake-up meant for a thread that has not reached `poll(2)` yet.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
+use std::time::Instant;
+
+use event_listener::{Event, Listener};
+
+use crate::config::SpinPolicy;
+use crate::error::{Error, Result};
+use crate::link::Link;
+use crate::stats::Stats;
+use crate::sys;
+
+/// One eventfd and the in-process state of the threads waiting on it.
+#[derive(Debug)]
+pub(crate) struct Bell {
+    #[cfg(feature = "tokio")]
+    async_fd: crate::link::AsyncCell,
+    fd: OwnedFd,
+    poller: AtomicBool,
+    woken: Event,
+}
+
+impl Bell {
+    pub(crate) fn new(fd: OwnedFd) -> Bell {
+        Bell {
+            #[cfg(feature = "tokio")]
+            async_fd: Default::default(),
+            fd,
+            poller: AtomicBool::new(false),
+            woken: Event::new(),
+        }
+    }
+
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+
+    /// Rings the bell.
+    pub(crate) fn ring(&self) {
+        sys::eventfd_signal(self.fd.as_fd());
+    }
+
+    #[cfg(feature = "tokio")]
+    fn async_fd(&self) -> Result<&tokio::io::unix::AsyncFd<crate::link::FdRef>> {
+        // SAFETY: `fd` is declared after `async_fd`, so it is closed after the registration.
+        unsafe { crate::link::lazy_async_fd(&self.async_fd, self.fd.as_fd()) }
+    }
+}
+
+/// Publishes-then-checks half of the protocol: after making a change the parked side waits for,
+/// wake it if it sleeps. Returns true if a system call was made.
+pub(crate) fn wake_if_parked(parked: &AtomicU32, bell: &Bell) -> bool {
+    fence(Ordering::SeqCst);
+    if parked.load(Ordering::Relaxed) != 0 && parked.swap(0, Ordering::AcqRel) != 0 {
+        bell.ring();
+        return true;
+    }
+    false
+}
+
+/// Everything one wait needs: which bell, which flag announces the sleep, and the link whose
+/// death must end the wait.
+pub(crate) struct Waiter<'a> {
+    pub(crate) bell: &'a Bell,
+    pub(crate) parked: &'a AtomicU32,
+    pub(crate) link: &'a Link,
+    pub(crate) spin: SpinPolicy,
+    pub(crate) stats: &'a Stats,
+    /// Says what was being waited for, in timeout errors.
+    pub(crate) what: &'static str,
+}
+
+/// Releases the poller role (and the parked flag) however the wait ends, and lets the other
+/// waiters re-check.
+struct PollerGuard<'a> {
+    bell: &'a Bell,
+    parked: &'a AtomicU32,
+}
+
+impl Drop for PollerGuard<'_> {
+    fn drop(&mut self) {
+        self.parked.store(0, Ordering::Relaxed);
+        self.bell.poller.store(false, Ordering::Release);
+        self.bell.woken.notify(usize::MAX);
+    }
+}
+
+impl Waiter<'_> {
+    /// Spins for at most the policy's bound, yielding the CPU after its first fifth.
+    fn spin(&self, deadline: Option<Instant>, ready: &mut impl FnMut() -> Result<bool>) -> Result<bool> {
+        let max = self.spin.max;
+        if max.is_zero() {
+            return Ok(false);
+        }
+        let start = Instant::now();
+        loop {
+            for _ in 0..64 {
+                if ready()? {
+                    self.stats.add(&self.stats.spin_hits, 1);
+                    return Ok(true);
+                }
+                std::hint::spin_loop();
+            }
+            let now = Instant::now();
+            let spent = now - start;
+            if spent >= max || deadline.is_some_and(|d| now >= d) {
+                return Ok(false);
+            }
+            if spent >= max / 5 {
+                std::thread::yield_now();
+            }
+        }
+    }
+
+    /// Blocks until `ready()` holds, the deadline passes, or the link dies.
+    pub(crate) fn wait(&self, deadline: Option<Instant>, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
+        self.link.check()?;
+        if self.spin(deadline, &mut ready)? {
+            return Ok(());
+        }
+        loop {
+            self.link.check()?;
+            if ready()? {
+                return Ok(());
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(Error::timeout(self.what));
+            }
+            if self.bell.poller.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                let _guard = PollerGuard { bell: self.bell, parked: self.parked };
+                if self.announce_and_check(&mut ready)? {
+                    return Ok(());
+                }
+                self.stats.add(&self.stats.sleeps, 1);
+                let r = sys::wait_readable(self.bell.fd(), self.link.fd(), deadline)
+                    .map_err(|e| Error::io("waiting on the doorbell failed", e))?;
+                if r.first {
+                    sys::eventfd_drain(self.bell.fd());
+                }
+                if r.second {
+                    self.link.observe_socket();
+                }
+            } else {
+                let listener = self.bell.woken.listen();
+                if !self.bell.poller.load(Ordering::Acquire) {
+                    continue; // the poller left before we listened; take its place
+                }
+                // Announce ourselves too before the last check: a change published after it
+                // then rings the bell, which wakes the poller, which wakes us.
+                if self.announce_and_check(&mut ready)? {
+                    return Ok(());
+                }
+                match deadline {
+                    Some(d) => drop(listener.wait_deadline(d)),
+                    None => listener.wait(),
+                }
+            }
+        }
+    }
+
+    /// Sets the parked flag, fences, and checks `ready` once more (the sleeper's half of the
+    /// Dekker protocol).
+    fn announce_and_check(&self, ready: &mut impl FnMut() -> Result<bool>) -> Result<bool> {
+        self.parked.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        ready()
+    }
+
+    /// The async form of [`wait`](Self::wait), for tokio. Cancel-safe: dropping the future gives
+    /// up the poller role. Deadlines are the caller's (`tokio::time::timeout`).
+    #[cfg(feature = "tokio")]
+    pub(crate) async fn wait_async(&self, mut ready: impl FnMut() -> Result<bool>) -> Result<()> {
+        use std::future::Future;
+        use std::task::Poll;
+        self.link.check()?;
+        if self.spin(None, &mut ready)? {
+            return Ok(());
+        }
+        loop {
+            self.link.check()?;
+            if ready()? {
+                return Ok(());
+            }
+            if self.bell.poller.compare_exchange(false, true, Ordering::Acquire, Ordering::Relaxed).is_ok() {
+                let _guard = PollerGuard { bell: self.bell, parked: self.parked };
+                let bell_fd = self.bell.async_fd()?;
+                let link_fd = self.link.async_fd()?;
+                if self.announce_and_check(&mut ready)? {
+                    return Ok(());
+                }
+                self.stats.add(&self.stats.sleeps, 1);
+                // `readable()` futures, not `poll_read_ready`: the socket is shared by the rx and
+                // tx pollers, and tokio keeps only one waker for the poll form.
+                let mut bell_ready = std::pin::pin!(bell_fd.readable());
+                let mut link_ready = std::pin::pin!(link_fd.readable());
+                std::future::poll_fn(|cx| {
+                    if let Poll::Ready(r) = bell_ready.as_mut().poll(cx) {
+                        let mut g = r.map_err(|e| Error::io("waiting on the doorbell failed", e))?;
+                        sys::eventfd_drain(self.bell.fd());
+                        g.clear_ready();
+                        return Poll::Ready(Ok::<(), Error>(()));
+                    }
+                    if let Poll::Ready(r) = link_ready.as_mut().poll(cx) {
+                        let mut g = r.map_err(|e| Error::io("waiting on the socket failed", e))?;
+                        self.link.observe_socket();
+                        // After EOF the socket stays readable for every other waiter.
+                        if !self.link.health.is_closed() {
+                            g.clear_ready();
+                        }
+                        return Poll::Ready(Ok(()));
+                    }
+                    Poll::Pending
+                })
+                .await?;
+            } else {
+                let listener = self.bell.woken.listen();
+                if !self.bell.poller.load(Ordering::Acquire) {
+                    continue;
+                }
+                if self.announce_and_check(&mut ready)? {
+                    return Ok(());
+                }
+                listener.await;
+            }
+        }
+    }
+}

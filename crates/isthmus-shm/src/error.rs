@@ -1,0 +1,123 @@
+//! The transport's one error type.
+
+use std::fmt;
+use std::io;
+
+/// What went wrong, in terms a caller can act on.
+///
+/// The RPC layer maps these to gRPC status codes: [`PeerGone`](ErrorKind::PeerGone) and
+/// [`Closed`](ErrorKind::Closed) to UNAVAILABLE, [`Timeout`](ErrorKind::Timeout) to
+/// DEADLINE_EXCEEDED, [`MessageTooLarge`](ErrorKind::MessageTooLarge) to RESOURCE_EXHAUSTED and
+/// [`Protocol`](ErrorKind::Protocol) to INTERNAL.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The other process closed its end or died; the connection is finished.
+    PeerGone,
+    /// This side closed the connection (or an earlier fatal error did).
+    Closed,
+    /// The deadline passed before the operation could complete; the connection is still usable.
+    Timeout,
+    /// The peer wrote something that breaks the protocol: a bad frame, a cursor out of range, a
+    /// descriptor outside the arena. The connection is closed.
+    Protocol,
+    /// Handshake: the peer speaks another protocol version.
+    VersionMismatch,
+    /// Handshake: the peer's credentials are not allowed by the policy, or the peer refused us.
+    PermissionDenied,
+    /// A received message is larger than the configured limit. Only that message is dropped;
+    /// the connection is still usable.
+    MessageTooLarge,
+    /// A frame or block does not fit the ring or arena it was meant for (a caller error).
+    TooLarge,
+    /// An `shm://` or path address is malformed.
+    InvalidAddress,
+    /// A configuration value is out of range.
+    InvalidConfig,
+    /// Another live server owns the socket path.
+    AddrInUse,
+    /// No server listens at the address.
+    NotFound,
+    /// An operating-system call failed; see [`std::error::Error::source`].
+    Io,
+}
+
+/// An error from the shared-memory transport: a kind plus a sentence a person can act on.
+pub struct Error {
+    kind: ErrorKind,
+    message: String,
+    source: Option<io::Error>,
+}
+
+impl Error {
+    pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
+        Error { kind, message: message.into(), source: None }
+    }
+
+    pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Error {
+        let kind = match source.kind() {
+            io::ErrorKind::AddrInUse => ErrorKind::AddrInUse,
+            io::ErrorKind::NotFound | io::ErrorKind::ConnectionRefused => ErrorKind::NotFound,
+            io::ErrorKind::PermissionDenied => ErrorKind::PermissionDenied,
+            io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock => ErrorKind::Timeout,
+            io::ErrorKind::UnexpectedEof
+            | io::ErrorKind::BrokenPipe
+            | io::ErrorKind::ConnectionReset
+            | io::ErrorKind::ConnectionAborted => ErrorKind::PeerGone,
+            _ => ErrorKind::Io,
+        };
+        Error { kind, message: context.into(), source: Some(source) }
+    }
+
+    pub(crate) fn protocol(message: impl Into<String>) -> Error {
+        Error::new(ErrorKind::Protocol, message)
+    }
+
+    pub(crate) fn peer_gone() -> Error {
+        Error::new(ErrorKind::PeerGone, "the peer closed the connection or exited")
+    }
+
+    pub(crate) fn timeout(what: &str) -> Error {
+        Error::new(ErrorKind::Timeout, format!("deadline passed while {what}"))
+    }
+
+    /// What kind of failure this is.
+    pub fn kind(&self) -> ErrorKind {
+        self.kind
+    }
+
+    /// True if the connection can no longer be used after this error.
+    pub fn is_fatal(&self) -> bool {
+        matches!(self.kind, ErrorKind::PeerGone | ErrorKind::Closed | ErrorKind::Protocol | ErrorKind::Io)
+    }
+}
+
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Error");
+        d.field("kind", &self.kind).field("message", &self.message);
+        if let Some(s) = &self.source {
+            d.field("source", s);
+        }
+        d.finish()
+    }
+}
+
+impl fmt::Display for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.message)?;
+        if let Some(s) = &self.source {
+            write!(f, ": {s}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for Error {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.source.as_ref().map(|e| e as _)
+    }
+}
+
+/// Result alias for this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;

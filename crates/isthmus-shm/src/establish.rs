@@ -1,0 +1,277 @@
+//! The handshake flows: a client connecting, a server accepting.
+
+use std::io::{Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::config::{self, Config};
+use crate::connection::{Bells, Connection, Parts, PeerInfo, Role};
+use crate::doorbell::Bell;
+use crate::error::{Error, ErrorKind, Result};
+use crate::handshake::{self, encode_refusal, Hello, HelloKind, RefuseCode, HELLO_LEN, PROTOCOL_VERSION, SERVER_FDS};
+use crate::layout::Layout;
+use crate::link::Link;
+use crate::segment::Segment;
+use crate::sys;
+use crate::Address;
+
+fn set_timeouts(s: &UnixStream, t: Duration) -> Result<()> {
+    let t = Some(t.max(Duration::from_millis(1)));
+    s.set_read_timeout(t)
+        .and_then(|()| s.set_write_timeout(t))
+        .map_err(|e| Error::io("cannot set handshake timeouts", e))
+}
+
+fn peer_info(s: &UnixStream) -> Result<PeerInfo> {
+    let c = sys::peer_cred(s.as_fd()).map_err(|e| Error::io("cannot read the peer's credentials (SO_PEERCRED)", e))?;
+    Ok(PeerInfo { pid: c.pid, uid: c.uid, gid: c.gid })
+}
+
+/// Reads the rest of a refusal and turns it into an error.
+fn read_refusal(s: &mut UnixStream, h: &Hello, peer_role: &str) -> Error {
+    let mut reason = vec![0u8; (h.reason_len as usize).min(handshake::MAX_REASON_LEN)];
+    let text = match s.read_exact(&mut reason) {
+        Ok(()) => String::from_utf8_lossy(&reason).into_owned(),
+        Err(_) => String::from("(no reason given)"),
+    };
+    refusal_error(h, peer_role, &text)
+}
+
+fn refusal_error(h: &Hello, peer_role: &str, text: &str) -> Error {
+    let kind = match h.code {
+        c if c == RefuseCode::Version as u8 => ErrorKind::VersionMismatch,
+        c if c == RefuseCode::Permission as u8 => ErrorKind::PermissionDenied,
+        _ if h.version != PROTOCOL_VERSION => ErrorKind::VersionMismatch,
+        _ => ErrorKind::Protocol,
+    };
+    Error::new(kind, format!("the {peer_role} refused the connection: {text}"))
+}
+
+/// After a server's hello, the client may still refuse (bad segment, wrong uid). That refusal
+/// arrives on a socket the server already treats as a liveness line; read it for a real reason.
+pub(crate) fn late_refusal(sock: std::os::fd::BorrowedFd<'_>) -> Option<Error> {
+    let mut buf = [0u8; HELLO_LEN + handshake::MAX_REASON_LEN];
+    let n = sys::peek(sock, &mut buf);
+    let h = Hello::decode(buf.get(..HELLO_LEN)?.try_into().ok()?).ok()?;
+    if h.kind != HelloKind::Refuse {
+        return None;
+    }
+    let reason = buf.get(HELLO_LEN..(HELLO_LEN + h.reason_len as usize).min(n))?;
+    Some(refusal_error(&h, "client", &String::from_utf8_lossy(reason)))
+}
+
+/// `read_exact` bounded by one deadline for the whole record, so a client trickling bytes
+/// cannot hold the handshake open longer than the configured timeout.
+fn read_exact_by(s: &mut UnixStream, buf: &mut [u8], deadline: Instant) -> std::io::Result<()> {
+    let mut got = 0;
+    while got < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(std::io::ErrorKind::TimedOut.into());
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf[got..]) {
+            Ok(0) => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn refuse(s: &mut UnixStream, code: RefuseCode, e: Error) -> Error {
+    let _ = s.write_all(&encode_refusal(code, &e.to_string()));
+    e
+}
+
+/// Client side: connect to `addr` and complete the handshake.
+pub(crate) fn connect(addr: &Address, cfg: &Config) -> Result<Connection> {
+    cfg.validate()?;
+    // Whoever can write the runtime directory can pose as the server: check it as the server does.
+    addr.check_dir()?;
+    let path = addr.socket_path();
+    let mut s = UnixStream::connect(path).map_err(|e| {
+        let kind = e.kind();
+        let err = Error::io(format!("cannot connect to {addr} (socket {})", path.display()), e);
+        if matches!(kind, std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) {
+            Error::new(
+                ErrorKind::NotFound,
+                format!("no isthmus server is listening at {addr} (socket {})", path.display()),
+            )
+        } else {
+            err
+        }
+    })?;
+    set_timeouts(&s, cfg.handshake_timeout)?;
+    let peer = peer_info(&s)?;
+    let own = sys::uid();
+    if peer.uid != 0 && !cfg.peer_policy.allows(own, peer.uid) {
+        return Err(Error::new(
+            ErrorKind::PermissionDenied,
+            format!(
+                "the server at {addr} runs as uid {} (pid {}), which this client's policy does not allow ({:?})",
+                peer.uid, peer.pid, cfg.peer_policy
+            ),
+        ));
+    }
+
+    let mut hello = Hello::new(HelloKind::Client);
+    hello.ring_size = [cfg.ring_size as u64, 0];
+    hello.arena_size = [cfg.arena_size as u64, 0];
+    s.write_all(&hello.encode()).map_err(|e| Error::io("handshake: cannot send hello", e))?;
+
+    // The fds arrive with the first byte of the server's record; the rest may trail behind.
+    let mut rec = [0u8; HELLO_LEN];
+    let mut got = 0;
+    let mut fds: Vec<OwnedFd> = Vec::new();
+    while got < HELLO_LEN {
+        let (n, more) = sys::recv_with_fds(s.as_fd(), &mut rec[got..], SERVER_FDS)
+            .map_err(|e| Error::io("handshake: cannot read the server's hello", e))?;
+        if n == 0 {
+            return Err(Error::new(
+                ErrorKind::PeerGone,
+                "handshake: the server closed the connection before answering",
+            ));
+        }
+        fds.extend(more);
+        got += n;
+        if fds.len() > SERVER_FDS {
+            return Err(Error::protocol("handshake: the server sent more fds than the protocol allows"));
+        }
+    }
+    let h = Hello::decode(&rec)?;
+    if h.kind == HelloKind::Refuse {
+        return Err(read_refusal(&mut s, &h, "server"));
+    }
+    if h.version != PROTOCOL_VERSION {
+        return Err(refuse(&mut s, RefuseCode::Version, handshake::version_mismatch("server", h.version)));
+    }
+    if h.kind != HelloKind::Server {
+        return Err(refuse(&mut s, RefuseCode::BadRequest, Error::protocol("handshake: expected the server's hello")));
+    }
+    let (seg, bells) = match client_segment(&h, fds) {
+        Ok(v) => v,
+        Err(e) => return Err(refuse(&mut s, RefuseCode::BadRequest, e)),
+    };
+    let link = Link::new(s)?;
+    let parts = Parts { seg, role: Role::Client, link, bells, peer };
+    Ok(Connection::from_parts(parts, cfg))
+}
+
+/// Checks what the server's hello and fds describe, and maps the segment.
+fn client_segment(h: &Hello, fds: Vec<OwnedFd>) -> Result<(Arc<Segment>, Bells)> {
+    let layout = validate_sizes(h)?;
+    if h.segment_len != layout.total as u64 {
+        return Err(Error::protocol(format!(
+            "handshake: server says the segment is {} bytes, its sizes make {}",
+            h.segment_len, layout.total
+        )));
+    }
+    if fds.len() != SERVER_FDS {
+        return Err(Error::protocol(format!(
+            "handshake: expected {SERVER_FDS} fds from the server, got {}",
+            fds.len()
+        )));
+    }
+    let mut fds = fds.into_iter();
+    let mut next = || fds.next().ok_or_else(|| Error::protocol("handshake: fd missing"));
+    let memfd = next()?;
+    // A segment the server could still shrink would let it crash us with SIGBUS.
+    let seals =
+        sys::seals(memfd.as_fd()).map_err(|e| Error::io("handshake: the segment fd is not a sealable memfd", e))?;
+    if seals & sys::REQUIRED_SEALS != sys::REQUIRED_SEALS {
+        return Err(Error::protocol("handshake: the server's segment is not sealed against shrinking and growing"));
+    }
+    let size = sys::file_size(memfd.as_fd()).map_err(|e| Error::io("handshake: cannot stat the segment", e))?;
+    if size != layout.total as u64 {
+        return Err(Error::protocol(format!("handshake: the segment is {size} bytes, expected {}", layout.total)));
+    }
+    let seg = Arc::new(Segment::map(memfd.as_fd(), layout)?);
+    drop(memfd);
+    let mut bell = || -> Result<Arc<Bell>> {
+        let fd = next()?;
+        // A blocking doorbell (a pipe, say) would let the server stall our every send.
+        sys::set_nonblocking(fd.as_fd()).map_err(|e| Error::io("handshake: a doorbell fd is unusable", e))?;
+        Ok(Arc::new(Bell::new(fd)))
+    };
+    let bells = Bells { my_rx: bell()?, my_tx: bell()?, peer_rx: bell()?, peer_tx: bell()? };
+    Ok((seg, bells))
+}
+
+/// Checks the four sizes a server granted and lays them out.
+fn validate_sizes(h: &Hello) -> Result<Layout> {
+    let mut ring = [0usize; 2];
+    let mut arena = [0usize; 2];
+    for d in 0..2 {
+        ring[d] = usize::try_from(h.ring_size[d]).map_err(|_| Error::protocol("ring size out of range"))?;
+        arena[d] = usize::try_from(h.arena_size[d]).map_err(|_| Error::protocol("arena size out of range"))?;
+        config::check_ring_size("ring size", ring[d]).map_err(|e| Error::protocol(format!("handshake: {e}")))?;
+        config::check_arena_size("arena size", arena[d]).map_err(|e| Error::protocol(format!("handshake: {e}")))?;
+    }
+    Layout::new(ring, arena)
+}
+
+/// Server side: run the handshake on an accepted socket.
+pub(crate) fn accept(mut s: UnixStream, cfg: &Config) -> Result<Connection> {
+    let deadline = Instant::now() + cfg.handshake_timeout;
+    set_timeouts(&s, cfg.handshake_timeout)?;
+    let peer = peer_info(&s)?;
+    let mut rec = [0u8; HELLO_LEN];
+    read_exact_by(&mut s, &mut rec, deadline).map_err(|e| Error::io("handshake: cannot read the client's hello", e))?;
+    let h = Hello::decode(&rec).map_err(|e| refuse(&mut s, RefuseCode::BadRequest, e))?;
+    if h.version != PROTOCOL_VERSION {
+        return Err(refuse(&mut s, RefuseCode::Version, handshake::version_mismatch("client", h.version)));
+    }
+    if h.kind != HelloKind::Client {
+        return Err(refuse(&mut s, RefuseCode::BadRequest, Error::protocol("handshake: expected the client's hello")));
+    }
+    let own = sys::uid();
+    if !cfg.peer_policy.allows(own, peer.uid) {
+        let e = Error::new(
+            ErrorKind::PermissionDenied,
+            format!(
+                "peer uid {} (pid {}) is not allowed by this server's policy ({:?}; server uid {own})",
+                peer.uid, peer.pid, cfg.peer_policy
+            ),
+        );
+        return Err(refuse(&mut s, RefuseCode::Permission, e));
+    }
+    // The client sizes what it sends, within our caps; we size what we send.
+    let want_ring = usize::try_from(h.ring_size[0]).unwrap_or(usize::MAX).min(cfg.max_ring_size);
+    let want_arena = usize::try_from(h.arena_size[0]).unwrap_or(usize::MAX).min(cfg.max_arena_size);
+    let granted = config::check_ring_size("client ring_size", want_ring)
+        .and_then(|()| config::check_arena_size("client arena_size", want_arena))
+        .and_then(|()| Layout::new([want_ring, cfg.ring_size], [want_arena, cfg.arena_size]));
+    let layout = granted.map_err(|e| refuse(&mut s, RefuseCode::BadRequest, e))?;
+
+    let memfd = sys::memfd_create("isthmus-segment")
+        .map_err(|e| Error::io("cannot create the shared segment (memfd_create)", e))?;
+    sys::set_len(memfd.as_fd(), layout.total as u64)
+        .map_err(|e| Error::io(format!("cannot size the shared segment to {} bytes", layout.total), e))?;
+    sys::seal(memfd.as_fd()).map_err(|e| Error::io("cannot seal the shared segment", e))?;
+    let seg = Arc::new(Segment::map(memfd.as_fd(), layout)?);
+    seg.init_header();
+    let bell = || sys::eventfd().map_err(|e| Error::io("cannot create a doorbell (eventfd)", e));
+    let (c_rx, c_tx, s_rx, s_tx) = (bell()?, bell()?, bell()?, bell()?);
+
+    let mut reply = Hello::new(HelloKind::Server);
+    reply.ring_size = [layout.ring_size[0] as u64, layout.ring_size[1] as u64];
+    reply.arena_size = [layout.arena_size[0] as u64, layout.arena_size[1] as u64];
+    reply.segment_len = layout.total as u64;
+    let fds = [memfd.as_fd(), c_rx.as_fd(), c_tx.as_fd(), s_rx.as_fd(), s_tx.as_fd()];
+    sys::send_with_fds(s.as_fd(), &reply.encode(), &fds)
+        .map_err(|e| Error::io("handshake: cannot send the segment to the client", e))?;
+    drop(memfd);
+
+    let bells = Bells {
+        my_rx: Arc::new(Bell::new(s_rx)),
+        my_tx: Arc::new(Bell::new(s_tx)),
+        peer_rx: Arc::new(Bell::new(c_rx)),
+        peer_tx: Arc::new(Bell::new(c_tx)),
+    };
+    let link = Link::new(s)?;
+    Ok(Connection::from_parts(Parts { seg, role: Role::Server, link, bells, peer }, cfg))
+}

@@ -1,0 +1,136 @@
+//! `isthmus-shm` moves frames between two processes on one machine through shared memory.
+//!
+//! It knows nothing of RPC: it gives a connection whose [`Sender`] writes frames (kind, flags,
+//! stream id, body) and whose [`Receiver`] reads them, at the cost of a memory copy and — only
+//! when the reader sleeps — one `write(2)` on an eventfd.
+//!
+//! - A server [`Listener`] binds a Unix socket (`shm://NAME` in a private 0700 directory, or
+//!   `shm:///abs/path.sock`). A client [`Connection::connect`]s; both send a HELLO with the
+//!   protocol version and sizes; the server checks the client's uid, creates a sealed `memfd`
+//!   segment and four eventfd doorbells and passes them over the socket. No file under
+//!   `/dev/shm` is ever created.
+//! - The segment holds one SPSC frame ring and one payload arena per direction. Small messages
+//!   travel inline in the ring; large ones are written once into the sender's arena and read in
+//!   place by the receiver as a [`bytes::Bytes`] whose drop gives the block back. Messages larger
+//!   than half the arena travel in pieces.
+//! - The socket stays open: EOF on it wakes every waiter on both sides with
+//!   [`ErrorKind::PeerGone`] at once.
+//! - Everything read from shared memory is validated; a malformed frame or a corrupted cursor
+//!   closes the connection with [`ErrorKind::Protocol`], never a panic.
+//!
+//! `docs/protocol.md` in the repository specifies the wire format.
+//!
+//! ```no_run
+//! use isthmus_shm::{Address, Config, Connection, Kind, Listener};
+//! # fn main() -> Result<(), isthmus_shm::Error> {
+//! let addr: Address = "shm://example".parse()?;
+//! let listener = Listener::bind(&addr, Config::default())?;
+//! std::thread::spawn(move || -> Result<(), isthmus_shm::Error> {
+//!     let mut conn = listener.accept()?;
+//!     let frame = conn.receiver.recv(None)?;
+//!     conn.sender.send_message(frame.stream, 0, &frame.body, None) // echo
+//! });
+//! let mut conn = Connection::connect(&addr, &Config::default())?;
+//! conn.sender.send_message(1, 0, b"hello", None)?;
+//! let reply = conn.receiver.recv(None)?;
+//! assert_eq!((reply.kind, &reply.body[..]), (Kind::Message, &b"hello"[..]));
+//! # Ok(()) }
+//! ```
+
+mod addr;
+mod arena;
+mod config;
+mod connection;
+mod doorbell;
+mod error;
+mod establish;
+pub mod frame;
+pub mod handshake;
+pub mod layout;
+mod link;
+mod listener;
+mod ring;
+mod segment;
+mod stats;
+mod sys;
+
+pub use addr::{runtime_dir, Address};
+pub use config::{Config, PeerPolicy, SpinPolicy};
+pub use connection::{BlockMut, Connection, Frame, PeerInfo, Receiver, Role, Sender};
+pub use error::{Error, ErrorKind, Result};
+pub use frame::{flags, Kind};
+pub use listener::{Incoming, Listener};
+pub use stats::Counters;
+
+#[doc(hidden)]
+pub mod fuzz {
+    //! Entry points for the fuzz targets in `fuzz/`: each feeds arbitrary bytes to a decoder of
+    //! peer data and must return (with an error, usually), never panic or read out of bounds.
+
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
+
+    use crate::arena::ArenaOwner;
+    use crate::frame::{ArenaDescriptor, FrameHeader};
+    use crate::layout::{self, Layout, FRAME_HEADER_LEN};
+    use crate::ring::FrameConsumer;
+    use crate::segment::Segment;
+
+    /// Decodes a frame header and, for arena messages, a descriptor.
+    pub fn frame(data: &[u8]) {
+        if data.len() < FRAME_HEADER_LEN {
+            return;
+        }
+        let (h, body) = data.split_at(FRAME_HEADER_LEN);
+        let Ok(h) = h.try_into() else { return };
+        if let Ok(h) = FrameHeader::decode(h, 1 << 16) {
+            if h.flags & crate::flags::ARENA != 0 {
+                let _ = ArenaDescriptor::decode(&body[..body.len().min(h.len as usize)], 1 << 20);
+            }
+        }
+    }
+
+    /// Decodes a handshake record.
+    pub fn handshake(data: &[u8]) {
+        if let Ok(rec) = data.get(..crate::handshake::HELLO_LEN).unwrap_or_default().try_into() {
+            let _ = crate::handshake::Hello::decode(rec);
+        }
+    }
+
+    /// Fills a ring, its cursors and a release ring with `data` as a hostile peer would, then
+    /// reads it as the receiver and the arena owner do.
+    pub fn ring(data: &[u8]) {
+        let Ok(layout) = Layout::new([4096, 4096], [64 << 10, 64 << 10]) else { return };
+        let seg = Arc::new(Segment::heap(layout));
+        let word = |i: usize| -> u64 {
+            let mut b = [0u8; 8];
+            for (k, x) in b.iter_mut().enumerate() {
+                *x = data.get(i * 8 + k).copied().unwrap_or(0);
+            }
+            u64::from_le_bytes(b)
+        };
+        seg.ctl_u64(0, layout::CTL_TAIL).store(word(0) % 16384, Ordering::Relaxed);
+        seg.ctl_u64(0, layout::CTL_REL_TAIL).store(word(1) % 64, Ordering::Relaxed);
+        let body = data.get(16..).unwrap_or_default();
+        let ring = seg.region(layout.ring_off[0], layout.ring_size[0]);
+        ring.write_wrapping(0, &body[..body.len().min(ring.len())]);
+        let rest = body.get(ring.len()..).unwrap_or_default();
+        let rel = seg.region(layout.rel_off[0], layout.rel_cap[0] * layout::RELEASE_ENTRY_LEN);
+        rel.write_wrapping(0, &rest[..rest.len().min(rel.len())]);
+
+        let mut consumer = FrameConsumer::new(seg.clone(), 0);
+        for _ in 0..512 {
+            match consumer.try_pop() {
+                Ok(Some(f)) => {
+                    if f.header.flags & crate::flags::ARENA != 0 {
+                        let _ = ArenaDescriptor::decode(&f.body, layout.arena_size[0] as u64);
+                    }
+                }
+                _ => break,
+            }
+        }
+        let mut owner = ArenaOwner::new(&seg, 0);
+        let _ = owner.try_alloc(4096);
+        let _ = owner.reclaim();
+    }
+}

@@ -1,0 +1,195 @@
+//! The handshake socket after the handshake: the connection's liveness, and its health.
+//!
+//! Nothing is sent on the socket once the segment is set up. EOF on it means the peer is gone
+//! (it exited, crashed, or closed), and every waiter polls it beside its doorbell, so a dead peer
+//! wakes them all at once.
+
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+
+use crate::error::{Error, ErrorKind, Result};
+use crate::sys::{self, SocketState};
+
+/// Whether a connection is still usable, and if not, why. Outlives the socket (views of the
+/// peer's arena hold it), so it keeps only the socket's number, cleared under the lock before
+/// the socket is closed: a late failure can still shut the socket down, never a recycled fd.
+#[derive(Debug, Default)]
+pub(crate) struct Health {
+    closed: AtomicBool,
+    reason: Mutex<Option<(ErrorKind, String)>>,
+    socket: Mutex<Option<RawFd>>,
+}
+
+impl Health {
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// Records the first fatal error; later ones are ignored.
+    pub(crate) fn fail(&self, e: Error) {
+        if let Ok(mut r) = self.reason.lock() {
+            if r.is_none() {
+                *r = Some((e.kind(), e.to_string()));
+            }
+        }
+        self.closed.store(true, Ordering::Release);
+    }
+
+    /// Records `e` and shuts the socket down, so the peer sees EOF and our sleepers wake.
+    pub(crate) fn fail_and_hang_up(&self, e: Error) {
+        self.fail(e);
+        if let Ok(sock) = self.socket.lock() {
+            if let Some(fd) = *sock {
+                sys::shutdown(fd);
+            }
+        }
+    }
+
+    /// The error that closed the connection.
+    pub(crate) fn error(&self) -> Error {
+        match self.reason.lock().ok().and_then(|r| r.clone()) {
+            Some((kind, msg)) => Error::new(kind, msg),
+            None => Error::new(ErrorKind::Closed, "the connection is closed"),
+        }
+    }
+
+    /// Ok while open; the closing error after.
+    pub(crate) fn check(&self) -> Result<()> {
+        if self.is_closed() {
+            Err(self.error())
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// A raw fd for tokio's `AsyncFd`, which must not own it: the owner is a field declared after
+/// the `AsyncFd`, so the registration is dropped before the fd is closed.
+#[derive(Debug)]
+pub(crate) struct FdRef(RawFd);
+
+impl AsRawFd for FdRef {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+/// A lazily made tokio registration (`None` once registration failed).
+#[cfg(feature = "tokio")]
+pub(crate) type AsyncCell = std::sync::OnceLock<Option<tokio::io::unix::AsyncFd<FdRef>>>;
+
+/// Registers `fd` with the current tokio runtime on first use.
+///
+/// # Safety
+///
+/// `fd` must stay open until `cell` is dropped: callers pass an fd owned by a field declared
+/// *after* `cell` in the same struct, so the registration is dropped first.
+#[cfg(feature = "tokio")]
+pub(crate) unsafe fn lazy_async_fd<'a>(
+    cell: &'a AsyncCell,
+    fd: BorrowedFd<'_>,
+) -> Result<&'a tokio::io::unix::AsyncFd<FdRef>> {
+    let no_runtime = || Error::new(ErrorKind::InvalidConfig, "async waits need a tokio runtime with I/O enabled");
+    if tokio::runtime::Handle::try_current().is_err() {
+        return Err(no_runtime());
+    }
+    // Registration runs once even if the rx and tx pollers race here (a second registration of
+    // the same fd would fail with EEXIST). tokio panics, rather than failing, in a runtime built
+    // without I/O; that panic becomes an error instead of tearing down the caller.
+    let mut failure = None;
+    let a = cell.get_or_init(|| {
+        let register = std::panic::AssertUnwindSafe(|| {
+            // SAFETY: the caller guarantees `fd` outlives `cell`, and so the AsyncFd stored in it.
+            unsafe {
+                tokio::io::unix::AsyncFd::register_with_interest(FdRef(fd.as_raw_fd()), tokio::io::Interest::READABLE)
+            }
+        });
+        match std::panic::catch_unwind(register) {
+            Ok(Ok(a)) => Some(a),
+            Ok(Err(e)) => {
+                failure = Some(Error::io("cannot register with the tokio reactor", e.into()));
+                None
+            }
+            Err(_) => {
+                failure = Some(no_runtime());
+                None
+            }
+        }
+    });
+    a.as_ref().ok_or_else(|| failure.unwrap_or_else(no_runtime))
+}
+
+/// The socket that ties a connection's life to the peer's.
+#[derive(Debug)]
+pub(crate) struct Link {
+    #[cfg(feature = "tokio")]
+    async_fd: AsyncCell,
+    socket: UnixStream,
+    pub(crate) health: std::sync::Arc<Health>,
+}
+
+impl Link {
+    pub(crate) fn new(socket: UnixStream) -> Result<Link> {
+        socket.set_nonblocking(true).map_err(|e| Error::io("cannot make the socket non-blocking", e))?;
+        let health = std::sync::Arc::new(Health::default());
+        if let Ok(mut s) = health.socket.lock() {
+            *s = Some(socket.as_raw_fd());
+        }
+        Ok(Link {
+            #[cfg(feature = "tokio")]
+            async_fd: Default::default(),
+            socket,
+            health,
+        })
+    }
+
+    pub(crate) fn fd(&self) -> BorrowedFd<'_> {
+        self.socket.as_fd()
+    }
+
+    pub(crate) fn check(&self) -> Result<()> {
+        self.health.check()
+    }
+
+    /// Called when the socket polled readable: decides whether the peer is gone.
+    pub(crate) fn observe_socket(&self) {
+        match sys::socket_state(self.fd()) {
+            SocketState::Quiet => {}
+            SocketState::Closed => self.health.fail(Error::peer_gone()),
+            SocketState::Data => {
+                let e = crate::establish::late_refusal(self.fd())
+                    .unwrap_or_else(|| Error::protocol("the peer wrote to the handshake socket after the handshake"));
+                self.fail(e);
+            }
+        }
+    }
+
+    /// Looks at the socket now, without waiting: for callers about to report success on a path
+    /// where no wait has noticed a dead peer yet.
+    pub(crate) fn poll_alive(&self) -> Result<()> {
+        self.observe_socket();
+        self.check()
+    }
+
+    /// Marks the connection failed and tells the peer.
+    pub(crate) fn fail(&self, e: Error) {
+        self.health.fail_and_hang_up(e);
+    }
+
+    #[cfg(feature = "tokio")]
+    pub(crate) fn async_fd(&self) -> Result<&tokio::io::unix::AsyncFd<FdRef>> {
+        // SAFETY: `socket` is declared after `async_fd`, so it is closed after the registration.
+        unsafe { lazy_async_fd(&self.async_fd, self.fd()) }
+    }
+}
+
+impl Drop for Link {
+    fn drop(&mut self) {
+        // Forget the fd before `socket` closes it, so no late failure shuts down a reused number.
+        if let Ok(mut s) = self.health.socket.lock() {
+            *s = None;
+        }
+    }
+}

@@ -1,0 +1,149 @@
+//! The shared segment: one mapping, laid out by [`Layout`], with typed access to its parts.
+//!
+//! This is one of the two modules that turn raw memory into safe types (with `ring` and
+//! `arena`). Control words are reached only as atomics; region bytes only through raw-pointer
+//! copies, so no `&T` to peer-writable plain data is ever formed here.
+
+use std::os::fd::BorrowedFd;
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+
+use crate::error::{Error, Result};
+use crate::layout::{self, Layout};
+use crate::sys;
+
+/// What keeps a segment's memory alive (held for its `Drop`, never read).
+#[derive(Debug)]
+#[allow(dead_code)]
+enum Backing {
+    /// A shared mapping of a memfd (the real thing).
+    Mapped(sys::Mapping),
+    /// Private heap memory of the same layout, for unit tests and fuzzing.
+    Heap(Box<[AtomicU64]>),
+}
+
+/// A mapped segment and its layout.
+#[derive(Debug)]
+pub(crate) struct Segment {
+    base: *mut u8,
+    len: usize,
+    layout: Layout,
+    _backing: Backing,
+}
+
+// SAFETY: the segment is memory shared with another process anyway; every access from this
+// process goes through atomics or raw-pointer copies whose callers synchronise through the ring
+// and arena protocols, so sharing the handle between threads adds nothing unsound.
+unsafe impl Send for Segment {}
+// SAFETY: see Send.
+unsafe impl Sync for Segment {}
+
+impl Segment {
+    /// Maps `fd`, which must be at least `layout.total` bytes long.
+    pub(crate) fn map(fd: BorrowedFd<'_>, layout: Layout) -> Result<Segment> {
+        let map = sys::Mapping::new(fd, layout.total).map_err(|e| Error::io("cannot map the shared segment", e))?;
+        debug_assert_eq!(map.len(), layout.total);
+        Ok(Segment { base: map.as_ptr(), len: map.len(), layout, _backing: Backing::Mapped(map) })
+    }
+
+    /// A zeroed heap segment with the same layout: for tests and fuzzing only, where both ends
+    /// live in one process.
+    pub(crate) fn heap(layout: Layout) -> Segment {
+        let words: Box<[AtomicU64]> = (0..layout.total.div_ceil(8)).map(|_| AtomicU64::new(0)).collect();
+        let base = words.as_ptr() as *mut u8;
+        Segment { base, len: layout.total, layout, _backing: Backing::Heap(words) }
+    }
+
+    pub(crate) fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Writes the informational header; the server does this once before handing the fd out.
+    pub(crate) fn init_header(&self) {
+        self.word(0).store(layout::SEGMENT_MAGIC, Ordering::Relaxed);
+        self.word(8).store(crate::handshake::PROTOCOL_VERSION as u64, Ordering::Relaxed);
+    }
+
+    /// The u64 control word at byte offset `off` of the control block.
+    fn word(&self, off: usize) -> &AtomicU64 {
+        assert!(off % 8 == 0 && off + 8 <= layout::CONTROL_LEN);
+        // SAFETY: `off` is 8-aligned and inside the control block, which lies inside the mapping
+        // (Layout starts every region after it) and the mapping is page-aligned, so the pointer is
+        // aligned and valid for the segment's lifetime, which bounds the returned reference.
+        // Atomics are the one way this module lets the peer's writes be observed.
+        unsafe { &*(self.base.add(off) as *const AtomicU64) }
+    }
+
+    /// Direction `dir`'s u64 control word `field` (one of `layout::CTL_*`).
+    pub(crate) fn ctl_u64(&self, dir: usize, field: usize) -> &AtomicU64 {
+        self.word(layout::control_base(dir) + field)
+    }
+
+    /// Direction `dir`'s u32 flag `field`.
+    pub(crate) fn ctl_u32(&self, dir: usize, field: usize) -> &AtomicU32 {
+        let off = layout::control_base(dir) + field;
+        assert!(off % 4 == 0 && off + 4 <= layout::CONTROL_LEN);
+        // SAFETY: as in `word`, for a 4-aligned offset inside the control block.
+        unsafe { &*(self.base.add(off) as *const AtomicU32) }
+    }
+
+    /// Base pointer and length of the region at `off..off + len`.
+    pub(crate) fn region(&self, off: usize, len: usize) -> Region {
+        assert!(off.checked_add(len).is_some_and(|end| end <= self.len), "region outside segment");
+        // SAFETY: the assertion keeps `off + len` within the segment's allocation.
+        Region { ptr: unsafe { self.base.add(off) }, len }
+    }
+}
+
+/// A byte range inside a segment, accessed only by copies.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Region {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: a Region is an address range; the segment it points into outlives every holder
+// (holders keep an `Arc<Segment>`), and users synchronise access through the ring protocols.
+unsafe impl Send for Region {}
+// SAFETY: see Send.
+unsafe impl Sync for Region {}
+
+impl Region {
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    pub(crate) fn ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+
+    /// Copies `src` into the region at `at`, wrapping around its end (the region is a ring).
+    pub(crate) fn write_wrapping(&self, at: usize, src: &[u8]) {
+        assert!(at < self.len && src.len() <= self.len);
+        let first = src.len().min(self.len - at);
+        // SAFETY: `at + first <= len` and `src.len() - first <= at < len`, so both copies stay in
+        // the region; `src` is private memory, so source and destination never overlap.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr(), self.ptr.add(at), first);
+        }
+        // SAFETY: the wrapped tail starts at the region's base and is shorter than the region.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.as_ptr().add(first), self.ptr, src.len() - first);
+        }
+    }
+
+    /// Copies from the region at `at` into `dst`, wrapping around its end.
+    pub(crate) fn read_wrapping(&self, at: usize, dst: &mut [u8]) {
+        assert!(at < self.len && dst.len() <= self.len);
+        let first = dst.len().min(self.len - at);
+        // SAFETY: as in `write_wrapping`, with the roles of source and destination swapped. The
+        // peer may write these bytes concurrently; they are copied as plain bytes (any value is a
+        // valid u8) and validated by the caller after the copy.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.add(at), dst.as_mut_ptr(), first);
+        }
+        // SAFETY: the wrapped tail starts at the region's base and is shorter than the region.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr, dst.as_mut_ptr().add(first), dst.len() - first);
+        }
+    }
+}

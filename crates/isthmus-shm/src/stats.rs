@@ -1,0 +1,70 @@
+//! Per-connection counters, cheap enough to keep on the hot path.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// Live counters of one connection (relaxed atomics; read with [`Stats::snapshot`]).
+#[derive(Debug, Default)]
+pub(crate) struct Stats {
+    pub(crate) frames_sent: AtomicU64,
+    pub(crate) frames_received: AtomicU64,
+    pub(crate) bytes_sent: AtomicU64,
+    pub(crate) bytes_received: AtomicU64,
+    pub(crate) doorbells_rung: AtomicU64,
+    pub(crate) sleeps: AtomicU64,
+    pub(crate) spin_hits: AtomicU64,
+    pub(crate) ring_full_waits: AtomicU64,
+    pub(crate) arena_full_waits: AtomicU64,
+    pub(crate) arena_high_water: AtomicU64,
+}
+
+impl Stats {
+    pub(crate) fn add(&self, c: &AtomicU64, n: u64) {
+        c.fetch_add(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn max(&self, c: &AtomicU64, n: u64) {
+        c.fetch_max(n, Ordering::Relaxed);
+    }
+
+    pub(crate) fn snapshot(&self) -> Counters {
+        let g = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        Counters {
+            frames_sent: g(&self.frames_sent),
+            frames_received: g(&self.frames_received),
+            bytes_sent: g(&self.bytes_sent),
+            bytes_received: g(&self.bytes_received),
+            doorbells_rung: g(&self.doorbells_rung),
+            sleeps: g(&self.sleeps),
+            spin_hits: g(&self.spin_hits),
+            ring_full_waits: g(&self.ring_full_waits),
+            arena_full_waits: g(&self.arena_full_waits),
+            arena_high_water: g(&self.arena_high_water),
+        }
+    }
+}
+
+/// A snapshot of a connection's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Counters {
+    /// Frames this side wrote into its ring.
+    pub frames_sent: u64,
+    /// Frames this side read from the peer's ring.
+    pub frames_received: u64,
+    /// Message payload bytes sent (inline and arena).
+    pub bytes_sent: u64,
+    /// Message payload bytes received.
+    pub bytes_received: u64,
+    /// Doorbell system calls made to wake the peer.
+    pub doorbells_rung: u64,
+    /// Times a waiter on this side went to sleep on its doorbell.
+    pub sleeps: u64,
+    /// Waits that ended while spinning, without a sleep.
+    pub spin_hits: u64,
+    /// Sends that found the frame ring full and waited.
+    pub ring_full_waits: u64,
+    /// Allocations that found the arena full and waited.
+    pub arena_full_waits: u64,
+    /// Most arena bytes this side had out at once.
+    pub arena_high_water: u64,
+}

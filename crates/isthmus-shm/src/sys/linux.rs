@@ -1,0 +1,372 @@
+//! Linux implementation of the `sys` contract (see `sys/mod.rs`).
+
+use std::ffi::CString;
+use std::io;
+use std::mem::{size_of, MaybeUninit};
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::ptr::NonNull;
+use std::time::Instant;
+
+fn cvt(ret: libc::c_int) -> io::Result<libc::c_int> {
+    if ret == -1 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret)
+    }
+}
+
+fn cvt_size(ret: libc::ssize_t) -> io::Result<usize> {
+    if ret == -1 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(ret as usize)
+    }
+}
+
+/// Takes ownership of a freshly returned fd.
+fn owned(fd: RawFd) -> OwnedFd {
+    // SAFETY: every caller passes an fd that a system call just returned to this process and that
+    // nothing else has recorded, so this is its only owner.
+    unsafe { OwnedFd::from_raw_fd(fd) }
+}
+
+/// The real user id of this process.
+pub(crate) fn uid() -> u32 {
+    // SAFETY: getuid has no preconditions and cannot fail.
+    unsafe { libc::getuid() }
+}
+
+/// Creates an anonymous, sealable, close-on-exec shared-memory file.
+pub(crate) fn memfd_create(name: &str) -> io::Result<OwnedFd> {
+    let name = CString::new(name).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: `name` is a valid NUL-terminated string that outlives the call.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC | libc::MFD_ALLOW_SEALING) };
+    cvt(fd).map(owned)
+}
+
+/// Sets the size of a file.
+pub(crate) fn set_len(fd: BorrowedFd<'_>, len: u64) -> io::Result<()> {
+    let len = libc::off_t::try_from(len).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    // SAFETY: ftruncate only reads its scalar arguments; a bad fd is reported as EBADF.
+    cvt(unsafe { libc::ftruncate(fd.as_raw_fd(), len) }).map(drop)
+}
+
+/// The seals that keep a segment's size fixed for its whole life.
+pub(crate) const REQUIRED_SEALS: libc::c_int = libc::F_SEAL_SHRINK | libc::F_SEAL_GROW;
+
+/// Seals a memfd against shrinking and growing, and against further seal changes.
+pub(crate) fn seal(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let seals = REQUIRED_SEALS | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS takes an int argument; a bad fd is reported as an error.
+    cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) }).map(drop)
+}
+
+/// The seals set on a memfd.
+pub(crate) fn seals(fd: BorrowedFd<'_>) -> io::Result<libc::c_int> {
+    // SAFETY: F_GET_SEALS takes no argument; a bad or non-memfd fd is reported as an error.
+    cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GET_SEALS) })
+}
+
+/// The size of a file in bytes.
+pub(crate) fn file_size(fd: BorrowedFd<'_>) -> io::Result<u64> {
+    let mut st = MaybeUninit::<libc::stat>::uninit();
+    // SAFETY: `st` is valid for writes of one `stat`, which fstat fills on success.
+    cvt(unsafe { libc::fstat(fd.as_raw_fd(), st.as_mut_ptr()) })?;
+    // SAFETY: fstat returned 0, so it initialised `st`.
+    let st = unsafe { st.assume_init() };
+    Ok(st.st_size as u64)
+}
+
+/// A shared read/write mapping of a whole file, unmapped on drop.
+#[derive(Debug)]
+pub(crate) struct Mapping {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+// SAFETY: the mapping is plain memory owned by this value; every access to its bytes goes through
+// raw pointers or atomics whose users uphold their own synchronisation.
+unsafe impl Send for Mapping {}
+// SAFETY: as for Send: `&Mapping` only hands out the base pointer and length.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps `len` bytes of `fd` shared and read/write.
+    pub(crate) fn new(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
+        if len == 0 {
+            return Err(io::Error::from(io::ErrorKind::InvalidInput));
+        }
+        // SAFETY: a fresh mapping at an address the kernel picks aliases no Rust object; the
+        // result is checked against MAP_FAILED before use.
+        let ptr = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd.as_raw_fd(),
+                0,
+            )
+        };
+        if ptr == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
+        Ok(Mapping { ptr, len })
+    }
+
+    /// The first byte of the mapping.
+    pub(crate) fn as_ptr(&self) -> *mut u8 {
+        self.ptr.as_ptr()
+    }
+
+    /// The mapping's length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` describe a mapping this value created and nobody else unmaps; every
+        // borrower of the memory holds an `Arc` to the owner of this value, so none is left.
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// Creates a non-blocking, close-on-exec eventfd with a zero count.
+pub(crate) fn eventfd() -> io::Result<OwnedFd> {
+    // SAFETY: eventfd takes scalar arguments only.
+    cvt(unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) }).map(owned)
+}
+
+/// Adds one to an eventfd's count, waking whoever polls it.
+pub(crate) fn eventfd_signal(fd: BorrowedFd<'_>) {
+    let one: u64 = 1;
+    // SAFETY: `one` is valid for reads of 8 bytes. The result is ignored on purpose: the only
+    // failure for a valid eventfd is EAGAIN at a count near u64::MAX, which already means "ready".
+    unsafe { libc::write(fd.as_raw_fd(), (&one as *const u64).cast(), size_of::<u64>()) };
+}
+
+/// Resets an eventfd's count to zero; true if it was signalled.
+pub(crate) fn eventfd_drain(fd: BorrowedFd<'_>) -> bool {
+    let mut count: u64 = 0;
+    // SAFETY: `count` is valid for writes of 8 bytes; a non-blocking eventfd read either fills it
+    // or fails with EAGAIN.
+    let n = unsafe { libc::read(fd.as_raw_fd(), (&mut count as *mut u64).cast(), size_of::<u64>()) };
+    n == size_of::<u64>() as isize
+}
+
+/// Sends `data` on a stream socket with `fds` attached as SCM_RIGHTS.
+pub(crate) fn send_with_fds(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
+    let raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
+    let fd_bytes = std::mem::size_of_val(raw.as_slice()) as u32;
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(fd_bytes) } as usize;
+    // u64 storage keeps the control buffer aligned for `cmsghdr`.
+    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec { iov_base: data.as_ptr() as *mut libc::c_void, iov_len: data.len() };
+    // SAFETY: msghdr is a plain C struct for which all-zeroes is a valid value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if !raw.is_empty() {
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        // SAFETY: msg_control points at `space` writable bytes, enough for one header with
+        // `fd_bytes` of data, so the first header and its data area lie inside `control`.
+        unsafe {
+            let cmsg = libc::CMSG_FIRSTHDR(&msg);
+            (*cmsg).cmsg_level = libc::SOL_SOCKET;
+            (*cmsg).cmsg_type = libc::SCM_RIGHTS;
+            (*cmsg).cmsg_len = libc::CMSG_LEN(fd_bytes) as _;
+            std::ptr::copy_nonoverlapping(raw.as_ptr(), libc::CMSG_DATA(cmsg).cast::<RawFd>(), raw.len());
+        }
+    }
+    let mut sent = loop {
+        // SAFETY: `msg` points at a live iovec over `data` and at the control buffer filled
+        // above; both outlive the call.
+        match cvt_size(unsafe { libc::sendmsg(sock.as_raw_fd(), &msg, libc::MSG_NOSIGNAL) }) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    // The fds went with the first chunk; any rest is plain bytes.
+    while sent < data.len() {
+        let rest = &data[sent..];
+        // SAFETY: `rest` is valid for reads of its length.
+        match cvt_size(unsafe { libc::send(sock.as_raw_fd(), rest.as_ptr().cast(), rest.len(), libc::MSG_NOSIGNAL) }) {
+            Ok(n) => sent += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Receives into `buf` from a stream socket, keeping any fds sent with it (close-on-exec).
+///
+/// Returns the byte count (0 at EOF) and the fds. Fds beyond `max_fds`, or a truncated control
+/// message, are an error; every fd received is owned, so none leaks either way.
+pub(crate) fn recv_with_fds(sock: BorrowedFd<'_>, buf: &mut [u8], max_fds: usize) -> io::Result<(usize, Vec<OwnedFd>)> {
+    let fd_bytes = (max_fds * size_of::<RawFd>()) as u32;
+    // SAFETY: CMSG_SPACE only computes a size.
+    let space = unsafe { libc::CMSG_SPACE(fd_bytes) } as usize;
+    let mut control = vec![0u64; space.div_ceil(8)];
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
+    // SAFETY: msghdr is a plain C struct for which all-zeroes is a valid value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    let n = loop {
+        // SAFETY: `msg` points at an iovec over `buf` and at `control`, both live and writable
+        // for the lengths given.
+        match cvt_size(unsafe { libc::recvmsg(sock.as_raw_fd(), &mut msg, libc::MSG_CMSG_CLOEXEC) }) {
+            Ok(n) => break n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(e),
+        }
+    };
+    let mut fds = Vec::new();
+    // SAFETY: the kernel set msg_controllen to the bytes it wrote into `control`; CMSG_FIRSTHDR
+    // and CMSG_NXTHDR stay inside that length and return null past the end.
+    unsafe {
+        let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
+        while !cmsg.is_null() {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_RIGHTS {
+                let data = libc::CMSG_DATA(cmsg);
+                let len = (*cmsg).cmsg_len as usize - (data as usize - cmsg as usize);
+                for i in 0..len / size_of::<RawFd>() {
+                    let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                    fds.push(owned(fd));
+                }
+            }
+            cmsg = libc::CMSG_NXTHDR(&msg, cmsg);
+        }
+    }
+    if msg.msg_flags & libc::MSG_CTRUNC != 0 || fds.len() > max_fds {
+        return Err(io::Error::new(io::ErrorKind::InvalidData, "peer sent more fds than the handshake allows"));
+    }
+    Ok((n, fds))
+}
+
+/// The credentials of the process at the other end of a Unix socket, as of `connect`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct PeerCred {
+    pub(crate) pid: i32,
+    pub(crate) uid: u32,
+    pub(crate) gid: u32,
+}
+
+/// Reads SO_PEERCRED from a connected Unix socket.
+pub(crate) fn peer_cred(sock: BorrowedFd<'_>) -> io::Result<PeerCred> {
+    let mut cred = MaybeUninit::<libc::ucred>::zeroed();
+    let mut len = size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` is valid for writes of `len` bytes and `len` for one socklen_t.
+    cvt(unsafe {
+        libc::getsockopt(sock.as_raw_fd(), libc::SOL_SOCKET, libc::SO_PEERCRED, cred.as_mut_ptr().cast(), &mut len)
+    })?;
+    // SAFETY: zero-initialised and then filled by the kernel; ucred is plain integers.
+    let cred = unsafe { cred.assume_init() };
+    Ok(PeerCred { pid: cred.pid, uid: cred.uid, gid: cred.gid })
+}
+
+/// Which of the fds given to [`wait_readable`] are ready.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Readiness {
+    pub(crate) first: bool,
+    pub(crate) second: bool,
+}
+
+/// Blocks until `first` or `second` is readable (or hung up), or `deadline` passes.
+pub(crate) fn wait_readable(
+    first: BorrowedFd<'_>,
+    second: BorrowedFd<'_>,
+    deadline: Option<Instant>,
+) -> io::Result<Readiness> {
+    let mut fds = [
+        libc::pollfd { fd: first.as_raw_fd(), events: libc::POLLIN, revents: 0 },
+        libc::pollfd { fd: second.as_raw_fd(), events: libc::POLLIN | libc::POLLRDHUP, revents: 0 },
+    ];
+    loop {
+        let timeout = match deadline {
+            None => -1,
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                // Round up so a sub-millisecond remainder still sleeps instead of spinning.
+                let ms = left.as_micros().div_ceil(1000);
+                ms.min(i32::MAX as u128) as i32
+            }
+        };
+        // SAFETY: `fds` is a live array of two pollfd structs.
+        let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout) };
+        if n == -1 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        return Ok(Readiness { first: fds[0].revents != 0, second: fds[1].revents != 0 });
+    }
+}
+
+/// What a non-consuming look at a socket found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SocketState {
+    /// Nothing to read: the peer is there and quiet.
+    Quiet,
+    /// Orderly EOF or a reset: the peer is gone.
+    Closed,
+    /// Bytes are waiting, which the protocol never sends after the handshake.
+    Data,
+}
+
+/// Looks at a socket without consuming anything.
+pub(crate) fn socket_state(sock: BorrowedFd<'_>) -> SocketState {
+    let mut byte = 0u8;
+    // SAFETY: `byte` is valid for a one-byte write.
+    let n =
+        unsafe { libc::recv(sock.as_raw_fd(), (&mut byte as *mut u8).cast(), 1, libc::MSG_PEEK | libc::MSG_DONTWAIT) };
+    match n {
+        0 => SocketState::Closed,
+        n if n > 0 => SocketState::Data,
+        _ => match io::Error::last_os_error().kind() {
+            io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted => SocketState::Quiet,
+            _ => SocketState::Closed,
+        },
+    }
+}
+
+/// Shuts a socket down in both directions (errors ignored: it may already be shut).
+pub(crate) fn shutdown(fd: RawFd) {
+    // SAFETY: shutdown takes scalars; the caller guarantees `fd` is still the open socket.
+    unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
+}
+
+/// Makes an fd non-blocking.
+pub(crate) fn set_nonblocking(fd: BorrowedFd<'_>) -> io::Result<()> {
+    // SAFETY: F_GETFL/F_SETFL take and return ints; a bad fd is reported as an error.
+    let flags = cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_GETFL) })?;
+    // SAFETY: as above.
+    cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) }).map(drop)
+}
+
+/// Reads what is waiting on a socket without consuming it or blocking.
+pub(crate) fn peek(sock: BorrowedFd<'_>, buf: &mut [u8]) -> usize {
+    // SAFETY: `buf` is valid for writes of its length.
+    let n = unsafe {
+        libc::recv(sock.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_PEEK | libc::MSG_DONTWAIT)
+    };
+    n.max(0) as usize
+}
+
+/// Identity of a file: (device, inode).
+pub(crate) fn file_id(path: &std::path::Path) -> io::Result<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(path)?;
+    Ok((m.dev(), m.ino()))
+}

@@ -1,0 +1,226 @@
+//! The peer process of the cross-process tests. One role per invocation:
+//!
+//! ```text
+//! shm-peer echo-server ADDR [ARENA]      echo every MESSAGE back on its stream
+//! shm-peer hang-client ADDR              connect, send one message, block in recv
+//! shm-peer big-client ADDR SIZE ARENA    send one SIZE-byte patterned message, print the reply
+//! shm-peer hostile-server ADDR MODE      accept one client, then corrupt the segment
+//! shm-peer sink-server ADDR              accept clients and never read from them
+//! shm-peer client-as-uid ADDR UID        switch to UID (needs root), then try to connect
+//! ```
+//!
+//! Every role prints `READY` once it is set up, and reports on stdout in lines the tests parse.
+
+use std::io::Write;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use isthmus_shm::layout::{self, SERVER_TO_CLIENT};
+use isthmus_shm::{flags, Address, Config, Connection, Kind, Listener, Sender};
+use isthmus_tests::pattern;
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+fn arg(args: &[String], i: usize, what: &str) -> String {
+    args.get(i).cloned().unwrap_or_else(|| {
+        eprintln!("shm-peer: missing {what}");
+        std::process::exit(2)
+    })
+}
+
+fn num(s: &str) -> usize {
+    s.parse().unwrap_or_else(|_| {
+        eprintln!("shm-peer: {s:?} is not a number");
+        std::process::exit(2)
+    })
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let role = arg(&args, 1, "role");
+    let addr: Address = arg(&args, 2, "address").parse().unwrap_or_else(|e| {
+        eprintln!("shm-peer: {e}");
+        std::process::exit(2)
+    });
+    match role.as_str() {
+        "echo-server" => {
+            let mut cfg = Config::default();
+            if let Some(a) = args.get(3) {
+                cfg.arena_size = num(a);
+            }
+            echo_server(&addr, cfg)
+        }
+        "hang-client" => hang_client(&addr),
+        "big-client" => big_client(&addr, num(&arg(&args, 3, "size")), num(&arg(&args, 4, "arena"))),
+        "hostile-server" => hostile_server(&addr, &arg(&args, 3, "mode")),
+        "sink-server" => sink_server(&addr),
+        "client-as-uid" => client_as_uid(&addr, num(&arg(&args, 3, "uid")) as u32),
+        other => {
+            eprintln!("shm-peer: unknown role {other:?}");
+            std::process::exit(2)
+        }
+    }
+}
+
+fn echo_server(addr: &Address, cfg: Config) {
+    let listener = Listener::bind(addr, cfg).unwrap_or_else(|e| {
+        say(&format!("BIND-ERROR {:?} {e}", e.kind()));
+        std::process::exit(1)
+    });
+    say("READY");
+    loop {
+        let conn = match listener.accept() {
+            Ok(c) => c,
+            Err(e) => {
+                say(&format!("ACCEPT-ERROR {:?} {e}", e.kind()));
+                continue;
+            }
+        };
+        std::thread::spawn(move || {
+            let Connection { sender, mut receiver } = conn;
+            let end = loop {
+                let f = match receiver.recv(None) {
+                    Ok(f) => f,
+                    Err(e) => break e,
+                };
+                let sent = match f.kind {
+                    Kind::Message => sender.send_message(f.stream, f.flags, &f.body, None),
+                    Kind::Ping => sender.send(Kind::Ping, flags::ACK, f.stream, &f.body, None),
+                    _ => sender.send(f.kind, f.flags, f.stream, &f.body, None),
+                };
+                if let Err(e) = sent {
+                    break e;
+                }
+            };
+            say(&format!("CONN-END {:?} {end}", end.kind()));
+        });
+    }
+}
+
+fn hang_client(addr: &Address) {
+    say("READY"); // before connecting: the test accepts only after this line
+    let Connection { sender, mut receiver } = Connection::connect(addr, &Config::default()).unwrap_or_else(|e| {
+        say(&format!("CONNECT-ERROR {:?} {e}", e.kind()));
+        std::process::exit(1)
+    });
+    sender.send_message(1, 0, b"hello", None).expect("send");
+    let r = receiver.recv(None);
+    say(&format!("RECV {r:?}"));
+}
+
+fn big_client(addr: &Address, size: usize, arena: usize) {
+    let cfg = Config { arena_size: arena, ..Config::default() };
+    say("READY");
+    let Connection { sender, mut receiver } = Connection::connect(addr, &cfg).unwrap_or_else(|e| {
+        say(&format!("CONNECT-ERROR {:?} {e}", e.kind()));
+        std::process::exit(1)
+    });
+    let payload = pattern(size, size as u64);
+    sender.send_message(1, flags::END_STREAM, &payload, None).expect("send big message");
+    drop(payload);
+    match receiver.recv(None) {
+        Ok(f) => say(&format!("REPLY {}", String::from_utf8_lossy(&f.body))),
+        Err(e) => say(&format!("REPLY-ERROR {:?} {e}", e.kind())),
+    }
+    let c = sender.counters();
+    say(&format!("COUNTERS arena_full_waits={} arena_high_water={}", c.arena_full_waits, c.arena_high_water));
+}
+
+/// Writes what `mode` names into the server→client direction, as a broken or hostile server.
+fn corrupt(sender: &Sender, mode: &str) {
+    let l = sender.layout_for_tests();
+    let ctl = |field: usize| layout::control_base(SERVER_TO_CLIENT) + field;
+    let ring = l.ring_off[SERVER_TO_CLIENT];
+    let publish = |tail: u64| sender.scribble_for_tests(ctl(layout::CTL_TAIL), &tail.to_le_bytes());
+    match mode {
+        "tail-jump" => publish(1 << 40),
+        "bad-kind" => {
+            let mut h = [0u8; 16];
+            h[4] = 99;
+            sender.scribble_for_tests(ring, &h);
+            publish(16);
+        }
+        "bad-descriptor" => {
+            let mut f = [0u8; 40];
+            f[0..4].copy_from_slice(&24u32.to_le_bytes());
+            f[4] = Kind::Message as u8;
+            f[5] = flags::ARENA;
+            f[8..16].copy_from_slice(&1u64.to_le_bytes());
+            let off = l.arena_size[SERVER_TO_CLIENT] as u64 - 10;
+            f[16..24].copy_from_slice(&off.to_le_bytes());
+            f[24..32].copy_from_slice(&100u64.to_le_bytes());
+            f[32..40].copy_from_slice(&100u64.to_le_bytes());
+            sender.scribble_for_tests(ring, &f);
+            publish(40);
+        }
+        "random" => {
+            // Random bytes over the whole control block and both rings, for a while.
+            let mut x = 0x1234_5678_9abc_def1u64;
+            let span = l.arena_off[0];
+            let end = std::time::Instant::now() + Duration::from_millis(300);
+            while std::time::Instant::now() < end {
+                x = isthmus_tests::mix(x);
+                let off = (x % span as u64) as usize;
+                let bytes = isthmus_tests::mix(x ^ 1).to_le_bytes();
+                sender.scribble_for_tests(off, &bytes[..(x >> 60) as usize % 8 + 1]);
+                let _ = sender.send_message(3, 0, &bytes, Some(std::time::Instant::now() + Duration::from_millis(1)));
+            }
+        }
+        other => {
+            eprintln!("shm-peer: unknown mode {other:?}");
+            std::process::exit(2)
+        }
+    }
+    std::sync::atomic::fence(Ordering::SeqCst);
+}
+
+fn hostile_server(addr: &Address, mode: &str) {
+    let listener = Listener::bind(addr, Config::default()).expect("bind");
+    say("READY");
+    let conn = listener.accept().expect("accept");
+    let first = conn.sender.send_message(1, 0, b"before", None);
+    say(&format!("SENT-FIRST {}", first.is_ok()));
+    corrupt(&conn.sender, mode);
+    // A real send would publish our own (sane) tail over the damage; ring the bell instead.
+    conn.sender.ring_peer_for_tests();
+    say("CORRUPTED");
+    // Stay alive (socket open) so the client's error is about the damage, not about EOF.
+    std::thread::sleep(Duration::from_secs(3600));
+}
+
+fn sink_server(addr: &Address) {
+    let cfg = Config { arena_size: 1 << 20, ..Config::default() };
+    let listener = Listener::bind(addr, cfg).expect("bind");
+    say("READY");
+    let mut keep = Vec::new();
+    loop {
+        match listener.accept() {
+            Ok(c) => {
+                say("ACCEPTED");
+                keep.push(c);
+            }
+            Err(e) => say(&format!("ACCEPT-ERROR {:?} {e}", e.kind())),
+        }
+    }
+}
+
+fn client_as_uid(addr: &Address, uid: u32) {
+    // SAFETY: setuid has no memory-safety preconditions; the process is single-threaded here.
+    if unsafe { libc::setuid(uid) } != 0 {
+        say(&format!("SETUID-ERROR {}", std::io::Error::last_os_error()));
+        std::process::exit(1);
+    }
+    say("READY");
+    match Connection::connect(addr, &Config::default()) {
+        Ok(mut c) => {
+            c.sender.send_message(1, 0, b"ping", None).expect("send");
+            let f = c.receiver.recv(None).expect("echo");
+            say(&format!("CONNECTED {}", String::from_utf8_lossy(&f.body)));
+        }
+        Err(e) => say(&format!("CONNECT-ERROR {:?} {e}", e.kind())),
+    }
+}

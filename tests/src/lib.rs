@@ -1,0 +1,175 @@
+//! Shared pieces of the cross-process tests: the payload pattern both processes agree on, and
+//! a handle on a spawned peer process.
+
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdout, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+/// splitmix64: a fast, well-mixed word sequence, so a payload's every byte depends on its seed
+/// and position and a misplaced or stale chunk is caught.
+pub fn mix(mut z: u64) -> u64 {
+    z = z.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Fills `buf` with the pattern for `seed`.
+pub fn fill(buf: &mut [u8], seed: u64) {
+    let mut words = buf.chunks_exact_mut(8);
+    for (i, w) in (&mut words).enumerate() {
+        w.copy_from_slice(&mix(seed ^ (i as u64).wrapping_mul(0x1000_0000_01b3)).to_le_bytes());
+    }
+    let rem = words.into_remainder();
+    let tail = mix(!seed).to_le_bytes();
+    rem.copy_from_slice(&tail[..rem.len()]);
+}
+
+/// A `len`-byte payload with the pattern for `seed`.
+pub fn pattern(len: usize, seed: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len];
+    fill(&mut v, seed);
+    v
+}
+
+/// Index of the first byte of `buf` that breaks the pattern for `seed`, if any.
+pub fn first_mismatch(buf: &[u8], seed: u64) -> Option<usize> {
+    let mut words = buf.chunks_exact(8);
+    for (i, w) in (&mut words).enumerate() {
+        if w != mix(seed ^ (i as u64).wrapping_mul(0x1000_0000_01b3)).to_le_bytes() {
+            return Some(i * 8);
+        }
+    }
+    let rem = words.remainder();
+    let tail = mix(!seed).to_le_bytes();
+    (rem != &tail[..rem.len()]).then(|| buf.len() - rem.len())
+}
+
+/// A fresh `shm://` address no other test (or test run) uses.
+pub fn fresh_addr(tag: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!("shm://t-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// The peer binary cargo built beside the test binaries (`target/<profile>/shm-peer`; tests
+/// live in `target/<profile>/deps/`).
+pub fn peer_bin() -> PathBuf {
+    let exe = std::env::current_exe().expect("current exe");
+    let profile_dir = exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>");
+    profile_dir.join("shm-peer")
+}
+
+/// A spawned peer process; killed (SIGKILL) and reaped on drop. Its stdout lines arrive on a
+/// channel, so waiting for one can give up instead of hanging the test run.
+#[derive(Debug)]
+pub struct Peer {
+    pub child: Child,
+    lines: std::sync::mpsc::Receiver<String>,
+}
+
+fn forward_lines(stdout: ChildStdout) -> std::sync::mpsc::Receiver<String> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines() {
+            let Ok(line) = line else { break };
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    rx
+}
+
+impl Peer {
+    /// Starts `shm-peer ARGS…` and waits (up to 30 s) for it to print `READY`.
+    pub fn spawn(args: &[&str]) -> Peer {
+        let mut child = Command::new(peer_bin())
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .expect("spawn shm-peer");
+        let lines = forward_lines(child.stdout.take().expect("piped stdout"));
+        let mut p = Peer { child, lines };
+        p.expect_line("READY", Duration::from_secs(30));
+        p
+    }
+
+    /// Reads stdout lines until one starts with `prefix`; returns it. Panics if the peer exits
+    /// first or nothing matching arrives within `patience` (a watchdog, not a timing test).
+    pub fn expect_line(&mut self, prefix: &str, patience: Duration) -> String {
+        let end = Instant::now() + patience;
+        loop {
+            let left = end.saturating_duration_since(Instant::now());
+            match self.lines.recv_timeout(left) {
+                Ok(line) if line.starts_with(prefix) => return line,
+                Ok(_) => continue,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    panic!("peer printed no {prefix:?} line within {patience:?}")
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    panic!("peer exited before printing {prefix:?}")
+                }
+            }
+        }
+    }
+
+    /// SIGKILL, as a crash would.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+}
+
+impl Drop for Peer {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Runs `f` on a thread and fails the test if it has not finished within `limit`: a watchdog
+/// for code that would otherwise deadlock silently. Not a timing assertion; limits are generous.
+pub fn watchdog<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        let _ = tx.send(f());
+    });
+    match rx.recv_timeout(limit) {
+        Ok(v) => v,
+        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => match worker.join() {
+            Err(panic) => std::panic::resume_unwind(panic),
+            Ok(()) => unreachable!("the worker either sends or panics"),
+        },
+        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => panic!("watchdog: not finished after {limit:?}"),
+    }
+}
+
+/// Counts this process's open fds.
+pub fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").map(|d| d.count()).unwrap_or(0)
+}
+
+/// Counts this process's mappings of isthmus segments.
+pub fn segment_mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .map(|m| m.lines().filter(|l| l.contains("isthmus-segment")).count())
+        .unwrap_or(0)
+}
+
+/// Waits until `cond` holds or `limit` passes; returns whether it held.
+pub fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let end = Instant::now() + limit;
+    while Instant::now() < end {
+        if cond() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    cond()
+}

@@ -1,0 +1,154 @@
+//! Binding, connecting, versions and credentials.
+
+use std::io::{Read, Write};
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::time::Duration;
+
+use isthmus_shm::handshake::{Hello, HelloKind, HELLO_LEN, PROTOCOL_VERSION};
+use isthmus_shm::{Address, Config, Connection, ErrorKind, Listener, PeerPolicy};
+use isthmus_tests::{fresh_addr, Peer};
+
+fn round_trip(addr: &Address) {
+    let mut c = Connection::connect(addr, &Config::default()).expect("connect");
+    c.sender.send_message(1, 0, b"ping", None).expect("send");
+    assert_eq!(&c.receiver.recv(None).expect("echo").body[..], b"ping");
+}
+
+#[test]
+fn a_crashed_servers_socket_is_replaced_on_restart() {
+    let uri = fresh_addr("stale");
+    let addr: Address = uri.parse().expect("address");
+    let mut first = Peer::spawn(&["echo-server", &uri]);
+    round_trip(&addr);
+    first.kill9();
+    assert!(addr.socket_path().exists(), "kill -9 leaves the socket file behind");
+    let _second = Peer::spawn(&["echo-server", &uri]);
+    round_trip(&addr);
+}
+
+#[test]
+fn a_live_servers_socket_is_not_taken() {
+    let uri = fresh_addr("live");
+    let _server = Peer::spawn(&["echo-server", &uri]);
+    let e = Listener::bind(&uri.parse().expect("address"), Config::default()).expect_err("in use");
+    assert_eq!(e.kind(), ErrorKind::AddrInUse, "{e}");
+}
+
+#[test]
+fn the_socket_is_removed_on_shutdown_and_the_directory_is_private() {
+    let addr: Address = fresh_addr("tidy").parse().expect("address");
+    let listener = Listener::bind(&addr, Config::default()).expect("bind");
+    assert!(addr.socket_path().exists());
+    let dir = addr.socket_path().parent().expect("dir");
+    assert_eq!(std::fs::metadata(dir).expect("dir").permissions().mode() & 0o777, 0o700);
+    drop(listener);
+    assert!(!addr.socket_path().exists());
+}
+
+#[test]
+fn connecting_to_nobody_names_the_address() {
+    let addr: Address = fresh_addr("nobody").parse().expect("address");
+    let e = Connection::connect(&addr, &Config::default()).expect_err("no server");
+    assert_eq!(e.kind(), ErrorKind::NotFound);
+    assert!(e.to_string().contains(&addr.to_string()), "{e}");
+}
+
+#[test]
+fn the_server_refuses_another_version_and_names_both() {
+    let uri = fresh_addr("vsrv");
+    let mut server = Peer::spawn(&["echo-server", &uri]);
+    let addr: Address = uri.parse().expect("address");
+    let mut s = UnixStream::connect(addr.socket_path()).expect("connect");
+    let mut hello = Hello::new(HelloKind::Client);
+    hello.version = 99;
+    s.write_all(&hello.encode()).expect("send hello");
+    let mut rec = [0u8; HELLO_LEN];
+    s.read_exact(&mut rec).expect("answer");
+    let answer = Hello::decode(&rec).expect("decodes");
+    assert_eq!(answer.kind, HelloKind::Refuse);
+    let mut reason = vec![0u8; answer.reason_len as usize];
+    s.read_exact(&mut reason).expect("reason");
+    let reason = String::from_utf8(reason).expect("utf-8");
+    assert!(reason.contains("version 99") && reason.contains(&format!("version {PROTOCOL_VERSION}")), "{reason}");
+    let line = server.expect_line("ACCEPT-ERROR", Duration::from_secs(30));
+    assert!(line.contains("VersionMismatch") && line.contains("version 99"), "{line}");
+    round_trip(&addr); // the server goes on
+}
+
+#[test]
+fn the_client_refuses_another_version_and_names_both() {
+    let dir = std::env::temp_dir().join(format!("isthmus-vcli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let path = dir.join("fake.sock");
+    let _ = std::fs::remove_file(&path);
+    let fake = UnixListener::bind(&path).expect("bind fake server");
+    let server = std::thread::spawn(move || {
+        let (mut s, _) = fake.accept().expect("accept");
+        let mut rec = [0u8; HELLO_LEN];
+        s.read_exact(&mut rec).expect("client hello");
+        let mut answer = Hello::new(HelloKind::Server);
+        answer.version = 99;
+        s.write_all(&answer.encode()).expect("answer");
+        let mut rec = [0u8; HELLO_LEN];
+        s.read_exact(&mut rec).expect("refusal");
+        let h = Hello::decode(&rec).expect("decodes");
+        let mut reason = vec![0u8; h.reason_len as usize];
+        s.read_exact(&mut reason).expect("reason");
+        (h.kind, String::from_utf8(reason).expect("utf-8"))
+    });
+    let addr: Address = format!("shm://{}", path.display()).parse().expect("address");
+    let e = Connection::connect(&addr, &Config::default()).expect_err("refused");
+    assert_eq!(e.kind(), ErrorKind::VersionMismatch);
+    assert!(
+        e.to_string().contains("version 99") && e.to_string().contains(&format!("version {PROTOCOL_VERSION}")),
+        "{e}"
+    );
+    let (kind, reason) = server.join().expect("fake server");
+    assert_eq!(kind, HelloKind::Refuse);
+    assert!(reason.contains("version 99"), "{reason}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A socket anyone may connect to, in a directory anyone may enter.
+fn open_listener(tag: &str, policy: PeerPolicy) -> (Listener, Address, std::path::PathBuf) {
+    let dir = std::env::temp_dir().join(format!("isthmus-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("chmod dir");
+    let addr: Address = format!("shm://{}/s.sock", dir.display()).parse().expect("address");
+    let listener = Listener::bind(&addr, Config { peer_policy: policy, ..Config::default() }).expect("bind");
+    std::fs::set_permissions(addr.socket_path(), std::fs::Permissions::from_mode(0o777)).expect("chmod socket");
+    (listener, addr, dir)
+}
+
+fn running_as_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+#[test]
+fn another_uid_is_refused_by_default_and_admitted_by_the_allow_list() {
+    if !running_as_root() {
+        println!("skipped: switching uid needs root");
+        return;
+    }
+    let (listener, addr, dir) = open_listener("uid-deny", PeerPolicy::SameUid);
+    let mut peer = Peer::spawn(&["client-as-uid", &addr.to_string(), "65534"]);
+    let e = listener.accept().expect_err("uid 65534 is refused");
+    assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{e}");
+    assert!(e.to_string().contains("65534"), "{e}");
+    let line = peer.expect_line("CONNECT-ERROR", Duration::from_secs(30));
+    assert!(line.contains("PermissionDenied") && line.contains("65534"), "{line}");
+    drop(listener);
+
+    let (listener, addr, dir2) = open_listener("uid-allow", PeerPolicy::Uids(vec![65534]));
+    let mut peer = Peer::spawn(&["client-as-uid", &addr.to_string(), "65534"]);
+    let mut c = listener.accept().expect("uid 65534 is allowed");
+    assert_eq!(c.sender.peer().uid, 65534);
+    let f = c.receiver.recv(None).expect("ping");
+    c.sender.send_message(f.stream, 0, &f.body, None).expect("echo");
+    assert_eq!(peer.expect_line("CONNECTED", Duration::from_secs(30)), "CONNECTED ping");
+    for d in [dir, dir2] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+}

@@ -1,0 +1,123 @@
+//! A peer that writes garbage into the segment gets its connection closed with a clear error;
+//! the process on the other side survives and goes on serving.
+
+use std::time::{Duration, Instant};
+
+use isthmus_shm::layout::{self, CLIENT_TO_SERVER, SERVER_TO_CLIENT};
+use isthmus_shm::{flags, Address, Config, Connection, ErrorKind, Kind, Sender};
+use isthmus_tests::{fresh_addr, Peer};
+
+fn ctl(dir: usize, field: usize) -> usize {
+    layout::control_base(dir) + field
+}
+
+/// Damage done by a hostile client to the client→server direction (or, for `bad-release`, to
+/// the release ring of the server's arena).
+fn damage(sender: &Sender, mode: &str) {
+    let l = sender.layout_for_tests();
+    let ring = l.ring_off[CLIENT_TO_SERVER];
+    let publish = |tail: u64| sender.scribble_for_tests(ctl(CLIENT_TO_SERVER, layout::CTL_TAIL), &tail.to_le_bytes());
+    match mode {
+        "tail-jump" => publish(1 << 40),
+        "tail-short" => publish(5),
+        "bad-kind" => {
+            let mut h = [0u8; 16];
+            h[4] = 200;
+            sender.scribble_for_tests(ring, &h);
+            publish(16);
+        }
+        "huge-len" => {
+            let mut h = [0u8; 16];
+            h[0..4].copy_from_slice(&u32::MAX.to_le_bytes());
+            h[4] = Kind::Message as u8;
+            sender.scribble_for_tests(ring, &h);
+            publish(16);
+        }
+        "bad-descriptor" => {
+            let mut f = [0u8; 40];
+            f[0..4].copy_from_slice(&24u32.to_le_bytes());
+            f[4] = Kind::Message as u8;
+            f[5] = flags::ARENA;
+            f[16..24].copy_from_slice(&(l.arena_size[CLIENT_TO_SERVER] as u64).to_le_bytes());
+            f[24..32].copy_from_slice(&4096u64.to_le_bytes());
+            f[32..40].copy_from_slice(&4096u64.to_le_bytes());
+            sender.scribble_for_tests(ring, &f);
+            publish(40);
+        }
+        "bad-release" => {
+            // Give back a block of the server's arena that the server never sent us.
+            let mut e = [0u8; 16];
+            e[0..8].copy_from_slice(&(8 * 4096u64).to_le_bytes());
+            e[8..16].copy_from_slice(&100u64.to_le_bytes());
+            sender.scribble_for_tests(l.rel_off[SERVER_TO_CLIENT], &e);
+            sender.scribble_for_tests(ctl(SERVER_TO_CLIENT, layout::CTL_REL_TAIL), &1u64.to_le_bytes());
+            // Make the server allocate, so it reads the release ring.
+            sender.send_message(1, 0, &vec![7u8; 100 << 10], None).expect("trigger");
+            return;
+        }
+        other => panic!("unknown mode {other}"),
+    }
+    sender.ring_peer_for_tests();
+}
+
+#[test]
+fn a_server_survives_every_kind_of_damage_from_a_client() {
+    let uri = fresh_addr("victim-srv");
+    let mut server = Peer::spawn(&["echo-server", &uri]);
+    let addr: Address = uri.parse().expect("address");
+    for mode in ["tail-jump", "tail-short", "bad-kind", "huge-len", "bad-descriptor", "bad-release"] {
+        let conn = Connection::connect(&addr, &Config::default()).expect("connect");
+        damage(&conn.sender, mode);
+        let line = server.expect_line("CONN-END", Duration::from_secs(30));
+        assert!(line.starts_with("CONN-END Protocol"), "{mode}: {line}");
+        println!("{mode}: {line}");
+        // The server closed that connection: our side sees it.
+        let mut receiver = conn.receiver;
+        let end = loop {
+            match receiver.recv(Some(Instant::now() + Duration::from_secs(30))) {
+                Ok(_) => continue, // an echo sent before the damage was found
+                Err(e) => break e,
+            }
+        };
+        assert_eq!(end.kind(), ErrorKind::PeerGone, "{mode}: {end}");
+        assert!(server.child.try_wait().expect("status").is_none(), "{mode}: the server process died");
+        // ...and it still serves a well-behaved client.
+        let mut good = Connection::connect(&addr, &Config::default()).expect("connect after damage");
+        good.sender.send_message(5, 0, b"still serving", None).expect("send");
+        assert_eq!(&good.receiver.recv(None).expect("echo").body[..], b"still serving");
+        drop(good);
+        let line = server.expect_line("CONN-END", Duration::from_secs(30));
+        assert!(line.starts_with("CONN-END PeerGone"), "a clean hang-up: {line}");
+    }
+}
+
+#[test]
+fn a_client_gets_a_clean_error_from_a_damaging_server() {
+    for mode in ["tail-jump", "bad-kind", "bad-descriptor", "random"] {
+        let uri = fresh_addr("victim-cli");
+        let mut server = Peer::spawn(&["hostile-server", &uri, mode]);
+        let Connection { sender: _sender, mut receiver } =
+            Connection::connect(&uri.parse().expect("address"), &Config::default()).expect("connect");
+        server.expect_line("CORRUPTED", Duration::from_secs(30));
+        let deadline = Instant::now() + Duration::from_secs(if mode == "random" { 3 } else { 30 });
+        let mut frames = 0;
+        let end = loop {
+            match receiver.recv(Some(deadline)) {
+                Ok(_) => frames += 1,
+                Err(e) => break e,
+            }
+        };
+        println!("{mode}: {frames} frames, then {:?}: {end}", end.kind());
+        if mode == "random" {
+            // Random bytes may or may not hit a checked field before the deadline; what matters
+            // is an error, never a crash.
+            assert!(
+                matches!(end.kind(), ErrorKind::Protocol | ErrorKind::Timeout | ErrorKind::MessageTooLarge),
+                "{end}"
+            );
+        } else {
+            assert_eq!(end.kind(), ErrorKind::Protocol, "{mode}: {end}");
+            assert!(receiver.try_recv().is_err(), "{mode}: the connection stays closed");
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! Messages of every size, many threads, zero-copy blocks and async waits, between two processes.
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use isthmus_shm::{flags, Address, Config, Connection, Kind};
+use isthmus_tests::{first_mismatch, fresh_addr, pattern, watchdog, Peer};
+
+fn echo_peer(tag: &str) -> (Peer, Address) {
+    let addr = fresh_addr(tag);
+    let peer = Peer::spawn(&["echo-server", &addr]);
+    (peer, addr.parse().expect("address"))
+}
+
+#[test]
+fn round_trips_at_every_size() {
+    let (_peer, addr) = echo_peer("sizes");
+    watchdog(Duration::from_secs(300), move || {
+        let Connection { sender, mut receiver } = Connection::connect(&addr, &Config::default()).expect("connect");
+        let inline = sender.inline_max();
+        let sizes = [0, 1, 64, 1024, inline, inline + 1, 64 << 10, 1 << 20, 16 << 20, (32 << 20) + 1, 256 << 20];
+        for (i, &size) in sizes.iter().enumerate() {
+            let stream = i as u64 + 1;
+            let payload = pattern(size, stream);
+            sender.send_message(stream, flags::END_STREAM, &payload, None).expect("send");
+            drop(payload);
+            let f = receiver.recv(Some(Instant::now() + Duration::from_secs(120))).expect("echo");
+            assert_eq!((f.kind, f.stream, f.flags), (Kind::Message, stream, flags::END_STREAM), "size {size}");
+            assert_eq!(f.body.len(), size, "size {size}");
+            assert_eq!(first_mismatch(&f.body, stream), None, "size {size}: corrupted");
+        }
+        let c = sender.counters();
+        assert_eq!(c.bytes_received as usize, sizes.iter().sum::<usize>());
+        assert!(c.frames_received as usize > sizes.len(), "the largest messages came in pieces");
+    });
+}
+
+#[test]
+fn ten_thousand_messages_from_eight_threads_arrive_intact() {
+    const THREADS: u64 = 8;
+    const PER_THREAD: u64 = 1250;
+    let (_peer, addr) = echo_peer("threads");
+    watchdog(Duration::from_secs(300), move || {
+        let Connection { sender, mut receiver } = Connection::connect(&addr, &Config::default()).expect("connect");
+        let reader = std::thread::spawn(move || {
+            let mut seen = HashSet::new();
+            let mut bytes = 0usize;
+            for _ in 0..THREADS * PER_THREAD {
+                let f = receiver.recv(Some(Instant::now() + Duration::from_secs(60))).expect("echo");
+                assert_eq!(first_mismatch(&f.body, f.stream), None, "stream {} corrupted", f.stream);
+                assert_eq!(f.body.len(), size_for(f.stream), "stream {} length", f.stream);
+                assert!(seen.insert(f.stream), "stream {} delivered twice", f.stream);
+                bytes += f.body.len();
+            }
+            (seen.len(), bytes)
+        });
+        let sender = Arc::new(sender);
+        let writers: Vec<_> = (0..THREADS)
+            .map(|t| {
+                let sender = sender.clone();
+                std::thread::spawn(move || {
+                    for i in 0..PER_THREAD {
+                        let stream = (t << 32) | i;
+                        sender.send_message(stream, 0, &pattern(size_for(stream), stream), None).expect("send");
+                    }
+                })
+            })
+            .collect();
+        for w in writers {
+            w.join().expect("writer");
+        }
+        let (distinct, bytes) = reader.join().expect("reader");
+        assert_eq!(distinct as u64, THREADS * PER_THREAD, "messages lost");
+        println!("10,000 messages, {bytes} bytes, 0 lost, 0 corrupted");
+    });
+}
+
+/// Mixes inline messages with arena blocks of up to ~200 KiB.
+fn size_for(stream: u64) -> usize {
+    let x = isthmus_tests::mix(stream);
+    if x % 4 == 0 {
+        (x >> 8) as usize % (200 << 10)
+    } else {
+        (x >> 8) as usize % 4096
+    }
+}
+
+#[test]
+fn a_block_written_in_place_is_read_in_place() {
+    let (_peer, addr) = echo_peer("block");
+    watchdog(Duration::from_secs(60), move || {
+        let Connection { sender, mut receiver } = Connection::connect(&addr, &Config::default()).expect("connect");
+        let mut block = sender.alloc(3 << 20, None).expect("alloc");
+        isthmus_tests::fill(&mut block[..(1 << 20) + 5], 42);
+        block.truncate((1 << 20) + 5);
+        sender.send_block(9, 0, block, None).expect("send block");
+        let f = receiver.recv(None).expect("echo");
+        assert_eq!(f.body.len(), (1 << 20) + 5);
+        assert_eq!(first_mismatch(&f.body, 42), None);
+        assert!(sender.counters().arena_high_water >= 3 << 20, "the block came from the arena");
+        // An unsent block goes back to the arena: the whole arena can be taken again.
+        drop(sender.alloc(40 << 20, None).expect("alloc"));
+        drop(
+            sender
+                .alloc(sender.max_block(), Some(Instant::now() + Duration::from_secs(30)))
+                .expect("whole arena is free again"),
+        );
+    });
+}
+
+#[test]
+fn async_send_and_recv_on_tokio() {
+    let (_peer, addr) = echo_peer("async");
+    watchdog(Duration::from_secs(60), move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        rt.block_on(async move {
+            let Connection { sender, mut receiver } = Connection::connect(&addr, &Config::default()).expect("connect");
+            for i in 0..200u64 {
+                sender.send_async(Kind::Message, 0, i, &pattern(100, i)).await.expect("send");
+                let f = receiver.recv_async().await.expect("recv");
+                assert_eq!((f.stream, first_mismatch(&f.body, i)), (i, None));
+            }
+            let mut block = sender.alloc_async(1 << 20).await.expect("alloc");
+            isthmus_tests::fill(&mut block, 5);
+            sender.send_block(500, 0, block, None).expect("send block");
+            let f = tokio::time::timeout(Duration::from_secs(30), receiver.recv_async())
+                .await
+                .expect("in time")
+                .expect("recv");
+            assert_eq!(first_mismatch(&f.body, 5), None);
+        });
+    });
+}
+
+#[test]
+fn a_slow_reader_applies_backpressure_without_loss() {
+    // The client's 1 MiB arena and 4 KiB ring fill long before 64 MiB has gone by.
+    let (_peer, addr) = echo_peer("pressure");
+    watchdog(Duration::from_secs(120), move || {
+        let cfg = Config { ring_size: 4096, arena_size: 1 << 20, inline_max: 512, ..Config::default() };
+        let Connection { sender, mut receiver } = Connection::connect(&addr, &cfg).expect("connect");
+        let writer = std::thread::spawn(move || {
+            for i in 0..256u64 {
+                sender.send_message(i, 0, &pattern(256 << 10, i), None).expect("send");
+            }
+            sender
+        });
+        std::thread::sleep(Duration::from_millis(200)); // let the writer hit the walls
+        for i in 0..256u64 {
+            let f = receiver.recv(None).expect("echo");
+            assert_eq!((f.stream, first_mismatch(&f.body, i)), (i, None));
+        }
+        let c = writer.join().expect("writer").counters();
+        assert!(c.arena_full_waits > 0, "the writer should have waited for arena room: {c:?}");
+    });
+}
