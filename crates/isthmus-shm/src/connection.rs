@@ -290,7 +290,7 @@ impl Sender {
         }
     }
 
-    /// Sends a filled block as one MESSAGE; the block's length is its [`BlockMut::len`].
+    /// Sends a filled block as one MESSAGE of the block's length (after any `truncate`).
     pub fn send_block(&self, stream: u64, frame_flags: u8, block: BlockMut, deadline: Option<Instant>) -> Result<()> {
         let total = block.len as u64;
         self.send_block_as(stream, frame_flags, block, total, deadline)

@@ -67,9 +67,11 @@ impl Health {
 
 /// A raw fd for tokio's `AsyncFd`, which must not own it: the owner is a field declared after
 /// the `AsyncFd`, so the registration is dropped before the fd is closed.
+#[cfg(feature = "tokio")]
 #[derive(Debug)]
 pub(crate) struct FdRef(RawFd);
 
+#[cfg(feature = "tokio")]
 impl AsRawFd for FdRef {
     fn as_raw_fd(&self) -> RawFd {
         self.0
