@@ -1,1 +1,141 @@
-fn main() {}
+//! `isthmus-bench`: runs isthmus beside its competitors in one run, alternating systems within
+//! each round, and writes `docs/bench/results.json` plus a table of medians and ratios.
+//!
+//! ```text
+//! isthmus-bench transport [--quick] [--out docs/bench/results.json]
+//! ```
+//!
+//! The `serve-*` roles are the echo servers this binary starts as child processes.
+
+mod measure;
+mod report;
+mod system;
+
+use std::time::Duration;
+
+use measure::Budget;
+use report::Record;
+use system::{FloorEventfd, FloorSpin, Memcpy, SameCore, ShmEcho, System, UdsEcho};
+
+const SIZES: [usize; 6] = [64, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20];
+const ROUNDS: usize = 3;
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |i: usize| args.get(i).cloned().unwrap_or_default();
+    let num = |i: usize| arg(i).parse::<i64>().unwrap_or_else(|_| panic!("argument {i} must be a number"));
+    match arg(1).as_str() {
+        "serve-shm" => system::serve_shm(&arg(2), num(3) as u64),
+        "serve-uds" => system::serve_uds(&arg(2)),
+        "serve-eventfd" => system::serve_eventfd(num(2) as i32, num(3) as i32),
+        "serve-spin" => system::serve_spin(num(2) as i32),
+        "demo" => demo(),
+        "transport" => {
+            let quick = args.iter().any(|a| a == "--quick");
+            let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
+            transport(quick, out.as_deref().unwrap_or("docs/bench/results.json"));
+        }
+        _ => {
+            eprintln!("usage: isthmus-bench transport [--quick] [--out FILE] | demo");
+            std::process::exit(2);
+        }
+    }
+}
+
+/// The transport matrix: isthmus-shm against a raw Unix-socket echo and the physical floors.
+fn transport(quick: bool, out: &str) {
+    let budget = if quick {
+        Budget { time: Duration::from_millis(120), min_iters: 3, max_iters: 50_000 }
+    } else {
+        Budget { time: Duration::from_millis(500), min_iters: 5, max_iters: 200_000 }
+    };
+    let spin = isthmus_shm::SpinPolicy::default().max;
+    let shm = ShmEcho::start("isthmus-shm-transport", spin);
+    let nospin = ShmEcho::start("isthmus-shm-transport-nospin", Duration::ZERO);
+    let samecore_inner = ShmEcho::start("isthmus-shm-transport-samecore", spin);
+    let samecore_pid = samecore_inner.server.pid();
+    let mut full: Vec<Box<dyn System>> = vec![Box::new(shm), Box::new(UdsEcho::start()), Box::new(Memcpy)];
+    let mut small: Vec<Box<dyn System>> = vec![
+        Box::new(nospin),
+        Box::new(SameCore { name: "isthmus-shm-transport-samecore", inner: samecore_inner, server_pid: samecore_pid }),
+    ];
+    let mut floors: Vec<Box<dyn System>> = vec![Box::new(FloorEventfd::start()), Box::new(FloorSpin::start())];
+
+    let cells = ROUNDS * (SIZES.len() * full.len() + 2 * small.len() + floors.len() + 2);
+    let mut done = 0;
+    let mut progress = |what: &str| {
+        done += 1;
+        status(&format!("[{done:>3}/{cells}] {what}"));
+    };
+    let mut records = Vec::new();
+    for round in 1..=ROUNDS {
+        for &size in &SIZES {
+            for sys in full.iter_mut() {
+                progress(&format!("round {round}: {} {}", sys.name(), report::size_name(size)));
+                records.push(Record::new(sys.name(), size, 1, round, sys.round_trip(size, budget)));
+            }
+        }
+        for &size in &SIZES[..2] {
+            for sys in small.iter_mut() {
+                progress(&format!("round {round}: {} {}", sys.name(), report::size_name(size)));
+                records.push(Record::new(sys.name(), size, 1, round, sys.round_trip(size, budget)));
+            }
+        }
+        for sys in floors.iter_mut() {
+            progress(&format!("round {round}: {}", sys.name()));
+            records.push(Record::new(sys.name(), 0, 1, round, sys.round_trip(0, budget)));
+        }
+        for sys in full.iter_mut() {
+            if let Some(s) = sys.pipelined(64, 32, budget) {
+                progress(&format!("round {round}: {} 64 B x32 in flight", sys.name()));
+                records.push(Record::new(sys.name(), 64, 32, round, s));
+            }
+        }
+    }
+    status("");
+    eprintln!("done: {} measurements", records.len());
+    drop((full, small, floors));
+    report::write(out, &records, quick);
+    report::print_transport(&records);
+}
+
+/// A short, friendly comparison for `make demo`: one round, a few sizes, no files written.
+fn demo() {
+    let budget = Budget { time: Duration::from_millis(300), min_iters: 5, max_iters: 100_000 };
+    println!("isthmus demo: echo round trips between two processes on this machine\n");
+    let mut shm = ShmEcho::start("isthmus-shm-transport", isthmus_shm::SpinPolicy::default().max);
+    let mut uds = UdsEcho::start();
+    println!("| message | isthmus (shm://) p50 | Unix socket p50 | speed-up |");
+    println!("|---:|---:|---:|---:|");
+    for size in [64, 4 << 10, 64 << 10, 1 << 20, 16 << 20] {
+        status(&format!("measuring {} ...", report::size_name(size)));
+        let a = shm.round_trip(size, budget);
+        let b = uds.round_trip(size, budget);
+        status("");
+        println!(
+            "| {} | {:.2} µs | {:.2} µs | {:.1}× |",
+            report::size_name(size),
+            a.p50_us,
+            b.p50_us,
+            b.p50_us / a.p50_us
+        );
+    }
+    let (a, b) = (shm.pipelined(64, 32, budget), uds.pipelined(64, 32, budget));
+    if let (Some(a), Some(b)) = (a, b) {
+        println!(
+            "\n64 B, 32 in flight: isthmus {:.0} msg/s, Unix socket {:.0} msg/s ({:.1}×)",
+            a.rps,
+            b.rps,
+            a.rps / b.rps
+        );
+    }
+    println!("\n(gRPC semantics over this transport arrive with the RPC engine; `make bench` has the full matrix.)");
+}
+
+/// A progress line that rewrites itself on a terminal and stays silent in logs.
+fn status(line: &str) {
+    use std::io::IsTerminal;
+    if std::io::stderr().is_terminal() {
+        eprint!("\r\x1b[K{line}");
+    }
+}

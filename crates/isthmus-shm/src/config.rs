@@ -29,18 +29,21 @@ impl PeerPolicy {
 
 /// How long a waiter spins before it sleeps on the doorbell.
 ///
-/// Spinning answers in ~0.3 µs where a sleep/wake costs ~10 µs, but a spinner holds a core the
-/// peer may need. The spin is bounded by time, and after the first fifth of it every iteration
-/// yields the CPU, so a peer that shares this core still gets to run.
+/// Spinning answers in well under a microsecond where a sleep and wake-up costs 5–60 µs (more
+/// when the sleeper's CPU has gone idle), but a spinner holds a core the peer may need. So the
+/// spin is bounded by time, and after `yield_after` every iteration yields the CPU: a peer that
+/// shares this core gets it at once instead of waiting out the spin.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SpinPolicy {
     /// Upper bound on spinning per wait; zero sleeps at once.
     pub max: Duration,
+    /// Pure spinning before each iteration starts to yield the CPU.
+    pub yield_after: Duration,
 }
 
 impl Default for SpinPolicy {
     fn default() -> SpinPolicy {
-        SpinPolicy { max: Duration::from_micros(50) }
+        SpinPolicy { max: Duration::from_micros(50), yield_after: Duration::from_micros(2) }
     }
 }
 

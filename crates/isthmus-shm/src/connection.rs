@@ -492,6 +492,63 @@ impl Drop for BlockMut {
     }
 }
 
+/// Reassembly buffers come back here when the message that used one is dropped, so a stream of
+/// large messages reuses warm memory instead of faulting in fresh pages (for 256 MiB that is
+/// 65,536 page faults, more than the copies themselves). Bounded: two buffers of up to 1 GiB.
+#[derive(Debug, Default)]
+struct BufferPool {
+    spare: Mutex<Vec<Vec<u8>>>,
+}
+
+impl BufferPool {
+    const KEEP: usize = 2;
+    const MAX_POOLED: usize = 1 << 30;
+
+    fn take(&self, want: usize) -> Vec<u8> {
+        let reused = self.spare.lock().ok().and_then(|mut spare| {
+            let best = spare.iter().enumerate().max_by_key(|(_, v)| v.capacity()).map(|(i, _)| i)?;
+            Some(spare.swap_remove(best))
+        });
+        match reused {
+            Some(mut v) => {
+                v.clear();
+                v
+            }
+            // Start bounded and grow with what arrives (large reallocations are remaps, not
+            // copies), so a lying `total` costs the peer, not us.
+            None => Vec::with_capacity(want.min(16 << 20)),
+        }
+    }
+
+    fn give(&self, v: Vec<u8>) {
+        if v.capacity() <= Self::MAX_POOLED {
+            if let Ok(mut spare) = self.spare.lock() {
+                if spare.len() < Self::KEEP {
+                    spare.push(v);
+                }
+            }
+        }
+    }
+}
+
+/// A reassembled message; its buffer goes back to the pool when the last `Bytes` drops.
+struct Pooled {
+    buf: Vec<u8>,
+    pool: Arc<BufferPool>,
+}
+
+impl AsRef<[u8]> for Pooled {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf
+    }
+}
+
+impl Drop for Pooled {
+    fn drop(&mut self) {
+        self.pool.give(std::mem::take(&mut self.buf));
+    }
+}
+
 /// A message arriving in pieces.
 #[derive(Debug)]
 struct Partial {
@@ -507,6 +564,7 @@ pub struct Receiver {
     ring: FrameConsumer,
     releaser: Arc<Releaser>,
     partial: HashMap<u64, Partial>,
+    pool: Arc<BufferPool>,
 }
 
 impl fmt::Debug for Receiver {
@@ -577,12 +635,11 @@ impl Receiver {
             return Ok(Some(frame(Bytes::from_owner(lease))));
         }
         let limit = c.max_message_size;
+        let pool = &self.pool;
         let p = self.partial.entry(h.stream).or_insert_with(|| {
             let oversize = d.total > limit;
-            // Reserve a bounded start and grow with what actually arrives (large reallocations
-            // are remaps, not copies), so a lying `total` costs the peer, not us.
-            let cap = if oversize { 0 } else { d.total.min(16 << 20) as usize };
-            Partial { buf: Vec::with_capacity(cap), received: 0, total: d.total, oversize }
+            let buf = if oversize { Vec::new() } else { pool.take(d.total as usize) };
+            Partial { buf, received: 0, total: d.total, oversize }
         });
         if p.total != d.total || p.received + d.len > p.total {
             return Err(Error::protocol(format!(
@@ -602,7 +659,7 @@ impl Receiver {
         if p.oversize {
             return Err(self.too_large(h.stream, p.total));
         }
-        Ok(Some(frame(Bytes::from(p.buf))))
+        Ok(Some(frame(Bytes::from_owner(Pooled { buf: p.buf, pool: self.pool.clone() }))))
     }
 
     fn too_large(&self, stream: u64, size: u64) -> Error {
@@ -727,8 +784,13 @@ impl Connection {
             stats: Stats::default(),
             peer: p.peer,
         });
-        let receiver =
-            Receiver { ring: FrameConsumer::new(p.seg, rx), core: core.clone(), releaser, partial: HashMap::new() };
+        let receiver = Receiver {
+            ring: FrameConsumer::new(p.seg, rx),
+            core: core.clone(),
+            releaser,
+            partial: HashMap::new(),
+            pool: Arc::default(),
+        };
         Connection { sender: Sender { core }, receiver }
     }
 

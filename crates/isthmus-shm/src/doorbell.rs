@@ -99,7 +99,7 @@ impl Drop for PollerGuard<'_> {
 }
 
 impl Waiter<'_> {
-    /// Spins for at most the policy's bound, yielding the CPU after its first fifth.
+    /// Spins for at most the policy's bound, yielding the CPU after `yield_after`.
     fn spin(&self, deadline: Option<Instant>, ready: &mut impl FnMut() -> Result<bool>) -> Result<bool> {
         let max = self.spin.max;
         if max.is_zero() {
@@ -119,7 +119,7 @@ impl Waiter<'_> {
             if spent >= max || deadline.is_some_and(|d| now >= d) {
                 return Ok(false);
             }
-            if spent >= max / 5 {
+            if spent >= self.spin.yield_after {
                 std::thread::yield_now();
             }
         }

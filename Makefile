@@ -1,0 +1,59 @@
+# isthmus — one entry point for people, CI and hooks alike. `make help` lists the targets.
+#
+# Everything a target needs it installs itself (idempotently): Rust comes from rustup as the
+# machine provides it; cargo-fuzz is installed with cargo on first use.
+
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+CARGO ?= cargo
+QUICK ?=
+FUZZ_SECONDS ?= 15
+FUZZ_TARGETS := frame handshake ring
+export CARGO_TERM_COLOR ?= never
+
+.PHONY: help test lint fmt unit fuzz-smoke bench demo tools clean
+
+help: ## List the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
+	@echo "  options: QUICK=1 (make bench: reduced set, < 2 min), FUZZ_SECONDS=N (per fuzz target)"
+
+tools: ## Install what the targets need (idempotent)
+	@command -v $(CARGO) >/dev/null || { echo "cargo not found: install Rust with rustup (https://rustup.rs)"; exit 1; }
+	@rustup component list --installed 2>/dev/null | grep -q clippy || rustup component add clippy rustfmt
+	@command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
+
+test: tools lint unit fuzz-smoke ## Run every check and test: lint, unit, cross-process, doc tests, fuzz smoke
+	@awk '/^test result:/ {p += $$4; f += $$6} END {printf "tests: %d passed, %d failed\n", p, f}' target/test-output.log
+
+lint: tools ## cargo fmt --check, clippy -D warnings, rustdoc -D warnings
+	$(CARGO) fmt --all -- --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
+	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --quiet
+
+fmt: ## Format the Rust code
+	$(CARGO) fmt --all
+
+unit: ## cargo test: unit, cross-process integration and doc tests
+	@mkdir -p target
+	set -o pipefail; $(CARGO) test --workspace 2>&1 | tee target/test-output.log
+
+# cargo-fuzz drives libFuzzer with AddressSanitizer, which needs unstable flags;
+# RUSTC_BOOTSTRAP lets the stable toolchain accept them, so no nightly is needed.
+fuzz-smoke: tools ## Run each fuzz target for FUZZ_SECONDS
+	cd fuzz && for t in $(FUZZ_TARGETS); do \
+	  RUSTC_BOOTSTRAP=1 cargo fuzz run -O $$t -- -max_total_time=$(FUZZ_SECONDS) 2>&1 \
+	    | grep -E '^(Done|==[0-9]+==|SUMMARY|thread .* panicked)|ERROR' ; \
+	  test $${PIPESTATUS[0]} -eq 0 || exit 1; \
+	done
+
+bench: tools ## Benchmarks beside their competitors; writes docs/bench/results.json
+	$(CARGO) build --release -p isthmus-bench
+	./target/release/isthmus-bench transport $(if $(QUICK),--quick) --out docs/bench/results.json
+
+demo: tools ## The demo: isthmus-shm beside a Unix-socket echo, between two processes
+	$(CARGO) build --release -p isthmus-bench
+	./target/release/isthmus-bench demo
+
+clean: ## Remove build output
+	$(CARGO) clean
+	rm -rf fuzz/target

@@ -1,0 +1,184 @@
+//! results.json (merged: a run replaces only the systems it measured) and the printed table.
+
+use std::collections::BTreeMap;
+use std::process::Command;
+
+use serde_json::{json, Value};
+
+use crate::measure::{median, Sample};
+
+/// One measurement, in the field names other tools read.
+#[derive(Debug, Clone)]
+pub struct Record {
+    pub system: String,
+    pub size: usize,
+    pub inflight: usize,
+    pub round: usize,
+    pub sample: Sample,
+}
+
+impl Record {
+    pub fn new(system: &str, size: usize, inflight: usize, round: usize, sample: Sample) -> Record {
+        Record { system: system.to_owned(), size, inflight, round, sample }
+    }
+
+    fn to_json(&self) -> Value {
+        let r = |v: f64| if v.is_finite() { json!((v * 1000.0).round() / 1000.0) } else { Value::Null };
+        json!({
+            "system": self.system, "size": self.size, "inflight": self.inflight,
+            "p50_us": r(self.sample.p50_us), "p99_us": r(self.sample.p99_us), "rps": r(self.sample.rps),
+            "round": self.round,
+        })
+    }
+}
+
+pub fn size_name(size: usize) -> String {
+    match size {
+        0 => "-".into(),
+        s if s >= 1 << 20 => format!("{} MiB", s >> 20),
+        s if s >= 1 << 10 => format!("{} KiB", s >> 10),
+        s => format!("{s} B"),
+    }
+}
+
+fn command(cmd: &str, args: &[&str]) -> String {
+    Command::new(cmd)
+        .args(args)
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .filter(|s| !s.is_empty())
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn header(quick: bool) -> Value {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines().find(|l| l.starts_with("model name")).map(|l| l.split(':').nth(1).unwrap_or("").trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let mem_gib = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| m.lines().next().and_then(|l| l.split_whitespace().nth(1)).and_then(|kb| kb.parse::<u64>().ok()))
+        .map_or(0, |kb| kb >> 20);
+    json!({
+        "date": command("date", &["-u", "+%Y-%m-%dT%H:%M:%SZ"]),
+        "machine": {
+            "cpu": cpu,
+            "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
+            "memory_gib": mem_gib,
+            "kernel": command("uname", &["-r"]),
+        },
+        "versions": {
+            "isthmus": env!("CARGO_PKG_VERSION"),
+            "rustc": command("rustc", &["--version"]),
+            "commit": command("git", &["rev-parse", "--short", "HEAD"]),
+        },
+        "quick": quick,
+        "rounds": crate::ROUNDS,
+        "fields": "system, size (bytes), inflight, p50_us, p99_us, rps, round; medians are taken across rounds",
+    })
+}
+
+/// Writes `records`, keeping records of systems this run did not measure.
+pub fn write(path: &str, records: &[Record], quick: bool) {
+    let ours: std::collections::HashSet<&str> = records.iter().map(|r| r.system.as_str()).collect();
+    let mut kept: Vec<Value> = std::fs::read_to_string(path)
+        .ok()
+        .and_then(|s| serde_json::from_str::<Value>(&s).ok())
+        .and_then(|v| v.get("records").and_then(|r| r.as_array()).cloned())
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|r| r.get("system").and_then(|s| s.as_str()).is_some_and(|s| !ours.contains(s)))
+        .collect();
+    kept.extend(records.iter().map(Record::to_json));
+    // One record per line: diffs of the committed file stay readable.
+    let lines: Vec<String> = kept.iter().map(|r| format!("    {r}")).collect();
+    let head = serde_json::to_string_pretty(&header(quick)).expect("json").replace('\n', "\n  ");
+    let text = format!("{{\n  \"header\": {head},\n  \"records\": [\n{}\n  ]\n}}\n", lines.join(",\n"));
+    if let Some(dir) = std::path::Path::new(path).parent() {
+        let _ = std::fs::create_dir_all(dir);
+    }
+    std::fs::write(path, text).unwrap_or_else(|e| panic!("cannot write {path}: {e}"));
+    eprintln!("wrote {path}");
+}
+
+/// Medians across rounds: (p50, p99, rps) per (system, size, inflight).
+pub fn medians(records: &[Record]) -> BTreeMap<(String, usize, usize), (f64, f64, f64)> {
+    let mut groups: BTreeMap<(String, usize, usize), Vec<Sample>> = BTreeMap::new();
+    for r in records {
+        groups.entry((r.system.clone(), r.size, r.inflight)).or_default().push(r.sample);
+    }
+    groups
+        .into_iter()
+        .map(|(k, v)| {
+            let mut p50: Vec<f64> = v.iter().map(|s| s.p50_us).collect();
+            let mut p99: Vec<f64> = v.iter().map(|s| s.p99_us).collect();
+            let mut rps: Vec<f64> = v.iter().map(|s| s.rps).collect();
+            (k, (median(&mut p50), median(&mut p99), median(&mut rps)))
+        })
+        .collect()
+}
+
+fn us(v: f64) -> String {
+    if v >= 10_000.0 {
+        format!("{:.1} ms", v / 1000.0)
+    } else if v >= 100.0 {
+        format!("{v:.0} µs")
+    } else {
+        format!("{v:.2} µs")
+    }
+}
+
+pub fn print_transport(records: &[Record]) {
+    let m = medians(records);
+    let get = |sys: &str, size: usize, inflight: usize| m.get(&(sys.to_owned(), size, inflight)).copied();
+    println!("\nisthmus-shm transport: round trips between two processes (medians of {} rounds)\n", crate::ROUNDS);
+    println!("| size | isthmus-shm p50 | p99 | raw-uds p50 | p99 | isthmus ÷ raw-uds | memcpy (one way) | isthmus ÷ memcpy |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    for &size in &crate::SIZES {
+        let (Some(i), Some(u), Some(c)) =
+            (get("isthmus-shm-transport", size, 1), get("raw-uds", size, 1), get("memcpy", size, 1))
+        else {
+            continue;
+        };
+        println!(
+            "| {} | {} | {} | {} | {} | {:.2}× | {} | {:.2}× |",
+            size_name(size),
+            us(i.0),
+            us(i.1),
+            us(u.0),
+            us(u.1),
+            i.0 / u.0,
+            us(c.0),
+            i.0 / c.0
+        );
+    }
+    if let (Some(i), Some(u)) = (get("isthmus-shm-transport", 64, 32), get("raw-uds", 64, 32)) {
+        println!(
+            "\n64 B with 32 in flight: isthmus-shm {:.0} msg/s, raw-uds {:.0} msg/s ({:.1}×)",
+            i.2,
+            u.2,
+            i.2 / u.2
+        );
+    }
+    println!("\nWake-up regimes at 64 B (p50 / p99):");
+    for (name, what) in [
+        ("isthmus-shm-transport", "default: bounded spin, then eventfd sleep"),
+        ("isthmus-shm-transport-nospin", "spin 0: every wait sleeps on the eventfd"),
+        ("isthmus-shm-transport-samecore", "client and server pinned to one core"),
+    ] {
+        if let Some(v) = get(name, 64, 1) {
+            println!("  {name:<32} {:>10} / {:>10}   {what}", us(v.0), us(v.1));
+        }
+    }
+    for (name, what) in [
+        ("floor-spin", "two processes spinning on one shared word"),
+        ("floor-eventfd", "two processes waking each other by eventfd"),
+    ] {
+        if let Some(v) = get(name, 0, 1) {
+            println!("  {name:<32} {:>10} / {:>10}   {what}", us(v.0), us(v.1));
+        }
+    }
+}

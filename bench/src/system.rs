@@ -1,0 +1,475 @@
+//! The systems under comparison. Each echo server runs in a child process (this binary, re-run
+//! with a `serve-*` role), so every round trip crosses a real process boundary.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use isthmus_shm::{Address, Config, Connection, Kind, Listener, Receiver, Sender, SpinPolicy};
+
+use crate::measure::{self, Budget, Sample};
+
+/// One competitor.
+pub trait System {
+    /// The stable name written into results.json.
+    fn name(&self) -> &'static str;
+    /// One message in flight: send `size` bytes, wait for `size` bytes back.
+    fn round_trip(&mut self, size: usize, budget: Budget) -> Sample;
+    /// `inflight` messages kept in flight; `None` if the system has no such mode.
+    fn pipelined(&mut self, _size: usize, _inflight: usize, _budget: Budget) -> Option<Sample> {
+        None
+    }
+}
+
+/// A child process that prints `READY` when it is set up and is killed on drop.
+pub struct Server(Child);
+
+impl Server {
+    fn spawn(args: &[String]) -> Server {
+        let exe = std::env::current_exe().expect("own path");
+        let mut child = Command::new(exe).args(args).stdout(Stdio::piped()).spawn().expect("spawn server");
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("server output");
+        assert_eq!(line.trim(), "READY", "server {args:?} failed to start");
+        Server(child)
+    }
+
+    pub fn pid(&self) -> i32 {
+        self.0.id() as i32
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn ready() {
+    println!("READY");
+    let _ = std::io::stdout().flush();
+}
+
+fn unique(tag: &str) -> String {
+    static N: AtomicU64 = AtomicU64::new(0);
+    format!("bench-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+// ---------------------------------------------------------------------------------------------
+// isthmus-shm: echo through the transport.
+
+fn shm_config(spin: Duration) -> Config {
+    Config { spin: SpinPolicy { max: spin, ..SpinPolicy::default() }, ..Config::default() }
+}
+
+/// Server role: echo every MESSAGE on its stream.
+pub fn serve_shm(addr: &str, spin_us: u64) {
+    let addr: Address = addr.parse().expect("address");
+    let listener = Listener::bind(&addr, shm_config(Duration::from_micros(spin_us))).expect("bind");
+    ready();
+    while let Ok(conn) = listener.accept() {
+        std::thread::spawn(move || {
+            let Connection { sender, mut receiver } = conn;
+            while let Ok(f) = receiver.recv(None) {
+                if f.kind == Kind::Message && sender.send_message(f.stream, f.flags, &f.body, None).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+}
+
+/// isthmus-shm echo, with a name per configuration (default, no spin, both on one core).
+pub struct ShmEcho {
+    name: &'static str,
+    pub server: Server,
+    sender: Sender,
+    receiver: Receiver,
+}
+
+impl ShmEcho {
+    pub fn start(name: &'static str, spin: Duration) -> ShmEcho {
+        let addr = format!("shm://{}", unique("shm"));
+        let server = Server::spawn(&["serve-shm".into(), addr.clone(), spin.as_micros().to_string()]);
+        let conn = Connection::connect(&addr.parse().expect("address"), &shm_config(spin)).expect("connect");
+        ShmEcho { name, server, sender: conn.sender, receiver: conn.receiver }
+    }
+}
+
+impl System for ShmEcho {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn round_trip(&mut self, size: usize, budget: Budget) -> Sample {
+        let payload = vec![0x5au8; size];
+        let (sender, receiver) = (&self.sender, &mut self.receiver);
+        measure::run(budget, size, || {
+            sender.send_message(1, 0, &payload, None).expect("send");
+            let f = receiver.recv(None).expect("echo");
+            assert_eq!(f.body.len(), size);
+        })
+    }
+
+    fn pipelined(&mut self, size: usize, inflight: usize, budget: Budget) -> Option<Sample> {
+        let payload = vec![0x5au8; size];
+        let (sender, receiver) = (&self.sender, &mut self.receiver);
+        let mut sent_at = vec![Instant::now(); inflight];
+        let total = (budget.max_iters * 4).max(inflight * 4);
+        let mut lat = Vec::with_capacity(total);
+        let start = Instant::now();
+        for (s, at) in sent_at.iter_mut().enumerate() {
+            *at = Instant::now();
+            sender.send_message(s as u64, 0, &payload, None).expect("send");
+        }
+        let mut sent = inflight;
+        while lat.len() < total {
+            let f = receiver.recv(None).expect("echo");
+            let s = f.stream as usize;
+            lat.push(sent_at[s].elapsed());
+            if sent < total {
+                sent_at[s] = Instant::now();
+                sender.send_message(s as u64, 0, &payload, None).expect("send");
+                sent += 1;
+            }
+            if start.elapsed() > budget.time * 4 && lat.len() >= budget.min_iters && sent == lat.len() {
+                break;
+            }
+        }
+        let n = lat.len();
+        Some(measure::summarise(&mut lat, n, start.elapsed()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// raw-uds: a length-prefixed echo over a Unix stream socket, the floor of socket IPC.
+
+/// Server role: read `u64 length, bytes`, write them back.
+pub fn serve_uds(path: &str) {
+    let _ = std::fs::remove_file(path);
+    let listener = UnixListener::bind(path).expect("bind");
+    ready();
+    while let Ok((mut s, _)) = listener.accept() {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            let mut len = [0u8; 8];
+            while s.read_exact(&mut len).is_ok() {
+                let n = u64::from_le_bytes(len) as usize;
+                buf.resize(n, 0);
+                if s.read_exact(&mut buf).is_err() || s.write_all(&len).is_err() || s.write_all(&buf).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+}
+
+pub struct UdsEcho {
+    _server: Server,
+    stream: UnixStream,
+    path: String,
+}
+
+impl UdsEcho {
+    pub fn start() -> UdsEcho {
+        let path = std::env::temp_dir().join(format!("{}.sock", unique("uds"))).display().to_string();
+        let server = Server::spawn(&["serve-uds".into(), path.clone()]);
+        let stream = UnixStream::connect(&path).expect("connect");
+        UdsEcho { _server: server, stream, path }
+    }
+
+    fn send(stream: &mut UnixStream, payload: &[u8]) {
+        stream.write_all(&(payload.len() as u64).to_le_bytes()).expect("write");
+        stream.write_all(payload).expect("write");
+    }
+
+    fn recv(stream: &mut UnixStream, buf: &mut Vec<u8>) {
+        let mut len = [0u8; 8];
+        stream.read_exact(&mut len).expect("read");
+        buf.resize(u64::from_le_bytes(len) as usize, 0);
+        stream.read_exact(buf).expect("read");
+    }
+}
+
+impl Drop for UdsEcho {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+impl System for UdsEcho {
+    fn name(&self) -> &'static str {
+        "raw-uds"
+    }
+
+    fn round_trip(&mut self, size: usize, budget: Budget) -> Sample {
+        let payload = vec![0x5au8; size];
+        let mut buf = Vec::with_capacity(size);
+        let stream = &mut self.stream;
+        if size >= 1 << 20 {
+            // Large writes block until the server reads; the client writes from a thread so the
+            // two directions overlap, as a real peer would.
+            return measure::run(budget, size, || {
+                let mut w = stream.try_clone().expect("clone");
+                let p = &payload;
+                std::thread::scope(|sc| {
+                    sc.spawn(move || Self::send(&mut w, p));
+                    Self::recv(stream, &mut buf);
+                });
+            });
+        }
+        measure::run(budget, size, || {
+            Self::send(stream, &payload);
+            Self::recv(stream, &mut buf);
+        })
+    }
+
+    fn pipelined(&mut self, size: usize, inflight: usize, budget: Budget) -> Option<Sample> {
+        let payload = vec![0x5au8; size];
+        let mut buf = Vec::new();
+        let stream = &mut self.stream;
+        let total = (budget.max_iters * 4).max(inflight * 4);
+        let mut sent_at = std::collections::VecDeque::with_capacity(inflight);
+        let mut lat = Vec::with_capacity(total);
+        let start = Instant::now();
+        for _ in 0..inflight {
+            sent_at.push_back(Instant::now());
+            Self::send(stream, &payload);
+        }
+        let mut sent = inflight;
+        while lat.len() < total {
+            Self::recv(stream, &mut buf);
+            lat.push(sent_at.pop_front().expect("in flight").elapsed());
+            if sent < total {
+                sent_at.push_back(Instant::now());
+                Self::send(stream, &payload);
+                sent += 1;
+            }
+            if start.elapsed() > budget.time * 4 && lat.len() >= budget.min_iters && sent == lat.len() {
+                break;
+            }
+        }
+        let n = lat.len();
+        Some(measure::summarise(&mut lat, n, start.elapsed()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Floors: what two processes pay just to wake each other, and one memcpy.
+
+fn inheritable_eventfd() -> OwnedFd {
+    // SAFETY: eventfd takes scalars; flags 0 keeps the fd across exec for the child.
+    let fd = unsafe { libc::eventfd(0, 0) };
+    assert!(fd >= 0, "eventfd: {}", std::io::Error::last_os_error());
+    // SAFETY: a fresh fd owned by nothing else.
+    unsafe { OwnedFd::from_raw_fd(fd) }
+}
+
+fn efd_write(fd: RawFd) {
+    let one = 1u64;
+    // SAFETY: `one` is valid for an 8-byte read.
+    unsafe { libc::write(fd, (&one as *const u64).cast(), 8) };
+}
+
+fn efd_read(fd: RawFd) {
+    let mut v = 0u64;
+    // SAFETY: `v` is valid for an 8-byte write; a blocking eventfd read returns its count.
+    unsafe { libc::read(fd, (&mut v as *mut u64).cast(), 8) };
+}
+
+/// Server role: wait on `ping`, signal `pong`, forever.
+pub fn serve_eventfd(ping: RawFd, pong: RawFd) {
+    ready();
+    loop {
+        efd_read(ping);
+        efd_write(pong);
+    }
+}
+
+/// Two processes waking each other through blocking eventfd reads: the sleep/wake floor.
+pub struct FloorEventfd {
+    _server: Server,
+    ping: OwnedFd,
+    pong: OwnedFd,
+}
+
+impl FloorEventfd {
+    pub fn start() -> FloorEventfd {
+        let (ping, pong) = (inheritable_eventfd(), inheritable_eventfd());
+        let server =
+            Server::spawn(&["serve-eventfd".into(), ping.as_raw_fd().to_string(), pong.as_raw_fd().to_string()]);
+        FloorEventfd { _server: server, ping, pong }
+    }
+}
+
+impl System for FloorEventfd {
+    fn name(&self) -> &'static str {
+        "floor-eventfd"
+    }
+
+    fn round_trip(&mut self, size: usize, budget: Budget) -> Sample {
+        let (ping, pong) = (self.ping.as_raw_fd(), self.pong.as_raw_fd());
+        measure::run(budget, size, || {
+            efd_write(ping);
+            efd_read(pong);
+        })
+    }
+}
+
+/// A shared page two processes spin on: the floor of a cross-core round trip.
+struct SharedPage(*mut AtomicU64);
+
+impl SharedPage {
+    fn map(fd: RawFd) -> SharedPage {
+        // SAFETY: a fresh shared mapping of one page of `fd`, checked against MAP_FAILED.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), 4096, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+        };
+        assert_ne!(p, libc::MAP_FAILED, "mmap");
+        SharedPage(p.cast())
+    }
+
+    fn word(&self, i: usize) -> &AtomicU64 {
+        // SAFETY: word 0 and word 16 (128 bytes apart) lie inside the mapped page, which lives
+        // as long as `self`; atomics are how both processes touch it.
+        unsafe { &*self.0.add(i * 16) }
+    }
+}
+
+/// Server role: answer each new value of word 0 in word 1, spinning.
+pub fn serve_spin(fd: RawFd) {
+    let page = SharedPage::map(fd);
+    let mut last = page.word(0).load(Ordering::Acquire);
+    ready();
+    loop {
+        let v = page.word(0).load(Ordering::Acquire);
+        if v != last {
+            last = v;
+            page.word(1).store(v, Ordering::Release);
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// The spinning peer holds a whole core while it lives, so it is started for each measurement
+/// and killed after it, never left running beside the other systems.
+pub struct FloorSpin {
+    fd: OwnedFd,
+    page: SharedPage,
+    seq: u64,
+}
+
+impl FloorSpin {
+    pub fn start() -> FloorSpin {
+        // SAFETY: memfd_create with a valid name; flags 0 keeps the fd across exec.
+        let fd = unsafe { libc::memfd_create(c"bench-spin".as_ptr(), 0) };
+        assert!(fd >= 0);
+        // SAFETY: `fd` was just created and is owned here.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: ftruncate on our own memfd.
+        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), 4096) }, 0);
+        let page = SharedPage::map(fd.as_raw_fd());
+        FloorSpin { fd, page, seq: 0 }
+    }
+}
+
+impl System for FloorSpin {
+    fn name(&self) -> &'static str {
+        "floor-spin"
+    }
+
+    fn round_trip(&mut self, size: usize, budget: Budget) -> Sample {
+        let server = Server::spawn(&["serve-spin".into(), self.fd.as_raw_fd().to_string()]);
+        let (page, seq) = (&self.page, &mut self.seq);
+        let sample = measure::run(budget, size, || {
+            *seq += 1;
+            page.word(0).store(*seq, Ordering::Release);
+            while page.word(1).load(Ordering::Acquire) != *seq {
+                std::hint::spin_loop();
+            }
+        });
+        drop(server);
+        sample
+    }
+}
+
+/// One memcpy of `size` bytes between two warm buffers in one process.
+pub struct Memcpy;
+
+impl System for Memcpy {
+    fn name(&self) -> &'static str {
+        "memcpy"
+    }
+
+    fn round_trip(&mut self, size: usize, budget: Budget) -> Sample {
+        let src = vec![0x5au8; size];
+        let mut dst = vec![0u8; size];
+        measure::run(budget, size, || {
+            dst.copy_from_slice(std::hint::black_box(&src));
+            std::hint::black_box(&mut dst);
+        })
+    }
+}
+
+/// Runs another system with it and this thread both pinned to CPU 0: the case where the
+/// scheduler puts client and server on one core, and every spin only delays the peer.
+pub struct SameCore<S> {
+    pub name: &'static str,
+    pub inner: S,
+    pub server_pid: i32,
+}
+
+impl<S: System> SameCore<S> {
+    fn pinned<T>(&mut self, f: impl FnOnce(&mut S) -> T) -> T {
+        pin_process(self.server_pid, Some(0));
+        pin(0, Some(0));
+        let r = f(&mut self.inner);
+        pin(0, None);
+        pin_process(self.server_pid, None);
+        r
+    }
+}
+
+impl<S: System> System for SameCore<S> {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn round_trip(&mut self, size: usize, budget: Budget) -> Sample {
+        self.pinned(|s| s.round_trip(size, budget))
+    }
+}
+
+/// Pins every thread of process `pid` (see [`pin`]).
+pub fn pin_process(pid: i32, cpu: Option<usize>) {
+    if let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) {
+        for t in tasks.flatten() {
+            if let Some(tid) = t.file_name().to_str().and_then(|s| s.parse().ok()) {
+                pin(tid, cpu);
+            }
+        }
+    }
+}
+
+/// Pins thread `tid` (0 = the calling thread) to one CPU, or to all of them with `None`.
+pub fn pin(tid: i32, cpu: Option<usize>) {
+    // SAFETY: cpu_set_t is plain data; zeroed is the empty set.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // Not available_parallelism(): it honours the current mask, so a pinned thread would only
+    // ever "unpin" itself to its one CPU.
+    // SAFETY: sysconf takes a scalar and has no preconditions.
+    let n = unsafe { libc::sysconf(libc::_SC_NPROCESSORS_ONLN) }.max(1) as usize;
+    for c in 0..n {
+        if cpu.is_none_or(|want| want == c) {
+            // SAFETY: `c` is below the number of CPUs, well inside cpu_set_t.
+            unsafe { libc::CPU_SET(c, &mut set) };
+        }
+    }
+    // SAFETY: `set` is a valid cpu_set_t of the size passed.
+    unsafe { libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set) };
+}
