@@ -152,3 +152,22 @@ fn another_uid_is_refused_by_default_and_admitted_by_the_allow_list() {
         let _ = std::fs::remove_dir_all(d);
     }
 }
+
+#[test]
+fn no_file_appears_under_dev_shm() {
+    let listing = || -> Vec<String> {
+        std::fs::read_dir("/dev/shm")
+            .map(|d| d.flatten().map(|e| e.file_name().to_string_lossy().into_owned()).collect())
+            .unwrap_or_default()
+    };
+    let before = listing();
+    let uri = fresh_addr("devshm");
+    let _server = Peer::spawn(&["echo-server", &uri]);
+    let addr: Address = uri.parse().expect("address");
+    let mut c = Connection::connect(&addr, &Config::default()).expect("connect");
+    c.sender.send_message(1, 0, &vec![3u8; 1 << 20], None).expect("send through the arena");
+    assert_eq!(c.receiver.recv(None).expect("echo").body.len(), 1 << 20);
+    let after = listing();
+    let new: Vec<_> = after.iter().filter(|f| !before.contains(f)).collect();
+    assert!(new.is_empty(), "files appeared in /dev/shm: {new:?}");
+}

@@ -106,3 +106,25 @@ fn a_deadline_ends_a_wait_and_the_connection_lives_on() {
     sender.send_message(1, 0, b"still here", None).expect("send");
     assert_eq!(&receiver.recv(None).expect("echo").body[..], b"still here");
 }
+
+#[test]
+fn a_full_arena_or_ring_waits_only_until_the_callers_deadline() {
+    let addr = fresh_addr("fullwait");
+    let mut peer = Peer::spawn(&["sink-server", &addr]);
+    let cfg = Config { ring_size: 4096, arena_size: 1 << 20, inline_max: 512, ..Config::default() };
+    let Connection { sender, receiver: _receiver } =
+        Connection::connect(&addr.parse().expect("address"), &cfg).expect("connect");
+    peer.expect_line("ACCEPTED", Duration::from_secs(30));
+    let soon = || Some(Instant::now() + Duration::from_millis(100));
+    // The sink never releases: the arena runs out, and the wait ends at the deadline.
+    let held: Vec<_> = (0..4).map(|_| sender.alloc(256 << 10, soon()).expect("room for four")).collect();
+    let e = sender.alloc(256 << 10, soon()).expect_err("arena full");
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    drop(held); // unsent blocks come straight back
+    sender.alloc(1 << 20, soon()).expect("the whole arena again");
+    // The sink never reads: the ring fills, and the send ends at the deadline.
+    let e = (0..).find_map(|i| sender.send_message(i, 0, &[0u8; 256], soon()).err()).expect("ring full");
+    assert_eq!(e.kind(), ErrorKind::Timeout, "{e}");
+    assert!(!sender.is_closed(), "a deadline does not close the connection");
+    assert!(sender.counters().ring_full_waits > 0 && sender.counters().arena_full_waits > 0);
+}
