@@ -8,7 +8,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 QUICK ?=
 FUZZ_SECONDS ?= 15
-FUZZ_TARGETS := frame handshake ring
+FUZZ_TARGETS := frame handshake ring rpc_wire
 export CARGO_TERM_COLOR ?= never
 
 .PHONY: help test lint fmt unit fuzz-smoke bench demo tools clean

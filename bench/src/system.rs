@@ -143,17 +143,14 @@ impl System for ShmEcho {
             sender.send_message(s as u64, 0, &payload, None).expect("send");
         }
         let mut sent = inflight;
-        while lat.len() < total {
+        while lat.len() < sent {
             let f = receiver.recv(None).expect("echo");
             let s = f.stream as usize;
             lat.push(sent_at[s].elapsed());
-            if sent < total {
+            if sent < total && start.elapsed() < budget.time {
                 sent_at[s] = Instant::now();
                 sender.send_message(s as u64, 0, &payload, None).expect("send");
                 sent += 1;
-            }
-            if start.elapsed() > budget.time * 4 && lat.len() >= budget.min_iters && sent == lat.len() {
-                break;
             }
         }
         let n = lat.len();
@@ -257,16 +254,13 @@ impl System for UdsEcho {
             Self::send(stream, &payload);
         }
         let mut sent = inflight;
-        while lat.len() < total {
+        while lat.len() < sent {
             Self::recv(stream, &mut buf);
             lat.push(sent_at.pop_front().expect("in flight").elapsed());
-            if sent < total {
+            if sent < total && start.elapsed() < budget.time {
                 sent_at.push_back(Instant::now());
                 Self::send(stream, &payload);
                 sent += 1;
-            }
-            if start.elapsed() > budget.time * 4 && lat.len() >= budget.min_iters && sent == lat.len() {
-                break;
             }
         }
         let n = lat.len();

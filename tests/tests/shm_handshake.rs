@@ -171,3 +171,26 @@ fn no_file_appears_under_dev_shm() {
     let new: Vec<_> = after.iter().filter(|f| !before.contains(f)).collect();
     assert!(new.is_empty(), "files appeared in /dev/shm: {new:?}");
 }
+
+#[test]
+fn a_client_refuses_a_server_of_another_uid_unless_allowed() {
+    if !running_as_root() {
+        println!("skipped: switching uid needs root");
+        return;
+    }
+    let dir = std::env::temp_dir().join(format!("isthmus-srvuid-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).expect("chmod dir");
+    let addr: Address = format!("shm://{}/s.sock", dir.display()).parse().expect("address");
+    let mut server = Peer::spawn(&["server-as-uid", &addr.to_string(), "65534"]);
+    let e = Connection::connect(&addr, &Config::default()).expect_err("a server of uid 65534 is refused");
+    assert_eq!(e.kind(), ErrorKind::PermissionDenied, "{e}");
+    assert!(e.to_string().contains("uid 65534"), "{e}");
+    let line = server.expect_line("ACCEPT-ERROR", Duration::from_secs(30));
+    assert!(line.contains("PeerGone"), "the client hung up before its hello: {line}");
+    let allowed = Config { peer_policy: PeerPolicy::Uids(vec![65534]), ..Config::default() };
+    let mut c = Connection::connect(&addr, &allowed).expect("allowed by the client's list");
+    c.sender.send_message(1, 0, b"hi", None).expect("send");
+    assert_eq!(&c.receiver.recv(None).expect("echo").body[..], b"hi");
+    let _ = std::fs::remove_dir_all(&dir);
+}

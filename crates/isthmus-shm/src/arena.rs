@@ -15,13 +15,25 @@ use crate::link::Health;
 use crate::ring::{ReleaseConsumer, ReleaseEntry, ReleaseProducer};
 use crate::segment::{Region, Segment};
 
+/// A block handed out by the allocator.
+#[derive(Debug, Clone, Copy)]
+struct Block {
+    size: usize,
+    /// Distinguishes this allocation from a later one at the same offset.
+    generation: u64,
+    /// Sent to the peer: only now may the peer give it back. A block still being filled is ours
+    /// alone, so a peer that guesses its offset cannot free it under us.
+    in_flight: bool,
+}
+
 /// Best-fit allocator over `[0, size)` in whole granules, lowest offset first among equals, so
 /// recently used (warm, already faulted-in) memory is reused first.
 #[derive(Debug)]
 pub(crate) struct Allocator {
     by_offset: BTreeMap<usize, usize>,
     by_size: BTreeSet<(usize, usize)>,
-    live: HashMap<usize, usize>,
+    live: HashMap<usize, Block>,
+    next_generation: u64,
     in_use: usize,
     high_water: usize,
 }
@@ -32,6 +44,7 @@ impl Allocator {
             by_offset: BTreeMap::new(),
             by_size: BTreeSet::new(),
             live: HashMap::new(),
+            next_generation: 0,
             in_use: 0,
             high_water: 0,
         };
@@ -56,18 +69,39 @@ impl Allocator {
         len.max(1).next_multiple_of(ARENA_GRANULE)
     }
 
-    /// Allocates a block for `len` bytes; `None` when no free run is large enough now.
-    pub(crate) fn alloc(&mut self, len: usize) -> Option<usize> {
+    /// Allocates a block for `len` bytes: its offset and generation; `None` when no free run is
+    /// large enough now.
+    pub(crate) fn alloc(&mut self, len: usize) -> Option<(usize, u64)> {
         let need = Self::block_len(len);
         let &(run, off) = self.by_size.range((need, 0)..).next()?;
         self.remove_free(off, run);
         if run > need {
             self.insert_free(off + need, run - need);
         }
-        self.live.insert(off, need);
+        let generation = self.next_generation;
+        self.next_generation += 1;
+        self.live.insert(off, Block { size: need, generation, in_flight: false });
         self.in_use += need;
         self.high_water = self.high_water.max(self.in_use);
-        Some(off)
+        Some((off, generation))
+    }
+
+    /// Marks an allocation as sent; false if it is not (or no longer) the live block there.
+    pub(crate) fn mark_in_flight(&mut self, off: usize, generation: u64) -> bool {
+        match self.live.get_mut(&off) {
+            Some(b) if b.generation == generation => {
+                b.in_flight = true;
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Frees our own allocation `(off, generation)` if it is still live; never someone else's.
+    pub(crate) fn free_own(&mut self, off: usize, generation: u64) {
+        if self.live.get(&off).is_some_and(|b| b.generation == generation) {
+            self.release_run(off);
+        }
     }
 
     /// True if a free run can hold `len` bytes.
@@ -75,18 +109,24 @@ impl Allocator {
         self.by_size.range((Self::block_len(len), 0)..).next().is_some()
     }
 
-    /// Frees the block at `off`, which must be live and, if `len` is given, at least `len` long
-    /// (a sender may have sent less of a block than it reserved).
-    pub(crate) fn free(&mut self, off: usize, len: Option<usize>) -> Result<()> {
-        let size = match self.live.get(&off) {
-            Some(&s) if len.is_none_or(|l| l <= s) => s,
+    /// Takes back a block the peer released: it must be one we sent (in flight) and at least
+    /// `len` long (a sender may have sent less of a block than it reserved).
+    pub(crate) fn free(&mut self, off: usize, len: usize) -> Result<()> {
+        match self.live.get(&off) {
+            Some(b) if b.in_flight && len <= b.size => {}
             _ => {
                 return Err(Error::protocol(format!(
-                    "the peer released arena block {{offset {off}, len {len:?}}}, which is not a block it was given"
+                    "the peer released arena block {{offset {off}, len {len}}}, which is not a block it was sent"
                 )))
             }
-        };
-        self.live.remove(&off);
+        }
+        self.release_run(off);
+        Ok(())
+    }
+
+    /// Returns a live block's run to the free lists, merging with its neighbours.
+    fn release_run(&mut self, off: usize) {
+        let Some(Block { size, .. }) = self.live.remove(&off) else { return };
         self.in_use -= size;
         let (mut start, mut end) = (off, off + size);
         if let Some((&prev, &plen)) = self.by_offset.range(..off).next_back() {
@@ -100,7 +140,6 @@ impl Allocator {
             end += nlen;
         }
         self.insert_free(start, end - start);
-        Ok(())
     }
 
     /// Bytes handed out now, rounded to granules.
@@ -139,19 +178,24 @@ impl ArenaOwner {
         self.releases.drain(|e| {
             let off = usize::try_from(e.offset).map_err(|_| Error::protocol("release offset out of range"))?;
             let len = usize::try_from(e.len).map_err(|_| Error::protocol("release length out of range"))?;
-            alloc.free(off, Some(len))
+            alloc.free(off, len)
         })
     }
 
     /// Allocates `len` bytes. Releases are reclaimed first, every time: the lowest, most
     /// recently used (already faulted-in) blocks then come back first, and a bogus release is
     /// caught at once rather than when the arena runs full.
-    pub(crate) fn try_alloc(&mut self, len: usize) -> Result<Option<(usize, *mut u8)>> {
+    pub(crate) fn try_alloc(&mut self, len: usize) -> Result<Option<(usize, u64, *mut u8)>> {
         self.reclaim()?;
-        let Some(off) = self.alloc.alloc(len) else { return Ok(None) };
+        let Some((off, generation)) = self.alloc.alloc(len) else { return Ok(None) };
         // SAFETY: the allocator only hands out offsets with `off + len <= size`, the region's
         // length, so the pointer stays inside the region.
-        Ok(Some((off, unsafe { self.region.ptr().add(off) })))
+        Ok(Some((off, generation, unsafe { self.region.ptr().add(off) })))
+    }
+
+    /// See [`Allocator::mark_in_flight`].
+    pub(crate) fn mark_in_flight(&mut self, off: usize, generation: u64) -> bool {
+        self.alloc.mark_in_flight(off, generation)
     }
 
     /// True if `len` bytes could be allocated now (after reclaiming releases).
@@ -160,11 +204,9 @@ impl ArenaOwner {
         Ok(self.alloc.fits(len))
     }
 
-    /// Returns a block that was allocated but never sent.
-    pub(crate) fn free_unsent(&mut self, off: usize) {
-        // A block we allocated ourselves is always live; an error here is a bug, not peer input.
-        let freed = self.alloc.free(off, None);
-        debug_assert!(freed.is_ok());
+    /// Returns a block that was allocated but never (successfully) sent.
+    pub(crate) fn free_unsent(&mut self, off: usize, generation: u64) {
+        self.alloc.free_own(off, generation);
     }
 
     pub(crate) fn allocator(&self) -> &Allocator {
@@ -234,11 +276,32 @@ impl Lease {
     }
 }
 
+impl Lease {
+    /// Appends the block's bytes to `out` by a raw copy (no slice of peer memory is formed).
+    /// Fails, leaving `out` as it was, if the memory cannot be reserved.
+    pub(crate) fn copy_into(&self, out: &mut Vec<u8>) -> Result<()> {
+        out.try_reserve(self.len)
+            .map_err(|_| Error::new(crate::ErrorKind::MessageTooLarge, "cannot reserve memory for a message"))?;
+        // SAFETY: the source lies inside the mapped arena (checked in `new`, kept mapped by our
+        // Arc<Segment>); the destination is `len` bytes of spare capacity just reserved, in
+        // private memory, so the ranges cannot overlap; `set_len` covers exactly what was written.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr, out.as_mut_ptr().add(out.len()), self.len);
+            out.set_len(out.len() + self.len);
+        }
+        Ok(())
+    }
+}
+
 impl AsRef<[u8]> for Lease {
     fn as_ref(&self) -> &[u8] {
         // SAFETY: `ptr..ptr+len` lies inside the arena (checked in `new`), which stays mapped while
-        // the Releaser's Arc<Segment> lives, i.e. at least as long as `self`. u8 has no invalid
-        // values, so even bytes a hostile peer changes under us are valid to read.
+        // the Releaser's Arc<Segment> lives, i.e. at least as long as `self`. This is the one
+        // place a slice over peer-writable memory is formed, on purpose: it is the zero-copy
+        // receive path (ADR 0003). An honest peer never writes a block between sending it and
+        // getting it back; a hostile one could change bytes the application is reading, which
+        // makes them untrusted input like any message, but no decision of the transport's is
+        // taken from them.
         unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
     }
 }
@@ -273,7 +336,8 @@ mod tests {
                 let g = Allocator::block_len(len) / ARENA_GRANULE;
                 let fits = (0..=granules.saturating_sub(g)).any(|s| taken[s..s + g].iter().all(|t| !t));
                 match a.alloc(len) {
-                    Some(off) => {
+                    Some((off, generation)) => {
+                        assert!(a.mark_in_flight(off, generation));
                         let s = off / ARENA_GRANULE;
                         assert!(taken[s..s + g].iter().all(|t| !t), "overlap at {s}");
                         taken[s..s + g].iter_mut().for_each(|t| *t = true);
@@ -283,7 +347,7 @@ mod tests {
                 }
             } else {
                 let (off, len) = live.swap_remove((next() as usize) % live.len());
-                a.free(off, Some(len)).expect("live block frees");
+                a.free(off, len).expect("live block frees");
                 let s = off / ARENA_GRANULE;
                 taken[s..s + Allocator::block_len(len) / ARENA_GRANULE].iter_mut().for_each(|t| *t = false);
             }
@@ -292,13 +356,18 @@ mod tests {
     }
 
     #[test]
-    fn rejects_foreign_and_double_frees() {
+    fn rejects_foreign_early_and_double_frees() {
         let mut a = Allocator::new(16 * ARENA_GRANULE);
-        let off = a.alloc(100).expect("room");
-        assert!(a.free(off + ARENA_GRANULE, Some(100)).is_err(), "never given");
-        assert!(a.free(off, Some(5 * ARENA_GRANULE)).is_err(), "longer than the block");
-        a.free(off, Some(100)).expect("right");
-        assert!(a.free(off, Some(100)).is_err(), "double");
-        assert_eq!(a.alloc(16 * ARENA_GRANULE), Some(0), "coalesced back to one run");
+        let (off, g) = a.alloc(100).expect("room");
+        assert!(a.free(off, 100).is_err(), "not sent yet: the peer cannot free it under us");
+        assert!(a.mark_in_flight(off, g));
+        assert!(a.free(off + ARENA_GRANULE, 100).is_err(), "never given");
+        assert!(a.free(off, 5 * ARENA_GRANULE).is_err(), "longer than the block");
+        a.free(off, 100).expect("right");
+        assert!(a.free(off, 100).is_err(), "double");
+        let (again, g2) = a.alloc(16 * ARENA_GRANULE).expect("coalesced back to one run");
+        assert_eq!(again, 0);
+        a.free_own(off, g);
+        assert!(a.mark_in_flight(again, g2), "a stale owner's free leaves the new block alone");
     }
 }

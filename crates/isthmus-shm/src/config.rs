@@ -29,7 +29,7 @@ impl PeerPolicy {
 
 /// How long a waiter spins before it sleeps on the doorbell.
 ///
-/// Spinning answers in well under a microsecond where a sleep and wake-up costs 5–60 µs (more
+/// Spinning answers in well under a microsecond where a sleep and wake-up costs 5–65 µs (more
 /// when the sleeper's CPU has gone idle), but a spinner holds a core the peer may need. So the
 /// spin is bounded by time, and after `yield_after` every iteration yields the CPU: a peer that
 /// shares this core gets it at once instead of waiting out the spin.

@@ -144,7 +144,7 @@ impl Core {
         lock(&self.ring)?.has_room(body_len).map_err(|e| self.fail(e))
     }
 
-    fn try_alloc(&self, len: usize) -> Result<Option<(usize, *mut u8)>> {
+    fn try_alloc(&self, len: usize) -> Result<Option<(usize, u64, *mut u8)>> {
         self.link.check()?;
         let mut arena = lock(&self.arena)?;
         let got = arena.try_alloc(len).map_err(|e| self.fail(e))?;
@@ -280,8 +280,8 @@ impl Sender {
     pub fn alloc(&self, len: usize, deadline: Option<Instant>) -> Result<BlockMut> {
         self.core.check_block_len(len)?;
         loop {
-            if let Some((offset, ptr)) = self.core.try_alloc(len)? {
-                return Ok(BlockMut { sender: self.clone(), offset, ptr, len, sent: false });
+            if let Some((offset, generation, ptr)) = self.core.try_alloc(len)? {
+                return Ok(BlockMut { sender: self.clone(), offset, generation, ptr, len, sent: false });
             }
             self.core.stats.add(&self.core.stats.arena_full_waits, 1);
             self.core
@@ -316,6 +316,10 @@ impl Sender {
         }
         if frame_flags & flags::ARENA != 0 {
             return Err(Error::new(ErrorKind::InvalidConfig, "the ARENA flag is the transport's own"));
+        }
+        // From here the peer may give the block back; until here it could not.
+        if !lock(&self.core.arena)?.mark_in_flight(block.offset, block.generation) {
+            return Err(self.core.fail(Error::new(ErrorKind::Closed, "an arena block was freed before it was sent")));
         }
         let d = ArenaDescriptor { offset: block.offset as u64, len: block.len as u64, total };
         let body = d.encode();
@@ -355,8 +359,8 @@ impl Sender {
     pub async fn alloc_async(&self, len: usize) -> Result<BlockMut> {
         self.core.check_block_len(len)?;
         loop {
-            if let Some((offset, ptr)) = self.core.try_alloc(len)? {
-                return Ok(BlockMut { sender: self.clone(), offset, ptr, len, sent: false });
+            if let Some((offset, generation, ptr)) = self.core.try_alloc(len)? {
+                return Ok(BlockMut { sender: self.clone(), offset, generation, ptr, len, sent: false });
             }
             self.core.stats.add(&self.core.stats.arena_full_waits, 1);
             self.core
@@ -407,6 +411,7 @@ impl Sender {
         self.core.role
     }
 
+    #[cfg(feature = "test-support")]
     /// Test support: writes `bytes` at `offset` of the shared segment, as a hostile or buggy
     /// peer could, bypassing every protocol. Out-of-range writes are clipped. Never use this for
     /// anything but testing how the *other* side copes.
@@ -423,12 +428,14 @@ impl Sender {
         self.core.seg.region(offset, n).write_wrapping(0, &bytes[..n]);
     }
 
+    #[cfg(feature = "test-support")]
     /// Test support: rings the peer's receive doorbell, as a producer does after publishing.
     #[doc(hidden)]
     pub fn ring_peer_for_tests(&self) {
         self.core.bells.peer_rx.ring();
     }
 
+    #[cfg(feature = "test-support")]
     /// Test support: the segment's layout, to aim [`scribble_for_tests`](Self::scribble_for_tests).
     #[doc(hidden)]
     pub fn layout_for_tests(&self) -> crate::layout::Layout {
@@ -440,6 +447,7 @@ impl Sender {
 pub struct BlockMut {
     sender: Sender,
     offset: usize,
+    generation: u64,
     ptr: *mut u8,
     len: usize,
     sent: bool,
@@ -487,8 +495,12 @@ impl Drop for BlockMut {
             return;
         }
         if let Ok(mut arena) = self.sender.core.arena.lock() {
-            arena.free_unsent(self.offset);
+            arena.free_unsent(self.offset, self.generation);
         }
+        // Another thread of ours may be waiting for exactly this room; the peer will not ring
+        // for it (it never saw the block), so ring our own tx bell: its poller wakes and wakes
+        // the rest. A rare path (an allocation abandoned), so the system call is fine.
+        self.sender.core.bells.my_tx.ring();
     }
 }
 
@@ -504,7 +516,7 @@ impl BufferPool {
     const KEEP: usize = 2;
     const MAX_POOLED: usize = 1 << 30;
 
-    fn take(&self, want: usize) -> Vec<u8> {
+    fn take(&self) -> Vec<u8> {
         let reused = self.spare.lock().ok().and_then(|mut spare| {
             let best = spare.iter().enumerate().max_by_key(|(_, v)| v.capacity()).map(|(i, _)| i)?;
             Some(spare.swap_remove(best))
@@ -514,9 +526,8 @@ impl BufferPool {
                 v.clear();
                 v
             }
-            // Start bounded and grow with what arrives (large reallocations are remaps, not
-            // copies), so a lying `total` costs the peer, not us.
-            None => Vec::with_capacity(want.min(16 << 20)),
+            // Grows with what arrives (large reallocations are remaps, not copies).
+            None => Vec::new(),
         }
     }
 
@@ -549,6 +560,12 @@ impl Drop for Pooled {
     }
 }
 
+/// Pieces `try_recv` handles before it returns to its caller.
+const MAX_PIECES_PER_CALL: usize = 256;
+/// Messages that may be arriving in pieces at once on one connection; more is a protocol error
+/// (each costs the peer one frame and us a buffer).
+const MAX_PARTIALS: usize = 256;
+
 /// A message arriving in pieces.
 #[derive(Debug)]
 struct Partial {
@@ -575,9 +592,11 @@ impl fmt::Debug for Receiver {
 
 impl Receiver {
     /// Takes the next frame if one is waiting. Frames the peer wrote before it died are still
-    /// delivered; after them comes [`ErrorKind::PeerGone`].
+    /// delivered; after them comes [`ErrorKind::PeerGone`]. Returns `None` after a bounded number
+    /// of message pieces even if more are waiting, so a peer streaming pieces cannot hold the
+    /// caller (an event-loop thread, say) here.
     pub fn try_recv(&mut self) -> Result<Option<Frame>> {
-        loop {
+        for _ in 0..MAX_PIECES_PER_CALL {
             let health = &self.core.link.health;
             if health.is_closed() && health.error().kind() != ErrorKind::PeerGone {
                 return Err(health.error());
@@ -599,6 +618,7 @@ impl Receiver {
                 Err(e) => return Err(self.core.fail(e)),
             }
         }
+        Ok(None)
     }
 
     fn deliver(&mut self, h: FrameHeader, body: Bytes) -> Result<Option<Frame>> {
@@ -634,21 +654,27 @@ impl Receiver {
             }
             return Ok(Some(frame(Bytes::from_owner(lease))));
         }
+        if !self.partial.contains_key(&h.stream) && self.partial.len() >= MAX_PARTIALS {
+            return Err(Error::protocol(format!("more than {MAX_PARTIALS} messages in pieces at once")));
+        }
         let limit = c.max_message_size;
         let pool = &self.pool;
         let p = self.partial.entry(h.stream).or_insert_with(|| {
             let oversize = d.total > limit;
-            let buf = if oversize { Vec::new() } else { pool.take(d.total as usize) };
+            let buf = if oversize { Vec::new() } else { pool.take() };
             Partial { buf, received: 0, total: d.total, oversize }
         });
-        if p.total != d.total || p.received + d.len > p.total {
+        if p.total != d.total || d.len > p.total - p.received {
             return Err(Error::protocol(format!(
                 "stream {}: message piece of {} bytes does not continue a {}-byte message ({} received)",
                 h.stream, d.len, p.total, p.received
             )));
         }
-        if !p.oversize {
-            p.buf.extend_from_slice(lease.as_ref());
+        // Memory grows with what actually arrives, never with what `total` claims; a buffer we
+        // cannot get makes the message too large, not the process abort.
+        if !p.oversize && lease.copy_into(&mut p.buf).is_err() {
+            p.oversize = true;
+            p.buf = Vec::new();
         }
         drop(lease);
         p.received += d.len;
@@ -678,8 +704,8 @@ impl Receiver {
             if let Some(f) = self.try_recv()? {
                 return Ok(f);
             }
-            let ring = &self.ring;
-            match self.core.rx_waiter().wait(deadline, || ring.is_ready()) {
+            let (ring, core) = (&self.ring, &self.core);
+            match core.rx_waiter().wait(deadline, || ring.is_ready().map_err(|e| core.fail(e))) {
                 // Frames the peer wrote before it died come first; try_recv reports the death.
                 Err(e) if e.kind() == ErrorKind::PeerGone => continue,
                 r => r?,
@@ -695,8 +721,8 @@ impl Receiver {
             if let Some(f) = self.try_recv()? {
                 return Ok(f);
             }
-            let ring = &self.ring;
-            match self.core.rx_waiter().wait_async(|| ring.is_ready()).await {
+            let (ring, core) = (&self.ring, &self.core);
+            match core.rx_waiter().wait_async(|| ring.is_ready().map_err(|e| core.fail(e))).await {
                 Err(e) if e.kind() == ErrorKind::PeerGone => continue,
                 r => r?,
             }

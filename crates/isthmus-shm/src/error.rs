@@ -19,7 +19,8 @@ pub enum ErrorKind {
     /// The deadline passed before the operation could complete; the connection is still usable.
     Timeout,
     /// The peer wrote something that breaks the protocol: a bad frame, a cursor out of range, a
-    /// descriptor outside the arena. The connection is closed.
+    /// descriptor outside the arena; or it refused our handshake as malformed (refusal code 3).
+    /// The connection is closed.
     Protocol,
     /// Handshake: the peer speaks another protocol version.
     VersionMismatch,

@@ -6,9 +6,10 @@
 //!
 //! - A server [`Listener`] binds a Unix socket (`shm://NAME` in a private 0700 directory, or
 //!   `shm:///abs/path.sock`). A client [`Connection::connect`]s; both send a HELLO with the
-//!   protocol version and sizes; the server checks the client's uid, creates a sealed `memfd`
-//!   segment and four eventfd doorbells and passes them over the socket. No file under
-//!   `/dev/shm` is ever created.
+//!   protocol version and sizes; the server checks the client's uid (and the client the
+//!   server's, and the privacy of the runtime directory), creates a sealed `memfd` segment and
+//!   four eventfd doorbells and passes them over the socket. No file under `/dev/shm` is ever
+//!   created.
 //! - The segment holds one SPSC frame ring and one payload arena per direction. Small messages
 //!   travel inline in the ring; large ones are written once into the sender's arena and read in
 //!   place by the receiver as a [`bytes::Bytes`] whose drop gives the block back. Messages larger

@@ -78,9 +78,10 @@ impl AsRawFd for FdRef {
     }
 }
 
-/// A lazily made tokio registration (`None` once registration failed).
+/// A lazily made tokio registration, or why it could not be made.
 #[cfg(feature = "tokio")]
-pub(crate) type AsyncCell = std::sync::OnceLock<Option<tokio::io::unix::AsyncFd<FdRef>>>;
+pub(crate) type AsyncCell =
+    std::sync::OnceLock<std::result::Result<tokio::io::unix::AsyncFd<FdRef>, (ErrorKind, String)>>;
 
 /// Registers `fd` with the current tokio runtime on first use.
 ///
@@ -100,8 +101,7 @@ pub(crate) unsafe fn lazy_async_fd<'a>(
     // Registration runs once even if the rx and tx pollers race here (a second registration of
     // the same fd would fail with EEXIST). tokio panics, rather than failing, in a runtime built
     // without I/O; that panic becomes an error instead of tearing down the caller.
-    let mut failure = None;
-    let a = cell.get_or_init(|| {
+    let registered = cell.get_or_init(|| {
         let register = std::panic::AssertUnwindSafe(|| {
             // SAFETY: the caller guarantees `fd` outlives `cell`, and so the AsyncFd stored in it.
             unsafe {
@@ -109,18 +109,15 @@ pub(crate) unsafe fn lazy_async_fd<'a>(
             }
         });
         match std::panic::catch_unwind(register) {
-            Ok(Ok(a)) => Some(a),
+            Ok(Ok(a)) => Ok(a),
             Ok(Err(e)) => {
-                failure = Some(Error::io("cannot register with the tokio reactor", e.into()));
-                None
+                let e = Error::io("cannot register with the tokio reactor", e.into());
+                Err((e.kind(), e.to_string()))
             }
-            Err(_) => {
-                failure = Some(no_runtime());
-                None
-            }
+            Err(_) => Err((ErrorKind::InvalidConfig, no_runtime().to_string())),
         }
     });
-    a.as_ref().ok_or_else(|| failure.unwrap_or_else(no_runtime))
+    registered.as_ref().map_err(|(kind, msg)| Error::new(*kind, msg.clone()))
 }
 
 /// The socket that ties a connection's life to the peer's.

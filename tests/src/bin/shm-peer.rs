@@ -7,6 +7,7 @@
 //! shm-peer hostile-server ADDR MODE      accept one client, then corrupt the segment
 //! shm-peer sink-server ADDR              accept clients and never read from them
 //! shm-peer client-as-uid ADDR UID        switch to UID (needs root), then try to connect
+//! shm-peer server-as-uid ADDR UID        switch to UID (needs root), then echo-serve
 //! ```
 //!
 //! Every role prints `READY` once it is set up, and reports on stdout in lines the tests parse.
@@ -59,6 +60,10 @@ fn main() {
         "hostile-server" => hostile_server(&addr, &arg(&args, 3, "mode")),
         "sink-server" => sink_server(&addr),
         "client-as-uid" => client_as_uid(&addr, num(&arg(&args, 3, "uid")) as u32),
+        "server-as-uid" => {
+            become_uid(num(&arg(&args, 3, "uid")) as u32);
+            echo_server(&addr, Config { peer_policy: isthmus_shm::PeerPolicy::Any, ..Config::default() })
+        }
         other => {
             eprintln!("shm-peer: unknown role {other:?}");
             std::process::exit(2)
@@ -208,12 +213,16 @@ fn sink_server(addr: &Address) {
     }
 }
 
-fn client_as_uid(addr: &Address, uid: u32) {
+fn become_uid(uid: u32) {
     // SAFETY: setuid has no memory-safety preconditions; the process is single-threaded here.
     if unsafe { libc::setuid(uid) } != 0 {
         say(&format!("SETUID-ERROR {}", std::io::Error::last_os_error()));
         std::process::exit(1);
     }
+}
+
+fn client_as_uid(addr: &Address, uid: u32) {
+    become_uid(uid);
     say("READY");
     match Connection::connect(addr, &Config::default()) {
         Ok(mut c) => {

@@ -1,0 +1,227 @@
+//! gRPC status codes and the status a call ends with.
+
+use std::fmt;
+
+use bytes::Bytes;
+use isthmus_shm::ErrorKind;
+
+use crate::metadata::MetadataMap;
+
+/// The gRPC status codes, with gRPC's numbering.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u32)]
+pub enum Code {
+    /// Not an error.
+    Ok = 0,
+    /// The operation was cancelled, typically by the caller.
+    Cancelled = 1,
+    /// Unknown error (also: an error from a handler that raised something other than a status).
+    Unknown = 2,
+    /// The client specified an invalid argument.
+    InvalidArgument = 3,
+    /// The deadline expired before the operation could complete.
+    DeadlineExceeded = 4,
+    /// Some requested entity was not found.
+    NotFound = 5,
+    /// The entity a client tried to create already exists.
+    AlreadyExists = 6,
+    /// The caller does not have permission.
+    PermissionDenied = 7,
+    /// Some resource has been exhausted (e.g. a message larger than the limit).
+    ResourceExhausted = 8,
+    /// The system is not in a state required for the operation.
+    FailedPrecondition = 9,
+    /// The operation was aborted.
+    Aborted = 10,
+    /// The operation was attempted past the valid range.
+    OutOfRange = 11,
+    /// The operation (e.g. the method) is not implemented.
+    Unimplemented = 12,
+    /// An invariant of the system is broken (e.g. malformed data from the peer).
+    Internal = 13,
+    /// The service is unavailable (e.g. the peer is gone); retrying may help.
+    Unavailable = 14,
+    /// Unrecoverable data loss.
+    DataLoss = 15,
+    /// The request lacks valid authentication credentials.
+    Unauthenticated = 16,
+}
+
+impl Code {
+    /// Every code, in numeric order.
+    pub const ALL: [Code; 17] = [
+        Code::Ok,
+        Code::Cancelled,
+        Code::Unknown,
+        Code::InvalidArgument,
+        Code::DeadlineExceeded,
+        Code::NotFound,
+        Code::AlreadyExists,
+        Code::PermissionDenied,
+        Code::ResourceExhausted,
+        Code::FailedPrecondition,
+        Code::Aborted,
+        Code::OutOfRange,
+        Code::Unimplemented,
+        Code::Internal,
+        Code::Unavailable,
+        Code::DataLoss,
+        Code::Unauthenticated,
+    ];
+
+    /// The code for a number; numbers gRPC does not define are [`Code::Unknown`], as gRPC says.
+    pub fn from_u32(n: u32) -> Code {
+        Code::ALL.get(n as usize).copied().unwrap_or(Code::Unknown)
+    }
+
+    /// The code's canonical name, e.g. `DEADLINE_EXCEEDED`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Code::Ok => "OK",
+            Code::Cancelled => "CANCELLED",
+            Code::Unknown => "UNKNOWN",
+            Code::InvalidArgument => "INVALID_ARGUMENT",
+            Code::DeadlineExceeded => "DEADLINE_EXCEEDED",
+            Code::NotFound => "NOT_FOUND",
+            Code::AlreadyExists => "ALREADY_EXISTS",
+            Code::PermissionDenied => "PERMISSION_DENIED",
+            Code::ResourceExhausted => "RESOURCE_EXHAUSTED",
+            Code::FailedPrecondition => "FAILED_PRECONDITION",
+            Code::Aborted => "ABORTED",
+            Code::OutOfRange => "OUT_OF_RANGE",
+            Code::Unimplemented => "UNIMPLEMENTED",
+            Code::Internal => "INTERNAL",
+            Code::Unavailable => "UNAVAILABLE",
+            Code::DataLoss => "DATA_LOSS",
+            Code::Unauthenticated => "UNAUTHENTICATED",
+        }
+    }
+}
+
+impl fmt::Display for Code {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How a call ended: a code, a message for people, optional binary details (a serialized
+/// `google.rpc.Status`, as gRPC's `grpc-status-details-bin`) and trailing metadata.
+#[derive(Clone, PartialEq, Eq)]
+pub struct Status(Box<StatusInner>);
+
+#[derive(Clone, PartialEq, Eq)]
+struct StatusInner {
+    code: Code,
+    message: String,
+    details: Bytes,
+    metadata: MetadataMap,
+}
+
+impl Status {
+    /// A status with a code and a message.
+    pub fn new(code: Code, message: impl Into<String>) -> Status {
+        Status(Box::new(StatusInner {
+            code,
+            message: message.into(),
+            details: Bytes::new(),
+            metadata: MetadataMap::new(),
+        }))
+    }
+
+    /// The OK status.
+    pub fn ok() -> Status {
+        Status::new(Code::Ok, "")
+    }
+
+    /// Adds binary details.
+    pub fn with_details(mut self, details: impl Into<Bytes>) -> Status {
+        self.0.details = details.into();
+        self
+    }
+
+    /// Adds trailing metadata.
+    pub fn with_metadata(mut self, metadata: MetadataMap) -> Status {
+        self.0.metadata = metadata;
+        self
+    }
+
+    /// The code.
+    pub fn code(&self) -> Code {
+        self.0.code
+    }
+
+    /// The message.
+    pub fn message(&self) -> &str {
+        &self.0.message
+    }
+
+    /// The binary details (empty if none).
+    pub fn details(&self) -> &Bytes {
+        &self.0.details
+    }
+
+    /// The trailing metadata.
+    pub fn metadata(&self) -> &MetadataMap {
+        &self.0.metadata
+    }
+
+    /// The status a transport failure means for a call: the one table that maps them.
+    pub fn from_transport(e: &isthmus_shm::Error) -> Status {
+        let code = match e.kind() {
+            ErrorKind::PeerGone | ErrorKind::Closed | ErrorKind::NotFound => Code::Unavailable,
+            ErrorKind::Timeout => Code::DeadlineExceeded,
+            ErrorKind::MessageTooLarge | ErrorKind::TooLarge => Code::ResourceExhausted,
+            ErrorKind::PermissionDenied => Code::PermissionDenied,
+            ErrorKind::Protocol | ErrorKind::VersionMismatch => Code::Internal,
+            ErrorKind::InvalidAddress | ErrorKind::InvalidConfig => Code::InvalidArgument,
+            _ => Code::Unavailable,
+        };
+        Status::new(code, e.to_string())
+    }
+}
+
+impl fmt::Debug for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("Status");
+        d.field("code", &self.0.code).field("message", &self.0.message);
+        if !self.0.details.is_empty() {
+            d.field("details", &format_args!("{} bytes", self.0.details.len()));
+        }
+        if !self.0.metadata.is_empty() {
+            d.field("metadata", &self.0.metadata);
+        }
+        d.finish()
+    }
+}
+
+impl fmt::Display for Status {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.message.is_empty() {
+            write!(f, "{}", self.0.code)
+        } else {
+            write!(f, "{}: {}", self.0.code, self.0.message)
+        }
+    }
+}
+
+impl std::error::Error for Status {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codes_round_trip_and_unknown_numbers_are_unknown() {
+        for (i, c) in Code::ALL.iter().enumerate() {
+            assert_eq!(Code::from_u32(i as u32), *c);
+            assert_eq!(*c as u32, i as u32);
+        }
+        assert_eq!(Code::from_u32(17), Code::Unknown);
+        assert_eq!(Code::from_u32(u32::MAX), Code::Unknown);
+    }
+
+    #[test]
+    fn status_is_small() {
+        assert_eq!(std::mem::size_of::<Status>(), std::mem::size_of::<usize>());
+    }
+}

@@ -1,0 +1,338 @@
+//! Bodies of the RPC frames: what HEADERS, TRAILERS, CANCEL and GOAWAY carry over isthmus-shm.
+//! `docs/protocol.md` ("RPC frame bodies") is the normative description. All integers are
+//! little-endian; every length is checked against the body before anything is read.
+//!
+//! ```text
+//! metadata block  u32 count, then per entry: u16 key length, u32 value length, key, value
+//! HEADERS (open)  u8 version=1, u8 reserved=0, u16 path length, u64 timeout ns (0 = none),
+//!                 path, metadata block
+//! HEADERS (reply) u8 version=1, metadata block
+//! TRAILERS        u8 version=1, u32 code, u32 message length, u32 details length,
+//!                 message (UTF-8), details, metadata block
+//! CANCEL          u32 code
+//! GOAWAY          u64 last stream id accepted, u32 message length, message
+//! ```
+
+use std::fmt;
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::metadata::{check_key, check_value, MetadataMap};
+use crate::status::{Code, Status};
+
+/// Version byte of the bodies this crate writes.
+pub const WIRE_VERSION: u8 = 1;
+/// Longest method path accepted.
+pub const MAX_PATH_LEN: usize = 1024;
+
+/// A body that does not decode; the connection that sent it is closed with INTERNAL.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WireError(String);
+
+impl fmt::Display for WireError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for WireError {}
+
+fn bad(what: impl Into<String>) -> WireError {
+    WireError(what.into())
+}
+
+/// A bounds-checked cursor over a body copied out of shared memory.
+struct Reader<'a> {
+    buf: &'a [u8],
+    what: &'static str,
+}
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], WireError> {
+        if n > self.buf.len() {
+            return Err(bad(format!("{} body ends early: {n} bytes needed, {} left", self.what, self.buf.len())));
+        }
+        let (head, rest) = self.buf.split_at(n);
+        self.buf = rest;
+        Ok(head)
+    }
+
+    fn array<const N: usize>(&mut self) -> Result<[u8; N], WireError> {
+        let mut a = [0u8; N];
+        a.copy_from_slice(self.take(N)?);
+        Ok(a)
+    }
+
+    fn u8(&mut self) -> Result<u8, WireError> {
+        Ok(self.array::<1>()?[0])
+    }
+
+    fn u16(&mut self) -> Result<u16, WireError> {
+        Ok(u16::from_le_bytes(self.array()?))
+    }
+
+    fn u32(&mut self) -> Result<u32, WireError> {
+        Ok(u32::from_le_bytes(self.array()?))
+    }
+
+    fn u64(&mut self) -> Result<u64, WireError> {
+        Ok(u64::from_le_bytes(self.array()?))
+    }
+
+    fn version(&mut self) -> Result<(), WireError> {
+        match self.u8()? {
+            WIRE_VERSION => Ok(()),
+            v => Err(bad(format!("{} body has version {v}; this side speaks {WIRE_VERSION}", self.what))),
+        }
+    }
+
+    fn end(&self) -> Result<(), WireError> {
+        if self.buf.is_empty() {
+            Ok(())
+        } else {
+            Err(bad(format!("{} body has {} trailing bytes", self.what, self.buf.len())))
+        }
+    }
+
+    fn metadata(&mut self) -> Result<MetadataMap, WireError> {
+        let count = self.u32()? as usize;
+        // Each entry takes at least 6 bytes: a count larger than that is a lie, refused before
+        // anything is allocated for it.
+        if count > self.buf.len() / 6 {
+            return Err(bad(format!("{} body claims {count} metadata entries in {} bytes", self.what, self.buf.len())));
+        }
+        let mut md = MetadataMap::new();
+        for _ in 0..count {
+            let klen = self.u16()? as usize;
+            let vlen = self.u32()? as usize;
+            let key = std::str::from_utf8(self.take(klen)?).map_err(|_| bad("metadata key is not UTF-8"))?;
+            let value = self.take(vlen)?;
+            check_key(key).and_then(|()| check_value(key, value)).map_err(|e| bad(format!("peer metadata: {e}")))?;
+            md.append_raw(key, Bytes::copy_from_slice(value)).map_err(|e| bad(e.to_string()))?;
+        }
+        Ok(md)
+    }
+}
+
+fn put_metadata(out: &mut Vec<u8>, md: &MetadataMap) {
+    out.extend_from_slice(&(md.len() as u32).to_le_bytes());
+    for (k, v) in md.iter() {
+        out.extend_from_slice(&(k.len() as u16).to_le_bytes());
+        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        out.extend_from_slice(k.as_bytes());
+        out.extend_from_slice(v);
+    }
+}
+
+/// What a client sends to open a call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestHead {
+    /// Method path, `/package.Service/Method`.
+    pub path: String,
+    /// Time the client allows, measured from when it sent this (gRPC's `grpc-timeout`).
+    pub timeout: Option<Duration>,
+    /// Initial metadata.
+    pub metadata: MetadataMap,
+}
+
+impl RequestHead {
+    /// Encodes the body.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(16 + self.path.len());
+        out.extend_from_slice(&[WIRE_VERSION, 0]);
+        out.extend_from_slice(&(self.path.len() as u16).to_le_bytes());
+        let ns = self.timeout.map_or(0, |t| t.as_nanos().clamp(1, u64::MAX as u128) as u64);
+        out.extend_from_slice(&ns.to_le_bytes());
+        out.extend_from_slice(self.path.as_bytes());
+        put_metadata(&mut out, &self.metadata);
+        out
+    }
+
+    /// Decodes and checks a body.
+    pub fn decode(body: &[u8]) -> Result<RequestHead, WireError> {
+        let mut r = Reader { buf: body, what: "HEADERS" };
+        r.version()?;
+        if r.u8()? != 0 {
+            return Err(bad("HEADERS reserved byte is not zero"));
+        }
+        let plen = r.u16()? as usize;
+        let ns = r.u64()?;
+        if plen > MAX_PATH_LEN {
+            return Err(bad(format!("method path of {plen} bytes exceeds {MAX_PATH_LEN}")));
+        }
+        let path = std::str::from_utf8(r.take(plen)?).map_err(|_| bad("method path is not UTF-8"))?;
+        if !path.starts_with('/') || !path.bytes().all(|b| b.is_ascii_graphic()) {
+            return Err(bad(format!("method path {path:?} must start with '/' and be printable ASCII")));
+        }
+        let metadata = r.metadata()?;
+        r.end()?;
+        Ok(RequestHead { path: path.to_owned(), timeout: (ns > 0).then(|| Duration::from_nanos(ns)), metadata })
+    }
+}
+
+/// What a server sends before its first message: initial metadata.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ResponseHead {
+    /// Initial metadata.
+    pub metadata: MetadataMap,
+}
+
+impl ResponseHead {
+    /// Encodes the body.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = vec![WIRE_VERSION];
+        put_metadata(&mut out, &self.metadata);
+        out
+    }
+
+    /// Decodes and checks a body.
+    pub fn decode(body: &[u8]) -> Result<ResponseHead, WireError> {
+        let mut r = Reader { buf: body, what: "HEADERS" };
+        r.version()?;
+        let metadata = r.metadata()?;
+        r.end()?;
+        Ok(ResponseHead { metadata })
+    }
+}
+
+/// Encodes the TRAILERS body for a call's final status.
+pub fn encode_trailers(status: &Status) -> Vec<u8> {
+    let (msg, details) = (status.message().as_bytes(), status.details());
+    let mut out = Vec::with_capacity(13 + msg.len() + details.len());
+    out.push(WIRE_VERSION);
+    out.extend_from_slice(&(status.code() as u32).to_le_bytes());
+    out.extend_from_slice(&(msg.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(details.len() as u32).to_le_bytes());
+    out.extend_from_slice(msg);
+    out.extend_from_slice(details);
+    put_metadata(&mut out, status.metadata());
+    out
+}
+
+/// Decodes a TRAILERS body into the call's final status.
+pub fn decode_trailers(body: &[u8]) -> Result<Status, WireError> {
+    let mut r = Reader { buf: body, what: "TRAILERS" };
+    r.version()?;
+    let code = Code::from_u32(r.u32()?);
+    let mlen = r.u32()? as usize;
+    let dlen = r.u32()? as usize;
+    let message = String::from_utf8_lossy(r.take(mlen)?).into_owned();
+    let details = Bytes::copy_from_slice(r.take(dlen)?);
+    let metadata = r.metadata()?;
+    r.end()?;
+    Ok(Status::new(code, message).with_details(details).with_metadata(metadata))
+}
+
+/// Encodes a CANCEL body.
+pub fn encode_cancel(code: Code) -> [u8; 4] {
+    (code as u32).to_le_bytes()
+}
+
+/// Decodes a CANCEL body.
+pub fn decode_cancel(body: &[u8]) -> Result<Code, WireError> {
+    let mut r = Reader { buf: body, what: "CANCEL" };
+    let code = Code::from_u32(r.u32()?);
+    r.end()?;
+    Ok(code)
+}
+
+/// The sender takes no stream after `last_stream` and will close once those in flight end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GoAway {
+    /// Highest stream id the sender accepted.
+    pub last_stream: u64,
+    /// Why, for people.
+    pub message: String,
+}
+
+impl GoAway {
+    /// Encodes the body.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(12 + self.message.len());
+        out.extend_from_slice(&self.last_stream.to_le_bytes());
+        out.extend_from_slice(&(self.message.len() as u32).to_le_bytes());
+        out.extend_from_slice(self.message.as_bytes());
+        out
+    }
+
+    /// Decodes a body.
+    pub fn decode(body: &[u8]) -> Result<GoAway, WireError> {
+        let mut r = Reader { buf: body, what: "GOAWAY" };
+        let last_stream = r.u64()?;
+        let len = r.u32()? as usize;
+        let message = String::from_utf8_lossy(r.take(len)?).into_owned();
+        r.end()?;
+        Ok(GoAway { last_stream, message })
+    }
+}
+
+#[doc(hidden)]
+/// Fuzz entry point: every decoder over arbitrary bytes must return, never panic.
+pub fn fuzz(data: &[u8]) {
+    let _ = RequestHead::decode(data);
+    let _ = ResponseHead::decode(data);
+    let _ = decode_trailers(data);
+    let _ = decode_cancel(data);
+    let _ = GoAway::decode(data);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn md() -> MetadataMap {
+        let mut m = MetadataMap::new();
+        m.append("x-user", "ada").expect("ascii");
+        m.append_bin("blob-bin", vec![0u8, 1, 255]).expect("binary");
+        m
+    }
+
+    #[test]
+    fn every_body_round_trips() {
+        let h =
+            RequestHead { path: "/pkg.Svc/Call".into(), timeout: Some(Duration::from_millis(1500)), metadata: md() };
+        assert_eq!(RequestHead::decode(&h.encode()), Ok(h));
+        let none = RequestHead { path: "/a/b".into(), timeout: None, metadata: MetadataMap::new() };
+        assert_eq!(RequestHead::decode(&none.encode()), Ok(none));
+        let r = ResponseHead { metadata: md() };
+        assert_eq!(ResponseHead::decode(&r.encode()), Ok(r));
+        for code in Code::ALL {
+            let s = Status::new(code, "why").with_details(vec![9u8; 40]).with_metadata(md());
+            assert_eq!(decode_trailers(&encode_trailers(&s)), Ok(s));
+            assert_eq!(decode_cancel(&encode_cancel(code)), Ok(code));
+        }
+        let g = GoAway { last_stream: 77, message: "shutting down".into() };
+        assert_eq!(GoAway::decode(&g.encode()), Ok(g));
+    }
+
+    #[test]
+    fn every_truncation_and_extension_is_an_error() {
+        let h = RequestHead { path: "/pkg.Svc/Call".into(), timeout: None, metadata: md() }.encode();
+        for n in 0..h.len() {
+            assert!(RequestHead::decode(&h[..n]).is_err(), "truncated at {n}");
+        }
+        let mut long = h.clone();
+        long.push(0);
+        assert!(RequestHead::decode(&long).is_err());
+        let t = encode_trailers(&Status::new(Code::NotFound, "x").with_metadata(md()));
+        for n in 0..t.len() {
+            assert!(decode_trailers(&t[..n]).is_err(), "truncated at {n}");
+        }
+    }
+
+    #[test]
+    fn peer_metadata_is_held_to_the_rules() {
+        let mut body = vec![WIRE_VERSION];
+        body.extend_from_slice(&1u32.to_le_bytes());
+        body.extend_from_slice(&11u16.to_le_bytes());
+        body.extend_from_slice(&1u32.to_le_bytes());
+        body.extend_from_slice(b"grpc-status0");
+        assert!(ResponseHead::decode(&body).is_err(), "reserved key from a peer");
+        let mut lie = vec![WIRE_VERSION];
+        lie.extend_from_slice(&u32::MAX.to_le_bytes());
+        assert!(ResponseHead::decode(&lie).is_err(), "a count larger than the body");
+        let bad_path = RequestHead { path: "no-slash".into(), timeout: None, metadata: MetadataMap::new() }.encode();
+        assert!(RequestHead::decode(&bad_path).is_err());
+    }
+}
