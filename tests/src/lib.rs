@@ -53,12 +53,12 @@ pub fn fresh_addr(tag: &str) -> String {
     format!("shm://t-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
 }
 
-/// The peer binary cargo built beside the test binaries (`target/<profile>/shm-peer`; tests
-/// live in `target/<profile>/deps/`).
-pub fn peer_bin() -> PathBuf {
+/// A peer binary cargo built beside the test binaries (`target/<profile>/NAME`; tests live in
+/// `target/<profile>/deps/`).
+pub fn peer_bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current exe");
     let profile_dir = exe.parent().and_then(|deps| deps.parent()).expect("target/<profile>");
-    profile_dir.join("shm-peer")
+    profile_dir.join(name)
 }
 
 /// A spawned peer process; killed (SIGKILL) and reaped on drop. Its stdout lines arrive on a
@@ -67,11 +67,12 @@ pub fn peer_bin() -> PathBuf {
 pub struct Peer {
     pub child: Child,
     lines: std::sync::mpsc::Receiver<String>,
+    reader: Option<std::thread::JoinHandle<()>>,
 }
 
-fn forward_lines(stdout: ChildStdout) -> std::sync::mpsc::Receiver<String> {
+fn forward_lines(stdout: ChildStdout) -> (std::sync::mpsc::Receiver<String>, std::thread::JoinHandle<()>) {
     let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
+    let reader = std::thread::spawn(move || {
         for line in BufReader::new(stdout).lines() {
             let Ok(line) = line else { break };
             if tx.send(line).is_err() {
@@ -79,20 +80,25 @@ fn forward_lines(stdout: ChildStdout) -> std::sync::mpsc::Receiver<String> {
             }
         }
     });
-    rx
+    (rx, reader)
 }
 
 impl Peer {
     /// Starts `shm-peer ARGS…` and waits (up to 30 s) for it to print `READY`.
     pub fn spawn(args: &[&str]) -> Peer {
-        let mut child = Command::new(peer_bin())
+        Peer::spawn_bin("shm-peer", args)
+    }
+
+    /// Starts peer binary `bin` with `args` and waits (up to 30 s) for it to print `READY`.
+    pub fn spawn_bin(bin: &str, args: &[&str]) -> Peer {
+        let mut child = Command::new(peer_bin(bin))
             .args(args)
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
             .spawn()
             .expect("spawn shm-peer");
-        let lines = forward_lines(child.stdout.take().expect("piped stdout"));
-        let mut p = Peer { child, lines };
+        let (lines, reader) = forward_lines(child.stdout.take().expect("piped stdout"));
+        let mut p = Peer { child, lines, reader: Some(reader) };
         p.expect_line("READY", Duration::from_secs(30));
         p
     }
@@ -116,10 +122,13 @@ impl Peer {
         }
     }
 
-    /// SIGKILL, as a crash would.
+    /// SIGKILL, as a crash would; returns once the process and its stdout pipe are gone.
     pub fn kill9(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if let Some(reader) = self.reader.take() {
+            let _ = reader.join(); // EOF on the pipe: the child is dead
+        }
     }
 
     pub fn pid(&self) -> u32 {

@@ -220,16 +220,33 @@ impl Sender {
         deadline: Option<Instant>,
     ) -> Result<()> {
         let header = self.header(kind, frame_flags, stream, body)?;
+        self.push(&header, body, deadline)
+    }
+
+    /// Pushes one frame, waiting for ring room until `deadline`.
+    fn push(&self, header: &FrameHeader, body: &[&[u8]], deadline: Option<Instant>) -> Result<()> {
         let len = header.len as usize;
-        loop {
-            if self.core.try_push(&header, body)? {
-                return Ok(());
-            }
+        while !self.core.try_push(header, body)? {
             self.core.stats.add(&self.core.stats.ring_full_waits, 1);
             self.core
                 .tx_waiter("waiting for room in the frame ring")
                 .wait(deadline, || self.core.ring_has_room(len))?;
         }
+        Ok(())
+    }
+
+    /// [`push`](Self::push), waiting on tokio.
+    #[cfg(feature = "tokio")]
+    async fn push_async(&self, header: &FrameHeader, body: &[&[u8]]) -> Result<()> {
+        let len = header.len as usize;
+        while !self.core.try_push(header, body)? {
+            self.core.stats.add(&self.core.stats.ring_full_waits, 1);
+            self.core
+                .tx_waiter("waiting for room in the frame ring")
+                .wait_async(|| self.core.ring_has_room(len))
+                .await?;
+        }
+        Ok(())
     }
 
     fn header(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[&[u8]]) -> Result<FrameHeader> {
@@ -304,37 +321,88 @@ impl Sender {
         total: u64,
         deadline: Option<Instant>,
     ) -> Result<()> {
+        match self.block_frame(stream, frame_flags, &block, total)? {
+            None => self.send(Kind::Message, frame_flags, stream, &[], deadline),
+            Some((header, body)) => {
+                self.push(&header, &[&body], deadline)?;
+                block.sent = true; // the peer owns it until it comes back on the release ring
+                Ok(())
+            }
+        }
+    }
+
+    /// The MESSAGE frame that sends `block`, marked in flight; `None` for an empty block, which
+    /// travels inline.
+    fn block_frame(
+        &self,
+        stream: u64,
+        frame_flags: u8,
+        block: &BlockMut,
+        total: u64,
+    ) -> Result<Option<(FrameHeader, [u8; ArenaDescriptor::LEN])>> {
         if !Arc::ptr_eq(&block.sender.core, &self.core) {
             return Err(Error::new(
                 ErrorKind::InvalidConfig,
                 "a block can only be sent on the connection it was allocated from",
             ));
         }
-        if block.len == 0 {
-            drop(block);
-            return self.send(Kind::Message, frame_flags, stream, &[], deadline);
-        }
         if frame_flags & flags::ARENA != 0 {
             return Err(Error::new(ErrorKind::InvalidConfig, "the ARENA flag is the transport's own"));
+        }
+        if block.len == 0 {
+            return Ok(None);
         }
         // From here the peer may give the block back; until here it could not.
         if !lock(&self.core.arena)?.mark_in_flight(block.offset, block.generation) {
             return Err(self.core.fail(Error::new(ErrorKind::Closed, "an arena block was freed before it was sent")));
         }
-        let d = ArenaDescriptor { offset: block.offset as u64, len: block.len as u64, total };
-        let body = d.encode();
+        let body = ArenaDescriptor { offset: block.offset as u64, len: block.len as u64, total }.encode();
         let header =
             FrameHeader { len: body.len() as u32, kind: Kind::Message, flags: frame_flags | flags::ARENA, stream };
         self.core.stats.add(&self.core.stats.bytes_sent, block.len as u64);
-        loop {
-            if self.core.try_push(&header, &[&body])? {
-                block.sent = true; // the peer owns it until it comes back on the release ring
-                return Ok(());
+        Ok(Some((header, body)))
+    }
+
+    /// Async [`send_block`](Self::send_block) for tokio.
+    #[cfg(feature = "tokio")]
+    pub async fn send_block_async(&self, stream: u64, frame_flags: u8, block: BlockMut) -> Result<()> {
+        let total = block.len as u64;
+        self.send_block_as_async(stream, frame_flags, block, total).await
+    }
+
+    #[cfg(feature = "tokio")]
+    async fn send_block_as_async(&self, stream: u64, frame_flags: u8, mut block: BlockMut, total: u64) -> Result<()> {
+        match self.block_frame(stream, frame_flags, &block, total)? {
+            None => self.send_async(Kind::Message, frame_flags, stream, &[]).await,
+            Some((header, body)) => {
+                self.push_async(&header, &[&body]).await?;
+                block.sent = true;
+                Ok(())
             }
-            self.core.stats.add(&self.core.stats.ring_full_waits, 1);
-            self.core
-                .tx_waiter("waiting for room in the frame ring")
-                .wait(deadline, || self.core.ring_has_room(body.len()))?;
+        }
+    }
+
+    /// Async [`send_message`](Self::send_message) for tokio: any size, with the same routes.
+    #[cfg(feature = "tokio")]
+    pub async fn send_message_async(&self, stream: u64, frame_flags: u8, payload: &[u8]) -> Result<()> {
+        match self.route(payload.len()) {
+            Route::Inline => self.send_async(Kind::Message, frame_flags, stream, payload).await,
+            Route::Block => {
+                let mut block = self.alloc_async(payload.len()).await?;
+                block.copy_from_slice(payload);
+                self.send_block_as_async(stream, frame_flags, block, payload.len() as u64).await
+            }
+            Route::Pieces(piece) => {
+                let total = payload.len() as u64;
+                let mut chunks = payload.chunks(piece).peekable();
+                while let Some(chunk) = chunks.next() {
+                    let f = if chunks.peek().is_none() { frame_flags } else { frame_flags & !flags::END_STREAM };
+                    let mut block = self.alloc_async(chunk.len()).await?;
+                    block.copy_from_slice(chunk);
+                    self.send_block_as_async(stream, f, block, total).await?;
+                }
+                Ok(())
+            }
         }
     }
 
@@ -342,16 +410,7 @@ impl Sender {
     #[cfg(feature = "tokio")]
     pub async fn send_async(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[u8]) -> Result<()> {
         let header = self.header(kind, frame_flags, stream, &[body])?;
-        loop {
-            if self.core.try_push(&header, &[body])? {
-                return Ok(());
-            }
-            self.core.stats.add(&self.core.stats.ring_full_waits, 1);
-            self.core
-                .tx_waiter("waiting for room in the frame ring")
-                .wait_async(|| self.core.ring_has_room(body.len()))
-                .await?;
-        }
+        self.push_async(&header, &[body]).await
     }
 
     /// Async [`alloc`](Self::alloc) for tokio.
@@ -573,6 +632,8 @@ struct Partial {
     received: u64,
     total: u64,
     oversize: bool,
+    /// Under the limit, but memory for it could not be had.
+    unreservable: bool,
 }
 
 /// The receiving half of a connection. One per connection: the frame ring has one reader.
@@ -662,7 +723,7 @@ impl Receiver {
         let p = self.partial.entry(h.stream).or_insert_with(|| {
             let oversize = d.total > limit;
             let buf = if oversize { Vec::new() } else { pool.take() };
-            Partial { buf, received: 0, total: d.total, oversize }
+            Partial { buf, received: 0, total: d.total, oversize, unreservable: false }
         });
         if p.total != d.total || d.len > p.total - p.received {
             return Err(Error::protocol(format!(
@@ -674,6 +735,7 @@ impl Receiver {
         // cannot get makes the message too large, not the process abort.
         if !p.oversize && lease.copy_into(&mut p.buf).is_err() {
             p.oversize = true;
+            p.unreservable = true;
             p.buf = Vec::new();
         }
         drop(lease);
@@ -682,6 +744,13 @@ impl Receiver {
             return Ok(None);
         }
         let p = self.partial.remove(&h.stream).ok_or_else(|| Error::protocol("partial message vanished"))?;
+        if p.unreservable {
+            return Err(Error::new(
+                ErrorKind::MessageTooLarge,
+                format!("stream {}: could not reserve memory for a {}-byte message", h.stream, p.total),
+            )
+            .on_stream(h.stream));
+        }
         if p.oversize {
             return Err(self.too_large(h.stream, p.total));
         }
@@ -696,6 +765,7 @@ impl Receiver {
                 self.core.max_message_size
             ),
         )
+        .on_stream(stream)
     }
 
     /// Waits for the next frame until `deadline`: spins briefly, then sleeps on the doorbell.

@@ -48,11 +48,12 @@ pub struct Error {
     kind: ErrorKind,
     message: String,
     source: Option<io::Error>,
+    stream: Option<u64>,
 }
 
 impl Error {
     pub(crate) fn new(kind: ErrorKind, message: impl Into<String>) -> Error {
-        Error { kind, message: message.into(), source: None }
+        Error { kind, message: message.into(), source: None, stream: None }
     }
 
     pub(crate) fn io(context: impl Into<String>, source: io::Error) -> Error {
@@ -67,7 +68,7 @@ impl Error {
             | io::ErrorKind::ConnectionAborted => ErrorKind::PeerGone,
             _ => ErrorKind::Io,
         };
-        Error { kind, message: context.into(), source: Some(source) }
+        Error { kind, message: context.into(), source: Some(source), stream: None }
     }
 
     pub(crate) fn protocol(message: impl Into<String>) -> Error {
@@ -80,6 +81,23 @@ impl Error {
 
     pub(crate) fn timeout(what: &str) -> Error {
         Error::new(ErrorKind::Timeout, format!("deadline passed while {what}"))
+    }
+
+    pub(crate) fn on_stream(mut self, stream: u64) -> Error {
+        self.stream = Some(stream);
+        self
+    }
+
+    /// The stream a non-fatal error concerns (a [`ErrorKind::MessageTooLarge`] message), so the
+    /// RPC layer can fail that call alone.
+    pub fn stream(&self) -> Option<u64> {
+        self.stream
+    }
+
+    /// An error of any kind, for tests of code that maps errors (the RPC layer's status table).
+    #[doc(hidden)]
+    pub fn for_tests(kind: ErrorKind, message: impl Into<String>) -> Error {
+        Error::new(kind, message)
     }
 
     /// What kind of failure this is.

@@ -130,8 +130,13 @@ pub mod fuzz {
                 _ => break,
             }
         }
+        // Blocks in flight, as if sent, so fuzzed releases can be accepted as well as refused.
         let mut owner = ArenaOwner::new(&seg, 0);
-        let _ = owner.try_alloc(4096);
+        for len in [4096, 10_000, 1] {
+            if let Ok(Some((off, generation, _))) = owner.try_alloc(len) {
+                owner.mark_in_flight(off, generation);
+            }
+        }
         let _ = owner.reclaim();
     }
 }

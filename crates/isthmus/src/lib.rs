@@ -1,14 +1,24 @@
 //! `isthmus` gives calls over [`isthmus_shm`] gRPC's meaning: a method path, metadata, a
 //! deadline, a stream of messages each way, and a [`Status`] at the end.
 //!
-//! This first part holds the vocabulary every later piece shares: status codes and the one table
-//! that maps transport failures to them ([`Status::from_transport`]), metadata with gRPC's key
-//! and value rules ([`MetadataMap`]), and the codec of the RPC frame bodies ([`wire`]). The call
-//! engine (channel, server, streams) builds on these.
+//! - [`Channel`] connects to a server and starts calls of every shape ([`Channel::unary`],
+//!   [`Channel::start`] for streaming); [`ClientCall`] sends, half-closes, receives, cancels.
+//! - [`Server`] registers async handlers by method path; each gets a [`ServerCall`].
+//! - [`Status`] and [`Code`] are gRPC's, with one table mapping transport failures to codes
+//!   ([`Status::from_transport`]); [`MetadataMap`] holds metadata under gRPC's rules; [`wire`] is
+//!   the codec of the RPC frame bodies.
+//!
+//! This is the engine's first part: async (tokio) on `shm://`. The blocking client, flow
+//! control between streams, GOAWAY-based graceful shutdown and counters come next.
 
+mod client;
 pub mod metadata;
+mod mux;
+mod server;
 pub mod status;
 pub mod wire;
 
+pub use client::{CallOptions, Channel, ClientCall, Response};
 pub use metadata::{InvalidMetadata, MetadataMap};
+pub use server::{Bound, Server, ServerCall};
 pub use status::{Code, Status};

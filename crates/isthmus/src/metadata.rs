@@ -124,6 +124,11 @@ impl MetadataMap {
         self.entries.iter().map(|(k, v)| (k.as_str(), &v[..]))
     }
 
+    /// Appends every entry of `other` (already checked when it was built).
+    pub fn extend(&mut self, other: &MetadataMap) {
+        self.entries.extend(other.entries.iter().cloned());
+    }
+
     /// Number of entries.
     pub fn len(&self) -> usize {
         self.entries.len()

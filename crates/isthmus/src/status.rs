@@ -174,6 +174,7 @@ impl Status {
             ErrorKind::PermissionDenied => Code::PermissionDenied,
             ErrorKind::Protocol | ErrorKind::VersionMismatch => Code::Internal,
             ErrorKind::InvalidAddress | ErrorKind::InvalidConfig => Code::InvalidArgument,
+            ErrorKind::AddrInUse | ErrorKind::Io => Code::Unavailable,
             _ => Code::Unavailable,
         };
         Status::new(code, e.to_string())
@@ -218,6 +219,31 @@ mod tests {
         }
         assert_eq!(Code::from_u32(17), Code::Unknown);
         assert_eq!(Code::from_u32(u32::MAX), Code::Unknown);
+    }
+
+    /// The one table from transport failures to codes, pinned.
+    #[test]
+    fn transport_failures_map_to_grpc_codes() {
+        use isthmus_shm::ErrorKind as K;
+        let table = [
+            (K::PeerGone, Code::Unavailable),
+            (K::Closed, Code::Unavailable),
+            (K::NotFound, Code::Unavailable),
+            (K::AddrInUse, Code::Unavailable),
+            (K::Io, Code::Unavailable),
+            (K::Timeout, Code::DeadlineExceeded),
+            (K::MessageTooLarge, Code::ResourceExhausted),
+            (K::TooLarge, Code::ResourceExhausted),
+            (K::PermissionDenied, Code::PermissionDenied),
+            (K::Protocol, Code::Internal),
+            (K::VersionMismatch, Code::Internal),
+            (K::InvalidAddress, Code::InvalidArgument),
+            (K::InvalidConfig, Code::InvalidArgument),
+        ];
+        for (kind, code) in table {
+            let e = isthmus_shm::Error::for_tests(kind, "failure");
+            assert_eq!(Status::from_transport(&e).code(), code, "{kind:?}");
+        }
     }
 
     #[test]

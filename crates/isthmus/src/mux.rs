@@ -1,0 +1,206 @@
+//! One connection's streams: the table that routes incoming frames to calls, and the reader
+//! task that fills it. Shared by the client and the server side.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use isthmus_shm::{flags, ErrorKind, Frame, Kind, Receiver, Sender};
+use tokio::sync::{mpsc, Notify};
+
+use crate::metadata::MetadataMap;
+use crate::status::{Code, Status};
+use crate::wire;
+
+/// What a call hears from the other side.
+#[derive(Debug)]
+pub(crate) enum Event {
+    /// The server's initial metadata (client side only).
+    Headers(MetadataMap),
+    /// One message.
+    Message(Bytes),
+    /// The other side will send no more messages (the client's half-close).
+    HalfClose,
+    /// The call is over: the server's trailers, a CANCEL, or the connection's death.
+    End(Status),
+}
+
+/// A new call the server's reader found: its head, its event queue, and the signal that the
+/// client cancelled it (or the connection died), which must stop its handler.
+pub(crate) struct Incoming {
+    pub(crate) stream: u64,
+    pub(crate) head: wire::RequestHead,
+    pub(crate) events: mpsc::UnboundedReceiver<Event>,
+    pub(crate) cancelled: Arc<Notify>,
+}
+
+/// One open stream: where its events go, and (server side) who to tell of a cancel.
+struct Entry {
+    events: mpsc::UnboundedSender<Event>,
+    cancelled: Option<Arc<Notify>>,
+}
+
+/// The stream table of one connection.
+pub(crate) struct Mux {
+    pub(crate) sender: Sender,
+    streams: Mutex<HashMap<u64, Entry>>,
+    /// Set once the connection is finished: every later call fails with it.
+    dead: Mutex<Option<Status>>,
+}
+
+fn poisoned() -> Status {
+    Status::new(Code::Internal, "a thread panicked while holding the stream table")
+}
+
+impl Mux {
+    pub(crate) fn new(sender: Sender) -> Arc<Mux> {
+        Arc::new(Mux { sender, streams: Mutex::new(HashMap::new()), dead: Mutex::new(None) })
+    }
+
+    /// The status every call gets once the connection is gone, if it is.
+    pub(crate) fn dead(&self) -> Option<Status> {
+        self.dead.lock().ok().and_then(|d| d.clone())
+    }
+
+    /// Opens the queue of stream `id`.
+    pub(crate) fn register(&self, id: u64) -> Result<mpsc::UnboundedReceiver<Event>, Status> {
+        self.register_entry(id, None)
+    }
+
+    fn register_entry(
+        &self,
+        id: u64,
+        cancelled: Option<Arc<Notify>>,
+    ) -> Result<mpsc::UnboundedReceiver<Event>, Status> {
+        if let Some(s) = self.dead() {
+            return Err(s);
+        }
+        let (tx, rx) = mpsc::unbounded_channel();
+        let mut streams = self.streams.lock().map_err(|_| poisoned())?;
+        if streams.contains_key(&id) {
+            return Err(Status::new(Code::Internal, format!("the peer reused open stream id {id}")));
+        }
+        streams.insert(id, Entry { events: tx, cancelled });
+        drop(streams);
+        // The reader may have died between the check and the insert; it empties the table
+        // after setting `dead`, so look again.
+        if let Some(s) = self.dead() {
+            self.unregister(id);
+            return Err(s);
+        }
+        Ok(rx)
+    }
+
+    pub(crate) fn unregister(&self, id: u64) {
+        if let Ok(mut s) = self.streams.lock() {
+            s.remove(&id);
+        }
+    }
+
+    fn deliver(&self, id: u64, ev: Event) {
+        let end = matches!(ev, Event::End(_));
+        if let Ok(mut s) = self.streams.lock() {
+            if let Some(entry) = s.get(&id) {
+                let _ = entry.events.send(ev);
+                if end {
+                    if let Some(c) = &entry.cancelled {
+                        c.notify_one();
+                    }
+                }
+            }
+            if end {
+                s.remove(&id);
+            }
+        }
+    }
+
+    /// Ends every call with `status` and refuses new ones.
+    pub(crate) fn fail_all(&self, status: Status) {
+        if let Ok(mut d) = self.dead.lock() {
+            d.get_or_insert(status.clone());
+        }
+        let streams = self.streams.lock().map(|mut s| std::mem::take(&mut *s)).unwrap_or_default();
+        for (_, entry) in streams {
+            let _ = entry.events.send(Event::End(status.clone()));
+            if let Some(c) = entry.cancelled {
+                c.notify_one();
+            }
+        }
+    }
+
+    /// Sends a CANCEL for `id` (best effort: the connection may be gone) and forgets it.
+    pub(crate) async fn cancel(&self, id: u64, code: Code) {
+        self.unregister(id);
+        let _ = self.sender.send_async(Kind::Cancel, 0, id, &wire::encode_cancel(code)).await;
+    }
+
+    /// Reads frames until the connection ends, routing each to its call. On the server side,
+    /// HEADERS for an unknown stream opens a call and is handed to `incoming`.
+    pub(crate) async fn read_loop(
+        self: Arc<Self>,
+        mut receiver: Receiver,
+        incoming: Option<mpsc::UnboundedSender<Incoming>>,
+    ) {
+        let end = loop {
+            match receiver.recv_async().await {
+                Ok(frame) => {
+                    if let Err(status) = self.route(frame, incoming.as_ref()).await {
+                        self.sender.close();
+                        break status;
+                    }
+                }
+                // One message too large: that call fails, the connection goes on.
+                Err(e) if e.kind() == ErrorKind::MessageTooLarge => {
+                    if let Some(id) = e.stream() {
+                        self.deliver(id, Event::End(Status::from_transport(&e)));
+                        self.cancel(id, Code::ResourceExhausted).await;
+                    }
+                }
+                Err(e) => break Status::from_transport(&e),
+            }
+        };
+        self.fail_all(end);
+    }
+
+    async fn route(&self, f: Frame, incoming: Option<&mpsc::UnboundedSender<Incoming>>) -> Result<(), Status> {
+        let internal = |e: wire::WireError| Status::new(Code::Internal, format!("malformed frame from the peer: {e}"));
+        match f.kind {
+            Kind::Headers => match incoming {
+                Some(new_calls) => {
+                    let head = wire::RequestHead::decode(&f.body).map_err(internal)?;
+                    let cancelled = Arc::new(Notify::new());
+                    let events = self.register_entry(f.stream, Some(cancelled.clone()))?;
+                    let _ = new_calls.send(Incoming { stream: f.stream, head, events, cancelled });
+                }
+                None => self
+                    .deliver(f.stream, Event::Headers(wire::ResponseHead::decode(&f.body).map_err(internal)?.metadata)),
+            },
+            Kind::Message => {
+                let half_close = f.flags & flags::END_STREAM != 0;
+                self.deliver(f.stream, Event::Message(f.body));
+                if half_close {
+                    self.deliver(f.stream, Event::HalfClose);
+                }
+            }
+            // From the client, TRAILERS (empty) is a half-close without a message.
+            Kind::Trailers if incoming.is_some() => self.deliver(f.stream, Event::HalfClose),
+            Kind::Trailers => self.deliver(f.stream, Event::End(wire::decode_trailers(&f.body).map_err(internal)?)),
+            Kind::Cancel => {
+                let code = wire::decode_cancel(&f.body).map_err(internal)?;
+                self.deliver(f.stream, Event::End(Status::new(code, "the call was cancelled by the peer")));
+            }
+            Kind::Ping => {
+                if f.flags & flags::ACK == 0 {
+                    let _ = self.sender.send_async(Kind::Ping, flags::ACK, f.stream, &f.body).await;
+                }
+            }
+            Kind::GoAway => {
+                let g = wire::GoAway::decode(&f.body).map_err(internal)?;
+                if let Ok(mut d) = self.dead.lock() {
+                    d.get_or_insert(Status::new(Code::Unavailable, format!("the server is going away: {}", g.message)));
+                }
+            }
+        }
+        Ok(())
+    }
+}

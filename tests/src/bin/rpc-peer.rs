@@ -1,0 +1,116 @@
+//! The RPC server process of the cross-process engine tests: `rpc-peer ADDR`.
+//!
+//! Methods (all under `/test.Echo/`): `Unary` (echo, reflecting `x-echo`/`x-echo-bin` metadata into
+//! headers and trailers), `ServerStream` (request `u32 count, u32 size`: that many patterned
+//! messages), `ClientStream` (reply `u64 count, u64 bytes` of what arrived), `Bidi` (echo each),
+//! `Fail` (request `u32 code`: that status, with details and a trailer), `Panic`, `Sleep` (never
+//! returns; prints `SLEEP-DROPPED` when the server stops it), `TimeLeft` (milliseconds left).
+
+use std::io::Write;
+
+use isthmus::{Code, MetadataMap, Server, ServerCall, Status};
+
+fn say(line: &str) {
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "{line}");
+    let _ = out.flush();
+}
+
+fn reflect(md: &MetadataMap, tag: &str) -> MetadataMap {
+    let mut out = MetadataMap::new();
+    if let Some(v) = md.get("x-echo") {
+        let _ = out.append("x-echo", &format!("{tag}:{v}"));
+    }
+    if let Some(v) = md.get_bin("x-echo-bin") {
+        let _ = out.append_bin("x-echo-bin", v.to_vec());
+    }
+    out
+}
+
+async fn one(call: &mut ServerCall) -> Result<bytes::Bytes, Status> {
+    call.recv().await?.ok_or_else(|| Status::new(Code::InvalidArgument, "expected a request message"))
+}
+
+struct Loud;
+impl Drop for Loud {
+    fn drop(&mut self) {
+        say("SLEEP-DROPPED");
+    }
+}
+
+fn main() {
+    let addr = std::env::args().nth(1).expect("address");
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    rt.block_on(async move {
+        let server = Server::builder()
+            .handler("/test.Echo/Unary", |mut call: ServerCall| async move {
+                let m = one(&mut call).await?;
+                call.send_headers(reflect(call.metadata(), "head")).await?;
+                call.set_trailers(reflect(call.metadata(), "tail"));
+                call.send(&m).await
+            })
+            .handler("/test.Echo/ServerStream", |mut call: ServerCall| async move {
+                let m = one(&mut call).await?;
+                let count =
+                    u32::from_le_bytes(m[0..4].try_into().map_err(|_| Status::new(Code::InvalidArgument, "short"))?);
+                let size =
+                    u32::from_le_bytes(m[4..8].try_into().map_err(|_| Status::new(Code::InvalidArgument, "short"))?);
+                for i in 0..count {
+                    call.send(&isthmus_tests::pattern(size as usize, i as u64)).await?;
+                }
+                Ok(())
+            })
+            .handler("/test.Echo/ClientStream", |mut call: ServerCall| async move {
+                let (mut count, mut bytes) = (0u64, 0u64);
+                while let Some(m) = call.recv().await? {
+                    if isthmus_tests::first_mismatch(&m, count).is_some() {
+                        return Err(Status::new(Code::DataLoss, format!("message {count} corrupted")));
+                    }
+                    count += 1;
+                    bytes += m.len() as u64;
+                }
+                let mut reply = count.to_le_bytes().to_vec();
+                reply.extend_from_slice(&bytes.to_le_bytes());
+                call.send(&reply).await
+            })
+            .handler("/test.Echo/Bidi", |mut call: ServerCall| async move {
+                while let Some(m) = call.recv().await? {
+                    call.send(&m).await?;
+                }
+                Ok(())
+            })
+            .handler("/test.Echo/Fail", |mut call: ServerCall| async move {
+                let m = one(&mut call).await?;
+                let code =
+                    u32::from_le_bytes(m[0..4].try_into().map_err(|_| Status::new(Code::InvalidArgument, "short"))?);
+                let mut t = MetadataMap::new();
+                let _ = t.append("x-failed", "yes");
+                Err(Status::new(Code::from_u32(code), format!("requested failure {code}"))
+                    .with_details(bytes::Bytes::from_static(b"\x00details\xff"))
+                    .with_metadata(t))
+            })
+            .handler("/test.Echo/Panic", |_call: ServerCall| async move {
+                panic!("handler exploded on purpose");
+            })
+            .handler("/test.Echo/Sleep", |mut call: ServerCall| async move {
+                let _loud = Loud;
+                say("SLEEPING");
+                let _ = call.recv().await;
+                std::future::pending::<()>().await;
+                Ok(())
+            })
+            .handler("/test.Echo/TimeLeft", |mut call: ServerCall| async move {
+                let _ = one(&mut call).await?;
+                let left = call.time_remaining().map_or(-1, |d| d.as_millis() as i64);
+                call.send(left.to_string().as_bytes()).await
+            });
+        let bound = match server.bind(&addr) {
+            Ok(b) => b,
+            Err(e) => return say(&format!("BIND-ERROR {e}")),
+        };
+        say("READY");
+        if let Err(e) = bound.serve().await {
+            say(&format!("SERVE-ERROR {e}"));
+        }
+    });
+}
