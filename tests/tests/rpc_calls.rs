@@ -31,8 +31,10 @@ fn unary_carries_metadata_and_trailers_both_ways() {
         let mut md = MetadataMap::new();
         md.append("x-echo", "hi").expect("ascii");
         md.append_bin("x-echo-bin", vec![0u8, 0xfe, 0xff]).expect("binary");
-        let r =
-            ch.unary("/test.Echo/Unary", b"payload", CallOptions { metadata: md, timeout: None }).await.expect("call");
+        let r = ch
+            .unary("/test.Echo/Unary", b"payload", CallOptions { metadata: md, ..CallOptions::default() })
+            .await
+            .expect("call");
         assert_eq!(&r.message[..], b"payload");
         assert_eq!(r.metadata.get("x-echo"), Some("head:hi"));
         assert_eq!(r.metadata.get_bin("x-echo-bin"), Some(&[0u8, 0xfe, 0xff][..]));
@@ -199,5 +201,86 @@ fn a_killed_server_ends_every_open_call_with_unavailable() {
         assert!(killed.elapsed() < Duration::from_secs(1));
         let s = ch.unary("/test.Echo/Unary", b"x", CallOptions::default()).await.expect_err("no server");
         assert_eq!(s.code(), Code::Unavailable);
+    });
+}
+
+#[test]
+fn the_same_channel_works_again_after_a_server_restart() {
+    let (mut server, addr) = server();
+    let rt = runtime();
+    let addr2 = addr.clone();
+    let ch = rt.block_on(async move {
+        let ch = Channel::connect(&addr2).await.expect("connect");
+        ch.unary("/test.Echo/Unary", b"before", CallOptions::default()).await.expect("first server");
+        ch
+    });
+    server.kill9();
+    let _again = Peer::spawn_bin("rpc-peer", &[&addr]);
+    rt.block_on(async move {
+        // The first call may still meet the dead connection; the next one reconnects.
+        let first = ch.unary("/test.Echo/Unary", b"after", CallOptions::default()).await;
+        if let Err(s) = &first {
+            assert_eq!(s.code(), Code::Unavailable, "{s}");
+        }
+        let r = ch.unary("/test.Echo/Unary", b"after", CallOptions::default()).await.expect("reconnected");
+        assert_eq!(&r.message[..], b"after");
+    });
+}
+
+#[test]
+fn wait_for_ready_waits_for_a_server_and_fail_fast_does_not() {
+    let addr = fresh_addr("ready");
+    let ch = Channel::lazy(&addr).expect("lazy channel");
+    runtime().block_on(async {
+        let s = ch.unary("/test.Echo/Unary", b"x", CallOptions::default()).await.expect_err("no server yet");
+        assert_eq!(s.code(), Code::Unavailable, "{s}");
+        let opts =
+            CallOptions { wait_for_ready: true, timeout: Some(Duration::from_millis(200)), ..CallOptions::default() };
+        let s = ch.unary("/test.Echo/Unary", b"x", opts).await.expect_err("still no server");
+        assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+    });
+    let waiting = {
+        let ch = ch.clone();
+        std::thread::spawn(move || {
+            runtime().block_on(async move {
+                let opts = CallOptions {
+                    wait_for_ready: true,
+                    timeout: Some(Duration::from_secs(60)),
+                    ..CallOptions::default()
+                };
+                ch.unary("/test.Echo/Unary", b"waited", opts).await
+            })
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let _server = Peer::spawn_bin("rpc-peer", &[&addr]);
+    let r = isthmus_tests::watchdog(Duration::from_secs(90), move || waiting.join().expect("thread")).expect("served");
+    assert_eq!(&r.message[..], b"waited");
+}
+
+#[test]
+fn graceful_shutdown_lets_calls_in_progress_finish_and_refuses_new_ones() {
+    let (mut server, addr) = server();
+    run(async move {
+        let ch = Channel::connect(&addr).await.expect("connect");
+        let slow = {
+            let ch = ch.clone();
+            tokio::spawn(async move { ch.unary("/test.Echo/Slow", b"in flight", CallOptions::default()).await })
+        };
+        let started = tokio::task::spawn_blocking(move || {
+            server.expect_line("SLOW-STARTED", Duration::from_secs(30));
+            server
+        })
+        .await
+        .expect("peer");
+        ch.unary("/test.Admin/Shutdown", b"", CallOptions::default()).await.expect("shutdown starts");
+        let r = slow.await.expect("task").expect("the call in progress finishes");
+        assert_eq!(&r.message[..], b"in flight");
+        let s = ch.unary("/test.Echo/Unary", b"late", CallOptions::default()).await.expect_err("no new calls");
+        assert_eq!(s.code(), Code::Unavailable, "{s}");
+        let mut server = started;
+        tokio::task::spawn_blocking(move || server.expect_line("SHUTDOWN-DONE", Duration::from_secs(30)))
+            .await
+            .expect("peer");
     });
 }

@@ -22,6 +22,9 @@ pub struct CallOptions {
     pub metadata: MetadataMap,
     /// The call's deadline, from when it starts; it travels to the server.
     pub timeout: Option<Duration>,
+    /// If no server is reachable, keep trying until the deadline instead of failing at once
+    /// with UNAVAILABLE (gRPC's `wait_for_ready`).
+    pub wait_for_ready: bool,
 }
 
 /// A unary call's result.
@@ -36,18 +39,26 @@ pub struct Response {
 }
 
 struct Inner {
-    mux: Arc<Mux>,
+    target: Address,
+    config: Config,
+    /// The live connection, if any; replaced when it dies and a call needs one.
+    current: std::sync::Mutex<Option<Arc<Mux>>>,
+    /// Serialises reconnecting, so a burst of calls makes one connection, not many.
+    connecting: tokio::sync::Mutex<()>,
     next_stream: AtomicU64,
 }
 
 impl Drop for Inner {
     fn drop(&mut self) {
         // The last handle is gone: hang up, which also ends the reader task.
-        self.mux.sender.close();
+        if let Some(mux) = self.current.get_mut().ok().and_then(|m| m.take()) {
+            mux.sender.close();
+        }
     }
 }
 
-/// A connection to one server. Cheap to clone; clones share the connection.
+/// A connection to one server. Cheap to clone; clones share the connection. If the
+/// connection dies (the server restarted, say), the next call connects again.
 ///
 /// ```no_run
 /// # async fn demo() -> Result<(), isthmus::Status> {
@@ -63,12 +74,12 @@ pub struct Channel {
 
 impl std::fmt::Debug for Channel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Channel").finish_non_exhaustive()
+        f.debug_struct("Channel").field("target", &self.inner.target.to_string()).finish_non_exhaustive()
     }
 }
 
 impl Channel {
-    /// Connects to `target` (`shm://NAME` or `shm:///path.sock`). Must run inside a tokio
+    /// Connects to `target` (`shm://NAME` or `shm:///path.sock`) now. Must run inside a tokio
     /// runtime; the handshake runs on a blocking thread.
     pub async fn connect(target: &str) -> Result<Channel, Status> {
         Channel::connect_with(target, Config::default()).await
@@ -77,7 +88,72 @@ impl Channel {
     /// [`connect`](Self::connect) with a transport configuration (ring and arena sizes, the
     /// largest message accepted, spinning).
     pub async fn connect_with(target: &str, config: Config) -> Result<Channel, Status> {
-        let addr: Address = target.parse().map_err(|e| Status::from_transport(&e))?;
+        let channel = Channel::lazy_with(target, config)?;
+        channel.mux(false, None).await?;
+        Ok(channel)
+    }
+
+    /// A channel that connects on its first call.
+    pub fn lazy(target: &str) -> Result<Channel, Status> {
+        Channel::lazy_with(target, Config::default())
+    }
+
+    /// [`lazy`](Self::lazy) with a transport configuration.
+    pub fn lazy_with(target: &str, config: Config) -> Result<Channel, Status> {
+        let target: Address = target.parse().map_err(|e| Status::from_transport(&e))?;
+        config.validate().map_err(|e| Status::from_transport(&e))?;
+        Ok(Channel {
+            inner: Arc::new(Inner {
+                target,
+                config,
+                current: std::sync::Mutex::new(None),
+                connecting: tokio::sync::Mutex::new(()),
+                next_stream: AtomicU64::new(1),
+            }),
+        })
+    }
+
+    fn live(&self) -> Option<Arc<Mux>> {
+        let current = self.inner.current.lock().ok()?;
+        current.as_ref().filter(|m| m.dead().is_none()).cloned()
+    }
+
+    /// The live connection, connecting (again) if there is none.
+    async fn mux(&self, wait_for_ready: bool, deadline: Option<Instant>) -> Result<Arc<Mux>, Status> {
+        if let Some(m) = self.live() {
+            return Ok(m);
+        }
+        let _one_at_a_time = self.inner.connecting.lock().await;
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            if let Some(m) = self.live() {
+                return Ok(m); // another call connected while we waited
+            }
+            match self.connect_once().await {
+                Ok(mux) => {
+                    if let Ok(mut current) = self.inner.current.lock() {
+                        *current = Some(mux.clone());
+                    }
+                    return Ok(mux);
+                }
+                Err(s) if wait_for_ready && s.code() == Code::Unavailable => {
+                    let next = Instant::now() + backoff;
+                    if deadline.is_some_and(|d| next >= d) {
+                        return Err(Status::new(
+                            Code::DeadlineExceeded,
+                            format!("no server became ready before the deadline: {s}"),
+                        ));
+                    }
+                    tokio::time::sleep_until(next).await;
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+                Err(s) => return Err(s),
+            }
+        }
+    }
+
+    async fn connect_once(&self) -> Result<Arc<Mux>, Status> {
+        let (addr, config) = (self.inner.target.clone(), self.inner.config.clone());
         let conn = tokio::task::spawn_blocking(move || Connection::connect(&addr, &config))
             .await
             .map_err(|e| Status::new(Code::Internal, format!("connect task failed: {e}")))?
@@ -85,7 +161,7 @@ impl Channel {
         let (sender, receiver) = conn.split();
         let mux = Mux::new(sender);
         tokio::spawn(mux.clone().read_loop(receiver, None));
-        Ok(Channel { inner: Arc::new(Inner { mux, next_stream: AtomicU64::new(1) }) })
+        Ok(mux)
     }
 
     /// Starts a call of any shape: send messages, half-close, read responses.
@@ -99,11 +175,13 @@ impl Channel {
                 ),
             ));
         }
-        let mux = self.inner.mux.clone();
+        let deadline = options.timeout.map(|t| Instant::now() + t);
+        let mux = self.mux(options.wait_for_ready, deadline).await?;
         let stream = self.inner.next_stream.fetch_add(1, Ordering::Relaxed);
         let events = mux.register(stream)?;
-        let deadline = options.timeout.map(|t| Instant::now() + t);
-        let head = wire::RequestHead { path: path.to_owned(), timeout: options.timeout, metadata: options.metadata };
+        // Time spent waiting for a server is the call's: send what is left.
+        let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()).max(Duration::from_nanos(1)));
+        let head = wire::RequestHead { path: path.to_owned(), timeout, metadata: options.metadata };
         let call = ClientCall {
             stream,
             mux,

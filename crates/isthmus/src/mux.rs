@@ -2,6 +2,7 @@
 //! task that fills it. Shared by the client and the server side.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -46,6 +47,10 @@ pub(crate) struct Mux {
     streams: Mutex<HashMap<u64, Entry>>,
     /// Set once the connection is finished: every later call fails with it.
     dead: Mutex<Option<Status>>,
+    /// Server side: GOAWAY was sent; new calls are refused.
+    draining: AtomicBool,
+    /// Server side: the highest stream id accepted.
+    last_stream: AtomicU64,
 }
 
 fn poisoned() -> Status {
@@ -54,7 +59,13 @@ fn poisoned() -> Status {
 
 impl Mux {
     pub(crate) fn new(sender: Sender) -> Arc<Mux> {
-        Arc::new(Mux { sender, streams: Mutex::new(HashMap::new()), dead: Mutex::new(None) })
+        Arc::new(Mux {
+            sender,
+            streams: Mutex::new(HashMap::new()),
+            dead: Mutex::new(None),
+            draining: AtomicBool::new(false),
+            last_stream: AtomicU64::new(0),
+        })
     }
 
     /// The status every call gets once the connection is gone, if it is.
@@ -128,6 +139,14 @@ impl Mux {
         }
     }
 
+    /// Server side: tells the client no new call will be taken here (GOAWAY); calls in progress
+    /// go on.
+    pub(crate) async fn go_away(&self, why: &str) {
+        self.draining.store(true, Ordering::Release);
+        let g = wire::GoAway { last_stream: self.last_stream.load(Ordering::Acquire), message: why.to_owned() };
+        let _ = self.sender.send_async(Kind::GoAway, 0, 0, &g.encode()).await;
+    }
+
     /// Sends a CANCEL for `id` (best effort: the connection may be gone) and forgets it.
     pub(crate) async fn cancel(&self, id: u64, code: Code) {
         self.unregister(id);
@@ -141,6 +160,19 @@ impl Mux {
         mut receiver: Receiver,
         incoming: Option<mpsc::UnboundedSender<Incoming>>,
     ) {
+        // If this task is dropped unfinished (its runtime shut down), nobody reads replies any
+        // more: the connection must count as dead, or calls on it would wait for ever.
+        struct Watch(Arc<Mux>);
+        impl Drop for Watch {
+            fn drop(&mut self) {
+                self.0.fail_all(Status::new(
+                    Code::Unavailable,
+                    "the connection's reader stopped (its tokio runtime shut down)",
+                ));
+                self.0.sender.close();
+            }
+        }
+        let _watch = Watch(self.clone());
         let end = loop {
             match receiver.recv_async().await {
                 Ok(frame) => {
@@ -166,8 +198,15 @@ impl Mux {
         let internal = |e: wire::WireError| Status::new(Code::Internal, format!("malformed frame from the peer: {e}"));
         match f.kind {
             Kind::Headers => match incoming {
+                Some(_) if self.draining.load(Ordering::Acquire) => {
+                    // A call that crossed our GOAWAY: refuse it so the client retries elsewhere.
+                    let refused = Status::new(Code::Unavailable, "the server is shutting down and takes no new calls");
+                    let body = wire::encode_trailers(&refused);
+                    let _ = self.sender.send_async(Kind::Trailers, flags::END_STREAM, f.stream, &body).await;
+                }
                 Some(new_calls) => {
                     let head = wire::RequestHead::decode(&f.body).map_err(internal)?;
+                    self.last_stream.fetch_max(f.stream, Ordering::AcqRel);
                     let cancelled = Arc::new(Notify::new());
                     let events = self.register_entry(f.stream, Some(cancelled.clone()))?;
                     let _ = new_calls.send(Incoming { stream: f.stream, head, events, cancelled });

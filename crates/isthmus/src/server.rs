@@ -120,10 +120,17 @@ impl ServerCall {
 ///     .await
 /// # }
 /// ```
-#[derive(Clone, Default)]
+#[derive(Clone)]
 pub struct Server {
     handlers: HashMap<String, Handler>,
     config: Config,
+    grace: Duration,
+}
+
+impl Default for Server {
+    fn default() -> Server {
+        Server { handlers: HashMap::new(), config: Config::default(), grace: Duration::from_secs(10) }
+    }
 }
 
 impl std::fmt::Debug for Server {
@@ -149,6 +156,13 @@ impl Server {
         self
     }
 
+    /// How long a graceful shutdown waits for calls in progress before it closes connections
+    /// (default 10 s).
+    pub fn grace(mut self, grace: Duration) -> Server {
+        self.grace = grace;
+        self
+    }
+
     /// The transport configuration (sizes, message limit, peer policy, spinning).
     pub fn config(mut self, config: Config) -> Server {
         self.config = config;
@@ -166,7 +180,7 @@ impl Server {
             .map_err(|e| {
             Status::new(Code::Unavailable, format!("cannot watch {target}: {}", std::io::Error::from(e)))
         })?;
-        Ok(Bound { listener, handlers: Arc::new(self.handlers) })
+        Ok(Bound { listener, handlers: Arc::new(self.handlers), grace: self.grace, tracker: Arc::default() })
     }
 
     /// Binds and serves `target` until the listener fails.
@@ -179,6 +193,34 @@ impl Server {
 pub struct Bound {
     listener: AsyncFd<Accepting>,
     handlers: Arc<HashMap<String, Handler>>,
+    grace: Duration,
+    tracker: Arc<Tracker>,
+}
+
+/// The server's connections and calls in progress, for a graceful shutdown.
+#[derive(Default)]
+struct Tracker {
+    connections: Mutex<Vec<std::sync::Weak<Mux>>>,
+    calls: std::sync::atomic::AtomicUsize,
+    idle: Notify,
+}
+
+/// Counts a call in progress for as long as it lives.
+struct CallGuard(Arc<Tracker>);
+
+impl CallGuard {
+    fn new(t: &Arc<Tracker>) -> CallGuard {
+        t.calls.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        CallGuard(t.clone())
+    }
+}
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        if self.0.calls.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
 }
 
 impl std::fmt::Debug for Bound {
@@ -188,21 +230,23 @@ impl std::fmt::Debug for Bound {
 }
 
 impl Bound {
-    /// Serves until `shutdown` completes (calls in progress are not waited for yet).
+    /// Serves until `shutdown` completes, then shuts down gracefully: the socket is removed,
+    /// every client is sent GOAWAY, new calls are refused with UNAVAILABLE, and calls in progress
+    /// get the grace period to finish before the connections close.
     pub async fn serve_with_shutdown(self, shutdown: impl Future<Output = ()>) -> Result<(), Status> {
         tokio::pin!(shutdown);
         loop {
             tokio::select! {
-                () = &mut shutdown => return Ok(()),
+                () = &mut shutdown => break,
                 ready = self.listener.readable() => {
                     let mut guard = ready.map_err(|e| Status::new(Code::Unavailable, e.to_string()))?;
                     match guard.get_inner().0.accept_incoming() {
                         Ok(incoming) => {
-                            let handlers = self.handlers.clone();
+                            let (handlers, tracker) = (self.handlers.clone(), self.tracker.clone());
                             tokio::spawn(async move {
                                 // The handshake reads with timeouts: keep it off the reactor.
                                 if let Ok(Ok(conn)) = tokio::task::spawn_blocking(move || incoming.handshake()).await {
-                                    serve_connection(conn, handlers).await;
+                                    serve_connection(conn, handlers, tracker).await;
                                 }
                             });
                         }
@@ -212,6 +256,27 @@ impl Bound {
                 }
             }
         }
+        let Bound { listener, tracker, grace, .. } = self;
+        drop(listener); // removes the socket: new clients find no server here
+        let live: Vec<Arc<Mux>> =
+            tracker.connections.lock().map(|c| c.iter().filter_map(|w| w.upgrade()).collect()).unwrap_or_default();
+        for mux in &live {
+            mux.go_away("the server is shutting down").await;
+        }
+        let drained = async {
+            while tracker.calls.load(std::sync::atomic::Ordering::Acquire) > 0 {
+                let idle = tracker.idle.notified();
+                if tracker.calls.load(std::sync::atomic::Ordering::Acquire) == 0 {
+                    break;
+                }
+                idle.await;
+            }
+        };
+        let _ = tokio::time::timeout(grace, drained).await;
+        for mux in &live {
+            mux.sender.close(); // whatever is still running ends UNAVAILABLE on the client
+        }
+        Ok(())
     }
 
     /// Serves until the listener fails.
@@ -230,14 +295,23 @@ impl AsRawFd for Accepting {
     }
 }
 
-async fn serve_connection(conn: Connection, handlers: Arc<HashMap<String, Handler>>) {
+async fn serve_connection(conn: Connection, handlers: Arc<HashMap<String, Handler>>, tracker: Arc<Tracker>) {
     let (sender, receiver) = conn.split();
     let mux = Mux::new(sender);
+    if let Ok(mut c) = tracker.connections.lock() {
+        c.retain(|w| w.strong_count() > 0);
+        c.push(Arc::downgrade(&mux));
+    }
     let (new_calls, mut calls) = mpsc::unbounded_channel();
     tokio::spawn(mux.clone().read_loop(receiver, Some(new_calls)));
     while let Some(incoming) = calls.recv().await {
         let handler = handlers.get(&incoming.head.path).cloned();
-        tokio::spawn(run_call(mux.clone(), incoming, handler));
+        let guard = CallGuard::new(&tracker);
+        let mux = mux.clone();
+        tokio::spawn(async move {
+            run_call(mux, incoming, handler).await;
+            drop(guard);
+        });
     }
 }
 

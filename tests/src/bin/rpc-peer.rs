@@ -4,7 +4,9 @@
 //! headers and trailers), `ServerStream` (request `u32 count, u32 size`: that many patterned
 //! messages), `ClientStream` (reply `u64 count, u64 bytes` of what arrived), `Bidi` (echo each),
 //! `Fail` (request `u32 code`: that status, with details and a trailer), `Panic`, `Sleep` (never
-//! returns; prints `SLEEP-DROPPED` when the server stops it), `TimeLeft` (milliseconds left).
+//! returns; prints `SLEEP-DROPPED` when the server stops it), `TimeLeft` (milliseconds left),
+//! `Slow` (prints `SLOW-STARTED`, answers after 500 ms); `/test.Admin/Shutdown` starts a graceful
+//! shutdown, after which the process prints `SHUTDOWN-DONE` and exits.
 
 use std::io::Write;
 
@@ -42,7 +44,22 @@ fn main() {
     let addr = std::env::args().nth(1).expect("address");
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     rt.block_on(async move {
+        let shutdown = std::sync::Arc::new(tokio::sync::Notify::new());
+        let trigger = shutdown.clone();
         let server = Server::builder()
+            .handler("/test.Admin/Shutdown", move |mut call: ServerCall| {
+                let trigger = trigger.clone();
+                async move {
+                    trigger.notify_one();
+                    call.send(b"").await
+                }
+            })
+            .handler("/test.Echo/Slow", |mut call: ServerCall| async move {
+                let m = one(&mut call).await?;
+                say("SLOW-STARTED");
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                call.send(&m).await
+            })
             .handler("/test.Echo/Unary", |mut call: ServerCall| async move {
                 let m = one(&mut call).await?;
                 call.send_headers(reflect(call.metadata(), "head")).await?;
@@ -109,8 +126,9 @@ fn main() {
             Err(e) => return say(&format!("BIND-ERROR {e}")),
         };
         say("READY");
-        if let Err(e) = bound.serve().await {
-            say(&format!("SERVE-ERROR {e}"));
+        match bound.serve_with_shutdown(async move { shutdown.notified().await }).await {
+            Ok(()) => say("SHUTDOWN-DONE"),
+            Err(e) => say(&format!("SERVE-ERROR {e}")),
         }
     });
 }
