@@ -284,3 +284,37 @@ fn graceful_shutdown_lets_calls_in_progress_finish_and_refuses_new_ones() {
             .expect("peer");
     });
 }
+
+#[test]
+fn a_message_over_the_limit_is_resource_exhausted_naming_size_and_limit() {
+    let addr = fresh_addr("rpc-limit");
+    let _server = Peer::spawn_bin("rpc-peer", &[&addr, "1048576"]);
+    run(async move {
+        let ch = Channel::connect(&addr).await.expect("connect");
+        for size in [(1 << 20) + 1, 3 << 20] {
+            let s =
+                ch.unary("/test.Echo/Unary", &vec![1u8; size], CallOptions::default()).await.expect_err("too large");
+            assert_eq!(s.code(), Code::ResourceExhausted, "{s}");
+            assert!(s.message().contains(&size.to_string()) && s.message().contains("1048576"), "{s}");
+        }
+        let r = ch.unary("/test.Echo/Unary", &vec![2u8; 1 << 20], CallOptions::default()).await.expect("at the limit");
+        assert_eq!(r.message.len(), 1 << 20);
+    });
+}
+
+#[test]
+fn a_gibibyte_each_way_on_a_streaming_call() {
+    let (_server, addr) = server();
+    run(async move {
+        let ch = Channel::connect(&addr).await.expect("connect");
+        let mut call = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
+        let big = pattern(1 << 30, 1234);
+        call.send(&big).await.expect("1 GiB out");
+        let back = call.recv().await.expect("echo").expect("1 GiB back");
+        assert_eq!(back.len(), 1 << 30);
+        assert_eq!(first_mismatch(&back, 1234), None);
+        drop((big, back));
+        call.close_send().await.expect("half-close");
+        assert_eq!(call.recv().await.expect("ok"), None);
+    });
+}

@@ -181,11 +181,19 @@ impl Mux {
                         break status;
                     }
                 }
-                // One message too large: that call fails, the connection goes on.
+                // One message too large: that call fails, the connection goes on. The server ends
+                // it with a status that names the size and the limit; a client cancels its side.
                 Err(e) if e.kind() == ErrorKind::MessageTooLarge => {
                     if let Some(id) = e.stream() {
-                        self.deliver(id, Event::End(Status::from_transport(&e)));
-                        self.cancel(id, Code::ResourceExhausted).await;
+                        let status = Status::from_transport(&e);
+                        self.deliver(id, Event::End(status.clone()));
+                        if incoming.is_some() {
+                            self.unregister(id);
+                            let body = wire::encode_trailers(&status);
+                            let _ = self.sender.send_async(Kind::Trailers, flags::END_STREAM, id, &body).await;
+                        } else {
+                            self.cancel(id, Code::ResourceExhausted).await;
+                        }
                     }
                 }
                 Err(e) => break Status::from_transport(&e),

@@ -42,6 +42,8 @@ impl Drop for Loud {
 
 fn main() {
     let addr = std::env::args().nth(1).expect("address");
+    // Optional second argument: the largest request message accepted, in bytes.
+    let max_message = std::env::args().nth(2).and_then(|m| m.parse().ok());
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     rt.block_on(async move {
         let shutdown = std::sync::Arc::new(tokio::sync::Notify::new());
@@ -121,6 +123,10 @@ fn main() {
                 let left = call.time_remaining().map_or(-1, |d| d.as_millis() as i64);
                 call.send(left.to_string().as_bytes()).await
             });
+        let server = match max_message {
+            Some(max) => server.config(isthmus_shm::Config { max_message_size: max, ..isthmus_shm::Config::default() }),
+            None => server,
+        };
         let bound = match server.bind(&addr) {
             Ok(b) => b,
             Err(e) => return say(&format!("BIND-ERROR {e}")),
