@@ -49,6 +49,7 @@ fuzz-smoke: tools ## Run each fuzz target for FUZZ_SECONDS
 bench: tools ## Benchmarks beside their competitors; writes docs/bench/results.json
 	$(CARGO) build --release -p isthmus-bench
 	./target/release/isthmus-bench transport $(if $(QUICK),--quick) --out docs/bench/results.json
+	python3 bench/readme_table.py
 
 demo: tools ## The demo: isthmus-shm beside a Unix-socket echo, between two processes
 	$(CARGO) build --release -p isthmus-bench

@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Regenerates the benchmark table in README.md from docs/bench/results.json (medians across
+rounds), between the markers <!-- bench-table:start --> and <!-- bench-table:end -->."""
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = {64: "64 B", 1 << 10: "1 KiB", 64 << 10: "64 KiB", 1 << 20: "1 MiB", 16 << 20: "16 MiB", 256 << 20: "256 MiB"}
+
+
+def fmt(us: float) -> str:
+    if us >= 10_000:
+        return f"{us / 1000:.1f} ms"
+    if us >= 100:
+        return f"{us:.0f} µs"
+    return f"{us:.2f} µs"
+
+
+def main() -> int:
+    data = json.loads((ROOT / "docs/bench/results.json").read_text())
+    recs = data["records"]
+
+    def med(system: str, size: int, inflight: int, field: str) -> float | None:
+        vals = [r[field] for r in recs if (r["system"], r["size"], r["inflight"]) == (system, size, inflight) and r[field] is not None]
+        return statistics.median(vals) if vals else None
+
+    rows = [
+        "| message | isthmus-shm p50 (p99) | Unix socket p50 (p99) | speed-up | one memcpy | isthmus ÷ memcpy |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size, name in SIZES.items():
+        i50, i99 = med("isthmus-shm-transport", size, 1, "p50_us"), med("isthmus-shm-transport", size, 1, "p99_us")
+        u50, u99 = med("raw-uds", size, 1, "p50_us"), med("raw-uds", size, 1, "p99_us")
+        m = med("memcpy", size, 1, "p50_us")
+        if None in (i50, i99, u50, u99, m):
+            continue
+        rows.append(f"| {name} | {fmt(i50)} ({fmt(i99)}) | {fmt(u50)} ({fmt(u99)}) | {u50 / i50:.1f}× | {fmt(m)} | {i50 / m:.2f}× |")
+    ir, ur = med("isthmus-shm-transport", 64, 32, "rps"), med("raw-uds", 64, 32, "rps")
+    if ir and ur:
+        rows += ["", f"64 B with 32 in flight: isthmus-shm {ir / 1e6:.2f} M msg/s, Unix socket {ur / 1e3:.0f} k msg/s ({ir / ur:.1f}×)."]
+    regimes = [
+        ("isthmus-shm-transport", 64, "bounded spin"),
+        ("isthmus-shm-transport-nospin", 64, "no spin (eventfd sleep every time)"),
+        ("isthmus-shm-transport-samecore", 64, "client and server forced onto one core"),
+        ("floor-spin", 0, "floor: two processes spinning"),
+        ("floor-eventfd", 0, "floor: eventfd ping-pong"),
+    ]
+    parts = [f"{what} {fmt(v)}" for system, size, what in regimes if (v := med(system, size, 1, "p50_us")) is not None]
+    rows.append("Wake-up regimes at 64 B (p50): " + "; ".join(parts) + ".")
+    h = data["header"]
+    rows.append(f"Run of {h['date']}, commit {h['versions']['commit']}, {h['machine']['cores']} vCPUs ({h['machine']['cpu']}), kernel {h['machine']['kernel']}.")
+    readme = ROOT / "README.md"
+    text = readme.read_text()
+    start, end = "<!-- bench-table:start -->", "<!-- bench-table:end -->"
+    if start not in text or end not in text:
+        print("README.md has no bench-table markers", file=sys.stderr)
+        return 1
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(head + start + "\n" + "\n".join(rows) + "\n" + end + tail)
+    print("README.md benchmark table regenerated")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
