@@ -9,7 +9,7 @@
 //!   the codec of the RPC frame bodies.
 //!
 //! This is the engine's first part: async (tokio) on `shm://`. The blocking client, flow
-//! control between streams, GOAWAY-based graceful shutdown and counters come next.
+//! control between streams, counters and tracing, and the unix:// and http:// endpoints come next.
 
 mod client;
 pub mod metadata;

@@ -251,7 +251,9 @@ impl Bound {
                             });
                         }
                         Err(e) if e.kind() == ErrorKind::Timeout => guard.clear_ready(),
-                        Err(e) => return Err(Status::from_transport(&e)),
+                        // Out of fds, say: keep serving the calls we have and try again shortly,
+                        // rather than take the whole server down.
+                        Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
                     }
                 }
             }
@@ -339,7 +341,8 @@ async fn run_call(mux: Arc<Mux>, incoming: Incoming, handler: Option<Handler>) {
                 Outcome::Panicked(what) => Status::new(Code::Internal, format!("the handler panicked: {what}")),
                 Outcome::DeadlineExceeded => Status::new(Code::DeadlineExceeded, "the call's deadline passed"),
                 // The client is gone or gave up: it expects no status.
-                Outcome::Cancelled => return mux.unregister(stream),
+                // Answer with CANCEL so the client drops anything half-sent on this stream.
+                Outcome::Cancelled => return mux.cancel(stream, Code::Cancelled).await,
             };
             // Trailers set on the call go after any the returned status carries.
             let mut all = status.metadata().clone();

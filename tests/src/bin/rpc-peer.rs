@@ -1,4 +1,4 @@
-//! The RPC server process of the cross-process engine tests: `rpc-peer ADDR`.
+//! The RPC server process of the cross-process engine tests: `rpc-peer ADDR [MAX_MESSAGE]`.
 //!
 //! Methods (all under `/test.Echo/`): `Unary` (echo, reflecting `x-echo`/`x-echo-bin` metadata into
 //! headers and trailers), `ServerStream` (request `u32 count, u32 size`: that many patterned
