@@ -318,3 +318,39 @@ fn a_gibibyte_each_way_on_a_streaming_call() {
         assert_eq!(call.recv().await.expect("ok"), None);
     });
 }
+
+#[test]
+fn counters_count_calls_by_final_code_on_both_sides() {
+    let (_server, addr) = server();
+    run(async move {
+        let ch = Channel::connect(&addr).await.expect("connect");
+        for _ in 0..5 {
+            ch.unary("/test.Echo/Unary", b"x", CallOptions::default()).await.expect("ok");
+        }
+        let _ = ch.unary("/test.Echo/Sleep", b"", with_timeout(100)).await.expect_err("deadline");
+        let mut call = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
+        call.send(b"y").await.expect("send");
+        assert!(call.recv().await.expect("echo").is_some());
+        call.cancel().await;
+        let _ = ch.unary("/test.Echo/Fail", &(Code::NotFound as u32).to_le_bytes(), CallOptions::default()).await;
+        let c = ch.counters();
+        assert_eq!(c.calls_started, 8);
+        assert_eq!((c.finished(Code::Ok), c.finished(Code::DeadlineExceeded)), (5, 1));
+        assert_eq!((c.finished(Code::Cancelled), c.finished(Code::NotFound)), (1, 1));
+        assert_eq!(c.in_flight(), 0);
+        assert!(c.transport.frames_sent >= 8 && c.transport.bytes_received > 0, "{c:?}");
+        // The server saw the same calls on that connection: ask from a second connection.
+        // The server records a cancel when its task sees it: poll until the counts settle.
+        let other = Channel::connect(&addr).await.expect("second connection");
+        let mut text = String::new();
+        for _ in 0..500 {
+            let m = other.unary("/test.Admin/Counters", b"", CallOptions::default()).await.expect("counters").message;
+            text = String::from_utf8(m.to_vec()).expect("utf-8");
+            if text.lines().any(|l| l.starts_with("started=8 ok=5 cancelled=1 deadline=1")) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(text.lines().any(|l| l.starts_with("started=8 ok=5 cancelled=1 deadline=1")), "{text}");
+    });
+}

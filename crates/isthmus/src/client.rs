@@ -11,7 +11,7 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use crate::metadata::MetadataMap;
-use crate::mux::{Event, Mux};
+use crate::mux::{ConnectionCounters, Event, Mux};
 use crate::status::{Code, Status};
 use crate::wire;
 
@@ -179,6 +179,7 @@ impl Channel {
         let mux = self.mux(options.wait_for_ready, deadline).await?;
         let stream = self.inner.next_stream.fetch_add(1, Ordering::Relaxed);
         let events = mux.register(stream)?;
+        mux.calls.start();
         // Time spent waiting for a server is the call's: send what is left.
         let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()).max(Duration::from_nanos(1)));
         let head = wire::RequestHead { path: path.to_owned(), timeout, metadata: options.metadata };
@@ -198,6 +199,12 @@ impl Channel {
             .await
             .map_err(|e| Status::from_transport(&e))?;
         Ok(call)
+    }
+
+    /// Counters of the current connection (zero if there is none yet); they start afresh when
+    /// the channel reconnects.
+    pub fn counters(&self) -> ConnectionCounters {
+        self.inner.current.lock().ok().and_then(|c| c.as_ref().map(|m| m.counters())).unwrap_or_default()
     }
 
     /// A unary call: one request, one response.
@@ -255,9 +262,17 @@ impl ClientCall {
         }
     }
 
-    async fn finish_with_cancel(&mut self, code: Code) {
+    /// Marks the call over with `code`, once.
+    fn finish(&mut self, code: Code) {
         if !self.finished {
             self.finished = true;
+            self.mux.calls.finish(code);
+        }
+    }
+
+    async fn finish_with_cancel(&mut self, code: Code) {
+        if !self.finished {
+            self.finish(code);
             self.mux.cancel(self.stream, code).await;
         }
     }
@@ -318,8 +333,9 @@ impl ClientCall {
         match ev {
             Some(ev) => Ok(Some(ev)),
             None => {
-                self.finished = true;
-                Err(mux.dead().unwrap_or_else(|| Status::new(Code::Unavailable, "the connection closed")))
+                let status = mux.dead().unwrap_or_else(|| Status::new(Code::Unavailable, "the connection closed"));
+                self.finish(status.code());
+                Err(status)
             }
         }
     }
@@ -337,7 +353,7 @@ impl ClientCall {
                 Some(Event::Message(m)) => return Ok(Some(m)),
                 Some(Event::HalfClose) => {}
                 Some(Event::End(status)) => {
-                    self.finished = true;
+                    self.finish(status.code());
                     self.mux.unregister(self.stream);
                     if status.code() == Code::Ok {
                         self.trailers = Some(status.metadata().clone());
@@ -358,7 +374,7 @@ impl ClientCall {
                 Some(Event::Message(m)) => self.pending.push_back(m),
                 Some(Event::HalfClose) => {}
                 Some(Event::End(status)) => {
-                    self.finished = true;
+                    self.finish(status.code());
                     self.mux.unregister(self.stream);
                     if status.code() != Code::Ok {
                         return Err(status);
@@ -384,6 +400,7 @@ impl ClientCall {
 impl Drop for ClientCall {
     fn drop(&mut self) {
         if !self.finished {
+            self.mux.calls.finish(Code::Cancelled);
             self.mux.unregister(self.stream);
             // Best effort and never blocking: if the ring is full right now the server learns of
             // it when the connection closes.

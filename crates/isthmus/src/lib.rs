@@ -9,7 +9,7 @@
 //!   the codec of the RPC frame bodies.
 //!
 //! This is the engine's first part: async (tokio) on `shm://`. The blocking client, flow
-//! control between streams, counters and tracing, and the unix:// and http:// endpoints come next.
+//! control between streams, tracing spans, and the unix:// and http:// endpoints come next.
 
 mod client;
 pub mod metadata;
@@ -20,5 +20,6 @@ pub mod wire;
 
 pub use client::{CallOptions, Channel, ClientCall, Response};
 pub use metadata::{InvalidMetadata, MetadataMap};
-pub use server::{Bound, Server, ServerCall};
+pub use mux::ConnectionCounters;
+pub use server::{Bound, Server, ServerCall, ServerStats};
 pub use status::{Code, Status};

@@ -32,13 +32,35 @@ pub(crate) struct Incoming {
     pub(crate) stream: u64,
     pub(crate) head: wire::RequestHead,
     pub(crate) events: mpsc::UnboundedReceiver<Event>,
-    pub(crate) cancelled: Arc<Notify>,
+    pub(crate) cancelled: Arc<Cancel>,
+}
+
+/// Tells a server call that it is over before its handler finished, and with which code (the
+/// client's CANCEL carries CANCELLED or DEADLINE_EXCEEDED; a dead connection is UNAVAILABLE).
+#[derive(Debug, Default)]
+pub(crate) struct Cancel {
+    pub(crate) signal: Notify,
+    code: Mutex<Option<Code>>,
+}
+
+impl Cancel {
+    fn fire(&self, code: Code) {
+        if let Ok(mut c) = self.code.lock() {
+            c.get_or_insert(code);
+        }
+        self.signal.notify_one();
+    }
+
+    /// The code the call ended with, once fired.
+    pub(crate) fn code(&self) -> Code {
+        self.code.lock().ok().and_then(|c| *c).unwrap_or(Code::Cancelled)
+    }
 }
 
 /// One open stream: where its events go, and (server side) who to tell of a cancel.
 struct Entry {
     events: mpsc::UnboundedSender<Event>,
-    cancelled: Option<Arc<Notify>>,
+    cancelled: Option<Arc<Cancel>>,
 }
 
 /// The stream table of one connection.
@@ -51,6 +73,50 @@ pub(crate) struct Mux {
     draining: AtomicBool,
     /// Server side: the highest stream id accepted.
     last_stream: AtomicU64,
+    /// Calls started and finished on this connection, by final code.
+    pub(crate) calls: CallTally,
+}
+
+/// Calls started, and calls finished by their final code.
+#[derive(Debug, Default)]
+pub(crate) struct CallTally {
+    started: AtomicU64,
+    finished: [AtomicU64; 17],
+}
+
+impl CallTally {
+    pub(crate) fn start(&self) {
+        self.started.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn finish(&self, code: Code) {
+        self.finished[code as usize].fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// A snapshot of one connection's calls and transport counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct ConnectionCounters {
+    /// Calls started (client) or accepted (server).
+    pub calls_started: u64,
+    /// Calls finished, indexed by the final code's number (`Code::Ok as usize` = 0, …).
+    pub calls_finished: [u64; 17],
+    /// The transport's counters: frames and bytes each way, doorbell rings, sleeps, spins,
+    /// ring-full and arena-full waits, arena high-water mark.
+    pub transport: isthmus_shm::Counters,
+}
+
+impl ConnectionCounters {
+    /// Calls finished with `code`.
+    pub fn finished(&self, code: Code) -> u64 {
+        self.calls_finished[code as usize]
+    }
+
+    /// Calls started and not finished yet.
+    pub fn in_flight(&self) -> u64 {
+        self.calls_started.saturating_sub(self.calls_finished.iter().sum())
+    }
 }
 
 fn poisoned() -> Status {
@@ -65,7 +131,21 @@ impl Mux {
             dead: Mutex::new(None),
             draining: AtomicBool::new(false),
             last_stream: AtomicU64::new(0),
+            calls: CallTally::default(),
         })
+    }
+
+    /// This connection's counters.
+    pub(crate) fn counters(&self) -> ConnectionCounters {
+        let mut finished = [0u64; 17];
+        for (f, c) in finished.iter_mut().zip(&self.calls.finished) {
+            *f = c.load(Ordering::Relaxed);
+        }
+        ConnectionCounters {
+            calls_started: self.calls.started.load(Ordering::Relaxed),
+            calls_finished: finished,
+            transport: self.sender.counters(),
+        }
     }
 
     /// The status every call gets once the connection is gone, if it is.
@@ -81,7 +161,7 @@ impl Mux {
     fn register_entry(
         &self,
         id: u64,
-        cancelled: Option<Arc<Notify>>,
+        cancelled: Option<Arc<Cancel>>,
     ) -> Result<mpsc::UnboundedReceiver<Event>, Status> {
         if let Some(s) = self.dead() {
             return Err(s);
@@ -109,17 +189,18 @@ impl Mux {
     }
 
     fn deliver(&self, id: u64, ev: Event) {
-        let end = matches!(ev, Event::End(_));
+        let end = match &ev {
+            Event::End(status) => Some(status.code()),
+            _ => None,
+        };
         if let Ok(mut s) = self.streams.lock() {
             if let Some(entry) = s.get(&id) {
                 let _ = entry.events.send(ev);
-                if end {
-                    if let Some(c) = &entry.cancelled {
-                        c.notify_one();
-                    }
+                if let (Some(code), Some(c)) = (end, &entry.cancelled) {
+                    c.fire(code);
                 }
             }
-            if end {
+            if end.is_some() {
                 s.remove(&id);
             }
         }
@@ -134,7 +215,7 @@ impl Mux {
         for (_, entry) in streams {
             let _ = entry.events.send(Event::End(status.clone()));
             if let Some(c) = entry.cancelled {
-                c.notify_one();
+                c.fire(status.code());
             }
         }
     }
@@ -215,7 +296,7 @@ impl Mux {
                 Some(new_calls) => {
                     let head = wire::RequestHead::decode(&f.body).map_err(internal)?;
                     self.last_stream.fetch_max(f.stream, Ordering::AcqRel);
-                    let cancelled = Arc::new(Notify::new());
+                    let cancelled = Arc::new(Cancel::default());
                     let events = self.register_entry(f.stream, Some(cancelled.clone()))?;
                     let _ = new_calls.send(Incoming { stream: f.stream, head, events, cancelled });
                 }

@@ -14,7 +14,7 @@ use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
 
 use crate::metadata::MetadataMap;
-use crate::mux::{Event, Incoming, Mux};
+use crate::mux::{Cancel, ConnectionCounters, Event, Incoming, Mux};
 use crate::status::{Code, Status};
 use crate::wire;
 
@@ -197,7 +197,28 @@ pub struct Bound {
     tracker: Arc<Tracker>,
 }
 
-/// The server's connections and calls in progress, for a graceful shutdown.
+/// Reads a serving server's counters (from [`Bound::stats`]).
+#[derive(Clone)]
+pub struct ServerStats(Arc<Tracker>);
+
+impl std::fmt::Debug for ServerStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerStats").field("connections", &self.connections().len()).finish()
+    }
+}
+
+impl ServerStats {
+    /// Counters of every live connection, one entry each.
+    pub fn connections(&self) -> Vec<ConnectionCounters> {
+        self.0
+            .connections
+            .lock()
+            .map(|c| c.iter().filter_map(|w| w.upgrade()).map(|m| m.counters()).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// The server's connections and calls in progress, for a graceful shutdown and counters.
 #[derive(Default)]
 struct Tracker {
     connections: Mutex<Vec<std::sync::Weak<Mux>>>,
@@ -230,6 +251,11 @@ impl std::fmt::Debug for Bound {
 }
 
 impl Bound {
+    /// A handle on the server's counters that stays valid while it serves.
+    pub fn stats(&self) -> ServerStats {
+        ServerStats(self.tracker.clone())
+    }
+
     /// Serves until `shutdown` completes, then shuts down gracefully: the socket is removed,
     /// every client is sent GOAWAY, new calls are refused with UNAVAILABLE, and calls in progress
     /// get the grace period to finish before the connections close.
@@ -320,6 +346,7 @@ async fn serve_connection(conn: Connection, handlers: Arc<HashMap<String, Handle
 /// Runs one call's handler against its deadline and the client's cancel, then sends its status.
 async fn run_call(mux: Arc<Mux>, incoming: Incoming, handler: Option<Handler>) {
     let Incoming { stream, head, events, cancelled } = incoming;
+    mux.calls.start();
     let status = match handler {
         None => Status::new(Code::Unimplemented, format!("method {} is not implemented by this server", head.path)),
         Some(handler) => {
@@ -342,7 +369,11 @@ async fn run_call(mux: Arc<Mux>, incoming: Incoming, handler: Option<Handler>) {
                 Outcome::DeadlineExceeded => Status::new(Code::DeadlineExceeded, "the call's deadline passed"),
                 // The client is gone or gave up: it expects no status.
                 // Answer with CANCEL so the client drops anything half-sent on this stream.
-                Outcome::Cancelled => return mux.cancel(stream, Code::Cancelled).await,
+                Outcome::Cancelled => {
+                    let code = cancelled.code();
+                    mux.calls.finish(code);
+                    return mux.cancel(stream, code).await;
+                }
             };
             // Trailers set on the call go after any the returned status carries.
             let mut all = status.metadata().clone();
@@ -351,6 +382,7 @@ async fn run_call(mux: Arc<Mux>, incoming: Incoming, handler: Option<Handler>) {
         }
     };
     mux.unregister(stream);
+    mux.calls.finish(status.code());
     let _ = mux.sender.send_async(Kind::Trailers, flags::END_STREAM, stream, &wire::encode_trailers(&status)).await;
 }
 
@@ -361,7 +393,7 @@ enum Outcome {
     Cancelled,
 }
 
-async fn supervise(fut: BoxFuture, deadline: Option<Instant>, cancelled: &Notify) -> Outcome {
+async fn supervise(fut: BoxFuture, deadline: Option<Instant>, cancelled: &Cancel) -> Outcome {
     // Its own task, so a panic is caught by the runtime and aborting it drops the handler.
     let mut task = tokio::spawn(fut);
     let expired = async {
@@ -383,6 +415,6 @@ async fn supervise(fut: BoxFuture, deadline: Option<Instant>, cancelled: &Notify
             Err(_) => Outcome::Cancelled,
         },
         () = expired => { task.abort(); Outcome::DeadlineExceeded }
-        () = cancelled.notified() => { task.abort(); Outcome::Cancelled }
+        () = cancelled.signal.notified() => { task.abort(); Outcome::Cancelled }
     }
 }

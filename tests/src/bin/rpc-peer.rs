@@ -47,6 +47,8 @@ fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     rt.block_on(async move {
         let shutdown = std::sync::Arc::new(tokio::sync::Notify::new());
+        let stats: std::sync::Arc<std::sync::OnceLock<isthmus::ServerStats>> = Default::default();
+        let stats_for_handler = stats.clone();
         let trigger = shutdown.clone();
         let server = Server::builder()
             .handler("/test.Admin/Shutdown", move |mut call: ServerCall| {
@@ -54,6 +56,29 @@ fn main() {
                 async move {
                     trigger.notify_one();
                     call.send(b"").await
+                }
+            })
+            .handler("/test.Admin/Counters", move |mut call: ServerCall| {
+                let stats = stats_for_handler.clone();
+                async move {
+                    // Counters of the other connections (the asking one has this call in flight).
+                    let text: Vec<String> = stats
+                        .get()
+                        .map(|s| s.connections())
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|c| {
+                            format!(
+                                "started={} ok={} cancelled={} deadline={} frames_received={}",
+                                c.calls_started,
+                                c.finished(Code::Ok),
+                                c.finished(Code::Cancelled),
+                                c.finished(Code::DeadlineExceeded),
+                                c.transport.frames_received
+                            )
+                        })
+                        .collect();
+                    call.send(text.join("\n").as_bytes()).await
                 }
             })
             .handler("/test.Echo/Slow", |mut call: ServerCall| async move {
@@ -131,6 +156,7 @@ fn main() {
             Ok(b) => b,
             Err(e) => return say(&format!("BIND-ERROR {e}")),
         };
+        let _ = stats.set(bound.stats());
         say("READY");
         match bound.serve_with_shutdown(async move { shutdown.notified().await }).await {
             Ok(()) => say("SHUTDOWN-DONE"),
