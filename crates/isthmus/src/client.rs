@@ -225,6 +225,14 @@ impl Channel {
     }
 }
 
+/// Runs `fut` until `deadline`; `None` if the deadline came first (the future is dropped).
+async fn until<T>(deadline: Option<Instant>, fut: impl std::future::Future<Output = T>) -> Option<T> {
+    match deadline {
+        None => Some(fut.await),
+        Some(d) => tokio::time::timeout_at(d, fut).await.ok(),
+    }
+}
+
 /// One call in progress. Dropping it before the server has finished cancels it.
 pub struct ClientCall {
     stream: u64,
@@ -244,22 +252,10 @@ impl std::fmt::Debug for ClientCall {
 }
 
 impl ClientCall {
-    fn deadline_exceeded(&self) -> Status {
+    /// Ends the call at its deadline: cancels it on both sides and gives the status.
+    async fn expire(&mut self) -> Status {
+        self.finish_with_cancel(Code::DeadlineExceeded).await;
         Status::new(Code::DeadlineExceeded, "the call's deadline passed")
-    }
-
-    /// Runs `fut` against the call's deadline; past it, the call is cancelled on both sides.
-    async fn by_deadline<T>(&mut self, fut: impl std::future::Future<Output = T>) -> Result<T, Status> {
-        match self.deadline {
-            None => Ok(fut.await),
-            Some(d) => match tokio::time::timeout_at(d, fut).await {
-                Ok(v) => Ok(v),
-                Err(_) => {
-                    self.finish_with_cancel(Code::DeadlineExceeded).await;
-                    Err(self.deadline_exceeded())
-                }
-            },
-        }
     }
 
     /// Marks the call over with `code`, once.
@@ -281,11 +277,10 @@ impl ClientCall {
         if self.finished {
             return Err(Status::new(Code::FailedPrecondition, "the call has already ended"));
         }
-        let sender = self.mux.sender.clone();
-        let stream = self.stream;
-        self.by_deadline(sender.send_message_async(stream, frame_flags, message))
-            .await?
-            .map_err(|e| Status::from_transport(&e))
+        match until(self.deadline, self.mux.sender.send_message_async(self.stream, frame_flags, message)).await {
+            Some(sent) => sent.map_err(|e| Status::from_transport(&e)),
+            None => Err(self.expire().await),
+        }
     }
 
     /// Sends one request message.
@@ -303,12 +298,13 @@ impl ClientCall {
         if self.finished {
             return Ok(());
         }
-        let sender = self.mux.sender.clone();
-        let stream = self.stream;
         // From the client, an empty TRAILERS frame is a half-close without a message.
-        self.by_deadline(sender.send_async(Kind::Trailers, flags::END_STREAM, stream, &[]))
-            .await?
-            .map_err(|e| Status::from_transport(&e))
+        match until(self.deadline, self.mux.sender.send_async(Kind::Trailers, flags::END_STREAM, self.stream, &[]))
+            .await
+        {
+            Some(sent) => sent.map_err(|e| Status::from_transport(&e)),
+            None => Err(self.expire().await),
+        }
     }
 
     /// Reads the next event, past the deadline an error.
@@ -316,24 +312,13 @@ impl ClientCall {
         if self.finished {
             return Ok(None);
         }
-        let mux = self.mux.clone();
-        let ev = {
-            let events = &mut self.events;
-            match self.deadline {
-                None => events.recv().await,
-                Some(d) => match tokio::time::timeout_at(d, events.recv()).await {
-                    Ok(ev) => ev,
-                    Err(_) => {
-                        self.finish_with_cancel(Code::DeadlineExceeded).await;
-                        return Err(self.deadline_exceeded());
-                    }
-                },
-            }
+        let Some(ev) = until(self.deadline, self.events.recv()).await else {
+            return Err(self.expire().await);
         };
         match ev {
             Some(ev) => Ok(Some(ev)),
             None => {
-                let status = mux.dead().unwrap_or_else(|| Status::new(Code::Unavailable, "the connection closed"));
+                let status = self.mux.dead().unwrap_or_else(|| Status::new(Code::Unavailable, "the connection closed"));
                 self.finish(status.code());
                 Err(status)
             }

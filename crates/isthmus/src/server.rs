@@ -376,9 +376,14 @@ async fn run_call(mux: Arc<Mux>, incoming: Incoming, handler: Option<Handler>) {
                 }
             };
             // Trailers set on the call go after any the returned status carries.
-            let mut all = status.metadata().clone();
-            all.extend(&trailers.lock().map(|t| t.clone()).unwrap_or_default());
-            status.with_metadata(all)
+            let set = trailers.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
+            if set.is_empty() {
+                status
+            } else {
+                let mut all = status.metadata().clone();
+                all.extend(&set);
+                status.with_metadata(all)
+            }
         }
     };
     mux.unregister(stream);
@@ -393,9 +398,33 @@ enum Outcome {
     Cancelled,
 }
 
+/// Polls a handler where it is (no task of its own, so no hand-off between worker threads per
+/// call) and turns a panic inside it into a value instead of unwinding into the server.
+struct CatchPanic(BoxFuture);
+
+impl Future for CatchPanic {
+    type Output = Result<Result<(), Status>, String>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let handler = self.0.as_mut();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler.poll(cx))) {
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Ok(std::task::Poll::Ready(r)) => std::task::Poll::Ready(Ok(r)),
+            Err(p) => {
+                let what = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a non-text panic".into());
+                std::task::Poll::Ready(Err(what))
+            }
+        }
+    }
+}
+
+/// Runs the handler against the deadline and the cancel signal; the losing branch's handler
+/// future is dropped, which is what stops it.
 async fn supervise(fut: BoxFuture, deadline: Option<Instant>, cancelled: &Cancel) -> Outcome {
-    // Its own task, so a panic is caught by the runtime and aborting it drops the handler.
-    let mut task = tokio::spawn(fut);
     let expired = async {
         match deadline {
             Some(d) => tokio::time::sleep_until(d).await,
@@ -403,18 +432,11 @@ async fn supervise(fut: BoxFuture, deadline: Option<Instant>, cancelled: &Cancel
         }
     };
     tokio::select! {
-        joined = &mut task => match joined {
+        r = CatchPanic(fut) => match r {
             Ok(r) => Outcome::Done(r),
-            Err(e) if e.is_panic() => {
-                let p = e.into_panic();
-                let what = p.downcast_ref::<&str>().map(|s| s.to_string())
-                    .or_else(|| p.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a non-text panic".into());
-                Outcome::Panicked(what)
-            }
-            Err(_) => Outcome::Cancelled,
+            Err(what) => Outcome::Panicked(what),
         },
-        () = expired => { task.abort(); Outcome::DeadlineExceeded }
-        () = cancelled.signal.notified() => { task.abort(); Outcome::Cancelled }
+        () = expired => Outcome::DeadlineExceeded,
+        () = cancelled.signal.notified() => Outcome::Cancelled,
     }
 }
