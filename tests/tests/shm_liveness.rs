@@ -56,6 +56,20 @@ fn server_kill9_wakes_every_blocked_client_wait() {
     }
     let e = sender.send_message(1, 0, b"x", None).expect_err("the connection is dead");
     assert_eq!(e.kind(), ErrorKind::PeerGone);
+    assert_eq!(sender.check_alive().expect_err("dead").kind(), ErrorKind::PeerGone);
+}
+
+#[test]
+fn check_alive_sees_a_dead_peer_without_any_wait() {
+    let addr = fresh_addr("alive");
+    let mut peer = Peer::spawn(&["echo-server", &addr]);
+    let Connection { sender, receiver: _receiver } =
+        Connection::connect(&addr.parse().expect("address"), &Config::default()).expect("connect");
+    sender.check_alive().expect("alive");
+    peer.kill9();
+    // Nobody is waiting on this connection; one look at the socket must notice.
+    assert!(isthmus_tests::eventually(Duration::from_secs(30), || sender.check_alive().is_err()));
+    assert_eq!(sender.check_alive().expect_err("dead").kind(), ErrorKind::PeerGone);
 }
 
 #[test]

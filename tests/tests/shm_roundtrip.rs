@@ -155,3 +155,35 @@ fn a_slow_reader_applies_backpressure_without_loss() {
         assert!(c.arena_full_waits > 0, "the writer should have waited for arena room: {c:?}");
     });
 }
+
+/// The path an external event loop (epoll, asyncio's add_reader) takes: arm, poll the doorbell
+/// fd itself, disarm, then take the frames. The peer must ring only while we are armed.
+#[test]
+fn an_external_event_loop_can_wait_on_the_doorbell_fd() {
+    use std::os::fd::AsRawFd;
+    let (_peer, addr) = echo_peer("evloop");
+    watchdog(Duration::from_secs(60), move || {
+        let Connection { sender, mut receiver } = Connection::connect(&addr, &Config::default()).expect("connect");
+        for i in 0..100u64 {
+            assert!(receiver.arm().expect("arm"), "nothing is waiting yet");
+            sender.send_message(i, 0, &pattern(64, i), None).expect("send");
+            let mut fds = [
+                libc::pollfd { fd: receiver.doorbell_fd().as_raw_fd(), events: libc::POLLIN, revents: 0 },
+                libc::pollfd { fd: receiver.liveness_fd().as_raw_fd(), events: libc::POLLIN, revents: 0 },
+            ];
+            // SAFETY: `fds` is a live array of two pollfd structs.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), 2, 30_000) };
+            assert_eq!((n, fds[0].revents & libc::POLLIN), (1, libc::POLLIN), "the doorbell rang, the socket is quiet");
+            receiver.disarm().expect("disarm");
+            let f = receiver.try_recv().expect("recv").expect("the echo is there");
+            assert_eq!((f.stream, first_mismatch(&f.body, i)), (i, None));
+        }
+        // Armed with a frame already waiting: arm says so instead of letting the loop sleep.
+        sender.send_message(7, 0, b"early", None).expect("send");
+        while !receiver.arm().is_ok_and(|armed| !armed) {
+            receiver.disarm().expect("disarm");
+            std::thread::yield_now();
+        }
+        assert_eq!(&receiver.try_recv().expect("recv").expect("frame").body[..], b"early");
+    });
+}
