@@ -32,6 +32,9 @@ pub enum Kind {
     Ping = 5,
     /// The sender takes no new streams and will close after those in flight.
     GoAway = 6,
+    /// Grants the peer more room to send on one stream (flow control; the body is the RPC
+    /// layer's).
+    Window = 7,
 }
 
 impl Kind {
@@ -44,6 +47,7 @@ impl Kind {
             4 => Kind::Cancel,
             5 => Kind::Ping,
             6 => Kind::GoAway,
+            7 => Kind::Window,
             _ => return None,
         })
     }
@@ -166,7 +170,8 @@ mod tests {
 
     #[test]
     fn header_round_trips() {
-        for kind in [Kind::Headers, Kind::Message, Kind::Trailers, Kind::Cancel, Kind::Ping, Kind::GoAway] {
+        for kind in [Kind::Headers, Kind::Message, Kind::Trailers, Kind::Cancel, Kind::Ping, Kind::GoAway, Kind::Window]
+        {
             let h = FrameHeader { len: 77, kind, flags: flags::END_STREAM, stream: u64::MAX - 3 };
             assert_eq!(FrameHeader::decode(&h.encode(), 1000).expect("decodes"), h);
         }
@@ -179,8 +184,8 @@ mod tests {
         b[4] = 0;
         assert!(FrameHeader::decode(&b, 100).is_err(), "kind 0");
         b = good;
-        b[4] = 7;
-        assert!(FrameHeader::decode(&b, 100).is_err(), "kind 7");
+        b[4] = 8;
+        assert!(FrameHeader::decode(&b, 100).is_err(), "kind 8");
         b = good;
         b[6] = 1;
         assert!(FrameHeader::decode(&b, 100).is_err(), "reserved");

@@ -1,60 +1,22 @@
 //! The client: a [`Channel`] to one server, and the [`ClientCall`]s made on it.
 
-use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use isthmus_shm::{flags, Address, Config, Connection, Kind};
-use tokio::sync::mpsc;
+use isthmus_shm::{flags, BlockMut, Config, Connection, Kind};
 use tokio::time::Instant;
 
-use crate::metadata::MetadataMap;
-use crate::mux::{ConnectionCounters, Event, Mux};
+use crate::call::{check_path, CallOptions, CallState, Grant, Next, Response, Slot};
+use crate::flow::Credit;
+use crate::mux::{ConnectionCounters, Mux};
 use crate::status::{Code, Status};
 use crate::wire;
 
-/// Per-call options: metadata to send and the time the call may take.
-#[derive(Debug, Clone, Default)]
-pub struct CallOptions {
-    /// Initial metadata.
-    pub metadata: MetadataMap,
-    /// The call's deadline, from when it starts; it travels to the server.
-    pub timeout: Option<Duration>,
-    /// If no server is reachable, keep trying until the deadline instead of failing at once
-    /// with UNAVAILABLE (gRPC's `wait_for_ready`).
-    pub wait_for_ready: bool,
-}
-
-/// A unary call's result.
-#[derive(Debug, Clone)]
-pub struct Response {
-    /// The server's initial metadata.
-    pub metadata: MetadataMap,
-    /// The response message.
-    pub message: Bytes,
-    /// The server's trailing metadata.
-    pub trailers: MetadataMap,
-}
-
 struct Inner {
-    target: Address,
-    config: Config,
-    /// The live connection, if any; replaced when it dies and a call needs one.
-    current: std::sync::Mutex<Option<Arc<Mux>>>,
+    slot: Slot,
     /// Serialises reconnecting, so a burst of calls makes one connection, not many.
     connecting: tokio::sync::Mutex<()>,
-    next_stream: AtomicU64,
-}
-
-impl Drop for Inner {
-    fn drop(&mut self) {
-        // The last handle is gone: hang up, which also ends the reader task.
-        if let Some(mux) = self.current.get_mut().ok().and_then(|m| m.take()) {
-            mux.sender.close();
-        }
-    }
 }
 
 /// A connection to one server. Cheap to clone; clones share the connection. If the
@@ -74,7 +36,7 @@ pub struct Channel {
 
 impl std::fmt::Debug for Channel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Channel").field("target", &self.inner.target.to_string()).finish_non_exhaustive()
+        f.debug_struct("Channel").field("target", &self.inner.slot.target.to_string()).finish_non_exhaustive()
     }
 }
 
@@ -100,22 +62,13 @@ impl Channel {
 
     /// [`lazy`](Self::lazy) with a transport configuration.
     pub fn lazy_with(target: &str, config: Config) -> Result<Channel, Status> {
-        let target: Address = target.parse().map_err(|e| Status::from_transport(&e))?;
-        config.validate().map_err(|e| Status::from_transport(&e))?;
         Ok(Channel {
-            inner: Arc::new(Inner {
-                target,
-                config,
-                current: std::sync::Mutex::new(None),
-                connecting: tokio::sync::Mutex::new(()),
-                next_stream: AtomicU64::new(1),
-            }),
+            inner: Arc::new(Inner { slot: Slot::new(target, config)?, connecting: tokio::sync::Mutex::new(()) }),
         })
     }
 
     fn live(&self) -> Option<Arc<Mux>> {
-        let current = self.inner.current.lock().ok()?;
-        current.as_ref().filter(|m| m.dead().is_none()).cloned()
+        self.inner.slot.live()
     }
 
     /// The live connection, connecting (again) if there is none.
@@ -131,9 +84,7 @@ impl Channel {
             }
             match self.connect_once().await {
                 Ok(mux) => {
-                    if let Ok(mut current) = self.inner.current.lock() {
-                        *current = Some(mux.clone());
-                    }
+                    self.inner.slot.install(mux.clone());
                     return Ok(mux);
                 }
                 Err(s) if wait_for_ready && s.code() == Code::Unavailable => {
@@ -153,7 +104,7 @@ impl Channel {
     }
 
     async fn connect_once(&self) -> Result<Arc<Mux>, Status> {
-        let (addr, config) = (self.inner.target.clone(), self.inner.config.clone());
+        let (addr, config) = (self.inner.slot.target.clone(), self.inner.slot.config.clone());
         let conn = tokio::task::spawn_blocking(move || Connection::connect(&addr, &config))
             .await
             .map_err(|e| Status::new(Code::Internal, format!("connect task failed: {e}")))?
@@ -166,36 +117,18 @@ impl Channel {
 
     /// Starts a call of any shape: send messages, half-close, read responses.
     pub async fn start(&self, path: &str, options: CallOptions) -> Result<ClientCall, Status> {
-        if !path.starts_with('/') || path.len() > wire::MAX_PATH_LEN || !path.bytes().all(|b| b.is_ascii_graphic()) {
-            return Err(Status::new(
-                Code::InvalidArgument,
-                format!(
-                    "method path {path:?} must start with '/', be printable ASCII and at most {} bytes",
-                    wire::MAX_PATH_LEN
-                ),
-            ));
-        }
+        check_path(path)?;
         let deadline = options.timeout.map(|t| Instant::now() + t);
         let mux = self.mux(options.wait_for_ready, deadline).await?;
-        let stream = self.inner.next_stream.fetch_add(1, Ordering::Relaxed);
-        let events = mux.register(stream)?;
-        mux.calls.start();
+        let stream = mux.register(self.inner.slot.next_stream())?;
+        let call = ClientCall { state: CallState::new(stream, mux, path), deadline };
         // Time spent waiting for a server is the call's: send what is left.
         let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()).max(Duration::from_nanos(1)));
         let head = wire::RequestHead { path: path.to_owned(), timeout, metadata: options.metadata };
-        let call = ClientCall {
-            stream,
-            mux,
-            events,
-            deadline,
-            pending: VecDeque::new(),
-            headers: None,
-            trailers: None,
-            finished: false,
-        };
-        call.mux
+        call.state
+            .mux
             .sender
-            .send_async(Kind::Headers, 0, stream, &head.encode())
+            .send_async(Kind::Headers, 0, call.state.id(), &head.encode())
             .await
             .map_err(|e| Status::from_transport(&e))?;
         Ok(call)
@@ -204,7 +137,7 @@ impl Channel {
     /// Counters of the current connection (zero if there is none yet); they start afresh when
     /// the channel reconnects.
     pub fn counters(&self) -> ConnectionCounters {
-        self.inner.current.lock().ok().and_then(|c| c.as_ref().map(|m| m.counters())).unwrap_or_default()
+        self.inner.slot.counters()
     }
 
     /// A unary call: one request, one response.
@@ -217,11 +150,7 @@ impl Channel {
         if call.recv().await?.is_some() {
             return Err(Status::new(Code::Internal, format!("{path}: the server sent more than one response")));
         }
-        Ok(Response {
-            metadata: call.headers.take().unwrap_or_default(),
-            message,
-            trailers: call.trailers.take().unwrap_or_default(),
-        })
+        Ok(call.state.take_response(message))
     }
 }
 
@@ -234,50 +163,54 @@ async fn until<T>(deadline: Option<Instant>, fut: impl std::future::Future<Outpu
 }
 
 /// One call in progress. Dropping it before the server has finished cancels it.
+///
+/// Request messages are flow-controlled: a `send` waits while the server has not taken the
+/// messages already sent (up to a window of [`INITIAL_WINDOW`](crate::INITIAL_WINDOW) bytes).
 pub struct ClientCall {
-    stream: u64,
-    mux: Arc<Mux>,
-    events: mpsc::UnboundedReceiver<Event>,
+    state: CallState,
     deadline: Option<Instant>,
-    pending: VecDeque<Bytes>,
-    headers: Option<MetadataMap>,
-    trailers: Option<MetadataMap>,
-    finished: bool,
 }
 
 impl std::fmt::Debug for ClientCall {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClientCall").field("stream", &self.stream).field("finished", &self.finished).finish()
+        f.debug_struct("ClientCall").field("stream", &self.state.id()).field("over", &self.state.is_over()).finish()
     }
 }
 
 impl ClientCall {
     /// Ends the call at its deadline: cancels it on both sides and gives the status.
     async fn expire(&mut self) -> Status {
-        self.finish_with_cancel(Code::DeadlineExceeded).await;
+        self.cancel_with(Code::DeadlineExceeded, "the call's deadline passed").await;
         Status::new(Code::DeadlineExceeded, "the call's deadline passed")
     }
 
-    /// Marks the call over with `code`, once.
-    fn finish(&mut self, code: Code) {
-        if !self.finished {
-            self.finished = true;
-            self.mux.calls.finish(code);
+    async fn cancel_with(&mut self, code: Code, message: &str) {
+        if self.state.end_by_cancel(code, message) {
+            let _ =
+                self.state.mux.sender.send_async(Kind::Cancel, 0, self.state.id(), &wire::encode_cancel(code)).await;
         }
     }
 
-    async fn finish_with_cancel(&mut self, code: Code) {
-        if !self.finished {
-            self.finish(code);
-            self.mux.cancel(self.stream, code).await;
+    /// Waits for credit to send `len` bytes; `Ok(false)` if the call is already over and the
+    /// message must be dropped.
+    async fn credit(&mut self, len: usize) -> Result<bool, Status> {
+        if self.state.is_over() {
+            return Err(Status::new(Code::FailedPrecondition, "the call has already ended"));
+        }
+        let window = self.state.stream.send_window.clone();
+        match until(self.deadline, window.take(CallState::charge(len))).await {
+            None => Err(self.expire().await),
+            Some(Credit::Taken) => Ok(true),
+            Some(_) => self.state.after_close().map(|()| false),
         }
     }
 
     async fn send_flags(&mut self, message: &[u8], frame_flags: u8) -> Result<(), Status> {
-        if self.finished {
-            return Err(Status::new(Code::FailedPrecondition, "the call has already ended"));
+        if !self.credit(message.len()).await? {
+            return Ok(());
         }
-        match until(self.deadline, self.mux.sender.send_message_async(self.stream, frame_flags, message)).await {
+        let (sender, id) = (self.state.mux.sender.clone(), self.state.id());
+        match until(self.deadline, sender.send_message_async(id, frame_flags, message)).await {
             Some(sent) => sent.map_err(|e| Status::from_transport(&e)),
             None => Err(self.expire().await),
         }
@@ -293,109 +226,113 @@ impl ClientCall {
         self.send_flags(message, flags::END_STREAM).await
     }
 
-    /// Half-closes: no more request messages.
-    pub async fn close_send(&mut self) -> Result<(), Status> {
-        if self.finished {
+    /// A writable block of `len` bytes in this side's shared memory, for a message built in
+    /// place: fill it (or serialize into it), then [`send_block`](Self::send_block) it. The
+    /// server reads it where it is, with no copy on either side. Waits for room in the arena
+    /// until the call's deadline.
+    ///
+    /// ```no_run
+    /// # async fn demo(channel: isthmus::Channel) -> Result<(), isthmus::Status> {
+    /// let mut call = channel.start("/demo.Blob/Put", Default::default()).await?;
+    /// let mut block = call.alloc(1 << 20).await?;
+    /// block.fill(7); // or serialize straight into `&mut block[..]`
+    /// call.send_block(block, true).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn alloc(&mut self, len: usize) -> Result<BlockMut, Status> {
+        let sender = self.state.mux.sender.clone();
+        match until(self.deadline, sender.alloc_async(len)).await {
+            Some(block) => block.map_err(|e| Status::from_transport(&e)),
+            None => Err(self.expire().await),
+        }
+    }
+
+    /// Sends a block from [`alloc`](Self::alloc) as one request message, as it is; `last`
+    /// half-closes with it.
+    pub async fn send_block(&mut self, block: BlockMut, last: bool) -> Result<(), Status> {
+        if !self.credit(block.len()).await? {
             return Ok(());
         }
-        // From the client, an empty TRAILERS frame is a half-close without a message.
-        match until(self.deadline, self.mux.sender.send_async(Kind::Trailers, flags::END_STREAM, self.stream, &[]))
-            .await
-        {
+        let (sender, id) = (self.state.mux.sender.clone(), self.state.id());
+        let f = if last { flags::END_STREAM } else { 0 };
+        match until(self.deadline, sender.send_block_async(id, f, block)).await {
             Some(sent) => sent.map_err(|e| Status::from_transport(&e)),
             None => Err(self.expire().await),
         }
     }
 
-    /// Reads the next event, past the deadline an error.
-    async fn next(&mut self) -> Result<Option<Event>, Status> {
-        if self.finished {
-            return Ok(None);
+    /// Half-closes: no more request messages.
+    pub async fn close_send(&mut self) -> Result<(), Status> {
+        if self.state.is_over() {
+            return Ok(());
         }
-        let Some(ev) = until(self.deadline, self.events.recv()).await else {
+        // From the client, an empty TRAILERS frame is a half-close without a message.
+        let (sender, id) = (self.state.mux.sender.clone(), self.state.id());
+        match until(self.deadline, sender.send_async(Kind::Trailers, flags::END_STREAM, id, &[])).await {
+            Some(sent) => sent.map_err(|e| Status::from_transport(&e)),
+            None => Err(self.expire().await),
+        }
+    }
+
+    /// Reads the next event and takes it in; past the deadline an error.
+    async fn next(&mut self) -> Result<Next, Status> {
+        let Some(ev) = until(self.deadline, self.state.stream.events.recv()).await else {
             return Err(self.expire().await);
         };
-        match ev {
-            Some(ev) => Ok(Some(ev)),
-            None => {
-                let status = self.mux.dead().unwrap_or_else(|| Status::new(Code::Unavailable, "the connection closed"));
-                self.finish(status.code());
-                Err(status)
-            }
-        }
+        let ev = ev.unwrap_or_else(|| crate::mux::Event::End(self.state.connection_end()));
+        Ok(self.state.absorb(ev))
     }
 
     /// The next response message; `Ok(None)` once the server ended the call with OK (its
     /// trailers are then in [`trailers`](Self::trailers)); the server's status otherwise.
+    ///
+    /// A large message is a view into the server's shared memory, not a copy; holding it keeps
+    /// that memory from the server, so drop it (or copy what you keep) when done.
     pub async fn recv(&mut self) -> Result<Option<Bytes>, Status> {
-        if let Some(m) = self.pending.pop_front() {
-            return Ok(Some(m));
+        if let Some((r, grant)) = self.state.ready_result() {
+            if let Some(g) = grant {
+                self.grant(g).await;
+            }
+            return r;
         }
         loop {
             match self.next().await? {
-                None => return Ok(None),
-                Some(Event::Headers(md)) => self.headers = Some(md),
-                Some(Event::Message(m)) => return Ok(Some(m)),
-                Some(Event::HalfClose) => {}
-                Some(Event::End(status)) => {
-                    self.finish(status.code());
-                    self.mux.unregister(self.stream);
-                    if status.code() == Code::Ok {
-                        self.trailers = Some(status.metadata().clone());
-                        return Ok(None);
+                Next::More => {}
+                Next::Ended(r) => return r,
+                Next::Message(m) => {
+                    if let Some(g) = self.state.hand_out(&m) {
+                        self.grant(g).await;
                     }
-                    return Err(status);
+                    return Ok(Some(m));
                 }
             }
         }
+    }
+
+    async fn grant(&self, g: Grant) {
+        let _ = self.state.mux.sender.send_async(Grant::KIND, 0, self.state.id(), &g.body()).await;
     }
 
     /// The server's initial metadata, waiting for it if needed.
-    pub async fn headers(&mut self) -> Result<MetadataMap, Status> {
-        while self.headers.is_none() && !self.finished {
+    pub async fn headers(&mut self) -> Result<crate::MetadataMap, Status> {
+        while self.state.headers().is_none() && !self.state.is_over() {
             match self.next().await? {
-                None => break,
-                Some(Event::Headers(md)) => self.headers = Some(md),
-                Some(Event::Message(m)) => self.pending.push_back(m),
-                Some(Event::HalfClose) => {}
-                Some(Event::End(status)) => {
-                    self.finish(status.code());
-                    self.mux.unregister(self.stream);
-                    if status.code() != Code::Ok {
-                        return Err(status);
-                    }
-                    self.trailers = Some(status.metadata().clone());
-                }
+                Next::More => {}
+                Next::Message(m) => self.state.park(m),
+                Next::Ended(Err(status)) => return Err(status),
+                Next::Ended(Ok(_)) => {}
             }
         }
-        Ok(self.headers.clone().unwrap_or_default())
+        Ok(self.state.headers().cloned().unwrap_or_default())
     }
 
     /// The server's trailing metadata, once the call has ended with OK.
-    pub fn trailers(&self) -> Option<&MetadataMap> {
-        self.trailers.as_ref()
+    pub fn trailers(&self) -> Option<&crate::MetadataMap> {
+        self.state.trailers()
     }
 
     /// Cancels the call: the server sees CANCELLED and stops its handler.
     pub async fn cancel(mut self) {
-        self.finish_with_cancel(Code::Cancelled).await;
-    }
-}
-
-impl Drop for ClientCall {
-    fn drop(&mut self) {
-        if !self.finished {
-            self.mux.calls.finish(Code::Cancelled);
-            self.mux.unregister(self.stream);
-            // Best effort and never blocking: if the ring is full right now the server learns of
-            // it when the connection closes.
-            let _ = self.mux.sender.send(
-                Kind::Cancel,
-                0,
-                self.stream,
-                &wire::encode_cancel(Code::Cancelled),
-                Some(std::time::Instant::now()),
-            );
-        }
+        self.cancel_with(Code::Cancelled, "the call was cancelled").await;
     }
 }

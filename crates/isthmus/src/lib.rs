@@ -8,18 +8,30 @@
 //!   ([`Status::from_transport`]); [`MetadataMap`] holds metadata under gRPC's rules; [`wire`] is
 //!   the codec of the RPC frame bodies.
 //!
-//! This is the engine's first part: async (tokio) on `shm://`. The blocking client, flow
-//! control between streams, tracing spans, and the unix:// and http:// endpoints come next.
+//! - [`blocking::Channel`] makes the same calls from plain threads, with no runtime: the calling
+//!   thread reads its own reply.
+//!
+//! Messages are [`bytes::Bytes`] both ways. A large received message is a view into the
+//! sender's shared memory, not a copy; a sender can build a message in place in its own shared
+//! memory (`alloc`, then `send_block`). Every stream is flow-controlled
+//! ([`INITIAL_WINDOW`]): a slow reader holds back its own writer and no other stream. Calls are
+//! `tracing` spans (`isthmus.call` on the client, `isthmus.serve` on the server, at DEBUG).
 
+pub mod blocking;
+mod call;
 mod client;
+mod flow;
 pub mod metadata;
 mod mux;
 mod server;
 pub mod status;
 pub mod wire;
 
-pub use client::{CallOptions, Channel, ClientCall, Response};
+pub use call::{CallOptions, Response};
+pub use client::{Channel, ClientCall};
+pub use flow::{INITIAL_WINDOW, MESSAGE_OVERHEAD};
+pub use isthmus_shm::BlockMut;
 pub use metadata::{InvalidMetadata, MetadataMap};
 pub use mux::ConnectionCounters;
-pub use server::{Bound, Server, ServerCall, ServerStats};
+pub use server::{Bound, Handler, HandlerFuture, Server, ServerCall, ServerStats};
 pub use status::{Code, Status};

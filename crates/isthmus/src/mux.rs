@@ -3,12 +3,13 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 
 use bytes::Bytes;
-use isthmus_shm::{flags, ErrorKind, Frame, Kind, Receiver, Sender};
+use isthmus_shm::{flags, Error, ErrorKind, Frame, Kind, Receiver, Sender};
 use tokio::sync::{mpsc, Notify};
 
+use crate::flow::{RecvWindow, SendWindow};
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
 use crate::wire;
@@ -29,10 +30,18 @@ pub(crate) enum Event {
 /// A new call the server's reader found: its head, its event queue, and the signal that the
 /// client cancelled it (or the connection died), which must stop its handler.
 pub(crate) struct Incoming {
-    pub(crate) stream: u64,
     pub(crate) head: wire::RequestHead,
-    pub(crate) events: mpsc::UnboundedReceiver<Event>,
+    pub(crate) stream: Stream,
     pub(crate) cancelled: Arc<Cancel>,
+}
+
+/// A call's end of one stream: its events, and both directions' flow-control windows.
+#[derive(Debug)]
+pub(crate) struct Stream {
+    pub(crate) id: u64,
+    pub(crate) events: mpsc::UnboundedReceiver<Event>,
+    pub(crate) send_window: Arc<SendWindow>,
+    pub(crate) recv_window: Arc<RecvWindow>,
 }
 
 /// Tells a server call that it is over before its handler finished, and with which code (the
@@ -57,15 +66,77 @@ impl Cancel {
     }
 }
 
-/// One open stream: where its events go, and (server side) who to tell of a cancel.
+/// One open stream: where its events go, its windows, and (server side) who to tell of a
+/// cancel.
 struct Entry {
     events: mpsc::UnboundedSender<Event>,
     cancelled: Option<Arc<Cancel>>,
+    send_window: Arc<SendWindow>,
+    recv_window: Arc<RecvWindow>,
+}
+
+impl Entry {
+    /// The stream is over for this side: wake a writer waiting for credit, for good.
+    fn close(self) {
+        self.send_window.close();
+    }
+}
+
+/// A frame the reader sends in answer to one it read (a PING's answer, a refusal, a cancel).
+pub(crate) struct Reply {
+    kind: Kind,
+    flags: u8,
+    stream: u64,
+    body: Vec<u8>,
+}
+
+/// What the reader does after one frame.
+enum Step {
+    Continue(Option<Reply>),
+    /// The connection is finished, with this status for every call on it.
+    Stop(Status),
+}
+
+/// Lets the calls' own threads read the connection, one at a time, instead of a reader task
+/// (the blocking client). Whoever needs something from the peer and finds no reader becomes it
+/// (the leader); the others sleep until the leader delivers to them or steps down. With one call
+/// in flight, its thread reads its own reply: no hand-off between threads.
+struct Pump {
+    receiver: Mutex<Receiver>,
+    state: Mutex<PumpState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct PumpState {
+    leader: bool,
+    /// Bumped whenever the leader delivered something or stepped down.
+    generation: u64,
+    /// Threads asleep on `changed`.
+    waiting: usize,
+}
+
+impl Pump {
+    /// Wakes the sleepers, if any: something changed.
+    fn bump(&self, step_down: bool) {
+        let Ok(mut st) = self.state.lock() else { return };
+        if step_down {
+            st.leader = false;
+        }
+        if st.waiting > 0 {
+            st.generation = st.generation.wrapping_add(1);
+            self.changed.notify_all();
+        }
+    }
 }
 
 /// The stream table of one connection.
 pub(crate) struct Mux {
     pub(crate) sender: Sender,
+    /// Set when the calls' threads read the connection themselves (no reader task).
+    pump: Option<Pump>,
+    /// Server side: calls open at once on this connection, at most.
+    stream_limit: usize,
     streams: Mutex<HashMap<u64, Entry>>,
     /// Set once the connection is finished: every later call fails with it.
     dead: Mutex<Option<Status>>,
@@ -124,9 +195,30 @@ fn poisoned() -> Status {
 }
 
 impl Mux {
+    /// A connection whose frames a reader task reads ([`read_loop`](Self::read_loop)).
     pub(crate) fn new(sender: Sender) -> Arc<Mux> {
+        Mux::build(sender, None, usize::MAX)
+    }
+
+    /// A server's connection: a reader task, and at most `stream_limit` calls open at once.
+    pub(crate) fn serving(sender: Sender, stream_limit: usize) -> Arc<Mux> {
+        Mux::build(sender, None, stream_limit)
+    }
+
+    /// A connection whose frames the calls' threads read themselves ([`wait`](Self::wait)).
+    pub(crate) fn driven(sender: Sender, receiver: Receiver) -> Arc<Mux> {
+        Mux::build(
+            sender,
+            Some(Pump { receiver: Mutex::new(receiver), state: Mutex::default(), changed: Condvar::new() }),
+            usize::MAX,
+        )
+    }
+
+    fn build(sender: Sender, pump: Option<Pump>, stream_limit: usize) -> Arc<Mux> {
         Arc::new(Mux {
             sender,
+            pump,
+            stream_limit,
             streams: Mutex::new(HashMap::new()),
             dead: Mutex::new(None),
             draining: AtomicBool::new(false),
@@ -153,25 +245,23 @@ impl Mux {
         self.dead.lock().ok().and_then(|d| d.clone())
     }
 
-    /// Opens the queue of stream `id`.
-    pub(crate) fn register(&self, id: u64) -> Result<mpsc::UnboundedReceiver<Event>, Status> {
+    /// Opens stream `id`: its event queue and its windows.
+    pub(crate) fn register(&self, id: u64) -> Result<Stream, Status> {
         self.register_entry(id, None)
     }
 
-    fn register_entry(
-        &self,
-        id: u64,
-        cancelled: Option<Arc<Cancel>>,
-    ) -> Result<mpsc::UnboundedReceiver<Event>, Status> {
+    fn register_entry(&self, id: u64, cancelled: Option<Arc<Cancel>>) -> Result<Stream, Status> {
         if let Some(s) = self.dead() {
             return Err(s);
         }
-        let (tx, rx) = mpsc::unbounded_channel();
+        let (tx, events) = mpsc::unbounded_channel();
+        let (send_window, recv_window) = (Arc::new(SendWindow::default()), Arc::new(RecvWindow::default()));
         let mut streams = self.streams.lock().map_err(|_| poisoned())?;
         if streams.contains_key(&id) {
             return Err(Status::new(Code::Internal, format!("the peer reused open stream id {id}")));
         }
-        streams.insert(id, Entry { events: tx, cancelled });
+        let entry = Entry { events: tx, cancelled, send_window: send_window.clone(), recv_window: recv_window.clone() };
+        streams.insert(id, entry);
         drop(streams);
         // The reader may have died between the check and the insert; it empties the table
         // after setting `dead`, so look again.
@@ -179,12 +269,17 @@ impl Mux {
             self.unregister(id);
             return Err(s);
         }
-        Ok(rx)
+        Ok(Stream { id, events, send_window, recv_window })
+    }
+
+    fn open_streams(&self) -> usize {
+        self.streams.lock().map(|s| s.len()).unwrap_or(0)
     }
 
     pub(crate) fn unregister(&self, id: u64) {
-        if let Ok(mut s) = self.streams.lock() {
-            s.remove(&id);
+        let entry = self.streams.lock().ok().and_then(|mut s| s.remove(&id));
+        if let Some(e) = entry {
+            e.close();
         }
     }
 
@@ -193,17 +288,38 @@ impl Mux {
             Event::End(status) => Some(status.code()),
             _ => None,
         };
-        if let Ok(mut s) = self.streams.lock() {
-            if let Some(entry) = s.get(&id) {
-                let _ = entry.events.send(ev);
-                if let (Some(code), Some(c)) = (end, &entry.cancelled) {
-                    c.fire(code);
-                }
-            }
-            if end.is_some() {
-                s.remove(&id);
+        let Ok(mut s) = self.streams.lock() else { return };
+        if let Some(entry) = s.get(&id) {
+            let _ = entry.events.send(ev);
+            if let (Some(code), Some(c)) = (end, &entry.cancelled) {
+                c.fire(code);
             }
         }
+        if end.is_some() {
+            if let Some(e) = s.remove(&id) {
+                e.close();
+            }
+        }
+    }
+
+    /// Delivers a message, charging it to the stream's window; a peer that had no credit left
+    /// broke flow control, which ends that call (only) with INTERNAL.
+    fn deliver_message(&self, id: u64, message: Bytes, half_close: bool) -> Option<Reply> {
+        let window = self.streams.lock().ok().and_then(|s| s.get(&id).map(|e| e.recv_window.clone()));
+        let window = window?; // a stream that has ended: the message crossed its end
+        if !window.charge_arrival(message.len()) {
+            let status = Status::new(
+                Code::Internal,
+                format!("the peer sent on stream {id} past its flow-control window ({} bytes)", crate::INITIAL_WINDOW),
+            );
+            self.deliver(id, Event::End(status));
+            return Some(Reply::cancel(id, Code::Internal));
+        }
+        self.deliver(id, Event::Message(message));
+        if half_close {
+            self.deliver(id, Event::HalfClose);
+        }
+        None
     }
 
     /// Ends every call with `status` and refuses new ones.
@@ -214,9 +330,10 @@ impl Mux {
         let streams = self.streams.lock().map(|mut s| std::mem::take(&mut *s)).unwrap_or_default();
         for (_, entry) in streams {
             let _ = entry.events.send(Event::End(status.clone()));
-            if let Some(c) = entry.cancelled {
+            if let Some(c) = &entry.cancelled {
                 c.fire(status.code());
             }
+            entry.close();
         }
     }
 
@@ -255,61 +372,154 @@ impl Mux {
         }
         let _watch = Watch(self.clone());
         let end = loop {
-            match receiver.recv_async().await {
-                Ok(frame) => {
-                    if let Err(status) = self.route(frame, incoming.as_ref()).await {
-                        self.sender.close();
-                        break status;
-                    }
+            match self.step(receiver.recv_async().await, incoming.as_ref()) {
+                Step::Continue(None) => {}
+                Step::Continue(Some(r)) => {
+                    let _ = self.sender.send_async(r.kind, r.flags, r.stream, &r.body).await;
                 }
-                // One message too large: that call fails, the connection goes on. The server ends
-                // it with a status that names the size and the limit; a client cancels its side.
-                Err(e) if e.kind() == ErrorKind::MessageTooLarge => {
-                    if let Some(id) = e.stream() {
-                        let status = Status::from_transport(&e);
-                        self.deliver(id, Event::End(status.clone()));
-                        if incoming.is_some() {
-                            self.unregister(id);
-                            let body = wire::encode_trailers(&status);
-                            let _ = self.sender.send_async(Kind::Trailers, flags::END_STREAM, id, &body).await;
-                        } else {
-                            self.cancel(id, Code::ResourceExhausted).await;
-                        }
-                    }
-                }
-                Err(e) => break Status::from_transport(&e),
+                Step::Stop(status) => break status,
             }
         };
+        self.sender.close();
         self.fail_all(end);
     }
 
-    async fn route(&self, f: Frame, incoming: Option<&mpsc::UnboundedSender<Incoming>>) -> Result<(), Status> {
+    /// Blocks until `ready()` holds, reading the connection on this thread while no other
+    /// thread does (the blocking client; see [`Pump`]). `false` if `deadline` passed first.
+    /// Every wait ends when the connection does: its death ends every stream, which is what the
+    /// callers' `ready` look for.
+    pub(crate) fn wait(&self, deadline: Option<std::time::Instant>, mut ready: impl FnMut() -> bool) -> bool {
+        let Some(pump) = &self.pump else { return ready() };
+        loop {
+            if ready() {
+                return true;
+            }
+            let Ok(mut st) = pump.state.lock() else { return ready() };
+            if ready() {
+                return true;
+            }
+            if st.leader {
+                let seen = st.generation;
+                st.waiting += 1;
+                while st.leader && st.generation == seen {
+                    let timeout = match deadline {
+                        None => None,
+                        Some(d) => match d.checked_duration_since(std::time::Instant::now()) {
+                            Some(left) if !left.is_zero() => Some(left),
+                            _ => break,
+                        },
+                    };
+                    st = match timeout {
+                        None => pump.changed.wait(st).unwrap_or_else(std::sync::PoisonError::into_inner),
+                        Some(t) => {
+                            pump.changed.wait_timeout(st, t).unwrap_or_else(std::sync::PoisonError::into_inner).0
+                        }
+                    };
+                }
+                st.waiting -= 1;
+                drop(st);
+                if deadline.is_some_and(|d| std::time::Instant::now() >= d) {
+                    return ready();
+                }
+                continue;
+            }
+            st.leader = true;
+            drop(st);
+            let expired = self.lead(pump, deadline, &mut ready);
+            pump.bump(true);
+            if expired {
+                return ready();
+            }
+        }
+    }
+
+    /// Reads frames as the leader until `ready()` holds; `true` if the deadline passed first.
+    fn lead(&self, pump: &Pump, deadline: Option<std::time::Instant>, ready: &mut impl FnMut() -> bool) -> bool {
+        let Ok(mut receiver) = pump.receiver.try_lock() else {
+            // Only a leader touches the receiver; a poisoned lock means one panicked mid-read.
+            self.sender.close();
+            self.fail_all(poisoned());
+            return false;
+        };
+        loop {
+            let got = receiver.recv(deadline);
+            if matches!(&got, Err(e) if e.kind() == ErrorKind::Timeout) {
+                return true;
+            }
+            match self.step(got, None) {
+                Step::Continue(None) => {}
+                Step::Continue(Some(r)) => {
+                    let patience = std::time::Instant::now() + std::time::Duration::from_secs(1);
+                    let _ = self.sender.send(r.kind, r.flags, r.stream, &r.body, Some(patience));
+                }
+                Step::Stop(status) => {
+                    self.sender.close();
+                    self.fail_all(status);
+                    return false;
+                }
+            }
+            pump.bump(false);
+            if ready() {
+                return false;
+            }
+        }
+    }
+
+    /// Routes one frame (or the transport's error) from the peer.
+    fn step(&self, got: Result<Frame, Error>, incoming: Option<&mpsc::UnboundedSender<Incoming>>) -> Step {
+        match got {
+            Ok(frame) => match self.route(frame, incoming) {
+                Ok(reply) => Step::Continue(reply),
+                Err(status) => Step::Stop(status),
+            },
+            // One message too large: that call fails, the connection goes on. The server ends
+            // it with a status that names the size and the limit; a client cancels its side.
+            Err(e) if e.kind() == ErrorKind::MessageTooLarge => {
+                let Some(id) = e.stream() else { return Step::Continue(None) };
+                let status = Status::from_transport(&e);
+                self.deliver(id, Event::End(status.clone()));
+                if incoming.is_some() {
+                    self.unregister(id);
+                    Step::Continue(Some(Reply::trailers(id, &status)))
+                } else {
+                    self.unregister(id);
+                    Step::Continue(Some(Reply::cancel(id, Code::ResourceExhausted)))
+                }
+            }
+            Err(e) => Step::Stop(Status::from_transport(&e)),
+        }
+    }
+
+    fn route(&self, f: Frame, incoming: Option<&mpsc::UnboundedSender<Incoming>>) -> Result<Option<Reply>, Status> {
         let internal = |e: wire::WireError| Status::new(Code::Internal, format!("malformed frame from the peer: {e}"));
         match f.kind {
             Kind::Headers => match incoming {
                 Some(_) if self.draining.load(Ordering::Acquire) => {
                     // A call that crossed our GOAWAY: refuse it so the client retries elsewhere.
                     let refused = Status::new(Code::Unavailable, "the server is shutting down and takes no new calls");
-                    let body = wire::encode_trailers(&refused);
-                    let _ = self.sender.send_async(Kind::Trailers, flags::END_STREAM, f.stream, &body).await;
+                    return Ok(Some(Reply::trailers(f.stream, &refused)));
+                }
+                Some(_) if self.open_streams() >= self.stream_limit => {
+                    let refused = Status::new(
+                        Code::ResourceExhausted,
+                        format!(
+                            "the server's limit of {} concurrent calls per connection is reached",
+                            self.stream_limit
+                        ),
+                    );
+                    return Ok(Some(Reply::trailers(f.stream, &refused)));
                 }
                 Some(new_calls) => {
                     let head = wire::RequestHead::decode(&f.body).map_err(internal)?;
                     self.last_stream.fetch_max(f.stream, Ordering::AcqRel);
                     let cancelled = Arc::new(Cancel::default());
-                    let events = self.register_entry(f.stream, Some(cancelled.clone()))?;
-                    let _ = new_calls.send(Incoming { stream: f.stream, head, events, cancelled });
+                    let stream = self.register_entry(f.stream, Some(cancelled.clone()))?;
+                    let _ = new_calls.send(Incoming { head, stream, cancelled });
                 }
                 None => self
                     .deliver(f.stream, Event::Headers(wire::ResponseHead::decode(&f.body).map_err(internal)?.metadata)),
             },
-            Kind::Message => {
-                let half_close = f.flags & flags::END_STREAM != 0;
-                self.deliver(f.stream, Event::Message(f.body));
-                if half_close {
-                    self.deliver(f.stream, Event::HalfClose);
-                }
-            }
+            Kind::Message => return Ok(self.deliver_message(f.stream, f.body, f.flags & flags::END_STREAM != 0)),
             // From the client, TRAILERS (empty) is a half-close without a message.
             Kind::Trailers if incoming.is_some() => self.deliver(f.stream, Event::HalfClose),
             Kind::Trailers => self.deliver(f.stream, Event::End(wire::decode_trailers(&f.body).map_err(internal)?)),
@@ -317,11 +527,17 @@ impl Mux {
                 let code = wire::decode_cancel(&f.body).map_err(internal)?;
                 self.deliver(f.stream, Event::End(Status::new(code, "the call was cancelled by the peer")));
             }
-            Kind::Ping => {
-                if f.flags & flags::ACK == 0 {
-                    let _ = self.sender.send_async(Kind::Ping, flags::ACK, f.stream, &f.body).await;
+            Kind::Window => {
+                let n = wire::decode_window(&f.body).map_err(internal)?;
+                let window = self.streams.lock().ok().and_then(|s| s.get(&f.stream).map(|e| e.send_window.clone()));
+                if let Some(w) = window {
+                    w.grant(n);
                 }
             }
+            Kind::Ping if f.flags & flags::ACK == 0 => {
+                return Ok(Some(Reply { kind: Kind::Ping, flags: flags::ACK, stream: f.stream, body: f.body.to_vec() }))
+            }
+            Kind::Ping => {}
             Kind::GoAway => {
                 let g = wire::GoAway::decode(&f.body).map_err(internal)?;
                 if let Ok(mut d) = self.dead.lock() {
@@ -329,6 +545,16 @@ impl Mux {
                 }
             }
         }
-        Ok(())
+        Ok(None)
+    }
+}
+
+impl Reply {
+    fn trailers(stream: u64, status: &Status) -> Reply {
+        Reply { kind: Kind::Trailers, flags: flags::END_STREAM, stream, body: wire::encode_trailers(status) }
+    }
+
+    fn cancel(stream: u64, code: Code) -> Reply {
+        Reply { kind: Kind::Cancel, flags: 0, stream, body: wire::encode_cancel(code).to_vec() }
     }
 }

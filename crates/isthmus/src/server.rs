@@ -8,26 +8,61 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use isthmus_shm::{flags, Address, Config, Connection, ErrorKind, Kind, Listener};
+use isthmus_shm::{flags, Address, BlockMut, Config, Connection, ErrorKind, Kind, Listener};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::{mpsc, Notify};
 use tokio::time::Instant;
+use tracing::Instrument;
 
+use crate::flow::{self, Consumed, Credit};
 use crate::metadata::MetadataMap;
-use crate::mux::{Cancel, ConnectionCounters, Event, Incoming, Mux};
+use crate::mux::{Cancel, ConnectionCounters, Event, Incoming, Mux, Stream};
 use crate::status::{Code, Status};
 use crate::wire;
 
-type BoxFuture = Pin<Box<dyn Future<Output = Result<(), Status>> + Send>>;
-type Handler = Arc<dyn Fn(ServerCall) -> BoxFuture + Send + Sync>;
+/// The future a [`Handler`] returns.
+pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<(), Status>> + Send>>;
+
+/// A method's handler as a trait object: for handlers that carry state, or that are chosen at run
+/// time (register with [`Server::handler_object`]). A closure registered with
+/// [`Server::handler`] is the same thing.
+///
+/// ```
+/// use isthmus::{Handler, HandlerFuture, ServerCall};
+///
+/// struct Counter(std::sync::atomic::AtomicU64);
+///
+/// impl Handler for Counter {
+///     fn handle(self: std::sync::Arc<Self>, mut call: ServerCall) -> HandlerFuture {
+///         Box::pin(async move {
+///             let n = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+///             call.send(&n.to_le_bytes()).await
+///         })
+///     }
+/// }
+///
+/// let server = isthmus::Server::builder()
+///     .handler_object("/demo.Counter/Next", std::sync::Arc::new(Counter(Default::default())));
+/// ```
+pub trait Handler: Send + Sync + 'static {
+    /// Runs one call; returning ends it (`Ok(())` with OK, `Err(status)` with that status).
+    fn handle(self: Arc<Self>, call: ServerCall) -> HandlerFuture;
+}
+
+type BoxFuture = HandlerFuture;
+type HandlerFn = Arc<dyn Fn(ServerCall) -> BoxFuture + Send + Sync>;
 
 /// The server's side of one call, handed to its handler.
+///
+/// Response messages are flow-controlled: a `send` waits while the client has not taken the
+/// messages already sent (up to a window of [`INITIAL_WINDOW`](crate::INITIAL_WINDOW) bytes), so
+/// a slow client holds back this handler and no other.
 pub struct ServerCall {
-    stream: u64,
+    stream: Stream,
     mux: Arc<Mux>,
     head: wire::RequestHead,
     deadline: Option<Instant>,
-    events: mpsc::UnboundedReceiver<Event>,
+    consumed: Consumed,
     half_closed: bool,
     headers_sent: bool,
     trailers: Arc<Mutex<MetadataMap>>,
@@ -35,7 +70,7 @@ pub struct ServerCall {
 
 impl std::fmt::Debug for ServerCall {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServerCall").field("stream", &self.stream).field("path", &self.head.path).finish()
+        f.debug_struct("ServerCall").field("stream", &self.stream.id).field("path", &self.head.path).finish()
     }
 }
 
@@ -56,13 +91,22 @@ impl ServerCall {
     }
 
     /// The next request message; `None` once the client has half-closed.
+    ///
+    /// A large message is a view into the client's shared memory, not a copy; holding it keeps
+    /// that memory from the client, so drop it (or copy what you keep) when done.
     pub async fn recv(&mut self) -> Result<Option<Bytes>, Status> {
         if self.half_closed {
             return Ok(None);
         }
         loop {
-            match self.events.recv().await {
-                Some(Event::Message(m)) => return Ok(Some(m)),
+            match self.stream.events.recv().await {
+                Some(Event::Message(m)) => {
+                    if let Some(grant) = self.consumed.take(m.len(), &self.stream.recv_window) {
+                        let body = wire::encode_window(grant);
+                        let _ = self.mux.sender.send_async(Kind::Window, 0, self.stream.id, &body).await;
+                    }
+                    return Ok(Some(m));
+                }
                 Some(Event::HalfClose) => {
                     self.half_closed = true;
                     return Ok(None);
@@ -86,15 +130,49 @@ impl ServerCall {
         }
         self.headers_sent = true;
         let body = wire::ResponseHead { metadata }.encode();
-        self.mux.sender.send_async(Kind::Headers, 0, self.stream, &body).await.map_err(|e| Status::from_transport(&e))
+        self.mux
+            .sender
+            .send_async(Kind::Headers, 0, self.stream.id, &body)
+            .await
+            .map_err(|e| Status::from_transport(&e))
+    }
+
+    /// Sends headers if not yet sent, then waits for credit to send `len` bytes.
+    async fn ready_to_send(&mut self, len: usize) -> Result<(), Status> {
+        if !self.headers_sent {
+            self.send_headers(MetadataMap::new()).await?;
+        }
+        match self.stream.send_window.take(flow::charge(len)).await {
+            Credit::Taken => Ok(()),
+            _ => Err(self.mux.dead().unwrap_or_else(|| Status::new(Code::Cancelled, "the call was cancelled"))),
+        }
     }
 
     /// Sends one response message.
     pub async fn send(&mut self, message: &[u8]) -> Result<(), Status> {
-        if !self.headers_sent {
-            self.send_headers(MetadataMap::new()).await?;
-        }
-        self.mux.sender.send_message_async(self.stream, 0, message).await.map_err(|e| Status::from_transport(&e))
+        self.ready_to_send(message.len()).await?;
+        self.mux.sender.send_message_async(self.stream.id, 0, message).await.map_err(|e| Status::from_transport(&e))
+    }
+
+    /// A writable block of `len` bytes in the server's shared memory, for a reply built in
+    /// place: fill it (or serialize into it), then [`send_block`](Self::send_block) it. The
+    /// client reads it where it is, with no copy on either side.
+    ///
+    /// ```no_run
+    /// # async fn handler(mut call: isthmus::ServerCall) -> Result<(), isthmus::Status> {
+    /// let mut block = call.alloc(4096).await?;
+    /// block.fill(0xAB);
+    /// call.send_block(block).await
+    /// # }
+    /// ```
+    pub async fn alloc(&mut self, len: usize) -> Result<BlockMut, Status> {
+        self.mux.sender.alloc_async(len).await.map_err(|e| Status::from_transport(&e))
+    }
+
+    /// Sends a block from [`alloc`](Self::alloc) as one response message, as it is.
+    pub async fn send_block(&mut self, block: BlockMut) -> Result<(), Status> {
+        self.ready_to_send(block.len()).await?;
+        self.mux.sender.send_block_async(self.stream.id, 0, block).await.map_err(|e| Status::from_transport(&e))
     }
 
     /// Trailing metadata to send with the final status (OK or not).
@@ -122,14 +200,20 @@ impl ServerCall {
 /// ```
 #[derive(Clone)]
 pub struct Server {
-    handlers: HashMap<String, Handler>,
+    handlers: HashMap<String, HandlerFn>,
     config: Config,
     grace: Duration,
+    stream_limit: usize,
 }
 
 impl Default for Server {
     fn default() -> Server {
-        Server { handlers: HashMap::new(), config: Config::default(), grace: Duration::from_secs(10) }
+        Server {
+            handlers: HashMap::new(),
+            config: Config::default(),
+            grace: Duration::from_secs(10),
+            stream_limit: usize::MAX,
+        }
     }
 }
 
@@ -156,10 +240,23 @@ impl Server {
         self
     }
 
+    /// Registers a [`Handler`] trait object for `path`.
+    pub fn handler_object(mut self, path: &str, handler: Arc<dyn Handler>) -> Server {
+        self.handlers.insert(path.to_owned(), Arc::new(move |call| handler.clone().handle(call)));
+        self
+    }
+
     /// How long a graceful shutdown waits for calls in progress before it closes connections
     /// (default 10 s).
     pub fn grace(mut self, grace: Duration) -> Server {
         self.grace = grace;
+        self
+    }
+
+    /// Calls one client connection may have open at once (default: no limit). A call over the
+    /// limit is refused with RESOURCE_EXHAUSTED, as grpcio's `maximum_concurrent_rpcs` does.
+    pub fn max_concurrent_streams(mut self, limit: usize) -> Server {
+        self.stream_limit = limit.max(1);
         self
     }
 
@@ -180,7 +277,13 @@ impl Server {
             .map_err(|e| {
             Status::new(Code::Unavailable, format!("cannot watch {target}: {}", std::io::Error::from(e)))
         })?;
-        Ok(Bound { listener, handlers: Arc::new(self.handlers), grace: self.grace, tracker: Arc::default() })
+        Ok(Bound {
+            listener,
+            handlers: Arc::new(self.handlers),
+            grace: self.grace,
+            stream_limit: self.stream_limit,
+            tracker: Arc::default(),
+        })
     }
 
     /// Binds and serves `target` until the listener fails.
@@ -192,8 +295,9 @@ impl Server {
 /// A bound server, accepting once served.
 pub struct Bound {
     listener: AsyncFd<Accepting>,
-    handlers: Arc<HashMap<String, Handler>>,
+    handlers: Arc<HashMap<String, HandlerFn>>,
     grace: Duration,
+    stream_limit: usize,
     tracker: Arc<Tracker>,
 }
 
@@ -268,11 +372,12 @@ impl Bound {
                     let mut guard = ready.map_err(|e| Status::new(Code::Unavailable, e.to_string()))?;
                     match guard.get_inner().0.accept_incoming() {
                         Ok(incoming) => {
-                            let (handlers, tracker) = (self.handlers.clone(), self.tracker.clone());
+                            let (handlers, tracker, limit) =
+                                (self.handlers.clone(), self.tracker.clone(), self.stream_limit);
                             tokio::spawn(async move {
                                 // The handshake reads with timeouts: keep it off the reactor.
                                 if let Ok(Ok(conn)) = tokio::task::spawn_blocking(move || incoming.handshake()).await {
-                                    serve_connection(conn, handlers, tracker).await;
+                                    serve_connection(conn, handlers, tracker, limit).await;
                                 }
                             });
                         }
@@ -323,9 +428,14 @@ impl AsRawFd for Accepting {
     }
 }
 
-async fn serve_connection(conn: Connection, handlers: Arc<HashMap<String, Handler>>, tracker: Arc<Tracker>) {
+async fn serve_connection(
+    conn: Connection,
+    handlers: Arc<HashMap<String, HandlerFn>>,
+    tracker: Arc<Tracker>,
+    stream_limit: usize,
+) {
     let (sender, receiver) = conn.split();
-    let mux = Mux::new(sender);
+    let mux = Mux::serving(sender, stream_limit);
     if let Ok(mut c) = tracker.connections.lock() {
         c.retain(|w| w.strong_count() > 0);
         c.push(Arc::downgrade(&mux));
@@ -344,8 +454,43 @@ async fn serve_connection(conn: Connection, handlers: Arc<HashMap<String, Handle
 }
 
 /// Runs one call's handler against its deadline and the client's cancel, then sends its status.
-async fn run_call(mux: Arc<Mux>, incoming: Incoming, handler: Option<Handler>) {
-    let Incoming { stream, head, events, cancelled } = incoming;
+async fn run_call(mux: Arc<Mux>, incoming: Incoming, handler: Option<HandlerFn>) {
+    let Incoming { head, stream, cancelled } = incoming;
+    let span =
+        tracing::debug_span!("isthmus.serve", path = %head.path, stream = stream.id, code = tracing::field::Empty);
+    let recorder = span.clone();
+    async move {
+        let id = stream.id;
+        let status = call_status(&mux, head, stream, handler, &cancelled).await;
+        recorder.record("code", tracing::field::debug(status.as_ref().map_or(cancelled.code(), |s| s.code())));
+        match status {
+            Some(status) => {
+                mux.unregister(id);
+                mux.calls.finish(status.code());
+                let body = wire::encode_trailers(&status);
+                let _ = mux.sender.send_async(Kind::Trailers, flags::END_STREAM, id, &body).await;
+            }
+            // The client is gone or gave up: it expects no status. Answer with CANCEL so the
+            // client drops anything half-sent on this stream.
+            None => {
+                let code = cancelled.code();
+                mux.calls.finish(code);
+                mux.cancel(id, code).await;
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Runs the handler; the status to send, or `None` if the call was cancelled under it.
+async fn call_status(
+    mux: &Arc<Mux>,
+    head: wire::RequestHead,
+    stream: Stream,
+    handler: Option<HandlerFn>,
+    cancelled: &Cancel,
+) -> Option<Status> {
     mux.calls.start();
     let status = match handler {
         None => Status::new(Code::Unimplemented, format!("method {} is not implemented by this server", head.path)),
@@ -357,23 +502,17 @@ async fn run_call(mux: Arc<Mux>, incoming: Incoming, handler: Option<Handler>) {
                 mux: mux.clone(),
                 head,
                 deadline,
-                events,
+                consumed: Consumed::default(),
                 half_closed: false,
                 headers_sent: false,
                 trailers: trailers.clone(),
             };
-            let status = match supervise(handler(call), deadline, &cancelled).await {
+            let status = match supervise(handler(call), deadline, cancelled).await {
                 Outcome::Done(Ok(())) => Status::ok(),
                 Outcome::Done(Err(status)) => status,
                 Outcome::Panicked(what) => Status::new(Code::Internal, format!("the handler panicked: {what}")),
                 Outcome::DeadlineExceeded => Status::new(Code::DeadlineExceeded, "the call's deadline passed"),
-                // The client is gone or gave up: it expects no status.
-                // Answer with CANCEL so the client drops anything half-sent on this stream.
-                Outcome::Cancelled => {
-                    let code = cancelled.code();
-                    mux.calls.finish(code);
-                    return mux.cancel(stream, code).await;
-                }
+                Outcome::Cancelled => return None,
             };
             // Trailers set on the call go after any the returned status carries.
             let set = trailers.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
@@ -386,9 +525,7 @@ async fn run_call(mux: Arc<Mux>, incoming: Incoming, handler: Option<Handler>) {
             }
         }
     };
-    mux.unregister(stream);
-    mux.calls.finish(status.code());
-    let _ = mux.sender.send_async(Kind::Trailers, flags::END_STREAM, stream, &wire::encode_trailers(&status)).await;
+    Some(status)
 }
 
 enum Outcome {

@@ -1,4 +1,5 @@
-//! Bodies of the RPC frames: what HEADERS, TRAILERS, CANCEL and GOAWAY carry over isthmus-shm.
+//! Bodies of the RPC frames: what HEADERS, TRAILERS, CANCEL, GOAWAY and WINDOW carry over
+//! isthmus-shm.
 //! `docs/protocol.md` ("RPC frame bodies") is the normative description. All integers are
 //! little-endian; every length is checked against the body before anything is read.
 //!
@@ -11,6 +12,7 @@
 //!                 message (UTF-8), details, metadata block
 //! CANCEL          u32 code
 //! GOAWAY          u64 last stream id accepted, u32 message length, message
+//! WINDOW          u64 credit added to the stream's window (1 ..= 2^40)
 //! ```
 
 use std::fmt;
@@ -237,6 +239,27 @@ pub fn decode_cancel(body: &[u8]) -> Result<Code, WireError> {
     Ok(code)
 }
 
+/// The largest credit one WINDOW frame may grant: far above any window an honest side grants,
+/// low enough that adding grants can never overflow.
+pub const MAX_WINDOW_INCREMENT: u64 = 1 << 40;
+
+/// Encodes a WINDOW body: the peer may send `increment` more bytes (as charged by the flow
+/// control) on the frame's stream.
+pub fn encode_window(increment: u64) -> [u8; 8] {
+    increment.to_le_bytes()
+}
+
+/// Decodes a WINDOW body.
+pub fn decode_window(body: &[u8]) -> Result<u64, WireError> {
+    let mut r = Reader { buf: body, what: "WINDOW" };
+    let n = r.u64()?;
+    r.end()?;
+    if n == 0 || n > MAX_WINDOW_INCREMENT {
+        return Err(bad(format!("WINDOW increment {n} is outside 1..={MAX_WINDOW_INCREMENT}")));
+    }
+    Ok(n)
+}
+
 /// The sender takes no stream after `last_stream` and will close once those in flight end.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GoAway {
@@ -275,6 +298,7 @@ pub fn fuzz(data: &[u8]) {
     let _ = decode_trailers(data);
     let _ = decode_cancel(data);
     let _ = GoAway::decode(data);
+    let _ = decode_window(data);
 }
 
 #[cfg(test)]
@@ -302,6 +326,10 @@ mod tests {
             assert_eq!(decode_trailers(&encode_trailers(&s)), Ok(s));
             assert_eq!(decode_cancel(&encode_cancel(code)), Ok(code));
         }
+        assert_eq!(decode_window(&encode_window(4096)), Ok(4096));
+        assert!(decode_window(&encode_window(0)).is_err());
+        assert!(decode_window(&encode_window(MAX_WINDOW_INCREMENT + 1)).is_err());
+        assert!(decode_window(&[1, 0, 0, 0]).is_err());
         let g = GoAway { last_stream: 77, message: "shutting down".into() };
         assert_eq!(GoAway::decode(&g.encode()), Ok(g));
     }

@@ -5,8 +5,14 @@
 //! messages), `ClientStream` (reply `u64 count, u64 bytes` of what arrived), `Bidi` (echo each),
 //! `Fail` (request `u32 code`: that status, with details and a trailer), `Panic`, `Sleep` (never
 //! returns; prints `SLEEP-DROPPED` when the server stops it), `TimeLeft` (milliseconds left),
-//! `Slow` (prints `SLOW-STARTED`, answers after 500 ms); `/test.Admin/Shutdown` starts a graceful
+//! `Slow` (prints `SLOW-STARTED`, answers after 500 ms), `InPlace` (request `u32 size`: a reply of
+//! that size built in place in shared memory), `Flood` (64 KiB patterned messages until
+//! the call ends), `Stall` (never reads; returns only when stopped); `/test.Admin/FloodSent`
+//! answers `u64` messages `Flood` has sent so far; `/test.Admin/Shutdown` starts a graceful
 //! shutdown, after which the process prints `SHUTDOWN-DONE` and exits.
+//!
+//! `rpc-peer ADDR [MAX_MESSAGE [MAX_STREAMS]]`: the largest request message accepted (0 = the
+//! default), and the concurrent calls allowed per connection.
 
 use std::io::Write;
 
@@ -33,6 +39,9 @@ async fn one(call: &mut ServerCall) -> Result<bytes::Bytes, Status> {
     call.recv().await?.ok_or_else(|| Status::new(Code::InvalidArgument, "expected a request message"))
 }
 
+/// Messages `/test.Echo/Flood` has handed to the engine, over all calls.
+static FLOOD_SENT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 struct Loud;
 impl Drop for Loud {
     fn drop(&mut self) {
@@ -43,7 +52,8 @@ impl Drop for Loud {
 fn main() {
     let addr = std::env::args().nth(1).expect("address");
     // Optional second argument: the largest request message accepted, in bytes.
-    let max_message = std::env::args().nth(2).and_then(|m| m.parse().ok());
+    let max_message = std::env::args().nth(2).and_then(|m| m.parse().ok()).filter(|&m: &u64| m > 0);
+    let max_streams = std::env::args().nth(3).and_then(|m| m.parse().ok());
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     rt.block_on(async move {
         let shutdown = std::sync::Arc::new(tokio::sync::Notify::new());
@@ -143,6 +153,29 @@ fn main() {
                 std::future::pending::<()>().await;
                 Ok(())
             })
+            .handler("/test.Echo/InPlace", |mut call: ServerCall| async move {
+                let m = one(&mut call).await?;
+                let size =
+                    u32::from_le_bytes(m[0..4].try_into().map_err(|_| Status::new(Code::InvalidArgument, "short"))?);
+                let mut block = call.alloc(size as usize).await?;
+                block.copy_from_slice(&isthmus_tests::pattern(size as usize, 9));
+                call.send_block(block).await
+            })
+            .handler("/test.Echo/Flood", |mut call: ServerCall| async move {
+                let _ = one(&mut call).await?;
+                for i in 0u64.. {
+                    call.send(&isthmus_tests::pattern(64 << 10, i)).await?;
+                    FLOOD_SENT.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+                Ok(())
+            })
+            .handler("/test.Admin/FloodSent", |mut call: ServerCall| async move {
+                call.send(&FLOOD_SENT.load(std::sync::atomic::Ordering::SeqCst).to_le_bytes()).await
+            })
+            .handler("/test.Echo/Stall", |_call: ServerCall| async move {
+                std::future::pending::<()>().await;
+                Ok(())
+            })
             .handler("/test.Echo/TimeLeft", |mut call: ServerCall| async move {
                 let _ = one(&mut call).await?;
                 let left = call.time_remaining().map_or(-1, |d| d.as_millis() as i64);
@@ -150,6 +183,10 @@ fn main() {
             });
         let server = match max_message {
             Some(max) => server.config(isthmus_shm::Config { max_message_size: max, ..isthmus_shm::Config::default() }),
+            None => server,
+        };
+        let server = match max_streams {
+            Some(n) => server.max_concurrent_streams(n),
             None => server,
         };
         let bound = match server.bind(&addr) {

@@ -1,0 +1,307 @@
+//! The blocking client: calls from plain threads, with no async runtime at all.
+//!
+//! A blocking [`Channel`] has no reader task. The threads waiting on its calls read the
+//! connection themselves, one at a time: the first to need a frame reads until it has what it
+//! waits for, routing whatever else arrives to the other calls and waking their threads. With a
+//! single call in flight, the calling thread sends its request and reads its reply itself; no
+//! other thread is involved.
+//!
+//! ```no_run
+//! # fn demo() -> Result<(), isthmus::Status> {
+//! let channel = isthmus::blocking::Channel::connect("shm://sidecar")?;
+//! let reply = channel.unary("/demo.Echo/Say", b"hello", Default::default())?;
+//! assert_eq!(&reply.message[..], b"hello");
+//! # Ok(()) }
+//! ```
+
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use isthmus_shm::{flags, BlockMut, Config, Connection, Kind};
+
+use crate::call::{check_path, CallOptions, CallState, Grant, Next, Response, Slot};
+use crate::flow::Credit;
+use crate::mux::{ConnectionCounters, Mux};
+use crate::status::{Code, Status};
+use crate::wire;
+
+struct Inner {
+    slot: Slot,
+    /// Serialises reconnecting, so a burst of calls makes one connection, not many.
+    connecting: Mutex<()>,
+}
+
+/// A connection to one server for blocking code. Cheap to clone and to share between threads;
+/// clones share the connection. If the connection dies (the server restarted, say), the next
+/// call connects again.
+#[derive(Clone)]
+pub struct Channel {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Channel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("blocking::Channel").field("target", &self.inner.slot.target.to_string()).finish_non_exhaustive()
+    }
+}
+
+impl Channel {
+    /// Connects to `target` (`shm://NAME` or `shm:///path.sock`) now.
+    pub fn connect(target: &str) -> Result<Channel, Status> {
+        Channel::connect_with(target, Config::default())
+    }
+
+    /// [`connect`](Self::connect) with a transport configuration.
+    pub fn connect_with(target: &str, config: Config) -> Result<Channel, Status> {
+        let channel = Channel::lazy_with(target, config)?;
+        channel.mux(false, None)?;
+        Ok(channel)
+    }
+
+    /// A channel that connects on its first call.
+    pub fn lazy(target: &str) -> Result<Channel, Status> {
+        Channel::lazy_with(target, Config::default())
+    }
+
+    /// [`lazy`](Self::lazy) with a transport configuration.
+    pub fn lazy_with(target: &str, config: Config) -> Result<Channel, Status> {
+        Ok(Channel { inner: Arc::new(Inner { slot: Slot::new(target, config)?, connecting: Mutex::new(()) }) })
+    }
+
+    /// The live connection, connecting (again) if there is none.
+    fn mux(&self, wait_for_ready: bool, deadline: Option<Instant>) -> Result<Arc<Mux>, Status> {
+        if let Some(m) = self.inner.slot.live() {
+            return Ok(m);
+        }
+        let _one_at_a_time = self.inner.connecting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            if let Some(m) = self.inner.slot.live() {
+                return Ok(m);
+            }
+            let slot = &self.inner.slot;
+            match Connection::connect(&slot.target, &slot.config) {
+                Ok(conn) => {
+                    let (sender, receiver) = conn.split();
+                    let mux = Mux::driven(sender, receiver);
+                    slot.install(mux.clone());
+                    return Ok(mux);
+                }
+                Err(e) => {
+                    let s = Status::from_transport(&e);
+                    if !wait_for_ready || s.code() != Code::Unavailable {
+                        return Err(s);
+                    }
+                    let next = Instant::now() + backoff;
+                    if deadline.is_some_and(|d| next >= d) {
+                        return Err(Status::new(
+                            Code::DeadlineExceeded,
+                            format!("no server became ready before the deadline: {s}"),
+                        ));
+                    }
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                }
+            }
+        }
+    }
+
+    /// Starts a call of any shape: send messages, half-close, read responses.
+    pub fn start(&self, path: &str, options: CallOptions) -> Result<Call, Status> {
+        check_path(path)?;
+        let deadline = options.timeout.map(|t| Instant::now() + t);
+        let mux = self.mux(options.wait_for_ready, deadline)?;
+        let stream = mux.register(self.inner.slot.next_stream())?;
+        let call = Call { state: CallState::new(stream, mux, path), deadline };
+        let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()).max(Duration::from_nanos(1)));
+        let head = wire::RequestHead { path: path.to_owned(), timeout, metadata: options.metadata };
+        call.state
+            .mux
+            .sender
+            .send(Kind::Headers, 0, call.state.id(), &head.encode(), deadline)
+            .map_err(|e| Status::from_transport(&e))?;
+        Ok(call)
+    }
+
+    /// A unary call: one request, one response.
+    pub fn unary(&self, path: &str, request: &[u8], options: CallOptions) -> Result<Response, Status> {
+        let mut call = self.start(path, options)?;
+        call.send_last(request)?;
+        let message = call.recv()?.ok_or_else(|| {
+            Status::new(Code::Internal, format!("{path}: the server ended the call without a response"))
+        })?;
+        if call.recv()?.is_some() {
+            return Err(Status::new(Code::Internal, format!("{path}: the server sent more than one response")));
+        }
+        Ok(call.state.take_response(message))
+    }
+
+    /// Counters of the current connection (zero if there is none yet).
+    pub fn counters(&self) -> ConnectionCounters {
+        self.inner.slot.counters()
+    }
+}
+
+/// One blocking call in progress. Dropping it before the server has finished cancels it.
+/// Request messages are flow-controlled as in [`crate::ClientCall`].
+pub struct Call {
+    state: CallState,
+    deadline: Option<Instant>,
+}
+
+impl std::fmt::Debug for Call {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("blocking::Call").field("stream", &self.state.id()).field("over", &self.state.is_over()).finish()
+    }
+}
+
+/// How long a CANCEL may wait for ring room once a call is given up.
+const CANCEL_PATIENCE: Duration = Duration::from_millis(100);
+
+impl Call {
+    fn expire(&mut self) -> Status {
+        let message = "the call's deadline passed";
+        self.state.cancel_blocking(Code::DeadlineExceeded, message, Instant::now() + CANCEL_PATIENCE);
+        Status::new(Code::DeadlineExceeded, message)
+    }
+
+    /// A transport failure while sending, past the deadline if it was a timeout.
+    fn failed(&mut self, e: isthmus_shm::Error) -> Status {
+        if e.kind() == isthmus_shm::ErrorKind::Timeout && self.deadline.is_some_and(|d| Instant::now() >= d) {
+            return self.expire();
+        }
+        Status::from_transport(&e)
+    }
+
+    /// Waits for credit to send `len` bytes; `Ok(false)` if the call is over and the message
+    /// must be dropped.
+    fn credit(&mut self, len: usize) -> Result<bool, Status> {
+        if self.state.is_over() {
+            return Err(Status::new(Code::FailedPrecondition, "the call has already ended"));
+        }
+        let window = self.state.stream.send_window.clone();
+        let charge = CallState::charge(len);
+        loop {
+            match window.try_take(charge) {
+                Credit::Taken => return Ok(true),
+                Credit::Closed => return self.state.after_close().map(|()| false),
+                Credit::Wait => {
+                    if !self.state.mux.wait(self.deadline, || window.ready()) {
+                        return Err(self.expire());
+                    }
+                }
+            }
+        }
+    }
+
+    fn send_flags(&mut self, message: &[u8], frame_flags: u8) -> Result<(), Status> {
+        if !self.credit(message.len())? {
+            return Ok(());
+        }
+        let sent = self.state.mux.sender.send_message(self.state.id(), frame_flags, message, self.deadline);
+        sent.map_err(|e| self.failed(e))
+    }
+
+    /// Sends one request message.
+    pub fn send(&mut self, message: &[u8]) -> Result<(), Status> {
+        self.send_flags(message, 0)
+    }
+
+    /// Sends the last request message and half-closes in the same frame.
+    pub fn send_last(&mut self, message: &[u8]) -> Result<(), Status> {
+        self.send_flags(message, flags::END_STREAM)
+    }
+
+    /// A writable block of `len` bytes in this side's shared memory, for a message built in
+    /// place; see [`crate::ClientCall::alloc`].
+    pub fn alloc(&mut self, len: usize) -> Result<BlockMut, Status> {
+        let block = self.state.mux.sender.alloc(len, self.deadline);
+        block.map_err(|e| self.failed(e))
+    }
+
+    /// Sends a block from [`alloc`](Self::alloc) as one request message, as it is; `last`
+    /// half-closes with it.
+    pub fn send_block(&mut self, block: BlockMut, last: bool) -> Result<(), Status> {
+        if !self.credit(block.len())? {
+            return Ok(());
+        }
+        let f = if last { flags::END_STREAM } else { 0 };
+        let sent = self.state.mux.sender.send_block(self.state.id(), f, block, self.deadline);
+        sent.map_err(|e| self.failed(e))
+    }
+
+    /// Half-closes: no more request messages.
+    pub fn close_send(&mut self) -> Result<(), Status> {
+        if self.state.is_over() {
+            return Ok(());
+        }
+        let sent = self.state.mux.sender.send(Kind::Trailers, flags::END_STREAM, self.state.id(), &[], self.deadline);
+        sent.map_err(|e| self.failed(e))
+    }
+
+    /// The next event, read from the connection on this thread if no other thread is reading.
+    fn next(&mut self) -> Result<Next, Status> {
+        loop {
+            if let Some(ev) = self.state.try_event() {
+                return Ok(self.state.absorb(ev));
+            }
+            let state = &self.state;
+            if !state.mux.wait(self.deadline, || state.has_event()) {
+                return Err(self.expire());
+            }
+        }
+    }
+
+    fn grant(&self, g: Grant) {
+        let patience = Some(Instant::now() + CANCEL_PATIENCE);
+        let _ = self.state.mux.sender.send(Grant::KIND, 0, self.state.id(), &g.body(), patience);
+    }
+
+    /// The next response message; `Ok(None)` once the server ended the call with OK (its
+    /// trailers are then in [`trailers`](Self::trailers)); the server's status otherwise.
+    /// A large message is a view into the server's shared memory, not a copy.
+    pub fn recv(&mut self) -> Result<Option<Bytes>, Status> {
+        if let Some((r, grant)) = self.state.ready_result() {
+            if let Some(g) = grant {
+                self.grant(g);
+            }
+            return r;
+        }
+        loop {
+            match self.next()? {
+                Next::More => {}
+                Next::Ended(r) => return r,
+                Next::Message(m) => {
+                    if let Some(g) = self.state.hand_out(&m) {
+                        self.grant(g);
+                    }
+                    return Ok(Some(m));
+                }
+            }
+        }
+    }
+
+    /// The server's initial metadata, waiting for it if needed.
+    pub fn headers(&mut self) -> Result<crate::MetadataMap, Status> {
+        while self.state.headers().is_none() && !self.state.is_over() {
+            match self.next()? {
+                Next::More => {}
+                Next::Message(m) => self.state.park(m),
+                Next::Ended(Err(status)) => return Err(status),
+                Next::Ended(Ok(_)) => {}
+            }
+        }
+        Ok(self.state.headers().cloned().unwrap_or_default())
+    }
+
+    /// The server's trailing metadata, once the call has ended with OK.
+    pub fn trailers(&self) -> Option<&crate::MetadataMap> {
+        self.state.trailers()
+    }
+
+    /// Cancels the call: the server sees CANCELLED and stops its handler.
+    pub fn cancel(mut self) {
+        self.state.cancel_blocking(Code::Cancelled, "the call was cancelled", Instant::now() + CANCEL_PATIENCE);
+    }
+}

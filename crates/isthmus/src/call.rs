@@ -1,0 +1,313 @@
+//! What the async and the blocking client calls share: the state of one call as its events
+//! arrive, with no waiting in it. Each front end only supplies how to wait and how to send.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use isthmus_shm::{Address, Config, Kind};
+use tokio::sync::mpsc::error::TryRecvError;
+
+use crate::flow::{self, Consumed};
+use crate::metadata::MetadataMap;
+use crate::mux::{ConnectionCounters, Event, Mux, Stream};
+use crate::status::{Code, Status};
+use crate::wire;
+
+/// Per-call options: metadata to send and the time the call may take.
+#[derive(Debug, Clone, Default)]
+pub struct CallOptions {
+    /// Initial metadata.
+    pub metadata: MetadataMap,
+    /// The call's deadline, from when it starts; it travels to the server.
+    pub timeout: Option<std::time::Duration>,
+    /// If no server is reachable, keep trying until the deadline instead of failing at once
+    /// with UNAVAILABLE (gRPC's `wait_for_ready`).
+    pub wait_for_ready: bool,
+}
+
+/// A unary call's result.
+#[derive(Debug, Clone)]
+pub struct Response {
+    /// The server's initial metadata.
+    pub metadata: MetadataMap,
+    /// The response message.
+    pub message: Bytes,
+    /// The server's trailing metadata.
+    pub trailers: MetadataMap,
+}
+
+/// Refuses a method path the server could never match.
+pub(crate) fn check_path(path: &str) -> Result<(), Status> {
+    if !path.starts_with('/') || path.len() > wire::MAX_PATH_LEN || !path.bytes().all(|b| b.is_ascii_graphic()) {
+        return Err(Status::new(
+            Code::InvalidArgument,
+            format!(
+                "method path {path:?} must start with '/', be printable ASCII and at most {} bytes",
+                wire::MAX_PATH_LEN
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// One channel's connection slot, shared by its clones: the target, and the live connection
+/// that calls use until it dies.
+pub(crate) struct Slot {
+    pub(crate) target: Address,
+    pub(crate) config: Config,
+    current: std::sync::Mutex<Option<Arc<Mux>>>,
+    next_stream: std::sync::atomic::AtomicU64,
+}
+
+impl Slot {
+    pub(crate) fn new(target: &str, config: Config) -> Result<Slot, Status> {
+        let target: Address = target.parse().map_err(|e| Status::from_transport(&e))?;
+        config.validate().map_err(|e| Status::from_transport(&e))?;
+        Ok(Slot {
+            target,
+            config,
+            current: std::sync::Mutex::new(None),
+            next_stream: std::sync::atomic::AtomicU64::new(1),
+        })
+    }
+
+    /// The connection, if it is alive and takes new calls.
+    pub(crate) fn live(&self) -> Option<Arc<Mux>> {
+        let current = self.current.lock().ok()?;
+        current.as_ref().filter(|m| m.dead().is_none()).cloned()
+    }
+
+    pub(crate) fn install(&self, mux: Arc<Mux>) {
+        if let Ok(mut current) = self.current.lock() {
+            // Calls still open on the old connection (after a GOAWAY) keep it until they end.
+            *current = Some(mux);
+        }
+    }
+
+    /// A stream id never used on this channel, on any of its connections.
+    pub(crate) fn next_stream(&self) -> u64 {
+        self.next_stream.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn counters(&self) -> ConnectionCounters {
+        self.current.lock().ok().and_then(|c| c.as_ref().map(|m| m.counters())).unwrap_or_default()
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // The last handle is gone: hang up, which also ends a reader task.
+        if let Some(mux) = self.current.get_mut().ok().and_then(|m| m.take()) {
+            mux.sender.close();
+        }
+    }
+}
+
+/// A frame a front end must send for the call (a WINDOW giving credit back).
+pub(crate) struct Grant(pub(crate) u64);
+
+impl Grant {
+    pub(crate) const KIND: Kind = Kind::Window;
+
+    pub(crate) fn body(&self) -> [u8; 8] {
+        wire::encode_window(self.0)
+    }
+}
+
+/// The state of one client call, fed with its events.
+pub(crate) struct CallState {
+    pub(crate) stream: Stream,
+    pub(crate) mux: Arc<Mux>,
+    pending: VecDeque<Bytes>,
+    headers: Option<MetadataMap>,
+    trailers: Option<MetadataMap>,
+    /// The final status once the call has ended (OK or not).
+    ended: Option<Status>,
+    consumed: Consumed,
+    span: tracing::Span,
+}
+
+/// What `recv` gives: a message, `None` at the end of an OK call, or the failed call's status.
+pub(crate) type Received = Result<Option<Bytes>, Status>;
+
+/// What one event means for a caller of `recv`.
+pub(crate) enum Next {
+    /// Nothing a caller waits for yet; look again.
+    More,
+    /// A message for the application.
+    Message(Bytes),
+    /// The call ended: `Ok(None)` for OK, the status otherwise.
+    Ended(Received),
+}
+
+impl CallState {
+    pub(crate) fn new(stream: Stream, mux: Arc<Mux>, path: &str) -> CallState {
+        let span = tracing::debug_span!("isthmus.call", path, stream = stream.id, code = tracing::field::Empty);
+        mux.calls.start();
+        CallState {
+            stream,
+            mux,
+            pending: VecDeque::new(),
+            headers: None,
+            trailers: None,
+            ended: None,
+            consumed: Consumed::default(),
+            span,
+        }
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.stream.id
+    }
+
+    pub(crate) fn is_over(&self) -> bool {
+        self.ended.is_some()
+    }
+
+    /// Ends the call here with `status`, once; the connection forgets the stream.
+    pub(crate) fn end(&mut self, status: Status) {
+        if self.ended.is_none() {
+            self.mux.calls.finish(status.code());
+            self.mux.unregister(self.stream.id);
+            self.span.record("code", tracing::field::debug(status.code()));
+            tracing::debug!(parent: &self.span, code = ?status.code(), "call ended");
+            if status.code() == Code::Ok {
+                self.trailers = Some(status.metadata().clone());
+            }
+            self.ended = Some(status);
+        }
+    }
+
+    /// The result a finished call gives every later `recv`.
+    fn outcome(&self) -> Received {
+        match &self.ended {
+            Some(s) if s.code() != Code::Ok => Err(s.clone()),
+            _ => Ok(None),
+        }
+    }
+
+    /// Whether an event is waiting (or the queue is closed): a blocking waiter is done.
+    pub(crate) fn has_event(&self) -> bool {
+        !self.stream.events.is_empty() || self.stream.events.is_closed()
+    }
+
+    /// Takes the next event without waiting: `None` if there is none yet.
+    pub(crate) fn try_event(&mut self) -> Option<Event> {
+        match self.stream.events.try_recv() {
+            Ok(ev) => Some(ev),
+            Err(TryRecvError::Empty) => None,
+            Err(TryRecvError::Disconnected) => Some(Event::End(self.connection_end())),
+        }
+    }
+
+    /// Why the queue closed without an end: the connection's fate.
+    pub(crate) fn connection_end(&self) -> Status {
+        self.mux.dead().unwrap_or_else(|| Status::new(Code::Unavailable, "the connection closed"))
+    }
+
+    /// Takes in one event.
+    pub(crate) fn absorb(&mut self, ev: Event) -> Next {
+        match ev {
+            Event::Headers(md) => {
+                self.headers = Some(md);
+                Next::More
+            }
+            Event::Message(m) => Next::Message(m),
+            Event::HalfClose => Next::More,
+            Event::End(status) => {
+                self.end(status);
+                Next::Ended(self.outcome())
+            }
+        }
+    }
+
+    /// A message already read (while looking for headers), or the final result of an ended
+    /// call, without waiting.
+    pub(crate) fn ready_result(&mut self) -> Option<(Received, Option<Grant>)> {
+        if let Some(m) = self.pending.pop_front() {
+            let grant = self.hand_out(&m);
+            return Some((Ok(Some(m)), grant));
+        }
+        self.ended.as_ref().map(|_| (self.outcome(), None))
+    }
+
+    /// Hands a message to the application, counting it for flow control; a `Grant` to send if
+    /// credit is due back to the server.
+    pub(crate) fn hand_out(&mut self, m: &Bytes) -> Option<Grant> {
+        if self.ended.is_some() {
+            return None;
+        }
+        self.consumed.take(m.len(), &self.stream.recv_window).map(Grant)
+    }
+
+    /// Keeps a message read while waiting for the headers.
+    pub(crate) fn park(&mut self, m: Bytes) {
+        self.pending.push_back(m);
+    }
+
+    pub(crate) fn headers(&self) -> Option<&MetadataMap> {
+        self.headers.as_ref()
+    }
+
+    pub(crate) fn take_response(&mut self, message: Bytes) -> Response {
+        Response {
+            metadata: self.headers.take().unwrap_or_default(),
+            message,
+            trailers: self.trailers.take().unwrap_or_default(),
+        }
+    }
+
+    pub(crate) fn trailers(&self) -> Option<&MetadataMap> {
+        self.trailers.as_ref()
+    }
+
+    /// What a send does once the stream is closed for writing: the final status if it failed, the
+    /// connection's if that died, or nothing (the server ended the call with OK and wants no
+    /// more; the message is dropped, as gRPC does).
+    pub(crate) fn after_close(&mut self) -> Result<(), Status> {
+        while self.ended.is_none() {
+            match self.try_event() {
+                Some(ev) => {
+                    if let Next::Message(m) = self.absorb(ev) {
+                        self.park(m);
+                    }
+                }
+                None => {
+                    // Closed by our own side (a cancel): nothing more to send.
+                    return Err(Status::new(Code::Cancelled, "the call was cancelled"));
+                }
+            }
+        }
+        self.outcome().map(|_| ())
+    }
+
+    /// The credit a message of `len` bytes takes.
+    pub(crate) fn charge(len: usize) -> i64 {
+        flow::charge(len)
+    }
+
+    /// Ends the call here with `code`; `true` if it was still open, and a CANCEL must go to the
+    /// server.
+    pub(crate) fn end_by_cancel(&mut self, code: Code, message: &str) -> bool {
+        let open = self.ended.is_none();
+        self.end(Status::new(code, message));
+        open
+    }
+
+    /// Ends the call with `code` and tells the server, waiting for ring room until `patience`
+    /// (best effort: if the ring stays full the server learns of it when the connection closes,
+    /// or at its own deadline).
+    pub(crate) fn cancel_blocking(&mut self, code: Code, message: &str, patience: std::time::Instant) {
+        if self.end_by_cancel(code, message) {
+            let _ = self.mux.sender.send(Kind::Cancel, 0, self.stream.id, &wire::encode_cancel(code), Some(patience));
+        }
+    }
+}
+
+impl Drop for CallState {
+    fn drop(&mut self) {
+        // Never blocks: a drop may run on an event loop.
+        self.cancel_blocking(Code::Cancelled, "the call was dropped", std::time::Instant::now());
+    }
+}

@@ -1,0 +1,192 @@
+//! Per-stream flow control: a slow reader holds back the writer of its stream, and only that
+//! one.
+//!
+//! Each side of each stream may have at most [`INITIAL_WINDOW`] bytes of messages that the
+//! other side's application has not taken yet. A message costs its length plus
+//! [`MESSAGE_OVERHEAD`], so even empty messages use up the window. A writer may send while its
+//! credit is above zero, so one message of any size always goes (the window never makes a message
+//! too big to send) and the credit may end below zero. The reader gives credit back with WINDOW
+//! frames once its application has taken half a window's worth, so an even stream of messages
+//! flows without stopping and a unary call never sends a WINDOW at all.
+//!
+//! Memory held for one stalled stream is therefore at most a window plus one message, however
+//! many the writer tries to send; the transport's rings and arenas stay free for the others.
+
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+
+use tokio::sync::Notify;
+
+/// Bytes a side may send on one stream before the reader gives credit back.
+pub const INITIAL_WINDOW: u64 = 4 << 20;
+
+/// What each message costs beyond its length: the bookkeeping a queued message takes, so a flood
+/// of empty messages is bounded too.
+pub const MESSAGE_OVERHEAD: u64 = 64;
+
+/// The credit a message of `len` bytes takes.
+pub(crate) fn charge(len: usize) -> i64 {
+    (len as u64).saturating_add(MESSAGE_OVERHEAD).min(i64::MAX as u64 / 4) as i64
+}
+
+/// The writer's credit on one stream. The stream's one writer takes it; the connection's reader
+/// adds to it when a WINDOW frame comes.
+#[derive(Debug)]
+pub(crate) struct SendWindow {
+    credit: AtomicI64,
+    /// The stream has ended: no credit will come, waiting writers must stop.
+    closed: AtomicBool,
+    changed: Notify,
+}
+
+/// What a writer may do now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Credit {
+    /// Send: the credit was taken.
+    Taken,
+    /// Wait for a WINDOW frame.
+    Wait,
+    /// The stream is over; nothing more will be sent on it.
+    Closed,
+}
+
+impl Default for SendWindow {
+    fn default() -> SendWindow {
+        SendWindow {
+            credit: AtomicI64::new(INITIAL_WINDOW as i64),
+            closed: AtomicBool::new(false),
+            changed: Notify::new(),
+        }
+    }
+}
+
+impl SendWindow {
+    /// Takes credit for a message costing `charge`, if the window is open.
+    pub(crate) fn try_take(&self, charge: i64) -> Credit {
+        if self.closed.load(Ordering::Acquire) {
+            return Credit::Closed;
+        }
+        // One writer per stream (calls are `&mut self`), so nothing can take the credit between
+        // the check and the subtraction; the reader only ever adds.
+        if self.credit.load(Ordering::Acquire) <= 0 {
+            return Credit::Wait;
+        }
+        self.credit.fetch_sub(charge, Ordering::AcqRel);
+        Credit::Taken
+    }
+
+    /// Whether a writer waiting for credit should look again.
+    pub(crate) fn ready(&self) -> bool {
+        self.closed.load(Ordering::Acquire) || self.credit.load(Ordering::Acquire) > 0
+    }
+
+    /// Waits (async) until credit for `charge` is taken or the stream is over.
+    pub(crate) async fn take(&self, charge: i64) -> Credit {
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            match self.try_take(charge) {
+                Credit::Wait => changed.await,
+                done => return done,
+            }
+        }
+    }
+
+    /// The reader gives `n` bytes of credit back (a WINDOW frame).
+    pub(crate) fn grant(&self, n: u64) {
+        // Increments are at most 2^40 each and an honest reader never grants more than it was
+        // charged, so this cannot overflow; a hostile one that tries only hurts its own stream.
+        let n = n.min(i64::MAX as u64 / 4) as i64;
+        let _ = self.credit.fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| Some(c.saturating_add(n)));
+        self.changed.notify_waiters();
+    }
+
+    /// The stream ended: wake any waiting writer for good.
+    pub(crate) fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        self.changed.notify_waiters();
+    }
+}
+
+/// The reader's side of one stream: how much the peer may still send, shared between the
+/// connection's reader (which charges arriving messages) and the call (which gives credit back
+/// as its application takes messages).
+#[derive(Debug)]
+pub(crate) struct RecvWindow {
+    remaining: AtomicI64,
+}
+
+impl Default for RecvWindow {
+    fn default() -> RecvWindow {
+        RecvWindow { remaining: AtomicI64::new(INITIAL_WINDOW as i64) }
+    }
+}
+
+impl RecvWindow {
+    /// Charges an arriving message; `false` if the peer had no credit left to send it.
+    pub(crate) fn charge_arrival(&self, len: usize) -> bool {
+        self.remaining.fetch_sub(charge(len), Ordering::AcqRel) > 0
+    }
+}
+
+/// What the application of one call has taken and not yet given back as credit.
+#[derive(Debug, Default)]
+pub(crate) struct Consumed(u64);
+
+impl Consumed {
+    /// Counts a message the application took; returns the credit to grant now in a WINDOW frame
+    /// (and already added to `window`), once half a window has been taken.
+    pub(crate) fn take(&mut self, len: usize, window: &RecvWindow) -> Option<u64> {
+        self.0 += charge(len) as u64;
+        if self.0 < INITIAL_WINDOW / 2 {
+            return None;
+        }
+        let grant = std::mem::take(&mut self.0);
+        window.remaining.fetch_add(grant as i64, Ordering::AcqRel);
+        Some(grant)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_message_of_any_size_goes_then_the_writer_waits() {
+        let w = SendWindow::default();
+        assert_eq!(w.try_take(charge(1 << 30)), Credit::Taken);
+        assert_eq!(w.try_take(charge(1)), Credit::Wait);
+        assert!(!w.ready());
+        w.grant(charge(1 << 30) as u64);
+        assert!(w.ready());
+        assert_eq!(w.try_take(charge(1)), Credit::Taken);
+        w.close();
+        assert_eq!(w.try_take(charge(1)), Credit::Closed);
+    }
+
+    #[test]
+    fn the_reader_catches_a_writer_that_ignores_its_window() {
+        let r = RecvWindow::default();
+        let big = INITIAL_WINDOW as usize;
+        assert!(r.charge_arrival(big)); // the one message over the window a writer may send
+        assert!(!r.charge_arrival(0), "a second message with no credit left is a violation");
+    }
+
+    #[test]
+    fn credit_comes_back_in_half_windows() {
+        let r = RecvWindow::default();
+        let mut consumed = Consumed::default();
+        let small = 1000;
+        let mut granted = 0u64;
+        let mut taken = 0u64;
+        for _ in 0..10_000 {
+            assert!(r.charge_arrival(small));
+            taken += charge(small) as u64;
+            if let Some(g) = consumed.take(small, &r) {
+                assert!(g >= INITIAL_WINDOW / 2);
+                granted += g;
+            }
+        }
+        assert!(taken - granted < INITIAL_WINDOW / 2);
+    }
+}

@@ -1,0 +1,182 @@
+//! The blocking client end to end, from plain threads with no async runtime in this process;
+//! the server (`rpc-peer`) runs in another.
+
+use std::time::{Duration, Instant};
+
+use isthmus::blocking::Channel;
+use isthmus::{CallOptions, Code, MetadataMap};
+use isthmus_tests::{first_mismatch, fresh_addr, mix, pattern, Peer};
+
+fn server() -> (Peer, String) {
+    let addr = fresh_addr("blk");
+    (Peer::spawn_bin("rpc-peer", &[&addr]), addr)
+}
+
+#[test]
+fn every_call_shape_from_a_plain_thread() {
+    let (_server, addr) = server();
+    let ch = Channel::connect(&addr).expect("connect");
+
+    let mut md = MetadataMap::new();
+    md.append("x-echo", "hi").expect("ascii");
+    md.append_bin("x-echo-bin", vec![1u8, 2, 255]).expect("binary");
+    let r =
+        ch.unary("/test.Echo/Unary", b"payload", CallOptions { metadata: md, ..Default::default() }).expect("unary");
+    assert_eq!(&r.message[..], b"payload");
+    assert_eq!(r.metadata.get("x-echo"), Some("head:hi"));
+    assert_eq!(r.trailers.get_bin("x-echo-bin"), Some(&[1u8, 2, 255][..]));
+
+    let mut call = ch.start("/test.Echo/ServerStream", CallOptions::default()).expect("start");
+    let mut req = 300u32.to_le_bytes().to_vec();
+    req.extend_from_slice(&(30_000u32).to_le_bytes());
+    call.send_last(&req).expect("request");
+    let mut n = 0u64;
+    while let Some(m) = call.recv().expect("message") {
+        assert_eq!((m.len(), first_mismatch(&m, n)), (30_000, None), "message {n}");
+        n += 1;
+    }
+    assert_eq!(n, 300);
+
+    let mut call = ch.start("/test.Echo/ClientStream", CallOptions::default()).expect("start");
+    for i in 0..500u64 {
+        call.send(&pattern(10_000, i)).expect("send");
+    }
+    call.close_send().expect("half-close");
+    let reply = call.recv().expect("reply").expect("a message");
+    assert_eq!(u64::from_le_bytes(reply[0..8].try_into().expect("u64")), 500);
+
+    let mut call = ch.start("/test.Echo/Bidi", CallOptions::default()).expect("start");
+    for i in 0..100u64 {
+        let m = pattern(1 + (i as usize * 997) % 100_000, i);
+        call.send(&m).expect("send");
+        assert_eq!(call.recv().expect("echo").as_deref(), Some(&m[..]), "echo {i}");
+    }
+    call.close_send().expect("half-close");
+    assert_eq!(call.recv().expect("end"), None);
+
+    let s = ch.unary("/test.Echo/Fail", &(Code::Aborted as u32).to_le_bytes(), Default::default()).expect_err("fail");
+    assert_eq!((s.code(), &s.details()[..]), (Code::Aborted, &b"\x00details\xff"[..]));
+    let s = ch.unary("/test.Nope/Missing", b"", Default::default()).expect_err("unknown");
+    assert_eq!(s.code(), Code::Unimplemented);
+}
+
+#[test]
+fn messages_built_in_place_travel_both_ways() {
+    let (_server, addr) = server();
+    let ch = Channel::connect(&addr).expect("connect");
+    let mut call = ch.start("/test.Echo/Unary", CallOptions::default()).expect("start");
+    let mut block = call.alloc(3 << 20).expect("block");
+    block.copy_from_slice(&pattern(3 << 20, 4));
+    call.send_block(block, true).expect("send block");
+    let m = call.recv().expect("reply").expect("message");
+    assert_eq!((m.len(), first_mismatch(&m, 4)), (3 << 20, None));
+    drop(m);
+    assert_eq!(call.recv().expect("end"), None);
+
+    let r = ch.unary("/test.Echo/InPlace", &(5u32 << 20).to_le_bytes(), Default::default()).expect("in place");
+    assert_eq!((r.message.len(), first_mismatch(&r.message, 9)), (5 << 20, None));
+}
+
+#[test]
+fn threads_share_one_channel_and_every_reply_reaches_its_caller() {
+    let (_server, addr) = server();
+    let ch = Channel::connect(&addr).expect("connect");
+    let threads: Vec<_> = (0..8u64)
+        .map(|t| {
+            let ch = ch.clone();
+            std::thread::spawn(move || {
+                for i in 0..1500u64 {
+                    let seed = mix(t << 32 | i);
+                    let req = pattern(16 + (seed % 2000) as usize, seed);
+                    let r = ch.unary("/test.Echo/Unary", &req, Default::default()).expect("unary");
+                    assert_eq!(r.message[..], req[..], "thread {t} call {i}");
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().expect("thread");
+    }
+    assert_eq!(ch.counters().finished(Code::Ok), 8 * 1500);
+}
+
+#[test]
+fn deadlines_end_blocking_calls_on_both_sides() {
+    let (mut server, addr) = server();
+    let ch = Channel::connect(&addr).expect("connect");
+    let opts = CallOptions { timeout: Some(Duration::from_millis(300)), ..Default::default() };
+    let mut call = ch.start("/test.Echo/Sleep", opts.clone()).expect("start");
+    call.send(b"z").expect("send");
+    let s = call.recv().expect_err("deadline");
+    assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+    server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
+
+    // Mid-stream: messages flow, then the deadline ends the stream.
+    let mut call = ch.start("/test.Echo/Bidi", opts).expect("start");
+    call.send(b"one").expect("send");
+    assert_eq!(call.recv().expect("echo").as_deref(), Some(&b"one"[..]));
+    let s = call.recv().expect_err("deadline mid-stream");
+    assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+
+    let opts = CallOptions { timeout: Some(Duration::from_secs(30)), ..Default::default() };
+    let r = ch.unary("/test.Echo/TimeLeft", b"", opts).expect("time left");
+    let left: i64 = std::str::from_utf8(&r.message).expect("utf8").parse().expect("number");
+    assert!((1..=30_000).contains(&left), "{left}");
+}
+
+#[test]
+fn a_killed_server_wakes_every_blocked_thread_and_a_restart_is_picked_up() {
+    let (mut server, addr) = server();
+    let ch = Channel::connect(&addr).expect("connect");
+    let (started, ready) = std::sync::mpsc::channel();
+    let threads: Vec<_> = (0..4)
+        .map(|_| {
+            let (ch, started) = (ch.clone(), started.clone());
+            std::thread::spawn(move || {
+                let mut call = ch.start("/test.Echo/Bidi", CallOptions::default()).expect("start");
+                call.send(b"x").expect("send");
+                assert_eq!(call.recv().expect("echo").as_deref(), Some(&b"x"[..]));
+                started.send(()).expect("report");
+                let s = call.recv().expect_err("server gone");
+                (s.code(), Instant::now())
+            })
+        })
+        .collect();
+    for _ in 0..4 {
+        ready.recv_timeout(Duration::from_secs(30)).expect("call started");
+    }
+    let killed = Instant::now();
+    server.kill9();
+    for t in threads {
+        let (code, when) = t.join().expect("thread");
+        assert_eq!(code, Code::Unavailable);
+        println!("a blocked thread woke {:?} after kill -9", when.saturating_duration_since(killed));
+        assert!(when.saturating_duration_since(killed) < Duration::from_secs(1));
+    }
+    let s = ch.unary("/test.Echo/Unary", b"x", Default::default()).expect_err("no server");
+    assert_eq!(s.code(), Code::Unavailable, "{s}");
+
+    let _again = Peer::spawn_bin("rpc-peer", &[&addr]);
+    let r = ch.unary("/test.Echo/Unary", b"after", Default::default()).expect("reconnected");
+    assert_eq!(&r.message[..], b"after");
+}
+
+#[test]
+fn wait_for_ready_on_a_blocking_channel() {
+    let addr = fresh_addr("blk-ready");
+    let ch = Channel::lazy(&addr).expect("lazy");
+    let s = ch.unary("/test.Echo/Unary", b"x", Default::default()).expect_err("no server");
+    assert_eq!(s.code(), Code::Unavailable, "{s}");
+    let opts = CallOptions { wait_for_ready: true, timeout: Some(Duration::from_millis(200)), ..Default::default() };
+    let s = ch.unary("/test.Echo/Unary", b"x", opts).expect_err("still none");
+    assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+    let addr2 = addr.clone();
+    let starter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(300));
+        Peer::spawn_bin("rpc-peer", &[&addr2])
+    });
+    let opts = CallOptions { wait_for_ready: true, timeout: Some(Duration::from_secs(60)), ..Default::default() };
+    let r = ch.unary("/test.Echo/Unary", b"ready", opts).expect("waited for the server");
+    assert_eq!(&r.message[..], b"ready");
+    drop(starter.join());
+}

@@ -1,0 +1,120 @@
+//! Flow control and the server's stream limit, end to end: a client in this process, the
+//! server (`rpc-peer`) in another.
+
+use std::time::Duration;
+
+use isthmus::{CallOptions, Channel, Code, INITIAL_WINDOW, MESSAGE_OVERHEAD};
+use isthmus_tests::{eventually, first_mismatch, fresh_addr, Peer};
+
+fn run<F: std::future::Future<Output = ()>>(f: F) {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    rt.block_on(async { tokio::time::timeout(Duration::from_secs(120), f).await.expect("watchdog") });
+}
+
+/// Messages of `len` bytes a writer can send into a fresh window before it must wait: it may
+/// send while its credit is above zero.
+fn fit(len: u64) -> u64 {
+    INITIAL_WINDOW.div_ceil(len + MESSAGE_OVERHEAD)
+}
+
+async fn flood_sent(ch: &Channel) -> u64 {
+    let r = ch.unary("/test.Admin/FloodSent", b"", CallOptions::default()).await.expect("FloodSent");
+    u64::from_le_bytes(r.message[..8].try_into().expect("u64"))
+}
+
+#[test]
+fn a_stalled_reader_holds_back_its_writer_and_no_other_stream() {
+    let addr = fresh_addr("flow");
+    let _server = Peer::spawn_bin("rpc-peer", &[&addr]);
+    run(async move {
+        let ch = Channel::connect(&addr).await.expect("connect");
+        let mut flood = ch.start("/test.Echo/Flood", CallOptions::default()).await.expect("start");
+        flood.send_last(b"go").await.expect("request");
+        // Read nothing: the server's handler must stop after one window of 64 KiB messages.
+        let window = fit(64 << 10);
+        let rt = tokio::runtime::Handle::current();
+        let ch2 = ch.clone();
+        let filled = tokio::task::spawn_blocking(move || {
+            eventually(Duration::from_secs(30), || rt.block_on(flood_sent(&ch2)) >= window)
+        })
+        .await
+        .expect("poll");
+        assert!(filled, "the flood never filled its window");
+        // Other calls on the same connection go on while the flood is stalled.
+        let calls: Vec<_> = (0..200u32)
+            .map(|i| {
+                let ch = ch.clone();
+                tokio::spawn(async move {
+                    let r = ch.unary("/test.Echo/Unary", &i.to_le_bytes(), CallOptions::default()).await;
+                    assert_eq!(&r.expect("unary beside a stalled stream").message[..], &i.to_le_bytes());
+                })
+            })
+            .collect();
+        for c in calls {
+            c.await.expect("call task");
+        }
+        assert_eq!(flood_sent(&ch).await, window, "the stalled writer sent past its window");
+        // Reading resumes the flood, intact.
+        for i in 0..(3 * window) {
+            let m = flood.recv().await.expect("flood message").expect("more");
+            assert_eq!((m.len(), first_mismatch(&m, i)), (64 << 10, None), "message {i}");
+        }
+        assert!(flood_sent(&ch).await >= 3 * window);
+    });
+}
+
+#[test]
+fn a_server_that_does_not_read_holds_back_a_streaming_client() {
+    let addr = fresh_addr("flow");
+    let _server = Peer::spawn_bin("rpc-peer", &[&addr]);
+    run(async move {
+        let ch = Channel::connect(&addr).await.expect("connect");
+        let opts = CallOptions { timeout: Some(Duration::from_secs(2)), ..CallOptions::default() };
+        let mut call = ch.start("/test.Echo/Stall", opts).await.expect("start");
+        let message = vec![7u8; 64 << 10];
+        let mut sent = 0u64;
+        let err = loop {
+            match call.send(&message).await {
+                Ok(()) => sent += 1,
+                Err(s) => break s,
+            }
+            assert!(sent <= 10 * fit(64 << 10), "sends never stopped");
+        };
+        assert_eq!(err.code(), Code::DeadlineExceeded, "{err}");
+        assert_eq!(sent, fit(64 << 10), "sent before the window closed");
+        // The connection is fine for the next call.
+        let r = ch.unary("/test.Echo/Unary", b"after", CallOptions::default()).await.expect("unary");
+        assert_eq!(&r.message[..], b"after");
+    });
+}
+
+#[test]
+fn a_call_over_the_servers_stream_limit_is_resource_exhausted() {
+    let addr = fresh_addr("limit");
+    let mut server = Peer::spawn_bin("rpc-peer", &[&addr, "0", "2"]);
+    run(async move {
+        let ch = Channel::connect(&addr).await.expect("connect");
+        let mut sleepers = Vec::new();
+        for _ in 0..2 {
+            let mut call = ch.start("/test.Echo/Sleep", CallOptions::default()).await.expect("start");
+            call.send(b"z").await.expect("send");
+            server.expect_line("SLEEPING", Duration::from_secs(30));
+            sleepers.push(call);
+        }
+        let s = ch.unary("/test.Echo/Unary", b"x", CallOptions::default()).await.expect_err("over the limit");
+        assert_eq!(s.code(), Code::ResourceExhausted, "{s}");
+        assert!(s.message().contains("limit of 2"), "{s}");
+        drop(sleepers.pop());
+        server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
+        // The cancel freed a place (the handler's end and the table entry go together).
+        let mut ok = false;
+        for _ in 0..100 {
+            if ch.unary("/test.Echo/Unary", b"x", CallOptions::default()).await.is_ok() {
+                ok = true;
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(ok, "no place freed after a cancel");
+    });
+}
