@@ -48,10 +48,10 @@ fuzz-smoke: tools ## Run each fuzz target for FUZZ_SECONDS
 
 bench: tools ## Benchmarks beside their competitors; writes docs/bench/results.json
 	$(CARGO) build --release -p isthmus-bench
-	./target/release/isthmus-bench transport $(if $(QUICK),--quick) --out docs/bench/results.json
+	./target/release/isthmus-bench all $(if $(QUICK),--quick) --out docs/bench/results.json
 	python3 bench/readme_table.py
 
-demo: tools ## The demo: isthmus-shm beside a Unix-socket echo, between two processes
+demo: tools ## The demo: a Rust client and server on shm:// beside tonic over a Unix socket
 	$(CARGO) build --release -p isthmus-bench
 	./target/release/isthmus-bench demo
 

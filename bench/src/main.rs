@@ -2,22 +2,31 @@
 //! each round, and writes `docs/bench/results.json` plus a table of medians and ratios.
 //!
 //! ```text
-//! isthmus-bench transport [--quick] [--out docs/bench/results.json]
+//! isthmus-bench all|transport|rpc [--quick] [--out docs/bench/results.json]
+//! isthmus-bench demo
 //! ```
+//!
+//! `transport` is isthmus-shm against a raw Unix-socket echo and the physical floors; `rpc` is
+//! echo through the RPC engine (`isthmus-rust`) beside tonic over a Unix socket (`tonic-uds`)
+//! and `raw-uds`; `all` runs both in one run.
 //!
 //! The `serve-*` roles are the echo servers this binary starts as child processes.
 
 mod measure;
 mod report;
+mod rpc;
 mod system;
 
 use std::time::Duration;
 
 use measure::Budget;
 use report::Record;
+use rpc::{IsthmusRust, TonicUds};
 use system::{FloorEventfd, FloorSpin, Memcpy, SameCore, ShmEcho, System, UdsEcho};
 
 const SIZES: [usize; 6] = [64, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20];
+/// Sizes of the RPC matrix (gRPC stacks top out well below 256 MiB messages).
+const RPC_SIZES: [usize; 5] = [64, 1 << 10, 64 << 10, 1 << 20, 16 << 20];
 const ROUNDS: usize = 3;
 
 fn main() {
@@ -29,26 +38,78 @@ fn main() {
         "serve-uds" => system::serve_uds(&arg(2)),
         "serve-eventfd" => system::serve_eventfd(num(2) as i32, num(3) as i32),
         "serve-spin" => system::serve_spin(num(2) as i32),
+        "serve-isthmus" => rpc::serve_isthmus(&arg(2)),
+        "serve-tonic" => rpc::serve_tonic(&arg(2)),
         "demo" => demo(),
-        "transport" => {
+        // For profilers: the engine's echo alone for a few seconds, `inflight` calls at a time.
+        "profile-rpc" => {
+            let budget = Budget { time: Duration::from_secs(3), min_iters: 1, max_iters: 2_000_000 };
+            let mut sys = IsthmusRust::start();
+            let s = match num(2) {
+                1 => sys.round_trip(64, budget),
+                n => sys.pipelined(64, n as usize, budget).expect("pipelined"),
+            };
+            println!("p50 {:.2} µs, {:.0} calls/s", s.p50_us, s.rps);
+        }
+        which @ ("all" | "transport" | "rpc") => {
             let quick = args.iter().any(|a| a == "--quick");
             let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
-            transport(quick, out.as_deref().unwrap_or("docs/bench/results.json"));
+            let budget = if quick {
+                Budget { time: Duration::from_millis(120), min_iters: 3, max_iters: 50_000 }
+            } else {
+                Budget { time: Duration::from_millis(500), min_iters: 5, max_iters: 200_000 }
+            };
+            let mut records = Vec::new();
+            if which != "rpc" {
+                records.extend(transport(budget));
+            }
+            if which != "transport" {
+                records.extend(rpc(budget));
+            }
+            report::write(out.as_deref().unwrap_or("docs/bench/results.json"), &records, quick);
+            if which != "rpc" {
+                report::print_transport(&records);
+            }
+            if which != "transport" {
+                report::print_rpc(&records);
+            }
         }
         _ => {
-            eprintln!("usage: isthmus-bench transport [--quick] [--out FILE] | demo");
+            eprintln!("usage: isthmus-bench all|transport|rpc [--quick] [--out FILE] | demo");
             std::process::exit(2);
         }
     }
 }
 
+/// Echo through whole RPC stacks: the isthmus engine against tonic over a Unix socket.
+fn rpc(budget: Budget) -> Vec<Record> {
+    // raw-uds, the socket floor, is measured by the transport matrix.
+    let mut systems: Vec<Box<dyn System>> = vec![Box::new(IsthmusRust::start()), Box::new(TonicUds::start())];
+    let cells = ROUNDS * systems.len() * (RPC_SIZES.len() + 1);
+    let mut done = 0;
+    let mut records = Vec::new();
+    for round in 1..=ROUNDS {
+        for &size in &RPC_SIZES {
+            for sys in systems.iter_mut() {
+                done += 1;
+                status(&format!("[{done:>3}/{cells}] round {round}: {} {}", sys.name(), report::size_name(size)));
+                records.push(Record::new(sys.name(), size, 1, round, sys.round_trip(size, budget)));
+            }
+        }
+        for sys in systems.iter_mut() {
+            done += 1;
+            status(&format!("[{done:>3}/{cells}] round {round}: {} 64 B x32 in flight", sys.name()));
+            if let Some(s) = sys.pipelined(64, 32, budget) {
+                records.push(Record::new(sys.name(), 64, 32, round, s));
+            }
+        }
+    }
+    status("");
+    records
+}
+
 /// The transport matrix: isthmus-shm against a raw Unix-socket echo and the physical floors.
-fn transport(quick: bool, out: &str) {
-    let budget = if quick {
-        Budget { time: Duration::from_millis(120), min_iters: 3, max_iters: 50_000 }
-    } else {
-        Budget { time: Duration::from_millis(500), min_iters: 5, max_iters: 200_000 }
-    };
+fn transport(budget: Budget) -> Vec<Record> {
     let spin = isthmus_shm::SpinPolicy::default().max;
     let shm = ShmEcho::start("isthmus-shm-transport", spin);
     let nospin = ShmEcho::start("isthmus-shm-transport-nospin", Duration::ZERO);
@@ -95,41 +156,46 @@ fn transport(quick: bool, out: &str) {
     status("");
     eprintln!("done: {} measurements", records.len());
     drop((full, small, floors));
-    report::write(out, &records, quick);
-    report::print_transport(&records);
+    records
 }
 
 /// A short, friendly comparison for `make demo`: one round, a few sizes, no files written.
 fn demo() {
     let budget = Budget { time: Duration::from_millis(300), min_iters: 5, max_iters: 100_000 };
-    println!("isthmus demo: echo round trips between two processes on this machine\n");
-    let mut shm = ShmEcho::start("isthmus-shm-transport", isthmus_shm::SpinPolicy::default().max);
-    let mut uds = UdsEcho::start();
-    println!("| message | isthmus (shm://) p50 | Unix socket p50 | speed-up |");
+    println!("isthmus demo: gRPC-style echo calls between two processes on this machine");
+    println!("  isthmus:  a Rust client process -> a Rust isthmus server process, over shm://");
+    println!("  baseline: a tonic client -> a tonic server, gRPC over a Unix socket\n");
+    status("starting servers ...");
+    let mut shm = IsthmusRust::start();
+    let mut tonic = TonicUds::start();
+    status("");
+    println!("| message | isthmus p50 | tonic over UDS p50 | speed-up |");
     println!("|---:|---:|---:|---:|");
     for size in [64, 4 << 10, 64 << 10, 1 << 20, 16 << 20] {
         status(&format!("measuring {} ...", report::size_name(size)));
         let a = shm.round_trip(size, budget);
-        let b = uds.round_trip(size, budget);
+        let b = tonic.round_trip(size, budget);
         status("");
         println!(
-            "| {} | {:.2} µs | {:.2} µs | {:.1}× |",
+            "| {} | {} | {} | {:.1}× |",
             report::size_name(size),
-            a.p50_us,
-            b.p50_us,
+            report::us(a.p50_us),
+            report::us(b.p50_us),
             b.p50_us / a.p50_us
         );
     }
-    let (a, b) = (shm.pipelined(64, 32, budget), uds.pipelined(64, 32, budget));
+    status("measuring 32 calls in flight ...");
+    let (a, b) = (shm.pipelined(64, 32, budget), tonic.pipelined(64, 32, budget));
+    status("");
     if let (Some(a), Some(b)) = (a, b) {
         println!(
-            "\n64 B, 32 in flight: isthmus {:.0} msg/s, Unix socket {:.0} msg/s ({:.1}×)",
+            "\n64 B, 32 calls in flight: isthmus {:.0} calls/s, tonic over UDS {:.0} calls/s ({:.1}×)",
             a.rps,
             b.rps,
             a.rps / b.rps
         );
     }
-    println!("\n(gRPC semantics over this transport arrive with the RPC engine; `make bench` has the full matrix.)");
+    println!("\n`make bench` runs the full matrix (3 rounds, more sizes, the transport floors).");
 }
 
 /// A progress line that rewrites itself on a terminal and stays silent in logs.

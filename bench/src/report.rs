@@ -121,7 +121,7 @@ pub fn medians(records: &[Record]) -> BTreeMap<(String, usize, usize), (f64, f64
         .collect()
 }
 
-fn us(v: f64) -> String {
+pub fn us(v: f64) -> String {
     if v >= 10_000.0 {
         format!("{:.1} ms", v / 1000.0)
     } else if v >= 100.0 {
@@ -180,5 +180,39 @@ pub fn print_transport(records: &[Record]) {
         if let Some(v) = get(name, 0, 1) {
             println!("  {name:<32} {:>10} / {:>10}   {what}", us(v.0), us(v.1));
         }
+    }
+}
+
+pub fn print_rpc(records: &[Record]) {
+    let m = medians(records);
+    let get = |sys: &str, size: usize, inflight: usize| m.get(&(sys.to_owned(), size, inflight)).copied();
+    println!(
+        "\nRPC echo: isthmus engine over shm:// beside tonic over a Unix socket (medians of {} rounds)\n",
+        crate::ROUNDS
+    );
+    println!("| size | isthmus-rust p50 | p99 | tonic-uds p50 | p99 | speed-up | raw-uds p50 |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|");
+    for &size in &crate::RPC_SIZES {
+        let (Some(i), Some(t)) = (get("isthmus-rust", size, 1), get("tonic-uds", size, 1)) else {
+            continue;
+        };
+        let raw = get("raw-uds", size, 1).map_or_else(|| "-".into(), |r| us(r.0));
+        println!(
+            "| {} | {} | {} | {} | {} | {:.1}× | {raw} |",
+            size_name(size),
+            us(i.0),
+            us(i.1),
+            us(t.0),
+            us(t.1),
+            t.0 / i.0
+        );
+    }
+    if let (Some(i), Some(t)) = (get("isthmus-rust", 64, 32), get("tonic-uds", 64, 32)) {
+        println!(
+            "\n64 B with 32 in flight: isthmus-rust {:.0} calls/s, tonic-uds {:.0} calls/s ({:.1}×)",
+            i.2,
+            t.2,
+            i.2 / t.2
+        );
     }
 }

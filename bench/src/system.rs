@@ -28,7 +28,7 @@ pub trait System {
 pub struct Server(Child);
 
 impl Server {
-    fn spawn(args: &[String]) -> Server {
+    pub fn spawn(args: &[String]) -> Server {
         let exe = std::env::current_exe().expect("own path");
         let mut child = Command::new(exe).args(args).stdout(Stdio::piped()).spawn().expect("spawn server");
         let mut line = String::new();
@@ -49,12 +49,12 @@ impl Drop for Server {
     }
 }
 
-fn ready() {
+pub fn ready() {
     println!("READY");
     let _ = std::io::stdout().flush();
 }
 
-fn unique(tag: &str) -> String {
+pub fn unique(tag: &str) -> String {
     static N: AtomicU64 = AtomicU64::new(0);
     format!("bench-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
 }

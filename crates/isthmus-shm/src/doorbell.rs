@@ -186,6 +186,9 @@ impl Waiter<'_> {
         use std::future::Future;
         use std::task::Poll;
         self.link.check()?;
+        // The spin holds this worker thread: a task woken meanwhile on this worker waits for
+        // it (at most the spin's bound), unless another worker takes it. Callers that wake
+        // tasks (the RPC reader) give the scheduler a turn before they wait again.
         if self.spin(None, &mut ready)? {
             return Ok(());
         }

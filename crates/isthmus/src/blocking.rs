@@ -180,7 +180,8 @@ impl Call {
         if self.state.is_over() {
             return Err(Status::new(Code::FailedPrecondition, "the call has already ended"));
         }
-        let window = self.state.stream.send_window.clone();
+        let shared = self.state.stream.shared.clone();
+        let window = &shared.send_window;
         let charge = CallState::charge(len);
         loop {
             match window.try_take(charge) {

@@ -6,9 +6,9 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use isthmus_shm::{Address, Config, Kind};
-use tokio::sync::mpsc::error::TryRecvError;
 
 use crate::flow::{self, Consumed};
+use crate::inbox::Empty;
 use crate::metadata::MetadataMap;
 use crate::mux::{ConnectionCounters, Event, Mux, Stream};
 use crate::status::{Code, Status};
@@ -189,15 +189,15 @@ impl CallState {
 
     /// Whether an event is waiting (or the queue is closed): a blocking waiter is done.
     pub(crate) fn has_event(&self) -> bool {
-        !self.stream.events.is_empty() || self.stream.events.is_closed()
+        self.stream.shared.inbox.is_ready()
     }
 
     /// Takes the next event without waiting: `None` if there is none yet.
     pub(crate) fn try_event(&mut self) -> Option<Event> {
-        match self.stream.events.try_recv() {
+        match self.stream.shared.inbox.try_recv() {
             Ok(ev) => Some(ev),
-            Err(TryRecvError::Empty) => None,
-            Err(TryRecvError::Disconnected) => Some(Event::End(self.connection_end())),
+            Err(Empty::Now) => None,
+            Err(Empty::Closed) => Some(Event::End(self.connection_end())),
         }
     }
 
@@ -213,7 +213,11 @@ impl CallState {
                 self.headers = Some(md);
                 Next::More
             }
-            Event::Message(m) => Next::Message(m),
+            Event::Message(m) => {
+                // A message with no HEADERS before it implies empty initial metadata.
+                self.headers.get_or_insert_with(MetadataMap::new);
+                Next::Message(m)
+            }
             Event::HalfClose => Next::More,
             Event::End(status) => {
                 self.end(status);
@@ -238,7 +242,7 @@ impl CallState {
         if self.ended.is_some() {
             return None;
         }
-        self.consumed.take(m.len(), &self.stream.recv_window).map(Grant)
+        self.consumed.take(m.len(), &self.stream.shared.recv_window).map(Grant)
     }
 
     /// Keeps a message read while waiting for the headers.

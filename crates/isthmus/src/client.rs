@@ -197,8 +197,8 @@ impl ClientCall {
         if self.state.is_over() {
             return Err(Status::new(Code::FailedPrecondition, "the call has already ended"));
         }
-        let window = self.state.stream.send_window.clone();
-        match until(self.deadline, window.take(CallState::charge(len))).await {
+        let shared = self.state.stream.shared.clone();
+        match until(self.deadline, shared.send_window.take(CallState::charge(len))).await {
             None => Err(self.expire().await),
             Some(Credit::Taken) => Ok(true),
             Some(_) => self.state.after_close().map(|()| false),
@@ -276,7 +276,7 @@ impl ClientCall {
 
     /// Reads the next event and takes it in; past the deadline an error.
     async fn next(&mut self) -> Result<Next, Status> {
-        let Some(ev) = until(self.deadline, self.state.stream.events.recv()).await else {
+        let Some(ev) = until(self.deadline, self.state.stream.shared.inbox.recv()).await else {
             return Err(self.expire().await);
         };
         let ev = ev.unwrap_or_else(|| crate::mux::Event::End(self.state.connection_end()));

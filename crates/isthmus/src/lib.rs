@@ -21,6 +21,7 @@ pub mod blocking;
 mod call;
 mod client;
 mod flow;
+mod inbox;
 pub mod metadata;
 mod mux;
 mod server;

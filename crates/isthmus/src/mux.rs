@@ -2,14 +2,16 @@
 //! task that fills it. Shared by the client and the server side.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 use bytes::Bytes;
 use isthmus_shm::{flags, Error, ErrorKind, Frame, Kind, Receiver, Sender};
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::Notify;
 
 use crate::flow::{RecvWindow, SendWindow};
+use crate::inbox::Inbox;
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
 use crate::wire;
@@ -35,13 +37,39 @@ pub(crate) struct Incoming {
     pub(crate) cancelled: Arc<Cancel>,
 }
 
-/// A call's end of one stream: its events, and both directions' flow-control windows.
+/// A server call's whole life as one future: its handler, then its status sent.
+pub(crate) type CallFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+/// Makes a new call's future (the server's handler lookup and bookkeeping).
+pub(crate) type NewCallFn = dyn Fn(Incoming) -> CallFuture + Send + Sync;
+
+/// The server side of a reader: how to make calls, and the calls read in the current batch of
+/// frames, to start once the batch is routed.
+pub(crate) struct Accept {
+    pub(crate) make: Box<NewCallFn>,
+    batch: Vec<CallFuture>,
+}
+
+impl Accept {
+    pub(crate) fn new(make: Box<NewCallFn>) -> Accept {
+        Accept { make, batch: Vec::new() }
+    }
+}
+
+/// A call's end of one stream.
 #[derive(Debug)]
 pub(crate) struct Stream {
     pub(crate) id: u64,
-    pub(crate) events: mpsc::UnboundedReceiver<Event>,
-    pub(crate) send_window: Arc<SendWindow>,
-    pub(crate) recv_window: Arc<RecvWindow>,
+    pub(crate) shared: Arc<StreamShared>,
+}
+
+/// What a stream's call and the connection's reader share: the events, and both directions'
+/// flow-control windows (one allocation per stream).
+#[derive(Debug, Default)]
+pub(crate) struct StreamShared {
+    pub(crate) inbox: Inbox,
+    pub(crate) send_window: SendWindow,
+    pub(crate) recv_window: RecvWindow,
 }
 
 /// Tells a server call that it is over before its handler finished, and with which code (the
@@ -66,19 +94,44 @@ impl Cancel {
     }
 }
 
+/// Hashes stream ids: they are chosen by the peer, so not trusted to be spread out, but a
+/// multiply-shift spreads any pattern of ids well enough for a table the peer can only fill
+/// with its own open calls.
+#[derive(Default)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+        }
+    }
+
+    fn write_u64(&mut self, id: u64) {
+        self.0 = (id ^ (id >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
 /// One open stream: where its events go, its windows, and (server side) who to tell of a
 /// cancel.
 struct Entry {
-    events: mpsc::UnboundedSender<Event>,
+    /// The reader's batch in which the stream opened: an event for a stream opened in the
+    /// current batch wakes no task (its call has not been polled yet).
+    born: u64,
+    shared: Arc<StreamShared>,
     cancelled: Option<Arc<Cancel>>,
-    send_window: Arc<SendWindow>,
-    recv_window: Arc<RecvWindow>,
 }
 
 impl Entry {
-    /// The stream is over for this side: wake a writer waiting for credit, for good.
+    /// The stream is over for this side: its call drains its events and sees the end, and a
+    /// writer waiting for credit wakes for good.
     fn close(self) {
-        self.send_window.close();
+        self.shared.inbox.close();
+        self.shared.send_window.close();
     }
 }
 
@@ -137,7 +190,10 @@ pub(crate) struct Mux {
     pump: Option<Pump>,
     /// Server side: calls open at once on this connection, at most.
     stream_limit: usize,
-    streams: Mutex<HashMap<u64, Entry>>,
+    /// The reader task's current batch of frames, and whether routing it may have woken a task.
+    batch: AtomicU64,
+    woke: AtomicBool,
+    streams: Mutex<HashMap<u64, Entry, BuildHasherDefault<IdHasher>>>,
     /// Set once the connection is finished: every later call fails with it.
     dead: Mutex<Option<Status>>,
     /// Server side: GOAWAY was sent; new calls are refused.
@@ -219,7 +275,9 @@ impl Mux {
             sender,
             pump,
             stream_limit,
-            streams: Mutex::new(HashMap::new()),
+            batch: AtomicU64::new(0),
+            woke: AtomicBool::new(false),
+            streams: Mutex::new(HashMap::default()),
             dead: Mutex::new(None),
             draining: AtomicBool::new(false),
             last_stream: AtomicU64::new(0),
@@ -254,13 +312,12 @@ impl Mux {
         if let Some(s) = self.dead() {
             return Err(s);
         }
-        let (tx, events) = mpsc::unbounded_channel();
-        let (send_window, recv_window) = (Arc::new(SendWindow::default()), Arc::new(RecvWindow::default()));
+        let shared = Arc::new(StreamShared::default());
         let mut streams = self.streams.lock().map_err(|_| poisoned())?;
         if streams.contains_key(&id) {
             return Err(Status::new(Code::Internal, format!("the peer reused open stream id {id}")));
         }
-        let entry = Entry { events: tx, cancelled, send_window: send_window.clone(), recv_window: recv_window.clone() };
+        let entry = Entry { born: self.batch.load(Ordering::Relaxed), shared: shared.clone(), cancelled };
         streams.insert(id, entry);
         drop(streams);
         // The reader may have died between the check and the insert; it empties the table
@@ -269,7 +326,7 @@ impl Mux {
             self.unregister(id);
             return Err(s);
         }
-        Ok(Stream { id, events, send_window, recv_window })
+        Ok(Stream { id, shared })
     }
 
     fn open_streams(&self) -> usize {
@@ -290,7 +347,10 @@ impl Mux {
         };
         let Ok(mut s) = self.streams.lock() else { return };
         if let Some(entry) = s.get(&id) {
-            let _ = entry.events.send(ev);
+            if entry.born != self.batch.load(Ordering::Relaxed) {
+                self.woke.store(true, Ordering::Relaxed);
+            }
+            entry.shared.inbox.push(ev);
             if let (Some(code), Some(c)) = (end, &entry.cancelled) {
                 c.fire(code);
             }
@@ -305,9 +365,9 @@ impl Mux {
     /// Delivers a message, charging it to the stream's window; a peer that had no credit left
     /// broke flow control, which ends that call (only) with INTERNAL.
     fn deliver_message(&self, id: u64, message: Bytes, half_close: bool) -> Option<Reply> {
-        let window = self.streams.lock().ok().and_then(|s| s.get(&id).map(|e| e.recv_window.clone()));
-        let window = window?; // a stream that has ended: the message crossed its end
-        if !window.charge_arrival(message.len()) {
+        let shared = self.streams.lock().ok().and_then(|s| s.get(&id).map(|e| e.shared.clone()));
+        let shared = shared?; // a stream that has ended: the message crossed its end
+        if !shared.recv_window.charge_arrival(message.len()) {
             let status = Status::new(
                 Code::Internal,
                 format!("the peer sent on stream {id} past its flow-control window ({} bytes)", crate::INITIAL_WINDOW),
@@ -329,7 +389,7 @@ impl Mux {
         }
         let streams = self.streams.lock().map(|mut s| std::mem::take(&mut *s)).unwrap_or_default();
         for (_, entry) in streams {
-            let _ = entry.events.send(Event::End(status.clone()));
+            entry.shared.inbox.push(Event::End(status.clone()));
             if let Some(c) = &entry.cancelled {
                 c.fire(status.code());
             }
@@ -351,13 +411,15 @@ impl Mux {
         let _ = self.sender.send_async(Kind::Cancel, 0, id, &wire::encode_cancel(code)).await;
     }
 
-    /// Reads frames until the connection ends, routing each to its call. On the server side,
-    /// HEADERS for an unknown stream opens a call and is handed to `incoming`.
-    pub(crate) async fn read_loop(
-        self: Arc<Self>,
-        mut receiver: Receiver,
-        incoming: Option<mpsc::UnboundedSender<Incoming>>,
-    ) {
+    /// Reads frames until the connection ends, routing each to its call. On the server side
+    /// (`accept`), HEADERS for an unknown stream opens a call.
+    ///
+    /// Frames are read in batches: one wait, then everything already in the ring. New calls
+    /// start after their batch is routed, with one poll right here on the reader's task: a unary
+    /// call's request is then usually in its queue already, so its handler runs to completion in
+    /// that poll, with no task spawned and no thread woken. A call that has to wait becomes a
+    /// task of its own.
+    pub(crate) async fn read_loop(self: Arc<Self>, mut receiver: Receiver, mut accept: Option<Accept>) {
         // If this task is dropped unfinished (its runtime shut down), nobody reads replies any
         // more: the connection must count as dead, or calls on it would wait for ever.
         struct Watch(Arc<Mux>);
@@ -371,13 +433,48 @@ impl Mux {
             }
         }
         let _watch = Watch(self.clone());
-        let end = loop {
-            match self.step(receiver.recv_async().await, incoming.as_ref()) {
-                Step::Continue(None) => {}
-                Step::Continue(Some(r)) => {
-                    let _ = self.sender.send_async(r.kind, r.flags, r.stream, &r.body).await;
+        let end = 'read: loop {
+            let mut got = Some(receiver.recv_async().await);
+            self.batch.fetch_add(1, Ordering::Relaxed);
+            self.woke.store(false, Ordering::Relaxed);
+            let mut stop = None;
+            // A bounded batch, so calls start even while a client keeps the ring full.
+            let mut budget = 256;
+            while let Some(frame) = got.take() {
+                match self.step(frame, accept.as_mut()) {
+                    Step::Continue(None) => {}
+                    Step::Continue(Some(r)) => {
+                        let _ = self.sender.send_async(r.kind, r.flags, r.stream, &r.body).await;
+                    }
+                    Step::Stop(status) => {
+                        stop = Some(status);
+                        break;
+                    }
                 }
-                Step::Stop(status) => break status,
+                budget -= 1;
+                if budget > 0 {
+                    got = receiver.try_recv().transpose();
+                }
+            }
+            if let Some(accept) = accept.as_mut() {
+                for mut call in accept.batch.drain(..) {
+                    let done =
+                        std::future::poll_fn(|cx| std::task::Poll::Ready(call.as_mut().poll(cx).is_ready())).await;
+                    if !done {
+                        tokio::spawn(call);
+                        self.woke.store(true, Ordering::Relaxed);
+                    }
+                }
+            }
+            if let Some(status) = stop {
+                break 'read status;
+            }
+            // The batch woke tasks (handlers and calls waiting for their messages), queued on
+            // this worker: let them run now, before the wait for the next frame spins on this
+            // thread. A batch that only opened and finished calls inline skips the trip through
+            // the scheduler.
+            if self.woke.load(Ordering::Relaxed) {
+                tokio::task::yield_now().await;
             }
         };
         self.sender.close();
@@ -466,9 +563,10 @@ impl Mux {
     }
 
     /// Routes one frame (or the transport's error) from the peer.
-    fn step(&self, got: Result<Frame, Error>, incoming: Option<&mpsc::UnboundedSender<Incoming>>) -> Step {
+    fn step(&self, got: Result<Frame, Error>, accept: Option<&mut Accept>) -> Step {
+        let serving = accept.is_some();
         match got {
-            Ok(frame) => match self.route(frame, incoming) {
+            Ok(frame) => match self.route(frame, accept) {
                 Ok(reply) => Step::Continue(reply),
                 Err(status) => Step::Stop(status),
             },
@@ -478,7 +576,7 @@ impl Mux {
                 let Some(id) = e.stream() else { return Step::Continue(None) };
                 let status = Status::from_transport(&e);
                 self.deliver(id, Event::End(status.clone()));
-                if incoming.is_some() {
+                if serving {
                     self.unregister(id);
                     Step::Continue(Some(Reply::trailers(id, &status)))
                 } else {
@@ -490,10 +588,11 @@ impl Mux {
         }
     }
 
-    fn route(&self, f: Frame, incoming: Option<&mpsc::UnboundedSender<Incoming>>) -> Result<Option<Reply>, Status> {
+    fn route(&self, f: Frame, accept: Option<&mut Accept>) -> Result<Option<Reply>, Status> {
+        let serving = accept.is_some();
         let internal = |e: wire::WireError| Status::new(Code::Internal, format!("malformed frame from the peer: {e}"));
         match f.kind {
-            Kind::Headers => match incoming {
+            Kind::Headers => match accept {
                 Some(_) if self.draining.load(Ordering::Acquire) => {
                     // A call that crossed our GOAWAY: refuse it so the client retries elsewhere.
                     let refused = Status::new(Code::Unavailable, "the server is shutting down and takes no new calls");
@@ -509,19 +608,20 @@ impl Mux {
                     );
                     return Ok(Some(Reply::trailers(f.stream, &refused)));
                 }
-                Some(new_calls) => {
+                Some(accept) => {
                     let head = wire::RequestHead::decode(&f.body).map_err(internal)?;
                     self.last_stream.fetch_max(f.stream, Ordering::AcqRel);
                     let cancelled = Arc::new(Cancel::default());
                     let stream = self.register_entry(f.stream, Some(cancelled.clone()))?;
-                    let _ = new_calls.send(Incoming { head, stream, cancelled });
+                    let call = (accept.make)(Incoming { head, stream, cancelled });
+                    accept.batch.push(call);
                 }
                 None => self
                     .deliver(f.stream, Event::Headers(wire::ResponseHead::decode(&f.body).map_err(internal)?.metadata)),
             },
             Kind::Message => return Ok(self.deliver_message(f.stream, f.body, f.flags & flags::END_STREAM != 0)),
             // From the client, TRAILERS (empty) is a half-close without a message.
-            Kind::Trailers if incoming.is_some() => self.deliver(f.stream, Event::HalfClose),
+            Kind::Trailers if serving => self.deliver(f.stream, Event::HalfClose),
             Kind::Trailers => self.deliver(f.stream, Event::End(wire::decode_trailers(&f.body).map_err(internal)?)),
             Kind::Cancel => {
                 let code = wire::decode_cancel(&f.body).map_err(internal)?;
@@ -529,9 +629,9 @@ impl Mux {
             }
             Kind::Window => {
                 let n = wire::decode_window(&f.body).map_err(internal)?;
-                let window = self.streams.lock().ok().and_then(|s| s.get(&f.stream).map(|e| e.send_window.clone()));
-                if let Some(w) = window {
-                    w.grant(n);
+                let shared = self.streams.lock().ok().and_then(|s| s.get(&f.stream).map(|e| e.shared.clone()));
+                if let Some(shared) = shared {
+                    shared.send_window.grant(n);
                 }
             }
             Kind::Ping if f.flags & flags::ACK == 0 => {

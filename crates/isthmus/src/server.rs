@@ -10,7 +10,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use isthmus_shm::{flags, Address, BlockMut, Config, Connection, ErrorKind, Kind, Listener};
 use tokio::io::unix::AsyncFd;
-use tokio::sync::{mpsc, Notify};
+use tokio::sync::Notify;
 use tokio::time::Instant;
 use tracing::Instrument;
 
@@ -99,9 +99,9 @@ impl ServerCall {
             return Ok(None);
         }
         loop {
-            match self.stream.events.recv().await {
+            match self.stream.shared.inbox.recv().await {
                 Some(Event::Message(m)) => {
-                    if let Some(grant) = self.consumed.take(m.len(), &self.stream.recv_window) {
+                    if let Some(grant) = self.consumed.take(m.len(), &self.stream.shared.recv_window) {
                         let body = wire::encode_window(grant);
                         let _ = self.mux.sender.send_async(Kind::Window, 0, self.stream.id, &body).await;
                     }
@@ -123,7 +123,7 @@ impl ServerCall {
         }
     }
 
-    /// Sends initial metadata now (otherwise empty metadata goes with the first message).
+    /// Sends initial metadata now (otherwise the first message implies empty metadata).
     pub async fn send_headers(&mut self, metadata: MetadataMap) -> Result<(), Status> {
         if self.headers_sent {
             return Err(Status::new(Code::Internal, "initial metadata was already sent"));
@@ -137,12 +137,11 @@ impl ServerCall {
             .map_err(|e| Status::from_transport(&e))
     }
 
-    /// Sends headers if not yet sent, then waits for credit to send `len` bytes.
+    /// Waits for credit to send `len` bytes. Initial metadata not sent by now is empty, which
+    /// the first MESSAGE implies on its own (protocol 13.7, rule 2): one frame less per call.
     async fn ready_to_send(&mut self, len: usize) -> Result<(), Status> {
-        if !self.headers_sent {
-            self.send_headers(MetadataMap::new()).await?;
-        }
-        match self.stream.send_window.take(flow::charge(len)).await {
+        self.headers_sent = true;
+        match self.stream.shared.send_window.take(flow::charge(len)).await {
             Credit::Taken => Ok(()),
             _ => Err(self.mux.dead().unwrap_or_else(|| Status::new(Code::Cancelled, "the call was cancelled"))),
         }
@@ -440,17 +439,17 @@ async fn serve_connection(
         c.retain(|w| w.strong_count() > 0);
         c.push(Arc::downgrade(&mux));
     }
-    let (new_calls, mut calls) = mpsc::unbounded_channel();
-    tokio::spawn(mux.clone().read_loop(receiver, Some(new_calls)));
-    while let Some(incoming) = calls.recv().await {
+    let reader_mux = mux.clone();
+    let make = Box::new(move |incoming: Incoming| -> crate::mux::CallFuture {
         let handler = handlers.get(&incoming.head.path).cloned();
         let guard = CallGuard::new(&tracker);
         let mux = mux.clone();
-        tokio::spawn(async move {
+        Box::pin(async move {
             run_call(mux, incoming, handler).await;
             drop(guard);
-        });
-    }
+        })
+    });
+    reader_mux.read_loop(receiver, Some(crate::mux::Accept::new(make))).await;
 }
 
 /// Runs one call's handler against its deadline and the client's cancel, then sends its status.

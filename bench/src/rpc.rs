@@ -1,0 +1,322 @@
+//! Echo through whole RPC stacks: the isthmus engine over `shm://` (`isthmus-rust`) beside
+//! tonic over a Unix socket (`tonic-uds`). Both echo raw bytes: tonic gets a pass-through codec,
+//! so neither side pays for protobuf, and both get message limits raised out of the way.
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::{Buf, BufMut, Bytes};
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+
+use crate::measure::{self, Budget, Sample};
+use crate::system::{ready, unique, Server, System};
+
+const PATH: &str = "/bench.Echo/Unary";
+
+/// The largest message either stack accepts here: 16 MiB echoes must pass.
+const MAX_MESSAGE: usize = 64 << 20;
+
+// ---------------------------------------------------------------------------------------------
+// isthmus-rust: the engine's blocking client → the engine's server.
+
+/// Server role: an isthmus server echoing unary calls.
+pub fn serve_isthmus(addr: &str) {
+    let rt = if std::env::var_os("ISTHMUS_BENCH_CT").is_some() {
+        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime")
+    } else {
+        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
+    };
+    rt.block_on(async {
+        let bound = isthmus::Server::builder()
+            .handler(PATH, |mut call: isthmus::ServerCall| async move {
+                let m = call.recv().await?.unwrap_or_default();
+                call.send(&m).await
+            })
+            .bind(addr)
+            .expect("bind");
+        ready();
+        bound.serve().await.expect("serve");
+    });
+}
+
+/// The engine's echo, called from a plain thread with the blocking client: one call in flight
+/// is the calling thread's alone; 32 in flight are pipelined calls read by that same thread.
+pub struct IsthmusRust {
+    _server: Server,
+    channel: isthmus::blocking::Channel,
+}
+
+impl IsthmusRust {
+    pub fn start() -> IsthmusRust {
+        let addr = format!("shm://{}", unique("rpc"));
+        let server = Server::spawn(&["serve-isthmus".into(), addr.clone()]);
+        let channel = isthmus::blocking::Channel::connect(&addr).expect("connect");
+        IsthmusRust { _server: server, channel }
+    }
+
+    fn finish(call: &mut isthmus::blocking::Call, size: usize) {
+        let m = call.recv().expect("echo").expect("a reply");
+        assert_eq!(m.len(), size);
+        assert!(call.recv().expect("end").is_none());
+    }
+}
+
+impl System for IsthmusRust {
+    fn name(&self) -> &'static str {
+        "isthmus-rust"
+    }
+
+    fn round_trip(&mut self, size: usize, budget: Budget) -> Sample {
+        let payload = vec![0x5au8; size];
+        let ch = &self.channel;
+        let before = ch.counters().transport;
+        let s = measure::run(budget, size, || {
+            let r = ch.unary(PATH, &payload, Default::default()).expect("echo");
+            assert_eq!(r.message.len(), size);
+        });
+        if std::env::var_os("ISTHMUS_BENCH_DEBUG").is_some() {
+            let after = ch.counters().transport;
+            eprintln!(
+                "client: frames rx {} sleeps {} spin hits {} rung {}",
+                after.frames_received - before.frames_received,
+                after.sleeps - before.sleeps,
+                after.spin_hits - before.spin_hits,
+                after.doorbells_rung - before.doorbells_rung
+            );
+        }
+        s
+    }
+
+    fn pipelined(&mut self, size: usize, inflight: usize, budget: Budget) -> Option<Sample> {
+        let payload = vec![0x5au8; size];
+        let ch = &self.channel;
+        let start_one = || {
+            let mut call = ch.start(PATH, Default::default()).expect("start");
+            call.send_last(&payload).expect("send");
+            (Instant::now(), call)
+        };
+        let total = (budget.max_iters * 4).max(inflight * 4);
+        let mut open: VecDeque<_> = (0..inflight).map(|_| start_one()).collect();
+        let mut sent = inflight;
+        let mut lat = Vec::with_capacity(total);
+        let start = Instant::now();
+        while let Some((at, mut call)) = open.pop_front() {
+            Self::finish(&mut call, size);
+            lat.push(at.elapsed());
+            if sent < total && start.elapsed() < budget.time {
+                open.push_back(start_one());
+                sent += 1;
+            }
+        }
+        let n = lat.len();
+        Some(measure::summarise(&mut lat, n, start.elapsed()))
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// tonic-uds: a tonic client → a tonic server over a Unix socket.
+
+/// Passes message bytes through untouched: the bench compares transports, not protobuf.
+#[derive(Debug, Clone, Copy, Default)]
+struct RawCodec;
+
+#[derive(Debug, Clone, Copy, Default)]
+struct Raw;
+
+impl Codec for RawCodec {
+    type Encode = Bytes;
+    type Decode = Bytes;
+    type Encoder = Raw;
+    type Decoder = Raw;
+
+    fn encoder(&mut self) -> Raw {
+        Raw
+    }
+
+    fn decoder(&mut self) -> Raw {
+        Raw
+    }
+}
+
+impl Encoder for Raw {
+    type Item = Bytes;
+    type Error = tonic::Status;
+
+    fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        dst.put(item);
+        Ok(())
+    }
+}
+
+impl Decoder for Raw {
+    type Item = Bytes;
+    type Error = tonic::Status;
+
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, tonic::Status> {
+        Ok(Some(src.copy_to_bytes(src.remaining())))
+    }
+}
+
+/// The echo service, written as tonic's generated servers are: a tower service per package
+/// service, dispatching on the method path.
+#[derive(Debug, Clone, Copy, Default)]
+struct EchoService;
+
+impl tonic::server::NamedService for EchoService {
+    const NAME: &'static str = "bench.Echo";
+}
+
+struct EchoUnary;
+
+impl tonic::server::UnaryService<Bytes> for EchoUnary {
+    type Response = Bytes;
+    type Future = std::future::Ready<Result<tonic::Response<Bytes>, tonic::Status>>;
+
+    fn call(&mut self, request: tonic::Request<Bytes>) -> Self::Future {
+        std::future::ready(Ok(tonic::Response::new(request.into_inner())))
+    }
+}
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+impl tower::Service<http::Request<tonic::body::Body>> for EchoService {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = BoxFuture<Result<Self::Response, Infallible>>;
+
+    fn poll_ready(&mut self, _: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
+        Box::pin(async move {
+            if req.uri().path() != PATH {
+                return Ok(tonic::Status::unimplemented(req.uri().path().to_owned()).into_http());
+            }
+            let mut grpc =
+                tonic::server::Grpc::new(RawCodec).apply_max_message_size_config(Some(MAX_MESSAGE), Some(MAX_MESSAGE));
+            Ok(grpc.unary(EchoUnary, req).await)
+        })
+    }
+}
+
+/// HTTP/2 flow-control windows for both tonic sides: large enough that a 16 MiB message is
+/// never held back by a window update (hyper's defaults are 64 KiB to 5 MiB).
+const H2_STREAM_WINDOW: u32 = 32 << 20;
+const H2_CONNECTION_WINDOW: u32 = 64 << 20;
+
+/// Server role: a tonic server on a Unix socket.
+pub fn serve_tonic(path: &str) {
+    let _ = std::fs::remove_file(path);
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    rt.block_on(async {
+        let listener = tokio::net::UnixListener::bind(path).expect("bind");
+        ready();
+        tonic::transport::Server::builder()
+            .initial_stream_window_size(H2_STREAM_WINDOW)
+            .initial_connection_window_size(H2_CONNECTION_WINDOW)
+            .add_service(EchoService)
+            .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener))
+            .await
+            .expect("serve");
+    });
+}
+
+/// tonic's client over a Unix socket, on a multi-threaded tokio runtime as a tonic user has it.
+pub struct TonicUds {
+    _server: Server,
+    rt: tokio::runtime::Runtime,
+    channel: tonic::transport::Channel,
+    path: String,
+}
+
+impl TonicUds {
+    pub fn start() -> TonicUds {
+        let path = std::env::temp_dir().join(format!("{}.sock", unique("tonic"))).display().to_string();
+        let server = Server::spawn(&["serve-tonic".into(), path.clone()]);
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+        let socket = path.clone();
+        let channel = rt.block_on(async move {
+            tonic::transport::Endpoint::from_static("http://localhost")
+                .initial_stream_window_size(H2_STREAM_WINDOW)
+                .initial_connection_window_size(H2_CONNECTION_WINDOW)
+                .connect_with_connector(tower::service_fn(move |_: http::Uri| {
+                    let socket = socket.clone();
+                    async move {
+                        let stream = tokio::net::UnixStream::connect(socket).await?;
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+                    }
+                }))
+                .await
+                .expect("connect")
+        });
+        TonicUds { _server: server, rt, channel, path }
+    }
+}
+
+impl Drop for TonicUds {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+async fn tonic_echo(channel: tonic::transport::Channel, payload: Bytes) -> usize {
+    let mut grpc =
+        tonic::client::Grpc::new(channel).max_decoding_message_size(MAX_MESSAGE).max_encoding_message_size(MAX_MESSAGE);
+    grpc.ready().await.expect("ready");
+    let path = http::uri::PathAndQuery::from_static(PATH);
+    let reply = grpc.unary(tonic::Request::new(payload), path, RawCodec).await.expect("echo");
+    reply.into_inner().len()
+}
+
+impl System for TonicUds {
+    fn name(&self) -> &'static str {
+        "tonic-uds"
+    }
+
+    fn round_trip(&mut self, size: usize, budget: Budget) -> Sample {
+        let payload = Bytes::from(vec![0x5au8; size]);
+        let (rt, channel) = (&self.rt, &self.channel);
+        measure::run(budget, size, || {
+            let n = rt.block_on(tonic_echo(channel.clone(), payload.clone()));
+            assert_eq!(n, size);
+        })
+    }
+
+    fn pipelined(&mut self, size: usize, inflight: usize, budget: Budget) -> Option<Sample> {
+        let payload = Bytes::from(vec![0x5au8; size]);
+        let total = (budget.max_iters * 4).max(inflight * 4);
+        let issued = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let start = Instant::now();
+        let until = start + budget.time;
+        let workers: Vec<_> = (0..inflight)
+            .map(|_| {
+                let (channel, payload, issued) = (self.channel.clone(), payload.clone(), issued.clone());
+                self.rt.spawn(async move {
+                    let mut lat = Vec::new();
+                    loop {
+                        let n = issued.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        if n >= inflight && (n >= total || Instant::now() >= until) {
+                            break;
+                        }
+                        let at = Instant::now();
+                        assert_eq!(tonic_echo(channel.clone(), payload.clone()).await, size);
+                        lat.push(at.elapsed());
+                    }
+                    lat
+                })
+            })
+            .collect();
+        let mut lat: Vec<Duration> = Vec::with_capacity(total);
+        for w in workers {
+            lat.extend(self.rt.block_on(w).expect("worker"));
+        }
+        let n = lat.len();
+        Some(measure::summarise(&mut lat, n, start.elapsed()))
+    }
+}

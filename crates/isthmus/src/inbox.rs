@@ -1,0 +1,99 @@
+//! One stream's queue of events: filled by whoever reads the connection, emptied by the call.
+//!
+//! A `VecDeque` under a mutex with one waker: a stream has one reader (its call), and a queue
+//! that allocates nothing until its first event keeps the cost of opening a stream to the one
+//! allocation of its [`StreamShared`](crate::mux::StreamShared).
+
+use std::collections::VecDeque;
+use std::sync::{Mutex, MutexGuard};
+use std::task::{Poll, Waker};
+
+use crate::mux::Event;
+
+/// Why [`Inbox::try_recv`] gave nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Empty {
+    /// Nothing yet.
+    Now,
+    /// Nothing ever again: the stream is closed and drained.
+    Closed,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Inbox(Mutex<State>);
+
+#[derive(Debug, Default)]
+struct State {
+    events: VecDeque<Event>,
+    waker: Option<Waker>,
+    closed: bool,
+}
+
+impl Inbox {
+    fn state(&self) -> MutexGuard<'_, State> {
+        // Nothing can panic while the lock is held (queue operations only), so a poisoned lock
+        // still holds a consistent queue.
+        self.0.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Queues an event and wakes the call waiting for it. Events after `close` are dropped.
+    pub(crate) fn push(&self, ev: Event) {
+        let waker = {
+            let mut st = self.state();
+            if st.closed {
+                return;
+            }
+            st.events.push_back(ev);
+            st.waker.take()
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    /// No more events will come; the call drains what is queued, then sees the end.
+    pub(crate) fn close(&self) {
+        let waker = {
+            let mut st = self.state();
+            st.closed = true;
+            st.waker.take()
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    pub(crate) fn try_recv(&self) -> Result<Event, Empty> {
+        let mut st = self.state();
+        match st.events.pop_front() {
+            Some(ev) => Ok(ev),
+            None if st.closed => Err(Empty::Closed),
+            None => Err(Empty::Now),
+        }
+    }
+
+    /// Whether `try_recv` would give something (an event, or the end).
+    pub(crate) fn is_ready(&self) -> bool {
+        let st = self.state();
+        st.closed || !st.events.is_empty()
+    }
+
+    /// The next event; `None` once closed and drained.
+    pub(crate) async fn recv(&self) -> Option<Event> {
+        std::future::poll_fn(|cx| {
+            let mut st = self.state();
+            if let Some(ev) = st.events.pop_front() {
+                return Poll::Ready(Some(ev));
+            }
+            if st.closed {
+                return Poll::Ready(None);
+            }
+            match &mut st.waker {
+                Some(w) if w.will_wake(cx.waker()) => {}
+                slot => *slot = Some(cx.waker().clone()),
+            }
+            Poll::Pending
+        })
+        .await
+    }
+}
