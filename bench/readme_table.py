@@ -28,6 +28,23 @@ def main() -> int:
         return statistics.median(vals) if vals else None
 
     rows = [
+        "Unary echo through the whole RPC stack: the isthmus engine (`isthmus-rust`, blocking client → server on shm://) beside tonic client → tonic server over a Unix socket (`tonic-uds`).",
+        "",
+        "| message | isthmus-rust p50 (p99) | tonic-uds p50 (p99) | speed-up |",
+        "|---:|---:|---:|---:|",
+    ]
+    for size, name in SIZES.items():
+        i50, i99 = med("isthmus-rust", size, 1, "p50_us"), med("isthmus-rust", size, 1, "p99_us")
+        t50, t99 = med("tonic-uds", size, 1, "p50_us"), med("tonic-uds", size, 1, "p99_us")
+        if None in (i50, i99, t50, t99):
+            continue
+        rows.append(f"| {name} | {fmt(i50)} ({fmt(i99)}) | {fmt(t50)} ({fmt(t99)}) | {t50 / i50:.1f}× |")
+    ir, tr = med("isthmus-rust", 64, 32, "rps"), med("tonic-uds", 64, 32, "rps")
+    if ir and tr:
+        rows += ["", f"64 B with 32 calls in flight: isthmus-rust {ir / 1e3:.0f} k calls/s, tonic-uds {tr / 1e3:.0f} k calls/s ({ir / tr:.1f}×).", ""]
+    rows += [
+        "The transport alone (`isthmus-shm`, no RPC layer) beside a length-prefixed echo over a Unix socket (`raw-uds`) and one `memcpy`:",
+        "",
         "| message | isthmus-shm p50 (p99) | Unix socket p50 (p99) | speed-up | one memcpy | isthmus ÷ memcpy |",
         "|---:|---:|---:|---:|---:|---:|",
     ]

@@ -135,7 +135,7 @@ pub fn print_transport(records: &[Record]) {
     let m = medians(records);
     let get = |sys: &str, size: usize, inflight: usize| m.get(&(sys.to_owned(), size, inflight)).copied();
     println!("\nisthmus-shm transport: round trips between two processes (medians of {} rounds)\n", crate::ROUNDS);
-    println!("| size | isthmus-shm p50 | p99 | raw-uds p50 | p99 | isthmus ÷ raw-uds | memcpy (one way) | isthmus ÷ memcpy |");
+    println!("| size | isthmus-shm p50 | p99 | raw-uds p50 | p99 | speed-up | memcpy (one way) | isthmus ÷ memcpy |");
     println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
     for &size in &crate::SIZES {
         let (Some(i), Some(u), Some(c)) =
@@ -150,7 +150,7 @@ pub fn print_transport(records: &[Record]) {
             us(i.1),
             us(u.0),
             us(u.1),
-            i.0 / u.0,
+            u.0 / i.0,
             us(c.0),
             i.0 / c.0
         );

@@ -26,11 +26,7 @@ const MAX_MESSAGE: usize = 64 << 20;
 
 /// Server role: an isthmus server echoing unary calls.
 pub fn serve_isthmus(addr: &str) {
-    let rt = if std::env::var_os("ISTHMUS_BENCH_CT").is_some() {
-        tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime")
-    } else {
-        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
-    };
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     rt.block_on(async {
         let bound = isthmus::Server::builder()
             .handler(PATH, |mut call: isthmus::ServerCall| async move {

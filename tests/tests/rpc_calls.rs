@@ -159,6 +159,35 @@ fn a_client_cancel_stops_the_server_handler() {
 }
 
 #[test]
+fn a_server_that_ends_a_stream_midway_cancels_it_for_the_client() {
+    let (_server, addr) = server();
+    run(async move {
+        let ch = Channel::connect(&addr).await.expect("connect");
+        let mut call = ch.start("/test.Echo/EchoThenCancel", CallOptions::default()).await.expect("start");
+        for i in 0..3u64 {
+            // Arena-sized messages, so the cancel has blocks to give back.
+            let m = pattern(1 << 20, i);
+            call.send(&m).await.expect("send");
+            let echo = call.recv().await.expect("echo").expect("message");
+            assert_eq!(first_mismatch(&echo, i), None);
+        }
+        let s = call.recv().await.expect_err("the server cancelled");
+        assert_eq!(s.code(), Code::Cancelled, "{s}");
+        assert!(s.message().contains("gave up"), "{s}");
+        // Later sends report the end instead of vanishing.
+        let s = call.send(b"more").await.expect_err("the call is over");
+        assert_eq!(s.code(), Code::Cancelled, "{s}");
+        drop(call);
+        let c = ch.counters();
+        assert_eq!((c.in_flight(), c.finished(Code::Cancelled)), (0, 1));
+        // The connection and its arena are whole: a message of most of the arena goes through.
+        let big = pattern(30 << 20, 77);
+        let r = ch.unary("/test.Echo/Unary", &big, CallOptions::default()).await.expect("big echo");
+        assert_eq!(first_mismatch(&r.message, 77), None);
+    });
+}
+
+#[test]
 fn ten_thousand_concurrent_unary_calls_all_answered_intact() {
     let (_server, addr) = server();
     run(async move {

@@ -178,7 +178,7 @@ impl Call {
     /// must be dropped.
     fn credit(&mut self, len: usize) -> Result<bool, Status> {
         if self.state.is_over() {
-            return Err(Status::new(Code::FailedPrecondition, "the call has already ended"));
+            return Err(self.state.ended_error());
         }
         let shared = self.state.stream.shared.clone();
         let window = &shared.send_window;
@@ -243,6 +243,9 @@ impl Call {
 
     /// The next event, read from the connection on this thread if no other thread is reading.
     fn next(&mut self) -> Result<Next, Status> {
+        if let Some(g) = self.state.due_grant() {
+            self.grant(g); // the server may be waiting for exactly this credit
+        }
         loop {
             if let Some(ev) = self.state.try_event() {
                 return Ok(self.state.absorb(ev));
@@ -254,9 +257,14 @@ impl Call {
         }
     }
 
-    fn grant(&self, g: Grant) {
-        let patience = Some(Instant::now() + CANCEL_PATIENCE);
-        let _ = self.state.mux.sender.send(Grant::KIND, 0, self.state.id(), &g.body(), patience);
+    /// Gives credit back to the server. If the ring stays full until the deadline (or for
+    /// [`CANCEL_PATIENCE`] without one), the grant is kept and retried before the next wait for
+    /// a message, so the server's writer is never left without credit it is owed.
+    fn grant(&mut self, g: Grant) {
+        let patience = self.deadline.unwrap_or_else(|| Instant::now() + CANCEL_PATIENCE);
+        if self.state.mux.sender.send(Grant::KIND, 0, self.state.id(), &g.body(), Some(patience)).is_err() {
+            self.state.grant_failed(g);
+        }
     }
 
     /// The next response message; `Ok(None)` once the server ended the call with OK (its

@@ -245,6 +245,16 @@ impl CallState {
         self.consumed.take(m.len(), &self.stream.shared.recv_window).map(Grant)
     }
 
+    /// Credit still owed to the server from a grant that could not be sent, to retry now.
+    pub(crate) fn due_grant(&mut self) -> Option<Grant> {
+        self.consumed.due(&self.stream.shared.recv_window).map(Grant)
+    }
+
+    /// A grant that could not be sent goes back to be retried with the next message taken.
+    pub(crate) fn grant_failed(&mut self, g: Grant) {
+        self.consumed.undo(g.0, &self.stream.shared.recv_window);
+    }
+
     /// Keeps a message read while waiting for the headers.
     pub(crate) fn park(&mut self, m: Bytes) {
         self.pending.push_back(m);
@@ -284,6 +294,14 @@ impl CallState {
             }
         }
         self.outcome().map(|_| ())
+    }
+
+    /// Why nothing more can be sent on a call that has ended: its status if it failed.
+    pub(crate) fn ended_error(&self) -> Status {
+        match &self.ended {
+            Some(s) if s.code() != Code::Ok => s.clone(),
+            _ => Status::new(Code::FailedPrecondition, "the call has already ended"),
+        }
     }
 
     /// The credit a message of `len` bytes takes.

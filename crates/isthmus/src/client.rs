@@ -195,7 +195,7 @@ impl ClientCall {
     /// message must be dropped.
     async fn credit(&mut self, len: usize) -> Result<bool, Status> {
         if self.state.is_over() {
-            return Err(Status::new(Code::FailedPrecondition, "the call has already ended"));
+            return Err(self.state.ended_error());
         }
         let shared = self.state.stream.shared.clone();
         match until(self.deadline, shared.send_window.take(CallState::charge(len))).await {

@@ -145,6 +145,23 @@ impl Consumed {
         window.remaining.fetch_add(grant as i64, Ordering::AcqRel);
         Some(grant)
     }
+
+    /// The grant due now without taking a message (one that failed to send before), if any.
+    pub(crate) fn due(&mut self, window: &RecvWindow) -> Option<u64> {
+        if self.0 < INITIAL_WINDOW / 2 {
+            return None;
+        }
+        let grant = std::mem::take(&mut self.0);
+        window.remaining.fetch_add(grant as i64, Ordering::AcqRel);
+        Some(grant)
+    }
+
+    /// A grant from [`take`](Self::take) could not be sent: count it as taken-not-granted again,
+    /// so the next message taken retries it.
+    pub(crate) fn undo(&mut self, grant: u64, window: &RecvWindow) {
+        window.remaining.fetch_sub(grant as i64, Ordering::AcqRel);
+        self.0 += grant;
+    }
 }
 
 #[cfg(test)]

@@ -2,7 +2,8 @@
 //!
 //! Methods (all under `/test.Echo/`): `Unary` (echo, reflecting `x-echo`/`x-echo-bin` metadata into
 //! headers and trailers), `ServerStream` (request `u32 count, u32 size`: that many patterned
-//! messages), `ClientStream` (reply `u64 count, u64 bytes` of what arrived), `Bidi` (echo each),
+//! messages), `EchoThenCancel` (echoes three messages, then ends the call with CANCELLED),
+//! `ClientStream` (reply `u64 count, u64 bytes` of what arrived), `Bidi` (echo each),
 //! `Fail` (request `u32 code`: that status, with details and a trailer), `Panic`, `Sleep` (never
 //! returns; prints `SLEEP-DROPPED` when the server stops it), `TimeLeft` (milliseconds left),
 //! `Slow` (prints `SLOW-STARTED`, answers after 500 ms), `InPlace` (request `u32 size`: a reply of
@@ -152,6 +153,13 @@ fn main() {
                 let _ = call.recv().await;
                 std::future::pending::<()>().await;
                 Ok(())
+            })
+            .handler("/test.Echo/EchoThenCancel", |mut call: ServerCall| async move {
+                for _ in 0..3 {
+                    let m = one(&mut call).await?;
+                    call.send(&m).await?;
+                }
+                Err(Status::new(Code::Cancelled, "the server gave up on this stream"))
             })
             .handler("/test.Echo/InPlace", |mut call: ServerCall| async move {
                 let m = one(&mut call).await?;
