@@ -1,6 +1,9 @@
 //! The client: a [`Channel`] to one server, and the [`ClientCall`]s made on it.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -121,7 +124,7 @@ impl Channel {
         let deadline = options.timeout.map(|t| Instant::now() + t);
         let mux = self.mux(options.wait_for_ready, deadline).await?;
         let stream = mux.register(self.inner.slot.next_stream())?;
-        let call = ClientCall { state: CallState::new(stream, mux, path), deadline };
+        let call = ClientCall { state: CallState::new(stream, mux, path), deadline, timer: None };
         // Time spent waiting for a server is the call's: send what is left.
         let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()).max(Duration::from_nanos(1)));
         let head = wire::RequestHead { path: path.to_owned(), timeout, metadata: options.metadata };
@@ -132,6 +135,11 @@ impl Channel {
             .await
             .map_err(|e| Status::from_transport(&e))?;
         Ok(call)
+    }
+
+    /// The largest message this channel accepts (its configuration's `max_message_size`).
+    pub(crate) fn max_message_size(&self) -> usize {
+        usize::try_from(self.inner.slot.config.max_message_size).unwrap_or(usize::MAX)
     }
 
     /// Counters of the current connection (zero if there is none yet); they start afresh when
@@ -169,6 +177,37 @@ async fn until<T>(deadline: Option<Instant>, fut: impl std::future::Future<Outpu
 pub struct ClientCall {
     state: CallState,
     deadline: Option<Instant>,
+    /// The deadline as a timer, once a poll has had to wait.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+/// The sending side of a [`ClientCall`], usable beside it (see [`ClientCall::send_half`]).
+pub(crate) struct SendHalf {
+    mux: Arc<Mux>,
+    id: u64,
+    shared: Arc<crate::mux::StreamShared>,
+}
+
+impl SendHalf {
+    /// Sends one message once the server's window allows; `last` half-closes with it. An error
+    /// means the call is over (its status comes from the receiving side).
+    pub(crate) async fn send(&self, message: &[u8], last: bool) -> Result<(), ()> {
+        if self.shared.send_window.take(CallState::charge(message.len())).await != Credit::Taken {
+            return Err(());
+        }
+        let f = if last { flags::END_STREAM } else { 0 };
+        self.mux.sender.send_message_async(self.id, f, message).await.map_err(|_| ())
+    }
+
+    /// Ends the call with `status` on both sides (the request could not be sent).
+    pub(crate) fn fail(&self, status: Status) {
+        self.mux.abandon(self.id, status);
+    }
+
+    /// Half-closes without a message.
+    pub(crate) async fn close(&self) -> Result<(), ()> {
+        self.mux.sender.send_async(Kind::Trailers, flags::END_STREAM, self.id, &[]).await.map_err(|_| ())
+    }
 }
 
 impl std::fmt::Debug for ClientCall {
@@ -274,13 +313,53 @@ impl ClientCall {
         }
     }
 
-    /// Reads the next event and takes it in; past the deadline an error.
-    async fn next(&mut self) -> Result<Next, Status> {
-        let Some(ev) = until(self.deadline, self.state.stream.shared.inbox.recv()).await else {
-            return Err(self.expire().await);
-        };
-        let ev = ev.unwrap_or_else(|| crate::mux::Event::End(self.state.connection_end()));
-        Ok(self.state.absorb(ev))
+    /// The next event, taken in; past the deadline the call ends with DEADLINE_EXCEEDED.
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Result<Next, Status>> {
+        if let Some(g) = self.state.due_grant() {
+            self.grant(g);
+        }
+        if let Poll::Ready(ev) = self.state.stream.shared.inbox.poll_recv(cx) {
+            let ev = ev.unwrap_or_else(|| crate::mux::Event::End(self.state.connection_end()));
+            return Poll::Ready(Ok(self.state.absorb(ev)));
+        }
+        let Some(deadline) = self.deadline else { return Poll::Pending };
+        let timer = self.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        ready!(timer.as_mut().poll(cx));
+        let message = "the call's deadline passed";
+        self.state.cancel_blocking(Code::DeadlineExceeded, message, std::time::Instant::now());
+        Poll::Ready(Err(Status::new(Code::DeadlineExceeded, message)))
+    }
+
+    /// Gives credit back to the server without waiting; a grant the ring has no room for is
+    /// kept and retried at the next poll.
+    fn grant(&mut self, g: Grant) {
+        let sent =
+            self.state.mux.sender.send(Grant::KIND, 0, self.state.id(), &g.body(), Some(std::time::Instant::now()));
+        if sent.is_err() {
+            self.state.grant_failed(g);
+        }
+    }
+
+    /// [`recv`](Self::recv) in poll form.
+    pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, Status>> {
+        if let Some((r, grant)) = self.state.ready_result() {
+            if let Some(g) = grant {
+                self.grant(g);
+            }
+            return Poll::Ready(r);
+        }
+        loop {
+            match ready!(self.poll_next(cx))? {
+                Next::More => {}
+                Next::Ended(r) => return Poll::Ready(r),
+                Next::Message(m) => {
+                    if let Some(g) = self.state.hand_out(&m) {
+                        self.grant(g);
+                    }
+                    return Poll::Ready(Ok(Some(m)));
+                }
+            }
+        }
     }
 
     /// The next response message; `Ok(None)` once the server ended the call with OK (its
@@ -289,41 +368,32 @@ impl ClientCall {
     /// A large message is a view into the server's shared memory, not a copy; holding it keeps
     /// that memory from the server, so drop it (or copy what you keep) when done.
     pub async fn recv(&mut self) -> Result<Option<Bytes>, Status> {
-        if let Some((r, grant)) = self.state.ready_result() {
-            if let Some(g) = grant {
-                self.grant(g).await;
-            }
-            return r;
-        }
-        loop {
-            match self.next().await? {
-                Next::More => {}
-                Next::Ended(r) => return r,
-                Next::Message(m) => {
-                    if let Some(g) = self.state.hand_out(&m) {
-                        self.grant(g).await;
-                    }
-                    return Ok(Some(m));
-                }
-            }
-        }
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
     }
 
-    async fn grant(&self, g: Grant) {
-        let _ = self.state.mux.sender.send_async(Grant::KIND, 0, self.state.id(), &g.body()).await;
+    /// [`headers`](Self::headers) in poll form.
+    pub(crate) fn poll_headers(&mut self, cx: &mut Context<'_>) -> Poll<Result<crate::MetadataMap, Status>> {
+        while self.state.headers().is_none() && !self.state.is_over() {
+            match ready!(self.poll_next(cx))? {
+                Next::More => {}
+                Next::Message(m) => self.state.park(m),
+                Next::Ended(Err(status)) => return Poll::Ready(Err(status)),
+                Next::Ended(Ok(_)) => {}
+            }
+        }
+        Poll::Ready(Ok(self.state.headers().cloned().unwrap_or_default()))
     }
 
     /// The server's initial metadata, waiting for it if needed.
     pub async fn headers(&mut self) -> Result<crate::MetadataMap, Status> {
-        while self.state.headers().is_none() && !self.state.is_over() {
-            match self.next().await? {
-                Next::More => {}
-                Next::Message(m) => self.state.park(m),
-                Next::Ended(Err(status)) => return Err(status),
-                Next::Ended(Ok(_)) => {}
-            }
-        }
-        Ok(self.state.headers().cloned().unwrap_or_default())
+        std::future::poll_fn(|cx| self.poll_headers(cx)).await
+    }
+
+    /// A handle that sends this call's request messages from another task while this one reads
+    /// the responses (the tonic bridge does so). It stops, with an error, once the call has
+    /// ended.
+    pub(crate) fn send_half(&self) -> SendHalf {
+        SendHalf { mux: self.state.mux.clone(), id: self.state.id(), shared: self.state.stream.shared.clone() }
     }
 
     /// The server's trailing metadata, once the call has ended with OK.

@@ -6,7 +6,7 @@
 
 use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
-use std::task::{Poll, Waker};
+use std::task::{Context, Poll, Waker};
 
 use crate::mux::Event;
 
@@ -80,20 +80,22 @@ impl Inbox {
 
     /// The next event; `None` once closed and drained.
     pub(crate) async fn recv(&self) -> Option<Event> {
-        std::future::poll_fn(|cx| {
-            let mut st = self.state();
-            if let Some(ev) = st.events.pop_front() {
-                return Poll::Ready(Some(ev));
-            }
-            if st.closed {
-                return Poll::Ready(None);
-            }
-            match &mut st.waker {
-                Some(w) if w.will_wake(cx.waker()) => {}
-                slot => *slot = Some(cx.waker().clone()),
-            }
-            Poll::Pending
-        })
-        .await
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// [`recv`](Self::recv) in poll form: registers `cx`'s waker when nothing is queued.
+    pub(crate) fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<Option<Event>> {
+        let mut st = self.state();
+        if let Some(ev) = st.events.pop_front() {
+            return Poll::Ready(Some(ev));
+        }
+        if st.closed {
+            return Poll::Ready(None);
+        }
+        match &mut st.waker {
+            Some(w) if w.will_wake(cx.waker()) => {}
+            slot => *slot = Some(cx.waker().clone()),
+        }
+        Poll::Pending
     }
 }

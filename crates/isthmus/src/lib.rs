@@ -18,6 +18,7 @@
 //! `tracing` spans (`isthmus.call` on the client, `isthmus.serve` on the server, at DEBUG).
 
 pub mod blocking;
+mod bridge;
 mod call;
 mod client;
 mod flow;
@@ -28,6 +29,7 @@ mod server;
 pub mod status;
 pub mod wire;
 
+pub use bridge::ResponseBody;
 pub use call::{CallOptions, Response};
 pub use client::{Channel, ClientCall};
 pub use flow::{INITIAL_WINDOW, MESSAGE_OVERHEAD};

@@ -362,6 +362,15 @@ impl Mux {
         }
     }
 
+    /// Ends stream `id` here with `status` (its call sees it as its end) and tells the peer with a
+    /// CANCEL, without waiting for ring room.
+    pub(crate) fn abandon(&self, id: u64, status: Status) {
+        let code = status.code();
+        self.deliver(id, Event::End(status));
+        let now = Some(std::time::Instant::now());
+        let _ = self.sender.send(Kind::Cancel, 0, id, &wire::encode_cancel(code), now);
+    }
+
     /// Delivers a message, charging it to the stream's window; a peer that had no credit left
     /// broke flow control, which ends that call (only) with INTERNAL.
     fn deliver_message(&self, id: u64, message: Bytes, half_close: bool) -> Option<Reply> {

@@ -50,6 +50,18 @@ pub trait Handler: Send + Sync + 'static {
 }
 
 type BoxFuture = HandlerFuture;
+
+/// What answers each method: handlers by path, then the tonic services, if any.
+struct Methods {
+    by_path: HashMap<String, HandlerFn>,
+    fallback: Option<HandlerFn>,
+}
+
+impl Methods {
+    fn find(&self, path: &str) -> Option<HandlerFn> {
+        self.by_path.get(path).or(self.fallback.as_ref()).cloned()
+    }
+}
 type HandlerFn = Arc<dyn Fn(ServerCall) -> BoxFuture + Send + Sync>;
 
 /// The server's side of one call, handed to its handler.
@@ -58,8 +70,8 @@ type HandlerFn = Arc<dyn Fn(ServerCall) -> BoxFuture + Send + Sync>;
 /// messages already sent (up to a window of [`INITIAL_WINDOW`](crate::INITIAL_WINDOW) bytes), so
 /// a slow client holds back this handler and no other.
 pub struct ServerCall {
-    stream: Stream,
-    mux: Arc<Mux>,
+    pub(crate) stream: Stream,
+    pub(crate) mux: Arc<Mux>,
     head: wire::RequestHead,
     deadline: Option<Instant>,
     consumed: Consumed,
@@ -200,6 +212,8 @@ impl ServerCall {
 #[derive(Clone)]
 pub struct Server {
     handlers: HashMap<String, HandlerFn>,
+    /// tonic services, for the methods no handler takes.
+    routes: Option<tonic::service::Routes>,
     config: Config,
     grace: Duration,
     stream_limit: usize,
@@ -209,6 +223,7 @@ impl Default for Server {
     fn default() -> Server {
         Server {
             handlers: HashMap::new(),
+            routes: None,
             config: Config::default(),
             grace: Duration::from_secs(10),
             stream_limit: usize::MAX,
@@ -236,6 +251,29 @@ impl Server {
         Fut: Future<Output = Result<(), Status>> + Send + 'static,
     {
         self.handlers.insert(path.to_owned(), Arc::new(move |call| Box::pin(handler(call))));
+        self
+    }
+
+    /// Adds a tonic service (a `FooServer` that `tonic-build` generated): its methods are
+    /// served over `shm://` as over HTTP/2, with the same metadata, deadlines and statuses.
+    /// Handlers registered by path take precedence over it.
+    pub fn add_service<S>(mut self, service: S) -> Server
+    where
+        S: tower_service::Service<
+                http::Request<tonic::body::Body>,
+                Response = http::Response<tonic::body::Body>,
+                Error = std::convert::Infallible,
+            > + tonic::server::NamedService
+            + Clone
+            + Send
+            + Sync
+            + 'static,
+        S::Future: Send + 'static,
+    {
+        self.routes = Some(match self.routes.take() {
+            None => tonic::service::Routes::new(service),
+            Some(routes) => routes.add_service(service),
+        });
         self
     }
 
@@ -278,7 +316,13 @@ impl Server {
         })?;
         Ok(Bound {
             listener,
-            handlers: Arc::new(self.handlers),
+            handlers: Arc::new(Methods {
+                by_path: self.handlers,
+                fallback: self.routes.map(|routes| {
+                    let services = crate::bridge::RoutesHandler(routes);
+                    Arc::new(move |call| Box::pin(services.clone().serve(call)) as BoxFuture) as HandlerFn
+                }),
+            }),
             grace: self.grace,
             stream_limit: self.stream_limit,
             tracker: Arc::default(),
@@ -294,7 +338,7 @@ impl Server {
 /// A bound server, accepting once served.
 pub struct Bound {
     listener: AsyncFd<Accepting>,
-    handlers: Arc<HashMap<String, HandlerFn>>,
+    handlers: Arc<Methods>,
     grace: Duration,
     stream_limit: usize,
     tracker: Arc<Tracker>,
@@ -427,12 +471,7 @@ impl AsRawFd for Accepting {
     }
 }
 
-async fn serve_connection(
-    conn: Connection,
-    handlers: Arc<HashMap<String, HandlerFn>>,
-    tracker: Arc<Tracker>,
-    stream_limit: usize,
-) {
+async fn serve_connection(conn: Connection, handlers: Arc<Methods>, tracker: Arc<Tracker>, stream_limit: usize) {
     let (sender, receiver) = conn.split();
     let mux = Mux::serving(sender, stream_limit);
     if let Ok(mut c) = tracker.connections.lock() {
@@ -441,7 +480,7 @@ async fn serve_connection(
     }
     let reader_mux = mux.clone();
     let make = Box::new(move |incoming: Incoming| -> crate::mux::CallFuture {
-        let handler = handlers.get(&incoming.head.path).cloned();
+        let handler = handlers.find(&incoming.head.path);
         let guard = CallGuard::new(&tracker);
         let mux = mux.clone();
         Box::pin(async move {

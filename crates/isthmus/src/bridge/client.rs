@@ -1,0 +1,228 @@
+//! [`Channel`] as a tower service: the transport under tonic-generated clients.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderValue};
+use http_body::{Body, Frame};
+
+use super::codec::{self, Deframer};
+use crate::call::CallOptions;
+use crate::client::{ClientCall, SendHalf};
+use crate::status::{Code, Status};
+use crate::Channel;
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// The body of a response from a [`Channel`] used as a tower service: each response message
+/// (prefix, then the message's own bytes), then the status as trailers. Dropping it before the
+/// end cancels the call.
+pub struct ResponseBody {
+    call: Option<ClientCall>,
+    /// The message whose prefix was just yielded.
+    pending: Option<Bytes>,
+    /// The status of a call that failed before it started, yielded as trailers.
+    failed: Option<Status>,
+}
+
+impl std::fmt::Debug for ResponseBody {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseBody").field("open", &self.call.is_some()).finish()
+    }
+}
+
+impl Body for ResponseBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(m) = self.pending.take() {
+            return Poll::Ready(Some(Ok(Frame::data(m))));
+        }
+        if let Some(status) = self.failed.take() {
+            return Poll::Ready(Some(Ok(Frame::trailers(codec::status_trailers(&status)))));
+        }
+        let Some(call) = self.call.as_mut() else { return Poll::Ready(None) };
+        let frame = match ready!(call.poll_recv(cx)) {
+            Ok(Some(m)) => match codec::prefix(m.len()) {
+                Ok(p) => {
+                    self.pending = Some(m);
+                    Frame::data(p)
+                }
+                Err(status) => self.end(status),
+            },
+            Ok(None) => {
+                let trailers = call.trailers().cloned().unwrap_or_default();
+                self.end(Status::ok().with_metadata(trailers))
+            }
+            Err(status) => self.end(status),
+        };
+        Poll::Ready(Some(Ok(frame)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.call.is_none() && self.pending.is_none() && self.failed.is_none()
+    }
+}
+
+impl ResponseBody {
+    /// The trailers that end the body; the call is done with.
+    fn end(&mut self, status: Status) -> Frame<Bytes> {
+        self.call = None;
+        Frame::trailers(codec::status_trailers(&status))
+    }
+}
+
+/// A response that carries only a status (the call failed before the server answered).
+fn failed_response(status: Status) -> http::Response<ResponseBody> {
+    let mut response = http::Response::new(ResponseBody { call: None, pending: None, failed: Some(status) });
+    response.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    response
+}
+
+/// Runs `fut` for one poll here; `None` if it has to wait.
+pub(super) async fn poll_once<F: Future + Unpin>(fut: &mut F) -> Option<F::Output> {
+    std::future::poll_fn(|cx| {
+        Poll::Ready(match Pin::new(&mut *fut).poll(cx) {
+            Poll::Ready(v) => Some(v),
+            Poll::Pending => None,
+        })
+    })
+    .await
+}
+
+/// Sends a request body's messages on the call. The last message goes with the half-close in one
+/// frame, which needs to know it is the last: a message is held until the body says whether
+/// more follow.
+async fn pump<B>(body: B, sender: SendHalf, limit: usize)
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    // A request that cannot be sent whole fails the call, on both sides.
+    if let Err(Stop::Failed(status)) = pump_messages(body, &sender, limit).await {
+        sender.fail(status);
+    }
+}
+
+/// Why a request stopped being sent.
+enum Stop {
+    /// The call is over already; its status reaches the caller through the response.
+    CallOver,
+    /// The request itself is at fault.
+    Failed(Status),
+}
+
+impl From<Status> for Stop {
+    fn from(s: Status) -> Stop {
+        Stop::Failed(s)
+    }
+}
+
+async fn pump_messages<B>(body: B, sender: &SendHalf, limit: usize) -> Result<(), Stop>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let mut body = std::pin::pin!(body);
+    let mut deframer = Deframer::new(limit);
+    let mut held: Option<Bytes> = None;
+    let closed = |()| Stop::CallOver;
+    loop {
+        // Errors become `BoxError` at once: the body's own error type need not be `Send`.
+        let mut next = std::future::poll_fn(|cx| {
+            body.as_mut().poll_frame(cx).map(|f| f.map(|r| r.map_err(Into::<BoxError>::into)))
+        });
+        let frame = match poll_once(&mut next).await {
+            Some(f) => f,
+            None => {
+                if let Some(m) = held.take() {
+                    sender.send(&m, false).await.map_err(closed)?;
+                }
+                next.await
+            }
+        };
+        match frame {
+            None => break,
+            Some(Err(e)) => {
+                return Err(Status::new(Code::Cancelled, format!("the request stream failed: {e}")).into());
+            }
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    deframer.push(data);
+                    while let Some(m) = deframer.next()? {
+                        if let Some(prev) = held.replace(m) {
+                            sender.send(&prev, false).await.map_err(closed)?;
+                        }
+                    }
+                }
+            }
+        }
+    }
+    if !deframer.is_empty() {
+        return Err(Status::new(Code::Internal, "the request body ended inside a message").into());
+    }
+    match held {
+        Some(m) => sender.send(&m, true).await.map_err(closed),
+        None => sender.close().await.map_err(closed),
+    }
+}
+
+impl Channel {
+    async fn call_http<B>(self, request: http::Request<B>) -> http::Response<ResponseBody>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let (parts, body) = request.into_parts();
+        let options = match (codec::metadata_from(&parts.headers), codec::timeout_from(&parts.headers)) {
+            (Ok(metadata), Ok(timeout)) => CallOptions { metadata, timeout, wait_for_ready: false },
+            (Err(s), _) | (_, Err(s)) => return failed_response(s),
+        };
+        let mut call = match self.start(parts.uri.path(), options).await {
+            Ok(call) => call,
+            Err(status) => return failed_response(status),
+        };
+        // Requests are usually whole already (a unary call's one message): send them here, and
+        // give the rest of a streaming request a task of its own.
+        let limit = self.max_message_size();
+        let mut sending = Box::pin(pump(body, call.send_half(), limit));
+        if poll_once(&mut sending).await.is_none() {
+            tokio::spawn(sending);
+        }
+        match std::future::poll_fn(|cx| call.poll_headers(cx)).await {
+            Err(status) => failed_response(status),
+            Ok(metadata) => {
+                let mut headers = HeaderMap::new();
+                headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+                codec::metadata_into(&metadata, &mut headers);
+                let mut response = http::Response::new(ResponseBody { call: Some(call), pending: None, failed: None });
+                *response.headers_mut() = headers;
+                response
+            }
+        }
+    }
+}
+
+/// A `Channel` carries tonic's requests: `FooClient::new(channel)` works for any generated
+/// client. Failures arrive as gRPC statuses in the response, as from any gRPC server.
+impl<B> tower_service::Service<http::Request<B>> for Channel
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    type Response = http::Response<ResponseBody>;
+    type Error = std::convert::Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let channel = self.clone();
+        Box::pin(async move { Ok(channel.call_http(request).await) })
+    }
+}

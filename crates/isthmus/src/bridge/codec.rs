@@ -1,0 +1,332 @@
+//! gRPC over HTTP/2's encodings: the 5-byte message prefix, `grpc-timeout`, metadata as headers
+//! (`-bin` values base64), and the status trailers. Everything read here comes from a body or a
+//! header map built by tonic code in this process or by a peer over the network, so every
+//! length and value is checked.
+
+use std::time::Duration;
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::{HeaderMap, HeaderValue};
+
+use crate::metadata::MetadataMap;
+use crate::status::{Code, Status};
+
+/// The prefix of one message in a gRPC body: compressed flag, then big-endian length.
+pub(crate) fn prefix(len: usize) -> Result<Bytes, Status> {
+    let len = u32::try_from(len).map_err(|_| {
+        Status::new(Code::ResourceExhausted, format!("a {len}-byte message is over gRPC's 4 GiB framing limit"))
+    })?;
+    let mut p = [0u8; 5];
+    p[1..].copy_from_slice(&len.to_be_bytes());
+    Ok(Bytes::copy_from_slice(&p))
+}
+
+/// Cuts a gRPC body's data frames back into messages.
+#[derive(Debug)]
+pub(crate) struct Deframer {
+    buf: BytesMut,
+    limit: usize,
+}
+
+impl Deframer {
+    /// `limit`: the largest message accepted; a larger one is RESOURCE_EXHAUSTED.
+    pub(crate) fn new(limit: usize) -> Deframer {
+        Deframer { buf: BytesMut::new(), limit }
+    }
+
+    /// Adds a data frame. A frame that is exactly one whole message (the common case) is passed
+    /// through without a copy by [`next`](Self::next).
+    pub(crate) fn push(&mut self, data: Bytes) {
+        if self.buf.is_empty() {
+            self.buf = BytesMut::from(data);
+        } else {
+            self.buf.extend_from_slice(&data);
+        }
+    }
+
+    /// The next whole message, if one has arrived.
+    pub(crate) fn next(&mut self) -> Result<Option<Bytes>, Status> {
+        if self.buf.len() < 5 {
+            return Ok(None);
+        }
+        if self.buf[0] != 0 {
+            return Err(Status::new(
+                Code::Unimplemented,
+                format!("compressed messages (flag {}) are not supported: no grpc-encoding was agreed", self.buf[0]),
+            ));
+        }
+        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+        if len > self.limit {
+            return Err(Status::new(
+                Code::ResourceExhausted,
+                format!("received a {len}-byte message, larger than the limit of {} bytes", self.limit),
+            ));
+        }
+        if self.buf.len() < 5 + len {
+            self.buf.reserve(5 + len - self.buf.len());
+            return Ok(None);
+        }
+        self.buf.advance(5);
+        Ok(Some(self.buf.split_to(len).freeze()))
+    }
+
+    /// Whether bytes of an unfinished message are left (an error at the end of a body).
+    pub(crate) fn is_empty(&self) -> bool {
+        self.buf.is_empty()
+    }
+}
+
+/// Reads `grpc-timeout` (gRPC over HTTP/2: at most 8 digits and a unit).
+pub(crate) fn timeout_from(headers: &HeaderMap) -> Result<Option<Duration>, Status> {
+    let Some(v) = headers.get("grpc-timeout") else { return Ok(None) };
+    let bad = || Status::new(Code::InvalidArgument, format!("malformed grpc-timeout {v:?}"));
+    let s = v.to_str().map_err(|_| bad())?;
+    if s.len() < 2 || s.len() > 9 {
+        return Err(bad());
+    }
+    let (digits, unit) = s.split_at(s.len() - 1);
+    let n: u64 = digits.parse().map_err(|_| bad())?;
+    Ok(Some(match unit {
+        "H" => Duration::from_secs(n.saturating_mul(3600)),
+        "M" => Duration::from_secs(n.saturating_mul(60)),
+        "S" => Duration::from_secs(n),
+        "m" => Duration::from_millis(n),
+        "u" => Duration::from_micros(n),
+        "n" => Duration::from_nanos(n),
+        _ => return Err(bad()),
+    }))
+}
+
+/// Writes `grpc-timeout` in the finest unit whose count fits 8 digits.
+pub(crate) fn timeout_value(t: Duration) -> HeaderValue {
+    let units: [(u128, char); 6] = [
+        (1, 'n'),
+        (1_000, 'u'),
+        (1_000_000, 'm'),
+        (1_000_000_000, 'S'),
+        (60_000_000_000, 'M'),
+        (3_600_000_000_000, 'H'),
+    ];
+    let ns = t.as_nanos().max(1);
+    for (per, unit) in units {
+        let n = ns.div_ceil(per);
+        if n < 100_000_000 {
+            return HeaderValue::from_str(&format!("{n}{unit}")).unwrap_or(HeaderValue::from_static("99999999H"));
+        }
+    }
+    HeaderValue::from_static("99999999H")
+}
+
+/// Headers that belong to HTTP/2 or to gRPC's own framing, never metadata.
+fn is_protocol_header(key: &str) -> bool {
+    key.starts_with("grpc-") || matches!(key, "content-type" | "te" | "user-agent" | "host" | "content-length")
+}
+
+/// The metadata in a header map (request headers, response headers or trailers). `-bin` values
+/// are base64 (padded or not); a value that does not decode is INVALID_ARGUMENT, naming the key.
+pub(crate) fn metadata_from(headers: &HeaderMap) -> Result<MetadataMap, Status> {
+    let mut md = MetadataMap::new();
+    let bad = |what: String| Status::new(Code::InvalidArgument, what);
+    for (key, value) in headers {
+        let key = key.as_str();
+        if is_protocol_header(key) {
+            continue;
+        }
+        if crate::metadata::is_binary_key(key) {
+            let decoded =
+                decode_base64(value.as_bytes()).ok_or_else(|| bad(format!("metadata {key}: value is not base64")))?;
+            md.append_bin(key, decoded).map_err(|e| bad(e.to_string()))?;
+        } else {
+            let text = value.to_str().map_err(|_| bad(format!("metadata {key}: value is not printable ASCII")))?;
+            md.append(key, text).map_err(|e| bad(e.to_string()))?;
+        }
+    }
+    Ok(md)
+}
+
+/// Appends `md` to a header map (`-bin` values base64 without padding, as gRPC sends them).
+pub(crate) fn metadata_into(md: &MetadataMap, headers: &mut HeaderMap) {
+    for (key, value) in md.iter() {
+        let Ok(name) = http::HeaderName::from_bytes(key.as_bytes()) else { continue };
+        let value = if crate::metadata::is_binary_key(key) {
+            HeaderValue::from_str(&encode_base64(value))
+        } else {
+            HeaderValue::from_bytes(value)
+        };
+        if let Ok(v) = value {
+            headers.append(name, v);
+        }
+    }
+}
+
+/// The trailers that end a response with `status` (and its metadata).
+pub(crate) fn status_trailers(status: &Status) -> HeaderMap {
+    let mut t = HeaderMap::new();
+    metadata_into(status.metadata(), &mut t);
+    t.insert("grpc-status", HeaderValue::from(status.code() as u32));
+    if !status.message().is_empty() {
+        let encoded = percent_encode(status.message());
+        if let Ok(v) = HeaderValue::from_str(&encoded) {
+            t.insert("grpc-message", v);
+        }
+    }
+    if !status.details().is_empty() {
+        if let Ok(v) = HeaderValue::from_str(&encode_base64(status.details())) {
+            t.insert("grpc-status-details-bin", v);
+        }
+    }
+    t
+}
+
+/// The status in trailers (or in the headers of a trailers-only response), if there is one.
+pub(crate) fn status_from(headers: &HeaderMap) -> Option<Status> {
+    let code = headers.get("grpc-status")?;
+    let code = code.to_str().ok().and_then(|c| c.parse::<u32>().ok()).map_or(Code::Unknown, Code::from_u32);
+    let message = headers.get("grpc-message").map(|m| percent_decode(m.as_bytes())).unwrap_or_default();
+    let mut status = Status::new(code, message);
+    if let Some(d) = headers.get("grpc-status-details-bin").and_then(|d| decode_base64(d.as_bytes())) {
+        status = status.with_details(d);
+    }
+    match metadata_from(headers) {
+        Ok(md) if !md.is_empty() => Some(status.with_metadata(md)),
+        Ok(_) => Some(status),
+        Err(e) => Some(Status::new(Code::Internal, format!("trailers with invalid metadata: {}", e.message()))),
+    }
+}
+
+/// gRPC's percent-encoding of `grpc-message`: bytes outside printable ASCII, and `%`.
+fn percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for &b in s.as_bytes() {
+        if (0x20..0x7f).contains(&b) && b != b'%' {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+fn percent_decode(b: &[u8]) -> String {
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = |c: u8| (c as char).to_digit(16);
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+const BASE64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+
+fn encode_base64(data: &[u8]) -> String {
+    let mut out = String::with_capacity(data.len().div_ceil(3) * 4);
+    for chunk in data.chunks(3) {
+        let n = chunk.iter().enumerate().fold(0u32, |n, (i, &b)| n | u32::from(b) << (16 - 8 * i));
+        for i in 0..=chunk.len() {
+            out.push(BASE64[(n >> (18 - 6 * i) & 63) as usize] as char);
+        }
+    }
+    out
+}
+
+/// Standard base64, padded or not; `None` if it is not base64.
+fn decode_base64(text: &[u8]) -> Option<Vec<u8>> {
+    let text = text.strip_suffix(b"==").or_else(|| text.strip_suffix(b"=")).unwrap_or(text);
+    if text.len() % 4 == 1 {
+        return None;
+    }
+    let mut out = Vec::with_capacity(text.len() * 3 / 4);
+    for chunk in text.chunks(4) {
+        let mut n = 0u32;
+        for (i, &c) in chunk.iter().enumerate() {
+            let v = BASE64.iter().position(|&b| b == c)? as u32;
+            n |= v << (18 - 6 * i);
+        }
+        out.extend_from_slice(&n.to_be_bytes()[1..chunk.len()]);
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn messages_are_cut_from_any_split_of_the_body() {
+        let mut body = Vec::new();
+        let messages: Vec<Vec<u8>> = vec![vec![], vec![1, 2, 3], vec![9; 70_000]];
+        for m in &messages {
+            body.extend_from_slice(&prefix(m.len()).expect("prefix"));
+            body.extend_from_slice(m);
+        }
+        for step in [1, 2, 5, 7, 4096, body.len()] {
+            let mut d = Deframer::new(1 << 20);
+            let mut got = Vec::new();
+            for piece in body.chunks(step) {
+                d.push(Bytes::copy_from_slice(piece));
+                while let Some(m) = d.next().expect("well-formed") {
+                    got.push(m.to_vec());
+                }
+            }
+            assert_eq!(got, messages, "split every {step} bytes");
+            assert!(d.is_empty());
+        }
+    }
+
+    #[test]
+    fn oversize_and_compressed_messages_are_refused() {
+        let mut d = Deframer::new(10);
+        d.push(Bytes::from_static(&[0, 0, 0, 0, 11]));
+        assert_eq!(d.next().expect_err("too large").code(), Code::ResourceExhausted);
+        let mut d = Deframer::new(10);
+        d.push(Bytes::from_static(&[1, 0, 0, 0, 1, 7]));
+        assert_eq!(d.next().expect_err("compressed").code(), Code::Unimplemented);
+    }
+
+    #[test]
+    fn timeouts_round_trip_in_eight_digits() {
+        for t in [Duration::from_nanos(1), Duration::from_millis(1500), Duration::from_secs(86_400 * 400)] {
+            let mut h = HeaderMap::new();
+            h.insert("grpc-timeout", timeout_value(t));
+            let back = timeout_from(&h).expect("parses").expect("present");
+            assert!(back >= t && back <= t + t / 10_000_000 + Duration::from_secs(3600), "{t:?} -> {back:?}");
+        }
+        for bad in ["", "1", "123456789S", "10x", "-1S"] {
+            let mut h = HeaderMap::new();
+            h.insert("grpc-timeout", HeaderValue::from_str(bad).unwrap_or(HeaderValue::from_static("?")));
+            assert!(timeout_from(&h).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn status_and_metadata_survive_headers() {
+        let mut md = MetadataMap::new();
+        md.append("x-a", "1").expect("ascii");
+        md.append_bin("x-b-bin", vec![0u8, 255, 7, 8]).expect("bin");
+        let status = Status::new(Code::Aborted, "naïve 100% \n").with_details(vec![1u8, 2, 3, 4, 5]).with_metadata(md);
+        let back = status_from(&status_trailers(&status)).expect("a status");
+        assert_eq!(
+            (back.code(), back.message(), &back.details()[..]),
+            (Code::Aborted, "naïve 100% \n", &[1u8, 2, 3, 4, 5][..])
+        );
+        assert_eq!(back.metadata().get("x-a"), Some("1"));
+        assert_eq!(back.metadata().get_bin("x-b-bin"), Some(&[0u8, 255, 7, 8][..]));
+        for n in 0..40 {
+            let data: Vec<u8> = (0..n).map(|i| (i * 37) as u8).collect();
+            assert_eq!(decode_base64(encode_base64(&data).as_bytes()), Some(data.clone()));
+            let padded = format!("{}{}", encode_base64(&data), "=".repeat((4 - encode_base64(&data).len() % 4) % 4));
+            assert_eq!(decode_base64(padded.as_bytes()), Some(data));
+        }
+        assert_eq!(decode_base64(b"a"), None);
+        assert_eq!(decode_base64(b"ab*d"), None);
+    }
+}

@@ -1,0 +1,22 @@
+//! The bridge between tonic and the engine: generated tonic clients call over isthmus, and tonic
+//! services answer isthmus calls.
+//!
+//! Over HTTP/2, a gRPC message travels in the body with a 5-byte prefix, and metadata, deadlines
+//! and status travel as headers and trailers. Over `shm://` a message is a frame of its own and
+//! the rest is in the RPC frame bodies (`protocol.md` §13). The bridge converts one into the
+//! other at the edge, message by message, so neither tonic nor a handler sees a difference:
+//!
+//! - [`Channel`](crate::Channel) is a `tower::Service` over `http::Request`s, which makes it a
+//!   transport for any tonic-generated client (`FooClient::new(channel)`).
+//! - [`Server::add_service`](crate::Server::add_service) takes tonic-generated servers; a call
+//!   over `shm://` for one of their methods becomes an `http::Request` to them.
+//!
+//! Messages are not copied on the way: a response body yields the 5-byte prefix and the
+//! message's own `Bytes` (a view into shared memory for a large one) as two data frames.
+
+mod client;
+mod codec;
+mod server;
+
+pub use client::ResponseBody;
+pub(crate) use server::RoutesHandler;

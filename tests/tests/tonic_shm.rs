@@ -1,0 +1,131 @@
+//! tonic over isthmus: a generated tonic client on an `isthmus::Channel`, a generated tonic
+//! service behind `isthmus::Server::add_service` (`tonic-peer`, another process), `shm://`
+//! between them.
+
+use std::time::Duration;
+
+use isthmus_tests::conformance::echo_client::EchoClient;
+use isthmus_tests::conformance::{EchoRequest, StreamRequest};
+use isthmus_tests::{first_mismatch, fresh_addr, pattern, Peer};
+use tonic::{Code, Request};
+
+fn run<F: std::future::Future<Output = ()>>(f: F) {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    rt.block_on(async { tokio::time::timeout(Duration::from_secs(120), f).await.expect("watchdog") });
+}
+
+async fn client(addr: &str) -> EchoClient<isthmus::Channel> {
+    let channel = isthmus::Channel::connect(addr).await.expect("connect");
+    EchoClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20)
+}
+
+fn request(payload: Vec<u8>, seq: u64) -> EchoRequest {
+    EchoRequest { payload, seq, ..EchoRequest::default() }
+}
+
+#[test]
+fn a_generated_client_and_service_make_every_kind_of_call() {
+    let addr = fresh_addr("tonic");
+    let _server = Peer::spawn_bin("tonic-peer", &[&addr]);
+    run(async move {
+        let mut c = client(&addr).await;
+
+        // Unary, with ascii and binary metadata both ways.
+        let mut req = Request::new(request(b"hello".to_vec(), 7));
+        req.metadata_mut().insert("x-echo", "hi".parse().expect("ascii"));
+        req.metadata_mut().insert_bin("x-echo-bin", tonic::metadata::MetadataValue::from_bytes(&[0u8, 1, 255]));
+        let reply = c.unary(req).await.expect("unary");
+        assert_eq!(reply.metadata().get("x-echo").and_then(|v| v.to_str().ok()), Some("hi"));
+        assert_eq!(
+            reply.metadata().get_bin("x-echo-bin").and_then(|v| v.to_bytes().ok()).as_deref(),
+            Some(&[0u8, 1, 255][..])
+        );
+        let reply = reply.into_inner();
+        assert_eq!((reply.payload.as_slice(), reply.seq, reply.time_left_ms), (&b"hello"[..], 7, -1));
+
+        // Server streaming, some messages through the arena.
+        let mut stream =
+            c.server_stream(StreamRequest { count: 100, size: 20_000 }).await.expect("stream").into_inner();
+        let mut n = 0u64;
+        while let Some(r) = stream.message().await.expect("message") {
+            assert_eq!((r.seq, r.payload.len(), first_mismatch(&r.payload, n)), (n, 20_000, None));
+            n += 1;
+        }
+        assert_eq!(n, 100);
+
+        // Client streaming.
+        let requests: Vec<EchoRequest> = (0..300u64).map(|i| request(pattern(3000, i), i)).collect();
+        let summary = c.client_stream(tonic::codegen::tokio_stream::iter(requests)).await.expect("client stream");
+        assert_eq!((summary.get_ref().count, summary.get_ref().bytes), (300, 900_000));
+
+        // Bidi: each echo comes back before the next request goes.
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let mut replies = c.bidi(ReceiverStream(rx)).await.expect("bidi").into_inner();
+        for i in 0..50u64 {
+            tx.send(request(pattern(i as usize * 100, i), i)).await.expect("send");
+            let r = replies.message().await.expect("echo").expect("a reply");
+            assert_eq!((r.seq, first_mismatch(&r.payload, i)), (i, None));
+        }
+        drop(tx);
+        assert!(replies.message().await.expect("end").is_none());
+
+        // A 16 MiB message each way.
+        let big = pattern(16 << 20, 5);
+        let reply = c.unary(request(big, 5)).await.expect("big unary").into_inner();
+        assert_eq!((reply.payload.len(), first_mismatch(&reply.payload, 5)), (16 << 20, None));
+    });
+}
+
+#[test]
+fn statuses_deadlines_and_unknown_methods_cross_the_bridge() {
+    let addr = fresh_addr("tonic");
+    let _server = Peer::spawn_bin("tonic-peer", &[&addr]);
+    run(async move {
+        let mut c = client(&addr).await;
+        for code in 1..=16 {
+            let req =
+                EchoRequest { fail_with: code, fail_message: format!("failure {code} ✓"), ..EchoRequest::default() };
+            let s = c.unary(req).await.expect_err("fails");
+            assert_eq!(s.code(), Code::from_i32(code));
+            assert_eq!(s.message(), format!("failure {code} ✓"));
+            assert_eq!(s.details(), b"\x00details\xff");
+            assert_eq!(s.metadata().get("x-failed").and_then(|v| v.to_str().ok()), Some("yes"), "code {code}");
+        }
+        // The deadline travels: the service sees it, and one it cannot meet ends the call.
+        let mut req = Request::new(request(vec![], 1));
+        req.set_timeout(Duration::from_secs(30));
+        let left = c.unary(req).await.expect("in time").into_inner().time_left_ms;
+        assert!((1..=30_000).contains(&left), "{left}");
+        let mut req = Request::new(EchoRequest { sleep_ms: 10_000, ..EchoRequest::default() });
+        req.set_timeout(Duration::from_millis(200));
+        let s = c.unary(req).await.expect_err("too slow");
+        assert_eq!(s.code(), Code::DeadlineExceeded, "{s:?}");
+        // A failure mid-stream reaches the client after the messages before it.
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let mut replies = c.bidi(ReceiverStream(rx)).await.expect("bidi").into_inner();
+        tx.send(request(b"a".to_vec(), 0)).await.expect("send");
+        assert_eq!(replies.message().await.expect("echo").expect("reply").payload, b"a");
+        tx.send(EchoRequest { fail_with: Code::Aborted as i32, fail_message: "stop".into(), ..EchoRequest::default() })
+            .await
+            .expect("send");
+        let s = replies.message().await.expect_err("aborted");
+        assert_eq!((s.code(), s.message()), (Code::Aborted, "stop"));
+        // A method the server does not have.
+        let channel = isthmus::Channel::connect(&addr).await.expect("connect");
+        let s = channel.unary("/conformance.Echo/Nope", b"", Default::default()).await.expect_err("unknown");
+        assert_eq!(s.code(), isthmus::Code::Unimplemented, "{s}");
+        let s = channel.unary("/other.Service/Call", b"", Default::default()).await.expect_err("unknown");
+        assert_eq!(s.code(), isthmus::Code::Unimplemented, "{s}");
+    });
+}
+
+/// An mpsc receiver as a request stream.
+struct ReceiverStream<T>(tokio::sync::mpsc::Receiver<T>);
+
+impl<T> tonic::codegen::tokio_stream::Stream for ReceiverStream<T> {
+    type Item = T;
+
+    fn poll_next(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<T>> {
+        self.0.poll_recv(cx)
+    }
+}
