@@ -21,7 +21,7 @@ use std::time::Duration;
 
 use measure::Budget;
 use report::Record;
-use rpc::{IsthmusRust, TonicUds};
+use rpc::{IsthmusRust, TonicClient};
 use system::{FloorEventfd, FloorSpin, Memcpy, SameCore, ShmEcho, System, UdsEcho};
 
 const SIZES: [usize; 6] = [64, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20];
@@ -40,14 +40,21 @@ fn main() {
         "serve-spin" => system::serve_spin(num(2) as i32),
         "serve-isthmus" => rpc::serve_isthmus(&arg(2)),
         "serve-tonic" => rpc::serve_tonic(&arg(2)),
+        "serve-tonic-isthmus" => rpc::serve_tonic_isthmus(&arg(2)),
         "demo" => demo(),
-        // For profilers: the engine's echo alone for a few seconds, `inflight` calls at a time.
+        // For profilers: one system's echo alone for a few seconds:
+        // `profile-rpc INFLIGHT [SIZE [isthmus-rust|tonic-isthmus-shm|tonic-uds]]`.
         "profile-rpc" => {
             let budget = Budget { time: Duration::from_secs(3), min_iters: 1, max_iters: 2_000_000 };
-            let mut sys = IsthmusRust::start();
+            let mut sys: Box<dyn System> = match arg(4).as_str() {
+                "tonic-isthmus-shm" => Box::new(TonicClient::over_isthmus()),
+                "tonic-uds" => Box::new(TonicClient::over_uds()),
+                _ => Box::new(IsthmusRust::start()),
+            };
+            let size = arg(3).parse().unwrap_or(64);
             let s = match num(2) {
-                1 => sys.round_trip(64, budget),
-                n => sys.pipelined(64, n as usize, budget).expect("pipelined"),
+                1 => sys.round_trip(size, budget),
+                n => sys.pipelined(size, n as usize, budget).expect("pipelined"),
             };
             println!("p50 {:.2} µs, {:.0} calls/s", s.p50_us, s.rps);
         }
@@ -84,7 +91,8 @@ fn main() {
 /// Echo through whole RPC stacks: the isthmus engine against tonic over a Unix socket.
 fn rpc(budget: Budget) -> Vec<Record> {
     // raw-uds, the socket floor, is measured by the transport matrix.
-    let mut systems: Vec<Box<dyn System>> = vec![Box::new(IsthmusRust::start()), Box::new(TonicUds::start())];
+    let mut systems: Vec<Box<dyn System>> =
+        vec![Box::new(IsthmusRust::start()), Box::new(TonicClient::over_isthmus()), Box::new(TonicClient::over_uds())];
     let cells = ROUNDS * systems.len() * (RPC_SIZES.len() + 1);
     let mut done = 0;
     let mut records = Vec::new();
@@ -167,7 +175,7 @@ fn demo() {
     println!("  baseline: a tonic client -> a tonic server, gRPC over a Unix socket\n");
     status("starting servers ...");
     let mut shm = IsthmusRust::start();
-    let mut tonic = TonicUds::start();
+    let mut tonic = TonicClient::over_uds();
     status("");
     println!("| message | isthmus p50 | tonic over UDS p50 | speed-up |");
     println!("|---:|---:|---:|---:|");

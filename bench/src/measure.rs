@@ -46,6 +46,28 @@ pub fn run(budget: Budget, size: usize, mut op: impl FnMut()) -> Sample {
     summarise(&mut lat, n, total)
 }
 
+/// [`run`] for an async operation, awaited in the calling task: a client that lives in a
+/// tokio task, as an async application's code does, instead of a thread blocking on the runtime.
+pub async fn run_async<F: std::future::Future<Output = ()>>(
+    budget: Budget,
+    size: usize,
+    mut op: impl FnMut() -> F,
+) -> Sample {
+    for _ in 0..budget.warmup(size) {
+        op().await;
+    }
+    let mut lat = Vec::with_capacity(budget.max_iters.min(1 << 20));
+    let start = Instant::now();
+    while lat.len() < budget.max_iters && (lat.len() < budget.min_iters || start.elapsed() < budget.time) {
+        let t = Instant::now();
+        op().await;
+        lat.push(t.elapsed());
+    }
+    let total = start.elapsed();
+    let n = lat.len();
+    summarise(&mut lat, n, total)
+}
+
 /// p50/p99 of `lat`, and `ops` operations over `total` as a rate.
 pub fn summarise(lat: &mut [Duration], ops: usize, total: Duration) -> Sample {
     lat.sort_unstable();

@@ -223,19 +223,38 @@ pub fn serve_tonic(path: &str) {
     });
 }
 
-/// tonic's client over a Unix socket, on a multi-threaded tokio runtime as a tonic user has it.
-pub struct TonicUds {
-    _server: Server,
-    rt: tokio::runtime::Runtime,
-    channel: tonic::transport::Channel,
-    path: String,
+/// The transports a tonic client runs on here.
+pub trait TonicTransport:
+    tonic::client::GrpcService<
+        tonic::body::Body,
+        Error: Into<tonic::codegen::StdError>,
+        ResponseBody: http_body::Body<Data = Bytes, Error: Into<tonic::codegen::StdError> + Send> + Send + 'static,
+        Future: Send,
+    > + Clone
+    + Send
+    + Sync
+    + 'static
+{
 }
 
-impl TonicUds {
-    pub fn start() -> TonicUds {
+impl TonicTransport for tonic::transport::Channel {}
+impl TonicTransport for isthmus::Channel {}
+
+/// A tonic client, on a multi-threaded tokio runtime as a tonic user has it, over `T`.
+pub struct TonicClient<T> {
+    name: &'static str,
+    _server: Server,
+    rt: tokio::runtime::Runtime,
+    channel: T,
+    socket: Option<String>,
+}
+
+impl TonicClient<tonic::transport::Channel> {
+    /// `tonic-uds`: tonic client → tonic server over a Unix socket.
+    pub fn over_uds() -> Self {
         let path = std::env::temp_dir().join(format!("{}.sock", unique("tonic"))).display().to_string();
         let server = Server::spawn(&["serve-tonic".into(), path.clone()]);
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+        let rt = runtime();
         let socket = path.clone();
         let channel = rt.block_on(async move {
             tonic::transport::Endpoint::from_static("http://localhost")
@@ -251,37 +270,68 @@ impl TonicUds {
                 .await
                 .expect("connect")
         });
-        TonicUds { _server: server, rt, channel, path }
+        TonicClient { name: "tonic-uds", _server: server, rt, channel, socket: Some(path) }
     }
 }
 
-impl Drop for TonicUds {
+impl TonicClient<isthmus::Channel> {
+    /// `tonic-isthmus-shm`: the same tonic client and service, with isthmus under them: the
+    /// client on an `isthmus::Channel`, the service behind `isthmus::Server::add_service`.
+    pub fn over_isthmus() -> Self {
+        let addr = format!("shm://{}", unique("tonic-shm"));
+        let server = Server::spawn(&["serve-tonic-isthmus".into(), addr.clone()]);
+        let rt = runtime();
+        let channel = rt.block_on(isthmus::Channel::connect(&addr)).expect("connect");
+        TonicClient { name: "tonic-isthmus-shm", _server: server, rt, channel, socket: None }
+    }
+}
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
+}
+
+/// Server role: the tonic echo service behind `isthmus::Server` on `shm://`.
+pub fn serve_tonic_isthmus(addr: &str) {
+    runtime().block_on(async {
+        let bound = isthmus::Server::builder().add_service(EchoService).bind(addr).expect("bind");
+        ready();
+        bound.serve().await.expect("serve");
+    });
+}
+
+impl<T> Drop for TonicClient<T> {
     fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
+        if let Some(path) = &self.socket {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
-async fn tonic_echo(channel: tonic::transport::Channel, payload: Bytes) -> usize {
+async fn tonic_echo<T: TonicTransport>(channel: T, payload: Bytes) -> usize {
     let mut grpc =
         tonic::client::Grpc::new(channel).max_decoding_message_size(MAX_MESSAGE).max_encoding_message_size(MAX_MESSAGE);
-    grpc.ready().await.expect("ready");
+    grpc.ready().await.map_err(Into::into).expect("ready");
     let path = http::uri::PathAndQuery::from_static(PATH);
     let reply = grpc.unary(tonic::Request::new(payload), path, RawCodec).await.expect("echo");
     reply.into_inner().len()
 }
 
-impl System for TonicUds {
+impl<T: TonicTransport> System for TonicClient<T> {
     fn name(&self) -> &'static str {
-        "tonic-uds"
+        self.name
     }
-
     fn round_trip(&mut self, size: usize, budget: Budget) -> Sample {
         let payload = Bytes::from(vec![0x5au8; size]);
-        let (rt, channel) = (&self.rt, &self.channel);
-        measure::run(budget, size, || {
-            let n = rt.block_on(tonic_echo(channel.clone(), payload.clone()));
-            assert_eq!(n, size);
-        })
+        let channel = self.channel.clone();
+        // The client runs in a task of the runtime, as the code of a tonic user does.
+        let task = self.rt.spawn(async move {
+            measure::run_async(budget, size, || {
+                let (channel, payload) = (channel.clone(), payload.clone());
+                async move { assert_eq!(tonic_echo(channel, payload).await, size) }
+            })
+            .await
+        });
+        self.rt.block_on(task).expect("client task")
     }
 
     fn pipelined(&mut self, size: usize, inflight: usize, budget: Budget) -> Option<Sample> {

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Bytes, BytesMut};
 use http::{HeaderMap, HeaderValue};
 
 use crate::metadata::MetadataMap;
@@ -21,58 +21,95 @@ pub(crate) fn prefix(len: usize) -> Result<Bytes, Status> {
     Ok(Bytes::copy_from_slice(&p))
 }
 
-/// Cuts a gRPC body's data frames back into messages.
+/// Cuts a gRPC body's data frames back into messages. A message that lies whole inside one
+/// data frame (tonic yields each encoded message as one frame) is a slice of that frame, not a
+/// copy; only a message split across frames is gathered into a buffer of its own.
 #[derive(Debug)]
 pub(crate) struct Deframer {
-    buf: BytesMut,
+    /// Whole frames not yet cut, oldest first.
+    frames: std::collections::VecDeque<Bytes>,
+    queued: usize,
     limit: usize,
 }
 
 impl Deframer {
     /// `limit`: the largest message accepted; a larger one is RESOURCE_EXHAUSTED.
     pub(crate) fn new(limit: usize) -> Deframer {
-        Deframer { buf: BytesMut::new(), limit }
+        Deframer { frames: std::collections::VecDeque::new(), queued: 0, limit }
     }
 
-    /// Adds a data frame. A frame that is exactly one whole message (the common case) is passed
-    /// through without a copy by [`next`](Self::next).
+    /// Adds a data frame.
     pub(crate) fn push(&mut self, data: Bytes) {
-        if self.buf.is_empty() {
-            self.buf = BytesMut::from(data);
-        } else {
-            self.buf.extend_from_slice(&data);
+        if !data.is_empty() {
+            self.queued += data.len();
+            self.frames.push_back(data);
         }
+    }
+
+    /// Takes `n` queued bytes (`n <= queued`): a slice of the first frame if it holds them all.
+    fn take(&mut self, n: usize) -> Bytes {
+        self.queued -= n;
+        if let Some(first) = self.frames.front_mut() {
+            if first.len() >= n {
+                let out = first.split_to(n);
+                if first.is_empty() {
+                    self.frames.pop_front();
+                }
+                return out;
+            }
+        }
+        let mut out = BytesMut::with_capacity(n);
+        while out.len() < n {
+            let Some(mut f) = self.frames.pop_front() else { break };
+            let want = n - out.len();
+            if f.len() > want {
+                out.extend_from_slice(&f.split_to(want));
+                self.frames.push_front(f);
+            } else {
+                out.extend_from_slice(&f);
+            }
+        }
+        out.freeze()
     }
 
     /// The next whole message, if one has arrived.
     pub(crate) fn next(&mut self) -> Result<Option<Bytes>, Status> {
-        if self.buf.len() < 5 {
+        if self.queued < 5 {
             return Ok(None);
         }
-        if self.buf[0] != 0 {
+        let mut head = [0u8; 5];
+        let mut at = 0;
+        for f in &self.frames {
+            let n = (5 - at).min(f.len());
+            head[at..at + n].copy_from_slice(&f[..n]);
+            at += n;
+            if at == 5 {
+                break;
+            }
+        }
+        if head[0] != 0 {
             return Err(Status::new(
                 Code::Unimplemented,
-                format!("compressed messages (flag {}) are not supported: no grpc-encoding was agreed", self.buf[0]),
+                format!("compressed messages (flag {}) are not supported: no grpc-encoding was agreed", head[0]),
             ));
         }
-        let len = u32::from_be_bytes([self.buf[1], self.buf[2], self.buf[3], self.buf[4]]) as usize;
+        let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
         if len > self.limit {
             return Err(Status::new(
                 Code::ResourceExhausted,
                 format!("received a {len}-byte message, larger than the limit of {} bytes", self.limit),
             ));
         }
-        if self.buf.len() < 5 + len {
-            self.buf.reserve(5 + len - self.buf.len());
+        if self.queued < 5 + len {
             return Ok(None);
         }
-        self.buf.advance(5);
-        Ok(Some(self.buf.split_to(len).freeze()))
+        self.take(5);
+        Ok(Some(self.take(len)))
     }
 
     /// Whether bytes of an unfinished message are left (an error at the end of a body).
     pub(crate) fn is_empty(&self) -> bool {
-        self.buf.is_empty()
+        self.queued == 0
     }
 }
 
