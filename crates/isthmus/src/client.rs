@@ -11,13 +11,14 @@ use isthmus_shm::{flags, BlockMut, Config, Connection, Kind};
 use tokio::time::Instant;
 
 use crate::call::{check_path, CallOptions, CallState, Grant, Next, Response, Slot};
+use crate::endpoint::{connector, http_endpoint, Target};
 use crate::flow::Credit;
 use crate::mux::{ConnectionCounters, Mux};
 use crate::status::{Code, Status};
 use crate::wire;
 
 struct Inner {
-    slot: Slot,
+    via: Via,
     /// Serialises reconnecting, so a burst of calls makes one connection, not many.
     connecting: tokio::sync::Mutex<()>,
 }
@@ -37,15 +38,46 @@ pub struct Channel {
     inner: Arc<Inner>,
 }
 
+/// What a channel runs over.
+enum Via {
+    /// isthmus shared memory.
+    Shm(Slot),
+    /// Standard gRPC over HTTP/2 (tonic's channel), to a `unix://` or `http://` target.
+    Http { channel: tonic::transport::Channel, target: String },
+}
+
+impl Inner {
+    /// The shared-memory connection slot; raw calls exist only over `shm://`.
+    fn slot(&self) -> Result<&Slot, Status> {
+        match &self.via {
+            Via::Shm(slot) => Ok(slot),
+            Via::Http { target, .. } => Err(Status::new(
+                Code::Unimplemented,
+                format!("{target}: calls by method path go over shm:// only; over unix:// and http:// use a tonic client on this channel"),
+            )),
+        }
+    }
+}
+
 impl std::fmt::Debug for Channel {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Channel").field("target", &self.inner.slot.target.to_string()).finish_non_exhaustive()
+        let target = match &self.inner.via {
+            Via::Shm(slot) => slot.target.to_string(),
+            Via::Http { target, .. } => target.clone(),
+        };
+        f.debug_struct("Channel").field("target", &target).finish_non_exhaustive()
     }
 }
 
 impl Channel {
-    /// Connects to `target` (`shm://NAME` or `shm:///path.sock`) now. Must run inside a tokio
-    /// runtime; the handshake runs on a blocking thread.
+    /// Connects to `target` now. Must run inside a tokio runtime.
+    ///
+    /// - `shm://NAME` or `shm:///path.sock`: isthmus over shared memory (the handshake runs on a
+    ///   blocking thread);
+    /// - `unix:///path.sock` or `http://host:port`: standard gRPC over HTTP/2 (tonic's
+    ///   transport), for servers elsewhere or not isthmus. Use it with a tonic client
+    ///   (`FooClient::new(channel)`); calls by method path ([`start`](Self::start)) are
+    ///   `shm://`-only.
     pub async fn connect(target: &str) -> Result<Channel, Status> {
         Channel::connect_with(target, Config::default()).await
     }
@@ -53,9 +85,33 @@ impl Channel {
     /// [`connect`](Self::connect) with a transport configuration (ring and arena sizes, the
     /// largest message accepted, spinning).
     pub async fn connect_with(target: &str, config: Config) -> Result<Channel, Status> {
-        let channel = Channel::lazy_with(target, config)?;
-        channel.mux(false, None).await?;
-        Ok(channel)
+        match Target::parse(target)? {
+            Target::Shm(_) => {
+                let channel = Channel::lazy_with(target, config)?;
+                channel.mux(false, None).await?;
+                Ok(channel)
+            }
+            other => {
+                let channel = http_endpoint(&other)?
+                    .connect_with_connector(connector(&other))
+                    .await
+                    .map_err(|e| Status::new(Code::Unavailable, format!("cannot connect to {target}: {e}")))?;
+                Ok(Channel::over_http(channel, target))
+            }
+        }
+    }
+
+    fn over_http(channel: tonic::transport::Channel, target: &str) -> Channel {
+        let via = Via::Http { channel, target: target.to_owned() };
+        Channel { inner: Arc::new(Inner { via, connecting: tokio::sync::Mutex::new(()) }) }
+    }
+
+    /// The HTTP/2 channel under a `unix://` or `http://` target.
+    pub(crate) fn http(&self) -> Option<&tonic::transport::Channel> {
+        match &self.inner.via {
+            Via::Http { channel, .. } => Some(channel),
+            Via::Shm(_) => None,
+        }
     }
 
     /// A channel that connects on its first call.
@@ -65,13 +121,20 @@ impl Channel {
 
     /// [`lazy`](Self::lazy) with a transport configuration.
     pub fn lazy_with(target: &str, config: Config) -> Result<Channel, Status> {
-        Ok(Channel {
-            inner: Arc::new(Inner { slot: Slot::new(target, config)?, connecting: tokio::sync::Mutex::new(()) }),
-        })
+        match Target::parse(target)? {
+            Target::Shm(_) => {
+                let via = Via::Shm(Slot::new(target, config)?);
+                Ok(Channel { inner: Arc::new(Inner { via, connecting: tokio::sync::Mutex::new(()) }) })
+            }
+            other => {
+                let channel = http_endpoint(&other)?.connect_with_connector_lazy(connector(&other));
+                Ok(Channel::over_http(channel, target))
+            }
+        }
     }
 
     fn live(&self) -> Option<Arc<Mux>> {
-        self.inner.slot.live()
+        self.inner.slot().ok()?.live()
     }
 
     /// The live connection, connecting (again) if there is none.
@@ -87,7 +150,7 @@ impl Channel {
             }
             match self.connect_once().await {
                 Ok(mux) => {
-                    self.inner.slot.install(mux.clone());
+                    self.inner.slot()?.install(mux.clone());
                     return Ok(mux);
                 }
                 Err(s) if wait_for_ready && s.code() == Code::Unavailable => {
@@ -107,7 +170,8 @@ impl Channel {
     }
 
     async fn connect_once(&self) -> Result<Arc<Mux>, Status> {
-        let (addr, config) = (self.inner.slot.target.clone(), self.inner.slot.config.clone());
+        let slot = self.inner.slot()?;
+        let (addr, config) = (slot.target.clone(), slot.config.clone());
         let conn = tokio::task::spawn_blocking(move || Connection::connect(&addr, &config))
             .await
             .map_err(|e| Status::new(Code::Internal, format!("connect task failed: {e}")))?
@@ -123,7 +187,7 @@ impl Channel {
         check_path(path)?;
         let deadline = options.timeout.map(|t| Instant::now() + t);
         let mux = self.mux(options.wait_for_ready, deadline).await?;
-        let stream = mux.register(self.inner.slot.next_stream())?;
+        let stream = mux.register(self.inner.slot()?.next_stream())?;
         let call = ClientCall { state: CallState::new(stream, mux, path), deadline, timer: None };
         // Time spent waiting for a server is the call's: send what is left.
         let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()).max(Duration::from_nanos(1)));
@@ -139,13 +203,14 @@ impl Channel {
 
     /// The largest message this channel accepts (its configuration's `max_message_size`).
     pub(crate) fn max_message_size(&self) -> usize {
-        usize::try_from(self.inner.slot.config.max_message_size).unwrap_or(usize::MAX)
+        let limit = self.inner.slot().map_or(u64::MAX, |s| s.config.max_message_size);
+        usize::try_from(limit).unwrap_or(usize::MAX)
     }
 
     /// Counters of the current connection (zero if there is none yet); they start afresh when
     /// the channel reconnects.
     pub fn counters(&self) -> ConnectionCounters {
-        self.inner.slot.counters()
+        self.inner.slot().map(Slot::counters).unwrap_or_default()
     }
 
     /// A unary call: one request, one response.

@@ -21,6 +21,7 @@ pub mod blocking;
 mod bridge;
 mod call;
 mod client;
+mod endpoint;
 mod flow;
 mod inbox;
 pub mod metadata;

@@ -14,6 +14,7 @@ use tokio::sync::Notify;
 use tokio::time::Instant;
 use tracing::Instrument;
 
+use crate::endpoint::{HttpListener, Target};
 use crate::flow::{self, Consumed, Credit};
 use crate::metadata::MetadataMap;
 use crate::mux::{Cancel, ConnectionCounters, Event, Incoming, Mux, Stream};
@@ -303,19 +304,41 @@ impl Server {
         self
     }
 
-    /// Binds `target` (`shm://…`) now, so clients can connect as soon as this returns; serve
-    /// with [`Bound::serve`]. Must be called inside a tokio runtime.
+    /// Binds `target` now, so clients can connect as soon as this returns; serve with
+    /// [`Bound::serve`]. Must be called inside a tokio runtime. See [`bind_all`](Self::bind_all)
+    /// for the kinds of target.
     pub fn bind(self, target: &str) -> Result<Bound, Status> {
-        let addr: Address = target.parse().map_err(|e| Status::from_transport(&e))?;
-        let listener = Listener::bind(&addr, self.config.clone()).map_err(|e| Status::from_transport(&e))?;
-        listener.set_nonblocking(true).map_err(|e| Status::from_transport(&e))?;
-        // SAFETY: the AsyncFd owns the listener, so its fd stays open for the registration's life.
-        let listener = unsafe { AsyncFd::register_with_interest(Accepting(listener), tokio::io::Interest::READABLE) }
-            .map_err(|e| {
-            Status::new(Code::Unavailable, format!("cannot watch {target}: {}", std::io::Error::from(e)))
-        })?;
+        self.bind_all([target])
+    }
+
+    /// Binds every target now: `shm://NAME` (isthmus, for clients on this machine), and
+    /// `unix:///path.sock` or `http://host:port`, where the tonic services
+    /// ([`add_service`](Self::add_service)) answer standard gRPC over HTTP/2, for any gRPC
+    /// client. Handlers registered by path are served over `shm://` only.
+    pub fn bind_all<'a>(self, targets: impl IntoIterator<Item = &'a str>) -> Result<Bound, Status> {
+        let mut shm = Vec::new();
+        let mut http = Vec::new();
+        for target in targets {
+            match Target::parse(target)? {
+                Target::Shm(t) => shm.push(bind_shm(&t, &self.config)?),
+                other => {
+                    if self.routes.is_none() {
+                        return Err(Status::new(
+                            Code::FailedPrecondition,
+                            format!("{target}: unix:// and http:// endpoints serve tonic services (add_service), and none was added"),
+                        ));
+                    }
+                    http.push(HttpListener::bind(&other)?);
+                }
+            }
+        }
+        if shm.is_empty() && http.is_empty() {
+            return Err(Status::new(Code::InvalidArgument, "no target to serve"));
+        }
         Ok(Bound {
-            listener,
+            shm,
+            http,
+            routes: self.routes.clone(),
             handlers: Arc::new(Methods {
                 by_path: self.handlers,
                 fallback: self.routes.map(|routes| {
@@ -333,11 +356,28 @@ impl Server {
     pub async fn serve(self, target: &str) -> Result<(), Status> {
         self.bind(target)?.serve().await
     }
+
+    /// Binds and serves every target (see [`bind_all`](Self::bind_all)) until one fails.
+    pub async fn serve_all<'a>(self, targets: impl IntoIterator<Item = &'a str>) -> Result<(), Status> {
+        self.bind_all(targets)?.serve().await
+    }
+}
+
+/// Binds an `shm://` listener and registers it with tokio.
+fn bind_shm(target: &str, config: &Config) -> Result<AsyncFd<Accepting>, Status> {
+    let addr: Address = target.parse().map_err(|e| Status::from_transport(&e))?;
+    let listener = Listener::bind(&addr, config.clone()).map_err(|e| Status::from_transport(&e))?;
+    listener.set_nonblocking(true).map_err(|e| Status::from_transport(&e))?;
+    // SAFETY: the AsyncFd owns the listener, so its fd stays open for the registration's life.
+    unsafe { AsyncFd::register_with_interest(Accepting(listener), tokio::io::Interest::READABLE) }
+        .map_err(|e| Status::new(Code::Unavailable, format!("cannot watch {target}: {}", std::io::Error::from(e))))
 }
 
 /// A bound server, accepting once served.
 pub struct Bound {
-    listener: AsyncFd<Accepting>,
+    shm: Vec<AsyncFd<Accepting>>,
+    http: Vec<HttpListener>,
+    routes: Option<tonic::service::Routes>,
     handlers: Arc<Methods>,
     grace: Duration,
     stream_limit: usize,
@@ -393,47 +433,56 @@ impl Drop for CallGuard {
 
 impl std::fmt::Debug for Bound {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Bound").field("address", self.listener.get_ref().0.address()).finish()
+        let shm: Vec<String> = self.shm.iter().map(|l| l.get_ref().0.address().to_string()).collect();
+        f.debug_struct("Bound").field("shm", &shm).field("http", &self.http.len()).finish()
     }
 }
 
 impl Bound {
+    /// The HTTP/2 endpoints as clients reach them (`unix:///path`, `http://host:port` with the
+    /// port the system chose for port 0).
+    pub fn http_addresses(&self) -> Vec<String> {
+        self.http.iter().map(HttpListener::local_addr).collect()
+    }
+
     /// A handle on the server's counters that stays valid while it serves.
     pub fn stats(&self) -> ServerStats {
         ServerStats(self.tracker.clone())
     }
 
-    /// Serves until `shutdown` completes, then shuts down gracefully: the socket is removed,
-    /// every client is sent GOAWAY, new calls are refused with UNAVAILABLE, and calls in progress
-    /// get the grace period to finish before the connections close.
+    /// Serves until `shutdown` completes, then shuts down gracefully: the sockets are removed,
+    /// every `shm://` client is sent GOAWAY and the HTTP/2 endpoints stop taking calls; new
+    /// calls are refused with UNAVAILABLE, and calls in progress get the grace period to finish
+    /// before the connections close.
     pub async fn serve_with_shutdown(self, shutdown: impl Future<Output = ()>) -> Result<(), Status> {
-        tokio::pin!(shutdown);
-        loop {
-            tokio::select! {
-                () = &mut shutdown => break,
-                ready = self.listener.readable() => {
-                    let mut guard = ready.map_err(|e| Status::new(Code::Unavailable, e.to_string()))?;
-                    match guard.get_inner().0.accept_incoming() {
-                        Ok(incoming) => {
-                            let (handlers, tracker, limit) =
-                                (self.handlers.clone(), self.tracker.clone(), self.stream_limit);
-                            tokio::spawn(async move {
-                                // The handshake reads with timeouts: keep it off the reactor.
-                                if let Ok(Ok(conn)) = tokio::task::spawn_blocking(move || incoming.handshake()).await {
-                                    serve_connection(conn, handlers, tracker, limit).await;
-                                }
-                            });
-                        }
-                        Err(e) if e.kind() == ErrorKind::Timeout => guard.clear_ready(),
-                        // Out of fds, say: keep serving the calls we have and try again shortly,
-                        // rather than take the whole server down.
-                        Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
-                    }
-                }
+        let Bound { shm, http, routes, handlers, grace, stream_limit, tracker } = self;
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let stopped = move || {
+            let mut rx = stop_rx.clone();
+            async move {
+                let _ = rx.wait_for(|s| *s).await;
+            }
+        };
+        let mut endpoints = tokio::task::JoinSet::new();
+        for listener in http {
+            if let Some(routes) = routes.clone() {
+                endpoints.spawn(listener.serve(routes, stopped()));
             }
         }
-        let Bound { listener, tracker, grace, .. } = self;
-        drop(listener); // removes the socket: new clients find no server here
+        for listener in shm {
+            let (handlers, tracker, stop) = (handlers.clone(), tracker.clone(), stopped());
+            endpoints.spawn(accept_shm(listener, handlers, tracker, stream_limit, stop));
+        }
+        tokio::pin!(shutdown);
+        let failed = tokio::select! {
+            () = &mut shutdown => None,
+            Some(ended) = endpoints.join_next() => Some(match ended {
+                Ok(Err(status)) => status,
+                Ok(Ok(())) => Status::new(Code::Unavailable, "an endpoint stopped"),
+                Err(e) => Status::new(Code::Internal, format!("an endpoint's task failed: {e}")),
+            }),
+        };
+        let _ = stop_tx.send(true); // shm listeners drop (their sockets go), HTTP/2 drains
         let live: Vec<Arc<Mux>> =
             tracker.connections.lock().map(|c| c.iter().filter_map(|w| w.upgrade()).collect()).unwrap_or_default();
         for mux in &live {
@@ -447,17 +496,54 @@ impl Bound {
                 }
                 idle.await;
             }
+            while endpoints.join_next().await.is_some() {}
         };
         let _ = tokio::time::timeout(grace, drained).await;
+        endpoints.abort_all();
         for mux in &live {
             mux.sender.close(); // whatever is still running ends UNAVAILABLE on the client
         }
-        Ok(())
+        failed.map_or(Ok(()), Err)
     }
 
     /// Serves until the listener fails.
     pub async fn serve(self) -> Result<(), Status> {
         self.serve_with_shutdown(std::future::pending()).await
+    }
+}
+
+/// Accepts `shm://` connections until `stop` completes, then drops the listener (which removes
+/// its socket).
+async fn accept_shm(
+    listener: AsyncFd<Accepting>,
+    handlers: Arc<Methods>,
+    tracker: Arc<Tracker>,
+    stream_limit: usize,
+    stop: impl Future<Output = ()>,
+) -> Result<(), Status> {
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            () = &mut stop => return Ok(()),
+            ready = listener.readable() => {
+                let mut guard = ready.map_err(|e| Status::new(Code::Unavailable, e.to_string()))?;
+                match guard.get_inner().0.accept_incoming() {
+                    Ok(incoming) => {
+                        let (handlers, tracker) = (handlers.clone(), tracker.clone());
+                        tokio::spawn(async move {
+                            // The handshake reads with timeouts: keep it off the reactor.
+                            if let Ok(Ok(conn)) = tokio::task::spawn_blocking(move || incoming.handshake()).await {
+                                serve_connection(conn, handlers, tracker, stream_limit).await;
+                            }
+                        });
+                    }
+                    Err(e) if e.kind() == ErrorKind::Timeout => guard.clear_ready(),
+                    // Out of fds, say: keep serving the calls we have and try again shortly,
+                    // rather than take the whole server down.
+                    Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                }
+            }
+        }
     }
 }
 

@@ -25,6 +25,8 @@ pub struct ResponseBody {
     pending: Option<Bytes>,
     /// The status of a call that failed before it started, yielded as trailers.
     failed: Option<Status>,
+    /// The body of a response over HTTP/2 (a `unix://` or `http://` channel), passed through.
+    http: Option<tonic::body::Body>,
 }
 
 impl std::fmt::Debug for ResponseBody {
@@ -38,6 +40,9 @@ impl Body for ResponseBody {
     type Error = BoxError;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(body) = self.http.as_mut() {
+            return Pin::new(body).poll_frame(cx).map(|f| f.map(|r| r.map_err(Into::into)));
+        }
         if let Some(m) = self.pending.take() {
             return Poll::Ready(Some(Ok(Frame::data(m))));
         }
@@ -63,7 +68,10 @@ impl Body for ResponseBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.call.is_none() && self.pending.is_none() && self.failed.is_none()
+        match &self.http {
+            Some(body) => body.is_end_stream(),
+            None => self.call.is_none() && self.pending.is_none() && self.failed.is_none(),
+        }
     }
 }
 
@@ -75,9 +83,22 @@ impl ResponseBody {
     }
 }
 
+/// Whether an HTTP/2 transport error is tonic's client-side deadline.
+fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if c.downcast_ref::<tonic::TimeoutExpired>().is_some() {
+            return true;
+        }
+        cause = c.source();
+    }
+    false
+}
+
 /// A response that carries only a status (the call failed before the server answered).
 fn failed_response(status: Status) -> http::Response<ResponseBody> {
-    let mut response = http::Response::new(ResponseBody { call: None, pending: None, failed: Some(status) });
+    let mut response =
+        http::Response::new(ResponseBody { call: None, pending: None, failed: Some(status), http: None });
     response.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
     response
 }
@@ -198,7 +219,8 @@ impl Channel {
                 let mut headers = HeaderMap::new();
                 headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
                 codec::metadata_into(&metadata, &mut headers);
-                let mut response = http::Response::new(ResponseBody { call: Some(call), pending: None, failed: None });
+                let mut response =
+                    http::Response::new(ResponseBody { call: Some(call), pending: None, failed: None, http: None });
                 *response.headers_mut() = headers;
                 response
             }
@@ -222,6 +244,34 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        if let Some(http) = self.http() {
+            // unix:// and http://: tonic's own HTTP/2 channel carries the request as it is.
+            let mut http = http.clone();
+            let (parts, body) = request.into_parts();
+            let request = http::Request::from_parts(parts, tonic::body::Body::new(body));
+            return Box::pin(async move {
+                let sent = async {
+                    tower::ServiceExt::ready(&mut http).await?;
+                    tower_service::Service::call(&mut http, request).await
+                };
+                Ok(match sent.await {
+                    Ok(response) => {
+                        response.map(|body| ResponseBody { call: None, pending: None, failed: None, http: Some(body) })
+                    }
+                    // tonic's own reading of its errors: a deadline that passed is
+                    // DEADLINE_EXCEEDED, a refused connection UNAVAILABLE.
+                    Err(e) if timed_out(&e) => {
+                        // tonic reports its own deadline as CANCELLED; gRPC's code is this one.
+                        failed_response(Status::new(Code::DeadlineExceeded, "the call's deadline passed"))
+                    }
+                    Err(e) => {
+                        let t = tonic::Status::from_error(Box::new(e));
+                        let status = Status::new(Code::from_u32(t.code() as u32), t.message().to_owned());
+                        failed_response(status.with_details(t.details().to_vec()))
+                    }
+                })
+            });
+        }
         let channel = self.clone();
         Box::pin(async move { Ok(channel.call_http(request).await) })
     }

@@ -1,6 +1,6 @@
-//! tonic over isthmus: a generated tonic client on an `isthmus::Channel`, a generated tonic
-//! service behind `isthmus::Server::add_service` (`tonic-peer`, another process), `shm://`
-//! between them.
+//! The conformance suite: one set of cases, run unchanged over `shm://`, `unix://` and
+//! `http://`. A generated tonic client on an `isthmus::Channel` calls a generated tonic service
+//! behind `isthmus::Server::add_service` (`tonic-peer`, another process serving all three).
 
 use std::time::Duration;
 
@@ -14,6 +14,30 @@ fn run<F: std::future::Future<Output = ()>>(f: F) {
     rt.block_on(async { tokio::time::timeout(Duration::from_secs(120), f).await.expect("watchdog") });
 }
 
+/// Starts `tonic-peer` on all three transports; its targets as clients reach them.
+fn server() -> (Peer, Vec<String>) {
+    let shm = fresh_addr("tonic");
+    let unix = format!(
+        "unix://{}",
+        std::env::temp_dir()
+            .join(format!("isthmus-conf-{}.sock", std::process::id() as u64 * 1000 + rand_tag()))
+            .display()
+    );
+    let mut peer = Peer::spawn_bin("tonic-peer", &[&shm, &unix, "http://127.0.0.1:0"]);
+    let mut targets = vec![shm];
+    for _ in 0..2 {
+        let line = peer.expect_line("LISTENING ", Duration::from_secs(30));
+        targets.push(line["LISTENING ".len()..].to_owned());
+    }
+    (peer, targets)
+}
+
+fn rand_tag() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static N: AtomicU64 = AtomicU64::new(0);
+    N.fetch_add(1, Ordering::Relaxed)
+}
+
 async fn client(addr: &str) -> EchoClient<isthmus::Channel> {
     let channel = isthmus::Channel::connect(addr).await.expect("connect");
     EchoClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20)
@@ -25,10 +49,17 @@ fn request(payload: Vec<u8>, seq: u64) -> EchoRequest {
 
 #[test]
 fn a_generated_client_and_service_make_every_kind_of_call() {
-    let addr = fresh_addr("tonic");
-    let _server = Peer::spawn_bin("tonic-peer", &[&addr]);
+    let (_server, targets) = server();
     run(async move {
-        let mut c = client(&addr).await;
+        for addr in &targets {
+            every_kind_of_call(addr).await;
+        }
+    });
+}
+
+async fn every_kind_of_call(addr: &str) {
+    {
+        let mut c = client(addr).await;
 
         // Unary, with ascii and binary metadata both ways.
         let mut req = Request::new(request(b"hello".to_vec(), 7));
@@ -72,16 +103,23 @@ fn a_generated_client_and_service_make_every_kind_of_call() {
         // A 16 MiB message each way.
         let big = pattern(16 << 20, 5);
         let reply = c.unary(request(big, 5)).await.expect("big unary").into_inner();
-        assert_eq!((reply.payload.len(), first_mismatch(&reply.payload, 5)), (16 << 20, None));
-    });
+        assert_eq!((reply.payload.len(), first_mismatch(&reply.payload, 5)), (16 << 20, None), "{addr}");
+    }
 }
 
 #[test]
 fn statuses_deadlines_and_unknown_methods_cross_the_bridge() {
-    let addr = fresh_addr("tonic");
-    let _server = Peer::spawn_bin("tonic-peer", &[&addr]);
+    let (_server, targets) = server();
     run(async move {
-        let mut c = client(&addr).await;
+        for addr in &targets {
+            statuses_and_deadlines(addr).await;
+        }
+    });
+}
+
+async fn statuses_and_deadlines(addr: &str) {
+    {
+        let mut c = client(addr).await;
         for code in 1..=16 {
             let req =
                 EchoRequest { fail_with: code, fail_message: format!("failure {code} ✓"), ..EchoRequest::default() };
@@ -110,13 +148,17 @@ fn statuses_deadlines_and_unknown_methods_cross_the_bridge() {
             .expect("send");
         let s = replies.message().await.expect_err("aborted");
         assert_eq!((s.code(), s.message()), (Code::Aborted, "stop"));
-        // A method the server does not have.
-        let channel = isthmus::Channel::connect(&addr).await.expect("connect");
-        let s = channel.unary("/conformance.Echo/Nope", b"", Default::default()).await.expect_err("unknown");
-        assert_eq!(s.code(), isthmus::Code::Unimplemented, "{s}");
-        let s = channel.unary("/other.Service/Call", b"", Default::default()).await.expect_err("unknown");
-        assert_eq!(s.code(), isthmus::Code::Unimplemented, "{s}");
-    });
+        // Methods the server does not have: of its service, and of a service it lacks.
+        let channel = isthmus::Channel::connect(addr).await.expect("connect");
+        for path in ["/conformance.Echo/Nope", "/other.Service/Call"] {
+            let mut grpc = tonic::client::Grpc::new(channel.clone());
+            grpc.ready().await.expect("ready");
+            let codec = tonic_prost::ProstCodec::<EchoRequest, EchoRequest>::default();
+            let path = http::uri::PathAndQuery::from_static(path);
+            let s = grpc.unary(Request::new(EchoRequest::default()), path, codec).await.expect_err("unknown");
+            assert_eq!(s.code(), Code::Unimplemented, "{addr}: {s:?}");
+        }
+    }
 }
 
 /// An mpsc receiver as a request stream.
