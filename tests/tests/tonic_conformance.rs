@@ -161,6 +161,25 @@ async fn statuses_and_deadlines(addr: &str) {
     }
 }
 
+#[test]
+fn the_health_service_answers_on_every_endpoint() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let (_server, targets) = server();
+    run(async move {
+        for addr in &targets {
+            let mut health = HealthClient::new(isthmus::Channel::connect(addr).await.expect("connect"));
+            for service in ["", "conformance.Echo"] {
+                let r = health.check(HealthCheckRequest { service: service.into() }).await.expect("check");
+                assert_eq!(r.into_inner().status(), ServingStatus::Serving, "{addr}: {service:?}");
+            }
+            let s = health.check(HealthCheckRequest { service: "no.Such".into() }).await.expect_err("unknown");
+            assert_eq!(s.code(), Code::NotFound, "{addr}");
+        }
+    });
+}
+
 /// An mpsc receiver as a request stream.
 struct ReceiverStream<T>(tokio::sync::mpsc::Receiver<T>);
 

@@ -215,6 +215,8 @@ pub struct Server {
     handlers: HashMap<String, HandlerFn>,
     /// tonic services, for the methods no handler takes.
     routes: Option<tonic::service::Routes>,
+    /// Their names, for the health service.
+    service_names: Vec<&'static str>,
     config: Config,
     grace: Duration,
     stream_limit: usize,
@@ -225,6 +227,7 @@ impl Default for Server {
         Server {
             handlers: HashMap::new(),
             routes: None,
+            service_names: Vec::new(),
             config: Config::default(),
             grace: Duration::from_secs(10),
             stream_limit: usize::MAX,
@@ -271,6 +274,7 @@ impl Server {
             + 'static,
         S::Future: Send + 'static,
     {
+        self.service_names.push(S::NAME);
         self.routes = Some(match self.routes.take() {
             None => tonic::service::Routes::new(service),
             Some(routes) => routes.add_service(service),
@@ -316,18 +320,20 @@ impl Server {
     /// ([`add_service`](Self::add_service)) answer standard gRPC over HTTP/2, for any gRPC
     /// client. Handlers registered by path are served over `shm://` only.
     pub fn bind_all<'a>(self, targets: impl IntoIterator<Item = &'a str>) -> Result<Bound, Status> {
+        // `grpc.health.v1` on every endpoint: the server ("") and each tonic service SERVING
+        // while it serves, NOT_SERVING once a graceful shutdown begins.
+        let (health, health_service) = tonic_health::server::health_reporter();
+        let mut this = self;
+        this.routes = Some(match this.routes.take() {
+            None => tonic::service::Routes::new(health_service),
+            Some(routes) => routes.add_service(health_service),
+        });
         let mut shm = Vec::new();
         let mut http = Vec::new();
         for target in targets {
             match Target::parse(target)? {
-                Target::Shm(t) => shm.push(bind_shm(&t, &self.config)?),
+                Target::Shm(t) => shm.push(bind_shm(&t, &this.config)?),
                 other => {
-                    if self.routes.is_none() {
-                        return Err(Status::new(
-                            Code::FailedPrecondition,
-                            format!("{target}: unix:// and http:// endpoints serve tonic services (add_service), and none was added"),
-                        ));
-                    }
                     http.push(HttpListener::bind(&other)?);
                 }
             }
@@ -338,16 +344,17 @@ impl Server {
         Ok(Bound {
             shm,
             http,
-            routes: self.routes.clone(),
+            routes: this.routes.clone(),
             handlers: Arc::new(Methods {
-                by_path: self.handlers,
-                fallback: self.routes.map(|routes| {
+                by_path: this.handlers,
+                fallback: this.routes.map(|routes| {
                     let services = crate::bridge::RoutesHandler(routes);
                     Arc::new(move |call| Box::pin(services.clone().serve(call)) as BoxFuture) as HandlerFn
                 }),
             }),
-            grace: self.grace,
-            stream_limit: self.stream_limit,
+            health: (health, this.service_names),
+            grace: this.grace,
+            stream_limit: this.stream_limit,
             tracker: Arc::default(),
         })
     }
@@ -378,6 +385,7 @@ pub struct Bound {
     shm: Vec<AsyncFd<Accepting>>,
     http: Vec<HttpListener>,
     routes: Option<tonic::service::Routes>,
+    health: (tonic_health::server::HealthReporter, Vec<&'static str>),
     handlers: Arc<Methods>,
     grace: Duration,
     stream_limit: usize,
@@ -455,7 +463,11 @@ impl Bound {
     /// calls are refused with UNAVAILABLE, and calls in progress get the grace period to finish
     /// before the connections close.
     pub async fn serve_with_shutdown(self, shutdown: impl Future<Output = ()>) -> Result<(), Status> {
-        let Bound { shm, http, routes, handlers, grace, stream_limit, tracker } = self;
+        let Bound { shm, http, routes, health, handlers, grace, stream_limit, tracker } = self;
+        let (reporter, names) = health;
+        for name in &names {
+            reporter.set_service_status(name, tonic_health::ServingStatus::Serving).await;
+        }
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = move || {
             let mut rx = stop_rx.clone();
@@ -482,6 +494,9 @@ impl Bound {
                 Err(e) => Status::new(Code::Internal, format!("an endpoint's task failed: {e}")),
             }),
         };
+        for name in names.iter().copied().chain([""]) {
+            reporter.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
+        }
         let _ = stop_tx.send(true); // shm listeners drop (their sockets go), HTTP/2 drains
         let live: Vec<Arc<Mux>> =
             tracker.connections.lock().map(|c| c.iter().filter_map(|w| w.upgrade()).collect()).unwrap_or_default();

@@ -83,6 +83,18 @@ impl ResponseBody {
     }
 }
 
+/// tonic's server answers a deadline that passed with CANCELLED "Timeout expired" (a
+/// trailers-only response, made outside any layer we could add there); gRPC's code for it is
+/// DEADLINE_EXCEEDED, which is what this channel reports.
+fn deadline_code(headers: &mut HeaderMap) {
+    let expired = headers.get("grpc-status").is_some_and(|c| c == "1")
+        && headers.get("grpc-message").is_some_and(|m| m == "Timeout expired" || m == "Timeout%20expired");
+    if expired {
+        headers.insert("grpc-status", HeaderValue::from_static("4"));
+        headers.insert("grpc-message", HeaderValue::from_static("the call's deadline passed"));
+    }
+}
+
 /// Whether an HTTP/2 transport error is tonic's client-side deadline.
 fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut cause = Some(e);
@@ -255,7 +267,8 @@ where
                     tower_service::Service::call(&mut http, request).await
                 };
                 Ok(match sent.await {
-                    Ok(response) => {
+                    Ok(mut response) => {
+                        deadline_code(response.headers_mut());
                         response.map(|body| ResponseBody { call: None, pending: None, failed: None, http: Some(body) })
                     }
                     // tonic's own reading of its errors: a deadline that passed is
