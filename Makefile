@@ -1,7 +1,8 @@
 # isthmus — one entry point for people, CI and hooks alike. `make help` lists the targets.
 #
 # Everything a target needs it installs itself (idempotently): Rust comes from rustup as the
-# machine provides it; cargo-fuzz is installed with cargo on first use.
+# machine provides it; cargo-fuzz is installed with cargo on first use; Python packages go into
+# the project's own venv (.venv).
 
 SHELL := /bin/bash
 .DEFAULT_GOAL := help
@@ -9,6 +10,7 @@ CARGO ?= cargo
 QUICK ?=
 FUZZ_SECONDS ?= 15
 FUZZ_TARGETS := frame handshake ring rpc_wire
+VENV := .venv
 export CARGO_TERM_COLOR ?= never
 
 .PHONY: help test lint fmt unit fuzz-smoke bench demo tools clean
@@ -17,10 +19,17 @@ help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 	@echo "  options: QUICK=1 (make bench: reduced set, < 2 min), FUZZ_SECONDS=N (per fuzz target)"
 
-tools: ## Install what the targets need (idempotent)
+tools: $(VENV)/.installed ## Install what the targets need (idempotent)
 	@command -v $(CARGO) >/dev/null || { echo "cargo not found: install Rust with rustup (https://rustup.rs)"; exit 1; }
 	@rustup component list --installed 2>/dev/null | grep -q clippy || rustup component add clippy rustfmt
 	@command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
+
+# The project's Python environment: real gRPC peers (grpcio) for the tests.
+$(VENV)/.installed: python/requirements-dev.txt
+	@command -v python3 >/dev/null || { echo "python3 not found"; exit 1; }
+	@test -x $(VENV)/bin/python || python3 -m venv $(VENV)
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r python/requirements-dev.txt
+	@touch $@
 
 test: tools lint unit fuzz-smoke ## Run every check and test: lint, unit, cross-process, doc tests, fuzz smoke
 	@awk '/^test result:/ {p += $$4; f += $$6} END {printf "tests: %d passed, %d failed\n", p, f}' target/test-output.log

@@ -28,20 +28,24 @@ def main() -> int:
         return statistics.median(vals) if vals else None
 
     rows = [
-        "Unary echo through the whole RPC stack: the isthmus engine (`isthmus-rust`, blocking client → server on shm://) beside tonic client → tonic server over a Unix socket (`tonic-uds`).",
+        "Unary echo through whole RPC stacks, client and server in two processes: the isthmus engine (`isthmus-rust`: blocking client → server on shm://), a tonic client and tonic service with isthmus under both (`tonic-isthmus-shm`), and the same tonic client and service over a Unix socket (`tonic-uds`).",
         "",
-        "| message | isthmus-rust p50 (p99) | tonic-uds p50 (p99) | speed-up |",
-        "|---:|---:|---:|---:|",
+        "| message | isthmus-rust p50 (p99) | tonic-isthmus-shm p50 (p99) | tonic-uds p50 (p99) | isthmus-rust ÷ tonic-uds | tonic-isthmus-shm ÷ tonic-uds |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for size, name in SIZES.items():
         i50, i99 = med("isthmus-rust", size, 1, "p50_us"), med("isthmus-rust", size, 1, "p99_us")
+        s50, s99 = med("tonic-isthmus-shm", size, 1, "p50_us"), med("tonic-isthmus-shm", size, 1, "p99_us")
         t50, t99 = med("tonic-uds", size, 1, "p50_us"), med("tonic-uds", size, 1, "p99_us")
         if None in (i50, i99, t50, t99):
             continue
-        rows.append(f"| {name} | {fmt(i50)} ({fmt(i99)}) | {fmt(t50)} ({fmt(t99)}) | {t50 / i50:.1f}× |")
-    ir, tr = med("isthmus-rust", 64, 32, "rps"), med("tonic-uds", 64, 32, "rps")
+        bridged = f"{fmt(s50)} ({fmt(s99)})" if s50 and s99 else "-"
+        ratio = f"{t50 / s50:.1f}×" if s50 else "-"
+        rows.append(f"| {name} | {fmt(i50)} ({fmt(i99)}) | {bridged} | {fmt(t50)} ({fmt(t99)}) | {t50 / i50:.1f}× | {ratio} |")
+    ir, sr, tr = med("isthmus-rust", 64, 32, "rps"), med("tonic-isthmus-shm", 64, 32, "rps"), med("tonic-uds", 64, 32, "rps")
     if ir and tr:
-        rows += ["", f"64 B with 32 calls in flight: isthmus-rust {ir / 1e3:.0f} k calls/s, tonic-uds {tr / 1e3:.0f} k calls/s ({ir / tr:.1f}×).", ""]
+        bridged = f", tonic-isthmus-shm {sr / 1e3:.0f} k ({sr / tr:.1f}×)" if sr else ""
+        rows += ["", f"64 B with 32 calls in flight: isthmus-rust {ir / 1e3:.0f} k calls/s ({ir / tr:.1f}× tonic-uds){bridged}, tonic-uds {tr / 1e3:.0f} k calls/s.", ""]
     rows += [
         "The transport alone (`isthmus-shm`, no RPC layer) beside a length-prefixed echo over a Unix socket (`raw-uds`) and one `memcpy`:",
         "",

@@ -197,6 +197,9 @@ pub fn print_rpc(records: &[Record]) {
             continue;
         };
         let raw = get("raw-uds", size, 1).map_or_else(|| "-".into(), |r| us(r.0));
+        if let Some(b) = get("tonic-isthmus-shm", size, 1) {
+            println!("|   tonic-isthmus-shm | {} | {} | | | {:.1}× | |", us(b.0), us(b.1), t.0 / b.0);
+        }
         println!(
             "| {} | {} | {} | {} | {} | {:.1}× | {raw} |",
             size_name(size),

@@ -62,7 +62,12 @@ impl HttpListener {
                         format!("a server is already listening on {}", path.display()),
                     ));
                 }
-                let _ = std::fs::remove_file(path);
+                // Only a socket left by a dead server is replaced; any other file stays, and the
+                // bind below reports it.
+                use std::os::unix::fs::FileTypeExt;
+                if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+                    let _ = std::fs::remove_file(path);
+                }
                 let std = std::os::unix::net::UnixListener::bind(path)
                     .map_err(|e| unavailable(format!("cannot bind {}: {e}", path.display())))?;
                 std.set_nonblocking(true).map_err(|e| unavailable(e.to_string()))?;
@@ -95,18 +100,23 @@ impl HttpListener {
         routes: tonic::service::Routes,
         stop: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<(), Status> {
-        let server = tonic::transport::Server::builder().add_routes(routes);
+        let server = tonic::transport::Server::builder().layer(crate::authority::DeadlineLayer).add_routes(routes);
         let failed =
             |e: tonic::transport::Error| Status::new(Code::Unavailable, format!("HTTP/2 endpoint failed: {e}"));
         match self {
             HttpListener::Unix(l, path) => {
-                let incoming = tokio_stream::wrappers::UnixListenerStream::new(l);
+                // grpc-core clients name the socket as the `:authority`; see `authority.rs`.
+                let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(l), |s| {
+                    s.map(crate::authority::AuthorityFix::new)
+                });
                 let r = server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed);
                 let _ = std::fs::remove_file(path);
                 r
             }
             HttpListener::Tcp(l) => {
-                let incoming = tokio_stream::wrappers::TcpListenerStream::new(l);
+                let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(l), |s| {
+                    s.map(crate::authority::AuthorityFix::new)
+                });
                 server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed)
             }
         }

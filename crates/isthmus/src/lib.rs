@@ -17,6 +17,7 @@
 //! ([`INITIAL_WINDOW`]): a slow reader holds back its own writer and no other stream. Calls are
 //! `tracing` spans (`isthmus.call` on the client, `isthmus.serve` on the server, at DEBUG).
 
+mod authority;
 pub mod blocking;
 mod bridge;
 mod call;

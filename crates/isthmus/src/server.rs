@@ -55,12 +55,18 @@ type BoxFuture = HandlerFuture;
 /// What answers each method: handlers by path, then the tonic services, if any.
 struct Methods {
     by_path: HashMap<String, HandlerFn>,
+    /// The tonic services' path prefixes (`/package.Service/`), answered by `fallback`.
+    services: Vec<String>,
     fallback: Option<HandlerFn>,
 }
 
 impl Methods {
     fn find(&self, path: &str) -> Option<HandlerFn> {
-        self.by_path.get(path).or(self.fallback.as_ref()).cloned()
+        if let Some(h) = self.by_path.get(path) {
+            return Some(h.clone());
+        }
+        // A path of no service at all gets the engine's UNIMPLEMENTED, which names the method.
+        self.services.iter().any(|s| path.starts_with(s.as_str())).then(|| self.fallback.clone()).flatten()
     }
 }
 type HandlerFn = Arc<dyn Fn(ServerCall) -> BoxFuture + Send + Sync>;
@@ -347,6 +353,12 @@ impl Server {
             routes: this.routes.clone(),
             handlers: Arc::new(Methods {
                 by_path: this.handlers,
+                services: this
+                    .service_names
+                    .iter()
+                    .chain([&"grpc.health.v1.Health"])
+                    .map(|name| format!("/{name}/"))
+                    .collect(),
                 fallback: this.routes.map(|routes| {
                     let services = crate::bridge::RoutesHandler(routes);
                     Arc::new(move |call| Box::pin(services.clone().serve(call)) as BoxFuture) as HandlerFn

@@ -19,4 +19,5 @@ mod codec;
 mod server;
 
 pub use client::ResponseBody;
+pub(crate) use codec::timeout_from;
 pub(crate) use server::RoutesHandler;

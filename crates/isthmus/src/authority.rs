@@ -1,0 +1,441 @@
+//! Lets gRPC clients that name a unix socket as the `:authority` reach a tonic server.
+//!
+//! grpc-core clients (grpcio for Python among them) from 1.57 on send the socket's path,
+//! %-encoded, as the `:authority` of calls over `unix:` (grpc/grpc#38142), and grpc-java sends it
+//! raw. Neither is a valid URI authority, and h2, under tonic, resets such a stream with
+//! PROTOCOL_ERROR before any service sees it. A client can be told to send `localhost`, but the
+//! point of a unix endpoint is that any gRPC client works as it is.
+//!
+//! So the bytes a unix-socket client sends pass through this filter before h2 reads them: every
+//! HTTP/2 header block is decoded, an `:authority` that is not a valid authority becomes
+//! `localhost`, and the block is encoded again, without indexing, so h2's decoder state never
+//! depends on ours. Everything else (the preface, every other frame, and everything the server
+//! writes) passes through untouched. The peer is untrusted: frame and block lengths are
+//! bounded, and a block that does not decode ends the connection, as h2 itself would.
+
+use std::io;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Where a client's `grpc-timeout` travels between this filter and the deadline layer.
+pub(crate) const DEADLINE_HEADER: &str = "x-isthmus-grpc-timeout";
+
+const PREFACE_LEN: usize = 24;
+const FRAME_HEADER_LEN: usize = 9;
+const HEADERS: u8 = 0x1;
+const CONTINUATION: u8 = 0x9;
+const END_HEADERS: u8 = 0x4;
+const PADDED: u8 = 0x8;
+const PRIORITY: u8 = 0x20;
+/// The frame size every HTTP/2 peer accepts before settings say otherwise.
+const MAX_FRAME: usize = 16_384;
+/// A header block larger than this (after its CONTINUATIONs) ends the connection.
+const MAX_BLOCK: usize = 1 << 20;
+
+/// A header block being gathered from HEADERS and CONTINUATION frames.
+struct Block {
+    stream: u32,
+    flags: u8,
+    priority: Option<[u8; 5]>,
+    fragment: Vec<u8>,
+}
+
+/// An accepted stream whose inbound header blocks get a valid `:authority`.
+pub(crate) struct AuthorityFix<S> {
+    io: S,
+    decoder: fluke_hpack::Decoder<'static>,
+    /// Bytes read from the peer, not yet looked at.
+    raw: Vec<u8>,
+    /// Bytes ready for h2.
+    out: Vec<u8>,
+    out_at: usize,
+    preface_left: usize,
+    block: Option<Block>,
+    eof: bool,
+}
+
+impl<S> AuthorityFix<S> {
+    pub(crate) fn new(io: S) -> AuthorityFix<S> {
+        AuthorityFix {
+            io,
+            decoder: fluke_hpack::Decoder::new(),
+            raw: Vec::new(),
+            out: Vec::new(),
+            out_at: 0,
+            preface_left: PREFACE_LEN,
+            block: None,
+            eof: false,
+        }
+    }
+
+    pub(crate) fn get_ref(&self) -> &S {
+        &self.io
+    }
+
+    /// Moves every whole frame from `raw` to `out`, rewriting header blocks.
+    fn process(&mut self) -> io::Result<()> {
+        let mut at = 0;
+        if self.preface_left > 0 {
+            let n = self.preface_left.min(self.raw.len());
+            self.out.extend_from_slice(&self.raw[..n]);
+            self.preface_left -= n;
+            at = n;
+        }
+        while self.preface_left == 0 && self.raw.len() - at >= FRAME_HEADER_LEN {
+            let h = &self.raw[at..at + FRAME_HEADER_LEN];
+            let len = (usize::from(h[0]) << 16) | (usize::from(h[1]) << 8) | usize::from(h[2]);
+            let (kind, flags) = (h[3], h[4]);
+            let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
+            if self.raw.len() - at < FRAME_HEADER_LEN + len {
+                break;
+            }
+            let payload = self.raw[at + FRAME_HEADER_LEN..at + FRAME_HEADER_LEN + len].to_vec();
+            let frame_end = at + FRAME_HEADER_LEN + len;
+            match kind {
+                HEADERS => self.headers(stream, flags, &payload)?,
+                CONTINUATION => self.continuation(stream, flags, &payload)?,
+                _ if self.block.is_some() => {
+                    return Err(bad("a frame other than CONTINUATION inside a header block"));
+                }
+                _ => self.out.extend_from_slice(&self.raw[at..frame_end]),
+            }
+            at = frame_end;
+        }
+        self.raw.drain(..at);
+        Ok(())
+    }
+
+    fn headers(&mut self, stream: u32, flags: u8, payload: &[u8]) -> io::Result<()> {
+        if self.block.is_some() {
+            return Err(bad("HEADERS inside a header block"));
+        }
+        let mut body = payload;
+        if flags & PADDED != 0 {
+            let (&pad, rest) = body.split_first().ok_or_else(|| bad("PADDED HEADERS without its pad length"))?;
+            let keep = rest.len().checked_sub(usize::from(pad)).ok_or_else(|| bad("HEADERS padding too long"))?;
+            body = &rest[..keep];
+        }
+        let mut priority = None;
+        if flags & PRIORITY != 0 {
+            let p: [u8; 5] = body.get(..5).and_then(|p| p.try_into().ok()).ok_or_else(|| bad("short PRIORITY"))?;
+            priority = Some(p);
+            body = &body[5..];
+        }
+        self.block = Some(Block { stream, flags, priority, fragment: body.to_vec() });
+        if flags & END_HEADERS != 0 {
+            self.finish_block()?;
+        }
+        Ok(())
+    }
+
+    fn continuation(&mut self, stream: u32, flags: u8, payload: &[u8]) -> io::Result<()> {
+        let block = self.block.as_mut().ok_or_else(|| bad("CONTINUATION outside a header block"))?;
+        if block.stream != stream {
+            return Err(bad("CONTINUATION on another stream"));
+        }
+        if block.fragment.len() + payload.len() > MAX_BLOCK {
+            return Err(bad("a header block over 1 MiB"));
+        }
+        block.fragment.extend_from_slice(payload);
+        if flags & END_HEADERS != 0 {
+            self.finish_block()?;
+        }
+        Ok(())
+    }
+
+    /// Decodes the gathered block, fixes `:authority`, and writes it out again.
+    fn finish_block(&mut self) -> io::Result<()> {
+        let Some(block) = self.block.take() else { return Ok(()) };
+        let mut encoded = Vec::with_capacity(block.fragment.len() + 16);
+        self.decoder
+            .decode_with_cb(&block.fragment, |name, value| {
+                let value: &[u8] =
+                    if &name[..] == b":authority" && !valid_authority(&value) { b"localhost" } else { &value };
+                // The deadline goes around tonic's own timer, which would answer CANCELLED; the
+                // endpoint's deadline layer puts it back and answers DEADLINE_EXCEEDED.
+                let name: &[u8] = if &name[..] == b"grpc-timeout" { DEADLINE_HEADER.as_bytes() } else { &name };
+                literal(&mut encoded, name, value);
+            })
+            .map_err(|e| bad(&format!("header block does not decode: {e:?}")))?;
+        // HEADERS, then CONTINUATIONs, each within the default frame size.
+        let mut first_len = MAX_FRAME;
+        let mut head = Vec::new();
+        let mut flags = block.flags & !(PADDED | END_HEADERS);
+        if let Some(p) = block.priority {
+            head.extend_from_slice(&p);
+            first_len -= p.len();
+        } else {
+            flags &= !PRIORITY;
+        }
+        let (first, mut rest) = encoded.split_at(first_len.min(encoded.len()));
+        let end = if rest.is_empty() { END_HEADERS } else { 0 };
+        head.extend_from_slice(first);
+        frame(&mut self.out, HEADERS, flags | end, block.stream, &head);
+        while !rest.is_empty() {
+            let (piece, more) = rest.split_at(MAX_FRAME.min(rest.len()));
+            let end = if more.is_empty() { END_HEADERS } else { 0 };
+            frame(&mut self.out, CONTINUATION, end, block.stream, piece);
+            rest = more;
+        }
+        Ok(())
+    }
+}
+
+fn bad(what: &str) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidData, format!("HTTP/2 from a unix-socket client: {what}"))
+}
+
+fn valid_authority(value: &[u8]) -> bool {
+    http::uri::Authority::try_from(value).is_ok()
+}
+
+/// HPACK "literal header field without indexing, new name", no Huffman coding.
+fn literal(out: &mut Vec<u8>, name: &[u8], value: &[u8]) {
+    out.push(0x00);
+    string(out, name);
+    string(out, value);
+}
+
+fn string(out: &mut Vec<u8>, s: &[u8]) {
+    integer(out, s.len(), 7, 0x00);
+    out.extend_from_slice(s);
+}
+
+/// HPACK integer with an `n`-bit prefix under `high` (RFC 7541 §5.1).
+fn integer(out: &mut Vec<u8>, mut v: usize, n: u32, high: u8) {
+    let max = (1usize << n) - 1;
+    if v < max {
+        out.push(high | v as u8);
+        return;
+    }
+    out.push(high | max as u8);
+    v -= max;
+    while v >= 128 {
+        out.push((v % 128) as u8 | 0x80);
+        v /= 128;
+    }
+    out.push(v as u8);
+}
+
+fn frame(out: &mut Vec<u8>, kind: u8, flags: u8, stream: u32, payload: &[u8]) {
+    let len = payload.len();
+    out.extend_from_slice(&[(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags]);
+    out.extend_from_slice(&stream.to_be_bytes());
+    out.extend_from_slice(payload);
+}
+
+impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        loop {
+            if this.out_at < this.out.len() {
+                let n = buf.remaining().min(this.out.len() - this.out_at);
+                buf.put_slice(&this.out[this.out_at..this.out_at + n]);
+                this.out_at += n;
+                if this.out_at == this.out.len() {
+                    this.out.clear();
+                    this.out_at = 0;
+                }
+                return Poll::Ready(Ok(()));
+            }
+            if this.eof {
+                return Poll::Ready(Ok(()));
+            }
+            if this.raw.len() > MAX_BLOCK + MAX_FRAME * 2 + (1 << 24) {
+                return Poll::Ready(Err(bad("a frame larger than the maximum")));
+            }
+            let mut chunk = [0u8; 16 * 1024];
+            let mut rb = ReadBuf::new(&mut chunk);
+            ready!(Pin::new(&mut this.io).poll_read(cx, &mut rb))?;
+            if rb.filled().is_empty() {
+                this.eof = true;
+                continue;
+            }
+            this.raw.extend_from_slice(rb.filled());
+            this.process()?;
+        }
+    }
+}
+
+impl<S: AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, data)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+impl tonic::transport::server::Connected for AuthorityFix<tokio::net::UnixStream> {
+    type ConnectInfo = <tokio::net::UnixStream as tonic::transport::server::Connected>::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.get_ref().connect_info()
+    }
+}
+
+impl tonic::transport::server::Connected for AuthorityFix<tokio::net::TcpStream> {
+    type ConnectInfo = <tokio::net::TcpStream as tonic::transport::server::Connected>::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.get_ref().connect_info()
+    }
+}
+
+/// Enforces a call's deadline on an HTTP/2 endpoint with gRPC's code. tonic's server answers an
+/// expired `grpc-timeout` with CANCELLED ("Timeout expired"), from outside any layer a server
+/// can add; [`AuthorityFix`] renames the header on the way in so tonic's timer never sees it,
+/// and this layer restores it (handlers read it as before) and answers DEADLINE_EXCEEDED.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct DeadlineLayer;
+
+impl<S> tower::Layer<S> for DeadlineLayer {
+    type Service = Deadline<S>;
+
+    fn layer(&self, inner: S) -> Deadline<S> {
+        Deadline(inner)
+    }
+}
+
+/// The service [`DeadlineLayer`] makes.
+#[derive(Debug, Clone)]
+pub(crate) struct Deadline<S>(S);
+
+type Responding<E> = Pin<Box<dyn std::future::Future<Output = Result<http::Response<tonic::body::Body>, E>> + Send>>;
+
+impl<S, B> tower_service::Service<http::Request<B>> for Deadline<S>
+where
+    S: tower_service::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+    S::Future: Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = Responding<S::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        let renamed = request.headers_mut().remove(DEADLINE_HEADER);
+        let timeout = renamed.and_then(|v| {
+            let mut h = http::HeaderMap::new();
+            h.insert("grpc-timeout", v.clone());
+            let t = crate::bridge::timeout_from(&h).ok().flatten();
+            request.headers_mut().insert("grpc-timeout", v);
+            t
+        });
+        let responding = self.0.call(request);
+        Box::pin(async move {
+            match timeout {
+                None => responding.await,
+                Some(t) => match tokio::time::timeout(t, responding).await {
+                    Ok(r) => r,
+                    Err(_) => Ok(tonic::Status::deadline_exceeded("the call's deadline passed").into_http()),
+                },
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A client's bytes: the preface, a SETTINGS frame, one header block split over HEADERS and
+    /// CONTINUATION (padded, with priority), a DATA frame.
+    fn client_bytes(authority: &[u8]) -> Vec<u8> {
+        let mut block = Vec::new();
+        for (n, v) in
+            [(&b":method"[..], &b"POST"[..]), (b":scheme", b"http"), (b":path", b"/a.B/C"), (b":authority", authority)]
+        {
+            literal(&mut block, n, v);
+        }
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        frame(&mut bytes, 0x4, 0, 0, &[]);
+        let (a, b) = block.split_at(10);
+        let mut headers = vec![2u8]; // pad length
+        headers.extend_from_slice(&[0, 0, 0, 0, 16]); // priority
+        headers.extend_from_slice(a);
+        headers.extend_from_slice(&[0, 0]); // padding
+        frame(&mut bytes, HEADERS, PADDED | PRIORITY, 1, &headers);
+        frame(&mut bytes, CONTINUATION, END_HEADERS, 1, b);
+        frame(&mut bytes, 0x0, 0x1, 1, b"payload");
+        bytes
+    }
+
+    fn filter(input: &[u8], step: usize) -> io::Result<Vec<u8>> {
+        let mut f = AuthorityFix::new(());
+        for piece in input.chunks(step) {
+            f.raw.extend_from_slice(piece);
+            f.process()?;
+        }
+        Ok(std::mem::take(&mut f.out))
+    }
+
+    fn decoded_headers(out: &[u8]) -> Vec<(Vec<u8>, Vec<u8>)> {
+        let frames = &out[PREFACE_LEN..];
+        let mut at = 0;
+        let mut block = Vec::new();
+        while at + FRAME_HEADER_LEN <= frames.len() {
+            let len =
+                (usize::from(frames[at]) << 16) | (usize::from(frames[at + 1]) << 8) | usize::from(frames[at + 2]);
+            let (kind, flags) = (frames[at + 3], frames[at + 4]);
+            let p = &frames[at + FRAME_HEADER_LEN..at + FRAME_HEADER_LEN + len];
+            if kind == HEADERS {
+                block.extend_from_slice(if flags & PRIORITY != 0 { &p[5..] } else { p });
+            } else if kind == CONTINUATION {
+                block.extend_from_slice(p);
+            }
+            at += FRAME_HEADER_LEN + len;
+        }
+        fluke_hpack::Decoder::new().decode(&block).expect("re-encoded block decodes")
+    }
+
+    #[test]
+    fn an_invalid_authority_becomes_localhost_and_the_rest_survives() {
+        for authority in [&b"%2Ftmp%2Fx.sock"[..], b"/var/run/x.sock"] {
+            for step in [1, 3, 7, 1000] {
+                let out = filter(&client_bytes(authority), step).expect("filters");
+                let headers = decoded_headers(&out);
+                assert!(headers.contains(&(b":authority".to_vec(), b"localhost".to_vec())), "step {step}");
+                assert!(headers.contains(&(b":path".to_vec(), b"/a.B/C".to_vec())));
+                assert!(out.ends_with(b"payload"));
+            }
+        }
+        let out = filter(&client_bytes(b"localhost:50051"), 5).expect("filters");
+        assert!(decoded_headers(&out).contains(&(b":authority".to_vec(), b"localhost:50051".to_vec())));
+    }
+
+    #[test]
+    fn malformed_input_ends_the_connection_instead_of_panicking() {
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        frame(&mut bytes, CONTINUATION, END_HEADERS, 1, b"x");
+        assert!(filter(&bytes, 4).is_err());
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        frame(&mut bytes, HEADERS, END_HEADERS, 1, &[0xff, 0xff, 0xff, 0xff]);
+        assert!(filter(&bytes, 64).is_err());
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        frame(&mut bytes, HEADERS, END_HEADERS | PADDED, 1, &[200, 1, 2]);
+        assert!(filter(&bytes, 64).is_err());
+    }
+}
