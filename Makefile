@@ -9,7 +9,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 QUICK ?=
 FUZZ_SECONDS ?= 15
-FUZZ_TARGETS := frame handshake ring rpc_wire
+FUZZ_TARGETS := frame handshake ring rpc_wire http2_authority grpc_http
 VENV := .venv
 export CARGO_TERM_COLOR ?= never
 

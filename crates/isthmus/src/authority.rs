@@ -58,9 +58,13 @@ pub(crate) struct AuthorityFix<S> {
 
 impl<S> AuthorityFix<S> {
     pub(crate) fn new(io: S) -> AuthorityFix<S> {
+        let mut decoder = fluke_hpack::Decoder::new();
+        // The table size h2 advertises (its default): a client may not grow the table past it,
+        // so a hostile one cannot make us hold more.
+        decoder.set_max_allowed_table_size(4096);
         AuthorityFix {
             io,
-            decoder: fluke_hpack::Decoder::new(),
+            decoder,
             raw: Vec::new(),
             out: Vec::new(),
             out_at: 0,
@@ -149,8 +153,12 @@ impl<S> AuthorityFix<S> {
     fn finish_block(&mut self) -> io::Result<()> {
         let Some(block) = self.block.take() else { return Ok(()) };
         let mut encoded = Vec::with_capacity(block.fragment.len() + 16);
-        self.decoder
-            .decode_with_cb(&block.fragment, |name, value| {
+        // The decoder panics on some malformed blocks (a truncated table-size update) instead of
+        // returning its error: a panic is caught and counted as the error it should have been.
+        // The decoder is not used again after an error: the connection ends.
+        let decoder = &mut self.decoder;
+        let decoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            decoder.decode_with_cb(&block.fragment, |name, value| {
                 let value: &[u8] =
                     if &name[..] == b":authority" && !valid_authority(&value) { b"localhost" } else { &value };
                 // The deadline goes around tonic's own timer, which would answer CANCELLED; the
@@ -158,7 +166,12 @@ impl<S> AuthorityFix<S> {
                 let name: &[u8] = if &name[..] == b"grpc-timeout" { DEADLINE_HEADER.as_bytes() } else { &name };
                 literal(&mut encoded, name, value);
             })
-            .map_err(|e| bad(&format!("header block does not decode: {e:?}")))?;
+        }));
+        match decoded {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Err(bad(&format!("header block does not decode: {e:?}"))),
+            Err(_) => return Err(bad("header block does not decode")),
+        }
         // HEADERS, then CONTINUATIONs, each within the default frame size.
         let mut first_len = MAX_FRAME;
         let mut head = Vec::new();
@@ -354,6 +367,20 @@ where
                 },
             }
         })
+    }
+}
+
+/// Feeds `data` to a filter in pieces of the sizes its first byte picks; never panics.
+pub(crate) fn fuzz(data: &[u8]) {
+    let Some((&step, rest)) = data.split_first() else { return };
+    let mut f = AuthorityFix::new(());
+    let mut input = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    input.extend_from_slice(rest);
+    for piece in input.chunks(usize::from(step).max(1)) {
+        f.raw.extend_from_slice(piece);
+        if f.process().is_err() {
+            return;
+        }
     }
 }
 

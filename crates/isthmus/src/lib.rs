@@ -40,3 +40,17 @@ pub use metadata::{InvalidMetadata, MetadataMap};
 pub use mux::ConnectionCounters;
 pub use server::{Bound, Handler, HandlerFuture, Server, ServerCall, ServerStats};
 pub use status::{Code, Status};
+
+/// Entry points for the fuzz targets (`fuzz/`): decoders of what HTTP/2 peers send. Not API.
+#[doc(hidden)]
+pub mod fuzz {
+    /// Arbitrary bytes as a unix- or TCP-socket client's HTTP/2 stream, in pieces.
+    pub fn http2_client_bytes(data: &[u8]) {
+        crate::authority::fuzz(data);
+    }
+
+    /// Arbitrary bytes as a gRPC body and as header values (messages, timeout, metadata, status).
+    pub fn grpc_http(data: &[u8]) {
+        crate::bridge::fuzz(data);
+    }
+}

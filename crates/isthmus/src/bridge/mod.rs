@@ -21,3 +21,21 @@ mod server;
 pub use client::ResponseBody;
 pub(crate) use codec::timeout_from;
 pub(crate) use server::RoutesHandler;
+
+/// Fuzzing entry: `data` as a gRPC body cut at every offset, and as header values.
+pub(crate) fn fuzz(data: &[u8]) {
+    let mut d = codec::Deframer::new(1 << 20);
+    for piece in data.chunks(7) {
+        d.push(bytes::Bytes::copy_from_slice(piece));
+        while let Ok(Some(_)) = d.next() {}
+    }
+    if let Ok(v) = http::HeaderValue::from_bytes(data) {
+        let mut h = http::HeaderMap::new();
+        for name in ["grpc-timeout", "grpc-status", "grpc-message", "grpc-status-details-bin", "x-a", "x-a-bin"] {
+            h.insert(name, v.clone());
+        }
+        let _ = codec::timeout_from(&h);
+        let _ = codec::metadata_from(&h);
+        let _ = codec::status_from(&h);
+    }
+}
