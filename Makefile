@@ -11,6 +11,8 @@ QUICK ?=
 FUZZ_SECONDS ?= 15
 FUZZ_TARGETS := frame handshake ring rpc_wire http2_authority grpc_http
 VENV := .venv
+GRPCURL_VERSION := v1.9.3
+GRPCURL := .tools/bin/grpcurl
 export CARGO_TERM_COLOR ?= never
 
 .PHONY: help test lint fmt unit fuzz-smoke bench demo tools clean
@@ -19,10 +21,15 @@ help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 	@echo "  options: QUICK=1 (make bench: reduced set, < 2 min), FUZZ_SECONDS=N (per fuzz target)"
 
-tools: $(VENV)/.installed ## Install what the targets need (idempotent)
+tools: $(VENV)/.installed $(GRPCURL) ## Install what the targets need (idempotent)
 	@command -v $(CARGO) >/dev/null || { echo "cargo not found: install Rust with rustup (https://rustup.rs)"; exit 1; }
 	@rustup component list --installed 2>/dev/null | grep -q clippy || rustup component add clippy rustfmt
 	@command -v cargo-fuzz >/dev/null || $(CARGO) install cargo-fuzz --locked
+
+# grpcurl, a real gRPC peer for the tests, built from the Go module proxy into .tools/bin.
+$(GRPCURL):
+	@command -v go >/dev/null || { echo "go not found: grpcurl is built with it"; exit 1; }
+	GOBIN=$(CURDIR)/.tools/bin go install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)
 
 # The project's Python environment: real gRPC peers (grpcio) for the tests.
 $(VENV)/.installed: python/requirements-dev.txt

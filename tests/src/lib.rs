@@ -188,4 +188,7 @@ pub fn eventually(limit: Duration, mut cond: impl FnMut() -> bool) -> bool {
 #[allow(clippy::all, clippy::pedantic, missing_docs, unreachable_pub)]
 pub mod conformance {
     tonic::include_proto!("conformance");
+
+    /// The encoded `FileDescriptorSet` of `conformance.proto`, for server reflection.
+    pub const DESCRIPTORS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/conformance_descriptor.bin"));
 }

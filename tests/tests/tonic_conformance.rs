@@ -180,6 +180,33 @@ fn the_health_service_answers_on_every_endpoint() {
     });
 }
 
+#[test]
+fn health_turns_not_serving_when_a_graceful_shutdown_begins() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let (mut server, targets) = server();
+    run(async move {
+        // A watch on every endpoint, opened while the server serves.
+        let mut watches = Vec::new();
+        for addr in &targets {
+            let mut health = HealthClient::new(isthmus::Channel::connect(addr).await.expect("connect"));
+            let request = HealthCheckRequest { service: "conformance.Echo".into() };
+            let mut updates = health.watch(request).await.expect("watch").into_inner();
+            let first = updates.message().await.expect("status").expect("a status");
+            assert_eq!(first.status(), ServingStatus::Serving, "{addr}");
+            watches.push((addr.clone(), updates));
+        }
+        // SAFETY: kill(2) with a child's pid and SIGTERM touches no memory of ours.
+        assert_eq!(unsafe { libc::kill(server.pid() as i32, libc::SIGTERM) }, 0);
+        for (addr, mut updates) in watches {
+            let next = updates.message().await.expect("status").expect("a status");
+            assert_eq!(next.status(), ServingStatus::NotServing, "{addr}");
+        }
+        server.expect_line("SHUTDOWN-DONE", Duration::from_secs(30));
+    });
+}
+
 /// An mpsc receiver as a request stream.
 struct ReceiverStream<T>(tokio::sync::mpsc::Receiver<T>);
 

@@ -113,7 +113,7 @@ impl Channel {
         let deadline = options.timeout.map(|t| Instant::now() + t);
         let mux = self.mux(options.wait_for_ready, deadline)?;
         let stream = mux.register(self.inner.slot.next_stream())?;
-        let call = Call { state: CallState::new(stream, mux, path), deadline };
+        let call = Call { state: CallState::new(stream, mux, path, self.inner.clone()), deadline };
         let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()).max(Duration::from_nanos(1)));
         let head = wire::RequestHead { path: path.to_owned(), timeout, metadata: options.metadata };
         call.state

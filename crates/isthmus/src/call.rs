@@ -126,6 +126,10 @@ pub(crate) struct CallState {
     ended: Option<Status>,
     consumed: Consumed,
     span: tracing::Span,
+    /// The channel's shared state: while a call lives, its channel's connection stays open even
+    /// if every handle on the channel is gone (a response stream read after the client that
+    /// made it was dropped, say).
+    _channel: Arc<dyn std::any::Any + Send + Sync>,
 }
 
 /// What `recv` gives: a message, `None` at the end of an OK call, or the failed call's status.
@@ -142,7 +146,12 @@ pub(crate) enum Next {
 }
 
 impl CallState {
-    pub(crate) fn new(stream: Stream, mux: Arc<Mux>, path: &str) -> CallState {
+    pub(crate) fn new(
+        stream: Stream,
+        mux: Arc<Mux>,
+        path: &str,
+        channel: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> CallState {
         let span = tracing::debug_span!("isthmus.call", path, stream = stream.id, code = tracing::field::Empty);
         mux.calls.start();
         CallState {
@@ -154,6 +163,7 @@ impl CallState {
             ended: None,
             consumed: Consumed::default(),
             span,
+            _channel: channel,
         }
     }
 

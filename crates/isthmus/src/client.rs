@@ -188,7 +188,7 @@ impl Channel {
         let deadline = options.timeout.map(|t| Instant::now() + t);
         let mux = self.mux(options.wait_for_ready, deadline).await?;
         let stream = mux.register(self.inner.slot()?.next_stream())?;
-        let call = ClientCall { state: CallState::new(stream, mux, path), deadline, timer: None };
+        let call = ClientCall { state: CallState::new(stream, mux, path, self.inner.clone()), deadline, timer: None };
         // Time spent waiting for a server is the call's: send what is left.
         let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()).max(Duration::from_nanos(1)));
         let head = wire::RequestHead { path: path.to_owned(), timeout, metadata: options.metadata };

@@ -223,6 +223,8 @@ pub struct Server {
     routes: Option<tonic::service::Routes>,
     /// Their names, for the health service.
     service_names: Vec<&'static str>,
+    /// Encoded `FileDescriptorSet`s for server reflection.
+    descriptors: Vec<Vec<u8>>,
     config: Config,
     grace: Duration,
     stream_limit: usize,
@@ -234,6 +236,7 @@ impl Default for Server {
             handlers: HashMap::new(),
             routes: None,
             service_names: Vec::new(),
+            descriptors: Vec::new(),
             config: Config::default(),
             grace: Duration::from_secs(10),
             stream_limit: usize::MAX,
@@ -288,6 +291,16 @@ impl Server {
         self
     }
 
+    /// Turns on gRPC server reflection (`grpc.reflection.v1` and `v1alpha`) for the services in
+    /// `descriptors`, an encoded `FileDescriptorSet` (what `tonic-prost-build`'s
+    /// `file_descriptor_set_path` writes, or protox's output encoded). Tools such as grpcurl
+    /// then list and call the services without the `.proto`. The health service is described
+    /// too. Call once per set.
+    pub fn reflection(mut self, descriptors: impl Into<Vec<u8>>) -> Server {
+        self.descriptors.push(descriptors.into());
+        self
+    }
+
     /// Registers a [`Handler`] trait object for `path`.
     pub fn handler_object(mut self, path: &str, handler: Arc<dyn Handler>) -> Server {
         self.handlers.insert(path.to_owned(), Arc::new(move |call| handler.clone().handle(call)));
@@ -334,6 +347,23 @@ impl Server {
             None => tonic::service::Routes::new(health_service),
             Some(routes) => routes.add_service(health_service),
         });
+        if !this.descriptors.is_empty() {
+            let bad = |e: tonic_reflection::server::Error| {
+                Status::new(Code::InvalidArgument, format!("a reflection descriptor set does not decode: {e}"))
+            };
+            let mut v1 = tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+            let mut v1alpha = tonic_reflection::server::Builder::configure()
+                .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET);
+            for set in &this.descriptors {
+                v1 = v1.register_encoded_file_descriptor_set(set);
+                v1alpha = v1alpha.register_encoded_file_descriptor_set(set);
+            }
+            let (v1, v1alpha) = (v1.build_v1().map_err(bad)?, v1alpha.build_v1alpha().map_err(bad)?);
+            this.routes = this.routes.take().map(|r| r.add_service(v1).add_service(v1alpha));
+            this.service_names
+                .extend(["grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"]);
+        }
         let mut shm = Vec::new();
         let mut http = Vec::new();
         for target in targets {
