@@ -181,6 +181,48 @@ fn the_health_service_answers_on_every_endpoint() {
 }
 
 #[test]
+fn a_client_cancel_reaches_the_service_and_concurrent_calls_stay_apart() {
+    let (mut server, targets) = server();
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    for addr in &targets {
+        // Cancel mid-stream: drop the response while the request stream stays open, so the
+        // service waits for the next request and can only end by the cancel.
+        let tx = rt.block_on(async {
+            let mut c = client(addr).await;
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            let mut replies = c.bidi(ReceiverStream(rx)).await.expect("bidi").into_inner();
+            tx.send(request(b"first".to_vec(), 1)).await.expect("send");
+            assert_eq!(replies.message().await.expect("echo").expect("reply").payload, b"first");
+            drop(replies);
+            tx
+        });
+        // The request stream is still open on the client, so only the cancel can end the
+        // service's. tonic hands a service a CANCELLED request stream as its plain end
+        // (`Streaming` returns `None`), on every transport, so either form proves it arrived.
+        let line = server.expect_line("BIDI-ENDED", Duration::from_secs(30));
+        println!("{addr}: {line}");
+        assert!(line == "BIDI-ENDED half-close" || line == "BIDI-ENDED Cancelled", "{addr}: {line}");
+        drop(tx);
+        rt.block_on(async {
+            let c = client(addr).await;
+            let calls: Vec<_> = (0..200u64)
+                .map(|i| {
+                    let mut c = c.clone();
+                    tokio::spawn(async move {
+                        let payload = pattern(100 + (i as usize * 37) % 5000, i);
+                        let r = c.unary(request(payload.clone(), i)).await.expect("unary").into_inner();
+                        assert_eq!((r.seq, r.payload), (i, payload));
+                    })
+                })
+                .collect();
+            for call in calls {
+                call.await.expect("call task");
+            }
+        });
+    }
+}
+
+#[test]
 fn health_turns_not_serving_when_a_graceful_shutdown_begins() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;

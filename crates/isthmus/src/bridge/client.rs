@@ -27,6 +27,8 @@ pub struct ResponseBody {
     failed: Option<Status>,
     /// The body of a response over HTTP/2 (a `unix://` or `http://` channel), passed through.
     http: Option<tonic::body::Body>,
+    /// Over HTTP/2: cancels the request when the response is dropped before its end.
+    cancel: CancelOnDrop,
 }
 
 impl std::fmt::Debug for ResponseBody {
@@ -41,7 +43,11 @@ impl Body for ResponseBody {
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         if let Some(body) = self.http.as_mut() {
-            return Pin::new(body).poll_frame(cx).map(|f| f.map(|r| r.map_err(Into::into)));
+            let frame = ready!(Pin::new(body).poll_frame(cx));
+            if frame.as_ref().is_none_or(|f| f.as_ref().is_ok_and(|f| f.is_trailers())) {
+                self.cancel.disarm(); // the call is over: nothing left to cancel
+            }
+            return Poll::Ready(frame.map(|r| r.map_err(Into::into)));
         }
         if let Some(m) = self.pending.take() {
             return Poll::Ready(Some(Ok(Frame::data(m))));
@@ -107,10 +113,67 @@ fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
     false
 }
 
+/// Sends the cancel for an HTTP/2 call when dropped, unless disarmed first.
+struct CancelOnDrop(Option<tokio::sync::oneshot::Sender<()>>);
+
+impl CancelOnDrop {
+    fn disarm(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if let Some(cancel) = self.0.take() {
+            let _ = cancel.send(());
+        }
+    }
+}
+
+/// A request body that fails with CANCELLED once its call's response is dropped unfinished.
+struct Cancellable<B> {
+    body: Pin<Box<B>>,
+    cancelled: Option<tokio::sync::oneshot::Receiver<()>>,
+}
+
+impl<B> Body for Cancellable<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        if let Some(rx) = self.cancelled.as_mut() {
+            match Pin::new(rx).poll(cx) {
+                Poll::Ready(Ok(())) => {
+                    // hyper resets the stream with the reason it finds in the error: CANCEL, as
+                    // gRPC clients cancel (it would say INTERNAL_ERROR otherwise).
+                    return Poll::Ready(Some(Err(Box::new(h2::Error::from(h2::Reason::CANCEL)))));
+                }
+                // Disarmed: the call finished, nothing will cancel it any more.
+                Poll::Ready(Err(_)) => self.cancelled = None,
+                Poll::Pending => {}
+            }
+        }
+        self.body.as_mut().poll_frame(cx).map(|f| f.map(|r| r.map_err(Into::into)))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+}
+
 /// A response that carries only a status (the call failed before the server answered).
 fn failed_response(status: Status) -> http::Response<ResponseBody> {
-    let mut response =
-        http::Response::new(ResponseBody { call: None, pending: None, failed: Some(status), http: None });
+    let mut response = http::Response::new(ResponseBody {
+        call: None,
+        pending: None,
+        failed: Some(status),
+        http: None,
+        cancel: CancelOnDrop(None),
+    });
     response.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
     response
 }
@@ -231,8 +294,13 @@ impl Channel {
                 let mut headers = HeaderMap::new();
                 headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
                 codec::metadata_into(&metadata, &mut headers);
-                let mut response =
-                    http::Response::new(ResponseBody { call: Some(call), pending: None, failed: None, http: None });
+                let mut response = http::Response::new(ResponseBody {
+                    call: Some(call),
+                    pending: None,
+                    failed: None,
+                    http: None,
+                    cancel: CancelOnDrop(None),
+                });
                 *response.headers_mut() = headers;
                 response
             }
@@ -260,7 +328,13 @@ where
             // unix:// and http://: tonic's own HTTP/2 channel carries the request as it is.
             let mut http = http.clone();
             let (parts, body) = request.into_parts();
+            // hyper resets an HTTP/2 stream only once both its halves are dropped; a response
+            // dropped while the request stream is still open would leave the server's call
+            // running. The request body ends with CANCELLED instead, which resets it.
+            let (cancel, cancelled) = tokio::sync::oneshot::channel();
+            let body = Cancellable { body: Box::pin(body), cancelled: Some(cancelled) };
             let request = http::Request::from_parts(parts, tonic::body::Body::new(body));
+            let cancel = CancelOnDrop(Some(cancel));
             return Box::pin(async move {
                 let sent = async {
                     tower::ServiceExt::ready(&mut http).await?;
@@ -269,7 +343,13 @@ where
                 Ok(match sent.await {
                     Ok(mut response) => {
                         deadline_code(response.headers_mut());
-                        response.map(|body| ResponseBody { call: None, pending: None, failed: None, http: Some(body) })
+                        response.map(|body| ResponseBody {
+                            call: None,
+                            pending: None,
+                            failed: None,
+                            http: Some(body),
+                            cancel,
+                        })
                     }
                     // tonic's own reading of its errors: a deadline that passed is
                     // DEADLINE_EXCEEDED, a refused connection UNAVAILABLE.

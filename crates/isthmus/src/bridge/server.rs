@@ -26,11 +26,17 @@ struct RequestBody {
     done: bool,
 }
 
+/// The call's end as tonic's status, so a service reading the request sees CANCELLED, not
+/// UNKNOWN, when the client cancels.
+fn to_tonic(status: Status) -> tonic::Status {
+    tonic::Status::new(tonic::Code::from_i32(status.code() as i32), status.message().to_owned())
+}
+
 impl Body for RequestBody {
     type Data = Bytes;
-    type Error = Status;
+    type Error = tonic::Status;
 
-    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, Status>>> {
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, tonic::Status>>> {
         if let Some(m) = self.pending.take() {
             return Poll::Ready(Some(Ok(Frame::data(m))));
         }
@@ -51,7 +57,7 @@ impl Body for RequestBody {
                     }
                     let prefix = match codec::prefix(m.len()) {
                         Ok(p) => p,
-                        Err(status) => return Poll::Ready(Some(Err(status))),
+                        Err(status) => return Poll::Ready(Some(Err(to_tonic(status)))),
                     };
                     self.pending = Some(m);
                     return Poll::Ready(Some(Ok(Frame::data(prefix))));
@@ -60,11 +66,11 @@ impl Body for RequestBody {
                 Some(Event::Headers(_)) => {}
                 Some(Event::End(status)) => {
                     self.done = true;
-                    return Poll::Ready(Some(Err(status)));
+                    return Poll::Ready(Some(Err(to_tonic(status))));
                 }
                 None => {
                     self.done = true;
-                    return Poll::Ready(Some(Err(Status::new(Code::Cancelled, "the call was cancelled"))));
+                    return Poll::Ready(Some(Err(tonic::Status::cancelled("the call was cancelled"))));
                 }
             }
         }
