@@ -80,34 +80,37 @@ impl<S> AuthorityFix<S> {
 
     /// Moves every whole frame from `raw` to `out`, rewriting header blocks.
     fn process(&mut self) -> io::Result<()> {
+        // Taken out while frames are read from it, so header payloads need no copy of their own.
+        let mut raw = std::mem::take(&mut self.raw);
         let mut at = 0;
         if self.preface_left > 0 {
-            let n = self.preface_left.min(self.raw.len());
-            self.out.extend_from_slice(&self.raw[..n]);
+            let n = self.preface_left.min(raw.len());
+            self.out.extend_from_slice(&raw[..n]);
             self.preface_left -= n;
             at = n;
         }
-        while self.preface_left == 0 && self.raw.len() - at >= FRAME_HEADER_LEN {
-            let h = &self.raw[at..at + FRAME_HEADER_LEN];
+        while self.preface_left == 0 && raw.len() - at >= FRAME_HEADER_LEN {
+            let h = &raw[at..at + FRAME_HEADER_LEN];
             let len = (usize::from(h[0]) << 16) | (usize::from(h[1]) << 8) | usize::from(h[2]);
             let (kind, flags) = (h[3], h[4]);
             let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
-            if self.raw.len() - at < FRAME_HEADER_LEN + len {
+            if raw.len() - at < FRAME_HEADER_LEN + len {
                 break;
             }
-            let payload = self.raw[at + FRAME_HEADER_LEN..at + FRAME_HEADER_LEN + len].to_vec();
             let frame_end = at + FRAME_HEADER_LEN + len;
+            let payload = &raw[at + FRAME_HEADER_LEN..frame_end];
             match kind {
-                HEADERS => self.headers(stream, flags, &payload)?,
-                CONTINUATION => self.continuation(stream, flags, &payload)?,
+                HEADERS => self.headers(stream, flags, payload)?,
+                CONTINUATION => self.continuation(stream, flags, payload)?,
                 _ if self.block.is_some() => {
                     return Err(bad("a frame other than CONTINUATION inside a header block"));
                 }
-                _ => self.out.extend_from_slice(&self.raw[at..frame_end]),
+                _ => self.out.extend_from_slice(&raw[at..frame_end]),
             }
             at = frame_end;
         }
-        self.raw.drain(..at);
+        raw.drain(..at);
+        self.raw = raw;
         Ok(())
     }
 

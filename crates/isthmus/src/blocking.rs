@@ -20,11 +20,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use isthmus_shm::{flags, BlockMut, Config, Connection, Kind};
 
-use crate::call::{check_path, CallOptions, CallState, Grant, Next, Response, Slot};
-use crate::flow::Credit;
+use crate::call::{check_path, open_head, CallOptions, CallState, Next, Reconnect, Response, Slot};
+use crate::flow::{self, Credit};
 use crate::mux::{ConnectionCounters, Mux};
 use crate::status::{Code, Status};
-use crate::wire;
 
 struct Inner {
     slot: Slot,
@@ -75,7 +74,7 @@ impl Channel {
             return Ok(m);
         }
         let _one_at_a_time = self.inner.connecting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        let mut backoff = Duration::from_millis(5);
+        let mut reconnect = Reconnect::new();
         loop {
             if let Some(m) = self.inner.slot.live() {
                 return Ok(m);
@@ -89,19 +88,7 @@ impl Channel {
                     return Ok(mux);
                 }
                 Err(e) => {
-                    let s = Status::from_transport(&e);
-                    if !wait_for_ready || s.code() != Code::Unavailable {
-                        return Err(s);
-                    }
-                    let next = Instant::now() + backoff;
-                    if deadline.is_some_and(|d| next >= d) {
-                        return Err(Status::new(
-                            Code::DeadlineExceeded,
-                            format!("no server became ready before the deadline: {s}"),
-                        ));
-                    }
-                    std::thread::sleep(backoff);
-                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                    std::thread::sleep(reconnect.after(Status::from_transport(&e), wait_for_ready, deadline)?);
                 }
             }
         }
@@ -114,12 +101,11 @@ impl Channel {
         let mux = self.mux(options.wait_for_ready, deadline)?;
         let stream = mux.register(self.inner.slot.next_stream())?;
         let call = Call { state: CallState::new(stream, mux, path, self.inner.clone()), deadline };
-        let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()).max(Duration::from_nanos(1)));
-        let head = wire::RequestHead { path: path.to_owned(), timeout, metadata: options.metadata };
+        let head = open_head(path, options.metadata, deadline);
         call.state
             .mux
             .sender
-            .send(Kind::Headers, 0, call.state.id(), &head.encode(), deadline)
+            .send(Kind::Headers, 0, call.state.id(), &head, deadline)
             .map_err(|e| Status::from_transport(&e))?;
         Ok(call)
     }
@@ -182,7 +168,7 @@ impl Call {
         }
         let shared = self.state.stream.shared.clone();
         let window = &shared.send_window;
-        let charge = CallState::charge(len);
+        let charge = flow::charge(len);
         loop {
             match window.try_take(charge) {
                 Credit::Taken => return Ok(true),
@@ -243,9 +229,7 @@ impl Call {
 
     /// The next event, read from the connection on this thread if no other thread is reading.
     fn next(&mut self) -> Result<Next, Status> {
-        if let Some(g) = self.state.due_grant() {
-            self.grant(g); // the server may be waiting for exactly this credit
-        }
+        self.state.settle();
         loop {
             if let Some(ev) = self.state.try_event() {
                 return Ok(self.state.absorb(ev));
@@ -257,36 +241,18 @@ impl Call {
         }
     }
 
-    /// Gives credit back to the server. If the ring stays full until the deadline (or for
-    /// [`CANCEL_PATIENCE`] without one), the grant is kept and retried before the next wait for
-    /// a message, so the server's writer is never left without credit it is owed.
-    fn grant(&mut self, g: Grant) {
-        let patience = self.deadline.unwrap_or_else(|| Instant::now() + CANCEL_PATIENCE);
-        if self.state.mux.sender.send(Grant::KIND, 0, self.state.id(), &g.body(), Some(patience)).is_err() {
-            self.state.grant_failed(g);
-        }
-    }
-
     /// The next response message; `Ok(None)` once the server ended the call with OK (its
     /// trailers are then in [`trailers`](Self::trailers)); the server's status otherwise.
     /// A large message is a view into the server's shared memory, not a copy.
     pub fn recv(&mut self) -> Result<Option<Bytes>, Status> {
-        if let Some((r, grant)) = self.state.ready_result() {
-            if let Some(g) = grant {
-                self.grant(g);
-            }
+        if let Some(r) = self.state.ready_result() {
             return r;
         }
         loop {
             match self.next()? {
                 Next::More => {}
                 Next::Ended(r) => return r,
-                Next::Message(m) => {
-                    if let Some(g) = self.state.hand_out(&m) {
-                        self.grant(g);
-                    }
-                    return Ok(Some(m));
-                }
+                Next::Message(m) => return Ok(Some(m)),
             }
         }
     }

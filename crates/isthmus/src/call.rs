@@ -5,9 +5,8 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use isthmus_shm::{Address, Config, Kind};
+use isthmus_shm::{Address, Config};
 
-use crate::flow::{self, Consumed};
 use crate::inbox::Empty;
 use crate::metadata::MetadataMap;
 use crate::mux::{ConnectionCounters, Event, Mux, Stream};
@@ -49,6 +48,49 @@ pub(crate) fn check_path(path: &str) -> Result<(), Status> {
         ));
     }
     Ok(())
+}
+
+/// Retrying a connect for `wait_for_ready`: waits that start at 5 ms and double up to 500 ms,
+/// while the deadline allows.
+pub(crate) struct Reconnect {
+    backoff: std::time::Duration,
+}
+
+impl Reconnect {
+    pub(crate) fn new() -> Reconnect {
+        Reconnect { backoff: std::time::Duration::from_millis(5) }
+    }
+
+    /// After a connect failed with `failed`: how long to wait before trying again, or the status
+    /// the call ends with (the failure itself without `wait_for_ready` or if it is not
+    /// UNAVAILABLE; DEADLINE_EXCEEDED if the next try would come too late).
+    pub(crate) fn after(
+        &mut self,
+        failed: Status,
+        wait_for_ready: bool,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<std::time::Duration, Status> {
+        if !wait_for_ready || failed.code() != Code::Unavailable {
+            return Err(failed);
+        }
+        let wait = self.backoff;
+        if deadline.is_some_and(|d| std::time::Instant::now() + wait >= d) {
+            return Err(Status::new(
+                Code::DeadlineExceeded,
+                format!("no server became ready before the deadline: {failed}"),
+            ));
+        }
+        self.backoff = (wait * 2).min(std::time::Duration::from_millis(500));
+        Ok(wait)
+    }
+}
+
+/// The HEADERS body that opens a call. Time spent waiting for a server is the call's: what is
+/// left of the deadline travels (at least 1 ns).
+pub(crate) fn open_head(path: &str, metadata: MetadataMap, deadline: Option<std::time::Instant>) -> Vec<u8> {
+    let timeout = deadline
+        .map(|d| d.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_nanos(1)));
+    wire::RequestHead { path: path.to_owned(), timeout, metadata }.encode()
 }
 
 /// One channel's connection slot, shared by its clones: the target, and the live connection
@@ -104,17 +146,6 @@ impl Drop for Slot {
     }
 }
 
-/// A frame a front end must send for the call (a WINDOW giving credit back).
-pub(crate) struct Grant(pub(crate) u64);
-
-impl Grant {
-    pub(crate) const KIND: Kind = Kind::Window;
-
-    pub(crate) fn body(&self) -> [u8; 8] {
-        wire::encode_window(self.0)
-    }
-}
-
 /// The state of one client call, fed with its events.
 pub(crate) struct CallState {
     pub(crate) stream: Stream,
@@ -124,7 +155,6 @@ pub(crate) struct CallState {
     trailers: Option<MetadataMap>,
     /// The final status once the call has ended (OK or not).
     ended: Option<Status>,
-    consumed: Consumed,
     span: tracing::Span,
     /// The channel's shared state: while a call lives, its channel's connection stays open even
     /// if every handle on the channel is gone (a response stream read after the client that
@@ -161,7 +191,6 @@ impl CallState {
             headers: None,
             trailers: None,
             ended: None,
-            consumed: Consumed::default(),
             span,
             _channel: channel,
         }
@@ -226,6 +255,9 @@ impl CallState {
             Event::Message(m) => {
                 // A message with no HEADERS before it implies empty initial metadata.
                 self.headers.get_or_insert_with(MetadataMap::new);
+                // Taken off the connection's queue: counted for flow control now, even if it is
+                // parked until the application asks for it (only `headers` parks, briefly).
+                self.hand_out(&m);
                 Next::Message(m)
             }
             Event::HalfClose => Next::More,
@@ -238,31 +270,23 @@ impl CallState {
 
     /// A message already read (while looking for headers), or the final result of an ended
     /// call, without waiting.
-    pub(crate) fn ready_result(&mut self) -> Option<(Received, Option<Grant>)> {
+    pub(crate) fn ready_result(&mut self) -> Option<Received> {
         if let Some(m) = self.pending.pop_front() {
-            let grant = self.hand_out(&m);
-            return Some((Ok(Some(m)), grant));
+            return Some(Ok(Some(m)));
         }
-        self.ended.as_ref().map(|_| (self.outcome(), None))
+        self.ended.as_ref().map(|_| self.outcome())
     }
 
-    /// Hands a message to the application, counting it for flow control; a `Grant` to send if
-    /// credit is due back to the server.
-    pub(crate) fn hand_out(&mut self, m: &Bytes) -> Option<Grant> {
-        if self.ended.is_some() {
-            return None;
+    /// Counts a message for flow control (credit goes back to the server once due).
+    fn hand_out(&mut self, m: &Bytes) {
+        if self.ended.is_none() {
+            self.stream.took(m.len(), &self.mux.sender);
         }
-        self.consumed.take(m.len(), &self.stream.shared.recv_window).map(Grant)
     }
 
-    /// Credit still owed to the server from a grant that could not be sent, to retry now.
-    pub(crate) fn due_grant(&mut self) -> Option<Grant> {
-        self.consumed.due(&self.stream.shared.recv_window).map(Grant)
-    }
-
-    /// A grant that could not be sent goes back to be retried with the next message taken.
-    pub(crate) fn grant_failed(&mut self, g: Grant) {
-        self.consumed.undo(g.0, &self.stream.shared.recv_window);
+    /// Sends credit still owed to the server (see `Stream::settle`).
+    pub(crate) fn settle(&mut self) {
+        self.stream.settle(&self.mux.sender);
     }
 
     /// Keeps a message read while waiting for the headers.
@@ -314,11 +338,6 @@ impl CallState {
         }
     }
 
-    /// The credit a message of `len` bytes takes.
-    pub(crate) fn charge(len: usize) -> i64 {
-        flow::charge(len)
-    }
-
     /// Ends the call here with `code`; `true` if it was still open, and a CANCEL must go to the
     /// server.
     pub(crate) fn end_by_cancel(&mut self, code: Code, message: &str) -> bool {
@@ -328,11 +347,10 @@ impl CallState {
     }
 
     /// Ends the call with `code` and tells the server, waiting for ring room until `patience`
-    /// (best effort: if the ring stays full the server learns of it when the connection closes,
-    /// or at its own deadline).
+    /// (`Mux::send_cancel`).
     pub(crate) fn cancel_blocking(&mut self, code: Code, message: &str, patience: std::time::Instant) {
         if self.end_by_cancel(code, message) {
-            let _ = self.mux.sender.send(Kind::Cancel, 0, self.stream.id, &wire::encode_cancel(code), Some(patience));
+            self.mux.send_cancel(self.stream.id, code, patience);
         }
     }
 }

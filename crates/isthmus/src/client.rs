@@ -4,15 +4,14 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
-use std::time::Duration;
 
 use bytes::Bytes;
 use isthmus_shm::{flags, BlockMut, Config, Connection, Kind};
 use tokio::time::Instant;
 
-use crate::call::{check_path, CallOptions, CallState, Grant, Next, Response, Slot};
+use crate::call::{check_path, open_head, CallOptions, CallState, Next, Reconnect, Response, Slot};
 use crate::endpoint::{connector, http_endpoint, Target};
-use crate::flow::Credit;
+use crate::flow::{self, Credit};
 use crate::mux::{ConnectionCounters, Mux};
 use crate::status::{Code, Status};
 use crate::wire;
@@ -143,7 +142,7 @@ impl Channel {
             return Ok(m);
         }
         let _one_at_a_time = self.inner.connecting.lock().await;
-        let mut backoff = Duration::from_millis(5);
+        let mut reconnect = Reconnect::new();
         loop {
             if let Some(m) = self.live() {
                 return Ok(m); // another call connected while we waited
@@ -153,18 +152,10 @@ impl Channel {
                     self.inner.slot()?.install(mux.clone());
                     return Ok(mux);
                 }
-                Err(s) if wait_for_ready && s.code() == Code::Unavailable => {
-                    let next = Instant::now() + backoff;
-                    if deadline.is_some_and(|d| next >= d) {
-                        return Err(Status::new(
-                            Code::DeadlineExceeded,
-                            format!("no server became ready before the deadline: {s}"),
-                        ));
-                    }
-                    tokio::time::sleep_until(next).await;
-                    backoff = (backoff * 2).min(Duration::from_millis(500));
+                Err(s) => {
+                    let wait = reconnect.after(s, wait_for_ready, deadline.map(Instant::into_std))?;
+                    tokio::time::sleep(wait).await;
                 }
-                Err(s) => return Err(s),
             }
         }
     }
@@ -189,13 +180,11 @@ impl Channel {
         let mux = self.mux(options.wait_for_ready, deadline).await?;
         let stream = mux.register(self.inner.slot()?.next_stream())?;
         let call = ClientCall { state: CallState::new(stream, mux, path, self.inner.clone()), deadline, timer: None };
-        // Time spent waiting for a server is the call's: send what is left.
-        let timeout = deadline.map(|d| d.saturating_duration_since(Instant::now()).max(Duration::from_nanos(1)));
-        let head = wire::RequestHead { path: path.to_owned(), timeout, metadata: options.metadata };
+        let head = open_head(path, options.metadata, deadline.map(Instant::into_std));
         call.state
             .mux
             .sender
-            .send_async(Kind::Headers, 0, call.state.id(), &head.encode())
+            .send_async(Kind::Headers, 0, call.state.id(), &head)
             .await
             .map_err(|e| Status::from_transport(&e))?;
         Ok(call)
@@ -257,7 +246,7 @@ impl SendHalf {
     /// Sends one message once the server's window allows; `last` half-closes with it. An error
     /// means the call is over (its status comes from the receiving side).
     pub(crate) async fn send(&self, message: &[u8], last: bool) -> Result<(), ()> {
-        if self.shared.send_window.take(CallState::charge(message.len())).await != Credit::Taken {
+        if self.shared.send_window.take(flow::charge(message.len())).await != Credit::Taken {
             return Err(());
         }
         let f = if last { flags::END_STREAM } else { 0 };
@@ -302,7 +291,7 @@ impl ClientCall {
             return Err(self.state.ended_error());
         }
         let shared = self.state.stream.shared.clone();
-        match until(self.deadline, shared.send_window.take(CallState::charge(len))).await {
+        match until(self.deadline, shared.send_window.take(flow::charge(len))).await {
             None => Err(self.expire().await),
             Some(Credit::Taken) => Ok(true),
             Some(_) => self.state.after_close().map(|()| false),
@@ -380,9 +369,7 @@ impl ClientCall {
 
     /// The next event, taken in; past the deadline the call ends with DEADLINE_EXCEEDED.
     fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Result<Next, Status>> {
-        if let Some(g) = self.state.due_grant() {
-            self.grant(g);
-        }
+        self.state.settle();
         if let Poll::Ready(ev) = self.state.stream.shared.inbox.poll_recv(cx) {
             let ev = ev.unwrap_or_else(|| crate::mux::Event::End(self.state.connection_end()));
             return Poll::Ready(Ok(self.state.absorb(ev)));
@@ -395,34 +382,16 @@ impl ClientCall {
         Poll::Ready(Err(Status::new(Code::DeadlineExceeded, message)))
     }
 
-    /// Gives credit back to the server without waiting; a grant the ring has no room for is
-    /// kept and retried at the next poll.
-    fn grant(&mut self, g: Grant) {
-        let sent =
-            self.state.mux.sender.send(Grant::KIND, 0, self.state.id(), &g.body(), Some(std::time::Instant::now()));
-        if sent.is_err() {
-            self.state.grant_failed(g);
-        }
-    }
-
     /// [`recv`](Self::recv) in poll form.
     pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, Status>> {
-        if let Some((r, grant)) = self.state.ready_result() {
-            if let Some(g) = grant {
-                self.grant(g);
-            }
+        if let Some(r) = self.state.ready_result() {
             return Poll::Ready(r);
         }
         loop {
             match ready!(self.poll_next(cx))? {
                 Next::More => {}
                 Next::Ended(r) => return Poll::Ready(r),
-                Next::Message(m) => {
-                    if let Some(g) = self.state.hand_out(&m) {
-                        self.grant(g);
-                    }
-                    return Poll::Ready(Ok(Some(m)));
-                }
+                Next::Message(m) => return Poll::Ready(Ok(Some(m))),
             }
         }
     }

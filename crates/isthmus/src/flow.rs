@@ -138,15 +138,11 @@ impl Consumed {
     /// (and already added to `window`), once half a window has been taken.
     pub(crate) fn take(&mut self, len: usize, window: &RecvWindow) -> Option<u64> {
         self.0 += charge(len) as u64;
-        if self.0 < INITIAL_WINDOW / 2 {
-            return None;
-        }
-        let grant = std::mem::take(&mut self.0);
-        window.remaining.fetch_add(grant as i64, Ordering::AcqRel);
-        Some(grant)
+        self.due(window)
     }
 
-    /// The grant due now without taking a message (one that failed to send before), if any.
+    /// The grant due now (half a window taken, or a grant that failed to send before), if any;
+    /// already added to `window`.
     pub(crate) fn due(&mut self, window: &RecvWindow) -> Option<u64> {
         if self.0 < INITIAL_WINDOW / 2 {
             return None;

@@ -78,12 +78,8 @@ impl Inbox {
         st.closed || !st.events.is_empty()
     }
 
-    /// The next event; `None` once closed and drained.
-    pub(crate) async fn recv(&self) -> Option<Event> {
-        std::future::poll_fn(|cx| self.poll_recv(cx)).await
-    }
-
-    /// [`recv`](Self::recv) in poll form: registers `cx`'s waker when nothing is queued.
+    /// The next event; `None` once closed and drained. Registers `cx`'s waker when nothing is
+    /// queued.
     pub(crate) fn poll_recv(&self, cx: &mut Context<'_>) -> Poll<Option<Event>> {
         let mut st = self.state();
         if let Some(ev) = st.events.pop_front() {

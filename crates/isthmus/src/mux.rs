@@ -10,7 +10,7 @@ use bytes::Bytes;
 use isthmus_shm::{flags, Error, ErrorKind, Frame, Kind, Receiver, Sender};
 use tokio::sync::Notify;
 
-use crate::flow::{RecvWindow, SendWindow};
+use crate::flow::{Consumed, RecvWindow, SendWindow};
 use crate::inbox::Inbox;
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
@@ -61,6 +61,35 @@ impl Accept {
 pub(crate) struct Stream {
     pub(crate) id: u64,
     pub(crate) shared: Arc<StreamShared>,
+    /// What the call's application has taken and not yet given back as credit.
+    consumed: Consumed,
+}
+
+impl Stream {
+    /// Counts a message the application took, and gives credit back to the peer once due
+    /// (one WINDOW frame per half window).
+    pub(crate) fn took(&mut self, len: usize, sender: &Sender) {
+        if let Some(n) = self.consumed.take(len, &self.shared.recv_window) {
+            self.give(n, sender);
+        }
+    }
+
+    /// Sends credit still owed: a grant the ring had no room for. Call it before waiting for
+    /// a message, since the peer may be waiting for exactly this credit.
+    pub(crate) fn settle(&mut self, sender: &Sender) {
+        if let Some(n) = self.consumed.due(&self.shared.recv_window) {
+            self.give(n, sender);
+        }
+    }
+
+    /// Sends a WINDOW without waiting for ring room (this may run on an event loop, or in a
+    /// poll); if there is none, the credit stays owed for the next `took` or `settle`.
+    fn give(&mut self, n: u64, sender: &Sender) {
+        let now = Some(std::time::Instant::now());
+        if sender.send(Kind::Window, 0, self.id, &wire::encode_window(n), now).is_err() {
+            self.consumed.undo(n, &self.shared.recv_window);
+        }
+    }
 }
 
 /// What a stream's call and the connection's reader share: the events, and both directions'
@@ -326,7 +355,7 @@ impl Mux {
             self.unregister(id);
             return Err(s);
         }
-        Ok(Stream { id, shared })
+        Ok(Stream { id, shared, consumed: Consumed::default() })
     }
 
     fn open_streams(&self) -> usize {
@@ -347,10 +376,7 @@ impl Mux {
         };
         let Ok(mut s) = self.streams.lock() else { return };
         if let Some(entry) = s.get(&id) {
-            if entry.born != self.batch.load(Ordering::Relaxed) {
-                self.woke.store(true, Ordering::Relaxed);
-            }
-            entry.shared.inbox.push(ev);
+            self.push(entry, ev);
             if let (Some(code), Some(c)) = (end, &entry.cancelled) {
                 c.fire(code);
             }
@@ -362,33 +388,50 @@ impl Mux {
         }
     }
 
+    /// Queues an event for a stream's call, noting whether that may wake a task.
+    fn push(&self, entry: &Entry, ev: Event) {
+        if entry.born != self.batch.load(Ordering::Relaxed) {
+            self.woke.store(true, Ordering::Relaxed);
+        }
+        entry.shared.inbox.push(ev);
+    }
+
     /// Ends stream `id` here with `status` (its call sees it as its end) and tells the peer with a
     /// CANCEL, without waiting for ring room.
     pub(crate) fn abandon(&self, id: u64, status: Status) {
         let code = status.code();
         self.deliver(id, Event::End(status));
-        let now = Some(std::time::Instant::now());
-        let _ = self.sender.send(Kind::Cancel, 0, id, &wire::encode_cancel(code), now);
+        self.send_cancel(id, code, std::time::Instant::now());
+    }
+
+    /// Sends a CANCEL for `id`, waiting for ring room until `patience` at most (best effort: if
+    /// the ring stays full the peer learns of it when the connection closes, or at its own
+    /// deadline).
+    pub(crate) fn send_cancel(&self, id: u64, code: Code, patience: std::time::Instant) {
+        let _ = self.sender.send(Kind::Cancel, 0, id, &wire::encode_cancel(code), Some(patience));
     }
 
     /// Delivers a message, charging it to the stream's window; a peer that had no credit left
     /// broke flow control, which ends that call (only) with INTERNAL.
     fn deliver_message(&self, id: u64, message: Bytes, half_close: bool) -> Option<Reply> {
-        let shared = self.streams.lock().ok().and_then(|s| s.get(&id).map(|e| e.shared.clone()));
-        let shared = shared?; // a stream that has ended: the message crossed its end
-        if !shared.recv_window.charge_arrival(message.len()) {
-            let status = Status::new(
-                Code::Internal,
-                format!("the peer sent on stream {id} past its flow-control window ({} bytes)", crate::INITIAL_WINDOW),
-            );
-            self.deliver(id, Event::End(status));
-            return Some(Reply::cancel(id, Code::Internal));
+        {
+            // One lookup for the message and its half-close: this is every message's path.
+            let s = self.streams.lock().ok()?;
+            let entry = s.get(&id)?; // a stream that has ended: the message crossed its end
+            if entry.shared.recv_window.charge_arrival(message.len()) {
+                self.push(entry, Event::Message(message));
+                if half_close {
+                    self.push(entry, Event::HalfClose);
+                }
+                return None;
+            }
         }
-        self.deliver(id, Event::Message(message));
-        if half_close {
-            self.deliver(id, Event::HalfClose);
-        }
-        None
+        let status = Status::new(
+            Code::Internal,
+            format!("the peer sent on stream {id} past its flow-control window ({} bytes)", crate::INITIAL_WINDOW),
+        );
+        self.deliver(id, Event::End(status));
+        Some(Reply::cancel(id, Code::Internal))
     }
 
     /// Ends every call with `status` and refuses new ones.
@@ -584,14 +627,10 @@ impl Mux {
             Err(e) if e.kind() == ErrorKind::MessageTooLarge => {
                 let Some(id) = e.stream() else { return Step::Continue(None) };
                 let status = Status::from_transport(&e);
-                self.deliver(id, Event::End(status.clone()));
-                if serving {
-                    self.unregister(id);
-                    Step::Continue(Some(Reply::trailers(id, &status)))
-                } else {
-                    self.unregister(id);
-                    Step::Continue(Some(Reply::cancel(id, Code::ResourceExhausted)))
-                }
+                let reply =
+                    if serving { Reply::trailers(id, &status) } else { Reply::cancel(id, Code::ResourceExhausted) };
+                self.deliver(id, Event::End(status)); // which also forgets the stream
+                Step::Continue(Some(reply))
             }
             Err(e) => Step::Stop(Status::from_transport(&e)),
         }
@@ -638,9 +677,8 @@ impl Mux {
             }
             Kind::Window => {
                 let n = wire::decode_window(&f.body).map_err(internal)?;
-                let shared = self.streams.lock().ok().and_then(|s| s.get(&f.stream).map(|e| e.shared.clone()));
-                if let Some(shared) = shared {
-                    shared.send_window.grant(n);
+                if let Some(entry) = self.streams.lock().ok().as_ref().and_then(|s| s.get(&f.stream)) {
+                    entry.shared.send_window.grant(n);
                 }
             }
             Kind::Ping if f.flags & flags::ACK == 0 => {

@@ -15,9 +15,9 @@ use tokio::time::Instant;
 use tracing::Instrument;
 
 use crate::endpoint::{HttpListener, Target};
-use crate::flow::{self, Consumed, Credit};
+use crate::flow::{self, Credit};
 use crate::metadata::MetadataMap;
-use crate::mux::{Cancel, ConnectionCounters, Event, Incoming, Mux, Stream};
+use crate::mux::{Cancel, ConnectionCounters, Event, Incoming, Mux, Stream, StreamShared};
 use crate::status::{Code, Status};
 use crate::wire;
 
@@ -77,19 +77,59 @@ type HandlerFn = Arc<dyn Fn(ServerCall) -> BoxFuture + Send + Sync>;
 /// messages already sent (up to a window of [`INITIAL_WINDOW`](crate::INITIAL_WINDOW) bytes), so
 /// a slow client holds back this handler and no other.
 pub struct ServerCall {
-    pub(crate) stream: Stream,
-    pub(crate) mux: Arc<Mux>,
+    id: u64,
+    /// The stream's windows, for sending.
+    shared: Arc<StreamShared>,
+    mux: Arc<Mux>,
+    /// The request side; the tonic bridge takes it to feed a service's request body.
+    requests: Option<Requests>,
     head: wire::RequestHead,
     deadline: Option<Instant>,
-    consumed: Consumed,
-    half_closed: bool,
     headers_sent: bool,
     trailers: Arc<Mutex<MetadataMap>>,
 }
 
 impl std::fmt::Debug for ServerCall {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ServerCall").field("stream", &self.stream.id).field("path", &self.head.path).finish()
+        f.debug_struct("ServerCall").field("stream", &self.id).field("path", &self.head.path).finish()
+    }
+}
+
+/// The receiving side of a server call: the client's messages, and the credit given back for
+/// them.
+pub(crate) struct Requests {
+    stream: Stream,
+    mux: Arc<Mux>,
+    half_closed: bool,
+}
+
+impl Requests {
+    /// The next request message; `None` once the client has half-closed.
+    pub(crate) fn poll_recv(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<Option<Bytes>, Status>> {
+        use std::task::Poll;
+        if self.half_closed {
+            return Poll::Ready(Ok(None));
+        }
+        self.stream.settle(&self.mux.sender);
+        loop {
+            let Poll::Ready(event) = self.stream.shared.inbox.poll_recv(cx) else { return Poll::Pending };
+            return Poll::Ready(match event {
+                Some(Event::Message(m)) => {
+                    self.stream.took(m.len(), &self.mux.sender);
+                    Ok(Some(m))
+                }
+                Some(Event::HalfClose) => {
+                    self.half_closed = true;
+                    Ok(None)
+                }
+                Some(Event::Headers(_)) => continue,
+                Some(Event::End(status)) => Err(status),
+                None => Err(self.mux.dead().unwrap_or_else(|| Status::new(Code::Cancelled, "the call was cancelled"))),
+            });
+        }
     }
 }
 
@@ -114,32 +154,15 @@ impl ServerCall {
     /// A large message is a view into the client's shared memory, not a copy; holding it keeps
     /// that memory from the client, so drop it (or copy what you keep) when done.
     pub async fn recv(&mut self) -> Result<Option<Bytes>, Status> {
-        if self.half_closed {
-            return Ok(None);
+        match &mut self.requests {
+            Some(requests) => std::future::poll_fn(|cx| requests.poll_recv(cx)).await,
+            None => Err(Status::new(Code::FailedPrecondition, "the request stream was handed to a tonic service")),
         }
-        loop {
-            match self.stream.shared.inbox.recv().await {
-                Some(Event::Message(m)) => {
-                    if let Some(grant) = self.consumed.take(m.len(), &self.stream.shared.recv_window) {
-                        let body = wire::encode_window(grant);
-                        let _ = self.mux.sender.send_async(Kind::Window, 0, self.stream.id, &body).await;
-                    }
-                    return Ok(Some(m));
-                }
-                Some(Event::HalfClose) => {
-                    self.half_closed = true;
-                    return Ok(None);
-                }
-                Some(Event::Headers(_)) => {}
-                Some(Event::End(status)) => return Err(status),
-                None => {
-                    return Err(self
-                        .mux
-                        .dead()
-                        .unwrap_or_else(|| Status::new(Code::Cancelled, "the call was cancelled")))
-                }
-            }
-        }
+    }
+
+    /// Takes the request side, for the tonic bridge; `recv` then fails.
+    pub(crate) fn take_requests(&mut self) -> Option<Requests> {
+        self.requests.take()
     }
 
     /// Sends initial metadata now (otherwise the first message implies empty metadata).
@@ -149,18 +172,19 @@ impl ServerCall {
         }
         self.headers_sent = true;
         let body = wire::ResponseHead { metadata }.encode();
-        self.mux
-            .sender
-            .send_async(Kind::Headers, 0, self.stream.id, &body)
-            .await
-            .map_err(|e| Status::from_transport(&e))
+        self.mux.sender.send_async(Kind::Headers, 0, self.id, &body).await.map_err(|e| Status::from_transport(&e))
     }
 
     /// Waits for credit to send `len` bytes. Initial metadata not sent by now is empty, which
     /// the first MESSAGE implies on its own (protocol 13.7, rule 2): one frame less per call.
     async fn ready_to_send(&mut self, len: usize) -> Result<(), Status> {
         self.headers_sent = true;
-        match self.stream.shared.send_window.take(flow::charge(len)).await {
+        // Credit owed to the client goes first: it may be waiting for it to send what this
+        // handler waits for.
+        if let Some(requests) = &mut self.requests {
+            requests.stream.settle(&self.mux.sender);
+        }
+        match self.shared.send_window.take(flow::charge(len)).await {
             Credit::Taken => Ok(()),
             _ => Err(self.mux.dead().unwrap_or_else(|| Status::new(Code::Cancelled, "the call was cancelled"))),
         }
@@ -169,7 +193,7 @@ impl ServerCall {
     /// Sends one response message.
     pub async fn send(&mut self, message: &[u8]) -> Result<(), Status> {
         self.ready_to_send(message.len()).await?;
-        self.mux.sender.send_message_async(self.stream.id, 0, message).await.map_err(|e| Status::from_transport(&e))
+        self.mux.sender.send_message_async(self.id, 0, message).await.map_err(|e| Status::from_transport(&e))
     }
 
     /// A writable block of `len` bytes in the server's shared memory, for a reply built in
@@ -190,7 +214,7 @@ impl ServerCall {
     /// Sends a block from [`alloc`](Self::alloc) as one response message, as it is.
     pub async fn send_block(&mut self, block: BlockMut) -> Result<(), Status> {
         self.ready_to_send(block.len()).await?;
-        self.mux.sender.send_block_async(self.stream.id, 0, block).await.map_err(|e| Status::from_transport(&e))
+        self.mux.sender.send_block_async(self.id, 0, block).await.map_err(|e| Status::from_transport(&e))
     }
 
     /// Trailing metadata to send with the final status (OK or not).
@@ -679,12 +703,12 @@ async fn call_status(
             let deadline = head.timeout.map(|t| Instant::now() + t);
             let trailers = Arc::new(Mutex::new(MetadataMap::new()));
             let call = ServerCall {
-                stream,
+                id: stream.id,
+                shared: stream.shared.clone(),
                 mux: mux.clone(),
+                requests: Some(Requests { stream, mux: mux.clone(), half_closed: false }),
                 head,
                 deadline,
-                consumed: Consumed::default(),
-                half_closed: false,
                 headers_sent: false,
                 trailers: trailers.clone(),
             };

@@ -1,7 +1,6 @@
 //! tonic services answering calls that arrive over `shm://`.
 
 use std::pin::Pin;
-use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
@@ -10,20 +9,14 @@ use http_body::{Body, Frame};
 use tower_service::Service;
 
 use super::codec::{self, Deframer};
-use crate::flow::Consumed;
-use crate::mux::{Event, Mux, StreamShared};
-use crate::server::ServerCall;
+use crate::server::{Requests, ServerCall};
 use crate::status::{Code, Status};
-use crate::wire;
 
-/// The request messages of an `shm://` call as a gRPC body for a tonic service.
+/// The request messages of an `shm://` call as a gRPC body for a tonic service: each message's
+/// prefix, then the message itself (a view into shared memory for a large one).
 struct RequestBody {
-    shared: Arc<StreamShared>,
-    mux: Arc<Mux>,
-    id: u64,
-    consumed: Consumed,
+    requests: Option<Requests>,
     pending: Option<Bytes>,
-    done: bool,
 }
 
 /// The call's end as tonic's status, so a service reading the request sees CANCELLED, not
@@ -40,40 +33,22 @@ impl Body for RequestBody {
         if let Some(m) = self.pending.take() {
             return Poll::Ready(Some(Ok(Frame::data(m))));
         }
-        loop {
-            if self.done {
+        let Some(requests) = self.requests.as_mut() else { return Poll::Ready(None) };
+        let frame = match ready!(requests.poll_recv(cx)) {
+            Ok(Some(m)) => codec::prefix(m.len()).map(|p| {
+                self.pending = Some(m);
+                Frame::data(p)
+            }),
+            Ok(None) => {
+                self.requests = None;
                 return Poll::Ready(None);
             }
-            let event = ready!(self.shared.inbox.poll_recv(cx));
-            match event {
-                Some(Event::Message(m)) => {
-                    let this = &mut *self;
-                    if let Some(grant) = this.consumed.take(m.len(), &this.shared.recv_window) {
-                        let body = wire::encode_window(grant);
-                        let now = Some(std::time::Instant::now());
-                        if this.mux.sender.send(isthmus_shm::Kind::Window, 0, this.id, &body, now).is_err() {
-                            this.consumed.undo(grant, &this.shared.recv_window);
-                        }
-                    }
-                    let prefix = match codec::prefix(m.len()) {
-                        Ok(p) => p,
-                        Err(status) => return Poll::Ready(Some(Err(to_tonic(status)))),
-                    };
-                    self.pending = Some(m);
-                    return Poll::Ready(Some(Ok(Frame::data(prefix))));
-                }
-                Some(Event::HalfClose) => self.done = true,
-                Some(Event::Headers(_)) => {}
-                Some(Event::End(status)) => {
-                    self.done = true;
-                    return Poll::Ready(Some(Err(to_tonic(status))));
-                }
-                None => {
-                    self.done = true;
-                    return Poll::Ready(Some(Err(tonic::Status::cancelled("the call was cancelled"))));
-                }
+            Err(status) => {
+                self.requests = None;
+                Err(status)
             }
-        }
+        };
+        Poll::Ready(Some(frame.map_err(to_tonic)))
     }
 }
 
@@ -86,14 +61,7 @@ impl RoutesHandler {
     /// gRPC over HTTP/2 would deliver it, and the response's messages and trailers go back as
     /// the call's messages and status.
     pub(crate) async fn serve(self, mut call: ServerCall) -> Result<(), Status> {
-        let body = RequestBody {
-            shared: call.stream.shared.clone(),
-            mux: call.mux.clone(),
-            id: call.stream.id,
-            consumed: Consumed::default(),
-            pending: None,
-            done: false,
-        };
+        let body = RequestBody { requests: call.take_requests(), pending: None };
         let mut request = http::Request::new(body);
         *request.method_mut() = http::Method::POST;
         *request.version_mut() = http::Version::HTTP_2;
