@@ -557,15 +557,17 @@ impl Drop for BlockMut {
             arena.free_unsent(self.offset, self.generation);
         }
         // Another thread of ours may be waiting for exactly this room; the peer will not ring
-        // for it (it never saw the block), so ring our own tx bell: its poller wakes and wakes
-        // the rest. A rare path (an allocation abandoned), so the system call is fine.
-        self.sender.core.bells.my_tx.ring();
+        // for it (it never saw the block), so we do, the way the peer rings for released blocks:
+        // only if a waiter has announced its sleep (no system call otherwise).
+        let core = &self.sender.core;
+        wake_if_parked(core.seg.ctl_u32(core.tx, layout::CTL_PRODUCER_PARKED), &core.bells.my_tx);
     }
 }
 
 /// Reassembly buffers come back here when the message that used one is dropped, so a stream of
 /// large messages reuses warm memory instead of faulting in fresh pages (for 256 MiB that is
-/// 65,536 page faults, more than the copies themselves). Bounded: two buffers of up to 1 GiB.
+/// 65,536 page faults, more than the copies themselves). Bounded: two buffers of up to 256 MiB,
+/// so a connection keeps at most 512 MiB warm after its largest messages are gone.
 #[derive(Debug, Default)]
 struct BufferPool {
     spare: Mutex<Vec<Vec<u8>>>,
@@ -573,11 +575,20 @@ struct BufferPool {
 
 impl BufferPool {
     const KEEP: usize = 2;
-    const MAX_POOLED: usize = 1 << 30;
+    const MAX_POOLED: usize = 256 << 20;
 
-    fn take(&self) -> Vec<u8> {
+    /// A buffer for a `total`-byte message: the smallest spare that holds it, else the largest
+    /// (it grows from there), else a new one.
+    fn take(&self, total: u64) -> Vec<u8> {
         let reused = self.spare.lock().ok().and_then(|mut spare| {
-            let best = spare.iter().enumerate().max_by_key(|(_, v)| v.capacity()).map(|(i, _)| i)?;
+            let fits = |v: &Vec<u8>| v.capacity() as u64 >= total;
+            let best = spare
+                .iter()
+                .enumerate()
+                .filter(|(_, v)| fits(v))
+                .min_by_key(|(_, v)| v.capacity())
+                .or_else(|| spare.iter().enumerate().max_by_key(|(_, v)| v.capacity()))
+                .map(|(i, _)| i)?;
             Some(spare.swap_remove(best))
         });
         match reused {
@@ -722,7 +733,7 @@ impl Receiver {
         let pool = &self.pool;
         let p = self.partial.entry(h.stream).or_insert_with(|| {
             let oversize = d.total > limit;
-            let buf = if oversize { Vec::new() } else { pool.take() };
+            let buf = if oversize { Vec::new() } else { pool.take(d.total) };
             Partial { buf, received: 0, total: d.total, oversize, unreservable: false }
         });
         if p.total != d.total || d.len > p.total - p.received {
