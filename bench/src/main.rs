@@ -8,7 +8,7 @@
 //!
 //! `transport` is isthmus-shm against a raw Unix-socket echo and the physical floors; `rpc` is
 //! echo through the RPC engine (`isthmus-rust`) beside tonic over a Unix socket (`tonic-uds`)
-//! and `raw-uds`; `all` runs both in one run.
+//! (with the transport matrix's `raw-uds` as the floor of socket IPC); `all` runs both in one run.
 //!
 //! The `serve-*` roles are the echo servers this binary starts as child processes.
 

@@ -168,12 +168,12 @@ pub fn serve_uds(path: &str) {
     ready();
     while let Ok((mut s, _)) = listener.accept() {
         std::thread::spawn(move || {
-            let mut buf = Vec::new();
-            let mut len = [0u8; 8];
-            while s.read_exact(&mut len).is_ok() {
-                let n = u64::from_le_bytes(len) as usize;
-                buf.resize(n, 0);
-                if s.read_exact(&mut buf).is_err() || s.write_all(&len).is_err() || s.write_all(&buf).is_err() {
+            // The reply is the request as it came, length first: one write per message.
+            let mut frame = vec![0u8; 8];
+            while s.read_exact(&mut frame[..8]).is_ok() {
+                let n = u64::from_le_bytes(frame[..8].try_into().expect("8 bytes")) as usize;
+                frame.resize(8 + n, 0);
+                if s.read_exact(&mut frame[8..]).is_err() || s.write_all(&frame).is_err() {
                     break;
                 }
             }
@@ -195,9 +195,11 @@ impl UdsEcho {
         UdsEcho { _server: server, stream, path }
     }
 
-    fn send(stream: &mut UnixStream, payload: &[u8]) {
-        stream.write_all(&(payload.len() as u64).to_le_bytes()).expect("write");
-        stream.write_all(payload).expect("write");
+    /// A message as it travels: `u64 length, bytes`, built once and written in one call.
+    fn frame(size: usize) -> Vec<u8> {
+        let mut f = (size as u64).to_le_bytes().to_vec();
+        f.resize(8 + size, 0x5a);
+        f
     }
 
     fn recv(stream: &mut UnixStream, buf: &mut Vec<u8>) {
@@ -220,29 +222,19 @@ impl System for UdsEcho {
     }
 
     fn round_trip(&mut self, size: usize, budget: Budget) -> Sample {
-        let payload = vec![0x5au8; size];
+        // The server reads a whole message before it answers, so writing it all and then
+        // reading the answer cannot deadlock, at any size.
+        let frame = Self::frame(size);
         let mut buf = Vec::with_capacity(size);
         let stream = &mut self.stream;
-        if size >= 1 << 20 {
-            // Large writes block until the server reads; the client writes from a thread so the
-            // two directions overlap, as a real peer would.
-            return measure::run(budget, size, || {
-                let mut w = stream.try_clone().expect("clone");
-                let p = &payload;
-                std::thread::scope(|sc| {
-                    sc.spawn(move || Self::send(&mut w, p));
-                    Self::recv(stream, &mut buf);
-                });
-            });
-        }
         measure::run(budget, size, || {
-            Self::send(stream, &payload);
+            stream.write_all(&frame).expect("write");
             Self::recv(stream, &mut buf);
         })
     }
 
     fn pipelined(&mut self, size: usize, inflight: usize, budget: Budget) -> Option<Sample> {
-        let payload = vec![0x5au8; size];
+        let frame = Self::frame(size);
         let mut buf = Vec::new();
         let stream = &mut self.stream;
         let total = (budget.max_iters * 4).max(inflight * 4);
@@ -251,7 +243,7 @@ impl System for UdsEcho {
         let start = Instant::now();
         for _ in 0..inflight {
             sent_at.push_back(Instant::now());
-            Self::send(stream, &payload);
+            stream.write_all(&frame).expect("write");
         }
         let mut sent = inflight;
         while lat.len() < sent {
@@ -259,7 +251,7 @@ impl System for UdsEcho {
             lat.push(sent_at.pop_front().expect("in flight").elapsed());
             if sent < total && start.elapsed() < budget.time {
                 sent_at.push_back(Instant::now());
-                Self::send(stream, &payload);
+                stream.write_all(&frame).expect("write");
                 sent += 1;
             }
         }
