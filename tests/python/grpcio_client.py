@@ -14,8 +14,7 @@ import grpc
 from grpc_tools import protoc
 
 
-def stubs(proto_dir: str):
-    out = tempfile.mkdtemp(prefix="isthmus-stubs-")
+def stubs(proto_dir: str, out: str):
     args = ["protoc", f"-I{proto_dir}", f"--python_out={out}", f"--grpc_python_out={out}", f"{proto_dir}/conformance.proto"]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
@@ -23,15 +22,10 @@ def stubs(proto_dir: str):
     return importlib.import_module("conformance_pb2"), importlib.import_module("conformance_pb2_grpc")
 
 
-def pattern(n: int, seed: int) -> bytes:
-    # The same bytes as isthmus_tests::pattern (an xorshift-mixed counter), only checked for length here.
-    return bytes((seed + i) % 251 for i in range(n))
-
-
 def main() -> int:
     target, proto_dir = sys.argv[1], sys.argv[2]
-    pb, rpc = stubs(proto_dir)
-    with grpc.insecure_channel(target) as channel:
+    with tempfile.TemporaryDirectory(prefix="isthmus-stubs-") as out, grpc.insecure_channel(target) as channel:
+        pb, rpc = stubs(proto_dir, out)
         echo = rpc.EchoStub(channel)
 
         reply, call = echo.Unary.with_call(

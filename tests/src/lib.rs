@@ -1,5 +1,5 @@
-//! Shared pieces of the cross-process tests: the payload pattern both processes agree on, and
-//! a handle on a spawned peer process.
+//! Shared pieces of the cross-process tests: the payload pattern both processes agree on, fresh
+//! addresses, the tests' runtime, and handles on spawned peer processes.
 
 use std::io::{BufRead, BufReader};
 use std::path::PathBuf;
@@ -51,6 +51,46 @@ pub fn first_mismatch(buf: &[u8], seed: u64) -> Option<usize> {
 pub fn fresh_addr(tag: &str) -> String {
     static N: AtomicU64 = AtomicU64::new(0);
     format!("shm://t-{tag}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// A fresh unix socket path in the temp directory, unique like [`fresh_addr`].
+pub fn fresh_socket(tag: &str) -> PathBuf {
+    static N: AtomicU64 = AtomicU64::new(0);
+    std::env::temp_dir().join(format!(
+        "isthmus-{tag}-{}-{}.sock",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    ))
+}
+
+/// The tests' tokio runtime: multi-threaded, two workers (the machine has two cores).
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
+}
+
+/// Runs a test body on a fresh [`runtime`] under a 120 s watchdog: a hang fails instead of
+/// stalling the suite.
+pub fn run<F: std::future::Future<Output = ()>>(f: F) {
+    runtime().block_on(async { tokio::time::timeout(Duration::from_secs(120), f).await.expect("watchdog") });
+}
+
+/// Starts `tonic-peer` on `targets` (`http://…:0` gets a port from the system); returns it and
+/// the address of each target as clients reach it, in order.
+pub fn spawn_tonic_peer(targets: &[&str]) -> (Peer, Vec<String>) {
+    let mut peer = Peer::spawn_bin("tonic-peer", targets);
+    let addresses = targets
+        .iter()
+        .map(|t| {
+            if t.starts_with("shm://") {
+                (*t).to_owned()
+            } else {
+                // HTTP/2 endpoints are announced in the order they were given.
+                let line = peer.expect_line("LISTENING ", Duration::from_secs(30));
+                line["LISTENING ".len()..].to_owned()
+            }
+        })
+        .collect();
+    (peer, addresses)
 }
 
 /// A peer binary cargo built beside the test binaries (`target/<profile>/NAME`; tests live in

@@ -3,11 +3,9 @@
 //! stubs that grpcio-tools generates and no special channel options. Needs the project's venv
 //! (`make tools`).
 
+use isthmus_tests::{fresh_socket, spawn_tonic_peer};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::Duration;
-
-use isthmus_tests::Peer;
 
 fn root() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -21,19 +19,13 @@ fn python() -> PathBuf {
 
 #[test]
 fn a_grpcio_client_calls_the_unix_and_http_endpoints() {
-    let sock = std::env::temp_dir().join(format!("isthmus-grpcio-{}.sock", std::process::id()));
-    let unix = format!("unix://{}", sock.display());
-    let mut server = Peer::spawn_bin("tonic-peer", &[&unix, "http://127.0.0.1:0"]);
-    let mut targets = Vec::new();
-    for _ in 0..2 {
-        let line = server.expect_line("LISTENING ", Duration::from_secs(30));
-        let addr = line["LISTENING ".len()..].to_owned();
-        // grpcio's forms: `unix:/abs/path`, and `host:port` for TCP.
-        targets.push(match addr.strip_prefix("unix://") {
-            Some(path) => format!("unix:{path}"),
-            None => addr.trim_start_matches("http://").replace("127.0.0.1", "localhost"),
-        });
-    }
+    let unix = format!("unix://{}", fresh_socket("grpcio").display());
+    let (_server, addresses) = spawn_tonic_peer(&[&unix, "http://127.0.0.1:0"]);
+    // grpcio's forms: `unix:/abs/path`, and `host:port` for TCP.
+    let targets = addresses.iter().map(|addr| match addr.strip_prefix("unix://") {
+        Some(path) => format!("unix:{path}"),
+        None => addr.trim_start_matches("http://").replace("127.0.0.1", "localhost"),
+    });
     for target in targets {
         let out = Command::new(python())
             .arg(root().join("tests/python/grpcio_client.py"))

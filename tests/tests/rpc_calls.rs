@@ -3,11 +3,7 @@
 use std::time::{Duration, Instant};
 
 use isthmus::{CallOptions, Channel, Code, MetadataMap};
-use isthmus_tests::{first_mismatch, fresh_addr, pattern, Peer};
-
-fn runtime() -> tokio::runtime::Runtime {
-    tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
-}
+use isthmus_tests::{first_mismatch, fresh_addr, pattern, run, runtime, Peer};
 
 fn server() -> (Peer, String) {
     let addr = fresh_addr("rpc");
@@ -16,11 +12,6 @@ fn server() -> (Peer, String) {
 
 fn with_timeout(ms: u64) -> CallOptions {
     CallOptions { timeout: Some(Duration::from_millis(ms)), ..CallOptions::default() }
-}
-
-/// Every test body runs under a watchdog timeout: a hang fails instead of stalling the suite.
-fn run<F: std::future::Future<Output = ()>>(f: F) {
-    runtime().block_on(async { tokio::time::timeout(Duration::from_secs(120), f).await.expect("watchdog") });
 }
 
 #[test]

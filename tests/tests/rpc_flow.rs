@@ -4,12 +4,7 @@
 use std::time::Duration;
 
 use isthmus::{CallOptions, Channel, Code, INITIAL_WINDOW, MESSAGE_OVERHEAD};
-use isthmus_tests::{eventually, first_mismatch, fresh_addr, Peer};
-
-fn run<F: std::future::Future<Output = ()>>(f: F) {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    rt.block_on(async { tokio::time::timeout(Duration::from_secs(120), f).await.expect("watchdog") });
-}
+use isthmus_tests::{eventually, first_mismatch, fresh_addr, run, Peer};
 
 /// Messages of `len` bytes a writer can send into a fresh window before it must wait: it may
 /// send while its credit is above zero.

@@ -55,7 +55,7 @@ fn each_call_is_a_span_on_both_sides_with_its_final_code() {
     let spans = Arc::new(Spans::default());
     tracing::subscriber::set_global_default(Arc::clone(&spans)).expect("first subscriber");
     let addr = isthmus_tests::fresh_addr("trace");
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let rt = isthmus_tests::runtime();
     rt.block_on(async {
         let bound = Server::builder()
             .handler("/t.S/Ok", |mut call: ServerCall| async move {

@@ -6,36 +6,14 @@ use std::time::Duration;
 
 use isthmus_tests::conformance::echo_client::EchoClient;
 use isthmus_tests::conformance::{EchoRequest, StreamRequest};
-use isthmus_tests::{first_mismatch, fresh_addr, pattern, Peer};
+use isthmus_tests::{first_mismatch, fresh_addr, fresh_socket, pattern, run, runtime, spawn_tonic_peer, Peer};
+use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request};
-
-fn run<F: std::future::Future<Output = ()>>(f: F) {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
-    rt.block_on(async { tokio::time::timeout(Duration::from_secs(120), f).await.expect("watchdog") });
-}
 
 /// Starts `tonic-peer` on all three transports; its targets as clients reach them.
 fn server() -> (Peer, Vec<String>) {
-    let shm = fresh_addr("tonic");
-    let unix = format!(
-        "unix://{}",
-        std::env::temp_dir()
-            .join(format!("isthmus-conf-{}.sock", std::process::id() as u64 * 1000 + rand_tag()))
-            .display()
-    );
-    let mut peer = Peer::spawn_bin("tonic-peer", &[&shm, &unix, "http://127.0.0.1:0"]);
-    let mut targets = vec![shm];
-    for _ in 0..2 {
-        let line = peer.expect_line("LISTENING ", Duration::from_secs(30));
-        targets.push(line["LISTENING ".len()..].to_owned());
-    }
-    (peer, targets)
-}
-
-fn rand_tag() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static N: AtomicU64 = AtomicU64::new(0);
-    N.fetch_add(1, Ordering::Relaxed)
+    let (shm, unix) = (fresh_addr("tonic"), format!("unix://{}", fresh_socket("conf").display()));
+    spawn_tonic_peer(&[&shm, &unix, "http://127.0.0.1:0"])
 }
 
 async fn client(addr: &str) -> EchoClient<isthmus::Channel> {
@@ -91,7 +69,7 @@ async fn every_kind_of_call(addr: &str) {
 
         // Bidi: each echo comes back before the next request goes.
         let (tx, rx) = tokio::sync::mpsc::channel(1);
-        let mut replies = c.bidi(ReceiverStream(rx)).await.expect("bidi").into_inner();
+        let mut replies = c.bidi(ReceiverStream::new(rx)).await.expect("bidi").into_inner();
         for i in 0..50u64 {
             tx.send(request(pattern(i as usize * 100, i), i)).await.expect("send");
             let r = replies.message().await.expect("echo").expect("a reply");
@@ -140,7 +118,7 @@ async fn statuses_and_deadlines(addr: &str) {
         assert_eq!(s.code(), Code::DeadlineExceeded, "{s:?}");
         // A failure mid-stream reaches the client after the messages before it.
         let (tx, rx) = tokio::sync::mpsc::channel(4);
-        let mut replies = c.bidi(ReceiverStream(rx)).await.expect("bidi").into_inner();
+        let mut replies = c.bidi(ReceiverStream::new(rx)).await.expect("bidi").into_inner();
         tx.send(request(b"a".to_vec(), 0)).await.expect("send");
         assert_eq!(replies.message().await.expect("echo").expect("reply").payload, b"a");
         tx.send(EchoRequest { fail_with: Code::Aborted as i32, fail_message: "stop".into(), ..EchoRequest::default() })
@@ -183,14 +161,14 @@ fn the_health_service_answers_on_every_endpoint() {
 #[test]
 fn a_client_cancel_reaches_the_service_and_concurrent_calls_stay_apart() {
     let (mut server, targets) = server();
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
+    let rt = runtime();
     for addr in &targets {
         // Cancel mid-stream: drop the response while the request stream stays open, so the
         // service waits for the next request and can only end by the cancel.
         let tx = rt.block_on(async {
             let mut c = client(addr).await;
             let (tx, rx) = tokio::sync::mpsc::channel(1);
-            let mut replies = c.bidi(ReceiverStream(rx)).await.expect("bidi").into_inner();
+            let mut replies = c.bidi(ReceiverStream::new(rx)).await.expect("bidi").into_inner();
             tx.send(request(b"first".to_vec(), 1)).await.expect("send");
             assert_eq!(replies.message().await.expect("echo").expect("reply").payload, b"first");
             drop(replies);
@@ -247,15 +225,4 @@ fn health_turns_not_serving_when_a_graceful_shutdown_begins() {
         }
         server.expect_line("SHUTDOWN-DONE", Duration::from_secs(30));
     });
-}
-
-/// An mpsc receiver as a request stream.
-struct ReceiverStream<T>(tokio::sync::mpsc::Receiver<T>);
-
-impl<T> tonic::codegen::tokio_stream::Stream for ReceiverStream<T> {
-    type Item = T;
-
-    fn poll_next(mut self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<T>> {
-        self.0.poll_recv(cx)
-    }
 }

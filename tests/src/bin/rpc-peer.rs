@@ -36,6 +36,14 @@ fn reflect(md: &MetadataMap, tag: &str) -> MetadataMap {
     out
 }
 
+/// The little-endian `u32` at `at` in a request; INVALID_ARGUMENT if the request is too short.
+fn u32_at(m: &[u8], at: usize) -> Result<u32, Status> {
+    m.get(at..at + 4)
+        .and_then(|b| b.try_into().ok())
+        .map(u32::from_le_bytes)
+        .ok_or_else(|| Status::new(Code::InvalidArgument, format!("request of {} bytes has no u32 at {at}", m.len())))
+}
+
 async fn one(call: &mut ServerCall) -> Result<bytes::Bytes, Status> {
     call.recv().await?.ok_or_else(|| Status::new(Code::InvalidArgument, "expected a request message"))
 }
@@ -106,10 +114,8 @@ fn main() {
             })
             .handler("/test.Echo/ServerStream", |mut call: ServerCall| async move {
                 let m = one(&mut call).await?;
-                let count =
-                    u32::from_le_bytes(m[0..4].try_into().map_err(|_| Status::new(Code::InvalidArgument, "short"))?);
-                let size =
-                    u32::from_le_bytes(m[4..8].try_into().map_err(|_| Status::new(Code::InvalidArgument, "short"))?);
+                let count = u32_at(&m, 0)?;
+                let size = u32_at(&m, 4)?;
                 for i in 0..count {
                     call.send(&isthmus_tests::pattern(size as usize, i as u64)).await?;
                 }
@@ -136,8 +142,7 @@ fn main() {
             })
             .handler("/test.Echo/Fail", |mut call: ServerCall| async move {
                 let m = one(&mut call).await?;
-                let code =
-                    u32::from_le_bytes(m[0..4].try_into().map_err(|_| Status::new(Code::InvalidArgument, "short"))?);
+                let code = u32_at(&m, 0)?;
                 let mut t = MetadataMap::new();
                 let _ = t.append("x-failed", "yes");
                 Err(Status::new(Code::from_u32(code), format!("requested failure {code}"))
@@ -163,8 +168,7 @@ fn main() {
             })
             .handler("/test.Echo/InPlace", |mut call: ServerCall| async move {
                 let m = one(&mut call).await?;
-                let size =
-                    u32::from_le_bytes(m[0..4].try_into().map_err(|_| Status::new(Code::InvalidArgument, "short"))?);
+                let size = u32_at(&m, 0)?;
                 let mut block = call.alloc(size as usize).await?;
                 block.copy_from_slice(&isthmus_tests::pattern(size as usize, 9));
                 call.send_block(block).await

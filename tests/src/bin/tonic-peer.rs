@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use isthmus_tests::conformance::echo_server::{Echo, EchoServer};
 use isthmus_tests::conformance::{EchoReply, EchoRequest, StreamRequest, Summary};
+use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
 
@@ -89,7 +90,7 @@ impl Echo for Service {
                 }
             }
         });
-        Ok(Response::new(Box::pin(ReceiverStream(rx))))
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 
     async fn client_stream(&self, request: Request<Streaming<EchoRequest>>) -> Result<Response<Summary>, Status> {
@@ -133,18 +134,7 @@ impl Echo for Service {
                 }
             }
         });
-        Ok(Response::new(Box::pin(ReceiverStream(rx))))
-    }
-}
-
-/// An mpsc receiver as a stream (tokio-stream's wrapper, written out to spare a dependency).
-struct ReceiverStream<T>(tokio::sync::mpsc::Receiver<T>);
-
-impl<T> Stream for ReceiverStream<T> {
-    type Item = T;
-
-    fn poll_next(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Option<T>> {
-        self.0.poll_recv(cx)
+        Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
 }
 
