@@ -19,21 +19,24 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// The body of a response from a [`Channel`] used as a tower service: each response message
 /// (prefix, then the message's own bytes), then the status as trailers. Dropping it before the
 /// end cancels the call.
-pub struct ResponseBody {
-    call: Option<ClientCall>,
-    /// The message whose prefix was just yielded.
-    pending: Option<Bytes>,
-    /// The status of a call that failed before it started, yielded as trailers.
-    failed: Option<Status>,
-    /// The body of a response over HTTP/2 (a `unix://` or `http://` channel), passed through.
-    http: Option<tonic::body::Body>,
-    /// Over HTTP/2: cancels the request when the response is dropped before its end.
-    cancel: CancelOnDrop,
+pub struct ResponseBody(Source);
+
+/// Where a response body's frames come from.
+enum Source {
+    /// A call over `shm://`, with the message whose prefix was just yielded.
+    Shm { call: ClientCall, pending: Option<Bytes> },
+    /// A status only: the call failed before the server answered.
+    Failed(Status),
+    /// tonic's HTTP/2 body (a `unix://` or `http://` channel), passed through; `cancel` resets
+    /// the stream if the body is dropped before its end.
+    Http { body: tonic::body::Body, cancel: CancelOnDrop },
+    /// Over.
+    Done,
 }
 
 impl std::fmt::Debug for ResponseBody {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ResponseBody").field("open", &self.call.is_some()).finish()
+        f.debug_struct("ResponseBody").field("open", &!matches!(self.0, Source::Done)).finish()
     }
 }
 
@@ -42,50 +45,45 @@ impl Body for ResponseBody {
     type Error = BoxError;
 
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-        if let Some(body) = self.http.as_mut() {
-            let frame = ready!(Pin::new(body).poll_frame(cx));
-            if frame.as_ref().is_none_or(|f| f.as_ref().is_ok_and(|f| f.is_trailers())) {
-                self.cancel.disarm(); // the call is over: nothing left to cancel
-            }
-            return Poll::Ready(frame.map(|r| r.map_err(Into::into)));
-        }
-        if let Some(m) = self.pending.take() {
-            return Poll::Ready(Some(Ok(Frame::data(m))));
-        }
-        if let Some(status) = self.failed.take() {
-            return Poll::Ready(Some(Ok(Frame::trailers(codec::status_trailers(&status)))));
-        }
-        let Some(call) = self.call.as_mut() else { return Poll::Ready(None) };
-        let frame = match ready!(call.poll_recv(cx)) {
-            Ok(Some(m)) => match codec::prefix(m.len()) {
-                Ok(p) => {
-                    self.pending = Some(m);
-                    Frame::data(p)
+        let frame = match &mut self.0 {
+            Source::Done => return Poll::Ready(None),
+            Source::Failed(status) => Frame::trailers(codec::status_trailers(status)),
+            Source::Http { body, cancel } => {
+                let frame = ready!(Pin::new(body).poll_frame(cx));
+                if frame.as_ref().is_none_or(|f| f.as_ref().is_ok_and(|f| f.is_trailers())) {
+                    cancel.disarm(); // the call is over: nothing left to cancel
                 }
-                Err(status) => self.end(status),
-            },
-            Ok(None) => {
-                let trailers = call.trailers().cloned().unwrap_or_default();
-                self.end(Status::ok().with_metadata(trailers))
+                return Poll::Ready(frame.map(|r| r.map_err(Into::into)));
             }
-            Err(status) => self.end(status),
+            Source::Shm { pending: pending @ Some(_), .. } => {
+                return Poll::Ready(pending.take().map(|m| Ok(Frame::data(m))));
+            }
+            Source::Shm { call, pending } => match ready!(call.poll_recv(cx)) {
+                Ok(Some(m)) => match codec::prefix(m.len()) {
+                    Ok(p) => {
+                        *pending = Some(m);
+                        return Poll::Ready(Some(Ok(Frame::data(p))));
+                    }
+                    Err(status) => Frame::trailers(codec::status_trailers(&status)),
+                },
+                Ok(None) => {
+                    let trailers = call.trailers().cloned().unwrap_or_default();
+                    Frame::trailers(codec::status_trailers(&Status::ok().with_metadata(trailers)))
+                }
+                Err(status) => Frame::trailers(codec::status_trailers(&status)),
+            },
         };
+        // Trailers end the body; the call (if any) is done with.
+        self.0 = Source::Done;
         Poll::Ready(Some(Ok(frame)))
     }
 
     fn is_end_stream(&self) -> bool {
-        match &self.http {
-            Some(body) => body.is_end_stream(),
-            None => self.call.is_none() && self.pending.is_none() && self.failed.is_none(),
+        match &self.0 {
+            Source::Http { body, .. } => body.is_end_stream(),
+            Source::Done => true,
+            _ => false,
         }
-    }
-}
-
-impl ResponseBody {
-    /// The trailers that end the body; the call is done with.
-    fn end(&mut self, status: Status) -> Frame<Bytes> {
-        self.call = None;
-        Frame::trailers(codec::status_trailers(&status))
     }
 }
 
@@ -167,13 +165,7 @@ where
 
 /// A response that carries only a status (the call failed before the server answered).
 fn failed_response(status: Status) -> http::Response<ResponseBody> {
-    let mut response = http::Response::new(ResponseBody {
-        call: None,
-        pending: None,
-        failed: Some(status),
-        http: None,
-        cancel: CancelOnDrop(None),
-    });
+    let mut response = http::Response::new(ResponseBody(Source::Failed(status)));
     response.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
     response
 }
@@ -294,13 +286,7 @@ impl Channel {
                 let mut headers = HeaderMap::new();
                 headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
                 codec::metadata_into(&metadata, &mut headers);
-                let mut response = http::Response::new(ResponseBody {
-                    call: Some(call),
-                    pending: None,
-                    failed: None,
-                    http: None,
-                    cancel: CancelOnDrop(None),
-                });
+                let mut response = http::Response::new(ResponseBody(Source::Shm { call, pending: None }));
                 *response.headers_mut() = headers;
                 response
             }
@@ -343,13 +329,7 @@ where
                 Ok(match sent.await {
                     Ok(mut response) => {
                         deadline_code(response.headers_mut());
-                        response.map(|body| ResponseBody {
-                            call: None,
-                            pending: None,
-                            failed: None,
-                            http: Some(body),
-                            cancel,
-                        })
+                        response.map(|body| ResponseBody(Source::Http { body, cancel }))
                     }
                     // tonic's own reading of its errors: a deadline that passed is
                     // DEADLINE_EXCEEDED, a refused connection UNAVAILABLE.
