@@ -190,24 +190,23 @@ pub fn print_rpc(records: &[Record]) {
         "\nRPC echo: isthmus engine over shm:// beside tonic over a Unix socket (medians of {} rounds)\n",
         crate::ROUNDS
     );
-    println!("| size | isthmus-rust p50 | p99 | tonic-uds p50 | p99 | speed-up | raw-uds p50 |");
+    println!("| size | isthmus-rust p50 (p99) | tonic-isthmus-shm p50 (p99) | tonic-uds p50 (p99) | ÷ tonic-uds | ÷ tonic-uds | raw-uds p50 |");
     println!("|---:|---:|---:|---:|---:|---:|---:|");
     for &size in &crate::RPC_SIZES {
         let (Some(i), Some(t)) = (get("isthmus-rust", size, 1), get("tonic-uds", size, 1)) else {
             continue;
         };
-        let raw = get("raw-uds", size, 1).map_or_else(|| "-".into(), |r| us(r.0));
-        if let Some(b) = get("tonic-isthmus-shm", size, 1) {
-            println!("|   tonic-isthmus-shm | {} | {} | | | {:.1}× | |", us(b.0), us(b.1), t.0 / b.0);
-        }
+        let both = |v: (f64, f64, f64)| format!("{} ({})", us(v.0), us(v.1));
+        let bridged = get("tonic-isthmus-shm", size, 1);
         println!(
-            "| {} | {} | {} | {} | {} | {:.1}× | {raw} |",
+            "| {} | {} | {} | {} | {:.1}× | {} | {} |",
             size_name(size),
-            us(i.0),
-            us(i.1),
-            us(t.0),
-            us(t.1),
-            t.0 / i.0
+            both(i),
+            bridged.map_or_else(|| "-".into(), both),
+            both(t),
+            t.0 / i.0,
+            bridged.map_or_else(|| "-".into(), |b| format!("{:.1}×", t.0 / b.0)),
+            get("raw-uds", size, 1).map_or_else(|| "-".into(), |r| us(r.0)),
         );
     }
     if let (Some(i), Some(t)) = (get("isthmus-rust", 64, 32), get("tonic-uds", 64, 32)) {
