@@ -14,8 +14,10 @@ VENV := .venv
 GRPCURL_VERSION := v1.9.3
 GRPCURL := .tools/bin/grpcurl
 export CARGO_TERM_COLOR ?= never
+# The interpreter PyO3 builds against, for maturin and plain cargo alike (no rebuilds between).
+export PYO3_PYTHON := $(CURDIR)/$(VENV)/bin/python
 
-.PHONY: help test lint fmt unit fuzz-smoke bench demo tools rust-tools peers clean
+.PHONY: help test lint fmt unit pytest fuzz-smoke bench demo tools rust-tools peers python clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -37,27 +39,48 @@ $(GRPCURL):
 	@command -v go >/dev/null || { echo "go not found: grpcurl is built with it"; exit 1; }
 	GOBIN=$(CURDIR)/.tools/bin go install github.com/fullstorydev/grpcurl/cmd/grpcurl@$(GRPCURL_VERSION)
 
-# The project's Python environment: real gRPC peers (grpcio) for the tests.
+# The extension module (crates/isthmus-python) built into the venv, with the package
+# (python/isthmus) installed editable. RELEASE=1 builds it optimised for the benchmarks.
+python: rust-tools $(VENV)/.installed ## Build the Python package (isthmus + isthmus._native) into .venv
+	@mkdir -p target
+	@echo "building isthmus._native$(if $(RELEASE), (release)) into $(VENV)"
+	@cd python && VIRTUAL_ENV=$(CURDIR)/$(VENV) ../$(VENV)/bin/maturin develop $(if $(RELEASE),--release) \
+	  > ../target/maturin.log 2>&1 || { cat ../target/maturin.log; exit 1; }
+	@$(VENV)/bin/python -c 'import isthmus._native' || { echo "isthmus._native did not build"; exit 1; }
+
+# The project's Python environment: the extension's build, test and lint tools, and real gRPC
+# peers (grpcio) for the tests.
 $(VENV)/.installed: python/requirements-dev.txt
 	@command -v python3 >/dev/null || { echo "python3 not found"; exit 1; }
 	@test -x $(VENV)/bin/python || python3 -m venv $(VENV)
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r python/requirements-dev.txt
 	@touch $@
 
-test: tools lint unit fuzz-smoke ## Run every check and test: lint, unit, cross-process, doc tests, fuzz smoke
-	@awk '/^test result:/ {p += $$4; f += $$6} END {printf "tests: %d passed, %d failed\n", p, f}' target/test-output.log
+test: tools lint unit pytest fuzz-smoke ## Run every check and test: lint, unit, cross-process, doc tests, Python, fuzz smoke
+	@{ awk '/^test result:/ {p += $$4; f += $$6} END {print p, f}' target/test-output.log; \
+	   tail -n 1 target/pytest-output.log | awk '{for (i = 2; i <= NF; i++) { if ($$i ~ /^passed/) p = $$(i-1); if ($$i ~ /^failed/) f = $$(i-1) }} END {print p + 0, f + 0}'; \
+	 } | awk '{p += $$1; f += $$2} END {printf "tests: %d passed, %d failed\n", p, f}' 
 
-lint: rust-tools ## cargo fmt --check, clippy -D warnings, rustdoc -D warnings
+lint: rust-tools python ## cargo fmt --check, clippy -D warnings, rustdoc -D warnings, ruff, mypy, stubtest
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --quiet
+	$(VENV)/bin/ruff check python
+	$(VENV)/bin/ruff format --check python
+	cd python && ../$(VENV)/bin/mypy isthmus
+	cd python && ../$(VENV)/bin/python -m mypy.stubtest isthmus._native
 
 fmt: ## Format the Rust code
 	$(CARGO) fmt --all
 
-unit: rust-tools peers ## cargo test: unit, cross-process integration and doc tests
+unit: rust-tools peers python ## cargo test: unit, cross-process integration and doc tests
 	@mkdir -p target
 	set -o pipefail; $(CARGO) test --workspace 2>&1 | tee target/test-output.log
+
+pytest: python unit ## The Python package's tests (pytest), against the Rust peers unit built
+	@mkdir -p target
+	set -o pipefail; ISTHMUS_TONIC_PEER=$(CURDIR)/target/debug/tonic-peer \
+	  $(VENV)/bin/python -m pytest python/tests -q -p no:cacheprovider 2>&1 | tee target/pytest-output.log
 
 # cargo-fuzz drives libFuzzer with AddressSanitizer, which needs unstable flags;
 # RUSTC_BOOTSTRAP lets the stable toolchain accept them, so no nightly is needed.
@@ -68,7 +91,8 @@ fuzz-smoke: rust-tools ## Run each fuzz target for FUZZ_SECONDS
 	  test $${PIPESTATUS[0]} -eq 0 || exit 1; \
 	done
 
-bench: rust-tools ## Benchmarks beside their competitors; writes docs/bench/results.json
+bench: rust-tools peers ## Benchmarks beside their competitors; writes docs/bench/results.json
+	$(MAKE) --no-print-directory python RELEASE=1
 	$(CARGO) build --release -p isthmus-bench
 	./target/release/isthmus-bench all $(if $(QUICK),--quick) --out docs/bench/results.json
 	python3 bench/readme_table.py

@@ -2,17 +2,20 @@
 //! each round, and writes `docs/bench/results.json` plus a table of medians and ratios.
 //!
 //! ```text
-//! isthmus-bench all|transport|rpc [--quick] [--out docs/bench/results.json]
+//! isthmus-bench all|transport|rpc|python [--quick] [--out docs/bench/results.json]
 //! isthmus-bench demo
 //! ```
 //!
 //! `transport` is isthmus-shm against a raw Unix-socket echo and the physical floors; `rpc` is
 //! echo through the RPC engine (`isthmus-rust`) beside tonic over a Unix socket (`tonic-uds`)
-//! (with the transport matrix's `raw-uds` as the floor of socket IPC); `all` runs both in one run.
+//! (with the transport matrix's `raw-uds` as the floor of socket IPC); `python` is Python clients
+//! (isthmus sync and asyncio over `shm://`, grpcio and grpc.aio against tonic over a Unix socket, a
+//! raw Python socket); `all` runs every part in one run.
 //!
 //! The `serve-*` roles are the echo servers this binary starts as child processes.
 
 mod measure;
+mod python;
 mod report;
 mod rpc;
 mod system;
@@ -58,7 +61,7 @@ fn main() {
             };
             println!("p50 {:.2} µs, {:.0} calls/s", s.p50_us, s.rps);
         }
-        which @ ("all" | "transport" | "rpc") => {
+        which @ ("all" | "transport" | "rpc" | "python") => {
             let quick = args.iter().any(|a| a == "--quick");
             let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
             let budget = if quick {
@@ -67,22 +70,30 @@ fn main() {
                 Budget { time: Duration::from_millis(500), min_iters: 5, max_iters: 200_000 }
             };
             let mut records = Vec::new();
-            if which != "rpc" {
+            let runs = |part: &str| which == "all" || which == part;
+            if runs("transport") {
                 records.extend(transport(budget));
             }
-            if which != "transport" {
+            if runs("rpc") {
                 records.extend(rpc(budget));
             }
+            if runs("python") {
+                let systems = python::PyClient::all().into_iter().map(|c| Box::new(c) as Box<dyn System>).collect();
+                records.extend(matrix(systems, budget));
+            }
             report::write(out.as_deref().unwrap_or("docs/bench/results.json"), &records, quick);
-            if which != "rpc" {
+            if runs("transport") {
                 report::print_transport(&records);
             }
-            if which != "transport" {
+            if runs("rpc") {
                 report::print_rpc(&records);
+            }
+            if runs("python") {
+                report::print_python(&records);
             }
         }
         _ => {
-            eprintln!("usage: isthmus-bench all|transport|rpc [--quick] [--out FILE] | demo");
+            eprintln!("usage: isthmus-bench all|transport|rpc|python [--quick] [--out FILE] | demo");
             std::process::exit(2);
         }
     }
@@ -91,8 +102,14 @@ fn main() {
 /// Echo through whole RPC stacks: the isthmus engine against tonic over a Unix socket.
 fn rpc(budget: Budget) -> Vec<Record> {
     // raw-uds, the socket floor, is measured by the transport matrix.
-    let mut systems: Vec<Box<dyn System>> =
+    let systems: Vec<Box<dyn System>> =
         vec![Box::new(IsthmusRust::start()), Box::new(TonicClient::over_isthmus()), Box::new(TonicClient::over_uds())];
+    matrix(systems, budget)
+}
+
+/// Every RPC size with one call in flight, then 64 B with 32 in flight, for each system in
+/// turn within each round.
+fn matrix(mut systems: Vec<Box<dyn System>>, budget: Budget) -> Vec<Record> {
     let cells = ROUNDS * systems.len() * (RPC_SIZES.len() + 1);
     let mut done = 0;
     let mut records = Vec::new();

@@ -218,3 +218,43 @@ pub fn print_rpc(records: &[Record]) {
         );
     }
 }
+
+/// The Python clients' table: isthmus (sync, asyncio) beside grpcio (sync, aio) against tonic.
+pub fn print_python(records: &[Record]) {
+    let m = medians(records);
+    let get = |sys: &str, size: usize, inflight: usize| m.get(&(sys.to_owned(), size, inflight)).copied();
+    println!("\nPython clients → Rust servers (medians of {} rounds, p50)\n", crate::ROUNDS);
+    println!("| size | py-isthmus-sync | py-isthmus-aio | py-grpc-sync-tonic-uds | py-grpc-aio-tonic-uds | py-raw-uds | sync ÷ grpc | aio ÷ grpc.aio |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let cell = |v: Option<(f64, f64, f64)>| v.map_or_else(|| "-".into(), |v| us(v.0));
+    let ratio = |a: Option<(f64, f64, f64)>, b: Option<(f64, f64, f64)>| match (a, b) {
+        (Some(a), Some(b)) => format!("{:.1}×", b.0 / a.0),
+        _ => "-".into(),
+    };
+    for &size in &crate::RPC_SIZES {
+        let [s, a, gs, ga, raw] =
+            ["py-isthmus-sync", "py-isthmus-aio", "py-grpc-sync-tonic-uds", "py-grpc-aio-tonic-uds", "py-raw-uds"]
+                .map(|sys| get(sys, size, 1));
+        println!(
+            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            size_name(size),
+            cell(s),
+            cell(a),
+            cell(gs),
+            cell(ga),
+            cell(raw),
+            ratio(s, gs),
+            ratio(a, ga)
+        );
+    }
+    for (ours, theirs) in [("py-isthmus-sync", "py-grpc-sync-tonic-uds"), ("py-isthmus-aio", "py-grpc-aio-tonic-uds")] {
+        if let (Some(i), Some(t)) = (get(ours, 64, 32), get(theirs, 64, 32)) {
+            println!(
+                "\n64 B with 32 in flight: {ours} {:.0} calls/s, {theirs} {:.0} calls/s ({:.1}×)",
+                i.2,
+                t.2,
+                i.2 / t.2
+            );
+        }
+    }
+}

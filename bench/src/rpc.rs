@@ -10,8 +10,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use bytes::{Buf, BufMut, Bytes};
-use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder};
+use bytes::Bytes;
 
 use crate::measure::{self, Budget, Sample};
 use crate::system::{ready, unique, Server, System};
@@ -118,47 +117,6 @@ impl System for IsthmusRust {
 // ---------------------------------------------------------------------------------------------
 // tonic-uds: a tonic client → a tonic server over a Unix socket.
 
-/// Passes message bytes through untouched: the bench compares transports, not protobuf.
-#[derive(Debug, Clone, Copy, Default)]
-struct RawCodec;
-
-#[derive(Debug, Clone, Copy, Default)]
-struct Raw;
-
-impl Codec for RawCodec {
-    type Encode = Bytes;
-    type Decode = Bytes;
-    type Encoder = Raw;
-    type Decoder = Raw;
-
-    fn encoder(&mut self) -> Raw {
-        Raw
-    }
-
-    fn decoder(&mut self) -> Raw {
-        Raw
-    }
-}
-
-impl Encoder for Raw {
-    type Item = Bytes;
-    type Error = tonic::Status;
-
-    fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
-        dst.put(item);
-        Ok(())
-    }
-}
-
-impl Decoder for Raw {
-    type Item = Bytes;
-    type Error = tonic::Status;
-
-    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, tonic::Status> {
-        Ok(Some(src.copy_to_bytes(src.remaining())))
-    }
-}
-
 /// The echo service, written as tonic's generated servers are: a tower service per package
 /// service, dispatching on the method path.
 #[derive(Debug, Clone, Copy, Default)]
@@ -195,8 +153,8 @@ impl tower::Service<http::Request<tonic::body::Body>> for EchoService {
             if req.uri().path() != PATH {
                 return Ok(tonic::Status::unimplemented(req.uri().path().to_owned()).into_http());
             }
-            let mut grpc =
-                tonic::server::Grpc::new(RawCodec).apply_max_message_size_config(Some(MAX_MESSAGE), Some(MAX_MESSAGE));
+            let mut grpc = tonic::server::Grpc::new(isthmus::BytesCodec)
+                .apply_max_message_size_config(Some(MAX_MESSAGE), Some(MAX_MESSAGE));
             Ok(grpc.unary(EchoUnary, req).await)
         })
     }
@@ -313,7 +271,7 @@ async fn tonic_echo<T: TonicTransport>(channel: T, payload: Bytes) -> usize {
         tonic::client::Grpc::new(channel).max_decoding_message_size(MAX_MESSAGE).max_encoding_message_size(MAX_MESSAGE);
     grpc.ready().await.map_err(Into::into).expect("ready");
     let path = http::uri::PathAndQuery::from_static(PATH);
-    let reply = grpc.unary(tonic::Request::new(payload), path, RawCodec).await.expect("echo");
+    let reply = grpc.unary(tonic::Request::new(payload), path, isthmus::BytesCodec).await.expect("echo");
     reply.into_inner().len()
 }
 

@@ -131,12 +131,14 @@ impl Peer {
 
     /// Starts peer binary `bin` with `args` and waits (up to 30 s) for it to print `READY`.
     pub fn spawn_bin(bin: &str, args: &[&str]) -> Peer {
-        let mut child = Command::new(peer_bin(bin))
-            .args(args)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("spawn shm-peer");
+        Peer::command(Command::new(peer_bin(bin)).args(args))
+    }
+
+    /// Starts `command` (a peer of any kind: a Python server, say) and waits (up to 30 s) for
+    /// it to print `READY`.
+    pub fn command(command: &mut Command) -> Peer {
+        let mut child =
+            command.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("spawn the peer process");
         let (lines, reader) = forward_lines(child.stdout.take().expect("piped stdout"));
         let mut p = Peer { child, lines, reader: Some(reader) };
         p.expect_line("READY", Duration::from_secs(30));
@@ -231,4 +233,76 @@ pub mod conformance {
 
     /// The encoded `FileDescriptorSet` of `conformance.proto`, for server reflection.
     pub const DESCRIPTORS: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/conformance_descriptor.bin"));
+}
+
+/// Cases that run against any server of the conformance `Echo` service: `tonic-peer`, and the
+/// Python servers of `python/tests/echo_server.py`.
+pub mod cases {
+    use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
+    use tonic::Request;
+
+    use crate::conformance::echo_client::EchoClient;
+    use crate::conformance::{EchoRequest, StreamRequest};
+    use crate::{first_mismatch, pattern};
+
+    /// A generated client on an isthmus channel to `addr`, with 64 MiB message limits.
+    pub async fn client(addr: &str) -> EchoClient<isthmus::Channel> {
+        let channel = isthmus::Channel::connect(addr).await.expect("connect");
+        EchoClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20)
+    }
+
+    pub fn request(payload: Vec<u8>, seq: u64) -> EchoRequest {
+        EchoRequest { payload, seq, ..EchoRequest::default() }
+    }
+
+    /// Every kind of call, with metadata both ways and a 16 MiB message each way.
+    pub async fn every_kind_of_call(addr: &str) {
+        {
+            let mut c = client(addr).await;
+
+            // Unary, with ascii and binary metadata both ways.
+            let mut req = Request::new(request(b"hello".to_vec(), 7));
+            req.metadata_mut().insert("x-echo", "hi".parse().expect("ascii"));
+            req.metadata_mut().insert_bin("x-echo-bin", tonic::metadata::MetadataValue::from_bytes(&[0u8, 1, 255]));
+            let reply = c.unary(req).await.expect("unary");
+            assert_eq!(reply.metadata().get("x-echo").and_then(|v| v.to_str().ok()), Some("hi"));
+            assert_eq!(
+                reply.metadata().get_bin("x-echo-bin").and_then(|v| v.to_bytes().ok()).as_deref(),
+                Some(&[0u8, 1, 255][..])
+            );
+            let reply = reply.into_inner();
+            assert_eq!((reply.payload.as_slice(), reply.seq, reply.time_left_ms), (&b"hello"[..], 7, -1));
+
+            // Server streaming, some messages through the arena.
+            let mut stream =
+                c.server_stream(StreamRequest { count: 100, size: 20_000 }).await.expect("stream").into_inner();
+            let mut n = 0u64;
+            while let Some(r) = stream.message().await.expect("message") {
+                assert_eq!((r.seq, r.payload.len(), first_mismatch(&r.payload, n)), (n, 20_000, None));
+                n += 1;
+            }
+            assert_eq!(n, 100);
+
+            // Client streaming.
+            let requests: Vec<EchoRequest> = (0..300u64).map(|i| request(pattern(3000, i), i)).collect();
+            let summary = c.client_stream(tonic::codegen::tokio_stream::iter(requests)).await.expect("client stream");
+            assert_eq!((summary.get_ref().count, summary.get_ref().bytes), (300, 900_000));
+
+            // Bidi: each echo comes back before the next request goes.
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            let mut replies = c.bidi(ReceiverStream::new(rx)).await.expect("bidi").into_inner();
+            for i in 0..50u64 {
+                tx.send(request(pattern(i as usize * 100, i), i)).await.expect("send");
+                let r = replies.message().await.expect("echo").expect("a reply");
+                assert_eq!((r.seq, first_mismatch(&r.payload, i)), (i, None));
+            }
+            drop(tx);
+            assert!(replies.message().await.expect("end").is_none());
+
+            // A 16 MiB message each way.
+            let big = pattern(16 << 20, 5);
+            let reply = c.unary(request(big, 5)).await.expect("big unary").into_inner();
+            assert_eq!((reply.payload.len(), first_mismatch(&reply.payload, 5)), (16 << 20, None), "{addr}");
+        }
+    }
 }

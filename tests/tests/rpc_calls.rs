@@ -3,11 +3,25 @@
 use std::time::{Duration, Instant};
 
 use isthmus::{CallOptions, Channel, Code, MetadataMap};
-use isthmus_tests::{first_mismatch, fresh_addr, pattern, run, runtime, Peer};
+use isthmus_tests::{first_mismatch, fresh_addr, fresh_socket, pattern, run, runtime, Peer};
 
 fn server() -> (Peer, String) {
     let addr = fresh_addr("rpc");
     (Peer::spawn_bin("rpc-peer", &[&addr]), addr)
+}
+
+/// `rpc-peer` on shm:// and on unix:// and http://, where its handlers answer over HTTP/2
+/// through the server's private shm:// endpoint; the addresses as clients reach them.
+fn server_everywhere(tag: &str) -> (Peer, Vec<String>) {
+    let (shm, socket) = (fresh_addr(tag), fresh_socket(tag));
+    let targets = format!("{shm},unix://{},http://127.0.0.1:0", socket.display());
+    let mut peer = Peer::spawn_bin("rpc-peer", &[&targets]);
+    let mut addresses = vec![shm];
+    for _ in 0..2 {
+        let line = peer.expect_line("LISTENING ", Duration::from_secs(30));
+        addresses.push(line["LISTENING ".len()..].to_owned());
+    }
+    (peer, addresses)
 }
 
 fn with_timeout(ms: u64) -> CallOptions {
@@ -16,136 +30,148 @@ fn with_timeout(ms: u64) -> CallOptions {
 
 #[test]
 fn unary_carries_metadata_and_trailers_both_ways() {
-    let (_server, addr) = server();
+    let (_server, addrs) = server_everywhere("md");
     run(async move {
-        let ch = Channel::connect(&addr).await.expect("connect");
-        let mut md = MetadataMap::new();
-        md.append("x-echo", "hi").expect("ascii");
-        md.append_bin("x-echo-bin", vec![0u8, 0xfe, 0xff]).expect("binary");
-        let r = ch
-            .unary("/test.Echo/Unary", b"payload", CallOptions { metadata: md, ..CallOptions::default() })
-            .await
-            .expect("call");
-        assert_eq!(&r.message[..], b"payload");
-        assert_eq!(r.metadata.get("x-echo"), Some("head:hi"));
-        assert_eq!(r.metadata.get_bin("x-echo-bin"), Some(&[0u8, 0xfe, 0xff][..]));
-        assert_eq!(r.trailers.get("x-echo"), Some("tail:hi"));
-        assert_eq!(r.trailers.get_bin("x-echo-bin"), Some(&[0u8, 0xfe, 0xff][..]));
+        for addr in addrs {
+            let ch = Channel::connect(&addr).await.expect("connect");
+            let mut md = MetadataMap::new();
+            md.append("x-echo", "hi").expect("ascii");
+            md.append_bin("x-echo-bin", vec![0u8, 0xfe, 0xff]).expect("binary");
+            let r = ch
+                .unary("/test.Echo/Unary", b"payload", CallOptions { metadata: md, ..CallOptions::default() })
+                .await
+                .expect("call");
+            assert_eq!(&r.message[..], b"payload");
+            assert_eq!(r.metadata.get("x-echo"), Some("head:hi"));
+            assert_eq!(r.metadata.get_bin("x-echo-bin"), Some(&[0u8, 0xfe, 0xff][..]));
+            assert_eq!(r.trailers.get("x-echo"), Some("tail:hi"));
+            assert_eq!(r.trailers.get_bin("x-echo-bin"), Some(&[0u8, 0xfe, 0xff][..]));
+        }
     });
 }
 
 #[test]
 fn server_streaming_client_streaming_and_bidi() {
-    let (_server, addr) = server();
+    let (_server, addrs) = server_everywhere("shapes");
     run(async move {
-        let ch = Channel::connect(&addr).await.expect("connect");
-        // Server streaming: 200 messages, some through the arena.
-        let mut call = ch.start("/test.Echo/ServerStream", CallOptions::default()).await.expect("start");
-        let mut req = 200u32.to_le_bytes().to_vec();
-        req.extend_from_slice(&(20_000u32).to_le_bytes());
-        call.send_last(&req).await.expect("request");
-        let mut n = 0u64;
-        while let Some(m) = call.recv().await.expect("message") {
-            assert_eq!((m.len(), first_mismatch(&m, n)), (20_000, None), "message {n}");
-            n += 1;
+        for addr in addrs {
+            let ch = Channel::connect(&addr).await.expect("connect");
+            // Server streaming: 200 messages, some through the arena.
+            let mut call = ch.start("/test.Echo/ServerStream", CallOptions::default()).await.expect("start");
+            let mut req = 200u32.to_le_bytes().to_vec();
+            req.extend_from_slice(&(20_000u32).to_le_bytes());
+            call.send_last(&req).await.expect("request");
+            let mut n = 0u64;
+            while let Some(m) = call.recv().await.expect("message") {
+                assert_eq!((m.len(), first_mismatch(&m, n)), (20_000, None), "message {n}");
+                n += 1;
+            }
+            assert_eq!(n, 200);
+            // Client streaming: 100 messages, then half-close with no message.
+            let mut call = ch.start("/test.Echo/ClientStream", CallOptions::default()).await.expect("start");
+            let mut bytes = 0u64;
+            for i in 0..100u64 {
+                let m = pattern((i as usize * 997) % 30_000, i);
+                bytes += m.len() as u64;
+                call.send(&m).await.expect("send");
+            }
+            call.close_send().await.expect("half-close");
+            let reply = call.recv().await.expect("reply").expect("one message");
+            assert_eq!(u64::from_le_bytes(reply[0..8].try_into().expect("8")), 100);
+            assert_eq!(u64::from_le_bytes(reply[8..16].try_into().expect("8")), bytes);
+            assert_eq!(call.recv().await.expect("ok"), None);
+            // Bidi: each message answered before the next is sent.
+            let mut call = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
+            for i in 0..50u64 {
+                call.send(&pattern(100 + i as usize, i)).await.expect("send");
+                let m = call.recv().await.expect("echo").expect("message");
+                assert_eq!(first_mismatch(&m, i), None);
+            }
+            call.close_send().await.expect("half-close");
+            assert_eq!(call.recv().await.expect("ok"), None);
         }
-        assert_eq!(n, 200);
-        // Client streaming: 100 messages, then half-close with no message.
-        let mut call = ch.start("/test.Echo/ClientStream", CallOptions::default()).await.expect("start");
-        let mut bytes = 0u64;
-        for i in 0..100u64 {
-            let m = pattern((i as usize * 997) % 30_000, i);
-            bytes += m.len() as u64;
-            call.send(&m).await.expect("send");
-        }
-        call.close_send().await.expect("half-close");
-        let reply = call.recv().await.expect("reply").expect("one message");
-        assert_eq!(u64::from_le_bytes(reply[0..8].try_into().expect("8")), 100);
-        assert_eq!(u64::from_le_bytes(reply[8..16].try_into().expect("8")), bytes);
-        assert_eq!(call.recv().await.expect("ok"), None);
-        // Bidi: each message answered before the next is sent.
-        let mut call = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
-        for i in 0..50u64 {
-            call.send(&pattern(100 + i as usize, i)).await.expect("send");
-            let m = call.recv().await.expect("echo").expect("message");
-            assert_eq!(first_mismatch(&m, i), None);
-        }
-        call.close_send().await.expect("half-close");
-        assert_eq!(call.recv().await.expect("ok"), None);
     });
 }
 
 #[test]
 fn every_status_code_arrives_with_message_details_and_trailers() {
-    let (_server, addr) = server();
+    let (_server, addrs) = server_everywhere("codes");
     run(async move {
-        let ch = Channel::connect(&addr).await.expect("connect");
-        for code in Code::ALL.into_iter().skip(1) {
-            let s = ch
-                .unary("/test.Echo/Fail", &(code as u32).to_le_bytes(), CallOptions::default())
-                .await
-                .expect_err("fails");
-            assert_eq!(s.code(), code);
-            assert_eq!(s.message(), format!("requested failure {}", code as u32));
-            assert_eq!(&s.details()[..], b"\x00details\xff");
-            assert_eq!(s.metadata().get("x-failed"), Some("yes"));
+        for addr in addrs {
+            let ch = Channel::connect(&addr).await.expect("connect");
+            for code in Code::ALL.into_iter().skip(1) {
+                let s = ch
+                    .unary("/test.Echo/Fail", &(code as u32).to_le_bytes(), CallOptions::default())
+                    .await
+                    .expect_err("fails");
+                assert_eq!(s.code(), code);
+                assert_eq!(s.message(), format!("requested failure {}", code as u32));
+                assert_eq!(&s.details()[..], b"\x00details\xff");
+                assert_eq!(s.metadata().get("x-failed"), Some("yes"));
+            }
         }
     });
 }
 
 #[test]
 fn unknown_methods_and_panics_fail_the_call_not_the_server() {
-    let (_server, addr) = server();
+    let (_server, addrs) = server_everywhere("unknown");
     run(async move {
-        let ch = Channel::connect(&addr).await.expect("connect");
-        let s = ch.unary("/test.Echo/Nope", b"", CallOptions::default()).await.expect_err("unknown");
-        assert_eq!(s.code(), Code::Unimplemented);
-        assert!(s.message().contains("/test.Echo/Nope"), "{s}");
-        let s = ch.unary("/test.Echo/Panic", b"", CallOptions::default()).await.expect_err("panics");
-        assert_eq!(s.code(), Code::Internal);
-        assert!(s.message().contains("exploded on purpose"), "{s}");
-        let r = ch.unary("/test.Echo/Unary", b"still alive", CallOptions::default()).await.expect("server goes on");
-        assert_eq!(&r.message[..], b"still alive");
+        for addr in addrs {
+            let ch = Channel::connect(&addr).await.expect("connect");
+            let s = ch.unary("/test.Echo/Nope", b"", CallOptions::default()).await.expect_err("unknown");
+            assert_eq!(s.code(), Code::Unimplemented);
+            assert!(s.message().contains("/test.Echo/Nope"), "{s}");
+            let s = ch.unary("/test.Echo/Panic", b"", CallOptions::default()).await.expect_err("panics");
+            assert_eq!(s.code(), Code::Internal);
+            assert!(s.message().contains("exploded on purpose"), "{s}");
+            let r = ch.unary("/test.Echo/Unary", b"still alive", CallOptions::default()).await.expect("server goes on");
+            assert_eq!(&r.message[..], b"still alive");
+        }
     });
 }
 
 #[test]
 fn deadlines_travel_and_end_the_call_on_both_sides() {
-    let (mut server, addr) = server();
+    let (mut server, addrs) = server_everywhere("deadline");
     run(async move {
-        let ch = Channel::connect(&addr).await.expect("connect");
-        let r = ch.unary("/test.Echo/TimeLeft", b"", with_timeout(60_000)).await.expect("call");
-        let left: i64 = std::str::from_utf8(&r.message).expect("ascii").parse().expect("number");
-        assert!((1..=60_000).contains(&left), "the server saw {left} ms left");
-        let started = Instant::now();
-        let s = ch.unary("/test.Echo/Sleep", b"", with_timeout(300)).await.expect_err("deadline");
-        assert_eq!(s.code(), Code::DeadlineExceeded);
-        assert!(started.elapsed() >= Duration::from_millis(300));
-        server.expect_line("SLEEP-DROPPED", Duration::from_secs(30)); // the handler was stopped
-                                                                      // Mid-stream: messages flow, then the deadline ends the call.
-        let mut call = ch.start("/test.Echo/Bidi", with_timeout(500)).await.expect("start");
-        call.send(b"one").await.expect("send");
-        assert_eq!(&call.recv().await.expect("echo").expect("message")[..], b"one");
-        let s = call.recv().await.expect_err("nothing more before the deadline");
-        assert_eq!(s.code(), Code::DeadlineExceeded);
+        for addr in addrs {
+            let ch = Channel::connect(&addr).await.expect("connect");
+            let r = ch.unary("/test.Echo/TimeLeft", b"", with_timeout(60_000)).await.expect("call");
+            let left: i64 = std::str::from_utf8(&r.message).expect("ascii").parse().expect("number");
+            assert!((1..=60_000).contains(&left), "the server saw {left} ms left");
+            let started = Instant::now();
+            let s = ch.unary("/test.Echo/Sleep", b"", with_timeout(300)).await.expect_err("deadline");
+            assert_eq!(s.code(), Code::DeadlineExceeded);
+            assert!(started.elapsed() >= Duration::from_millis(300));
+            server.expect_line("SLEEP-DROPPED", Duration::from_secs(30)); // the handler was stopped
+                                                                          // Mid-stream: messages flow, then the deadline ends the call.
+            let mut call = ch.start("/test.Echo/Bidi", with_timeout(500)).await.expect("start");
+            call.send(b"one").await.expect("send");
+            assert_eq!(&call.recv().await.expect("echo").expect("message")[..], b"one");
+            let s = call.recv().await.expect_err("nothing more before the deadline");
+            assert_eq!(s.code(), Code::DeadlineExceeded);
+        }
     });
 }
 
 #[test]
 fn a_client_cancel_stops_the_server_handler() {
-    let (mut server, addr) = server();
+    let (mut server, addrs) = server_everywhere("cancel");
     run(async move {
-        let ch = Channel::connect(&addr).await.expect("connect");
-        let mut call = ch.start("/test.Echo/Sleep", CallOptions::default()).await.expect("start");
-        call.send(b"x").await.expect("send");
-        server.expect_line("SLEEPING", Duration::from_secs(30));
-        call.cancel().await;
-        server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
-        let mut dropped = ch.start("/test.Echo/Sleep", CallOptions::default()).await.expect("start");
-        dropped.send(b"x").await.expect("send");
-        server.expect_line("SLEEPING", Duration::from_secs(30));
-        drop(dropped); // dropping a call cancels it too
-        server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
+        for addr in addrs {
+            let ch = Channel::connect(&addr).await.expect("connect");
+            let mut call = ch.start("/test.Echo/Sleep", CallOptions::default()).await.expect("start");
+            call.send(b"x").await.expect("send");
+            server.expect_line("SLEEPING", Duration::from_secs(30));
+            call.cancel().await;
+            server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
+            let mut dropped = ch.start("/test.Echo/Sleep", CallOptions::default()).await.expect("start");
+            dropped.send(b"x").await.expect("send");
+            server.expect_line("SLEEPING", Duration::from_secs(30));
+            drop(dropped); // dropping a call cancels it too
+            server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
+        }
     });
 }
 

@@ -4,9 +4,9 @@
 
 use std::time::Duration;
 
-use isthmus_tests::conformance::echo_client::EchoClient;
-use isthmus_tests::conformance::{EchoRequest, StreamRequest};
-use isthmus_tests::{first_mismatch, fresh_addr, fresh_socket, pattern, run, runtime, spawn_tonic_peer, Peer};
+use isthmus_tests::cases::{client, every_kind_of_call, request};
+use isthmus_tests::conformance::EchoRequest;
+use isthmus_tests::{fresh_addr, fresh_socket, pattern, run, runtime, spawn_tonic_peer, Peer};
 use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request};
 
@@ -14,15 +14,6 @@ use tonic::{Code, Request};
 fn server() -> (Peer, Vec<String>) {
     let (shm, unix) = (fresh_addr("tonic"), format!("unix://{}", fresh_socket("conf").display()));
     spawn_tonic_peer(&[&shm, &unix, "http://127.0.0.1:0"])
-}
-
-async fn client(addr: &str) -> EchoClient<isthmus::Channel> {
-    let channel = isthmus::Channel::connect(addr).await.expect("connect");
-    EchoClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20)
-}
-
-fn request(payload: Vec<u8>, seq: u64) -> EchoRequest {
-    EchoRequest { payload, seq, ..EchoRequest::default() }
 }
 
 #[test]
@@ -33,56 +24,6 @@ fn a_generated_client_and_service_make_every_kind_of_call() {
             every_kind_of_call(addr).await;
         }
     });
-}
-
-async fn every_kind_of_call(addr: &str) {
-    {
-        let mut c = client(addr).await;
-
-        // Unary, with ascii and binary metadata both ways.
-        let mut req = Request::new(request(b"hello".to_vec(), 7));
-        req.metadata_mut().insert("x-echo", "hi".parse().expect("ascii"));
-        req.metadata_mut().insert_bin("x-echo-bin", tonic::metadata::MetadataValue::from_bytes(&[0u8, 1, 255]));
-        let reply = c.unary(req).await.expect("unary");
-        assert_eq!(reply.metadata().get("x-echo").and_then(|v| v.to_str().ok()), Some("hi"));
-        assert_eq!(
-            reply.metadata().get_bin("x-echo-bin").and_then(|v| v.to_bytes().ok()).as_deref(),
-            Some(&[0u8, 1, 255][..])
-        );
-        let reply = reply.into_inner();
-        assert_eq!((reply.payload.as_slice(), reply.seq, reply.time_left_ms), (&b"hello"[..], 7, -1));
-
-        // Server streaming, some messages through the arena.
-        let mut stream =
-            c.server_stream(StreamRequest { count: 100, size: 20_000 }).await.expect("stream").into_inner();
-        let mut n = 0u64;
-        while let Some(r) = stream.message().await.expect("message") {
-            assert_eq!((r.seq, r.payload.len(), first_mismatch(&r.payload, n)), (n, 20_000, None));
-            n += 1;
-        }
-        assert_eq!(n, 100);
-
-        // Client streaming.
-        let requests: Vec<EchoRequest> = (0..300u64).map(|i| request(pattern(3000, i), i)).collect();
-        let summary = c.client_stream(tonic::codegen::tokio_stream::iter(requests)).await.expect("client stream");
-        assert_eq!((summary.get_ref().count, summary.get_ref().bytes), (300, 900_000));
-
-        // Bidi: each echo comes back before the next request goes.
-        let (tx, rx) = tokio::sync::mpsc::channel(1);
-        let mut replies = c.bidi(ReceiverStream::new(rx)).await.expect("bidi").into_inner();
-        for i in 0..50u64 {
-            tx.send(request(pattern(i as usize * 100, i), i)).await.expect("send");
-            let r = replies.message().await.expect("echo").expect("a reply");
-            assert_eq!((r.seq, first_mismatch(&r.payload, i)), (i, None));
-        }
-        drop(tx);
-        assert!(replies.message().await.expect("end").is_none());
-
-        // A 16 MiB message each way.
-        let big = pattern(16 << 20, 5);
-        let reply = c.unary(request(big, 5)).await.expect("big unary").into_inner();
-        assert_eq!((reply.payload.len(), first_mismatch(&reply.payload, 5)), (16 << 20, None), "{addr}");
-    }
 }
 
 #[test]

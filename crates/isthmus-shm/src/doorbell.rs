@@ -241,3 +241,31 @@ impl Waiter<'_> {
         }
     }
 }
+
+/// A non-blocking eventfd for an in-process waker: readable while signalled. Event loops that
+/// wait on file descriptors (asyncio's `add_reader`) wait on one of these.
+#[derive(Debug)]
+pub struct EventFd(OwnedFd);
+
+impl EventFd {
+    /// A fresh eventfd, not signalled.
+    pub fn new() -> std::io::Result<EventFd> {
+        sys::eventfd().map(EventFd)
+    }
+
+    /// Makes it readable.
+    pub fn signal(&self) {
+        sys::eventfd_signal(self.0.as_fd());
+    }
+
+    /// Makes it unreadable again; true if it was signalled.
+    pub fn drain(&self) -> bool {
+        sys::eventfd_drain(self.0.as_fd())
+    }
+}
+
+impl std::os::fd::AsRawFd for EventFd {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        std::os::fd::AsRawFd::as_raw_fd(&self.0)
+    }
+}

@@ -58,6 +58,7 @@ mod sys;
 pub use addr::{runtime_dir, Address};
 pub use config::{Config, PeerPolicy, SpinPolicy};
 pub use connection::{BlockMut, Connection, Frame, PeerInfo, Receiver, Role, Sender};
+pub use doorbell::EventFd;
 pub use error::{Error, ErrorKind, Result};
 pub use frame::{flags, Kind};
 pub use listener::{Incoming, Listener};

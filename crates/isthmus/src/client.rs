@@ -12,6 +12,7 @@ use tokio::time::Instant;
 use crate::call::{check_path, open_head, CallOptions, CallState, Next, Reconnect, Response, Slot};
 use crate::endpoint::{connector, http_endpoint, Target};
 use crate::flow::{self, Credit};
+use crate::http_call::HttpCall;
 use crate::mux::{ConnectionCounters, Mux};
 use crate::status::{Code, Status};
 use crate::wire;
@@ -46,14 +47,13 @@ enum Via {
 }
 
 impl Inner {
-    /// The shared-memory connection slot; raw calls exist only over `shm://`.
+    /// The shared-memory connection slot (`shm://` channels only).
     fn slot(&self) -> Result<&Slot, Status> {
         match &self.via {
             Via::Shm(slot) => Ok(slot),
-            Via::Http { target, .. } => Err(Status::new(
-                Code::Unimplemented,
-                format!("{target}: calls by method path go over shm:// only; over unix:// and http:// use a tonic client on this channel"),
-            )),
+            Via::Http { target, .. } => {
+                Err(Status::new(Code::Unimplemented, format!("{target}: this needs an shm:// channel")))
+            }
         }
     }
 }
@@ -74,9 +74,9 @@ impl Channel {
     /// - `shm://NAME` or `shm:///path.sock`: isthmus over shared memory (the handshake runs on a
     ///   blocking thread);
     /// - `unix:///path.sock` or `http://host:port`: standard gRPC over HTTP/2 (tonic's
-    ///   transport), for servers elsewhere or not isthmus. Use it with a tonic client
-    ///   (`FooClient::new(channel)`); calls by method path ([`start`](Self::start)) are
-    ///   `shm://`-only.
+    ///   transport), for servers elsewhere or not isthmus: with a tonic client
+    ///   (`FooClient::new(channel)`) or by method path ([`start`](Self::start),
+    ///   [`unary`](Self::unary)), as over `shm://`.
     pub async fn connect(target: &str) -> Result<Channel, Status> {
         Channel::connect_with(target, Config::default()).await
     }
@@ -175,11 +175,24 @@ impl Channel {
 
     /// Starts a call of any shape: send messages, half-close, read responses.
     pub async fn start(&self, path: &str, options: CallOptions) -> Result<ClientCall, Status> {
+        let via = match &self.inner.via {
+            Via::Shm(_) => CallVia::Shm(self.start_shm(path, options).await?),
+            Via::Http { .. } => {
+                check_path(path)?;
+                let limit = self.max_message_size();
+                CallVia::Http(Box::new(HttpCall::start(self.clone(), path, options, limit)?))
+            }
+        };
+        Ok(ClientCall { via })
+    }
+
+    /// [`start`](Self::start) over `shm://`.
+    pub(crate) async fn start_shm(&self, path: &str, options: CallOptions) -> Result<ShmCall, Status> {
         check_path(path)?;
         let deadline = options.timeout.map(|t| Instant::now() + t);
         let mux = self.mux(options.wait_for_ready, deadline).await?;
         let stream = mux.register(self.inner.slot()?.next_stream())?;
-        let call = ClientCall { state: CallState::new(stream, mux, path, self.inner.clone()), deadline, timer: None };
+        let call = ShmCall { state: CallState::new(stream, mux, path, self.inner.clone()), deadline, timer: None };
         let head = open_head(path, options.metadata, deadline.map(Instant::into_std));
         call.state
             .mux
@@ -204,20 +217,37 @@ impl Channel {
 
     /// A unary call: one request, one response.
     pub async fn unary(&self, path: &str, request: &[u8], options: CallOptions) -> Result<Response, Status> {
-        let mut call = self.start(path, options).await?;
+        if self.http().is_some() {
+            let mut call = self.start(path, options).await?;
+            call.send_last(request).await?;
+            let message = call.recv().await?.ok_or_else(|| no_response(path))?;
+            if call.recv().await?.is_some() {
+                return Err(more_than_one(path));
+            }
+            let metadata = call.headers().await?;
+            let trailers = call.trailers().cloned().unwrap_or_default();
+            return Ok(Response { metadata, message, trailers });
+        }
+        let mut call = self.start_shm(path, options).await?;
         call.send_last(request).await?;
-        let message = call.recv().await?.ok_or_else(|| {
-            Status::new(Code::Internal, format!("{path}: the server ended the call without a response"))
-        })?;
+        let message = call.recv().await?.ok_or_else(|| no_response(path))?;
         if call.recv().await?.is_some() {
-            return Err(Status::new(Code::Internal, format!("{path}: the server sent more than one response")));
+            return Err(more_than_one(path));
         }
         Ok(call.state.take_response(message))
     }
 }
 
+fn no_response(path: &str) -> Status {
+    Status::new(Code::Internal, format!("{path}: the server ended the call without a response"))
+}
+
+fn more_than_one(path: &str) -> Status {
+    Status::new(Code::Internal, format!("{path}: the server sent more than one response"))
+}
+
 /// Runs `fut` until `deadline`; `None` if the deadline came first (the future is dropped).
-async fn until<T>(deadline: Option<Instant>, fut: impl std::future::Future<Output = T>) -> Option<T> {
+pub(crate) async fn until<T>(deadline: Option<Instant>, fut: impl std::future::Future<Output = T>) -> Option<T> {
     match deadline {
         None => Some(fut.await),
         Some(d) => tokio::time::timeout_at(d, fut).await.ok(),
@@ -226,16 +256,28 @@ async fn until<T>(deadline: Option<Instant>, fut: impl std::future::Future<Outpu
 
 /// One call in progress. Dropping it before the server has finished cancels it.
 ///
-/// Request messages are flow-controlled: a `send` waits while the server has not taken the
-/// messages already sent (up to a window of [`INITIAL_WINDOW`](crate::INITIAL_WINDOW) bytes).
+/// Over `shm://`, request messages are flow-controlled: a `send` waits while the server has not
+/// taken the messages already sent (up to a window of [`INITIAL_WINDOW`](crate::INITIAL_WINDOW)
+/// bytes). Over `unix://` and `http://`, HTTP/2's own flow control does the same.
 pub struct ClientCall {
+    via: CallVia,
+}
+
+enum CallVia {
+    Shm(ShmCall),
+    Http(Box<HttpCall>),
+}
+
+/// A call over `shm://`.
+pub(crate) struct ShmCall {
     state: CallState,
     deadline: Option<Instant>,
     /// The deadline as a timer, once a poll has had to wait.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
-/// The sending side of a [`ClientCall`], usable beside it (see [`ClientCall::send_half`]).
+/// The sending side of a [`ClientCall`], usable beside it (see [`ShmCall::send_half`]).
+#[derive(Clone)]
 pub(crate) struct SendHalf {
     mux: Arc<Mux>,
     id: u64,
@@ -264,13 +306,13 @@ impl SendHalf {
     }
 }
 
-impl std::fmt::Debug for ClientCall {
+impl std::fmt::Debug for ShmCall {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ClientCall").field("stream", &self.state.id()).field("over", &self.state.is_over()).finish()
+        f.debug_struct("ShmCall").field("stream", &self.state.id()).field("over", &self.state.is_over()).finish()
     }
 }
 
-impl ClientCall {
+impl ShmCall {
     /// Ends the call at its deadline: cancels it on both sides and gives the status.
     async fn expire(&mut self) -> Status {
         self.cancel_with(Code::DeadlineExceeded, "the call's deadline passed").await;
@@ -310,29 +352,17 @@ impl ClientCall {
     }
 
     /// Sends one request message.
-    pub async fn send(&mut self, message: &[u8]) -> Result<(), Status> {
+    pub(crate) async fn send(&mut self, message: &[u8]) -> Result<(), Status> {
         self.send_flags(message, 0).await
     }
 
     /// Sends the last request message and half-closes in the same frame.
-    pub async fn send_last(&mut self, message: &[u8]) -> Result<(), Status> {
+    pub(crate) async fn send_last(&mut self, message: &[u8]) -> Result<(), Status> {
         self.send_flags(message, flags::END_STREAM).await
     }
 
-    /// A writable block of `len` bytes in this side's shared memory, for a message built in
-    /// place: fill it (or serialize into it), then [`send_block`](Self::send_block) it. The
-    /// server reads it where it is, with no copy on either side. Waits for room in the arena
-    /// until the call's deadline.
-    ///
-    /// ```no_run
-    /// # async fn demo(channel: isthmus::Channel) -> Result<(), isthmus::Status> {
-    /// let mut call = channel.start("/demo.Blob/Put", Default::default()).await?;
-    /// let mut block = call.alloc(1 << 20).await?;
-    /// block.fill(7); // or serialize straight into `&mut block[..]`
-    /// call.send_block(block, true).await?;
-    /// # Ok(()) }
-    /// ```
-    pub async fn alloc(&mut self, len: usize) -> Result<BlockMut, Status> {
+    /// See [`ClientCall::alloc`].
+    pub(crate) async fn alloc(&mut self, len: usize) -> Result<BlockMut, Status> {
         let sender = self.state.mux.sender.clone();
         match until(self.deadline, sender.alloc_async(len)).await {
             Some(block) => block.map_err(|e| Status::from_transport(&e)),
@@ -342,7 +372,7 @@ impl ClientCall {
 
     /// Sends a block from [`alloc`](Self::alloc) as one request message, as it is; `last`
     /// half-closes with it.
-    pub async fn send_block(&mut self, block: BlockMut, last: bool) -> Result<(), Status> {
+    pub(crate) async fn send_block(&mut self, block: BlockMut, last: bool) -> Result<(), Status> {
         if !self.credit(block.len()).await? {
             return Ok(());
         }
@@ -355,7 +385,7 @@ impl ClientCall {
     }
 
     /// Half-closes: no more request messages.
-    pub async fn close_send(&mut self) -> Result<(), Status> {
+    pub(crate) async fn close_send(&mut self) -> Result<(), Status> {
         if self.state.is_over() {
             return Ok(());
         }
@@ -401,7 +431,7 @@ impl ClientCall {
     ///
     /// A large message is a view into the server's shared memory, not a copy; holding it keeps
     /// that memory from the server, so drop it (or copy what you keep) when done.
-    pub async fn recv(&mut self) -> Result<Option<Bytes>, Status> {
+    pub(crate) async fn recv(&mut self) -> Result<Option<Bytes>, Status> {
         std::future::poll_fn(|cx| self.poll_recv(cx)).await
     }
 
@@ -419,7 +449,7 @@ impl ClientCall {
     }
 
     /// The server's initial metadata, waiting for it if needed.
-    pub async fn headers(&mut self) -> Result<crate::MetadataMap, Status> {
+    pub(crate) async fn headers(&mut self) -> Result<crate::MetadataMap, Status> {
         std::future::poll_fn(|cx| self.poll_headers(cx)).await
     }
 
@@ -431,12 +461,170 @@ impl ClientCall {
     }
 
     /// The server's trailing metadata, once the call has ended with OK.
-    pub fn trailers(&self) -> Option<&crate::MetadataMap> {
+    pub(crate) fn trailers(&self) -> Option<&crate::MetadataMap> {
         self.state.trailers()
     }
 
     /// Cancels the call: the server sees CANCELLED and stops its handler.
-    pub async fn cancel(mut self) {
+    pub(crate) async fn cancel(mut self) {
         self.cancel_with(Code::Cancelled, "the call was cancelled").await;
+    }
+}
+
+fn shm_only(what: &str) -> Status {
+    Status::new(Code::Unimplemented, format!("{what} needs an shm:// channel"))
+}
+
+/// Sends a call's requests from one task or thread while another reads its responses
+/// ([`ClientCall::sender`]); a bidi stream's two halves.
+#[derive(Clone)]
+pub struct CallSender {
+    via: SenderVia,
+}
+
+#[derive(Clone)]
+enum SenderVia {
+    Shm(SendHalf),
+    Http(crate::http_call::Requests),
+}
+
+impl std::fmt::Debug for CallSender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CallSender").finish_non_exhaustive()
+    }
+}
+
+impl CallSender {
+    /// Sends one request message once flow control allows; `last` half-closes with it.
+    /// `false` if the call is over (its status comes from the receiving side).
+    pub async fn send(&self, message: &[u8], last: bool) -> bool {
+        match &self.via {
+            SenderVia::Shm(half) => half.send(message, last).await.is_ok(),
+            SenderVia::Http(requests) => requests.send(Bytes::copy_from_slice(message), last).await,
+        }
+    }
+
+    /// Half-closes without a message.
+    pub async fn close(&self) -> bool {
+        match &self.via {
+            SenderVia::Shm(half) => half.close().await.is_ok(),
+            SenderVia::Http(requests) => {
+                requests.close();
+                true
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for ClientCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.via {
+            CallVia::Shm(call) => call.fmt(f),
+            CallVia::Http(_) => f.debug_struct("ClientCall").field("over", &"http/2").finish_non_exhaustive(),
+        }
+    }
+}
+
+impl ClientCall {
+    /// Sends one request message.
+    pub async fn send(&mut self, message: &[u8]) -> Result<(), Status> {
+        match &mut self.via {
+            CallVia::Shm(call) => call.send(message).await,
+            CallVia::Http(call) => call.send(Bytes::copy_from_slice(message), false).await.map(drop),
+        }
+    }
+
+    /// Sends the last request message and half-closes in the same frame.
+    pub async fn send_last(&mut self, message: &[u8]) -> Result<(), Status> {
+        match &mut self.via {
+            CallVia::Shm(call) => call.send_last(message).await,
+            CallVia::Http(call) => call.send(Bytes::copy_from_slice(message), true).await.map(drop),
+        }
+    }
+
+    /// A writable block of `len` bytes in this side's shared memory, for a message built in
+    /// place: fill it (or serialize into it), then [`send_block`](Self::send_block) it. The
+    /// server reads it where it is, with no copy on either side. Waits for room in the arena
+    /// until the call's deadline. `shm://` only.
+    ///
+    /// ```no_run
+    /// # async fn demo(channel: isthmus::Channel) -> Result<(), isthmus::Status> {
+    /// let mut call = channel.start("/demo.Blob/Put", Default::default()).await?;
+    /// let mut block = call.alloc(1 << 20).await?;
+    /// block.fill(7); // or serialize straight into `&mut block[..]`
+    /// call.send_block(block, true).await?;
+    /// # Ok(()) }
+    /// ```
+    pub async fn alloc(&mut self, len: usize) -> Result<BlockMut, Status> {
+        match &mut self.via {
+            CallVia::Shm(call) => call.alloc(len).await,
+            CallVia::Http(_) => Err(shm_only("alloc")),
+        }
+    }
+
+    /// Sends a block from [`alloc`](Self::alloc) as one request message, as it is; `last`
+    /// half-closes with it.
+    pub async fn send_block(&mut self, block: BlockMut, last: bool) -> Result<(), Status> {
+        match &mut self.via {
+            CallVia::Shm(call) => call.send_block(block, last).await,
+            CallVia::Http(_) => Err(shm_only("send_block")),
+        }
+    }
+
+    /// Half-closes: no more request messages.
+    pub async fn close_send(&mut self) -> Result<(), Status> {
+        match &mut self.via {
+            CallVia::Shm(call) => call.close_send().await,
+            CallVia::Http(call) => {
+                call.close_send();
+                Ok(())
+            }
+        }
+    }
+
+    /// The next response message; `Ok(None)` once the server ended the call with OK (its
+    /// trailers are then in [`trailers`](Self::trailers)); the server's status otherwise.
+    ///
+    /// Over `shm://` a large message is a view into the server's shared memory, not a copy;
+    /// holding it keeps that memory from the server, so drop it (or copy what you keep) when
+    /// done.
+    pub async fn recv(&mut self) -> Result<Option<Bytes>, Status> {
+        match &mut self.via {
+            CallVia::Shm(call) => call.recv().await,
+            CallVia::Http(call) => call.recv().await,
+        }
+    }
+
+    /// The server's initial metadata, waiting for it if needed.
+    pub async fn headers(&mut self) -> Result<crate::MetadataMap, Status> {
+        match &mut self.via {
+            CallVia::Shm(call) => call.headers().await,
+            CallVia::Http(call) => call.headers().await,
+        }
+    }
+
+    /// The server's trailing metadata, once the call has ended (with OK, over `shm://`).
+    pub fn trailers(&self) -> Option<&crate::MetadataMap> {
+        match &self.via {
+            CallVia::Shm(call) => call.trailers(),
+            CallVia::Http(call) => call.trailers(),
+        }
+    }
+
+    /// A handle that sends this call's requests beside the task that reads its responses.
+    pub fn sender(&self) -> CallSender {
+        let via = match &self.via {
+            CallVia::Shm(call) => SenderVia::Shm(call.send_half()),
+            CallVia::Http(call) => SenderVia::Http(call.requests()),
+        };
+        CallSender { via }
+    }
+
+    /// Cancels the call: the server sees CANCELLED and stops its handler.
+    pub async fn cancel(self) {
+        match self.via {
+            CallVia::Shm(call) => call.cancel().await,
+            CallVia::Http(mut call) => call.cancel(),
+        }
     }
 }

@@ -24,6 +24,7 @@ mod call;
 mod client;
 mod endpoint;
 mod flow;
+mod http_call;
 mod inbox;
 pub mod metadata;
 mod mux;
@@ -33,8 +34,9 @@ pub mod wire;
 
 pub use bridge::ResponseBody;
 pub use call::{CallOptions, Response};
-pub use client::{Channel, ClientCall};
+pub use client::{CallSender, Channel, ClientCall};
 pub use flow::{INITIAL_WINDOW, MESSAGE_OVERHEAD};
+pub use http_call::BytesCodec;
 pub use isthmus_shm::BlockMut;
 pub use metadata::{InvalidMetadata, MetadataMap};
 pub use mux::ConnectionCounters;

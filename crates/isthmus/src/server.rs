@@ -58,6 +58,8 @@ struct Methods {
     /// The tonic services' path prefixes (`/package.Service/`), answered by `fallback`.
     services: Vec<String>,
     fallback: Option<HandlerFn>,
+    /// Takes every other path ([`Server::fallback`]).
+    catch_all: Option<HandlerFn>,
 }
 
 impl Methods {
@@ -65,8 +67,11 @@ impl Methods {
         if let Some(h) = self.by_path.get(path) {
             return Some(h.clone());
         }
+        if self.services.iter().any(|s| path.starts_with(s.as_str())) {
+            return self.fallback.clone();
+        }
         // A path of no service at all gets the engine's UNIMPLEMENTED, which names the method.
-        self.services.iter().any(|s| path.starts_with(s.as_str())).then(|| self.fallback.clone()).flatten()
+        self.catch_all.clone()
     }
 }
 type HandlerFn = Arc<dyn Fn(ServerCall) -> BoxFuture + Send + Sync>;
@@ -243,6 +248,7 @@ impl ServerCall {
 #[derive(Clone)]
 pub struct Server {
     handlers: HashMap<String, HandlerFn>,
+    catch_all: Option<HandlerFn>,
     /// tonic services, for the methods no handler takes.
     routes: Option<tonic::service::Routes>,
     /// Their names, for the health service.
@@ -258,6 +264,7 @@ impl Default for Server {
     fn default() -> Server {
         Server {
             handlers: HashMap::new(),
+            catch_all: None,
             routes: None,
             service_names: Vec::new(),
             descriptors: Vec::new(),
@@ -331,6 +338,14 @@ impl Server {
         self
     }
 
+    /// Registers a [`Handler`] for every path that no handler and no tonic service takes: for
+    /// servers whose methods are known only at run time (the Python binding's). It then answers
+    /// unknown methods itself.
+    pub fn fallback(mut self, handler: Arc<dyn Handler>) -> Server {
+        self.catch_all = Some(Arc::new(move |call| handler.clone().handle(call)));
+        self
+    }
+
     /// How long a graceful shutdown waits for calls in progress before it closes connections
     /// (default 10 s).
     pub fn grace(mut self, grace: Duration) -> Server {
@@ -359,9 +374,9 @@ impl Server {
     }
 
     /// Binds every target now: `shm://NAME` (isthmus, for clients on this machine), and
-    /// `unix:///path.sock` or `http://host:port`, where the tonic services
-    /// ([`add_service`](Self::add_service)) answer standard gRPC over HTTP/2, for any gRPC
-    /// client. Handlers registered by path are served over `shm://` only.
+    /// `unix:///path.sock` or `http://host:port`, where the same methods answer standard gRPC
+    /// over HTTP/2, for any gRPC client: tonic services ([`add_service`](Self::add_service))
+    /// directly, handlers by path through a private `shm://` endpoint of this server.
     pub fn bind_all<'a>(self, targets: impl IntoIterator<Item = &'a str>) -> Result<Bound, Status> {
         // `grpc.health.v1` on every endpoint: the server ("") and each tonic service SERVING
         // while it serves, NOT_SERVING once a graceful shutdown begins.
@@ -401,10 +416,24 @@ impl Server {
         if shm.is_empty() && http.is_empty() {
             return Err(Status::new(Code::InvalidArgument, "no target to serve"));
         }
+        let mut http_routes = this.routes.clone();
+        if !http.is_empty() && (!this.handlers.is_empty() || this.catch_all.is_some()) {
+            // Handlers take a ServerCall, which only an shm:// stream gives: HTTP/2 calls no
+            // tonic service takes go through the bridge to a private shm:// endpoint of this
+            // server (ADR 0007). One local hop (~2 µs) is small beside HTTP/2's own cost.
+            let target = loopback_target();
+            shm.push(bind_shm(&target, &this.config)?);
+            let channel = crate::Channel::lazy_with(&target, this.config.clone())?;
+            http_routes = http_routes.map(|mut routes| {
+                let router = routes.axum_router_mut();
+                *router = std::mem::take(router).fallback_service(channel);
+                routes
+            });
+        }
         Ok(Bound {
             shm,
             http,
-            routes: this.routes.clone(),
+            routes: http_routes,
             handlers: Arc::new(Methods {
                 by_path: this.handlers,
                 services: this
@@ -417,6 +446,7 @@ impl Server {
                     let services = crate::bridge::RoutesHandler(routes);
                     Arc::new(move |call| Box::pin(services.clone().serve(call)) as BoxFuture) as HandlerFn
                 }),
+                catch_all: this.catch_all,
             }),
             health: (health, this.service_names),
             grace: this.grace,
@@ -434,6 +464,13 @@ impl Server {
     pub async fn serve_all<'a>(self, targets: impl IntoIterator<Item = &'a str>) -> Result<(), Status> {
         self.bind_all(targets)?.serve().await
     }
+}
+
+/// A fresh private `shm://` name for the HTTP/2 endpoints' way to the handlers.
+fn loopback_target() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("shm://isthmus-loopback-{}-{n}", std::process::id())
 }
 
 /// Binds an `shm://` listener and registers it with tokio.
@@ -529,7 +566,18 @@ impl Bound {
     /// calls are refused with UNAVAILABLE, and calls in progress get the grace period to finish
     /// before the connections close.
     pub async fn serve_with_shutdown(self, shutdown: impl Future<Output = ()>) -> Result<(), Status> {
-        let Bound { shm, http, routes, health, handlers, grace, stream_limit, tracker } = self;
+        let grace = self.grace;
+        self.serve_until(async move {
+            shutdown.await;
+            grace
+        })
+        .await
+    }
+
+    /// [`serve_with_shutdown`](Self::serve_with_shutdown) with the grace period chosen when
+    /// the shutdown comes: `shutdown`'s output (grpcio's `stop(grace)`).
+    pub async fn serve_until(self, shutdown: impl Future<Output = Duration>) -> Result<(), Status> {
+        let Bound { shm, http, routes, health, handlers, grace: default_grace, stream_limit, tracker } = self;
         let (reporter, names) = health;
         for name in &names {
             reporter.set_service_status(name, tonic_health::ServingStatus::Serving).await;
@@ -552,8 +600,13 @@ impl Bound {
             endpoints.spawn(accept_shm(listener, handlers, tracker, stream_limit, stop));
         }
         tokio::pin!(shutdown);
+        // An endpoint that failed gives the builder's grace to the others.
+        let mut grace = default_grace;
         let failed = tokio::select! {
-            () = &mut shutdown => None,
+            g = &mut shutdown => {
+                grace = g;
+                None
+            }
             Some(ended) = endpoints.join_next() => Some(match ended {
                 Ok(Err(status)) => status,
                 Ok(Ok(())) => Status::new(Code::Unavailable, "an endpoint stopped"),

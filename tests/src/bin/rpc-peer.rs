@@ -12,8 +12,10 @@
 //! answers `u64` messages `Flood` has sent so far; `/test.Admin/Shutdown` starts a graceful
 //! shutdown, after which the process prints `SHUTDOWN-DONE` and exits.
 //!
-//! `rpc-peer ADDR [MAX_MESSAGE [MAX_STREAMS]]`: the largest request message accepted (0 = the
-//! default), and the concurrent calls allowed per connection.
+//! `rpc-peer ADDR[,ADDR…] [MAX_MESSAGE [MAX_STREAMS]]`: the endpoints (`shm://`, and `unix://` or
+//! `http://`, where the same handlers answer over HTTP/2; each HTTP/2 endpoint is announced as
+//! `LISTENING ADDRESS` after `READY`), the largest request message accepted (0 = the default),
+//! and the concurrent calls allowed per connection.
 
 use std::io::Write;
 
@@ -201,12 +203,15 @@ fn main() {
             Some(n) => server.max_concurrent_streams(n),
             None => server,
         };
-        let bound = match server.bind(&addr) {
+        let bound = match server.bind_all(addr.split(',')) {
             Ok(b) => b,
             Err(e) => return say(&format!("BIND-ERROR {e}")),
         };
         let _ = stats.set(bound.stats());
         say("READY");
+        for address in bound.http_addresses() {
+            say(&format!("LISTENING {address}"));
+        }
         match bound.serve_with_shutdown(async move { shutdown.notified().await }).await {
             Ok(()) => say("SHUTDOWN-DONE"),
             Err(e) => say(&format!("SERVE-ERROR {e}")),

@@ -10,7 +10,7 @@ use http_body::{Body, Frame};
 
 use super::codec::{self, Deframer};
 use crate::call::CallOptions;
-use crate::client::{ClientCall, SendHalf};
+use crate::client::{SendHalf, ShmCall};
 use crate::status::{Code, Status};
 use crate::Channel;
 
@@ -24,7 +24,7 @@ pub struct ResponseBody(Source);
 /// Where a response body's frames come from.
 enum Source {
     /// A call over `shm://`, with the message whose prefix was just yielded.
-    Shm { call: ClientCall, pending: Option<Bytes> },
+    Shm { call: ShmCall, pending: Option<Bytes> },
     /// A status only: the call failed before the server answered.
     Failed(Status),
     /// tonic's HTTP/2 body (a `unix://` or `http://` channel), passed through; `cancel` resets
@@ -269,7 +269,7 @@ impl Channel {
             (Ok(metadata), Ok(timeout)) => CallOptions { metadata, timeout, wait_for_ready: false },
             (Err(s), _) | (_, Err(s)) => return failed_response(s),
         };
-        let mut call = match self.start(parts.uri.path(), options).await {
+        let mut call = match self.start_shm(parts.uri.path(), options).await {
             Ok(call) => call,
             Err(status) => return failed_response(status),
         };

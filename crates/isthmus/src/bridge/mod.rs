@@ -15,7 +15,7 @@
 //! message's own `Bytes` (a view into shared memory for a large one) as two data frames.
 
 mod client;
-mod codec;
+pub(crate) mod codec;
 mod server;
 
 pub use client::ResponseBody;

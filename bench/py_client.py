@@ -1,0 +1,198 @@
+"""The Python clients of the benchmark, driven by `isthmus-bench` over stdin/stdout.
+
+Usage: py_client.py SYSTEM TARGET. SYSTEM is one of:
+
+- ``isthmus-sync`` / ``isthmus-aio``: ``isthmus.insecure_channel`` / ``isthmus.aio.insecure_channel``
+  to the Rust echo server over ``shm://`` (TARGET);
+- ``grpc-sync`` / ``grpc-aio``: ``grpc.insecure_channel`` / ``grpc.aio.insecure_channel`` to a
+  tonic server on the Unix socket TARGET, at grpcio's best documented settings for it (no
+  message-size limits, ``grpc.default_authority`` for the socket);
+- ``raw-uds``: a Python socket to the length-prefixed echo on the Unix socket TARGET.
+
+Each line on stdin is ``rt SIZE TIME_MS MIN MAX`` (one call in flight) or
+``pipe SIZE INFLIGHT TIME_MS MIN MAX``; the answer is ``P50_US P99_US RPS``, or ``none`` for a
+mode the system lacks. Every reply is checked against its request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import socket
+import struct
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+
+PATH = "/bench.Echo/Unary"
+NO_LIMIT = [("grpc.max_send_message_length", -1), ("grpc.max_receive_message_length", -1)]
+
+
+def summary(latencies: list[float], total: float) -> str:
+    latencies.sort()
+
+    def pick(q: float) -> float:
+        return latencies[max(1, math.ceil(len(latencies) * q)) - 1] * 1e6
+
+    return f"{pick(0.5):.3f} {pick(0.99):.3f} {len(latencies) / total:.1f}"
+
+
+def warmup_count(size: int, max_iters: int) -> int:
+    return 2 if size >= 16 << 20 else min(max(max_iters // 20, 2), 2000)
+
+
+def timed(op: Callable[[], None], size: int, budget: float, min_iters: int, max_iters: int) -> str:
+    for _ in range(warmup_count(size, max_iters)):
+        op()
+    latencies: list[float] = []
+    start = time.perf_counter()
+    while len(latencies) < max_iters and (len(latencies) < min_iters or time.perf_counter() - start < budget):
+        t = time.perf_counter()
+        op()
+        latencies.append(time.perf_counter() - t)
+    return summary(latencies, time.perf_counter() - start)
+
+
+def payload_of(size: int) -> bytes:
+    return (bytes(range(256)) * (size // 256 + 1))[:size]
+
+
+def check(reply: bytes | memoryview, payload: bytes) -> None:
+    if len(reply) != len(payload) or bytes(reply[:16]) != payload[:16] or bytes(reply[-16:]) != payload[-16:]:
+        raise SystemExit(f"bad echo: {len(reply)} bytes back for {len(payload)}")
+
+
+def sync_pipelined(
+    start_call: Callable[[bytes], Future[bytes]], payload: bytes, inflight: int, budget: float, max_iters: int
+) -> str:
+    """`inflight` calls kept outstanding with `.future()`, each replaced as it completes."""
+    latencies: list[float] = []
+    deadline = time.perf_counter() + budget
+    begun = time.perf_counter()
+    done = 0
+    pending: list[tuple[float, Future[bytes]]] = [(time.perf_counter(), start_call(payload)) for _ in range(inflight)]
+    while pending:
+        t0, fut = pending.pop(0)
+        check(fut.result(), payload)
+        latencies.append(time.perf_counter() - t0)
+        done += 1
+        if time.perf_counter() < deadline and done < max_iters:
+            pending.append((time.perf_counter(), start_call(payload)))
+    return summary(latencies, time.perf_counter() - begun)
+
+
+async def aio_timed(
+    op: Callable[[], Awaitable[None]], size: int, inflight: int, budget: float, min_iters: int, max_iters: int
+) -> str:
+    for _ in range(warmup_count(size, max_iters)):
+        await op()
+    latencies: list[float] = []
+    start = time.perf_counter()
+
+    async def worker() -> None:
+        while len(latencies) < max_iters and (len(latencies) < min_iters or time.perf_counter() - start < budget):
+            t = time.perf_counter()
+            await op()
+            latencies.append(time.perf_counter() - t)
+
+    await asyncio.gather(*(worker() for _ in range(inflight)))
+    return summary(latencies, time.perf_counter() - start)
+
+
+def run_sync(system: str, target: str) -> None:
+    if system == "isthmus-sync":
+        import isthmus
+
+        channel = isthmus.insecure_channel(target)
+    else:
+        import grpc
+
+        options = [*NO_LIMIT, ("grpc.default_authority", "localhost")]
+        channel = grpc.insecure_channel(f"unix:{target}", options=options)
+    echo = channel.unary_unary(PATH)
+    for line in sys.stdin:
+        words = line.split()
+        size = int(words[1])
+        payload = payload_of(size)
+
+        def once() -> None:
+            check(echo(payload), payload)
+
+        if words[0] == "rt":
+            budget, lo, hi = int(words[2]) / 1000, int(words[3]), int(words[4])
+            print(timed(once, size, budget, lo, hi), flush=True)
+        else:
+            inflight, budget, hi = int(words[2]), int(words[3]) / 1000, int(words[5])
+            print(sync_pipelined(echo.future, payload, inflight, budget, hi), flush=True)
+
+
+async def run_aio(system: str, target: str) -> None:
+    if system == "isthmus-aio":
+        import isthmus.aio
+
+        channel = isthmus.aio.insecure_channel(target)
+    else:
+        import grpc
+
+        options = [*NO_LIMIT, ("grpc.default_authority", "localhost")]
+        channel = grpc.aio.insecure_channel(f"unix:{target}", options=options)
+    echo = channel.unary_unary(PATH)
+    loop = asyncio.get_running_loop()
+    while line := await loop.run_in_executor(None, sys.stdin.readline):
+        words = line.split()
+        size = int(words[1])
+        payload = payload_of(size)
+
+        async def once() -> None:
+            check(await echo(payload), payload)
+
+        if words[0] == "rt":
+            budget, lo, hi = int(words[2]) / 1000, int(words[3]), int(words[4])
+            print(await aio_timed(once, size, 1, budget, lo, hi), flush=True)
+        else:
+            inflight, budget, lo, hi = int(words[2]), int(words[3]) / 1000, int(words[4]), int(words[5])
+            print(await aio_timed(once, size, inflight, budget, lo, hi), flush=True)
+
+
+def run_raw(target: str) -> None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(target)
+    for line in sys.stdin:
+        words = line.split()
+        if words[0] != "rt":
+            print("none", flush=True)
+            continue
+        size = int(words[1])
+        payload = payload_of(size)
+        frame = struct.pack("<Q", size) + payload
+        reply = bytearray(8 + size)
+        view = memoryview(reply)
+
+        def once() -> None:
+            sock.sendall(frame)
+            got = 0
+            while got < len(reply):
+                n = sock.recv_into(view[got:])
+                if n == 0:
+                    raise SystemExit("the echo server closed the socket")
+                got += n
+            check(view[8:], payload)
+
+        budget, lo, hi = int(words[2]) / 1000, int(words[3]), int(words[4])
+        print(timed(once, size, budget, lo, hi), flush=True)
+
+
+def main() -> None:
+    system, target = sys.argv[1], sys.argv[2]
+    print("READY", flush=True)
+    if system == "raw-uds":
+        run_raw(target)
+    elif system.endswith("-aio"):
+        asyncio.run(run_aio(system, target))
+    else:
+        run_sync(system, target)
+
+
+if __name__ == "__main__":
+    main()

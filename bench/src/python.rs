@@ -1,0 +1,103 @@
+//! Python clients (`bench/py_client.py`, run in the project's venv) against Rust servers:
+//! isthmus's sync and asyncio APIs over `shm://` beside grpcio and grpc.aio against tonic over a
+//! Unix socket, and a plain Python socket against the length-prefixed echo.
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+
+use crate::measure::{Budget, Sample};
+use crate::system::{unique, Server, System};
+
+/// The interpreter of the project's venv (`make python` builds isthmus into it).
+fn python() -> Option<String> {
+    let path = std::env::var("ISTHMUS_PYTHON").unwrap_or_else(|_| ".venv/bin/python".into());
+    std::path::Path::new(&path).exists().then_some(path)
+}
+
+/// One Python client process and the Rust server it talks to.
+pub struct PyClient {
+    name: &'static str,
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    _server: Server,
+}
+
+impl PyClient {
+    /// Every Python system, or none (with a note) if the venv is missing.
+    pub fn all() -> Vec<PyClient> {
+        let Some(python) = python() else {
+            eprintln!("no .venv/bin/python: skipping the Python clients (run `make python` first)");
+            return Vec::new();
+        };
+        let shm = || {
+            let addr = format!("shm://{}", unique("py"));
+            (Server::spawn(&["serve-isthmus".into(), addr.clone()]), addr)
+        };
+        let socket = |tag: &str| std::env::temp_dir().join(format!("{}.sock", unique(tag))).display().to_string();
+        let tonic = || {
+            let path = socket("pytonic");
+            (Server::spawn(&["serve-tonic".into(), path.clone()]), path)
+        };
+        let raw = || {
+            let path = socket("pyuds");
+            (Server::spawn(&["serve-uds".into(), path.clone()]), path)
+        };
+        vec![
+            PyClient::start(&python, "py-isthmus-sync", "isthmus-sync", shm()),
+            PyClient::start(&python, "py-isthmus-aio", "isthmus-aio", shm()),
+            PyClient::start(&python, "py-grpc-sync-tonic-uds", "grpc-sync", tonic()),
+            PyClient::start(&python, "py-grpc-aio-tonic-uds", "grpc-aio", tonic()),
+            PyClient::start(&python, "py-raw-uds", "raw-uds", raw()),
+        ]
+    }
+
+    fn start(python: &str, name: &'static str, mode: &str, (server, target): (Server, String)) -> PyClient {
+        let mut child = Command::new(python)
+            .args(["bench/py_client.py", mode, &target])
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {python}: {e}"));
+        let stdin = child.stdin.take().expect("piped stdin");
+        let mut stdout = BufReader::new(child.stdout.take().expect("piped stdout"));
+        let mut line = String::new();
+        stdout.read_line(&mut line).expect("client output");
+        assert_eq!(line.trim(), "READY", "{name}: the Python client did not start");
+        PyClient { name, child, stdin, stdout, _server: server }
+    }
+
+    fn ask(&mut self, command: String) -> Option<Sample> {
+        writeln!(self.stdin, "{command}").and_then(|()| self.stdin.flush()).expect("client stdin");
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).expect("client stdout");
+        let v: Vec<f64> = line.split_whitespace().filter_map(|w| w.parse().ok()).collect();
+        match v[..] {
+            [p50_us, p99_us, rps] => Some(Sample { p50_us, p99_us, rps }),
+            _ if line.trim() == "none" => None,
+            _ => panic!("{}: the Python client failed (answered {line:?})", self.name),
+        }
+    }
+}
+
+impl Drop for PyClient {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl System for PyClient {
+    fn name(&self) -> &'static str {
+        self.name
+    }
+
+    fn round_trip(&mut self, size: usize, b: Budget) -> Sample {
+        let command = format!("rt {size} {} {} {}", b.time.as_millis(), b.min_iters, b.max_iters);
+        self.ask(command).expect("every system has a round trip")
+    }
+
+    fn pipelined(&mut self, size: usize, inflight: usize, b: Budget) -> Option<Sample> {
+        self.ask(format!("pipe {size} {inflight} {} {} {}", b.time.as_millis(), b.min_iters, b.max_iters))
+    }
+}

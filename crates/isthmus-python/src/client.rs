@@ -1,0 +1,154 @@
+//! Blocking calls: every wait releases the GIL. A unary call over `shm://` runs on the calling
+//! thread, which reads its own reply; other calls run on the shared runtime.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use isthmus::{Code, Status};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+use crate::convert::{bytes_from_py, call_error, metadata_to_py, options, PyMetadata};
+use crate::core::CallCore;
+use crate::runtime;
+
+/// A unary call's outcome.
+#[pyclass(module = "isthmus._native", frozen)]
+pub(crate) struct UnaryResult {
+    #[pyo3(get)]
+    message: Py<PyBytes>,
+    #[pyo3(get)]
+    initial_metadata: PyMetadata,
+    #[pyo3(get)]
+    trailing_metadata: PyMetadata,
+}
+
+impl UnaryResult {
+    pub(crate) fn new(py: Python<'_>, response: &isthmus::Response) -> PyResult<UnaryResult> {
+        Ok(UnaryResult {
+            message: PyBytes::new(py, &response.message).unbind(),
+            initial_metadata: metadata_to_py(py, &response.metadata)?,
+            trailing_metadata: metadata_to_py(py, &response.trailers)?,
+        })
+    }
+}
+
+pub(crate) fn bad_target(status: &Status) -> PyErr {
+    PyValueError::new_err(status.message().to_owned())
+}
+
+fn closed() -> Status {
+    Status::new(Code::Unavailable, "the channel was closed")
+}
+
+/// A channel for blocking calls.
+#[pyclass(module = "isthmus._native", frozen)]
+pub(crate) struct Channel {
+    /// Unary calls over `shm://` (the fast path).
+    blocking: Option<isthmus::blocking::Channel>,
+    /// Everything else.
+    engine: isthmus::Channel,
+    closed: AtomicBool,
+}
+
+#[pymethods]
+impl Channel {
+    #[new]
+    fn new(target: &str) -> PyResult<Channel> {
+        let blocking = match target.starts_with("shm:") {
+            true => Some(isthmus::blocking::Channel::lazy(target).map_err(|s| bad_target(&s))?),
+            false => None,
+        };
+        let _runtime = runtime().enter();
+        let engine = isthmus::Channel::lazy(target).map_err(|s| bad_target(&s))?;
+        Ok(Channel { blocking, engine, closed: AtomicBool::new(false) })
+    }
+
+    #[pyo3(signature = (path, request, metadata, timeout, wait_for_ready))]
+    fn unary(
+        &self,
+        py: Python<'_>,
+        path: &str,
+        request: &Bound<'_, PyBytes>,
+        metadata: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+        wait_for_ready: bool,
+    ) -> PyResult<UnaryResult> {
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(call_error(py, &closed()));
+        }
+        let options = options(metadata, timeout, wait_for_ready)?;
+        let request = request.as_bytes();
+        let response = match &self.blocking {
+            Some(channel) => py.detach(|| channel.unary(path, request, options)),
+            None => py.detach(|| runtime().block_on(self.engine.unary(path, request, options))),
+        };
+        match response {
+            Ok(response) => UnaryResult::new(py, &response),
+            Err(status) => Err(call_error(py, &status)),
+        }
+    }
+
+    #[pyo3(signature = (path, metadata, timeout, wait_for_ready))]
+    fn start(
+        &self,
+        py: Python<'_>,
+        path: &str,
+        metadata: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+        wait_for_ready: bool,
+    ) -> PyResult<Call> {
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(call_error(py, &closed()));
+        }
+        let options = options(metadata, timeout, wait_for_ready)?;
+        match py.detach(|| runtime().block_on(self.engine.start(path, options))) {
+            Ok(call) => Ok(Call(CallCore::new(call))),
+            Err(status) => Err(call_error(py, &status)),
+        }
+    }
+
+    fn close(&self) {
+        self.closed.store(true, Ordering::Relaxed);
+    }
+}
+
+/// One blocking call of any shape; its sending and receiving sides may be used from two
+/// threads at once.
+#[pyclass(module = "isthmus._native", frozen)]
+pub(crate) struct Call(Arc<CallCore>);
+
+#[pymethods]
+impl Call {
+    fn send(&self, py: Python<'_>, message: &Bound<'_, PyBytes>) -> bool {
+        let message = bytes_from_py(message);
+        py.detach(|| runtime().block_on(self.0.send(message)))
+    }
+
+    fn close_send(&self, py: Python<'_>) {
+        py.detach(|| runtime().block_on(self.0.close_send()));
+    }
+
+    fn recv(&self, py: Python<'_>) -> PyResult<Option<Py<PyBytes>>> {
+        match py.detach(|| runtime().block_on(self.0.recv())) {
+            Ok(message) => Ok(message.map(|m| PyBytes::new(py, &m).unbind())),
+            Err(status) => Err(call_error(py, &status)),
+        }
+    }
+
+    fn initial_metadata(&self, py: Python<'_>) -> PyResult<PyMetadata> {
+        match py.detach(|| runtime().block_on(self.0.headers())) {
+            Ok(metadata) => metadata_to_py(py, &metadata),
+            Err(status) => Err(call_error(py, &status)),
+        }
+    }
+
+    fn trailing_metadata(&self, py: Python<'_>) -> PyResult<Option<PyMetadata>> {
+        self.0.trailers().map(|t| metadata_to_py(py, &t)).transpose()
+    }
+
+    fn cancel(&self) {
+        self.0.cancel();
+    }
+}

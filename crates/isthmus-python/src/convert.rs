@@ -1,0 +1,152 @@
+//! What crosses between Python and the engine: metadata as `(key, value)` pairs, statuses as
+//! [`CallError`], request bytes without a copy.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use isthmus::{metadata::is_binary_key, CallOptions, Code, MetadataMap, Status};
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyList, PyString};
+
+/// Python-side metadata: a list of `(str, str | bytes)`.
+pub(crate) type PyMetadata = Py<PyList>;
+
+/// A call that ended with a status other than OK.
+#[pyclass(extends = PyException, module = "isthmus._native", subclass)]
+pub(crate) struct CallError {
+    #[pyo3(get)]
+    code: u32,
+    #[pyo3(get)]
+    details: String,
+    #[pyo3(get)]
+    initial_metadata: PyMetadata,
+    #[pyo3(get)]
+    trailing_metadata: PyMetadata,
+}
+
+#[pymethods]
+impl CallError {
+    #[new]
+    #[pyo3(signature = (code, details, initial_metadata=None, trailing_metadata=None))]
+    fn new(
+        py: Python<'_>,
+        code: u32,
+        details: String,
+        initial_metadata: Option<&Bound<'_, PyAny>>,
+        trailing_metadata: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let list = |m: Option<&Bound<'_, PyAny>>| -> PyResult<PyMetadata> {
+            Ok(match m {
+                None => PyList::empty(py).unbind(),
+                Some(m) => PyList::new(py, m.try_iter()?.collect::<PyResult<Vec<_>>>()?)?.unbind(),
+            })
+        };
+        Ok(CallError {
+            code,
+            details,
+            initial_metadata: list(initial_metadata)?,
+            trailing_metadata: list(trailing_metadata)?,
+        })
+    }
+
+    fn __str__(&self) -> String {
+        format!("{}: {}", Code::from_u32(self.code).name(), self.details)
+    }
+}
+
+/// The Python exception for `status`.
+pub(crate) fn call_error(py: Python<'_>, status: &Status) -> PyErr {
+    let built = (|| -> PyResult<PyErr> {
+        let error = CallError {
+            code: status.code() as u32,
+            details: status.message().to_owned(),
+            initial_metadata: PyList::empty(py).unbind(),
+            trailing_metadata: metadata_to_py(py, status.metadata())?,
+        };
+        Ok(PyErr::from_value(Bound::new(py, error)?.into_any()))
+    })();
+    built.unwrap_or_else(|e| e)
+}
+
+/// `status` as the Python value a reactor hands back for a failed operation.
+pub(crate) fn call_error_value(py: Python<'_>, status: &Status) -> Py<PyAny> {
+    call_error(py, status).into_value(py).into_any()
+}
+
+/// Python metadata (any iterable of pairs, or None) as the engine's.
+pub(crate) fn metadata_from_py(metadata: Option<&Bound<'_, PyAny>>) -> PyResult<MetadataMap> {
+    let mut map = MetadataMap::new();
+    let Some(metadata) = metadata.filter(|m| !m.is_none()) else { return Ok(map) };
+    for pair in metadata.try_iter()? {
+        let (key, value): (String, Bound<'_, PyAny>) = pair?.extract()?;
+        let key = key.to_ascii_lowercase();
+        let added = if let Ok(b) = value.cast::<PyBytes>() {
+            map.append_raw(&key, Bytes::copy_from_slice(b.as_bytes()))
+        } else if let Ok(s) = value.cast::<PyString>() {
+            let s = s.to_str()?;
+            if is_binary_key(&key) {
+                map.append_bin(&key, Bytes::copy_from_slice(s.as_bytes()))
+            } else {
+                map.append(&key, s)
+            }
+        } else {
+            return Err(PyValueError::new_err(format!("metadata value for {key:?} must be str or bytes")));
+        };
+        added.map_err(|e| PyValueError::new_err(format!("invalid metadata: {e}")))?;
+    }
+    Ok(map)
+}
+
+/// Engine metadata as a Python list of `(key, str | bytes)`: bytes for `-bin` keys, as grpcio.
+pub(crate) fn metadata_to_py(py: Python<'_>, metadata: &MetadataMap) -> PyResult<PyMetadata> {
+    let list = PyList::empty(py);
+    for (key, value) in metadata.iter() {
+        if is_binary_key(key) {
+            list.append((key, PyBytes::new(py, value)))?;
+        } else {
+            list.append((key, String::from_utf8_lossy(value)))?;
+        }
+    }
+    Ok(list.unbind())
+}
+
+/// Call options from the Python arguments.
+pub(crate) fn options(
+    metadata: Option<&Bound<'_, PyAny>>,
+    timeout: Option<f64>,
+    wait_for_ready: bool,
+) -> PyResult<CallOptions> {
+    let timeout = match timeout {
+        None => None,
+        Some(t) if t.is_finite() => Some(Duration::from_secs_f64(t.max(0.0))),
+        Some(_) => None, // grpcio reads an infinite timeout as none
+    };
+    Ok(CallOptions { metadata: metadata_from_py(metadata)?, timeout, wait_for_ready })
+}
+
+/// A Python `bytes` as [`Bytes`] without a copy: the object is kept alive by the returned value.
+pub(crate) fn bytes_from_py(data: &Bound<'_, PyBytes>) -> Bytes {
+    let view = data.as_bytes();
+    Bytes::from_owner(PyBuffer { ptr: view.as_ptr(), len: view.len(), _object: data.clone().unbind() })
+}
+
+/// A Python `bytes` object's buffer, with the reference that keeps it alive.
+struct PyBuffer {
+    ptr: *const u8,
+    len: usize,
+    _object: Py<PyBytes>,
+}
+
+// SAFETY: the buffer belongs to an immutable `bytes` object that `_object` keeps alive, so any
+// thread may read it; dropping `_object` off the GIL defers the reference count change to
+// PyO3's pool, which is made for that.
+unsafe impl Send for PyBuffer {}
+
+impl AsRef<[u8]> for PyBuffer {
+    fn as_ref(&self) -> &[u8] {
+        // SAFETY: `ptr`/`len` were read from the live, immutable `bytes` object that `_object`
+        // still holds, so they describe valid memory that does not change.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+}

@@ -1,0 +1,264 @@
+//! Calls by method path over `unix://` and `http://`: the same call shapes as over `shm://`,
+//! carried by tonic's gRPC client on the channel's HTTP/2 connection, messages as raw bytes.
+
+use std::sync::{Arc, Mutex};
+
+use bytes::{Buf, BufMut, Bytes};
+use tokio::sync::mpsc;
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder, Streaming};
+
+use crate::bridge::codec;
+use crate::call::CallOptions;
+use crate::client::until;
+use crate::metadata::MetadataMap;
+use crate::status::{Code, Status};
+
+/// A tonic codec that passes messages through as bytes, for callers that serialize
+/// themselves (calls by method path; language bindings; benchmarks).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct BytesCodec;
+
+impl Codec for BytesCodec {
+    type Encode = Bytes;
+    type Decode = Bytes;
+    type Encoder = BytesCodec;
+    type Decoder = BytesCodec;
+
+    fn encoder(&mut self) -> BytesCodec {
+        BytesCodec
+    }
+
+    fn decoder(&mut self) -> BytesCodec {
+        BytesCodec
+    }
+}
+
+impl Encoder for BytesCodec {
+    type Item = Bytes;
+    type Error = tonic::Status;
+
+    fn encode(&mut self, item: Bytes, dst: &mut EncodeBuf<'_>) -> Result<(), tonic::Status> {
+        dst.put(item);
+        Ok(())
+    }
+}
+
+impl Decoder for BytesCodec {
+    type Item = Bytes;
+    type Error = tonic::Status;
+
+    fn decode(&mut self, src: &mut DecodeBuf<'_>) -> Result<Option<Bytes>, tonic::Status> {
+        Ok(Some(src.copy_to_bytes(src.remaining())))
+    }
+}
+
+/// The request side of an HTTP/2 call: the body ends once no sender is left.
+#[derive(Clone)]
+pub(crate) struct Requests(Arc<Mutex<Option<mpsc::Sender<Bytes>>>>);
+
+impl Requests {
+    fn sender(&self) -> Option<mpsc::Sender<Bytes>> {
+        self.0.lock().ok()?.clone()
+    }
+
+    pub(crate) fn close(&self) {
+        if let Ok(mut tx) = self.0.lock() {
+            *tx = None;
+        }
+    }
+
+    /// Sends one message; `false` once the call is over or half-closed.
+    pub(crate) async fn send(&self, message: Bytes, last: bool) -> bool {
+        let Some(tx) = self.sender() else { return false };
+        let sent = tx.send(message).await.is_ok();
+        if last {
+            self.close();
+        }
+        sent
+    }
+}
+
+type Opened = Result<tonic::Response<Streaming<Bytes>>, tonic::Status>;
+
+enum Response {
+    /// The request is under way; the task ends when the server's initial metadata (or a
+    /// trailers-only status) arrives. A task, so requests flow before anyone reads.
+    Opening(JoinHandle<Opened>),
+    Open(Box<Streaming<Bytes>>),
+    Ended,
+}
+
+/// One call over HTTP/2. Dropping it before the end resets the stream: the server sees
+/// CANCELLED.
+pub(crate) struct HttpCall {
+    /// Request messages, taken by the HTTP/2 body as the server's window allows; `None` once
+    /// half-closed. Shared with the call's [`Requests`] handles.
+    requests: Requests,
+    response: Response,
+    headers: Option<MetadataMap>,
+    trailers: Option<MetadataMap>,
+    /// How the call ended, once it has: `Ok` with OK, the status otherwise.
+    ended: Option<Result<(), Status>>,
+    deadline: Option<Instant>,
+}
+
+impl Drop for HttpCall {
+    fn drop(&mut self) {
+        if let Response::Opening(task) = &self.response {
+            task.abort();
+        }
+    }
+}
+
+/// A status from tonic, with its trailers as metadata.
+fn status_from_tonic(t: tonic::Status) -> Status {
+    let metadata = codec::metadata_from(&t.metadata().clone().into_headers()).unwrap_or_default();
+    // An UNKNOWN that tonic made from a transport error (it keeps the error as its source), not
+    // one the server sent: the connection broke, which gRPC calls UNAVAILABLE.
+    let code = match t.code() {
+        tonic::Code::Unknown if std::error::Error::source(&t).is_some() => Code::Unavailable,
+        other => Code::from_u32(other as u32),
+    };
+    Status::new(code, t.message().to_owned()).with_details(t.details().to_vec()).with_metadata(metadata)
+}
+
+fn deadline_passed() -> Status {
+    Status::new(Code::DeadlineExceeded, "the call's deadline passed")
+}
+
+impl HttpCall {
+    /// Sends the request head at once; must run inside a tokio runtime.
+    pub(crate) fn start(
+        channel: crate::Channel,
+        path: &str,
+        options: CallOptions,
+        limit: usize,
+    ) -> Result<Self, Status> {
+        let path = http::uri::PathAndQuery::try_from(path)
+            .map_err(|e| Status::new(Code::InvalidArgument, format!("method path {path:?}: {e}")))?;
+        let (tx, rx) = mpsc::channel::<Bytes>(1);
+        let mut request = tonic::Request::new(tokio_stream::wrappers::ReceiverStream::new(rx));
+        let mut headers = http::HeaderMap::new();
+        codec::metadata_into(&options.metadata, &mut headers);
+        *request.metadata_mut() = tonic::metadata::MetadataMap::from_headers(headers);
+        if let Some(t) = options.timeout {
+            request.set_timeout(t);
+        }
+        let mut grpc =
+            tonic::client::Grpc::new(channel).max_decoding_message_size(limit).max_encoding_message_size(usize::MAX);
+        let task = tokio::spawn(async move {
+            grpc.ready().await.map_err(|e| tonic::Status::unavailable(format!("channel not ready: {e}")))?;
+            grpc.streaming(request, path, BytesCodec).await
+        });
+        Ok(HttpCall {
+            requests: Requests(Arc::new(Mutex::new(Some(tx)))),
+            response: Response::Opening(task),
+            headers: None,
+            trailers: None,
+            ended: None,
+            deadline: options.timeout.map(|t| Instant::now() + t),
+        })
+    }
+
+    fn end(&mut self, outcome: Result<(), Status>) -> Result<(), Status> {
+        if let Response::Opening(task) = &self.response {
+            task.abort();
+        }
+        self.response = Response::Ended;
+        self.requests.close();
+        if self.trailers.is_none() {
+            self.trailers = Some(outcome.as_ref().err().map(|s| s.metadata().clone()).unwrap_or_default());
+        }
+        self.ended.get_or_insert(outcome).clone()
+    }
+
+    /// Waits for the response to open (initial metadata in).
+    async fn open(&mut self) -> Result<(), Status> {
+        let Response::Opening(task) = &mut self.response else { return Ok(()) };
+        match until(self.deadline, task).await {
+            None => self.end(Err(deadline_passed())),
+            Some(Err(e)) => self.end(Err(Status::new(Code::Internal, format!("call task failed: {e}")))),
+            Some(Ok(Err(t))) => {
+                self.headers.get_or_insert_with(MetadataMap::new);
+                self.end(Err(status_from_tonic(t)))
+            }
+            Some(Ok(Ok(response))) => {
+                let (metadata, body, _) = response.into_parts();
+                self.headers = Some(codec::metadata_from(&metadata.into_headers()).unwrap_or_default());
+                self.response = Response::Open(Box::new(body));
+                Ok(())
+            }
+        }
+    }
+
+    /// Sends one request message; `last` half-closes after it. `Ok(false)` if the call has
+    /// already ended (its status comes from `recv`).
+    pub(crate) async fn send(&mut self, message: Bytes, last: bool) -> Result<bool, Status> {
+        if let Some(Err(s)) = &self.ended {
+            return Err(s.clone());
+        }
+        let Some(tx) = self.requests.sender() else {
+            return Err(Status::new(Code::FailedPrecondition, "the request stream was already closed"));
+        };
+        let Some(sent) = until(self.deadline, tx.send(message)).await else {
+            return self.end(Err(deadline_passed())).map(|()| false);
+        };
+        let sent = sent.is_ok();
+        if last {
+            self.requests.close();
+        }
+        Ok(sent)
+    }
+
+    /// Half-closes.
+    pub(crate) fn close_send(&mut self) {
+        self.requests.close();
+    }
+
+    /// A handle that sends requests beside this call's reading.
+    pub(crate) fn requests(&self) -> Requests {
+        self.requests.clone()
+    }
+
+    /// The next response message; `None` at an OK end.
+    pub(crate) async fn recv(&mut self) -> Result<Option<Bytes>, Status> {
+        if let Some(ended) = &self.ended {
+            return ended.clone().map(|()| None);
+        }
+        self.open().await?;
+        let Response::Open(body) = &mut self.response else {
+            return self.ended.clone().unwrap_or(Ok(())).map(|()| None);
+        };
+        match until(self.deadline, body.message()).await {
+            None => self.end(Err(deadline_passed())).map(|()| None),
+            Some(Ok(Some(m))) => Ok(Some(m)),
+            Some(Err(t)) => self.end(Err(status_from_tonic(t))).map(|()| None),
+            Some(Ok(None)) => {
+                let trailers = match body.trailers().await {
+                    Ok(t) => t.map(|t| codec::metadata_from(&t.into_headers()).unwrap_or_default()),
+                    Err(t) => return self.end(Err(status_from_tonic(t))).map(|()| None),
+                };
+                self.trailers = Some(trailers.unwrap_or_default());
+                self.end(Ok(())).map(|()| None)
+            }
+        }
+    }
+
+    /// The server's initial metadata.
+    pub(crate) async fn headers(&mut self) -> Result<MetadataMap, Status> {
+        self.open().await?;
+        Ok(self.headers.clone().unwrap_or_default())
+    }
+
+    /// Trailing metadata once the call has ended.
+    pub(crate) fn trailers(&self) -> Option<&MetadataMap> {
+        self.trailers.as_ref()
+    }
+
+    /// Ends the call as cancelled: the stream is reset, the server sees CANCELLED.
+    pub(crate) fn cancel(&mut self) {
+        let _ = self.end(Err(Status::new(Code::Cancelled, "the call was cancelled")));
+    }
+}

@@ -1,0 +1,55 @@
+"""isthmus: typed gRPC calls between processes over shared memory, in grpc's Python API.
+
+Code that grpcio-tools generates (`*_pb2.py`, `*_pb2_grpc.py`) runs unchanged; only the line
+that makes the channel or the server changes:
+
+    channel = isthmus.insecure_channel("shm://sidecar")  # was grpc.insecure_channel(...)
+    reply = echo_pb2_grpc.EchoStub(channel).Say(request)
+
+    server = isthmus.server(futures.ThreadPoolExecutor(8))  # was grpc.server(...)
+    echo_pb2_grpc.add_EchoServicer_to_server(Echo(), server)
+    server.add_insecure_port("shm://sidecar")
+    server.start()
+
+Targets: `shm://NAME` (shared memory, between processes of one machine), `unix:///PATH` and
+`http://HOST:PORT` (standard gRPC over HTTP/2, which grpcio, tonic and others speak too).
+`isthmus.aio` is the asyncio API, in grpc.aio's shapes. Failed calls raise `isthmus.RpcError`,
+which is a `grpc.RpcError` (and a `grpc.aio.AioRpcError`); every exception isthmus raises is an
+`isthmus.IsthmusError`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+import grpc
+
+from . import aio
+from ._channel import Channel
+from ._errors import IsthmusError, RpcError
+from ._server import Server
+
+__all__ = ["Channel", "IsthmusError", "RpcError", "Server", "aio", "insecure_channel", "server"]
+
+
+def insecure_channel(
+    target: str, options: Any = None, compression: grpc.Compression | None = None
+) -> Channel:
+    """A channel to `shm://NAME`, `unix:///PATH` or `http://HOST:PORT`, as
+    `grpc.insecure_channel` makes one. Raises ValueError for a target that does not parse."""
+    return Channel(target, options, compression)
+
+
+def server(
+    thread_pool: Executor,
+    handlers: Iterable[grpc.GenericRpcHandler] | None = None,
+    interceptors: Sequence[grpc.ServerInterceptor] | None = None,
+    options: Sequence[tuple[str, Any]] | None = None,
+    maximum_concurrent_rpcs: int | None = None,
+    compression: grpc.Compression | None = None,
+) -> Server:
+    """A server whose handlers run on `thread_pool`, as `grpc.server` makes one; bind it with
+    `add_insecure_port`."""
+    return Server(thread_pool, handlers, interceptors, options, maximum_concurrent_rpcs, compression)

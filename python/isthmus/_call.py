@@ -1,0 +1,305 @@
+"""The blocking API's calls in progress: one class is the response iterator of a streaming call
+and the future of a call with one response, as grpcio's rendezvous is."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from . import _native
+from ._errors import LOCALLY_CANCELLED, Ended, RpcError, rpc_error
+from ._metadata import Metadata, Metadatum, incoming
+from ._native import CallError
+
+_LOG = logging.getLogger("isthmus")
+
+Serializer = Callable[[Any], bytes] | None
+Deserializer = Callable[[bytes], Any] | None
+
+_INTERNAL = 13
+
+
+def decode(deserialize: Deserializer, message: bytes) -> Any:
+    """A response as the caller sees it; a deserializer's failure fails the call as grpc's does."""
+    if deserialize is None:
+        return message
+    try:
+        return deserialize(message)
+    except Exception as e:
+        raise CallError(_INTERNAL, "Exception deserializing response!") from e
+
+
+class Succeeded(Ended, grpc.Call):
+    """A call that ended OK, as `with_call` returns it."""
+
+    def __init__(self, initial: Sequence[Metadatum], trailing: Sequence[Metadatum] | None) -> None:
+        self._initial = incoming(initial)
+        self._trailing = incoming(trailing)
+
+    def initial_metadata(self) -> Metadata:
+        return self._initial
+
+    def trailing_metadata(self) -> Metadata:
+        return self._trailing
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.OK
+
+    def details(self) -> str:
+        return ""
+
+
+class Call(grpc.Call, grpc.Future):
+    """One call started with the engine's `Channel.start`. Thread-safe: one thread may read
+    responses while another cancels it or waits for its status."""
+
+    def __init__(self, deserialize: Deserializer, timeout: float | None) -> None:
+        self._deserialize = deserialize
+        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._lock = threading.Condition()
+        self._native: _native.Call | None = None
+        self._ended = False
+        self._cancelled = False
+        self._error: RpcError | None = None
+        self._response: Any = None
+        self._callbacks: list[Callable[[], None]] = []
+
+    # Driving the call.
+
+    def _start(
+        self,
+        channel: _native.Channel,
+        path: str,
+        metadata: Sequence[Metadatum] | None,
+        timeout: float | None,
+        wait_for_ready: bool,
+    ) -> _native.Call | None:
+        """Starts the engine's call; None if it could not start or was cancelled meanwhile."""
+        try:
+            native = channel.start(path, metadata, timeout, wait_for_ready)
+        except CallError as e:
+            self._end(e)
+            return None
+        with self._lock:
+            self._native = native
+            self._lock.notify_all()
+            cancelled = self._cancelled
+        if cancelled:
+            native.cancel()
+            return None
+        return native
+
+    def _send_one(self, native: _native.Call, request: bytes) -> None:
+        try:
+            native.send(request)
+            native.close_send()
+        except CallError as e:
+            self._end(e)
+
+    def _send_all(self, native: _native.Call, requests: Iterator[Any], serialize: Serializer) -> None:
+        """Sends `requests` from a thread of its own, so that responses can be read meanwhile
+        and a request iterator that blocks cannot hold up the call's status."""
+
+        def run() -> None:
+            try:
+                for request in requests:
+                    if not native.send(request if serialize is None else serialize(request)):
+                        return  # the call is over; the receiving side learns how
+                native.close_send()
+            except CallError:
+                pass  # likewise
+            except Exception:
+                _LOG.exception("The request iterator raised; cancelling the call")
+                self._cancel("Exception iterating requests!")
+
+        threading.Thread(target=run, name="isthmus-requests", daemon=True).start()
+
+    def _complete(
+        self,
+        channel: _native.Channel,
+        path: str,
+        metadata: Sequence[Metadatum] | None,
+        timeout: float | None,
+        wait_for_ready: bool,
+        request: bytes | Iterator[Any],
+        serialize: Serializer,
+    ) -> None:
+        """Runs a call with one response to its end, on the caller's thread or the pool's."""
+        native = self._start(channel, path, metadata, timeout, wait_for_ready)
+        if native is None:
+            return
+        if isinstance(request, bytes):
+            self._send_one(native, request)
+        else:
+            self._send_all(native, request, serialize)
+        try:
+            message = native.recv()
+            if message is None or native.recv() is not None:
+                native.cancel()
+                raise CallError(_INTERNAL, "the server did not send exactly one response")
+            response = decode(self._deserialize, message)
+        except CallError as e:
+            self._end(e)
+        else:
+            self._end(None, response)
+
+    def _end(self, error: CallError | None, response: Any = None) -> None:
+        with self._lock:
+            callbacks = self._settle(error, response)
+        self._run_callbacks(callbacks)
+
+    def _settle(self, error: CallError | None, response: Any) -> list[Callable[[], None]]:
+        """Records the call's end (the first one counts); the lock is held. Returns the
+        callbacks to run once it is released."""
+        if self._ended:
+            return []
+        self._ended = True
+        self._error = None if error is None else rpc_error(error)
+        self._response = response
+        callbacks, self._callbacks = self._callbacks, []
+        self._lock.notify_all()
+        return callbacks
+
+    @staticmethod
+    def _run_callbacks(callbacks: list[Callable[[], None]]) -> None:
+        for callback in callbacks:
+            try:
+                callback()
+            except Exception:
+                _LOG.exception("A call's callback raised")
+
+    def _cancel(self, details: str) -> bool:
+        with self._lock:
+            if self._ended:
+                return False
+            self._cancelled = True
+            native = self._native
+            callbacks = self._settle(CallError(grpc.StatusCode.CANCELLED.value[0], details), None)
+        if native is not None:
+            native.cancel()
+        self._run_callbacks(callbacks)
+        return True
+
+    def _outcome(self) -> Any:
+        """The response of a call that ran to its end on this thread; its RpcError (a cancel's
+        too, as grpc's blocking calls raise it) if it failed."""
+        if self._error is not None:
+            raise self._error
+        return self._response
+
+    def _wait(self, timeout: float | None = None) -> None:
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._ended, timeout):
+                raise grpc.FutureTimeoutError()
+
+    # The response iterator (streaming responses).
+
+    def __iter__(self) -> Call:
+        return self
+
+    def __next__(self) -> Any:
+        native = self._native
+        if native is not None and not self._ended:
+            try:
+                message = native.recv()
+            except CallError as e:
+                self._end(e)
+            else:
+                if message is None:
+                    self._end(None)
+                else:
+                    try:
+                        return decode(self._deserialize, message)
+                    except CallError as e:
+                        native.cancel()
+                        self._end(e)
+        if self._error is not None:
+            raise self._error
+        raise StopIteration
+
+    def next(self) -> Any:
+        return self.__next__()
+
+    # grpc.Call
+
+    def initial_metadata(self) -> Metadata:
+        with self._lock:
+            self._lock.wait_for(lambda: self._native is not None or self._ended)
+            native, error = self._native, self._error
+        if native is None:
+            return () if error is None else error.initial_metadata()
+        try:
+            return incoming(native.initial_metadata())
+        except CallError as e:
+            return incoming(e.initial_metadata)
+
+    def trailing_metadata(self) -> Metadata:
+        self._wait()
+        if self._error is not None:
+            return self._error.trailing_metadata()  # type: ignore[no-any-return]
+        return incoming(None if self._native is None else self._native.trailing_metadata())
+
+    def code(self) -> grpc.StatusCode:
+        self._wait()
+        return grpc.StatusCode.OK if self._error is None else self._error.code()
+
+    def details(self) -> str:
+        self._wait()
+        return "" if self._error is None else self._error.details()
+
+    def debug_error_string(self) -> str:
+        self._wait()
+        return "" if self._error is None else self._error.debug_error_string()
+
+    def is_active(self) -> bool:
+        return not self._ended
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
+
+    def cancel(self) -> bool:
+        return self._cancel(LOCALLY_CANCELLED)
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        with self._lock:
+            if self._ended:
+                return False
+            self._callbacks.append(callback)
+            return True
+
+    # grpc.Future
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def running(self) -> bool:
+        return not self._ended
+
+    def done(self) -> bool:
+        return self._ended
+
+    def result(self, timeout: float | None = None) -> Any:
+        error = self.exception(timeout)
+        if error is not None:
+            raise error
+        return self._response
+
+    def exception(self, timeout: float | None = None) -> RpcError | None:
+        self._wait(timeout)
+        if self._cancelled:
+            raise grpc.FutureCancelledError()
+        return self._error
+
+    def traceback(self, timeout: float | None = None) -> Any:
+        error = self.exception(timeout)
+        return None if error is None else error.__traceback__
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        if not self.add_callback(functools.partial(fn, self)):
+            fn(self)

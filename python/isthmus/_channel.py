@@ -1,0 +1,284 @@
+"""The blocking client: `Channel` and its multi-callables, in grpc's shapes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from . import _native
+from ._call import Call, Deserializer, Serializer, Succeeded
+from ._errors import rpc_error
+from ._metadata import Metadatum, outgoing
+from ._native import CallError
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _futures() -> ThreadPoolExecutor:
+    """The threads that run `.future()` calls: the engine's blocking calls need a thread each
+    while they wait. Made on first use, so that a program with no futures has no pool."""
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = ThreadPoolExecutor(thread_name_prefix="isthmus-future")
+        return _pool
+
+
+class _MultiCallable:
+    def __init__(self, channel: _native.Channel, path: str, serialize: Serializer, deserialize: Deserializer):
+        self._channel = channel
+        self._path = path
+        self._serialize = serialize
+        self._deserialize = deserialize
+
+    def _encode(self, request: Any) -> bytes:
+        return request if self._serialize is None else self._serialize(request)
+
+    def _run(
+        self,
+        request: bytes | Iterator[Any],
+        timeout: float | None,
+        metadata: Iterable[Metadatum] | None,
+        wait_for_ready: bool | None,
+    ) -> Call:
+        """A call with one response, run to its end on this thread."""
+        call = Call(self._deserialize, timeout)
+        call._complete(
+            self._channel,
+            self._path,
+            outgoing(metadata),
+            timeout,
+            bool(wait_for_ready),
+            request,
+            self._serialize,
+        )
+        return call
+
+    def _future(
+        self,
+        request: bytes | Iterator[Any],
+        timeout: float | None,
+        metadata: Iterable[Metadatum] | None,
+        wait_for_ready: bool | None,
+    ) -> Call:
+        """A call with one response, run on the pool."""
+        call = Call(self._deserialize, timeout)
+        _futures().submit(
+            call._complete,
+            self._channel,
+            self._path,
+            outgoing(metadata),
+            timeout,
+            bool(wait_for_ready),
+            request,
+            self._serialize,
+        )
+        return call
+
+    def _stream(
+        self,
+        request: bytes | Iterator[Any],
+        timeout: float | None,
+        metadata: Iterable[Metadatum] | None,
+        wait_for_ready: bool | None,
+    ) -> Call:
+        """A call with streaming responses, started; the caller reads them."""
+        call = Call(self._deserialize, timeout)
+        native = call._start(self._channel, self._path, outgoing(metadata), timeout, bool(wait_for_ready))
+        if native is not None:
+            if isinstance(request, bytes):
+                call._send_one(native, request)
+            else:
+                call._send_all(native, request, self._serialize)
+        return call
+
+
+class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
+    def __call__(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Iterable[Metadatum] | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> Any:
+        # The fast path (with_call repeats it, to keep this one a single frame): one engine call,
+        # no thread, no call object.
+        try:
+            result = self._channel.unary(
+                self._path,
+                request if self._serialize is None else self._serialize(request),
+                None if metadata is None else outgoing(metadata),
+                timeout,
+                bool(wait_for_ready),
+            )
+        except CallError as e:
+            raise rpc_error(e) from None
+        return result.message if self._deserialize is None else self._deserialize(result.message)
+
+    def with_call(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Iterable[Metadatum] | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> tuple[Any, grpc.Call]:
+        try:
+            result = self._channel.unary(
+                self._path, self._encode(request), outgoing(metadata), timeout, bool(wait_for_ready)
+            )
+        except CallError as e:
+            raise rpc_error(e) from None
+        response = result.message if self._deserialize is None else self._deserialize(result.message)
+        return response, Succeeded(result.initial_metadata, result.trailing_metadata)
+
+    def future(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Iterable[Metadatum] | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> Call:
+        return self._future(self._encode(request), timeout, metadata, wait_for_ready)
+
+
+class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
+    def __call__(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Iterable[Metadatum] | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> Call:
+        return self._stream(self._encode(request), timeout, metadata, wait_for_ready)
+
+
+class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
+    def __call__(
+        self,
+        request_iterator: Iterator[Any],
+        timeout: float | None = None,
+        metadata: Iterable[Metadatum] | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> Any:
+        return self._run(iter(request_iterator), timeout, metadata, wait_for_ready)._outcome()
+
+    def with_call(
+        self,
+        request_iterator: Iterator[Any],
+        timeout: float | None = None,
+        metadata: Iterable[Metadatum] | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> tuple[Any, grpc.Call]:
+        call = self._run(iter(request_iterator), timeout, metadata, wait_for_ready)
+        return call._outcome(), call
+
+    def future(
+        self,
+        request_iterator: Iterator[Any],
+        timeout: float | None = None,
+        metadata: Iterable[Metadatum] | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> Call:
+        return self._future(iter(request_iterator), timeout, metadata, wait_for_ready)
+
+
+class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
+    def __call__(
+        self,
+        request_iterator: Iterator[Any],
+        timeout: float | None = None,
+        metadata: Iterable[Metadatum] | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> Call:
+        return self._stream(iter(request_iterator), timeout, metadata, wait_for_ready)
+
+
+class Channel(grpc.Channel):
+    """A client channel: `shm://NAME`, `unix:///PATH` or `http://HOST:PORT`. It connects on the
+    first call; `options` and `compression` are accepted for grpc's sake and not used."""
+
+    def __init__(self, target: str, options: Any = None, compression: grpc.Compression | None = None):
+        self._native = _native.Channel(target)
+
+    def subscribe(
+        self, callback: Callable[[grpc.ChannelConnectivity], None], try_to_connect: bool = False
+    ) -> None:
+        # The engine connects on a call and reports no connectivity states: as far as a caller
+        # can tell before its first call, the channel is ready.
+        callback(grpc.ChannelConnectivity.READY)
+
+    def unsubscribe(self, callback: Callable[[grpc.ChannelConnectivity], None]) -> None:
+        pass
+
+    # `_registered_method` and whatever private keywords later grpcio-tools pass mean nothing
+    # here: every method is called by its path.
+    def unary_unary(
+        self,
+        method: str,
+        request_serializer: Serializer = None,
+        response_deserializer: Deserializer = None,
+        _registered_method: bool | None = False,
+        **kwargs: Any,
+    ) -> UnaryUnaryMultiCallable:
+        return UnaryUnaryMultiCallable(self._native, method, request_serializer, response_deserializer)
+
+    def unary_stream(
+        self,
+        method: str,
+        request_serializer: Serializer = None,
+        response_deserializer: Deserializer = None,
+        _registered_method: bool | None = False,
+        **kwargs: Any,
+    ) -> UnaryStreamMultiCallable:
+        return UnaryStreamMultiCallable(self._native, method, request_serializer, response_deserializer)
+
+    def stream_unary(
+        self,
+        method: str,
+        request_serializer: Serializer = None,
+        response_deserializer: Deserializer = None,
+        _registered_method: bool | None = False,
+        **kwargs: Any,
+    ) -> StreamUnaryMultiCallable:
+        return StreamUnaryMultiCallable(self._native, method, request_serializer, response_deserializer)
+
+    def stream_stream(
+        self,
+        method: str,
+        request_serializer: Serializer = None,
+        response_deserializer: Deserializer = None,
+        _registered_method: bool | None = False,
+        **kwargs: Any,
+    ) -> StreamStreamMultiCallable:
+        return StreamStreamMultiCallable(self._native, method, request_serializer, response_deserializer)
+
+    def close(self) -> None:
+        """Later calls fail UNAVAILABLE; calls in progress go on."""
+        self._native.close()
+
+    def __enter__(self) -> Channel:
+        return self
+
+    def __exit__(self, exc_type: object, exc_val: object, exc_tb: object) -> None:
+        self.close()

@@ -1,0 +1,172 @@
+"""A handler's `ServicerContext`: what it knows of its call and the status it will end with.
+`Context` is shared by the blocking server's `ServicerContext` (here) and the asyncio one
+(`aio/_context.py`); `finish` is the one place a handler's call ends."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, NoReturn
+
+import grpc
+import grpc.aio
+
+from ._errors import rpc_error
+from ._metadata import Metadata, Metadatum, incoming, outgoing
+from ._native import CallError, ServerCall
+
+_LOG = logging.getLogger("isthmus")
+
+
+class Context:
+    def __init__(self, call: ServerCall, handler: grpc.RpcMethodHandler) -> None:
+        self._call = call
+        self._deserialize: Callable[[bytes], Any] | None = handler.request_deserializer
+        self._serialize: Callable[[Any], bytes] | None = handler.response_serializer
+        self._code: grpc.StatusCode | None = None
+        self._details: str | None = None
+        self._trailing: Iterable[Metadatum] | None = None
+        self._aborted = False
+        self._finished = False
+
+    def invocation_metadata(self) -> Metadata:
+        return incoming(self._call.invocation_metadata())
+
+    def peer(self) -> str:
+        return self._call.peer()
+
+    def peer_identities(self) -> None:
+        return None
+
+    def peer_identity_key(self) -> None:
+        return None
+
+    def auth_context(self) -> dict[str, Iterable[bytes]]:
+        return {}
+
+    # isthmus compresses nothing: shared memory gains nothing from it.
+    def set_compression(self, compression: grpc.Compression) -> None:
+        pass
+
+    def disable_next_message_compression(self) -> None:
+        pass
+
+    def set_code(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode | None:
+        return self._code
+
+    def set_details(self, details: str) -> None:
+        self._details = details
+
+    def details(self) -> str | None:
+        return self._details
+
+    def set_trailing_metadata(self, trailing_metadata: Iterable[Metadatum]) -> None:
+        self._trailing = trailing_metadata
+
+    def trailing_metadata(self) -> Iterable[Metadatum] | None:
+        return self._trailing
+
+    def time_remaining(self) -> float | None:
+        return self._call.time_remaining()
+
+    def _abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        # Recorded before raising: a handler that catches the exception still ends aborted.
+        if code is grpc.StatusCode.OK:
+            _LOG.error("abort() called with StatusCode.OK; ending the call with UNKNOWN")
+            code, details = grpc.StatusCode.UNKNOWN, ""
+        self._code, self._details, self._aborted = code, details, True
+        raise grpc.aio.AbortError(details)
+
+    def _request(self, message: bytes | None) -> Any:
+        """The one request of a unary-request call."""
+        if message is None:
+            self._abort(grpc.StatusCode.INTERNAL, "the client sent no request")
+        return self._decode(message)
+
+    def _decode(self, message: bytes) -> Any:
+        if self._deserialize is None:
+            return message
+        try:
+            return self._deserialize(message)
+        except Exception:
+            self._abort(grpc.StatusCode.INTERNAL, "Exception deserializing request!")
+
+    def _encode(self, response: Any) -> bytes:
+        if self._serialize is None:
+            return response  # type: ignore[no-any-return]
+        try:
+            return self._serialize(response)
+        except Exception:
+            self._abort(grpc.StatusCode.INTERNAL, "Failed to serialize response!")
+
+    def _responds(self) -> bool:
+        """Whether a unary handler's return value is sent: not once it set a failing code."""
+        return self._code is None or self._code is grpc.StatusCode.OK
+
+    def _finish(self, error: BaseException | None) -> None:
+        """Ends the call: with the handler's code, details and trailers, or as grpcio ends a
+        handler that raised. Does nothing if the call is already over."""
+        code, details = self._code, self._details
+        if error is not None and not self._aborted:
+            if self._call.is_active():  # otherwise the error is the call's end, not a fault
+                _LOG.error("Exception calling application", exc_info=error)
+            if code is None or code is grpc.StatusCode.OK:
+                code = grpc.StatusCode.UNKNOWN
+            if details is None:
+                details = f"Exception calling application: {error}"
+        self._finished = True
+        self._call.finish(
+            0 if code is None else code.value[0],
+            details or "",
+            None if self._trailing is None else outgoing(self._trailing),
+        )
+
+
+class ServicerContext(Context, grpc.ServicerContext):
+    """The blocking server's context."""
+
+    def is_active(self) -> bool:
+        return self._call.is_active()
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        def guarded() -> None:
+            try:
+                callback()
+            except Exception:
+                _LOG.exception("A ServicerContext callback raised")
+
+        return self._call.add_done_callback(guarded)
+
+    def cancel(self) -> None:
+        self._call.finish(grpc.StatusCode.CANCELLED.value[0], "Cancelled by the server", None)
+
+    def abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
+        self._abort(code, details)
+
+    def abort_with_status(self, status: grpc.Status) -> NoReturn:
+        self._trailing = status.trailing_metadata
+        self._abort(status.code, status.details)
+
+    def send_initial_metadata(self, initial_metadata: Iterable[Metadatum]) -> None:
+        try:
+            self._call.send_initial_metadata(outgoing(initial_metadata) or ())
+        except CallError as e:
+            if self._call.is_active():
+                raise ValueError("Initial metadata no longer allowed!") from None
+            raise rpc_error(e) from None
+
+    def _requests(self) -> Iterator[Any]:
+        """A request-streaming handler's request iterator; raises an RpcError if the call ends
+        before the client half-closes (it cancelled, its deadline passed, the connection went)."""
+        while True:
+            try:
+                # A client may wait for the response to open before it sends a request.
+                message = self._call.recv(True)
+            except CallError as e:
+                raise rpc_error(e) from None
+            if message is None:
+                return
+            yield self._decode(message)

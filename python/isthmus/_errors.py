@@ -1,0 +1,85 @@
+"""isthmus's exceptions: `IsthmusError` for its own failures, `RpcError` for a call that ended
+with a status other than OK."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import grpc
+import grpc.aio
+
+from ._metadata import Metadata, incoming, incoming_aio
+from ._native import CallError
+
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+LOCALLY_CANCELLED = "Locally cancelled by application!"
+
+
+class IsthmusError(Exception):
+    """The base of every exception isthmus raises."""
+
+
+def status_code(number: int) -> grpc.StatusCode:
+    """The grpc.StatusCode for a status number; UNKNOWN for one gRPC does not define."""
+    return _CODES.get(number, grpc.StatusCode.UNKNOWN)
+
+
+class Ended:
+    """grpc.RpcContext for a call that is over: no time left, nothing to cancel or wait for."""
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float | None:
+        return None
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: Callable[[], None]) -> bool:
+        return False
+
+
+class RpcError(Ended, IsthmusError, grpc.aio.AioRpcError, grpc.Call):
+    """A call that ended with a status other than OK, as both of grpc's APIs raise it: a
+    `grpc.RpcError` and `grpc.Call` (blocking API) and a `grpc.aio.AioRpcError`. Its metadata
+    is a tuple of pairs from the blocking API and a `grpc.aio.Metadata` from `isthmus.aio`."""
+
+    # AioRpcError's signature, which its __reduce__ (pickling) relies on.
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        initial_metadata: Metadata | grpc.aio.Metadata,
+        trailing_metadata: Metadata | grpc.aio.Metadata,
+        details: str | None = None,
+        debug_error_string: str | None = None,
+    ) -> None:
+        if debug_error_string is None:
+            debug_error_string = f"isthmus: status {code.value[0]} ({code.name}): {details}"
+        super().__init__(code, initial_metadata, trailing_metadata, details, debug_error_string)
+
+    def __str__(self) -> str:
+        return (
+            f"<{type(self).__name__} of RPC that terminated with:\n"
+            f"\tstatus = {self.code()}\n"
+            f'\tdetails = "{self.details()}"\n'
+            f'\tdebug_error_string = "{self.debug_error_string()}"\n>'
+        )
+
+    __repr__ = __str__
+
+
+# Shown as the public names (isthmus.RpcError) in tracebacks and reprs; pickling finds them there.
+IsthmusError.__module__ = RpcError.__module__ = "isthmus"
+
+
+def rpc_error(error: CallError, aio: bool = False) -> RpcError:
+    """The RpcError for the engine's account of a failed call."""
+    metadata = incoming_aio if aio else incoming
+    return RpcError(
+        status_code(error.code),
+        metadata(error.initial_metadata),
+        metadata(error.trailing_metadata),
+        error.details,
+    )

@@ -1,0 +1,92 @@
+"""Finding the handler of a call, for the blocking and the asyncio servers alike: registered
+methods by path first (as grpcio does), then the generic handlers in order, behind the
+interceptors."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import grpc
+
+from ._metadata import Metadata, incoming
+from ._native import ServerCall
+
+# The attribute of an RpcMethodHandler that holds its behaviour, by (request_streaming,
+# response_streaming).
+_BEHAVIOUR = {
+    (False, False): "unary_unary",
+    (False, True): "unary_stream",
+    (True, False): "stream_unary",
+    (True, True): "stream_stream",
+}
+
+
+def behaviour(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
+    kind = _BEHAVIOUR[(bool(handler.request_streaming), bool(handler.response_streaming))]
+    method: Callable[..., Any] = getattr(handler, kind)
+    return method
+
+
+class HandlerCallDetails(grpc.HandlerCallDetails):
+    def __init__(self, method: str, invocation_metadata: Metadata) -> None:
+        self.method = method
+        self.invocation_metadata = invocation_metadata
+
+
+class Handlers:
+    def __init__(self, generic: Iterable[grpc.GenericRpcHandler] | None, interceptors: Sequence[Any] | None):
+        self._generic = list(generic or ())
+        self._registered: dict[str, grpc.RpcMethodHandler] = {}
+        self._interceptors = tuple(interceptors or ())
+
+    def add_generic(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
+        self._generic.extend(handlers)
+
+    def add_registered(self, service: str, methods: Mapping[str, grpc.RpcMethodHandler]) -> None:
+        for name, handler in methods.items():
+            self._registered[f"/{service}/{name}"] = handler
+
+    def _lookup(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+        handler = self._registered.get(details.method)
+        if handler is not None:
+            return handler
+        for generic in self._generic:
+            handler = generic.service(details)
+            if handler is not None:
+                return handler
+        return None
+
+    def _details(self, call: ServerCall) -> HandlerCallDetails:
+        return HandlerCallDetails(call.path, incoming(call.invocation_metadata()))
+
+    def find(self, call: ServerCall) -> grpc.RpcMethodHandler | None:
+        """The handler for `call` through grpc.ServerInterceptors."""
+        if not self._interceptors:
+            # The common case: no metadata to fetch for a registered method.
+            handler = self._registered.get(call.path)
+            return handler if handler is not None else self._lookup(self._details(call))
+
+        def chain(index: int) -> Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None]:
+            if index == len(self._interceptors):
+                return self._lookup
+            return lambda details: self._interceptors[index].intercept_service(chain(index + 1), details)
+
+        return chain(0)(self._details(call))
+
+    async def find_async(self, call: ServerCall) -> grpc.RpcMethodHandler | None:
+        """The handler for `call` through grpc.aio.ServerInterceptors (whose
+        `intercept_service` and continuation are coroutines)."""
+        if not self._interceptors:
+            return self.find(call)
+
+        def chain(index: int) -> Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]:
+            if index == len(self._interceptors):
+
+                async def lookup(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
+                    return self._lookup(details)
+
+                return lookup
+            return lambda details: self._interceptors[index].intercept_service(chain(index + 1), details)
+
+        return await chain(0)(self._details(call))

@@ -1,0 +1,28 @@
+"""Metadata between grpc's shapes and the engine's: a sequence of `(key, value)` pairs, `str`
+values, `bytes` for keys ending in `-bin`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+import grpc.aio
+
+Metadatum = tuple[str, str | bytes]
+Metadata = tuple[Metadatum, ...]
+
+
+def outgoing(metadata: Iterable[Metadatum] | None) -> Sequence[Metadatum] | None:
+    """What the engine takes. grpc accepts any iterable of pairs, `grpc.aio.Metadata` too."""
+    if metadata is None or isinstance(metadata, (tuple, list)):
+        return metadata
+    return tuple(metadata)
+
+
+def incoming(pairs: Iterable[Metadatum] | None) -> Metadata:
+    """What grpc's blocking API gives: a tuple of pairs."""
+    return () if pairs is None else tuple(pairs)
+
+
+def incoming_aio(pairs: Iterable[Metadatum] | None) -> grpc.aio.Metadata:
+    """What grpc.aio gives."""
+    return grpc.aio.Metadata() if pairs is None else grpc.aio.Metadata(*pairs)

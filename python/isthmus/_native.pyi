@@ -1,0 +1,194 @@
+"""The Rust engine as Python sees it (`crates/isthmus-python`). Not API: use `isthmus` and
+`isthmus.aio`, which give these grpc's shapes."""
+
+from collections.abc import Callable, Sequence
+from typing import TypeAlias, final
+
+from typing_extensions import Self, disjoint_base
+
+__all__ = [
+    "AsyncCall",
+    "AsyncChannel",
+    "Call",
+    "CallError",
+    "Channel",
+    "Reactor",
+    "Server",
+    "ServerCall",
+    "UnaryResult",
+]
+
+# Metadata crosses as (key, value) pairs: `str` values, or `bytes` for keys ending in `-bin`.
+_Metadata: TypeAlias = Sequence[tuple[str, str | bytes]]
+
+@disjoint_base
+class CallError(Exception):
+    """A call ended with a status other than OK."""
+
+    code: int
+    """The gRPC status code as a number (grpc.StatusCode.X.value[0])."""
+    details: str
+    initial_metadata: list[tuple[str, str | bytes]]
+    trailing_metadata: list[tuple[str, str | bytes]]
+    def __new__(
+        cls,
+        code: int,
+        details: str,
+        initial_metadata: _Metadata | None = None,
+        trailing_metadata: _Metadata | None = None,
+    ) -> Self: ...
+
+@final
+class UnaryResult:
+    """A unary call's outcome."""
+
+    message: bytes
+    initial_metadata: list[tuple[str, str | bytes]]
+    trailing_metadata: list[tuple[str, str | bytes]]
+
+@final
+class Channel:
+    """A client channel for blocking calls (`shm://`, `unix://`, `http://`). Connects on the
+    first call. Waits release the GIL."""
+
+    def __new__(cls, target: str) -> Self:
+        """Raises ValueError for a target that does not parse."""
+    def unary(
+        self,
+        path: str,
+        request: bytes,
+        metadata: _Metadata | None,
+        timeout: float | None,
+        wait_for_ready: bool,
+    ) -> UnaryResult:
+        """Raises CallError."""
+    def start(
+        self, path: str, metadata: _Metadata | None, timeout: float | None, wait_for_ready: bool
+    ) -> Call:
+        """Starts a streaming call; raises CallError if it cannot start."""
+    def close(self) -> None:
+        """Later calls fail with CallError(UNAVAILABLE); calls in progress go on."""
+
+@final
+class Call:
+    """One blocking call of any shape. Every method may raise CallError once the call failed."""
+
+    def send(self, message: bytes) -> bool:
+        """Sends one request; False if the call is already over (its status comes from recv)."""
+    def close_send(self) -> None: ...
+    def recv(self) -> bytes | None:
+        """The next response; None once the call ended OK. Raises CallError otherwise."""
+    def initial_metadata(self) -> list[tuple[str, str | bytes]]:
+        """Waits for the server's initial metadata."""
+    def trailing_metadata(self) -> list[tuple[str, str | bytes]] | None:
+        """The trailers once the call ended (OK or not); None before."""
+    def cancel(self) -> None:
+        """Ends the call with CANCELLED on both sides; idempotent."""
+
+@final
+class Reactor:
+    """Completions for one asyncio loop: `fileno()` becomes readable when `drain()` has
+    completions; register it with `loop.add_reader`. Each operation below takes a `token` (an
+    int of the caller's choosing) and its outcome comes back from `drain` under that token."""
+
+    def __new__(cls) -> Self: ...
+    def fileno(self) -> int: ...
+    def drain(self) -> list[tuple[int, bool, object]]:
+        """(token, ok, value) for each finished operation: on ok, value is the operation's
+        result; otherwise a CallError. Never blocks."""
+    def cancel(self, token: int) -> bool:
+        """Abandons operation `token`: it will not complete, and a call it was making is
+        cancelled on both sides. False if it has already finished."""
+    def close(self) -> None: ...
+
+@final
+class AsyncChannel:
+    """A client channel whose operations complete through a Reactor."""
+
+    def __new__(cls, target: str, reactor: Reactor) -> Self: ...
+    def unary(
+        self,
+        token: int,
+        path: str,
+        request: bytes,
+        metadata: _Metadata | None,
+        timeout: float | None,
+        wait_for_ready: bool,
+    ) -> None:
+        """Completes with a UnaryResult."""
+    def start(
+        self, token: int, path: str, metadata: _Metadata | None, timeout: float | None, wait_for_ready: bool
+    ) -> None:
+        """Completes with the started AsyncCall (or a CallError if it could not start)."""
+    def close(self) -> None: ...
+
+@final
+class AsyncCall:
+    """One call driven through the Reactor; at most one send-side and one receive-side
+    operation in flight at a time."""
+
+    def send(self, token: int, message: bytes) -> None:
+        """Completes with True, or False if the call is already over."""
+    def close_send(self, token: int) -> None:
+        """Completes with None."""
+    def recv(self, token: int) -> None:
+        """Completes with bytes, or None at an OK end; a CallError otherwise."""
+    def initial_metadata(self, token: int) -> None:
+        """Completes with the initial metadata list."""
+    def trailing_metadata(self) -> list[tuple[str, str | bytes]] | None: ...
+    def cancel(self) -> None: ...
+
+@final
+class ServerCall:
+    """The server's side of one call, handed to the Server's dispatch callable."""
+
+    path: str
+    def invocation_metadata(self) -> list[tuple[str, str | bytes]]: ...
+    def time_remaining(self) -> float | None:
+        """Seconds before the client's deadline, or None without one."""
+    def peer(self) -> str: ...
+    def is_active(self) -> bool:
+        """False once the call is over: finished, cancelled by the client, or past its deadline."""
+    def add_done_callback(self, callback: Callable[[], None]) -> bool:
+        """Runs callback (on an engine thread, with the GIL) when the call ends; False, without
+        registering, if it already has."""
+    # Blocking (GIL released):
+    def recv(self, flush_headers: bool = False) -> bytes | None:
+        """The next request; None once the client half-closed; raises CallError if the call
+        ended (cancelled, deadline, connection lost). With `flush_headers`, a call that has sent
+        nothing yet and must wait sends empty initial metadata first (a client may be waiting
+        for it before it sends)."""
+    def send(self, message: bytes) -> None:
+        """Raises CallError if the call ended."""
+    def send_initial_metadata(self, metadata: _Metadata) -> None:
+        """Raises CallError if the call ended or metadata was already sent (before the first
+        send)."""
+    # Through a Reactor (same outcomes as the blocking forms):
+    def recv_async(self, reactor: Reactor, token: int, flush_headers: bool = False) -> None: ...
+    def send_async(self, reactor: Reactor, token: int, message: bytes) -> None: ...
+    def send_initial_metadata_async(self, reactor: Reactor, token: int, metadata: _Metadata) -> None: ...
+    def finish(self, code: int, details: str, trailing_metadata: _Metadata | None = None) -> None:
+        """Ends the call with this status (0 = OK) and trailers. Later calls do nothing."""
+
+@final
+class Server:
+    """The engine's server. `dispatch(call)` is called for every call, on an engine thread with
+    the GIL; it must not block (it hands the call to a thread pool or an event loop), and the
+    call must eventually be finished (an unfinished call that is garbage-collected ends with
+    UNKNOWN)."""
+
+    def __new__(
+        cls,
+        dispatch: Callable[[ServerCall], None],
+        max_concurrent_streams: int | None = None,
+        max_message_size: int | None = None,
+    ) -> Self: ...
+    def add_port(self, target: str) -> str:
+        """Binds now; returns the address as clients reach it (the port chosen for
+        `http://host:0`). Raises ValueError (bad target) or OSError (cannot bind)."""
+    def start(self) -> None: ...
+    def stop(self, grace: float | None = None) -> None:
+        """Starts a graceful shutdown (new calls refused, calls in progress get `grace` seconds,
+        None = cancel them at once) and returns at once."""
+    def wait(self, timeout: float | None = None) -> bool:
+        """Waits (GIL released) until the server has stopped; False on timeout."""

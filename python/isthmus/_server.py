@@ -1,0 +1,142 @@
+"""The blocking server, and `ServerBase`: what it shares with the asyncio server (ports,
+handlers, the engine's server)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+import grpc
+
+from . import _native
+from ._context import ServicerContext
+from ._errors import IsthmusError
+from ._handler import Handlers, behaviour
+from ._native import ServerCall
+
+_LOG = logging.getLogger("isthmus")
+
+# How long a blocking wait lasts at most before Python gets a chance to run signal handlers
+# (Ctrl-C): the engine's waits release the GIL and cannot be interrupted.
+_WAIT_SLICE = 1.0
+
+
+def _max_message_size(options: Sequence[tuple[str, Any]] | None) -> int | None:
+    """grpc's receive limit, if the options set one (-1 in grpc means none)."""
+    size = dict(options or ()).get("grpc.max_receive_message_length")
+    return None if size is None or size < 0 else int(size)
+
+
+def refuse(call: ServerCall, error: Exception | None) -> None:
+    """Ends a call that no handler takes (`error` None) or whose lookup raised, as grpcio does."""
+    if error is None:
+        call.finish(grpc.StatusCode.UNIMPLEMENTED.value[0], "Method not found!", None)
+    else:
+        _LOG.error("Exception servicing handler", exc_info=error)
+        call.finish(grpc.StatusCode.UNKNOWN.value[0], "Error in service handler!", None)
+
+
+class ServerBase:
+    def __init__(
+        self,
+        dispatch: Callable[[ServerCall], None],
+        handlers: Iterable[grpc.GenericRpcHandler] | None,
+        interceptors: Sequence[Any] | None,
+        options: Sequence[tuple[str, Any]] | None,
+        maximum_concurrent_rpcs: int | None,
+    ) -> None:
+        self._handlers = Handlers(handlers, interceptors)
+        self._native = _native.Server(dispatch, maximum_concurrent_rpcs, _max_message_size(options))
+
+    def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:
+        self._handlers.add_generic(generic_rpc_handlers)
+
+    def add_registered_method_handlers(
+        self, service_name: str, method_handlers: Mapping[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self._handlers.add_registered(service_name, method_handlers)
+
+    def add_insecure_port(self, address: str) -> int:
+        """Binds `shm://NAME`, `unix:///PATH` or `http://HOST:PORT` now. Returns the port for
+        `http://` (the one chosen for port 0), else 1: grpc callers treat 0 as failure."""
+        bound = self._native.add_port(address)
+        if bound.startswith("http://"):
+            return int(bound.rstrip("/").rsplit(":", 1)[1])
+        return 1
+
+    def add_secure_port(self, address: str, server_credentials: grpc.ServerCredentials) -> int:
+        raise IsthmusError("isthmus serves no TLS: use add_insecure_port")
+
+
+class Server(ServerBase, grpc.Server):
+    """grpc.Server's shape: handlers run on `thread_pool`."""
+
+    def __init__(
+        self,
+        thread_pool: Executor,
+        handlers: Iterable[grpc.GenericRpcHandler] | None = None,
+        interceptors: Sequence[grpc.ServerInterceptor] | None = None,
+        options: Sequence[tuple[str, Any]] | None = None,
+        maximum_concurrent_rpcs: int | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> None:
+        super().__init__(self._dispatch, handlers, interceptors, options, maximum_concurrent_rpcs)
+        self._pool = thread_pool
+
+    def _dispatch(self, call: ServerCall) -> None:
+        # On an engine thread, which must not block.
+        try:
+            self._pool.submit(self._handle, call)
+        except RuntimeError:  # the pool was shut down
+            call.finish(grpc.StatusCode.UNAVAILABLE.value[0], "the server is shutting down", None)
+
+    def _handle(self, call: ServerCall) -> None:
+        try:
+            handler = self._handlers.find(call)
+        except Exception as e:
+            refuse(call, e)
+            return
+        if handler is None:
+            refuse(call, None)
+            return
+        context = ServicerContext(call, handler)
+        try:
+            request = context._requests() if handler.request_streaming else context._request(call.recv())
+            response = behaviour(handler)(request, context)
+            if handler.response_streaming:
+                for message in response:
+                    call.send(context._encode(message))
+            elif context._responds():
+                call.send(context._encode(response))
+        except Exception as e:
+            context._finish(e)
+        else:
+            context._finish(None)
+
+    def start(self) -> None:
+        self._native.start()
+
+    def stop(self, grace: float | None) -> threading.Event:
+        self._native.stop(grace)
+        stopped = threading.Event()
+
+        def wait() -> None:
+            self._native.wait(None)
+            stopped.set()
+
+        threading.Thread(target=wait, name="isthmus-stop", daemon=True).start()
+        return stopped
+
+    def wait_for_termination(self, timeout: float | None = None) -> bool:
+        """True if `timeout` passed first, as grpc has it."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = _WAIT_SLICE if end is None else min(_WAIT_SLICE, end - time.monotonic())
+            if self._native.wait(max(left, 0.0)):
+                return False
+            if end is not None and time.monotonic() >= end:
+                return True

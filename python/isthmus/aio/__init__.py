@@ -1,0 +1,55 @@
+"""isthmus's asyncio API, in grpc.aio's shapes: `insecure_channel` and `server`.
+
+    async with isthmus.aio.insecure_channel("shm://sidecar") as channel:
+        reply = await echo_pb2_grpc.EchoStub(channel).Say(request)
+
+Calls complete through one engine Reactor per running event loop, whose fd the loop watches: no
+thread per call, and every completion since the last wake-up is taken in one batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from concurrent.futures import Executor
+from typing import Any
+
+import grpc
+
+from ._call import StreamStreamCall, StreamUnaryCall, UnaryStreamCall, UnaryUnaryCall
+from ._channel import Channel
+from ._context import ServicerContext
+from ._server import Server
+
+__all__ = [
+    "Channel",
+    "Server",
+    "ServicerContext",
+    "StreamStreamCall",
+    "StreamUnaryCall",
+    "UnaryStreamCall",
+    "UnaryUnaryCall",
+    "insecure_channel",
+    "server",
+]
+
+
+def insecure_channel(
+    target: str, options: Any = None, compression: grpc.Compression | None = None
+) -> Channel:
+    """A channel to `shm://NAME`, `unix:///PATH` or `http://HOST:PORT`, as
+    `grpc.aio.insecure_channel` makes one."""
+    return Channel(target, options, compression)
+
+
+def server(
+    migration_thread_pool: Executor | None = None,
+    handlers: Iterable[grpc.GenericRpcHandler] | None = None,
+    interceptors: Sequence[Any] | None = None,
+    options: Sequence[tuple[str, Any]] | None = None,
+    maximum_concurrent_rpcs: int | None = None,
+    compression: grpc.Compression | None = None,
+) -> Server:
+    """A server, as `grpc.aio.server` makes one; bind it with `add_insecure_port`."""
+    return Server(
+        migration_thread_pool, handlers, interceptors, options, maximum_concurrent_rpcs, compression
+    )

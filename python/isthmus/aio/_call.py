@@ -1,0 +1,388 @@
+"""grpc.aio's client calls over the engine's `AsyncChannel`: a unary call is one engine operation
+and one future; a streaming call is an `AsyncCall` whose operations complete through the loop's
+`Reactor`. A call's end is a `CallError` (a local cancel is one too: CANCELLED) or OK."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from .. import _native
+from .._call import Deserializer, Serializer, decode
+from .._errors import LOCALLY_CANCELLED, rpc_error, status_code
+from .._metadata import Metadatum, incoming_aio
+from .._native import CallError
+from ._reactor import Driver
+
+_LOG = logging.getLogger("isthmus")
+
+_INTERNAL = 13
+
+RequestIterable = AsyncIterable[Any] | Iterable[Any]
+
+
+def _local_cancel() -> CallError:
+    return CallError(grpc.StatusCode.CANCELLED.value[0], LOCALLY_CANCELLED)
+
+
+async def _aiter(requests: RequestIterable) -> AsyncIterator[Any]:
+    if isinstance(requests, AsyncIterable):
+        async for request in requests:
+            yield request
+    else:
+        for request in requests:
+            yield request
+
+
+class _Call:
+    """What every call has: its deadline and its status, once over."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float | None, deserialize: Deserializer):
+        self._loop = loop
+        self._deadline = None if timeout is None else loop.time() + timeout
+        self._deserialize = deserialize
+
+    async def _end(self) -> CallError | None:
+        """Waits for the call's end: the error it ended with, None for OK."""
+        raise NotImplementedError
+
+    def _ok_trailers(self) -> list[Metadatum] | None:
+        raise NotImplementedError
+
+    def time_remaining(self) -> float | None:
+        return None if self._deadline is None else max(self._deadline - self._loop.time(), 0.0)
+
+    async def trailing_metadata(self) -> grpc.aio.Metadata:
+        error = await self._end()
+        return incoming_aio(self._ok_trailers() if error is None else error.trailing_metadata)
+
+    async def code(self) -> grpc.StatusCode:
+        error = await self._end()
+        return grpc.StatusCode.OK if error is None else status_code(error.code)
+
+    async def details(self) -> str:
+        error = await self._end()
+        return "" if error is None else error.details
+
+    async def debug_error_string(self) -> str:
+        error = await self._end()
+        return "" if error is None else rpc_error(error, aio=True).debug_error_string()
+
+
+class UnaryUnaryCall(_Call, grpc.aio.UnaryUnaryCall):
+    """A unary call: the engine runs it whole as one operation; cancelling the call, or the
+    task awaiting it, abandons that operation, which cancels the call on both sides."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        timeout: float | None,
+        deserialize: Deserializer,
+        outcome: asyncio.Future[Any],
+        abandon: Callable[[], None],
+    ) -> None:
+        super().__init__(loop, timeout, deserialize)
+        self._outcome = outcome  # resolves to a UnaryResult or a CallError
+        self._abandon = abandon
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        try:
+            value = yield from self._outcome.__await__()
+        except asyncio.CancelledError:
+            self._abandon()
+            raise
+        if isinstance(value, CallError):
+            raise rpc_error(value, aio=True)
+        try:
+            return decode(self._deserialize, value.message)
+        except CallError as e:
+            raise rpc_error(e, aio=True) from None
+
+    async def _result(self) -> Any:
+        try:
+            return await asyncio.shield(self._outcome)
+        except asyncio.CancelledError:
+            if self._outcome.cancelled():
+                return _local_cancel()
+            raise
+
+    async def _end(self) -> CallError | None:
+        value = await self._result()
+        return value if isinstance(value, CallError) else None
+
+    def _ok_trailers(self) -> list[Metadatum]:
+        return self._outcome.result().trailing_metadata  # type: ignore[no-any-return]
+
+    async def initial_metadata(self) -> grpc.aio.Metadata:
+        return incoming_aio((await self._result()).initial_metadata)
+
+    async def wait_for_connection(self) -> None:
+        await self._result()
+
+    def cancel(self) -> bool:
+        if not self._outcome.cancel():
+            return False
+        self._abandon()
+        return True
+
+    def cancelled(self) -> bool:
+        return self._outcome.cancelled()
+
+    def done(self) -> bool:
+        return self._outcome.done()
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        self._outcome.add_done_callback(lambda _: callback(self))
+
+
+class _StreamCall(_Call):
+    """A call on an engine `AsyncCall`; the base of the three streaming shapes."""
+
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        driver: Driver,
+        channel: _native.AsyncChannel,
+        path: str,
+        metadata: Any,
+        timeout: float | None,
+        wait_for_ready: bool,
+        serialize: Serializer,
+        deserialize: Deserializer,
+        requests: RequestIterable | None,
+    ) -> None:
+        super().__init__(loop, timeout, deserialize)
+        self._driver = driver
+        self._serialize = serialize
+        token, self._started = driver.begin(loop)  # resolves to the AsyncCall or a CallError
+        channel.start(token, path, metadata, timeout, wait_for_ready)
+        self._started.add_done_callback(self._on_started)
+        self._native: _native.AsyncCall | None = None
+        self._done: asyncio.Future[None] = loop.create_future()
+        self._status: CallError | None = None  # once `_done`; None for OK
+        self._cancelled = False
+        self._done_writing = False
+        # The engine takes one receive-side operation at a time (recv, initial_metadata).
+        self._receive_lock = asyncio.Lock()
+        self._initial: list[Metadatum] | None = None
+        self._early: collections.deque[bytes] = collections.deque()  # see `_read_ahead`
+        self._tasks: list[asyncio.Task[Any]] = []
+        if requests is not None:
+            self._tasks.append(loop.create_task(self._write_all(requests)))
+
+    def _on_started(self, started: asyncio.Future[Any]) -> None:
+        value = started.result()
+        if isinstance(value, CallError):
+            self._close(value)
+        else:
+            self._native = value
+            if self._cancelled:  # before the engine had the call
+                value.cancel()
+
+    async def _attempt(self, operation: str, *args: Any) -> Any:
+        """One engine operation (an AsyncCall method), once the call has started: its value
+        or CallError. A cancelled waiter cancels the call, as in grpc.aio."""
+        try:
+            # Shielded: several coroutines may wait for the start, and one being cancelled
+            # must not lose the AsyncCall for the others (and for `cancel`).
+            call = self._started.result() if self._started.done() else await asyncio.shield(self._started)
+            if isinstance(call, CallError):
+                return call
+            token, future = self._driver.begin(self._loop)
+            getattr(call, operation)(token, *args)
+            return await future
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+
+    async def _op(self, operation: str, *args: Any) -> Any:
+        """`_attempt`, where a CallError ends the call, and this raises its status."""
+        value = await self._attempt(operation, *args)
+        if isinstance(value, CallError):
+            self._close(value)
+            self._raise_status()
+        return value
+
+    def _close(self, status: CallError | None) -> None:
+        """Records how the call ended; the first end counts."""
+        if not self._done.done():
+            self._status = status
+            self._done.set_result(None)
+
+    def _fail(self, error: CallError) -> None:
+        """Ends the call with `error` found here (the server's data was wrong), even after the
+        engine saw it end OK."""
+        if self._native is not None:
+            self._native.cancel()
+        self._close(error)
+        self._status = error
+
+    def _raise_status(self) -> None:
+        """Raises how the call ended, if not OK (it has ended): an RpcError, or CancelledError
+        after a local cancel."""
+        if self._cancelled:
+            raise asyncio.CancelledError()
+        if self._status is not None:
+            raise rpc_error(self._status, aio=True)
+
+    async def _end(self) -> CallError | None:
+        await asyncio.shield(self._done)
+        return self._status
+
+    def _ok_trailers(self) -> list[Metadatum] | None:
+        return None if self._native is None else self._native.trailing_metadata()
+
+    async def initial_metadata(self) -> grpc.aio.Metadata:
+        if self._initial is None:
+            async with self._receive_lock:
+                if self._initial is None:
+                    value = await self._attempt("initial_metadata")
+                    self._initial = value.initial_metadata if isinstance(value, CallError) else value
+        return incoming_aio(self._initial)
+
+    async def wait_for_connection(self) -> None:
+        if isinstance(await asyncio.shield(self._started), CallError):
+            self._raise_status()
+
+    def cancel(self) -> bool:
+        if self._done.done():
+            return False
+        self._cancelled = True
+        if self._native is not None:
+            self._native.cancel()
+        self._close(_local_cancel())
+        for task in self._tasks:
+            task.cancel()
+        return True
+
+    def cancelled(self) -> bool:
+        return self._cancelled
+
+    def done(self) -> bool:
+        return self._done.done()
+
+    def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        self._done.add_done_callback(lambda _: callback(self))
+
+    # The sending side.
+
+    async def _send(self, request: Any) -> bool:
+        message = request if self._serialize is None else self._serialize(request)
+        return await self._op("send", message)  # type: ignore[no-any-return]
+
+    async def _write_all(self, requests: RequestIterable) -> None:
+        try:
+            async for request in _aiter(requests):
+                if not await self._send(request):
+                    return  # the call is over; the receiving side reports how
+            await self.done_writing()
+        except grpc.RpcError:
+            pass  # likewise
+        except Exception:
+            _LOG.exception("The request iterator raised; cancelling the call")
+            self.cancel()
+
+    async def write(self, request: Any) -> None:
+        if self._done.done():
+            raise asyncio.InvalidStateError("RPC already finished.")
+        if self._done_writing:
+            raise asyncio.InvalidStateError('RPC is half closed after calling "done_writing".')
+        if not await self._send(request):
+            await self._read_ahead()
+            self._raise_status()
+
+    async def done_writing(self) -> None:
+        if self._done.done() or self._done_writing:
+            return
+        self._done_writing = True
+        await self._op("close_send")
+
+    # The receiving side.
+
+    async def _read_ahead(self) -> None:
+        """Learns the status of a call a send found over: the engine gives it only after the
+        responses, which are kept for `read`. (They are few: the call is over.)"""
+        async with self._receive_lock:
+            while not self._done.done():
+                value = await self._attempt("recv")
+                if isinstance(value, bytes):
+                    self._early.append(value)
+                else:
+                    self._close(value)
+
+    async def _recv(self) -> bytes | None:
+        """The next response; None at an OK end. Raises the status otherwise."""
+        async with self._receive_lock:
+            if self._early:
+                return self._early.popleft()
+            if self._done.done():
+                self._raise_status()
+                return None
+            message = await self._op("recv")
+            if message is None:
+                self._close(None)
+            return message  # type: ignore[no-any-return]
+
+    async def read(self) -> Any:
+        message = await self._recv()
+        if message is None:
+            return grpc.aio.EOF
+        try:
+            return decode(self._deserialize, message)
+        except CallError as e:
+            self._fail(e)
+            raise rpc_error(e, aio=True) from None
+
+    async def _responses(self) -> AsyncIterator[Any]:
+        while (response := await self.read()) is not grpc.aio.EOF:
+            yield response
+
+    def __aiter__(self) -> AsyncIterator[Any]:
+        return self._responses()
+
+
+class _UnaryResponse(_StreamCall):
+    """A streaming call with one response, read by a task of its own from the start, so that
+    its status comes whether or not the caller awaits it."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self._response = self._loop.create_task(self._receive())
+        self._tasks.append(self._response)
+
+    async def _receive(self) -> Any:
+        # Never raises an RpcError: the outcome is in `_status`, and a task's exception that
+        # nobody retrieves would be logged.
+        try:
+            message = await self._recv()
+            if message is None or await self._recv() is not None:
+                raise CallError(_INTERNAL, "the server did not send exactly one response")
+            return decode(self._deserialize, message)
+        except CallError as e:
+            self._fail(e)
+        except grpc.RpcError:
+            pass
+        return None
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        response = yield from self._response.__await__()
+        self._raise_status()
+        return response
+
+
+class UnaryStreamCall(_StreamCall, grpc.aio.UnaryStreamCall):
+    pass
+
+
+class StreamUnaryCall(_UnaryResponse, grpc.aio.StreamUnaryCall):
+    pass
+
+
+class StreamStreamCall(_StreamCall, grpc.aio.StreamStreamCall):
+    pass

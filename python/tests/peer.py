@@ -1,0 +1,153 @@
+"""Peer processes for the tests: the Rust `tonic-peer` and the Python `echo_server` (isthmus,
+isthmus.aio or grpcio), each serving the Echo service on fresh addresses."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+TESTS = Path(__file__).resolve().parent
+PATIENCE = 60.0  # a watchdog for lines a peer should print, not a timing assertion
+
+_fresh = itertools.count()
+
+
+def tonic_peer() -> Path | None:
+    """The Rust peer cargo built (`make unit`); ISTHMUS_TONIC_PEER may name it."""
+    path = Path(os.environ.get("ISTHMUS_TONIC_PEER") or ROOT / "target" / "debug" / "tonic-peer")
+    return path if path.is_file() else None
+
+
+def fresh(transport: str) -> str:
+    """An address no other test (or test run) uses; `http://` gets its port from the system."""
+    tag = f"py-{os.getpid()}-{next(_fresh)}"
+    if transport == "shm":
+        return f"shm://{tag}"
+    if transport == "unix":
+        return f"unix://{tempfile.gettempdir()}/isthmus-{tag}.sock"
+    return "http://127.0.0.1:0"
+
+
+def grpcio_target(address: str) -> str:
+    """An isthmus `unix://` or `http://` address as grpcio spells it."""
+    if address.startswith("shm://"):
+        raise ValueError(f"grpcio cannot reach {address}")
+    return address.removeprefix("http://")
+
+
+class Peer:
+    """A peer process; its stdout lines arrive on a queue, so waiting for one can give up."""
+
+    def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        self.expect("READY")
+
+    def _read(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            self._lines.put(line.rstrip("\n"))
+        self._lines.put(None)
+
+    def expect(self, prefix: str, patience: float = PATIENCE) -> str:
+        """The next line that starts with `prefix`; fails if the peer exits or prints none."""
+        while True:
+            try:
+                line = self._lines.get(timeout=patience)
+            except queue.Empty:
+                raise AssertionError(f"the peer printed no {prefix!r} line within {patience} s") from None
+            if line is None:
+                self._lines.put(None)
+                raise AssertionError(f"the peer exited before printing {prefix!r}")
+            if line.startswith(prefix):
+                return line
+
+    def expect_cancelled_bidi(self) -> None:
+        """Waits for the server to report a Bidi call ended other than by half-close. (Lines
+        from earlier tests' calls can still be on their way: half-closes are passed over.)"""
+        while self.expect("BIDI-ENDED") == "BIDI-ENDED half-close":
+            pass
+
+    def expect_ended_bidi(self) -> None:
+        """Waits for the server to report a Bidi call ended, however: tonic's request stream
+        reads a client's cancel as a half-close (see tonic-peer)."""
+        self.expect("BIDI-ENDED")
+
+    def clear(self) -> None:
+        """Forgets the lines printed so far."""
+        while True:
+            try:
+                if self._lines.get_nowait() is None:
+                    self._lines.put(None)
+                    return
+            except queue.Empty:
+                return
+
+    def terminate(self) -> None:
+        self.process.send_signal(signal.SIGTERM)
+
+    def kill9(self) -> None:
+        """SIGKILL, as a crash would; returns once the process is gone."""
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+
+    def close(self) -> None:
+        self.kill9()
+        self._reader.join()
+        assert self.process.stdout is not None
+        self.process.stdout.close()
+
+
+@dataclass
+class Served:
+    """A server peer and its address for each transport, as isthmus channels take them."""
+
+    kind: str
+    peer: Peer
+    addresses: dict[str, str] = field(default_factory=dict)
+
+    def expect_cancelled_bidi(self) -> None:
+        """Waits until the server saw a Bidi call cancelled, as far as the server can tell."""
+        if self.kind == "rust":
+            self.peer.expect_ended_bidi()
+        else:
+            self.peer.expect_cancelled_bidi()
+
+    def close(self) -> None:
+        """Kills the peer and removes its sockets, which a killed server leaves behind."""
+        self.peer.close()
+        for address in self.addresses.values():
+            if address.startswith("unix://"):
+                Path(address.removeprefix("unix://")).unlink(missing_ok=True)
+
+
+def serve(kind: str, transports: list[str], stubs: Path) -> Served:
+    """Starts a server of `kind` (`rust`, `isthmus`, `isthmus-aio`, `grpcio`) on `transports`."""
+    targets = [fresh(t) for t in transports]
+    if kind == "rust":
+        binary = tonic_peer()
+        assert binary is not None, "tonic-peer is not built (cargo build -p isthmus-tests)"
+        argv = [str(binary), *targets]
+    else:
+        argv = [sys.executable, "-m", "echo_server", kind, *targets]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(stubs), env.get("PYTHONPATH")]))
+    served = Served(kind, Peer(argv, env))
+    for transport, target in zip(transports, targets, strict=True):
+        # Both peers announce their unix:// and http:// endpoints in the order given.
+        served.addresses[transport] = (
+            target if transport == "shm" else served.peer.expect("LISTENING ").removeprefix("LISTENING ")
+        )
+    return served

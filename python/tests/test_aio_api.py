@@ -1,0 +1,198 @@
+"""What belongs to the asyncio API alone: call objects, read/write, EOF, cancel, async request
+iterators, the channel's shapes and isthmus's errors there."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from types import ModuleType
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+from clients import aio
+from conftest import Endpoint
+from peer import fresh
+
+import isthmus
+import isthmus.aio
+
+ABORTED = grpc.StatusCode.ABORTED.value[0]
+
+
+@pytest.fixture
+def address(endpoint: Endpoint) -> str:
+    return endpoint.address
+
+
+@aio
+async def test_errors_are_grpc_aios(address: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    async with isthmus.aio.insecure_channel(address) as channel:
+        call = pb_grpc.EchoStub(channel).Unary(
+            pb.EchoRequest(fail_with=ABORTED, fail_message="stop"), timeout=60
+        )
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await call
+        error = caught.value
+        assert isinstance(error, isthmus.RpcError) and isinstance(error, isthmus.IsthmusError)
+        assert (error.code(), error.details()) == (grpc.StatusCode.ABORTED, "stop")
+        assert isinstance(error.trailing_metadata(), grpc.aio.Metadata)
+        assert error.trailing_metadata()["x-failed"] == "yes"
+        assert (await call.code(), await call.details()) == (grpc.StatusCode.ABORTED, "stop")
+
+
+@aio
+async def test_unary_call_object(address: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    async with isthmus.aio.insecure_channel(address) as channel:
+        ended = asyncio.Event()
+        call = pb_grpc.EchoStub(channel).Unary(pb.EchoRequest(seq=2), metadata=[("x-echo", "a")], timeout=60)
+        call.add_done_callback(lambda c: ended.set())
+        assert 0 < call.time_remaining() <= 60
+        assert (await call).seq == 2
+        await asyncio.wait_for(ended.wait(), 60)
+        assert call.done() and not call.cancelled()
+        assert (await call.code(), await call.details()) == (grpc.StatusCode.OK, "")
+        assert (await call.initial_metadata())["x-echo"] == "a"
+        assert isinstance(await call.trailing_metadata(), grpc.aio.Metadata)
+
+
+@aio
+async def test_cancel_unary(address: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    async with isthmus.aio.insecure_channel(address) as channel:
+        call = pb_grpc.EchoStub(channel).Unary(pb.EchoRequest(sleep_ms=30_000), timeout=60)
+        assert call.cancel() and call.cancelled()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert await call.code() == grpc.StatusCode.CANCELLED
+
+
+@aio
+async def test_wait_for_gives_up(address: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    async with isthmus.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.EchoStub(channel)
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(stub.Unary(pb.EchoRequest(sleep_ms=30_000), timeout=60), 0.2)
+        assert (await stub.Unary(pb.EchoRequest(seq=1), timeout=60)).seq == 1  # the channel goes on
+
+
+@aio
+async def test_read_to_eof(address: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    async with isthmus.aio.insecure_channel(address) as channel:
+        call = pb_grpc.EchoStub(channel).ServerStream(pb.StreamRequest(count=3, size=5), timeout=60)
+        seqs = []
+        while (reply := await call.read()) is not grpc.aio.EOF:
+            seqs.append(reply.seq)
+        assert seqs == [0, 1, 2]
+        assert await call.read() is grpc.aio.EOF
+        assert call.done() and await call.code() == grpc.StatusCode.OK
+
+
+@aio
+async def test_write_then_await(address: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    async with isthmus.aio.insecure_channel(address) as channel:
+        call = pb_grpc.EchoStub(channel).ClientStream(timeout=60)
+        for seq in range(4):
+            await call.write(pb.EchoRequest(seq=seq))
+        await call.done_writing()
+        await call.done_writing()  # idempotent
+        assert (await call).count == 4
+
+
+@aio
+async def test_bidi_write_and_read(address: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    async with isthmus.aio.insecure_channel(address) as channel:
+        call = pb_grpc.EchoStub(channel).Bidi(timeout=60)
+        for seq in range(3):
+            await call.write(pb.EchoRequest(seq=seq))
+            assert (await call.read()).seq == seq
+        await call.done_writing()
+        assert await call.read() is grpc.aio.EOF
+        assert await call.code() == grpc.StatusCode.OK
+
+
+@aio
+async def test_request_iterators(address: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    async def paced() -> AsyncIterator[Any]:
+        for seq in range(3):
+            await asyncio.sleep(0)
+            yield pb.EchoRequest(seq=seq)
+
+    async with isthmus.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.EchoStub(channel)
+        assert [r.seq async for r in stub.Bidi(paced(), timeout=60)] == [0, 1, 2]
+        assert (await stub.ClientStream(paced(), timeout=60)).count == 3
+        assert (await stub.ClientStream(iter([pb.EchoRequest()] * 2), timeout=60)).count == 2
+
+
+@aio
+async def test_cancel_reaches_the_server(endpoint: Endpoint, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    async with isthmus.aio.insecure_channel(endpoint.address) as channel:
+        endpoint.served.peer.clear()
+        call = pb_grpc.EchoStub(channel).Bidi(timeout=60)
+        await call.write(pb.EchoRequest(seq=0))
+        assert (await call.read()).seq == 0
+        assert call.cancel() and call.cancelled() and not call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call.read()
+        assert await call.code() == grpc.StatusCode.CANCELLED
+    await asyncio.to_thread(endpoint.served.expect_cancelled_bidi)
+
+
+@aio
+async def test_cancelled_task_cancels_the_call(address: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    async with isthmus.aio.insecure_channel(address) as channel:
+        call = pb_grpc.EchoStub(channel).Bidi(timeout=60)
+        reader = asyncio.create_task(call.read())
+        await asyncio.sleep(0.1)
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert call.cancelled() and await call.code() == grpc.StatusCode.CANCELLED
+
+
+@aio
+async def test_failing_request_iterator_cancels(address: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    def requests() -> Iterator[Any]:
+        yield pb.EchoRequest(seq=0)
+        raise RuntimeError("no more requests")
+
+    async with isthmus.aio.insecure_channel(address) as channel:
+        call = pb_grpc.EchoStub(channel).ClientStream(requests(), timeout=60)
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        assert call.cancelled()
+
+
+@aio
+async def test_channel_shapes(address: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    channel = isthmus.aio.insecure_channel(address)
+    assert isinstance(channel, grpc.aio.Channel)
+    async with channel:
+        await channel.channel_ready()
+        assert channel.get_state() is grpc.ChannelConnectivity.READY
+        raw = channel.unary_unary("/conformance.Echo/Unary")  # no serializers: bytes both ways
+        assert (
+            pb.EchoReply.FromString(await raw(pb.EchoRequest(seq=4).SerializeToString(), timeout=60)).seq == 4
+        )
+    assert channel.get_state() is grpc.ChannelConnectivity.SHUTDOWN
+
+
+def test_channel_made_outside_a_loop(address: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    # As grpc.aio allows: the channel binds to the loop it is first used on.
+    channel = isthmus.aio.insecure_channel(address)
+
+    async def use() -> int:
+        async with channel:
+            return (await pb_grpc.EchoStub(channel).Unary(pb.EchoRequest(seq=8), timeout=60)).seq  # type: ignore[no-any-return]
+
+    assert asyncio.run(use()) == 8
+
+
+@pytest.mark.parametrize("transport", ["shm", "unix"])
+@aio
+async def test_nobody_there(transport: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    async with isthmus.aio.insecure_channel(fresh(transport)) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await pb_grpc.EchoStub(channel).Unary(pb.EchoRequest(), timeout=60)
+        assert caught.value.code() == grpc.StatusCode.UNAVAILABLE

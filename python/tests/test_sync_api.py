@@ -1,0 +1,150 @@
+"""What belongs to the blocking API alone: futures, response iterators that are calls, cancel,
+request iterators, the channel's shapes and isthmus's errors."""
+
+from __future__ import annotations
+
+import pickle
+import queue
+import threading
+from collections.abc import Iterator
+from types import ModuleType
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+from conftest import Endpoint
+from peer import fresh
+
+import isthmus
+
+ABORTED = grpc.StatusCode.ABORTED.value[0]
+
+
+@pytest.fixture
+def stub(endpoint: Endpoint, pb_grpc: ModuleType) -> Iterator[Any]:
+    with isthmus.insecure_channel(endpoint.address) as channel:
+        yield pb_grpc.EchoStub(channel)
+
+
+def blocking(requests: queue.Queue[Any]) -> Iterator[Any]:
+    """Yields what the test puts on `requests`, until None: a stream the test paces."""
+    while (request := requests.get()) is not None:
+        yield request
+
+
+def test_errors_are_grpcs(stub: Any, pb: ModuleType) -> None:
+    with pytest.raises(isthmus.RpcError) as caught:
+        stub.Unary(pb.EchoRequest(fail_with=ABORTED, fail_message="stop"), timeout=60)
+    error = caught.value
+    for kind in (grpc.RpcError, grpc.Call, grpc.aio.AioRpcError, isthmus.IsthmusError):
+        assert isinstance(error, kind)
+    assert (error.code(), error.details(), error.is_active()) == (grpc.StatusCode.ABORTED, "stop", False)
+    assert "StatusCode.ABORTED" in str(error) and '"stop"' in str(error)
+    assert isinstance(error.trailing_metadata(), tuple)
+    copy = pickle.loads(pickle.dumps(error))
+    assert (type(copy), copy.code(), copy.details()) == (isthmus.RpcError, grpc.StatusCode.ABORTED, "stop")
+
+
+def test_with_call(stub: Any, pb: ModuleType) -> None:
+    reply, call = stub.Unary.with_call(pb.EchoRequest(seq=5), metadata=(("x-echo", "w"),), timeout=60)
+    assert reply.seq == 5
+    assert (call.code(), call.details(), call.is_active()) == (grpc.StatusCode.OK, "", False)
+    assert ("x-echo", "w") in call.initial_metadata()
+
+
+def test_future(stub: Any, pb: ModuleType) -> None:
+    called = threading.Event()
+    future = stub.Unary.future(pb.EchoRequest(seq=3), timeout=60)
+    future.add_done_callback(lambda f: called.set())
+    assert future.result(timeout=60).seq == 3
+    assert called.wait(60)
+    assert (future.done(), future.running(), future.cancelled()) == (True, False, False)
+    assert (future.code(), future.exception(), future.traceback()) == (grpc.StatusCode.OK, None, None)
+
+
+def test_future_failure(stub: Any, pb: ModuleType) -> None:
+    future = stub.Unary.future(pb.EchoRequest(fail_with=ABORTED, fail_message="stop"), timeout=60)
+    assert future.exception(timeout=60).code() == grpc.StatusCode.ABORTED
+    with pytest.raises(grpc.RpcError):
+        future.result()
+    assert future.code() == grpc.StatusCode.ABORTED and future.details() == "stop"
+
+
+def test_future_cancel(stub: Any, pb: ModuleType) -> None:
+    future = stub.Unary.future(pb.EchoRequest(sleep_ms=30_000), timeout=60)
+    assert future.cancel()
+    assert future.cancelled() and future.done() and not future.cancel()
+    with pytest.raises(grpc.FutureCancelledError):
+        future.result(timeout=60)
+    assert future.code() == grpc.StatusCode.CANCELLED
+
+
+def test_stream_unary_future(stub: Any, pb: ModuleType) -> None:
+    future = stub.ClientStream.future(iter([pb.EchoRequest(seq=i) for i in range(5)]), timeout=60)
+    assert future.result(timeout=60).count == 5
+
+
+def test_response_iterator_is_a_call(stub: Any, pb: ModuleType) -> None:
+    call = stub.ServerStream(pb.StreamRequest(count=3, size=10), timeout=60)
+    assert 0 < call.time_remaining() <= 60
+    assert next(call).seq == 0
+    assert call.next().seq == 1
+    assert [r.seq for r in call] == [2]
+    assert (call.code(), call.details(), call.is_active()) == (grpc.StatusCode.OK, "", False)
+    assert call.time_remaining() >= 0
+
+
+def test_cancel_reaches_the_server(endpoint: Endpoint, stub: Any, pb: ModuleType) -> None:
+    requests: queue.Queue[Any] = queue.Queue()
+    endpoint.served.peer.clear()
+    call = stub.Bidi(blocking(requests), timeout=60)
+    requests.put(pb.EchoRequest(seq=0))
+    assert next(call).seq == 0
+    assert call.cancel()
+    with pytest.raises(grpc.RpcError) as caught:
+        next(call)
+    assert caught.value.code() == grpc.StatusCode.CANCELLED == call.code()
+    assert call.cancelled() and not call.is_active()
+    endpoint.served.expect_cancelled_bidi()
+    requests.put(None)
+
+
+def test_callbacks_run_at_the_end(stub: Any, pb: ModuleType) -> None:
+    ended = threading.Event()
+    call = stub.ServerStream(pb.StreamRequest(count=2, size=1), timeout=60)
+    assert call.add_callback(ended.set)
+    assert len(list(call)) == 2
+    assert ended.wait(60)
+    assert not call.add_callback(ended.set)
+
+
+def test_failing_request_iterator_cancels(stub: Any, pb: ModuleType) -> None:
+    def requests() -> Iterator[Any]:
+        yield pb.EchoRequest(seq=0)
+        raise RuntimeError("no more requests")
+
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.ClientStream(requests(), timeout=60)
+    assert caught.value.code() == grpc.StatusCode.CANCELLED
+
+
+def test_channel_shapes(endpoint: Endpoint, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    with isthmus.insecure_channel(endpoint.address) as channel:
+        assert isinstance(channel, grpc.Channel)
+        grpc.channel_ready_future(channel).result(timeout=60)
+        assert pb_grpc.EchoStub(channel).Unary(pb.EchoRequest(seq=9), timeout=60).seq == 9
+        raw = channel.unary_unary("/conformance.Echo/Unary")  # no serializers: bytes both ways
+        assert pb.EchoReply.FromString(raw(pb.EchoRequest(seq=4).SerializeToString(), timeout=60)).seq == 4
+
+
+def test_bad_target() -> None:
+    with pytest.raises(ValueError):
+        isthmus.insecure_channel("carrier-pigeon://home")
+
+
+@pytest.mark.parametrize("transport", ["shm", "unix"])
+def test_nobody_there(transport: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    with isthmus.insecure_channel(fresh(transport)) as channel, pytest.raises(grpc.RpcError) as caught:
+        pb_grpc.EchoStub(channel).Unary(pb.EchoRequest(), timeout=60)
+    assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
