@@ -157,8 +157,8 @@ class Channel(grpc.aio.Channel):
         await self.close()
 
     async def close(self, grace: float | None = None) -> None:
-        """Closes the channel; calls in progress end CANCELLED. The engine has no graceful close
-        for a channel: `grace` is not waited for."""
+        """Closes the channel: later calls fail UNAVAILABLE. Unlike grpc.aio, calls in progress
+        go on to their end (cancel them to stop them), and `grace` is not waited for."""
         if self._closed:
             return
         self._closed = True
