@@ -46,6 +46,23 @@ def main() -> int:
     if ir and tr:
         bridged = f", tonic-isthmus-shm {sr / 1e3:.0f} k ({sr / tr:.1f}×)" if sr else ""
         rows += ["", f"64 B with 32 calls in flight: isthmus-rust {ir / 1e3:.0f} k calls/s ({ir / tr:.1f}× tonic-uds){bridged}, tonic-uds {tr / 1e3:.0f} k calls/s.", ""]
+    py = ["py-isthmus-sync", "py-isthmus-aio", "py-grpc-sync-tonic-uds", "py-grpc-aio-tonic-uds", "py-raw-uds"]
+    if med(py[0], 64, 1, "p50_us") is not None:
+        rows += [
+            "Python clients against Rust servers: isthmus's sync and asyncio API over shm:// beside grpcio and grpc.aio against tonic over a Unix socket, and a plain Python socket against a length-prefixed echo (p50):",
+            "",
+            "| message | isthmus sync | isthmus aio | grpcio sync | grpc.aio | Python socket | sync ÷ grpcio | aio ÷ grpc.aio |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for size, name in SIZES.items():
+            v = [med(system, size, 1, "p50_us") for system in py]
+            if None in v:
+                continue
+            rows.append(f"| {name} | " + " | ".join(fmt(x) for x in v) + f" | {v[2] / v[0]:.1f}× | {v[3] / v[1]:.1f}× |")
+        sr, ar = med(py[0], 64, 32, "rps"), med(py[1], 64, 32, "rps")
+        gsr, gar = med(py[2], 64, 32, "rps"), med(py[3], 64, 32, "rps")
+        if sr and ar and gsr and gar:
+            rows += ["", f"64 B with 32 calls in flight: isthmus aio {ar / 1e3:.0f} k calls/s ({ar / gar:.1f}× grpc.aio's {gar / 1e3:.0f} k); isthmus sync {sr / 1e3:.0f} k ({sr / gsr:.1f}× grpcio's {gsr / 1e3:.0f} k).", ""]
     rows += [
         "The transport alone (`isthmus-shm`, no RPC layer) beside a length-prefixed echo over a Unix socket (`raw-uds`) and one `memcpy`:",
         "",
