@@ -65,8 +65,8 @@ lint: rust-tools python ## cargo fmt --check, clippy -D warnings, rustdoc -D war
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --quiet
-	$(VENV)/bin/ruff check python
-	$(VENV)/bin/ruff format --check python
+	$(VENV)/bin/ruff check python examples bench
+	$(VENV)/bin/ruff format --check python examples bench
 	cd python && ../$(VENV)/bin/mypy isthmus
 	cd python && ../$(VENV)/bin/python -m mypy.stubtest isthmus._native
 
@@ -79,7 +79,8 @@ unit: rust-tools peers python ## cargo test: unit, cross-process integration and
 
 pytest: python unit ## The Python package's tests (pytest), against the Rust peers unit built
 	@mkdir -p target
-	set -o pipefail; ISTHMUS_TONIC_PEER=$(CURDIR)/target/debug/tonic-peer \
+	$(CARGO) build --quiet -p gateway-sidecar
+	set -o pipefail; ISTHMUS_TONIC_PEER=$(CURDIR)/target/debug/tonic-peer ISTHMUS_SIDECAR=$(CURDIR)/target/debug/gateway-sidecar \
 	  $(VENV)/bin/python -m pytest python/tests -q -p no:cacheprovider 2>&1 | tee target/pytest-output.log
 
 # cargo-fuzz drives libFuzzer with AddressSanitizer, which needs unstable flags;
@@ -97,9 +98,11 @@ bench: rust-tools peers ## Benchmarks beside their competitors; writes docs/benc
 	./target/release/isthmus-bench all $(if $(QUICK),--quick) --out docs/bench/results.json
 	python3 bench/readme_table.py
 
-demo: rust-tools ## The demo: a Rust client and server on shm:// beside tonic over a Unix socket
-	$(CARGO) build --release -p isthmus-bench
-	./target/release/isthmus-bench demo
+demo: rust-tools peers ## The gateway ↔ sidecar demo: a Python gateway and a Rust sidecar over isthmus, gRPC over UDS, HTTP/JSON over UDS
+	@$(MAKE) --no-print-directory python RELEASE=1
+	@echo "building the sidecar (examples/gateway-sidecar)"
+	@$(CARGO) build --release --quiet -p gateway-sidecar
+	@$(VENV)/bin/python examples/gateway-sidecar/gateway.py --callers 32 --seconds 10
 
 clean: ## Remove build output
 	$(CARGO) clean

@@ -71,7 +71,9 @@ def sync_pipelined(
     deadline = time.perf_counter() + budget
     begun = time.perf_counter()
     done = 0
-    pending: list[tuple[float, Future[bytes]]] = [(time.perf_counter(), start_call(payload)) for _ in range(inflight)]
+    pending: list[tuple[float, Future[bytes]]] = [
+        (time.perf_counter(), start_call(payload)) for _ in range(inflight)
+    ]
     while pending:
         t0, fut = pending.pop(0)
         check(fut.result(), payload)
@@ -91,7 +93,9 @@ async def aio_timed(
     start = time.perf_counter()
 
     async def worker() -> None:
-        while len(latencies) < max_iters and (len(latencies) < min_iters or time.perf_counter() - start < budget):
+        while len(latencies) < max_iters and (
+            len(latencies) < min_iters or time.perf_counter() - start < budget
+        ):
             t = time.perf_counter()
             await op()
             latencies.append(time.perf_counter() - t)
@@ -116,7 +120,7 @@ def run_sync(system: str, target: str) -> None:
         size = int(words[1])
         payload = payload_of(size)
 
-        def once() -> None:
+        def once(payload: bytes = payload) -> None:
             check(echo(payload), payload)
 
         if words[0] == "rt":
@@ -144,7 +148,7 @@ async def run_aio(system: str, target: str) -> None:
         size = int(words[1])
         payload = payload_of(size)
 
-        async def once() -> None:
+        async def once(payload: bytes = payload) -> None:
             check(await echo(payload), payload)
 
         if words[0] == "rt":
@@ -169,7 +173,9 @@ def run_raw(target: str) -> None:
         reply = bytearray(8 + size)
         view = memoryview(reply)
 
-        def once() -> None:
+        def once(
+            frame: bytes = frame, reply: bytearray = reply, view: memoryview = view, payload: bytes = payload
+        ) -> None:
             sock.sendall(frame)
             got = 0
             while got < len(reply):

@@ -8,7 +8,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-SIZES = {64: "64 B", 1 << 10: "1 KiB", 64 << 10: "64 KiB", 1 << 20: "1 MiB", 16 << 20: "16 MiB", 256 << 20: "256 MiB"}
+SIZES = {
+    64: "64 B",
+    1 << 10: "1 KiB",
+    64 << 10: "64 KiB",
+    1 << 20: "1 MiB",
+    16 << 20: "16 MiB",
+    256 << 20: "256 MiB",
+}
 
 
 def fmt(us: float) -> str:
@@ -24,7 +31,11 @@ def main() -> int:
     recs = data["records"]
 
     def med(system: str, size: int, inflight: int, field: str) -> float | None:
-        vals = [r[field] for r in recs if (r["system"], r["size"], r["inflight"]) == (system, size, inflight) and r[field] is not None]
+        vals = [
+            r[field]
+            for r in recs
+            if (r["system"], r["size"], r["inflight"]) == (system, size, inflight) and r[field] is not None
+        ]
         return statistics.median(vals) if vals else None
 
     rows = [
@@ -41,12 +52,28 @@ def main() -> int:
             continue
         bridged = f"{fmt(s50)} ({fmt(s99)})" if s50 and s99 else "-"
         ratio = f"{t50 / s50:.1f}×" if s50 else "-"
-        rows.append(f"| {name} | {fmt(i50)} ({fmt(i99)}) | {bridged} | {fmt(t50)} ({fmt(t99)}) | {t50 / i50:.1f}× | {ratio} |")
-    ir, sr, tr = med("isthmus-rust", 64, 32, "rps"), med("tonic-isthmus-shm", 64, 32, "rps"), med("tonic-uds", 64, 32, "rps")
+        rows.append(
+            f"| {name} | {fmt(i50)} ({fmt(i99)}) | {bridged} | {fmt(t50)} ({fmt(t99)}) | {t50 / i50:.1f}× | {ratio} |"
+        )
+    ir, sr, tr = (
+        med("isthmus-rust", 64, 32, "rps"),
+        med("tonic-isthmus-shm", 64, 32, "rps"),
+        med("tonic-uds", 64, 32, "rps"),
+    )
     if ir and tr:
         bridged = f", tonic-isthmus-shm {sr / 1e3:.0f} k ({sr / tr:.1f}×)" if sr else ""
-        rows += ["", f"64 B with 32 calls in flight: isthmus-rust {ir / 1e3:.0f} k calls/s ({ir / tr:.1f}× tonic-uds){bridged}, tonic-uds {tr / 1e3:.0f} k calls/s.", ""]
-    py = ["py-isthmus-sync", "py-isthmus-aio", "py-grpc-sync-tonic-uds", "py-grpc-aio-tonic-uds", "py-raw-uds"]
+        rows += [
+            "",
+            f"64 B with 32 calls in flight: isthmus-rust {ir / 1e3:.0f} k calls/s ({ir / tr:.1f}× tonic-uds){bridged}, tonic-uds {tr / 1e3:.0f} k calls/s.",
+            "",
+        ]
+    py = [
+        "py-isthmus-sync",
+        "py-isthmus-aio",
+        "py-grpc-sync-tonic-uds",
+        "py-grpc-aio-tonic-uds",
+        "py-raw-uds",
+    ]
     if med(py[0], 64, 1, "p50_us") is not None:
         rows += [
             "Python clients against Rust servers: isthmus's sync and asyncio API over shm:// beside grpcio and grpc.aio against tonic over a Unix socket, and a plain Python socket against a length-prefixed echo (p50):",
@@ -58,11 +85,19 @@ def main() -> int:
             v = [med(system, size, 1, "p50_us") for system in py]
             if None in v:
                 continue
-            rows.append(f"| {name} | " + " | ".join(fmt(x) for x in v) + f" | {v[2] / v[0]:.1f}× | {v[3] / v[1]:.1f}× |")
+            rows.append(
+                f"| {name} | "
+                + " | ".join(fmt(x) for x in v)
+                + f" | {v[2] / v[0]:.1f}× | {v[3] / v[1]:.1f}× |"
+            )
         sr, ar = med(py[0], 64, 32, "rps"), med(py[1], 64, 32, "rps")
         gsr, gar = med(py[2], 64, 32, "rps"), med(py[3], 64, 32, "rps")
         if sr and ar and gsr and gar:
-            rows += ["", f"64 B with 32 calls in flight: isthmus aio {ar / 1e3:.0f} k calls/s ({ar / gar:.1f}× grpc.aio's {gar / 1e3:.0f} k); isthmus sync {sr / 1e3:.0f} k ({sr / gsr:.1f}× grpcio's {gsr / 1e3:.0f} k).", ""]
+            rows += [
+                "",
+                f"64 B with 32 calls in flight: isthmus aio {ar / 1e3:.0f} k calls/s ({ar / gar:.1f}× grpc.aio's {gar / 1e3:.0f} k); isthmus sync {sr / 1e3:.0f} k ({sr / gsr:.1f}× grpcio's {gsr / 1e3:.0f} k).",
+                "",
+            ]
     rows += [
         "The transport alone (`isthmus-shm`, no RPC layer) beside a length-prefixed echo over a Unix socket (`raw-uds`) and one `memcpy`:",
         "",
@@ -70,15 +105,23 @@ def main() -> int:
         "|---:|---:|---:|---:|---:|---:|",
     ]
     for size, name in SIZES.items():
-        i50, i99 = med("isthmus-shm-transport", size, 1, "p50_us"), med("isthmus-shm-transport", size, 1, "p99_us")
+        i50, i99 = (
+            med("isthmus-shm-transport", size, 1, "p50_us"),
+            med("isthmus-shm-transport", size, 1, "p99_us"),
+        )
         u50, u99 = med("raw-uds", size, 1, "p50_us"), med("raw-uds", size, 1, "p99_us")
         m = med("memcpy", size, 1, "p50_us")
         if None in (i50, i99, u50, u99, m):
             continue
-        rows.append(f"| {name} | {fmt(i50)} ({fmt(i99)}) | {fmt(u50)} ({fmt(u99)}) | {u50 / i50:.1f}× | {fmt(m)} | {i50 / m:.2f}× |")
+        rows.append(
+            f"| {name} | {fmt(i50)} ({fmt(i99)}) | {fmt(u50)} ({fmt(u99)}) | {u50 / i50:.1f}× | {fmt(m)} | {i50 / m:.2f}× |"
+        )
     ir, ur = med("isthmus-shm-transport", 64, 32, "rps"), med("raw-uds", 64, 32, "rps")
     if ir and ur:
-        rows += ["", f"64 B with 32 in flight: isthmus-shm {ir / 1e6:.2f} M msg/s, Unix socket {ur / 1e3:.0f} k msg/s ({ir / ur:.1f}×)."]
+        rows += [
+            "",
+            f"64 B with 32 in flight: isthmus-shm {ir / 1e6:.2f} M msg/s, Unix socket {ur / 1e3:.0f} k msg/s ({ir / ur:.1f}×).",
+        ]
     regimes = [
         ("isthmus-shm-transport", 64, "bounded spin"),
         ("isthmus-shm-transport-nospin", 64, "no spin (eventfd sleep every time)"),
@@ -86,10 +129,16 @@ def main() -> int:
         ("floor-spin", 0, "floor: two processes spinning"),
         ("floor-eventfd", 0, "floor: eventfd ping-pong"),
     ]
-    parts = [f"{what} {fmt(v)}" for system, size, what in regimes if (v := med(system, size, 1, "p50_us")) is not None]
+    parts = [
+        f"{what} {fmt(v)}"
+        for system, size, what in regimes
+        if (v := med(system, size, 1, "p50_us")) is not None
+    ]
     rows.append("Wake-up regimes at 64 B (p50): " + "; ".join(parts) + ".")
     h = data["header"]
-    rows.append(f"Run of {h['date']}, commit {h['versions']['commit']}, {h['machine']['cores']} vCPUs ({h['machine']['cpu']}), kernel {h['machine']['kernel']}.")
+    rows.append(
+        f"Run of {h['date']}, commit {h['versions']['commit']}, {h['machine']['cores']} vCPUs ({h['machine']['cpu']}), kernel {h['machine']['kernel']}."
+    )
     readme = ROOT / "README.md"
     text = readme.read_text()
     start, end = "<!-- bench-table:start -->", "<!-- bench-table:end -->"

@@ -93,8 +93,10 @@ class Echo(pb_grpc.EchoServicer):
         self, request_iterator: Iterator[pb.EchoRequest], context: grpc.ServicerContext
     ) -> Iterator[pb.EchoReply]:
         ended: str | None = "cancelled"  # unless the loop ends or the handler fails
+        first: int | None = None
         try:
             for request in request_iterator:
+                first = request.seq if first is None else first
                 ended = None
                 self._fail(request, context)
                 ended = "cancelled"
@@ -102,7 +104,7 @@ class Echo(pb_grpc.EchoServicer):
             ended = "half-close"
         finally:
             if ended is not None:
-                print(f"BIDI-ENDED {ended}", flush=True)
+                print(f"BIDI-ENDED {ended} {first}", flush=True)
 
     @staticmethod
     def _fail(request: pb.EchoRequest, context: grpc.ServicerContext) -> None:
@@ -146,8 +148,10 @@ class AsyncEcho(pb_grpc.EchoServicer):
     ) -> None:
         # Reads and writes through the context, the other style grpc.aio offers.
         ended: str | None = "cancelled"
+        first: int | None = None
         try:
             while (request := await context.read()) is not grpc.aio.EOF:
+                first = request.seq if first is None else first
                 ended = None
                 await self._fail(request, context)
                 ended = "cancelled"
@@ -155,7 +159,7 @@ class AsyncEcho(pb_grpc.EchoServicer):
             ended = "half-close"
         finally:
             if ended is not None:
-                print(f"BIDI-ENDED {ended}", flush=True)
+                print(f"BIDI-ENDED {ended} {first}", flush=True)
 
     @staticmethod
     async def _fail(request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> None:

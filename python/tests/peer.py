@@ -73,16 +73,14 @@ class Peer:
             if line.startswith(prefix):
                 return line
 
-    def expect_cancelled_bidi(self) -> None:
-        """Waits for the server to report a Bidi call ended other than by half-close. (Lines
-        from earlier tests' calls can still be on their way: half-closes are passed over.)"""
-        while self.expect("BIDI-ENDED") == "BIDI-ENDED half-close":
-            pass
-
-    def expect_ended_bidi(self) -> None:
-        """Waits for the server to report a Bidi call ended, however: tonic's request stream
-        reads a client's cancel as a half-close (see tonic-peer)."""
-        self.expect("BIDI-ENDED")
+    def expect_bidi_ended(self, seq: int, reasons: tuple[str, ...]) -> None:
+        """Waits for the server to report that the Bidi call whose first request had `seq`
+        ended for one of `reasons` (lines of earlier tests' calls are passed over)."""
+        while True:
+            words = self.expect("BIDI-ENDED").split()
+            if words[-1] == str(seq):
+                assert words[1] in reasons, (words, reasons)
+                return
 
     def clear(self) -> None:
         """Forgets the lines printed so far."""
@@ -118,12 +116,17 @@ class Served:
     peer: Peer
     addresses: dict[str, str] = field(default_factory=dict)
 
-    def expect_cancelled_bidi(self) -> None:
-        """Waits until the server saw a Bidi call cancelled, as far as the server can tell."""
+    def expect_cancelled_bidi(self, seq: int) -> None:
+        """Waits until the server saw the Bidi call whose first request had `seq` cancelled, as
+        far as the server can tell: tonic reads a client's cancel as a half-close of the request
+        stream (and tonic-peer names no call), and grpcio's request iterator may end either way
+        (its failed read and the cancellation race); isthmus's servers always tell."""
         if self.kind == "rust":
-            self.peer.expect_ended_bidi()
+            self.peer.expect("BIDI-ENDED")
+        elif self.kind == "grpcio":
+            self.peer.expect_bidi_ended(seq, ("cancelled", "half-close"))
         else:
-            self.peer.expect_cancelled_bidi()
+            self.peer.expect_bidi_ended(seq, ("cancelled",))
 
     def close(self) -> None:
         """Kills the peer and removes its sockets, which a killed server leaves behind."""

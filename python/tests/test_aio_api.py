@@ -4,6 +4,7 @@ iterators, the channel's shapes and isthmus's errors there."""
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterator, Iterator
 from types import ModuleType
 from typing import Any
@@ -130,13 +131,14 @@ async def test_cancel_reaches_the_server(endpoint: Endpoint, pb_grpc: ModuleType
     async with isthmus.aio.insecure_channel(endpoint.address) as channel:
         endpoint.served.peer.clear()
         call = pb_grpc.EchoStub(channel).Bidi(timeout=60)
-        await call.write(pb.EchoRequest(seq=0))
-        assert (await call.read()).seq == 0
+        seq = random.randrange(1, 1 << 40)  # names this call in the server's output
+        await call.write(pb.EchoRequest(seq=seq))
+        assert (await call.read()).seq == seq
         assert call.cancel() and call.cancelled() and not call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call.read()
         assert await call.code() == grpc.StatusCode.CANCELLED
-    await asyncio.to_thread(endpoint.served.expect_cancelled_bidi)
+    await asyncio.to_thread(endpoint.served.expect_cancelled_bidi, seq)
 
 
 @aio

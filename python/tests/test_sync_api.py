@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import queue
+import random
 import threading
 from collections.abc import Iterator
 from types import ModuleType
@@ -99,14 +100,15 @@ def test_cancel_reaches_the_server(endpoint: Endpoint, stub: Any, pb: ModuleType
     requests: queue.Queue[Any] = queue.Queue()
     endpoint.served.peer.clear()
     call = stub.Bidi(blocking(requests), timeout=60)
-    requests.put(pb.EchoRequest(seq=0))
-    assert next(call).seq == 0
+    seq = random.randrange(1, 1 << 40)  # names this call in the server's output
+    requests.put(pb.EchoRequest(seq=seq))
+    assert next(call).seq == seq
     assert call.cancel()
     with pytest.raises(grpc.RpcError) as caught:
         next(call)
     assert caught.value.code() == grpc.StatusCode.CANCELLED == call.code()
     assert call.cancelled() and not call.is_active()
-    endpoint.served.expect_cancelled_bidi()
+    endpoint.served.expect_cancelled_bidi(seq)
     requests.put(None)
 
 
