@@ -21,7 +21,7 @@ export PYO3_PYTHON := $(CURDIR)/$(VENV)/bin/python
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
-	@echo "  options: QUICK=1 (make bench: reduced set, < 2 min), FUZZ_SECONDS=N (per fuzz target)"
+	@echo "  options: QUICK=1 (make bench: reduced set, < 3 min), FUZZ_SECONDS=N (per fuzz target)"
 
 tools: rust-tools peers ## Install what the targets need (idempotent)
 
@@ -92,10 +92,13 @@ fuzz-smoke: rust-tools ## Run each fuzz target for FUZZ_SECONDS
 	  test $${PIPESTATUS[0]} -eq 0 || exit 1; \
 	done
 
-bench: rust-tools peers ## Benchmarks beside their competitors; writes docs/bench/results.json
+bench: rust-tools peers ## Benchmarks beside their competitors: docs/bench/results.json, RESULTS.md, plots, README table
 	$(MAKE) --no-print-directory python RELEASE=1
-	$(CARGO) build --release -p isthmus-bench
+	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r python/requirements-bench.txt
+	$(CARGO) build --release -p isthmus-bench -p gateway-sidecar
 	./target/release/isthmus-bench all $(if $(QUICK),--quick) --out docs/bench/results.json
+	$(VENV)/bin/python bench/gateway_rounds.py docs/bench/results.json $(if $(QUICK),--quick)
+	$(VENV)/bin/python bench/report.py docs/bench
 	python3 bench/readme_table.py
 
 demo: rust-tools peers ## The gateway ↔ sidecar demo: a Python gateway and a Rust sidecar over isthmus, gRPC over UDS, HTTP/JSON over UDS

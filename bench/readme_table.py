@@ -39,6 +39,30 @@ def main() -> int:
         return statistics.median(vals) if vals else None
 
     rows = [
+        "![Round-trip latency against message size, Python clients](docs/bench/latency-python.png)",
+        "",
+    ]
+    gateway = ["gateway-isthmus-shm", "gateway-grpc-aio-uds", "gateway-httpx-axum-uds"]
+    callers = sorted({r["inflight"] for r in recs if r["system"] in gateway})
+    if callers:
+        rows += [
+            "The gateway ↔ sidecar demo (`examples/gateway-sidecar`: Python asyncio gateway, Rust sidecar, ~1 KiB JSON requests, every response checked), requests/s (p99):",
+            "",
+            "| callers | isthmus (shm://) | grpc.aio → tonic (UDS) | httpx → axum (UDS) | isthmus ÷ grpc.aio | isthmus ÷ httpx |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for n in callers:
+            size = next(r["size"] for r in recs if r["system"] == gateway[0])
+            rps = [med(g, size, n, "rps") for g in gateway]
+            p99 = [med(g, size, n, "p99_us") for g in gateway]
+            if None in rps or None in p99:
+                continue
+            cells = [f"{r:,.0f} ({fmt(p)})" for r, p in zip(rps, p99, strict=True)]
+            rows.append(
+                f"| {n} | " + " | ".join(cells) + f" | {rps[0] / rps[1]:.1f}× | {rps[0] / rps[2]:.0f}× |"
+            )
+        rows.append("")
+    rows += [
         "Unary echo through whole RPC stacks, client and server in two processes: the isthmus engine (`isthmus-rust`: blocking client → server on shm://), a tonic client and tonic service with isthmus under both (`tonic-isthmus-shm`), and the same tonic client and service over a Unix socket (`tonic-uds`).",
         "",
         "| message | isthmus-rust p50 (p99) | tonic-isthmus-shm p50 (p99) | tonic-uds p50 (p99) | isthmus-rust ÷ tonic-uds | tonic-isthmus-shm ÷ tonic-uds |",

@@ -197,6 +197,7 @@ class Result:
 
     def row(self) -> dict[str, Any]:
         lat = sorted(self.latencies) or [float("nan")]
+        body = len(json.dumps(next_work(random.Random(0), 0, 0).body))
         pick = lambda q: lat[min(len(lat) - 1, int(len(lat) * q))] * 1e6  # noqa: E731
         return {
             "transport": self.transport,
@@ -207,6 +208,7 @@ class Result:
             "p50_us": pick(0.50),
             "p99_us": pick(0.99),
             "failures": self.failures,
+            "body_bytes": body,
         }
 
 

@@ -1,0 +1,70 @@
+"""The gateway scenario of `make bench`: the example's gateway (examples/gateway-sidecar) against
+its sidecar at 1, 32 and 125 concurrent callers, every transport in each run (so competitors
+alternate), for several rounds; the rows join docs/bench/results.json as the systems
+`gateway-isthmus-shm`, `gateway-grpc-aio-uds` and `gateway-httpx-axum-uds`, with `size` = the
+request body's bytes and `inflight` = the callers.
+
+Usage: gateway_rounds.py RESULTS_JSON [--quick]
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMS = {
+    "isthmus": "gateway-isthmus-shm",
+    "grpc-uds": "gateway-grpc-aio-uds",
+    "http-uds": "gateway-httpx-axum-uds",
+}
+
+
+def main() -> int:
+    results = Path(sys.argv[1])
+    quick = "--quick" in sys.argv
+    callers, rounds, seconds = ([1, 32, 125], 1, 1.5) if quick else ([1, 32, 125], 3, 5.0)
+    records = []
+    for round_ in range(1, rounds + 1):
+        for n in callers:
+            print(f"gateway: round {round_}/{rounds}, {n} callers", file=sys.stderr, flush=True)
+            with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                argv = [sys.executable, str(ROOT / "examples/gateway-sidecar/gateway.py")]
+                argv += ["--callers", str(n), "--seconds", str(seconds), "--json", out.name]
+                argv += ["--sidecar", str(ROOT / "target/release/gateway-sidecar")]
+                done = subprocess.run(argv, capture_output=True, text=True, check=False)
+                if done.returncode != 0:
+                    print(done.stdout + done.stderr, file=sys.stderr)
+                    return 1
+                for row in json.loads(Path(out.name).read_text()):
+                    records.append(
+                        {
+                            "system": SYSTEMS[row["transport"]],
+                            "size": row["body_bytes"],
+                            "inflight": n,
+                            "p50_us": round(row["p50_us"], 3),
+                            "p99_us": round(row["p99_us"], 3),
+                            "rps": round(row["rps"], 1),
+                            "round": round_,
+                            "avg_us": round(row["avg_us"], 3),
+                            "failures": row["failures"],
+                        }
+                    )
+    data = json.loads(results.read_text())
+    ours = set(SYSTEMS.values())
+    kept = [r for r in data["records"] if r["system"] not in ours]
+    data["records"] = kept + records
+    # As isthmus-bench writes it: one compact record a line, keys sorted.
+    compact = {"separators": (",", ":"), "sort_keys": True}
+    lines = ",\n".join(f"    {json.dumps(r, **compact)}" for r in data["records"])  # type: ignore[arg-type]
+    head = json.dumps(data["header"], indent=2, sort_keys=True).replace("\n", "\n  ")
+    results.write_text(f'{{\n  "header": {head},\n  "records": [\n{lines}\n  ]\n}}\n')
+    print(f"gateway: {len(records)} records into {results}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

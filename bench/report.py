@@ -1,0 +1,223 @@
+"""Turns docs/bench/results.json into docs/bench/RESULTS.md and its PNG charts: latency against
+message size (log-log; Rust clients and Python clients apart), the gateway scenario's requests/s
+(bars, log scale) and isthmus's speed-up over each competitor. Medians across rounds, with the
+min-max range.
+
+Usage: report.py [docs/bench]
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = [64, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20]
+RUST = ["isthmus-rust", "tonic-isthmus-shm", "tonic-uds", "isthmus-shm-transport", "raw-uds"]
+PYTHON = [
+    "py-isthmus-sync",
+    "py-isthmus-aio",
+    "py-grpc-sync-tonic-uds",
+    "py-grpc-aio-tonic-uds",
+    "py-raw-uds",
+]
+GATEWAY = ["gateway-isthmus-shm", "gateway-grpc-aio-uds", "gateway-httpx-axum-uds"]
+PAIRS = [
+    ("isthmus-rust", "tonic-uds", "Rust: isthmus engine vs tonic over UDS"),
+    ("py-isthmus-sync", "py-grpc-sync-tonic-uds", "Python sync: isthmus vs grpcio→tonic (UDS)"),
+    ("py-isthmus-aio", "py-grpc-aio-tonic-uds", "Python asyncio: isthmus vs grpc.aio→tonic (UDS)"),
+]
+
+Cell = tuple[str, int, int]
+
+
+def size_name(size: int) -> str:
+    if size >= 1 << 20:
+        return f"{size >> 20} MiB"
+    if size >= 1 << 10:
+        return f"{size >> 10} KiB"
+    return f"{size} B"
+
+
+def us(v: float) -> str:
+    if v >= 10_000:
+        return f"{v / 1000:.1f} ms"
+    return f"{v:.0f} µs" if v >= 100 else f"{v:.2f} µs"
+
+
+class Results:
+    def __init__(self, data: dict[str, Any]) -> None:
+        self.header = data["header"]
+        self.cells: dict[Cell, list[dict[str, Any]]] = defaultdict(list)
+        for r in data["records"]:
+            self.cells[(r["system"], r["size"], r["inflight"])].append(r)
+
+    def get(self, system: str, size: int, inflight: int, field: str) -> tuple[float, float, float] | None:
+        """Median, min, max of `field` across rounds."""
+        values = [r[field] for r in self.cells.get((system, size, inflight), []) if r.get(field) is not None]
+        return (statistics.median(values), min(values), max(values)) if values else None
+
+    def sizes(self, system: str) -> list[int]:
+        return sorted({s for (sys_, s, n) in self.cells if sys_ == system and n == 1})
+
+
+def latency_chart(res: Results, systems: list[str], title: str, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for system in systems:
+        points = [(s, res.get(system, s, 1, "p50_us")) for s in res.sizes(system)]
+        xs = [s for s, v in points if v]
+        ys = [v[0] for _, v in points if v]
+        if not xs:
+            continue
+        lows = [v[0] - v[1] for _, v in points if v]
+        highs = [v[2] - v[0] for _, v in points if v]
+        ax.errorbar(xs, ys, yerr=[lows, highs], marker="o", capsize=3, label=system)
+    ax.set(
+        xscale="log", yscale="log", xlabel="message size (bytes)", ylabel="round trip p50 (µs)", title=title
+    )
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def gateway_chart(res: Results, path: Path) -> None:
+    callers = sorted({n for (s, _, n) in res.cells if s in GATEWAY})
+    fig, ax = plt.subplots(figsize=(8, 5))
+    width = 0.8 / len(GATEWAY)
+    for i, system in enumerate(GATEWAY):
+        size = next((s for (sys_, s, _) in res.cells if sys_ == system), 0)
+        values = [res.get(system, size, n, "rps") for n in callers]
+        xs = [c + i * width for c in range(len(callers))]
+        ax.bar(xs, [v[0] if v else 0 for v in values], width, label=system)
+    ax.set_xticks([c + width for c in range(len(callers))], [f"{n} callers" for n in callers])
+    ax.set(yscale="log", ylabel="requests/s (log scale)", title="Gateway ↔ sidecar: requests/s")
+    ax.grid(True, axis="y", which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def speedup_chart(res: Results, path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for ours, theirs, label in PAIRS:
+        xs, ys = [], []
+        for s in res.sizes(ours):
+            a, b = res.get(ours, s, 1, "p50_us"), res.get(theirs, s, 1, "p50_us")
+            if a and b:
+                xs.append(s)
+                ys.append(b[0] / a[0])
+        if xs:
+            ax.plot(xs, ys, marker="o", label=label)
+    ax.set(xscale="log", xlabel="message size (bytes)", ylabel="speed-up (competitor p50 ÷ isthmus p50)")
+    ax.set_title("isthmus's speed-up, one call in flight")
+    ax.axhline(1, color="grey", lw=0.8)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def latency_table(res: Results, systems: list[str]) -> list[str]:
+    rows = ["| size | " + " | ".join(systems) + " |", "|---:|" + "---:|" * len(systems)]
+    for size in SIZES:
+        cells = [res.get(s, size, 1, "p50_us") for s in systems]
+        if not any(cells):
+            continue
+        shown = [f"{us(c[0])} ({us(c[1])}–{us(c[2])})" if c else "-" for c in cells]
+        rows.append(f"| {size_name(size)} | " + " | ".join(shown) + " |")
+    rows.append("")
+    for s in systems:
+        v = res.get(s, 64, 32, "rps")
+        if v:
+            rows.append(f"- {s}, 64 B with 32 in flight: {v[0]:,.0f} calls/s ({v[1]:,.0f}–{v[2]:,.0f})")
+    return rows
+
+
+def gateway_table(res: Results) -> list[str]:
+    rows = [
+        "| callers | system | requests/s | p50 | p99 | failures | isthmus ÷ it (requests/s) |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    callers = sorted({n for (s, _, n) in res.cells if s in GATEWAY})
+    for n in callers:
+        base = None
+        for system in GATEWAY:
+            size = next((s for (sys_, s, _) in res.cells if sys_ == system), 0)
+            rps, p50, p99 = (res.get(system, size, n, f) for f in ("rps", "p50_us", "p99_us"))
+            failures = sum(r.get("failures", 0) for r in res.cells.get((system, size, n), []))
+            if not (rps and p50 and p99):
+                continue
+            base = base or rps[0]
+            ratio = "" if system == GATEWAY[0] else f"{base / rps[0]:.1f}×"
+            rows.append(
+                f"| {n} | {system} | {rps[0]:,.0f} ({rps[1]:,.0f}–{rps[2]:,.0f}) | {us(p50[0])} "
+                f"| {us(p99[0])} | {failures} | {ratio} |"
+            )
+    return rows
+
+
+def main() -> int:
+    out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/bench"
+    res = Results(json.loads((out / "results.json").read_text()))
+    latency_chart(res, RUST, "Rust clients: echo round trip between two processes", out / "latency-rust.png")
+    latency_chart(res, PYTHON, "Python clients → Rust servers: echo round trip", out / "latency-python.png")
+    gateway_chart(res, out / "gateway-rps.png")
+    speedup_chart(res, out / "speedup.png")
+    h = res.header
+    machine = h["machine"]
+    text = [
+        "# Benchmark results",
+        "",
+        f"Generated by `make bench` ({'QUICK, ' if h.get('quick') else ''}{h.get('rounds')} rounds) from "
+        f"`results.json`: run of {h['date']}, commit {h['versions']['commit']}, {machine['cores']} vCPUs "
+        f"({machine['cpu']}), {machine['memory_gib']} GiB, kernel {machine['kernel']}, "
+        f"{h['versions']['rustc']}. "
+        "Cells are medians across rounds with the min–max range; how each system runs, and what each "
+        "competitor was given, is in [README.md](README.md).",
+        "",
+        "## Rust clients",
+        "",
+        "![latency, Rust clients](latency-rust.png)",
+        "",
+        *latency_table(res, RUST),
+        "",
+        "## Python clients",
+        "",
+        "![latency, Python clients](latency-python.png)",
+        "",
+        *latency_table(res, PYTHON),
+        "",
+        "## The gateway ↔ sidecar scenario",
+        "",
+        "`examples/gateway-sidecar`: a Python asyncio gateway, a Rust sidecar; 90% `Invoke` with ~1 KiB "
+        "JSON bodies, 8% `InvokeStream`, 2% `CloseSession`; every response checked.",
+        "",
+        "![gateway requests/s](gateway-rps.png)",
+        "",
+        *gateway_table(res),
+        "",
+        "## Speed-up",
+        "",
+        "![speed-up](speedup.png)",
+        "",
+    ]
+    (out / "RESULTS.md").write_text("\n".join(text))
+    print(f"wrote {out / 'RESULTS.md'} and its charts", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
