@@ -146,6 +146,17 @@ def latency_table(res: Results, systems: list[str]) -> list[str]:
     return rows
 
 
+def stream_table(res: Results) -> list[str]:
+    rows = ["| message | system | messages/s | GB/s |", "|---:|---|---:|---:|"]
+    for size in (1 << 10, 1 << 20):
+        for system in ("isthmus-rust", "tonic-isthmus-shm", "tonic-uds"):
+            v = res.get(f"stream-{system}", size, 1, "rps")
+            if v:
+                rate = f"{v[0]:,.0f} ({v[1]:,.0f}–{v[2]:,.0f})"
+                rows.append(f"| {size_name(size)} | {system} | {rate} | {v[0] * size / 1e9:.2f} |")
+    return rows
+
+
 def gateway_table(res: Results) -> list[str]:
     rows = [
         "| callers | system | requests/s | p50 | p99 | failures | isthmus ÷ it (requests/s) |",
@@ -193,6 +204,13 @@ def main() -> int:
         "![latency, Rust clients](latency-rust.png)",
         "",
         *latency_table(res, RUST),
+        "",
+        "### Server-stream throughput",
+        "",
+        "One stream of about 256 MiB from the server, the client taking each message (it does not read "
+        "the payload: over shm:// a large message is a view into the server's memory).",
+        "",
+        *stream_table(res),
         "",
         "## Python clients",
         "",

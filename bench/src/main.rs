@@ -78,8 +78,9 @@ fn main() {
                 records.extend(rpc(budget));
             }
             if runs("python") {
-                let systems = python::PyClient::all().into_iter().map(|c| Box::new(c) as Box<dyn System>).collect();
-                records.extend(matrix(systems, budget));
+                let mut systems: Vec<Box<dyn System>> =
+                    python::PyClient::all().into_iter().map(|c| Box::new(c) as Box<dyn System>).collect();
+                records.extend(matrix(&mut systems, budget));
             }
             report::write(out.as_deref().unwrap_or("docs/bench/results.json"), &records, quick);
             if runs("transport") {
@@ -102,14 +103,37 @@ fn main() {
 /// Echo through whole RPC stacks: the isthmus engine against tonic over a Unix socket.
 fn rpc(budget: Budget) -> Vec<Record> {
     // raw-uds, the socket floor, is measured by the transport matrix.
-    let systems: Vec<Box<dyn System>> =
+    let mut systems: Vec<Box<dyn System>> =
         vec![Box::new(IsthmusRust::start()), Box::new(TonicClient::over_isthmus()), Box::new(TonicClient::over_uds())];
-    matrix(systems, budget)
+    let mut records = matrix(&mut systems, budget);
+    records.extend(streams(&mut systems));
+    records
+}
+
+/// Sizes of the streaming-throughput cells.
+const STREAM_SIZES: [usize; 2] = [1 << 10, 1 << 20];
+
+/// Server-stream throughput: each system's one stream of 1 KiB and of 1 MiB messages, as the
+/// systems `stream-NAME` (`rps` = messages/s).
+fn streams(systems: &mut [Box<dyn System>]) -> Vec<Record> {
+    let mut records = Vec::new();
+    for round in 1..=ROUNDS {
+        for &size in &STREAM_SIZES {
+            for sys in systems.iter_mut() {
+                status(&format!("round {round}: {} server stream of {}", sys.name(), report::size_name(size)));
+                if let Some(s) = sys.stream(size) {
+                    records.push(Record::new(&format!("stream-{}", sys.name()), size, 1, round, s));
+                }
+            }
+        }
+    }
+    status("");
+    records
 }
 
 /// Every RPC size with one call in flight, then 64 B with 32 in flight, for each system in
 /// turn within each round.
-fn matrix(mut systems: Vec<Box<dyn System>>, budget: Budget) -> Vec<Record> {
+fn matrix(systems: &mut [Box<dyn System>], budget: Budget) -> Vec<Record> {
     let cells = ROUNDS * systems.len() * (RPC_SIZES.len() + 1);
     let mut done = 0;
     let mut records = Vec::new();

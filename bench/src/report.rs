@@ -217,6 +217,17 @@ pub fn print_rpc(records: &[Record]) {
             i.2 / t.2
         );
     }
+    println!("\nOne server stream (about 256 MiB): messages/s and GB/s");
+    for size in crate::STREAM_SIZES {
+        let line: Vec<String> = ["isthmus-rust", "tonic-isthmus-shm", "tonic-uds"]
+            .iter()
+            .filter_map(|sys| {
+                let v = get(&format!("stream-{sys}"), size, 1)?;
+                Some(format!("{sys} {:.0} msg/s ({:.2} GB/s)", v.2, v.2 * size as f64 / 1e9))
+            })
+            .collect();
+        println!("  {}: {}", size_name(size), line.join(", "));
+    }
 }
 
 /// The Python clients' table: isthmus (sync, asyncio) beside grpcio (sync, aio) against tonic.

@@ -16,6 +16,24 @@ use crate::measure::{self, Budget, Sample};
 use crate::system::{ready, unique, Server, System};
 
 const PATH: &str = "/bench.Echo/Unary";
+/// A server stream: the request is `u32 count, u32 size` (little-endian); the reply is `count`
+/// messages of `size` bytes.
+const STREAM_PATH: &str = "/bench.Echo/Stream";
+
+/// The stream request for `count` messages of `size` bytes.
+fn stream_request(count: usize, size: usize) -> Vec<u8> {
+    [(count as u32).to_le_bytes(), (size as u32).to_le_bytes()].concat()
+}
+
+fn parse_stream_request(m: &[u8]) -> Option<(usize, usize)> {
+    let word = |at: usize| m.get(at..at + 4).and_then(|b| b.try_into().ok()).map(u32::from_le_bytes);
+    Some((word(0)? as usize, word(4)? as usize))
+}
+
+/// How many messages a stream of `size`-byte messages carries: about 256 MiB, at most 200 000.
+pub fn stream_count(size: usize) -> usize {
+    ((256 << 20) / size.max(1)).clamp(16, 200_000)
+}
 
 /// The largest message either stack accepts here: 16 MiB echoes must pass.
 const MAX_MESSAGE: usize = 64 << 20;
@@ -31,6 +49,16 @@ pub fn serve_isthmus(addr: &str) {
             .handler(PATH, |mut call: isthmus::ServerCall| async move {
                 let m = call.recv().await?.unwrap_or_default();
                 call.send(&m).await
+            })
+            .handler(STREAM_PATH, |mut call: isthmus::ServerCall| async move {
+                let m = call.recv().await?.unwrap_or_default();
+                let (count, size) = parse_stream_request(&m)
+                    .ok_or_else(|| isthmus::Status::new(isthmus::Code::InvalidArgument, "count and size"))?;
+                let message = vec![0xa5u8; size];
+                for _ in 0..count {
+                    call.send(&message).await?;
+                }
+                Ok(())
             })
             .bind(addr)
             .expect("bind");
@@ -112,6 +140,23 @@ impl System for IsthmusRust {
         let n = lat.len();
         Some(measure::summarise(&mut lat, n, start.elapsed()))
     }
+
+    fn stream(&mut self, size: usize) -> Option<Sample> {
+        let count = stream_count(size);
+        let mut call = self.channel.start(STREAM_PATH, Default::default()).expect("start");
+        call.send_last(&stream_request(count, size)).expect("request");
+        let mut gaps = Vec::with_capacity(count);
+        let start = Instant::now();
+        let mut last = start;
+        while let Some(m) = call.recv().expect("message") {
+            assert_eq!(m.len(), size);
+            let now = Instant::now();
+            gaps.push(now - last);
+            last = now;
+        }
+        assert_eq!(gaps.len(), count);
+        Some(measure::summarise(&mut gaps, count, start.elapsed()))
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -139,6 +184,27 @@ impl tonic::server::UnaryService<Bytes> for EchoUnary {
 
 type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
 
+struct EchoStream;
+
+type MessageStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<Bytes, tonic::Status>> + Send>>;
+
+impl tonic::server::ServerStreamingService<Bytes> for EchoStream {
+    type Response = Bytes;
+    type ResponseStream = MessageStream;
+    type Future = std::future::Ready<Result<tonic::Response<MessageStream>, tonic::Status>>;
+
+    fn call(&mut self, request: tonic::Request<Bytes>) -> Self::Future {
+        std::future::ready(match parse_stream_request(request.get_ref()) {
+            None => Err(tonic::Status::invalid_argument("count and size")),
+            Some((count, size)) => {
+                let message = Bytes::from(vec![0xa5u8; size]);
+                let stream: MessageStream = Box::pin(tokio_stream::iter((0..count).map(move |_| Ok(message.clone()))));
+                Ok(tonic::Response::new(stream))
+            }
+        })
+    }
+}
+
 impl tower::Service<http::Request<tonic::body::Body>> for EchoService {
     type Response = http::Response<tonic::body::Body>;
     type Error = Infallible;
@@ -150,12 +216,13 @@ impl tower::Service<http::Request<tonic::body::Body>> for EchoService {
 
     fn call(&mut self, req: http::Request<tonic::body::Body>) -> Self::Future {
         Box::pin(async move {
-            if req.uri().path() != PATH {
-                return Ok(tonic::Status::unimplemented(req.uri().path().to_owned()).into_http());
-            }
             let mut grpc = tonic::server::Grpc::new(isthmus::BytesCodec)
                 .apply_max_message_size_config(Some(MAX_MESSAGE), Some(MAX_MESSAGE));
-            Ok(grpc.unary(EchoUnary, req).await)
+            Ok(match req.uri().path() {
+                PATH => grpc.unary(EchoUnary, req).await,
+                STREAM_PATH => grpc.server_streaming(EchoStream, req).await,
+                other => tonic::Status::unimplemented(other.to_owned()).into_http(),
+            })
         })
     }
 }
@@ -323,5 +390,32 @@ impl<T: TonicTransport> System for TonicClient<T> {
         }
         let n = lat.len();
         Some(measure::summarise(&mut lat, n, start.elapsed()))
+    }
+
+    fn stream(&mut self, size: usize) -> Option<Sample> {
+        let count = stream_count(size);
+        let channel = self.channel.clone();
+        let task = self.rt.spawn(async move {
+            let mut grpc = tonic::client::Grpc::new(channel)
+                .max_decoding_message_size(MAX_MESSAGE)
+                .max_encoding_message_size(MAX_MESSAGE);
+            grpc.ready().await.map_err(Into::into).expect("ready");
+            let path = http::uri::PathAndQuery::from_static(STREAM_PATH);
+            let request = tonic::Request::new(Bytes::from(stream_request(count, size)));
+            let start = Instant::now();
+            let mut stream =
+                grpc.server_streaming(request, path, isthmus::BytesCodec).await.expect("stream").into_inner();
+            let mut gaps = Vec::with_capacity(count);
+            let mut last = start;
+            while let Some(m) = stream.message().await.expect("message") {
+                assert_eq!(m.len(), size);
+                let now = Instant::now();
+                gaps.push(now - last);
+                last = now;
+            }
+            assert_eq!(gaps.len(), count);
+            measure::summarise(&mut gaps, count, start.elapsed())
+        });
+        Some(self.rt.block_on(task).expect("client task"))
     }
 }

@@ -22,6 +22,11 @@ pub trait System {
     fn pipelined(&mut self, _size: usize, _inflight: usize, _budget: Budget) -> Option<Sample> {
         None
     }
+    /// One server stream of `size`-byte messages (about 256 MiB in all): per-message gaps, and
+    /// messages per second as `rps`; `None` if the system has no such mode.
+    fn stream(&mut self, _size: usize) -> Option<Sample> {
+        None
+    }
 }
 
 /// A child process that prints `READY` when it is set up and is killed on drop.
