@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import tempfile
+from importlib import metadata
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,6 +22,18 @@ SYSTEMS = {
     "grpc-uds": "gateway-grpc-aio-uds",
     "http-uds": "gateway-httpx-axum-uds",
 }
+
+
+def versions() -> dict[str, str]:
+    """The competitors' versions: the Python side's installed packages, the Rust side's lock."""
+    found = {"python": sys.version.split()[0]}
+    for package in ("grpcio", "protobuf", "httpx"):
+        found[package] = metadata.version(package)
+    lock = (ROOT / "Cargo.lock").read_text().split("[[package]]")
+    for crate in ("tonic", "axum", "hyper", "pyo3"):
+        entry = next((e for e in lock if f'\nname = "{crate}"\n' in e), "")
+        found[crate] = entry.split('version = "')[1].split('"')[0] if entry else "unknown"
+    return found
 
 
 def main() -> int:
@@ -54,6 +67,11 @@ def main() -> int:
                         }
                     )
     data = json.loads(results.read_text())
+    data["header"].setdefault("versions", {}).update(versions())
+    data["header"]["fields"] = (
+        "system, size (bytes), inflight, p50_us, p99_us, rps, round; gateway rows also avg_us and failures; "
+        "medians are taken across rounds"
+    )
     ours = set(SYSTEMS.values())
     kept = [r for r in data["records"] if r["system"] not in ours]
     data["records"] = kept + records
