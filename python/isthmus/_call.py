@@ -97,8 +97,7 @@ class Call(grpc.Call, grpc.Future):
 
     def _send_one(self, native: _native.Call, request: bytes) -> None:
         try:
-            native.send(request)
-            native.close_send()
+            native.send(request, True)  # the one request, and the half-close, in one frame
         except CallError as e:
             self._end(e)
 
@@ -131,7 +130,9 @@ class Call(grpc.Call, grpc.Future):
         serialize: Serializer,
     ) -> None:
         """Runs a call with one response to its end, on the caller's thread or the pool's."""
-        native = self._start(channel, path, metadata, timeout, wait_for_ready)
+        # A `.future()` call may have waited for a pool thread: its deadline ran meanwhile.
+        left = None if timeout is None else self.time_remaining()
+        native = self._start(channel, path, metadata, left, wait_for_ready)
         if native is None:
             return
         if isinstance(request, bytes):

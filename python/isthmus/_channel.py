@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from . import _native
-from ._call import Call, Deserializer, Serializer, Succeeded
+from ._call import Call, Deserializer, Serializer, Succeeded, decode
 from ._errors import rpc_error
 from ._metadata import Metadatum, outgoing
 from ._native import CallError
@@ -118,9 +118,10 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
                 timeout,
                 bool(wait_for_ready),
             )
+            # A deserializer's failure fails the call (INTERNAL), as in grpcio.
+            return decode(self._deserialize, result.message)
         except CallError as e:
             raise rpc_error(e) from None
-        return result.message if self._deserialize is None else self._deserialize(result.message)
 
     def with_call(
         self,
@@ -135,9 +136,9 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
             result = self._channel.unary(
                 self._path, self._encode(request), outgoing(metadata), timeout, bool(wait_for_ready)
             )
+            response = decode(self._deserialize, result.message)
         except CallError as e:
             raise rpc_error(e) from None
-        response = result.message if self._deserialize is None else self._deserialize(result.message)
         return response, Succeeded(result.initial_metadata, result.trailing_metadata)
 
     def future(

@@ -73,8 +73,9 @@ class Channel:
 class Call:
     """One blocking call of any shape. Every method may raise CallError once the call failed."""
 
-    def send(self, message: bytes) -> bool:
-        """Sends one request; False if the call is already over (its status comes from recv)."""
+    def send(self, message: bytes, last: bool = False) -> bool:
+        """Sends one request (`last` half-closes with it); False if the call is already over
+        (its status comes from recv)."""
     def close_send(self) -> None: ...
     def recv(self) -> bytes | None:
         """The next response; None once the call ended OK. Raises CallError otherwise."""
@@ -127,8 +128,9 @@ class AsyncCall:
     """One call driven through the Reactor; at most one send-side and one receive-side
     operation in flight at a time."""
 
-    def send(self, token: int, message: bytes) -> None:
-        """Completes with True, or False if the call is already over."""
+    def send(self, token: int, message: bytes, last: bool = False) -> None:
+        """Completes with True, or False if the call is already over; `last` half-closes with
+        the message."""
     def close_send(self, token: int) -> None:
         """Completes with None."""
     def recv(self, token: int) -> None:

@@ -121,9 +121,10 @@ pub(crate) struct Call(Arc<CallCore>);
 
 #[pymethods]
 impl Call {
-    fn send(&self, py: Python<'_>, message: &Bound<'_, PyBytes>) -> bool {
+    #[pyo3(signature = (message, last=false))]
+    fn send(&self, py: Python<'_>, message: &Bound<'_, PyBytes>, last: bool) -> bool {
         let message = bytes_from_py(message);
-        py.detach(|| runtime().block_on(self.0.send(message)))
+        py.detach(|| runtime().block_on(self.0.send(message, last)))
     }
 
     fn close_send(&self, py: Python<'_>) {

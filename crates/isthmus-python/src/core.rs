@@ -31,13 +31,14 @@ impl CallCore {
         })
     }
 
-    /// Sends one request; `false` if the call is over (or cancelled).
-    pub(crate) async fn send(&self, message: Bytes) -> bool {
+    /// Sends one request (`last` half-closes with it); `false` if the call is over (or
+    /// cancelled).
+    pub(crate) async fn send(&self, message: Bytes, last: bool) -> bool {
         let mut cancel = self.cancel.subscribe();
         tokio::select! {
             biased;
             _ = cancel.wait_for(|c| *c) => false,
-            sent = self.sender.send(&message, false) => sent,
+            sent = self.sender.send_bytes(message, last) => sent,
         }
     }
 

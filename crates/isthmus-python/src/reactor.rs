@@ -298,9 +298,10 @@ pub(crate) struct AsyncCall {
 
 #[pymethods]
 impl AsyncCall {
-    fn send(&self, token: u64, message: &Bound<'_, PyBytes>) {
+    #[pyo3(signature = (token, message, last=false))]
+    fn send(&self, token: u64, message: &Bound<'_, PyBytes>, last: bool) {
         let (core, message) = (self.core.clone(), bytes_from_py(message));
-        self.completions.run(token, async move { Outcome::Sent(core.send(message).await) });
+        self.completions.run(token, async move { Outcome::Sent(core.send(message, last).await) });
     }
 
     fn close_send(&self, token: u64) {

@@ -504,6 +504,15 @@ impl CallSender {
         }
     }
 
+    /// [`send`](Self::send) for a message already in [`Bytes`]: over HTTP/2 it is handed on
+    /// without a copy (over `shm://` it is copied into shared memory either way).
+    pub async fn send_bytes(&self, message: Bytes, last: bool) -> bool {
+        match &self.via {
+            SenderVia::Shm(half) => half.send(&message, last).await.is_ok(),
+            SenderVia::Http(requests) => requests.send(message, last).await,
+        }
+    }
+
     /// Half-closes without a message.
     pub async fn close(&self) -> bool {
         match &self.via {

@@ -4,6 +4,7 @@ and one future; a streaming call is an `AsyncCall` whose operations complete thr
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import collections
 import logging
@@ -40,7 +41,7 @@ async def _aiter(requests: RequestIterable) -> AsyncIterator[Any]:
             yield request
 
 
-class _Call:
+class _Call(abc.ABC):
     """What every call has: its deadline and its status, once over."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float | None, deserialize: Deserializer):
@@ -48,12 +49,13 @@ class _Call:
         self._deadline = None if timeout is None else loop.time() + timeout
         self._deserialize = deserialize
 
+    @abc.abstractmethod
     async def _end(self) -> CallError | None:
         """Waits for the call's end: the error it ended with, None for OK."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def _ok_trailers(self) -> list[Metadatum] | None:
-        raise NotImplementedError
+        """The trailing metadata of a call that ended OK."""
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(self._deadline - self._loop.time(), 0.0)
@@ -195,8 +197,12 @@ class _StreamCall(_Call):
             if isinstance(call, CallError):
                 return call
             token, future = self._driver.begin(self._loop)
-            getattr(call, operation)(token, *args)
-            return await future
+            try:
+                getattr(call, operation)(token, *args)
+                return await future
+            except BaseException:
+                self._driver.abandon(token)  # nothing will wait for it any more
+                raise
         except asyncio.CancelledError:
             self.cancel()
             raise
@@ -272,12 +278,18 @@ class _StreamCall(_Call):
 
     # The sending side.
 
-    async def _send(self, request: Any) -> bool:
+    async def _send(self, request: Any, last: bool = False) -> bool:
         message = request if self._serialize is None else self._serialize(request)
-        return await self._op("send", message)  # type: ignore[no-any-return]
+        return await self._op("send", message, last)  # type: ignore[no-any-return]
 
     async def _write_all(self, requests: RequestIterable) -> None:
         try:
+            if isinstance(requests, tuple) and len(requests) == 1:
+                # A unary request (the channel passes it as a 1-tuple): it and the half-close
+                # go in one frame.
+                self._done_writing = True
+                await self._send(requests[0], last=True)
+                return
             async for request in _aiter(requests):
                 if not await self._send(request):
                     return  # the call is over; the receiving side reports how

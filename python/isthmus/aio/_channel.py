@@ -65,15 +65,15 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
     ) -> UnaryUnaryCall:
         # The fast path: one engine operation and one future.
         loop, driver, native = self._channel._bind()
+        # Encoded before the operation is registered: a failure here leaves nothing waiting.
+        message = request if self._serialize is None else self._serialize(request)
+        outgoing_metadata = None if metadata is None else outgoing(metadata)
         token, outcome = driver.begin(loop)
-        native.unary(
-            token,
-            self._path,
-            request if self._serialize is None else self._serialize(request),
-            None if metadata is None else outgoing(metadata),
-            timeout,
-            bool(wait_for_ready),
-        )
+        try:
+            native.unary(token, self._path, message, outgoing_metadata, timeout, bool(wait_for_ready))
+        except BaseException:
+            driver.abandon(token)
+            raise
         return UnaryUnaryCall(
             loop, timeout, self._deserialize, outcome, functools.partial(driver.abandon, token)
         )
