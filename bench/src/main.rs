@@ -46,11 +46,15 @@ fn main() {
         "serve-tonic-isthmus" => rpc::serve_tonic_isthmus(&arg(2)),
         "demo" => demo(),
         // For profilers: one system's echo alone for a few seconds:
-        // `profile-rpc INFLIGHT [SIZE [isthmus-rust|tonic-isthmus-shm|tonic-uds]]`.
+        // `profile-rpc INFLIGHT [SIZE [isthmus-rust|tonic-isthmus-shm|tonic-uds|SPLIT]]`, where
+        // the SPLIT systems put the tonic layer on one side only: `tonic-client-engine-server`,
+        // `engine-client-tonic-server`.
         "profile-rpc" => {
             let budget = Budget { time: Duration::from_secs(3), min_iters: 1, max_iters: 2_000_000 };
             let mut sys: Box<dyn System> = match arg(4).as_str() {
                 "tonic-isthmus-shm" => Box::new(TonicClient::over_isthmus()),
+                "tonic-client-engine-server" => Box::new(TonicClient::over_isthmus_against("serve-isthmus")),
+                "engine-client-tonic-server" => Box::new(IsthmusRust::against("serve-tonic-isthmus")),
                 "tonic-uds" => Box::new(TonicClient::over_uds()),
                 _ => Box::new(IsthmusRust::start()),
             };

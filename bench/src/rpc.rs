@@ -76,8 +76,14 @@ pub struct IsthmusRust {
 
 impl IsthmusRust {
     pub fn start() -> IsthmusRust {
+        IsthmusRust::against("serve-isthmus")
+    }
+
+    /// The blocking client against the server of `role` (`serve-isthmus`, or
+    /// `serve-tonic-isthmus` to see what the tonic service side costs alone).
+    pub fn against(role: &str) -> IsthmusRust {
         let addr = format!("shm://{}", unique("rpc"));
-        let server = Server::spawn(&["serve-isthmus".into(), addr.clone()]);
+        let server = Server::spawn(&[role.into(), addr.clone()]);
         let channel = isthmus::blocking::Channel::connect(&addr).expect("connect");
         IsthmusRust { _server: server, channel }
     }
@@ -304,8 +310,14 @@ impl TonicClient<isthmus::Channel> {
     /// `tonic-isthmus-shm`: the same tonic client and service, with isthmus under them: the
     /// client on an `isthmus::Channel`, the service behind `isthmus::Server::add_service`.
     pub fn over_isthmus() -> Self {
+        Self::over_isthmus_against("serve-tonic-isthmus")
+    }
+
+    /// The tonic client over isthmus against the server of `role` (`serve-tonic-isthmus`, or
+    /// `serve-isthmus` to see what the tonic client side costs alone).
+    pub fn over_isthmus_against(role: &str) -> Self {
         let addr = format!("shm://{}", unique("tonic-shm"));
-        let server = Server::spawn(&["serve-tonic-isthmus".into(), addr.clone()]);
+        let server = Server::spawn(&[role.into(), addr.clone()]);
         let rt = runtime();
         let channel = rt.block_on(isthmus::Channel::connect(&addr)).expect("connect");
         TonicClient { name: "tonic-isthmus-shm", _server: server, rt, channel, socket: None }

@@ -204,6 +204,57 @@ fn a_server_that_ends_a_stream_midway_cancels_it_for_the_client() {
     });
 }
 
+/// Calls on one channel whose replies come at once, and after the spin a waiting call reads for
+/// (replies a millisecond or two late): the connection passes between the calls reading for
+/// themselves and the channel's reader task, on a runtime of two workers and on one where a
+/// reading call holds the only thread. Every call must be answered, and soon: a lost wake-up
+/// leaves a call waiting until a timer polls it again (its deadline's, or here the 10 s of
+/// `timeout`, which finds the reply waiting in the ring), so a call that took seconds fails.
+#[test]
+fn calls_answered_late_and_at_once_pass_the_connection_between_readers() {
+    let (_server, addr) = server();
+    async fn after(ch: &Channel, req: &[u8]) -> Vec<u8> {
+        let start = Instant::now();
+        let call = ch.unary("/test.Echo/After", req, CallOptions::default());
+        let r = tokio::time::timeout(Duration::from_secs(10), call).await;
+        assert!(start.elapsed() < Duration::from_secs(5), "a lost wake-up: the call took {:?}", start.elapsed());
+        r.expect("answered").expect("every call is answered").message.to_vec()
+    }
+    let calls = |addr: String| async move {
+        let ch = Channel::connect(&addr).await.expect("connect");
+        // One caller alone: nobody else reads while it waits.
+        for i in 0..150u32 {
+            let mut req = [0u32, 300, 1_500][i as usize % 3].to_le_bytes().to_vec();
+            req.extend(pattern(64, i.into()));
+            assert_eq!(after(&ch, &req).await, req, "call {i}");
+        }
+        // Many at once.
+        let tasks: Vec<_> = (0..48u64)
+            .map(|t| {
+                let ch = ch.clone();
+                tokio::spawn(async move {
+                    for i in 0..40u64 {
+                        let delay: u32 = match (t + i) % 4 {
+                            0 => 1_500,
+                            1 => 300,
+                            _ => 0,
+                        };
+                        let mut req = delay.to_le_bytes().to_vec();
+                        req.extend(pattern(64, t * 1000 + i));
+                        assert_eq!(after(&ch, &req).await, req, "task {t} call {i}");
+                    }
+                })
+            })
+            .collect();
+        for task in tasks {
+            task.await.expect("caller task");
+        }
+    };
+    run(calls(addr.clone()));
+    let one_thread = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+    one_thread.block_on(async { tokio::time::timeout(Duration::from_secs(120), calls(addr)).await.expect("watchdog") });
+}
+
 #[test]
 fn ten_thousand_concurrent_unary_calls_all_answered_intact() {
     let (_server, addr) = server();

@@ -133,6 +133,49 @@ fn async_send_and_recv_on_tokio() {
     });
 }
 
+/// An interruptible wait gives up when interrupted from another thread, whether it is asleep
+/// on the doorbell by then or not yet waiting, and no frame is lost: the next wait gets the
+/// echo that arrives later.
+#[test]
+fn an_interrupted_wait_gives_up_and_loses_no_frame() {
+    let (_peer, addr) = echo_peer("interrupt");
+    watchdog(Duration::from_secs(60), move || {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        rt.block_on(async move {
+            let cfg = Config {
+                spin: isthmus_shm::SpinPolicy { max: Duration::ZERO, ..Default::default() },
+                ..Config::default()
+            };
+            let Connection { sender, mut receiver } = Connection::connect(&addr, &cfg).expect("connect");
+            let interrupter = receiver.interrupter();
+            // Before the wait: the next wait returns at once, once.
+            interrupter.interrupt();
+            assert!(receiver.recv_async_interruptible().await.expect("interrupted").is_none());
+            // During the wait, asleep on the doorbell (no spin), from another thread.
+            let other = std::thread::spawn({
+                let interrupter = interrupter.clone();
+                move || {
+                    std::thread::sleep(Duration::from_millis(50));
+                    interrupter.interrupt();
+                }
+            });
+            let waited = Instant::now();
+            let got = tokio::time::timeout(Duration::from_secs(30), receiver.recv_async_interruptible()).await;
+            assert!(got.expect("woken by the interrupt").expect("no error").is_none());
+            assert!(waited.elapsed() >= Duration::from_millis(40));
+            other.join().expect("thread");
+            // Frames still come through.
+            sender.send_async(Kind::Message, 0, 7, &pattern(100, 7)).await.expect("send");
+            let f = tokio::time::timeout(Duration::from_secs(30), receiver.recv_async_interruptible())
+                .await
+                .expect("in time")
+                .expect("recv")
+                .expect("a frame, not an interrupt");
+            assert_eq!((f.stream, first_mismatch(&f.body, 7)), (7, None));
+        });
+    });
+}
+
 #[test]
 fn a_slow_reader_applies_backpressure_without_loss() {
     // The client's 1 MiB arena and 4 KiB ring fill long before 64 MiB has gone by.

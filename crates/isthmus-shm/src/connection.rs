@@ -91,6 +91,8 @@ struct Core {
     peer: PeerInfo,
     ring: Mutex<FrameProducer>,
     arena: Mutex<ArenaOwner>,
+    /// Set by an [`Interrupter`]: the receiver's interruptible wait should return.
+    interrupted: std::sync::atomic::AtomicBool,
 }
 
 fn lock<T>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
@@ -810,6 +812,42 @@ impl Receiver {
         }
     }
 
+    /// [`recv_async`](Self::recv_async) that gives up, with `Ok(None)`, once an
+    /// [`Interrupter`] of this receiver interrupts it (before or during the wait; each
+    /// interrupt ends one wait). Lets a reader task hand the receiver to another reader that
+    /// asks for it, even while it sleeps on the doorbell.
+    #[cfg(feature = "tokio")]
+    pub async fn recv_async_interruptible(&mut self) -> Result<Option<Frame>> {
+        use std::sync::atomic::Ordering;
+        loop {
+            if self.core.interrupted.swap(false, Ordering::AcqRel) {
+                return Ok(None);
+            }
+            if let Some(f) = self.try_recv()? {
+                return Ok(Some(f));
+            }
+            let (ring, core) = (&self.ring, &self.core);
+            let ready = || Ok(core.interrupted.load(Ordering::Acquire) || ring.is_ready().map_err(|e| core.fail(e))?);
+            match core.rx_waiter().wait_async(ready).await {
+                Err(e) if e.kind() == ErrorKind::PeerGone => continue,
+                r => r?,
+            }
+        }
+    }
+
+    /// A handle that interrupts this receiver's
+    /// [`recv_async_interruptible`](Self::recv_async_interruptible) from any thread.
+    pub fn interrupter(&self) -> Interrupter {
+        Interrupter { core: self.core.clone() }
+    }
+
+    /// How long a wait for a frame spins before it sleeps (the connection's configuration).
+    /// A caller that polls [`try_recv`](Self::try_recv) in a loop of its own should spin no
+    /// longer.
+    pub fn spin_policy(&self) -> SpinPolicy {
+        self.core.spin
+    }
+
     /// For an external event loop (epoll, asyncio, libuv): announces that this side is about to
     /// sleep on [`doorbell_fd`](Self::doorbell_fd). Returns false, and announces nothing, if a
     /// frame is already waiting; then call [`try_recv`](Self::try_recv) instead of sleeping.
@@ -843,6 +881,29 @@ impl Receiver {
     /// The handshake socket: readable (EOF) when the peer is gone.
     pub fn liveness_fd(&self) -> BorrowedFd<'_> {
         self.core.link.fd()
+    }
+}
+
+/// Interrupts a [`Receiver`]'s interruptible wait, from any thread (see
+/// [`Receiver::recv_async_interruptible`]).
+#[derive(Clone)]
+pub struct Interrupter {
+    core: Arc<Core>,
+}
+
+impl fmt::Debug for Interrupter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Interrupter").finish_non_exhaustive()
+    }
+}
+
+impl Interrupter {
+    /// Makes the current or the next interruptible wait return `Ok(None)`; wakes it if it
+    /// sleeps on the doorbell (the same announce-then-check protocol as a frame's arrival).
+    pub fn interrupt(&self) {
+        let c = &self.core;
+        c.interrupted.store(true, std::sync::atomic::Ordering::Release);
+        wake_if_parked(c.seg.ctl_u32(c.rx, layout::CTL_CONSUMER_PARKED), &c.bells.my_rx);
     }
 }
 
@@ -890,6 +951,7 @@ impl Connection {
             bells: p.bells,
             stats: Stats::default(),
             peer: p.peer,
+            interrupted: std::sync::atomic::AtomicBool::new(false),
         });
         let receiver = Receiver {
             ring: FrameConsumer::new(p.seg, rx),

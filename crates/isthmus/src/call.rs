@@ -1,7 +1,6 @@
 //! What the async and the blocking client calls share: the state of one call as its events
 //! arrive, with no waiting in it. Each front end only supplies how to wait and how to send.
 
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -150,7 +149,7 @@ impl Drop for Slot {
 pub(crate) struct CallState {
     pub(crate) stream: Stream,
     pub(crate) mux: Arc<Mux>,
-    pending: VecDeque<Bytes>,
+    pending: crate::queue::Queue<Bytes>,
     headers: Option<MetadataMap>,
     trailers: Option<MetadataMap>,
     /// The final status once the call has ended (OK or not).
@@ -187,7 +186,7 @@ impl CallState {
         CallState {
             stream,
             mux,
-            pending: VecDeque::new(),
+            pending: crate::queue::Queue::default(),
             headers: None,
             trailers: None,
             ended: None,
@@ -342,7 +341,9 @@ impl CallState {
     /// server.
     pub(crate) fn end_by_cancel(&mut self, code: Code, message: &str) -> bool {
         let open = self.ended.is_none();
-        self.end(Status::new(code, message));
+        if open {
+            self.end(Status::new(code, message));
+        }
         open
     }
 

@@ -168,7 +168,7 @@ impl Channel {
             .map_err(|e| Status::new(Code::Internal, format!("connect task failed: {e}")))?
             .map_err(|e| Status::from_transport(&e))?;
         let (sender, receiver) = conn.split();
-        let mux = Mux::new(sender);
+        let mux = Mux::led(sender, &receiver);
         tokio::spawn(mux.clone().read_loop(receiver, None));
         Ok(mux)
     }
@@ -263,6 +263,8 @@ pub struct ClientCall {
     via: CallVia,
 }
 
+// The shm:// call is the common case, held inline: boxing it would cost an allocation per call.
+#[allow(clippy::large_enum_variant)]
 enum CallVia {
     Shm(ShmCall),
     Http(Box<HttpCall>),
@@ -400,7 +402,14 @@ impl ShmCall {
     /// The next event, taken in; past the deadline the call ends with DEADLINE_EXCEEDED.
     fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Result<Next, Status>> {
         self.state.settle();
-        if let Poll::Ready(ev) = self.state.stream.shared.inbox.poll_recv(cx) {
+        let inbox = &self.state.stream.shared.inbox;
+        // On a tokio thread the call reads its own reply (see `Mux::read_here`). Elsewhere (an
+        // asyncio loop polling calls) a spin would hold up every other call of that loop, so
+        // the reader task reads for it.
+        if !inbox.is_ready() && tokio::runtime::Handle::try_current().is_ok() {
+            self.state.mux.read_here(cx, || inbox.is_ready());
+        }
+        if let Poll::Ready(ev) = inbox.poll_recv(cx) {
             let ev = ev.unwrap_or_else(|| crate::mux::Event::End(self.state.connection_end()));
             return Poll::Ready(Ok(self.state.absorb(ev)));
         }

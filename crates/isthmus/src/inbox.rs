@@ -1,10 +1,9 @@
 //! One stream's queue of events: filled by whoever reads the connection, emptied by the call.
 //!
-//! A `VecDeque` under a mutex with one waker: a stream has one reader (its call), and a queue
+//! A queue under a mutex with one waker: a stream has one reader (its call), and a queue
 //! that allocates nothing until its first event keeps the cost of opening a stream to the one
 //! allocation of its [`StreamShared`](crate::mux::StreamShared).
 
-use std::collections::VecDeque;
 use std::sync::{Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
@@ -24,7 +23,7 @@ pub(crate) struct Inbox(Mutex<State>);
 
 #[derive(Debug, Default)]
 struct State {
-    events: VecDeque<Event>,
+    events: crate::queue::Queue<Event>,
     waker: Option<Waker>,
     closed: bool,
 }

@@ -28,6 +28,7 @@ mod http_call;
 mod inbox;
 pub mod metadata;
 mod mux;
+mod queue;
 mod server;
 pub mod status;
 pub mod wire;

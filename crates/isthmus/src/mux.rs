@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use isthmus_shm::{flags, Error, ErrorKind, Frame, Kind, Receiver, Sender};
@@ -212,11 +212,67 @@ impl Pump {
     }
 }
 
+/// Lets the async client's calls read the connection themselves while they wait, beside its
+/// reader task. A call that waits for its reply on a tokio thread takes the receiver, if nobody
+/// reads, and reads until its own event has come or the spin bound has passed: the reply then
+/// costs no task wake-up and no hand-off between threads (the reader task would route it and
+/// wake the call's task, often on the other worker). Whenever no call reads, the reader task
+/// does, as it would without this; a call that finds the reader task holding the receiver
+/// interrupts its wait and is woken when it is handed back.
+struct Lead {
+    slot: Mutex<Slot>,
+    interrupter: isthmus_shm::Interrupter,
+    /// Rung whenever the receiver is put back, for the reader task.
+    free: Notify,
+    spin: isthmus_shm::SpinPolicy,
+}
+
+/// The receiver while nobody reads (`None` while the reader task holds it), and the calls that
+/// asked the reader task for it.
+struct Slot {
+    receiver: Option<Receiver>,
+    wanting: Vec<std::task::Waker>,
+}
+
+impl Lead {
+    /// Puts the receiver back and wakes the calls that asked for it.
+    fn give_back(&self, mut slot: MutexGuard<'_, Slot>, receiver: Receiver) {
+        slot.receiver = Some(receiver);
+        let wanting = std::mem::take(&mut slot.wanting);
+        drop(slot);
+        for w in wanting {
+            w.wake();
+        }
+    }
+
+    /// Waits between two looks at the receiver or the ring: spins, then yields the CPU, as a
+    /// wait on the doorbell does before it sleeps. `false` once `done()` holds or the spin bound
+    /// has passed. Both are looked at every 64th pause only: a look at the ring costs less than
+    /// reading the clock or locking the call's inbox.
+    fn pause(&self, start: std::time::Instant, pauses: &mut u32, done: &mut impl FnMut() -> bool) -> bool {
+        *pauses = pauses.wrapping_add(1);
+        if *pauses % 64 != 0 {
+            std::hint::spin_loop();
+            return true;
+        }
+        let spent = start.elapsed();
+        if done() || spent >= self.spin.max {
+            return false;
+        }
+        if spent >= self.spin.yield_after {
+            std::thread::yield_now();
+        }
+        true
+    }
+}
+
 /// The stream table of one connection.
 pub(crate) struct Mux {
     pub(crate) sender: Sender,
     /// Set when the calls' threads read the connection themselves (no reader task).
     pump: Option<Pump>,
+    /// Set when calls may read the connection beside the reader task (the async client).
+    lead: Option<Lead>,
     /// Server side: calls open at once on this connection, at most.
     stream_limit: usize,
     /// The reader task's current batch of frames, and whether routing it may have woken a task.
@@ -280,9 +336,21 @@ fn poisoned() -> Status {
 }
 
 impl Mux {
-    /// A connection whose frames a reader task reads ([`read_loop`](Self::read_loop)).
-    pub(crate) fn new(sender: Sender) -> Arc<Mux> {
-        Mux::build(sender, None, usize::MAX)
+    /// The async client's connection: a reader task reads its frames
+    /// ([`read_loop`](Self::read_loop)), and so do calls while they wait ([`read_here`](Self::read_here)).
+    /// `receiver` is for the reader task, which holds it first.
+    pub(crate) fn led(sender: Sender, receiver: &Receiver) -> Arc<Mux> {
+        let mut mux = Mux::build(sender, None, usize::MAX);
+        let lead = Lead {
+            interrupter: receiver.interrupter(),
+            spin: receiver.spin_policy(),
+            slot: Mutex::new(Slot { receiver: None, wanting: Vec::new() }),
+            free: Notify::new(),
+        };
+        if let Some(m) = Arc::get_mut(&mut mux) {
+            m.lead = Some(lead);
+        }
+        mux
     }
 
     /// A server's connection: a reader task, and at most `stream_limit` calls open at once.
@@ -303,6 +371,7 @@ impl Mux {
         Arc::new(Mux {
             sender,
             pump,
+            lead: None,
             stream_limit,
             batch: AtomicU64::new(0),
             woke: AtomicBool::new(false),
@@ -471,7 +540,7 @@ impl Mux {
     /// call's request is then usually in its queue already, so its handler runs to completion in
     /// that poll, with no task spawned and no thread woken. A call that has to wait becomes a
     /// task of its own.
-    pub(crate) async fn read_loop(self: Arc<Self>, mut receiver: Receiver, mut accept: Option<Accept>) {
+    pub(crate) async fn read_loop(self: Arc<Self>, receiver: Receiver, mut accept: Option<Accept>) {
         // If this task is dropped unfinished (its runtime shut down), nobody reads replies any
         // more: the connection must count as dead, or calls on it would wait for ever.
         struct Watch(Arc<Mux>);
@@ -485,37 +554,52 @@ impl Mux {
             }
         }
         let _watch = Watch(self.clone());
+        let mut held = Some(receiver);
         let end = 'read: loop {
-            let mut got = Some(receiver.recv_async().await);
+            let mut receiver = match held.take() {
+                Some(r) => r,
+                None => match self.take_back().await {
+                    Some(r) => r,
+                    None => break 'read poisoned(),
+                },
+            };
+            let first = match &self.lead {
+                None => receiver.recv_async().await,
+                Some(lead) => match receiver.recv_async_interruptible().await {
+                    Ok(Some(f)) => Ok(f),
+                    Err(e) => Err(e),
+                    // A call asked for the receiver: it reads until its reply has come. Let it run
+                    // (it may be queued on this worker) before taking the receiver back.
+                    Ok(None) => {
+                        match lead.slot.lock() {
+                            Ok(slot) => lead.give_back(slot, receiver),
+                            Err(_) => break 'read poisoned(),
+                        }
+                        tokio::task::yield_now().await;
+                        continue;
+                    }
+                },
+            };
             self.batch.fetch_add(1, Ordering::Relaxed);
             self.woke.store(false, Ordering::Relaxed);
-            let mut stop = None;
-            // A bounded batch, so calls start even while a client keeps the ring full.
-            let mut budget = 256;
-            while let Some(frame) = got.take() {
-                match self.step(frame, accept.as_mut()) {
-                    Step::Continue(None) => {}
-                    Step::Continue(Some(r)) => {
-                        let _ = self.sender.send_async(r.kind, r.flags, r.stream, &r.body).await;
-                    }
-                    Step::Stop(status) => {
-                        stop = Some(status);
-                        break;
+            let mut stop = self.route_batch(&mut receiver, first, accept.as_mut()).await;
+            if let Some(acc) = accept.as_mut() {
+                let mut waiting = Self::start_calls(std::mem::take(&mut acc.batch)).await;
+                // A client writes a call's HEADERS and its first message a fraction of a
+                // microsecond apart, so a call may have started without its request: wait that
+                // long for more frames, and give the calls that wait one more poll. A call that
+                // finds its request runs to completion here, instead of becoming a task that the
+                // next batch wakes (often on the other worker, at the cost of a wake-up).
+                if !waiting.is_empty() && stop.is_none() {
+                    if let Some(next) = Self::follow_up(&mut receiver).transpose() {
+                        stop = self.route_batch(&mut receiver, next, Some(&mut *acc)).await;
+                        waiting.append(&mut acc.batch);
+                        waiting = Self::start_calls(waiting).await;
                     }
                 }
-                budget -= 1;
-                if budget > 0 {
-                    got = receiver.try_recv().transpose();
-                }
-            }
-            if let Some(accept) = accept.as_mut() {
-                for mut call in accept.batch.drain(..) {
-                    let done =
-                        std::future::poll_fn(|cx| std::task::Poll::Ready(call.as_mut().poll(cx).is_ready())).await;
-                    if !done {
-                        tokio::spawn(call);
-                        self.woke.store(true, Ordering::Relaxed);
-                    }
+                for call in waiting {
+                    tokio::spawn(call);
+                    self.woke.store(true, Ordering::Relaxed);
                 }
             }
             if let Some(status) = stop {
@@ -524,13 +608,164 @@ impl Mux {
             // The batch woke tasks (handlers and calls waiting for their messages), queued on
             // this worker: let them run now, before the wait for the next frame spins on this
             // thread. A batch that only opened and finished calls inline skips the trip through
-            // the scheduler.
+            // the scheduler. The calls that run meanwhile may read the connection themselves.
             if self.woke.load(Ordering::Relaxed) {
+                match &self.lead {
+                    None => held = Some(receiver),
+                    Some(lead) => match lead.slot.lock() {
+                        Ok(slot) => lead.give_back(slot, receiver),
+                        Err(_) => break 'read poisoned(),
+                    },
+                }
                 tokio::task::yield_now().await;
+            } else {
+                held = Some(receiver);
             }
         };
         self.sender.close();
         self.fail_all(end);
+    }
+
+    /// Routes `first` and the frames already in the ring after it, at most 256 in all, so calls
+    /// start even while a client keeps the ring full. `Some` if the connection is finished.
+    async fn route_batch(
+        &self,
+        receiver: &mut Receiver,
+        first: Result<Frame, Error>,
+        mut accept: Option<&mut Accept>,
+    ) -> Option<Status> {
+        let mut got = Some(first);
+        let mut budget = 256;
+        while let Some(frame) = got.take() {
+            match self.step(frame, accept.as_deref_mut()) {
+                Step::Continue(None) => {}
+                Step::Continue(Some(r)) => {
+                    let _ = self.sender.send_async(r.kind, r.flags, r.stream, &r.body).await;
+                }
+                Step::Stop(status) => return Some(status),
+            }
+            budget -= 1;
+            if budget > 0 {
+                got = receiver.try_recv().transpose();
+            }
+        }
+        None
+    }
+
+    /// Polls each new call once, here on the reader's task; the calls that must wait.
+    async fn start_calls(calls: Vec<CallFuture>) -> Vec<CallFuture> {
+        let mut waiting = Vec::new();
+        for mut call in calls {
+            let done = std::future::poll_fn(|cx| std::task::Poll::Ready(call.as_mut().poll(cx).is_ready())).await;
+            if !done {
+                waiting.push(call);
+            }
+        }
+        waiting
+    }
+
+    /// The next frame if one arrives within a couple of microseconds (spinning).
+    fn follow_up(receiver: &mut Receiver) -> Result<Option<Frame>, Error> {
+        const WITHIN: std::time::Duration = std::time::Duration::from_micros(2);
+        let start = std::time::Instant::now();
+        loop {
+            for _ in 0..16 {
+                if let Some(f) = receiver.try_recv()? {
+                    return Ok(Some(f));
+                }
+                std::hint::spin_loop();
+            }
+            if start.elapsed() >= WITHIN {
+                return Ok(None);
+            }
+        }
+    }
+
+    /// The reader task takes the receiver back once no call reads; `None` if a call panicked
+    /// while reading.
+    async fn take_back(&self) -> Option<Receiver> {
+        let lead = self.lead.as_ref()?;
+        loop {
+            let notified = lead.free.notified();
+            match lead.slot.try_lock() {
+                Ok(mut slot) => {
+                    if let Some(r) = slot.receiver.take() {
+                        return Some(r);
+                    }
+                }
+                Err(std::sync::TryLockError::Poisoned(_)) => return None,
+                Err(std::sync::TryLockError::WouldBlock) => {}
+            }
+            notified.await;
+        }
+    }
+
+    /// Client side: reads the connection on this thread while a call waits, until `ready()`
+    /// holds or the connection's spin bound has passed (see [`Lead`]). Does nothing if another
+    /// call reads (it delivers to this one too); if the reader task reads, asks it for the
+    /// receiver, and `cx` is woken once it is handed back.
+    pub(crate) fn read_here(&self, cx: &std::task::Context<'_>, mut ready: impl FnMut() -> bool) {
+        let Some(lead) = &self.lead else { return };
+        let start = std::time::Instant::now();
+        let mut pauses = 0;
+        let mut asked = false;
+        // The slot's lock is held while this call reads, so the other calls see at once that
+        // someone does (and leave the reading to it).
+        let (slot, mut receiver) = loop {
+            let Ok(mut slot) = lead.slot.try_lock() else { return };
+            if let Some(r) = slot.receiver.take() {
+                break (slot, r);
+            }
+            if !asked {
+                // The reader task holds it: ask for it. A spinning reader hands it back within
+                // a fraction of a microsecond, so wait for it here rather than sleep; the reader
+                // wakes this call if the wait runs out first.
+                if !slot.wanting.iter().any(|w| w.will_wake(cx.waker())) {
+                    slot.wanting.push(cx.waker().clone());
+                }
+                drop(slot);
+                lead.interrupter.interrupt();
+                asked = true;
+            } else {
+                drop(slot);
+            }
+            if !lead.pause(start, &mut pauses, &mut ready) {
+                return;
+            }
+        };
+        let (start, mut pauses) = (std::time::Instant::now(), 0);
+        loop {
+            let got = match receiver.try_recv() {
+                // Nothing new: only this thread routes frames now, so `ready` can change only by
+                // the connection's end, which `pause` looks for.
+                Ok(None) => {
+                    if !lead.pause(start, &mut pauses, &mut ready) {
+                        break;
+                    }
+                    continue;
+                }
+                Ok(Some(f)) => Ok(f),
+                Err(e) => Err(e),
+            };
+            match self.step(got, None) {
+                Step::Continue(None) => {}
+                Step::Continue(Some(r)) => {
+                    // Answers (a PING's) are best effort here: a poll must not wait for room.
+                    let _ = self.sender.send(r.kind, r.flags, r.stream, &r.body, Some(std::time::Instant::now()));
+                }
+                Step::Stop(status) => {
+                    self.sender.close();
+                    self.fail_all(status);
+                    break;
+                }
+            }
+            if ready() {
+                break;
+            }
+        }
+        // The reader task takes over; it looks at the slot only once the lock is free.
+        lead.give_back(slot, receiver);
+        lead.free.notify_one();
     }
 
     /// Blocks until `ready()` holds, reading the connection on this thread while no other

@@ -55,9 +55,8 @@ type BoxFuture = HandlerFuture;
 /// What answers each method: handlers by path, then the tonic services, if any.
 struct Methods {
     by_path: HashMap<String, HandlerFn>,
-    /// The tonic services' path prefixes (`/package.Service/`), answered by `fallback`.
-    services: Vec<String>,
-    fallback: Option<HandlerFn>,
+    /// The tonic services by path prefix (`/package.Service/`).
+    services: Vec<(String, HandlerFn)>,
     /// Takes every other path ([`Server::fallback`]).
     catch_all: Option<HandlerFn>,
 }
@@ -67,8 +66,8 @@ impl Methods {
         if let Some(h) = self.by_path.get(path) {
             return Some(h.clone());
         }
-        if self.services.iter().any(|s| path.starts_with(s.as_str())) {
-            return self.fallback.clone();
+        if let Some((_, h)) = self.services.iter().find(|(prefix, _)| path.starts_with(prefix.as_str())) {
+            return Some(h.clone());
         }
         // A path of no service at all gets the engine's UNIMPLEMENTED, which names the method.
         self.catch_all.clone()
@@ -249,10 +248,11 @@ impl ServerCall {
 pub struct Server {
     handlers: HashMap<String, HandlerFn>,
     catch_all: Option<HandlerFn>,
-    /// tonic services, for the methods no handler takes.
+    /// tonic services, for the methods no handler takes: routed by axum over HTTP/2.
     routes: Option<tonic::service::Routes>,
-    /// Their names, for the health service.
-    service_names: Vec<&'static str>,
+    /// The same services by name, for `shm://` calls (a lookup by prefix costs less than axum's
+    /// router) and the health service.
+    services: Vec<(&'static str, crate::bridge::BoxService)>,
     /// Encoded `FileDescriptorSet`s for server reflection.
     descriptors: Vec<Vec<u8>>,
     config: Config,
@@ -266,7 +266,7 @@ impl Default for Server {
             handlers: HashMap::new(),
             catch_all: None,
             routes: None,
-            service_names: Vec::new(),
+            services: Vec::new(),
             descriptors: Vec::new(),
             config: Config::default(),
             grace: Duration::from_secs(10),
@@ -314,7 +314,7 @@ impl Server {
             + 'static,
         S::Future: Send + 'static,
     {
-        self.service_names.push(S::NAME);
+        self.services.push((S::NAME, crate::bridge::BoxService::new(service.clone())));
         self.routes = Some(match self.routes.take() {
             None => tonic::service::Routes::new(service),
             Some(routes) => routes.add_service(service),
@@ -382,10 +382,7 @@ impl Server {
         // while it serves, NOT_SERVING once a graceful shutdown begins.
         let (health, health_service) = tonic_health::server::health_reporter();
         let mut this = self;
-        this.routes = Some(match this.routes.take() {
-            None => tonic::service::Routes::new(health_service),
-            Some(routes) => routes.add_service(health_service),
-        });
+        this = this.add_service(health_service);
         if !this.descriptors.is_empty() {
             let bad = |e: tonic_reflection::server::Error| {
                 Status::new(Code::InvalidArgument, format!("a reflection descriptor set does not decode: {e}"))
@@ -399,10 +396,12 @@ impl Server {
                 v1alpha = v1alpha.register_encoded_file_descriptor_set(set);
             }
             let (v1, v1alpha) = (v1.build_v1().map_err(bad)?, v1alpha.build_v1alpha().map_err(bad)?);
-            this.routes = this.routes.take().map(|r| r.add_service(v1).add_service(v1alpha));
-            this.service_names
-                .extend(["grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"]);
+            this = this.add_service(v1).add_service(v1alpha);
         }
+        // Every service but the health service itself has a health status.
+        let health_name = <tonic_health::pb::health_server::HealthServer<()> as tonic::server::NamedService>::NAME;
+        let names: Vec<&'static str> =
+            this.services.iter().map(|(name, _)| *name).filter(|name| *name != health_name).collect();
         let mut shm = Vec::new();
         let mut http = Vec::new();
         for target in targets {
@@ -437,18 +436,17 @@ impl Server {
             handlers: Arc::new(Methods {
                 by_path: this.handlers,
                 services: this
-                    .service_names
-                    .iter()
-                    .chain([&"grpc.health.v1.Health"])
-                    .map(|name| format!("/{name}/"))
+                    .services
+                    .into_iter()
+                    .map(|(name, service)| {
+                        let handler = crate::bridge::ServiceHandler(service);
+                        let f: HandlerFn = Arc::new(move |call| Box::pin(handler.clone().serve(call)));
+                        (format!("/{name}/"), f)
+                    })
                     .collect(),
-                fallback: this.routes.map(|routes| {
-                    let services = crate::bridge::RoutesHandler(routes);
-                    Arc::new(move |call| Box::pin(services.clone().serve(call)) as BoxFuture) as HandlerFn
-                }),
                 catch_all: this.catch_all,
             }),
-            health: (health, this.service_names),
+            health: (health, names),
             grace: this.grace,
             stream_limit: this.stream_limit,
             tracker: Arc::default(),

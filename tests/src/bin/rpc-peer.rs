@@ -108,6 +108,15 @@ fn main() {
                 tokio::time::sleep(std::time::Duration::from_millis(500)).await;
                 call.send(&m).await
             })
+            // Echoes after the delay the request's first four bytes give, in microseconds.
+            .handler("/test.Echo/After", |mut call: ServerCall| async move {
+                let m = one(&mut call).await?;
+                let delay = u32_at(&m, 0)?;
+                if delay > 0 {
+                    tokio::time::sleep(std::time::Duration::from_micros(delay.into())).await;
+                }
+                call.send(&m).await
+            })
             .handler("/test.Echo/Unary", |mut call: ServerCall| async move {
                 let m = one(&mut call).await?;
                 call.send_headers(reflect(call.metadata(), "head")).await?;

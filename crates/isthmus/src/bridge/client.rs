@@ -22,6 +22,8 @@ type BoxError = Box<dyn std::error::Error + Send + Sync>;
 pub struct ResponseBody(Source);
 
 /// Where a response body's frames come from.
+// The shm:// call is the common case, held inline: boxing it would cost an allocation per call.
+#[allow(clippy::large_enum_variant)]
 enum Source {
     /// A call over `shm://`, with the message whose prefix was just yielded.
     Shm { call: ShmCall, pending: Option<Bytes> },
@@ -59,17 +61,14 @@ impl Body for ResponseBody {
                 return Poll::Ready(pending.take().map(|m| Ok(Frame::data(m))));
             }
             Source::Shm { call, pending } => match ready!(call.poll_recv(cx)) {
-                Ok(Some(m)) => match codec::prefix(m.len()) {
-                    Ok(p) => {
-                        *pending = Some(m);
-                        return Poll::Ready(Some(Ok(Frame::data(p))));
+                Ok(Some(m)) => match codec::framed(m) {
+                    Ok((data, rest)) => {
+                        *pending = rest;
+                        return Poll::Ready(Some(Ok(Frame::data(data))));
                     }
                     Err(status) => Frame::trailers(codec::status_trailers(&status)),
                 },
-                Ok(None) => {
-                    let trailers = call.trailers().cloned().unwrap_or_default();
-                    Frame::trailers(codec::status_trailers(&Status::ok().with_metadata(trailers)))
-                }
+                Ok(None) => Frame::trailers(codec::ok_trailers(call.trailers())),
                 Err(status) => Frame::trailers(codec::status_trailers(&status)),
             },
         };

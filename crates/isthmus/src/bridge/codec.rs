@@ -6,19 +6,36 @@
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use http::{HeaderMap, HeaderValue};
+use http::{HeaderMap, HeaderName, HeaderValue};
 
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
 
 /// The prefix of one message in a gRPC body: compressed flag, then big-endian length.
-pub(crate) fn prefix(len: usize) -> Result<Bytes, Status> {
+pub(crate) fn prefix(len: usize) -> Result<[u8; 5], Status> {
     let len = u32::try_from(len).map_err(|_| {
         Status::new(Code::ResourceExhausted, format!("a {len}-byte message is over gRPC's 4 GiB framing limit"))
     })?;
     let mut p = [0u8; 5];
     p[1..].copy_from_slice(&len.to_be_bytes());
-    Ok(Bytes::copy_from_slice(&p))
+    Ok(p)
+}
+
+/// Messages at most this long leave the bridge as one data frame with their prefix, copied:
+/// cheaper than a second allocation and a second frame for the prefix alone.
+const COPY_MAX: usize = 1024;
+
+/// One message as a gRPC body's data: the prefix, then the message's own bytes (a view into
+/// shared memory for a large one), or both in one frame for a small message.
+pub(crate) fn framed(m: Bytes) -> Result<(Bytes, Option<Bytes>), Status> {
+    let p = prefix(m.len())?;
+    if m.len() > COPY_MAX {
+        return Ok((Bytes::copy_from_slice(&p), Some(m)));
+    }
+    let mut both = BytesMut::with_capacity(p.len() + m.len());
+    both.extend_from_slice(&p);
+    both.extend_from_slice(&m);
+    Ok((both.freeze(), None))
 }
 
 /// Cuts a gRPC body's data frames back into messages. A message that lies whole inside one
@@ -27,7 +44,7 @@ pub(crate) fn prefix(len: usize) -> Result<Bytes, Status> {
 #[derive(Debug)]
 pub(crate) struct Deframer {
     /// Whole frames not yet cut, oldest first.
-    frames: std::collections::VecDeque<Bytes>,
+    frames: crate::queue::Queue<Bytes>,
     queued: usize,
     limit: usize,
 }
@@ -35,7 +52,7 @@ pub(crate) struct Deframer {
 impl Deframer {
     /// `limit`: the largest message accepted; a larger one is RESOURCE_EXHAUSTED.
     pub(crate) fn new(limit: usize) -> Deframer {
-        Deframer { frames: std::collections::VecDeque::new(), queued: 0, limit }
+        Deframer { frames: crate::queue::Queue::default(), queued: 0, limit }
     }
 
     /// Adds a data frame.
@@ -79,7 +96,7 @@ impl Deframer {
         }
         let mut head = [0u8; 5];
         let mut at = 0;
-        for f in &self.frames {
+        for f in self.frames.iter() {
             let n = (5 - at).min(f.len());
             head[at..at + n].copy_from_slice(&f[..n]);
             at += n;
@@ -198,20 +215,35 @@ pub(crate) fn metadata_into(md: &MetadataMap, headers: &mut HeaderMap) {
 
 /// The trailers that end a response with `status` (and its metadata).
 pub(crate) fn status_trailers(status: &Status) -> HeaderMap {
+    if status.code() == Code::Ok && status.message().is_empty() && status.details().is_empty() {
+        return ok_trailers(Some(status.metadata()));
+    }
     let mut t = HeaderMap::new();
     metadata_into(status.metadata(), &mut t);
-    t.insert("grpc-status", HeaderValue::from(status.code() as u32));
+    t.insert(GRPC_STATUS, HeaderValue::from(status.code() as u32));
     if !status.message().is_empty() {
         let encoded = percent_encode(status.message());
         if let Ok(v) = HeaderValue::from_str(&encoded) {
-            t.insert("grpc-message", v);
+            t.insert(HeaderName::from_static("grpc-message"), v);
         }
     }
     if !status.details().is_empty() {
         if let Ok(v) = HeaderValue::from_str(&encode_base64(status.details())) {
-            t.insert("grpc-status-details-bin", v);
+            t.insert(HeaderName::from_static("grpc-status-details-bin"), v);
         }
     }
+    t
+}
+
+const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+
+/// The trailers of a call that ended with OK: `metadata`, and `grpc-status: 0`.
+pub(crate) fn ok_trailers(metadata: Option<&MetadataMap>) -> HeaderMap {
+    let mut t = HeaderMap::new();
+    if let Some(md) = metadata {
+        metadata_into(md, &mut t);
+    }
+    t.insert(GRPC_STATUS, HeaderValue::from_static("0"));
     t
 }
 

@@ -11,8 +11,10 @@
 //! - [`Server::add_service`](crate::Server::add_service) takes tonic-generated servers; a call
 //!   over `shm://` for one of their methods becomes an `http::Request` to them.
 //!
-//! Messages are not copied on the way: a response body yields the 5-byte prefix and the
-//! message's own `Bytes` (a view into shared memory for a large one) as two data frames.
+//! Large messages are not copied on the way: a body yields the 5-byte prefix and the message's
+//! own `Bytes` (a view into shared memory for a large one) as two data frames. A message of at
+//! most 1 KiB is copied behind its prefix into one frame, which costs less than a second
+//! allocation and frame.
 
 mod client;
 pub(crate) mod codec;
@@ -20,7 +22,7 @@ mod server;
 
 pub use client::ResponseBody;
 pub(crate) use codec::timeout_from;
-pub(crate) use server::RoutesHandler;
+pub(crate) use server::{BoxService, ServiceHandler};
 
 /// Fuzzing entry: `data` as a gRPC body cut at every offset, and as header values.
 pub(crate) fn fuzz(data: &[u8]) {

@@ -35,9 +35,9 @@ impl Body for RequestBody {
         }
         let Some(requests) = self.requests.as_mut() else { return Poll::Ready(None) };
         let frame = match ready!(requests.poll_recv(cx)) {
-            Ok(Some(m)) => codec::prefix(m.len()).map(|p| {
-                self.pending = Some(m);
-                Frame::data(p)
+            Ok(Some(m)) => codec::framed(m).map(|(data, rest)| {
+                self.pending = rest;
+                Frame::data(data)
             }),
             Ok(None) => {
                 self.requests = None;
@@ -52,16 +52,23 @@ impl Body for RequestBody {
     }
 }
 
-/// Answers `shm://` calls with the tonic services registered on a server.
-#[derive(Clone)]
-pub(crate) struct RoutesHandler(pub(crate) tonic::service::Routes);
+/// A tonic service (a generated `FooServer`, the health or the reflection service), boxed.
+pub(crate) type BoxService = tower::util::BoxCloneSyncService<
+    http::Request<tonic::body::Body>,
+    http::Response<tonic::body::Body>,
+    std::convert::Infallible,
+>;
 
-impl RoutesHandler {
-    /// Runs one call through the services: the call's request becomes an `http::Request` as
+/// Answers `shm://` calls with one tonic service.
+#[derive(Clone)]
+pub(crate) struct ServiceHandler(pub(crate) BoxService);
+
+impl ServiceHandler {
+    /// Runs one call through the service: the call's request becomes an `http::Request` as
     /// gRPC over HTTP/2 would deliver it, and the response's messages and trailers go back as
     /// the call's messages and status.
     pub(crate) async fn serve(self, mut call: ServerCall) -> Result<(), Status> {
-        let body = RequestBody { requests: call.take_requests(), pending: None };
+        let body = tonic::body::Body::new(RequestBody { requests: call.take_requests(), pending: None });
         let mut request = http::Request::new(body);
         *request.method_mut() = http::Method::POST;
         *request.version_mut() = http::Version::HTTP_2;
@@ -71,13 +78,13 @@ impl RoutesHandler {
         headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
         headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
         if let Some(left) = call.time_remaining() {
-            headers.insert("grpc-timeout", codec::timeout_value(left));
+            headers.insert(http::HeaderName::from_static("grpc-timeout"), codec::timeout_value(left));
         }
         codec::metadata_into(call.metadata(), headers);
 
-        let mut routes = self.0;
-        let _ = std::future::poll_fn(|cx| Service::<http::Request<RequestBody>>::poll_ready(&mut routes, cx)).await;
-        let response = match routes.call(request).await {
+        let mut service = self.0;
+        let _ = std::future::poll_fn(|cx| service.poll_ready(cx)).await;
+        let response = match service.call(request).await {
             Ok(r) => r,
             Err(never) => match never {},
         };
