@@ -21,6 +21,14 @@ struct Inner {
     via: Via,
     /// Serialises reconnecting, so a burst of calls makes one connection, not many.
     connecting: tokio::sync::Mutex<()>,
+    /// Whether a waiting call reads the connection itself (see [`Channel::set_calls_read`]).
+    calls_read: std::sync::atomic::AtomicBool,
+}
+
+impl Inner {
+    fn new(via: Via) -> Inner {
+        Inner { via, connecting: tokio::sync::Mutex::new(()), calls_read: std::sync::atomic::AtomicBool::new(true) }
+    }
 }
 
 /// A connection to one server. Cheap to clone; clones share the connection. If the
@@ -102,7 +110,7 @@ impl Channel {
 
     fn over_http(channel: tonic::transport::Channel, target: &str) -> Channel {
         let via = Via::Http { channel, target: target.to_owned() };
-        Channel { inner: Arc::new(Inner { via, connecting: tokio::sync::Mutex::new(()) }) }
+        Channel { inner: Arc::new(Inner::new(via)) }
     }
 
     /// The HTTP/2 channel under a `unix://` or `http://` target.
@@ -123,13 +131,24 @@ impl Channel {
         match Target::parse(target)? {
             Target::Shm(_) => {
                 let via = Via::Shm(Slot::new(target, config)?);
-                Ok(Channel { inner: Arc::new(Inner { via, connecting: tokio::sync::Mutex::new(()) }) })
+                Ok(Channel { inner: Arc::new(Inner::new(via)) })
             }
             other => {
                 let channel = http_endpoint(&other)?.connect_with_connector_lazy(connector(&other));
                 Ok(Channel::over_http(channel, target))
             }
         }
+    }
+
+    /// Whether a call over `shm://` that waits for its next message reads the connection
+    /// itself, on the thread that polls it, for up to the connection's spin bound (on by
+    /// default). With one call in flight its reply then reaches it with no task woken and no
+    /// thread handed anything; the connection's reader task reads whenever no call does
+    /// (ADR 0008). Turn it off for calls polled by an event loop that other work shares (the
+    /// Python binding's asyncio channels do), where the spin would hold up that work. Applies
+    /// to calls started afterwards, on every clone of this channel.
+    pub fn set_calls_read(&self, on: bool) {
+        self.inner.calls_read.store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn live(&self) -> Option<Arc<Mux>> {
@@ -192,7 +211,9 @@ impl Channel {
         let deadline = options.timeout.map(|t| Instant::now() + t);
         let mux = self.mux(options.wait_for_ready, deadline).await?;
         let stream = mux.register(self.inner.slot()?.next_stream())?;
-        let call = ShmCall { state: CallState::new(stream, mux, path, self.inner.clone()), deadline, timer: None };
+        let reads = self.inner.calls_read.load(std::sync::atomic::Ordering::Relaxed);
+        let call =
+            ShmCall { state: CallState::new(stream, mux, path, self.inner.clone()), deadline, timer: None, reads };
         let head = open_head(path, options.metadata, deadline.map(Instant::into_std));
         call.state
             .mux
@@ -276,6 +297,8 @@ pub(crate) struct ShmCall {
     deadline: Option<Instant>,
     /// The deadline as a timer, once a poll has had to wait.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Whether a poll that has to wait reads the connection itself (`Channel::set_calls_read`).
+    reads: bool,
 }
 
 /// The sending side of a [`ClientCall`], usable beside it (see [`ShmCall::send_half`]).
@@ -403,10 +426,9 @@ impl ShmCall {
     fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Result<Next, Status>> {
         self.state.settle();
         let inbox = &self.state.stream.shared.inbox;
-        // On a tokio thread the call reads its own reply (see `Mux::read_here`). Elsewhere (an
-        // asyncio loop polling calls) a spin would hold up every other call of that loop, so
-        // the reader task reads for it.
-        if !inbox.is_ready() && tokio::runtime::Handle::try_current().is_ok() {
+        // The call reads its own reply (see `Mux::read_here`), unless its channel leaves that to
+        // the reader task.
+        if self.reads && !inbox.is_ready() {
             self.state.mux.read_here(cx, || inbox.is_ready());
         }
         if let Poll::Ready(ev) = inbox.poll_recv(cx) {
