@@ -1,0 +1,124 @@
+"""The gateway scenario's floor: what the gateway's own Python work costs per request, with the
+transport taken away.
+
+The gateway (`examples/gateway-sidecar/gateway.py`) runs unchanged with its stub replaced by one
+that answers in this process: it serialises each request as a stub must, and parses a reply of
+the real sidecar's shape and size from bytes. What is left per request is the gateway's own
+work (JSON, protobuf, the check, the coroutine) that every transport pays alike. The replies
+cost this process something the real sidecar pays in Rust; that share is timed on its own and
+taken off.
+
+So the gateway's requests/s on one core cannot exceed ``1 / floor``, whatever the transport,
+and ``grpc.aio``'s measured requests/s over that is the most any transport could gain on it::
+
+    python bench/gateway_floor.py [--callers 125] [--seconds 5] [--results docs/bench/results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "examples" / "gateway-sidecar"))
+
+import gateway  # noqa: E402
+
+
+class InProcessSidecar:
+    """A stub whose replies are made here: the sidecar's shapes, no transport."""
+
+    def __init__(self, pb: Any) -> None:
+        self.pb = pb
+        self.reply_seconds = 0.0
+        self.replies = 0
+        self.chunks = [
+            pb.InvokeChunk(
+                data=json.dumps({"seq": i, "of": 4, "path": "/tools/search", "tenant": "acme"}).encode(),
+                last=i == 3,
+                status=200 if i == 3 else 0,
+            ).SerializeToString()
+            for i in range(4)
+        ]
+        self.closed = pb.CloseSessionResponse(closed=True).SerializeToString()
+
+    def _invoke_reply(self, request: Any) -> bytes:
+        start = time.perf_counter()
+        body = b'{"status":"ok","tenant":"acme","subject":"user-42","echo":' + request.body + b"}"
+        headers = {"content-type": "application/json", "x-tenant": "acme"}
+        wire = self.pb.InvokeResponse(status=200, headers=headers, body=body).SerializeToString()
+        self.reply_seconds += time.perf_counter() - start
+        self.replies += 1
+        return wire
+
+    async def Invoke(self, request: Any, timeout: float | None = None) -> Any:
+        request = self.pb.InvokeRequest.FromString(request.SerializeToString())
+        return self.pb.InvokeResponse.FromString(self._invoke_reply(request))
+
+    async def _chunks(self, request: Any) -> Any:
+        request.SerializeToString()
+        for c in self.chunks:
+            yield self.pb.InvokeChunk.FromString(c)
+
+    def InvokeStream(self, request: Any, timeout: float | None = None) -> Any:
+        return self._chunks(request)
+
+    async def CloseSession(self, request: Any, timeout: float | None = None) -> Any:
+        request.SerializeToString()
+        return self.pb.CloseSessionResponse.FromString(self.closed)
+
+
+def grpc_aio_rps(results: Path, callers: int) -> float | None:
+    """The latest run's median grpc.aio requests/s at `callers`, from results.json."""
+    if not results.exists():
+        return None
+    rows = [
+        r["rps"]
+        for r in json.loads(results.read_text())["records"]
+        if r["system"] == "gateway-grpc-aio-uds" and r["inflight"] == callers
+    ]
+    return sorted(rows)[len(rows) // 2] if rows else None
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--callers", type=int, default=125)
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "results.json")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as out:
+        pb, _ = gateway.stubs(out)
+        stub = InProcessSidecar(pb)
+        result = asyncio.run(
+            gateway.drive("isthmus", gateway.grpc_caller(pb, stub), args.callers, args.seconds)
+        )
+    n = len(result.latencies)
+    if result.failures or not n:
+        print(f"{result.failures} failed: {result.first_error}")
+        return 1
+    total = result.seconds / n
+    replies = stub.reply_seconds / max(stub.replies, 1) * stub.replies / n
+    floor = total - replies
+    print(f"{args.callers} callers, {n} requests in {result.seconds:.1f} s, no transport")
+    print(f"  per request: {total * 1e6:.1f} µs, of which the in-process replies {replies * 1e6:.1f} µs")
+    print(f"  the gateway's own work: {floor * 1e6:.1f} µs a request, at most {1 / floor:,.0f} requests/s")
+    base = grpc_aio_rps(args.results, args.callers)
+    if base:
+        print(
+            f"  grpc.aio → tonic measured {base:,.0f} requests/s at {args.callers} callers "
+            f"({args.results.name}): no transport can make this gateway more than "
+            f"{1 / floor / base:.1f}× faster than that"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
