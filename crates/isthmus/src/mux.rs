@@ -213,8 +213,8 @@ impl Pump {
 }
 
 /// Lets the async client's calls read the connection themselves while they wait, beside its
-/// reader task. A call that waits for its reply on a tokio thread takes the receiver, if nobody
-/// reads, and reads until its own event has come or the spin bound has passed: the reply then
+/// reader task (ADR 0008). A call that waits for its reply (on a channel that allows it:
+/// `Channel::set_calls_read`) takes the receiver, if nobody reads, and reads until its own event has come or the spin bound has passed: the reply then
 /// costs no task wake-up and no hand-off between threads (the reader task would route it and
 /// wake the call's task, often on the other worker). Whenever no call reads, the reader task
 /// does, as it would without this; a call that finds the reader task holding the receiver
@@ -340,22 +340,18 @@ impl Mux {
     /// ([`read_loop`](Self::read_loop)), and so do calls while they wait ([`read_here`](Self::read_here)).
     /// `receiver` is for the reader task, which holds it first.
     pub(crate) fn led(sender: Sender, receiver: &Receiver) -> Arc<Mux> {
-        let mut mux = Mux::build(sender, None, usize::MAX);
         let lead = Lead {
             interrupter: receiver.interrupter(),
             spin: receiver.spin_policy(),
             slot: Mutex::new(Slot { receiver: None, wanting: Vec::new() }),
             free: Notify::new(),
         };
-        if let Some(m) = Arc::get_mut(&mut mux) {
-            m.lead = Some(lead);
-        }
-        mux
+        Mux::build(sender, None, Some(lead), usize::MAX)
     }
 
     /// A server's connection: a reader task, and at most `stream_limit` calls open at once.
     pub(crate) fn serving(sender: Sender, stream_limit: usize) -> Arc<Mux> {
-        Mux::build(sender, None, stream_limit)
+        Mux::build(sender, None, None, stream_limit)
     }
 
     /// A connection whose frames the calls' threads read themselves ([`wait`](Self::wait)).
@@ -363,15 +359,16 @@ impl Mux {
         Mux::build(
             sender,
             Some(Pump { receiver: Mutex::new(receiver), state: Mutex::default(), changed: Condvar::new() }),
+            None,
             usize::MAX,
         )
     }
 
-    fn build(sender: Sender, pump: Option<Pump>, stream_limit: usize) -> Arc<Mux> {
+    fn build(sender: Sender, pump: Option<Pump>, lead: Option<Lead>, stream_limit: usize) -> Arc<Mux> {
         Arc::new(Mux {
             sender,
             pump,
-            lead: None,
+            lead,
             stream_limit,
             batch: AtomicU64::new(0),
             woke: AtomicBool::new(false),
