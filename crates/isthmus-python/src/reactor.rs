@@ -230,10 +230,9 @@ impl AsyncChannel {
     #[new]
     fn new(target: &str, reactor: &Reactor) -> PyResult<AsyncChannel> {
         let _runtime = runtime().enter();
-        let engine = isthmus::Channel::lazy(target).map_err(|s| bad_target(&s))?;
         // Calls are polled on the event loop's thread, which every other coroutine shares: a
         // call must not spin there reading the connection. The reader task reads for them.
-        engine.set_calls_read(false);
+        let engine = isthmus::Channel::lazy(target).map_err(|s| bad_target(&s))?.with_calls_read(false);
         Ok(AsyncChannel { engine, completions: reactor.completions.clone(), closed: AtomicBool::new(false) })
     }
 

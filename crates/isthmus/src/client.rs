@@ -21,14 +21,6 @@ struct Inner {
     via: Via,
     /// Serialises reconnecting, so a burst of calls makes one connection, not many.
     connecting: tokio::sync::Mutex<()>,
-    /// Whether a waiting call reads the connection itself (see [`Channel::set_calls_read`]).
-    calls_read: std::sync::atomic::AtomicBool,
-}
-
-impl Inner {
-    fn new(via: Via) -> Inner {
-        Inner { via, connecting: tokio::sync::Mutex::new(()), calls_read: std::sync::atomic::AtomicBool::new(true) }
-    }
 }
 
 /// A connection to one server. Cheap to clone; clones share the connection. If the
@@ -44,6 +36,9 @@ impl Inner {
 #[derive(Clone)]
 pub struct Channel {
     inner: Arc<Inner>,
+    /// Whether this handle's waiting calls read the connection themselves
+    /// ([`with_calls_read`](Self::with_calls_read)).
+    calls_read: bool,
 }
 
 /// What a channel runs over.
@@ -110,7 +105,7 @@ impl Channel {
 
     fn over_http(channel: tonic::transport::Channel, target: &str) -> Channel {
         let via = Via::Http { channel, target: target.to_owned() };
-        Channel { inner: Arc::new(Inner::new(via)) }
+        Channel { inner: Arc::new(Inner { via, connecting: tokio::sync::Mutex::new(()) }), calls_read: true }
     }
 
     /// The HTTP/2 channel under a `unix://` or `http://` target.
@@ -131,7 +126,10 @@ impl Channel {
         match Target::parse(target)? {
             Target::Shm(_) => {
                 let via = Via::Shm(Slot::new(target, config)?);
-                Ok(Channel { inner: Arc::new(Inner::new(via)) })
+                Ok(Channel {
+                    inner: Arc::new(Inner { via, connecting: tokio::sync::Mutex::new(()) }),
+                    calls_read: true,
+                })
             }
             other => {
                 let channel = http_endpoint(&other)?.connect_with_connector_lazy(connector(&other));
@@ -140,15 +138,15 @@ impl Channel {
         }
     }
 
-    /// Whether a call over `shm://` that waits for its next message reads the connection
-    /// itself, on the thread that polls it, for up to the connection's spin bound (on by
-    /// default). With one call in flight its reply then reaches it with no task woken and no
-    /// thread handed anything; the connection's reader task reads whenever no call does
-    /// (ADR 0008). Turn it off for calls polled by an event loop that other work shares (the
-    /// Python binding's asyncio channels do), where the spin would hold up that work. Applies
-    /// to calls started afterwards, on every clone of this channel.
-    pub fn set_calls_read(&self, on: bool) {
-        self.inner.calls_read.store(on, std::sync::atomic::Ordering::Relaxed);
+    /// A handle on the same connection whose calls over `shm://`, when they wait for their next
+    /// message, do (`true`, the default) or do not read the connection themselves, on the
+    /// thread that polls them, for up to the connection's spin bound. With one call in flight
+    /// its reply then reaches it with no task woken and no thread handed anything; the
+    /// connection's reader task reads whenever no call does (ADR 0008). Turn it off for calls
+    /// that an event loop polls among other work (the Python binding's asyncio channels do),
+    /// where the spin would hold that work up. Clones keep the setting.
+    pub fn with_calls_read(&self, on: bool) -> Channel {
+        Channel { inner: self.inner.clone(), calls_read: on }
     }
 
     fn live(&self) -> Option<Arc<Mux>> {
@@ -211,7 +209,7 @@ impl Channel {
         let deadline = options.timeout.map(|t| Instant::now() + t);
         let mux = self.mux(options.wait_for_ready, deadline).await?;
         let stream = mux.register(self.inner.slot()?.next_stream())?;
-        let reads = self.inner.calls_read.load(std::sync::atomic::Ordering::Relaxed);
+        let reads = self.calls_read;
         let call =
             ShmCall { state: CallState::new(stream, mux, path, self.inner.clone()), deadline, timer: None, reads };
         let head = open_head(path, options.metadata, deadline.map(Instant::into_std));
@@ -297,7 +295,7 @@ pub(crate) struct ShmCall {
     deadline: Option<Instant>,
     /// The deadline as a timer, once a poll has had to wait.
     timer: Option<Pin<Box<tokio::time::Sleep>>>,
-    /// Whether a poll that has to wait reads the connection itself (`Channel::set_calls_read`).
+    /// Whether a poll that has to wait reads the connection itself (`Channel::with_calls_read`).
     reads: bool,
 }
 

@@ -213,10 +213,11 @@ impl Pump {
 }
 
 /// Lets the async client's calls read the connection themselves while they wait, beside its
-/// reader task (ADR 0008). A call that waits for its reply (on a channel that allows it:
-/// `Channel::set_calls_read`) takes the receiver, if nobody reads, and reads until its own event has come or the spin bound has passed: the reply then
-/// costs no task wake-up and no hand-off between threads (the reader task would route it and
-/// wake the call's task, often on the other worker). Whenever no call reads, the reader task
+/// reader task (ADR 0008). A call that waits for its reply (on a channel handle that allows it:
+/// `Channel::with_calls_read`) takes the receiver, if nobody reads, and reads until its own
+/// event has come or the spin bound has passed: the reply then costs no task wake-up and no
+/// hand-off between threads (the reader task would route it and wake the call's task, often on
+/// the other worker). Whenever no call reads, the reader task
 /// does, as it would without this; a call that finds the reader task holding the receiver
 /// interrupts its wait and is woken when it is handed back.
 struct Lead {
