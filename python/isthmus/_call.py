@@ -25,6 +25,17 @@ Deserializer = Callable[[bytes], Any] | None
 _INTERNAL = 13
 
 
+def encode(serialize: Serializer, request: Any) -> bytes:
+    """A request as it goes out; a serializer's failure fails the call (INTERNAL) as grpc's does."""
+    if serialize is None:
+        return request  # type: ignore[no-any-return]
+    try:
+        return serialize(request)
+    except Exception as e:
+        _LOG.exception("Exception serializing request!")
+        raise CallError(_INTERNAL, "Exception serializing request!") from e
+
+
 def decode(deserialize: Deserializer, message: bytes) -> Any:
     """A response as the caller sees it; a deserializer's failure fails the call as grpc's does."""
     if deserialize is None:
@@ -108,14 +119,21 @@ class Call(grpc.Call, grpc.Future):
         def run() -> None:
             try:
                 for request in requests:
-                    if not native.send(request if serialize is None else serialize(request)):
+                    try:
+                        message = encode(serialize, request)
+                    except CallError as e:
+                        self._cancel(e.details, grpc.StatusCode.INTERNAL)
+                        return
+                    if not native.send(message):
                         return  # the call is over; the receiving side learns how
                 native.close_send()
             except CallError:
                 pass  # likewise
             except Exception:
-                _LOG.exception("The request iterator raised; cancelling the call")
-                self._cancel("Exception iterating requests!")
+                # As grpcio: the call ends UNKNOWN and the server sees it cancelled; the call
+                # does not count as cancelled by the application.
+                _LOG.exception("The request iterator raised; ending the call")
+                self._cancel("Exception iterating requests!", grpc.StatusCode.UNKNOWN)
 
         threading.Thread(target=run, name="isthmus-requests", daemon=True).start()
 
@@ -175,13 +193,15 @@ class Call(grpc.Call, grpc.Future):
             except Exception:
                 _LOG.exception("A call's callback raised")
 
-    def _cancel(self, details: str) -> bool:
+    def _cancel(self, details: str, code: grpc.StatusCode = grpc.StatusCode.CANCELLED) -> bool:
+        """Ends the call here with `code` and cancels it for the server. A CANCELLED end is the
+        application's cancel (`cancelled()` then says so)."""
         with self._lock:
             if self._ended:
                 return False
-            self._cancelled = True
+            self._cancelled = code is grpc.StatusCode.CANCELLED
             native = self._native
-            callbacks = self._settle(CallError(grpc.StatusCode.CANCELLED.value[0], details), None)
+            callbacks = self._settle(CallError(code.value[0], details), None)
         if native is not None:
             native.cancel()
         self._run_callbacks(callbacks)

@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 
 from . import _native
-from ._call import Call, Deserializer, Serializer, Succeeded, decode
+from ._call import Call, Deserializer, Serializer, Succeeded, decode, encode
 from ._errors import rpc_error
 from ._metadata import Metadatum, outgoing
 from ._native import CallError
@@ -37,7 +37,11 @@ class _MultiCallable:
         self._deserialize = deserialize
 
     def _encode(self, request: Any) -> bytes:
-        return request if self._serialize is None else self._serialize(request)
+        """The request serialised; a serializer's failure raises grpc's INTERNAL error."""
+        try:
+            return encode(self._serialize, request)
+        except CallError as e:
+            raise rpc_error(e) from None
 
     def _run(
         self,
@@ -113,7 +117,7 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
         try:
             result = self._channel.unary(
                 self._path,
-                request if self._serialize is None else self._serialize(request),
+                encode(self._serialize, request),
                 None if metadata is None else outgoing(metadata),
                 timeout,
                 bool(wait_for_ready),
@@ -134,7 +138,11 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
     ) -> tuple[Any, grpc.Call]:
         try:
             result = self._channel.unary(
-                self._path, self._encode(request), outgoing(metadata), timeout, bool(wait_for_ready)
+                self._path,
+                encode(self._serialize, request),
+                outgoing(metadata),
+                timeout,
+                bool(wait_for_ready),
             )
             response = decode(self._deserialize, result.message)
         except CallError as e:

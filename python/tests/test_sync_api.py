@@ -121,14 +121,53 @@ def test_callbacks_run_at_the_end(stub: Any, pb: ModuleType) -> None:
     assert not call.add_callback(ended.set)
 
 
-def test_failing_request_iterator_cancels(stub: Any, pb: ModuleType) -> None:
+def test_failing_request_iterator_ends_the_call_unknown(stub: Any, pb: ModuleType) -> None:
+    # grpcio's blocking calls: UNKNOWN "Exception iterating requests!", and not cancelled().
     def requests() -> Iterator[Any]:
         yield pb.EchoRequest(seq=0)
         raise RuntimeError("no more requests")
 
     with pytest.raises(grpc.RpcError) as caught:
         stub.ClientStream(requests(), timeout=60)
-    assert caught.value.code() == grpc.StatusCode.CANCELLED
+    assert caught.value.code() == grpc.StatusCode.UNKNOWN
+    assert caught.value.details() == "Exception iterating requests!"
+    future = stub.ClientStream.future(requests(), timeout=60)
+    assert future.exception(timeout=60).code() == grpc.StatusCode.UNKNOWN
+    assert not future.cancelled()
+
+
+def test_a_failing_serializer_fails_the_call_internal(endpoint: Endpoint, pb: ModuleType) -> None:
+    # As grpcio: INTERNAL "Exception serializing request!", for every shape and way of calling.
+    def bad(request: Any) -> bytes:
+        raise ValueError("cannot serialize")
+
+    def internal(error: grpc.RpcError) -> bool:
+        return (
+            error.code() == grpc.StatusCode.INTERNAL and error.details() == "Exception serializing request!"
+        )
+
+    with isthmus.insecure_channel(endpoint.address) as channel:
+        unary = channel.unary_unary("/conformance.Echo/Unary", request_serializer=bad)
+        for call in (unary, unary.with_call, unary.future):
+            with pytest.raises(grpc.RpcError) as caught:
+                call(pb.EchoRequest(seq=1), timeout=60)
+            assert internal(caught.value)
+        with pytest.raises(grpc.RpcError) as caught:
+            channel.unary_stream("/conformance.Echo/ServerStream", request_serializer=bad)(
+                pb.StreamRequest(count=1), timeout=60
+            )
+        assert internal(caught.value)
+        stream = channel.stream_unary("/conformance.Echo/ClientStream", request_serializer=bad)
+        with pytest.raises(grpc.RpcError) as caught:
+            stream(iter([pb.EchoRequest(seq=1)]), timeout=60)
+        assert internal(caught.value)
+        # The channel is fine afterwards.
+        ok = channel.unary_unary(
+            "/conformance.Echo/Unary",
+            request_serializer=pb.EchoRequest.SerializeToString,
+            response_deserializer=pb.EchoReply.FromString,
+        )
+        assert ok(pb.EchoRequest(seq=3), timeout=60).seq == 3
 
 
 def test_channel_shapes(endpoint: Endpoint, pb_grpc: ModuleType, pb: ModuleType) -> None:
