@@ -563,12 +563,11 @@ impl Mux {
             };
             let first = match &self.lead {
                 None => receiver.recv_async().await,
-                Some(lead) => match receiver.recv_async_interruptible().await {
-                    Ok(Some(f)) => Ok(f),
-                    Err(e) => Err(e),
+                Some(lead) => match receiver.recv_async_interruptible().await.transpose() {
+                    Some(got) => got,
                     // A call asked for the receiver: it reads until its reply has come. Let it run
                     // (it may be queued on this worker) before taking the receiver back.
-                    Ok(None) => {
+                    None => {
                         match lead.slot.lock() {
                             Ok(slot) => lead.give_back(slot, receiver),
                             Err(_) => break 'read poisoned(),
@@ -714,18 +713,17 @@ impl Mux {
             if let Some(r) = slot.receiver.take() {
                 break (slot, r);
             }
-            if !asked {
-                // The reader task holds it: ask for it. A spinning reader hands it back within
-                // a fraction of a microsecond, so wait for it here rather than sleep; the reader
-                // wakes this call if the wait runs out first.
-                if !slot.wanting.iter().any(|w| w.will_wake(cx.waker())) {
-                    slot.wanting.push(cx.waker().clone());
-                }
-                drop(slot);
+            // The reader task holds it: ask for it, once. A spinning reader hands it back within
+            // a fraction of a microsecond, so wait for it here rather than sleep; the reader
+            // wakes this call if the wait runs out first.
+            let ask = !asked;
+            if ask && !slot.wanting.iter().any(|w| w.will_wake(cx.waker())) {
+                slot.wanting.push(cx.waker().clone());
+            }
+            drop(slot);
+            if ask {
                 lead.interrupter.interrupt();
                 asked = true;
-            } else {
-                drop(slot);
             }
             if !lead.pause(start, &mut pauses, &mut ready) {
                 return;
@@ -733,17 +731,13 @@ impl Mux {
         };
         let (start, mut pauses) = (std::time::Instant::now(), 0);
         loop {
-            let got = match receiver.try_recv() {
+            let Some(got) = receiver.try_recv().transpose() else {
                 // Nothing new: only this thread routes frames now, so `ready` can change only by
                 // the connection's end, which `pause` looks for.
-                Ok(None) => {
-                    if !lead.pause(start, &mut pauses, &mut ready) {
-                        break;
-                    }
-                    continue;
+                if !lead.pause(start, &mut pauses, &mut ready) {
+                    break;
                 }
-                Ok(Some(f)) => Ok(f),
-                Err(e) => Err(e),
+                continue;
             };
             match self.step(got, None) {
                 Step::Continue(None) => {}
