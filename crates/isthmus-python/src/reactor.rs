@@ -13,8 +13,8 @@ use std::sync::{Arc, Mutex, Weak};
 use std::task::{Context, Poll, Wake, Waker};
 
 use bytes::Bytes;
+use isthmus::EventFd;
 use isthmus::{MetadataMap, Status};
-use isthmus_shm::EventFd;
 use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};

@@ -217,7 +217,7 @@ impl ServerCall {
 pub(crate) struct Server {
     handler: Arc<PyHandler>,
     stream_limit: Option<usize>,
-    config: isthmus_shm::Config,
+    config: isthmus::Config,
     bound: Mutex<Vec<isthmus::Bound>>,
     stop: watch::Sender<Option<Duration>>,
     stopped: Arc<(Mutex<bool>, Condvar)>,
@@ -229,7 +229,7 @@ impl Server {
     #[new]
     #[pyo3(signature = (dispatch, max_concurrent_streams=None, max_message_size=None))]
     fn new(dispatch: Py<PyAny>, max_concurrent_streams: Option<usize>, max_message_size: Option<u64>) -> Server {
-        let mut config = isthmus_shm::Config::default();
+        let mut config = isthmus::Config::default();
         if let Some(limit) = max_message_size {
             config.max_message_size = limit;
         }

@@ -36,30 +36,7 @@ fn read_refusal(s: &mut UnixStream, h: &Hello, peer_role: &str) -> Error {
         Ok(()) => String::from_utf8_lossy(&reason).into_owned(),
         Err(_) => String::from("(no reason given)"),
     };
-    refusal_error(h, peer_role, &text)
-}
-
-fn refusal_error(h: &Hello, peer_role: &str, text: &str) -> Error {
-    let kind = match h.code {
-        c if c == RefuseCode::Version as u8 => ErrorKind::VersionMismatch,
-        c if c == RefuseCode::Permission as u8 => ErrorKind::PermissionDenied,
-        _ if h.version != PROTOCOL_VERSION => ErrorKind::VersionMismatch,
-        _ => ErrorKind::Protocol,
-    };
-    Error::new(kind, format!("the {peer_role} refused the connection: {text}"))
-}
-
-/// After a server's hello, the client may still refuse (bad segment, wrong uid). That refusal
-/// arrives on a socket the server already treats as a liveness line; read it for a real reason.
-pub(crate) fn late_refusal(sock: std::os::fd::BorrowedFd<'_>) -> Option<Error> {
-    let mut buf = [0u8; HELLO_LEN + handshake::MAX_REASON_LEN];
-    let n = sys::peek(sock, &mut buf);
-    let h = Hello::decode(buf.get(..HELLO_LEN)?.try_into().ok()?).ok()?;
-    if h.kind != HelloKind::Refuse {
-        return None;
-    }
-    let reason = buf.get(HELLO_LEN..(HELLO_LEN + h.reason_len as usize).min(n))?;
-    Some(refusal_error(&h, "client", &String::from_utf8_lossy(reason)))
+    handshake::refusal_error(h, peer_role, &text)
 }
 
 /// `read_exact` bounded by one deadline for the whole record, so a client trickling bytes

@@ -173,6 +173,27 @@ pub(crate) fn version_mismatch(peer_role: &str, peer_version: u16) -> Error {
     )
 }
 
+/// The error a refusal record stands for, as the side that receives it reports it.
+pub(crate) fn refusal_error(h: &Hello, peer_role: &str, text: &str) -> Error {
+    let kind = match h.code {
+        c if c == RefuseCode::Version as u8 => ErrorKind::VersionMismatch,
+        c if c == RefuseCode::Permission as u8 => ErrorKind::PermissionDenied,
+        _ if h.version != PROTOCOL_VERSION => ErrorKind::VersionMismatch,
+        _ => ErrorKind::Protocol,
+    };
+    Error::new(kind, format!("the {peer_role} refused the connection: {text}"))
+}
+
+/// A client's refusal record (and its reason) at the start of `bytes`, if that is what they hold.
+pub(crate) fn decode_late_refusal(bytes: &[u8]) -> Option<Error> {
+    let h = Hello::decode(bytes.get(..HELLO_LEN)?.try_into().ok()?).ok()?;
+    if h.kind != HelloKind::Refuse {
+        return None;
+    }
+    let reason = bytes.get(HELLO_LEN..(HELLO_LEN + h.reason_len as usize).min(bytes.len()))?;
+    Some(refusal_error(&h, "client", &String::from_utf8_lossy(reason)))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -10,6 +10,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use crate::error::{Error, ErrorKind, Result};
+use crate::handshake;
 use crate::sys::{self, SocketState};
 
 /// Whether a connection is still usable, and if not, why. Outlives the socket (views of the
@@ -158,7 +159,7 @@ impl Link {
             SocketState::Quiet => {}
             SocketState::Closed => self.health.fail(Error::peer_gone()),
             SocketState::Data => {
-                let e = crate::establish::late_refusal(self.fd())
+                let e = late_refusal(self.fd())
                     .unwrap_or_else(|| Error::protocol("the peer wrote to the handshake socket after the handshake"));
                 self.fail(e);
             }
@@ -191,4 +192,12 @@ impl Drop for Link {
             *s = None;
         }
     }
+}
+
+/// After a server's hello, the client may still refuse (bad segment, wrong uid). That refusal
+/// arrives on a socket the server already treats as a liveness line; read it for a real reason.
+fn late_refusal(sock: std::os::fd::BorrowedFd<'_>) -> Option<Error> {
+    let mut buf = [0u8; handshake::HELLO_LEN + handshake::MAX_REASON_LEN];
+    let n = sys::peek(sock, &mut buf);
+    handshake::decode_late_refusal(&buf[..n.min(buf.len())])
 }

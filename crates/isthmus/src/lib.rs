@@ -17,43 +17,39 @@
 //! ([`INITIAL_WINDOW`]): a slow reader holds back its own writer and no other stream. Calls are
 //! `tracing` spans (`isthmus.call` on the client, `isthmus.serve` on the server, at DEBUG).
 
-mod authority;
-pub mod blocking;
-mod bridge;
 mod call;
 mod client;
-mod endpoint;
-mod flow;
-mod http_call;
-mod inbox;
+pub mod engine;
+pub mod http;
 pub mod metadata;
-mod mux;
-mod queue;
 mod server;
 pub mod status;
-pub mod wire;
 
-pub use bridge::ResponseBody;
+pub use self::http::{BytesCodec, ResponseBody};
 pub use call::{CallOptions, Response};
 pub use client::{CallSender, Channel, ClientCall};
-pub use flow::{INITIAL_WINDOW, MESSAGE_OVERHEAD};
-pub use http_call::BytesCodec;
-pub use isthmus_shm::BlockMut;
+pub use engine::flow::{INITIAL_WINDOW, MESSAGE_OVERHEAD};
+pub use engine::mux::ConnectionCounters;
+pub use engine::server::{Handler, HandlerFuture, ServerCall, ServerStats};
+pub use engine::{blocking, wire};
 pub use metadata::{InvalidMetadata, MetadataMap};
-pub use mux::ConnectionCounters;
-pub use server::{Bound, Handler, HandlerFuture, Server, ServerCall, ServerStats};
+pub use server::{Bound, Server};
 pub use status::{Code, Status};
+
+/// What a binding needs of the transport under the engine, so that bindings (the Python
+/// extension, the C ABI) stand on this crate alone.
+pub use isthmus_shm::{BlockMut, Config, EventFd, PeerPolicy, SpinPolicy};
 
 /// Entry points for the fuzz targets (`fuzz/`): decoders of what HTTP/2 peers send. Not API.
 #[doc(hidden)]
 pub mod fuzz {
     /// Arbitrary bytes as a unix- or TCP-socket client's HTTP/2 stream, in pieces.
     pub fn http2_client_bytes(data: &[u8]) {
-        crate::authority::fuzz(data);
+        crate::http::authority::fuzz(data);
     }
 
     /// Arbitrary bytes as a gRPC body and as header values (messages, timeout, metadata, status).
     pub fn grpc_http(data: &[u8]) {
-        crate::bridge::fuzz(data);
+        crate::http::fuzz(data);
     }
 }

@@ -1,13 +1,30 @@
-//! One stream's queue of events: filled by whoever reads the connection, emptied by the call.
+//! One stream's queue of [`Event`]s: filled by whoever reads the connection, emptied by the call.
 //!
 //! A queue under a mutex with one waker: a stream has one reader (its call), and a queue
 //! that allocates nothing until its first event keeps the cost of opening a stream to the one
-//! allocation of its [`StreamShared`](crate::mux::StreamShared).
+//! allocation of its [`StreamShared`](crate::engine::mux::StreamShared).
 
 use std::sync::{Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};
 
-use crate::mux::Event;
+use bytes::Bytes;
+
+use super::queue::Queue;
+use crate::metadata::MetadataMap;
+use crate::status::Status;
+
+/// What a call hears from the other side.
+#[derive(Debug)]
+pub(crate) enum Event {
+    /// The server's initial metadata (client side only).
+    Headers(MetadataMap),
+    /// One message.
+    Message(Bytes),
+    /// The other side will send no more messages (the client's half-close).
+    HalfClose,
+    /// The call is over: the server's trailers, a CANCEL, or the connection's death.
+    End(Status),
+}
 
 /// Why [`Inbox::try_recv`] gave nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,7 +40,7 @@ pub(crate) struct Inbox(Mutex<State>);
 
 #[derive(Debug, Default)]
 struct State {
-    events: crate::queue::Queue<Event>,
+    events: Queue<Event>,
     waker: Option<Waker>,
     closed: bool,
 }

@@ -9,7 +9,7 @@ use http_body::{Body, Frame};
 use tower_service::Service;
 
 use super::codec::{self, Deframer};
-use crate::server::{Requests, ServerCall};
+use crate::engine::server::{Requests, ServerCall};
 use crate::status::{Code, Status};
 
 /// The request messages of an `shm://` call as a gRPC body for a tonic service: each message's
@@ -100,7 +100,7 @@ impl ServiceHandler {
         // message is ready too, which then carries empty metadata implicitly.
         let first = {
             let mut first = std::future::poll_fn(|cx| body.as_mut().poll_frame(cx));
-            match super::client::poll_once(&mut first).await {
+            match super::tonic_client::poll_once(&mut first).await {
                 Some(frame) => {
                     if !metadata.is_empty() {
                         call.send_headers(metadata).await?;

@@ -100,14 +100,15 @@ impl HttpListener {
         routes: tonic::service::Routes,
         stop: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<(), Status> {
-        let server = tonic::transport::Server::builder().layer(crate::authority::DeadlineLayer).add_routes(routes);
+        let server =
+            tonic::transport::Server::builder().layer(crate::http::authority::DeadlineLayer).add_routes(routes);
         let failed =
             |e: tonic::transport::Error| Status::new(Code::Unavailable, format!("HTTP/2 endpoint failed: {e}"));
         match self {
             HttpListener::Unix(l, path) => {
                 // grpc-core clients name the socket as the `:authority`; see `authority.rs`.
                 let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(l), |s| {
-                    s.map(crate::authority::AuthorityFix::new)
+                    s.map(crate::http::authority::AuthorityFix::new)
                 });
                 let r = server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed);
                 let _ = std::fs::remove_file(path);
@@ -115,7 +116,7 @@ impl HttpListener {
             }
             HttpListener::Tcp(l) => {
                 let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(l), |s| {
-                    s.map(crate::authority::AuthorityFix::new)
+                    s.map(crate::http::authority::AuthorityFix::new)
                 });
                 server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed)
             }

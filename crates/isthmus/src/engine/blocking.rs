@@ -20,9 +20,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use isthmus_shm::{flags, BlockMut, Config, Connection, Kind};
 
-use crate::call::{check_path, open_head, CallOptions, CallState, Next, Reconnect, Response, Slot};
-use crate::flow::{self, Credit};
-use crate::mux::{ConnectionCounters, Mux};
+use super::call::{open_head, CallState, Next, Reconnect, Slot};
+use crate::call::{check_path, CallOptions, Response};
+use crate::engine::flow::{self, Credit};
+use crate::engine::mux::{ConnectionCounters, Mux};
 use crate::status::{Code, Status};
 
 struct Inner {

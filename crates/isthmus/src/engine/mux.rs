@@ -10,24 +10,10 @@ use bytes::Bytes;
 use isthmus_shm::{flags, Error, ErrorKind, Frame, Kind, Receiver, Sender};
 use tokio::sync::Notify;
 
-use crate::flow::{Consumed, RecvWindow, SendWindow};
-use crate::inbox::Inbox;
-use crate::metadata::MetadataMap;
+use super::inbox::{Event, Inbox};
+use crate::engine::flow::{Consumed, RecvWindow, SendWindow};
+use crate::engine::wire;
 use crate::status::{Code, Status};
-use crate::wire;
-
-/// What a call hears from the other side.
-#[derive(Debug)]
-pub(crate) enum Event {
-    /// The server's initial metadata (client side only).
-    Headers(MetadataMap),
-    /// One message.
-    Message(Bytes),
-    /// The other side will send no more messages (the client's half-close).
-    HalfClose,
-    /// The call is over: the server's trailers, a CANCEL, or the connection's death.
-    End(Status),
-}
 
 /// A new call the server's reader found: its head, its event queue, and the signal that the
 /// client cancelled it (or the connection died), which must stop its handler.

@@ -356,7 +356,7 @@ where
         let timeout = renamed.and_then(|v| {
             let mut h = http::HeaderMap::new();
             h.insert("grpc-timeout", v.clone());
-            let t = crate::bridge::timeout_from(&h).ok().flatten();
+            let t = crate::http::codec::timeout_from(&h).ok().flatten();
             request.headers_mut().insert("grpc-timeout", v);
             t
         });

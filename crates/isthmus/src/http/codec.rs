@@ -44,7 +44,7 @@ pub(crate) fn framed(m: Bytes) -> Result<(Bytes, Option<Bytes>), Status> {
 #[derive(Debug)]
 pub(crate) struct Deframer {
     /// Whole frames not yet cut, oldest first.
-    frames: crate::queue::Queue<Bytes>,
+    frames: crate::engine::queue::Queue<Bytes>,
     queued: usize,
     limit: usize,
 }
@@ -52,7 +52,7 @@ pub(crate) struct Deframer {
 impl Deframer {
     /// `limit`: the largest message accepted; a larger one is RESOURCE_EXHAUSTED.
     pub(crate) fn new(limit: usize) -> Deframer {
-        Deframer { frames: crate::queue::Queue::default(), queued: 0, limit }
+        Deframer { frames: crate::engine::queue::Queue::default(), queued: 0, limit }
     }
 
     /// Adds a data frame.

@@ -10,7 +10,7 @@ use http_body::{Body, Frame};
 
 use super::codec::{self, Deframer};
 use crate::call::CallOptions;
-use crate::client::{SendHalf, ShmCall};
+use crate::engine::client::{SendHalf, ShmCall};
 use crate::status::{Code, Status};
 use crate::Channel;
 

@@ -9,9 +9,8 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder, Streaming};
 
-use crate::bridge::codec;
-use crate::call::CallOptions;
-use crate::client::until;
+use super::codec;
+use crate::call::{until, CallOptions};
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
 
@@ -130,12 +129,17 @@ fn deadline_passed() -> Status {
 
 impl HttpCall {
     /// Sends the request head at once; must run inside a tokio runtime.
-    pub(crate) fn start(
-        channel: crate::Channel,
-        path: &str,
-        options: CallOptions,
-        limit: usize,
-    ) -> Result<Self, Status> {
+    ///
+    /// `channel` carries the request: the front's `Channel`, whose HTTP/2 way resets a stream
+    /// that is dropped half-way (`tonic_client`).
+    pub(crate) fn start<T>(channel: T, path: &str, options: CallOptions, limit: usize) -> Result<Self, Status>
+    where
+        T: tonic::client::GrpcService<tonic::body::Body> + Send + 'static,
+        T::Future: Send,
+        T::Error: Into<Box<dyn std::error::Error + Send + Sync>> + std::fmt::Display,
+        T::ResponseBody: http_body::Body<Data = Bytes> + Send + 'static,
+        <T::ResponseBody as http_body::Body>::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    {
         let path = http::uri::PathAndQuery::try_from(path)
             .map_err(|e| Status::new(Code::InvalidArgument, format!("method path {path:?}: {e}")))?;
         let (tx, rx) = mpsc::channel::<Bytes>(1);

@@ -1,5 +1,12 @@
-//! The bridge between tonic and the engine: generated tonic clients call over isthmus, and tonic
-//! services answer isthmus calls.
+//! gRPC over HTTP/2, the way out: the `unix://` and `http://` endpoints and channels, and the
+//! bridge between tonic and the engine.
+//!
+//! - `endpoint`: parsing targets, binding HTTP/2 listeners, connecting channels; `authority`:
+//!   the filter that lets clients naming a Unix socket as `:authority` through.
+//! - `call`: calls by method path over HTTP/2, carried by tonic's client ([`BytesCodec`]).
+//! - `codec`: gRPC's HTTP/2 framing (the 5-byte prefix, metadata, timeout, status headers).
+//! - `tonic_client` and `tonic_server`: the bridge. Generated tonic clients call over isthmus,
+//!   and tonic services answer isthmus calls.
 //!
 //! Over HTTP/2, a gRPC message travels in the body with a 5-byte prefix, and metadata, deadlines
 //! and status travel as headers and trailers. Over `shm://` a message is a frame of its own and
@@ -16,13 +23,16 @@
 //! most 1 KiB is copied behind its prefix into one frame, which costs less than a second
 //! allocation and frame.
 
-mod client;
+pub(crate) mod authority;
+pub(crate) mod call;
 pub(crate) mod codec;
-mod server;
+pub(crate) mod endpoint;
+mod tonic_client;
+mod tonic_server;
 
-pub use client::ResponseBody;
-pub(crate) use codec::timeout_from;
-pub(crate) use server::{BoxService, ServiceHandler};
+pub use call::BytesCodec;
+pub use tonic_client::ResponseBody;
+pub(crate) use tonic_server::{BoxService, ServiceHandler};
 
 /// Fuzzing entry: `data` as a gRPC body cut at every offset, and as header values.
 pub(crate) fn fuzz(data: &[u8]) {

@@ -1,0 +1,329 @@
+//! What the async and the blocking client calls over `shm://` share: the channel's connection
+//! slot, and the state of one call as its events arrive, with no waiting in it. Each client
+//! only supplies how to wait and how to send.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use isthmus_shm::{Address, Config};
+
+use super::inbox::{Empty, Event};
+use super::mux::{ConnectionCounters, Mux, Stream};
+use super::wire;
+use crate::call::Response;
+use crate::metadata::MetadataMap;
+use crate::status::{Code, Status};
+
+/// Retrying a connect for `wait_for_ready`: waits that start at 5 ms and double up to 500 ms,
+/// while the deadline allows.
+pub(crate) struct Reconnect {
+    backoff: std::time::Duration,
+}
+
+impl Reconnect {
+    pub(crate) fn new() -> Reconnect {
+        Reconnect { backoff: std::time::Duration::from_millis(5) }
+    }
+
+    /// After a connect failed with `failed`: how long to wait before trying again, or the status
+    /// the call ends with (the failure itself without `wait_for_ready` or if it is not
+    /// UNAVAILABLE; DEADLINE_EXCEEDED if the next try would come too late).
+    pub(crate) fn after(
+        &mut self,
+        failed: Status,
+        wait_for_ready: bool,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<std::time::Duration, Status> {
+        if !wait_for_ready || failed.code() != Code::Unavailable {
+            return Err(failed);
+        }
+        let wait = self.backoff;
+        if deadline.is_some_and(|d| std::time::Instant::now() + wait >= d) {
+            return Err(Status::new(
+                Code::DeadlineExceeded,
+                format!("no server became ready before the deadline: {failed}"),
+            ));
+        }
+        self.backoff = (wait * 2).min(std::time::Duration::from_millis(500));
+        Ok(wait)
+    }
+}
+
+/// The HEADERS body that opens a call. Time spent waiting for a server is the call's: what is
+/// left of the deadline travels (at least 1 ns).
+pub(crate) fn open_head(path: &str, metadata: MetadataMap, deadline: Option<std::time::Instant>) -> Vec<u8> {
+    let timeout = deadline
+        .map(|d| d.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_nanos(1)));
+    wire::RequestHead { path: path.to_owned(), timeout, metadata }.encode()
+}
+
+/// One channel's connection slot, shared by its clones: the target, and the live connection
+/// that calls use until it dies.
+pub(crate) struct Slot {
+    pub(crate) target: Address,
+    pub(crate) config: Config,
+    current: std::sync::Mutex<Option<Arc<Mux>>>,
+    next_stream: std::sync::atomic::AtomicU64,
+}
+
+impl Slot {
+    pub(crate) fn new(target: &str, config: Config) -> Result<Slot, Status> {
+        let target: Address = target.parse().map_err(|e| Status::from_transport(&e))?;
+        config.validate().map_err(|e| Status::from_transport(&e))?;
+        Ok(Slot {
+            target,
+            config,
+            current: std::sync::Mutex::new(None),
+            next_stream: std::sync::atomic::AtomicU64::new(1),
+        })
+    }
+
+    /// The connection, if it is alive and takes new calls.
+    pub(crate) fn live(&self) -> Option<Arc<Mux>> {
+        let current = self.current.lock().ok()?;
+        current.as_ref().filter(|m| m.dead().is_none()).cloned()
+    }
+
+    pub(crate) fn install(&self, mux: Arc<Mux>) {
+        if let Ok(mut current) = self.current.lock() {
+            // Calls still open on the old connection (after a GOAWAY) keep it until they end.
+            *current = Some(mux);
+        }
+    }
+
+    /// A stream id never used on this channel, on any of its connections.
+    pub(crate) fn next_stream(&self) -> u64 {
+        self.next_stream.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    pub(crate) fn counters(&self) -> ConnectionCounters {
+        self.current.lock().ok().and_then(|c| c.as_ref().map(|m| m.counters())).unwrap_or_default()
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        // The last handle is gone: hang up, which also ends a reader task.
+        if let Some(mux) = self.current.get_mut().ok().and_then(|m| m.take()) {
+            mux.sender.close();
+        }
+    }
+}
+
+/// The state of one client call, fed with its events.
+pub(crate) struct CallState {
+    pub(crate) stream: Stream,
+    pub(crate) mux: Arc<Mux>,
+    pending: crate::engine::queue::Queue<Bytes>,
+    headers: Option<MetadataMap>,
+    trailers: Option<MetadataMap>,
+    /// The final status once the call has ended (OK or not).
+    ended: Option<Status>,
+    span: tracing::Span,
+    /// The channel's shared state: while a call lives, its channel's connection stays open even
+    /// if every handle on the channel is gone (a response stream read after the client that
+    /// made it was dropped, say).
+    _channel: Arc<dyn std::any::Any + Send + Sync>,
+}
+
+/// What `recv` gives: a message, `None` at the end of an OK call, or the failed call's status.
+pub(crate) type Received = Result<Option<Bytes>, Status>;
+
+/// What one event means for a caller of `recv`.
+pub(crate) enum Next {
+    /// Nothing a caller waits for yet; look again.
+    More,
+    /// A message for the application.
+    Message(Bytes),
+    /// The call ended: `Ok(None)` for OK, the status otherwise.
+    Ended(Received),
+}
+
+impl CallState {
+    pub(crate) fn new(
+        stream: Stream,
+        mux: Arc<Mux>,
+        path: &str,
+        channel: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> CallState {
+        let span = tracing::debug_span!("isthmus.call", path, stream = stream.id, code = tracing::field::Empty);
+        mux.calls.start();
+        CallState {
+            stream,
+            mux,
+            pending: crate::engine::queue::Queue::default(),
+            headers: None,
+            trailers: None,
+            ended: None,
+            span,
+            _channel: channel,
+        }
+    }
+
+    pub(crate) fn id(&self) -> u64 {
+        self.stream.id
+    }
+
+    pub(crate) fn is_over(&self) -> bool {
+        self.ended.is_some()
+    }
+
+    /// Ends the call here with `status`, once; the connection forgets the stream.
+    pub(crate) fn end(&mut self, status: Status) {
+        if self.ended.is_none() {
+            self.mux.calls.finish(status.code());
+            self.mux.unregister(self.stream.id);
+            self.span.record("code", tracing::field::debug(status.code()));
+            tracing::debug!(parent: &self.span, code = ?status.code(), "call ended");
+            if status.code() == Code::Ok {
+                self.trailers = Some(status.metadata().clone());
+            }
+            self.ended = Some(status);
+        }
+    }
+
+    /// The result a finished call gives every later `recv`.
+    fn outcome(&self) -> Received {
+        match &self.ended {
+            Some(s) if s.code() != Code::Ok => Err(s.clone()),
+            _ => Ok(None),
+        }
+    }
+
+    /// Whether an event is waiting (or the queue is closed): a blocking waiter is done.
+    pub(crate) fn has_event(&self) -> bool {
+        self.stream.shared.inbox.is_ready()
+    }
+
+    /// Takes the next event without waiting: `None` if there is none yet.
+    pub(crate) fn try_event(&mut self) -> Option<Event> {
+        match self.stream.shared.inbox.try_recv() {
+            Ok(ev) => Some(ev),
+            Err(Empty::Now) => None,
+            Err(Empty::Closed) => Some(Event::End(self.connection_end())),
+        }
+    }
+
+    /// Why the queue closed without an end: the connection's fate.
+    pub(crate) fn connection_end(&self) -> Status {
+        self.mux.dead().unwrap_or_else(|| Status::new(Code::Unavailable, "the connection closed"))
+    }
+
+    /// Takes in one event.
+    pub(crate) fn absorb(&mut self, ev: Event) -> Next {
+        match ev {
+            Event::Headers(md) => {
+                self.headers = Some(md);
+                Next::More
+            }
+            Event::Message(m) => {
+                // A message with no HEADERS before it implies empty initial metadata.
+                self.headers.get_or_insert_with(MetadataMap::new);
+                // Taken off the connection's queue: counted for flow control now, even if it is
+                // parked until the application asks for it (only `headers` parks, briefly).
+                self.hand_out(&m);
+                Next::Message(m)
+            }
+            Event::HalfClose => Next::More,
+            Event::End(status) => {
+                self.end(status);
+                Next::Ended(self.outcome())
+            }
+        }
+    }
+
+    /// A message already read (while looking for headers), or the final result of an ended
+    /// call, without waiting.
+    pub(crate) fn ready_result(&mut self) -> Option<Received> {
+        if let Some(m) = self.pending.pop_front() {
+            return Some(Ok(Some(m)));
+        }
+        self.ended.as_ref().map(|_| self.outcome())
+    }
+
+    /// Counts a message for flow control (credit goes back to the server once due).
+    fn hand_out(&mut self, m: &Bytes) {
+        if self.ended.is_none() {
+            self.stream.took(m.len(), &self.mux.sender);
+        }
+    }
+
+    /// Sends credit still owed to the server (see `Stream::settle`).
+    pub(crate) fn settle(&mut self) {
+        self.stream.settle(&self.mux.sender);
+    }
+
+    /// Keeps a message read while waiting for the headers.
+    pub(crate) fn park(&mut self, m: Bytes) {
+        self.pending.push_back(m);
+    }
+
+    pub(crate) fn headers(&self) -> Option<&MetadataMap> {
+        self.headers.as_ref()
+    }
+
+    pub(crate) fn take_response(&mut self, message: Bytes) -> Response {
+        Response {
+            metadata: self.headers.take().unwrap_or_default(),
+            message,
+            trailers: self.trailers.take().unwrap_or_default(),
+        }
+    }
+
+    pub(crate) fn trailers(&self) -> Option<&MetadataMap> {
+        self.trailers.as_ref()
+    }
+
+    /// What a send does once the stream is closed for writing: the final status if it failed, the
+    /// connection's if that died, or nothing (the server ended the call with OK and wants no
+    /// more; the message is dropped, as gRPC does).
+    pub(crate) fn after_close(&mut self) -> Result<(), Status> {
+        while self.ended.is_none() {
+            match self.try_event() {
+                Some(ev) => {
+                    if let Next::Message(m) = self.absorb(ev) {
+                        self.park(m);
+                    }
+                }
+                None => {
+                    // Closed by our own side (a cancel): nothing more to send.
+                    return Err(Status::new(Code::Cancelled, "the call was cancelled"));
+                }
+            }
+        }
+        self.outcome().map(|_| ())
+    }
+
+    /// Why nothing more can be sent on a call that has ended: its status if it failed.
+    pub(crate) fn ended_error(&self) -> Status {
+        match &self.ended {
+            Some(s) if s.code() != Code::Ok => s.clone(),
+            _ => Status::new(Code::FailedPrecondition, "the call has already ended"),
+        }
+    }
+
+    /// Ends the call here with `code`; `true` if it was still open, and a CANCEL must go to the
+    /// server.
+    pub(crate) fn end_by_cancel(&mut self, code: Code, message: &str) -> bool {
+        let open = self.ended.is_none();
+        if open {
+            self.end(Status::new(code, message));
+        }
+        open
+    }
+
+    /// Ends the call with `code` and tells the server, waiting for ring room until `patience`
+    /// (`Mux::send_cancel`).
+    pub(crate) fn cancel_blocking(&mut self, code: Code, message: &str, patience: std::time::Instant) {
+        if self.end_by_cancel(code, message) {
+            self.mux.send_cancel(self.stream.id, code, patience);
+        }
+    }
+}
+
+impl Drop for CallState {
+    fn drop(&mut self) {
+        // Never blocks: a drop may run on an event loop.
+        self.cancel_blocking(Code::Cancelled, "the call was dropped", std::time::Instant::now());
+    }
+}

@@ -1,0 +1,330 @@
+//! The async client over `shm://`: a channel's connection (made, and made again after it dies)
+//! and the calls on it. The public [`Channel`](crate::Channel) and
+//! [`ClientCall`](crate::ClientCall) put this and the HTTP/2 calls behind one API.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+
+use bytes::Bytes;
+use isthmus_shm::{flags, BlockMut, Config, Connection, Kind};
+use tokio::time::Instant;
+
+use super::call::{open_head, CallState, Next, Reconnect, Slot};
+use super::flow::{self, Credit};
+use super::inbox::Event;
+use super::mux::{ConnectionCounters, Mux, StreamShared};
+use super::wire;
+use crate::call::{check_path, until, CallOptions};
+use crate::metadata::MetadataMap;
+use crate::status::{Code, Status};
+
+/// A channel's way to one `shm://` server: the connection slot its clones share.
+pub(crate) struct ShmChannel {
+    slot: Slot,
+    /// Serialises reconnecting, so a burst of calls makes one connection, not many.
+    connecting: tokio::sync::Mutex<()>,
+}
+
+impl ShmChannel {
+    pub(crate) fn new(target: &str, config: Config) -> Result<ShmChannel, Status> {
+        Ok(ShmChannel { slot: Slot::new(target, config)?, connecting: tokio::sync::Mutex::new(()) })
+    }
+
+    /// The target, as the user gave it (parsed).
+    pub(crate) fn target(&self) -> String {
+        self.slot.target.to_string()
+    }
+
+    fn live(&self) -> Option<Arc<Mux>> {
+        self.slot.live()
+    }
+
+    /// The live connection, connecting (again) if there is none.
+    pub(crate) async fn mux(&self, wait_for_ready: bool, deadline: Option<Instant>) -> Result<Arc<Mux>, Status> {
+        if let Some(m) = self.live() {
+            return Ok(m);
+        }
+        let _one_at_a_time = self.connecting.lock().await;
+        let mut reconnect = Reconnect::new();
+        loop {
+            if let Some(m) = self.live() {
+                return Ok(m); // another call connected while we waited
+            }
+            match self.connect_once().await {
+                Ok(mux) => {
+                    self.slot.install(mux.clone());
+                    return Ok(mux);
+                }
+                Err(s) => {
+                    let wait = reconnect.after(s, wait_for_ready, deadline.map(Instant::into_std))?;
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        }
+    }
+
+    async fn connect_once(&self) -> Result<Arc<Mux>, Status> {
+        let (addr, config) = (self.slot.target.clone(), self.slot.config.clone());
+        let conn = tokio::task::spawn_blocking(move || Connection::connect(&addr, &config))
+            .await
+            .map_err(|e| Status::new(Code::Internal, format!("connect task failed: {e}")))?
+            .map_err(|e| Status::from_transport(&e))?;
+        let (sender, receiver) = conn.split();
+        let mux = Mux::led(sender, &receiver);
+        tokio::spawn(mux.clone().read_loop(receiver, None));
+        Ok(mux)
+    }
+
+    /// Starts a call and sends its head. `reads`: whether its waits read the connection
+    /// themselves (`Channel::with_calls_read`); `keep`: what keeps the channel's connection
+    /// open while the call lives.
+    pub(crate) async fn start(
+        &self,
+        path: &str,
+        options: CallOptions,
+        reads: bool,
+        keep: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<ShmCall, Status> {
+        check_path(path)?;
+        let deadline = options.timeout.map(|t| Instant::now() + t);
+        let mux = self.mux(options.wait_for_ready, deadline).await?;
+        let stream = mux.register(self.slot.next_stream())?;
+        let call = ShmCall { state: CallState::new(stream, mux, path, keep), deadline, timer: None, reads };
+        let head = open_head(path, options.metadata, deadline.map(Instant::into_std));
+        call.state
+            .mux
+            .sender
+            .send_async(Kind::Headers, 0, call.state.id(), &head)
+            .await
+            .map_err(|e| Status::from_transport(&e))?;
+        Ok(call)
+    }
+
+    /// The largest message this channel accepts (its configuration's `max_message_size`).
+    pub(crate) fn max_message_size(&self) -> usize {
+        usize::try_from(self.slot.config.max_message_size).unwrap_or(usize::MAX)
+    }
+
+    /// Counters of the current connection (zero if there is none yet).
+    pub(crate) fn counters(&self) -> ConnectionCounters {
+        self.slot.counters()
+    }
+}
+
+/// A call over `shm://`.
+pub(crate) struct ShmCall {
+    state: CallState,
+    deadline: Option<Instant>,
+    /// The deadline as a timer, once a poll has had to wait.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    /// Whether a poll that has to wait reads the connection itself (`Channel::with_calls_read`).
+    reads: bool,
+}
+
+/// The sending side of a [`ClientCall`], usable beside it (see [`ShmCall::send_half`]).
+#[derive(Clone)]
+pub(crate) struct SendHalf {
+    mux: Arc<Mux>,
+    id: u64,
+    shared: Arc<StreamShared>,
+}
+
+impl SendHalf {
+    /// Sends one message once the server's window allows; `last` half-closes with it. An error
+    /// means the call is over (its status comes from the receiving side).
+    pub(crate) async fn send(&self, message: &[u8], last: bool) -> Result<(), ()> {
+        if self.shared.send_window.take(flow::charge(message.len())).await != Credit::Taken {
+            return Err(());
+        }
+        let f = if last { flags::END_STREAM } else { 0 };
+        self.mux.sender.send_message_async(self.id, f, message).await.map_err(|_| ())
+    }
+
+    /// Ends the call with `status` on both sides (the request could not be sent).
+    pub(crate) fn fail(&self, status: Status) {
+        self.mux.abandon(self.id, status);
+    }
+
+    /// Half-closes without a message.
+    pub(crate) async fn close(&self) -> Result<(), ()> {
+        self.mux.sender.send_async(Kind::Trailers, flags::END_STREAM, self.id, &[]).await.map_err(|_| ())
+    }
+}
+
+impl std::fmt::Debug for ShmCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ShmCall").field("stream", &self.state.id()).field("over", &self.state.is_over()).finish()
+    }
+}
+
+impl ShmCall {
+    /// Ends the call at its deadline: cancels it on both sides and gives the status.
+    async fn expire(&mut self) -> Status {
+        self.cancel_with(Code::DeadlineExceeded, "the call's deadline passed").await;
+        Status::new(Code::DeadlineExceeded, "the call's deadline passed")
+    }
+
+    async fn cancel_with(&mut self, code: Code, message: &str) {
+        if self.state.end_by_cancel(code, message) {
+            let _ =
+                self.state.mux.sender.send_async(Kind::Cancel, 0, self.state.id(), &wire::encode_cancel(code)).await;
+        }
+    }
+
+    /// Waits for credit to send `len` bytes; `Ok(false)` if the call is already over and the
+    /// message must be dropped.
+    async fn credit(&mut self, len: usize) -> Result<bool, Status> {
+        if self.state.is_over() {
+            return Err(self.state.ended_error());
+        }
+        let shared = self.state.stream.shared.clone();
+        match until(self.deadline, shared.send_window.take(flow::charge(len))).await {
+            None => Err(self.expire().await),
+            Some(Credit::Taken) => Ok(true),
+            Some(_) => self.state.after_close().map(|()| false),
+        }
+    }
+
+    async fn send_flags(&mut self, message: &[u8], frame_flags: u8) -> Result<(), Status> {
+        if !self.credit(message.len()).await? {
+            return Ok(());
+        }
+        let (sender, id) = (self.state.mux.sender.clone(), self.state.id());
+        match until(self.deadline, sender.send_message_async(id, frame_flags, message)).await {
+            Some(sent) => sent.map_err(|e| Status::from_transport(&e)),
+            None => Err(self.expire().await),
+        }
+    }
+
+    /// Sends one request message.
+    pub(crate) async fn send(&mut self, message: &[u8]) -> Result<(), Status> {
+        self.send_flags(message, 0).await
+    }
+
+    /// Sends the last request message and half-closes in the same frame.
+    pub(crate) async fn send_last(&mut self, message: &[u8]) -> Result<(), Status> {
+        self.send_flags(message, flags::END_STREAM).await
+    }
+
+    /// See [`ClientCall::alloc`].
+    pub(crate) async fn alloc(&mut self, len: usize) -> Result<BlockMut, Status> {
+        let sender = self.state.mux.sender.clone();
+        match until(self.deadline, sender.alloc_async(len)).await {
+            Some(block) => block.map_err(|e| Status::from_transport(&e)),
+            None => Err(self.expire().await),
+        }
+    }
+
+    /// Sends a block from [`alloc`](Self::alloc) as one request message, as it is; `last`
+    /// half-closes with it.
+    pub(crate) async fn send_block(&mut self, block: BlockMut, last: bool) -> Result<(), Status> {
+        if !self.credit(block.len()).await? {
+            return Ok(());
+        }
+        let (sender, id) = (self.state.mux.sender.clone(), self.state.id());
+        let f = if last { flags::END_STREAM } else { 0 };
+        match until(self.deadline, sender.send_block_async(id, f, block)).await {
+            Some(sent) => sent.map_err(|e| Status::from_transport(&e)),
+            None => Err(self.expire().await),
+        }
+    }
+
+    /// Half-closes: no more request messages.
+    pub(crate) async fn close_send(&mut self) -> Result<(), Status> {
+        if self.state.is_over() {
+            return Ok(());
+        }
+        // From the client, an empty TRAILERS frame is a half-close without a message.
+        let (sender, id) = (self.state.mux.sender.clone(), self.state.id());
+        match until(self.deadline, sender.send_async(Kind::Trailers, flags::END_STREAM, id, &[])).await {
+            Some(sent) => sent.map_err(|e| Status::from_transport(&e)),
+            None => Err(self.expire().await),
+        }
+    }
+
+    /// The next event, taken in; past the deadline the call ends with DEADLINE_EXCEEDED.
+    fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Result<Next, Status>> {
+        self.state.settle();
+        let inbox = &self.state.stream.shared.inbox;
+        // The call reads its own reply (see `Mux::read_here`), unless its channel leaves that to
+        // the reader task.
+        if self.reads && !inbox.is_ready() {
+            self.state.mux.read_here(cx, || inbox.is_ready());
+        }
+        if let Poll::Ready(ev) = inbox.poll_recv(cx) {
+            let ev = ev.unwrap_or_else(|| Event::End(self.state.connection_end()));
+            return Poll::Ready(Ok(self.state.absorb(ev)));
+        }
+        let Some(deadline) = self.deadline else { return Poll::Pending };
+        let timer = self.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        ready!(timer.as_mut().poll(cx));
+        let message = "the call's deadline passed";
+        self.state.cancel_blocking(Code::DeadlineExceeded, message, std::time::Instant::now());
+        Poll::Ready(Err(Status::new(Code::DeadlineExceeded, message)))
+    }
+
+    /// [`recv`](Self::recv) in poll form.
+    pub(crate) fn poll_recv(&mut self, cx: &mut Context<'_>) -> Poll<Result<Option<Bytes>, Status>> {
+        if let Some(r) = self.state.ready_result() {
+            return Poll::Ready(r);
+        }
+        loop {
+            match ready!(self.poll_next(cx))? {
+                Next::More => {}
+                Next::Ended(r) => return Poll::Ready(r),
+                Next::Message(m) => return Poll::Ready(Ok(Some(m))),
+            }
+        }
+    }
+
+    /// The next response message; `Ok(None)` once the server ended the call with OK (its
+    /// trailers are then in [`trailers`](Self::trailers)); the server's status otherwise.
+    ///
+    /// A large message is a view into the server's shared memory, not a copy; holding it keeps
+    /// that memory from the server, so drop it (or copy what you keep) when done.
+    pub(crate) async fn recv(&mut self) -> Result<Option<Bytes>, Status> {
+        std::future::poll_fn(|cx| self.poll_recv(cx)).await
+    }
+
+    /// [`headers`](Self::headers) in poll form.
+    pub(crate) fn poll_headers(&mut self, cx: &mut Context<'_>) -> Poll<Result<MetadataMap, Status>> {
+        while self.state.headers().is_none() && !self.state.is_over() {
+            match ready!(self.poll_next(cx))? {
+                Next::More => {}
+                Next::Message(m) => self.state.park(m),
+                Next::Ended(Err(status)) => return Poll::Ready(Err(status)),
+                Next::Ended(Ok(_)) => {}
+            }
+        }
+        Poll::Ready(Ok(self.state.headers().cloned().unwrap_or_default()))
+    }
+
+    /// The server's initial metadata, waiting for it if needed.
+    pub(crate) async fn headers(&mut self) -> Result<MetadataMap, Status> {
+        std::future::poll_fn(|cx| self.poll_headers(cx)).await
+    }
+
+    /// A handle that sends this call's request messages from another task while this one reads
+    /// the responses (the tonic bridge does so). It stops, with an error, once the call has
+    /// ended.
+    pub(crate) fn send_half(&self) -> SendHalf {
+        SendHalf { mux: self.state.mux.clone(), id: self.state.id(), shared: self.state.stream.shared.clone() }
+    }
+
+    /// The server's trailing metadata, once the call has ended with OK.
+    pub(crate) fn trailers(&self) -> Option<&MetadataMap> {
+        self.state.trailers()
+    }
+
+    /// A unary call's response, once its one message is in and the call has ended.
+    pub(crate) fn take_response(&mut self, message: Bytes) -> crate::call::Response {
+        self.state.take_response(message)
+    }
+
+    /// Cancels the call: the server sees CANCELLED and stops its handler.
+    pub(crate) async fn cancel(mut self) {
+        self.cancel_with(Code::Cancelled, "the call was cancelled").await;
+    }
+}

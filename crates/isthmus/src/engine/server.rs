@@ -1,0 +1,479 @@
+//! The server side over `shm://`: accepting connections, running each call's handler against
+//! its deadline and its client's cancel, and the [`ServerCall`] a handler is given. The public
+//! [`Server`](crate::Server) builds the handler table and serves it here and over HTTP/2.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use isthmus_shm::{flags, Address, BlockMut, Config, Connection, ErrorKind, Kind, Listener};
+use tokio::io::unix::AsyncFd;
+use tokio::sync::Notify;
+use tokio::time::Instant;
+use tracing::Instrument;
+
+use super::flow::{self, Credit};
+use super::inbox::Event;
+use super::mux::{Accept, CallFuture, Cancel, ConnectionCounters, Incoming, Mux, Stream, StreamShared};
+use super::wire;
+use crate::metadata::MetadataMap;
+use crate::status::{Code, Status};
+
+/// The future a [`Handler`] returns.
+pub type HandlerFuture = Pin<Box<dyn Future<Output = Result<(), Status>> + Send>>;
+
+/// A method's handler as a trait object: for handlers that carry state, or that are chosen at run
+/// time (register with [`Server::handler_object`](crate::Server::handler_object)). A closure registered with
+/// [`Server::handler`](crate::Server::handler) is the same thing.
+///
+/// ```
+/// use isthmus::{Handler, HandlerFuture, ServerCall};
+///
+/// struct Counter(std::sync::atomic::AtomicU64);
+///
+/// impl Handler for Counter {
+///     fn handle(self: std::sync::Arc<Self>, mut call: ServerCall) -> HandlerFuture {
+///         Box::pin(async move {
+///             let n = self.0.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+///             call.send(&n.to_le_bytes()).await
+///         })
+///     }
+/// }
+///
+/// let server = isthmus::Server::builder()
+///     .handler_object("/demo.Counter/Next", std::sync::Arc::new(Counter(Default::default())));
+/// ```
+pub trait Handler: Send + Sync + 'static {
+    /// Runs one call; returning ends it (`Ok(())` with OK, `Err(status)` with that status).
+    fn handle(self: Arc<Self>, call: ServerCall) -> HandlerFuture;
+}
+
+pub(crate) type BoxFuture = HandlerFuture;
+
+/// What answers each method: handlers by path, then the tonic services, if any.
+pub(crate) struct Methods {
+    pub(crate) by_path: HashMap<String, HandlerFn>,
+    /// The tonic services by path prefix (`/package.Service/`).
+    pub(crate) services: Vec<(String, HandlerFn)>,
+    /// Takes every other path ([`Server::fallback`](crate::Server::fallback)).
+    pub(crate) catch_all: Option<HandlerFn>,
+}
+
+impl Methods {
+    fn find(&self, path: &str) -> Option<HandlerFn> {
+        if let Some(h) = self.by_path.get(path) {
+            return Some(h.clone());
+        }
+        if let Some((_, h)) = self.services.iter().find(|(prefix, _)| path.starts_with(prefix.as_str())) {
+            return Some(h.clone());
+        }
+        // A path of no service at all gets the engine's UNIMPLEMENTED, which names the method.
+        self.catch_all.clone()
+    }
+}
+pub(crate) type HandlerFn = Arc<dyn Fn(ServerCall) -> BoxFuture + Send + Sync>;
+
+/// The server's side of one call, handed to its handler.
+///
+/// Response messages are flow-controlled: a `send` waits while the client has not taken the
+/// messages already sent (up to a window of [`INITIAL_WINDOW`](crate::INITIAL_WINDOW) bytes), so
+/// a slow client holds back this handler and no other.
+pub struct ServerCall {
+    id: u64,
+    /// The stream's windows, for sending.
+    shared: Arc<StreamShared>,
+    mux: Arc<Mux>,
+    /// The request side; the tonic bridge takes it to feed a service's request body.
+    requests: Option<Requests>,
+    head: wire::RequestHead,
+    deadline: Option<Instant>,
+    headers_sent: bool,
+    trailers: Arc<Mutex<MetadataMap>>,
+}
+
+impl std::fmt::Debug for ServerCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerCall").field("stream", &self.id).field("path", &self.head.path).finish()
+    }
+}
+
+/// The receiving side of a server call: the client's messages, and the credit given back for
+/// them.
+pub(crate) struct Requests {
+    stream: Stream,
+    mux: Arc<Mux>,
+    half_closed: bool,
+}
+
+impl Requests {
+    /// The next request message; `None` once the client has half-closed.
+    pub(crate) fn poll_recv(
+        &mut self,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Result<Option<Bytes>, Status>> {
+        use std::task::Poll;
+        if self.half_closed {
+            return Poll::Ready(Ok(None));
+        }
+        self.stream.settle(&self.mux.sender);
+        loop {
+            let Poll::Ready(event) = self.stream.shared.inbox.poll_recv(cx) else { return Poll::Pending };
+            return Poll::Ready(match event {
+                Some(Event::Message(m)) => {
+                    self.stream.took(m.len(), &self.mux.sender);
+                    Ok(Some(m))
+                }
+                Some(Event::HalfClose) => {
+                    self.half_closed = true;
+                    Ok(None)
+                }
+                Some(Event::Headers(_)) => continue,
+                Some(Event::End(status)) => Err(status),
+                None => Err(self.mux.dead().unwrap_or_else(|| Status::new(Code::Cancelled, "the call was cancelled"))),
+            });
+        }
+    }
+}
+
+impl ServerCall {
+    /// The method path, `/package.Service/Method`.
+    pub fn path(&self) -> &str {
+        &self.head.path
+    }
+
+    /// The client's initial metadata.
+    pub fn metadata(&self) -> &MetadataMap {
+        &self.head.metadata
+    }
+
+    /// Time left before the client's deadline, if it set one.
+    pub fn time_remaining(&self) -> Option<Duration> {
+        self.deadline.map(|d| d.saturating_duration_since(Instant::now()))
+    }
+
+    /// The next request message; `None` once the client has half-closed.
+    ///
+    /// A large message is a view into the client's shared memory, not a copy; holding it keeps
+    /// that memory from the client, so drop it (or copy what you keep) when done.
+    pub async fn recv(&mut self) -> Result<Option<Bytes>, Status> {
+        match &mut self.requests {
+            Some(requests) => std::future::poll_fn(|cx| requests.poll_recv(cx)).await,
+            None => Err(Status::new(Code::FailedPrecondition, "the request stream was handed to a tonic service")),
+        }
+    }
+
+    /// Takes the request side, for the tonic bridge; `recv` then fails.
+    pub(crate) fn take_requests(&mut self) -> Option<Requests> {
+        self.requests.take()
+    }
+
+    /// Sends initial metadata now (otherwise the first message implies empty metadata).
+    pub async fn send_headers(&mut self, metadata: MetadataMap) -> Result<(), Status> {
+        if self.headers_sent {
+            return Err(Status::new(Code::Internal, "initial metadata was already sent"));
+        }
+        self.headers_sent = true;
+        let body = wire::ResponseHead { metadata }.encode();
+        self.mux.sender.send_async(Kind::Headers, 0, self.id, &body).await.map_err(|e| Status::from_transport(&e))
+    }
+
+    /// Waits for credit to send `len` bytes. Initial metadata not sent by now is empty, which
+    /// the first MESSAGE implies on its own (protocol 13.7, rule 2): one frame less per call.
+    async fn ready_to_send(&mut self, len: usize) -> Result<(), Status> {
+        self.headers_sent = true;
+        // Credit owed to the client goes first: it may be waiting for it to send what this
+        // handler waits for.
+        if let Some(requests) = &mut self.requests {
+            requests.stream.settle(&self.mux.sender);
+        }
+        match self.shared.send_window.take(flow::charge(len)).await {
+            Credit::Taken => Ok(()),
+            _ => Err(self.mux.dead().unwrap_or_else(|| Status::new(Code::Cancelled, "the call was cancelled"))),
+        }
+    }
+
+    /// Sends one response message.
+    pub async fn send(&mut self, message: &[u8]) -> Result<(), Status> {
+        self.ready_to_send(message.len()).await?;
+        self.mux.sender.send_message_async(self.id, 0, message).await.map_err(|e| Status::from_transport(&e))
+    }
+
+    /// A writable block of `len` bytes in the server's shared memory, for a reply built in
+    /// place: fill it (or serialize into it), then [`send_block`](Self::send_block) it. The
+    /// client reads it where it is, with no copy on either side.
+    ///
+    /// ```no_run
+    /// # async fn handler(mut call: isthmus::ServerCall) -> Result<(), isthmus::Status> {
+    /// let mut block = call.alloc(4096).await?;
+    /// block.fill(0xAB);
+    /// call.send_block(block).await
+    /// # }
+    /// ```
+    pub async fn alloc(&mut self, len: usize) -> Result<BlockMut, Status> {
+        self.mux.sender.alloc_async(len).await.map_err(|e| Status::from_transport(&e))
+    }
+
+    /// Sends a block from [`alloc`](Self::alloc) as one response message, as it is.
+    pub async fn send_block(&mut self, block: BlockMut) -> Result<(), Status> {
+        self.ready_to_send(block.len()).await?;
+        self.mux.sender.send_block_async(self.id, 0, block).await.map_err(|e| Status::from_transport(&e))
+    }
+
+    /// Trailing metadata to send with the final status (OK or not).
+    pub fn set_trailers(&self, metadata: MetadataMap) {
+        if let Ok(mut t) = self.trailers.lock() {
+            *t = metadata;
+        }
+    }
+}
+
+/// Binds an `shm://` listener and registers it with tokio.
+pub(crate) fn bind_shm(target: &str, config: &Config) -> Result<AsyncFd<Accepting>, Status> {
+    let addr: Address = target.parse().map_err(|e| Status::from_transport(&e))?;
+    let listener = Listener::bind(&addr, config.clone()).map_err(|e| Status::from_transport(&e))?;
+    listener.set_nonblocking(true).map_err(|e| Status::from_transport(&e))?;
+    // SAFETY: the AsyncFd owns the listener, so its fd stays open for the registration's life.
+    unsafe { AsyncFd::register_with_interest(Accepting(listener), tokio::io::Interest::READABLE) }
+        .map_err(|e| Status::new(Code::Unavailable, format!("cannot watch {target}: {}", std::io::Error::from(e))))
+}
+
+/// Reads a serving server's counters (from [`Bound::stats`](crate::Bound::stats)).
+#[derive(Clone)]
+pub struct ServerStats(pub(crate) Arc<Tracker>);
+
+impl std::fmt::Debug for ServerStats {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerStats").field("connections", &self.connections().len()).finish()
+    }
+}
+
+impl ServerStats {
+    /// Counters of every live connection, one entry each.
+    pub fn connections(&self) -> Vec<ConnectionCounters> {
+        self.0
+            .connections
+            .lock()
+            .map(|c| c.iter().filter_map(|w| w.upgrade()).map(|m| m.counters()).collect())
+            .unwrap_or_default()
+    }
+}
+
+/// The server's connections and calls in progress, for a graceful shutdown and counters.
+#[derive(Default)]
+pub(crate) struct Tracker {
+    pub(crate) connections: Mutex<Vec<std::sync::Weak<Mux>>>,
+    pub(crate) calls: std::sync::atomic::AtomicUsize,
+    pub(crate) idle: Notify,
+}
+
+/// Counts a call in progress for as long as it lives.
+struct CallGuard(Arc<Tracker>);
+
+impl CallGuard {
+    fn new(t: &Arc<Tracker>) -> CallGuard {
+        t.calls.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        CallGuard(t.clone())
+    }
+}
+
+impl Drop for CallGuard {
+    fn drop(&mut self) {
+        if self.0.calls.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
+}
+
+/// Accepts `shm://` connections until `stop` completes, then drops the listener (which removes
+/// its socket).
+pub(crate) async fn accept_shm(
+    listener: AsyncFd<Accepting>,
+    handlers: Arc<Methods>,
+    tracker: Arc<Tracker>,
+    stream_limit: usize,
+    stop: impl Future<Output = ()>,
+) -> Result<(), Status> {
+    tokio::pin!(stop);
+    loop {
+        tokio::select! {
+            () = &mut stop => return Ok(()),
+            ready = listener.readable() => {
+                let mut guard = ready.map_err(|e| Status::new(Code::Unavailable, e.to_string()))?;
+                match guard.get_inner().0.accept_incoming() {
+                    Ok(incoming) => {
+                        let (handlers, tracker) = (handlers.clone(), tracker.clone());
+                        tokio::spawn(async move {
+                            // The handshake reads with timeouts: keep it off the reactor.
+                            if let Ok(Ok(conn)) = tokio::task::spawn_blocking(move || incoming.handshake()).await {
+                                serve_connection(conn, handlers, tracker, stream_limit).await;
+                            }
+                        });
+                    }
+                    Err(e) if e.kind() == ErrorKind::Timeout => guard.clear_ready(),
+                    // Out of fds, say: keep serving the calls we have and try again shortly,
+                    // rather than take the whole server down.
+                    Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                }
+            }
+        }
+    }
+}
+
+/// The listener as tokio sees it.
+pub(crate) struct Accepting(pub(crate) Listener);
+
+impl AsRawFd for Accepting {
+    fn as_raw_fd(&self) -> std::os::fd::RawFd {
+        use std::os::fd::AsFd;
+        self.0.as_fd().as_raw_fd()
+    }
+}
+
+async fn serve_connection(conn: Connection, handlers: Arc<Methods>, tracker: Arc<Tracker>, stream_limit: usize) {
+    let (sender, receiver) = conn.split();
+    let mux = Mux::serving(sender, stream_limit);
+    if let Ok(mut c) = tracker.connections.lock() {
+        c.retain(|w| w.strong_count() > 0);
+        c.push(Arc::downgrade(&mux));
+    }
+    let reader_mux = mux.clone();
+    let make = Box::new(move |incoming: Incoming| -> CallFuture {
+        let handler = handlers.find(&incoming.head.path);
+        let guard = CallGuard::new(&tracker);
+        let mux = mux.clone();
+        Box::pin(async move {
+            run_call(mux, incoming, handler).await;
+            drop(guard);
+        })
+    });
+    reader_mux.read_loop(receiver, Some(Accept::new(make))).await;
+}
+
+/// Runs one call's handler against its deadline and the client's cancel, then sends its status.
+async fn run_call(mux: Arc<Mux>, incoming: Incoming, handler: Option<HandlerFn>) {
+    let Incoming { head, stream, cancelled } = incoming;
+    let span =
+        tracing::debug_span!("isthmus.serve", path = %head.path, stream = stream.id, code = tracing::field::Empty);
+    let recorder = span.clone();
+    async move {
+        let id = stream.id;
+        let status = call_status(&mux, head, stream, handler, &cancelled).await;
+        recorder.record("code", tracing::field::debug(status.as_ref().map_or(cancelled.code(), |s| s.code())));
+        match status {
+            Some(status) => {
+                mux.unregister(id);
+                mux.calls.finish(status.code());
+                let body = wire::encode_trailers(&status);
+                let _ = mux.sender.send_async(Kind::Trailers, flags::END_STREAM, id, &body).await;
+            }
+            // The client is gone or gave up: it expects no status. Answer with CANCEL so the
+            // client drops anything half-sent on this stream.
+            None => {
+                let code = cancelled.code();
+                mux.calls.finish(code);
+                mux.cancel(id, code).await;
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Runs the handler; the status to send, or `None` if the call was cancelled under it.
+async fn call_status(
+    mux: &Arc<Mux>,
+    head: wire::RequestHead,
+    stream: Stream,
+    handler: Option<HandlerFn>,
+    cancelled: &Cancel,
+) -> Option<Status> {
+    mux.calls.start();
+    let status = match handler {
+        None => Status::new(Code::Unimplemented, format!("method {} is not implemented by this server", head.path)),
+        Some(handler) => {
+            let deadline = head.timeout.map(|t| Instant::now() + t);
+            let trailers = Arc::new(Mutex::new(MetadataMap::new()));
+            let call = ServerCall {
+                id: stream.id,
+                shared: stream.shared.clone(),
+                mux: mux.clone(),
+                requests: Some(Requests { stream, mux: mux.clone(), half_closed: false }),
+                head,
+                deadline,
+                headers_sent: false,
+                trailers: trailers.clone(),
+            };
+            let status = match supervise(handler(call), deadline, cancelled).await {
+                Outcome::Done(Ok(())) => Status::ok(),
+                Outcome::Done(Err(status)) => status,
+                Outcome::Panicked(what) => Status::new(Code::Internal, format!("the handler panicked: {what}")),
+                Outcome::DeadlineExceeded => Status::new(Code::DeadlineExceeded, "the call's deadline passed"),
+                Outcome::Cancelled => return None,
+            };
+            // Trailers set on the call go after any the returned status carries.
+            let set = trailers.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
+            if set.is_empty() {
+                status
+            } else {
+                let mut all = status.metadata().clone();
+                all.extend(&set);
+                status.with_metadata(all)
+            }
+        }
+    };
+    Some(status)
+}
+
+enum Outcome {
+    Done(Result<(), Status>),
+    Panicked(String),
+    DeadlineExceeded,
+    Cancelled,
+}
+
+/// Polls a handler where it is (no task of its own, so no hand-off between worker threads per
+/// call) and turns a panic inside it into a value instead of unwinding into the server.
+struct CatchPanic(BoxFuture);
+
+impl Future for CatchPanic {
+    type Output = Result<Result<(), Status>, String>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        let handler = self.0.as_mut();
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler.poll(cx))) {
+            Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
+            Ok(std::task::Poll::Ready(r)) => std::task::Poll::Ready(Ok(r)),
+            Err(p) => {
+                let what = p
+                    .downcast_ref::<&str>()
+                    .map(|s| s.to_string())
+                    .or_else(|| p.downcast_ref::<String>().cloned())
+                    .unwrap_or_else(|| "a non-text panic".into());
+                std::task::Poll::Ready(Err(what))
+            }
+        }
+    }
+}
+
+/// Runs the handler against the deadline and the cancel signal; the losing branch's handler
+/// future is dropped, which is what stops it.
+async fn supervise(fut: BoxFuture, deadline: Option<Instant>, cancelled: &Cancel) -> Outcome {
+    let expired = async {
+        match deadline {
+            Some(d) => tokio::time::sleep_until(d).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        r = CatchPanic(fut) => match r {
+            Ok(r) => Outcome::Done(r),
+            Err(what) => Outcome::Panicked(what),
+        },
+        () = expired => Outcome::DeadlineExceeded,
+        () = cancelled.signal.notified() => Outcome::Cancelled,
+    }
+}
