@@ -1,16 +1,43 @@
 //! Blocking calls: every wait releases the GIL. A unary call over `shm://` runs on the calling
 //! thread, which reads its own reply; other calls run on the shared runtime.
+//!
+//! Which thread waits:
+//!
+//! - A unary call (`__call__`, `with_call`) over `shm://` runs on the engine's blocking channel on
+//!   the calling thread, GIL released: the thread writes its request into the ring and reads its
+//!   own reply, with no runtime and no thread hop. This is the fast path; it makes no Python call
+//!   object.
+//! - Every other call (streaming shapes, `.future()`), and every call over `unix://` and `http://`,
+//!   runs on the engine's async `Channel` on the shared runtime, driven by `block_on` from the
+//!   calling thread, GIL released. Over `shm://` that thread reads the connection while it waits
+//!   (ADR 0008), so a reply within the spin bound reaches it with no wake across threads; a later
+//!   one is read by the reader task and handed over.
+//! - So an `shm://` channel may hold two connections to its server, each made on first use: the
+//!   blocking one for unary calls, the async one for the rest.
+//! - A request iterator (stream-unary, stream-stream) is consumed by a thread of its own per call
+//!   (`isthmus-requests`), so responses can be read meanwhile and an iterator that blocks cannot
+//!   hold up the status; the two halves meet in the call's `isthmus::binding::SharedCall`.
+//! - `.future()` runs the call to its end on one `ThreadPoolExecutor` shared by the process
+//!   (`isthmus-future` threads, Python's default size `min(32, CPUs + 4)`, 6 on 2 CPUs), since an
+//!   engine call that waits holds a thread. The rest wait in the pool's queue, where grpcio's
+//!   futures all wait in its core at once; a queued call starts with what is left of its timeout.
+//!
+//! Not yet: connectivity is not probed (`subscribe` calls back READY at once); `options` (message
+//! size limits among them) and `compression` are accepted and not used, so the engine's limits
+//! apply (4 GiB a message over `shm://`, none over HTTP/2, where grpcio receives at most 4 MiB by
+//! default); `close` makes later calls fail UNAVAILABLE and lets calls in progress go on; there is
+//! no `secure_channel`.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
+use isthmus::binding::SharedCall;
 use isthmus::{Code, Status};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
 use crate::convert::{bytes_from_py, call_error, metadata_to_py, options, PyMetadata};
-use crate::core::CallCore;
 use crate::runtime;
 
 /// A unary call's outcome.
@@ -104,7 +131,7 @@ impl Channel {
         }
         let options = options(metadata, timeout, wait_for_ready)?;
         match py.detach(|| runtime().block_on(self.engine.start(path, options))) {
-            Ok(call) => Ok(Call(CallCore::new(call))),
+            Ok(call) => Ok(Call(SharedCall::new(call))),
             Err(status) => Err(call_error(py, &status)),
         }
     }
@@ -117,7 +144,7 @@ impl Channel {
 /// One blocking call of any shape; its sending and receiving sides may be used from two
 /// threads at once.
 #[pyclass(module = "isthmus._native", frozen)]
-pub(crate) struct Call(Arc<CallCore>);
+pub(crate) struct Call(Arc<SharedCall>);
 
 #[pymethods]
 impl Call {

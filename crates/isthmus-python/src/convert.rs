@@ -1,5 +1,19 @@
 //! What crosses between Python and the engine: metadata as `(key, value)` pairs, statuses as
 //! [`CallError`], request bytes without a copy.
+//!
+//! Metadata is a list of `(key, value)` pairs; keys are lowercased, `-bin` values are `bytes` both
+//! ways (a `str` given for one is taken as its UTF-8 bytes), others `str`. A timeout is seconds as
+//! a float; infinite is none, as grpcio reads it. A request `bytes` becomes the engine's `Bytes`
+//! without a copy (`bytes_from_py`: a `PyBuffer` keeps the object alive and owns the `Bytes`), so
+//! the only copy is the transport's own. A response is copied once into a new `bytes`: Python
+//! never holds a view into shared memory, so every arena block goes back at once; there is no
+//! zero-copy API in Python yet (`alloc`/`send_block` have no Python form; the raw-bytes API is a
+//! multi-callable made without serializers).
+//!
+//! `CallError` is the native exception (code, details, initial and trailing metadata); the package
+//! turns it into `isthmus.RpcError`: a `grpc.RpcError` and `grpc.Call` for the blocking API, a
+//! `grpc.aio.AioRpcError` for `isthmus.aio`. A target that does not parse is a `ValueError`, and
+//! every exception isthmus raises of its own is an `IsthmusError`.
 
 use std::time::Duration;
 

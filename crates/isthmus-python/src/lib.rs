@@ -8,28 +8,40 @@
 //! - `server`: the engine's server, handing each call to a Python callable.
 //! - `convert`: metadata, statuses and buffers across the boundary.
 //!
+//! What every binding needs beyond that (a call whose halves two threads drive, completions
+//! for event loops, a call handed to foreign code) is the engine's `isthmus::binding`.
+//!
 //! One tokio runtime, started on first use, carries the connections' readers, the HTTP/2
 //! channels and the server; a blocking unary call over `shm://` runs on the calling thread.
+//!
+//! Why two layers (ADR 0007): grpcio's API is large and all Python-level behaviour (four call
+//! shapes in two forms, futures, call objects, servicer contexts, generic and registered handlers);
+//! the engine's is small (start a call, send, receive, status). So this module moves bytes,
+//! metadata and statuses and owns every wait, and the package gives it grpcio's shapes. Python
+//! never implements a transport: every endpoint, `unix://` and `http://` included, is the engine's.
+//! The contract is `python/isthmus/_native.pyi`, every class and method of this module with its
+//! types; `make lint` checks it against the built module with `mypy.stubtest`, so the two cannot
+//! drift.
+//!
+//! The package, in `python/isthmus`: `__init__.py` (`insecure_channel`, `server`, `IsthmusError`,
+//! `RpcError`); `_channel.py` and `_call.py` (the blocking channel, its multi-callables, and the
+//! call object that is a `grpc.Call`, a `grpc.Future` and a response iterator); `_server.py`,
+//! `_context.py` and `_handler.py` (the blocking server and what it shares with the asyncio one:
+//! ports, finding a method's handler, the `ServicerContext`); `_errors.py`, `_metadata.py`; and
+//! `aio/`, the same for grpc.aio, with `_reactor.py`, which ties one `Reactor` to each running
+//! loop.
 
 mod client;
 mod convert;
-mod core;
 mod reactor;
 mod server;
 
 use pyo3::prelude::*;
 
-/// The runtime under every connection and server of this process.
+/// The runtime under every connection and server of this process (the engine's, for
+/// bindings).
 pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
-    static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
-    RUNTIME.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("isthmus")
-            .enable_all()
-            .build()
-            .unwrap_or_else(|e| panic!("isthmus cannot start its runtime: {e}"))
-    })
+    isthmus::binding::runtime()
 }
 
 #[pymodule]

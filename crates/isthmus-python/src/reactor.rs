@@ -3,17 +3,38 @@
 //! when the engine wakes it (a reply arrived), it is queued in its loop's [`Reactor`], whose
 //! eventfd the loop watches (`add_reader`); the loop's `drain` polls every queued operation and
 //! hands back all that finished, in one batch.
+//!
+//! - Each running loop gets one `Reactor`, around the engine's `isthmus::binding::Completions`
+//!   (an eventfd and a queue). Every operation (a unary call, a call's start, `send`,
+//!   `close_send`, `recv`, initial metadata; and the asyncio server's `recv_async`, `send_async`,
+//!   `send_initial_metadata_async`) gets a token and an asyncio future on the Python side, and a
+//!   Rust future here.
+//! - That future is polled at once, on the loop's thread, inside the runtime's context (so its
+//!   timers and the connection's reader task belong to the shared runtime): a unary call over an
+//!   `shm://` connection that is up writes its request into the ring right there.
+//! - A future that must wait is kept by token. When the engine wakes it (on a runtime thread: the
+//!   reader task delivered the reply, or a timer fired), the wake-up only queues the operation,
+//!   and the first of a batch signals the eventfd.
+//! - `drain()` clears the eventfd, takes the queue, polls each woken operation on the loop's
+//!   thread, and returns `(token, ok, value)` for each that finished. A failure comes back as a
+//!   `CallError` value, not raised, so one nobody awaits is not logged as a lost exception.
+//! - So no task is spawned and no thread woken per call on the way out, and the loop wakes once per
+//!   batch. The reply still crosses one thread, from the reader task to the loop, through the
+//!   eventfd; reading the connection on the loop's thread (the transport's `arm` and `doorbell_fd`)
+//!   would remove that hop, and is not done. These channels are made `with_calls_read(false)`: a
+//!   spin on the loop's thread would hold up every other coroutine.
+//! - Cancelling a unary call (or the task awaiting it) abandons its token: `Reactor.cancel` drops
+//!   the Rust future, and dropping an engine call sends CANCEL. A streaming call's `cancel` goes
+//!   through its `isthmus::binding::SharedCall`. A request iterator is written by a task on the
+//!   loop.
+//! - A channel stays with the loop it was first used on, as a grpc.aio channel does; using it on
+//!   another is a `grpc.aio.UsageError`. `close(grace)` ignores the grace.
 
-use std::collections::HashMap;
-use std::future::Future;
-use std::os::fd::AsRawFd;
-use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, Weak};
-use std::task::{Context, Poll, Wake, Waker};
+use std::sync::Arc;
 
 use bytes::Bytes;
-use isthmus::EventFd;
+use isthmus::binding::SharedCall;
 use isthmus::{MetadataMap, Status};
 use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
@@ -21,7 +42,6 @@ use pyo3::types::{PyBytes, PyList};
 
 use crate::client::{bad_target, UnaryResult};
 use crate::convert::{bytes_from_py, call_error_value, metadata_to_py, options, PyMetadata};
-use crate::core::CallCore;
 use crate::runtime;
 
 /// What a finished operation gives back.
@@ -31,7 +51,7 @@ pub(crate) enum Outcome {
     Metadata(MetadataMap),
     Sent(bool),
     Done,
-    Started(Arc<CallCore>),
+    Started(Arc<SharedCall>),
     Failed(Status),
 }
 
@@ -59,113 +79,8 @@ impl From<()> for Outcome {
     }
 }
 
-type OpFuture = Pin<Box<dyn Future<Output = Outcome> + Send>>;
-
-/// An operation that had to wait: its future, polled again on the loop's thread each time it
-/// is woken.
-struct Op {
-    token: u64,
-    future: Mutex<Option<OpFuture>>,
-    completions: Weak<Completions>,
-}
-
-impl Wake for Op {
-    fn wake(self: Arc<Self>) {
-        self.wake_by_ref();
-    }
-
-    fn wake_by_ref(self: &Arc<Self>) {
-        if let Some(completions) = self.completions.upgrade() {
-            completions.queue(|q| q.woken.push(self.clone()));
-        }
-    }
-}
-
-/// What the loop's next `drain` takes.
-#[derive(Default)]
-struct Queue {
-    done: Vec<(u64, Outcome)>,
-    woken: Vec<Arc<Op>>,
-}
-
-/// The operations of one event loop: they run on the loop's own thread, so no task is
-/// spawned and no thread is woken per call; a wake-up from the engine (a reply arrived) only
-/// queues the operation and, for the first of a batch, signals the eventfd.
-pub(crate) struct Completions {
-    fd: EventFd,
-    queue: Mutex<Queue>,
-    /// Operations waiting, by token (to abandon them).
-    running: Mutex<HashMap<u64, Arc<Op>>>,
-}
-
-impl Completions {
-    fn queue(&self, add: impl FnOnce(&mut Queue)) {
-        let Ok(mut queue) = self.queue.lock() else { return };
-        let first = queue.done.is_empty() && queue.woken.is_empty();
-        add(&mut queue);
-        drop(queue);
-        // The loop drains the eventfd before it takes the queue, so a queue found empty here
-        // has been (or is being) taken: one signal per batch.
-        if first {
-            self.fd.signal();
-        }
-    }
-
-    /// Runs `fut` and queues its outcome under `token`. Polled here first, so what can happen
-    /// at once (sending a request) happens before this returns.
-    pub(crate) fn run<F>(self: &Arc<Self>, token: u64, fut: F)
-    where
-        F: Future<Output = Outcome> + Send + 'static,
-    {
-        let op = Arc::new(Op { token, future: Mutex::new(None), completions: Arc::downgrade(self) });
-        let Ok(mut slot) = op.future.lock() else { return };
-        // In the slot before the first poll: a wake-up that comes before this returns finds
-        // the future there (and waits for this lock).
-        let future = slot.insert(Box::pin(fut));
-        let _runtime = runtime().enter();
-        match future.as_mut().poll(&mut Context::from_waker(&Waker::from(op.clone()))) {
-            Poll::Ready(outcome) => {
-                *slot = None;
-                drop(slot);
-                self.queue(|q| q.done.push((token, outcome)));
-            }
-            Poll::Pending => {
-                drop(slot);
-                if let Ok(mut running) = self.running.lock() {
-                    running.insert(token, op);
-                }
-            }
-        }
-    }
-
-    /// Polls every woken operation; the finished ones, with those that finished at once.
-    fn take(&self) -> Vec<(u64, Outcome)> {
-        self.fd.drain();
-        let Queue { mut done, woken } = self.queue.lock().map(|mut q| std::mem::take(&mut *q)).unwrap_or_default();
-        let _runtime = runtime().enter();
-        for op in woken {
-            let Ok(mut slot) = op.future.lock() else { continue };
-            let Some(future) = slot.as_mut() else { continue }; // finished or abandoned
-            if let Poll::Ready(outcome) = future.as_mut().poll(&mut Context::from_waker(&Waker::from(op.clone()))) {
-                *slot = None;
-                if let Ok(mut running) = self.running.lock() {
-                    running.remove(&op.token);
-                }
-                done.push((op.token, outcome));
-            }
-        }
-        done
-    }
-
-    /// Drops a waiting operation's future (a call's drop cancels it); its token never
-    /// completes. `false` if it is not waiting.
-    fn abort(&self, token: u64) -> bool {
-        let Some(op) = self.running.lock().ok().and_then(|mut r| r.remove(&token)) else { return false };
-        let future = op.future.lock().ok().and_then(|mut f| f.take());
-        drop(future);
-        true
-    }
-}
+/// The completions of one asyncio loop.
+pub(crate) type Completions = isthmus::binding::Completions<Outcome>;
 
 /// Completions for one asyncio loop (see the module's documentation).
 #[pyclass(module = "isthmus._native", frozen)]
@@ -177,13 +92,12 @@ pub(crate) struct Reactor {
 impl Reactor {
     #[new]
     fn new() -> PyResult<Reactor> {
-        let fd = EventFd::new().map_err(|e| PyOSError::new_err(format!("cannot make an eventfd: {e}")))?;
-        let completions = Completions { fd, queue: Mutex::default(), running: Mutex::default() };
-        Ok(Reactor { completions: Arc::new(completions) })
+        let completions = Completions::new().map_err(|e| PyOSError::new_err(format!("cannot make an eventfd: {e}")))?;
+        Ok(Reactor { completions })
     }
 
     fn fileno(&self) -> i32 {
-        self.completions.fd.as_raw_fd()
+        self.completions.fd()
     }
 
     /// `(token, ok, value)` for every finished operation.
@@ -274,7 +188,7 @@ impl AsyncChannel {
                 None => engine
                     .start(&path, options)
                     .await
-                    .map_or_else(Outcome::Failed, |c| Outcome::Started(CallCore::new(c))),
+                    .map_or_else(Outcome::Failed, |c| Outcome::Started(SharedCall::new(c))),
             }
         });
         Ok(())
@@ -294,7 +208,7 @@ impl AsyncChannel {
 /// One call driven through a [`Reactor`].
 #[pyclass(module = "isthmus._native", frozen)]
 pub(crate) struct AsyncCall {
-    core: Arc<CallCore>,
+    core: Arc<SharedCall>,
     completions: Arc<Completions>,
 }
 

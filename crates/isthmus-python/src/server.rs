@@ -1,91 +1,69 @@
 //! The engine's server with Python behind it: every call, whatever its path, goes to one
 //! Python callable (`dispatch`), which hands it to a thread pool or an event loop; the call's
 //! handler then receives, sends and finishes it through [`ServerCall`].
+//!
+//! - The engine's `Server` with one `fallback` handler, `PyHandler`: every call, whatever its path,
+//!   goes to one Python callable, `dispatch(call)`. Methods are known only to Python, possibly only
+//!   after the ports are bound (grpcio allows `add_insecure_port` before
+//!   `add_generic_rpc_handlers`), so the engine routes none itself.
+//! - `PyHandler` hands the call over with `isthmus::binding::hand_off`, which makes its
+//!   `HandedCall` (the engine's `ServerCall` under a tokio mutex, the path, metadata, deadline,
+//!   whether it is active, its callbacks); it takes the GIL, calls `dispatch`, and the handler's
+//!   future then waits for `finish(code, details, trailing_metadata)`. This runs in the call's
+//!   first poll on the connection's reader task, so `dispatch` must not block: the blocking server
+//!   submits the call to its thread pool, the asyncio server hands it to the loop with
+//!   `call_soon_threadsafe`, where the handler runs as a task. While another thread holds the GIL
+//!   (up to the switch interval, 5 ms by default), that connection reads no frames.
+//! - `_handler.py` finds the method's handler as grpcio does (registered methods by path, then the
+//!   generic handlers in order, behind the interceptors; none is UNIMPLEMENTED "Method not
+//!   found!"). The handler works through the `ServerCall`: blocking calls on the runtime with
+//!   `block_on`, GIL released (thread-pool server), or operations through the loop's `Reactor`
+//!   (asyncio). Plain (not `async`) unary handlers of the asyncio server run on
+//!   `migration_thread_pool` if one is given; other plain handlers run on the loop.
+//! - A request-streaming handler's read flushes headers: if the call has sent nothing and no
+//!   request is ready, `HandedCall::recv` first sends empty initial metadata, so a client that
+//!   waits for the response to open before its first request (tonic's generated clients) is not
+//!   left waiting.
+//! - The end: a handler that raises ends the call UNKNOWN ("Exception calling application: …"), as
+//!   grpcio does; a `ServerCall` dropped unfinished ends UNKNOWN too. The client's cancel, the
+//!   deadline or the connection's end drop the engine's future; `hand_off` then marks the call
+//!   inactive and runs the `add_callback` callbacks (with the GIL, on the engine's thread). The
+//!   Python handler is not interrupted: its next read or write fails with the call's status, and
+//!   asyncio handlers are not cancelled as grpc.aio's are (check `context.done()`, `cancelled()`,
+//!   or `add_done_callback`).
+//! - Ports: each `add_insecure_port` binds at once (`Server::bind`) as a `Bound` of its own, so it
+//!   can return the port (the one chosen for `http://…:0`; 1 for other targets, since grpc callers
+//!   take 0 for failure). An HTTP/2 port has its own loopback `shm://` endpoint, through which its
+//!   calls reach `dispatch`: Python sees one kind of call everywhere. `start` serves them all with
+//!   `serve_until`, stopped by one `watch` whose value is `stop(grace)`'s grace (none: 0). `wait`
+//!   waits on a condvar with the GIL released; the blocking `wait_for_termination` waits in 1 s
+//!   slices so Ctrl-C gets its turn. The asyncio `stop` cancels the handler tasks still running
+//!   once the engine has ended every call.
+//! - Options: `maximum_concurrent_rpcs` becomes `max_concurrent_streams` (so it counts per
+//!   connection, and over HTTP/2 per port, where grpcio counts per server),
+//!   `grpc.max_receive_message_length` becomes `max_message_size`; other options and `compression`
+//!   are accepted and unused. `add_secure_port` raises `IsthmusError`.
+//! - Known limits: a call's two halves serialise on its `HandedCall`'s one lock, a `recv` for as
+//!   long as it waits, so a handler that reads in one task while it writes in another sees each
+//!   write wait for the read (grpcio's one-thread-per-call handlers do not meet this); `peer()` is
+//!   `"local:isthmus"` on every endpoint (behind the loopback the HTTP/2 peer's address does not
+//!   arrive); a Python `grpc.health.v1.Health` servicer is never called, because the engine's
+//!   health service takes that path and reports `""` SERVING while it serves.
 
-use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
-use std::task::Poll;
 use std::time::Duration;
 
-use bytes::Bytes;
-use isthmus::{Code, Handler, HandlerFuture, MetadataMap, Status};
+use isthmus::binding::{hand_off, HandedCall};
+use isthmus::{Code, Handler, HandlerFuture, Status};
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
-use tokio::sync::{oneshot, watch};
-use tokio::time::Instant;
+use tokio::sync::watch;
 
 use crate::convert::{bytes_from_py, call_error, metadata_from_py, metadata_to_py, PyMetadata};
 use crate::reactor::Reactor;
 use crate::runtime;
-
-type Finish = oneshot::Sender<Result<(), Status>>;
-
-/// A call as its handler's operations share it.
-struct ServerCore {
-    call: tokio::sync::Mutex<isthmus::ServerCall>,
-    path: String,
-    metadata: MetadataMap,
-    deadline: Option<Instant>,
-    active: AtomicBool,
-    /// Initial metadata or a message has been sent.
-    responded: AtomicBool,
-    /// Run once when the call ends (grpc's `add_callback`).
-    callbacks: Mutex<Vec<Py<PyAny>>>,
-}
-
-impl ServerCore {
-    /// The next request. With `flush_headers`, a call that has sent nothing yet and must wait
-    /// for a request sends its (empty) initial metadata first: a client that waits for the
-    /// response to open before it sends its first request (tonic's generated clients do) is
-    /// then not left waiting on a handler that waits for that request.
-    async fn recv(&self, flush_headers: bool) -> Result<Option<Bytes>, Status> {
-        let mut call = self.call.lock().await;
-        if flush_headers && !self.responded.load(Ordering::Acquire) {
-            let ready = {
-                let mut next = std::pin::pin!(call.recv());
-                std::future::poll_fn(|cx| Poll::Ready(next.as_mut().poll(cx))).await
-            };
-            if let Poll::Ready(r) = ready {
-                return r;
-            }
-            self.responded.store(true, Ordering::Release);
-            call.send_headers(MetadataMap::new()).await?;
-        }
-        call.recv().await
-    }
-
-    async fn send(&self, message: Bytes) -> Result<(), Status> {
-        self.responded.store(true, Ordering::Release);
-        self.call.lock().await.send(&message).await
-    }
-
-    async fn send_headers(&self, metadata: MetadataMap) -> Result<(), Status> {
-        self.responded.store(true, Ordering::Release);
-        self.call.lock().await.send_headers(metadata).await
-    }
-}
-
-/// Marks the call over and runs its callbacks when the handler's future ends, however it
-/// ends: finished, cancelled by the client, or past its deadline.
-struct Ended(Arc<ServerCore>);
-
-impl Drop for Ended {
-    fn drop(&mut self) {
-        self.0.active.store(false, Ordering::Release);
-        let callbacks = self.0.callbacks.lock().map(|mut c| std::mem::take(&mut *c)).unwrap_or_default();
-        if !callbacks.is_empty() {
-            Python::attach(|py| {
-                for callback in callbacks {
-                    if let Err(e) = callback.call0(py) {
-                        e.print(py);
-                    }
-                }
-            });
-        }
-    }
-}
 
 /// Hands every call to the Python `dispatch` callable.
 struct PyHandler {
@@ -94,53 +72,35 @@ struct PyHandler {
 
 impl Handler for PyHandler {
     fn handle(self: Arc<Self>, call: isthmus::ServerCall) -> HandlerFuture {
-        Box::pin(async move {
-            let core = Arc::new(ServerCore {
-                path: call.path().to_owned(),
-                metadata: call.metadata().clone(),
-                deadline: call.time_remaining().map(|t| Instant::now() + t),
-                call: tokio::sync::Mutex::new(call),
-                active: AtomicBool::new(true),
-                responded: AtomicBool::new(false),
-                callbacks: Mutex::new(Vec::new()),
-            });
-            let _ended = Ended(core.clone());
-            let (finish, finished) = oneshot::channel();
-            let dispatched = Python::attach(|py| -> PyResult<()> {
-                let call = Py::new(py, ServerCall { core, finish: Mutex::new(Some(finish)) })?;
+        Box::pin(hand_off(call, move |core| {
+            Python::attach(|py| -> PyResult<()> {
+                let call = Py::new(py, ServerCall { core })?;
                 self.dispatch.call1(py, (call,)).map(drop)
-            });
-            if let Err(e) = dispatched {
-                return Err(Status::new(Code::Unknown, format!("the server could not start the handler: {e}")));
-            }
-            finished.await.unwrap_or_else(|_| {
-                Err(Status::new(Code::Unknown, "the handler was dropped without finishing the call"))
             })
-        })
+            .map_err(|e| Status::new(Code::Unknown, format!("the server could not start the handler: {e}")))
+        }))
     }
 }
 
 /// The server's side of one call.
 #[pyclass(module = "isthmus._native", frozen)]
 pub(crate) struct ServerCall {
-    core: Arc<ServerCore>,
-    /// Taken by `finish`; dropped unfinished, the call ends UNKNOWN.
-    finish: Mutex<Option<Finish>>,
+    core: Arc<HandedCall>,
 }
 
 #[pymethods]
 impl ServerCall {
     #[getter]
     fn path(&self) -> &str {
-        &self.core.path
+        self.core.path()
     }
 
     fn invocation_metadata(&self, py: Python<'_>) -> PyResult<PyMetadata> {
-        metadata_to_py(py, &self.core.metadata)
+        metadata_to_py(py, self.core.metadata())
     }
 
     fn time_remaining(&self) -> Option<f64> {
-        self.core.deadline.map(|d| d.saturating_duration_since(Instant::now()).as_secs_f64())
+        self.core.time_remaining().map(|t| t.as_secs_f64())
     }
 
     fn peer(&self) -> &'static str {
@@ -148,16 +108,17 @@ impl ServerCall {
     }
 
     fn is_active(&self) -> bool {
-        self.core.active.load(Ordering::Acquire) && self.finish.lock().is_ok_and(|f| f.is_some())
+        self.core.is_active()
     }
 
     fn add_done_callback(&self, callback: Py<PyAny>) -> bool {
-        let Ok(mut callbacks) = self.core.callbacks.lock() else { return false };
-        if !self.core.active.load(Ordering::Acquire) {
-            return false;
-        }
-        callbacks.push(callback);
-        true
+        self.core.add_done_callback(Box::new(move || {
+            Python::attach(|py| {
+                if let Err(e) = callback.call0(py) {
+                    e.print(py);
+                }
+            })
+        }))
     }
 
     #[pyo3(signature = (flush_headers=false))]
@@ -170,7 +131,7 @@ impl ServerCall {
 
     fn send(&self, py: Python<'_>, message: &Bound<'_, PyBytes>) -> PyResult<()> {
         let message = bytes_from_py(message);
-        py.detach(|| runtime().block_on(self.core.send(message))).map_err(|s| call_error(py, &s))
+        py.detach(|| runtime().block_on(self.core.send(&message))).map_err(|s| call_error(py, &s))
     }
 
     fn send_initial_metadata(&self, py: Python<'_>, metadata: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -186,7 +147,7 @@ impl ServerCall {
 
     fn send_async(&self, reactor: &Reactor, token: u64, message: &Bound<'_, PyBytes>) {
         let (core, message) = (self.core.clone(), bytes_from_py(message));
-        reactor.completions.run(token, async move { core.send(message).await.into() });
+        reactor.completions.run(token, async move { core.send(&message).await.into() });
     }
 
     fn send_initial_metadata_async(&self, reactor: &Reactor, token: u64, metadata: &Bound<'_, PyAny>) -> PyResult<()> {
@@ -200,14 +161,7 @@ impl ServerCall {
     #[pyo3(signature = (code, details, trailing_metadata=None))]
     fn finish(&self, code: u32, details: String, trailing_metadata: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let trailers = metadata_from_py(trailing_metadata)?;
-        let Some(finish) = self.finish.lock().ok().and_then(|mut f| f.take()) else { return Ok(()) };
-        let outcome = if code == 0 && trailers.is_empty() {
-            Ok(())
-        } else {
-            // An OK status with trailers goes as a status too: the engine sends it as it is.
-            Err(Status::new(Code::from_u32(code), details).with_metadata(trailers))
-        };
-        let _ = finish.send(outcome);
+        self.core.finish(Status::new(Code::from_u32(code), details).with_metadata(trailers));
         Ok(())
     }
 }

@@ -4,6 +4,24 @@
 //! process's private memory, so the peer can neither corrupt it nor free what it was not given.
 //! The receiver hands blocks back through the release ring; the owner checks every release
 //! against the blocks it actually has out.
+//!
+//! - `Allocator` is best fit over whole 4 KiB granules, lowest offset first among equals. Each live
+//!   block has a generation and an in-flight flag: `mark_in_flight(offset, generation)` just before
+//!   a block's descriptor is pushed, `free` for the peer's releases (accepted only for a block in
+//!   flight, with a length at most its size; the whole block is freed),
+//!   `free_own(offset, generation)` for our own blocks never sent, which frees only that
+//!   allocation, never a later one at the same offset.
+//! - `ArenaOwner` reclaims, then allocates: every allocation first drains the release ring and
+//!   checks each entry, so the blocks just released, whose pages are warm, are reused first and a
+//!   bogus release is caught at the next allocation rather than when the arena runs full.
+//!   `can_alloc(len)` (drain, then ask whether `len` fits) is the condition of a wait for arena
+//!   room.
+//! - `Releaser` returns the peer's blocks from any thread: a 16-byte push under a private mutex,
+//!   then the owner's doorbell if it sleeps. A full or corrupted release ring is a protocol error
+//!   found in a destructor: it hangs the connection up at once.
+//! - `Lease` is a received block: a zero-copy view (the one slice over peer-writable memory on the
+//!   receive path, ADR 0003) whose drop releases, and `copy_into`, a raw copy out into a private
+//!   buffer that forms no slice.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::{Arc, Mutex};

@@ -1,4 +1,59 @@
 //! A connection: a [`Sender`] any number of threads share and one [`Receiver`].
+//!
+//! `Sender` is `Clone`; clones share one core with two private mutexes, one held for exactly one
+//! append to the ring (the copy of one frame and the store of the tail), one for one allocation or
+//! one drain of the release ring. No lock is held while a thread waits, so a thread blocked on a
+//! full arena does not stop another from sending a small frame; there is no fairness between
+//! waiters, so a small frame can overtake a large one waiting for ring room. `Receiver` methods
+//! take `&mut self`: the frame ring has one reader, which copies frames out, wakes the producer and
+//! reassembles pieces per stream. Which call a frame is for is the RPC layer's business.
+//!
+//! A message takes one of three routes (`send_message`; `protocol.md` §7.2), and costs:
+//!
+//! - **Small** (up to `inline_max`, 8 KiB): the header and body are copied into the ring under the
+//!   ring lock and the tail stored; the receiver is rung only if it is parked (a fence and a load,
+//!   else one `write(2)`). The receiver copies the header into a stack buffer, validates it, copies
+//!   the body into a fresh `Vec`, stores its head, and rings the producer if it waits for room. Two
+//!   copies; a system call only when the receiver sleeps.
+//! - **Large** (up to half the arena): `alloc` takes a block (waiting for arena room if need be),
+//!   the payload is copied in, or a caller serialises straight into the [`BlockMut`] and may
+//!   `truncate` it, and `send_block` marks it in flight, then pushes a 24-byte descriptor
+//!   `{offset, len, total}`. The mark comes before any wait for ring room, and only from the mark
+//!   on does the owner accept a release of the block, so a release guessed while the block was
+//!   being filled is a protocol error and a generation keeps a late one from freeing the next
+//!   allocation at that offset. The receiver checks the descriptor against the arena and hands out
+//!   `Bytes::from_owner(lease)`: no copy. When the last reference drops, the block goes back on the
+//!   release ring. One copy, or none with `alloc`; the arena's capacity is the backpressure,
+//!   bounded by the sender's deadline.
+//! - **Very large** (over half the arena): pieces of a quarter of the arena, each an arena message
+//!   carrying the whole `total`, `END_STREAM` on the last only. The receiver keeps one partial
+//!   message per stream, at most 256 at once (`MAX_PARTIALS`), checks every piece against the total
+//!   (`len > total - received`, which cannot overflow), copies it out with `Lease::copy_into` and
+//!   releases the block at once, so the sender refills it while the receiver copies the next piece.
+//!   A CANCEL or TRAILERS on the stream discards a partial message. A 2 GiB message passes through
+//!   a 64 MiB arena this way.
+//!
+//! A `BlockMut` dropped unsent, or whose send failed, frees its block with `free_own` and rings
+//! this side's own tx doorbell if a waiter announced it sleeps: the peer never saw the block and
+//! will not ring for it (ADR 0002).
+//!
+//! Reassembly buffers come from a pool private to the `Receiver`. A buffer starts empty, or is a
+//! pooled one cleared, and grows only with the bytes that arrive (`try_reserve` per piece), so the
+//! peer's `total` never decides how much is reserved; if a reservation fails the message becomes
+//! `MessageTooLarge` (remaining pieces released uncopied) instead of aborting the process. When the
+//! delivered `Bytes` drops, its buffer goes back to the pool, which keeps at most two of at most
+//! 256 MiB each. A new message takes the smallest spare that holds its total, else the largest: a
+//! stream of large messages reuses memory already faulted in (65,536 page faults saved at 256 MiB,
+//! which cost more than the copies), and a small message does not pin the biggest buffer.
+//!
+//! `try_recv` returns `None` after 256 pieces in one call (`MAX_PIECES_PER_CALL`) even if frames
+//! wait, so a long message cannot hold the receiving thread, an event loop's say; `recv` and
+//! `recv_async` simply call it again. External event loops drive the receive side with `arm`,
+//! `disarm`, `doorbell_fd` and `liveness_fd` (`arm` returns false while a frame waits, so the loop
+//! calls `try_recv` again). The send side has no such interface: a send waits only when the ring or
+//! the arena is full. [`Interrupter`] lets another thread or task wake a receive wait
+//! (`recv_async_interruptible`), which the RPC layer uses to take the receiver from its reader
+//! task.
 
 use std::collections::HashMap;
 use std::fmt;

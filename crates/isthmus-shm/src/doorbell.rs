@@ -10,6 +10,32 @@
 //! room). Only one of them — the *poller* — sleeps on the eventfd and drains it; the others wait
 //! on an in-process event the poller fires when it wakes. A drain can therefore never swallow a
 //! wake-up meant for a thread that has not reached `poll(2)` yet.
+//!
+//! A wait (`Waiter`) spins first, checking its condition in batches of 64: purely for
+//! `SpinPolicy::yield_after`, then yielding the CPU after every batch, until `SpinPolicy::max` (see
+//! `config`). Then it parks: it sets the parked flag, fences, checks once more
+//! (`announce_and_check`), and sleeps in `poll(2)` on the eventfd and the socket for the time left.
+//! A deadline that passes is `Timeout`, and the connection stays usable; an error from the
+//! condition itself (a corrupted cursor found while a receive or a send waits) closes the
+//! connection like any protocol error.
+//!
+//! The async wait (feature `tokio`) follows the same protocol with `AsyncFd` in place of `poll(2)`:
+//!
+//! - The poller awaits `readable()` futures on the eventfd and on the socket, not
+//!   `poll_read_ready`: the socket's registration is shared by the receive and send pollers, tokio
+//!   keeps only one waker for the poll form, and any number of `readable()` futures may wait. After
+//!   end-of-file the socket's readiness is not cleared, so every other waiter sees the end too.
+//! - It spins like a blocking wait, synchronously, on the runtime's worker thread, and holds that
+//!   worker meanwhile: a task woken on the same worker waits (at most `SpinPolicy::max`) unless
+//!   another worker takes it. A caller that wakes tasks should give the scheduler a turn before it
+//!   waits again, as the RPC reader does after a batch.
+//! - Deadlines are the caller's (`tokio::time::timeout`). Dropping the future gives up the poller
+//!   role and clears the parked flag; a dropped receive loses no frame. The registration belongs to
+//!   the runtime that made it: use one runtime per connection.
+//! - Blocking and async waiters share a bell: the poller role does not care which kind holds it.
+//!
+//! [`EventFd`] is a public non-blocking eventfd for wake-ups inside one process; the Python
+//! binding's asyncio `Reactor` gives one to its event loop to watch.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
@@ -261,6 +287,12 @@ impl EventFd {
     /// Makes it unreadable again; true if it was signalled.
     pub fn drain(&self) -> bool {
         sys::eventfd_drain(self.0.as_fd())
+    }
+
+    /// Sleeps until it is signalled or `deadline` passes (`None`: no limit), without draining
+    /// it; true if signalled.
+    pub fn wait(&self, deadline: Option<std::time::Instant>) -> bool {
+        sys::wait_one(self.0.as_fd(), deadline)
     }
 }
 

@@ -1,4 +1,41 @@
-//! The transport's one error type.
+//! The transport's one error type. An [`Error`] carries an [`ErrorKind`], a sentence a person can
+//! act on (which limit, which size, which path), and the `io::Error` it came from, if any, as its
+//! `source()`.
+//!
+//! [`Error::is_fatal`] says whether the connection is finished: `PeerGone`, `Closed`, `Protocol`
+//! and `Io` are fatal; the rest leave the connection usable, and most arise before one exists
+//! (bind, connect, handshake). The first fatal error of a connection is kept (`link`'s `Health`)
+//! and every later operation reports it. [`Error::stream`] names the stream a non-fatal error
+//! concerns: the `Receiver` sets it on `MessageTooLarge`, so the RPC layer fails that one call and
+//! the connection goes on.
+//!
+//! The kinds, and what raises them:
+//!
+//! - `PeerGone`: end-of-file or a reset on the socket, or the peer closed during the handshake (as
+//!   a client does when its policy rejects the server).
+//! - `Closed`: this side closed the connection; a sender thread panicked holding a lock; an arena
+//!   block was found freed before it was sent (a bug here, not peer input).
+//! - `Timeout`: a deadline passed waiting for ring room, arena room or a frame; a handshake read or
+//!   write timed out, or the client's hello did not come in time.
+//! - `MessageTooLarge`: a received message over `max_message_size`, or memory to reassemble a
+//!   message in pieces could not be reserved; only that message is dropped.
+//! - `Protocol`: the peer broke the protocol (a bad frame, cursor, descriptor or release, a release
+//!   of a block not yet sent, more than 256 messages in pieces at once, stray bytes on the socket),
+//!   or refused with code 3 (bad request).
+//! - `VersionMismatch`: the versions differ (either side refused).
+//! - `PermissionDenied`: a policy refused the peer's uid, or the runtime directory is not a
+//!   directory, is someone else's, or is not private.
+//! - `TooLarge`: a caller's frame body larger than the ring, or block larger than the arena.
+//! - `InvalidAddress`: a malformed `shm://` address, or a socket path over 107 bytes.
+//! - `InvalidConfig`: a value out of range, or misuse: an ARENA flag from a caller, a block sent on
+//!   another connection, an async wait outside a tokio runtime with I/O.
+//! - `AddrInUse`: a live server owns the socket path, or the path is not a socket.
+//! - `NotFound`: no server listens at the address.
+//! - `Io`: an operating-system call failed; see `source()`.
+//!
+//! [`ErrorKind`] is `#[non_exhaustive]`. `isthmus::Status::from_transport` maps each kind to a gRPC
+//! code in one `match`, pinned by a test; a kind added here falls to UNAVAILABLE there until it
+//! gets an arm.
 
 use std::fmt;
 use std::io;

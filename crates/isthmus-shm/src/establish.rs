@@ -1,4 +1,19 @@
-//! The handshake flows: a client connecting, a server accepting.
+//! The two handshake flows over the Unix socket: a client connecting, a server accepting.
+//!
+//! - `connect` (client): before connecting to `shm://NAME` it checks that the runtime directory is
+//!   a directory it owns with no group or other permissions, as the server does before binding;
+//!   then it checks the server's uid (`SO_PEERCRED`) against its `PeerPolicy`, the sizes in the
+//!   server's hello, the five fds, and the memfd's seals (`F_SEAL_SHRINK` and `F_SEAL_GROW`) and
+//!   size, so no access inside the mapping can raise `SIGBUS`. It makes the four doorbell fds
+//!   non-blocking itself. A failure of any check sends a refusal with the reason before it closes
+//!   (`protocol.md` §3.4).
+//! - `accept` (server): reads the client's hello against one deadline for the whole record, so a
+//!   client that trickles bytes cannot hold the server past `handshake_timeout`; checks the
+//!   client's uid; creates the sealed segment and the four eventfds and passes all five fds with
+//!   its hello.
+//!
+//! A refusal that arrives after the server's hello is the business of `link` (`late_refusal`) and
+//! `handshake` (`decode_late_refusal`).
 
 use std::io::{Read, Write};
 use std::os::fd::{AsFd, OwnedFd};

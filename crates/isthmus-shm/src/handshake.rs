@@ -18,6 +18,13 @@
 //!
 //! The first 14 bytes (magic, version, kind, reason code and length) are frozen across all
 //! protocol versions, so a peer of any version can read a refusal that names both versions.
+//!
+//! A client that rejects the server's hello (its policy refuses the server's uid, the fds or seals
+//! are wrong, the sizes do not add up) sends a refusal record with its reason before it closes,
+//! even after the server has sent its hello. The server can meet those bytes later, on a socket
+//! that is otherwise silent: `link` peeks them (`late_refusal`, at most 64 + 1024 bytes) when it
+//! checks liveness, and `decode_late_refusal` here turns them into the refusal's error with the
+//! client's reason, instead of a bare protocol error.
 
 use crate::error::{Error, ErrorKind, Result};
 

@@ -21,6 +21,32 @@
 //!
 //! `docs/protocol.md` in the repository specifies the wire format.
 //!
+//! The modules, bottom up; each uses only those listed before it: `sys` (every system call),
+//! `error`, [`layout`], `config`, [`handshake`], [`frame`], `addr`, `segment`, `ring`, `stats`,
+//! `link`, `doorbell`, `arena`, `connection`, `establish`, `listener`.
+//!
+//! The frame codec, the frame kinds and the connection live here rather than in the RPC crate: the
+//! transport must read frames to route arena messages. What frames *mean* belongs to `isthmus`.
+//!
+//! [`layout`], [`handshake`] and [`frame`] are public for three users: the fuzz targets and
+//! integration tests, which aim damage at exact offsets; other implementations, which can read the
+//! constants; and the RPC crate. Everything else is private, and the public surface is what this
+//! file re-exports.
+//!
+//! Cargo features:
+//!
+//! - `tokio` (default): the async waits (`send_async`, `alloc_async`, `recv_async`, ...) through
+//!   tokio's reactor.
+//! - `test-support` (off): hooks for the hostile-peer tests, compiled only with it.
+//!   `Sender::scribble_for_tests(offset, bytes)` writes anywhere in the segment as a hostile peer
+//!   could, `layout_for_tests()` gives the offsets to aim at, `ring_peer_for_tests()` rings the
+//!   peer's receive doorbell without publishing a tail, and `Error::for_tests` builds an error of
+//!   any kind. Only test code enables it (the `isthmus-tests` crate, and `isthmus` as a
+//!   dev-dependency).
+//!
+//! The hidden module `fuzz` holds the entry points of the `frame`, `handshake` and `ring` fuzz
+//! targets; it is always compiled.
+//!
 //! ```no_run
 //! use isthmus_shm::{Address, Config, Connection, Kind, Listener};
 //! # fn main() -> Result<(), isthmus_shm::Error> {

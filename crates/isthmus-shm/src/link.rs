@@ -3,6 +3,45 @@
 //! Nothing is sent on the socket once the segment is set up. EOF on it means the peer is gone
 //! (it exited, crashed, or closed), and every waiter polls it beside its doorbell, so a dead peer
 //! wakes them all at once.
+//!
+//! Liveness: when a poller's socket is readable, `Link::observe_socket` peeks one byte:
+//! end-of-file or a reset records `PeerGone`; bytes record an error and shut the socket down. If
+//! the bytes are a client's late refusal (`late_refusal`, decoded by `handshake`), the error is the
+//! refusal's, with the client's reason; anything else is a protocol error.
+//!
+//! `Health` keeps the first fatal error of the connection; later ones are ignored, and every
+//! operation checks it first. It outlives the socket (views of the peer's arena hold it through
+//! their `Releaser`), so it keeps only the socket's raw fd, under a mutex, and `Link`'s drop clears
+//! that fd under the same mutex before the socket closes. `Health::fail_and_hang_up` can therefore
+//! shut the socket down from anywhere, a destructor included, but never a recycled fd number.
+//!
+//! How a connection ends:
+//!
+//! - A fatal error (protocol, I/O, peer gone, closed) is recorded and the socket shut down, so the
+//!   peer sees end-of-file (`PeerGone`) and this side's sleepers, which poll the same socket, wake
+//!   at once. No reason is sent to the peer. Every check of peer data on an established connection
+//!   reports this way: in `try_recv` and `arm`, in an allocation or a push, and in the condition a
+//!   wait checks.
+//! - A failure found in a destructor (the drop of a received view finds the release ring full or
+//!   corrupted) goes the same way, through `fail_and_hang_up`.
+//! - `Sender::close` records `Closed` and shuts the socket down; the peer sees end-of-file, and
+//!   this side's pollers see the shutdown, wake, and return `Closed`.
+//! - After the peer died, `recv` and `recv_async` treat `PeerGone` from a wait as a cue to look
+//!   again: `try_recv` still delivers the frames the peer published before it died, then reports
+//!   `PeerGone`. Any other error is reported at once; `disarm` reports a dead peer too.
+//!
+//! Lifetimes: the socket, the doorbells and the mapping belong to the connection's core, which
+//! lives while any `Sender` clone, the `Receiver` or a `BlockMut` lives. A received view holds an
+//! `Arc<Releaser>`, which holds the `Arc<Segment>`, so the mapping outlives every view, even after
+//! the connection is dropped.
+//!
+//! Each fd (every eventfd, and the socket) is registered with tokio's reactor once, on first use,
+//! in a `OnceLock` (`AsyncCell`), even if the receive and send pollers race to do it: a second
+//! registration of one fd would fail with `EEXIST`. `lazy_async_fd` is `unsafe` because it
+//! registers a borrowed fd; it is sound because the owning field is declared after the registration
+//! and so outlives it. The registration runs under `catch_unwind`, which turns tokio's panic in a
+//! runtime without I/O into `InvalidConfig`; a failed registration is not retried, and every later
+//! async wait on that fd reports the same kind and message.
 
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
 use std::os::unix::net::UnixStream;

@@ -3,6 +3,9 @@
 //! This is one of the two modules that turn raw memory into safe types (with `ring` and
 //! `arena`). Control words are reached only as atomics; region bytes only through raw-pointer
 //! copies, so no `&T` to peer-writable plain data is ever formed here.
+//!
+//! A heap-backed segment (`Segment::heap`) serves the unit tests and the fuzz targets: both ends in
+//! one process, the same code paths, no memfd.
 
 use std::os::fd::BorrowedFd;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};

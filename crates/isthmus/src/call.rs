@@ -1,5 +1,10 @@
 //! What a call is given and gives back, whichever way it travels: [`CallOptions`], [`Response`],
 //! and the checks and deadline helper both ways share.
+//!
+//! `check_path` is the rule a method path must meet before any frame goes out: it starts with `/`,
+//! is printable ASCII without space, and is at most 1024 bytes; anything else is INVALID_ARGUMENT.
+//! `until` runs a future until a deadline that may be absent, dropping it if the deadline comes
+//! first: the async waits of both ways bound themselves with it.
 
 use bytes::Bytes;
 use tokio::time::Instant;

@@ -1,6 +1,24 @@
 //! The client's front: a [`Channel`] to one server, and the [`ClientCall`]s made on it. The
 //! target picks the way: the engine over shared memory (`shm://`, [`crate::engine`]) or
 //! standard gRPC over HTTP/2 (`unix://`, `http://`, [`crate::http`]); the API is the same.
+//!
+//! `connect(target)` and `connect_with(target, config)` connect at once; `lazy(target)` and
+//! `lazy_with` only parse the target and check the configuration, and connect on the first call. A
+//! target that does not parse is INVALID_ARGUMENT; an eager connect that fails is UNAVAILABLE.
+//!
+//! A `ClientCall` is one type over both ways: an engine call (`engine::client`) or an HTTP/2 call
+//! by path (`http::call`), with the same methods. [`CallSender`] (`ClientCall::sender`) sends a
+//! call's requests from another thread or task while the owner reads responses, which
+//! grpcio-style streaming needs. `alloc` and `send_block` build a message in shared memory and are
+//! `shm://`-only: over HTTP/2 a call's `alloc` and `send_block` return UNIMPLEMENTED.
+//!
+//! A `Channel` is also a tower `Service` over `http::Request`s, which makes it the transport of any
+//! tonic-generated client; that impl lives in `http::tonic_client`. Each call holds the channel's
+//! shared state, so the connection stays open while any call lives, even after every handle on the
+//! channel is gone (a tonic client dropped while its response stream is still read).
+//!
+//! [`blocking::Channel`](crate::blocking::Channel) is the same client for plain threads with no
+//! runtime, over `shm://` only; an async `Channel` and a blocking one never share a connection.
 
 use std::sync::Arc;
 
@@ -251,6 +269,24 @@ impl CallSender {
         match &self.via {
             SenderVia::Shm(half) => half.send(&message, last).await.is_ok(),
             SenderVia::Http(requests) => requests.send(message, last).await,
+        }
+    }
+
+    /// A writable block of `len` bytes in this side's shared memory, to fill and send with
+    /// [`send_block`](Self::send_block) (see [`ClientCall::alloc`]). `shm://` only.
+    pub async fn alloc(&self, len: usize) -> Result<BlockMut, Status> {
+        match &self.via {
+            SenderVia::Shm(half) => half.alloc(len).await,
+            SenderVia::Http(_) => Err(shm_only("alloc")),
+        }
+    }
+
+    /// Sends a block from [`alloc`](Self::alloc) as one request message, as it is; `last`
+    /// half-closes with it. `false` if the call is over.
+    pub async fn send_block(&self, block: BlockMut, last: bool) -> bool {
+        match &self.via {
+            SenderVia::Shm(half) => half.send_block(block, last).await.is_ok(),
+            SenderVia::Http(requests) => requests.send(Bytes::copy_from_slice(&block), last).await,
         }
     }
 

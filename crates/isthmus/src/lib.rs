@@ -16,7 +16,36 @@
 //! memory (`alloc`, then `send_block`). Every stream is flow-controlled
 //! ([`INITIAL_WINDOW`]): a slow reader holds back its own writer and no other stream. Calls are
 //! `tracing` spans (`isthmus.call` on the client, `isthmus.serve` on the server, at DEBUG).
+//!
+//! How the crate is laid out (ADR 0009); dependencies point one way, each layer using only those
+//! before it:
+//!
+//! - [`status`], [`metadata`], `call`: gRPC's vocabulary, used by both ways: [`Code`] and
+//!   [`Status`], [`MetadataMap`], [`CallOptions`] and [`Response`].
+//! - [`engine`]: calls over `isthmus-shm`. The stream table of a connection and who reads it, flow
+//!   control per stream, the RPC frame bodies, the async and blocking clients and the server's side
+//!   of a call.
+//! - [`http`]: standard gRPC over HTTP/2, through tonic: targets and listeners,
+//!   gRPC's HTTP/2 framing, calls by path, tonic clients on a [`Channel`] and tonic services
+//!   answering `shm://` calls.
+//! - The front, `client` and `server`: [`Channel`] and [`Server`], which pick the way by target
+//!   (`shm://` → engine, `unix://` and `http://` → HTTP/2) and give one API over both.
+//!
+//! - [`binding`]: what the language bindings share (the Python extension, the C ABI): their
+//!   runtime, a call two threads drive, completions for event loops, calls handed to foreign
+//!   handlers.
+//!
+//! Bindings need nothing but this crate: besides its own types it re-exports the transport types
+//! they use ([`Config`], [`PeerPolicy`], [`SpinPolicy`], [`EventFd`], [`BlockMut`]). tonic,
+//! tonic-health, tonic-reflection, h2, hyper-util and the `http` crates are unconditional
+//! dependencies: the Python binding serves and calls HTTP/2 through them. A binding for `shm://`
+//! alone would not need them; there is no cargo feature to leave them out yet.
+//!
+//! The hidden module `fuzz` holds the entry points of the `http2_authority` and `grpc_http` fuzz
+//! targets (the `:authority` filter, and gRPC bodies and header values); `wire::fuzz` serves
+//! `rpc_wire`.
 
+pub mod binding;
 mod call;
 mod client;
 pub mod engine;

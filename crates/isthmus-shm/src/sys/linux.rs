@@ -157,6 +157,28 @@ pub(crate) fn eventfd_drain(fd: BorrowedFd<'_>) -> bool {
     n == size_of::<u64>() as isize
 }
 
+/// Blocks until `fd` is readable or `deadline` passes; true if readable.
+pub(crate) fn wait_one(fd: BorrowedFd<'_>, deadline: Option<Instant>) -> bool {
+    let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    loop {
+        let timeout = match deadline {
+            None => -1,
+            // Round up so a sub-millisecond remainder still sleeps instead of spinning.
+            Some(d) => {
+                d.saturating_duration_since(Instant::now()).as_micros().div_ceil(1000).min(i32::MAX as u128) as i32
+            }
+        };
+        // SAFETY: `pfd` is one live pollfd struct.
+        let n = unsafe { libc::poll(&mut pfd, 1, timeout) };
+        match n {
+            1.. => return true,
+            0 => return false,
+            _ if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => continue,
+            _ => return false,
+        }
+    }
+}
+
 /// Sends `data` on a stream socket with `fds` attached as SCM_RIGHTS.
 pub(crate) fn send_with_fds(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     let raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();

@@ -6,6 +6,26 @@
 //! single call in flight, the calling thread sends its request and reads its reply itself; no
 //! other thread is involved.
 //!
+//! It has the async client's methods and meaning (see `engine::client`); where they differ:
+//!
+//! - No runtime: the handshake runs on the calling thread, and the connection is read by the
+//!   threads waiting in its calls (`Mux::driven`, `Mux::wait`). Between calls nobody reads: frames
+//!   from the server stay in the ring (once it is full, the server's sends wait), and a server that
+//!   died or sent GOAWAY meanwhile is noticed by the next call, which fails UNAVAILABLE; the call
+//!   after it connects anew.
+//! - Deadlines are `std::time::Instant`s; the send of HEADERS is bounded by the deadline too. The
+//!   CANCEL that a deadline or `cancel()` sends waits at most 100 ms for ring room
+//!   (`CANCEL_PATIENCE`); a drop's never waits.
+//! - `wait_for_ready`'s backoff sleeps the thread.
+//! - `shm://` only: a `unix://` or `http://` target is INVALID_ARGUMENT. Over HTTP/2 the async
+//!   `Channel` is the only client (the Python binding runs such calls with `block_on`).
+//! - How its threads read: the `Receiver` sits in a `Pump` (leader, generation, sleepers) under a
+//!   mutex and condvar. A thread that needs a frame and finds no leader leads: it reads with the
+//!   blocking `recv`, routes each frame, wakes sleepers if any, and steps down once its own
+//!   condition holds; the others sleep until a new generation or the leader steps down.
+//! - A channel may be used from any number of threads at once; 8 threads × 1,500 calls on one
+//!   channel each get their own replies (`rpc_blocking.rs`).
+//!
 //! ```no_run
 //! # fn demo() -> Result<(), isthmus::Status> {
 //! let channel = isthmus::blocking::Channel::connect("shm://sidecar")?;

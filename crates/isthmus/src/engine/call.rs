@@ -1,6 +1,30 @@
-//! What the async and the blocking client calls over `shm://` share: the channel's connection
-//! slot, and the state of one call as its events arrive, with no waiting in it. Each client
-//! only supplies how to wait and how to send.
+//! What the async and the blocking client calls over `shm://` share, so they cannot disagree on
+//! what a call means: the channel's connection slot, and the state of one call as its events
+//! arrive, with no waiting in it.
+//!
+//! `Slot` is a channel's connection: the target, the configuration, the current connection and the
+//! stream-id counter, behind a connect lock. Clones of a channel share the slot, hence one
+//! connection, one counter and one lock. Dropping the last clone closes the connection (and ends an
+//! async channel's reader task). Ids start at 1, only grow, and are not reset by a reconnect.
+//!
+//! Reconnect: a call takes the current connection unless its `dead` status is set; otherwise it
+//! takes the connect lock (so a burst of calls makes one connection), looks again, and connects
+//! anew. A connection whose server died, restarted or sent GOAWAY is thus replaced by the next
+//! call; the call that meets it just as it dies can still fail UNAVAILABLE. Without
+//! `wait_for_ready` a failed connect fails the call with its status; with it, an UNAVAILABLE
+//! connect is retried after a backoff (`Reconnect`) from 5 ms doubling to 500 ms, and if the next
+//! try would come at or after the deadline the call fails DEADLINE_EXCEEDED ("no server became
+//! ready before the deadline: …"); with no deadline it waits for ever.
+//!
+//! `open_head` builds the opening HEADERS with what is left of the deadline (at least 1 ns). The
+//! deadline starts when the call starts, before any connect, so time spent waiting for a server
+//! counts against it.
+//!
+//! `CallState` is one call as its events arrive: its `Stream`, the connection, messages read while
+//! waiting for headers, the initial and trailing metadata, the final status and the call's span. It
+//! takes events in without ever waiting (`try_event`, `absorb`); absorbing a message counts it for
+//! flow control, and `settle` sends credit still owed. Each client supplies only how to wait
+//! (`Inbox::poll_recv` with a timer, or `Mux::wait`) and how to send.
 
 use std::sync::Arc;
 

@@ -1,6 +1,48 @@
-//! The async client over `shm://`: a channel's connection (made, and made again after it dies)
-//! and the calls on it. The public [`Channel`](crate::Channel) and
+//! The async client over `shm://`: `ShmChannel`, a channel's connection (made, and made again after
+//! it dies), and `ShmCall`, one call on it. The public [`Channel`](crate::Channel) and
 //! [`ClientCall`](crate::ClientCall) put this and the HTTP/2 calls behind one API.
+//!
+//! Connecting needs a tokio runtime: the handshake runs on `spawn_blocking`, and the connection's
+//! reader task is spawned on the runtime current at connect, whose reactor the transport registers
+//! the connection's fds with. The channel must be used within that runtime; if it shuts down, the
+//! reader task is dropped and its `Watch` guard ends every call UNAVAILABLE (no test shows it yet).
+//!
+//! A call: `start` checks the path, takes a connection (see `call`), registers the stream and sends
+//! HEADERS; the front's `Channel::unary` is `start`, `send_last`, one `recv` that must give a
+//! message and one that must give the end (INTERNAL if the server sent none or more than one).
+//! `send` waits for credit, then sends one MESSAGE inline, in an arena block or in pieces;
+//! `send_last` adds END_STREAM, `close_send` half-closes with an empty TRAILERS. `alloc` and
+//! `send_block` build a message in place in this side's arena: no copy on either side. `recv` gives
+//! the next message, `None` after an OK end (trailers then in `trailers()`), or the call's status:
+//! the server's TRAILERS, the peer's CANCEL, or the connection's end. `headers()` waits for the
+//! initial metadata: a HEADERS, or the first MESSAGE, which implies empty metadata and is kept for
+//! `recv`. A large message received is a view into the server's arena: holding it holds that
+//! memory.
+//!
+//! After the end, `send` fails and sends nothing, and `close_send` does nothing. A send that finds
+//! the stream closed while asking for credit returns the call's status if it failed, and `Ok(())`
+//! without sending if the server already ended it OK (gRPC drops such a message too).
+//!
+//! The deadline bounds every operation, their waits for credit, ring room and arena room included;
+//! when it passes, the call sends CANCEL with DEADLINE_EXCEEDED and returns DEADLINE_EXCEEDED. That
+//! CANCEL waits for ring room, except in the poll forms (`poll_recv`, `poll_headers`, which the
+//! bridge uses), which keep the deadline as a timer and send it without waiting. One connect
+//! attempt is bounded by the handshake's timeout, not the deadline, and the send of HEADERS is not
+//! bounded by it.
+//!
+//! `cancel()` sends CANCEL with CANCELLED and the server stops the handler. Dropping a call that
+//! has not ended unregisters it and sends the same CANCEL, best effort and without blocking
+//! (`Mux::send_cancel` with a patience of now): if the ring is full at that moment none goes out,
+//! and the server's handler runs on until its deadline or the connection's end.
+//!
+//! `SendHalf` sends a call's requests from another task (the bridge's request pump, a
+//! `CallSender`), waiting for credit on the stream's send window, while the call's own task reads
+//! responses. While waiting, a call on a tokio thread reads the connection itself
+//! (`Mux::read_here`, ADR 0008) unless the channel was made `with_calls_read(false)`.
+//!
+//! Each call is a `tracing` span `isthmus.call` at DEBUG, with `path`, `stream` and `code`; `code`
+//! is recorded when the call ends, with a DEBUG event "call ended". The span records the call; it
+//! is not entered while the call's methods run.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -140,6 +182,21 @@ impl SendHalf {
         }
         let f = if last { flags::END_STREAM } else { 0 };
         self.mux.sender.send_message_async(self.id, f, message).await.map_err(|_| ())
+    }
+
+    /// A writable block in this side's shared memory, for a message built in place.
+    pub(crate) async fn alloc(&self, len: usize) -> Result<BlockMut, Status> {
+        self.mux.sender.alloc_async(len).await.map_err(|e| Status::from_transport(&e))
+    }
+
+    /// Sends a block from [`alloc`](Self::alloc) once the server's window allows; `last`
+    /// half-closes with it.
+    pub(crate) async fn send_block(&self, block: BlockMut, last: bool) -> Result<(), ()> {
+        if self.shared.send_window.take(flow::charge(block.len())).await != Credit::Taken {
+            return Err(());
+        }
+        let f = if last { flags::END_STREAM } else { 0 };
+        self.mux.sender.send_block_async(self.id, f, block).await.map_err(|_| ())
     }
 
     /// Ends the call with `status` on both sides (the request could not be sent).

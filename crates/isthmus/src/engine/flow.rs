@@ -11,6 +11,40 @@
 //!
 //! Memory held for one stalled stream is therefore at most a window plus one message, however
 //! many the writer tries to send; the transport's rings and arenas stay free for the others.
+//!
+//! The writer (any `send`, `send_last`, `send_block`, on either side) takes credit before each
+//! MESSAGE; at zero or below it waits, an async call on the window's `Notify`, a blocking one in
+//! `Mux::wait`, so the thread that waits for credit is also the one that reads the WINDOW bringing
+//! it. A stream has one writer (the call's methods take `&mut self`) and the reader only adds, so
+//! taking needs no lock. When the stream ends its window closes and a waiting writer wakes for
+//! good.
+//!
+//! Giving credit back is one mechanism for every kind of call (both clients, `ServerCall`, the
+//! bridge's request body): the call's `Stream` counts what the application took (`took`), counting
+//! when a message is taken off the queue, not when it arrives, so an application that stops reading
+//! stops the grants and with them its peer's writer. Once the count reaches half a window it is all
+//! granted in one WINDOW. A WINDOW never waits for ring room (the sender may be inside a poll or on
+//! an event loop): without room the grant is taken back (`Consumed::undo`) and stays owed, and goes
+//! with the next `took` or with `settle`, which every call runs before it waits for a message,
+//! since the peer may be waiting for exactly that credit. Who settles: the async `ClientCall` at
+//! each poll, the blocking call before it waits, the server's `Requests::poll_recv` (behind
+//! `ServerCall::recv` and the bridge's request body), and a `ServerCall` before each send while it
+//! holds its request side. Until then the peer's writer on that stream waits: a late WINDOW, not a
+//! lost one; a call that neither takes nor waits for another message sends it at its next send
+//! (server) or read (client).
+//!
+//! The receiving side charges every arriving MESSAGE to its own count
+//! (`RecvWindow::charge_arrival`); one that arrives at zero or below ends that call alone with
+//! INTERNAL ("the peer sent on stream N past its flow-control window (4194304 bytes)") and a CANCEL
+//! to the peer. Credit adds with saturation, so a peer that grants too much only lets us send more
+//! to it.
+//!
+//! There is no window per connection: the ring and the arena already bound each direction as a
+//! whole. A large received message is a view into the sender's arena, so streams stalled while
+//! holding such messages keep that arena's memory, and enough of them (about 64 MiB with the
+//! default arena) make every send that needs a block wait; copying out of the arena when a message
+//! waits in a queue would remove this at the price of a copy (ADR 0006). A message larger than the
+//! window leaves the credit below zero, so for such messages one is in flight per stream.
 
 use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 

@@ -1,8 +1,14 @@
 //! One stream's queue of [`Event`]s: filled by whoever reads the connection, emptied by the call.
 //!
-//! A queue under a mutex with one waker: a stream has one reader (its call), and a queue
-//! that allocates nothing until its first event keeps the cost of opening a stream to the one
-//! allocation of its [`StreamShared`](crate::engine::mux::StreamShared).
+//! A queue under a mutex with one waker, since a stream has one consumer (its call). The queue
+//! keeps its first event inline (`queue::Queue`), so a call that holds one event at a time, as most
+//! do, allocates nothing for it, and opening a stream costs only the one allocation of its
+//! [`StreamShared`](crate::engine::mux::StreamShared). `close` ends it: events after it are
+//! dropped, and the call drains what is queued, then sees the end. `poll_recv` serves the async
+//! client and the server's request side (so the bridge's bodies too); `try_recv` and `is_ready`
+//! serve the blocking client, which waits in `Mux::wait` instead.
+//!
+//! There is no bound here: flow control bounds what a peer may queue on a stream (`flow`).
 
 use std::sync::{Mutex, MutexGuard};
 use std::task::{Context, Poll, Waker};

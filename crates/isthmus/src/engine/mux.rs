@@ -1,5 +1,66 @@
-//! One connection's streams: the table that routes incoming frames to calls, and the reader
-//! task that fills it. Shared by the client and the server side.
+//! One connection's stream table, shared by both clients and the server, and the ways it is read.
+//!
+//! The table maps a stream id to the stream's shared state (its `Inbox` and both flow-control
+//! windows), the batch in which it opened, and on the server the `Cancel` that stops its handler; a
+//! call holds its side through a `Stream`. Ids are hashed with `IdHasher`, a multiply-shift cheaper
+//! than SipHash; the peer picks the ids and could make them collide, but that slows only its own
+//! connection's table.
+//!
+//! Routing (`step`, `route`) is the same whoever reads: HEADERS, MESSAGE (charged to the receive
+//! window first), TRAILERS and CANCEL become events in the stream's inbox, under the table's lock;
+//! WINDOW adds credit to the stream's send window. A frame for a stream not in the table is
+//! dropped, except a server's HEADERS, which opens a call: refused with TRAILERS if the connection
+//! is draining (UNAVAILABLE) or already has `max_concurrent_streams` calls (RESOURCE_EXHAUSTED);
+//! else decoded, registered and handed to the server as a new call. A HEADERS for a stream still
+//! open is malformed input. An end removes the stream and closes its entry (inbox, send window, the
+//! server's `Cancel`). Routing never waits for a call: flow control, not the inbox, bounds what a
+//! peer may queue.
+//!
+//! The reader task (`read_loop`) owns the `Receiver` for the async client and the server. It reads
+//! in batches: one wait, then up to 256 frames already in the ring without waiting, so calls start
+//! even while a peer keeps the ring full. On the server it then polls each new call once, right
+//! there: a unary call's request usually came in the same batch, so its handler finishes and its
+//! status goes out with no task spawned and no thread woken. Before spawning a call that returned
+//! `Pending`, if the ring is empty, it spins up to 2 µs for the next frame (`follow_up`) and polls
+//! again: a client writes HEADERS and its message a fraction of a µs apart, and a missed request
+//! costs a task wake-up, often on the other worker. After a batch that may have woken a task (an
+//! event for a stream opened in an earlier batch, or a spawned call) it yields to the scheduler
+//! before waiting again, since its own spin would hold the woken task's worker.
+//!
+//! Async calls read for themselves (`Lead`, `read_here`, ADR 0008): the `Receiver` sits in a slot
+//! under a mutex; a call whose inbox is empty, polled on a tokio thread, takes it if free and reads
+//! until its event comes or `SpinPolicy::max` passes, holding the mutex so others see someone
+//! reads. It puts the receiver back, releases the mutex, and only then rings `free` for the reader
+//! task: woken first, a reader or call would find the mutex held and sleep with nobody reading. A
+//! call that finds the reader task holding the receiver registers its waker and interrupts the
+//! reader's wait (`Interrupter`); the reader hands the receiver back, wakes the calls that asked,
+//! and yields once before taking it again. `Channel::with_calls_read(false)` leaves reading to the
+//! reader task, for calls an event loop polls.
+//!
+//! The blocking client's threads read through `driven` and `wait` (see `blocking`).
+//!
+//! Whoever reads also sends a few frames: the PING answer, the TRAILERS that refuse a call, the
+//! CANCEL for a peer past its window, and the frames that end a call whose message was too large.
+//! The reader task waits for ring room for these and reads nothing meanwhile; a blocking leader
+//! waits at most 1 s, then drops the frame; an async call reading in its poll does not wait at all.
+//!
+//! The end: `fail_all(status)` records the connection's `dead` status (the first stays), empties
+//! the table, ends every call with it, fires every server `Cancel`, and closes every entry; from
+//! then on `register` fails with it (and looks again after inserting, so a call racing the reader's
+//! death is not stranded). It runs on a fatal transport error (`from_transport`: UNAVAILABLE for a
+//! peer gone) and, after closing the connection, on a body that does not decode or a reused open id
+//! (INTERNAL). A `MessageTooLarge` names its stream: only that call fails, RESOURCE_EXHAUSTED with
+//! the transport's message; the server sends TRAILERS and stops the handler, the client sends
+//! CANCEL. The reader task holds a `Watch` guard whose drop, if the task is dropped unfinished with
+//! its runtime, fails every call UNAVAILABLE ("the connection's reader stopped") and closes the
+//! sender. On the server, `go_away` marks the connection draining and sends GOAWAY with the highest
+//! id accepted; on the client a GOAWAY sets `dead` to UNAVAILABLE without touching the table (calls
+//! in flight go on; a blocking channel sees it only when a thread reads).
+//!
+//! `calls` counts calls by final code (a call the client cancelled, under that CANCEL's code:
+//! CANCELLED, or DEADLINE_EXCEEDED if its deadline fired first; a refused call not at all);
+//! `counters()` adds the transport's `Counters`. `Channel::counters()` gives the current
+//! connection's, afresh after a reconnect; `Bound::stats()` every live connection's.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};

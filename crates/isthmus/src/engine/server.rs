@@ -1,6 +1,61 @@
 //! The server side over `shm://`: accepting connections, running each call's handler against
 //! its deadline and its client's cancel, and the [`ServerCall`] a handler is given. The public
 //! [`Server`](crate::Server) builds the handler table and serves it here and over HTTP/2.
+//!
+//! Accepting: each `shm://` listener is registered with tokio (`bind_shm`: an `unsafe` call, sound
+//! because the `AsyncFd` owns the listener, so its fd stays open and the same for the
+//! registration's life) and gets an accept loop, a task of its own. A would-block clears the
+//! readiness; any other accept error (out of fds, say) pauses the loop 20 ms, and nothing reports
+//! it yet. Each accepted socket gets a task that runs the handshake on `spawn_blocking` (a failed
+//! handshake is dropped silently), joins the server's list of connections, and becomes that
+//! connection's reader (`Mux::read_loop`).
+//!
+//! Each call: the reader looks the handler up when it routes the HEADERS; the call's future counts
+//! itself in flight (for graceful shutdown), gets its first poll on the reader task, and is spawned
+//! only if that poll returns `Pending`. So a handler that blocks its thread, or computes for long,
+//! before its first `.await` stalls every call of its connection: no frame is read meanwhile.
+//! `supervise` polls the handler inside the call's future (no task of its own, so no hand-off
+//! between workers per call), racing the deadline (measured from the call's first poll, just after
+//! its HEADERS was read) and the cancel signal; the loser is dropped:
+//!
+//! - `Ok(())` ends the call OK, `Err(status)` with that status; trailing metadata set with
+//!   `set_trailers` is appended to the status's own, for OK and errors alike, and goes out as
+//!   TRAILERS with END_STREAM.
+//! - A panic is INTERNAL, "the handler panicked: " and its text (a `&str` or `String` payload, else
+//!   "a non-text panic"): `CatchPanic` polls under `catch_unwind`, so it ends that call only, and
+//!   the reader goes on if it came in the first poll.
+//! - The deadline drops the handler's future: DEADLINE_EXCEEDED.
+//! - The client's CANCEL, the connection's end, or a client past its window fires the cancel
+//!   signal: the handler's future is dropped and the server answers with a CANCEL carrying that
+//!   code instead of a status, so the client drops any response it had under way in pieces.
+//!
+//! A call over `max_concurrent_streams` is refused before any of this: RESOURCE_EXHAUSTED, "the
+//! server's limit of n concurrent calls per connection is reached" (grpcio's code for
+//! `maximum_concurrent_rpcs`, though that counts per server). A call is open from its HEADERS until
+//! its handler returns or the client's CANCEL arrives.
+//!
+//! The [`ServerCall`]:
+//!
+//! - `recv()` gives the next request, `None` after the client half-closed, or the call's end as an
+//!   error. It reads through `Requests` (the call's request side, whose `poll_recv` the bridge's
+//!   request body uses too; `take_requests` hands it over). Taking a message may send a WINDOW,
+//!   never waiting for ring room. A large message is a view into the client's arena.
+//! - `send_headers(metadata)` sends initial metadata once, before the first message; again, or
+//!   after a message, is INTERNAL. Without it no HEADERS goes at all: the first MESSAGE implies
+//!   empty metadata, so a unary reply is MESSAGE then TRAILERS.
+//! - `send(message)` first sends credit still owed (`settle`), then waits for credit and sends.
+//!   `alloc` and `send_block` build a reply in place. `set_trailers` replaces the trailing
+//!   metadata.
+//! - Sends and allocations are not bounded by the deadline themselves: dropping the handler at the
+//!   deadline bounds them. A send on an ended stream fails with the connection's status if it died,
+//!   else CANCELLED.
+//!
+//! Each call runs inside a `tracing` span `isthmus.serve` at DEBUG, with `path`, `stream` and
+//! `code` (the status's code, or the cancel's for a call cancelled under it), so the handler's
+//! events are inside it.
+//!
+//! Closures and [`Handler`] objects alike are stored as one boxed function per path (`HandlerFn`)
+//! that returns a [`HandlerFuture`].
 
 use std::collections::HashMap;
 use std::future::Future;

@@ -12,6 +12,22 @@
 //! depends on ours. Everything else (the preface, every other frame, and everything the server
 //! writes) passes through untouched. The peer is untrusted: frame and block lengths are
 //! bounded, and a block that does not decode ends the connection, as h2 itself would.
+//!
+//! How: the preface and every frame pass through unchanged (copied once, from the bytes read to the
+//! bytes handed on; each frame's payload is read in place) except header blocks, which are gathered
+//! (HEADERS and its CONTINUATIONs; padding removed, priority kept), decoded with an HPACK decoder
+//! that follows the client's dynamic table (`fluke-hpack`), and encoded again as literals without
+//! indexing, so h2's decoder table stays empty and can never disagree with ours. Blocks are bounded
+//! (1 MiB), and the client may not grow its table past h2's 4096 bytes. `fluke-hpack` panics on
+//! some malformed blocks (a truncated table-size update, found by the `http2_authority` fuzz
+//! target) instead of returning its error; the filter catches that panic and ends the connection
+//! the same way.
+//!
+//! Deadlines: tonic's server enforces `grpc-timeout` from outside any layer a server can add, and
+//! answers an expired call with CANCELLED "Timeout expired", where gRPC and a grpcio client expect
+//! DEADLINE_EXCEEDED. So the filter also renames `grpc-timeout` to `x-isthmus-grpc-timeout` on the
+//! way in, tonic's timer never starts, and `DeadlineLayer` puts the header back for the service and
+//! answers DEADLINE_EXCEEDED ("the call's deadline passed") when the response is not ready in time.
 
 use std::io;
 use std::pin::Pin;

@@ -1,5 +1,21 @@
 //! Calls by method path over `unix://` and `http://`: the same call shapes as over `shm://`,
 //! carried by tonic's gRPC client on the channel's HTTP/2 connection, messages as raw bytes.
+//!
+//! A call (`HttpCall`) is `tonic::client::Grpc` with [`BytesCodec`], a pass-through codec that is
+//! public for callers who serialise themselves; the path goes as it is.
+//! `HttpCall::start` spawns one task that sends the request head and waits for the response to
+//! open (headers, or a trailers-only status). Requests go meanwhile through a queue of one message,
+//! from which the HTTP/2 body takes them as HTTP/2's flow control allows; `close_send` ends the
+//! body. So requests flow before anyone reads, as over `shm://`. `recv` then reads the response
+//! stream and, at its end, the trailers.
+//!
+//! The deadline is the call's: `grpc-timeout` goes with the head and every wait is bounded by it
+//! (DEADLINE_EXCEEDED, "the call's deadline passed"). A status tonic made from a transport error
+//! (an UNKNOWN with a source) is reported UNAVAILABLE, as the connection's end is over `shm://`.
+//! The largest response message is the channel's `max_message_size` (none for an HTTP/2 channel,
+//! which has no `Config`); requests have no limit. Dropping or cancelling the call ends the body
+//! and resets the stream: the server sees CANCELLED. Each request is copied once into a `Bytes`
+//! (none if given one, `CallSender::send_bytes`), and tonic's encoder copies it again.
 
 use std::sync::{Arc, Mutex};
 

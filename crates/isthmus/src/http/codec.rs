@@ -2,6 +2,25 @@
 //! (`-bin` values base64), and the status trailers. Everything read here comes from a body or a
 //! header map built by tonic code in this process or by a peer over the network, so every
 //! length and value is checked.
+//!
+//! - `prefix(len)`: a compressed flag, then the length as a big-endian `u32`; a message over 4 GiB
+//!   is RESOURCE_EXHAUSTED.
+//! - `Deframer` cuts a body's data frames back into messages. A message that lies whole in the
+//!   first queued frame is a slice of it (`Bytes::split_to`), not a copy; tonic yields each encoded
+//!   message as one frame, so that is the usual case, and only a message split across frames is
+//!   gathered. A set compressed flag is UNIMPLEMENTED, a length over the limit RESOURCE_EXHAUSTED,
+//!   bytes left at the end of a body a message cut short.
+//! - `grpc-timeout` is read as 1 to 8 digits and a unit (`H`, `M`, `S`, `m`, `u`, `n`), anything
+//!   else INVALID_ARGUMENT; written in the finest unit whose count fits 8 digits, rounded up, at
+//!   least 1 ns.
+//! - Metadata is every header but `grpc-*`, `content-type`, `te`, `user-agent`, `host` and
+//!   `content-length`, under `MetadataMap`'s rules; a value that breaks them is INVALID_ARGUMENT,
+//!   naming the key. `-bin` values are base64, read padded or not, written unpadded as gRPC sends
+//!   them.
+//! - Status: `grpc-status` as a number, `grpc-message` percent-encoded (bytes outside printable
+//!   ASCII, and `%`), `grpc-status-details-bin` in base64, then the status's metadata. Reading, a
+//!   code that does not parse is UNKNOWN, and trailers whose metadata break the rules make an
+//!   INTERNAL status.
 
 use std::time::Duration;
 

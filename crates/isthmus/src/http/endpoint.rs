@@ -1,5 +1,27 @@
 //! Where a server listens and a channel connects: `shm://` (isthmus), or `unix://` and `http://`
 //! (standard gRPC over HTTP/2, for any gRPC client and for peers on other machines).
+//!
+//! `Target::parse`: `shm://NAME` and `shm:///path.sock`; `unix:///abs/path.sock`,
+//! `unix:/abs/path.sock` and `unix:relative.sock` (gRPC's forms); `http://host:port` with no path.
+//! Any other scheme, or a form without its path or host, is INVALID_ARGUMENT. `https://` is not
+//! supported yet, and nothing configures TLS.
+//!
+//! `HttpListener::bind`: for `unix://`, if a connect to the path succeeds a server is there and the
+//! bind fails ALREADY_EXISTS (an `shm://` bind says UNAVAILABLE then); otherwise whatever is at the
+//! path is removed and the path bound. For `http://`, a TCP bind; port 0 lets the system choose.
+//! Other failures are UNAVAILABLE. The socket gets the process's umask: these endpoints have none
+//! of `shm://`'s checks (no peer credentials or `PeerPolicy`, no private directory, no TLS or
+//! authentication on TCP).
+//!
+//! `HttpListener::serve` runs tonic's HTTP/2 server with tonic's defaults over the server's
+//! `Routes` (the tonic services, health and reflection, and the loopback `Channel` as fallback),
+//! every accepted connection read through the `:authority` filter. On the stop signal tonic stops
+//! accepting and drains (GOAWAY, calls in progress finish), then the unix socket file is removed.
+//! `grace` bounds this drain and the `shm://` one together.
+//!
+//! `http_endpoint` and `connector` make a channel's tonic `Endpoint` and open its stream
+//! (`HttpIo`): a unix stream, or TCP with `TCP_NODELAY`. The URI's authority is `localhost` for a
+//! unix socket, as grpc-go and h2 expect, and `host:port` for TCP.
 
 use std::future::Future;
 use std::path::PathBuf;

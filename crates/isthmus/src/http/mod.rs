@@ -22,6 +22,15 @@
 //! own `Bytes` (a view into shared memory for a large one) as two data frames. A message of at
 //! most 1 KiB is copied behind its prefix into one frame, which costs less than a second
 //! allocation and frame.
+//!
+//! Nothing isthmus-specific is generated:
+//! `FooClient::new(isthmus::Channel::connect("shm://foo").await?)` and
+//! `Server::builder().add_service(FooServer::new(svc))` are the only changes to tonic code. Over
+//! `unix://` and `http://` there is no conversion at all: both sides are tonic's own HTTP/2
+//! transport under the isthmus types, and connecting, reconnecting and HTTP/2 itself are tonic's.
+//!
+//! Compression is not supported: no `grpc-encoding` is ever agreed, and a compressed message is
+//! UNIMPLEMENTED.
 
 pub(crate) mod authority;
 pub(crate) mod call;

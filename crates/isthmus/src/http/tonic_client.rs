@@ -1,4 +1,49 @@
-//! [`Channel`] as a tower service: the transport under tonic-generated clients.
+//! [`Channel`] as a tower service: the transport under tonic-generated clients. It is a
+//! `Service<http::Request<B>>` for any body of `Bytes`; the response is
+//! `http::Response<ResponseBody>` and the error `Infallible`: every failure arrives as a gRPC
+//! status in the response, as from a server. `poll_ready` is always ready; the generated client's
+//! own settings (its message limits, say) stay tonic's.
+//!
+//! Over `shm://` a request becomes an engine call:
+//!
+//! 1. Its metadata and `grpc-timeout` become the `CallOptions` (`wait_for_ready` off); the URI's
+//!    path is the method. A header that does not decode gives a response carrying only its status.
+//! 2. `Channel::start_shm` connects if need be and sends HEADERS with what is left of the
+//!    deadline.
+//! 3. `pump` sends the body: it deframes it (limit: the channel's `max_message_size`) and holds one
+//!    message back until it knows whether another follows, so the last goes with END_STREAM in one
+//!    frame; a body that ends with none held half-closes with an empty TRAILERS. It is polled once
+//!    right there, so a unary request, which tonic hands over whole, is sent on the caller's task.
+//!    If it must wait (a streaming request, or no credit) it continues as a spawned task sending
+//!    through a `SendHalf`. A body that fails ends the call on both sides CANCELLED ("the request
+//!    stream failed: …"); one that ends inside a message INTERNAL (`Mux::abandon`). If the call
+//!    ends first, the pump stops.
+//! 4. The response is returned once the server's initial metadata arrives (a HEADERS, or the first
+//!    MESSAGE), with `content-type: application/grpc` and the metadata. A call that fails before
+//!    then gives a response whose body yields only the status, as trailers.
+//! 5. [`ResponseBody`] yields for each message a data frame with the 5-byte prefix, then the
+//!    message's own `Bytes` (for a large one a view into the server's arena; tonic's decoder copies
+//!    it), and at the end the status as trailers. It reads through `ShmCall::poll_recv`, so
+//!    deadline and WINDOW grants work as for any call. Dropping it before the end drops the call,
+//!    which sends CANCEL. Its `Source` is `Shm` (the call), `Failed` (a status only), `Http`
+//!    (tonic's body, with its `CancelOnDrop`) or `Done`.
+//!
+//! Over `unix://` and `http://` the service passes each request to tonic's channel unchanged and
+//! wraps the response body. tonic enforces the deadline itself; its client's `TimeoutExpired`, and
+//! a plain tonic server's trailers-only CANCELLED "Timeout expired", are both reported
+//! DEADLINE_EXCEEDED ("the call's deadline passed"). Other transport errors get
+//! `tonic::Status::from_error`'s code (a refused connection: UNAVAILABLE). `counters()` are zero.
+//!
+//! Cancelling over HTTP/2: hyper resets a stream only once both halves are dropped, so a response
+//! dropped while the request stream is open (a bidi call given up midway) would leave the server's
+//! call running. Each request body is wrapped in `Cancellable`: when the `ResponseBody` (or the
+//! call's future) is dropped early, the body fails with an `h2::Error` of reason CANCEL, and hyper
+//! resets the stream with it, as gRPC clients do. tonic hands the service such a request stream as
+//! its plain end (`None`).
+//!
+//! A tonic client's call returns only when the server's initial metadata arrives, so a client that
+//! sends its first request only after that waits on a handler that sends none first (the server
+//! side sends HEADERS early for tonic services; a raw Rust handler must call `send_headers`).
 
 use std::future::Future;
 use std::pin::Pin;

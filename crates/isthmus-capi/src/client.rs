@@ -1,0 +1,559 @@
+//! Channels and client calls: blocking, and `_async` through a completion queue.
+
+use std::ffi::c_char;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use isthmus::binding::{block_on, runtime, SharedCall};
+use isthmus::{CallOptions, Code, Config, Status};
+
+use crate::cq::{
+    cq_get, isthmus_cq_t, Outcome, ISTHMUS_OP_CLOSE_SEND, ISTHMUS_OP_HEADERS, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND,
+    ISTHMUS_OP_START, ISTHMUS_OP_UNARY,
+};
+use crate::handle::Registry;
+use crate::object::{
+    block_handle, isthmus_block_t, isthmus_message_t, isthmus_metadata_t, isthmus_status_t, message_handle,
+    metadata_arg, metadata_handle, take_block,
+};
+use crate::{c_bytes, c_str, entry, invalid, isthmus_code_t, put};
+
+/// A channel to one server: `shm://NAME` or `shm:///path.sock` (shared memory), or
+/// `unix:///path.sock` and `http://host:port` (standard gRPC over HTTP/2). Connects on its
+/// first call and again after the server went away.
+pub struct isthmus_channel_t {
+    /// Calls whose waits read the connection themselves (blocking calls).
+    engine: isthmus::Channel,
+    /// Calls a completion queue polls: the connection's reader task reads for them, so that
+    /// the loop thread that polls them never spins.
+    polled: isthmus::Channel,
+    /// Unary calls over `shm://`, on the calling thread with no runtime (the fast path).
+    blocking: Option<isthmus::blocking::Channel>,
+    closed: AtomicBool,
+}
+
+/// One client call of any shape. Its sending side (`send`, `close_send`, `alloc`,
+/// `send_block`) and its receiving side (`recv`, `headers`) may be used from two threads at
+/// once.
+pub struct isthmus_call_t {
+    call: Arc<SharedCall>,
+}
+
+/// Options of one call. Zero-initialise it, then set what you need; a NULL
+/// `isthmus_call_options_t*` means all defaults.
+#[repr(C)]
+pub struct isthmus_call_options_t {
+    /// The call's deadline, in microseconds from its start; 0 or less for none.
+    pub timeout_us: i64,
+    /// Initial metadata to send (NULL for none). Copied; the caller still frees it.
+    pub metadata: *const isthmus_metadata_t,
+    /// `ISTHMUS_CALL_WAIT_FOR_READY`, or 0.
+    pub flags: u32,
+}
+
+/// Call flag: if no server is reachable, keep trying until the deadline instead of failing at
+/// once with UNAVAILABLE (gRPC's `wait_for_ready`).
+pub const ISTHMUS_CALL_WAIT_FOR_READY: u32 = 1;
+
+/// Options of a channel. Zero-initialise it, then set what you need; NULL means defaults.
+#[repr(C)]
+pub struct isthmus_channel_options_t {
+    /// The largest message this side accepts, in bytes; 0 for the default (4 GiB).
+    pub max_message_size: u64,
+}
+
+pub(crate) static CHANNELS: Registry<isthmus_channel_t> = Registry::new("channel");
+pub(crate) static CALLS: Registry<isthmus_call_t> = Registry::new("call");
+
+/// The options behind a caller's pointer.
+///
+/// # Safety
+///
+/// `opts` is NULL or points to a valid `isthmus_call_options_t`.
+unsafe fn call_options(opts: *const isthmus_call_options_t) -> Result<CallOptions, Status> {
+    // SAFETY: the caller promises a valid struct when not NULL.
+    let Some(o) = (unsafe { opts.as_ref() }) else { return Ok(CallOptions::default()) };
+    Ok(CallOptions {
+        metadata: metadata_arg(o.metadata)?,
+        timeout: u64::try_from(o.timeout_us).ok().filter(|t| *t > 0).map(Duration::from_micros),
+        wait_for_ready: o.flags & ISTHMUS_CALL_WAIT_FOR_READY != 0,
+    })
+}
+
+fn closed() -> Status {
+    Status::new(Code::Unavailable, "the channel was closed")
+}
+
+impl isthmus_channel_t {
+    fn open(&self) -> Result<(), Status> {
+        match self.closed.load(Ordering::Acquire) {
+            true => Err(closed()),
+            false => Ok(()),
+        }
+    }
+}
+
+/// Makes a channel to `target`. It connects on its first call, so this fails only for a
+/// target it cannot parse (`ISTHMUS_INVALID_ARGUMENT`). Close it with `isthmus_channel_close`.
+///
+/// # Safety
+///
+/// `target` is a NUL-terminated string; `opts` is NULL or valid; `out` is writable; `status`
+/// is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_channel_new(
+    target: *const c_char,
+    opts: *const isthmus_channel_options_t,
+    out: *mut *mut isthmus_channel_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        if out.is_null() {
+            return Err(invalid("the out-pointer is NULL"));
+        }
+        // SAFETY: the caller's promises, passed on.
+        let (target, opts) = unsafe { (c_str(target, "the target")?, opts.as_ref()) };
+        let mut config = Config::default();
+        if let Some(limit) = opts.map(|o| o.max_message_size).filter(|l| *l > 0) {
+            config.max_message_size = limit;
+        }
+        let blocking = match target.starts_with("shm:") {
+            true => Some(isthmus::blocking::Channel::lazy_with(target, config.clone())?),
+            false => None,
+        };
+        let _runtime = runtime().enter();
+        let engine = isthmus::Channel::lazy_with(target, config)?;
+        let polled = engine.with_calls_read(false);
+        let channel = isthmus_channel_t { engine, polled, blocking, closed: AtomicBool::new(false) };
+        // SAFETY: checked not NULL; the caller promises it is writable.
+        unsafe { put(out, CHANNELS.add(channel)) };
+        Ok(())
+    })
+}
+
+/// Closes a channel and frees its handle. Calls in progress go on until they end; new calls
+/// on a closed handle are not possible (the handle is gone).
+#[no_mangle]
+pub extern "C" fn isthmus_channel_close(channel: *mut isthmus_channel_t) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || {
+        let channel = CHANNELS.remove(channel)?;
+        channel.closed.store(true, Ordering::Release);
+        Ok(())
+    })
+}
+
+/// A unary call, blocking: sends `request` to `path` (`/package.Service/Method`) and waits
+/// for the one response. On success `*reply` holds the response message; `*headers` and
+/// `*trailers` (each may be NULL) the server's initial and trailing metadata. All are the
+/// caller's to free. On failure they are set to NULL and `*status` (if not NULL) says why.
+///
+/// # Safety
+///
+/// `path` is NUL-terminated; `request` is valid for `request_len` bytes; `opts` is NULL or
+/// valid; each out-pointer is NULL or writable (`reply` must not be NULL).
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_unary(
+    channel: *const isthmus_channel_t,
+    path: *const c_char,
+    request: *const u8,
+    request_len: usize,
+    opts: *const isthmus_call_options_t,
+    reply: *mut *mut isthmus_message_t,
+    headers: *mut *mut isthmus_metadata_t,
+    trailers: *mut *mut isthmus_metadata_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    // SAFETY: each out-pointer is NULL or writable, as the caller promises.
+    unsafe {
+        put(reply, std::ptr::null_mut());
+        put(headers, std::ptr::null_mut());
+        put(trailers, std::ptr::null_mut());
+    }
+    entry(status, || {
+        if reply.is_null() {
+            return Err(invalid("the reply out-pointer is NULL"));
+        }
+        let channel = CHANNELS.get(channel)?;
+        channel.open()?;
+        // SAFETY: the caller's promises, passed on.
+        let (path, request, options) =
+            unsafe { (c_str(path, "the path")?, c_bytes(request, request_len, "the request")?, call_options(opts)?) };
+        let response = match &channel.blocking {
+            Some(blocking) => blocking.unary(path, request, options),
+            None => block_on(channel.engine.unary(path, request, options)),
+        }?;
+        // SAFETY: as above.
+        unsafe {
+            put(reply, message_handle(response.message));
+            if !headers.is_null() {
+                put(headers, metadata_handle(response.metadata));
+            }
+            if !trailers.is_null() {
+                put(trailers, metadata_handle(response.trailers));
+            }
+        }
+        Ok(())
+    })
+}
+
+/// [`isthmus_unary`] without blocking: returns at once, and the outcome arrives on `cq` as an
+/// event with `op = ISTHMUS_OP_UNARY` and this `tag`: `message`, `metadata` (initial) and
+/// `trailers` on success, `status` on failure.
+///
+/// # Safety
+///
+/// As [`isthmus_unary`]; the request is copied before this returns.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_unary_async(
+    channel: *const isthmus_channel_t,
+    path: *const c_char,
+    request: *const u8,
+    request_len: usize,
+    opts: *const isthmus_call_options_t,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let (channel, cq) = (CHANNELS.get(channel)?, cq_get(cq)?);
+        channel.open()?;
+        // SAFETY: the caller's promises, passed on.
+        let (path, request, options) =
+            unsafe { (c_str(path, "the path")?, c_bytes(request, request_len, "the request")?, call_options(opts)?) };
+        let (path, request, engine) = (path.to_owned(), request.to_vec(), channel.polled.clone());
+        cq.run(tag, ISTHMUS_OP_UNARY, async move { Outcome::unary(engine.unary(&path, &request, options).await) });
+        Ok(())
+    })
+}
+
+/// Starts a call of any shape on `path`, blocking until its head is sent (connecting if
+/// needed). `*call` is the caller's, freed with `isthmus_call_free`.
+///
+/// # Safety
+///
+/// `path` is NUL-terminated; `opts` is NULL or valid; `call` is writable; `status` is NULL or
+/// writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_call_start(
+    channel: *const isthmus_channel_t,
+    path: *const c_char,
+    opts: *const isthmus_call_options_t,
+    call: *mut *mut isthmus_call_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        if call.is_null() {
+            return Err(invalid("the call out-pointer is NULL"));
+        }
+        let channel = CHANNELS.get(channel)?;
+        channel.open()?;
+        // SAFETY: the caller's promises, passed on.
+        let (path, options) = unsafe { (c_str(path, "the path")?, call_options(opts)?) };
+        let started = block_on(channel.engine.start(path, options))?;
+        // SAFETY: checked not NULL; writable by the caller's promise.
+        unsafe { put(call, call_handle(SharedCall::new(started))) };
+        Ok(())
+    })
+}
+
+/// A handle for a started call.
+pub(crate) fn call_handle(call: Arc<SharedCall>) -> *mut isthmus_call_t {
+    CALLS.add(isthmus_call_t { call })
+}
+
+/// [`isthmus_call_start`] without blocking: the event (`ISTHMUS_OP_START`) carries the call
+/// in `call` on success. The call's later operations are best made `_async` on the same queue:
+/// it is polled by whoever drains that queue.
+///
+/// # Safety
+///
+/// As [`isthmus_call_start`].
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_call_start_async(
+    channel: *const isthmus_channel_t,
+    path: *const c_char,
+    opts: *const isthmus_call_options_t,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let (channel, cq) = (CHANNELS.get(channel)?, cq_get(cq)?);
+        channel.open()?;
+        // SAFETY: the caller's promises, passed on.
+        let (path, options) = unsafe { (c_str(path, "the path")?, call_options(opts)?) };
+        let (path, engine) = (path.to_owned(), channel.polled.clone());
+        cq.run(tag, ISTHMUS_OP_START, async move { Outcome::started(engine.start(&path, options).await) });
+        Ok(())
+    })
+}
+
+/// A call's status once it has failed on the sending side: the sender only learns that the
+/// call is over; why comes with the next `recv`.
+fn over() -> Status {
+    Status::new(Code::Cancelled, "the call is over: recv gives its status")
+}
+
+/// Sends one request message (copied), blocking while flow control holds it back; `last`
+/// (non-zero) half-closes with it. A call that is over fails with `ISTHMUS_CANCELLED`: its
+/// status comes from `isthmus_call_recv`.
+///
+/// # Safety
+///
+/// `data` is valid for `len` bytes; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_call_send(
+    call: *const isthmus_call_t,
+    data: *const u8,
+    len: usize,
+    last: i32,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let call = CALLS.get(call)?;
+        // SAFETY: the caller's promise, passed on.
+        let message = Bytes::copy_from_slice(unsafe { c_bytes(data, len, "the message")? });
+        match block_on(call.call.send(message, last != 0)) {
+            true => Ok(()),
+            false => Err(over()),
+        }
+    })
+}
+
+/// [`isthmus_call_send`] without blocking (`ISTHMUS_OP_SEND`; `code` is `ISTHMUS_CANCELLED`
+/// if the call was over). The message is copied before this returns.
+///
+/// # Safety
+///
+/// As [`isthmus_call_send`].
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_call_send_async(
+    call: *const isthmus_call_t,
+    data: *const u8,
+    len: usize,
+    last: i32,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let (call, cq) = (CALLS.get(call)?, cq_get(cq)?);
+        // SAFETY: the caller's promise, passed on.
+        let message = Bytes::copy_from_slice(unsafe { c_bytes(data, len, "the message")? });
+        let shared = call.call.clone();
+        cq.run(tag, ISTHMUS_OP_SEND, async move { Outcome::done_if(shared.send(message, last != 0).await, over) });
+        Ok(())
+    })
+}
+
+/// Half-closes: no more request messages.
+#[no_mangle]
+pub extern "C" fn isthmus_call_close_send(call: *const isthmus_call_t) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || {
+        let call = CALLS.get(call)?;
+        block_on(call.call.close_send());
+        Ok(())
+    })
+}
+
+/// [`isthmus_call_close_send`] without blocking (`ISTHMUS_OP_CLOSE_SEND`).
+///
+/// # Safety
+///
+/// `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_call_close_send_async(
+    call: *const isthmus_call_t,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let (call, cq) = (CALLS.get(call)?, cq_get(cq)?);
+        let shared = call.call.clone();
+        cq.run(tag, ISTHMUS_OP_CLOSE_SEND, async move {
+            shared.close_send().await;
+            Outcome::Done
+        });
+        Ok(())
+    })
+}
+
+/// Receives the next response message, blocking. `ISTHMUS_OK` with `*message` set: a message
+/// (the caller's to free); `ISTHMUS_OK` with `*message` NULL: the server ended the call with
+/// OK (its trailers: `isthmus_call_trailers`); any other code: the call failed, and `*status`
+/// (if not NULL) holds the server's status with its trailers.
+///
+/// # Safety
+///
+/// `message` is writable; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_call_recv(
+    call: *const isthmus_call_t,
+    message: *mut *mut isthmus_message_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    // SAFETY: the caller promises `message` is writable when not NULL.
+    unsafe { put(message, std::ptr::null_mut()) };
+    entry(status, || {
+        if message.is_null() {
+            return Err(invalid("the message out-pointer is NULL"));
+        }
+        let call = CALLS.get(call)?;
+        if let Some(m) = block_on(call.call.recv())? {
+            // SAFETY: checked not NULL, writable by the caller's promise.
+            unsafe { put(message, message_handle(m)) };
+        }
+        Ok(())
+    })
+}
+
+/// [`isthmus_call_recv`] without blocking (`ISTHMUS_OP_RECV`: `message`, NULL at the OK end;
+/// `status` on failure).
+///
+/// # Safety
+///
+/// `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_call_recv_async(
+    call: *const isthmus_call_t,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let (call, cq) = (CALLS.get(call)?, cq_get(cq)?);
+        let shared = call.call.clone();
+        cq.run(tag, ISTHMUS_OP_RECV, async move { Outcome::received(shared.recv().await) });
+        Ok(())
+    })
+}
+
+/// The server's initial metadata, blocking until it arrives (the caller frees `*headers`).
+///
+/// # Safety
+///
+/// `headers` is writable; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_call_headers(
+    call: *const isthmus_call_t,
+    headers: *mut *mut isthmus_metadata_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    // SAFETY: the caller promises `headers` is writable when not NULL.
+    unsafe { put(headers, std::ptr::null_mut()) };
+    entry(status, || {
+        if headers.is_null() {
+            return Err(invalid("the headers out-pointer is NULL"));
+        }
+        let call = CALLS.get(call)?;
+        let md = block_on(call.call.headers())?;
+        // SAFETY: checked not NULL, writable by the caller's promise.
+        unsafe { put(headers, metadata_handle(md)) };
+        Ok(())
+    })
+}
+
+/// [`isthmus_call_headers`] without blocking (`ISTHMUS_OP_HEADERS`: `metadata`).
+///
+/// # Safety
+///
+/// `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_call_headers_async(
+    call: *const isthmus_call_t,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let (call, cq) = (CALLS.get(call)?, cq_get(cq)?);
+        let shared = call.call.clone();
+        cq.run(tag, ISTHMUS_OP_HEADERS, async move { Outcome::headers(shared.headers().await) });
+        Ok(())
+    })
+}
+
+/// A copy of the server's trailing metadata once the call has ended (the caller frees it);
+/// NULL while it runs.
+#[no_mangle]
+pub extern "C" fn isthmus_call_trailers(call: *const isthmus_call_t) -> *mut isthmus_metadata_t {
+    crate::guard(std::ptr::null_mut(), || {
+        CALLS.get(call).ok().and_then(|c| c.call.trailers()).map_or(std::ptr::null_mut(), metadata_handle)
+    })
+}
+
+/// A writable block of `len` bytes in this side's shared memory (`shm://` only), for a
+/// request built in place: fill it (`isthmus_block_data`), then `isthmus_call_send_block`.
+/// Blocks while the arena is full.
+///
+/// # Safety
+///
+/// `block` is writable; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_call_alloc(
+    call: *const isthmus_call_t,
+    len: usize,
+    block: *mut *mut isthmus_block_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    // SAFETY: the caller promises `block` is writable when not NULL.
+    unsafe { put(block, std::ptr::null_mut()) };
+    entry(status, || {
+        if block.is_null() {
+            return Err(invalid("the block out-pointer is NULL"));
+        }
+        let call = CALLS.get(call)?;
+        let b = block_on(call.call.alloc(len))?;
+        // SAFETY: checked not NULL, writable by the caller's promise.
+        unsafe { put(block, block_handle(b)) };
+        Ok(())
+    })
+}
+
+/// Sends a block from `isthmus_call_alloc` as one request message, with no copy; `last`
+/// (non-zero) half-closes with it. The block handle is consumed, sent or not.
+///
+/// # Safety
+///
+/// `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_call_send_block(
+    call: *const isthmus_call_t,
+    block: *mut isthmus_block_t,
+    last: i32,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let call = CALLS.get(call);
+        let block = take_block(block)?;
+        match block_on(call?.call.send_block(block, last != 0)) {
+            true => Ok(()),
+            false => Err(over()),
+        }
+    })
+}
+
+/// Cancels the call: the server sees CANCELLED, and a `recv` waiting in another thread
+/// returns `ISTHMUS_CANCELLED`. The handle stays valid until freed.
+#[no_mangle]
+pub extern "C" fn isthmus_call_cancel(call: *const isthmus_call_t) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || {
+        CALLS.get(call)?.call.cancel();
+        Ok(())
+    })
+}
+
+/// Frees a call; one still running is cancelled.
+#[no_mangle]
+pub extern "C" fn isthmus_call_free(call: *mut isthmus_call_t) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || {
+        let call = CALLS.remove(call)?;
+        if call.call.trailers().is_none() {
+            call.call.cancel();
+        }
+        Ok(())
+    })
+}

@@ -1,0 +1,264 @@
+//! Completion queues: how an event loop learns that an `_async` operation finished without
+//! blocking a thread on it. A queue has a file descriptor that is readable while events wait;
+//! the loop watches it (epoll, nginx, libuv, Go's netpoller) and takes the events with
+//! `isthmus_cq_poll`. The operations' remaining work runs inside that call, on the loop's
+//! thread: no thread is woken and no task spawned per call (`isthmus::binding::Completions`).
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use isthmus::binding::{Completions, HandedCall, SharedCall};
+use isthmus::{MetadataMap, Response, Status};
+
+use crate::client::{call_handle, isthmus_call_t};
+use crate::handle::Registry;
+use crate::object::{
+    isthmus_message_t, isthmus_metadata_t, isthmus_status_t, message_handle, metadata_handle, status_handle,
+};
+use crate::server::{isthmus_server_call_t, server_call_handle};
+use crate::{entry, guard, isthmus_code_t, ISTHMUS_OK};
+
+/// A completion queue (see the module's documentation). Free it with `isthmus_cq_free` once
+/// nothing uses it.
+pub struct isthmus_cq_t {
+    completions: Arc<Completions<(isthmus_op_t, Outcome)>>,
+    /// Finished operations taken from `completions` that did not fit the caller's array.
+    overflow: std::sync::Mutex<std::collections::VecDeque<(u64, (isthmus_op_t, Outcome))>>,
+}
+
+/// Which operation an event completes.
+pub type isthmus_op_t = i32;
+/// `isthmus_unary_async`.
+pub const ISTHMUS_OP_UNARY: isthmus_op_t = 1;
+/// `isthmus_call_start_async`.
+pub const ISTHMUS_OP_START: isthmus_op_t = 2;
+/// `isthmus_call_send_async`, `isthmus_server_call_send_async`.
+pub const ISTHMUS_OP_SEND: isthmus_op_t = 3;
+/// `isthmus_call_close_send_async`.
+pub const ISTHMUS_OP_CLOSE_SEND: isthmus_op_t = 4;
+/// `isthmus_call_recv_async`, `isthmus_server_call_recv_async`.
+pub const ISTHMUS_OP_RECV: isthmus_op_t = 5;
+/// `isthmus_call_headers_async`.
+pub const ISTHMUS_OP_HEADERS: isthmus_op_t = 6;
+/// A new call for a handler registered with `isthmus_server_add_handler_cq`.
+pub const ISTHMUS_OP_NEW_CALL: isthmus_op_t = 7;
+/// `isthmus_server_call_send_headers_async`.
+pub const ISTHMUS_OP_SEND_HEADERS: isthmus_op_t = 8;
+
+/// One finished operation. Every non-NULL handle in it belongs to the caller, who frees it.
+#[repr(C)]
+pub struct isthmus_event_t {
+    /// The tag the operation was started with.
+    pub tag: u64,
+    /// Which operation (`ISTHMUS_OP_*`).
+    pub op: isthmus_op_t,
+    /// `ISTHMUS_OK`, or the failure's code (then `status` says why).
+    pub code: isthmus_code_t,
+    /// `ISTHMUS_OP_START`: the started call.
+    pub call: *mut isthmus_call_t,
+    /// `ISTHMUS_OP_NEW_CALL`: the call for the handler, to finish with
+    /// `isthmus_server_call_finish`.
+    pub server_call: *mut isthmus_server_call_t,
+    /// `ISTHMUS_OP_RECV`, `ISTHMUS_OP_UNARY`: the message; NULL at the end of the stream.
+    pub message: *mut isthmus_message_t,
+    /// `ISTHMUS_OP_HEADERS`, `ISTHMUS_OP_UNARY`: the initial metadata.
+    pub metadata: *mut isthmus_metadata_t,
+    /// `ISTHMUS_OP_UNARY`: the trailing metadata.
+    pub trailers: *mut isthmus_metadata_t,
+    /// On failure: the status (code, message, trailers).
+    pub status: *mut isthmus_status_t,
+}
+
+/// What a finished operation gives back, before it becomes an event.
+pub(crate) enum Outcome {
+    Unary(Response),
+    Started(Arc<SharedCall>),
+    Message(Option<Bytes>),
+    Metadata(MetadataMap),
+    NewCall(Arc<HandedCall>),
+    Done,
+    Failed(Status),
+}
+
+impl Outcome {
+    pub(crate) fn unary(r: Result<Response, Status>) -> Outcome {
+        r.map_or_else(Outcome::Failed, Outcome::Unary)
+    }
+
+    pub(crate) fn started(r: Result<isthmus::ClientCall, Status>) -> Outcome {
+        r.map_or_else(Outcome::Failed, |c| Outcome::Started(SharedCall::new(c)))
+    }
+
+    pub(crate) fn received(r: Result<Option<Bytes>, Status>) -> Outcome {
+        r.map_or_else(Outcome::Failed, Outcome::Message)
+    }
+
+    pub(crate) fn headers(r: Result<MetadataMap, Status>) -> Outcome {
+        r.map_or_else(Outcome::Failed, Outcome::Metadata)
+    }
+
+    pub(crate) fn done(r: Result<(), Status>) -> Outcome {
+        r.map_or_else(Outcome::Failed, |()| Outcome::Done)
+    }
+
+    /// `Done` if `ok`, else the status `why` makes.
+    pub(crate) fn done_if(ok: bool, why: impl FnOnce() -> Status) -> Outcome {
+        match ok {
+            true => Outcome::Done,
+            false => Outcome::Failed(why()),
+        }
+    }
+
+    /// The event for this outcome of operation `op`: handles registered for the caller.
+    fn event(self, tag: u64, op: isthmus_op_t) -> isthmus_event_t {
+        let mut ev = isthmus_event_t {
+            tag,
+            op,
+            code: ISTHMUS_OK,
+            call: std::ptr::null_mut(),
+            server_call: std::ptr::null_mut(),
+            message: std::ptr::null_mut(),
+            metadata: std::ptr::null_mut(),
+            trailers: std::ptr::null_mut(),
+            status: std::ptr::null_mut(),
+        };
+        match self {
+            Outcome::Unary(r) => {
+                ev.message = message_handle(r.message);
+                ev.metadata = metadata_handle(r.metadata);
+                ev.trailers = metadata_handle(r.trailers);
+            }
+            Outcome::Started(call) => ev.call = call_handle(call),
+            Outcome::Message(Some(m)) => ev.message = message_handle(m),
+            Outcome::Message(None) | Outcome::Done => {}
+            Outcome::Metadata(md) => ev.metadata = metadata_handle(md),
+            Outcome::NewCall(call) => ev.server_call = server_call_handle(call),
+            Outcome::Failed(status) => {
+                ev.code = status.code() as isthmus_code_t;
+                ev.status = status_handle(&status);
+            }
+        }
+        ev
+    }
+}
+
+pub(crate) static QUEUES: Registry<isthmus_cq_t> = Registry::new("completion queue");
+
+/// The queue behind a caller's handle, as the operations that complete on it hold it.
+pub(crate) fn cq_get(cq: *const isthmus_cq_t) -> Result<Queue, Status> {
+    Ok(Queue(QUEUES.get(cq)?.completions.clone()))
+}
+
+/// A queue as operations start on it.
+pub(crate) struct Queue(Arc<Completions<(isthmus_op_t, Outcome)>>);
+
+impl Queue {
+    /// Runs `fut` as operation `op`, named by the caller's `tag`.
+    pub(crate) fn run<F>(&self, tag: u64, op: isthmus_op_t, fut: F)
+    where
+        F: std::future::Future<Output = Outcome> + Send + 'static,
+    {
+        self.0.run(tag, async move { (op, fut.await) });
+    }
+}
+
+/// A new completion queue, or NULL if the system refuses an eventfd.
+#[no_mangle]
+pub extern "C" fn isthmus_cq_new() -> *mut isthmus_cq_t {
+    guard(std::ptr::null_mut(), || match Completions::new() {
+        Ok(completions) => QUEUES.add(isthmus_cq_t { completions, overflow: Default::default() }),
+        Err(_) => std::ptr::null_mut(),
+    })
+}
+
+/// The queue's file descriptor: readable while events wait. Watch it for reading; do not
+/// read, write or close it. -1 for an invalid handle.
+#[no_mangle]
+pub extern "C" fn isthmus_cq_fd(cq: *const isthmus_cq_t) -> i32 {
+    guard(-1, || QUEUES.get(cq).map_or(-1, |q| q.completions.fd()))
+}
+
+/// Takes up to `capacity` finished operations into `events`, without blocking; the number
+/// taken. Runs what the woken operations have left to do, on this thread. Events not taken
+/// (beyond `capacity`) stay queued and keep the descriptor readable.
+///
+/// # Safety
+///
+/// `events` is valid for writes of `capacity` events.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_cq_poll(
+    cq: *const isthmus_cq_t,
+    events: *mut isthmus_event_t,
+    capacity: usize,
+) -> usize {
+    guard(0, || {
+        let Ok(q) = QUEUES.get(cq) else { return 0 };
+        if events.is_null() || capacity == 0 {
+            return 0;
+        }
+        let mut taken = q.take_into(capacity);
+        let n = taken.len();
+        for (i, ev) in taken.drain(..).enumerate() {
+            // SAFETY: i < n <= capacity, and the caller promises room for `capacity` events.
+            unsafe { events.add(i).write(ev) };
+        }
+        n
+    })
+}
+
+/// [`isthmus_cq_poll`], but waits first until an event is ready: spinning for up to
+/// `spin_us` microseconds, then asleep on the descriptor until `timeout_us` (from the call;
+/// negative: no limit) has passed. 0 if none came.
+///
+/// # Safety
+///
+/// As [`isthmus_cq_poll`].
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_cq_wait(
+    cq: *const isthmus_cq_t,
+    events: *mut isthmus_event_t,
+    capacity: usize,
+    spin_us: u32,
+    timeout_us: i64,
+) -> usize {
+    guard(0, || {
+        let Ok(q) = QUEUES.get(cq) else { return 0 };
+        let deadline = u64::try_from(timeout_us).ok().map(|t| Instant::now() + Duration::from_micros(t));
+        q.completions.wait(Duration::from_micros(spin_us.into()), deadline);
+        // SAFETY: the caller's promise, passed on.
+        unsafe { isthmus_cq_poll(cq, events, capacity) }
+    })
+}
+
+/// Frees a queue. Operations still waiting on it are abandoned: their calls are cancelled and
+/// their events never come; events not yet taken are freed.
+#[no_mangle]
+pub extern "C" fn isthmus_cq_free(cq: *mut isthmus_cq_t) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || {
+        let q = QUEUES.remove(cq)?;
+        q.completions.abort_all();
+        if let Ok(mut overflow) = q.overflow.lock() {
+            overflow.clear();
+        }
+        drop(q.completions.take());
+        Ok(())
+    })
+}
+
+impl isthmus_cq_t {
+    /// Up to `capacity` events: those left over from the last poll first.
+    fn take_into(&self, capacity: usize) -> Vec<isthmus_event_t> {
+        let Ok(mut overflow) = self.overflow.lock() else { return Vec::new() };
+        if overflow.len() < capacity {
+            overflow.extend(self.completions.take());
+        }
+        let n = overflow.len().min(capacity);
+        let taken: Vec<(u64, (isthmus_op_t, Outcome))> = overflow.drain(..n).collect();
+        if !overflow.is_empty() {
+            self.completions.signal(); // the rest keeps the descriptor readable
+        }
+        drop(overflow);
+        taken.into_iter().map(|(tag, (op, outcome))| outcome.event(tag, op)).collect()
+    }
+}

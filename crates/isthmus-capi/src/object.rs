@@ -1,0 +1,269 @@
+//! The values calls carry: received messages (views into shared memory), writable blocks,
+//! metadata and statuses.
+
+use std::ffi::{c_char, CString};
+use std::sync::Mutex;
+
+use bytes::Bytes;
+use isthmus::{BlockMut, Code, MetadataMap, Status};
+
+use crate::handle::Registry;
+use crate::{c_bytes, c_str, entry, guard, invalid, isthmus_code_t, put};
+
+/// A received message. Over `shm://` a large one is a view into the sender's shared memory,
+/// not a copy: holding it keeps that memory from the sender, so free it when done.
+pub struct isthmus_message_t {
+    bytes: Bytes,
+}
+
+/// A writable block in this side's shared memory, from `isthmus_call_alloc` or
+/// `isthmus_server_call_alloc`: fill it, then send it without a copy.
+pub struct isthmus_block_t {
+    block: Mutex<Option<BlockMut>>,
+    /// The block's bytes, fixed for its life (shared memory does not move).
+    data: usize,
+    len: usize,
+}
+
+/// Metadata: an ordered list of (key, value) entries under gRPC's rules (lower-case keys;
+/// keys ending in `-bin` carry bytes, others printable ASCII).
+pub struct isthmus_metadata_t {
+    map: Mutex<MetadataMap>,
+}
+
+/// A gRPC status: code, message and trailing metadata.
+pub struct isthmus_status_t {
+    code: isthmus_code_t,
+    message: CString,
+    trailers: MetadataMap,
+}
+
+pub(crate) static MESSAGES: Registry<isthmus_message_t> = Registry::new("message");
+pub(crate) static BLOCKS: Registry<isthmus_block_t> = Registry::new("block");
+pub(crate) static METADATA: Registry<isthmus_metadata_t> = Registry::new("metadata");
+pub(crate) static STATUSES: Registry<isthmus_status_t> = Registry::new("status");
+
+/// A handle for a received message.
+pub(crate) fn message_handle(bytes: Bytes) -> *mut isthmus_message_t {
+    MESSAGES.add(isthmus_message_t { bytes })
+}
+
+/// A handle for a block to fill.
+pub(crate) fn block_handle(mut block: BlockMut) -> *mut isthmus_block_t {
+    let (data, len) = (block.as_mut_ptr() as usize, block.len());
+    BLOCKS.add(isthmus_block_t { block: Mutex::new(Some(block)), data, len })
+}
+
+/// Takes the block out of its handle (to send it); the handle is freed.
+pub(crate) fn take_block(handle: *mut isthmus_block_t) -> Result<BlockMut, Status> {
+    let b = BLOCKS.remove(handle)?;
+    let taken = b.block.lock().ok().and_then(|mut s| s.take());
+    taken.ok_or_else(|| invalid("the block was sent already"))
+}
+
+/// A handle for metadata received.
+pub(crate) fn metadata_handle(map: MetadataMap) -> *mut isthmus_metadata_t {
+    METADATA.add(isthmus_metadata_t { map: Mutex::new(map) })
+}
+
+/// The metadata behind a caller's handle, NULL meaning none.
+pub(crate) fn metadata_arg(md: *const isthmus_metadata_t) -> Result<MetadataMap, Status> {
+    if md.is_null() {
+        return Ok(MetadataMap::new());
+    }
+    let md = METADATA.get(md)?;
+    let map = md.map.lock().map_err(|_| invalid("metadata poisoned"))?.clone();
+    Ok(map)
+}
+
+/// A handle for `status`.
+pub(crate) fn status_handle(status: &Status) -> *mut isthmus_status_t {
+    let message = CString::new(status.message().replace('\0', " ")).unwrap_or_default();
+    STATUSES.add(isthmus_status_t {
+        code: status.code() as isthmus_code_t,
+        message,
+        trailers: status.metadata().clone(),
+    })
+}
+
+/// Stores a failure's status through the caller's out-pointer (NULL on success).
+pub(crate) fn store_status(out: *mut *mut isthmus_status_t, status: Option<Status>) {
+    if out.is_null() {
+        return;
+    }
+    let handle = status.map_or(std::ptr::null_mut(), |s| status_handle(&s));
+    // SAFETY: `out` is not NULL; the ABI's rules make it writable.
+    unsafe { put(out, handle) };
+}
+
+// ---- messages ----
+
+/// The message's bytes; their count in `*len`. Valid until the message is freed. NULL (and
+/// length 0) for an invalid handle.
+///
+/// # Safety
+///
+/// `len` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_message_data(msg: *const isthmus_message_t, len: *mut usize) -> *const u8 {
+    guard(std::ptr::null(), || {
+        let (ptr, n) = match MESSAGES.get(msg) {
+            // The bytes live as long as the registry holds the message, whatever this Arc does.
+            Ok(m) => (m.bytes.as_ptr(), m.bytes.len()),
+            Err(_) => (std::ptr::null(), 0),
+        };
+        // SAFETY: the caller promises `len` is NULL or writable.
+        unsafe { put(len, n) };
+        ptr
+    })
+}
+
+/// The message's length in bytes (0 for an invalid handle).
+#[no_mangle]
+pub extern "C" fn isthmus_message_len(msg: *const isthmus_message_t) -> usize {
+    guard(0, || MESSAGES.get(msg).map_or(0, |m| m.bytes.len()))
+}
+
+/// Frees a message (over `shm://`, gives its shared memory back to the sender once nothing
+/// else holds it). `ISTHMUS_INVALID_ARGUMENT` for NULL or a message freed already.
+#[no_mangle]
+pub extern "C" fn isthmus_message_free(msg: *mut isthmus_message_t) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || MESSAGES.remove(msg).map(drop))
+}
+
+// ---- blocks ----
+
+/// The block's writable bytes; their count in `*len`. Valid until the block is sent or freed.
+///
+/// # Safety
+///
+/// `len` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_block_data(block: *mut isthmus_block_t, len: *mut usize) -> *mut u8 {
+    guard(std::ptr::null_mut(), || {
+        let (ptr, n) = match BLOCKS.get(block) {
+            Ok(b) => (b.data as *mut u8, b.len),
+            Err(_) => (std::ptr::null_mut(), 0),
+        };
+        // SAFETY: the caller promises `len` is NULL or writable.
+        unsafe { put(len, n) };
+        ptr
+    })
+}
+
+/// Frees a block that will not be sent (its shared memory goes back to the arena).
+#[no_mangle]
+pub extern "C" fn isthmus_block_free(block: *mut isthmus_block_t) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || BLOCKS.remove(block).map(drop))
+}
+
+// ---- metadata ----
+
+/// New empty metadata, to fill with `isthmus_metadata_add` and pass to a call; free it with
+/// `isthmus_metadata_free` (a call copies what it needs).
+#[no_mangle]
+pub extern "C" fn isthmus_metadata_new() -> *mut isthmus_metadata_t {
+    guard(std::ptr::null_mut(), || metadata_handle(MetadataMap::new()))
+}
+
+/// Appends an entry. The key (NUL-terminated) must be lower-case `0-9 a-z - _ .` and not
+/// reserved (`grpc-*`, `content-type`, `te`, `user-agent`); keys ending in `-bin` take any
+/// bytes, others printable ASCII. `ISTHMUS_INVALID_ARGUMENT` with the reason otherwise.
+/// Entry pointers taken earlier from this metadata are invalid afterwards.
+///
+/// # Safety
+///
+/// `key` is NULL or NUL-terminated; `value` is valid for `value_len` bytes; `status` is NULL
+/// or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_metadata_add(
+    md: *mut isthmus_metadata_t,
+    key: *const c_char,
+    value: *const u8,
+    value_len: usize,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let md = METADATA.get(md)?;
+        // SAFETY: the caller's promises, passed on.
+        let (key, value) = unsafe { (c_str(key, "the key")?, c_bytes(value, value_len, "the value")?) };
+        let mut map = md.map.lock().map_err(|_| invalid("metadata poisoned"))?;
+        map.append_raw(key, Bytes::copy_from_slice(value)).map_err(|e| invalid(e.to_string()))
+    })
+}
+
+/// The number of entries (0 for an invalid handle).
+#[no_mangle]
+pub extern "C" fn isthmus_metadata_len(md: *const isthmus_metadata_t) -> usize {
+    guard(0, || METADATA.get(md).ok().and_then(|m| m.map.lock().ok().map(|s| s.len())).unwrap_or(0))
+}
+
+/// Entry `index`: its key (not NUL-terminated) and value, valid until the metadata is changed
+/// or freed. `ISTHMUS_OUT_OF_RANGE` past the end.
+///
+/// # Safety
+///
+/// Each out-pointer is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_metadata_get(
+    md: *const isthmus_metadata_t,
+    index: usize,
+    key: *mut *const u8,
+    key_len: *mut usize,
+    value: *mut *const u8,
+    value_len: *mut usize,
+) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || {
+        let md = METADATA.get(md)?;
+        let map = md.map.lock().map_err(|_| invalid("metadata poisoned"))?;
+        let (k, v) = map
+            .iter()
+            .nth(index)
+            .ok_or_else(|| Status::new(Code::OutOfRange, format!("no entry {index} in {}", map.len())))?;
+        // SAFETY: the caller promises each pointer is NULL or writable. The bytes live in the
+        // map's entries, which move only on `add`, for as long as the handle lives.
+        unsafe {
+            put(key, k.as_ptr());
+            put(key_len, k.len());
+            put(value, v.as_ptr());
+            put(value_len, v.len());
+        }
+        Ok(())
+    })
+}
+
+/// Frees metadata.
+#[no_mangle]
+pub extern "C" fn isthmus_metadata_free(md: *mut isthmus_metadata_t) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || METADATA.remove(md).map(drop))
+}
+
+// ---- statuses ----
+
+/// The status's code (`ISTHMUS_INVALID_ARGUMENT` for an invalid handle).
+#[no_mangle]
+pub extern "C" fn isthmus_status_code(status: *const isthmus_status_t) -> isthmus_code_t {
+    guard(crate::ISTHMUS_INTERNAL, || STATUSES.get(status).map_or(crate::ISTHMUS_INVALID_ARGUMENT, |s| s.code))
+}
+
+/// The status's message, NUL-terminated, valid until the status is freed ("" for an invalid
+/// handle).
+#[no_mangle]
+pub extern "C" fn isthmus_status_message(status: *const isthmus_status_t) -> *const c_char {
+    guard(c"".as_ptr(), || STATUSES.get(status).map_or(c"".as_ptr(), |s| s.message.as_ptr()))
+}
+
+/// A copy of the status's trailing metadata, which the caller frees; NULL for an invalid
+/// handle.
+#[no_mangle]
+pub extern "C" fn isthmus_status_trailers(status: *const isthmus_status_t) -> *mut isthmus_metadata_t {
+    guard(std::ptr::null_mut(), || {
+        STATUSES.get(status).map_or(std::ptr::null_mut(), |s| metadata_handle(s.trailers.clone()))
+    })
+}
+
+/// Frees a status.
+#[no_mangle]
+pub extern "C" fn isthmus_status_free(status: *mut isthmus_status_t) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || STATUSES.remove(status).map(drop))
+}

@@ -1,0 +1,520 @@
+//! Servers: handlers registered by method path, as C callbacks or as events on a completion
+//! queue; each call is handed to its handler as an `isthmus_server_call_t` that the handler
+//! answers from any thread, now or later, and ends with `isthmus_server_call_finish`.
+
+use std::ffi::{c_char, c_void};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use isthmus::binding::{block_on, hand_off, runtime, HandedCall};
+use isthmus::{Code, Config, Handler, HandlerFuture, Status};
+
+use crate::cq::{
+    cq_get, isthmus_cq_t, Outcome, Queue, ISTHMUS_OP_NEW_CALL, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND,
+    ISTHMUS_OP_SEND_HEADERS,
+};
+use crate::handle::Registry;
+use crate::object::{
+    block_handle, isthmus_block_t, isthmus_message_t, isthmus_metadata_t, isthmus_status_t, message_handle,
+    metadata_arg, metadata_handle, take_block,
+};
+use crate::{c_bytes, c_str, entry, guard, invalid, isthmus_code_t, put};
+
+/// A handler callback: called on one of the library's threads for each new call on its path,
+/// with the `user_data` given at registration. It must not block for long: hand the call to
+/// your own thread or loop, and finish it there (or here, if the answer is at hand).
+pub type isthmus_handler_fn = Option<unsafe extern "C" fn(user_data: *mut c_void, call: *mut isthmus_server_call_t)>;
+
+/// A server: handlers by method path, served on one or more targets at once.
+pub struct isthmus_server_t {
+    state: Mutex<ServerState>,
+}
+
+enum ServerState {
+    /// Taking handlers and options.
+    Building { server: Box<isthmus::Server>, config: Config, stream_limit: Option<usize> },
+    /// Serving: `stop` ends it with the grace period sent; `done` completes when it has.
+    Serving { stop: tokio::sync::watch::Sender<Option<Duration>>, done: tokio::task::JoinHandle<()> },
+    /// Stopped, or failed to start.
+    Stopped,
+}
+
+/// The server's side of one call, handed to a handler. The handler ends it with
+/// `isthmus_server_call_finish`, exactly once, which also frees the handle; until then its
+/// operations may be used from any thread. A call the client cancelled, or whose deadline
+/// passed, stays a valid handle whose operations fail with `ISTHMUS_CANCELLED`: finish it
+/// all the same.
+pub struct isthmus_server_call_t {
+    call: Arc<HandedCall>,
+}
+
+pub(crate) static SERVERS: Registry<isthmus_server_t> = Registry::new("server");
+pub(crate) static SERVER_CALLS: Registry<isthmus_server_call_t> = Registry::new("server call");
+
+/// A handle for a call handed to a handler.
+pub(crate) fn server_call_handle(call: Arc<HandedCall>) -> *mut isthmus_server_call_t {
+    SERVER_CALLS.add(isthmus_server_call_t { call })
+}
+
+/// Where a handler's calls go.
+enum Deliver {
+    Callback { f: unsafe extern "C" fn(*mut c_void, *mut isthmus_server_call_t), user_data: usize },
+    Queue { cq: Queue, tag: u64 },
+}
+
+impl Handler for Deliver {
+    fn handle(self: Arc<Self>, call: isthmus::ServerCall) -> HandlerFuture {
+        Box::pin(hand_off(call, move |handed| {
+            match &*self {
+                Deliver::Callback { f, user_data } => {
+                    let handle = server_call_handle(handed);
+                    // SAFETY: the registrant promised a function and user data valid for the
+                    // server's life; the handle is live until the handler finishes it.
+                    unsafe { f(*user_data as *mut c_void, handle) };
+                }
+                Deliver::Queue { cq, tag } => {
+                    cq.run(*tag, ISTHMUS_OP_NEW_CALL, std::future::ready(Outcome::NewCall(handed)));
+                }
+            }
+            Ok(())
+        }))
+    }
+}
+
+/// Options of a server. Zero-initialise it, then set what you need; NULL means defaults.
+#[repr(C)]
+pub struct isthmus_server_options_t {
+    /// The largest request message accepted, in bytes; 0 for the default (4 GiB). A larger
+    /// one fails its call with RESOURCE_EXHAUSTED and the server goes on.
+    pub max_message_size: u64,
+    /// Calls one client connection may have open at once; 0 for no limit. A call over the
+    /// limit is refused with RESOURCE_EXHAUSTED.
+    pub max_concurrent_streams: u32,
+}
+
+/// A new server with no handlers. Free it with `isthmus_server_free`.
+///
+/// # Safety
+///
+/// `opts` is NULL or valid.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_new(opts: *const isthmus_server_options_t) -> *mut isthmus_server_t {
+    guard(std::ptr::null_mut(), || {
+        let mut config = Config::default();
+        // SAFETY: the caller promises NULL or a valid struct.
+        let opts = unsafe { opts.as_ref() };
+        if let Some(limit) = opts.map(|o| o.max_message_size).filter(|l| *l > 0) {
+            config.max_message_size = limit;
+        }
+        let stream_limit = opts.map(|o| o.max_concurrent_streams).filter(|l| *l > 0).map(|l| l as usize);
+        let state = ServerState::Building { server: Box::default(), config, stream_limit };
+        SERVERS.add(isthmus_server_t { state: Mutex::new(state) })
+    })
+}
+
+/// Registers a handler before the server starts. `path` names one method
+/// (`/package.Service/Method`); NULL or "" takes every path no other handler takes.
+fn add_handler(server: *const isthmus_server_t, path: Option<&str>, deliver: Deliver) -> Result<(), Status> {
+    let server = SERVERS.get(server)?;
+    let mut state = server.state.lock().map_err(|_| invalid("server state poisoned"))?;
+    let ServerState::Building { server: builder, .. } = &mut *state else {
+        return Err(Status::new(Code::FailedPrecondition, "handlers must be added before the server starts"));
+    };
+    let handler: Arc<dyn Handler> = Arc::new(deliver);
+    let b = std::mem::take(&mut **builder);
+    **builder = match path.filter(|p| !p.is_empty()) {
+        Some(path) => b.handler_object(path, handler),
+        None => b.fallback(handler),
+    };
+    Ok(())
+}
+
+/// The optional path argument of the `add_handler` functions.
+///
+/// # Safety
+///
+/// `path` is NULL or NUL-terminated.
+unsafe fn path_arg<'a>(path: *const c_char) -> Result<Option<&'a str>, Status> {
+    if path.is_null() {
+        return Ok(None);
+    }
+    // SAFETY: not NULL; NUL-terminated by the caller's promise.
+    unsafe { c_str(path, "the path") }.map(Some)
+}
+
+/// Registers `handler` for `path` (NULL or "": every other path), called with `user_data` for
+/// each new call. Before `isthmus_server_start` only.
+///
+/// # Safety
+///
+/// `path` is NULL or NUL-terminated; `handler` and `user_data` stay valid until the server is
+/// freed; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_add_handler(
+    server: *const isthmus_server_t,
+    path: *const c_char,
+    handler: isthmus_handler_fn,
+    user_data: *mut c_void,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let f = handler.ok_or_else(|| invalid("the handler is NULL"))?;
+        // SAFETY: the caller's promise, passed on.
+        let path = unsafe { path_arg(path)? };
+        add_handler(server, path, Deliver::Callback { f, user_data: user_data as usize })
+    })
+}
+
+/// Registers `path` (NULL or "": every other path) to deliver its calls as events on `cq`
+/// (`ISTHMUS_OP_NEW_CALL`, with `tag` and the call in `server_call`). Before
+/// `isthmus_server_start` only. The queue must outlive the server.
+///
+/// # Safety
+///
+/// `path` is NULL or NUL-terminated; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_add_handler_cq(
+    server: *const isthmus_server_t,
+    path: *const c_char,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let cq = cq_get(cq)?;
+        // SAFETY: the caller's promise, passed on.
+        let path = unsafe { path_arg(path)? };
+        add_handler(server, path, Deliver::Queue { cq, tag })
+    })
+}
+
+/// Binds every target in `targets` (`count` NUL-terminated strings: `shm://NAME`,
+/// `unix:///path.sock`, `http://host:port`) and starts serving them in the background.
+/// Clients can connect as soon as this returns. A server starts once.
+///
+/// # Safety
+///
+/// `targets` is valid for `count` NUL-terminated strings; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_start(
+    server: *const isthmus_server_t,
+    targets: *const *const c_char,
+    count: usize,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let server = SERVERS.get(server)?;
+        if targets.is_null() || count == 0 {
+            return Err(invalid("no target to serve"));
+        }
+        let mut list = Vec::with_capacity(count);
+        for i in 0..count {
+            // SAFETY: the caller promises `count` valid string pointers.
+            list.push(unsafe { c_str(*targets.add(i), "a target")? });
+        }
+        let mut state = server.state.lock().map_err(|_| invalid("server state poisoned"))?;
+        let ServerState::Building { server: builder, config, stream_limit } =
+            std::mem::replace(&mut *state, ServerState::Stopped)
+        else {
+            return Err(Status::new(Code::FailedPrecondition, "the server was started already"));
+        };
+        let mut builder = (*builder).config(config);
+        if let Some(limit) = stream_limit {
+            builder = builder.max_concurrent_streams(limit);
+        }
+        let _runtime = runtime().enter();
+        let bound = builder.bind_all(list.iter().copied())?;
+        let (stop, mut stopped) = tokio::sync::watch::channel(None::<Duration>);
+        let done = runtime().spawn(async move {
+            let _ = bound
+                .serve_until(async move {
+                    match stopped.wait_for(Option::is_some).await {
+                        Ok(grace) => grace.unwrap_or_default(),
+                        Err(_) => Duration::ZERO,
+                    }
+                })
+                .await;
+        });
+        *state = ServerState::Serving { stop, done };
+        Ok(())
+    })
+}
+
+/// Shuts the server down gracefully, blocking until it has: its sockets go, clients are told
+/// to go away, new calls are refused with UNAVAILABLE, and calls in progress get `grace_ms`
+/// milliseconds to finish before their connections close. The handle stays valid (free it
+/// with `isthmus_server_free`).
+#[no_mangle]
+pub extern "C" fn isthmus_server_shutdown(server: *const isthmus_server_t, grace_ms: u64) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || {
+        let server = SERVERS.get(server)?;
+        stop(&server, Duration::from_millis(grace_ms));
+        Ok(())
+    })
+}
+
+fn stop(server: &isthmus_server_t, grace: Duration) {
+    let Ok(mut state) = server.state.lock() else { return };
+    if let ServerState::Serving { stop, done } = std::mem::replace(&mut *state, ServerState::Stopped) {
+        drop(state);
+        stop.send_replace(Some(grace));
+        let _ = block_on(done);
+    }
+}
+
+/// Frees a server, shutting it down first (with no grace) if it serves.
+#[no_mangle]
+pub extern "C" fn isthmus_server_free(server: *mut isthmus_server_t) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || {
+        let server = SERVERS.remove(server)?;
+        stop(&server, Duration::ZERO);
+        Ok(())
+    })
+}
+
+// ---- the server's side of a call ----
+
+fn handed(call: *const isthmus_server_call_t) -> Result<Arc<HandedCall>, Status> {
+    Ok(SERVER_CALLS.get(call)?.call.clone())
+}
+
+/// The call's method path (not NUL-terminated; its length in `*len`), valid until the call
+/// is finished.
+///
+/// # Safety
+///
+/// `len` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_path(call: *const isthmus_server_call_t, len: *mut usize) -> *const u8 {
+    guard(std::ptr::null(), || {
+        let (p, n) = match SERVER_CALLS.get(call) {
+            // The path lives in the HandedCall, which the registry holds until `finish`.
+            Ok(c) => (c.call.path().as_ptr(), c.call.path().len()),
+            Err(_) => (std::ptr::null(), 0),
+        };
+        // SAFETY: the caller promises `len` is NULL or writable.
+        unsafe { put(len, n) };
+        p
+    })
+}
+
+/// A copy of the client's initial metadata (the caller frees it); NULL for an invalid handle.
+#[no_mangle]
+pub extern "C" fn isthmus_server_call_metadata(call: *const isthmus_server_call_t) -> *mut isthmus_metadata_t {
+    guard(std::ptr::null_mut(), || handed(call).map_or(std::ptr::null_mut(), |c| metadata_handle(c.metadata().clone())))
+}
+
+/// Microseconds left before the client's deadline; -1 if it set none.
+#[no_mangle]
+pub extern "C" fn isthmus_server_call_time_remaining_us(call: *const isthmus_server_call_t) -> i64 {
+    guard(-1, || {
+        handed(call).ok().and_then(|c| c.time_remaining()).map_or(-1, |t| t.as_micros().min(i64::MAX as u128) as i64)
+    })
+}
+
+/// 1 while the call runs (not finished, not cancelled by the client, deadline not passed);
+/// 0 otherwise.
+#[no_mangle]
+pub extern "C" fn isthmus_server_call_is_active(call: *const isthmus_server_call_t) -> i32 {
+    guard(0, || handed(call).map_or(0, |c| i32::from(c.is_active())))
+}
+
+/// Receives the next request message, blocking: `ISTHMUS_OK` with `*message` set, or with
+/// `*message` NULL once the client has half-closed; another code if the call is over.
+///
+/// # Safety
+///
+/// `message` is writable; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_recv(
+    call: *const isthmus_server_call_t,
+    message: *mut *mut isthmus_message_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    // SAFETY: the caller promises `message` is writable when not NULL.
+    unsafe { put(message, std::ptr::null_mut()) };
+    entry(status, || {
+        if message.is_null() {
+            return Err(invalid("the message out-pointer is NULL"));
+        }
+        let call = handed(call)?;
+        if let Some(m) = block_on(call.recv(true))? {
+            // SAFETY: checked not NULL, writable by the caller's promise.
+            unsafe { put(message, message_handle(m)) };
+        }
+        Ok(())
+    })
+}
+
+/// [`isthmus_server_call_recv`] without blocking (`ISTHMUS_OP_RECV`).
+///
+/// # Safety
+///
+/// `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_recv_async(
+    call: *const isthmus_server_call_t,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let (call, cq) = (handed(call)?, cq_get(cq)?);
+        cq.run(tag, ISTHMUS_OP_RECV, async move { Outcome::received(call.recv(true).await) });
+        Ok(())
+    })
+}
+
+/// Sends one response message (copied), blocking while flow control holds it back.
+///
+/// # Safety
+///
+/// `data` is valid for `len` bytes; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_send(
+    call: *const isthmus_server_call_t,
+    data: *const u8,
+    len: usize,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let call = handed(call)?;
+        // SAFETY: the caller's promise, passed on.
+        let message = unsafe { c_bytes(data, len, "the message")? };
+        block_on(call.send(message))
+    })
+}
+
+/// [`isthmus_server_call_send`] without blocking (`ISTHMUS_OP_SEND`); the message is copied
+/// before this returns.
+///
+/// # Safety
+///
+/// As [`isthmus_server_call_send`].
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_send_async(
+    call: *const isthmus_server_call_t,
+    data: *const u8,
+    len: usize,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let (call, cq) = (handed(call)?, cq_get(cq)?);
+        // SAFETY: the caller's promise, passed on.
+        let message = unsafe { c_bytes(data, len, "the message")? }.to_vec();
+        cq.run(tag, ISTHMUS_OP_SEND, async move { Outcome::done(call.send(&message).await) });
+        Ok(())
+    })
+}
+
+/// Sends initial metadata now (otherwise the first message sends empty metadata), blocking.
+///
+/// # Safety
+///
+/// `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_send_headers(
+    call: *const isthmus_server_call_t,
+    metadata: *const isthmus_metadata_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let (call, md) = (handed(call)?, metadata_arg(metadata)?);
+        block_on(call.send_headers(md))
+    })
+}
+
+/// [`isthmus_server_call_send_headers`] without blocking (`ISTHMUS_OP_SEND_HEADERS`).
+///
+/// # Safety
+///
+/// `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_send_headers_async(
+    call: *const isthmus_server_call_t,
+    metadata: *const isthmus_metadata_t,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let (call, md, cq) = (handed(call)?, metadata_arg(metadata)?, cq_get(cq)?);
+        cq.run(tag, ISTHMUS_OP_SEND_HEADERS, async move { Outcome::done(call.send_headers(md).await) });
+        Ok(())
+    })
+}
+
+/// A writable block of `len` bytes in the server's shared memory (`shm://` calls only), for a
+/// reply written in place; send it with `isthmus_server_call_send_block`.
+///
+/// # Safety
+///
+/// `block` is writable; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_alloc(
+    call: *const isthmus_server_call_t,
+    len: usize,
+    block: *mut *mut isthmus_block_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    // SAFETY: the caller promises `block` is writable when not NULL.
+    unsafe { put(block, std::ptr::null_mut()) };
+    entry(status, || {
+        if block.is_null() {
+            return Err(invalid("the block out-pointer is NULL"));
+        }
+        let b = block_on(handed(call)?.alloc(len))?;
+        // SAFETY: checked not NULL, writable by the caller's promise.
+        unsafe { put(block, block_handle(b)) };
+        Ok(())
+    })
+}
+
+/// Sends a block from `isthmus_server_call_alloc` as one response message, with no copy. The
+/// block handle is consumed, sent or not.
+///
+/// # Safety
+///
+/// `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_send_block(
+    call: *const isthmus_server_call_t,
+    block: *mut isthmus_block_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let call = handed(call);
+        let block = take_block(block)?;
+        block_on(call?.send_block(block))
+    })
+}
+
+/// Ends the call with `code` (`ISTHMUS_OK` or a gRPC code), `message` (NULL for none) and
+/// trailing metadata (NULL for none; copied), and frees the handle. Exactly once per call.
+///
+/// # Safety
+///
+/// `message` is NULL or NUL-terminated; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_finish(
+    call: *mut isthmus_server_call_t,
+    code: isthmus_code_t,
+    message: *const c_char,
+    trailers: *const isthmus_metadata_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let trailers = metadata_arg(trailers);
+        let text = match message.is_null() {
+            true => "",
+            // SAFETY: not NULL; NUL-terminated by the caller's promise.
+            false => unsafe { c_str(message, "the message")? },
+        };
+        let handle = SERVER_CALLS.remove(call)?;
+        let code = u32::try_from(code).ok().filter(|c| *c <= 16).map_or(Code::Unknown, Code::from_u32);
+        handle.call.finish(Status::new(code, text).with_metadata(trailers?));
+        Ok(())
+    })
+}

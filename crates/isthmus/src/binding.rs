@@ -1,0 +1,535 @@
+//! What the language bindings share (the Python extension, the C ABI): the runtime under
+//! their connections and servers, a client call whose halves two threads drive at once, and
+//! completions for event loops.
+//!
+//! - [`runtime`]: one multi-threaded tokio runtime per process (per loaded copy of a
+//!   binding), started on first use.
+//! - [`SharedCall`]: a [`ClientCall`] of any shape as a foreign caller drives it: one thread
+//!   sends while another receives, and a cancel reaches whichever waits.
+//! - [`Completions`]: operations started by an event loop (asyncio, nginx, libuv, Go's
+//!   netpoller) that complete on an [`EventFd`] the loop watches. Each operation runs on the
+//!   thread that starts it as far as it can, and later on the thread that drains the
+//!   completions: no task is spawned and no thread is woken per call; a reply only queues its
+//!   operation and, for the first of a batch, signals the eventfd.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::os::fd::{AsRawFd, RawFd};
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, Weak};
+use std::task::{Context, Poll, Wake, Waker};
+use std::time::Instant;
+
+use bytes::Bytes;
+use isthmus_shm::EventFd;
+use tokio::sync::watch;
+
+use crate::client::{CallSender, ClientCall};
+use crate::metadata::MetadataMap;
+use crate::status::{Code, Status};
+
+/// The runtime under every connection, channel and server a binding makes. Two worker
+/// threads: the machines isthmus is built for have few cores, and calls that wait read their
+/// own replies.
+///
+/// # Panics
+///
+/// If the operating system refuses the runtime's threads at first use.
+pub fn runtime() -> &'static tokio::runtime::Runtime {
+    static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
+    RUNTIME.get_or_init(|| {
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("isthmus")
+            .enable_all()
+            .build()
+            .unwrap_or_else(|e| panic!("isthmus cannot start its runtime: {e}"))
+    })
+}
+
+/// Runs `fut` to completion on the calling thread, in the binding [`runtime`]'s context. From
+/// a thread of that runtime (a handler a binding called back into), the worker is handed its
+/// other tasks first, so a blocking call made there cannot stall them.
+pub fn block_on<F: Future>(fut: F) -> F::Output {
+    match tokio::runtime::Handle::try_current() {
+        Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(|| handle.block_on(fut))
+        }
+        _ => runtime().block_on(fut),
+    }
+}
+
+fn cancelled() -> Status {
+    Status::new(Code::Cancelled, "the call was cancelled")
+}
+
+/// One client call of any shape, as a binding's caller drives it: its sending side and its
+/// receiving side may be used from two threads at once, and [`cancel`](Self::cancel) ends
+/// whichever waits.
+pub struct SharedCall {
+    sender: CallSender,
+    /// `None` once cancelled.
+    call: tokio::sync::Mutex<Option<ClientCall>>,
+    cancel: watch::Sender<bool>,
+    /// The trailing metadata, once the call has ended.
+    trailers: Mutex<Option<MetadataMap>>,
+}
+
+impl std::fmt::Debug for SharedCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SharedCall").field("cancelled", &*self.cancel.borrow()).finish_non_exhaustive()
+    }
+}
+
+impl SharedCall {
+    /// Wraps a started call.
+    pub fn new(call: ClientCall) -> Arc<SharedCall> {
+        Arc::new(SharedCall {
+            sender: call.sender(),
+            call: tokio::sync::Mutex::new(Some(call)),
+            cancel: watch::Sender::new(false),
+            trailers: Mutex::new(None),
+        })
+    }
+
+    /// Sends one request (`last` half-closes with it); `false` if the call is over (or
+    /// cancelled): its status then comes from [`recv`](Self::recv).
+    pub async fn send(&self, message: Bytes, last: bool) -> bool {
+        let mut cancel = self.cancel.subscribe();
+        tokio::select! {
+            biased;
+            _ = cancel.wait_for(|c| *c) => false,
+            sent = self.sender.send_bytes(message, last) => sent,
+        }
+    }
+
+    /// A writable block in this side's shared memory (`shm://` only), to fill and send with
+    /// [`send_block`](Self::send_block).
+    pub async fn alloc(&self, len: usize) -> Result<crate::BlockMut, Status> {
+        let mut cancel = self.cancel.subscribe();
+        tokio::select! {
+            biased;
+            _ = cancel.wait_for(|c| *c) => Err(cancelled()),
+            block = self.sender.alloc(len) => block,
+        }
+    }
+
+    /// Sends a block from [`alloc`](Self::alloc) as one request; `false` if the call is over.
+    pub async fn send_block(&self, block: crate::BlockMut, last: bool) -> bool {
+        let mut cancel = self.cancel.subscribe();
+        tokio::select! {
+            biased;
+            _ = cancel.wait_for(|c| *c) => false,
+            sent = self.sender.send_block(block, last) => sent,
+        }
+    }
+
+    /// Half-closes.
+    pub async fn close_send(&self) {
+        let mut cancel = self.cancel.subscribe();
+        tokio::select! {
+            biased;
+            _ = cancel.wait_for(|c| *c) => {}
+            _ = self.sender.close() => {}
+        }
+    }
+
+    fn ended(&self, trailers: MetadataMap) {
+        if let Ok(mut t) = self.trailers.lock() {
+            t.get_or_insert(trailers);
+        }
+    }
+
+    /// The next response; `None` at an OK end (the trailers are then in
+    /// [`trailers`](Self::trailers)); the call's status otherwise.
+    pub async fn recv(&self) -> Result<Option<Bytes>, Status> {
+        let mut cancel = self.cancel.subscribe();
+        let mut guard = self.call.lock().await;
+        let Some(call) = guard.as_mut() else { return Err(cancelled()) };
+        let received = tokio::select! {
+            biased;
+            _ = cancel.wait_for(|c| *c) => None,
+            r = call.recv() => Some(r),
+        };
+        match received {
+            None => {
+                if let Some(call) = guard.take() {
+                    call.cancel().await;
+                }
+                self.ended(MetadataMap::new());
+                Err(cancelled())
+            }
+            Some(Ok(Some(message))) => Ok(Some(message)),
+            Some(Ok(None)) => {
+                self.ended(call.trailers().cloned().unwrap_or_default());
+                Ok(None)
+            }
+            Some(Err(status)) => {
+                self.ended(status.metadata().clone());
+                Err(status)
+            }
+        }
+    }
+
+    /// The server's initial metadata, waiting for it.
+    pub async fn headers(&self) -> Result<MetadataMap, Status> {
+        let mut cancel = self.cancel.subscribe();
+        let mut guard = self.call.lock().await;
+        let Some(call) = guard.as_mut() else { return Err(cancelled()) };
+        tokio::select! {
+            biased;
+            _ = cancel.wait_for(|c| *c) => Err(cancelled()),
+            h = call.headers() => h,
+        }
+    }
+
+    /// The trailing metadata, once the call has ended.
+    pub fn trailers(&self) -> Option<MetadataMap> {
+        self.trailers.lock().ok()?.clone()
+    }
+
+    /// Ends the call with CANCELLED on both sides: wakes a waiting receiver, which sends the
+    /// cancel, or sends it from the [`runtime`] if none waits. Idempotent.
+    pub fn cancel(self: &Arc<Self>) {
+        if self.cancel.send_replace(true) {
+            return;
+        }
+        let this = self.clone();
+        runtime().spawn(async move {
+            if let Some(call) = this.call.lock().await.take() {
+                call.cancel().await;
+            }
+            this.ended(MetadataMap::new());
+        });
+    }
+}
+
+type OpFuture<O> = Pin<Box<dyn Future<Output = O> + Send>>;
+
+/// An operation that had to wait: its future, polled again on the draining thread each time
+/// it is woken.
+struct Op<O> {
+    token: u64,
+    future: Mutex<Option<OpFuture<O>>>,
+    completions: Weak<Completions<O>>,
+}
+
+impl<O: Send + 'static> Wake for Op<O> {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        if let Some(completions) = self.completions.upgrade() {
+            completions.queue(|q| q.woken.push(self.clone()));
+        }
+    }
+}
+
+/// What the next [`Completions::take`] takes.
+struct Queue<O> {
+    done: Vec<(u64, O)>,
+    woken: Vec<Arc<Op<O>>>,
+}
+
+impl<O> Default for Queue<O> {
+    fn default() -> Self {
+        Queue { done: Vec::new(), woken: Vec::new() }
+    }
+}
+
+/// Operations of one event loop, each named by a caller's token, completing with an outcome of
+/// type `O` (see the module's documentation).
+pub struct Completions<O> {
+    fd: EventFd,
+    queue: Mutex<Queue<O>>,
+    /// Operations waiting, by token (to abandon them).
+    running: Mutex<HashMap<u64, Arc<Op<O>>>>,
+}
+
+impl<O> std::fmt::Debug for Completions<O> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Completions").field("fd", &self.fd.as_raw_fd()).finish_non_exhaustive()
+    }
+}
+
+impl<O: Send + 'static> Completions<O> {
+    /// Empty completions with a fresh eventfd.
+    pub fn new() -> std::io::Result<Arc<Completions<O>>> {
+        Ok(Arc::new(Completions { fd: EventFd::new()?, queue: Mutex::default(), running: Mutex::default() }))
+    }
+
+    /// The eventfd: readable while completions wait to be taken.
+    pub fn fd(&self) -> RawFd {
+        self.fd.as_raw_fd()
+    }
+
+    fn queue(&self, add: impl FnOnce(&mut Queue<O>)) {
+        let Ok(mut queue) = self.queue.lock() else { return };
+        let first = queue.done.is_empty() && queue.woken.is_empty();
+        add(&mut queue);
+        drop(queue);
+        // `take` drains the eventfd before it takes the queue, so a queue found empty here has
+        // been (or is being) taken: one signal per batch.
+        if first {
+            self.fd.signal();
+        }
+    }
+
+    /// Runs `fut` and queues its outcome under `token`. Polled here first, so what can happen
+    /// at once (sending a request) happens before this returns.
+    pub fn run<F>(self: &Arc<Self>, token: u64, fut: F)
+    where
+        F: Future<Output = O> + Send + 'static,
+    {
+        let op = Arc::new(Op { token, future: Mutex::new(None), completions: Arc::downgrade(self) });
+        let Ok(mut slot) = op.future.lock() else { return };
+        // In the slot before the first poll: a wake-up that comes before this returns finds
+        // the future there (and waits for this lock).
+        let future = slot.insert(Box::pin(fut));
+        let _runtime = runtime().enter();
+        match future.as_mut().poll(&mut Context::from_waker(&Waker::from(op.clone()))) {
+            Poll::Ready(outcome) => {
+                *slot = None;
+                drop(slot);
+                self.queue(|q| q.done.push((token, outcome)));
+            }
+            Poll::Pending => {
+                drop(slot);
+                if let Ok(mut running) = self.running.lock() {
+                    running.insert(token, op);
+                }
+            }
+        }
+    }
+
+    /// Polls every woken operation; the finished ones, with those that finished at once.
+    pub fn take(&self) -> Vec<(u64, O)> {
+        self.fd.drain();
+        let Queue { mut done, woken } = self.queue.lock().map(|mut q| std::mem::take(&mut *q)).unwrap_or_default();
+        let _runtime = runtime().enter();
+        for op in woken {
+            let Ok(mut slot) = op.future.lock() else { continue };
+            let Some(future) = slot.as_mut() else { continue }; // finished or abandoned
+            if let Poll::Ready(outcome) = future.as_mut().poll(&mut Context::from_waker(&Waker::from(op.clone()))) {
+                *slot = None;
+                if let Ok(mut running) = self.running.lock() {
+                    running.remove(&op.token);
+                }
+                done.push((op.token, outcome));
+            }
+        }
+        done
+    }
+
+    /// Makes the eventfd readable (for a caller that took fewer completions than were ready).
+    pub fn signal(&self) {
+        self.fd.signal();
+    }
+
+    /// True if something waits to be taken (without taking it).
+    pub fn is_ready(&self) -> bool {
+        self.queue.lock().is_ok_and(|q| !q.done.is_empty() || !q.woken.is_empty())
+    }
+
+    /// Waits until something waits to be taken or `deadline` passes: first spinning for up to
+    /// `spin`, then asleep on the eventfd. True if something is ready.
+    pub fn wait(&self, spin: std::time::Duration, deadline: Option<Instant>) -> bool {
+        let start = Instant::now();
+        while start.elapsed() < spin {
+            if self.is_ready() {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        self.is_ready() || self.fd.wait(deadline) || self.is_ready()
+    }
+
+    /// Drops a waiting operation's future (which cancels a call it was making); its token
+    /// never completes. `false` if it is not waiting.
+    pub fn abort(&self, token: u64) -> bool {
+        let Some(op) = self.running.lock().ok().and_then(|mut r| r.remove(&token)) else { return false };
+        let future = op.future.lock().ok().and_then(|mut f| f.take());
+        drop(future);
+        true
+    }
+
+    /// Abandons every waiting operation (the loop is closing).
+    pub fn abort_all(&self) {
+        let ops: Vec<_> = self.running.lock().map(|mut r| r.drain().map(|(_, op)| op).collect()).unwrap_or_default();
+        for op in ops {
+            let future = op.future.lock().ok().and_then(|mut f| f.take());
+            drop(future);
+        }
+    }
+}
+
+type Finish = tokio::sync::oneshot::Sender<Result<(), Status>>;
+type DoneCallback = Box<dyn FnOnce() + Send>;
+
+/// A server call handed to foreign code (a Python handler, a C callback): its operations from
+/// any thread, and its end by [`finish`](Self::finish). Made by [`hand_off`].
+pub struct HandedCall {
+    call: tokio::sync::Mutex<crate::ServerCall>,
+    path: String,
+    metadata: MetadataMap,
+    deadline: Option<Instant>,
+    /// False once the call is over: finished, cancelled by the client, or past its deadline.
+    active: std::sync::atomic::AtomicBool,
+    /// Initial metadata or a message has been sent.
+    responded: std::sync::atomic::AtomicBool,
+    /// Taken by `finish`.
+    finish: Mutex<Option<Finish>>,
+    /// Run once when the call ends (grpc's `add_callback`).
+    done: Mutex<Vec<DoneCallback>>,
+}
+
+impl std::fmt::Debug for HandedCall {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandedCall").field("path", &self.path).field("active", &self.is_active()).finish()
+    }
+}
+
+/// Runs a server call by handing it to foreign code: `deliver` gets the call (and must not
+/// block); the returned future, a handler's, ends when that code calls
+/// [`HandedCall::finish`]. If it is dropped first (the client cancelled, the deadline
+/// passed), the call is no longer active and its operations fail.
+pub async fn hand_off(
+    call: crate::ServerCall,
+    deliver: impl FnOnce(Arc<HandedCall>) -> Result<(), Status>,
+) -> Result<(), Status> {
+    use std::sync::atomic::AtomicBool;
+    let (finish, finished) = tokio::sync::oneshot::channel();
+    let handed = Arc::new(HandedCall {
+        path: call.path().to_owned(),
+        metadata: call.metadata().clone(),
+        deadline: call.time_remaining().map(|t| Instant::now() + t),
+        call: tokio::sync::Mutex::new(call),
+        active: AtomicBool::new(true),
+        responded: AtomicBool::new(false),
+        finish: Mutex::new(Some(finish)),
+        done: Mutex::new(Vec::new()),
+    });
+    let _ended = Ended(handed.clone());
+    deliver(handed)?;
+    finished
+        .await
+        .unwrap_or_else(|_| Err(Status::new(Code::Unknown, "the handler was dropped without finishing the call")))
+}
+
+/// Marks a handed call over and runs its callbacks when its handler's future ends, however it
+/// ends.
+struct Ended(Arc<HandedCall>);
+
+impl Drop for Ended {
+    fn drop(&mut self) {
+        self.0.active.store(false, std::sync::atomic::Ordering::Release);
+        let callbacks = self.0.done.lock().map(|mut c| std::mem::take(&mut *c)).unwrap_or_default();
+        for callback in callbacks {
+            callback();
+        }
+    }
+}
+
+impl HandedCall {
+    /// The method path.
+    pub fn path(&self) -> &str {
+        &self.path
+    }
+
+    /// The client's initial metadata.
+    pub fn metadata(&self) -> &MetadataMap {
+        &self.metadata
+    }
+
+    /// Time left before the client's deadline, if it set one.
+    pub fn time_remaining(&self) -> Option<std::time::Duration> {
+        self.deadline.map(|d| d.saturating_duration_since(Instant::now()))
+    }
+
+    /// True while the call runs and has not been finished.
+    pub fn is_active(&self) -> bool {
+        self.active.load(std::sync::atomic::Ordering::Acquire) && self.finish.lock().is_ok_and(|f| f.is_some())
+    }
+
+    /// Runs `callback` once when the call ends; `false` (and not run) if it has already ended.
+    pub fn add_done_callback(&self, callback: DoneCallback) -> bool {
+        let Ok(mut done) = self.done.lock() else { return false };
+        if !self.active.load(std::sync::atomic::Ordering::Acquire) {
+            return false;
+        }
+        done.push(callback);
+        true
+    }
+
+    fn check_active(&self) -> Result<(), Status> {
+        match self.active.load(std::sync::atomic::Ordering::Acquire) {
+            true => Ok(()),
+            false => Err(Status::new(Code::Cancelled, "the call is over")),
+        }
+    }
+
+    /// The next request; `None` once the client has half-closed. With `flush_headers`, a
+    /// call that has sent nothing yet and must wait for a request sends its (empty) initial
+    /// metadata first: a client that waits for the response to open before it sends its first
+    /// request (tonic's generated clients do) is then not left waiting on a handler that waits
+    /// for that request.
+    pub async fn recv(&self, flush_headers: bool) -> Result<Option<Bytes>, Status> {
+        use std::sync::atomic::Ordering;
+        self.check_active()?;
+        let mut call = self.call.lock().await;
+        if flush_headers && !self.responded.load(Ordering::Acquire) {
+            let ready = {
+                let mut next = std::pin::pin!(call.recv());
+                std::future::poll_fn(|cx| Poll::Ready(next.as_mut().poll(cx))).await
+            };
+            if let Poll::Ready(r) = ready {
+                return r;
+            }
+            self.responded.store(true, Ordering::Release);
+            call.send_headers(MetadataMap::new()).await?;
+        }
+        call.recv().await
+    }
+
+    /// Sends one response message.
+    pub async fn send(&self, message: &[u8]) -> Result<(), Status> {
+        self.check_active()?;
+        self.responded.store(true, std::sync::atomic::Ordering::Release);
+        self.call.lock().await.send(message).await
+    }
+
+    /// Sends initial metadata now.
+    pub async fn send_headers(&self, metadata: MetadataMap) -> Result<(), Status> {
+        self.check_active()?;
+        self.responded.store(true, std::sync::atomic::Ordering::Release);
+        self.call.lock().await.send_headers(metadata).await
+    }
+
+    /// A writable block in the server's shared memory (`shm://` calls only).
+    pub async fn alloc(&self, len: usize) -> Result<crate::BlockMut, Status> {
+        self.check_active()?;
+        self.call.lock().await.alloc(len).await
+    }
+
+    /// Sends a block from [`alloc`](Self::alloc) as one response message.
+    pub async fn send_block(&self, block: crate::BlockMut) -> Result<(), Status> {
+        self.check_active()?;
+        self.responded.store(true, std::sync::atomic::Ordering::Release);
+        self.call.lock().await.send_block(block).await
+    }
+
+    /// Ends the call with `status` (OK with no trailers ends it plainly). Later calls do
+    /// nothing; `false` if it had already been finished.
+    pub fn finish(&self, status: Status) -> bool {
+        let Some(finish) = self.finish.lock().ok().and_then(|mut f| f.take()) else { return false };
+        let outcome = if status.code() == Code::Ok && status.metadata().is_empty() {
+            Ok(())
+        } else {
+            // An OK status with trailers goes as a status too: the engine sends it as it is.
+            Err(status)
+        };
+        let _ = finish.send(outcome);
+        true
+    }
+}
