@@ -16,14 +16,23 @@ GRPCURL := .tools/bin/grpcurl
 export CARGO_TERM_COLOR ?= never
 # The interpreter PyO3 builds against, for maturin and plain cargo alike (no rebuilds between).
 export PYO3_PYTHON := $(CURDIR)/$(VENV)/bin/python
+# cgo links the Go package against the C ABI's library as cargo built it (debug for tests,
+# release for the benchmarks); the rpath lets the binaries find it without LD_LIBRARY_PATH.
+CAPI_DIR = $(CURDIR)/target/$(if $(RELEASE),release,debug)
+GO_ENV = CGO_LDFLAGS="-L$(CAPI_DIR) -Wl,-rpath,$(CAPI_DIR)"
 
-.PHONY: help test lint fmt unit pytest fuzz-smoke bench demo tools rust-tools peers python clean
+.PHONY: help test lint fmt unit pytest gotest capi go-bins c-tools go-proto fuzz-smoke bench demo tools rust-tools peers python clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 	@echo "  options: QUICK=1 (make bench: reduced set, < 3 min), FUZZ_SECONDS=N (per fuzz target)"
 
-tools: rust-tools peers ## Install what the targets need (idempotent)
+tools: rust-tools peers c-tools ## Install what the targets need (idempotent)
+
+# A C compiler: cgo and the C ABI's own test (under AddressSanitizer) need one.
+c-tools:
+	@command -v cc >/dev/null || { apt-get update -q && apt-get install -y -q gcc; }
+	@command -v go >/dev/null || { echo "go not found: install Go (https://go.dev/dl)"; exit 1; }
 
 # The Rust toolchain's parts: what lint, the fuzz smoke, bench and demo need.
 rust-tools:
@@ -56,8 +65,9 @@ $(VENV)/.installed: python/requirements-dev.txt
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r python/requirements-dev.txt
 	@touch $@
 
-test: tools lint unit pytest fuzz-smoke ## Run every check and test: lint, unit, cross-process, doc tests, Python, fuzz smoke
+test: tools lint unit pytest gotest fuzz-smoke ## Run every check and test: lint, unit, cross-process, doc tests, Python, Go, fuzz smoke
 	@{ awk '/^test result:/ {p += $$4; f += $$6} END {print p, f}' target/test-output.log; \
+	   awk '/^[ ]*--- PASS/ {p++} /^[ ]*--- FAIL/ {f++} END {print p + 0, f + 0}' target/go-test-output.log; \
 	   tail -n 1 target/pytest-output.log | awk '{for (i = 2; i <= NF; i++) { if ($$i ~ /^passed/) p = $$(i-1); if ($$i ~ /^failed/) f = $$(i-1) }} END {print p + 0, f + 0}'; \
 	 } | awk '{p += $$1; f += $$2} END {printf "tests: %d passed, %d failed\n", p, f}' 
 
@@ -69,18 +79,49 @@ lint: rust-tools python ## cargo fmt --check, clippy -D warnings, rustdoc -D war
 	$(VENV)/bin/ruff format --check python examples bench
 	cd python && ../$(VENV)/bin/mypy isthmus
 	cd python && ../$(VENV)/bin/python -m mypy.stubtest isthmus._native
+	@test -z "$$(gofmt -l go)" || { echo "gofmt -l go lists unformatted files:"; gofmt -l go; exit 1; }
+	$(MAKE) --no-print-directory capi
+	cd go && $(GO_ENV) go vet ./...
 
 fmt: ## Format the Rust code
 	$(CARGO) fmt --all
 
-unit: rust-tools peers python ## cargo test: unit, cross-process integration and doc tests
+unit: rust-tools peers python go-bins ## cargo test: unit, cross-process integration and doc tests
 	@mkdir -p target
 	set -o pipefail; $(CARGO) test --workspace 2>&1 | tee target/test-output.log
+
+# The C ABI's library (crates/isthmus-capi), for cgo and the C test.
+capi: rust-tools
+	$(CARGO) build --quiet -p isthmus-capi $(if $(RELEASE),--release)
+
+# The Go peers the other languages' tests run: go-peer (a Go server) and go-conformance (the Go
+# client's checks), into target/go-bin.
+go-bins: capi c-tools
+	@mkdir -p target/go-bin
+	cd go && $(GO_ENV) go build -o ../target/go-bin/ ./cmd/go-peer ./cmd/go-conformance
+
+gotest: capi unit ## The Go package's tests (go test), against the Go, Rust and Python peers
+	@mkdir -p target
+	set -o pipefail; cd go && $(GO_ENV) ISTHMUS_TONIC_PEER=$(CURDIR)/target/debug/tonic-peer ISTHMUS_REQUIRE_PEERS=1 \
+	  go test -count=1 -v ./... 2>&1 | tee ../target/go-test-output.log | grep -E '^(--- |ok|FAIL|panic)|_test.go'
+
+# Regenerates the Go code of the conformance proto (checked in): protoc from Debian, the
+# plugins from the Go module proxy.
+go-proto:
+	@command -v protoc >/dev/null || { apt-get update -q && apt-get install -y -q protobuf-compiler; }
+	GOBIN=$(CURDIR)/.tools/bin go install google.golang.org/protobuf/cmd/protoc-gen-go@v1.36.11
+	GOBIN=$(CURDIR)/.tools/bin go install google.golang.org/grpc/cmd/protoc-gen-go-grpc@v1.6.1
+	PATH=$(CURDIR)/.tools/bin:$$PATH protoc -I tests/proto \
+	  --go_out=go/internal/conformancepb --go_opt=paths=source_relative \
+	  --go_opt=Mconformance.proto=example.invalid/isthmus/go/internal/conformancepb \
+	  --go-grpc_out=go/internal/conformancepb --go-grpc_opt=paths=source_relative \
+	  --go-grpc_opt=Mconformance.proto=example.invalid/isthmus/go/internal/conformancepb conformance.proto
 
 pytest: python unit ## The Python package's tests (pytest), against the Rust peers unit built
 	@mkdir -p target
 	$(CARGO) build --quiet -p gateway-sidecar
 	set -o pipefail; ISTHMUS_TONIC_PEER=$(CURDIR)/target/debug/tonic-peer ISTHMUS_SIDECAR=$(CURDIR)/target/debug/gateway-sidecar \
+	  ISTHMUS_GO_PEER=$(CURDIR)/target/go-bin/go-peer \
 	  $(VENV)/bin/python -m pytest python/tests -q -p no:cacheprovider 2>&1 | tee target/pytest-output.log
 
 # cargo-fuzz drives libFuzzer with AddressSanitizer, which needs unstable flags;

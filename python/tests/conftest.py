@@ -16,7 +16,7 @@ from types import ModuleType
 import pytest
 from clients import AioClient, SyncClient, make_client
 from grpc_tools import protoc
-from peer import ROOT, Served, serve, tonic_peer
+from peer import ROOT, Served, go_peer, serve, tonic_peer
 
 PROTO = ROOT / "tests" / "proto"
 
@@ -39,6 +39,7 @@ STUBS = _generate_stubs()
 # What each server peer serves: grpcio has no shm://.
 TRANSPORTS = {
     "rust": ["shm", "unix", "http"],
+    "go": ["shm", "unix", "http"],
     "isthmus": ["shm", "unix", "http"],
     "isthmus-aio": ["shm", "unix", "http"],
     "grpcio": ["unix", "http"],
@@ -88,6 +89,8 @@ def servers(stubs: Path) -> Iterator[Callable[[str], Served]]:
     def get(kind: str) -> Served:
         if kind == "rust" and tonic_peer() is None:
             pytest.skip("tonic-peer is not built (make unit, or set ISTHMUS_TONIC_PEER)")
+        if kind == "go" and go_peer() is None:
+            pytest.skip("go-peer is not built (make go-bins, or set ISTHMUS_GO_PEER)")
         if kind not in started or started[kind].peer.process.poll() is not None:
             started[kind] = serve(kind, TRANSPORTS[kind], stubs)
         return started[kind]

@@ -1,5 +1,6 @@
-"""Peer processes for the tests: the Rust `tonic-peer` and the Python `echo_server` (isthmus,
-isthmus.aio or grpcio), each serving the Echo service on fresh addresses."""
+"""Peer processes for the tests: the Rust `tonic-peer`, the Go `go-peer` and the Python
+`echo_server` (isthmus, isthmus.aio or grpcio), each serving the Echo service on fresh
+addresses."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ _fresh = itertools.count()
 def tonic_peer() -> Path | None:
     """The Rust peer cargo built (`make unit`); ISTHMUS_TONIC_PEER may name it."""
     path = Path(os.environ.get("ISTHMUS_TONIC_PEER") or ROOT / "target" / "debug" / "tonic-peer")
+    return path if path.is_file() else None
+
+
+def go_peer() -> Path | None:
+    """The Go peer (`go/cmd/go-peer`, built by `make go-bins`); ISTHMUS_GO_PEER may name it."""
+    path = Path(os.environ.get("ISTHMUS_GO_PEER") or ROOT / "target" / "go-bin" / "go-peer")
     return path if path.is_file() else None
 
 
@@ -121,7 +128,7 @@ class Served:
         far as the server can tell: tonic reads a client's cancel as a half-close of the request
         stream (and tonic-peer names no call), and grpcio's request iterator may end either way
         (its failed read and the cancellation race); isthmus's servers always tell."""
-        if self.kind == "rust":
+        if self.kind in ("rust", "go"):
             self.peer.expect("BIDI-ENDED")
         elif self.kind == "grpcio":
             self.peer.expect_bidi_ended(seq, ("cancelled", "half-close"))
@@ -137,11 +144,16 @@ class Served:
 
 
 def serve(kind: str, transports: list[str], stubs: Path) -> Served:
-    """Starts a server of `kind` (`rust`, `isthmus`, `isthmus-aio`, `grpcio`) on `transports`."""
+    """Starts a server of `kind` (`rust`, `go`, `isthmus`, `isthmus-aio`, `grpcio`) on
+    `transports`."""
     targets = [fresh(t) for t in transports]
     if kind == "rust":
         binary = tonic_peer()
         assert binary is not None, "tonic-peer is not built (cargo build -p isthmus-tests)"
+        argv = [str(binary), *targets]
+    elif kind == "go":
+        binary = go_peer()
+        assert binary is not None, "go-peer is not built (make go-bins)"
         argv = [str(binary), *targets]
     else:
         argv = [sys.executable, "-m", "echo_server", kind, *targets]

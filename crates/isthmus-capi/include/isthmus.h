@@ -39,6 +39,18 @@
 // once with UNAVAILABLE (gRPC's `wait_for_ready`).
 #define ISTHMUS_CALL_WAIT_FOR_READY 1
 
+// Call flag for `_async` calls given a `now` event: the operation may wait for its reply on
+// the calling thread for up to the connection's spin bound (50 µs by default) before it
+// returns, so that a fast reply comes back in `now` with no wake-up at all. Without it the
+// calling thread never waits (for an event loop's own thread).
+#define ISTHMUS_CALL_SPIN 2
+
+// Receive flag: if the call has sent nothing yet and must wait for a request, send its
+// (empty) initial metadata first. A client that sends its first request only once the
+// response has opened (tonic's generated streaming clients do) is then not left waiting on a
+// handler that waits for that request; initial metadata can no longer be sent after it.
+#define ISTHMUS_RECV_FLUSH_HEADERS 1
+
 // A writable block in this side's shared memory, from `isthmus_call_alloc` or
 // `isthmus_server_call_alloc`: fill it, then send it without a copy.
 typedef struct isthmus_block_t isthmus_block_t;
@@ -116,9 +128,14 @@ typedef struct {
   isthmus_server_call_t *server_call;
   // `ISTHMUS_OP_RECV`, `ISTHMUS_OP_UNARY`: the message; NULL at the end of the stream.
   isthmus_message_t *message;
-  // `ISTHMUS_OP_HEADERS`, `ISTHMUS_OP_UNARY`: the initial metadata.
+  // The message's bytes (as `isthmus_message_data` gives them), valid until it is freed.
+  const uint8_t *message_data;
+  // The message's length.
+  size_t message_len;
+  // `ISTHMUS_OP_HEADERS`, `ISTHMUS_OP_UNARY`: the initial metadata; NULL when there is
+  // none.
   isthmus_metadata_t *metadata;
-  // `ISTHMUS_OP_UNARY`: the trailing metadata.
+  // `ISTHMUS_OP_UNARY`: the trailing metadata; NULL when there is none.
   isthmus_metadata_t *trailers;
   // On failure: the status (code, message, trailers).
   isthmus_status_t *status;
@@ -215,6 +232,10 @@ typedef void (*isthmus_handler_fn)(void *user_data,
 // `isthmus_server_call_send_headers_async`.
 #define ISTHMUS_OP_SEND_HEADERS 8
 
+// `isthmus_server_call_done_async`: the call is over (finished, cancelled by its client, or
+// past its deadline).
+#define ISTHMUS_OP_DONE 9
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -226,6 +247,12 @@ uint32_t isthmus_abi_version(void);
 // The gRPC name of `code` (`"UNAVAILABLE"`), static and NUL-terminated; `"UNKNOWN"` for a
 // number that is no code.
 const char *isthmus_code_name(isthmus_code_t code);
+
+// The number of handles made and not yet freed, of every type. A handle lives in this
+// library's registry until it is freed, so a leak checker (LeakSanitizer, valgrind) sees one
+// never freed as reachable, not leaked: a test that wants to know it freed everything compares
+// this with its value before (or with 0 at the end).
+size_t isthmus_live_handles(void);
 
 // Makes a channel to `target`. It connects on its first call, so this fails only for a
 // target it cannot parse (`ISTHMUS_INVALID_ARGUMENT`). Close it with `isthmus_channel_close`.
@@ -245,8 +272,8 @@ isthmus_code_t isthmus_channel_close(isthmus_channel_t *channel);
 
 // A unary call, blocking: sends `request` to `path` (`/package.Service/Method`) and waits
 // for the one response. On success `*reply` holds the response message; `*headers` and
-// `*trailers` (each may be NULL) the server's initial and trailing metadata. All are the
-// caller's to free. On failure they are set to NULL and `*status` (if not NULL) says why.
+// `*trailers` (each out-pointer may be NULL) the server's initial and trailing metadata, or
+// NULL when there is none. All are the caller's to free. On failure they are set to NULL and `*status` (if not NULL) says why.
 //
 // # Safety
 //
@@ -276,6 +303,7 @@ isthmus_code_t isthmus_unary_async(const isthmus_channel_t *channel,
                                    const isthmus_call_options_t *opts,
                                    const isthmus_cq_t *cq,
                                    uint64_t tag,
+                                   isthmus_event_t *now,
                                    isthmus_status_t **status);
 
 // Starts a call of any shape on `path`, blocking until its head is sent (connecting if
@@ -303,6 +331,7 @@ isthmus_code_t isthmus_call_start_async(const isthmus_channel_t *channel,
                                         const isthmus_call_options_t *opts,
                                         const isthmus_cq_t *cq,
                                         uint64_t tag,
+                                        isthmus_event_t *now,
                                         isthmus_status_t **status);
 
 // Sends one request message (copied), blocking while flow control holds it back; `last`
@@ -330,6 +359,7 @@ isthmus_code_t isthmus_call_send_async(const isthmus_call_t *call,
                                        int32_t last,
                                        const isthmus_cq_t *cq,
                                        uint64_t tag,
+                                       isthmus_event_t *now,
                                        isthmus_status_t **status);
 
 // Half-closes: no more request messages.
@@ -343,6 +373,7 @@ isthmus_code_t isthmus_call_close_send(const isthmus_call_t *call);
 isthmus_code_t isthmus_call_close_send_async(const isthmus_call_t *call,
                                              const isthmus_cq_t *cq,
                                              uint64_t tag,
+                                             isthmus_event_t *now,
                                              isthmus_status_t **status);
 
 // Receives the next response message, blocking. `ISTHMUS_OK` with `*message` set: a message
@@ -366,6 +397,7 @@ isthmus_code_t isthmus_call_recv(const isthmus_call_t *call,
 isthmus_code_t isthmus_call_recv_async(const isthmus_call_t *call,
                                        const isthmus_cq_t *cq,
                                        uint64_t tag,
+                                       isthmus_event_t *now,
                                        isthmus_status_t **status);
 
 // The server's initial metadata, blocking until it arrives (the caller frees `*headers`).
@@ -385,6 +417,7 @@ isthmus_code_t isthmus_call_headers(const isthmus_call_t *call,
 isthmus_code_t isthmus_call_headers_async(const isthmus_call_t *call,
                                           const isthmus_cq_t *cq,
                                           uint64_t tag,
+                                          isthmus_event_t *now,
                                           isthmus_status_t **status);
 
 // A copy of the server's trailing metadata once the call has ended (the caller frees it);
@@ -452,12 +485,18 @@ size_t isthmus_cq_wait(const isthmus_cq_t *cq,
                        uint32_t spin_us,
                        int64_t timeout_us);
 
+// Abandons the operation started with `tag` on `cq`: it will not complete (a call it was
+// making is cancelled) and its event never comes. `ISTHMUS_NOT_FOUND` if it has finished
+// already: its event is then queued, or was taken.
+isthmus_code_t isthmus_cq_cancel(const isthmus_cq_t *cq,
+                                 uint64_t tag);
+
 // Frees a queue. Operations still waiting on it are abandoned: their calls are cancelled and
 // their events never come; events not yet taken are freed.
 isthmus_code_t isthmus_cq_free(isthmus_cq_t *cq);
 
 // The message's bytes; their count in `*len`. Valid until the message is freed. NULL (and
-// length 0) for an invalid handle.
+// length 0) for an empty message or an invalid handle.
 //
 // # Safety
 //
@@ -505,8 +544,8 @@ isthmus_code_t isthmus_metadata_add(isthmus_metadata_t *md,
 // The number of entries (0 for an invalid handle).
 size_t isthmus_metadata_len(const isthmus_metadata_t *md);
 
-// Entry `index`: its key (not NUL-terminated) and value, valid until the metadata is changed
-// or freed. `ISTHMUS_OUT_OF_RANGE` past the end.
+// Entry `index`: its key (not NUL-terminated) and value (NULL when empty), valid until the
+// metadata is changed or freed. `ISTHMUS_OUT_OF_RANGE` past the end.
 //
 // # Safety
 //
@@ -580,6 +619,12 @@ isthmus_code_t isthmus_server_start(const isthmus_server_t *server,
                                     size_t count,
                                     isthmus_status_t **status);
 
+// The `index`th HTTP/2 endpoint of a serving server as clients reach it (`unix:///path`,
+// `http://host:port` with the port the system chose for port 0), NUL-terminated and valid
+// until the server is shut down; NULL past the last one or if it does not serve.
+const char *isthmus_server_http_address(const isthmus_server_t *server,
+                                        size_t index);
+
 // Shuts the server down gracefully, blocking until it has: its sockets go, clients are told
 // to go away, new calls are refused with UNAVAILABLE, and calls in progress get `grace_ms`
 // milliseconds to finish before their connections close. The handle stays valid (free it
@@ -610,12 +655,15 @@ int64_t isthmus_server_call_time_remaining_us(const isthmus_server_call_t *call)
 int32_t isthmus_server_call_is_active(const isthmus_server_call_t *call);
 
 // Receives the next request message, blocking: `ISTHMUS_OK` with `*message` set, or with
-// `*message` NULL once the client has half-closed; another code if the call is over.
+// `*message` NULL once the client has half-closed; another code if the call is over. With
+// `flags` 0 it sends nothing, so `isthmus_server_call_send_headers` works after it; see
+// `ISTHMUS_RECV_FLUSH_HEADERS` for request-streaming handlers.
 //
 // # Safety
 //
 // `message` is writable; `status` is NULL or writable.
 isthmus_code_t isthmus_server_call_recv(const isthmus_server_call_t *call,
+                                        uint32_t flags,
                                         isthmus_message_t **message,
                                         isthmus_status_t **status);
 
@@ -625,6 +673,21 @@ isthmus_code_t isthmus_server_call_recv(const isthmus_server_call_t *call,
 //
 // `status` is NULL or writable.
 isthmus_code_t isthmus_server_call_recv_async(const isthmus_server_call_t *call,
+                                              uint32_t flags,
+                                              const isthmus_cq_t *cq,
+                                              uint64_t tag,
+                                              isthmus_event_t *now,
+                                              isthmus_status_t **status);
+
+// Asks for an event (`ISTHMUS_OP_DONE`, with `tag`) on `cq` when the call is over: finished,
+// cancelled by its client (or its connection's end), or past its deadline. If it is over
+// already, the event is queued at once. A handler that works on after its client gave up
+// learns of it this way.
+//
+// # Safety
+//
+// `status` is NULL or writable.
+isthmus_code_t isthmus_server_call_done_async(const isthmus_server_call_t *call,
                                               const isthmus_cq_t *cq,
                                               uint64_t tag,
                                               isthmus_status_t **status);
@@ -650,6 +713,7 @@ isthmus_code_t isthmus_server_call_send_async(const isthmus_server_call_t *call,
                                               size_t len,
                                               const isthmus_cq_t *cq,
                                               uint64_t tag,
+                                              isthmus_event_t *now,
                                               isthmus_status_t **status);
 
 // Sends initial metadata now (otherwise the first message sends empty metadata), blocking.
@@ -670,6 +734,7 @@ isthmus_code_t isthmus_server_call_send_headers_async(const isthmus_server_call_
                                                       const isthmus_metadata_t *metadata,
                                                       const isthmus_cq_t *cq,
                                                       uint64_t tag,
+                                                      isthmus_event_t *now,
                                                       isthmus_status_t **status);
 
 // A writable block of `len` bytes in the server's shared memory (`shm://` calls only), for a
@@ -694,7 +759,9 @@ isthmus_code_t isthmus_server_call_send_block(const isthmus_server_call_t *call,
                                               isthmus_status_t **status);
 
 // Ends the call with `code` (`ISTHMUS_OK` or a gRPC code), `message` (NULL for none) and
-// trailing metadata (NULL for none; copied), and frees the handle. Exactly once per call.
+// trailing metadata (NULL for none; copied), and frees the handle. Exactly once per call. A
+// `message` that is not UTF-8 or a `trailers` that is no live handle still ends the call
+// (INTERNAL, saying which) and frees the handle, and returns `ISTHMUS_INVALID_ARGUMENT`.
 //
 // # Safety
 //

@@ -10,8 +10,8 @@ use isthmus::binding::{block_on, runtime, SharedCall};
 use isthmus::{CallOptions, Code, Config, Status};
 
 use crate::cq::{
-    cq_get, isthmus_cq_t, Outcome, ISTHMUS_OP_CLOSE_SEND, ISTHMUS_OP_HEADERS, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND,
-    ISTHMUS_OP_START, ISTHMUS_OP_UNARY,
+    cq_get, isthmus_cq_t, isthmus_event_t, Outcome, ISTHMUS_OP_CLOSE_SEND, ISTHMUS_OP_HEADERS, ISTHMUS_OP_RECV,
+    ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_UNARY,
 };
 use crate::handle::Registry;
 use crate::object::{
@@ -57,6 +57,12 @@ pub struct isthmus_call_options_t {
 /// once with UNAVAILABLE (gRPC's `wait_for_ready`).
 pub const ISTHMUS_CALL_WAIT_FOR_READY: u32 = 1;
 
+/// Call flag for `_async` calls given a `now` event: the operation may wait for its reply on
+/// the calling thread for up to the connection's spin bound (50 µs by default) before it
+/// returns, so that a fast reply comes back in `now` with no wake-up at all. Without it the
+/// calling thread never waits (for an event loop's own thread).
+pub const ISTHMUS_CALL_SPIN: u32 = 2;
+
 /// Options of a channel. Zero-initialise it, then set what you need; NULL means defaults.
 #[repr(C)]
 pub struct isthmus_channel_options_t {
@@ -87,6 +93,17 @@ fn closed() -> Status {
 }
 
 impl isthmus_channel_t {
+    /// The engine handle for an `_async` call with these options: one whose waits read the
+    /// connection (and so may spin) only if the caller allowed it.
+    fn for_flags(&self, opts: *const isthmus_call_options_t) -> isthmus::Channel {
+        // SAFETY: the caller of the entry point promises NULL or a valid struct.
+        let spin = unsafe { opts.as_ref() }.is_some_and(|o| o.flags & ISTHMUS_CALL_SPIN != 0);
+        match spin {
+            true => self.engine.clone(),
+            false => self.polled.clone(),
+        }
+    }
+
     fn open(&self) -> Result<(), Status> {
         match self.closed.load(Ordering::Acquire) {
             true => Err(closed()),
@@ -146,8 +163,8 @@ pub extern "C" fn isthmus_channel_close(channel: *mut isthmus_channel_t) -> isth
 
 /// A unary call, blocking: sends `request` to `path` (`/package.Service/Method`) and waits
 /// for the one response. On success `*reply` holds the response message; `*headers` and
-/// `*trailers` (each may be NULL) the server's initial and trailing metadata. All are the
-/// caller's to free. On failure they are set to NULL and `*status` (if not NULL) says why.
+/// `*trailers` (each out-pointer may be NULL) the server's initial and trailing metadata, or
+/// NULL when there is none. All are the caller's to free. On failure they are set to NULL and `*status` (if not NULL) says why.
 ///
 /// # Safety
 ///
@@ -187,10 +204,10 @@ pub unsafe extern "C" fn isthmus_unary(
         // SAFETY: as above.
         unsafe {
             put(reply, message_handle(response.message));
-            if !headers.is_null() {
+            if !headers.is_null() && !response.metadata.is_empty() {
                 put(headers, metadata_handle(response.metadata));
             }
-            if !trailers.is_null() {
+            if !trailers.is_null() && !response.trailers.is_empty() {
                 put(trailers, metadata_handle(response.trailers));
             }
         }
@@ -214,6 +231,7 @@ pub unsafe extern "C" fn isthmus_unary_async(
     opts: *const isthmus_call_options_t,
     cq: *const isthmus_cq_t,
     tag: u64,
+    now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
@@ -222,8 +240,13 @@ pub unsafe extern "C" fn isthmus_unary_async(
         // SAFETY: the caller's promises, passed on.
         let (path, request, options) =
             unsafe { (c_str(path, "the path")?, c_bytes(request, request_len, "the request")?, call_options(opts)?) };
-        let (path, request, engine) = (path.to_owned(), request.to_vec(), channel.polled.clone());
-        cq.run(tag, ISTHMUS_OP_UNARY, async move { Outcome::unary(engine.unary(&path, &request, options).await) });
+        let (path, request, engine) = (path.to_owned(), request.to_vec(), channel.for_flags(opts));
+        cq.start(
+            tag,
+            ISTHMUS_OP_UNARY,
+            async move { Outcome::unary(engine.unary(&path, &request, options).await) },
+            now,
+        );
         Ok(())
     })
 }
@@ -277,6 +300,7 @@ pub unsafe extern "C" fn isthmus_call_start_async(
     opts: *const isthmus_call_options_t,
     cq: *const isthmus_cq_t,
     tag: u64,
+    now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
@@ -284,8 +308,8 @@ pub unsafe extern "C" fn isthmus_call_start_async(
         channel.open()?;
         // SAFETY: the caller's promises, passed on.
         let (path, options) = unsafe { (c_str(path, "the path")?, call_options(opts)?) };
-        let (path, engine) = (path.to_owned(), channel.polled.clone());
-        cq.run(tag, ISTHMUS_OP_START, async move { Outcome::started(engine.start(&path, options).await) });
+        let (path, engine) = (path.to_owned(), channel.for_flags(opts));
+        cq.start(tag, ISTHMUS_OP_START, async move { Outcome::started(engine.start(&path, options).await) }, now);
         Ok(())
     })
 }
@@ -336,6 +360,7 @@ pub unsafe extern "C" fn isthmus_call_send_async(
     last: i32,
     cq: *const isthmus_cq_t,
     tag: u64,
+    now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
@@ -343,7 +368,12 @@ pub unsafe extern "C" fn isthmus_call_send_async(
         // SAFETY: the caller's promise, passed on.
         let message = Bytes::copy_from_slice(unsafe { c_bytes(data, len, "the message")? });
         let shared = call.call.clone();
-        cq.run(tag, ISTHMUS_OP_SEND, async move { Outcome::done_if(shared.send(message, last != 0).await, over) });
+        cq.start(
+            tag,
+            ISTHMUS_OP_SEND,
+            async move { Outcome::done_if(shared.send(message, last != 0).await, over) },
+            now,
+        );
         Ok(())
     })
 }
@@ -368,15 +398,17 @@ pub unsafe extern "C" fn isthmus_call_close_send_async(
     call: *const isthmus_call_t,
     cq: *const isthmus_cq_t,
     tag: u64,
+    now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
         let (call, cq) = (CALLS.get(call)?, cq_get(cq)?);
         let shared = call.call.clone();
-        cq.run(tag, ISTHMUS_OP_CLOSE_SEND, async move {
+        let closing = async move {
             shared.close_send().await;
             Outcome::Done
-        });
+        };
+        cq.start(tag, ISTHMUS_OP_CLOSE_SEND, closing, now);
         Ok(())
     })
 }
@@ -421,12 +453,13 @@ pub unsafe extern "C" fn isthmus_call_recv_async(
     call: *const isthmus_call_t,
     cq: *const isthmus_cq_t,
     tag: u64,
+    now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
         let (call, cq) = (CALLS.get(call)?, cq_get(cq)?);
         let shared = call.call.clone();
-        cq.run(tag, ISTHMUS_OP_RECV, async move { Outcome::received(shared.recv().await) });
+        cq.start(tag, ISTHMUS_OP_RECV, async move { Outcome::received(shared.recv().await) }, now);
         Ok(())
     })
 }
@@ -466,12 +499,13 @@ pub unsafe extern "C" fn isthmus_call_headers_async(
     call: *const isthmus_call_t,
     cq: *const isthmus_cq_t,
     tag: u64,
+    now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
         let (call, cq) = (CALLS.get(call)?, cq_get(cq)?);
         let shared = call.call.clone();
-        cq.run(tag, ISTHMUS_OP_HEADERS, async move { Outcome::headers(shared.headers().await) });
+        cq.start(tag, ISTHMUS_OP_HEADERS, async move { Outcome::headers(shared.headers().await) }, now);
         Ok(())
     })
 }

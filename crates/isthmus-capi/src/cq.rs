@@ -45,6 +45,9 @@ pub const ISTHMUS_OP_HEADERS: isthmus_op_t = 6;
 pub const ISTHMUS_OP_NEW_CALL: isthmus_op_t = 7;
 /// `isthmus_server_call_send_headers_async`.
 pub const ISTHMUS_OP_SEND_HEADERS: isthmus_op_t = 8;
+/// `isthmus_server_call_done_async`: the call is over (finished, cancelled by its client, or
+/// past its deadline).
+pub const ISTHMUS_OP_DONE: isthmus_op_t = 9;
 
 /// One finished operation. Every non-NULL handle in it belongs to the caller, who frees it.
 #[repr(C)]
@@ -62,9 +65,14 @@ pub struct isthmus_event_t {
     pub server_call: *mut isthmus_server_call_t,
     /// `ISTHMUS_OP_RECV`, `ISTHMUS_OP_UNARY`: the message; NULL at the end of the stream.
     pub message: *mut isthmus_message_t,
-    /// `ISTHMUS_OP_HEADERS`, `ISTHMUS_OP_UNARY`: the initial metadata.
+    /// The message's bytes (as `isthmus_message_data` gives them), valid until it is freed.
+    pub message_data: *const u8,
+    /// The message's length.
+    pub message_len: usize,
+    /// `ISTHMUS_OP_HEADERS`, `ISTHMUS_OP_UNARY`: the initial metadata; NULL when there is
+    /// none.
     pub metadata: *mut isthmus_metadata_t,
-    /// `ISTHMUS_OP_UNARY`: the trailing metadata.
+    /// `ISTHMUS_OP_UNARY`: the trailing metadata; NULL when there is none.
     pub trailers: *mut isthmus_metadata_t,
     /// On failure: the status (code, message, trailers).
     pub status: *mut isthmus_status_t,
@@ -112,26 +120,17 @@ impl Outcome {
 
     /// The event for this outcome of operation `op`: handles registered for the caller.
     fn event(self, tag: u64, op: isthmus_op_t) -> isthmus_event_t {
-        let mut ev = isthmus_event_t {
-            tag,
-            op,
-            code: ISTHMUS_OK,
-            call: std::ptr::null_mut(),
-            server_call: std::ptr::null_mut(),
-            message: std::ptr::null_mut(),
-            metadata: std::ptr::null_mut(),
-            trailers: std::ptr::null_mut(),
-            status: std::ptr::null_mut(),
-        };
+        let mut ev = isthmus_event_t { tag, op, ..isthmus_event_t::none() };
         match self {
             Outcome::Unary(r) => {
-                ev.message = message_handle(r.message);
-                ev.metadata = metadata_handle(r.metadata);
-                ev.trailers = metadata_handle(r.trailers);
+                ev.set_message(r.message);
+                ev.metadata = metadata_or_null(r.metadata);
+                ev.trailers = metadata_or_null(r.trailers);
             }
             Outcome::Started(call) => ev.call = call_handle(call),
-            Outcome::Message(Some(m)) => ev.message = message_handle(m),
+            Outcome::Message(Some(m)) => ev.set_message(m),
             Outcome::Message(None) | Outcome::Done => {}
+            // Asked for, so given even when empty.
             Outcome::Metadata(md) => ev.metadata = metadata_handle(md),
             Outcome::NewCall(call) => ev.server_call = server_call_handle(call),
             Outcome::Failed(status) => {
@@ -143,6 +142,39 @@ impl Outcome {
     }
 }
 
+impl isthmus_event_t {
+    /// No event: `op` 0.
+    fn none() -> isthmus_event_t {
+        isthmus_event_t {
+            tag: 0,
+            op: 0,
+            code: ISTHMUS_OK,
+            call: std::ptr::null_mut(),
+            server_call: std::ptr::null_mut(),
+            message: std::ptr::null_mut(),
+            message_data: std::ptr::null(),
+            message_len: 0,
+            metadata: std::ptr::null_mut(),
+            trailers: std::ptr::null_mut(),
+            status: std::ptr::null_mut(),
+        }
+    }
+
+    fn set_message(&mut self, bytes: Bytes) {
+        (self.message_data, self.message_len) = (crate::object::data_ptr(&bytes), bytes.len());
+        // The bytes stay where they are while the handle holds them.
+        self.message = message_handle(bytes);
+    }
+}
+
+/// A handle for metadata, or NULL for none.
+fn metadata_or_null(md: MetadataMap) -> *mut isthmus_metadata_t {
+    match md.is_empty() {
+        true => std::ptr::null_mut(),
+        false => metadata_handle(md),
+    }
+}
+
 pub(crate) static QUEUES: Registry<isthmus_cq_t> = Registry::new("completion queue");
 
 /// The queue behind a caller's handle, as the operations that complete on it hold it.
@@ -151,15 +183,33 @@ pub(crate) fn cq_get(cq: *const isthmus_cq_t) -> Result<Queue, Status> {
 }
 
 /// A queue as operations start on it.
+#[derive(Clone)]
 pub(crate) struct Queue(Arc<Completions<(isthmus_op_t, Outcome)>>);
 
 impl Queue {
-    /// Runs `fut` as operation `op`, named by the caller's `tag`.
+    /// Runs `fut` as operation `op`, named by the caller's `tag`: queued when done.
     pub(crate) fn run<F>(&self, tag: u64, op: isthmus_op_t, fut: F)
     where
         F: std::future::Future<Output = Outcome> + Send + 'static,
     {
         self.0.run(tag, async move { (op, fut.await) });
+    }
+
+    /// [`run`](Self::run) for a caller that gave `now`: an outcome ready at once goes there
+    /// (and is not queued); otherwise `now.op` is set to 0.
+    pub(crate) fn start<F>(&self, tag: u64, op: isthmus_op_t, fut: F, now: *mut isthmus_event_t)
+    where
+        F: std::future::Future<Output = Outcome> + Send + 'static,
+    {
+        if now.is_null() {
+            return self.run(tag, op, fut);
+        }
+        let ev = match self.0.run_now(tag, async move { (op, fut.await) }) {
+            Some((op, outcome)) => outcome.event(tag, op),
+            None => isthmus_event_t::none(),
+        };
+        // SAFETY: `now` is not NULL, and the ABI's rules make it writable.
+        unsafe { now.write(ev) };
     }
 }
 
@@ -228,6 +278,20 @@ pub unsafe extern "C" fn isthmus_cq_wait(
         q.completions.wait(Duration::from_micros(spin_us.into()), deadline);
         // SAFETY: the caller's promise, passed on.
         unsafe { isthmus_cq_poll(cq, events, capacity) }
+    })
+}
+
+/// Abandons the operation started with `tag` on `cq`: it will not complete (a call it was
+/// making is cancelled) and its event never comes. `ISTHMUS_NOT_FOUND` if it has finished
+/// already: its event is then queued, or was taken.
+#[no_mangle]
+pub extern "C" fn isthmus_cq_cancel(cq: *const isthmus_cq_t, tag: u64) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || {
+        let q = QUEUES.get(cq)?;
+        match q.completions.abort(tag) {
+            true => Ok(()),
+            false => Err(Status::new(isthmus::Code::NotFound, format!("no operation {tag} waits on this queue"))),
+        }
     })
 }
 

@@ -52,6 +52,11 @@ impl<T> Registry<T> {
         live.remove(&(handle as usize)).ok_or_else(|| self.stale())
     }
 
+    /// The number of live handles of this type.
+    pub(crate) fn len(&self) -> usize {
+        self.live.lock().map_or(0, |live| live.len())
+    }
+
     fn stale(&self) -> Status {
         invalid(format!("not a live {} handle (freed already, or not one)", self.what))
     }

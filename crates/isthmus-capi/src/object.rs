@@ -43,6 +43,15 @@ pub(crate) static BLOCKS: Registry<isthmus_block_t> = Registry::new("block");
 pub(crate) static METADATA: Registry<isthmus_metadata_t> = Registry::new("metadata");
 pub(crate) static STATUSES: Registry<isthmus_status_t> = Registry::new("status");
 
+/// A pointer to `bytes` for C: NULL when there are none, because an empty Rust slice's
+/// pointer is a dangling non-NULL value that garbage-collected callers (Go) refuse to hold.
+pub(crate) fn data_ptr(bytes: &[u8]) -> *const u8 {
+    match bytes.is_empty() {
+        true => std::ptr::null(),
+        false => bytes.as_ptr(),
+    }
+}
+
 /// A handle for a received message.
 pub(crate) fn message_handle(bytes: Bytes) -> *mut isthmus_message_t {
     MESSAGES.add(isthmus_message_t { bytes })
@@ -99,7 +108,7 @@ pub(crate) fn store_status(out: *mut *mut isthmus_status_t, status: Option<Statu
 // ---- messages ----
 
 /// The message's bytes; their count in `*len`. Valid until the message is freed. NULL (and
-/// length 0) for an invalid handle.
+/// length 0) for an empty message or an invalid handle.
 ///
 /// # Safety
 ///
@@ -109,7 +118,7 @@ pub unsafe extern "C" fn isthmus_message_data(msg: *const isthmus_message_t, len
     guard(std::ptr::null(), || {
         let (ptr, n) = match MESSAGES.get(msg) {
             // The bytes live as long as the registry holds the message, whatever this Arc does.
-            Ok(m) => (m.bytes.as_ptr(), m.bytes.len()),
+            Ok(m) => (data_ptr(&m.bytes), m.bytes.len()),
             Err(_) => (std::ptr::null(), 0),
         };
         // SAFETY: the caller promises `len` is NULL or writable.
@@ -142,7 +151,8 @@ pub extern "C" fn isthmus_message_free(msg: *mut isthmus_message_t) -> isthmus_c
 pub unsafe extern "C" fn isthmus_block_data(block: *mut isthmus_block_t, len: *mut usize) -> *mut u8 {
     guard(std::ptr::null_mut(), || {
         let (ptr, n) = match BLOCKS.get(block) {
-            Ok(b) => (b.data as *mut u8, b.len),
+            Ok(b) if b.len > 0 => (b.data as *mut u8, b.len),
+            Ok(_) => (std::ptr::null_mut(), 0),
             Err(_) => (std::ptr::null_mut(), 0),
         };
         // SAFETY: the caller promises `len` is NULL or writable.
@@ -198,8 +208,8 @@ pub extern "C" fn isthmus_metadata_len(md: *const isthmus_metadata_t) -> usize {
     guard(0, || METADATA.get(md).ok().and_then(|m| m.map.lock().ok().map(|s| s.len())).unwrap_or(0))
 }
 
-/// Entry `index`: its key (not NUL-terminated) and value, valid until the metadata is changed
-/// or freed. `ISTHMUS_OUT_OF_RANGE` past the end.
+/// Entry `index`: its key (not NUL-terminated) and value (NULL when empty), valid until the
+/// metadata is changed or freed. `ISTHMUS_OUT_OF_RANGE` past the end.
 ///
 /// # Safety
 ///
@@ -225,7 +235,7 @@ pub unsafe extern "C" fn isthmus_metadata_get(
         unsafe {
             put(key, k.as_ptr());
             put(key_len, k.len());
-            put(value, v.as_ptr());
+            put(value, data_ptr(v));
             put(value_len, v.len());
         }
         Ok(())

@@ -10,8 +10,8 @@ use isthmus::binding::{block_on, hand_off, runtime, HandedCall};
 use isthmus::{Code, Config, Handler, HandlerFuture, Status};
 
 use crate::cq::{
-    cq_get, isthmus_cq_t, Outcome, Queue, ISTHMUS_OP_NEW_CALL, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND,
-    ISTHMUS_OP_SEND_HEADERS,
+    cq_get, isthmus_cq_t, isthmus_event_t, Outcome, Queue, ISTHMUS_OP_DONE, ISTHMUS_OP_NEW_CALL, ISTHMUS_OP_RECV,
+    ISTHMUS_OP_SEND, ISTHMUS_OP_SEND_HEADERS,
 };
 use crate::handle::Registry;
 use crate::object::{
@@ -34,7 +34,12 @@ enum ServerState {
     /// Taking handlers and options.
     Building { server: Box<isthmus::Server>, config: Config, stream_limit: Option<usize> },
     /// Serving: `stop` ends it with the grace period sent; `done` completes when it has.
-    Serving { stop: tokio::sync::watch::Sender<Option<Duration>>, done: tokio::task::JoinHandle<()> },
+    Serving {
+        stop: tokio::sync::watch::Sender<Option<Duration>>,
+        done: tokio::task::JoinHandle<()>,
+        /// The HTTP/2 endpoints as clients reach them (with the port chosen for port 0).
+        addresses: Vec<std::ffi::CString>,
+    },
     /// Stopped, or failed to start.
     Stopped,
 }
@@ -224,6 +229,7 @@ pub unsafe extern "C" fn isthmus_server_start(
         }
         let _runtime = runtime().enter();
         let bound = builder.bind_all(list.iter().copied())?;
+        let addresses = bound.http_addresses().into_iter().filter_map(|a| std::ffi::CString::new(a).ok()).collect();
         let (stop, mut stopped) = tokio::sync::watch::channel(None::<Duration>);
         let done = runtime().spawn(async move {
             let _ = bound
@@ -235,8 +241,24 @@ pub unsafe extern "C" fn isthmus_server_start(
                 })
                 .await;
         });
-        *state = ServerState::Serving { stop, done };
+        *state = ServerState::Serving { stop, done, addresses };
         Ok(())
+    })
+}
+
+/// The `index`th HTTP/2 endpoint of a serving server as clients reach it (`unix:///path`,
+/// `http://host:port` with the port the system chose for port 0), NUL-terminated and valid
+/// until the server is shut down; NULL past the last one or if it does not serve.
+#[no_mangle]
+pub extern "C" fn isthmus_server_http_address(server: *const isthmus_server_t, index: usize) -> *const c_char {
+    guard(std::ptr::null(), || {
+        let Ok(server) = SERVERS.get(server) else { return std::ptr::null() };
+        let Ok(state) = server.state.lock() else { return std::ptr::null() };
+        match &*state {
+            // The string lives in the state until shutdown replaces it.
+            ServerState::Serving { addresses, .. } => addresses.get(index).map_or(std::ptr::null(), |a| a.as_ptr()),
+            _ => std::ptr::null(),
+        }
     })
 }
 
@@ -255,7 +277,7 @@ pub extern "C" fn isthmus_server_shutdown(server: *const isthmus_server_t, grace
 
 fn stop(server: &isthmus_server_t, grace: Duration) {
     let Ok(mut state) = server.state.lock() else { return };
-    if let ServerState::Serving { stop, done } = std::mem::replace(&mut *state, ServerState::Stopped) {
+    if let ServerState::Serving { stop, done, .. } = std::mem::replace(&mut *state, ServerState::Stopped) {
         drop(state);
         stop.send_replace(Some(grace));
         let _ = block_on(done);
@@ -319,8 +341,16 @@ pub extern "C" fn isthmus_server_call_is_active(call: *const isthmus_server_call
     guard(0, || handed(call).map_or(0, |c| i32::from(c.is_active())))
 }
 
+/// Receive flag: if the call has sent nothing yet and must wait for a request, send its
+/// (empty) initial metadata first. A client that sends its first request only once the
+/// response has opened (tonic's generated streaming clients do) is then not left waiting on a
+/// handler that waits for that request; initial metadata can no longer be sent after it.
+pub const ISTHMUS_RECV_FLUSH_HEADERS: u32 = 1;
+
 /// Receives the next request message, blocking: `ISTHMUS_OK` with `*message` set, or with
-/// `*message` NULL once the client has half-closed; another code if the call is over.
+/// `*message` NULL once the client has half-closed; another code if the call is over. With
+/// `flags` 0 it sends nothing, so `isthmus_server_call_send_headers` works after it; see
+/// `ISTHMUS_RECV_FLUSH_HEADERS` for request-streaming handlers.
 ///
 /// # Safety
 ///
@@ -328,6 +358,7 @@ pub extern "C" fn isthmus_server_call_is_active(call: *const isthmus_server_call
 #[no_mangle]
 pub unsafe extern "C" fn isthmus_server_call_recv(
     call: *const isthmus_server_call_t,
+    flags: u32,
     message: *mut *mut isthmus_message_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
@@ -338,7 +369,7 @@ pub unsafe extern "C" fn isthmus_server_call_recv(
             return Err(invalid("the message out-pointer is NULL"));
         }
         let call = handed(call)?;
-        if let Some(m) = block_on(call.recv(true))? {
+        if let Some(m) = block_on(call.recv(flags & ISTHMUS_RECV_FLUSH_HEADERS != 0))? {
             // SAFETY: checked not NULL, writable by the caller's promise.
             unsafe { put(message, message_handle(m)) };
         }
@@ -354,13 +385,42 @@ pub unsafe extern "C" fn isthmus_server_call_recv(
 #[no_mangle]
 pub unsafe extern "C" fn isthmus_server_call_recv_async(
     call: *const isthmus_server_call_t,
+    flags: u32,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    now: *mut isthmus_event_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let (call, cq) = (handed(call)?, cq_get(cq)?);
+        let flush = flags & ISTHMUS_RECV_FLUSH_HEADERS != 0;
+        cq.start(tag, ISTHMUS_OP_RECV, async move { Outcome::received(call.recv(flush).await) }, now);
+        Ok(())
+    })
+}
+
+/// Asks for an event (`ISTHMUS_OP_DONE`, with `tag`) on `cq` when the call is over: finished,
+/// cancelled by its client (or its connection's end), or past its deadline. If it is over
+/// already, the event is queued at once. A handler that works on after its client gave up
+/// learns of it this way.
+///
+/// # Safety
+///
+/// `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_done_async(
+    call: *const isthmus_server_call_t,
     cq: *const isthmus_cq_t,
     tag: u64,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
         let (call, cq) = (handed(call)?, cq_get(cq)?);
-        cq.run(tag, ISTHMUS_OP_RECV, async move { Outcome::received(call.recv(true).await) });
+        let queue = cq.clone();
+        if !call.add_done_callback(Box::new(move || queue.run(tag, ISTHMUS_OP_DONE, std::future::ready(Outcome::Done))))
+        {
+            cq.run(tag, ISTHMUS_OP_DONE, std::future::ready(Outcome::Done));
+        }
         Ok(())
     })
 }
@@ -398,13 +458,14 @@ pub unsafe extern "C" fn isthmus_server_call_send_async(
     len: usize,
     cq: *const isthmus_cq_t,
     tag: u64,
+    now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
         let (call, cq) = (handed(call)?, cq_get(cq)?);
         // SAFETY: the caller's promise, passed on.
         let message = unsafe { c_bytes(data, len, "the message")? }.to_vec();
-        cq.run(tag, ISTHMUS_OP_SEND, async move { Outcome::done(call.send(&message).await) });
+        cq.start(tag, ISTHMUS_OP_SEND, async move { Outcome::done(call.send(&message).await) }, now);
         Ok(())
     })
 }
@@ -437,11 +498,12 @@ pub unsafe extern "C" fn isthmus_server_call_send_headers_async(
     metadata: *const isthmus_metadata_t,
     cq: *const isthmus_cq_t,
     tag: u64,
+    now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
         let (call, md, cq) = (handed(call)?, metadata_arg(metadata)?, cq_get(cq)?);
-        cq.run(tag, ISTHMUS_OP_SEND_HEADERS, async move { Outcome::done(call.send_headers(md).await) });
+        cq.start(tag, ISTHMUS_OP_SEND_HEADERS, async move { Outcome::done(call.send_headers(md).await) }, now);
         Ok(())
     })
 }
@@ -492,7 +554,9 @@ pub unsafe extern "C" fn isthmus_server_call_send_block(
 }
 
 /// Ends the call with `code` (`ISTHMUS_OK` or a gRPC code), `message` (NULL for none) and
-/// trailing metadata (NULL for none; copied), and frees the handle. Exactly once per call.
+/// trailing metadata (NULL for none; copied), and frees the handle. Exactly once per call. A
+/// `message` that is not UTF-8 or a `trailers` that is no live handle still ends the call
+/// (INTERNAL, saying which) and frees the handle, and returns `ISTHMUS_INVALID_ARGUMENT`.
 ///
 /// # Safety
 ///
@@ -506,15 +570,26 @@ pub unsafe extern "C" fn isthmus_server_call_finish(
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
-        let trailers = metadata_arg(trailers);
-        let text = match message.is_null() {
-            true => "",
-            // SAFETY: not NULL; NUL-terminated by the caller's promise.
-            false => unsafe { c_str(message, "the message")? },
-        };
         let handle = SERVER_CALLS.remove(call)?;
+        let text = match message.is_null() {
+            true => Ok(""),
+            // SAFETY: not NULL; NUL-terminated by the caller's promise.
+            false => unsafe { c_str(message, "the message") },
+        };
         let code = u32::try_from(code).ok().filter(|c| *c <= 16).map_or(Code::Unknown, Code::from_u32);
-        handle.call.finish(Status::new(code, text).with_metadata(trailers?));
-        Ok(())
+        // The handle is gone now, so the call ends here whatever else is wrong: a call left
+        // unfinished would hang until the client's deadline, if it set one.
+        match text.and_then(|text| Ok(Status::new(code, text).with_metadata(metadata_arg(trailers)?))) {
+            Ok(status) => {
+                handle.call.finish(status);
+                Ok(())
+            }
+            Err(bad) => {
+                handle
+                    .call
+                    .finish(Status::new(Code::Internal, format!("the handler's finish failed: {}", bad.message())));
+                Err(bad)
+            }
+        }
     })
 }

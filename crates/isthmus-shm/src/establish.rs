@@ -15,7 +15,7 @@
 //! A refusal that arrives after the server's hello is the business of `link` (`late_refusal`) and
 //! `handshake` (`decode_late_refusal`).
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::sync::Arc;
@@ -75,7 +75,9 @@ fn read_exact_by(s: &mut UnixStream, buf: &mut [u8], deadline: Instant) -> std::
 }
 
 fn refuse(s: &mut UnixStream, code: RefuseCode, e: Error) -> Error {
-    let _ = s.write_all(&encode_refusal(code, &e.to_string()));
+    // MSG_NOSIGNAL: a client gone already must not raise SIGPIPE in a host that has not
+    // ignored it (a Go or C program).
+    let _ = sys::send_with_fds(s.as_fd(), &encode_refusal(code, &e.to_string()), &[]);
     e
 }
 
@@ -113,7 +115,7 @@ pub(crate) fn connect(addr: &Address, cfg: &Config) -> Result<Connection> {
     let mut hello = Hello::new(HelloKind::Client);
     hello.ring_size = [cfg.ring_size as u64, 0];
     hello.arena_size = [cfg.arena_size as u64, 0];
-    s.write_all(&hello.encode()).map_err(|e| Error::io("handshake: cannot send hello", e))?;
+    sys::send_with_fds(s.as_fd(), &hello.encode(), &[]).map_err(|e| Error::io("handshake: cannot send hello", e))?;
 
     // The fds arrive with the first byte of the server's record; the rest may trail behind.
     let mut rec = [0u8; HELLO_LEN];

@@ -90,6 +90,14 @@ pub use frame::{flags, Kind};
 pub use listener::{Incoming, Listener};
 pub use stats::Counters;
 
+/// Blocks SIGPIPE on the calling thread: a write to a socket whose peer has gone then fails
+/// with EPIPE instead of killing the process. For the threads of a library that runs inside
+/// hosts that do not ignore SIGPIPE (Go, C programs); Rust programs and Python ignore it
+/// already.
+pub fn block_sigpipe_on_this_thread() {
+    sys::block_sigpipe();
+}
+
 #[doc(hidden)]
 pub mod fuzz {
     //! Entry points for the fuzz targets in `fuzz/`: each feeds arbitrary bytes to a decoder of

@@ -41,6 +41,9 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("isthmus")
+            // The host may not ignore SIGPIPE (a Go or C program): a peer that hangs up while
+            // a worker writes to its Unix socket must fail that write, not kill the host.
+            .on_thread_start(isthmus_shm::block_sigpipe_on_this_thread)
             .enable_all()
             .build()
             .unwrap_or_else(|e| panic!("isthmus cannot start its runtime: {e}"))
@@ -49,9 +52,21 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
 
 /// Runs `fut` to completion on the calling thread, in the binding [`runtime`]'s context. From
 /// a thread of that runtime (a handler a binding called back into), the worker is handed its
-/// other tasks first, so a blocking call made there cannot stall them.
+/// other tasks first if `fut` must wait, so a blocking call made there cannot stall them.
 pub fn block_on<F: Future>(fut: F) -> F::Output {
-    match tokio::runtime::Handle::try_current() {
+    let mut fut = std::pin::pin!(fut);
+    let current = tokio::runtime::Handle::try_current();
+    // Most waits are over before they start (a request already in, room in the ring): one poll
+    // answers them with no thread handed anything, which matters most on a runtime's own
+    // thread, where waiting would hand its other tasks to a new thread.
+    let first = {
+        let _context = current.is_err().then(|| runtime().enter());
+        fut.as_mut().poll(&mut Context::from_waker(Waker::noop()))
+    };
+    if let Poll::Ready(out) = first {
+        return out;
+    }
+    match current {
         Ok(handle) if handle.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
             tokio::task::block_in_place(|| handle.block_on(fut))
         }
@@ -282,8 +297,27 @@ impl<O: Send + 'static> Completions<O> {
     where
         F: Future<Output = O> + Send + 'static,
     {
+        if let Some(outcome) = self.start(token, fut) {
+            self.queue(|q| q.done.push((token, outcome)));
+        }
+    }
+
+    /// [`run`](Self::run), but an outcome ready at once is returned here instead of queued
+    /// (the caller gets its answer without a trip through the eventfd).
+    pub fn run_now<F>(self: &Arc<Self>, token: u64, fut: F) -> Option<O>
+    where
+        F: Future<Output = O> + Send + 'static,
+    {
+        self.start(token, fut)
+    }
+
+    /// Polls `fut` once; its outcome if ready, else it waits among the running operations.
+    fn start<F>(self: &Arc<Self>, token: u64, fut: F) -> Option<O>
+    where
+        F: Future<Output = O> + Send + 'static,
+    {
         let op = Arc::new(Op { token, future: Mutex::new(None), completions: Arc::downgrade(self) });
-        let Ok(mut slot) = op.future.lock() else { return };
+        let Ok(mut slot) = op.future.lock() else { return None };
         // In the slot before the first poll: a wake-up that comes before this returns finds
         // the future there (and waits for this lock).
         let future = slot.insert(Box::pin(fut));
@@ -291,14 +325,16 @@ impl<O: Send + 'static> Completions<O> {
         match future.as_mut().poll(&mut Context::from_waker(&Waker::from(op.clone()))) {
             Poll::Ready(outcome) => {
                 *slot = None;
-                drop(slot);
-                self.queue(|q| q.done.push((token, outcome)));
+                Some(outcome)
             }
             Poll::Pending => {
-                drop(slot);
+                // Registered while the slot is still locked: a `take` that polls it to its end
+                // (after a wake-up during the first poll) then finds it there to remove.
                 if let Ok(mut running) = self.running.lock() {
-                    running.insert(token, op);
+                    running.insert(token, op.clone());
                 }
+                drop(slot);
+                None
             }
         }
     }

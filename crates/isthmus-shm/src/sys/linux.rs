@@ -179,6 +179,19 @@ pub(crate) fn wait_one(fd: BorrowedFd<'_>, deadline: Option<Instant>) -> bool {
     }
 }
 
+/// Blocks SIGPIPE on the calling thread, so that a write to a socket whose peer has gone fails
+/// with EPIPE instead of killing a host process that has not ignored the signal. (A signal
+/// raised by a write is sent to the writing thread; blocked, it stays pending there, unseen.)
+pub(crate) fn block_sigpipe() {
+    // SAFETY: `set` is a local sigset that sigemptyset initialises before use.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGPIPE);
+        libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+    }
+}
+
 /// Sends `data` on a stream socket with `fds` attached as SCM_RIGHTS.
 pub(crate) fn send_with_fds(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     let raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();

@@ -1,0 +1,1487 @@
+/*
+ * abi_check.c: the C ABI's own tests, through include/isthmus.h and nothing else. tests/c_abi.rs
+ * builds it under AddressSanitizer (LeakSanitizer on) and runs it as real processes:
+ *
+ *   abi_check serve TARGET...   a server with every test handler on each TARGET; prints "ready"
+ *                               once it serves, and serves until stdin ends; exit 0 if it then
+ *                               shut down and freed every handle.
+ *   abi_check client TARGET     every client check, one line each, then "N passed, M failed";
+ *                               exit 0 only if all passed. Over a target that is not shm://, the
+ *                               zero-copy check expects isthmus_call_alloc's UNIMPLEMENTED.
+ *   abi_check peer-gone TARGET  starts a call to Sleep, prints "waiting", and expects UNAVAILABLE
+ *                               once the harness has killed the server (SIGKILL).
+ *
+ * The handlers, under /isthmus.test.Echo/ (each answers on a thread of its own but Fail, whose
+ * answer is at hand, and Queued, which a completion queue delivers to a polling thread):
+ *
+ *   Unary         echo the request; the client's `x-echo` back as a header and a trailer;
+ *                 trailer `x-has-deadline` 1 or 0 (isthmus_server_call_time_remaining_us)
+ *   ServerStream  request: u32 LE N; N responses of 4 bytes, each its index; trailer `x-count`
+ *   ClientStream  one response: the requests' total size, u64 LE
+ *   Bidi          send (empty) headers at once, then echo each request as it comes
+ *   Fail          NOT_FOUND "nothing here", trailer `x-why: test`
+ *   Sleep         wait until the call is no longer active (5 s at most), then CANCELLED
+ *   Block         echo the request through isthmus_server_call_alloc + _send_block
+ *   Queued        echo every request through the _async functions on a completion queue
+ *   BadFinish     finish with a freed trailers handle (request "t") or a message that is not
+ *                 UTF-8: the call must still end (INTERNAL) instead of hanging
+ */
+#define _POSIX_C_SOURCE 200809L
+
+#include <errno.h>
+#include <inttypes.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include "isthmus.h"
+
+#define SVC "/isthmus.test.Echo/"
+#define MIB ((size_t)1 << 20)
+/* The server's request limit: a 64 MiB message fits, a 65 MiB one does not. */
+#define SERVER_LIMIT ((uint64_t)(64 * MIB + 4096))
+/* The deadline of every client call that should not wait: a hang fails instead. */
+#define CALL_TIMEOUT_US ((int64_t)60 * 1000 * 1000)
+
+/* ---- small helpers ---- */
+
+static double now_s(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (double)t.tv_sec + (double)t.tv_nsec / 1e9;
+}
+
+static void sleep_ms(long ms) {
+  struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
+  while (nanosleep(&t, &t) != 0 && errno == EINTR) {
+  }
+}
+
+static void put_u32(uint8_t *p, uint32_t v) {
+  for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint32_t get_u32(const uint8_t *p) {
+  uint32_t v = 0;
+  for (int i = 0; i < 4; i++) v |= (uint32_t)p[i] << (8 * i);
+  return v;
+}
+
+static void put_u64(uint8_t *p, uint64_t v) {
+  for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+}
+
+static uint64_t get_u64(const uint8_t *p) {
+  uint64_t v = 0;
+  for (int i = 0; i < 8; i++) v |= (uint64_t)p[i] << (8 * i);
+  return v;
+}
+
+/* A pattern that differs at every offset a misplaced copy could land on. */
+static void fill_pattern(uint8_t *p, size_t n, uint32_t seed) {
+  for (size_t i = 0; i < n; i++) p[i] = (uint8_t)((i * 31u + seed) ^ (i >> 11) ^ (i >> 19));
+}
+
+static int bytes_are(const isthmus_message_t *msg, const void *want, size_t want_len) {
+  size_t len = 0;
+  const uint8_t *data = isthmus_message_data(msg, &len);
+  return data != NULL && len == want_len && memcmp(data, want, len) == 0;
+}
+
+/* The first value of `key` in `md` (NULL if none), valid until `md` changes or is freed. */
+static const uint8_t *md_find(const isthmus_metadata_t *md, const char *key, size_t *len) {
+  size_t n = isthmus_metadata_len(md), key_len = strlen(key);
+  for (size_t i = 0; i < n; i++) {
+    const uint8_t *k = NULL, *v = NULL;
+    size_t kl = 0, vl = 0;
+    if (isthmus_metadata_get(md, i, &k, &kl, &v, &vl) != ISTHMUS_OK) return NULL;
+    if (kl == key_len && memcmp(k, key, kl) == 0) {
+      *len = vl;
+      return v;
+    }
+  }
+  return NULL;
+}
+
+static int md_is(const isthmus_metadata_t *md, const char *key, const char *value) {
+  size_t len = 0;
+  const uint8_t *v = md_find(md, key, &len);
+  return v != NULL && len == strlen(value) && memcmp(v, value, len) == 0;
+}
+
+/* Frees whatever handles a completion-queue event carries. */
+static void event_free(isthmus_event_t *ev) {
+  if (ev->call) isthmus_call_free(ev->call);
+  if (ev->server_call) isthmus_server_call_finish(ev->server_call, ISTHMUS_CANCELLED, "dropped", NULL, NULL);
+  if (ev->message) isthmus_message_free(ev->message);
+  if (ev->metadata) isthmus_metadata_free(ev->metadata);
+  if (ev->trailers) isthmus_metadata_free(ev->trailers);
+  if (ev->status) isthmus_status_free(ev->status);
+  memset(ev, 0, sizeof *ev);
+}
+
+/* ---- the server ---- */
+
+typedef void (*run_fn)(isthmus_server_call_t *call);
+
+/* Ends `call` after a failed operation with that operation's code and status (freed). */
+static void finish_failed(isthmus_server_call_t *call, isthmus_code_t code, isthmus_status_t *st,
+                          const char *otherwise) {
+  isthmus_server_call_finish(call, code, st ? isthmus_status_message(st) : otherwise, NULL, NULL);
+  if (st) isthmus_status_free(st);
+}
+
+static int path_is(isthmus_server_call_t *call, const char *want) {
+  size_t len = 0;
+  const uint8_t *p = isthmus_server_call_path(call, &len);
+  return p != NULL && len == strlen(want) && memcmp(p, want, len) == 0;
+}
+
+static void h_unary(isthmus_server_call_t *call) {
+  if (!path_is(call, SVC "Unary")) {
+    isthmus_server_call_finish(call, ISTHMUS_INTERNAL, "isthmus_server_call_path is wrong", NULL, NULL);
+    return;
+  }
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *req = NULL;
+  isthmus_metadata_t *in = isthmus_server_call_metadata(call);
+  isthmus_metadata_t *headers = isthmus_metadata_new(), *trailers = isthmus_metadata_new();
+  size_t echo_len = 0;
+  const uint8_t *echo = md_find(in, "x-echo", &echo_len);
+  if (echo) {
+    isthmus_metadata_add(headers, "x-echo", echo, echo_len, NULL);
+    isthmus_metadata_add(trailers, "x-echo", echo, echo_len, NULL);
+  }
+  const char *deadline = isthmus_server_call_time_remaining_us(call) >= 0 ? "1" : "0";
+  isthmus_metadata_add(trailers, "x-has-deadline", (const uint8_t *)deadline, 1, NULL);
+
+  isthmus_code_t rc = isthmus_server_call_recv(call, 0, &req, &st);
+  if (rc == ISTHMUS_OK && req == NULL) rc = ISTHMUS_INVALID_ARGUMENT;
+  if (rc == ISTHMUS_OK && echo) rc = isthmus_server_call_send_headers(call, headers, &st);
+  if (rc == ISTHMUS_OK) {
+    size_t len = 0;
+    const uint8_t *data = isthmus_message_data(req, &len);
+    rc = isthmus_server_call_send(call, data, len, &st);
+  }
+  if (rc == ISTHMUS_OK)
+    isthmus_server_call_finish(call, ISTHMUS_OK, NULL, trailers, NULL);
+  else
+    finish_failed(call, rc, st, "no request");
+  if (req) isthmus_message_free(req);
+  isthmus_metadata_free(in);
+  isthmus_metadata_free(headers);
+  isthmus_metadata_free(trailers);
+}
+
+static void h_server_stream(isthmus_server_call_t *call) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *req = NULL;
+  isthmus_code_t rc = isthmus_server_call_recv(call, 0, &req, &st);
+  if (rc != ISTHMUS_OK || req == NULL || isthmus_message_len(req) != 4) {
+    finish_failed(call, rc == ISTHMUS_OK ? ISTHMUS_INVALID_ARGUMENT : rc, st, "the request is no u32");
+    if (req) isthmus_message_free(req);
+    return;
+  }
+  uint32_t n = get_u32(isthmus_message_data(req, NULL));
+  isthmus_message_free(req);
+  for (uint32_t i = 0; i < n; i++) {
+    uint8_t b[4];
+    put_u32(b, i);
+    rc = isthmus_server_call_send(call, b, sizeof b, &st);
+    if (rc != ISTHMUS_OK) {
+      finish_failed(call, rc, st, "send failed");
+      return;
+    }
+  }
+  char count[16];
+  snprintf(count, sizeof count, "%" PRIu32, n);
+  isthmus_metadata_t *trailers = isthmus_metadata_new();
+  isthmus_metadata_add(trailers, "x-count", (const uint8_t *)count, strlen(count), NULL);
+  isthmus_server_call_finish(call, ISTHMUS_OK, NULL, trailers, NULL);
+  isthmus_metadata_free(trailers);
+}
+
+static void h_client_stream(isthmus_server_call_t *call) {
+  isthmus_status_t *st = NULL;
+  uint64_t total = 0;
+  for (;;) {
+    isthmus_message_t *req = NULL;
+    isthmus_code_t rc = isthmus_server_call_recv(call, 0, &req, &st);
+    if (rc != ISTHMUS_OK) {
+      finish_failed(call, rc, st, "recv failed");
+      return;
+    }
+    if (req == NULL) break;
+    total += isthmus_message_len(req);
+    isthmus_message_free(req);
+  }
+  uint8_t b[8];
+  put_u64(b, total);
+  isthmus_code_t rc = isthmus_server_call_send(call, b, sizeof b, &st);
+  if (rc == ISTHMUS_OK)
+    isthmus_server_call_finish(call, ISTHMUS_OK, NULL, NULL, NULL);
+  else
+    finish_failed(call, rc, st, "send failed");
+}
+
+static void h_bidi(isthmus_server_call_t *call) {
+  isthmus_status_t *st = NULL;
+  /* open the response first: a client may wait for the headers before it sends */
+  isthmus_code_t opened = isthmus_server_call_send_headers(call, NULL, &st);
+  if (opened != ISTHMUS_OK) {
+    finish_failed(call, opened, st, "send_headers failed");
+    return;
+  }
+  for (;;) {
+    isthmus_message_t *req = NULL;
+    isthmus_code_t rc = isthmus_server_call_recv(call, 0, &req, &st);
+    if (rc == ISTHMUS_OK && req == NULL) break;
+    if (rc == ISTHMUS_OK) {
+      size_t len = 0;
+      const uint8_t *data = isthmus_message_data(req, &len);
+      rc = isthmus_server_call_send(call, data, len, &st);
+      isthmus_message_free(req);
+    }
+    if (rc != ISTHMUS_OK) {
+      finish_failed(call, rc, st, "echo failed");
+      return;
+    }
+  }
+  isthmus_server_call_finish(call, ISTHMUS_OK, NULL, NULL, NULL);
+}
+
+static void h_fail(isthmus_server_call_t *call) {
+  isthmus_metadata_t *trailers = isthmus_metadata_new();
+  isthmus_metadata_add(trailers, "x-why", (const uint8_t *)"test", 4, NULL);
+  isthmus_server_call_finish(call, ISTHMUS_NOT_FOUND, "nothing here", trailers, NULL);
+  isthmus_metadata_free(trailers);
+}
+
+/* Finishes with a bad argument (request "t": a freed trailers handle; else a message that is
+ * not UTF-8): the call must end all the same (INTERNAL), not hang with its handle gone. */
+static void h_bad_finish(isthmus_server_call_t *call) {
+  isthmus_metadata_t *stale = isthmus_metadata_new();
+  isthmus_metadata_free(stale);
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *req = NULL;
+  int stale_trailers = isthmus_server_call_recv(call, 0, &req, NULL) == ISTHMUS_OK && req != NULL &&
+                       isthmus_message_len(req) == 1 && isthmus_message_data(req, NULL)[0] == 't';
+  if (req) isthmus_message_free(req);
+  isthmus_code_t rc = stale_trailers ? isthmus_server_call_finish(call, ISTHMUS_OK, NULL, stale, &st)
+                                     : isthmus_server_call_finish(call, ISTHMUS_OK, "\377", NULL, &st);
+  if (rc != ISTHMUS_INVALID_ARGUMENT) fprintf(stderr, "serve: BadFinish: finish gave %s\n", isthmus_code_name(rc));
+  if (st) isthmus_status_free(st);
+}
+
+/* How Sleep calls ended: when their call did (cancel, deadline, shutdown), or after 5 s. */
+static atomic_int g_sleep_ended_early, g_sleep_ran_out;
+
+static void h_sleep(isthmus_server_call_t *call) {
+  double end = now_s() + 5.0;
+  while (isthmus_server_call_is_active(call) && now_s() < end) sleep_ms(5);
+  atomic_fetch_add(isthmus_server_call_is_active(call) ? &g_sleep_ran_out : &g_sleep_ended_early, 1);
+  isthmus_server_call_finish(call, ISTHMUS_CANCELLED, "slept", NULL, NULL);
+}
+
+static void h_block(isthmus_server_call_t *call) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *req = NULL;
+  isthmus_block_t *block = NULL;
+  isthmus_code_t rc = isthmus_server_call_recv(call, 0, &req, &st);
+  if (rc != ISTHMUS_OK || req == NULL || isthmus_message_len(req) == 0) {
+    finish_failed(call, rc == ISTHMUS_OK ? ISTHMUS_INVALID_ARGUMENT : rc, st, "no request");
+    if (req) isthmus_message_free(req);
+    return;
+  }
+  size_t len = 0, block_len = 0;
+  const uint8_t *data = isthmus_message_data(req, &len);
+  rc = isthmus_server_call_alloc(call, len, &block, &st);
+  if (rc == ISTHMUS_OK) {
+    uint8_t *dst = isthmus_block_data(block, &block_len);
+    if (dst == NULL || block_len != len) {
+      isthmus_block_free(block);
+      isthmus_message_free(req);
+      isthmus_server_call_finish(call, ISTHMUS_INTERNAL, "isthmus_block_data is wrong", NULL, NULL);
+      return;
+    }
+    memcpy(dst, data, len);
+    rc = isthmus_server_call_send_block(call, block, &st);
+  }
+  isthmus_message_free(req);
+  if (rc == ISTHMUS_OK)
+    isthmus_server_call_finish(call, ISTHMUS_OK, NULL, NULL, NULL);
+  else
+    finish_failed(call, rc, st, "block failed");
+}
+
+/* Handler threads: one per call, joined once done (and all of them at shutdown). */
+typedef struct worker {
+  pthread_t tid;
+  run_fn run;
+  isthmus_server_call_t *call;
+  atomic_int done;
+  struct worker *next;
+} worker_t;
+
+static pthread_mutex_t g_workers_mu = PTHREAD_MUTEX_INITIALIZER;
+static worker_t *g_workers;
+
+static void *worker_main(void *arg) {
+  worker_t *w = arg;
+  w->run(w->call);
+  atomic_store(&w->done, 1);
+  return NULL;
+}
+
+/* Joins the workers that are done (all of them with `all`, waiting for each). */
+static void reap_workers(int all) {
+  pthread_mutex_lock(&g_workers_mu);
+  for (worker_t **w = &g_workers; *w;) {
+    if (all || atomic_load(&(*w)->done)) {
+      worker_t *gone = *w;
+      *w = gone->next;
+      pthread_join(gone->tid, NULL);
+      free(gone);
+    } else {
+      w = &(*w)->next;
+    }
+  }
+  pthread_mutex_unlock(&g_workers_mu);
+}
+
+typedef struct {
+  const char *path;
+  run_fn run;
+  int own_thread; /* 0: answered in the callback itself (it does not block) */
+} handler_t;
+
+static handler_t g_handlers[] = {
+    {SVC "Unary", h_unary, 1},     {SVC "ServerStream", h_server_stream, 1},
+    {SVC "ClientStream", h_client_stream, 1}, {SVC "Bidi", h_bidi, 1},
+    {SVC "Fail", h_fail, 0},       {SVC "Sleep", h_sleep, 1},
+    {SVC "Block", h_block, 1},     {SVC "BadFinish", h_bad_finish, 1},
+};
+
+/* The callback every handler path shares: hands the call to a thread (callbacks must not block). */
+static void on_call(void *user_data, isthmus_server_call_t *call) {
+  const handler_t *h = user_data;
+  if (!h->own_thread) {
+    h->run(call);
+    return;
+  }
+  reap_workers(0);
+  worker_t *w = calloc(1, sizeof *w);
+  if (w == NULL) {
+    isthmus_server_call_finish(call, ISTHMUS_RESOURCE_EXHAUSTED, "out of memory", NULL, NULL);
+    return;
+  }
+  w->run = h->run;
+  w->call = call;
+  pthread_mutex_lock(&g_workers_mu);
+  if (pthread_create(&w->tid, NULL, worker_main, w) != 0) {
+    pthread_mutex_unlock(&g_workers_mu);
+    free(w);
+    isthmus_server_call_finish(call, ISTHMUS_RESOURCE_EXHAUSTED, "no thread", NULL, NULL);
+    return;
+  }
+  w->next = g_workers;
+  g_workers = w;
+  pthread_mutex_unlock(&g_workers_mu);
+}
+
+/* The Queued path: calls arrive as ISTHMUS_OP_NEW_CALL events on a queue that one thread polls;
+ * each is echoed one request at a time (recv_async, then send_async, then recv_async again). */
+#define TAG_NEW_CALL 1
+
+typedef struct qcall {
+  isthmus_server_call_t *call;
+  struct qcall *prev, *next;
+} qcall_t;
+
+typedef struct {
+  isthmus_cq_t *cq;
+  int stop_fd; /* readable: stop */
+  qcall_t *calls;
+} queue_server_t;
+
+static void qcall_end(queue_server_t *qs, qcall_t *q, isthmus_code_t code, isthmus_status_t *st) {
+  if (code == ISTHMUS_OK)
+    isthmus_server_call_finish(q->call, ISTHMUS_OK, NULL, NULL, NULL);
+  else
+    finish_failed(q->call, code, st, "queued call failed");
+  if (q->prev) q->prev->next = q->next; else qs->calls = q->next;
+  if (q->next) q->next->prev = q->prev;
+  free(q);
+}
+
+static void qcall_recv(queue_server_t *qs, qcall_t *q) {
+  isthmus_status_t *st = NULL;
+  isthmus_code_t rc = isthmus_server_call_recv_async(q->call, 0, qs->cq, (uint64_t)(uintptr_t)q, NULL, &st);
+  if (rc != ISTHMUS_OK) qcall_end(qs, q, rc, st);
+}
+
+static void queue_event(queue_server_t *qs, isthmus_event_t *ev) {
+  isthmus_status_t *st = NULL;
+  if (ev->op == ISTHMUS_OP_NEW_CALL) {
+    qcall_t *q = calloc(1, sizeof *q);
+    if (q == NULL) return; /* event_free below finishes the call */
+    q->call = ev->server_call;
+    ev->server_call = NULL;
+    q->next = qs->calls;
+    if (q->next) q->next->prev = q;
+    qs->calls = q;
+    qcall_recv(qs, q);
+    return;
+  }
+  qcall_t *q = (qcall_t *)(uintptr_t)ev->tag;
+  if (ev->code != ISTHMUS_OK) {
+    qcall_end(qs, q, ev->code, ev->status);
+    ev->status = NULL;
+  } else if (ev->op == ISTHMUS_OP_RECV && ev->message == NULL) {
+    qcall_end(qs, q, ISTHMUS_OK, NULL);
+  } else if (ev->op == ISTHMUS_OP_RECV) {
+    size_t len = 0;
+    const uint8_t *data = isthmus_message_data(ev->message, &len);
+    isthmus_code_t rc = isthmus_server_call_send_async(q->call, data, len, qs->cq, ev->tag, NULL, &st);
+    if (rc != ISTHMUS_OK) qcall_end(qs, q, rc, st);
+  } else if (ev->op == ISTHMUS_OP_SEND) {
+    qcall_recv(qs, q);
+  }
+}
+
+static void *queue_main(void *arg) {
+  queue_server_t *qs = arg;
+  struct pollfd fds[2] = {{isthmus_cq_fd(qs->cq), POLLIN, 0}, {qs->stop_fd, POLLIN, 0}};
+  for (;;) {
+    if (poll(fds, 2, 1000) < 0 && errno != EINTR) break;
+    if (fds[1].revents) break;
+    if (!(fds[0].revents & POLLIN)) continue;
+    isthmus_event_t evs[8];
+    size_t n = isthmus_cq_poll(qs->cq, evs, 8);
+    for (size_t i = 0; i < n; i++) {
+      queue_event(qs, &evs[i]);
+      event_free(&evs[i]);
+    }
+  }
+  while (qs->calls) qcall_end(qs, qs->calls, ISTHMUS_CANCELLED, NULL);
+  return NULL;
+}
+
+static void print_status(const char *what, isthmus_code_t rc, isthmus_status_t *st) {
+  fprintf(stderr, "%s: %s: %s\n", what, isthmus_code_name(rc), st ? isthmus_status_message(st) : "");
+  if (st) isthmus_status_free(st);
+}
+
+static int serve(int count, char **targets) {
+  isthmus_status_t *st = NULL;
+  isthmus_server_options_t opts;
+  memset(&opts, 0, sizeof opts);
+  opts.max_message_size = SERVER_LIMIT;
+  isthmus_server_t *server = isthmus_server_new(&opts);
+  isthmus_cq_t *cq = isthmus_cq_new();
+  if (server == NULL || cq == NULL) {
+    fprintf(stderr, "serve: isthmus_server_new or isthmus_cq_new failed\n");
+    return 1;
+  }
+  for (size_t i = 0; i < sizeof g_handlers / sizeof g_handlers[0]; i++) {
+    isthmus_code_t rc = isthmus_server_add_handler(server, g_handlers[i].path, on_call, &g_handlers[i], &st);
+    if (rc != ISTHMUS_OK) {
+      print_status("serve: isthmus_server_add_handler", rc, st);
+      return 1;
+    }
+  }
+  isthmus_code_t rc = isthmus_server_add_handler_cq(server, SVC "Queued", cq, TAG_NEW_CALL, &st);
+  if (rc != ISTHMUS_OK) {
+    print_status("serve: isthmus_server_add_handler_cq", rc, st);
+    return 1;
+  }
+  int stop[2];
+  if (pipe(stop) != 0) {
+    perror("serve: pipe");
+    return 1;
+  }
+  queue_server_t qs = {cq, stop[0], NULL};
+  pthread_t queue_thread;
+  if (pthread_create(&queue_thread, NULL, queue_main, &qs) != 0) {
+    fprintf(stderr, "serve: pthread_create failed\n");
+    return 1;
+  }
+  rc = isthmus_server_start(server, (const char *const *)targets, (size_t)count, &st);
+  if (rc != ISTHMUS_OK) {
+    print_status("serve: isthmus_server_start", rc, st);
+    return 1;
+  }
+  printf("ready\n");
+  fflush(stdout);
+
+  char buf[256];
+  ssize_t r;
+  while ((r = read(STDIN_FILENO, buf, sizeof buf)) != 0) {
+    if (r < 0 && errno != EINTR) break;
+  }
+
+  int failed = 0;
+  rc = isthmus_server_shutdown(server, 1000);
+  if (rc != ISTHMUS_OK) {
+    fprintf(stderr, "serve: isthmus_server_shutdown: %s\n", isthmus_code_name(rc));
+    failed = 1;
+  }
+  if (write(stop[1], "x", 1) != 1) failed = 1;
+  pthread_join(queue_thread, NULL);
+  reap_workers(1);
+  if (isthmus_server_free(server) != ISTHMUS_OK || isthmus_cq_free(cq) != ISTHMUS_OK) failed = 1;
+  close(stop[0]);
+  close(stop[1]);
+  fprintf(stderr, "serve: Sleep calls ended with their call: %d, after 5 s: %d\n",
+          atomic_load(&g_sleep_ended_early), atomic_load(&g_sleep_ran_out));
+  size_t live = isthmus_live_handles();
+  if (live != 0) {
+    fprintf(stderr, "serve: %zu handles were never freed\n", live);
+    failed = 1;
+  }
+  return failed;
+}
+
+/* ---- the client's checks ---- */
+
+typedef struct {
+  const char *target;
+  int shm; /* the target is shm:// (zero-copy blocks work) */
+  isthmus_channel_t *ch;
+} ctx_t;
+
+static char g_why[1024];
+
+static int failf(int line, const char *fmt, ...) {
+  int n = snprintf(g_why, sizeof g_why, "line %d: ", line);
+  va_list ap;
+  va_start(ap, fmt);
+  vsnprintf(g_why + n, sizeof g_why - (size_t)n, fmt, ap);
+  va_end(ap);
+  return 0;
+}
+
+/* "CODE: message" for a failure report; frees the status. */
+static const char *describe(isthmus_code_t rc, isthmus_status_t *st) {
+  static char text[512];
+  snprintf(text, sizeof text, "%s: %s", isthmus_code_name(rc), st ? isthmus_status_message(st) : "(no status)");
+  if (st) isthmus_status_free(st);
+  return text;
+}
+
+/* In a check: `cond` or fail it. */
+#define REQUIRE(cond, ...)                                         \
+  do {                                                             \
+    if (!(cond)) return failf(__LINE__, "not " #cond ": " __VA_ARGS__); \
+  } while (0)
+
+/* In a check with a local `isthmus_status_t *st`: `expr` returns `want` (its status stays in
+ * `st` for the check to read and free), or the check fails. */
+#define EXPECT(expr, want)                                                                        \
+  do {                                                                                            \
+    st = NULL;                                                                                    \
+    isthmus_code_t rc_ = (expr);                                                                  \
+    if (rc_ != (want))                                                                            \
+      return failf(__LINE__, "%s gave %s, not %s", #expr, describe(rc_, st), isthmus_code_name(want)); \
+  } while (0)
+
+#define MUST(expr) EXPECT(expr, ISTHMUS_OK)
+
+/* `expr` is refused with INVALID_ARGUMENT (its status, if any, freed). */
+#define INVALID(expr)                      \
+  do {                                     \
+    EXPECT(expr, ISTHMUS_INVALID_ARGUMENT); \
+    if (st) isthmus_status_free(st);       \
+  } while (0)
+
+static isthmus_call_options_t timeout_opts(int64_t timeout_us) {
+  isthmus_call_options_t o;
+  memset(&o, 0, sizeof o);
+  o.timeout_us = timeout_us;
+  return o;
+}
+
+static int check_abi_version(ctx_t *c) {
+  (void)c;
+  REQUIRE(isthmus_abi_version() == ISTHMUS_ABI_VERSION, "library %u, header %u", isthmus_abi_version(),
+          ISTHMUS_ABI_VERSION);
+  return 1;
+}
+
+static int check_code_names(ctx_t *c) {
+  (void)c;
+  static const struct {
+    isthmus_code_t code;
+    const char *name;
+  } t[] = {{ISTHMUS_OK, "OK"}, {ISTHMUS_CANCELLED, "CANCELLED"}, {ISTHMUS_INVALID_ARGUMENT, "INVALID_ARGUMENT"},
+           {ISTHMUS_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"}, {ISTHMUS_NOT_FOUND, "NOT_FOUND"},
+           {ISTHMUS_RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED"}, {ISTHMUS_UNIMPLEMENTED, "UNIMPLEMENTED"},
+           {ISTHMUS_UNAVAILABLE, "UNAVAILABLE"}, {ISTHMUS_UNAUTHENTICATED, "UNAUTHENTICATED"},
+           {17, "UNKNOWN"}, {-1, "UNKNOWN"}, {INT32_MAX, "UNKNOWN"}, {INT32_MIN, "UNKNOWN"}};
+  for (size_t i = 0; i < sizeof t / sizeof t[0]; i++) {
+    const char *name = isthmus_code_name(t[i].code);
+    REQUIRE(name != NULL && strcmp(name, t[i].name) == 0, "code %d is %s", t[i].code, name ? name : "NULL");
+  }
+  return 1;
+}
+
+static void on_nothing(void *user_data, isthmus_server_call_t *call) {
+  (void)user_data;
+  isthmus_server_call_finish(call, ISTHMUS_INTERNAL, "not served", NULL, NULL);
+}
+
+static int check_null_arguments(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_channel_t *ch = NULL;
+  isthmus_call_t *call = NULL;
+  isthmus_message_t *msg = NULL;
+  isthmus_metadata_t *md = NULL;
+  isthmus_block_t *block = NULL;
+  isthmus_event_t ev[2];
+  const uint8_t data[4] = {1, 2, 3, 4}, *k = NULL, *v = NULL;
+  size_t len = 7, kl = 0, vl = 0;
+  const char *path = SVC "Unary";
+  const char *no_target[1] = {NULL};
+  isthmus_cq_t *cq = isthmus_cq_new();
+  isthmus_server_t *server = isthmus_server_new(NULL);
+  REQUIRE(cq != NULL && server != NULL, "cq or server");
+
+  /* channels */
+  EXPECT(isthmus_channel_new(NULL, NULL, &ch, &st), ISTHMUS_INVALID_ARGUMENT);
+  REQUIRE(st != NULL && strstr(isthmus_status_message(st), "target") != NULL, "the status names the target");
+  isthmus_status_free(st);
+  REQUIRE(ch == NULL, "no channel");
+  INVALID(isthmus_channel_new(c->target, NULL, NULL, &st));
+  INVALID(isthmus_channel_new(NULL, NULL, &ch, NULL));
+  INVALID(isthmus_channel_close(NULL));
+
+  /* unary calls */
+  INVALID(isthmus_unary(NULL, path, data, 4, NULL, &msg, NULL, NULL, &st));
+  REQUIRE(msg == NULL, "no reply");
+  INVALID(isthmus_unary(c->ch, NULL, data, 4, NULL, &msg, NULL, NULL, &st));
+  INVALID(isthmus_unary(c->ch, path, NULL, 4, NULL, &msg, NULL, NULL, &st));
+  INVALID(isthmus_unary(c->ch, path, data, 4, NULL, NULL, NULL, NULL, &st));
+  INVALID(isthmus_unary_async(NULL, path, data, 4, NULL, cq, 1, NULL, &st));
+  INVALID(isthmus_unary_async(c->ch, NULL, data, 4, NULL, cq, 1, NULL, &st));
+  INVALID(isthmus_unary_async(c->ch, path, NULL, 4, NULL, cq, 1, NULL, &st));
+  INVALID(isthmus_unary_async(c->ch, path, data, 4, NULL, NULL, 1, NULL, &st));
+
+  /* calls, no call */
+  INVALID(isthmus_call_start(NULL, path, NULL, &call, &st));
+  INVALID(isthmus_call_start(c->ch, NULL, NULL, &call, &st));
+  INVALID(isthmus_call_start(c->ch, path, NULL, NULL, &st));
+  INVALID(isthmus_call_start_async(NULL, path, NULL, cq, 1, NULL, &st));
+  INVALID(isthmus_call_start_async(c->ch, NULL, NULL, cq, 1, NULL, &st));
+  INVALID(isthmus_call_start_async(c->ch, path, NULL, NULL, 1, NULL, &st));
+  INVALID(isthmus_call_send(NULL, data, 4, 0, &st));
+  INVALID(isthmus_call_send_async(NULL, data, 4, 0, cq, 1, NULL, &st));
+  INVALID(isthmus_call_close_send(NULL));
+  INVALID(isthmus_call_close_send_async(NULL, cq, 1, NULL, &st));
+  INVALID(isthmus_call_recv(NULL, &msg, &st));
+  INVALID(isthmus_call_recv_async(NULL, cq, 1, NULL, &st));
+  INVALID(isthmus_call_headers(NULL, &md, &st));
+  INVALID(isthmus_call_headers_async(NULL, cq, 1, NULL, &st));
+  REQUIRE(isthmus_call_trailers(NULL) == NULL, "trailers of NULL");
+  INVALID(isthmus_call_alloc(NULL, 16, &block, &st));
+  INVALID(isthmus_call_send_block(NULL, NULL, 1, &st));
+  INVALID(isthmus_call_cancel(NULL));
+  INVALID(isthmus_call_free(NULL));
+
+  /* a live call, NULL arguments */
+  MUST(isthmus_call_start(c->ch, SVC "Bidi", NULL, &call, &st));
+  INVALID(isthmus_call_send(call, NULL, 4, 0, &st));
+  INVALID(isthmus_call_send_async(call, data, 4, 0, NULL, 1, NULL, &st));
+  INVALID(isthmus_call_close_send_async(call, NULL, 1, NULL, &st));
+  INVALID(isthmus_call_recv(call, NULL, &st));
+  INVALID(isthmus_call_recv_async(call, NULL, 1, NULL, &st));
+  INVALID(isthmus_call_headers(call, NULL, &st));
+  INVALID(isthmus_call_headers_async(call, NULL, 1, NULL, &st));
+  INVALID(isthmus_call_alloc(call, 16, NULL, &st));
+  INVALID(isthmus_call_send_block(call, NULL, 1, &st));
+  MUST(isthmus_call_free(call));
+
+  /* completion queues; none of the refused operations queued anything */
+  REQUIRE(isthmus_cq_fd(NULL) == -1, "fd of NULL");
+  REQUIRE(isthmus_cq_poll(NULL, ev, 2) == 0, "poll of NULL");
+  REQUIRE(isthmus_cq_poll(cq, NULL, 2) == 0, "poll into NULL");
+  REQUIRE(isthmus_cq_wait(NULL, ev, 2, 0, 0) == 0, "wait on NULL");
+  REQUIRE(isthmus_cq_wait(cq, ev, 2, 0, 0) == 0, "an event from a refused operation");
+  INVALID(isthmus_cq_free(NULL));
+
+  /* messages and blocks */
+  REQUIRE(isthmus_message_data(NULL, &len) == NULL && len == 0, "data of NULL");
+  REQUIRE(isthmus_message_data(NULL, NULL) == NULL, "data of NULL, no length");
+  REQUIRE(isthmus_message_len(NULL) == 0, "length of NULL");
+  INVALID(isthmus_message_free(NULL));
+  len = 7;
+  REQUIRE(isthmus_block_data(NULL, &len) == NULL && len == 0, "block data of NULL");
+  INVALID(isthmus_block_free(NULL));
+
+  /* metadata */
+  md = isthmus_metadata_new();
+  REQUIRE(md != NULL, "metadata_new");
+  INVALID(isthmus_metadata_add(NULL, "x-a", data, 1, &st));
+  INVALID(isthmus_metadata_add(md, NULL, data, 1, &st));
+  INVALID(isthmus_metadata_add(md, "x-a", NULL, 1, &st));
+  MUST(isthmus_metadata_add(md, "x-empty", NULL, 0, &st)); /* NULL with length 0 is no bytes */
+  REQUIRE(isthmus_metadata_len(NULL) == 0, "length of NULL");
+  INVALID(isthmus_metadata_get(NULL, 0, &k, &kl, &v, &vl));
+  MUST(isthmus_metadata_get(md, 0, NULL, NULL, NULL, NULL));
+  EXPECT(isthmus_metadata_get(md, 1, &k, &kl, &v, &vl), ISTHMUS_OUT_OF_RANGE);
+  INVALID(isthmus_metadata_free(NULL));
+  MUST(isthmus_metadata_free(md));
+
+  /* statuses */
+  REQUIRE(isthmus_status_code(NULL) == ISTHMUS_INVALID_ARGUMENT, "code of NULL");
+  REQUIRE(isthmus_status_message(NULL) != NULL && isthmus_status_message(NULL)[0] == 0, "message of NULL");
+  REQUIRE(isthmus_status_trailers(NULL) == NULL, "trailers of NULL");
+  INVALID(isthmus_status_free(NULL));
+
+  /* servers (this one is never started) */
+  INVALID(isthmus_server_add_handler(NULL, path, on_nothing, NULL, &st));
+  INVALID(isthmus_server_add_handler(server, path, NULL, NULL, &st));
+  INVALID(isthmus_server_add_handler_cq(NULL, path, cq, 1, &st));
+  INVALID(isthmus_server_add_handler_cq(server, path, NULL, 1, &st));
+  INVALID(isthmus_server_start(NULL, (const char *const *)&c->target, 1, &st));
+  INVALID(isthmus_server_start(server, NULL, 1, &st));
+  INVALID(isthmus_server_start(server, (const char *const *)&c->target, 0, &st));
+  INVALID(isthmus_server_start(server, no_target, 1, &st));
+  INVALID(isthmus_server_shutdown(NULL, 0));
+  INVALID(isthmus_server_free(NULL));
+
+  /* the server's side of a call */
+  len = 7;
+  REQUIRE(isthmus_server_call_path(NULL, &len) == NULL && len == 0, "path of NULL");
+  REQUIRE(isthmus_server_call_metadata(NULL) == NULL, "metadata of NULL");
+  REQUIRE(isthmus_server_call_time_remaining_us(NULL) == -1, "time remaining of NULL");
+  REQUIRE(isthmus_server_call_is_active(NULL) == 0, "NULL is active");
+  INVALID(isthmus_server_call_recv(NULL, 0, &msg, &st));
+  INVALID(isthmus_server_call_recv_async(NULL, 0, cq, 1, NULL, &st));
+  INVALID(isthmus_server_call_send(NULL, data, 4, &st));
+  INVALID(isthmus_server_call_send_async(NULL, data, 4, cq, 1, NULL, &st));
+  INVALID(isthmus_server_call_send_headers(NULL, NULL, &st));
+  INVALID(isthmus_server_call_send_headers_async(NULL, NULL, cq, 1, NULL, &st));
+  INVALID(isthmus_server_call_alloc(NULL, 16, &block, &st));
+  INVALID(isthmus_server_call_send_block(NULL, NULL, &st));
+  INVALID(isthmus_server_call_finish(NULL, ISTHMUS_OK, NULL, NULL, &st));
+
+  REQUIRE(isthmus_cq_poll(cq, ev, 2) == 0, "an event from a refused operation");
+  MUST(isthmus_server_free(server));
+  MUST(isthmus_cq_free(cq));
+  return 1;
+}
+
+static int check_double_free(ctx_t *c) {
+  isthmus_status_t *st = NULL, *failure = NULL;
+  isthmus_message_t *msg = NULL;
+  isthmus_channel_t *ch = NULL;
+  isthmus_call_t *call = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+
+  MUST(isthmus_unary(c->ch, SVC "Unary", (const uint8_t *)"x", 1, &opts, &msg, NULL, NULL, &st));
+  MUST(isthmus_message_free(msg));
+  INVALID(isthmus_message_free(msg));
+  REQUIRE(isthmus_message_len(msg) == 0 && isthmus_message_data(msg, NULL) == NULL, "a freed message reads");
+
+  EXPECT(isthmus_channel_new("bogus://x", NULL, &ch, &failure), ISTHMUS_INVALID_ARGUMENT);
+  REQUIRE(failure != NULL, "a status");
+  MUST(isthmus_status_free(failure));
+  INVALID(isthmus_status_free(failure));
+  REQUIRE(isthmus_status_code(failure) == ISTHMUS_INVALID_ARGUMENT, "a freed status reads");
+
+  isthmus_metadata_t *md = isthmus_metadata_new();
+  MUST(isthmus_metadata_free(md));
+  INVALID(isthmus_metadata_free(md));
+  INVALID(isthmus_metadata_add(md, "x-a", (const uint8_t *)"b", 1, &st));
+
+  MUST(isthmus_call_start(c->ch, SVC "Bidi", &opts, &call, &st));
+  MUST(isthmus_call_free(call));
+  INVALID(isthmus_call_free(call));
+  INVALID(isthmus_call_cancel(call));
+
+  MUST(isthmus_channel_new(c->target, NULL, &ch, &st));
+  MUST(isthmus_channel_close(ch));
+  INVALID(isthmus_channel_close(ch));
+  INVALID(isthmus_unary(ch, SVC "Unary", (const uint8_t *)"x", 1, NULL, &msg, NULL, NULL, &st));
+
+  isthmus_cq_t *cq = isthmus_cq_new();
+  MUST(isthmus_cq_free(cq));
+  INVALID(isthmus_cq_free(cq));
+  REQUIRE(isthmus_cq_fd(cq) == -1, "a freed queue has a descriptor");
+
+  isthmus_server_t *server = isthmus_server_new(NULL);
+  MUST(isthmus_server_free(server));
+  INVALID(isthmus_server_free(server));
+
+  /* a handle of another type is no handle of this one, and is left alone */
+  md = isthmus_metadata_new();
+  INVALID(isthmus_message_free((isthmus_message_t *)md));
+  INVALID(isthmus_status_free((isthmus_status_t *)md));
+  INVALID(isthmus_call_free((isthmus_call_t *)md));
+  MUST(isthmus_metadata_free(md));
+  return 1;
+}
+
+static int check_metadata_rules(ctx_t *c) {
+  (void)c;
+  isthmus_status_t *st = NULL;
+  isthmus_metadata_t *md = isthmus_metadata_new();
+  static const char *bad_keys[] = {"grpc-x", "X-Upper", "content-type", "", "sp ace"};
+  for (size_t i = 0; i < sizeof bad_keys / sizeof bad_keys[0]; i++) {
+    EXPECT(isthmus_metadata_add(md, bad_keys[i], (const uint8_t *)"v", 1, &st), ISTHMUS_INVALID_ARGUMENT);
+    REQUIRE(st != NULL && isthmus_status_code(st) == ISTHMUS_INVALID_ARGUMENT, "a status");
+    REQUIRE(strstr(isthmus_status_message(st), bad_keys[i]) != NULL, "'%s' named in '%s'", bad_keys[i],
+            isthmus_status_message(st));
+    isthmus_status_free(st);
+  }
+  INVALID(isthmus_metadata_add(md, "x-text", (const uint8_t *)"a\nb", 3, &st));
+  MUST(isthmus_metadata_add(md, "x-text", (const uint8_t *)"plain", 5, &st));
+  MUST(isthmus_metadata_add(md, "x-data-bin", (const uint8_t *)"\0\377\n", 3, &st));
+  REQUIRE(isthmus_metadata_len(md) == 2, "%zu entries", isthmus_metadata_len(md));
+  size_t len = 0;
+  const uint8_t *v = md_find(md, "x-data-bin", &len);
+  REQUIRE(v != NULL && len == 3 && memcmp(v, "\0\377\n", 3) == 0, "the binary value");
+  MUST(isthmus_metadata_free(md));
+  return 1;
+}
+
+static int check_unary_metadata(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *reply = NULL;
+  isthmus_metadata_t *headers = NULL, *trailers = NULL, *md = isthmus_metadata_new();
+  MUST(isthmus_metadata_add(md, "x-echo", (const uint8_t *)"hello-capi", 10, &st));
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  opts.metadata = md;
+  const char *req = "ping-1234";
+
+  MUST(isthmus_unary(c->ch, SVC "Unary", (const uint8_t *)req, strlen(req), &opts, &reply, &headers, &trailers, &st));
+  REQUIRE(bytes_are(reply, req, strlen(req)), "the echo");
+  REQUIRE(md_is(headers, "x-echo", "hello-capi"), "x-echo in the headers");
+  REQUIRE(md_is(trailers, "x-echo", "hello-capi"), "x-echo in the trailers");
+  REQUIRE(md_is(trailers, "x-has-deadline", "1"), "the server saw the deadline");
+  isthmus_message_free(reply);
+  isthmus_metadata_free(headers);
+  isthmus_metadata_free(trailers);
+
+  /* the same as a call of any shape, without a deadline: headers, then trailers at the end */
+  isthmus_call_t *call = NULL;
+  opts.timeout_us = 0;
+  MUST(isthmus_call_start(c->ch, SVC "Unary", &opts, &call, &st));
+  MUST(isthmus_metadata_free(md)); /* the call copied it */
+  REQUIRE(isthmus_call_trailers(call) == NULL, "trailers while the call runs");
+  /* the handler now waits in recv before the request comes: its send_headers after recv
+   * must still carry x-echo (recv sends no headers of its own) */
+  sleep_ms(50);
+  MUST(isthmus_call_send(call, (const uint8_t *)req, strlen(req), 1, &st));
+  MUST(isthmus_call_headers(call, &headers, &st));
+  REQUIRE(md_is(headers, "x-echo", "hello-capi"), "x-echo in the headers");
+  MUST(isthmus_call_recv(call, &reply, &st));
+  REQUIRE(bytes_are(reply, req, strlen(req)), "the echo");
+  isthmus_message_free(reply);
+  MUST(isthmus_call_recv(call, &reply, &st));
+  REQUIRE(reply == NULL, "the end");
+  trailers = isthmus_call_trailers(call);
+  REQUIRE(md_is(trailers, "x-echo", "hello-capi"), "x-echo in the trailers");
+  REQUIRE(md_is(trailers, "x-has-deadline", "0"), "no deadline");
+  isthmus_metadata_free(headers);
+  isthmus_metadata_free(trailers);
+  MUST(isthmus_call_free(call));
+  return 1;
+}
+
+static int check_unary_64mib(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *reply = NULL;
+  size_t n = 64 * MIB;
+  uint8_t *req = malloc(n);
+  REQUIRE(req != NULL, "64 MiB");
+  fill_pattern(req, n, 64);
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  MUST(isthmus_unary(c->ch, SVC "Unary", req, n, &opts, &reply, NULL, NULL, &st));
+  int same = bytes_are(reply, req, n);
+  free(req);
+  isthmus_message_free(reply);
+  REQUIRE(same, "the 64 MiB echo differs");
+  return 1;
+}
+
+static int check_too_large(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *reply = NULL;
+  size_t n = 65 * MIB;
+  uint8_t *req = malloc(n);
+  REQUIRE(req != NULL, "65 MiB");
+  fill_pattern(req, n, 65);
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  st = NULL;
+  isthmus_code_t rc = isthmus_unary(c->ch, SVC "Unary", req, n, &opts, &reply, NULL, NULL, &st);
+  free(req);
+  REQUIRE(rc == ISTHMUS_RESOURCE_EXHAUSTED, "65 MiB gave %s", describe(rc, st));
+  REQUIRE(reply == NULL && st != NULL, "no reply, a status");
+  isthmus_status_free(st);
+
+  /* the channel goes on */
+  MUST(isthmus_unary(c->ch, SVC "Unary", (const uint8_t *)"after", 5, &opts, &reply, NULL, NULL, &st));
+  REQUIRE(bytes_are(reply, "after", 5), "the echo after");
+  isthmus_message_free(reply);
+  return 1;
+}
+
+static int check_server_stream(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_call_t *call = NULL;
+  isthmus_message_t *msg = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  uint8_t req[4];
+  put_u32(req, 1000);
+  MUST(isthmus_call_start(c->ch, SVC "ServerStream", &opts, &call, &st));
+  MUST(isthmus_call_send(call, req, sizeof req, 1, &st));
+  for (uint32_t i = 0; i < 1000; i++) {
+    MUST(isthmus_call_recv(call, &msg, &st));
+    REQUIRE(msg != NULL, "message %u: the stream ended", i);
+    size_t len = 0;
+    const uint8_t *data = isthmus_message_data(msg, &len);
+    uint32_t got = len == 4 ? get_u32(data) : UINT32_MAX;
+    isthmus_message_free(msg);
+    REQUIRE(got == i, "message %u: got %u (length %zu)", i, got, len);
+  }
+  MUST(isthmus_call_recv(call, &msg, &st));
+  REQUIRE(msg == NULL, "an OK end after 1000");
+  isthmus_metadata_t *trailers = isthmus_call_trailers(call);
+  REQUIRE(md_is(trailers, "x-count", "1000"), "x-count in the trailers");
+  isthmus_metadata_free(trailers);
+  MUST(isthmus_call_free(call));
+  return 1;
+}
+
+static int check_client_stream(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_call_t *call = NULL;
+  isthmus_message_t *msg = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  static uint8_t buf[50 * 97 + 1];
+  uint64_t total = 0;
+  MUST(isthmus_call_start(c->ch, SVC "ClientStream", &opts, &call, &st));
+  for (size_t i = 0; i < 50; i++) {
+    size_t len = i * 97 + 1;
+    MUST(isthmus_call_send(call, buf, len, 0, &st));
+    total += len;
+  }
+  MUST(isthmus_call_close_send(call));
+  MUST(isthmus_call_recv(call, &msg, &st));
+  REQUIRE(msg != NULL && isthmus_message_len(msg) == 8, "an 8-byte reply");
+  uint64_t got = get_u64(isthmus_message_data(msg, NULL));
+  isthmus_message_free(msg);
+  REQUIRE(got == total, "sum %" PRIu64 ", sent %" PRIu64, got, total);
+  MUST(isthmus_call_recv(call, &msg, &st));
+  REQUIRE(msg == NULL, "an OK end");
+  MUST(isthmus_call_free(call));
+  return 1;
+}
+
+#define BIDI_COUNT 500
+#define BIDI_SIZE 1024
+
+typedef struct {
+  isthmus_call_t *call;
+  isthmus_code_t rc;
+  char why[256];
+} sender_t;
+
+static void *bidi_sender(void *arg) {
+  sender_t *s = arg;
+  uint8_t msg[BIDI_SIZE];
+  for (uint32_t i = 0; i < BIDI_COUNT; i++) {
+    fill_pattern(msg, sizeof msg, i);
+    put_u32(msg, i);
+    isthmus_status_t *st = NULL;
+    s->rc = isthmus_call_send(s->call, msg, sizeof msg, 0, &st);
+    if (s->rc != ISTHMUS_OK) {
+      snprintf(s->why, sizeof s->why, "send %u: %s", i, describe(s->rc, st));
+      return NULL;
+    }
+  }
+  s->rc = isthmus_call_close_send(s->call);
+  return NULL;
+}
+
+static int check_bidi_threads(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  sender_t s;
+  memset(&s, 0, sizeof s);
+  MUST(isthmus_call_start(c->ch, SVC "Bidi", &opts, &s.call, &st));
+  pthread_t sender;
+  REQUIRE(pthread_create(&sender, NULL, bidi_sender, &s) == 0, "a thread");
+  uint8_t want[BIDI_SIZE];
+  uint32_t i = 0;
+  isthmus_code_t rc = ISTHMUS_OK;
+  for (; i < BIDI_COUNT; i++) {
+    isthmus_message_t *msg = NULL;
+    st = NULL;
+    rc = isthmus_call_recv(s.call, &msg, &st);
+    if (rc != ISTHMUS_OK || msg == NULL) break;
+    fill_pattern(want, sizeof want, i);
+    put_u32(want, i);
+    int same = bytes_are(msg, want, sizeof want);
+    isthmus_message_free(msg);
+    if (!same) break;
+  }
+  pthread_join(sender, NULL);
+  REQUIRE(s.rc == ISTHMUS_OK, "the sender: %s", s.why);
+  REQUIRE(i == BIDI_COUNT, "echo %u of %d: %s", i, BIDI_COUNT, rc == ISTHMUS_OK ? "wrong or missing" : describe(rc, st));
+  isthmus_message_t *end = NULL;
+  MUST(isthmus_call_recv(s.call, &end, &st));
+  REQUIRE(end == NULL, "an OK end");
+  MUST(isthmus_call_free(s.call));
+  return 1;
+}
+
+static int check_fail(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *reply = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  EXPECT(isthmus_unary(c->ch, SVC "Fail", (const uint8_t *)"x", 1, &opts, &reply, NULL, NULL, &st), ISTHMUS_NOT_FOUND);
+  REQUIRE(reply == NULL && st != NULL, "no reply, a status");
+  REQUIRE(isthmus_status_code(st) == ISTHMUS_NOT_FOUND, "the status's code");
+  REQUIRE(strcmp(isthmus_status_message(st), "nothing here") == 0, "message '%s'", isthmus_status_message(st));
+  isthmus_metadata_t *trailers = isthmus_status_trailers(st);
+  REQUIRE(md_is(trailers, "x-why", "test"), "x-why in the status's trailers");
+  isthmus_metadata_free(trailers);
+  isthmus_status_free(st);
+
+  /* as a call of any shape: recv gives the status, and the call its trailers */
+  isthmus_call_t *call = NULL;
+  MUST(isthmus_call_start(c->ch, SVC "Fail", &opts, &call, &st));
+  EXPECT(isthmus_call_recv(call, &reply, &st), ISTHMUS_NOT_FOUND);
+  REQUIRE(reply == NULL && st != NULL && strcmp(isthmus_status_message(st), "nothing here") == 0, "the status");
+  isthmus_status_free(st);
+  trailers = isthmus_call_trailers(call);
+  REQUIRE(md_is(trailers, "x-why", "test"), "x-why in the call's trailers");
+  isthmus_metadata_free(trailers);
+  MUST(isthmus_call_free(call));
+  return 1;
+}
+
+static int check_deadline(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *reply = NULL;
+  isthmus_call_options_t opts = timeout_opts(200000);
+  EXPECT(isthmus_unary(c->ch, SVC "Sleep", (const uint8_t *)"z", 1, &opts, &reply, NULL, NULL, &st),
+         ISTHMUS_DEADLINE_EXCEEDED);
+  REQUIRE(reply == NULL, "no reply");
+  if (st) isthmus_status_free(st);
+  return 1;
+}
+
+typedef struct {
+  isthmus_call_t *call;
+  isthmus_code_t rc;
+} canceller_t;
+
+static void *cancel_later(void *arg) {
+  canceller_t *k = arg;
+  sleep_ms(200); /* most likely while recv waits; CANCELLED either way */
+  k->rc = isthmus_call_cancel(k->call);
+  return NULL;
+}
+
+static int check_cancel(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *msg = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  canceller_t k = {NULL, ISTHMUS_UNKNOWN};
+  MUST(isthmus_call_start(c->ch, SVC "Sleep", &opts, &k.call, &st));
+  pthread_t thread;
+  REQUIRE(pthread_create(&thread, NULL, cancel_later, &k) == 0, "a thread");
+  st = NULL;
+  isthmus_code_t rc = isthmus_call_recv(k.call, &msg, &st);
+  pthread_join(thread, NULL);
+  REQUIRE(rc == ISTHMUS_CANCELLED, "recv gave %s", describe(rc, st));
+  REQUIRE(msg == NULL, "no message");
+  if (st) isthmus_status_free(st);
+  REQUIRE(k.rc == ISTHMUS_OK, "cancel gave %s", isthmus_code_name(k.rc));
+  MUST(isthmus_call_cancel(k.call)); /* again: nothing happens */
+  EXPECT(isthmus_call_send(k.call, (const uint8_t *)"late", 4, 0, &st), ISTHMUS_CANCELLED);
+  if (st) isthmus_status_free(st);
+  MUST(isthmus_call_free(k.call));
+  return 1;
+}
+
+static int check_zero_copy(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_call_t *call = NULL;
+  isthmus_block_t *block = NULL;
+  isthmus_message_t *msg = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  MUST(isthmus_call_start(c->ch, SVC "Unary", &opts, &call, &st));
+  if (!c->shm) {
+    EXPECT(isthmus_call_alloc(call, MIB, &block, &st), ISTHMUS_UNIMPLEMENTED);
+    REQUIRE(block == NULL && st != NULL, "no block, a status");
+    isthmus_status_free(st);
+    MUST(isthmus_call_free(call));
+    return 1;
+  }
+  /* a block not sent goes back */
+  MUST(isthmus_call_alloc(call, 4096, &block, &st));
+  MUST(isthmus_block_free(block));
+  INVALID(isthmus_block_free(block));
+
+  MUST(isthmus_call_alloc(call, MIB, &block, &st));
+  size_t len = 0;
+  uint8_t *data = isthmus_block_data(block, &len);
+  REQUIRE(data != NULL && len == MIB, "a 1 MiB block (%zu)", len);
+  fill_pattern(data, len, 1);
+  MUST(isthmus_call_send_block(call, block, 1, &st));
+  INVALID(isthmus_block_free(block)); /* sent: consumed */
+  uint8_t *want = malloc(MIB);
+  REQUIRE(want != NULL, "1 MiB");
+  fill_pattern(want, MIB, 1);
+  st = NULL;
+  isthmus_code_t rc = isthmus_call_recv(call, &msg, &st);
+  int same = rc == ISTHMUS_OK && bytes_are(msg, want, MIB);
+  free(want);
+  REQUIRE(same, "the reply to the block: %s", rc == ISTHMUS_OK ? "differs" : describe(rc, st));
+  isthmus_message_free(msg);
+  MUST(isthmus_call_recv(call, &msg, &st));
+  REQUIRE(msg == NULL, "an OK end");
+  MUST(isthmus_call_free(call));
+  return 1;
+}
+
+static int check_block_reply(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *reply = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  uint8_t *req = malloc(MIB);
+  REQUIRE(req != NULL, "1 MiB");
+  fill_pattern(req, MIB, 2);
+  st = NULL;
+  isthmus_code_t rc = isthmus_unary(c->ch, SVC "Block", req, MIB, &opts, &reply, NULL, NULL, &st);
+  int same = rc == ISTHMUS_OK && bytes_are(reply, req, MIB);
+  free(req);
+  REQUIRE(same, "Block's reply: %s", rc == ISTHMUS_OK ? "differs" : describe(rc, st));
+  isthmus_message_free(reply);
+  return 1;
+}
+
+/* Waits (poll(2) on the queue's descriptor, 30 s at most) until `want` events are in `out`. */
+static size_t collect(isthmus_cq_t *cq, isthmus_event_t *out, size_t want, size_t capacity) {
+  struct pollfd p = {isthmus_cq_fd(cq), POLLIN, 0};
+  double deadline = now_s() + 30.0;
+  size_t got = 0;
+  while (got < want && now_s() < deadline) {
+    if (poll(&p, 1, 200) <= 0) continue;
+    size_t room = want - got < capacity ? want - got : capacity;
+    got += isthmus_cq_poll(cq, out + got, room);
+  }
+  return got;
+}
+
+/* The event of an operation started with `now`: there already, or the next on the queue. */
+static int op_event(isthmus_cq_t *cq, const isthmus_event_t *now, isthmus_event_t *out) {
+  if (now->op != 0) {
+    *out = *now;
+    return 1;
+  }
+  return collect(cq, out, 1, 1) == 1;
+}
+
+#define ASYNC_CALLS 100
+#define ASYNC_CAPACITY 7 /* fewer than the calls: leftovers stay queued */
+
+static int check_async_unary(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  isthmus_cq_t *cq = isthmus_cq_new();
+  REQUIRE(cq != NULL && isthmus_cq_fd(cq) >= 0, "a queue");
+  char req[32];
+  for (int i = 0; i < ASYNC_CALLS; i++) {
+    int n = snprintf(req, sizeof req, "async-%03d", i);
+    MUST(isthmus_unary_async(c->ch, SVC "Unary", (const uint8_t *)req, (size_t)n, &opts, cq, 1000 + (uint64_t)i, NULL, &st));
+  }
+  int seen[ASYNC_CALLS] = {0};
+  struct pollfd p = {isthmus_cq_fd(cq), POLLIN, 0};
+  double deadline = now_s() + 60.0;
+  for (int done = 0; done < ASYNC_CALLS;) {
+    REQUIRE(now_s() < deadline, "%d of %d events in 60 s", done, ASYNC_CALLS);
+    if (poll(&p, 1, 200) <= 0) continue;
+    isthmus_event_t evs[ASYNC_CAPACITY];
+    size_t n = isthmus_cq_poll(cq, evs, ASYNC_CAPACITY);
+    for (size_t j = 0; j < n; j++) {
+      isthmus_event_t *ev = &evs[j];
+      REQUIRE(ev->op == ISTHMUS_OP_UNARY, "op %d", ev->op);
+      REQUIRE(ev->code == ISTHMUS_OK, "tag %" PRIu64 ": %s", ev->tag, describe(ev->code, ev->status));
+      REQUIRE(ev->tag >= 1000 && ev->tag < 1000 + ASYNC_CALLS, "tag %" PRIu64, ev->tag);
+      int i = (int)(ev->tag - 1000);
+      REQUIRE(!seen[i], "tag %" PRIu64 " twice", ev->tag);
+      seen[i] = 1;
+      int m = snprintf(req, sizeof req, "async-%03d", i);
+      REQUIRE(bytes_are(ev->message, req, (size_t)m), "tag %" PRIu64 ": the reply", ev->tag);
+      /* the handler sent no x-echo (over HTTP/2 the headers may hold hyper's `date`) */
+      size_t echo_len = 0;
+      REQUIRE(md_find(ev->metadata, "x-echo", &echo_len) == NULL && md_is(ev->trailers, "x-has-deadline", "1") &&
+                  ev->status == NULL &&
+                  ev->call == NULL && ev->server_call == NULL,
+              "the event's handles: metadata %p trailers %p status %p call %p server_call %p", (void *)ev->metadata,
+              (void *)ev->trailers, (void *)ev->status, (void *)ev->call, (void *)ev->server_call);
+      event_free(ev);
+      done++;
+    }
+  }
+  isthmus_event_t extra;
+  REQUIRE(isthmus_cq_poll(cq, &extra, 1) == 0, "an event beyond the %d", ASYNC_CALLS);
+  REQUIRE(poll(&p, 1, 0) == 0, "the descriptor stays readable with nothing queued");
+  MUST(isthmus_cq_free(cq));
+  return 1;
+}
+
+static int check_async_bidi(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  isthmus_cq_t *cq = isthmus_cq_new();
+  isthmus_event_t ev[2];
+  REQUIRE(cq != NULL, "a queue");
+  opts.flags = ISTHMUS_CALL_SPIN;
+  MUST(isthmus_call_start_async(c->ch, SVC "Bidi", &opts, cq, 1, NULL, &st));
+  REQUIRE(collect(cq, ev, 1, 1) == 1, "the start's event");
+  REQUIRE(ev[0].op == ISTHMUS_OP_START && ev[0].tag == 1, "op %d tag %" PRIu64, ev[0].op, ev[0].tag);
+  REQUIRE(ev[0].code == ISTHMUS_OK && ev[0].call != NULL, "start: %s", describe(ev[0].code, ev[0].status));
+  isthmus_call_t *call = ev[0].call;
+
+  MUST(isthmus_call_headers_async(call, cq, 2, NULL, &st));
+  REQUIRE(collect(cq, ev, 1, 1) == 1, "the headers' event");
+  REQUIRE(ev[0].op == ISTHMUS_OP_HEADERS && ev[0].tag == 2 && ev[0].code == ISTHMUS_OK && ev[0].metadata != NULL,
+          "headers: op %d, %s", ev[0].op, describe(ev[0].code, ev[0].status));
+  event_free(&ev[0]);
+
+  char msg[32];
+  for (uint64_t i = 0; i < 20; i++) {
+    int n = snprintf(msg, sizeof msg, "bidi-async-%" PRIu64, i);
+    MUST(isthmus_call_send_async(call, (const uint8_t *)msg, (size_t)n, 0, cq, 100 + i, NULL, &st));
+    MUST(isthmus_call_recv_async(call, cq, 200 + i, NULL, &st));
+    REQUIRE(collect(cq, ev, 2, 2) == 2, "round %" PRIu64 ": two events", i);
+    int sent = 0, received = 0;
+    for (int j = 0; j < 2; j++) {
+      REQUIRE(ev[j].code == ISTHMUS_OK, "round %" PRIu64 ": %s", i, describe(ev[j].code, ev[j].status));
+      if (ev[j].op == ISTHMUS_OP_SEND && ev[j].tag == 100 + i) sent++;
+      if (ev[j].op == ISTHMUS_OP_RECV && ev[j].tag == 200 + i && bytes_are(ev[j].message, msg, (size_t)n)) received++;
+      event_free(&ev[j]);
+    }
+    REQUIRE(sent == 1 && received == 1, "round %" PRIu64 ": the send and the echo", i);
+  }
+  /* given `now`: an operation done before the function returns leaves its event there, and
+   * nothing on the queue; otherwise now.op is 0 and the event comes on the queue */
+  for (uint64_t i = 20; i < 40; i++) {
+    int n = snprintf(msg, sizeof msg, "bidi-now-%" PRIu64, i);
+    isthmus_event_t now;
+    memset(&now, 0, sizeof now);
+    now.op = -1;
+    MUST(isthmus_call_send_async(call, (const uint8_t *)msg, (size_t)n, 0, cq, 100 + i, &now, &st));
+    REQUIRE(now.op != -1, "round %" PRIu64 ": send left `now` alone", i);
+    REQUIRE(op_event(cq, &now, &ev[0]), "round %" PRIu64 ": the send's event", i);
+    REQUIRE(ev[0].op == ISTHMUS_OP_SEND && ev[0].tag == 100 + i && ev[0].code == ISTHMUS_OK, "round %" PRIu64
+            ": send: op %d tag %" PRIu64 " %s", i, ev[0].op, ev[0].tag, describe(ev[0].code, ev[0].status));
+    event_free(&ev[0]);
+    now.op = -1;
+    MUST(isthmus_call_recv_async(call, cq, 200 + i, &now, &st));
+    REQUIRE(now.op != -1, "round %" PRIu64 ": recv left `now` alone", i);
+    REQUIRE(op_event(cq, &now, &ev[0]), "round %" PRIu64 ": the echo's event", i);
+    REQUIRE(ev[0].op == ISTHMUS_OP_RECV && ev[0].tag == 200 + i && ev[0].code == ISTHMUS_OK &&
+                bytes_are(ev[0].message, msg, (size_t)n),
+            "round %" PRIu64 ": the echo: op %d %s", i, ev[0].op, describe(ev[0].code, ev[0].status));
+    event_free(&ev[0]);
+  }
+  MUST(isthmus_call_close_send_async(call, cq, 300, NULL, &st));
+  REQUIRE(collect(cq, ev, 1, 1) == 1, "the half-close's event");
+  REQUIRE(ev[0].op == ISTHMUS_OP_CLOSE_SEND && ev[0].tag == 300 && ev[0].code == ISTHMUS_OK, "half-close");
+  MUST(isthmus_call_recv_async(call, cq, 400, NULL, &st));
+  REQUIRE(collect(cq, ev, 1, 1) == 1, "the end's event");
+  REQUIRE(ev[0].op == ISTHMUS_OP_RECV && ev[0].code == ISTHMUS_OK && ev[0].message == NULL, "an OK end: %s",
+          describe(ev[0].code, ev[0].status));
+  MUST(isthmus_call_free(call));
+  MUST(isthmus_cq_free(cq));
+  return 1;
+}
+
+static int check_queued(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *msg = NULL;
+  isthmus_call_t *call = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  MUST(isthmus_unary(c->ch, SVC "Queued", (const uint8_t *)"queued-hello", 12, &opts, &msg, NULL, NULL, &st));
+  REQUIRE(bytes_are(msg, "queued-hello", 12), "the echo");
+  isthmus_message_free(msg);
+
+  static const char *parts[] = {"one", "two", "three"};
+  MUST(isthmus_call_start(c->ch, SVC "Queued", &opts, &call, &st));
+  for (int i = 0; i < 3; i++) {
+    MUST(isthmus_call_send(call, (const uint8_t *)parts[i], strlen(parts[i]), i == 2, &st));
+    MUST(isthmus_call_recv(call, &msg, &st));
+    REQUIRE(bytes_are(msg, parts[i], strlen(parts[i])), "echo %d", i);
+    isthmus_message_free(msg);
+  }
+  MUST(isthmus_call_recv(call, &msg, &st));
+  REQUIRE(msg == NULL, "an OK end");
+  MUST(isthmus_call_free(call));
+  return 1;
+}
+
+static int check_bad_finish(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *reply = NULL;
+  /* long enough that a call left unfinished would show as DEADLINE_EXCEEDED, not hang */
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  static const struct {
+    const char *req, *named;
+  } cases[] = {{"t", "metadata"}, {"m", "UTF-8"}};
+  for (size_t i = 0; i < 2; i++) {
+    EXPECT(isthmus_unary(c->ch, SVC "BadFinish", (const uint8_t *)cases[i].req, 1, &opts, &reply, NULL, NULL, &st),
+           ISTHMUS_INTERNAL);
+    REQUIRE(st != NULL && strstr(isthmus_status_message(st), cases[i].named) != NULL, "'%s' names %s",
+            st ? isthmus_status_message(st) : "", cases[i].named);
+    isthmus_status_free(st);
+  }
+  return 1;
+}
+
+static int check_unimplemented(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *reply = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  EXPECT(isthmus_unary(c->ch, SVC "Nope", (const uint8_t *)"x", 1, &opts, &reply, NULL, NULL, &st),
+         ISTHMUS_UNIMPLEMENTED);
+  REQUIRE(reply == NULL, "no reply");
+  if (st) isthmus_status_free(st);
+  return 1;
+}
+
+static int check_bad_target(ctx_t *c) {
+  (void)c;
+  isthmus_status_t *st = NULL;
+  static const char *bad[] = {"bogus://x", "", "shm://", "shm://../etc", "no-scheme"};
+  for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+    isthmus_channel_t *ch = NULL;
+    EXPECT(isthmus_channel_new(bad[i], NULL, &ch, &st), ISTHMUS_INVALID_ARGUMENT);
+    REQUIRE(ch == NULL && st != NULL, "'%s': no channel, a status", bad[i]);
+    isthmus_status_free(st);
+  }
+  return 1;
+}
+
+typedef struct {
+  const char *name;
+  int (*run)(ctx_t *c);
+} check_t;
+
+static const check_t CHECKS[] = {
+    {"abi_version", check_abi_version},
+    {"code_names", check_code_names},
+    {"null_arguments", check_null_arguments},
+    {"double_free", check_double_free},
+    {"metadata_rules", check_metadata_rules},
+    {"unary_metadata", check_unary_metadata},
+    {"unary_64mib", check_unary_64mib},
+    {"too_large", check_too_large},
+    {"server_stream_1000", check_server_stream},
+    {"client_stream", check_client_stream},
+    {"bidi_two_threads", check_bidi_threads},
+    {"fail_status", check_fail},
+    {"deadline", check_deadline},
+    {"cancel", check_cancel},
+    {"zero_copy_block", check_zero_copy},
+    {"block_reply", check_block_reply},
+    {"async_unary_100", check_async_unary},
+    {"async_bidi", check_async_bidi},
+    {"queued", check_queued},
+    {"bad_finish", check_bad_finish},
+    {"unimplemented", check_unimplemented},
+    {"bad_target", check_bad_target},
+};
+
+static int client(const char *target) {
+  ctx_t c = {target, strncmp(target, "shm:", 4) == 0, NULL};
+  int passed = 0, failed = 0;
+  isthmus_status_t *st = NULL;
+  isthmus_code_t rc = isthmus_channel_new(target, NULL, &c.ch, &st);
+  if (rc != ISTHMUS_OK) {
+    printf("FAIL channel_new: %s\n0 passed, 1 failed\n", describe(rc, st));
+    return 1;
+  }
+  for (size_t i = 0; i < sizeof CHECKS / sizeof CHECKS[0]; i++) {
+    size_t before = isthmus_live_handles();
+    double start = now_s();
+    g_why[0] = 0;
+    int ok = CHECKS[i].run(&c);
+    size_t after = isthmus_live_handles();
+    if (ok && after != before) {
+      snprintf(g_why, sizeof g_why, "%zu handles left behind", after - before);
+      ok = 0;
+    }
+    if (ok) {
+      passed++;
+      printf("ok   %-20s %.3f s\n", CHECKS[i].name, now_s() - start);
+    } else {
+      failed++;
+      printf("FAIL %-20s %s\n", CHECKS[i].name, g_why);
+    }
+    fflush(stdout);
+  }
+  /* every handle freed: the channel last */
+  rc = isthmus_channel_close(c.ch);
+  size_t live = isthmus_live_handles();
+  if (rc == ISTHMUS_OK && live == 0) {
+    passed++;
+    printf("ok   %-20s\n", "all_handles_freed");
+  } else {
+    failed++;
+    printf("FAIL %-20s close: %s, %zu handles live\n", "all_handles_freed", isthmus_code_name(rc), live);
+  }
+  printf("%d passed, %d failed\n", passed, failed);
+  fflush(stdout);
+  return failed != 0;
+}
+
+/* The call the harness's SIGKILL of the server must end with UNAVAILABLE. */
+static int peer_gone(const char *target) {
+  isthmus_status_t *st = NULL;
+  isthmus_channel_t *ch = NULL;
+  isthmus_call_t *call = NULL;
+  isthmus_message_t *msg = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  isthmus_code_t rc = isthmus_channel_new(target, NULL, &ch, &st);
+  if (rc == ISTHMUS_OK) rc = isthmus_call_start(ch, SVC "Sleep", &opts, &call, &st);
+  if (rc != ISTHMUS_OK) {
+    printf("peer-gone: no call: %s\n", describe(rc, st));
+    return 1;
+  }
+  printf("waiting\n");
+  fflush(stdout);
+  double start = now_s();
+  st = NULL;
+  rc = isthmus_call_recv(call, &msg, &st);
+  double waited = now_s() - start;
+  printf("peer-gone: %s after %.3f s\n", describe(rc, st), waited);
+  fflush(stdout);
+  if (msg) isthmus_message_free(msg);
+  isthmus_call_free(call);
+  isthmus_channel_close(ch);
+  size_t live = isthmus_live_handles();
+  if (live != 0) printf("peer-gone: %zu handles live\n", live);
+  return rc != ISTHMUS_UNAVAILABLE || live != 0;
+}
+
+int main(int argc, char **argv) {
+  if (argc >= 3 && strcmp(argv[1], "serve") == 0) return serve(argc - 2, argv + 2);
+  if (argc == 3 && strcmp(argv[1], "client") == 0) return client(argv[2]);
+  if (argc == 3 && strcmp(argv[1], "peer-gone") == 0) return peer_gone(argv[2]);
+  fprintf(stderr, "usage: %s serve TARGET... | client TARGET | peer-gone TARGET\n", argv[0]);
+  return 2;
+}

@@ -1,0 +1,408 @@
+// Command go-bench measures Go over isthmus beside grpc-go over a Unix socket, each client and
+// server in its own process, and writes the records into docs/bench/results.json:
+//
+//	go-isthmus-shm   a protoc-gen-go-grpc client → a Go server on isthmus.NewServer, shm://
+//	go-isthmus-raw   the raw tier: the request written into an allocated block, read by the
+//	                 server as a view; the reply written into a block, read by the client as a
+//	                 view
+//	go-grpc-uds      grpc-go client → grpc-go server over a Unix socket, at its best
+//	                 documented settings (64 MiB stream and connection windows, 1 MiB read
+//	                 and write buffers)
+//	go-cgo-call      one empty cgo call (size 0, p50_us is its cost)
+//
+// Usage: go-bench run [-quick] [-rounds N] [-out results.json]; the serve-* modes are the
+// server processes it starts itself.
+package main
+
+import (
+	"context"
+	"encoding/json"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"sort"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	pb "example.invalid/isthmus/go/internal/conformancepb"
+	"example.invalid/isthmus/go/isthmus"
+)
+
+const rawEcho = "/bench.Raw/Echo"
+
+// The settings grpc-go documents for throughput: large flow-control windows (set, they also
+// turn off its BDP estimation) and large read and write buffers.
+const (
+	grpcWindow = 64 << 20
+	grpcBuffer = 1 << 20
+	maxMessage = 64 << 20
+)
+
+type echoServer struct{ pb.UnimplementedEchoServer }
+
+func (echoServer) Unary(_ context.Context, r *pb.EchoRequest) (*pb.EchoReply, error) {
+	return &pb.EchoReply{Payload: r.Payload, Seq: r.Seq}, nil
+}
+
+func waitForSignal() {
+	ch := make(chan os.Signal, 1)
+	signal.Notify(ch, syscall.SIGTERM, syscall.SIGINT)
+	<-ch
+}
+
+func serveIsthmus(target string) {
+	// Its handlers answer at once, what InlineUnary is for (see its documentation).
+	s := isthmus.NewServer(isthmus.MaxMessageSize(maxMessage), isthmus.InlineUnary())
+	pb.RegisterEchoServer(s, echoServer{})
+	s.HandleRaw(rawEcho, func(call *isthmus.RawServerCall) error {
+		req, err := call.Recv()
+		if err != nil {
+			return err
+		}
+		reply, err := call.Alloc(len(req.Bytes()))
+		if err != nil {
+			req.Release()
+			return err
+		}
+		copy(reply.Bytes(), req.Bytes())
+		req.Release()
+		return call.SendBlock(reply)
+	})
+	if err := s.Start(target); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	fmt.Println("READY")
+	waitForSignal()
+	s.Stop()
+}
+
+func serveGrpc(path string) {
+	os.Remove(path)
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	s := grpc.NewServer(
+		grpc.InitialWindowSize(grpcWindow), grpc.InitialConnWindowSize(grpcWindow),
+		grpc.ReadBufferSize(grpcBuffer), grpc.WriteBufferSize(grpcBuffer),
+		grpc.MaxRecvMsgSize(maxMessage+1024), grpc.MaxSendMsgSize(maxMessage+1024),
+	)
+	pb.RegisterEchoServer(s, echoServer{})
+	go s.Serve(l)
+	fmt.Println("READY")
+	waitForSignal()
+	s.Stop()
+}
+
+// record is one row of results.json.
+type record struct {
+	System   string  `json:"system"`
+	Size     int     `json:"size"`
+	Inflight int     `json:"inflight"`
+	P50      float64 `json:"p50_us"`
+	P99      float64 `json:"p99_us"`
+	RPS      float64 `json:"rps"`
+	Round    int     `json:"round"`
+}
+
+// caller makes one echo of a payload and checks it.
+type caller func(ctx context.Context, payload []byte) error
+
+func protoCaller(c pb.EchoClient) caller {
+	return func(ctx context.Context, payload []byte) error {
+		r, err := c.Unary(ctx, &pb.EchoRequest{Payload: payload})
+		if err == nil && len(r.Payload) != len(payload) {
+			err = fmt.Errorf("reply of %d bytes for %d", len(r.Payload), len(payload))
+		}
+		return err
+	}
+}
+
+func rawCaller(conn *isthmus.ClientConn) caller {
+	return func(ctx context.Context, payload []byte) error {
+		s, err := conn.StartRaw(ctx, rawEcho)
+		if err != nil {
+			return err
+		}
+		b, err := s.Alloc(len(payload))
+		if err != nil {
+			return err
+		}
+		copy(b.Bytes(), payload)
+		if err := s.SendBlock(b, true); err != nil {
+			return err
+		}
+		m, err := s.Recv()
+		if err != nil {
+			return err
+		}
+		n := len(m.Bytes())
+		m.Release()
+		if _, err := s.Recv(); err != io.EOF {
+			return fmt.Errorf("after the reply: %v", err)
+		}
+		if n != len(payload) {
+			return fmt.Errorf("reply of %d bytes for %d", n, len(payload))
+		}
+		return nil
+	}
+}
+
+func percentile(sorted []time.Duration, p float64) float64 {
+	if len(sorted) == 0 {
+		return 0
+	}
+	i := int(p * float64(len(sorted)-1))
+	return float64(sorted[i].Nanoseconds()) / 1000
+}
+
+// measure runs call with inflight callers for about d (and at least minCalls calls).
+func measure(call caller, size, inflight int, d time.Duration, minCalls int) (record, error) {
+	payload := make([]byte, size)
+	for i := range payload {
+		payload[i] = byte(i)
+	}
+	ctx := context.Background()
+	warm := max(minCalls/10, 3)
+	for i := 0; i < warm; i++ {
+		if err := call(ctx, payload); err != nil {
+			return record{}, err
+		}
+	}
+	var mu sync.Mutex
+	var all []time.Duration
+	var firstErr error
+	start := time.Now()
+	var wg sync.WaitGroup
+	for w := 0; w < inflight; w++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			lat := make([]time.Duration, 0, 4096)
+			for i := 0; time.Since(start) < d || i*inflight < minCalls; i++ {
+				t := time.Now()
+				if err := call(ctx, payload); err != nil {
+					mu.Lock()
+					firstErr = err
+					mu.Unlock()
+					return
+				}
+				lat = append(lat, time.Since(t))
+			}
+			mu.Lock()
+			all = append(all, lat...)
+			mu.Unlock()
+		}()
+	}
+	wg.Wait()
+	elapsed := time.Since(start)
+	if firstErr != nil {
+		return record{}, firstErr
+	}
+	sort.Slice(all, func(i, j int) bool { return all[i] < all[j] })
+	return record{Size: size, Inflight: inflight, P50: percentile(all, 0.5), P99: percentile(all, 0.99), RPS: float64(len(all)) / elapsed.Seconds()}, nil
+}
+
+// start starts this binary in a serve mode and waits for READY.
+func start(mode, target string) (*exec.Cmd, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	cmd := exec.Command(self, mode, target)
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := cmd.Start(); err != nil {
+		return nil, err
+	}
+	buf := make([]byte, 6)
+	if _, err := io.ReadFull(out, buf); err != nil || string(buf) != "READY\n" {
+		cmd.Process.Kill()
+		return nil, fmt.Errorf("%s did not start: %v", mode, err)
+	}
+	return cmd, nil
+}
+
+func stop(cmd *exec.Cmd) {
+	cmd.Process.Signal(syscall.SIGTERM)
+	done := make(chan struct{})
+	go func() { cmd.Wait(); close(done) }()
+	select {
+	case <-done:
+	case <-time.After(10 * time.Second):
+		cmd.Process.Kill()
+		<-done
+	}
+}
+
+// cgoCall is the cost of one empty cgo call, in µs.
+func cgoCall() float64 {
+	const n = 2_000_000
+	t := time.Now()
+	for i := 0; i < n; i++ {
+		isthmus.ABIVersion()
+	}
+	return float64(time.Since(t).Nanoseconds()) / n / 1000
+}
+
+func run(quick bool, rounds int, out string) error {
+	dir, err := os.MkdirTemp("", "isthmus-go-bench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	shm := fmt.Sprintf("shm://go-bench-%d", os.Getpid())
+	sock := filepath.Join(dir, "grpc.sock")
+	isrv, err := start("serve-isthmus", shm)
+	if err != nil {
+		return err
+	}
+	defer stop(isrv)
+	gsrv, err := start("serve-grpc", sock)
+	if err != nil {
+		return err
+	}
+	defer stop(gsrv)
+
+	iconn, err := isthmus.Dial(shm, isthmus.WithMaxMessageSize(maxMessage+1024))
+	if err != nil {
+		return err
+	}
+	defer iconn.Close()
+	gconn, err := grpc.NewClient("unix://"+sock,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithInitialWindowSize(grpcWindow), grpc.WithInitialConnWindowSize(grpcWindow),
+		grpc.WithReadBufferSize(grpcBuffer), grpc.WithWriteBufferSize(grpcBuffer),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMessage+1024), grpc.MaxCallSendMsgSize(maxMessage+1024)),
+	)
+	if err != nil {
+		return err
+	}
+	defer gconn.Close()
+	systems := []struct {
+		name string
+		call caller
+	}{
+		{"go-isthmus-shm", protoCaller(pb.NewEchoClient(iconn))},
+		{"go-isthmus-raw", rawCaller(iconn)},
+		{"go-grpc-uds", protoCaller(pb.NewEchoClient(gconn))},
+	}
+	sizes := []int{64, 1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20}
+	wide := []int{64, 1 << 10}
+	d := 1500 * time.Millisecond
+	if quick {
+		sizes, d, rounds = []int{64, 64 << 10, 4 << 20}, 400*time.Millisecond, 1
+	}
+	var records []record
+	for round := 1; round <= rounds; round++ {
+		for _, size := range sizes {
+			for _, sys := range systems {
+				minCalls := 20
+				if size >= 1<<20 {
+					minCalls = 60
+				}
+				r, err := measure(sys.call, size, 1, d, minCalls)
+				if err != nil {
+					return fmt.Errorf("%s at %d B: %w", sys.name, size, err)
+				}
+				r.System, r.Round = sys.name, round
+				records = append(records, r)
+				fmt.Printf("round %d  %-15s %9d B  1 in flight: p50 %10.2f µs  p99 %10.2f µs  %10.0f calls/s\n", round, sys.name, size, r.P50, r.P99, r.RPS)
+			}
+		}
+		for _, size := range wide {
+			for _, sys := range systems {
+				r, err := measure(sys.call, size, 32, d, 1000)
+				if err != nil {
+					return fmt.Errorf("%s at %d B × 32: %w", sys.name, size, err)
+				}
+				r.System, r.Round = sys.name, round
+				records = append(records, r)
+				fmt.Printf("round %d  %-15s %9d B 32 in flight: p50 %10.2f µs  p99 %10.2f µs  %10.0f calls/s\n", round, sys.name, size, r.P50, r.P99, r.RPS)
+			}
+		}
+		c := cgoCall()
+		records = append(records, record{System: "go-cgo-call", Size: 0, Inflight: 1, P50: c, P99: c, RPS: 1e6 / c, Round: round})
+		fmt.Printf("round %d  go-cgo-call: %.3f µs per empty cgo call\n", round, c)
+	}
+	if out == "" {
+		return nil
+	}
+	return merge(out, records)
+}
+
+// merge replaces the go-* records of results.json with these, keeping everything else.
+func merge(path string, records []record) error {
+	doc := map[string]any{}
+	if b, err := os.ReadFile(path); err == nil {
+		if err := json.Unmarshal(b, &doc); err != nil {
+			return fmt.Errorf("%s: %w", path, err)
+		}
+	}
+	var kept []any
+	if old, ok := doc["records"].([]any); ok {
+		for _, r := range old {
+			if m, ok := r.(map[string]any); ok && strings.HasPrefix(fmt.Sprint(m["system"]), "go-") {
+				continue
+			}
+			kept = append(kept, r)
+		}
+	}
+	for _, r := range records {
+		kept = append(kept, r)
+	}
+	doc["records"] = kept
+	if h, ok := doc["header"].(map[string]any); ok {
+		if v, ok := h["versions"].(map[string]any); ok {
+			v["go"] = runtime.Version()
+			v["grpc-go"] = grpc.Version
+		}
+	}
+	b, err := json.MarshalIndent(doc, "", " ")
+	if err != nil {
+		return err
+	}
+	return os.WriteFile(path, append(b, '\n'), 0o644)
+}
+
+func main() {
+	if len(os.Args) < 2 {
+		fmt.Fprintln(os.Stderr, "usage: go-bench run [-quick] [-rounds N] [-out results.json]")
+		os.Exit(2)
+	}
+	switch os.Args[1] {
+	case "serve-isthmus":
+		serveIsthmus(os.Args[2])
+	case "serve-grpc":
+		serveGrpc(os.Args[2])
+	case "run":
+		fs := flag.NewFlagSet("run", flag.ExitOnError)
+		quick := fs.Bool("quick", false, "a reduced set, one round")
+		rounds := fs.Int("rounds", 3, "rounds, alternating the systems")
+		out := fs.String("out", "", "results.json to merge the records into")
+		fs.Parse(os.Args[2:])
+		if err := run(*quick, *rounds, *out); err != nil {
+			fmt.Fprintln(os.Stderr, "go-bench:", err)
+			os.Exit(1)
+		}
+	default:
+		fmt.Fprintln(os.Stderr, "go-bench: unknown mode", os.Args[1])
+		os.Exit(2)
+	}
+}

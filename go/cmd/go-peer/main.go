@@ -1,0 +1,40 @@
+// Command go-peer serves the conformance suite's Echo service on isthmus from Go, as the
+// cross-language tests' peer: `go-peer TARGET…` (shm://, unix://, http://). It prints READY
+// once clients can connect, then LISTENING <address> for each HTTP/2 endpoint; BIDI-ENDED
+// <how> when a Bidi call ends; on SIGTERM it stops gracefully (3 s) and prints SHUTDOWN-DONE.
+// GO_PEER_INLINE=1 runs its unary handlers inline (isthmus.InlineUnary).
+package main
+
+import (
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	pb "example.invalid/isthmus/go/internal/conformancepb"
+	"example.invalid/isthmus/go/internal/echo"
+	"example.invalid/isthmus/go/isthmus"
+)
+
+func main() {
+	opts := []isthmus.ServerOption{isthmus.MaxMessageSize(65 << 20)}
+	if os.Getenv("GO_PEER_INLINE") != "" {
+		opts = append(opts, isthmus.InlineUnary())
+	}
+	s := isthmus.NewServer(opts...)
+	pb.RegisterEchoServer(s, echo.Service{BidiEnded: func(how string) { fmt.Println("BIDI-ENDED", how) }})
+	if err := s.Start(os.Args[1:]...); err != nil {
+		fmt.Fprintln(os.Stderr, "go-peer:", err)
+		os.Exit(1)
+	}
+	fmt.Println("READY")
+	for _, a := range s.HTTPAddresses() {
+		fmt.Println("LISTENING", a)
+	}
+	term := make(chan os.Signal, 1)
+	signal.Notify(term, syscall.SIGTERM, syscall.SIGINT)
+	<-term
+	s.GracefulStopTimeout(3 * time.Second)
+	fmt.Println("SHUTDOWN-DONE")
+}

@@ -1,0 +1,169 @@
+// Package echo is the conformance suite's Echo service (tests/proto/conformance.proto) in Go,
+// written as any grpc-go user writes it, and the payload pattern every peer of the suite
+// agrees on (tests/src/lib.rs).
+package echo
+
+import (
+	"context"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	pb "example.invalid/isthmus/go/internal/conformancepb"
+)
+
+// Mix is splitmix64, as the Rust peers use it.
+func Mix(z uint64) uint64 {
+	z += 0x9e3779b97f4a7c15
+	z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9
+	z = (z ^ (z >> 27)) * 0x94d049bb133111eb
+	return z ^ (z >> 31)
+}
+
+// Fill writes the pattern for seed into b.
+func Fill(b []byte, seed uint64) {
+	n := len(b) / 8
+	for i := 0; i < n; i++ {
+		binary.LittleEndian.PutUint64(b[i*8:], Mix(seed^uint64(i)*0x1000000001b3))
+	}
+	var tail [8]byte
+	binary.LittleEndian.PutUint64(tail[:], Mix(^seed))
+	copy(b[n*8:], tail[:])
+}
+
+// Pattern is a fresh n-byte payload with the pattern for seed.
+func Pattern(n int, seed uint64) []byte {
+	b := make([]byte, n)
+	Fill(b, seed)
+	return b
+}
+
+// FirstMismatch is the index of the first byte of b that breaks the pattern for seed, or -1.
+func FirstMismatch(b []byte, seed uint64) int {
+	n := len(b) / 8
+	for i := 0; i < n; i++ {
+		if binary.LittleEndian.Uint64(b[i*8:]) != Mix(seed^uint64(i)*0x1000000001b3) {
+			return i * 8
+		}
+	}
+	var tail [8]byte
+	binary.LittleEndian.PutUint64(tail[:], Mix(^seed))
+	for i := n * 8; i < len(b); i++ {
+		if b[i] != tail[i-n*8] {
+			return n * 8
+		}
+	}
+	return -1
+}
+
+// Service implements pb.EchoServer.
+type Service struct {
+	pb.UnimplementedEchoServer
+	// BidiEnded, if set, hears how each Bidi call ended: "half-close" or an error's code.
+	BidiEnded func(string)
+}
+
+func timeLeft(ctx context.Context) int64 {
+	if d, ok := ctx.Deadline(); ok {
+		return time.Until(d).Milliseconds()
+	}
+	return -1
+}
+
+func failure(ctx context.Context, req *pb.EchoRequest) error {
+	if req.FailWith == 0 {
+		return nil
+	}
+	_ = grpc.SetTrailer(ctx, metadata.Pairs("x-failed", "yes"))
+	return status.Error(codes.Code(req.FailWith), req.FailMessage)
+}
+
+func (Service) Unary(ctx context.Context, req *pb.EchoRequest) (*pb.EchoReply, error) {
+	left := timeLeft(ctx)
+	md, _ := metadata.FromIncomingContext(ctx)
+	if req.SleepMs > 0 {
+		select {
+		case <-time.After(time.Duration(req.SleepMs) * time.Millisecond):
+		case <-ctx.Done():
+			return nil, status.FromContextError(ctx.Err()).Err()
+		}
+	}
+	if err := failure(ctx, req); err != nil {
+		return nil, err
+	}
+	out := metadata.MD{}
+	for _, k := range []string{"x-echo", "x-echo-bin"} {
+		if v := md.Get(k); len(v) > 0 {
+			out.Set(k, v[0])
+		}
+	}
+	if len(out) > 0 {
+		if err := grpc.SetHeader(ctx, out); err != nil {
+			return nil, err
+		}
+		grpc.SetTrailer(ctx, out)
+	}
+	return &pb.EchoReply{Payload: req.Payload, Seq: req.Seq, TimeLeftMs: left}, nil
+}
+
+func (Service) ServerStream(req *pb.StreamRequest, stream grpc.ServerStreamingServer[pb.EchoReply]) error {
+	for i := uint64(0); i < uint64(req.Count); i++ {
+		if err := stream.Send(&pb.EchoReply{Payload: Pattern(int(req.Size), i), Seq: i, TimeLeftMs: -1}); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (Service) ClientStream(stream grpc.ClientStreamingServer[pb.EchoRequest, pb.Summary]) error {
+	var count, n uint64
+	for {
+		req, err := stream.Recv()
+		if err == io.EOF {
+			return stream.SendAndClose(&pb.Summary{Count: count, Bytes: n})
+		}
+		if err != nil {
+			return err
+		}
+		if err := failure(stream.Context(), req); err != nil {
+			return err
+		}
+		if FirstMismatch(req.Payload, req.Seq) >= 0 {
+			return status.Errorf(codes.DataLoss, "message %d corrupted", req.Seq)
+		}
+		count++
+		n += uint64(len(req.Payload))
+	}
+}
+
+func (s Service) Bidi(stream grpc.BidiStreamingServer[pb.EchoRequest, pb.EchoReply]) error {
+	for {
+		req, err := stream.Recv()
+		if err == io.EOF {
+			s.ended("half-close")
+			return nil
+		}
+		if err != nil {
+			s.ended(fmt.Sprint(status.Code(err)))
+			return err
+		}
+		if err := failure(stream.Context(), req); err != nil {
+			return err
+		}
+		if err := stream.Send(&pb.EchoReply{Payload: req.Payload, Seq: req.Seq, TimeLeftMs: -1}); err != nil {
+			return err
+		}
+	}
+}
+
+func (s Service) ended(how string) {
+	if s.BidiEnded != nil {
+		s.BidiEnded(how)
+	}
+}

@@ -1,0 +1,140 @@
+package isthmus
+
+/*
+#cgo CFLAGS: -I${SRCDIR}/../../crates/isthmus-capi/include
+#cgo LDFLAGS: -listhmus_capi
+#include <stdlib.h>
+#include "isthmus.h"
+*/
+import "C"
+
+import (
+	"fmt"
+	"strings"
+	"sync"
+	"unsafe"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+)
+
+// This file holds what every other file uses of the C ABI: metadata, statuses, messages and
+// the strings that outlive a call.
+
+func init() {
+	if v := uint32(C.isthmus_abi_version()); v != C.ISTHMUS_ABI_VERSION {
+		panic(fmt.Sprintf("isthmus: libisthmus_capi speaks ABI %d, this package was built for %d", v, C.ISTHMUS_ABI_VERSION))
+	}
+}
+
+// cStrings interns the C copies of method paths: a path is made once per process, not per
+// call.
+var cStrings sync.Map // string -> *C.char
+
+func cString(s string) *C.char {
+	if p, ok := cStrings.Load(s); ok {
+		return p.(*C.char)
+	}
+	p, loaded := cStrings.LoadOrStore(s, C.CString(s))
+	if loaded {
+		return p.(*C.char)
+	}
+	return p.(*C.char)
+}
+
+// bytesPtr is the C view of b's bytes for the duration of one cgo call (nil when empty).
+func bytesPtr(b []byte) *C.uint8_t {
+	if len(b) == 0 {
+		return nil
+	}
+	return (*C.uint8_t)(unsafe.Pointer(unsafe.SliceData(b)))
+}
+
+// reserved reports the keys that gRPC keeps for itself and grpc-go leaves out of what it
+// sends, as isthmus does.
+func reserved(key string) bool {
+	return strings.HasPrefix(key, "grpc-") || strings.HasPrefix(key, ":") ||
+		key == "content-type" || key == "te" || key == "user-agent"
+}
+
+// newMetadata copies md into a C metadata handle (nil when md has nothing to send); the
+// caller frees it.
+func newMetadata(md metadata.MD) (*C.isthmus_metadata_t, error) {
+	if len(md) == 0 {
+		return nil, nil
+	}
+	var h *C.isthmus_metadata_t
+	for k, vs := range md {
+		if reserved(k) {
+			continue
+		}
+		if h == nil {
+			h = C.isthmus_metadata_new()
+		}
+		ck := C.CString(k)
+		for _, v := range vs {
+			var st *C.isthmus_status_t
+			code := C.isthmus_metadata_add(h, ck, (*C.uint8_t)(unsafe.Pointer(unsafe.StringData(v))), C.size_t(len(v)), &st)
+			if code != C.ISTHMUS_OK {
+				C.free(unsafe.Pointer(ck))
+				C.isthmus_metadata_free(h)
+				err, _ := statusError(code, st)
+				return nil, err
+			}
+		}
+		C.free(unsafe.Pointer(ck))
+	}
+	return h, nil
+}
+
+// takeMetadata copies a C metadata handle into Go and frees it (nil for nil).
+func takeMetadata(h *C.isthmus_metadata_t) metadata.MD {
+	if h == nil {
+		return nil
+	}
+	defer C.isthmus_metadata_free(h)
+	n := int(C.isthmus_metadata_len(h))
+	md := make(metadata.MD, n)
+	for i := 0; i < n; i++ {
+		var k, v *C.uint8_t
+		var kl, vl C.size_t
+		if C.isthmus_metadata_get(h, C.size_t(i), &k, &kl, &v, &vl) != C.ISTHMUS_OK {
+			break
+		}
+		key := C.GoStringN((*C.char)(unsafe.Pointer(k)), C.int(kl))
+		md[key] = append(md[key], C.GoStringN((*C.char)(unsafe.Pointer(v)), C.int(vl)))
+	}
+	return md
+}
+
+// freeMetadata frees a handle the caller does not want.
+func freeMetadata(h *C.isthmus_metadata_t) {
+	if h != nil {
+		C.isthmus_metadata_free(h)
+	}
+}
+
+// statusError turns a failure code and its status handle (freed here; may be nil) into a
+// status.Status error and the trailing metadata that came with it.
+func statusError(code C.isthmus_code_t, st *C.isthmus_status_t) (error, metadata.MD) {
+	if st == nil {
+		return status.Error(codes.Code(code), C.GoString(C.isthmus_code_name(code))), nil
+	}
+	msg := C.GoString(C.isthmus_status_message(st))
+	trailers := takeMetadata(C.isthmus_status_trailers(st))
+	C.isthmus_status_free(st)
+	return status.Error(codes.Code(code), msg), trailers
+}
+
+// messageBytes is a view of a received message's bytes; valid until the message is freed.
+func messageBytes(data *C.uint8_t, n C.size_t) []byte {
+	if data == nil || n == 0 {
+		return nil
+	}
+	return unsafe.Slice((*byte)(unsafe.Pointer(data)), int(n))
+}
+
+// ABIVersion is the C ABI version of the loaded library (one cgo call: the benchmarks time
+// it as the cost of crossing into C).
+func ABIVersion() uint32 { return uint32(C.isthmus_abi_version()) }

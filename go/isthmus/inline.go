@@ -1,0 +1,132 @@
+package isthmus
+
+/*
+#include <stdint.h>
+#include <stdlib.h>
+#include "isthmus.h"
+extern void isthmusGoHandle(void *user_data, isthmus_server_call_t *call);
+*/
+import "C"
+
+import (
+	"runtime/cgo"
+	"unsafe"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// Inline unary handlers (InlineUnary): the library calls isthmusGoHandle on the thread that
+// reads the client's connection. The handler runs right there when its request is in and its
+// reply can go at once; whatever would wait moves to a goroutine, because the thread it
+// would wait on is this one.
+
+type inlineEntry struct {
+	s *Server
+	m *method
+}
+
+// inlineTarget is the user data a method's callback gets: C memory holding a cgo.Handle, as
+// C may keep no Go pointer. It lives as long as the process's servers do.
+func inlineTarget(s *Server, m *method) unsafe.Pointer {
+	p := C.malloc(C.size_t(unsafe.Sizeof(C.uintptr_t(0))))
+	*(*C.uintptr_t)(p) = C.uintptr_t(cgo.NewHandle(&inlineEntry{s: s, m: m}))
+	return p
+}
+
+// addInlineHandler registers m's path to call isthmusGoHandle.
+func addInlineHandler(srv *C.isthmus_server_t, path *C.char, s *Server, m *method, st **C.isthmus_status_t) C.isthmus_code_t {
+	return C.isthmus_server_add_handler(srv, path, C.isthmus_handler_fn(C.isthmusGoHandle), inlineTarget(s, m), st)
+}
+
+//export isthmusGoHandle
+func isthmusGoHandle(userData unsafe.Pointer, sc *C.isthmus_server_call_t) {
+	e := cgo.Handle(*(*C.uintptr_t)(userData)).Value().(*inlineEntry)
+	e.s.handleInline(e.m, sc)
+}
+
+func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
+	s.handlers.Add(1)
+	st := newServerStream(s, m, sc)
+	o := s.r.newOp()
+	var cst *C.isthmus_status_t
+	code := C.isthmus_server_call_recv_async(sc, 0, s.r.cq, C.uint64_t(o.tag), o.now, &cst)
+	ev, now := o.started(code, cst)
+	if !now {
+		// The request is not in yet: wait for it on a goroutine.
+		go func() {
+			defer s.handlers.Done()
+			defer st.cancel()
+			ev, ok := o.wait(st.ctx)
+			o.done()
+			if !ok {
+				st.end(ctxError(st.ctx))
+				return
+			}
+			reply, err := s.runUnarySafely(st, m, ev)
+			if err == nil {
+				err = st.SendMsg(reply)
+			}
+			st.end(err)
+		}()
+		return
+	}
+	o.done()
+	reply, err := s.runUnarySafely(st, m, ev)
+	if err != nil {
+		st.end(err)
+		st.cancel()
+		s.handlers.Done()
+		return
+	}
+	b, err := marshal(reply)
+	if err == nil {
+		err = st.flushHeader()
+	}
+	if err != nil {
+		st.end(err)
+		st.cancel()
+		s.handlers.Done()
+		return
+	}
+	so := s.r.newOp()
+	code = C.isthmus_server_call_send_async(sc, bytesPtr(b), C.size_t(len(b)), s.r.cq, C.uint64_t(so.tag), so.now, &cst)
+	sent, now := so.started(code, cst)
+	if !now {
+		// Flow control holds the reply back: finish on a goroutine once it is sent.
+		go func() {
+			defer s.handlers.Done()
+			defer st.cancel()
+			ev, ok := so.wait(st.ctx)
+			so.done()
+			st.end(sendOutcome(st, ev, ok))
+		}()
+		return
+	}
+	so.done()
+	st.end(sendOutcome(st, sent, true))
+	st.cancel()
+	s.handlers.Done()
+}
+
+// runUnarySafely is runUnary with a handler's panic turned into INTERNAL.
+func (s *Server) runUnarySafely(st *serverStream, m *method, ev C.isthmus_event_t) (reply any, err error) {
+	defer func() {
+		if p := recover(); p != nil {
+			err = status.Errorf(codes.Internal, "the handler panicked: %v", p)
+		}
+	}()
+	return s.runUnary(st, m, ev)
+}
+
+// sendOutcome is the error a send's event stands for.
+func sendOutcome(st *serverStream, ev C.isthmus_event_t, ok bool) error {
+	if !ok {
+		return ctxError(st.ctx)
+	}
+	if ev.code != C.ISTHMUS_OK {
+		err, _ := statusError(ev.code, ev.status)
+		return err
+	}
+	return nil
+}

@@ -1,0 +1,304 @@
+package isthmus_test
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	"example.invalid/isthmus/go/internal/conformance"
+	pb "example.invalid/isthmus/go/internal/conformancepb"
+	"example.invalid/isthmus/go/internal/echo"
+	"example.invalid/isthmus/go/isthmus"
+)
+
+// The tests start real server processes: go-peer (built here from ./cmd/go-peer) and, when
+// ISTHMUS_TONIC_PEER names it, the Rust tonic-peer; clients talk to them through real shared
+// memory and sockets.
+
+var goPeerBin string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "isthmus-go-test-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	goPeerBin = filepath.Join(dir, "go-peer")
+	build := exec.Command("go", "build", "-o", goPeerBin, "example.invalid/isthmus/go/cmd/go-peer")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "building go-peer:", err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// peer is a server process; its HTTP/2 addresses as it announced them.
+type peer struct {
+	cmd       *exec.Cmd
+	addresses []string
+	lines     chan string
+}
+
+var names sync.Map
+
+// fresh returns a shm:// target and a unix:// socket path no other test uses.
+func fresh(t *testing.T, tag string) (shm, unix string) {
+	n := fmt.Sprintf("go-%s-%d-%d", tag, os.Getpid(), time.Now().UnixNano())
+	names.Store(n, true)
+	return "shm://" + n, "unix://" + filepath.Join(t.TempDir(), tag+".sock")
+}
+
+// startPeer starts bin with targets and waits (30 s at most) for READY and one LISTENING
+// line per HTTP/2 target. The process is killed when the test ends.
+func startPeer(t *testing.T, bin string, targets ...string) *peer {
+	t.Helper()
+	cmd := exec.Command(bin, targets...)
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatalf("start %s: %v", bin, err)
+	}
+	p := &peer{cmd: cmd, lines: make(chan string, 1024)}
+	t.Cleanup(func() {
+		cmd.Process.Kill()
+		cmd.Wait()
+	})
+	go func() {
+		s := bufio.NewScanner(out)
+		for s.Scan() {
+			p.lines <- s.Text()
+		}
+		close(p.lines)
+	}()
+	p.expect(t, "READY")
+	for _, target := range targets {
+		if !strings.HasPrefix(target, "shm://") {
+			line := p.expect(t, "LISTENING ")
+			p.addresses = append(p.addresses, strings.TrimPrefix(line, "LISTENING "))
+		}
+	}
+	return p
+}
+
+// expect waits for a line starting with prefix.
+func (p *peer) expect(t *testing.T, prefix string) string {
+	t.Helper()
+	timeout := time.After(30 * time.Second)
+	for {
+		select {
+		case line, ok := <-p.lines:
+			if !ok {
+				t.Fatalf("the peer exited before printing %q", prefix)
+			}
+			if strings.HasPrefix(line, prefix) {
+				return line
+			}
+		case <-timeout:
+			t.Fatalf("the peer did not print %q within 30 s", prefix)
+		}
+	}
+}
+
+// runSuite runs the conformance checks on conn and fails t for each that fails.
+func runSuite(t *testing.T, label string, conn grpc.ClientConnInterface, opts ...grpc.CallOption) {
+	t.Helper()
+	passed, failed := conformance.Run(context.Background(), conn, func(name string, err error) {
+		if err != nil {
+			t.Errorf("%s: %s: %v", label, name, err)
+		}
+	}, opts...)
+	if failed > 0 || passed == 0 {
+		t.Errorf("%s: %d passed, %d failed", label, passed, failed)
+	}
+}
+
+func dial(t *testing.T, target string) *isthmus.ClientConn {
+	t.Helper()
+	conn, err := isthmus.Dial(target)
+	if err != nil {
+		t.Fatalf("dial %s: %v", target, err)
+	}
+	t.Cleanup(func() { conn.Close() })
+	return conn
+}
+
+func TestGeneratedClientAgainstTheGoServerOnEveryTransport(t *testing.T) {
+	shm, unix := fresh(t, "conf")
+	p := startPeer(t, goPeerBin, shm, unix, "http://127.0.0.1:0")
+	for _, target := range append([]string{shm}, p.addresses...) {
+		runSuite(t, target, dial(t, target))
+	}
+}
+
+func TestInlineUnaryHandlersPassTheSuite(t *testing.T) {
+	shm, unix := fresh(t, "inline")
+	t.Setenv("GO_PEER_INLINE", "1")
+	p := startPeer(t, goPeerBin, shm, unix)
+	for _, target := range append([]string{shm}, p.addresses...) {
+		runSuite(t, "inline "+target, dial(t, target))
+	}
+}
+
+// grpcTarget is how grpc-go names an isthmus HTTP/2 address.
+func grpcTarget(address string) string {
+	return strings.TrimPrefix(address, "http://")
+}
+
+func TestPlainGrpcGoClientAgainstTheGoServer(t *testing.T) {
+	_, unix := fresh(t, "plain")
+	p := startPeer(t, goPeerBin, unix, "http://127.0.0.1:0")
+	for _, address := range p.addresses {
+		conn, err := grpc.NewClient(grpcTarget(address), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		runSuite(t, "grpc-go → "+address, conn, grpc.MaxCallRecvMsgSize(128<<20), grpc.MaxCallSendMsgSize(128<<20))
+		conn.Close()
+	}
+}
+
+func TestGeneratedClientAgainstTheRustServer(t *testing.T) {
+	bin := os.Getenv("ISTHMUS_TONIC_PEER")
+	if bin == "" {
+		if os.Getenv("ISTHMUS_REQUIRE_PEERS") != "" {
+			t.Fatal("ISTHMUS_TONIC_PEER is not set (make test sets it)")
+		}
+		t.Skip("ISTHMUS_TONIC_PEER is not set: run through make test")
+	}
+	shm, unix := fresh(t, "rust")
+	p := startPeer(t, bin, shm, unix, "http://127.0.0.1:0")
+	for _, target := range append([]string{shm}, p.addresses...) {
+		runSuite(t, "tonic-peer "+target, dial(t, target))
+	}
+}
+
+func TestAKilledServerFailsItsCallsUnavailable(t *testing.T) {
+	shm, _ := fresh(t, "kill")
+	p := startPeer(t, goPeerBin, shm)
+	c := pb.NewEchoClient(dial(t, shm))
+	if _, err := c.Unary(context.Background(), &pb.EchoRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		_, err := c.Unary(context.Background(), &pb.EchoRequest{SleepMs: 60000})
+		done <- err
+	}()
+	time.Sleep(100 * time.Millisecond) // most likely in flight; Unavailable either way
+	killed := time.Now()
+	p.cmd.Process.Signal(syscall.SIGKILL)
+	select {
+	case err := <-done:
+		if status.Code(err) != codes.Unavailable {
+			t.Fatalf("got %v, want Unavailable", err)
+		}
+		if el := time.Since(killed); el > 5*time.Second {
+			t.Fatalf("Unavailable came %v after the kill", el)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the call did not end after its server was killed")
+	}
+	// The next call fails at once too: nobody listens.
+	if _, err := c.Unary(context.Background(), &pb.EchoRequest{}); status.Code(err) != codes.Unavailable {
+		t.Fatalf("a call to no server gave %v", err)
+	}
+}
+
+func threads(t *testing.T) int {
+	b, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if n, ok := strings.CutPrefix(line, "Threads:"); ok {
+			var v int
+			fmt.Sscan(strings.TrimSpace(n), &v)
+			return v
+		}
+	}
+	return 0
+}
+
+func TestThousandsOfCallsAtOnceHoldNoThreadEach(t *testing.T) {
+	shm, _ := fresh(t, "many")
+	startPeer(t, goPeerBin, shm)
+	c := pb.NewEchoClient(dial(t, shm))
+	const n = 3000
+	var wg sync.WaitGroup
+	errs := make(chan error, n)
+	start := make(chan struct{})
+	peak := threads(t)
+	for i := 0; i < n; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			<-start
+			// Each call waits at the server long enough for all to be in flight together.
+			r, err := c.Unary(context.Background(), &pb.EchoRequest{Payload: echo.Pattern(32, uint64(i)), Seq: uint64(i), SleepMs: 300})
+			if err == nil && (r.Seq != uint64(i) || echo.FirstMismatch(r.Payload, uint64(i)) >= 0) {
+				err = fmt.Errorf("call %d got another's reply", i)
+			}
+			errs <- err
+		}(i)
+	}
+	close(start)
+	stop := make(chan struct{})
+	go func() {
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(20 * time.Millisecond):
+				if n := threads(t); n > peak {
+					peak = n
+				}
+			}
+		}
+	}()
+	wg.Wait()
+	close(stop)
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Fatal(err)
+		}
+	}
+	if peak > 200 {
+		t.Fatalf("%d calls in flight took the process to %d threads", n, peak)
+	}
+}
+
+func TestAMessageOverTheLimitIsResourceExhaustedAndTheServerGoesOn(t *testing.T) {
+	shm, _ := fresh(t, "limit")
+	startPeer(t, goPeerBin, shm) // accepts up to 65 MiB
+	c := pb.NewEchoClient(dial(t, shm))
+	_, err := c.Unary(context.Background(), &pb.EchoRequest{Payload: make([]byte, 66<<20)})
+	if status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("a 66 MiB request gave %v", err)
+	}
+	if !strings.Contains(status.Convert(err).Message(), fmt.Sprint(65<<20)) {
+		t.Errorf("the message does not name the limit: %v", err)
+	}
+	if _, err := c.Unary(context.Background(), &pb.EchoRequest{Payload: []byte("after")}); err != nil {
+		t.Fatalf("the call after: %v", err)
+	}
+}

@@ -1,0 +1,547 @@
+package isthmus
+
+/*
+#include <stdlib.h>
+#include "isthmus.h"
+*/
+import "C"
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"reflect"
+	"runtime"
+	"sync"
+	"time"
+	"unsafe"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+)
+
+// Server serves gRPC services registered by generated code (it implements
+// grpc.ServiceRegistrar) on shm://, unix:// and http:// targets at once. Each call runs its
+// handler on a goroutine.
+type Server struct {
+	opts     serverOptions
+	r        *reactor
+	mu       sync.Mutex
+	methods  map[string]*method
+	srv      *C.isthmus_server_t
+	serving  chan struct{} // closed when Serve should return
+	stopOnce sync.Once
+	handlers sync.WaitGroup
+}
+
+var _ grpc.ServiceRegistrar = (*Server)(nil)
+
+type method struct {
+	impl   any
+	unary  *grpc.MethodDesc
+	stream *grpc.StreamDesc
+	raw    RawHandler
+	name   string // full path, /package.Service/Method
+}
+
+// ServerOption configures a Server.
+type ServerOption func(*serverOptions)
+
+type serverOptions struct {
+	maxMessageSize       uint64
+	maxConcurrentStreams uint32
+	unary                grpc.UnaryServerInterceptor
+	stream               grpc.StreamServerInterceptor
+	inline               bool
+}
+
+// MaxMessageSize sets the largest request message accepted, in bytes (default 4 GiB); a
+// larger one fails its call with codes.ResourceExhausted and the server goes on.
+func MaxMessageSize(n uint64) ServerOption {
+	return func(o *serverOptions) { o.maxMessageSize = n }
+}
+
+// MaxConcurrentStreams limits the calls one client connection may have open at once.
+func MaxConcurrentStreams(n uint32) ServerOption {
+	return func(o *serverOptions) { o.maxConcurrentStreams = n }
+}
+
+// UnaryInterceptor installs an interceptor for unary calls, as grpc.UnaryInterceptor does.
+func UnaryInterceptor(i grpc.UnaryServerInterceptor) ServerOption {
+	return func(o *serverOptions) { o.unary = i }
+}
+
+// StreamInterceptor installs an interceptor for streaming calls, as grpc.StreamInterceptor
+// does.
+func StreamInterceptor(i grpc.StreamServerInterceptor) ServerOption {
+	return func(o *serverOptions) { o.stream = i }
+}
+
+// InlineUnary runs unary handlers on the thread that reads their client's connection, the
+// moment their request is in, as the Rust engine runs its handlers: no goroutine is started
+// and no thread woken per call, which saves tens of microseconds on machines where waking a
+// thread is slow. Only for handlers that answer at once: a handler that waits (on a lock, a
+// database, another call) holds up every other call of its connection meanwhile. Streaming
+// handlers and calls whose request has not arrived yet run on goroutines as always.
+func InlineUnary() ServerOption {
+	return func(o *serverOptions) { o.inline = true }
+}
+
+// NewServer returns a server with no services.
+func NewServer(opts ...ServerOption) *Server {
+	s := &Server{methods: make(map[string]*method), serving: make(chan struct{})}
+	for _, f := range opts {
+		f(&s.opts)
+	}
+	return s
+}
+
+// RegisterService registers a service and its implementation (grpc.ServiceRegistrar), as
+// generated Register...Server functions call it. Before Serve only.
+func (s *Server) RegisterService(desc *grpc.ServiceDesc, impl any) {
+	if impl != nil {
+		ht := reflect.TypeOf(desc.HandlerType).Elem()
+		if st := reflect.TypeOf(impl); !st.Implements(ht) {
+			panic(fmt.Sprintf("isthmus: Server.RegisterService found the handler of type %v that does not satisfy %v", st, ht))
+		}
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.srv != nil {
+		panic("isthmus: Server.RegisterService after Serve")
+	}
+	for i := range desc.Methods {
+		m := &desc.Methods[i]
+		name := "/" + desc.ServiceName + "/" + m.MethodName
+		s.methods[name] = &method{impl: impl, unary: m, name: name}
+	}
+	for i := range desc.Streams {
+		d := &desc.Streams[i]
+		name := "/" + desc.ServiceName + "/" + d.StreamName
+		s.methods[name] = &method{impl: impl, stream: d, name: name}
+	}
+}
+
+// Start binds every target ("shm://NAME", "unix:///path.sock", "http://host:port") and serves
+// them in the background; clients can connect as soon as it returns.
+func (s *Server) Start(targets ...string) error {
+	r, err := getReactor()
+	if err != nil {
+		return err
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.srv != nil {
+		return errors.New("isthmus: the server was started already")
+	}
+	s.r = r
+	opts := C.isthmus_server_options_t{
+		max_message_size:       C.uint64_t(s.opts.maxMessageSize),
+		max_concurrent_streams: C.uint32_t(s.opts.maxConcurrentStreams),
+	}
+	srv := C.isthmus_server_new(&opts)
+	if srv == nil {
+		return errors.New("isthmus: cannot make a server")
+	}
+	for name, m := range s.methods {
+		m := m
+		cname := C.CString(name)
+		var st *C.isthmus_status_t
+		var code C.isthmus_code_t
+		if s.opts.inline && m.unary != nil {
+			code = addInlineHandler(srv, cname, s, m, &st)
+		} else {
+			tag := r.persistent(func(ev C.isthmus_event_t) { s.handlers.Add(1); go s.handle(m, ev.server_call) })
+			code = C.isthmus_server_add_handler_cq(srv, cname, r.cq, C.uint64_t(tag), &st)
+		}
+		C.free(unsafe.Pointer(cname))
+		if code != C.ISTHMUS_OK {
+			C.isthmus_server_free(srv)
+			err, _ := statusError(code, st)
+			return err
+		}
+	}
+	ctargets := make([]*C.char, len(targets))
+	for i, t := range targets {
+		ctargets[i] = C.CString(t)
+	}
+	defer func() {
+		for _, c := range ctargets {
+			C.free(unsafe.Pointer(c))
+		}
+	}()
+	if len(targets) == 0 {
+		C.isthmus_server_free(srv)
+		return errors.New("isthmus: no target to serve")
+	}
+	arr := (**C.char)(C.malloc(C.size_t(len(targets)) * C.size_t(unsafe.Sizeof((*C.char)(nil)))))
+	defer C.free(unsafe.Pointer(arr))
+	copy(unsafe.Slice(arr, len(targets)), ctargets)
+	var st *C.isthmus_status_t
+	if code := C.isthmus_server_start(srv, arr, C.size_t(len(targets)), &st); code != C.ISTHMUS_OK {
+		C.isthmus_server_free(srv)
+		err, _ := statusError(code, st)
+		return err
+	}
+	s.srv = srv
+	return nil
+}
+
+// HTTPAddresses are the server's HTTP/2 endpoints as clients reach them ("unix:///path",
+// "http://host:port" with the port the system chose for port 0), in the order given to Start.
+func (s *Server) HTTPAddresses() []string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []string
+	for i := 0; s.srv != nil; i++ {
+		a := C.isthmus_server_http_address(s.srv, C.size_t(i))
+		if a == nil {
+			break
+		}
+		out = append(out, C.GoString(a))
+	}
+	return out
+}
+
+// Serve binds and serves every target (see Start) until Stop or GracefulStop.
+func (s *Server) Serve(targets ...string) error {
+	if err := s.Start(targets...); err != nil {
+		return err
+	}
+	<-s.serving
+	return nil
+}
+
+// Stop stops the server at once: listeners close and calls in progress end (their clients
+// see codes.Unavailable).
+func (s *Server) Stop() { s.shutdown(0) }
+
+// GracefulStop stops taking calls and waits for those in progress to finish.
+func (s *Server) GracefulStop() { s.shutdown(time.Hour) }
+
+// GracefulStopTimeout is GracefulStop that waits at most grace for the calls in progress.
+func (s *Server) GracefulStopTimeout(grace time.Duration) { s.shutdown(grace) }
+
+func (s *Server) shutdown(grace time.Duration) {
+	s.stopOnce.Do(func() {
+		s.mu.Lock()
+		srv := s.srv
+		s.mu.Unlock()
+		if srv != nil {
+			C.isthmus_server_shutdown(srv, C.uint64_t(grace.Milliseconds()))
+			C.isthmus_server_free(srv)
+		}
+		close(s.serving)
+	})
+}
+
+// handle runs one call's handler and ends the call with its outcome.
+func (s *Server) handle(m *method, sc *C.isthmus_server_call_t) {
+	defer s.handlers.Done()
+	st := newServerStream(s, m, sc)
+	defer st.cancel()
+	var err error
+	func() {
+		defer func() {
+			if p := recover(); p != nil {
+				err = status.Errorf(codes.Internal, "the handler panicked: %v", p)
+			}
+		}()
+		switch {
+		case m.unary != nil:
+			err = s.unary(st, m)
+		case m.raw != nil:
+			err = m.raw(&RawServerCall{st: st})
+		default:
+			err = s.streaming(st, m)
+		}
+	}()
+	st.end(err)
+}
+
+func (s *Server) unary(st *serverStream, m *method) error {
+	ev, ok := st.recv()
+	if !ok {
+		return ctxError(st.ctx)
+	}
+	reply, err := s.runUnary(st, m, ev)
+	if err != nil {
+		return err
+	}
+	return st.SendMsg(reply)
+}
+
+// runUnary runs a unary handler on the request event ev (which it consumes).
+func (s *Server) runUnary(st *serverStream, m *method, ev C.isthmus_event_t) (any, error) {
+	dec := func(v any) error {
+		if ev.code != C.ISTHMUS_OK {
+			err, _ := statusError(ev.code, ev.status)
+			ev.status = nil
+			return err
+		}
+		if ev.message == nil {
+			return status.Error(codes.Internal, "the client sent no request")
+		}
+		err := unmarshal(messageBytes(ev.message_data, ev.message_len), v)
+		C.isthmus_message_free(ev.message)
+		ev.message = nil
+		return err
+	}
+	defer func() {
+		if ev.message != nil {
+			C.isthmus_message_free(ev.message)
+		}
+		if ev.status != nil {
+			C.isthmus_status_free(ev.status)
+		}
+	}()
+	return m.unary.Handler(m.impl, st.ctx, dec, s.opts.unary)
+}
+
+func (s *Server) streaming(st *serverStream, m *method) error {
+	if s.opts.stream == nil {
+		return m.stream.Handler(m.impl, st)
+	}
+	info := &grpc.StreamServerInfo{FullMethod: m.name, IsClientStream: m.stream.ClientStreams, IsServerStream: m.stream.ServerStreams}
+	return s.opts.stream(m.impl, st, info, m.stream.Handler)
+}
+
+// serverStream is a call's server side: grpc.ServerStream for streaming handlers, and the
+// grpc.ServerTransportStream behind grpc.SetHeader/SendHeader/SetTrailer for unary ones.
+type serverStream struct {
+	s      *Server
+	m      *method
+	sc     *C.isthmus_server_call_t
+	ctx    context.Context
+	cancel context.CancelFunc
+
+	mu         sync.Mutex
+	header     metadata.MD
+	headerSent bool
+	trailer    metadata.MD
+	finished   bool
+}
+
+func newServerStream(s *Server, m *method, sc *C.isthmus_server_call_t) *serverStream {
+	st := &serverStream{s: s, m: m, sc: sc}
+	parent := context.Background()
+	md := takeMetadata(C.isthmus_server_call_metadata(sc))
+	if md == nil {
+		md = metadata.MD{}
+	}
+	ctx := metadata.NewIncomingContext(parent, md)
+	if left := int64(C.isthmus_server_call_time_remaining_us(sc)); left >= 0 {
+		ctx, st.cancel = context.WithTimeout(ctx, time.Duration(left)*time.Microsecond)
+	} else {
+		ctx, st.cancel = context.WithCancel(ctx)
+	}
+	ctx = &callContext{Context: ctx, st: st}
+	st.ctx = grpc.NewContextWithServerTransportStream(ctx, transportStream{st})
+	return st
+}
+
+// callContext is a handler's context: Done (asked for by few unary handlers) learns of the
+// client's cancel only when first called, so that a call whose handler never looks pays
+// nothing for it.
+type callContext struct {
+	context.Context
+	st   *serverStream
+	once sync.Once
+}
+
+func (c *callContext) Done() <-chan struct{} {
+	c.once.Do(c.st.watch)
+	return c.Context.Done()
+}
+
+// watch cancels the call's context when the call ends under its handler (the client
+// cancelled or went away, or the deadline passed).
+func (st *serverStream) watch() {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.finished {
+		return
+	}
+	cancel := st.cancel
+	tag := st.s.r.tag(func(C.isthmus_event_t) { cancel() })
+	var status *C.isthmus_status_t
+	if C.isthmus_server_call_done_async(st.sc, st.s.r.cq, C.uint64_t(tag), &status) != C.ISTHMUS_OK {
+		st.s.r.forget(tag)
+		if status != nil {
+			C.isthmus_status_free(status)
+		}
+	}
+}
+
+// transportStream is a call as grpc.SetHeader, SendHeader and SetTrailer find it in a
+// handler's context (grpc.ServerTransportStream, whose SetTrailer returns an error where
+// grpc.ServerStream's does not).
+type transportStream struct{ *serverStream }
+
+func (t transportStream) Method() string { return t.m.name }
+
+func (t transportStream) SetTrailer(md metadata.MD) error {
+	t.serverStream.SetTrailer(md)
+	return nil
+}
+
+func (st *serverStream) Context() context.Context { return st.ctx }
+
+func (st *serverStream) SetHeader(md metadata.MD) error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.headerSent {
+		return status.Error(codes.Internal, "transport: the stream is done or WriteHeader was already called")
+	}
+	st.header = metadata.Join(st.header, md)
+	return nil
+}
+
+func (st *serverStream) SendHeader(md metadata.MD) error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.headerSent {
+		return status.Error(codes.Internal, "transport: the stream is done or WriteHeader was already called")
+	}
+	st.header = metadata.Join(st.header, md)
+	return st.sendHeaderLocked()
+}
+
+// sendHeaderLocked sends the initial metadata gathered so far, if any.
+func (st *serverStream) sendHeaderLocked() error {
+	st.headerSent = true
+	if len(st.header) == 0 {
+		return nil
+	}
+	h, err := newMetadata(st.header)
+	if err != nil {
+		return err
+	}
+	var cst *C.isthmus_status_t
+	code := C.isthmus_server_call_send_headers(st.sc, h, &cst)
+	freeMetadata(h)
+	if code != C.ISTHMUS_OK {
+		err, _ := statusError(code, cst)
+		return err
+	}
+	return nil
+}
+
+func (st *serverStream) SetTrailer(md metadata.MD) {
+	st.mu.Lock()
+	st.trailer = metadata.Join(st.trailer, md)
+	st.mu.Unlock()
+}
+
+func (st *serverStream) SendMsg(m any) error {
+	b, err := marshal(m)
+	if err != nil {
+		return err
+	}
+	return st.sendBytes(b)
+}
+
+// flushHeader sends the initial metadata gathered so far if it has not gone yet: it goes
+// before the first message.
+func (st *serverStream) flushHeader() error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if !st.headerSent {
+		return st.sendHeaderLocked()
+	}
+	return nil
+}
+
+// sendBytes sends one response message.
+func (st *serverStream) sendBytes(b []byte) error {
+	if err := st.flushHeader(); err != nil {
+		return err
+	}
+	ev, ok := st.s.r.do(st.ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
+		var cst *C.isthmus_status_t
+		return C.isthmus_server_call_send_async(st.sc, bytesPtr(b), C.size_t(len(b)), cq, tag, now, &cst), cst
+	})
+	runtime.KeepAlive(b)
+	if !ok {
+		return ctxError(st.ctx)
+	}
+	if ev.code != C.ISTHMUS_OK {
+		err, _ := statusError(ev.code, ev.status)
+		return err
+	}
+	return nil
+}
+
+// recvFlags: a request-streaming call sends its initial metadata when it must wait for a
+// request, so that clients that wait for the response to open before they send (tonic's
+// generated ones) are not left waiting, as isthmus's Python servers do.
+func (st *serverStream) recvFlags() C.uint32_t {
+	if st.m.stream != nil && st.m.stream.ClientStreams {
+		st.mu.Lock()
+		defer st.mu.Unlock()
+		if !st.headerSent && len(st.header) == 0 {
+			st.headerSent = true
+			return C.ISTHMUS_RECV_FLUSH_HEADERS
+		}
+	}
+	return 0
+}
+
+// recv waits for the next request's event; false if the context ended first.
+func (st *serverStream) recv() (C.isthmus_event_t, bool) {
+	return st.s.r.do(st.ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
+		var cst *C.isthmus_status_t
+		return C.isthmus_server_call_recv_async(st.sc, st.recvFlags(), cq, tag, now, &cst), cst
+	})
+}
+
+func (st *serverStream) RecvMsg(m any) error {
+	ev, ok := st.recv()
+	if !ok {
+		return ctxError(st.ctx)
+	}
+	if ev.code != C.ISTHMUS_OK {
+		err, _ := statusError(ev.code, ev.status)
+		return err
+	}
+	if ev.message == nil {
+		return io.EOF
+	}
+	err := unmarshal(messageBytes(ev.message_data, ev.message_len), m)
+	C.isthmus_message_free(ev.message)
+	return err
+}
+
+// end finishes the call with the handler's outcome.
+func (st *serverStream) end(err error) {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.finished {
+		return
+	}
+	st.finished = true
+	code, msg := C.isthmus_code_t(C.ISTHMUS_OK), ""
+	if err != nil {
+		s, _ := status.FromError(err)
+		if errors.Is(err, context.Canceled) {
+			s = status.New(codes.Canceled, err.Error())
+		} else if errors.Is(err, context.DeadlineExceeded) {
+			s = status.New(codes.DeadlineExceeded, err.Error())
+		}
+		code, msg = C.isthmus_code_t(s.Code()), s.Message()
+	}
+	trailers, terr := newMetadata(st.trailer)
+	if terr != nil {
+		code, msg = C.isthmus_code_t(codes.Internal), terr.Error()
+	}
+	cmsg := (*C.char)(nil)
+	if msg != "" {
+		cmsg = C.CString(msg)
+		defer C.free(unsafe.Pointer(cmsg))
+	}
+	C.isthmus_server_call_finish(st.sc, code, cmsg, trailers, nil)
+	freeMetadata(trailers)
+}
