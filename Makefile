@@ -9,7 +9,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 QUICK ?=
 FUZZ_SECONDS ?= 15
-FUZZ_TARGETS := frame handshake ring rpc_wire http2_authority grpc_http
+FUZZ_TARGETS := frame handshake ring rpc_wire http2_authority grpc_http capi
 VENV := .venv
 GRPCURL_VERSION := v1.9.3
 GRPCURL := .tools/bin/grpcurl
@@ -139,6 +139,9 @@ bench: rust-tools peers ## Benchmarks beside their competitors: docs/bench/resul
 	$(CARGO) build --release -p isthmus-bench -p gateway-sidecar
 	./target/release/isthmus-bench all $(if $(QUICK),--quick) --out docs/bench/results.json
 	$(VENV)/bin/python bench/gateway_rounds.py docs/bench/results.json $(if $(QUICK),--quick)
+	$(MAKE) --no-print-directory capi RELEASE=1
+	cd go && CGO_LDFLAGS="-L$(CURDIR)/target/release -Wl,-rpath,$(CURDIR)/target/release" go build -o ../target/go-bin-release/ ./cmd/go-bench
+	./target/go-bin-release/go-bench run $(if $(QUICK),-quick) -out docs/bench/results.json
 	$(VENV)/bin/python bench/report.py docs/bench
 	python3 bench/readme_table.py
 

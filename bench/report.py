@@ -21,7 +21,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
 ROOT = Path(__file__).resolve().parent.parent
-SIZES = [64, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20]
+SIZES = [64, 1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 256 << 20]
 RUST = ["isthmus-rust", "tonic-isthmus-shm", "tonic-uds", "isthmus-shm-transport", "raw-uds"]
 PYTHON = [
     "py-isthmus-sync",
@@ -30,6 +30,7 @@ PYTHON = [
     "py-grpc-aio-tonic-uds",
     "py-raw-uds",
 ]
+GO = ["go-isthmus-shm", "go-isthmus-raw", "go-grpc-uds", "memcpy"]
 GATEWAY = ["gateway-isthmus-shm", "gateway-grpc-aio-uds", "gateway-httpx-axum-uds"]
 PAIRS = [
     ("isthmus-rust", "tonic-uds", "Rust: isthmus engine vs tonic over UDS"),
@@ -140,10 +141,17 @@ def latency_table(res: Results, systems: list[str]) -> list[str]:
         rows.append(f"| {size_name(size)} | " + " | ".join(shown) + " |")
     rows.append("")
     for s in systems:
-        v = res.get(s, 64, 32, "rps")
-        if v:
-            rows.append(f"- {s}, 64 B with 32 in flight: {v[0]:,.0f} calls/s ({v[1]:,.0f}–{v[2]:,.0f})")
+        for size in (64, 1 << 10):
+            v = res.get(s, size, 32, "rps")
+            if v and (size == 64 or s.startswith("go-")):
+                rate = f"{v[0]:,.0f} calls/s ({v[1]:,.0f}–{v[2]:,.0f})"
+                rows.append(f"- {s}, {size_name(size)} with 32 in flight: {rate}")
     return rows
+
+
+def cgo_line(res: Results) -> list[str]:
+    v = res.get("go-cgo-call", 0, 1, "p50_us")
+    return [f"- one empty cgo call: {v[0] * 1000:.0f} ns"] if v else []
 
 
 def stream_table(res: Results) -> list[str]:
@@ -217,6 +225,16 @@ def main() -> int:
         "![latency, Python clients](latency-python.png)",
         "",
         *latency_table(res, PYTHON),
+        "",
+        "## Go clients",
+        "",
+        "`go/cmd/go-bench`: a `protoc-gen-go-grpc` client and a Go server over isthmus (`go-isthmus-shm`, "
+        "server with `InlineUnary`), the raw tier (`go-isthmus-raw`: request written into an allocated "
+        "block, read by the server in place; reply likewise), grpc-go over a Unix socket with 64 MiB "
+        "windows and 1 MiB buffers (`go-grpc-uds`), and one `memcpy` of the same run.",
+        "",
+        *latency_table(res, GO),
+        *cgo_line(res),
         "",
         "## The gateway ↔ sidecar scenario",
         "",

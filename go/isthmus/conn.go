@@ -9,8 +9,10 @@ import "C"
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"runtime"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -33,7 +35,20 @@ type ClientConn struct {
 	closed atomic.Bool
 	// blocking counts the unary calls on the blocking fast path now.
 	blocking atomic.Int32
+	// shm: the target is shared memory, where large requests are written in place.
+	shm bool
 }
+
+// Messages from largeMessage to inPlaceMax bytes are marshalled straight into shared memory
+// (one copy) instead of into Go memory and then copied there. Past inPlaceMax a block might
+// not fit the arena (64 MiB by default; larger messages travel in pieces).
+const (
+	largeMessage = 64 << 10
+	inPlaceMax   = 16 << 20
+)
+
+// inPlace says whether a message of size bytes is marshalled into shared memory.
+func inPlace(size int) bool { return size >= largeMessage && size <= inPlaceMax }
 
 // blockingCalls bounds the unary calls that may wait in a cgo call (holding their thread) at
 // once; the others wait on the completion queue.
@@ -78,7 +93,7 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 		err, _ := statusError(code, st)
 		return nil, err
 	}
-	return &ClientConn{ch: ch, r: r, target: target}, nil
+	return &ClientConn{ch: ch, r: r, target: target, shm: strings.HasPrefix(target, "shm:")}, nil
 }
 
 // Target is the target the connection was made for.
@@ -181,6 +196,11 @@ func (cc *ClientConn) Invoke(ctx context.Context, method string, args, reply any
 		return errClosing()
 	}
 	co := parseCallOptions(opts)
+	if pm, ok := args.(proto.Message); ok && cc.shm {
+		if size := proto.Size(pm); inPlace(size) {
+			return cc.invokeLarge(ctx, method, pm, size, reply, co)
+		}
+	}
 	req, err := marshal(args)
 	if err != nil {
 		return err
@@ -234,6 +254,55 @@ func (cc *ClientConn) Invoke(ctx context.Context, method string, args, reply any
 	return err
 }
 
+// invokeLarge makes a unary call whose request is marshalled straight into a block of shared
+// memory, and whose reply is unmarshalled from where it lies in the server's.
+func (cc *ClientConn) invokeLarge(ctx context.Context, method string, args proto.Message, size int, reply any, co callOptions) error {
+	s, err := cc.newStream(ctx, &rawDesc, method, co)
+	if err != nil {
+		return err
+	}
+	rs := &RawStream{cs: s}
+	b, err := rs.Alloc(size)
+	if err != nil {
+		s.cancel()
+		return err
+	}
+	out, err := proto.MarshalOptions{}.MarshalAppend(b.Bytes()[:0], args)
+	if err != nil || len(out) != size {
+		b.Release()
+		s.cancel()
+		if err == nil {
+			err = fmt.Errorf("%d bytes for a message of %d", len(out), size)
+		}
+		return status.Errorf(codes.Internal, "grpc: error while marshaling: %v", err)
+	}
+	if err := rs.SendBlock(b, true); err != nil {
+		if _, rerr := rs.Recv(); rerr != nil && rerr != io.EOF {
+			return rerr
+		}
+		return err
+	}
+	m, err := rs.Recv()
+	if err != nil {
+		if err == io.EOF {
+			return status.Error(codes.Internal, method+": the server ended the call without a response")
+		}
+		return err
+	}
+	err = unmarshal(m.Bytes(), reply)
+	m.Release()
+	if _, end := rs.Recv(); end != io.EOF {
+		if end == nil {
+			end = status.Error(codes.Internal, method+": the server sent more than one response")
+		}
+		return end
+	}
+	if co.header != nil {
+		*co.header, _ = s.Header()
+	}
+	return err
+}
+
 // invokeBlocking makes a unary call in one blocking cgo call.
 func (cc *ClientConn) invokeBlocking(path *C.char, req []byte, copts *C.isthmus_call_options_t, reply any, co callOptions) error {
 	var msg *C.isthmus_message_t
@@ -273,7 +342,10 @@ func (cc *ClientConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, meth
 	if cc.closed.Load() {
 		return nil, errClosing()
 	}
-	co := parseCallOptions(opts)
+	return cc.newStream(ctx, desc, method, parseCallOptions(opts))
+}
+
+func (cc *ClientConn) newStream(ctx context.Context, desc *grpc.StreamDesc, method string, co callOptions) (*clientStream, error) {
 	copts, err := cCallOptions(ctx, co, 0)
 	if err != nil {
 		return nil, err

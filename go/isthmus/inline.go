@@ -14,6 +14,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 )
 
 // Inline unary handlers (InlineUnary): the library calls isthmusGoHandle on the thread that
@@ -78,6 +79,16 @@ func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
 		st.cancel()
 		s.handlers.Done()
 		return
+	}
+	if pm, ok := reply.(proto.Message); ok {
+		if size := proto.Size(pm); inPlace(size) {
+			// Marshalled into shared memory; a send that must wait for the client's
+			// window waits here (the reading thread is handed to the runtime meanwhile).
+			st.end(st.sendLarge(pm, size))
+			st.cancel()
+			s.handlers.Done()
+			return
+		}
 	}
 	b, err := marshal(reply)
 	if err == nil {

@@ -84,11 +84,14 @@ type RawStream struct {
 
 // StartRaw starts a call by method path (`/package.Service/Method`).
 func (cc *ClientConn) StartRaw(ctx context.Context, method string) (*RawStream, error) {
-	s, err := cc.NewStream(ctx, &rawDesc, method)
+	if cc.closed.Load() {
+		return nil, errClosing()
+	}
+	s, err := cc.newStream(ctx, &rawDesc, method, callOptions{})
 	if err != nil {
 		return nil, err
 	}
-	return &RawStream{cs: s.(*clientStream)}, nil
+	return &RawStream{cs: s}, nil
 }
 
 var rawDesc = grpc.StreamDesc{ServerStreams: true, ClientStreams: true}

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 )
 
 // Server serves gRPC services registered by generated code (it implements
@@ -437,11 +438,45 @@ func (st *serverStream) SetTrailer(md metadata.MD) {
 }
 
 func (st *serverStream) SendMsg(m any) error {
+	if pm, ok := m.(proto.Message); ok {
+		if size := proto.Size(pm); inPlace(size) {
+			return st.sendLarge(pm, size)
+		}
+	}
 	b, err := marshal(m)
 	if err != nil {
 		return err
 	}
 	return st.sendBytes(b)
+}
+
+// sendLarge marshals a response straight into a block of the server's shared memory (every
+// server call is an shm:// one: HTTP/2 calls reach handlers through a loopback) and sends it.
+func (st *serverStream) sendLarge(m proto.Message, size int) error {
+	var h *C.isthmus_block_t
+	var cst *C.isthmus_status_t
+	if code := C.isthmus_server_call_alloc(st.sc, C.size_t(size), &h, &cst); code != C.ISTHMUS_OK {
+		err, _ := statusError(code, cst)
+		return err
+	}
+	b := newBlock(h)
+	out, err := proto.MarshalOptions{}.MarshalAppend(b.Bytes()[:0], m)
+	if err != nil || len(out) != size {
+		b.Release()
+		if err == nil {
+			err = fmt.Errorf("%d bytes for a message of %d", len(out), size)
+		}
+		return status.Errorf(codes.Internal, "grpc: error while marshaling: %v", err)
+	}
+	if err := st.flushHeader(); err != nil {
+		b.Release()
+		return err
+	}
+	if code := C.isthmus_server_call_send_block(st.sc, b.take(), &cst); code != C.ISTHMUS_OK {
+		err, _ := statusError(code, cst)
+		return err
+	}
+	return nil
 }
 
 // flushHeader sends the initial metadata gathered so far if it has not gone yet: it goes
