@@ -122,6 +122,31 @@ def main() -> int:
                 f"64 B with 32 calls in flight: isthmus aio {ar / 1e3:.0f} k calls/s ({ar / gar:.1f}× grpc.aio's {gar / 1e3:.0f} k); isthmus sync {sr / 1e3:.0f} k ({sr / gsr:.1f}× grpcio's {gsr / 1e3:.0f} k).",
                 "",
             ]
+    go = ["go-isthmus-shm", "go-isthmus-raw", "go-grpc-uds"]
+    if med(go[0], 64, 1, "p50_us") is not None:
+        rows += [
+            "Go: a `protoc-gen-go-grpc` client and a Go server over isthmus (`go-isthmus-shm`), the raw tier writing into and reading from shared memory in place (`go-isthmus-raw`), and grpc-go over a Unix socket with 64 MiB windows and 1 MiB buffers (`go-grpc-uds`), p50:",
+            "",
+            "| message | go-isthmus-shm | go-isthmus-raw | go-grpc-uds | shm ÷ grpc-go | raw ÷ memcpy |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for size in (64, 1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20):
+            v = [med(g, size, 1, "p50_us") for g in go]
+            if None in v:
+                continue
+            mc = med("go-memcpy", size, 1, "p50_us")
+            label = SIZES.get(size, f"{size >> 20} MiB")
+            ratio = f"{v[1] / mc:.2f}×" if mc else "-"
+            rows.append(
+                f"| {label} | {fmt(v[0])} | {fmt(v[1])} | {fmt(v[2])} | {v[2] / v[0]:.1f}× | {ratio} |"
+            )
+        r32 = [med(g, 64, 32, "rps") for g in go]
+        if None not in r32:
+            rows += [
+                "",
+                f"64 B with 32 in flight: go-isthmus-shm {r32[0] / 1e3:.0f} k calls/s, go-grpc-uds {r32[2] / 1e3:.0f} k ({r32[0] / r32[2]:.1f}×).",
+            ]
+        rows.append("")
     rows += [
         "The transport alone (`isthmus-shm`, no RPC layer) beside a length-prefixed echo over a Unix socket (`raw-uds`) and one `memcpy`:",
         "",

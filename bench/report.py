@@ -30,7 +30,7 @@ PYTHON = [
     "py-grpc-aio-tonic-uds",
     "py-raw-uds",
 ]
-GO = ["go-isthmus-shm", "go-isthmus-raw", "go-grpc-uds", "memcpy"]
+GO = ["go-isthmus-shm", "go-isthmus-raw", "go-grpc-uds", "go-memcpy"]
 GATEWAY = ["gateway-isthmus-shm", "gateway-grpc-aio-uds", "gateway-httpx-axum-uds"]
 PAIRS = [
     ("isthmus-rust", "tonic-uds", "Rust: isthmus engine vs tonic over UDS"),
@@ -231,7 +231,7 @@ def main() -> int:
         "`go/cmd/go-bench`: a `protoc-gen-go-grpc` client and a Go server over isthmus (`go-isthmus-shm`, "
         "server with `InlineUnary`), the raw tier (`go-isthmus-raw`: request written into an allocated "
         "block, read by the server in place; reply likewise), grpc-go over a Unix socket with 64 MiB "
-        "windows and 1 MiB buffers (`go-grpc-uds`), and one `memcpy` of the same run.",
+        "windows and 1 MiB buffers (`go-grpc-uds`), and one copy of the payload in Go (`go-memcpy`).",
         "",
         *latency_table(res, GO),
         *cgo_line(res),

@@ -43,7 +43,7 @@ type ClientConn struct {
 // (one copy) instead of into Go memory and then copied there. Past inPlaceMax a block might
 // not fit the arena (64 MiB by default; larger messages travel in pieces).
 const (
-	largeMessage = 64 << 10
+	largeMessage = 256 << 10
 	inPlaceMax   = 16 << 20
 )
 
@@ -52,9 +52,10 @@ func inPlace(size int) bool { return size >= largeMessage && size <= inPlaceMax 
 
 // blockingCalls bounds the unary calls that may wait in a cgo call (holding their thread) at
 // once; the others wait on the completion queue.
-// (Measured: more blocking waiters only slow 32 calls in flight down, as they wake each
-// other.)
-var blockingCalls = int32(runtime.GOMAXPROCS(0))
+// They are at most half the Ps: a goroutine in a cgo call keeps its P until the runtime's
+// monitor takes it back (after up to 10 ms when idle), so Ps all held by waiting calls
+// stalled the goroutines their replies had woken (measured: p99 11 ms at 32 in flight).
+var blockingCalls = int32(max(runtime.GOMAXPROCS(0)/2, 1))
 
 var _ grpc.ClientConnInterface = (*ClientConn)(nil)
 

@@ -9,7 +9,6 @@ import "C"
 import (
 	"context"
 	"os"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -18,17 +17,12 @@ import (
 )
 
 // The reactor is how a goroutine waits for isthmus without holding an OS thread. Each
-// operation starts with a short cgo call that runs it as far as it can (a reply that comes
-// back within the connection's spin bound is returned at once, in `now`); one that must wait
-// completes later as an event on the process's completion queue. One goroutine takes those
-// events and hands each to the goroutine waiting for it. While operations wait it polls the
-// queue, yielding between polls; when the queue stays empty for spinWindow it parks in Go's
-// netpoller on the queue's eventfd, so an idle process spends no CPU.
-
-// spinWindow is how long the reactor keeps polling after its last event while operations
-// wait, before it parks: a wake-up through the netpoller costs tens of microseconds on the
-// machines isthmus is built for, a poll a fraction of one.
-const spinWindow = 50 * time.Microsecond
+// operation starts with a short cgo call that runs it as far as it can (one that finishes
+// there, a request sent or a reply already in, comes back at once in `now`); one that must
+// wait completes later as an event on the process's completion queue. One goroutine takes
+// those events and hands each to the goroutine waiting for it; when the queue is empty it
+// parks in Go's netpoller on the queue's eventfd. It does not spin: on two cores a spinning
+// goroutine took the CPU the peer needed, and measured slower than parking.
 
 // eventCapacity is how many events one poll takes.
 const eventCapacity = 256
@@ -41,7 +35,6 @@ type reactor struct {
 	mu      sync.Mutex
 	waiting map[uint64]func(C.isthmus_event_t)
 	next    atomic.Uint64
-	pending atomic.Int64
 }
 
 var (
@@ -85,7 +78,6 @@ func (r *reactor) tag(deliver func(C.isthmus_event_t)) uint64 {
 	r.mu.Lock()
 	r.waiting[t] = deliver
 	r.mu.Unlock()
-	r.pending.Add(1)
 	return t
 }
 
@@ -93,45 +85,26 @@ func (r *reactor) tag(deliver func(C.isthmus_event_t)) uint64 {
 // to start, or was abandoned).
 func (r *reactor) forget(t uint64) {
 	r.mu.Lock()
-	_, ok := r.waiting[t]
 	delete(r.waiting, t)
 	r.mu.Unlock()
-	if ok {
-		r.pending.Add(-1)
-	}
 }
 
-// persistent reserves a tag for a stream of events (a server's new calls); it never counts
-// as waiting.
+// persistent reserves a tag for a stream of events (a server's new calls).
 func (r *reactor) persistent(deliver func(C.isthmus_event_t)) uint64 {
-	t := r.next.Add(1)
-	r.mu.Lock()
-	r.waiting[t] = deliver
-	r.mu.Unlock()
-	return t
+	return r.tag(deliver)
 }
 
 func (r *reactor) run() {
 	var buf [8]byte
-	last := time.Now()
 	for {
-		n := int(C.isthmus_cq_poll(r.cq, r.events, eventCapacity))
-		if n > 0 {
+		if n := int(C.isthmus_cq_poll(r.cq, r.events, eventCapacity)); n > 0 {
 			r.dispatch(n)
-			last = time.Now()
-			continue
-		}
-		// Busy (an event came within spinWindow) or awaited: poll on. A server's next call
-		// comes as an event nobody awaits, so the window counts from the last event too.
-		if time.Since(last) < spinWindow || r.pending.Load() > 0 && time.Since(last) < 4*spinWindow {
-			runtime.Gosched()
 			continue
 		}
 		// Parks this goroutine (not its thread) until the eventfd is signalled.
 		if _, err := r.file.Read(buf[:]); err != nil && err != syscall.EAGAIN {
 			time.Sleep(time.Millisecond)
 		}
-		last = time.Now()
 	}
 }
 
@@ -148,9 +121,6 @@ func (r *reactor) dispatch(n int) {
 		if !ok {
 			freeEvent(ev)
 			continue
-		}
-		if ev.op != C.ISTHMUS_OP_NEW_CALL {
-			r.pending.Add(-1)
 		}
 		deliver(ev)
 	}
