@@ -254,6 +254,16 @@ const char *isthmus_code_name(isthmus_code_t code);
 // this with its value before (or with 0 at the end).
 size_t isthmus_live_handles(void);
 
+// The status's code (`ISTHMUS_INVALID_ARGUMENT` for an invalid handle).
+isthmus_code_t isthmus_status_code(const isthmus_status_t *status);
+
+// The status's message, NUL-terminated, valid until the status is freed ("" for an invalid
+// handle).
+const char *isthmus_status_message(const isthmus_status_t *status);
+
+// Frees a status.
+isthmus_code_t isthmus_status_free(isthmus_status_t *status);
+
 // Makes a channel to `target`. It connects on its first call, so this fails only for a
 // target it cannot parse (`ISTHMUS_INVALID_ARGUMENT`). Close it with `isthmus_channel_close`.
 //
@@ -560,19 +570,9 @@ isthmus_code_t isthmus_metadata_get(const isthmus_metadata_t *md,
 // Frees metadata.
 isthmus_code_t isthmus_metadata_free(isthmus_metadata_t *md);
 
-// The status's code (`ISTHMUS_INVALID_ARGUMENT` for an invalid handle).
-isthmus_code_t isthmus_status_code(const isthmus_status_t *status);
-
-// The status's message, NUL-terminated, valid until the status is freed ("" for an invalid
-// handle).
-const char *isthmus_status_message(const isthmus_status_t *status);
-
 // A copy of the status's trailing metadata, which the caller frees; NULL for an invalid
 // handle.
 isthmus_metadata_t *isthmus_status_trailers(const isthmus_status_t *status);
-
-// Frees a status.
-isthmus_code_t isthmus_status_free(isthmus_status_t *status);
 
 // A new server with no handlers. Free it with `isthmus_server_free`.
 //

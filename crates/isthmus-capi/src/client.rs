@@ -2,23 +2,22 @@
 
 use std::ffi::c_char;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use isthmus::binding::{block_on, runtime, SharedCall};
 use isthmus::{CallOptions, Code, Config, Status};
 
+use crate::abi::{c_bytes, c_str, entry, guard, invalid, isthmus_code_t, isthmus_status_t, put};
 use crate::cq::{
     cq_get, isthmus_cq_t, isthmus_event_t, Outcome, ISTHMUS_OP_CLOSE_SEND, ISTHMUS_OP_HEADERS, ISTHMUS_OP_RECV,
     ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_UNARY,
 };
 use crate::handle::Registry;
 use crate::object::{
-    block_handle, isthmus_block_t, isthmus_message_t, isthmus_metadata_t, isthmus_status_t, message_handle,
-    metadata_arg, metadata_handle, take_block,
+    block_handle, call_handle, isthmus_block_t, isthmus_call_t, isthmus_message_t, isthmus_metadata_t, message_handle,
+    metadata_arg, metadata_handle, take_block, CALLS,
 };
-use crate::{c_bytes, c_str, entry, invalid, isthmus_code_t, put};
 
 /// A channel to one server: `shm://NAME` or `shm:///path.sock` (shared memory), or
 /// `unix:///path.sock` and `http://host:port` (standard gRPC over HTTP/2). Connects on its
@@ -32,13 +31,6 @@ pub struct isthmus_channel_t {
     /// Unary calls over `shm://`, on the calling thread with no runtime (the fast path).
     blocking: Option<isthmus::blocking::Channel>,
     closed: AtomicBool,
-}
-
-/// One client call of any shape. Its sending side (`send`, `close_send`, `alloc`,
-/// `send_block`) and its receiving side (`recv`, `headers`) may be used from two threads at
-/// once.
-pub struct isthmus_call_t {
-    call: Arc<SharedCall>,
 }
 
 /// Options of one call. Zero-initialise it, then set what you need; a NULL
@@ -71,7 +63,6 @@ pub struct isthmus_channel_options_t {
 }
 
 pub(crate) static CHANNELS: Registry<isthmus_channel_t> = Registry::new("channel");
-pub(crate) static CALLS: Registry<isthmus_call_t> = Registry::new("call");
 
 /// The options behind a caller's pointer.
 ///
@@ -279,11 +270,6 @@ pub unsafe extern "C" fn isthmus_call_start(
         unsafe { put(call, call_handle(SharedCall::new(started))) };
         Ok(())
     })
-}
-
-/// A handle for a started call.
-pub(crate) fn call_handle(call: Arc<SharedCall>) -> *mut isthmus_call_t {
-    CALLS.add(isthmus_call_t { call })
 }
 
 /// [`isthmus_call_start`] without blocking: the event (`ISTHMUS_OP_START`) carries the call
@@ -514,7 +500,7 @@ pub unsafe extern "C" fn isthmus_call_headers_async(
 /// NULL while it runs.
 #[no_mangle]
 pub extern "C" fn isthmus_call_trailers(call: *const isthmus_call_t) -> *mut isthmus_metadata_t {
-    crate::guard(std::ptr::null_mut(), || {
+    guard(std::ptr::null_mut(), || {
         CALLS.get(call).ok().and_then(|c| c.call.trailers()).map_or(std::ptr::null_mut(), metadata_handle)
     })
 }

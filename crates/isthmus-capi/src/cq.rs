@@ -11,13 +11,12 @@ use bytes::Bytes;
 use isthmus::binding::{Completions, HandedCall, SharedCall};
 use isthmus::{MetadataMap, Response, Status};
 
-use crate::client::{call_handle, isthmus_call_t};
+use crate::abi::{entry, guard, isthmus_code_t, isthmus_status_t, status_handle, ISTHMUS_OK};
 use crate::handle::Registry;
 use crate::object::{
-    isthmus_message_t, isthmus_metadata_t, isthmus_status_t, message_handle, metadata_handle, status_handle,
+    call_handle, isthmus_call_t, isthmus_message_t, isthmus_metadata_t, isthmus_server_call_t, message_handle,
+    metadata_handle, server_call_handle,
 };
-use crate::server::{isthmus_server_call_t, server_call_handle};
-use crate::{entry, guard, isthmus_code_t, ISTHMUS_OK};
 
 /// A completion queue (see the module's documentation). Free it with `isthmus_cq_free` once
 /// nothing uses it.

@@ -5,9 +5,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
-use isthmus::Status;
-
-use crate::invalid;
+use isthmus::{Code, Status};
 
 /// The live handles of one type.
 pub(crate) struct Registry<T> {
@@ -60,4 +58,9 @@ impl<T> Registry<T> {
     fn stale(&self) -> Status {
         invalid(format!("not a live {} handle (freed already, or not one)", self.what))
     }
+}
+
+/// A refused handle, as every entry point reports one.
+fn invalid(what: impl Into<String>) -> Status {
+    Status::new(Code::InvalidArgument, what)
 }

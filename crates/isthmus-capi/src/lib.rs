@@ -40,60 +40,18 @@
 // The handles are opaque to C and hold engine objects with no `Debug` of their own.
 #![allow(missing_debug_implementations)]
 
+mod abi;
 mod client;
 mod cq;
 mod handle;
 mod object;
 mod server;
 
+pub use abi::*;
 pub use client::*;
 pub use cq::*;
 pub use object::*;
 pub use server::*;
-
-use isthmus::{Code, Status};
-
-/// The version of this ABI. It changes when a function or a struct changes incompatibly;
-/// functions are added without a change. See `docs/capi.md`.
-pub const ISTHMUS_ABI_VERSION: u32 = 1;
-
-/// A gRPC status code: 0 is OK.
-pub type isthmus_code_t = i32;
-
-/// The call succeeded.
-pub const ISTHMUS_OK: isthmus_code_t = 0;
-/// The operation was cancelled.
-pub const ISTHMUS_CANCELLED: isthmus_code_t = 1;
-/// An error of no other kind.
-pub const ISTHMUS_UNKNOWN: isthmus_code_t = 2;
-/// The caller gave an invalid argument (a NULL, a freed handle, a bad target or path).
-pub const ISTHMUS_INVALID_ARGUMENT: isthmus_code_t = 3;
-/// The deadline passed before the operation completed.
-pub const ISTHMUS_DEADLINE_EXCEEDED: isthmus_code_t = 4;
-/// Nothing is registered at the method path.
-pub const ISTHMUS_NOT_FOUND: isthmus_code_t = 5;
-/// What the caller tried to create exists.
-pub const ISTHMUS_ALREADY_EXISTS: isthmus_code_t = 6;
-/// The caller may not do this.
-pub const ISTHMUS_PERMISSION_DENIED: isthmus_code_t = 7;
-/// A limit was hit (a message larger than the peer accepts, too many calls).
-pub const ISTHMUS_RESOURCE_EXHAUSTED: isthmus_code_t = 8;
-/// The system is not in a state the operation needs.
-pub const ISTHMUS_FAILED_PRECONDITION: isthmus_code_t = 9;
-/// The operation was aborted.
-pub const ISTHMUS_ABORTED: isthmus_code_t = 10;
-/// Out of range.
-pub const ISTHMUS_OUT_OF_RANGE: isthmus_code_t = 11;
-/// Not implemented (by this transport, or by the server).
-pub const ISTHMUS_UNIMPLEMENTED: isthmus_code_t = 12;
-/// An invariant broke (malformed data from a peer; a panic caught at the boundary).
-pub const ISTHMUS_INTERNAL: isthmus_code_t = 13;
-/// The peer is not reachable or went away.
-pub const ISTHMUS_UNAVAILABLE: isthmus_code_t = 14;
-/// Unrecoverable data loss.
-pub const ISTHMUS_DATA_LOSS: isthmus_code_t = 15;
-/// The caller did not authenticate.
-pub const ISTHMUS_UNAUTHENTICATED: isthmus_code_t = 16;
 
 /// The ABI version of the loaded library ([`ISTHMUS_ABI_VERSION`] when it was built): compare
 /// with the header's before use.
@@ -138,93 +96,11 @@ pub extern "C" fn isthmus_live_handles() -> usize {
         object::MESSAGES.len()
             + object::BLOCKS.len()
             + object::METADATA.len()
-            + object::STATUSES.len()
+            + abi::STATUSES.len()
             + client::CHANNELS.len()
-            + client::CALLS.len()
+            + object::CALLS.len()
             + cq::QUEUES.len()
             + server::SERVERS.len()
-            + server::SERVER_CALLS.len()
+            + object::SERVER_CALLS.len()
     })
-}
-
-/// Runs one entry point's body, turning a panic into `fallback` (the ABI's INTERNAL, in the
-/// form the function returns) so that no unwind crosses `extern "C"`.
-pub(crate) fn guard<T>(fallback: T, body: impl FnOnce() -> T) -> T {
-    std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).unwrap_or(fallback)
-}
-
-/// A status for a bad argument from the caller.
-pub(crate) fn invalid(what: impl Into<String>) -> Status {
-    Status::new(Code::InvalidArgument, what)
-}
-
-/// The code of `result`, storing a failure's status for the caller (see the crate's rules).
-pub(crate) fn report(result: Result<(), Status>, status: *mut *mut object::isthmus_status_t) -> isthmus_code_t {
-    let code = match &result {
-        Ok(()) => ISTHMUS_OK,
-        Err(s) => s.code() as isthmus_code_t,
-    };
-    object::store_status(status, result.err());
-    code
-}
-
-/// [`guard`] for the common shape: a body that succeeds or fails with a status.
-pub(crate) fn entry(
-    status: *mut *mut object::isthmus_status_t,
-    body: impl FnOnce() -> Result<(), Status>,
-) -> isthmus_code_t {
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).unwrap_or_else(|p| {
-        let what = p
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| p.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a non-text panic".into());
-        Err(Status::new(Code::Internal, format!("isthmus caught a panic: {what}")))
-    });
-    report(result, status)
-}
-
-/// A NUL-terminated UTF-8 argument as `&str`.
-///
-/// # Safety
-///
-/// `s` is NULL or points to a NUL-terminated string that stays valid for `'a`.
-pub(crate) unsafe fn c_str<'a>(s: *const std::ffi::c_char, what: &str) -> Result<&'a str, Status> {
-    if s.is_null() {
-        return Err(invalid(format!("{what} is NULL")));
-    }
-    // SAFETY: not NULL, and the caller promises a NUL-terminated string alive for 'a.
-    unsafe { std::ffi::CStr::from_ptr(s) }.to_str().map_err(|_| invalid(format!("{what} is not UTF-8")))
-}
-
-/// A `(pointer, length)` argument as a slice; NULL is allowed for length 0.
-///
-/// # Safety
-///
-/// `data` is NULL or valid for reads of `len` bytes for `'a`.
-pub(crate) unsafe fn c_bytes<'a>(data: *const u8, len: usize, what: &str) -> Result<&'a [u8], Status> {
-    if len == 0 {
-        return Ok(&[]);
-    }
-    if data.is_null() {
-        return Err(invalid(format!("{what} is NULL with length {len}")));
-    }
-    if len > isize::MAX as usize {
-        return Err(invalid(format!("{what}: length {len} is too large")));
-    }
-    // SAFETY: not NULL, length checked against isize::MAX; the caller promises `len` readable
-    // bytes alive for 'a.
-    Ok(unsafe { std::slice::from_raw_parts(data, len) })
-}
-
-/// Stores `value` through an out-pointer the caller gave, if it is not NULL.
-///
-/// # Safety
-///
-/// `out` is NULL or valid for a write of `T`.
-pub(crate) unsafe fn put<T>(out: *mut T, value: T) {
-    if !out.is_null() {
-        // SAFETY: the caller promises `out` is writable when not NULL.
-        unsafe { out.write(value) };
-    }
 }

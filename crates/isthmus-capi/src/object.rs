@@ -1,14 +1,32 @@
-//! The values calls carry: received messages (views into shared memory), writable blocks,
+//! The handles the other modules share: calls (client and server side, which completion
+//! events hand out too), received messages (views into shared memory), writable blocks,
 //! metadata and statuses.
 
-use std::ffi::{c_char, CString};
-use std::sync::Mutex;
+use std::ffi::c_char;
+use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use isthmus::binding::{HandedCall, SharedCall};
 use isthmus::{BlockMut, Code, MetadataMap, Status};
 
+use crate::abi::{c_bytes, c_str, entry, guard, invalid, isthmus_code_t, isthmus_status_t, put, status_trailers};
 use crate::handle::Registry;
-use crate::{c_bytes, c_str, entry, guard, invalid, isthmus_code_t, put};
+
+/// One client call of any shape. Its sending side (`send`, `close_send`, `alloc`,
+/// `send_block`) and its receiving side (`recv`, `headers`) may be used from two threads at
+/// once.
+pub struct isthmus_call_t {
+    pub(crate) call: Arc<SharedCall>,
+}
+
+/// The server's side of one call, handed to a handler. The handler ends it with
+/// `isthmus_server_call_finish`, exactly once, which also frees the handle; until then its
+/// operations may be used from any thread. A call the client cancelled, or whose deadline
+/// passed, stays a valid handle whose operations fail with `ISTHMUS_CANCELLED`: finish it
+/// all the same.
+pub struct isthmus_server_call_t {
+    pub(crate) call: Arc<HandedCall>,
+}
 
 /// A received message. Over `shm://` a large one is a view into the sender's shared memory,
 /// not a copy: holding it keeps that memory from the sender, so free it when done.
@@ -31,17 +49,11 @@ pub struct isthmus_metadata_t {
     map: Mutex<MetadataMap>,
 }
 
-/// A gRPC status: code, message and trailing metadata.
-pub struct isthmus_status_t {
-    code: isthmus_code_t,
-    message: CString,
-    trailers: MetadataMap,
-}
-
+pub(crate) static CALLS: Registry<isthmus_call_t> = Registry::new("call");
+pub(crate) static SERVER_CALLS: Registry<isthmus_server_call_t> = Registry::new("server call");
 pub(crate) static MESSAGES: Registry<isthmus_message_t> = Registry::new("message");
 pub(crate) static BLOCKS: Registry<isthmus_block_t> = Registry::new("block");
 pub(crate) static METADATA: Registry<isthmus_metadata_t> = Registry::new("metadata");
-pub(crate) static STATUSES: Registry<isthmus_status_t> = Registry::new("status");
 
 /// A pointer to `bytes` for C: NULL when there are none, because an empty Rust slice's
 /// pointer is a dangling non-NULL value that garbage-collected callers (Go) refuse to hold.
@@ -50,6 +62,16 @@ pub(crate) fn data_ptr(bytes: &[u8]) -> *const u8 {
         true => std::ptr::null(),
         false => bytes.as_ptr(),
     }
+}
+
+/// A handle for a started call.
+pub(crate) fn call_handle(call: Arc<SharedCall>) -> *mut isthmus_call_t {
+    CALLS.add(isthmus_call_t { call })
+}
+
+/// A handle for a call handed to a handler.
+pub(crate) fn server_call_handle(call: Arc<HandedCall>) -> *mut isthmus_server_call_t {
+    SERVER_CALLS.add(isthmus_server_call_t { call })
 }
 
 /// A handle for a received message.
@@ -83,26 +105,6 @@ pub(crate) fn metadata_arg(md: *const isthmus_metadata_t) -> Result<MetadataMap,
     let md = METADATA.get(md)?;
     let map = md.map.lock().map_err(|_| invalid("metadata poisoned"))?.clone();
     Ok(map)
-}
-
-/// A handle for `status`.
-pub(crate) fn status_handle(status: &Status) -> *mut isthmus_status_t {
-    let message = CString::new(status.message().replace('\0', " ")).unwrap_or_default();
-    STATUSES.add(isthmus_status_t {
-        code: status.code() as isthmus_code_t,
-        message,
-        trailers: status.metadata().clone(),
-    })
-}
-
-/// Stores a failure's status through the caller's out-pointer (NULL on success).
-pub(crate) fn store_status(out: *mut *mut isthmus_status_t, status: Option<Status>) {
-    if out.is_null() {
-        return;
-    }
-    let handle = status.map_or(std::ptr::null_mut(), |s| status_handle(&s));
-    // SAFETY: `out` is not NULL; the ABI's rules make it writable.
-    unsafe { put(out, handle) };
 }
 
 // ---- messages ----
@@ -250,30 +252,9 @@ pub extern "C" fn isthmus_metadata_free(md: *mut isthmus_metadata_t) -> isthmus_
 
 // ---- statuses ----
 
-/// The status's code (`ISTHMUS_INVALID_ARGUMENT` for an invalid handle).
-#[no_mangle]
-pub extern "C" fn isthmus_status_code(status: *const isthmus_status_t) -> isthmus_code_t {
-    guard(crate::ISTHMUS_INTERNAL, || STATUSES.get(status).map_or(crate::ISTHMUS_INVALID_ARGUMENT, |s| s.code))
-}
-
-/// The status's message, NUL-terminated, valid until the status is freed ("" for an invalid
-/// handle).
-#[no_mangle]
-pub extern "C" fn isthmus_status_message(status: *const isthmus_status_t) -> *const c_char {
-    guard(c"".as_ptr(), || STATUSES.get(status).map_or(c"".as_ptr(), |s| s.message.as_ptr()))
-}
-
 /// A copy of the status's trailing metadata, which the caller frees; NULL for an invalid
 /// handle.
 #[no_mangle]
 pub extern "C" fn isthmus_status_trailers(status: *const isthmus_status_t) -> *mut isthmus_metadata_t {
-    guard(std::ptr::null_mut(), || {
-        STATUSES.get(status).map_or(std::ptr::null_mut(), |s| metadata_handle(s.trailers.clone()))
-    })
-}
-
-/// Frees a status.
-#[no_mangle]
-pub extern "C" fn isthmus_status_free(status: *mut isthmus_status_t) -> isthmus_code_t {
-    entry(std::ptr::null_mut(), || STATUSES.remove(status).map(drop))
+    guard(std::ptr::null_mut(), || status_trailers(status).map_or(std::ptr::null_mut(), metadata_handle))
 }

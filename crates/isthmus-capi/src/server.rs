@@ -9,16 +9,16 @@ use std::time::Duration;
 use isthmus::binding::{block_on, hand_off, runtime, HandedCall};
 use isthmus::{Code, Config, Handler, HandlerFuture, Status};
 
+use crate::abi::{c_bytes, c_str, entry, guard, invalid, isthmus_code_t, isthmus_status_t, put};
 use crate::cq::{
     cq_get, isthmus_cq_t, isthmus_event_t, Outcome, Queue, ISTHMUS_OP_DONE, ISTHMUS_OP_NEW_CALL, ISTHMUS_OP_RECV,
     ISTHMUS_OP_SEND, ISTHMUS_OP_SEND_HEADERS,
 };
 use crate::handle::Registry;
 use crate::object::{
-    block_handle, isthmus_block_t, isthmus_message_t, isthmus_metadata_t, isthmus_status_t, message_handle,
-    metadata_arg, metadata_handle, take_block,
+    block_handle, isthmus_block_t, isthmus_message_t, isthmus_metadata_t, isthmus_server_call_t, message_handle,
+    metadata_arg, metadata_handle, server_call_handle, take_block, SERVER_CALLS,
 };
-use crate::{c_bytes, c_str, entry, guard, invalid, isthmus_code_t, put};
 
 /// A handler callback: called on one of the library's threads for each new call on its path,
 /// with the `user_data` given at registration. It must not block for long: hand the call to
@@ -44,22 +44,7 @@ enum ServerState {
     Stopped,
 }
 
-/// The server's side of one call, handed to a handler. The handler ends it with
-/// `isthmus_server_call_finish`, exactly once, which also frees the handle; until then its
-/// operations may be used from any thread. A call the client cancelled, or whose deadline
-/// passed, stays a valid handle whose operations fail with `ISTHMUS_CANCELLED`: finish it
-/// all the same.
-pub struct isthmus_server_call_t {
-    call: Arc<HandedCall>,
-}
-
 pub(crate) static SERVERS: Registry<isthmus_server_t> = Registry::new("server");
-pub(crate) static SERVER_CALLS: Registry<isthmus_server_call_t> = Registry::new("server call");
-
-/// A handle for a call handed to a handler.
-pub(crate) fn server_call_handle(call: Arc<HandedCall>) -> *mut isthmus_server_call_t {
-    SERVER_CALLS.add(isthmus_server_call_t { call })
-}
 
 /// Where a handler's calls go.
 enum Deliver {
