@@ -313,26 +313,29 @@ fn a_call_ends_unavailable_when_the_server_is_killed() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let scratch = Scratch::new();
     let binary = build_abi_check(&scratch);
-    // An shm:// path this time (the other test uses a name). Over unix:// such a call ends
-    // UNKNOWN "transport error" instead (the engine's HTTP/2 way), so it is not checked here.
-    let target = format!("shm://{}", scratch.path("gone.sock").display());
-    let mut server = start_server(&binary, &scratch, &[&target]);
-    let what = format!("peer-gone {target}");
-    let mut client = Proc::spawn(&what, &binary, &["peer-gone", &target], &scratch, Stdio::null());
-    let line = client.next_line(READY_TIMEOUT);
-    assert_eq!(line, "waiting", "{}", client.transcript());
+    // An shm:// path this time (the other test uses a name), and a unix:// socket, where the
+    // call rides HTTP/2.
+    let shm = format!("shm://{}", scratch.path("gone.sock").display());
+    let unix = format!("unix://{}", scratch.path("gone-h2.sock").display());
+    for target in [shm, unix] {
+        let mut server = start_server(&binary, &scratch, &[&target]);
+        let what = format!("peer-gone {target}");
+        let mut client = Proc::spawn(&what, &binary, &["peer-gone", &target], &scratch, Stdio::null());
+        let line = client.next_line(READY_TIMEOUT);
+        assert_eq!(line, "waiting", "{}", client.transcript());
 
-    server.child.kill().expect("SIGKILL the server");
-    let killed = Instant::now();
-    let _ = server.child.wait();
+        server.child.kill().expect("SIGKILL the server");
+        let killed = Instant::now();
+        let _ = server.child.wait();
 
-    let (at, line) = client.next_line_at(Duration::from_secs(30));
-    let after = at.saturating_duration_since(killed);
-    assert!(line.contains("UNAVAILABLE"), "{what}: {line}\n{}", client.transcript());
-    // Generous: the socket's EOF wakes the call at once (and the server's Sleep, were it alive,
-    // would end the call CANCELLED after 5 s).
-    assert!(after < Duration::from_secs(2), "{what}: returned {after:?} after the kill");
-    let (status, _) = client.finish(EXIT_TIMEOUT);
-    assert!(status.success(), "{what}: {status}\n{}", client.transcript());
-    println!("{what}: {line} ({after:?} after the kill)");
+        let (at, line) = client.next_line_at(Duration::from_secs(30));
+        let after = at.saturating_duration_since(killed);
+        assert!(line.contains("UNAVAILABLE"), "{what}: {line}\n{}", client.transcript());
+        // Generous: the socket's EOF wakes the call at once (and the server's Sleep, were it
+        // alive, would end the call CANCELLED after 5 s).
+        assert!(after < Duration::from_secs(2), "{what}: returned {after:?} after the kill");
+        let (status, _) = client.finish(EXIT_TIMEOUT);
+        assert!(status.success(), "{what}: {status}\n{}", client.transcript());
+        println!("{what}: {line} ({after:?} after the kill)");
+    }
 }

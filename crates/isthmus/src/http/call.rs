@@ -130,10 +130,13 @@ impl Drop for HttpCall {
 /// A status from tonic, with its trailers as metadata.
 fn status_from_tonic(t: tonic::Status) -> Status {
     let metadata = codec::metadata_from(&t.metadata().clone().into_headers()).unwrap_or_default();
-    // An UNKNOWN that tonic made from a transport error (it keeps the error as its source), not
-    // one the server sent: the connection broke, which gRPC calls UNAVAILABLE.
+    // An UNKNOWN that tonic made from a transport error, not one the server sent: the
+    // connection broke, which gRPC calls UNAVAILABLE. tonic keeps the error as its source, or,
+    // where the status was copied on the way (a response body that broke), only its text.
     let code = match t.code() {
-        tonic::Code::Unknown if std::error::Error::source(&t).is_some() => Code::Unavailable,
+        tonic::Code::Unknown if std::error::Error::source(&t).is_some() || t.message() == "transport error" => {
+            Code::Unavailable
+        }
         other => Code::from_u32(other as u32),
     };
     Status::new(code, t.message().to_owned()).with_details(t.details().to_vec()).with_metadata(metadata)

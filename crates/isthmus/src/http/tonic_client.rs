@@ -383,8 +383,14 @@ where
                     }
                     Err(e) => {
                         let t = tonic::Status::from_error(Box::new(e));
-                        let status = Status::new(Code::from_u32(t.code() as u32), t.message().to_owned());
-                        failed_response(status.with_details(t.details().to_vec()))
+                        // No response at all: the request could not be carried (the server hung
+                        // up or died before answering), which gRPC calls UNAVAILABLE; tonic names
+                        // such transport errors UNKNOWN.
+                        let code = match t.code() {
+                            tonic::Code::Unknown => Code::Unavailable,
+                            other => Code::from_u32(other as u32),
+                        };
+                        failed_response(Status::new(code, t.message().to_owned()).with_details(t.details().to_vec()))
                     }
                 })
             });
