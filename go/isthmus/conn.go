@@ -494,14 +494,24 @@ func (s *clientStream) SendMsg(m any) error {
 	if err != nil {
 		return err
 	}
+	return s.sendBytes(b, false)
+}
+
+// sendBytes sends one request message; last half-closes with it.
+func (s *clientStream) sendBytes(b []byte, last bool) error {
 	call, ok := s.begin()
 	if !ok {
 		return io.EOF
 	}
 	defer s.end()
+	l := C.int32_t(0)
+	if last {
+		l = 1
+		s.sent.Store(true)
+	}
 	ev, ok := s.cc.r.do(s.ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
 		var st *C.isthmus_status_t
-		return C.isthmus_call_send_async(call, bytesPtr(b), C.size_t(len(b)), 0, cq, tag, now, &st), st
+		return C.isthmus_call_send_async(call, bytesPtr(b), C.size_t(len(b)), l, cq, tag, now, &st), st
 	})
 	runtime.KeepAlive(b)
 	if !ok {

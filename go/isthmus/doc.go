@@ -20,7 +20,7 @@
 // grpc.SetHeader/SendHeader/SetTrailer in handlers) and errors as status.Status with
 // codes. Handlers run on goroutines (or, with InlineUnary, unary ones on the connection's
 // reading thread). A unary call whose context cannot be cancelled waits in its cgo call while
-// at most GOMAXPROCS calls do; every other call waits on a completion queue that one
+// at most half of GOMAXPROCS calls do; every other call waits on a completion queue that one
 // goroutine watches through Go's netpoller, so thousands of calls can be in flight without a
 // thread each.
 //

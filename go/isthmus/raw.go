@@ -140,33 +140,7 @@ func (r *RawStream) SendBlock(b *Block, last bool) error {
 }
 
 // Send sends one request (copied into shared memory over shm://); last half-closes with it.
-func (r *RawStream) Send(data []byte, last bool) error {
-	call, ok := r.cs.begin()
-	if !ok {
-		return io.EOF
-	}
-	defer r.cs.end()
-	l := C.int32_t(0)
-	if last {
-		l = 1
-		r.cs.sent.Store(true)
-	}
-	ev, ok := r.cs.cc.r.do(r.cs.ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
-		var st *C.isthmus_status_t
-		return C.isthmus_call_send_async(call, bytesPtr(data), C.size_t(len(data)), l, cq, tag, now, &st), st
-	})
-	runtime.KeepAlive(data)
-	if !ok {
-		return ctxError(r.cs.ctx)
-	}
-	if ev.code != C.ISTHMUS_OK {
-		if ev.status != nil {
-			C.isthmus_status_free(ev.status)
-		}
-		return io.EOF
-	}
-	return nil
-}
+func (r *RawStream) Send(data []byte, last bool) error { return r.cs.sendBytes(data, last) }
 
 // CloseSend half-closes.
 func (r *RawStream) CloseSend() error { return r.cs.CloseSend() }

@@ -89,11 +89,6 @@ func (r *reactor) forget(t uint64) {
 	r.mu.Unlock()
 }
 
-// persistent reserves a tag for a stream of events (a server's new calls).
-func (r *reactor) persistent(deliver func(C.isthmus_event_t)) uint64 {
-	return r.tag(deliver)
-}
-
 func (r *reactor) run() {
 	var buf [8]byte
 	for {

@@ -155,7 +155,8 @@ func (s *Server) Start(targets ...string) error {
 		if s.opts.inline && m.unary != nil {
 			code = addInlineHandler(srv, cname, s, m, &st)
 		} else {
-			tag := r.persistent(func(ev C.isthmus_event_t) { s.handlers.Add(1); go s.handle(m, ev.server_call) })
+			// A new call's tag stays registered: the reactor keeps NEW_CALL tags after delivery.
+			tag := r.tag(func(ev C.isthmus_event_t) { s.handlers.Add(1); go s.handle(m, ev.server_call) })
 			code = C.isthmus_server_add_handler_cq(srv, cname, r.cq, C.uint64_t(tag), &st)
 		}
 		C.free(unsafe.Pointer(cname))

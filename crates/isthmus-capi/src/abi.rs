@@ -83,6 +83,32 @@ pub(crate) fn entry(status: *mut *mut isthmus_status_t, body: impl FnOnce() -> R
     report(result, status)
 }
 
+/// [`entry`] for the functions that give one handle through an out-pointer: `*out` is NULL
+/// unless the body gives a handle, and a NULL `out` is refused (`what` names it).
+///
+/// # Safety
+///
+/// `out` is NULL or writable; `status` is NULL or writable.
+pub(crate) unsafe fn entry_out<T>(
+    out: *mut *mut T,
+    what: &str,
+    status: *mut *mut isthmus_status_t,
+    body: impl FnOnce() -> Result<Option<*mut T>, Status>,
+) -> isthmus_code_t {
+    // SAFETY: the caller promises `out` is NULL or writable.
+    unsafe { put(out, std::ptr::null_mut()) };
+    entry(status, || {
+        if out.is_null() {
+            return Err(invalid(format!("the {what} out-pointer is NULL")));
+        }
+        if let Some(handle) = body()? {
+            // SAFETY: checked not NULL; writable by the caller's promise.
+            unsafe { out.write(handle) };
+        }
+        Ok(())
+    })
+}
+
 /// A NUL-terminated UTF-8 argument as `&str`.
 ///
 /// # Safety

@@ -8,10 +8,10 @@ use bytes::Bytes;
 use isthmus::binding::{block_on, runtime, SharedCall};
 use isthmus::{CallOptions, Code, Config, Status};
 
-use crate::abi::{c_bytes, c_str, entry, guard, invalid, isthmus_code_t, isthmus_status_t, put};
+use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
 use crate::cq::{
-    cq_get, isthmus_cq_t, isthmus_event_t, Outcome, ISTHMUS_OP_CLOSE_SEND, ISTHMUS_OP_HEADERS, ISTHMUS_OP_RECV,
-    ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_UNARY,
+    cq_get, isthmus_cq_t, isthmus_event_t, start_on, Outcome, ISTHMUS_OP_CLOSE_SEND, ISTHMUS_OP_HEADERS,
+    ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_UNARY,
 };
 use crate::handle::Registry;
 use crate::object::{
@@ -117,28 +117,24 @@ pub unsafe extern "C" fn isthmus_channel_new(
     out: *mut *mut isthmus_channel_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    entry(status, || {
-        if out.is_null() {
-            return Err(invalid("the out-pointer is NULL"));
-        }
-        // SAFETY: the caller's promises, passed on.
-        let (target, opts) = unsafe { (c_str(target, "the target")?, opts.as_ref()) };
-        let mut config = Config::default();
-        if let Some(limit) = opts.map(|o| o.max_message_size).filter(|l| *l > 0) {
-            config.max_message_size = limit;
-        }
-        let blocking = match target.starts_with("shm:") {
-            true => Some(isthmus::blocking::Channel::lazy_with(target, config.clone())?),
-            false => None,
-        };
-        let _runtime = runtime().enter();
-        let engine = isthmus::Channel::lazy_with(target, config)?;
-        let polled = engine.with_calls_read(false);
-        let channel = isthmus_channel_t { engine, polled, blocking, closed: AtomicBool::new(false) };
-        // SAFETY: checked not NULL; the caller promises it is writable.
-        unsafe { put(out, CHANNELS.add(channel)) };
-        Ok(())
-    })
+    // SAFETY: the caller's promises, passed on.
+    unsafe {
+        entry_out(out, "channel", status, || {
+            let (target, opts) = (c_str(target, "the target")?, opts.as_ref());
+            let mut config = Config::default();
+            if let Some(limit) = opts.map(|o| o.max_message_size).filter(|l| *l > 0) {
+                config.max_message_size = limit;
+            }
+            let blocking = match target.starts_with("shm:") {
+                true => Some(isthmus::blocking::Channel::lazy_with(target, config.clone())?),
+                false => None,
+            };
+            let _runtime = runtime().enter();
+            let engine = isthmus::Channel::lazy_with(target, config)?;
+            let polled = engine.with_calls_read(false);
+            Ok(Some(CHANNELS.add(isthmus_channel_t { engine, polled, blocking, closed: AtomicBool::new(false) })))
+        })
+    }
 }
 
 /// Closes a channel and frees its handle. Calls in progress go on until they end; new calls
@@ -257,19 +253,16 @@ pub unsafe extern "C" fn isthmus_call_start(
     call: *mut *mut isthmus_call_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    entry(status, || {
-        if call.is_null() {
-            return Err(invalid("the call out-pointer is NULL"));
-        }
-        let channel = CHANNELS.get(channel)?;
-        channel.open()?;
-        // SAFETY: the caller's promises, passed on.
-        let (path, options) = unsafe { (c_str(path, "the path")?, call_options(opts)?) };
-        let started = block_on(channel.engine.start(path, options))?;
-        // SAFETY: checked not NULL; writable by the caller's promise.
-        unsafe { put(call, call_handle(SharedCall::new(started))) };
-        Ok(())
-    })
+    // SAFETY: the caller's promises, passed on.
+    unsafe {
+        entry_out(call, "call", status, || {
+            let channel = CHANNELS.get(channel)?;
+            channel.open()?;
+            let (path, options) = (c_str(path, "the path")?, call_options(opts)?);
+            let started = block_on(channel.engine.start(path, options))?;
+            Ok(Some(call_handle(SharedCall::new(started))))
+        })
+    }
 }
 
 /// [`isthmus_call_start`] without blocking: the event (`ISTHMUS_OP_START`) carries the call
@@ -349,18 +342,10 @@ pub unsafe extern "C" fn isthmus_call_send_async(
     now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    entry(status, || {
-        let (call, cq) = (CALLS.get(call)?, cq_get(cq)?);
+    start_on(CALLS.get(call).map(|c| c.call.clone()), cq, tag, ISTHMUS_OP_SEND, now, status, |shared| {
         // SAFETY: the caller's promise, passed on.
         let message = Bytes::copy_from_slice(unsafe { c_bytes(data, len, "the message")? });
-        let shared = call.call.clone();
-        cq.start(
-            tag,
-            ISTHMUS_OP_SEND,
-            async move { Outcome::done_if(shared.send(message, last != 0).await, over) },
-            now,
-        );
-        Ok(())
+        Ok(async move { Outcome::done_if(shared.send(message, last != 0).await, over) })
     })
 }
 
@@ -387,15 +372,11 @@ pub unsafe extern "C" fn isthmus_call_close_send_async(
     now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    entry(status, || {
-        let (call, cq) = (CALLS.get(call)?, cq_get(cq)?);
-        let shared = call.call.clone();
-        let closing = async move {
+    start_on(CALLS.get(call).map(|c| c.call.clone()), cq, tag, ISTHMUS_OP_CLOSE_SEND, now, status, |shared| {
+        Ok(async move {
             shared.close_send().await;
             Outcome::Done
-        };
-        cq.start(tag, ISTHMUS_OP_CLOSE_SEND, closing, now);
-        Ok(())
+        })
     })
 }
 
@@ -413,19 +394,8 @@ pub unsafe extern "C" fn isthmus_call_recv(
     message: *mut *mut isthmus_message_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    // SAFETY: the caller promises `message` is writable when not NULL.
-    unsafe { put(message, std::ptr::null_mut()) };
-    entry(status, || {
-        if message.is_null() {
-            return Err(invalid("the message out-pointer is NULL"));
-        }
-        let call = CALLS.get(call)?;
-        if let Some(m) = block_on(call.call.recv())? {
-            // SAFETY: checked not NULL, writable by the caller's promise.
-            unsafe { put(message, message_handle(m)) };
-        }
-        Ok(())
-    })
+    // SAFETY: the caller's promises, passed on.
+    unsafe { entry_out(message, "message", status, || Ok(block_on(CALLS.get(call)?.call.recv())?.map(message_handle))) }
 }
 
 /// [`isthmus_call_recv`] without blocking (`ISTHMUS_OP_RECV`: `message`, NULL at the OK end;
@@ -442,11 +412,8 @@ pub unsafe extern "C" fn isthmus_call_recv_async(
     now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    entry(status, || {
-        let (call, cq) = (CALLS.get(call)?, cq_get(cq)?);
-        let shared = call.call.clone();
-        cq.start(tag, ISTHMUS_OP_RECV, async move { Outcome::received(shared.recv().await) }, now);
-        Ok(())
+    start_on(CALLS.get(call).map(|c| c.call.clone()), cq, tag, ISTHMUS_OP_RECV, now, status, |shared| {
+        Ok(async move { Outcome::received(shared.recv().await) })
     })
 }
 
@@ -461,18 +428,10 @@ pub unsafe extern "C" fn isthmus_call_headers(
     headers: *mut *mut isthmus_metadata_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    // SAFETY: the caller promises `headers` is writable when not NULL.
-    unsafe { put(headers, std::ptr::null_mut()) };
-    entry(status, || {
-        if headers.is_null() {
-            return Err(invalid("the headers out-pointer is NULL"));
-        }
-        let call = CALLS.get(call)?;
-        let md = block_on(call.call.headers())?;
-        // SAFETY: checked not NULL, writable by the caller's promise.
-        unsafe { put(headers, metadata_handle(md)) };
-        Ok(())
-    })
+    // SAFETY: the caller's promises, passed on.
+    unsafe {
+        entry_out(headers, "headers", status, || Ok(Some(metadata_handle(block_on(CALLS.get(call)?.call.headers())?))))
+    }
 }
 
 /// [`isthmus_call_headers`] without blocking (`ISTHMUS_OP_HEADERS`: `metadata`).
@@ -488,11 +447,8 @@ pub unsafe extern "C" fn isthmus_call_headers_async(
     now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    entry(status, || {
-        let (call, cq) = (CALLS.get(call)?, cq_get(cq)?);
-        let shared = call.call.clone();
-        cq.start(tag, ISTHMUS_OP_HEADERS, async move { Outcome::headers(shared.headers().await) }, now);
-        Ok(())
+    start_on(CALLS.get(call).map(|c| c.call.clone()), cq, tag, ISTHMUS_OP_HEADERS, now, status, |shared| {
+        Ok(async move { Outcome::headers(shared.headers().await) })
     })
 }
 
@@ -519,18 +475,8 @@ pub unsafe extern "C" fn isthmus_call_alloc(
     block: *mut *mut isthmus_block_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    // SAFETY: the caller promises `block` is writable when not NULL.
-    unsafe { put(block, std::ptr::null_mut()) };
-    entry(status, || {
-        if block.is_null() {
-            return Err(invalid("the block out-pointer is NULL"));
-        }
-        let call = CALLS.get(call)?;
-        let b = block_on(call.call.alloc(len))?;
-        // SAFETY: checked not NULL, writable by the caller's promise.
-        unsafe { put(block, block_handle(b)) };
-        Ok(())
-    })
+    // SAFETY: the caller's promises, passed on.
+    unsafe { entry_out(block, "block", status, || Ok(Some(block_handle(block_on(CALLS.get(call)?.call.alloc(len))?)))) }
 }
 
 /// Sends a block from `isthmus_call_alloc` as one request message, with no copy; `last`

@@ -212,6 +212,27 @@ impl Queue {
     }
 }
 
+/// The shape of every `_async` operation on a call: the call (looked up by the caller) and
+/// the queue checked, then operation `op` started on the queue with the future `make` builds.
+pub(crate) fn start_on<C, F>(
+    call: Result<C, Status>,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    op: isthmus_op_t,
+    now: *mut isthmus_event_t,
+    status: *mut *mut isthmus_status_t,
+    make: impl FnOnce(C) -> Result<F, Status>,
+) -> isthmus_code_t
+where
+    F: std::future::Future<Output = Outcome> + Send + 'static,
+{
+    entry(status, || {
+        let (call, cq) = (call?, cq_get(cq)?);
+        cq.start(tag, op, make(call)?, now);
+        Ok(())
+    })
+}
+
 /// A new completion queue, or NULL if the system refuses an eventfd.
 #[no_mangle]
 pub extern "C" fn isthmus_cq_new() -> *mut isthmus_cq_t {

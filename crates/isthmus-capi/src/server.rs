@@ -9,10 +9,10 @@ use std::time::Duration;
 use isthmus::binding::{block_on, hand_off, runtime, HandedCall};
 use isthmus::{Code, Config, Handler, HandlerFuture, Status};
 
-use crate::abi::{c_bytes, c_str, entry, guard, invalid, isthmus_code_t, isthmus_status_t, put};
+use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
 use crate::cq::{
-    cq_get, isthmus_cq_t, isthmus_event_t, Outcome, Queue, ISTHMUS_OP_DONE, ISTHMUS_OP_NEW_CALL, ISTHMUS_OP_RECV,
-    ISTHMUS_OP_SEND, ISTHMUS_OP_SEND_HEADERS,
+    cq_get, isthmus_cq_t, isthmus_event_t, start_on, Outcome, Queue, ISTHMUS_OP_DONE, ISTHMUS_OP_NEW_CALL,
+    ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_SEND_HEADERS,
 };
 use crate::handle::Registry;
 use crate::object::{
@@ -347,19 +347,9 @@ pub unsafe extern "C" fn isthmus_server_call_recv(
     message: *mut *mut isthmus_message_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    // SAFETY: the caller promises `message` is writable when not NULL.
-    unsafe { put(message, std::ptr::null_mut()) };
-    entry(status, || {
-        if message.is_null() {
-            return Err(invalid("the message out-pointer is NULL"));
-        }
-        let call = handed(call)?;
-        if let Some(m) = block_on(call.recv(flags & ISTHMUS_RECV_FLUSH_HEADERS != 0))? {
-            // SAFETY: checked not NULL, writable by the caller's promise.
-            unsafe { put(message, message_handle(m)) };
-        }
-        Ok(())
-    })
+    let flush = flags & ISTHMUS_RECV_FLUSH_HEADERS != 0;
+    // SAFETY: the caller's promises, passed on.
+    unsafe { entry_out(message, "message", status, || Ok(block_on(handed(call)?.recv(flush))?.map(message_handle))) }
 }
 
 /// [`isthmus_server_call_recv`] without blocking (`ISTHMUS_OP_RECV`).
@@ -376,11 +366,9 @@ pub unsafe extern "C" fn isthmus_server_call_recv_async(
     now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    entry(status, || {
-        let (call, cq) = (handed(call)?, cq_get(cq)?);
-        let flush = flags & ISTHMUS_RECV_FLUSH_HEADERS != 0;
-        cq.start(tag, ISTHMUS_OP_RECV, async move { Outcome::received(call.recv(flush).await) }, now);
-        Ok(())
+    let flush = flags & ISTHMUS_RECV_FLUSH_HEADERS != 0;
+    start_on(handed(call), cq, tag, ISTHMUS_OP_RECV, now, status, |call| {
+        Ok(async move { Outcome::received(call.recv(flush).await) })
     })
 }
 
@@ -446,12 +434,10 @@ pub unsafe extern "C" fn isthmus_server_call_send_async(
     now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    entry(status, || {
-        let (call, cq) = (handed(call)?, cq_get(cq)?);
+    start_on(handed(call), cq, tag, ISTHMUS_OP_SEND, now, status, |call| {
         // SAFETY: the caller's promise, passed on.
         let message = unsafe { c_bytes(data, len, "the message")? }.to_vec();
-        cq.start(tag, ISTHMUS_OP_SEND, async move { Outcome::done(call.send(&message).await) }, now);
-        Ok(())
+        Ok(async move { Outcome::done(call.send(&message).await) })
     })
 }
 
@@ -486,10 +472,10 @@ pub unsafe extern "C" fn isthmus_server_call_send_headers_async(
     now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    entry(status, || {
-        let (call, md, cq) = (handed(call)?, metadata_arg(metadata)?, cq_get(cq)?);
-        cq.start(tag, ISTHMUS_OP_SEND_HEADERS, async move { Outcome::done(call.send_headers(md).await) }, now);
-        Ok(())
+    let md = metadata_arg(metadata);
+    start_on(handed(call), cq, tag, ISTHMUS_OP_SEND_HEADERS, now, status, |call| {
+        let md = md?;
+        Ok(async move { Outcome::done(call.send_headers(md).await) })
     })
 }
 
@@ -506,17 +492,8 @@ pub unsafe extern "C" fn isthmus_server_call_alloc(
     block: *mut *mut isthmus_block_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    // SAFETY: the caller promises `block` is writable when not NULL.
-    unsafe { put(block, std::ptr::null_mut()) };
-    entry(status, || {
-        if block.is_null() {
-            return Err(invalid("the block out-pointer is NULL"));
-        }
-        let b = block_on(handed(call)?.alloc(len))?;
-        // SAFETY: checked not NULL, writable by the caller's promise.
-        unsafe { put(block, block_handle(b)) };
-        Ok(())
-    })
+    // SAFETY: the caller's promises, passed on.
+    unsafe { entry_out(block, "block", status, || Ok(Some(block_handle(block_on(handed(call)?.alloc(len))?)))) }
 }
 
 /// Sends a block from `isthmus_server_call_alloc` as one response message, with no copy. The
