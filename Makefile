@@ -21,18 +21,25 @@ export PYO3_PYTHON := $(CURDIR)/$(VENV)/bin/python
 CAPI_DIR = $(CURDIR)/target/$(if $(RELEASE),release,debug)
 GO_ENV = CGO_LDFLAGS="-L$(CAPI_DIR) -Wl,-rpath,$(CAPI_DIR)"
 
-.PHONY: help test lint fmt unit pytest gotest capi go-bins c-tools go-proto fuzz-smoke bench demo tools rust-tools peers python clean
+.PHONY: help test lint fmt unit pytest gotest luatest capi go-bins c-tools lua-tools go-proto fuzz-smoke bench demo tools rust-tools peers python clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
 	@echo "  options: QUICK=1 (make bench: reduced set, < 3 min), FUZZ_SECONDS=N (per fuzz target)"
 
-tools: rust-tools peers c-tools ## Install what the targets need (idempotent)
+tools: rust-tools peers c-tools lua-tools ## Install what the targets need (idempotent)
 
 # A C compiler: cgo and the C ABI's own test (under AddressSanitizer) need one.
 c-tools:
 	@command -v cc >/dev/null || { apt-get update -q && apt-get install -y -q gcc; }
 	@command -v go >/dev/null || { echo "go not found: install Go (https://go.dev/dl)"; exit 1; }
+
+# Debian's nginx with its Lua module (and resty.core, which it loads), plain LuaJIT (luajit2:
+# the luajit package conflicts with the module's libluajit2), lua-cjson and wrk: the Lua
+# module's tests and benchmarks.
+LUA_PACKAGES := nginx libnginx-mod-http-lua lua-resty-core luajit2 lua-cjson wrk
+lua-tools:
+	@dpkg -s $(LUA_PACKAGES) >/dev/null 2>&1 || { apt-get update -q && apt-get install -y -q $(LUA_PACKAGES); }
 
 # The Rust toolchain's parts: what lint, the fuzz smoke, bench and demo need.
 rust-tools:
@@ -65,18 +72,20 @@ $(VENV)/.installed: python/requirements-dev.txt
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r python/requirements-dev.txt
 	@touch $@
 
-test: tools lint unit pytest gotest fuzz-smoke ## Run every check and test: lint, unit, cross-process, doc tests, Python, Go, fuzz smoke
+test: tools lint unit pytest gotest luatest fuzz-smoke ## Run every check and test: lint, unit, cross-process, doc tests, Python, Go, Lua in nginx, fuzz smoke
 	@{ awk '/^test result:/ {p += $$4; f += $$6} END {print p, f}' target/test-output.log; \
 	   awk '/^[ ]*--- PASS/ {p++} /^[ ]*--- FAIL/ {f++} END {print p + 0, f + 0}' target/go-test-output.log; \
-	   tail -n 1 target/pytest-output.log | awk '{for (i = 2; i <= NF; i++) { if ($$i ~ /^passed/) p = $$(i-1); if ($$i ~ /^failed/) f = $$(i-1) }} END {print p + 0, f + 0}'; \
+	   for log in target/pytest-output.log target/luatest-output.log; do \
+	     tail -n 1 $$log | awk '{for (i = 2; i <= NF; i++) { if ($$i ~ /^passed/) p = $$(i-1); if ($$i ~ /^failed/) f = $$(i-1) }} END {print p + 0, f + 0}'; \
+	   done; \
 	 } | awk '{p += $$1; f += $$2} END {printf "tests: %d passed, %d failed\n", p, f}' 
 
 lint: rust-tools python ## cargo fmt --check, clippy -D warnings, rustdoc -D warnings, ruff, mypy, stubtest
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --quiet
-	$(VENV)/bin/ruff check python examples bench
-	$(VENV)/bin/ruff format --check python examples bench
+	$(VENV)/bin/ruff check python examples bench lua
+	$(VENV)/bin/ruff format --check python examples bench lua
 	cd python && ../$(VENV)/bin/mypy isthmus
 	cd python && ../$(VENV)/bin/python -m mypy.stubtest isthmus._native
 	@test -z "$$(gofmt -l go)" || { echo "gofmt -l go lists unformatted files:"; gofmt -l go; exit 1; }
@@ -104,6 +113,12 @@ gotest: capi unit ## The Go package's tests (go test), against the Go, Rust and 
 	@mkdir -p target
 	set -o pipefail; cd go && $(GO_ENV) ISTHMUS_TONIC_PEER=$(CURDIR)/target/debug/tonic-peer ISTHMUS_REQUIRE_PEERS=1 \
 	  go test -count=1 -v ./... 2>&1 | tee ../target/go-test-output.log | grep -E '^(--- |ok|FAIL|panic)|_test.go'
+
+luatest: capi lua-tools unit go-bins ## The Lua module's tests: a real nginx against the Rust, Go and Python peers
+	@mkdir -p target
+	set -o pipefail; ISTHMUS_REQUIRE_PEERS=1 ISTHMUS_LIB=$(CURDIR)/target/debug/libisthmus_capi.so \
+	  ISTHMUS_TONIC_PEER=$(CURDIR)/target/debug/tonic-peer ISTHMUS_GO_PEER=$(CURDIR)/target/go-bin/go-peer \
+	  $(VENV)/bin/python -m pytest lua/tests -q -p no:cacheprovider 2>&1 | tee target/luatest-output.log
 
 # Regenerates the Go code of the conformance proto (checked in): protoc from Debian, the
 # plugins from the Go module proxy.
@@ -142,6 +157,8 @@ bench: rust-tools peers ## Benchmarks beside their competitors: docs/bench/resul
 	$(MAKE) --no-print-directory capi RELEASE=1
 	cd go && CGO_LDFLAGS="-L$(CURDIR)/target/release -Wl,-rpath,$(CURDIR)/target/release" go build -o ../target/go-bin-release/ ./cmd/go-bench
 	./target/go-bin-release/go-bench run $(if $(QUICK),-quick) -out docs/bench/results.json
+	$(MAKE) --no-print-directory lua-tools
+	$(VENV)/bin/python bench/lua_bench.py docs/bench/results.json $(if $(QUICK),--quick)
 	$(VENV)/bin/python bench/report.py docs/bench
 	python3 bench/readme_table.py
 

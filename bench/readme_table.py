@@ -147,6 +147,32 @@ def main() -> int:
                 f"64 B with 32 in flight: go-isthmus-shm {r32[0] / 1e3:.0f} k calls/s, go-grpc-uds {r32[2] / 1e3:.0f} k ({r32[0] / r32[2]:.1f}×).",
             ]
         rows.append("")
+    lua = ["lua-isthmus-shm", "lua-cosocket-uds"]
+    if med(lua[0], 512, 1, "p50_us") is not None:
+        rows += [
+            "nginx + Lua (`resty.isthmus`, one worker, 100,000 sequential echo calls in one `content_by_lua`) over shm:// beside the hand-made alternative, a cosocket to a Unix socket with a 4-byte length (`lua-cosocket-uds`), p50 (p99):",
+            "",
+            "| message | lua-isthmus-shm | lua-cosocket-uds | isthmus ÷ cosocket |",
+            "|---:|---:|---:|---:|",
+        ]
+        for size in (512, 4096, 10240, 102400):
+            v = [med(s, size, 1, "p50_us") for s in lua]
+            p = [med(s, size, 1, "p99_us") for s in lua]
+            if None in v or None in p:
+                continue
+            rows.append(
+                f"| {size:,} B | {fmt(v[0])} ({fmt(p[0])}) | {fmt(v[1])} ({fmt(p[1])}) | {v[1] / v[0]:.1f}× |"
+            )
+        http = [
+            med(s, 512, 32, "rps")
+            for s in ("lua-isthmus-shm-http", "lua-cosocket-uds-http", "nginx-lua-nocall-http")
+        ]
+        if None not in http:
+            rows += [
+                "",
+                f"wrk at 32 connections, one 512 B call per request: isthmus {http[0] / 1e3:.1f} k requests/s, cosocket {http[1] / 1e3:.1f} k ({http[0] / http[1]:.2f}×); the same location with no call {http[2] / 1e3:.1f} k (isthmus reaches {100 * http[0] / http[2]:.0f} %).",
+            ]
+        rows.append("")
     rows += [
         "The transport alone (`isthmus-shm`, no RPC layer) beside a length-prefixed echo over a Unix socket (`raw-uds`) and one `memcpy`:",
         "",

@@ -43,9 +43,21 @@ const MAX_MESSAGE: usize = 64 << 20;
 
 /// Server role: an isthmus server echoing unary calls.
 pub fn serve_isthmus(addr: &str) {
+    serve_isthmus_with(addr, isthmus::Config::default())
+}
+
+/// [`serve_isthmus`] with the connections' spin bound set to `spin_us` (0: a wait sleeps at once).
+pub fn serve_isthmus_spin(addr: &str, spin_us: u64) {
+    let mut config = isthmus::Config::default();
+    config.spin.max = std::time::Duration::from_micros(spin_us);
+    serve_isthmus_with(addr, config)
+}
+
+fn serve_isthmus_with(addr: &str, config: isthmus::Config) {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     rt.block_on(async {
         let bound = isthmus::Server::builder()
+            .config(config)
             .handler(PATH, |mut call: isthmus::ServerCall| async move {
                 let m = call.recv().await?.unwrap_or_default();
                 call.send(&m).await

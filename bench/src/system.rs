@@ -168,17 +168,28 @@ impl System for ShmEcho {
 
 /// Server role: read `u64 length, bytes`, write them back.
 pub fn serve_uds(path: &str) {
+    serve_length_prefixed(path, 8, |head| u64::from_le_bytes(head.try_into().expect("8 bytes")) as usize)
+}
+
+/// The hand-made proxy an OpenResty user writes today, for `bench/lua_bench.py`: a Unix socket
+/// with a 4-byte big-endian length before each message.
+pub fn serve_uds_len4(path: &str) {
+    serve_length_prefixed(path, 4, |head| u32::from_be_bytes(head.try_into().expect("4 bytes")) as usize)
+}
+
+/// An echo over a Unix socket of messages after a `head`-byte length, a thread per connection.
+fn serve_length_prefixed(path: &str, head: usize, len: fn(&[u8]) -> usize) {
     let _ = std::fs::remove_file(path);
     let listener = UnixListener::bind(path).expect("bind");
     ready();
     while let Ok((mut s, _)) = listener.accept() {
         std::thread::spawn(move || {
             // The reply is the request as it came, length first: one write per message.
-            let mut frame = vec![0u8; 8];
-            while s.read_exact(&mut frame[..8]).is_ok() {
-                let n = u64::from_le_bytes(frame[..8].try_into().expect("8 bytes")) as usize;
-                frame.resize(8 + n, 0);
-                if s.read_exact(&mut frame[8..]).is_err() || s.write_all(&frame).is_err() {
+            let mut frame = vec![0u8; head];
+            while s.read_exact(&mut frame[..head]).is_ok() {
+                let n = len(&frame[..head]);
+                frame.resize(head + n, 0);
+                if s.read_exact(&mut frame[head..]).is_err() || s.write_all(&frame).is_err() {
                     break;
                 }
             }

@@ -1,11 +1,36 @@
 //! Fuzz target: the C ABI's entry points where a caller's bytes come in, with arbitrary
 //! bytes: targets for `isthmus_channel_new`, metadata keys and values, method paths, status
-//! codes, and handles that are garbage. Each must answer with a code, never crash or leak.
+//! codes, JSON and protobuf bytes for `isthmus_proto_encode`/`_decode`, descriptor sets, and
+//! handles that are garbage. Each must answer with a code, never crash or leak.
 #![no_main]
 
 use std::ffi::CString;
 
 use isthmus_capi::*;
+
+/// One proto, compiled once (its handle lives for the whole run): the types the JSON and
+/// protobuf inputs go through.
+fn proto() -> *const isthmus_proto_t {
+    static PROTO: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *PROTO.get_or_init(|| {
+        let dir = std::env::temp_dir().join(format!("isthmus-fuzz-capi-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let file = dir.join("f.proto");
+        let text = "syntax = \"proto3\"; package f; enum E { A = 0; B = 1; }\n\
+                    message M { bytes b = 1; uint64 u = 2; string s = 3; repeated M kids = 4;\n\
+                    map<string, int32> m = 5; E e = 6; double d = 7; oneof o { sint64 x = 8; M y = 9; } }";
+        std::fs::write(&file, text).expect("write");
+        let path = CString::new(file.to_str().expect("utf8")).expect("cstr");
+        let mut p = std::ptr::null_mut();
+        // SAFETY: one valid path, a valid out-pointer.
+        let code = unsafe {
+            isthmus_proto_load([path.as_ptr()].as_ptr(), 1, std::ptr::null(), 0, &mut p, std::ptr::null_mut())
+        };
+        assert_eq!(code, ISTHMUS_OK);
+        let _ = std::fs::remove_dir_all(&dir);
+        p as usize
+    }) as *const isthmus_proto_t
+}
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let cut = data.first().map_or(0, |b| usize::from(*b)).min(data.len().saturating_sub(1));
@@ -38,10 +63,43 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     assert_eq!(isthmus_metadata_free(md), ISTHMUS_OK);
     assert_ne!(isthmus_metadata_free(md), ISTHMUS_OK); // a double free is refused
 
+    // JSON and protobuf bytes from a caller, through the proto's types; a descriptor set.
+    let proto = proto();
+    let mut out = std::ptr::null_mut();
+    // SAFETY: valid name, a live slice, a valid out-pointer.
+    if unsafe { isthmus_proto_encode(proto, c"f.M".as_ptr(), b.as_ptr(), b.len(), &mut out, std::ptr::null_mut()) }
+        == ISTHMUS_OK
+    {
+        let mut len = 0;
+        // SAFETY: a live handle; its bytes stay valid until it is freed.
+        let bytes = unsafe { std::slice::from_raw_parts(isthmus_message_data(out, &mut len), len) }.to_vec();
+        assert_eq!(isthmus_message_free(out), ISTHMUS_OK);
+        // What encoding gave decodes again.
+        // SAFETY: as above.
+        let code = unsafe {
+            isthmus_proto_decode(proto, c"f.M".as_ptr(), bytes.as_ptr(), bytes.len(), &mut out, std::ptr::null_mut())
+        };
+        assert_eq!(code, ISTHMUS_OK);
+        assert_eq!(isthmus_message_free(out), ISTHMUS_OK);
+    }
+    // SAFETY: as above.
+    if unsafe { isthmus_proto_decode(proto, c"f.M".as_ptr(), b.as_ptr(), b.len(), &mut out, std::ptr::null_mut()) }
+        == ISTHMUS_OK
+    {
+        assert_eq!(isthmus_message_free(out), ISTHMUS_OK);
+    }
+    // SAFETY: `text` is NUL-terminated.
+    let _ = unsafe { isthmus_proto_method_type(proto, text.as_ptr(), 0) };
+    let mut set = std::ptr::null_mut();
+    // SAFETY: a live slice, a valid out-pointer.
+    if unsafe { isthmus_proto_load_descriptor_set(b.as_ptr(), b.len(), &mut set, std::ptr::null_mut()) } == ISTHMUS_OK {
+        assert_eq!(isthmus_proto_free(set), ISTHMUS_OK);
+    }
+
     // Garbage handles and codes.
     let word = b.iter().take(8).fold(0usize, |w, x| w << 8 | usize::from(*x));
     let _ = isthmus_message_free(word as *mut isthmus_message_t);
     let _ = isthmus_call_cancel(word as *const isthmus_call_t);
     let _ = isthmus_code_name(word as i32);
-    assert_eq!(isthmus_live_handles(), 0);
+    assert_eq!(isthmus_live_handles(), 1); // the proto
 });

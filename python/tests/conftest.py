@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import importlib
 import shutil
-import sys
-import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,26 +13,9 @@ from types import ModuleType
 
 import pytest
 from clients import AioClient, SyncClient, make_client
-from grpc_tools import protoc
-from peer import ROOT, Served, go_peer, serve, tonic_peer
+from peer import Served, generate_stubs, go_peer, serve, tonic_peer
 
-PROTO = ROOT / "tests" / "proto"
-
-
-def _generate_stubs() -> Path:
-    """`conformance_pb2` and `conformance_pb2_grpc`, made before the test modules are collected
-    (they and the servicer import them) and put on sys.path."""
-    out = Path(tempfile.mkdtemp(prefix="isthmus-stubs-"))
-    proto = PROTO / "conformance.proto"
-    assert (
-        protoc.main(["protoc", f"-I{PROTO}", f"--python_out={out}", f"--grpc_python_out={out}", str(proto)])
-        == 0
-    )
-    sys.path.insert(0, str(out))
-    return out
-
-
-STUBS = _generate_stubs()
+STUBS = generate_stubs()
 
 # What each server peer serves: grpcio has no shm://.
 TRANSPORTS = {

@@ -15,11 +15,28 @@ import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grpc_tools import protoc
+
 ROOT = Path(__file__).resolve().parents[2]
 TESTS = Path(__file__).resolve().parent
 PATIENCE = 60.0  # a watchdog for lines a peer should print, not a timing assertion
 
+PROTO = ROOT / "tests" / "proto"
+
 _fresh = itertools.count()
+
+
+def generate_stubs() -> Path:
+    """`conformance_pb2` and `conformance_pb2_grpc` for the Python peers and clients, made in a
+    fresh directory that is put on sys.path."""
+    out = Path(tempfile.mkdtemp(prefix="isthmus-stubs-"))
+    proto = PROTO / "conformance.proto"
+    assert (
+        protoc.main(["protoc", f"-I{PROTO}", f"--python_out={out}", f"--grpc_python_out={out}", str(proto)])
+        == 0
+    )
+    sys.path.insert(0, str(out))
+    return out
 
 
 def tonic_peer() -> Path | None:

@@ -180,3 +180,36 @@ fn wait_for_ready_on_a_blocking_channel() {
     assert_eq!(&r.message[..], b"ready");
     drop(starter.join());
 }
+
+#[test]
+fn a_pending_unary_waits_a_moment_and_the_rest_of_the_wait_goes_elsewhere() {
+    let (mut server, addr) = server();
+    let ch = Channel::connect(&addr).expect("connect");
+
+    // A reply that comes: waited for in moments until it is there.
+    let mut pending = ch.unary_begin("/test.Echo/Unary", b"quick", CallOptions::default()).expect("begin");
+    let reply = loop {
+        if let Some(r) = pending.wait_until(Instant::now() + Duration::from_millis(10)) {
+            break r.expect("reply");
+        }
+    };
+    assert_eq!(&reply.message[..], b"quick");
+
+    // A reply that never comes (the handler sleeps): the moment passes with the call running,
+    // and another thread waits out its deadline.
+    let opts = CallOptions { timeout: Some(Duration::from_millis(300)), ..Default::default() };
+    let mut pending = ch.unary_begin("/test.Echo/Sleep", b"z", opts).expect("begin");
+    assert!(pending.wait_until(Instant::now() + Duration::from_millis(1)).is_none());
+    let s = std::thread::spawn(move || pending.wait()).join().expect("thread").expect_err("deadline");
+    assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+    server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
+
+    // Given up on: the server sees the cancel.
+    let mut pending = ch.unary_begin("/test.Echo/Sleep", b"z", CallOptions::default()).expect("begin");
+    assert!(pending.wait_until(Instant::now() + Duration::from_millis(1)).is_none());
+    pending.cancel();
+    server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
+
+    // The channel still serves.
+    assert_eq!(&ch.unary("/test.Echo/Unary", b"after", CallOptions::default()).expect("unary").message[..], b"after");
+}

@@ -45,6 +45,12 @@
 // calling thread never waits (for an event loop's own thread).
 #define ISTHMUS_CALL_SPIN 2
 
+// `isthmus_proto_method_type`: the request's type.
+#define ISTHMUS_PROTO_REQUEST 0
+
+// `isthmus_proto_method_type`: the response's type.
+#define ISTHMUS_PROTO_RESPONSE 1
+
 // Receive flag: if the call has sent nothing yet and must wait for a request, send its
 // (empty) initial metadata first. A client that sends its first request only once the
 // response has opened (tonic's generated streaming clients do) is then not left waiting on a
@@ -76,6 +82,10 @@ typedef struct isthmus_message_t isthmus_message_t;
 // Metadata: an ordered list of (key, value) entries under gRPC's rules (lower-case keys;
 // keys ending in `-bin` carry bytes, others printable ASCII).
 typedef struct isthmus_metadata_t isthmus_metadata_t;
+
+// Message types and services loaded from `.proto` files or a descriptor set. Free it with
+// `isthmus_proto_free`.
+typedef struct isthmus_proto_t isthmus_proto_t;
 
 // The server's side of one call, handed to a handler. The handler ends it with
 // `isthmus_server_call_finish`, exactly once, which also frees the handle; until then its
@@ -279,6 +289,13 @@ isthmus_code_t isthmus_channel_new(const char *target,
 // Closes a channel and frees its handle. Calls in progress go on until they end; new calls
 // on a closed handle are not possible (the handle is gone).
 isthmus_code_t isthmus_channel_close(isthmus_channel_t *channel);
+
+// Sets how long a unary call started with `ISTHMUS_CALL_SPIN` on this channel waits for its
+// reply on the calling thread before it leaves the reply to the completion queue, in µs (the
+// default is the connection's spin bound, 50 µs). An event loop that has other work when
+// replies are slow (nginx under load) waits less; 0 never waits.
+isthmus_code_t isthmus_channel_set_spin(const isthmus_channel_t *channel,
+                                        uint32_t spin_us);
 
 // A unary call, blocking: sends `request` to `path` (`/package.Service/Method`) and waits
 // for the one response. On success `*reply` holds the response message; `*headers` and
@@ -501,6 +518,31 @@ size_t isthmus_cq_wait(const isthmus_cq_t *cq,
 isthmus_code_t isthmus_cq_cancel(const isthmus_cq_t *cq,
                                  uint64_t tag);
 
+// For event loops that can watch only a socket they connect themselves (nginx's Lua
+// cosockets) instead of the queue's descriptor: makes a Unix socket to connect to and writes
+// its path, NUL-terminated, into `path` (`capacity` bytes). Connect to it, then call
+// `isthmus_cq_bell_accept`; from then on a byte arrives on that connection whenever the
+// descriptor becomes readable (read them, then `isthmus_cq_poll`). The socket lives in a fresh
+// directory only this user may enter, under `$TMPDIR` (or `/tmp`), removed once accepted.
+//
+// # Safety
+//
+// `path` is valid for writes of `capacity` bytes; `status` is NULL or writable.
+isthmus_code_t isthmus_cq_bell_listen(const isthmus_cq_t *cq,
+                                      char *path,
+                                      size_t capacity,
+                                      isthmus_status_t **status);
+
+// Accepts the connection made to the socket of `isthmus_cq_bell_listen` (which must have
+// been made already: `ISTHMUS_FAILED_PRECONDITION` otherwise) and rings it from now on, in
+// place of an earlier bell. Removes the socket and its directory.
+isthmus_code_t isthmus_cq_bell_accept(const isthmus_cq_t *cq,
+                                      isthmus_status_t **status);
+
+// Makes the queue's descriptor readable and rings its bell, with no event to take: wakes the
+// loop that watches it (nginx's watcher, when its worker is exiting).
+isthmus_code_t isthmus_cq_wake(const isthmus_cq_t *cq);
+
 // Frees a queue. Operations still waiting on it are abandoned: their calls are cancelled and
 // their events never come; events not yet taken are freed.
 isthmus_code_t isthmus_cq_free(isthmus_cq_t *cq);
@@ -573,6 +615,80 @@ isthmus_code_t isthmus_metadata_free(isthmus_metadata_t *md);
 // A copy of the status's trailing metadata, which the caller frees; NULL for an invalid
 // handle.
 isthmus_metadata_t *isthmus_status_trailers(const isthmus_status_t *status);
+
+// Compiles `.proto` files (with what they import) at run time. Imports are looked up in the
+// `includes` directories; with none, in each file's own directory. A file that does not parse,
+// or an import not found, fails with `ISTHMUS_INVALID_ARGUMENT` and a message naming the file
+// and line. Free the result with `isthmus_proto_free`.
+//
+// # Safety
+//
+// `files` holds `nfiles` NUL-terminated paths and `includes` `nincludes` (either may be NULL
+// when its count is 0); `out` is writable; `status` is NULL or writable.
+isthmus_code_t isthmus_proto_load(const char *const *files,
+                                  size_t nfiles,
+                                  const char *const *includes,
+                                  size_t nincludes,
+                                  isthmus_proto_t **out,
+                                  isthmus_status_t **status);
+
+// Loads a serialized `google.protobuf.FileDescriptorSet` (what `protoc --include_imports
+// --descriptor_set_out` writes, or a server's reflection gives). Free the result with
+// `isthmus_proto_free`.
+//
+// # Safety
+//
+// `data` is valid for `len` bytes; `out` is writable; `status` is NULL or writable.
+isthmus_code_t isthmus_proto_load_descriptor_set(const uint8_t *data,
+                                                 size_t len,
+                                                 isthmus_proto_t **out,
+                                                 isthmus_status_t **status);
+
+// The full name of the request (`which` = `ISTHMUS_PROTO_REQUEST`) or response
+// (`ISTHMUS_PROTO_RESPONSE`) type of the method at `path` (`/package.Service/Method`),
+// NUL-terminated and valid until the proto is freed; NULL if no loaded service has that method
+// (or for an invalid handle).
+//
+// # Safety
+//
+// `path` is a NUL-terminated string.
+const char *isthmus_proto_method_type(const isthmus_proto_t *proto,
+                                      const char *path,
+                                      int32_t which);
+
+// Encodes a message of type `type_name` (`package.Message`) from its proto3 JSON form: `*out`
+// holds the protobuf bytes. JSON that does not fit the type fails with
+// `ISTHMUS_INVALID_ARGUMENT` and a message naming the field.
+//
+// # Safety
+//
+// `type_name` is NUL-terminated; `json` is valid for `json_len` bytes; `out` is writable;
+// `status` is NULL or writable.
+isthmus_code_t isthmus_proto_encode(const isthmus_proto_t *proto,
+                                    const char *type_name,
+                                    const uint8_t *json,
+                                    size_t json_len,
+                                    isthmus_message_t **out,
+                                    isthmus_status_t **status);
+
+// Decodes protobuf bytes of type `type_name` into its proto3 JSON form, with the field names
+// the `.proto` file gives (`time_left_ms`, not `timeLeftMs`; encoding takes either): fields at
+// their default value left out, 64-bit integers as strings, `bytes` in base64. `*out` holds
+// the JSON text. Bytes that are not such a message fail with `ISTHMUS_INVALID_ARGUMENT`.
+//
+// # Safety
+//
+// `type_name` is NUL-terminated; `data` is valid for `len` bytes; `out` is writable; `status`
+// is NULL or writable.
+isthmus_code_t isthmus_proto_decode(const isthmus_proto_t *proto,
+                                    const char *type_name,
+                                    const uint8_t *data,
+                                    size_t len,
+                                    isthmus_message_t **out,
+                                    isthmus_status_t **status);
+
+// Frees a proto.
+isthmus_code_t isthmus_proto_free(isthmus_proto_t *proto);
 
 // A new server with no handlers. Free it with `isthmus_server_free`.
 //

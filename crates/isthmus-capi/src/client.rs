@@ -30,6 +30,8 @@ pub struct isthmus_channel_t {
     polled: isthmus::Channel,
     /// Unary calls over `shm://`, on the calling thread with no runtime (the fast path).
     blocking: Option<isthmus::blocking::Channel>,
+    /// How long a `ISTHMUS_CALL_SPIN` call waits for its reply on the caller's thread, in µs.
+    spin_us: std::sync::atomic::AtomicU64,
     closed: AtomicBool,
 }
 
@@ -95,6 +97,23 @@ impl isthmus_channel_t {
         }
     }
 
+    /// The blocking channel, for a unary call that may wait for its reply on the caller's
+    /// thread first (`ISTHMUS_CALL_SPIN`, over `shm://`, a small request, and not too many
+    /// slow replies waited for by threads already); `None` for the completion queue's path.
+    fn spin_first(
+        &self,
+        opts: *const isthmus_call_options_t,
+        request_len: usize,
+    ) -> Option<&isthmus::blocking::Channel> {
+        // SAFETY: the caller of the entry point promises NULL or a valid struct.
+        let spin = unsafe { opts.as_ref() }.is_some_and(|o| o.flags & ISTHMUS_CALL_SPIN != 0);
+        let room = HANDED_OFF.load(Ordering::Relaxed) < HANDED_OFF_MAX;
+        match (&self.blocking, spin && room && request_len <= SPIN_REQUEST_MAX) {
+            (Some(blocking), true) => Some(blocking),
+            _ => None,
+        }
+    }
+
     fn open(&self) -> Result<(), Status> {
         match self.closed.load(Ordering::Acquire) {
             true => Err(closed()),
@@ -122,6 +141,7 @@ pub unsafe extern "C" fn isthmus_channel_new(
         entry_out(out, "channel", status, || {
             let (target, opts) = (c_str(target, "the target")?, opts.as_ref());
             let mut config = Config::default();
+            let spin_us = std::sync::atomic::AtomicU64::new(config.spin.max.as_micros() as u64);
             if let Some(limit) = opts.map(|o| o.max_message_size).filter(|l| *l > 0) {
                 config.max_message_size = limit;
             }
@@ -132,7 +152,13 @@ pub unsafe extern "C" fn isthmus_channel_new(
             let _runtime = runtime().enter();
             let engine = isthmus::Channel::lazy_with(target, config)?;
             let polled = engine.with_calls_read(false);
-            Ok(Some(CHANNELS.add(isthmus_channel_t { engine, polled, blocking, closed: AtomicBool::new(false) })))
+            Ok(Some(CHANNELS.add(isthmus_channel_t {
+                engine,
+                polled,
+                blocking,
+                spin_us,
+                closed: AtomicBool::new(false),
+            })))
         })
     }
 }
@@ -144,6 +170,18 @@ pub extern "C" fn isthmus_channel_close(channel: *mut isthmus_channel_t) -> isth
     entry(std::ptr::null_mut(), || {
         let channel = CHANNELS.remove(channel)?;
         channel.closed.store(true, Ordering::Release);
+        Ok(())
+    })
+}
+
+/// Sets how long a unary call started with `ISTHMUS_CALL_SPIN` on this channel waits for its
+/// reply on the calling thread before it leaves the reply to the completion queue, in µs (the
+/// default is the connection's spin bound, 50 µs). An event loop that has other work when
+/// replies are slow (nginx under load) waits less; 0 never waits.
+#[no_mangle]
+pub extern "C" fn isthmus_channel_set_spin(channel: *const isthmus_channel_t, spin_us: u32) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || {
+        CHANNELS.get(channel)?.spin_us.store(spin_us.into(), Ordering::Relaxed);
         Ok(())
     })
 }
@@ -227,6 +265,18 @@ pub unsafe extern "C" fn isthmus_unary_async(
         // SAFETY: the caller's promises, passed on.
         let (path, request, options) =
             unsafe { (c_str(path, "the path")?, c_bytes(request, request_len, "the request")?, call_options(opts)?) };
+        if let Some(blocking) = channel.spin_first(opts, request.len()) {
+            let unary = match blocking.unary_begin(path, request, options) {
+                Ok(pending) => pending,
+                Err(status) => {
+                    cq.start(tag, ISTHMUS_OP_UNARY, std::future::ready(Outcome::Failed(status)), now);
+                    return Ok(());
+                }
+            };
+            let spin = Duration::from_micros(channel.spin_us.load(Ordering::Relaxed));
+            cq.start(tag, ISTHMUS_OP_UNARY, finish_unary(unary, spin), now);
+            return Ok(());
+        }
         let (path, request, engine) = (path.to_owned(), request.to_vec(), channel.for_flags(opts));
         cq.start(
             tag,
@@ -236,6 +286,52 @@ pub unsafe extern "C" fn isthmus_unary_async(
         );
         Ok(())
     })
+}
+
+/// Requests up to this size may be sent from an event loop's thread (with `ISTHMUS_CALL_SPIN`):
+/// they go into shared memory at once (a copy of at most tens of µs) unless the server holds
+/// the whole arena; larger ones take the completion queue's path, where the runtime sends them.
+const SPIN_REQUEST_MAX: usize = 1024 * 1024;
+
+/// Unary calls whose slow replies threads wait for, at most: beyond it, calls take the
+/// completion queue's path from the start.
+const HANDED_OFF_MAX: usize = 64;
+
+static HANDED_OFF: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The outcome of a unary call sent from the caller's thread: waited for there for up to
+/// `spin` (a fast reply then completes in the caller's `now`, with no wake-up at all), and
+/// otherwise by a thread of the runtime's blocking pool, which queues it. An abandoned
+/// operation (`isthmus_cq_cancel`) cancels the call.
+fn finish_unary(
+    mut unary: isthmus::blocking::PendingUnary,
+    spin: Duration,
+) -> impl std::future::Future<Output = Outcome> + Send + 'static {
+    let quick = unary.wait_until(std::time::Instant::now() + spin);
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    match quick {
+        Some(outcome) => drop(tx.send(outcome)),
+        None => {
+            HANDED_OFF.fetch_add(1, Ordering::Relaxed);
+            runtime().spawn_blocking(move || {
+                // Waits in slices, to notice an abandoned operation and cancel its call.
+                let outcome = loop {
+                    if let Some(outcome) = unary.wait_until(std::time::Instant::now() + Duration::from_millis(20)) {
+                        break Some(outcome);
+                    }
+                    if tx.is_closed() {
+                        unary.cancel();
+                        break None;
+                    }
+                };
+                HANDED_OFF.fetch_sub(1, Ordering::Relaxed);
+                if let Some(outcome) = outcome {
+                    let _ = tx.send(outcome);
+                }
+            });
+        }
+    }
+    async move { Outcome::unary(rx.await.unwrap_or_else(|_| Err(Status::new(Code::Cancelled, "the call was abandoned")))) }
 }
 
 /// Starts a call of any shape on `path`, blocking until its head is sent (connecting if

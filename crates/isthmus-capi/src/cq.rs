@@ -4,14 +4,19 @@
 //! `isthmus_cq_poll`. The operations' remaining work runs inside that call, on the loop's
 //! thread: no thread is woken and no task spawned per call (`isthmus::binding::Completions`).
 
+use std::ffi::c_char;
+use std::os::unix::fs::DirBuilderExt;
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use isthmus::binding::{Completions, HandedCall, SharedCall};
-use isthmus::{MetadataMap, Response, Status};
+use isthmus::{Code, MetadataMap, Response, SocketBell, Status};
 
-use crate::abi::{entry, guard, isthmus_code_t, isthmus_status_t, status_handle, ISTHMUS_OK};
+use crate::abi::{entry, guard, invalid, isthmus_code_t, isthmus_status_t, status_handle, ISTHMUS_OK};
 use crate::handle::Registry;
 use crate::object::{
     call_handle, isthmus_call_t, isthmus_message_t, isthmus_metadata_t, isthmus_server_call_t, message_handle,
@@ -24,6 +29,21 @@ pub struct isthmus_cq_t {
     completions: Arc<Completions<(isthmus_op_t, Outcome)>>,
     /// Finished operations taken from `completions` that did not fit the caller's array.
     overflow: std::sync::Mutex<std::collections::VecDeque<(u64, (isthmus_op_t, Outcome))>>,
+    /// The socket `isthmus_cq_bell_listen` made, until its connection is accepted.
+    bell: std::sync::Mutex<Option<BellListener>>,
+}
+
+/// A listening socket in a fresh directory only this user may enter; both are removed when it
+/// is dropped.
+struct BellListener {
+    listener: UnixListener,
+    dir: PathBuf,
+}
+
+impl Drop for BellListener {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
 }
 
 /// Which operation an event completes.
@@ -237,7 +257,9 @@ where
 #[no_mangle]
 pub extern "C" fn isthmus_cq_new() -> *mut isthmus_cq_t {
     guard(std::ptr::null_mut(), || match Completions::new() {
-        Ok(completions) => QUEUES.add(isthmus_cq_t { completions, overflow: Default::default() }),
+        Ok(completions) => {
+            QUEUES.add(isthmus_cq_t { completions, overflow: Default::default(), bell: Default::default() })
+        }
         Err(_) => std::ptr::null_mut(),
     })
 }
@@ -315,6 +337,97 @@ pub extern "C" fn isthmus_cq_cancel(cq: *const isthmus_cq_t, tag: u64) -> isthmu
     })
 }
 
+/// For event loops that can watch only a socket they connect themselves (nginx's Lua
+/// cosockets) instead of the queue's descriptor: makes a Unix socket to connect to and writes
+/// its path, NUL-terminated, into `path` (`capacity` bytes). Connect to it, then call
+/// `isthmus_cq_bell_accept`; from then on a byte arrives on that connection whenever the
+/// descriptor becomes readable (read them, then `isthmus_cq_poll`). The socket lives in a fresh
+/// directory only this user may enter, under `$TMPDIR` (or `/tmp`), removed once accepted.
+///
+/// # Safety
+///
+/// `path` is valid for writes of `capacity` bytes; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_cq_bell_listen(
+    cq: *const isthmus_cq_t,
+    path: *mut c_char,
+    capacity: usize,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    entry(status, || {
+        let q = QUEUES.get(cq)?;
+        if path.is_null() {
+            return Err(invalid("the path buffer is NULL"));
+        }
+        let unavailable =
+            |e: std::io::Error| Status::new(Code::Unavailable, format!("cannot make the bell's socket: {e}"));
+        let dir = std::env::temp_dir().join(format!(
+            "isthmus-bell-{}-{}",
+            std::process::id(),
+            NEXT.fetch_add(1, Ordering::Relaxed)
+        ));
+        let _ = std::fs::remove_dir_all(&dir); // left by an earlier process of this pid
+        std::fs::DirBuilder::new().mode(0o700).create(&dir).map_err(unavailable)?;
+        let socket = dir.join("bell.sock");
+        let listener = UnixListener::bind(&socket).map_err(|e| {
+            let _ = std::fs::remove_dir_all(&dir);
+            unavailable(e)
+        })?;
+        let listener = BellListener { listener, dir };
+        let bytes = socket.to_str().ok_or_else(|| invalid("the temporary directory's path is not UTF-8"))?.as_bytes();
+        if bytes.len() >= capacity {
+            return Err(invalid(format!("the path needs {} bytes, the buffer has {capacity}", bytes.len() + 1)));
+        }
+        // SAFETY: `path` has room for `capacity` > bytes.len() bytes, by the caller's promise.
+        unsafe {
+            std::ptr::copy_nonoverlapping(bytes.as_ptr(), path.cast::<u8>(), bytes.len());
+            path.add(bytes.len()).write(0);
+        }
+        *q.bell.lock().map_err(|_| Status::new(Code::Internal, "a thread panicked holding the bell"))? = Some(listener);
+        Ok(())
+    })
+}
+
+/// Accepts the connection made to the socket of `isthmus_cq_bell_listen` (which must have
+/// been made already: `ISTHMUS_FAILED_PRECONDITION` otherwise) and rings it from now on, in
+/// place of an earlier bell. Removes the socket and its directory.
+#[no_mangle]
+pub extern "C" fn isthmus_cq_bell_accept(
+    cq: *const isthmus_cq_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let q = QUEUES.get(cq)?;
+        let mut bell = q.bell.lock().map_err(|_| Status::new(Code::Internal, "a thread panicked holding the bell"))?;
+        let listening = bell.take().ok_or_else(|| {
+            Status::new(Code::FailedPrecondition, "no bell socket: call isthmus_cq_bell_listen first")
+        })?;
+        let accepted = listening.listener.set_nonblocking(true).and_then(|()| listening.listener.accept());
+        let stream = match accepted {
+            Ok((stream, _)) => stream,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                *bell = Some(listening);
+                return Err(Status::new(Code::FailedPrecondition, "nothing has connected to the bell's socket yet"));
+            }
+            Err(e) => return Err(Status::new(Code::Unavailable, format!("cannot accept on the bell's socket: {e}"))),
+        };
+        drop(listening);
+        q.completions.set_bell(SocketBell::new(stream));
+        Ok(())
+    })
+}
+
+/// Makes the queue's descriptor readable and rings its bell, with no event to take: wakes the
+/// loop that watches it (nginx's watcher, when its worker is exiting).
+#[no_mangle]
+pub extern "C" fn isthmus_cq_wake(cq: *const isthmus_cq_t) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || {
+        QUEUES.get(cq)?.completions.signal();
+        Ok(())
+    })
+}
+
 /// Frees a queue. Operations still waiting on it are abandoned: their calls are cancelled and
 /// their events never come; events not yet taken are freed.
 #[no_mangle]
@@ -344,5 +457,65 @@ impl isthmus_cq_t {
         }
         drop(overflow);
         taken.into_iter().map(|(tag, (op, outcome))| outcome.event(tag, op)).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::io::Read;
+    use std::os::unix::net::UnixStream;
+
+    use super::*;
+    use crate::abi::ISTHMUS_FAILED_PRECONDITION;
+
+    fn listen(cq: *const isthmus_cq_t) -> String {
+        let mut path = [0 as c_char; 256];
+        // SAFETY: `path` has room for 256 bytes.
+        let rc = unsafe { isthmus_cq_bell_listen(cq, path.as_mut_ptr(), path.len(), std::ptr::null_mut()) };
+        assert_eq!(rc, ISTHMUS_OK);
+        // SAFETY: the function wrote a NUL-terminated path.
+        unsafe { std::ffi::CStr::from_ptr(path.as_ptr()) }.to_str().expect("utf8").to_owned()
+    }
+
+    #[test]
+    fn the_bell_rings_on_the_socket_a_loop_connected_and_its_directory_goes() {
+        let cq = isthmus_cq_new();
+        let path = listen(cq);
+        assert_eq!(isthmus_cq_bell_accept(cq, std::ptr::null_mut()), ISTHMUS_FAILED_PRECONDITION, "nothing connected");
+        let mut watcher = UnixStream::connect(&path).expect("connect");
+        assert_eq!(isthmus_cq_bell_accept(cq, std::ptr::null_mut()), ISTHMUS_OK);
+        let dir = std::path::Path::new(&path).parent().expect("dir").to_path_buf();
+        assert!(!dir.exists(), "the socket's directory is removed once accepted");
+
+        assert_eq!(isthmus_cq_wake(cq), ISTHMUS_OK);
+        let mut byte = [0u8; 1];
+        watcher.read_exact(&mut byte).expect("rung");
+
+        // A second bell replaces the first.
+        let path = listen(cq);
+        let mut second = UnixStream::connect(&path).expect("connect");
+        assert_eq!(isthmus_cq_bell_accept(cq, std::ptr::null_mut()), ISTHMUS_OK);
+        assert_eq!(isthmus_cq_wake(cq), ISTHMUS_OK);
+        second.read_exact(&mut byte).expect("rung");
+
+        assert_eq!(isthmus_cq_free(cq), ISTHMUS_OK);
+        assert_eq!(isthmus_cq_wake(cq), crate::abi::ISTHMUS_INVALID_ARGUMENT, "freed");
+        let mut rest = Vec::new();
+        second.read_to_end(&mut rest).expect("closed with the queue");
+    }
+
+    #[test]
+    fn a_listening_bell_never_accepted_leaves_nothing_behind() {
+        let cq = isthmus_cq_new();
+        let path = listen(cq);
+        assert!(std::path::Path::new(&path).exists());
+        assert_eq!(isthmus_cq_free(cq), ISTHMUS_OK);
+        assert!(!std::path::Path::new(&path).parent().expect("dir").exists());
+        let mut small = [0 as c_char; 8];
+        let cq = isthmus_cq_new();
+        // SAFETY: `small` has room for 8 bytes.
+        let rc = unsafe { isthmus_cq_bell_listen(cq, small.as_mut_ptr(), small.len(), std::ptr::null_mut()) };
+        assert_eq!(rc, crate::abi::ISTHMUS_INVALID_ARGUMENT, "a buffer too small is refused");
+        assert_eq!(isthmus_cq_free(cq), ISTHMUS_OK);
     }
 }

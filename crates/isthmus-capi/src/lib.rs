@@ -45,12 +45,14 @@ mod client;
 mod cq;
 mod handle;
 mod object;
+mod proto;
 mod server;
 
 pub use abi::*;
 pub use client::*;
 pub use cq::*;
 pub use object::*;
+pub use proto::*;
 pub use server::*;
 
 /// The ABI version of the loaded library ([`ISTHMUS_ABI_VERSION`] when it was built): compare
@@ -102,5 +104,6 @@ pub extern "C" fn isthmus_live_handles() -> usize {
             + cq::QUEUES.len()
             + server::SERVERS.len()
             + object::SERVER_CALLS.len()
+            + proto::PROTOS.len()
     })
 }

@@ -301,3 +301,22 @@ impl std::os::fd::AsRawFd for EventFd {
         std::os::fd::AsRawFd::as_raw_fd(&self.0)
     }
 }
+
+/// A bell on a connected Unix stream socket: ringing sends one byte, never blocking. For event
+/// loops that watch only sockets they connected themselves (nginx's Lua cosockets), where an
+/// [`EventFd`] cannot go.
+#[derive(Debug)]
+pub struct SocketBell(std::os::unix::net::UnixStream);
+
+impl SocketBell {
+    /// A bell that rings on `stream`.
+    pub fn new(stream: std::os::unix::net::UnixStream) -> SocketBell {
+        SocketBell(stream)
+    }
+
+    /// Sends one byte; if the socket's buffer is full (the watcher has not read yet) or the
+    /// watcher is gone, the ring is dropped: a byte waiting already wakes it.
+    pub fn ring(&self) {
+        sys::send_nowait(self.0.as_fd(), &[1]);
+    }
+}

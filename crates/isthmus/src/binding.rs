@@ -21,7 +21,7 @@ use std::task::{Context, Poll, Wake, Waker};
 use std::time::Instant;
 
 use bytes::Bytes;
-use isthmus_shm::EventFd;
+use isthmus_shm::{EventFd, SocketBell};
 use tokio::sync::watch;
 
 use crate::client::{CallSender, ClientCall};
@@ -257,6 +257,8 @@ impl<O> Default for Queue<O> {
 /// type `O` (see the module's documentation).
 pub struct Completions<O> {
     fd: EventFd,
+    /// Rung with `fd` when set: for a loop that can watch only a socket it connected itself.
+    bell: Mutex<Option<SocketBell>>,
     queue: Mutex<Queue<O>>,
     /// Operations waiting, by token (to abandon them).
     running: Mutex<HashMap<u64, Arc<Op<O>>>>,
@@ -271,7 +273,12 @@ impl<O> std::fmt::Debug for Completions<O> {
 impl<O: Send + 'static> Completions<O> {
     /// Empty completions with a fresh eventfd.
     pub fn new() -> std::io::Result<Arc<Completions<O>>> {
-        Ok(Arc::new(Completions { fd: EventFd::new()?, queue: Mutex::default(), running: Mutex::default() }))
+        Ok(Arc::new(Completions {
+            fd: EventFd::new()?,
+            bell: Mutex::new(None),
+            queue: Mutex::default(),
+            running: Mutex::default(),
+        }))
     }
 
     /// The eventfd: readable while completions wait to be taken.
@@ -287,7 +294,17 @@ impl<O: Send + 'static> Completions<O> {
         // `take` drains the eventfd before it takes the queue, so a queue found empty here has
         // been (or is being) taken: one signal per batch.
         if first {
-            self.fd.signal();
+            self.signal();
+        }
+    }
+
+    /// Rings `bell` too whenever the eventfd is signalled, instead of the bell set before.
+    pub fn set_bell(&self, bell: SocketBell) {
+        if let Ok(mut slot) = self.bell.lock() {
+            *slot = Some(bell);
+        }
+        if self.is_ready() {
+            self.signal(); // what came before the bell
         }
     }
 
@@ -361,6 +378,11 @@ impl<O: Send + 'static> Completions<O> {
     /// Makes the eventfd readable (for a caller that took fewer completions than were ready).
     pub fn signal(&self) {
         self.fd.signal();
+        if let Ok(bell) = self.bell.lock() {
+            if let Some(bell) = bell.as_ref() {
+                bell.ring();
+            }
+        }
     }
 
     /// True if something waits to be taken (without taking it).

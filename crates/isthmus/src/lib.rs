@@ -67,7 +67,7 @@ pub use status::{Code, Status};
 
 /// What a binding needs of the transport under the engine, so that bindings (the Python
 /// extension, the C ABI) stand on this crate alone.
-pub use isthmus_shm::{BlockMut, Config, EventFd, PeerPolicy, SpinPolicy};
+pub use isthmus_shm::{BlockMut, Config, EventFd, PeerPolicy, SocketBell, SpinPolicy};
 
 /// Entry points for the fuzz targets (`fuzz/`): decoders of what HTTP/2 peers send. Not API.
 #[doc(hidden)]

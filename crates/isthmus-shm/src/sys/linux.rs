@@ -390,6 +390,14 @@ pub(crate) fn set_nonblocking(fd: BorrowedFd<'_>) -> io::Result<()> {
     cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_SETFL, flags | libc::O_NONBLOCK) }).map(drop)
 }
 
+/// Sends `data` on a stream socket without blocking or raising SIGPIPE; what does not fit the
+/// socket's buffer, or a peer gone, is dropped (for bells, where one byte already waiting is
+/// as good as another).
+pub(crate) fn send_nowait(sock: BorrowedFd<'_>, data: &[u8]) {
+    // SAFETY: `data` is valid for reads of its length; the result is ignored on purpose.
+    unsafe { libc::send(sock.as_raw_fd(), data.as_ptr().cast(), data.len(), libc::MSG_DONTWAIT | libc::MSG_NOSIGNAL) };
+}
+
 /// Reads what is waiting on a socket without consuming it or blocking.
 pub(crate) fn peek(sock: BorrowedFd<'_>, buf: &mut [u8]) -> usize {
     // SAFETY: `buf` is valid for writes of its length.

@@ -133,15 +133,17 @@ impl Channel {
 
     /// A unary call: one request, one response.
     pub fn unary(&self, path: &str, request: &[u8], options: CallOptions) -> Result<Response, Status> {
+        self.unary_begin(path, request, options)?.wait()
+    }
+
+    /// A unary call whose request is sent and whose response is waited for later, on this
+    /// thread or another: [`PendingUnary::wait_until`] gives up at a time of the caller's
+    /// choosing and leaves the call running. An event loop waits a moment for a fast reply and
+    /// hands a slow one to a thread of its own.
+    pub fn unary_begin(&self, path: &str, request: &[u8], options: CallOptions) -> Result<PendingUnary, Status> {
         let mut call = self.start(path, options)?;
         call.send_last(request)?;
-        let message = call.recv()?.ok_or_else(|| {
-            Status::new(Code::Internal, format!("{path}: the server ended the call without a response"))
-        })?;
-        if call.recv()?.is_some() {
-            return Err(Status::new(Code::Internal, format!("{path}: the server sent more than one response")));
-        }
-        Ok(call.state.take_response(message))
+        Ok(PendingUnary { call, path: path.to_owned(), message: None })
     }
 
     /// Counters of the current connection (zero if there is none yet).
@@ -250,14 +252,44 @@ impl Call {
 
     /// The next event, read from the connection on this thread if no other thread is reading.
     fn next(&mut self) -> Result<Next, Status> {
+        self.next_until(None).map(|next| next.unwrap_or(Next::More))
+    }
+
+    /// [`next`](Self::next), but `Ok(None)` once `until` (if it comes before the deadline)
+    /// passes with no event; the call goes on.
+    fn next_until(&mut self, until: Option<Instant>) -> Result<Option<Next>, Status> {
         self.state.settle();
         loop {
             if let Some(ev) = self.state.try_event() {
-                return Ok(self.state.absorb(ev));
+                return Ok(Some(self.state.absorb(ev)));
             }
+            let limit = match (until, self.deadline) {
+                (Some(u), Some(d)) => Some(u.min(d)),
+                (u, d) => u.or(d),
+            };
             let state = &self.state;
-            if !state.mux.wait(self.deadline, || state.has_event()) {
+            if !state.mux.wait(limit, || state.has_event()) {
+                if until.is_some() && self.deadline.is_none_or(|d| Instant::now() < d) {
+                    return Ok(None);
+                }
                 return Err(self.expire());
+            }
+        }
+    }
+
+    /// [`recv`](Self::recv), but `None` if nothing came by `until` (when that is before the
+    /// call's deadline): the call goes on, and a later `recv` picks up where this left off.
+    pub fn recv_until(&mut self, until: Instant) -> Option<Result<Option<Bytes>, Status>> {
+        if let Some(r) = self.state.ready_result() {
+            return Some(r);
+        }
+        loop {
+            match self.next_until(Some(until)) {
+                Err(status) => return Some(Err(status)),
+                Ok(None) => return None,
+                Ok(Some(Next::More)) => {}
+                Ok(Some(Next::Ended(r))) => return Some(r),
+                Ok(Some(Next::Message(m))) => return Some(Ok(Some(m))),
             }
         }
     }
@@ -299,5 +331,62 @@ impl Call {
     /// Cancels the call: the server sees CANCELLED and stops its handler.
     pub fn cancel(mut self) {
         self.state.cancel_blocking(Code::Cancelled, "the call was cancelled", Instant::now() + CANCEL_PATIENCE);
+    }
+}
+
+/// A unary call in progress (see [`Channel::unary_begin`]). Dropping it cancels the call.
+#[derive(Debug)]
+pub struct PendingUnary {
+    call: Call,
+    path: String,
+    /// The response, once it came (the call's end is still to come).
+    message: Option<Bytes>,
+}
+
+impl PendingUnary {
+    /// The call's outcome if it ends by `until`; `None` if it is still running then.
+    pub fn wait_until(&mut self, until: Instant) -> Option<Result<Response, Status>> {
+        loop {
+            let received = match self.call.recv_until(until)? {
+                Ok(m) => m,
+                Err(status) => return Some(Err(status)),
+            };
+            match (received, self.message.is_some()) {
+                (Some(m), false) => self.message = Some(m),
+                (Some(_), true) => {
+                    let path = &self.path;
+                    return Some(Err(Status::new(
+                        Code::Internal,
+                        format!("{path}: the server sent more than one response"),
+                    )));
+                }
+                (None, true) => {
+                    let message = self.message.take().unwrap_or_default();
+                    return Some(Ok(self.call.state.take_response(message)));
+                }
+                (None, false) => {
+                    let path = &self.path;
+                    return Some(Err(Status::new(
+                        Code::Internal,
+                        format!("{path}: the server ended the call without a response"),
+                    )));
+                }
+            }
+        }
+    }
+
+    /// Waits for the call's outcome (bounded by its deadline).
+    pub fn wait(mut self) -> Result<Response, Status> {
+        loop {
+            let until = self.call.deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+            if let Some(outcome) = self.wait_until(until) {
+                return outcome;
+            }
+        }
+    }
+
+    /// Cancels the call: the server sees CANCELLED.
+    pub fn cancel(self) {
+        self.call.cancel();
     }
 }

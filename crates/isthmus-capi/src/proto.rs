@@ -1,0 +1,410 @@
+//! A service's contract at run time: `.proto` files compiled when a program loads them
+//! (protox), and messages converted between protobuf and proto3's JSON mapping
+//! (prost-reflect). For languages with no protobuf library of their own at hand: LuaJIT inside
+//! nginx turns its tables into JSON, and this turns JSON into the bytes a call sends.
+
+use std::collections::HashMap;
+use std::ffi::{c_char, CString};
+use std::path::{Path, PathBuf};
+
+use bytes::Bytes;
+use isthmus::{Code, Status};
+use prost::Message as _;
+use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, SerializeOptions};
+
+use crate::abi::{c_bytes, c_str, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t};
+use crate::handle::Registry;
+use crate::object::{isthmus_message_t, message_handle};
+
+/// Message types and services loaded from `.proto` files or a descriptor set. Free it with
+/// `isthmus_proto_free`.
+pub struct isthmus_proto_t {
+    pool: DescriptorPool,
+    /// Each method's request and response type names, by path (`/package.Service/Method`).
+    methods: HashMap<String, [CString; 2]>,
+}
+
+/// `isthmus_proto_method_type`: the request's type.
+pub const ISTHMUS_PROTO_REQUEST: i32 = 0;
+/// `isthmus_proto_method_type`: the response's type.
+pub const ISTHMUS_PROTO_RESPONSE: i32 = 1;
+
+pub(crate) static PROTOS: Registry<isthmus_proto_t> = Registry::new("proto");
+
+impl isthmus_proto_t {
+    fn new(pool: DescriptorPool) -> Result<isthmus_proto_t, Status> {
+        let mut methods = HashMap::new();
+        for service in pool.services() {
+            for method in service.methods() {
+                let name =
+                    |m: MessageDescriptor| CString::new(m.full_name()).map_err(|_| invalid("a NUL in a type name"));
+                let types = [name(method.input())?, name(method.output())?];
+                methods.insert(format!("/{}/{}", service.full_name(), method.name()), types);
+            }
+        }
+        Ok(isthmus_proto_t { pool, methods })
+    }
+
+    fn message(&self, name: &str) -> Result<MessageDescriptor, Status> {
+        self.pool
+            .get_message_by_name(name.trim_start_matches('.'))
+            .ok_or_else(|| Status::new(Code::NotFound, format!("no message type {name} is loaded")))
+    }
+}
+
+/// A list of `n` C strings as Rust strings (`what` names it in errors).
+///
+/// # Safety
+///
+/// `list` is NULL (with `n` 0) or valid for reads of `n` NUL-terminated strings.
+unsafe fn c_strs<'a>(list: *const *const c_char, n: usize, what: &str) -> Result<Vec<&'a str>, Status> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if list.is_null() {
+        return Err(invalid(format!("{what} is NULL with {n} entries")));
+    }
+    // SAFETY: not NULL; the caller promises `n` readable entries.
+    let items = unsafe { std::slice::from_raw_parts(list, n) };
+    // SAFETY: each entry is a NUL-terminated string by the caller's promise.
+    items.iter().map(|s| unsafe { c_str(*s, what) }).collect()
+}
+
+/// Compiles `.proto` files (with what they import) at run time. Imports are looked up in the
+/// `includes` directories; with none, in each file's own directory. A file that does not parse,
+/// or an import not found, fails with `ISTHMUS_INVALID_ARGUMENT` and a message naming the file
+/// and line. Free the result with `isthmus_proto_free`.
+///
+/// # Safety
+///
+/// `files` holds `nfiles` NUL-terminated paths and `includes` `nincludes` (either may be NULL
+/// when its count is 0); `out` is writable; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_proto_load(
+    files: *const *const c_char,
+    nfiles: usize,
+    includes: *const *const c_char,
+    nincludes: usize,
+    out: *mut *mut isthmus_proto_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    // SAFETY: the caller's promises, passed on.
+    unsafe {
+        entry_out(out, "proto", status, || {
+            let files = c_strs(files, nfiles, "a file")?;
+            if files.is_empty() {
+                return Err(invalid("no .proto file given"));
+            }
+            let mut dirs: Vec<PathBuf> =
+                c_strs(includes, nincludes, "an include directory")?.into_iter().map(PathBuf::from).collect();
+            if dirs.is_empty() {
+                for file in &files {
+                    let dir = Path::new(file).parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+                    if !dirs.iter().any(|d| d == dir) {
+                        dirs.push(dir.to_path_buf());
+                    }
+                }
+            }
+            let compile = || -> Result<DescriptorPool, protox::Error> {
+                let mut compiler = protox::Compiler::new(&dirs)?;
+                compiler.include_imports(true);
+                compiler.open_files(&files)?;
+                Ok(compiler.descriptor_pool())
+            };
+            let pool = compile().map_err(|e| invalid(format!("cannot load {}: {e}", files.join(", "))))?;
+            Ok(Some(PROTOS.add(isthmus_proto_t::new(pool)?)))
+        })
+    }
+}
+
+/// Loads a serialized `google.protobuf.FileDescriptorSet` (what `protoc --include_imports
+/// --descriptor_set_out` writes, or a server's reflection gives). Free the result with
+/// `isthmus_proto_free`.
+///
+/// # Safety
+///
+/// `data` is valid for `len` bytes; `out` is writable; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_proto_load_descriptor_set(
+    data: *const u8,
+    len: usize,
+    out: *mut *mut isthmus_proto_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    // SAFETY: the caller's promises, passed on.
+    unsafe {
+        entry_out(out, "proto", status, || {
+            let data = c_bytes(data, len, "the descriptor set")?;
+            let pool =
+                DescriptorPool::decode(data).map_err(|e| invalid(format!("not a usable FileDescriptorSet: {e}")))?;
+            Ok(Some(PROTOS.add(isthmus_proto_t::new(pool)?)))
+        })
+    }
+}
+
+/// The full name of the request (`which` = `ISTHMUS_PROTO_REQUEST`) or response
+/// (`ISTHMUS_PROTO_RESPONSE`) type of the method at `path` (`/package.Service/Method`),
+/// NUL-terminated and valid until the proto is freed; NULL if no loaded service has that method
+/// (or for an invalid handle).
+///
+/// # Safety
+///
+/// `path` is a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_proto_method_type(
+    proto: *const isthmus_proto_t,
+    path: *const c_char,
+    which: i32,
+) -> *const c_char {
+    guard(std::ptr::null(), || {
+        let Ok(proto) = PROTOS.get(proto) else { return std::ptr::null() };
+        // SAFETY: the caller promises a NUL-terminated string.
+        let Ok(path) = (unsafe { c_str(path, "the path") }) else { return std::ptr::null() };
+        let index = match which {
+            ISTHMUS_PROTO_REQUEST => 0,
+            ISTHMUS_PROTO_RESPONSE => 1,
+            _ => return std::ptr::null(),
+        };
+        // The names live as long as the proto's handle; the registry's Arc outlives this guard.
+        proto.methods.get(path).map_or(std::ptr::null(), |types| types[index].as_ptr())
+    })
+}
+
+/// Encodes a message of type `type_name` (`package.Message`) from its proto3 JSON form: `*out`
+/// holds the protobuf bytes. JSON that does not fit the type fails with
+/// `ISTHMUS_INVALID_ARGUMENT` and a message naming the field.
+///
+/// # Safety
+///
+/// `type_name` is NUL-terminated; `json` is valid for `json_len` bytes; `out` is writable;
+/// `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_proto_encode(
+    proto: *const isthmus_proto_t,
+    type_name: *const c_char,
+    json: *const u8,
+    json_len: usize,
+    out: *mut *mut isthmus_message_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    // SAFETY: the caller's promises, passed on.
+    unsafe {
+        entry_out(out, "message", status, || {
+            let proto = PROTOS.get(proto)?;
+            let desc = proto.message(c_str(type_name, "the type name")?)?;
+            let json = c_bytes(json, json_len, "the JSON")?;
+            let mut de = serde_json::Deserializer::from_slice(json);
+            let message = DynamicMessage::deserialize(desc.clone(), &mut de)
+                .and_then(|m| de.end().map(|()| m))
+                .map_err(|e| invalid(format!("JSON is not a {}: {e}", desc.full_name())))?;
+            Ok(Some(message_handle(Bytes::from(message.encode_to_vec()))))
+        })
+    }
+}
+
+/// Decodes protobuf bytes of type `type_name` into its proto3 JSON form, with the field names
+/// the `.proto` file gives (`time_left_ms`, not `timeLeftMs`; encoding takes either): fields at
+/// their default value left out, 64-bit integers as strings, `bytes` in base64. `*out` holds
+/// the JSON text. Bytes that are not such a message fail with `ISTHMUS_INVALID_ARGUMENT`.
+///
+/// # Safety
+///
+/// `type_name` is NUL-terminated; `data` is valid for `len` bytes; `out` is writable; `status`
+/// is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_proto_decode(
+    proto: *const isthmus_proto_t,
+    type_name: *const c_char,
+    data: *const u8,
+    len: usize,
+    out: *mut *mut isthmus_message_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    // SAFETY: the caller's promises, passed on.
+    unsafe {
+        entry_out(out, "message", status, || {
+            let proto = PROTOS.get(proto)?;
+            let desc = proto.message(c_str(type_name, "the type name")?)?;
+            let message = DynamicMessage::decode(desc.clone(), c_bytes(data, len, "the message")?)
+                .map_err(|e| invalid(format!("the bytes are not a {}: {e}", desc.full_name())))?;
+            let options = SerializeOptions::new().use_proto_field_name(true);
+            let mut json = Vec::new();
+            message
+                .serialize_with_options(&mut serde_json::Serializer::new(&mut json), &options)
+                .map_err(|e| Status::new(Code::Internal, format!("cannot write {} as JSON: {e}", desc.full_name())))?;
+            Ok(Some(message_handle(Bytes::from(json))))
+        })
+    }
+}
+
+/// Frees a proto.
+#[no_mangle]
+pub extern "C" fn isthmus_proto_free(proto: *mut isthmus_proto_t) -> isthmus_code_t {
+    crate::abi::entry(std::ptr::null_mut(), || PROTOS.remove(proto).map(drop))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::{CStr, CString};
+
+    use super::*;
+    use crate::abi::{
+        isthmus_status_free, isthmus_status_message, ISTHMUS_INVALID_ARGUMENT, ISTHMUS_NOT_FOUND, ISTHMUS_OK,
+    };
+    use crate::object::{isthmus_message_data, isthmus_message_free};
+
+    const PROTO: &str = r#"syntax = "proto3";
+package demo;
+message Ping { bytes payload = 1; uint64 seq = 2; string note_text = 3; }
+message Pong { repeated Ping pings = 1; }
+service Echo { rpc Call(Ping) returns (Pong); }
+"#;
+
+    fn load() -> (*mut isthmus_proto_t, tempdir::Dir) {
+        let dir = tempdir::Dir::new();
+        let file = dir.0.join("demo.proto");
+        std::fs::write(&file, PROTO).expect("write");
+        let path = CString::new(file.to_str().expect("utf8")).expect("cstr");
+        let files = [path.as_ptr()];
+        let mut proto = std::ptr::null_mut();
+        // SAFETY: one valid path; valid out-pointer.
+        let rc =
+            unsafe { isthmus_proto_load(files.as_ptr(), 1, std::ptr::null(), 0, &mut proto, std::ptr::null_mut()) };
+        assert_eq!(rc, ISTHMUS_OK);
+        (proto, dir)
+    }
+
+    /// The bytes of a message handle, freeing it.
+    fn take(msg: *mut isthmus_message_t) -> Vec<u8> {
+        let mut len = 0;
+        // SAFETY: a live handle; `len` is writable.
+        let data = unsafe { isthmus_message_data(msg, &mut len) };
+        // SAFETY: the handle's bytes are valid until it is freed, below.
+        let out = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
+        assert_eq!(isthmus_message_free(msg), ISTHMUS_OK);
+        out
+    }
+
+    fn encode(proto: *mut isthmus_proto_t, ty: &CStr, json: &str) -> Result<Vec<u8>, (isthmus_code_t, String)> {
+        let (mut out, mut status) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: valid strings, bytes and out-pointers.
+        let rc = unsafe { isthmus_proto_encode(proto, ty.as_ptr(), json.as_ptr(), json.len(), &mut out, &mut status) };
+        match rc {
+            ISTHMUS_OK => Ok(take(out)),
+            _ => {
+                // SAFETY: a status was stored on failure.
+                let message = unsafe { CStr::from_ptr(isthmus_status_message(status)) }.to_string_lossy().into_owned();
+                isthmus_status_free(status);
+                Err((rc, message))
+            }
+        }
+    }
+
+    #[test]
+    fn tables_travel_as_json_through_the_loaded_types() {
+        let (proto, _dir) = load();
+        // SAFETY: a NUL-terminated path.
+        let request = unsafe { isthmus_proto_method_type(proto, c"/demo.Echo/Call".as_ptr(), ISTHMUS_PROTO_REQUEST) };
+        // SAFETY: the name lives as long as the proto.
+        assert_eq!(unsafe { CStr::from_ptr(request) }, c"demo.Ping");
+        // SAFETY: as above.
+        let response = unsafe { isthmus_proto_method_type(proto, c"/demo.Echo/Call".as_ptr(), ISTHMUS_PROTO_RESPONSE) };
+        // SAFETY: as above.
+        assert_eq!(unsafe { CStr::from_ptr(response) }, c"demo.Pong");
+        // SAFETY: as above.
+        assert!(unsafe { isthmus_proto_method_type(proto, c"/demo.Echo/Nope".as_ptr(), 0) }.is_null());
+
+        // Either field name spelling is read; 64-bit integers as numbers or strings.
+        let bytes = encode(proto, c"demo.Ping", r#"{"payload":"aGk=","seq":7,"noteText":"n"}"#).expect("encode");
+        let same = encode(proto, c"demo.Ping", r#"{"payload":"aGk=","seq":"7","note_text":"n"}"#).expect("encode");
+        assert_eq!(bytes, same);
+        let (mut out, mut status) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: valid arguments.
+        let rc = unsafe {
+            isthmus_proto_decode(proto, c"demo.Ping".as_ptr(), bytes.as_ptr(), bytes.len(), &mut out, &mut status)
+        };
+        assert_eq!(rc, ISTHMUS_OK);
+        let json: serde_json::Value = serde_json::from_slice(&take(out)).expect("json");
+        assert_eq!(json, serde_json::json!({"payload": "aGk=", "seq": "7", "note_text": "n"}));
+
+        let (code, message) = encode(proto, c"demo.Ping", r#"{"no_such":1}"#).expect_err("unknown field");
+        assert_eq!(code, ISTHMUS_INVALID_ARGUMENT);
+        assert!(message.contains("no_such"), "{message}");
+        assert_eq!(encode(proto, c"demo.Nope", "{}").expect_err("unknown type").0, ISTHMUS_NOT_FOUND);
+        assert_eq!(encode(proto, c"demo.Ping", "{} trailing").expect_err("trailing").0, ISTHMUS_INVALID_ARGUMENT);
+
+        // Bytes that are no Ping.
+        let junk = [0xffu8, 0xff, 0xff];
+        // SAFETY: valid arguments.
+        let rc = unsafe {
+            isthmus_proto_decode(
+                proto,
+                c"demo.Ping".as_ptr(),
+                junk.as_ptr(),
+                junk.len(),
+                &mut out,
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(rc, ISTHMUS_INVALID_ARGUMENT);
+        assert!(out.is_null());
+
+        // The same types from a descriptor set.
+        let set = PROTOS.get(proto).expect("live").pool.encode_to_vec();
+        let mut again = std::ptr::null_mut();
+        // SAFETY: valid bytes and out-pointer.
+        let rc =
+            unsafe { isthmus_proto_load_descriptor_set(set.as_ptr(), set.len(), &mut again, std::ptr::null_mut()) };
+        assert_eq!(rc, ISTHMUS_OK);
+        assert_eq!(
+            encode(again, c"demo.Ping", r#"{"seq":7}"#).expect("encode"),
+            encode(proto, c"demo.Ping", r#"{"seq":7}"#).expect("encode")
+        );
+        assert_eq!(isthmus_proto_free(again), ISTHMUS_OK);
+        assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
+        assert_eq!(isthmus_proto_free(proto), ISTHMUS_INVALID_ARGUMENT, "a double free is refused");
+    }
+
+    #[test]
+    fn a_file_that_does_not_compile_says_where() {
+        let dir = tempdir::Dir::new();
+        let file = dir.0.join("bad.proto");
+        std::fs::write(&file, "syntax = \"proto3\";\nmessage M { int32 = 1; }\n").expect("write");
+        let path = CString::new(file.to_str().expect("utf8")).expect("cstr");
+        let files = [path.as_ptr()];
+        let (mut proto, mut status) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: valid arguments.
+        let rc = unsafe { isthmus_proto_load(files.as_ptr(), 1, std::ptr::null(), 0, &mut proto, &mut status) };
+        assert_eq!(rc, ISTHMUS_INVALID_ARGUMENT);
+        assert!(proto.is_null());
+        // SAFETY: a status was stored.
+        let message = unsafe { CStr::from_ptr(isthmus_status_message(status)) }.to_string_lossy().into_owned();
+        isthmus_status_free(status);
+        assert!(message.contains("bad.proto"), "{message}");
+        // SAFETY: a NULL list with a count is refused, not read.
+        let rc =
+            unsafe { isthmus_proto_load(std::ptr::null(), 2, std::ptr::null(), 0, &mut proto, std::ptr::null_mut()) };
+        assert_eq!(rc, ISTHMUS_INVALID_ARGUMENT);
+    }
+
+    /// A temporary directory, removed when dropped.
+    mod tempdir {
+        pub(super) struct Dir(pub(super) std::path::PathBuf);
+
+        impl Dir {
+            pub(super) fn new() -> Dir {
+                static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+                let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let dir = std::env::temp_dir().join(format!("isthmus-proto-test-{}-{n}", std::process::id()));
+                std::fs::create_dir_all(&dir).expect("mkdir");
+                Dir(dir)
+            }
+        }
+
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+    }
+}

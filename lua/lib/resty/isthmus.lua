@@ -1,0 +1,909 @@
+-- resty.isthmus: gRPC calls from LuaJIT and nginx (OpenResty, or Debian's nginx with its Lua
+-- module) through isthmus: shared memory to a server on the same machine (shm://), standard
+-- gRPC over HTTP/2 beyond it (unix://, http://). It stands on the C ABI (libisthmus_capi,
+-- crates/isthmus-capi) through LuaJIT's ffi.
+--
+-- Inside nginx a call never blocks the worker: it is started without blocking, waits a few
+-- microseconds for a fast reply, and otherwise yields on an ngx.semaphore; one timer per worker
+-- watches the completion queue through a cosocket the library rings (docs/adr/0011). Outside
+-- nginx, and in nginx phases that cannot yield (init_worker_by_lua, set_by_lua, log_by_lua...),
+-- the same calls block.
+--
+--   local isthmus = require "resty.isthmus"
+--   local ch = assert(isthmus.connect("shm://sidecar", { proto = isthmus.load_proto({ "hello.proto" }) }))
+--   local ok, reply = ch:unary("/helloworld.Greeter/SayHello", { name = "you" }, { timeout = 1 })
+--
+-- Every call returns `ok, result_or_err`: on failure `err` is an error table with the gRPC
+-- `code` (a number), its `name` ("UNAVAILABLE"), `message` and `trailers`.
+
+local ffi = require "ffi"
+
+local C
+local ffi_new, ffi_string, ffi_gc = ffi.new, ffi.string, ffi.gc
+local tonumber, type, setmetatable, pairs, ipairs, error, next = tonumber, type, setmetatable, pairs, ipairs, error, next
+
+local ngx = ngx -- nil outside nginx
+
+local _M = { _VERSION = "0.1.0" }
+
+-- The part of include/isthmus.h this module uses (ffi.cdef takes no #define or #include). A
+-- test (lua/tests) checks every declaration here against the header.
+ffi.cdef [[
+typedef int32_t isthmus_code_t;
+typedef int32_t isthmus_op_t;
+typedef struct isthmus_block_t isthmus_block_t;
+typedef struct isthmus_call_t isthmus_call_t;
+typedef struct isthmus_channel_t isthmus_channel_t;
+typedef struct isthmus_cq_t isthmus_cq_t;
+typedef struct isthmus_message_t isthmus_message_t;
+typedef struct isthmus_metadata_t isthmus_metadata_t;
+typedef struct isthmus_proto_t isthmus_proto_t;
+typedef struct isthmus_server_call_t isthmus_server_call_t;
+typedef struct isthmus_status_t isthmus_status_t;
+typedef struct { uint64_t max_message_size; } isthmus_channel_options_t;
+typedef struct {
+  int64_t timeout_us;
+  const isthmus_metadata_t *metadata;
+  uint32_t flags;
+} isthmus_call_options_t;
+typedef struct {
+  uint64_t tag;
+  isthmus_op_t op;
+  isthmus_code_t code;
+  isthmus_call_t *call;
+  isthmus_server_call_t *server_call;
+  isthmus_message_t *message;
+  const uint8_t *message_data;
+  size_t message_len;
+  isthmus_metadata_t *metadata;
+  isthmus_metadata_t *trailers;
+  isthmus_status_t *status;
+} isthmus_event_t;
+
+uint32_t isthmus_abi_version(void);
+const char *isthmus_code_name(isthmus_code_t code);
+isthmus_code_t isthmus_status_code(const isthmus_status_t *status);
+const char *isthmus_status_message(const isthmus_status_t *status);
+isthmus_code_t isthmus_status_free(isthmus_status_t *status);
+isthmus_metadata_t *isthmus_status_trailers(const isthmus_status_t *status);
+isthmus_code_t isthmus_channel_new(const char *target, const isthmus_channel_options_t *opts, isthmus_channel_t **out, isthmus_status_t **status);
+isthmus_code_t isthmus_channel_close(isthmus_channel_t *channel);
+isthmus_code_t isthmus_channel_set_spin(const isthmus_channel_t *channel, uint32_t spin_us);
+isthmus_code_t isthmus_unary(const isthmus_channel_t *channel, const char *path, const uint8_t *request, size_t request_len, const isthmus_call_options_t *opts, isthmus_message_t **reply, isthmus_metadata_t **headers, isthmus_metadata_t **trailers, isthmus_status_t **status);
+isthmus_code_t isthmus_unary_async(const isthmus_channel_t *channel, const char *path, const uint8_t *request, size_t request_len, const isthmus_call_options_t *opts, const isthmus_cq_t *cq, uint64_t tag, isthmus_event_t *now, isthmus_status_t **status);
+isthmus_code_t isthmus_call_start(const isthmus_channel_t *channel, const char *path, const isthmus_call_options_t *opts, isthmus_call_t **call, isthmus_status_t **status);
+isthmus_code_t isthmus_call_start_async(const isthmus_channel_t *channel, const char *path, const isthmus_call_options_t *opts, const isthmus_cq_t *cq, uint64_t tag, isthmus_event_t *now, isthmus_status_t **status);
+isthmus_code_t isthmus_call_send(const isthmus_call_t *call, const uint8_t *data, size_t len, int32_t last, isthmus_status_t **status);
+isthmus_code_t isthmus_call_send_async(const isthmus_call_t *call, const uint8_t *data, size_t len, int32_t last, const isthmus_cq_t *cq, uint64_t tag, isthmus_event_t *now, isthmus_status_t **status);
+isthmus_code_t isthmus_call_close_send(const isthmus_call_t *call);
+isthmus_code_t isthmus_call_recv(const isthmus_call_t *call, isthmus_message_t **message, isthmus_status_t **status);
+isthmus_code_t isthmus_call_recv_async(const isthmus_call_t *call, const isthmus_cq_t *cq, uint64_t tag, isthmus_event_t *now, isthmus_status_t **status);
+isthmus_code_t isthmus_call_headers(const isthmus_call_t *call, isthmus_metadata_t **headers, isthmus_status_t **status);
+isthmus_code_t isthmus_call_headers_async(const isthmus_call_t *call, const isthmus_cq_t *cq, uint64_t tag, isthmus_event_t *now, isthmus_status_t **status);
+isthmus_metadata_t *isthmus_call_trailers(const isthmus_call_t *call);
+isthmus_code_t isthmus_call_cancel(const isthmus_call_t *call);
+isthmus_code_t isthmus_call_free(isthmus_call_t *call);
+isthmus_cq_t *isthmus_cq_new(void);
+size_t isthmus_cq_poll(const isthmus_cq_t *cq, isthmus_event_t *events, size_t capacity);
+isthmus_code_t isthmus_cq_cancel(const isthmus_cq_t *cq, uint64_t tag);
+isthmus_code_t isthmus_cq_wake(const isthmus_cq_t *cq);
+isthmus_code_t isthmus_cq_bell_listen(const isthmus_cq_t *cq, char *path, size_t capacity, isthmus_status_t **status);
+isthmus_code_t isthmus_cq_bell_accept(const isthmus_cq_t *cq, isthmus_status_t **status);
+const uint8_t *isthmus_message_data(const isthmus_message_t *msg, size_t *len);
+isthmus_code_t isthmus_message_free(isthmus_message_t *msg);
+isthmus_metadata_t *isthmus_metadata_new(void);
+isthmus_code_t isthmus_metadata_add(isthmus_metadata_t *md, const char *key, const uint8_t *value, size_t value_len, isthmus_status_t **status);
+size_t isthmus_metadata_len(const isthmus_metadata_t *md);
+isthmus_code_t isthmus_metadata_get(const isthmus_metadata_t *md, size_t index, const uint8_t **key, size_t *key_len, const uint8_t **value, size_t *value_len);
+isthmus_code_t isthmus_metadata_free(isthmus_metadata_t *md);
+isthmus_code_t isthmus_proto_load(const char *const *files, size_t nfiles, const char *const *includes, size_t nincludes, isthmus_proto_t **out, isthmus_status_t **status);
+isthmus_code_t isthmus_proto_load_descriptor_set(const uint8_t *data, size_t len, isthmus_proto_t **out, isthmus_status_t **status);
+const char *isthmus_proto_method_type(const isthmus_proto_t *proto, const char *path, int32_t which);
+isthmus_code_t isthmus_proto_encode(const isthmus_proto_t *proto, const char *type_name, const uint8_t *json, size_t json_len, isthmus_message_t **out, isthmus_status_t **status);
+isthmus_code_t isthmus_proto_decode(const isthmus_proto_t *proto, const char *type_name, const uint8_t *data, size_t len, isthmus_message_t **out, isthmus_status_t **status);
+isthmus_code_t isthmus_proto_free(isthmus_proto_t *proto);
+]]
+
+-- The header's constants this module uses.
+local ABI_VERSION = 1
+local OK, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, UNAVAILABLE = 0, 2, 3, 4, 14
+local CALL_SPIN = 2
+local PROTO_REQUEST, PROTO_RESPONSE = 0, 1
+
+--- The gRPC status codes by name (`isthmus.code.UNAVAILABLE == 14`).
+_M.code = {
+    OK = 0, CANCELLED = 1, UNKNOWN = 2, INVALID_ARGUMENT = 3, DEADLINE_EXCEEDED = 4,
+    NOT_FOUND = 5, ALREADY_EXISTS = 6, PERMISSION_DENIED = 7, RESOURCE_EXHAUSTED = 8,
+    FAILED_PRECONDITION = 9, ABORTED = 10, OUT_OF_RANGE = 11, UNIMPLEMENTED = 12,
+    INTERNAL = 13, UNAVAILABLE = 14, DATA_LOSS = 15, UNAUTHENTICATED = 16,
+}
+
+---------------------------------------------------------------------------------------------
+-- Loading the library
+---------------------------------------------------------------------------------------------
+
+-- Where the library is looked for, first found wins: the path given to isthmus.init{lib=...},
+-- $ISTHMUS_LIB (nginx passes it only with `env ISTHMUS_LIB;`), libisthmus_capi.so beside
+-- package.cpath's entries, then the system's library path.
+local function find_library(explicit)
+    if explicit then
+        return explicit
+    end
+    local env = os.getenv("ISTHMUS_LIB")
+    if env and env ~= "" then
+        return env
+    end
+    for entry in package.cpath:gmatch("[^;]+") do
+        local candidate = entry:gsub("%?", "libisthmus_capi")
+        local f = io.open(candidate, "rb")
+        if f then
+            f:close()
+            return candidate
+        end
+    end
+    return "isthmus_capi"
+end
+
+local function load(path)
+    if C then
+        return C
+    end
+    local name = find_library(path)
+    local ok, lib = pcall(ffi.load, name)
+    if not ok then
+        error("resty.isthmus: cannot load the isthmus C library (" .. name .. "): " .. tostring(lib)
+            .. "; set ISTHMUS_LIB or call isthmus.init{ lib = '/path/to/libisthmus_capi.so' }", 3)
+    end
+    local version = lib.isthmus_abi_version()
+    if version ~= ABI_VERSION then
+        error(("resty.isthmus: %s has ABI version %d, this module speaks %d"):format(name, version, ABI_VERSION), 3)
+    end
+    C = lib
+    return C
+end
+
+--- Loads the C library from `opts.lib` (a path) now instead of on first use. Returns true.
+function _M.init(opts)
+    load(opts and opts.lib)
+    return true
+end
+
+---------------------------------------------------------------------------------------------
+-- Errors, metadata and messages across the boundary
+---------------------------------------------------------------------------------------------
+
+local status_out = ffi_new("isthmus_status_t*[1]")
+local md_key = ffi_new("const uint8_t*[1]")
+local md_key_len = ffi_new("size_t[1]")
+local md_val = ffi_new("const uint8_t*[1]")
+local md_val_len = ffi_new("size_t[1]")
+
+local error_mt = {
+    __tostring = function(e)
+        return e.name .. ": " .. e.message
+    end,
+}
+
+local function new_error(code, message, trailers)
+    return setmetatable({
+        code = code,
+        name = ffi_string(C.isthmus_code_name(code)),
+        message = message,
+        trailers = trailers or {},
+    }, error_mt)
+end
+_M.new_error = new_error
+
+-- A metadata handle as a Lua table (key -> value; a key given more than once -> a list of
+-- values); frees the handle.
+local function take_metadata(md)
+    local t = {}
+    if md == nil then
+        return t
+    end
+    for i = 0, tonumber(C.isthmus_metadata_len(md)) - 1 do
+        if C.isthmus_metadata_get(md, i, md_key, md_key_len, md_val, md_val_len) == OK then
+            local k = ffi_string(md_key[0], md_key_len[0])
+            local v = ffi_string(md_val[0], md_val_len[0])
+            local prev = t[k]
+            if prev == nil then
+                t[k] = v
+            elseif type(prev) == "table" then
+                prev[#prev + 1] = v
+            else
+                t[k] = { prev, v }
+            end
+        end
+    end
+    C.isthmus_metadata_free(md)
+    return t
+end
+
+-- A status handle as an error table; frees the handle.
+local function take_status(st, code)
+    if st == nil then
+        return new_error(code ~= OK and code or UNKNOWN, "the call failed")
+    end
+    local err = new_error(C.isthmus_status_code(st), ffi_string(C.isthmus_status_message(st)),
+        take_metadata(C.isthmus_status_trailers(st)))
+    C.isthmus_status_free(st)
+    return err
+end
+
+-- The error of a function that returned `code`, with the status it stored.
+local function failed(code)
+    local st = status_out[0]
+    status_out[0] = nil
+    return take_status(st, code)
+end
+
+-- A message handle as a Lua string; frees the handle.
+local len_out = ffi_new("size_t[1]")
+local function take_message(msg)
+    if msg == nil then
+        return nil
+    end
+    local data = C.isthmus_message_data(msg, len_out)
+    local s = ffi_string(data, len_out[0])
+    C.isthmus_message_free(msg)
+    return s
+end
+
+-- Lua metadata ({key = value or {values}}) as a handle for one call, or nil.
+local function make_metadata(t)
+    if t == nil or next(t) == nil then
+        return nil
+    end
+    local md = ffi_gc(C.isthmus_metadata_new(), C.isthmus_metadata_free)
+    for k, v in pairs(t) do
+        local values = type(v) == "table" and v or { v }
+        for _, value in ipairs(values) do
+            value = tostring(value)
+            local rc = C.isthmus_metadata_add(md, tostring(k), value, #value, status_out)
+            if rc ~= OK then
+                return nil, failed(rc)
+            end
+        end
+    end
+    return md
+end
+
+-- Frees a handle of make_metadata once the call that took it has copied it.
+local function free_metadata(md)
+    if md ~= nil then
+        C.isthmus_metadata_free(ffi_gc(md, nil))
+    end
+end
+
+---------------------------------------------------------------------------------------------
+-- Protobuf through the proto3 JSON mapping
+---------------------------------------------------------------------------------------------
+
+local cjson
+local function json()
+    if not cjson then
+        local ok, lib = pcall(require, "cjson.safe")
+        if not ok then
+            error("resty.isthmus: Lua tables as messages need lua-cjson (Debian: apt-get install lua-cjson)", 3)
+        end
+        cjson = lib
+        if cjson.encode_empty_table_as_object then
+            cjson.encode_empty_table_as_object(true) -- OpenResty's lua-cjson; the stock one does so already
+        end
+    end
+    return cjson
+end
+
+local Proto = {}
+Proto.__index = Proto
+
+local function new_proto(handle)
+    return setmetatable({ handle = ffi_gc(handle, C.isthmus_proto_free), types = {} }, Proto)
+end
+
+--- Compiles `.proto` files at run time (what they import is looked up in `includes`, or in
+--- each file's directory). Returns a proto for isthmus.connect's `proto` option, or nil, err.
+function _M.load_proto(files, includes)
+    load()
+    if type(files) == "string" then
+        files = { files }
+    end
+    includes = includes or {}
+    local cfiles = ffi_new("const char*[?]", #files, files)
+    local cincludes = ffi_new("const char*[?]", #includes + 1, includes)
+    local out = ffi_new("isthmus_proto_t*[1]")
+    local rc = C.isthmus_proto_load(cfiles, #files, cincludes, #includes, out, status_out)
+    if rc ~= OK then
+        return nil, failed(rc)
+    end
+    return new_proto(out[0])
+end
+
+--- Loads a serialized FileDescriptorSet (`protoc --include_imports --descriptor_set_out`).
+function _M.load_descriptor_set(bytes)
+    load()
+    local out = ffi_new("isthmus_proto_t*[1]")
+    local rc = C.isthmus_proto_load_descriptor_set(bytes, #bytes, out, status_out)
+    if rc ~= OK then
+        return nil, failed(rc)
+    end
+    return new_proto(out[0])
+end
+
+-- The request (which = 0) or response (1) type of the method at `path`, or nil.
+function Proto:method_type(path, which)
+    local key = which .. path
+    local name = self.types[key]
+    if name == nil then
+        local p = C.isthmus_proto_method_type(self.handle, path, which)
+        name = p ~= nil and ffi_string(p) or false
+        self.types[key] = name
+    end
+    return name or nil
+end
+
+--- Encodes a Lua table as a message of type `type_name`: ok, bytes or false, err.
+function Proto:encode(type_name, tbl)
+    local text, jerr = json().encode(tbl)
+    if not text then
+        return false, new_error(INVALID_ARGUMENT, "cannot write the message as JSON: " .. tostring(jerr))
+    end
+    local out = ffi_new("isthmus_message_t*[1]")
+    local rc = C.isthmus_proto_encode(self.handle, type_name, text, #text, out, status_out)
+    if rc ~= OK then
+        return false, failed(rc)
+    end
+    return true, take_message(out[0])
+end
+
+--- Decodes the bytes of a `type_name` message into a Lua table: ok, table or false, err.
+function Proto:decode(type_name, bytes)
+    local out = ffi_new("isthmus_message_t*[1]")
+    local rc = C.isthmus_proto_decode(self.handle, type_name, bytes, #bytes, out, status_out)
+    if rc ~= OK then
+        return false, failed(rc)
+    end
+    local t, jerr = json().decode(take_message(out[0]))
+    if t == nil then
+        return false, new_error(UNKNOWN, "cannot read the message's JSON: " .. tostring(jerr))
+    end
+    return true, t
+end
+
+---------------------------------------------------------------------------------------------
+-- Waiting inside nginx: a completion queue, rung through a cosocket, and a semaphore per call
+---------------------------------------------------------------------------------------------
+
+-- Phases in which a coroutine may yield on a semaphore (others block instead).
+local YIELDABLE = { rewrite = true, access = true, content = true, timer = true, ssl_cert = true,
+    ssl_session_fetch = true, ssl_client_hello = true, preread = true }
+
+-- (In a VM of ngx.run_worker_thread, `ngx` has no get_phase: such a thread may block.)
+local function can_yield()
+    return ngx ~= nil and ngx.get_phase ~= nil and YIELDABLE[ngx.get_phase()] == true
+end
+
+local FOREVER = 86400 * 24 -- an ngx.semaphore wait is in whole milliseconds below 2^31
+local POLL_EVENTS = 64
+-- The watcher's read never times out (an idle worker logs nothing): when the worker exits, a
+-- timer that nginx fires early (premature) wakes it through the library instead.
+local BELL_READ_MS = 2 ^ 31 - 1
+local WAKE_AT_EXIT_S = 86400 * 365
+
+local cq, events, now
+local waiting = {}   -- tag -> waiter: { sema = ngx.semaphore, result = outcome }
+local spare = {}     -- waiters for reuse
+local next_tag = 0
+local watching = false
+
+-- An event as a plain outcome table; frees or takes over every handle in it.
+local function outcome(ev)
+    local r = { code = ev.code, op = ev.op }
+    if ev.code ~= OK then
+        r.err = take_status(ev.status, ev.code)
+        return r
+    end
+    if ev.message ~= nil then
+        r.message = ffi_string(ev.message_data, ev.message_len)
+        C.isthmus_message_free(ev.message)
+    end
+    if ev.metadata ~= nil then
+        r.headers = take_metadata(ev.metadata)
+    end
+    if ev.trailers ~= nil then
+        r.trailers = take_metadata(ev.trailers)
+    end
+    if ev.call ~= nil then
+        r.call = ffi_gc(ev.call, C.isthmus_call_free)
+    end
+    return r
+end
+
+-- Hands every finished operation to its waiter.
+local function dispatch()
+    while true do
+        local n = tonumber(C.isthmus_cq_poll(cq, events, POLL_EVENTS))
+        for i = 0, n - 1 do
+            local ev = events[i]
+            local tag = tonumber(ev.tag)
+            local r = outcome(ev)
+            local w = waiting[tag]
+            if w then
+                waiting[tag] = nil
+                w.result = r
+                w.sema:post(1)
+            end
+        end
+        if n < POLL_EVENTS then
+            return
+        end
+    end
+end
+
+local watch
+
+-- Fails every waiting operation (the watcher could not run).
+local function fail_all(why)
+    for tag, w in pairs(waiting) do
+        C.isthmus_cq_cancel(cq, tag)
+        waiting[tag] = nil
+        w.result = { code = UNAVAILABLE, err = new_error(UNAVAILABLE, "resty.isthmus: " .. why) }
+        w.sema:post(1)
+    end
+end
+
+-- The worker's one watcher of the completion queue, in a timer: it sleeps on the cosocket the
+-- library rings whenever operations finish, and hands them out.
+watch = function(premature, path)
+    if premature then
+        watching = false
+        return
+    end
+    local sock = ngx.socket.tcp()
+    local ok, err = sock:connect("unix:" .. path)
+    if ok then
+        local rc = C.isthmus_cq_bell_accept(cq, status_out)
+        if rc ~= OK then
+            ok, err = false, tostring(failed(rc))
+        end
+    end
+    if not ok then
+        watching = false
+        ngx.log(ngx.ERR, "resty.isthmus: cannot watch the completion queue: ", err)
+        fail_all("cannot watch the completion queue: " .. tostring(err))
+        return
+    end
+    sock:settimeouts(nil, nil, BELL_READ_MS)
+    while true do
+        dispatch()
+        local data, rerr = sock:receiveany(4096)
+        if not data and rerr ~= "timeout" then
+            err = rerr
+            break
+        end
+        if ngx.worker.exiting() and next(waiting) == nil then
+            break
+        end
+    end
+    sock:close()
+    watching = false
+    dispatch()
+    if next(waiting) ~= nil and not ngx.worker.exiting() then
+        ngx.log(ngx.WARN, "resty.isthmus: the completion queue's bell closed (", tostring(err), "); watching anew")
+        _M._start_watching()
+    end
+end
+
+local bell_path = ffi_new("char[512]")
+local exit_timer
+
+function _M._start_watching()
+    if watching then
+        return true
+    end
+    local rc = C.isthmus_cq_bell_listen(cq, bell_path, 512, status_out)
+    if rc ~= OK then
+        return nil, failed(rc)
+    end
+    local ok, err = ngx.timer.at(0, watch, ffi_string(bell_path))
+    if ok and not exit_timer then
+        exit_timer, err = ngx.timer.at(WAKE_AT_EXIT_S, function()
+            exit_timer = nil
+            C.isthmus_cq_wake(cq)
+        end)
+        ok = exit_timer ~= nil
+    end
+    if not ok then
+        return nil, new_error(UNAVAILABLE, "resty.isthmus: cannot start the completion queue's watcher: " .. tostring(err))
+    end
+    watching = true
+    return true
+end
+
+local function queue()
+    if not cq then
+        local q = C.isthmus_cq_new()
+        if q == nil then
+            error("resty.isthmus: cannot make a completion queue", 2)
+        end
+        cq = q -- lives as long as the worker
+        events = ffi_new("isthmus_event_t[?]", POLL_EVENTS)
+        now = ffi_new("isthmus_event_t[1]")
+    end
+    return cq
+end
+
+local function fresh_tag()
+    next_tag = next_tag + 1
+    return next_tag
+end
+
+-- After an _async start that returned `rc`: the outcome, at once (in `now`) or after waiting on
+-- the semaphore; `backstop` bounds the wait (seconds) beyond the call's own deadline.
+local function finish_async(rc, tag, backstop)
+    if rc ~= OK then
+        return { code = rc, err = failed(rc) }
+    end
+    if now[0].op ~= 0 then
+        return outcome(now[0])
+    end
+    local w = spare[#spare]
+    if w then
+        spare[#spare] = nil
+    else
+        w = { sema = require("ngx.semaphore").new() }
+    end
+    waiting[tag] = w
+    if not watching then
+        local ok, err = _M._start_watching()
+        if not ok then
+            waiting[tag] = nil
+            C.isthmus_cq_cancel(cq, tag)
+            return { code = err.code, err = err }
+        end
+    end
+    local ok, err = w.sema:wait(backstop)
+    local r = w.result
+    w.result = nil
+    if not ok then
+        waiting[tag] = nil
+        C.isthmus_cq_cancel(cq, tag)
+        if err == "timeout" then
+            return { code = DEADLINE_EXCEEDED, err = new_error(DEADLINE_EXCEEDED, "resty.isthmus: no answer in time") }
+        end
+        return { code = UNKNOWN, err = new_error(UNKNOWN, "resty.isthmus: waiting failed: " .. tostring(err)) }
+    end
+    spare[#spare + 1] = w
+    return r
+end
+
+---------------------------------------------------------------------------------------------
+-- Channels and calls
+---------------------------------------------------------------------------------------------
+
+-- How long a unary call waits on the worker's thread for a fast reply before it yields: a
+-- server that spins answers in 2-5 µs, and under load a longer wait only takes the worker (and
+-- the core) from other requests (docs/adr/0011).
+local DEFAULT_SPIN_US = 10
+
+local Channel = {}
+Channel.__index = Channel
+
+local Stream = {}
+Stream.__index = Stream
+
+--- Makes a channel to `target` (`shm://NAME`, `unix:///path.sock`, `http://host:port`). It
+--- connects on its first call, and again after the server went away. Options: `proto` (from
+--- isthmus.load_proto: lets calls take and return Lua tables), `max_message_size` (bytes),
+--- `spin_us` (how long a unary call may wait for a fast reply before it yields, 10 by
+--- default), `spin` (false: never wait), `lib` (the library's path).
+--- One channel per worker, made in init_worker_by_lua or on first use, serves every request.
+--- Returns the channel, or nil, err.
+function _M.connect(target, opts)
+    opts = opts or {}
+    load(opts.lib)
+    local copts = ffi_new("isthmus_channel_options_t")
+    copts.max_message_size = opts.max_message_size or 0
+    local out = ffi_new("isthmus_channel_t*[1]")
+    local rc = C.isthmus_channel_new(target, copts, out, status_out)
+    if rc ~= OK then
+        return nil, failed(rc)
+    end
+    C.isthmus_channel_set_spin(out[0], opts.spin_us or DEFAULT_SPIN_US)
+    return setmetatable({
+        handle = ffi_gc(out[0], C.isthmus_channel_close),
+        target = target,
+        proto = opts.proto,
+        spin = opts.spin ~= false,
+    }, Channel)
+end
+
+--- Closes the channel; calls in progress go on until they end.
+function Channel:close()
+    local h = self.handle
+    if h ~= nil then
+        self.handle = nil
+        C.isthmus_channel_close(ffi_gc(h, nil))
+    end
+    return true
+end
+
+-- The C options of one call; the metadata handle is returned so that it lives until the call
+-- has copied it.
+local function call_options(opts, flags)
+    local o = ffi_new("isthmus_call_options_t")
+    local md, err
+    if opts then
+        if opts.timeout then
+            o.timeout_us = opts.timeout * 1e6
+        end
+        md, err = make_metadata(opts.metadata)
+        if err then
+            return nil, err
+        end
+        o.metadata = md
+        if opts.wait_for_ready then
+            flags = flags + 1
+        end
+    end
+    o.flags = flags
+    return o, md
+end
+
+-- How long a yielding wait may last beyond the call's own deadline (which the library keeps).
+local function backstop(opts)
+    return opts and opts.timeout and opts.timeout + 5 or FOREVER
+end
+
+-- The codec of a call on `path`: whether replies become tables, and the types.
+function Channel:_codec(path, opts)
+    local p = self.proto
+    if p == nil or (opts and opts.raw) then
+        return nil
+    end
+    local req = p:method_type(path, PROTO_REQUEST)
+    if req == nil then
+        return nil
+    end
+    return { proto = p, request = req, response = p:method_type(path, PROTO_RESPONSE) }
+end
+
+-- A request as bytes: strings as they are, tables through the proto.
+local function encode(self, codec, path, request)
+    if type(request) == "string" then
+        return true, request
+    end
+    if type(request) ~= "table" then
+        return false, new_error(INVALID_ARGUMENT, "a request is a string (its bytes) or a table, not a " .. type(request))
+    end
+    if codec == nil then
+        local p = self.proto
+        if p == nil then
+            return false, new_error(INVALID_ARGUMENT, "a table request needs the channel's proto option (isthmus.load_proto)")
+        end
+        local req = p:method_type(path, PROTO_REQUEST)
+        if req == nil then
+            return false, new_error(INVALID_ARGUMENT, "the channel's proto has no method " .. path)
+        end
+        return p:encode(req, request)
+    end
+    return codec.proto:encode(codec.request, request)
+end
+
+local function decode(codec, bytes)
+    if codec == nil or bytes == nil then
+        return true, bytes
+    end
+    return codec.proto:decode(codec.response, bytes)
+end
+
+local reply_out = ffi_new("isthmus_message_t*[1]")
+local headers_out = ffi_new("isthmus_metadata_t*[1]")
+local trailers_out = ffi_new("isthmus_metadata_t*[1]")
+
+--- A unary call: `ok, reply, meta` or `false, err`. `request` is the message's bytes (a
+--- string) or a table (with the channel's proto). The reply is a table when the channel's proto
+--- knows the method (unless opts.raw), else its bytes; `meta` holds the server's `headers`
+--- and `trailers`. Options: `timeout` (seconds), `metadata` ({key = value}), `wait_for_ready`,
+--- `raw`.
+function Channel:unary(path, request, opts)
+    local h = self.handle
+    if h == nil then
+        return false, new_error(UNAVAILABLE, "the channel is closed")
+    end
+    local codec = self:_codec(path, opts)
+    local ok, bytes = encode(self, codec, path, request)
+    if not ok then
+        return false, bytes
+    end
+    local r
+    if can_yield() then
+        -- Waits for a fast reply on this thread only while no other call of the worker waits:
+        -- under load the worker has other requests to serve, and their replies come in batches.
+        local o, md = call_options(opts, (self.spin and next(waiting) == nil) and CALL_SPIN or 0)
+        if not o then
+            return false, md
+        end
+        local q, tag = queue(), fresh_tag()
+        local rc = C.isthmus_unary_async(h, path, bytes, #bytes, o, q, tag, now, status_out)
+        free_metadata(md)
+        r = finish_async(rc, tag, backstop(opts))
+        if r.err then
+            return false, r.err
+        end
+    else
+        local o, md = call_options(opts, 0)
+        if not o then
+            return false, md
+        end
+        local rc = C.isthmus_unary(h, path, bytes, #bytes, o, reply_out, headers_out, trailers_out, status_out)
+        free_metadata(md)
+        if rc ~= OK then
+            return false, failed(rc)
+        end
+        r = { message = take_message(reply_out[0]) }
+        if headers_out[0] ~= nil then
+            r.headers = take_metadata(headers_out[0])
+        end
+        if trailers_out[0] ~= nil then
+            r.trailers = take_metadata(trailers_out[0])
+        end
+    end
+    local dok, reply = decode(codec, r.message or "")
+    if not dok then
+        return false, reply
+    end
+    return true, reply, { headers = r.headers or {}, trailers = r.trailers or {} }
+end
+
+--- Starts a call of any shape on `path` (client-, server- or bidirectional streaming, or a
+--- unary call driven step by step): the stream, or nil, err. Options as for unary.
+function Channel:stream(path, opts)
+    local h = self.handle
+    if h == nil then
+        return nil, new_error(UNAVAILABLE, "the channel is closed")
+    end
+    local spin = self.spin and CALL_SPIN or 0
+    local o, md = call_options(opts, spin)
+    if not o then
+        return nil, md
+    end
+    local call
+    if can_yield() then
+        local q, tag = queue(), fresh_tag()
+        local rc = C.isthmus_call_start_async(h, path, o, q, tag, now, status_out)
+        free_metadata(md)
+        local r = finish_async(rc, tag, backstop(opts))
+        if r.err then
+            return nil, r.err
+        end
+        call = r.call
+    else
+        local out = ffi_new("isthmus_call_t*[1]")
+        local rc = C.isthmus_call_start(h, path, o, out, status_out)
+        free_metadata(md)
+        if rc ~= OK then
+            return nil, failed(rc)
+        end
+        call = ffi_gc(out[0], C.isthmus_call_free)
+    end
+    return setmetatable({
+        call = call,
+        channel = self,
+        path = path,
+        codec = self:_codec(path, opts),
+        backstop = backstop(opts),
+        done = false,
+    }, Stream)
+end
+
+-- A stream's operation that waits: `start_async(q, tag)` without blocking inside nginx,
+-- `blocking()` elsewhere. Returns the outcome table.
+local function step(self, start_async, blocking)
+    if self.call == nil then
+        return { code = INVALID_ARGUMENT, err = new_error(INVALID_ARGUMENT, "the stream is closed") }
+    end
+    if can_yield() then
+        local q, tag = queue(), fresh_tag()
+        return finish_async(start_async(q, tag), tag, self.backstop)
+    end
+    return blocking()
+end
+
+--- Sends one message (a string, or a table with the channel's proto); `last` half-closes
+--- after it. ok or false, err.
+function Stream:send(message, last)
+    local ok, bytes = encode(self.channel, self.codec, self.path, message)
+    if not ok then
+        return false, bytes
+    end
+    local flag = last and 1 or 0
+    local call = self.call
+    local r = step(self, function(q, tag)
+        return C.isthmus_call_send_async(call, bytes, #bytes, flag, q, tag, now, status_out)
+    end, function()
+        local rc = C.isthmus_call_send(call, bytes, #bytes, flag, status_out)
+        return rc == OK and { code = OK } or { code = rc, err = failed(rc) }
+    end)
+    if r.err then
+        return false, r.err
+    end
+    return true
+end
+
+--- Half-closes the sending side: the server sees the end of the requests.
+function Stream:close_send()
+    if self.call == nil then
+        return false, new_error(INVALID_ARGUMENT, "the stream is closed")
+    end
+    local rc = C.isthmus_call_close_send(self.call)
+    if rc ~= OK then
+        return false, new_error(rc, "close_send failed")
+    end
+    return true
+end
+
+--- The next message: `true, message`, `true, nil` at the end of the stream (its trailers are
+--- then in stream.trailers), or `false, err` when the call failed.
+function Stream:recv()
+    local call = self.call
+    local r = step(self, function(q, tag)
+        return C.isthmus_call_recv_async(call, q, tag, now, status_out)
+    end, function()
+        local rc = C.isthmus_call_recv(call, reply_out, status_out)
+        if rc ~= OK then
+            return { code = rc, err = failed(rc) }
+        end
+        return { code = OK, message = take_message(reply_out[0]) }
+    end)
+    if r.err then
+        self.done = true
+        return false, r.err
+    end
+    if r.message == nil then
+        self.done = true
+        self.trailers = take_metadata(C.isthmus_call_trailers(call))
+        return true, nil
+    end
+    return decode(self.codec, r.message)
+end
+
+--- The server's initial metadata (waits for it): true, {key = value} or false, err.
+function Stream:headers()
+    local call = self.call
+    local r = step(self, function(q, tag)
+        return C.isthmus_call_headers_async(call, q, tag, now, status_out)
+    end, function()
+        local rc = C.isthmus_call_headers(call, headers_out, status_out)
+        if rc ~= OK then
+            return { code = rc, err = failed(rc) }
+        end
+        return { code = OK, headers = take_metadata(headers_out[0]) }
+    end)
+    if r.err then
+        return false, r.err
+    end
+    return true, r.headers or {}
+end
+
+--- Cancels the call: the server sees CANCELLED, and this side's waits end with it.
+function Stream:cancel()
+    if self.call ~= nil then
+        C.isthmus_call_cancel(self.call)
+    end
+    return true
+end
+
+--- Frees the stream (a call still running is cancelled).
+function Stream:close()
+    local call = self.call
+    if call ~= nil then
+        self.call = nil
+        C.isthmus_call_free(ffi_gc(call, nil))
+    end
+    return true
+end
+
+_M.Channel, _M.Stream, _M.Proto = Channel, Stream, Proto
+
+return _M
