@@ -22,6 +22,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -92,8 +93,18 @@ def get(port: int, path: str, timeout: float = 600) -> str:
         return str(r.read().decode())
 
 
-def wrk(port: int, path: str, seconds: int) -> dict[str, float]:
-    """Requests/s and latency percentiles at 32 connections (2 threads)."""
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU time a process (all its threads) has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def wrk(port: int, path: str, seconds: int, pids: dict[str, list[int]]) -> dict[str, float]:
+    """Requests/s and latency percentiles at 32 connections (2 threads), and the cores each of
+    `pids`' groups and wrk itself used meanwhile (`cpu_<group>`): where the two cores went."""
+    before = {g: sum(cpu_seconds(p) for p in ps) for g, ps in pids.items()}
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    start = time.monotonic()
     out = subprocess.run(
         ["wrk", "-t2", "-c32", f"-d{seconds}s", "--latency", f"http://127.0.0.1:{port}{path}"],
         check=True,
@@ -109,7 +120,15 @@ def wrk(port: int, path: str, seconds: int) -> dict[str, float]:
         assert m, out
         return float(m.group(1)) * {"us": 1, "ms": 1e3, "s": 1e6}[m.group(2)]
 
-    return {"rps": rps, "p50_us": pct("50"), "p99_us": pct("99")}
+    wall = time.monotonic() - start
+    cpu = {
+        f"cpu_{g}": round((sum(cpu_seconds(p) for p in ps) - before[g]) / wall, 2) for g, ps in pids.items()
+    }
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu["cpu_wrk"] = round(
+        (after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime) / wall, 2
+    )
+    return {"rps": rps, "p50_us": pct("50"), "p99_us": pct("99"), **cpu}
 
 
 def main() -> int:
@@ -154,8 +173,14 @@ def main() -> int:
                 break
             except OSError:
                 time.sleep(0.05)
+        workers = subprocess.run(["pgrep", "-P", str(nginx.pid)], check=True, capture_output=True, text=True)
+        pids = {
+            "nginx": [int(p) for p in workers.stdout.split()],
+            "isthmus_server": [servers[0].pid],
+            "uds_server": [servers[1].pid],
+        }
         for rnd in range(1, rounds + 1):
-            records += run_round(port, rnd, calls, seconds)
+            records += run_round(port, rnd, calls, seconds, pids)
     finally:
         nginx.send_signal(signal.SIGQUIT)
         try:
@@ -176,7 +201,9 @@ def main() -> int:
     return 0
 
 
-def run_round(port: int, rnd: int, calls: int, seconds: int) -> list[dict[str, object]]:
+def run_round(
+    port: int, rnd: int, calls: int, seconds: int, pids: dict[str, list[int]]
+) -> list[dict[str, object]]:
     """One round: the sequential runs, then wrk against each location."""
     records: list[dict[str, object]] = []
     runs = [(s, size, calls) for size in SIZES for s in ("lua-isthmus-shm", "lua-cosocket-uds")]
@@ -191,9 +218,10 @@ def run_round(port: int, rnd: int, calls: int, seconds: int) -> list[dict[str, o
         p50, p99 = r["p50_us"], r["p99_us"]
         print(f"round {rnd} {system:28} {size:>7} B  p50 {p50:8.2f} µs  p99 {p99:8.2f} µs", flush=True)
     for system in HTTP:
-        w = wrk(port, f"/http/{system}", seconds)
+        w = wrk(port, f"/http/{system}", seconds, pids)
         records.append({"system": system, "size": 512, "inflight": 32, "round": rnd, **w})
-        print(f"round {rnd} {system:28} wrk -c32: {w['rps']:10.0f} requests/s", flush=True)
+        cores = ", ".join(f"{k.removeprefix('cpu_')} {v}" for k, v in w.items() if k.startswith("cpu_"))
+        print(f"round {rnd} {system:28} wrk -c32: {w['rps']:10.0f} requests/s  cores: {cores}", flush=True)
     return records
 
 

@@ -186,6 +186,9 @@ func (o *op) wait(ctx context.Context) (ev C.isthmus_event_t, ok bool) {
 	case <-ctx.Done():
 		if C.isthmus_cq_cancel(o.r.cq, C.uint64_t(o.tag)) == C.ISTHMUS_OK {
 			o.r.forget(o.tag)
+			// The library promises no event for the tag now; a channel of its own all the
+			// same, so that nothing late could ever reach the next call that takes this op.
+			o.ch = make(chan C.isthmus_event_t, 1)
 			return ev, false
 		}
 		// It finished meanwhile: its event is on the way.

@@ -408,8 +408,12 @@ impl<O: Send + 'static> Completions<O> {
     pub fn abort(&self, token: u64) -> bool {
         let Some(op) = self.running.lock().ok().and_then(|mut r| r.remove(&token)) else { return false };
         let future = op.future.lock().ok().and_then(|mut f| f.take());
+        // No future: a `take` polled it to its end meanwhile (it removes the operation from
+        // `running` only after), so its outcome is queued or taken. Saying "abandoned" then
+        // would let a caller reuse what waits for it while that outcome is still delivered.
+        let abandoned = future.is_some();
         drop(future);
-        true
+        abandoned
     }
 
     /// Abandons every waiting operation (the loop is closing).
@@ -589,5 +593,32 @@ impl HandedCall {
         };
         let _ = finish.send(outcome);
         true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_operation_abandoned_after_it_finished_is_not_reported_abandoned() {
+        let completions = Completions::<u32>::new().expect("eventfd");
+        let (tx, rx) = tokio::sync::oneshot::channel::<u32>();
+        completions.run(7, async move { rx.await.unwrap_or(0) });
+        // Pending: waiting among the running operations, so abandoning it works.
+        let (tx2, rx2) = tokio::sync::oneshot::channel::<u32>();
+        completions.run(8, async move { rx2.await.unwrap_or(0) });
+        assert!(completions.abort(8), "a waiting operation is abandoned");
+        drop(tx2);
+        assert!(completions.take().is_empty(), "an abandoned operation has no outcome");
+
+        // The moment `take` has polled operation 7 to its end but not yet removed it from
+        // `running`: an abort then must say "finished", since the outcome is on its way.
+        tx.send(5).expect("send");
+        let op = completions.running.lock().expect("lock").get(&7).cloned().expect("running");
+        let future = op.future.lock().expect("lock").take();
+        drop(future);
+        assert!(!completions.abort(7), "finished, not abandoned");
+        assert!(!completions.abort(7), "and no longer waiting");
     }
 }
