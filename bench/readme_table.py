@@ -146,6 +146,12 @@ def main() -> int:
                 "",
                 f"64 B with 32 in flight: go-isthmus-shm {r32[0] / 1e3:.0f} k calls/s, go-grpc-uds {r32[2] / 1e3:.0f} k ({r32[0] / r32[2]:.1f}×).",
             ]
+        dl = [med(s, 64, 1, "p50_us") for s in ("go-isthmus-shm-deadline", "go-grpc-uds-deadline")]
+        if None not in dl:
+            rows += [
+                "",
+                f"With a 10 s deadline on each call (a context that can be cancelled), 64 B p50: go-isthmus-shm {fmt(dl[0])}, go-grpc-uds {fmt(dl[1])} ({dl[1] / dl[0]:.1f}×).",
+            ]
         rows.append("")
     lua = ["lua-isthmus-shm", "lua-cosocket-uds"]
     if med(lua[0], 512, 1, "p50_us") is not None:

@@ -223,9 +223,21 @@ func (cc *ClientConn) Invoke(ctx context.Context, method string, args, reply any
 		}
 		cc.blocking.Add(-1)
 	}
+	// A call that can be cancelled starts without blocking; over shm:// it still waits a moment
+	// for a fast reply on this thread (ISTHMUS_CALL_SPIN: the library hands a slow one to a
+	// thread of its own and the reply comes through the queue), within the same bound.
+	spin := cc.shm && cc.blocking.Add(1) <= blockingCalls
+	if spin {
+		copts.flags |= C.ISTHMUS_CALL_SPIN
+	} else if cc.shm {
+		cc.blocking.Add(-1)
+	}
 	ev, ok := cc.r.do(ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
 		var st *C.isthmus_status_t
 		code := C.isthmus_unary_async(cc.ch, path, bytesPtr(req), C.size_t(len(req)), &copts, cq, tag, now, &st)
+		if spin {
+			cc.blocking.Add(-1)
+		}
 		return code, st
 	})
 	freeMetadata(copts.metadata)

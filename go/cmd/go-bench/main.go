@@ -132,6 +132,16 @@ func protoCaller(c pb.EchoClient) caller {
 	}
 }
 
+// withDeadline gives each call a context with a 10 s deadline, as most real code does: a
+// context that can be cancelled takes isthmus's non-blocking path.
+func withDeadline(call caller) caller {
+	return func(ctx context.Context, payload []byte) error {
+		ctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+		defer cancel()
+		return call(ctx, payload)
+	}
+}
+
 // memcpyCaller copies the payload once into a buffer kept between calls (warm, as a copy into
 // an arena block is).
 func memcpyCaller() caller {
@@ -318,6 +328,14 @@ func run(quick bool, rounds int, out string) error {
 		{"go-isthmus-raw", rawCaller(iconn)},
 		{"go-grpc-uds", protoCaller(pb.NewEchoClient(gconn))},
 	}
+	// The same unary calls with a deadline on each (64 B and 1 KiB only).
+	deadlined := []struct {
+		name string
+		call caller
+	}{
+		{"go-isthmus-shm-deadline", withDeadline(protoCaller(pb.NewEchoClient(iconn)))},
+		{"go-grpc-uds-deadline", withDeadline(protoCaller(pb.NewEchoClient(gconn)))},
+	}
 	sizes := []int{64, 1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20}
 	wide := []int{64, 1 << 10}
 	d := 1500 * time.Millisecond
@@ -350,6 +368,19 @@ func run(quick bool, rounds int, out string) error {
 				r.System, r.Round = sys.name, round
 				records = append(records, r)
 				fmt.Printf("round %d  %-15s %9d B 32 in flight: p50 %10.2f µs  p99 %10.2f µs  %10.0f calls/s\n", round, sys.name, size, r.P50, r.P99, r.RPS)
+			}
+		}
+		for _, size := range wide {
+			for _, sys := range deadlined {
+				for _, inflight := range []int{1, 32} {
+					r, err := measure(sys.call, size, inflight, d, 1000)
+					if err != nil {
+						return fmt.Errorf("%s at %d B × %d: %w", sys.name, size, inflight, err)
+					}
+					r.System, r.Round = sys.name, round
+					records = append(records, r)
+					fmt.Printf("round %d  %-24s %6d B %2d in flight: p50 %10.2f µs  p99 %10.2f µs  %10.0f calls/s\n", round, sys.name, size, inflight, r.P50, r.P99, r.RPS)
+				}
 			}
 		}
 		c := cgoCall()
