@@ -189,15 +189,12 @@ pub unsafe extern "C" fn isthmus_proto_encode(
 ) -> isthmus_code_t {
     // SAFETY: the caller's promises, passed on.
     unsafe {
-        entry_out(out, "message", status, || {
-            let proto = PROTOS.get(proto)?;
-            let desc = proto.message(c_str(type_name, "the type name")?)?;
-            let json = c_bytes(json, json_len, "the JSON")?;
+        convert(proto, type_name, (json, json_len, "the JSON"), out, status, |desc, json| {
             let mut de = serde_json::Deserializer::from_slice(json);
             let message = DynamicMessage::deserialize(desc.clone(), &mut de)
                 .and_then(|m| de.end().map(|()| m))
                 .map_err(|e| invalid(format!("JSON is not a {}: {e}", desc.full_name())))?;
-            Ok(Some(message_handle(Bytes::from(message.encode_to_vec()))))
+            Ok(message.encode_to_vec())
         })
     }
 }
@@ -222,17 +219,42 @@ pub unsafe extern "C" fn isthmus_proto_decode(
 ) -> isthmus_code_t {
     // SAFETY: the caller's promises, passed on.
     unsafe {
-        entry_out(out, "message", status, || {
-            let proto = PROTOS.get(proto)?;
-            let desc = proto.message(c_str(type_name, "the type name")?)?;
-            let message = DynamicMessage::decode(desc.clone(), c_bytes(data, len, "the message")?)
+        convert(proto, type_name, (data, len, "the message"), out, status, |desc, bytes| {
+            let message = DynamicMessage::decode(desc.clone(), bytes)
                 .map_err(|e| invalid(format!("the bytes are not a {}: {e}", desc.full_name())))?;
             let options = SerializeOptions::new().use_proto_field_name(true);
             let mut json = Vec::new();
             message
                 .serialize_with_options(&mut serde_json::Serializer::new(&mut json), &options)
                 .map_err(|e| Status::new(Code::Internal, format!("cannot write {} as JSON: {e}", desc.full_name())))?;
-            Ok(Some(message_handle(Bytes::from(json))))
+            Ok(json)
+        })
+    }
+}
+
+/// The shape of `_encode` and `_decode`: the type `type_name` looked up in `proto`, and the
+/// caller's bytes (`input`: pointer, length, and what they are, for errors) turned by `f` into
+/// the bytes of a new message handle in `*out`.
+///
+/// # Safety
+///
+/// As the two entry points: `type_name` NUL-terminated, the input valid for its length, `out`
+/// writable, `status` NULL or writable.
+unsafe fn convert(
+    proto: *const isthmus_proto_t,
+    type_name: *const c_char,
+    input: (*const u8, usize, &str),
+    out: *mut *mut isthmus_message_t,
+    status: *mut *mut isthmus_status_t,
+    f: impl FnOnce(MessageDescriptor, &[u8]) -> Result<Vec<u8>, Status>,
+) -> isthmus_code_t {
+    // SAFETY: the caller's promises, passed on.
+    unsafe {
+        entry_out(out, "message", status, || {
+            let proto = PROTOS.get(proto)?;
+            let desc = proto.message(c_str(type_name, "the type name")?)?;
+            let bytes = f(desc, c_bytes(input.0, input.1, input.2)?)?;
+            Ok(Some(message_handle(Bytes::from(bytes))))
         })
     }
 }
