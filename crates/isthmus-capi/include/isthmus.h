@@ -293,7 +293,8 @@ isthmus_code_t isthmus_channel_close(isthmus_channel_t *channel);
 // Sets how long a unary call started with `ISTHMUS_CALL_SPIN` on this channel waits for its
 // reply on the calling thread before it leaves the reply to the completion queue, in µs (the
 // default is the connection's spin bound, 50 µs). An event loop that has other work when
-// replies are slow (nginx under load) waits less; 0 never waits.
+// replies are slow (nginx under load) waits less; with 0 the request is still sent on the
+// calling thread, and a thread of the library's pool waits for the reply.
 isthmus_code_t isthmus_channel_set_spin(const isthmus_channel_t *channel,
                                         uint32_t spin_us);
 

@@ -32,6 +32,8 @@ pub struct isthmus_channel_t {
     blocking: Option<isthmus::blocking::Channel>,
     /// How long a `ISTHMUS_CALL_SPIN` call waits for its reply on the caller's thread, in µs.
     spin_us: std::sync::atomic::AtomicU64,
+    /// A thread of the pool is connecting `blocking`.
+    connecting: std::sync::Arc<AtomicBool>,
     closed: AtomicBool,
 }
 
@@ -106,12 +108,24 @@ impl isthmus_channel_t {
         request_len: usize,
     ) -> Option<&isthmus::blocking::Channel> {
         // SAFETY: the caller of the entry point promises NULL or a valid struct.
-        let spin = unsafe { opts.as_ref() }.is_some_and(|o| o.flags & ISTHMUS_CALL_SPIN != 0);
+        let flags = unsafe { opts.as_ref() }.map_or(0, |o| o.flags);
+        // wait_for_ready may back off and retry for long: never on the caller's thread.
+        let spin = flags & ISTHMUS_CALL_SPIN != 0 && flags & ISTHMUS_CALL_WAIT_FOR_READY == 0;
         let room = HANDED_OFF.load(Ordering::Relaxed) < HANDED_OFF_MAX;
-        match (&self.blocking, spin && room && request_len <= SPIN_REQUEST_MAX) {
-            (Some(blocking), true) => Some(blocking),
-            _ => None,
+        let blocking = self.blocking.as_ref().filter(|_| spin && room && request_len <= SPIN_REQUEST_MAX)?;
+        if blocking.is_connected() {
+            return Some(blocking);
         }
+        // Connecting (a handshake with a server that may be slow) is never done on the
+        // caller's thread: a thread of the pool connects, and this call takes the queue.
+        if !self.connecting.swap(true, Ordering::AcqRel) {
+            let (blocking, connecting) = (blocking.clone(), self.connecting.clone());
+            runtime().spawn_blocking(move || {
+                let _ = blocking.connect_now();
+                connecting.store(false, Ordering::Release);
+            });
+        }
+        None
     }
 
     fn open(&self) -> Result<(), Status> {
@@ -157,6 +171,7 @@ pub unsafe extern "C" fn isthmus_channel_new(
                 polled,
                 blocking,
                 spin_us,
+                connecting: Default::default(),
                 closed: AtomicBool::new(false),
             })))
         })
@@ -177,7 +192,8 @@ pub extern "C" fn isthmus_channel_close(channel: *mut isthmus_channel_t) -> isth
 /// Sets how long a unary call started with `ISTHMUS_CALL_SPIN` on this channel waits for its
 /// reply on the calling thread before it leaves the reply to the completion queue, in µs (the
 /// default is the connection's spin bound, 50 µs). An event loop that has other work when
-/// replies are slow (nginx under load) waits less; 0 never waits.
+/// replies are slow (nginx under load) waits less; with 0 the request is still sent on the
+/// calling thread, and a thread of the library's pool waits for the reply.
 #[no_mangle]
 pub extern "C" fn isthmus_channel_set_spin(channel: *const isthmus_channel_t, spin_us: u32) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
@@ -299,6 +315,23 @@ const HANDED_OFF_MAX: usize = 64;
 
 static HANDED_OFF: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
 
+/// One count in `HANDED_OFF`, given back when dropped (also if the thread's closure never
+/// runs or panics).
+struct HandedOff;
+
+impl HandedOff {
+    fn new() -> HandedOff {
+        HANDED_OFF.fetch_add(1, Ordering::Relaxed);
+        HandedOff
+    }
+}
+
+impl Drop for HandedOff {
+    fn drop(&mut self) {
+        HANDED_OFF.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// The outcome of a unary call sent from the caller's thread: waited for there for up to
 /// `spin` (a fast reply then completes in the caller's `now`, with no wake-up at all), and
 /// otherwise by a thread of the runtime's blocking pool, which queues it. An abandoned
@@ -312,8 +345,9 @@ fn finish_unary(
     match quick {
         Some(outcome) => drop(tx.send(outcome)),
         None => {
-            HANDED_OFF.fetch_add(1, Ordering::Relaxed);
+            let handed = HandedOff::new();
             runtime().spawn_blocking(move || {
+                let _handed = handed;
                 // Waits in slices, to notice an abandoned operation and cancel its call.
                 let outcome = loop {
                     if let Some(outcome) = unary.wait_until(std::time::Instant::now() + Duration::from_millis(20)) {
@@ -324,7 +358,6 @@ fn finish_unary(
                         break None;
                     }
                 };
-                HANDED_OFF.fetch_sub(1, Ordering::Relaxed);
                 if let Some(outcome) = outcome {
                     let _ = tx.send(outcome);
                 }

@@ -362,13 +362,20 @@ pub unsafe extern "C" fn isthmus_cq_bell_listen(
         }
         let unavailable =
             |e: std::io::Error| Status::new(Code::Unavailable, format!("cannot make the bell's socket: {e}"));
-        let dir = std::env::temp_dir().join(format!(
-            "isthmus-bell-{}-{}",
-            std::process::id(),
-            NEXT.fetch_add(1, Ordering::Relaxed)
-        ));
-        let _ = std::fs::remove_dir_all(&dir); // left by an earlier process of this pid
-        std::fs::DirBuilder::new().mode(0o700).create(&dir).map_err(unavailable)?;
+        // A name no one can guess ahead (another user could otherwise make it first), made
+        // anew if it exists.
+        let mut attempt = 0;
+        let dir = loop {
+            let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+            let nanos = now.map_or(0, |d| d.subsec_nanos());
+            let n = NEXT.fetch_add(1, Ordering::Relaxed);
+            let dir = std::env::temp_dir().join(format!("isthmus-bell-{}-{n}-{nanos:08x}", std::process::id()));
+            match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+                Ok(()) => break dir,
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists && attempt < 8 => attempt += 1,
+                Err(e) => return Err(unavailable(e)),
+            }
+        };
         let socket = dir.join("bell.sock");
         let listener = UnixListener::bind(&socket).map_err(|e| {
             let _ = std::fs::remove_dir_all(&dir);

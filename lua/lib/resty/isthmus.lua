@@ -287,6 +287,11 @@ local function json()
             error("resty.isthmus: Lua tables as messages need lua-cjson (Debian: apt-get install lua-cjson)", 3)
         end
         cjson = lib
+        -- As many digits as the library allows (14 in lua-cjson 2.1.0): integers beyond that
+        -- must be given as strings, as proto3 JSON allows for 64-bit fields.
+        if not pcall(cjson.encode_number_precision, 16) then
+            pcall(cjson.encode_number_precision, 14)
+        end
         if cjson.encode_empty_table_as_object then
             cjson.encode_empty_table_as_object(true) -- OpenResty's lua-cjson; the stock one does so already
         end
@@ -442,6 +447,18 @@ end
 
 local watch
 
+-- Abandons the operations whose coroutine no longer waits (its request was finalised, by a
+-- client that went away or an ngx.exit from another light thread): nobody would take their
+-- results, and an operation with no deadline would stay forever.
+local function prune()
+    for tag, w in pairs(waiting) do
+        if w.sema:count() >= 0 then
+            waiting[tag] = nil
+            C.isthmus_cq_cancel(cq, tag)
+        end
+    end
+end
+
 -- Fails every waiting operation (the watcher could not run).
 local function fail_all(why)
     for tag, w in pairs(waiting) do
@@ -457,6 +474,7 @@ end
 watch = function(premature, path)
     if premature then
         watching = false
+        fail_all("the worker is exiting")
         return
     end
     local sock = ngx.socket.tcp()
@@ -481,6 +499,7 @@ watch = function(premature, path)
             err = rerr
             break
         end
+        prune()
         if ngx.worker.exiting() and next(waiting) == nil then
             break
         end
@@ -490,7 +509,10 @@ watch = function(premature, path)
     dispatch()
     if next(waiting) ~= nil and not ngx.worker.exiting() then
         ngx.log(ngx.WARN, "resty.isthmus: the completion queue's bell closed (", tostring(err), "); watching anew")
-        _M._start_watching()
+        local ok, serr = _M._start_watching()
+        if not ok then
+            fail_all("cannot watch the completion queue anew: " .. tostring(serr))
+        end
     end
 end
 
@@ -505,13 +527,18 @@ function _M._start_watching()
     if rc ~= OK then
         return nil, failed(rc)
     end
-    local ok, err = ngx.timer.at(0, watch, ffi_string(bell_path))
-    if ok and not exit_timer then
+    -- The timer that wakes the watcher when the worker exits comes first; while the worker is
+    -- exiting there is none to make, and the watcher ends with the last call's reply.
+    local ok, err = true, nil
+    if not exit_timer and not ngx.worker.exiting() then
         exit_timer, err = ngx.timer.at(WAKE_AT_EXIT_S, function()
             exit_timer = nil
             C.isthmus_cq_wake(cq)
         end)
         ok = exit_timer ~= nil
+    end
+    if ok then
+        ok, err = ngx.timer.at(0, watch, ffi_string(bell_path))
     end
     if not ok then
         return nil, new_error(UNAVAILABLE, "resty.isthmus: cannot start the completion queue's watcher: " .. tostring(err))
@@ -779,8 +806,8 @@ function Channel:stream(path, opts)
     if h == nil then
         return nil, new_error(UNAVAILABLE, "the channel is closed")
     end
-    local spin = self.spin and CALL_SPIN or 0
-    local o, md = call_options(opts, spin)
+    -- Streams never wait on the worker's thread: each of their waits goes through the bell.
+    local o, md = call_options(opts, 0)
     if not o then
         return nil, md
     end

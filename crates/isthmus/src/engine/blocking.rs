@@ -115,6 +115,16 @@ impl Channel {
         }
     }
 
+    /// Whether a connection is up now (a call would not have to connect first).
+    pub fn is_connected(&self) -> bool {
+        self.inner.slot.live().is_some()
+    }
+
+    /// Connects now if no connection is up (a call connects on its own otherwise).
+    pub fn connect_now(&self) -> Result<(), Status> {
+        self.mux(false, None).map(drop)
+    }
+
     /// Starts a call of any shape: send messages, half-close, read responses.
     pub fn start(&self, path: &str, options: CallOptions) -> Result<Call, Status> {
         check_path(path)?;
