@@ -409,6 +409,21 @@ service Echo { rpc Call(Ping) returns (Pong); }
         assert_eq!(rc, ISTHMUS_INVALID_ARGUMENT);
     }
 
+    #[test]
+    fn a_descriptor_set_that_makes_prost_reflect_panic_is_refused_not_a_crash() {
+        // Found by the capi fuzz target: prost-reflect 0.16.5 indexes past its files while it
+        // words the error for this set (descriptor/error.rs:782). The entry point's guard turns
+        // the panic into INTERNAL; under the fuzzer (panic=abort) it would abort, so the fuzz
+        // target leaves descriptor sets out.
+        let set = [0x0a, 0x12, 0x62, 0x10, 0x10, 0x10, 0x10, 0x10, 0x30, 0x10, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0x02];
+        let mut proto = std::ptr::null_mut();
+        // SAFETY: valid bytes and out-pointer.
+        let rc =
+            unsafe { isthmus_proto_load_descriptor_set(set.as_ptr(), set.len(), &mut proto, std::ptr::null_mut()) };
+        assert_ne!(rc, ISTHMUS_OK);
+        assert!(proto.is_null());
+    }
+
     /// A temporary directory, removed when dropped.
     mod tempdir {
         pub(super) struct Dir(pub(super) std::path::PathBuf);
