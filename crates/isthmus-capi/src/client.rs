@@ -293,7 +293,9 @@ pub unsafe extern "C" fn isthmus_unary_async(
             cq.start(tag, ISTHMUS_OP_UNARY, finish_unary(unary, spin), now);
             return Ok(());
         }
-        let (path, request, engine) = (path.to_owned(), request.to_vec(), channel.for_flags(opts));
+        // Declined by `spin_first` (or not asked): the queue's path, which never reads the
+        // connection on the caller's thread.
+        let (path, request, engine) = (path.to_owned(), request.to_vec(), channel.polled.clone());
         cq.start(
             tag,
             ISTHMUS_OP_UNARY,

@@ -445,7 +445,7 @@ local function dispatch()
     end
 end
 
-local watch
+local watch, start_watching
 
 -- Abandons the operations whose coroutine no longer waits (its request was finalised, by a
 -- client that went away or an ngx.exit from another light thread): nobody would take their
@@ -509,7 +509,7 @@ watch = function(premature, path)
     dispatch()
     if next(waiting) ~= nil and not ngx.worker.exiting() then
         ngx.log(ngx.WARN, "resty.isthmus: the completion queue's bell closed (", tostring(err), "); watching anew")
-        local ok, serr = _M._start_watching()
+        local ok, serr = start_watching()
         if not ok then
             fail_all("cannot watch the completion queue anew: " .. tostring(serr))
         end
@@ -519,7 +519,7 @@ end
 local bell_path = ffi_new("char[512]")
 local exit_timer
 
-function _M._start_watching()
+start_watching = function()
     if watching then
         return true
     end
@@ -600,7 +600,7 @@ local function finish_async(rc, tag, backstop)
     end
     waiting[tag] = w
     if not watching then
-        local ok, err = _M._start_watching()
+        local ok, err = start_watching()
         if not ok then
             waiting[tag] = nil
             C.isthmus_cq_cancel(cq, tag)
