@@ -11,8 +11,10 @@ that makes the channel or the server changes:
     server.add_insecure_port("shm://sidecar")
     server.start()
 
-Targets: `shm://NAME` (shared memory, between processes of one machine), `unix:///PATH` and
-`http://HOST:PORT` (standard gRPC over HTTP/2, which grpcio, tonic and others speak too).
+Targets: `shm://NAME` (shared memory, between processes of one machine), and every form grpc
+names (`localhost:50051`, `dns:///host:port`, `ipv4:…`, `ipv6:…`, `unix:PATH`,
+`unix-abstract:NAME`) or `http://HOST:PORT`: standard gRPC over HTTP/2, which grpcio, tonic and
+others speak too; with TLS through `secure_channel` and `add_secure_port`.
 `isthmus.aio` is the asyncio API, in grpc.aio's shapes. Failed calls raise `isthmus.RpcError`,
 which is a `grpc.RpcError` (and a `grpc.aio.AioRpcError`); every exception isthmus raises is an
 `isthmus.IsthmusError`.
@@ -28,18 +30,51 @@ import grpc
 
 from . import aio
 from ._channel import Channel
+from ._credentials import (
+    ChannelCredentials,
+    ServerCredentials,
+    channel_tls,
+    ssl_channel_credentials,
+    ssl_server_credentials,
+)
 from ._errors import IsthmusError, RpcError
 from ._server import Server
 
-__all__ = ["Channel", "IsthmusError", "RpcError", "Server", "aio", "insecure_channel", "server"]
+__all__ = [
+    "Channel",
+    "ChannelCredentials",
+    "IsthmusError",
+    "RpcError",
+    "Server",
+    "ServerCredentials",
+    "aio",
+    "insecure_channel",
+    "secure_channel",
+    "server",
+    "ssl_channel_credentials",
+    "ssl_server_credentials",
+]
 
 
 def insecure_channel(
     target: str, options: Any = None, compression: grpc.Compression | None = None
 ) -> Channel:
-    """A channel to `shm://NAME`, `unix:///PATH` or `http://HOST:PORT`, as
-    `grpc.insecure_channel` makes one. Raises ValueError for a target that does not parse."""
+    """A channel to `shm://NAME`, or over HTTP/2 to any target grpc names (`localhost:50051`,
+    `unix:PATH`, …), as `grpc.insecure_channel` makes one. Raises ValueError for a target that
+    does not parse."""
     return Channel(target, options, compression)
+
+
+def secure_channel(
+    target: str,
+    credentials: grpc.ChannelCredentials,
+    options: Any = None,
+    compression: grpc.Compression | None = None,
+) -> Channel:
+    """A TLS channel to a TCP target (`host:port`, `https://host:port`, …), `credentials`
+    from `isthmus.ssl_channel_credentials`, as `grpc.secure_channel` makes one. The option
+    `grpc.ssl_target_name_override` names the host the server's certificate must cover."""
+    return Channel(target, options, compression, channel_tls(credentials, options))
 
 
 def server(

@@ -224,11 +224,19 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
 
 
 class Channel(grpc.Channel):
-    """A client channel: `shm://NAME`, `unix:///PATH` or `http://HOST:PORT`. It connects on the
-    first call; `options` and `compression` are accepted for grpc's sake and not used."""
+    """A client channel to any target grpc names (`host:port`, `dns:///host:port`, `unix:path`,
+    …) or `shm://NAME`, with TLS if `tls` is given (from `secure_channel`). It connects on the
+    first call; of `options` only `grpc.ssl_target_name_override` is used, and `compression`
+    is accepted for grpc's sake."""
 
-    def __init__(self, target: str, options: Any = None, compression: grpc.Compression | None = None):
-        self._native = _native.Channel(target)
+    def __init__(
+        self,
+        target: str,
+        options: Any = None,
+        compression: grpc.Compression | None = None,
+        tls: tuple[bytes | None, bytes | None, bytes | None, str | None] | None = None,
+    ):
+        self._native = _native.Channel(target, tls)
 
     def subscribe(
         self, callback: Callable[[grpc.ChannelConnectivity], None], try_to_connect: bool = False

@@ -35,14 +35,20 @@ class Context:
     def peer(self) -> str:
         return self._call.peer()
 
-    def peer_identities(self) -> None:
-        return None
+    def peer_identities(self) -> Iterable[bytes] | None:
+        key = self.peer_identity_key()
+        return None if key is None else list(self.auth_context()[key])
 
-    def peer_identity_key(self) -> None:
+    def peer_identity_key(self) -> str | None:
+        # As grpc: the alternative names when the client's certificate has any, else its CN.
+        context = self.auth_context()
+        for key in ("x509_subject_alternative_name", "x509_common_name"):
+            if context.get(key):
+                return key
         return None
 
     def auth_context(self) -> dict[str, Iterable[bytes]]:
-        return {}
+        return dict(self._call.auth_context())
 
     # isthmus compresses nothing: shared memory gains nothing from it.
     def set_compression(self, compression: grpc.Compression) -> None:

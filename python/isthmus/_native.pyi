@@ -20,6 +20,10 @@ __all__ = [
 
 # Metadata crosses as (key, value) pairs: `str` values, or `bytes` for keys ending in `-bin`.
 _Metadata: TypeAlias = Sequence[tuple[str, str | bytes]]
+# (root_certificates, private_key, certificate_chain, target_name_override), PEM.
+_ClientTls: TypeAlias = tuple[bytes | None, bytes | None, bytes | None, str | None]
+# (private_key, certificate_chain, root_certificates, require_client_auth), PEM.
+_ServerTls: TypeAlias = tuple[bytes, bytes, bytes | None, bool]
 
 @disjoint_base
 class CallError(Exception):
@@ -51,8 +55,8 @@ class Channel:
     """A client channel for blocking calls (`shm://`, `unix://`, `http://`). Connects on the
     first call. Waits release the GIL."""
 
-    def __new__(cls, target: str) -> Self:
-        """Raises ValueError for a target that does not parse."""
+    def __new__(cls, target: str, tls: _ClientTls | None = None) -> Self:
+        """Raises ValueError for a target that does not parse, or TLS settings that do not."""
     def unary(
         self,
         path: str,
@@ -106,7 +110,7 @@ class Reactor:
 class AsyncChannel:
     """A client channel whose operations complete through a Reactor."""
 
-    def __new__(cls, target: str, reactor: Reactor) -> Self: ...
+    def __new__(cls, target: str, reactor: Reactor, tls: _ClientTls | None = None) -> Self: ...
     def unary(
         self,
         token: int,
@@ -148,7 +152,10 @@ class ServerCall:
     def invocation_metadata(self) -> list[tuple[str, str | bytes]]: ...
     def time_remaining(self) -> float | None:
         """Seconds before the client's deadline, or None without one."""
-    def peer(self) -> str: ...
+    def peer(self) -> str:
+        """gRPC's form of the client's address (`ipv4:…`, `unix:`, `shm:pid=…,uid=…`)."""
+    def auth_context(self) -> dict[str, list[bytes]]:
+        """grpc's auth context: the transport's security, the client's certificate under mTLS."""
     def is_active(self) -> bool:
         """False once the call is over: finished, cancelled by the client, or past its deadline."""
     def add_done_callback(self, callback: Callable[[], None]) -> bool:
@@ -185,9 +192,10 @@ class Server:
         max_concurrent_streams: int | None = None,
         max_message_size: int | None = None,
     ) -> Self: ...
-    def add_port(self, target: str) -> str:
-        """Binds now; returns the address as clients reach it (the port chosen for
-        `http://host:0`). Raises ValueError (bad target) or OSError (cannot bind)."""
+    def add_port(self, target: str, tls: _ServerTls | None = None) -> str:
+        """Binds now, with TLS if given (TCP targets); returns the address as clients reach it
+        (`http://` or `https://` with the port chosen for port 0). Raises ValueError (bad
+        target or TLS settings) or OSError (cannot bind)."""
     def start(self) -> None: ...
     def stop(self, grace: float | None = None) -> None:
         """Starts a graceful shutdown (new calls refused, calls in progress get `grace` seconds,

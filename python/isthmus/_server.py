@@ -14,7 +14,7 @@ import grpc
 
 from . import _native
 from ._context import ServicerContext
-from ._errors import IsthmusError
+from ._credentials import server_tls
 from ._handler import Handlers, behaviour
 from ._native import ServerCall
 
@@ -29,6 +29,13 @@ def _max_message_size(options: Sequence[tuple[str, Any]] | None) -> int | None:
     """grpc's receive limit, if the options set one (-1 in grpc means none)."""
     size = dict(options or ()).get("grpc.max_receive_message_length")
     return None if size is None or size < 0 else int(size)
+
+
+def _port(bound: str) -> int:
+    """The port of a bound `http://` or `https://` address, else 1."""
+    if bound.startswith(("http://", "https://")):
+        return int(bound.rstrip("/").rsplit(":", 1)[1])
+    return 1
 
 
 def refuse(call: ServerCall, error: Exception | None) -> None:
@@ -61,15 +68,15 @@ class ServerBase:
         self._handlers.add_registered(service_name, method_handlers)
 
     def add_insecure_port(self, address: str) -> int:
-        """Binds `shm://NAME`, `unix:///PATH` or `http://HOST:PORT` now. Returns the port for
-        `http://` (the one chosen for port 0), else 1: grpc callers treat 0 as failure."""
-        bound = self._native.add_port(address)
-        if bound.startswith("http://"):
-            return int(bound.rstrip("/").rsplit(":", 1)[1])
-        return 1
+        """Binds now: `[::]:PORT`, `0.0.0.0:PORT`, `localhost:PORT` and grpc's other TCP forms,
+        `unix:PATH`, `unix-abstract:NAME`, or `shm://NAME`. Returns the TCP port (the one
+        chosen for port 0), else 1, as grpc does: its callers treat 0 as failure."""
+        return _port(self._native.add_port(address, None))
 
     def add_secure_port(self, address: str, server_credentials: grpc.ServerCredentials) -> int:
-        raise IsthmusError("isthmus serves no TLS: use add_insecure_port")
+        """Binds a TCP address with TLS, `server_credentials` from
+        `isthmus.ssl_server_credentials`. Returns the port, as `add_insecure_port` does."""
+        return _port(self._native.add_port(address, server_tls(server_credentials)))
 
 
 class Server(ServerBase, grpc.Server):

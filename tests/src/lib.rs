@@ -295,7 +295,11 @@ pub mod cases {
 
     /// A generated client on an isthmus channel to `addr`, with 64 MiB message limits.
     pub async fn client(addr: &str) -> EchoClient<isthmus::Channel> {
-        let channel = isthmus::Channel::connect(addr).await.expect("connect");
+        client_on(isthmus::Channel::connect(addr).await.expect("connect"))
+    }
+
+    /// A generated client on `channel`, with 64 MiB message limits.
+    pub fn client_on(channel: isthmus::Channel) -> EchoClient<isthmus::Channel> {
         EchoClient::new(channel).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20)
     }
 
@@ -318,8 +322,14 @@ pub mod cases {
 
     /// Every kind of call, with metadata both ways and a 16 MiB message each way.
     pub async fn every_kind_of_call(addr: &str) {
+        every_kind_of_call_on(isthmus::Channel::connect(addr).await.expect("connect")).await;
+    }
+
+    /// [`every_kind_of_call`] on a channel made by the caller (with TLS, say).
+    pub async fn every_kind_of_call_on(channel: isthmus::Channel) {
+        let addr = format!("{channel:?}");
         {
-            let mut c = client(addr).await;
+            let mut c = client_on(channel);
 
             // Unary, with ascii and binary metadata both ways.
             let mut req = Request::new(request(b"hello".to_vec(), 7));

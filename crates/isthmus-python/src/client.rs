@@ -61,6 +61,17 @@ impl UnaryResult {
     }
 }
 
+/// The engine's channel to `target`, with TLS settings from Python if given; connects on its
+/// first call.
+pub(crate) fn lazy_channel(target: &str, tls: Option<crate::tls::ClientTls>) -> PyResult<isthmus::Channel> {
+    let _runtime = runtime().enter();
+    let mut builder = isthmus::Channel::builder(target);
+    if let Some(tls) = tls {
+        builder = builder.tls_config(crate::tls::client_config(tls)?);
+    }
+    builder.connect_lazy().map_err(|s| bad_target(&s))
+}
+
 pub(crate) fn bad_target(status: &Status) -> PyErr {
     PyValueError::new_err(status.message().to_owned())
 }
@@ -82,13 +93,13 @@ pub(crate) struct Channel {
 #[pymethods]
 impl Channel {
     #[new]
-    fn new(target: &str) -> PyResult<Channel> {
-        let blocking = match target.starts_with("shm:") {
+    #[pyo3(signature = (target, tls=None))]
+    fn new(target: &str, tls: Option<crate::tls::ClientTls>) -> PyResult<Channel> {
+        let blocking = match target.starts_with("shm:") && tls.is_none() {
             true => Some(isthmus::blocking::Channel::lazy(target).map_err(|s| bad_target(&s))?),
             false => None,
         };
-        let _runtime = runtime().enter();
-        let engine = isthmus::Channel::lazy(target).map_err(|s| bad_target(&s))?;
+        let engine = lazy_channel(target, tls)?;
         Ok(Channel { blocking, engine, closed: AtomicBool::new(false) })
     }
 

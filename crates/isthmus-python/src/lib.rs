@@ -6,7 +6,8 @@
 //! - `reactor`: calls for asyncio (`AsyncChannel`, `AsyncCall`); they run on the event loop's
 //!   thread and come back in batches through one eventfd per loop (`Reactor`).
 //! - `server`: the engine's server, handing each call to a Python callable.
-//! - `convert`: metadata, statuses and buffers across the boundary.
+//! - `convert`: metadata, statuses and buffers across the boundary; `tls`: grpcio's TLS
+//!   credentials and `auth_context()`.
 //!
 //! What every binding needs beyond that (a call whose halves two threads drive, completions
 //! for event loops, a call handed to foreign code) is the engine's `isthmus::binding`.
@@ -35,6 +36,7 @@ mod client;
 mod convert;
 mod reactor;
 mod server;
+mod tls;
 
 use pyo3::prelude::*;
 

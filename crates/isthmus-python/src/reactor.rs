@@ -40,9 +40,8 @@ use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
-use crate::client::{bad_target, UnaryResult};
+use crate::client::UnaryResult;
 use crate::convert::{bytes_from_py, call_error_value, metadata_to_py, options, PyMetadata};
-use crate::runtime;
 
 /// What a finished operation gives back.
 pub(crate) enum Outcome {
@@ -142,11 +141,11 @@ pub(crate) struct AsyncChannel {
 #[pymethods]
 impl AsyncChannel {
     #[new]
-    fn new(target: &str, reactor: &Reactor) -> PyResult<AsyncChannel> {
-        let _runtime = runtime().enter();
+    #[pyo3(signature = (target, reactor, tls=None))]
+    fn new(target: &str, reactor: &Reactor, tls: Option<crate::tls::ClientTls>) -> PyResult<AsyncChannel> {
         // Calls are polled on the event loop's thread, which every other coroutine shares: a
         // call must not spin there reading the connection. The reader task reads for them.
-        let engine = isthmus::Channel::lazy(target).map_err(|s| bad_target(&s))?.with_calls_read(false);
+        let engine = crate::client::lazy_channel(target, tls)?.with_calls_read(false);
         Ok(AsyncChannel { engine, completions: reactor.completions.clone(), closed: AtomicBool::new(false) })
     }
 

@@ -42,12 +42,11 @@
 //! - Options: `maximum_concurrent_rpcs` becomes `max_concurrent_streams` (so it counts per
 //!   connection, and over HTTP/2 per port, where grpcio counts per server),
 //!   `grpc.max_receive_message_length` becomes `max_message_size`; other options and `compression`
-//!   are accepted and unused. `add_secure_port` raises `IsthmusError`.
+//!   are accepted and unused. `add_port` with TLS settings is `add_secure_port` (TCP targets).
 //! - Known limits: a call's two halves serialise on its `HandedCall`'s one lock, a `recv` for as
 //!   long as it waits, so a handler that reads in one task while it writes in another sees each
-//!   write wait for the read (grpcio's one-thread-per-call handlers do not meet this); `peer()` is
-//!   `"local:isthmus"` on every endpoint (behind the loopback the HTTP/2 peer's address does not
-//!   arrive); a Python `grpc.health.v1.Health` servicer is never called, because the engine's
+//!   write wait for the read (grpcio's one-thread-per-call handlers do not meet this); a Python
+//!   `grpc.health.v1.Health` servicer is never called, because the engine's
 //!   health service takes that path and reports `""` SERVING while it serves.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -103,8 +102,12 @@ impl ServerCall {
         self.core.time_remaining().map(|t| t.as_secs_f64())
     }
 
-    fn peer(&self) -> &'static str {
-        "local:isthmus"
+    fn peer(&self) -> String {
+        self.core.peer().to_owned()
+    }
+
+    fn auth_context(&self) -> std::collections::HashMap<&'static str, Vec<Vec<u8>>> {
+        crate::tls::auth_context(&self.core)
     }
 
     fn is_active(&self) -> bool {
@@ -198,13 +201,19 @@ impl Server {
         }
     }
 
-    fn add_port(&self, target: &str) -> PyResult<String> {
+    #[pyo3(signature = (target, tls=None))]
+    fn add_port(&self, target: &str, tls: Option<crate::tls::ServerTls>) -> PyResult<String> {
+        let tls = tls.map(crate::tls::server_config).transpose()?;
         let _runtime = runtime().enter();
         let mut server = isthmus::Server::builder().fallback(self.handler.clone()).config(self.config.clone());
         if let Some(limit) = self.stream_limit {
             server = server.max_concurrent_streams(limit);
         }
-        let bound = server.bind(target).map_err(|s| match s.code() {
+        let bound = match tls {
+            Some(tls) => server.bind_secure(target, tls),
+            None => server.bind(target),
+        };
+        let bound = bound.map_err(|s| match s.code() {
             Code::InvalidArgument => PyValueError::new_err(s.message().to_owned()),
             _ => PyOSError::new_err(s.message().to_owned()),
         })?;

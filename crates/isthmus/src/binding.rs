@@ -435,6 +435,9 @@ pub struct HandedCall {
     call: tokio::sync::Mutex<crate::ServerCall>,
     path: String,
     metadata: MetadataMap,
+    peer: String,
+    tls: bool,
+    peer_certificate: Option<crate::PeerCertificate>,
     deadline: Option<Instant>,
     /// False once the call is over: finished, cancelled by the client, or past its deadline.
     active: std::sync::atomic::AtomicBool,
@@ -465,6 +468,9 @@ pub async fn hand_off(
     let handed = Arc::new(HandedCall {
         path: call.path().to_owned(),
         metadata: call.metadata().clone(),
+        peer: call.peer().to_owned(),
+        tls: call.is_tls(),
+        peer_certificate: call.peer_certificate(),
         deadline: call.time_remaining().map(|t| Instant::now() + t),
         call: tokio::sync::Mutex::new(call),
         active: AtomicBool::new(true),
@@ -502,6 +508,21 @@ impl HandedCall {
     /// The client's initial metadata.
     pub fn metadata(&self) -> &MetadataMap {
         &self.metadata
+    }
+
+    /// The client's address ([`ServerCall::peer`](crate::ServerCall::peer)).
+    pub fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Whether the call came over TLS.
+    pub fn is_tls(&self) -> bool {
+        self.tls
+    }
+
+    /// The client's certificate, for a call that came over mutual TLS.
+    pub fn peer_certificate(&self) -> Option<&crate::PeerCertificate> {
+        self.peer_certificate.as_ref()
     }
 
     /// Time left before the client's deadline, if it set one.

@@ -30,6 +30,7 @@ use crate::engine::client::{SendHalf, ShmCall, ShmChannel};
 use crate::engine::mux::ConnectionCounters;
 use crate::http::call::{HttpCall, Requests};
 use crate::http::endpoint::{connector, http_endpoint, Target};
+use crate::http::tls::ClientTlsConfig;
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
 
@@ -81,43 +82,130 @@ impl std::fmt::Debug for Channel {
     }
 }
 
+/// Settings for a [`Channel`] before it connects: [`Channel::builder`].
+#[derive(Debug, Clone)]
+pub struct ChannelBuilder {
+    target: String,
+    config: Config,
+    tls: Option<ClientTlsConfig>,
+}
+
+impl ChannelBuilder {
+    /// The transport configuration for `shm://` (ring and arena sizes, the largest message
+    /// accepted, spinning).
+    pub fn config(mut self, config: Config) -> ChannelBuilder {
+        self.config = config;
+        self
+    }
+
+    /// TLS for a TCP target, in any of its forms (`host:port`, `dns:`, `ipv4:`, `https://`…);
+    /// an `https://` target without it trusts the system's roots. INVALID_ARGUMENT on connect
+    /// for a target that is not TCP.
+    pub fn tls_config(mut self, tls: ClientTlsConfig) -> ChannelBuilder {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// Connects now (see [`Channel::connect`]). Must run inside a tokio runtime.
+    pub async fn connect(self) -> Result<Channel, Status> {
+        match Target::parse(&self.target)? {
+            Target::Shm(_) => {
+                let channel = self.connect_lazy()?;
+                channel.via.shm()?.mux(false, None).await?;
+                Ok(channel)
+            }
+            other => {
+                let (endpoint, connector) = self.http_parts(&other)?;
+                let channel = endpoint.connect_with_connector(connector).await.map_err(|e| {
+                    let why = crate::http::tls::describe(&e).unwrap_or_else(|| e.to_string());
+                    Status::new(Code::Unavailable, format!("cannot connect to {}: {why}", self.target))
+                })?;
+                Ok(Channel::over_http(channel, &self.target))
+            }
+        }
+    }
+
+    /// A channel that connects on its first call (see [`Channel::lazy`]).
+    pub fn connect_lazy(self) -> Result<Channel, Status> {
+        match Target::parse(&self.target)? {
+            Target::Shm(_) if self.tls.is_some() => Err(Status::new(
+                Code::InvalidArgument,
+                format!("{}: TLS applies to TCP targets; shm:// is local and checked by uid", self.target),
+            )),
+            Target::Shm(_) => {
+                Ok(Channel { via: Arc::new(Via::Shm(ShmChannel::new(&self.target, self.config)?)), calls_read: true })
+            }
+            other => {
+                let (endpoint, connector) = self.http_parts(&other)?;
+                Ok(Channel::over_http(endpoint.connect_with_connector_lazy(connector), &self.target))
+            }
+        }
+    }
+
+    /// tonic's endpoint and the connector under it, with TLS if this target takes it.
+    fn http_parts(
+        &self,
+        target: &Target,
+    ) -> Result<(tonic::transport::Endpoint, impl crate::http::endpoint::MakeIo), Status> {
+        let tls = match (target, &self.tls) {
+            (Target::Tcp { .. }, Some(tls)) => Some(tls.clone()),
+            (Target::Tcp { tls: true, .. }, None) => Some(ClientTlsConfig::new()),
+            (Target::Tcp { .. }, None) => None,
+            (_, Some(_)) => {
+                return Err(Status::new(
+                    Code::InvalidArgument,
+                    format!("{}: TLS applies to TCP targets only", self.target),
+                ))
+            }
+            (_, None) => None,
+        };
+        let tls = match tls {
+            Some(tls) => Some((tls.rustls()?, tls.server_name(&target.host())?)),
+            None => None,
+        };
+        Ok((http_endpoint(target, tls.is_some())?, connector(target, tls)))
+    }
+}
+
 impl Channel {
     /// Connects to `target` now. Must run inside a tokio runtime.
     ///
     /// - `shm://NAME` or `shm:///path.sock`: isthmus over shared memory (the handshake runs on a
     ///   blocking thread);
-    /// - `unix:///path.sock` or `http://host:port`: standard gRPC over HTTP/2 (tonic's
-    ///   transport), for servers elsewhere or not isthmus: with a tonic client
-    ///   (`FooClient::new(channel)`) or by method path ([`start`](Self::start),
-    ///   [`unary`](Self::unary)), as over `shm://`.
+    /// - every other form gRPC names (`unix:path`, `unix:///abs`, `unix-abstract:name`,
+    ///   `host:port`, `dns:///host:port`, `ipv4:a.b.c.d:port`, `ipv6:[addr]:port`) and
+    ///   `http://host:port`: standard gRPC over HTTP/2 (tonic's transport), for servers
+    ///   elsewhere or not isthmus: with a tonic client (`FooClient::new(channel)`) or by method
+    ///   path ([`start`](Self::start), [`unary`](Self::unary)), as over `shm://`;
+    /// - `https://host:port`: the same over TLS, trusting the system's roots; give other
+    ///   settings with [`builder`](Self::builder).
     pub async fn connect(target: &str) -> Result<Channel, Status> {
-        Channel::connect_with(target, Config::default()).await
+        Channel::builder(target).connect().await
     }
 
     /// [`connect`](Self::connect) with a transport configuration (ring and arena sizes, the
     /// largest message accepted, spinning).
     pub async fn connect_with(target: &str, config: Config) -> Result<Channel, Status> {
-        match Target::parse(target)? {
-            Target::Shm(_) => {
-                let channel = Channel::lazy_with(target, config)?;
-                channel.via.shm()?.mux(false, None).await?;
-                Ok(channel)
-            }
-            other => {
-                let channel = http_endpoint(&other)?
-                    .connect_with_connector(connector(&other))
-                    .await
-                    .map_err(|e| Status::new(Code::Unavailable, format!("cannot connect to {target}: {e}")))?;
-                Ok(Channel::over_http(channel, target))
-            }
-        }
+        Channel::builder(target).config(config).connect().await
+    }
+
+    /// A channel to `target` with settings: transport configuration, TLS.
+    ///
+    /// ```no_run
+    /// # async fn demo(ca_pem: &[u8]) -> Result<(), isthmus::Status> {
+    /// let tls = isthmus::ClientTlsConfig::new().ca_certificate(isthmus::Certificate::from_pem(ca_pem)?);
+    /// let channel = isthmus::Channel::builder("sidecar.example:443").tls_config(tls).connect().await?;
+    /// # Ok(()) }
+    /// ```
+    pub fn builder(target: &str) -> ChannelBuilder {
+        ChannelBuilder { target: target.to_owned(), config: Config::default(), tls: None }
     }
 
     fn over_http(channel: tonic::transport::Channel, target: &str) -> Channel {
         Channel { via: Arc::new(Via::Http { channel, target: target.to_owned() }), calls_read: true }
     }
 
-    /// The HTTP/2 channel under a `unix://` or `http://` target.
+    /// The HTTP/2 channel under an HTTP/2 target.
     pub(crate) fn http(&self) -> Option<&tonic::transport::Channel> {
         match &*self.via {
             Via::Http { channel, .. } => Some(channel),
@@ -127,20 +215,12 @@ impl Channel {
 
     /// A channel that connects on its first call.
     pub fn lazy(target: &str) -> Result<Channel, Status> {
-        Channel::lazy_with(target, Config::default())
+        Channel::builder(target).connect_lazy()
     }
 
     /// [`lazy`](Self::lazy) with a transport configuration.
     pub fn lazy_with(target: &str, config: Config) -> Result<Channel, Status> {
-        match Target::parse(target)? {
-            Target::Shm(_) => {
-                Ok(Channel { via: Arc::new(Via::Shm(ShmChannel::new(target, config)?)), calls_read: true })
-            }
-            other => {
-                let channel = http_endpoint(&other)?.connect_with_connector_lazy(connector(&other));
-                Ok(Channel::over_http(channel, target))
-            }
-        }
+        Channel::builder(target).config(config).connect_lazy()
     }
 
     /// A handle on the same connection whose calls over `shm://`, when they wait for their next

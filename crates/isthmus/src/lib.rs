@@ -54,9 +54,11 @@ pub mod metadata;
 mod server;
 pub mod status;
 
-pub use self::http::{BytesCodec, ResponseBody};
+pub use self::http::{
+    BytesCodec, Certificate, ClientTlsConfig, Identity, PeerCertificate, ResponseBody, ServerTlsConfig,
+};
 pub use call::{CallOptions, Response};
-pub use client::{CallSender, Channel, ClientCall};
+pub use client::{CallSender, Channel, ChannelBuilder, ClientCall};
 pub use engine::flow::{INITIAL_WINDOW, MESSAGE_OVERHEAD};
 pub use engine::mux::ConnectionCounters;
 pub use engine::server::{Handler, HandlerFuture, ServerCall, ServerStats};
@@ -80,5 +82,10 @@ pub mod fuzz {
     /// Arbitrary bytes as a gRPC body and as header values (messages, timeout, metadata, status).
     pub fn grpc_http(data: &[u8]) {
         crate::http::fuzz(data);
+    }
+
+    /// Arbitrary bytes as a TLS peer's certificate (the names the auth context shows).
+    pub fn x509(data: &[u8]) {
+        crate::http::x509::fuzz(data);
     }
 }

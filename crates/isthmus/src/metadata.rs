@@ -71,6 +71,14 @@ impl MetadataMap {
         MetadataMap::default()
     }
 
+    /// Removes every entry under `key`, returning the first one's value.
+    pub fn remove(&mut self, key: &str) -> Option<Bytes> {
+        let first = self.entries.iter().position(|(k, _)| k == key)?;
+        let value = self.entries[first].1.clone();
+        self.entries.retain(|(k, _)| k != key);
+        Some(value)
+    }
+
     /// Appends an ASCII entry. The key must not end in `-bin`.
     ///
     /// ```

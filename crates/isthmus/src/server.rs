@@ -82,6 +82,7 @@ use crate::engine::server::{
     accept_shm, bind_shm, Accepting, Handler, HandlerFn, Methods, ServerCall, ServerStats, Tracker,
 };
 use crate::http::endpoint::{HttpListener, Target};
+use crate::http::tls::ServerTlsConfig;
 use crate::status::{Code, Status};
 
 /// A server: handlers by method path, served on one or more endpoints.
@@ -113,6 +114,8 @@ pub struct Server {
     config: Config,
     grace: Duration,
     stream_limit: usize,
+    /// For `https://` targets (and `bind_secure`).
+    tls: Option<ServerTlsConfig>,
 }
 
 impl Default for Server {
@@ -126,6 +129,7 @@ impl Default for Server {
             config: Config::default(),
             grace: Duration::from_secs(10),
             stream_limit: usize::MAX,
+            tls: None,
         }
     }
 }
@@ -233,6 +237,30 @@ impl Server {
     /// over HTTP/2, for any gRPC client: tonic services ([`add_service`](Self::add_service))
     /// directly, handlers by path through a private `shm://` endpoint of this server.
     pub fn bind_all<'a>(self, targets: impl IntoIterator<Item = &'a str>) -> Result<Bound, Status> {
+        let targets = targets.into_iter().map(Target::parse).collect::<Result<Vec<_>, _>>()?;
+        self.bind_targets(targets)
+    }
+
+    /// The TLS settings for `https://` targets: the server's certificate and key, and for
+    /// mutual TLS the CA that signs its clients' certificates.
+    pub fn tls_config(mut self, tls: ServerTlsConfig) -> Server {
+        self.tls = Some(tls);
+        self
+    }
+
+    /// Binds one TCP target in any of its forms (`[::]:50051`, `0.0.0.0:0`, `https://…`) with
+    /// TLS, as grpcio's `add_secure_port` does. INVALID_ARGUMENT for a target that is not TCP.
+    pub fn bind_secure(mut self, target: &str, tls: ServerTlsConfig) -> Result<Bound, Status> {
+        match Target::parse(target)? {
+            Target::Tcp { addrs, .. } => {
+                self.tls = Some(tls);
+                self.bind_targets(vec![Target::Tcp { addrs, tls: true }])
+            }
+            _ => Err(Status::new(Code::InvalidArgument, format!("{target}: TLS is served on TCP addresses only"))),
+        }
+    }
+
+    fn bind_targets(self, targets: Vec<Target>) -> Result<Bound, Status> {
         // `grpc.health.v1` on every endpoint: the server ("") and each tonic service SERVING
         // while it serves, NOT_SERVING once a graceful shutdown begins.
         let (health, health_service) = tonic_health::server::health_reporter();
@@ -260,11 +288,20 @@ impl Server {
         let mut shm = Vec::new();
         let mut http = Vec::new();
         for target in targets {
-            match Target::parse(target)? {
-                Target::Shm(t) => shm.push(bind_shm(&t, &this.config)?),
-                other => {
-                    http.push(HttpListener::bind(&other)?);
+            match target {
+                Target::Shm(t) => shm.push(bind_shm(&t, &this.config, false)?),
+                Target::Tcp { tls: true, .. } => {
+                    http.push(HttpListener::bind(
+                        &target,
+                        Some(this.tls.as_ref().ok_or_else(|| {
+                            Status::new(
+                                Code::InvalidArgument,
+                                "an https:// target needs the server's TLS settings (Server::tls_config)",
+                            )
+                        })?),
+                    )?);
                 }
+                other => http.push(HttpListener::bind(&other, None)?),
             }
         }
         if shm.is_empty() && http.is_empty() {
@@ -276,7 +313,7 @@ impl Server {
             // tonic service takes go through the bridge to a private shm:// endpoint of this
             // server (ADR 0007). One local hop (~2 µs) is small beside HTTP/2's own cost.
             let target = loopback_target();
-            shm.push(bind_shm(&target, &this.config)?);
+            shm.push(bind_shm(&target, &this.config, true)?);
             let channel = crate::Channel::lazy_with(&target, this.config.clone())?;
             http_routes = http_routes.map(|mut routes| {
                 let router = routes.axum_router_mut();
@@ -340,7 +377,7 @@ pub struct Bound {
 
 impl std::fmt::Debug for Bound {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let shm: Vec<String> = self.shm.iter().map(|l| l.get_ref().0.address().to_string()).collect();
+        let shm: Vec<String> = self.shm.iter().map(|l| l.get_ref().listener.address().to_string()).collect();
         f.debug_struct("Bound").field("shm", &shm).field("http", &self.http.len()).finish()
     }
 }

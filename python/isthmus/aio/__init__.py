@@ -15,6 +15,7 @@ from typing import Any
 
 import grpc
 
+from .._credentials import channel_tls
 from ._call import StreamStreamCall, StreamUnaryCall, UnaryStreamCall, UnaryUnaryCall
 from ._channel import Channel
 from ._context import ServicerContext
@@ -29,6 +30,7 @@ __all__ = [
     "UnaryStreamCall",
     "UnaryUnaryCall",
     "insecure_channel",
+    "secure_channel",
     "server",
 ]
 
@@ -36,9 +38,20 @@ __all__ = [
 def insecure_channel(
     target: str, options: Any = None, compression: grpc.Compression | None = None
 ) -> Channel:
-    """A channel to `shm://NAME`, `unix:///PATH` or `http://HOST:PORT`, as
+    """A channel to `shm://NAME`, or over HTTP/2 to any target grpc names, as
     `grpc.aio.insecure_channel` makes one."""
     return Channel(target, options, compression)
+
+
+def secure_channel(
+    target: str,
+    credentials: grpc.ChannelCredentials,
+    options: Any = None,
+    compression: grpc.Compression | None = None,
+) -> Channel:
+    """A TLS channel to a TCP target, `credentials` from `isthmus.ssl_channel_credentials`, as
+    `grpc.aio.secure_channel` makes one."""
+    return Channel(target, options, compression, channel_tls(credentials, options))
 
 
 def server(

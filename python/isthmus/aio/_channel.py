@@ -120,13 +120,21 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.aio.StreamStreamMultiCallab
 
 
 class Channel(grpc.aio.Channel):
-    """A client channel: `shm://NAME`, `unix:///PATH` or `http://HOST:PORT`. Its calls complete
-    through the Reactor of the event loop it is first used on, and it stays with that loop
-    (as a grpc.aio channel does). `options` and `compression` are accepted for grpc's sake and
-    not used."""
+    """A client channel to any target grpc names (`host:port`, `unix:path`, …) or `shm://NAME`,
+    with TLS if `tls` is given (from `secure_channel`). Its calls complete through the Reactor of
+    the event loop it is first used on, and it stays with that loop (as a grpc.aio channel
+    does). Of `options` only `grpc.ssl_target_name_override` is used; `compression` is accepted
+    for grpc's sake."""
 
-    def __init__(self, target: str, options: Any = None, compression: grpc.Compression | None = None):
+    def __init__(
+        self,
+        target: str,
+        options: Any = None,
+        compression: grpc.Compression | None = None,
+        tls: tuple[bytes | None, bytes | None, bytes | None, str | None] | None = None,
+    ):
         self._target = target
+        self._tls = tls
         self._loop: asyncio.AbstractEventLoop | None = None
         self._driver: Driver | None = None
         self._native: _native.AsyncChannel | None = None
@@ -146,7 +154,7 @@ class Channel(grpc.aio.Channel):
             if self._loop is not None:
                 raise grpc.aio.UsageError("The channel is used on an event loop other than its own.")
             self._driver = driver(loop)
-            self._native = _native.AsyncChannel(self._target, self._driver.reactor)
+            self._native = _native.AsyncChannel(self._target, self._driver.reactor, self._tls)
             self._loop = loop
         return loop, self._driver, self._native  # type: ignore[return-value]
 

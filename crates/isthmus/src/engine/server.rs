@@ -148,6 +148,41 @@ pub struct ServerCall {
     deadline: Option<Instant>,
     headers_sent: bool,
     trailers: Arc<Mutex<MetadataMap>>,
+    peer: Peer,
+}
+
+/// Who called: the client's address in gRPC's form, and its TLS certificate under mutual TLS.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct Peer {
+    addr: Arc<str>,
+    tls: bool,
+    cert: Option<Bytes>,
+}
+
+impl Peer {
+    /// An `shm://` client, by its credentials: `shm:pid=PID,uid=UID`.
+    fn shm(info: isthmus_shm::PeerInfo) -> Peer {
+        Peer { addr: format!("shm:pid={},uid={}", info.pid, info.uid).into(), tls: false, cert: None }
+    }
+
+    /// The peer of one call. Over the loopback (HTTP/2 calls handed on by this process's own
+    /// bridge) the HTTP/2 client's address and certificate arrive as metadata, which is taken
+    /// out here; any other client's metadata of those names is dropped, so no client can claim
+    /// an identity (ADR 0012).
+    fn of_call(&self, metadata: &mut MetadataMap, bridged: bool) -> Peer {
+        use crate::http::endpoint::{PEER_CERT_HEADER, PEER_HEADER, PEER_TLS_HEADER};
+        // One pass over the (usually few) keys; most calls carry none of these.
+        if !metadata.iter().any(|(key, _)| key.starts_with(PEER_HEADER)) {
+            return self.clone();
+        }
+        let addr = metadata.remove(PEER_HEADER);
+        let cert = metadata.remove(PEER_CERT_HEADER);
+        let tls = metadata.remove(PEER_TLS_HEADER).is_some();
+        match (bridged, addr) {
+            (true, Some(addr)) => Peer { addr: String::from_utf8_lossy(&addr).into(), tls, cert },
+            _ => self.clone(),
+        }
+    }
 }
 
 impl std::fmt::Debug for ServerCall {
@@ -203,6 +238,22 @@ impl ServerCall {
     /// The client's initial metadata.
     pub fn metadata(&self) -> &MetadataMap {
         &self.head.metadata
+    }
+
+    /// The client's address as gRPC names peers: `ipv4:127.0.0.1:50000`, `ipv6:%5B::1%5D:50000` (grpc-core's form) or
+    /// `unix:` over HTTP/2, `shm:pid=PID,uid=UID` over shared memory.
+    pub fn peer(&self) -> &str {
+        &self.peer.addr
+    }
+
+    /// Whether the call came over TLS.
+    pub fn is_tls(&self) -> bool {
+        self.peer.tls
+    }
+
+    /// The client's certificate, for a call that came over mutual TLS.
+    pub fn peer_certificate(&self) -> Option<crate::PeerCertificate> {
+        self.peer.cert.as_deref().and_then(crate::PeerCertificate::from_der)
     }
 
     /// Time left before the client's deadline, if it set one.
@@ -286,13 +337,13 @@ impl ServerCall {
     }
 }
 
-/// Binds an `shm://` listener and registers it with tokio.
-pub(crate) fn bind_shm(target: &str, config: &Config) -> Result<AsyncFd<Accepting>, Status> {
+/// Binds an `shm://` listener and registers it with tokio; `bridge` marks the loopback.
+pub(crate) fn bind_shm(target: &str, config: &Config, bridge: bool) -> Result<AsyncFd<Accepting>, Status> {
     let addr: Address = target.parse().map_err(|e| Status::from_transport(&e))?;
     let listener = Listener::bind(&addr, config.clone()).map_err(|e| Status::from_transport(&e))?;
     listener.set_nonblocking(true).map_err(|e| Status::from_transport(&e))?;
     // SAFETY: the AsyncFd owns the listener, so its fd stays open for the registration's life.
-    unsafe { AsyncFd::register_with_interest(Accepting(listener), tokio::io::Interest::READABLE) }
+    unsafe { AsyncFd::register_with_interest(Accepting { listener, bridge }, tokio::io::Interest::READABLE) }
         .map_err(|e| Status::new(Code::Unavailable, format!("cannot watch {target}: {}", std::io::Error::from(e))))
 }
 
@@ -358,13 +409,14 @@ pub(crate) async fn accept_shm(
             () = &mut stop => return Ok(()),
             ready = listener.readable() => {
                 let mut guard = ready.map_err(|e| Status::new(Code::Unavailable, e.to_string()))?;
-                match guard.get_inner().0.accept_incoming() {
+                match guard.get_inner().listener.accept_incoming() {
                     Ok(incoming) => {
                         let (handlers, tracker) = (handlers.clone(), tracker.clone());
+                        let bridge = guard.get_inner().bridge;
                         tokio::spawn(async move {
                             // The handshake reads with timeouts: keep it off the reactor.
                             if let Ok(Ok(conn)) = tokio::task::spawn_blocking(move || incoming.handshake()).await {
-                                serve_connection(conn, handlers, tracker, stream_limit).await;
+                                serve_connection(conn, handlers, tracker, stream_limit, bridge).await;
                             }
                         });
                     }
@@ -379,16 +431,31 @@ pub(crate) async fn accept_shm(
 }
 
 /// The listener as tokio sees it.
-pub(crate) struct Accepting(pub(crate) Listener);
+pub(crate) struct Accepting {
+    pub(crate) listener: Listener,
+    /// The server's private endpoint for its HTTP/2 bridge, whose calls carry their HTTP/2
+    /// peer as metadata.
+    pub(crate) bridge: bool,
+}
 
 impl AsRawFd for Accepting {
     fn as_raw_fd(&self) -> std::os::fd::RawFd {
         use std::os::fd::AsFd;
-        self.0.as_fd().as_raw_fd()
+        self.listener.as_fd().as_raw_fd()
     }
 }
 
-async fn serve_connection(conn: Connection, handlers: Arc<Methods>, tracker: Arc<Tracker>, stream_limit: usize) {
+async fn serve_connection(
+    conn: Connection,
+    handlers: Arc<Methods>,
+    tracker: Arc<Tracker>,
+    stream_limit: usize,
+    bridge: bool,
+) {
+    let info = conn.sender.peer();
+    // Only this process's own bridge may say who an HTTP/2 caller is.
+    let bridged = bridge && u32::try_from(info.pid).is_ok_and(|pid| pid == std::process::id());
+    let peer = Peer::shm(info);
     let (sender, receiver) = conn.split();
     let mux = Mux::serving(sender, stream_limit);
     if let Ok(mut c) = tracker.connections.lock() {
@@ -396,12 +463,13 @@ async fn serve_connection(conn: Connection, handlers: Arc<Methods>, tracker: Arc
         c.push(Arc::downgrade(&mux));
     }
     let reader_mux = mux.clone();
-    let make = Box::new(move |incoming: Incoming| -> CallFuture {
+    let make = Box::new(move |mut incoming: Incoming| -> CallFuture {
         let handler = handlers.find(&incoming.head.path);
         let guard = CallGuard::new(&tracker);
         let mux = mux.clone();
+        let peer = peer.of_call(&mut incoming.head.metadata, bridged);
         Box::pin(async move {
-            run_call(mux, incoming, handler).await;
+            run_call(mux, incoming, handler, peer).await;
             drop(guard);
         })
     });
@@ -409,14 +477,14 @@ async fn serve_connection(conn: Connection, handlers: Arc<Methods>, tracker: Arc
 }
 
 /// Runs one call's handler against its deadline and the client's cancel, then sends its status.
-async fn run_call(mux: Arc<Mux>, incoming: Incoming, handler: Option<HandlerFn>) {
+async fn run_call(mux: Arc<Mux>, incoming: Incoming, handler: Option<HandlerFn>, peer: Peer) {
     let Incoming { head, stream, cancelled } = incoming;
     let span =
         tracing::debug_span!("isthmus.serve", path = %head.path, stream = stream.id, code = tracing::field::Empty);
     let recorder = span.clone();
     async move {
         let id = stream.id;
-        let status = call_status(&mux, head, stream, handler, &cancelled).await;
+        let status = call_status(&mux, head, stream, handler, &cancelled, peer).await;
         recorder.record("code", tracing::field::debug(status.as_ref().map_or(cancelled.code(), |s| s.code())));
         match status {
             Some(status) => {
@@ -445,6 +513,7 @@ async fn call_status(
     stream: Stream,
     handler: Option<HandlerFn>,
     cancelled: &Cancel,
+    peer: Peer,
 ) -> Option<Status> {
     mux.calls.start();
     let status = match handler {
@@ -461,6 +530,7 @@ async fn call_status(
                 deadline,
                 headers_sent: false,
                 trailers: trailers.clone(),
+                peer,
             };
             let status = match supervise(handler(call), deadline, cancelled).await {
                 Outcome::Done(Ok(())) => Status::ok(),

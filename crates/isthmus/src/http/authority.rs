@@ -317,16 +317,8 @@ impl<S: AsyncWrite + Unpin> AsyncWrite for AuthorityFix<S> {
     }
 }
 
-impl tonic::transport::server::Connected for AuthorityFix<tokio::net::UnixStream> {
-    type ConnectInfo = <tokio::net::UnixStream as tonic::transport::server::Connected>::ConnectInfo;
-
-    fn connect_info(&self) -> Self::ConnectInfo {
-        self.get_ref().connect_info()
-    }
-}
-
-impl tonic::transport::server::Connected for AuthorityFix<tokio::net::TcpStream> {
-    type ConnectInfo = <tokio::net::TcpStream as tonic::transport::server::Connected>::ConnectInfo;
+impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected for AuthorityFix<S> {
+    type ConnectInfo = S::ConnectInfo;
 
     fn connect_info(&self) -> Self::ConnectInfo {
         self.get_ref().connect_info()

@@ -139,7 +139,12 @@ fn status_from_tonic(t: tonic::Status) -> Status {
         }
         other => Code::from_u32(other as u32),
     };
-    Status::new(code, t.message().to_owned()).with_details(t.details().to_vec()).with_metadata(metadata)
+    // A TLS failure under the transport error says which (unknown CA, no client certificate…).
+    let message = match crate::http::tls::describe(&t) {
+        Some(why) if code == Code::Unavailable => why,
+        _ => t.message().to_owned(),
+    };
+    Status::new(code, message).with_details(t.details().to_vec()).with_metadata(metadata)
 }
 
 fn deadline_passed() -> Status {
@@ -172,7 +177,11 @@ impl HttpCall {
         let mut grpc =
             tonic::client::Grpc::new(channel).max_decoding_message_size(limit).max_encoding_message_size(usize::MAX);
         let task = tokio::spawn(async move {
-            grpc.ready().await.map_err(|e| tonic::Status::unavailable(format!("channel not ready: {e}")))?;
+            grpc.ready().await.map_err(|e| {
+                let e: Box<dyn std::error::Error + Send + Sync> = e.into();
+                let why = crate::http::tls::describe(&*e).unwrap_or_else(|| e.to_string());
+                tonic::Status::unavailable(format!("channel not ready: {why}"))
+            })?;
             grpc.streaming(request, path, BytesCodec).await
         });
         Ok(HttpCall {

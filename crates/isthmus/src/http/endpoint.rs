@@ -26,9 +26,17 @@
 use std::future::Future;
 use std::path::PathBuf;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
+use rustls::pki_types::ServerName;
+
+use crate::http::tls::{self, ServerTlsConfig};
 use crate::status::{Code, Status};
+
+/// The schemes `Target::parse` accepts, for its errors.
+const ACCEPTED: &str = "shm://NAME, unix:PATH, unix:///ABS, unix-abstract:NAME, HOST:PORT, dns:HOST:PORT, \
+                        dns:///HOST:PORT, ipv4:A.B.C.D:PORT, ipv6:[ADDR]:PORT, http://HOST:PORT or https://HOST:PORT";
 
 /// One parsed target.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,15 +45,27 @@ pub(crate) enum Target {
     Shm(String),
     /// `unix:///abs/path.sock`, `unix:/abs/path.sock` or `unix:relative.sock` (gRPC's forms).
     Unix(PathBuf),
-    /// `http://host:port`.
-    Http(String),
+    /// `unix-abstract:NAME`: a socket in Linux's abstract namespace (no file).
+    UnixAbstract(Vec<u8>),
+    /// TCP: `host:port` in any of gRPC's forms, or `http://`/`https://`. `addrs` are tried in
+    /// order (gRPC's `ipv4:` and `ipv6:` take lists); `tls` is set by `https://`.
+    Tcp { addrs: Vec<String>, tls: bool },
 }
 
 impl Target {
+    /// Parses a target as grpc-core names them, plus isthmus's `shm://`, `http://`, `https://`.
+    /// A form with no port gets gRPC's default, 443 (80 for `http://`).
     pub(crate) fn parse(target: &str) -> Result<Target, Status> {
         let bad = |why: &str| Status::new(Code::InvalidArgument, format!("target {target:?}: {why}"));
+        let tcp = |addrs: Vec<String>, tls: bool| Ok(Target::Tcp { addrs, tls });
         if target.starts_with("shm://") {
             return Ok(Target::Shm(target.to_owned()));
+        }
+        if let Some(name) = target.strip_prefix("unix-abstract:") {
+            if name.is_empty() {
+                return Err(bad("no abstract socket name"));
+            }
+            return Ok(Target::UnixAbstract(name.as_bytes().to_vec()));
         }
         if let Some(rest) = target.strip_prefix("unix:") {
             let path = rest.strip_prefix("//").unwrap_or(rest);
@@ -54,28 +74,121 @@ impl Target {
             }
             return Ok(Target::Unix(PathBuf::from(path)));
         }
-        if let Some(rest) = target.strip_prefix("http://") {
-            let host = rest.trim_end_matches('/');
-            if host.is_empty() || host.contains('/') {
-                return Err(bad("expected http://host:port"));
+        for (scheme, tls, port) in [("http://", false, 80), ("https://", true, 443)] {
+            if let Some(rest) = target.strip_prefix(scheme) {
+                let host = rest.strip_suffix('/').unwrap_or(rest);
+                if host.contains('/') {
+                    return Err(bad(&format!("expected {scheme}HOST:PORT, with no path")));
+                }
+                return tcp(vec![host_port(host, port).map_err(|why| bad(&why))?], tls);
             }
-            return Ok(Target::Http(host.to_owned()));
         }
-        Err(bad("the scheme must be shm://, unix:// or http://"))
+        if let Some(rest) = target.strip_prefix("dns:") {
+            // `dns:host:port`, `dns:///host:port`, or `dns://resolver/host:port`: the resolver
+            // named in the authority is the system's either way.
+            let host = match rest.strip_prefix("//") {
+                Some(after) => after.split_once('/').map(|(_, h)| h).ok_or_else(|| bad("expected dns:///HOST:PORT"))?,
+                None => rest,
+            };
+            return tcp(vec![host_port(host, 443).map_err(|why| bad(&why))?], false);
+        }
+        for (scheme, v6) in [("ipv4:", false), ("ipv6:", true)] {
+            if let Some(list) = target.strip_prefix(scheme) {
+                let addrs = list
+                    .split(',')
+                    .map(|a| ip_port(a, v6))
+                    .collect::<Result<Vec<_>, String>>()
+                    .map_err(|why| bad(&why))?;
+                return tcp(addrs, false);
+            }
+        }
+        if let Some((scheme, _)) = target.split_once("://") {
+            return Err(bad(&format!("unknown scheme {scheme:?}; the accepted forms are {ACCEPTED}")));
+        }
+        // No scheme: gRPC's default, `dns:///target`.
+        host_port(target, 443)
+            .map(|a| Target::Tcp { addrs: vec![a], tls: false })
+            .map_err(|why| bad(&format!("{why}; the accepted forms are {ACCEPTED}")))
     }
+
+    /// The host name a TLS client checks the server's certificate against: the first
+    /// address's host, without its port or brackets (`localhost` for a unix socket).
+    pub(crate) fn host(&self) -> String {
+        match self {
+            Target::Tcp { addrs, .. } => addrs.first().map_or_else(String::new, |a| split_host_port(a).0.to_owned()),
+            _ => "localhost".to_owned(),
+        }
+    }
+}
+
+/// `host:port`, `[v6]:port`, or a host alone (with `default_port`), checked and normalised to
+/// `host:port` as `ToSocketAddrs` takes it.
+fn host_port(s: &str, default_port: u16) -> Result<String, String> {
+    if s.is_empty() {
+        return Err("no host".into());
+    }
+    let (host, port) = split_host_port(s);
+    if host.is_empty() || host.contains(['/', '[', ']', ' ', '@', '?', '#']) {
+        return Err(format!("{s:?} is not HOST:PORT"));
+    }
+    let port = match port {
+        None => default_port,
+        Some(p) => p.parse::<u16>().map_err(|_| format!("{p:?} is not a port number"))?,
+    };
+    // An IPv6 literal keeps its brackets, which is how the socket address parser wants it.
+    Ok(if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") })
+}
+
+/// Splits `host:port` or `[v6]:port` (or a host or `[v6]` alone); a bare IPv6 literal
+/// (`::1`) is all host.
+fn split_host_port(s: &str) -> (&str, Option<&str>) {
+    if let Some(rest) = s.strip_prefix('[') {
+        return match rest.split_once(']') {
+            Some((host, "")) => (host, None),
+            Some((host, tail)) => (host, Some(tail.strip_prefix(':').unwrap_or(tail))),
+            None => (s, None),
+        };
+    }
+    match s.rsplit_once(':') {
+        Some((host, _)) if host.contains(':') => (s, None),
+        Some((host, port)) => (host, Some(port)),
+        None => (s, None),
+    }
+}
+
+/// One address of an `ipv4:` or `ipv6:` list: an IP literal of that family, port 443 if none.
+fn ip_port(s: &str, v6: bool) -> Result<String, String> {
+    let (host, port) = split_host_port(s);
+    let ok = if v6 { host.parse::<std::net::Ipv6Addr>().is_ok() } else { host.parse::<std::net::Ipv4Addr>().is_ok() };
+    if !ok {
+        return Err(format!("{host:?} is not an IPv{} address", if v6 { 6 } else { 4 }));
+    }
+    host_port(
+        &match port {
+            Some(p) if v6 => format!("[{host}]:{p}"),
+            Some(p) => format!("{host}:{p}"),
+            None => host.to_owned(),
+        },
+        443,
+    )
 }
 
 /// A bound HTTP/2 listener.
 pub(crate) enum HttpListener {
-    Unix(tokio::net::UnixListener, PathBuf),
-    Tcp(tokio::net::TcpListener),
+    /// A unix socket, and its file to remove at the end (none for an abstract name).
+    Unix(tokio::net::UnixListener, Option<PathBuf>, String),
+    /// TCP, with TLS if configured.
+    Tcp(tokio::net::TcpListener, Option<Arc<rustls::ServerConfig>>),
 }
 
 impl HttpListener {
-    /// Binds `target` now (inside a tokio runtime). A unix socket left by a dead server is
-    /// replaced; one that answers is not.
-    pub(crate) fn bind(target: &Target) -> Result<HttpListener, Status> {
+    /// Binds `target` now (inside a tokio runtime), with TLS if `tls` is given (TCP targets
+    /// only). A unix socket left by a dead server is replaced; one that answers is not.
+    pub(crate) fn bind(target: &Target, tls: Option<&ServerTlsConfig>) -> Result<HttpListener, Status> {
         let unavailable = |what: String| Status::new(Code::Unavailable, what);
+        if tls.is_some() && !matches!(target, Target::Tcp { .. }) {
+            return Err(Status::new(Code::InvalidArgument, "TLS is served on TCP addresses only"));
+        }
         match target {
             Target::Unix(path) => {
                 if std::os::unix::net::UnixStream::connect(path).is_ok() {
@@ -92,26 +205,55 @@ impl HttpListener {
                 }
                 let std = std::os::unix::net::UnixListener::bind(path)
                     .map_err(|e| unavailable(format!("cannot bind {}: {e}", path.display())))?;
-                std.set_nonblocking(true).map_err(|e| unavailable(e.to_string()))?;
-                let l = tokio::net::UnixListener::from_std(std).map_err(|e| unavailable(e.to_string()))?;
-                Ok(HttpListener::Unix(l, path.clone()))
+                let name = format!("unix://{}", path.display());
+                Ok(HttpListener::Unix(tokio_unix(std)?, Some(path.clone()), name))
             }
-            Target::Http(host) => {
+            Target::UnixAbstract(name) => {
+                let addr = abstract_addr(name)?;
+                let std = std::os::unix::net::UnixListener::bind_addr(&addr).map_err(|e| {
+                    let code =
+                        if e.kind() == std::io::ErrorKind::AddrInUse { Code::AlreadyExists } else { Code::Unavailable };
+                    Status::new(code, format!("cannot bind unix-abstract:{}: {e}", String::from_utf8_lossy(name)))
+                })?;
+                Ok(HttpListener::Unix(
+                    tokio_unix(std)?,
+                    None,
+                    format!("unix-abstract:{}", String::from_utf8_lossy(name)),
+                ))
+            }
+            Target::Tcp { addrs, tls: wants_tls } => {
+                let [host] = addrs.as_slice() else {
+                    return Err(Status::new(Code::InvalidArgument, "a server binds one address per target"));
+                };
+                let config = match (tls, wants_tls) {
+                    (Some(tls), _) => Some(tls.rustls()?),
+                    (None, true) => {
+                        return Err(Status::new(
+                            Code::InvalidArgument,
+                            format!("https://{host} needs the server's TLS settings (Server::tls_config)"),
+                        ))
+                    }
+                    (None, false) => None,
+                };
                 let std = std::net::TcpListener::bind(host.as_str())
                     .map_err(|e| unavailable(format!("cannot bind {host}: {e}")))?;
                 std.set_nonblocking(true).map_err(|e| unavailable(e.to_string()))?;
                 let l = tokio::net::TcpListener::from_std(std).map_err(|e| unavailable(e.to_string()))?;
-                Ok(HttpListener::Tcp(l))
+                Ok(HttpListener::Tcp(l, config))
             }
             Target::Shm(_) => Err(Status::new(Code::Internal, "an shm:// target is not an HTTP listener")),
         }
     }
 
-    /// The address clients reach: the socket path, or the TCP address with its real port.
+    /// The address clients reach: `unix://path`, `unix-abstract:name`, or `http://ip:port` /
+    /// `https://ip:port` with the real port.
     pub(crate) fn local_addr(&self) -> String {
         match self {
-            HttpListener::Unix(_, path) => format!("unix://{}", path.display()),
-            HttpListener::Tcp(l) => l.local_addr().map_or_else(|_| "http://?".into(), |a| format!("http://{a}")),
+            HttpListener::Unix(_, _, name) => name.clone(),
+            HttpListener::Tcp(l, tls) => {
+                let scheme = if tls.is_some() { "https" } else { "http" };
+                l.local_addr().map_or_else(|_| format!("{scheme}://?"), |a| format!("{scheme}://{a}"))
+            }
         }
     }
 
@@ -122,27 +264,201 @@ impl HttpListener {
         routes: tonic::service::Routes,
         stop: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<(), Status> {
-        let server =
-            tonic::transport::Server::builder().layer(crate::http::authority::DeadlineLayer).add_routes(routes);
+        let server = tonic::transport::Server::builder()
+            .layer(crate::http::authority::DeadlineLayer)
+            .layer(PeerLayer)
+            .add_routes(routes);
         let failed =
             |e: tonic::transport::Error| Status::new(Code::Unavailable, format!("HTTP/2 endpoint failed: {e}"));
+        // Every connection is read through the `:authority` filter (see `authority.rs`).
+        let fix = |s: std::io::Result<ServerIo>| s.map(crate::http::authority::AuthorityFix::new);
         match self {
-            HttpListener::Unix(l, path) => {
-                // grpc-core clients name the socket as the `:authority`; see `authority.rs`.
+            HttpListener::Unix(l, path, _) => {
                 let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(l), |s| {
-                    s.map(crate::http::authority::AuthorityFix::new)
+                    fix(s.map(ServerIo::Unix))
                 });
                 let r = server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed);
-                let _ = std::fs::remove_file(path);
+                if let Some(path) = path {
+                    let _ = std::fs::remove_file(path);
+                }
                 r
             }
-            HttpListener::Tcp(l) => {
+            HttpListener::Tcp(l, None) => {
                 let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(l), |s| {
-                    s.map(crate::http::authority::AuthorityFix::new)
+                    fix(s.map(ServerIo::Tcp))
                 });
                 server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed)
             }
+            HttpListener::Tcp(l, Some(config)) => {
+                let incoming = tokio_stream::StreamExt::map(tls_incoming(l, config), fix);
+                server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed)
+            }
         }
+    }
+}
+
+fn tokio_unix(std: std::os::unix::net::UnixListener) -> Result<tokio::net::UnixListener, Status> {
+    let unavailable = |e: std::io::Error| Status::new(Code::Unavailable, e.to_string());
+    std.set_nonblocking(true).map_err(unavailable)?;
+    tokio::net::UnixListener::from_std(std).map_err(unavailable)
+}
+
+fn abstract_addr(name: &[u8]) -> Result<std::os::unix::net::SocketAddr, Status> {
+    use std::os::linux::net::SocketAddrExt;
+    std::os::unix::net::SocketAddr::from_abstract_name(name)
+        .map_err(|e| Status::new(Code::InvalidArgument, format!("unix-abstract name: {e}")))
+}
+
+/// How long a TLS client may take over its handshake before the server drops it.
+const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Accepted TLS connections, each handshake on a task of its own so that a slow client holds
+/// up nobody else. A failed handshake is dropped (the client hears the alert). Ends when the
+/// server stops reading it.
+fn tls_incoming(
+    listener: tokio::net::TcpListener,
+    config: Arc<rustls::ServerConfig>,
+) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<ServerIo>> {
+    let (tx, rx) = tokio::sync::mpsc::channel(64);
+    let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    tokio::spawn(async move {
+        loop {
+            let tcp = tokio::select! {
+                () = tx.closed() => return,
+                accepted = listener.accept() => match accepted {
+                    Ok((tcp, _)) => tcp,
+                    Err(e) => {
+                        tracing::debug!("accept failed: {e}");
+                        // Out of fds, say: keep the connections we have and try again shortly.
+                        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                        continue;
+                    }
+                },
+            };
+            let _ = tcp.set_nodelay(true);
+            let (tx, acceptor) = (tx.clone(), acceptor.clone());
+            tokio::spawn(async move {
+                match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    Ok(Ok(tls)) => {
+                        let _ = tx.send(Ok(ServerIo::Tls(Box::new(tls)))).await;
+                    }
+                    Ok(Err(e)) => tracing::debug!("TLS handshake failed: {e}"),
+                    Err(_) => tracing::debug!("TLS handshake timed out"),
+                }
+            });
+        }
+    });
+    tokio_stream::wrappers::ReceiverStream::new(rx)
+}
+
+/// A connection accepted by an HTTP/2 endpoint.
+pub(crate) enum ServerIo {
+    Unix(tokio::net::UnixStream),
+    Tcp(tokio::net::TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>),
+}
+
+/// Who is at the other end of an HTTP/2 connection: what tonic puts in each request's
+/// extensions, and what [`PeerLayer`] hands on to handlers.
+#[derive(Debug, Clone)]
+pub(crate) struct PeerInfo {
+    /// gRPC's form of the peer's address: `ipv4:1.2.3.4:5`, `ipv6:%5B::1%5D:5` or `unix:`.
+    pub(crate) addr: String,
+    /// Whether the connection is TLS.
+    pub(crate) tls: bool,
+    /// The client's certificate (DER), under mutual TLS.
+    pub(crate) cert: Option<bytes::Bytes>,
+}
+
+fn grpc_addr(addr: std::io::Result<std::net::SocketAddr>) -> String {
+    match addr {
+        Ok(std::net::SocketAddr::V4(a)) => format!("ipv4:{a}"),
+        // A v4 client of a dual-stack socket shows as v4, as grpc shows it.
+        Ok(std::net::SocketAddr::V6(a)) => match a.ip().to_ipv4_mapped() {
+            Some(v4) => format!("ipv4:{v4}:{}", a.port()),
+            // grpc-core's URI form, brackets %-encoded, as grpcio's `peer()` shows it.
+            None => format!("ipv6:%5B{}%5D:{}", a.ip(), a.port()),
+        },
+        Err(_) => "unknown".into(),
+    }
+}
+
+impl tonic::transport::server::Connected for ServerIo {
+    type ConnectInfo = PeerInfo;
+
+    fn connect_info(&self) -> PeerInfo {
+        match self {
+            ServerIo::Unix(_) => PeerInfo { addr: "unix:".into(), tls: false, cert: None },
+            ServerIo::Tcp(s) => PeerInfo { addr: grpc_addr(s.peer_addr()), tls: false, cert: None },
+            ServerIo::Tls(s) => {
+                let (tcp, session) = s.get_ref();
+                let cert = session
+                    .peer_certificates()
+                    .and_then(|chain| chain.first())
+                    .map(|leaf| bytes::Bytes::copy_from_slice(leaf.as_ref()));
+                PeerInfo { addr: grpc_addr(tcp.peer_addr()), tls: true, cert }
+            }
+        }
+    }
+}
+
+/// The headers that carry an HTTP/2 peer's address and certificate to the handlers behind the
+/// loopback (ADR 0012). A client's own headers of these names are dropped on the way in.
+pub(crate) const PEER_HEADER: &str = "x-isthmus-peer";
+pub(crate) const PEER_CERT_HEADER: &str = "x-isthmus-peer-cert-bin";
+pub(crate) const PEER_TLS_HEADER: &str = "x-isthmus-peer-tls";
+
+/// Puts the connection's [`PeerInfo`] into each request's headers, for handlers reached through
+/// the loopback (whose `shm://` connection is the server's own), after removing any the client
+/// sent.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct PeerLayer;
+
+impl<S> tower::Layer<S> for PeerLayer {
+    type Service = PeerService<S>;
+
+    fn layer(&self, inner: S) -> PeerService<S> {
+        PeerService(inner)
+    }
+}
+
+/// [`PeerLayer`]'s service.
+#[derive(Debug, Clone)]
+pub(crate) struct PeerService<S>(S);
+
+impl<S, B> tower_service::Service<http::Request<B>> for PeerService<S>
+where
+    S: tower_service::Service<http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> S::Future {
+        let peer = request.extensions().get::<PeerInfo>().cloned();
+        let headers = request.headers_mut();
+        headers.remove(PEER_HEADER);
+        headers.remove(PEER_CERT_HEADER);
+        headers.remove(PEER_TLS_HEADER);
+        if let Some(peer) = peer {
+            if peer.tls {
+                headers.insert(PEER_TLS_HEADER, http::HeaderValue::from_static("1"));
+            }
+            if let Ok(v) = http::HeaderValue::from_str(&peer.addr) {
+                headers.insert(PEER_HEADER, v);
+            }
+            if let Some(cert) = peer.cert {
+                let encoded = crate::http::codec::encode_base64(&cert);
+                if let Ok(v) = http::HeaderValue::from_str(&encoded) {
+                    headers.insert(PEER_CERT_HEADER, v);
+                }
+            }
+        }
+        self.0.call(request)
     }
 }
 
@@ -152,34 +468,55 @@ pub(crate) type Io = hyper_util::rt::TokioIo<HttpIo>;
 /// Opening one such stream.
 pub(crate) type Connecting = Pin<Box<dyn Future<Output = std::io::Result<Io>> + Send>>;
 
-/// tonic's endpoint for a `unix://` or `http://` target.
-pub(crate) fn http_endpoint(target: &Target) -> Result<tonic::transport::Endpoint, Status> {
+/// tonic's endpoint for an HTTP/2 target. Its URI's authority is `localhost` for a unix
+/// socket, as grpc-go and h2 expect, and the first address for TCP.
+pub(crate) fn http_endpoint(target: &Target, tls: bool) -> Result<tonic::transport::Endpoint, Status> {
     let uri = match target {
-        // The authority of a unix socket is `localhost`, as grpc-go and h2 expect.
-        Target::Unix(_) => "http://localhost".to_owned(),
-        Target::Http(host) => format!("http://{host}"),
+        Target::Unix(_) | Target::UnixAbstract(_) => "http://localhost".to_owned(),
+        Target::Tcp { addrs, .. } => {
+            format!("{}://{}", if tls { "https" } else { "http" }, addrs.first().map_or("localhost", String::as_str))
+        }
         Target::Shm(t) => return Err(Status::new(Code::Internal, format!("{t} is not an HTTP/2 target"))),
     };
     tonic::transport::Endpoint::from_shared(uri).map_err(|e| Status::new(Code::InvalidArgument, e.to_string()))
 }
 
-/// Opens the stream under an HTTP/2 connection: the unix socket, or TCP to the host.
-pub(crate) fn connector(
-    target: &Target,
-) -> impl tower_service::Service<http::Uri, Response = Io, Error = std::io::Error, Future = Connecting>
-       + Clone
-       + Send
-       + 'static {
+/// What opens the stream under a channel's HTTP/2 connection.
+pub(crate) trait MakeIo:
+    tower_service::Service<http::Uri, Response = Io, Error = std::io::Error, Future = Connecting> + Clone + Send + 'static
+{
+}
+
+impl<T> MakeIo for T where
+    T: tower_service::Service<http::Uri, Response = Io, Error = std::io::Error, Future = Connecting>
+        + Clone
+        + Send
+        + 'static
+{
+}
+
+/// Opens the stream under an HTTP/2 connection: the unix socket, or TCP to the first address
+/// that answers, with TLS over it if `tls` is given.
+pub(crate) fn connector(target: &Target, tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>) -> impl MakeIo {
     let target = target.clone();
     tower::service_fn(move |_: http::Uri| {
-        let target = target.clone();
+        let (target, tls) = (target.clone(), tls.clone());
         Box::pin(async move {
             let stream = match target {
                 Target::Unix(path) => HttpIo::Unix(tokio::net::UnixStream::connect(path).await?),
-                Target::Http(host) => {
-                    let tcp = tokio::net::TcpStream::connect(host.as_str()).await?;
+                Target::UnixAbstract(name) => {
+                    let addr = abstract_addr(&name).map_err(|s| std::io::Error::other(s.message().to_owned()))?;
+                    let std = std::os::unix::net::UnixStream::connect_addr(&addr)?;
+                    std.set_nonblocking(true)?;
+                    HttpIo::Unix(tokio::net::UnixStream::from_std(std)?)
+                }
+                Target::Tcp { addrs, .. } => {
+                    let tcp = connect_first(&addrs).await?;
                     tcp.set_nodelay(true)?;
-                    HttpIo::Tcp(tcp)
+                    match tls {
+                        Some((config, name)) => HttpIo::Tls(Box::new(tls::connect(&config, name, tcp).await?)),
+                        None => HttpIo::Tcp(tcp),
+                    }
                 }
                 Target::Shm(_) => return Err(std::io::Error::other("not an HTTP/2 target")),
             };
@@ -188,48 +525,69 @@ pub(crate) fn connector(
     })
 }
 
-/// A unix or TCP stream under an HTTP/2 connection.
+/// TCP to the first of `addrs` that answers (each may name several addresses).
+async fn connect_first(addrs: &[String]) -> std::io::Result<tokio::net::TcpStream> {
+    let mut last = std::io::Error::other("no address to connect to");
+    for addr in addrs {
+        match tokio::net::TcpStream::connect(addr.as_str()).await {
+            Ok(tcp) => return Ok(tcp),
+            Err(e) => last = std::io::Error::new(e.kind(), format!("{addr}: {e}")),
+        }
+    }
+    Err(last)
+}
+
+/// A unix, TCP or TLS stream under an HTTP/2 client connection.
 #[derive(Debug)]
 pub(crate) enum HttpIo {
     Unix(tokio::net::UnixStream),
     Tcp(tokio::net::TcpStream),
+    Tls(Box<tls::ClientTls>),
 }
 
-impl tokio::io::AsyncRead for HttpIo {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            HttpIo::Unix(s) => Pin::new(s).poll_read(cx, buf),
-            HttpIo::Tcp(s) => Pin::new(s).poll_read(cx, buf),
+/// `AsyncRead` and `AsyncWrite` for an enum of streams, each call passed to the variant's.
+macro_rules! delegate_io {
+    ($ty:ident { $($variant:ident),+ }) => {
+        impl tokio::io::AsyncRead for $ty {
+            fn poll_read(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                buf: &mut tokio::io::ReadBuf<'_>,
+            ) -> Poll<std::io::Result<()>> {
+                match self.get_mut() { $($ty::$variant(s) => Pin::new(s).poll_read(cx, buf),)+ }
+            }
         }
-    }
+
+        impl tokio::io::AsyncWrite for $ty {
+            fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+                match self.get_mut() { $($ty::$variant(s) => Pin::new(s).poll_write(cx, buf),)+ }
+            }
+
+            fn poll_write_vectored(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                bufs: &[std::io::IoSlice<'_>],
+            ) -> Poll<std::io::Result<usize>> {
+                match self.get_mut() { $($ty::$variant(s) => Pin::new(s).poll_write_vectored(cx, bufs),)+ }
+            }
+
+            fn is_write_vectored(&self) -> bool {
+                match self { $($ty::$variant(s) => s.is_write_vectored(),)+ }
+            }
+
+            fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+                match self.get_mut() { $($ty::$variant(s) => Pin::new(s).poll_flush(cx),)+ }
+            }
+
+            fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+                match self.get_mut() { $($ty::$variant(s) => Pin::new(s).poll_shutdown(cx),)+ }
+            }
+        }
+    };
 }
 
-impl tokio::io::AsyncWrite for HttpIo {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        match self.get_mut() {
-            HttpIo::Unix(s) => Pin::new(s).poll_write(cx, buf),
-            HttpIo::Tcp(s) => Pin::new(s).poll_write(cx, buf),
-        }
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            HttpIo::Unix(s) => Pin::new(s).poll_flush(cx),
-            HttpIo::Tcp(s) => Pin::new(s).poll_flush(cx),
-        }
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        match self.get_mut() {
-            HttpIo::Unix(s) => Pin::new(s).poll_shutdown(cx),
-            HttpIo::Tcp(s) => Pin::new(s).poll_shutdown(cx),
-        }
-    }
-}
+delegate_io!(HttpIo { Unix, Tcp, Tls });
+delegate_io!(ServerIo { Unix, Tcp, Tls });
 
 #[cfg(test)]
 mod tests {
@@ -237,12 +595,37 @@ mod tests {
 
     #[test]
     fn targets_parse_in_grpcs_forms() {
-        assert_eq!(Target::parse("shm://a").expect("shm"), Target::Shm("shm://a".into()));
-        assert_eq!(Target::parse("unix:///run/a.sock").expect("unix"), Target::Unix("/run/a.sock".into()));
-        assert_eq!(Target::parse("unix:/run/a.sock").expect("unix"), Target::Unix("/run/a.sock".into()));
-        assert_eq!(Target::parse("unix:a.sock").expect("unix"), Target::Unix("a.sock".into()));
-        assert_eq!(Target::parse("http://127.0.0.1:50051").expect("http"), Target::Http("127.0.0.1:50051".into()));
-        for bad in ["", "tcp://x:1", "unix:", "http://", "http://h:1/path"] {
+        let tcp = |a: &[&str], tls: bool| Target::Tcp { addrs: a.iter().map(|s| (*s).to_owned()).collect(), tls };
+        let cases = [
+            ("shm://a", Target::Shm("shm://a".into())),
+            ("unix:///run/a.sock", Target::Unix("/run/a.sock".into())),
+            ("unix:/run/a.sock", Target::Unix("/run/a.sock".into())),
+            ("unix:a.sock", Target::Unix("a.sock".into())),
+            ("unix-abstract:a b", Target::UnixAbstract(b"a b".to_vec())),
+            ("http://127.0.0.1:50051", tcp(&["127.0.0.1:50051"], false)),
+            ("http://h", tcp(&["h:80"], false)),
+            ("https://h", tcp(&["h:443"], true)),
+            ("https://[::1]:8443/", tcp(&["[::1]:8443"], true)),
+            ("localhost:50051", tcp(&["localhost:50051"], false)),
+            ("localhost", tcp(&["localhost:443"], false)),
+            ("[::]:0", tcp(&["[::]:0"], false)),
+            ("0.0.0.0:7", tcp(&["0.0.0.0:7"], false)),
+            ("dns:h:1", tcp(&["h:1"], false)),
+            ("dns:///h:1", tcp(&["h:1"], false)),
+            ("dns://8.8.8.8/h:1", tcp(&["h:1"], false)),
+            ("ipv4:1.2.3.4:5,6.7.8.9", tcp(&["1.2.3.4:5", "6.7.8.9:443"], false)),
+            ("ipv6:[::1]:5", tcp(&["[::1]:5"], false)),
+            ("ipv6:::1", tcp(&["[::1]:443"], false)),
+        ];
+        for (text, want) in cases {
+            assert_eq!(Target::parse(text).unwrap_or_else(|e| panic!("{text}: {e:?}")), want, "{text}");
+        }
+        assert_eq!(Target::parse("https://[::1]:8443").expect("v6").host(), "::1");
+        assert_eq!(Target::parse("h.example:1").expect("dns").host(), "h.example");
+        for bad in ["", "tcp://x:1", "unix:", "unix-abstract:", "http://", "http://h:1/path", "h:port", "h:99999"] {
+            assert_eq!(Target::parse(bad).expect_err(bad).code(), Code::InvalidArgument, "{bad}");
+        }
+        for bad in ["ipv4:::1", "ipv6:1.2.3.4", "ipv4:1.2.3.4:5,", "dns://resolver"] {
             assert_eq!(Target::parse(bad).expect_err(bad).code(), Code::InvalidArgument, "{bad}");
         }
     }

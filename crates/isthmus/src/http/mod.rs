@@ -36,12 +36,16 @@ pub(crate) mod authority;
 pub(crate) mod call;
 pub(crate) mod codec;
 pub(crate) mod endpoint;
+pub(crate) mod tls;
 mod tonic_client;
 mod tonic_server;
+pub(crate) mod x509;
 
 pub use call::BytesCodec;
+pub use tls::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
 pub use tonic_client::ResponseBody;
 pub(crate) use tonic_server::{BoxService, ServiceHandler};
+pub use x509::PeerCertificate;
 
 /// Fuzzing entry: `data` as a gRPC body cut at every offset, and as header values.
 pub(crate) fn fuzz(data: &[u8]) {

@@ -382,6 +382,8 @@ where
                         failed_response(Status::new(Code::DeadlineExceeded, "the call's deadline passed"))
                     }
                     Err(e) => {
+                        // A TLS failure says which (an unknown CA, no client certificate…).
+                        let tls = crate::http::tls::describe(&e);
                         let t = tonic::Status::from_error(Box::new(e));
                         // No response at all: the request could not be carried (the server hung
                         // up or died before answering), which gRPC calls UNAVAILABLE; tonic names
@@ -390,7 +392,12 @@ where
                             tonic::Code::Unknown => Code::Unavailable,
                             other => Code::from_u32(other as u32),
                         };
-                        failed_response(Status::new(code, t.message().to_owned()).with_details(t.details().to_vec()))
+                        match tls {
+                            Some(why) => failed_response(Status::new(Code::Unavailable, why)),
+                            None => failed_response(
+                                Status::new(code, t.message().to_owned()).with_details(t.details().to_vec()),
+                            ),
+                        }
                     }
                 })
             });

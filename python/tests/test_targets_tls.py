@@ -1,0 +1,207 @@
+"""gRPC's target names and TLS from Python: grpcio's addresses on both sides, TLS and mutual
+TLS between isthmus and grpcio in both directions with certificates made at test time, what a
+handler's context says of its caller (compared with grpcio's own answer for the same caller),
+and certificate problems that end calls UNAVAILABLE saying which. Servers run in their own
+processes (`whoami_server.py`)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import certs
+import grpc
+import pytest
+from peer import Peer
+
+import isthmus
+
+HERE = Path(__file__).parent
+METHOD = "/whoami.Who/Am"
+
+
+@pytest.fixture(scope="module")
+def pems() -> certs.Certs:
+    return certs.make()
+
+
+@pytest.fixture(scope="module")
+def cert_dir(pems: certs.Certs) -> Iterator[Path]:
+    with tempfile.TemporaryDirectory(prefix="isthmus-tls-") as d:
+        pems.write(Path(d))
+        yield Path(d)
+
+
+class Server:
+    """A whoami server process and the ports its add_*_port calls returned."""
+
+    def __init__(self, kind: str, cert_dir: Path, mode: str, *targets: str) -> None:
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE), os.environ.get("PYTHONPATH", "")]))
+        argv = [sys.executable, str(HERE / "whoami_server.py"), kind, str(cert_dir), mode, *targets]
+        self.peer = Peer(argv, env)
+        self.ports = [int(p) for p in self.peer.expect("PORTS").split()[1:]]
+
+    def __enter__(self) -> Server:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.peer.close()
+
+
+def whoami(channel: grpc.Channel) -> dict[str, Any]:
+    with channel:
+        return json.loads(channel.unary_unary(METHOD)(b"", timeout=10))  # type: ignore[no-any-return]
+
+
+def failure(channel: grpc.Channel) -> grpc.RpcError:
+    with channel, pytest.raises(grpc.RpcError) as raised:
+        channel.unary_unary(METHOD)(b"", timeout=10)
+    return raised.value
+
+
+def test_grpc_addresses_work_on_both_sides(cert_dir: Path) -> None:
+    tag = f"isthmus-py-{os.getpid()}"
+    sock = f"{tempfile.gettempdir()}/{tag}.sock"
+    for kind in ("isthmus", "grpcio"):
+        targets = ("[::]:0", f"unix:{sock}", f"unix-abstract:{tag}-{kind}")
+        with Server(kind, cert_dir, "none", *targets) as server:
+            port = server.ports[0]
+            # grpc's add_insecure_port gives the TCP port chosen for port 0, and 1 otherwise.
+            assert port > 1 and server.ports[1:] == [1, 1], server.ports
+            forms = [
+                f"localhost:{port}",
+                f"127.0.0.1:{port}",
+                f"dns:///localhost:{port}",
+                f"dns:localhost:{port}",
+                f"ipv4:127.0.0.1:{port}",
+                f"ipv6:[::1]:{port}",
+                f"unix:{sock}",
+                f"unix://{sock}",
+                f"unix-abstract:{tag}-{kind}",
+            ]
+            for target in forms:
+                seen = whoami(isthmus.insecure_channel(target))
+                assert seen["auth"]["transport_security_type"] == ["aW5zZWN1cmU="], (kind, target, seen)
+                if target.startswith(("unix", "unix-abstract")):
+                    assert seen["peer"].startswith("unix:"), (kind, target, seen)
+                else:
+                    assert seen["peer"].startswith(("ipv4:127.0.0.1:", "ipv6:%5B::1%5D:")), (
+                        kind,
+                        target,
+                        seen,
+                    )
+                if kind == "isthmus":
+                    # And grpcio's own client reaches isthmus's server by the same names.
+                    assert whoami(grpc.insecure_channel(target))["peer"], target
+
+
+def test_unknown_schemes_name_the_accepted_forms() -> None:
+    for bad in ("tcp://x:1", "localhost:http", "ipv4:300.1.1.1:5"):
+        with pytest.raises(ValueError) as raised:
+            isthmus.insecure_channel(bad)
+        assert "shm://NAME" in str(raised.value) or "not" in str(raised.value), bad
+    with pytest.raises(ValueError, match="unknown scheme"):
+        isthmus.server(None).add_insecure_port("tcp://x:1")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("mode", ["tls", "mtls"])
+def test_tls_between_isthmus_and_grpcio_both_ways(pems: certs.Certs, cert_dir: Path, mode: str) -> None:
+    client_cert = (pems.client.key, pems.client.cert) if mode == "mtls" else (None, None)
+    answers = {}
+    for kind in ("grpcio", "isthmus"):
+        with Server(kind, cert_dir, mode, "localhost:0") as server:
+            (port,) = server.ports
+            mine = isthmus.ssl_channel_credentials(pems.ca, *client_cert)
+            theirs = grpc.ssl_channel_credentials(pems.ca, *client_cert)
+            for target in (f"localhost:{port}", f"https://localhost:{port}", f"dns:///localhost:{port}"):
+                answers[kind] = whoami(isthmus.secure_channel(target, mine))
+            # The certificate covers localhost: an IP address is checked against the name given.
+            by_ip = isthmus.secure_channel(
+                f"127.0.0.1:{port}", mine, options=[("grpc.ssl_target_name_override", "localhost")]
+            )
+            assert whoami(by_ip)["auth"]["transport_security_type"] == ["c3Ns"]
+            if kind == "isthmus":
+                # grpcio's client, with the same certificates, is told apart from nobody.
+                grpcio_client = whoami(grpc.secure_channel(f"localhost:{port}", theirs))
+                assert grpcio_client["auth"] == answers["isthmus"]["auth"], grpcio_client
+    # What isthmus's handler is told of the caller is what grpcio's is told: the same keys and
+    # values (the certificate's names, its PEM, the security level) and the same identities.
+    for field in ("auth", "identities", "key"):
+        assert answers["isthmus"][field] == answers["grpcio"][field], (field, answers)
+    if mode == "mtls":
+        assert answers["isthmus"]["identities"] == ["client.example", "spiffe://isthmus.test/client"]
+        assert answers["isthmus"]["key"] == "x509_subject_alternative_name"
+
+
+def test_asyncio_secure_channel(pems: certs.Certs, cert_dir: Path) -> None:
+    with Server("isthmus", cert_dir, "mtls", "localhost:0") as server:
+        (port,) = server.ports
+
+        async def call() -> dict[str, Any]:
+            credentials = isthmus.ssl_channel_credentials(pems.ca, pems.client.key, pems.client.cert)
+            async with isthmus.aio.secure_channel(f"localhost:{port}", credentials) as channel:
+                return json.loads(await channel.unary_unary(METHOD)(b"", timeout=10))  # type: ignore[no-any-return]
+
+        assert asyncio.run(call())["identities"] == ["client.example", "spiffe://isthmus.test/client"]
+
+
+def test_certificate_problems_end_calls_unavailable_saying_which(pems: certs.Certs, cert_dir: Path) -> None:
+    with (
+        Server("grpcio", cert_dir, "mtls", "localhost:0") as mtls,
+        Server("isthmus", cert_dir, "mtls", "localhost:0") as ours,
+    ):
+        cases = [
+            (
+                isthmus.ssl_channel_credentials(pems.other_ca, pems.client.key, pems.client.cert),
+                "unknown issuer",
+            ),
+            (isthmus.ssl_channel_credentials(pems.ca), "client certificate"),
+            (
+                isthmus.ssl_channel_credentials(pems.ca, pems.other_client.key, pems.other_client.cert),
+                "client certificate",
+            ),
+        ]
+        for port in (mtls.ports[0], ours.ports[0]):
+            for credentials, words in cases:
+                error = failure(isthmus.secure_channel(f"localhost:{port}", credentials))
+                assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+                assert words in error.details(), (port, words, error.details())
+        # grpcio's client is refused by isthmus's server without a client certificate too.
+        error = failure(
+            grpc.secure_channel(f"localhost:{ours.ports[0]}", grpc.ssl_channel_credentials(pems.ca))
+        )
+        assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+
+
+@pytest.mark.parametrize(
+    ("which", "words"), [("expired", "expired"), ("wrong_host", "not valid for the host")]
+)
+def test_bad_server_certificates_say_which(pems: certs.Certs, which: str, words: str) -> None:
+    pair = pems.expired_server if which == "expired" else pems.wrong_host_server
+    with tempfile.TemporaryDirectory(prefix="isthmus-tls-") as d:
+        Path(d, "server.crt").write_bytes(pair.cert)
+        Path(d, "server.key").write_bytes(pair.key)
+        with Server("grpcio", Path(d), "tls", "localhost:0") as server:
+            credentials = isthmus.ssl_channel_credentials(pems.ca)
+            error = failure(isthmus.secure_channel(f"localhost:{server.ports[0]}", credentials))
+            assert error.code() == grpc.StatusCode.UNAVAILABLE, error
+            assert words in error.details(), error.details()
+
+
+def test_credentials_are_checked() -> None:
+    with pytest.raises(TypeError, match=r"isthmus\.ssl_channel_credentials"):
+        isthmus.secure_channel("localhost:1", grpc.ssl_channel_credentials())
+    with pytest.raises(ValueError, match="both"):
+        isthmus.ssl_channel_credentials(None, b"key", None)
+    with pytest.raises(ValueError, match=r"does not decode|no PEM"):
+        isthmus.secure_channel("localhost:1", isthmus.ssl_channel_credentials(b"not a certificate"))
+    with pytest.raises(ValueError, match="TCP"):
+        isthmus.secure_channel("shm://x", isthmus.ssl_channel_credentials(None))
+    with pytest.raises(ValueError, match="root_certificates"):
+        isthmus.ssl_server_credentials([(b"k", b"c")], require_client_auth=True)

@@ -1,0 +1,67 @@
+"""A server whose one method, `/whoami.Who/Am`, answers what its handler's context says of the
+caller: `peer()`, `auth_context()`, `peer_identities()`, `peer_identity_key()`, as JSON.
+
+    whoami_server.py isthmus|grpcio CERT_DIR none|tls|mtls TARGET...
+
+Serves every TARGET (`add_insecure_port`, or `add_secure_port` with CERT_DIR's `server.crt`,
+`server.key` and, for mtls, `ca` as the required client CA), prints `READY`, then `PORTS` and
+what grpc's add_*_port returned for each target. Runs until killed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import sys
+import threading
+from concurrent import futures
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+import isthmus
+
+
+def main() -> None:
+    kind, cert_dir, mode, *targets = sys.argv[1:]
+    api: Any = isthmus if kind == "isthmus" else grpc
+
+    def am(request: bytes, context: Any) -> bytes:
+        auth = {
+            k: sorted(base64.b64encode(v).decode() for v in vs) for k, vs in context.auth_context().items()
+        }
+        ids = context.peer_identities()
+        return json.dumps(
+            {
+                "peer": context.peer(),
+                "auth": auth,
+                "identities": None if ids is None else [i.decode() for i in ids],
+                "key": context.peer_identity_key(),
+            }
+        ).encode()
+
+    server = api.server(futures.ThreadPoolExecutor(4))
+    server.add_generic_rpc_handlers(
+        [grpc.method_handlers_generic_handler("whoami.Who", {"Am": grpc.unary_unary_rpc_method_handler(am)})]
+    )
+    ports = []
+    for target in targets:
+        if mode == "none":
+            port = server.add_insecure_port(target)
+        else:
+            files = Path(cert_dir)
+            credentials = api.ssl_server_credentials(
+                [((files / "server.key").read_bytes(), (files / "server.crt").read_bytes())],
+                root_certificates=(files / "ca").read_bytes() if mode == "mtls" else None,
+                require_client_auth=mode == "mtls",
+            )
+            port = server.add_secure_port(target, credentials)
+        ports.append(str(port))
+    server.start()
+    print("READY", flush=True)
+    print("PORTS", *ports, flush=True)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()
