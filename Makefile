@@ -109,14 +109,16 @@ go-bins: capi c-tools
 	@mkdir -p target/go-bin
 	cd go && $(GO_ENV) go build -o ../target/go-bin/ ./cmd/go-peer ./cmd/go-conformance
 
+# The Go and Lua tests name the transport they test: ISTHMUS_UPGRADE=0 keeps their HTTP/2
+# channels on HTTP/2 (the upgrade to shm:// is tested in Rust and Python).
 gotest: capi unit ## The Go package's tests (go test), against the Go, Rust and Python peers
 	@mkdir -p target
-	set -o pipefail; cd go && $(GO_ENV) ISTHMUS_TONIC_PEER=$(CURDIR)/target/debug/tonic-peer ISTHMUS_REQUIRE_PEERS=1 \
+	set -o pipefail; cd go && $(GO_ENV) ISTHMUS_TONIC_PEER=$(CURDIR)/target/debug/tonic-peer ISTHMUS_REQUIRE_PEERS=1 ISTHMUS_UPGRADE=0 \
 	  go test -count=1 -v ./... 2>&1 | tee ../target/go-test-output.log | grep -E '^(--- |ok|FAIL|panic)|_test.go'
 
 luatest: capi lua-tools unit go-bins ## The Lua module's tests: a real nginx against the Rust, Go and Python peers
 	@mkdir -p target
-	set -o pipefail; ISTHMUS_REQUIRE_PEERS=1 ISTHMUS_LIB=$(CURDIR)/target/debug/libisthmus_capi.so \
+	set -o pipefail; ISTHMUS_REQUIRE_PEERS=1 ISTHMUS_UPGRADE=0 ISTHMUS_LIB=$(CURDIR)/target/debug/libisthmus_capi.so \
 	  ISTHMUS_TONIC_PEER=$(CURDIR)/target/debug/tonic-peer ISTHMUS_GO_PEER=$(CURDIR)/target/go-bin/go-peer \
 	  $(VENV)/bin/python -m pytest lua/tests -q -p no:cacheprovider 2>&1 | tee target/luatest-output.log
 

@@ -3,7 +3,9 @@
 Usage: py_client.py SYSTEM TARGET. SYSTEM is one of:
 
 - ``isthmus-sync`` / ``isthmus-aio``: ``isthmus.insecure_channel`` / ``isthmus.aio.insecure_channel``
-  to the Rust echo server over ``shm://`` (TARGET);
+  to the Rust echo server over ``shm://`` (TARGET); ``isthmus-sync`` given an HTTP/2 TARGET
+  (``localhost:PORT``) first waits for the channel to move to the ``shm://`` endpoint the server
+  offers (the upgrade);
 - ``grpc-sync`` / ``grpc-aio``: ``grpc.insecure_channel`` / ``grpc.aio.insecure_channel`` to a
   tonic server on the Unix socket TARGET, at grpcio's best documented settings for it (no
   message-size limits, ``grpc.default_authority`` for the socket);
@@ -109,6 +111,15 @@ def run_sync(system: str, target: str) -> None:
         import isthmus
 
         channel = isthmus.insecure_channel(target)
+        if not target.startswith("shm://"):
+            # An HTTP/2 address (the upgrade): calls move to shm:// once the probe that the
+            # first call starts has connected; measure from then on.
+            end = time.monotonic() + 10
+            while channel.upgrade_status() == "pending" and time.monotonic() < end:
+                check(channel.unary_unary(PATH)(b"warm"), b"warm")
+                time.sleep(0.01)
+            if not channel.upgrade_status().startswith("shm://"):
+                raise SystemExit(f"{target}: the channel did not move to shm:// ({channel.upgrade_status()})")
     else:
         import grpc
 

@@ -25,6 +25,7 @@ SIZES = [64, 1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 256 << 20]
 RUST = ["isthmus-rust", "tonic-isthmus-shm", "tonic-uds", "isthmus-shm-transport", "raw-uds"]
 PYTHON = [
     "py-isthmus-sync",
+    "py-isthmus-upgraded",
     "py-isthmus-aio",
     "py-grpc-sync-tonic-uds",
     "py-grpc-aio-tonic-uds",

@@ -42,7 +42,8 @@ fn main() {
         "serve-uds-len4" => system::serve_uds_len4(&arg(2)),
         "serve-eventfd" => system::serve_eventfd(num(2) as i32, num(3) as i32),
         "serve-spin" => system::serve_spin(num(2) as i32),
-        "serve-isthmus" => rpc::serve_isthmus(&arg(2)),
+        // `serve-isthmus TARGET…`: the echo on every target (an HTTP/2 one offers the shm:// one).
+        "serve-isthmus" => rpc::serve_isthmus(&args[2..]),
         "serve-isthmus-spin" => rpc::serve_isthmus_spin(&arg(2), num(3) as u64),
         "serve-tonic" => rpc::serve_tonic(&arg(2)),
         "serve-tonic-isthmus" => rpc::serve_tonic_isthmus(&arg(2)),

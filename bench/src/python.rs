@@ -1,5 +1,6 @@
 //! Python clients (`bench/py_client.py`, run in the project's venv) against Rust servers:
-//! isthmus's sync and asyncio APIs over `shm://` beside grpcio and grpc.aio against tonic over a
+//! isthmus's sync and asyncio APIs over `shm://` (and the sync one given `localhost:PORT` of a
+//! server that offers `shm://`, the upgrade) beside grpcio and grpc.aio against tonic over a
 //! Unix socket, and a plain Python socket against the length-prefixed echo.
 
 use std::io::{BufRead, BufReader, Write};
@@ -34,6 +35,16 @@ impl PyClient {
             let addr = format!("shm://{}", unique("py"));
             (Server::spawn(&["serve-isthmus".into(), addr.clone()]), addr)
         };
+        // The same server with an HTTP/2 port too; the client is given `localhost:PORT` and its
+        // calls move to the shm:// endpoint the server offers (the upgrade).
+        let upgraded = || {
+            let port = std::net::TcpListener::bind("127.0.0.1:0")
+                .and_then(|l| l.local_addr())
+                .map(|a| a.port())
+                .expect("a free port");
+            let shm = format!("shm://{}", unique("pyup"));
+            (Server::spawn(&["serve-isthmus".into(), shm, format!("127.0.0.1:{port}")]), format!("localhost:{port}"))
+        };
         let socket = |tag: &str| std::env::temp_dir().join(format!("{}.sock", unique(tag))).display().to_string();
         let tonic = || {
             let path = socket("pytonic");
@@ -45,6 +56,7 @@ impl PyClient {
         };
         vec![
             PyClient::start(&python, "py-isthmus-sync", "isthmus-sync", shm()),
+            PyClient::start(&python, "py-isthmus-upgraded", "isthmus-sync", upgraded()),
             PyClient::start(&python, "py-isthmus-aio", "isthmus-aio", shm()),
             PyClient::start(&python, "py-grpc-sync-tonic-uds", "grpc-sync", tonic()),
             PyClient::start(&python, "py-grpc-aio-tonic-uds", "grpc-aio", tonic()),

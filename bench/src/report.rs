@@ -235,26 +235,39 @@ pub fn print_python(records: &[Record]) {
     let m = medians(records);
     let get = |sys: &str, size: usize, inflight: usize| m.get(&(sys.to_owned(), size, inflight)).copied();
     println!("\nPython clients → Rust servers (medians of {} rounds, p50)\n", crate::ROUNDS);
-    println!("| size | py-isthmus-sync | py-isthmus-aio | py-grpc-sync-tonic-uds | py-grpc-aio-tonic-uds | py-raw-uds | sync ÷ grpc | aio ÷ grpc.aio |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!("| size | py-isthmus-sync | py-isthmus-upgraded | py-isthmus-aio | py-grpc-sync-tonic-uds | py-grpc-aio-tonic-uds | py-raw-uds | sync ÷ grpc | upgraded ÷ sync | aio ÷ grpc.aio |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     let cell = |v: Option<(f64, f64, f64)>| v.map_or_else(|| "-".into(), |v| us(v.0));
     let ratio = |a: Option<(f64, f64, f64)>, b: Option<(f64, f64, f64)>| match (a, b) {
         (Some(a), Some(b)) => format!("{:.1}×", b.0 / a.0),
         _ => "-".into(),
     };
     for &size in &crate::RPC_SIZES {
-        let [s, a, gs, ga, raw] =
-            ["py-isthmus-sync", "py-isthmus-aio", "py-grpc-sync-tonic-uds", "py-grpc-aio-tonic-uds", "py-raw-uds"]
-                .map(|sys| get(sys, size, 1));
+        let [s, up, a, gs, ga, raw] = [
+            "py-isthmus-sync",
+            "py-isthmus-upgraded",
+            "py-isthmus-aio",
+            "py-grpc-sync-tonic-uds",
+            "py-grpc-aio-tonic-uds",
+            "py-raw-uds",
+        ]
+        .map(|sys| get(sys, size, 1));
+        // The upgraded path's cost over direct shm:// (1.00× is none).
+        let upgraded = match (up, s) {
+            (Some(up), Some(s)) => format!("{:.2}×", up.0 / s.0),
+            _ => "-".into(),
+        };
         println!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             size_name(size),
             cell(s),
+            cell(up),
             cell(a),
             cell(gs),
             cell(ga),
             cell(raw),
             ratio(s, gs),
+            upgraded,
             ratio(a, ga)
         );
     }

@@ -42,18 +42,21 @@ const MAX_MESSAGE: usize = 64 << 20;
 // isthmus-rust: the engine's blocking client → the engine's server.
 
 /// Server role: an isthmus server echoing unary calls.
-pub fn serve_isthmus(addr: &str) {
-    serve_isthmus_with(addr, isthmus::Config::default())
+///
+/// Several targets at once (`shm://` and an HTTP/2 one) offer the first to clients of the
+/// second on this machine: the upgrade.
+pub fn serve_isthmus(targets: &[String]) {
+    serve_isthmus_with(targets, isthmus::Config::default())
 }
 
 /// [`serve_isthmus`] with the connections' spin bound set to `spin_us` (0: a wait sleeps at once).
 pub fn serve_isthmus_spin(addr: &str, spin_us: u64) {
     let mut config = isthmus::Config::default();
     config.spin.max = std::time::Duration::from_micros(spin_us);
-    serve_isthmus_with(addr, config)
+    serve_isthmus_with(&[addr.to_owned()], config)
 }
 
-fn serve_isthmus_with(addr: &str, config: isthmus::Config) {
+fn serve_isthmus_with(targets: &[String], config: isthmus::Config) {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     rt.block_on(async {
         let bound = isthmus::Server::builder()
@@ -72,7 +75,7 @@ fn serve_isthmus_with(addr: &str, config: isthmus::Config) {
                 }
                 Ok(())
             })
-            .bind(addr)
+            .bind_all(targets.iter().map(String::as_str))
             .expect("bind");
         ready();
         bound.serve().await.expect("serve");

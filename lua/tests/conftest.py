@@ -59,6 +59,7 @@ master_process on;
 error_log {prefix}/logs/error.log info;
 pid {prefix}/logs/nginx.pid;
 env ISTHMUS_LIB;
+env ISTHMUS_UPGRADE;
 events {{ worker_connections 1024; }}
 http {{
     access_log off;

@@ -223,11 +223,18 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
         return self._stream(iter(request_iterator), timeout, metadata, wait_for_ready)
 
 
+def upgrades(options: Any) -> bool:
+    """Whether a channel may move to shared memory: the option `isthmus.upgrade` (default on)."""
+    return bool(dict(options or ()).get("isthmus.upgrade", True))
+
+
 class Channel(grpc.Channel):
     """A client channel to any target grpc names (`host:port`, `dns:///host:port`, `unix:path`,
     …) or `shm://NAME`, with TLS if `tls` is given (from `secure_channel`). It connects on the
-    first call; of `options` only `grpc.ssl_target_name_override` is used, and `compression`
-    is accepted for grpc's sake."""
+    first call. A channel to an HTTP/2 address of an isthmus server on this machine that also
+    serves `shm://` moves its calls to shared memory (`("isthmus.upgrade", False)` in `options`
+    keeps them on HTTP/2). Of grpc's `options` only `grpc.ssl_target_name_override` is used,
+    and `compression` is accepted for grpc's sake."""
 
     def __init__(
         self,
@@ -236,7 +243,18 @@ class Channel(grpc.Channel):
         compression: grpc.Compression | None = None,
         tls: tuple[bytes | None, bytes | None, bytes | None, str | None] | None = None,
     ):
-        self._native = _native.Channel(target, tls)
+        self._native = _native.Channel(target, tls, upgrades(options))
+
+    def transport_counts(self) -> dict[str, int]:
+        """For a channel to an HTTP/2 address: how many calls went over shared memory (the
+        server offered it and runs on this machine) and how many over HTTP/2."""
+        shm, http2 = self._native.transport_counts()
+        return {"shm": shm, "http2": http2}
+
+    def upgrade_status(self) -> str:
+        """`off`, `pending` (no probe has finished), `http2` (nothing to move to), or the
+        `shm://` target the channel's calls now go to."""
+        return self._native.upgrade_status()
 
     def subscribe(
         self, callback: Callable[[grpc.ChannelConnectivity], None], try_to_connect: bool = False

@@ -55,8 +55,12 @@ class Channel:
     """A client channel for blocking calls (`shm://`, `unix://`, `http://`). Connects on the
     first call. Waits release the GIL."""
 
-    def __new__(cls, target: str, tls: _ClientTls | None = None) -> Self:
+    def __new__(cls, target: str, tls: _ClientTls | None = None, upgrade: bool = True) -> Self:
         """Raises ValueError for a target that does not parse, or TLS settings that do not."""
+    def transport_counts(self) -> tuple[int, int]:
+        """Calls started over shm and over HTTP/2 (a channel to an HTTP/2 address)."""
+    def upgrade_status(self) -> str:
+        """`off`, `pending`, `http2`, or the `shm://` target the channel moved to."""
     def unary(
         self,
         path: str,
@@ -110,7 +114,11 @@ class Reactor:
 class AsyncChannel:
     """A client channel whose operations complete through a Reactor."""
 
-    def __new__(cls, target: str, reactor: Reactor, tls: _ClientTls | None = None) -> Self: ...
+    def __new__(
+        cls, target: str, reactor: Reactor, tls: _ClientTls | None = None, upgrade: bool = True
+    ) -> Self: ...
+    def transport_counts(self) -> tuple[int, int]: ...
+    def upgrade_status(self) -> str: ...
     def unary(
         self,
         token: int,
@@ -191,6 +199,7 @@ class Server:
         dispatch: Callable[[ServerCall], None],
         max_concurrent_streams: int | None = None,
         max_message_size: int | None = None,
+        offer_shm: bool = True,
     ) -> Self: ...
     def add_port(self, target: str, tls: _ServerTls | None = None) -> str:
         """Binds now, with TLS if given (TCP targets); returns the address as clients reach it

@@ -57,7 +57,11 @@ class ServerBase:
         maximum_concurrent_rpcs: int | None,
     ) -> None:
         self._handlers = Handlers(handlers, interceptors)
-        self._native = _native.Server(dispatch, maximum_concurrent_rpcs, _max_message_size(options))
+        # `isthmus.offer_shm` (default on): HTTP/2 clients on this machine move to shm://.
+        offer_shm = bool(dict(options or ()).get("isthmus.offer_shm", True))
+        self._native = _native.Server(
+            dispatch, maximum_concurrent_rpcs, _max_message_size(options), offer_shm
+        )
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:
         self._handlers.add_generic(generic_rpc_handlers)

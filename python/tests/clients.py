@@ -150,10 +150,13 @@ def make_client(api: str, address: str, pb_grpc: Any) -> SyncClient | AioClient:
     """`api`: `isthmus`, `isthmus.aio`, `grpcio` or `grpcio.aio`."""
     # grpcio's 4 MiB default is below the suite's largest message.
     options = [("grpc.max_receive_message_length", 65 << 20), ("grpc.max_send_message_length", 65 << 20)]
+    # The transport the address names is the one under test: no move to shm:// (the upgrade
+    # has tests of its own, test_upgrade.py).
+    stay = [("isthmus.upgrade", False)]
     if api == "isthmus":
-        return SyncClient(isthmus.insecure_channel(address), pb_grpc)
+        return SyncClient(isthmus.insecure_channel(address, options=stay), pb_grpc)
     if api == "isthmus.aio":
-        return AioClient(lambda: isthmus.aio.insecure_channel(address), pb_grpc)
+        return AioClient(lambda: isthmus.aio.insecure_channel(address, options=stay), pb_grpc)
     if api == "grpcio":
         return SyncClient(grpc.insecure_channel(grpcio_target(address), options=options), pb_grpc)
     return AioClient(lambda: grpc.aio.insecure_channel(grpcio_target(address), options=options), pb_grpc)

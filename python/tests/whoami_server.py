@@ -5,12 +5,14 @@ caller: `peer()`, `auth_context()`, `peer_identities()`, `peer_identity_key()`, 
 
 Serves every TARGET (`add_insecure_port`, or `add_secure_port` with CERT_DIR's `server.crt`,
 `server.key` and, for mtls, `ca` as the required client CA), prints `READY`, then `PORTS` and
-what grpc's add_*_port returned for each target. Runs until killed."""
+what grpc's add_*_port returned for each target. Runs until killed. With `ISTHMUS_NO_OFFER`
+set, an isthmus server does not offer its `shm://` port to HTTP/2 clients."""
 
 from __future__ import annotations
 
 import base64
 import json
+import os
 import sys
 import threading
 from concurrent import futures
@@ -40,13 +42,14 @@ def main() -> None:
             }
         ).encode()
 
-    server = api.server(futures.ThreadPoolExecutor(4))
+    options = [("isthmus.offer_shm", False)] if os.environ.get("ISTHMUS_NO_OFFER") else None
+    server = api.server(futures.ThreadPoolExecutor(4), options=options)
     server.add_generic_rpc_handlers(
         [grpc.method_handlers_generic_handler("whoami.Who", {"Am": grpc.unary_unary_rpc_method_handler(am)})]
     )
     ports = []
     for target in targets:
-        if mode == "none":
+        if mode == "none" or target.startswith("shm://"):
             port = server.add_insecure_port(target)
         else:
             files = Path(cert_dir)

@@ -294,8 +294,15 @@ pub mod cases {
     use crate::{first_mismatch, pattern};
 
     /// A generated client on an isthmus channel to `addr`, with 64 MiB message limits.
+    /// Over the transport `addr` names: an HTTP/2 address stays on HTTP/2 (the upgrade to
+    /// `shm://` has tests of its own, `upgrade.rs`).
     pub async fn client(addr: &str) -> EchoClient<isthmus::Channel> {
-        client_on(isthmus::Channel::connect(addr).await.expect("connect"))
+        client_on(connect(addr).await)
+    }
+
+    /// A channel to `addr` that stays on the transport `addr` names.
+    pub async fn connect(addr: &str) -> isthmus::Channel {
+        isthmus::Channel::builder(addr).upgrade(false).connect().await.expect("connect")
     }
 
     /// A generated client on `channel`, with 64 MiB message limits.
@@ -322,7 +329,7 @@ pub mod cases {
 
     /// Every kind of call, with metadata both ways and a 16 MiB message each way.
     pub async fn every_kind_of_call(addr: &str) {
-        every_kind_of_call_on(isthmus::Channel::connect(addr).await.expect("connect")).await;
+        every_kind_of_call_on(connect(addr).await).await;
     }
 
     /// [`every_kind_of_call`] on a channel made by the caller (with TLS, say).

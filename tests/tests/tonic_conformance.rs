@@ -68,7 +68,7 @@ async fn statuses_and_deadlines(addr: &str) {
         let s = replies.message().await.expect_err("aborted");
         assert_eq!((s.code(), s.message()), (Code::Aborted, "stop"));
         // Methods the server does not have: of its service, and of a service it lacks.
-        let channel = isthmus::Channel::connect(addr).await.expect("connect");
+        let channel = isthmus_tests::cases::connect(addr).await;
         for path in ["/conformance.Echo/Nope", "/other.Service/Call"] {
             let mut grpc = tonic::client::Grpc::new(channel.clone());
             grpc.ready().await.expect("ready");
@@ -88,7 +88,7 @@ fn the_health_service_answers_on_every_endpoint() {
     let (_server, targets) = server();
     run(async move {
         for addr in &targets {
-            let mut health = HealthClient::new(isthmus::Channel::connect(addr).await.expect("connect"));
+            let mut health = HealthClient::new(isthmus_tests::cases::connect(addr).await);
             for service in ["", "conformance.Echo"] {
                 let r = health.check(HealthCheckRequest { service: service.into() }).await.expect("check");
                 assert_eq!(r.into_inner().status(), ServingStatus::Serving, "{addr}: {service:?}");
@@ -151,7 +151,7 @@ fn health_turns_not_serving_when_a_graceful_shutdown_begins() {
         // A watch on every endpoint, opened while the server serves.
         let mut watches = Vec::new();
         for addr in &targets {
-            let mut health = HealthClient::new(isthmus::Channel::connect(addr).await.expect("connect"));
+            let mut health = HealthClient::new(isthmus_tests::cases::connect(addr).await);
             let request = HealthCheckRequest { service: "conformance.Echo".into() };
             let mut updates = health.watch(request).await.expect("watch").into_inner();
             let first = updates.message().await.expect("status").expect("a status");

@@ -162,6 +162,9 @@ impl Proc {
             .env("ASAN_OPTIONS", ASAN_OPTIONS)
             // shm://NAME sockets (and a server's private loopback) then live in the scratch dir.
             .env("XDG_RUNTIME_DIR", &scratch.0)
+            // Each check names the transport it tests: an HTTP/2 address stays on HTTP/2
+            // rather than move to the server's shm:// endpoint (ADR 0013).
+            .env("ISTHMUS_UPGRADE", "0")
             .stdin(stdin)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

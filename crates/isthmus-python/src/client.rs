@@ -63,13 +63,27 @@ impl UnaryResult {
 
 /// The engine's channel to `target`, with TLS settings from Python if given; connects on its
 /// first call.
-pub(crate) fn lazy_channel(target: &str, tls: Option<crate::tls::ClientTls>) -> PyResult<isthmus::Channel> {
+pub(crate) fn lazy_channel(
+    target: &str,
+    tls: Option<crate::tls::ClientTls>,
+    upgrade: bool,
+) -> PyResult<isthmus::Channel> {
     let _runtime = runtime().enter();
-    let mut builder = isthmus::Channel::builder(target);
+    let mut builder = isthmus::Channel::builder(target).upgrade(upgrade);
     if let Some(tls) = tls {
         builder = builder.tls_config(crate::tls::client_config(tls)?);
     }
     builder.connect_lazy().map_err(|s| bad_target(&s))
+}
+
+/// [`Channel::upgrade_status`] as Python sees it.
+pub(crate) fn upgrade_status(engine: &isthmus::Channel) -> String {
+    match engine.upgrade_status() {
+        isthmus::UpgradeStatus::Off => "off".into(),
+        isthmus::UpgradeStatus::Pending => "pending".into(),
+        isthmus::UpgradeStatus::Http2 => "http2".into(),
+        isthmus::UpgradeStatus::Shm(to) => to.target,
+    }
 }
 
 pub(crate) fn bad_target(status: &Status) -> PyErr {
@@ -87,20 +101,65 @@ pub(crate) struct Channel {
     blocking: Option<isthmus::blocking::Channel>,
     /// Everything else.
     engine: isthmus::Channel,
+    /// The same channel, for unary calls this binding has routed itself (HTTP/2).
+    direct: isthmus::Channel,
+    /// For a channel to an HTTP/2 address that moved to shared memory: the fast path's own
+    /// channel to where it moved.
+    upgraded: std::sync::Mutex<Option<(isthmus::UpgradedTo, isthmus::blocking::Channel)>>,
     closed: AtomicBool,
+}
+
+impl Channel {
+    /// The fast path's channel for a unary call, if this channel to an HTTP/2 address has moved
+    /// to shared memory and that connection is up (connecting it if need be); `None` for
+    /// HTTP/2. Blocks (a handshake): call without the GIL.
+    fn upgraded(&self) -> Option<isthmus::blocking::Channel> {
+        let to = {
+            let _runtime = runtime().enter();
+            self.engine.route_for_binding()?
+        };
+        let channel = {
+            let mut cached = self.upgraded.lock().ok()?;
+            match &*cached {
+                Some((current, channel)) if *current == to => channel.clone(),
+                _ => {
+                    let channel = isthmus::blocking::Channel::lazy_upgraded(&to, isthmus::Config::default()).ok()?;
+                    *cached = Some((to.clone(), channel.clone()));
+                    channel
+                }
+            }
+        };
+        if channel.is_connected() || channel.connect_now().is_ok() {
+            return Some(channel);
+        }
+        self.engine.upgrade_lost(&to);
+        None
+    }
 }
 
 #[pymethods]
 impl Channel {
     #[new]
-    #[pyo3(signature = (target, tls=None))]
-    fn new(target: &str, tls: Option<crate::tls::ClientTls>) -> PyResult<Channel> {
+    #[pyo3(signature = (target, tls=None, upgrade=true))]
+    fn new(target: &str, tls: Option<crate::tls::ClientTls>, upgrade: bool) -> PyResult<Channel> {
         let blocking = match target.starts_with("shm:") && tls.is_none() {
             true => Some(isthmus::blocking::Channel::lazy(target).map_err(|s| bad_target(&s))?),
             false => None,
         };
-        let engine = lazy_channel(target, tls)?;
-        Ok(Channel { blocking, engine, closed: AtomicBool::new(false) })
+        let engine = lazy_channel(target, tls, upgrade)?;
+        let direct = engine.without_upgrade();
+        Ok(Channel { blocking, engine, direct, upgraded: std::sync::Mutex::new(None), closed: AtomicBool::new(false) })
+    }
+
+    /// Calls started over shared memory and over HTTP/2, for a channel to an HTTP/2 address.
+    fn transport_counts(&self) -> (u64, u64) {
+        let counts = self.engine.transport_counts();
+        (counts.shm, counts.http2)
+    }
+
+    /// `off`, `pending`, `http2`, or the `shm://` target the channel moved to.
+    fn upgrade_status(&self) -> String {
+        upgrade_status(&self.engine)
     }
 
     #[pyo3(signature = (path, request, metadata, timeout, wait_for_ready))]
@@ -120,7 +179,10 @@ impl Channel {
         let request = request.as_bytes();
         let response = match &self.blocking {
             Some(channel) => py.detach(|| channel.unary(path, request, options)),
-            None => py.detach(|| runtime().block_on(self.engine.unary(path, request, options))),
+            None => py.detach(|| match self.upgraded() {
+                Some(channel) => channel.unary(path, request, options),
+                None => runtime().block_on(self.direct.unary(path, request, options)),
+            }),
         };
         match response {
             Ok(response) => UnaryResult::new(py, &response),

@@ -141,12 +141,28 @@ pub(crate) struct AsyncChannel {
 #[pymethods]
 impl AsyncChannel {
     #[new]
-    #[pyo3(signature = (target, reactor, tls=None))]
-    fn new(target: &str, reactor: &Reactor, tls: Option<crate::tls::ClientTls>) -> PyResult<AsyncChannel> {
+    #[pyo3(signature = (target, reactor, tls=None, upgrade=true))]
+    fn new(
+        target: &str,
+        reactor: &Reactor,
+        tls: Option<crate::tls::ClientTls>,
+        upgrade: bool,
+    ) -> PyResult<AsyncChannel> {
         // Calls are polled on the event loop's thread, which every other coroutine shares: a
         // call must not spin there reading the connection. The reader task reads for them.
-        let engine = crate::client::lazy_channel(target, tls)?.with_calls_read(false);
+        let engine = crate::client::lazy_channel(target, tls, upgrade)?.with_calls_read(false);
         Ok(AsyncChannel { engine, completions: reactor.completions.clone(), closed: AtomicBool::new(false) })
+    }
+
+    /// Calls started over shared memory and over HTTP/2, for a channel to an HTTP/2 address.
+    fn transport_counts(&self) -> (u64, u64) {
+        let counts = self.engine.transport_counts();
+        (counts.shm, counts.http2)
+    }
+
+    /// `off`, `pending`, `http2`, or the `shm://` target the channel moved to.
+    fn upgrade_status(&self) -> String {
+        crate::client::upgrade_status(&self.engine)
     }
 
     #[pyo3(signature = (token, path, request, metadata, timeout, wait_for_ready))]

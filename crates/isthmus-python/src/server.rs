@@ -175,6 +175,8 @@ pub(crate) struct Server {
     handler: Arc<PyHandler>,
     stream_limit: Option<usize>,
     config: isthmus::Config,
+    /// What every port's HTTP/2 clients are offered: the `shm://` port, whichever call bound it.
+    offer: Option<isthmus::ShmOffer>,
     bound: Mutex<Vec<isthmus::Bound>>,
     stop: watch::Sender<Option<Duration>>,
     stopped: Arc<(Mutex<bool>, Condvar)>,
@@ -184,8 +186,13 @@ pub(crate) struct Server {
 #[pymethods]
 impl Server {
     #[new]
-    #[pyo3(signature = (dispatch, max_concurrent_streams=None, max_message_size=None))]
-    fn new(dispatch: Py<PyAny>, max_concurrent_streams: Option<usize>, max_message_size: Option<u64>) -> Server {
+    #[pyo3(signature = (dispatch, max_concurrent_streams=None, max_message_size=None, offer_shm=true))]
+    fn new(
+        dispatch: Py<PyAny>,
+        max_concurrent_streams: Option<usize>,
+        max_message_size: Option<u64>,
+        offer_shm: bool,
+    ) -> Server {
         let mut config = isthmus::Config::default();
         if let Some(limit) = max_message_size {
             config.max_message_size = limit;
@@ -194,6 +201,7 @@ impl Server {
             handler: Arc::new(PyHandler { dispatch }),
             stream_limit: max_concurrent_streams,
             config,
+            offer: offer_shm.then(isthmus::ShmOffer::new),
             bound: Mutex::new(Vec::new()),
             stop: watch::Sender::new(None),
             stopped: Arc::new((Mutex::new(false), Condvar::new())),
@@ -206,6 +214,10 @@ impl Server {
         let tls = tls.map(crate::tls::server_config).transpose()?;
         let _runtime = runtime().enter();
         let mut server = isthmus::Server::builder().fallback(self.handler.clone()).config(self.config.clone());
+        server = match &self.offer {
+            Some(offer) => server.shm_offer(offer.clone()),
+            None => server.offer_shm(false),
+        };
         if let Some(limit) = self.stream_limit {
             server = server.max_concurrent_streams(limit);
         }

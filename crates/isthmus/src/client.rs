@@ -33,6 +33,7 @@ use crate::http::endpoint::{connector, http_endpoint, Target};
 use crate::http::tls::ClientTlsConfig;
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
+use crate::upgrade::{TransportCounts, Upgrade, UpgradeStatus, UpgradedTo};
 
 /// A connection to one server. Cheap to clone; clones share the connection. If the
 /// connection dies (the server restarted, say), the next call connects again.
@@ -50,14 +51,18 @@ pub struct Channel {
     /// Whether this handle's waiting calls read the connection themselves
     /// ([`with_calls_read`](Self::with_calls_read)).
     calls_read: bool,
+    /// Whether calls on this handle may move to shared memory (false for the handles that
+    /// carry a call already routed to HTTP/2, and for the upgrade's probe).
+    routes: bool,
 }
 
 /// What a channel runs over.
 enum Via {
     /// isthmus shared memory.
     Shm(ShmChannel),
-    /// Standard gRPC over HTTP/2 (tonic's channel), to a `unix://` or `http://` target.
-    Http { channel: tonic::transport::Channel, target: String },
+    /// Standard gRPC over HTTP/2 (tonic's channel), to any other target; with the state of
+    /// its move to shared memory unless that is turned off (`upgrade.rs`).
+    Http { channel: tonic::transport::Channel, target: String, upgrade: Option<Arc<Upgrade>> },
 }
 
 impl Via {
@@ -88,9 +93,18 @@ pub struct ChannelBuilder {
     target: String,
     config: Config,
     tls: Option<ClientTlsConfig>,
+    upgrade: bool,
 }
 
 impl ChannelBuilder {
+    /// Whether calls to an HTTP/2 address move to shared memory when the server is an isthmus
+    /// server on this machine that offers it (default: yes, unless the environment variable
+    /// `ISTHMUS_UPGRADE` is `0`, `off` or `false`; see [`crate::upgrade`]).
+    pub fn upgrade(mut self, on: bool) -> ChannelBuilder {
+        self.upgrade = on;
+        self
+    }
+
     /// The transport configuration for `shm://` (ring and arena sizes, the largest message
     /// accepted, spinning).
     pub fn config(mut self, config: Config) -> ChannelBuilder {
@@ -120,8 +134,17 @@ impl ChannelBuilder {
                     let why = crate::http::tls::describe(&e).unwrap_or_else(|| e.to_string());
                     Status::new(Code::Unavailable, format!("cannot connect to {}: {why}", self.target))
                 })?;
-                Ok(Channel::over_http(channel, &self.target))
+                Ok(self.over_http(channel))
             }
+        }
+    }
+
+    fn over_http(&self, channel: tonic::transport::Channel) -> Channel {
+        let upgrade = self.upgrade.then(|| Arc::new(Upgrade::new(self.config.clone())));
+        Channel {
+            via: Arc::new(Via::Http { channel, target: self.target.clone(), upgrade }),
+            calls_read: true,
+            routes: true,
         }
     }
 
@@ -132,12 +155,14 @@ impl ChannelBuilder {
                 Code::InvalidArgument,
                 format!("{}: TLS applies to TCP targets; shm:// is local and checked by uid", self.target),
             )),
-            Target::Shm(_) => {
-                Ok(Channel { via: Arc::new(Via::Shm(ShmChannel::new(&self.target, self.config)?)), calls_read: true })
-            }
+            Target::Shm(_) => Ok(Channel {
+                via: Arc::new(Via::Shm(ShmChannel::new(&self.target, self.config)?)),
+                calls_read: true,
+                routes: true,
+            }),
             other => {
                 let (endpoint, connector) = self.http_parts(&other)?;
-                Ok(Channel::over_http(endpoint.connect_with_connector_lazy(connector), &self.target))
+                Ok(self.over_http(endpoint.connect_with_connector_lazy(connector)))
             }
         }
     }
@@ -198,11 +223,90 @@ impl Channel {
     /// # Ok(()) }
     /// ```
     pub fn builder(target: &str) -> ChannelBuilder {
-        ChannelBuilder { target: target.to_owned(), config: Config::default(), tls: None }
+        ChannelBuilder {
+            target: target.to_owned(),
+            config: Config::default(),
+            tls: None,
+            upgrade: crate::upgrade::on_by_default(),
+        }
     }
 
-    fn over_http(channel: tonic::transport::Channel, target: &str) -> Channel {
-        Channel { via: Arc::new(Via::Http { channel, target: target.to_owned() }), calls_read: true }
+    /// An `shm://` channel to where an HTTP/2 channel moved, refusing any server but that
+    /// process.
+    pub(crate) fn expecting(to: &UpgradedTo, config: Config) -> Result<Channel, Status> {
+        let shm = ShmChannel::expecting(&to.target, config, to.pid)?;
+        Ok(Channel { via: Arc::new(Via::Shm(shm)), calls_read: true, routes: true })
+    }
+
+    /// Connects an `shm://` channel now (once; no retries).
+    pub(crate) async fn connect_shm(&self) -> Result<(), Status> {
+        self.via.shm()?.mux(false, None).await.map(drop)
+    }
+
+    /// Whether an `shm://` channel's connection is up.
+    pub(crate) fn shm_connected(&self) -> bool {
+        self.via.shm().is_ok_and(ShmChannel::is_connected)
+    }
+
+    /// The upgrade state of a channel to an HTTP/2 address, unless turned off.
+    fn upgrade(&self) -> Option<&Arc<Upgrade>> {
+        match &*self.via {
+            Via::Http { upgrade, .. } => upgrade.as_ref(),
+            Via::Shm(_) => None,
+        }
+    }
+
+    /// Where the next call goes, for a channel to an HTTP/2 address: the `shm://` channel it
+    /// moved to (counted), or `None` for HTTP/2 (counted, and a probe started if one is due).
+    pub(crate) fn route(&self) -> Option<(Channel, UpgradedTo)> {
+        let up = self.upgrade().filter(|_| self.routes)?;
+        let routed = up.route(self);
+        up.count(routed.is_some());
+        routed.map(|(shm, to)| (shm.with_calls_read(self.calls_read), to))
+    }
+
+    /// The same handle, whose calls stay where they are (on HTTP/2 for an HTTP/2 channel).
+    fn unrouted(&self) -> Channel {
+        Channel { via: self.via.clone(), calls_read: self.calls_read, routes: false }
+    }
+
+    /// A handle on the same connection whose calls never move to shared memory: for bindings
+    /// that route calls themselves ([`route_for_binding`](Self::route_for_binding)).
+    pub fn without_upgrade(&self) -> Channel {
+        self.unrouted()
+    }
+
+    /// How many calls this channel, to an HTTP/2 address, started over shared memory and over
+    /// HTTP/2 (zero for an `shm://` channel, or with the upgrade off).
+    pub fn transport_counts(&self) -> TransportCounts {
+        self.upgrade().map(|up| up.counts()).unwrap_or_default()
+    }
+
+    /// Where this channel stands with respect to shared memory ([`crate::upgrade`]).
+    pub fn upgrade_status(&self) -> UpgradeStatus {
+        self.upgrade().map_or(UpgradeStatus::Off, |up| up.status())
+    }
+
+    /// For bindings with an `shm://` fast path of their own (the Python binding's blocking
+    /// calls): where this HTTP/2 channel moved, if it has, counting one call there; otherwise
+    /// counts one HTTP/2 call and starts a probe if one is due. Call inside the runtime.
+    pub fn route_for_binding(&self) -> Option<UpgradedTo> {
+        self.route().map(|(_, to)| to)
+    }
+
+    /// For bindings: the binding's own connection to `to` failed, so calls go back to HTTP/2
+    /// and a probe runs again later.
+    pub fn upgrade_lost(&self, to: &UpgradedTo) {
+        if let Some(up) = self.upgrade() {
+            up.lost(to);
+        }
+    }
+
+    /// Starts a call over HTTP/2 whatever the upgrade says (the probe's own call).
+    pub(crate) fn start_http(&self, path: &str, options: CallOptions) -> Result<ClientCall, Status> {
+        crate::call::check_path(path)?;
+        let limit = self.max_message_size();
+        Ok(ClientCall { via: CallVia::Http(Box::new(HttpCall::start(self.unrouted(), path, options, limit)?)) })
     }
 
     /// The HTTP/2 channel under an HTTP/2 target.
@@ -231,20 +335,26 @@ impl Channel {
     /// that an event loop polls among other work (the Python binding's asyncio channels do),
     /// where the spin would hold that work up. Clones keep the setting.
     pub fn with_calls_read(&self, on: bool) -> Channel {
-        Channel { via: self.via.clone(), calls_read: on }
+        Channel { via: self.via.clone(), calls_read: on, routes: self.routes }
     }
 
     /// Starts a call of any shape: send messages, half-close, read responses.
     pub async fn start(&self, path: &str, options: CallOptions) -> Result<ClientCall, Status> {
-        let via = match &*self.via {
-            Via::Shm(_) => CallVia::Shm(self.start_shm(path, options).await?),
+        match &*self.via {
+            Via::Shm(_) => Ok(ClientCall { via: CallVia::Shm(self.start_shm(path, options).await?) }),
             Via::Http { .. } => {
-                crate::call::check_path(path)?;
-                let limit = self.max_message_size();
-                CallVia::Http(Box::new(HttpCall::start(self.clone(), path, options, limit)?))
+                if let Some((shm, to)) = self.route() {
+                    match shm.start_shm(path, options.clone()).await {
+                        Ok(call) => return Ok(ClientCall { via: CallVia::Shm(call) }),
+                        // The connection went before the call's head did: the server never saw
+                        // it, so HTTP/2 carries it instead.
+                        Err(status) if status.code() == Code::Unavailable => self.upgrade_lost(&to),
+                        Err(status) => return Err(status),
+                    }
+                }
+                self.start_http(path, options)
             }
-        };
-        Ok(ClientCall { via })
+        }
     }
 
     /// [`start`](Self::start) over `shm://`.

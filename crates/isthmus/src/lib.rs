@@ -25,11 +25,12 @@
 //! - [`engine`]: calls over `isthmus-shm`. The stream table of a connection and who reads it, flow
 //!   control per stream, the RPC frame bodies, the async and blocking clients and the server's side
 //!   of a call.
-//! - [`http`]: standard gRPC over HTTP/2, through tonic: targets and listeners,
-//!   gRPC's HTTP/2 framing, calls by path, tonic clients on a [`Channel`] and tonic services
-//!   answering `shm://` calls.
+//! - [`http`]: standard gRPC over HTTP/2, through tonic: targets in gRPC's forms and listeners,
+//!   TLS (rustls), gRPC's HTTP/2 framing, calls by path, tonic clients on a [`Channel`] and tonic
+//!   services answering `shm://` calls.
 //! - The front, `client` and `server`: [`Channel`] and [`Server`], which pick the way by target
-//!   (`shm://` → engine, `unix://` and `http://` → HTTP/2) and give one API over both.
+//!   (`shm://` → engine, every other form → HTTP/2) and give one API over both; [`upgrade`]
+//!   moves an HTTP/2 channel to `shm://` when its server is a local isthmus server.
 //!
 //! - [`binding`]: what the language bindings share (the Python extension, the C ABI): their
 //!   runtime, a call two threads drive, completions for event loops, calls handed to foreign
@@ -37,13 +38,13 @@
 //!
 //! Bindings need nothing but this crate: besides its own types it re-exports the transport types
 //! they use ([`Config`], [`PeerPolicy`], [`SpinPolicy`], [`EventFd`], [`BlockMut`]). tonic,
-//! tonic-health, tonic-reflection, h2, hyper-util and the `http` crates are unconditional
+//! tonic-health, tonic-reflection, h2, hyper-util, rustls and the `http` crates are unconditional
 //! dependencies: the Python binding serves and calls HTTP/2 through them. A binding for `shm://`
 //! alone would not need them; there is no cargo feature to leave them out yet.
 //!
-//! The hidden module `fuzz` holds the entry points of the `http2_authority` and `grpc_http` fuzz
-//! targets (the `:authority` filter, and gRPC bodies and header values); `wire::fuzz` serves
-//! `rpc_wire`.
+//! The hidden module `fuzz` holds the entry points of the `http2_authority`, `grpc_http` and
+//! `x509` fuzz targets (the `:authority` filter, gRPC bodies and header values, a TLS client's
+//! certificate); `wire::fuzz` serves `rpc_wire`.
 
 pub mod binding;
 mod call;
@@ -53,6 +54,7 @@ pub mod http;
 pub mod metadata;
 mod server;
 pub mod status;
+pub mod upgrade;
 
 pub use self::http::{
     BytesCodec, Certificate, ClientTlsConfig, Identity, PeerCertificate, ResponseBody, ServerTlsConfig,
@@ -66,6 +68,7 @@ pub use engine::{blocking, wire};
 pub use metadata::{InvalidMetadata, MetadataMap};
 pub use server::{Bound, Server};
 pub use status::{Code, Status};
+pub use upgrade::{ShmOffer, TransportCounts, UpgradeStatus, UpgradedTo};
 
 /// What a binding needs of the transport under the engine, so that bindings (the Python
 /// extension, the C ABI) stand on this crate alone.

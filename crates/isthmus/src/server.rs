@@ -84,6 +84,7 @@ use crate::engine::server::{
 use crate::http::endpoint::{HttpListener, Target};
 use crate::http::tls::ServerTlsConfig;
 use crate::status::{Code, Status};
+use crate::upgrade::ShmOffer;
 
 /// A server: handlers by method path, served on one or more endpoints.
 ///
@@ -116,6 +117,9 @@ pub struct Server {
     stream_limit: usize,
     /// For `https://` targets (and `bind_secure`).
     tls: Option<ServerTlsConfig>,
+    /// The `shm://` endpoint offered to HTTP/2 clients (`upgrade.rs`), unless `offer_shm` is off.
+    offer: ShmOffer,
+    offer_shm: bool,
 }
 
 impl Default for Server {
@@ -130,6 +134,8 @@ impl Default for Server {
             grace: Duration::from_secs(10),
             stream_limit: usize::MAX,
             tls: None,
+            offer: ShmOffer::new(),
+            offer_shm: true,
         }
     }
 }
@@ -248,6 +254,22 @@ impl Server {
         self
     }
 
+    /// Whether HTTP/2 clients of this server are offered its `shm://` endpoint, so that their
+    /// calls move to shared memory when they run on this machine (default: yes; see
+    /// [`crate::upgrade`]).
+    pub fn offer_shm(mut self, on: bool) -> Server {
+        self.offer_shm = on;
+        self
+    }
+
+    /// Shares what is offered between several binds of one server: an `shm://` endpoint bound
+    /// by one is offered on the HTTP/2 endpoints of all (the Python binding binds each port on
+    /// its own).
+    pub fn shm_offer(mut self, offer: ShmOffer) -> Server {
+        self.offer = offer;
+        self
+    }
+
     /// Binds one TCP target in any of its forms (`[::]:50051`, `0.0.0.0:0`, `https://…`) with
     /// TLS, as grpcio's `add_secure_port` does. INVALID_ARGUMENT for a target that is not TCP.
     pub fn bind_secure(mut self, target: &str, tls: ServerTlsConfig) -> Result<Bound, Status> {
@@ -289,7 +311,14 @@ impl Server {
         let mut http = Vec::new();
         for target in targets {
             match target {
-                Target::Shm(t) => shm.push(bind_shm(&t, &this.config, false)?),
+                Target::Shm(t) => {
+                    let listener = bind_shm(&t, &this.config, false)?;
+                    if this.offer_shm {
+                        this.offer
+                            .offer(format!("shm://{}", listener.get_ref().listener.address().socket_path().display()));
+                    }
+                    shm.push(listener);
+                }
                 Target::Tcp { tls: true, .. } => {
                     http.push(HttpListener::bind(
                         &target,
@@ -308,6 +337,10 @@ impl Server {
             return Err(Status::new(Code::InvalidArgument, "no target to serve"));
         }
         let mut http_routes = this.routes.clone();
+        if this.offer_shm && !http.is_empty() {
+            let offer = crate::upgrade::OfferService(this.offer.clone());
+            http_routes = http_routes.map(|routes| routes.add_service(offer));
+        }
         if !http.is_empty() && (!this.handlers.is_empty() || this.catch_all.is_some()) {
             // Handlers take a ServerCall, which only an shm:// stream gives: HTTP/2 calls no
             // tonic service takes go through the bridge to a private shm:// endpoint of this

@@ -12,6 +12,7 @@ import grpc.aio
 
 from .. import _native
 from .._call import Deserializer, Serializer
+from .._channel import upgrades
 from .._metadata import Metadatum, outgoing
 from ._call import (
     RequestIterable,
@@ -123,8 +124,9 @@ class Channel(grpc.aio.Channel):
     """A client channel to any target grpc names (`host:port`, `unix:path`, …) or `shm://NAME`,
     with TLS if `tls` is given (from `secure_channel`). Its calls complete through the Reactor of
     the event loop it is first used on, and it stays with that loop (as a grpc.aio channel
-    does). Of `options` only `grpc.ssl_target_name_override` is used; `compression` is accepted
-    for grpc's sake."""
+    does). It moves to shared memory as the blocking channel does (`isthmus.upgrade`). Of grpc's
+    `options` only `grpc.ssl_target_name_override` is used; `compression` is accepted for
+    grpc's sake."""
 
     def __init__(
         self,
@@ -135,6 +137,7 @@ class Channel(grpc.aio.Channel):
     ):
         self._target = target
         self._tls = tls
+        self._upgrade = upgrades(options)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._driver: Driver | None = None
         self._native: _native.AsyncChannel | None = None
@@ -154,9 +157,20 @@ class Channel(grpc.aio.Channel):
             if self._loop is not None:
                 raise grpc.aio.UsageError("The channel is used on an event loop other than its own.")
             self._driver = driver(loop)
-            self._native = _native.AsyncChannel(self._target, self._driver.reactor, self._tls)
+            self._native = _native.AsyncChannel(self._target, self._driver.reactor, self._tls, self._upgrade)
             self._loop = loop
         return loop, self._driver, self._native  # type: ignore[return-value]
+
+    def transport_counts(self) -> dict[str, int]:
+        """As the blocking channel's: calls over shared memory and over HTTP/2."""
+        if self._native is None:
+            return {"shm": 0, "http2": 0}
+        shm, http2 = self._native.transport_counts()
+        return {"shm": shm, "http2": http2}
+
+    def upgrade_status(self) -> str:
+        """As the blocking channel's: `off`, `pending`, `http2` or the `shm://` target."""
+        return "pending" if self._native is None else self._native.upgrade_status()
 
     async def __aenter__(self) -> Channel:
         return self

@@ -1366,7 +1366,7 @@ static int check_unimplemented(ctx_t *c) {
 static int check_bad_target(ctx_t *c) {
   (void)c;
   isthmus_status_t *st = NULL;
-  static const char *bad[] = {"bogus://x", "", "shm://", "shm://../etc", "no-scheme"};
+  static const char *bad[] = {"bogus://x", "", "shm://", "shm://../etc", "host:notaport", "ipv4:300.0.0.1:1"};
   for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
     isthmus_channel_t *ch = NULL;
     EXPECT(isthmus_channel_new(bad[i], NULL, &ch, &st), ISTHMUS_INVALID_ARGUMENT);

@@ -38,7 +38,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use isthmus_shm::{flags, BlockMut, Config, Connection, Kind};
+use isthmus_shm::{flags, BlockMut, Config, Kind};
 
 use super::call::{open_head, CallState, Next, Reconnect, Slot};
 use crate::call::{check_path, CallOptions, Response};
@@ -89,6 +89,14 @@ impl Channel {
         Ok(Channel { inner: Arc::new(Inner { slot: Slot::new(target, config)?, connecting: Mutex::new(()) }) })
     }
 
+    /// A lazy channel to the `shm://` endpoint an HTTP/2 channel was upgraded to
+    /// ([`crate::Channel::route_for_binding`]): it refuses any server but that process.
+    pub fn lazy_upgraded(upgrade: &crate::UpgradedTo, config: Config) -> Result<Channel, Status> {
+        let mut slot = Slot::new(&upgrade.target, config)?;
+        slot.expect_pid = Some(upgrade.pid);
+        Ok(Channel { inner: Arc::new(Inner { slot, connecting: Mutex::new(()) }) })
+    }
+
     /// The live connection, connecting (again) if there is none.
     fn mux(&self, wait_for_ready: bool, deadline: Option<Instant>) -> Result<Arc<Mux>, Status> {
         if let Some(m) = self.inner.slot.live() {
@@ -101,15 +109,15 @@ impl Channel {
                 return Ok(m);
             }
             let slot = &self.inner.slot;
-            match Connection::connect(&slot.target, &slot.config) {
+            match Slot::connect(&slot.target, &slot.config, slot.expect_pid) {
                 Ok(conn) => {
                     let (sender, receiver) = conn.split();
                     let mux = Mux::driven(sender, receiver);
                     slot.install(mux.clone());
                     return Ok(mux);
                 }
-                Err(e) => {
-                    std::thread::sleep(reconnect.after(Status::from_transport(&e), wait_for_ready, deadline)?);
+                Err(status) => {
+                    std::thread::sleep(reconnect.after(status, wait_for_ready, deadline)?);
                 }
             }
         }

@@ -29,7 +29,7 @@
 use std::sync::Arc;
 
 use bytes::Bytes;
-use isthmus_shm::{Address, Config};
+use isthmus_shm::{Address, Config, Connection};
 
 use super::inbox::{Empty, Event};
 use super::mux::{ConnectionCounters, Mux, Stream};
@@ -86,6 +86,8 @@ pub(crate) fn open_head(path: &str, metadata: MetadataMap, deadline: Option<std:
 pub(crate) struct Slot {
     pub(crate) target: Address,
     pub(crate) config: Config,
+    /// The server process this channel must reach (an upgrade from HTTP/2, ADR 0013).
+    pub(crate) expect_pid: Option<u32>,
     current: std::sync::Mutex<Option<Arc<Mux>>>,
     next_stream: std::sync::atomic::AtomicU64,
 }
@@ -97,9 +99,26 @@ impl Slot {
         Ok(Slot {
             target,
             config,
+            expect_pid: None,
             current: std::sync::Mutex::new(None),
             next_stream: std::sync::atomic::AtomicU64::new(1),
         })
+    }
+
+    /// A new connection to the target (blocking: the handshake reads with timeouts). With
+    /// `expect_pid`, a server that is not that process is refused, whoever bound the address.
+    pub(crate) fn connect(target: &Address, config: &Config, expect_pid: Option<u32>) -> Result<Connection, Status> {
+        let conn = Connection::connect(target, config).map_err(|e| Status::from_transport(&e))?;
+        if let Some(pid) = expect_pid {
+            let peer = conn.sender.peer().pid;
+            if u32::try_from(peer).ok() != Some(pid) {
+                return Err(Status::new(
+                    Code::Unavailable,
+                    format!("{target} is served by process {peer}, not by the server ({pid}) that offered it"),
+                ));
+            }
+        }
+        Ok(conn)
     }
 
     /// The connection, if it is alive and takes new calls.

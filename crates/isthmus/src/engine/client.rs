@@ -50,7 +50,7 @@ use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 
 use bytes::Bytes;
-use isthmus_shm::{flags, BlockMut, Config, Connection, Kind};
+use isthmus_shm::{flags, BlockMut, Config, Kind};
 use tokio::time::Instant;
 
 use super::call::{open_head, CallState, Next, Reconnect, Slot};
@@ -72,6 +72,18 @@ pub(crate) struct ShmChannel {
 impl ShmChannel {
     pub(crate) fn new(target: &str, config: Config) -> Result<ShmChannel, Status> {
         Ok(ShmChannel { slot: Slot::new(target, config)?, connecting: tokio::sync::Mutex::new(()) })
+    }
+
+    /// A channel that refuses any server but process `pid` (an upgrade's check, ADR 0013).
+    pub(crate) fn expecting(target: &str, config: Config, pid: u32) -> Result<ShmChannel, Status> {
+        let mut slot = Slot::new(target, config)?;
+        slot.expect_pid = Some(pid);
+        Ok(ShmChannel { slot, connecting: tokio::sync::Mutex::new(()) })
+    }
+
+    /// Whether a connection is up now.
+    pub(crate) fn is_connected(&self) -> bool {
+        self.live().is_some()
     }
 
     /// The target, as the user gave it (parsed).
@@ -108,11 +120,10 @@ impl ShmChannel {
     }
 
     async fn connect_once(&self) -> Result<Arc<Mux>, Status> {
-        let (addr, config) = (self.slot.target.clone(), self.slot.config.clone());
-        let conn = tokio::task::spawn_blocking(move || Connection::connect(&addr, &config))
+        let (addr, config, pid) = (self.slot.target.clone(), self.slot.config.clone(), self.slot.expect_pid);
+        let conn = tokio::task::spawn_blocking(move || Slot::connect(&addr, &config, pid))
             .await
-            .map_err(|e| Status::new(Code::Internal, format!("connect task failed: {e}")))?
-            .map_err(|e| Status::from_transport(&e))?;
+            .map_err(|e| Status::new(Code::Internal, format!("connect task failed: {e}")))??;
         let (sender, receiver) = conn.split();
         let mux = Mux::led(sender, &receiver);
         tokio::spawn(mux.clone().read_loop(receiver, None));

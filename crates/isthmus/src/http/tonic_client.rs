@@ -354,6 +354,10 @@ where
     }
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        // An HTTP/2 channel that moved to shared memory (`upgrade.rs`) sends the call there.
+        if let Some((shm, _)) = self.route() {
+            return Box::pin(async move { Ok(shm.call_http(request).await) });
+        }
         if let Some(http) = self.http() {
             // unix:// and http://: tonic's own HTTP/2 channel carries the request as it is.
             let mut http = http.clone();
@@ -388,8 +392,10 @@ where
                         // No response at all: the request could not be carried (the server hung
                         // up or died before answering), which gRPC calls UNAVAILABLE; tonic names
                         // such transport errors UNKNOWN.
+                        // hyper's "operation was canceled" is a request its connection dropped
+                        // (the server went away), not a cancel of ours: ours drops this future.
                         let code = match t.code() {
-                            tonic::Code::Unknown => Code::Unavailable,
+                            tonic::Code::Unknown | tonic::Code::Cancelled => Code::Unavailable,
                             other => Code::from_u32(other as u32),
                         };
                         match tls {

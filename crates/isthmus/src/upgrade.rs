@@ -1,0 +1,335 @@
+//! One address for both worlds: a channel to an HTTP/2 address (`host:port`, `unix:`,
+//! `https://`…) whose server is an isthmus server on this machine that also serves `shm://`
+//! moves its calls to shared memory, and stays on HTTP/2 otherwise (ADR 0013).
+//!
+//! **The offer.** Every HTTP/2 endpoint of a server answers `/isthmus.v1.Upgrade/Offer`
+//! (`OfferService`): an empty message whose initial metadata names the server's public
+//! `shm://` endpoint as a socket path (`isthmus-shm-target`), the server's process id
+//! (`isthmus-shm-pid`) and the machine's boot id (`isthmus-boot-id`). A server with no public
+//! `shm://` endpoint, with the offer turned off, or asked by a client that authenticated with a
+//! TLS certificate (which a call over `shm://` would not carry) answers UNIMPLEMENTED, as any
+//! plain gRPC server does.
+//!
+//! **The move.** A channel's first call goes over HTTP/2 and starts a probe beside it: it asks
+//! for the offer on the HTTP/2 connection itself, so the answer is exactly as trustworthy as the
+//! address (under TLS, it comes from the server the certificate names). If the boot id is this
+//! machine's, the channel connects to the socket path and checks, with the kernel's
+//! `SO_PEERCRED`, that the process at the other end is the one that made the offer; a squatter
+//! on the path, another boot, another pid namespace (a container) or a socket the client cannot
+//! reach (another uid, another mount namespace) fails the check, and the channel stays on
+//! HTTP/2. Once connected, calls go over `shm://`; if that connection dies (the server
+//! restarted, say), calls go back to HTTP/2 at once and the probe runs again 5 s later (60 s
+//! after a server that offered nothing). Calls in flight are never moved.
+//!
+//! It is on by default; `ChannelBuilder::upgrade(false)` turns it off for a channel, the
+//! environment variable `ISTHMUS_UPGRADE=0` for every channel of a process that does not say.
+//!
+//! [`Channel::transport_counts`](crate::Channel::transport_counts) counts the calls each way
+//! carried; [`Channel::upgrade_status`](crate::Channel::upgrade_status) says where the channel
+//! stands.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use isthmus_shm::Config;
+
+use crate::call::CallOptions;
+use crate::client::Channel;
+use crate::status::{Code, Status};
+
+/// The method that asks a server for its `shm://` endpoint.
+pub const OFFER_PATH: &str = "/isthmus.v1.Upgrade/Offer";
+const TARGET_KEY: &str = "isthmus-shm-target";
+const PID_KEY: &str = "isthmus-shm-pid";
+const BOOT_KEY: &str = "isthmus-boot-id";
+/// The longest target an offer may name (a unix socket path is at most 108 bytes).
+const MAX_TARGET: usize = 200;
+/// How long after a failed probe, or after the shm connection was lost, the next probe runs.
+const REPROBE: Duration = Duration::from_secs(5);
+/// The same, after a server that offers nothing (a plain gRPC server, say).
+const NOT_OFFERED: Duration = Duration::from_secs(60);
+/// How long a probe's offer call may take.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Whether channels move to shared memory unless told otherwise: yes, unless the environment
+/// variable `ISTHMUS_UPGRADE` is `0`, `off` or `false` (for bindings with no per-channel
+/// setting, the C ABI's, and for tests of the HTTP/2 path itself).
+pub(crate) fn on_by_default() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| {
+        let value = std::env::var("ISTHMUS_UPGRADE").unwrap_or_default();
+        !matches!(value.to_ascii_lowercase().as_str(), "0" | "off" | "false")
+    })
+}
+
+/// This boot of this machine's kernel, which an offer must name to be taken.
+fn boot_id() -> Option<&'static str> {
+    static BOOT: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+    BOOT.get_or_init(|| {
+        let id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        let id = id.trim();
+        (!id.is_empty()).then(|| id.to_owned())
+    })
+    .as_deref()
+}
+
+/// The `shm://` endpoint a server offers to its HTTP/2 clients, shared by the binds of one
+/// server (the Python binding binds each port on its own). The first public `shm://` endpoint
+/// bound is offered.
+#[derive(Debug, Clone, Default)]
+pub struct ShmOffer(Arc<Mutex<Option<String>>>);
+
+impl ShmOffer {
+    /// An offer with nothing to offer yet.
+    pub fn new() -> ShmOffer {
+        ShmOffer::default()
+    }
+
+    /// Offers `target` (`shm:///abs/path.sock`) unless something is offered already.
+    pub(crate) fn offer(&self, target: String) {
+        if let Ok(mut offered) = self.0.lock() {
+            offered.get_or_insert(target);
+        }
+    }
+
+    fn offered(&self) -> Option<String> {
+        self.0.lock().ok().and_then(|o| o.clone())
+    }
+}
+
+/// Answers [`OFFER_PATH`] on a server's HTTP/2 endpoints (see the module's documentation).
+#[derive(Debug, Clone)]
+pub(crate) struct OfferService(pub(crate) ShmOffer);
+
+impl tonic::server::NamedService for OfferService {
+    const NAME: &'static str = "isthmus.v1.Upgrade";
+}
+
+impl tower_service::Service<http::Request<tonic::body::Body>> for OfferService {
+    type Response = http::Response<tonic::body::Body>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, request: http::Request<tonic::body::Body>) -> Self::Future {
+        // A client that showed a certificate is known by it; over shm:// it would not be.
+        let authenticated =
+            request.extensions().get::<crate::http::endpoint::PeerInfo>().is_some_and(|peer| peer.cert.is_some());
+        let offered = if authenticated { None } else { self.0.offered() };
+        Box::pin(async move {
+            let mut grpc = tonic::server::Grpc::new(crate::http::BytesCodec);
+            Ok(grpc.unary(Offer(offered), request).await)
+        })
+    }
+}
+
+struct Offer(Option<String>);
+
+impl tonic::server::UnaryService<Bytes> for Offer {
+    type Response = Bytes;
+    type Future = std::future::Ready<Result<tonic::Response<Bytes>, tonic::Status>>;
+
+    fn call(&mut self, _request: tonic::Request<Bytes>) -> Self::Future {
+        let answer = || -> Option<tonic::Response<Bytes>> {
+            let mut response = tonic::Response::new(Bytes::new());
+            let metadata = response.metadata_mut();
+            metadata.insert(TARGET_KEY, self.0.as_deref()?.parse().ok()?);
+            metadata.insert(PID_KEY, std::process::id().to_string().parse().ok()?);
+            metadata.insert(BOOT_KEY, boot_id()?.parse().ok()?);
+            Some(response)
+        };
+        std::future::ready(
+            answer().ok_or_else(|| tonic::Status::unimplemented("this server offers no shm:// endpoint")),
+        )
+    }
+}
+
+/// The `shm://` endpoint an HTTP/2 channel moved to, and the server process behind it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UpgradedTo {
+    /// `shm:///abs/path.sock`.
+    pub target: String,
+    /// The server's process id, which every connection to `target` is checked against.
+    pub pid: u32,
+}
+
+/// Where an HTTP/2 channel stands with respect to shared memory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UpgradeStatus {
+    /// Not an HTTP/2 channel, or the upgrade is turned off for it.
+    Off,
+    /// No probe has finished yet: calls go over HTTP/2.
+    Pending,
+    /// Calls go over `shm://`.
+    Shm(UpgradedTo),
+    /// The last probe found nothing to move to (or lost it): calls go over HTTP/2, and the
+    /// probe runs again later.
+    Http2,
+}
+
+/// Calls a channel started over each transport.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct TransportCounts {
+    /// Over shared memory.
+    pub shm: u64,
+    /// Over HTTP/2.
+    pub http2: u64,
+}
+
+enum State {
+    /// Calls go over HTTP/2; a probe runs with the first call after `next_probe`.
+    Idle {
+        next_probe: Instant,
+        probed: bool,
+    },
+    Probing {
+        probed: bool,
+    },
+    Shm {
+        channel: Channel,
+        to: UpgradedTo,
+    },
+}
+
+/// An HTTP/2 channel's upgrade state, shared by its clones.
+pub(crate) struct Upgrade {
+    state: Mutex<State>,
+    config: Config,
+    shm: AtomicU64,
+    http2: AtomicU64,
+}
+
+impl Upgrade {
+    pub(crate) fn new(config: Config) -> Upgrade {
+        Upgrade {
+            state: Mutex::new(State::Idle { next_probe: Instant::now(), probed: false }),
+            config,
+            shm: AtomicU64::new(0),
+            http2: AtomicU64::new(0),
+        }
+    }
+
+    /// The `shm://` channel to carry the next call, if the channel has moved and its
+    /// connection is up; otherwise starts a probe over `http` if one is due (inside a tokio
+    /// runtime) and returns `None`.
+    pub(crate) fn route(self: &Arc<Self>, http: &Channel) -> Option<(Channel, UpgradedTo)> {
+        let mut state = self.state.lock().ok()?;
+        match &*state {
+            State::Shm { channel, to } => {
+                if channel.shm_connected() {
+                    return Some((channel.clone(), to.clone()));
+                }
+                // The server went away (or restarted): HTTP/2 until a probe finds it again.
+                *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true };
+                None
+            }
+            State::Idle { next_probe, probed } if Instant::now() >= *next_probe => {
+                let Ok(runtime) = tokio::runtime::Handle::try_current() else { return None };
+                let probed = *probed;
+                *state = State::Probing { probed };
+                runtime.spawn(probe(self.clone(), http.clone()));
+                None
+            }
+            _ => None,
+        }
+    }
+
+    /// A call over the upgraded channel could not start (its connection is gone): the next
+    /// calls go over HTTP/2, and a probe runs again later.
+    pub(crate) fn lost(&self, to: &UpgradedTo) {
+        if let Ok(mut state) = self.state.lock() {
+            if matches!(&*state, State::Shm { to: current, .. } if current == to) {
+                *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true };
+            }
+        }
+    }
+
+    pub(crate) fn count(&self, shm: bool) {
+        let counter = if shm { &self.shm } else { &self.http2 };
+        counter.fetch_add(1, Ordering::Relaxed);
+    }
+
+    pub(crate) fn counts(&self) -> TransportCounts {
+        TransportCounts { shm: self.shm.load(Ordering::Relaxed), http2: self.http2.load(Ordering::Relaxed) }
+    }
+
+    pub(crate) fn status(&self) -> UpgradeStatus {
+        match self.state.lock().as_deref() {
+            Ok(State::Shm { to, .. }) => UpgradeStatus::Shm(to.clone()),
+            Ok(State::Idle { probed: true, .. } | State::Probing { probed: true }) => UpgradeStatus::Http2,
+            _ => UpgradeStatus::Pending,
+        }
+    }
+}
+
+/// Asks for the offer over `http`, connects to it and checks it; the channel moves on success.
+async fn probe(up: Arc<Upgrade>, http: Channel) {
+    let wait = match offer(&http).await {
+        Ok(Some(to)) => match connect(&to, up.config.clone()).await {
+            Ok(channel) => {
+                if let Ok(mut state) = up.state.lock() {
+                    *state = State::Shm { channel, to };
+                }
+                return;
+            }
+            Err(status) => {
+                tracing::debug!("the offered {} is not reachable: {status:?}", to.target);
+                REPROBE
+            }
+        },
+        Ok(None) => NOT_OFFERED,
+        Err(status) => {
+            tracing::debug!("asking for an shm:// offer failed: {status:?}");
+            REPROBE
+        }
+    };
+    if let Ok(mut state) = up.state.lock() {
+        *state = State::Idle { next_probe: Instant::now() + wait, probed: true };
+    }
+}
+
+/// The server's offer, if it makes one this machine can take: `Ok(None)` if it offers nothing
+/// (UNIMPLEMENTED: a plain gRPC server, or the offer turned off) or another machine's.
+async fn offer(http: &Channel) -> Result<Option<UpgradedTo>, Status> {
+    let options = CallOptions { timeout: Some(PROBE_TIMEOUT), ..CallOptions::default() };
+    let mut call = http.start_http(OFFER_PATH, options)?;
+    let answered = async {
+        call.send_last(&[]).await?;
+        let headers = call.headers().await?;
+        while call.recv().await?.is_some() {}
+        Ok::<_, Status>(headers)
+    };
+    let headers = match answered.await {
+        Ok(headers) => headers,
+        Err(status) if status.code() == Code::Unimplemented => return Ok(None),
+        Err(status) => return Err(status),
+    };
+    let (Some(target), Some(pid), Some(boot)) = (headers.get(TARGET_KEY), headers.get(PID_KEY), headers.get(BOOT_KEY))
+    else {
+        return Ok(None);
+    };
+    if Some(boot) != boot_id() {
+        return Ok(None); // another machine (or another boot of this one)
+    }
+    let pid = pid.parse::<u32>().map_err(|_| Status::new(Code::Internal, format!("offered pid {pid:?}")))?;
+    if target.len() > MAX_TARGET || !target.starts_with("shm:///") {
+        return Err(Status::new(Code::Internal, format!("offered target {target:?} is not shm:///PATH")));
+    }
+    Ok(Some(UpgradedTo { target: target.to_owned(), pid }))
+}
+
+/// A connected `shm://` channel to `to`, whose server is checked to be process `to.pid`.
+async fn connect(to: &UpgradedTo, config: Config) -> Result<Channel, Status> {
+    let channel = Channel::expecting(to, config)?;
+    channel.connect_shm().await?;
+    Ok(channel)
+}

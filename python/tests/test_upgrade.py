@@ -1,0 +1,121 @@
+"""The upgrade from Python (ADR 0013): a channel given the HTTP/2 address of an isthmus server
+on this machine that also serves `shm://` moves its calls there (the handler then sees an
+`shm:` peer), with the blocking and the asyncio API, over TLS too; it stays on HTTP/2 with a
+grpcio server, a server that offers nothing, a client that authenticates with a certificate, or
+the upgrade turned off."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import certs
+import grpc
+import pytest
+from test_targets_tls import METHOD, Server
+
+import isthmus
+
+
+@pytest.fixture(scope="module")
+def cert_dir() -> Iterator[tuple[certs.Certs, Path]]:
+    pems = certs.make()
+    with tempfile.TemporaryDirectory(prefix="isthmus-up-") as d:
+        pems.write(Path(d))
+        yield pems, Path(d)
+
+
+def settle(channel: isthmus.Channel) -> str:
+    """Calls until the channel's probe has finished (at most 30 s); its status then."""
+    end = time.monotonic() + 30
+    while True:
+        channel.unary_unary(METHOD)(b"", timeout=10)
+        status = channel.upgrade_status()
+        if status != "pending" or time.monotonic() > end:
+            return status
+        time.sleep(0.01)
+
+
+def peer_of(channel: grpc.Channel) -> str:
+    return json.loads(channel.unary_unary(METHOD)(b"", timeout=10))["peer"]  # type: ignore[no-any-return]
+
+
+def shm_name() -> str:
+    return f"shm://py-up-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def test_a_local_isthmus_server_takes_the_calls_over_shm(cert_dir: tuple[certs.Certs, Path]) -> None:
+    with Server("isthmus", cert_dir[1], "none", "localhost:0", shm_name()) as server:
+        port = server.ports[0]
+        for target in (f"localhost:{port}", f"dns:///localhost:{port}", f"http://127.0.0.1:{port}"):
+            with isthmus.insecure_channel(target) as channel:
+                assert settle(channel).startswith("shm:///"), target
+                before = channel.transport_counts()
+                assert before["http2"] >= 1, before
+                peer = peer_of(channel)
+                assert peer.startswith(f"shm:pid={os.getpid()},"), peer  # the caller: this process
+                after = channel.transport_counts()
+                assert after == {"shm": before["shm"] + 1, "http2": before["http2"]}, (before, after)
+        # Turned off for one channel: HTTP/2 it stays.
+        off = isthmus.insecure_channel(f"localhost:{port}", options=[("isthmus.upgrade", False)])
+        with off:
+            assert peer_of(off).startswith("ipv4:127.0.0.1:")
+            assert off.upgrade_status() == "off"
+
+
+def test_asyncio_channels_move_too(cert_dir: tuple[certs.Certs, Path]) -> None:
+    with Server("isthmus", cert_dir[1], "none", "localhost:0", shm_name()) as server:
+        port = server.ports[0]
+
+        async def run() -> tuple[str, str, dict[str, int]]:
+            async with isthmus.aio.insecure_channel(f"localhost:{port}") as channel:
+                call = channel.unary_unary(METHOD)
+                end = time.monotonic() + 30
+                while channel.upgrade_status() == "pending" and time.monotonic() < end:
+                    await call(b"", timeout=10)
+                    await asyncio.sleep(0.01)
+                peer = json.loads(await call(b"", timeout=10))["peer"]
+                return channel.upgrade_status(), peer, channel.transport_counts()
+
+        status, peer, counts = asyncio.run(run())
+        assert status.startswith("shm:///"), status
+        assert peer.startswith("shm:pid="), peer
+        assert counts["shm"] >= 1 and counts["http2"] >= 1, counts
+
+
+@pytest.mark.parametrize("case", ["grpcio", "no-offer"])
+def test_servers_that_offer_nothing_keep_http2(cert_dir: tuple[certs.Certs, Path], case: str) -> None:
+    kind = "grpcio" if case == "grpcio" else "isthmus"
+    targets = ("localhost:0",) if kind == "grpcio" else ("localhost:0", shm_name())
+    if case == "no-offer":
+        os.environ["ISTHMUS_NO_OFFER"] = "1"
+    try:
+        server = Server(kind, cert_dir[1], "none", *targets)
+    finally:
+        os.environ.pop("ISTHMUS_NO_OFFER", None)
+    with server, isthmus.insecure_channel(f"localhost:{server.ports[0]}") as channel:
+        assert settle(channel) == "http2"
+        assert peer_of(channel).startswith("ipv4:127.0.0.1:")
+        assert channel.transport_counts()["shm"] == 0
+
+
+def test_tls_moves_but_a_certificate_holder_stays(cert_dir: tuple[certs.Certs, Path]) -> None:
+    pems, directory = cert_dir
+    with Server("isthmus", directory, "tls", "localhost:0", shm_name()) as server:
+        credentials = isthmus.ssl_channel_credentials(pems.ca)
+        with isthmus.secure_channel(f"localhost:{server.ports[0]}", credentials) as channel:
+            assert settle(channel).startswith("shm:///")
+            assert peer_of(channel).startswith("shm:pid=")
+    with Server("isthmus", directory, "mtls", "localhost:0", shm_name()) as server:
+        credentials = isthmus.ssl_channel_credentials(pems.ca, pems.client.key, pems.client.cert)
+        with isthmus.secure_channel(f"localhost:{server.ports[0]}", credentials) as channel:
+            # The handler knows this client by its certificate, which shm:// would not carry.
+            assert settle(channel) == "http2"
+            seen: dict[str, Any] = json.loads(channel.unary_unary(METHOD)(b"", timeout=10))
+            assert seen["key"] == "x509_subject_alternative_name", seen
