@@ -114,6 +114,17 @@ def main() -> int:
                 + " | ".join(fmt(x) for x in v)
                 + f" | {v[2] / v[0]:.1f}× | {v[3] / v[1]:.1f}× |"
             )
+        up = [
+            (name, med("py-isthmus-upgraded", size, 1, "p50_us"), med(py[0], size, 1, "p50_us"))
+            for size, name in SIZES.items()
+        ]
+        ratios = [f"{a / b:.2f}× at {name}" for name, a, b in up if a and b]
+        if ratios:
+            rows += [
+                "",
+                "The sync client given `localhost:PORT` of a server that also serves shm:// (it moves "
+                f"there by itself, ADR 0013) costs {', '.join(ratios)} what the direct shm:// call costs.",
+            ]
         sr, ar = med(py[0], 64, 32, "rps"), med(py[1], 64, 32, "rps")
         gsr, gar = med(py[2], 64, 32, "rps"), med(py[3], 64, 32, "rps")
         if sr and ar and gsr and gar:
