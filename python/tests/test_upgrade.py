@@ -7,6 +7,7 @@ the upgrade turned off."""
 from __future__ import annotations
 
 import asyncio
+import base64
 import json
 import os
 import tempfile
@@ -29,6 +30,10 @@ def cert_dir() -> Iterator[tuple[certs.Certs, Path]]:
     with tempfile.TemporaryDirectory(prefix="isthmus-up-") as d:
         pems.write(Path(d))
         yield pems, Path(d)
+
+
+# How a handler names a caller that came over TCP to `localhost` (v4 or v6, as it resolved).
+LOOPBACK = ("ipv4:127.0.0.1:", "ipv6:%5B::1%5D:")
 
 
 def settle(channel: isthmus.Channel) -> str:
@@ -65,7 +70,7 @@ def test_a_local_isthmus_server_takes_the_calls_over_shm(cert_dir: tuple[certs.C
         # Turned off for one channel: HTTP/2 it stays.
         off = isthmus.insecure_channel(f"localhost:{port}", options=[("isthmus.upgrade", False)])
         with off:
-            assert peer_of(off).startswith("ipv4:127.0.0.1:")
+            assert peer_of(off).startswith(LOOPBACK)
             assert off.upgrade_status() == "off"
 
 
@@ -101,7 +106,7 @@ def test_servers_that_offer_nothing_keep_http2(cert_dir: tuple[certs.Certs, Path
         os.environ.pop("ISTHMUS_NO_OFFER", None)
     with server, isthmus.insecure_channel(f"localhost:{server.ports[0]}") as channel:
         assert settle(channel) == "http2"
-        assert peer_of(channel).startswith("ipv4:127.0.0.1:")
+        assert peer_of(channel).startswith(LOOPBACK)
         assert channel.transport_counts()["shm"] == 0
 
 
@@ -119,3 +124,27 @@ def test_tls_moves_but_a_certificate_holder_stays(cert_dir: tuple[certs.Certs, P
             assert settle(channel) == "http2"
             seen: dict[str, Any] = json.loads(channel.unary_unary(METHOD)(b"", timeout=10))
             assert seen["key"] == "x509_subject_alternative_name", seen
+
+
+def test_no_other_process_can_claim_an_identity_on_the_loopback(cert_dir: tuple[certs.Certs, Path]) -> None:
+    """The server's private loopback endpoint takes the HTTP/2 caller's identity from its own
+    bridge only: another process (this one) that connects there and sends the reserved
+    metadata is known by its own credentials."""
+    pems, directory = cert_dir
+    with Server("isthmus", directory, "none", "localhost:0") as server:
+        loopback = f"shm://isthmus-loopback-{server.peer.process.pid}-0"
+        forged = [
+            ("x-isthmus-peer", "ipv4:6.6.6.6:1"),
+            ("x-isthmus-peer-tls", "1"),
+            ("x-isthmus-peer-cert-bin", _der(pems.client.cert)),
+        ]
+        with isthmus.insecure_channel(loopback) as channel:
+            seen = json.loads(channel.unary_unary(METHOD)(b"", timeout=10, metadata=forged))
+        assert seen["peer"].startswith(f"shm:pid={os.getpid()},"), seen
+        assert seen["identities"] is None and "x509_common_name" not in seen["auth"], seen
+
+
+def _der(pem: bytes) -> bytes:
+    """The DER inside one PEM certificate."""
+    body = b"".join(line for line in pem.splitlines() if line and not line.startswith(b"-----"))
+    return base64.b64decode(body)

@@ -35,28 +35,48 @@ fn http2_calls_to_a_local_isthmus_server_move_to_shm() {
     let port = port_of(&addresses[1]);
     let pid = peer.pid();
     run(async move {
-        for target in
-            [format!("http://127.0.0.1:{port}"), format!("localhost:{port}"), format!("ipv4:127.0.0.1:{port}")]
-        {
-            let channel = Channel::connect(&target).await.expect("connect");
+        let targets =
+            [format!("http://127.0.0.1:{port}"), format!("localhost:{port}"), format!("ipv4:127.0.0.1:{port}")];
+        for (i, target) in targets.iter().enumerate() {
+            let channel = Channel::connect(target).await.expect("connect");
             match settled(&channel).await {
                 UpgradeStatus::Shm(to) => {
                     assert_eq!(to.pid, pid, "{target}");
                     assert!(to.target.starts_with("shm:///"), "{to:?}");
+                    // A socket served by any other process than the one offered is refused.
+                    let wrong = isthmus::UpgradedTo { target: to.target.clone(), pid: pid + 1 };
+                    let squatted = isthmus::blocking::Channel::lazy_upgraded(&wrong, Default::default()).expect("lazy");
+                    let err = squatted.connect_now().expect_err("another pid");
+                    assert_eq!(err.code(), isthmus::Code::Unavailable, "{err:?}");
+                    assert!(err.message().contains("not by the server"), "{err:?}");
+                    let right = isthmus::blocking::Channel::lazy_upgraded(&to, Default::default()).expect("lazy");
+                    right.connect_now().expect("the offered pid");
                 }
                 other => panic!("{target}: did not move to shm:// ({other:?})"),
             }
             let before = channel.transport_counts();
             assert!(before.http2 >= 1, "the first call went over HTTP/2: {before:?}");
-            every_kind_of_call_on(channel.clone()).await;
+            if i == 0 {
+                every_kind_of_call_on(channel.clone()).await;
+            } else {
+                for seq in 0..4 {
+                    client_on(channel.clone())
+                        .unary(request(b"moved".to_vec(), seq))
+                        .await
+                        .expect("a call over shm://");
+                }
+            }
             let after = channel.transport_counts();
             assert_eq!(after.http2, before.http2, "{target}: {before:?} → {after:?}");
             assert!(after.shm >= before.shm + 4, "{target}: {before:?} → {after:?}");
         }
         // Turned off for one channel: every call stays on HTTP/2.
         let channel = Channel::builder(&format!("localhost:{port}")).upgrade(false).connect().await.expect("connect");
-        every_kind_of_call_on(channel.clone()).await;
+        for seq in 0..4 {
+            client_on(channel.clone()).unary(request(b"stays".to_vec(), seq)).await.expect("a call over HTTP/2");
+        }
         assert_eq!(channel.upgrade_status(), UpgradeStatus::Off);
+        assert_eq!(channel.transport_counts(), isthmus::TransportCounts::default());
     });
     drop(peer);
 }

@@ -33,7 +33,7 @@ use crate::http::endpoint::{connector, http_endpoint, Target};
 use crate::http::tls::ClientTlsConfig;
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
-use crate::upgrade::{TransportCounts, Upgrade, UpgradeStatus, UpgradedTo};
+use crate::upgrade::{HttpPeer, TransportCounts, Upgrade, UpgradeStatus, UpgradedTo};
 
 /// A connection to one server. Cheap to clone; clones share the connection. If the
 /// connection dies (the server restarted, say), the next call connects again.
@@ -129,18 +129,18 @@ impl ChannelBuilder {
                 Ok(channel)
             }
             other => {
-                let (endpoint, connector) = self.http_parts(&other)?;
+                let (endpoint, connector, peer) = self.http_parts(&other)?;
                 let channel = endpoint.connect_with_connector(connector).await.map_err(|e| {
                     let why = crate::http::tls::describe(&e).unwrap_or_else(|| e.to_string());
                     Status::new(Code::Unavailable, format!("cannot connect to {}: {why}", self.target))
                 })?;
-                Ok(self.over_http(channel))
+                Ok(self.over_http(channel, peer))
             }
         }
     }
 
-    fn over_http(&self, channel: tonic::transport::Channel) -> Channel {
-        let upgrade = self.upgrade.then(|| Arc::new(Upgrade::new(self.config.clone())));
+    fn over_http(&self, channel: tonic::transport::Channel, peer: HttpPeer) -> Channel {
+        let upgrade = self.upgrade.then(|| Arc::new(Upgrade::new(self.config.clone(), peer)));
         Channel {
             via: Arc::new(Via::Http { channel, target: self.target.clone(), upgrade }),
             calls_read: true,
@@ -161,8 +161,8 @@ impl ChannelBuilder {
                 routes: true,
             }),
             other => {
-                let (endpoint, connector) = self.http_parts(&other)?;
-                Ok(self.over_http(endpoint.connect_with_connector_lazy(connector)))
+                let (endpoint, connector, peer) = self.http_parts(&other)?;
+                Ok(self.over_http(endpoint.connect_with_connector_lazy(connector), peer))
             }
         }
     }
@@ -171,10 +171,16 @@ impl ChannelBuilder {
     fn http_parts(
         &self,
         target: &Target,
-    ) -> Result<(tonic::transport::Endpoint, impl crate::http::endpoint::MakeIo), Status> {
+    ) -> Result<(tonic::transport::Endpoint, impl crate::http::endpoint::MakeIo, HttpPeer), Status> {
         let tls = match (target, &self.tls) {
+            (Target::Tcp { tls: Some(false), .. }, Some(_)) => {
+                return Err(Status::new(
+                    Code::InvalidArgument,
+                    format!("{} is plaintext: give https://HOST:PORT or HOST:PORT for TLS", self.target),
+                ))
+            }
             (Target::Tcp { .. }, Some(tls)) => Some(tls.clone()),
-            (Target::Tcp { tls: true, .. }, None) => Some(ClientTlsConfig::new()),
+            (Target::Tcp { tls: Some(true), .. }, None) => Some(ClientTlsConfig::new()),
             (Target::Tcp { .. }, None) => None,
             (_, Some(_)) => {
                 return Err(Status::new(
@@ -188,7 +194,8 @@ impl ChannelBuilder {
             Some(tls) => Some((tls.rustls()?, tls.server_name(&target.host())?)),
             None => None,
         };
-        Ok((http_endpoint(target, tls.is_some())?, connector(target, tls)))
+        let peer = HttpPeer::default();
+        Ok((http_endpoint(target, tls.is_some())?, connector(target, tls, peer.clone()), peer))
     }
 }
 
@@ -294,8 +301,9 @@ impl Channel {
         self.route().map(|(_, to)| to)
     }
 
-    /// For bindings: the binding's own connection to `to` failed, so calls go back to HTTP/2
-    /// and a probe runs again later.
+    /// For bindings: the binding's own connection to `to` failed, so the call that
+    /// [`route_for_binding`](Self::route_for_binding) counted over shared memory goes over
+    /// HTTP/2 (and is counted there), as do the next ones; a probe runs again later.
     pub fn upgrade_lost(&self, to: &UpgradedTo) {
         if let Some(up) = self.upgrade() {
             up.lost(to);
@@ -344,7 +352,9 @@ impl Channel {
             Via::Shm(_) => Ok(ClientCall { via: CallVia::Shm(self.start_shm(path, options).await?) }),
             Via::Http { .. } => {
                 if let Some((shm, to)) = self.route() {
-                    match shm.start_shm(path, options.clone()).await {
+                    // Over shm:// the call does not wait for a server: HTTP/2 is there.
+                    let shm_options = CallOptions { wait_for_ready: false, ..options.clone() };
+                    match shm.start_shm(path, shm_options).await {
                         Ok(call) => return Ok(ClientCall { via: CallVia::Shm(call) }),
                         // The connection went before the call's head did: the server never saw
                         // it, so HTTP/2 carries it instead.

@@ -247,8 +247,9 @@ impl Server {
         self.bind_targets(targets)
     }
 
-    /// The TLS settings for `https://` targets: the server's certificate and key, and for
-    /// mutual TLS the CA that signs its clients' certificates.
+    /// The TLS settings for `https://` targets and gRPC's TCP forms (`[::]:443`,
+    /// `localhost:8443`…): the server's certificate and key, and for mutual TLS the CA that
+    /// signs its clients' certificates. An `http://` target stays plaintext.
     pub fn tls_config(mut self, tls: ServerTlsConfig) -> Server {
         self.tls = Some(tls);
         self
@@ -276,7 +277,7 @@ impl Server {
         match Target::parse(target)? {
             Target::Tcp { addrs, .. } => {
                 self.tls = Some(tls);
-                self.bind_targets(vec![Target::Tcp { addrs, tls: true }])
+                self.bind_targets(vec![Target::Tcp { addrs, tls: Some(true) }])
             }
             _ => Err(Status::new(Code::InvalidArgument, format!("{target}: TLS is served on TCP addresses only"))),
         }
@@ -319,7 +320,9 @@ impl Server {
                     }
                     shm.push(listener);
                 }
-                Target::Tcp { tls: true, .. } => {
+                // `https://`, and gRPC's TCP forms when the server has TLS settings; `http://`
+                // is plaintext (HttpListener::bind refuses it with TLS settings).
+                Target::Tcp { tls, .. } if tls == Some(true) || (tls.is_none() && this.tls.is_some()) => {
                     http.push(HttpListener::bind(
                         &target,
                         Some(this.tls.as_ref().ok_or_else(|| {

@@ -11,13 +11,18 @@
 //! plain gRPC server does.
 //!
 //! **The move.** A channel's first call goes over HTTP/2 and starts a probe beside it: it asks
-//! for the offer on the HTTP/2 connection itself, so the answer is exactly as trustworthy as the
-//! address (under TLS, it comes from the server the certificate names). If the boot id is this
-//! machine's, the channel connects to the socket path and checks, with the kernel's
-//! `SO_PEERCRED`, that the process at the other end is the one that made the offer; a squatter
-//! on the path, another boot, another pid namespace (a container) or a socket the client cannot
-//! reach (another uid, another mount namespace) fails the check, and the channel stays on
-//! HTTP/2. Once connected, calls go over `shm://`; if that connection dies (the server
+//! for the offer on the HTTP/2 connection itself. The offer is taken only if three things the
+//! kernel, not the peer, vouches for agree:
+//! - the process at the other end of the channel's own HTTP/2 connection is the offered pid
+//!   (`SO_PEERCRED` for a unix socket; for TCP, the server's end of the connection found in
+//!   `/proc/net/tcp*` and among the offered process's open files), so a remote server, a proxy
+//!   or a man in the middle cannot send the channel to some other local server;
+//! - the boot id is this machine's;
+//! - the process behind the offered socket is the offered pid (`SO_PEERCRED`), so a squatter on
+//!   the path is refused.
+//!
+//! Another host, another pid namespace (a container), another uid (whose `/proc` entries and
+//! socket directory the client cannot read) fail a check, and the channel stays on HTTP/2. Once connected, calls go over `shm://`; if that connection dies (the server
 //! restarted, say), calls go back to HTTP/2 at once and the probe runs again 5 s later (60 s
 //! after a server that offered nothing). Calls in flight are never moved.
 //!
@@ -204,15 +209,18 @@ enum State {
 pub(crate) struct Upgrade {
     state: Mutex<State>,
     config: Config,
+    /// Who is at the other end of the channel's HTTP/2 connection (its connector records it).
+    http_peer: HttpPeer,
     shm: AtomicU64,
     http2: AtomicU64,
 }
 
 impl Upgrade {
-    pub(crate) fn new(config: Config) -> Upgrade {
+    pub(crate) fn new(config: Config, http_peer: HttpPeer) -> Upgrade {
         Upgrade {
             state: Mutex::new(State::Idle { next_probe: Instant::now(), probed: false }),
             config,
+            http_peer,
             shm: AtomicU64::new(0),
             http2: AtomicU64::new(0),
         }
@@ -243,9 +251,11 @@ impl Upgrade {
         }
     }
 
-    /// A call over the upgraded channel could not start (its connection is gone): the next
-    /// calls go over HTTP/2, and a probe runs again later.
+    /// A call over the upgraded channel could not start (its connection is gone): it goes over
+    /// HTTP/2 instead (and is counted there), so do the next calls, and a probe runs again later.
     pub(crate) fn lost(&self, to: &UpgradedTo) {
+        let _ = self.shm.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
+        self.http2.fetch_add(1, Ordering::Relaxed);
         if let Ok(mut state) = self.state.lock() {
             if matches!(&*state, State::Shm { to: current, .. } if current == to) {
                 *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true };
@@ -271,9 +281,37 @@ impl Upgrade {
     }
 }
 
-/// Asks for the offer over `http`, connects to it and checks it; the channel moves on success.
+/// How long a whole probe (offer, checks, connect) may take.
+const PROBE_LIMIT: Duration = Duration::from_secs(15);
+
+/// Puts a probe that ended without a verdict (its task was dropped with its runtime, or it ran
+/// past `PROBE_LIMIT`) back to idle, so that a later call probes again.
+struct ProbeGuard(Arc<Upgrade>);
+
+impl Drop for ProbeGuard {
+    fn drop(&mut self) {
+        if let Ok(mut state) = self.0.state.lock() {
+            if let State::Probing { .. } = *state {
+                *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true };
+            }
+        }
+    }
+}
+
+/// Runs a probe within `PROBE_LIMIT`.
 async fn probe(up: Arc<Upgrade>, http: Channel) {
+    let _guard = ProbeGuard(up.clone());
+    let _ = tokio::time::timeout(PROBE_LIMIT, probe_once(up, http)).await;
+}
+
+/// Asks for the offer over `http`, connects to it and checks it; the channel moves on success.
+async fn probe_once(up: Arc<Upgrade>, http: Channel) {
     let wait = match offer(&http).await {
+        // The offer must come from the process at the other end of this very connection.
+        Ok(Some(to)) if !up.http_peer.is_process(to.pid) => {
+            tracing::debug!("the offer names process {}, which is not the HTTP/2 peer", to.pid);
+            NOT_OFFERED
+        }
         Ok(Some(to)) => match connect(&to, up.config.clone()).await {
             Ok(channel) => {
                 if let Ok(mut state) = up.state.lock() {
@@ -310,8 +348,10 @@ async fn offer(http: &Channel) -> Result<Option<UpgradedTo>, Status> {
     };
     let headers = match answered.await {
         Ok(headers) => headers,
-        Err(status) if status.code() == Code::Unimplemented => return Ok(None),
-        Err(status) => return Err(status),
+        // The connection failed or was slow: ask again later.
+        Err(status) if matches!(status.code(), Code::Unavailable | Code::DeadlineExceeded) => return Err(status),
+        // UNIMPLEMENTED from a plain gRPC server, UNAUTHENTICATED from a proxy…: no offer.
+        Err(_) => return Ok(None),
     };
     let (Some(target), Some(pid), Some(boot)) = (headers.get(TARGET_KEY), headers.get(PID_KEY), headers.get(BOOT_KEY))
     else {
@@ -324,6 +364,10 @@ async fn offer(http: &Channel) -> Result<Option<UpgradedTo>, Status> {
     if target.len() > MAX_TARGET || !target.starts_with("shm:///") {
         return Err(Status::new(Code::Internal, format!("offered target {target:?} is not shm:///PATH")));
     }
+    // pid 0 is what SO_PEERCRED reports for a process in a pid namespace the client cannot see.
+    if pid == 0 {
+        return Ok(None);
+    }
     Ok(Some(UpgradedTo { target: target.to_owned(), pid }))
 }
 
@@ -332,4 +376,123 @@ async fn connect(to: &UpgradedTo, config: Config) -> Result<Channel, Status> {
     let channel = Channel::expecting(to, config)?;
     channel.connect_shm().await?;
     Ok(channel)
+}
+
+/// The ends of a channel's latest HTTP/2 connection, as its connector opened it: what the
+/// probe checks an offer's pid against.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct HttpPeer(Arc<Mutex<Option<Ends>>>);
+
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Ends {
+    /// A unix socket, and the pid `SO_PEERCRED` gave (none from another pid namespace).
+    Unix(Option<u32>),
+    /// TCP: this side's address and the server's.
+    Tcp { local: std::net::SocketAddr, peer: std::net::SocketAddr },
+}
+
+impl HttpPeer {
+    pub(crate) fn record(&self, ends: Ends) {
+        if let Ok(mut slot) = self.0.lock() {
+            *slot = Some(ends);
+        }
+    }
+
+    /// Whether process `pid` holds the server's end of the latest connection.
+    fn is_process(&self, pid: u32) -> bool {
+        match self.0.lock().ok().and_then(|e| *e) {
+            Some(Ends::Unix(peer)) => peer == Some(pid),
+            Some(Ends::Tcp { local, peer }) => tcp_inode(peer, local).is_some_and(|inode| holds_socket(pid, inode)),
+            None => false,
+        }
+    }
+}
+
+/// The inode of the TCP socket whose local address is `local` and whose remote is `remote`, as
+/// this network namespace's `/proc/net/tcp` and `tcp6` list them (the server's end of a
+/// loopback connection is listed there; a remote server's is not).
+fn tcp_inode(local: std::net::SocketAddr, remote: std::net::SocketAddr) -> Option<u64> {
+    let (local, remote) = (canonical(local), canonical(remote));
+    for table in ["/proc/net/tcp", "/proc/net/tcp6"] {
+        let Ok(text) = std::fs::read_to_string(table) else { continue };
+        for line in text.lines().skip(1) {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            let (Some(l), Some(r), Some(inode)) = (fields.get(1), fields.get(2), fields.get(9)) else { continue };
+            if proc_addr(l).map(canonical) == Some(local) && proc_addr(r).map(canonical) == Some(remote) {
+                return inode.parse().ok().filter(|&i| i != 0);
+            }
+        }
+    }
+    None
+}
+
+/// An address as `/proc/net/tcp*` prints it: hex words of the address in the kernel's byte
+/// order (`%08X` of each 32-bit word), a colon, the port in hex.
+fn proc_addr(text: &str) -> Option<std::net::SocketAddr> {
+    let (ip, port) = text.split_once(':')?;
+    let port = u16::from_str_radix(port, 16).ok()?;
+    if ip.len() != 8 && ip.len() != 32 {
+        return None;
+    }
+    let mut bytes = Vec::with_capacity(16);
+    for word in ip.as_bytes().chunks(8) {
+        let word = u32::from_str_radix(std::str::from_utf8(word).ok()?, 16).ok()?;
+        bytes.extend_from_slice(&word.to_ne_bytes());
+    }
+    let ip = match bytes.len() {
+        4 => std::net::IpAddr::from(<[u8; 4]>::try_from(bytes).ok()?),
+        16 => std::net::IpAddr::from(<[u8; 16]>::try_from(bytes).ok()?),
+        _ => return None,
+    };
+    Some(std::net::SocketAddr::new(ip, port))
+}
+
+/// A v4-mapped v6 address as the v4 one, so both ends compare alike.
+fn canonical(addr: std::net::SocketAddr) -> std::net::SocketAddr {
+    match addr {
+        std::net::SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => std::net::SocketAddr::new(v4.into(), v6.port()),
+            None => addr,
+        },
+        v4 => v4,
+    }
+}
+
+/// Whether process `pid` has socket `inode` open (readable for our own uid's processes only).
+fn holds_socket(pid: u32, inode: u64) -> bool {
+    let want = format!("socket:[{inode}]");
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return false };
+    fds.filter_map(Result::ok)
+        .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|link| link.as_os_str() == want.as_str()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn proc_addresses_read_in_the_kernels_order() {
+        let v4 = u32::from_ne_bytes([127, 0, 0, 1]);
+        assert_eq!(proc_addr(&format!("{v4:08X}:1F90")), Some("127.0.0.1:8080".parse().expect("addr")));
+        let mut v6 = String::new();
+        for word in std::net::Ipv6Addr::LOCALHOST.octets().chunks(4) {
+            v6 += &format!("{:08X}", u32::from_ne_bytes(<[u8; 4]>::try_from(word).expect("4")));
+        }
+        assert_eq!(proc_addr(&format!("{v6}:0050")), Some("[::1]:80".parse().expect("addr")));
+        assert_eq!(canonical("[::ffff:127.0.0.1]:5".parse().expect("addr")), "127.0.0.1:5".parse().expect("addr"));
+        for bad in ["", "zz:1", "0100007F", "0100007F:xyz", "01007F:1"] {
+            assert_eq!(proc_addr(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn this_process_holds_the_server_end_of_its_own_loopback_connection() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        let client = std::net::TcpStream::connect(listener.local_addr().expect("addr")).expect("connect");
+        let _server = listener.accept().expect("accept");
+        let peer = HttpPeer::default();
+        peer.record(Ends::Tcp { local: client.local_addr().expect("local"), peer: client.peer_addr().expect("peer") });
+        assert!(peer.is_process(std::process::id()));
+        assert!(!peer.is_process(1), "pid 1 does not hold this test's socket");
+    }
 }

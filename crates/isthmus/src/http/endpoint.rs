@@ -33,6 +33,7 @@ use rustls::pki_types::ServerName;
 
 use crate::http::tls::{self, ServerTlsConfig};
 use crate::status::{Code, Status};
+use crate::upgrade::{Ends, HttpPeer};
 
 /// The schemes `Target::parse` accepts, for its errors.
 const ACCEPTED: &str = "shm://NAME, unix:PATH, unix:///ABS, unix-abstract:NAME, HOST:PORT, dns:HOST:PORT, \
@@ -48,8 +49,10 @@ pub(crate) enum Target {
     /// `unix-abstract:NAME`: a socket in Linux's abstract namespace (no file).
     UnixAbstract(Vec<u8>),
     /// TCP: `host:port` in any of gRPC's forms, or `http://`/`https://`. `addrs` are tried in
-    /// order (gRPC's `ipv4:` and `ipv6:` take lists); `tls` is set by `https://`.
-    Tcp { addrs: Vec<String>, tls: bool },
+    /// order (gRPC's `ipv4:` and `ipv6:` take lists). `tls`: `Some(true)` for `https://`,
+    /// `Some(false)` for `http://` (plaintext whatever the settings), `None` for gRPC's forms
+    /// (TLS if the channel or server has TLS settings).
+    Tcp { addrs: Vec<String>, tls: Option<bool> },
 }
 
 impl Target {
@@ -57,7 +60,7 @@ impl Target {
     /// A form with no port gets gRPC's default, 443 (80 for `http://`).
     pub(crate) fn parse(target: &str) -> Result<Target, Status> {
         let bad = |why: &str| Status::new(Code::InvalidArgument, format!("target {target:?}: {why}"));
-        let tcp = |addrs: Vec<String>, tls: bool| Ok(Target::Tcp { addrs, tls });
+        let tcp = |addrs: Vec<String>, tls: Option<bool>| Ok(Target::Tcp { addrs, tls });
         if target.starts_with("shm://") {
             return Ok(Target::Shm(target.to_owned()));
         }
@@ -72,6 +75,9 @@ impl Target {
             if path.is_empty() {
                 return Err(bad("no socket path"));
             }
+            if rest.starts_with("//") && !path.starts_with('/') {
+                return Err(bad("unix:// takes an absolute path (unix:///abs/path); unix:PATH takes a relative one"));
+            }
             return Ok(Target::Unix(PathBuf::from(path)));
         }
         for (scheme, tls, port) in [("http://", false, 80), ("https://", true, 443)] {
@@ -80,7 +86,7 @@ impl Target {
                 if host.contains('/') {
                     return Err(bad(&format!("expected {scheme}HOST:PORT, with no path")));
                 }
-                return tcp(vec![host_port(host, port).map_err(|why| bad(&why))?], tls);
+                return tcp(vec![host_port(host, port).map_err(|why| bad(&why))?], Some(tls));
             }
         }
         if let Some(rest) = target.strip_prefix("dns:") {
@@ -90,7 +96,7 @@ impl Target {
                 Some(after) => after.split_once('/').map(|(_, h)| h).ok_or_else(|| bad("expected dns:///HOST:PORT"))?,
                 None => rest,
             };
-            return tcp(vec![host_port(host, 443).map_err(|why| bad(&why))?], false);
+            return tcp(vec![host_port(host, 443).map_err(|why| bad(&why))?], None);
         }
         for (scheme, v6) in [("ipv4:", false), ("ipv6:", true)] {
             if let Some(list) = target.strip_prefix(scheme) {
@@ -99,7 +105,7 @@ impl Target {
                     .map(|a| ip_port(a, v6))
                     .collect::<Result<Vec<_>, String>>()
                     .map_err(|why| bad(&why))?;
-                return tcp(addrs, false);
+                return tcp(addrs, None);
             }
         }
         if let Some((scheme, _)) = target.split_once("://") {
@@ -107,7 +113,7 @@ impl Target {
         }
         // No scheme: gRPC's default, `dns:///target`.
         host_port(target, 443)
-            .map(|a| Target::Tcp { addrs: vec![a], tls: false })
+            .map(|a| Target::Tcp { addrs: vec![a], tls: None })
             .map_err(|why| bad(&format!("{why}; the accepted forms are {ACCEPTED}")))
     }
 
@@ -226,14 +232,20 @@ impl HttpListener {
                     return Err(Status::new(Code::InvalidArgument, "a server binds one address per target"));
                 };
                 let config = match (tls, wants_tls) {
+                    (Some(_), Some(false)) => {
+                        return Err(Status::new(
+                            Code::InvalidArgument,
+                            format!("http://{host} is plaintext: bind https://{host} or {host} for TLS"),
+                        ))
+                    }
                     (Some(tls), _) => Some(tls.rustls()?),
-                    (None, true) => {
+                    (None, Some(true)) => {
                         return Err(Status::new(
                             Code::InvalidArgument,
                             format!("https://{host} needs the server's TLS settings (Server::tls_config)"),
                         ))
                     }
-                    (None, false) => None,
+                    (None, _) => None,
                 };
                 let std = std::net::TcpListener::bind(host.as_str())
                     .map_err(|e| unavailable(format!("cannot bind {host}: {e}")))?;
@@ -311,6 +323,8 @@ fn abstract_addr(name: &[u8]) -> Result<std::os::unix::net::SocketAddr, Status> 
 
 /// How long a TLS client may take over its handshake before the server drops it.
 const HANDSHAKE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// Handshakes in progress at once; a flood of connections waits for accept beyond it.
+const HANDSHAKES: usize = 256;
 
 /// Accepted TLS connections, each handshake on a task of its own so that a slow client holds
 /// up nobody else. A failed handshake is dropped (the client hears the alert). Ends when the
@@ -321,8 +335,10 @@ fn tls_incoming(
 ) -> tokio_stream::wrappers::ReceiverStream<std::io::Result<ServerIo>> {
     let (tx, rx) = tokio::sync::mpsc::channel(64);
     let acceptor = tokio_rustls::TlsAcceptor::from(config);
+    let slots = Arc::new(tokio::sync::Semaphore::new(HANDSHAKES));
     tokio::spawn(async move {
         loop {
+            let Ok(slot) = slots.clone().acquire_owned().await else { return };
             let tcp = tokio::select! {
                 () = tx.closed() => return,
                 accepted = listener.accept() => match accepted {
@@ -338,6 +354,7 @@ fn tls_incoming(
             let _ = tcp.set_nodelay(true);
             let (tx, acceptor) = (tx.clone(), acceptor.clone());
             tokio::spawn(async move {
+                let _slot = slot;
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                     Ok(Ok(tls)) => {
                         let _ = tx.send(Ok(ServerIo::Tls(Box::new(tls)))).await;
@@ -497,22 +514,35 @@ impl<T> MakeIo for T where
 
 /// Opens the stream under an HTTP/2 connection: the unix socket, or TCP to the first address
 /// that answers, with TLS over it if `tls` is given.
-pub(crate) fn connector(target: &Target, tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>) -> impl MakeIo {
+pub(crate) fn connector(
+    target: &Target,
+    tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
+    peer: HttpPeer,
+) -> impl MakeIo {
     let target = target.clone();
     tower::service_fn(move |_: http::Uri| {
-        let (target, tls) = (target.clone(), tls.clone());
+        let (target, tls, peer) = (target.clone(), tls.clone(), peer.clone());
         Box::pin(async move {
+            // Who is at the other end: the upgrade checks an offer against it.
+            let unix = |s: tokio::net::UnixStream| {
+                let pid = s.peer_cred().ok().and_then(|c| c.pid()).and_then(|p| u32::try_from(p).ok());
+                peer.record(Ends::Unix(pid.filter(|&p| p != 0)));
+                HttpIo::Unix(s)
+            };
             let stream = match target {
-                Target::Unix(path) => HttpIo::Unix(tokio::net::UnixStream::connect(path).await?),
+                Target::Unix(path) => unix(tokio::net::UnixStream::connect(path).await?),
                 Target::UnixAbstract(name) => {
                     let addr = abstract_addr(&name).map_err(|s| std::io::Error::other(s.message().to_owned()))?;
                     let std = std::os::unix::net::UnixStream::connect_addr(&addr)?;
                     std.set_nonblocking(true)?;
-                    HttpIo::Unix(tokio::net::UnixStream::from_std(std)?)
+                    unix(tokio::net::UnixStream::from_std(std)?)
                 }
                 Target::Tcp { addrs, .. } => {
                     let tcp = connect_first(&addrs).await?;
                     tcp.set_nodelay(true)?;
+                    if let (Ok(local), Ok(remote)) = (tcp.local_addr(), tcp.peer_addr()) {
+                        peer.record(Ends::Tcp { local, peer: remote });
+                    }
                     match tls {
                         Some((config, name)) => HttpIo::Tls(Box::new(tls::connect(&config, name, tcp).await?)),
                         None => HttpIo::Tcp(tcp),
@@ -595,34 +625,45 @@ mod tests {
 
     #[test]
     fn targets_parse_in_grpcs_forms() {
-        let tcp = |a: &[&str], tls: bool| Target::Tcp { addrs: a.iter().map(|s| (*s).to_owned()).collect(), tls };
+        let tcp =
+            |a: &[&str], tls: Option<bool>| Target::Tcp { addrs: a.iter().map(|s| (*s).to_owned()).collect(), tls };
         let cases = [
             ("shm://a", Target::Shm("shm://a".into())),
             ("unix:///run/a.sock", Target::Unix("/run/a.sock".into())),
             ("unix:/run/a.sock", Target::Unix("/run/a.sock".into())),
             ("unix:a.sock", Target::Unix("a.sock".into())),
             ("unix-abstract:a b", Target::UnixAbstract(b"a b".to_vec())),
-            ("http://127.0.0.1:50051", tcp(&["127.0.0.1:50051"], false)),
-            ("http://h", tcp(&["h:80"], false)),
-            ("https://h", tcp(&["h:443"], true)),
-            ("https://[::1]:8443/", tcp(&["[::1]:8443"], true)),
-            ("localhost:50051", tcp(&["localhost:50051"], false)),
-            ("localhost", tcp(&["localhost:443"], false)),
-            ("[::]:0", tcp(&["[::]:0"], false)),
-            ("0.0.0.0:7", tcp(&["0.0.0.0:7"], false)),
-            ("dns:h:1", tcp(&["h:1"], false)),
-            ("dns:///h:1", tcp(&["h:1"], false)),
-            ("dns://8.8.8.8/h:1", tcp(&["h:1"], false)),
-            ("ipv4:1.2.3.4:5,6.7.8.9", tcp(&["1.2.3.4:5", "6.7.8.9:443"], false)),
-            ("ipv6:[::1]:5", tcp(&["[::1]:5"], false)),
-            ("ipv6:::1", tcp(&["[::1]:443"], false)),
+            ("http://127.0.0.1:50051", tcp(&["127.0.0.1:50051"], Some(false))),
+            ("http://h", tcp(&["h:80"], Some(false))),
+            ("https://h", tcp(&["h:443"], Some(true))),
+            ("https://[::1]:8443/", tcp(&["[::1]:8443"], Some(true))),
+            ("localhost:50051", tcp(&["localhost:50051"], None)),
+            ("localhost", tcp(&["localhost:443"], None)),
+            ("[::]:0", tcp(&["[::]:0"], None)),
+            ("0.0.0.0:7", tcp(&["0.0.0.0:7"], None)),
+            ("dns:h:1", tcp(&["h:1"], None)),
+            ("dns:///h:1", tcp(&["h:1"], None)),
+            ("dns://8.8.8.8/h:1", tcp(&["h:1"], None)),
+            ("ipv4:1.2.3.4:5,6.7.8.9", tcp(&["1.2.3.4:5", "6.7.8.9:443"], None)),
+            ("ipv6:[::1]:5", tcp(&["[::1]:5"], None)),
+            ("ipv6:::1", tcp(&["[::1]:443"], None)),
         ];
         for (text, want) in cases {
             assert_eq!(Target::parse(text).unwrap_or_else(|e| panic!("{text}: {e:?}")), want, "{text}");
         }
         assert_eq!(Target::parse("https://[::1]:8443").expect("v6").host(), "::1");
         assert_eq!(Target::parse("h.example:1").expect("dns").host(), "h.example");
-        for bad in ["", "tcp://x:1", "unix:", "unix-abstract:", "http://", "http://h:1/path", "h:port", "h:99999"] {
+        for bad in [
+            "",
+            "tcp://x:1",
+            "unix:",
+            "unix://rel.sock",
+            "unix-abstract:",
+            "http://",
+            "http://h:1/path",
+            "h:port",
+            "h:99999",
+        ] {
             assert_eq!(Target::parse(bad).expect_err(bad).code(), Code::InvalidArgument, "{bad}");
         }
         for bad in ["ipv4:::1", "ipv6:1.2.3.4", "ipv4:1.2.3.4:5,", "dns://resolver"] {

@@ -251,9 +251,13 @@ fn describe_rustls(e: &rustls::Error) -> String {
             Cert::Revoked => "TLS: the server's certificate is revoked".into(),
             other => format!("TLS: the server's certificate is not acceptable: {other:?}"),
         },
-        Error::AlertReceived(Alert::CertificateRequired) | Error::AlertReceived(Alert::HandshakeFailure) => {
-            format!("TLS: the server requires a client certificate (mutual TLS) and none was accepted ({e})")
+        Error::AlertReceived(Alert::CertificateRequired) => {
+            format!("TLS: the server requires a client certificate (mutual TLS) and none was sent ({e})")
         }
+        Error::AlertReceived(Alert::HandshakeFailure) => format!(
+            "TLS: the server refused the handshake: no protocol version or cipher in common, or it wanted a \
+             client certificate ({e})"
+        ),
         Error::AlertReceived(
             alert @ (Alert::BadCertificate
             | Alert::UnknownCA
@@ -361,6 +365,10 @@ pub(crate) async fn connect(
 ) -> std::io::Result<ClientTls> {
     use tokio::io::AsyncReadExt;
     let mut tls = tokio_rustls::TlsConnector::from(config.clone()).connect(name, tcp).await.map_err(worded)?;
+    // Under TLS 1.2 the server's verdict on the client is part of the handshake.
+    if tls.get_ref().1.protocol_version() != Some(rustls::ProtocolVersion::TLSv1_3) {
+        return Ok(ClientTls { tls, first: Vec::new(), at: 0 });
+    }
     let mut first = vec![0; 16 * 1024];
     let closed = || {
         std::io::Error::new(

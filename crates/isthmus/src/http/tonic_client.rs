@@ -308,14 +308,35 @@ impl Channel {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
+        match self.call_shm(request, false).await {
+            Ok(response) => response,
+            Err(_) => failed_response(Status::new(Code::Internal, "a call was handed back without a reason")),
+        }
+    }
+
+    /// Carries a tonic request over `shm://`. With `hand_back`, a call whose start fails
+    /// UNAVAILABLE (the connection is gone, so the server never saw it) is handed back
+    /// untouched, for HTTP/2 to carry (an upgraded channel, `upgrade.rs`).
+    async fn call_shm<B>(
+        self,
+        request: http::Request<B>,
+        hand_back: bool,
+    ) -> Result<http::Response<ResponseBody>, http::Request<B>>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
         let (parts, body) = request.into_parts();
         let options = match (codec::metadata_from(&parts.headers), codec::timeout_from(&parts.headers)) {
             (Ok(metadata), Ok(timeout)) => CallOptions { metadata, timeout, wait_for_ready: false },
-            (Err(s), _) | (_, Err(s)) => return failed_response(s),
+            (Err(s), _) | (_, Err(s)) => return Ok(failed_response(s)),
         };
         let mut call = match self.start_shm(parts.uri.path(), options).await {
             Ok(call) => call,
-            Err(status) => return failed_response(status),
+            Err(status) if hand_back && status.code() == Code::Unavailable => {
+                return Err(http::Request::from_parts(parts, body))
+            }
+            Err(status) => return Ok(failed_response(status)),
         };
         // Requests are usually whole already (a unary call's one message): send them here, and
         // give the rest of a streaming request a task of its own.
@@ -324,7 +345,7 @@ impl Channel {
         if poll_once(&mut sending).await.is_none() {
             tokio::spawn(sending);
         }
-        match std::future::poll_fn(|cx| call.poll_headers(cx)).await {
+        Ok(match std::future::poll_fn(|cx| call.poll_headers(cx)).await {
             Err(status) => failed_response(status),
             Ok(metadata) => {
                 let mut headers = HeaderMap::new();
@@ -334,7 +355,7 @@ impl Channel {
                 *response.headers_mut() = headers;
                 response
             }
-        }
+        })
     }
 }
 
@@ -355,8 +376,17 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         // An HTTP/2 channel that moved to shared memory (`upgrade.rs`) sends the call there.
-        if let Some((shm, _)) = self.route() {
-            return Box::pin(async move { Ok(shm.call_http(request).await) });
+        if let Some((shm, to)) = self.route() {
+            let mut http = self.without_upgrade();
+            return Box::pin(async move {
+                match shm.call_shm(request, true).await {
+                    Ok(response) => Ok(response),
+                    Err(request) => {
+                        http.upgrade_lost(&to);
+                        tower_service::Service::call(&mut http, request).await
+                    }
+                }
+            });
         }
         if let Some(http) = self.http() {
             // unix:// and http://: tonic's own HTTP/2 channel carries the request as it is.
