@@ -272,15 +272,11 @@ impl Channel {
         routed.map(|(shm, to)| (shm.with_calls_read(self.calls_read), to))
     }
 
-    /// The same handle, whose calls stay where they are (on HTTP/2 for an HTTP/2 channel).
-    fn unrouted(&self) -> Channel {
-        Channel { via: self.via.clone(), calls_read: self.calls_read, routes: false }
-    }
-
-    /// A handle on the same connection whose calls never move to shared memory: for bindings
-    /// that route calls themselves ([`route_for_binding`](Self::route_for_binding)).
+    /// A handle on the same connection whose calls never move to shared memory: for calls
+    /// already routed to HTTP/2, the probe's own, and bindings that route calls themselves
+    /// ([`route_for_binding`](Self::route_for_binding)).
     pub fn without_upgrade(&self) -> Channel {
-        self.unrouted()
+        Channel { via: self.via.clone(), calls_read: self.calls_read, routes: false }
     }
 
     /// How many calls this channel, to an HTTP/2 address, started over shared memory and over
@@ -314,7 +310,7 @@ impl Channel {
     pub(crate) fn start_http(&self, path: &str, options: CallOptions) -> Result<ClientCall, Status> {
         crate::call::check_path(path)?;
         let limit = self.max_message_size();
-        Ok(ClientCall { via: CallVia::Http(Box::new(HttpCall::start(self.unrouted(), path, options, limit)?)) })
+        Ok(ClientCall { via: CallVia::Http(Box::new(HttpCall::start(self.without_upgrade(), path, options, limit)?)) })
     }
 
     /// The HTTP/2 channel under an HTTP/2 target.

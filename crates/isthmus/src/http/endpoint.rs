@@ -232,12 +232,6 @@ impl HttpListener {
                     return Err(Status::new(Code::InvalidArgument, "a server binds one address per target"));
                 };
                 let config = match (tls, wants_tls) {
-                    (Some(_), Some(false)) => {
-                        return Err(Status::new(
-                            Code::InvalidArgument,
-                            format!("http://{host} is plaintext: bind https://{host} or {host} for TLS"),
-                        ))
-                    }
                     (Some(tls), _) => Some(tls.rustls()?),
                     (None, Some(true)) => {
                         return Err(Status::new(

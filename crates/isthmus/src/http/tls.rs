@@ -207,25 +207,23 @@ impl ServerTlsConfig {
     }
 }
 
-/// Says in words why a TLS handshake failed, if a rustls error is in `error`'s chain.
+/// Says in words why a TLS handshake failed, if a rustls error (or one already put in words)
+/// is in `error`'s chain, directly or inside an I/O error.
 pub(crate) fn describe(error: &(dyn std::error::Error + 'static)) -> Option<String> {
-    let mut next = Some(error);
-    while let Some(e) = next {
+    fn words(e: &(dyn std::error::Error + 'static)) -> Option<String> {
         if let Some(tls) = e.downcast_ref::<rustls::Error>() {
             return Some(describe_rustls(tls));
         }
-        if let Some(worded) = e.downcast_ref::<TlsFailure>() {
-            return Some(worded.0.clone());
-        }
-        if let Some(io) = e.downcast_ref::<std::io::Error>() {
-            if let Some(inner) = io.get_ref() {
-                if let Some(tls) = inner.downcast_ref::<rustls::Error>() {
-                    return Some(describe_rustls(tls));
-                }
-                if let Some(worded) = inner.downcast_ref::<TlsFailure>() {
-                    return Some(worded.0.clone());
-                }
-            }
+        e.downcast_ref::<TlsFailure>().map(|worded| worded.0.clone())
+    }
+    let mut next = Some(error);
+    while let Some(e) = next {
+        let inner = e
+            .downcast_ref::<std::io::Error>()
+            .and_then(|io| io.get_ref())
+            .map(|i| i as &(dyn std::error::Error + 'static));
+        if let Some(found) = words(e).or_else(|| inner.and_then(words)) {
+            return Some(found);
         }
         next = e.source();
     }

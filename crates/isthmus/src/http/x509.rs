@@ -27,14 +27,14 @@ impl PeerCertificate {
         let mut cert = PeerCertificate { der: der.to_vec(), ..PeerCertificate::default() };
         let certificate = Der(der).expect(SEQUENCE)?;
         let mut tbs = Der(Der(certificate).expect(SEQUENCE)?);
-        let (mut tag, mut value) = tbs.next()?;
+        // [0] version (optional), then the serial number.
+        let (mut tag, _) = tbs.next()?;
         if tag == VERSION {
-            (tag, value) = tbs.next()?;
+            tag = tbs.next()?.0;
         }
         if tag != INTEGER {
             return None;
         }
-        let _ = value;
         let _signature = tbs.expect(SEQUENCE)?;
         let _issuer = tbs.expect(SEQUENCE)?;
         let _validity = tbs.expect(SEQUENCE)?;
