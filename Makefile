@@ -9,6 +9,7 @@ SHELL := /bin/bash
 CARGO ?= cargo
 QUICK ?=
 FUZZ_SECONDS ?= 10
+FUZZ_RUNS ?= 10000000
 FUZZ_TARGETS := frame handshake ring rpc_wire http2_authority grpc_http x509 capi
 VENV := .venv
 GRPCURL_VERSION := v1.9.3
@@ -21,11 +22,11 @@ export PYO3_PYTHON := $(CURDIR)/$(VENV)/bin/python
 CAPI_DIR = $(CURDIR)/target/$(if $(RELEASE),release,debug)
 GO_ENV = CGO_LDFLAGS="-L$(CAPI_DIR) -Wl,-rpath,$(CAPI_DIR)"
 
-.PHONY: help test lint fmt unit pytest gotest luatest capi go-bins c-tools lua-tools go-proto fuzz-smoke bench demo tools rust-tools peers python clean
+.PHONY: help test lint fmt unit pytest gotest luatest capi go-bins c-tools lua-tools go-proto fuzz-smoke fuzz-long bench demo tools rust-tools peers python clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
-	@echo "  options: QUICK=1 (make bench: reduced set, < 3 min), FUZZ_SECONDS=N (per fuzz target)"
+	@echo "  options: QUICK=1 (make bench: reduced set, < 3 min), FUZZ_SECONDS=N (per fuzz target), FUZZ_RUNS=N (make fuzz-long)"
 
 tools: rust-tools peers c-tools lua-tools ## Install what the targets need (idempotent)
 
@@ -150,11 +151,15 @@ fuzz-smoke: rust-tools ## Run each fuzz target for FUZZ_SECONDS
 	  test $${PIPESTATUS[0]} -eq 0 || exit 1; \
 	done
 
+fuzz-long: rust-tools ## Run each fuzz target for FUZZ_RUNS executions (10 million) and record the counts in docs/fuzz-long.md
+	CARGO=$(CARGO) RUNS=$(FUZZ_RUNS) fuzz/long.sh $(FUZZ_TARGETS)
+
 bench: rust-tools peers ## Benchmarks beside their competitors: docs/bench/results.json, RESULTS.md, plots, README table
 	$(MAKE) --no-print-directory python RELEASE=1
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r python/requirements-bench.txt
 	$(CARGO) build --release -p isthmus-bench -p gateway-sidecar
 	./target/release/isthmus-bench all $(if $(QUICK),--quick) --out docs/bench/results.json
+	./target/release/isthmus-bench soak $(if $(QUICK),--calls 1000000 --python-calls 100000) --out docs/bench/results.json
 	$(VENV)/bin/python bench/gateway_rounds.py docs/bench/results.json $(if $(QUICK),--quick)
 	$(MAKE) --no-print-directory capi RELEASE=1
 	cd go && CGO_LDFLAGS="-L$(CURDIR)/target/release -Wl,-rpath,$(CURDIR)/target/release" go build -o ../target/go-bin-release/ ./cmd/go-bench

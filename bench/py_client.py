@@ -11,6 +11,9 @@ Usage: py_client.py SYSTEM TARGET. SYSTEM is one of:
   message-size limits, ``grpc.default_authority`` for the socket);
 - ``raw-uds``: a Python socket to the length-prefixed echo on the Unix socket TARGET.
 
+``py_client.py soak TARGET CALLS INFLIGHT`` is the soak (``isthmus-bench soak``): one JSON line
+of counts and percentiles.
+
 Each line on stdin is ``rt SIZE TIME_MS MIN MAX`` (one call in flight) or
 ``pipe SIZE INFLIGHT TIME_MS MIN MAX``; the answer is ``P50_US P99_US RPS``, or ``none`` for a
 mode the system lacks. Every reply is checked against its request.
@@ -200,7 +203,71 @@ def run_raw(target: str) -> None:
         print(timed(once, size, budget, lo, hi), flush=True)
 
 
+SOAK_SIZES = (64, 64, 64, 1 << 10, 1 << 10, 64, 16 << 10, 100_000)
+
+
+async def soak(target: str, calls: int, inflight: int) -> dict[str, object]:
+    """`calls` checked echo calls from ``isthmus.aio`` with `inflight` tasks; counts what was
+    lost (failed, or never answered within 30 s) and what came back different. Each message
+    starts with its call number, so a reply carrying another call's bytes is caught."""
+    import os
+
+    import isthmus.aio
+
+    bodies = {size: os.urandom(size) for size in set(SOAK_SIZES)}
+    channel = isthmus.aio.insecure_channel(target)
+    echo = channel.unary_unary(PATH)
+    latencies: list[float] = []
+    lost = mismatched = 0
+    first_error: str | None = None
+    next_call = 0
+
+    async def worker() -> None:
+        nonlocal next_call, lost, mismatched, first_error
+        while next_call < calls:
+            i, next_call = next_call, next_call + 1
+            size = SOAK_SIZES[i % len(SOAK_SIZES)]
+            body = bodies[size]
+            payload = (i.to_bytes(8, "little") + body[8:]) if size >= 8 else body
+            t = time.perf_counter()
+            try:
+                reply = await echo(payload, timeout=30)
+            except Exception as e:  # every failure is a lost call, counted
+                lost += 1
+                first_error = first_error or f"call {i}: {e!r}"
+            else:
+                if reply != payload:
+                    mismatched += 1
+            latencies.append(time.perf_counter() - t)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(inflight)))
+    total = time.perf_counter() - start
+    await channel.close()
+    latencies.sort()
+
+    def pick(q: float) -> float:
+        return round(latencies[max(1, math.ceil(len(latencies) * q)) - 1] * 1e6, 3)
+
+    return {
+        "calls": len(latencies),
+        "lost": lost,
+        "mismatched": mismatched,
+        "p50_us": pick(0.5),
+        "p99_us": pick(0.99),
+        "p999_us": pick(0.999),
+        "rps": round(len(latencies) / total, 1),
+        "first_error": first_error,
+    }
+
+
 def main() -> None:
+    if sys.argv[1] == "soak":
+        import json
+
+        target, calls, inflight = sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+        print(json.dumps(asyncio.run(soak(target, calls, inflight))), flush=True)
+        return
     system, target = sys.argv[1], sys.argv[2]
     print("READY", flush=True)
     if system == "raw-uds":

@@ -191,10 +191,10 @@ def main() -> int:
             ]
         rows.append("")
     rows += [
-        "The transport alone (`isthmus-shm`, no RPC layer) beside a length-prefixed echo over a Unix socket (`raw-uds`) and one `memcpy`:",
+        "The transport alone (`isthmus-shm`, no RPC layer) beside a length-prefixed echo over a Unix socket (`raw-uds`), one `memcpy`, and the physical floor of the echo's two copies between two processes (`floor-copy`: the same copies through a shared memfd, handed over by spinning, no transport; ADR 0014):",
         "",
-        "| message | isthmus-shm p50 (p99) | Unix socket p50 (p99) | speed-up | one memcpy | isthmus ÷ memcpy |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| message | isthmus-shm p50 (p99) | Unix socket p50 (p99) | speed-up | one memcpy | isthmus ÷ memcpy | floor-copy | isthmus ÷ floor |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for size, name in SIZES.items():
         i50, i99 = (
@@ -205,8 +205,10 @@ def main() -> int:
         m = med("memcpy", size, 1, "p50_us")
         if None in (i50, i99, u50, u99, m):
             continue
+        f = med("floor-copy", size, 1, "p50_us")
+        floor = f"{fmt(f)} | {i50 / f:.2f}×" if f else "– | –"
         rows.append(
-            f"| {name} | {fmt(i50)} ({fmt(i99)}) | {fmt(u50)} ({fmt(u99)}) | {u50 / i50:.1f}× | {fmt(m)} | {i50 / m:.2f}× |"
+            f"| {name} | {fmt(i50)} ({fmt(i99)}) | {fmt(u50)} ({fmt(u99)}) | {u50 / i50:.1f}× | {fmt(m)} | {i50 / m:.2f}× | {floor} |"
         )
     ir, ur = med("isthmus-shm-transport", 64, 32, "rps"), med("raw-uds", 64, 32, "rps")
     if ir and ur:
@@ -227,6 +229,16 @@ def main() -> int:
         if (v := med(system, size, 1, "p50_us")) is not None
     ]
     rows.append("Wake-up regimes at 64 B (p50): " + "; ".join(parts) + ".")
+    soaks = [r for r in data["records"] if r["system"].startswith("soak-")]
+    if soaks:
+        rows.append(
+            "Soak (`isthmus-bench soak`, 125 in flight, every reply checked): "
+            + "; ".join(
+                f"{r['system']} {r['calls']:,} calls, lost {r['lost']}, mismatched {r['mismatched']}, p99.9 {fmt(r['p999_us'])}"
+                for r in soaks
+            )
+            + "."
+        )
     h = data["header"]
     rows.append(
         f"Run of {h['date']}, commit {h['versions']['commit']}, {h['machine']['cores']} vCPUs ({h['machine']['cpu']}), kernel {h['machine']['kernel']}."

@@ -4,6 +4,8 @@
 //! ```text
 //! isthmus-bench all|transport|rpc|python [--quick] [--out docs/bench/results.json]
 //! isthmus-bench demo
+//! isthmus-bench soak [--calls N] [--python-calls M] [--out FILE]
+//! isthmus-bench profile-transport SIZE…
 //! ```
 //!
 //! `transport` is isthmus-shm against a raw Unix-socket echo and the physical floors; `rpc` is
@@ -18,6 +20,7 @@ mod measure;
 mod python;
 mod report;
 mod rpc;
+mod soak;
 mod system;
 
 use std::time::Duration;
@@ -25,7 +28,7 @@ use std::time::Duration;
 use measure::Budget;
 use report::Record;
 use rpc::{IsthmusRust, TonicClient};
-use system::{FloorEventfd, FloorSpin, Memcpy, SameCore, ShmEcho, System, UdsEcho};
+use system::{FloorCopy, FloorEventfd, FloorSpin, Memcpy, SameCore, ShmEcho, System, UdsEcho};
 
 const SIZES: [usize; 6] = [64, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20];
 /// Sizes of the RPC matrix (gRPC stacks top out well below 256 MiB messages).
@@ -42,9 +45,11 @@ fn main() {
         "serve-uds-len4" => system::serve_uds_len4(&arg(2)),
         "serve-eventfd" => system::serve_eventfd(num(2) as i32, num(3) as i32),
         "serve-spin" => system::serve_spin(num(2) as i32),
+        "serve-copy" => system::serve_copy(num(2) as i32),
         // `serve-isthmus TARGET…`: the echo on every target (an HTTP/2 one offers the shm:// one).
         "serve-isthmus" => rpc::serve_isthmus(&args[2..]),
         "serve-isthmus-spin" => rpc::serve_isthmus_spin(&arg(2), num(3) as u64),
+        "serve-isthmus-soak" => rpc::serve_isthmus_soak(&arg(2), &arg(3)),
         "serve-tonic" => rpc::serve_tonic(&arg(2)),
         "serve-tonic-isthmus" => rpc::serve_tonic_isthmus(&arg(2)),
         "demo" => demo(),
@@ -67,6 +72,37 @@ fn main() {
                 n => sys.pipelined(size, n as usize, budget).expect("pipelined"),
             };
             println!("p50 {:.2} µs, {:.0} calls/s", s.p50_us, s.rps);
+        }
+        // `profile-transport SIZE…`: the transport's echo beside its floors at these sizes.
+        "profile-transport" => {
+            let budget = Budget { time: Duration::from_secs(1), min_iters: 5, max_iters: 200_000 };
+            let spin = isthmus_shm::SpinPolicy::default().max;
+            let mut systems: Vec<Box<dyn System>> = vec![
+                Box::new(ShmEcho::start("isthmus-shm-transport", spin)),
+                Box::new(FloorCopy::start()),
+                Box::new(Memcpy),
+            ];
+            for size in args[2..].iter().map(|a| a.parse::<usize>().expect("size")) {
+                for sys in systems.iter_mut() {
+                    let s = sys.round_trip(size, budget);
+                    println!("{:>10} {:<24} p50 {:>10.2} µs  p99 {:>10.2} µs", size, sys.name(), s.p50_us, s.p99_us);
+                }
+            }
+        }
+        "soak" => {
+            let opt = |name: &str, default: u64| {
+                args.iter()
+                    .position(|a| a == name)
+                    .and_then(|i| args.get(i + 1))
+                    .map_or(default, |v| v.parse().unwrap_or_else(|_| panic!("{name} takes a number")))
+            };
+            let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
+            let (records, clean) = soak::run(opt("--calls", 10_000_000), opt("--python-calls", 1_000_000));
+            report::write(out.as_deref().unwrap_or("docs/bench/results.json"), &records, false);
+            if !clean {
+                eprintln!("soak: calls were lost or came back wrong");
+                std::process::exit(1);
+            }
         }
         which @ ("all" | "transport" | "rpc" | "python") => {
             let quick = args.iter().any(|a| a == "--quick");
@@ -171,7 +207,8 @@ fn transport(budget: Budget) -> Vec<Record> {
     let nospin = ShmEcho::start("isthmus-shm-transport-nospin", Duration::ZERO);
     let samecore_inner = ShmEcho::start("isthmus-shm-transport-samecore", spin);
     let samecore_pid = samecore_inner.server.pid();
-    let mut full: Vec<Box<dyn System>> = vec![Box::new(shm), Box::new(UdsEcho::start()), Box::new(Memcpy)];
+    let mut full: Vec<Box<dyn System>> =
+        vec![Box::new(shm), Box::new(UdsEcho::start()), Box::new(Memcpy), Box::new(FloorCopy::start())];
     let mut small: Vec<Box<dyn System>> = vec![
         Box::new(nospin),
         Box::new(SameCore { name: "isthmus-shm-transport-samecore", inner: samecore_inner, server_pid: samecore_pid }),

@@ -15,20 +15,26 @@ pub struct Record {
     pub inflight: usize,
     pub round: usize,
     pub sample: Sample,
+    /// Fields of this record beyond the common ones (the soak's counts).
+    pub extra: Value,
 }
 
 impl Record {
     pub fn new(system: &str, size: usize, inflight: usize, round: usize, sample: Sample) -> Record {
-        Record { system: system.to_owned(), size, inflight, round, sample }
+        Record { system: system.to_owned(), size, inflight, round, sample, extra: Value::Null }
     }
 
     fn to_json(&self) -> Value {
         let r = |v: f64| if v.is_finite() { json!((v * 1000.0).round() / 1000.0) } else { Value::Null };
-        json!({
+        let mut v = json!({
             "system": self.system, "size": self.size, "inflight": self.inflight,
             "p50_us": r(self.sample.p50_us), "p99_us": r(self.sample.p99_us), "rps": r(self.sample.rps),
             "round": self.round,
-        })
+        });
+        if let (Some(v), Some(extra)) = (v.as_object_mut(), self.extra.as_object()) {
+            v.extend(extra.clone());
+        }
+        v
     }
 }
 
@@ -135,16 +141,22 @@ pub fn print_transport(records: &[Record]) {
     let m = medians(records);
     let get = |sys: &str, size: usize, inflight: usize| m.get(&(sys.to_owned(), size, inflight)).copied();
     println!("\nisthmus-shm transport: round trips between two processes (medians of {} rounds)\n", crate::ROUNDS);
-    println!("| size | isthmus-shm p50 | p99 | raw-uds p50 | p99 | speed-up | memcpy (one way) | isthmus ÷ memcpy |");
-    println!("|---:|---:|---:|---:|---:|---:|---:|---:|");
+    println!(
+        "| size | isthmus-shm p50 | p99 | raw-uds p50 | p99 | speed-up | memcpy (one way) | isthmus ÷ memcpy | floor-copy | isthmus ÷ floor |"
+    );
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
     for &size in &crate::SIZES {
         let (Some(i), Some(u), Some(c)) =
             (get("isthmus-shm-transport", size, 1), get("raw-uds", size, 1), get("memcpy", size, 1))
         else {
             continue;
         };
+        let (floor, over_floor) = match get("floor-copy", size, 1) {
+            Some(f) => (us(f.0), format!("{:.2}×", i.0 / f.0)),
+            None => ("–".into(), "–".into()),
+        };
         println!(
-            "| {} | {} | {} | {} | {} | {:.2}× | {} | {:.2}× |",
+            "| {} | {} | {} | {} | {} | {:.2}× | {} | {:.2}× | {floor} | {over_floor} |",
             size_name(size),
             us(i.0),
             us(i.1),

@@ -15,7 +15,7 @@ use bytes::Bytes;
 use crate::measure::{self, Budget, Sample};
 use crate::system::{ready, unique, Server, System};
 
-const PATH: &str = "/bench.Echo/Unary";
+pub(crate) const PATH: &str = "/bench.Echo/Unary";
 /// A server stream: the request is `u32 count, u32 size` (little-endian); the reply is `count`
 /// messages of `size` bytes.
 const STREAM_PATH: &str = "/bench.Echo/Stream";
@@ -56,7 +56,17 @@ pub fn serve_isthmus_spin(addr: &str, spin_us: u64) {
     serve_isthmus_with(&[addr.to_owned()], config)
 }
 
+/// The soak's server: the echo on `addr`, writing its connections' largest arena high-water mark
+/// to `stats_path` as JSON a few times a second.
+pub fn serve_isthmus_soak(addr: &str, stats_path: &str) {
+    serve_isthmus_inner(&[addr.to_owned()], isthmus::Config::default(), Some(stats_path.to_owned()))
+}
+
 fn serve_isthmus_with(targets: &[String], config: isthmus::Config) {
+    serve_isthmus_inner(targets, config, None)
+}
+
+fn serve_isthmus_inner(targets: &[String], config: isthmus::Config, stats_path: Option<String>) {
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     rt.block_on(async {
         let bound = isthmus::Server::builder()
@@ -77,6 +87,20 @@ fn serve_isthmus_with(targets: &[String], config: isthmus::Config) {
             })
             .bind_all(targets.iter().map(String::as_str))
             .expect("bind");
+        if let Some(path) = stats_path {
+            let stats = bound.stats();
+            tokio::spawn(async move {
+                let mut high = 0;
+                loop {
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                    high = stats.connections().iter().map(|c| c.transport.arena_high_water).fold(high, u64::max);
+                    let tmp = format!("{path}.tmp");
+                    if std::fs::write(&tmp, format!("{{\"arena_high_water\": {high}}}")).is_ok() {
+                        let _ = std::fs::rename(&tmp, &path);
+                    }
+                }
+            });
+        }
         ready();
         bound.serve().await.expect("serve");
     });

@@ -338,6 +338,18 @@ impl System for FloorEventfd {
     }
 }
 
+/// A memfd of `len` bytes that a child process inherits across exec.
+fn inheritable_memfd(name: &std::ffi::CStr, len: usize) -> OwnedFd {
+    // SAFETY: memfd_create with a valid name; flags 0 keeps the fd across exec.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), 0) };
+    assert!(fd >= 0, "memfd_create: {}", std::io::Error::last_os_error());
+    // SAFETY: `fd` was just created and is owned here.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: ftruncate on our own memfd.
+    assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), len as libc::off_t) }, 0, "ftruncate");
+    fd
+}
+
 /// A shared page two processes spin on: the floor of a cross-core round trip.
 struct SharedPage(*mut AtomicU64);
 
@@ -384,13 +396,7 @@ pub struct FloorSpin {
 
 impl FloorSpin {
     pub fn start() -> FloorSpin {
-        // SAFETY: memfd_create with a valid name; flags 0 keeps the fd across exec.
-        let fd = unsafe { libc::memfd_create(c"bench-spin".as_ptr(), 0) };
-        assert!(fd >= 0);
-        // SAFETY: `fd` was just created and is owned here.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: ftruncate on our own memfd.
-        assert_eq!(unsafe { libc::ftruncate(fd.as_raw_fd(), 4096) }, 0);
+        let fd = inheritable_memfd(c"bench-spin", 4096);
         let page = SharedPage::map(fd.as_raw_fd());
         FloorSpin { fd, page, seq: 0 }
     }
@@ -408,6 +414,95 @@ impl System for FloorSpin {
             *seq += 1;
             page.word(0).store(*seq, Ordering::Release);
             while page.word(1).load(Ordering::Acquire) != *seq {
+                std::hint::spin_loop();
+            }
+        });
+        drop(server);
+        sample
+    }
+}
+
+/// The largest message [`FloorCopy`] moves (its segment holds two of them).
+const COPY_MAX: usize = 256 << 20;
+
+/// Server role: on each new value of word 0, copy `len` (word 2) bytes from buffer A into
+/// buffer B, then answer in word 1, spinning. The echo server's work, with no transport.
+pub fn serve_copy(fd: RawFd) {
+    let seg = CopySegment::map(fd);
+    let mut last = seg.page.word(0).load(Ordering::Acquire);
+    ready();
+    loop {
+        let v = seg.page.word(0).load(Ordering::Acquire);
+        if v != last {
+            last = v;
+            let len = seg.page.word(2).load(Ordering::Relaxed) as usize;
+            // SAFETY: A and B are disjoint COPY_MAX-byte regions of the mapping and `len` is
+            // at most COPY_MAX (the client writes only sizes it mapped for).
+            unsafe { std::ptr::copy_nonoverlapping(seg.a, seg.b, len.min(COPY_MAX)) };
+            seg.page.word(1).store(v, Ordering::Release);
+        } else {
+            std::hint::spin_loop();
+        }
+    }
+}
+
+/// A control page and two message buffers in one shared memfd.
+struct CopySegment {
+    page: SharedPage,
+    a: *mut u8,
+    b: *mut u8,
+}
+
+impl CopySegment {
+    fn map(fd: RawFd) -> CopySegment {
+        let len = 4096 + 2 * COPY_MAX;
+        // SAFETY: a fresh shared mapping of the whole memfd, checked against MAP_FAILED.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
+        };
+        assert_ne!(p, libc::MAP_FAILED, "mmap");
+        let base = p.cast::<u8>();
+        // SAFETY: both offsets lie inside the `len`-byte mapping.
+        let (a, b) = unsafe { (base.add(4096), base.add(4096 + COPY_MAX)) };
+        CopySegment { page: SharedPage(base.cast()), a, b }
+    }
+}
+
+/// The physical floor of the transport's echo: the client copies the message into shared memory,
+/// the server, spinning, copies it into a second shared buffer, and the client, spinning, sees
+/// the answer. The same two copies and two hand-overs as `isthmus-shm-transport`, with no
+/// transport at all; what a round trip costs beyond this is the transport's own.
+pub struct FloorCopy {
+    fd: OwnedFd,
+    seg: CopySegment,
+    seq: u64,
+}
+
+impl FloorCopy {
+    pub fn start() -> FloorCopy {
+        let fd = inheritable_memfd(c"bench-copy", 4096 + 2 * COPY_MAX);
+        let seg = CopySegment::map(fd.as_raw_fd());
+        FloorCopy { fd, seg, seq: 0 }
+    }
+}
+
+impl System for FloorCopy {
+    fn name(&self) -> &'static str {
+        "floor-copy"
+    }
+
+    fn round_trip(&mut self, size: usize, budget: Budget) -> Sample {
+        assert!(size <= COPY_MAX);
+        let server = Server::spawn(&["serve-copy".into(), self.fd.as_raw_fd().to_string()]);
+        let payload = vec![0x5au8; size];
+        let (seg, seq) = (&self.seg, &mut self.seq);
+        seg.page.word(2).store(size as u64, Ordering::Relaxed);
+        let sample = measure::run(budget, size, || {
+            // SAFETY: A is a COPY_MAX-byte region of the mapping and `size` fits in it.
+            unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), seg.a, size) };
+            *seq += 1;
+            seg.page.word(0).store(*seq, Ordering::Release);
+            while seg.page.word(1).load(Ordering::Acquire) != *seq {
                 std::hint::spin_loop();
             }
         });

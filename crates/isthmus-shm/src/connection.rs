@@ -166,12 +166,16 @@ impl Core {
         }
     }
 
-    fn rx_waiter(&self) -> Waiter<'_> {
+    /// The wait for the peer's next frame. `heard` is [`Stats::bytes_sent`] when the last frame
+    /// came in: what we sent since then the peer must still read, so the spin may last longer
+    /// (see [`SpinPolicy::owing`]).
+    fn rx_waiter(&self, heard: u64) -> Waiter<'_> {
+        let owed = self.stats.bytes_sent.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(heard);
         Waiter {
             bell: &self.bells.my_rx,
             parked: self.seg.ctl_u32(self.rx, layout::CTL_CONSUMER_PARKED),
             link: &self.link,
-            spin: self.spin,
+            spin: self.spin.owing(owed),
             stats: &self.stats,
             what: "waiting for a frame",
         }
@@ -711,6 +715,8 @@ pub struct Receiver {
     releaser: Arc<Releaser>,
     partial: HashMap<u64, Partial>,
     pool: Arc<BufferPool>,
+    /// Our `bytes_sent` when the peer's last frame came in (see [`Core::rx_waiter`]).
+    heard: u64,
 }
 
 impl fmt::Debug for Receiver {
@@ -740,6 +746,7 @@ impl Receiver {
             };
             let c = &self.core;
             c.stats.add(&c.stats.frames_received, 1);
+            self.heard = c.stats.bytes_sent.load(std::sync::atomic::Ordering::Relaxed);
             wake_if_parked(c.seg.ctl_u32(c.rx, layout::CTL_PRODUCER_PARKED), &c.bells.peer_tx);
             match self.deliver(raw.header, raw.body) {
                 Ok(Some(frame)) => return Ok(Some(frame)),
@@ -843,7 +850,7 @@ impl Receiver {
                 return Ok(f);
             }
             let (ring, core) = (&self.ring, &self.core);
-            match core.rx_waiter().wait(deadline, || ring.is_ready().map_err(|e| core.fail(e))) {
+            match core.rx_waiter(self.heard).wait(deadline, || ring.is_ready().map_err(|e| core.fail(e))) {
                 // Frames the peer wrote before it died come first; try_recv reports the death.
                 Err(e) if e.kind() == ErrorKind::PeerGone => continue,
                 r => r?,
@@ -860,7 +867,7 @@ impl Receiver {
                 return Ok(f);
             }
             let (ring, core) = (&self.ring, &self.core);
-            match core.rx_waiter().wait_async(|| ring.is_ready().map_err(|e| core.fail(e))).await {
+            match core.rx_waiter(self.heard).wait_async(|| ring.is_ready().map_err(|e| core.fail(e))).await {
                 Err(e) if e.kind() == ErrorKind::PeerGone => continue,
                 r => r?,
             }
@@ -883,7 +890,7 @@ impl Receiver {
             }
             let (ring, core) = (&self.ring, &self.core);
             let ready = || Ok(core.interrupted.load(Ordering::Acquire) || ring.is_ready().map_err(|e| core.fail(e))?);
-            match core.rx_waiter().wait_async(ready).await {
+            match core.rx_waiter(self.heard).wait_async(ready).await {
                 Err(e) if e.kind() == ErrorKind::PeerGone => continue,
                 r => r?,
             }
@@ -1014,6 +1021,7 @@ impl Connection {
             releaser,
             partial: HashMap::new(),
             pool: Arc::default(),
+            heard: 0,
         };
         Connection { sender: Sender { core }, receiver }
     }
