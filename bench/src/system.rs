@@ -33,9 +33,22 @@ pub trait System {
 pub struct Server(Child);
 
 impl Server {
+    /// Starts this binary in a server role. `ISTHMUS_BENCH_SERVER_WRAP` (a command and its
+    /// arguments, split on spaces) runs the server under a profiler, e.g.
+    /// `valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.server`.
     pub fn spawn(args: &[String]) -> Server {
         let exe = std::env::current_exe().expect("own path");
-        let mut child = Command::new(exe).args(args).stdout(Stdio::piped()).spawn().expect("spawn server");
+        let wrap = std::env::var("ISTHMUS_BENCH_SERVER_WRAP").unwrap_or_default();
+        let mut words = wrap.split_whitespace();
+        let mut command = match words.next() {
+            Some(tool) => {
+                let mut c = Command::new(tool);
+                c.args(words).arg(exe);
+                c
+            }
+            None => Command::new(exe),
+        };
+        let mut child = command.args(args).stdout(Stdio::piped()).spawn().expect("spawn server");
         let mut line = String::new();
         BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("server output");
         assert_eq!(line.trim(), "READY", "server {args:?} failed to start");
@@ -49,7 +62,13 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        let _ = self.0.kill();
+        if std::env::var_os("ISTHMUS_BENCH_SERVER_WRAP").is_some() {
+            // A profiler writes its output when the process ends on SIGTERM, not on SIGKILL.
+            // SAFETY: kill(2) with our own child's pid.
+            unsafe { libc::kill(self.pid(), libc::SIGTERM) };
+        } else {
+            let _ = self.0.kill();
+        }
         let _ = self.0.wait();
     }
 }

@@ -115,7 +115,7 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
         # The fast path (with_call repeats it, to keep this one a single frame): one engine call,
         # no thread, no call object.
         try:
-            result = self._channel.unary(
+            message = self._channel.unary_message(
                 self._path,
                 encode(self._serialize, request),
                 None if metadata is None else outgoing(metadata),
@@ -123,7 +123,7 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
                 bool(wait_for_ready),
             )
             # A deserializer's failure fails the call (INTERNAL), as in grpcio.
-            return decode(self._deserialize, result.message)
+            return decode(self._deserialize, message)
         except CallError as e:
             raise rpc_error(e) from None
 

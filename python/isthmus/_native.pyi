@@ -70,6 +70,15 @@ class Channel:
         wait_for_ready: bool,
     ) -> UnaryResult:
         """Raises CallError."""
+    def unary_message(
+        self,
+        path: str,
+        request: bytes,
+        metadata: _Metadata | None,
+        timeout: float | None,
+        wait_for_ready: bool,
+    ) -> bytes:
+        """`unary` for the response message alone; raises CallError."""
     def start(
         self, path: str, metadata: _Metadata | None, timeout: float | None, wait_for_ready: bool
     ) -> Call:

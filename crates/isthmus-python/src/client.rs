@@ -135,6 +135,31 @@ impl Channel {
         self.engine.upgrade_lost(&to);
         None
     }
+
+    /// One unary call, the GIL released while it runs.
+    fn call_unary(
+        &self,
+        py: Python<'_>,
+        path: &str,
+        request: &Bound<'_, PyBytes>,
+        metadata: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+        wait_for_ready: bool,
+    ) -> PyResult<isthmus::Response> {
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(call_error(py, &closed()));
+        }
+        let options = options(metadata, timeout, wait_for_ready)?;
+        let request = request.as_bytes();
+        let response = match &self.blocking {
+            Some(channel) => py.detach(|| channel.unary(path, request, options)),
+            None => py.detach(|| match self.upgraded() {
+                Some(channel) => channel.unary(path, request, options),
+                None => runtime().block_on(self.direct.unary(path, request, options)),
+            }),
+        };
+        response.map_err(|status| call_error(py, &status))
+    }
 }
 
 #[pymethods]
@@ -172,22 +197,24 @@ impl Channel {
         timeout: Option<f64>,
         wait_for_ready: bool,
     ) -> PyResult<UnaryResult> {
-        if self.closed.load(Ordering::Relaxed) {
-            return Err(call_error(py, &closed()));
-        }
-        let options = options(metadata, timeout, wait_for_ready)?;
-        let request = request.as_bytes();
-        let response = match &self.blocking {
-            Some(channel) => py.detach(|| channel.unary(path, request, options)),
-            None => py.detach(|| match self.upgraded() {
-                Some(channel) => channel.unary(path, request, options),
-                None => runtime().block_on(self.direct.unary(path, request, options)),
-            }),
-        };
-        match response {
-            Ok(response) => UnaryResult::new(py, &response),
-            Err(status) => Err(call_error(py, &status)),
-        }
+        let response = self.call_unary(py, path, request, metadata, timeout, wait_for_ready)?;
+        UnaryResult::new(py, &response)
+    }
+
+    /// [`unary`](Self::unary) when only the response message is wanted (a stub's plain call):
+    /// no result object and no metadata lists to build.
+    #[pyo3(signature = (path, request, metadata, timeout, wait_for_ready))]
+    fn unary_message<'py>(
+        &self,
+        py: Python<'py>,
+        path: &str,
+        request: &Bound<'_, PyBytes>,
+        metadata: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+        wait_for_ready: bool,
+    ) -> PyResult<Bound<'py, PyBytes>> {
+        let response = self.call_unary(py, path, request, metadata, timeout, wait_for_ready)?;
+        Ok(PyBytes::new(py, &response.message))
     }
 
     #[pyo3(signature = (path, metadata, timeout, wait_for_ready))]

@@ -302,10 +302,12 @@ impl Sender {
         let len = header.len as usize;
         while !self.core.try_push(header, body)? {
             self.core.stats.add(&self.core.stats.ring_full_waits, 1);
-            self.core
-                .tx_waiter("waiting for room in the frame ring")
-                .wait_async(|| self.core.ring_has_room(len))
-                .await?;
+            // Boxed: the wait's state is large and rarely needed, and every future that sends
+            // would otherwise carry it (the engine allocates a call's future per call).
+            Box::pin(
+                self.core.tx_waiter("waiting for room in the frame ring").wait_async(|| self.core.ring_has_room(len)),
+            )
+            .await?;
         }
         Ok(())
     }
@@ -483,10 +485,13 @@ impl Sender {
                 return Ok(BlockMut { sender: self.clone(), offset, generation, ptr, len, sent: false });
             }
             self.core.stats.add(&self.core.stats.arena_full_waits, 1);
-            self.core
-                .tx_waiter("waiting for room in the payload arena")
-                .wait_async(|| self.core.arena_has_room(len))
-                .await?;
+            // Boxed for the reason `push_async` gives.
+            Box::pin(
+                self.core
+                    .tx_waiter("waiting for room in the payload arena")
+                    .wait_async(|| self.core.arena_has_room(len)),
+            )
+            .await?;
         }
     }
 

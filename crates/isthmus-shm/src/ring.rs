@@ -158,10 +158,10 @@ impl FrameConsumer {
                 need
             )));
         }
-        let mut body = vec![0u8; header.len as usize];
-        if !body.is_empty() {
-            self.data.read_wrapping((at + FRAME_HEADER_LEN) & mask, &mut body);
-        }
+        let body = match header.len as usize {
+            0 => Vec::new(),
+            n => self.data.read_wrapping_to_vec((at + FRAME_HEADER_LEN) & mask, n),
+        };
         self.head += need as u64;
         self.seg.ctl_u64(self.dir, layout::CTL_HEAD).store(self.head, Ordering::Release);
         Ok(Some(RawFrame { header, body: Bytes::from(body) }))

@@ -136,17 +136,42 @@ impl Region {
 
     /// Copies from the region at `at` into `dst`, wrapping around its end.
     pub(crate) fn read_wrapping(&self, at: usize, dst: &mut [u8]) {
-        assert!(at < self.len && dst.len() <= self.len);
-        let first = dst.len().min(self.len - at);
-        // SAFETY: as in `write_wrapping`, with the roles of source and destination swapped. The
-        // peer may write these bytes concurrently; they are copied as plain bytes (any value is a
-        // valid u8) and validated by the caller after the copy.
+        // SAFETY: `dst` is valid for `dst.len()` bytes of writes.
+        unsafe { self.read_wrapping_raw(at, dst.as_mut_ptr(), dst.len()) }
+    }
+
+    /// `len` bytes from the region at `at`, wrapping around its end, in a new vector. Unlike
+    /// [`read_wrapping`](Self::read_wrapping) into a zeroed buffer, the bytes are written once:
+    /// a frame's body costs one allocation and one copy.
+    pub(crate) fn read_wrapping_to_vec(&self, at: usize, len: usize) -> Vec<u8> {
+        let mut v = Vec::with_capacity(len);
+        // SAFETY: the vector has capacity for `len` bytes, all of which the call writes (the
+        // region holds at least `len` bytes: checked inside), so they are initialised before
+        // `set_len` makes them part of the vector.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr.add(at), dst.as_mut_ptr(), first);
+            self.read_wrapping_raw(at, v.as_mut_ptr(), len);
+            v.set_len(len);
+        }
+        v
+    }
+
+    /// Copies `len` bytes from the region at `at` to `dst`, wrapping around the region's end.
+    ///
+    /// # Safety
+    /// `dst` must be valid for `len` bytes of writes and not overlap the region.
+    unsafe fn read_wrapping_raw(&self, at: usize, dst: *mut u8, len: usize) {
+        assert!(at < self.len && len <= self.len);
+        let first = len.min(self.len - at);
+        // SAFETY: as in `write_wrapping`, with the roles of source and destination swapped (the
+        // caller vouches for `dst`). The peer may write these bytes concurrently; they are
+        // copied as plain bytes (any value is a valid u8) and validated by the caller after the
+        // copy.
+        unsafe {
+            std::ptr::copy_nonoverlapping(self.ptr.add(at), dst, first);
         }
         // SAFETY: the wrapped tail starts at the region's base and is shorter than the region.
         unsafe {
-            std::ptr::copy_nonoverlapping(self.ptr, dst.as_mut_ptr().add(first), dst.len() - first);
+            std::ptr::copy_nonoverlapping(self.ptr, dst.add(first), len - first);
         }
     }
 }

@@ -78,7 +78,7 @@ impl Reconnect {
 pub(crate) fn open_head(path: &str, metadata: MetadataMap, deadline: Option<std::time::Instant>) -> Vec<u8> {
     let timeout = deadline
         .map(|d| d.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_nanos(1)));
-    wire::RequestHead { path: path.to_owned(), timeout, metadata }.encode()
+    wire::encode_request_head(path, timeout, &metadata)
 }
 
 /// One channel's connection slot, shared by its clones: the target, and the live connection

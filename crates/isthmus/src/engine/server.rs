@@ -468,21 +468,30 @@ async fn serve_connection(
         let guard = CallGuard::new(&tracker);
         let mux = mux.clone();
         let peer = peer.of_call(&mut incoming.head.metadata, bridged);
-        Box::pin(async move {
-            run_call(mux, incoming, handler, peer).await;
-            drop(guard);
-        })
+        Box::pin(run_call(mux, incoming, handler, peer, guard))
     });
     reader_mux.read_loop(receiver, Some(Accept::new(make))).await;
 }
 
-/// Runs one call's handler against its deadline and the client's cancel, then sends its status.
-async fn run_call(mux: Arc<Mux>, incoming: Incoming, handler: Option<HandlerFn>, peer: Peer) {
+/// Runs one call's handler against its deadline and the client's cancel, then sends its status;
+/// `guard` counts the call in progress until then.
+///
+/// One future per call, allocated per call: a plain function around one `async` block (an
+/// `async fn` would keep its arguments beside the block's copies of them), so that it stays
+/// within the allocator's fast size classes.
+fn run_call(
+    mux: Arc<Mux>,
+    incoming: Incoming,
+    handler: Option<HandlerFn>,
+    peer: Peer,
+    guard: CallGuard,
+) -> impl Future<Output = ()> + Send {
     let Incoming { head, stream, cancelled } = incoming;
     let span =
         tracing::debug_span!("isthmus.serve", path = %head.path, stream = stream.id, code = tracing::field::Empty);
     let recorder = span.clone();
     async move {
+        let _guard = guard;
         let id = stream.id;
         let status = call_status(&mux, head, stream, handler, &cancelled, peer).await;
         recorder.record("code", tracing::field::debug(status.as_ref().map_or(cancelled.code(), |s| s.code())));
@@ -503,7 +512,6 @@ async fn run_call(mux: Arc<Mux>, incoming: Incoming, handler: Option<HandlerFn>,
         }
     }
     .instrument(span)
-    .await
 }
 
 /// Runs the handler; the status to send, or `None` if the call was cancelled under it.
@@ -587,9 +595,11 @@ impl Future for CatchPanic {
 /// Runs the handler against the deadline and the cancel signal; the losing branch's handler
 /// future is dropped, which is what stops it.
 async fn supervise(fut: BoxFuture, deadline: Option<Instant>, cancelled: &Cancel) -> Outcome {
+    // Boxed, and only for a call with a deadline: a timer's state would make every call's
+    // future larger than the allocator's fast size classes.
     let expired = async {
         match deadline {
-            Some(d) => tokio::time::sleep_until(d).await,
+            Some(d) => Box::pin(tokio::time::sleep_until(d)).await,
             None => std::future::pending().await,
         }
     };

@@ -138,17 +138,23 @@ pub struct RequestHead {
     pub metadata: MetadataMap,
 }
 
+/// Encodes a HEADERS body from its parts, for a caller that holds the path only as `&str` (no
+/// `RequestHead` to build, so no copy of the path).
+pub fn encode_request_head(path: &str, timeout: Option<Duration>, metadata: &MetadataMap) -> Vec<u8> {
+    let mut out = Vec::with_capacity(16 + path.len());
+    out.extend_from_slice(&[WIRE_VERSION, 0]);
+    out.extend_from_slice(&(path.len() as u16).to_le_bytes());
+    let ns = timeout.map_or(0, |t| t.as_nanos().clamp(1, u64::MAX as u128) as u64);
+    out.extend_from_slice(&ns.to_le_bytes());
+    out.extend_from_slice(path.as_bytes());
+    put_metadata(&mut out, metadata);
+    out
+}
+
 impl RequestHead {
     /// Encodes the body.
     pub fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(16 + self.path.len());
-        out.extend_from_slice(&[WIRE_VERSION, 0]);
-        out.extend_from_slice(&(self.path.len() as u16).to_le_bytes());
-        let ns = self.timeout.map_or(0, |t| t.as_nanos().clamp(1, u64::MAX as u128) as u64);
-        out.extend_from_slice(&ns.to_le_bytes());
-        out.extend_from_slice(self.path.as_bytes());
-        put_metadata(&mut out, &self.metadata);
-        out
+        encode_request_head(&self.path, self.timeout, &self.metadata)
     }
 
     /// Decodes and checks a body.
