@@ -53,6 +53,7 @@ use tower_service::Service;
 use super::codec::{self, Deframer};
 use crate::engine::server::{Requests, ServerCall};
 use crate::status::{Code, Status};
+use crate::MetadataMap;
 
 /// The request messages of an `shm://` call as a gRPC body for a tonic service: each message's
 /// prefix, then the message itself (a view into shared memory for a large one).
@@ -109,33 +110,20 @@ impl ServiceHandler {
     /// Runs one call through the service: the call's request becomes an `http::Request` as
     /// gRPC over HTTP/2 would deliver it, and the response's messages and trailers go back as
     /// the call's messages and status.
+    ///
+    /// The future is allocated per call: nothing large (the request, the response's parts) is
+    /// held across an await, so that it stays small.
     pub(crate) async fn serve(self, mut call: ServerCall) -> Result<(), Status> {
-        let body = tonic::body::Body::new(RequestBody { requests: call.take_requests(), pending: None });
-        let mut request = http::Request::new(body);
-        *request.method_mut() = http::Method::POST;
-        *request.version_mut() = http::Version::HTTP_2;
-        *request.uri_mut() = http::Uri::try_from(call.path())
-            .map_err(|e| Status::new(Code::InvalidArgument, format!("method path {:?}: {e}", call.path())))?;
-        let headers = request.headers_mut();
-        headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-        headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
-        if let Some(left) = call.time_remaining() {
-            headers.insert(http::HeaderName::from_static("grpc-timeout"), codec::timeout_value(left));
-        }
-        codec::metadata_into(call.metadata(), headers);
-
         let mut service = self.0;
         let _ = std::future::poll_fn(|cx| service.poll_ready(cx)).await;
-        let response = match service.call(request).await {
+        let response = match service.call(http_request(&mut call)?).await {
             Ok(r) => r,
             Err(never) => match never {},
         };
-        let (parts, body) = response.into_parts();
-        // A trailers-only response: the status is in the headers.
-        if let Some(status) = codec::status_from(&parts.headers) {
-            return finish(&call, status);
-        }
-        let metadata = codec::metadata_from(&parts.headers)?;
+        let (metadata, body) = match split_response(response)? {
+            Answer::Messages(metadata, body) => (metadata, body),
+            Answer::TrailersOnly(status) => return finish(&call, status),
+        };
         let mut body = std::pin::pin!(body);
         // Over HTTP/2 the response headers leave as soon as the service returns, and a client
         // may wait for them before it sends (a bidi call). Send them at once unless the first
@@ -181,6 +169,40 @@ impl ServiceHandler {
         }
         Err(Status::new(Code::Internal, "the service's response ended without a status"))
     }
+}
+
+/// The call's request as gRPC over HTTP/2 would deliver it to the service.
+fn http_request(call: &mut ServerCall) -> Result<http::Request<tonic::body::Body>, Status> {
+    let body = tonic::body::Body::new(RequestBody { requests: call.take_requests(), pending: None });
+    let mut request = http::Request::new(body);
+    *request.method_mut() = http::Method::POST;
+    *request.version_mut() = http::Version::HTTP_2;
+    *request.uri_mut() = http::Uri::try_from(call.path())
+        .map_err(|e| Status::new(Code::InvalidArgument, format!("method path {:?}: {e}", call.path())))?;
+    let headers = request.headers_mut();
+    headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
+    if let Some(left) = call.time_remaining() {
+        headers.insert(http::HeaderName::from_static("grpc-timeout"), codec::timeout_value(left));
+    }
+    codec::metadata_into(call.metadata(), headers);
+    Ok(request)
+}
+
+/// How a service's response begins.
+enum Answer {
+    /// Initial metadata, then a body of messages and trailers.
+    Messages(MetadataMap, tonic::body::Body),
+    /// A trailers-only response: the status is in the headers.
+    TrailersOnly(Status),
+}
+
+fn split_response(response: http::Response<tonic::body::Body>) -> Result<Answer, Status> {
+    let (parts, body) = response.into_parts();
+    if let Some(status) = codec::status_from(&parts.headers) {
+        return Ok(Answer::TrailersOnly(status));
+    }
+    Ok(Answer::Messages(codec::metadata_from(&parts.headers)?, body))
 }
 
 /// Ends the call with the service's status: OK carries its metadata as trailers.
