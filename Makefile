@@ -159,7 +159,7 @@ bench: rust-tools peers ## Benchmarks beside their competitors: docs/bench/resul
 	$(VENV)/bin/pip install --quiet --disable-pip-version-check -r python/requirements-bench.txt
 	$(CARGO) build --release -p isthmus-bench -p gateway-sidecar
 	./target/release/isthmus-bench all $(if $(QUICK),--quick) --out docs/bench/results.json
-	./target/release/isthmus-bench soak $(if $(QUICK),--calls 1000000 --python-calls 100000) --out docs/bench/results.json
+	./target/release/isthmus-bench soak $(if $(QUICK),--quick) --out docs/bench/results.json
 	$(VENV)/bin/python bench/gateway_rounds.py docs/bench/results.json $(if $(QUICK),--quick)
 	$(MAKE) --no-print-directory capi RELEASE=1
 	cd go && CGO_LDFLAGS="-L$(CURDIR)/target/release -Wl,-rpath,$(CURDIR)/target/release" go build -o ../target/go-bin-release/ ./cmd/go-bench

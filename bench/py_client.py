@@ -241,7 +241,14 @@ async def soak(target: str, calls: int, inflight: int) -> dict[str, object]:
             latencies.append(time.perf_counter() - t)
 
     start = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(inflight)))
+    # A watchdog over the whole soak rather than one per call (a task and a timer per call would
+    # halve asyncio's throughput): calls that a broken deadline left hanging count as lost.
+    workers = asyncio.gather(*(worker() for _ in range(inflight)))
+    try:
+        await asyncio.wait_for(workers, 60 + calls / 1000)
+    except asyncio.TimeoutError:
+        lost += calls - len(latencies)
+        first_error = first_error or "the soak's watchdog expired with calls unanswered"
     total = time.perf_counter() - start
     await channel.close()
     latencies.sort()

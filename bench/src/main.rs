@@ -4,7 +4,7 @@
 //! ```text
 //! isthmus-bench all|transport|rpc|python [--quick] [--out docs/bench/results.json]
 //! isthmus-bench demo
-//! isthmus-bench soak [--calls N] [--python-calls M] [--out FILE]
+//! isthmus-bench soak [--quick] [--calls N] [--python-calls M] [--out FILE]
 //! isthmus-bench profile-transport SIZE…
 //! ```
 //!
@@ -97,8 +97,10 @@ fn main() {
                     .map_or(default, |v| v.parse().unwrap_or_else(|_| panic!("{name} takes a number")))
             };
             let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
-            let (records, clean) = soak::run(opt("--calls", 10_000_000), opt("--python-calls", 1_000_000));
-            report::write(out.as_deref().unwrap_or("docs/bench/results.json"), &records, false);
+            let quick = args.iter().any(|a| a == "--quick");
+            let (calls, python_calls) = if quick { (1_000_000, 100_000) } else { (10_000_000, 1_000_000) };
+            let (records, clean) = soak::run(opt("--calls", calls), opt("--python-calls", python_calls));
+            report::write(out.as_deref().unwrap_or("docs/bench/results.json"), &records, quick);
             if !clean {
                 eprintln!("soak: calls were lost or came back wrong");
                 std::process::exit(1);

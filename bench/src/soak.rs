@@ -4,7 +4,7 @@
 //! the end, which stay bounded by what 125 calls can hold at once.
 //!
 //! ```text
-//! isthmus-bench soak [--calls N] [--python-calls M] [--out docs/bench/results.json]
+//! isthmus-bench soak [--quick] [--calls N] [--python-calls M] [--out docs/bench/results.json]
 //! ```
 //!
 //! Messages cycle through 64 B, 1 KiB, 16 KiB and 100 KiB (inline and arena paths both), each
@@ -92,14 +92,22 @@ fn engine(calls: u64) -> (Outcome, Value) {
                         fill(i, &mut buf);
                         let options = isthmus::CallOptions { timeout: Some(CALL_TIMEOUT), ..Default::default() };
                         let t = Instant::now();
-                        match channel.unary(crate::rpc::PATH, &buf, options).await {
-                            Ok(r) if r.message == buf[..] => {}
-                            Ok(_) => {
+                        // The outer timeout makes a call that the deadline failed to end count as
+                        // lost too, instead of hanging the soak.
+                        let call = channel.unary(crate::rpc::PATH, &buf, options);
+                        match tokio::time::timeout(CALL_TIMEOUT + Duration::from_secs(5), call).await {
+                            Ok(Ok(r)) if r.message == buf[..] => {}
+                            Ok(Ok(_)) => {
                                 mismatched.fetch_add(1, Ordering::Relaxed);
                             }
-                            Err(e) => {
+                            Ok(Err(e)) => {
                                 lost.fetch_add(1, Ordering::Relaxed);
                                 first_error.get_or_insert_with(|| format!("call {i}: {e}"));
+                            }
+                            Err(_) => {
+                                lost.fetch_add(1, Ordering::Relaxed);
+                                first_error
+                                    .get_or_insert_with(|| format!("call {i}: no answer, not even its deadline"));
                             }
                         }
                         lat.push(u32::try_from(t.elapsed().as_nanos()).unwrap_or(u32::MAX));
@@ -137,7 +145,8 @@ fn engine(calls: u64) -> (Outcome, Value) {
 fn python(calls: u64) -> Option<(Outcome, Value)> {
     let python = std::env::var("ISTHMUS_PYTHON").unwrap_or_else(|_| ".venv/bin/python".into());
     if !std::path::Path::new(&python).exists() {
-        eprintln!("no {python}: skipping the Python soak (run `make python` first)");
+        // A failure, not a skip: an old record of this system would otherwise stand for this run.
+        eprintln!("no {python}: the Python soak cannot run (run `make python` first, or --python-calls 0)");
         return None;
     }
     let addr = format!("shm://{}", unique("soak-py"));
@@ -169,16 +178,19 @@ fn python(calls: u64) -> Option<(Outcome, Value)> {
     Some((outcome, json!({ "arena_high_water_server": server_high_water })))
 }
 
-/// The soak server's arena high-water mark from the file it keeps writing; stops the server.
+/// The soak server's arena high-water mark from the file it keeps writing; stops the server
+/// and removes the file.
 fn server_high_water(server: Server, stats_path: &std::path::Path) -> Option<u64> {
-    // It writes a few times a second; give it one more turn.
+    // It writes a few times a second; give it one more turn, then stop it so that it writes
+    // no more.
     std::thread::sleep(Duration::from_millis(400));
+    drop(server);
     let high = std::fs::read_to_string(stats_path)
         .ok()
         .and_then(|s| serde_json::from_str::<Value>(&s).ok())
         .and_then(|v| v.get("arena_high_water").and_then(Value::as_u64));
     let _ = std::fs::remove_file(stats_path);
-    drop(server);
+    let _ = std::fs::remove_file(format!("{}.tmp", stats_path.display()));
     high
 }
 
@@ -219,10 +231,13 @@ pub fn run(calls: u64, python_calls: u64) -> (Vec<Record>, bool) {
     records.push(record("soak-isthmus-rust", &o, extra));
     if python_calls > 0 {
         eprintln!("soak: {python_calls} calls from Python (isthmus.aio) at {INFLIGHT} in flight");
-        if let Some((o, extra)) = python(python_calls) {
-            print("soak-py-isthmus-aio", &o, &extra);
-            clean &= o.lost == 0 && o.mismatched == 0 && o.calls == python_calls;
-            records.push(record("soak-py-isthmus-aio", &o, extra));
+        match python(python_calls) {
+            Some((o, extra)) => {
+                print("soak-py-isthmus-aio", &o, &extra);
+                clean &= o.lost == 0 && o.mismatched == 0 && o.calls == python_calls;
+                records.push(record("soak-py-isthmus-aio", &o, extra));
+            }
+            None => clean = false,
         }
     }
     (records, clean)

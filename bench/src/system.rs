@@ -38,7 +38,7 @@ impl Server {
     /// `valgrind --tool=callgrind --callgrind-out-file=/tmp/cg.server`.
     pub fn spawn(args: &[String]) -> Server {
         let exe = std::env::current_exe().expect("own path");
-        let wrap = std::env::var("ISTHMUS_BENCH_SERVER_WRAP").unwrap_or_default();
+        let wrap = server_wrap().unwrap_or_default();
         let mut words = wrap.split_whitespace();
         let mut command = match words.next() {
             Some(tool) => {
@@ -62,7 +62,7 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        if std::env::var_os("ISTHMUS_BENCH_SERVER_WRAP").is_some() {
+        if server_wrap().is_some() {
             // A profiler writes its output when the process ends on SIGTERM, not on SIGKILL.
             // SAFETY: kill(2) with our own child's pid.
             unsafe { libc::kill(self.pid(), libc::SIGTERM) };
@@ -71,6 +71,11 @@ impl Drop for Server {
         }
         let _ = self.0.wait();
     }
+}
+
+/// The profiler command servers run under, if one is set.
+fn server_wrap() -> Option<String> {
+    std::env::var("ISTHMUS_BENCH_SERVER_WRAP").ok().filter(|w| !w.trim().is_empty())
 }
 
 pub fn ready() {
@@ -383,8 +388,9 @@ impl SharedPage {
     }
 
     fn word(&self, i: usize) -> &AtomicU64 {
-        // SAFETY: word 0 and word 16 (128 bytes apart) lie inside the mapped page, which lives
-        // as long as `self`; atomics are how both processes touch it.
+        debug_assert!(i <= 2);
+        // SAFETY: words 0 to 2 (128 bytes apart, the only ones used) lie inside the mapped
+        // first page, which lives as long as `self`; atomics are how both processes touch it.
         unsafe { &*self.0.add(i * 16) }
     }
 }
@@ -470,6 +476,16 @@ struct CopySegment {
     page: SharedPage,
     a: *mut u8,
     b: *mut u8,
+}
+
+impl Drop for CopySegment {
+    fn drop(&mut self) {
+        // The mapping would otherwise keep up to 512 MiB of the memfd resident for the rest of
+        // the run.
+        // SAFETY: the whole mapping made in `map`, unmapped once; `page`'s own drop does not
+        // unmap (it does not own this mapping), and nothing uses these pointers afterwards.
+        unsafe { libc::munmap(self.page.0.cast(), 4096 + 2 * COPY_MAX) };
+    }
 }
 
 impl CopySegment {

@@ -72,11 +72,12 @@ const OWED_SPIN_PER_KIB: Duration = Duration::from_nanos(250);
 const OWED_SPIN_CAP: Duration = Duration::from_millis(2);
 
 impl SpinPolicy {
-    /// The policy for a wait whose peer still has `owed` bytes of ours to read before it can
-    /// answer. A reply to a large message cannot come before the peer has read it, and a sleep
-    /// that starts before it does costs a wake-up (4–65 µs, set by the host) on top of the
-    /// work: so the spin lasts as long as that reading plausibly takes, on top of `max`, up to
-    /// a cap. A spin of zero stays zero.
+    /// The policy for a blocking wait whose peer still has `owed` bytes of ours to read before
+    /// it can answer. A reply to a large message cannot come before the peer has read it, and a
+    /// sleep that starts before it does costs a wake-up (4–65 µs, set by the host) on top of
+    /// the work: so the spin lasts as long as that reading plausibly takes, on top of `max`, up
+    /// to a cap. A spin of zero stays zero. Async waits do not use it: they spin on a runtime's
+    /// worker, which other tasks need (ADR 0014).
     pub fn owing(self, owed: u64) -> SpinPolicy {
         if self.max.is_zero() || owed < 1024 {
             return self;
@@ -85,7 +86,7 @@ impl SpinPolicy {
         if extra > OWED_SPIN_CAP {
             return self;
         }
-        SpinPolicy { max: self.max + extra, ..self }
+        SpinPolicy { max: self.max.saturating_add(extra), ..self }
     }
 }
 
@@ -205,6 +206,9 @@ mod tests {
         assert_eq!(base.owing(7 << 20).max, base.max + Duration::from_micros(1792));
         assert_eq!(base.owing(8 << 20), base);
         assert_eq!(base.owing(u64::MAX), base);
+        // "Spin for ever" stays that, without overflowing.
+        let always = SpinPolicy { max: Duration::MAX, ..base };
+        assert_eq!(always.owing(1 << 20).max, Duration::MAX);
         // A policy that never spins keeps never spinning.
         let none = SpinPolicy { max: Duration::ZERO, ..base };
         assert_eq!(none.owing(1 << 20), none);

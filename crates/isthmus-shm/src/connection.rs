@@ -166,16 +166,23 @@ impl Core {
         }
     }
 
-    /// The wait for the peer's next frame. `heard` is [`Stats::bytes_sent`] when the last frame
-    /// came in: what we sent since then the peer must still read, so the spin may last longer
-    /// (see [`SpinPolicy::owing`]).
-    fn rx_waiter(&self, heard: u64) -> Waiter<'_> {
-        let owed = self.stats.bytes_sent.load(std::sync::atomic::Ordering::Relaxed).saturating_sub(heard);
+    /// The wait for the peer's next frame. For a blocking wait `heard` is
+    /// [`Stats::bytes_sent`] when the last frame came in: what we sent since then the peer must
+    /// still read, so the spin may last longer ([`SpinPolicy::owing`]). Async waits pass `None`:
+    /// their spin holds a runtime worker other tasks need, and measured slower with it (ADR 0014).
+    fn rx_waiter(&self, heard: Option<u64>) -> Waiter<'_> {
+        let spin = match heard {
+            Some(heard) => {
+                let sent = self.stats.bytes_sent.load(std::sync::atomic::Ordering::Relaxed);
+                self.spin.owing(sent.saturating_sub(heard))
+            }
+            None => self.spin,
+        };
         Waiter {
             bell: &self.bells.my_rx,
             parked: self.seg.ctl_u32(self.rx, layout::CTL_CONSUMER_PARKED),
             link: &self.link,
-            spin: self.spin.owing(owed),
+            spin,
             stats: &self.stats,
             what: "waiting for a frame",
         }
@@ -720,7 +727,8 @@ pub struct Receiver {
     releaser: Arc<Releaser>,
     partial: HashMap<u64, Partial>,
     pool: Arc<BufferPool>,
-    /// Our `bytes_sent` when the peer's last frame came in (see [`Core::rx_waiter`]).
+    /// Our `bytes_sent` when the peer's last frame came in (see [`Core::rx_waiter`]); read by
+    /// blocking waits only.
     heard: u64,
 }
 
@@ -855,7 +863,7 @@ impl Receiver {
                 return Ok(f);
             }
             let (ring, core) = (&self.ring, &self.core);
-            match core.rx_waiter(self.heard).wait(deadline, || ring.is_ready().map_err(|e| core.fail(e))) {
+            match core.rx_waiter(Some(self.heard)).wait(deadline, || ring.is_ready().map_err(|e| core.fail(e))) {
                 // Frames the peer wrote before it died come first; try_recv reports the death.
                 Err(e) if e.kind() == ErrorKind::PeerGone => continue,
                 r => r?,
@@ -872,7 +880,7 @@ impl Receiver {
                 return Ok(f);
             }
             let (ring, core) = (&self.ring, &self.core);
-            match core.rx_waiter(self.heard).wait_async(|| ring.is_ready().map_err(|e| core.fail(e))).await {
+            match core.rx_waiter(None).wait_async(|| ring.is_ready().map_err(|e| core.fail(e))).await {
                 Err(e) if e.kind() == ErrorKind::PeerGone => continue,
                 r => r?,
             }
@@ -895,7 +903,7 @@ impl Receiver {
             }
             let (ring, core) = (&self.ring, &self.core);
             let ready = || Ok(core.interrupted.load(Ordering::Acquire) || ring.is_ready().map_err(|e| core.fail(e))?);
-            match core.rx_waiter(self.heard).wait_async(ready).await {
+            match core.rx_waiter(None).wait_async(ready).await {
                 Err(e) if e.kind() == ErrorKind::PeerGone => continue,
                 r => r?,
             }
