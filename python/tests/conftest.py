@@ -11,11 +11,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
+import grpc.aio
 import pytest
 from clients import AioClient, SyncClient, make_client
 from peer import Served, generate_stubs, go_peer, serve, tonic_peer
 
 STUBS = generate_stubs()
+
+# grpc.aio shuts its poller thread down whenever its last channel or server closes, and that
+# shutdown can hang for good when the poller is blocked writing to its wake-up socket
+# (grpc/grpc#40989; seen once in CI, closing a grpc.aio client after 1000 concurrent calls).
+# Initialised once here, from the main thread, one poller serves the whole session
+# (grpc/grpc#22365).
+grpc.aio.init_grpc_aio()
 
 # What each server peer serves: grpcio has no shm://.
 TRANSPORTS = {
