@@ -8,7 +8,7 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := help
 CARGO ?= cargo
 QUICK ?=
-FUZZ_SECONDS ?= 10
+FUZZ_SECONDS ?= 5
 FUZZ_RUNS ?= 10000000
 FUZZ_TARGETS := frame handshake ring rpc_wire http2_authority grpc_http x509 capi
 VENV := .venv
@@ -161,6 +161,7 @@ bench: rust-tools peers ## Benchmarks beside their competitors: docs/bench/resul
 	./target/release/isthmus-bench all $(if $(QUICK),--quick) --out docs/bench/results.json
 	./target/release/isthmus-bench soak $(if $(QUICK),--quick) --out docs/bench/results.json
 	$(VENV)/bin/python bench/gateway_rounds.py docs/bench/results.json $(if $(QUICK),--quick)
+	$(VENV)/bin/python bench/py_raw_bench.py docs/bench/results.json $(if $(QUICK),--quick)
 	$(MAKE) --no-print-directory capi RELEASE=1
 	cd go && CGO_LDFLAGS="-L$(CURDIR)/target/release -Wl,-rpath,$(CURDIR)/target/release" go build -o ../target/go-bin-release/ ./cmd/go-bench
 	./target/go-bin-release/go-bench run $(if $(QUICK),-quick) -out docs/bench/results.json

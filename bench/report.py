@@ -31,6 +31,8 @@ PYTHON = [
     "py-grpc-aio-tonic-uds",
     "py-raw-uds",
 ]
+PY_PY = ["py-py-isthmus", "py-py-grpcio", "py-isthmus-sync"]
+RAW = ["py-isthmus-raw", "py-ray-actor", "py-py-grpcio", "py-memcpy"]
 GO = ["go-isthmus-shm", "go-isthmus-raw", "go-grpc-uds", "go-memcpy"]
 GATEWAY = ["gateway-isthmus-shm", "gateway-grpc-aio-uds", "gateway-httpx-axum-uds"]
 PAIRS = [
@@ -166,6 +168,22 @@ def stream_table(res: Results) -> list[str]:
     return rows
 
 
+def raw_table(res: Results) -> list[str]:
+    """SlimeRPC's table shape (bench/py_raw_bench.py): avg / p50 / p99 and GB/s per system."""
+    rows = ["| size | " + " | ".join(RAW) + " |", "|---:|" + "---:|" * len(RAW)]
+    for size in sorted({s for (sys_, s, n) in res.cells if sys_ == "py-isthmus-raw" and n == 1}):
+        shown = []
+        for system in RAW:
+            fields = ("avg_us", "p50_us", "p99_us", "gbps")
+            avg, p50, p99, gbps = (res.get(system, size, 1, f) for f in fields)
+            if avg and p50 and p99 and gbps:
+                shown.append(f"{us(avg[0])} / {us(p50[0])} / {us(p99[0])}, {gbps[0]:.2f} GB/s")
+            else:
+                shown.append("-")
+        rows.append(f"| {size_name(size)} | " + " | ".join(shown) + " |")
+    return rows
+
+
 def gateway_table(res: Results) -> list[str]:
     rows = [
         "| callers | system | requests/s | p50 | p99 | failures | isthmus ÷ it (requests/s) |",
@@ -226,6 +244,22 @@ def main() -> int:
         "![latency, Python clients](latency-python.png)",
         "",
         *latency_table(res, PYTHON),
+        "",
+        "## Python clients → Python servers",
+        "",
+        "`bench/py_server.py`: `py-py-isthmus` (isthmus's client and server over shm://) beside "
+        "`py-py-grpcio` (grpcio's over a Unix socket), each handler returning its request on a pool of "
+        "16 threads; `py-isthmus-sync` is the same client against the Rust server.",
+        "",
+        *latency_table(res, PY_PY),
+        "",
+        "### The raw tier, in SlimeRPC's table shape",
+        "",
+        "`bench/py_raw_bench.py`: a numpy `uint8` echo, one call in flight; avg / p50 / p99 and GB/s "
+        "(2 × size / avg; one copy for `py-memcpy`). `py-isthmus-raw`: `Channel.raw_unary` to an "
+        "in-place raw handler; `py-ray-actor`: Ray's actor echo, warmed with 300 calls per size.",
+        "",
+        *raw_table(res),
         "",
         "## Go clients",
         "",

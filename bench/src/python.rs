@@ -1,7 +1,9 @@
 //! Python clients (`bench/py_client.py`, run in the project's venv) against Rust servers:
 //! isthmus's sync and asyncio APIs over `shm://` (and the sync one given `localhost:PORT` of a
 //! server that offers `shm://`, the upgrade) beside grpcio and grpc.aio against tonic over a
-//! Unix socket, and a plain Python socket against the length-prefixed echo.
+//! Unix socket, and a plain Python socket against the length-prefixed echo. And against Python
+//! servers (`bench/py_server.py`): `py-py-isthmus` (isthmus to isthmus over `shm://`) beside
+//! `py-py-grpcio` (grpcio to grpcio over a Unix socket).
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -54,8 +56,21 @@ impl PyClient {
             let path = socket("pyuds");
             (Server::spawn(&["serve-uds".into(), path.clone()]), path)
         };
+        // A Python server (bench/py_server.py), for the Python-to-Python systems.
+        let py_server = |system: &str, target: String| {
+            let mut command = Command::new(&python);
+            command.args(["bench/py_server.py", system, &target]);
+            (Server::spawn_command(command, &format!("py_server.py {system}")), target)
+        };
         vec![
             PyClient::start(&python, "py-isthmus-sync", "isthmus-sync", shm()),
+            PyClient::start(
+                &python,
+                "py-py-isthmus",
+                "isthmus-sync",
+                py_server("isthmus", format!("shm://{}", unique("pypy"))),
+            ),
+            PyClient::start(&python, "py-py-grpcio", "grpc-sync", py_server("grpcio", socket("pypygrpc"))),
             PyClient::start(&python, "py-isthmus-upgraded", "isthmus-sync", upgraded()),
             PyClient::start(&python, "py-isthmus-aio", "isthmus-aio", shm()),
             PyClient::start(&python, "py-grpc-sync-tonic-uds", "grpc-sync", tonic()),

@@ -48,10 +48,16 @@ impl Server {
             }
             None => Command::new(exe),
         };
-        let mut child = command.args(args).stdout(Stdio::piped()).spawn().expect("spawn server");
+        command.args(args);
+        Server::spawn_command(command, &format!("{args:?}"))
+    }
+
+    /// Starts `command` as a server that prints `READY` (a Python server, say).
+    pub fn spawn_command(mut command: Command, what: &str) -> Server {
+        let mut child = command.stdout(Stdio::piped()).spawn().unwrap_or_else(|e| panic!("spawn {what}: {e}"));
         let mut line = String::new();
         BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("server output");
-        assert_eq!(line.trim(), "READY", "server {args:?} failed to start");
+        assert_eq!(line.trim(), "READY", "server {what} failed to start");
         Server(child)
     }
 

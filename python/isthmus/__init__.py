@@ -38,17 +38,22 @@ from ._credentials import (
     ssl_server_credentials,
 )
 from ._errors import IsthmusError, RpcError
+from ._handler import raw
+from ._native import Block, Message
 from ._server import Server
 
 __all__ = [
+    "Block",
     "Channel",
     "ChannelCredentials",
     "IsthmusError",
+    "Message",
     "RpcError",
     "Server",
     "ServerCredentials",
     "aio",
     "insecure_channel",
+    "raw",
     "secure_channel",
     "server",
     "ssl_channel_credentials",

@@ -308,6 +308,37 @@ class Channel(grpc.Channel):
     ) -> StreamStreamMultiCallable:
         return StreamStreamMultiCallable(self._native, method, request_serializer, response_deserializer)
 
+    def alloc(self, size: int, timeout: float | None = None) -> _native.Block:
+        """The raw tier: a writable buffer of `size` bytes to build a request in place (fill it
+        through `memoryview(block)` or `numpy.frombuffer(block, ...)`), then pass it to
+        `raw_unary`. Over `shm://` it is this side's shared memory, which the server reads where
+        it is; elsewhere it is heap memory, copied when sent. Release every view of it before
+        sending it (`BufferError` otherwise); a block is sent once."""
+        try:
+            return self._native.alloc(size, timeout)
+        except CallError as e:
+            raise rpc_error(e) from None
+
+    def raw_unary(
+        self,
+        method: str,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Iterable[Metadatum] | None = None,
+        wait_for_ready: bool | None = None,
+    ) -> _native.Message:
+        """The raw tier: calls `method` with `request` as it is, no serializer: a `Block` from
+        `alloc` (sent with no copy) or any C-contiguous buffer (bytes, bytearray, memoryview,
+        numpy arrays; read in place, never copied into a `bytes`). Returns the reply as a
+        read-only `isthmus.Message`, a buffer (`memoryview(reply)`, `numpy.frombuffer(reply,
+        ...)`) that views the server's shared memory when the reply came through it; that memory
+        stays valid while the Message or any view of it lives. Errors raise `grpc.RpcError`
+        as the other calls do."""
+        try:
+            return self._native.unary_raw(method, request, outgoing(metadata), timeout, bool(wait_for_ready))
+        except CallError as e:
+            raise rpc_error(e) from None
+
     def close(self) -> None:
         """Later calls fail UNAVAILABLE; calls in progress go on."""
         self._native.close()

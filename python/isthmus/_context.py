@@ -13,13 +13,13 @@ import grpc.aio
 
 from ._errors import rpc_error
 from ._metadata import Metadata, Metadatum, incoming, outgoing
-from ._native import CallError, ServerCall
+from ._native import Block, CallError, Message, ServerCall
 
 _LOG = logging.getLogger("isthmus")
 
 
 class Context:
-    def __init__(self, call: ServerCall, handler: grpc.RpcMethodHandler) -> None:
+    def __init__(self, call: ServerCall, handler: grpc.RpcMethodHandler, raw: bool = False) -> None:
         self._call = call
         self._deserialize: Callable[[bytes], Any] | None = handler.request_deserializer
         self._serialize: Callable[[Any], bytes] | None = handler.response_serializer
@@ -28,6 +28,13 @@ class Context:
         self._trailing: Iterable[Metadatum] | None = None
         self._aborted = False
         self._finished = False
+        # A raw handler (`isthmus.raw`) gets requests as read-only `Message` buffers and sends
+        # its replies as they are: no (de)serializer.
+        self._raw = raw
+        self._recv = call.recv_raw if raw else call.recv
+        self._send = call.send_raw if raw else call.send
+        if raw:
+            self._deserialize = self._serialize = None
 
     def invocation_metadata(self) -> Metadata:
         return incoming(self._call.invocation_metadata())
@@ -78,6 +85,15 @@ class Context:
     def time_remaining(self) -> float | None:
         return self._call.time_remaining()
 
+    def alloc(self, size: int) -> Block:
+        """For a raw handler (`isthmus.raw`): a writable reply buffer of `size` bytes in the
+        server's shared memory. Fill it and return it (or send it, for a streaming reply); the
+        client reads it where it is. Release every view of it before it is sent."""
+        try:
+            return self._call.alloc(size)
+        except CallError as e:
+            raise rpc_error(e) from None
+
     def _abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
         # Recorded before raising: a handler that catches the exception still ends aborted.
         if code is grpc.StatusCode.OK:
@@ -86,17 +102,18 @@ class Context:
         self._code, self._details, self._aborted = code, details, True
         raise grpc.aio.AbortError(details)
 
-    def _request(self, message: bytes | None) -> Any:
+    def _request(self, message: bytes | Message | None) -> Any:
         """The one request of a unary-request call."""
         if message is None:
             self._abort(grpc.StatusCode.INTERNAL, "the client sent no request")
         return self._decode(message)
 
-    def _decode(self, message: bytes) -> Any:
+    def _decode(self, message: bytes | Message) -> Any:
         if self._deserialize is None:
             return message
         try:
-            return self._deserialize(message)
+            # Only a raw context receives Messages, and it has no deserializer.
+            return self._deserialize(message)  # type: ignore[arg-type]
         except Exception:
             self._abort(grpc.StatusCode.INTERNAL, "Exception deserializing request!")
 
@@ -170,7 +187,7 @@ class ServicerContext(Context, grpc.ServicerContext):
         while True:
             try:
                 # A client may wait for the response to open before it sends a request.
-                message = self._call.recv(True)
+                message = self._recv(True)
             except CallError as e:
                 raise rpc_error(e) from None
             if message is None:

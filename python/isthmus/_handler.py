@@ -5,12 +5,14 @@ interceptors."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 from ._metadata import Metadata, incoming
 from ._native import ServerCall
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 # The attribute of an RpcMethodHandler that holds its behaviour, by (request_streaming,
 # response_streaming).
@@ -20,6 +22,22 @@ _BEHAVIOUR = {
     (True, False): "stream_unary",
     (True, True): "stream_stream",
 }
+
+
+def raw(method: F) -> F:
+    """Marks a handler (a servicer's method, or a function given to
+    `grpc.unary_unary_rpc_method_handler` and the like) as raw: isthmus then calls it with
+    each request as a read-only `isthmus.Message` buffer, a view of the client's shared memory
+    for a large one (`numpy.frombuffer(request, ...)` reads it where it is), and sends what it
+    returns or yields as it is: a `Block` from `context.alloc(size)`, filled in place, or any
+    C-contiguous buffer. The method's serializers are not used. A view of a request is valid
+    while the handler holds it; keep a copy (`bytes(request)`) to keep the data longer without
+    holding the client's memory.
+
+    grpcio ignores the mark: with a grpcio server the method gets the deserialized request,
+    as usual."""
+    method.__isthmus_raw__ = True  # type: ignore[attr-defined]
+    return method
 
 
 def behaviour(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:

@@ -1,17 +1,20 @@
 """The Rust engine as Python sees it (`crates/isthmus-python`). Not API: use `isthmus` and
 `isthmus.aio`, which give these grpc's shapes."""
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import TypeAlias, final
 
-from typing_extensions import Self, disjoint_base
+from typing_extensions import Buffer, Self, disjoint_base
 
 __all__ = [
     "AsyncCall",
     "AsyncChannel",
+    "Block",
     "Call",
     "CallError",
     "Channel",
+    "Message",
     "Reactor",
     "Server",
     "ServerCall",
@@ -51,6 +54,35 @@ class UnaryResult:
     trailing_metadata: list[tuple[str, str | bytes]]
 
 @final
+class Message:
+    """A received message as a read-only buffer; a view of the sender's shared memory when it
+    came through its arena, kept valid while this object or any view of it lives."""
+
+    if sys.version_info >= (3, 12):  # the buffer protocol in Python (PEP 688)
+        def __buffer__(self, flags: int, /) -> memoryview: ...
+        def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+
+    def __len__(self) -> int: ...
+    def tobytes(self) -> bytes:
+        """A copy as `bytes`."""
+
+@final
+class Block:
+    """A writable buffer to send one message from: shared memory over `shm://`, heap memory
+    elsewhere. Sending it while a view of it is exported raises `BufferError`; it is sent once."""
+
+    if sys.version_info >= (3, 12):  # the buffer protocol in Python (PEP 688)
+        def __buffer__(self, flags: int, /) -> memoryview: ...
+        def __release_buffer__(self, buffer: memoryview, /) -> None: ...
+
+    def __len__(self) -> int: ...
+    def truncate(self, size: int) -> None:
+        """Shortens the block before it is sent (not while a view of it is exported)."""
+    @property
+    def shared(self) -> bool:
+        """True while the block lives in shared memory (sending it copies nothing)."""
+
+@final
 class Channel:
     """A client channel for blocking calls (`shm://`, `unix://`, `http://`). Connects on the
     first call. Waits release the GIL."""
@@ -79,6 +111,19 @@ class Channel:
         wait_for_ready: bool,
     ) -> bytes:
         """`unary` for the response message alone; raises CallError."""
+    def alloc(self, size: int, timeout: float | None = None) -> Block:
+        """A block to build a request in: shared memory over `shm://` (connecting first),
+        heap memory elsewhere. Raises CallError."""
+    def unary_raw(
+        self,
+        path: str,
+        request: Buffer,
+        metadata: _Metadata | None = None,
+        timeout: float | None = None,
+        wait_for_ready: bool = False,
+    ) -> Message:
+        """A unary call with a Block or any C-contiguous buffer as the request (BufferError
+        otherwise); raises CallError."""
     def start(
         self, path: str, metadata: _Metadata | None, timeout: float | None, wait_for_ready: bool
     ) -> Call:
@@ -186,6 +231,13 @@ class ServerCall:
         for it before it sends)."""
     def send(self, message: bytes) -> None:
         """Raises CallError if the call ended."""
+    def recv_raw(self, flush_headers: bool = False) -> Message | None:
+        """`recv`, the request as a read-only Message."""
+    def alloc(self, size: int) -> Block:
+        """A block of the server's shared memory to build a reply in; raises CallError."""
+    def send_raw(self, message: Buffer) -> None:
+        """`send` of a Block (no copy) or any C-contiguous buffer; raises CallError, or
+        BufferError for a block still exported or already sent."""
     def send_initial_metadata(self, metadata: _Metadata) -> None:
         """Raises CallError if the call ended or metadata was already sent (before the first
         send)."""
@@ -198,18 +250,30 @@ class ServerCall:
 
 @final
 class Server:
-    """The engine's server. `dispatch(call)` is called for every call, on an engine thread with
-    the GIL; it must not block (it hands the call to a thread pool or an event loop), and the
-    call must eventually be finished (an unfinished call that is garbage-collected ends with
-    UNKNOWN)."""
+    """The engine's server. With `dispatch`, `dispatch(call)` is called for every call, on an
+    engine thread with the GIL; it must not block (it hands the call to an event loop). Without
+    it, calls wait in a queue that `serve_calls` loops take them from, on the executor's
+    threads, and `wait_demand` tells a dispatcher thread when to start one more loop (at most
+    `max_threads`). Every call must eventually be finished (an unfinished call that is
+    garbage-collected ends with UNKNOWN)."""
 
     def __new__(
         cls,
-        dispatch: Callable[[ServerCall], None],
+        dispatch: Callable[[ServerCall], None] | None,
         max_concurrent_streams: int | None = None,
         max_message_size: int | None = None,
         offer_shm: bool = True,
+        max_threads: int | None = None,
     ) -> Self: ...
+    def serve_calls(self, handle: Callable[[ServerCall], None]) -> None:
+        """Runs `handle(call)` for each queued call on this thread until none comes for 2 s or
+        the server stops."""
+    def wait_demand(self) -> bool:
+        """Waits (GIL released) until queued calls need one more `serve_calls` loop; False once
+        the server has stopped."""
+    def refuse_calls(self, why: str) -> None:
+        """The loop `wait_demand` asked for cannot start: queued and later calls fail
+        UNAVAILABLE with `why`."""
     def add_port(self, target: str, tls: _ServerTls | None = None) -> str:
         """Binds now, with TLS if given (TCP targets); returns the address as clients reach it
         (`http://` or `https://` with the port chosen for port 0). Raises ValueError (bad

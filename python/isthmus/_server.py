@@ -50,17 +50,18 @@ def refuse(call: ServerCall, error: Exception | None) -> None:
 class ServerBase:
     def __init__(
         self,
-        dispatch: Callable[[ServerCall], None],
+        dispatch: Callable[[ServerCall], None] | None,
         handlers: Iterable[grpc.GenericRpcHandler] | None,
         interceptors: Sequence[Any] | None,
         options: Sequence[tuple[str, Any]] | None,
         maximum_concurrent_rpcs: int | None,
+        max_threads: int | None = None,
     ) -> None:
         self._handlers = Handlers(handlers, interceptors)
         # `isthmus.offer_shm` (default on): HTTP/2 clients on this machine move to shm://.
         offer_shm = bool(dict(options or ()).get("isthmus.offer_shm", True))
         self._native = _native.Server(
-            dispatch, maximum_concurrent_rpcs, _max_message_size(options), offer_shm
+            dispatch, maximum_concurrent_rpcs, _max_message_size(options), offer_shm, max_threads
         )
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:
@@ -84,7 +85,13 @@ class ServerBase:
 
 
 class Server(ServerBase, grpc.Server):
-    """grpc.Server's shape: handlers run on `thread_pool`."""
+    """grpc.Server's shape: handlers run on `thread_pool`.
+
+    Calls do not go through the pool's queue one by one: each of the pool's threads that
+    serves runs a loop that takes calls straight from the engine (`_native.Server.serve_calls`)
+    and spins briefly for the next one, so a call costs no wake-up of a sleeping thread. A
+    dispatcher thread submits one more loop when calls wait and every loop is busy, up to the
+    pool's `_max_workers`; a loop idle for 2 s gives its thread back to the pool."""
 
     def __init__(
         self,
@@ -95,15 +102,26 @@ class Server(ServerBase, grpc.Server):
         maximum_concurrent_rpcs: int | None = None,
         compression: grpc.Compression | None = None,
     ) -> None:
-        super().__init__(self._dispatch, handlers, interceptors, options, maximum_concurrent_rpcs)
+        max_threads = getattr(thread_pool, "_max_workers", None)
+        super().__init__(
+            None,
+            handlers,
+            interceptors,
+            options,
+            maximum_concurrent_rpcs,
+            max_threads if isinstance(max_threads, int) else None,
+        )
         self._pool = thread_pool
 
-    def _dispatch(self, call: ServerCall) -> None:
-        # On an engine thread, which must not block.
-        try:
-            self._pool.submit(self._handle, call)
-        except RuntimeError:  # the pool was shut down
-            call.finish(grpc.StatusCode.UNAVAILABLE.value[0], "the server is shutting down", None)
+    def _dispatch(self) -> None:
+        """The dispatcher thread: one more loop on the pool whenever calls wait for one."""
+        native = self._native
+        while native.wait_demand():
+            try:
+                self._pool.submit(native.serve_calls, self._handle)
+            except RuntimeError:  # the pool was shut down
+                native.refuse_calls("the server is shutting down")
+                return
 
     def _handle(self, call: ServerCall) -> None:
         try:
@@ -114,15 +132,17 @@ class Server(ServerBase, grpc.Server):
         if handler is None:
             refuse(call, None)
             return
-        context = ServicerContext(call, handler)
+        method = behaviour(handler)
+        context = ServicerContext(call, handler, getattr(method, "__isthmus_raw__", False))
         try:
-            request = context._requests() if handler.request_streaming else context._request(call.recv())
-            response = behaviour(handler)(request, context)
+            request = context._requests() if handler.request_streaming else context._request(context._recv())
+            response = method(request, context)
+            send = context._send
             if handler.response_streaming:
                 for message in response:
-                    call.send(context._encode(message))
+                    send(context._encode(message))
             elif context._responds():
-                call.send(context._encode(response))
+                send(context._encode(response))
         except Exception as e:
             context._finish(e)
         else:
@@ -130,6 +150,7 @@ class Server(ServerBase, grpc.Server):
 
     def start(self) -> None:
         self._native.start()
+        threading.Thread(target=self._dispatch, name="isthmus-dispatch", daemon=True).start()
 
     def stop(self, grace: float | None) -> threading.Event:
         self._native.stop(grace)

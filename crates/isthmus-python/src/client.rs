@@ -37,6 +37,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 
+use crate::buffers::{Block, Message, Outgoing, Request};
 use crate::convert::{bytes_from_py, call_error, metadata_to_py, options, PyMetadata};
 use crate::runtime;
 
@@ -141,7 +142,7 @@ impl Channel {
         &self,
         py: Python<'_>,
         path: &str,
-        request: &Bound<'_, PyBytes>,
+        request: &[u8],
         metadata: Option<&Bound<'_, PyAny>>,
         timeout: Option<f64>,
         wait_for_ready: bool,
@@ -150,7 +151,6 @@ impl Channel {
             return Err(call_error(py, &closed()));
         }
         let options = options(metadata, timeout, wait_for_ready)?;
-        let request = request.as_bytes();
         let response = match &self.blocking {
             Some(channel) => py.detach(|| channel.unary(path, request, options)),
             None => py.detach(|| match self.upgraded() {
@@ -197,7 +197,7 @@ impl Channel {
         timeout: Option<f64>,
         wait_for_ready: bool,
     ) -> PyResult<UnaryResult> {
-        let response = self.call_unary(py, path, request, metadata, timeout, wait_for_ready)?;
+        let response = self.call_unary(py, path, request.as_bytes(), metadata, timeout, wait_for_ready)?;
         UnaryResult::new(py, &response)
     }
 
@@ -213,8 +213,54 @@ impl Channel {
         timeout: Option<f64>,
         wait_for_ready: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let response = self.call_unary(py, path, request, metadata, timeout, wait_for_ready)?;
+        let response = self.call_unary(py, path, request.as_bytes(), metadata, timeout, wait_for_ready)?;
         Ok(PyBytes::new(py, &response.message))
+    }
+
+    /// A writable block to build a request in: this side's shared memory over `shm://`, heap
+    /// memory on other transports.
+    #[pyo3(signature = (size, timeout=None))]
+    fn alloc(&self, py: Python<'_>, size: usize, timeout: Option<f64>) -> PyResult<Block> {
+        match &self.blocking {
+            Some(channel) => {
+                let timeout = crate::convert::timeout_from_py(timeout);
+                py.detach(|| channel.alloc(size, timeout)).map(Block::shm).map_err(|s| call_error(py, &s))
+            }
+            None => Ok(Block::heap(size)),
+        }
+    }
+
+    /// A unary call of the raw tier: `request` is a [`Block`] or any C-contiguous buffer,
+    /// read where it is; the reply is a read-only [`Message`] (a view of shared memory when it
+    /// came through the server's arena).
+    #[pyo3(signature = (path, request, metadata=None, timeout=None, wait_for_ready=false))]
+    fn unary_raw(
+        &self,
+        py: Python<'_>,
+        path: &str,
+        request: &Bound<'_, PyAny>,
+        metadata: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+        wait_for_ready: bool,
+    ) -> PyResult<Message> {
+        let response = match Request::from_py(request)? {
+            Request::Block(Outgoing::Shm(block)) => {
+                if self.closed.load(Ordering::Relaxed) {
+                    return Err(call_error(py, &closed()));
+                }
+                let options = options(metadata, timeout, wait_for_ready)?;
+                let sent = match &self.blocking {
+                    Some(channel) => py.detach(|| channel.unary_block(path, block, options)),
+                    None => Err(Status::new(Code::InvalidArgument, "this block was allocated by another channel")),
+                };
+                sent.map_err(|status| call_error(py, &status))?
+            }
+            other => {
+                let bytes = other.as_slice().unwrap_or_default();
+                self.call_unary(py, path, bytes, metadata, timeout, wait_for_ready)?
+            }
+        };
+        Ok(Message::new(response.message))
     }
 
     #[pyo3(signature = (path, metadata, timeout, wait_for_ready))]

@@ -131,12 +131,15 @@ pub(crate) fn options(
     timeout: Option<f64>,
     wait_for_ready: bool,
 ) -> PyResult<CallOptions> {
-    let timeout = match timeout {
-        None => None,
+    Ok(CallOptions { metadata: metadata_from_py(metadata)?, timeout: timeout_from_py(timeout), wait_for_ready })
+}
+
+/// A timeout in seconds from Python: none, or infinite (as grpcio reads it), is no timeout.
+pub(crate) fn timeout_from_py(timeout: Option<f64>) -> Option<Duration> {
+    match timeout {
         Some(t) if t.is_finite() => Some(Duration::from_secs_f64(t.max(0.0))),
-        Some(_) => None, // grpcio reads an infinite timeout as none
-    };
-    Ok(CallOptions { metadata: metadata_from_py(metadata)?, timeout, wait_for_ready })
+        _ => None,
+    }
 }
 
 /// A Python `bytes` as [`Bytes`] without a copy: the object is kept alive by the returned value.

@@ -5,9 +5,12 @@
 //! - `client`: blocking calls (`Channel`, `Call`); waits release the GIL.
 //! - `reactor`: calls for asyncio (`AsyncChannel`, `AsyncCall`); they run on the event loop's
 //!   thread and come back in batches through one eventfd per loop (`Reactor`).
-//! - `server`: the engine's server, handing each call to a Python callable.
-//! - `convert`: metadata, statuses and buffers across the boundary; `tls`: grpcio's TLS
+//! - `server`: the engine's server, handing each call to the asyncio server's callable, or
+//!   through `queue` to the blocking server's threads.
+//! - `convert`: metadata, statuses and `bytes` across the boundary; `tls`: grpcio's TLS
 //!   credentials and `auth_context()`.
+//! - `buffers`: the raw tier's messages as Python buffers (`Message` read-only, `Block`
+//!   writable), and any buffer-protocol object as a request, with no copy into a `bytes`.
 //!
 //! What every binding needs beyond that (a call whose halves two threads drive, completions
 //! for event loops, a call handed to foreign code) is the engine's `isthmus::binding`.
@@ -32,8 +35,10 @@
 //! `aio/`, the same for grpc.aio, with `_reactor.py`, which ties one `Reactor` to each running
 //! loop.
 
+mod buffers;
 mod client;
 mod convert;
+mod queue;
 mod reactor;
 mod server;
 mod tls;
@@ -57,5 +62,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reactor::AsyncCall>()?;
     m.add_class::<server::ServerCall>()?;
     m.add_class::<server::Server>()?;
+    m.add_class::<buffers::Message>()?;
+    m.add_class::<buffers::Block>()?;
     Ok(())
 }

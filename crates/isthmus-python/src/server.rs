@@ -1,19 +1,28 @@
-//! The engine's server with Python behind it: every call, whatever its path, goes to one
-//! Python callable (`dispatch`), which hands it to a thread pool or an event loop; the call's
-//! handler then receives, sends and finishes it through [`ServerCall`].
+//! The engine's server with Python behind it. Every call, whatever its path, goes to Python:
+//! the blocking server's threads take it from a queue, the asyncio server's `dispatch` callable
+//! hands it to its event loop; the call's handler then receives, sends and finishes it through
+//! [`ServerCall`].
 //!
-//! - The engine's `Server` with one `fallback` handler, `PyHandler`: every call, whatever its path,
-//!   goes to one Python callable, `dispatch(call)`. Methods are known only to Python, possibly only
-//!   after the ports are bound (grpcio allows `add_insecure_port` before
+//! - The engine's `Server` with one `fallback` handler, `PyHandler`: methods are known only to
+//!   Python, possibly only after the ports are bound (grpcio allows `add_insecure_port` before
 //!   `add_generic_rpc_handlers`), so the engine routes none itself.
 //! - `PyHandler` hands the call over with `isthmus::binding::hand_off`, which makes its
 //!   `HandedCall` (the engine's `ServerCall` under a tokio mutex, the path, metadata, deadline,
-//!   whether it is active, its callbacks); it takes the GIL, calls `dispatch`, and the handler's
-//!   future then waits for `finish(code, details, trailing_metadata)`. This runs in the call's
-//!   first poll on the connection's reader task, so `dispatch` must not block: the blocking server
-//!   submits the call to its thread pool, the asyncio server hands it to the loop with
-//!   `call_soon_threadsafe`, where the handler runs as a task. While another thread holds the GIL
-//!   (up to the switch interval, 5 ms by default), that connection reads no frames.
+//!   whether it is active, its callbacks); the handler's future then waits for `finish`. This
+//!   runs in the call's first poll on the connection's reader task, so it must not block:
+//!   - the blocking server (no `dispatch`): the call goes into `queue::CallQueue`, without the
+//!     GIL; loops on the executor's threads (`serve_calls`) take calls from it and run each
+//!     handler where it is, and a dispatcher thread starts loops as calls need them (ADR 0015);
+//!   - the asyncio server: `PyHandler` takes the GIL and calls `dispatch`, which hands the call
+//!     to the loop with `call_soon_threadsafe`, where the handler runs as a task. While another
+//!     thread holds the GIL (up to the switch interval, 5 ms by default), that connection reads
+//!     no frames.
+//! - `finish` writes the status onto the ring from the calling thread when no other operation
+//!   of the call holds it (`ServerCall::end_now`), so the client's answer does not wait for the
+//!   engine's task to be woken.
+//! - The raw tier (`buffers`): `recv_raw` gives a request as a read-only `Message`, `alloc` a
+//!   writable `Block` of the server's arena, `send_raw` sends either, or any C-contiguous
+//!   buffer, with no copy into Python.
 //! - `_handler.py` finds the method's handler as grpcio does (registered methods by path, then the
 //!   generic handlers in order, behind the interceptors; none is UNIMPLEMENTED "Method not
 //!   found!"). The handler works through the `ServerCall`: blocking calls on the runtime with
@@ -34,7 +43,7 @@
 //! - Ports: each `add_insecure_port` binds at once (`Server::bind`) as a `Bound` of its own, so it
 //!   can return the port (the one chosen for `http://…:0`; 1 for other targets, since grpc callers
 //!   take 0 for failure). An HTTP/2 port has its own loopback `shm://` endpoint, through which its
-//!   calls reach `dispatch`: Python sees one kind of call everywhere. `start` serves them all with
+//!   calls reach Python: it sees one kind of call everywhere. `start` serves them all with
 //!   `serve_until`, stopped by one `watch` whose value is `stop(grace)`'s grace (none: 0). `wait`
 //!   waits on a condvar with the GIL released; the blocking `wait_for_termination` waits in 1 s
 //!   slices so Ctrl-C gets its turn. The asyncio `stop` cancels the handler tasks still running
@@ -60,23 +69,31 @@ use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tokio::sync::watch;
 
+use crate::buffers::{Block, Message, Outgoing, Request};
 use crate::convert::{bytes_from_py, call_error, metadata_from_py, metadata_to_py, PyMetadata};
+use crate::queue::{CallQueue, Next};
 use crate::reactor::Reactor;
 use crate::runtime;
 
-/// Hands every call to the Python `dispatch` callable.
-struct PyHandler {
-    dispatch: Py<PyAny>,
+/// Hands every call to Python: to the `dispatch` callable (the asyncio server), or to the
+/// queue the blocking server's threads take calls from.
+enum PyHandler {
+    Dispatch(Py<PyAny>),
+    Queue(Arc<CallQueue>),
 }
 
 impl Handler for PyHandler {
     fn handle(self: Arc<Self>, call: isthmus::ServerCall) -> HandlerFuture {
-        Box::pin(hand_off(call, move |core| {
-            Python::attach(|py| -> PyResult<()> {
+        Box::pin(hand_off(call, move |core| match &*self {
+            PyHandler::Queue(queue) => {
+                queue.push(core);
+                Ok(())
+            }
+            PyHandler::Dispatch(dispatch) => Python::attach(|py| -> PyResult<()> {
                 let call = Py::new(py, ServerCall { core })?;
-                self.dispatch.call1(py, (call,)).map(drop)
+                dispatch.call1(py, (call,)).map(drop)
             })
-            .map_err(|e| Status::new(Code::Unknown, format!("the server could not start the handler: {e}")))
+            .map_err(|e| Status::new(Code::Unknown, format!("the server could not start the handler: {e}"))),
         }))
     }
 }
@@ -137,6 +154,35 @@ impl ServerCall {
         py.detach(|| runtime().block_on(self.core.send(&message))).map_err(|s| call_error(py, &s))
     }
 
+    /// [`recv`](Self::recv) for the raw tier: the request as a read-only [`Message`], a view
+    /// of the client's shared memory when it came through its arena.
+    #[pyo3(signature = (flush_headers=false))]
+    fn recv_raw(&self, py: Python<'_>, flush_headers: bool) -> PyResult<Option<Message>> {
+        match py.detach(|| runtime().block_on(self.core.recv(flush_headers))) {
+            Ok(m) => Ok(m.map(Message::new)),
+            Err(status) => Err(call_error(py, &status)),
+        }
+    }
+
+    /// A writable block of the server's shared memory to build a reply in, sent with
+    /// [`send_raw`](Self::send_raw) with no copy.
+    fn alloc(&self, py: Python<'_>, size: usize) -> PyResult<Block> {
+        py.detach(|| runtime().block_on(self.core.alloc(size))).map(Block::shm).map_err(|s| call_error(py, &s))
+    }
+
+    /// [`send`](Self::send) for the raw tier: a [`Block`] (sent where it is) or any
+    /// C-contiguous buffer (read in place).
+    fn send_raw(&self, py: Python<'_>, message: &Bound<'_, PyAny>) -> PyResult<()> {
+        let sent = match Request::from_py(message)? {
+            Request::Block(Outgoing::Shm(block)) => py.detach(|| runtime().block_on(self.core.send_block(block))),
+            other => {
+                let bytes = other.as_slice().unwrap_or_default();
+                py.detach(|| runtime().block_on(self.core.send(bytes)))
+            }
+        };
+        sent.map_err(|s| call_error(py, &s))
+    }
+
     fn send_initial_metadata(&self, py: Python<'_>, metadata: &Bound<'_, PyAny>) -> PyResult<()> {
         let metadata = metadata_from_py(Some(metadata))?;
         py.detach(|| runtime().block_on(self.core.send_headers(metadata))).map_err(|s| call_error(py, &s))
@@ -173,6 +219,8 @@ impl ServerCall {
 #[pyclass(module = "isthmus._native", frozen)]
 pub(crate) struct Server {
     handler: Arc<PyHandler>,
+    /// The blocking server's calls on their way to its threads (`dispatch` was None).
+    queue: Option<Arc<CallQueue>>,
     stream_limit: Option<usize>,
     config: isthmus::Config,
     /// What every port's HTTP/2 clients are offered: the `shm://` port, whichever call bound it.
@@ -186,19 +234,28 @@ pub(crate) struct Server {
 #[pymethods]
 impl Server {
     #[new]
-    #[pyo3(signature = (dispatch, max_concurrent_streams=None, max_message_size=None, offer_shm=true))]
+    #[pyo3(signature = (dispatch, max_concurrent_streams=None, max_message_size=None, offer_shm=true, max_threads=None))]
     fn new(
-        dispatch: Py<PyAny>,
+        dispatch: Option<Py<PyAny>>,
         max_concurrent_streams: Option<usize>,
         max_message_size: Option<u64>,
         offer_shm: bool,
+        max_threads: Option<usize>,
     ) -> Server {
         let mut config = isthmus::Config::default();
         if let Some(limit) = max_message_size {
             config.max_message_size = limit;
         }
+        let (handler, queue) = match dispatch {
+            Some(dispatch) => (PyHandler::Dispatch(dispatch), None),
+            None => {
+                let queue = Arc::new(CallQueue::new(max_threads.unwrap_or(usize::MAX)));
+                (PyHandler::Queue(queue.clone()), Some(queue))
+            }
+        };
         Server {
-            handler: Arc::new(PyHandler { dispatch }),
+            handler: Arc::new(handler),
+            queue,
             stream_limit: max_concurrent_streams,
             config,
             offer: offer_shm.then(isthmus::ShmOffer::new),
@@ -234,6 +291,40 @@ impl Server {
         Ok(address)
     }
 
+    /// Takes calls from the queue and runs `handle(call)` for each, on the calling thread (one
+    /// of the executor's), until none comes for a while or the server stops.
+    fn serve_calls(&self, py: Python<'_>, handle: Py<PyAny>) -> PyResult<()> {
+        let queue = self.blocking_queue()?;
+        queue.loop_running(true);
+        let _running = LoopRunning(queue);
+        loop {
+            match py.detach(|| queue.next(crate::queue::SPIN)) {
+                Next::Call(core) => {
+                    let call = Py::new(py, ServerCall { core })?;
+                    if let Err(e) = handle.call1(py, (call,)) {
+                        // `handle` reports a handler's own errors; this is a bug in it.
+                        e.print(py);
+                    }
+                }
+                Next::Idle | Next::Closed => return Ok(()),
+            }
+        }
+    }
+
+    /// For the dispatcher thread: waits until calls need one more `serve_calls` loop. False
+    /// once the server has stopped.
+    fn wait_demand(&self, py: Python<'_>) -> PyResult<bool> {
+        let queue = self.blocking_queue()?;
+        Ok(py.detach(|| queue.wait_demand()))
+    }
+
+    /// The dispatcher could not start the loop `wait_demand` asked for: calls fail UNAVAILABLE
+    /// with `why` from now on.
+    fn refuse_calls(&self, why: &str) -> PyResult<()> {
+        self.blocking_queue()?.refuse(why);
+        Ok(())
+    }
+
     fn start(&self) -> PyResult<()> {
         if self.started.swap(true, Ordering::AcqRel) {
             return Err(PyRuntimeError::new_err("the server was already started"));
@@ -241,6 +332,7 @@ impl Server {
         let bound = self.bound.lock().map(|mut b| std::mem::take(&mut *b)).unwrap_or_default();
         let stopped = self.stopped.clone();
         let stop = self.stop.clone();
+        let queue = self.queue.clone();
         runtime().spawn(async move {
             let mut serving = tokio::task::JoinSet::new();
             for b in bound {
@@ -253,6 +345,9 @@ impl Server {
                 }));
             }
             while serving.join_next().await.is_some() {}
+            if let Some(queue) = queue {
+                queue.close();
+            }
             mark_stopped(&stopped);
         });
         Ok(())
@@ -265,6 +360,9 @@ impl Server {
         if !self.started.swap(true, Ordering::AcqRel) {
             // Never served: what was bound closes now.
             drop(self.bound.lock().map(|mut b| std::mem::take(&mut *b)));
+            if let Some(queue) = &self.queue {
+                queue.close();
+            }
             mark_stopped(&self.stopped);
         }
     }
@@ -282,6 +380,21 @@ impl Server {
                 }
             }
         })
+    }
+}
+
+impl Server {
+    fn blocking_queue(&self) -> PyResult<&Arc<CallQueue>> {
+        self.queue.as_ref().ok_or_else(|| PyRuntimeError::new_err("this server hands its calls to a dispatch callable"))
+    }
+}
+
+/// Counts a `serve_calls` loop out however it ends.
+struct LoopRunning<'a>(&'a CallQueue);
+
+impl Drop for LoopRunning<'_> {
+    fn drop(&mut self) {
+        self.0.loop_running(false);
     }
 }
 

@@ -546,7 +546,7 @@ impl HandedCall {
     }
 
     fn check_active(&self) -> Result<(), Status> {
-        match self.active.load(std::sync::atomic::Ordering::Acquire) {
+        match self.is_active() {
             true => Ok(()),
             false => Err(Status::new(Code::Cancelled, "the call is over")),
         }
@@ -604,8 +604,18 @@ impl HandedCall {
 
     /// Ends the call with `status` (OK with no trailers ends it plainly). Later calls do
     /// nothing; `false` if it had already been finished.
+    ///
+    /// The status goes onto the ring from the calling thread when no other operation of the
+    /// call is under way (`ServerCall::end_now`): the client has its answer without the
+    /// engine's task being woken first. Otherwise, and if the call ended meanwhile, the
+    /// engine sends it when the handler's future ends.
     pub fn finish(&self, status: Status) -> bool {
         let Some(finish) = self.finish.lock().ok().and_then(|mut f| f.take()) else { return false };
+        if let Ok(call) = self.call.try_lock() {
+            call.end_now(status);
+            let _ = finish.send(Ok(()));
+            return true;
+        }
         let outcome = if status.code() == Code::Ok && status.metadata().is_empty() {
             Ok(())
         } else {

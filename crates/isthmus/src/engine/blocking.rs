@@ -164,6 +164,23 @@ impl Channel {
         Ok(PendingUnary { call, path: path.to_owned(), message: None })
     }
 
+    /// A writable block of `len` bytes in this side's shared memory, for a request built in
+    /// place and sent with [`unary_block`](Self::unary_block) (connecting first if need be).
+    /// Waits up to `timeout` for arena room. The block belongs to the current connection: if
+    /// that connection ends before the block is sent, sending it fails UNAVAILABLE.
+    pub fn alloc(&self, len: usize, timeout: Option<Duration>) -> Result<BlockMut, Status> {
+        let deadline = timeout.map(|t| Instant::now() + t);
+        let mux = self.mux(false, deadline)?;
+        mux.sender.alloc(len, deadline).map_err(|e| Status::from_transport(&e))
+    }
+
+    /// A unary call whose request is a block from [`alloc`](Self::alloc), sent where it is.
+    pub fn unary_block(&self, path: &str, request: BlockMut, options: CallOptions) -> Result<Response, Status> {
+        let mut call = self.start(path, options)?;
+        call.send_block(request, true)?;
+        PendingUnary { call, path: path.to_owned(), message: None }.wait()
+    }
+
     /// Counters of the current connection (zero if there is none yet).
     pub fn counters(&self) -> ConnectionCounters {
         self.inner.slot.counters()

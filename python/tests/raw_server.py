@@ -1,0 +1,147 @@
+"""A Python isthmus server of raw methods (`isthmus.raw`), as a peer process for the raw tier's
+tests.
+
+Usage: python -m raw_server [--workers N] TARGET...   (prints `READY`, then `LISTENING ADDRESS`
+for each `unix://` and `http://` target, and serves until killed; handlers run on a pool of N
+threads, 16 by default)
+
+Methods, all under `/raw.Raw/`:
+- `Echo`: returns the request `Message` as it is (sent from the client's memory it views).
+- `Double`: the request as float64s, doubled into a reply block of the server's shared memory.
+- `Fill`: the request is 9 bytes, a size (little-endian u64) and a byte; the reply is a block of
+  that many of that byte (in place, no copy).
+- `KeepExported`: returns a block it still holds a view of: the send raises BufferError.
+- `Count`: server streaming; the request is a count n; n blocks of 4 KiB, block i filled with i.
+- `Sum`: client streaming; the sum of every byte of every request.
+- `Hold` keeps each request (a view of the client's memory); `CheckHeld` checks that every
+  request held still reads as it was sent, then lets them go.
+- `Busy`: sleeps 0.2 s; returns how many calls were in a handler at once at most so far.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import numpy as np
+from echo_server import announce, bind
+
+import isthmus
+
+held: list[isthmus.Message] = []
+kept_views: list[memoryview] = []
+
+
+@isthmus.raw
+def echo(request: isthmus.Message, context: Any) -> isthmus.Message:
+    return request
+
+
+@isthmus.raw
+def double(request: isthmus.Message, context: Any) -> isthmus.Block:
+    values = np.frombuffer(request, dtype=np.float64)
+    reply = context.alloc(len(request))
+    out = np.frombuffer(reply, dtype=np.float64)
+    np.multiply(values, 2.0, out=out)
+    del out  # the view must be released before the block is sent
+    return reply
+
+
+@isthmus.raw
+def fill(request: isthmus.Message, context: Any) -> isthmus.Block:
+    size, byte = int.from_bytes(bytes(request)[:8], "little"), bytes(request)[8]
+    reply = context.alloc(size)
+    with memoryview(reply) as view:
+        view[:] = bytes([byte]) * size
+    return reply
+
+
+@isthmus.raw
+def keep_exported(request: isthmus.Message, context: Any) -> isthmus.Block:
+    reply = context.alloc(16)
+    kept_views.append(memoryview(reply))
+    return reply
+
+
+@isthmus.raw
+def count(request: isthmus.Message, context: Any) -> Iterator[isthmus.Block]:
+    for i in range(int.from_bytes(bytes(request), "little")):
+        block = context.alloc(4096)
+        with memoryview(block) as view:
+            view[:] = bytes([i % 256]) * 4096
+        yield block
+
+
+@isthmus.raw
+def total(requests: Iterator[isthmus.Message], context: Any) -> bytes:
+    return int(sum(int(np.frombuffer(r, dtype=np.uint8).sum(dtype=np.uint64)) for r in requests)).to_bytes(
+        8, "little"
+    )
+
+
+@isthmus.raw
+def hold(request: isthmus.Message, context: Any) -> bytes:
+    held.append(request)
+    return len(held).to_bytes(8, "little")
+
+
+@isthmus.raw
+def check_held(request: isthmus.Message, context: Any) -> bytes:
+    """1 if every held request still reads as the byte it was filled with, else 0."""
+    ok = all(np.all(np.frombuffer(m, dtype=np.uint8) == np.frombuffer(m, dtype=np.uint8)[0]) for m in held)
+    held.clear()
+    return bytes([int(ok)])
+
+
+busy_lock = threading.Lock()
+busy_now = 0
+busy_most = 0
+
+
+@isthmus.raw
+def busy(request: isthmus.Message, context: Any) -> bytes:
+    global busy_now, busy_most
+    with busy_lock:
+        busy_now += 1
+        busy_most = max(busy_most, busy_now)
+    time.sleep(0.2)
+    with busy_lock:
+        busy_now -= 1
+        return busy_most.to_bytes(8, "little")
+
+
+def main() -> None:
+    args = sys.argv[1:]
+    workers = 16
+    if args[0] == "--workers":
+        workers, args = int(args[1]), args[2:]
+    handlers = grpc.method_handlers_generic_handler(
+        "raw.Raw",
+        {
+            "Echo": grpc.unary_unary_rpc_method_handler(echo),
+            "Double": grpc.unary_unary_rpc_method_handler(double),
+            "Fill": grpc.unary_unary_rpc_method_handler(fill),
+            "KeepExported": grpc.unary_unary_rpc_method_handler(keep_exported),
+            "Count": grpc.unary_stream_rpc_method_handler(count),
+            "Sum": grpc.stream_unary_rpc_method_handler(total),
+            "Hold": grpc.unary_unary_rpc_method_handler(hold),
+            "CheckHeld": grpc.unary_unary_rpc_method_handler(check_held),
+            "Busy": grpc.unary_unary_rpc_method_handler(busy),
+        },
+    )
+    options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+    pool = futures.ThreadPoolExecutor(max_workers=workers)
+    server = isthmus.server(pool, handlers=[handlers], options=options)
+    addresses = bind(server, "isthmus", args)
+    server.start()
+    announce(addresses)
+    threading.Event().wait()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,235 @@
+"""The raw tier: buffers in and out with no copy into Python `bytes`, replies built in place, and
+the lifetime rules of both (isthmus.Message, isthmus.Block, isthmus.raw), against a Python
+server in another process (`raw_server.py`) over every transport."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+from peer import Peer, Served, fresh
+
+import isthmus
+
+DTYPES = [np.int8, np.uint8, np.int16, np.int32, np.int64, np.uint64, np.float16, np.float32, np.float64]
+
+
+def serve_raw(stubs: Path, transports: list[str], *options: str) -> Served:
+    """A `raw_server` process on fresh addresses of `transports`."""
+    targets = [fresh(t) for t in transports]
+    env = dict(os.environ)
+    tests = str(Path(__file__).resolve().parent)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [tests, str(stubs), env.get("PYTHONPATH")]))
+    served = Served("raw", Peer([sys.executable, "-m", "raw_server", *options, *targets], env))
+    for transport, target in zip(transports, targets, strict=True):
+        served.addresses[transport] = (
+            target if transport == "shm" else served.peer.expect("LISTENING ").removeprefix("LISTENING ")
+        )
+    return served
+
+
+@pytest.fixture(scope="module")
+def raw_served(stubs: Path) -> Iterator[Served]:
+    served = serve_raw(stubs, ["shm", "unix", "http"])
+    yield served
+    served.close()
+
+
+@pytest.fixture(params=["shm", "unix", "http"])
+def channel(request: pytest.FixtureRequest, raw_served: Served) -> Iterator[isthmus.Channel]:
+    with isthmus.insecure_channel(raw_served.addresses[request.param]) as ch:
+        yield ch
+
+
+@pytest.fixture
+def shm(raw_served: Served) -> Iterator[isthmus.Channel]:
+    with isthmus.insecure_channel(raw_served.addresses["shm"]) as ch:
+        yield ch
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
+def test_numpy_arrays_round_trip_as_they_are(channel: isthmus.Channel, dtype: type) -> None:
+    for shape in [(0,), (7,), (3, 5), (1 << 17,)]:
+        array = (np.arange(int(np.prod(shape))) % 100).astype(dtype).reshape(shape)
+        reply = channel.raw_unary("/raw.Raw/Echo", array)
+        assert isinstance(reply, isthmus.Message)
+        assert len(reply) == array.nbytes
+        assert np.array_equal(np.frombuffer(reply, dtype=dtype).reshape(shape), array)
+
+
+def test_a_zero_dimensional_array_is_its_one_value(channel: isthmus.Channel) -> None:
+    reply = channel.raw_unary("/raw.Raw/Echo", np.array(2.5))
+    assert np.frombuffer(reply, dtype=np.float64).tolist() == [2.5]
+
+
+def test_bytes_bytearray_and_memoryview_are_sent_as_they_are(channel: isthmus.Channel) -> None:
+    for request in [b"abc", bytearray(b"defg"), memoryview(b"0123456789")[2:7], b""]:
+        assert bytes(channel.raw_unary("/raw.Raw/Echo", request)) == bytes(request)
+
+
+def test_a_non_contiguous_buffer_is_refused_before_anything_is_sent(channel: isthmus.Channel) -> None:
+    strided = np.arange(20, dtype=np.int32)[::2]
+    with pytest.raises(BufferError, match="C-contiguous"):
+        channel.raw_unary("/raw.Raw/Echo", strided)
+    with pytest.raises(BufferError, match="C-contiguous"):
+        channel.raw_unary("/raw.Raw/Echo", np.asfortranarray(np.ones((3, 4))))
+    # The documented way out, and the channel is unharmed.
+    reply = channel.raw_unary("/raw.Raw/Echo", np.ascontiguousarray(strided))
+    assert np.frombuffer(reply, dtype=np.int32).tolist() == list(range(0, 20, 2))
+
+
+def test_a_reply_is_read_only(channel: isthmus.Channel) -> None:
+    reply = channel.raw_unary("/raw.Raw/Echo", np.zeros(100_000, dtype=np.uint8))
+    assert not np.frombuffer(reply, dtype=np.uint8).flags.writeable
+    with pytest.raises(TypeError):
+        memoryview(reply)[0] = 1
+    with pytest.raises(ValueError):
+        np.frombuffer(reply, dtype=np.uint8).setflags(write=True)
+
+
+def test_an_in_place_reply_of_float64s(channel: isthmus.Channel) -> None:
+    values = np.linspace(-1, 1, 300_001)
+    doubled = np.frombuffer(channel.raw_unary("/raw.Raw/Double", values), dtype=np.float64)
+    assert np.array_equal(doubled, values * 2)
+
+
+def test_a_request_built_in_place_in_shared_memory(shm: isthmus.Channel) -> None:
+    block = shm.alloc(8 * 100_000)
+    assert block.shared and len(block) == 800_000
+    view = np.frombuffer(block, dtype=np.float64)
+    view[:] = np.arange(100_000)
+    del view
+    doubled = np.frombuffer(shm.raw_unary("/raw.Raw/Double", block), dtype=np.float64)
+    assert np.array_equal(doubled, np.arange(100_000) * 2.0)
+    # Sent once: after that it is empty and refuses to be used.
+    assert len(block) == 0
+    with pytest.raises(BufferError, match="already sent"):
+        shm.raw_unary("/raw.Raw/Echo", block)
+    with pytest.raises(BufferError):
+        memoryview(block)
+
+
+def test_a_block_off_shared_memory_works_the_same(raw_served: Served) -> None:
+    with isthmus.insecure_channel(raw_served.addresses["unix"]) as ch:
+        block = ch.alloc(5)
+        assert not block.shared
+        with memoryview(block) as view:
+            view[:] = b"hello"
+        assert bytes(ch.raw_unary("/raw.Raw/Echo", block)) == b"hello"
+
+
+def test_a_block_still_viewed_is_not_sent(shm: isthmus.Channel) -> None:
+    block = shm.alloc(4)
+    view = memoryview(block)
+    view[:] = b"abcd"
+    with pytest.raises(BufferError, match="still exported"):
+        shm.raw_unary("/raw.Raw/Echo", block)
+    # Once the view is released, the same block goes.
+    view.release()
+    assert bytes(shm.raw_unary("/raw.Raw/Echo", block)) == b"abcd"
+
+
+def test_truncate_sends_only_what_was_written(shm: isthmus.Channel) -> None:
+    block = shm.alloc(1000)
+    with memoryview(block) as view:
+        view[:3] = b"xyz"
+    block.truncate(3)
+    assert bytes(shm.raw_unary("/raw.Raw/Echo", block)) == b"xyz"
+
+
+def test_a_server_handler_that_sends_a_block_it_still_views_fails_alone(channel: isthmus.Channel) -> None:
+    with pytest.raises(grpc.RpcError) as failed:
+        channel.raw_unary("/raw.Raw/KeepExported", b"")
+    assert failed.value.code() is grpc.StatusCode.UNKNOWN
+    assert "still exported" in (failed.value.details() or "")
+    # The server goes on.
+    assert bytes(channel.raw_unary("/raw.Raw/Echo", b"after")) == b"after"
+
+
+def test_replies_held_after_the_call_stay_valid(shm: isthmus.Channel) -> None:
+    size = 1 << 20
+    replies = [shm.raw_unary("/raw.Raw/Fill", size.to_bytes(8, "little") + bytes([i])) for i in range(40)]
+    # More traffic meanwhile: the held blocks are not reused under the views.
+    for _ in range(20):
+        shm.raw_unary("/raw.Raw/Echo", np.full(size, 0xEE, dtype=np.uint8))
+    for i, reply in enumerate(replies):
+        assert np.all(np.frombuffer(reply, dtype=np.uint8) == i)
+
+
+def test_requests_held_by_the_server_stay_valid(shm: isthmus.Channel) -> None:
+    for i in range(1, 30):
+        shm.raw_unary("/raw.Raw/Hold", np.full(256 << 10, i, dtype=np.uint8))
+    for _ in range(10):
+        shm.raw_unary("/raw.Raw/Echo", np.full(256 << 10, 0, dtype=np.uint8))
+    assert bytes(shm.raw_unary("/raw.Raw/CheckHeld", b"")) == b"\x01"
+
+
+def test_a_streamed_reply_of_blocks_and_a_streamed_request_of_buffers(channel: isthmus.Channel) -> None:
+    # Raw methods are ordinary gRPC methods to any client: here the grpc-shaped callables, with
+    # no (de)serializers.
+    count = channel.unary_stream("/raw.Raw/Count")
+    messages = list(count((50).to_bytes(8, "little")))
+    assert [m[:1] for m in messages] == [bytes([i]) for i in range(50)]
+    assert all(len(m) == 4096 for m in messages)
+    total = channel.stream_unary("/raw.Raw/Sum")
+    requests = [bytes([i]) * 1000 for i in range(10)]
+    assert int.from_bytes(total(iter(requests)), "little") == sum(i * 1000 for i in range(10))
+
+
+def test_many_in_place_handlers_at_once(shm: isthmus.Channel) -> None:
+    failures: list[BaseException] = []
+
+    def caller(seed: int) -> None:
+        try:
+            for k in range(30):
+                values = np.full(10_000 + seed, float(seed * 100 + k))
+                doubled = np.frombuffer(shm.raw_unary("/raw.Raw/Double", values), dtype=np.float64)
+                assert np.array_equal(doubled, values * 2)
+        except BaseException as e:  # reported below
+            failures.append(e)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(24)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not failures, failures[:3]
+
+
+def test_a_gibibyte_each_way(shm: isthmus.Channel) -> None:
+    size = 1 << 30
+    request = np.empty(size, dtype=np.uint8)
+    request[:: 1 << 20] = np.arange(size >> 20) % 251
+    reply = shm.raw_unary("/raw.Raw/Echo", request)
+    assert len(reply) == size
+    got = np.frombuffer(reply, dtype=np.uint8)
+    assert np.array_equal(got[:: 1 << 20], request[:: 1 << 20])
+    del got, reply, request
+
+
+def test_handlers_run_on_the_executor_no_more_at_once_than_its_size(stubs: Path) -> None:
+    # The blocking server takes calls on its executor's threads (ADR 0015): a pool of 2 runs
+    # two handlers at once, not one (a second loop starts) and not three.
+    served = serve_raw(stubs, ["shm"], "--workers", "2")
+    try:
+        with isthmus.insecure_channel(served.addresses["shm"]) as ch:
+            most: list[int] = []
+
+            def caller() -> None:
+                most.append(int.from_bytes(bytes(ch.raw_unary("/raw.Raw/Busy", b"")), "little"))
+
+            threads = [threading.Thread(target=caller) for _ in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert len(most) == 6
+            assert max(most) == 2
+    finally:
+        served.close()
