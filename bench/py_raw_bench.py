@@ -125,7 +125,10 @@ def bench_grpcio(sizes: list[int], budget: float) -> dict[int, dict[str, float]]
     return out
 
 
-def bench_ray(sizes: list[int], budget: float, warmup: int) -> dict[int, dict[str, float]] | None:
+def bench_ray(
+    sizes: list[int], budget: float, warmup: int, rounds: int
+) -> list[dict[int, dict[str, float]]] | None:
+    """Every round in one Ray instance: a second `ray.init` in one process can time out."""
     try:
         import ray  # noqa: PLC0415 (optional: the bench runs without it)
     except ImportError:
@@ -134,7 +137,7 @@ def bench_ray(sizes: list[int], budget: float, warmup: int) -> dict[int, dict[st
     home = tempfile.mkdtemp(prefix="ray-home-")
     os.environ["HOME"] = home
     ray.init(address="local", include_dashboard=False, _temp_dir=os.path.join(home, "t"), log_to_driver=False)
-    out: dict[int, dict[str, float]] = {}
+    out: list[dict[int, dict[str, float]]] = []
     try:
 
         @ray.remote
@@ -143,14 +146,18 @@ def bench_ray(sizes: list[int], budget: float, warmup: int) -> dict[int, dict[st
                 return x
 
         actor = Echo.remote()  # type: ignore[attr-defined]
-        for size in sizes:
-            array = payload(size)
-            assert np.array_equal(ray.get(actor.echo.remote(array)), array), "a wrong reply"
+        for round_ in range(1, rounds + 1):
+            print(f"round {round_}: ray", file=sys.stderr)
+            by_size = {}
+            for size in sizes:
+                array = payload(size)
+                assert np.array_equal(ray.get(actor.echo.remote(array)), array), "a wrong reply"
 
-            def once(array: Any = array) -> None:
-                ray.get(actor.echo.remote(array))
+                def once(array: Any = array) -> None:
+                    ray.get(actor.echo.remote(array))
 
-            out[size] = measure(once, warmup, budget, 20)
+                by_size[size] = measure(once, warmup, budget, 20)
+            out.append(by_size)
     finally:
         ray.shutdown()
         shutil.rmtree(home, ignore_errors=True)
@@ -195,9 +202,8 @@ def main() -> int:
         add("py-isthmus-raw", bench_isthmus(SIZES, budget), round_)
         add("py-py-grpcio", bench_grpcio(SIZES, budget), round_)
     # Ray last and once started: its raylet and workers would run beside the others.
-    for round_ in range(1, rounds + 1):
-        print(f"round {round_}: ray", file=sys.stderr)
-        add("py-ray-actor", bench_ray(SIZES, budget, 30 if args.quick else 300), round_)
+    for round_, by_size in enumerate(bench_ray(SIZES, budget, 30 if args.quick else 300, rounds) or [], 1):
+        add("py-ray-actor", by_size, round_)
 
     path = Path(args.results)
     data = json.loads(path.read_text())

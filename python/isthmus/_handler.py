@@ -35,7 +35,8 @@ def raw(method: F) -> F:
     holding the client's memory.
 
     grpcio ignores the mark: with a grpcio server the method gets the deserialized request,
-    as usual."""
+    as usual. So do, for now, isthmus's asyncio server and a server interceptor that wraps the
+    handler in a new one (the mark is an attribute of the method it wraps)."""
     method.__isthmus_raw__ = True  # type: ignore[attr-defined]
     return method
 

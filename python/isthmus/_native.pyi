@@ -274,6 +274,9 @@ class Server:
     def refuse_calls(self, why: str) -> None:
         """The loop `wait_demand` asked for cannot start: queued and later calls fail
         UNAVAILABLE with `why`."""
+    def close_calls(self, why: str) -> None:
+        """The process is exiting: `serve_calls` loops end now; queued and later calls fail
+        UNAVAILABLE with `why`."""
     def add_port(self, target: str, tls: _ServerTls | None = None) -> str:
         """Binds now, with TLS if given (TCP targets); returns the address as clients reach it
         (`http://` or `https://` with the port chosen for port 0). Raises ValueError (bad

@@ -6,8 +6,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future
 from typing import Any
 
 import grpc
@@ -116,11 +117,19 @@ class Server(ServerBase, grpc.Server):
     def _dispatch(self) -> None:
         """The dispatcher thread: one more loop on the pool whenever calls wait for one."""
         native = self._native
+
+        def started(loop: Future[None]) -> None:
+            # A loop cancelled before it ran (`pool.shutdown(cancel_futures=True)`): the pool
+            # is going away, and no other loop would be started for the calls waiting.
+            if loop.cancelled():
+                native.refuse_calls("the server's thread pool was shut down")
+
         while native.wait_demand():
             try:
-                self._pool.submit(native.serve_calls, self._handle)
-            except RuntimeError:  # the pool was shut down
-                native.refuse_calls("the server is shutting down")
+                self._pool.submit(native.serve_calls, self._handle).add_done_callback(started)
+            except Exception:  # the pool was shut down (RuntimeError), or refuses work
+                _LOG.exception("the server's thread pool refused a task; calls now fail UNAVAILABLE")
+                native.refuse_calls("the server's thread pool refuses work")
                 return
 
     def _handle(self, call: ServerCall) -> None:
@@ -132,8 +141,13 @@ class Server(ServerBase, grpc.Server):
         if handler is None:
             refuse(call, None)
             return
-        method = behaviour(handler)
-        context = ServicerContext(call, handler, getattr(method, "__isthmus_raw__", False))
+        try:
+            method = behaviour(handler)
+            raw = getattr(method, "__isthmus_raw__", False)
+        except Exception as e:
+            refuse(call, e)
+            return
+        context = ServicerContext(call, handler, raw)
         try:
             request = context._requests() if handler.request_streaming else context._request(context._recv())
             response = method(request, context)
@@ -151,6 +165,16 @@ class Server(ServerBase, grpc.Server):
     def start(self) -> None:
         self._native.start()
         threading.Thread(target=self._dispatch, name="isthmus-dispatch", daemon=True).start()
+        # At exit, before the executor joins its threads (its hook was registered first, and
+        # these run last first): the loops on them end now instead of after 2 s without calls.
+        this = weakref.ref(self)
+
+        def close() -> None:
+            server = this()
+            if server is not None:
+                server._native.close_calls("the process is exiting")
+
+        threading._register_atexit(close)  # type: ignore[attr-defined]
 
     def stop(self, grace: float | None) -> threading.Event:
         self._native.stop(grace)

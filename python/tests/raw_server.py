@@ -15,7 +15,7 @@ Methods, all under `/raw.Raw/`:
 - `Sum`: client streaming; the sum of every byte of every request.
 - `Hold` keeps each request (a view of the client's memory); `CheckHeld` checks that every
   request held still reads as it was sent, then lets them go.
-- `Busy`: sleeps 0.2 s; returns how many calls were in a handler at once at most so far.
+- `Busy`: sleeps 0.3 s; returns how many calls were in a handler at once at most so far.
 """
 
 from __future__ import annotations
@@ -92,8 +92,9 @@ def hold(request: isthmus.Message, context: Any) -> bytes:
 
 @isthmus.raw
 def check_held(request: isthmus.Message, context: Any) -> bytes:
-    """1 if every held request still reads as the byte it was filled with, else 0."""
-    ok = all(np.all(np.frombuffer(m, dtype=np.uint8) == np.frombuffer(m, dtype=np.uint8)[0]) for m in held)
+    """1 if the k-th request held (from 1) still reads as k in every byte, as it was sent, else
+    0; then lets them go."""
+    ok = all(np.all(np.frombuffer(m, dtype=np.uint8) == k) for k, m in enumerate(held, 1))
     held.clear()
     return bytes([int(ok)])
 
@@ -109,7 +110,7 @@ def busy(request: isthmus.Message, context: Any) -> bytes:
     with busy_lock:
         busy_now += 1
         busy_most = max(busy_most, busy_now)
-    time.sleep(0.2)
+    time.sleep(0.3)
     with busy_lock:
         busy_now -= 1
         return busy_most.to_bytes(8, "little")

@@ -163,8 +163,12 @@ def test_replies_held_after_the_call_stay_valid(shm: isthmus.Channel) -> None:
 
 
 def test_requests_held_by_the_server_stay_valid(shm: isthmus.Channel) -> None:
-    for i in range(1, 30):
-        shm.raw_unary("/raw.Raw/Hold", np.full(256 << 10, i, dtype=np.uint8))
+    # Request k is k in every byte; the Echo traffic after them would overwrite a block
+    # reused under a held view with 0s.
+    shm.raw_unary("/raw.Raw/CheckHeld", b"")  # nothing held from before
+    for k in range(1, 30):
+        count = shm.raw_unary("/raw.Raw/Hold", np.full(256 << 10, k, np.uint8))
+        assert int.from_bytes(bytes(count), "little") == k
     for _ in range(10):
         shm.raw_unary("/raw.Raw/Echo", np.full(256 << 10, 0, dtype=np.uint8))
     assert bytes(shm.raw_unary("/raw.Raw/CheckHeld", b"")) == b"\x01"
@@ -214,8 +218,9 @@ def test_a_gibibyte_each_way(shm: isthmus.Channel) -> None:
 
 
 def test_handlers_run_on_the_executor_no_more_at_once_than_its_size(stubs: Path) -> None:
-    # The blocking server takes calls on its executor's threads (ADR 0015): a pool of 2 runs
-    # two handlers at once, not one (a second loop starts) and not three.
+    # The blocking server takes calls on its executor's threads (ADR 0015): with 6 calls at
+    # once, a pool of 2 runs two handlers at once (a second loop starts while the first is
+    # busy), never more.
     served = serve_raw(stubs, ["shm"], "--workers", "2")
     try:
         with isthmus.insecure_channel(served.addresses["shm"]) as ch:

@@ -10,10 +10,11 @@
 //!   other transports (copied when sent). A block is sent once; sending it while a view of it
 //!   is still exported (a `memoryview`, a numpy array) raises `BufferError`, so no Python code
 //!   can write into memory the receiver is reading.
-//! - [`request_bytes`]: any object with the buffer protocol (bytes, bytearray, memoryview, numpy
+//! - [`Request`]: any object with the buffer protocol (bytes, bytearray, memoryview, numpy
 //!   arrays) as bytes to send, without a copy into Python: the export is held while the
-//!   message is copied into the ring or arena. It must be C-contiguous; anything else raises
-//!   `BufferError` (make it so with `numpy.ascontiguousarray`).
+//!   message is copied into the ring or arena, with the GIL released, so another thread must
+//!   not write to that buffer meanwhile (the message would be torn). It must be C-contiguous;
+//!   anything else raises `BufferError` (make it so with `numpy.ascontiguousarray`).
 //!
 //! This is the one module of the extension that hands memory to Python: the `unsafe` here
 //! fills `Py_buffer` structs and reads exported buffers.
@@ -98,8 +99,14 @@ impl Block {
         Block { memory: Memory::Shm(block), exports: 0 }
     }
 
-    pub(crate) fn heap(len: usize) -> Block {
-        Block { memory: Memory::Heap(vec![0; len]), exports: 0 }
+    /// `MemoryError` if the heap cannot hold `len` bytes.
+    pub(crate) fn heap(len: usize) -> PyResult<Block> {
+        let mut bytes = Vec::new();
+        bytes
+            .try_reserve_exact(len)
+            .map_err(|_| pyo3::exceptions::PyMemoryError::new_err(format!("cannot allocate a block of {len} bytes")))?;
+        bytes.resize(len, 0);
+        Ok(Block { memory: Memory::Heap(bytes), exports: 0 })
     }
 
     /// Takes the bytes to send; `BufferError` if a view of them is still exported, or if the

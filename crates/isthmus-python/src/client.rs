@@ -143,14 +143,11 @@ impl Channel {
         py: Python<'_>,
         path: &str,
         request: &[u8],
-        metadata: Option<&Bound<'_, PyAny>>,
-        timeout: Option<f64>,
-        wait_for_ready: bool,
+        options: isthmus::CallOptions,
     ) -> PyResult<isthmus::Response> {
         if self.closed.load(Ordering::Relaxed) {
             return Err(call_error(py, &closed()));
         }
-        let options = options(metadata, timeout, wait_for_ready)?;
         let response = match &self.blocking {
             Some(channel) => py.detach(|| channel.unary(path, request, options)),
             None => py.detach(|| match self.upgraded() {
@@ -197,7 +194,8 @@ impl Channel {
         timeout: Option<f64>,
         wait_for_ready: bool,
     ) -> PyResult<UnaryResult> {
-        let response = self.call_unary(py, path, request.as_bytes(), metadata, timeout, wait_for_ready)?;
+        let options = options(metadata, timeout, wait_for_ready)?;
+        let response = self.call_unary(py, path, request.as_bytes(), options)?;
         UnaryResult::new(py, &response)
     }
 
@@ -213,7 +211,8 @@ impl Channel {
         timeout: Option<f64>,
         wait_for_ready: bool,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let response = self.call_unary(py, path, request.as_bytes(), metadata, timeout, wait_for_ready)?;
+        let options = options(metadata, timeout, wait_for_ready)?;
+        let response = self.call_unary(py, path, request.as_bytes(), options)?;
         Ok(PyBytes::new(py, &response.message))
     }
 
@@ -226,7 +225,7 @@ impl Channel {
                 let timeout = crate::convert::timeout_from_py(timeout);
                 py.detach(|| channel.alloc(size, timeout)).map(Block::shm).map_err(|s| call_error(py, &s))
             }
-            None => Ok(Block::heap(size)),
+            None => Block::heap(size),
         }
     }
 
@@ -243,12 +242,13 @@ impl Channel {
         timeout: Option<f64>,
         wait_for_ready: bool,
     ) -> PyResult<Message> {
+        // Checked before the request is taken: a Block taken is a Block sent.
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(call_error(py, &closed()));
+        }
+        let options = options(metadata, timeout, wait_for_ready)?;
         let response = match Request::from_py(request)? {
             Request::Block(Outgoing::Shm(block)) => {
-                if self.closed.load(Ordering::Relaxed) {
-                    return Err(call_error(py, &closed()));
-                }
-                let options = options(metadata, timeout, wait_for_ready)?;
                 let sent = match &self.blocking {
                     Some(channel) => py.detach(|| channel.unary_block(path, block, options)),
                     None => Err(Status::new(Code::InvalidArgument, "this block was allocated by another channel")),
@@ -257,7 +257,7 @@ impl Channel {
             }
             other => {
                 let bytes = other.as_slice().unwrap_or_default();
-                self.call_unary(py, path, bytes, metadata, timeout, wait_for_ready)?
+                self.call_unary(py, path, bytes, options)?
             }
         };
         Ok(Message::new(response.message))

@@ -229,7 +229,8 @@ impl CallQueue {
         self.shut("the server has stopped");
     }
 
-    fn shut(&self, why: &str) {
+    /// Loops and the dispatcher end; calls waiting, and every later one, fail UNAVAILABLE.
+    pub(crate) fn shut(&self, why: &str) {
         let calls: Vec<_> = {
             let mut st = self.lock();
             st.closed = true;

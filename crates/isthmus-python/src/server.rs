@@ -325,6 +325,13 @@ impl Server {
         Ok(())
     }
 
+    /// The process is exiting: loops end now (so the executor's threads can be joined), and
+    /// calls fail UNAVAILABLE with `why` from now on.
+    fn close_calls(&self, why: &str) -> PyResult<()> {
+        self.blocking_queue()?.shut(why);
+        Ok(())
+    }
+
     fn start(&self) -> PyResult<()> {
         if self.started.swap(true, Ordering::AcqRel) {
             return Err(PyRuntimeError::new_err("the server was already started"));

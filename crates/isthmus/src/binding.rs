@@ -612,9 +612,9 @@ impl HandedCall {
     pub fn finish(&self, status: Status) -> bool {
         let Some(finish) = self.finish.lock().ok().and_then(|mut f| f.take()) else { return false };
         if let Ok(call) = self.call.try_lock() {
-            call.end_now(status);
+            let ended = call.end_now(status);
             let _ = finish.send(Ok(()));
-            return true;
+            return ended;
         }
         let outcome = if status.code() == Code::Ok && status.metadata().is_empty() {
             Ok(())

@@ -361,7 +361,7 @@ impl ServerCall {
     /// cross-core wake-up per call. The status goes out at once if the ring has room, else
     /// from a task of the runtime. False, and nothing sent, if the call has already ended (its
     /// deadline, the client's cancel, or an earlier `end_now`).
-    pub fn end_now(&self, status: Status) -> bool {
+    pub(crate) fn end_now(&self, status: Status) -> bool {
         if !self.ended.claim(EndedBy::HANDLER) {
             return false;
         }
@@ -372,12 +372,15 @@ impl ServerCall {
         let mut send = Box::pin(async move {
             let _ = mux.sender.send_async(Kind::Trailers, flags::END_STREAM, id, &body).await;
         });
-        let first = send.as_mut().poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+        // The caller is a foreign thread (Python's, C's): the send's wait for ring room needs the
+        // runtime's reactor, so it runs in the runtime's context, and goes on as its task.
+        let runtime = crate::binding::runtime();
+        let first = {
+            let _context = runtime.enter();
+            send.as_mut().poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+        };
         if first.is_pending() {
-            match tokio::runtime::Handle::try_current() {
-                Ok(runtime) => drop(runtime.spawn(send)),
-                Err(_) => drop(crate::binding::runtime().spawn(send)),
-            }
+            drop(runtime.spawn(send));
         }
         true
     }
