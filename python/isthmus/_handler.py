@@ -35,8 +35,9 @@ def raw(method: F) -> F:
     holding the client's memory.
 
     grpcio ignores the mark: with a grpcio server the method gets the deserialized request,
-    as usual. So do, for now, isthmus's asyncio server and a server interceptor that wraps the
-    handler in a new one (the mark is an attribute of the method it wraps)."""
+    as usual. So does, for now, a server interceptor that wraps the handler in a new one (the
+    mark is an attribute of the method it wraps). On isthmus's asyncio server a raw handler's
+    `context.alloc` may wait, on the loop, for room in the server's shared memory."""
     method.__isthmus_raw__ = True  # type: ignore[attr-defined]
     return method
 

@@ -183,6 +183,19 @@ class AsyncChannel:
         wait_for_ready: bool,
     ) -> None:
         """Completes with a UnaryResult."""
+    def alloc(self, size: int) -> Block:
+        """A heap Block (copied into shared memory when sent); MemoryError if too large."""
+    def unary_raw(
+        self,
+        token: int,
+        path: str,
+        request: Buffer,
+        metadata: _Metadata | None,
+        timeout: float | None,
+        wait_for_ready: bool,
+    ) -> None:
+        """Completes with a Message; BufferError at once for a non-contiguous buffer or a
+        block still exported, ValueError for a shared-memory block."""
     def start(
         self, token: int, path: str, metadata: _Metadata | None, timeout: float | None, wait_for_ready: bool
     ) -> None:
@@ -244,6 +257,11 @@ class ServerCall:
     # Through a Reactor (same outcomes as the blocking forms):
     def recv_async(self, reactor: Reactor, token: int, flush_headers: bool = False) -> None: ...
     def send_async(self, reactor: Reactor, token: int, message: bytes) -> None: ...
+    def recv_raw_async(self, reactor: Reactor, token: int, flush_headers: bool = False) -> None:
+        """Completes with a Message, None, or a CallError."""
+    def send_raw_async(self, reactor: Reactor, token: int, message: Buffer) -> None:
+        """A Block or any C-contiguous buffer, read when sent; BufferError at once for a block
+        still exported or already sent."""
     def send_initial_metadata_async(self, reactor: Reactor, token: int, metadata: _Metadata) -> None: ...
     def finish(self, code: int, details: str, trailing_metadata: _Metadata | None = None) -> None:
         """Ends the call with this status (0 = OK) and trailers. Later calls do nothing."""

@@ -1,9 +1,10 @@
 """A Python isthmus server of raw methods (`isthmus.raw`), as a peer process for the raw tier's
 tests.
 
-Usage: python -m raw_server [--workers N] TARGET...   (prints `READY`, then `LISTENING ADDRESS`
+Usage: python -m raw_server [--workers N | --aio] TARGET...   (prints `READY`, then `LISTENING ADDRESS`
 for each `unix://` and `http://` target, and serves until killed; handlers run on a pool of N
-threads, 16 by default)
+threads, 16 by default; with `--aio`, on `isthmus.aio.server`, where `Sum`, whose requests
+come as an async iterator there, does not work)
 
 Methods, all under `/raw.Raw/`:
 - `Echo`: returns the request `Message` as it is (sent from the client's memory it views).
@@ -20,6 +21,7 @@ Methods, all under `/raw.Raw/`:
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import threading
 import time
@@ -32,6 +34,7 @@ import numpy as np
 from echo_server import announce, bind
 
 import isthmus
+import isthmus.aio
 
 held: list[isthmus.Message] = []
 kept_views: list[memoryview] = []
@@ -116,11 +119,21 @@ def busy(request: isthmus.Message, context: Any) -> bytes:
         return busy_most.to_bytes(8, "little")
 
 
+async def serve_aio(handlers: grpc.GenericRpcHandler, targets: list[str], options: list[Any]) -> None:
+    server = isthmus.aio.server(handlers=[handlers], options=options)
+    addresses = bind(server, "isthmus-aio", targets)
+    await server.start()
+    announce(addresses)
+    await asyncio.Event().wait()
+
+
 def main() -> None:
     args = sys.argv[1:]
-    workers = 16
+    workers, aio = 16, False
     if args[0] == "--workers":
         workers, args = int(args[1]), args[2:]
+    if args[0] == "--aio":
+        aio, args = True, args[1:]
     handlers = grpc.method_handlers_generic_handler(
         "raw.Raw",
         {
@@ -136,6 +149,9 @@ def main() -> None:
         },
     )
     options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+    if aio:
+        asyncio.run(serve_aio(handlers, args, options))
+        return
     pool = futures.ThreadPoolExecutor(max_workers=workers)
     server = isthmus.server(pool, handlers=[handlers], options=options)
     addresses = bind(server, "isthmus", args)

@@ -4,6 +4,7 @@ server in another process (`raw_server.py`) over every transport."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import sys
 import threading
@@ -16,6 +17,7 @@ import pytest
 from peer import Peer, Served, fresh
 
 import isthmus
+import isthmus.aio
 
 DTYPES = [np.int8, np.uint8, np.int16, np.int32, np.int64, np.uint64, np.float16, np.float32, np.float64]
 
@@ -238,3 +240,51 @@ def test_handlers_run_on_the_executor_no_more_at_once_than_its_size(stubs: Path)
             assert max(most) == 2
     finally:
         served.close()
+
+
+@pytest.fixture(scope="module")
+def raw_aio_served(stubs: Path) -> Iterator[Served]:
+    served = serve_raw(stubs, ["shm", "unix"], "--aio")
+    yield served
+    served.close()
+
+
+@pytest.mark.parametrize("transport", ["shm", "unix"])
+def test_raw_handlers_on_the_asyncio_server(raw_aio_served: Served, transport: str) -> None:
+    with isthmus.insecure_channel(raw_aio_served.addresses[transport]) as ch:
+        array = np.arange(200_000, dtype=np.int32)
+        assert np.array_equal(np.frombuffer(ch.raw_unary("/raw.Raw/Echo", array), dtype=np.int32), array)
+        values = np.linspace(0, 1, 100_001)
+        doubled = np.frombuffer(ch.raw_unary("/raw.Raw/Double", values), dtype=np.float64)
+        assert np.array_equal(doubled, values * 2)
+        messages = list(ch.unary_stream("/raw.Raw/Count")((20).to_bytes(8, "little")))
+        assert [m[:1] for m in messages] == [bytes([i]) for i in range(20)]
+        with pytest.raises(grpc.RpcError) as failed:
+            ch.raw_unary("/raw.Raw/KeepExported", b"")
+        assert "still exported" in (failed.value.details() or "")
+
+
+@pytest.mark.parametrize("transport", ["shm", "unix", "http"])
+def test_the_asyncio_client_sends_buffers_and_gets_messages(raw_served: Served, transport: str) -> None:
+    async def run() -> None:
+        async with isthmus.aio.insecure_channel(raw_served.addresses[transport]) as ch:
+            for dtype in (np.uint8, np.float32, np.int64):
+                array = (np.arange(70_000) % 120).astype(dtype)
+                reply = await ch.raw_unary("/raw.Raw/Echo", array)
+                assert isinstance(reply, isthmus.Message)
+                assert np.array_equal(np.frombuffer(reply, dtype=dtype), array)
+            block = ch.alloc(8 * 1000)
+            filling = np.frombuffer(block, dtype=np.float64)
+            filling[:] = np.arange(1000)
+            del filling
+            doubled = np.frombuffer(await ch.raw_unary("/raw.Raw/Double", block), dtype=np.float64)
+            assert np.array_equal(doubled, np.arange(1000) * 2.0)
+            with pytest.raises(BufferError, match="C-contiguous"):
+                await ch.raw_unary("/raw.Raw/Echo", np.arange(10)[::2])
+            # The channel is unharmed, and calls run concurrently.
+            replies = await asyncio.gather(
+                *(ch.raw_unary("/raw.Raw/Echo", np.full(50_000, i, np.uint8)) for i in range(16))
+            )
+            assert all(np.all(np.frombuffer(r, dtype=np.uint8) == i) for i, r in enumerate(replies))
+
+    asyncio.run(run())

@@ -252,6 +252,10 @@ impl Exported {
     }
 }
 
+// SAFETY: the export is only read (through `as_slice`), its memory stays valid until
+// `PyBuffer_Release`, and that release takes the GIL on whichever thread drops it.
+unsafe impl Send for Exported {}
+
 impl Drop for Exported {
     fn drop(&mut self) {
         // SAFETY: a buffer filled by `PyObject_GetBuffer` and not yet released.
@@ -263,6 +267,14 @@ impl Drop for Exported {
 pub(crate) enum Request {
     Block(Outgoing),
     Buffer(Exported),
+}
+
+/// The bytes of a request that is not a shared-memory block (which has none to lend: it is
+/// sent where it is); empty for one.
+impl AsRef<[u8]> for Request {
+    fn as_ref(&self) -> &[u8] {
+        self.as_slice().unwrap_or_default()
+    }
 }
 
 impl Request {

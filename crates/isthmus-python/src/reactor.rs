@@ -40,6 +40,7 @@ use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList};
 
+use crate::buffers::{Block, Message, Outgoing, Request};
 use crate::client::UnaryResult;
 use crate::convert::{bytes_from_py, call_error_value, metadata_to_py, options, PyMetadata};
 
@@ -47,6 +48,8 @@ use crate::convert::{bytes_from_py, call_error_value, metadata_to_py, options, P
 pub(crate) enum Outcome {
     Unary(isthmus::Response),
     Message(Option<Bytes>),
+    /// The raw tier's: a reply, or a request, as a `Message` buffer.
+    Raw(Option<Bytes>),
     Metadata(MetadataMap),
     Sent(bool),
     Done,
@@ -107,7 +110,8 @@ impl Reactor {
             let (ok, value): (bool, Py<PyAny>) = match outcome {
                 Outcome::Unary(r) => (true, Py::new(py, UnaryResult::new(py, &r)?)?.into_any()),
                 Outcome::Message(Some(m)) => (true, PyBytes::new(py, &m).into_any().unbind()),
-                Outcome::Message(None) | Outcome::Done => (true, py.None()),
+                Outcome::Raw(Some(m)) => (true, Py::new(py, Message::new(m))?.into_any()),
+                Outcome::Message(None) | Outcome::Raw(None) | Outcome::Done => (true, py.None()),
                 Outcome::Metadata(m) => (true, metadata_to_py(py, &m)?.into_any()),
                 Outcome::Sent(sent) => (true, pyo3::types::PyBool::new(py, sent).to_owned().into_any().unbind()),
                 Outcome::Started(core) => {
@@ -176,13 +180,37 @@ impl AsyncChannel {
         wait_for_ready: bool,
     ) -> PyResult<()> {
         let options = options(metadata, timeout, wait_for_ready)?;
-        let (engine, request, closed) = (self.engine.clone(), bytes_from_py(request), self.is_closed());
-        self.completions.run(token, async move {
-            match closed {
-                Some(status) => Outcome::Failed(status),
-                None => engine.unary(&path, &request, options).await.map_or_else(Outcome::Failed, Outcome::Unary),
-            }
-        });
+        self.run_unary(token, path, bytes_from_py(request), options, false);
+        Ok(())
+    }
+
+    /// A block to build a request in: heap memory (the async channel's calls copy it into
+    /// shared memory when sent).
+    fn alloc(&self, size: usize) -> PyResult<Block> {
+        Block::heap(size)
+    }
+
+    /// [`unary`](Self::unary) of the raw tier: `request` is a heap [`Block`] or any
+    /// C-contiguous buffer, read in place when the call sends it (so it must not change until
+    /// the call completes); completes with a [`Message`].
+    #[pyo3(signature = (token, path, request, metadata, timeout, wait_for_ready))]
+    fn unary_raw(
+        &self,
+        token: u64,
+        path: String,
+        request: &Bound<'_, PyAny>,
+        metadata: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+        wait_for_ready: bool,
+    ) -> PyResult<()> {
+        let options = options(metadata, timeout, wait_for_ready)?;
+        let request = Request::from_py(request)?;
+        if let Request::Block(Outgoing::Shm(_)) = request {
+            return Err(pyo3::exceptions::PyValueError::new_err(
+                "a block of shared memory goes on the blocking channel that allocated it",
+            ));
+        }
+        self.run_unary(token, path, request, options, true);
         Ok(())
     }
 
@@ -259,5 +287,29 @@ impl AsyncCall {
 
     fn cancel(&self) {
         self.core.cancel();
+    }
+}
+
+impl AsyncChannel {
+    /// Runs one unary call as operation `token`; a `raw` one completes with a `Message`.
+    fn run_unary(
+        &self,
+        token: u64,
+        path: String,
+        request: impl AsRef<[u8]> + Send + 'static,
+        options: isthmus::CallOptions,
+        raw: bool,
+    ) {
+        let (engine, closed) = (self.engine.clone(), self.is_closed());
+        self.completions.run(token, async move {
+            if let Some(status) = closed {
+                return Outcome::Failed(status);
+            }
+            match engine.unary(&path, request.as_ref(), options).await {
+                Ok(response) if raw => Outcome::Raw(Some(response.message)),
+                Ok(response) => Outcome::Unary(response),
+                Err(status) => Outcome::Failed(status),
+            }
+        });
     }
 }

@@ -194,6 +194,31 @@ impl ServerCall {
         reactor.completions.run(token, async move { core.recv(flush_headers).await.into() });
     }
 
+    /// [`recv_async`](Self::recv_async) of the raw tier: completes with a `Message`.
+    #[pyo3(signature = (reactor, token, flush_headers=false))]
+    fn recv_raw_async(&self, reactor: &Reactor, token: u64, flush_headers: bool) {
+        let core = self.core.clone();
+        reactor.completions.run(token, async move {
+            match core.recv(flush_headers).await {
+                Ok(message) => crate::reactor::Outcome::Raw(message),
+                Err(status) => crate::reactor::Outcome::Failed(status),
+            }
+        });
+    }
+
+    /// [`send_async`](Self::send_async) of the raw tier: a [`Block`] or any C-contiguous
+    /// buffer, read when sent (so it must not change until the send completes).
+    fn send_raw_async(&self, reactor: &Reactor, token: u64, message: &Bound<'_, PyAny>) -> PyResult<()> {
+        let (core, message) = (self.core.clone(), Request::from_py(message)?);
+        reactor.completions.run(token, async move {
+            match message {
+                Request::Block(Outgoing::Shm(block)) => core.send_block(block).await.into(),
+                other => core.send(other.as_slice().unwrap_or_default()).await.into(),
+            }
+        });
+        Ok(())
+    }
+
     fn send_async(&self, reactor: &Reactor, token: u64, message: &Bound<'_, PyBytes>) {
         let (core, message) = (self.core.clone(), bytes_from_py(message));
         reactor.completions.run(token, async move { core.send(&message).await.into() });

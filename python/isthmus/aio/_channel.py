@@ -13,7 +13,9 @@ import grpc.aio
 from .. import _native
 from .._call import Deserializer, Serializer
 from .._channel import upgrades
+from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
+from .._native import CallError
 from ._call import (
     RequestIterable,
     StreamStreamCall,
@@ -160,6 +162,42 @@ class Channel(grpc.aio.Channel):
             self._native = _native.AsyncChannel(self._target, self._driver.reactor, self._tls, self._upgrade)
             self._loop = loop
         return loop, self._driver, self._native  # type: ignore[return-value]
+
+    def alloc(self, size: int) -> _native.Block:
+        """The raw tier: a writable buffer of `size` bytes to build a request in, for
+        `raw_unary`. Heap memory here (the asyncio channel copies it into shared memory when the
+        call sends it); the blocking channel's `alloc` gives shared memory itself."""
+        self._bind()
+        return self._native.alloc(size)  # type: ignore[union-attr]
+
+    async def raw_unary(
+        self,
+        method: str,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Iterable[Metadatum] | None = None,
+        wait_for_ready: bool | None = None,
+    ) -> _native.Message:
+        """The raw tier, as the blocking channel's `raw_unary`: `request` is any C-contiguous
+        buffer (numpy arrays among them), read in place when the call sends it, so leave it
+        unchanged until the call completes; the reply is a read-only `isthmus.Message`, a view of
+        the server's shared memory when it came through it. Cancelling the awaiting task cancels
+        the call."""
+        loop, driver, native = self._bind()
+        token, outcome = driver.begin(loop)
+        try:
+            native.unary_raw(token, method, request, outgoing(metadata), timeout, bool(wait_for_ready))
+        except BaseException:
+            driver.abandon(token)
+            raise
+        try:
+            value = await outcome
+        except asyncio.CancelledError:
+            driver.abandon(token)
+            raise
+        if isinstance(value, CallError):
+            raise rpc_error(value, aio=True)
+        return value  # type: ignore[no-any-return]
 
     def transport_counts(self) -> dict[str, int]:
         """As the blocking channel's: calls over shared memory and over HTTP/2."""

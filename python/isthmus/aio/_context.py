@@ -24,10 +24,14 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         handler: grpc.RpcMethodHandler,
         loop: asyncio.AbstractEventLoop,
         driver: Driver,
+        raw: bool = False,
     ) -> None:
-        super().__init__(call, handler)
+        super().__init__(call, handler, raw)
         self._loop = loop
         self._driver = driver
+        # A raw handler (`isthmus.raw`) reads `Message` buffers and writes buffers as they are.
+        self._recv_op = call.recv_raw_async if raw else call.recv_async
+        self._send_op = call.send_raw_async if raw else call.send_async
 
     async def _op(self, start: Callable[..., None], *args: Any) -> Any:
         """One engine operation on the call; raises an RpcError if the call is over."""
@@ -40,11 +44,11 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
 
     async def read(self) -> Any:
         # A client may wait for the response to open before it sends a request.
-        message = await self._op(self._call.recv_async, True)
+        message = await self._op(self._recv_op, True)
         return grpc.aio.EOF if message is None else self._decode(message)
 
     async def write(self, message: Any) -> None:
-        await self._op(self._call.send_async, self._encode(message))
+        await self._op(self._send_op, self._encode(message))
 
     async def send_initial_metadata(self, initial_metadata: Iterable[Metadatum]) -> None:
         await self._op(self._call.send_initial_metadata_async, outgoing(initial_metadata) or ())
@@ -70,7 +74,7 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         self._call.add_done_callback(schedule)
 
     async def _unary_request(self) -> Any:
-        return self._request(await self._op(self._call.recv_async))
+        return self._request(await self._op(self._recv_op))
 
     async def _requests(self) -> AsyncIterator[Any]:
         while (request := await self.read()) is not grpc.aio.EOF:

@@ -60,7 +60,12 @@ class Server(ServerBase, grpc.aio.Server):
         if handler is None:
             refuse(call, None)
             return
-        context = ServicerContext(call, handler, self._loop, self._driver)  # type: ignore[arg-type]
+        try:
+            raw = getattr(behaviour(handler), "__isthmus_raw__", False)
+        except Exception as e:
+            refuse(call, e)
+            return
+        context = ServicerContext(call, handler, self._loop, self._driver, raw)  # type: ignore[arg-type]
         try:
             await self._serve(handler, context)
         except asyncio.CancelledError:
