@@ -611,10 +611,15 @@ impl HandedCall {
     /// engine sends it when the handler's future ends.
     pub fn finish(&self, status: Status) -> bool {
         let Some(finish) = self.finish.lock().ok().and_then(|mut f| f.take()) else { return false };
-        if let Ok(call) = self.call.try_lock() {
-            let ended = call.end_now(status);
-            let _ = finish.send(Ok(()));
-            return ended;
+        // Not once the call is over: its end (the deadline, the client's cancel) is the
+        // engine's to send, and the handler may be finishing only because that end reached it
+        // (`Ended` marks the call inactive before it runs the callbacks that tell it).
+        if self.active.load(std::sync::atomic::Ordering::Acquire) {
+            if let Ok(call) = self.call.try_lock() {
+                let ended = call.end_now(status);
+                let _ = finish.send(Ok(()));
+                return ended;
+            }
         }
         let outcome = if status.code() == Code::Ok && status.metadata().is_empty() {
             Ok(())
