@@ -30,9 +30,6 @@ class Context:
         self._finished = False
         # A raw handler (`isthmus.raw`) gets requests as read-only `Message` buffers and sends
         # its replies as they are: no (de)serializer.
-        self._raw = raw
-        self._recv = call.recv_raw if raw else call.recv
-        self._send = call.send_raw if raw else call.send
         if raw:
             self._deserialize = self._serialize = None
 
@@ -150,6 +147,12 @@ class Context:
 
 class ServicerContext(Context, grpc.ServicerContext):
     """The blocking server's context."""
+
+    def __init__(self, call: ServerCall, handler: grpc.RpcMethodHandler, raw: bool = False) -> None:
+        super().__init__(call, handler, raw)
+        # How the blocking server reads requests and sends replies (raw ones as buffers).
+        self._recv = call.recv_raw if raw else call.recv
+        self._send = call.send_raw if raw else call.send
 
     def is_active(self) -> bool:
         return self._call.is_active()
