@@ -35,6 +35,7 @@ PY_PY = ["py-py-isthmus", "py-py-grpcio", "py-isthmus-sync"]
 RAW = ["py-isthmus-raw", "py-ray-actor", "py-py-grpcio", "py-memcpy"]
 GO = ["go-isthmus-shm", "go-isthmus-raw", "go-grpc-uds", "go-memcpy"]
 GATEWAY = ["gateway-isthmus-shm", "gateway-grpc-aio-uds", "gateway-httpx-axum-uds"]
+FANOUT = ["fanout-isthmus-shm", "fanout-tonic-uds", "fanout-grpcio"]
 PAIRS = [
     ("isthmus-rust", "tonic-uds", "Rust: isthmus engine vs tonic over UDS"),
     ("py-isthmus-sync", "py-grpc-sync-tonic-uds", "Python sync: isthmus vs grpcio→tonic (UDS)"),
@@ -61,6 +62,7 @@ def us(v: float) -> str:
 class Results:
     def __init__(self, data: dict[str, Any]) -> None:
         self.header = data["header"]
+        self.records: list[dict[str, Any]] = data["records"]
         self.cells: dict[Cell, list[dict[str, Any]]] = defaultdict(list)
         for r in data["records"]:
             self.cells[(r["system"], r["size"], r["inflight"])].append(r)
@@ -184,6 +186,43 @@ def raw_table(res: Results) -> list[str]:
     return rows
 
 
+def fanout_table(res: Results) -> list[str]:
+    """Per size and subscribers: each fan-out system's publish-to-last-delivery p50 (p99) and the
+    publisher's CPU per publish, medians across rounds, and the competitors' p50 ÷ isthmus's."""
+    groups: dict[tuple[str, int, int], list[dict[str, Any]]] = defaultdict(list)
+    for r in res.records:
+        if r["system"] in FANOUT:
+            groups[(r["system"], r["size"], r.get("subscribers", 0))].append(r)
+
+    def med(system: str, size: int, subs: int, field: str) -> float | None:
+        values = [r[field] for r in groups.get((system, size, subs), []) if r.get(field) is not None]
+        return statistics.median(values) if values else None
+
+    names = [s.removeprefix("fanout-") for s in FANOUT]
+    rows = [
+        "| size | subscribers | "
+        + " | ".join(f"{n} p50 (p99), CPU/publish" for n in names)
+        + " | tonic-uds ÷ isthmus | grpcio ÷ isthmus |",
+        "|---:|---:|" + "---:|" * (len(FANOUT) + 2),
+    ]
+    for size, subs in sorted({(k[1], k[2]) for k in groups}):
+        shown, p50s = [], []
+        for system in FANOUT:
+            p50, p99, cpu = (med(system, size, subs, f) for f in ("p50_us", "p99_us", "cpu_us_per_publish"))
+            p50s.append(p50)
+            shown.append(f"{us(p50)} ({us(p99)}), {us(cpu)}" if p50 and p99 and cpu else "-")
+        ratios = [f"{theirs / p50s[0]:.1f}×" if p50s[0] and theirs else "-" for theirs in p50s[1:]]
+        rows.append(f"| {size_name(size)} | {subs} | " + " | ".join(shown + ratios) + " |")
+    growth = []
+    for system in FANOUT:
+        one, many = (med(system, 1 << 20, n, "cpu_us_per_publish") for n in (1, 32))
+        if one and many:
+            growth.append(f"{system} {many / one:.1f}×")
+    if growth:
+        rows += ["", "CPU per publish of 1 MiB, 32 subscribers ÷ 1 subscriber: " + ", ".join(growth) + "."]
+    return rows
+
+
 def gateway_table(res: Results) -> list[str]:
     rows = [
         "| callers | system | requests/s | p50 | p99 | failures | isthmus ÷ it (requests/s) |",
@@ -270,6 +309,15 @@ def main() -> int:
         "",
         *latency_table(res, GO),
         *cgo_line(res),
+        "",
+        "## Fan-out (publish/subscribe)",
+        "",
+        "`isthmus-bench fanout`: one publisher's server stream `/bench.Fanout/Watch` to 1, 8 and 32 "
+        "subscribers, each on its own connection, held by up to 4 subscriber processes; a publish every "
+        "2 ms at most. p50 (p99) of the time from a publish to its delivery to the last subscriber, and "
+        "the publisher process's CPU time per publish.",
+        "",
+        *fanout_table(res),
         "",
         "## The gateway ↔ sidecar scenario",
         "",

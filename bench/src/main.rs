@@ -2,7 +2,8 @@
 //! each round, and writes `docs/bench/results.json` plus a table of medians and ratios.
 //!
 //! ```text
-//! isthmus-bench all|transport|rpc|python [--quick] [--out docs/bench/results.json]
+//! isthmus-bench all|transport|rpc|python|fanout [--quick] [--out docs/bench/results.json]
+//!     [--systems tonic-uds,grpcio]
 //! isthmus-bench demo
 //! isthmus-bench soak [--quick] [--calls N] [--python-calls M] [--out FILE]
 //! isthmus-bench profile-transport SIZE…
@@ -12,10 +13,14 @@
 //! echo through the RPC engine (`isthmus-rust`) beside tonic over a Unix socket (`tonic-uds`)
 //! (with the transport matrix's `raw-uds` as the floor of socket IPC); `python` is Python clients
 //! (isthmus sync and asyncio over `shm://`, grpcio and grpc.aio against tonic over a Unix socket, a
-//! raw Python socket); `all` runs every part in one run.
+//! raw Python socket); `fanout` is one publisher's server stream to 1, 8 and 32 subscribers
+//! (isthmus over `shm://`, tonic over a Unix socket, grpcio; `--systems` picks some of them);
+//! `all` runs every part in one run.
 //!
-//! The `serve-*` roles are the echo servers this binary starts as child processes.
+//! The `serve-*` roles are the servers this binary starts as child processes, and
+//! `fanout-subscriber` the fan-out's subscriber processes.
 
+mod fanout;
 mod measure;
 mod python;
 mod report;
@@ -52,6 +57,10 @@ fn main() {
         "serve-isthmus-soak" => rpc::serve_isthmus_soak(&arg(2), &arg(3)),
         "serve-tonic" => rpc::serve_tonic(&arg(2)),
         "serve-tonic-isthmus" => rpc::serve_tonic_isthmus(&arg(2)),
+        // `serve-fanout-tonic|serve-fanout-isthmus TARGET SIZE COUNT INTERVAL_US SUBS [WARMUP]`
+        role @ ("serve-fanout-tonic" | "serve-fanout-isthmus") => fanout::serve(role, &args[2..]),
+        // `fanout-subscriber tonic|isthmus ADDR CONNS COUNT`
+        "fanout-subscriber" => fanout::subscribe(&args[2..]),
         "demo" => demo(),
         // For profilers: one system's echo alone for a few seconds:
         // `profile-rpc INFLIGHT [SIZE [isthmus-rust|tonic-isthmus-shm|tonic-uds|SPLIT]]`, where
@@ -106,7 +115,7 @@ fn main() {
                 std::process::exit(1);
             }
         }
-        which @ ("all" | "transport" | "rpc" | "python") => {
+        which @ ("all" | "transport" | "rpc" | "python" | "fanout") => {
             let quick = args.iter().any(|a| a == "--quick");
             let out = args.iter().position(|a| a == "--out").and_then(|i| args.get(i + 1)).cloned();
             let budget = if quick {
@@ -127,6 +136,17 @@ fn main() {
                     python::PyClient::all().into_iter().map(|c| Box::new(c) as Box<dyn System>).collect();
                 records.extend(matrix(&mut systems, budget));
             }
+            let mut clean = true;
+            if runs("fanout") {
+                let only = args
+                    .iter()
+                    .position(|a| a == "--systems")
+                    .and_then(|i| args.get(i + 1))
+                    .map(|v| v.split(',').map(str::to_owned).collect::<Vec<_>>());
+                let (fanout, fanout_clean) = fanout::run(quick, only.as_deref());
+                records.extend(fanout);
+                clean = fanout_clean;
+            }
             report::write(out.as_deref().unwrap_or("docs/bench/results.json"), &records, quick);
             if runs("transport") {
                 report::print_transport(&records);
@@ -137,9 +157,18 @@ fn main() {
             if runs("python") {
                 report::print_python(&records);
             }
+            if runs("fanout") {
+                report::print_fanout(&records);
+            }
+            if !clean {
+                eprintln!("fanout: a cell failed, or messages were lost or came out of order");
+                std::process::exit(1);
+            }
         }
         _ => {
-            eprintln!("usage: isthmus-bench all|transport|rpc|python [--quick] [--out FILE] | demo");
+            eprintln!(
+                "usage: isthmus-bench all|transport|rpc|python|fanout [--quick] [--out FILE] [--systems A,B] | demo"
+            );
             std::process::exit(2);
         }
     }

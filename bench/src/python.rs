@@ -12,7 +12,7 @@ use crate::measure::{Budget, Sample};
 use crate::system::{unique, Server, System};
 
 /// The interpreter of the project's venv (`make python` builds isthmus into it).
-fn python() -> Option<String> {
+pub(crate) fn python() -> Option<String> {
     let path = std::env::var("ISTHMUS_PYTHON").unwrap_or_else(|_| ".venv/bin/python".into());
     std::path::Path::new(&path).exists().then_some(path)
 }

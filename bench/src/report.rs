@@ -294,3 +294,73 @@ pub fn print_python(records: &[Record]) {
         }
     }
 }
+
+/// The fan-out table: per (size, subscribers), each system's publish-to-last-delivery p50 (p99)
+/// and CPU per publish, medians across rounds, with tonic's and grpcio's p50 over isthmus's.
+pub fn print_fanout(records: &[Record]) {
+    type Key = (String, usize, usize);
+    let mut groups: BTreeMap<Key, Vec<(f64, f64, f64)>> = BTreeMap::new();
+    let mut rounds = 0;
+    for r in records.iter().filter(|r| r.system.starts_with("fanout-")) {
+        let subs = r.extra["subscribers"].as_u64().unwrap_or(0) as usize;
+        let cpu = r.extra["cpu_us_per_publish"].as_f64().unwrap_or(f64::NAN);
+        groups.entry((r.system.clone(), r.size, subs)).or_default().push((r.sample.p50_us, r.sample.p99_us, cpu));
+        rounds = rounds.max(r.round);
+    }
+    if groups.is_empty() {
+        return;
+    }
+    let m: BTreeMap<Key, (f64, f64, f64)> = groups
+        .into_iter()
+        .map(|(k, v)| {
+            let col = |f: fn(&(f64, f64, f64)) -> f64| median(&mut v.iter().map(f).collect::<Vec<_>>());
+            let p50 = col(|x| x.0);
+            let p99 = col(|x| x.1);
+            let cpu = col(|x| x.2);
+            (k, (p50, p99, cpu))
+        })
+        .collect();
+    let get = |sys: &str, size: usize, subs: usize| m.get(&(format!("fanout-{sys}"), size, subs)).copied();
+    let systems = ["isthmus-shm", "tonic-uds", "grpcio"];
+    println!("\nFan-out: publish to delivery at the last subscriber, and the publisher's CPU per publish (medians of {rounds} rounds)\n");
+    println!("| size | subscribers | isthmus-shm p50 (p99) | tonic-uds p50 (p99) | grpcio p50 (p99) | tonic ÷ isthmus | grpcio ÷ isthmus | CPU/publish isthmus | tonic | grpcio |");
+    println!("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|");
+    let dash = || "-".to_owned();
+    for size in crate::fanout::SIZES {
+        for subs in crate::fanout::SUBSCRIBERS {
+            let [i, t, g] = systems.map(|sys| get(sys, size, subs));
+            if i.is_none() && t.is_none() && g.is_none() {
+                continue;
+            }
+            let both = |v: Option<(f64, f64, f64)>| v.map_or_else(dash, |v| format!("{} ({})", us(v.0), us(v.1)));
+            let ratio = |theirs: Option<(f64, f64, f64)>| match (i, theirs) {
+                (Some(i), Some(t)) => format!("{:.1}×", t.0 / i.0),
+                _ => dash(),
+            };
+            let cpu = |v: Option<(f64, f64, f64)>| v.map_or_else(dash, |v| us(v.2));
+            println!(
+                "| {} | {subs} | {} | {} | {} | {} | {} | {} | {} | {} |",
+                size_name(size),
+                both(i),
+                both(t),
+                both(g),
+                ratio(t),
+                ratio(g),
+                cpu(i),
+                cpu(t),
+                cpu(g)
+            );
+        }
+    }
+    let big = 1 << 20;
+    let growth: Vec<String> = systems
+        .iter()
+        .filter_map(|sys| {
+            let (one, many) = (get(sys, big, 1)?, get(sys, big, 32)?);
+            Some(format!("{sys} {:.1}×", many.2 / one.2))
+        })
+        .collect();
+    if !growth.is_empty() {
+        println!("\nCPU per publish of 1 MiB, 32 subscribers ÷ 1 subscriber: {}", growth.join(", "));
+    }
+}

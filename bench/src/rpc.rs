@@ -36,7 +36,7 @@ pub fn stream_count(size: usize) -> usize {
 }
 
 /// The largest message either stack accepts here: 16 MiB echoes must pass.
-const MAX_MESSAGE: usize = 64 << 20;
+pub(crate) const MAX_MESSAGE: usize = 64 << 20;
 
 // ---------------------------------------------------------------------------------------------
 // isthmus-rust: the engine's blocking client → the engine's server.
@@ -274,8 +274,8 @@ impl tower::Service<http::Request<tonic::body::Body>> for EchoService {
 
 /// HTTP/2 flow-control windows for both tonic sides: large enough that a 16 MiB message is
 /// never held back by a window update (hyper's defaults are 64 KiB to 5 MiB).
-const H2_STREAM_WINDOW: u32 = 32 << 20;
-const H2_CONNECTION_WINDOW: u32 = 64 << 20;
+pub(crate) const H2_STREAM_WINDOW: u32 = 32 << 20;
+pub(crate) const H2_CONNECTION_WINDOW: u32 = 64 << 20;
 
 /// Server role: a tonic server on a Unix socket.
 pub fn serve_tonic(path: &str) {
@@ -326,23 +326,24 @@ impl TonicClient<tonic::transport::Channel> {
         let path = std::env::temp_dir().join(format!("{}.sock", unique("tonic"))).display().to_string();
         let server = Server::spawn(&["serve-tonic".into(), path.clone()]);
         let rt = runtime();
-        let socket = path.clone();
-        let channel = rt.block_on(async move {
-            tonic::transport::Endpoint::from_static("http://localhost")
-                .initial_stream_window_size(H2_STREAM_WINDOW)
-                .initial_connection_window_size(H2_CONNECTION_WINDOW)
-                .connect_with_connector(tower::service_fn(move |_: http::Uri| {
-                    let socket = socket.clone();
-                    async move {
-                        let stream = tokio::net::UnixStream::connect(socket).await?;
-                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
-                    }
-                }))
-                .await
-                .expect("connect")
-        });
+        let channel = rt.block_on(uds_channel(path.clone())).expect("connect");
         TonicClient { name: "tonic-uds", _server: server, rt, channel, socket: Some(path) }
     }
+}
+
+/// A tonic channel (one HTTP/2 connection) to the Unix socket at `path`, with the bench's windows.
+pub(crate) async fn uds_channel(path: String) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    tonic::transport::Endpoint::from_static("http://localhost")
+        .initial_stream_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(H2_CONNECTION_WINDOW)
+        .connect_with_connector(tower::service_fn(move |_: http::Uri| {
+            let socket = path.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(socket).await?;
+                Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(stream))
+            }
+        }))
+        .await
 }
 
 impl TonicClient<isthmus::Channel> {
@@ -363,7 +364,7 @@ impl TonicClient<isthmus::Channel> {
     }
 }
 
-fn runtime() -> tokio::runtime::Runtime {
+pub(crate) fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
 }
 

@@ -41,6 +41,7 @@ from ._errors import IsthmusError, RpcError
 from ._handler import raw
 from ._native import Block, Message
 from ._server import Server
+from ._topic import Topic, TopicStats
 
 __all__ = [
     "Block",
@@ -51,6 +52,8 @@ __all__ = [
     "RpcError",
     "Server",
     "ServerCredentials",
+    "Topic",
+    "TopicStats",
     "aio",
     "insecure_channel",
     "raw",

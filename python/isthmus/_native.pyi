@@ -18,6 +18,7 @@ __all__ = [
     "Reactor",
     "Server",
     "ServerCall",
+    "Topic",
     "UnaryResult",
 ]
 
@@ -263,8 +264,30 @@ class ServerCall:
         """A Block or any C-contiguous buffer, read when sent; BufferError at once for a block
         still exported or already sent."""
     def send_initial_metadata_async(self, reactor: Reactor, token: int, metadata: _Metadata) -> None: ...
+    def serve_topic(self, topic: Topic, on_gap: Callable[[int], Buffer | None] | None = None) -> None:
+        """Delivers the topic until the client leaves (raises CallError CANCELLED) or the topic
+        closes (returns); CallError RESOURCE_EXHAUSTED for a subscriber that fell behind."""
+    def serve_topic_async(
+        self, reactor: Reactor, token: int, topic: Topic, on_gap: Callable[[int], Buffer | None] | None = None
+    ) -> None:
+        """Completes with None, or a CallError, as serve_topic ends."""
     def finish(self, code: int, details: str, trailing_metadata: _Metadata | None = None) -> None:
         """Ends the call with this status (0 = OK) and trailers. Later calls do nothing."""
+
+@final
+class Topic:
+    """A topic that server-streaming calls subscribe to (`serve_topic`)."""
+
+    def __new__(cls, name: str, capacity: int = 64, slow: str = "drop_oldest") -> Self:
+        """ValueError for a slow policy other than "drop_oldest" or "cancel", or capacity 0."""
+    @property
+    def name(self) -> str: ...
+    def publish(self, message: Buffer) -> int:
+        """Queues the message for every subscriber, written once per shared arena; how many."""
+    def publish_state(self, message: Buffer) -> int: ...
+    def clear_state(self) -> None: ...
+    def close(self) -> None: ...
+    def stats(self) -> dict[str, int]: ...
 
 @final
 class Server:

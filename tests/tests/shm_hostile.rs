@@ -93,7 +93,7 @@ fn a_server_survives_every_kind_of_damage_from_a_client() {
 
 #[test]
 fn a_client_gets_a_clean_error_from_a_damaging_server() {
-    for mode in ["tail-jump", "bad-kind", "bad-descriptor", "random"] {
+    for mode in ["tail-jump", "bad-kind", "bad-descriptor", "bad-shared", "shared-piece", "random"] {
         let uri = fresh_addr("victim-cli");
         let mut server = Peer::spawn(&["hostile-server", &uri, mode]);
         let Connection { sender: _sender, mut receiver } =

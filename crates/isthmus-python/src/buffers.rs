@@ -223,7 +223,7 @@ pub(crate) struct Exported(Box<ffi::Py_buffer>);
 
 impl Exported {
     /// `obj`'s buffer; `BufferError` unless it is C-contiguous (a 0-d array is).
-    fn get(obj: &Bound<'_, PyAny>) -> PyResult<Exported> {
+    pub(crate) fn get(obj: &Bound<'_, PyAny>) -> PyResult<Exported> {
         let mut view = Box::new(ffi::Py_buffer::new());
         // SAFETY: `view` is a valid, zeroed Py_buffer for the exporter to fill; on success it
         // holds a reference to `obj` and the export until `PyBuffer_Release` (in `Drop`).
@@ -240,7 +240,7 @@ impl Exported {
         Ok(exported)
     }
 
-    fn as_slice(&self) -> &[u8] {
+    pub(crate) fn as_slice(&self) -> &[u8] {
         match usize::try_from(self.0.len) {
             Ok(len) if len > 0 && !self.0.buf.is_null() => {
                 // SAFETY: a C-contiguous export: `len` bytes from `buf`, valid while the export

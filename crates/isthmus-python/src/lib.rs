@@ -42,6 +42,7 @@ mod queue;
 mod reactor;
 mod server;
 mod tls;
+mod topic;
 
 use pyo3::prelude::*;
 
@@ -64,5 +65,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<server::Server>()?;
     m.add_class::<buffers::Message>()?;
     m.add_class::<buffers::Block>()?;
+    m.add_class::<topic::Topic>()?;
     Ok(())
 }

@@ -231,6 +231,23 @@ impl ServerCall {
         Ok(())
     }
 
+    /// Delivers `topic` to this call until the client leaves or the topic closes, GIL released
+    /// (no Python per message); `on_gap(n)` may return a message to send after `n` were dropped.
+    #[pyo3(signature = (topic, on_gap=None))]
+    fn serve_topic(&self, py: Python<'_>, topic: &crate::topic::Topic, on_gap: Option<Py<PyAny>>) -> PyResult<()> {
+        let (core, topic) = (&self.core, &topic.inner);
+        let on_gap = crate::topic::gap_callback(on_gap);
+        py.detach(|| runtime().block_on(core.serve_topic(topic, on_gap))).map_err(|s| call_error(py, &s))
+    }
+
+    /// [`serve_topic`](Self::serve_topic) for the asyncio server: completes when it ends.
+    #[pyo3(signature = (reactor, token, topic, on_gap=None))]
+    fn serve_topic_async(&self, reactor: &Reactor, token: u64, topic: &crate::topic::Topic, on_gap: Option<Py<PyAny>>) {
+        let (core, topic) = (self.core.clone(), topic.inner.clone());
+        let on_gap = crate::topic::gap_callback(on_gap);
+        reactor.completions.run(token, async move { core.serve_topic(&topic, on_gap).await.into() });
+    }
+
     /// Ends the call with this status (0 = OK) and trailing metadata.
     #[pyo3(signature = (code, details, trailing_metadata=None))]
     fn finish(&self, code: u32, details: String, trailing_metadata: Option<&Bound<'_, PyAny>>) -> PyResult<()> {

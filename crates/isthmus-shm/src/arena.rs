@@ -5,179 +5,42 @@
 //! The receiver hands blocks back through the release ring; the owner checks every release
 //! against the blocks it actually has out.
 //!
-//! - `Allocator` is best fit over whole 4 KiB granules, lowest offset first among equals. Each live
-//!   block has a generation and an in-flight flag: `mark_in_flight(offset, generation)` just before
-//!   a block's descriptor is pushed, `free` for the peer's releases (accepted only for a block in
-//!   flight, with a length at most its size; the whole block is freed),
-//!   `free_own(offset, generation)` for our own blocks never sent, which frees only that
-//!   allocation, never a later one at the same offset.
 //! - `ArenaOwner` reclaims, then allocates: every allocation first drains the release ring and
 //!   checks each entry, so the blocks just released, whose pages are warm, are reused first and a
 //!   bogus release is caught at the next allocation rather than when the arena runs full.
 //!   `can_alloc(len)` (drain, then ask whether `len` fits) is the condition of a wait for arena
-//!   room.
+//!   room. On a server it also keeps the shared-arena blocks lent to the peer (`lend`, one
+//!   reference per block), which come back on the same ring with the offset's top bit set.
 //! - `Releaser` returns the peer's blocks from any thread: a 16-byte push under a private mutex,
 //!   then the owner's doorbell if it sleeps. A full or corrupted release ring is a protocol error
 //!   found in a destructor: it hangs the connection up at once.
 //! - `Lease` is a received block: a zero-copy view (the one slice over peer-writable memory on the
 //!   receive path, ADR 0003) whose drop releases, and `copy_into`, a raw copy out into a private
-//!   buffer that forms no slice.
+//!   buffer that forms no slice. `Lease::shared` views a block of the server's shared arena,
+//!   which this side maps read-only.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+pub(crate) use crate::allocator::Allocator;
 use crate::doorbell::{wake_if_parked, Bell};
 use crate::error::{Error, Result};
-use crate::layout::{self, ARENA_GRANULE};
+use crate::layout;
 use crate::link::Health;
 use crate::ring::{ReleaseConsumer, ReleaseEntry, ReleaseProducer};
 use crate::segment::{Region, Segment};
+use crate::shared::{SharedBlock, SharedView};
 
-/// A block handed out by the allocator.
-#[derive(Debug, Clone, Copy)]
-struct Block {
-    size: usize,
-    /// Distinguishes this allocation from a later one at the same offset.
-    generation: u64,
-    /// Sent to the peer: only now may the peer give it back. A block still being filled is ours
-    /// alone, so a peer that guesses its offset cannot free it under us.
-    in_flight: bool,
-}
-
-/// Best-fit allocator over `[0, size)` in whole granules, lowest offset first among equals, so
-/// recently used (warm, already faulted-in) memory is reused first.
-#[derive(Debug)]
-pub(crate) struct Allocator {
-    by_offset: BTreeMap<usize, usize>,
-    by_size: BTreeSet<(usize, usize)>,
-    live: HashMap<usize, Block>,
-    next_generation: u64,
-    in_use: usize,
-    high_water: usize,
-}
-
-impl Allocator {
-    pub(crate) fn new(size: usize) -> Allocator {
-        let mut a = Allocator {
-            by_offset: BTreeMap::new(),
-            by_size: BTreeSet::new(),
-            live: HashMap::new(),
-            next_generation: 0,
-            in_use: 0,
-            high_water: 0,
-        };
-        if size > 0 {
-            a.insert_free(0, size);
-        }
-        a
-    }
-
-    fn insert_free(&mut self, off: usize, len: usize) {
-        self.by_offset.insert(off, len);
-        self.by_size.insert((len, off));
-    }
-
-    fn remove_free(&mut self, off: usize, len: usize) {
-        self.by_offset.remove(&off);
-        self.by_size.remove(&(len, off));
-    }
-
-    /// Granule-rounded size of a `len`-byte block.
-    pub(crate) fn block_len(len: usize) -> usize {
-        len.max(1).next_multiple_of(ARENA_GRANULE)
-    }
-
-    /// Allocates a block for `len` bytes: its offset and generation; `None` when no free run is
-    /// large enough now.
-    pub(crate) fn alloc(&mut self, len: usize) -> Option<(usize, u64)> {
-        let need = Self::block_len(len);
-        let &(run, off) = self.by_size.range((need, 0)..).next()?;
-        self.remove_free(off, run);
-        if run > need {
-            self.insert_free(off + need, run - need);
-        }
-        let generation = self.next_generation;
-        self.next_generation += 1;
-        self.live.insert(off, Block { size: need, generation, in_flight: false });
-        self.in_use += need;
-        self.high_water = self.high_water.max(self.in_use);
-        Some((off, generation))
-    }
-
-    /// Marks an allocation as sent; false if it is not (or no longer) the live block there.
-    pub(crate) fn mark_in_flight(&mut self, off: usize, generation: u64) -> bool {
-        match self.live.get_mut(&off) {
-            Some(b) if b.generation == generation => {
-                b.in_flight = true;
-                true
-            }
-            _ => false,
-        }
-    }
-
-    /// Frees our own allocation `(off, generation)` if it is still live; never someone else's.
-    pub(crate) fn free_own(&mut self, off: usize, generation: u64) {
-        if self.live.get(&off).is_some_and(|b| b.generation == generation) {
-            self.release_run(off);
-        }
-    }
-
-    /// True if a free run can hold `len` bytes.
-    pub(crate) fn fits(&self, len: usize) -> bool {
-        self.by_size.range((Self::block_len(len), 0)..).next().is_some()
-    }
-
-    /// Takes back a block the peer released: it must be one we sent (in flight) and at least
-    /// `len` long (a sender may have sent less of a block than it reserved).
-    pub(crate) fn free(&mut self, off: usize, len: usize) -> Result<()> {
-        match self.live.get(&off) {
-            Some(b) if b.in_flight && len <= b.size => {}
-            _ => {
-                return Err(Error::protocol(format!(
-                    "the peer released arena block {{offset {off}, len {len}}}, which is not a block it was sent"
-                )))
-            }
-        }
-        self.release_run(off);
-        Ok(())
-    }
-
-    /// Returns a live block's run to the free lists, merging with its neighbours.
-    fn release_run(&mut self, off: usize) {
-        let Some(Block { size, .. }) = self.live.remove(&off) else { return };
-        self.in_use -= size;
-        let (mut start, mut end) = (off, off + size);
-        if let Some((&prev, &plen)) = self.by_offset.range(..off).next_back() {
-            if prev + plen == start {
-                self.remove_free(prev, plen);
-                start = prev;
-            }
-        }
-        if let Some(&nlen) = self.by_offset.get(&end) {
-            self.remove_free(end, nlen);
-            end += nlen;
-        }
-        self.insert_free(start, end - start);
-    }
-
-    /// Bytes handed out now, rounded to granules.
-    #[cfg(test)]
-    pub(crate) fn in_use(&self) -> usize {
-        self.in_use
-    }
-
-    /// The most bytes ever handed out at once.
-    pub(crate) fn high_water(&self) -> usize {
-        self.high_water
-    }
-}
-
-/// The owner's side of its arena: the allocator plus the ring the peer returns blocks on.
+/// The owner's side of its arena: the allocator plus the ring the peer returns blocks on, and
+/// the server's shared blocks the peer holds (it returns them on the same ring, tagged).
 #[derive(Debug)]
 pub(crate) struct ArenaOwner {
     alloc: Allocator,
     releases: ReleaseConsumer,
     region: Region,
+    /// Shared blocks sent on this connection and not yet given back, by offset: at most one
+    /// reference per block, which bounds the release ring (ADR 0016).
+    lent: HashMap<u64, SharedBlock>,
 }
 
 impl ArenaOwner {
@@ -187,13 +50,28 @@ impl ArenaOwner {
             alloc: Allocator::new(l.arena_size[dir]),
             releases: ReleaseConsumer::new(seg.clone(), dir),
             region: seg.region(l.arena_off[dir], l.arena_size[dir]),
+            lent: HashMap::new(),
         }
     }
 
     /// Takes back everything the peer released.
     pub(crate) fn reclaim(&mut self) -> Result<usize> {
-        let alloc = &mut self.alloc;
+        let (alloc, lent) = (&mut self.alloc, &mut self.lent);
         self.releases.drain(|e| {
+            if e.offset & layout::SHARED_RELEASE != 0 {
+                let off = e.offset & !layout::SHARED_RELEASE;
+                return match lent.get(&off) {
+                    // Dropping our reference frees the block if nobody else holds it.
+                    Some(b) if b.len() as u64 == e.len => {
+                        lent.remove(&off);
+                        Ok(())
+                    }
+                    _ => Err(Error::protocol(format!(
+                        "the peer released shared block {{offset {off}, len {}}}, which it does not hold",
+                        e.len
+                    ))),
+                };
+            }
             let off = usize::try_from(e.offset).map_err(|_| Error::protocol("release offset out of range"))?;
             let len = usize::try_from(e.len).map_err(|_| Error::protocol("release length out of range"))?;
             alloc.free(off, len)
@@ -230,6 +108,32 @@ impl ArenaOwner {
     pub(crate) fn allocator(&self) -> &Allocator {
         &self.alloc
     }
+
+    /// Records that `block` is about to be sent on this connection; false if the peer holds it
+    /// already (the caller then sends a copy: one reference per connection bounds the ring).
+    pub(crate) fn lend(&mut self, block: &SharedBlock) -> bool {
+        let off = block.offset() as u64;
+        if self.lent.contains_key(&off) {
+            return false;
+        }
+        self.lent.insert(off, block.clone());
+        true
+    }
+
+    /// Forgets a block whose send failed: the peer never saw it.
+    pub(crate) fn unlend(&mut self, block: &SharedBlock) {
+        self.lent.remove(&(block.offset() as u64));
+    }
+
+    /// Drops every reference the peer held: it is gone and will release nothing.
+    pub(crate) fn forget_lent(&mut self) {
+        self.lent.clear();
+    }
+
+    /// Shared blocks the peer holds now.
+    pub(crate) fn lent(&self) -> usize {
+        self.lent.len()
+    }
 }
 
 /// Hands the peer's blocks back, from whichever thread drops the last view of one.
@@ -240,11 +144,24 @@ pub(crate) struct Releaser {
     dir: usize,
     peer_tx_bell: Arc<Bell>,
     health: Arc<Health>,
+    /// The server's shared arena, mapped read-only (a client of a server that has one).
+    shared: Option<Arc<SharedView>>,
 }
 
 impl Releaser {
-    pub(crate) fn new(seg: Arc<Segment>, dir: usize, peer_tx_bell: Arc<Bell>, health: Arc<Health>) -> Releaser {
-        Releaser { ring: Mutex::new(ReleaseProducer::new(seg.clone(), dir)), seg, dir, peer_tx_bell, health }
+    pub(crate) fn new(
+        seg: Arc<Segment>,
+        dir: usize,
+        peer_tx_bell: Arc<Bell>,
+        health: Arc<Health>,
+        shared: Option<Arc<SharedView>>,
+    ) -> Releaser {
+        Releaser { ring: Mutex::new(ReleaseProducer::new(seg.clone(), dir)), seg, dir, peer_tx_bell, health, shared }
+    }
+
+    /// Length of the peer's shared arena; zero if it has none.
+    pub(crate) fn shared_len(&self) -> usize {
+        self.shared.as_ref().map_or(0, |v| v.len())
     }
 
     fn release(&self, offset: u64, len: u64) {
@@ -272,6 +189,7 @@ impl Releaser {
 pub(crate) struct Lease {
     ptr: *const u8,
     len: usize,
+    /// The offset the release names: the descriptor's, tagged for a shared block.
     offset: u64,
     releaser: Arc<Releaser>,
 }
@@ -291,6 +209,15 @@ impl Lease {
         // SAFETY: the assertion keeps `offset + len` within the arena region.
         let ptr = unsafe { region.ptr().add(offset as usize) };
         Lease { ptr, len: len as usize, offset, releaser }
+    }
+
+    /// A lease on `len` bytes at `offset` of the server's shared arena; the caller validated
+    /// the range against [`Releaser::shared_len`].
+    pub(crate) fn shared(releaser: Arc<Releaser>, offset: u64, len: u64) -> Lease {
+        let view = releaser.shared.as_ref().unwrap_or_else(|| unreachable!("checked by the caller"));
+        assert!(offset.checked_add(len).is_some_and(|e| e <= view.len() as u64), "lease outside shared arena");
+        let ptr = view.at(offset as usize);
+        Lease { ptr, len: len as usize, offset: offset | layout::SHARED_RELEASE, releaser }
     }
 }
 
@@ -313,8 +240,8 @@ impl Lease {
 
 impl AsRef<[u8]> for Lease {
     fn as_ref(&self) -> &[u8] {
-        // SAFETY: `ptr..ptr+len` lies inside the arena (checked in `new`), which stays mapped while
-        // the Releaser's Arc<Segment> lives, i.e. at least as long as `self`. This is the one
+        // SAFETY: `ptr..ptr+len` lies inside the arena or the shared arena (checked in `new` and
+        // `shared`), which stay mapped while the Releaser's Arcs live, at least as long as `self`. This is the one
         // place a slice over peer-writable memory is formed, on purpose: it is the zero-copy
         // receive path (ADR 0003). An honest peer never writes a block between sending it and
         // getting it back; a hostile one could change bytes the application is reading, which
@@ -327,65 +254,5 @@ impl AsRef<[u8]> for Lease {
 impl Drop for Lease {
     fn drop(&mut self) {
         self.releaser.release(self.offset, self.len as u64);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The reference: a byte map of which granules are taken.
-    #[test]
-    fn agrees_with_a_granule_map() {
-        let granules = 64;
-        let mut a = Allocator::new(granules * ARENA_GRANULE);
-        let mut taken = vec![false; granules];
-        let mut live: Vec<(usize, usize)> = vec![];
-        let mut rng = 0x2545f4914f6cdd1du64;
-        let mut next = || {
-            rng ^= rng << 13;
-            rng ^= rng >> 7;
-            rng ^= rng << 17;
-            rng
-        };
-        for _ in 0..50_000 {
-            if next() % 2 == 0 || live.is_empty() {
-                let len = (next() % (10 * ARENA_GRANULE as u64)) as usize;
-                let g = Allocator::block_len(len) / ARENA_GRANULE;
-                let fits = (0..=granules.saturating_sub(g)).any(|s| taken[s..s + g].iter().all(|t| !t));
-                match a.alloc(len) {
-                    Some((off, generation)) => {
-                        assert!(a.mark_in_flight(off, generation));
-                        let s = off / ARENA_GRANULE;
-                        assert!(taken[s..s + g].iter().all(|t| !t), "overlap at {s}");
-                        taken[s..s + g].iter_mut().for_each(|t| *t = true);
-                        live.push((off, len));
-                    }
-                    None => assert!(!fits, "allocator refused {g} granules that fit"),
-                }
-            } else {
-                let (off, len) = live.swap_remove((next() as usize) % live.len());
-                a.free(off, len).expect("live block frees");
-                let s = off / ARENA_GRANULE;
-                taken[s..s + Allocator::block_len(len) / ARENA_GRANULE].iter_mut().for_each(|t| *t = false);
-            }
-            assert_eq!(a.in_use(), taken.iter().filter(|t| **t).count() * ARENA_GRANULE);
-        }
-    }
-
-    #[test]
-    fn rejects_foreign_early_and_double_frees() {
-        let mut a = Allocator::new(16 * ARENA_GRANULE);
-        let (off, g) = a.alloc(100).expect("room");
-        assert!(a.free(off, 100).is_err(), "not sent yet: the peer cannot free it under us");
-        assert!(a.mark_in_flight(off, g));
-        assert!(a.free(off + ARENA_GRANULE, 100).is_err(), "never given");
-        assert!(a.free(off, 5 * ARENA_GRANULE).is_err(), "longer than the block");
-        a.free(off, 100).expect("right");
-        assert!(a.free(off, 100).is_err(), "double");
-        let (again, g2) = a.alloc(16 * ARENA_GRANULE).expect("coalesced back to one run");
-        assert_eq!(again, 0);
-        a.free_own(off, g);
-        assert!(a.mark_in_flight(again, g2), "a stale owner's free leaves the new block alone");
     }
 }

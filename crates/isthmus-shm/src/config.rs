@@ -119,6 +119,10 @@ pub struct Config {
     pub max_ring_size: usize,
     /// Server only: the largest arena a client may ask for.
     pub max_arena_size: usize,
+    /// Server only: bytes of the listener's shared arena, from which one block is sent to many
+    /// connections (publish/subscribe, ADR 0016). Zero for none. A multiple of 64 KiB, up to
+    /// 4 GiB; memory is used only as blocks are written.
+    pub shared_arena_size: usize,
 }
 
 impl Default for Config {
@@ -133,6 +137,7 @@ impl Default for Config {
             peer_policy: PeerPolicy::default(),
             max_ring_size: 64 << 20,
             max_arena_size: 4 << 30,
+            shared_arena_size: 64 << 20,
         }
     }
 }
@@ -175,6 +180,9 @@ impl Config {
         check_arena_size("arena_size", self.arena_size)?;
         check_ring_size("max_ring_size", self.max_ring_size)?;
         check_arena_size("max_arena_size", self.max_arena_size)?;
+        if self.shared_arena_size != 0 {
+            check_arena_size("shared_arena_size", self.shared_arena_size)?;
+        }
         let inline_cap = self.ring_size / 4 - FRAME_HEADER_LEN;
         if self.inline_max > inline_cap {
             return Err(Error::new(

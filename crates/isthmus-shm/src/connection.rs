@@ -73,6 +73,7 @@ use crate::layout::{self, CLIENT_TO_SERVER, SERVER_TO_CLIENT};
 use crate::link::{Health, Link};
 use crate::ring::{FrameConsumer, FrameProducer};
 use crate::segment::Segment;
+use crate::shared::{Drain, SharedArena, SharedBlock, SharedView};
 use crate::stats::{Counters, Stats};
 
 /// Which end of the handshake this side was.
@@ -102,7 +103,7 @@ pub struct PeerInfo {
 pub struct Frame {
     /// The frame kind.
     pub kind: Kind,
-    /// Flag bits (the transport-internal [`flags::ARENA`] is never set here).
+    /// Flag bits (the transport-internal [`flags::TRANSPORT`] bits are never set here).
     pub flags: u8,
     /// The stream the frame belongs to.
     pub stream: u64,
@@ -146,6 +147,8 @@ struct Core {
     peer: PeerInfo,
     ring: Mutex<FrameProducer>,
     arena: Mutex<ArenaOwner>,
+    /// The listener's shared arena, whose blocks this (server) side can send by reference.
+    shared: Option<SharedArena>,
     /// Set by an [`Interrupter`]: the receiver's interruptible wait should return.
     interrupted: std::sync::atomic::AtomicBool,
 }
@@ -238,6 +241,18 @@ impl Core {
     }
 }
 
+impl Drain for Core {
+    fn drain(&self) {
+        let Ok(mut arena) = self.arena.lock() else { return };
+        if self.link.health.is_closed() {
+            // Nobody will read or release them now.
+            arena.forget_lent();
+        } else if let Err(e) = arena.reclaim() {
+            self.fail(e);
+        }
+    }
+}
+
 /// The sending half of a connection. Cheap to clone; clones share one ring, serialised by a lock
 /// in this process's memory (never one in shared memory).
 #[derive(Clone)]
@@ -320,10 +335,10 @@ impl Sender {
     }
 
     fn header(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[&[u8]]) -> Result<FrameHeader> {
-        if frame_flags & flags::ARENA != 0 {
+        if frame_flags & flags::TRANSPORT != 0 {
             return Err(Error::new(
                 ErrorKind::InvalidConfig,
-                "the ARENA flag is the transport's own; send blocks with send_block",
+                "the ARENA and SHARED flags are the transport's own; send blocks with send_block or send_shared",
             ));
         }
         let len: usize = body.iter().map(|b| b.len()).sum();
@@ -416,8 +431,8 @@ impl Sender {
                 "a block can only be sent on the connection it was allocated from",
             ));
         }
-        if frame_flags & flags::ARENA != 0 {
-            return Err(Error::new(ErrorKind::InvalidConfig, "the ARENA flag is the transport's own"));
+        if frame_flags & flags::TRANSPORT != 0 {
+            return Err(Error::new(ErrorKind::InvalidConfig, "the ARENA and SHARED flags are the transport's own"));
         }
         if block.len == 0 {
             return Ok(None);
@@ -431,6 +446,89 @@ impl Sender {
             FrameHeader { len: body.len() as u32, kind: Kind::Message, flags: frame_flags | flags::ARENA, stream };
         self.core.stats.add(&self.core.stats.bytes_sent, block.len as u64);
         Ok(Some((header, body)))
+    }
+
+    /// Sends a block of the shared arena as one MESSAGE: by reference when this connection came
+    /// from the listener that owns `block`'s arena (the peer reads it in place; nothing is
+    /// copied), else, or while the peer still holds this block from an earlier send, or for a
+    /// message small enough to travel inline, as an ordinary message (a copy). Either way the
+    /// peer receives the same bytes. Waits for ring room until `deadline`.
+    pub fn send_shared(
+        &self,
+        stream: u64,
+        frame_flags: u8,
+        block: &SharedBlock,
+        deadline: Option<Instant>,
+    ) -> Result<()> {
+        match self.shared_frame(stream, frame_flags, block)? {
+            None => self.send_message(stream, frame_flags, block, deadline),
+            Some((header, body)) => self.push(&header, &[&body], deadline).inspect_err(|_| self.unlend(block)),
+        }
+    }
+
+    /// Async [`send_shared`](Self::send_shared) for tokio.
+    #[cfg(feature = "tokio")]
+    pub async fn send_shared_async(&self, stream: u64, frame_flags: u8, block: &SharedBlock) -> Result<()> {
+        match self.shared_frame(stream, frame_flags, block)? {
+            None => self.send_message_async(stream, frame_flags, block).await,
+            Some((header, body)) => self.push_async(&header, &[&body]).await.inspect_err(|_| self.unlend(block)),
+        }
+    }
+
+    /// The frame that sends `block` by reference, with the block recorded as lent to the peer;
+    /// `None` when it must go as a copy.
+    fn shared_frame(
+        &self,
+        stream: u64,
+        frame_flags: u8,
+        block: &SharedBlock,
+    ) -> Result<Option<(FrameHeader, [u8; ArenaDescriptor::LEN])>> {
+        if frame_flags & flags::TRANSPORT != 0 {
+            return Err(Error::new(ErrorKind::InvalidConfig, "the ARENA and SHARED flags are the transport's own"));
+        }
+        let c = &self.core;
+        match &c.shared {
+            Some(arena) if arena.same(block.arena()) && block.len() > c.inline_max => {}
+            _ => return Ok(None),
+        }
+        c.link.check()?;
+        {
+            let mut arena = lock(&c.arena)?;
+            // What the peer gave back since the last send comes back first, so a subscriber
+            // that keeps up never makes a publisher copy.
+            arena.reclaim().map_err(|e| c.fail(e))?;
+            if !arena.lend(block) {
+                return Ok(None);
+            }
+        }
+        let len = block.len() as u64;
+        let body = ArenaDescriptor { offset: block.offset() as u64, len, total: len }.encode();
+        let header = FrameHeader {
+            len: body.len() as u32,
+            kind: Kind::Message,
+            flags: frame_flags | flags::ARENA | flags::SHARED,
+            stream,
+        };
+        c.stats.add(&c.stats.bytes_sent, len);
+        c.stats.add(&c.stats.shared_sent, 1);
+        Ok(Some((header, body)))
+    }
+
+    fn unlend(&self, block: &SharedBlock) {
+        if let Ok(mut arena) = self.core.arena.lock() {
+            arena.unlend(block);
+        }
+    }
+
+    /// The shared arena whose blocks this side sends by reference (a server's, from its
+    /// listener); `None` on a client, or a server without one.
+    pub fn shared_arena(&self) -> Option<&SharedArena> {
+        self.core.shared.as_ref()
+    }
+
+    /// Blocks of the shared arena the peer holds now (sent and not given back yet).
+    pub fn shared_lent(&self) -> usize {
+        self.core.arena.lock().map_or(0, |a| a.lent())
     }
 
     /// Async [`send_block`](Self::send_block) for tokio.
@@ -772,7 +870,7 @@ impl Receiver {
 
     fn deliver(&mut self, h: FrameHeader, body: Bytes) -> Result<Option<Frame>> {
         let c = &self.core;
-        let frame = |body: Bytes| Frame { kind: h.kind, flags: h.flags & !flags::ARENA, stream: h.stream, body };
+        let frame = |body: Bytes| Frame { kind: h.kind, flags: h.flags & !flags::TRANSPORT, stream: h.stream, body };
         if h.kind != Kind::Message {
             if matches!(h.kind, Kind::Cancel | Kind::Trailers) {
                 // The stream is over: a message cut short by a sender's deadline goes with it.
@@ -792,6 +890,9 @@ impl Receiver {
                 return Err(self.too_large(h.stream, body.len() as u64));
             }
             return Ok(Some(frame(body)));
+        }
+        if h.flags & flags::SHARED != 0 {
+            return self.deliver_shared(h, &body).map(|b| Some(frame(b)));
         }
         let arena_size = c.seg.layout().arena_size[c.rx] as u64;
         let d = ArenaDescriptor::decode(&body, arena_size)?;
@@ -843,6 +944,28 @@ impl Receiver {
             return Err(self.too_large(h.stream, p.total));
         }
         Ok(Some(frame(Bytes::from_owner(Pooled { buf: p.buf, pool: self.pool.clone() }))))
+    }
+
+    /// A whole message by reference into the server's shared arena.
+    fn deliver_shared(&mut self, h: FrameHeader, body: &[u8]) -> Result<Bytes> {
+        let shared_len = self.releaser.shared_len() as u64;
+        if self.core.role != Role::Client || shared_len == 0 {
+            return Err(Error::protocol("a SHARED message from a peer that has no shared arena"));
+        }
+        let d = ArenaDescriptor::decode(body, shared_len)?;
+        if d.len != d.total || self.partial.contains_key(&h.stream) {
+            return Err(Error::protocol(format!(
+                "stream {}: a SHARED message must be a whole message ({} of {} bytes)",
+                h.stream, d.len, d.total
+            )));
+        }
+        let lease = Lease::shared(self.releaser.clone(), d.offset, d.len);
+        let c = &self.core;
+        c.stats.add(&c.stats.bytes_received, d.len);
+        if d.total > c.max_message_size {
+            return Err(self.too_large(h.stream, d.total)); // the lease's drop gives it back
+        }
+        Ok(Bytes::from_owner(lease))
     }
 
     fn too_large(&self, stream: u64, size: u64) -> Error {
@@ -991,6 +1114,16 @@ pub struct Connection {
     pub receiver: Receiver,
 }
 
+/// A connection's part in a shared arena.
+pub(crate) enum SharedSide {
+    /// The server has none.
+    None,
+    /// Server: the listener's arena, whose blocks this connection may carry.
+    Owner(SharedArena),
+    /// Client: the server's arena, mapped read-only.
+    View(Arc<SharedView>),
+}
+
 /// Everything the handshake produced, ready to become a [`Connection`].
 pub(crate) struct Parts {
     pub(crate) seg: Arc<Segment>,
@@ -998,6 +1131,7 @@ pub(crate) struct Parts {
     pub(crate) link: Link,
     pub(crate) bells: Bells,
     pub(crate) peer: PeerInfo,
+    pub(crate) shared: SharedSide,
 }
 
 impl Connection {
@@ -1011,10 +1145,16 @@ impl Connection {
         // than ours was.
         let inline_max = cfg.inline_max.min(layout.ring_size[tx] / 4 - layout::FRAME_HEADER_LEN);
         let health: Arc<Health> = p.link.health.clone();
-        let releaser = Arc::new(Releaser::new(p.seg.clone(), rx, p.bells.peer_tx.clone(), health));
+        let (shared, view) = match p.shared {
+            SharedSide::None => (None, None),
+            SharedSide::Owner(arena) => (Some(arena), None),
+            SharedSide::View(view) => (None, Some(view)),
+        };
+        let releaser = Arc::new(Releaser::new(p.seg.clone(), rx, p.bells.peer_tx.clone(), health, view));
         let core = Arc::new(Core {
             ring: Mutex::new(FrameProducer::new(p.seg.clone(), tx)),
             arena: Mutex::new(ArenaOwner::new(&p.seg, tx)),
+            shared,
             seg: p.seg.clone(),
             role: p.role,
             tx,
@@ -1028,6 +1168,10 @@ impl Connection {
             peer: p.peer,
             interrupted: std::sync::atomic::AtomicBool::new(false),
         });
+        if let Some(arena) = &core.shared {
+            let drain: std::sync::Weak<dyn Drain> = Arc::downgrade(&core) as std::sync::Weak<Core>;
+            arena.register(drain);
+        }
         let receiver = Receiver {
             ring: FrameConsumer::new(p.seg, rx),
             core: core.clone(),

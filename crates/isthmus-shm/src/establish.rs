@@ -10,7 +10,7 @@
 //! - `accept` (server): reads the client's hello against one deadline for the whole record, so a
 //!   client that trickles bytes cannot hold the server past `handshake_timeout`; checks the
 //!   client's uid; creates the sealed segment and the four eventfds and passes all five fds with
-//!   its hello.
+//!   its hello, and the listener's shared arena as a sixth if it has one.
 //!
 //! A refusal that arrives after the server's hello is the business of `link` (`late_refusal`) and
 //! `handshake` (`decode_late_refusal`).
@@ -22,13 +22,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::{self, Config};
+use crate::connection::SharedSide;
 use crate::connection::{Bells, Connection, Parts, PeerInfo, Role};
 use crate::doorbell::Bell;
 use crate::error::{Error, ErrorKind, Result};
-use crate::handshake::{self, encode_refusal, Hello, HelloKind, RefuseCode, HELLO_LEN, PROTOCOL_VERSION, SERVER_FDS};
+use crate::handshake::{
+    self, encode_refusal, Hello, HelloKind, RefuseCode, HELLO_LEN, MAX_SERVER_FDS, PROTOCOL_VERSION, SERVER_FDS,
+};
 use crate::layout::Layout;
 use crate::link::Link;
 use crate::segment::Segment;
+use crate::shared::{SharedArena, SharedView};
 use crate::sys;
 use crate::Address;
 
@@ -122,7 +126,7 @@ pub(crate) fn connect(addr: &Address, cfg: &Config) -> Result<Connection> {
     let mut got = 0;
     let mut fds: Vec<OwnedFd> = Vec::new();
     while got < HELLO_LEN {
-        let (n, more) = sys::recv_with_fds(s.as_fd(), &mut rec[got..], SERVER_FDS)
+        let (n, more) = sys::recv_with_fds(s.as_fd(), &mut rec[got..], MAX_SERVER_FDS)
             .map_err(|e| Error::io("handshake: cannot read the server's hello", e))?;
         if n == 0 {
             return Err(Error::new(
@@ -132,7 +136,7 @@ pub(crate) fn connect(addr: &Address, cfg: &Config) -> Result<Connection> {
         }
         fds.extend(more);
         got += n;
-        if fds.len() > SERVER_FDS {
+        if fds.len() > MAX_SERVER_FDS {
             return Err(Error::protocol("handshake: the server sent more fds than the protocol allows"));
         }
     }
@@ -146,17 +150,17 @@ pub(crate) fn connect(addr: &Address, cfg: &Config) -> Result<Connection> {
     if h.kind != HelloKind::Server {
         return Err(refuse(&mut s, RefuseCode::BadRequest, Error::protocol("handshake: expected the server's hello")));
     }
-    let (seg, bells) = match client_segment(&h, fds) {
+    let (seg, bells, shared) = match client_segment(&h, fds) {
         Ok(v) => v,
         Err(e) => return Err(refuse(&mut s, RefuseCode::BadRequest, e)),
     };
     let link = Link::new(s)?;
-    let parts = Parts { seg, role: Role::Client, link, bells, peer };
+    let parts = Parts { seg, role: Role::Client, link, bells, peer, shared };
     Ok(Connection::from_parts(parts, cfg))
 }
 
-/// Checks what the server's hello and fds describe, and maps the segment.
-fn client_segment(h: &Hello, fds: Vec<OwnedFd>) -> Result<(Arc<Segment>, Bells)> {
+/// Checks what the server's hello and fds describe, and maps the segment and the shared arena.
+fn client_segment(h: &Hello, fds: Vec<OwnedFd>) -> Result<(Arc<Segment>, Bells, SharedSide)> {
     let layout = validate_sizes(h)?;
     if h.segment_len != layout.total as u64 {
         return Err(Error::protocol(format!(
@@ -164,11 +168,9 @@ fn client_segment(h: &Hello, fds: Vec<OwnedFd>) -> Result<(Arc<Segment>, Bells)>
             h.segment_len, layout.total
         )));
     }
-    if fds.len() != SERVER_FDS {
-        return Err(Error::protocol(format!(
-            "handshake: expected {SERVER_FDS} fds from the server, got {}",
-            fds.len()
-        )));
+    let want_fds = if layout.shared_size > 0 { MAX_SERVER_FDS } else { SERVER_FDS };
+    if fds.len() != want_fds {
+        return Err(Error::protocol(format!("handshake: expected {want_fds} fds from the server, got {}", fds.len())));
     }
     let mut fds = fds.into_iter();
     let mut next = || fds.next().ok_or_else(|| Error::protocol("handshake: fd missing"));
@@ -192,10 +194,14 @@ fn client_segment(h: &Hello, fds: Vec<OwnedFd>) -> Result<(Arc<Segment>, Bells)>
         Ok(Arc::new(Bell::new(fd)))
     };
     let bells = Bells { my_rx: bell()?, my_tx: bell()?, peer_rx: bell()?, peer_tx: bell()? };
-    Ok((seg, bells))
+    let shared = match layout.shared_size {
+        0 => SharedSide::None,
+        len => SharedSide::View(Arc::new(SharedView::map(next()?.as_fd(), len)?)),
+    };
+    Ok((seg, bells, shared))
 }
 
-/// Checks the four sizes a server granted and lays them out.
+/// Checks the five sizes a server granted and lays them out.
 fn validate_sizes(h: &Hello) -> Result<Layout> {
     let mut ring = [0usize; 2];
     let mut arena = [0usize; 2];
@@ -205,11 +211,16 @@ fn validate_sizes(h: &Hello) -> Result<Layout> {
         config::check_ring_size("ring size", ring[d]).map_err(|e| Error::protocol(format!("handshake: {e}")))?;
         config::check_arena_size("arena size", arena[d]).map_err(|e| Error::protocol(format!("handshake: {e}")))?;
     }
-    Layout::new(ring, arena)
+    let shared = usize::try_from(h.shared_len).map_err(|_| Error::protocol("shared arena size out of range"))?;
+    if shared != 0 {
+        config::check_arena_size("shared arena size", shared)
+            .map_err(|e| Error::protocol(format!("handshake: {e}")))?;
+    }
+    Layout::new(ring, arena, shared)
 }
 
-/// Server side: run the handshake on an accepted socket.
-pub(crate) fn accept(mut s: UnixStream, cfg: &Config) -> Result<Connection> {
+/// Server side: run the handshake on an accepted socket; `shared` is the listener's shared arena.
+pub(crate) fn accept(mut s: UnixStream, cfg: &Config, shared: Option<SharedArena>) -> Result<Connection> {
     let deadline = Instant::now() + cfg.handshake_timeout;
     set_timeouts(&s, cfg.handshake_timeout)?;
     let peer = peer_info(&s)?;
@@ -238,7 +249,10 @@ pub(crate) fn accept(mut s: UnixStream, cfg: &Config) -> Result<Connection> {
     let want_arena = usize::try_from(h.arena_size[0]).unwrap_or(usize::MAX).min(cfg.max_arena_size);
     let granted = config::check_ring_size("client ring_size", want_ring)
         .and_then(|()| config::check_arena_size("client arena_size", want_arena))
-        .and_then(|()| Layout::new([want_ring, cfg.ring_size], [want_arena, cfg.arena_size]));
+        .and_then(|()| {
+            let shared_size = shared.as_ref().map_or(0, SharedArena::len);
+            Layout::new([want_ring, cfg.ring_size], [want_arena, cfg.arena_size], shared_size)
+        });
     let layout = granted.map_err(|e| refuse(&mut s, RefuseCode::BadRequest, e))?;
 
     let memfd = sys::memfd_create("isthmus-segment")
@@ -255,7 +269,11 @@ pub(crate) fn accept(mut s: UnixStream, cfg: &Config) -> Result<Connection> {
     reply.ring_size = [layout.ring_size[0] as u64, layout.ring_size[1] as u64];
     reply.arena_size = [layout.arena_size[0] as u64, layout.arena_size[1] as u64];
     reply.segment_len = layout.total as u64;
-    let fds = [memfd.as_fd(), c_rx.as_fd(), c_tx.as_fd(), s_rx.as_fd(), s_tx.as_fd()];
+    reply.shared_len = layout.shared_size as u64;
+    let mut fds = vec![memfd.as_fd(), c_rx.as_fd(), c_tx.as_fd(), s_rx.as_fd(), s_tx.as_fd()];
+    if let Some(shared) = &shared {
+        fds.push(shared.fd());
+    }
     sys::send_with_fds(s.as_fd(), &reply.encode(), &fds)
         .map_err(|e| Error::io("handshake: cannot send the segment to the client", e))?;
     drop(memfd);
@@ -267,5 +285,6 @@ pub(crate) fn accept(mut s: UnixStream, cfg: &Config) -> Result<Connection> {
         peer_tx: Arc::new(Bell::new(c_tx)),
     };
     let link = Link::new(s)?;
-    Ok(Connection::from_parts(Parts { seg, role: Role::Server, link, bells, peer }, cfg))
+    let shared = shared.map_or(SharedSide::None, SharedSide::Owner);
+    Ok(Connection::from_parts(Parts { seg, role: Role::Server, link, bells, peer, shared }, cfg))
 }

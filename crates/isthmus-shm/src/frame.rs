@@ -62,6 +62,12 @@ pub mod flags {
     pub const ARENA: u8 = 0x02;
     /// PING only: this is the answer.
     pub const ACK: u8 = 0x04;
+    /// MESSAGE with [`ARENA`] only, transport-internal (protocol version 2): the descriptor points
+    /// into the server's shared arena, not the connection's own. Only a server sends it, only
+    /// for a whole message. Never visible to receivers.
+    pub const SHARED: u8 = 0x08;
+    /// The bits the transport keeps for itself: a caller may not set them on a frame it sends.
+    pub const TRANSPORT: u8 = ARENA | SHARED;
 }
 
 /// A decoded frame header.
@@ -99,6 +105,9 @@ impl FrameHeader {
         let stream = u64::from_le_bytes([b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]]);
         if len as usize > max_body {
             return Err(Error::protocol(format!("frame body of {len} bytes exceeds the ring's limit of {max_body}")));
+        }
+        if flags & flags::SHARED != 0 && flags & flags::ARENA == 0 {
+            return Err(Error::protocol("frame carries the SHARED flag without the ARENA flag"));
         }
         if flags & flags::ARENA != 0 {
             if kind != Kind::Message {
@@ -195,6 +204,10 @@ mod tests {
         assert!(FrameHeader::decode(&b, 100).is_err(), "arena flag with wrong length");
         let h = FrameHeader { len: 24, kind: Kind::Headers, flags: flags::ARENA, stream: 1 };
         assert!(FrameHeader::decode(&h.encode(), 100).is_err(), "arena flag on HEADERS");
+        let h = FrameHeader { len: 24, kind: Kind::Message, flags: flags::SHARED, stream: 1 };
+        assert!(FrameHeader::decode(&h.encode(), 100).is_err(), "shared flag without the arena flag");
+        let h = FrameHeader { len: 24, kind: Kind::Message, flags: flags::SHARED | flags::ARENA, stream: 1 };
+        assert!(FrameHeader::decode(&h.encode(), 100).is_ok(), "a shared descriptor");
     }
 
     #[test]

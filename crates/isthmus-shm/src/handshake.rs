@@ -13,7 +13,7 @@
 //! 16      16    ring sizes   [client→server, server→client] (u64 each)
 //! 32      16    arena sizes  [client→server, server→client] (u64 each)
 //! 48      8     segment length (server hello only)
-//! 56      8     reserved, zero
+//! 56      8     shared-arena length (server hello only; zero if the server has none)
 //! ```
 //!
 //! The first 14 bytes (magic, version, kind, reason code and length) are frozen across all
@@ -29,7 +29,9 @@
 use crate::error::{Error, ErrorKind, Result};
 
 /// The protocol version this crate speaks.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Version 2 added the server's shared arena (ADR 0016): its length in the hello, a sixth fd, the
+/// `SHARED` flag and the tagged releases.
+pub const PROTOCOL_VERSION: u16 = 2;
 /// The handshake magic.
 pub const MAGIC: [u8; 8] = *b"ISTHMUS\0";
 /// Size of the fixed handshake record.
@@ -37,8 +39,10 @@ pub const HELLO_LEN: usize = 64;
 /// Longest refusal reason a peer may send.
 pub const MAX_REASON_LEN: usize = 1024;
 /// Fds the server attaches to its hello: the segment, then the doorbells (client rx, client tx,
-/// server rx, server tx).
+/// server rx, server tx), then the shared arena when the hello gives it a length.
 pub const SERVER_FDS: usize = 5;
+/// Most fds a server's hello may carry: [`SERVER_FDS`] and the shared arena.
+pub const MAX_SERVER_FDS: usize = SERVER_FDS + 1;
 
 /// Which handshake message a record is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -70,6 +74,8 @@ pub struct Hello {
     pub arena_size: [u64; 2],
     /// Server hello only: length of the segment passed along.
     pub segment_len: u64,
+    /// Server hello only: length of the shared arena passed along, or zero.
+    pub shared_len: u64,
 }
 
 impl Hello {
@@ -83,6 +89,7 @@ impl Hello {
             ring_size: [0; 2],
             arena_size: [0; 2],
             segment_len: 0,
+            shared_len: 0,
         }
     }
 
@@ -94,7 +101,14 @@ impl Hello {
         b[10] = self.kind as u8;
         b[11] = self.code;
         b[12..14].copy_from_slice(&self.reason_len.to_le_bytes());
-        let words = [self.ring_size[0], self.ring_size[1], self.arena_size[0], self.arena_size[1], self.segment_len];
+        let words = [
+            self.ring_size[0],
+            self.ring_size[1],
+            self.arena_size[0],
+            self.arena_size[1],
+            self.segment_len,
+            self.shared_len,
+        ];
         for (i, w) in words.iter().enumerate() {
             b[16 + 8 * i..24 + 8 * i].copy_from_slice(&w.to_le_bytes());
         }
@@ -123,7 +137,7 @@ impl Hello {
             // Past byte 14 a record of another version may mean anything.
             return Ok(Hello { version, kind, code, reason_len, ..Hello::new(kind) });
         }
-        if b[14] != 0 || b[15] != 0 || b[56..64].iter().any(|&x| x != 0) {
+        if b[14] != 0 || b[15] != 0 {
             return Err(Error::protocol("handshake: reserved bytes are not zero"));
         }
         let word = |i: usize| {
@@ -138,6 +152,7 @@ impl Hello {
             ring_size: [word(0), word(1)],
             arena_size: [word(2), word(3)],
             segment_len: word(4),
+            shared_len: word(5),
         })
     }
 }
@@ -211,6 +226,7 @@ mod tests {
         h.ring_size = [1 << 20, 1 << 16];
         h.arena_size = [64 << 20, 1 << 30];
         h.segment_len = 12345;
+        h.shared_len = 64 << 20;
         assert_eq!(Hello::decode(&h.encode()).expect("decodes"), h);
     }
 
@@ -223,7 +239,7 @@ mod tests {
         b[10] = 9;
         assert!(Hello::decode(&b).is_err());
         let mut b = Hello::new(HelloKind::Client).encode();
-        b[60] = 1;
+        b[14] = 1;
         assert!(Hello::decode(&b).is_err());
         let mut future = Hello::new(HelloKind::Client);
         future.version = 99;

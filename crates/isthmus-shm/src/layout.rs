@@ -5,13 +5,16 @@
 //! ring[0]  client→server frame ring          (ring_size[0] bytes, power of two)
 //! ring[1]  server→client frame ring          (ring_size[1])
 //! rel[0]   release ring for arena[0]         (arena_size[0] / 4 KiB entries of 16 bytes)
-//! rel[1]   release ring for arena[1]
+//! rel[1]   release ring for arena[1] and the  ((arena_size[1] + shared_size) / 4 KiB entries)
+//!          server's shared arena
 //! arena[0] client-owned payload arena        (arena_size[0])
 //! arena[1] server-owned payload arena        (arena_size[1])
 //! ```
 //!
-//! Every region starts on a 4 KiB boundary. The layout is a pure function of the four sizes the
-//! handshake agrees on, so neither side ever reads an offset from shared memory.
+//! Every region starts on a 4 KiB boundary. The layout is a pure function of the five sizes the
+//! handshake agrees on, so neither side ever reads an offset from shared memory. The server's
+//! shared arena (`shared_size`, possibly zero) is a memfd of its own, not part of the segment;
+//! it counts here because its blocks come back on release ring 1.
 
 use crate::error::{Error, Result};
 
@@ -49,6 +52,9 @@ pub const FRAME_ALIGN: usize = 8;
 pub const ARENA_GRANULE: usize = 4096;
 /// Size of one release-ring entry: `{offset: u64, len: u64}`.
 pub const RELEASE_ENTRY_LEN: usize = 16;
+/// Set in a release entry's offset (and only there) when the block is one of the server's
+/// shared arena rather than of the connection's own arena.
+pub const SHARED_RELEASE: u64 = 1 << 63;
 
 /// Direction index of client→server.
 pub const CLIENT_TO_SERVER: usize = 0;
@@ -64,6 +70,8 @@ pub struct Layout {
     pub ring_size: [usize; 2],
     /// Arena bytes per direction.
     pub arena_size: [usize; 2],
+    /// Bytes of the server's shared arena (zero if it has none).
+    pub shared_size: usize,
     /// Offset of each frame ring.
     pub ring_off: [usize; 2],
     /// Offset of each release ring.
@@ -82,7 +90,7 @@ fn page_align(n: usize) -> Option<usize> {
 
 impl Layout {
     /// Lays out a segment; sizes must already be validated (power-of-two rings, granular arenas).
-    pub fn new(ring_size: [usize; 2], arena_size: [usize; 2]) -> Result<Layout> {
+    pub fn new(ring_size: [usize; 2], arena_size: [usize; 2], shared_size: usize) -> Result<Layout> {
         let overflow = || Error::protocol("segment sizes overflow the address space");
         let mut off = CONTROL_LEN;
         let mut ring_off = [0; 2];
@@ -94,7 +102,9 @@ impl Layout {
         let mut rel_cap = [0; 2];
         for d in 0..2 {
             rel_off[d] = off;
-            rel_cap[d] = arena_size[d] / ARENA_GRANULE;
+            // The server's shared blocks come back on the server→client ring (ADR 0016).
+            let shared = if d == SERVER_TO_CLIENT { shared_size } else { 0 };
+            rel_cap[d] = arena_size[d].checked_add(shared).ok_or_else(overflow)? / ARENA_GRANULE;
             let bytes = rel_cap[d].checked_mul(RELEASE_ENTRY_LEN).ok_or_else(overflow)?;
             off = off.checked_add(bytes).and_then(page_align).ok_or_else(overflow)?;
         }
@@ -103,7 +113,7 @@ impl Layout {
             arena_off[d] = off;
             off = off.checked_add(arena_size[d]).and_then(page_align).ok_or_else(overflow)?;
         }
-        Ok(Layout { ring_size, arena_size, ring_off, rel_off, rel_cap, arena_off, total: off })
+        Ok(Layout { ring_size, arena_size, shared_size, ring_off, rel_off, rel_cap, arena_off, total: off })
     }
 }
 
@@ -113,7 +123,8 @@ mod tests {
 
     #[test]
     fn regions_are_page_aligned_and_disjoint() {
-        let l = Layout::new([1 << 12, 1 << 20], [64 << 10, 1 << 26]).expect("layout");
+        let l = Layout::new([1 << 12, 1 << 20], [64 << 10, 1 << 26], 1 << 20).expect("layout");
+        assert_eq!(l.rel_cap, [16, (1 << 14) + 256]);
         let mut regions = vec![(0, CONTROL_LEN)];
         for d in 0..2 {
             regions.push((l.ring_off[d], l.ring_size[d]));

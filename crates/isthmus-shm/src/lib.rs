@@ -23,7 +23,7 @@
 //!
 //! The modules, bottom up; each uses only those listed before it: `sys` (every system call),
 //! `error`, [`layout`], `config`, [`handshake`], [`frame`], `addr`, `segment`, `ring`, `stats`,
-//! `link`, `doorbell`, `arena`, `connection`, `establish`, `listener`.
+//! `link`, `doorbell`, `allocator`, `shared`, `arena`, `connection`, `establish`, `listener`.
 //!
 //! The frame codec, the frame kinds and the connection live here rather than in the RPC crate: the
 //! transport must read frames to route arena messages. What frames *mean* belongs to `isthmus`.
@@ -65,6 +65,7 @@
 //! ```
 
 mod addr;
+mod allocator;
 mod arena;
 mod config;
 mod connection;
@@ -78,6 +79,7 @@ mod link;
 mod listener;
 mod ring;
 mod segment;
+mod shared;
 mod stats;
 mod sys;
 
@@ -88,6 +90,7 @@ pub use doorbell::{EventFd, SocketBell};
 pub use error::{Error, ErrorKind, Result};
 pub use frame::{flags, Kind};
 pub use listener::{Incoming, Listener};
+pub use shared::{SharedArena, SharedBlock, SharedBlockMut};
 pub use stats::Counters;
 
 /// Blocks SIGPIPE on the calling thread: a write to a socket whose peer has gone then fails
@@ -136,7 +139,7 @@ pub mod fuzz {
     /// Fills a ring, its cursors and a release ring with `data` as a hostile peer would, then
     /// reads it as the receiver and the arena owner do.
     pub fn ring(data: &[u8]) {
-        let Ok(layout) = Layout::new([4096, 4096], [64 << 10, 64 << 10]) else { return };
+        let Ok(layout) = Layout::new([4096, 4096], [64 << 10, 64 << 10], 0) else { return };
         let seg = Arc::new(Segment::heap(layout));
         let word = |i: usize| -> u64 {
             let mut b = [0u8; 8];

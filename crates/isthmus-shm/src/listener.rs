@@ -8,6 +8,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use crate::config::Config;
 use crate::connection::Connection;
 use crate::error::{Error, ErrorKind, Result};
+use crate::shared::SharedArena;
 use crate::{establish, sys, Address};
 
 /// A bound server socket. Dropping it removes the socket file (if it is still ours).
@@ -17,6 +18,7 @@ pub struct Listener {
     addr: Address,
     cfg: Config,
     file_id: (u64, u64),
+    shared: Option<SharedArena>,
 }
 
 /// An accepted socket whose handshake has not run yet. Run it with
@@ -26,20 +28,26 @@ pub struct Listener {
 pub struct Incoming {
     stream: UnixStream,
     cfg: Config,
+    shared: Option<SharedArena>,
 }
 
 impl Incoming {
     /// Runs the server side of the handshake.
     pub fn handshake(self) -> Result<Connection> {
-        establish::accept(self.stream, &self.cfg)
+        establish::accept(self.stream, &self.cfg, self.shared)
     }
 }
 
 impl Listener {
     /// Binds `addr`. A socket file left by a crashed server is replaced; one a live server
-    /// answers on is [`ErrorKind::AddrInUse`].
+    /// answers on is [`ErrorKind::AddrInUse`]. Creates the listener's shared arena
+    /// ([`Config::shared_arena_size`]), which every connection it accepts can carry.
     pub fn bind(addr: &Address, cfg: Config) -> Result<Listener> {
         cfg.validate()?;
+        let shared = match cfg.shared_arena_size {
+            0 => None,
+            size => Some(SharedArena::create(size)?),
+        };
         addr.prepare_dir()?;
         let path = addr.socket_path();
         let inner = match UnixListener::bind(path) {
@@ -72,7 +80,7 @@ impl Listener {
             Err(e) => return Err(Error::io(format!("cannot bind {}", path.display()), e)),
         };
         let file_id = sys::file_id(path).map_err(|e| Error::io(format!("cannot inspect {}", path.display()), e))?;
-        Ok(Listener { inner, addr: addr.clone(), cfg, file_id })
+        Ok(Listener { inner, addr: addr.clone(), cfg, file_id, shared })
     }
 
     /// Accepts one connection and runs its handshake. A handshake failure (version mismatch,
@@ -86,7 +94,7 @@ impl Listener {
     pub fn accept_incoming(&self) -> Result<Incoming> {
         loop {
             match self.inner.accept() {
-                Ok((stream, _)) => return Ok(Incoming { stream, cfg: self.cfg.clone() }),
+                Ok((stream, _)) => return Ok(Incoming { stream, cfg: self.cfg.clone(), shared: self.shared.clone() }),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(Error::io(format!("accept on {} failed", self.addr), e)),
             }
@@ -97,6 +105,11 @@ impl Listener {
     /// waiting, for event loops that poll [`as_fd`](AsFd::as_fd).
     pub fn set_nonblocking(&self, nonblocking: bool) -> Result<()> {
         self.inner.set_nonblocking(nonblocking).map_err(|e| Error::io("cannot change the listener's blocking mode", e))
+    }
+
+    /// The shared arena every connection of this listener can carry blocks of, if it has one.
+    pub fn shared_arena(&self) -> Option<&SharedArena> {
+        self.shared.as_ref()
     }
 
     /// The address this listener serves.

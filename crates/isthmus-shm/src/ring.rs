@@ -270,7 +270,7 @@ mod tests {
     use crate::layout::Layout;
 
     fn pair(ring: usize) -> (FrameProducer, FrameConsumer, Arc<Segment>) {
-        let seg = Arc::new(Segment::heap(Layout::new([ring, ring], [64 << 10, 64 << 10]).expect("layout")));
+        let seg = Arc::new(Segment::heap(Layout::new([ring, ring], [64 << 10, 64 << 10], 0).expect("layout")));
         (FrameProducer::new(seg.clone(), 0), FrameConsumer::new(seg.clone(), 0), seg)
     }
 
@@ -348,7 +348,7 @@ mod tests {
 
     #[test]
     fn release_ring_round_trips_and_detects_overflow() {
-        let seg = Arc::new(Segment::heap(Layout::new([4096, 4096], [64 << 10, 64 << 10]).expect("layout")));
+        let seg = Arc::new(Segment::heap(Layout::new([4096, 4096], [64 << 10, 64 << 10], 0).expect("layout")));
         let mut p = ReleaseProducer::new(seg.clone(), 1);
         let mut c = ReleaseConsumer::new(seg.clone(), 1);
         for i in 0..16 {

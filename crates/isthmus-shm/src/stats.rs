@@ -15,6 +15,7 @@ pub(crate) struct Stats {
     pub(crate) ring_full_waits: AtomicU64,
     pub(crate) arena_full_waits: AtomicU64,
     pub(crate) arena_high_water: AtomicU64,
+    pub(crate) shared_sent: AtomicU64,
 }
 
 impl Stats {
@@ -39,6 +40,7 @@ impl Stats {
             ring_full_waits: g(&self.ring_full_waits),
             arena_full_waits: g(&self.arena_full_waits),
             arena_high_water: g(&self.arena_high_water),
+            shared_sent: g(&self.shared_sent),
         }
     }
 }
@@ -67,4 +69,6 @@ pub struct Counters {
     pub arena_full_waits: u64,
     /// Most arena bytes this side had out at once.
     pub arena_high_water: u64,
+    /// Messages sent as a reference to a block of the shared arena (no copy).
+    pub shared_sent: u64,
 }

@@ -602,6 +602,44 @@ impl HandedCall {
         self.call.lock().await.send_block(block).await
     }
 
+    /// Delivers `topic` to this call until the client leaves or the topic closes
+    /// ([`Topic::serve_with`](crate::Topic::serve_with) for a handed call): each large message by
+    /// reference to the one block `publish` wrote, `on_gap(n)`'s message (if any) after `n`
+    /// were dropped. Leaves the topic at once when the call ends (the client's cancel, its
+    /// deadline, its death): `Err` CANCELLED then.
+    pub async fn serve_topic(
+        &self,
+        topic: &crate::Topic,
+        mut on_gap: impl FnMut(u64) -> Option<Bytes>,
+    ) -> Result<(), Status> {
+        use crate::Delivery;
+        self.check_active()?;
+        self.responded.store(true, std::sync::atomic::Ordering::Release);
+        let arena = self.call.lock().await.shared_arena().cloned();
+        let mut sub = topic.subscribe_for(arena.as_ref());
+        if !self.add_done_callback(Box::new(sub.canceller())) {
+            return Err(Status::new(Code::Cancelled, "the call is over"));
+        }
+        while let Some(next) = sub.next().await? {
+            match next {
+                Delivery::Gap(n) => {
+                    if let Some(resync) = on_gap(n) {
+                        self.call.lock().await.send(&resync).await?;
+                    }
+                }
+                Delivery::Message(p) => {
+                    let mut call = self.call.lock().await;
+                    match arena.as_ref().and_then(|a| p.shared_block(a)) {
+                        Some(block) => call.send_shared(block).await?,
+                        None => call.send(&p.bytes()).await?,
+                    }
+                    topic.count_delivered();
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// Ends the call with `status` (OK with no trailers ends it plainly). Later calls do
     /// nothing; `false` if it had already been finished.
     ///

@@ -4,6 +4,8 @@
 //! - [`Channel`] connects to a server and starts calls of every shape ([`Channel::unary`],
 //!   [`Channel::start`] for streaming); [`ClientCall`] sends, half-closes, receives, cancels.
 //! - [`Server`] registers async handlers by method path; each gets a [`ServerCall`].
+//! - [`Topic`] pushes one message to many server-streaming calls (subscriptions), written once
+//!   into shared memory for all of them, with a bounded queue per subscriber.
 //! - [`Status`] and [`Code`] are gRPC's, with one table mapping transport failures to codes
 //!   ([`Status::from_transport`]); [`MetadataMap`] holds metadata under gRPC's rules; [`wire`] is
 //!   the codec of the RPC frame bodies.
@@ -37,7 +39,8 @@
 //!   handlers.
 //!
 //! Bindings need nothing but this crate: besides its own types it re-exports the transport types
-//! they use ([`Config`], [`PeerPolicy`], [`SpinPolicy`], [`EventFd`], [`BlockMut`]). tonic,
+//! they use ([`Config`], [`PeerPolicy`], [`SpinPolicy`], [`EventFd`], [`BlockMut`], the shared
+//! arena's [`SharedArena`] and [`SharedBlock`]). tonic,
 //! tonic-health, tonic-reflection, h2, hyper-util, rustls and the `http` crates are unconditional
 //! dependencies: the Python binding serves and calls HTTP/2 through them. A binding for `shm://`
 //! alone would not need them; there is no cargo feature to leave them out yet.
@@ -54,6 +57,7 @@ pub mod http;
 pub mod metadata;
 mod server;
 pub mod status;
+mod topic;
 pub mod upgrade;
 
 pub use self::http::{
@@ -68,11 +72,14 @@ pub use engine::{blocking, wire};
 pub use metadata::{InvalidMetadata, MetadataMap};
 pub use server::{Bound, Server};
 pub use status::{Code, Status};
+pub use topic::{Delivery, Published, SlowSubscriber, Subscription, Topic, TopicOptions, TopicStats};
 pub use upgrade::{ShmOffer, TransportCounts, UpgradeStatus, UpgradedTo};
 
 /// What a binding needs of the transport under the engine, so that bindings (the Python
 /// extension, the C ABI) stand on this crate alone.
-pub use isthmus_shm::{BlockMut, Config, EventFd, PeerPolicy, SocketBell, SpinPolicy};
+pub use isthmus_shm::{
+    BlockMut, Config, EventFd, PeerPolicy, SharedArena, SharedBlock, SharedBlockMut, SocketBell, SpinPolicy,
+};
 
 /// Entry points for the fuzz targets (`fuzz/`): decoders of what HTTP/2 peers send. Not API.
 #[doc(hidden)]

@@ -8,6 +8,8 @@
 //! shm-peer sink-server ADDR              accept clients and never read from them
 //! shm-peer client-as-uid ADDR UID        switch to UID (needs root), then try to connect
 //! shm-peer server-as-uid ADDR UID        switch to UID (needs root), then echo-serve
+//! shm-peer shared-sink ADDR COUNT HOLD   receive COUNT messages, message k patterned with seed
+//!                                        k; HOLD=1 keeps them all and waits to be killed
 //! ```
 //!
 //! Every role prints `READY` once it is set up, and reports on stdout in lines the tests parse.
@@ -58,6 +60,7 @@ fn main() {
         "hang-client" => hang_client(&addr),
         "big-client" => big_client(&addr, num(&arg(&args, 3, "size")), num(&arg(&args, 4, "arena"))),
         "hostile-server" => hostile_server(&addr, &arg(&args, 3, "mode")),
+        "shared-sink" => shared_sink(&addr, num(&arg(&args, 3, "count")), arg(&args, 4, "hold") == "1"),
         "sink-server" => sink_server(&addr),
         "client-as-uid" => client_as_uid(&addr, num(&arg(&args, 3, "uid")) as u32),
         "server-as-uid" => {
@@ -162,6 +165,21 @@ fn corrupt(sender: &Sender, mode: &str) {
             sender.scribble_for_tests(ring, &f);
             publish(40);
         }
+        "bad-shared" | "shared-piece" => {
+            // A SHARED descriptor past the end of the shared arena, or of a part of a message.
+            let mut f = [0u8; 40];
+            f[0..4].copy_from_slice(&24u32.to_le_bytes());
+            f[4] = Kind::Message as u8;
+            f[5] = flags::ARENA | flags::SHARED;
+            f[8..16].copy_from_slice(&1u64.to_le_bytes());
+            let (off, len, total) =
+                if mode == "bad-shared" { (l.shared_size as u64 - 10, 100u64, 100u64) } else { (0, 4096, 8192) };
+            f[16..24].copy_from_slice(&off.to_le_bytes());
+            f[24..32].copy_from_slice(&len.to_le_bytes());
+            f[32..40].copy_from_slice(&total.to_le_bytes());
+            sender.scribble_for_tests(ring, &f);
+            publish(40);
+        }
         "random" => {
             // Random bytes over the whole control block and both rings, for a while.
             let mut x = 0x1234_5678_9abc_def1u64;
@@ -195,6 +213,34 @@ fn hostile_server(addr: &Address, mode: &str) {
     say("CORRUPTED");
     // Stay alive (socket open) so the client's error is about the damage, not about EOF.
     std::thread::sleep(Duration::from_secs(3600));
+}
+
+fn shared_sink(addr: &Address, count: usize, hold: bool) {
+    say("READY"); // before connecting: the test accepts after it sees this
+    let mut conn = Connection::connect(addr, &Config::default()).expect("connect");
+    let mut kept = Vec::new();
+    for k in 0..count {
+        match conn.receiver.recv(None) {
+            Ok(f) => {
+                match isthmus_tests::first_mismatch(&f.body, k as u64) {
+                    None => say(&format!("GOT {k} {}", f.body.len())),
+                    Some(at) => say(&format!("BAD {k} at {at}")),
+                }
+                if hold {
+                    kept.push(f);
+                }
+            }
+            Err(e) => {
+                say(&format!("RECV-ERROR {:?} {e}", e.kind()));
+                return;
+            }
+        }
+    }
+    if hold {
+        say("HOLDING");
+        std::thread::sleep(Duration::from_secs(3600));
+    }
+    say("DONE");
 }
 
 fn sink_server(addr: &Address) {

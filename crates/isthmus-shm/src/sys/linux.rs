@@ -61,6 +61,18 @@ pub(crate) fn seal(fd: BorrowedFd<'_>) -> io::Result<()> {
     cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) }).map(drop)
 }
 
+/// The seals a shared arena carries besides [`REQUIRED_SEALS`]: no process may write it except
+/// through a mapping that existed before the seal (the server's own).
+pub(crate) const SHARED_SEALS: libc::c_int = libc::F_SEAL_FUTURE_WRITE;
+
+/// Seals a shared arena: fixed size, and writable only through the mappings that exist now, so
+/// the clients it is passed to can map it read-only and nothing else.
+pub(crate) fn seal_shared(fd: BorrowedFd<'_>) -> io::Result<()> {
+    let seals = REQUIRED_SEALS | SHARED_SEALS | libc::F_SEAL_SEAL;
+    // SAFETY: F_ADD_SEALS takes an int argument; a bad fd is reported as an error.
+    cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) }).map(drop)
+}
+
 /// The seals set on a memfd.
 pub(crate) fn seals(fd: BorrowedFd<'_>) -> io::Result<libc::c_int> {
     // SAFETY: F_GET_SEALS takes no argument; a bad or non-memfd fd is reported as an error.
@@ -93,21 +105,22 @@ unsafe impl Sync for Mapping {}
 impl Mapping {
     /// Maps `len` bytes of `fd` shared and read/write.
     pub(crate) fn new(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
+        Mapping::with_protection(fd, len, libc::PROT_READ | libc::PROT_WRITE)
+    }
+
+    /// Maps `len` bytes of `fd` shared and read-only: a write through it faults, so this process
+    /// cannot change what others read there, even by mistake.
+    pub(crate) fn read_only(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
+        Mapping::with_protection(fd, len, libc::PROT_READ)
+    }
+
+    fn with_protection(fd: BorrowedFd<'_>, len: usize, prot: libc::c_int) -> io::Result<Mapping> {
         if len == 0 {
             return Err(io::Error::from(io::ErrorKind::InvalidInput));
         }
         // SAFETY: a fresh mapping at an address the kernel picks aliases no Rust object; the
         // result is checked against MAP_FAILED before use.
-        let ptr = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd.as_raw_fd(),
-                0,
-            )
-        };
+        let ptr = unsafe { libc::mmap(std::ptr::null_mut(), len, prot, libc::MAP_SHARED, fd.as_raw_fd(), 0) };
         if ptr == libc::MAP_FAILED {
             return Err(io::Error::last_os_error());
         }

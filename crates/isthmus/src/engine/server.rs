@@ -65,7 +65,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use isthmus_shm::{flags, Address, BlockMut, Config, Connection, ErrorKind, Kind, Listener};
+use isthmus_shm::{flags, Address, BlockMut, Config, Connection, ErrorKind, Kind, Listener, SharedArena, SharedBlock};
 use tokio::io::unix::AsyncFd;
 use tokio::sync::Notify;
 use tokio::time::Instant;
@@ -346,6 +346,22 @@ impl ServerCall {
     pub async fn send_block(&mut self, block: BlockMut) -> Result<(), Status> {
         self.ready_to_send(block.len()).await?;
         self.mux.sender.send_block_async(self.id, 0, block).await.map_err(|e| Status::from_transport(&e))
+    }
+
+    /// The shared arena of the listener this call came through: a block of it
+    /// ([`SharedArena::try_alloc`]) written once can be sent on many calls with
+    /// [`send_shared`](Self::send_shared), each client reading it in place. `None` for a server
+    /// configured without one.
+    pub fn shared_arena(&self) -> Option<&SharedArena> {
+        self.mux.sender.shared_arena()
+    }
+
+    /// Sends a block of a shared arena as one response message: by reference if it is this
+    /// call's [`shared_arena`](Self::shared_arena) and the client does not hold it already, else
+    /// as a copy. [`Topic`](crate::Topic) uses this to write a message once for every subscriber.
+    pub async fn send_shared(&mut self, block: &SharedBlock) -> Result<(), Status> {
+        self.ready_to_send(block.len()).await?;
+        self.mux.sender.send_shared_async(self.id, 0, block).await.map_err(|e| Status::from_transport(&e))
     }
 
     /// Trailing metadata to send with the final status (OK or not).

@@ -1,0 +1,606 @@
+//! Push to many subscribers: a [`Topic`] that server-streaming handlers subscribe their calls to,
+//! and a [`publish`](Topic::publish) that reaches every current subscriber (ADR 0016).
+//!
+//! - **One write.** `publish` copies the message once into the shared arena of each listener
+//!   its subscribers came through (usually one), and every subscriber's call carries a
+//!   reference to that block ([`ServerCall::send_shared`]); its client reads it in place. A
+//!   small message (inline size, 8 KiB) is copied once into the heap and inline into each ring,
+//!   which costs less than a shared block would. Calls that came over `unix://` or `http://`
+//!   reach the handler through the server's loopback `shm://` endpoint (ADR 0007) and get the
+//!   same block; the bridge then writes an ordinary gRPC stream.
+//! - **Nobody waits for the slowest.** `publish` never waits: it appends to each subscriber's
+//!   queue, bounded by [`TopicOptions::capacity`]. A subscriber whose queue is full meets the
+//!   topic's [`SlowSubscriber`] policy: drop its oldest message and count a gap, which
+//!   [`Topic::serve_with`] hands to the handler to turn into a resync message, or end its call
+//!   with RESOURCE_EXHAUSTED. Memory stays bounded either way: at most `capacity` messages per
+//!   subscriber, each a reference.
+//! - **Late joiners.** [`publish_state`](Topic::publish_state) also keeps the message as the
+//!   topic's current state, delivered first to every later subscriber.
+//! - **Leaving.** A [`Subscription`] leaves the topic when dropped: when its client cancels or
+//!   goes away the engine drops the handler's future, and with it the subscription, at once.
+//!   [`close`](Topic::close) ends every subscription with OK after what it has queued.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), isthmus::Status> {
+//! let topic = isthmus::Topic::new("catalog");
+//! let served = topic.clone();
+//! let bound = isthmus::Server::builder()
+//!     .handler("/catalog.v1.Catalog/Watch", move |mut call: isthmus::ServerCall| {
+//!         let topic = served.clone();
+//!         async move { topic.serve(&mut call).await }
+//!     })
+//!     .bind("shm://catalog")?;
+//! tokio::spawn(bound.serve());
+//! topic.publish_state(b"tools: [search, fetch]");
+//! # Ok(()) }
+//! ```
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use bytes::Bytes;
+use isthmus_shm::{SharedArena, SharedBlock};
+use tokio::sync::Notify;
+
+use crate::engine::server::ServerCall;
+use crate::status::{Code, Status};
+
+/// Messages up to this size travel inline in the ring, where a copy per subscriber is cheaper
+/// than a shared block and its release (the transport's default `inline_max`).
+const INLINE: usize = 8 << 10;
+
+/// What a topic does with a subscriber whose queue is full.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum SlowSubscriber {
+    /// Drop the subscriber's oldest queued message and count a gap ([`Delivery::Gap`]).
+    #[default]
+    DropOldest,
+    /// End the subscriber's call with RESOURCE_EXHAUSTED.
+    Cancel,
+}
+
+/// How a topic queues for its subscribers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TopicOptions {
+    /// Messages queued per subscriber before the [`SlowSubscriber`] policy applies. At least 1.
+    pub capacity: usize,
+    /// The policy for a full queue.
+    pub slow: SlowSubscriber,
+}
+
+impl Default for TopicOptions {
+    fn default() -> TopicOptions {
+        TopicOptions { capacity: 64, slow: SlowSubscriber::DropOldest }
+    }
+}
+
+/// A topic's counters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct TopicStats {
+    /// Subscribers now.
+    pub subscribers: usize,
+    /// Messages published.
+    pub published: u64,
+    /// Payload bytes published (each message counted once, however many it reached).
+    pub bytes: u64,
+    /// Messages sent to subscribers, by [`Topic::serve`] (one per subscriber reached).
+    pub delivered: u64,
+    /// Messages dropped from full queues ([`SlowSubscriber::DropOldest`]).
+    pub dropped: u64,
+    /// Subscribers ended for falling behind ([`SlowSubscriber::Cancel`]).
+    pub cancelled: u64,
+}
+
+struct PublishedInner {
+    seq: u64,
+    len: usize,
+    /// The message in the heap, when some subscriber has no shared block of it.
+    heap: Option<Bytes>,
+    /// The message in each shared arena that has subscribers.
+    blocks: Vec<SharedBlock>,
+}
+
+/// One published message as subscribers receive it: cheap to clone.
+#[derive(Clone)]
+pub struct Published(Arc<PublishedInner>);
+
+impl std::fmt::Debug for Published {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Published").field("seq", &self.0.seq).field("len", &self.0.len).finish()
+    }
+}
+
+impl Published {
+    /// Its place in the topic's order, from 1.
+    pub fn seq(&self) -> u64 {
+        self.0.seq
+    }
+
+    /// Its length in bytes.
+    pub fn len(&self) -> usize {
+        self.0.len
+    }
+
+    /// True for an empty message.
+    pub fn is_empty(&self) -> bool {
+        self.0.len == 0
+    }
+
+    /// The message's block in `arena`, if it was written there.
+    pub fn shared_block(&self, arena: &SharedArena) -> Option<&SharedBlock> {
+        self.0.blocks.iter().find(|b| b.arena().same(arena))
+    }
+
+    /// The message's bytes: shared with the topic when it kept a heap copy, else copied out of
+    /// a shared block.
+    pub fn bytes(&self) -> Bytes {
+        match (&self.0.heap, self.0.blocks.first()) {
+            (Some(heap), _) => heap.clone(),
+            (None, Some(block)) => Bytes::copy_from_slice(block),
+            (None, None) => Bytes::new(),
+        }
+    }
+}
+
+/// What a subscription yields next.
+#[derive(Debug, Clone)]
+pub enum Delivery {
+    /// The next message.
+    Message(Published),
+    /// This many messages were dropped here, because the queue was full
+    /// ([`SlowSubscriber::DropOldest`]); the next message comes after them.
+    Gap(u64),
+}
+
+#[derive(Default)]
+struct Queue {
+    items: VecDeque<Published>,
+    gap: u64,
+    /// How the subscription ends once its queue is empty: OK (the topic closed) or a status.
+    end: Option<Result<(), Status>>,
+}
+
+struct Subscriber {
+    arena: Option<SharedArena>,
+    queue: Mutex<Queue>,
+    wake: Notify,
+}
+
+impl Subscriber {
+    fn queue(&self) -> MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn end(&self, how: Result<(), Status>) {
+        let mut q = self.queue();
+        if q.end.is_none() {
+            q.end = Some(how);
+        }
+        drop(q);
+        self.wake.notify_one();
+    }
+}
+
+#[derive(Default)]
+struct Members {
+    by_id: HashMap<u64, Arc<Subscriber>>,
+    next_id: u64,
+    seq: u64,
+    state: Option<Published>,
+    closed: bool,
+}
+
+struct Inner {
+    name: String,
+    options: TopicOptions,
+    members: Mutex<Members>,
+    published: AtomicU64,
+    bytes: AtomicU64,
+    delivered: AtomicU64,
+    dropped: AtomicU64,
+    cancelled: AtomicU64,
+}
+
+impl Inner {
+    fn members(&self) -> MutexGuard<'_, Members> {
+        self.members.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A stream of messages that any number of server-streaming calls subscribe to. Cheap to clone;
+/// clones are the same topic.
+#[derive(Clone)]
+pub struct Topic {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Topic {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Topic").field("name", &self.inner.name).field("stats", &self.stats()).finish()
+    }
+}
+
+impl Topic {
+    /// A topic with the default options: 64 messages per subscriber, then drop the oldest.
+    pub fn new(name: impl Into<String>) -> Topic {
+        Topic::with_options(name, TopicOptions::default())
+    }
+
+    /// A topic with `options` (a capacity of 0 counts as 1).
+    pub fn with_options(name: impl Into<String>, options: TopicOptions) -> Topic {
+        let options = TopicOptions { capacity: options.capacity.max(1), ..options };
+        Topic {
+            inner: Arc::new(Inner {
+                name: name.into(),
+                options,
+                members: Mutex::default(),
+                published: AtomicU64::new(0),
+                bytes: AtomicU64::new(0),
+                delivered: AtomicU64::new(0),
+                dropped: AtomicU64::new(0),
+                cancelled: AtomicU64::new(0),
+            }),
+        }
+    }
+
+    /// The topic's name (in the status of a subscriber it cancels).
+    pub fn name(&self) -> &str {
+        &self.inner.name
+    }
+
+    /// The topic's options.
+    pub fn options(&self) -> TopicOptions {
+        self.inner.options
+    }
+
+    /// Queues `message` for every current subscriber; returns how many. Never waits. After
+    /// [`close`](Self::close), does nothing and returns 0.
+    pub fn publish(&self, message: &[u8]) -> usize {
+        self.publish_inner(message, false)
+    }
+
+    /// [`publish`](Self::publish), and keeps `message` as the topic's current state: every
+    /// later subscriber receives it first.
+    pub fn publish_state(&self, message: &[u8]) -> usize {
+        self.publish_inner(message, true)
+    }
+
+    /// Forgets the current state: later subscribers start with the next message.
+    pub fn clear_state(&self) {
+        self.inner.members().state = None;
+    }
+
+    fn publish_inner(&self, message: &[u8], keep: bool) -> usize {
+        let mut m = self.inner.members();
+        if m.closed {
+            return 0;
+        }
+        m.seq += 1;
+        let published = self.write_once(m.seq, message, m.by_id.values());
+        let mut reached = 0;
+        let mut cancelled = Vec::new();
+        for (&id, sub) in &m.by_id {
+            match self.offer(sub, &published) {
+                true => reached += 1,
+                false => cancelled.push(id),
+            }
+        }
+        for id in cancelled {
+            m.by_id.remove(&id);
+        }
+        if keep {
+            m.state = Some(published);
+        }
+        self.inner.published.fetch_add(1, Ordering::Relaxed);
+        self.inner.bytes.fetch_add(message.len() as u64, Ordering::Relaxed);
+        reached
+    }
+
+    /// The message written once into every shared arena among `subs`, and into the heap if a
+    /// subscriber has no block of it (no arena, a full one, or a message small enough to go
+    /// inline).
+    fn write_once<'a>(&self, seq: u64, message: &[u8], subs: impl Iterator<Item = &'a Arc<Subscriber>>) -> Published {
+        let mut blocks: Vec<SharedBlock> = Vec::new();
+        let mut heap = message.len() <= INLINE;
+        if !heap {
+            for sub in subs {
+                match &sub.arena {
+                    Some(arena) if blocks.iter().any(|b| b.arena().same(arena)) => {}
+                    Some(arena) => match arena.try_alloc(message.len()) {
+                        Ok(Some(mut block)) => {
+                            block.copy_from_slice(message);
+                            blocks.push(block.freeze());
+                        }
+                        // Full, or too large for it: this arena's subscribers get copies.
+                        _ => heap = true,
+                    },
+                    None => heap = true,
+                }
+            }
+        }
+        // With no subscriber at all, the heap copy is what a late joiner gets as the state.
+        let heap = (heap || blocks.is_empty()).then(|| Bytes::copy_from_slice(message));
+        Published(Arc::new(PublishedInner { seq, len: message.len(), heap, blocks }))
+    }
+
+    /// Queues `p` for `sub`; false if the subscriber was cancelled for falling behind.
+    fn offer(&self, sub: &Subscriber, p: &Published) -> bool {
+        let mut q = sub.queue();
+        if q.end.is_some() {
+            return true; // ending already; it leaves when its handler does
+        }
+        if q.items.len() >= self.inner.options.capacity {
+            match self.inner.options.slow {
+                SlowSubscriber::DropOldest => {
+                    q.items.pop_front();
+                    q.gap += 1;
+                    self.inner.dropped.fetch_add(1, Ordering::Relaxed);
+                }
+                SlowSubscriber::Cancel => {
+                    q.items.clear();
+                    q.end = Some(Err(Status::new(
+                        Code::ResourceExhausted,
+                        format!(
+                            "the subscriber fell {} messages behind topic {:?} and was cancelled",
+                            self.inner.options.capacity, self.inner.name
+                        ),
+                    )));
+                    drop(q);
+                    sub.wake.notify_one();
+                    self.inner.cancelled.fetch_add(1, Ordering::Relaxed);
+                    return false;
+                }
+            }
+        }
+        q.items.push_back(p.clone());
+        drop(q);
+        sub.wake.notify_one();
+        true
+    }
+
+    /// Subscribes with no shared arena: every message arrives as [`Published::bytes`].
+    pub fn subscribe(&self) -> Subscription {
+        self.subscribe_for(None)
+    }
+
+    /// Subscribes a consumer that sends through `arena` (a call's
+    /// [`shared_arena`](ServerCall::shared_arena)), so `publish` writes each message there once.
+    /// The current state, if any, is queued first. After [`close`](Self::close) the subscription
+    /// ends at once, with OK.
+    pub fn subscribe_for(&self, arena: Option<&SharedArena>) -> Subscription {
+        let sub = Arc::new(Subscriber { arena: arena.cloned(), queue: Mutex::default(), wake: Notify::new() });
+        let mut m = self.inner.members();
+        let id = m.next_id;
+        m.next_id += 1;
+        if m.closed {
+            sub.end(Ok(()));
+        } else {
+            if let Some(state) = &m.state {
+                sub.queue().items.push_back(state.clone());
+            }
+            m.by_id.insert(id, sub.clone());
+        }
+        Subscription { topic: self.inner.clone(), id, sub }
+    }
+
+    /// Delivers the topic to `call` until the client leaves (the engine then drops this future)
+    /// or the topic closes (`Ok`); an error if the call fails or the subscriber is cancelled for
+    /// falling behind. Gaps are skipped; see [`serve_with`](Self::serve_with).
+    pub async fn serve(&self, call: &mut ServerCall) -> Result<(), Status> {
+        self.serve_with(call, |_| None).await
+    }
+
+    /// [`serve`](Self::serve), calling `on_gap(n)` when `n` messages were dropped for this
+    /// subscriber; a message it returns is sent in their place (a resync: the full state, say).
+    pub async fn serve_with(
+        &self,
+        call: &mut ServerCall,
+        mut on_gap: impl FnMut(u64) -> Option<Bytes> + Send,
+    ) -> Result<(), Status> {
+        let mut sub = self.subscribe_for(call.shared_arena());
+        while let Some(next) = sub.next().await? {
+            match next {
+                Delivery::Gap(n) => {
+                    if let Some(resync) = on_gap(n) {
+                        call.send(&resync).await?;
+                    }
+                }
+                Delivery::Message(p) => {
+                    match call.shared_arena().and_then(|a| p.shared_block(a)).cloned() {
+                        Some(block) => call.send_shared(&block).await?,
+                        None => call.send(&p.bytes()).await?,
+                    }
+                    self.inner.delivered.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Counts a message a binding delivered itself (the Python and C bindings send on their own
+    /// calls).
+    pub(crate) fn count_delivered(&self) {
+        self.inner.delivered.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Ends every subscription with OK once it has sent what it has queued; later publishes do
+    /// nothing and later subscriptions end at once.
+    pub fn close(&self) {
+        let subs: Vec<Arc<Subscriber>> = {
+            let mut m = self.inner.members();
+            m.closed = true;
+            m.by_id.drain().map(|(_, s)| s).collect()
+        };
+        for sub in subs {
+            sub.end(Ok(()));
+        }
+    }
+
+    /// The topic's counters now.
+    pub fn stats(&self) -> TopicStats {
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        TopicStats {
+            subscribers: self.inner.members().by_id.len(),
+            published: load(&self.inner.published),
+            bytes: load(&self.inner.bytes),
+            delivered: load(&self.inner.delivered),
+            dropped: load(&self.inner.dropped),
+            cancelled: load(&self.inner.cancelled),
+        }
+    }
+}
+
+/// One subscriber's place in a [`Topic`]: its queue, read with [`next`](Self::next). Dropping
+/// it leaves the topic.
+pub struct Subscription {
+    topic: Arc<Inner>,
+    id: u64,
+    sub: Arc<Subscriber>,
+}
+
+impl std::fmt::Debug for Subscription {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Subscription").field("topic", &self.topic.name).field("id", &self.id).finish()
+    }
+}
+
+impl Subscription {
+    /// The next delivery: a gap first if messages were dropped, then the oldest queued
+    /// message; waits for one. `Ok(None)` once the topic closed and the queue is empty; the
+    /// error of a subscriber cancelled for falling behind, or by its [`canceller`](Self::canceller).
+    pub async fn next(&mut self) -> Result<Option<Delivery>, Status> {
+        loop {
+            {
+                let mut q = self.sub.queue();
+                if q.gap > 0 {
+                    return Ok(Some(Delivery::Gap(std::mem::take(&mut q.gap))));
+                }
+                if let Some(p) = q.items.pop_front() {
+                    return Ok(Some(Delivery::Message(p)));
+                }
+                if let Some(end) = &q.end {
+                    return end.clone().map(|()| None);
+                }
+            }
+            // A notification sent between the check and here is kept as a permit.
+            self.sub.wake.notified().await;
+        }
+    }
+
+    /// A handle that ends this subscription from any thread: its `next` then returns
+    /// CANCELLED. For bindings whose calls end through a callback.
+    pub fn canceller(&self) -> impl Fn() + Send + Sync + 'static {
+        let sub = self.sub.clone();
+        move || sub.end(Err(Status::new(Code::Cancelled, "the subscriber's call ended")))
+    }
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        self.topic.members().by_id.remove(&self.id);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn next_now(sub: &mut Subscription) -> Option<Result<Option<Delivery>, Status>> {
+        let mut fut = std::pin::pin!(sub.next());
+        match fut.as_mut().poll(&mut std::task::Context::from_waker(std::task::Waker::noop())) {
+            std::task::Poll::Ready(r) => Some(r),
+            std::task::Poll::Pending => None,
+        }
+    }
+
+    fn message(d: Option<Result<Option<Delivery>, Status>>) -> Vec<u8> {
+        match d {
+            Some(Ok(Some(Delivery::Message(p)))) => p.bytes().to_vec(),
+            other => panic!("expected a message, got {other:?}"),
+        }
+    }
+
+    use std::future::Future;
+
+    #[test]
+    fn every_subscriber_gets_every_message_in_order_and_late_joiners_the_state() {
+        let topic = Topic::new("t");
+        let mut a = topic.subscribe();
+        topic.publish_state(b"state-1");
+        topic.publish(b"m2");
+        let mut b = topic.subscribe();
+        assert_eq!(topic.stats().subscribers, 2);
+        topic.publish(b"m3");
+        for want in [&b"state-1"[..], b"m2", b"m3"] {
+            assert_eq!(message(next_now(&mut a)), want);
+        }
+        assert_eq!(message(next_now(&mut b)), b"state-1");
+        assert_eq!(message(next_now(&mut b)), b"m3");
+        assert!(next_now(&mut a).is_none(), "nothing more: it waits");
+        drop(b);
+        assert_eq!(topic.stats().subscribers, 1, "a dropped subscription leaves at once");
+        topic.close();
+        assert!(matches!(next_now(&mut a), Some(Ok(None))));
+        assert_eq!(topic.publish(b"late"), 0);
+        let mut c = topic.subscribe();
+        assert!(matches!(next_now(&mut c), Some(Ok(None))), "a subscription after close ends at once");
+    }
+
+    #[test]
+    fn a_slow_subscriber_loses_its_oldest_messages_not_the_others_pace() {
+        let topic = Topic::with_options("t", TopicOptions { capacity: 2, slow: SlowSubscriber::DropOldest });
+        let mut slow = topic.subscribe();
+        let mut fast = topic.subscribe();
+        for i in 0..5u8 {
+            assert_eq!(topic.publish(&[i]), 2);
+            assert_eq!(message(next_now(&mut fast)), [i]);
+        }
+        assert!(matches!(next_now(&mut slow), Some(Ok(Some(Delivery::Gap(3))))));
+        assert_eq!(message(next_now(&mut slow)), [3]);
+        assert_eq!(message(next_now(&mut slow)), [4]);
+        assert_eq!(topic.stats().dropped, 3);
+    }
+
+    #[test]
+    fn or_is_cancelled_with_resource_exhausted() {
+        let topic = Topic::with_options("t", TopicOptions { capacity: 2, slow: SlowSubscriber::Cancel });
+        let mut slow = topic.subscribe();
+        let mut fast = topic.subscribe();
+        for i in 0..3u8 {
+            topic.publish(&[i]);
+            assert_eq!(message(next_now(&mut fast)), [i]);
+        }
+        match next_now(&mut slow) {
+            Some(Err(s)) => {
+                assert_eq!(s.code(), Code::ResourceExhausted);
+                assert!(s.message().contains("\"t\""), "{s:?}");
+            }
+            other => panic!("{other:?}"),
+        }
+        let stats = topic.stats();
+        assert_eq!((stats.subscribers, stats.cancelled), (1, 1));
+    }
+
+    #[test]
+    fn large_messages_are_written_once_per_arena() {
+        let arena = isthmus_shm::SharedArena::for_tests(1 << 20).expect("arena");
+        let topic = Topic::new("t");
+        let mut subs: Vec<Subscription> = (0..4).map(|_| topic.subscribe_for(Some(&arena))).collect();
+        let big = vec![7u8; 100_000];
+        topic.publish(&big);
+        assert_eq!(arena.in_use(), 100_000usize.next_multiple_of(4096), "one block for four subscribers");
+        for s in &mut subs {
+            match next_now(s) {
+                Some(Ok(Some(Delivery::Message(p)))) => {
+                    assert!(p.shared_block(&arena).is_some());
+                    assert!(p.0.heap.is_none(), "no heap copy when every subscriber has the block");
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        drop(subs);
+        assert_eq!(arena.in_use(), 0, "freed with the last reference");
+    }
+}

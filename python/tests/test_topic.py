@@ -1,0 +1,225 @@
+"""isthmus.Topic: one publish reaches every subscriber of a Python server (blocking and asyncio)
+in order, over shm, unix and http at once; a stalled subscriber meets the topic's policy while
+the others keep up; a subscriber killed with SIGKILL leaves at once. The server and some
+subscribers are processes of their own (`topic_server.py`, `topic_subscriber.py`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+from peer import PATIENCE, Peer, Served, fresh
+
+import isthmus
+
+TESTS = Path(__file__).resolve().parent
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), STUBS[0], e.get("PYTHONPATH")]))
+    return e
+
+
+STUBS: list[str] = [""]
+
+
+@pytest.fixture(autouse=True)
+def _stubs(stubs: Path) -> None:
+    # echo_server, whose helpers topic_server uses, imports the conformance stubs.
+    STUBS[0] = str(stubs)
+
+
+def serve_topic(kind: str, capacity: int, slow: str) -> Served:
+    transports = ["shm", "unix", "http"]
+    targets = [fresh(t) for t in transports]
+    flags = ["--aio"] if kind == "aio" else []
+    argv = [sys.executable, "-m", "topic_server", *flags, str(capacity), slow, *targets]
+    served = Served("topic", Peer(argv, env()))
+    for transport, target in zip(transports, targets, strict=True):
+        served.addresses[transport] = (
+            target if transport == "shm" else served.peer.expect("LISTENING ").removeprefix("LISTENING ")
+        )
+    return served
+
+
+@pytest.fixture(params=["sync", "aio"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+class Feed:
+    """The control side of a topic server."""
+
+    def __init__(self, served: Served) -> None:
+        self.channel = isthmus.insecure_channel(served.addresses["shm"])
+
+    def publish(self, count: int, size: int, state: bool = False) -> int:
+        request = b"".join(n.to_bytes(8, "little") for n in (count, size, int(state)))
+        return int.from_bytes(self.channel.unary_unary("/topic.Feed/Publish")(request), "little")
+
+    def stats(self) -> dict[str, int]:
+        stats: dict[str, int] = json.loads(self.channel.unary_unary("/topic.Feed/Stats")(b""))
+        return stats
+
+    def wait_subscribers(self, n: int) -> None:
+        """A watchdog, not a timer: until the topic counts `n` subscribers."""
+        end = time.monotonic() + PATIENCE
+        while self.stats()["subscribers"] != n:
+            assert time.monotonic() < end, f"never {n} subscribers: {self.stats()}"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.channel.unary_unary("/topic.Feed/Close")(b"")
+        self.channel.close()
+
+
+def check(message: bytes, seq: int) -> None:
+    assert int.from_bytes(message[:8], "little") == seq
+    assert message[8:] == bytes([seq % 251]) * (len(message) - 8)
+
+
+def reader(address: str, into: list[bytes], done: threading.Event) -> Callable[[], None]:
+    def run() -> None:
+        with isthmus.insecure_channel(address) as channel:
+            try:
+                for m in channel.unary_stream("/topic.Feed/Watch")(b""):
+                    into.append(m)
+            finally:
+                done.set()
+
+    return run
+
+
+def test_every_subscriber_gets_every_message_in_order_over_every_transport(kind: str) -> None:
+    served = serve_topic(kind, 64, "drop_oldest")
+    feed = Feed(served)
+    others: list[Peer] = []
+    try:
+        # A late joiner's first message is the state.
+        feed.publish(1, 100, state=True)
+        received: dict[str, list[bytes]] = {t: [] for t in served.addresses}
+        done = {t: threading.Event() for t in served.addresses}
+        threads = [
+            threading.Thread(target=reader(served.addresses[t], received[t], done[t])) for t in received
+        ]
+        for t in threads:
+            t.start()
+        others = [
+            Peer([sys.executable, "-m", "topic_subscriber", served.addresses["shm"], "41"], env())
+            for _ in range(2)
+        ]
+        feed.wait_subscribers(5)
+        # Large ones through shared memory, small ones inline.
+        for _ in range(10):
+            assert feed.publish(3, 200_000) == 5
+            assert feed.publish(1, 1000) == 5
+        for p in others:
+            for seq in range(1, 42):
+                assert p.expect("GOT ") == f"GOT {seq}"
+            p.expect("END OK")
+        feed.close()
+        for t in threads:
+            t.join(PATIENCE)
+        for transport, messages in received.items():
+            assert len(messages) == 41, transport
+            for seq, m in enumerate(messages, 1):
+                check(m, seq)
+        stats = Feed(served).stats()
+        assert stats["published"] == 41 and stats["dropped"] == 0, stats
+    finally:
+        for p in others:
+            p.close()
+        served.close()
+
+
+@pytest.mark.parametrize("slow", ["drop_oldest", "cancel"])
+def test_a_stalled_subscriber_meets_the_policy_and_the_others_keep_up(kind: str, slow: str) -> None:
+    served = serve_topic(kind, 4, slow)
+    feed = Feed(served)
+    try:
+        with isthmus.insecure_channel(served.addresses["shm"]) as stalled_channel:
+            stalled = stalled_channel.unary_stream("/topic.Feed/Watch")(b"")
+            fast: list[bytes] = []
+            done = threading.Event()
+            threading.Thread(target=reader(served.addresses["unix"], fast, done)).start()
+            feed.wait_subscribers(2)
+            # 60 MB: far past the stalled call's flow-control window and its queue of 4.
+            for _ in range(60):
+                feed.publish(1, 1_000_000)
+                while len(fast) < feed.stats()["published"]:  # the fast one keeps pace
+                    assert not done.is_set(), "the fast subscriber ended"
+                    time.sleep(0.001)
+            stats = feed.stats()
+            if slow == "drop_oldest":
+                assert stats["dropped"] > 0 and stats["cancelled"] == 0, stats
+                # What was sent before the stall (the flow-control window), then the gap, then
+                # the newest messages that were kept.
+                seqs: list[int] = []
+                for m in stalled:
+                    if m.startswith(b"GAP "):
+                        break
+                    seqs.append(int.from_bytes(m[:8], "little"))
+                    check(m, seqs[-1])
+                assert seqs == list(range(1, len(seqs) + 1))
+                dropped = int(m.removeprefix(b"GAP "))
+                after = next(stalled)
+                check(after, len(seqs) + dropped + 1)
+            else:
+                assert stats["cancelled"] == 1 and stats["subscribers"] == 1, stats
+                with pytest.raises(grpc.RpcError) as e:
+                    for _ in stalled:
+                        pass
+                assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+                assert "fell 4 messages behind" in str(e.value.details())
+            stalled.cancel()
+        feed.close()
+        done.wait(PATIENCE)
+        for seq, m in enumerate(fast, 1):
+            check(m, seq)
+        assert len(fast) == 60
+    finally:
+        served.close()
+
+
+def test_a_subscriber_killed_with_sigkill_leaves_at_once(kind: str) -> None:
+    served = serve_topic(kind, 64, "drop_oldest")
+    feed = Feed(served)
+    victims = [
+        Peer([sys.executable, "-m", "topic_subscriber", served.addresses[t], "1000"], env())
+        for t in ("shm", "unix")
+    ]
+    try:
+        feed.wait_subscribers(2)
+        feed.publish(5, 100_000)
+        for v in victims:
+            v.expect("GOT 5")
+            v.kill9()
+        feed.wait_subscribers(0)
+        assert feed.publish(1, 100_000) == 0
+    finally:
+        for v in victims:
+            v.close()
+        feed.close()
+        served.close()
+
+
+def test_topic_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="drop_oldest"):
+        isthmus.Topic("t", slow="sometimes")
+    with pytest.raises(ValueError, match="capacity"):
+        isthmus.Topic("t", capacity=0)
+    topic = isthmus.Topic("t")
+    with pytest.raises(TypeError):
+        topic.publish(object())
+    with pytest.raises(TypeError, match="isthmus servers"):
+        topic.subscribe(object())  # type: ignore[arg-type]
+    assert topic.publish(b"nobody listens") == 0
+    assert topic.stats().published == 1
