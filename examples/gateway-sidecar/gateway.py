@@ -7,10 +7,14 @@ sidecar, over each transport in turn, and a table compares them.
 
 The mix is a gateway's: mostly ``Invoke`` with ~1 KiB JSON bodies, some ``InvokeStream``, a few
 ``CloseSession``. Every response is checked (status, echoed body, chunk count); a wrong one is a
-failure. Usage::
+failure.
+
+While the isthmus load runs, ``--workers`` gateway worker processes (4) each subscribe to the
+sidecar's ``WatchCatalog``; the sidecar changes its catalog every 250 ms, and the gateway prints
+how long each change took to reach all of them. Usage::
 
     python gateway.py [--callers 32] [--seconds 5] [--transports isthmus,grpc-uds,http-uds]
-                      [--sidecar PATH] [--json FILE]
+                      [--workers 4] [--sidecar PATH] [--json FILE]
 
 Exits non-zero if any call failed.
 """
@@ -289,6 +293,64 @@ async def run(
         return await drive(transport, http_caller(client), callers, seconds)
 
 
+def watch(address: str) -> None:
+    """A gateway worker's catalog subscription (``--watch``): prints ``READY`` once it has the
+    current catalog, then ``UPDATE version published_ns µs`` for each change: when the sidecar
+    published it (CLOCK_MONOTONIC), and the µs from then to here."""
+    with tempfile.TemporaryDirectory(prefix="isthmus-watcher-") as tmp:
+        pb, pb_grpc = stubs(tmp)
+        with isthmus.insecure_channel(address) as channel:
+            updates = pb_grpc.SidecarStub(channel).WatchCatalog(pb.WatchCatalogRequest())
+            for n, update in enumerate(updates):
+                now = time.monotonic_ns()
+                if n == 0:  # the current catalog, published before we came
+                    print("READY", flush=True)
+                    continue
+                published = update.published_monotonic_ns
+                print(f"UPDATE {update.version} {published} {(now - published) / 1e3:.1f}", flush=True)
+
+
+class Watchers:
+    """``n`` worker processes subscribed to the catalog while a load runs."""
+
+    def __init__(self, n: int, address: str) -> None:
+        argv = [sys.executable, __file__, "--watch", address]
+        self.procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(n)]
+        for p in self.procs:
+            if p.stdout is None or p.stdout.readline().strip() != "READY":
+                self.stop()
+                raise SystemExit("a catalog watcher did not start")
+
+    def stop(self) -> dict[int, list[float]]:
+        """Stops them; per catalog version published until now, how long it took to reach each
+        worker (µs). A change published while they stop is not counted."""
+        until = time.monotonic_ns()
+        seen: dict[int, list[float]] = {}
+        for p in self.procs:
+            p.terminate()
+            out, _ = p.communicate(timeout=10)
+            for line in out.splitlines():
+                if line.startswith("UPDATE "):
+                    _, version, published, us = line.split()
+                    if int(published) < until:
+                        seen.setdefault(int(version), []).append(float(us))
+        return seen
+
+
+def propagation(seen: dict[int, list[float]], workers: int) -> dict[str, Any]:
+    """Time for each change to reach every worker: the slowest worker's, per change."""
+    complete = sorted(max(us) for us in seen.values() if len(us) == workers)
+    if not complete:
+        return {"changes": 0, "workers": workers}
+    return {
+        "changes": len(complete),
+        "workers": workers,
+        "p50_us": complete[len(complete) // 2],
+        "max_us": complete[-1],
+        "missed": sum(1 for us in seen.values() if len(us) != workers),
+    }
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     base = next((r for r in rows if r["transport"] == "isthmus"), None)
     fmt = lambda us: f"{us / 1000:.2f} ms" if us >= 1000 else f"{us:.0f} µs"  # noqa: E731
@@ -311,9 +373,14 @@ def main() -> int:
     parser.add_argument("--callers", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--transports", default=",".join(TRANSPORTS))
+    parser.add_argument("--workers", type=int, default=4, help="catalog subscribers during the isthmus run")
     parser.add_argument("--sidecar", default=str(ROOT / "target/release/gateway-sidecar"))
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--watch", help=argparse.SUPPRESS)  # a worker's subscription (internal)
     args = parser.parse_args()
+    if args.watch:
+        watch(args.watch)
+        return 0
     transports = args.transports.split(",")
     with tempfile.TemporaryDirectory(prefix="isthmus-gateway-") as tmp:
         pb, pb_grpc = stubs(tmp)
@@ -337,13 +404,25 @@ def main() -> int:
                 raise SystemExit("the sidecar did not start")
             mix = "90% Invoke (~1 KiB JSON), 8% InvokeStream, 2% CloseSession"
             print(f"{args.callers} concurrent callers, {args.seconds:g} s per transport; {mix}\n")
-            rows = [
-                asyncio.run(run(t, endpoints, pb, pb_grpc, args.callers, args.seconds)) for t in transports
-            ]
+            rows = []
+            catalog: dict[str, Any] | None = None
+            for t in transports:
+                watchers = (
+                    Watchers(args.workers, endpoints["shm"]) if t == "isthmus" and args.workers else None
+                )
+                rows.append(asyncio.run(run(t, endpoints, pb, pb_grpc, args.callers, args.seconds)))
+                if watchers is not None:
+                    catalog = propagation(watchers.stop(), args.workers)
         finally:
             sidecar.terminate()
             sidecar.wait(timeout=10)
     print(table([r.row() for r in rows]))
+    if catalog is not None and catalog["changes"]:
+        print(
+            f"\ncatalog changes during the isthmus run: {catalog['changes']}, each reached all "
+            f"{catalog['workers']} gateway workers in {catalog['p50_us']:.0f} µs (p50), "
+            f"{catalog['max_us']:.0f} µs at most; {catalog['missed']} missed by a worker"
+        )
     for r in rows:
         if r.failures:
             print(f"\n{NAMES[r.transport]}: {r.failures} failed calls; the first: {r.first_error}")

@@ -15,6 +15,10 @@ oldest messages (`slow="drop_oldest"`, and `on_gap(n)` may return a message to s
 a full resync say) or is ended with RESOURCE_EXHAUSTED (`slow="cancel"`). `publish_state` also
 keeps the message for subscribers that join later. A subscriber whose client cancels or goes
 away leaves at once.
+
+On `isthmus.server` each subscriber holds one of the executor's threads while it is subscribed
+(asleep, GIL released), as a streaming handler does on grpcio: size the executor for the
+subscribers you expect. On `isthmus.aio.server` a subscriber holds no thread.
 """
 
 from __future__ import annotations

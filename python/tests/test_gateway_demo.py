@@ -1,6 +1,6 @@
 """The gateway ↔ sidecar demo (`make demo`), run briefly on all three transports so it cannot rot
 unnoticed: every response's content is checked by the gateway, which exits non-zero on any
-failure."""
+failure, and its workers' catalog subscriptions hear the sidecar's changes."""
 
 from __future__ import annotations
 
@@ -39,3 +39,5 @@ def test_the_demo_answers_every_call_correctly_on_every_transport(tmp_path: Path
     assert set(seen) == {"isthmus", "grpc-uds", "http-uds"}
     for transport, row in seen.items():
         assert row["failures"] == 0 and row["requests"] > 0, (transport, row)
+    # The sidecar changed its catalog while the isthmus load ran, and the gateway's workers heard.
+    assert "catalog changes during the isthmus run:" in done.stdout, done.stdout
