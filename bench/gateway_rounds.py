@@ -48,6 +48,8 @@ def main() -> int:
                 argv = [sys.executable, str(ROOT / "examples/gateway-sidecar/gateway.py")]
                 argv += ["--callers", str(n), "--seconds", str(seconds), "--json", out.name]
                 argv += ["--sidecar", str(ROOT / "target/release/gateway-sidecar")]
+                # No catalog subscribers: they would load the isthmus run alone.
+                argv += ["--workers", "0"]
                 done = subprocess.run(argv, capture_output=True, text=True, check=False)
                 if done.returncode != 0:
                     print(done.stdout + done.stderr, file=sys.stderr)

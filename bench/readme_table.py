@@ -239,6 +239,28 @@ def main() -> int:
             )
             + "."
         )
+
+    def fan(system: str, subs: int, field: str) -> float | None:
+        vals = [
+            r[field]
+            for r in recs
+            if r["system"] == system
+            and r["size"] == 1 << 20
+            and r.get("subscribers") == subs
+            and r.get(field)
+        ]
+        return statistics.median(vals) if vals else None
+
+    last, tonic = fan("fanout-isthmus-shm", 32, "p50_us"), fan("fanout-tonic-uds", 32, "p50_us")
+    cpu = [
+        fan(s, n, "cpu_us_per_publish") for s in ("fanout-isthmus-shm", "fanout-tonic-uds") for n in (1, 32)
+    ]
+    if last and tonic and None not in cpu:
+        rows.append(
+            f"Fan-out (`isthmus-bench fanout`, `isthmus::Topic`): 1 MiB to 32 subscribers reaches the last in {fmt(last)} "
+            f"(tonic over UDS {fmt(tonic)}, {tonic / last:.0f}×); the publisher's CPU per publish is "
+            f"{cpu[1] / cpu[0]:.1f}× its cost for one subscriber (tonic {cpu[3] / cpu[2]:.1f}×)."
+        )
     h = data["header"]
     rows.append(
         f"Run of {h['date']}, commit {h['versions']['commit']}, {h['machine']['cores']} vCPUs ({h['machine']['cpu']}), kernel {h['machine']['kernel']}."
