@@ -171,15 +171,16 @@ impl Core {
 
     /// The wait for the peer's next frame. For a blocking wait `heard` is
     /// [`Stats::bytes_sent`] when the last frame came in: what we sent since then the peer must
-    /// still read, so the spin may last longer ([`SpinPolicy::owing`]). Async waits pass `None`:
-    /// their spin holds a runtime worker other tasks need, and measured slower with it (ADR 0014).
-    fn rx_waiter(&self, heard: Option<u64>) -> Waiter<'_> {
+    /// still read, so the spin may last longer ([`SpinPolicy::owing`]). Async waits pass `None`
+    /// and their caller's `spin`: their spin holds a runtime worker other tasks need, and
+    /// measured slower with the extension (ADR 0014).
+    fn rx_waiter(&self, heard: Option<u64>, spin: SpinPolicy) -> Waiter<'_> {
         let spin = match heard {
             Some(heard) => {
                 let sent = self.stats.bytes_sent.load(std::sync::atomic::Ordering::Relaxed);
                 self.spin.owing(sent.saturating_sub(heard))
             }
-            None => self.spin,
+            None => spin,
         };
         Waiter {
             bell: &self.bells.my_rx,
@@ -986,7 +987,8 @@ impl Receiver {
                 return Ok(f);
             }
             let (ring, core) = (&self.ring, &self.core);
-            match core.rx_waiter(Some(self.heard)).wait(deadline, || ring.is_ready().map_err(|e| core.fail(e))) {
+            let waiter = core.rx_waiter(Some(self.heard), core.spin);
+            match waiter.wait(deadline, || ring.is_ready().map_err(|e| core.fail(e))) {
                 // Frames the peer wrote before it died come first; try_recv reports the death.
                 Err(e) if e.kind() == ErrorKind::PeerGone => continue,
                 r => r?,
@@ -998,12 +1000,19 @@ impl Receiver {
     /// dropped). Wrap in `tokio::time::timeout` for a deadline.
     #[cfg(feature = "tokio")]
     pub async fn recv_async(&mut self) -> Result<Frame> {
+        self.recv_async_spinning(self.core.spin).await
+    }
+
+    /// [`recv_async`](Self::recv_async) whose wait spins as `spin` says, not as the connection's
+    /// configuration does: a caller that knows no frame is due soon waits without spinning.
+    #[cfg(feature = "tokio")]
+    pub async fn recv_async_spinning(&mut self, spin: SpinPolicy) -> Result<Frame> {
         loop {
             if let Some(f) = self.try_recv()? {
                 return Ok(f);
             }
             let (ring, core) = (&self.ring, &self.core);
-            match core.rx_waiter(None).wait_async(|| ring.is_ready().map_err(|e| core.fail(e))).await {
+            match core.rx_waiter(None, spin).wait_async(|| ring.is_ready().map_err(|e| core.fail(e))).await {
                 Err(e) if e.kind() == ErrorKind::PeerGone => continue,
                 r => r?,
             }
@@ -1026,7 +1035,7 @@ impl Receiver {
             }
             let (ring, core) = (&self.ring, &self.core);
             let ready = || Ok(core.interrupted.load(Ordering::Acquire) || ring.is_ready().map_err(|e| core.fail(e))?);
-            match core.rx_waiter(None).wait_async(ready).await {
+            match core.rx_waiter(None, core.spin).wait_async(ready).await {
                 Err(e) if e.kind() == ErrorKind::PeerGone => continue,
                 r => r?,
             }

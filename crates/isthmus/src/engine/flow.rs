@@ -108,6 +108,12 @@ impl SendWindow {
         Credit::Taken
     }
 
+    /// Whether the writer has used up its credit on a stream still open: it waits, or will at
+    /// its next message, for a WINDOW.
+    pub(crate) fn starved(&self) -> bool {
+        !self.closed.load(Ordering::Acquire) && self.credit.load(Ordering::Acquire) <= 0
+    }
+
     /// Whether a writer waiting for credit should look again.
     pub(crate) fn ready(&self) -> bool {
         self.closed.load(Ordering::Acquire) || self.credit.load(Ordering::Acquire) > 0

@@ -198,6 +198,8 @@ struct Entry {
     /// The reader's batch in which the stream opened: an event for a stream opened in the
     /// current batch wakes no task (its call has not been polled yet).
     born: u64,
+    /// The peer has half-closed: no more messages will come on this stream.
+    peer_done: AtomicBool,
     shared: Arc<StreamShared>,
     cancelled: Option<Arc<Cancel>>,
 }
@@ -326,6 +328,8 @@ pub(crate) struct Mux {
     /// The reader task's current batch of frames, and whether routing it may have woken a task.
     batch: AtomicU64,
     woke: AtomicBool,
+    /// The current batch held only WINDOW and PING frames (see `spin_for_next`).
+    credit_only: AtomicBool,
     streams: Mutex<HashMap<u64, Entry, BuildHasherDefault<IdHasher>>>,
     /// Set once the connection is finished: every later call fails with it.
     dead: Mutex<Option<Status>>,
@@ -420,6 +424,7 @@ impl Mux {
             stream_limit,
             batch: AtomicU64::new(0),
             woke: AtomicBool::new(false),
+            credit_only: AtomicBool::new(false),
             streams: Mutex::new(HashMap::default()),
             dead: Mutex::new(None),
             draining: AtomicBool::new(false),
@@ -460,7 +465,12 @@ impl Mux {
         if streams.contains_key(&id) {
             return Err(Status::new(Code::Internal, format!("the peer reused open stream id {id}")));
         }
-        let entry = Entry { born: self.batch.load(Ordering::Relaxed), shared: shared.clone(), cancelled };
+        let entry = Entry {
+            born: self.batch.load(Ordering::Relaxed),
+            peer_done: AtomicBool::new(false),
+            shared: shared.clone(),
+            cancelled,
+        };
         streams.insert(id, entry);
         drop(streams);
         // The reader may have died between the check and the insert; it empties the table
@@ -506,6 +516,9 @@ impl Mux {
     fn push(&self, entry: &Entry, ev: Event) {
         if entry.born != self.batch.load(Ordering::Relaxed) {
             self.woke.store(true, Ordering::Relaxed);
+        }
+        if matches!(ev, Event::HalfClose) {
+            entry.peer_done.store(true, Ordering::Relaxed);
         }
         entry.shared.inbox.push(ev);
     }
@@ -609,7 +622,7 @@ impl Mux {
                 },
             };
             let first = match &self.lead {
-                None => receiver.recv_async().await,
+                None => receiver.recv_async_spinning(self.spin_for_next(&receiver)).await,
                 Some(lead) => match receiver.recv_async_interruptible().await.transpose() {
                     Some(got) => got,
                     // A call asked for the receiver: it reads until its reply has come. Let it run
@@ -626,6 +639,7 @@ impl Mux {
             };
             self.batch.fetch_add(1, Ordering::Relaxed);
             self.woke.store(false, Ordering::Relaxed);
+            self.credit_only.store(true, Ordering::Relaxed);
             let mut stop = self.route_batch(&mut receiver, first, accept.as_mut()).await;
             if let Some(acc) = accept.as_mut() {
                 let mut waiting = Self::start_calls(std::mem::take(&mut acc.batch)).await;
@@ -694,6 +708,26 @@ impl Mux {
             }
         }
         None
+    }
+
+    /// How the server's reader waits for the next frame: with the connection's spin, unless the
+    /// last batch was only WINDOW and PING frames and no open call expects anything from the
+    /// peer (every one has its requests and credit to send). What comes then answers this side's
+    /// own sends, at their pace, so a spin would only burn the worker: a topic's publisher would
+    /// otherwise spin on each subscriber's connection after each grant of credit (ADR 0016).
+    fn spin_for_next(&self, receiver: &Receiver) -> isthmus_shm::SpinPolicy {
+        let full = receiver.spin_policy();
+        if !self.credit_only.load(Ordering::Relaxed) {
+            return full;
+        }
+        let Ok(streams) = self.streams.lock() else { return full };
+        let awaited = streams.is_empty()
+            || streams.values().any(|e| !e.peer_done.load(Ordering::Relaxed) || e.shared.send_window.starved());
+        if awaited {
+            full
+        } else {
+            isthmus_shm::SpinPolicy { max: std::time::Duration::ZERO, ..full }
+        }
     }
 
     /// Polls each new call once, here on the reader's task; the calls that must wait.
@@ -912,6 +946,9 @@ impl Mux {
 
     fn route(&self, f: Frame, accept: Option<&mut Accept>) -> Result<Option<Reply>, Status> {
         let serving = accept.is_some();
+        if !matches!(f.kind, Kind::Window | Kind::Ping) {
+            self.credit_only.store(false, Ordering::Relaxed);
+        }
         let internal = |e: wire::WireError| Status::new(Code::Internal, format!("malformed frame from the peer: {e}"));
         match f.kind {
             Kind::Headers => match accept {
