@@ -103,9 +103,11 @@ class Topic:
     def subscribe(self, context: grpc.ServicerContext, on_gap: OnGap | None = None) -> Iterator[Any]:
         """Serves this topic on the call of `context` (an `isthmus.server` handler's) until the
         client leaves or the topic closes, and then returns an empty iterator, so a
-        response-streaming handler can `return topic.subscribe(context)`. `on_gap(n)` is called
-        when `n` messages were dropped for this subscriber; a message it returns is sent in their
-        place. A subscriber cancelled for falling behind ends RESOURCE_EXHAUSTED."""
+        response-streaming handler can `return topic.subscribe(context)`. With `on_gap`, when
+        messages were dropped for this subscriber the ones still queued are dropped too, and
+        `on_gap(n)` (`n` counts them all) may return a message to send in their place: a resync,
+        best a full state with a version, since messages published meanwhile follow it. A
+        subscriber cancelled for falling behind ends RESOURCE_EXHAUSTED at once."""
         call = _call_of(context)
         try:
             call.serve_topic(self._native, _gap(on_gap))

@@ -176,6 +176,10 @@ fn a_client_that_releases_what_it_does_not_hold_is_cut_off_alone() {
 fn a_server_without_a_shared_arena_sends_copies() {
     let (listener, uri) = listener("shared-none", 0);
     assert!(listener.shared_arena().is_none());
+    // Every client could read all of it: a listener open to other users has none.
+    let open = Config { peer_policy: isthmus_shm::PeerPolicy::Any, ..Config::default() };
+    let addr: Address = fresh_addr("shared-any").parse().expect("address");
+    assert!(Listener::bind(&addr, open).expect("bind").shared_arena().is_none());
     let (other, _) = listener_pair();
     let arena = other.shared_arena().expect("arena").clone();
     let mut peer = Peer::spawn(&["shared-sink", &uri, "1", "0"]);
@@ -188,4 +192,30 @@ fn a_server_without_a_shared_arena_sends_copies() {
 
 fn listener_pair() -> (Listener, String) {
     listener("shared-other", 1 << 20)
+}
+
+#[test]
+fn a_client_still_reading_after_its_connection_ended_keeps_its_bytes() {
+    let (listener, uri) = listener("shared-after", 1 << 20);
+    let arena = listener.shared_arena().expect("a shared arena").clone();
+    let mut reader = Peer::spawn(&["shared-sink", &uri, "4", "2"]);
+    let conn = listener.accept().expect("accept");
+    for k in 0..4 {
+        conn.sender.send_shared(1, 0, &block(&arena, 250_000, k), None).expect("send");
+    }
+    reader.expect_line("CLOSED", PATIENCE);
+    let (sender, mut receiver) = conn.split();
+    assert_eq!(receiver.recv(Some(Instant::now() + PATIENCE)).expect_err("closed").kind(), ErrorKind::PeerGone);
+    drop((sender, receiver));
+    // The four blocks stay the reader's while its process lives: nothing can be written there.
+    assert!(arena.try_alloc(250_000).expect("size").is_none(), "the arena is still full");
+    for _ in 0..50 {
+        let line = reader.expect_line("", PATIENCE);
+        assert!(line.starts_with("CHECKED"), "the reader saw its bytes change: {line}");
+    }
+    reader.child.kill().expect("kill");
+    reader.child.wait().expect("reap");
+    let b = arena.try_alloc(250_000).expect("size").expect("freed once the reader's process is gone");
+    drop(b);
+    assert_eq!(arena.in_use(), 0);
 }

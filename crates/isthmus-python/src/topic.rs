@@ -79,9 +79,9 @@ impl Topic {
 /// `on_gap(n)` as the engine wants it: Python's callable, called with the GIL; its bytes (or
 /// None) are the resync message. A callable that raises, or returns something that is not a
 /// buffer, has its error printed and sends nothing, as grpcio treats a callback's error.
-pub(crate) fn gap_callback(on_gap: Option<Py<PyAny>>) -> impl FnMut(u64) -> Option<bytes::Bytes> {
-    move |n| {
-        let on_gap = on_gap.as_ref()?;
+pub(crate) fn gap_callback(on_gap: Option<Py<PyAny>>) -> Option<impl FnMut(u64) -> Option<bytes::Bytes>> {
+    let on_gap = on_gap?;
+    Some(move |n| {
         Python::attach(|py| {
             let made = on_gap.call1(py, (n,)).and_then(|r| {
                 if r.is_none(py) {
@@ -95,5 +95,5 @@ pub(crate) fn gap_callback(on_gap: Option<Py<PyAny>>) -> impl FnMut(u64) -> Opti
                 None
             })
         })
-    }
+    })
 }

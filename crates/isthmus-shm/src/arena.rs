@@ -125,9 +125,11 @@ impl ArenaOwner {
         self.lent.remove(&(block.offset() as u64));
     }
 
-    /// Drops every reference the peer held: it is gone and will release nothing.
-    pub(crate) fn forget_lent(&mut self) {
-        self.lent.clear();
+    /// The connection has ended: takes back what the peer released (a damaged ring only stops
+    /// that), then hands over the blocks it still holds, which it may still read.
+    pub(crate) fn end_lending(&mut self) -> Vec<SharedBlock> {
+        let _ = self.reclaim();
+        self.lent.drain().map(|(_, b)| b).collect()
     }
 
     /// Shared blocks the peer holds now.

@@ -121,7 +121,8 @@ pub struct Config {
     pub max_arena_size: usize,
     /// Server only: bytes of the listener's shared arena, from which one block is sent to many
     /// connections (publish/subscribe, ADR 0016). Zero for none. A multiple of 64 KiB, up to
-    /// 4 GiB; memory is used only as blocks are written.
+    /// 4 GiB; memory is used only as blocks are written. Every client can read all of it, so a
+    /// listener whose `peer_policy` admits other users has none, whatever this says.
     pub shared_arena_size: usize,
 }
 

@@ -246,10 +246,38 @@ impl Drain for Core {
     fn drain(&self) {
         let Ok(mut arena) = self.arena.lock() else { return };
         if self.link.health.is_closed() {
-            // Nobody will read or release them now.
-            arena.forget_lent();
+            // The client releases nothing now, but may still read what it holds: those blocks
+            // wait for its process to exit.
+            if let Some(shared) = &self.shared {
+                shared.bury(self.peer.pid, arena.end_lending());
+            }
         } else if let Err(e) = arena.reclaim() {
             self.fail(e);
+        }
+    }
+}
+
+impl Drop for Core {
+    fn drop(&mut self) {
+        if let (Some(shared), Ok(arena)) = (&self.shared, self.arena.get_mut()) {
+            shared.bury(self.peer.pid, arena.end_lending());
+        }
+    }
+}
+
+/// A shared block recorded as lent for a frame not pushed yet: if the send is abandoned (its
+/// deadline, an error, or its future dropped while it waits for ring room), the peer never sees
+/// the frame and will never give the block back, so the record goes.
+struct Lending<'a> {
+    sender: &'a Sender,
+    block: &'a SharedBlock,
+    pushed: bool,
+}
+
+impl Drop for Lending<'_> {
+    fn drop(&mut self) {
+        if !self.pushed {
+            self.sender.unlend(self.block);
         }
     }
 }
@@ -463,7 +491,12 @@ impl Sender {
     ) -> Result<()> {
         match self.shared_frame(stream, frame_flags, block)? {
             None => self.send_message(stream, frame_flags, block, deadline),
-            Some((header, body)) => self.push(&header, &[&body], deadline).inspect_err(|_| self.unlend(block)),
+            Some((header, body)) => {
+                let mut lending = Lending { sender: self, block, pushed: false };
+                self.push(&header, &[&body], deadline)?;
+                lending.pushed = true;
+                Ok(())
+            }
         }
     }
 
@@ -472,7 +505,12 @@ impl Sender {
     pub async fn send_shared_async(&self, stream: u64, frame_flags: u8, block: &SharedBlock) -> Result<()> {
         match self.shared_frame(stream, frame_flags, block)? {
             None => self.send_message_async(stream, frame_flags, block).await,
-            Some((header, body)) => self.push_async(&header, &[&body]).await.inspect_err(|_| self.unlend(block)),
+            Some((header, body)) => {
+                let mut lending = Lending { sender: self, block, pushed: false };
+                self.push_async(&header, &[&body]).await?;
+                lending.pushed = true;
+                Ok(())
+            }
         }
     }
 

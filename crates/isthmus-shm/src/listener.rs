@@ -5,7 +5,7 @@ use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::fs::FileTypeExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 
-use crate::config::Config;
+use crate::config::{Config, PeerPolicy};
 use crate::connection::Connection;
 use crate::error::{Error, ErrorKind, Result};
 use crate::shared::SharedArena;
@@ -41,12 +41,15 @@ impl Incoming {
 impl Listener {
     /// Binds `addr`. A socket file left by a crashed server is replaced; one a live server
     /// answers on is [`ErrorKind::AddrInUse`]. Creates the listener's shared arena
-    /// ([`Config::shared_arena_size`]), which every connection it accepts can carry.
+    /// ([`Config::shared_arena_size`]), which every connection it accepts can carry, if the
+    /// policy admits only the server's own user and the kernel can seal it.
     pub fn bind(addr: &Address, cfg: Config) -> Result<Listener> {
         cfg.validate()?;
-        let shared = match cfg.shared_arena_size {
-            0 => None,
-            size => Some(SharedArena::create(size)?),
+        // Every client maps all of it: only for clients of the server's own user. Without it
+        // (or on a kernel that cannot seal it against writers) topics send copies.
+        let shared = match (cfg.shared_arena_size, &cfg.peer_policy) {
+            (0, _) | (_, PeerPolicy::Uids(_) | PeerPolicy::Any) => None,
+            (size, PeerPolicy::SameUid) => SharedArena::create(size).ok(),
         };
         addr.prepare_dir()?;
         let path = addr.socket_path();

@@ -20,6 +20,15 @@
 //!   again ([`Sender::send_shared`](crate::Sender::send_shared) copies it into the connection's
 //!   own arena instead). So a release ring sized for one entry per granule of both arenas never
 //!   overflows for an honest client, and a second release of a block is a protocol error.
+//! - **A reader's bytes never change under it.** When a connection ends, the blocks its client
+//!   had not given back are not freed: the client may still read its messages (their mapping
+//!   lives as long as they do). They are kept until the client's process exits (a pidfd from the
+//!   `SO_PEERCRED` pid says when), then freed. A client that drops its messages before its
+//!   connection ends has given them back, and nothing is kept.
+//! - **Only for one user.** Every client maps the whole arena, so it could read what the server
+//!   sends any other client through it. A listener whose `PeerPolicy` admits other users has no
+//!   shared arena (topics send copies); nor has one on a kernel without `F_SEAL_FUTURE_WRITE`
+//!   (before Linux 5.1).
 //! - **Room comes back without the publisher's help.** When an allocation finds no room, the
 //!   arena first asks every connection that carries its blocks to drain its release ring
 //!   ([`Drain`]), since a connection otherwise drains only when it allocates or sends.
@@ -48,6 +57,16 @@ struct Inner {
     map: sys::Mapping,
     alloc: Mutex<Allocator>,
     drains: Mutex<Vec<Weak<dyn Drain>>>,
+    /// Blocks held by the clients of connections that ended, until those processes exit.
+    graves: Mutex<Vec<Grave>>,
+}
+
+/// What a client process may still read after its connection ended.
+struct Grave {
+    /// Readable once the process has exited; `None` if its exit cannot be watched (then the
+    /// blocks stay for the arena's life: leaking is safe, freeing under a reader is not).
+    pidfd: Option<OwnedFd>,
+    _blocks: Vec<SharedBlock>,
 }
 
 /// The shared arena of a listener: blocks written once by the server and sent, by reference,
@@ -78,7 +97,13 @@ impl SharedArena {
         let map = sys::Mapping::new(fd.as_fd(), size).map_err(|e| Error::io("cannot map the shared arena", e))?;
         sys::seal_shared(fd.as_fd()).map_err(|e| Error::io("cannot seal the shared arena", e))?;
         Ok(SharedArena {
-            inner: Arc::new(Inner { fd, map, alloc: Mutex::new(Allocator::new(size)), drains: Mutex::new(Vec::new()) }),
+            inner: Arc::new(Inner {
+                fd,
+                map,
+                alloc: Mutex::new(Allocator::new(size)),
+                drains: Mutex::new(Vec::new()),
+                graves: Mutex::new(Vec::new()),
+            }),
         })
     }
 
@@ -120,12 +145,45 @@ impl SharedArena {
                 format!("a shared block must hold 1 byte to half the {}-byte shared arena; {len} asked", self.size()),
             ));
         }
+        self.reap();
         if let Some(block) = self.alloc_now(len) {
             return Ok(Some(block));
         }
-        // Blocks may wait on release rings that nobody drains until they send again.
+        // Blocks may wait on release rings that nobody drains until they send again, or on
+        // clients that have exited since their connection ended.
         self.drain_all();
+        self.reap();
         Ok(self.alloc_now(len))
+    }
+
+    /// Keeps `blocks`, which the client process `pid` may still read, until it exits.
+    pub(crate) fn bury(&self, pid: i32, blocks: Vec<SharedBlock>) {
+        if blocks.is_empty() {
+            return;
+        }
+        let pidfd = match sys::pidfd_open(pid) {
+            Ok(Some(fd)) => Some(fd),
+            Ok(None) => return, // exited already: nobody reads them
+            Err(_) => None,
+        };
+        lock(&self.inner.graves).push(Grave { pidfd, _blocks: blocks });
+    }
+
+    /// Frees the blocks of client processes that have exited (a `poll` per grave; none when
+    /// no connection ended holding blocks).
+    fn reap(&self) {
+        let dead: Vec<Grave> = {
+            let mut graves = lock(&self.inner.graves);
+            if graves.is_empty() {
+                return;
+            }
+            let (dead, alive) = std::mem::take(&mut *graves)
+                .into_iter()
+                .partition(|g| g.pidfd.as_ref().is_some_and(|fd| sys::pidfd_exited(fd.as_fd())));
+            *graves = alive;
+            dead
+        };
+        drop(dead); // outside the lock: each block's drop takes the allocator's
     }
 
     fn alloc_now(&self, len: usize) -> Option<SharedBlockMut> {

@@ -604,37 +604,56 @@ impl HandedCall {
 
     /// Delivers `topic` to this call until the client leaves or the topic closes
     /// ([`Topic::serve_with`](crate::Topic::serve_with) for a handed call): each large message by
-    /// reference to the one block `publish` wrote, `on_gap(n)`'s message (if any) after `n`
-    /// were dropped. Leaves the topic at once when the call ends (the client's cancel, its
-    /// deadline, its death): `Err` CANCELLED then.
+    /// reference to the one block `publish` wrote; with `on_gap`, after messages were dropped
+    /// the queued ones are dropped too and `on_gap(n)`'s message, if any, is sent in their
+    /// place. Leaves the topic at once when the call ends (the client's cancel, its deadline,
+    /// its death): `Err` CANCELLED then; `Err` RESOURCE_EXHAUSTED at once for a subscriber that
+    /// fell behind, even while a send waits for it.
     pub async fn serve_topic(
         &self,
         topic: &crate::Topic,
-        mut on_gap: impl FnMut(u64) -> Option<Bytes>,
+        mut on_gap: Option<impl FnMut(u64) -> Option<Bytes>>,
     ) -> Result<(), Status> {
         use crate::Delivery;
         self.check_active()?;
         self.responded.store(true, std::sync::atomic::Ordering::Release);
-        let arena = self.call.lock().await.shared_arena().cloned();
+        let (arena, direct) = {
+            let call = self.call.lock().await;
+            (call.shared_arena().cloned(), call.direct())
+        };
         let mut sub = topic.subscribe_for(arena.as_ref());
+        sub.send_directly(direct);
         if !self.add_done_callback(Box::new(sub.canceller())) {
             return Err(Status::new(Code::Cancelled, "the call is over"));
         }
         while let Some(next) = sub.next().await? {
-            match next {
+            let (message, published) = match next {
                 Delivery::Gap(n) => {
-                    if let Some(resync) = on_gap(n) {
-                        self.call.lock().await.send(&resync).await?;
+                    let Some(on_gap) = on_gap.as_mut() else { continue };
+                    match on_gap(n + topic.drop_queued(&sub)) {
+                        Some(resync) => (Err(resync), false),
+                        None => continue,
                     }
                 }
-                Delivery::Message(p) => {
-                    let mut call = self.call.lock().await;
-                    match arena.as_ref().and_then(|a| p.shared_block(a)) {
-                        Some(block) => call.send_shared(block).await?,
-                        None => call.send(&p.bytes()).await?,
-                    }
-                    topic.count_delivered();
+                Delivery::Message(p) => match arena.as_ref().and_then(|a| p.shared_block(a)) {
+                    Some(block) => (Ok(block.clone()), true),
+                    None => (Err(p.bytes()), true),
+                },
+            };
+            let send = async {
+                let mut call = self.call.lock().await;
+                match &message {
+                    Ok(block) => call.send_shared(block).await,
+                    Err(bytes) => call.send(bytes).await,
                 }
+            };
+            tokio::select! {
+                biased;
+                sent = send => sent?,
+                status = sub.cancelled() => return Err(status),
+            }
+            if published {
+                topic.count_delivered();
             }
         }
         Ok(())

@@ -8,6 +8,10 @@
 //!   which costs less than a shared block would. Calls that came over `unix://` or `http://`
 //!   reach the handler through the server's loopback `shm://` endpoint (ADR 0007) and get the
 //!   same block; the bridge then writes an ordinary gRPC stream.
+//! - **No task per subscriber per message.** A subscriber whose handler waits idle in
+//!   [`Topic::serve`] (nothing of its queued or being sent, credit in its window, room in its
+//!   ring) is sent the message by `publish` itself, on the publisher's thread; otherwise the
+//!   message waits in its queue for its handler.
 //! - **Nobody waits for the slowest.** `publish` never waits: it appends to each subscriber's
 //!   queue, bounded by [`TopicOptions::capacity`]. A subscriber whose queue is full meets the
 //!   topic's [`SlowSubscriber`] policy: drop its oldest message and count a gap, which
@@ -43,7 +47,7 @@ use bytes::Bytes;
 use isthmus_shm::{SharedArena, SharedBlock};
 use tokio::sync::Notify;
 
-use crate::engine::server::ServerCall;
+use crate::engine::server::{Direct, ServerCall};
 use crate::status::{Code, Status};
 
 /// Messages up to this size travel inline in the ring, where a copy per subscriber is cheaper
@@ -144,6 +148,12 @@ impl Published {
     }
 }
 
+/// A message on its way to one subscriber.
+enum Outgoing {
+    Shared(SharedBlock),
+    Bytes(Bytes),
+}
+
 /// What a subscription yields next.
 #[derive(Debug, Clone)]
 pub enum Delivery {
@@ -160,6 +170,11 @@ struct Queue {
     gap: u64,
     /// How the subscription ends once its queue is empty: OK (the topic closed) or a status.
     end: Option<Result<(), Status>>,
+    /// The subscriber took a delivery and may still be sending it (until its next `next`).
+    busy: bool,
+    /// The call of a subscriber served by [`Topic::serve`]: a publish sends to it directly
+    /// while nothing of its own is queued or under way, with no task woken.
+    direct: Option<Direct>,
 }
 
 struct Subscriber {
@@ -303,18 +318,25 @@ impl Topic {
     /// inline).
     fn write_once<'a>(&self, seq: u64, message: &[u8], subs: impl Iterator<Item = &'a Arc<Subscriber>>) -> Published {
         let mut blocks: Vec<SharedBlock> = Vec::new();
+        // Arenas with no room for it: asked once per publish (a full arena drains every
+        // connection it serves before it says no).
+        let mut full: Vec<&SharedArena> = Vec::new();
         let mut heap = message.len() <= INLINE;
         if !heap {
             for sub in subs {
                 match &sub.arena {
                     Some(arena) if blocks.iter().any(|b| b.arena().same(arena)) => {}
+                    Some(arena) if full.iter().any(|f| f.same(arena)) => {}
                     Some(arena) => match arena.try_alloc(message.len()) {
                         Ok(Some(mut block)) => {
                             block.copy_from_slice(message);
                             blocks.push(block.freeze());
                         }
                         // Full, or too large for it: this arena's subscribers get copies.
-                        _ => heap = true,
+                        _ => {
+                            heap = true;
+                            full.push(arena);
+                        }
                     },
                     None => heap = true,
                 }
@@ -325,11 +347,21 @@ impl Topic {
         Published(Arc::new(PublishedInner { seq, len: message.len(), heap, blocks }))
     }
 
-    /// Queues `p` for `sub`; false if the subscriber was cancelled for falling behind.
+    /// Queues `p` for `sub`, or sends it at once on its call; false if the subscriber was
+    /// cancelled for falling behind.
     fn offer(&self, sub: &Subscriber, p: &Published) -> bool {
         let mut q = sub.queue();
         if q.end.is_some() {
             return true; // ending already; it leaves when its handler does
+        }
+        if q.items.is_empty() && q.gap == 0 && !q.busy {
+            if let Some(direct) = &q.direct {
+                let block = sub.arena.as_ref().and_then(|a| p.shared_block(a));
+                if direct.try_send(block, || p.bytes()) {
+                    self.inner.delivered.fetch_add(1, Ordering::Relaxed);
+                    return true;
+                }
+            }
         }
         if q.items.len() >= self.inner.options.capacity {
             match self.inner.options.slow {
@@ -387,36 +419,79 @@ impl Topic {
 
     /// Delivers the topic to `call` until the client leaves (the engine then drops this future)
     /// or the topic closes (`Ok`); an error if the call fails or the subscriber is cancelled for
-    /// falling behind. Gaps are skipped; see [`serve_with`](Self::serve_with).
+    /// falling behind, at once, even while a send waits for a client that stopped reading. Gaps
+    /// are skipped; see [`serve_with`](Self::serve_with).
     pub async fn serve(&self, call: &mut ServerCall) -> Result<(), Status> {
-        self.serve_with(call, |_| None).await
+        self.serve_inner(call, None).await
     }
 
-    /// [`serve`](Self::serve), calling `on_gap(n)` when `n` messages were dropped for this
-    /// subscriber; a message it returns is sent in their place (a resync: the full state, say).
+    /// [`serve`](Self::serve), calling `on_gap(n)` when messages were dropped for this
+    /// subscriber: the messages still queued then are dropped too (`n` counts them all), and a
+    /// message `on_gap` returns is sent in their place, a resync (the full state, say).
+    /// Messages published while `on_gap` runs follow the resync and may already be in it: give
+    /// the state a version the client can compare.
     pub async fn serve_with(
         &self,
         call: &mut ServerCall,
         mut on_gap: impl FnMut(u64) -> Option<Bytes> + Send,
     ) -> Result<(), Status> {
+        self.serve_inner(call, Some(&mut on_gap)).await
+    }
+
+    async fn serve_inner(
+        &self,
+        call: &mut ServerCall,
+        mut on_gap: Option<&mut (dyn FnMut(u64) -> Option<Bytes> + Send)>,
+    ) -> Result<(), Status> {
         let mut sub = self.subscribe_for(call.shared_arena());
+        sub.send_directly(call.direct());
         while let Some(next) = sub.next().await? {
-            match next {
-                Delivery::Gap(n) => {
-                    if let Some(resync) = on_gap(n) {
-                        call.send(&resync).await?;
+            let (message, published) = match next {
+                Delivery::Gap(n) => match on_gap.as_mut() {
+                    Some(on_gap) => {
+                        let n = n + self.drop_queued(&sub);
+                        match on_gap(n) {
+                            Some(resync) => (Outgoing::Bytes(resync), false),
+                            None => continue,
+                        }
                     }
+                    None => continue,
+                },
+                Delivery::Message(p) => match call.shared_arena().and_then(|a| p.shared_block(a)).cloned() {
+                    Some(block) => (Outgoing::Shared(block), true),
+                    None => (Outgoing::Bytes(p.bytes()), true),
+                },
+            };
+            let send = async {
+                match &message {
+                    Outgoing::Shared(block) => call.send_shared(block).await,
+                    Outgoing::Bytes(bytes) => call.send(bytes).await,
                 }
-                Delivery::Message(p) => {
-                    match call.shared_arena().and_then(|a| p.shared_block(a)).cloned() {
-                        Some(block) => call.send_shared(&block).await?,
-                        None => call.send(&p.bytes()).await?,
-                    }
-                    self.inner.delivered.fetch_add(1, Ordering::Relaxed);
-                }
+            };
+            // A client that stopped reading holds the send; the topic's verdict must not wait
+            // for it.
+            tokio::select! {
+                biased;
+                sent = send => sent?,
+                status = sub.cancelled() => return Err(status),
+            }
+            if published {
+                self.inner.delivered.fetch_add(1, Ordering::Relaxed);
             }
         }
         Ok(())
+    }
+
+    /// Drops what `sub` has queued (a resync replaces it), counted as dropped; how many.
+    pub(crate) fn drop_queued(&self, sub: &Subscription) -> u64 {
+        let n = {
+            let mut q = sub.sub.queue();
+            let n = q.items.len() as u64;
+            q.items.clear();
+            n
+        };
+        self.inner.dropped.fetch_add(n, Ordering::Relaxed);
+        n
     }
 
     /// Counts a message a binding delivered itself (the Python and C bindings send on their own
@@ -474,10 +549,15 @@ impl Subscription {
         loop {
             {
                 let mut q = self.sub.queue();
+                // Asking for the next one means the last is sent: direct sends may go again
+                // once the queue is empty.
+                q.busy = false;
                 if q.gap > 0 {
+                    q.busy = true;
                     return Ok(Some(Delivery::Gap(std::mem::take(&mut q.gap))));
                 }
                 if let Some(p) = q.items.pop_front() {
+                    q.busy = true;
                     return Ok(Some(Delivery::Message(p)));
                 }
                 if let Some(end) = &q.end {
@@ -486,6 +566,22 @@ impl Subscription {
             }
             // A notification sent between the check and here is kept as a permit.
             self.sub.wake.notified().await;
+        }
+    }
+
+    /// Resolves with the status this subscription was ended with: cancelled for falling behind
+    /// ([`SlowSubscriber::Cancel`]) or by its [`canceller`](Self::canceller). Pending while it
+    /// lives or once it ended OK. Race it against a send that a stalled client holds up.
+    pub async fn cancelled(&self) -> Status {
+        loop {
+            let notified = self.sub.wake.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(Err(status)) = &self.sub.queue().end {
+                return status.clone();
+            }
+            notified.await;
+            // `next` checks the queue before it waits, so the wake-up taken here loses nothing.
         }
     }
 
@@ -500,6 +596,15 @@ impl Subscription {
 impl Drop for Subscription {
     fn drop(&mut self) {
         self.topic.members().by_id.remove(&self.id);
+        self.sub.queue().direct = None;
+    }
+}
+
+impl Subscription {
+    /// Lets a publish send to `direct` (this subscriber's call) while nothing of this
+    /// subscription's is queued or under way.
+    pub(crate) fn send_directly(&self, direct: Direct) {
+        self.sub.queue().direct = Some(direct);
     }
 }
 
@@ -581,6 +686,34 @@ mod tests {
         }
         let stats = topic.stats();
         assert_eq!((stats.subscribers, stats.cancelled), (1, 1));
+    }
+
+    #[test]
+    fn a_cancelled_subscriber_learns_it_without_reading() {
+        let topic = Topic::with_options("t", TopicOptions { capacity: 1, slow: SlowSubscriber::Cancel });
+        let stuck = topic.subscribe();
+        let mut cancelled = std::pin::pin!(stuck.cancelled());
+        let mut poll =
+            || cancelled.as_mut().poll(&mut std::task::Context::from_waker(std::task::Waker::noop())).map(|s| s.code());
+        assert!(poll().is_pending());
+        topic.publish(b"1");
+        assert!(poll().is_pending(), "one message fits");
+        topic.publish(b"2");
+        assert_eq!(poll(), std::task::Poll::Ready(Code::ResourceExhausted));
+    }
+
+    #[test]
+    fn a_resync_replaces_what_was_queued() {
+        let topic = Topic::with_options("t", TopicOptions { capacity: 2, slow: SlowSubscriber::DropOldest });
+        let mut sub = topic.subscribe();
+        for i in 0..5u8 {
+            topic.publish(&[i]);
+        }
+        assert!(matches!(next_now(&mut sub), Some(Ok(Some(Delivery::Gap(3))))));
+        assert_eq!(topic.drop_queued(&sub), 2, "messages 3 and 4 go: the resync is newer");
+        topic.publish(&[5]);
+        assert_eq!(message(next_now(&mut sub)), [5]);
+        assert_eq!(topic.stats().dropped, 5);
     }
 
     #[test]

@@ -9,7 +9,9 @@
 //! shm-peer client-as-uid ADDR UID        switch to UID (needs root), then try to connect
 //! shm-peer server-as-uid ADDR UID        switch to UID (needs root), then echo-serve
 //! shm-peer shared-sink ADDR COUNT HOLD   receive COUNT messages, message k patterned with seed
-//!                                        k; HOLD=1 keeps them all and waits to be killed
+//!                                        k; HOLD=1 keeps them all and waits to be killed; HOLD=2
+//!                                        keeps them, closes the connection, and checks them
+//!                                        again and again (`CHECKED n`, `CHANGED k` if one did)
 //! ```
 //!
 //! Every role prints `READY` once it is set up, and reports on stdout in lines the tests parse.
@@ -60,7 +62,7 @@ fn main() {
         "hang-client" => hang_client(&addr),
         "big-client" => big_client(&addr, num(&arg(&args, 3, "size")), num(&arg(&args, 4, "arena"))),
         "hostile-server" => hostile_server(&addr, &arg(&args, 3, "mode")),
-        "shared-sink" => shared_sink(&addr, num(&arg(&args, 3, "count")), arg(&args, 4, "hold") == "1"),
+        "shared-sink" => shared_sink(&addr, num(&arg(&args, 3, "count")), num(&arg(&args, 4, "hold"))),
         "sink-server" => sink_server(&addr),
         "client-as-uid" => client_as_uid(&addr, num(&arg(&args, 3, "uid")) as u32),
         "server-as-uid" => {
@@ -215,7 +217,8 @@ fn hostile_server(addr: &Address, mode: &str) {
     std::thread::sleep(Duration::from_secs(3600));
 }
 
-fn shared_sink(addr: &Address, count: usize, hold: bool) {
+fn shared_sink(addr: &Address, count: usize, hold_mode: usize) {
+    let hold = hold_mode > 0;
     say("READY"); // before connecting: the test accepts after it sees this
     let mut conn = Connection::connect(addr, &Config::default()).expect("connect");
     let mut kept = Vec::new();
@@ -234,6 +237,20 @@ fn shared_sink(addr: &Address, count: usize, hold: bool) {
                 say(&format!("RECV-ERROR {:?} {e}", e.kind()));
                 return;
             }
+        }
+    }
+    if hold_mode == 2 {
+        // Close the connection but keep reading the messages: they must not change.
+        drop(conn);
+        say("CLOSED");
+        for pass in 1.. {
+            for (k, f) in kept.iter().enumerate() {
+                if let Some(at) = isthmus_tests::first_mismatch(&f.body, k as u64) {
+                    say(&format!("CHANGED {k} at {at}"));
+                }
+            }
+            say(&format!("CHECKED {pass}"));
+            std::thread::sleep(Duration::from_millis(5));
         }
     }
     if hold {

@@ -73,6 +73,26 @@ pub(crate) fn seal_shared(fd: BorrowedFd<'_>) -> io::Result<()> {
     cvt(unsafe { libc::fcntl(fd.as_raw_fd(), libc::F_ADD_SEALS, seals) }).map(drop)
 }
 
+/// A pidfd for process `pid`, readable once that process has exited. `Ok(None)` if it has
+/// exited already (no such process).
+pub(crate) fn pidfd_open(pid: i32) -> io::Result<Option<OwnedFd>> {
+    // SAFETY: pidfd_open takes a pid and flags (0) and returns a new fd or -1; no memory is passed.
+    let fd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    if fd == -1 {
+        let e = io::Error::last_os_error();
+        return if e.raw_os_error() == Some(libc::ESRCH) { Ok(None) } else { Err(e) };
+    }
+    Ok(Some(owned(fd as libc::c_int)))
+}
+
+/// True once the process of `pidfd` has exited (its pidfd is readable); never blocks.
+pub(crate) fn pidfd_exited(pidfd: BorrowedFd<'_>) -> bool {
+    let mut p = libc::pollfd { fd: pidfd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
+    // SAFETY: `p` is one live pollfd; a timeout of 0 returns at once.
+    let n = unsafe { libc::poll(&mut p, 1, 0) };
+    n == 1 && p.revents != 0
+}
+
 /// The seals set on a memfd.
 pub(crate) fn seals(fd: BorrowedFd<'_>) -> io::Result<libc::c_int> {
     // SAFETY: F_GET_SEALS takes no argument; a bad or non-memfd fd is reported as an error.

@@ -364,6 +364,12 @@ impl ServerCall {
         self.mux.sender.send_shared_async(self.id, 0, block).await.map_err(|e| Status::from_transport(&e))
     }
 
+    /// A way to send on this call from another thread while its handler waits, for a topic's
+    /// publisher (see [`Direct`]).
+    pub(crate) fn direct(&self) -> Direct {
+        Direct { sender: self.mux.sender.clone(), id: self.id, shared: self.shared.clone() }
+    }
+
     /// Trailing metadata to send with the final status (OK or not).
     pub fn set_trailers(&self, metadata: MetadataMap) {
         if let Ok(mut t) = self.trailers.lock() {
@@ -397,6 +403,51 @@ impl ServerCall {
         };
         if first.is_pending() {
             drop(runtime.spawn(send));
+        }
+        true
+    }
+}
+
+/// Sends a response message on a call from outside its handler, only when that takes no wait:
+/// the stream has credit and the ring has room. A topic's publisher uses it for subscribers whose
+/// handlers wait idle, so a publish reaches them with no task woken (ADR 0016); the caller
+/// keeps the order of the call's messages (the topic sends this way only when nothing of that
+/// subscriber's is queued or being sent).
+pub(crate) struct Direct {
+    sender: isthmus_shm::Sender,
+    id: u64,
+    shared: Arc<StreamShared>,
+}
+
+impl Direct {
+    /// Sends `block` (by reference where it can) or `bytes` now; false, with nothing sent, if
+    /// that would wait or the call is over.
+    pub(crate) fn try_send(&self, block: Option<&SharedBlock>, bytes: impl FnOnce() -> Bytes) -> bool {
+        let bytes = if block.is_none() { Some(bytes()) } else { None };
+        let len = bytes.as_ref().map_or_else(|| block.map_or(0, |b| b.len()), |b| b.len());
+        // Only what goes in one frame: a message in pieces cut short by a full ring would leave
+        // the stream in the middle of a message.
+        let one_frame = match &bytes {
+            Some(_) => len <= self.sender.inline_max(),
+            None => len <= self.sender.max_block() / 2,
+        };
+        if !one_frame {
+            return false;
+        }
+        let charge = flow::charge(len);
+        if self.shared.send_window.try_take(charge) != Credit::Taken {
+            return false;
+        }
+        let now = Some(std::time::Instant::now());
+        let sent = match (block, &bytes) {
+            (Some(block), _) => self.sender.send_shared(self.id, 0, block, now),
+            (None, Some(bytes)) => self.sender.send_message(self.id, 0, bytes, now),
+            (None, None) => return false,
+        };
+        if sent.is_err() {
+            // Nothing went: the credit comes back (a WINDOW's grant would do the same).
+            self.shared.send_window.grant(charge as u64);
+            return false;
         }
         true
     }
