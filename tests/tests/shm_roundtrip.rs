@@ -178,8 +178,12 @@ fn an_interrupted_wait_gives_up_and_loses_no_frame() {
 
 #[test]
 fn a_slow_reader_applies_backpressure_without_loss() {
-    // The client's 1 MiB arena and 4 KiB ring fill long before 64 MiB has gone by.
-    let (_peer, addr) = echo_peer("pressure");
+    // 64 MiB cannot fit the two 1 MiB arenas and the rings, so while the client does not read
+    // the server's echoes stop for room, it stops reading, and the client's own arena fills,
+    // however fast either side is.
+    let addr = fresh_addr("pressure");
+    let _peer = Peer::spawn(&["echo-server", &addr, &(1usize << 20).to_string()]);
+    let addr: Address = addr.parse().expect("address");
     watchdog(Duration::from_secs(120), move || {
         let cfg = Config { ring_size: 4096, arena_size: 1 << 20, inline_max: 512, ..Config::default() };
         let Connection { sender, mut receiver } = Connection::connect(&addr, &cfg).expect("connect");

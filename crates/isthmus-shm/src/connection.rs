@@ -259,7 +259,10 @@ impl Drain for Core {
 
 impl Drop for Core {
     fn drop(&mut self) {
-        if let (Some(shared), Ok(arena)) = (&self.shared, self.arena.get_mut()) {
+        if let Some(shared) = &self.shared {
+            // Even after a panic under the lock: the blocks' bookkeeping is whole between calls,
+            // and freeing them now could change what the client reads.
+            let arena = self.arena.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
             shared.bury(self.peer.pid, arena.end_lending());
         }
     }
@@ -498,6 +501,22 @@ impl Sender {
                 Ok(())
             }
         }
+    }
+
+    /// [`send_shared`](Self::send_shared) only by reference: `Ok(false)`, and nothing sent, where
+    /// it would send a copy.
+    pub fn send_shared_by_reference(
+        &self,
+        stream: u64,
+        frame_flags: u8,
+        block: &SharedBlock,
+        deadline: Option<Instant>,
+    ) -> Result<bool> {
+        let Some((header, body)) = self.shared_frame(stream, frame_flags, block)? else { return Ok(false) };
+        let mut lending = Lending { sender: self, block, pushed: false };
+        self.push(&header, &[&body], deadline)?;
+        lending.pushed = true;
+        Ok(true)
     }
 
     /// Async [`send_shared`](Self::send_shared) for tokio.

@@ -24,7 +24,10 @@
 //!   had not given back are not freed: the client may still read its messages (their mapping
 //!   lives as long as they do). They are kept until the client's process exits (a pidfd from the
 //!   `SO_PEERCRED` pid says when), then freed. A client that drops its messages before its
-//!   connection ends has given them back, and nothing is kept.
+//!   connection ends has given them back, and nothing is kept. The pid is the process that
+//!   connected: a connection handed to a child that outlives it is not covered. Where no pidfd
+//!   can be had (a pid from another pid namespace, Linux before 5.3), the blocks stay for the
+//!   arena's life.
 //! - **Only for one user.** Every client maps the whole arena, so it could read what the server
 //!   sends any other client through it. A listener whose `PeerPolicy` admits other users has no
 //!   shared arena (topics send copies); nor has one on a kernel without `F_SEAL_FUTURE_WRITE`
@@ -61,8 +64,9 @@ struct Inner {
     graves: Mutex<Vec<Grave>>,
 }
 
-/// What a client process may still read after its connection ended.
+/// What a client process may still read after its connections ended.
 struct Grave {
+    pid: i32,
     /// Readable once the process has exited; `None` if its exit cannot be watched (then the
     /// blocks stay for the arena's life: leaking is safe, freeing under a reader is not).
     pidfd: Option<OwnedFd>,
@@ -161,12 +165,18 @@ impl SharedArena {
         if blocks.is_empty() {
             return;
         }
+        let mut graves = lock(&self.inner.graves);
+        // One grave (and one pidfd) per process, however often it reconnects.
+        if let Some(grave) = graves.iter_mut().find(|g| g.pid == pid) {
+            grave._blocks.extend(blocks);
+            return;
+        }
         let pidfd = match sys::pidfd_open(pid) {
             Ok(Some(fd)) => Some(fd),
             Ok(None) => return, // exited already: nobody reads them
             Err(_) => None,
         };
-        lock(&self.inner.graves).push(Grave { pidfd, _blocks: blocks });
+        graves.push(Grave { pid, pidfd, _blocks: blocks });
     }
 
     /// Frees the blocks of client processes that have exited (a `poll` per grave; none when

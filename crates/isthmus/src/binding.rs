@@ -618,7 +618,7 @@ impl HandedCall {
         self.check_active()?;
         self.responded.store(true, std::sync::atomic::Ordering::Release);
         let (arena, direct) = {
-            let call = self.call.lock().await;
+            let mut call = self.call.lock().await;
             (call.shared_arena().cloned(), call.direct())
         };
         let mut sub = topic.subscribe_for(arena.as_ref());

@@ -146,6 +146,9 @@ pub(crate) struct StreamShared {
     pub(crate) inbox: Inbox,
     pub(crate) send_window: SendWindow,
     pub(crate) recv_window: RecvWindow,
+    /// Who writes messages on the stream now (server side): the handler, a topic's direct send,
+    /// nobody, or nobody ever again by direct send (see `engine::server::Writer`).
+    pub(crate) writer: std::sync::atomic::AtomicU8,
 }
 
 /// Tells a server call that it is over before its handler finished, and with which code (the

@@ -61,6 +61,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::os::fd::AsRawFd;
 use std::pin::Pin;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -323,8 +324,12 @@ impl ServerCall {
 
     /// Sends one response message.
     pub async fn send(&mut self, message: &[u8]) -> Result<(), Status> {
+        let shared = self.shared.clone();
+        let mut writing = Writer::claim(&shared).await;
         self.ready_to_send(message.len()).await?;
-        self.mux.sender.send_message_async(self.id, 0, message).await.map_err(|e| Status::from_transport(&e))
+        self.mux.sender.send_message_async(self.id, 0, message).await.map_err(|e| Status::from_transport(&e))?;
+        writing.done();
+        Ok(())
     }
 
     /// A writable block of `len` bytes in the server's shared memory, for a reply built in
@@ -344,8 +349,12 @@ impl ServerCall {
 
     /// Sends a block from [`alloc`](Self::alloc) as one response message, as it is.
     pub async fn send_block(&mut self, block: BlockMut) -> Result<(), Status> {
+        let shared = self.shared.clone();
+        let mut writing = Writer::claim(&shared).await;
         self.ready_to_send(block.len()).await?;
-        self.mux.sender.send_block_async(self.id, 0, block).await.map_err(|e| Status::from_transport(&e))
+        self.mux.sender.send_block_async(self.id, 0, block).await.map_err(|e| Status::from_transport(&e))?;
+        writing.done();
+        Ok(())
     }
 
     /// The shared arena of the listener this call came through: a block of it
@@ -360,13 +369,19 @@ impl ServerCall {
     /// call's [`shared_arena`](Self::shared_arena) and the client does not hold it already, else
     /// as a copy. [`Topic`](crate::Topic) uses this to write a message once for every subscriber.
     pub async fn send_shared(&mut self, block: &SharedBlock) -> Result<(), Status> {
+        let shared = self.shared.clone();
+        let mut writing = Writer::claim(&shared).await;
         self.ready_to_send(block.len()).await?;
-        self.mux.sender.send_shared_async(self.id, 0, block).await.map_err(|e| Status::from_transport(&e))
+        self.mux.sender.send_shared_async(self.id, 0, block).await.map_err(|e| Status::from_transport(&e))?;
+        writing.done();
+        Ok(())
     }
 
     /// A way to send on this call from another thread while its handler waits, for a topic's
-    /// publisher (see [`Direct`]).
-    pub(crate) fn direct(&self) -> Direct {
+    /// publisher (see [`Direct`]). Initial metadata counts as sent from now on: a message may go
+    /// at any moment, and it implies them.
+    pub(crate) fn direct(&mut self) -> Direct {
+        self.headers_sent = true;
         Direct { sender: self.mux.sender.clone(), id: self.id, shared: self.shared.clone() }
     }
 
@@ -420,9 +435,19 @@ pub(crate) struct Direct {
 }
 
 impl Direct {
-    /// Sends `block` (by reference where it can) or `bytes` now; false, with nothing sent, if
-    /// that would wait or the call is over.
+    /// Sends `block` by reference, or `bytes` inline, now; false, with nothing sent, if that would
+    /// wait, copy a large message, or the call is over or being written by its handler.
     pub(crate) fn try_send(&self, block: Option<&SharedBlock>, bytes: impl FnOnce() -> Bytes) -> bool {
+        let writer = &self.shared.writer;
+        if writer.compare_exchange(Writer::FREE, Writer::DIRECT, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            return false;
+        }
+        let sent = self.send_now(block, bytes);
+        writer.store(Writer::FREE, Ordering::Release);
+        sent
+    }
+
+    fn send_now(&self, block: Option<&SharedBlock>, bytes: impl FnOnce() -> Bytes) -> bool {
         let bytes = if block.is_none() { Some(bytes()) } else { None };
         let len = bytes.as_ref().map_or_else(|| block.map_or(0, |b| b.len()), |b| b.len());
         // Only what goes in one frame: a message in pieces cut short by a full ring would leave
@@ -440,8 +465,14 @@ impl Direct {
         }
         let now = Some(std::time::Instant::now());
         let sent = match (block, &bytes) {
-            (Some(block), _) => self.sender.send_shared(self.id, 0, block, now),
-            (None, Some(bytes)) => self.sender.send_message(self.id, 0, bytes, now),
+            // A block the client still holds would be copied here, on the publisher's thread:
+            // the handler sends that one.
+            (Some(block), _) => match self.sender.send_shared_by_reference(self.id, 0, block, now) {
+                Ok(true) => Ok(()),
+                Ok(false) => Err(()),
+                Err(_) => Err(()),
+            },
+            (None, Some(bytes)) => self.sender.send_message(self.id, 0, bytes, now).map_err(drop),
             (None, None) => return false,
         };
         if sent.is_err() {
@@ -450,6 +481,49 @@ impl Direct {
             return false;
         }
         true
+    }
+}
+
+/// Who writes messages on a call's stream. The transport allows one writer per stream at a time
+/// (a message in pieces must not be interleaved), and a topic's direct sends come from the
+/// publisher's thread while the handler may send too: the handler waits the few µs a direct send
+/// takes, and a direct send gives way to the handler. A handler's send abandoned midway (its
+/// future dropped, or failed) may have cut a message in pieces, so no direct send follows it.
+pub(crate) struct Writer<'a> {
+    state: Option<&'a std::sync::atomic::AtomicU8>,
+    done: bool,
+}
+
+impl<'a> Writer<'a> {
+    const FREE: u8 = 0;
+    const HANDLER: u8 = 1;
+    const DIRECT: u8 = 2;
+    const ABANDONED: u8 = 3;
+
+    /// Takes the stream for the handler's send.
+    async fn claim(shared: &'a StreamShared) -> Writer<'a> {
+        let state = &shared.writer;
+        loop {
+            match state.compare_exchange(Self::FREE, Self::HANDLER, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Writer { state: Some(state), done: false },
+                // The handler's own stream; direct sends stay off.
+                Err(Self::ABANDONED) => return Writer { state: None, done: false },
+                Err(_) => tokio::task::yield_now().await,
+            }
+        }
+    }
+
+    /// The send went out whole.
+    fn done(&mut self) {
+        self.done = true;
+    }
+}
+
+impl Drop for Writer<'_> {
+    fn drop(&mut self) {
+        if let Some(state) = self.state {
+            state.store(if self.done { Self::FREE } else { Self::ABANDONED }, Ordering::Release);
+        }
     }
 }
 
