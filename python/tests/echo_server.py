@@ -15,6 +15,7 @@ import signal
 import sys
 import threading
 from concurrent import futures
+from typing import Any
 
 import conformance_pb2_grpc as pb_grpc
 import grpc
@@ -45,6 +46,17 @@ def announce(addresses: list[str]) -> None:
     print("READY", flush=True)
     for address in addresses:
         print(f"LISTENING {address}", flush=True)
+
+
+async def serve_aio_forever(
+    handlers: grpc.GenericRpcHandler, targets: list[str], options: Any = None
+) -> None:
+    """An `isthmus.aio` server of `handlers` on `targets`, announced, until the process is killed."""
+    server = isthmus.aio.server(handlers=[handlers], options=options)
+    addresses = bind(server, "isthmus-aio", targets)
+    await server.start()
+    announce(addresses)
+    await asyncio.Event().wait()
 
 
 def serve(kind: str, targets: list[str]) -> None:

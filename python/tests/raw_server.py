@@ -31,7 +31,7 @@ from typing import Any
 
 import grpc
 import numpy as np
-from echo_server import announce, bind
+from echo_server import announce, bind, serve_aio_forever
 
 import isthmus
 import isthmus.aio
@@ -119,14 +119,6 @@ def busy(request: isthmus.Message, context: Any) -> bytes:
         return busy_most.to_bytes(8, "little")
 
 
-async def serve_aio(handlers: grpc.GenericRpcHandler, targets: list[str], options: list[Any]) -> None:
-    server = isthmus.aio.server(handlers=[handlers], options=options)
-    addresses = bind(server, "isthmus-aio", targets)
-    await server.start()
-    announce(addresses)
-    await asyncio.Event().wait()
-
-
 def main() -> None:
     args = sys.argv[1:]
     workers, aio = 16, False
@@ -150,7 +142,7 @@ def main() -> None:
     )
     options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
     if aio:
-        asyncio.run(serve_aio(handlers, args, options))
+        asyncio.run(serve_aio_forever(handlers, args, options))
         return
     pool = futures.ThreadPoolExecutor(max_workers=workers)
     server = isthmus.server(pool, handlers=[handlers], options=options)

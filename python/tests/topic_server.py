@@ -26,7 +26,7 @@ from concurrent import futures
 from typing import Any
 
 import grpc
-from echo_server import announce, bind
+from echo_server import announce, bind, serve_aio_forever
 
 import isthmus
 import isthmus.aio
@@ -81,14 +81,6 @@ def handlers(topic: isthmus.Topic, aio: bool) -> grpc.GenericRpcHandler:
     )
 
 
-async def serve_aio(topic: isthmus.Topic, targets: list[str]) -> None:
-    server = isthmus.aio.server(handlers=[handlers(topic, True)])
-    addresses = bind(server, "isthmus-aio", targets)
-    await server.start()
-    announce(addresses)
-    await asyncio.Event().wait()
-
-
 def main() -> None:
     args = sys.argv[1:]
     aio = args[0] == "--aio"
@@ -97,7 +89,7 @@ def main() -> None:
     topic = isthmus.Topic("feed", capacity=int(args[0]), slow=args[1])
     targets = args[2:]
     if aio:
-        asyncio.run(serve_aio(topic, targets))
+        asyncio.run(serve_aio_forever(handlers(topic, True), targets))
         return
     server = isthmus.server(futures.ThreadPoolExecutor(max_workers=64), handlers=[handlers(topic, False)])
     addresses = bind(server, "isthmus", targets)

@@ -250,7 +250,7 @@ pub(crate) fn accept(mut s: UnixStream, cfg: &Config, shared: Option<SharedArena
     let granted = config::check_ring_size("client ring_size", want_ring)
         .and_then(|()| config::check_arena_size("client arena_size", want_arena))
         .and_then(|()| {
-            let shared_size = shared.as_ref().map_or(0, SharedArena::len);
+            let shared_size = shared.as_ref().map_or(0, SharedArena::size);
             Layout::new([want_ring, cfg.ring_size], [want_arena, cfg.arena_size], shared_size)
         });
     let layout = granted.map_err(|e| refuse(&mut s, RefuseCode::BadRequest, e))?;

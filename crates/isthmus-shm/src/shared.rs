@@ -225,11 +225,6 @@ impl SharedArena {
     pub(crate) fn fd(&self) -> BorrowedFd<'_> {
         self.inner.fd.as_fd()
     }
-
-    /// The arena's size (the shared length the handshake announces).
-    pub(crate) fn len(&self) -> usize {
-        self.size()
-    }
 }
 
 /// One allocation, as long as something holds it.
