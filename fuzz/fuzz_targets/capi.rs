@@ -1,7 +1,8 @@
 //! Fuzz target: the C ABI's entry points where a caller's bytes come in, with arbitrary
 //! bytes: targets for `isthmus_channel_new`, metadata keys and values, method paths, status
 //! codes, JSON and protobuf bytes for `isthmus_proto_encode`/`_decode`, and handles that are
-//! garbage. Each must answer with a code, never crash or leak.
+//! garbage (also for the block calls, `isthmus_channel_alloc` and `isthmus_unary_block`). Each
+//! must answer with a code, never crash or leak.
 #![no_main]
 
 use std::ffi::CString;
@@ -99,5 +100,20 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let _ = isthmus_message_free(word as *mut isthmus_message_t);
     let _ = isthmus_call_cancel(word as *const isthmus_call_t);
     let _ = isthmus_code_name(word as i32);
+    let (mut block, mut reply) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: garbage handles are the point; every pointer argument is a valid local or NULL.
+    unsafe {
+        let _ = isthmus_channel_alloc(
+            word as *const isthmus_channel_t,
+            64,
+            std::ptr::null(),
+            &mut block,
+            std::ptr::null_mut(),
+        );
+        let (channel, block) = (word as *const isthmus_channel_t, word as *mut isthmus_block_t);
+        let (none, path) = (std::ptr::null_mut(), text.as_ptr());
+        let _ =
+            isthmus_unary_block(channel, path, block, std::ptr::null(), &mut reply, none, none, std::ptr::null_mut());
+    }
     assert_eq!(isthmus_live_handles(), 1); // the proto
 });

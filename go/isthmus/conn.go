@@ -210,38 +210,78 @@ func (cc *ClientConn) Invoke(ctx context.Context, method string, args, reply any
 	if err != nil {
 		return err
 	}
-	path := cString(method)
-	// A call nothing can cancel (its context has no Done channel) waits for its reply on
-	// this thread, which reads it straight from the connection: the fastest way, while few
-	// calls do it at once.
+	ev, ok := cc.unaryBytes(ctx, cString(method), req, &copts)
+	return cc.unaryReply(ctx, ev, ok, reply, co)
+}
+
+// unaryBytes runs a unary call whose request is req's bytes (copied into the call) the way
+// unary does; the metadata handle in copts is freed here.
+func (cc *ClientConn) unaryBytes(ctx context.Context, path *C.char, req []byte, copts *C.isthmus_call_options_t) (C.isthmus_event_t, bool) {
+	defer runtime.KeepAlive(req)
+	return cc.unary(ctx, copts, func(o *C.isthmus_call_options_t) C.isthmus_event_t {
+		var msg *C.isthmus_message_t
+		var header, trailer *C.isthmus_metadata_t
+		var st *C.isthmus_status_t
+		code := C.isthmus_unary(cc.ch, path, bytesPtr(req), C.size_t(len(req)), o, &msg, &header, &trailer, &st)
+		return unaryEvent(code, msg, header, trailer, st)
+	}, func(o *C.isthmus_call_options_t, cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
+		var st *C.isthmus_status_t
+		return C.isthmus_unary_async(cc.ch, path, bytesPtr(req), C.size_t(len(req)), o, cq, tag, now, &st), st
+	})
+}
+
+// unary runs one unary call the fastest way its context allows, given the two ways to start
+// it (each consumes what the call sends; opts may gain flags):
+//   - a call nothing can cancel (its context has no Done channel) waits for its reply in one
+//     cgo call, which reads it straight from the connection: the fastest way, while few calls
+//     do it at once (blockingCalls);
+//   - a call that can be cancelled starts without blocking; over shm:// it still waits a
+//     moment for a fast reply on this thread (ISTHMUS_CALL_SPIN: the library hands a slow one
+//     to a thread of its own and the reply comes through the queue), within the same bound;
+//   - beyond the bound, calls go through the completion queue.
+//
+// ok is false if the context ended first (the call is then cancelled). The metadata handle in
+// copts is freed here.
+func (cc *ClientConn) unary(ctx context.Context, copts *C.isthmus_call_options_t,
+	blocking func(*C.isthmus_call_options_t) C.isthmus_event_t,
+	async func(*C.isthmus_call_options_t, *C.isthmus_cq_t, C.uint64_t, *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t),
+) (C.isthmus_event_t, bool) {
+	defer freeMetadata(copts.metadata)
 	if ctx.Done() == nil {
 		if cc.blocking.Add(1) <= blockingCalls {
-			err := cc.invokeBlocking(path, req, &copts, reply, co)
+			ev := blocking(copts)
 			cc.blocking.Add(-1)
-			freeMetadata(copts.metadata)
-			return err
+			return ev, true
 		}
 		cc.blocking.Add(-1)
 	}
-	// A call that can be cancelled starts without blocking; over shm:// it still waits a moment
-	// for a fast reply on this thread (ISTHMUS_CALL_SPIN: the library hands a slow one to a
-	// thread of its own and the reply comes through the queue), within the same bound.
 	spin := cc.shm && cc.blocking.Add(1) <= blockingCalls
 	if spin {
 		copts.flags |= C.ISTHMUS_CALL_SPIN
 	} else if cc.shm {
 		cc.blocking.Add(-1)
 	}
-	ev, ok := cc.r.do(ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
-		var st *C.isthmus_status_t
-		code := C.isthmus_unary_async(cc.ch, path, bytesPtr(req), C.size_t(len(req)), &copts, cq, tag, now, &st)
+	return cc.r.do(ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
+		code, st := async(copts, cq, tag, now)
 		if spin {
 			cc.blocking.Add(-1)
 		}
 		return code, st
 	})
-	freeMetadata(copts.metadata)
-	runtime.KeepAlive(req)
+}
+
+// unaryEvent is the outcome of a blocking unary call, as the queue would have given it.
+func unaryEvent(code C.isthmus_code_t, msg *C.isthmus_message_t, header, trailer *C.isthmus_metadata_t, st *C.isthmus_status_t) C.isthmus_event_t {
+	ev := C.isthmus_event_t{op: C.ISTHMUS_OP_UNARY, code: code, message: msg, metadata: header, trailers: trailer, status: st}
+	if msg != nil {
+		ev.message_data = C.isthmus_message_data(msg, &ev.message_len)
+	}
+	return ev
+}
+
+// unaryReply unmarshals a unary call's outcome into reply and hands its metadata to the call
+// options that asked for it; every handle in ev is freed.
+func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok bool, reply any, co callOptions) error {
 	if !ok {
 		return ctxError(ctx)
 	}
@@ -252,7 +292,7 @@ func (cc *ClientConn) Invoke(ctx context.Context, method string, args, reply any
 		}
 		return err
 	}
-	err = unmarshal(messageBytes(ev.message_data, ev.message_len), reply)
+	err := unmarshal(messageBytes(ev.message_data, ev.message_len), reply)
 	C.isthmus_message_free(ev.message)
 	if co.header != nil {
 		*co.header = takeMetadata(ev.metadata)
@@ -270,84 +310,26 @@ func (cc *ClientConn) Invoke(ctx context.Context, method string, args, reply any
 // invokeLarge makes a unary call whose request is marshalled straight into a block of shared
 // memory, and whose reply is unmarshalled from where it lies in the server's.
 func (cc *ClientConn) invokeLarge(ctx context.Context, method string, args proto.Message, size int, reply any, co callOptions) error {
-	s, err := cc.newStream(ctx, &rawDesc, method, co)
+	copts, err := cCallOptions(ctx, co, 0)
 	if err != nil {
 		return err
 	}
-	rs := &RawStream{cs: s}
-	b, err := rs.Alloc(size)
+	b, err := cc.allocBlock(size, &copts)
 	if err != nil {
-		s.cancel()
+		freeMetadata(copts.metadata)
 		return err
 	}
 	out, err := proto.MarshalOptions{}.MarshalAppend(b.Bytes()[:0], args)
 	if err != nil || len(out) != size {
 		b.Release()
-		s.cancel()
+		freeMetadata(copts.metadata)
 		if err == nil {
 			err = fmt.Errorf("%d bytes for a message of %d", len(out), size)
 		}
 		return status.Errorf(codes.Internal, "grpc: error while marshaling: %v", err)
 	}
-	if err := rs.SendBlock(b, true); err != nil {
-		if _, rerr := rs.Recv(); rerr != nil && rerr != io.EOF {
-			return rerr
-		}
-		return err
-	}
-	m, err := rs.Recv()
-	if err != nil {
-		if err == io.EOF {
-			return status.Error(codes.Internal, method+": the server ended the call without a response")
-		}
-		return err
-	}
-	err = unmarshal(m.Bytes(), reply)
-	m.Release()
-	if _, end := rs.Recv(); end != io.EOF {
-		if end == nil {
-			end = status.Error(codes.Internal, method+": the server sent more than one response")
-		}
-		return end
-	}
-	if co.header != nil {
-		*co.header, _ = s.Header()
-	}
-	return err
-}
-
-// invokeBlocking makes a unary call in one blocking cgo call.
-func (cc *ClientConn) invokeBlocking(path *C.char, req []byte, copts *C.isthmus_call_options_t, reply any, co callOptions) error {
-	var msg *C.isthmus_message_t
-	var header, trailer *C.isthmus_metadata_t
-	var st *C.isthmus_status_t
-	hp, tp := (**C.isthmus_metadata_t)(nil), (**C.isthmus_metadata_t)(nil)
-	if co.header != nil {
-		hp = &header
-	}
-	if co.trailer != nil {
-		tp = &trailer
-	}
-	code := C.isthmus_unary(cc.ch, path, bytesPtr(req), C.size_t(len(req)), copts, &msg, hp, tp, &st)
-	runtime.KeepAlive(req)
-	if code != C.ISTHMUS_OK {
-		err, trailers := statusError(code, st)
-		if co.trailer != nil {
-			*co.trailer = trailers
-		}
-		return err
-	}
-	var n C.size_t
-	data := C.isthmus_message_data(msg, &n)
-	err := unmarshal(messageBytes(data, n), reply)
-	C.isthmus_message_free(msg)
-	if co.header != nil {
-		*co.header = takeMetadata(header)
-	}
-	if co.trailer != nil {
-		*co.trailer = takeMetadata(trailer)
-	}
-	return err
+	ev, ok := cc.unaryBlock(ctx, cString(method), b, &copts)
+	return cc.unaryReply(ctx, ev, ok, reply, co)
 }
 
 // NewStream starts a streaming call (grpc.ClientConnInterface).

@@ -24,8 +24,11 @@
 // goroutine watches through Go's netpoller, so thousands of calls can be in flight without a
 // thread each.
 //
-// The raw tier (CallRaw, Alloc, Message) moves bytes with no protobuf and no copy: a request
-// written into shared memory, a reply read where it lies.
+// The raw tier moves bytes with no protobuf and no copy: a request written into shared memory
+// (ClientConn.Alloc), sent where it lies (CallRawBlock), answered by a handler that reads it
+// in place and fills its reply in the server's shared memory (HandleRawUnary), the reply read
+// where it lies (Message). Raw unary calls wait as typed ones do; raw streams (StartRaw,
+// HandleRaw) wait on the completion queue.
 //
 // The package is a cgo binding of the isthmus C ABI (libisthmus_capi, include/isthmus.h);
 // the library must be on the linker's path (CGO_LDFLAGS=-L<dir>), as make sets up.

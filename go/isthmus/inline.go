@@ -64,6 +64,10 @@ func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
 				st.end(ctxError(st.ctx))
 				return
 			}
+			if m.rawUnary != nil {
+				st.end(s.runRawUnary(st, m, ev))
+				return
+			}
 			reply, err := s.runUnarySafely(st, m, ev)
 			if err == nil {
 				err = st.SendMsg(reply)
@@ -73,6 +77,13 @@ func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
 		return
 	}
 	o.done()
+	if m.rawUnary != nil {
+		// Its reply is a block: sent with no wait for anything but the client's window.
+		st.end(s.runRawUnary(st, m, ev))
+		st.cancel()
+		s.handlers.Done()
+		return
+	}
 	reply, err := s.runUnarySafely(st, m, ev)
 	if err != nil {
 		st.end(err)

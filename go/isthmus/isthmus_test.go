@@ -4,6 +4,7 @@ import (
 	"bufio"
 	"context"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -300,5 +301,149 @@ func TestAMessageOverTheLimitIsResourceExhaustedAndTheServerGoesOn(t *testing.T)
 	}
 	if _, err := c.Unary(context.Background(), &pb.EchoRequest{Payload: []byte("after")}); err != nil {
 		t.Fatalf("the call after: %v", err)
+	}
+}
+
+// pattern is n bytes that differ from position to position (and from call to call by seed).
+func pattern(n int, seed byte) []byte {
+	b := make([]byte, n)
+	for i := range b {
+		b[i] = byte(i*7) + seed
+	}
+	return b
+}
+
+func TestRawTierOnEveryTransport(t *testing.T) {
+	for _, inline := range []bool{false, true} {
+		shm, unix := fresh(t, fmt.Sprintf("raw%v", inline))
+		if inline {
+			t.Setenv("GO_PEER_INLINE", "1")
+		}
+		p := startPeer(t, goPeerBin, shm, unix)
+		for _, target := range append([]string{shm}, p.addresses...) {
+			label := fmt.Sprintf("inline=%v %s", inline, target)
+			conn := dial(t, target)
+			checkRawUnary(t, label, conn)
+			checkRawStream(t, label, conn)
+		}
+	}
+}
+
+func checkRawUnary(t *testing.T, label string, conn *isthmus.ClientConn) {
+	bg := context.Background()
+	cancellable, cancel := context.WithTimeout(bg, time.Minute)
+	defer cancel()
+	// Both ways a call waits: in one cgo call (nothing can cancel it), and started on the
+	// queue with a moment's wait on this thread (a context with a deadline).
+	for _, ctx := range []context.Context{bg, cancellable} {
+		req := pattern(1000, 1)
+		m, err := conn.CallRaw(ctx, "/raw.Raw/Echo", req)
+		if err != nil || string(m.Bytes()) != string(req) {
+			t.Fatalf("%s: CallRaw: %v", label, err)
+		}
+		m.Release()
+		m.Release() // a second release does nothing
+		for _, size := range []int{0, 64, 1 << 20, 16 << 20} {
+			want := pattern(size, byte(size))
+			b, err := conn.Alloc(ctx, size)
+			if err != nil {
+				t.Fatalf("%s: Alloc(%d): %v", label, size, err)
+			}
+			copy(b.Bytes(), want)
+			m, err := conn.CallRawBlock(ctx, "/raw.Raw/Echo", b)
+			if err != nil {
+				t.Fatalf("%s: CallRawBlock(%d): %v", label, size, err)
+			}
+			if string(m.Bytes()) != string(want) {
+				t.Fatalf("%s: CallRawBlock(%d): the reply differs", label, size)
+			}
+			m.Release()
+			if _, err := conn.CallRawBlock(ctx, "/raw.Raw/Echo", b); status.Code(err) != codes.InvalidArgument {
+				t.Fatalf("%s: a block sent twice: %v, want InvalidArgument", label, err)
+			}
+		}
+		released, err := conn.Alloc(ctx, 10)
+		if err != nil {
+			t.Fatal(err)
+		}
+		released.Release()
+		if _, err := conn.CallRawBlock(ctx, "/raw.Raw/Echo", released); status.Code(err) != codes.InvalidArgument {
+			t.Fatalf("%s: a released block sent: %v, want InvalidArgument", label, err)
+		}
+		_, err = conn.CallRaw(ctx, "/raw.Raw/Fail", nil)
+		if s := status.Convert(err); s.Code() != codes.FailedPrecondition || s.Message() != "raw says no" {
+			t.Fatalf("%s: Fail: %v", label, err)
+		}
+		if _, err := conn.CallRaw(ctx, "/raw.Raw/Panic", nil); status.Code(err) != codes.Internal {
+			t.Fatalf("%s: Panic: %v, want Internal", label, err)
+		}
+	}
+	short, cancelShort := context.WithTimeout(bg, 100*time.Millisecond)
+	defer cancelShort()
+	if _, err := conn.CallRaw(short, "/raw.Raw/Slow", nil); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("%s: Slow with a 100 ms deadline: %v, want DeadlineExceeded", label, err)
+	}
+	// Many at once, each with a context that can be cancelled: most take the queue's way.
+	var wg sync.WaitGroup
+	errs := make(chan error, 64)
+	for i := 0; i < 64; i++ {
+		wg.Add(1)
+		go func(i int) {
+			defer wg.Done()
+			ctx, cancel := context.WithTimeout(bg, 30*time.Second)
+			defer cancel()
+			want := pattern(100+i, byte(i))
+			b, err := conn.Alloc(ctx, len(want))
+			if err != nil {
+				errs <- err
+				return
+			}
+			copy(b.Bytes(), want)
+			m, err := conn.CallRawBlock(ctx, "/raw.Raw/Echo", b)
+			if err != nil {
+				errs <- err
+				return
+			}
+			if string(m.Bytes()) != string(want) {
+				errs <- fmt.Errorf("call %d: the reply differs", i)
+			}
+			m.Release()
+		}(i)
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatalf("%s: concurrent raw calls: %v", label, err)
+	}
+}
+
+func checkRawStream(t *testing.T, label string, conn *isthmus.ClientConn) {
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	s, err := conn.StartRaw(ctx, "/raw.Raw/Stream")
+	if err != nil {
+		t.Fatalf("%s: StartRaw: %v", label, err)
+	}
+	for i, size := range []int{1, 5000, 2 << 20} {
+		want := pattern(size, byte(i))
+		b, err := s.Alloc(size)
+		if err != nil {
+			t.Fatalf("%s: stream Alloc: %v", label, err)
+		}
+		copy(b.Bytes(), want)
+		if err := s.SendBlock(b, false); err != nil {
+			t.Fatalf("%s: stream SendBlock: %v", label, err)
+		}
+		m, err := s.Recv()
+		if err != nil || string(m.Bytes()) != string(want) {
+			t.Fatalf("%s: stream Recv %d: %v", label, i, err)
+		}
+		m.Release()
+	}
+	if err := s.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.Recv(); err != io.EOF {
+		t.Fatalf("%s: stream end: %v, want io.EOF", label, err)
 	}
 }

@@ -9,7 +9,6 @@ import "C"
 import (
 	"context"
 	"io"
-	"runtime"
 	"unsafe"
 
 	"google.golang.org/grpc"
@@ -45,11 +44,14 @@ func (m *Message) Release() {
 	}
 }
 
-// Block is a writable block of this side's shared memory (shm:// only): fill Bytes, then send
-// it with SendBlock, which hands it over with no copy. Release a block that is not sent.
+// Block is a writable block of memory for one message, filled in place: Bytes, then a send
+// (SendBlock, CallRawBlock) that consumes it. Over shm:// it lies in this side's shared memory
+// and is handed over with no copy; on other transports it is Go memory, copied once into the
+// call. Release a block that is not sent.
 type Block struct {
-	h    *C.isthmus_block_t
-	data []byte
+	h     *C.isthmus_block_t // nil for a block of Go memory
+	data  []byte
+	spent bool // sent or released
 }
 
 func newBlock(h *C.isthmus_block_t) *Block {
@@ -58,22 +60,45 @@ func newBlock(h *C.isthmus_block_t) *Block {
 	return &Block{h: h, data: unsafe.Slice((*byte)(unsafe.Pointer(p)), int(n))}
 }
 
+// allocated is the block an alloc entry point gave, a block of Go memory where the transport
+// has no shared memory (codes.Unimplemented), or the failure.
+func allocated(code C.isthmus_code_t, h *C.isthmus_block_t, st *C.isthmus_status_t, n int) (*Block, error) {
+	switch code {
+	case C.ISTHMUS_OK:
+		return newBlock(h), nil
+	case C.ISTHMUS_UNIMPLEMENTED:
+		if st != nil {
+			C.isthmus_status_free(st)
+		}
+		return &Block{data: make([]byte, n)}, nil
+	}
+	err, _ := statusError(code, st)
+	return nil, err
+}
+
 // Bytes is the block's memory to write, valid until it is sent or released.
 func (b *Block) Bytes() []byte { return b.data }
 
 // Release frees a block that will not be sent.
 func (b *Block) Release() {
-	if b.h != nil {
-		C.isthmus_block_free(b.h)
+	if !b.spent {
+		b.spent = true
+		if b.h != nil {
+			C.isthmus_block_free(b.h)
+		}
 		b.h, b.data = nil, nil
 	}
 }
 
-// take hands the block's handle to a send; the block is spent either way.
-func (b *Block) take() *C.isthmus_block_t {
-	h := b.h
-	b.h, b.data = nil, nil
-	return h
+// take hands the block to a send: its handle (nil for Go memory) and its bytes. The block is
+// spent either way.
+func (b *Block) take() (*C.isthmus_block_t, []byte, error) {
+	if b.spent {
+		return nil, nil, status.Error(codes.InvalidArgument, "the block was sent or released already")
+	}
+	h, data := b.h, b.data
+	b.h, b.data, b.spent = nil, nil, true
+	return h, data, nil
 }
 
 // RawStream is one call by method path with bytes, of any shape. Send and Recv may be used
@@ -96,8 +121,8 @@ func (cc *ClientConn) StartRaw(ctx context.Context, method string) (*RawStream, 
 
 var rawDesc = grpc.StreamDesc{ServerStreams: true, ClientStreams: true}
 
-// Alloc returns a writable block of n bytes in shared memory for the next request (shm://
-// only; codes.Unimplemented over HTTP/2).
+// Alloc returns a writable block of n bytes for the next request: shared memory over shm://,
+// Go memory on other transports.
 func (r *RawStream) Alloc(n int) (*Block, error) {
 	call, ok := r.cs.begin()
 	if !ok {
@@ -106,21 +131,21 @@ func (r *RawStream) Alloc(n int) (*Block, error) {
 	defer r.cs.end()
 	var h *C.isthmus_block_t
 	var st *C.isthmus_status_t
-	if code := C.isthmus_call_alloc(call, C.size_t(n), &h, &st); code != C.ISTHMUS_OK {
-		err, _ := statusError(code, st)
-		return nil, err
-	}
-	return newBlock(h), nil
+	return allocated(C.isthmus_call_alloc(call, C.size_t(n), &h, &st), h, st, n)
 }
 
 // SendBlock sends a block from Alloc as one request, with no copy; last half-closes with it.
 func (r *RawStream) SendBlock(b *Block, last bool) error {
-	if b.h == nil {
-		return status.Error(codes.InvalidArgument, "the block was sent or released already")
+	h, data, err := b.take()
+	if err != nil {
+		return err
+	}
+	if h == nil {
+		return r.cs.sendBytes(data, last)
 	}
 	call, ok := r.cs.begin()
 	if !ok {
-		b.Release()
+		C.isthmus_block_free(h)
 		return io.EOF
 	}
 	defer r.cs.end()
@@ -130,7 +155,7 @@ func (r *RawStream) SendBlock(b *Block, last bool) error {
 		l = 1
 		r.cs.sent.Store(true)
 	}
-	if code := C.isthmus_call_send_block(call, b.take(), l, &st); code != C.ISTHMUS_OK {
+	if code := C.isthmus_call_send_block(call, h, l, &st); code != C.ISTHMUS_OK {
 		if st != nil {
 			C.isthmus_status_free(st)
 		}
@@ -186,7 +211,8 @@ func (r *RawStream) Header() (metadata.MD, error) { return r.cs.Header() }
 func (r *RawStream) Trailer() metadata.MD { return r.cs.Trailer() }
 
 // CallRaw makes a unary call by method path: request bytes in (copied once, into shared
-// memory over shm://), the reply as a Message viewing the server's memory.
+// memory over shm://), the reply as a Message viewing the server's memory. It waits for the
+// reply as Invoke does.
 func (cc *ClientConn) CallRaw(ctx context.Context, method string, request []byte) (*Message, error) {
 	if cc.closed.Load() {
 		return nil, errClosing()
@@ -195,13 +221,79 @@ func (cc *ClientConn) CallRaw(ctx context.Context, method string, request []byte
 	if err != nil {
 		return nil, err
 	}
-	path := cString(method)
-	ev, ok := cc.r.do(ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
+	ev, ok := cc.unaryBytes(ctx, cString(method), request, &copts)
+	return rawReply(ctx, ev, ok)
+}
+
+// Alloc returns a writable block of n bytes for the request of a CallRawBlock, to fill in
+// place: the connection's shared memory over shm:// (sent with no copy), Go memory on other
+// transports. Over shm:// it waits while the connection's arena is full, until ctx's deadline.
+func (cc *ClientConn) Alloc(ctx context.Context, n int) (*Block, error) {
+	if cc.closed.Load() {
+		return nil, errClosing()
+	}
+	if !cc.shm {
+		return &Block{data: make([]byte, n)}, nil
+	}
+	copts, err := cCallOptions(ctx, callOptions{}, 0)
+	if err != nil {
+		return nil, err
+	}
+	defer freeMetadata(copts.metadata)
+	return cc.allocBlock(n, &copts)
+}
+
+// allocBlock is a block of the channel's shared memory, waited for up to copts' timeout.
+func (cc *ClientConn) allocBlock(n int, copts *C.isthmus_call_options_t) (*Block, error) {
+	var h *C.isthmus_block_t
+	var st *C.isthmus_status_t
+	return allocated(C.isthmus_channel_alloc(cc.ch, C.size_t(n), copts, &h, &st), h, st, n)
+}
+
+// CallRawBlock makes a unary call by method path whose request is a block from Alloc, sent
+// where it lies (the block is spent, whatever the outcome); the reply is a Message viewing the
+// server's memory. It waits for the reply as Invoke does.
+func (cc *ClientConn) CallRawBlock(ctx context.Context, method string, request *Block) (*Message, error) {
+	if request.h == nil && !request.spent {
+		_, data, _ := request.take()
+		return cc.CallRaw(ctx, method, data)
+	}
+	if cc.closed.Load() {
+		request.Release()
+		return nil, errClosing()
+	}
+	copts, err := cCallOptions(ctx, callOptions{}, 0)
+	if err != nil {
+		request.Release()
+		return nil, err
+	}
+	ev, ok := cc.unaryBlock(ctx, cString(method), request, &copts)
+	return rawReply(ctx, ev, ok)
+}
+
+// unaryBlock runs a unary call whose request is block (spent here) the way unary does; the
+// metadata handle in copts is freed here.
+func (cc *ClientConn) unaryBlock(ctx context.Context, path *C.char, block *Block, copts *C.isthmus_call_options_t) (C.isthmus_event_t, bool) {
+	h, _, err := block.take()
+	if err != nil {
+		freeMetadata(copts.metadata)
+		st, _ := status.FromError(err)
+		return C.isthmus_event_t{op: C.ISTHMUS_OP_UNARY, code: C.isthmus_code_t(st.Code())}, true
+	}
+	return cc.unary(ctx, copts, func(o *C.isthmus_call_options_t) C.isthmus_event_t {
+		var msg *C.isthmus_message_t
+		var header, trailer *C.isthmus_metadata_t
 		var st *C.isthmus_status_t
-		return C.isthmus_unary_async(cc.ch, path, bytesPtr(request), C.size_t(len(request)), &copts, cq, tag, now, &st), st
+		code := C.isthmus_unary_block(cc.ch, path, h, o, &msg, &header, &trailer, &st)
+		return unaryEvent(code, msg, header, trailer, st)
+	}, func(o *C.isthmus_call_options_t, cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
+		var st *C.isthmus_status_t
+		return C.isthmus_unary_block_async(cc.ch, path, h, o, cq, tag, now, &st), st
 	})
-	freeMetadata(copts.metadata)
-	runtime.KeepAlive(request)
+}
+
+// rawReply is a raw unary call's outcome: the reply as a Message, or the call's error.
+func rawReply(ctx context.Context, ev C.isthmus_event_t, ok bool) (*Message, error) {
 	if !ok {
 		return nil, ctxError(ctx)
 	}
@@ -225,12 +317,64 @@ type RawServerCall struct {
 // HandleRaw registers h for path (`/package.Service/Method`), beside or instead of
 // generated services. Before Serve only.
 func (s *Server) HandleRaw(path string, h RawHandler) {
+	s.register(&method{name: path, raw: h}, "HandleRaw")
+}
+
+// RawUnaryHandler answers a unary call by method path. request is the client's message (over
+// shm:// a view of the client's memory), valid until the handler returns; the reply is a
+// block from call.Alloc, filled in place and sent with no copy over shm://, and spent by the
+// send. A handler that fails returns a nil block and a status error.
+type RawUnaryHandler func(call *RawServerCall, request *Message) (*Block, error)
+
+// HandleRawUnary registers h for unary calls to path (`/package.Service/Method`), beside or
+// instead of generated services. With InlineUnary it runs on the thread that read the
+// request, as generated unary handlers do. Before Serve only.
+func (s *Server) HandleRawUnary(path string, h RawUnaryHandler) {
+	s.register(&method{name: path, rawUnary: h}, "HandleRawUnary")
+}
+
+// register registers m under its path; before Serve only (caller names the method that asked).
+func (s *Server) register(m *method, caller string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.srv != nil {
-		panic("isthmus: Server.HandleRaw after Serve")
+		panic("isthmus: Server." + caller + " after Serve")
 	}
-	s.methods[path] = &method{name: path, raw: h}
+	s.methods[m.name] = m
+}
+
+// runRawUnary runs a raw unary handler on the request event ev (consumed here) and sends its
+// reply; a panic in the handler fails the call INTERNAL.
+func (s *Server) runRawUnary(st *serverStream, m *method, ev C.isthmus_event_t) (err error) {
+	if ev.code != C.ISTHMUS_OK {
+		err, _ := statusError(ev.code, ev.status)
+		return err
+	}
+	if ev.message == nil {
+		return status.Error(codes.Internal, "the client sent no request")
+	}
+	request := newMessage(ev.message, ev.message_data, ev.message_len)
+	defer request.Release()
+	call := &RawServerCall{st: st}
+	var reply *Block
+	func() {
+		defer func() {
+			if p := recover(); p != nil {
+				err = status.Errorf(codes.Internal, "the handler panicked: %v", p)
+			}
+		}()
+		reply, err = m.rawUnary(call, request)
+	}()
+	switch {
+	case err != nil:
+		if reply != nil {
+			reply.Release()
+		}
+		return err
+	case reply == nil:
+		return status.Error(codes.Internal, m.name+": the handler returned no reply")
+	}
+	return call.SendBlock(reply)
 }
 
 // Context is the call's context: its deadline, its metadata (metadata.FromIncomingContext),
@@ -257,29 +401,29 @@ func (c *RawServerCall) Recv() (*Message, error) {
 // Send sends one response (copied into shared memory over shm://).
 func (c *RawServerCall) Send(data []byte) error { return c.st.sendBytes(data) }
 
-// Alloc returns a writable block of n bytes in the server's shared memory for a reply
-// written in place (shm:// only).
+// Alloc returns a writable block of n bytes for a reply written in place: the server's shared
+// memory over shm://, Go memory on other transports.
 func (c *RawServerCall) Alloc(n int) (*Block, error) {
 	var h *C.isthmus_block_t
 	var st *C.isthmus_status_t
-	if code := C.isthmus_server_call_alloc(c.st.sc, C.size_t(n), &h, &st); code != C.ISTHMUS_OK {
-		err, _ := statusError(code, st)
-		return nil, err
-	}
-	return newBlock(h), nil
+	return allocated(C.isthmus_server_call_alloc(c.st.sc, C.size_t(n), &h, &st), h, st, n)
 }
 
-// SendBlock sends a block from Alloc as one response, with no copy.
+// SendBlock sends a block from Alloc as one response, with no copy over shm://.
 func (c *RawServerCall) SendBlock(b *Block) error {
-	if b.h == nil {
-		return status.Error(codes.InvalidArgument, "the block was sent or released already")
+	h, data, err := b.take()
+	if err != nil {
+		return err
+	}
+	if h == nil {
+		return c.st.sendBytes(data)
 	}
 	if err := c.st.flushHeader(); err != nil {
-		b.Release()
+		C.isthmus_block_free(h)
 		return err
 	}
 	var st *C.isthmus_status_t
-	if code := C.isthmus_server_call_send_block(c.st.sc, b.take(), &st); code != C.ISTHMUS_OK {
+	if code := C.isthmus_server_call_send_block(c.st.sc, h, &st); code != C.ISTHMUS_OK {
 		err, _ := statusError(code, st)
 		return err
 	}

@@ -45,7 +45,9 @@ type method struct {
 	unary  *grpc.MethodDesc
 	stream *grpc.StreamDesc
 	raw    RawHandler
-	name   string // full path, /package.Service/Method
+	// rawUnary answers unary calls by method path (HandleRawUnary).
+	rawUnary RawUnaryHandler
+	name     string // full path, /package.Service/Method
 }
 
 // ServerOption configures a Server.
@@ -81,7 +83,7 @@ func StreamInterceptor(i grpc.StreamServerInterceptor) ServerOption {
 	return func(o *serverOptions) { o.stream = i }
 }
 
-// InlineUnary runs unary handlers on the thread that reads their client's connection, the
+// InlineUnary runs unary handlers (and raw unary ones, HandleRawUnary) on the thread that reads their client's connection, the
 // moment their request is in, as the Rust engine runs its handlers: no goroutine is started
 // and no thread woken per call, which saves tens of microseconds on machines where waking a
 // thread is slow. Only for handlers that answer at once: a handler that waits (on a lock, a
@@ -152,7 +154,7 @@ func (s *Server) Start(targets ...string) error {
 		cname := C.CString(name)
 		var st *C.isthmus_status_t
 		var code C.isthmus_code_t
-		if s.opts.inline && m.unary != nil {
+		if s.opts.inline && (m.unary != nil || m.rawUnary != nil) {
 			code = addInlineHandler(srv, cname, s, m, &st)
 		} else {
 			// A new call's tag stays registered: the reactor keeps NEW_CALL tags after delivery.
@@ -257,6 +259,12 @@ func (s *Server) handle(m *method, sc *C.isthmus_server_call_t) {
 			err = s.unary(st, m)
 		case m.raw != nil:
 			err = m.raw(&RawServerCall{st: st})
+		case m.rawUnary != nil:
+			if ev, ok := st.recv(); ok {
+				err = s.runRawUnary(st, m, ev)
+			} else {
+				err = ctxError(st.ctx)
+			}
 		default:
 			err = s.streaming(st, m)
 		}
@@ -454,13 +462,11 @@ func (st *serverStream) SendMsg(m any) error {
 // sendLarge marshals a response straight into a block of the server's shared memory (every
 // server call is an shm:// one: HTTP/2 calls reach handlers through a loopback) and sends it.
 func (st *serverStream) sendLarge(m proto.Message, size int) error {
-	var h *C.isthmus_block_t
-	var cst *C.isthmus_status_t
-	if code := C.isthmus_server_call_alloc(st.sc, C.size_t(size), &h, &cst); code != C.ISTHMUS_OK {
-		err, _ := statusError(code, cst)
+	call := &RawServerCall{st: st}
+	b, err := call.Alloc(size)
+	if err != nil {
 		return err
 	}
-	b := newBlock(h)
 	out, err := proto.MarshalOptions{}.MarshalAppend(b.Bytes()[:0], m)
 	if err != nil || len(out) != size {
 		b.Release()
@@ -469,15 +475,7 @@ func (st *serverStream) sendLarge(m proto.Message, size int) error {
 		}
 		return status.Errorf(codes.Internal, "grpc: error while marshaling: %v", err)
 	}
-	if err := st.flushHeader(); err != nil {
-		b.Release()
-		return err
-	}
-	if code := C.isthmus_server_call_send_block(st.sc, b.take(), &cst); code != C.ISTHMUS_OK {
-		err, _ := statusError(code, cst)
-		return err
-	}
-	return nil
+	return call.SendBlock(b)
 }
 
 // flushHeader sends the initial metadata gathered so far if it has not gone yet: it goes

@@ -334,6 +334,58 @@ isthmus_code_t isthmus_unary_async(const isthmus_channel_t *channel,
                                    isthmus_event_t *now,
                                    isthmus_status_t **status);
 
+// A writable block of `len` bytes in the channel's shared memory, to fill in place and send
+// as a unary request with `isthmus_unary_block` or `isthmus_unary_block_async`, with no copy.
+// `shm://` channels only (`ISTHMUS_UNIMPLEMENTED` otherwise). Blocks the calling thread while
+// it connects and while the arena is full, at most for `opts`' timeout (no bound without
+// one). `*block` is the caller's: it is consumed by the send, or freed with
+// `isthmus_block_free`. If the connection ends before the block is sent, the send fails
+// UNAVAILABLE.
+//
+// Thread-safety: any thread.
+//
+// # Safety
+//
+// `opts` is NULL or valid; `block` is writable; `status` is NULL or writable.
+isthmus_code_t isthmus_channel_alloc(const isthmus_channel_t *channel,
+                                     size_t len,
+                                     const isthmus_call_options_t *opts,
+                                     isthmus_block_t **block,
+                                     isthmus_status_t **status);
+
+// [`isthmus_unary`] whose request is a block from `isthmus_channel_alloc` of the same
+// channel, sent where it lies. The block handle is consumed, sent or not.
+//
+// # Safety
+//
+// As [`isthmus_unary`].
+isthmus_code_t isthmus_unary_block(const isthmus_channel_t *channel,
+                                   const char *path,
+                                   isthmus_block_t *block,
+                                   const isthmus_call_options_t *opts,
+                                   isthmus_message_t **reply,
+                                   isthmus_metadata_t **headers,
+                                   isthmus_metadata_t **trailers,
+                                   isthmus_status_t **status);
+
+// [`isthmus_unary_block`] without blocking on the reply, as [`isthmus_unary_async`]: the
+// request is sent on the calling thread (a block holds no bytes to copy); with
+// `ISTHMUS_CALL_SPIN` the calling thread then waits up to the channel's spin for the reply
+// (it comes back in `now`), and a thread of the library waits for a slower one, which arrives
+// as an `ISTHMUS_OP_UNARY` event. The block handle is consumed, sent or not.
+//
+// # Safety
+//
+// As [`isthmus_unary_async`].
+isthmus_code_t isthmus_unary_block_async(const isthmus_channel_t *channel,
+                                         const char *path,
+                                         isthmus_block_t *block,
+                                         const isthmus_call_options_t *opts,
+                                         const isthmus_cq_t *cq,
+                                         uint64_t tag,
+                                         isthmus_event_t *now,
+                                         isthmus_status_t **status);
+
 // Starts a call of any shape on `path`, blocking until its head is sent (connecting if
 // needed). `*call` is the caller's, freed with `isthmus_call_free`.
 //

@@ -10,7 +10,7 @@ use isthmus::{CallOptions, Code, Config, Status};
 
 use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
 use crate::cq::{
-    cq_get, isthmus_cq_t, isthmus_event_t, start_on, Outcome, ISTHMUS_OP_CLOSE_SEND, ISTHMUS_OP_HEADERS,
+    cq_get, isthmus_cq_t, isthmus_event_t, start_on, Outcome, Queue, ISTHMUS_OP_CLOSE_SEND, ISTHMUS_OP_HEADERS,
     ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_UNARY,
 };
 use crate::handle::Registry;
@@ -224,11 +224,7 @@ pub unsafe extern "C" fn isthmus_unary(
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     // SAFETY: each out-pointer is NULL or writable, as the caller promises.
-    unsafe {
-        put(reply, std::ptr::null_mut());
-        put(headers, std::ptr::null_mut());
-        put(trailers, std::ptr::null_mut());
-    }
+    unsafe { clear_response(reply, headers, trailers) };
     entry(status, || {
         if reply.is_null() {
             return Err(invalid("the reply out-pointer is NULL"));
@@ -243,17 +239,51 @@ pub unsafe extern "C" fn isthmus_unary(
             None => block_on(channel.engine.unary(path, request, options)),
         }?;
         // SAFETY: as above.
-        unsafe {
-            put(reply, message_handle(response.message));
-            if !headers.is_null() && !response.metadata.is_empty() {
-                put(headers, metadata_handle(response.metadata));
-            }
-            if !trailers.is_null() && !response.trailers.is_empty() {
-                put(trailers, metadata_handle(response.trailers));
-            }
-        }
+        unsafe { put_response(response, reply, headers, trailers) };
         Ok(())
     })
+}
+
+/// Sets a unary call's out-pointers to NULL, as they stay on failure.
+///
+/// # Safety
+///
+/// Each is NULL or writable.
+unsafe fn clear_response(
+    reply: *mut *mut isthmus_message_t,
+    headers: *mut *mut isthmus_metadata_t,
+    trailers: *mut *mut isthmus_metadata_t,
+) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        put(reply, std::ptr::null_mut());
+        put(headers, std::ptr::null_mut());
+        put(trailers, std::ptr::null_mut());
+    }
+}
+
+/// Hands a unary call's response to the caller's out-pointers (headers and trailers only when
+/// asked for and not empty).
+///
+/// # Safety
+///
+/// `reply` is writable; `headers` and `trailers` are NULL or writable.
+unsafe fn put_response(
+    response: isthmus::Response,
+    reply: *mut *mut isthmus_message_t,
+    headers: *mut *mut isthmus_metadata_t,
+    trailers: *mut *mut isthmus_metadata_t,
+) {
+    // SAFETY: the caller's promises.
+    unsafe {
+        put(reply, message_handle(response.message));
+        if !headers.is_null() && !response.metadata.is_empty() {
+            put(headers, metadata_handle(response.metadata));
+        }
+        if !trailers.is_null() && !response.trailers.is_empty() {
+            put(trailers, metadata_handle(response.trailers));
+        }
+    }
 }
 
 /// [`isthmus_unary`] without blocking: returns at once, and the outcome arrives on `cq` as an
@@ -282,15 +312,8 @@ pub unsafe extern "C" fn isthmus_unary_async(
         let (path, request, options) =
             unsafe { (c_str(path, "the path")?, c_bytes(request, request_len, "the request")?, call_options(opts)?) };
         if let Some(blocking) = channel.spin_first(opts, request.len()) {
-            let unary = match blocking.unary_begin(path, request, options) {
-                Ok(pending) => pending,
-                Err(status) => {
-                    cq.start(tag, ISTHMUS_OP_UNARY, std::future::ready(Outcome::Failed(status)), now);
-                    return Ok(());
-                }
-            };
             let spin = Duration::from_micros(channel.spin_us.load(Ordering::Relaxed));
-            cq.start(tag, ISTHMUS_OP_UNARY, finish_unary(unary, spin), now);
+            complete_begun(&cq, tag, blocking.unary_begin(path, request, options), spin, now);
             return Ok(());
         }
         // Declined by `spin_first` (or not asked): the queue's path, which never reads the
@@ -310,6 +333,10 @@ pub unsafe extern "C" fn isthmus_unary_async(
 /// they go into shared memory at once (a copy of at most tens of µs) unless the server holds
 /// the whole arena; larger ones take the completion queue's path, where the runtime sends them.
 const SPIN_REQUEST_MAX: usize = 1024 * 1024;
+
+/// Blocks up to this size sent by `isthmus_unary_block_async` without `ISTHMUS_CALL_SPIN` are
+/// copied to the queue's connection rather than waited for by a thread of the pool.
+const COPIED_BLOCK_MAX: usize = 64 * 1024;
 
 /// Unary calls whose slow replies threads wait for, at most: beyond it, calls take the
 /// completion queue's path from the start.
@@ -331,6 +358,21 @@ impl HandedOff {
 impl Drop for HandedOff {
     fn drop(&mut self) {
         HANDED_OFF.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Completes a unary call begun on the caller's thread (or its failure to begin) on `cq`, as
+/// [`finish_unary`] waits for it.
+fn complete_begun(
+    cq: &Queue,
+    tag: u64,
+    begun: Result<isthmus::blocking::PendingUnary, Status>,
+    spin: Duration,
+    now: *mut isthmus_event_t,
+) {
+    match begun {
+        Ok(unary) => cq.start(tag, ISTHMUS_OP_UNARY, finish_unary(unary, spin), now),
+        Err(status) => cq.start(tag, ISTHMUS_OP_UNARY, std::future::ready(Outcome::Failed(status)), now),
     }
 }
 
@@ -367,6 +409,131 @@ fn finish_unary(
         }
     }
     async move { Outcome::unary(rx.await.unwrap_or_else(|_| Err(Status::new(Code::Cancelled, "the call was abandoned")))) }
+}
+
+/// A writable block of `len` bytes in the channel's shared memory, to fill in place and send
+/// as a unary request with `isthmus_unary_block` or `isthmus_unary_block_async`, with no copy.
+/// `shm://` channels only (`ISTHMUS_UNIMPLEMENTED` otherwise). Blocks the calling thread while
+/// it connects and while the arena is full, at most for `opts`' timeout (no bound without
+/// one). `*block` is the caller's: it is consumed by the send, or freed with
+/// `isthmus_block_free`. If the connection ends before the block is sent, the send fails
+/// UNAVAILABLE.
+///
+/// Thread-safety: any thread.
+///
+/// # Safety
+///
+/// `opts` is NULL or valid; `block` is writable; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_channel_alloc(
+    channel: *const isthmus_channel_t,
+    len: usize,
+    opts: *const isthmus_call_options_t,
+    block: *mut *mut isthmus_block_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    // SAFETY: the caller's promises, passed on.
+    unsafe {
+        entry_out(block, "block", status, || {
+            let channel = CHANNELS.get(channel)?;
+            channel.open()?;
+            let options = call_options(opts)?;
+            let blocking = channel.blocking.as_ref().ok_or_else(no_blocks)?;
+            Ok(Some(block_handle(blocking.alloc(len, options.timeout)?)))
+        })
+    }
+}
+
+fn no_blocks() -> Status {
+    Status::new(Code::Unimplemented, "blocks of shared memory need an shm:// channel")
+}
+
+/// [`isthmus_unary`] whose request is a block from `isthmus_channel_alloc` of the same
+/// channel, sent where it lies. The block handle is consumed, sent or not.
+///
+/// # Safety
+///
+/// As [`isthmus_unary`].
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_unary_block(
+    channel: *const isthmus_channel_t,
+    path: *const c_char,
+    block: *mut isthmus_block_t,
+    opts: *const isthmus_call_options_t,
+    reply: *mut *mut isthmus_message_t,
+    headers: *mut *mut isthmus_metadata_t,
+    trailers: *mut *mut isthmus_metadata_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    // SAFETY: each out-pointer is NULL or writable, as the caller promises.
+    unsafe { clear_response(reply, headers, trailers) };
+    entry(status, || {
+        let block = take_block(block)?;
+        if reply.is_null() {
+            return Err(invalid("the reply out-pointer is NULL"));
+        }
+        let channel = CHANNELS.get(channel)?;
+        channel.open()?;
+        // SAFETY: the caller's promises, passed on.
+        let (path, options) = unsafe { (c_str(path, "the path")?, call_options(opts)?) };
+        let response = channel.blocking.as_ref().ok_or_else(no_blocks)?.unary_block(path, block, options)?;
+        // SAFETY: as above.
+        unsafe { put_response(response, reply, headers, trailers) };
+        Ok(())
+    })
+}
+
+/// [`isthmus_unary_block`] without blocking on the reply, as [`isthmus_unary_async`]: the
+/// request is sent on the calling thread (a block holds no bytes to copy); with
+/// `ISTHMUS_CALL_SPIN` the calling thread then waits up to the channel's spin for the reply
+/// (it comes back in `now`), and a thread of the library waits for a slower one, which arrives
+/// as an `ISTHMUS_OP_UNARY` event. The block handle is consumed, sent or not.
+///
+/// # Safety
+///
+/// As [`isthmus_unary_async`].
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_unary_block_async(
+    channel: *const isthmus_channel_t,
+    path: *const c_char,
+    block: *mut isthmus_block_t,
+    opts: *const isthmus_call_options_t,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    now: *mut isthmus_event_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let block = take_block(block)?;
+        let (channel, cq) = (CHANNELS.get(channel)?, cq_get(cq)?);
+        channel.open()?;
+        // SAFETY: the caller's promises, passed on.
+        let (path, options) = unsafe { (c_str(path, "the path")?, call_options(opts)?) };
+        let blocking = channel.blocking.as_ref().ok_or_else(no_blocks)?;
+        // SAFETY: as above.
+        let spinning = unsafe { opts.as_ref() }.is_some_and(|o| o.flags & ISTHMUS_CALL_SPIN != 0);
+        let spin = match spinning {
+            true => Duration::from_micros(channel.spin_us.load(Ordering::Relaxed)),
+            false => Duration::ZERO,
+        };
+        // Only a thread that waits reads the block's connection: a thread of the pool would wait
+        // for this reply. Past the pool's bound, and for a small block that this thread will not
+        // wait for (a hand-off costs more than its copy), the call goes the queue's way, whose
+        // connection is not the block's: its bytes are copied there.
+        if HANDED_OFF.load(Ordering::Relaxed) >= HANDED_OFF_MAX || (!spinning && block.len() <= COPIED_BLOCK_MAX) {
+            let (path, request, engine) = (path.to_owned(), block.to_vec(), channel.polled.clone());
+            drop(block);
+            cq.start(
+                tag,
+                ISTHMUS_OP_UNARY,
+                async move { Outcome::unary(engine.unary(&path, &request, options).await) },
+                now,
+            );
+            return Ok(());
+        }
+        complete_begun(&cq, tag, blocking.unary_block_begin(path, block, options), spin, now);
+        Ok(())
+    })
 }
 
 /// Starts a call of any shape on `path`, blocking until its head is sent (connecting if

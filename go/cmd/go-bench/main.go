@@ -4,7 +4,9 @@
 //	go-isthmus-shm   a protoc-gen-go-grpc client → a Go server on isthmus.NewServer, shm://
 //	go-isthmus-raw   the raw tier: the request written into an allocated block, read by the
 //	                 server as a view; the reply written into a block, read by the client as a
-//	                 view
+//	                 view (a raw unary call: Alloc, CallRawBlock, HandleRawUnary)
+//	go-isthmus-raw-stream  the same echo as a raw stream (StartRaw, SendBlock, Recv; 64 B and
+//	                 1 KiB)
 //	go-grpc-uds      grpc-go client → grpc-go server over a Unix socket, at its best
 //	                 documented settings (64 MiB stream and connection windows, 1 MiB read
 //	                 and write buffers)
@@ -37,10 +39,14 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	pb "example.invalid/isthmus/go/internal/conformancepb"
+	"example.invalid/isthmus/go/internal/echo"
 	"example.invalid/isthmus/go/isthmus"
 )
 
-const rawEcho = "/bench.Raw/Echo"
+const (
+	rawEcho       = "/bench.Raw/Echo"
+	rawEchoStream = "/bench.Raw/EchoStream"
+)
 
 // The settings grpc-go documents for throughput: large flow-control windows (set, they also
 // turn off its BDP estimation) and large read and write buffers.
@@ -66,20 +72,8 @@ func serveIsthmus(target string) {
 	// Its handlers answer at once, what InlineUnary is for (see its documentation).
 	s := isthmus.NewServer(isthmus.MaxMessageSize(maxMessage), isthmus.InlineUnary())
 	pb.RegisterEchoServer(s, echoServer{})
-	s.HandleRaw(rawEcho, func(call *isthmus.RawServerCall) error {
-		req, err := call.Recv()
-		if err != nil {
-			return err
-		}
-		reply, err := call.Alloc(len(req.Bytes()))
-		if err != nil {
-			req.Release()
-			return err
-		}
-		copy(reply.Bytes(), req.Bytes())
-		req.Release()
-		return call.SendBlock(reply)
-	})
+	s.HandleRawUnary(rawEcho, echo.RawEcho)
+	s.HandleRaw(rawEchoStream, echo.RawEchoStream)
 	if err := s.Start(target); err != nil {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
@@ -155,9 +149,32 @@ func memcpyCaller() caller {
 	}
 }
 
+// rawCaller writes the request into a block of shared memory and reads the reply where it
+// lies (a raw unary call).
 func rawCaller(conn *isthmus.ClientConn) caller {
 	return func(ctx context.Context, payload []byte) error {
-		s, err := conn.StartRaw(ctx, rawEcho)
+		b, err := conn.Alloc(ctx, len(payload))
+		if err != nil {
+			return err
+		}
+		copy(b.Bytes(), payload)
+		m, err := conn.CallRawBlock(ctx, rawEcho, b)
+		if err != nil {
+			return err
+		}
+		n := len(m.Bytes())
+		m.Release()
+		if n != len(payload) {
+			return fmt.Errorf("reply of %d bytes for %d", n, len(payload))
+		}
+		return nil
+	}
+}
+
+// rawStreamCaller makes the same echo as a raw stream (StartRaw, Alloc, SendBlock, Recv).
+func rawStreamCaller(conn *isthmus.ClientConn) caller {
+	return func(ctx context.Context, payload []byte) error {
+		s, err := conn.StartRaw(ctx, rawEchoStream)
 		if err != nil {
 			return err
 		}
@@ -328,13 +345,15 @@ func run(quick bool, rounds int, out string) error {
 		{"go-isthmus-raw", rawCaller(iconn)},
 		{"go-grpc-uds", protoCaller(pb.NewEchoClient(gconn))},
 	}
-	// The same unary calls with a deadline on each (64 B and 1 KiB only).
+	// The same unary calls with a deadline on each, and the raw echo as a stream (64 B and
+	// 1 KiB only).
 	deadlined := []struct {
 		name string
 		call caller
 	}{
 		{"go-isthmus-shm-deadline", withDeadline(protoCaller(pb.NewEchoClient(iconn)))},
 		{"go-grpc-uds-deadline", withDeadline(protoCaller(pb.NewEchoClient(gconn)))},
+		{"go-isthmus-raw-stream", rawStreamCaller(iconn)},
 	}
 	sizes := []int{64, 1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20}
 	wide := []int{64, 1 << 10}

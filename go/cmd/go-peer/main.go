@@ -2,7 +2,9 @@
 // cross-language tests' peer: `go-peer TARGET…` (shm://, unix://, http://). It prints READY
 // once clients can connect, then LISTENING <address> for each HTTP/2 endpoint; BIDI-ENDED
 // <how> when a Bidi call ends; on SIGTERM it stops gracefully (3 s) and prints SHUTDOWN-DONE.
-// GO_PEER_INLINE=1 runs its unary handlers inline (isthmus.InlineUnary).
+// GO_PEER_INLINE=1 runs its unary handlers inline (isthmus.InlineUnary). Beside Echo it
+// serves the raw tier under /raw.Raw/: Echo, Fail, Panic and Slow as raw unary handlers,
+// Stream as a raw stream that echoes each request.
 package main
 
 import (
@@ -11,6 +13,9 @@ import (
 	"os/signal"
 	"syscall"
 	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	pb "example.invalid/isthmus/go/internal/conformancepb"
 	"example.invalid/isthmus/go/internal/echo"
@@ -24,6 +29,7 @@ func main() {
 	}
 	s := isthmus.NewServer(opts...)
 	pb.RegisterEchoServer(s, echo.Service{BidiEnded: func(how string) { fmt.Println("BIDI-ENDED", how) }})
+	registerRaw(s)
 	if err := s.Start(os.Args[1:]...); err != nil {
 		fmt.Fprintln(os.Stderr, "go-peer:", err)
 		os.Exit(1)
@@ -37,4 +43,24 @@ func main() {
 	<-term
 	s.GracefulStopTimeout(3 * time.Second)
 	fmt.Println("SHUTDOWN-DONE")
+}
+
+// registerRaw adds the raw tier's methods.
+func registerRaw(s *isthmus.Server) {
+	s.HandleRawUnary("/raw.Raw/Echo", echo.RawEcho)
+	s.HandleRawUnary("/raw.Raw/Fail", func(*isthmus.RawServerCall, *isthmus.Message) (*isthmus.Block, error) {
+		return nil, status.Error(codes.FailedPrecondition, "raw says no")
+	})
+	s.HandleRawUnary("/raw.Raw/Panic", func(*isthmus.RawServerCall, *isthmus.Message) (*isthmus.Block, error) {
+		panic("raw handler panic")
+	})
+	s.HandleRawUnary("/raw.Raw/Slow", func(call *isthmus.RawServerCall, _ *isthmus.Message) (*isthmus.Block, error) {
+		select {
+		case <-call.Context().Done():
+			return nil, status.FromContextError(call.Context().Err()).Err()
+		case <-time.After(2 * time.Second):
+			return call.Alloc(0)
+		}
+	})
+	s.HandleRaw("/raw.Raw/Stream", echo.RawEchoStream)
 }

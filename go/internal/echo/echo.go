@@ -1,6 +1,6 @@
 // Package echo is the conformance suite's Echo service (tests/proto/conformance.proto) in Go,
-// written as any grpc-go user writes it, and the payload pattern every peer of the suite
-// agrees on (tests/src/lib.rs).
+// written as any grpc-go user writes it, a raw echo (RawEcho), and the payload pattern every
+// peer of the suite agrees on (tests/src/lib.rs).
 package echo
 
 import (
@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	pb "example.invalid/isthmus/go/internal/conformancepb"
+	"example.invalid/isthmus/go/isthmus"
 )
 
 // Mix is splitmix64, as the Rust peers use it.
@@ -165,5 +166,38 @@ func (s Service) Bidi(stream grpc.BidiStreamingServer[pb.EchoRequest, pb.EchoRep
 func (s Service) ended(how string) {
 	if s.BidiEnded != nil {
 		s.BidiEnded(how)
+	}
+}
+
+// RawEcho is a raw unary handler that answers with a copy of the request, written in place
+// into the server's shared memory.
+func RawEcho(call *isthmus.RawServerCall, req *isthmus.Message) (*isthmus.Block, error) {
+	reply, err := call.Alloc(len(req.Bytes()))
+	if err != nil {
+		return nil, err
+	}
+	copy(reply.Bytes(), req.Bytes())
+	return reply, nil
+}
+
+// RawEchoStream is a raw stream handler that answers each request with a copy written in
+// place, until the client half-closes.
+func RawEchoStream(call *isthmus.RawServerCall) error {
+	for {
+		req, err := call.Recv()
+		if err == io.EOF {
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		reply, err := RawEcho(call, req)
+		req.Release()
+		if err != nil {
+			return err
+		}
+		if err := call.SendBlock(reply); err != nil {
+			return err
+		}
 	}
 }

@@ -1172,6 +1172,72 @@ static int check_block_reply(ctx_t *c) {
   return 1;
 }
 
+/* A unary call whose request is a block of the channel's shared memory: blocking, then
+ * without blocking (the reply in `now` or on the queue). Declined over HTTP/2. */
+static int op_event(isthmus_cq_t *cq, const isthmus_event_t *now, isthmus_event_t *out);
+
+static int check_unary_block(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_block_t *block = NULL;
+  isthmus_message_t *reply = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  INVALID(isthmus_channel_alloc(NULL, 16, &opts, &block, &st));
+  INVALID(isthmus_channel_alloc(c->ch, 16, &opts, NULL, &st));
+  INVALID(isthmus_unary_block(c->ch, SVC "Unary", NULL, &opts, &reply, NULL, NULL, &st));
+  if (!c->shm) {
+    EXPECT(isthmus_channel_alloc(c->ch, MIB, &opts, &block, &st), ISTHMUS_UNIMPLEMENTED);
+    REQUIRE(block == NULL && st != NULL, "no block, a status");
+    isthmus_status_free(st);
+    return 1;
+  }
+  /* a block handed to a NULL channel is consumed all the same */
+  MUST(isthmus_channel_alloc(c->ch, 16, &opts, &block, &st));
+  INVALID(isthmus_unary_block(NULL, SVC "Unary", block, &opts, &reply, NULL, NULL, &st));
+  INVALID(isthmus_block_free(block));
+
+  uint8_t *want = malloc(MIB);
+  REQUIRE(want != NULL, "1 MiB");
+  fill_pattern(want, MIB, 3);
+  MUST(isthmus_channel_alloc(c->ch, MIB, &opts, &block, &st));
+  size_t len = 0;
+  uint8_t *data = isthmus_block_data(block, &len);
+  REQUIRE(data != NULL && len == MIB, "a 1 MiB block (%zu)", len);
+  memcpy(data, want, MIB);
+  st = NULL;
+  isthmus_code_t rc = isthmus_unary_block(c->ch, SVC "Unary", block, &opts, &reply, NULL, NULL, &st);
+  int same = rc == ISTHMUS_OK && bytes_are(reply, want, MIB);
+  INVALID(isthmus_block_free(block)); /* sent: consumed */
+  if (rc == ISTHMUS_OK) isthmus_message_free(reply);
+  if (!same) free(want);
+  REQUIRE(same, "the reply to the block: %s", rc == ISTHMUS_OK ? "differs" : describe(rc, st));
+
+  /* without blocking: small (copied to the queue's connection) and large (waited for) */
+  isthmus_cq_t *cq = isthmus_cq_new();
+  size_t sizes[2] = {100, MIB};
+  for (int i = 0; i < 2; i++) {
+    for (uint32_t flags = 0; flags <= ISTHMUS_CALL_SPIN; flags += ISTHMUS_CALL_SPIN) {
+      isthmus_call_options_t o = timeout_opts(CALL_TIMEOUT_US);
+      o.flags = flags;
+      MUST(isthmus_channel_alloc(c->ch, sizes[i], &o, &block, &st));
+      memcpy(isthmus_block_data(block, &len), want, sizes[i]);
+      isthmus_event_t now = {0}, ev = {0};
+      MUST(isthmus_unary_block_async(c->ch, SVC "Unary", block, &o, cq, 7, &now, &st));
+      int got = op_event(cq, &now, &ev);
+      int ok = got && ev.tag == 7 && ev.op == ISTHMUS_OP_UNARY && ev.code == ISTHMUS_OK &&
+               ev.message_len == sizes[i] && memcmp(ev.message_data, want, sizes[i]) == 0;
+      if (got) event_free(&ev);
+      if (!ok) {
+        free(want);
+        isthmus_cq_free(cq);
+      }
+      REQUIRE(ok, "the async reply to a block of %zu bytes (flags %u)", sizes[i], flags);
+    }
+  }
+  free(want);
+  MUST(isthmus_cq_free(cq));
+  return 1;
+}
+
 /* Waits (poll(2) on the queue's descriptor, 30 s at most) until `want` events are in `out`. */
 static size_t collect(isthmus_cq_t *cq, isthmus_event_t *out, size_t want, size_t capacity) {
   struct pollfd p = {isthmus_cq_fd(cq), POLLIN, 0};
@@ -1398,6 +1464,7 @@ static const check_t CHECKS[] = {
     {"cancel", check_cancel},
     {"zero_copy_block", check_zero_copy},
     {"block_reply", check_block_reply},
+    {"unary_block", check_unary_block},
     {"async_unary_100", check_async_unary},
     {"async_bidi", check_async_bidi},
     {"queued", check_queued},

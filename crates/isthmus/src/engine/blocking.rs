@@ -176,9 +176,20 @@ impl Channel {
 
     /// A unary call whose request is a block from [`alloc`](Self::alloc), sent where it is.
     pub fn unary_block(&self, path: &str, request: BlockMut, options: CallOptions) -> Result<Response, Status> {
+        self.unary_block_begin(path, request, options)?.wait()
+    }
+
+    /// [`unary_begin`](Self::unary_begin) with a block from [`alloc`](Self::alloc) as the
+    /// request, sent where it is.
+    pub fn unary_block_begin(
+        &self,
+        path: &str,
+        request: BlockMut,
+        options: CallOptions,
+    ) -> Result<PendingUnary, Status> {
         let mut call = self.start(path, options)?;
         call.send_block(request, true)?;
-        PendingUnary { call, path: path.to_owned(), message: None }.wait()
+        Ok(PendingUnary { call, path: path.to_owned(), message: None })
     }
 
     /// Counters of the current connection (zero if there is none yet).
