@@ -160,6 +160,9 @@ class Reactor:
     def drain(self) -> list[tuple[int, bool, object]]:
         """(token, ok, value) for each finished operation: on ok, value is the operation's
         result; otherwise a CallError. Never blocks."""
+    def spin(self, spin_us: int) -> list[tuple[int, bool, object]]:
+        """`drain()` after waiting on this thread (the GIL released, never asleep) up to
+        `spin_us` µs for something to finish; empty if nothing did."""
     def cancel(self, token: int) -> bool:
         """Abandons operation `token`: it will not complete, and a call it was making is
         cancelled on both sides. False if it has already finished."""
@@ -182,8 +185,11 @@ class AsyncChannel:
         metadata: _Metadata | None,
         timeout: float | None,
         wait_for_ready: bool,
-    ) -> None:
-        """Completes with a UnaryResult."""
+        spin: bool = False,
+    ) -> tuple[bool, object] | None:
+        """Completes with a UnaryResult. With `spin` (over shm://) the loop's thread sends the
+        call and waits up to the spin bound for its reply: `(ok, value)` if it came, then not
+        delivered through the reactor; None otherwise."""
     def alloc(self, size: int) -> Block:
         """A heap Block (copied into shared memory when sent); MemoryError if too large."""
     def unary_raw(

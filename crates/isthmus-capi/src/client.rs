@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use isthmus::binding::{block_on, runtime, SharedCall};
+use isthmus::binding::{block_on, finish_unary, may_hand_off, runtime, SharedCall, SpinFirst};
 use isthmus::{CallOptions, Code, Config, Status};
 
 use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
@@ -29,11 +29,9 @@ pub struct isthmus_channel_t {
     /// the loop thread that polls them never spins.
     polled: isthmus::Channel,
     /// Unary calls over `shm://`, on the calling thread with no runtime (the fast path).
-    blocking: Option<isthmus::blocking::Channel>,
+    blocking: Option<SpinFirst>,
     /// How long a `ISTHMUS_CALL_SPIN` call waits for its reply on the caller's thread, in µs.
     spin_us: std::sync::atomic::AtomicU64,
-    /// A thread of the pool is connecting `blocking`.
-    connecting: std::sync::Arc<AtomicBool>,
     closed: AtomicBool,
 }
 
@@ -111,21 +109,7 @@ impl isthmus_channel_t {
         let flags = unsafe { opts.as_ref() }.map_or(0, |o| o.flags);
         // wait_for_ready may back off and retry for long: never on the caller's thread.
         let spin = flags & ISTHMUS_CALL_SPIN != 0 && flags & ISTHMUS_CALL_WAIT_FOR_READY == 0;
-        let room = HANDED_OFF.load(Ordering::Relaxed) < HANDED_OFF_MAX;
-        let blocking = self.blocking.as_ref().filter(|_| spin && room && request_len <= SPIN_REQUEST_MAX)?;
-        if blocking.is_connected() {
-            return Some(blocking);
-        }
-        // Connecting (a handshake with a server that may be slow) is never done on the
-        // caller's thread: a thread of the pool connects, and this call takes the queue.
-        if !self.connecting.swap(true, Ordering::AcqRel) {
-            let (blocking, connecting) = (blocking.clone(), self.connecting.clone());
-            runtime().spawn_blocking(move || {
-                let _ = blocking.connect_now();
-                connecting.store(false, Ordering::Release);
-            });
-        }
-        None
+        self.blocking.as_ref().filter(|_| spin && request_len <= SPIN_REQUEST_MAX)?.ready()
     }
 
     fn open(&self) -> Result<(), Status> {
@@ -160,7 +144,7 @@ pub unsafe extern "C" fn isthmus_channel_new(
                 config.max_message_size = limit;
             }
             let blocking = match target.starts_with("shm:") {
-                true => Some(isthmus::blocking::Channel::lazy_with(target, config.clone())?),
+                true => Some(SpinFirst::new(isthmus::blocking::Channel::lazy_with(target, config.clone())?)),
                 false => None,
             };
             let _runtime = runtime().enter();
@@ -171,7 +155,6 @@ pub unsafe extern "C" fn isthmus_channel_new(
                 polled,
                 blocking,
                 spin_us,
-                connecting: Default::default(),
                 closed: AtomicBool::new(false),
             })))
         })
@@ -235,7 +218,7 @@ pub unsafe extern "C" fn isthmus_unary(
         let (path, request, options) =
             unsafe { (c_str(path, "the path")?, c_bytes(request, request_len, "the request")?, call_options(opts)?) };
         let response = match &channel.blocking {
-            Some(blocking) => blocking.unary(path, request, options),
+            Some(blocking) => blocking.channel().unary(path, request, options),
             None => block_on(channel.engine.unary(path, request, options)),
         }?;
         // SAFETY: as above.
@@ -338,31 +321,8 @@ const SPIN_REQUEST_MAX: usize = 1024 * 1024;
 /// copied to the queue's connection rather than waited for by a thread of the pool.
 const COPIED_BLOCK_MAX: usize = 64 * 1024;
 
-/// Unary calls whose slow replies threads wait for, at most: beyond it, calls take the
-/// completion queue's path from the start.
-const HANDED_OFF_MAX: usize = 64;
-
-static HANDED_OFF: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
-
-/// One count in `HANDED_OFF`, given back when dropped (also if the thread's closure never
-/// runs or panics).
-struct HandedOff;
-
-impl HandedOff {
-    fn new() -> HandedOff {
-        HANDED_OFF.fetch_add(1, Ordering::Relaxed);
-        HandedOff
-    }
-}
-
-impl Drop for HandedOff {
-    fn drop(&mut self) {
-        HANDED_OFF.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// Completes a unary call begun on the caller's thread (or its failure to begin) on `cq`, as
-/// [`finish_unary`] waits for it.
+/// Completes a unary call begun on the caller's thread (or its failure to begin) on `cq`: its
+/// reply waited for there for up to `spin`, then by a thread of the pool (`finish_unary`).
 fn complete_begun(
     cq: &Queue,
     tag: u64,
@@ -371,44 +331,12 @@ fn complete_begun(
     now: *mut isthmus_event_t,
 ) {
     match begun {
-        Ok(unary) => cq.start(tag, ISTHMUS_OP_UNARY, finish_unary(unary, spin), now),
+        Ok(unary) => {
+            let reply = finish_unary(unary, spin);
+            cq.start(tag, ISTHMUS_OP_UNARY, async move { Outcome::unary(reply.await) }, now)
+        }
         Err(status) => cq.start(tag, ISTHMUS_OP_UNARY, std::future::ready(Outcome::Failed(status)), now),
     }
-}
-
-/// The outcome of a unary call sent from the caller's thread: waited for there for up to
-/// `spin` (a fast reply then completes in the caller's `now`, with no wake-up at all), and
-/// otherwise by a thread of the runtime's blocking pool, which queues it. An abandoned
-/// operation (`isthmus_cq_cancel`) cancels the call.
-fn finish_unary(
-    mut unary: isthmus::blocking::PendingUnary,
-    spin: Duration,
-) -> impl std::future::Future<Output = Outcome> + Send + 'static {
-    let quick = unary.wait_until(std::time::Instant::now() + spin);
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    match quick {
-        Some(outcome) => drop(tx.send(outcome)),
-        None => {
-            let handed = HandedOff::new();
-            runtime().spawn_blocking(move || {
-                let _handed = handed;
-                // Waits in slices, to notice an abandoned operation and cancel its call.
-                let outcome = loop {
-                    if let Some(outcome) = unary.wait_until(std::time::Instant::now() + Duration::from_millis(20)) {
-                        break Some(outcome);
-                    }
-                    if tx.is_closed() {
-                        unary.cancel();
-                        break None;
-                    }
-                };
-                if let Some(outcome) = outcome {
-                    let _ = tx.send(outcome);
-                }
-            });
-        }
-    }
-    async move { Outcome::unary(rx.await.unwrap_or_else(|_| Err(Status::new(Code::Cancelled, "the call was abandoned")))) }
 }
 
 /// A writable block of `len` bytes in the channel's shared memory, to fill in place and send
@@ -439,7 +367,7 @@ pub unsafe extern "C" fn isthmus_channel_alloc(
             channel.open()?;
             let options = call_options(opts)?;
             let blocking = channel.blocking.as_ref().ok_or_else(no_blocks)?;
-            Ok(Some(block_handle(blocking.alloc(len, options.timeout)?)))
+            Ok(Some(block_handle(blocking.channel().alloc(len, options.timeout)?)))
         })
     }
 }
@@ -476,7 +404,7 @@ pub unsafe extern "C" fn isthmus_unary_block(
         channel.open()?;
         // SAFETY: the caller's promises, passed on.
         let (path, options) = unsafe { (c_str(path, "the path")?, call_options(opts)?) };
-        let response = channel.blocking.as_ref().ok_or_else(no_blocks)?.unary_block(path, block, options)?;
+        let response = channel.blocking.as_ref().ok_or_else(no_blocks)?.channel().unary_block(path, block, options)?;
         // SAFETY: as above.
         unsafe { put_response(response, reply, headers, trailers) };
         Ok(())
@@ -520,7 +448,7 @@ pub unsafe extern "C" fn isthmus_unary_block_async(
         // for this reply. Past the pool's bound, and for a small block that this thread will not
         // wait for (a hand-off costs more than its copy), the call goes the queue's way, whose
         // connection is not the block's: its bytes are copied there.
-        if HANDED_OFF.load(Ordering::Relaxed) >= HANDED_OFF_MAX || (!spinning && block.len() <= COPIED_BLOCK_MAX) {
+        if !may_hand_off() || (!spinning && block.len() <= COPIED_BLOCK_MAX) {
             let (path, request, engine) = (path.to_owned(), block.to_vec(), channel.polled.clone());
             drop(block);
             cq.start(
@@ -531,7 +459,7 @@ pub unsafe extern "C" fn isthmus_unary_block_async(
             );
             return Ok(());
         }
-        complete_begun(&cq, tag, blocking.unary_block_begin(path, block, options), spin, now);
+        complete_begun(&cq, tag, blocking.channel().unary_block_begin(path, block, options), spin, now);
         Ok(())
     })
 }

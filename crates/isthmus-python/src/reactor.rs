@@ -20,9 +20,13 @@
 //!   `CallError` value, not raised, so one nobody awaits is not logged as a lost exception.
 //! - So no task is spawned and no thread woken per call on the way out, and the loop wakes once per
 //!   batch. The reply still crosses one thread, from the reader task to the loop, through the
-//!   eventfd; reading the connection on the loop's thread (the transport's `arm` and `doorbell_fd`)
-//!   would remove that hop, and is not done. These channels are made `with_calls_read(false)`: a
-//!   spin on the loop's thread would hold up every other coroutine.
+//!   eventfd. These channels are made `with_calls_read(false)`: a spin on the loop's thread
+//!   would hold up every other coroutine.
+//! - Except on an idle loop (ADR 0017): a unary call started while the loop waits for nothing
+//!   else is sent over the channel's blocking connection (`SpinFirst`, direct `shm://` targets)
+//!   and its reply waited for on the loop's thread, GIL released, up to the spin bound; it
+//!   comes back from `unary` itself. `Reactor.spin` waits the same way for any other operation
+//!   the loop awaits alone.
 //! - Cancelling a unary call (or the task awaiting it) abandons its token: `Reactor.cancel` drops
 //!   the Rust future, and dropping an engine call sends CANCEL. A streaming call's `cancel` goes
 //!   through its `isthmus::binding::SharedCall`. A request iterator is written by a task on the
@@ -32,9 +36,10 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
-use isthmus::binding::SharedCall;
+use isthmus::binding::{finish_unary, SharedCall, SpinFirst};
 use isthmus::{MetadataMap, Status};
 use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
@@ -75,6 +80,12 @@ impl From<MetadataMap> for Outcome {
     }
 }
 
+impl From<isthmus::Response> for Outcome {
+    fn from(r: isthmus::Response) -> Outcome {
+        Outcome::Unary(r)
+    }
+}
+
 impl From<()> for Outcome {
     fn from((): ()) -> Outcome {
         Outcome::Done
@@ -104,25 +115,19 @@ impl Reactor {
 
     /// `(token, ok, value)` for every finished operation.
     fn drain(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        let done = self.completions.take();
-        let list = PyList::empty(py);
-        for (token, outcome) in done {
-            let (ok, value): (bool, Py<PyAny>) = match outcome {
-                Outcome::Unary(r) => (true, Py::new(py, UnaryResult::new(py, &r)?)?.into_any()),
-                Outcome::Message(Some(m)) => (true, PyBytes::new(py, &m).into_any().unbind()),
-                Outcome::Raw(Some(m)) => (true, Py::new(py, Message::new(m))?.into_any()),
-                Outcome::Message(None) | Outcome::Raw(None) | Outcome::Done => (true, py.None()),
-                Outcome::Metadata(m) => (true, metadata_to_py(py, &m)?.into_any()),
-                Outcome::Sent(sent) => (true, pyo3::types::PyBool::new(py, sent).to_owned().into_any().unbind()),
-                Outcome::Started(core) => {
-                    let call = AsyncCall { core, completions: self.completions.clone() };
-                    (true, Py::new(py, call)?.into_any())
-                }
-                Outcome::Failed(status) => (false, call_error_value(py, &status)),
-            };
-            list.append((token, ok, value))?;
+        self.outcomes(py, self.completions.take())
+    }
+
+    /// [`drain`](Self::drain) after waiting on this thread (the GIL released, never asleep)
+    /// for up to `spin_us` µs until something finished: empty if nothing did.
+    fn spin(&self, py: Python<'_>, spin_us: u64) -> PyResult<Py<PyList>> {
+        let completions = &self.completions;
+        let policy = isthmus::SpinPolicy::default();
+        let ready = py.detach(|| completions.spin(Duration::from_micros(spin_us), policy.yield_after));
+        match ready {
+            true => self.drain(py),
+            false => Ok(PyList::empty(py).unbind()),
         }
-        Ok(list.unbind())
     }
 
     /// Abandons the operation `token`: it will not complete, and a call it was making is
@@ -134,10 +139,46 @@ impl Reactor {
     fn close(&self) {}
 }
 
+impl Reactor {
+    /// The finished operations as `drain` gives them to Python.
+    fn outcomes(&self, py: Python<'_>, done: Vec<(u64, Outcome)>) -> PyResult<Py<PyList>> {
+        let list = PyList::empty(py);
+        for (token, outcome) in done {
+            let (ok, value) = outcome_value(py, &self.completions, outcome)?;
+            list.append((token, ok, value))?;
+        }
+        Ok(list.unbind())
+    }
+}
+
+/// An operation's outcome as Python gets it: `(ok, value)`, a failure as a `CallError` value.
+fn outcome_value(py: Python<'_>, completions: &Arc<Completions>, outcome: Outcome) -> PyResult<(bool, Py<PyAny>)> {
+    Ok(match outcome {
+        Outcome::Unary(r) => (true, Py::new(py, UnaryResult::new(py, &r)?)?.into_any()),
+        Outcome::Message(Some(m)) => (true, PyBytes::new(py, &m).into_any().unbind()),
+        Outcome::Raw(Some(m)) => (true, Py::new(py, Message::new(m))?.into_any()),
+        Outcome::Message(None) | Outcome::Raw(None) | Outcome::Done => (true, py.None()),
+        Outcome::Metadata(m) => (true, metadata_to_py(py, &m)?.into_any()),
+        Outcome::Sent(sent) => (true, pyo3::types::PyBool::new(py, sent).to_owned().into_any().unbind()),
+        Outcome::Started(core) => {
+            let call = AsyncCall { core, completions: completions.clone() };
+            (true, Py::new(py, call)?.into_any())
+        }
+        Outcome::Failed(status) => (false, call_error_value(py, &status)),
+    })
+}
+
+/// Requests up to this size may be sent from the loop's thread (`unary`'s `spin`): larger ones
+/// take the reactor's path, where the runtime sends them.
+const SPIN_REQUEST_MAX: usize = 1024 * 1024;
+
 /// A channel whose operations complete through a [`Reactor`].
 #[pyclass(module = "isthmus._native", frozen)]
 pub(crate) struct AsyncChannel {
     engine: isthmus::Channel,
+    /// For a direct `shm://` target: unary calls the loop's thread sends and waits for itself
+    /// for a moment (`unary`'s `spin`).
+    spin_first: Option<SpinFirst>,
     completions: Arc<Completions>,
     closed: AtomicBool,
 }
@@ -154,8 +195,19 @@ impl AsyncChannel {
     ) -> PyResult<AsyncChannel> {
         // Calls are polled on the event loop's thread, which every other coroutine shares: a
         // call must not spin there reading the connection. The reader task reads for them.
+        let spin_first = match target.starts_with("shm:") && tls.is_none() {
+            true => Some(SpinFirst::new(
+                isthmus::blocking::Channel::lazy(target).map_err(|s| crate::client::bad_target(&s))?,
+            )),
+            false => None,
+        };
         let engine = crate::client::lazy_channel(target, tls, upgrade)?.with_calls_read(false);
-        Ok(AsyncChannel { engine, completions: reactor.completions.clone(), closed: AtomicBool::new(false) })
+        Ok(AsyncChannel {
+            engine,
+            spin_first,
+            completions: reactor.completions.clone(),
+            closed: AtomicBool::new(false),
+        })
     }
 
     /// Calls started over shared memory and over HTTP/2, for a channel to an HTTP/2 address.
@@ -169,19 +221,44 @@ impl AsyncChannel {
         crate::client::upgrade_status(&self.engine)
     }
 
-    #[pyo3(signature = (token, path, request, metadata, timeout, wait_for_ready))]
+    /// Starts a unary call as operation `token`. With `spin` (the loop waits for nothing
+    /// else), over `shm://`, the loop's thread sends it and waits up to the spin bound for its
+    /// reply, which then comes back here as `(ok, value)` instead of through the reactor
+    /// (`None`: it will come through the reactor).
+    #[pyo3(signature = (token, path, request, metadata, timeout, wait_for_ready, spin=false))]
+    #[allow(clippy::too_many_arguments)]
     fn unary(
         &self,
+        py: Python<'_>,
         token: u64,
         path: String,
         request: &Bound<'_, PyBytes>,
         metadata: Option<&Bound<'_, PyAny>>,
         timeout: Option<f64>,
         wait_for_ready: bool,
-    ) -> PyResult<()> {
+        spin: bool,
+    ) -> PyResult<Option<(bool, Py<PyAny>)>> {
         let options = options(metadata, timeout, wait_for_ready)?;
-        self.run_unary(token, path, bytes_from_py(request), options, false);
-        Ok(())
+        let request = bytes_from_py(request);
+        let fast = match spin && !wait_for_ready && request.len() <= SPIN_REQUEST_MAX && self.is_closed().is_none() {
+            true => self.spin_first.as_ref().and_then(SpinFirst::ready),
+            false => None,
+        };
+        let Some(fast) = fast else {
+            self.run_unary(token, path, request, options, false);
+            return Ok(None);
+        };
+        let reply = py.detach(|| {
+            let begun = fast.unary_begin(&path, &request, options);
+            begun.map(|unary| finish_unary(unary, isthmus::SpinPolicy::default().max))
+        });
+        let outcome = self.completions.run_now(token, async move {
+            match reply {
+                Ok(reply) => Outcome::from(reply.await),
+                Err(status) => Outcome::Failed(status),
+            }
+        });
+        outcome.map(|o| outcome_value(py, &self.completions, o)).transpose()
     }
 
     /// A block to build a request in: heap memory (the async channel's calls copy it into

@@ -403,6 +403,30 @@ impl<O: Send + 'static> Completions<O> {
         self.is_ready() || self.fd.wait(deadline) || self.is_ready()
     }
 
+    /// Waits on this thread, never asleep, until something waits to be taken or `spin` has
+    /// passed: spinning, and after `yield_after` yielding the CPU between looks (a peer that
+    /// shares this core gets it). True if something is ready. For an event loop whose one
+    /// pending operation may finish within microseconds: taken this way, it costs no sleep and
+    /// no wake-up.
+    pub fn spin(&self, spin: std::time::Duration, yield_after: std::time::Duration) -> bool {
+        let start = Instant::now();
+        loop {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+            if self.is_ready() {
+                return true;
+            }
+            let spent = start.elapsed();
+            if spent >= spin {
+                return false;
+            }
+            if spent >= yield_after {
+                std::thread::yield_now();
+            }
+        }
+    }
+
     /// Drops a waiting operation's future (which cancels a call it was making); its token
     /// never completes. `false` if it is not waiting.
     pub fn abort(&self, token: u64) -> bool {
@@ -714,4 +738,112 @@ mod tests {
         assert!(!completions.abort(7), "finished, not abandoned");
         assert!(!completions.abort(7), "and no longer waiting");
     }
+}
+
+/// Unary calls that an event loop's thread sends and waits for itself for a moment before it
+/// leaves the reply to its completions: over a blocking channel (its own `shm://` connection,
+/// read by whichever thread waits, ADR 0010), so that a reply that comes within the spin is
+/// taken with no thread woken at all. A slower reply is waited for by a thread of the
+/// runtime's blocking pool ([`finish_unary`]), at most [`HANDED_OFF_MAX`] at once.
+#[derive(Debug)]
+pub struct SpinFirst {
+    channel: crate::blocking::Channel,
+    /// A thread of the pool is connecting `channel`.
+    connecting: Arc<std::sync::atomic::AtomicBool>,
+}
+
+/// Unary calls whose slow replies threads of the pool wait for, at most: beyond it,
+/// [`SpinFirst::ready`] declines and calls take the completions' path from the start.
+pub const HANDED_OFF_MAX: usize = 64;
+
+static HANDED_OFF: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// One count in `HANDED_OFF`, given back when dropped (also if the thread's closure never
+/// runs or panics).
+struct HandedOff;
+
+impl HandedOff {
+    fn new() -> HandedOff {
+        HANDED_OFF.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        HandedOff
+    }
+}
+
+impl Drop for HandedOff {
+    fn drop(&mut self) {
+        HANDED_OFF.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+/// True while threads of the pool wait for fewer than [`HANDED_OFF_MAX`] slow replies.
+pub fn may_hand_off() -> bool {
+    HANDED_OFF.load(std::sync::atomic::Ordering::Relaxed) < HANDED_OFF_MAX
+}
+
+impl SpinFirst {
+    /// Calls over `channel` (not connected yet, typically: [`ready`](Self::ready) connects it).
+    pub fn new(channel: crate::blocking::Channel) -> SpinFirst {
+        SpinFirst { channel, connecting: Arc::default() }
+    }
+
+    /// The blocking channel, whatever its state (for calls that may block).
+    pub fn channel(&self) -> &crate::blocking::Channel {
+        &self.channel
+    }
+
+    /// The channel for a call sent from an event loop's thread: `None` while it is not
+    /// connected (a thread of the pool connects it then: a handshake with a slow server never
+    /// runs on the loop's thread) or while [`may_hand_off`] is false.
+    pub fn ready(&self) -> Option<&crate::blocking::Channel> {
+        use std::sync::atomic::Ordering;
+        if !may_hand_off() {
+            return None;
+        }
+        if self.channel.is_connected() {
+            return Some(&self.channel);
+        }
+        if !self.connecting.swap(true, Ordering::AcqRel) {
+            let (channel, connecting) = (self.channel.clone(), self.connecting.clone());
+            runtime().spawn_blocking(move || {
+                let _ = channel.connect_now();
+                connecting.store(false, Ordering::Release);
+            });
+        }
+        None
+    }
+}
+
+/// The outcome of a unary call sent from the caller's thread: waited for there for up to
+/// `spin` (a fast reply is then ready at the future's first poll, with no wake-up at all), and
+/// otherwise by a thread of the runtime's blocking pool. Dropping the future before it is
+/// ready cancels the call.
+pub fn finish_unary(
+    mut unary: crate::blocking::PendingUnary,
+    spin: std::time::Duration,
+) -> impl Future<Output = Result<crate::Response, Status>> + Send + 'static {
+    let quick = unary.wait_until(Instant::now() + spin);
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    match quick {
+        Some(outcome) => drop(tx.send(outcome)),
+        None => {
+            let handed = HandedOff::new();
+            runtime().spawn_blocking(move || {
+                let _handed = handed;
+                // Waits in slices, to notice an abandoned operation and cancel its call.
+                let outcome = loop {
+                    if let Some(outcome) = unary.wait_until(Instant::now() + std::time::Duration::from_millis(20)) {
+                        break Some(outcome);
+                    }
+                    if tx.is_closed() {
+                        unary.cancel();
+                        break None;
+                    }
+                };
+                if let Some(outcome) = outcome {
+                    let _ = tx.send(outcome);
+                }
+            });
+        }
+    }
+    async move { rx.await.unwrap_or_else(|_| Err(Status::new(Code::Cancelled, "the call was abandoned"))) }
 }

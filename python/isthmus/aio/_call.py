@@ -88,13 +88,16 @@ class UnaryUnaryCall(_Call, grpc.aio.UnaryUnaryCall):
         deserialize: Deserializer,
         outcome: asyncio.Future[Any],
         abandon: Callable[[], None],
+        settle: Callable[[], None],
     ) -> None:
         super().__init__(loop, timeout, deserialize)
         self._outcome = outcome  # resolves to a UnaryResult or a CallError
         self._abandon = abandon
+        self._settle = settle
 
     def __await__(self) -> Generator[Any, None, Any]:
         try:
+            self._settle()
             value = yield from self._outcome.__await__()
         except asyncio.CancelledError:
             self._abandon()
@@ -199,6 +202,7 @@ class _StreamCall(_Call):
             token, future = self._driver.begin(self._loop)
             try:
                 getattr(call, operation)(token, *args)
+                self._driver.settle(self._loop, future)
                 return await future
             except BaseException:
                 self._driver.abandon(token)  # nothing will wait for it any more

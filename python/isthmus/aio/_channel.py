@@ -71,14 +71,24 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
         # Encoded before the operation is registered: a failure here leaves nothing waiting.
         message = request if self._serialize is None else self._serialize(request)
         outgoing_metadata = None if metadata is None else outgoing(metadata)
+        spin = driver.idle(loop)
         token, outcome = driver.begin(loop)
         try:
-            native.unary(token, self._path, message, outgoing_metadata, timeout, bool(wait_for_ready))
+            done = native.unary(
+                token, self._path, message, outgoing_metadata, timeout, bool(wait_for_ready), spin
+            )
         except BaseException:
             driver.abandon(token)
             raise
+        if done is not None:
+            driver.finish(token, done[1])
         return UnaryUnaryCall(
-            loop, timeout, self._deserialize, outcome, functools.partial(driver.abandon, token)
+            loop,
+            timeout,
+            self._deserialize,
+            outcome,
+            functools.partial(driver.abandon, token),
+            functools.partial(driver.settle, loop, outcome),
         )
 
 
@@ -191,6 +201,7 @@ class Channel(grpc.aio.Channel):
             driver.abandon(token)
             raise
         try:
+            driver.settle(loop, outcome)
             value = await outcome
         except asyncio.CancelledError:
             driver.abandon(token)
