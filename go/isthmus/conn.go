@@ -328,7 +328,10 @@ func (cc *ClientConn) invokeLarge(ctx context.Context, method string, args proto
 		}
 		return status.Errorf(codes.Internal, "grpc: error while marshaling: %v", err)
 	}
-	ev, ok := cc.unaryBlock(ctx, cString(method), b, &copts)
+	ev, ok, err := cc.unaryBlock(ctx, cString(method), b, &copts)
+	if err != nil {
+		return err
+	}
 	return cc.unaryReply(ctx, ev, ok, reply, co)
 }
 

@@ -447,3 +447,37 @@ func checkRawStream(t *testing.T, label string, conn *isthmus.ClientConn) {
 		t.Fatalf("%s: stream end: %v, want io.EOF", label, err)
 	}
 }
+
+func TestWaitForReadyWaitsForTheServerWithALargeRequest(t *testing.T) {
+	shm, _ := fresh(t, "wfr")
+	c := pb.NewEchoClient(dial(t, shm))
+	payload := echo.Pattern(1<<20, 7) // large: marshalled straight into shared memory
+	// Nobody serves yet: without WaitForReady the call fails at once.
+	if _, err := c.Unary(context.Background(), &pb.EchoRequest{Payload: payload}); status.Code(err) != codes.Unavailable {
+		t.Fatalf("with no server: %v, want Unavailable", err)
+	}
+	done := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		defer cancel()
+		r, err := c.Unary(ctx, &pb.EchoRequest{Payload: payload}, grpc.WaitForReady(true))
+		if err == nil && len(r.Payload) != len(payload) {
+			err = fmt.Errorf("a reply of %d bytes", len(r.Payload))
+		}
+		done <- err
+	}()
+	select {
+	case err := <-done:
+		t.Fatalf("the call ended before there was a server: %v", err)
+	case <-time.After(300 * time.Millisecond):
+	}
+	startPeer(t, goPeerBin, shm)
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the call did not end once the server was up")
+	}
+}

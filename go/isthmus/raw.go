@@ -63,6 +63,15 @@ func newBlock(h *C.isthmus_block_t) *Block {
 // allocated is the block an alloc entry point gave, a block of Go memory where the transport
 // has no shared memory (codes.Unimplemented), or the failure.
 func allocated(code C.isthmus_code_t, h *C.isthmus_block_t, st *C.isthmus_status_t, n int) (*Block, error) {
+	if n < 0 {
+		if h != nil {
+			C.isthmus_block_free(h)
+		}
+		if st != nil {
+			C.isthmus_status_free(st)
+		}
+		return nil, negativeSize(n)
+	}
 	switch code {
 	case C.ISTHMUS_OK:
 		return newBlock(h), nil
@@ -74,6 +83,10 @@ func allocated(code C.isthmus_code_t, h *C.isthmus_block_t, st *C.isthmus_status
 	}
 	err, _ := statusError(code, st)
 	return nil, err
+}
+
+func negativeSize(n int) error {
+	return status.Errorf(codes.InvalidArgument, "a block of %d bytes", n)
 }
 
 // Bytes is the block's memory to write, valid until it is sent or released.
@@ -232,6 +245,9 @@ func (cc *ClientConn) Alloc(ctx context.Context, n int) (*Block, error) {
 	if cc.closed.Load() {
 		return nil, errClosing()
 	}
+	if n < 0 {
+		return nil, negativeSize(n)
+	}
 	if !cc.shm {
 		return &Block{data: make([]byte, n)}, nil
 	}
@@ -254,10 +270,6 @@ func (cc *ClientConn) allocBlock(n int, copts *C.isthmus_call_options_t) (*Block
 // where it lies (the block is spent, whatever the outcome); the reply is a Message viewing the
 // server's memory. It waits for the reply as Invoke does.
 func (cc *ClientConn) CallRawBlock(ctx context.Context, method string, request *Block) (*Message, error) {
-	if request.h == nil && !request.spent {
-		_, data, _ := request.take()
-		return cc.CallRaw(ctx, method, data)
-	}
 	if cc.closed.Load() {
 		request.Release()
 		return nil, errClosing()
@@ -267,20 +279,27 @@ func (cc *ClientConn) CallRawBlock(ctx context.Context, method string, request *
 		request.Release()
 		return nil, err
 	}
-	ev, ok := cc.unaryBlock(ctx, cString(method), request, &copts)
+	ev, ok, err := cc.unaryBlock(ctx, cString(method), request, &copts)
+	if err != nil {
+		return nil, err
+	}
 	return rawReply(ctx, ev, ok)
 }
 
-// unaryBlock runs a unary call whose request is block (spent here) the way unary does; the
-// metadata handle in copts is freed here.
-func (cc *ClientConn) unaryBlock(ctx context.Context, path *C.char, block *Block, copts *C.isthmus_call_options_t) (C.isthmus_event_t, bool) {
-	h, _, err := block.take()
+// unaryBlock runs a unary call whose request is block (spent here; one of Go memory goes as
+// bytes) the way unary does; the metadata handle in copts is freed here. err is a block that
+// was spent already.
+func (cc *ClientConn) unaryBlock(ctx context.Context, path *C.char, block *Block, copts *C.isthmus_call_options_t) (C.isthmus_event_t, bool, error) {
+	h, data, err := block.take()
 	if err != nil {
 		freeMetadata(copts.metadata)
-		st, _ := status.FromError(err)
-		return C.isthmus_event_t{op: C.ISTHMUS_OP_UNARY, code: C.isthmus_code_t(st.Code())}, true
+		return C.isthmus_event_t{}, false, err
 	}
-	return cc.unary(ctx, copts, func(o *C.isthmus_call_options_t) C.isthmus_event_t {
+	if h == nil {
+		ev, ok := cc.unaryBytes(ctx, path, data, copts)
+		return ev, ok, nil
+	}
+	ev, ok := cc.unary(ctx, copts, func(o *C.isthmus_call_options_t) C.isthmus_event_t {
 		var msg *C.isthmus_message_t
 		var header, trailer *C.isthmus_metadata_t
 		var st *C.isthmus_status_t
@@ -290,6 +309,7 @@ func (cc *ClientConn) unaryBlock(ctx context.Context, path *C.char, block *Block
 		var st *C.isthmus_status_t
 		return C.isthmus_unary_block_async(cc.ch, path, h, o, cq, tag, now, &st), st
 	})
+	return ev, ok, nil
 }
 
 // rawReply is a raw unary call's outcome: the reply as a Message, or the call's error.

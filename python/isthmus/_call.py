@@ -31,6 +31,8 @@ def encode(serialize: Serializer, request: Any) -> bytes:
         return request  # type: ignore[no-any-return]
     try:
         return serialize(request)
+    except CallError:
+        raise  # a limit's (see `_channel.limited`)
     except Exception as e:
         _LOG.exception("Exception serializing request!")
         raise CallError(_INTERNAL, "Exception serializing request!") from e

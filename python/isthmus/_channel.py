@@ -228,13 +228,44 @@ def upgrades(options: Any) -> bool:
     return bool(dict(options or ()).get("isthmus.upgrade", True))
 
 
+_RESOURCE_EXHAUSTED = 8
+
+
+def limits(options: Any) -> tuple[int | None, int | None]:
+    """grpc's `max_send_message_length` and `max_receive_message_length` (None for none: unset,
+    or -1 as grpc spells it). Unlike grpcio, whose default receive limit is 4 MiB, an unset
+    limit is the engine's own (4 GiB)."""
+    given = dict(options or ())
+
+    def size(key: str) -> int | None:
+        value = given.get(key)
+        return None if value is None or int(value) < 0 else int(value)
+
+    return size("grpc.max_send_message_length"), size("grpc.max_receive_message_length")
+
+
+def limited(serialize: Serializer, limit: int | None) -> Serializer:
+    """`serialize`, failing a request over `limit` bytes RESOURCE_EXHAUSTED as grpc does."""
+    if limit is None:
+        return serialize
+
+    def checked(request: Any) -> bytes:
+        message = request if serialize is None else serialize(request)
+        if len(message) > limit:
+            raise CallError(_RESOURCE_EXHAUSTED, f"Sent message larger than max ({len(message)} vs. {limit})")
+        return message
+
+    return checked
+
+
 class Channel(grpc.Channel):
     """A client channel to any target grpc names (`host:port`, `dns:///host:port`, `unix:path`,
     …) or `shm://NAME`, with TLS if `tls` is given (from `secure_channel`). It connects on the
     first call. A channel to an HTTP/2 address of an isthmus server on this machine that also
     serves `shm://` moves its calls to shared memory (`("isthmus.upgrade", False)` in `options`
-    keeps them on HTTP/2). Of grpc's `options` only `grpc.ssl_target_name_override` is used,
-    and `compression` is accepted for grpc's sake."""
+    keeps them on HTTP/2). Of grpc's `options` it uses `grpc.ssl_target_name_override`,
+    `grpc.max_send_message_length` and `grpc.max_receive_message_length` (a larger message
+    fails its call RESOURCE_EXHAUSTED), and `compression` is accepted for grpc's sake."""
 
     def __init__(
         self,
@@ -243,7 +274,8 @@ class Channel(grpc.Channel):
         compression: grpc.Compression | None = None,
         tls: tuple[bytes | None, bytes | None, bytes | None, str | None] | None = None,
     ):
-        self._native = _native.Channel(target, tls, upgrades(options))
+        self._max_send, max_receive = limits(options)
+        self._native = _native.Channel(target, tls, upgrades(options), max_receive)
 
     def transport_counts(self) -> dict[str, int]:
         """For a channel to an HTTP/2 address: how many calls went over shared memory (the
@@ -276,7 +308,9 @@ class Channel(grpc.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> UnaryUnaryMultiCallable:
-        return UnaryUnaryMultiCallable(self._native, method, request_serializer, response_deserializer)
+        return UnaryUnaryMultiCallable(
+            self._native, method, limited(request_serializer, self._max_send), response_deserializer
+        )
 
     def unary_stream(
         self,
@@ -286,7 +320,9 @@ class Channel(grpc.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> UnaryStreamMultiCallable:
-        return UnaryStreamMultiCallable(self._native, method, request_serializer, response_deserializer)
+        return UnaryStreamMultiCallable(
+            self._native, method, limited(request_serializer, self._max_send), response_deserializer
+        )
 
     def stream_unary(
         self,
@@ -296,7 +332,9 @@ class Channel(grpc.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> StreamUnaryMultiCallable:
-        return StreamUnaryMultiCallable(self._native, method, request_serializer, response_deserializer)
+        return StreamUnaryMultiCallable(
+            self._native, method, limited(request_serializer, self._max_send), response_deserializer
+        )
 
     def stream_stream(
         self,
@@ -306,7 +344,9 @@ class Channel(grpc.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> StreamStreamMultiCallable:
-        return StreamStreamMultiCallable(self._native, method, request_serializer, response_deserializer)
+        return StreamStreamMultiCallable(
+            self._native, method, limited(request_serializer, self._max_send), response_deserializer
+        )
 
     def alloc(self, size: int, timeout: float | None = None) -> _native.Block:
         """The raw tier: a writable buffer of `size` bytes to build a request in place (fill it

@@ -88,7 +88,9 @@ class Channel:
     """A client channel for blocking calls (`shm://`, `unix://`, `http://`). Connects on the
     first call. Waits release the GIL."""
 
-    def __new__(cls, target: str, tls: _ClientTls | None = None, upgrade: bool = True) -> Self:
+    def __new__(
+        cls, target: str, tls: _ClientTls | None = None, upgrade: bool = True, max_receive: int | None = None
+    ) -> Self:
         """Raises ValueError for a target that does not parse, or TLS settings that do not."""
     def transport_counts(self) -> tuple[int, int]:
         """Calls started over shm and over HTTP/2 (a channel to an HTTP/2 address)."""
@@ -173,7 +175,12 @@ class AsyncChannel:
     """A client channel whose operations complete through a Reactor."""
 
     def __new__(
-        cls, target: str, reactor: Reactor, tls: _ClientTls | None = None, upgrade: bool = True
+        cls,
+        target: str,
+        reactor: Reactor,
+        tls: _ClientTls | None = None,
+        upgrade: bool = True,
+        max_receive: int | None = None,
     ) -> Self: ...
     def transport_counts(self) -> tuple[int, int]: ...
     def upgrade_status(self) -> str: ...
@@ -186,10 +193,11 @@ class AsyncChannel:
         timeout: float | None,
         wait_for_ready: bool,
         spin: bool = False,
-    ) -> tuple[bool, object] | None:
+    ) -> tuple[bool, object] | bool | None:
         """Completes with a UnaryResult. With `spin` (over shm://) the loop's thread sends the
         call and waits up to the spin bound for its reply: `(ok, value)` if it came, then not
-        delivered through the reactor; None otherwise."""
+        delivered through the reactor; False if it did not come in time; None if the call took
+        the reactor's path from the start."""
     def alloc(self, size: int) -> Block:
         """A heap Block (copied into shared memory when sent); MemoryError if too large."""
     def unary_raw(

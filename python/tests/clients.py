@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
+import uvloop
 from peer import grpcio_target
 
 import isthmus
@@ -27,6 +28,16 @@ def aio(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
         asyncio.run(asyncio.wait_for(test(*args, **kwargs), WATCHDOG))
 
     return run
+
+
+def run_on(loop: str, test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Runs a coroutine function on a fresh loop of kind `loop` (`asyncio` or `uvloop`), under
+    the watchdog."""
+    coroutine = asyncio.wait_for(test(), WATCHDOG)
+    if loop == "uvloop":
+        uvloop.run(coroutine)
+    else:
+        asyncio.run(coroutine)
 
 
 def as_dict(metadata: Iterable[tuple[str, Any]]) -> dict[str, Any]:

@@ -8,14 +8,13 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from types import ModuleType
 from typing import Any
 
 import grpc
 import pytest
-import uvloop
-from clients import WATCHDOG
+from clients import run_on as run
 
 import isthmus.aio
 from isthmus.aio import _reactor
@@ -25,14 +24,6 @@ LOOPS = ["asyncio", "uvloop"]
 # Where these run: the Rust server over shm:// (the fast path's transport) and over a Unix
 # socket, and isthmus's asyncio server over shm://.
 WHERE = [("rust", "shm"), ("rust", "unix"), ("isthmus-aio", "shm")]
-
-
-def run(loop: str, test: Callable[[], Coroutine[Any, Any, None]]) -> None:
-    coroutine = asyncio.wait_for(test(), WATCHDOG)
-    if loop == "uvloop":
-        uvloop.run(coroutine)
-    else:
-        asyncio.run(coroutine)
 
 
 @pytest.fixture(params=WHERE, ids="-".join)

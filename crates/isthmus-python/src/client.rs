@@ -68,9 +68,10 @@ pub(crate) fn lazy_channel(
     target: &str,
     tls: Option<crate::tls::ClientTls>,
     upgrade: bool,
+    config: isthmus::Config,
 ) -> PyResult<isthmus::Channel> {
     let _runtime = runtime().enter();
-    let mut builder = isthmus::Channel::builder(target).upgrade(upgrade);
+    let mut builder = isthmus::Channel::builder(target).upgrade(upgrade).config(config);
     if let Some(tls) = tls {
         builder = builder.tls_config(crate::tls::client_config(tls)?);
     }
@@ -85,6 +86,16 @@ pub(crate) fn upgrade_status(engine: &isthmus::Channel) -> String {
         isthmus::UpgradeStatus::Http2 => "http2".into(),
         isthmus::UpgradeStatus::Shm(to) => to.target,
     }
+}
+
+/// The engine's settings for a client channel: grpc's `max_receive_message_length` (None for
+/// no limit beyond the engine's own).
+pub(crate) fn client_config(max_receive: Option<u64>) -> isthmus::Config {
+    let mut config = isthmus::Config::default();
+    if let Some(limit) = max_receive {
+        config.max_message_size = limit;
+    }
+    config
 }
 
 pub(crate) fn bad_target(status: &Status) -> PyErr {
@@ -107,6 +118,8 @@ pub(crate) struct Channel {
     /// For a channel to an HTTP/2 address that moved to shared memory: the fast path's own
     /// channel to where it moved.
     upgraded: std::sync::Mutex<Option<(isthmus::UpgradedTo, isthmus::blocking::Channel)>>,
+    /// The engine's settings for every connection of this channel.
+    config: isthmus::Config,
     closed: AtomicBool,
 }
 
@@ -124,7 +137,7 @@ impl Channel {
             match &*cached {
                 Some((current, channel)) if *current == to => channel.clone(),
                 _ => {
-                    let channel = isthmus::blocking::Channel::lazy_upgraded(&to, isthmus::Config::default()).ok()?;
+                    let channel = isthmus::blocking::Channel::lazy_upgraded(&to, self.config.clone()).ok()?;
                     *cached = Some((to.clone(), channel.clone()));
                     channel
                 }
@@ -162,15 +175,22 @@ impl Channel {
 #[pymethods]
 impl Channel {
     #[new]
-    #[pyo3(signature = (target, tls=None, upgrade=true))]
-    fn new(target: &str, tls: Option<crate::tls::ClientTls>, upgrade: bool) -> PyResult<Channel> {
+    #[pyo3(signature = (target, tls=None, upgrade=true, max_receive=None))]
+    fn new(
+        target: &str,
+        tls: Option<crate::tls::ClientTls>,
+        upgrade: bool,
+        max_receive: Option<u64>,
+    ) -> PyResult<Channel> {
+        let config = client_config(max_receive);
         let blocking = match target.starts_with("shm:") && tls.is_none() {
-            true => Some(isthmus::blocking::Channel::lazy(target).map_err(|s| bad_target(&s))?),
+            true => Some(isthmus::blocking::Channel::lazy_with(target, config.clone()).map_err(|s| bad_target(&s))?),
             false => None,
         };
-        let engine = lazy_channel(target, tls, upgrade)?;
+        let engine = lazy_channel(target, tls, upgrade, config.clone())?;
         let direct = engine.without_upgrade();
-        Ok(Channel { blocking, engine, direct, upgraded: std::sync::Mutex::new(None), closed: AtomicBool::new(false) })
+        let upgraded = std::sync::Mutex::new(None);
+        Ok(Channel { blocking, engine, direct, upgraded, config, closed: AtomicBool::new(false) })
     }
 
     /// Calls started over shared memory and over HTTP/2, for a channel to an HTTP/2 address.

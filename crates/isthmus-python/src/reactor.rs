@@ -186,22 +186,25 @@ pub(crate) struct AsyncChannel {
 #[pymethods]
 impl AsyncChannel {
     #[new]
-    #[pyo3(signature = (target, reactor, tls=None, upgrade=true))]
+    #[pyo3(signature = (target, reactor, tls=None, upgrade=true, max_receive=None))]
     fn new(
         target: &str,
         reactor: &Reactor,
         tls: Option<crate::tls::ClientTls>,
         upgrade: bool,
+        max_receive: Option<u64>,
     ) -> PyResult<AsyncChannel> {
+        let config = crate::client::client_config(max_receive);
         // Calls are polled on the event loop's thread, which every other coroutine shares: a
         // call must not spin there reading the connection. The reader task reads for them.
         let spin_first = match target.starts_with("shm:") && tls.is_none() {
             true => Some(SpinFirst::new(
-                isthmus::blocking::Channel::lazy(target).map_err(|s| crate::client::bad_target(&s))?,
+                isthmus::blocking::Channel::lazy_with(target, config.clone())
+                    .map_err(|s| crate::client::bad_target(&s))?,
             )),
             false => None,
         };
-        let engine = crate::client::lazy_channel(target, tls, upgrade)?.with_calls_read(false);
+        let engine = crate::client::lazy_channel(target, tls, upgrade, config)?.with_calls_read(false);
         Ok(AsyncChannel {
             engine,
             spin_first,
@@ -223,8 +226,9 @@ impl AsyncChannel {
 
     /// Starts a unary call as operation `token`. With `spin` (the loop waits for nothing
     /// else), over `shm://`, the loop's thread sends it and waits up to the spin bound for its
-    /// reply, which then comes back here as `(ok, value)` instead of through the reactor
-    /// (`None`: it will come through the reactor).
+    /// reply, which then comes back here as `(ok, value)` instead of through the reactor.
+    /// Otherwise it comes through the reactor: `False` if this waited for it already, `None`
+    /// if not.
     #[pyo3(signature = (token, path, request, metadata, timeout, wait_for_ready, spin=false))]
     #[allow(clippy::too_many_arguments)]
     fn unary(
@@ -237,7 +241,7 @@ impl AsyncChannel {
         timeout: Option<f64>,
         wait_for_ready: bool,
         spin: bool,
-    ) -> PyResult<Option<(bool, Py<PyAny>)>> {
+    ) -> PyResult<Py<PyAny>> {
         let options = options(metadata, timeout, wait_for_ready)?;
         let request = bytes_from_py(request);
         let fast = match spin && !wait_for_ready && request.len() <= SPIN_REQUEST_MAX && self.is_closed().is_none() {
@@ -246,7 +250,7 @@ impl AsyncChannel {
         };
         let Some(fast) = fast else {
             self.run_unary(token, path, request, options, false);
-            return Ok(None);
+            return Ok(py.None());
         };
         let reply = py.detach(|| {
             let begun = fast.unary_begin(&path, &request, options);
@@ -258,7 +262,10 @@ impl AsyncChannel {
                 Err(status) => Outcome::Failed(status),
             }
         });
-        outcome.map(|o| outcome_value(py, &self.completions, o)).transpose()
+        match outcome {
+            Some(o) => Ok(outcome_value(py, &self.completions, o)?.into_pyobject(py)?.into_any().unbind()),
+            None => Ok(pyo3::types::PyBool::new(py, false).to_owned().into_any().unbind()),
+        }
     }
 
     /// A block to build a request in: heap memory (the async channel's calls copy it into

@@ -748,6 +748,12 @@ unsafe impl Send for BlockMut {}
 unsafe impl Sync for BlockMut {}
 
 impl BlockMut {
+    /// Whether this block was allocated from `sender`'s connection (the only one it can be
+    /// sent on).
+    pub fn is_from(&self, sender: &Sender) -> bool {
+        Arc::ptr_eq(&self.sender.core, &sender.core)
+    }
+
     /// Shortens the block to `len` bytes (for a serializer that wrote less than it reserved).
     /// The arena space stays reserved until the receiver releases it.
     pub fn truncate(&mut self, len: usize) {

@@ -62,7 +62,8 @@ enum Via {
     Shm(ShmChannel),
     /// Standard gRPC over HTTP/2 (tonic's channel), to any other target; with the state of
     /// its move to shared memory unless that is turned off (`upgrade.rs`).
-    Http { channel: tonic::transport::Channel, target: String, upgrade: Option<Arc<Upgrade>> },
+    /// `max_message`: the largest response message accepted (the builder's `Config`).
+    Http { channel: tonic::transport::Channel, target: String, upgrade: Option<Arc<Upgrade>>, max_message: usize },
 }
 
 impl Via {
@@ -142,7 +143,12 @@ impl ChannelBuilder {
     fn over_http(&self, channel: tonic::transport::Channel, peer: HttpPeer) -> Channel {
         let upgrade = self.upgrade.then(|| Arc::new(Upgrade::new(self.config.clone(), peer)));
         Channel {
-            via: Arc::new(Via::Http { channel, target: self.target.clone(), upgrade }),
+            via: Arc::new(Via::Http {
+                channel,
+                target: self.target.clone(),
+                upgrade,
+                max_message: usize::try_from(self.config.max_message_size).unwrap_or(usize::MAX),
+            }),
             calls_read: true,
             routes: true,
         }
@@ -370,7 +376,10 @@ impl Channel {
 
     /// The largest message this channel accepts (its configuration's `max_message_size`).
     pub(crate) fn max_message_size(&self) -> usize {
-        self.via.shm().map_or(usize::MAX, ShmChannel::max_message_size)
+        match &*self.via {
+            Via::Shm(shm) => shm.max_message_size(),
+            Via::Http { max_message, .. } => *max_message,
+        }
     }
 
     /// Counters of the current connection (zero if there is none yet); they start afresh when

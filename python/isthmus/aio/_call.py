@@ -15,7 +15,7 @@ import grpc
 import grpc.aio
 
 from .. import _native
-from .._call import Deserializer, Serializer, decode
+from .._call import Deserializer, Serializer, decode, encode
 from .._errors import LOCALLY_CANCELLED, rpc_error, status_code
 from .._metadata import Metadatum, incoming_aio
 from .._native import CallError
@@ -56,6 +56,18 @@ class _Call(abc.ABC):
     @abc.abstractmethod
     def _ok_trailers(self) -> list[Metadatum] | None:
         """The trailing metadata of a call that ended OK."""
+
+    @abc.abstractmethod
+    def _finished(self) -> asyncio.Future[Any]:
+        """A future done when the call is over (for the channel's `close(grace)`)."""
+
+    @abc.abstractmethod
+    def cancel(self) -> bool:
+        """Cancels the call, as grpc.aio's `cancel`."""
+
+    @abc.abstractmethod
+    def done(self) -> bool:
+        """True once the call is over."""
 
     def time_remaining(self) -> float | None:
         return None if self._deadline is None else max(self._deadline - self._loop.time(), 0.0)
@@ -123,6 +135,9 @@ class UnaryUnaryCall(_Call, grpc.aio.UnaryUnaryCall):
 
     def _ok_trailers(self) -> list[Metadatum]:
         return self._outcome.result().trailing_metadata  # type: ignore[no-any-return]
+
+    def _finished(self) -> asyncio.Future[Any]:
+        return self._outcome
 
     async def initial_metadata(self) -> grpc.aio.Metadata:
         return incoming_aio((await self._result()).initial_metadata)
@@ -248,6 +263,9 @@ class _StreamCall(_Call):
     def _ok_trailers(self) -> list[Metadatum] | None:
         return None if self._native is None else self._native.trailing_metadata()
 
+    def _finished(self) -> asyncio.Future[Any]:
+        return self._done
+
     async def initial_metadata(self) -> grpc.aio.Metadata:
         if self._initial is None:
             async with self._receive_lock:
@@ -283,7 +301,11 @@ class _StreamCall(_Call):
     # The sending side.
 
     async def _send(self, request: Any, last: bool = False) -> bool:
-        message = request if self._serialize is None else self._serialize(request)
+        try:
+            message = encode(self._serialize, request)
+        except CallError as error:  # as grpcio's: the call fails INTERNAL
+            self._fail(error)
+            self._raise_status()
         return await self._op("send", message, last)  # type: ignore[no-any-return]
 
     async def _write_all(self, requests: RequestIterable) -> None:

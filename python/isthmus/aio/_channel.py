@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import weakref
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 import grpc.aio
 
 from .. import _native
-from .._call import Deserializer, Serializer
-from .._channel import upgrades
+from .._call import Deserializer, Serializer, encode
+from .._channel import limited, limits, upgrades
 from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
 from .._native import CallError
@@ -22,8 +23,12 @@ from ._call import (
     StreamUnaryCall,
     UnaryStreamCall,
     UnaryUnaryCall,
+    _Call,
 )
 from ._reactor import Driver, driver
+
+_C = TypeVar("_C", bound=_Call)
+_S = TypeVar("_S", UnaryStreamCall, StreamUnaryCall, StreamStreamCall)
 
 
 class _MultiCallable:
@@ -33,25 +38,29 @@ class _MultiCallable:
         self._serialize = serialize
         self._deserialize = deserialize
 
-    def _stream_args(
+    def _start(
         self,
+        shape: type[_S],
         timeout: float | None,
         metadata: Iterable[Metadatum] | None,
         wait_for_ready: bool | None,
         requests: RequestIterable | None,
-    ) -> tuple[Any, ...]:
+    ) -> _S:
+        """A streaming call of `shape`, kept by the channel for `close`."""
         loop, driver, native = self._channel._bind()
-        return (
-            loop,
-            driver,
-            native,
-            self._path,
-            outgoing(metadata),
-            timeout,
-            bool(wait_for_ready),
-            self._serialize,
-            self._deserialize,
-            requests,
+        return self._channel._track(
+            shape(
+                loop,
+                driver,
+                native,
+                self._path,
+                outgoing(metadata),
+                timeout,
+                bool(wait_for_ready),
+                self._serialize,
+                self._deserialize,
+                requests,
+            )
         )
 
 
@@ -69,7 +78,10 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
         # The fast path: one engine operation and one future.
         loop, driver, native = self._channel._bind()
         # Encoded before the operation is registered: a failure here leaves nothing waiting.
-        message = request if self._serialize is None else self._serialize(request)
+        try:
+            message = encode(self._serialize, request)
+        except CallError as error:  # as grpcio's: the call fails INTERNAL
+            return self._channel._track(_failed(loop, timeout, self._deserialize, error))
         outgoing_metadata = None if metadata is None else outgoing(metadata)
         spin = driver.idle(loop)
         token, outcome = driver.begin(loop)
@@ -80,16 +92,28 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
         except BaseException:
             driver.abandon(token)
             raise
-        if done is not None:
+        if isinstance(done, tuple):
             driver.finish(token, done[1])
-        return UnaryUnaryCall(
-            loop,
-            timeout,
-            self._deserialize,
-            outcome,
-            functools.partial(driver.abandon, token),
-            functools.partial(driver.settle, loop, outcome),
+        # After a spin that missed, the await does not spin again.
+        settle = _nothing if done is False else functools.partial(driver.settle, loop, outcome)
+        return self._channel._track(
+            UnaryUnaryCall(
+                loop, timeout, self._deserialize, outcome, functools.partial(driver.abandon, token), settle
+            )
         )
+
+
+def _nothing() -> None:
+    pass
+
+
+def _failed(
+    loop: asyncio.AbstractEventLoop, timeout: float | None, deserialize: Deserializer, error: CallError
+) -> UnaryUnaryCall:
+    """A unary call that failed before it started."""
+    outcome: asyncio.Future[Any] = loop.create_future()
+    outcome.set_result(error)
+    return UnaryUnaryCall(loop, timeout, deserialize, outcome, _nothing, _nothing)
 
 
 class UnaryStreamMultiCallable(_MultiCallable, grpc.aio.UnaryStreamMultiCallable):
@@ -103,7 +127,7 @@ class UnaryStreamMultiCallable(_MultiCallable, grpc.aio.UnaryStreamMultiCallable
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> UnaryStreamCall:
-        return UnaryStreamCall(*self._stream_args(timeout, metadata, wait_for_ready, (request,)))
+        return self._start(UnaryStreamCall, timeout, metadata, wait_for_ready, (request,))
 
 
 class StreamUnaryMultiCallable(_MultiCallable, grpc.aio.StreamUnaryMultiCallable):
@@ -116,7 +140,7 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.aio.StreamUnaryMultiCallable
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> StreamUnaryCall:
-        return StreamUnaryCall(*self._stream_args(timeout, metadata, wait_for_ready, request_iterator))
+        return self._start(StreamUnaryCall, timeout, metadata, wait_for_ready, request_iterator)
 
 
 class StreamStreamMultiCallable(_MultiCallable, grpc.aio.StreamStreamMultiCallable):
@@ -129,7 +153,7 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.aio.StreamStreamMultiCallab
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> StreamStreamCall:
-        return StreamStreamCall(*self._stream_args(timeout, metadata, wait_for_ready, request_iterator))
+        return self._start(StreamStreamCall, timeout, metadata, wait_for_ready, request_iterator)
 
 
 class Channel(grpc.aio.Channel):
@@ -137,8 +161,8 @@ class Channel(grpc.aio.Channel):
     with TLS if `tls` is given (from `secure_channel`). Its calls complete through the Reactor of
     the event loop it is first used on, and it stays with that loop (as a grpc.aio channel
     does). It moves to shared memory as the blocking channel does (`isthmus.upgrade`). Of grpc's
-    `options` only `grpc.ssl_target_name_override` is used; `compression` is accepted for
-    grpc's sake."""
+    `options` it uses `grpc.ssl_target_name_override` and the message-size limits, as the
+    blocking channel does; `compression` is accepted for grpc's sake."""
 
     def __init__(
         self,
@@ -150,11 +174,13 @@ class Channel(grpc.aio.Channel):
         self._target = target
         self._tls = tls
         self._upgrade = upgrades(options)
+        self._max_send, self._max_receive = limits(options)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._driver: Driver | None = None
         self._native: _native.AsyncChannel | None = None
         self._closed = False
         self._shutdown: asyncio.Future[None] | None = None
+        self._calls: weakref.WeakSet[_Call] = weakref.WeakSet()  # for `close`
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -163,13 +189,15 @@ class Channel(grpc.aio.Channel):
 
     def _bind(self) -> tuple[asyncio.AbstractEventLoop, Driver, _native.AsyncChannel]:
         loop = asyncio.get_running_loop()
+        if self._closed:
+            raise grpc.aio.UsageError("Channel is closed.")
         if loop is not self._loop:
-            if self._closed:
-                raise grpc.aio.UsageError("Channel is closed.")
             if self._loop is not None:
                 raise grpc.aio.UsageError("The channel is used on an event loop other than its own.")
             self._driver = driver(loop)
-            self._native = _native.AsyncChannel(self._target, self._driver.reactor, self._tls, self._upgrade)
+            self._native = _native.AsyncChannel(
+                self._target, self._driver.reactor, self._tls, self._upgrade, self._max_receive
+            )
             self._loop = loop
         return loop, self._driver, self._native  # type: ignore[return-value]
 
@@ -227,12 +255,23 @@ class Channel(grpc.aio.Channel):
     async def __aexit__(self, exc_type: object, exc_val: object, exc_tb: object) -> None:
         await self.close()
 
+    def _track(self, call: _C) -> _C:
+        """Keeps `call` (weakly) for `close`."""
+        self._calls.add(call)
+        return call
+
     async def close(self, grace: float | None = None) -> None:
-        """Closes the channel: later calls fail UNAVAILABLE. Unlike grpc.aio, calls in progress
-        go on to their end (cancel them to stop them), and `grace` is not waited for."""
+        """Closes the channel, as grpc.aio's: new calls raise `grpc.aio.UsageError`; calls in
+        progress get up to `grace` seconds to end, then are cancelled (their awaiters see
+        `asyncio.CancelledError`)."""
         if self._closed:
             return
         self._closed = True
+        calls = [call for call in self._calls if not call.done()]
+        if grace and calls:
+            await asyncio.wait([call._finished() for call in calls], timeout=grace)
+        for call in calls:
+            call.cancel()
         if self._native is not None:
             self._native.close()
         if self._shutdown is not None and not self._shutdown.done():
@@ -263,7 +302,9 @@ class Channel(grpc.aio.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> UnaryUnaryMultiCallable:
-        return UnaryUnaryMultiCallable(self, method, request_serializer, response_deserializer)
+        return UnaryUnaryMultiCallable(
+            self, method, limited(request_serializer, self._max_send), response_deserializer
+        )
 
     def unary_stream(
         self,
@@ -273,7 +314,9 @@ class Channel(grpc.aio.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> UnaryStreamMultiCallable:
-        return UnaryStreamMultiCallable(self, method, request_serializer, response_deserializer)
+        return UnaryStreamMultiCallable(
+            self, method, limited(request_serializer, self._max_send), response_deserializer
+        )
 
     def stream_unary(
         self,
@@ -283,7 +326,9 @@ class Channel(grpc.aio.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> StreamUnaryMultiCallable:
-        return StreamUnaryMultiCallable(self, method, request_serializer, response_deserializer)
+        return StreamUnaryMultiCallable(
+            self, method, limited(request_serializer, self._max_send), response_deserializer
+        )
 
     def stream_stream(
         self,
@@ -293,4 +338,6 @@ class Channel(grpc.aio.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> StreamStreamMultiCallable:
-        return StreamStreamMultiCallable(self, method, request_serializer, response_deserializer)
+        return StreamStreamMultiCallable(
+            self, method, limited(request_serializer, self._max_send), response_deserializer
+        )

@@ -1,7 +1,8 @@
 """One engine `Reactor` per running event loop: its fd wakes the loop, and each wake-up resolves
 the futures of every operation finished since, by token.
 
-A loop that waits for nothing else and has no callback ready (`idle`) waits for the one
+A loop that waits for no other isthmus operation and has no callback ready (`idle`; it may
+still watch other sockets or timers, which then wait up to the spin bound) waits for the one
 operation it starts on its own thread, with the GIL released, for up to the blocking client's
 spin bound: a unary call over `shm://` is then sent and its reply read by the loop's thread
 itself (the channel's blocking connection, as the sync API's), and any other operation is
@@ -48,8 +49,9 @@ class Driver:
         self.reactor.cancel(token)
 
     def idle(self, loop: asyncio.AbstractEventLoop) -> bool:
-        """No operation pending and no callback ready (the standard loop says so; uvloop does
-        not, and is taken to have none): an operation started now may be waited for here."""
+        """No isthmus operation pending and no callback ready (the standard loop says so;
+        uvloop does not, and is taken to have none): an operation started now may be waited
+        for here."""
         return not self._waiting and not getattr(loop, "_ready", None)
 
     def finish(self, token: int, value: Any) -> None:

@@ -1195,6 +1195,16 @@ static int check_unary_block(ctx_t *c) {
   INVALID(isthmus_unary_block(NULL, SVC "Unary", block, &opts, &reply, NULL, NULL, &st));
   INVALID(isthmus_block_free(block));
 
+  /* a block of another channel (another connection) is refused before anything is sent */
+  isthmus_channel_t *other = NULL;
+  MUST(isthmus_channel_new(c->target, NULL, &other, &st));
+  MUST(isthmus_channel_alloc(c->ch, 16, &opts, &block, &st));
+  st = NULL;
+  EXPECT(isthmus_unary_block(other, SVC "Unary", block, &opts, &reply, NULL, NULL, &st), ISTHMUS_UNAVAILABLE);
+  isthmus_status_free(st);
+  INVALID(isthmus_block_free(block));
+  MUST(isthmus_channel_close(other));
+
   uint8_t *want = malloc(MIB);
   REQUIRE(want != NULL, "1 MiB");
   fill_pattern(want, MIB, 3);

@@ -169,8 +169,14 @@ impl Channel {
     /// Waits up to `timeout` for arena room. The block belongs to the current connection: if
     /// that connection ends before the block is sent, sending it fails UNAVAILABLE.
     pub fn alloc(&self, len: usize, timeout: Option<Duration>) -> Result<BlockMut, Status> {
-        let deadline = timeout.map(|t| Instant::now() + t);
-        let mux = self.mux(false, deadline)?;
+        self.alloc_for(len, &CallOptions { timeout, ..CallOptions::default() })
+    }
+
+    /// [`alloc`](Self::alloc) for the request of a call with these options: within its
+    /// timeout, and with `wait_for_ready` waiting for a server to connect to as the call would.
+    pub fn alloc_for(&self, len: usize, options: &CallOptions) -> Result<BlockMut, Status> {
+        let deadline = options.timeout.map(|t| Instant::now() + t);
+        let mux = self.mux(options.wait_for_ready, deadline)?;
         mux.sender.alloc(len, deadline).map_err(|e| Status::from_transport(&e))
     }
 
@@ -187,6 +193,14 @@ impl Channel {
         request: BlockMut,
         options: CallOptions,
     ) -> Result<PendingUnary, Status> {
+        // Checked before anything is sent, and never by connecting: a block lives and dies
+        // with the connection it came from.
+        if !self.inner.slot.live().is_some_and(|mux| request.is_from(&mux.sender)) {
+            return Err(Status::new(
+                Code::Unavailable,
+                "the connection the block was allocated from is gone (or the block is another channel's)",
+            ));
+        }
         let mut call = self.start(path, options)?;
         call.send_block(request, true)?;
         Ok(PendingUnary { call, path: path.to_owned(), message: None })

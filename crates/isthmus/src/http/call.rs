@@ -12,8 +12,8 @@
 //! The deadline is the call's: `grpc-timeout` goes with the head and every wait is bounded by it
 //! (DEADLINE_EXCEEDED, "the call's deadline passed"). A status tonic made from a transport error
 //! (an UNKNOWN with a source) is reported UNAVAILABLE, as the connection's end is over `shm://`.
-//! The largest response message is the channel's `max_message_size` (none for an HTTP/2 channel,
-//! which has no `Config`); requests have no limit. Dropping or cancelling the call ends the body
+//! The largest response message is the channel's `max_message_size` (its builder's `Config`);
+//! requests have no limit. Dropping or cancelling the call ends the body
 //! and resets the stream: the server sees CANCELLED. Each request is copied once into a `Bytes`
 //! (none if given one, `CallSender::send_bytes`), and tonic's encoder copies it again.
 
@@ -127,6 +127,9 @@ impl Drop for HttpCall {
     }
 }
 
+/// How tonic words a decoded message over its limit.
+const TONIC_TOO_LARGE: &str = "Error, decoded message length too large";
+
 /// A status from tonic, with its trailers as metadata.
 fn status_from_tonic(t: tonic::Status) -> Status {
     let metadata = codec::metadata_from(&t.metadata().clone().into_headers()).unwrap_or_default();
@@ -136,6 +139,11 @@ fn status_from_tonic(t: tonic::Status) -> Status {
     let code = match t.code() {
         tonic::Code::Unknown if std::error::Error::source(&t).is_some() || t.message() == "transport error" => {
             Code::Unavailable
+        }
+        // tonic's own refusal of a response over the channel's limit, which gRPC names
+        // RESOURCE_EXHAUSTED (a server's OUT_OF_RANGE comes with trailers).
+        tonic::Code::OutOfRange if metadata.is_empty() && t.message().starts_with(TONIC_TOO_LARGE) => {
+            Code::ResourceExhausted
         }
         other => Code::from_u32(other as u32),
     };

@@ -1,0 +1,173 @@
+"""grpcio's and grpc.aio's behaviours that isthmus keeps, each run with the same code on a grpc
+channel and on isthmus channels (over a Unix socket and over shm://), expecting the same result;
+isthmus.aio's under asyncio's own loop and under uvloop."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+from clients import run_on as run
+from peer import grpcio_target
+
+import isthmus
+import isthmus.aio
+
+# (client API, transport, event loop)
+CLIENTS = [
+    ("grpc.aio", "unix", "asyncio"),
+    ("isthmus.aio", "unix", "asyncio"),
+    ("isthmus.aio", "shm", "asyncio"),
+    ("isthmus.aio", "shm", "uvloop"),
+]
+
+
+@pytest.fixture(params=CLIENTS, ids="-".join)
+def client(request: pytest.FixtureRequest, servers: Callable[[str], Any]) -> tuple[Callable[[], Any], str]:
+    """A function that makes a channel of the client API to the Rust server, and the loop."""
+    api, transport, loop = request.param
+    address = str(servers("rust").addresses[transport])
+    if api == "grpc.aio":
+        return (lambda: grpc.aio.insecure_channel(grpcio_target(address))), loop
+    return (lambda: isthmus.aio.insecure_channel(address)), loop
+
+
+def test_close_cancels_the_calls_in_progress(
+    client: tuple[Callable[[], Any], str], pb_grpc: ModuleType, pb: ModuleType
+) -> None:
+    make, loop = client
+
+    async def test() -> None:
+        channel = make()
+        stub = pb_grpc.EchoStub(channel)
+        assert (await stub.Unary(pb.EchoRequest(seq=1), timeout=60)).seq == 1
+        slow = asyncio.ensure_future(stub.Unary(pb.EchoRequest(sleep_ms=5000), timeout=60))
+        stream = stub.Bidi(timeout=60)
+        await stream.write(pb.EchoRequest(seq=2))
+        assert (await stream.read()).seq == 2
+        await asyncio.sleep(0.05)
+        start = time.monotonic()
+        await channel.close()
+        assert time.monotonic() - start < 2
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        if isinstance(channel, isthmus.aio.Channel):
+            # grpc.aio cancels only calls that a task awaits: a read of this stream after the
+            # close waits for ever there. isthmus cancels every call in progress.
+            assert stream.cancelled() and await stream.code() == grpc.StatusCode.CANCELLED
+        with pytest.raises(grpc.aio.UsageError):
+            await stub.Unary(pb.EchoRequest(), timeout=60)
+
+    run(loop, test)
+
+
+def test_close_with_a_grace_lets_calls_finish_within_it(
+    client: tuple[Callable[[], Any], str], pb_grpc: ModuleType, pb: ModuleType
+) -> None:
+    make, loop = client
+
+    async def test() -> None:
+        channel = make()
+        stub = pb_grpc.EchoStub(channel)
+        await stub.Unary(pb.EchoRequest(), timeout=60)
+        quick = asyncio.ensure_future(stub.Unary(pb.EchoRequest(seq=3, sleep_ms=200), timeout=60))
+        slow = asyncio.ensure_future(stub.Unary(pb.EchoRequest(sleep_ms=10_000), timeout=60))
+        await asyncio.sleep(0.02)
+        start = time.monotonic()
+        await channel.close(grace=1.0)
+        waited = time.monotonic() - start
+        assert 0.9 <= waited < 5, waited  # the grace, not the slow call's 10 s
+        assert (await quick).seq == 3  # finished within the grace
+        with pytest.raises(asyncio.CancelledError):
+            await slow  # cancelled when the grace ran out
+
+    run(loop, test)
+
+
+def _boom(_: Any) -> bytes:
+    raise ValueError("cannot serialize this")
+
+
+def test_a_request_serializer_that_raises_fails_the_call_internal(servers: Callable[[str], Any]) -> None:
+    """As grpcio's sync API does (grpc.aio instead logs the error and sends an empty request):
+    INTERNAL, "Exception serializing request!"."""
+    address = str(servers("rust").addresses["unix"])
+    with grpc.insecure_channel(grpcio_target(address)) as channel, pytest.raises(grpc.RpcError) as caught:
+        channel.unary_unary("/conformance.Echo/Unary", request_serializer=_boom)(object(), timeout=60)
+    want = (caught.value.code(), caught.value.details())
+    assert want == (grpc.StatusCode.INTERNAL, "Exception serializing request!")
+
+    for loop in ("asyncio", "uvloop"):
+        for transport in ("unix", "shm"):
+
+            async def test(transport: str = transport) -> None:
+                async with isthmus.aio.insecure_channel(servers("rust").addresses[transport]) as channel:
+                    unary = channel.unary_unary("/conformance.Echo/Unary", request_serializer=_boom)
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await unary(object(), timeout=60)
+                    assert (caught.value.code(), caught.value.details()) == want
+                    stream = channel.stream_stream("/conformance.Echo/Bidi", request_serializer=_boom)
+                    call = stream(timeout=60)
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await call.write(object())
+                    assert (caught.value.code(), caught.value.details()) == want
+                    assert await call.code() == grpc.StatusCode.INTERNAL
+
+            run(loop, test)
+
+
+LIMITED = [("grpc.max_send_message_length", 1000), ("grpc.max_receive_message_length", 1000)]
+
+
+@pytest.mark.parametrize(
+    "api,transport",
+    [
+        ("grpcio", "unix"),
+        ("isthmus", "unix"),
+        ("isthmus", "shm"),
+        ("grpc.aio", "unix"),
+        ("isthmus.aio", "unix"),
+        ("isthmus.aio", "shm"),
+    ],
+)
+def test_message_size_limits_from_the_channel_options(
+    api: str, transport: str, servers: Callable[[str], Any], pb_grpc: ModuleType, pb: ModuleType
+) -> None:
+    """A request over the send limit, and a reply over the receive limit, fail their calls
+    RESOURCE_EXHAUSTED; the channel goes on."""
+    address = str(servers("rust").addresses[transport])
+    target = grpcio_target(address) if api.startswith("grpc") else address
+    over, under = pb.EchoRequest(payload=b"x" * 2000), pb.EchoRequest(seq=5, payload=b"x" * 100)
+    if api in ("grpcio", "isthmus"):
+        make = grpc.insecure_channel if api == "grpcio" else isthmus.insecure_channel
+        with make(target, options=LIMITED) as channel:
+            stub = pb_grpc.EchoStub(channel)
+            with pytest.raises(grpc.RpcError) as sent:
+                stub.Unary(over, timeout=60)
+            assert sent.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(grpc.RpcError) as received:
+                stub.ServerStream(pb.StreamRequest(count=1, size=2000), timeout=60).next()
+            assert received.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert stub.Unary(under, timeout=60).seq == 5
+        return
+
+    async def test() -> None:
+        make = grpc.aio.insecure_channel if api == "grpc.aio" else isthmus.aio.insecure_channel
+        async with make(target, options=LIMITED) as channel:
+            stub = pb_grpc.EchoStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as sent:
+                await stub.Unary(over, timeout=60)
+            assert sent.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(grpc.aio.AioRpcError) as received:
+                async for _ in stub.ServerStream(pb.StreamRequest(count=1, size=2000), timeout=60):
+                    pass
+            assert received.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert (await stub.Unary(under, timeout=60)).seq == 5
+
+    run("asyncio", test)
