@@ -54,6 +54,9 @@ class HandlerCallDetails(grpc.HandlerCallDetails):
         self.invocation_metadata = invocation_metadata
 
 
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"
+
+
 class Handlers:
     def __init__(self, generic: Iterable[grpc.GenericRpcHandler] | None, interceptors: Sequence[Any] | None):
         self._generic = list(generic or ())
@@ -66,6 +69,11 @@ class Handlers:
     def add_registered(self, service: str, methods: Mapping[str, grpc.RpcMethodHandler]) -> None:
         for name, handler in methods.items():
             self._registered[f"/{service}/{name}"] = handler
+
+    def serves_health(self) -> bool:
+        """Whether the application serves `grpc.health.v1.Health` itself (then the engine's
+        built-in health service stays out of its way)."""
+        return self._lookup(HandlerCallDetails(HEALTH_CHECK, ())) is not None
 
     def _lookup(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = self._registered.get(details.method)

@@ -332,10 +332,11 @@ class Server:
     def close_calls(self, why: str) -> None:
         """The process is exiting: `serve_calls` loops end now; queued and later calls fail
         UNAVAILABLE with `why`."""
-    def add_port(self, target: str, tls: _ServerTls | None = None) -> str:
+    def add_port(self, target: str, tls: _ServerTls | None = None, health: bool = True) -> str:
         """Binds now, with TLS if given (TCP targets); returns the address as clients reach it
-        (`http://` or `https://` with the port chosen for port 0). Raises ValueError (bad
-        target or TLS settings) or OSError (cannot bind)."""
+        (`http://` or `https://` with the port chosen for port 0). `health`: the engine answers
+        grpc.health.v1 there. Raises ValueError (bad target or TLS settings) or OSError (cannot
+        bind)."""
     def start(self) -> None: ...
     def stop(self, grace: float | None = None) -> None:
         """Starts a graceful shutdown (new calls refused, calls in progress get `grace` seconds,

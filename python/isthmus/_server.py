@@ -59,6 +59,7 @@ class ServerBase:
         max_threads: int | None = None,
     ) -> None:
         self._handlers = Handlers(handlers, interceptors)
+        self._builtin_health = False  # some port was bound with the engine's health service
         # `isthmus.offer_shm` (default on): HTTP/2 clients on this machine move to shm://.
         offer_shm = bool(dict(options or ()).get("isthmus.offer_shm", True))
         self._native = _native.Server(
@@ -77,12 +78,26 @@ class ServerBase:
         """Binds now: `[::]:PORT`, `0.0.0.0:PORT`, `localhost:PORT` and grpc's other TCP forms,
         `unix:PATH`, `unix-abstract:NAME`, or `shm://NAME`. Returns the TCP port (the one
         chosen for port 0), else 1, as grpc does: its callers treat 0 as failure."""
-        return _port(self._native.add_port(address, None))
+        return _port(self._add_port(address, None))
 
     def add_secure_port(self, address: str, server_credentials: grpc.ServerCredentials) -> int:
         """Binds a TCP address with TLS, `server_credentials` from
         `isthmus.ssl_server_credentials`. Returns the port, as `add_insecure_port` does."""
-        return _port(self._native.add_port(address, server_tls(server_credentials)))
+        return _port(self._add_port(address, server_tls(server_credentials)))
+
+    def _add_port(self, address: str, tls: Any) -> str:
+        # The engine answers grpc.health.v1 unless a servicer of the application does.
+        health = not self._handlers.serves_health()
+        self._builtin_health = self._builtin_health or health
+        return self._native.add_port(address, tls, health)
+
+    def _check_health(self) -> None:
+        """At start: a Health servicer added after a port was bound is not reached there."""
+        if self._builtin_health and self._handlers.serves_health():
+            _LOG.warning(
+                "the grpc.health.v1.Health servicer was added after add_*_port: on the ports bound "
+                "before it, isthmus's built-in health service answers instead; add it first"
+            )
 
 
 class Server(ServerBase, grpc.Server):
@@ -163,6 +178,7 @@ class Server(ServerBase, grpc.Server):
             context._finish(None)
 
     def start(self) -> None:
+        self._check_health()
         self._native.start()
         threading.Thread(target=self._dispatch, name="isthmus-dispatch", daemon=True).start()
         # At exit, before the executor joins its threads (its hook was registered first, and

@@ -5,8 +5,11 @@ isthmus.aio's under asyncio's own loop and under uvloop."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -14,7 +17,7 @@ import grpc
 import grpc.aio
 import pytest
 from clients import run_on as run
-from peer import grpcio_target
+from peer import Peer, Served, fresh, grpcio_target
 
 import isthmus
 import isthmus.aio
@@ -171,3 +174,34 @@ def test_message_size_limits_from_the_channel_options(
             assert (await stub.Unary(under, timeout=60)).seq == 5
 
     run("asyncio", test)
+
+
+@pytest.mark.parametrize("api", ["grpcio", "isthmus", "isthmus-aio"])
+def test_the_applications_health_servicer_is_the_one_that_answers(api: str) -> None:
+    """A `grpc.health.v1.Health` servicer of the application answers Check (isthmus's own
+    health service steps aside), over every transport, with the same answers as under grpcio."""
+    transports = ["unix"] if api == "grpcio" else ["unix", "shm"]
+    targets = [fresh(t) for t in transports]
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(Path(__file__).resolve().parent), env.get("PYTHONPATH")])
+    )
+    served = Served(api, Peer([sys.executable, "-m", "health_server", api, *targets], env))
+    try:
+        for target in targets:
+            channels = [isthmus.insecure_channel(target)]
+            if target.startswith("unix://"):
+                channels.append(grpc.insecure_channel(grpcio_target(target)))
+            for channel in channels:
+                with channel:
+                    check = channel.unary_unary("/grpc.health.v1.Health/Check")
+                    assert check(b"", timeout=60) == b"\x08\x01"  # SERVING
+                    assert check(b"\x0a\x06custom", timeout=60) == b"\x08\x02"  # NOT_SERVING
+                    with pytest.raises(grpc.RpcError) as caught:
+                        check(b"\x0a\x05other", timeout=60)
+                    assert (caught.value.code(), caught.value.details()) == (
+                        grpc.StatusCode.NOT_FOUND,
+                        "no such service: other",
+                    )
+    finally:
+        served.close()

@@ -54,9 +54,10 @@
 //!   are accepted and unused. `add_port` with TLS settings is `add_secure_port` (TCP targets).
 //! - Known limits: a call's two halves serialise on its `HandedCall`'s one lock, a `recv` for as
 //!   long as it waits, so a handler that reads in one task while it writes in another sees each
-//!   write wait for the read (grpcio's one-thread-per-call handlers do not meet this); a Python
-//!   `grpc.health.v1.Health` servicer is never called, because the engine's
-//!   health service takes that path and reports `""` SERVING while it serves.
+//!   write wait for the read (grpcio's one-thread-per-call handlers do not meet this).
+//! - Health: the engine answers `grpc.health.v1` (`""` SERVING while it serves) on each port
+//!   bound while no Python servicer serves that name; `add_port(.., health=False)` leaves it to
+//!   the application's servicer.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -308,11 +309,12 @@ impl Server {
         }
     }
 
-    #[pyo3(signature = (target, tls=None))]
-    fn add_port(&self, target: &str, tls: Option<crate::tls::ServerTls>) -> PyResult<String> {
+    #[pyo3(signature = (target, tls=None, health=true))]
+    fn add_port(&self, target: &str, tls: Option<crate::tls::ServerTls>, health: bool) -> PyResult<String> {
         let tls = tls.map(crate::tls::server_config).transpose()?;
         let _runtime = runtime().enter();
-        let mut server = isthmus::Server::builder().fallback(self.handler.clone()).config(self.config.clone());
+        let mut server =
+            isthmus::Server::builder().fallback(self.handler.clone()).config(self.config.clone()).health(health);
         server = match &self.offer {
             Some(offer) => server.shm_offer(offer.clone()),
             None => server.offer_shm(false),

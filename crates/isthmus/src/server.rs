@@ -31,6 +31,7 @@
 //!
 //! Health: every endpoint, `shm://` included, serves `grpc.health.v1`. `""` is SERVING from the
 //! start; each added service is set SERVING when serving starts; an unknown name is NOT_FOUND.
+//! `health(false)` leaves that name to the application's own service.
 //!
 //! A graceful shutdown (the signal, or an endpoint that ended):
 //!
@@ -120,6 +121,8 @@ pub struct Server {
     /// The `shm://` endpoint offered to HTTP/2 clients (`upgrade.rs`), unless `offer_shm` is off.
     offer: ShmOffer,
     offer_shm: bool,
+    /// Serve `grpc.health.v1` (off when the application serves its own).
+    health: bool,
 }
 
 impl Default for Server {
@@ -136,6 +139,7 @@ impl Default for Server {
             tls: None,
             offer: ShmOffer::new(),
             offer_shm: true,
+            health: true,
         }
     }
 }
@@ -255,6 +259,14 @@ impl Server {
         self
     }
 
+    /// Whether the server answers `grpc.health.v1` itself (default: yes). Off for an
+    /// application that serves its own health service under that name (a handler, or a
+    /// foreign servicer behind the catch-all handler).
+    pub fn health(mut self, on: bool) -> Server {
+        self.health = on;
+        self
+    }
+
     /// Whether HTTP/2 clients of this server are offered its `shm://` endpoint, so that their
     /// calls move to shared memory when they run on this machine (default: yes; see
     /// [`crate::upgrade`]).
@@ -288,7 +300,9 @@ impl Server {
         // while it serves, NOT_SERVING once a graceful shutdown begins.
         let (health, health_service) = tonic_health::server::health_reporter();
         let mut this = self;
-        this = this.add_service(health_service);
+        if this.health {
+            this = this.add_service(health_service);
+        }
         if !this.descriptors.is_empty() {
             let bad = |e: tonic_reflection::server::Error| {
                 Status::new(Code::InvalidArgument, format!("a reflection descriptor set does not decode: {e}"))
@@ -339,7 +353,12 @@ impl Server {
         if shm.is_empty() && http.is_empty() {
             return Err(Status::new(Code::InvalidArgument, "no target to serve"));
         }
-        let mut http_routes = this.routes.clone();
+        // No tonic service (the built-in health service turned off): an empty router still
+        // serves the offer and the handlers' fallback.
+        let mut http_routes = match (&this.routes, http.is_empty()) {
+            (None, false) => Some(tonic::service::Routes::default()),
+            (routes, _) => routes.clone(),
+        };
         if this.offer_shm && !http.is_empty() {
             let offer = crate::upgrade::OfferService(this.offer.clone());
             http_routes = http_routes.map(|routes| routes.add_service(offer));

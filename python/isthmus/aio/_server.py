@@ -107,6 +107,7 @@ class Server(ServerBase, grpc.aio.Server):
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._driver = driver(self._loop)
+        self._check_health()
         self._native.start()
 
     async def stop(self, grace: float | None) -> None:
