@@ -315,7 +315,7 @@ class Server:
     def __new__(
         cls,
         dispatch: Callable[[ServerCall], None] | None,
-        max_concurrent_streams: int | None = None,
+        max_concurrent_rpcs: int | None = None,
         max_message_size: int | None = None,
         offer_shm: bool = True,
         max_threads: int | None = None,

@@ -5,12 +5,14 @@ KIND is `isthmus` (isthmus.server), `isthmus-aio` (isthmus.aio.server) or `grpci
 for `unix://` and `http://` targets). Targets are isthmus's (`shm://`, `unix:///`, `http://`).
 Prints `READY`, then `LISTENING ADDRESS` for each `unix://` and `http://` target in order, as
 the Rust peer does. SIGTERM stops the server with 3 s of grace; `SHUTDOWN-DONE` is printed at
-the end. The generated `conformance_pb2*` modules must be on PYTHONPATH.
+the end. The generated `conformance_pb2*` modules must be on PYTHONPATH. `ECHO_MAX_RPCS` sets
+`maximum_concurrent_rpcs`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import sys
 import threading
@@ -59,10 +61,16 @@ async def serve_aio_forever(
     await asyncio.Event().wait()
 
 
+def max_rpcs() -> int | None:
+    """`ECHO_MAX_RPCS`: the server's `maximum_concurrent_rpcs`."""
+    value = os.environ.get("ECHO_MAX_RPCS")
+    return None if value is None else int(value)
+
+
 def serve(kind: str, targets: list[str]) -> None:
     pool = futures.ThreadPoolExecutor(max_workers=16)
     make = isthmus.server if kind == "isthmus" else grpc.server
-    server = make(pool, options=OPTIONS)
+    server = make(pool, options=OPTIONS, maximum_concurrent_rpcs=max_rpcs())
     pb_grpc.add_EchoServicer_to_server(Echo(), server)
     addresses = bind(server, kind, targets)
     server.start()
@@ -75,7 +83,7 @@ def serve(kind: str, targets: list[str]) -> None:
 
 
 async def serve_aio(targets: list[str]) -> None:
-    server = isthmus.aio.server(options=OPTIONS)
+    server = isthmus.aio.server(options=OPTIONS, maximum_concurrent_rpcs=max_rpcs())
     pb_grpc.add_EchoServicer_to_server(AsyncEcho(), server)
     addresses = bind(server, "isthmus-aio", targets)
     await server.start()

@@ -17,7 +17,7 @@ import grpc
 import grpc.aio
 import pytest
 from clients import run_on as run
-from peer import Peer, Served, fresh, grpcio_target
+from peer import Peer, Served, fresh, grpcio_target, serve
 
 import isthmus
 import isthmus.aio
@@ -203,5 +203,36 @@ def test_the_applications_health_servicer_is_the_one_that_answers(api: str) -> N
                         grpc.StatusCode.NOT_FOUND,
                         "no such service: other",
                     )
+    finally:
+        served.close()
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus", "isthmus-aio"])
+def test_maximum_concurrent_rpcs_counts_the_whole_server(
+    kind: str, stubs: Path, pb_grpc: ModuleType, pb: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two slow calls on two ports fill a server whose `maximum_concurrent_rpcs` is 2: one
+    more, on either port, is refused RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!", and
+    once they end calls go through again."""
+    monkeypatch.setenv("ECHO_MAX_RPCS", "2")
+    served = serve(kind, ["unix", "http"], stubs)
+    try:
+        channels = [isthmus.insecure_channel(served.addresses[t]) for t in ("unix", "http")]
+        echo = [pb_grpc.EchoStub(channel) for channel in channels]
+        slow = [e.Unary.future(pb.EchoRequest(seq=i, sleep_ms=3500), timeout=60) for i, e in enumerate(echo)]
+        time.sleep(1.0)  # both are running by now (they take milliseconds to arrive)
+        with pytest.raises(grpc.RpcError) as refused:
+            echo[0].Unary(pb.EchoRequest(), timeout=60)
+        assert (refused.value.code(), refused.value.details()) == (
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "Concurrent RPC limit exceeded!",
+        )
+        with pytest.raises(grpc.RpcError) as other_port:
+            echo[1].Unary(pb.EchoRequest(), timeout=60)
+        assert other_port.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert [f.result().seq for f in slow] == [0, 1]
+        assert echo[1].Unary(pb.EchoRequest(seq=4), timeout=60).seq == 4
+        for channel in channels:
+            channel.close()
     finally:
         served.close()

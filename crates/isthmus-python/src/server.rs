@@ -48,8 +48,9 @@
 //!   waits on a condvar with the GIL released; the blocking `wait_for_termination` waits in 1 s
 //!   slices so Ctrl-C gets its turn. The asyncio `stop` cancels the handler tasks still running
 //!   once the engine has ended every call.
-//! - Options: `maximum_concurrent_rpcs` becomes `max_concurrent_streams` (so it counts per
-//!   connection, and over HTTP/2 per port, where grpcio counts per server),
+//! - Options: `maximum_concurrent_rpcs` bounds the calls in progress on the whole server, as
+//!   grpcio's does: one more is refused RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!"
+//!   before Python sees it (counted from its arrival to its end, queued or running);
 //!   `grpc.max_receive_message_length` becomes `max_message_size`; other options and `compression`
 //!   are accepted and unused. `add_port` with TLS settings is `add_secure_port` (TCP targets).
 //! - Known limits: a call's two halves serialise on its `HandedCall`'s one lock, a `recv` for as
@@ -59,7 +60,7 @@
 //!   bound while no Python servicer serves that name; `add_port(.., health=False)` leaves it to
 //!   the application's servicer.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -77,25 +78,60 @@ use crate::reactor::Reactor;
 use crate::runtime;
 
 /// Hands every call to Python: to the `dispatch` callable (the asyncio server), or to the
-/// queue the blocking server's threads take calls from.
-enum PyHandler {
+/// queue the blocking server's threads take calls from; at most `limit` at once, server-wide
+/// (grpcio's `maximum_concurrent_rpcs`).
+struct PyHandler {
+    deliver: Deliver,
+    limit: Option<Arc<Limit>>,
+}
+
+enum Deliver {
     Dispatch(Py<PyAny>),
     Queue(Arc<CallQueue>),
 }
 
+/// Calls in progress on every port of one server, and how many may be.
+struct Limit {
+    max: usize,
+    active: AtomicUsize,
+}
+
+/// One call counted in a [`Limit`] until dropped, with its handler's future (however it ends).
+struct Counted(Arc<Limit>);
+
+impl Drop for Counted {
+    fn drop(&mut self) {
+        self.0.active.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
 impl Handler for PyHandler {
     fn handle(self: Arc<Self>, call: isthmus::ServerCall) -> HandlerFuture {
-        Box::pin(hand_off(call, move |core| match &*self {
-            PyHandler::Queue(queue) => {
-                queue.push(core);
-                Ok(())
+        let counted = match &self.limit {
+            Some(limit) if limit.active.fetch_add(1, Ordering::AcqRel) >= limit.max => {
+                limit.active.fetch_sub(1, Ordering::AcqRel);
+                // grpcio's words for it.
+                let refused = Status::new(Code::ResourceExhausted, "Concurrent RPC limit exceeded!");
+                return Box::pin(std::future::ready(Err(refused)));
             }
-            PyHandler::Dispatch(dispatch) => Python::attach(|py| -> PyResult<()> {
-                let call = Py::new(py, ServerCall { core })?;
-                dispatch.call1(py, (call,)).map(drop)
+            Some(limit) => Some(Counted(limit.clone())),
+            None => None,
+        };
+        Box::pin(async move {
+            let _counted = counted;
+            hand_off(call, move |core| match &self.deliver {
+                Deliver::Queue(queue) => {
+                    queue.push(core);
+                    Ok(())
+                }
+                Deliver::Dispatch(dispatch) => Python::attach(|py| -> PyResult<()> {
+                    let call = Py::new(py, ServerCall { core })?;
+                    dispatch.call1(py, (call,)).map(drop)
+                })
+                .map_err(|e| Status::new(Code::Unknown, format!("the server could not start the handler: {e}"))),
             })
-            .map_err(|e| Status::new(Code::Unknown, format!("the server could not start the handler: {e}"))),
-        }))
+            .await
+        })
     }
 }
 
@@ -264,7 +300,6 @@ pub(crate) struct Server {
     handler: Arc<PyHandler>,
     /// The blocking server's calls on their way to its threads (`dispatch` was None).
     queue: Option<Arc<CallQueue>>,
-    stream_limit: Option<usize>,
     config: isthmus::Config,
     /// What every port's HTTP/2 clients are offered: the `shm://` port, whichever call bound it.
     offer: Option<isthmus::ShmOffer>,
@@ -277,10 +312,10 @@ pub(crate) struct Server {
 #[pymethods]
 impl Server {
     #[new]
-    #[pyo3(signature = (dispatch, max_concurrent_streams=None, max_message_size=None, offer_shm=true, max_threads=None))]
+    #[pyo3(signature = (dispatch, max_concurrent_rpcs=None, max_message_size=None, offer_shm=true, max_threads=None))]
     fn new(
         dispatch: Option<Py<PyAny>>,
-        max_concurrent_streams: Option<usize>,
+        max_concurrent_rpcs: Option<usize>,
         max_message_size: Option<u64>,
         offer_shm: bool,
         max_threads: Option<usize>,
@@ -289,17 +324,17 @@ impl Server {
         if let Some(limit) = max_message_size {
             config.max_message_size = limit;
         }
-        let (handler, queue) = match dispatch {
-            Some(dispatch) => (PyHandler::Dispatch(dispatch), None),
+        let (deliver, queue) = match dispatch {
+            Some(dispatch) => (Deliver::Dispatch(dispatch), None),
             None => {
                 let queue = Arc::new(CallQueue::new(max_threads.unwrap_or(usize::MAX)));
-                (PyHandler::Queue(queue.clone()), Some(queue))
+                (Deliver::Queue(queue.clone()), Some(queue))
             }
         };
+        let limit = max_concurrent_rpcs.map(|max| Arc::new(Limit { max, active: AtomicUsize::new(0) }));
         Server {
-            handler: Arc::new(handler),
+            handler: Arc::new(PyHandler { deliver, limit }),
             queue,
-            stream_limit: max_concurrent_streams,
             config,
             offer: offer_shm.then(isthmus::ShmOffer::new),
             bound: Mutex::new(Vec::new()),
@@ -319,9 +354,6 @@ impl Server {
             Some(offer) => server.shm_offer(offer.clone()),
             None => server.offer_shm(false),
         };
-        if let Some(limit) = self.stream_limit {
-            server = server.max_concurrent_streams(limit);
-        }
         let bound = match tls {
             Some(tls) => server.bind_secure(target, tls),
             None => server.bind(target),
