@@ -176,17 +176,44 @@ def test_message_size_limits_from_the_channel_options(
     run("asyncio", test)
 
 
-@pytest.mark.parametrize("api", ["grpcio", "isthmus", "isthmus-aio"])
-def test_the_applications_health_servicer_is_the_one_that_answers(api: str) -> None:
-    """A `grpc.health.v1.Health` servicer of the application answers Check (isthmus's own
-    health service steps aside), over every transport, with the same answers as under grpcio."""
-    transports = ["unix"] if api == "grpcio" else ["unix", "shm"]
+def parity_server(api: str) -> tuple[Served, list[str]]:
+    """A `parity_server` process of `api` on a fresh Unix socket, and over shm:// too unless
+    grpc's."""
+    transports = ["unix"] if api.startswith("grpc") else ["unix", "shm"]
     targets = [fresh(t) for t in transports]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(Path(__file__).resolve().parent), env.get("PYTHONPATH")])
     )
-    served = Served(api, Peer([sys.executable, "-m", "health_server", api, *targets], env))
+    return Served(api, Peer([sys.executable, "-m", "parity_server", api, *targets], env)), targets
+
+
+@pytest.mark.parametrize("api", ["grpc.aio", "isthmus-aio"])
+def test_an_asyncio_handler_is_cancelled_when_its_call_ends(api: str) -> None:
+    """A handler awaiting something else is cancelled (its task gets CancelledError) when the
+    client cancels the call or its deadline passes, as grpc.aio's server does."""
+    served, targets = parity_server(api)
+    try:
+        for target in targets:
+            with isthmus.insecure_channel(target) as channel:
+                wait = channel.unary_unary("/parity.Slow/Wait")
+                with pytest.raises(grpc.RpcError) as caught:
+                    wait(b"", timeout=0.3)
+                assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                served.peer.expect("HANDLER-CANCELLED", patience=30)
+                call = wait.future(b"", timeout=60)
+                time.sleep(0.3)  # the handler is waiting by now
+                call.cancel()
+                served.peer.expect("HANDLER-CANCELLED", patience=30)
+    finally:
+        served.close()
+
+
+@pytest.mark.parametrize("api", ["grpcio", "isthmus", "isthmus-aio"])
+def test_the_applications_health_servicer_is_the_one_that_answers(api: str) -> None:
+    """A `grpc.health.v1.Health` servicer of the application answers Check (isthmus's own
+    health service steps aside), over every transport, with the same answers as under grpcio."""
+    served, targets = parity_server(api)
     try:
         for target in targets:
             channels = [isthmus.insecure_channel(target)]

@@ -36,10 +36,10 @@
 //! - The end: a handler that raises ends the call UNKNOWN ("Exception calling application: …"), as
 //!   grpcio does; a `ServerCall` dropped unfinished ends UNKNOWN too. The client's cancel, the
 //!   deadline or the connection's end drop the engine's future; `hand_off` then marks the call
-//!   inactive and runs the `add_callback` callbacks (with the GIL, on the engine's thread). The
-//!   Python handler is not interrupted: its next read or write fails with the call's status, and
-//!   asyncio handlers are not cancelled as grpc.aio's are (check `context.done()`, `cancelled()`,
-//!   or `add_done_callback`).
+//!   inactive and runs the `add_callback` callbacks (with the GIL, on the engine's thread). A
+//!   thread-pool handler is not interrupted (grpcio's are not either): its next read or write
+//!   fails with the call's status. An asyncio handler's task is cancelled then, as grpc.aio's
+//!   are (`aio/_server.py`, through such a callback).
 //! - Ports: each `add_insecure_port` binds at once (`Server::bind`) as a `Bound` of its own, so it
 //!   can return the port (the one chosen for `http://…:0`; 1 for other targets, since grpc callers
 //!   take 0 for failure). An HTTP/2 port has its own loopback `shm://` endpoint, through which its

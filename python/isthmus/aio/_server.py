@@ -1,9 +1,11 @@
 """The asyncio server: grpc.aio.Server's shape. The engine hands each call over from its thread
-to the loop, where the handler runs as a task."""
+to the loop, where the handler runs as a task; a call that ends under its handler (the client
+cancelled, the deadline passed, the client went away) cancels that task, as grpc.aio does."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 from collections.abc import AsyncIterable, Iterable, Sequence
 from concurrent.futures import Executor
@@ -17,6 +19,13 @@ from .._native import ServerCall
 from .._server import ServerBase, refuse
 from ._context import ServicerContext
 from ._reactor import Driver, driver
+
+
+def _cancel_unfinished(task: asyncio.Task[None], ending: list[bool]) -> None:
+    """Cancels a handler whose call ended under it, as grpc.aio does (not one that is sending
+    its own outcome)."""
+    if not ending[0] and not task.done():
+        task.cancel()
 
 
 class Server(ServerBase, grpc.aio.Server):
@@ -47,11 +56,22 @@ class Server(ServerBase, grpc.aio.Server):
             call.finish(grpc.StatusCode.UNAVAILABLE.value[0], "the server is shutting down", None)
 
     def _spawn(self, call: ServerCall) -> None:
-        task = self._loop.create_task(self._handle(call))  # type: ignore[union-attr]
+        loop = self._loop
+        assert loop is not None
+        ending = [False]  # the handler's outcome is being sent: its end is its own
+        task = loop.create_task(self._handle(call, ending))
         self._tasks.add(task)  # the loop keeps only weak references to tasks
         task.add_done_callback(self._tasks.discard)
 
-    async def _handle(self, call: ServerCall) -> None:
+        def ended() -> None:
+            # On an engine thread, with the GIL: the call is over (the client cancelled, the
+            # deadline passed, the connection ended, or the handler finished it).
+            with contextlib.suppress(RuntimeError):  # the loop is closed
+                loop.call_soon_threadsafe(_cancel_unfinished, task, ending)
+
+        call.add_done_callback(ended)
+
+    async def _handle(self, call: ServerCall, ending: list[bool]) -> None:
         try:
             handler = await self._handlers.find_async(call)
         except Exception as e:
@@ -69,11 +89,14 @@ class Server(ServerBase, grpc.aio.Server):
         try:
             await self._serve(handler, context)
         except asyncio.CancelledError:
+            ending[0] = True
             call.finish(grpc.StatusCode.CANCELLED.value[0], "the server stopped", None)
             raise
         except Exception as e:
+            ending[0] = True
             context._finish(e)
         else:
+            ending[0] = True
             context._finish(None)
 
     async def _serve(self, handler: grpc.RpcMethodHandler, context: ServicerContext) -> None:

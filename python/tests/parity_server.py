@@ -1,8 +1,12 @@
-"""A server with the application's own `grpc.health.v1.Health` servicer, for the parity test:
-`health_server.py API TARGET…` with API `grpcio`, `isthmus` or `isthmus-aio`. Its Check answers
-SERVING for "" and NOT_SERVING for "custom", and fails NOT_FOUND "no such service: NAME" for
-any other name (grpcio-health-checking's servicer answers so). It prints READY, then LISTENING
-<address> for each HTTP/2 target, and serves until killed."""
+"""A server for the parity tests (`test_grpc_parity.py`): `parity_server.py API TARGET…` with API
+`grpcio`, `grpc.aio`, `isthmus` or `isthmus-aio`. It prints READY, then LISTENING <address> for
+each HTTP/2 target, and serves until killed:
+
+- the application's own `grpc.health.v1.Health` servicer: Check answers SERVING for "" and
+  NOT_SERVING for "custom", and fails NOT_FOUND "no such service: NAME" for any other name
+  (grpcio-health-checking's servicer answers so);
+- `/parity.Slow/Wait` (asyncio servers): waits a minute; when the call ends first and its task is
+  cancelled, it prints HANDLER-CANCELLED."""
 
 from __future__ import annotations
 
@@ -44,10 +48,24 @@ async def check_async(request: bytes, context: Any) -> bytes:
     return bytes([0x08, statuses[name]])
 
 
+async def wait(request: bytes, context: Any) -> bytes:
+    try:
+        await asyncio.sleep(60)
+    except asyncio.CancelledError:
+        print("HANDLER-CANCELLED", flush=True)
+        raise
+    return b""
+
+
 def handlers(method: Any) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
         SERVICE, {"Check": grpc.unary_unary_rpc_method_handler(method)}
     )
+
+
+SLOW = grpc.method_handlers_generic_handler(
+    "parity.Slow", {"Wait": grpc.unary_unary_rpc_method_handler(wait)}
+)
 
 
 def announce(addresses: list[str]) -> None:
@@ -58,11 +76,11 @@ def announce(addresses: list[str]) -> None:
 
 def main() -> None:
     api, targets = sys.argv[1], sys.argv[2:]
-    if api == "isthmus-aio":
+    if api in ("isthmus-aio", "grpc.aio"):
 
         async def serve() -> None:
-            server = isthmus.aio.server()
-            server.add_generic_rpc_handlers((handlers(check_async),))
+            server = isthmus.aio.server() if api == "isthmus-aio" else grpc.aio.server()
+            server.add_generic_rpc_handlers((handlers(check_async), SLOW))
             for target in targets:
                 server.add_insecure_port(target)
             await server.start()
