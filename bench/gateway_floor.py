@@ -84,6 +84,21 @@ def grpc_aio_rps(results: Path, callers: int) -> float | None:
     return sorted(rows)[len(rows) // 2] if rows else None
 
 
+def measure(callers: int, seconds: float) -> tuple[float, float, float]:
+    """The gateway's own work per request at `callers`, in seconds, with the whole time per
+    request and the in-process replies' share; ValueError if requests failed."""
+    with tempfile.TemporaryDirectory() as out:
+        pb, _ = gateway.stubs(out)
+        stub = InProcessSidecar(pb)
+        result = asyncio.run(gateway.drive("isthmus", gateway.grpc_caller(pb, stub), callers, seconds))
+    n = len(result.latencies)
+    if result.failures or not n:
+        raise ValueError(f"{result.failures} failed: {result.first_error}")
+    total = result.seconds / n
+    replies = stub.reply_seconds / n
+    return total - replies, total, replies
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -92,20 +107,12 @@ def main() -> int:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--results", type=Path, default=ROOT / "docs" / "bench" / "results.json")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory() as out:
-        pb, _ = gateway.stubs(out)
-        stub = InProcessSidecar(pb)
-        result = asyncio.run(
-            gateway.drive("isthmus", gateway.grpc_caller(pb, stub), args.callers, args.seconds)
-        )
-    n = len(result.latencies)
-    if result.failures or not n:
-        print(f"{result.failures} failed: {result.first_error}")
+    try:
+        floor, total, replies = measure(args.callers, args.seconds)
+    except ValueError as e:
+        print(e)
         return 1
-    total = result.seconds / n
-    replies = stub.reply_seconds / n
-    floor = total - replies
-    print(f"{args.callers} callers, {n} requests in {result.seconds:.1f} s, no transport")
+    print(f"{args.callers} callers, {args.seconds:.1f} s, no transport")
     print(f"  per request: {total * 1e6:.1f} µs, of which the in-process replies {replies * 1e6:.1f} µs")
     print(f"  the gateway's own work: {floor * 1e6:.1f} µs a request, at most {1 / floor:,.0f} requests/s")
     base = grpc_aio_rps(args.results, args.callers)

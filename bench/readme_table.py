@@ -62,6 +62,15 @@ def main() -> int:
                 f"| {n} | " + " | ".join(cells) + f" | {rps[0] / rps[1]:.1f}× | {rps[0] / rps[2]:.0f}× |"
             )
         rows.append("")
+        floor = med("gateway-floor", size, max(callers), "rps")
+        top = med(gateway[0], size, max(callers), "rps")
+        if floor and top:
+            rows += [
+                f"The gateway's own Python work, with no transport (`bench/gateway_floor.py`, same run), "
+                f"allows at most {floor:,.0f} requests/s at {max(callers)} callers: isthmus reaches "
+                f"{top / floor:.0%} of it.",
+                "",
+            ]
     rows += [
         "Unary echo through whole RPC stacks, client and server in two processes: the isthmus engine (`isthmus-rust`: blocking client → server on shm://), a tonic client and tonic service with isthmus under both (`tonic-isthmus-shm`), and the same tonic client and service over a Unix socket (`tonic-uds`).",
         "",
