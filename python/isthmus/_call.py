@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from . import _native
-from ._errors import LOCALLY_CANCELLED, Ended, RpcError, rpc_error
+from ._errors import LOCALLY_CANCELLED, Ended, RpcError, rpc_error, status_code
 from ._metadata import Metadata, Metadatum, incoming
 from ._native import CallError
 
@@ -123,8 +123,8 @@ class Call(grpc.Call, grpc.Future):
                 for request in requests:
                     try:
                         message = encode(serialize, request)
-                    except CallError as e:
-                        self._cancel(e.details, grpc.StatusCode.INTERNAL)
+                    except CallError as e:  # INTERNAL, or a size limit's RESOURCE_EXHAUSTED
+                        self._cancel(e.details, status_code(e.code))
                         return
                     if not native.send(message):
                         return  # the call is over; the receiving side learns how

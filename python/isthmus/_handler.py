@@ -73,7 +73,10 @@ class Handlers:
     def serves_health(self) -> bool:
         """Whether the application serves `grpc.health.v1.Health` itself (then the engine's
         built-in health service stays out of its way)."""
-        return self._lookup(HandlerCallDetails(HEALTH_CHECK, ())) is not None
+        try:
+            return self._lookup(HandlerCallDetails(HEALTH_CHECK, ())) is not None
+        except Exception:  # a generic handler that raises here serves it as far as we know
+            return False
 
     def _lookup(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
         handler = self._registered.get(details.method)

@@ -88,8 +88,9 @@ class ServerBase:
     def _add_port(self, address: str, tls: Any) -> str:
         # The engine answers grpc.health.v1 unless a servicer of the application does.
         health = not self._handlers.serves_health()
+        bound = self._native.add_port(address, tls, health)
         self._builtin_health = self._builtin_health or health
-        return self._native.add_port(address, tls, health)
+        return bound
 
     def _check_health(self) -> None:
         """At start: a Health servicer added after a port was bound is not reached there."""

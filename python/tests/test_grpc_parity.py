@@ -8,7 +8,7 @@ import asyncio
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -154,6 +154,9 @@ def test_message_size_limits_from_the_channel_options(
             with pytest.raises(grpc.RpcError) as sent:
                 stub.Unary(over, timeout=60)
             assert sent.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            with pytest.raises(grpc.RpcError) as streamed:
+                stub.ClientStream(iter([over]), timeout=60)
+            assert streamed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             with pytest.raises(grpc.RpcError) as received:
                 stub.ServerStream(pb.StreamRequest(count=1, size=2000), timeout=60).next()
             assert received.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -167,6 +170,13 @@ def test_message_size_limits_from_the_channel_options(
             with pytest.raises(grpc.aio.AioRpcError) as sent:
                 await stub.Unary(over, timeout=60)
             assert sent.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+            async def one() -> AsyncIterator[Any]:
+                yield over
+
+            with pytest.raises(grpc.aio.AioRpcError) as streamed:
+                await stub.ClientStream(one(), timeout=60)
+            assert streamed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             with pytest.raises(grpc.aio.AioRpcError) as received:
                 async for _ in stub.ServerStream(pb.StreamRequest(count=1, size=2000), timeout=60):
                     pass

@@ -337,8 +337,8 @@ isthmus_code_t isthmus_unary_async(const isthmus_channel_t *channel,
 // A writable block of `len` bytes in the channel's shared memory, to fill in place and send
 // as a unary request with `isthmus_unary_block` or `isthmus_unary_block_async`, with no copy.
 // `shm://` channels only (`ISTHMUS_UNIMPLEMENTED` otherwise). Blocks the calling thread while
-// it connects and while the arena is full, at most for `opts`' timeout (no bound without
-// one). `*block` is the caller's: it is consumed by the send, or freed with
+// it connects (with `ISTHMUS_CALL_WAIT_FOR_READY`, until a server is there) and while the
+// arena is full, at most for `opts`' timeout (no bound without one). `*block` is the caller's: it is consumed by the send, or freed with
 // `isthmus_block_free`. If the connection ends before the block is sent, the send fails
 // UNAVAILABLE.
 //
@@ -368,11 +368,16 @@ isthmus_code_t isthmus_unary_block(const isthmus_channel_t *channel,
                                    isthmus_metadata_t **trailers,
                                    isthmus_status_t **status);
 
-// [`isthmus_unary_block`] without blocking on the reply, as [`isthmus_unary_async`]: the
-// request is sent on the calling thread (a block holds no bytes to copy); with
-// `ISTHMUS_CALL_SPIN` the calling thread then waits up to the channel's spin for the reply
-// (it comes back in `now`), and a thread of the library waits for a slower one, which arrives
-// as an `ISTHMUS_OP_UNARY` event. The block handle is consumed, sent or not.
+// [`isthmus_unary_block`] without blocking on the reply, as [`isthmus_unary_async`]. With
+// `ISTHMUS_CALL_SPIN` the request is sent where it lies, on the calling thread, which then
+// waits up to the channel's spin for the reply (it comes back in `now`); a thread of the
+// library waits for a slower one, which arrives as an `ISTHMUS_OP_UNARY` event. Without the
+// flag a block over 64 KiB is sent the same way and waited for by a library thread at once.
+// A block up to 64 KiB without the flag, a call with `ISTHMUS_CALL_WAIT_FOR_READY`, and any
+// call while 64 slow replies are waited for already are copied to the completion queue's
+// connection instead and sent by the runtime. Sending on the calling thread never connects
+// (a block whose connection is gone fails UNAVAILABLE) but does wait while the server's ring
+// is full, up to the call's deadline. The block handle is consumed, sent or not.
 //
 // # Safety
 //

@@ -50,7 +50,8 @@
 //!   once the engine has ended every call.
 //! - Options: `maximum_concurrent_rpcs` bounds the calls in progress on the whole server, as
 //!   grpcio's does: one more is refused RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!"
-//!   before Python sees it (counted from its arrival to its end, queued or running);
+//!   before Python sees it (counted from its arrival until its handler finishes it, queued or
+//!   running, even past the client's cancel, as grpcio counts);
 //!   `grpc.max_receive_message_length` becomes `max_message_size`; other options and `compression`
 //!   are accepted and unused. `add_port` with TLS settings is `add_secure_port` (TCP targets).
 //! - Known limits: a call's two halves serialise on its `HandedCall`'s one lock, a `recv` for as
@@ -96,12 +97,25 @@ struct Limit {
     active: AtomicUsize,
 }
 
-/// One call counted in a [`Limit`] until dropped, with its handler's future (however it ends).
-struct Counted(Arc<Limit>);
+/// One call counted in a [`Limit`]: until its handler finishes it (before the client can see
+/// its end, so that a client's next call finds the room), or until both the engine's future and
+/// the call are gone (a call never finished).
+struct Counted {
+    limit: Arc<Limit>,
+    released: AtomicBool,
+}
+
+impl Counted {
+    fn release(&self) {
+        if !self.released.swap(true, Ordering::AcqRel) {
+            self.limit.active.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
+}
 
 impl Drop for Counted {
     fn drop(&mut self) {
-        self.0.active.fetch_sub(1, Ordering::AcqRel);
+        self.release();
     }
 }
 
@@ -114,21 +128,27 @@ impl Handler for PyHandler {
                 let refused = Status::new(Code::ResourceExhausted, "Concurrent RPC limit exceeded!");
                 return Box::pin(std::future::ready(Err(refused)));
             }
-            Some(limit) => Some(Counted(limit.clone())),
+            Some(limit) => Some(Arc::new(Counted { limit: limit.clone(), released: AtomicBool::new(false) })),
             None => None,
         };
         Box::pin(async move {
-            let _counted = counted;
-            hand_off(call, move |core| match &self.deliver {
-                Deliver::Queue(queue) => {
-                    queue.push(core);
-                    Ok(())
+            // Two shares: the finish hook's, and this future's (for a call never finished).
+            let (held, _counted) = (counted.clone(), counted);
+            hand_off(call, move |core| {
+                if let Some(counted) = held {
+                    core.on_finish(Box::new(move || counted.release()));
                 }
-                Deliver::Dispatch(dispatch) => Python::attach(|py| -> PyResult<()> {
-                    let call = Py::new(py, ServerCall { core })?;
-                    dispatch.call1(py, (call,)).map(drop)
-                })
-                .map_err(|e| Status::new(Code::Unknown, format!("the server could not start the handler: {e}"))),
+                match &self.deliver {
+                    Deliver::Queue(queue) => {
+                        queue.push(core);
+                        Ok(())
+                    }
+                    Deliver::Dispatch(dispatch) => Python::attach(|py| -> PyResult<()> {
+                        let call = Py::new(py, ServerCall { core })?;
+                        dispatch.call1(py, (call,)).map(drop)
+                    })
+                    .map_err(|e| Status::new(Code::Unknown, format!("the server could not start the handler: {e}"))),
+                }
             })
             .await
         })

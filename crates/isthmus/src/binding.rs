@@ -471,6 +471,8 @@ pub struct HandedCall {
     finish: Mutex<Option<Finish>>,
     /// Run once when the call ends (grpc's `add_callback`).
     done: Mutex<Vec<DoneCallback>>,
+    /// Run by `finish` before the status goes out (`on_finish`).
+    finishing: Mutex<Option<DoneCallback>>,
 }
 
 impl std::fmt::Debug for HandedCall {
@@ -501,6 +503,7 @@ pub async fn hand_off(
         responded: AtomicBool::new(false),
         finish: Mutex::new(Some(finish)),
         done: Mutex::new(Vec::new()),
+        finishing: Mutex::new(None),
     });
     let _ended = Ended(handed.clone());
     deliver(handed)?;
@@ -557,6 +560,16 @@ impl HandedCall {
     /// True while the call runs and has not been finished.
     pub fn is_active(&self) -> bool {
         self.active.load(std::sync::atomic::Ordering::Acquire) && self.finish.lock().is_ok_and(|f| f.is_some())
+    }
+
+    /// Runs `callback` when [`finish`](Self::finish) is called, before the status goes out (so
+    /// before the client can see the end): for a binding that accounts for the call until its
+    /// handler is done with it (a server's concurrency limit). Replaces one set before; never
+    /// run if the call is dropped unfinished.
+    pub fn on_finish(&self, callback: DoneCallback) {
+        if let Ok(mut slot) = self.finishing.lock() {
+            *slot = Some(callback);
+        }
     }
 
     /// Runs `callback` once when the call ends; `false` (and not run) if it has already ended.
@@ -692,6 +705,9 @@ impl HandedCall {
     /// engine sends it when the handler's future ends.
     pub fn finish(&self, status: Status) -> bool {
         let Some(finish) = self.finish.lock().ok().and_then(|mut f| f.take()) else { return false };
+        if let Some(finishing) = self.finishing.lock().ok().and_then(|mut f| f.take()) {
+            finishing();
+        }
         // Not once the call is over: its end (the deadline, the client's cancel) is the
         // engine's to send, and the handler may be finishing only because that end reached it
         // (`Ended` marks the call inactive before it runs the callbacks that tell it).

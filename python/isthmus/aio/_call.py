@@ -202,7 +202,9 @@ class _StreamCall(_Call):
             self._close(value)
         else:
             self._native = value
-            if self._cancelled:  # before the engine had the call
+            # Cancelled, or ended here (a request that did not encode), before the engine had
+            # the call: it must not run on without its client.
+            if self._cancelled or self._done.done():
                 value.cancel()
 
     async def _attempt(self, operation: str, *args: Any) -> Any:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import weakref
-from collections.abc import Iterable
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar
 
 import grpc
 import grpc.aio
@@ -23,11 +23,39 @@ from ._call import (
     StreamUnaryCall,
     UnaryStreamCall,
     UnaryUnaryCall,
-    _Call,
 )
 from ._reactor import Driver, driver
 
-_C = TypeVar("_C", bound=_Call)
+
+class _Closable(Protocol):
+    """What `close` needs of a call in progress."""
+
+    def _finished(self) -> asyncio.Future[Any]: ...
+    def cancel(self) -> bool: ...
+    def done(self) -> bool: ...
+
+
+class _Pending:
+    """A raw unary call in progress, as `close` sees it."""
+
+    def __init__(self, outcome: asyncio.Future[Any], abandon: Callable[[], None]) -> None:
+        self._outcome = outcome
+        self._abandon = abandon
+
+    def _finished(self) -> asyncio.Future[Any]:
+        return self._outcome
+
+    def cancel(self) -> bool:
+        if not self._outcome.cancel():
+            return False
+        self._abandon()
+        return True
+
+    def done(self) -> bool:
+        return self._outcome.done()
+
+
+_T = TypeVar("_T", bound=_Closable)
 _S = TypeVar("_S", UnaryStreamCall, StreamUnaryCall, StreamStreamCall)
 
 
@@ -180,7 +208,7 @@ class Channel(grpc.aio.Channel):
         self._native: _native.AsyncChannel | None = None
         self._closed = False
         self._shutdown: asyncio.Future[None] | None = None
-        self._calls: weakref.WeakSet[_Call] = weakref.WeakSet()  # for `close`
+        self._calls: weakref.WeakSet[_Closable] = weakref.WeakSet()  # for `close`
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -228,12 +256,14 @@ class Channel(grpc.aio.Channel):
         except BaseException:
             driver.abandon(token)
             raise
+        pending = self._track(_Pending(outcome, functools.partial(driver.abandon, token)))
         try:
             driver.settle(loop, outcome)
             value = await outcome
         except asyncio.CancelledError:
             driver.abandon(token)
             raise
+        del pending  # tracked for `close` until here
         if isinstance(value, CallError):
             raise rpc_error(value, aio=True)
         return value  # type: ignore[no-any-return]
@@ -255,7 +285,7 @@ class Channel(grpc.aio.Channel):
     async def __aexit__(self, exc_type: object, exc_val: object, exc_tb: object) -> None:
         await self.close()
 
-    def _track(self, call: _C) -> _C:
+    def _track(self, call: _T) -> _T:
         """Keeps `call` (weakly) for `close`."""
         self._calls.add(call)
         return call
@@ -268,8 +298,13 @@ class Channel(grpc.aio.Channel):
             return
         self._closed = True
         calls = [call for call in self._calls if not call.done()]
-        if grace and calls:
-            await asyncio.wait([call._finished() for call in calls], timeout=grace)
+        try:
+            if grace and calls:
+                await asyncio.wait([call._finished() for call in calls], timeout=grace)
+        finally:  # also when the task closing the channel is cancelled meanwhile
+            self._end(calls)
+
+    def _end(self, calls: list[_Closable]) -> None:
         for call in calls:
             call.cancel()
         if self._native is not None:

@@ -69,7 +69,8 @@ class Server(ServerBase, grpc.aio.Server):
             with contextlib.suppress(RuntimeError):  # the loop is closed
                 loop.call_soon_threadsafe(_cancel_unfinished, task, ending)
 
-        call.add_done_callback(ended)
+        if not call.add_done_callback(ended):  # over already (cancelled before the spawn)
+            task.cancel()
 
     async def _handle(self, call: ServerCall, ending: list[bool]) -> None:
         try:

@@ -117,6 +117,8 @@ pub(crate) struct HttpCall {
     /// How the call ended, once it has: `Ok` with OK, the status otherwise.
     ended: Option<Result<(), Status>>,
     deadline: Option<Instant>,
+    /// The largest response message (for telling tonic's refusal of one from a server's).
+    limit: usize,
 }
 
 impl Drop for HttpCall {
@@ -130,8 +132,8 @@ impl Drop for HttpCall {
 /// How tonic words a decoded message over its limit.
 const TONIC_TOO_LARGE: &str = "Error, decoded message length too large";
 
-/// A status from tonic, with its trailers as metadata.
-fn status_from_tonic(t: tonic::Status) -> Status {
+/// A status from tonic, with its trailers as metadata; `limit` is the call's largest response.
+fn status_from_tonic(t: tonic::Status, limit: usize) -> Status {
     let metadata = codec::metadata_from(&t.metadata().clone().into_headers()).unwrap_or_default();
     // An UNKNOWN that tonic made from a transport error, not one the server sent: the
     // connection broke, which gRPC calls UNAVAILABLE. tonic keeps the error as its source, or,
@@ -140,9 +142,12 @@ fn status_from_tonic(t: tonic::Status) -> Status {
         tonic::Code::Unknown if std::error::Error::source(&t).is_some() || t.message() == "transport error" => {
             Code::Unavailable
         }
-        // tonic's own refusal of a response over the channel's limit, which gRPC names
-        // RESOURCE_EXHAUSTED (a server's OUT_OF_RANGE comes with trailers).
-        tonic::Code::OutOfRange if metadata.is_empty() && t.message().starts_with(TONIC_TOO_LARGE) => {
+        // tonic's own refusal of a response over this call's limit, which gRPC names
+        // RESOURCE_EXHAUSTED: tonic's words with this side's limit in them.
+        tonic::Code::OutOfRange
+            if t.message().starts_with(TONIC_TOO_LARGE)
+                && t.message().ends_with(&format!("the limit is: {limit} bytes")) =>
+        {
             Code::ResourceExhausted
         }
         other => Code::from_u32(other as u32),
@@ -199,6 +204,7 @@ impl HttpCall {
             trailers: None,
             ended: None,
             deadline: options.timeout.map(|t| Instant::now() + t),
+            limit,
         })
     }
 
@@ -222,7 +228,7 @@ impl HttpCall {
             Some(Err(e)) => self.end(Err(Status::new(Code::Internal, format!("call task failed: {e}")))),
             Some(Ok(Err(t))) => {
                 self.headers.get_or_insert_with(MetadataMap::new);
-                self.end(Err(status_from_tonic(t)))
+                self.end(Err(status_from_tonic(t, self.limit)))
             }
             Some(Ok(Ok(response))) => {
                 let (metadata, body, _) = response.into_parts();
@@ -274,11 +280,11 @@ impl HttpCall {
         match until(self.deadline, body.message()).await {
             None => self.end(Err(deadline_passed())).map(|()| None),
             Some(Ok(Some(m))) => Ok(Some(m)),
-            Some(Err(t)) => self.end(Err(status_from_tonic(t))).map(|()| None),
+            Some(Err(t)) => self.end(Err(status_from_tonic(t, self.limit))).map(|()| None),
             Some(Ok(None)) => {
                 let trailers = match body.trailers().await {
                     Ok(t) => t.map(|t| codec::metadata_from(&t.into_headers()).unwrap_or_default()),
-                    Err(t) => return self.end(Err(status_from_tonic(t))).map(|()| None),
+                    Err(t) => return self.end(Err(status_from_tonic(t, self.limit))).map(|()| None),
                 };
                 self.trailers = Some(trailers.unwrap_or_default());
                 self.end(Ok(())).map(|()| None)
