@@ -82,6 +82,9 @@ class Call(grpc.Call, grpc.Future):
         self._error: RpcError | None = None
         self._response: Any = None
         self._callbacks: list[Callable[[], None]] = []
+        # A unary `.future()`: no engine call object; its metadata comes with its end.
+        self._abandon: Callable[[], None] | None = None
+        self._metadata: tuple[Metadata, Metadata] | None = None
 
     # Driving the call.
 
@@ -170,6 +173,20 @@ class Call(grpc.Call, grpc.Future):
         else:
             self._end(None, response)
 
+    def _resolve(self, ok: bool, value: Any) -> None:
+        """The end of a unary `.future()` call (a `UnaryResult`, or its `CallError`), on the
+        completion thread."""
+        if not ok:
+            self._end(value)
+            return
+        self._metadata = (incoming(value.initial_metadata), incoming(value.trailing_metadata))
+        try:
+            response = decode(self._deserialize, value.message)
+        except CallError as e:
+            self._end(e)
+        else:
+            self._end(None, response)
+
     def _end(self, error: CallError | None, response: Any = None) -> None:
         with self._lock:
             callbacks = self._settle(error, response)
@@ -202,10 +219,12 @@ class Call(grpc.Call, grpc.Future):
             if self._ended:
                 return False
             self._cancelled = code is grpc.StatusCode.CANCELLED
-            native = self._native
+            native, abandon = self._native, self._abandon
             callbacks = self._settle(CallError(code.value[0], details), None)
         if native is not None:
             native.cancel()
+        if abandon is not None:
+            abandon()
         self._run_callbacks(callbacks)
         return True
 
@@ -256,6 +275,8 @@ class Call(grpc.Call, grpc.Future):
             self._lock.wait_for(lambda: self._native is not None or self._ended)
             native, error = self._native, self._error
         if native is None:
+            if self._metadata is not None:
+                return self._metadata[0]
             return () if error is None else error.initial_metadata()
         try:
             return incoming(native.initial_metadata())
@@ -266,6 +287,8 @@ class Call(grpc.Call, grpc.Future):
         self._wait()
         if self._error is not None:
             return self._error.trailing_metadata()  # type: ignore[no-any-return]
+        if self._metadata is not None:
+            return self._metadata[1]
         return incoming(None if self._native is None else self._native.trailing_metadata())
 
     def code(self) -> grpc.StatusCode:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
+import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import grpc
@@ -15,18 +17,51 @@ from ._errors import rpc_error
 from ._metadata import Metadatum, outgoing
 from ._native import CallError
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
+_LOG = logging.getLogger("isthmus")
 
 
-def _futures() -> ThreadPoolExecutor:
-    """The threads that run `.future()` calls: the engine's blocking calls need a thread each
-    while they wait. Made on first use, so that a program with no futures has no pool."""
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = ThreadPoolExecutor(thread_name_prefix="isthmus-future")
-        return _pool
+class _Completions:
+    """The thread that completes every channel's unary `.future()` calls: each is an operation
+    of one engine `Reactor`, finished by the engine's reader tasks, so no thread waits per
+    call (as grpcio's futures all wait in its core). Started on first use."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reactor: _native.Reactor | None = None
+        self._tokens = itertools.count()
+        self._waiting: dict[int, Callable[[bool, Any], None]] = {}
+
+    def begin(self, done: Callable[[bool, Any], None]) -> tuple[_native.Reactor, int]:
+        """The reactor and a token for one operation; `done(ok, value)` runs on the completion
+        thread when it finishes."""
+        with self._lock:
+            if self._reactor is None:
+                self._reactor = _native.Reactor()
+                threading.Thread(
+                    target=self._run, args=(self._reactor,), name="isthmus-futures", daemon=True
+                ).start()
+            token = next(self._tokens)
+            self._waiting[token] = done
+            return self._reactor, token
+
+    def abandon(self, token: int) -> None:
+        """Operation `token` will not complete; a call it was making is cancelled."""
+        with self._lock:
+            self._waiting.pop(token, None)
+            reactor = self._reactor
+        if reactor is not None:
+            reactor.cancel(token)
+
+    def _run(self, reactor: _native.Reactor) -> None:
+        while True:
+            for token, ok, value in reactor.wait(None):
+                with self._lock:
+                    done = self._waiting.pop(token, None)
+                if done is not None:
+                    done(ok, value)
+
+
+_COMPLETIONS = _Completions()
 
 
 class _MultiCallable:
@@ -70,10 +105,22 @@ class _MultiCallable:
         metadata: Iterable[Metadatum] | None,
         wait_for_ready: bool | None,
     ) -> Call:
-        """A call with one response, run on the pool."""
+        """A call with one response, running while the caller goes on: a unary one completes
+        on the completion thread; one with a request iterator runs on a thread of its own,
+        which that iterator needs anyway (grpcio consumes it on a thread of its own too)."""
         call = Call(self._deserialize, timeout)
-        _futures().submit(
-            call._complete,
+        if isinstance(request, bytes):
+            reactor, token = _COMPLETIONS.begin(call._resolve)
+            call._abandon = functools.partial(_COMPLETIONS.abandon, token)
+            try:
+                self._channel.unary_future(
+                    reactor, token, self._path, request, outgoing(metadata), timeout, bool(wait_for_ready)
+                )
+            except BaseException:
+                _COMPLETIONS.abandon(token)
+                raise
+            return call
+        args = (
             self._channel,
             self._path,
             outgoing(metadata),
@@ -82,6 +129,7 @@ class _MultiCallable:
             request,
             self._serialize,
         )
+        threading.Thread(target=call._complete, args=args, name="isthmus-future", daemon=True).start()
         return call
 
     def _stream(
@@ -258,6 +306,79 @@ def limited(serialize: Serializer, limit: int | None) -> Serializer:
     return checked
 
 
+#: grpcio's states by the engine's numbers.
+STATES = (
+    grpc.ChannelConnectivity.IDLE,
+    grpc.ChannelConnectivity.CONNECTING,
+    grpc.ChannelConnectivity.READY,
+    grpc.ChannelConnectivity.TRANSIENT_FAILURE,
+    grpc.ChannelConnectivity.SHUTDOWN,
+)
+
+#: How often the watcher looks again with nothing signalled: the fast path's connection has no
+#: events (grpcio's own watcher looks every 0.2 s too).
+LOOK_AGAIN_S = 0.2
+
+
+class _Connectivity:
+    """`subscribe`'s machinery, as grpcio's: one watcher thread per channel while it has
+    subscribers, which calls each back with the state when it subscribes and at every change;
+    a subscriber with `try_to_connect` keeps the channel connecting."""
+
+    def __init__(self, native: _native.Channel) -> None:
+        self._native = native
+        self._lock = threading.Lock()
+        self._callbacks: list[tuple[Callable[[grpc.ChannelConnectivity], None], bool]] = []
+        self._watching = False
+        self._state: grpc.ChannelConnectivity | None = None
+
+    def subscribe(self, callback: Callable[[grpc.ChannelConnectivity], None], try_to_connect: bool) -> None:
+        with self._lock:
+            self._callbacks.append((callback, try_to_connect))
+            if not self._watching:
+                self._watching = True
+                self._state = None
+                threading.Thread(target=self._watch, name="isthmus-connectivity", daemon=True).start()
+                return
+            state = self._state
+        if state is not None:  # the watcher calls back the first ones itself
+            _deliver(callback, state)
+
+    def unsubscribe(self, callback: Callable[[grpc.ChannelConnectivity], None]) -> None:
+        with self._lock:
+            self._callbacks = [(c, t) for c, t in self._callbacks if c != callback]
+
+    def unsubscribe_all(self) -> None:
+        with self._lock:
+            self._callbacks.clear()
+
+    def _watch(self) -> None:
+        native = self._native
+        told: set[int] = set()
+        while True:
+            with self._lock:
+                if not self._callbacks:
+                    self._watching = False
+                    return
+                try_to_connect = any(t for _, t in self._callbacks)
+            state = STATES[native.connectivity(try_to_connect)]
+            with self._lock:
+                changed = state is not self._state
+                self._state = state
+                callbacks = [c for c, _ in self._callbacks if changed or id(c) not in told]
+            for callback in callbacks:
+                told.add(id(callback))
+                _deliver(callback, state)
+            native.wait_connectivity(LOOK_AGAIN_S)
+
+
+def _deliver(callback: Callable[[grpc.ChannelConnectivity], None], state: grpc.ChannelConnectivity) -> None:
+    try:
+        callback(state)
+    except Exception:  # grpcio logs a failing callback and goes on
+        _LOG.exception("a connectivity callback raised")
+
+
 class Channel(grpc.Channel):
     """A client channel to any target grpc names (`host:port`, `dns:///host:port`, `unix:path`,
     …) or `shm://NAME`, with TLS if `tls` is given (from `secure_channel`). It connects on the
@@ -276,6 +397,7 @@ class Channel(grpc.Channel):
     ):
         self._max_send, max_receive = limits(options)
         self._native = _native.Channel(target, tls, upgrades(options), max_receive)
+        self._connectivity = _Connectivity(self._native)
 
     def transport_counts(self) -> dict[str, int]:
         """For a channel to an HTTP/2 address: how many calls went over shared memory (the
@@ -291,12 +413,13 @@ class Channel(grpc.Channel):
     def subscribe(
         self, callback: Callable[[grpc.ChannelConnectivity], None], try_to_connect: bool = False
     ) -> None:
-        # The engine connects on a call and reports no connectivity states: as far as a caller
-        # can tell before its first call, the channel is ready.
-        callback(grpc.ChannelConnectivity.READY)
+        """As grpcio's: `callback` gets the channel's state now and at every change, on a
+        thread of the channel's; with `try_to_connect` the channel connects (and keeps trying,
+        with backoff) while this subscription lasts. `grpc.channel_ready_future` stands on it."""
+        self._connectivity.subscribe(callback, try_to_connect)
 
     def unsubscribe(self, callback: Callable[[grpc.ChannelConnectivity], None]) -> None:
-        pass
+        self._connectivity.unsubscribe(callback)
 
     # `_registered_method` and whatever private keywords later grpcio-tools pass mean nothing
     # here: every method is called by its path.
@@ -380,7 +503,10 @@ class Channel(grpc.Channel):
             raise rpc_error(e) from None
 
     def close(self) -> None:
-        """Later calls fail UNAVAILABLE; calls in progress go on."""
+        """As grpcio's: calls in progress over `shm://` end CANCELLED ("Channel closed!") and
+        its connections close; later calls fail UNAVAILABLE; subscriptions end, uncalled. Over
+        HTTP/2 calls in progress go on, and the connection closes with the channel."""
+        self._connectivity.unsubscribe_all()
         self._native.close()
 
     def __enter__(self) -> Channel:

@@ -4,6 +4,8 @@ with a status other than OK."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import TracebackType
+from typing import Any, NoReturn
 
 import grpc
 import grpc.aio
@@ -41,10 +43,15 @@ class Ended:
         return False
 
 
-class RpcError(Ended, IsthmusError, grpc.aio.AioRpcError, grpc.Call):
+class RpcError(Ended, IsthmusError, grpc.aio.AioRpcError, grpc.Call, grpc.Future):
     """A call that ended with a status other than OK, as both of grpc's APIs raise it: a
-    `grpc.RpcError` and `grpc.Call` (blocking API) and a `grpc.aio.AioRpcError`. Its metadata
-    is a tuple of pairs from the blocking API and a `grpc.aio.Metadata` from `isthmus.aio`."""
+    `grpc.RpcError`, `grpc.Call` and `grpc.Future` (blocking API) and a `grpc.aio.AioRpcError`.
+    Its metadata is a tuple of pairs from the blocking API and a `grpc.aio.Metadata` from
+    `isthmus.aio`.
+
+    A done `grpc.Future` as grpcio's own errors are, because `grpc.intercept_channel` hands the
+    error a continuation's call raised to the interceptor as that call's outcome, and then
+    calls its `result()`."""
 
     # AioRpcError's signature, which its __reduce__ (pickling) relies on.
     def __init__(
@@ -68,6 +75,29 @@ class RpcError(Ended, IsthmusError, grpc.aio.AioRpcError, grpc.Call):
         )
 
     __repr__ = __str__
+
+    # grpc.Future, for a call that is over (`cancel` is Ended's).
+
+    def cancelled(self) -> bool:
+        return False
+
+    def running(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return True
+
+    def result(self, timeout: float | None = None) -> NoReturn:
+        raise self
+
+    def exception(self, timeout: float | None = None) -> RpcError:
+        return self
+
+    def traceback(self, timeout: float | None = None) -> TracebackType | None:
+        return self.__traceback__
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        fn(self)
 
 
 # Shown as the public names (isthmus.RpcError) in tracebacks and reprs; pickling finds them there.

@@ -114,6 +114,17 @@ class Channel:
         wait_for_ready: bool,
     ) -> bytes:
         """`unary` for the response message alone; raises CallError."""
+    def unary_future(
+        self,
+        reactor: Reactor,
+        token: int,
+        path: str,
+        request: bytes,
+        metadata: _Metadata | None,
+        timeout: float | None,
+        wait_for_ready: bool,
+    ) -> None:
+        """A unary call as operation `token` of `reactor`: completes with a UnaryResult."""
     def alloc(self, size: int, timeout: float | None = None) -> Block:
         """A block to build a request in: shared memory over `shm://` (connecting first),
         heap memory elsewhere. Raises CallError."""
@@ -131,8 +142,15 @@ class Channel:
         self, path: str, metadata: _Metadata | None, timeout: float | None, wait_for_ready: bool
     ) -> Call:
         """Starts a streaming call; raises CallError if it cannot start."""
+    def connectivity(self, try_to_connect: bool) -> int:
+        """gRPC's state in grpcio's numbering (0 IDLE, 1 CONNECTING, 2 READY,
+        3 TRANSIENT_FAILURE, 4 SHUTDOWN); `try_to_connect` starts connecting in the
+        background."""
+    def wait_connectivity(self, timeout: float) -> int:
+        """Waits up to `timeout` s for a change, the GIL released; the state then."""
     def close(self) -> None:
-        """Later calls fail with CallError(UNAVAILABLE); calls in progress go on."""
+        """Calls in progress over shm:// end CANCELLED and the connections close; later calls
+        fail with CallError(UNAVAILABLE)."""
 
 @final
 class Call:
@@ -165,6 +183,9 @@ class Reactor:
     def spin(self, spin_us: int) -> list[tuple[int, bool, object]]:
         """`drain()` after waiting on this thread (the GIL released, never asleep) up to
         `spin_us` µs for something to finish; empty if nothing did."""
+    def wait(self, timeout: float | None = None) -> list[tuple[int, bool, object]]:
+        """`drain()` after sleeping (the GIL released) up to `timeout` s, forever if None, until
+        something finished; empty if nothing did."""
     def cancel(self, token: int) -> bool:
         """Abandons operation `token`: it will not complete, and a call it was making is
         cancelled on both sides. False if it has already finished."""
@@ -215,7 +236,12 @@ class AsyncChannel:
         self, token: int, path: str, metadata: _Metadata | None, timeout: float | None, wait_for_ready: bool
     ) -> None:
         """Completes with the started AsyncCall (or a CallError if it could not start)."""
-    def close(self) -> None: ...
+    def connectivity(self, try_to_connect: bool) -> int:
+        """As Channel.connectivity."""
+    def watch_connectivity(self, token: int) -> None:
+        """Completes (with None) once the state changes."""
+    def close(self) -> None:
+        """Calls still on its shm:// connections end CANCELLED; the connections close."""
 
 @final
 class AsyncCall:
@@ -248,6 +274,9 @@ class ServerCall:
         """grpc's auth context: the transport's security, the client's certificate under mTLS."""
     def is_active(self) -> bool:
         """False once the call is over: finished, cancelled by the client, or past its deadline."""
+    def add_abandon_callback(self, callback: Callable[[], None]) -> bool:
+        """`callback()` once if the call ends before its handler finishes it; False if it has
+        ended already."""
     def add_done_callback(self, callback: Callable[[], None]) -> bool:
         """Runs callback (on an engine thread, with the GIL) when the call ends; False, without
         registering, if it already has."""

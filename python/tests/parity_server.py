@@ -6,12 +6,19 @@ each HTTP/2 target, and serves until killed:
   NOT_SERVING for "custom", and fails NOT_FOUND "no such service: NAME" for any other name
   (grpcio-health-checking's servicer answers so);
 - `/parity.Slow/Wait` (asyncio servers): waits a minute; when the call ends first and its task is
-  cancelled, it prints HANDLER-CANCELLED."""
+  cancelled, it prints HANDLER-CANCELLED;
+- `/parity.Meta/…` (blocking servers), on bytes, for the client interceptor tests: every method
+  sends the call's `x-…` metadata back in its initial metadata and its trailers, so that what an
+  interceptor added shows on each shape. `Unary` echoes the request, `ServerStream` answers it
+  three times (`REQUEST-0`, `-1`, `-2`), `ClientStream` joins the requests with `+`, `Bidi`
+  echoes each; `TimeLeft` answers the seconds the deadline leaves (`none` without one); `Fail`
+  fails PERMISSION_DENIED with the request as the details."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
 
@@ -63,6 +70,58 @@ def handlers(method: Any) -> grpc.GenericRpcHandler:
     )
 
 
+def _echoed(context: Any) -> list[tuple[str, Any]]:
+    echoed = [(k, v) for k, v in context.invocation_metadata() if k.startswith("x-")]
+    context.set_trailing_metadata(echoed)
+    return echoed
+
+
+def meta_unary(request: bytes, context: Any) -> bytes:
+    context.send_initial_metadata(_echoed(context))
+    return request
+
+
+def meta_server_stream(request: bytes, context: Any) -> Iterator[bytes]:
+    context.send_initial_metadata(_echoed(context))
+    for i in range(3):
+        yield request + f"-{i}".encode()
+
+
+def meta_client_stream(requests: Iterator[bytes], context: Any) -> bytes:
+    context.send_initial_metadata(_echoed(context))
+    return b"+".join(requests)
+
+
+def meta_bidi(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+    context.send_initial_metadata(_echoed(context))
+    yield from requests
+
+
+def meta_time_left(request: bytes, context: Any) -> bytes:
+    _echoed(context)
+    left = context.time_remaining()
+    # grpcio reports a call without a deadline as one very far away.
+    return b"none" if left is None or left > 1e6 else f"{left:.3f}".encode()
+
+
+def meta_fail(request: bytes, context: Any) -> bytes:
+    _echoed(context)
+    context.abort(grpc.StatusCode.PERMISSION_DENIED, request.decode())
+
+
+META = grpc.method_handlers_generic_handler(
+    "parity.Meta",
+    {
+        "Unary": grpc.unary_unary_rpc_method_handler(meta_unary),
+        "ServerStream": grpc.unary_stream_rpc_method_handler(meta_server_stream),
+        "ClientStream": grpc.stream_unary_rpc_method_handler(meta_client_stream),
+        "Bidi": grpc.stream_stream_rpc_method_handler(meta_bidi),
+        "TimeLeft": grpc.unary_unary_rpc_method_handler(meta_time_left),
+        "Fail": grpc.unary_unary_rpc_method_handler(meta_fail),
+    },
+)
+
+
 SLOW = grpc.method_handlers_generic_handler(
     "parity.Slow", {"Wait": grpc.unary_unary_rpc_method_handler(wait)}
 )
@@ -91,7 +150,7 @@ def main() -> None:
         return
     make = grpc.server if api == "grpcio" else isthmus.server
     server = make(futures.ThreadPoolExecutor(4))
-    server.add_generic_rpc_handlers((handlers(check),))
+    server.add_generic_rpc_handlers((handlers(check), META))
     for target in targets:
         server.add_insecure_port(target)
     server.start()

@@ -160,10 +160,10 @@ class Served:
                 Path(address.removeprefix("unix://")).unlink(missing_ok=True)
 
 
-def serve(kind: str, transports: list[str], stubs: Path) -> Served:
+def serve(kind: str, transports: list[str], stubs: Path, targets: list[str] | None = None) -> Served:
     """Starts a server of `kind` (`rust`, `go`, `isthmus`, `isthmus-aio`, `grpcio`) on
-    `transports`."""
-    targets = [fresh(t) for t in transports]
+    `transports`, at fresh addresses unless `targets` names them (one per transport)."""
+    targets = targets or [fresh(t) for t in transports]
     if kind == "rust":
         binary = tonic_peer()
         assert binary is not None, "tonic-peer is not built (cargo build -p isthmus-tests)"

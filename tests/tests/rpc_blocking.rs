@@ -213,3 +213,47 @@ fn a_pending_unary_waits_a_moment_and_the_rest_of_the_wait_goes_elsewhere() {
     // The channel still serves.
     assert_eq!(&ch.unary("/test.Echo/Unary", b"after", CallOptions::default()).expect("unary").message[..], b"after");
 }
+
+#[test]
+fn a_call_after_a_pause_finds_the_restarted_server_instead_of_failing() {
+    let (mut server, addr) = server();
+    let ch = Channel::connect(&addr).expect("connect");
+    ch.unary("/test.Echo/Unary", b"before", CallOptions::default()).expect("first server");
+    server.kill9();
+    let mut again = Peer::spawn_bin("rpc-peer", &[&addr]);
+    // wait_for_ready covers the new server's start, not a call sent on the dead connection.
+    let opts = CallOptions { wait_for_ready: true, timeout: Some(Duration::from_secs(30)), ..CallOptions::default() };
+    let r = ch.unary("/test.Echo/Unary", b"after", opts).expect("the first call after the restart goes through");
+    assert_eq!(&r.message[..], b"after");
+    assert_eq!(ch.connectivity(false), isthmus::Connectivity::Ready);
+    again.kill9();
+    // Nobody reads the connection between calls: its end is found by looking at the socket.
+    assert_ne!(ch.connectivity(false), isthmus::Connectivity::Ready);
+    ch.close(isthmus::Status::new(Code::Cancelled, "Channel closed!"));
+    let s = ch.unary("/test.Echo/Unary", b"x", CallOptions::default()).expect_err("closed");
+    assert_eq!(s.code(), Code::Unavailable, "{s}");
+}
+
+#[test]
+fn a_send_that_would_wait_for_room_gives_up_after_its_patience() {
+    // A 1 MiB arena, held whole by requests a handler never reads.
+    let (_server, addr) = server();
+    let config = isthmus::Config { arena_size: 1 << 20, ..isthmus::Config::default() };
+    let ch = Channel::connect_with(&addr, config).expect("connect");
+    let mut held = Vec::new();
+    for _ in 0..4 {
+        let mut call = ch.start("/test.Echo/Stall", CallOptions::default()).expect("start");
+        call.send(&pattern(256 << 10, 1)).expect("fits");
+        held.push(call);
+    }
+    let request = pattern(64 << 10, 2);
+    let started = Instant::now();
+    let begun = ch.unary_begin_within("/test.Echo/Unary", &request, CallOptions::default(), Duration::from_millis(20));
+    assert!(begun.expect("no error").is_none(), "no room: given up, not sent");
+    // Well under a second: the patience, not a deadline (there is none), ended the wait.
+    assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+    drop(held); // cancelled: the server lets the blocks go
+    let opts = CallOptions { timeout: Some(Duration::from_secs(30)), ..CallOptions::default() };
+    let r = ch.unary("/test.Echo/Unary", &request, opts).expect("room again");
+    assert!(first_mismatch(&r.message, 2).is_none());
+}

@@ -2,7 +2,7 @@
 
 use std::time::{Duration, Instant};
 
-use isthmus::{CallOptions, Channel, Code, MetadataMap};
+use isthmus::{CallOptions, Channel, Code, Connectivity, MetadataMap};
 use isthmus_tests::{first_mismatch, fresh_addr, fresh_socket, pattern, run, runtime, Peer};
 
 fn server() -> (Peer, String) {
@@ -449,5 +449,79 @@ fn counters_count_calls_by_final_code_on_both_sides() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         assert!(text.lines().any(|l| l.starts_with("started=8 ok=5 cancelled=1 deadline=1")), "{text}");
+    });
+}
+
+/// Waits through the channel's state changes until `ok(state)`, asking it to connect.
+async fn until_state(ch: &Channel, ok: impl Fn(Connectivity) -> bool) -> Connectivity {
+    let wait = async {
+        loop {
+            let state = ch.connectivity(true);
+            if ok(state) {
+                return state;
+            }
+            // A state change, or a look again: a failed attempt retries after its backoff.
+            let _ = tokio::time::timeout(Duration::from_secs(1), ch.connectivity_changed(state)).await;
+        }
+    };
+    tokio::time::timeout(Duration::from_secs(60), wait).await.expect("the state never came")
+}
+
+#[test]
+fn connectivity_follows_the_server_as_it_comes_and_goes() {
+    // One runtime for the whole test: tonic's channel lives on the one it was made in.
+    let rt = runtime();
+    for over in ["shm", "http"] {
+        let (shm, socket) = (fresh_addr("state"), fresh_socket("state"));
+        let target = match over {
+            "shm" => shm.clone(),
+            _ => format!("unix://{}", socket.display()),
+        };
+        let ch = {
+            let _runtime = rt.enter();
+            Channel::builder(&target).upgrade(false).connect_lazy().expect("lazy channel")
+        };
+        rt.block_on(async {
+            assert_eq!(ch.connectivity(false), Connectivity::Idle, "{over}: nothing asked to connect yet");
+            until_state(&ch, |s| s == Connectivity::TransientFailure).await;
+        });
+        let mut server = Peer::spawn_bin("rpc-peer", &[&format!("{shm},unix://{}", socket.display())]);
+        if over == "http" {
+            server.expect_line("LISTENING ", Duration::from_secs(30));
+        }
+        rt.block_on(async {
+            until_state(&ch, |s| s == Connectivity::Ready).await;
+            let r = ch.unary("/test.Echo/Unary", b"up", CallOptions::default()).await.expect("ready means calls go");
+            assert_eq!(&r.message[..], b"up");
+        });
+        server.kill9();
+        rt.block_on(async {
+            // The connection's end is seen at once (its reader, or hyper's), without a call.
+            let changed = tokio::time::timeout(Duration::from_secs(30), ch.connectivity_changed(Connectivity::Ready));
+            assert_ne!(changed.await.expect("noticed"), Connectivity::Ready, "{over}");
+        });
+        ch.close(isthmus::Status::new(Code::Cancelled, "closed"));
+        if over == "shm" {
+            rt.block_on(async {
+                let s = ch.unary("/test.Echo/Unary", b"x", CallOptions::default()).await.expect_err("closed");
+                assert_eq!(s.code(), Code::Unavailable, "{s}");
+                assert!(s.message().contains("closed"), "{s}");
+            });
+        }
+    }
+}
+
+#[test]
+fn close_ends_the_calls_in_progress_with_its_status() {
+    let (_server, addr) = server();
+    let rt = runtime();
+    rt.block_on(async {
+        let ch = Channel::connect(&addr).await.expect("connect");
+        let mut call = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
+        call.send(b"x").await.expect("send");
+        assert_eq!(call.recv().await.expect("echo").as_deref(), Some(&b"x"[..]));
+        ch.close(isthmus::Status::new(Code::Cancelled, "Channel closed!"));
+        let s = call.recv().await.expect_err("closed under it");
+        assert_eq!((s.code(), s.message()), (Code::Cancelled, "Channel closed!"));
     });
 }

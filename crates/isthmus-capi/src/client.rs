@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
-use isthmus::binding::{block_on, finish_unary, may_hand_off, runtime, SharedCall, SpinFirst};
+use isthmus::binding::{block_on, finish_unary, may_hand_off, runtime, SharedCall, SpinFirst, SEND_PATIENCE};
 use isthmus::{CallOptions, Code, Config, Status};
 
 use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
@@ -296,20 +296,34 @@ pub unsafe extern "C" fn isthmus_unary_async(
             unsafe { (c_str(path, "the path")?, c_bytes(request, request_len, "the request")?, call_options(opts)?) };
         if let Some(blocking) = channel.spin_first(opts, request.len()) {
             let spin = Duration::from_micros(channel.spin_us.load(Ordering::Relaxed));
-            complete_begun(&cq, tag, blocking.unary_begin(path, request, options), spin, now);
+            let begun = match blocking.unary_begin_within(path, request, options.clone(), SEND_PATIENCE) {
+                Ok(Some(unary)) => Ok(unary),
+                Err(status) => Err(status),
+                // No room in the connection now: the queue's path sends it, off this thread.
+                Ok(None) => return queue_unary(&channel, &cq, tag, path, request, options, now),
+            };
+            complete_begun(&cq, tag, begun, spin, now);
             return Ok(());
         }
         // Declined by `spin_first` (or not asked): the queue's path, which never reads the
         // connection on the caller's thread.
-        let (path, request, engine) = (path.to_owned(), request.to_vec(), channel.polled.clone());
-        cq.start(
-            tag,
-            ISTHMUS_OP_UNARY,
-            async move { Outcome::unary(engine.unary(&path, &request, options).await) },
-            now,
-        );
-        Ok(())
+        queue_unary(&channel, &cq, tag, path, request, options, now)
     })
+}
+
+/// A unary call on the completion queue's path: the runtime sends it and reads its reply.
+fn queue_unary(
+    channel: &isthmus_channel_t,
+    cq: &Queue,
+    tag: u64,
+    path: &str,
+    request: &[u8],
+    options: isthmus::CallOptions,
+    now: *mut isthmus_event_t,
+) -> Result<(), Status> {
+    let (path, request, engine) = (path.to_owned(), request.to_vec(), channel.polled.clone());
+    cq.start(tag, ISTHMUS_OP_UNARY, async move { Outcome::unary(engine.unary(&path, &request, options).await) }, now);
+    Ok(())
 }
 
 /// Requests up to this size may be sent from an event loop's thread (with `ISTHMUS_CALL_SPIN`):

@@ -98,6 +98,26 @@ pub(crate) fn client_config(max_receive: Option<u64>) -> isthmus::Config {
     config
 }
 
+/// A binding channel's connectivity: READY while its blocking fast path's connection is up
+/// (its socket is looked at), else the engine channel's state, which `try_to_connect` starts
+/// connecting in the background.
+pub(crate) fn connectivity(
+    blocking: Option<&isthmus::blocking::Channel>,
+    engine: &isthmus::Channel,
+    try_to_connect: bool,
+) -> isthmus::Connectivity {
+    if blocking.is_some_and(|b| b.connectivity(false) == isthmus::Connectivity::Ready) {
+        return isthmus::Connectivity::Ready;
+    }
+    let _runtime = runtime().enter();
+    engine.connectivity(try_to_connect)
+}
+
+/// What `close()` does to calls in progress, in grpcio's words.
+pub(crate) fn closed_by_close() -> Status {
+    Status::new(Code::Cancelled, "Channel closed!")
+}
+
 pub(crate) fn bad_target(status: &Status) -> PyErr {
     PyValueError::new_err(status.message().to_owned())
 }
@@ -236,6 +256,34 @@ impl Channel {
         Ok(PyBytes::new(py, &response.message))
     }
 
+    /// A unary call (`.future()`) run as operation `token` of `reactor`: it completes with a
+    /// `UnaryResult` (or a `CallError`) on the thread that drains the reactor, so no thread
+    /// waits per call. The connection's reader task reads its reply.
+    #[pyo3(signature = (reactor, token, path, request, metadata, timeout, wait_for_ready))]
+    #[allow(clippy::too_many_arguments)]
+    fn unary_future(
+        &self,
+        reactor: &crate::reactor::Reactor,
+        token: u64,
+        path: String,
+        request: &Bound<'_, PyBytes>,
+        metadata: Option<&Bound<'_, PyAny>>,
+        timeout: Option<f64>,
+        wait_for_ready: bool,
+    ) -> PyResult<()> {
+        let options = options(metadata, timeout, wait_for_ready)?;
+        let request = bytes_from_py(request);
+        let closed = self.closed.load(Ordering::Relaxed);
+        let engine = self.engine.with_calls_read(false);
+        reactor.completions.run(token, async move {
+            if closed {
+                return crate::reactor::Outcome::Failed(self::closed());
+            }
+            engine.unary(&path, &request, options).await.into()
+        });
+        Ok(())
+    }
+
     /// A writable block to build a request in: this side's shared memory over `shm://`, heap
     /// memory on other transports.
     #[pyo3(signature = (size, timeout=None))]
@@ -302,8 +350,44 @@ impl Channel {
         }
     }
 
+    /// gRPC's connectivity state, numbered as grpcio's `ChannelConnectivity` (0 IDLE,
+    /// 1 CONNECTING, 2 READY, 3 TRANSIENT_FAILURE, 4 SHUTDOWN).
+    fn connectivity(&self, try_to_connect: bool) -> u8 {
+        if self.closed.load(Ordering::Relaxed) {
+            return isthmus::Connectivity::Shutdown as u8;
+        }
+        connectivity(self.blocking.as_ref(), &self.engine, try_to_connect) as u8
+    }
+
+    /// Waits, the GIL released, up to `timeout` seconds for the engine channel's state to
+    /// change (the fast path's connection has no events: callers look again after the
+    /// timeout), and gives [`connectivity`](Self::connectivity) then.
+    fn wait_connectivity(&self, py: Python<'_>, timeout: f64) -> u8 {
+        let timeout = std::time::Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
+        let engine = &self.engine;
+        py.detach(|| {
+            runtime().block_on(async {
+                let from = engine.connectivity(false);
+                let _ = tokio::time::timeout(timeout, engine.connectivity_changed(from)).await;
+            })
+        });
+        self.connectivity(false)
+    }
+
+    /// Closes the channel as grpcio's `close` does: calls in progress over `shm://` end
+    /// CANCELLED "Channel closed!" and its connections close; later calls fail. Over HTTP/2 the
+    /// connection closes when the channel is dropped.
     fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
+        if let Some(blocking) = &self.blocking {
+            blocking.close(closed_by_close());
+        }
+        self.engine.close(closed_by_close());
+        if let Ok(mut upgraded) = self.upgraded.lock() {
+            if let Some((_, channel)) = upgraded.take() {
+                channel.close(closed_by_close());
+            }
+        }
     }
 }
 

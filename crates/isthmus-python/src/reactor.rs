@@ -39,7 +39,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use isthmus::binding::{finish_unary, SharedCall, SpinFirst};
+use isthmus::binding::{finish_unary, SharedCall, SpinFirst, SEND_PATIENCE};
 use isthmus::{MetadataMap, Status};
 use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
@@ -125,6 +125,21 @@ impl Reactor {
         let policy = isthmus::SpinPolicy::default();
         let ready = py.detach(|| completions.spin(Duration::from_micros(spin_us), policy.yield_after));
         match ready {
+            true => self.drain(py),
+            false => Ok(PyList::empty(py).unbind()),
+        }
+    }
+
+    /// [`drain`](Self::drain) after waiting on this thread, asleep and the GIL released, up to
+    /// `timeout` seconds (forever if None) for something to finish: for a thread that does
+    /// nothing but complete operations (the blocking API's `.future()` calls).
+    #[pyo3(signature = (timeout=None))]
+    fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyList>> {
+        let deadline = timeout
+            .filter(|t| t.is_finite())
+            .map(|t| std::time::Instant::now() + Duration::from_secs_f64(t.clamp(0.0, 86_400.0)));
+        let completions = &self.completions;
+        match py.detach(|| completions.wait(Duration::ZERO, deadline)) {
             true => self.drain(py),
             false => Ok(PyList::empty(py).unbind()),
         }
@@ -252,10 +267,16 @@ impl AsyncChannel {
             self.run_unary(token, path, request, options, false);
             return Ok(py.None());
         };
-        let reply = py.detach(|| {
-            let begun = fast.unary_begin(&path, &request, options);
-            begun.map(|unary| finish_unary(unary, isthmus::SpinPolicy::default().max))
-        });
+        let begun = py.detach(|| fast.unary_begin_within(&path, &request, options.clone(), SEND_PATIENCE));
+        let reply = match begun {
+            Ok(Some(unary)) => Ok(py.detach(|| finish_unary(unary, isthmus::SpinPolicy::default().max))),
+            Err(status) => Err(status),
+            // No room for it now: the reactor's path sends it (a task may wait; the loop not).
+            Ok(None) => {
+                self.run_unary(token, path, request, options, false);
+                return Ok(py.None());
+            }
+        };
         let outcome = self.completions.run_now(token, async move {
             match reply {
                 Ok(reply) => Outcome::from(reply.await),
@@ -321,8 +342,36 @@ impl AsyncChannel {
         Ok(())
     }
 
+    /// gRPC's connectivity state, numbered as grpcio's `ChannelConnectivity`; see the blocking
+    /// channel's.
+    fn connectivity(&self, try_to_connect: bool) -> u8 {
+        if self.closed.load(Ordering::Relaxed) {
+            return isthmus::Connectivity::Shutdown as u8;
+        }
+        let blocking = self.spin_first.as_ref().map(SpinFirst::channel);
+        crate::client::connectivity(blocking, &self.engine, try_to_connect) as u8
+    }
+
+    /// Operation `token` completes once the engine channel's state changes (the fast path's
+    /// connection has no events: callers look again after a while).
+    fn watch_connectivity(&self, token: u64) {
+        let engine = self.engine.clone();
+        self.completions.run(token, async move {
+            let from = engine.connectivity(false);
+            engine.connectivity_changed(from).await;
+            Outcome::Done
+        });
+    }
+
+    /// Closes the channel's `shm://` connections (both: the reactor's and the fast path's);
+    /// calls still on them end CANCELLED. Over HTTP/2 the connection closes when the channel
+    /// is dropped.
     fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
+        if let Some(spin_first) = &self.spin_first {
+            spin_first.channel().close(crate::client::closed_by_close());
+        }
+        self.engine.close(crate::client::closed_by_close());
     }
 }
 

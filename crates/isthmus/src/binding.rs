@@ -471,6 +471,8 @@ pub struct HandedCall {
     finish: Mutex<Option<Finish>>,
     /// Run once when the call ends (grpc's `add_callback`).
     done: Mutex<Vec<DoneCallback>>,
+    /// Run when the call ends without its handler's `finish` (`add_abandon_callback`).
+    abandoned: Mutex<Vec<DoneCallback>>,
     /// Run by `finish` before the status goes out (`on_finish`).
     finishing: Mutex<Option<DoneCallback>>,
 }
@@ -503,6 +505,7 @@ pub async fn hand_off(
         responded: AtomicBool::new(false),
         finish: Mutex::new(Some(finish)),
         done: Mutex::new(Vec::new()),
+        abandoned: Mutex::new(Vec::new()),
         finishing: Mutex::new(None),
     });
     let _ended = Ended(handed.clone());
@@ -519,7 +522,12 @@ struct Ended(Arc<HandedCall>);
 impl Drop for Ended {
     fn drop(&mut self) {
         self.0.active.store(false, std::sync::atomic::Ordering::Release);
-        let callbacks = self.0.done.lock().map(|mut c| std::mem::take(&mut *c)).unwrap_or_default();
+        let mut callbacks = self.0.done.lock().map(|mut c| std::mem::take(&mut *c)).unwrap_or_default();
+        let abandoned = self.0.abandoned.lock().map(|mut c| std::mem::take(&mut *c)).unwrap_or_default();
+        // Unfinished: the client cancelled, the deadline passed or the connection ended.
+        if self.0.finish.lock().is_ok_and(|f| f.is_some()) {
+            callbacks.extend(abandoned);
+        }
         for callback in callbacks {
             callback();
         }
@@ -579,6 +587,19 @@ impl HandedCall {
             return false;
         }
         done.push(callback);
+        true
+    }
+
+    /// Runs `callback` once if the call ends before its handler finishes it (the client
+    /// cancelled, the deadline passed, the connection ended): for a binding that must stop the
+    /// handler then, at no cost to the calls that end normally. `false` (and not run) if the
+    /// call has already ended.
+    pub fn add_abandon_callback(&self, callback: DoneCallback) -> bool {
+        let Ok(mut abandoned) = self.abandoned.lock() else { return false };
+        if !self.active.load(std::sync::atomic::Ordering::Acquire) {
+            return false;
+        }
+        abandoned.push(callback);
         true
     }
 
@@ -767,6 +788,11 @@ pub struct SpinFirst {
     /// A thread of the pool is connecting `channel`.
     connecting: Arc<std::sync::atomic::AtomicBool>,
 }
+
+/// How long a request sent from an event loop's thread may wait for room in the connection
+/// ([`crate::blocking::Channel::unary_begin_within`]) before it goes the completions' way
+/// instead: a server that is behind, or has stopped reading, never stalls the loop longer.
+pub const SEND_PATIENCE: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// Unary calls whose slow replies threads of the pool wait for, at most: beyond it,
 /// [`SpinFirst::ready`] declines and calls take the completions' path from the start.

@@ -26,6 +26,7 @@ use bytes::Bytes;
 use isthmus_shm::{BlockMut, Config};
 
 use crate::call::{CallOptions, Response};
+use crate::connectivity::{Connectivity, Tracker};
 use crate::engine::client::{SendHalf, ShmCall, ShmChannel};
 use crate::engine::mux::ConnectionCounters;
 use crate::http::call::{HttpCall, Requests};
@@ -63,7 +64,14 @@ enum Via {
     /// Standard gRPC over HTTP/2 (tonic's channel), to any other target; with the state of
     /// its move to shared memory unless that is turned off (`upgrade.rs`).
     /// `max_message`: the largest response message accepted (the builder's `Config`).
-    Http { channel: tonic::transport::Channel, target: String, upgrade: Option<Arc<Upgrade>>, max_message: usize },
+    /// `connectivity`: what the connector under tonic's channel saw of its connections.
+    Http {
+        channel: tonic::transport::Channel,
+        target: String,
+        upgrade: Option<Arc<Upgrade>>,
+        max_message: usize,
+        connectivity: Arc<Tracker>,
+    },
 }
 
 impl Via {
@@ -130,17 +138,17 @@ impl ChannelBuilder {
                 Ok(channel)
             }
             other => {
-                let (endpoint, connector, peer) = self.http_parts(&other)?;
+                let (endpoint, connector, peer, connectivity) = self.http_parts(&other)?;
                 let channel = endpoint.connect_with_connector(connector).await.map_err(|e| {
                     let why = crate::http::tls::describe(&e).unwrap_or_else(|| e.to_string());
                     Status::new(Code::Unavailable, format!("cannot connect to {}: {why}", self.target))
                 })?;
-                Ok(self.over_http(channel, peer))
+                Ok(self.over_http(channel, peer, connectivity))
             }
         }
     }
 
-    fn over_http(&self, channel: tonic::transport::Channel, peer: HttpPeer) -> Channel {
+    fn over_http(&self, channel: tonic::transport::Channel, peer: HttpPeer, connectivity: Arc<Tracker>) -> Channel {
         let upgrade = self.upgrade.then(|| Arc::new(Upgrade::new(self.config.clone(), peer)));
         Channel {
             via: Arc::new(Via::Http {
@@ -148,6 +156,7 @@ impl ChannelBuilder {
                 target: self.target.clone(),
                 upgrade,
                 max_message: usize::try_from(self.config.max_message_size).unwrap_or(usize::MAX),
+                connectivity,
             }),
             calls_read: true,
             routes: true,
@@ -167,8 +176,8 @@ impl ChannelBuilder {
                 routes: true,
             }),
             other => {
-                let (endpoint, connector, peer) = self.http_parts(&other)?;
-                Ok(self.over_http(endpoint.connect_with_connector_lazy(connector), peer))
+                let (endpoint, connector, peer, connectivity) = self.http_parts(&other)?;
+                Ok(self.over_http(endpoint.connect_with_connector_lazy(connector), peer, connectivity))
             }
         }
     }
@@ -177,7 +186,7 @@ impl ChannelBuilder {
     fn http_parts(
         &self,
         target: &Target,
-    ) -> Result<(tonic::transport::Endpoint, impl crate::http::endpoint::MakeIo, HttpPeer), Status> {
+    ) -> Result<(tonic::transport::Endpoint, impl crate::http::endpoint::MakeIo, HttpPeer, Arc<Tracker>), Status> {
         let tls = match (target, &self.tls) {
             (Target::Tcp { tls: Some(false), .. }, Some(_)) => {
                 return Err(Status::new(
@@ -200,8 +209,9 @@ impl ChannelBuilder {
             Some(tls) => Some((tls.rustls()?, tls.server_name(&target.host())?)),
             None => None,
         };
-        let peer = HttpPeer::default();
-        Ok((http_endpoint(target, tls.is_some())?, connector(target, tls, peer.clone()), peer))
+        let (peer, connectivity) = (HttpPeer::default(), Arc::<Tracker>::default());
+        let endpoint = http_endpoint(target, tls.is_some())?;
+        Ok((endpoint, connector(target, tls, peer.clone(), connectivity.clone()), peer, connectivity))
     }
 }
 
@@ -346,6 +356,60 @@ impl Channel {
     /// where the spin would hold that work up. Clones keep the setting.
     pub fn with_calls_read(&self, on: bool) -> Channel {
         Channel { via: self.via.clone(), calls_read: on, routes: self.routes }
+    }
+
+    /// The channel's connectivity state, as gRPC names it ([`crate::connectivity`]). With
+    /// `try_to_connect`, an IDLE or failed channel starts connecting in the background, retrying
+    /// with backoff until it is READY or every handle on it is gone; that needs a tokio runtime
+    /// current on this thread (without one, nothing is started).
+    pub fn connectivity(&self, try_to_connect: bool) -> Connectivity {
+        let tracker = self.tracker();
+        let state = tracker.get();
+        if try_to_connect && matches!(state, Connectivity::Idle | Connectivity::TransientFailure) {
+            tracker.kick(Arc::downgrade(&self.via), Channel::attempt);
+        }
+        state
+    }
+
+    /// Closes an `shm://` channel: its connection ends now, its calls in progress fail with
+    /// `status`, and later calls fail UNAVAILABLE. Over HTTP/2 tonic's connection closes when
+    /// the last handle on the channel is dropped; this does nothing there.
+    pub fn close(&self, status: Status) {
+        if let Via::Shm(shm) = &*self.via {
+            shm.close(status);
+            shm.connectivity.lost();
+        }
+    }
+
+    /// Waits until the connectivity state is not `from`, and gives the new one.
+    pub async fn connectivity_changed(&self, from: Connectivity) -> Connectivity {
+        self.tracker().changed(from).await
+    }
+
+    fn tracker(&self) -> &Arc<Tracker> {
+        match &*self.via {
+            Via::Shm(shm) => &shm.connectivity,
+            Via::Http { connectivity, .. } => connectivity,
+        }
+    }
+
+    /// One attempt to connect, for [`connectivity`](Self::connectivity): `true` once connected.
+    async fn attempt(via: Arc<Via>) -> bool {
+        match &*via {
+            Via::Shm(shm) => shm.mux(false, None).await.is_ok(),
+            Via::Http { connectivity, .. } => {
+                // tonic connects only for a request: a health check's answer, whatever it is,
+                // means the connection is up.
+                let channel = Channel { via: via.clone(), calls_read: true, routes: false };
+                let options = CallOptions { timeout: Some(std::time::Duration::from_secs(20)), ..Default::default() };
+                if let Ok(mut call) = channel.start_http("/grpc.health.v1.Health/Check", options) {
+                    if call.send_last(&[]).await.is_ok() {
+                        while let Ok(Some(_)) = call.recv().await {}
+                    }
+                }
+                connectivity.get() == Connectivity::Ready
+            }
+        }
     }
 
     /// Starts a call of any shape: send messages, half-close, read responses.

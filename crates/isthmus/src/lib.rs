@@ -34,6 +34,8 @@
 //!   (`shm://` → engine, every other form → HTTP/2) and give one API over both; [`upgrade`]
 //!   moves an HTTP/2 channel to `shm://` when its server is a local isthmus server.
 //!
+//! - [`connectivity`]: a channel's state in gRPC's five (IDLE, CONNECTING, READY,
+//!   TRANSIENT_FAILURE, SHUTDOWN), from its connections themselves.
 //! - [`binding`]: what the language bindings share (the Python extension, the C ABI): their
 //!   runtime, a call two threads drive, completions for event loops, calls handed to foreign
 //!   handlers.
@@ -52,6 +54,7 @@
 pub mod binding;
 mod call;
 mod client;
+pub mod connectivity;
 pub mod engine;
 pub mod http;
 pub mod metadata;
@@ -65,6 +68,7 @@ pub use self::http::{
 };
 pub use call::{CallOptions, Response};
 pub use client::{CallSender, Channel, ChannelBuilder, ClientCall};
+pub use connectivity::Connectivity;
 pub use engine::flow::{INITIAL_WINDOW, MESSAGE_OVERHEAD};
 pub use engine::mux::ConnectionCounters;
 pub use engine::server::{Handler, HandlerFuture, ServerCall, ServerStats};

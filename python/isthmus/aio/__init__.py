@@ -14,6 +14,7 @@ from concurrent.futures import Executor
 from typing import Any
 
 import grpc
+import grpc.aio
 
 from .._credentials import channel_tls
 from ._call import StreamStreamCall, StreamUnaryCall, UnaryStreamCall, UnaryUnaryCall
@@ -36,11 +37,14 @@ __all__ = [
 
 
 def insecure_channel(
-    target: str, options: Any = None, compression: grpc.Compression | None = None
+    target: str,
+    options: Any = None,
+    compression: grpc.Compression | None = None,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
 ) -> Channel:
     """A channel to `shm://NAME`, or over HTTP/2 to any target grpc names, as
-    `grpc.aio.insecure_channel` makes one."""
-    return Channel(target, options, compression)
+    `grpc.aio.insecure_channel` makes one; its calls go through `interceptors` as there."""
+    return Channel(target, options, compression, interceptors=interceptors)
 
 
 def secure_channel(
@@ -48,10 +52,11 @@ def secure_channel(
     credentials: grpc.ChannelCredentials,
     options: Any = None,
     compression: grpc.Compression | None = None,
+    interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
 ) -> Channel:
     """A TLS channel to a TCP target, `credentials` from `isthmus.ssl_channel_credentials`, as
     `grpc.aio.secure_channel` makes one."""
-    return Channel(target, options, compression, channel_tls(credentials, options))
+    return Channel(target, options, compression, channel_tls(credentials, options), interceptors)
 
 
 def server(

@@ -197,6 +197,12 @@ class _StreamCall(_Call):
             self._tasks.append(loop.create_task(self._write_all(requests)))
 
     def _on_started(self, started: asyncio.Future[Any]) -> None:
+        # Also run by `_attempt`, which may take the call first: uvloop runs the reactor's
+        # wake-up, which resolves the start, before handles already queued, so the call's own
+        # tasks can find it started, and run it to its end, before this callback's turn (and
+        # the call's OK trailers are read through `_native`).
+        if self._native is not None:
+            return
         value = started.result()
         if isinstance(value, CallError):
             self._close(value)
@@ -216,6 +222,8 @@ class _StreamCall(_Call):
             call = self._started.result() if self._started.done() else await asyncio.shield(self._started)
             if isinstance(call, CallError):
                 return call
+            if self._native is None:
+                self._on_started(self._started)
             token, future = self._driver.begin(self._loop)
             try:
                 getattr(call, operation)(token, *args)
@@ -299,6 +307,11 @@ class _StreamCall(_Call):
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
         self._done.add_done_callback(lambda _: callback(self))
+
+    @property
+    def _done_writing_flag(self) -> bool:
+        """grpc.aio's name for it: its intercepted calls read it off the call they wrap."""
+        return self._done_writing
 
     # The sending side.
 

@@ -1,19 +1,26 @@
-"""The asyncio client: `Channel` and its multi-callables, in grpc.aio's shapes."""
+"""The asyncio client: `Channel` and its multi-callables, in grpc.aio's shapes.
+
+A channel with client interceptors runs them as grpc.aio does, with grpc.aio's own intercepted
+calls (a task runs the chain; the caller's call object waits for it), whose last continuation
+starts an isthmus call. A channel without interceptors for a shape keeps the plain
+multi-callable of that shape, whose calls start at once with no task."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol, TypeVar
 
 import grpc
 import grpc.aio
+from grpc.aio import _interceptor
+from grpc.aio._channel import _BaseMultiCallable
 
 from .. import _native
 from .._call import Deserializer, Serializer, encode
-from .._channel import limited, limits, upgrades
+from .._channel import LOOK_AGAIN_S, STATES, limited, limits, upgrades
 from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
 from .._native import CallError
@@ -184,13 +191,253 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.aio.StreamStreamMultiCallab
         return self._start(StreamStreamCall, timeout, metadata, wait_for_ready, request_iterator)
 
 
+# Client interceptors: grpc.aio's intercepted calls, reused whole but for `_invoke`, so that
+# cancelling, done callbacks, `write` through the chain and the caller's view of what an
+# interceptor returned stay grpc.aio's. The last continuation starts the call through this
+# module's multi-callables (so `close` knows it) where grpc's starts a cygrpc one.
+
+
+def _path(method: bytes | str) -> str:
+    """grpc.aio hands interceptors the method as bytes; one may give a str back."""
+    return method.decode() if isinstance(method, bytes) else method
+
+
+class _Intercepted:
+    """The chain of `_invoke`, as grpc.aio's `_run_interceptor` runs it for each shape: the first
+    interceptor is the outermost, each continuation runs the rest, and the last one starts the
+    call with the shape's plain multi-callable."""
+
+    _channel: Channel
+    _intercept: str  # the interceptors' method for this shape
+    _plain: type[_MultiCallable]
+
+    def _terminal(self, details: Any, request: Any, serialize: Serializer, deserialize: Deserializer) -> Any:
+        start = self._plain(self._channel, _path(details.method), serialize, deserialize)
+        return start(  # type: ignore[operator]
+            request, timeout=details.timeout, metadata=details.metadata, wait_for_ready=details.wait_for_ready
+        )
+
+    def _returned(self, value: Any) -> Any:
+        """What an interceptor's return value becomes for the caller."""
+        return value
+
+    async def _invoke(
+        self,
+        interceptors: Sequence[Any],
+        method: bytes,
+        timeout: float | None,
+        metadata: grpc.aio.Metadata | None,
+        credentials: grpc.CallCredentials | None,
+        wait_for_ready: bool | None,
+        request: Any,
+        request_serializer: Serializer,
+        response_deserializer: Deserializer,
+    ) -> Any:
+        async def run(index: int, details: Any, request: Any) -> Any:
+            if index == len(interceptors):
+                return self._terminal(details, request, request_serializer, response_deserializer)
+            intercept = getattr(interceptors[index], self._intercept)
+            return self._returned(await intercept(functools.partial(run, index + 1), details, request))
+
+        details = grpc.aio.ClientCallDetails(method, timeout, metadata, credentials, wait_for_ready)
+        return await run(0, details, request)
+
+
+class _InterceptedStreamResponse(_Intercepted):
+    """grpc.aio's rule for streaming responses: an interceptor may give back a response iterator
+    instead of a call; the caller iterates it, and asks the status of the last call given."""
+
+    _call_type: type
+    _response_iterator: type
+    _last_returned_call_from_interceptors: Any  # grpc.aio's name: its base class reads it
+
+    def _terminal(self, *args: Any) -> Any:
+        self._last_returned_call_from_interceptors = call = super()._terminal(*args)
+        return call
+
+    def _returned(self, value: Any) -> Any:
+        if not isinstance(value, self._call_type):
+            value = self._response_iterator(self._last_returned_call_from_interceptors, value)
+        self._last_returned_call_from_interceptors = value
+        return value
+
+
+class InterceptedUnaryUnaryCall(_Intercepted, _interceptor.InterceptedUnaryUnaryCall):
+    _intercept = "intercept_unary_unary"
+    _plain = UnaryUnaryMultiCallable
+
+    def _returned(self, value: Any) -> Any:
+        # grpc.aio's rule: an interceptor may answer with the response itself (one it made, or
+        # the call's), which the caller sees as an OK call with no metadata.
+        if isinstance(value, grpc.aio.UnaryUnaryCall):
+            return value
+        return _interceptor.UnaryUnaryCallResponse(value)
+
+
+class InterceptedUnaryStreamCall(_InterceptedStreamResponse, _interceptor.InterceptedUnaryStreamCall):
+    _intercept = "intercept_unary_stream"
+    _plain = UnaryStreamMultiCallable
+    _call_type = grpc.aio.UnaryStreamCall
+    _response_iterator = _interceptor.UnaryStreamCallResponseIterator
+
+
+class InterceptedStreamUnaryCall(_Intercepted, _interceptor.InterceptedStreamUnaryCall):
+    _intercept = "intercept_stream_unary"
+    _plain = StreamUnaryMultiCallable
+
+
+class InterceptedStreamStreamCall(_InterceptedStreamResponse, _interceptor.InterceptedStreamStreamCall):
+    _intercept = "intercept_stream_stream"
+    _plain = StreamStreamMultiCallable
+    _call_type = grpc.aio.StreamStreamCall
+    _response_iterator = _interceptor.StreamStreamCallResponseIterator
+
+
+# grpc.aio's own: the caller's metadata as the `grpc.aio.Metadata` interceptors are given. (Not
+# its compression, which isthmus does not apply: grpc adds it to the metadata as a header.)
+_init_metadata = _BaseMultiCallable._init_metadata
+
+
+class _InterceptedMultiCallable(_MultiCallable):
+    """The multi-callables of a channel with interceptors for their shape. Those without keep
+    the plain ones, whose calls start at once with no task."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        path: str,
+        serialize: Serializer,
+        deserialize: Deserializer,
+        interceptors: Sequence[Any],
+    ):
+        super().__init__(channel, path, serialize, deserialize)
+        self._interceptors = interceptors
+        self._method = path.encode()
+
+    def _intercepted(
+        self,
+        shape: type,
+        request: Any,
+        timeout: float | None,
+        metadata: Iterable[Metadatum] | None,
+        credentials: grpc.CallCredentials | None,
+        wait_for_ready: bool | None,
+    ) -> Any:
+        # The channel is not bound here: as in grpc.aio, a closed channel (or one of another
+        # loop) fails the call at the last continuation, where the interceptors see it.
+        call = shape(
+            self._interceptors,
+            request,
+            timeout,
+            _init_metadata(metadata),
+            credentials,
+            wait_for_ready,
+            self._channel,
+            self._method,
+            self._serialize,
+            self._deserialize,
+            asyncio.get_running_loop(),
+        )
+        self._channel._track_interceptors(call._interceptors_task)
+        return call
+
+
+class _InterceptedUnaryUnaryMultiCallable(_InterceptedMultiCallable, grpc.aio.UnaryUnaryMultiCallable):
+    def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        metadata: Iterable[Metadatum] | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> InterceptedUnaryUnaryCall:
+        return self._intercepted(  # type: ignore[no-any-return]
+            InterceptedUnaryUnaryCall, request, timeout, metadata, credentials, wait_for_ready
+        )
+
+
+class _InterceptedUnaryStreamMultiCallable(_InterceptedMultiCallable, grpc.aio.UnaryStreamMultiCallable):
+    def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        metadata: Iterable[Metadatum] | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> InterceptedUnaryStreamCall:
+        return self._intercepted(  # type: ignore[no-any-return]
+            InterceptedUnaryStreamCall, request, timeout, metadata, credentials, wait_for_ready
+        )
+
+
+class _InterceptedStreamUnaryMultiCallable(_InterceptedMultiCallable, grpc.aio.StreamUnaryMultiCallable):
+    def __call__(
+        self,
+        request_iterator: RequestIterable | None = None,
+        timeout: float | None = None,
+        metadata: Iterable[Metadatum] | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> InterceptedStreamUnaryCall:
+        return self._intercepted(  # type: ignore[no-any-return]
+            InterceptedStreamUnaryCall, request_iterator, timeout, metadata, credentials, wait_for_ready
+        )
+
+
+class _InterceptedStreamStreamMultiCallable(_InterceptedMultiCallable, grpc.aio.StreamStreamMultiCallable):
+    def __call__(
+        self,
+        request_iterator: RequestIterable | None = None,
+        timeout: float | None = None,
+        metadata: Iterable[Metadatum] | None = None,
+        credentials: grpc.CallCredentials | None = None,
+        wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
+    ) -> InterceptedStreamStreamCall:
+        return self._intercepted(  # type: ignore[no-any-return]
+            InterceptedStreamStreamCall, request_iterator, timeout, metadata, credentials, wait_for_ready
+        )
+
+
+_INTERCEPTORS = (
+    grpc.aio.UnaryUnaryClientInterceptor,
+    grpc.aio.UnaryStreamClientInterceptor,
+    grpc.aio.StreamUnaryClientInterceptor,
+    grpc.aio.StreamStreamClientInterceptor,
+)
+
+
+def _by_shape(interceptors: Sequence[Any] | None) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+    """`interceptors` sorted by the shape they intercept, in order, as grpc.aio's channel sorts
+    them: each by the first of the four classes it is an instance of."""
+    shapes: tuple[list[Any], list[Any], list[Any], list[Any]] = ([], [], [], [])
+    for interceptor in interceptors or ():
+        for kind, shape in zip(_INTERCEPTORS, shapes, strict=True):
+            if isinstance(interceptor, kind):
+                shape.append(interceptor)
+                break
+        else:
+            raise ValueError(
+                f"Interceptor {interceptor} must be "
+                + " or ".join(kind.__name__ for kind in _INTERCEPTORS)
+                + ". "
+            )
+    return shapes
+
+
 class Channel(grpc.aio.Channel):
     """A client channel to any target grpc names (`host:port`, `unix:path`, …) or `shm://NAME`,
     with TLS if `tls` is given (from `secure_channel`). Its calls complete through the Reactor of
     the event loop it is first used on, and it stays with that loop (as a grpc.aio channel
     does). It moves to shared memory as the blocking channel does (`isthmus.upgrade`). Of grpc's
     `options` it uses `grpc.ssl_target_name_override` and the message-size limits, as the
-    blocking channel does; `compression` is accepted for grpc's sake."""
+    blocking channel does; `compression` is accepted for grpc's sake. `interceptors` are
+    grpc.aio's client interceptors, run as a grpc.aio channel runs them."""
 
     def __init__(
         self,
@@ -198,7 +445,10 @@ class Channel(grpc.aio.Channel):
         options: Any = None,
         compression: grpc.Compression | None = None,
         tls: tuple[bytes | None, bytes | None, bytes | None, str | None] | None = None,
+        interceptors: Sequence[Any] | None = None,
     ):
+        # Checked first, as grpc.aio does: a bad interceptor fails before anything is made.
+        self._interceptors = _by_shape(interceptors)
         self._target = target
         self._tls = tls
         self._upgrade = upgrades(options)
@@ -209,6 +459,9 @@ class Channel(grpc.aio.Channel):
         self._closed = False
         self._shutdown: asyncio.Future[None] | None = None
         self._calls: weakref.WeakSet[_Closable] = weakref.WeakSet()  # for `close`
+        # The tasks that run interceptors, also for `close`: one may be cancelled before it
+        # starts a call (or while it waits for one).
+        self._chains: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
         try:
             asyncio.get_running_loop()
         except RuntimeError:
@@ -290,6 +543,12 @@ class Channel(grpc.aio.Channel):
         self._calls.add(call)
         return call
 
+    def _track_interceptors(self, task: asyncio.Task[Any]) -> None:
+        """Keeps `task`, which runs a call's interceptors, (weakly) for `close`; the call it
+        starts is kept by `_track`. (Weakly: the intercepted call holds it, and cancels it when
+        dropped.)"""
+        self._chains.add(task)
+
     async def close(self, grace: float | None = None) -> None:
         """Closes the channel, as grpc.aio's: new calls raise `grpc.aio.UsageError`; calls in
         progress get up to `grace` seconds to end, then are cancelled (their awaiters see
@@ -298,13 +557,16 @@ class Channel(grpc.aio.Channel):
             return
         self._closed = True
         calls = [call for call in self._calls if not call.done()]
+        chains = [task for task in self._chains if not task.done()]
         try:
-            if grace and calls:
-                await asyncio.wait([call._finished() for call in calls], timeout=grace)
+            if grace and (calls or chains):
+                await asyncio.wait([*(call._finished() for call in calls), *chains], timeout=grace)
         finally:  # also when the task closing the channel is cancelled meanwhile
-            self._end(calls)
+            self._end(calls, chains)
 
-    def _end(self, calls: list[_Closable]) -> None:
+    def _end(self, calls: list[_Closable], chains: list[asyncio.Task[Any]]) -> None:
+        for chain in chains:
+            chain.cancel()
         for call in calls:
             call.cancel()
         if self._native is not None:
@@ -313,19 +575,37 @@ class Channel(grpc.aio.Channel):
             self._shutdown.set_result(None)
 
     def get_state(self, try_to_connect: bool = False) -> grpc.ChannelConnectivity:
-        # The engine connects on a call and reports no connectivity states: as far as a caller
-        # can tell before its first call, an open channel is ready.
-        return grpc.ChannelConnectivity.SHUTDOWN if self._closed else grpc.ChannelConnectivity.READY
+        """As grpc.aio's: the state of the channel's connection; `try_to_connect` starts
+        connecting an idle channel (and keeps trying with backoff while it fails)."""
+        if self._closed:
+            return grpc.ChannelConnectivity.SHUTDOWN
+        if self._native is None:
+            if not try_to_connect:
+                return grpc.ChannelConnectivity.IDLE
+            self._bind()
+        return STATES[self._native.connectivity(try_to_connect)]  # type: ignore[union-attr]
 
     async def wait_for_state_change(self, last_observed_state: grpc.ChannelConnectivity) -> None:
-        if self.get_state() is not last_observed_state:
-            return
-        if self._shutdown is None:
-            self._shutdown = asyncio.get_running_loop().create_future()
-        await asyncio.shield(self._shutdown)  # READY to SHUTDOWN is the only change
+        """Returns once the state is not `last_observed_state` (as grpc.aio's)."""
+        while self.get_state() is last_observed_state:
+            loop, driver, native = self._bind()
+            if self._shutdown is None:
+                self._shutdown = loop.create_future()
+            token, changed = driver.begin(loop)
+            native.watch_connectivity(token)
+            try:
+                # The fast path's connection signals nothing: look again after a while.
+                await asyncio.wait([changed, self._shutdown], timeout=LOOK_AGAIN_S)
+            finally:
+                if not changed.done():
+                    driver.abandon(token)
 
     async def channel_ready(self) -> None:
-        pass
+        """Returns once the channel is READY, connecting it (as grpc.aio's)."""
+        state = self.get_state(try_to_connect=True)
+        while state is not grpc.ChannelConnectivity.READY:
+            await self.wait_for_state_change(state)
+            state = self.get_state(try_to_connect=True)
 
     # `_registered_method` and whatever private keywords later grpcio-tools pass mean nothing
     # here: every method is called by its path.
@@ -336,10 +616,13 @@ class Channel(grpc.aio.Channel):
         response_deserializer: Deserializer = None,
         _registered_method: bool | None = False,
         **kwargs: Any,
-    ) -> UnaryUnaryMultiCallable:
-        return UnaryUnaryMultiCallable(
-            self, method, limited(request_serializer, self._max_send), response_deserializer
-        )
+    ) -> UnaryUnaryMultiCallable | _InterceptedUnaryUnaryMultiCallable:
+        serialize = limited(request_serializer, self._max_send)
+        if self._interceptors[0]:
+            return _InterceptedUnaryUnaryMultiCallable(
+                self, method, serialize, response_deserializer, self._interceptors[0]
+            )
+        return UnaryUnaryMultiCallable(self, method, serialize, response_deserializer)
 
     def unary_stream(
         self,
@@ -348,10 +631,13 @@ class Channel(grpc.aio.Channel):
         response_deserializer: Deserializer = None,
         _registered_method: bool | None = False,
         **kwargs: Any,
-    ) -> UnaryStreamMultiCallable:
-        return UnaryStreamMultiCallable(
-            self, method, limited(request_serializer, self._max_send), response_deserializer
-        )
+    ) -> UnaryStreamMultiCallable | _InterceptedUnaryStreamMultiCallable:
+        serialize = limited(request_serializer, self._max_send)
+        if self._interceptors[1]:
+            return _InterceptedUnaryStreamMultiCallable(
+                self, method, serialize, response_deserializer, self._interceptors[1]
+            )
+        return UnaryStreamMultiCallable(self, method, serialize, response_deserializer)
 
     def stream_unary(
         self,
@@ -360,10 +646,13 @@ class Channel(grpc.aio.Channel):
         response_deserializer: Deserializer = None,
         _registered_method: bool | None = False,
         **kwargs: Any,
-    ) -> StreamUnaryMultiCallable:
-        return StreamUnaryMultiCallable(
-            self, method, limited(request_serializer, self._max_send), response_deserializer
-        )
+    ) -> StreamUnaryMultiCallable | _InterceptedStreamUnaryMultiCallable:
+        serialize = limited(request_serializer, self._max_send)
+        if self._interceptors[2]:
+            return _InterceptedStreamUnaryMultiCallable(
+                self, method, serialize, response_deserializer, self._interceptors[2]
+            )
+        return StreamUnaryMultiCallable(self, method, serialize, response_deserializer)
 
     def stream_stream(
         self,
@@ -372,7 +661,10 @@ class Channel(grpc.aio.Channel):
         response_deserializer: Deserializer = None,
         _registered_method: bool | None = False,
         **kwargs: Any,
-    ) -> StreamStreamMultiCallable:
-        return StreamStreamMultiCallable(
-            self, method, limited(request_serializer, self._max_send), response_deserializer
-        )
+    ) -> StreamStreamMultiCallable | _InterceptedStreamStreamMultiCallable:
+        serialize = limited(request_serializer, self._max_send)
+        if self._interceptors[3]:
+            return _InterceptedStreamStreamMultiCallable(
+                self, method, serialize, response_deserializer, self._interceptors[3]
+            )
+        return StreamStreamMultiCallable(self, method, serialize, response_deserializer)

@@ -64,12 +64,13 @@ class Server(ServerBase, grpc.aio.Server):
         task.add_done_callback(self._tasks.discard)
 
         def ended() -> None:
-            # On an engine thread, with the GIL: the call is over (the client cancelled, the
-            # deadline passed, the connection ended, or the handler finished it).
+            # On an engine thread, with the GIL: the call ended before its handler finished it
+            # (the client cancelled, the deadline passed, the connection ended). Calls that end
+            # normally never come here, so they cost no trip through the GIL and the loop.
             with contextlib.suppress(RuntimeError):  # the loop is closed
                 loop.call_soon_threadsafe(_cancel_unfinished, task, ending)
 
-        if not call.add_done_callback(ended):  # over already (cancelled before the spawn)
+        if not call.add_abandon_callback(ended):  # over already (cancelled before the spawn)
             task.cancel()
 
     async def _handle(self, call: ServerCall, ending: list[bool]) -> None:

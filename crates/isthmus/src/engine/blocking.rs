@@ -10,9 +10,11 @@
 //!
 //! - No runtime: the handshake runs on the calling thread, and the connection is read by the
 //!   threads waiting in its calls (`Mux::driven`, `Mux::wait`). Between calls nobody reads: frames
-//!   from the server stay in the ring (once it is full, the server's sends wait), and a server that
-//!   died or sent GOAWAY meanwhile is noticed by the next call, which fails UNAVAILABLE; the call
-//!   after it connects anew.
+//!   from the server stay in the ring (once it is full, the server's sends wait). A call that
+//!   starts after a pause of 1 ms or more first looks at the socket (one non-blocking system
+//!   call), so a server that died meanwhile is noticed before the call goes out, and the call
+//!   connects anew; a GOAWAY, or a death between calls closer together, is noticed by the next
+//!   call, which fails UNAVAILABLE, and the call after it connects anew.
 //! - Deadlines are `std::time::Instant`s; the send of HEADERS is bounded by the deadline too. The
 //!   CANCEL that a deadline or `cancel()` sends waits at most 100 ms for ring room
 //!   (`CANCEL_PATIENCE`); a drop's never waits.
@@ -34,6 +36,7 @@
 //! # Ok(()) }
 //! ```
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -42,6 +45,7 @@ use isthmus_shm::{flags, BlockMut, Config, Kind};
 
 use super::call::{open_head, CallState, Next, Reconnect, Slot};
 use crate::call::{check_path, CallOptions, Response};
+use crate::connectivity::{Connectivity, Live, Tracker};
 use crate::engine::flow::{self, Credit};
 use crate::engine::mux::{ConnectionCounters, Mux};
 use crate::status::{Code, Status};
@@ -50,6 +54,41 @@ struct Inner {
     slot: Slot,
     /// Serialises reconnecting, so a burst of calls makes one connection, not many.
     connecting: Mutex<()>,
+    connectivity: Arc<Tracker>,
+    /// Holds the channel READY for the current connection (nobody reads it between calls, so
+    /// its end is seen by the next look: [`Channel::connectivity`], or a call after a pause).
+    live: Mutex<Option<Live>>,
+    /// When the last call started, in ns since [`epoch`]: a call after a pause looks at the
+    /// socket first ([`STALE`]).
+    last_start: AtomicU64,
+}
+
+impl Inner {
+    fn new(slot: Slot) -> Inner {
+        Inner {
+            slot,
+            connecting: Mutex::new(()),
+            connectivity: Arc::default(),
+            live: Mutex::new(None),
+            last_start: AtomicU64::new(0),
+        }
+    }
+}
+
+/// A connection unused for this long is checked (one non-blocking system call) before a call
+/// goes out on it: a server that went away meanwhile is then noticed before the call is sent,
+/// and the call connects anew instead of failing. Calls closer together skip the check; a
+/// server dying between two of them is the race every client has.
+const STALE: Duration = Duration::from_millis(1);
+
+/// The origin of `last_start`.
+fn epoch() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn since_epoch(t: Instant) -> u64 {
+    u64::try_from(t.saturating_duration_since(epoch()).as_nanos()).unwrap_or(u64::MAX)
 }
 
 /// A connection to one server for blocking code. Cheap to clone and to share between threads;
@@ -86,7 +125,7 @@ impl Channel {
 
     /// [`lazy`](Self::lazy) with a transport configuration.
     pub fn lazy_with(target: &str, config: Config) -> Result<Channel, Status> {
-        Ok(Channel { inner: Arc::new(Inner { slot: Slot::new(target, config)?, connecting: Mutex::new(()) }) })
+        Ok(Channel { inner: Arc::new(Inner::new(Slot::new(target, config)?)) })
     }
 
     /// A lazy channel to the `shm://` endpoint an HTTP/2 channel was upgraded to
@@ -94,7 +133,7 @@ impl Channel {
     pub fn lazy_upgraded(upgrade: &crate::UpgradedTo, config: Config) -> Result<Channel, Status> {
         let mut slot = Slot::new(&upgrade.target, config)?;
         slot.expect_pid = Some(upgrade.pid);
-        Ok(Channel { inner: Arc::new(Inner { slot, connecting: Mutex::new(()) }) })
+        Ok(Channel { inner: Arc::new(Inner::new(slot)) })
     }
 
     /// The live connection, connecting (again) if there is none.
@@ -102,6 +141,7 @@ impl Channel {
         if let Some(m) = self.inner.slot.live() {
             return Ok(m);
         }
+        self.inner.slot.closed()?;
         let _one_at_a_time = self.inner.connecting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut reconnect = Reconnect::new();
         loop {
@@ -109,23 +149,72 @@ impl Channel {
                 return Ok(m);
             }
             let slot = &self.inner.slot;
+            slot.closed()?;
+            self.inner.connectivity.connecting();
             match Slot::connect(&slot.target, &slot.config, slot.expect_pid) {
                 Ok(conn) => {
                     let (sender, receiver) = conn.split();
                     let mux = Mux::driven(sender, receiver);
                     slot.install(mux.clone());
+                    let live = self.inner.connectivity.connected();
+                    if let Ok(mut held) = self.inner.live.lock() {
+                        *held = Some(live);
+                    }
                     return Ok(mux);
                 }
                 Err(status) => {
+                    self.inner.connectivity.failed();
                     std::thread::sleep(reconnect.after(status, wait_for_ready, deadline)?);
                 }
             }
         }
     }
 
-    /// Whether a connection is up now (a call would not have to connect first).
+    /// The live connection for a call starting now: after a pause, one whose peer has gone is
+    /// found out here (see [`STALE`]) and replaced.
+    fn mux_for_call(&self, wait_for_ready: bool, deadline: Option<Instant>) -> Result<Arc<Mux>, Status> {
+        self.check_if_stale();
+        self.mux(wait_for_ready, deadline)
+    }
+
+    /// [`check_alive`](Self::check_alive) if no call started in the last [`STALE`].
+    fn check_if_stale(&self) {
+        let now = since_epoch(Instant::now());
+        let last = self.inner.last_start.swap(now, Ordering::Relaxed);
+        if now.saturating_sub(last) >= u64::try_from(STALE.as_nanos()).unwrap_or(u64::MAX) {
+            self.check_alive();
+        }
+    }
+
+    /// Looks at the current connection's socket now (one non-blocking system call); a
+    /// connection whose peer has gone is given up, and every call on it fails UNAVAILABLE.
+    fn check_alive(&self) {
+        if let Some(mux) = self.inner.slot.live() {
+            if let Err(e) = mux.sender.check_alive() {
+                mux.fail_all(Status::from_transport(&e));
+                self.inner.connectivity.lost();
+            }
+        }
+    }
+
+    /// Whether a connection is up now (a call would not have to connect first). After a pause
+    /// (see [`STALE`]) this looks at its socket, so a server that went away is not taken for
+    /// one.
     pub fn is_connected(&self) -> bool {
+        self.check_if_stale();
         self.inner.slot.live().is_some()
+    }
+
+    /// The channel's connectivity state, gRPC's ([`crate::connectivity`]): the socket of the
+    /// current connection is looked at now. With `try_to_connect`, an IDLE or failed channel
+    /// connects on this thread (blocking for the handshake).
+    pub fn connectivity(&self, try_to_connect: bool) -> Connectivity {
+        self.check_alive();
+        let state = self.inner.connectivity.get();
+        if try_to_connect && matches!(state, Connectivity::Idle | Connectivity::TransientFailure) {
+            let _ = self.connect_now();
+        }
+        state
     }
 
     /// Connects now if no connection is up (a call connects on its own otherwise).
@@ -135,18 +224,24 @@ impl Channel {
 
     /// Starts a call of any shape: send messages, half-close, read responses.
     pub fn start(&self, path: &str, options: CallOptions) -> Result<Call, Status> {
+        self.start_by(path, options, None).map_err(|e| e.unwrap_or_else(no_room))
+    }
+
+    /// [`start`](Self::start), waiting for ring room only until `patience` (if sooner than the
+    /// deadline): `Err(None)` if it passed.
+    fn start_by(&self, path: &str, options: CallOptions, patience: Option<Instant>) -> Result<Call, Option<Status>> {
         check_path(path)?;
         let deadline = options.timeout.map(|t| Instant::now() + t);
-        let mux = self.mux(options.wait_for_ready, deadline)?;
+        let mux = self.mux_for_call(options.wait_for_ready, deadline)?;
         let stream = mux.register(self.inner.slot.next_stream())?;
         let call = Call { state: CallState::new(stream, mux, path, self.inner.clone()), deadline };
         let head = open_head(path, options.metadata, deadline);
-        call.state
-            .mux
-            .sender
-            .send(Kind::Headers, 0, call.state.id(), &head, deadline)
-            .map_err(|e| Status::from_transport(&e))?;
-        Ok(call)
+        let by = sooner(deadline, patience);
+        match call.state.mux.sender.send(Kind::Headers, 0, call.state.id(), &head, by) {
+            Ok(()) => Ok(call),
+            Err(e) if impatient(&e, deadline) => Err(None),
+            Err(e) => Err(Some(Status::from_transport(&e))),
+        }
     }
 
     /// A unary call: one request, one response.
@@ -162,6 +257,43 @@ impl Channel {
         let mut call = self.start(path, options)?;
         call.send_last(request)?;
         Ok(PendingUnary { call, path: path.to_owned(), message: None })
+    }
+
+    /// [`unary_begin`](Self::unary_begin) for a thread that must not wait long for room (an
+    /// event loop's): `Ok(None)` if the ring or the arena had no room for the request within
+    /// `patience` (the server is behind, or has stopped reading). Nothing then reaches a
+    /// handler (a call whose head went out is cancelled), and the caller sends the request
+    /// another way, where waiting costs it nothing.
+    pub fn unary_begin_within(
+        &self,
+        path: &str,
+        request: &[u8],
+        options: CallOptions,
+        patience: Duration,
+    ) -> Result<Option<PendingUnary>, Status> {
+        let by = Instant::now() + patience;
+        let mut call = match self.start_by(path, options, Some(by)) {
+            Ok(call) => call,
+            Err(None) => return Ok(None),
+            Err(Some(status)) => return Err(status),
+        };
+        if !call.credit(request.len())? {
+            return Ok(Some(PendingUnary { call, path: path.to_owned(), message: None }));
+        }
+        let sent = call.state.mux.sender.send_message(
+            call.state.id(),
+            flags::END_STREAM,
+            request,
+            sooner(call.deadline, Some(by)),
+        );
+        match sent {
+            Ok(()) => Ok(Some(PendingUnary { call, path: path.to_owned(), message: None })),
+            Err(e) if impatient(&e, call.deadline) => {
+                drop(call); // cancels it, without waiting for room for the CANCEL
+                Ok(None)
+            }
+            Err(e) => Err(call.failed(e)),
+        }
     }
 
     /// A writable block of `len` bytes in this side's shared memory, for a request built in
@@ -210,6 +342,13 @@ impl Channel {
     pub fn counters(&self) -> ConnectionCounters {
         self.inner.slot.counters()
     }
+
+    /// Closes the channel: its connection ends now, its calls in progress fail with `status`,
+    /// and later calls fail UNAVAILABLE (no connection is made again).
+    pub fn close(&self, status: Status) {
+        self.inner.slot.close(status);
+        self.inner.connectivity.lost();
+    }
 }
 
 /// One blocking call in progress. Dropping it before the server has finished cancels it.
@@ -223,6 +362,24 @@ impl std::fmt::Debug for Call {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("blocking::Call").field("stream", &self.state.id()).field("over", &self.state.is_over()).finish()
     }
+}
+
+/// The sooner of two times, either of which may be missing.
+fn sooner(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
+/// A send that timed out before the call's deadline: it ran out of a caller's patience.
+fn impatient(e: &isthmus_shm::Error, deadline: Option<Instant>) -> bool {
+    e.kind() == isthmus_shm::ErrorKind::Timeout && deadline.is_none_or(|d| Instant::now() < d)
+}
+
+/// [`Channel::start`] never asks for patience, so never meets its end; if it did, this is it.
+fn no_room() -> Status {
+    Status::new(Code::ResourceExhausted, "no room in the connection for the call's head")
 }
 
 /// How long a CANCEL may wait for ring room once a call is given up.

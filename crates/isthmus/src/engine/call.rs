@@ -90,6 +90,8 @@ pub(crate) struct Slot {
     pub(crate) expect_pid: Option<u32>,
     current: std::sync::Mutex<Option<Arc<Mux>>>,
     next_stream: std::sync::atomic::AtomicU64,
+    /// Closed by the channel's owner: no connection is made again.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl Slot {
@@ -102,6 +104,7 @@ impl Slot {
             expect_pid: None,
             current: std::sync::Mutex::new(None),
             next_stream: std::sync::atomic::AtomicU64::new(1),
+            closed: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -119,6 +122,25 @@ impl Slot {
             }
         }
         Ok(conn)
+    }
+
+    /// Closes the connection, failing its calls with `status`, and makes no other: later calls
+    /// fail with [`closed`](Self::closed)'s status.
+    pub(crate) fn close(&self, status: Status) {
+        self.closed.store(true, std::sync::atomic::Ordering::Release);
+        let current = self.current.lock().ok().and_then(|mut c| c.take());
+        if let Some(mux) = current {
+            mux.fail_all(status);
+            mux.sender.close();
+        }
+    }
+
+    /// `Err` once the channel is closed: the status new calls get.
+    pub(crate) fn closed(&self) -> Result<(), Status> {
+        match self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            true => Err(Status::new(Code::Unavailable, "the channel was closed")),
+            false => Ok(()),
+        }
     }
 
     /// The connection, if it is alive and takes new calls.

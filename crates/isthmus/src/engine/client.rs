@@ -59,6 +59,7 @@ use super::inbox::Event;
 use super::mux::{ConnectionCounters, Mux, StreamShared};
 use super::wire;
 use crate::call::{check_path, until, CallOptions};
+use crate::connectivity::Tracker;
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
 
@@ -67,18 +68,29 @@ pub(crate) struct ShmChannel {
     slot: Slot,
     /// Serialises reconnecting, so a burst of calls makes one connection, not many.
     connecting: tokio::sync::Mutex<()>,
+    /// gRPC's connectivity state: set as connections are made and as their readers end.
+    pub(crate) connectivity: Arc<Tracker>,
 }
 
 impl ShmChannel {
     pub(crate) fn new(target: &str, config: Config) -> Result<ShmChannel, Status> {
-        Ok(ShmChannel { slot: Slot::new(target, config)?, connecting: tokio::sync::Mutex::new(()) })
+        Ok(ShmChannel::on(Slot::new(target, config)?))
+    }
+
+    fn on(slot: Slot) -> ShmChannel {
+        ShmChannel { slot, connecting: tokio::sync::Mutex::new(()), connectivity: Arc::default() }
     }
 
     /// A channel that refuses any server but process `pid` (an upgrade's check, ADR 0013).
     pub(crate) fn expecting(target: &str, config: Config, pid: u32) -> Result<ShmChannel, Status> {
         let mut slot = Slot::new(target, config)?;
         slot.expect_pid = Some(pid);
-        Ok(ShmChannel { slot, connecting: tokio::sync::Mutex::new(()) })
+        Ok(ShmChannel::on(slot))
+    }
+
+    /// Closes the connection, failing its calls with `status`; later calls fail UNAVAILABLE.
+    pub(crate) fn close(&self, status: Status) {
+        self.slot.close(status);
     }
 
     /// Whether a connection is up now.
@@ -100,18 +112,22 @@ impl ShmChannel {
         if let Some(m) = self.live() {
             return Ok(m);
         }
+        self.slot.closed()?;
         let _one_at_a_time = self.connecting.lock().await;
         let mut reconnect = Reconnect::new();
         loop {
             if let Some(m) = self.live() {
                 return Ok(m); // another call connected while we waited
             }
+            self.slot.closed()?;
+            self.connectivity.connecting();
             match self.connect_once().await {
                 Ok(mux) => {
                     self.slot.install(mux.clone());
                     return Ok(mux);
                 }
                 Err(s) => {
+                    self.connectivity.failed();
                     let wait = reconnect.after(s, wait_for_ready, deadline.map(Instant::into_std))?;
                     tokio::time::sleep(wait).await;
                 }
@@ -126,7 +142,13 @@ impl ShmChannel {
             .map_err(|e| Status::new(Code::Internal, format!("connect task failed: {e}")))??;
         let (sender, receiver) = conn.split();
         let mux = Mux::led(sender, &receiver);
-        tokio::spawn(mux.clone().read_loop(receiver, None));
+        // The channel is READY while the reader runs: it ends when the connection does.
+        let live = self.connectivity.connected();
+        let reader = mux.clone().read_loop(receiver, None);
+        tokio::spawn(async move {
+            reader.await;
+            drop(live);
+        });
         Ok(mux)
     }
 

@@ -31,6 +31,7 @@ use std::task::{Context, Poll};
 
 use rustls::pki_types::ServerName;
 
+use crate::connectivity::{Live, Tracker};
 use crate::http::tls::{self, ServerTlsConfig};
 use crate::status::{Code, Status};
 use crate::upgrade::{Ends, HttpPeer};
@@ -474,7 +475,7 @@ where
 }
 
 /// The stream under an HTTP/2 client connection, as hyper takes it.
-pub(crate) type Io = hyper_util::rt::TokioIo<HttpIo>;
+pub(crate) type Io = hyper_util::rt::TokioIo<Tracked>;
 
 /// Opening one such stream.
 pub(crate) type Connecting = Pin<Box<dyn Future<Output = std::io::Result<Io>> + Send>>;
@@ -512,41 +513,103 @@ pub(crate) fn connector(
     target: &Target,
     tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
     peer: HttpPeer,
+    connectivity: Arc<Tracker>,
 ) -> impl MakeIo {
     let target = target.clone();
     tower::service_fn(move |_: http::Uri| {
-        let (target, tls, peer) = (target.clone(), tls.clone(), peer.clone());
+        let (target, tls, peer, connectivity) = (target.clone(), tls.clone(), peer.clone(), connectivity.clone());
+        connectivity.connecting();
         Box::pin(async move {
-            // Who is at the other end: the upgrade checks an offer against it.
-            let unix = |s: tokio::net::UnixStream| {
-                let pid = s.peer_cred().ok().and_then(|c| c.pid()).and_then(|p| u32::try_from(p).ok());
-                peer.record(Ends::Unix(pid.filter(|&p| p != 0)));
-                HttpIo::Unix(s)
-            };
-            let stream = match target {
-                Target::Unix(path) => unix(tokio::net::UnixStream::connect(path).await?),
-                Target::UnixAbstract(name) => {
-                    let addr = abstract_addr(&name).map_err(|s| std::io::Error::other(s.message().to_owned()))?;
-                    let std = std::os::unix::net::UnixStream::connect_addr(&addr)?;
-                    std.set_nonblocking(true)?;
-                    unix(tokio::net::UnixStream::from_std(std)?)
+            let opened = open(target, tls, peer).await;
+            match opened {
+                Ok(io) => Ok(hyper_util::rt::TokioIo::new(Tracked { io, _live: connectivity.connected() })),
+                Err(e) => {
+                    connectivity.failed();
+                    Err(e)
                 }
-                Target::Tcp { addrs, .. } => {
-                    let tcp = connect_first(&addrs).await?;
-                    tcp.set_nodelay(true)?;
-                    if let (Ok(local), Ok(remote)) = (tcp.local_addr(), tcp.peer_addr()) {
-                        peer.record(Ends::Tcp { local, peer: remote });
-                    }
-                    match tls {
-                        Some((config, name)) => HttpIo::Tls(Box::new(tls::connect(&config, name, tcp).await?)),
-                        None => HttpIo::Tcp(tcp),
-                    }
-                }
-                Target::Shm(_) => return Err(std::io::Error::other("not an HTTP/2 target")),
-            };
-            Ok(hyper_util::rt::TokioIo::new(stream))
+            }
         }) as Connecting
     })
+}
+
+/// Opens the stream under one HTTP/2 connection.
+async fn open(
+    target: Target,
+    tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
+    peer: HttpPeer,
+) -> std::io::Result<HttpIo> {
+    // Who is at the other end: the upgrade checks an offer against it.
+    let unix = |s: tokio::net::UnixStream| {
+        let pid = s.peer_cred().ok().and_then(|c| c.pid()).and_then(|p| u32::try_from(p).ok());
+        peer.record(Ends::Unix(pid.filter(|&p| p != 0)));
+        HttpIo::Unix(s)
+    };
+    let stream = match target {
+        Target::Unix(path) => unix(tokio::net::UnixStream::connect(path).await?),
+        Target::UnixAbstract(name) => {
+            let addr = abstract_addr(&name).map_err(|s| std::io::Error::other(s.message().to_owned()))?;
+            let std = std::os::unix::net::UnixStream::connect_addr(&addr)?;
+            std.set_nonblocking(true)?;
+            unix(tokio::net::UnixStream::from_std(std)?)
+        }
+        Target::Tcp { addrs, .. } => {
+            let tcp = connect_first(&addrs).await?;
+            tcp.set_nodelay(true)?;
+            if let (Ok(local), Ok(remote)) = (tcp.local_addr(), tcp.peer_addr()) {
+                peer.record(Ends::Tcp { local, peer: remote });
+            }
+            match tls {
+                Some((config, name)) => HttpIo::Tls(Box::new(tls::connect(&config, name, tcp).await?)),
+                None => HttpIo::Tcp(tcp),
+            }
+        }
+        Target::Shm(_) => return Err(std::io::Error::other("not an HTTP/2 target")),
+    };
+    Ok(stream)
+}
+
+/// A client connection's stream, which holds its channel READY while hyper keeps it: hyper
+/// drops it when the connection ends.
+#[derive(Debug)]
+pub(crate) struct Tracked {
+    io: HttpIo,
+    _live: Live,
+}
+
+impl tokio::io::AsyncRead for Tracked {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Tracked {
+    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
 }
 
 /// TCP to the first of `addrs` that answers (each may name several addresses).
