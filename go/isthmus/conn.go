@@ -139,12 +139,8 @@ func parseCallOptions(opts []grpc.CallOption) callOptions {
 // handle in it.
 func cCallOptions(ctx context.Context, co callOptions, flags C.uint32_t) (C.isthmus_call_options_t, error) {
 	var o C.isthmus_call_options_t
-	if d, ok := ctx.Deadline(); ok {
-		left := time.Until(d)
-		if left <= 0 {
-			return o, status.Error(codes.DeadlineExceeded, context.DeadlineExceeded.Error())
-		}
-		o.timeout_us = C.int64_t(max(left.Microseconds(), 1))
+	if err := setTimeout(ctx, &o); err != nil {
+		return o, err
 	}
 	if err := ctx.Err(); err != nil {
 		return o, status.FromContextError(err).Err()
@@ -161,6 +157,19 @@ func cCallOptions(ctx context.Context, co callOptions, flags C.uint32_t) (C.isth
 		o.flags |= C.ISTHMUS_CALL_WAIT_FOR_READY
 	}
 	return o, nil
+}
+
+// setTimeout sets o's timeout to what is left of ctx's deadline (none without one).
+func setTimeout(ctx context.Context, o *C.isthmus_call_options_t) error {
+	o.timeout_us = 0
+	if d, ok := ctx.Deadline(); ok {
+		left := time.Until(d)
+		if left <= 0 {
+			return status.Error(codes.DeadlineExceeded, context.DeadlineExceeded.Error())
+		}
+		o.timeout_us = C.int64_t(max(left.Microseconds(), 1))
+	}
+	return nil
 }
 
 func marshal(m any) ([]byte, error) {
@@ -308,13 +317,20 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 }
 
 // invokeLarge makes a unary call whose request is marshalled straight into a block of shared
-// memory, and whose reply is unmarshalled from where it lies in the server's.
+// memory, and whose reply is unmarshalled from where it lies in the server's. The wait for the
+// block (arena room; with WaitForReady, a server) ends with ctx, as the call's own wait does.
 func (cc *ClientConn) invokeLarge(ctx context.Context, method string, args proto.Message, size int, reply any, co callOptions) error {
 	copts, err := cCallOptions(ctx, co, 0)
 	if err != nil {
 		return err
 	}
-	b, err := cc.allocBlock(size, &copts)
+	b, err := cc.allocBlock(ctx, size, &copts)
+	if err == nil {
+		// The call's deadline is what is left of ctx's once the block is there.
+		if err = setTimeout(ctx, &copts); err != nil {
+			b.Release()
+		}
+	}
 	if err != nil {
 		freeMetadata(copts.metadata)
 		return err

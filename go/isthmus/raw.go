@@ -9,6 +9,7 @@ import "C"
 import (
 	"context"
 	"io"
+	"time"
 	"unsafe"
 
 	"google.golang.org/grpc"
@@ -240,7 +241,8 @@ func (cc *ClientConn) CallRaw(ctx context.Context, method string, request []byte
 
 // Alloc returns a writable block of n bytes for the request of a CallRawBlock, to fill in
 // place: the connection's shared memory over shm:// (sent with no copy), Go memory on other
-// transports. Over shm:// it waits while the connection's arena is full, until ctx's deadline.
+// transports. Over shm:// it waits while the connection's arena is full, until ctx ends: past
+// its deadline it fails with codes.DeadlineExceeded, cancelled with codes.Canceled.
 func (cc *ClientConn) Alloc(ctx context.Context, n int) (*Block, error) {
 	if cc.closed.Load() {
 		return nil, errClosing()
@@ -256,14 +258,78 @@ func (cc *ClientConn) Alloc(ctx context.Context, n int) (*Block, error) {
 		return nil, err
 	}
 	defer freeMetadata(copts.metadata)
-	return cc.allocBlock(n, &copts)
+	return cc.allocBlock(ctx, n, &copts)
 }
 
-// allocBlock is a block of the channel's shared memory, waited for up to copts' timeout.
-func (cc *ClientConn) allocBlock(n int, copts *C.isthmus_call_options_t) (*Block, error) {
-	var h *C.isthmus_block_t
-	var st *C.isthmus_status_t
-	return allocated(C.isthmus_channel_alloc(cc.ch, C.size_t(n), copts, &h, &st), h, st, n)
+// allocSlice bounds one wait inside isthmus_channel_alloc for a context that can be
+// cancelled. The library ends that wait (for arena room; with WaitForReady, for a server)
+// only at the call's timeout and offers no way to cancel it, so such a wait is made of slices
+// this long, the context looked at between them: cancelling ends it within a slice.
+const allocSlice = 50 * time.Millisecond
+
+// allocPauseMax bounds the pause after a slice the library ended early (see allocBlock), as
+// its own backoff between connects for WaitForReady is bounded.
+const allocPauseMax = 500 * time.Millisecond
+
+// allocBlock is a block of n bytes of the channel's shared memory, waited for until ctx
+// ends; copts are the call's options (cCallOptions), whose timeout is changed here.
+//
+// A context that cannot be cancelled waits in one cgo call, up to copts' timeout. Any other
+// waits in slices of allocSlice: a block that is there at once takes the same one cgo call,
+// and a slice that ends DEADLINE_EXCEEDED before ctx's deadline is tried again while ctx
+// lasts. A slice that ended before its time did so waiting for a server (WaitForReady: the
+// library gives up once its next connect would come too late), and is followed by a pause
+// here, where ctx is watched, that grows up to allocPauseMax: no busy connecting.
+func (cc *ClientConn) allocBlock(ctx context.Context, n int, copts *C.isthmus_call_options_t) (*Block, error) {
+	done := ctx.Done()
+	if done == nil {
+		var h *C.isthmus_block_t
+		var st *C.isthmus_status_t
+		return allocated(C.isthmus_channel_alloc(cc.ch, C.size_t(n), copts, &h, &st), h, st, n)
+	}
+	deadline, hasDeadline := ctx.Deadline()
+	pause := allocSlice
+	for {
+		slice, last := allocSlice, false
+		if hasDeadline {
+			left := time.Until(deadline)
+			if left <= 0 {
+				return nil, status.Error(codes.DeadlineExceeded, context.DeadlineExceeded.Error())
+			}
+			if left <= slice {
+				// The last slice: its DEADLINE_EXCEEDED, if it comes, is the call's.
+				slice, last = left, true
+			}
+		}
+		copts.timeout_us = C.int64_t(max(slice.Microseconds(), 1))
+		began := time.Now()
+		var h *C.isthmus_block_t
+		var st *C.isthmus_status_t
+		code := C.isthmus_channel_alloc(cc.ch, C.size_t(n), copts, &h, &st)
+		if code != C.ISTHMUS_DEADLINE_EXCEEDED || last {
+			return allocated(code, h, st, n)
+		}
+		if h != nil {
+			C.isthmus_block_free(h)
+		}
+		if st != nil {
+			C.isthmus_status_free(st)
+		}
+		if time.Since(began) >= slice {
+			if ctx.Err() != nil {
+				return nil, ctxError(ctx)
+			}
+			continue
+		}
+		t := time.NewTimer(pause)
+		select {
+		case <-done:
+			t.Stop()
+			return nil, ctxError(ctx)
+		case <-t.C:
+		}
+		pause = min(2*pause, allocPauseMax)
+	}
 }
 
 // CallRawBlock makes a unary call by method path whose request is a block from Alloc, sent

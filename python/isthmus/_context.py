@@ -30,6 +30,7 @@ class Context:
         self._finished = False
         # A raw handler (`isthmus.raw`) gets requests as read-only `Message` buffers and sends
         # its replies as they are: no (de)serializer.
+        self._raw = raw
         if raw:
             self._deserialize = self._serialize = None
 
@@ -126,9 +127,10 @@ class Context:
         """Whether a unary handler's return value is sent: not once it set a failing code."""
         return self._code is None or self._code is grpc.StatusCode.OK
 
-    def _finish(self, error: BaseException | None) -> None:
+    def _finish(self, error: BaseException | None, reply: Any = None) -> None:
         """Ends the call: with the handler's code, details and trailers, or as grpcio ends a
-        handler that raised. Does nothing if the call is already over."""
+        handler that raised. Does nothing if the call is already over. `reply` (the blocking
+        server's unary response, encoded) is sent first, in the same step."""
         code, details = self._code, self._details
         if error is not None and not self._aborted:
             if self._call.is_active():  # otherwise the error is the call's end, not a fault
@@ -138,11 +140,12 @@ class Context:
             if details is None:
                 details = f"Exception calling application: {error}"
         self._finished = True
-        self._call.finish(
-            0 if code is None else code.value[0],
-            details or "",
-            None if self._trailing is None else outgoing(self._trailing),
-        )
+        trailing = None if self._trailing is None else outgoing(self._trailing)
+        if reply is None:
+            self._call.finish(0 if code is None else code.value[0], details or "", trailing)
+            return
+        # A send that fails raises here, as the handler's own send would have.
+        self._call.reply(reply, 0 if code is None else code.value[0], details or "", trailing, self._raw)
 
 
 class ServicerContext(Context, grpc.ServicerContext):

@@ -12,6 +12,11 @@ import grpc
 from ._metadata import Metadata, incoming
 from ._native import ServerCall
 
+try:  # what grpc.method_handlers_generic_handler makes, and generated code before grpcio 1.62
+    from grpc._utilities import DictionaryGenericHandler
+except ImportError:  # pragma: no cover - a grpcio without it: every generic handler is asked
+    DictionaryGenericHandler = None
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 # The attribute of an RpcMethodHandler that holds its behaviour, by (request_streaming,
@@ -57,18 +62,58 @@ class HandlerCallDetails(grpc.HandlerCallDetails):
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"
 
 
+Plan = tuple[grpc.RpcMethodHandler, Callable[..., Any], bool]
+"""A method's handler, its behaviour and whether it is raw (`isthmus.raw`)."""
+
+
+def plan_of(handler: grpc.RpcMethodHandler) -> Plan:
+    method = behaviour(handler)
+    return handler, method, getattr(method, "__isthmus_raw__", False)
+
+
 class Handlers:
     def __init__(self, generic: Iterable[grpc.GenericRpcHandler] | None, interceptors: Sequence[Any] | None):
         self._generic = list(generic or ())
         self._registered: dict[str, grpc.RpcMethodHandler] = {}
         self._interceptors = tuple(interceptors or ())
+        self._plans: dict[str, Plan] | None = None
+        self._replan()
 
     def add_generic(self, handlers: Iterable[grpc.GenericRpcHandler]) -> None:
         self._generic.extend(handlers)
+        self._replan()
 
     def add_registered(self, service: str, methods: Mapping[str, grpc.RpcMethodHandler]) -> None:
         for name, handler in methods.items():
             self._registered[f"/{service}/{name}"] = handler
+        self._replan()
+
+    def _replan(self) -> None:
+        """Every method's plan by path, when no interceptor and no generic handler decides per
+        call (grpc's dictionary handlers answer by path alone): a call then costs one lookup,
+        with no call details to build. The order is grpcio's: registered methods, then the
+        generic handlers in turn."""
+        self._plans = None
+        if self._interceptors or any(type(g) is not DictionaryGenericHandler for g in self._generic):
+            return
+        plans: dict[str, Plan] = {}
+        try:
+            for generic in self._generic:
+                for path, handler in generic._method_handlers.items():
+                    plans.setdefault(path, plan_of(handler))
+            plans.update((path, plan_of(handler)) for path, handler in self._registered.items())
+        except Exception:  # a handler of an odd shape: it fails its calls, as grpcio's would
+            return
+        self._plans = plans
+
+    def plan(self, call: ServerCall) -> Plan | None:
+        """The plan of `call`'s method; None if no handler serves it. Raises what a generic
+        handler or interceptor raised."""
+        plans = self._plans
+        if plans is not None:
+            return plans.get(call.path)
+        handler = self.find(call)
+        return None if handler is None else plan_of(handler)
 
     def serves_health(self) -> bool:
         """Whether the application serves `grpc.health.v1.Health` itself (then the engine's

@@ -274,6 +274,16 @@ class ServerCall:
         """grpc's auth context: the transport's security, the client's certificate under mTLS."""
     def is_active(self) -> bool:
         """False once the call is over: finished, cancelled by the client, or past its deadline."""
+    def reply(
+        self,
+        message: Buffer,
+        code: int,
+        details: str,
+        trailing_metadata: _Metadata | None = None,
+        raw: bool = False,
+    ) -> None:
+        """Sends a unary response (bytes; any buffer or Block with `raw`), then ends the call
+        with this status; raises CallError if the send fails (the call is then not ended)."""
     def add_abandon_callback(self, callback: Callable[[], None]) -> bool:
         """`callback()` once if the call ends before its handler finishes it; False if it has
         ended already."""

@@ -16,7 +16,7 @@ import grpc
 from . import _native
 from ._context import ServicerContext
 from ._credentials import server_tls
-from ._handler import Handlers, behaviour
+from ._handler import Handlers
 from ._native import ServerCall
 
 _LOG = logging.getLogger("isthmus")
@@ -150,29 +150,26 @@ class Server(ServerBase, grpc.Server):
 
     def _handle(self, call: ServerCall) -> None:
         try:
-            handler = self._handlers.find(call)
+            plan = self._handlers.plan(call)
         except Exception as e:
             refuse(call, e)
             return
-        if handler is None:
+        if plan is None:
             refuse(call, None)
             return
-        try:
-            method = behaviour(handler)
-            raw = getattr(method, "__isthmus_raw__", False)
-        except Exception as e:
-            refuse(call, e)
-            return
+        handler, method, raw = plan
         context = ServicerContext(call, handler, raw)
         try:
             request = context._requests() if handler.request_streaming else context._request(context._recv())
             response = method(request, context)
-            send = context._send
             if handler.response_streaming:
+                send = context._send
                 for message in response:
                     send(context._encode(message))
             elif context._responds():
-                send(context._encode(response))
+                # The response and the status in one step.
+                context._finish(None, context._encode(response))
+                return
         except Exception as e:
             context._finish(e)
         else:

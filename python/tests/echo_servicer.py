@@ -2,14 +2,17 @@
 asyncio, with the semantics of the Rust peer (tests/src/bin/tonic-peer.rs): echo, reflect
 `x-echo` / `x-echo-bin` into the initial metadata (and, as the proto says, the trailers), fail
 with `fail_with` and `fail_message` (trailer `x-failed: yes`), and print `BIDI-ENDED ...` when a
-Bidi call ends. One addition: `fail_with = -1` raises in the handler (the Rust peer answers it
-with UNKNOWN too). Needs the generated `conformance_pb2*` modules on sys.path."""
+Bidi call ends. Two additions: `fail_with = -1` raises in the handler (the Rust peer answers it
+with UNKNOWN too), and a Unary call with a `sleep_ms` prints `UNARY-SLEEPING SEQ` as its handler
+starts, for tests to wait on instead of guessing when it runs. Needs the generated
+`conformance_pb2*` modules on sys.path."""
 
 from __future__ import annotations
 
 import asyncio
 import functools
 import struct
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -57,12 +60,31 @@ def _failure(request: pb.EchoRequest) -> tuple[grpc.StatusCode, str] | None:
     return _CODES.get(request.fail_with, grpc.StatusCode.UNKNOWN), request.fail_message
 
 
+_printing = threading.Lock()
+
+
+def say(line: str) -> None:
+    """Prints `line` for the test reading this process's output. Whole: `print` writes the text
+    and its newline apart, so two handler threads printing at once can run their lines together
+    (and the test then misses one)."""
+    with _printing:
+        print(line, flush=True)
+
+
+def _announce_sleep(request: pb.EchoRequest) -> None:
+    """`UNARY-SLEEPING SEQ` for a call that will sleep: its handler is running (and, on a
+    server with `maximum_concurrent_rpcs`, holds a slot)."""
+    if request.sleep_ms > 0:
+        say(f"UNARY-SLEEPING {request.seq}")
+
+
 _FAILED = (("x-failed", "yes"),)
 
 
 class Echo(pb_grpc.EchoServicer):
     def Unary(self, request: pb.EchoRequest, context: grpc.ServicerContext) -> pb.EchoReply:
         left, echo = _time_left_ms(context), _echoed(context)
+        _announce_sleep(request)
         end = time.monotonic() + request.sleep_ms / 1000
         while time.monotonic() < end and context.is_active():
             time.sleep(0.01)
@@ -104,7 +126,7 @@ class Echo(pb_grpc.EchoServicer):
             ended = "half-close"
         finally:
             if ended is not None:
-                print(f"BIDI-ENDED {ended} {first}", flush=True)
+                say(f"BIDI-ENDED {ended} {first}")
 
     @staticmethod
     def _fail(request: pb.EchoRequest, context: grpc.ServicerContext) -> None:
@@ -117,6 +139,7 @@ class Echo(pb_grpc.EchoServicer):
 class AsyncEcho(pb_grpc.EchoServicer):
     async def Unary(self, request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> pb.EchoReply:
         left, echo = _time_left_ms(context), _echoed(context)
+        _announce_sleep(request)
         end = time.monotonic() + request.sleep_ms / 1000
         while time.monotonic() < end and not context.done():
             await asyncio.sleep(0.01)
@@ -159,7 +182,7 @@ class AsyncEcho(pb_grpc.EchoServicer):
             ended = "half-close"
         finally:
             if ended is not None:
-                print(f"BIDI-ENDED {ended} {first}", flush=True)
+                say(f"BIDI-ENDED {ended} {first}")
 
     @staticmethod
     async def _fail(request: pb.EchoRequest, context: grpc.aio.ServicerContext) -> None:

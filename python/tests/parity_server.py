@@ -5,8 +5,8 @@ each HTTP/2 target, and serves until killed:
 - the application's own `grpc.health.v1.Health` servicer: Check answers SERVING for "" and
   NOT_SERVING for "custom", and fails NOT_FOUND "no such service: NAME" for any other name
   (grpcio-health-checking's servicer answers so);
-- `/parity.Slow/Wait` (asyncio servers): waits a minute; when the call ends first and its task is
-  cancelled, it prints HANDLER-CANCELLED;
+- `/parity.Slow/Wait` (asyncio servers): prints HANDLER-STARTED as its handler starts, then waits
+  a minute; when the call ends first and its task is cancelled, it prints HANDLER-CANCELLED;
 - `/parity.Meta/…` (blocking servers), on bytes, for the client interceptor tests: every method
   sends the call's `x-…` metadata back in its initial metadata and its trailers, so that what an
   interceptor added shows on each shape. `Unary` echoes the request, `ServerStream` answers it
@@ -56,6 +56,7 @@ async def check_async(request: bytes, context: Any) -> bytes:
 
 
 async def wait(request: bytes, context: Any) -> bytes:
+    print("HANDLER-STARTED", flush=True)
     try:
         await asyncio.sleep(60)
     except asyncio.CancelledError:

@@ -17,7 +17,7 @@ import grpc
 import grpc.aio
 import pytest
 from clients import run_on as run
-from peer import Peer, Served, fresh, grpcio_target, serve
+from peer import PATIENCE, Peer, Served, fresh, grpcio_target, serve
 
 import isthmus
 import isthmus.aio
@@ -50,14 +50,18 @@ def test_close_cancels_the_calls_in_progress(
         channel = make()
         stub = pb_grpc.EchoStub(channel)
         assert (await stub.Unary(pb.EchoRequest(seq=1), timeout=60)).seq == 1
-        slow = asyncio.ensure_future(stub.Unary(pb.EchoRequest(sleep_ms=5000), timeout=60))
+        slow = asyncio.ensure_future(stub.Unary(pb.EchoRequest(sleep_ms=30_000), timeout=60))
         stream = stub.Bidi(timeout=60)
         await stream.write(pb.EchoRequest(seq=2))
+        # A round trip: `slow`'s call started meanwhile (grpc.aio starts it in a task scheduled
+        # before the stream's; isthmus.aio when made).
         assert (await stream.read()).seq == 2
-        await asyncio.sleep(0.05)
+        assert not slow.done()
         start = time.monotonic()
         await channel.close()
-        assert time.monotonic() - start < 2
+        # Far below the slow call's 30 s (so close did not wait for it), and far above what a
+        # stalled machine adds.
+        assert time.monotonic() - start < 15
         with pytest.raises(asyncio.CancelledError):
             await slow
         if isinstance(channel, isthmus.aio.Channel):
@@ -79,13 +83,17 @@ def test_close_with_a_grace_lets_calls_finish_within_it(
         channel = make()
         stub = pb_grpc.EchoStub(channel)
         await stub.Unary(pb.EchoRequest(), timeout=60)
-        quick = asyncio.ensure_future(stub.Unary(pb.EchoRequest(seq=3, sleep_ms=200), timeout=60))
-        slow = asyncio.ensure_future(stub.Unary(pb.EchoRequest(sleep_ms=10_000), timeout=60))
-        await asyncio.sleep(0.02)
+        # The quick call (half a second) leaves 2.5 s of the grace to spare, for a stalled machine.
+        grace = 3.0
+        quick = asyncio.ensure_future(stub.Unary(pb.EchoRequest(seq=3, sleep_ms=500), timeout=60))
+        slow = asyncio.ensure_future(stub.Unary(pb.EchoRequest(sleep_ms=30_000), timeout=60))
+        await asyncio.sleep(0)  # one turn of the loop: grpc.aio starts each call in a task
+        assert not quick.done()  # in progress when the close begins
         start = time.monotonic()
-        await channel.close(grace=1.0)
+        await channel.close(grace=grace)
         waited = time.monotonic() - start
-        assert 0.9 <= waited < 5, waited  # the grace, not the slow call's 10 s
+        # All of the grace (the slow call outlasts it), and far from the slow call's 30 s.
+        assert 0.9 * grace <= waited < grace + 12, waited
         assert (await quick).seq == 3  # finished within the grace
         with pytest.raises(asyncio.CancelledError):
             await slow  # cancelled when the grace ran out
@@ -207,14 +215,18 @@ def test_an_asyncio_handler_is_cancelled_when_its_call_ends(api: str) -> None:
         for target in targets:
             with isthmus.insecure_channel(target) as channel:
                 wait = channel.unary_unary("/parity.Slow/Wait")
+                # The deadline must pass while the handler waits, so after it started: 3 s
+                # leaves a loaded machine seconds to start it. The test waits that long.
+                call = wait.future(b"", timeout=3.0)
+                served.peer.expect("HANDLER-STARTED")
                 with pytest.raises(grpc.RpcError) as caught:
-                    wait(b"", timeout=0.3)
+                    call.result(timeout=60)
                 assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                served.peer.expect("HANDLER-CANCELLED", patience=30)
+                served.peer.expect("HANDLER-CANCELLED")
                 call = wait.future(b"", timeout=60)
-                time.sleep(0.3)  # the handler is waiting by now
+                served.peer.expect("HANDLER-STARTED")  # cancelled before it started, it never would be
                 call.cancel()
-                served.peer.expect("HANDLER-CANCELLED", patience=30)
+                served.peer.expect("HANDLER-CANCELLED")
     finally:
         served.close()
 
@@ -257,7 +269,10 @@ def test_maximum_concurrent_rpcs_counts_the_whole_server(
         channels = [isthmus.insecure_channel(served.addresses[t]) for t in ("unix", "http")]
         echo = [pb_grpc.EchoStub(channel) for channel in channels]
         slow = [e.Unary.future(pb.EchoRequest(seq=i, sleep_ms=3500), timeout=60) for i, e in enumerate(echo)]
-        time.sleep(1.0)  # both are running by now (they take milliseconds to arrive)
+        # Both handlers hold their slots once they say they sleep; they sleep seconds longer
+        # than the two refused calls below take.
+        started = {served.peer.expect("UNARY-SLEEPING").split()[1] for _ in slow}
+        assert started == {"0", "1"}
         with pytest.raises(grpc.RpcError) as refused:
             echo[0].Unary(pb.EchoRequest(), timeout=60)
         assert (refused.value.code(), refused.value.details()) == (
@@ -267,9 +282,25 @@ def test_maximum_concurrent_rpcs_counts_the_whole_server(
         with pytest.raises(grpc.RpcError) as other_port:
             echo[1].Unary(pb.EchoRequest(), timeout=60)
         assert other_port.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert [f.result().seq for f in slow] == [0, 1]
-        assert echo[1].Unary(pb.EchoRequest(seq=4), timeout=60).seq == 4
+        assert [f.result(timeout=60).seq for f in slow] == [0, 1]
+        # isthmus frees a call's slot before its client sees the call end; grpcio only when the
+        # handler's thread is done, after it sent the reply, so a call may be refused until then.
+        assert _accepted(echo[1], pb.EchoRequest(seq=4), patient=kind == "grpcio").seq == 4
         for channel in channels:
             channel.close()
     finally:
         served.close()
+
+
+def _accepted(echo: Any, request: Any, patient: bool) -> Any:
+    """`echo.Unary(request)`'s reply; if `patient`, retried while it is refused for the
+    concurrency limit, for up to a minute."""
+    end = time.monotonic() + PATIENCE
+    while True:
+        try:
+            return echo.Unary(request, timeout=60)
+        except grpc.RpcError as error:
+            refused = error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            if not (patient and refused and time.monotonic() < end):
+                raise
+        time.sleep(0.01)

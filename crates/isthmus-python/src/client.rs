@@ -17,16 +17,17 @@
 //! - A request iterator (stream-unary, stream-stream) is consumed by a thread of its own per call
 //!   (`isthmus-requests`), so responses can be read meanwhile and an iterator that blocks cannot
 //!   hold up the status; the two halves meet in the call's `isthmus::binding::SharedCall`.
-//! - `.future()` runs the call to its end on one `ThreadPoolExecutor` shared by the process
-//!   (`isthmus-future` threads, Python's default size `min(32, CPUs + 4)`, 6 on 2 CPUs), since an
-//!   engine call that waits holds a thread. The rest wait in the pool's queue, where grpcio's
-//!   futures all wait in its core at once; a queued call starts with what is left of its timeout.
-//!
-//! Not yet: connectivity is not probed (`subscribe` calls back READY at once); `options` (message
-//! size limits among them) and `compression` are accepted and not used, so the engine's limits
-//! apply (4 GiB a message over `shm://`, none over HTTP/2, where grpcio receives at most 4 MiB by
-//! default); `close` makes later calls fail UNAVAILABLE and lets calls in progress go on; there is
-//! no `secure_channel`.
+//! - A unary `.future()` is an operation of one process-wide `Reactor` (`unary_future`), its
+//!   reply read by the connection's reader task; the Python thread `isthmus-futures` drains the
+//!   reactor and resolves the futures, so no thread waits per call (ADR 0018). A `.future()`
+//!   with a request iterator runs on a thread of its own.
+//! - Connectivity (`connectivity`, `wait_connectivity`): READY while the fast path's blocking
+//!   connection is up (its socket is looked at), else the engine channel's state, which
+//!   `try_to_connect` starts connecting in the background (`isthmus::connectivity`).
+//! - `close` ends the `shm://` connections, failing calls in progress CANCELLED "Channel
+//!   closed!" as grpcio does; over HTTP/2 calls go on and the connection closes with the
+//!   channel. Of `options`, the message-size limits, `grpc.ssl_target_name_override` and
+//!   `isthmus.upgrade` are used; `compression` is accepted and unused.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

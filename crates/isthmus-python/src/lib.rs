@@ -52,6 +52,25 @@ pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
     isthmus::binding::runtime()
 }
 
+/// Runs `fut` to its end for a Python caller: polled once with the GIL held, since most
+/// operations are over before they start (a request already in, room in the ring), and only
+/// if it must wait, with the GIL released meanwhile (`binding::block_on`).
+pub(crate) fn wait<F>(py: Python<'_>, fut: F) -> F::Output
+where
+    F: std::future::Future + Send,
+    F::Output: Send,
+{
+    use std::task::{Context, Poll, Waker};
+    let mut fut = std::pin::pin!(fut);
+    {
+        let _runtime = runtime().enter();
+        if let Poll::Ready(out) = fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+            return out;
+        }
+    }
+    py.detach(|| isthmus::binding::block_on(fut))
+}
+
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<convert::CallError>()?;

@@ -32,7 +32,10 @@
 //!   through its `isthmus::binding::SharedCall`. A request iterator is written by a task on the
 //!   loop.
 //! - A channel stays with the loop it was first used on, as a grpc.aio channel does; using it on
-//!   another is a `grpc.aio.UsageError`. `close(grace)` ignores the grace.
+//!   another is a `grpc.aio.UsageError`. `close` (after the Python side's grace) ends its
+//!   `shm://` connections; `connectivity` and `watch_connectivity` give gRPC's state (ADR 0018).
+//! - A request the loop's thread sends itself waits at most `SEND_PATIENCE` for ring room;
+//!   past it the call takes the reactor's path, where a task waits instead of the loop.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

@@ -510,6 +510,7 @@ pub async fn hand_off(
     });
     let _ended = Ended(handed.clone());
     deliver(handed)?;
+    crate::engine::mux::handed_off();
     finished
         .await
         .unwrap_or_else(|_| Err(Status::new(Code::Unknown, "the handler was dropped without finishing the call")))

@@ -87,6 +87,57 @@ pub(crate) struct Incoming {
 /// A server call's whole life as one future: its handler, then its status sent.
 pub(crate) type CallFuture = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
 
+thread_local! {
+    /// Set by [`handed_off`] while a server reader gives a call its first poll.
+    static HANDED_OFF: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Tells the server reader polling the current call that its handler is now a foreign
+/// thread's, and that the call's future only waits for that thread to finish it
+/// (`binding::hand_off`). Outside a reader's first poll it does nothing.
+pub(crate) fn handed_off() {
+    HANDED_OFF.set(true);
+}
+
+/// A server reader's calls handed to foreign handlers: polled by the reader's task when one
+/// is woken (its handler finished it, its deadline passed, its client cancelled).
+#[derive(Default)]
+struct HandedCalls {
+    calls: futures_util::stream::FuturesUnordered<CallFuture>,
+}
+
+impl HandedCalls {
+    /// Runs `fut` while serving the calls: each woken call is polled as it comes.
+    async fn serve_while<T>(&mut self, fut: impl std::future::Future<Output = T>) -> T {
+        use futures_util::StreamExt;
+        let mut fut = std::pin::pin!(fut);
+        let calls = &mut self.calls;
+        std::future::poll_fn(|cx| {
+            while let std::task::Poll::Ready(Some(())) = calls.poll_next_unpin(cx) {}
+            fut.as_mut().poll(cx)
+        })
+        .await
+    }
+
+    /// Polls the calls that were woken, without waiting.
+    async fn poll_ready(&mut self) {
+        use futures_util::StreamExt;
+        let calls = &mut self.calls;
+        std::future::poll_fn(|cx| {
+            while let std::task::Poll::Ready(Some(())) = calls.poll_next_unpin(cx) {}
+            std::task::Poll::Ready(())
+        })
+        .await;
+    }
+
+    /// The connection is over: each call left finishes as a task of its own.
+    fn spawn_all(&mut self) {
+        for call in std::mem::take(&mut self.calls) {
+            tokio::spawn(call);
+        }
+    }
+}
+
 /// Makes a new call's future (the server's handler lookup and bookkeeping).
 pub(crate) type NewCallFn = dyn Fn(Incoming) -> CallFuture + Send + Sync;
 
@@ -615,6 +666,10 @@ impl Mux {
             }
         }
         let _watch = Watch(self.clone());
+        // Calls whose handler a foreign thread runs (Python, C, Go: `binding::hand_off`) wait
+        // here rather than as tasks of their own: the thread that finishes one then wakes this
+        // task, which is usually running, instead of a worker asleep (ADR 0019).
+        let mut handed = HandedCalls::default();
         let mut held = Some(receiver);
         let end = 'read: loop {
             let mut receiver = match held.take() {
@@ -625,7 +680,10 @@ impl Mux {
                 },
             };
             let first = match &self.lead {
-                None => receiver.recv_async_spinning(self.spin_for_next(&receiver)).await,
+                None => {
+                    let spin = self.spin_for_next(&receiver);
+                    handed.serve_while(receiver.recv_async_spinning(spin)).await
+                }
                 Some(lead) => match receiver.recv_async_interruptible().await.transpose() {
                     Some(got) => got,
                     // A call asked for the receiver: it reads until its reply has come. Let it run
@@ -645,7 +703,7 @@ impl Mux {
             self.credit_only.store(true, Ordering::Relaxed);
             let mut stop = self.route_batch(&mut receiver, first, accept.as_mut()).await;
             if let Some(acc) = accept.as_mut() {
-                let mut waiting = Self::start_calls(std::mem::take(&mut acc.batch)).await;
+                let mut waiting = Self::start_calls(std::mem::take(&mut acc.batch), &mut handed).await;
                 // A client writes a call's HEADERS and its first message a fraction of a
                 // microsecond apart, so a call may have started without its request: wait that
                 // long for more frames, and give the calls that wait one more poll. A call that
@@ -655,7 +713,7 @@ impl Mux {
                     if let Some(next) = Self::follow_up(&mut receiver).transpose() {
                         stop = self.route_batch(&mut receiver, next, Some(&mut *acc)).await;
                         waiting.append(&mut acc.batch);
-                        waiting = Self::start_calls(waiting).await;
+                        waiting = Self::start_calls(waiting, &mut handed).await;
                     }
                 }
                 for call in waiting {
@@ -666,6 +724,7 @@ impl Mux {
             if let Some(status) = stop {
                 break 'read status;
             }
+            handed.poll_ready().await;
             // The batch woke tasks (handlers and calls waiting for their messages), queued on
             // this worker: let them run now, before the wait for the next frame spins on this
             // thread. A batch that only opened and finished calls inline skips the trip through
@@ -685,6 +744,8 @@ impl Mux {
         };
         self.sender.close();
         self.fail_all(end);
+        // Cancelled by the connection's end: they finish as tasks of their own.
+        handed.spawn_all();
     }
 
     /// Routes `first` and the frames already in the ring after it, at most 256 in all, so calls
@@ -733,13 +794,19 @@ impl Mux {
         }
     }
 
-    /// Polls each new call once, here on the reader's task; the calls that must wait.
-    async fn start_calls(calls: Vec<CallFuture>) -> Vec<CallFuture> {
+    /// Polls each new call once, here on the reader's task; the calls that must wait, but for
+    /// those handed to a foreign handler, which join `handed`.
+    async fn start_calls(calls: Vec<CallFuture>, handed: &mut HandedCalls) -> Vec<CallFuture> {
         let mut waiting = Vec::new();
         for mut call in calls {
+            HANDED_OFF.set(false);
             let done = std::future::poll_fn(|cx| std::task::Poll::Ready(call.as_mut().poll(cx).is_ready())).await;
-            if !done {
-                waiting.push(call);
+            if done {
+                continue;
+            }
+            match HANDED_OFF.replace(false) {
+                true => handed.calls.push(call),
+                false => waiting.push(call),
             }
         }
         waiting

@@ -1,0 +1,205 @@
+package isthmus_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	pb "example.invalid/isthmus/go/internal/conformancepb"
+	"example.invalid/isthmus/go/internal/echo"
+	"example.invalid/isthmus/go/isthmus"
+)
+
+// Waits that happen inside the C library (for arena room, for a server with WaitForReady)
+// end when the call's context is cancelled, deadline or not, as grpc-go's waits do.
+
+// endsCanceled runs call with a context (from parent) that is cancelled 100 ms in, and
+// fails t unless the call then ends with codes.Canceled (within 10 s: a generous bound, the
+// test is not about speed) having waited until the cancel.
+func endsCanceled(t *testing.T, parent context.Context, what string, call func(context.Context) error) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(parent)
+	defer cancel()
+	began := time.Now()
+	stop := time.AfterFunc(100*time.Millisecond, cancel)
+	defer stop.Stop()
+	done := make(chan error, 1)
+	go func() { done <- call(ctx) }()
+	select {
+	case err := <-done:
+		if status.Code(err) != codes.Canceled {
+			t.Fatalf("%s: %v after %v, want Canceled", what, err, time.Since(began))
+		}
+		if el := time.Since(began); el < 100*time.Millisecond {
+			t.Fatalf("%s: ended after %v, before its context was cancelled", what, el)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatalf("%s: still waiting 10 s after its context was cancelled", what)
+	}
+}
+
+// fillArena takes blocks with alloc until none is left (blocks of each size, largest first,
+// until one more is still not there when a short deadline passes) and returns them.
+func fillArena(t *testing.T, alloc func(context.Context, int) (*isthmus.Block, error)) []*isthmus.Block {
+	t.Helper()
+	var held []*isthmus.Block
+	t.Cleanup(func() {
+		for _, b := range held {
+			b.Release()
+		}
+	})
+	for _, size := range []int{16 << 20, 4 << 10} {
+		for i := 0; ; i++ {
+			if i == 4096 {
+				t.Fatalf("%d blocks of %d bytes and the arena is not full", i, size)
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+			b, err := alloc(ctx, size)
+			// Not there by the deadline (a raw stream's says Canceled: its context ended).
+			full := status.Code(err) == codes.DeadlineExceeded || err != nil && ctx.Err() != nil
+			cancel()
+			if full {
+				break
+			}
+			if err != nil {
+				t.Fatalf("filling the arena: a block of %d bytes: %v", size, err)
+			}
+			held = append(held, b)
+		}
+	}
+	if len(held) == 0 {
+		t.Fatal("no block could be taken")
+	}
+	return held
+}
+
+func TestACancelledContextEndsTheWaitForArenaRoom(t *testing.T) {
+	shm, _ := fresh(t, "arena-cancel")
+	startPeer(t, goPeerBin, shm)
+	conn := dial(t, shm)
+	c := pb.NewEchoClient(conn)
+	held := fillArena(t, conn.Alloc)
+	large := echo.Pattern(1<<20, 5) // marshalled straight into shared memory: needs a block
+
+	bg := context.Background()
+	later, cancelLater := context.WithTimeout(bg, time.Minute) // a deadline far off changes nothing
+	defer cancelLater()
+	for _, parent := range []context.Context{bg, later} {
+		endsCanceled(t, parent, "Alloc", func(ctx context.Context) error {
+			b, err := conn.Alloc(ctx, 4<<10)
+			if b != nil {
+				b.Release()
+			}
+			return err
+		})
+		endsCanceled(t, parent, "a large unary call", func(ctx context.Context) error {
+			_, err := c.Unary(ctx, &pb.EchoRequest{Payload: large})
+			return err
+		})
+		endsCanceled(t, parent, "a large unary call with WaitForReady", func(ctx context.Context) error {
+			_, err := c.Unary(ctx, &pb.EchoRequest{Payload: large}, grpc.WaitForReady(true))
+			return err
+		})
+	}
+	// A raw stream's blocks come from the queue's connection, not Alloc's: its arena is
+	// filled with blocks of streams of its own.
+	streamAlloc := func(ctx context.Context, size int) (*isthmus.Block, error) {
+		s, err := conn.StartRaw(ctx, "/raw.Raw/Stream")
+		if err != nil {
+			return nil, err
+		}
+		return s.Alloc(size)
+	}
+	held = append(held, fillArena(t, streamAlloc)...)
+	for _, parent := range []context.Context{bg, later} {
+		endsCanceled(t, parent, "RawStream.Alloc", func(ctx context.Context) error {
+			b, err := streamAlloc(ctx, 4<<10)
+			if b != nil {
+				b.Release()
+			}
+			return err
+		})
+	}
+
+	// A deadline still ends the wait with DeadlineExceeded.
+	short, cancelShort := context.WithTimeout(bg, 150*time.Millisecond)
+	defer cancelShort()
+	if b, err := conn.Alloc(short, 4<<10); status.Code(err) != codes.DeadlineExceeded {
+		if b != nil {
+			b.Release()
+		}
+		t.Fatalf("Alloc past its deadline: %v, want DeadlineExceeded", err)
+	}
+
+	// Room again: the next calls work.
+	for _, b := range held {
+		b.Release()
+	}
+	ctx, cancel := context.WithTimeout(bg, 30*time.Second)
+	defer cancel()
+	r, err := c.Unary(ctx, &pb.EchoRequest{Payload: large})
+	if err != nil || echo.FirstMismatch(r.Payload, 5) >= 0 {
+		t.Fatalf("a large call once there is room: %v", err)
+	}
+	b, err := conn.Alloc(ctx, 16<<20)
+	if err != nil {
+		t.Fatalf("Alloc once there is room: %v", err)
+	}
+	want := pattern(16<<20, 3)
+	copy(b.Bytes(), want)
+	m, err := conn.CallRawBlock(ctx, "/raw.Raw/Echo", b)
+	if err != nil || string(m.Bytes()) != string(want) {
+		t.Fatalf("CallRawBlock once there is room: %v", err)
+	}
+	m.Release()
+}
+
+func TestACancelledContextEndsAWaitForReadyWithNoServer(t *testing.T) {
+	shm, _ := fresh(t, "wfr-cancel")
+	c := pb.NewEchoClient(dial(t, shm))
+	large := echo.Pattern(1<<20, 11) // marshalled straight into shared memory
+	bg := context.Background()
+	later, cancelLater := context.WithTimeout(bg, time.Minute)
+	defer cancelLater()
+	for _, parent := range []context.Context{bg, later} {
+		endsCanceled(t, parent, "a large call with WaitForReady", func(ctx context.Context) error {
+			_, err := c.Unary(ctx, &pb.EchoRequest{Payload: large}, grpc.WaitForReady(true))
+			return err
+		})
+		endsCanceled(t, parent, "a small call with WaitForReady", func(ctx context.Context) error {
+			_, err := c.Unary(ctx, &pb.EchoRequest{Payload: []byte("small")}, grpc.WaitForReady(true))
+			return err
+		})
+	}
+	short, cancelShort := context.WithTimeout(bg, 300*time.Millisecond)
+	defer cancelShort()
+	if _, err := c.Unary(short, &pb.EchoRequest{Payload: large}, grpc.WaitForReady(true)); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("a large call with WaitForReady past its deadline: %v, want DeadlineExceeded", err)
+	}
+
+	// A server comes: a call waiting for it goes through.
+	done := make(chan error, 1)
+	go func() {
+		ctx, cancel := context.WithTimeout(bg, time.Minute)
+		defer cancel()
+		r, err := c.Unary(ctx, &pb.EchoRequest{Payload: large}, grpc.WaitForReady(true))
+		if err == nil && echo.FirstMismatch(r.Payload, 11) >= 0 {
+			err = status.Error(codes.DataLoss, "the reply differs")
+		}
+		done <- err
+	}()
+	time.Sleep(200 * time.Millisecond)
+	startPeer(t, goPeerBin, shm)
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("a large call with WaitForReady once a server is there: %v", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the call did not end once the server was up")
+	}
+}
