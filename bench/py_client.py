@@ -9,7 +9,10 @@ Usage: py_client.py SYSTEM TARGET. SYSTEM is one of:
 - ``grpc-sync`` / ``grpc-aio``: ``grpc.insecure_channel`` / ``grpc.aio.insecure_channel`` to a
   tonic server on the Unix socket TARGET, at grpcio's best documented settings for it (no
   message-size limits, ``grpc.default_authority`` for the socket);
-- ``raw-uds``: a Python socket to the length-prefixed echo on the Unix socket TARGET.
+- ``raw-uds``: a Python socket to the length-prefixed echo on the Unix socket TARGET;
+- ``aio-floor``: no transport and no TARGET: the asyncio loop of ``isthmus-aio`` where each call
+  is one future that the loop itself resolves on its next turn, the least any transport that
+  completes calls on an event loop needs (the system ``py-aio-floor``).
 
 ``py_client.py soak TARGET CALLS INFLIGHT`` is the soak (``isthmus-bench soak``): one JSON line
 of counts and percentiles.
@@ -155,7 +158,22 @@ async def run_aio(system: str, target: str) -> None:
 
         options = [*NO_LIMIT, ("grpc.default_authority", "localhost")]
         channel = grpc.aio.insecure_channel(f"unix:{target}", options=options)
-    echo = channel.unary_unary(PATH)
+    await serve_aio(channel.unary_unary(PATH))
+
+
+async def aio_floor(_target: str) -> None:
+    loop = asyncio.get_running_loop()
+
+    async def echo(payload: bytes) -> bytes:
+        future = loop.create_future()
+        loop.call_soon(future.set_result, payload)
+        return await future
+
+    await serve_aio(echo)
+
+
+async def serve_aio(echo: Callable[[bytes], Awaitable[bytes]]) -> None:
+    """Answers the harness's lines with `echo`'s figures."""
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         words = line.split()
@@ -279,6 +297,8 @@ def main() -> None:
     print("READY", flush=True)
     if system == "raw-uds":
         run_raw(target)
+    elif system == "aio-floor":
+        asyncio.run(aio_floor(target))
     elif system.endswith("-aio"):
         asyncio.run(run_aio(system, target))
     else:

@@ -23,7 +23,8 @@ pub struct PyClient {
     child: Child,
     stdin: ChildStdin,
     stdout: BufReader<ChildStdout>,
-    _server: Server,
+    /// None for the floor, which has no server.
+    _server: Option<Server>,
 }
 
 impl PyClient {
@@ -76,12 +77,18 @@ impl PyClient {
             PyClient::start(&python, "py-grpc-sync-tonic-uds", "grpc-sync", tonic()),
             PyClient::start(&python, "py-grpc-aio-tonic-uds", "grpc-aio", tonic()),
             PyClient::start(&python, "py-raw-uds", "raw-uds", raw()),
+            // The asyncio client loop with no transport: what asyncio itself allows.
+            PyClient::spawn(&python, "py-aio-floor", "aio-floor", "-", None),
         ]
     }
 
     fn start(python: &str, name: &'static str, mode: &str, (server, target): (Server, String)) -> PyClient {
+        PyClient::spawn(python, name, mode, &target, Some(server))
+    }
+
+    fn spawn(python: &str, name: &'static str, mode: &str, target: &str, server: Option<Server>) -> PyClient {
         let mut child = Command::new(python)
-            .args(["bench/py_client.py", mode, &target])
+            .args(["bench/py_client.py", mode, target])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()

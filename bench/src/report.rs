@@ -293,6 +293,16 @@ pub fn print_python(records: &[Record]) {
             );
         }
     }
+    if let (Some(floor), Some(aio), Some(grpc)) =
+        (get("py-aio-floor", 64, 32), get("py-isthmus-aio", 64, 32), get("py-grpc-aio-tonic-uds", 64, 32))
+    {
+        println!(
+            "the same asyncio client with no transport (py-aio-floor): {:.0} calls/s, {:.1}× grpc.aio; py-isthmus-aio reaches {:.0} % of it",
+            floor.2,
+            floor.2 / grpc.2,
+            100.0 * aio.2 / floor.2
+        );
+    }
 }
 
 /// The fan-out table: per (size, subscribers), each system's publish-to-last-delivery p50 (p99)

@@ -12,13 +12,17 @@ each HTTP/2 target, and serves until killed:
   interceptor added shows on each shape. `Unary` echoes the request, `ServerStream` answers it
   three times (`REQUEST-0`, `-1`, `-2`), `ClientStream` joins the requests with `+`, `Bidi`
   echoes each; `TimeLeft` answers the seconds the deadline leaves (`none` without one); `Fail`
-  fails PERMISSION_DENIED with the request as the details."""
+  fails PERMISSION_DENIED with the request as the details;
+- `/parity.Duplex/Talk` (every server), on bytes: one thread (task) reads the requests while the
+  handler sends `first-0`, `first-1`, `first-2` at once, before any request has come; then it
+  sends the requests joined with `+`. A server whose reads hold up its writes never answers."""
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Iterator
+import threading
+from collections.abc import AsyncIterator, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -110,6 +114,36 @@ def meta_fail(request: bytes, context: Any) -> bytes:
     context.abort(grpc.StatusCode.PERMISSION_DENIED, request.decode())
 
 
+def talk(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+    got: list[bytes] = []
+    reader = threading.Thread(target=lambda: got.extend(requests))
+    reader.start()  # blocked in the call's receive: no request comes before three replies
+    for i in range(3):
+        yield f"first-{i}".encode()
+    reader.join()
+    yield b"+".join(got)
+
+
+async def talk_async(requests: Any, context: Any) -> AsyncIterator[bytes]:
+    async def read_all() -> list[bytes]:
+        got = []
+        while (request := await context.read()) is not grpc.aio.EOF:
+            got.append(request)
+        return got
+
+    reader = asyncio.ensure_future(read_all())
+    await asyncio.sleep(0)  # the reader waits in the call's receive first
+    for i in range(3):
+        await context.write(f"first-{i}".encode())
+    await context.write(b"+".join(await reader))
+
+
+def duplex(method: Any) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(
+        "parity.Duplex", {"Talk": grpc.stream_stream_rpc_method_handler(method)}
+    )
+
+
 META = grpc.method_handlers_generic_handler(
     "parity.Meta",
     {
@@ -140,7 +174,7 @@ def main() -> None:
 
         async def serve() -> None:
             server = isthmus.aio.server() if api == "isthmus-aio" else grpc.aio.server()
-            server.add_generic_rpc_handlers((handlers(check_async), SLOW))
+            server.add_generic_rpc_handlers((handlers(check_async), SLOW, duplex(talk_async)))
             for target in targets:
                 server.add_insecure_port(target)
             await server.start()
@@ -151,7 +185,7 @@ def main() -> None:
         return
     make = grpc.server if api == "grpcio" else isthmus.server
     server = make(futures.ThreadPoolExecutor(4))
-    server.add_generic_rpc_handlers((handlers(check), META))
+    server.add_generic_rpc_handlers((handlers(check), META, duplex(talk)))
     for target in targets:
         server.add_insecure_port(target)
     server.start()

@@ -7,8 +7,9 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -227,6 +228,34 @@ def test_an_asyncio_handler_is_cancelled_when_its_call_ends(api: str) -> None:
                 served.peer.expect("HANDLER-STARTED")  # cancelled before it started, it never would be
                 call.cancel()
                 served.peer.expect("HANDLER-CANCELLED")
+    finally:
+        served.close()
+
+
+@pytest.mark.parametrize("api", ["grpcio", "grpc.aio", "isthmus", "isthmus-aio"])
+def test_a_handler_writes_while_another_thread_of_it_reads(api: str) -> None:
+    """A handler's reads and writes do not wait for each other: with one thread (or task) of
+    it blocked reading, the handler's replies still go out (grpcio and grpc.aio behave so)."""
+    served, targets = parity_server(api)
+    try:
+        for target in targets:
+            channels = [isthmus.insecure_channel(target)]
+            if target.startswith("unix://"):
+                channels.append(grpc.insecure_channel(grpcio_target(target)))
+            for channel in channels:
+                with channel:
+                    replied = threading.Event()
+
+                    def requests(replied: threading.Event = replied) -> Iterator[bytes]:
+                        # Nothing is sent until the replies that need no request have come.
+                        assert replied.wait(60)
+                        yield b"a"
+                        yield b"b"
+
+                    talk = channel.stream_stream("/parity.Duplex/Talk")(requests(), timeout=60)
+                    first = [next(talk) for _ in range(3)]
+                    replied.set()
+                    assert (first, list(talk)) == ([b"first-0", b"first-1", b"first-2"], [b"a+b"])
     finally:
         served.close()
 

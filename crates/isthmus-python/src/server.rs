@@ -54,9 +54,8 @@
 //!   running, even past the client's cancel, as grpcio counts);
 //!   `grpc.max_receive_message_length` becomes `max_message_size`; other options and `compression`
 //!   are accepted and unused. `add_port` with TLS settings is `add_secure_port` (TCP targets).
-//! - Known limits: a call's two halves serialise on its `HandedCall`'s one lock, a `recv` for as
-//!   long as it waits, so a handler that reads in one task while it writes in another sees each
-//!   write wait for the read (grpcio's one-thread-per-call handlers do not meet this).
+//! - A call's two halves have locks of their own (`HandedCall`): a handler that reads in one
+//!   thread (or task) while it writes in another sees neither wait for the other.
 //! - Health: the engine answers `grpc.health.v1` (`""` SERVING while it serves) on each port
 //!   bound while no Python servicer serves that name; `add_port(.., health=False)` leaves it to
 //!   the application's servicer.

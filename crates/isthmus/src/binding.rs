@@ -456,7 +456,11 @@ type DoneCallback = Box<dyn FnOnce() + Send>;
 /// A server call handed to foreign code (a Python handler, a C callback): its operations from
 /// any thread, and its end by [`finish`](Self::finish). Made by [`hand_off`].
 pub struct HandedCall {
+    /// The sending half (and the call's end); the requests are apart, so that a handler's
+    /// thread reading them never holds up another that sends.
     call: tokio::sync::Mutex<crate::ServerCall>,
+    /// The receiving half, taken out of the call (None if a bridge had taken it before).
+    requests: tokio::sync::Mutex<Option<crate::engine::server::Requests>>,
     path: String,
     metadata: MetadataMap,
     peer: String,
@@ -488,7 +492,7 @@ impl std::fmt::Debug for HandedCall {
 /// [`HandedCall::finish`]. If it is dropped first (the client cancelled, the deadline
 /// passed), the call is no longer active and its operations fail.
 pub async fn hand_off(
-    call: crate::ServerCall,
+    mut call: crate::ServerCall,
     deliver: impl FnOnce(Arc<HandedCall>) -> Result<(), Status>,
 ) -> Result<(), Status> {
     use std::sync::atomic::AtomicBool;
@@ -500,6 +504,7 @@ pub async fn hand_off(
         tls: call.is_tls(),
         peer_certificate: call.peer_certificate(),
         deadline: call.time_remaining().map(|t| Instant::now() + t),
+        requests: tokio::sync::Mutex::new(call.take_requests()),
         call: tokio::sync::Mutex::new(call),
         active: AtomicBool::new(true),
         responded: AtomicBool::new(false),
@@ -619,25 +624,35 @@ impl HandedCall {
     pub async fn recv(&self, flush_headers: bool) -> Result<Option<Bytes>, Status> {
         use std::sync::atomic::Ordering;
         self.check_active()?;
-        let mut call = self.call.lock().await;
+        let mut requests = self.requests.lock().await;
+        let Some(requests) = requests.as_mut() else {
+            return Err(Status::new(Code::FailedPrecondition, "the request stream was handed to a tonic service"));
+        };
         if flush_headers && !self.responded.load(Ordering::Acquire) {
-            let ready = {
-                let mut next = std::pin::pin!(call.recv());
-                std::future::poll_fn(|cx| Poll::Ready(next.as_mut().poll(cx))).await
-            };
-            if let Poll::Ready(r) = ready {
+            if let Poll::Ready(r) = std::future::poll_fn(|cx| Poll::Ready(requests.poll_recv(cx))).await {
                 return r;
             }
             self.responded.store(true, Ordering::Release);
-            call.send_headers(MetadataMap::new()).await?;
+            self.call.lock().await.flush_headers().await?;
         }
-        call.recv().await
+        std::future::poll_fn(|cx| requests.poll_recv(cx)).await
+    }
+
+    /// Credit owed to the client goes out before a send, unless a receive holds the requests
+    /// (it sends it then): the client may be waiting for exactly that credit.
+    fn settle(&self) {
+        if let Ok(mut requests) = self.requests.try_lock() {
+            if let Some(requests) = requests.as_mut() {
+                requests.settle();
+            }
+        }
     }
 
     /// Sends one response message.
     pub async fn send(&self, message: &[u8]) -> Result<(), Status> {
         self.check_active()?;
         self.responded.store(true, std::sync::atomic::Ordering::Release);
+        self.settle();
         self.call.lock().await.send(message).await
     }
 
@@ -658,6 +673,7 @@ impl HandedCall {
     pub async fn send_block(&self, block: crate::BlockMut) -> Result<(), Status> {
         self.check_active()?;
         self.responded.store(true, std::sync::atomic::Ordering::Release);
+        self.settle();
         self.call.lock().await.send_block(block).await
     }
 

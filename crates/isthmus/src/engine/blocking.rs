@@ -198,8 +198,8 @@ impl Channel {
     }
 
     /// Whether a connection is up now (a call would not have to connect first). After a pause
-    /// (see [`STALE`]) this looks at its socket, so a server that went away is not taken for
-    /// one.
+    /// of a millisecond or more this looks at its socket, so a server that went away is not
+    /// taken for one.
     pub fn is_connected(&self) -> bool {
         self.check_if_stale();
         self.inner.slot.live().is_some()

@@ -681,7 +681,12 @@ impl Mux {
             };
             let first = match &self.lead {
                 None => {
-                    let spin = self.spin_for_next(&receiver);
+                    let mut spin = self.spin_for_next(&receiver);
+                    if !handed.calls.is_empty() {
+                        // A foreign thread runs a handler of this connection: where it shares
+                        // this core, every look gives it the core back.
+                        spin.yield_after = std::time::Duration::ZERO;
+                    }
                     handed.serve_while(receiver.recv_async_spinning(spin)).await
                 }
                 Some(lead) => match receiver.recv_async_interruptible().await.transpose() {

@@ -220,6 +220,11 @@ pub(crate) struct Requests {
 }
 
 impl Requests {
+    /// Sends credit still owed to the client (see `Stream::settle`).
+    pub(crate) fn settle(&mut self) {
+        self.stream.settle(&self.mux.sender);
+    }
+
     /// The next request message; `None` once the client has half-closed.
     pub(crate) fn poll_recv(
         &mut self,
@@ -295,6 +300,16 @@ impl ServerCall {
     /// Takes the request side, for the tonic bridge; `recv` then fails.
     pub(crate) fn take_requests(&mut self) -> Option<Requests> {
         self.requests.take()
+    }
+
+    /// Sends empty initial metadata now unless some already went (or a message, which implies
+    /// it): for a handler about to wait for a request that the client sends only once the
+    /// response has opened.
+    pub(crate) async fn flush_headers(&mut self) -> Result<(), Status> {
+        match self.headers_sent {
+            true => Ok(()),
+            false => self.send_headers(MetadataMap::new()).await,
+        }
     }
 
     /// Sends initial metadata now (otherwise the first message implies empty metadata).
