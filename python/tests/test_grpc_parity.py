@@ -232,30 +232,34 @@ def test_an_asyncio_handler_is_cancelled_when_its_call_ends(api: str) -> None:
         served.close()
 
 
+def _every_client(targets: list[str]) -> Iterator[Any]:
+    """A blocking isthmus channel to each target, and a grpcio one to each Unix socket."""
+    for target in targets:
+        yield isthmus.insecure_channel(target)
+        if target.startswith("unix://"):
+            yield grpc.insecure_channel(grpcio_target(target))
+
+
 @pytest.mark.parametrize("api", ["grpcio", "grpc.aio", "isthmus", "isthmus-aio"])
 def test_a_handler_writes_while_another_thread_of_it_reads(api: str) -> None:
     """A handler's reads and writes do not wait for each other: with one thread (or task) of
     it blocked reading, the handler's replies still go out (grpcio and grpc.aio behave so)."""
     served, targets = parity_server(api)
     try:
-        for target in targets:
-            channels = [isthmus.insecure_channel(target)]
-            if target.startswith("unix://"):
-                channels.append(grpc.insecure_channel(grpcio_target(target)))
-            for channel in channels:
-                with channel:
-                    replied = threading.Event()
+        for channel in _every_client(targets):
+            with channel:
+                replied = threading.Event()
 
-                    def requests(replied: threading.Event = replied) -> Iterator[bytes]:
-                        # Nothing is sent until the replies that need no request have come.
-                        assert replied.wait(60)
-                        yield b"a"
-                        yield b"b"
+                def requests(replied: threading.Event = replied) -> Iterator[bytes]:
+                    # Nothing is sent until the replies that need no request have come.
+                    assert replied.wait(60)
+                    yield b"a"
+                    yield b"b"
 
-                    talk = channel.stream_stream("/parity.Duplex/Talk")(requests(), timeout=60)
-                    first = [next(talk) for _ in range(3)]
-                    replied.set()
-                    assert (first, list(talk)) == ([b"first-0", b"first-1", b"first-2"], [b"a+b"])
+                talk = channel.stream_stream("/parity.Duplex/Talk")(requests(), timeout=60)
+                first = [next(talk) for _ in range(3)]
+                replied.set()
+                assert (first, list(talk)) == ([b"first-0", b"first-1", b"first-2"], [b"a+b"])
     finally:
         served.close()
 
@@ -266,21 +270,17 @@ def test_the_applications_health_servicer_is_the_one_that_answers(api: str) -> N
     health service steps aside), over every transport, with the same answers as under grpcio."""
     served, targets = parity_server(api)
     try:
-        for target in targets:
-            channels = [isthmus.insecure_channel(target)]
-            if target.startswith("unix://"):
-                channels.append(grpc.insecure_channel(grpcio_target(target)))
-            for channel in channels:
-                with channel:
-                    check = channel.unary_unary("/grpc.health.v1.Health/Check")
-                    assert check(b"", timeout=60) == b"\x08\x01"  # SERVING
-                    assert check(b"\x0a\x06custom", timeout=60) == b"\x08\x02"  # NOT_SERVING
-                    with pytest.raises(grpc.RpcError) as caught:
-                        check(b"\x0a\x05other", timeout=60)
-                    assert (caught.value.code(), caught.value.details()) == (
-                        grpc.StatusCode.NOT_FOUND,
-                        "no such service: other",
-                    )
+        for channel in _every_client(targets):
+            with channel:
+                check = channel.unary_unary("/grpc.health.v1.Health/Check")
+                assert check(b"", timeout=60) == b"\x08\x01"  # SERVING
+                assert check(b"\x0a\x06custom", timeout=60) == b"\x08\x02"  # NOT_SERVING
+                with pytest.raises(grpc.RpcError) as caught:
+                    check(b"\x0a\x05other", timeout=60)
+                assert (caught.value.code(), caught.value.details()) == (
+                    grpc.StatusCode.NOT_FOUND,
+                    "no such service: other",
+                )
     finally:
         served.close()
 
