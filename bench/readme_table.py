@@ -142,6 +142,12 @@ def main() -> int:
                 f"64 B with 32 calls in flight: isthmus aio {ar / 1e3:.0f} k calls/s ({ar / gar:.1f}× grpc.aio's {gar / 1e3:.0f} k); isthmus sync {sr / 1e3:.0f} k ({sr / gsr:.1f}× grpcio's {gsr / 1e3:.0f} k).",
                 "",
             ]
+            floor = med("py-aio-floor", 64, 32, "rps")
+            if floor:
+                rows[-1:-1] = [
+                    f"The same asyncio client with no transport at all (`py-aio-floor`) makes {floor / 1e3:.0f} k calls/s "
+                    f"({floor / gar:.1f}× grpc.aio): isthmus aio reaches {100 * ar / floor:.0f} % of it.",
+                ]
     go = ["go-isthmus-shm", "go-isthmus-raw", "go-grpc-uds"]
     if med(go[0], 64, 1, "p50_us") is not None:
         rows += [

@@ -23,7 +23,9 @@ _LOG = logging.getLogger("isthmus")
 class _Completions:
     """The thread that completes every channel's unary `.future()` calls: each is an operation
     of one engine `Reactor`, finished by the engine's reader tasks, so no thread waits per
-    call (as grpcio's futures all wait in its core). Started on first use."""
+    call (as grpcio's futures all wait in its core). Started on first use. A future's done
+    callbacks run on it: one that blocks (waiting for another future's result, say) holds up
+    every other future until it returns."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -58,7 +60,10 @@ class _Completions:
                 with self._lock:
                     done = self._waiting.pop(token, None)
                 if done is not None:
-                    done(ok, value)
+                    try:
+                        done(ok, value)
+                    except Exception:  # the thread must go on: every other future waits on it
+                        _LOG.exception("completing a .future() call failed")
 
 
 _COMPLETIONS = _Completions()
@@ -328,46 +333,46 @@ class _Connectivity:
     def __init__(self, native: _native.Channel) -> None:
         self._native = native
         self._lock = threading.Lock()
-        self._callbacks: list[tuple[Callable[[grpc.ChannelConnectivity], None], bool]] = []
+        # [callback, try_to_connect, the state it was last told]
+        self._subscribers: list[list[Any]] = []
         self._watching = False
         self._state: grpc.ChannelConnectivity | None = None
 
     def subscribe(self, callback: Callable[[grpc.ChannelConnectivity], None], try_to_connect: bool) -> None:
         with self._lock:
-            self._callbacks.append((callback, try_to_connect))
+            entry = [callback, try_to_connect, self._state]
+            self._subscribers.append(entry)
             if not self._watching:
                 self._watching = True
-                self._state = None
+                self._state = entry[2] = None
                 threading.Thread(target=self._watch, name="isthmus-connectivity", daemon=True).start()
-                return
-            state = self._state
-        if state is not None:  # the watcher calls back the first ones itself
+            state = entry[2]
+        if state is not None:  # marked told under the lock: the watcher leaves this one to us
             _deliver(callback, state)
 
     def unsubscribe(self, callback: Callable[[grpc.ChannelConnectivity], None]) -> None:
         with self._lock:
-            self._callbacks = [(c, t) for c, t in self._callbacks if c != callback]
+            self._subscribers = [e for e in self._subscribers if e[0] != callback]
 
     def unsubscribe_all(self) -> None:
         with self._lock:
-            self._callbacks.clear()
+            self._subscribers.clear()
 
     def _watch(self) -> None:
         native = self._native
-        told: set[int] = set()
         while True:
             with self._lock:
-                if not self._callbacks:
+                if not self._subscribers:
                     self._watching = False
                     return
-                try_to_connect = any(t for _, t in self._callbacks)
+                try_to_connect = any(e[1] for e in self._subscribers)
             state = STATES[native.connectivity(try_to_connect)]
             with self._lock:
-                changed = state is not self._state
                 self._state = state
-                callbacks = [c for c, _ in self._callbacks if changed or id(c) not in told]
-            for callback in callbacks:
-                told.add(id(callback))
+                due = [e[0] for e in self._subscribers if e[2] is not state]
+                for entry in self._subscribers:
+                    entry[2] = state
+            for callback in due:
                 _deliver(callback, state)
             native.wait_connectivity(LOOK_AGAIN_S)
 

@@ -257,3 +257,23 @@ fn a_send_that_would_wait_for_room_gives_up_after_its_patience() {
     let r = ch.unary("/test.Echo/Unary", &request, opts).expect("room again");
     assert!(first_mismatch(&r.message, 2).is_none());
 }
+
+#[test]
+fn a_connection_found_dead_by_a_call_no_longer_counts_as_ready() {
+    let (mut server, addr) = server();
+    let ch = Channel::connect(&addr).expect("connect");
+    assert_eq!(ch.connectivity(false), isthmus::Connectivity::Ready);
+    let waiting = {
+        let ch = ch.clone();
+        std::thread::spawn(move || {
+            let mut call = ch.start("/test.Echo/Sleep", CallOptions::default()).expect("start");
+            call.send_last(b"x").expect("send");
+            call.recv().expect_err("the server dies under it").code()
+        })
+    };
+    server.expect_line("SLEEPING", Duration::from_secs(30));
+    server.kill9();
+    // The waiting call reads the connection, and finds it dead first.
+    assert_eq!(waiting.join().expect("thread"), Code::Unavailable);
+    assert_ne!(ch.connectivity(false), isthmus::Connectivity::Ready);
+}

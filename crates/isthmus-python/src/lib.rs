@@ -53,9 +53,10 @@ pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
 }
 
 /// Runs `fut` to its end for a Python caller: polled once with the GIL held, since most
-/// operations are over before they start (a request already in, room in the ring), and only
-/// if it must wait, with the GIL released meanwhile (`binding::block_on`).
-pub(crate) fn wait<F>(py: Python<'_>, fut: F) -> F::Output
+/// operations are over before they start (a request already in), and only if it must wait,
+/// with the GIL released meanwhile (`binding::block_on`). Only for futures whose poll never
+/// spins or blocks (a receive): a send's may spin for ring room, which must not hold the GIL.
+fn wait<F>(py: Python<'_>, fut: F) -> F::Output
 where
     F: std::future::Future + Send,
     F::Output: Send,
@@ -69,6 +70,19 @@ where
         }
     }
     py.detach(|| isthmus::binding::block_on(fut))
+}
+
+/// A handed call's next request ([`isthmus::binding::HandedCall::recv`]), through [`wait`]
+/// unless it may flush headers (a send, which may spin for ring room).
+pub(crate) fn wait_recv(
+    py: Python<'_>,
+    call: &isthmus::binding::HandedCall,
+    flush_headers: bool,
+) -> Result<Option<bytes::Bytes>, isthmus::Status> {
+    match flush_headers {
+        true => py.detach(|| runtime().block_on(call.recv(true))),
+        false => wait(py, call.recv(false)),
+    }
 }
 
 #[pymodule]

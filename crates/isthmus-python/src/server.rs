@@ -211,7 +211,7 @@ impl ServerCall {
 
     #[pyo3(signature = (flush_headers=false))]
     fn recv(&self, py: Python<'_>, flush_headers: bool) -> PyResult<Option<Py<PyBytes>>> {
-        match crate::wait(py, self.core.recv(flush_headers)) {
+        match crate::wait_recv(py, &self.core, flush_headers) {
             Ok(m) => Ok(m.map(|m| PyBytes::new(py, &m).unbind())),
             Err(status) => Err(call_error(py, &status)),
         }
@@ -219,7 +219,7 @@ impl ServerCall {
 
     fn send(&self, py: Python<'_>, message: &Bound<'_, PyBytes>) -> PyResult<()> {
         let message = bytes_from_py(message);
-        crate::wait(py, self.core.send(&message)).map_err(|s| call_error(py, &s))
+        py.detach(|| runtime().block_on(self.core.send(&message))).map_err(|s| call_error(py, &s))
     }
 
     /// A unary response's end in one step: [`send`](Self::send) `message` (any buffer on the
@@ -239,7 +239,7 @@ impl ServerCall {
             true => self.send_raw(py, message)?,
             false => {
                 let message = bytes_from_py(message.cast::<PyBytes>()?);
-                crate::wait(py, self.core.send(&message)).map_err(|s| call_error(py, &s))?;
+                py.detach(|| runtime().block_on(self.core.send(&message))).map_err(|s| call_error(py, &s))?;
             }
         }
         self.core.finish(Status::new(Code::from_u32(code), details).with_metadata(trailers));
@@ -250,7 +250,7 @@ impl ServerCall {
     /// of the client's shared memory when it came through its arena.
     #[pyo3(signature = (flush_headers=false))]
     fn recv_raw(&self, py: Python<'_>, flush_headers: bool) -> PyResult<Option<Message>> {
-        match crate::wait(py, self.core.recv(flush_headers)) {
+        match crate::wait_recv(py, &self.core, flush_headers) {
             Ok(m) => Ok(m.map(Message::new)),
             Err(status) => Err(call_error(py, &status)),
         }
@@ -266,10 +266,10 @@ impl ServerCall {
     /// C-contiguous buffer (read in place).
     fn send_raw(&self, py: Python<'_>, message: &Bound<'_, PyAny>) -> PyResult<()> {
         let sent = match Request::from_py(message)? {
-            Request::Block(Outgoing::Shm(block)) => crate::wait(py, self.core.send_block(block)),
+            Request::Block(Outgoing::Shm(block)) => py.detach(|| runtime().block_on(self.core.send_block(block))),
             other => {
                 let bytes = other.as_slice().unwrap_or_default();
-                crate::wait(py, self.core.send(bytes))
+                py.detach(|| runtime().block_on(self.core.send(bytes)))
             }
         };
         sent.map_err(|s| call_error(py, &s))

@@ -534,8 +534,15 @@ impl Drop for Ended {
         if self.0.finish.lock().is_ok_and(|f| f.is_some()) {
             callbacks.extend(abandoned);
         }
-        for callback in callbacks {
-            callback();
+        if callbacks.is_empty() {
+            return;
+        }
+        let run = move || callbacks.into_iter().for_each(|callback| callback());
+        // This runs on the connection's reader (ADR 0019), and a binding's callback may wait
+        // for its interpreter's lock: it runs on a thread of the pool, not there.
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => drop(runtime.spawn_blocking(run)),
+            Err(_) => run(),
         }
     }
 }

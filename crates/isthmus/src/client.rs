@@ -364,7 +364,10 @@ impl Channel {
     /// current on this thread (without one, nothing is started).
     pub fn connectivity(&self, try_to_connect: bool) -> Connectivity {
         let tracker = self.tracker();
-        let state = tracker.get();
+        let state = match &*self.via {
+            Via::Shm(shm) => shm.connectivity(),
+            Via::Http { .. } => tracker.get(),
+        };
         if try_to_connect && matches!(state, Connectivity::Idle | Connectivity::TransientFailure) {
             tracker.kick(Arc::downgrade(&self.via), Channel::attempt);
         }
@@ -373,11 +376,17 @@ impl Channel {
 
     /// Closes an `shm://` channel: its connection ends now, its calls in progress fail with
     /// `status`, and later calls fail UNAVAILABLE. Over HTTP/2 tonic's connection closes when
-    /// the last handle on the channel is dropped; this does nothing there.
+    /// the last handle on the channel is dropped; a channel that moved to shared memory closes
+    /// that connection now, and moves no more.
     pub fn close(&self, status: Status) {
-        if let Via::Shm(shm) = &*self.via {
-            shm.close(status);
-            shm.connectivity.lost();
+        match &*self.via {
+            Via::Shm(shm) => shm.close(status),
+            Via::Http { upgrade, connectivity, .. } => {
+                if let Some(upgrade) = upgrade {
+                    upgrade.close(status);
+                }
+                connectivity.shutdown();
+            }
         }
     }
 

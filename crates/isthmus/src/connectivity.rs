@@ -3,8 +3,10 @@
 //!
 //! - A channel starts IDLE and stays so until a call, or a caller asking to connect
 //!   (`try_to_connect`), makes it connect: CONNECTING, then READY, or TRANSIENT_FAILURE if the
-//!   attempt failed. A connection that ends (the server went away, GOAWAY) takes the channel back
-//!   to IDLE, as grpc-core's does; the next call or request to connect connects again.
+//!   attempt failed. A connection that ends (the server went away) or takes no more calls
+//!   (GOAWAY) takes the channel back to IDLE, as grpc-core's does; the next call or request to
+//!   connect connects again. Over HTTP/2 a connection counts from its stream's connect (TCP, and
+//!   TLS), not from the server's SETTINGS.
 //! - The states come from the connections themselves: over `shm://` from the engine's connect
 //!   and the connection's reader task, which ends the moment the peer's socket closes; over
 //!   HTTP/2 from the connector under tonic's channel, whose stream is dropped when hyper drops
@@ -14,7 +16,7 @@
 //!   until the channel is READY or every handle on it is gone. Over HTTP/2 an attempt is one
 //!   `grpc.health.v1.Health/Check` call: tonic opens its connection only for a request, and any
 //!   answer, UNIMPLEMENTED included, says the connection is up.
-//! - SHUTDOWN is a binding's: the engine's channel has no `close`.
+//! - `close` makes a channel SHUTDOWN for good: no attempt connects it again.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
@@ -60,7 +62,8 @@ const MAX_BACKOFF: Duration = Duration::from_secs(5);
 #[derive(Debug)]
 pub(crate) struct Tracker {
     state: watch::Sender<Connectivity>,
-    /// Bumped by each connection that comes up, so that only the newest one's end counts.
+    /// Bumped by each connection that comes up (inside the state's lock), so that only the
+    /// newest one's end counts.
     generation: AtomicU64,
     /// A background attempt to connect is running.
     attempting: AtomicBool,
@@ -81,50 +84,58 @@ impl Tracker {
         *self.state.borrow()
     }
 
-    fn set(&self, to: Connectivity) {
-        self.state.send_if_modified(|s| std::mem::replace(s, to) != to);
+    /// Moves from a state `from` accepts to `to`, in the state's lock; SHUTDOWN is final.
+    fn shift(&self, from: impl Fn(Connectivity) -> bool, to: Connectivity) {
+        self.state.send_if_modified(|s| {
+            let moves = *s != to && *s != Connectivity::Shutdown && from(*s);
+            if moves {
+                *s = to;
+            }
+            moves
+        });
     }
 
     /// An attempt to connect begins. A channel that has a connection stays READY (a second
     /// connection is being made beside it).
     pub(crate) fn connecting(&self) {
-        self.state.send_if_modified(|s| {
-            let was = *s;
-            if was != Connectivity::Ready {
-                *s = Connectivity::Connecting;
-            }
-            was != *s
-        });
+        self.shift(|s| s != Connectivity::Ready, Connectivity::Connecting);
     }
 
     /// An attempt to connect failed. A channel that still has a connection stays READY.
     pub(crate) fn failed(&self) {
-        self.state.send_if_modified(|s| {
-            let was = *s;
-            if was != Connectivity::Ready {
-                *s = Connectivity::TransientFailure;
-            }
-            was != *s
-        });
+        self.shift(|s| s != Connectivity::Ready, Connectivity::TransientFailure);
     }
 
     /// A connection is up: READY until the [`Live`] it gives is dropped, unless a newer
     /// connection came up meanwhile.
     pub(crate) fn connected(self: &Arc<Tracker>) -> Live {
-        let generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
-        self.set(Connectivity::Ready);
+        let mut generation = 0;
+        self.state.send_if_modified(|s| {
+            generation = self.generation.fetch_add(1, Ordering::AcqRel) + 1;
+            let moves = *s != Connectivity::Ready && *s != Connectivity::Shutdown;
+            if moves {
+                *s = Connectivity::Ready;
+            }
+            moves
+        });
         Live { tracker: self.clone(), generation }
     }
 
-    /// The newest connection was found dead without its [`Live`] being dropped (nobody reads
-    /// a blocking channel's connection between calls).
-    pub(crate) fn lost(&self) {
+    /// The channel was closed: SHUTDOWN, for good.
+    pub(crate) fn shutdown(&self) {
+        self.state.send_if_modified(|s| std::mem::replace(s, Connectivity::Shutdown) != Connectivity::Shutdown);
+    }
+
+    /// The channel says READY, but it has no connection that takes calls (its connection was
+    /// found dead, or sent GOAWAY): IDLE, unless a newer connection came up.
+    pub(crate) fn not_ready(&self, generation: Option<u64>) {
         self.state.send_if_modified(|s| {
-            let was = *s;
-            if was == Connectivity::Ready {
+            let newest = generation.is_none_or(|g| g == self.generation.load(Ordering::Acquire));
+            let moves = *s == Connectivity::Ready && newest;
+            if moves {
                 *s = Connectivity::Idle;
             }
-            was != *s
+            moves
         });
     }
 
@@ -137,16 +148,17 @@ impl Tracker {
     }
 
     /// Starts a background attempt to connect, retried with backoff while it fails, unless
-    /// one runs or a connection is up. `attempt` makes one try (`true`: connected); it is
-    /// given the channel back through `upgrade`, so the attempt ends once every handle on the
-    /// channel is gone. Needs a tokio runtime (the caller's).
+    /// one runs, a connection is up or the channel is closed. `attempt` makes one try
+    /// (`true`: connected); it is given the channel back through `upgrade`, so the attempt
+    /// ends once every handle on the channel is gone. Needs a tokio runtime (the caller's).
     pub(crate) fn kick<C, F, Fut>(self: &Arc<Tracker>, channel: std::sync::Weak<C>, attempt: F)
     where
         C: Send + Sync + 'static,
         F: Fn(Arc<C>) -> Fut + Send + 'static,
         Fut: std::future::Future<Output = bool> + Send + 'static,
     {
-        if self.get() == Connectivity::Ready || self.attempting.swap(true, Ordering::AcqRel) {
+        let settled = |s| matches!(s, Connectivity::Ready | Connectivity::Shutdown);
+        if settled(self.get()) || self.attempting.swap(true, Ordering::AcqRel) {
             return;
         }
         let Ok(handle) = tokio::runtime::Handle::try_current() else {
@@ -159,7 +171,7 @@ impl Tracker {
             let mut backoff = FIRST_BACKOFF;
             loop {
                 let Some(channel) = channel.upgrade() else { break };
-                if attempting.0.get() == Connectivity::Ready || attempt(channel).await {
+                if settled(attempting.0.get()) || attempt(channel).await {
                     break;
                 }
                 tokio::time::sleep(backoff).await;
@@ -187,9 +199,7 @@ pub(crate) struct Live {
 
 impl Drop for Live {
     fn drop(&mut self) {
-        if self.tracker.generation.load(Ordering::Acquire) == self.generation {
-            self.tracker.lost();
-        }
+        self.tracker.not_ready(Some(self.generation));
     }
 }
 
@@ -216,6 +226,12 @@ mod tests {
         assert_eq!(t.get(), Connectivity::Ready, "an older connection's end does not count");
         drop(second);
         assert_eq!(t.get(), Connectivity::Idle);
+        let third = t.connected();
+        t.shutdown();
+        t.connecting();
+        drop(third);
+        let _fourth = t.connected();
+        assert_eq!(t.get(), Connectivity::Shutdown, "SHUTDOWN is final");
     }
 
     #[test]

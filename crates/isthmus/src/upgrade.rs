@@ -251,6 +251,18 @@ impl Upgrade {
         }
     }
 
+    /// The channel was closed: the `shm://` channel it moved to closes too, and it moves no more.
+    pub(crate) fn close(&self, status: Status) {
+        if let Ok(mut state) = self.state.lock() {
+            if let State::Shm { channel, .. } = &*state {
+                channel.close(status);
+            }
+            // No probe again: a century is as good as never.
+            let never = Instant::now() + std::time::Duration::from_secs(100 * 365 * 24 * 3600);
+            *state = State::Idle { next_probe: never, probed: true };
+        }
+    }
+
     /// A call over the upgraded channel could not start (its connection is gone): it goes over
     /// HTTP/2 instead (and is counted there), so do the next calls, and a probe runs again later.
     pub(crate) fn lost(&self, to: &UpgradedTo) {

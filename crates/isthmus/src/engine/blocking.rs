@@ -55,9 +55,10 @@ struct Inner {
     /// Serialises reconnecting, so a burst of calls makes one connection, not many.
     connecting: Mutex<()>,
     connectivity: Arc<Tracker>,
-    /// Holds the channel READY for the current connection (nobody reads it between calls, so
-    /// its end is seen by the next look: [`Channel::connectivity`], or a call after a pause).
-    live: Mutex<Option<Live>>,
+    /// The newest connection, and what holds the channel READY for it. Nobody reads it
+    /// between calls, so its end is seen by the next look ([`Channel::connectivity`], a call
+    /// after a pause) or by a call that reads it.
+    live: Mutex<Option<(Arc<Mux>, Live)>>,
     /// When the last call started, in ns since [`epoch`]: a call after a pause looks at the
     /// socket first ([`STALE`]).
     last_start: AtomicU64,
@@ -155,10 +156,10 @@ impl Channel {
                 Ok(conn) => {
                     let (sender, receiver) = conn.split();
                     let mux = Mux::driven(sender, receiver);
-                    slot.install(mux.clone());
+                    slot.install(mux.clone())?;
                     let live = self.inner.connectivity.connected();
                     if let Ok(mut held) = self.inner.live.lock() {
-                        *held = Some(live);
+                        *held = Some((mux.clone(), live));
                     }
                     return Ok(mux);
                 }
@@ -186,15 +187,20 @@ impl Channel {
         }
     }
 
-    /// Looks at the current connection's socket now (one non-blocking system call); a
-    /// connection whose peer has gone is given up, and every call on it fails UNAVAILABLE.
+    /// Looks at the newest connection's socket now (one non-blocking system call); a
+    /// connection whose peer has gone is given up, and every call on it fails UNAVAILABLE. One
+    /// found dead (here, or by a call that read it) no longer holds the channel READY.
     fn check_alive(&self) {
-        if let Some(mux) = self.inner.slot.live() {
-            if let Err(e) = mux.sender.check_alive() {
-                mux.fail_all(Status::from_transport(&e));
-                self.inner.connectivity.lost();
+        let Ok(mut held) = self.inner.live.lock() else { return };
+        let Some((mux, _)) = held.as_ref() else { return };
+        if mux.dead().is_none() {
+            match mux.sender.check_alive() {
+                Ok(()) => return,
+                Err(e) => mux.fail_all(Status::from_transport(&e)),
             }
         }
+        // Its `Live` ends here: IDLE, unless a newer connection came up.
+        drop(held.take());
     }
 
     /// Whether a connection is up now (a call would not have to connect first). After a pause
@@ -261,9 +267,10 @@ impl Channel {
 
     /// [`unary_begin`](Self::unary_begin) for a thread that must not wait long for room (an
     /// event loop's): `Ok(None)` if the ring or the arena had no room for the request within
-    /// `patience` (the server is behind, or has stopped reading). Nothing then reaches a
-    /// handler (a call whose head went out is cancelled), and the caller sends the request
-    /// another way, where waiting costs it nothing.
+    /// `patience` (the server is behind, or has stopped reading). A call whose head went out is
+    /// then cancelled (its handler, if it started, sees CANCELLED and never the request), and
+    /// the caller sends the request another way, where waiting costs it nothing. The patience
+    /// bounds waits for room only: connecting, if no connection is up, is not bounded by it.
     pub fn unary_begin_within(
         &self,
         path: &str,
@@ -347,7 +354,10 @@ impl Channel {
     /// and later calls fail UNAVAILABLE (no connection is made again).
     pub fn close(&self, status: Status) {
         self.inner.slot.close(status);
-        self.inner.connectivity.lost();
+        self.inner.connectivity.shutdown();
+        if let Ok(mut held) = self.inner.live.lock() {
+            held.take();
+        }
     }
 }
 

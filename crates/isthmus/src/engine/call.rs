@@ -149,11 +149,20 @@ impl Slot {
         current.as_ref().filter(|m| m.dead().is_none()).cloned()
     }
 
-    pub(crate) fn install(&self, mux: Arc<Mux>) {
+    /// Makes `mux` the channel's connection; `Err` (and `mux` closed) if the channel was closed
+    /// meanwhile (its connect raced `close`).
+    pub(crate) fn install(&self, mux: Arc<Mux>) -> Result<(), Status> {
         if let Ok(mut current) = self.current.lock() {
+            if let Err(closed) = self.closed() {
+                drop(current);
+                mux.fail_all(closed.clone());
+                mux.sender.close();
+                return Err(closed);
+            }
             // Calls still open on the old connection (after a GOAWAY) keep it until they end.
             *current = Some(mux);
         }
+        Ok(())
     }
 
     /// A stream id never used on this channel, on any of its connections.

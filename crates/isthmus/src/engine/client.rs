@@ -91,6 +91,16 @@ impl ShmChannel {
     /// Closes the connection, failing its calls with `status`; later calls fail UNAVAILABLE.
     pub(crate) fn close(&self, status: Status) {
         self.slot.close(status);
+        self.connectivity.shutdown();
+    }
+
+    /// The channel's state; READY only while a connection takes calls (one that sent GOAWAY, or
+    /// whose end its reader has not yet seen, does not).
+    pub(crate) fn connectivity(&self) -> crate::Connectivity {
+        match self.connectivity.get() {
+            crate::Connectivity::Ready if self.live().is_none() => crate::Connectivity::Idle,
+            state => state,
+        }
     }
 
     /// Whether a connection is up now.
@@ -123,7 +133,7 @@ impl ShmChannel {
             self.connectivity.connecting();
             match self.connect_once().await {
                 Ok(mux) => {
-                    self.slot.install(mux.clone());
+                    self.slot.install(mux.clone())?;
                     return Ok(mux);
                 }
                 Err(s) => {

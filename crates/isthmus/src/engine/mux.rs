@@ -25,7 +25,10 @@
 //! again: a client writes HEADERS and its message a fraction of a µs apart, and a missed request
 //! costs a task wake-up, often on the other worker. After a batch that may have woken a task (an
 //! event for a stream opened in an earlier batch, or a spawned call) it yields to the scheduler
-//! before waiting again, since its own spin would hold the woken task's worker.
+//! before waiting again, since its own spin would hold the woken task's worker. A call handed to
+//! a foreign handler (`binding::hand_off`: Python, C, Go) is not spawned: the reader keeps it in
+//! `HandedCalls` and polls it whenever its own task is woken, so the foreign thread's `finish`
+//! wakes a running task rather than a sleeping worker (ADR 0019).
 //!
 //! Async calls read for themselves (`Lead`, `read_here`, ADR 0008): the `Receiver` sits in a slot
 //! under a mutex; a call whose inbox is empty, polled on a tokio thread, takes it if free and reads
@@ -651,7 +654,7 @@ impl Mux {
     /// start after their batch is routed, with one poll right here on the reader's task: a unary
     /// call's request is then usually in its queue already, so its handler runs to completion in
     /// that poll, with no task spawned and no thread woken. A call that has to wait becomes a
-    /// task of its own.
+    /// task of its own, unless a foreign thread runs its handler: the reader keeps those.
     pub(crate) async fn read_loop(self: Arc<Self>, receiver: Receiver, mut accept: Option<Accept>) {
         // If this task is dropped unfinished (its runtime shut down), nobody reads replies any
         // more: the connection must count as dead, or calls on it would wait for ever.

@@ -12,7 +12,8 @@
 //!
 //! Each call: the reader looks the handler up when it routes the HEADERS; the call's future counts
 //! itself in flight (for graceful shutdown), gets its first poll on the reader task, and is spawned
-//! only if that poll returns `Pending`. So a handler that blocks its thread, or computes for long,
+//! only if that poll returns `Pending` (a call handed to a foreign handler stays with the reader
+//! instead, ADR 0019). So a handler that blocks its thread, or computes for long,
 //! before its first `.await` stalls every call of its connection: no frame is read meanwhile.
 //! `supervise` polls the handler inside the call's future (no task of its own, so no hand-off
 //! between workers per call), racing the deadline (measured from the call's first poll, just after
