@@ -203,3 +203,33 @@ func TestACancelledContextEndsAWaitForReadyWithNoServer(t *testing.T) {
 		t.Fatal("the call did not end once the server was up")
 	}
 }
+
+// A raw stream whose deadline has passed says so: DeadlineExceeded, as grpc-go's streams do,
+// not the Canceled the library reports for a call its context ended.
+func TestARawStreamPastItsDeadlineSaysDeadlineExceeded(t *testing.T) {
+	shm, _ := fresh(t, "raw-deadline")
+	startPeer(t, goPeerBin, shm)
+	conn := dial(t, shm)
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	s, err := conn.StartRaw(ctx, "/raw.Raw/Stream")
+	if err != nil {
+		t.Fatalf("StartRaw: %v", err)
+	}
+	<-ctx.Done()
+	// The call's end reaches the library a moment after the context's: ask until it has.
+	for give := time.Now().Add(10 * time.Second); ; {
+		b, err := s.Alloc(64)
+		if err != nil {
+			if status.Code(err) != codes.DeadlineExceeded {
+				t.Fatalf("Alloc after the deadline: %v, want DeadlineExceeded", err)
+			}
+			return
+		}
+		b.Release()
+		if time.Now().After(give) {
+			t.Fatalf("Alloc still succeeds 10 s after the stream's deadline")
+		}
+		time.Sleep(time.Millisecond)
+	}
+}

@@ -145,7 +145,12 @@ func (r *RawStream) Alloc(n int) (*Block, error) {
 	defer r.cs.end()
 	var h *C.isthmus_block_t
 	var st *C.isthmus_status_t
-	return allocated(C.isthmus_call_alloc(call, C.size_t(n), &h, &st), h, st, n)
+	b, err := allocated(C.isthmus_call_alloc(call, C.size_t(n), &h, &st), h, st, n)
+	if err != nil && r.cs.ctx.Err() != nil {
+		// The library ends a call its context ended as cancelled; say why, as grpc-go does.
+		return nil, ctxError(r.cs.ctx)
+	}
+	return b, err
 }
 
 // SendBlock sends a block from Alloc as one request, with no copy; last half-closes with it.
