@@ -21,11 +21,13 @@ WATCHDOG = 120.0  # no call in the suite should take nearly this long
 
 
 def aio(test: Callable[..., Coroutine[Any, Any, None]]) -> Callable[..., None]:
-    """Runs an `async def` test on a fresh event loop, under the watchdog."""
+    """Runs an `async def` test on a fresh event loop of each kind, asyncio's own and uvloop's,
+    under the watchdog."""
 
     @functools.wraps(test)
     def run(*args: Any, **kwargs: Any) -> None:
-        asyncio.run(asyncio.wait_for(test(*args, **kwargs), WATCHDOG))
+        for loop in ("asyncio", "uvloop"):
+            run_on(loop, functools.partial(test, *args, **kwargs))
 
     return run
 
