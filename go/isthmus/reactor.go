@@ -43,7 +43,7 @@ var (
 	theReactorErr  error
 )
 
-// reactorFor returns the process's reactor, starting it on first use.
+// getReactor returns the process's reactor, starting it on first use.
 func getReactor() (*reactor, error) {
 	theReactorOnce.Do(func() {
 		cq := C.isthmus_cq_new()
