@@ -248,9 +248,10 @@ fn a_send_that_would_wait_for_room_gives_up_after_its_patience() {
     }
     let request = pattern(64 << 10, 2);
     let started = Instant::now();
-    let begun = ch.unary_begin_within("/test.Echo/Unary", &request, CallOptions::default(), Duration::from_millis(20));
+    let begun = ch.unary_begin_within("/test.Echo/Unary", &request, &CallOptions::default(), Duration::from_millis(20));
     assert!(begun.expect("no error").is_none(), "no room: given up, not sent");
-    // Well under a second: the patience, not a deadline (there is none), ended the wait.
+    // No deadline was set, so only the patience can have ended the wait (5 s: a bound a
+    // loaded machine keeps).
     assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
     drop(held); // cancelled: the server lets the blocks go
     let opts = CallOptions { timeout: Some(Duration::from_secs(30)), ..CallOptions::default() };

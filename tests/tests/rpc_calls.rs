@@ -319,7 +319,10 @@ fn the_same_channel_works_again_after_a_server_restart() {
         if let Err(s) = &first {
             assert_eq!(s.code(), Code::Unavailable, "{s}");
         }
-        let r = ch.unary("/test.Echo/Unary", b"after", CallOptions::default()).await.expect("reconnected");
+        // The new server may still be starting: wait for it (the restart is the test, not its speed).
+        let opts =
+            CallOptions { wait_for_ready: true, timeout: Some(Duration::from_secs(30)), ..CallOptions::default() };
+        let r = ch.unary("/test.Echo/Unary", b"after", opts).await.expect("reconnected");
         assert_eq!(&r.message[..], b"after");
     });
 }

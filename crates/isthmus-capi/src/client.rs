@@ -296,7 +296,7 @@ pub unsafe extern "C" fn isthmus_unary_async(
             unsafe { (c_str(path, "the path")?, c_bytes(request, request_len, "the request")?, call_options(opts)?) };
         if let Some(blocking) = channel.spin_first(opts, request.len()) {
             let spin = Duration::from_micros(channel.spin_us.load(Ordering::Relaxed));
-            let begun = match blocking.unary_begin_within(path, request, options.clone(), SEND_PATIENCE) {
+            let begun = match blocking.unary_begin_within(path, request, &options, SEND_PATIENCE) {
                 Ok(Some(unary)) => Ok(unary),
                 Err(status) => Err(status),
                 // No room in the connection now: the queue's path sends it, off this thread.

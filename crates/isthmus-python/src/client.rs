@@ -273,15 +273,10 @@ impl Channel {
         wait_for_ready: bool,
     ) -> PyResult<()> {
         let options = options(metadata, timeout, wait_for_ready)?;
-        let request = bytes_from_py(request);
-        let closed = self.closed.load(Ordering::Relaxed);
+        let closed = self.closed.load(Ordering::Relaxed).then(closed);
         let engine = self.engine.with_calls_read(false);
-        reactor.completions.run(token, async move {
-            if closed {
-                return crate::reactor::Outcome::Failed(self::closed());
-            }
-            engine.unary(&path, &request, options).await.into()
-        });
+        let request = bytes_from_py(request);
+        crate::reactor::run_unary(&reactor.completions, token, engine, closed, path, request, options, false);
         Ok(())
     }
 

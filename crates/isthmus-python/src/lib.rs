@@ -52,37 +52,25 @@ pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
     isthmus::binding::runtime()
 }
 
-/// Runs `fut` to its end for a Python caller: polled once with the GIL held, since most
-/// operations are over before they start (a request already in), and only if it must wait,
-/// with the GIL released meanwhile (`binding::block_on`). Only for futures whose poll never
-/// spins or blocks (a receive): a send's may spin for ring room, which must not hold the GIL.
-fn wait<F>(py: Python<'_>, fut: F) -> F::Output
-where
-    F: std::future::Future + Send,
-    F::Output: Send,
-{
-    use std::task::{Context, Poll, Waker};
-    let mut fut = std::pin::pin!(fut);
-    {
-        let _runtime = runtime().enter();
-        if let Poll::Ready(out) = fut.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
-            return out;
-        }
-    }
-    py.detach(|| isthmus::binding::block_on(fut))
-}
-
-/// A handed call's next request ([`isthmus::binding::HandedCall::recv`]), through [`wait`]
-/// unless it may flush headers (a send, which may spin for ring room).
-pub(crate) fn wait_recv(
+/// A handed call's next request ([`isthmus::binding::HandedCall::recv`]): polled once with
+/// the GIL held, since the request is usually there already, and waited for with the GIL
+/// released only if it is not. A receive that may flush headers sends, and a send may spin for
+/// ring room: that one releases the GIL first.
+pub(crate) fn recv(
     py: Python<'_>,
     call: &isthmus::binding::HandedCall,
     flush_headers: bool,
 ) -> Result<Option<bytes::Bytes>, isthmus::Status> {
-    match flush_headers {
-        true => py.detach(|| runtime().block_on(call.recv(true))),
-        false => wait(py, call.recv(false)),
+    use std::future::Future;
+    use std::task::{Context, Poll, Waker};
+    let mut next = std::pin::pin!(call.recv(flush_headers));
+    if !flush_headers {
+        let _runtime = runtime().enter();
+        if let Poll::Ready(out) = next.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
+            return out;
+        }
     }
+    py.detach(|| isthmus::binding::block_on(next))
 }
 
 #[pymodule]

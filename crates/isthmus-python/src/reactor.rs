@@ -270,9 +270,12 @@ impl AsyncChannel {
             self.run_unary(token, path, request, options, false);
             return Ok(py.None());
         };
-        let begun = py.detach(|| fast.unary_begin_within(&path, &request, options.clone(), SEND_PATIENCE));
+        let begun = py.detach(|| {
+            let begun = fast.unary_begin_within(&path, &request, &options, SEND_PATIENCE);
+            begun.map(|unary| unary.map(|unary| finish_unary(unary, isthmus::SpinPolicy::default().max)))
+        });
         let reply = match begun {
-            Ok(Some(unary)) => Ok(py.detach(|| finish_unary(unary, isthmus::SpinPolicy::default().max))),
+            Ok(Some(reply)) => Ok(reply),
             Err(status) => Err(status),
             // No room for it now: the reactor's path sends it (a task may wait; the loop not).
             Ok(None) => {
@@ -436,16 +439,32 @@ impl AsyncChannel {
         options: isthmus::CallOptions,
         raw: bool,
     ) {
-        let (engine, closed) = (self.engine.clone(), self.is_closed());
-        self.completions.run(token, async move {
-            if let Some(status) = closed {
-                return Outcome::Failed(status);
-            }
-            match engine.unary(&path, request.as_ref(), options).await {
-                Ok(response) if raw => Outcome::Raw(Some(response.message)),
-                Ok(response) => Outcome::Unary(response),
-                Err(status) => Outcome::Failed(status),
-            }
-        });
+        let engine = self.engine.clone();
+        run_unary(&self.completions, token, engine, self.is_closed(), path, request, options, raw);
     }
+}
+
+/// Runs one unary call on `engine` as operation `token` of `completions` (failed with
+/// `closed` if the channel was closed); a `raw` one completes with a `Message`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn run_unary(
+    completions: &Arc<Completions>,
+    token: u64,
+    engine: isthmus::Channel,
+    closed: Option<Status>,
+    path: String,
+    request: impl AsRef<[u8]> + Send + 'static,
+    options: isthmus::CallOptions,
+    raw: bool,
+) {
+    completions.run(token, async move {
+        if let Some(status) = closed {
+            return Outcome::Failed(status);
+        }
+        match engine.unary(&path, request.as_ref(), options).await {
+            Ok(response) if raw => Outcome::Raw(Some(response.message)),
+            Ok(response) => Outcome::Unary(response),
+            Err(status) => Outcome::Failed(status),
+        }
+    });
 }

@@ -190,28 +190,16 @@ impl ServerCall {
     /// `callback()` once if the call ends before its handler finishes it (with the GIL, on an
     /// engine thread); calls that end normally cost nothing. False if it has ended already.
     fn add_abandon_callback(&self, callback: Py<PyAny>) -> bool {
-        self.core.add_abandon_callback(Box::new(move || {
-            Python::attach(|py| {
-                if let Err(e) = callback.call0(py) {
-                    e.print(py);
-                }
-            })
-        }))
+        self.core.add_abandon_callback(engine_callback(callback))
     }
 
     fn add_done_callback(&self, callback: Py<PyAny>) -> bool {
-        self.core.add_done_callback(Box::new(move || {
-            Python::attach(|py| {
-                if let Err(e) = callback.call0(py) {
-                    e.print(py);
-                }
-            })
-        }))
+        self.core.add_done_callback(engine_callback(callback))
     }
 
     #[pyo3(signature = (flush_headers=false))]
     fn recv(&self, py: Python<'_>, flush_headers: bool) -> PyResult<Option<Py<PyBytes>>> {
-        match crate::wait_recv(py, &self.core, flush_headers) {
+        match crate::recv(py, &self.core, flush_headers) {
             Ok(m) => Ok(m.map(|m| PyBytes::new(py, &m).unbind())),
             Err(status) => Err(call_error(py, &status)),
         }
@@ -237,10 +225,7 @@ impl ServerCall {
         let trailers = metadata_from_py(trailing_metadata)?;
         match raw {
             true => self.send_raw(py, message)?,
-            false => {
-                let message = bytes_from_py(message.cast::<PyBytes>()?);
-                py.detach(|| runtime().block_on(self.core.send(&message))).map_err(|s| call_error(py, &s))?;
-            }
+            false => self.send(py, message.cast::<PyBytes>()?)?,
         }
         self.core.finish(Status::new(Code::from_u32(code), details).with_metadata(trailers));
         Ok(())
@@ -250,7 +235,7 @@ impl ServerCall {
     /// of the client's shared memory when it came through its arena.
     #[pyo3(signature = (flush_headers=false))]
     fn recv_raw(&self, py: Python<'_>, flush_headers: bool) -> PyResult<Option<Message>> {
-        match crate::wait_recv(py, &self.core, flush_headers) {
+        match crate::recv(py, &self.core, flush_headers) {
             Ok(m) => Ok(m.map(Message::new)),
             Err(status) => Err(call_error(py, &status)),
         }
@@ -347,6 +332,18 @@ impl ServerCall {
         self.core.finish(Status::new(Code::from_u32(code), details).with_metadata(trailers));
         Ok(())
     }
+}
+
+/// `callback()` as a call's callback, run by the engine (with the GIL, on an engine thread);
+/// what it raises is printed, as an unraisable exception would be.
+fn engine_callback(callback: Py<PyAny>) -> Box<dyn FnOnce() + Send> {
+    Box::new(move || {
+        Python::attach(|py| {
+            if let Err(e) = callback.call0(py) {
+                e.print(py);
+            }
+        })
+    })
 }
 
 /// The engine's server (see the module's documentation).

@@ -24,7 +24,8 @@ use std::time::Duration;
 
 use tokio::sync::watch;
 
-/// A channel's connectivity state, gRPC's `grpc_connectivity_state`.
+/// A channel's connectivity state, gRPC's `grpc_connectivity_state`, numbered as grpcio's
+/// `ChannelConnectivity` (`as u8`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[repr(u8)]
 pub enum Connectivity {
@@ -36,22 +37,8 @@ pub enum Connectivity {
     Ready = 2,
     /// The last attempt to connect failed.
     TransientFailure = 3,
-    /// The channel was closed (set by bindings, which own `close`).
+    /// The channel was closed (`Channel::close`): final.
     Shutdown = 4,
-}
-
-impl Connectivity {
-    /// The state of gRPC's numeric value (grpcio's `ChannelConnectivity` order); `None` past 4.
-    pub fn from_u8(value: u8) -> Option<Connectivity> {
-        Some(match value {
-            0 => Connectivity::Idle,
-            1 => Connectivity::Connecting,
-            2 => Connectivity::Ready,
-            3 => Connectivity::TransientFailure,
-            4 => Connectivity::Shutdown,
-            _ => return None,
-        })
-    }
 }
 
 /// How long an attempt started by a request to connect waits after a failure before the next.
@@ -232,13 +219,5 @@ mod tests {
         drop(third);
         let _fourth = t.connected();
         assert_eq!(t.get(), Connectivity::Shutdown, "SHUTDOWN is final");
-    }
-
-    #[test]
-    fn numeric_values_are_grpcs() {
-        for v in 0..5u8 {
-            assert_eq!(Connectivity::from_u8(v).map(|c| c as u8), Some(v));
-        }
-        assert_eq!(Connectivity::from_u8(5), None);
     }
 }

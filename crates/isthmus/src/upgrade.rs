@@ -203,6 +203,8 @@ enum State {
         channel: Channel,
         to: UpgradedTo,
     },
+    /// The channel was closed: calls stay on HTTP/2 and no probe runs again.
+    Closed,
 }
 
 /// An HTTP/2 channel's upgrade state, shared by its clones.
@@ -254,12 +256,9 @@ impl Upgrade {
     /// The channel was closed: the `shm://` channel it moved to closes too, and it moves no more.
     pub(crate) fn close(&self, status: Status) {
         if let Ok(mut state) = self.state.lock() {
-            if let State::Shm { channel, .. } = &*state {
+            if let State::Shm { channel, .. } = std::mem::replace(&mut *state, State::Closed) {
                 channel.close(status);
             }
-            // No probe again: a century is as good as never.
-            let never = Instant::now() + std::time::Duration::from_secs(100 * 365 * 24 * 3600);
-            *state = State::Idle { next_probe: never, probed: true };
         }
     }
 
@@ -287,7 +286,9 @@ impl Upgrade {
     pub(crate) fn status(&self) -> UpgradeStatus {
         match self.state.lock().as_deref() {
             Ok(State::Shm { to, .. }) => UpgradeStatus::Shm(to.clone()),
-            Ok(State::Idle { probed: true, .. } | State::Probing { probed: true }) => UpgradeStatus::Http2,
+            Ok(State::Idle { probed: true, .. } | State::Probing { probed: true } | State::Closed) => {
+                UpgradeStatus::Http2
+            }
             _ => UpgradeStatus::Pending,
         }
     }
@@ -327,7 +328,11 @@ async fn probe_once(up: Arc<Upgrade>, http: Channel) {
         Ok(Some(to)) => match connect(&to, up.config.clone()).await {
             Ok(channel) => {
                 if let Ok(mut state) = up.state.lock() {
-                    *state = State::Shm { channel, to };
+                    match *state {
+                        // Closed while the probe ran: the connection it made goes too.
+                        State::Closed => channel.close(Status::new(Code::Cancelled, "the channel was closed")),
+                        _ => *state = State::Shm { channel, to },
+                    }
                 }
                 return;
             }
@@ -343,7 +348,9 @@ async fn probe_once(up: Arc<Upgrade>, http: Channel) {
         }
     };
     if let Ok(mut state) = up.state.lock() {
-        *state = State::Idle { next_probe: Instant::now() + wait, probed: true };
+        if !matches!(*state, State::Closed) {
+            *state = State::Idle { next_probe: Instant::now() + wait, probed: true };
+        }
     }
 }
 

@@ -59,9 +59,10 @@ struct Inner {
     /// between calls, so its end is seen by the next look ([`Channel::connectivity`], a call
     /// after a pause) or by a call that reads it.
     live: Mutex<Option<(Arc<Mux>, Live)>>,
-    /// When the last call started, in ns since [`epoch`]: a call after a pause looks at the
+    /// When the last call started, in ns since `born`: a call after a pause looks at the
     /// socket first ([`STALE`]).
     last_start: AtomicU64,
+    born: Instant,
 }
 
 impl Inner {
@@ -72,6 +73,7 @@ impl Inner {
             connectivity: Arc::default(),
             live: Mutex::new(None),
             last_start: AtomicU64::new(0),
+            born: Instant::now(),
         }
     }
 }
@@ -81,16 +83,6 @@ impl Inner {
 /// and the call connects anew instead of failing. Calls closer together skip the check; a
 /// server dying between two of them is the race every client has.
 const STALE: Duration = Duration::from_millis(1);
-
-/// The origin of `last_start`.
-fn epoch() -> Instant {
-    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    *EPOCH.get_or_init(Instant::now)
-}
-
-fn since_epoch(t: Instant) -> u64 {
-    u64::try_from(t.saturating_duration_since(epoch()).as_nanos()).unwrap_or(u64::MAX)
-}
 
 /// A connection to one server for blocking code. Cheap to clone and to share between threads;
 /// clones share the connection. If the connection dies (the server restarted, say), the next
@@ -180,9 +172,9 @@ impl Channel {
 
     /// [`check_alive`](Self::check_alive) if no call started in the last [`STALE`].
     fn check_if_stale(&self) {
-        let now = since_epoch(Instant::now());
+        let now = u64::try_from(self.inner.born.elapsed().as_nanos()).unwrap_or(u64::MAX);
         let last = self.inner.last_start.swap(now, Ordering::Relaxed);
-        if now.saturating_sub(last) >= u64::try_from(STALE.as_nanos()).unwrap_or(u64::MAX) {
+        if now.saturating_sub(last) >= STALE.as_nanos() as u64 {
             self.check_alive();
         }
     }
@@ -230,18 +222,18 @@ impl Channel {
 
     /// Starts a call of any shape: send messages, half-close, read responses.
     pub fn start(&self, path: &str, options: CallOptions) -> Result<Call, Status> {
-        self.start_by(path, options, None).map_err(|e| e.unwrap_or_else(no_room))
+        self.start_by(path, &options, None).map_err(|e| e.unwrap_or_else(no_room))
     }
 
     /// [`start`](Self::start), waiting for ring room only until `patience` (if sooner than the
     /// deadline): `Err(None)` if it passed.
-    fn start_by(&self, path: &str, options: CallOptions, patience: Option<Instant>) -> Result<Call, Option<Status>> {
+    fn start_by(&self, path: &str, options: &CallOptions, patience: Option<Instant>) -> Result<Call, Option<Status>> {
         check_path(path)?;
         let deadline = options.timeout.map(|t| Instant::now() + t);
         let mux = self.mux_for_call(options.wait_for_ready, deadline)?;
         let stream = mux.register(self.inner.slot.next_stream())?;
         let call = Call { state: CallState::new(stream, mux, path, self.inner.clone()), deadline };
-        let head = open_head(path, options.metadata, deadline);
+        let head = open_head(path, &options.metadata, deadline);
         let by = sooner(deadline, patience);
         match call.state.mux.sender.send(Kind::Headers, 0, call.state.id(), &head, by) {
             Ok(()) => Ok(call),
@@ -275,7 +267,7 @@ impl Channel {
         &self,
         path: &str,
         request: &[u8],
-        options: CallOptions,
+        options: &CallOptions,
         patience: Duration,
     ) -> Result<Option<PendingUnary>, Status> {
         let by = Instant::now() + patience;

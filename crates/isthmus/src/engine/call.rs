@@ -75,10 +75,10 @@ impl Reconnect {
 
 /// The HEADERS body that opens a call. Time spent waiting for a server is the call's: what is
 /// left of the deadline travels (at least 1 ns).
-pub(crate) fn open_head(path: &str, metadata: MetadataMap, deadline: Option<std::time::Instant>) -> Vec<u8> {
+pub(crate) fn open_head(path: &str, metadata: &MetadataMap, deadline: Option<std::time::Instant>) -> Vec<u8> {
     let timeout = deadline
         .map(|d| d.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_nanos(1)));
-    wire::encode_request_head(path, timeout, &metadata)
+    wire::encode_request_head(path, timeout, metadata)
 }
 
 /// One channel's connection slot, shared by its clones: the target, and the live connection
@@ -130,8 +130,7 @@ impl Slot {
         self.closed.store(true, std::sync::atomic::Ordering::Release);
         let current = self.current.lock().ok().and_then(|mut c| c.take());
         if let Some(mux) = current {
-            mux.fail_all(status);
-            mux.sender.close();
+            mux.end(status);
         }
     }
 
@@ -155,8 +154,7 @@ impl Slot {
         if let Ok(mut current) = self.current.lock() {
             if let Err(closed) = self.closed() {
                 drop(current);
-                mux.fail_all(closed.clone());
-                mux.sender.close();
+                mux.end(closed.clone());
                 return Err(closed);
             }
             // Calls still open on the old connection (after a GOAWAY) keep it until they end.

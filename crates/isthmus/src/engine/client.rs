@@ -177,7 +177,7 @@ impl ShmChannel {
         let mux = self.mux(options.wait_for_ready, deadline).await?;
         let stream = mux.register(self.slot.next_stream())?;
         let call = ShmCall { state: CallState::new(stream, mux, path, keep), deadline, timer: None, reads };
-        let head = open_head(path, options.metadata, deadline.map(Instant::into_std));
+        let head = open_head(path, &options.metadata, deadline.map(Instant::into_std));
         call.state
             .mux
             .sender

@@ -124,13 +124,7 @@ impl HandedCalls {
 
     /// Polls the calls that were woken, without waiting.
     async fn poll_ready(&mut self) {
-        use futures_util::StreamExt;
-        let calls = &mut self.calls;
-        std::future::poll_fn(|cx| {
-            while let std::task::Poll::Ready(Some(())) = calls.poll_next_unpin(cx) {}
-            std::task::Poll::Ready(())
-        })
-        .await;
+        self.serve_while(std::future::ready(())).await;
     }
 
     /// The connection is over: each call left finishes as a task of its own.
@@ -619,6 +613,13 @@ impl Mux {
     }
 
     /// Ends every call with `status` and refuses new ones.
+    /// The connection is over: no frame goes out any more, and every call ends with `status`.
+    pub(crate) fn end(&self, status: Status) {
+        self.sender.close();
+        self.fail_all(status);
+    }
+
+    /// Every call on the connection ends with `status`, and the connection counts as dead.
     pub(crate) fn fail_all(&self, status: Status) {
         if let Ok(mut d) = self.dead.lock() {
             d.get_or_insert(status.clone());
@@ -684,12 +685,7 @@ impl Mux {
             };
             let first = match &self.lead {
                 None => {
-                    let mut spin = self.spin_for_next(&receiver);
-                    if !handed.calls.is_empty() {
-                        // A foreign thread runs a handler of this connection: where it shares
-                        // this core, every look gives it the core back.
-                        spin.yield_after = std::time::Duration::ZERO;
-                    }
+                    let spin = self.spin_for_next(&receiver, !handed.calls.is_empty());
                     handed.serve_while(receiver.recv_async_spinning(spin)).await
                 }
                 Some(lead) => match receiver.recv_async_interruptible().await.transpose() {
@@ -750,8 +746,7 @@ impl Mux {
                 held = Some(receiver);
             }
         };
-        self.sender.close();
-        self.fail_all(end);
+        self.end(end);
         // Cancelled by the connection's end: they finish as tasks of their own.
         handed.spawn_all();
     }
@@ -787,8 +782,13 @@ impl Mux {
     /// peer (every one has its requests and credit to send). What comes then answers this side's
     /// own sends, at their pace, so a spin would only burn the worker: a topic's publisher would
     /// otherwise spin on each subscriber's connection after each grant of credit (ADR 0016).
-    fn spin_for_next(&self, receiver: &Receiver) -> isthmus_shm::SpinPolicy {
-        let full = receiver.spin_policy();
+    /// While foreign threads run handlers of this connection (`handed`), every look yields the
+    /// core: where such a thread shares it, it gets it back at once (ADR 0019).
+    fn spin_for_next(&self, receiver: &Receiver, handed: bool) -> isthmus_shm::SpinPolicy {
+        let mut full = receiver.spin_policy();
+        if handed {
+            full.yield_after = std::time::Duration::ZERO;
+        }
         if !self.credit_only.load(Ordering::Relaxed) {
             return full;
         }
@@ -905,8 +905,7 @@ impl Mux {
                     let _ = self.sender.send(r.kind, r.flags, r.stream, &r.body, Some(std::time::Instant::now()));
                 }
                 Step::Stop(status) => {
-                    self.sender.close();
-                    self.fail_all(status);
+                    self.end(status);
                     break;
                 }
             }
@@ -972,8 +971,7 @@ impl Mux {
     fn lead(&self, pump: &Pump, deadline: Option<std::time::Instant>, ready: &mut impl FnMut() -> bool) -> bool {
         let Ok(mut receiver) = pump.receiver.try_lock() else {
             // Only a leader touches the receiver; a poisoned lock means one panicked mid-read.
-            self.sender.close();
-            self.fail_all(poisoned());
+            self.end(poisoned());
             return false;
         };
         loop {
@@ -988,8 +986,7 @@ impl Mux {
                     let _ = self.sender.send(r.kind, r.flags, r.stream, &r.body, Some(patience));
                 }
                 Step::Stop(status) => {
-                    self.sender.close();
-                    self.fail_all(status);
+                    self.end(status);
                     return false;
                 }
             }

@@ -235,7 +235,7 @@ impl Requests {
         if self.half_closed {
             return Poll::Ready(Ok(None));
         }
-        self.stream.settle(&self.mux.sender);
+        self.settle();
         loop {
             let Poll::Ready(event) = self.stream.shared.inbox.poll_recv(cx) else { return Poll::Pending };
             return Poll::Ready(match event {

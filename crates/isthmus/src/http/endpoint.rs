@@ -520,8 +520,7 @@ pub(crate) fn connector(
         let (target, tls, peer, connectivity) = (target.clone(), tls.clone(), peer.clone(), connectivity.clone());
         connectivity.connecting();
         Box::pin(async move {
-            let opened = open(target, tls, peer).await;
-            match opened {
+            match open(target, tls, peer).await {
                 Ok(io) => Ok(hyper_util::rt::TokioIo::new(Tracked { io, _live: connectivity.connected() })),
                 Err(e) => {
                     connectivity.failed();
@@ -576,42 +575,6 @@ pub(crate) struct Tracked {
     _live: Live,
 }
 
-impl tokio::io::AsyncRead for Tracked {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut tokio::io::ReadBuf<'_>,
-    ) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_read(cx, buf)
-    }
-}
-
-impl tokio::io::AsyncWrite for Tracked {
-    fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
-    }
-
-    fn poll_write_vectored(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        bufs: &[std::io::IoSlice<'_>],
-    ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
-    }
-
-    fn is_write_vectored(&self) -> bool {
-        self.io.is_write_vectored()
-    }
-
-    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_flush(cx)
-    }
-
-    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
-    }
-}
-
 /// TCP to the first of `addrs` that answers (each may name several addresses).
 async fn connect_first(addrs: &[String]) -> std::io::Result<tokio::net::TcpStream> {
     let mut last = std::io::Error::other("no address to connect to");
@@ -632,8 +595,46 @@ pub(crate) enum HttpIo {
     Tls(Box<tls::ClientTls>),
 }
 
-/// `AsyncRead` and `AsyncWrite` for an enum of streams, each call passed to the variant's.
+/// `AsyncRead` and `AsyncWrite` for an enum of streams, each call passed to the variant's; or
+/// for a struct around a stream, each call passed to that field's.
 macro_rules! delegate_io {
+    ($ty:ident . $field:ident) => {
+        impl tokio::io::AsyncRead for $ty {
+            fn poll_read(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                buf: &mut tokio::io::ReadBuf<'_>,
+            ) -> Poll<std::io::Result<()>> {
+                Pin::new(&mut self.get_mut().$field).poll_read(cx, buf)
+            }
+        }
+
+        impl tokio::io::AsyncWrite for $ty {
+            fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
+                Pin::new(&mut self.get_mut().$field).poll_write(cx, buf)
+            }
+
+            fn poll_write_vectored(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                bufs: &[std::io::IoSlice<'_>],
+            ) -> Poll<std::io::Result<usize>> {
+                Pin::new(&mut self.get_mut().$field).poll_write_vectored(cx, bufs)
+            }
+
+            fn is_write_vectored(&self) -> bool {
+                self.$field.is_write_vectored()
+            }
+
+            fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+                Pin::new(&mut self.get_mut().$field).poll_flush(cx)
+            }
+
+            fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+                Pin::new(&mut self.get_mut().$field).poll_shutdown(cx)
+            }
+        }
+    };
     ($ty:ident { $($variant:ident),+ }) => {
         impl tokio::io::AsyncRead for $ty {
             fn poll_read(
@@ -675,6 +676,7 @@ macro_rules! delegate_io {
 
 delegate_io!(HttpIo { Unix, Tcp, Tls });
 delegate_io!(ServerIo { Unix, Tcp, Tls });
+delegate_io!(Tracked.io);
 
 #[cfg(test)]
 mod tests {
