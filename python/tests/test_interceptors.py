@@ -155,9 +155,10 @@ async def aio_call(
 ) -> tuple[Any, Any]:
     """A call of `shape` to `/parity.Meta/METHOD` (the shape's own by default) run to its end:
     its response (a list of them for streaming responses) and its call object. The client
-    stream sends an iterator; the bidi call writes and reads, unless not `write`. (Not for a
-    call that fails at once: grpc.aio's intercepted `write` may raise InvalidStateError then,
-    or not, as the end and the write race.)"""
+    stream sends an iterator; the bidi call writes and reads. Unless `write`, a streaming
+    request sends nothing: for a call that fails at once, since grpc.aio's own send then races
+    the end (its intercepted `write` may raise InvalidStateError, and the iterator it consumes
+    may fail the call INTERNAL, "Failed execute_batch")."""
     path = f"/parity.Meta/{method or METHODS[shape]}"
     if shape == "unary_unary":
         call = channel.unary_unary(path)(b"req", **kw)
@@ -166,10 +167,10 @@ async def aio_call(
         call = channel.unary_stream(path)(b"req", **kw)
         return [response async for response in call], call
     if shape == "stream_unary":
-        call = channel.stream_unary(path)(iter([b"a", b"b"]), **kw)
+        call = channel.stream_unary(path)(iter([b"a", b"b"]) if write else None, **kw)
         return await call, call
     if not write:
-        call = channel.stream_stream(path)(iter([b"a", b"b"]), **kw)
+        call = channel.stream_stream(path)(**kw)
         return [response async for response in call], call
     call = channel.stream_stream(path)(**kw)
     responses = []
