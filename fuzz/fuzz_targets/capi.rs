@@ -1,8 +1,8 @@
 //! Fuzz target: the C ABI's entry points where a caller's bytes come in, with arbitrary
 //! bytes: targets for `isthmus_channel_new`, metadata keys and values, method paths, status
 //! codes, JSON and protobuf bytes for `isthmus_proto_encode`/`_decode`, and handles that are
-//! garbage (also for the block calls, `isthmus_channel_alloc` and `isthmus_unary_block`). Each
-//! must answer with a code, never crash or leak.
+//! garbage (also for the block calls, `isthmus_channel_alloc` and `isthmus_unary_block`, and
+//! the connectivity calls). Each must answer with a code, never crash or leak.
 #![no_main]
 
 use std::ffi::CString;
@@ -44,6 +44,11 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     // SAFETY: `text` is NUL-terminated; the out-pointers are valid locals.
     let code = unsafe { isthmus_channel_new(text.as_ptr(), std::ptr::null(), &mut channel, &mut status) };
     if code == ISTHMUS_OK {
+        // Not asked to connect, a new channel is IDLE and stays so.
+        let mut state = u32::MAX;
+        // SAFETY: a live channel and a valid out-pointer.
+        assert_eq!(unsafe { isthmus_channel_state(channel, 0, &mut state) }, ISTHMUS_OK);
+        assert_eq!(state, ISTHMUS_STATE_IDLE);
         assert_eq!(isthmus_channel_close(channel), ISTHMUS_OK);
     } else {
         assert_eq!(isthmus_status_free(status), ISTHMUS_OK);
@@ -110,6 +115,10 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
             &mut block,
             std::ptr::null_mut(),
         );
+        let mut state = 0;
+        let _ = isthmus_channel_state(word as *const isthmus_channel_t, 1, &mut state);
+        let last = u32::from(b.get(8).copied().unwrap_or(0));
+        let _ = isthmus_channel_wait_state(word as *const isthmus_channel_t, last, 0, &mut state);
         let (channel, block) = (word as *const isthmus_channel_t, word as *mut isthmus_block_t);
         let (none, path) = (std::ptr::null_mut(), text.as_ptr());
         let _ =

@@ -170,6 +170,10 @@ function cases.bad_request(ch, args)
     return failure(err)
 end
 
+function cases.state(ch, args)
+    return { state = ch:state(args.connect == "1") }
+end
+
 function _M.serve()
     local name = ngx.var.uri:match("^/case/([%w_]+)$")
     local case = cases[name]

@@ -170,6 +170,37 @@ def test_a_killed_server_fails_pending_calls_and_a_restarted_one_serves(nginx: N
         restarted.close()
 
 
+def await_state(nginx: Nginx, target: str, want: str, never: str) -> None:
+    """Polls the worker's channel to `target` (10 s at most) until it is `want`; it must not be
+    `never` on the way."""
+    end = time.monotonic() + 10
+    while (state := nginx.case("state", target)["state"]) != want and time.monotonic() < end:
+        assert state != never, f"{state} on the way to {want}"
+        time.sleep(0.02)
+    assert state == want
+
+
+def test_channel_state_follows_the_server(nginx: Nginx, stubs: object) -> None:
+    served = serve("rust", ["shm"], stubs)  # type: ignore[arg-type]
+    target = served.addresses["shm"]
+    try:
+        assert nginx.case("state", target) == {"state": "IDLE"}  # a new channel: not connected
+        nginx.case("state", target, connect=1)  # starts connecting, in the background
+        await_state(nginx, target, "READY", "SHUTDOWN")
+        assert nginx.case("unary", target)["ok"]
+        assert nginx.case("state", target) == {"state": "READY"}
+        served.peer.kill9()
+        end = time.monotonic() + 10
+        while nginx.case("state", target)["state"] == "READY" and time.monotonic() < end:
+            time.sleep(0.02)
+        assert nginx.case("state", target)["state"] in ("IDLE", "TRANSIENT_FAILURE")
+    finally:
+        served.close()
+    nobody = f"shm://lua-nobody-{time.monotonic_ns()}"
+    nginx.case("state", nobody, connect=1)
+    await_state(nginx, nobody, "TRANSIENT_FAILURE", "READY")
+
+
 def serve_at(kind: str, name: str, stubs: object) -> Served:
     """A server of `kind` on shm://`name` (a restart at a known address)."""
     binary = tonic_peer()

@@ -45,6 +45,22 @@
 // calling thread never waits (for an event loop's own thread).
 #define ISTHMUS_CALL_SPIN 2
 
+// Connectivity states (`isthmus_channel_state`), numbered as gRPC numbers them (grpc-go's
+// `connectivity.State`, grpcio's `ChannelConnectivity`): no connection and none being made.
+#define ISTHMUS_STATE_IDLE 0
+
+// A connection is being made.
+#define ISTHMUS_STATE_CONNECTING 1
+
+// A connection is up: calls go out at once.
+#define ISTHMUS_STATE_READY 2
+
+// The last attempt to connect failed.
+#define ISTHMUS_STATE_TRANSIENT_FAILURE 3
+
+// The channel was closed.
+#define ISTHMUS_STATE_SHUTDOWN 4
+
 // `isthmus_proto_method_type`: the request's type.
 #define ISTHMUS_PROTO_REQUEST 0
 
@@ -297,6 +313,31 @@ isthmus_code_t isthmus_channel_close(isthmus_channel_t *channel);
 // calling thread, and a thread of the library's pool waits for the reply.
 isthmus_code_t isthmus_channel_set_spin(const isthmus_channel_t *channel,
                                         uint32_t spin_us);
+
+// The channel's connectivity state (`ISTHMUS_STATE_*`) into `*state`. With `try_to_connect`
+// not 0, an IDLE or failed channel starts connecting in the background (retrying with
+// backoff until it is READY), as grpc-go's `Connect` and grpcio's `try_to_connect`; the
+// calling thread never waits for it.
+//
+// # Safety
+//
+// `state` is writable.
+isthmus_code_t isthmus_channel_state(const isthmus_channel_t *channel,
+                                     int32_t try_to_connect,
+                                     uint32_t *state);
+
+// Blocks until the channel's state is not `last` (an `ISTHMUS_STATE_*`), for at most
+// `timeout_ms` milliseconds: `ISTHMUS_OK` with the new state in `*state`, or
+// `ISTHMUS_DEADLINE_EXCEEDED` with the state, still `last`, if the time ran out (grpc-go's
+// `WaitForStateChange`). Closing the channel from another thread moves it to SHUTDOWN.
+//
+// # Safety
+//
+// `state` is writable.
+isthmus_code_t isthmus_channel_wait_state(const isthmus_channel_t *channel,
+                                          uint32_t last,
+                                          uint32_t timeout_ms,
+                                          uint32_t *state);
 
 // A unary call, blocking: sends `request` to `path` (`/package.Service/Method`) and waits
 // for the one response. On success `*reply` holds the response message; `*headers` and

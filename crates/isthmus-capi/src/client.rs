@@ -185,6 +185,124 @@ pub extern "C" fn isthmus_channel_set_spin(channel: *const isthmus_channel_t, sp
     })
 }
 
+/// Connectivity states (`isthmus_channel_state`), numbered as gRPC numbers them (grpc-go's
+/// `connectivity.State`, grpcio's `ChannelConnectivity`): no connection and none being made.
+pub const ISTHMUS_STATE_IDLE: u32 = 0;
+/// A connection is being made.
+pub const ISTHMUS_STATE_CONNECTING: u32 = 1;
+/// A connection is up: calls go out at once.
+pub const ISTHMUS_STATE_READY: u32 = 2;
+/// The last attempt to connect failed.
+pub const ISTHMUS_STATE_TRANSIENT_FAILURE: u32 = 3;
+/// The channel was closed.
+pub const ISTHMUS_STATE_SHUTDOWN: u32 = 4;
+
+/// How often a wait for a state change looks at the `shm://` fast path's connection, whose
+/// changes nobody announces.
+const STATE_POLL: Duration = Duration::from_millis(10);
+
+impl isthmus_channel_t {
+    /// The channel's state. Over `shm://` a channel has two connections (the fast path's,
+    /// which unary calls from the caller's thread use, and the engine's): it is as far along
+    /// as the further of the two, so a channel whose calls all went the fast path is READY.
+    fn state(&self, try_to_connect: bool) -> isthmus::Connectivity {
+        use isthmus::Connectivity::{Connecting, Idle, Ready, Shutdown, TransientFailure};
+        if self.closed.load(Ordering::Acquire) {
+            return Shutdown;
+        }
+        // Connecting in the background needs the runtime (never the caller's thread: it may
+        // be an event loop's).
+        let _runtime = runtime().enter();
+        let engine = self.engine.connectivity(try_to_connect);
+        let fast = self.blocking.as_ref().map_or(Idle, |b| b.channel().connectivity(false));
+        let rank = |s| match s {
+            Idle => 0,
+            TransientFailure => 1,
+            Connecting => 2,
+            Ready => 3,
+            Shutdown => 4,
+        };
+        if rank(fast) > rank(engine) {
+            fast
+        } else {
+            engine
+        }
+    }
+}
+
+/// The channel's connectivity state (`ISTHMUS_STATE_*`) into `*state`. With `try_to_connect`
+/// not 0, an IDLE or failed channel starts connecting in the background (retrying with
+/// backoff until it is READY), as grpc-go's `Connect` and grpcio's `try_to_connect`; the
+/// calling thread never waits for it.
+///
+/// # Safety
+///
+/// `state` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_channel_state(
+    channel: *const isthmus_channel_t,
+    try_to_connect: i32,
+    state: *mut u32,
+) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || {
+        if state.is_null() {
+            return Err(invalid("the state out-pointer is NULL"));
+        }
+        let now = CHANNELS.get(channel)?.state(try_to_connect != 0);
+        // SAFETY: checked not NULL; writable by the caller's promise.
+        unsafe { state.write(now as u32) };
+        Ok(())
+    })
+}
+
+/// Blocks until the channel's state is not `last` (an `ISTHMUS_STATE_*`), for at most
+/// `timeout_ms` milliseconds: `ISTHMUS_OK` with the new state in `*state`, or
+/// `ISTHMUS_DEADLINE_EXCEEDED` with the state, still `last`, if the time ran out (grpc-go's
+/// `WaitForStateChange`). Closing the channel from another thread moves it to SHUTDOWN.
+///
+/// # Safety
+///
+/// `state` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_channel_wait_state(
+    channel: *const isthmus_channel_t,
+    last: u32,
+    timeout_ms: u32,
+    state: *mut u32,
+) -> isthmus_code_t {
+    entry(std::ptr::null_mut(), || {
+        if state.is_null() {
+            return Err(invalid("the state out-pointer is NULL"));
+        }
+        if last > ISTHMUS_STATE_SHUTDOWN {
+            return Err(invalid(format!("{last} is not a connectivity state")));
+        }
+        // The handle may be closed meanwhile: this keeps the channel until the wait ends.
+        let channel = CHANNELS.get(channel)?;
+        let until = std::time::Instant::now() + Duration::from_millis(timeout_ms.into());
+        let now = loop {
+            let now = channel.state(false);
+            let left = until.saturating_duration_since(std::time::Instant::now());
+            if now as u32 != last || left.is_zero() {
+                break now;
+            }
+            // The engine's connection announces its changes; the fast path's is looked at
+            // every STATE_POLL.
+            let engine = channel.engine.connectivity(false);
+            // The timer is made inside: it needs the runtime that `block_on` enters.
+            block_on(async {
+                let _ = tokio::time::timeout(left.min(STATE_POLL), channel.engine.connectivity_changed(engine)).await;
+            });
+        };
+        // SAFETY: checked not NULL; writable by the caller's promise.
+        unsafe { state.write(now as u32) };
+        match now as u32 == last {
+            true => Err(Status::new(Code::DeadlineExceeded, format!("the state stayed {now:?} for {timeout_ms} ms"))),
+            false => Ok(()),
+        }
+    })
+}
+
 /// A unary call, blocking: sends `request` to `path` (`/package.Service/Method`) and waits
 /// for the one response. On success `*reply` holds the response message; `*headers` and
 /// `*trailers` (each out-pointer may be NULL) the server's initial and trailing metadata, or

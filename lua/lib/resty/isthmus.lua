@@ -69,6 +69,7 @@ isthmus_metadata_t *isthmus_status_trailers(const isthmus_status_t *status);
 isthmus_code_t isthmus_channel_new(const char *target, const isthmus_channel_options_t *opts, isthmus_channel_t **out, isthmus_status_t **status);
 isthmus_code_t isthmus_channel_close(isthmus_channel_t *channel);
 isthmus_code_t isthmus_channel_set_spin(const isthmus_channel_t *channel, uint32_t spin_us);
+isthmus_code_t isthmus_channel_state(const isthmus_channel_t *channel, int32_t try_to_connect, uint32_t *state);
 isthmus_code_t isthmus_unary(const isthmus_channel_t *channel, const char *path, const uint8_t *request, size_t request_len, const isthmus_call_options_t *opts, isthmus_message_t **reply, isthmus_metadata_t **headers, isthmus_metadata_t **trailers, isthmus_status_t **status);
 isthmus_code_t isthmus_unary_async(const isthmus_channel_t *channel, const char *path, const uint8_t *request, size_t request_len, const isthmus_call_options_t *opts, const isthmus_cq_t *cq, uint64_t tag, isthmus_event_t *now, isthmus_status_t **status);
 isthmus_code_t isthmus_call_start(const isthmus_channel_t *channel, const char *path, const isthmus_call_options_t *opts, isthmus_call_t **call, isthmus_status_t **status);
@@ -109,6 +110,7 @@ local ABI_VERSION = 1
 local OK, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, UNAVAILABLE = 0, 2, 3, 4, 14
 local CALL_SPIN = 2
 local PROTO_REQUEST, PROTO_RESPONSE = 0, 1
+local STATES = { [0] = "IDLE", "CONNECTING", "READY", "TRANSIENT_FAILURE", "SHUTDOWN" }
 
 --- The gRPC status codes by name (`isthmus.code.UNAVAILABLE == 14`).
 _M.code = {
@@ -671,6 +673,20 @@ function Channel:close()
         C.isthmus_channel_close(ffi_gc(h, nil))
     end
     return true
+end
+
+local state_out = ffi_new("uint32_t[1]")
+
+--- The channel's connectivity state, as gRPC names it: "IDLE" (no connection yet),
+--- "CONNECTING", "READY", "TRANSIENT_FAILURE" (the last attempt failed) or "SHUTDOWN"
+--- (closed). With `try_to_connect`, an idle or failed channel starts connecting in the
+--- background, retrying with backoff. Never waits: watch it from a timer.
+function Channel:state(try_to_connect)
+    local h = self.handle
+    if h == nil or C.isthmus_channel_state(h, try_to_connect and 1 or 0, state_out) ~= OK then
+        return "SHUTDOWN"
+    end
+    return STATES[tonumber(state_out[0])]
 end
 
 -- The C options of one call; the metadata handle is returned so that it lives until the call

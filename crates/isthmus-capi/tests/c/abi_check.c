@@ -1452,6 +1452,56 @@ static int check_bad_target(ctx_t *c) {
   return 1;
 }
 
+/* Waits up to 10 s, one state change at a time, for `ch` to reach `want`; the states seen on
+ * the way must not include `never`. */
+static int reach_state(isthmus_channel_t *ch, uint32_t want, uint32_t never) {
+  isthmus_status_t *st = NULL;
+  uint32_t s = 99;
+  MUST(isthmus_channel_state(ch, 0, &s));
+  double until = now_s() + 10;
+  while (s != want && now_s() < until) {
+    REQUIRE(s != never, "state %u on the way to %u", s, want);
+    isthmus_code_t rc = isthmus_channel_wait_state(ch, s, 1000, &s);
+    REQUIRE(rc == ISTHMUS_OK || rc == ISTHMUS_DEADLINE_EXCEEDED, "wait_state gave %s", isthmus_code_name(rc));
+  }
+  REQUIRE(s == want, "state %u after 10 s, not %u", s, want);
+  return 1;
+}
+
+/* Connectivity: a new channel is IDLE until asked to connect, then reaches READY in the
+ * background; the shared channel is READY after its calls; a channel to nobody fails; a
+ * closed handle and bad arguments are refused. */
+static int check_connectivity(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_channel_t *ch = NULL;
+  uint32_t s = 99;
+  INVALID(isthmus_channel_state(NULL, 0, &s));
+  INVALID(isthmus_channel_state(c->ch, 0, NULL));
+  INVALID(isthmus_channel_wait_state(NULL, ISTHMUS_STATE_IDLE, 1, &s));
+  INVALID(isthmus_channel_wait_state(c->ch, ISTHMUS_STATE_SHUTDOWN + 1, 1, &s));
+  INVALID(isthmus_channel_wait_state(c->ch, ISTHMUS_STATE_IDLE, 1, NULL));
+  MUST(isthmus_channel_state(c->ch, 0, &s));
+  REQUIRE(s == ISTHMUS_STATE_READY, "the shared channel, after its calls, is %u", s);
+
+  MUST(isthmus_channel_new(c->target, NULL, &ch, &st));
+  MUST(isthmus_channel_state(ch, 0, &s));
+  REQUIRE(s == ISTHMUS_STATE_IDLE, "a new channel is %u", s);
+  EXPECT(isthmus_channel_wait_state(ch, ISTHMUS_STATE_IDLE, 20, &s), ISTHMUS_DEADLINE_EXCEEDED);
+  REQUIRE(s == ISTHMUS_STATE_IDLE, "not asked to connect, the channel went %u", s);
+  MUST(isthmus_channel_state(ch, 1, &s));
+  if (!reach_state(ch, ISTHMUS_STATE_READY, ISTHMUS_STATE_SHUTDOWN)) return 0;
+  MUST(isthmus_channel_close(ch));
+  INVALID(isthmus_channel_state(ch, 0, &s));
+
+  char nobody[64];
+  snprintf(nobody, sizeof nobody, "shm://isthmus-nobody-%d", (int)getpid());
+  MUST(isthmus_channel_new(nobody, NULL, &ch, &st));
+  MUST(isthmus_channel_state(ch, 1, &s));
+  if (!reach_state(ch, ISTHMUS_STATE_TRANSIENT_FAILURE, ISTHMUS_STATE_READY)) return 0;
+  MUST(isthmus_channel_close(ch));
+  return 1;
+}
+
 typedef struct {
   const char *name;
   int (*run)(ctx_t *c);
@@ -1481,6 +1531,7 @@ static const check_t CHECKS[] = {
     {"bad_finish", check_bad_finish},
     {"unimplemented", check_unimplemented},
     {"bad_target", check_bad_target},
+    {"connectivity", check_connectivity},
 };
 
 static int client(const char *target) {
