@@ -99,23 +99,36 @@ class UnaryUnaryCall(_Call, grpc.aio.UnaryUnaryCall):
         timeout: float | None,
         deserialize: Deserializer,
         outcome: asyncio.Future[Any],
-        abandon: Callable[[], None],
-        settle: Callable[[], None],
+        driver: Driver | None,
+        token: int,
+        settle: bool,
     ) -> None:
-        super().__init__(loop, timeout, deserialize)
+        # _Call's fields, set here: this runs once per unary call, the hottest path there is.
+        self._loop = loop
+        self._deadline = None if timeout is None else loop.time() + timeout
+        self._deserialize = deserialize
         self._outcome = outcome  # resolves to a UnaryResult or a CallError
-        self._abandon = abandon
-        self._settle = settle
+        self._driver = driver  # None: nothing to abandon (a call that failed before it started)
+        self._token = token
+        self._settle = settle  # wait for the outcome on this thread first (`Driver.settle`)
+
+    def _abandon(self) -> None:
+        if self._driver is not None:
+            self._driver.abandon(self._token)
 
     def __await__(self) -> Generator[Any, None, Any]:
         try:
-            self._settle()
+            if self._settle:
+                self._settle = False
+                self._driver.settle(self._loop, self._outcome)  # type: ignore[union-attr]
             value = yield from self._outcome.__await__()
         except asyncio.CancelledError:
             self._abandon()
             raise
         if isinstance(value, CallError):
             raise rpc_error(value, aio=True)
+        if self._deserialize is None:
+            return value.message
         try:
             return decode(self._deserialize, value.message)
         except CallError as e:

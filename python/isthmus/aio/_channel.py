@@ -111,12 +111,17 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
         compression: grpc.Compression | None = None,
     ) -> UnaryUnaryCall:
         # The fast path: one engine operation and one future.
-        loop, driver, native = self._channel._bind()
+        channel = self._channel
+        loop, driver, native = channel._bind()
+        serialize = self._serialize
         # Encoded before the operation is registered: a failure here leaves nothing waiting.
-        try:
-            message = encode(self._serialize, request)
-        except CallError as error:  # as grpcio's: the call fails INTERNAL
-            return self._channel._track(_failed(loop, timeout, self._deserialize, error))
+        if serialize is None:
+            message = request
+        else:
+            try:
+                message = encode(serialize, request)
+            except CallError as error:  # as grpcio's: the call fails INTERNAL
+                return channel._track(_failed(loop, timeout, self._deserialize, error))
         outgoing_metadata = None if metadata is None else outgoing(metadata)
         spin = driver.idle(loop)
         token, outcome = driver.begin(loop)
@@ -130,16 +135,9 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
         if isinstance(done, tuple):
             driver.finish(token, done[1])
         # After a spin that missed, the await does not spin again.
-        settle = _nothing if done is False else functools.partial(driver.settle, loop, outcome)
-        return self._channel._track(
-            UnaryUnaryCall(
-                loop, timeout, self._deserialize, outcome, functools.partial(driver.abandon, token), settle
-            )
-        )
-
-
-def _nothing() -> None:
-    pass
+        call = UnaryUnaryCall(loop, timeout, self._deserialize, outcome, driver, token, done is not False)
+        channel._calls.add(weakref.ref(call, channel._forget))  # `_track`, inline
+        return call
 
 
 def _failed(
@@ -148,7 +146,7 @@ def _failed(
     """A unary call that failed before it started."""
     outcome: asyncio.Future[Any] = loop.create_future()
     outcome.set_result(error)
-    return UnaryUnaryCall(loop, timeout, deserialize, outcome, _nothing, _nothing)
+    return UnaryUnaryCall(loop, timeout, deserialize, outcome, None, 0, False)
 
 
 class UnaryStreamMultiCallable(_MultiCallable, grpc.aio.UnaryStreamMultiCallable):
@@ -456,9 +454,13 @@ class Channel(grpc.aio.Channel):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._driver: Driver | None = None
         self._native: _native.AsyncChannel | None = None
+        self._bound: tuple[asyncio.AbstractEventLoop, Driver, _native.AsyncChannel]  # set with _loop
         self._closed = False
         self._shutdown: asyncio.Future[None] | None = None
-        self._calls: weakref.WeakSet[_Closable] = weakref.WeakSet()  # for `close`
+        # The calls, for `close`, weakly: a set of references that remove themselves (a
+        # WeakSet's bookkeeping is Python code, which each unary call would pay for twice).
+        self._calls: set[weakref.ref[_Closable]] = set()
+        self._forget = self._calls.discard
         # The tasks that run interceptors, also for `close`: one may be cancelled before it
         # starts a call (or while it waits for one).
         self._chains: weakref.WeakSet[asyncio.Task[Any]] = weakref.WeakSet()
@@ -470,6 +472,8 @@ class Channel(grpc.aio.Channel):
 
     def _bind(self) -> tuple[asyncio.AbstractEventLoop, Driver, _native.AsyncChannel]:
         loop = asyncio.get_running_loop()
+        if loop is self._loop and not self._closed:
+            return self._bound
         if self._closed:
             raise grpc.aio.UsageError("Channel is closed.")
         if loop is not self._loop:
@@ -480,7 +484,8 @@ class Channel(grpc.aio.Channel):
                 self._target, self._driver.reactor, self._tls, self._upgrade, self._max_receive
             )
             self._loop = loop
-        return loop, self._driver, self._native  # type: ignore[return-value]
+            self._bound = (loop, self._driver, self._native)
+        return self._bound
 
     def alloc(self, size: int) -> _native.Block:
         """The raw tier: a writable buffer of `size` bytes to build a request in, for
@@ -540,7 +545,7 @@ class Channel(grpc.aio.Channel):
 
     def _track(self, call: _T) -> _T:
         """Keeps `call` (weakly) for `close`."""
-        self._calls.add(call)
+        self._calls.add(weakref.ref(call, self._forget))
         return call
 
     def _track_interceptors(self, task: asyncio.Task[Any]) -> None:
@@ -556,7 +561,7 @@ class Channel(grpc.aio.Channel):
         if self._closed:
             return
         self._closed = True
-        calls = [call for call in self._calls if not call.done()]
+        calls = [call for ref in list(self._calls) if (call := ref()) is not None and not call.done()]
         chains = [task for task in self._chains if not task.done()]
         try:
             if grace and (calls or chains):
