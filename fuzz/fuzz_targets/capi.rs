@@ -104,6 +104,12 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let word = b.iter().take(8).fold(0usize, |w, x| w << 8 | usize::from(*x));
     let _ = isthmus_message_free(word as *mut isthmus_message_t);
     let _ = isthmus_call_cancel(word as *const isthmus_call_t);
+    // SAFETY: an event is plain integers and pointers: all zero is a valid one (no handles).
+    let mut now: isthmus_event_t = unsafe { std::mem::zeroed() };
+    // SAFETY: garbage handles are the point; `now` is a valid local, the status pointer NULL.
+    let _ = unsafe {
+        isthmus_call_recv_spin(word as *const isthmus_call_t, word as *const isthmus_cq_t, 1, &mut now, std::ptr::null_mut())
+    };
     let _ = isthmus_code_name(word as i32);
     let (mut block, mut reply) = (std::ptr::null_mut(), std::ptr::null_mut());
     // SAFETY: garbage handles are the point; every pointer argument is a valid local or NULL.

@@ -202,10 +202,7 @@ func (r *RawStream) Recv() (*Message, error) {
 		return nil, io.EOF
 	}
 	defer r.cs.end()
-	ev, ok := r.cs.cc.r.do(r.cs.ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
-		var st *C.isthmus_status_t
-		return C.isthmus_call_recv_async(call, cq, tag, now, &st), st
-	})
+	ev, ok := r.cs.cc.recvCall(r.cs.ctx, call)
 	if !ok {
 		err := ctxError(r.cs.ctx)
 		r.cs.finish(err)

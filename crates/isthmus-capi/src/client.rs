@@ -10,8 +10,8 @@ use isthmus::{CallOptions, Code, Config, Status};
 
 use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
 use crate::cq::{
-    cq_get, isthmus_cq_t, isthmus_event_t, start_on, Outcome, Queue, ISTHMUS_OP_CLOSE_SEND, ISTHMUS_OP_HEADERS,
-    ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_UNARY,
+    cq_get, isthmus_cq_t, isthmus_event_t, start_on, start_spinning_on, Outcome, Queue, ISTHMUS_OP_CLOSE_SEND,
+    ISTHMUS_OP_HEADERS, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_UNARY,
 };
 use crate::handle::Registry;
 use crate::object::{
@@ -776,6 +776,30 @@ pub unsafe extern "C" fn isthmus_call_recv_async(
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     start_on(CALLS.get(call).map(|c| c.call.clone()), cq, tag, ISTHMUS_OP_RECV, now, status, |shared| {
+        Ok(async move { Outcome::received(shared.recv().await) })
+    })
+}
+
+/// [`isthmus_call_recv_async`], but a message (or the call's end) that comes within the
+/// connection's spin bound (50 µs) is taken on the calling thread and returned in `now`,
+/// without the two wake-ups a trip through the queue costs. The thread spins, yielding its
+/// core between looks after the first microseconds. For a caller that can spare its thread
+/// that long (Go's streams, within their bound on threads held); with a NULL `now` it is
+/// [`isthmus_call_recv_async`].
+///
+/// # Safety
+///
+/// `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_call_recv_spin(
+    call: *const isthmus_call_t,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    now: *mut isthmus_event_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    let spin = isthmus::SpinPolicy::default();
+    start_spinning_on(CALLS.get(call).map(|c| c.call.clone()), cq, tag, ISTHMUS_OP_RECV, now, spin, status, |shared| {
         Ok(async move { Outcome::received(shared.recv().await) })
     })
 }

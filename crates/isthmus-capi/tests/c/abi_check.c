@@ -421,10 +421,22 @@ static void qcall_end(queue_server_t *qs, qcall_t *q, isthmus_code_t code, isthm
   free(q);
 }
 
+static void queue_event(queue_server_t *qs, isthmus_event_t *ev);
+
+/* A request waited for on this thread first (ISTHMUS_RECV_SPIN): one that came within the
+ * spin is handled at once, from `now`; otherwise its event comes on the queue. */
 static void qcall_recv(queue_server_t *qs, qcall_t *q) {
   isthmus_status_t *st = NULL;
-  isthmus_code_t rc = isthmus_server_call_recv_async(q->call, 0, qs->cq, (uint64_t)(uintptr_t)q, NULL, &st);
-  if (rc != ISTHMUS_OK) qcall_end(qs, q, rc, st);
+  isthmus_event_t now;
+  memset(&now, 0, sizeof now);
+  isthmus_code_t rc =
+      isthmus_server_call_recv_async(q->call, ISTHMUS_RECV_SPIN, qs->cq, (uint64_t)(uintptr_t)q, &now, &st);
+  if (rc != ISTHMUS_OK) {
+    qcall_end(qs, q, rc, st);
+  } else if (now.op != 0) {
+    queue_event(qs, &now);
+    event_free(&now);
+  }
 }
 
 static void queue_event(queue_server_t *qs, isthmus_event_t *ev) {
@@ -686,6 +698,7 @@ static int check_null_arguments(ctx_t *c) {
   INVALID(isthmus_call_close_send_async(NULL, cq, 1, NULL, &st));
   INVALID(isthmus_call_recv(NULL, &msg, &st));
   INVALID(isthmus_call_recv_async(NULL, cq, 1, NULL, &st));
+  INVALID(isthmus_call_recv_spin(NULL, cq, 1, NULL, &st));
   INVALID(isthmus_call_headers(NULL, &md, &st));
   INVALID(isthmus_call_headers_async(NULL, cq, 1, NULL, &st));
   REQUIRE(isthmus_call_trailers(NULL) == NULL, "trailers of NULL");
@@ -701,6 +714,7 @@ static int check_null_arguments(ctx_t *c) {
   INVALID(isthmus_call_close_send_async(call, NULL, 1, NULL, &st));
   INVALID(isthmus_call_recv(call, NULL, &st));
   INVALID(isthmus_call_recv_async(call, NULL, 1, NULL, &st));
+  INVALID(isthmus_call_recv_spin(call, NULL, 1, NULL, &st));
   INVALID(isthmus_call_headers(call, NULL, &st));
   INVALID(isthmus_call_headers_async(call, NULL, 1, NULL, &st));
   INVALID(isthmus_call_alloc(call, 16, NULL, &st));
@@ -764,6 +778,7 @@ static int check_null_arguments(ctx_t *c) {
   REQUIRE(isthmus_server_call_is_active(NULL) == 0, "NULL is active");
   INVALID(isthmus_server_call_recv(NULL, 0, &msg, &st));
   INVALID(isthmus_server_call_recv_async(NULL, 0, cq, 1, NULL, &st));
+  INVALID(isthmus_server_call_recv_async(NULL, ISTHMUS_RECV_SPIN, cq, 1, NULL, &st));
   INVALID(isthmus_server_call_send(NULL, data, 4, &st));
   INVALID(isthmus_server_call_send_async(NULL, data, 4, cq, 1, NULL, &st));
   INVALID(isthmus_server_call_send_headers(NULL, NULL, &st));
@@ -1375,10 +1390,29 @@ static int check_async_bidi(ctx_t *c) {
             "round %" PRIu64 ": the echo: op %d %s", i, ev[0].op, describe(ev[0].code, ev[0].status));
     event_free(&ev[0]);
   }
+  /* recv_spin: the same outcome, waited for on this thread first (in `now` if it came within
+   * the spin, on the queue otherwise) */
+  for (uint64_t i = 40; i < 60; i++) {
+    int n = snprintf(msg, sizeof msg, "bidi-spin-%" PRIu64, i);
+    isthmus_event_t now;
+    memset(&now, 0, sizeof now);
+    MUST(isthmus_call_send_async(call, (const uint8_t *)msg, (size_t)n, 0, cq, 100 + i, &now, &st));
+    REQUIRE(op_event(cq, &now, &ev[0]), "round %" PRIu64 ": the send's event", i);
+    REQUIRE(ev[0].op == ISTHMUS_OP_SEND && ev[0].code == ISTHMUS_OK, "round %" PRIu64 ": send", i);
+    event_free(&ev[0]);
+    now.op = -1;
+    MUST(isthmus_call_recv_spin(call, cq, 200 + i, &now, &st));
+    REQUIRE(now.op != -1, "round %" PRIu64 ": recv_spin left `now` alone", i);
+    REQUIRE(op_event(cq, &now, &ev[0]), "round %" PRIu64 ": the echo's event", i);
+    REQUIRE(ev[0].op == ISTHMUS_OP_RECV && ev[0].tag == 200 + i && ev[0].code == ISTHMUS_OK &&
+                bytes_are(ev[0].message, msg, (size_t)n),
+            "round %" PRIu64 ": the echo: op %d %s", i, ev[0].op, describe(ev[0].code, ev[0].status));
+    event_free(&ev[0]);
+  }
   MUST(isthmus_call_close_send_async(call, cq, 300, NULL, &st));
   REQUIRE(collect(cq, ev, 1, 1) == 1, "the half-close's event");
   REQUIRE(ev[0].op == ISTHMUS_OP_CLOSE_SEND && ev[0].tag == 300 && ev[0].code == ISTHMUS_OK, "half-close");
-  MUST(isthmus_call_recv_async(call, cq, 400, NULL, &st));
+  MUST(isthmus_call_recv_spin(call, cq, 400, NULL, &st));
   REQUIRE(collect(cq, ev, 1, 1) == 1, "the end's event");
   REQUIRE(ev[0].op == ISTHMUS_OP_RECV && ev[0].code == ISTHMUS_OK && ev[0].message == NULL, "an OK end: %s",
           describe(ev[0].code, ev[0].status));
