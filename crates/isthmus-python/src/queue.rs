@@ -27,9 +27,6 @@ use isthmus::{Code, Status};
 /// How long the thread that has just finished a call spins for the next one.
 pub(crate) const SPIN: Duration = Duration::from_micros(50);
 
-/// How long the spin for the next call keeps its core before it yields between looks.
-const YIELD_AFTER: Duration = Duration::from_micros(2);
-
 /// How long calls wait for a busy loop before the dispatcher starts another.
 const GRACE: Duration = Duration::from_micros(200);
 
@@ -148,20 +145,13 @@ impl CallQueue {
         st.idle += 1;
         if !spin.is_zero() && !self.spinning.swap(true, Ordering::AcqRel) {
             drop(st);
-            // Past the first microseconds the spin yields the core between looks, as the
-            // transport's waits do: on two cores, the client and the connection's reader must
-            // run for the next call to come.
+            // Every look yields the core: on two cores the client and the connection's reader
+            // must run for the next call to come, and this loop must not hold them up. Measured
+            // against 2 µs of pure spin first (`py-py-isthmus` 64 B, 16 runs each, one host):
+            // 84 k against 71-74 k calls/s one in flight, p50 12.2 against 12.5-12.8 µs.
             let start = Instant::now();
-            while self.queued.load(Ordering::Acquire) == 0 {
-                let spun = start.elapsed();
-                if spun >= spin {
-                    break;
-                }
-                if spun < YIELD_AFTER {
-                    std::hint::spin_loop();
-                } else {
-                    std::thread::yield_now();
-                }
+            while self.queued.load(Ordering::Acquire) == 0 && start.elapsed() < spin {
+                std::thread::yield_now();
             }
             self.spinning.store(false, Ordering::Release);
             st = self.lock();
