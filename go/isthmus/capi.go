@@ -36,9 +36,10 @@ func cString(s string) *C.char {
 	if p, ok := cStrings.Load(s); ok {
 		return p.(*C.char)
 	}
-	p, loaded := cStrings.LoadOrStore(s, C.CString(s))
-	if loaded {
-		return p.(*C.char)
+	mine := C.CString(s)
+	p, loaded := cStrings.LoadOrStore(s, mine)
+	if loaded { // another goroutine interned it first
+		C.free(unsafe.Pointer(mine))
 	}
 	return p.(*C.char)
 }
