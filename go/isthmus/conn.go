@@ -33,8 +33,6 @@ type ClientConn struct {
 	r      *reactor
 	target string
 	closed atomic.Bool
-	// blocking counts the unary calls on the blocking fast path now.
-	blocking atomic.Int32
 	// shm: the target is shared memory, where large requests are written in place.
 	shm bool
 }
@@ -56,6 +54,23 @@ func inPlace(size int) bool { return size >= largeMessage && size <= inPlaceMax 
 // monitor takes it back (after up to 10 ms when idle), so Ps all held by waiting calls
 // stalled the goroutines their replies had woken (measured: p99 11 ms at 32 in flight).
 var blockingCalls = int32(max(runtime.GOMAXPROCS(0)/2, 1))
+
+// held counts this process's calls waiting in a cgo call now, each holding its thread: unary
+// calls on the blocking fast path, and receives (clients' and handlers') waiting on their
+// thread first. One count for the process, since they all hold the same Ps.
+var held atomic.Int32
+
+// hold takes one of the blockingCalls threads that may wait in a cgo call; false if none is
+// left. Give it back with release.
+func hold() bool {
+	if held.Add(1) <= blockingCalls {
+		return true
+	}
+	held.Add(-1)
+	return false
+}
+
+func release() { held.Add(-1) }
 
 var _ grpc.ClientConnInterface = (*ClientConn)(nil)
 
@@ -256,24 +271,19 @@ func (cc *ClientConn) unary(ctx context.Context, copts *C.isthmus_call_options_t
 	async func(*C.isthmus_call_options_t, *C.isthmus_cq_t, C.uint64_t, *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t),
 ) (C.isthmus_event_t, bool) {
 	defer freeMetadata(copts.metadata)
-	if ctx.Done() == nil {
-		if cc.blocking.Add(1) <= blockingCalls {
-			ev := blocking(copts)
-			cc.blocking.Add(-1)
-			return ev, true
-		}
-		cc.blocking.Add(-1)
+	if ctx.Done() == nil && hold() {
+		ev := blocking(copts)
+		release()
+		return ev, true
 	}
-	spin := cc.shm && cc.blocking.Add(1) <= blockingCalls
+	spin := cc.shm && hold()
 	if spin {
 		copts.flags |= C.ISTHMUS_CALL_SPIN
-	} else if cc.shm {
-		cc.blocking.Add(-1)
 	}
 	return cc.r.do(ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
 		code, st := async(copts, cq, tag, now)
 		if spin {
-			cc.blocking.Add(-1)
+			release()
 		}
 		return code, st
 	})
@@ -281,20 +291,17 @@ func (cc *ClientConn) unary(ctx context.Context, copts *C.isthmus_call_options_t
 
 // recvCall waits for the next event of a receive on call. Over shared memory, while a
 // thread may be held (blockingCalls), the message is first waited for on this thread, up to
-// the connection's spin bound: a trip through the completion queue costs two wake-ups, tens of
-// µs each on two vCPUs, for a message that often comes within a few.
+// 50 µs (isthmus_call_recv_spin): a trip through the completion queue costs two wake-ups, tens
+// of µs each on two vCPUs, for a message that often comes within a few.
 func (cc *ClientConn) recvCall(ctx context.Context, call *C.isthmus_call_t) (C.isthmus_event_t, bool) {
-	spin := cc.shm && cc.blocking.Add(1) <= blockingCalls
-	if cc.shm && !spin {
-		cc.blocking.Add(-1)
-	}
+	spin := cc.shm && hold()
 	return cc.r.do(ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
 		var st *C.isthmus_status_t
 		if !spin {
 			return C.isthmus_call_recv_async(call, cq, tag, now, &st), st
 		}
 		code := C.isthmus_call_recv_spin(call, cq, tag, now, &st)
-		cc.blocking.Add(-1)
+		release()
 		return code, st
 	})
 }

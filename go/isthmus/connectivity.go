@@ -48,10 +48,11 @@ func (cc *ClientConn) state(tryToConnect bool) connectivity.State {
 // ClientConn.WaitForStateChange: true when it changed, false if ctx ended first.
 func (cc *ClientConn) WaitForStateChange(ctx context.Context, sourceState connectivity.State) bool {
 	for {
+		// The state first, as grpc-go's: a change already made is reported even if ctx is done.
+		if cc.GetState() != sourceState {
+			return true
+		}
 		if cc.closed.Load() {
-			if sourceState != connectivity.Shutdown {
-				return true
-			}
 			<-ctx.Done() // Shutdown is final
 			return false
 		}

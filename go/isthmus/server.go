@@ -14,7 +14,6 @@ import (
 	"reflect"
 	"runtime"
 	"sync"
-	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -37,9 +36,6 @@ type Server struct {
 	serving  chan struct{} // closed when Serve should return
 	stopOnce sync.Once
 	handlers sync.WaitGroup
-	// spinning counts the handlers' receives waiting on their own threads now (at most
-	// blockingCalls, as the clients' waits).
-	spinning atomic.Int32
 }
 
 var _ grpc.ServiceRegistrar = (*Server)(nil)
@@ -529,21 +525,20 @@ func (st *serverStream) recvFlags() C.uint32_t {
 }
 
 // recv waits for the next request's event; false if the context ended first. While a thread
-// may be held (blockingCalls), the request is first waited for on this one, up to the spin
-// bound, as a client's receive is (ClientConn.recvCall).
+// may be held (hold), the request is first waited for on this one, up to 50 µs, as a
+// client's receive is (ClientConn.recvCall). Over every transport: the library does not tell
+// a handler which one its call came by.
 func (st *serverStream) recv() (C.isthmus_event_t, bool) {
 	flags := st.recvFlags()
-	spin := st.s.spinning.Add(1) <= blockingCalls
+	spin := hold()
 	if spin {
 		flags |= C.ISTHMUS_RECV_SPIN
-	} else {
-		st.s.spinning.Add(-1)
 	}
 	return st.s.r.do(st.ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
 		var cst *C.isthmus_status_t
 		code := C.isthmus_server_call_recv_async(st.sc, flags, cq, tag, now, &cst)
 		if spin {
-			st.s.spinning.Add(-1)
+			release()
 		}
 		return code, cst
 	})

@@ -74,9 +74,9 @@
 #define ISTHMUS_RECV_FLUSH_HEADERS 1
 
 // Receive flag for `isthmus_server_call_recv_async` with a `now` event: a request that comes
-// within the connection's spin bound (50 µs) is taken on the calling thread and returned in
-// `now`, without the two wake-ups a trip through the queue costs (as `isthmus_call_recv_spin`
-// on the client's side). The thread spins, yielding its core between looks after the first
+// within 50 µs (a fixed bound) is taken on the calling thread and returned in `now`, without
+// the two wake-ups a trip through the queue costs (as `isthmus_call_recv_spin` on the
+// client's side). The thread spins, yielding its core between looks after the first
 // microseconds.
 #define ISTHMUS_RECV_SPIN 2
 
@@ -533,12 +533,13 @@ isthmus_code_t isthmus_call_recv_async(const isthmus_call_t *call,
                                        isthmus_event_t *now,
                                        isthmus_status_t **status);
 
-// [`isthmus_call_recv_async`], but a message (or the call's end) that comes within the
-// connection's spin bound (50 µs) is taken on the calling thread and returned in `now`,
-// without the two wake-ups a trip through the queue costs. The thread spins, yielding its
-// core between looks after the first microseconds. For a caller that can spare its thread
-// that long (Go's streams, within their bound on threads held); with a NULL `now` it is
-// [`isthmus_call_recv_async`].
+// [`isthmus_call_recv_async`], but a message (or the call's end) that comes within 50 µs is
+// taken on the calling thread and returned in `now`, without the two wake-ups a trip through
+// the queue costs. The thread spins, yielding its core between looks after the first
+// microseconds. The bound is fixed (`isthmus_channel_set_spin` does not change it); a call
+// started with `ISTHMUS_CALL_SPIN` also reads the connection while polled, and may wait
+// longer. For a caller that can spare its thread that long (Go's streams, within their bound
+// on threads held); with a NULL `now` it is [`isthmus_call_recv_async`].
 //
 // # Safety
 //

@@ -780,12 +780,13 @@ pub unsafe extern "C" fn isthmus_call_recv_async(
     })
 }
 
-/// [`isthmus_call_recv_async`], but a message (or the call's end) that comes within the
-/// connection's spin bound (50 µs) is taken on the calling thread and returned in `now`,
-/// without the two wake-ups a trip through the queue costs. The thread spins, yielding its
-/// core between looks after the first microseconds. For a caller that can spare its thread
-/// that long (Go's streams, within their bound on threads held); with a NULL `now` it is
-/// [`isthmus_call_recv_async`].
+/// [`isthmus_call_recv_async`], but a message (or the call's end) that comes within 50 µs is
+/// taken on the calling thread and returned in `now`, without the two wake-ups a trip through
+/// the queue costs. The thread spins, yielding its core between looks after the first
+/// microseconds. The bound is fixed (`isthmus_channel_set_spin` does not change it); a call
+/// started with `ISTHMUS_CALL_SPIN` also reads the connection while polled, and may wait
+/// longer. For a caller that can spare its thread that long (Go's streams, within their bound
+/// on threads held); with a NULL `now` it is [`isthmus_call_recv_async`].
 ///
 /// # Safety
 ///

@@ -333,9 +333,9 @@ pub extern "C" fn isthmus_server_call_is_active(call: *const isthmus_server_call
 pub const ISTHMUS_RECV_FLUSH_HEADERS: u32 = 1;
 
 /// Receive flag for `isthmus_server_call_recv_async` with a `now` event: a request that comes
-/// within the connection's spin bound (50 µs) is taken on the calling thread and returned in
-/// `now`, without the two wake-ups a trip through the queue costs (as `isthmus_call_recv_spin`
-/// on the client's side). The thread spins, yielding its core between looks after the first
+/// within 50 µs (a fixed bound) is taken on the calling thread and returned in `now`, without
+/// the two wake-ups a trip through the queue costs (as `isthmus_call_recv_spin` on the
+/// client's side). The thread spins, yielding its core between looks after the first
 /// microseconds.
 pub const ISTHMUS_RECV_SPIN: u32 = 2;
 

@@ -1409,6 +1409,26 @@ static int check_async_bidi(ctx_t *c) {
             "round %" PRIu64 ": the echo: op %d %s", i, ev[0].op, describe(ev[0].code, ev[0].status));
     event_free(&ev[0]);
   }
+  /* recv_spin with nothing to receive (the server echoes only what is sent): the spin ends
+   * empty-handed, and the same receive goes on in the queue, where the echo of the next send
+   * completes it */
+  {
+    isthmus_event_t now;
+    memset(&now, 0, sizeof now);
+    now.op = -1;
+    MUST(isthmus_call_recv_spin(call, cq, 260, &now, &st));
+    REQUIRE(now.op == 0, "a receive with nothing sent completed at once: op %d", now.op);
+    MUST(isthmus_call_send_async(call, (const uint8_t *)"late", 4, 0, cq, 160, NULL, &st));
+    REQUIRE(collect(cq, ev, 2, 2) == 2, "the send's and the queued receive's events");
+    int sent = 0, received = 0;
+    for (int j = 0; j < 2; j++) {
+      REQUIRE(ev[j].code == ISTHMUS_OK, "late: %s", describe(ev[j].code, ev[j].status));
+      if (ev[j].op == ISTHMUS_OP_SEND && ev[j].tag == 160) sent++;
+      if (ev[j].op == ISTHMUS_OP_RECV && ev[j].tag == 260 && bytes_are(ev[j].message, "late", 4)) received++;
+      event_free(&ev[j]);
+    }
+    REQUIRE(sent == 1 && received == 1, "the late send and its echo through the queue");
+  }
   MUST(isthmus_call_close_send_async(call, cq, 300, NULL, &st));
   REQUIRE(collect(cq, ev, 1, 1) == 1, "the half-close's event");
   REQUIRE(ev[0].op == ISTHMUS_OP_CLOSE_SEND && ev[0].tag == 300 && ev[0].code == ISTHMUS_OK, "half-close");
