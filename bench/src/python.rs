@@ -51,17 +51,21 @@ impl PyClient {
         let socket = |tag: &str| std::env::temp_dir().join(format!("{}.sock", unique(tag))).display().to_string();
         let tonic = || {
             let path = socket("pytonic");
-            (Server::spawn(&["serve-tonic".into(), path.clone()]), path)
+            (Server::spawn(&["serve-tonic".into(), path.clone()]).removing(&path), path)
         };
         let raw = || {
             let path = socket("pyuds");
-            (Server::spawn(&["serve-uds".into(), path.clone()]), path)
+            (Server::spawn(&["serve-uds".into(), path.clone()]).removing(&path), path)
         };
         // A Python server (bench/py_server.py), for the Python-to-Python systems.
         let py_server = |system: &str, target: String| {
             let mut command = Command::new(&python);
             command.args(["bench/py_server.py", system, &target]);
-            (Server::spawn_command(command, &format!("py_server.py {system}")), target)
+            let server = Server::spawn_command(command, &format!("py_server.py {system}"));
+            match target.starts_with("shm://") {
+                true => (server, target),
+                false => (server.removing(&target), target),
+            }
         };
         vec![
             PyClient::start(&python, "py-isthmus-sync", "isthmus-sync", shm()),

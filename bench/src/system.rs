@@ -30,7 +30,11 @@ pub trait System {
 }
 
 /// A child process that prints `READY` when it is set up and is killed on drop.
-pub struct Server(Child);
+pub struct Server {
+    child: Child,
+    /// Its Unix socket, removed on drop: a killed server leaves it behind.
+    socket: Option<std::path::PathBuf>,
+}
 
 impl Server {
     /// Starts this binary in a server role. `ISTHMUS_BENCH_SERVER_WRAP` (a command and its
@@ -58,11 +62,17 @@ impl Server {
         let mut line = String::new();
         BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("server output");
         assert_eq!(line.trim(), "READY", "server {what} failed to start");
-        Server(child)
+        Server { child, socket: None }
+    }
+
+    /// This server, whose Unix socket `path` is removed when it is dropped.
+    pub fn removing(mut self, path: &str) -> Server {
+        self.socket = Some(path.into());
+        self
     }
 
     pub fn pid(&self) -> i32 {
-        self.0.id() as i32
+        self.child.id() as i32
     }
 }
 
@@ -73,9 +83,12 @@ impl Drop for Server {
             // SAFETY: kill(2) with our own child's pid.
             unsafe { libc::kill(self.pid(), libc::SIGTERM) };
         } else {
-            let _ = self.0.kill();
+            let _ = self.child.kill();
         }
-        let _ = self.0.wait();
+        let _ = self.child.wait();
+        if let Some(path) = &self.socket {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 
