@@ -244,14 +244,29 @@ pub unsafe extern "C" fn isthmus_channel_state(
     try_to_connect: i32,
     state: *mut u32,
 ) -> isthmus_code_t {
+    // SAFETY: the caller's promise, passed on.
+    unsafe { entry_state(state, || Ok((CHANNELS.get(channel)?.state(try_to_connect != 0), Ok(())))) }
+}
+
+/// [`entry`] for the connectivity calls: `state` NULL is refused; otherwise the state the body
+/// gives is stored there, and its result (OK, or DEADLINE_EXCEEDED for a wait that ran out)
+/// returned.
+///
+/// # Safety
+///
+/// `state` is NULL or writable.
+unsafe fn entry_state(
+    state: *mut u32,
+    body: impl FnOnce() -> Result<(isthmus::Connectivity, Result<(), Status>), Status>,
+) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
         if state.is_null() {
             return Err(invalid("the state out-pointer is NULL"));
         }
-        let now = CHANNELS.get(channel)?.state(try_to_connect != 0);
+        let (now, result) = body()?;
         // SAFETY: checked not NULL; writable by the caller's promise.
         unsafe { state.write(now as u32) };
-        Ok(())
+        result
     })
 }
 
@@ -270,37 +285,39 @@ pub unsafe extern "C" fn isthmus_channel_wait_state(
     timeout_ms: u32,
     state: *mut u32,
 ) -> isthmus_code_t {
-    entry(std::ptr::null_mut(), || {
-        if state.is_null() {
-            return Err(invalid("the state out-pointer is NULL"));
-        }
-        if last > ISTHMUS_STATE_SHUTDOWN {
-            return Err(invalid(format!("{last} is not a connectivity state")));
-        }
-        // The handle may be closed meanwhile: this keeps the channel until the wait ends.
-        let channel = CHANNELS.get(channel)?;
-        let until = std::time::Instant::now() + Duration::from_millis(timeout_ms.into());
-        let now = loop {
-            let now = channel.state(false);
-            let left = until.saturating_duration_since(std::time::Instant::now());
-            if now as u32 != last || left.is_zero() {
-                break now;
+    // SAFETY: the caller's promise, passed on.
+    unsafe {
+        entry_state(state, || {
+            if last > ISTHMUS_STATE_SHUTDOWN {
+                return Err(invalid(format!("{last} is not a connectivity state")));
             }
-            // The engine's connection announces its changes; the fast path's is looked at
-            // every STATE_POLL.
-            let engine = channel.engine.connectivity(false);
-            // The timer is made inside: it needs the runtime that `block_on` enters.
-            block_on(async {
-                let _ = tokio::time::timeout(left.min(STATE_POLL), channel.engine.connectivity_changed(engine)).await;
-            });
-        };
-        // SAFETY: checked not NULL; writable by the caller's promise.
-        unsafe { state.write(now as u32) };
-        match now as u32 == last {
-            true => Err(Status::new(Code::DeadlineExceeded, format!("the state stayed {now:?} for {timeout_ms} ms"))),
-            false => Ok(()),
-        }
-    })
+            // The handle may be closed meanwhile: this keeps the channel until the wait ends.
+            let channel = CHANNELS.get(channel)?;
+            let until = std::time::Instant::now() + Duration::from_millis(timeout_ms.into());
+            let now = loop {
+                let now = channel.state(false);
+                let left = until.saturating_duration_since(std::time::Instant::now());
+                if now as u32 != last || left.is_zero() {
+                    break now;
+                }
+                // The engine's connection announces its changes; the fast path's is looked at
+                // every STATE_POLL.
+                let engine = channel.engine.connectivity(false);
+                // The timer is made inside: it needs the runtime that `block_on` enters.
+                block_on(async {
+                    let _ =
+                        tokio::time::timeout(left.min(STATE_POLL), channel.engine.connectivity_changed(engine)).await;
+                });
+            };
+            let result = match now as u32 == last {
+                true => {
+                    Err(Status::new(Code::DeadlineExceeded, format!("the state stayed {now:?} for {timeout_ms} ms")))
+                }
+                false => Ok(()),
+            };
+            Ok((now, result))
+        })
+    }
 }
 
 /// A unary call, blocking: sends `request` to `path` (`/package.Service/Method`) and waits

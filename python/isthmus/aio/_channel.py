@@ -135,9 +135,9 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
         if isinstance(done, tuple):
             driver.finish(token, done[1])
         # After a spin that missed, the await does not spin again.
-        call = UnaryUnaryCall(loop, timeout, self._deserialize, outcome, driver, token, done is not False)
-        channel._calls.add(weakref.ref(call, channel._forget))  # `_track`, inline
-        return call
+        return channel._track(
+            UnaryUnaryCall(loop, timeout, self._deserialize, outcome, driver, token, done is not False)
+        )
 
 
 def _failed(
