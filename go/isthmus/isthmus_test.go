@@ -59,7 +59,7 @@ type peer struct {
 var names sync.Map
 
 // fresh returns a shm:// target and a unix:// socket path no other test uses.
-func fresh(t *testing.T, tag string) (shm, unix string) {
+func fresh(t testing.TB, tag string) (shm, unix string) {
 	n := fmt.Sprintf("go-%s-%d-%d", tag, os.Getpid(), time.Now().UnixNano())
 	names.Store(n, true)
 	return "shm://" + n, "unix://" + filepath.Join(t.TempDir(), tag+".sock")
@@ -67,7 +67,7 @@ func fresh(t *testing.T, tag string) (shm, unix string) {
 
 // startPeer starts bin with targets and waits (30 s at most) for READY and one LISTENING
 // line per HTTP/2 target. The process is killed when the test ends.
-func startPeer(t *testing.T, bin string, targets ...string) *peer {
+func startPeer(t testing.TB, bin string, targets ...string) *peer {
 	t.Helper()
 	cmd := exec.Command(bin, targets...)
 	cmd.Stderr = os.Stderr
@@ -101,7 +101,7 @@ func startPeer(t *testing.T, bin string, targets ...string) *peer {
 }
 
 // expect waits for a line starting with prefix.
-func (p *peer) expect(t *testing.T, prefix string) string {
+func (p *peer) expect(t testing.TB, prefix string) string {
 	t.Helper()
 	timeout := time.After(30 * time.Second)
 	for {
@@ -132,7 +132,7 @@ func runSuite(t *testing.T, label string, conn grpc.ClientConnInterface, opts ..
 	}
 }
 
-func dial(t *testing.T, target string) *isthmus.ClientConn {
+func dial(t testing.TB, target string) *isthmus.ClientConn {
 	t.Helper()
 	conn, err := isthmus.Dial(target)
 	if err != nil {
