@@ -317,12 +317,15 @@ fn the_same_channel_works_again_after_a_server_restart() {
         // The first call may still meet the dead connection; the next one reconnects.
         let first = ch.unary("/test.Echo/Unary", b"after", CallOptions::default()).await;
         if let Err(s) = &first {
-            assert_eq!(s.code(), Code::Unavailable, "{s}");
+            assert_eq!(s.code(), Code::Unavailable, "the first call after the restart: {s:?}");
         }
         // The new server may still be starting: wait for it (the restart is the test, not its speed).
         let opts =
             CallOptions { wait_for_ready: true, timeout: Some(Duration::from_secs(30)), ..CallOptions::default() };
-        let r = ch.unary("/test.Echo/Unary", b"after", opts).await.expect("reconnected");
+        let r = match ch.unary("/test.Echo/Unary", b"after", opts).await {
+            Ok(r) => r,
+            Err(s) => panic!("the second call after the restart: {s:?} (the first: {:?})", first.map(|r| r.message)),
+        };
         assert_eq!(&r.message[..], b"after");
     });
 }
@@ -356,6 +359,34 @@ fn wait_for_ready_waits_for_a_server_and_fail_fast_does_not() {
     let _server = Peer::spawn_bin("rpc-peer", &[&addr]);
     let r = isthmus_tests::watchdog(Duration::from_secs(90), move || waiting.join().expect("thread")).expect("served");
     assert_eq!(&r.message[..], b"waited");
+}
+
+#[test]
+fn a_server_that_never_answers_the_handshake_is_unavailable_and_waited_for() {
+    // A socket that takes connections (into its backlog) and never answers: a server hung
+    // before its handshake. Connecting is the call's first step, so this is UNAVAILABLE, as
+    // gRPC says of a failed connect, not the call's own DEADLINE_EXCEEDED.
+    struct Removed(std::path::PathBuf);
+    impl Drop for Removed {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
+    let path = Removed(fresh_socket("mute"));
+    let _mute = std::os::unix::net::UnixListener::bind(&path.0).expect("bind");
+    let config = isthmus::Config { handshake_timeout: Duration::from_millis(100), ..isthmus::Config::default() };
+    let ch = Channel::lazy_with(&format!("shm://{}", path.0.display()), config).expect("lazy channel");
+    run(async move {
+        let s = ch.unary("/test.Echo/Unary", b"x", CallOptions::default()).await.expect_err("nobody answers");
+        assert_eq!(s.code(), Code::Unavailable, "{s}");
+        assert!(s.message().contains("hello"), "{s}");
+        // Waiting for ready waits it out, to the call's deadline.
+        let opts =
+            CallOptions { wait_for_ready: true, timeout: Some(Duration::from_millis(500)), ..CallOptions::default() };
+        let s = ch.unary("/test.Echo/Unary", b"x", opts).await.expect_err("still nobody");
+        assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+        assert!(s.message().contains("no server became ready"), "{s}");
+    });
 }
 
 #[test]

@@ -60,11 +60,21 @@ impl Drop for Loud {
     }
 }
 
+/// What `/test.Echo/Panic` panics with.
+const ON_PURPOSE: &str = "handler exploded on purpose";
+
 fn main() {
     let addr = std::env::args().nth(1).expect("address");
     // Optional second argument: the largest request message accepted, in bytes.
     let max_message = std::env::args().nth(2).and_then(|m| m.parse().ok()).filter(|&m: &u64| m > 0);
     let max_streams = std::env::args().nth(3).and_then(|m| m.parse().ok());
+    // `/test.Echo/Panic` panics on purpose: one line for it, not a backtrace that would bury a
+    // failing test's own message in a CI log.
+    let report = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| match info.payload().downcast_ref::<&str>() {
+        Some(&ON_PURPOSE) => eprintln!("rpc-peer: {ON_PURPOSE}"),
+        _ => report(info),
+    }));
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     rt.block_on(async move {
         let shutdown = std::sync::Arc::new(tokio::sync::Notify::new());
@@ -161,7 +171,7 @@ fn main() {
                     .with_metadata(t))
             })
             .handler("/test.Echo/Panic", |_call: ServerCall| async move {
-                panic!("handler exploded on purpose");
+                std::panic::panic_any(ON_PURPOSE);
             })
             .handler("/test.Echo/Sleep", |mut call: ServerCall| async move {
                 let _loud = Loud;

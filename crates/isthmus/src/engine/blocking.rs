@@ -230,7 +230,26 @@ impl Channel {
     fn start_by(&self, path: &str, options: &CallOptions, patience: Option<Instant>) -> Result<Call, Option<Status>> {
         check_path(path)?;
         let deadline = options.timeout.map(|t| Instant::now() + t);
-        let mux = self.mux_for_call(options.wait_for_ready, deadline)?;
+        let mut again = true;
+        loop {
+            let mux = self.mux_for_call(options.wait_for_ready, deadline)?;
+            match self.open(mux.clone(), path, options, deadline, patience) {
+                // As the async client's `start`: a call whose connection died before its HEADERS
+                // went out never reached the server, and starts once more on a new connection.
+                Err(Some(_)) if again && !mux.takes_calls() => again = false,
+                opened => return opened,
+            }
+        }
+    }
+
+    fn open(
+        &self,
+        mux: Arc<Mux>,
+        path: &str,
+        options: &CallOptions,
+        deadline: Option<Instant>,
+        patience: Option<Instant>,
+    ) -> Result<Call, Option<Status>> {
         let stream = mux.register(self.inner.slot.next_stream())?;
         let call = Call { state: CallState::new(stream, mux, path, self.inner.clone()), deadline };
         let head = open_head(path, &options.metadata, deadline);

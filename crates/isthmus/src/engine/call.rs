@@ -111,7 +111,18 @@ impl Slot {
     /// A new connection to the target (blocking: the handshake reads with timeouts). With
     /// `expect_pid`, a server that is not that process is refused, whoever bound the address.
     pub(crate) fn connect(target: &Address, config: &Config, expect_pid: Option<u32>) -> Result<Connection, Status> {
-        let conn = Connection::connect(target, config).map_err(|e| Status::from_transport(&e))?;
+        // A server that does not answer the handshake in time is one not ready for calls: gRPC's
+        // UNAVAILABLE (which `wait_for_ready` waits out), not the call's DEADLINE_EXCEEDED.
+        let conn = Connection::connect(target, config).map_err(|e| match e.kind() {
+            isthmus_shm::ErrorKind::Timeout => Status::new(
+                Code::Unavailable,
+                format!(
+                    "cannot connect to {target}: no answer within the handshake timeout ({:?}): {e}",
+                    config.handshake_timeout
+                ),
+            ),
+            _ => Status::from_transport(&e),
+        })?;
         if let Some(pid) = expect_pid {
             let peer = conn.sender.peer().pid;
             if u32::try_from(peer).ok() != Some(pid) {
@@ -145,7 +156,7 @@ impl Slot {
     /// The connection, if it is alive and takes new calls.
     pub(crate) fn live(&self) -> Option<Arc<Mux>> {
         let current = self.current.lock().ok()?;
-        current.as_ref().filter(|m| m.dead().is_none()).cloned()
+        current.as_ref().filter(|m| m.takes_calls()).cloned()
     }
 
     /// Makes `mux` the channel's connection; `Err` (and `mux` closed) if the channel was closed

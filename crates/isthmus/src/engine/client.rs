@@ -8,8 +8,11 @@
 //! reader task is dropped and its `Watch` guard ends every call UNAVAILABLE (no test shows it yet).
 //!
 //! A call: `start` checks the path, takes a connection (see `call`), registers the stream and sends
-//! HEADERS; the front's `Channel::unary` is `start`, `send_last`, one `recv` that must give a
-//! message and one that must give the end (INTERNAL if the server sent none or more than one).
+//! HEADERS (once more on a new connection if the old one died before they went out: the server
+//! never saw the call, and gRPC retries such a call transparently). A connect attempt the server
+//! does not answer within the handshake timeout is UNAVAILABLE, as any failed connect. The front's
+//! `Channel::unary` is `start`, `send_last`, one `recv` that must give a message and one that must
+//! give the end (INTERNAL if the server sent none or more than one).
 //! `send` waits for credit, then sends one MESSAGE inline, in an arena block or in pieces;
 //! `send_last` adds END_STREAM, `close_send` half-closes with an empty TRAILERS. `alloc` and
 //! `send_block` build a message in place in this side's arena: no copy on either side. `recv` gives
@@ -174,7 +177,27 @@ impl ShmChannel {
     ) -> Result<ShmCall, Status> {
         check_path(path)?;
         let deadline = options.timeout.map(|t| Instant::now() + t);
-        let mux = self.mux(options.wait_for_ready, deadline).await?;
+        let mut again = true;
+        loop {
+            let mux = self.mux(options.wait_for_ready, deadline).await?;
+            match self.open(mux.clone(), path, &options, deadline, reads, keep.clone()).await {
+                // Its connection died before the call's HEADERS went out: the server never saw
+                // it, so it starts once more on a new connection (gRPC's transparent retry).
+                Err(_) if again && !mux.takes_calls() => again = false,
+                opened => return opened,
+            }
+        }
+    }
+
+    async fn open(
+        &self,
+        mux: Arc<Mux>,
+        path: &str,
+        options: &CallOptions,
+        deadline: Option<Instant>,
+        reads: bool,
+        keep: Arc<dyn std::any::Any + Send + Sync>,
+    ) -> Result<ShmCall, Status> {
         let stream = mux.register(self.slot.next_stream())?;
         let call = ShmCall { state: CallState::new(stream, mux, path, keep), deadline, timer: None, reads };
         let head = open_head(path, &options.metadata, deadline.map(Instant::into_std));

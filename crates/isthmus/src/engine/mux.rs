@@ -502,6 +502,13 @@ impl Mux {
         self.dead.lock().ok().and_then(|d| d.clone())
     }
 
+    /// Whether new calls may start here: not once the connection is dead, going away, or its
+    /// transport failed (which its reader learns a moment later; a call that tried meanwhile
+    /// never reached the peer, so it may start again elsewhere).
+    pub(crate) fn takes_calls(&self) -> bool {
+        self.dead().is_none() && !self.sender.is_closed()
+    }
+
     /// Opens stream `id`: its event queue and its windows.
     pub(crate) fn register(&self, id: u64) -> Result<Stream, Status> {
         self.register_entry(id, None)
