@@ -622,8 +622,10 @@ impl Mux {
     /// Ends every call with `status` and refuses new ones.
     /// The connection is over: no frame goes out any more, and every call ends with `status`.
     pub(crate) fn end(&self, status: Status) {
-        self.sender.close();
+        // The calls end first: a reader that wakes to the closed sender would end them with its
+        // own "closed by this side" (UNAVAILABLE), not with `status` (a closed channel's CANCELLED).
         self.fail_all(status);
+        self.sender.close();
     }
 
     /// Every call on the connection ends with `status`, and the connection counts as dead.
