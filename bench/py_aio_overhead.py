@@ -14,6 +14,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from py_client import floor_echo  # bench/ is on the path: this runs as a script
+
 import isthmus.aio
 
 TASKS = 32
@@ -44,12 +46,6 @@ async def _per_call(echo: Callable[[bytes], Awaitable[Any]], calls: int) -> floa
 
 async def main(calls: int) -> None:
     loop = asyncio.get_running_loop()
-
-    async def floor(payload: bytes) -> bytes:
-        future = loop.create_future()
-        loop.call_soon(future.set_result, payload)
-        return await future
-
     channel = isthmus.aio.insecure_channel("shm://py-aio-overhead-nobody")
     bound_loop, driver, _ = channel._bind()
 
@@ -60,7 +56,7 @@ async def main(calls: int) -> None:
 
     channel._bound = (bound_loop, driver, Stub())  # type: ignore[assignment]
     echo = channel.unary_unary("/bench.Echo/Unary")
-    floor_us = await _per_call(floor, calls)
+    floor_us = await _per_call(floor_echo(loop), calls)
     ours_us = await _per_call(echo, calls)
     print(f"floor {floor_us:.2f} µs/call, isthmus.aio {ours_us:.2f} µs/call ({ours_us - floor_us:.2f} above)")
 

@@ -161,15 +161,19 @@ async def run_aio(system: str, target: str) -> None:
     await serve_aio(channel.unary_unary(PATH))
 
 
-async def aio_floor(_target: str) -> None:
-    loop = asyncio.get_running_loop()
+def floor_echo(loop: asyncio.AbstractEventLoop) -> Callable[[bytes], Awaitable[bytes]]:
+    """`py-aio-floor`'s call on `loop`: one future, which the loop resolves on its next turn."""
 
     async def echo(payload: bytes) -> bytes:
         future = loop.create_future()
         loop.call_soon(future.set_result, payload)
         return await future
 
-    await serve_aio(echo)
+    return echo
+
+
+async def aio_floor(_target: str) -> None:
+    await serve_aio(floor_echo(asyncio.get_running_loop()))
 
 
 async def serve_aio(echo: Callable[[bytes], Awaitable[bytes]]) -> None:

@@ -11,7 +11,7 @@ use isthmus::{CallOptions, Code, Config, Status};
 use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
 use crate::cq::{
     cq_get, isthmus_cq_t, isthmus_event_t, start_on, start_spinning_on, Outcome, Queue, ISTHMUS_OP_CLOSE_SEND,
-    ISTHMUS_OP_HEADERS, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_UNARY,
+    ISTHMUS_OP_HEADERS, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_UNARY, NO_SPIN,
 };
 use crate::handle::Registry;
 use crate::object::{
@@ -792,9 +792,7 @@ pub unsafe extern "C" fn isthmus_call_recv_async(
     now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    start_on(CALLS.get(call).map(|c| c.call.clone()), cq, tag, ISTHMUS_OP_RECV, now, status, |shared| {
-        Ok(async move { Outcome::received(shared.recv().await) })
-    })
+    recv_on(call, cq, tag, now, NO_SPIN, status)
 }
 
 /// [`isthmus_call_recv_async`], but a message (or the call's end) that comes within 50 µs is
@@ -816,7 +814,18 @@ pub unsafe extern "C" fn isthmus_call_recv_spin(
     now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
-    let spin = isthmus::SpinPolicy::default();
+    recv_on(call, cq, tag, now, isthmus::SpinPolicy::default(), status)
+}
+
+/// The two receives of a client call: waiting on the calling thread first for up to `spin`.
+fn recv_on(
+    call: *const isthmus_call_t,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    now: *mut isthmus_event_t,
+    spin: isthmus::SpinPolicy,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
     start_spinning_on(CALLS.get(call).map(|c| c.call.clone()), cq, tag, ISTHMUS_OP_RECV, now, spin, status, |shared| {
         Ok(async move { Outcome::received(shared.recv().await) })
     })
