@@ -41,7 +41,7 @@ type ClientConn struct {
 // (one copy) instead of into Go memory and then copied there. Past inPlaceMax a block might
 // not fit the arena (64 MiB by default; larger messages travel in pieces).
 const (
-	largeMessage = 256 << 10
+	largeMessage = 16 << 10
 	inPlaceMax   = 16 << 20
 )
 

@@ -235,6 +235,29 @@ fn a_call_after_a_pause_finds_the_restarted_server_instead_of_failing() {
 }
 
 #[test]
+fn a_request_sent_as_one_block_goes_with_its_call_also_after_a_restart() {
+    // Above the inline bound (8 KiB) and up to half the arena, a request is copied into a block
+    // of the connection the call takes before its HEADERS go out; below and above, the usual way.
+    let (mut server, addr) = server();
+    let ch = Channel::connect(&addr).expect("connect");
+    for (i, len) in [8 << 10, (8 << 10) + 1, 64 << 10, 1 << 20, 40 << 20].into_iter().enumerate() {
+        let m = pattern(len, i as u64);
+        let r = ch.unary("/test.Echo/Unary", &m, CallOptions::default()).expect("unary");
+        assert_eq!((r.message.len(), first_mismatch(&r.message, i as u64)), (len, None), "unary of {len} bytes");
+        let patience = Duration::from_secs(5);
+        let begun = ch.unary_begin_within("/test.Echo/Unary", &m, &CallOptions::default(), patience);
+        let r = begun.expect("no error").expect("room").wait().expect("echo");
+        assert_eq!((r.message.len(), first_mismatch(&r.message, i as u64)), (len, None), "begun of {len} bytes");
+    }
+    server.kill9();
+    let _again = Peer::spawn_bin("rpc-peer", &[&addr]);
+    let opts = CallOptions { wait_for_ready: true, timeout: Some(Duration::from_secs(30)), ..CallOptions::default() };
+    let m = pattern(64 << 10, 7);
+    let r = ch.unary("/test.Echo/Unary", &m, opts).expect("the first call after the restart goes through");
+    assert_eq!(first_mismatch(&r.message, 7), None);
+}
+
+#[test]
 fn a_send_that_would_wait_for_room_gives_up_after_its_patience() {
     // A 1 MiB arena, held whole by requests a handler never reads.
     let (_server, addr) = server();

@@ -663,6 +663,12 @@ impl Sender {
         self.core.inline_max
     }
 
+    /// Whether [`send_message`](Self::send_message) sends a message of `len` bytes as one block
+    /// of the arena (not inline in the ring, nor in pieces).
+    pub fn sends_as_block(&self, len: usize) -> bool {
+        matches!(self.route(len), Route::Block)
+    }
+
     /// Largest block [`alloc`](Self::alloc) can return: this side's arena size.
     pub fn max_block(&self) -> usize {
         self.core.seg.layout().arena_size[self.core.tx]

@@ -880,14 +880,14 @@ impl SpinFirst {
 }
 
 /// The outcome of a unary call sent from the caller's thread: waited for there for up to
-/// `spin` (a fast reply is then ready at the future's first poll, with no wake-up at all), and
+/// `spin`, longer for a large request ([`PendingUnary::spin_for`](crate::blocking::PendingUnary::spin_for)) (a fast reply is then ready at the future's first poll, with no wake-up at all), and
 /// otherwise by a thread of the runtime's blocking pool. Dropping the future before it is
 /// ready cancels the call.
 pub fn finish_unary(
     mut unary: crate::blocking::PendingUnary,
     spin: std::time::Duration,
 ) -> impl Future<Output = Result<crate::Response, Status>> + Send + 'static {
-    let quick = unary.wait_until(Instant::now() + spin);
+    let quick = unary.wait_until(Instant::now() + unary.spin_for(spin));
     let (tx, rx) = tokio::sync::oneshot::channel();
     match quick {
         Some(outcome) => drop(tx.send(outcome)),
