@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -168,6 +169,30 @@ def test_a_killed_server_fails_pending_calls_and_a_restarted_one_serves(nginx: N
         assert nginx.case("unary", target)["ok"]
     finally:
         restarted.close()
+
+
+def test_a_quitting_worker_answers_its_pending_calls_and_exits(servers: Callable[[str], Served]) -> None:
+    """nginx -s quit while calls wait: their requests are answered, then the worker exits. (The
+    watcher once read the bell of the last reply, found that call still waiting, dispatched it,
+    and slept on the bell for good: the worker never exited.)"""
+    target = servers("rust").addresses["shm"]
+    own = Nginx()
+    try:
+        assert own.case("unary", target)["ok"]
+        results: list[dict] = []
+        threads = [
+            threading.Thread(target=lambda: results.append(own.case("slow", target, sleep=3000, timeout=60)))
+            for _ in range(4)
+        ]
+        for t in threads:
+            t.start()
+        time.sleep(1.0)  # the requests reach the worker (the calls take 3 s; no timing is asserted)
+        own.process.send_signal(signal.SIGQUIT)
+        for t in threads:
+            t.join()
+        assert [r.get("ok") for r in results] == [True] * 4, results
+    finally:
+        own.close()  # waits for the graceful exit, and fails if it does not come
 
 
 def await_state(nginx: Nginx, target: str, want: str, never: str) -> None:

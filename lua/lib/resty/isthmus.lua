@@ -496,15 +496,17 @@ watch = function(premature, path)
     sock:settimeouts(nil, nil, BELL_READ_MS)
     while true do
         dispatch()
+        -- Looked at once the queue is drained: the bell that brought an exiting worker's last
+        -- reply was read before that reply was dispatched, and no other bell would come.
+        if ngx.worker.exiting() and next(waiting) == nil then
+            break
+        end
         local data, rerr = sock:receiveany(4096)
         if not data and rerr ~= "timeout" then
             err = rerr
             break
         end
         prune()
-        if ngx.worker.exiting() and next(waiting) == nil then
-            break
-        end
     end
     sock:close()
     watching = false
