@@ -37,16 +37,29 @@ type ClientConn struct {
 	shm bool
 }
 
-// Messages from largeMessage to inPlaceMax bytes are marshalled straight into shared memory
-// (one copy) instead of into Go memory and then copied there. Past inPlaceMax a block might
-// not fit the arena (64 MiB by default; larger messages travel in pieces).
+// Messages up to inPlaceMax bytes are marshalled straight into shared memory (one copy)
+// instead of into Go memory and then copied there: a unary call's request and reply from
+// largeUnary, a stream's messages from largeMessage. Below its bound a message in Go memory
+// grows the heap the collector must keep up with (at 64 KiB it ran every ~25 calls). A
+// stream's message keeps the higher bound: one in Go memory is sent through the completion
+// queue, where a send waiting for a slow client holds no thread and ends with its context,
+// while a block is sent by a blocking cgo call. Past inPlaceMax a block might not fit the
+// arena (64 MiB by default; larger messages travel in pieces).
 const (
-	largeMessage = 16 << 10
+	largeUnary   = 16 << 10
+	largeMessage = 256 << 10
 	inPlaceMax   = 16 << 20
 )
 
-// inPlace says whether a message of size bytes is marshalled into shared memory.
-func inPlace(size int) bool { return size >= largeMessage && size <= inPlaceMax }
+// inPlace says whether a message of size bytes, of a unary call or not, is marshalled into
+// shared memory.
+func inPlace(size int, unary bool) bool {
+	from := largeMessage
+	if unary {
+		from = largeUnary
+	}
+	return size >= from && size <= inPlaceMax
+}
 
 // blockingCalls bounds the unary calls that may wait in a cgo call (holding their thread) at
 // once; the others wait on the completion queue.
@@ -222,7 +235,7 @@ func (cc *ClientConn) Invoke(ctx context.Context, method string, args, reply any
 	}
 	co := parseCallOptions(opts)
 	if pm, ok := args.(proto.Message); ok && cc.shm {
-		if size := proto.Size(pm); inPlace(size) {
+		if size := proto.Size(pm); inPlace(size, true) {
 			return cc.invokeLarge(ctx, method, pm, size, reply, co)
 		}
 	}

@@ -92,7 +92,7 @@ func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
 		return
 	}
 	if pm, ok := reply.(proto.Message); ok {
-		if size := proto.Size(pm); inPlace(size) {
+		if size := proto.Size(pm); inPlace(size, true) {
 			// Marshalled into shared memory; a send that must wait for the client's
 			// window waits here (the reading thread is handed to the runtime meanwhile).
 			st.end(st.sendLarge(pm, size))

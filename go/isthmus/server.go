@@ -448,7 +448,7 @@ func (st *serverStream) SetTrailer(md metadata.MD) {
 
 func (st *serverStream) SendMsg(m any) error {
 	if pm, ok := m.(proto.Message); ok {
-		if size := proto.Size(pm); inPlace(size) {
+		if size := proto.Size(pm); inPlace(size, st.m != nil && st.m.unary != nil) {
 			return st.sendLarge(pm, size)
 		}
 	}

@@ -317,7 +317,9 @@ isthmus_code_t isthmus_channel_close(isthmus_channel_t *channel);
 // reply on the calling thread before it leaves the reply to the completion queue, in µs (the
 // default is the connection's spin bound, 50 µs). An event loop that has other work when
 // replies are slow (nginx under load) waits less; with 0 the request is still sent on the
-// calling thread, and a thread of the library's pool waits for the reply.
+// calling thread, and a thread of the library's pool waits for the reply. A request over
+// 1 KiB waits longer by the time the server needs to read it: 0.25 µs per KiB, at most 50 µs
+// more (a spin of 0 stays 0).
 isthmus_code_t isthmus_channel_set_spin(const isthmus_channel_t *channel,
                                         uint32_t spin_us);
 
@@ -418,7 +420,8 @@ isthmus_code_t isthmus_unary_block(const isthmus_channel_t *channel,
 
 // [`isthmus_unary_block`] without blocking on the reply, as [`isthmus_unary_async`]. With
 // `ISTHMUS_CALL_SPIN` the request is sent where it lies, on the calling thread, which then
-// waits up to the channel's spin for the reply (it comes back in `now`); a thread of the
+// waits up to the channel's spin (see `isthmus_channel_set_spin`) for the reply (it comes
+// back in `now`); a thread of the
 // library waits for a slower one, which arrives as an `ISTHMUS_OP_UNARY` event. Without the
 // flag a block over 64 KiB is sent the same way and waited for by a library thread at once.
 // A block up to 64 KiB without the flag, a call with `ISTHMUS_CALL_WAIT_FOR_READY`, and any

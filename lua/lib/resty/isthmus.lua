@@ -617,6 +617,9 @@ local function finish_async(rc, tag, backstop)
     if not ok then
         waiting[tag] = nil
         C.isthmus_cq_cancel(cq, tag)
+        if ngx.worker.exiting() and next(waiting) == nil then
+            C.isthmus_cq_wake(cq) -- a cancelled operation rings no bell: the watcher may leave now
+        end
         if err == "timeout" then
             return { code = DEADLINE_EXCEEDED, err = new_error(DEADLINE_EXCEEDED, "resty.isthmus: no answer in time") }
         end
@@ -645,7 +648,8 @@ Stream.__index = Stream
 --- connects on its first call, and again after the server went away. Options: `proto` (from
 --- isthmus.load_proto: lets calls take and return Lua tables), `max_message_size` (bytes),
 --- `spin_us` (how long a unary call may wait for a fast reply before it yields, 10 by
---- default), `spin` (false: never wait), `lib` (the library's path).
+--- default; a large request waits up to 50 µs more, by its size), `spin` (false: never
+--- wait), `lib` (the library's path).
 --- One channel per worker, made in init_worker_by_lua or on first use, serves every request.
 --- Returns the channel, or nil, err.
 function _M.connect(target, opts)

@@ -229,7 +229,18 @@ impl Channel {
     /// deadline): `Err(None)` if it passed.
     fn start_by(&self, path: &str, options: &CallOptions, patience: Option<Instant>) -> Result<Call, Option<Status>> {
         check_path(path)?;
-        let deadline = options.timeout.map(|t| Instant::now() + t);
+        self.start_until(path, options, options.timeout.map(|t| Instant::now() + t), patience)
+    }
+
+    /// [`start_by`](Self::start_by) with the call's deadline already set (a unary call sets it
+    /// before it stages its request, and keeps it).
+    fn start_until(
+        &self,
+        path: &str,
+        options: &CallOptions,
+        deadline: Option<Instant>,
+        patience: Option<Instant>,
+    ) -> Result<Call, Option<Status>> {
         let mut again = true;
         loop {
             let mux = self.mux_for_call(options.wait_for_ready, deadline)?;
@@ -284,7 +295,7 @@ impl Channel {
                 Err(e) => return Err(e.unwrap_or_else(no_room)),
             }
         }
-        let mut call = self.start(path, options)?;
+        let mut call = self.start_until(path, &options, deadline, None).map_err(|e| e.unwrap_or_else(no_room))?;
         call.send_last(request)?;
         Ok(PendingUnary::new(call, path, request.len()))
     }
@@ -313,6 +324,8 @@ impl Channel {
                 Ok(Staged::Ready(mux, block))
             }
             Err(e) if patience.is_some() && impatient(&e, deadline) => Ok(Staged::NoRoom),
+            // The connection died under it: the usual way starts the call on a new one.
+            Err(_) if !mux.takes_calls() => Ok(Staged::Usual),
             Err(e) => Err(Status::from_transport(&e)),
         }
     }
@@ -344,7 +357,7 @@ impl Channel {
                 Err(Some(status)) => return Err(status),
             },
         }
-        let call = match self.start_by(path, options, Some(by)) {
+        let call = match self.start_until(path, options, deadline, Some(by)) {
             Ok(call) => call,
             Err(None) => return Ok(None),
             Err(Some(status)) => return Err(status),
@@ -424,7 +437,6 @@ impl std::fmt::Debug for Call {
     }
 }
 
-/// The sooner of two times, either of which may be missing.
 /// A unary request: bytes to copy, or a block already filled.
 enum Body<'a> {
     Bytes(&'a [u8]),
@@ -466,6 +478,7 @@ enum Staged {
     NoRoom,
 }
 
+/// The sooner of two times, either of which may be missing.
 fn sooner(a: Option<Instant>, b: Option<Instant>) -> Option<Instant> {
     match (a, b) {
         (Some(a), Some(b)) => Some(a.min(b)),
@@ -652,6 +665,11 @@ impl Call {
     }
 }
 
+/// The most [`PendingUnary::spin_for`] adds: the caller's thread may be an event loop's (an
+/// nginx worker's), which serves nobody while it waits; 50 µs covers a 200 KB request, and past
+/// that the work dwarfs the hand-off's wake-ups.
+const CALLER_SPIN_EXTRA_MAX: Duration = Duration::from_micros(50);
+
 /// A unary call in progress (see [`Channel::unary_begin`]). Dropping it cancels the call.
 #[derive(Debug)]
 pub struct PendingUnary {
@@ -674,7 +692,7 @@ impl PendingUnary {
     /// comes after the wait gave up costs a hand-off and a wake-up.
     pub fn spin_for(&self, spin: Duration) -> Duration {
         let policy = isthmus_shm::SpinPolicy { max: spin, yield_after: Duration::ZERO };
-        policy.owing(self.sent as u64).max
+        policy.owing(self.sent as u64).max.min(spin.saturating_add(CALLER_SPIN_EXTRA_MAX))
     }
 
     /// The call's outcome if it ends by `until`; `None` if it is still running then.
