@@ -4,6 +4,7 @@ Python peers of python/tests) over shared memory and HTTP/2."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -152,8 +153,12 @@ class Nginx:
             try:
                 self.process.wait(timeout=PATIENCE)
             except subprocess.TimeoutExpired:
+                workers = self.worker_pids()  # a stuck worker outlives a killed master
                 self.process.kill()
                 self.process.wait()
+                for pid in workers:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 raise AssertionError("nginx did not shut down gracefully") from None
         shutil.rmtree(self.prefix, ignore_errors=True)
 
