@@ -565,8 +565,8 @@ pub unsafe extern "C" fn isthmus_unary_block(
 /// [`isthmus_unary_block`] without blocking on the reply, as [`isthmus_unary_async`]. With
 /// `ISTHMUS_CALL_SPIN` the request is sent where it lies, on the calling thread, which then
 /// waits up to the channel's spin (see `isthmus_channel_set_spin`) for the reply (it comes
-/// back in `now`); a thread of the
-/// library waits for a slower one, which arrives as an `ISTHMUS_OP_UNARY` event. Without the
+/// back in `now`); a thread of the library waits for a slower one, which arrives as an
+/// `ISTHMUS_OP_UNARY` event. Without the
 /// flag a block over 64 KiB is sent the same way and waited for by a library thread at once.
 /// A block up to 64 KiB without the flag, a call with `ISTHMUS_CALL_WAIT_FOR_READY`, and any
 /// call while 64 slow replies are waited for already are copied to the completion queue's

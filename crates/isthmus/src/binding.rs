@@ -880,8 +880,10 @@ impl SpinFirst {
 }
 
 /// The outcome of a unary call sent from the caller's thread: waited for there for up to
-/// `spin`, longer for a large request ([`PendingUnary::spin_for`](crate::blocking::PendingUnary::spin_for)) (a fast reply is then ready at the future's first poll, with no wake-up at all), and
-/// otherwise by a thread of the runtime's blocking pool. Dropping the future before it is
+/// `spin`, longer for a large request
+/// ([`PendingUnary::spin_for`](crate::blocking::PendingUnary::spin_for)), so that a fast reply
+/// is ready at the future's first poll with no wake-up at all, and otherwise by a thread of the
+/// runtime's blocking pool. Dropping the future before it is
 /// ready cancels the call.
 pub fn finish_unary(
     mut unary: crate::blocking::PendingUnary,

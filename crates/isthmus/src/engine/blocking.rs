@@ -282,22 +282,7 @@ impl Channel {
     /// choosing and leaves the call running. An event loop waits a moment for a fast reply and
     /// hands a slow one to a thread of its own.
     pub fn unary_begin(&self, path: &str, request: &[u8], options: CallOptions) -> Result<PendingUnary, Status> {
-        check_path(path)?;
-        let deadline = options.timeout.map(|t| Instant::now() + t);
-        if let Staged::Ready(mux, block) = self.stage(request, &options, deadline, None)? {
-            match self.open(mux.clone(), path, &options, deadline, None) {
-                Ok(mut call) => {
-                    call.send_block(block, true)?;
-                    return Ok(PendingUnary::new(call, path, request.len()));
-                }
-                // Its HEADERS never went out: as `start_by`, once more on a new connection.
-                Err(Some(_)) if !mux.takes_calls() => {}
-                Err(e) => return Err(e.unwrap_or_else(no_room)),
-            }
-        }
-        let mut call = self.start_until(path, &options, deadline, None).map_err(|e| e.unwrap_or_else(no_room))?;
-        call.send_last(request)?;
-        Ok(PendingUnary::new(call, path, request.len()))
+        self.begin(path, request, &options, None)?.ok_or_else(no_room)
     }
 
     /// For a request that travels as one block of the arena: that block, filled, from the
@@ -343,26 +328,37 @@ impl Channel {
         options: &CallOptions,
         patience: Duration,
     ) -> Result<Option<PendingUnary>, Status> {
+        self.begin(path, request, options, Some(Instant::now() + patience))
+    }
+
+    /// [`unary_begin`](Self::unary_begin), or with `patience`
+    /// [`unary_begin_within`](Self::unary_begin_within): `None` only if the patience passed.
+    fn begin(
+        &self,
+        path: &str,
+        request: &[u8],
+        options: &CallOptions,
+        patience: Option<Instant>,
+    ) -> Result<Option<PendingUnary>, Status> {
         check_path(path)?;
-        let by = Instant::now() + patience;
         let deadline = options.timeout.map(|t| Instant::now() + t);
-        match self.stage(request, options, deadline, Some(by))? {
+        match self.stage(request, options, deadline, patience)? {
             Staged::Usual => {}
             Staged::NoRoom => return Ok(None),
-            Staged::Ready(mux, block) => match self.open(mux.clone(), path, options, deadline, Some(by)) {
-                Ok(call) => return send_within(call, path, Body::Block(block), by),
+            Staged::Ready(mux, block) => match self.open(mux.clone(), path, options, deadline, patience) {
+                Ok(call) => return send_last(call, path, Body::Block(block), patience),
                 Err(None) => return Ok(None),
-                // Its HEADERS never went out: once more on a new connection, the usual way.
+                // Its HEADERS never went out: as `start_by`, once more on a new connection.
                 Err(Some(_)) if !mux.takes_calls() => {}
                 Err(Some(status)) => return Err(status),
             },
         }
-        let call = match self.start_until(path, options, deadline, Some(by)) {
+        let call = match self.start_until(path, options, deadline, patience) {
             Ok(call) => call,
             Err(None) => return Ok(None),
             Err(Some(status)) => return Err(status),
         };
-        send_within(call, path, Body::Bytes(request), by)
+        send_last(call, path, Body::Bytes(request), patience)
     }
 
     /// A writable block of `len` bytes in this side's shared memory, for a request built in
@@ -443,9 +439,14 @@ enum Body<'a> {
     Block(BlockMut),
 }
 
-/// The end of [`Channel::unary_begin_within`]: sends `call`'s request with END_STREAM; `None`
-/// (the call cancelled) if the ring or the arena had no room for it by `by`.
-fn send_within(mut call: Call, path: &str, body: Body<'_>, by: Instant) -> Result<Option<PendingUnary>, Status> {
+/// The end of [`Channel::begin`]: sends `call`'s request with END_STREAM; `None` (the call
+/// cancelled) if the ring or the arena had no room for it by `patience`.
+fn send_last(
+    mut call: Call,
+    path: &str,
+    body: Body<'_>,
+    patience: Option<Instant>,
+) -> Result<Option<PendingUnary>, Status> {
     let len = match &body {
         Body::Bytes(b) => b.len(),
         Body::Block(b) => b.len(),
@@ -453,14 +454,14 @@ fn send_within(mut call: Call, path: &str, body: Body<'_>, by: Instant) -> Resul
     if !call.credit(len)? {
         return Ok(Some(PendingUnary::new(call, path, len)));
     }
-    let (sender, id, until) = (&call.state.mux.sender, call.state.id(), sooner(call.deadline, Some(by)));
+    let (sender, id, until) = (&call.state.mux.sender, call.state.id(), sooner(call.deadline, patience));
     let sent = match body {
         Body::Bytes(b) => sender.send_message(id, flags::END_STREAM, b, until),
         Body::Block(b) => sender.send_block(id, flags::END_STREAM, b, until),
     };
     match sent {
         Ok(()) => Ok(Some(PendingUnary::new(call, path, len))),
-        Err(e) if impatient(&e, call.deadline) => {
+        Err(e) if patience.is_some() && impatient(&e, call.deadline) => {
             drop(call); // cancels it, without waiting for room for the CANCEL
             Ok(None)
         }

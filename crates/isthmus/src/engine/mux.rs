@@ -26,12 +26,12 @@
 //! (`follow_up`): a handler run inline by a foreign thread (Go's, C's) looks for its request once
 //! and otherwise waits for it through a queue. Before spawning a call that still returned
 //! `Pending` it does so once more (unless the first spin saw nothing) and polls again: a missed
-//! request costs a task wake-up, often on the other worker. After a batch that may have woken a task (an
-//! event for a stream opened in an earlier batch, or a spawned call) it yields to the scheduler
-//! before waiting again, since its own spin would hold the woken task's worker. A call handed to
-//! a foreign handler (`binding::hand_off`: Python, C, Go) is not spawned: the reader keeps it in
-//! `HandedCalls` and polls it whenever its own task is woken, so the foreign thread's `finish`
-//! wakes a running task rather than a sleeping worker (ADR 0019).
+//! request costs a task wake-up, often on the other worker. After a batch that may have woken a
+//! task (an event for a stream opened in an earlier batch, or a spawned call) it yields to the
+//! scheduler before waiting again, since its own spin would hold the woken task's worker. A call
+//! handed to a foreign handler (`binding::hand_off`: Python, C, Go) is not spawned: the reader
+//! keeps it in `HandedCalls` and polls it whenever its own task is woken, so the foreign thread's
+//! `finish` wakes a running task rather than a sleeping worker (ADR 0019).
 //!
 //! Async calls read for themselves (`Lead`, `read_here`, ADR 0008): the `Receiver` sits in a slot
 //! under a mutex; a call whose inbox is empty, polled on a tokio thread, takes it if free and reads
