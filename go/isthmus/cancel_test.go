@@ -2,6 +2,7 @@ package isthmus_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 
@@ -231,5 +232,89 @@ func TestARawStreamPastItsDeadlineSaysDeadlineExceeded(t *testing.T) {
 			t.Fatalf("Alloc still succeeds 10 s after the stream's deadline")
 		}
 		time.Sleep(time.Millisecond)
+	}
+}
+
+// pollingEcho's handlers poll their context's Err, never calling Done, until it reports an
+// error (30 s at most), and hand what they saw to saw.
+type pollingEcho struct {
+	echo.Service
+	started chan struct{}
+	saw     chan error
+}
+
+func (p pollingEcho) poll(ctx context.Context) error {
+	p.started <- struct{}{}
+	for give := time.Now().Add(30 * time.Second); ctx.Err() == nil && time.Now().Before(give); {
+		time.Sleep(time.Millisecond)
+	}
+	err := ctx.Err()
+	p.saw <- err
+	if err == nil {
+		return status.Error(codes.Internal, "the context never ended")
+	}
+	return status.FromContextError(err).Err()
+}
+
+func (p pollingEcho) Unary(ctx context.Context, _ *pb.EchoRequest) (*pb.EchoReply, error) {
+	return nil, p.poll(ctx)
+}
+
+func (p pollingEcho) ServerStream(_ *pb.StreamRequest, stream grpc.ServerStreamingServer[pb.EchoReply]) error {
+	return p.poll(stream.Context())
+}
+
+// A handler that only polls ctx.Err() learns that its client cancelled the call, as with
+// grpc-go: Err reports context.Canceled once the client's cancel has reached the server.
+func TestAHandlerPollingErrSeesTheClientsCancel(t *testing.T) {
+	shm, _ := fresh(t, "poll-err")
+	impl := pollingEcho{started: make(chan struct{}, 1), saw: make(chan error, 1)}
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, impl)
+	if err := s.Start(shm); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	c := pb.NewEchoClient(dial(t, shm))
+	calls := []struct {
+		what string
+		call func(context.Context) error
+	}{
+		{"unary", func(ctx context.Context) error {
+			_, err := c.Unary(ctx, &pb.EchoRequest{})
+			return err
+		}},
+		{"server-streaming", func(ctx context.Context) error {
+			st, err := c.ServerStream(ctx, &pb.StreamRequest{Count: 1})
+			if err != nil {
+				return err
+			}
+			_, err = st.Recv()
+			return err
+		}},
+	}
+	for _, tc := range calls {
+		what := tc.what
+		ctx, cancel := context.WithCancel(context.Background())
+		done := make(chan error, 1)
+		go func() { done <- tc.call(ctx) }()
+		select {
+		case <-impl.started:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%s: the handler did not start within 30 s", what)
+		}
+		cancel()
+		// The handler gives up polling after 30 s; it should have seen the cancel long before.
+		select {
+		case err := <-impl.saw:
+			if !errors.Is(err, context.Canceled) {
+				t.Fatalf("%s: the handler's ctx.Err() gave %v after the client cancelled, want context.Canceled", what, err)
+			}
+		case <-time.After(60 * time.Second):
+			t.Fatalf("%s: the handler did not end within 60 s", what)
+		}
+		if err := <-done; status.Code(err) != codes.Canceled {
+			t.Fatalf("%s: the client got %v, want Canceled", what, err)
+		}
 	}
 }

@@ -509,9 +509,17 @@ func (s *clientStream) Header() (metadata.MD, error) {
 	s.mu.Unlock()
 	call, ok := s.begin()
 	if !ok {
+		s.mu.Lock()
+		defer s.mu.Unlock()
 		return s.header, nil
 	}
 	defer s.end()
+	return s.headerOf(call)
+}
+
+// headerOf waits for the call's initial metadata (call is held, begin) and keeps it for
+// Header and grpc.Header.
+func (s *clientStream) headerOf(call *C.isthmus_call_t) (metadata.MD, error) {
 	ev, ok := s.cc.r.do(s.ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
 		var st *C.isthmus_status_t
 		return C.isthmus_call_headers_async(call, cq, tag, now, &st), st
@@ -531,6 +539,18 @@ func (s *clientStream) Header() (metadata.MD, error) {
 		*s.opts.header = md
 	}
 	return md, nil
+}
+
+// keepHeader takes the initial metadata of a call that has just ended (call is held, begin)
+// if nobody asked for it yet: the call's handle goes with its end, and grpc-go's Header (and
+// grpc.Header) still give a finished stream's header. The library has it at once by then.
+func (s *clientStream) keepHeader(call *C.isthmus_call_t) {
+	s.mu.Lock()
+	got := s.gotHead
+	s.mu.Unlock()
+	if !got {
+		_, _ = s.headerOf(call)
+	}
 }
 
 func (s *clientStream) Trailer() metadata.MD {
@@ -619,6 +639,7 @@ func (s *clientStream) recv(m any) error {
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, trailers := statusError(ev.code, ev.status)
+		s.keepHeader(call)
 		s.finish(err)
 		s.mu.Lock()
 		if trailers != nil {
@@ -631,6 +652,7 @@ func (s *clientStream) recv(m any) error {
 		return err
 	}
 	if ev.message == nil {
+		s.keepHeader(call)
 		s.finish(nil)
 		return io.EOF
 	}

@@ -150,6 +150,35 @@ func TestGeneratedClientAgainstTheGoServerOnEveryTransport(t *testing.T) {
 	}
 }
 
+// Metadata both ways on streams (SetHeader, SendHeader, SetTrailer at the server; Header and
+// Trailer at the client), through isthmus's client on every transport and grpc-go's over
+// HTTP/2.
+func TestStreamMetadataBothWays(t *testing.T) {
+	shm, unix := fresh(t, "stream-md")
+	p := startPeer(t, goPeerBin, shm, unix, "http://127.0.0.1:0")
+	run := func(label string, conn grpc.ClientConnInterface) {
+		passed, failed := conformance.RunStreamMetadata(context.Background(), conn, func(name string, err error) {
+			if err != nil {
+				t.Errorf("%s: %s: %v", label, name, err)
+			}
+		})
+		if failed > 0 || passed == 0 {
+			t.Errorf("%s: %d passed, %d failed", label, passed, failed)
+		}
+	}
+	for _, target := range append([]string{shm}, p.addresses...) {
+		run(target, dial(t, target))
+	}
+	for _, address := range p.addresses[1:] { // http://
+		conn, err := grpc.NewClient(grpcTarget(address), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		run("grpc-go → "+address, conn)
+		conn.Close()
+	}
+}
+
 func TestInlineUnaryHandlersPassTheSuite(t *testing.T) {
 	shm, unix := fresh(t, "inline")
 	t.Setenv("GO_PEER_INLINE", "1")

@@ -353,9 +353,10 @@ func newServerStream(s *Server, m *method, sc *C.isthmus_server_call_t) *serverS
 	return st
 }
 
-// callContext is a handler's context: Done (asked for by few unary handlers) learns of the
-// client's cancel only when first called, so that a call whose handler never looks pays
-// nothing for it.
+// callContext is a handler's context: it learns of the client's cancel only when first asked
+// (Done or Err, asked for by few unary handlers), so that a call whose handler never looks
+// pays nothing for it. Err starts the watch too: a handler that polls Err and never calls
+// Done sees context.Canceled once the client cancels, as with grpc-go.
 type callContext struct {
 	context.Context
 	st   *serverStream
@@ -365,6 +366,11 @@ type callContext struct {
 func (c *callContext) Done() <-chan struct{} {
 	c.once.Do(c.st.watch)
 	return c.Context.Done()
+}
+
+func (c *callContext) Err() error {
+	c.once.Do(c.st.watch)
+	return c.Context.Err()
 }
 
 // watch cancels the call's context when the call ends under its handler (the client

@@ -9,12 +9,9 @@ local _M = {}
 
 local proto
 local channels = {}
+local cases = {}
 
 local ECHO = "/conformance.Echo/"
-
-function _M.init_worker(proto_path)
-    proto = assert(isthmus.load_proto({ proto_path }))
-end
 
 local function channel(target)
     local ch = channels[target]
@@ -23,6 +20,25 @@ local function channel(target)
         channels[target] = ch
     end
     return ch
+end
+
+-- What the calls made in init_worker_by_lua saw (init_worker's `target`; none without one).
+local init_results
+
+-- Loads the proto; with a `target`, also calls it from init_worker_by_lua, a phase that cannot
+-- yield (the module's blocking path), on the channel the worker's requests then share.
+function _M.init_worker(proto_path, target)
+    proto = assert(isthmus.load_proto({ proto_path }))
+    if target and target ~= "" then
+        local phase = ngx.get_phase()
+        local ch = channel(target)
+        init_results = {}
+        for _, name in ipairs({ "unary", "bidi", "stream_metadata" }) do
+            local r = cases[name](ch, { n = 3 })
+            r.phase = phase
+            init_results[name] = r
+        end
+    end
 end
 
 local function failure(err)
@@ -54,8 +70,6 @@ local function payload_of(bytes)
     end
     return bytes:sub(pos, pos + n - 1)
 end
-
-local cases = {}
 
 function cases.unary(ch, args)
     local ok, r, meta = ch:unary(ECHO .. "Unary", { payload = ngx.encode_base64("hello"), seq = 7 },
@@ -174,6 +188,151 @@ function cases.state(ch, args)
     return { state = ch:state(args.connect == "1") }
 end
 
+-- A stream whose deadline passes while it waits: one message echoed, then a recv the server
+-- never answers (it waits for the next request).
+function cases.stream_deadline(ch, args)
+    local st, err = ch:stream(ECHO .. "Bidi", { timeout = tonumber(args.timeout) })
+    if not st then return failure(err) end
+    assert(st:send({ payload = ngx.encode_base64("ping"), seq = 1 }))
+    local ok, m = st:recv()
+    if not ok then return failure(m) end
+    local started = ngx.now()
+    local ok2, err2 = st:recv()
+    ngx.update_time()
+    local waited = ngx.now() - started
+    st:close()
+    if ok2 then return { ok = true, first = tonumber(m.seq), after = err2 and "a message" or "the end" } end
+    local r = failure(err2)
+    r.first, r.waited_ms = tonumber(m.seq), math.floor(waited * 1000)
+    return r
+end
+
+-- Metadata both ways on a stream: the Unary method driven step by step, with `x-echo`, which
+-- the servers reflect into their headers (and, but for tonic-peer, their trailers).
+function cases.stream_metadata(ch, args)
+    local st, err = ch:stream(ECHO .. "Unary", { timeout = 30, metadata = { ["x-echo"] = "stream-md" } })
+    if not st then return failure(err) end
+    assert(st:send({ payload = ngx.encode_base64("md"), seq = 11 }, true))
+    local hok, headers = st:headers()
+    if not hok then return failure(headers) end
+    local ok, m = st:recv()
+    if not ok then return failure(m) end
+    local ok2, after = st:recv()
+    if not ok2 then return failure(after) end
+    st:close()
+    return { ok = true, seq = tonumber(m.seq), payload = ngx.decode_base64(m.payload),
+        time_left_ms = tonumber(m.time_left_ms), ended = after == nil,
+        header = headers["x-echo"], trailer = st.trailers["x-echo"] }
+end
+
+-- Runs case `args.run` in a timer (ngx.timer.at); its result lands in the shared dict under
+-- `args.id`, which timer_result reads.
+function cases.timer_start(ch, args)
+    local ok, err = ngx.timer.at(0, function(premature)
+        local r
+        if premature then
+            r = { ok = false, message = "premature" }
+        else
+            r = cases[args.run](ch, args)
+            r.phase = ngx.get_phase()
+        end
+        ngx.shared.isthmus_tests:set(args.id, cjson.encode(r))
+    end)
+    return { started = ok and true or false, err = err }
+end
+
+function cases.timer_result(ch, args)
+    local r = ngx.shared.isthmus_tests:get(args.id)
+    return r and cjson.decode(r) or { pending = true }
+end
+
+function cases.init_result(ch, args)
+    return init_results or { none = true }
+end
+
+-- Sends `message` on `st` `n` times in a light thread, and returns once the sends stop (no
+-- progress for half a second while the server is stopped) or all went: the thread, and a
+-- function that says how many went.
+local function send_until_stalled(st, message, n)
+    local sent = 0
+    local th = ngx.thread.spawn(function()
+        for i = 1, n do
+            local ok, err = st:send(message)
+            if not ok then return false, err end
+            sent = i
+        end
+        return true
+    end)
+    local last, still = -1, 0
+    while sent < n and still < 10 do
+        ngx.sleep(0.05)
+        if sent == last then
+            still = still + 1
+        else
+            last, still = sent, 0
+        end
+    end
+    return th, function() return sent end
+end
+
+-- Ends a stream whose sends went on after the server read again: its echoes, and the end.
+local function drain(th, st)
+    local wok, ok, err = ngx.thread.wait(th)
+    if not (wok and ok) then return nil, err end
+    local cok, cerr = st:close_send()
+    if not cok then return nil, cerr end
+    local echoed = 0
+    while true do
+        local rok, m = st:recv()
+        if not rok then return nil, m end
+        if m == nil then break end
+        echoed = echoed + 1
+    end
+    st:close()
+    return echoed
+end
+
+-- close_send while the server's ring is full (the test stopped the server with SIGSTOP after
+-- the channel connected): one stream sends large messages until one no longer fits, a second
+-- fills what is left with empty ones (each as large in the ring as a half-close); then a third
+-- stream half-closes, which must wait by yielding, not by blocking the worker. The file
+-- `args.flag` tells the test that close_send is about to wait; the test then checks that the
+-- worker answers other requests, and lets the server go on.
+function cases.close_send_full_ring(ch, args)
+    local n, size = tonumber(args.n), tonumber(args.size)
+    local streams = {}
+    for i = 1, 3 do
+        local st, err = ch:stream(ECHO .. "Bidi", { timeout = 30 })
+        if not st then return failure(err) end
+        streams[i] = st
+    end
+    local big, small = streams[1], streams[2]
+    local ok, bytes = proto:encode("conformance.EchoRequest", { payload = ngx.encode_base64(string.rep("x", size)), seq = 1 })
+    assert(ok, tostring(bytes))
+    local big_th, big_sent = send_until_stalled(big, bytes, n)
+    local small_th, small_sent = send_until_stalled(small, "", n)
+    local stalled_big, stalled_small = big_sent(), small_sent()
+    if stalled_big >= n or stalled_small >= n then
+        for _, st in ipairs(streams) do st:close() end
+        return { ok = false, message = ("the ring never filled: %d and %d messages went"):format(stalled_big, stalled_small) }
+    end
+    local f = assert(io.open(args.flag, "w"))
+    f:write(stalled_big, " ", stalled_small)
+    f:close()
+    local cok, cerr = streams[3]:close_send()
+    if not cok then return failure(cerr) end
+    -- The server runs again: everything sent arrives, and each stream ends.
+    local rok, m = streams[3]:recv()
+    if not rok then return failure(m) end
+    streams[3]:close()
+    local echoed_big, berr = drain(big_th, big)
+    if not echoed_big then return failure(berr) end
+    local echoed_small, serr = drain(small_th, small)
+    if not echoed_small then return failure(serr) end
+    return { ok = true, stalled_big = stalled_big, stalled_small = stalled_small, ended = m == nil,
+        echoed = { echoed_big, echoed_small } }
+end
+
 function _M.serve()
     local name = ngx.var.uri:match("^/case/([%w_]+)$")
     local case = cases[name]
@@ -181,7 +340,8 @@ function _M.serve()
         return ngx.exit(404)
     end
     local args = ngx.req.get_uri_args()
-    ngx.say(cjson.encode(case(channel(args.target), args)))
+    local target = args.target
+    ngx.say(cjson.encode(case(target ~= "" and channel(target) or nil, args)))
 end
 
 -- A call in the access phase: its answer is what the content phase says.

@@ -65,8 +65,9 @@ events {{ worker_connections 1024; }}
 http {{
     access_log off;
     lua_package_path "{lua}/lib/?.lua;{lua}/tests/?.lua;;";
+    lua_shared_dict isthmus_tests 1m;
     init_worker_by_lua_block {{
-        require("cases").init_worker("{proto}")
+        require("cases").init_worker("{proto}", "{init_target}")
     }}
     server {{
         listen 127.0.0.1:{port};
@@ -82,9 +83,10 @@ http {{
 
 
 class Nginx:
-    """nginx with the Lua module in a prefix of its own; stopped and removed by `close`."""
+    """nginx with the Lua module in a prefix of its own; stopped and removed by `close`. With
+    `init_target`, its worker calls that server from init_worker_by_lua (cases.lua)."""
 
-    def __init__(self) -> None:
+    def __init__(self, init_target: str = "") -> None:
         module = Path("/usr/lib/nginx/modules/ngx_http_lua_module.so")
         need(
             shutil.which("nginx") is not None and module.is_file(),
@@ -101,6 +103,7 @@ class Nginx:
             lua=LUA,
             port=self.port,
             proto=ROOT / "tests" / "proto" / "conformance.proto",
+            init_target=init_target,
         )
         (self.prefix / "nginx.conf").write_text(conf)
         env = dict(os.environ, ISTHMUS_LIB=str(library()))
@@ -137,6 +140,13 @@ class Nginx:
         query = urllib.parse.urlencode({"target": target, **{k: str(v) for k, v in args.items()}})
         return dict(json.loads(self.get(f"/case/{name}?{query}")))
 
+    def logged_errors(self) -> list[str]:
+        return [
+            line
+            for line in self.errors().splitlines()
+            if "[error]" in line or "[alert]" in line or "[crit]" in line
+        ]
+
     def errors(self) -> str:
         log = self.prefix / "logs" / "error.log"
         return log.read_text() if log.exists() else ""
@@ -167,9 +177,7 @@ class Nginx:
 def nginx() -> Iterator[Nginx]:
     n = Nginx()
     yield n
-    errors = [
-        line for line in n.errors().splitlines() if "[error]" in line or "[alert]" in line or "[crit]" in line
-    ]
+    errors = n.logged_errors()
     n.close()
     assert not errors, "nginx logged errors:\n" + "\n".join(errors)
 
@@ -183,15 +191,16 @@ def stubs() -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def servers(stubs: Path) -> Iterator[Callable[[str], Served]]:
-    """Echo servers by kind (`rust`, `go`, `isthmus` for Python) on shm:// and http://, started
-    on first use and again if one died."""
+    """Echo servers by kind (`rust`, `go`, `isthmus` for Python) on shm://, http:// and unix://
+    (`grpcio`: http:// and unix:// only), started on first use and again if one died."""
     started: dict[str, Served] = {}
 
     def get(kind: str) -> Served:
         need(kind != "rust" or tonic_peer() is not None, "tonic-peer is not built (make unit)")
         need(kind != "go" or go_peer() is not None, "go-peer is not built (make go-bins)")
         if kind not in started or started[kind].peer.process.poll() is not None:
-            started[kind] = serve(kind, ["shm", "http"], stubs)
+            transports = ["http", "unix"] if kind == "grpcio" else ["shm", "http", "unix"]
+            started[kind] = serve(kind, transports, stubs)
         return started[kind]
 
     yield get

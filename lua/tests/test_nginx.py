@@ -1,17 +1,22 @@
-"""resty.isthmus inside a real nginx worker, against the Rust, Go and Python servers: every RPC
-shape, deadlines, metadata, status codes, a 16 MiB message, the proof that the worker goes on
-serving while calls wait, and a server killed under pending calls."""
+"""resty.isthmus inside a real nginx worker, against the Rust, Go and Python servers (and grpcio
+over HTTP/2): every RPC shape over shm://, unix:// and http://, deadlines and metadata on unary
+calls and streams, status codes, a 16 MiB message, calls from timers, the access phase and
+init_worker_by_lua, the proof that the worker goes on serving while calls (and a close_send
+on a full ring) wait, and a server killed under pending calls."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import signal
 import subprocess
+import tempfile
 import threading
 import time
 import urllib.parse
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from conftest import LUA, ROOT, Nginx, library, need
@@ -75,6 +80,134 @@ def test_deadline(nginx: Nginx, shm: str) -> None:
     assert r["ok"] is False and r["name"] == "DEADLINE_EXCEEDED", r
 
 
+def test_a_stream_past_its_deadline(nginx: Nginx, shm: str) -> None:
+    """A stream's recv that nothing answers ends DEADLINE_EXCEEDED when the stream's deadline
+    passes (well before the 5 s backstop a lost deadline would hit)."""
+    r = nginx.case("stream_deadline", shm, timeout=0.5)
+    assert r["ok"] is False and r["name"] == "DEADLINE_EXCEEDED" and r["first"] == 1, r
+    # The library's deadline, not the module's backstop (the deadline + 5 s), ended the wait.
+    assert r["waited_ms"] < 5000 and "no answer in time" not in r["message"], r
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_stream_metadata_both_ways(nginx: Nginx, servers: Callable[[str], Served], kind: str) -> None:
+    r = nginx.case("stream_metadata", servers(kind).addresses["shm"])
+    assert r["ok"] and r["seq"] == 11 and r["payload"] == "md" and r["ended"], r
+    assert r["header"] == "stream-md", r  # sent as the stream's metadata, seen in its headers()
+    if kind != "rust":  # tonic-peer echoes x-echo into the headers only
+        assert r["trailer"] == "stream-md", r
+    assert 0 < r["time_left_ms"] <= 30_000, r
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_shape_over_a_unix_socket(nginx: Nginx, servers: Callable[[str], Served], kind: str) -> None:
+    """unix:// targets: standard gRPC over HTTP/2 on a Unix socket (ISTHMUS_UPGRADE=0 in `make
+    test` keeps it there rather than moving to the server's shm:// endpoint)."""
+    target = servers(kind).addresses["unix"]
+    assert target.startswith("unix://")
+    r = nginx.case("unary", target)
+    assert r["ok"] and r["payload"] == "hello" and r["header"] == "from-lua", r
+    assert nginx.case("server_stream", target, count=3, size=10) == {
+        "ok": True,
+        "seqs": [0, 1, 2],
+        "sizes": [10] * 3,
+    }
+    assert nginx.case("client_stream", target, n=3) == {"ok": True, "count": 3, "bytes": 0, "ended": True}
+    assert nginx.case("bidi", target, n=3) == {"ok": True, "seqs": [1, 2, 3], "ended": True}
+    r = nginx.case("stream_metadata", target)
+    assert r["ok"] and r["header"] == "stream-md", r
+
+
+def await_timer(nginx: Nginx, key: str) -> dict:
+    """The result of the timer case `key`, polled (60 s at most, a watchdog)."""
+    end = time.monotonic() + 60
+    while (r := nginx.case("timer_result", "", id=key)).get("pending") and time.monotonic() < end:
+        time.sleep(0.02)
+    return r
+
+
+def test_calls_from_a_timer(nginx: Nginx, servers: Callable[[str], Served]) -> None:
+    """Calls made in an ngx.timer.at callback (a yieldable phase with no request)."""
+    target = servers("go").addresses["shm"]
+    tag = f"t{time.monotonic_ns()}"
+    for run, extra in (("unary", {}), ("bidi", {"n": 3}), ("slow", {"sleep": 300, "timeout": 30})):
+        started = nginx.case("timer_start", target, id=f"{tag}-{run}", run=run, **extra)
+        assert started == {"started": True}, started
+    # The slow call yields in its timer: the worker answers meanwhile.
+    assert nginx.get("/plain").strip() == "plain"
+    r = await_timer(nginx, f"{tag}-unary")
+    assert r["ok"] and r["payload"] == "hello" and r["header"] == "from-lua" and r["phase"] == "timer", r
+    assert await_timer(nginx, f"{tag}-bidi") == {
+        "ok": True,
+        "seqs": [1, 2, 3],
+        "ended": True,
+        "phase": "timer",
+    }
+    assert await_timer(nginx, f"{tag}-slow") == {"ok": True, "seq": "1", "phase": "timer"}
+
+
+def test_calls_from_init_worker_block_and_the_channel_serves_on(servers: Callable[[str], Served]) -> None:
+    """Calls from init_worker_by_lua (which cannot yield: the blocking path) on the channel that
+    the worker's requests then share."""
+    target = servers("rust").addresses["shm"]
+    own = Nginx(init_target=target)
+    try:
+        r = own.case("init_result", target)
+        assert r["unary"]["ok"] and r["unary"]["payload"] == "hello", r
+        assert r["unary"]["header"] == "from-lua" and r["unary"]["phase"] == "init_worker", r
+        assert r["bidi"] == {"ok": True, "seqs": [1, 2, 3], "ended": True, "phase": "init_worker"}, r
+        assert r["stream_metadata"]["ok"] and r["stream_metadata"]["header"] == "stream-md", r
+        assert own.case("bidi", target, n=2) == {"ok": True, "seqs": [1, 2], "ended": True}
+        errors = own.logged_errors()
+    finally:
+        own.close()
+    assert not errors, "nginx logged errors:\n" + "\n".join(errors)
+
+
+def test_close_send_waits_for_a_full_ring_without_blocking_the_worker(nginx: Nginx, stubs: object) -> None:
+    """The server stops reading (SIGSTOP) and two streams' sends fill its ring to the last
+    frame; a third stream's close_send must then wait by yielding: the worker answers a plain
+    request meanwhile. (A blocking close_send held the worker, here until the stream's deadline:
+    once running again, the server's echoes filled the other ring, which only the blocked worker
+    would read.)"""
+    served = serve("rust", ["shm"], stubs)  # type: ignore[arg-type]
+    target = served.addresses["shm"]
+    flag = Path(tempfile.mkdtemp(prefix="isthmus-lua-")) / "close-send-waits"
+    stopped = False
+    results: list[dict] = []
+    caller = threading.Thread(
+        target=lambda: results.append(nginx.case("close_send_full_ring", target, n=600, size=4000, flag=flag))
+    )
+    try:
+        assert nginx.case("unary", target)["ok"]  # the channel is connected
+        os.kill(served.peer.process.pid, signal.SIGSTOP)
+        stopped = True
+        caller.start()
+        end = time.monotonic() + 60
+        while not flag.exists():
+            assert caller.is_alive() and time.monotonic() < end, results or "the ring never filled"
+            time.sleep(0.02)
+        # The worker wrote the flag and went straight on to close_send: it serves this request
+        # only once that yields.
+        try:
+            answered = nginx.get("/plain", timeout=10).strip() == "plain"
+        except OSError:
+            answered = False
+        assert answered, "the worker did not answer while close_send waited"
+        assert caller.is_alive(), results  # close_send still waits for the server
+    finally:
+        if stopped:
+            os.kill(served.peer.process.pid, signal.SIGCONT)
+        if caller.ident is not None:
+            caller.join(timeout=120)
+        served.close()
+        shutil.rmtree(flag.parent, ignore_errors=True)
+    assert len(results) == 1, "the call did not end"
+    r = results[0]
+    assert r["ok"] and r["ended"] and r["echoed"] == [600, 600], r
+    assert r["stalled_big"] < 600 and r["stalled_small"] < 600, r
+
+
 def test_unknown_method(nginx: Nginx, shm: str) -> None:
     r = nginx.case("unknown", shm)
     assert r["ok"] is False and r["name"] == "UNIMPLEMENTED", r
@@ -95,7 +228,7 @@ def test_call_in_the_access_phase(nginx: Nginx, servers: Callable[[str], Served]
     assert nginx.get(f"/access/x?target={target}").strip() == "access"
 
 
-@pytest.mark.parametrize("kind", ["rust", "isthmus"])
+@pytest.mark.parametrize("kind", ["rust", "isthmus", "grpcio"])
 def test_standard_grpc_over_http2(nginx: Nginx, servers: Callable[[str], Served], kind: str) -> None:
     target = servers(kind).addresses["http"]
     assert target.startswith("http://")
@@ -133,9 +266,10 @@ def test_the_worker_serves_other_requests_while_calls_wait(
     elapsed = time.monotonic() - start
     assert all(r["ok"] for r in results), results
     assert answered_while_waiting, "the plain request was answered only after the calls ended"
-    # Serially they would take n x 200 ms = 4 s; concurrently about 200 ms. The bound is loose
-    # on purpose (a shared, noisy machine), but far below the serial time.
-    assert elapsed < n * sleep_ms / 1000 / 2, f"{n} calls of {sleep_ms} ms took {elapsed:.2f} s"
+    # Serially they would take n x 200 ms = 4 s; concurrently about 200 ms. The bound leaves a
+    # slow, shared machine room (5x the ideal), yet calls serialised even a quarter of the way
+    # (5 x 200 ms) would miss it.
+    assert elapsed < 1.0, f"{n} calls of {sleep_ms} ms took {elapsed:.2f} s"
     print(f"{n} concurrent calls of {sleep_ms} ms from one worker: {elapsed * 1000:.0f} ms in all")
 
 

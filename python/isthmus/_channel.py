@@ -311,6 +311,26 @@ def limited(serialize: Serializer, limit: int | None) -> Serializer:
     return checked
 
 
+def check_raw_size(request: Any, limit: int | None) -> None:
+    """The raw tier's `limited`: a request (a `Block` or any buffer) over `limit` bytes fails
+    its call RESOURCE_EXHAUSTED, in the words the serializers' check uses. What is no buffer, or
+    no C-contiguous one, is left for the call to refuse."""
+    if limit is None:
+        return
+    if isinstance(request, (_native.Block, _native.Message)):
+        size = len(request)
+    else:
+        try:
+            with memoryview(request) as view:
+                if not view.c_contiguous:
+                    return
+                size = view.nbytes
+        except TypeError:
+            return
+    if size > limit:
+        raise CallError(_RESOURCE_EXHAUSTED, f"Sent message larger than max ({size} vs. {limit})")
+
+
 #: grpcio's states by the engine's numbers.
 STATES = (
     grpc.ChannelConnectivity.IDLE,
@@ -501,8 +521,10 @@ class Channel(grpc.Channel):
         read-only `isthmus.Message`, a buffer (`memoryview(reply)`, `numpy.frombuffer(reply,
         ...)`) that views the server's shared memory when the reply came through it; that memory
         stays valid while the Message or any view of it lives. Errors raise `grpc.RpcError`
-        as the other calls do."""
+        as the other calls do; a request over `grpc.max_send_message_length` fails
+        RESOURCE_EXHAUSTED before it is sent, as a serialized one does."""
         try:
+            check_raw_size(request, self._max_send)
             return self._native.unary_raw(method, request, outgoing(metadata), timeout, bool(wait_for_ready))
         except CallError as e:
             raise rpc_error(e) from None

@@ -6,7 +6,7 @@ for `unix://` and `http://` targets). Targets are isthmus's (`shm://`, `unix:///
 Prints `READY`, then `LISTENING ADDRESS` for each `unix://` and `http://` target in order, as
 the Rust peer does. SIGTERM stops the server with 3 s of grace; `SHUTDOWN-DONE` is printed at
 the end. The generated `conformance_pb2*` modules must be on PYTHONPATH. `ECHO_MAX_RPCS` sets
-`maximum_concurrent_rpcs`.
+`maximum_concurrent_rpcs`; `PEER_LOOP=uvloop` runs the asyncio server on uvloop.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Any
 import conformance_pb2_grpc as pb_grpc
 import grpc
 from echo_servicer import AsyncEcho, Echo
-from peer import grpcio_target
+from peer import grpcio_target, run_loop
 
 import isthmus
 import isthmus.aio
@@ -98,7 +98,7 @@ async def serve_aio(targets: list[str]) -> None:
 def main() -> None:
     kind, targets = sys.argv[1], sys.argv[2:]
     if kind == "isthmus-aio":
-        asyncio.run(serve_aio(targets))
+        run_loop(serve_aio(targets))
     else:
         serve(kind, targets)
 

@@ -1,12 +1,14 @@
-"""A server for the parity tests (`test_grpc_parity.py`): `parity_server.py API TARGET…` with API
-`grpcio`, `grpc.aio`, `isthmus` or `isthmus-aio`. It prints READY, then LISTENING <address> for
-each HTTP/2 target, and serves until killed:
+"""A server for the parity tests (`test_grpc_parity.py`): `parity_server.py API [--intercepted]
+TARGET…` with API `grpcio`, `grpc.aio`, `isthmus` or `isthmus-aio`. It prints READY, then
+LISTENING <address> for each HTTP/2 target, and serves until killed. An asyncio server runs on
+the loop `PEER_LOOP` names (`asyncio`, the default, or `uvloop`; see `peer.run_loop`). It serves:
 
 - the application's own `grpc.health.v1.Health` servicer: Check answers SERVING for "" and
   NOT_SERVING for "custom", and fails NOT_FOUND "no such service: NAME" for any other name
   (grpcio-health-checking's servicer answers so);
-- `/parity.Slow/Wait` (asyncio servers): prints HANDLER-STARTED as its handler starts, then waits
-  a minute; when the call ends first and its task is cancelled, it prints HANDLER-CANCELLED;
+- `/parity.Slow/Wait` (asyncio servers): prints HANDLER-STARTED <loop's module> as its handler
+  starts, then waits a minute; when the call ends first and its task is cancelled, it prints
+  HANDLER-CANCELLED;
 - `/parity.Meta/…` (blocking servers), on bytes, for the client interceptor tests: every method
   sends the call's `x-…` metadata back in its initial metadata and its trailers, so that what an
   interceptor added shows on each shape. `Unary` echoes the request, `ServerStream` answers it
@@ -15,7 +17,16 @@ each HTTP/2 target, and serves until killed:
   fails PERMISSION_DENIED with the request as the details;
 - `/parity.Duplex/Talk` (every server), on bytes: one thread (task) reads the requests while the
   handler sends `first-0`, `first-1`, `first-2` at once, before any request has come; then it
-  sends the requests joined with `+`. A server whose reads hold up its writes never answers."""
+  sends the requests joined with `+`. A server whose reads hold up its writes never answers;
+- with `--intercepted`, `/parity.Guarded/…` (every server), on bytes, behind two server
+  interceptors (`grpc.ServerInterceptor`s, or `grpc.aio.ServerInterceptor`s for the asyncio
+  servers): the first records each call's method and `x-who` metadata and passes it on; the
+  second answers `Denied` with a handler of its own that aborts PERMISSION_DENIED "denied by the
+  interceptor", hides `Hidden` (no handler), and wraps `Shout`'s handler so that its reply is
+  upper-cased. The methods themselves: `Echo`, `Shout` and `Twice` (streamed twice) echo the
+  request, `Denied` and `Hidden` answer `not denied` and `not hidden` (what a server that skips
+  its interceptors would send), and `Seen` answers the recorded calls of /parity.Guarded, one a
+  line, and forgets them."""
 
 from __future__ import annotations
 
@@ -28,6 +39,7 @@ from typing import Any
 
 import grpc
 import grpc.aio
+from peer import run_loop
 
 import isthmus
 import isthmus.aio
@@ -60,7 +72,7 @@ async def check_async(request: bytes, context: Any) -> bytes:
 
 
 async def wait(request: bytes, context: Any) -> bytes:
-    print("HANDLER-STARTED", flush=True)
+    print("HANDLER-STARTED", type(asyncio.get_running_loop()).__module__, flush=True)
     try:
         await asyncio.sleep(60)
     except asyncio.CancelledError:
@@ -162,6 +174,104 @@ SLOW = grpc.method_handlers_generic_handler(
 )
 
 
+GUARDED = "/parity.Guarded/"
+SEEN: list[str] = []
+
+
+def _record(details: grpc.HandlerCallDetails) -> None:
+    if details.method.startswith(GUARDED):
+        who = dict(details.invocation_metadata or ()).get("x-who", "-")
+        SEEN.append(f"{details.method} {who}")
+
+
+def denied(request: bytes, context: Any) -> bytes:
+    context.abort(grpc.StatusCode.PERMISSION_DENIED, "denied by the interceptor")
+    raise AssertionError("abort returned")
+
+
+async def denied_async(request: bytes, context: Any) -> bytes:
+    await context.abort(grpc.StatusCode.PERMISSION_DENIED, "denied by the interceptor")
+    raise AssertionError("abort returned")
+
+
+class Recorder(grpc.ServerInterceptor):
+    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        _record(details)
+        return continuation(details)
+
+
+class Guard(grpc.ServerInterceptor):
+    def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        if details.method == GUARDED + "Denied":
+            return grpc.unary_unary_rpc_method_handler(denied)
+        if details.method == GUARDED + "Hidden":
+            return None
+        handler = continuation(details)
+        if details.method == GUARDED + "Shout":
+            inner = handler.unary_unary
+            return grpc.unary_unary_rpc_method_handler(
+                lambda request, context: inner(request, context).upper()
+            )
+        return handler
+
+
+class AioRecorder(grpc.aio.ServerInterceptor):
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        _record(details)
+        return await continuation(details)
+
+
+class AioGuard(grpc.aio.ServerInterceptor):
+    async def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
+        if details.method == GUARDED + "Denied":
+            return grpc.unary_unary_rpc_method_handler(denied_async)
+        if details.method == GUARDED + "Hidden":
+            return None
+        handler = await continuation(details)
+        if details.method == GUARDED + "Shout":
+            inner = handler.unary_unary
+
+            async def shout(request: bytes, context: Any) -> bytes:
+                return bytes(await inner(request, context)).upper()
+
+            return grpc.unary_unary_rpc_method_handler(shout)
+        return handler
+
+
+def seen(request: bytes, context: Any) -> bytes:
+    lines = "\n".join(SEEN)
+    SEEN.clear()
+    return lines.encode()
+
+
+def guarded(aio: bool) -> grpc.GenericRpcHandler:
+    def echo(request: bytes, context: Any) -> bytes:
+        return request
+
+    def twice(request: bytes, context: Any) -> Iterator[bytes]:
+        yield from (request, request)
+
+    async def echo_async(request: bytes, context: Any) -> bytes:
+        return request
+
+    async def twice_async(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        for _ in range(2):
+            yield request
+
+    unary = grpc.unary_unary_rpc_method_handler
+    return grpc.method_handlers_generic_handler(
+        GUARDED.strip("/"),
+        {
+            "Echo": unary(echo_async if aio else echo),
+            "Shout": unary(echo_async if aio else echo),
+            "Twice": grpc.unary_stream_rpc_method_handler(twice_async if aio else twice),
+            "Denied": unary(lambda request, context: b"not denied"),
+            "Hidden": unary(lambda request, context: b"not hidden"),
+            "Seen": unary(seen),
+        },
+    )
+
+
 def announce(addresses: list[str]) -> None:
     print("READY", flush=True)
     for address in addresses:
@@ -170,22 +280,31 @@ def announce(addresses: list[str]) -> None:
 
 def main() -> None:
     api, targets = sys.argv[1], sys.argv[2:]
+    intercepted = targets[:1] == ["--intercepted"]
+    if intercepted:
+        targets = targets[1:]
     if api in ("isthmus-aio", "grpc.aio"):
 
         async def serve() -> None:
-            server = isthmus.aio.server() if api == "isthmus-aio" else grpc.aio.server()
+            interceptors = [AioRecorder(), AioGuard()] if intercepted else None
+            make = isthmus.aio.server if api == "isthmus-aio" else grpc.aio.server
+            server = make(interceptors=interceptors)
             server.add_generic_rpc_handlers((handlers(check_async), SLOW, duplex(talk_async)))
+            if intercepted:
+                server.add_generic_rpc_handlers((guarded(aio=True),))
             for target in targets:
                 server.add_insecure_port(target)
             await server.start()
             announce([t for t in targets if not t.startswith("shm://")])
             await server.wait_for_termination()
 
-        asyncio.run(serve())
+        run_loop(serve())
         return
     make = grpc.server if api == "grpcio" else isthmus.server
-    server = make(futures.ThreadPoolExecutor(4))
+    server = make(futures.ThreadPoolExecutor(4), interceptors=[Recorder(), Guard()] if intercepted else None)
     server.add_generic_rpc_handlers((handlers(check), META, duplex(talk)))
+    if intercepted:
+        server.add_generic_rpc_handlers((guarded(aio=False),))
     for target in targets:
         server.add_insecure_port(target)
     server.start()

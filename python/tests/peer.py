@@ -4,6 +4,7 @@ addresses."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import queue
@@ -12,9 +13,12 @@ import subprocess
 import sys
 import tempfile
 import threading
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import uvloop
 from grpc_tools import protoc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,6 +53,22 @@ def go_peer() -> Path | None:
     """The Go peer (`go/cmd/go-peer`, built by `make go-bins`); ISTHMUS_GO_PEER may name it."""
     path = Path(os.environ.get("ISTHMUS_GO_PEER") or ROOT / "target" / "go-bin" / "go-peer")
     return path if path.is_file() else None
+
+
+#: The environment variable that picks an asyncio server peer's event loop: `asyncio` (the
+#: default) or `uvloop`.
+LOOP_ENV = "PEER_LOOP"
+
+
+def run_loop(main: Coroutine[Any, Any, None]) -> None:
+    """Runs an asyncio server peer's `main` on the loop `PEER_LOOP` names."""
+    loop = os.environ.get(LOOP_ENV, "asyncio")
+    if loop == "uvloop":
+        uvloop.run(main)
+    elif loop == "asyncio":
+        asyncio.run(main)
+    else:
+        raise ValueError(f"{LOOP_ENV}={loop}: asyncio or uvloop")
 
 
 def fresh(transport: str) -> str:
@@ -161,9 +181,13 @@ class Served:
 
 
 def serve(kind: str, transports: list[str], stubs: Path, targets: list[str] | None = None) -> Served:
-    """Starts a server of `kind` (`rust`, `go`, `isthmus`, `isthmus-aio`, `grpcio`) on
-    `transports`, at fresh addresses unless `targets` names them (one per transport)."""
+    """Starts a server of `kind` (`rust`, `go`, `isthmus`, `isthmus-aio`, `grpcio`, or
+    `isthmus-aio-uvloop`: `isthmus-aio` on uvloop) on `transports`, at fresh addresses unless
+    `targets` names them (one per transport)."""
     targets = targets or [fresh(t) for t in transports]
+    env = dict(os.environ)
+    if kind == "isthmus-aio-uvloop":
+        env[LOOP_ENV] = "uvloop"
     if kind == "rust":
         binary = tonic_peer()
         assert binary is not None, "tonic-peer is not built (cargo build -p isthmus-tests)"
@@ -173,8 +197,7 @@ def serve(kind: str, transports: list[str], stubs: Path, targets: list[str] | No
         assert binary is not None, "go-peer is not built (make go-bins)"
         argv = [str(binary), *targets]
     else:
-        argv = [sys.executable, "-m", "echo_server", kind, *targets]
-    env = dict(os.environ)
+        argv = [sys.executable, "-m", "echo_server", kind.removesuffix("-uvloop"), *targets]
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(stubs), env.get("PYTHONPATH")]))
     served = Served(kind, Peer(argv, env))
     for transport, target in zip(transports, targets, strict=True):

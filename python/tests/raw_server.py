@@ -4,7 +4,7 @@ tests.
 Usage: python -m raw_server [--workers N | --aio] TARGET...   (prints `READY`, then `LISTENING ADDRESS`
 for each `unix://` and `http://` target, and serves until killed; handlers run on a pool of N
 threads, 16 by default; with `--aio`, on `isthmus.aio.server`, where `Sum`, whose requests
-come as an async iterator there, does not work)
+come as an async iterator there, does not work; `PEER_LOOP=uvloop` runs that one on uvloop)
 
 Methods, all under `/raw.Raw/`:
 - `Echo`: returns the request `Message` as it is (sent from the client's memory it views).
@@ -21,7 +21,6 @@ Methods, all under `/raw.Raw/`:
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import threading
 import time
@@ -32,6 +31,7 @@ from typing import Any
 import grpc
 import numpy as np
 from echo_server import announce, bind, serve_aio_forever
+from peer import run_loop
 
 import isthmus
 import isthmus.aio
@@ -142,7 +142,7 @@ def main() -> None:
     )
     options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
     if aio:
-        asyncio.run(serve_aio_forever(handlers, args, options))
+        run_loop(serve_aio_forever(handlers, args, options))
         return
     pool = futures.ThreadPoolExecutor(max_workers=workers)
     server = isthmus.server(pool, handlers=[handlers], options=options)

@@ -8,14 +8,15 @@ from __future__ import annotations
 import asyncio
 import resource
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import grpc
 import pytest
 from clients import run_on as run
-from peer import PATIENCE
+from peer import PATIENCE, Served, serve
 
 import isthmus.aio
 from isthmus.aio import _reactor
@@ -23,14 +24,30 @@ from isthmus.aio import _reactor
 LOOPS = ["asyncio", "uvloop"]
 
 # Where these run: the Rust server over shm:// (the fast path's transport) and over a Unix
-# socket, and isthmus's asyncio server over shm://.
-WHERE = [("rust", "shm"), ("rust", "unix"), ("isthmus-aio", "shm")]
+# socket, and isthmus's asyncio server over shm:// and a Unix socket, on asyncio's own loop and
+# on uvloop (`isthmus-aio-uvloop`).
+WHERE = [
+    ("rust", "shm"),
+    ("rust", "unix"),
+    ("isthmus-aio", "shm"),
+    ("isthmus-aio-uvloop", "shm"),
+    ("isthmus-aio-uvloop", "unix"),
+]
+
+
+@pytest.fixture(scope="module")
+def uvloop_served(stubs: Path) -> Iterator[Served]:
+    """isthmus's asyncio Echo server with uvloop for its event loop."""
+    served = serve("isthmus-aio-uvloop", ["shm", "unix"], stubs)
+    yield served
+    served.close()
 
 
 @pytest.fixture(params=WHERE, ids="-".join)
 def address(request: pytest.FixtureRequest, servers: Callable[[str], Any]) -> str:
     kind, transport = request.param
-    return str(servers(kind).addresses[transport])
+    served = request.getfixturevalue("uvloop_served") if kind == "isthmus-aio-uvloop" else servers(kind)
+    return str(served.addresses[transport])
 
 
 @pytest.mark.parametrize("loop", LOOPS)

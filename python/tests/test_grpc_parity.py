@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -18,7 +19,7 @@ import grpc
 import grpc.aio
 import pytest
 from clients import run_on as run
-from peer import PATIENCE, Peer, Served, fresh, grpcio_target, serve
+from peer import LOOP_ENV, PATIENCE, Peer, Served, fresh, grpcio_target, serve
 
 import isthmus
 import isthmus.aio
@@ -195,23 +196,36 @@ def test_message_size_limits_from_the_channel_options(
     run("asyncio", test)
 
 
-def parity_server(api: str) -> tuple[Served, list[str]]:
-    """A `parity_server` process of `api` on a fresh Unix socket, and over shm:// too unless
-    grpc's."""
+def parity_server(api: str, *flags: str, loop: str = "asyncio") -> tuple[Served, list[str]]:
+    """A `parity_server` process of `api` (with `flags`; an asyncio one on `loop`) on a fresh
+    Unix socket, and over shm:// too unless grpc's."""
     transports = ["unix"] if api.startswith("grpc") else ["unix", "shm"]
     targets = [fresh(t) for t in transports]
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         filter(None, [str(Path(__file__).resolve().parent), env.get("PYTHONPATH")])
     )
-    return Served(api, Peer([sys.executable, "-m", "parity_server", api, *targets], env)), targets
+    env[LOOP_ENV] = loop
+    served = Served(api, Peer([sys.executable, "-m", "parity_server", api, *flags, *targets], env))
+    served.addresses = {t: t for t in targets}  # so that `close` removes the socket
+    return served, targets
 
 
-@pytest.mark.parametrize("api", ["grpc.aio", "isthmus-aio"])
-def test_an_asyncio_handler_is_cancelled_when_its_call_ends(api: str) -> None:
+# (asyncio server, its event loop)
+AIO_SERVERS = [("grpc.aio", "asyncio"), ("isthmus-aio", "asyncio"), ("isthmus-aio", "uvloop")]
+
+
+def _handler_started(served: Served, loop: str) -> None:
+    """Waits until `/parity.Slow/Wait`'s handler started, and checks that it runs on `loop`."""
+    module = served.peer.expect("HANDLER-STARTED").split()[1]
+    assert module == ("uvloop" if loop == "uvloop" else "asyncio.unix_events"), module
+
+
+@pytest.mark.parametrize(("api", "loop"), AIO_SERVERS, ids="-".join)
+def test_an_asyncio_handler_is_cancelled_when_its_call_ends(api: str, loop: str) -> None:
     """A handler awaiting something else is cancelled (its task gets CancelledError) when the
     client cancels the call or its deadline passes, as grpc.aio's server does."""
-    served, targets = parity_server(api)
+    served, targets = parity_server(api, loop=loop)
     try:
         for target in targets:
             with isthmus.insecure_channel(target) as channel:
@@ -219,15 +233,98 @@ def test_an_asyncio_handler_is_cancelled_when_its_call_ends(api: str) -> None:
                 # The deadline must pass while the handler waits, so after it started: 3 s
                 # leaves a loaded machine seconds to start it. The test waits that long.
                 call = wait.future(b"", timeout=3.0)
-                served.peer.expect("HANDLER-STARTED")
+                _handler_started(served, loop)
                 with pytest.raises(grpc.RpcError) as caught:
                     call.result(timeout=60)
                 assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
                 served.peer.expect("HANDLER-CANCELLED")
                 call = wait.future(b"", timeout=60)
-                served.peer.expect("HANDLER-STARTED")  # cancelled before it started, it never would be
+                _handler_started(served, loop)  # cancelled before it started, it never would be
                 call.cancel()
                 served.peer.expect("HANDLER-CANCELLED")
+    finally:
+        served.close()
+
+
+# A client in a process of its own: it calls `/parity.Slow/Wait` on the target it is given, with
+# a deadline far off, and waits for the reply (which never comes before it is killed).
+_WAITING_CLIENT = """
+import sys
+import isthmus
+with isthmus.insecure_channel(sys.argv[1]) as channel:
+    channel.unary_unary("/parity.Slow/Wait")(b"", timeout=600)
+"""
+
+
+@pytest.mark.parametrize(("api", "loop"), AIO_SERVERS, ids="-".join)
+def test_an_asyncio_handler_is_cancelled_when_its_client_process_dies(api: str, loop: str) -> None:
+    """A handler awaiting something else is cancelled when its client's process is killed
+    (SIGKILL: no cancel is sent, the connection just ends), over every transport, as grpc.aio's
+    server does; the server serves the next client."""
+    served, targets = parity_server(api, loop=loop)
+    try:
+        for target in targets:
+            client = subprocess.Popen([sys.executable, "-c", _WAITING_CLIENT, target])
+            try:
+                _handler_started(served, loop)
+            finally:
+                client.kill()
+                client.wait()
+            served.peer.expect("HANDLER-CANCELLED")
+            with isthmus.insecure_channel(target) as channel:
+                check = channel.unary_unary("/grpc.health.v1.Health/Check")
+                assert check(b"", timeout=60) == b"\x08\x01"
+    finally:
+        served.close()
+
+
+def _guarded(channel: Any) -> tuple[list[Any], list[str]]:
+    """What calls to `parity_server`'s intercepted `/parity.Guarded` get (each reply, or the
+    call's code and details), and the calls its recording interceptor saw."""
+    metadata = (("x-who", "parity"),)
+
+    def outcome(method: str) -> Any:
+        try:
+            return channel.unary_unary("/parity.Guarded/" + method)(b"hi", metadata=metadata, timeout=60)
+        except grpc.RpcError as e:
+            return (e.code(), e.details())
+
+    got = [outcome(m) for m in ("Echo", "Denied", "Hidden", "Shout")]
+    got.append(list(channel.unary_stream("/parity.Guarded/Twice")(b"ab", metadata=metadata, timeout=60)))
+    seen = channel.unary_unary("/parity.Guarded/Seen")(b"", timeout=60)
+    return got, seen.decode().splitlines()
+
+
+@pytest.mark.parametrize(("grpc_api", "api"), [("grpcio", "isthmus"), ("grpc.aio", "isthmus-aio")])
+def test_server_interceptors_run_as_grpcs_do(grpc_api: str, api: str) -> None:
+    """A server's `interceptors=` (`grpc.ServerInterceptor`s for the blocking server,
+    `grpc.aio.ServerInterceptor`s for the asyncio one) see every call with its method and
+    metadata, in order, and may pass it on, answer it with a handler of their own (one that
+    aborts PERMISSION_DENIED), hide its method (UNIMPLEMENTED) or wrap its handler: the same
+    calls get the same results from grpc's server and from isthmus's, over every transport."""
+    reference, reference_targets = parity_server(grpc_api, "--intercepted")
+    try:
+        with grpc.insecure_channel(grpcio_target(reference_targets[0])) as channel:
+            want = _guarded(channel)
+    finally:
+        reference.close()
+    who = "parity"
+    assert want == (
+        [
+            b"hi",
+            (grpc.StatusCode.PERMISSION_DENIED, "denied by the interceptor"),
+            (grpc.StatusCode.UNIMPLEMENTED, "Method not found!"),
+            b"HI",
+            [b"ab", b"ab"],
+        ],
+        [f"/parity.Guarded/{m} {who}" for m in ("Echo", "Denied", "Hidden", "Shout", "Twice")]
+        + ["/parity.Guarded/Seen -"],
+    )
+    served, targets = parity_server(api, "--intercepted")
+    try:
+        for channel in _every_client(targets):
+            with channel:
+                assert _guarded(channel) == want
     finally:
         served.close()
 

@@ -13,13 +13,13 @@ from typing import Any
 import grpc
 import pytest
 from clients import WATCHDOG
-from peer import Served, serve, tonic_peer
+from peer import Served, go_peer, serve, tonic_peer
 from test_sync_api import blocking
 
 import isthmus
 import isthmus.aio
 
-KINDS = ["rust", "isthmus", "isthmus-aio"]
+KINDS = ["rust", "go", "isthmus", "isthmus-aio"]
 
 
 @pytest.fixture
@@ -29,6 +29,8 @@ def start(stubs: Path) -> Iterator[Callable[[str, str], Served]]:
     def run(kind: str, transport: str) -> Served:
         if kind == "rust" and tonic_peer() is None:
             pytest.skip("tonic-peer is not built (make unit, or set ISTHMUS_TONIC_PEER)")
+        if kind == "go" and go_peer() is None:
+            pytest.skip("go-peer is not built (make go-bins, or set ISTHMUS_GO_PEER)")
         started.append(serve(kind, [transport], stubs))
         return started[-1]
 

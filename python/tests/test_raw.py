@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import grpc.aio
 import numpy as np
 import pytest
 from peer import Peer, Served, fresh
@@ -286,5 +287,40 @@ def test_the_asyncio_client_sends_buffers_and_gets_messages(raw_served: Served, 
                 *(ch.raw_unary("/raw.Raw/Echo", np.full(50_000, i, np.uint8)) for i in range(16))
             )
             assert all(np.all(np.frombuffer(r, dtype=np.uint8) == i) for i, r in enumerate(replies))
+
+    asyncio.run(run())
+
+
+SEND_LIMIT = [("grpc.max_send_message_length", 1000)]
+
+
+@pytest.mark.parametrize("transport", ["shm", "unix"])
+def test_a_raw_request_over_the_send_limit_fails_as_a_serialized_one_does(
+    raw_served: Served, transport: str
+) -> None:
+    """`grpc.max_send_message_length` bounds raw requests too, sync and asyncio: a buffer or a
+    block over it fails RESOURCE_EXHAUSTED naming its size and the limit, as a request through
+    a serializer does, and the channel goes on."""
+    address = raw_served.addresses[transport]
+    with isthmus.insecure_channel(address, options=SEND_LIMIT) as ch:
+        with pytest.raises(grpc.RpcError) as serialized:
+            ch.unary_unary("/raw.Raw/Echo")(b"x" * 2000, timeout=60)
+        want = (grpc.StatusCode.RESOURCE_EXHAUSTED, "Sent message larger than max (2000 vs. 1000)")
+        assert (serialized.value.code(), serialized.value.details()) == want
+        block = ch.alloc(2000)
+        for request in (b"x" * 2000, np.zeros(250, np.float64), block):
+            with pytest.raises(grpc.RpcError) as raw:
+                ch.raw_unary("/raw.Raw/Echo", request, timeout=60)
+            assert (raw.value.code(), raw.value.details()) == want
+        assert bytes(ch.raw_unary("/raw.Raw/Echo", b"y" * 1000, timeout=60)) == b"y" * 1000
+
+    async def run() -> None:
+        async with isthmus.aio.insecure_channel(address, options=SEND_LIMIT) as ch:
+            block = ch.alloc(2000)
+            for request in (b"x" * 2000, np.zeros(250, np.float64), block):
+                with pytest.raises(grpc.aio.AioRpcError) as raw:
+                    await ch.raw_unary("/raw.Raw/Echo", request, timeout=60)
+                assert (raw.value.code(), raw.value.details()) == want
+            assert bytes(await ch.raw_unary("/raw.Raw/Echo", b"y" * 1000, timeout=60)) == b"y" * 1000
 
     asyncio.run(run())

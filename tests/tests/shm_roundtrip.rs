@@ -150,7 +150,7 @@ fn an_interrupted_wait_gives_up_and_loses_no_frame() {
             let interrupter = receiver.interrupter();
             // Before the wait: the next wait returns at once, once.
             interrupter.interrupt();
-            assert!(receiver.recv_async_interruptible().await.expect("interrupted").is_none());
+            assert!(receiver.recv_async_interruptible(receiver.spin_policy()).await.expect("interrupted").is_none());
             // During the wait, asleep on the doorbell (no spin), from another thread.
             let other = std::thread::spawn({
                 let interrupter = interrupter.clone();
@@ -160,17 +160,24 @@ fn an_interrupted_wait_gives_up_and_loses_no_frame() {
                 }
             });
             let waited = Instant::now();
-            let got = tokio::time::timeout(Duration::from_secs(30), receiver.recv_async_interruptible()).await;
+            let got = tokio::time::timeout(
+                Duration::from_secs(30),
+                receiver.recv_async_interruptible(receiver.spin_policy()),
+            )
+            .await;
             assert!(got.expect("woken by the interrupt").expect("no error").is_none());
             assert!(waited.elapsed() >= Duration::from_millis(40));
             other.join().expect("thread");
             // Frames still come through.
             sender.send_async(Kind::Message, 0, 7, &pattern(100, 7)).await.expect("send");
-            let f = tokio::time::timeout(Duration::from_secs(30), receiver.recv_async_interruptible())
-                .await
-                .expect("in time")
-                .expect("recv")
-                .expect("a frame, not an interrupt");
+            let f = tokio::time::timeout(
+                Duration::from_secs(30),
+                receiver.recv_async_interruptible(receiver.spin_policy()),
+            )
+            .await
+            .expect("in time")
+            .expect("recv")
+            .expect("a frame, not an interrupt");
             assert_eq!((f.stream, first_mismatch(&f.body, 7)), (7, None));
         });
     });

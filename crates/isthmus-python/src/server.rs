@@ -64,7 +64,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
-use isthmus::binding::{hand_off, HandedCall};
+use isthmus::binding::{hand_off, HandedCall, Lender};
 use isthmus::{Code, Handler, HandlerFuture, Status};
 use pyo3::exceptions::{PyOSError, PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -425,9 +425,16 @@ impl Server {
         let queue = self.blocking_queue()?;
         queue.loop_running(true);
         let _running = LoopRunning(queue);
+        // The connection of the last call: this thread reads it while it waits (ADR 0020).
+        let mut connection: Option<Lender> = None;
         loop {
-            match py.detach(|| queue.next(crate::queue::SPIN)) {
+            match py.detach(|| queue.next(crate::queue::SPIN, connection.as_ref())) {
                 Next::Call(core) => {
+                    if let Some(c) = core.connection() {
+                        if !connection.as_ref().is_some_and(|last| last.same(c)) {
+                            connection = Some(c.clone());
+                        }
+                    }
                     let call = Py::new(py, ServerCall { core })?;
                     if let Err(e) = handle.call1(py, (call,)) {
                         // `handle` reports a handler's own errors; this is a bug in it.

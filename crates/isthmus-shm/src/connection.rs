@@ -1088,12 +1088,12 @@ impl Receiver {
         }
     }
 
-    /// [`recv_async`](Self::recv_async) that gives up, with `Ok(None)`, once an
+    /// [`recv_async_spinning`](Self::recv_async_spinning) that gives up, with `Ok(None)`, once an
     /// [`Interrupter`] of this receiver interrupts it (before or during the wait; each
     /// interrupt ends one wait). Lets a reader task hand the receiver to another reader that
     /// asks for it, even while it sleeps on the doorbell.
     #[cfg(feature = "tokio")]
-    pub async fn recv_async_interruptible(&mut self) -> Result<Option<Frame>> {
+    pub async fn recv_async_interruptible(&mut self, spin: SpinPolicy) -> Result<Option<Frame>> {
         use std::sync::atomic::Ordering;
         loop {
             if self.core.interrupted.swap(false, Ordering::AcqRel) {
@@ -1104,7 +1104,7 @@ impl Receiver {
             }
             let (ring, core) = (&self.ring, &self.core);
             let ready = || Ok(core.interrupted.load(Ordering::Acquire) || ring.is_ready().map_err(|e| core.fail(e))?);
-            match core.rx_waiter(None, core.spin).wait_async(ready).await {
+            match core.rx_waiter(None, spin).wait_async(ready).await {
                 Err(e) if e.kind() == ErrorKind::PeerGone => continue,
                 r => r?,
             }

@@ -11,6 +11,9 @@
 //!   thread that starts it as far as it can, and later on the thread that drains the
 //!   completions: no task is spawned and no thread is woken per call; a reply only queues its
 //!   operation and, for the first of a batch, signals the eventfd.
+//! - [`HandedCall`] ([`hand_off`]): a server call whose handler foreign code runs; its
+//!   [`Lender`] lets that code's thread read the call's connection while it waits for the next
+//!   call (ADR 0020).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -25,6 +28,7 @@ use isthmus_shm::{EventFd, SocketBell};
 use tokio::sync::watch;
 
 use crate::client::{CallSender, ClientCall};
+pub use crate::engine::mux::Lender;
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
 
@@ -464,6 +468,8 @@ pub struct HandedCall {
     path: String,
     metadata: MetadataMap,
     peer: String,
+    /// The `shm://` connection the call came on, for the handler's thread to read.
+    connection: Option<Lender>,
     tls: bool,
     peer_certificate: Option<crate::PeerCertificate>,
     deadline: Option<Instant>,
@@ -501,6 +507,7 @@ pub async fn hand_off(
         path: call.path().to_owned(),
         metadata: call.metadata().clone(),
         peer: call.peer().to_owned(),
+        connection: call.lender(),
         tls: call.is_tls(),
         peer_certificate: call.peer_certificate(),
         deadline: call.time_remaining().map(|t| Instant::now() + t),
@@ -556,6 +563,13 @@ impl HandedCall {
     /// The client's initial metadata.
     pub fn metadata(&self) -> &MetadataMap {
         &self.metadata
+    }
+
+    /// The `shm://` connection the call came on, which the thread that ran its handler may
+    /// read while it waits for its next call ([`Lender::serve_here`], ADR 0020); `None` for
+    /// other transports.
+    pub fn connection(&self) -> Option<&Lender> {
+        self.connection.as_ref()
     }
 
     /// The client's address ([`ServerCall::peer`](crate::ServerCall::peer)).

@@ -2,9 +2,11 @@
 // cross-language tests' peer: `go-peer TARGET…` (shm://, unix://, http://). It prints READY
 // once clients can connect, then LISTENING <address> for each HTTP/2 endpoint; BIDI-ENDED
 // <how> when a Bidi call ends; on SIGTERM it stops gracefully (3 s) and prints SHUTDOWN-DONE.
-// GO_PEER_INLINE=1 runs its unary handlers inline (isthmus.InlineUnary). Beside Echo it
-// serves the raw tier under /raw.Raw/: Echo, Fail, Panic and Slow as raw unary handlers,
-// Stream as a raw stream that echoes each request.
+// GO_PEER_INLINE=1 runs its unary handlers inline (isthmus.InlineUnary). Its streaming methods
+// reflect x-echo-stream / x-echo-stream-bin into headers and trailers (echo.StreamEchoKeys),
+// as Unary does x-echo / x-echo-bin. Beside Echo it serves the raw tier under /raw.Raw/:
+// Echo, Fail, Panic and Slow as raw unary handlers, Stream as a raw stream that echoes each
+// request.
 package main
 
 import (

@@ -234,14 +234,139 @@ func Checks(callOpts ...grpc.CallOption) []Check {
 	}
 }
 
+// streamMD is what the stream metadata checks send under echo.StreamEchoKeys.
+var streamMD = metadata.Pairs("x-echo-stream", "stream-md", "x-echo-stream-bin", string([]byte{0, 1, 255}))
+
+// reflected fails unless md (what the call's `what` brought back) holds streamMD.
+func reflected(what string, md metadata.MD) error {
+	for k, want := range streamMD {
+		if got := md.Get(k); len(got) != 1 || got[0] != want[0] {
+			return fmt.Errorf("%s: %s came back as %q (all: %v)", what, k, got, md)
+		}
+	}
+	return nil
+}
+
+// headerReflected fails unless the stream's header holds streamMD.
+func headerReflected(s interface{ Header() (metadata.MD, error) }) error {
+	header, err := s.Header()
+	if err != nil {
+		return err
+	}
+	return reflected("header", header)
+}
+
+// StreamMetadataChecks check metadata both ways on streams: the Go Echo service
+// (internal/echo) reflects echo.StreamEchoKeys into a stream's header and trailer (set with
+// SetHeader on ServerStream and ClientStream, sent with SendHeader before any message on
+// Bidi). Only Go's Echo does this, so they are not part of Checks, which every peer passes.
+func StreamMetadataChecks(callOpts ...grpc.CallOption) []Check {
+	return []Check{
+		{"server streaming: header and trailer", func(ctx context.Context, c pb.EchoClient) error {
+			s, err := c.ServerStream(metadata.NewOutgoingContext(ctx, streamMD), &pb.StreamRequest{Count: 3, Size: 10}, callOpts...)
+			if err != nil {
+				return err
+			}
+			if err := headerReflected(s); err != nil {
+				return err
+			}
+			for i := 0; ; i++ {
+				_, err := s.Recv()
+				if errors.Is(err, io.EOF) {
+					if i != 3 {
+						return fmt.Errorf("%d replies", i)
+					}
+					break
+				}
+				if err != nil {
+					return err
+				}
+			}
+			return reflected("trailer", s.Trailer())
+		}},
+		{"server streaming without the keys: none come back", func(ctx context.Context, c pb.EchoClient) error {
+			s, err := c.ServerStream(ctx, &pb.StreamRequest{Count: 1, Size: 10}, callOpts...)
+			if err != nil {
+				return err
+			}
+			header, err := s.Header()
+			if err != nil {
+				return err
+			}
+			for {
+				if _, err := s.Recv(); errors.Is(err, io.EOF) {
+					break
+				} else if err != nil {
+					return err
+				}
+			}
+			for k := range streamMD {
+				if len(header.Get(k)) > 0 || len(s.Trailer().Get(k)) > 0 {
+					return fmt.Errorf("%s came back unasked (header %v, trailer %v)", k, header, s.Trailer())
+				}
+			}
+			return nil
+		}},
+		{"client streaming: header and trailer", func(ctx context.Context, c pb.EchoClient) error {
+			s, err := c.ClientStream(metadata.NewOutgoingContext(ctx, streamMD), callOpts...)
+			if err != nil {
+				return err
+			}
+			for i := uint64(0); i < 3; i++ {
+				if err := s.Send(&pb.EchoRequest{Payload: echo.Pattern(64, i), Seq: i}); err != nil {
+					return err
+				}
+			}
+			if _, err := s.CloseAndRecv(); err != nil {
+				return err
+			}
+			if err := headerReflected(s); err != nil {
+				return err
+			}
+			return reflected("trailer", s.Trailer())
+		}},
+		{"bidirectional streaming: header before any message, and trailer", func(ctx context.Context, c pb.EchoClient) error {
+			s, err := c.Bidi(metadata.NewOutgoingContext(ctx, streamMD), callOpts...)
+			if err != nil {
+				return err
+			}
+			// The server sends its header before it reads a request: it comes with none sent.
+			if err := headerReflected(s); err != nil {
+				return err
+			}
+			for i := uint64(0); i < 3; i++ {
+				if err := s.Send(&pb.EchoRequest{Payload: echo.Pattern(64, i), Seq: i}); err != nil {
+					return err
+				}
+				if r, err := s.Recv(); err != nil {
+					return err
+				} else if r.Seq != i {
+					return fmt.Errorf("reply %d has seq %d", i, r.Seq)
+				}
+			}
+			if err := s.CloseSend(); err != nil {
+				return err
+			}
+			if _, err := s.Recv(); !errors.Is(err, io.EOF) {
+				return fmt.Errorf("after the half-close: %v, want io.EOF", err)
+			}
+			return reflected("trailer", s.Trailer())
+		}},
+	}
+}
+
+// RunStreamMetadata runs StreamMetadataChecks against conn (a Go Echo server's), as Run does.
+func RunStreamMetadata(ctx context.Context, conn grpc.ClientConnInterface, report func(name string, err error), callOpts ...grpc.CallOption) (passed, failed int) {
+	return runChecks(ctx, conn, StreamMetadataChecks(callOpts...), report)
+}
+
 // Run runs every check against conn; report gets each check's name and error (nil: passed).
 // It returns the numbers passed and failed.
 func Run(ctx context.Context, conn grpc.ClientConnInterface, report func(name string, err error), callOpts ...grpc.CallOption) (passed, failed int) {
-	c := pb.NewEchoClient(conn)
-	for _, check := range Checks(callOpts...) {
-		run := check.Run
+	checks := Checks(callOpts...)
+	for i, check := range checks {
 		if strings.HasPrefix(check.Name, "an unknown method") {
-			run = func(ctx context.Context, _ pb.EchoClient) error {
+			checks[i].Run = func(ctx context.Context, _ pb.EchoClient) error {
 				err := conn.Invoke(ctx, "/conformance.Echo/Nope", &pb.EchoRequest{}, &pb.EchoReply{}, callOpts...)
 				if status.Code(err) != codes.Unimplemented {
 					return fmt.Errorf("got %v", err)
@@ -249,8 +374,16 @@ func Run(ctx context.Context, conn grpc.ClientConnInterface, report func(name st
 				return nil
 			}
 		}
+	}
+	return runChecks(ctx, conn, checks, report)
+}
+
+// runChecks runs checks against conn, each within 60 s, and counts the outcomes.
+func runChecks(ctx context.Context, conn grpc.ClientConnInterface, checks []Check, report func(name string, err error)) (passed, failed int) {
+	c := pb.NewEchoClient(conn)
+	for _, check := range checks {
 		in, cancel := context.WithTimeout(ctx, 60*time.Second)
-		err := run(in, c)
+		err := check.Run(in, c)
 		cancel()
 		report(check.Name, err)
 		if err != nil {

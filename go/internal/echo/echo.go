@@ -113,7 +113,45 @@ func (Service) Unary(ctx context.Context, req *pb.EchoRequest) (*pb.EchoReply, e
 	return &pb.EchoReply{Payload: req.Payload, Seq: req.Seq, TimeLeftMs: left}, nil
 }
 
+// StreamEchoKeys are the request metadata keys the streaming methods reflect (these keys
+// only, so that calls without them go as before): ServerStream and ClientStream set them as
+// header (SetHeader: they go with the first response) and trailer; Bidi sends them as header
+// at once (SendHeader, before it reads a request) and sets them as trailer.
+var StreamEchoKeys = []string{"x-echo-stream", "x-echo-stream-bin"}
+
+// streamEchoed is the metadata of ctx's call under StreamEchoKeys (nil if none).
+func streamEchoed(ctx context.Context) metadata.MD {
+	md, _ := metadata.FromIncomingContext(ctx)
+	var out metadata.MD
+	for _, k := range StreamEchoKeys {
+		if v := md.Get(k); len(v) > 0 {
+			if out == nil {
+				out = metadata.MD{}
+			}
+			out.Set(k, v...)
+		}
+	}
+	return out
+}
+
+// setStreamEcho sets the reflected metadata, if any, as header (sent with the first
+// response) and trailer.
+func setStreamEcho(stream grpc.ServerStream) error {
+	out := streamEchoed(stream.Context())
+	if out == nil {
+		return nil
+	}
+	if err := stream.SetHeader(out); err != nil {
+		return err
+	}
+	stream.SetTrailer(out)
+	return nil
+}
+
 func (Service) ServerStream(req *pb.StreamRequest, stream grpc.ServerStreamingServer[pb.EchoReply]) error {
+	if err := setStreamEcho(stream); err != nil {
+		return err
+	}
 	for i := uint64(0); i < uint64(req.Count); i++ {
 		if err := stream.Send(&pb.EchoReply{Payload: Pattern(int(req.Size), i), Seq: i, TimeLeftMs: -1}); err != nil {
 			return err
@@ -123,6 +161,9 @@ func (Service) ServerStream(req *pb.StreamRequest, stream grpc.ServerStreamingSe
 }
 
 func (Service) ClientStream(stream grpc.ClientStreamingServer[pb.EchoRequest, pb.Summary]) error {
+	if err := setStreamEcho(stream); err != nil {
+		return err
+	}
 	var count, n uint64
 	for {
 		req, err := stream.Recv()
@@ -144,6 +185,12 @@ func (Service) ClientStream(stream grpc.ClientStreamingServer[pb.EchoRequest, pb
 }
 
 func (s Service) Bidi(stream grpc.BidiStreamingServer[pb.EchoRequest, pb.EchoReply]) error {
+	if out := streamEchoed(stream.Context()); out != nil {
+		if err := stream.SendHeader(out); err != nil {
+			return err
+		}
+		stream.SetTrailer(out)
+	}
 	for {
 		req, err := stream.Recv()
 		if err == io.EOF {

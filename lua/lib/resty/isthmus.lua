@@ -1,7 +1,7 @@
 -- resty.isthmus: gRPC calls from LuaJIT and nginx (OpenResty, or Debian's nginx with its Lua
 -- module) through isthmus: shared memory to a server on the same machine (shm://), standard
--- gRPC over HTTP/2 beyond it (unix://, http://). It stands on the C ABI (libisthmus_capi,
--- crates/isthmus-capi) through LuaJIT's ffi.
+-- gRPC over HTTP/2 beyond it (unix://, http://, https://). It stands on the C ABI
+-- (libisthmus_capi, crates/isthmus-capi) through LuaJIT's ffi.
 --
 -- Inside nginx a call never blocks the worker: it is started without blocking, waits a few
 -- microseconds for a fast reply, and otherwise yields on an ngx.semaphore; one timer per worker
@@ -77,6 +77,7 @@ isthmus_code_t isthmus_call_start_async(const isthmus_channel_t *channel, const 
 isthmus_code_t isthmus_call_send(const isthmus_call_t *call, const uint8_t *data, size_t len, int32_t last, isthmus_status_t **status);
 isthmus_code_t isthmus_call_send_async(const isthmus_call_t *call, const uint8_t *data, size_t len, int32_t last, const isthmus_cq_t *cq, uint64_t tag, isthmus_event_t *now, isthmus_status_t **status);
 isthmus_code_t isthmus_call_close_send(const isthmus_call_t *call);
+isthmus_code_t isthmus_call_close_send_async(const isthmus_call_t *call, const isthmus_cq_t *cq, uint64_t tag, isthmus_event_t *now, isthmus_status_t **status);
 isthmus_code_t isthmus_call_recv(const isthmus_call_t *call, isthmus_message_t **message, isthmus_status_t **status);
 isthmus_code_t isthmus_call_recv_async(const isthmus_call_t *call, const isthmus_cq_t *cq, uint64_t tag, isthmus_event_t *now, isthmus_status_t **status);
 isthmus_code_t isthmus_call_headers(const isthmus_call_t *call, isthmus_metadata_t **headers, isthmus_status_t **status);
@@ -644,7 +645,8 @@ Channel.__index = Channel
 local Stream = {}
 Stream.__index = Stream
 
---- Makes a channel to `target` (`shm://NAME`, `unix:///path.sock`, `http://host:port`). It
+--- Makes a channel to `target` (`shm://NAME`, `unix:///path.sock`, `http://host:port`, or
+--- `https://host:port`, which the C library verifies against the system's roots). It
 --- connects on its first call, and again after the server went away. Options: `proto` (from
 --- isthmus.load_proto: lets calls take and return Lua tables), `max_message_size` (bytes),
 --- `spin_us` (how long a unary call may wait for a fast reply before it yields, 10 by
@@ -896,14 +898,18 @@ function Stream:send(message, last)
     return true
 end
 
---- Half-closes the sending side: the server sees the end of the requests.
+--- Half-closes the sending side: the server sees the end of the requests. ok or false, err.
+--- (Writing the half-close waits while the server's ring is full: inside nginx it yields.)
 function Stream:close_send()
-    if self.call == nil then
-        return false, new_error(INVALID_ARGUMENT, "the stream is closed")
-    end
-    local rc = C.isthmus_call_close_send(self.call)
-    if rc ~= OK then
-        return false, new_error(rc, "close_send failed")
+    local call = self.call
+    local r = step(self, function(q, tag)
+        return C.isthmus_call_close_send_async(call, q, tag, now, status_out)
+    end, function()
+        local rc = C.isthmus_call_close_send(call)
+        return rc == OK and { code = OK } or { code = rc, err = new_error(rc, "close_send failed") }
+    end)
+    if r.err then
+        return false, r.err
     end
     return true
 end

@@ -20,7 +20,7 @@ from grpc.aio._channel import _BaseMultiCallable
 
 from .. import _native
 from .._call import Deserializer, Serializer, encode
-from .._channel import LOOK_AGAIN_S, STATES, limited, limits, upgrades
+from .._channel import LOOK_AGAIN_S, STATES, check_raw_size, limited, limits, upgrades
 from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
 from .._native import CallError
@@ -506,8 +506,12 @@ class Channel(grpc.aio.Channel):
         buffer (numpy arrays among them), read in place when the call sends it, so leave it
         unchanged until the call completes; the reply is a read-only `isthmus.Message`, a view of
         the server's shared memory when it came through it. Cancelling the awaiting task cancels
-        the call."""
+        the call. A request over `grpc.max_send_message_length` fails RESOURCE_EXHAUSTED."""
         loop, driver, native = self._bind()
+        try:
+            check_raw_size(request, self._max_send)
+        except CallError as e:
+            raise rpc_error(e, aio=True) from None
         token, outcome = driver.begin(loop)
         try:
             native.unary_raw(token, method, request, outgoing(metadata), timeout, bool(wait_for_ready))

@@ -45,6 +45,12 @@
 //!
 //! The blocking client's threads read through `driven` and `wait` (see `blocking`).
 //!
+//! A server's reader task lends its receiver to a foreign handler's thread that asks (`Lend`,
+//! `serve_here`, ADR 0020): a Python executor thread waiting for its next call reads the
+//! connection itself, so the call it finds runs where it was read. The task takes the receiver
+//! back when the borrower gives it back, when a call waits for a frame (`need_reader`), or when
+//! it lay unread for a millisecond.
+//!
 //! Whoever reads also sends a few frames: the PING answer, the TRAILERS that refuse a call, the
 //! CANCEL for a peer past its window, and the frames that end a call whose message was too large.
 //! The reader task waits for ring room for these and reads nothing meanwhile; a blocking leader
@@ -372,6 +378,135 @@ impl Lead {
     }
 }
 
+/// Lets the thread that runs a server's foreign handlers (Python's executor threads) read the
+/// connection while it waits for its next call, instead of the reader task (ADR 0020). The
+/// handler then runs on the thread that read its request: one server thread is runnable per
+/// call instead of two, which on two cores is the difference between a reader and a handler
+/// taking turns through `sched_yield` and no turns at all.
+///
+/// The reader task lends only when a borrower asks ([`Mux::serve_here`] interrupts its wait),
+/// and takes the receiver back, with the new-call machinery and the calls first polled
+/// meanwhile, when the borrower gives it back for good (it found nothing to do for its spin),
+/// when a call waits for a frame nobody reads ([`Mux::need_reader`]), when the connection ended
+/// under the borrower, or when the receiver has lain unread for [`LEND_IDLE`] (a handler that
+/// runs long: frames for the other calls wait that long at most).
+struct Lend {
+    slot: Mutex<Option<Lent>>,
+    interrupter: isthmus_shm::Interrupter,
+    /// Rung when the reader task should look at the slot.
+    free: Notify,
+    /// The receiver is lent (set and cleared by the reader task).
+    out: AtomicBool,
+    /// A borrower wants the receiver or reads it.
+    wanted: AtomicBool,
+    /// The reader task should take the receiver back as soon as nobody reads it.
+    back: AtomicBool,
+    /// When a borrower last put the receiver back, in nanoseconds since `since`.
+    used: AtomicU64,
+    /// No lend until then (nanoseconds since `since`): calls overlapped on the connection.
+    busy_until: AtomicU64,
+    since: std::time::Instant,
+}
+
+/// What a borrower needs to read the connection as its reader task would.
+struct Lent {
+    receiver: Receiver,
+    accept: Accept,
+    /// Calls whose handlers were handed off in a borrower's first poll and that wait for them to
+    /// finish; the reader task adopts them when it takes the receiver back.
+    calls: Vec<CallFuture>,
+    /// Reading sessions since the lend.
+    sessions: u64,
+    /// The connection ended under a borrower.
+    stop: Option<Status>,
+    runtime: tokio::runtime::Handle,
+}
+
+/// How long a connection whose calls overlapped is not lent: while a client keeps several calls
+/// in flight, a reader task on the other core reads while the handlers run, where a borrower
+/// would read only between its handlers.
+const BUSY_NO_LEND: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// The longest the receiver stays lent and unread before the reader task takes it back.
+const LEND_IDLE: std::time::Duration = std::time::Duration::from_millis(1);
+
+impl Lend {
+    fn since_nanos(&self) -> u64 {
+        self.since.elapsed().as_nanos() as u64
+    }
+
+    fn mark_used(&self) {
+        self.used.store(self.since_nanos(), Ordering::Release);
+    }
+
+    fn unused_for(&self) -> std::time::Duration {
+        let used = std::time::Duration::from_nanos(self.used.load(Ordering::Acquire));
+        self.since.elapsed().saturating_sub(used)
+    }
+
+    /// The receiver back for the reader task, if it should have it now (see [`Lend`]).
+    fn take_back(&self) -> Option<Lent> {
+        let mut slot = match self.slot.try_lock() {
+            Ok(slot) => slot,
+            // A borrower panicked while reading: the connection cannot go on.
+            Err(std::sync::TryLockError::Poisoned(p)) => {
+                let mut slot = p.into_inner();
+                if let Some(lent) = slot.as_mut() {
+                    lent.stop.get_or_insert_with(poisoned);
+                }
+                slot
+            }
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        let lent = slot.as_ref()?;
+        let unread = !self.wanted.load(Ordering::SeqCst) && (lent.sessions == 0 || self.unused_for() >= LEND_IDLE);
+        if !(lent.stop.is_some() || self.back.swap(false, Ordering::AcqRel) || unread) {
+            return None;
+        }
+        if unread && lent.sessions > 0 {
+            // Its borrower has been away a while (a long handler, or other threads holding the
+            // interpreter): not a connection to lend again soon.
+            self.busy_until.store(self.since_nanos() + BUSY_NO_LEND.as_nanos() as u64, Ordering::Release);
+        }
+        self.out.store(false, Ordering::SeqCst);
+        slot.take()
+    }
+
+    /// Gives the receiver back to the reader task now.
+    fn call_back(&self) {
+        self.back.store(true, Ordering::Release);
+        self.free.notify_one();
+    }
+}
+
+/// A server connection a foreign handler's thread may read while it waits for calls
+/// ([`crate::binding::HandedCall::connection`]). Holds the connection weakly.
+#[derive(Clone)]
+pub struct Lender(std::sync::Weak<Mux>);
+
+impl std::fmt::Debug for Lender {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Lender").finish_non_exhaustive()
+    }
+}
+
+impl Lender {
+    /// Reads the connection on this thread, as its reader task would, for up to `budget` or until
+    /// `stop()` holds: new calls start here, and a call handed to a foreign handler ends the
+    /// reading (its handler is this thread's to run, through the binding's queue, which makes
+    /// `stop()` hold). Returns at once if another thread reads the connection or it is over.
+    pub fn serve_here(&self, budget: std::time::Duration, stop: impl FnMut() -> bool) {
+        if let Some(mux) = self.0.upgrade() {
+            mux.serve_here(budget, stop);
+        }
+    }
+
+    /// Whether both name the same connection.
+    pub fn same(&self, other: &Lender) -> bool {
+        std::sync::Weak::ptr_eq(&self.0, &other.0)
+    }
+}
+
 /// The stream table of one connection.
 pub(crate) struct Mux {
     pub(crate) sender: Sender,
@@ -379,6 +514,8 @@ pub(crate) struct Mux {
     pump: Option<Pump>,
     /// Set when calls may read the connection beside the reader task (the async client).
     lead: Option<Lead>,
+    /// Set when a foreign handler's thread may read the connection (the server).
+    lend: Option<Lend>,
     /// Server side: calls open at once on this connection, at most.
     stream_limit: usize,
     /// The reader task's current batch of frames, and whether routing it may have woken a task.
@@ -387,6 +524,8 @@ pub(crate) struct Mux {
     /// The current batch held only WINDOW and PING frames (see `spin_for_next`).
     credit_only: AtomicBool,
     streams: Mutex<HashMap<u64, Entry, BuildHasherDefault<IdHasher>>>,
+    /// `streams.len()`, kept under its lock.
+    open: std::sync::atomic::AtomicUsize,
     /// Set once the connection is finished: every later call fails with it.
     dead: Mutex<Option<Status>>,
     /// Server side: GOAWAY was sent; new calls are refused.
@@ -454,12 +593,24 @@ impl Mux {
             slot: Mutex::new(Slot { receiver: None, wanting: Vec::new() }),
             free: Notify::new(),
         };
-        Mux::build(sender, None, Some(lead), usize::MAX)
+        Mux::build(sender, None, Some(lead), None, usize::MAX)
     }
 
-    /// A server's connection: a reader task, and at most `stream_limit` calls open at once.
-    pub(crate) fn serving(sender: Sender, stream_limit: usize) -> Arc<Mux> {
-        Mux::build(sender, None, None, stream_limit)
+    /// A server's connection: a reader task, which lends `receiver` to a foreign handler's
+    /// thread that asks ([`Lend`]), and at most `stream_limit` calls open at once.
+    pub(crate) fn serving(sender: Sender, receiver: &Receiver, stream_limit: usize) -> Arc<Mux> {
+        let lend = Lend {
+            slot: Mutex::new(None),
+            interrupter: receiver.interrupter(),
+            free: Notify::new(),
+            out: AtomicBool::new(false),
+            wanted: AtomicBool::new(false),
+            back: AtomicBool::new(false),
+            used: AtomicU64::new(0),
+            busy_until: AtomicU64::new(0),
+            since: std::time::Instant::now(),
+        };
+        Mux::build(sender, None, None, Some(lend), stream_limit)
     }
 
     /// A connection whose frames the calls' threads read themselves ([`wait`](Self::wait)).
@@ -468,20 +619,29 @@ impl Mux {
             sender,
             Some(Pump { receiver: Mutex::new(receiver), state: Mutex::default(), changed: Condvar::new() }),
             None,
+            None,
             usize::MAX,
         )
     }
 
-    fn build(sender: Sender, pump: Option<Pump>, lead: Option<Lead>, stream_limit: usize) -> Arc<Mux> {
+    fn build(
+        sender: Sender,
+        pump: Option<Pump>,
+        lead: Option<Lead>,
+        lend: Option<Lend>,
+        stream_limit: usize,
+    ) -> Arc<Mux> {
         Arc::new(Mux {
             sender,
             pump,
             lead,
+            lend,
             stream_limit,
             batch: AtomicU64::new(0),
             woke: AtomicBool::new(false),
             credit_only: AtomicBool::new(false),
             streams: Mutex::new(HashMap::default()),
+            open: std::sync::atomic::AtomicUsize::new(0),
             dead: Mutex::new(None),
             draining: AtomicBool::new(false),
             last_stream: AtomicU64::new(0),
@@ -535,6 +695,7 @@ impl Mux {
             cancelled,
         };
         streams.insert(id, entry);
+        self.open.store(streams.len(), Ordering::Relaxed);
         drop(streams);
         // The reader may have died between the check and the insert; it empties the table
         // after setting `dead`, so look again.
@@ -545,12 +706,17 @@ impl Mux {
         Ok(Stream { id, shared, consumed: Consumed::default() })
     }
 
+    /// The streams in the table (without its lock: a borrower looks at every wait, ADR 0020).
     fn open_streams(&self) -> usize {
-        self.streams.lock().map(|s| s.len()).unwrap_or(0)
+        self.open.load(Ordering::Relaxed)
     }
 
     pub(crate) fn unregister(&self, id: u64) {
-        let entry = self.streams.lock().ok().and_then(|mut s| s.remove(&id));
+        let entry = self.streams.lock().ok().and_then(|mut s| {
+            let entry = s.remove(&id);
+            self.open.store(s.len(), Ordering::Relaxed);
+            entry
+        });
         if let Some(e) = entry {
             e.close();
         }
@@ -570,6 +736,7 @@ impl Mux {
         }
         if end.is_some() {
             if let Some(e) = s.remove(&id) {
+                self.open.store(s.len(), Ordering::Relaxed);
                 e.close();
             }
         }
@@ -638,7 +805,14 @@ impl Mux {
         if let Ok(mut d) = self.dead.lock() {
             d.get_or_insert(status.clone());
         }
-        let streams = self.streams.lock().map(|mut s| std::mem::take(&mut *s)).unwrap_or_default();
+        let streams = self
+            .streams
+            .lock()
+            .map(|mut s| {
+                self.open.store(0, Ordering::Relaxed);
+                std::mem::take(&mut *s)
+            })
+            .unwrap_or_default();
         for (_, entry) in streams {
             entry.shared.inbox.push(Event::End(status.clone()));
             if let Some(c) = &entry.cancelled {
@@ -697,12 +871,41 @@ impl Mux {
                     None => break 'read poisoned(),
                 },
             };
-            let first = match &self.lead {
-                None => {
+            let first = match (&self.lead, &self.lend) {
+                (None, None) => {
                     let spin = self.spin_for_next(&receiver, !handed.calls.is_empty());
                     handed.serve_while(receiver.recv_async_spinning(spin)).await
                 }
-                Some(lead) => match receiver.recv_async_interruptible().await.transpose() {
+                (None, Some(lend)) => {
+                    let spin = self.spin_for_next(&receiver, !handed.calls.is_empty());
+                    match handed.serve_while(receiver.recv_async_interruptible(spin)).await.transpose() {
+                        Some(got) => got,
+                        // A foreign handler's thread asked to read (ADR 0020).
+                        None => {
+                            let Some(acc) = accept.take() else {
+                                held = Some(receiver);
+                                continue;
+                            };
+                            let lent = Lent {
+                                receiver,
+                                accept: acc,
+                                calls: Vec::new(),
+                                sessions: 0,
+                                stop: None,
+                                runtime: tokio::runtime::Handle::current(),
+                            };
+                            let lent = handed.serve_while(Self::lend_out(lend, lent)).await;
+                            handed.calls.extend(lent.calls);
+                            accept = Some(lent.accept);
+                            if let Some(status) = lent.stop {
+                                break 'read status;
+                            }
+                            held = Some(lent.receiver);
+                            continue;
+                        }
+                    }
+                }
+                (Some(lead), _) => match receiver.recv_async_interruptible(lead.spin).await.transpose() {
                     Some(got) => got,
                     // A call asked for the receiver: it reads until its reply has come. Let it run
                     // (it may be queued on this worker) before taking the receiver back.
@@ -827,6 +1030,200 @@ impl Mux {
         } else {
             isthmus_shm::SpinPolicy { max: std::time::Duration::ZERO, ..full }
         }
+    }
+
+    /// Lends the receiver to a foreign handler's thread (ADR 0020), and takes it back when
+    /// that thread gives it back for good, a call needs a reader, the connection ended under the
+    /// borrower, or it lay unread for [`LEND_IDLE`] (see [`Lend`]).
+    async fn lend_out(lend: &Lend, lent: Lent) -> Lent {
+        lend.back.store(false, Ordering::Release);
+        lend.mark_used();
+        *lend.slot.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(lent);
+        lend.out.store(true, Ordering::SeqCst);
+        loop {
+            if let Some(lent) = lend.take_back() {
+                return lent;
+            }
+            tokio::select! {
+                _ = lend.free.notified() => {}
+                _ = tokio::time::sleep(LEND_IDLE) => {}
+            }
+        }
+    }
+
+    /// A handle on this connection for a foreign handler's thread to read it while it waits
+    /// for calls; `None` where the server reads its connections only on its own task.
+    pub(crate) fn lender(self: &Arc<Self>) -> Option<Lender> {
+        self.lend.as_ref().map(|_| Lender(Arc::downgrade(self)))
+    }
+
+    /// A call waits for a frame from the peer: if the receiver is lent (ADR 0020), the reader
+    /// task takes it back as soon as nobody reads it.
+    pub(crate) fn need_reader(&self) {
+        if let Some(lend) = &self.lend {
+            if lend.out.load(Ordering::Acquire) && !lend.back.load(Ordering::Acquire) {
+                lend.call_back();
+            }
+        }
+    }
+
+    /// Reads the connection on a foreign handler's thread (see [`Lender::serve_here`]).
+    fn serve_here(&self, budget: std::time::Duration, mut stop: impl FnMut() -> bool) {
+        let Some(lend) = &self.lend else { return };
+        // Lend only a quiet connection: while other calls are in progress here, the reader task
+        // keeps reading for them, and a lend would be given back at once (see the end).
+        if !lend.out.load(Ordering::Acquire)
+            && (lend.since_nanos() < lend.busy_until.load(Ordering::Acquire) || self.open_streams() > 0)
+        {
+            return;
+        }
+        if self.dead().is_some() {
+            return;
+        }
+        let start = std::time::Instant::now();
+        lend.wanted.store(true, Ordering::SeqCst);
+        // The receiver: in the slot if lent already; else the reader task lends it when asked.
+        let mut asked = false;
+        let mut looks = 0u32;
+        let mut slot = loop {
+            match lend.slot.try_lock() {
+                Ok(slot) if slot.is_some() => break slot,
+                Ok(_) if !asked => {
+                    asked = true;
+                    lend.interrupter.interrupt();
+                }
+                Ok(_) | Err(std::sync::TryLockError::WouldBlock) => {}
+                Err(std::sync::TryLockError::Poisoned(_)) => {
+                    lend.wanted.store(false, Ordering::SeqCst);
+                    return;
+                }
+            }
+            looks = looks.wrapping_add(1);
+            if looks % 16 == 0 && (stop() || start.elapsed() >= budget) {
+                // A lend that comes after this goes straight back: nobody wants it.
+                lend.wanted.store(false, Ordering::SeqCst);
+                lend.free.notify_one();
+                return;
+            }
+            // The reader task needs a core to hand the receiver over; this thread may share it.
+            std::thread::yield_now();
+        };
+        let Some(lent) = slot.as_mut() else { return };
+        lent.sessions += 1;
+        let _runtime = lent.runtime.enter();
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        // Calls handed over in earlier sessions whose handlers have finished: their ends.
+        lent.calls.retain_mut(|call| call.as_mut().poll(&mut cx).is_pending());
+        // Calls still in progress here run on other threads: the reader task reads for them
+        // better (see below), and this thread waits for its next call as before.
+        let overlapping = self.open_streams() > 0;
+        let idle = !overlapping && self.read_lent(lent, &mut cx, start, budget, &mut stop);
+        // Other calls in progress here (more than the one this thread is about to run) may get
+        // frames, and the client may start more, while this thread runs its handler: the reader
+        // task reads for them meanwhile (a wake-up, shared by all those calls). With only this
+        // thread's call open, the receiver stays lent.
+        let busy = overlapping || self.open_streams() > 1;
+        if busy {
+            // Calls overlap here: the reader task is the better reader for a while (ADR 0020).
+            lend.busy_until.store(lend.since_nanos() + BUSY_NO_LEND.as_nanos() as u64, Ordering::Release);
+        }
+        let back = idle || busy || lent.stop.is_some() || lend.back.load(Ordering::Acquire);
+        lend.mark_used();
+        lend.wanted.store(false, Ordering::SeqCst);
+        drop(slot);
+        if back {
+            lend.call_back();
+        }
+    }
+
+    /// A borrower's reading, until a call is handed to its thread, the connection ends, `stop()`
+    /// holds, or `budget` has passed since `start` (then `true`: nothing came).
+    fn read_lent(
+        &self,
+        lent: &mut Lent,
+        cx: &mut std::task::Context<'_>,
+        start: std::time::Instant,
+        budget: std::time::Duration,
+        stop: &mut impl FnMut() -> bool,
+    ) -> bool {
+        let spin = lent.receiver.spin_policy();
+        let mut looks = 0u32;
+        loop {
+            let got = match lent.receiver.try_recv().transpose() {
+                Some(got) => got,
+                None => {
+                    looks = looks.wrapping_add(1);
+                    if looks % 32 != 0 {
+                        std::hint::spin_loop();
+                        continue;
+                    }
+                    if stop() {
+                        return false;
+                    }
+                    let spent = start.elapsed();
+                    if spent >= budget {
+                        return true;
+                    }
+                    if spent >= spin.yield_after {
+                        std::thread::yield_now();
+                    }
+                    continue;
+                }
+            };
+            self.batch.fetch_add(1, Ordering::Relaxed);
+            if let Some(status) = self.route_here(&mut lent.receiver, got, &mut lent.accept) {
+                lent.stop = Some(status);
+            }
+            // As the reader task does: a call whose HEADERS came alone gets a moment for its
+            // request before its first poll.
+            if !lent.accept.bare.is_empty() && lent.stop.is_none() {
+                if let Some(next) = Self::follow_up(&mut lent.receiver).transpose() {
+                    if let Some(status) = self.route_here(&mut lent.receiver, next, &mut lent.accept) {
+                        lent.stop = Some(status);
+                    }
+                }
+            }
+            lent.accept.bare.clear();
+            let mut handed = false;
+            for mut call in std::mem::take(&mut lent.accept.batch) {
+                HANDED_OFF.set(false);
+                if call.as_mut().poll(cx).is_ready() {
+                    continue;
+                }
+                if HANDED_OFF.replace(false) {
+                    handed = true;
+                    lent.calls.push(call);
+                } else {
+                    drop(lent.runtime.spawn(call));
+                }
+            }
+            if handed || lent.stop.is_some() {
+                return false;
+            }
+        }
+    }
+
+    /// [`route_batch`](Self::route_batch) on a borrower's thread: answers wait for ring room
+    /// for a second at most.
+    fn route_here(&self, receiver: &mut Receiver, first: Result<Frame, Error>, accept: &mut Accept) -> Option<Status> {
+        let mut got = Some(first);
+        let mut budget = 256;
+        while let Some(frame) = got.take() {
+            match self.step(frame, Some(&mut *accept)) {
+                Step::Continue(None) => {}
+                Step::Continue(Some(r)) => {
+                    let patience = std::time::Instant::now() + std::time::Duration::from_secs(1);
+                    let _ = self.sender.send(r.kind, r.flags, r.stream, &r.body, Some(patience));
+                }
+                Step::Stop(status) => return Some(status),
+            }
+            budget -= 1;
+            if budget > 0 {
+                got = receiver.try_recv().transpose();
+            }
+        }
+        None
     }
 
     /// Polls each new call once, here on the reader's task; the calls that must wait, but for

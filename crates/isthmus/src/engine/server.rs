@@ -237,7 +237,11 @@ impl Requests {
         }
         self.settle();
         loop {
-            let Poll::Ready(event) = self.stream.shared.inbox.poll_recv(cx) else { return Poll::Pending };
+            let Poll::Ready(event) = self.stream.shared.inbox.poll_recv(cx) else {
+                // Someone must read the connection for the request to come (ADR 0020).
+                self.mux.need_reader();
+                return Poll::Pending;
+            };
             return Poll::Ready(match event {
                 Some(Event::Message(m)) => {
                     self.stream.took(m.len(), &self.mux.sender);
@@ -256,6 +260,11 @@ impl Requests {
 }
 
 impl ServerCall {
+    /// The connection, for a foreign handler's thread to read while it waits for calls.
+    pub(crate) fn lender(&self) -> Option<super::mux::Lender> {
+        self.mux.lender()
+    }
+
     /// The method path, `/package.Service/Method`.
     pub fn path(&self) -> &str {
         &self.head.path
@@ -331,6 +340,10 @@ impl ServerCall {
         // handler waits for.
         if let Some(requests) = &mut self.requests {
             requests.stream.settle(&self.mux.sender);
+        }
+        if self.shared.send_window.starved() {
+            // The credit comes in a WINDOW frame, which someone must read (ADR 0020).
+            self.mux.need_reader();
         }
         match self.shared.send_window.take(flow::charge(len)).await {
             Credit::Taken => Ok(()),
@@ -675,7 +688,7 @@ async fn serve_connection(
     let bridged = bridge && u32::try_from(info.pid).is_ok_and(|pid| pid == std::process::id());
     let peer = Peer::shm(info);
     let (sender, receiver) = conn.split();
-    let mux = Mux::serving(sender, stream_limit);
+    let mux = Mux::serving(sender, &receiver, stream_limit);
     if let Ok(mut c) = tracker.connections.lock() {
         c.retain(|w| w.strong_count() > 0);
         c.push(Arc::downgrade(&mux));
