@@ -419,7 +419,18 @@ struct Lent {
     sessions: u64,
     /// The connection ended under a borrower.
     stop: Option<Status>,
+    /// Answers a borrower found no ring room for, for the reader task to send.
+    unsent: Vec<Reply>,
     runtime: tokio::runtime::Handle,
+}
+
+/// How a borrower's reading ended.
+#[derive(PartialEq, Eq)]
+enum Read {
+    /// A call was handed to its thread: the receiver stays lent while its handler runs.
+    Handed,
+    /// The reader task should read now.
+    GiveBack,
 }
 
 /// How long a connection whose calls overlapped is not lent: while a client keeps several calls
@@ -855,6 +866,11 @@ impl Mux {
                     "the connection's reader stopped (its tokio runtime shut down)",
                 ));
                 self.0.sender.close();
+                // A lent receiver's calls end here too (they hold this connection: a cycle).
+                if let Some(lend) = &self.0.lend {
+                    let lent = lend.slot.lock().map_or_else(|p| p.into_inner().take(), |mut s| s.take());
+                    drop(lent);
+                }
             }
         }
         let _watch = Watch(self.clone());
@@ -892,9 +908,13 @@ impl Mux {
                                 calls: Vec::new(),
                                 sessions: 0,
                                 stop: None,
+                                unsent: Vec::new(),
                                 runtime: tokio::runtime::Handle::current(),
                             };
                             let lent = handed.serve_while(Self::lend_out(lend, lent)).await;
+                            for r in &lent.unsent {
+                                let _ = self.sender.send_async(r.kind, r.flags, r.stream, &r.body).await;
+                            }
                             handed.calls.extend(lent.calls);
                             accept = Some(lent.accept);
                             if let Some(status) = lent.stop {
@@ -1044,9 +1064,11 @@ impl Mux {
             if let Some(lent) = lend.take_back() {
                 return lent;
             }
+            // Next look: when the receiver will have lain unread for `LEND_IDLE`.
+            let wait = LEND_IDLE.saturating_sub(lend.unused_for()).max(std::time::Duration::from_micros(100));
             tokio::select! {
                 _ = lend.free.notified() => {}
-                _ = tokio::time::sleep(LEND_IDLE) => {}
+                _ = tokio::time::sleep(wait) => {}
             }
         }
     }
@@ -1109,6 +1131,13 @@ impl Mux {
             std::thread::yield_now();
         };
         let Some(lent) = slot.as_mut() else { return };
+        if lent.stop.is_some() || !lent.unsent.is_empty() {
+            // Over, or owing the peer an answer: the reader task's now.
+            lend.wanted.store(false, Ordering::SeqCst);
+            drop(slot);
+            lend.call_back();
+            return;
+        }
         lent.sessions += 1;
         let _runtime = lent.runtime.enter();
         let waker = std::task::Waker::noop();
@@ -1118,7 +1147,7 @@ impl Mux {
         // Calls still in progress here run on other threads: the reader task reads for them
         // better (see below), and this thread waits for its next call as before.
         let overlapping = self.open_streams() > 0;
-        let idle = !overlapping && self.read_lent(lent, &mut cx, start, budget, &mut stop);
+        let give_back = overlapping || self.read_lent(lent, &mut cx, start, budget, &mut stop) == Read::GiveBack;
         // Other calls in progress here (more than the one this thread is about to run) may get
         // frames, and the client may start more, while this thread runs its handler: the reader
         // task reads for them meanwhile (a wake-up, shared by all those calls). With only this
@@ -1128,17 +1157,19 @@ impl Mux {
             // Calls overlap here: the reader task is the better reader for a while (ADR 0020).
             lend.busy_until.store(lend.since_nanos() + BUSY_NO_LEND.as_nanos() as u64, Ordering::Release);
         }
-        let back = idle || busy || lent.stop.is_some() || lend.back.load(Ordering::Acquire);
         lend.mark_used();
         lend.wanted.store(false, Ordering::SeqCst);
         drop(slot);
-        if back {
+        // `back` looked at after the slot is free: a `need_reader` just before finds it set, one
+        // just after finds the slot free.
+        if give_back || busy || lend.back.load(Ordering::Acquire) {
             lend.call_back();
         }
     }
 
-    /// A borrower's reading, until a call is handed to its thread, the connection ends, `stop()`
-    /// holds, or `budget` has passed since `start` (then `true`: nothing came).
+    /// A borrower's reading, until a call is handed to its thread (`Handed`: the receiver stays
+    /// lent while it runs), or the connection ends, an answer waits for ring room, `stop()`
+    /// holds or `budget` has passed since `start` (`GiveBack`).
     fn read_lent(
         &self,
         lent: &mut Lent,
@@ -1146,7 +1177,7 @@ impl Mux {
         start: std::time::Instant,
         budget: std::time::Duration,
         stop: &mut impl FnMut() -> bool,
-    ) -> bool {
+    ) -> Read {
         let spin = lent.receiver.spin_policy();
         let mut looks = 0u32;
         loop {
@@ -1158,13 +1189,12 @@ impl Mux {
                         std::hint::spin_loop();
                         continue;
                     }
-                    if stop() {
-                        return false;
+                    // Called away (a call of another connection), or nothing came: either way
+                    // the reader task reads from now on.
+                    if stop() || start.elapsed() >= budget {
+                        return Read::GiveBack;
                     }
                     let spent = start.elapsed();
-                    if spent >= budget {
-                        return true;
-                    }
                     if spent >= spin.yield_after {
                         std::thread::yield_now();
                     }
@@ -1172,15 +1202,16 @@ impl Mux {
                 }
             };
             self.batch.fetch_add(1, Ordering::Relaxed);
-            if let Some(status) = self.route_here(&mut lent.receiver, got, &mut lent.accept) {
-                lent.stop = Some(status);
+            if let Some(status) = self.route_here(&mut lent.receiver, got, &mut lent.accept, &mut lent.unsent) {
+                lent.stop.get_or_insert(status);
             }
             // As the reader task does: a call whose HEADERS came alone gets a moment for its
             // request before its first poll.
             if !lent.accept.bare.is_empty() && lent.stop.is_none() {
                 if let Some(next) = Self::follow_up(&mut lent.receiver).transpose() {
-                    if let Some(status) = self.route_here(&mut lent.receiver, next, &mut lent.accept) {
-                        lent.stop = Some(status);
+                    if let Some(status) = self.route_here(&mut lent.receiver, next, &mut lent.accept, &mut lent.unsent)
+                    {
+                        lent.stop.get_or_insert(status);
                     }
                 }
             }
@@ -1198,24 +1229,40 @@ impl Mux {
                     drop(lent.runtime.spawn(call));
                 }
             }
-            if handed || lent.stop.is_some() {
-                return false;
+            if lent.stop.is_some() || !lent.unsent.is_empty() {
+                return Read::GiveBack;
+            }
+            if handed {
+                return Read::Handed;
+            }
+            if stop() || start.elapsed() >= budget {
+                return Read::GiveBack;
             }
         }
     }
 
-    /// [`route_batch`](Self::route_batch) on a borrower's thread: answers wait for ring room
-    /// for a second at most.
-    fn route_here(&self, receiver: &mut Receiver, first: Result<Frame, Error>, accept: &mut Accept) -> Option<Status> {
+    /// [`route_batch`](Self::route_batch) on a borrower's thread. An answer that finds no ring
+    /// room at once waits in `unsent` for the reader task: a client that stopped reading must
+    /// not hold this thread, which other connections' calls wait for.
+    fn route_here(
+        &self,
+        receiver: &mut Receiver,
+        first: Result<Frame, Error>,
+        accept: &mut Accept,
+        unsent: &mut Vec<Reply>,
+    ) -> Option<Status> {
         let mut got = Some(first);
         let mut budget = 256;
         while let Some(frame) = got.take() {
             match self.step(frame, Some(&mut *accept)) {
                 Step::Continue(None) => {}
-                Step::Continue(Some(r)) => {
-                    let patience = std::time::Instant::now() + std::time::Duration::from_secs(1);
-                    let _ = self.sender.send(r.kind, r.flags, r.stream, &r.body, Some(patience));
+                Step::Continue(Some(r)) if unsent.is_empty() => {
+                    let now = Some(std::time::Instant::now());
+                    if self.sender.send(r.kind, r.flags, r.stream, &r.body, now).is_err() {
+                        unsent.push(r);
+                    }
                 }
+                Step::Continue(Some(r)) => unsent.push(r),
                 Step::Stop(status) => return Some(status),
             }
             budget -= 1;
