@@ -46,10 +46,10 @@
 //! The blocking client's threads read through `driven` and `wait` (see `blocking`).
 //!
 //! A server's reader task lends its receiver to a foreign handler's thread that asks (`Lend`,
-//! `serve_here`, ADR 0020): a Python executor thread waiting for its next call reads the
-//! connection itself, so the call it finds runs where it was read. The task takes the receiver
-//! back when the borrower gives it back, when a call waits for a frame (`need_reader`), or when
-//! it lay unread for a millisecond.
+//! `serve_here`, ADR 0020) while no other call is in progress: a Python executor thread waiting
+//! for its next call reads the connection itself, so the call it finds runs where it was read.
+//! The task takes the receiver back when the borrower gives it back, when a call waits for a
+//! frame (`need_reader`), or when it lay unread for a millisecond.
 //!
 //! Whoever reads also sends a few frames: the PING answer, the TRAILERS that refuse a call, the
 //! CANCEL for a peer past its window, and the frames that end a call whose message was too large.
@@ -385,11 +385,13 @@ impl Lead {
 /// taking turns through `sched_yield` and no turns at all.
 ///
 /// The reader task lends only when a borrower asks ([`Mux::serve_here`] interrupts its wait),
-/// and takes the receiver back, with the new-call machinery and the calls first polled
-/// meanwhile, when the borrower gives it back for good (it found nothing to do for its spin),
-/// when a call waits for a frame nobody reads ([`Mux::need_reader`]), when the connection ended
-/// under the borrower, or when the receiver has lain unread for [`LEND_IDLE`] (a handler that
-/// runs long: frames for the other calls wait that long at most).
+/// and only a quiet connection: while calls overlap, it reads on the other core during the
+/// handlers, where a borrower could read only between them ([`BUSY_NO_LEND`]). It takes the
+/// receiver back, with the new-call machinery and the calls first polled meanwhile, when the
+/// borrower gives it back (nothing came for its spin, another connection's call called it away,
+/// an answer found no ring room, calls overlap), when a call waits for a frame nobody reads
+/// ([`Mux::need_reader`]), when the connection ended under the borrower, or when the receiver
+/// has lain unread for [`LEND_IDLE`] (a handler that runs long).
 struct Lend {
     slot: Mutex<Option<Lent>>,
     interrupter: isthmus_shm::Interrupter,
@@ -505,7 +507,8 @@ impl Lender {
     /// Reads the connection on this thread, as its reader task would, for up to `budget` or until
     /// `stop()` holds: new calls start here, and a call handed to a foreign handler ends the
     /// reading (its handler is this thread's to run, through the binding's queue, which makes
-    /// `stop()` hold). Returns at once if another thread reads the connection or it is over.
+    /// `stop()` hold). Returns at once if another thread reads the connection, other calls are
+    /// in progress on it, or it is over.
     pub fn serve_here(&self, budget: std::time::Duration, stop: impl FnMut() -> bool) {
         if let Some(mux) = self.0.upgrade() {
             mux.serve_here(budget, stop);
