@@ -1096,7 +1096,8 @@ impl Receiver {
     pub async fn recv_async_interruptible(&mut self, spin: SpinPolicy) -> Result<Option<Frame>> {
         use std::sync::atomic::Ordering;
         loop {
-            if self.core.interrupted.swap(false, Ordering::AcqRel) {
+            // Every server's reader waits here: a plain load first, the swap only when set.
+            if self.core.interrupted.load(Ordering::Acquire) && self.core.interrupted.swap(false, Ordering::AcqRel) {
                 return Ok(None);
             }
             if let Some(f) = self.try_recv()? {
