@@ -32,6 +32,7 @@ PYTHON = [
     "py-raw-uds",
 ]
 PY_PY = ["py-py-isthmus", "py-py-grpcio", "py-isthmus-sync"]
+PY_AIO = ["py-aio-py-isthmus", "py-aio-py-grpc-aio", "py-isthmus-aio"]
 RAW = ["py-isthmus-raw", "py-ray-actor", "py-py-grpcio", "py-memcpy"]
 GO = ["go-isthmus-shm", "go-isthmus-raw", "go-grpc-uds", "go-memcpy"]
 GATEWAY = ["gateway-isthmus-shm", "gateway-grpc-aio-uds", "gateway-httpx-axum-uds"]
@@ -291,6 +292,12 @@ def main() -> int:
         "16 threads; `py-isthmus-sync` is the same client against the Rust server.",
         "",
         *latency_table(res, PY_PY),
+        "",
+        "asyncio at both ends: `py-aio-py-isthmus` (`isthmus.aio`'s client and server over shm://) "
+        "beside `py-aio-py-grpc-aio` (grpc.aio's over a Unix socket), an `async def` handler "
+        "returning its request; `py-isthmus-aio` is the same client against the Rust server.",
+        "",
+        *latency_table(res, PY_AIO),
         "",
         "### The raw tier, in SlimeRPC's table shape",
         "",

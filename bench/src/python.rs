@@ -3,7 +3,8 @@
 //! server that offers `shm://`, the upgrade) beside grpcio and grpc.aio against tonic over a
 //! Unix socket, and a plain Python socket against the length-prefixed echo. And against Python
 //! servers (`bench/py_server.py`): `py-py-isthmus` (isthmus to isthmus over `shm://`) beside
-//! `py-py-grpcio` (grpcio to grpcio over a Unix socket).
+//! `py-py-grpcio` (grpcio to grpcio over a Unix socket), and the same with asyncio at both ends,
+//! `py-aio-py-isthmus` beside `py-aio-py-grpc-aio`.
 
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
@@ -78,6 +79,14 @@ impl PyClient {
             PyClient::start(&python, "py-py-grpcio", "grpc-sync", py_server("grpcio", socket("pypygrpc"))),
             PyClient::start(&python, "py-isthmus-upgraded", "isthmus-sync", upgraded()),
             PyClient::start(&python, "py-isthmus-aio", "isthmus-aio", shm()),
+            // asyncio at both ends: an asyncio client of an asyncio Python server.
+            PyClient::start(
+                &python,
+                "py-aio-py-isthmus",
+                "isthmus-aio",
+                py_server("isthmus-aio", format!("shm://{}", unique("pyaio"))),
+            ),
+            PyClient::start(&python, "py-aio-py-grpc-aio", "grpc-aio", py_server("grpc-aio", socket("pyaiogrpc"))),
             PyClient::start(&python, "py-grpc-sync-tonic-uds", "grpc-sync", tonic()),
             PyClient::start(&python, "py-grpc-aio-tonic-uds", "grpc-aio", tonic()),
             PyClient::start(&python, "py-raw-uds", "raw-uds", raw()),

@@ -235,20 +235,21 @@ func TestARawStreamPastItsDeadlineSaysDeadlineExceeded(t *testing.T) {
 	}
 }
 
-// pollingEcho's handlers poll their context's Err, never calling Done, until it reports an
-// error (30 s at most), and hand what they saw to saw.
+// pollingEcho's handlers poll their context with look (ctx.Err, or context.Cause), never
+// calling Done, until it reports an error (30 s at most), and hand what they saw to saw.
 type pollingEcho struct {
 	echo.Service
+	look    func(context.Context) error
 	started chan struct{}
 	saw     chan error
 }
 
 func (p pollingEcho) poll(ctx context.Context) error {
 	p.started <- struct{}{}
-	for give := time.Now().Add(30 * time.Second); ctx.Err() == nil && time.Now().Before(give); {
+	for give := time.Now().Add(30 * time.Second); p.look(ctx) == nil && time.Now().Before(give); {
 		time.Sleep(time.Millisecond)
 	}
-	err := ctx.Err()
+	err := p.look(ctx)
 	p.saw <- err
 	if err == nil {
 		return status.Error(codes.Internal, "the context never ended")
@@ -267,54 +268,70 @@ func (p pollingEcho) ServerStream(_ *pb.StreamRequest, stream grpc.ServerStreami
 // A handler that only polls ctx.Err() learns that its client cancelled the call, as with
 // grpc-go: Err reports context.Canceled once the client's cancel has reached the server.
 func TestAHandlerPollingErrSeesTheClientsCancel(t *testing.T) {
-	shm, _ := fresh(t, "poll-err")
-	impl := pollingEcho{started: make(chan struct{}, 1), saw: make(chan error, 1)}
+	checkPollingSeesCancel(t, "poll-err", context.Context.Err)
+}
+
+// So does one that polls only context.Cause(ctx). Cause finds the cancelCtx under the call's
+// context through ctx.Value, which starts no watch; it asks ctx.Err first (and older Go fell
+// back to Err while there was no cause), and Err starts it.
+func TestAHandlerPollingCauseSeesTheClientsCancel(t *testing.T) {
+	checkPollingSeesCancel(t, "poll-cause", context.Cause)
+}
+
+// checkPollingSeesCancel cancels a unary and a server-streaming call whose handler polls its
+// context with look, over shm:// and unix://, and fails t unless look reports
+// context.Canceled and the client Canceled.
+func checkPollingSeesCancel(t *testing.T, tag string, look func(context.Context) error) {
+	shm, unix := fresh(t, tag)
+	impl := pollingEcho{look: look, started: make(chan struct{}, 1), saw: make(chan error, 1)}
 	s := isthmus.NewServer()
 	pb.RegisterEchoServer(s, impl)
-	if err := s.Start(shm); err != nil {
+	if err := s.Start(shm, unix); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(s.Stop)
-	c := pb.NewEchoClient(dial(t, shm))
-	calls := []struct {
-		what string
-		call func(context.Context) error
-	}{
-		{"unary", func(ctx context.Context) error {
-			_, err := c.Unary(ctx, &pb.EchoRequest{})
-			return err
-		}},
-		{"server-streaming", func(ctx context.Context) error {
-			st, err := c.ServerStream(ctx, &pb.StreamRequest{Count: 1})
-			if err != nil {
+	for _, target := range append([]string{shm}, s.HTTPAddresses()...) {
+		c := pb.NewEchoClient(dial(t, target))
+		calls := []struct {
+			what string
+			call func(context.Context) error
+		}{
+			{"unary", func(ctx context.Context) error {
+				_, err := c.Unary(ctx, &pb.EchoRequest{})
 				return err
-			}
-			_, err = st.Recv()
-			return err
-		}},
-	}
-	for _, tc := range calls {
-		what := tc.what
-		ctx, cancel := context.WithCancel(context.Background())
-		done := make(chan error, 1)
-		go func() { done <- tc.call(ctx) }()
-		select {
-		case <-impl.started:
-		case <-time.After(30 * time.Second):
-			t.Fatalf("%s: the handler did not start within 30 s", what)
+			}},
+			{"server-streaming", func(ctx context.Context) error {
+				st, err := c.ServerStream(ctx, &pb.StreamRequest{Count: 1})
+				if err != nil {
+					return err
+				}
+				_, err = st.Recv()
+				return err
+			}},
 		}
-		cancel()
-		// The handler gives up polling after 30 s; it should have seen the cancel long before.
-		select {
-		case err := <-impl.saw:
-			if !errors.Is(err, context.Canceled) {
-				t.Fatalf("%s: the handler's ctx.Err() gave %v after the client cancelled, want context.Canceled", what, err)
+		for _, tc := range calls {
+			what := target + " " + tc.what
+			ctx, cancel := context.WithCancel(context.Background())
+			done := make(chan error, 1)
+			go func() { done <- tc.call(ctx) }()
+			select {
+			case <-impl.started:
+			case <-time.After(30 * time.Second):
+				t.Fatalf("%s: the handler did not start within 30 s", what)
 			}
-		case <-time.After(60 * time.Second):
-			t.Fatalf("%s: the handler did not end within 60 s", what)
-		}
-		if err := <-done; status.Code(err) != codes.Canceled {
-			t.Fatalf("%s: the client got %v, want Canceled", what, err)
+			cancel()
+			// The handler gives up polling after 30 s; it should have seen the cancel long before.
+			select {
+			case err := <-impl.saw:
+				if !errors.Is(err, context.Canceled) {
+					t.Fatalf("%s: the handler's poll gave %v after the client cancelled, want context.Canceled", what, err)
+				}
+			case <-time.After(60 * time.Second):
+				t.Fatalf("%s: the handler did not end within 60 s", what)
+			}
+			if err := <-done; status.Code(err) != codes.Canceled {
+				t.Fatalf("%s: the client got %v, want Canceled", what, err)
+			}
 		}
 	}
 }

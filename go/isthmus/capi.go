@@ -14,9 +14,11 @@ import (
 	"sync"
 	"unsafe"
 
+	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 )
 
 // This file holds what every other file uses of the C ABI: metadata, statuses, messages and
@@ -117,15 +119,49 @@ func freeMetadata(h *C.isthmus_metadata_t) {
 }
 
 // statusError turns a failure code and its status handle (freed here; may be nil) into a
-// status.Status error and the trailing metadata that came with it.
+// status.Status error, with the status's details, and the trailing metadata that came with it.
 func statusError(code C.isthmus_code_t, st *C.isthmus_status_t) (error, metadata.MD) {
 	if st == nil {
 		return status.Error(codes.Code(code), C.GoString(C.isthmus_code_name(code))), nil
 	}
 	msg := C.GoString(C.isthmus_status_message(st))
 	trailers := takeMetadata(C.isthmus_status_trailers(st))
+	var n C.size_t
+	details := messageBytes(C.isthmus_status_details(st, &n), n)
+	err := withDetails(codes.Code(code), msg, details)
 	C.isthmus_status_free(st)
-	return status.Error(codes.Code(code), msg), trailers
+	return err, trailers
+}
+
+// withDetails is the error of a status with code, msg and the details bytes the server sent
+// (a serialized google.rpc.Status, read before the status handle holding them is freed): its
+// details are what status.FromError(err).Details() gives, as grpc-go's client does with
+// grpc-status-details-bin. The code and message are the status's own; details that do not
+// decode are left out.
+func withDetails(code codes.Code, msg string, details []byte) error {
+	if len(details) == 0 {
+		return status.Error(code, msg)
+	}
+	p := new(spb.Status)
+	if err := proto.Unmarshal(details, p); err != nil {
+		return status.Error(code, msg)
+	}
+	p.Code, p.Message = int32(code), msg
+	return status.FromProto(p).Err()
+}
+
+// detailsOf is what a server sends as the details of s: s as a serialized google.rpc.Status
+// when it carries details (status.WithDetails), else nothing.
+func detailsOf(s *status.Status) []byte {
+	p := s.Proto()
+	if len(p.GetDetails()) == 0 {
+		return nil
+	}
+	b, err := proto.Marshal(p)
+	if err != nil {
+		return nil
+	}
+	return b
 }
 
 // messageBytes is a view of a received message's bytes; valid until the message is freed.

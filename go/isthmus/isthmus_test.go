@@ -206,7 +206,10 @@ func TestPlainGrpcGoClientAgainstTheGoServer(t *testing.T) {
 	}
 }
 
-func TestGeneratedClientAgainstTheRustServer(t *testing.T) {
+// tonicPeer is the Rust tonic-peer that ISTHMUS_TONIC_PEER names; the test is skipped without
+// it (failed, with ISTHMUS_REQUIRE_PEERS).
+func tonicPeer(t *testing.T) string {
+	t.Helper()
 	bin := os.Getenv("ISTHMUS_TONIC_PEER")
 	if bin == "" {
 		if os.Getenv("ISTHMUS_REQUIRE_PEERS") != "" {
@@ -214,6 +217,11 @@ func TestGeneratedClientAgainstTheRustServer(t *testing.T) {
 		}
 		t.Skip("ISTHMUS_TONIC_PEER is not set: run through make test")
 	}
+	return bin
+}
+
+func TestGeneratedClientAgainstTheRustServer(t *testing.T) {
+	bin := tonicPeer(t)
 	shm, unix := fresh(t, "rust")
 	p := startPeer(t, bin, shm, unix, "http://127.0.0.1:0")
 	for _, target := range append([]string{shm}, p.addresses...) {

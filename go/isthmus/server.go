@@ -576,6 +576,7 @@ func (st *serverStream) end(err error) {
 	}
 	st.finished = true
 	code, msg := C.isthmus_code_t(C.ISTHMUS_OK), ""
+	var details []byte
 	if err != nil {
 		s, _ := status.FromError(err)
 		if errors.Is(err, context.Canceled) {
@@ -583,17 +584,22 @@ func (st *serverStream) end(err error) {
 		} else if errors.Is(err, context.DeadlineExceeded) {
 			s = status.New(codes.DeadlineExceeded, err.Error())
 		}
-		code, msg = C.isthmus_code_t(s.Code()), s.Message()
+		code, msg, details = C.isthmus_code_t(s.Code()), s.Message(), detailsOf(s)
 	}
 	trailers, terr := newMetadata(st.trailer)
 	if terr != nil {
-		code, msg = C.isthmus_code_t(codes.Internal), terr.Error()
+		code, msg, details = C.isthmus_code_t(codes.Internal), terr.Error(), nil
 	}
 	cmsg := (*C.char)(nil)
 	if msg != "" {
 		cmsg = C.CString(msg)
 		defer C.free(unsafe.Pointer(cmsg))
 	}
-	C.isthmus_server_call_finish(st.sc, code, cmsg, trailers, nil)
+	if len(details) == 0 {
+		C.isthmus_server_call_finish(st.sc, code, cmsg, trailers, nil)
+	} else {
+		C.isthmus_server_call_finish_with_details(st.sc, code, cmsg, bytesPtr(details), C.size_t(len(details)), trailers, nil)
+		runtime.KeepAlive(details)
+	}
 	freeMetadata(trailers)
 }

@@ -155,6 +155,14 @@ function cases.fail(ch, args)
     return failure(err)
 end
 
+-- A failure's details, in hex ("" for none).
+function cases.fail_details(ch, args)
+    local ok, err = ch:unary(ECHO .. "Unary", { fail_with = tonumber(args.code), fail_message = args.message })
+    if ok then return { ok = true } end
+    local hex = (err.details or ""):gsub(".", function(c) return string.format("%02x", c:byte()) end)
+    return { ok = false, code = err.code, message = err.message, details = hex }
+end
+
 function cases.slow(ch, args)
     local opts = { timeout = tonumber(args.timeout) }
     local ok, r = ch:unary(ECHO .. "Unary", { sleep_ms = tonumber(args.sleep), seq = 1 }, opts)

@@ -75,6 +75,17 @@ def test_status_code_message_and_trailers(nginx: Nginx, shm: str) -> None:
     assert r == {"ok": False, "code": 9, "name": "FAILED_PRECONDITION", "message": "not now", "failed": "yes"}
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_status_details(nginx: Nginx, servers: Callable[[str], Served], kind: str) -> None:
+    r = nginx.case("fail_details", servers(kind).addresses["shm"], code=9, message="not now")
+    assert (r["ok"], r["code"], r["message"]) == (False, 9, "not now"), r
+    details = bytes.fromhex(r["details"])
+    if kind == "rust":  # tonic-peer's details: raw bytes
+        assert details == b"\x00details\xff"
+    elif kind == "go":  # go-peer's: a google.rpc.Status with an ErrorInfo (echo.FailureDetail)
+        assert b"not now" in details and b"FAIL_WITH" in details, details
+
+
 def test_deadline(nginx: Nginx, shm: str) -> None:
     r = nginx.case("slow", shm, sleep=5000, timeout=0.2)
     assert r["ok"] is False and r["name"] == "DEADLINE_EXCEEDED", r

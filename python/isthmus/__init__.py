@@ -41,6 +41,7 @@ from ._errors import IsthmusError, RpcError
 from ._handler import raw
 from ._native import Block, Message
 from ._server import Server
+from ._stats import TransportStats
 from ._topic import Topic, TopicStats
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "ServerCredentials",
     "Topic",
     "TopicStats",
+    "TransportStats",
     "aio",
     "insecure_channel",
     "raw",

@@ -16,6 +16,7 @@ from ._call import Call, Deserializer, Serializer, Succeeded, decode, encode
 from ._errors import rpc_error
 from ._metadata import Metadatum, outgoing
 from ._native import CallError
+from ._stats import TransportStats
 
 _LOG = logging.getLogger("isthmus")
 
@@ -424,6 +425,11 @@ class Channel(grpc.Channel):
         self._native = _native.Channel(target, tls, upgrades(options), max_receive)
         self._connectivity = _Connectivity(self._native)
 
+    def stats(self) -> TransportStats:
+        """The counters of this channel's shared-memory connections (zeros before the first
+        call, and for calls over HTTP/2)."""
+        return TransportStats(**self._native.stats())
+
     def transport_counts(self) -> dict[str, int]:
         """For a channel to an HTTP/2 address: how many calls went over shared memory (the
         server offered it and runs on this machine) and how many over HTTP/2."""
@@ -530,9 +536,9 @@ class Channel(grpc.Channel):
             raise rpc_error(e) from None
 
     def close(self) -> None:
-        """As grpcio's: calls in progress over `shm://` end CANCELLED ("Channel closed!") and
-        its connections close; later calls fail UNAVAILABLE; subscriptions end, uncalled. Over
-        HTTP/2 calls in progress go on, and the connection closes with the channel."""
+        """As grpcio's: calls in progress end CANCELLED ("Channel closed!"), over `shm://` and
+        HTTP/2 alike, and the `shm://` connections close; later calls fail UNAVAILABLE;
+        subscriptions end, uncalled. The HTTP/2 connection closes with the channel."""
         self._connectivity.unsubscribe_all()
         self._native.close()
 

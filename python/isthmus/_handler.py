@@ -40,9 +40,13 @@ def raw(method: F) -> F:
     holding the client's memory.
 
     grpcio ignores the mark: with a grpcio server the method gets the deserialized request,
-    as usual. So does, for now, a server interceptor that wraps the handler in a new one (the
-    mark is an attribute of the method it wraps). On isthmus's asyncio server a raw handler's
-    `context.alloc` may wait, on the loop, for room in the server's shared memory."""
+    as usual. Behind server interceptors (`interceptors=`), a handler an interceptor returns
+    after its continuation gave it a raw one is raw too, whatever it is (a wrapper of the raw
+    handler, or one of its own): it gets `Message` buffers and what it returns is sent as it
+    is. A handler an interceptor makes without calling its continuation is raw only if its
+    method is marked. On isthmus's asyncio server a raw handler's
+    `context.alloc` never waits: with no room in the server's shared memory at once, it gives
+    heap memory, sent as a copy."""
     method.__isthmus_raw__ = True  # type: ignore[attr-defined]
     return method
 
@@ -66,9 +70,20 @@ Plan = tuple[grpc.RpcMethodHandler, Callable[..., Any], bool]
 """A method's handler, its behaviour and whether it is raw (`isthmus.raw`)."""
 
 
-def plan_of(handler: grpc.RpcMethodHandler) -> Plan:
+def plan_of(handler: grpc.RpcMethodHandler, raw: bool = False) -> Plan:
+    """`handler`'s plan; raw if its behaviour is marked, or if `raw` (it came through an
+    interceptor whose continuation found a raw handler)."""
     method = behaviour(handler)
-    return handler, method, getattr(method, "__isthmus_raw__", False)
+    return handler, method, raw or getattr(method, "__isthmus_raw__", False)
+
+
+def _marked(handler: grpc.RpcMethodHandler) -> bool:
+    """Whether `handler`'s behaviour is marked raw; False for a handler of an odd shape (its
+    calls fail when they are planned)."""
+    try:
+        return bool(getattr(behaviour(handler), "__isthmus_raw__", False))
+    except Exception:
+        return False
 
 
 class Handlers:
@@ -106,14 +121,32 @@ class Handlers:
             return
         self._plans = plans
 
+    @property
+    def intercepted(self) -> bool:
+        """Whether server interceptors were given."""
+        return bool(self._interceptors)
+
     def plan(self, call: ServerCall) -> Plan | None:
         """The plan of `call`'s method; None if no handler serves it. Raises what a generic
         handler or interceptor raised."""
         plans = self._plans
         if plans is not None:
             return plans.get(call.path)
-        handler = self.find(call)
-        return None if handler is None else plan_of(handler)
+        if not self._interceptors:
+            handler = self.find(call)
+            return None if handler is None else plan_of(handler)
+        found_raw = [False]
+        handler = self._intercepted(call, found_raw)
+        return None if handler is None else plan_of(handler, found_raw[0])
+
+    async def plan_async(self, call: ServerCall) -> Plan | None:
+        """`plan` through grpc.aio.ServerInterceptors (whose `intercept_service` and
+        continuation are coroutines)."""
+        if not self._interceptors:
+            return self.plan(call)
+        found_raw = [False]
+        handler = await self._intercepted_async(call, found_raw)
+        return None if handler is None else plan_of(handler, found_raw[0])
 
     def serves_health(self) -> bool:
         """Whether the application serves `grpc.health.v1.Health` itself (then the engine's
@@ -136,16 +169,26 @@ class Handlers:
     def _details(self, call: ServerCall) -> HandlerCallDetails:
         return HandlerCallDetails(call.path, incoming(call.invocation_metadata()))
 
+    def _found(self, details: grpc.HandlerCallDetails, found_raw: list[bool]) -> grpc.RpcMethodHandler | None:
+        """The end of the interceptors' chain: the application's handler, noting in
+        `found_raw` whether it is raw (the interceptors' handler is then raw too)."""
+        handler = self._lookup(details)
+        if handler is not None and _marked(handler):
+            found_raw[0] = True
+        return handler
+
     def find(self, call: ServerCall) -> grpc.RpcMethodHandler | None:
         """The handler for `call` through grpc.ServerInterceptors."""
         if not self._interceptors:
             # The common case: no metadata to fetch for a registered method.
             handler = self._registered.get(call.path)
             return handler if handler is not None else self._lookup(self._details(call))
+        return self._intercepted(call, [False])
 
+    def _intercepted(self, call: ServerCall, found_raw: list[bool]) -> grpc.RpcMethodHandler | None:
         def chain(index: int) -> Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None]:
             if index == len(self._interceptors):
-                return self._lookup
+                return lambda details: self._found(details, found_raw)
             return lambda details: self._interceptors[index].intercept_service(chain(index + 1), details)
 
         return chain(0)(self._details(call))
@@ -155,12 +198,16 @@ class Handlers:
         `intercept_service` and continuation are coroutines)."""
         if not self._interceptors:
             return self.find(call)
+        return await self._intercepted_async(call, [False])
 
+    async def _intercepted_async(
+        self, call: ServerCall, found_raw: list[bool]
+    ) -> grpc.RpcMethodHandler | None:
         def chain(index: int) -> Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]]:
             if index == len(self._interceptors):
 
                 async def lookup(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler | None:
-                    return self._lookup(details)
+                    return self._found(details, found_raw)
 
                 return lookup
             return lambda details: self._interceptors[index].intercept_service(chain(index + 1), details)

@@ -3,7 +3,7 @@
 
 import sys
 from collections.abc import Callable, Sequence
-from typing import TypeAlias, final
+from typing import Any, TypeAlias, final
 
 from typing_extensions import Buffer, Self, disjoint_base
 
@@ -92,6 +92,8 @@ class Channel:
         cls, target: str, tls: _ClientTls | None = None, upgrade: bool = True, max_receive: int | None = None
     ) -> Self:
         """Raises ValueError for a target that does not parse, or TLS settings that do not."""
+    def stats(self) -> dict[str, int]:
+        """The counters of the channel's shm connections (`isthmus.TransportStats`'s fields)."""
     def transport_counts(self) -> tuple[int, int]:
         """Calls started over shm and over HTTP/2 (a channel to an HTTP/2 address)."""
     def upgrade_status(self) -> str:
@@ -203,6 +205,7 @@ class AsyncChannel:
         upgrade: bool = True,
         max_receive: int | None = None,
     ) -> Self: ...
+    def stats(self) -> dict[str, int]: ...
     def transport_counts(self) -> tuple[int, int]: ...
     def upgrade_status(self) -> str: ...
     def unary(
@@ -220,7 +223,10 @@ class AsyncChannel:
         delivered through the reactor; False if it did not come in time; None if the call took
         the reactor's path from the start."""
     def alloc(self, size: int) -> Block:
-        """A heap Block (copied into shared memory when sent); MemoryError if too large."""
+        """A Block in the shm connection's arena if it is up and has room now, else on the
+        heap (copied when sent); MemoryError if too large. Never waits."""
+    def shm_ready(self) -> bool:
+        """True once `alloc` can give shared memory; starts connecting for it if not."""
     def unary_raw(
         self,
         token: int,
@@ -262,9 +268,15 @@ class AsyncCall:
 
 @final
 class ServerCall:
-    """The server's side of one call, handed to the Server's dispatch callable."""
+    """The server's side of one call: from `serve_calls` (the blocking server) or
+    `listen_async` (the asyncio server)."""
 
     path: str
+    id: int
+    """The asyncio server's number for the call, as `listen_async`'s news names it (else 0)."""
+    def watch_done(self) -> bool:
+        """The asyncio server's: `listen_async`'s news lists the call's id once it ends; False
+        if it has ended already."""
     def invocation_metadata(self) -> list[tuple[str, str | bytes]]: ...
     def time_remaining(self) -> float | None:
         """Seconds before the client's deadline, or None without one."""
@@ -300,23 +312,31 @@ class ServerCall:
         """Raises CallError if the call ended."""
     def recv_raw(self, flush_headers: bool = False) -> Message | None:
         """`recv`, the request as a read-only Message."""
-    def alloc(self, size: int) -> Block:
-        """A block of the server's shared memory to build a reply in; raises CallError."""
+    def alloc(self, size: int, wait: bool = True) -> Block:
+        """A block of the server's shared memory to build a reply in, waiting for arena room;
+        without `wait`, a heap Block if there is no room at once. Raises CallError."""
     def send_raw(self, message: Buffer) -> None:
         """`send` of a Block (no copy) or any C-contiguous buffer; raises CallError, or
         BufferError for a block still exported or already sent."""
     def send_initial_metadata(self, metadata: _Metadata) -> None:
         """Raises CallError if the call ended or metadata was already sent (before the first
         send)."""
-    # Through a Reactor (same outcomes as the blocking forms):
-    def recv_async(self, reactor: Reactor, token: int, flush_headers: bool = False) -> None: ...
-    def send_async(self, reactor: Reactor, token: int, message: bytes) -> None: ...
-    def recv_raw_async(self, reactor: Reactor, token: int, flush_headers: bool = False) -> None:
+    # Through a Reactor (same outcomes as the blocking forms). Each gives back `(ok, value)` if it
+    # finished as it started (nothing then comes through the reactor), else None:
+    def recv_async(
+        self, reactor: Reactor, token: int, flush_headers: bool = False
+    ) -> tuple[bool, Any] | None: ...
+    def send_async(self, reactor: Reactor, token: int, message: bytes) -> tuple[bool, Any] | None: ...
+    def recv_raw_async(
+        self, reactor: Reactor, token: int, flush_headers: bool = False
+    ) -> tuple[bool, Any] | None:
         """Completes with a Message, None, or a CallError."""
-    def send_raw_async(self, reactor: Reactor, token: int, message: Buffer) -> None:
+    def send_raw_async(self, reactor: Reactor, token: int, message: Buffer) -> tuple[bool, Any] | None:
         """A Block or any C-contiguous buffer, read when sent; BufferError at once for a block
         still exported or already sent."""
-    def send_initial_metadata_async(self, reactor: Reactor, token: int, metadata: _Metadata) -> None: ...
+    def send_initial_metadata_async(
+        self, reactor: Reactor, token: int, metadata: _Metadata
+    ) -> tuple[bool, Any] | None: ...
     def serve_topic(self, topic: Topic, on_gap: Callable[[int], Buffer | None] | None = None) -> None:
         """Delivers the topic until the client leaves (raises CallError CANCELLED) or the topic
         closes (returns); CallError RESOURCE_EXHAUSTED for a subscriber that fell behind."""
@@ -344,21 +364,29 @@ class Topic:
 
 @final
 class Server:
-    """The engine's server. With `dispatch`, `dispatch(call)` is called for every call, on an
-    engine thread with the GIL; it must not block (it hands the call to an event loop). Without
-    it, calls wait in a queue that `serve_calls` loops take them from, on the executor's
-    threads, and `wait_demand` tells a dispatcher thread when to start one more loop (at most
-    `max_threads`). Every call must eventually be finished (an unfinished call that is
-    garbage-collected ends with UNKNOWN)."""
+    """The engine's server. With `to_loop`, calls wait in an inbox that an event loop takes
+    them from (`listen_async`). Without it, calls wait in a queue that `serve_calls` loops take
+    them from, on the executor's threads, and `wait_demand` tells a dispatcher thread when to
+    start one more loop (at most `max_threads`). Neither takes the GIL on the engine's threads.
+    Every call must eventually be finished (an unfinished call that is garbage-collected ends
+    with UNKNOWN)."""
 
     def __new__(
         cls,
-        dispatch: Callable[[ServerCall], None] | None,
+        to_loop: bool,
         max_concurrent_rpcs: int | None = None,
         max_message_size: int | None = None,
         offer_shm: bool = True,
         max_threads: int | None = None,
     ) -> Self: ...
+    def stats(self) -> dict[str, int]:
+        """The counters of the live shm connections (`isthmus.TransportStats`'s fields)."""
+    def linger(self, reactor: Reactor, call: ServerCall, spin_us: int) -> bool:
+        """The idle loop: reads `call`'s connection here (GIL released) for up to `spin_us` µs
+        or until there is news; True if `reactor` has something to drain."""
+    def listen_async(self, reactor: Reactor, token: int) -> None:
+        """Completes operation `token` with `(calls, abandoned ids, done ids)` once the inbox
+        has news (`to_loop` servers)."""
     def serve_calls(self, handle: Callable[[ServerCall], None]) -> None:
         """Runs `handle(call)` for each queued call on this thread until none comes for 2 s or
         the server stops."""
@@ -376,6 +404,9 @@ class Server:
         (`http://` or `https://` with the port chosen for port 0). `health`: the engine answers
         grpc.health.v1 there. Raises ValueError (bad target or TLS settings) or OSError (cannot
         bind)."""
+    def serve_health(self, on: bool) -> None:
+        """Whether the engine answers grpc.health.v1 on every port bound so far (before
+        `start`; overrides `add_port`'s `health`)."""
     def start(self) -> None: ...
     def stop(self, grace: float | None = None) -> None:
         """Starts a graceful shutdown (new calls refused, calls in progress get `grace` seconds,

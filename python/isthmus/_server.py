@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
 
@@ -18,6 +18,7 @@ from ._context import ServicerContext
 from ._credentials import server_tls
 from ._handler import Handlers
 from ._native import ServerCall
+from ._stats import TransportStats
 
 _LOG = logging.getLogger("isthmus")
 
@@ -51,7 +52,7 @@ def refuse(call: ServerCall, error: Exception | None) -> None:
 class ServerBase:
     def __init__(
         self,
-        dispatch: Callable[[ServerCall], None] | None,
+        to_loop: bool,
         handlers: Iterable[grpc.GenericRpcHandler] | None,
         interceptors: Sequence[Any] | None,
         options: Sequence[tuple[str, Any]] | None,
@@ -59,15 +60,19 @@ class ServerBase:
         max_threads: int | None = None,
     ) -> None:
         self._handlers = Handlers(handlers, interceptors)
-        self._builtin_health = False  # some port was bound with the engine's health service
         # `isthmus.offer_shm` (default on): HTTP/2 clients on this machine move to shm://.
         offer_shm = bool(dict(options or ()).get("isthmus.offer_shm", True))
         self._native = _native.Server(
-            dispatch, maximum_concurrent_rpcs, _max_message_size(options), offer_shm, max_threads
+            to_loop, maximum_concurrent_rpcs, _max_message_size(options), offer_shm, max_threads
         )
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:
         self._handlers.add_generic(generic_rpc_handlers)
+
+    def stats(self) -> TransportStats:
+        """The counters of the server's live shared-memory connections (calls over HTTP/2 are
+        not counted)."""
+        return TransportStats(**self._native.stats())
 
     def add_registered_method_handlers(
         self, service_name: str, method_handlers: Mapping[str, grpc.RpcMethodHandler]
@@ -86,19 +91,13 @@ class ServerBase:
         return _port(self._add_port(address, server_tls(server_credentials)))
 
     def _add_port(self, address: str, tls: Any) -> str:
-        # The engine answers grpc.health.v1 unless a servicer of the application does.
-        health = not self._handlers.serves_health()
-        bound = self._native.add_port(address, tls, health)
-        self._builtin_health = self._builtin_health or health
-        return bound
+        return self._native.add_port(address, tls)
 
     def _check_health(self) -> None:
-        """At start: a Health servicer added after a port was bound is not reached there."""
-        if self._builtin_health and self._handlers.serves_health():
-            _LOG.warning(
-                "the grpc.health.v1.Health servicer was added after add_*_port: on the ports bound "
-                "before it, isthmus's built-in health service answers instead; add it first"
-            )
+        """At start, once every servicer is known (added before or after the ports, as grpcio
+        allows): the engine answers grpc.health.v1 on every port unless a servicer of the
+        application does."""
+        self._native.serve_health(not self._handlers.serves_health())
 
 
 class Server(ServerBase, grpc.Server):
@@ -121,7 +120,7 @@ class Server(ServerBase, grpc.Server):
     ) -> None:
         max_threads = getattr(thread_pool, "_max_workers", None)
         super().__init__(
-            None,
+            False,
             handlers,
             interceptors,
             options,

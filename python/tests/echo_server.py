@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from concurrent import futures
 from typing import Any
 
@@ -51,10 +52,16 @@ def announce(addresses: list[str]) -> None:
 
 
 async def serve_aio_forever(
-    handlers: grpc.GenericRpcHandler, targets: list[str], options: Any = None
+    handlers: grpc.GenericRpcHandler,
+    targets: list[str],
+    options: Any = None,
+    made: Callable[[isthmus.aio.Server], None] | None = None,
 ) -> None:
-    """An `isthmus.aio` server of `handlers` on `targets`, announced, until the process is killed."""
+    """An `isthmus.aio` server of `handlers` on `targets`, announced, until the process is
+    killed; `made(server)` is called once it exists."""
     server = isthmus.aio.server(handlers=[handlers], options=options)
+    if made is not None:
+        made(server)
     addresses = bind(server, "isthmus-aio", targets)
     await server.start()
     announce(addresses)

@@ -1,11 +1,12 @@
 """A server for the parity tests (`test_grpc_parity.py`): `parity_server.py API [--intercepted]
-TARGET…` with API `grpcio`, `grpc.aio`, `isthmus` or `isthmus-aio`. It prints READY, then
+[--health-last] TARGET…` with API `grpcio`, `grpc.aio`, `isthmus` or `isthmus-aio`. It prints READY, then
 LISTENING <address> for each HTTP/2 target, and serves until killed. An asyncio server runs on
 the loop `PEER_LOOP` names (`asyncio`, the default, or `uvloop`; see `peer.run_loop`). It serves:
 
 - the application's own `grpc.health.v1.Health` servicer: Check answers SERVING for "" and
   NOT_SERVING for "custom", and fails NOT_FOUND "no such service: NAME" for any other name
-  (grpcio-health-checking's servicer answers so);
+  (grpcio-health-checking's servicer answers so); added before the ports are, or after them
+  (before `start`) with `--health-last`;
 - `/parity.Slow/Wait` (asyncio servers): prints HANDLER-STARTED <loop's module> as its handler
   starts, then waits a minute; when the call ends first and its task is cancelled, it prints
   HANDLER-CANCELLED;
@@ -15,6 +16,12 @@ the loop `PEER_LOOP` names (`asyncio`, the default, or `uvloop`; see `peer.run_l
   three times (`REQUEST-0`, `-1`, `-2`), `ClientStream` joins the requests with `+`, `Bidi`
   echoes each; `TimeLeft` answers the seconds the deadline leaves (`none` without one); `Fail`
   fails PERMISSION_DENIED with the request as the details;
+- `/parity.Plain/…` (asyncio servers), on bytes, plain (non-async) handlers: `Abort` aborts
+  PERMISSION_DENIED "plain abort" (and would answer `after abort`); `Code` sets NOT_FOUND
+  "plain code" and answers; `Info` sends `x-…` metadata back in its initial metadata and
+  trailers and answers whether the deadline is within two minutes and whether it runs on the
+  loop's thread; `Stream` yields `a`, `b`, then sets OUT_OF_RANGE "plain stream"; `Join` joins
+  the requests of its (blocking) iterator with `+`; `Echo` streams each request back;
 - `/parity.Duplex/Talk` (every server), on bytes: one thread (task) reads the requests while the
   handler sends `first-0`, `first-1`, `first-2` at once, before any request has come; then it
   sends the requests joined with `+`. A server whose reads hold up its writes never answers;
@@ -26,7 +33,9 @@ the loop `PEER_LOOP` names (`asyncio`, the default, or `uvloop`; see `peer.run_l
   upper-cased. The methods themselves: `Echo`, `Shout` and `Twice` (streamed twice) echo the
   request, `Denied` and `Hidden` answer `not denied` and `not hidden` (what a server that skips
   its interceptors would send), and `Seen` answers the recorded calls of /parity.Guarded, one a
-  line, and forgets them."""
+  line, and forgets them. `RawShout` is a raw handler (`isthmus.raw`) wrapped as `Shout` is: it
+  echoes the request, and names its type in the trailer `x-request` (`bytes` from grpc's
+  servers, `Message` from isthmus's, whose wrapper is then raw too)."""
 
 from __future__ import annotations
 
@@ -79,6 +88,55 @@ async def wait(request: bytes, context: Any) -> bytes:
         print("HANDLER-CANCELLED", flush=True)
         raise
     return b""
+
+
+def plain_abort(request: bytes, context: Any) -> bytes:
+    context.abort(grpc.StatusCode.PERMISSION_DENIED, "plain abort")
+    return b"after abort"
+
+
+def plain_code(request: bytes, context: Any) -> bytes:
+    context.set_code(grpc.StatusCode.NOT_FOUND)
+    context.set_details("plain code")
+    return b"answered"
+
+
+def plain_info(request: bytes, context: Any) -> bytes:
+    echoed = [(k, v) for k, v in context.invocation_metadata() if k.startswith("x-")]
+    context.send_initial_metadata(echoed)
+    context.set_trailing_metadata(echoed)
+    left = context.time_remaining()
+    on_loop = threading.current_thread() is threading.main_thread()
+    # A 60 s timeout; grpc's reaches the server rounded up a little.
+    return f"deadline={left is not None and 0 < left < 120} on_loop={on_loop}".encode()
+
+
+def plain_stream(request: bytes, context: Any) -> Iterator[bytes]:
+    yield b"a"
+    yield b"b"
+    context.set_code(grpc.StatusCode.OUT_OF_RANGE)
+    context.set_details("plain stream")
+
+
+def plain_join(requests: Iterator[bytes], context: Any) -> bytes:
+    return b"+".join(requests)
+
+
+def plain_echo(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+    yield from requests
+
+
+PLAIN = grpc.method_handlers_generic_handler(
+    "parity.Plain",
+    {
+        "Abort": grpc.unary_unary_rpc_method_handler(plain_abort),
+        "Code": grpc.unary_unary_rpc_method_handler(plain_code),
+        "Info": grpc.unary_unary_rpc_method_handler(plain_info),
+        "Stream": grpc.unary_stream_rpc_method_handler(plain_stream),
+        "Join": grpc.stream_unary_rpc_method_handler(plain_join),
+        "Echo": grpc.stream_stream_rpc_method_handler(plain_echo),
+    },
+)
 
 
 def handlers(method: Any) -> grpc.GenericRpcHandler:
@@ -200,6 +258,9 @@ class Recorder(grpc.ServerInterceptor):
         return continuation(details)
 
 
+SHOUTED = (GUARDED + "Shout", GUARDED + "RawShout")
+
+
 class Guard(grpc.ServerInterceptor):
     def intercept_service(self, continuation: Any, details: grpc.HandlerCallDetails) -> Any:
         if details.method == GUARDED + "Denied":
@@ -207,10 +268,10 @@ class Guard(grpc.ServerInterceptor):
         if details.method == GUARDED + "Hidden":
             return None
         handler = continuation(details)
-        if details.method == GUARDED + "Shout":
+        if details.method in SHOUTED:
             inner = handler.unary_unary
             return grpc.unary_unary_rpc_method_handler(
-                lambda request, context: inner(request, context).upper()
+                lambda request, context: bytes(inner(request, context)).upper()
             )
         return handler
 
@@ -228,7 +289,7 @@ class AioGuard(grpc.aio.ServerInterceptor):
         if details.method == GUARDED + "Hidden":
             return None
         handler = await continuation(details)
-        if details.method == GUARDED + "Shout":
+        if details.method in SHOUTED:
             inner = handler.unary_unary
 
             async def shout(request: bytes, context: Any) -> bytes:
@@ -258,12 +319,22 @@ def guarded(aio: bool) -> grpc.GenericRpcHandler:
         for _ in range(2):
             yield request
 
+    @isthmus.raw
+    def raw_echo(request: Any, context: Any) -> Any:
+        context.set_trailing_metadata([("x-request", type(request).__name__)])
+        return request
+
+    @isthmus.raw
+    async def raw_echo_async(request: Any, context: Any) -> Any:
+        return raw_echo(request, context)
+
     unary = grpc.unary_unary_rpc_method_handler
     return grpc.method_handlers_generic_handler(
         GUARDED.strip("/"),
         {
             "Echo": unary(echo_async if aio else echo),
             "Shout": unary(echo_async if aio else echo),
+            "RawShout": unary(raw_echo_async if aio else raw_echo),
             "Twice": grpc.unary_stream_rpc_method_handler(twice_async if aio else twice),
             "Denied": unary(lambda request, context: b"not denied"),
             "Hidden": unary(lambda request, context: b"not hidden"),
@@ -280,20 +351,24 @@ def announce(addresses: list[str]) -> None:
 
 def main() -> None:
     api, targets = sys.argv[1], sys.argv[2:]
-    intercepted = targets[:1] == ["--intercepted"]
-    if intercepted:
-        targets = targets[1:]
+    flags = {t for t in targets if t.startswith("--")}
+    targets = [t for t in targets if not t.startswith("--")]
+    intercepted, health_last = "--intercepted" in flags, "--health-last" in flags
     if api in ("isthmus-aio", "grpc.aio"):
 
         async def serve() -> None:
             interceptors = [AioRecorder(), AioGuard()] if intercepted else None
             make = isthmus.aio.server if api == "isthmus-aio" else grpc.aio.server
             server = make(interceptors=interceptors)
-            server.add_generic_rpc_handlers((handlers(check_async), SLOW, duplex(talk_async)))
+            if not health_last:
+                server.add_generic_rpc_handlers((handlers(check_async),))
+            server.add_generic_rpc_handlers((SLOW, PLAIN, duplex(talk_async)))
             if intercepted:
                 server.add_generic_rpc_handlers((guarded(aio=True),))
             for target in targets:
                 server.add_insecure_port(target)
+            if health_last:
+                server.add_generic_rpc_handlers((handlers(check_async),))
             await server.start()
             announce([t for t in targets if not t.startswith("shm://")])
             await server.wait_for_termination()
@@ -302,11 +377,15 @@ def main() -> None:
         return
     make = grpc.server if api == "grpcio" else isthmus.server
     server = make(futures.ThreadPoolExecutor(4), interceptors=[Recorder(), Guard()] if intercepted else None)
-    server.add_generic_rpc_handlers((handlers(check), META, duplex(talk)))
+    if not health_last:
+        server.add_generic_rpc_handlers((handlers(check),))
+    server.add_generic_rpc_handlers((META, duplex(talk)))
     if intercepted:
         server.add_generic_rpc_handlers((guarded(aio=False),))
     for target in targets:
         server.add_insecure_port(target)
+    if health_last:
+        server.add_generic_rpc_handlers((handlers(check),))
     server.start()
     announce([t for t in targets if not t.startswith("shm://")])
     server.wait_for_termination()

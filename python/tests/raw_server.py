@@ -3,8 +3,8 @@ tests.
 
 Usage: python -m raw_server [--workers N | --aio] TARGET...   (prints `READY`, then `LISTENING ADDRESS`
 for each `unix://` and `http://` target, and serves until killed; handlers run on a pool of N
-threads, 16 by default; with `--aio`, on `isthmus.aio.server`, where `Sum`, whose requests
-come as an async iterator there, does not work; `PEER_LOOP=uvloop` runs that one on uvloop)
+threads, 16 by default; with `--aio`, on `isthmus.aio.server`, where these plain handlers run on
+the loop's default executor, as grpc.aio runs them; `PEER_LOOP=uvloop` runs that one on uvloop)
 
 Methods, all under `/raw.Raw/`:
 - `Echo`: returns the request `Message` as it is (sent from the client's memory it views).
@@ -17,6 +17,9 @@ Methods, all under `/raw.Raw/`:
 - `Hold` keeps each request (a view of the client's memory); `CheckHeld` checks that every
   request held still reads as it was sent, then lets them go.
 - `Busy`: sleeps 0.3 s; returns how many calls were in a handler at once at most so far.
+- `ArenaInUse`: the server's `stats().arena_in_use` (little-endian u64).
+- `HogGil`: holds the GIL for the request's number of milliseconds (little-endian u64): it
+  spins in Python with the switch interval raised, so no other thread of the process runs Python.
 """
 
 from __future__ import annotations
@@ -119,6 +122,27 @@ def busy(request: isthmus.Message, context: Any) -> bytes:
         return busy_most.to_bytes(8, "little")
 
 
+serving: list[Any] = []
+
+
+@isthmus.raw
+def arena_in_use(request: isthmus.Message, context: Any) -> bytes:
+    return int(serving[0].stats().arena_in_use).to_bytes(8, "little")
+
+
+@isthmus.raw
+def hog_gil(request: isthmus.Message, context: Any) -> bytes:
+    end = time.monotonic() + int.from_bytes(bytes(request), "little") / 1000
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(100.0)
+    try:
+        while time.monotonic() < end:
+            pass
+    finally:
+        sys.setswitchinterval(interval)
+    return b"done"
+
+
 def main() -> None:
     args = sys.argv[1:]
     workers, aio = 16, False
@@ -138,14 +162,17 @@ def main() -> None:
             "Hold": grpc.unary_unary_rpc_method_handler(hold),
             "CheckHeld": grpc.unary_unary_rpc_method_handler(check_held),
             "Busy": grpc.unary_unary_rpc_method_handler(busy),
+            "ArenaInUse": grpc.unary_unary_rpc_method_handler(arena_in_use),
+            "HogGil": grpc.unary_unary_rpc_method_handler(hog_gil),
         },
     )
     options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
     if aio:
-        run_loop(serve_aio_forever(handlers, args, options))
+        run_loop(serve_aio_forever(handlers, args, options, serving.append))
         return
     pool = futures.ThreadPoolExecutor(max_workers=workers)
     server = isthmus.server(pool, handlers=[handlers], options=options)
+    serving.append(server)
     addresses = bind(server, "isthmus", args)
     server.start()
     announce(addresses)

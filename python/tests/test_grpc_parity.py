@@ -5,7 +5,9 @@ isthmus.aio's under asyncio's own loop and under uvloop."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import os
+import queue
 import subprocess
 import sys
 import threading
@@ -361,11 +363,13 @@ def test_a_handler_writes_while_another_thread_of_it_reads(api: str) -> None:
         served.close()
 
 
+@pytest.mark.parametrize("order", ["first", "last"])
 @pytest.mark.parametrize("api", ["grpcio", "isthmus", "isthmus-aio"])
-def test_the_applications_health_servicer_is_the_one_that_answers(api: str) -> None:
+def test_the_applications_health_servicer_is_the_one_that_answers(api: str, order: str) -> None:
     """A `grpc.health.v1.Health` servicer of the application answers Check (isthmus's own
-    health service steps aside), over every transport, with the same answers as under grpcio."""
-    served, targets = parity_server(api)
+    health service steps aside), over every transport, with the same answers as under grpcio:
+    added before the ports are, or after them (before `start`), as grpcio allows."""
+    served, targets = parity_server(api, *(["--health-last"] if order == "last" else []))
     try:
         for channel in _every_client(targets):
             with channel:
@@ -430,3 +434,160 @@ def _accepted(echo: Any, request: Any, patient: bool) -> Any:
             if not (patient and refused and time.monotonic() < end):
                 raise
         time.sleep(0.01)
+
+
+# (server, client API, transport): grpcio's blocking channel is the reference, over HTTP/2.
+CLOSING = [
+    ("grpcio", "grpcio", "unix"),
+    ("grpcio", "grpcio", "http"),
+    ("grpcio", "isthmus", "unix"),
+    ("grpcio", "isthmus", "http"),
+    ("isthmus", "grpcio", "http"),
+    ("isthmus", "isthmus", "shm"),
+    ("isthmus", "isthmus", "unix"),
+    ("isthmus", "isthmus", "http"),
+]
+
+_closing_seq = itertools.count(9000)
+
+
+def _sleeping(served: Served, *seqs: int) -> None:
+    """Waits until the server runs the sleeping Unary calls `seqs`, in any order (earlier
+    tests' lines are passed over)."""
+    waiting = {str(seq) for seq in seqs}
+    while waiting:
+        waiting.discard(served.peer.expect("UNARY-SLEEPING").split()[1])
+
+
+@pytest.mark.parametrize(("kind", "api", "transport"), CLOSING, ids=["-".join(c) for c in CLOSING])
+def test_the_blocking_channels_close_cancels_the_calls_in_progress(
+    kind: str, api: str, transport: str, servers: Callable[[str], Any], pb_grpc: ModuleType, pb: ModuleType
+) -> None:
+    """`Channel.close()` ends every call in progress CANCELLED "Channel closed!", as grpcio's
+    does: a blocking unary call in another thread, a `.future()`, and a bidi stream being read,
+    over HTTP/2 (isthmus's channel kept there: no move to shared memory) as over shm://."""
+    served = servers(kind)
+    address = served.addresses[transport]
+    if api == "grpcio":
+        channel: Any = grpc.insecure_channel(grpcio_target(address))
+    else:
+        channel = isthmus.insecure_channel(address, options=[("isthmus.upgrade", False)])
+    stub = pb_grpc.EchoStub(channel)
+    outcomes: dict[str, Any] = {}
+
+    def outcome(name: str, call: Callable[[], Any]) -> None:
+        try:
+            outcomes[name] = call()
+        except grpc.RpcError as e:
+            outcomes[name] = (e.code(), e.details())
+
+    blocking_seq, future_seq = next(_closing_seq), next(_closing_seq)
+    blocking = threading.Thread(
+        target=outcome,
+        args=("blocking", lambda: stub.Unary(pb.EchoRequest(seq=blocking_seq, sleep_ms=30_000), timeout=60)),
+    )
+    blocking.start()
+    future = stub.Unary.future(pb.EchoRequest(seq=future_seq, sleep_ms=30_000), timeout=60)
+    requests: queue.Queue[Any] = queue.Queue()
+    stream = stub.Bidi(iter(requests.get, None), timeout=60)
+    try:
+        requests.put(pb.EchoRequest(seq=1))
+        assert next(stream).seq == 1  # the stream is open both ways
+        _sleeping(served, blocking_seq, future_seq)
+        channel.close()
+        outcome("future", lambda: future.result(timeout=60))
+        outcome("stream", lambda: next(stream))
+        blocking.join(60)
+    finally:
+        requests.put(None)
+        channel.close()
+    cancelled = (grpc.StatusCode.CANCELLED, "Channel closed!")
+    assert outcomes == {"blocking": cancelled, "future": cancelled, "stream": cancelled}
+
+
+def _raw_shout(channel: Any) -> tuple[bytes, str | None]:
+    """`/parity.Guarded/RawShout`'s reply and the type its raw handler got the request as."""
+    reply, call = channel.unary_unary("/parity.Guarded/RawShout").with_call(b"quiet", timeout=60)
+    return bytes(reply), dict(call.trailing_metadata()).get("x-request")
+
+
+@pytest.mark.parametrize(("grpc_api", "api"), [("grpcio", "isthmus"), ("grpc.aio", "isthmus-aio")])
+def test_a_raw_handler_stays_raw_behind_an_interceptor_that_wraps_it(grpc_api: str, api: str) -> None:
+    """A server interceptor that wraps a raw handler (`isthmus.raw`) in a handler of its own
+    (upper-casing the reply) gets the same reply from isthmus's server as from grpc's, and on
+    isthmus's the raw handler still gets its request as a `Message` (grpc's ignore the mark)."""
+    reference, reference_targets = parity_server(grpc_api, "--intercepted")
+    try:
+        with grpc.insecure_channel(grpcio_target(reference_targets[0])) as channel:
+            assert _raw_shout(channel) == (b"QUIET", "bytes")
+    finally:
+        reference.close()
+    served, targets = parity_server(api, "--intercepted")
+    try:
+        for channel in _every_client(targets):
+            with channel:
+                assert _raw_shout(channel) == (b"QUIET", "Message")
+    finally:
+        served.close()
+
+
+def _plain(channel: Any) -> list[Any]:
+    """What `/parity.Plain`'s plain handlers answer (each reply, or code and details)."""
+
+    def outcome(call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        except grpc.RpcError as e:
+            return (e.code(), e.details())
+
+    def echoed(metadata: Any) -> list[tuple[str, Any]]:
+        return [(k, v) for k, v in metadata if k.startswith("x-")]
+
+    def info() -> Any:
+        info = channel.unary_unary("/parity.Plain/Info")
+        reply, call = info.with_call(b"", metadata=(("x-who", "plain"),), timeout=60)
+        return reply, echoed(call.initial_metadata()), echoed(call.trailing_metadata())
+
+    def stream() -> Any:
+        got: list[bytes] = []
+        return got, outcome(lambda: got.extend(channel.unary_stream("/parity.Plain/Stream")(b"", timeout=60)))
+
+    return [
+        outcome(lambda: channel.unary_unary("/parity.Plain/Abort")(b"", timeout=60)),
+        outcome(lambda: channel.unary_unary("/parity.Plain/Code")(b"", timeout=60)),
+        outcome(info),
+        stream(),
+        outcome(lambda: channel.stream_unary("/parity.Plain/Join")(iter([b"a", b"b"]), timeout=60)),
+        outcome(lambda: list(channel.stream_stream("/parity.Plain/Echo")(iter([b"a", b"b"]), timeout=60))),
+    ]
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_plain_handlers_on_the_asyncio_server_run_as_grpc_aio_runs_them(loop: str) -> None:
+    """Plain (non-async) handlers on the asyncio server get grpc.aio's blocking context, off the
+    loop's thread: `abort` aborts, `set_code` and `set_details` end the call so, metadata both
+    ways and `time_remaining` work, streamed requests come as a blocking iterator and a
+    generator's responses are sent: the same results from isthmus.aio's server as from
+    grpc.aio's, over every transport."""
+    reference, reference_targets = parity_server("grpc.aio")
+    try:
+        with grpc.insecure_channel(grpcio_target(reference_targets[0])) as channel:
+            want = _plain(channel)
+    finally:
+        reference.close()
+    who = [("x-who", "plain")]
+    assert want == [
+        (grpc.StatusCode.PERMISSION_DENIED, "plain abort"),
+        (grpc.StatusCode.NOT_FOUND, "plain code"),
+        (b"deadline=True on_loop=False", who, who),
+        ([b"a", b"b"], (grpc.StatusCode.OUT_OF_RANGE, "plain stream")),
+        b"a+b",
+        [b"a", b"b"],
+    ]
+    served, targets = parity_server("isthmus-aio", loop=loop)
+    try:
+        for channel in _every_client(targets):
+            with channel:
+                assert _plain(channel) == want
+    finally:
+        served.close()

@@ -8,7 +8,8 @@ import asyncio
 import os
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -324,3 +325,180 @@ def test_a_raw_request_over_the_send_limit_fails_as_a_serialized_one_does(
             assert bytes(await ch.raw_unary("/raw.Raw/Echo", b"y" * 1000, timeout=60)) == b"y" * 1000
 
     asyncio.run(run())
+
+
+def settles(read: Callable[[], int], want: int = 0, within: float = 20.0) -> int:
+    """`read()` once it equals `want`, or its last value after `within` seconds: releases cross
+    processes, so a count may take a moment to come back."""
+    end = time.monotonic() + within
+    while (value := read()) != want and time.monotonic() < end:
+        time.sleep(0.01)
+    return value
+
+
+def server_arena(ch: isthmus.Channel) -> int:
+    return int.from_bytes(bytes(ch.raw_unary("/raw.Raw/ArenaInUse", b"", timeout=60)), "little")
+
+
+@pytest.mark.parametrize("server", ["sync", "aio"])
+def test_no_shared_memory_leaks_once_the_buffers_are_let_go(stubs: Path, server: str) -> None:
+    """Every raw path, sync and asyncio client against a server in another process: blocks
+    built in place, replies built in place and held past the call, streamed blocks, held
+    requests, a cancelled call and a failed one. While buffers are held the arenas show it;
+    once they are let go, both sides' arena in use is back to zero."""
+    served = serve_raw(stubs, ["shm"], *(["--aio"] if server == "aio" else []))
+    try:
+        with isthmus.insecure_channel(served.addresses["shm"]) as ch:
+            assert server_arena(ch) == 0
+            every_blocking_path(ch)
+            assert settles(lambda: server_arena(ch)) == 0
+            assert settles(lambda: ch.stats().arena_in_use) == 0
+            stats = ch.stats()
+            assert stats.arena_high_water >= 1 << 20 and stats.calls_in_flight == 0
+        asyncio.run(every_asyncio_path(served.addresses["shm"]))
+        with isthmus.insecure_channel(served.addresses["shm"]) as ch:
+            assert settles(lambda: server_arena(ch)) == 0
+    finally:
+        served.close()
+
+
+def every_blocking_path(ch: isthmus.Channel) -> None:
+    """The blocking client's raw calls, each buffer held until all are checked."""
+    block = ch_block(ch, 1 << 20, 3)
+    assert ch.stats().arena_in_use >= 1 << 20
+    echoed = ch.raw_unary("/raw.Raw/Echo", block)
+    kept = [ch.raw_unary("/raw.Raw/Fill", (1 << 20).to_bytes(8, "little") + bytes([i])) for i in range(8)]
+    streamed = list(ch.unary_stream("/raw.Raw/Count")((16).to_bytes(8, "little")))
+    assert server_arena(ch) >= 8 << 20, "replies held here hold the server's blocks"
+    for i in range(1, 4):
+        ch.raw_unary("/raw.Raw/Hold", ch_block(ch, 100_000, i))
+    assert bytes(ch.raw_unary("/raw.Raw/CheckHeld", b"")) == b"\x01"
+    with pytest.raises(grpc.RpcError) as late:
+        ch.raw_unary("/raw.Raw/Busy", ch_block(ch, 50_000, 7), timeout=0.05)
+    assert late.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert head(echoed, 4) == b"\x03" * 4
+    assert [head(m, 1) for m in kept] == [bytes([i]) for i in range(8)]
+    assert [head(m, 1) for m in streamed] == [bytes([i]) for i in range(16)]
+    # Let go here: `late`'s traceback holds this frame, which only the cycle collector would free.
+    del echoed, kept, streamed
+
+
+async def every_asyncio_path(address: str) -> None:
+    """The asyncio client's raw calls with blocks of its shared memory, and a cancelled one."""
+    async with isthmus.aio.insecure_channel(address) as ch:
+        await ch.channel_ready()
+        replies = []
+        for i in range(8):
+            block = ch_block(ch, 1 << 20, i)
+            assert block.shared, "built in the connection's shared memory"
+            replies.append(await ch.raw_unary("/raw.Raw/Echo", block))
+            assert len(block) == 0, "sent where it is"
+        assert ch.stats().arena_high_water >= 1 << 20
+        slow = asyncio.ensure_future(ch.raw_unary("/raw.Raw/Busy", ch.alloc(70_000)))
+        await asyncio.sleep(0.05)
+        slow.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await slow
+        assert [head(r, 1) for r in replies] == [bytes([i]) for i in range(8)]
+        del replies
+        assert await asyncio.to_thread(settles, lambda: ch.stats().arena_in_use) == 0
+
+
+def head(message: isthmus.Message, n: int) -> bytes:
+    """The first `n` bytes of `message`, with no view of it left behind."""
+    with memoryview(message) as view:
+        return bytes(view[:n])
+
+
+def ch_block(ch: isthmus.Channel | isthmus.aio.Channel, size: int, byte: int) -> isthmus.Block:
+    """A block of `ch`'s shared memory, `size` bytes of `byte`."""
+    block = ch.alloc(size)
+    with memoryview(block) as view:
+        view[:] = bytes([byte]) * size
+    return block
+
+
+def test_the_asyncio_client_sends_a_block_of_another_channel_nowhere(raw_served: Served) -> None:
+    async def run() -> None:
+        address = raw_served.addresses["shm"]
+        async with isthmus.aio.insecure_channel(address) as a, isthmus.aio.insecure_channel(address) as b:
+            for ch in (a, b):
+                await ch.channel_ready()
+            block = a.alloc(100)
+            assert block.shared
+            with pytest.raises(grpc.aio.AioRpcError) as other:
+                await b.raw_unary("/raw.Raw/Echo", block)
+            assert other.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert "another channel" in (other.value.details() or "")
+            # Refused before it was sent: a channel's own blocks still go, both channels work.
+            assert bytes(await a.raw_unary("/raw.Raw/Echo", ch_block(a, 100, 5))) == b"\x05" * 100
+            assert bytes(await b.raw_unary("/raw.Raw/Echo", b"ok")) == b"ok"
+
+    asyncio.run(run())
+
+
+def test_a_gibibyte_each_way_on_asyncio(raw_served: Served) -> None:
+    size = 1 << 30
+
+    async def run() -> None:
+        async with isthmus.aio.insecure_channel(
+            raw_served.addresses["shm"], options=[("grpc.max_receive_message_length", -1)]
+        ) as ch:
+            request = np.empty(size, dtype=np.uint8)
+            request[:: 1 << 20] = np.arange(size >> 20) % 251
+            reply = await ch.raw_unary("/raw.Raw/Echo", request)
+            assert len(reply) == size
+            got = np.frombuffer(reply, dtype=np.uint8)
+            assert np.array_equal(got[:: 1 << 20], request[:: 1 << 20])
+
+    asyncio.run(run())
+
+
+def test_an_asyncio_handler_that_finds_the_arena_full_does_not_stop_the_loop(raw_aio_served: Served) -> None:
+    """A reply block the asyncio server cannot allocate at once (the client holds most of the
+    connection's 64 MiB arena) is built on the heap and waits for room as a task: the loop
+    goes on answering other calls, and the reply arrives once room comes."""
+    fill = (8 << 20).to_bytes(8, "little") + b"\x09"
+    with isthmus.insecure_channel(raw_aio_served.addresses["shm"]) as ch:
+        hog = ch.raw_unary("/raw.Raw/Fill", (60 << 20).to_bytes(8, "little") + b"\x01", timeout=60)
+        waiting: list[isthmus.Message] = []
+        filler = threading.Thread(
+            target=lambda: waiting.append(ch.raw_unary("/raw.Raw/Fill", fill, timeout=60))
+        )
+        filler.start()
+        try:
+            for i in range(20):
+                assert bytes(ch.raw_unary("/raw.Raw/Echo", bytes([i]) * 100, timeout=20)) == bytes([i]) * 100
+            assert not waiting, "the 8 MiB reply waits for the arena"
+        finally:
+            del hog
+        filler.join(60)
+        assert len(waiting) == 1 and len(waiting[0]) == 8 << 20 and head(waiting[0], 4) == b"\x09" * 4
+
+
+def test_a_python_thread_holding_the_gil_does_not_stop_the_asyncio_servers_reader(
+    raw_aio_served: Served,
+) -> None:
+    """The connection's reader hands a call to the asyncio server without the GIL: while a
+    handler holds it for seconds, a call that arrives on the same connection waits for the loop,
+    but the frames behind it are still read (the engine's health service answers at once)."""
+    with isthmus.insecure_channel(raw_aio_served.addresses["shm"]) as ch:
+        health = ch.unary_unary("/grpc.health.v1.Health/Check")
+        assert health(b"", timeout=60) == b"\x08\x01"
+        outcomes: dict[str, bytes] = {}
+        hog = threading.Thread(
+            target=lambda: outcomes.update(
+                hog=bytes(ch.raw_unary("/raw.Raw/HogGil", (6000).to_bytes(8, "little")))
+            )
+        )
+        hog.start()
+        time.sleep(0.5)  # the hog has the GIL by now (if not, the calls below only pass sooner)
+        queued = threading.Thread(
+            target=lambda: outcomes.update(echo=bytes(ch.raw_unary("/raw.Raw/Echo", b"q")))
+        )
+        queued.start()
+        time.sleep(0.1)
+        assert health(b"", timeout=2.5) == b"\x08\x01", "the reader was stuck behind the GIL"
+        hog.join(60)
+        queued.join(60)
+        assert outcomes == {"hog": b"done", "echo": b"q"}

@@ -314,6 +314,18 @@ pub mod cases {
         EchoRequest { payload, seq, ..EchoRequest::default() }
     }
 
+    /// A bidi call to `addr` given up midway: one message echoed, then the response dropped
+    /// while the request stream stays open (the sender returned), so the handler, waiting for
+    /// the next request, can only end by the cancel.
+    pub async fn bidi_given_up(addr: &str) -> tokio::sync::mpsc::Sender<EchoRequest> {
+        let mut c = client(addr).await;
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let mut replies = c.bidi(ReceiverStream::new(rx)).await.expect("bidi").into_inner();
+        tx.send(request(b"first".to_vec(), 1)).await.expect("send");
+        assert_eq!(replies.message().await.expect("echo").expect("reply").payload, b"first");
+        tx
+    }
+
     /// Failing calls carry their code, message and trailers.
     pub async fn failures_carry_their_status(addr: &str) {
         let mut c = client(addr).await;

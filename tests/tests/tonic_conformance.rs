@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use isthmus_tests::cases::{client, every_kind_of_call, request};
+use isthmus_tests::cases::{bidi_given_up, client, every_kind_of_call, request};
 use isthmus_tests::conformance::EchoRequest;
 use isthmus_tests::{fresh_addr, fresh_socket, pattern, run, runtime, spawn_tonic_peer, Peer};
 use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
@@ -104,17 +104,7 @@ fn a_client_cancel_reaches_the_service_and_concurrent_calls_stay_apart() {
     let (mut server, targets) = server();
     let rt = runtime();
     for addr in &targets {
-        // Cancel mid-stream: drop the response while the request stream stays open, so the
-        // service waits for the next request and can only end by the cancel.
-        let tx = rt.block_on(async {
-            let mut c = client(addr).await;
-            let (tx, rx) = tokio::sync::mpsc::channel(1);
-            let mut replies = c.bidi(ReceiverStream::new(rx)).await.expect("bidi").into_inner();
-            tx.send(request(b"first".to_vec(), 1)).await.expect("send");
-            assert_eq!(replies.message().await.expect("echo").expect("reply").payload, b"first");
-            drop(replies);
-            tx
-        });
+        let tx = rt.block_on(bidi_given_up(addr));
         // The request stream is still open on the client, so only the cancel can end the
         // service's. tonic hands a service a CANCELLED request stream as its plain end
         // (`Streaming` returns `None`), on every transport, so either form proves it arrived.

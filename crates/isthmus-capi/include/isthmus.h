@@ -11,13 +11,17 @@
  *   ISTHMUS_INVALID_ARGUMENT instead of crashing.
  * - Errors. Fallible functions return an isthmus_code_t: ISTHMUS_OK (0) or a gRPC status code.
  *   Where a function takes `isthmus_status_t **status` and it is not NULL, a failure stores a
- *   status there (code, message, trailers) for the caller to free with isthmus_status_free;
- *   success stores NULL. No panic crosses the boundary (ISTHMUS_INTERNAL instead).
+ *   status there (code, message, details, trailers) for the caller to free with
+ *   isthmus_status_free; success stores NULL. No panic crosses the boundary (ISTHMUS_INTERNAL
+ *   instead).
  * - Memory. Byte arguments are (pointer, length) pairs, copied or sent before the function
  *   returns. Strings are NUL-terminated UTF-8. Pointers into an object (a message's bytes, a
- *   block's bytes, a status's message, a metadata entry) stay valid until that object is freed.
+ *   block's bytes, a status's message or details, a metadata entry) stay valid until that object
+ *   is freed.
  * - Threads. Every function may be called from any thread; a call's sending side and its
- *   receiving side may be used from two threads at once.
+ *   receiving side may be used from two threads at once. Each function's comment has a
+ *   "Thread-safety:" line: what it allows beside that, what it blocks, and which of its
+ *   pointers another thread's free or change ends.
  * - Blocking. Functions without _async block until done (bounded by the call's timeout). Each
  *   _async function returns at once and its result arrives as an isthmus_event_t on a completion
  *   queue whose file descriptor an event loop watches (isthmus_cq_fd, isthmus_cq_poll).
@@ -120,7 +124,7 @@ typedef struct isthmus_server_call_t isthmus_server_call_t;
 // A server: handlers by method path, served on one or more targets at once.
 typedef struct isthmus_server_t isthmus_server_t;
 
-// A gRPC status: code, message and trailing metadata.
+// A gRPC status: code, message, binary details and trailing metadata.
 typedef struct isthmus_status_t isthmus_status_t;
 
 // A gRPC status code: 0 is OK.
@@ -170,7 +174,7 @@ typedef struct {
   isthmus_metadata_t *metadata;
   // `ISTHMUS_OP_UNARY`: the trailing metadata; NULL when there is none.
   isthmus_metadata_t *trailers;
-  // On failure: the status (code, message, trailers).
+  // On failure: the status (code, message, details, trailers).
   isthmus_status_t *status;
 } isthmus_event_t;
 
@@ -275,30 +279,60 @@ extern "C" {
 
 // The ABI version of the loaded library ([`ISTHMUS_ABI_VERSION`] when it was built): compare
 // with the header's before use.
+//
+// Thread-safety: any thread.
 uint32_t isthmus_abi_version(void);
 
 // The gRPC name of `code` (`"UNAVAILABLE"`), static and NUL-terminated; `"UNKNOWN"` for a
 // number that is no code.
+//
+// Thread-safety: any thread; the string is static.
 const char *isthmus_code_name(isthmus_code_t code);
 
 // The number of handles made and not yet freed, of every type. A handle lives in this
 // library's registry until it is freed, so a leak checker (LeakSanitizer, valgrind) sees one
 // never freed as reachable, not leaked: a test that wants to know it freed everything compares
 // this with its value before (or with 0 at the end).
+//
+// Thread-safety: any thread; the count of that moment, which calls on other threads change.
 size_t isthmus_live_handles(void);
 
 // The status's code (`ISTHMUS_INVALID_ARGUMENT` for an invalid handle).
+//
+// Thread-safety: any thread; several may read one status at once.
 isthmus_code_t isthmus_status_code(const isthmus_status_t *status);
 
 // The status's message, NUL-terminated, valid until the status is freed ("" for an invalid
 // handle).
+//
+// Thread-safety: any thread; the string goes with `isthmus_status_free`, so do not free the status
+// on another thread while it is in use.
 const char *isthmus_status_message(const isthmus_status_t *status);
 
+// The status's binary details: a serialized `google.rpc.Status` as the server sent it (gRPC's
+// `grpc-status-details-bin`, whose code and message should match the status's own), their
+// length in `*len`. Valid until the status is freed. NULL (and length 0) when the status has
+// none, or for an invalid handle.
+//
+// Thread-safety: any thread; the bytes go with `isthmus_status_free`, so do not free the
+// status on another thread while they are in use.
+//
+// # Safety
+//
+// `len` is NULL or writable.
+const uint8_t *isthmus_status_details(const isthmus_status_t *status,
+                                      size_t *len);
+
 // Frees a status.
+//
+// Thread-safety: any thread, once; pointers into the status (message, details) that other threads
+// hold die with it.
 isthmus_code_t isthmus_status_free(isthmus_status_t *status);
 
 // Makes a channel to `target`. It connects on its first call, so this fails only for a
 // target it cannot parse (`ISTHMUS_INVALID_ARGUMENT`). Close it with `isthmus_channel_close`.
+//
+// Thread-safety: any thread.
 //
 // # Safety
 //
@@ -311,6 +345,9 @@ isthmus_code_t isthmus_channel_new(const char *target,
 
 // Closes a channel and frees its handle. Calls in progress go on until they end; new calls
 // on a closed handle are not possible (the handle is gone).
+//
+// Thread-safety: any thread, once; calls in progress on other threads go on, and their later uses
+// of the handle fail `ISTHMUS_INVALID_ARGUMENT`.
 isthmus_code_t isthmus_channel_close(isthmus_channel_t *channel);
 
 // Sets how long a unary call started with `ISTHMUS_CALL_SPIN` on this channel waits for its
@@ -320,6 +357,8 @@ isthmus_code_t isthmus_channel_close(isthmus_channel_t *channel);
 // calling thread, and a thread of the library's pool waits for the reply. A request over
 // 1 KiB waits longer by the time the server needs to read it: 0.25 µs per KiB, at most 50 µs
 // more (a spin of 0 stays 0).
+//
+// Thread-safety: any thread; calls started after it use the new value.
 isthmus_code_t isthmus_channel_set_spin(const isthmus_channel_t *channel,
                                         uint32_t spin_us);
 
@@ -327,6 +366,8 @@ isthmus_code_t isthmus_channel_set_spin(const isthmus_channel_t *channel,
 // not 0, an IDLE or failed channel starts connecting in the background (retrying with
 // backoff until it is READY), as grpc-go's `Connect` and grpcio's `try_to_connect`; the
 // calling thread never waits for it.
+//
+// Thread-safety: any thread, an event loop's included: it never waits.
 //
 // # Safety
 //
@@ -340,6 +381,8 @@ isthmus_code_t isthmus_channel_state(const isthmus_channel_t *channel,
 // `ISTHMUS_DEADLINE_EXCEEDED` with the state, still `last`, if the time ran out (grpc-go's
 // `WaitForStateChange`). Closing the channel from another thread moves it to SHUTDOWN.
 //
+// Thread-safety: any thread, which it blocks; closing the channel on another thread ends the wait.
+//
 // # Safety
 //
 // `state` is writable.
@@ -352,6 +395,9 @@ isthmus_code_t isthmus_channel_wait_state(const isthmus_channel_t *channel,
 // for the one response. On success `*reply` holds the response message; `*headers` and
 // `*trailers` (each out-pointer may be NULL) the server's initial and trailing metadata, or
 // NULL when there is none. All are the caller's to free. On failure they are set to NULL and `*status` (if not NULL) says why.
+//
+// Thread-safety: any thread, which it blocks (not an event loop's); many threads may call at once
+// on one channel.
 //
 // # Safety
 //
@@ -370,6 +416,10 @@ isthmus_code_t isthmus_unary(const isthmus_channel_t *channel,
 // [`isthmus_unary`] without blocking: returns at once, and the outcome arrives on `cq` as an
 // event with `op = ISTHMUS_OP_UNARY` and this `tag`: `message`, `metadata` (initial) and
 // `trailers` on success, `status` on failure.
+//
+// Thread-safety: any thread, many at once on one channel. It does not block; with
+// `ISTHMUS_CALL_SPIN` it may wait on the calling thread up to the channel's spin. The event goes
+// to whichever thread takes it from `cq`.
 //
 // # Safety
 //
@@ -406,6 +456,9 @@ isthmus_code_t isthmus_channel_alloc(const isthmus_channel_t *channel,
 // [`isthmus_unary`] whose request is a block from `isthmus_channel_alloc` of the same
 // channel, sent where it lies. The block handle is consumed, sent or not.
 //
+// Thread-safety: any thread, which it blocks; many at once on one channel. No other thread may
+// write the block once it is passed here.
+//
 // # Safety
 //
 // As [`isthmus_unary`].
@@ -430,6 +483,9 @@ isthmus_code_t isthmus_unary_block(const isthmus_channel_t *channel,
 // (a block whose connection is gone fails UNAVAILABLE) but does wait while the server's ring
 // is full, up to the call's deadline. The block handle is consumed, sent or not.
 //
+// Thread-safety: any thread, many at once on one channel; see above for what it may wait for on
+// the calling thread. No other thread may write the block once it is passed here.
+//
 // # Safety
 //
 // As [`isthmus_unary_async`].
@@ -445,6 +501,8 @@ isthmus_code_t isthmus_unary_block_async(const isthmus_channel_t *channel,
 // Starts a call of any shape on `path`, blocking until its head is sent (connecting if
 // needed). `*call` is the caller's, freed with `isthmus_call_free`.
 //
+// Thread-safety: any thread, which it blocks; many at once on one channel.
+//
 // # Safety
 //
 // `path` is NUL-terminated; `opts` is NULL or valid; `call` is writable; `status` is NULL or
@@ -458,6 +516,8 @@ isthmus_code_t isthmus_call_start(const isthmus_channel_t *channel,
 // [`isthmus_call_start`] without blocking: the event (`ISTHMUS_OP_START`) carries the call
 // in `call` on success. The call's later operations are best made `_async` on the same queue:
 // it is polled by whoever drains that queue.
+//
+// Thread-safety: any thread; it does not block.
 //
 // # Safety
 //
@@ -474,6 +534,9 @@ isthmus_code_t isthmus_call_start_async(const isthmus_channel_t *channel,
 // (non-zero) half-closes with it. A call that is over fails with `ISTHMUS_CANCELLED`: its
 // status comes from `isthmus_call_recv`.
 //
+// Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread
+// receives. Sends from two threads at once both go, in an order they fix themselves.
+//
 // # Safety
 //
 // `data` is valid for `len` bytes; `status` is NULL or writable.
@@ -485,6 +548,9 @@ isthmus_code_t isthmus_call_send(const isthmus_call_t *call,
 
 // [`isthmus_call_send`] without blocking (`ISTHMUS_OP_SEND`; `code` is `ISTHMUS_CANCELLED`
 // if the call was over). The message is copied before this returns.
+//
+// Thread-safety: any thread; the call's sending side, usable while another thread receives. Sends
+// started from two threads at once go in an order they fix themselves.
 //
 // # Safety
 //
@@ -499,9 +565,14 @@ isthmus_code_t isthmus_call_send_async(const isthmus_call_t *call,
                                        isthmus_status_t **status);
 
 // Half-closes: no more request messages.
+//
+// Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread
+// receives.
 isthmus_code_t isthmus_call_close_send(const isthmus_call_t *call);
 
 // [`isthmus_call_close_send`] without blocking (`ISTHMUS_OP_CLOSE_SEND`).
+//
+// Thread-safety: any thread; the call's sending side, usable while another thread receives.
 //
 // # Safety
 //
@@ -517,6 +588,9 @@ isthmus_code_t isthmus_call_close_send_async(const isthmus_call_t *call,
 // OK (its trailers: `isthmus_call_trailers`); any other code: the call failed, and `*status`
 // (if not NULL) holds the server's status with its trailers.
 //
+// Thread-safety: any thread, which it blocks; the call's receiving side, usable while another
+// thread sends. Receives from two threads take turns, each message going to one of them.
+//
 // # Safety
 //
 // `message` is writable; `status` is NULL or writable.
@@ -526,6 +600,9 @@ isthmus_code_t isthmus_call_recv(const isthmus_call_t *call,
 
 // [`isthmus_call_recv`] without blocking (`ISTHMUS_OP_RECV`: `message`, NULL at the OK end;
 // `status` on failure).
+//
+// Thread-safety: any thread; the call's receiving side, usable while another thread sends.
+// Receives started from two threads take turns.
 //
 // # Safety
 //
@@ -544,6 +621,9 @@ isthmus_code_t isthmus_call_recv_async(const isthmus_call_t *call,
 // longer. For a caller that can spare its thread that long (Go's streams, within their bound
 // on threads held); with a NULL `now` it is [`isthmus_call_recv_async`].
 //
+// Thread-safety: any thread, which it may hold for its spin (above); the call's receiving
+// side, as `isthmus_call_recv_async`.
+//
 // # Safety
 //
 // `status` is NULL or writable.
@@ -555,6 +635,9 @@ isthmus_code_t isthmus_call_recv_spin(const isthmus_call_t *call,
 
 // The server's initial metadata, blocking until it arrives (the caller frees `*headers`).
 //
+// Thread-safety: any thread, which it blocks; the call's receiving side (it takes turns with
+// receives), usable while another thread sends.
+//
 // # Safety
 //
 // `headers` is writable; `status` is NULL or writable.
@@ -563,6 +646,8 @@ isthmus_code_t isthmus_call_headers(const isthmus_call_t *call,
                                     isthmus_status_t **status);
 
 // [`isthmus_call_headers`] without blocking (`ISTHMUS_OP_HEADERS`: `metadata`).
+//
+// Thread-safety: any thread; the call's receiving side, as `isthmus_call_headers`.
 //
 // # Safety
 //
@@ -575,11 +660,16 @@ isthmus_code_t isthmus_call_headers_async(const isthmus_call_t *call,
 
 // A copy of the server's trailing metadata once the call has ended (the caller frees it);
 // NULL while it runs.
+//
+// Thread-safety: any thread; it never waits.
 isthmus_metadata_t *isthmus_call_trailers(const isthmus_call_t *call);
 
 // A writable block of `len` bytes in this side's shared memory (`shm://` only), for a
 // request built in place: fill it (`isthmus_block_data`), then `isthmus_call_send_block`.
 // Blocks while the arena is full.
+//
+// Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread
+// receives.
 //
 // # Safety
 //
@@ -592,6 +682,9 @@ isthmus_code_t isthmus_call_alloc(const isthmus_call_t *call,
 // Sends a block from `isthmus_call_alloc` as one request message, with no copy; `last`
 // (non-zero) half-closes with it. The block handle is consumed, sent or not.
 //
+// Thread-safety: any thread, which it blocks; the call's sending side, as `isthmus_call_send`. No
+// other thread may write the block once it is passed here.
+//
 // # Safety
 //
 // `status` is NULL or writable.
@@ -602,21 +695,35 @@ isthmus_code_t isthmus_call_send_block(const isthmus_call_t *call,
 
 // Cancels the call: the server sees CANCELLED, and a `recv` waiting in another thread
 // returns `ISTHMUS_CANCELLED`. The handle stays valid until freed.
+//
+// Thread-safety: any thread, typically another than the one waiting on the call: that wait ends
+// `ISTHMUS_CANCELLED`.
 isthmus_code_t isthmus_call_cancel(const isthmus_call_t *call);
 
 // Frees a call; one still running is cancelled.
+//
+// Thread-safety: any thread, once; operations other threads have under way end (the call is
+// cancelled), and their later uses of the handle fail `ISTHMUS_INVALID_ARGUMENT`.
 isthmus_code_t isthmus_call_free(isthmus_call_t *call);
 
 // A new completion queue, or NULL if the system refuses an eventfd.
+//
+// Thread-safety: any thread.
 isthmus_cq_t *isthmus_cq_new(void);
 
 // The queue's file descriptor: readable while events wait. Watch it for reading; do not
 // read, write or close it. -1 for an invalid handle.
+//
+// Thread-safety: any thread.
 int32_t isthmus_cq_fd(const isthmus_cq_t *cq);
 
 // Takes up to `capacity` finished operations into `events`, without blocking; the number
 // taken. Runs what the woken operations have left to do, on this thread. Events not taken
 // (beyond `capacity`) stay queued and keep the descriptor readable.
+//
+// Thread-safety: any thread, usually the one loop that watches the queue: threads polling one
+// queue at once each get different events. The operations' remaining work runs on the polling
+// thread.
 //
 // # Safety
 //
@@ -628,6 +735,8 @@ size_t isthmus_cq_poll(const isthmus_cq_t *cq,
 // [`isthmus_cq_poll`], but waits first until an event is ready: spinning for up to
 // `spin_us` microseconds, then asleep on the descriptor until `timeout_us` (from the call;
 // negative: no limit) has passed. 0 if none came.
+//
+// Thread-safety: any thread, which it blocks (up to `timeout_us`); as `isthmus_cq_poll` otherwise.
 //
 // # Safety
 //
@@ -641,6 +750,9 @@ size_t isthmus_cq_wait(const isthmus_cq_t *cq,
 // Abandons the operation started with `tag` on `cq`: it will not complete (a call it was
 // making is cancelled) and its event never comes. `ISTHMUS_NOT_FOUND` if it has finished
 // already: its event is then queued, or was taken.
+//
+// Thread-safety: any thread; if another thread takes the operation's event meanwhile, this gives
+// `ISTHMUS_NOT_FOUND`.
 isthmus_code_t isthmus_cq_cancel(const isthmus_cq_t *cq,
                                  uint64_t tag);
 
@@ -650,6 +762,8 @@ isthmus_code_t isthmus_cq_cancel(const isthmus_cq_t *cq,
 // `isthmus_cq_bell_accept`; from then on a byte arrives on that connection whenever the
 // descriptor becomes readable (read them, then `isthmus_cq_poll`). The socket lives in a fresh
 // directory only this user may enter, under `$TMPDIR` (or `/tmp`), removed once accepted.
+//
+// Thread-safety: any thread (a lock guards the bell).
 //
 // # Safety
 //
@@ -662,19 +776,30 @@ isthmus_code_t isthmus_cq_bell_listen(const isthmus_cq_t *cq,
 // Accepts the connection made to the socket of `isthmus_cq_bell_listen` (which must have
 // been made already: `ISTHMUS_FAILED_PRECONDITION` otherwise) and rings it from now on, in
 // place of an earlier bell. Removes the socket and its directory.
+//
+// Thread-safety: any thread (a lock guards the bell).
 isthmus_code_t isthmus_cq_bell_accept(const isthmus_cq_t *cq,
                                       isthmus_status_t **status);
 
 // Makes the queue's descriptor readable and rings its bell, with no event to take: wakes the
 // loop that watches it (nginx's watcher, when its worker is exiting).
+//
+// Thread-safety: any thread: it is how another thread wakes the queue's loop.
 isthmus_code_t isthmus_cq_wake(const isthmus_cq_t *cq);
 
 // Frees a queue. Operations still waiting on it are abandoned: their calls are cancelled and
 // their events never come; events not yet taken are freed.
+//
+// Thread-safety: any thread, once nothing uses the queue: operations other threads start on it
+// afterwards fail `ISTHMUS_INVALID_ARGUMENT`, and a thread asleep in `isthmus_cq_wait` on it
+// sleeps on until its timeout.
 isthmus_code_t isthmus_cq_free(isthmus_cq_t *cq);
 
 // The message's bytes; their count in `*len`. Valid until the message is freed. NULL (and
 // length 0) for an empty message or an invalid handle.
+//
+// Thread-safety: any thread; several may read the bytes at once. They go with
+// `isthmus_message_free`, so do not free the message on another thread while they are in use.
 //
 // # Safety
 //
@@ -683,13 +808,21 @@ const uint8_t *isthmus_message_data(const isthmus_message_t *msg,
                                     size_t *len);
 
 // The message's length in bytes (0 for an invalid handle).
+//
+// Thread-safety: any thread.
 size_t isthmus_message_len(const isthmus_message_t *msg);
 
 // Frees a message (over `shm://`, gives its shared memory back to the sender once nothing
 // else holds it). `ISTHMUS_INVALID_ARGUMENT` for NULL or a message freed already.
+//
+// Thread-safety: any thread, once; the bytes that other threads hold from `isthmus_message_data`
+// die with it.
 isthmus_code_t isthmus_message_free(isthmus_message_t *msg);
 
 // The block's writable bytes; their count in `*len`. Valid until the block is sent or freed.
+//
+// Thread-safety: any thread; the bytes are plain memory, so writers on several threads order their
+// writes themselves. They go when the block is sent or freed, on any thread.
 //
 // # Safety
 //
@@ -698,16 +831,23 @@ uint8_t *isthmus_block_data(isthmus_block_t *block,
                             size_t *len);
 
 // Frees a block that will not be sent (its shared memory goes back to the arena).
+//
+// Thread-safety: any thread, once; not while another thread still writes the block's bytes.
 isthmus_code_t isthmus_block_free(isthmus_block_t *block);
 
 // New empty metadata, to fill with `isthmus_metadata_add` and pass to a call; free it with
 // `isthmus_metadata_free` (a call copies what it needs).
+//
+// Thread-safety: any thread.
 isthmus_metadata_t *isthmus_metadata_new(void);
 
 // Appends an entry. The key (NUL-terminated) must be lower-case `0-9 a-z - _ .` and not
 // reserved (`grpc-*`, `content-type`, `te`, `user-agent`); keys ending in `-bin` take any
 // bytes, others printable ASCII. `ISTHMUS_INVALID_ARGUMENT` with the reason otherwise.
 // Entry pointers taken earlier from this metadata are invalid afterwards.
+//
+// Thread-safety: any thread (a lock guards the entries), but it invalidates the entry pointers
+// that `isthmus_metadata_get` gave other threads: do not add while another thread reads entries.
 //
 // # Safety
 //
@@ -720,10 +860,15 @@ isthmus_code_t isthmus_metadata_add(isthmus_metadata_t *md,
                                     isthmus_status_t **status);
 
 // The number of entries (0 for an invalid handle).
+//
+// Thread-safety: any thread.
 size_t isthmus_metadata_len(const isthmus_metadata_t *md);
 
 // Entry `index`: its key (not NUL-terminated) and value (NULL when empty), valid until the
 // metadata is changed or freed. `ISTHMUS_OUT_OF_RANGE` past the end.
+//
+// Thread-safety: any thread; the pointers last until the metadata is changed
+// (`isthmus_metadata_add`) or freed, on any thread.
 //
 // # Safety
 //
@@ -736,16 +881,22 @@ isthmus_code_t isthmus_metadata_get(const isthmus_metadata_t *md,
                                     size_t *value_len);
 
 // Frees metadata.
+//
+// Thread-safety: any thread, once; calls given the metadata have copied it already.
 isthmus_code_t isthmus_metadata_free(isthmus_metadata_t *md);
 
 // A copy of the status's trailing metadata, which the caller frees; NULL for an invalid
 // handle.
+//
+// Thread-safety: any thread; the copy is the caller's alone.
 isthmus_metadata_t *isthmus_status_trailers(const isthmus_status_t *status);
 
 // Compiles `.proto` files (with what they import) at run time. Imports are looked up in the
 // `includes` directories; with none, in each file's own directory. A file that does not parse,
 // or an import not found, fails with `ISTHMUS_INVALID_ARGUMENT` and a message naming the file
 // and line. Free the result with `isthmus_proto_free`.
+//
+// Thread-safety: any thread.
 //
 // # Safety
 //
@@ -762,6 +913,8 @@ isthmus_code_t isthmus_proto_load(const char *const *files,
 // --descriptor_set_out` writes, or a server's reflection gives). Free the result with
 // `isthmus_proto_free`.
 //
+// Thread-safety: any thread.
+//
 // # Safety
 //
 // `data` is valid for `len` bytes; `out` is writable; `status` is NULL or writable.
@@ -775,6 +928,9 @@ isthmus_code_t isthmus_proto_load_descriptor_set(const uint8_t *data,
 // NUL-terminated and valid until the proto is freed; NULL if no loaded service has that method
 // (or for an invalid handle).
 //
+// Thread-safety: any thread; the string goes with `isthmus_proto_free`, so do not free the proto
+// on another thread while it is in use.
+//
 // # Safety
 //
 // `path` is a NUL-terminated string.
@@ -785,6 +941,8 @@ const char *isthmus_proto_method_type(const isthmus_proto_t *proto,
 // Encodes a message of type `type_name` (`package.Message`) from its proto3 JSON form: `*out`
 // holds the protobuf bytes. JSON that does not fit the type fails with
 // `ISTHMUS_INVALID_ARGUMENT` and a message naming the field.
+//
+// Thread-safety: any thread; several may use one proto at once.
 //
 // # Safety
 //
@@ -802,6 +960,8 @@ isthmus_code_t isthmus_proto_encode(const isthmus_proto_t *proto,
 // their default value left out, 64-bit integers as strings, `bytes` in base64. `*out` holds
 // the JSON text. Bytes that are not such a message fail with `ISTHMUS_INVALID_ARGUMENT`.
 //
+// Thread-safety: any thread; several may use one proto at once.
+//
 // # Safety
 //
 // `type_name` is NUL-terminated; `data` is valid for `len` bytes; `out` is writable; `status`
@@ -814,9 +974,14 @@ isthmus_code_t isthmus_proto_decode(const isthmus_proto_t *proto,
                                     isthmus_status_t **status);
 
 // Frees a proto.
+//
+// Thread-safety: any thread, once; not while another thread still uses it or a string from
+// `isthmus_proto_method_type`.
 isthmus_code_t isthmus_proto_free(isthmus_proto_t *proto);
 
 // A new server with no handlers. Free it with `isthmus_server_free`.
+//
+// Thread-safety: any thread.
 //
 // # Safety
 //
@@ -825,6 +990,9 @@ isthmus_server_t *isthmus_server_new(const isthmus_server_options_t *opts);
 
 // Registers `handler` for `path` (NULL or "": every other path), called with `user_data` for
 // each new call. Before `isthmus_server_start` only.
+//
+// Thread-safety: any thread, before `isthmus_server_start` (a lock orders them). `handler` is
+// called on the library's threads, for several calls at once.
 //
 // # Safety
 //
@@ -840,6 +1008,9 @@ isthmus_code_t isthmus_server_add_handler(const isthmus_server_t *server,
 // (`ISTHMUS_OP_NEW_CALL`, with `tag` and the call in `server_call`). Before
 // `isthmus_server_start` only. The queue must outlive the server.
 //
+// Thread-safety: any thread, before `isthmus_server_start` (a lock orders them). The new calls'
+// events go to whichever thread takes them from `cq`.
+//
 // # Safety
 //
 // `path` is NULL or NUL-terminated; `status` is NULL or writable.
@@ -853,6 +1024,9 @@ isthmus_code_t isthmus_server_add_handler_cq(const isthmus_server_t *server,
 // `unix:///path.sock`, `http://host:port`) and starts serving them in the background.
 // Clients can connect as soon as this returns. A server starts once.
 //
+// Thread-safety: any thread, which it blocks while it binds; of two calls at once, one starts the
+// server and the other fails `ISTHMUS_FAILED_PRECONDITION`.
+//
 // # Safety
 //
 // `targets` is valid for `count` NUL-terminated strings; `status` is NULL or writable.
@@ -864,6 +1038,9 @@ isthmus_code_t isthmus_server_start(const isthmus_server_t *server,
 // The `index`th HTTP/2 endpoint of a serving server as clients reach it (`unix:///path`,
 // `http://host:port` with the port the system chose for port 0), NUL-terminated and valid
 // until the server is shut down; NULL past the last one or if it does not serve.
+//
+// Thread-safety: any thread; the string goes with the shutdown, so do not shut the server down on
+// another thread while it is in use.
 const char *isthmus_server_http_address(const isthmus_server_t *server,
                                         size_t index);
 
@@ -871,14 +1048,24 @@ const char *isthmus_server_http_address(const isthmus_server_t *server,
 // to go away, new calls are refused with UNAVAILABLE, and calls in progress get `grace_ms`
 // milliseconds to finish before their connections close. The handle stays valid (free it
 // with `isthmus_server_free`).
+//
+// Thread-safety: any thread, which it blocks; a second call meanwhile returns at once, before the
+// first is done. From a handler of this server, its own unfinished call holds the shutdown for the
+// whole grace period.
 isthmus_code_t isthmus_server_shutdown(const isthmus_server_t *server,
                                        uint64_t grace_ms);
 
 // Frees a server, shutting it down first (with no grace) if it serves.
+//
+// Thread-safety: any thread, once, which it blocks while the server stops; as
+// `isthmus_server_shutdown` otherwise.
 isthmus_code_t isthmus_server_free(isthmus_server_t *server);
 
 // The call's method path (not NUL-terminated; its length in `*len`), valid until the call
 // is finished.
+//
+// Thread-safety: any thread; the bytes go with the call's finish, so do not finish it on another
+// thread while they are in use.
 //
 // # Safety
 //
@@ -887,19 +1074,28 @@ const uint8_t *isthmus_server_call_path(const isthmus_server_call_t *call,
                                         size_t *len);
 
 // A copy of the client's initial metadata (the caller frees it); NULL for an invalid handle.
+//
+// Thread-safety: any thread; the copy is the caller's alone.
 isthmus_metadata_t *isthmus_server_call_metadata(const isthmus_server_call_t *call);
 
 // Microseconds left before the client's deadline; -1 if it set none.
+//
+// Thread-safety: any thread.
 int64_t isthmus_server_call_time_remaining_us(const isthmus_server_call_t *call);
 
 // 1 while the call runs (not finished, not cancelled by the client, deadline not passed);
 // 0 otherwise.
+//
+// Thread-safety: any thread.
 int32_t isthmus_server_call_is_active(const isthmus_server_call_t *call);
 
 // Receives the next request message, blocking: `ISTHMUS_OK` with `*message` set, or with
 // `*message` NULL once the client has half-closed; another code if the call is over. With
 // `flags` 0 it sends nothing, so `isthmus_server_call_send_headers` works after it; see
 // `ISTHMUS_RECV_FLUSH_HEADERS` for request-streaming handlers.
+//
+// Thread-safety: any thread, which it blocks; the call's receiving side, usable while another
+// thread sends (receives from two threads take turns).
 //
 // # Safety
 //
@@ -910,6 +1106,9 @@ isthmus_code_t isthmus_server_call_recv(const isthmus_server_call_t *call,
                                         isthmus_status_t **status);
 
 // [`isthmus_server_call_recv`] without blocking (`ISTHMUS_OP_RECV`).
+//
+// Thread-safety: any thread, which it holds up to 50 µs with `ISTHMUS_RECV_SPIN` only; the call's
+// receiving side, usable while another thread sends.
 //
 // # Safety
 //
@@ -926,6 +1125,8 @@ isthmus_code_t isthmus_server_call_recv_async(const isthmus_server_call_t *call,
 // already, the event is queued at once. A handler that works on after its client gave up
 // learns of it this way.
 //
+// Thread-safety: any thread.
+//
 // # Safety
 //
 // `status` is NULL or writable.
@@ -935,6 +1136,9 @@ isthmus_code_t isthmus_server_call_done_async(const isthmus_server_call_t *call,
                                               isthmus_status_t **status);
 
 // Sends one response message (copied), blocking while flow control holds it back.
+//
+// Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread
+// receives. Sends from two threads at once take turns, in an order they fix themselves.
 //
 // # Safety
 //
@@ -946,6 +1150,9 @@ isthmus_code_t isthmus_server_call_send(const isthmus_server_call_t *call,
 
 // [`isthmus_server_call_send`] without blocking (`ISTHMUS_OP_SEND`); the message is copied
 // before this returns.
+//
+// Thread-safety: any thread; the call's sending side, usable while another thread receives. Sends
+// started from two threads at once go in an order they fix themselves.
 //
 // # Safety
 //
@@ -960,6 +1167,9 @@ isthmus_code_t isthmus_server_call_send_async(const isthmus_server_call_t *call,
 
 // Sends initial metadata now (otherwise the first message sends empty metadata), blocking.
 //
+// Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread
+// receives.
+//
 // # Safety
 //
 // `status` is NULL or writable.
@@ -968,6 +1178,8 @@ isthmus_code_t isthmus_server_call_send_headers(const isthmus_server_call_t *cal
                                                 isthmus_status_t **status);
 
 // [`isthmus_server_call_send_headers`] without blocking (`ISTHMUS_OP_SEND_HEADERS`).
+//
+// Thread-safety: any thread; the call's sending side, usable while another thread receives.
 //
 // # Safety
 //
@@ -982,6 +1194,9 @@ isthmus_code_t isthmus_server_call_send_headers_async(const isthmus_server_call_
 // A writable block of `len` bytes in the server's shared memory (`shm://` calls only), for a
 // reply written in place; send it with `isthmus_server_call_send_block`.
 //
+// Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread
+// receives.
+//
 // # Safety
 //
 // `block` is writable; `status` is NULL or writable.
@@ -992,6 +1207,9 @@ isthmus_code_t isthmus_server_call_alloc(const isthmus_server_call_t *call,
 
 // Sends a block from `isthmus_server_call_alloc` as one response message, with no copy. The
 // block handle is consumed, sent or not.
+//
+// Thread-safety: any thread, which it blocks; the call's sending side, as
+// `isthmus_server_call_send`. No other thread may write the block once it is passed here.
 //
 // # Safety
 //
@@ -1005,6 +1223,9 @@ isthmus_code_t isthmus_server_call_send_block(const isthmus_server_call_t *call,
 // `message` that is not UTF-8 or a `trailers` that is no live handle still ends the call
 // (INTERNAL, saying which) and frees the handle, and returns `ISTHMUS_INVALID_ARGUMENT`.
 //
+// Thread-safety: any thread, exactly once; operations other threads start on the call afterwards
+// fail `ISTHMUS_INVALID_ARGUMENT`, and the path from `isthmus_server_call_path` dies.
+//
 // # Safety
 //
 // `message` is NULL or NUL-terminated; `status` is NULL or writable.
@@ -1013,6 +1234,27 @@ isthmus_code_t isthmus_server_call_finish(isthmus_server_call_t *call,
                                           const char *message,
                                           const isthmus_metadata_t *trailers,
                                           isthmus_status_t **status);
+
+// [`isthmus_server_call_finish`] with binary details: `details_len` bytes at `details` (NULL
+// for none when `details_len` is 0; copied), a serialized `google.rpc.Status` whose code and
+// message should match `code` and `message`. They reach the client as the status's details
+// (`isthmus_status_details`; over HTTP/2, gRPC's `grpc-status-details-bin` trailer). With a
+// NULL `details` and a non-zero length the call still ends (INTERNAL, saying why), the
+// handle is freed, and this returns `ISTHMUS_INVALID_ARGUMENT`.
+//
+// Thread-safety: as `isthmus_server_call_finish`.
+//
+// # Safety
+//
+// `message` is NULL or NUL-terminated; `details` is NULL or valid for `details_len` bytes;
+// `status` is NULL or writable.
+isthmus_code_t isthmus_server_call_finish_with_details(isthmus_server_call_t *call,
+                                                       isthmus_code_t code,
+                                                       const char *message,
+                                                       const uint8_t *details,
+                                                       size_t details_len,
+                                                       const isthmus_metadata_t *trailers,
+                                                       isthmus_status_t **status);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -3,6 +3,7 @@
 
 use std::ffi::{c_char, CString};
 
+use bytes::Bytes;
 use isthmus::{Code, MetadataMap, Status};
 
 use crate::handle::Registry;
@@ -154,10 +155,12 @@ pub(crate) unsafe fn put<T>(out: *mut T, value: T) {
     }
 }
 
-/// A gRPC status: code, message and trailing metadata.
+/// A gRPC status: code, message, binary details and trailing metadata.
 pub struct isthmus_status_t {
     code: isthmus_code_t,
     message: CString,
+    /// A serialized `google.rpc.Status` (gRPC's `grpc-status-details-bin`), or empty.
+    details: Bytes,
     trailers: MetadataMap,
 }
 
@@ -169,6 +172,7 @@ pub(crate) fn status_handle(status: &Status) -> *mut isthmus_status_t {
     STATUSES.add(isthmus_status_t {
         code: status.code() as isthmus_code_t,
         message,
+        details: status.details().clone(),
         trailers: status.metadata().clone(),
     })
 }
@@ -186,6 +190,8 @@ pub(crate) fn store_status(out: *mut *mut isthmus_status_t, status: Option<Statu
 // ---- statuses ----
 
 /// The status's code (`ISTHMUS_INVALID_ARGUMENT` for an invalid handle).
+///
+/// Thread-safety: any thread; several may read one status at once.
 #[no_mangle]
 pub extern "C" fn isthmus_status_code(status: *const isthmus_status_t) -> isthmus_code_t {
     guard(ISTHMUS_INTERNAL, || STATUSES.get(status).map_or(ISTHMUS_INVALID_ARGUMENT, |s| s.code))
@@ -193,9 +199,37 @@ pub extern "C" fn isthmus_status_code(status: *const isthmus_status_t) -> isthmu
 
 /// The status's message, NUL-terminated, valid until the status is freed ("" for an invalid
 /// handle).
+///
+/// Thread-safety: any thread; the string goes with `isthmus_status_free`, so do not free the status
+/// on another thread while it is in use.
 #[no_mangle]
 pub extern "C" fn isthmus_status_message(status: *const isthmus_status_t) -> *const c_char {
     guard(c"".as_ptr(), || STATUSES.get(status).map_or(c"".as_ptr(), |s| s.message.as_ptr()))
+}
+
+/// The status's binary details: a serialized `google.rpc.Status` as the server sent it (gRPC's
+/// `grpc-status-details-bin`, whose code and message should match the status's own), their
+/// length in `*len`. Valid until the status is freed. NULL (and length 0) when the status has
+/// none, or for an invalid handle.
+///
+/// Thread-safety: any thread; the bytes go with `isthmus_status_free`, so do not free the
+/// status on another thread while they are in use.
+///
+/// # Safety
+///
+/// `len` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_status_details(status: *const isthmus_status_t, len: *mut usize) -> *const u8 {
+    guard(std::ptr::null(), || {
+        let (ptr, n) = match STATUSES.get(status) {
+            // The bytes live as long as the registry holds the status, whatever this Arc does.
+            Ok(s) => (crate::object::data_ptr(&s.details), s.details.len()),
+            Err(_) => (std::ptr::null(), 0),
+        };
+        // SAFETY: the caller promises `len` is NULL or writable.
+        unsafe { put(len, n) };
+        ptr
+    })
 }
 
 /// The trailing metadata of a live status handle.
@@ -204,6 +238,9 @@ pub(crate) fn status_trailers(status: *const isthmus_status_t) -> Option<Metadat
 }
 
 /// Frees a status.
+///
+/// Thread-safety: any thread, once; pointers into the status (message, details) that other threads
+/// hold die with it.
 #[no_mangle]
 pub extern "C" fn isthmus_status_free(status: *mut isthmus_status_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || STATUSES.remove(status).map(drop))

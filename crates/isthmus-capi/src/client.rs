@@ -123,6 +123,8 @@ impl isthmus_channel_t {
 /// Makes a channel to `target`. It connects on its first call, so this fails only for a
 /// target it cannot parse (`ISTHMUS_INVALID_ARGUMENT`). Close it with `isthmus_channel_close`.
 ///
+/// Thread-safety: any thread.
+///
 /// # Safety
 ///
 /// `target` is a NUL-terminated string; `opts` is NULL or valid; `out` is writable; `status`
@@ -163,6 +165,9 @@ pub unsafe extern "C" fn isthmus_channel_new(
 
 /// Closes a channel and frees its handle. Calls in progress go on until they end; new calls
 /// on a closed handle are not possible (the handle is gone).
+///
+/// Thread-safety: any thread, once; calls in progress on other threads go on, and their later uses
+/// of the handle fail `ISTHMUS_INVALID_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn isthmus_channel_close(channel: *mut isthmus_channel_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
@@ -179,6 +184,8 @@ pub extern "C" fn isthmus_channel_close(channel: *mut isthmus_channel_t) -> isth
 /// calling thread, and a thread of the library's pool waits for the reply. A request over
 /// 1 KiB waits longer by the time the server needs to read it: 0.25 µs per KiB, at most 50 µs
 /// more (a spin of 0 stays 0).
+///
+/// Thread-safety: any thread; calls started after it use the new value.
 #[no_mangle]
 pub extern "C" fn isthmus_channel_set_spin(channel: *const isthmus_channel_t, spin_us: u32) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
@@ -237,6 +244,8 @@ impl isthmus_channel_t {
 /// backoff until it is READY), as grpc-go's `Connect` and grpcio's `try_to_connect`; the
 /// calling thread never waits for it.
 ///
+/// Thread-safety: any thread, an event loop's included: it never waits.
+///
 /// # Safety
 ///
 /// `state` is writable.
@@ -276,6 +285,8 @@ unsafe fn entry_state(
 /// `timeout_ms` milliseconds: `ISTHMUS_OK` with the new state in `*state`, or
 /// `ISTHMUS_DEADLINE_EXCEEDED` with the state, still `last`, if the time ran out (grpc-go's
 /// `WaitForStateChange`). Closing the channel from another thread moves it to SHUTDOWN.
+///
+/// Thread-safety: any thread, which it blocks; closing the channel on another thread ends the wait.
 ///
 /// # Safety
 ///
@@ -326,6 +337,9 @@ pub unsafe extern "C" fn isthmus_channel_wait_state(
 /// for the one response. On success `*reply` holds the response message; `*headers` and
 /// `*trailers` (each out-pointer may be NULL) the server's initial and trailing metadata, or
 /// NULL when there is none. All are the caller's to free. On failure they are set to NULL and `*status` (if not NULL) says why.
+///
+/// Thread-safety: any thread, which it blocks (not an event loop's); many threads may call at once
+/// on one channel.
 ///
 /// # Safety
 ///
@@ -409,6 +423,10 @@ unsafe fn put_response(
 /// [`isthmus_unary`] without blocking: returns at once, and the outcome arrives on `cq` as an
 /// event with `op = ISTHMUS_OP_UNARY` and this `tag`: `message`, `metadata` (initial) and
 /// `trailers` on success, `status` on failure.
+///
+/// Thread-safety: any thread, many at once on one channel. It does not block; with
+/// `ISTHMUS_CALL_SPIN` it may wait on the calling thread up to the channel's spin. The event goes
+/// to whichever thread takes it from `cq`.
 ///
 /// # Safety
 ///
@@ -530,6 +548,9 @@ fn no_blocks() -> Status {
 /// [`isthmus_unary`] whose request is a block from `isthmus_channel_alloc` of the same
 /// channel, sent where it lies. The block handle is consumed, sent or not.
 ///
+/// Thread-safety: any thread, which it blocks; many at once on one channel. No other thread may
+/// write the block once it is passed here.
+///
 /// # Safety
 ///
 /// As [`isthmus_unary`].
@@ -573,6 +594,9 @@ pub unsafe extern "C" fn isthmus_unary_block(
 /// connection instead and sent by the runtime. Sending on the calling thread never connects
 /// (a block whose connection is gone fails UNAVAILABLE) but does wait while the server's ring
 /// is full, up to the call's deadline. The block handle is consumed, sent or not.
+///
+/// Thread-safety: any thread, many at once on one channel; see above for what it may wait for on
+/// the calling thread. No other thread may write the block once it is passed here.
 ///
 /// # Safety
 ///
@@ -624,6 +648,8 @@ pub unsafe extern "C" fn isthmus_unary_block_async(
 /// Starts a call of any shape on `path`, blocking until its head is sent (connecting if
 /// needed). `*call` is the caller's, freed with `isthmus_call_free`.
 ///
+/// Thread-safety: any thread, which it blocks; many at once on one channel.
+///
 /// # Safety
 ///
 /// `path` is NUL-terminated; `opts` is NULL or valid; `call` is writable; `status` is NULL or
@@ -651,6 +677,8 @@ pub unsafe extern "C" fn isthmus_call_start(
 /// [`isthmus_call_start`] without blocking: the event (`ISTHMUS_OP_START`) carries the call
 /// in `call` on success. The call's later operations are best made `_async` on the same queue:
 /// it is polled by whoever drains that queue.
+///
+/// Thread-safety: any thread; it does not block.
 ///
 /// # Safety
 ///
@@ -686,6 +714,9 @@ fn over() -> Status {
 /// (non-zero) half-closes with it. A call that is over fails with `ISTHMUS_CANCELLED`: its
 /// status comes from `isthmus_call_recv`.
 ///
+/// Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread
+/// receives. Sends from two threads at once both go, in an order they fix themselves.
+///
 /// # Safety
 ///
 /// `data` is valid for `len` bytes; `status` is NULL or writable.
@@ -711,6 +742,9 @@ pub unsafe extern "C" fn isthmus_call_send(
 /// [`isthmus_call_send`] without blocking (`ISTHMUS_OP_SEND`; `code` is `ISTHMUS_CANCELLED`
 /// if the call was over). The message is copied before this returns.
 ///
+/// Thread-safety: any thread; the call's sending side, usable while another thread receives. Sends
+/// started from two threads at once go in an order they fix themselves.
+///
 /// # Safety
 ///
 /// As [`isthmus_call_send`].
@@ -733,6 +767,9 @@ pub unsafe extern "C" fn isthmus_call_send_async(
 }
 
 /// Half-closes: no more request messages.
+///
+/// Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread
+/// receives.
 #[no_mangle]
 pub extern "C" fn isthmus_call_close_send(call: *const isthmus_call_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
@@ -743,6 +780,8 @@ pub extern "C" fn isthmus_call_close_send(call: *const isthmus_call_t) -> isthmu
 }
 
 /// [`isthmus_call_close_send`] without blocking (`ISTHMUS_OP_CLOSE_SEND`).
+///
+/// Thread-safety: any thread; the call's sending side, usable while another thread receives.
 ///
 /// # Safety
 ///
@@ -768,6 +807,9 @@ pub unsafe extern "C" fn isthmus_call_close_send_async(
 /// OK (its trailers: `isthmus_call_trailers`); any other code: the call failed, and `*status`
 /// (if not NULL) holds the server's status with its trailers.
 ///
+/// Thread-safety: any thread, which it blocks; the call's receiving side, usable while another
+/// thread sends. Receives from two threads take turns, each message going to one of them.
+///
 /// # Safety
 ///
 /// `message` is writable; `status` is NULL or writable.
@@ -783,6 +825,9 @@ pub unsafe extern "C" fn isthmus_call_recv(
 
 /// [`isthmus_call_recv`] without blocking (`ISTHMUS_OP_RECV`: `message`, NULL at the OK end;
 /// `status` on failure).
+///
+/// Thread-safety: any thread; the call's receiving side, usable while another thread sends.
+/// Receives started from two threads take turns.
 ///
 /// # Safety
 ///
@@ -805,6 +850,9 @@ pub unsafe extern "C" fn isthmus_call_recv_async(
 /// started with `ISTHMUS_CALL_SPIN` also reads the connection while polled, and may wait
 /// longer. For a caller that can spare its thread that long (Go's streams, within their bound
 /// on threads held); with a NULL `now` it is [`isthmus_call_recv_async`].
+///
+/// Thread-safety: any thread, which it may hold for its spin (above); the call's receiving
+/// side, as `isthmus_call_recv_async`.
 ///
 /// # Safety
 ///
@@ -836,6 +884,9 @@ fn recv_on(
 
 /// The server's initial metadata, blocking until it arrives (the caller frees `*headers`).
 ///
+/// Thread-safety: any thread, which it blocks; the call's receiving side (it takes turns with
+/// receives), usable while another thread sends.
+///
 /// # Safety
 ///
 /// `headers` is writable; `status` is NULL or writable.
@@ -852,6 +903,8 @@ pub unsafe extern "C" fn isthmus_call_headers(
 }
 
 /// [`isthmus_call_headers`] without blocking (`ISTHMUS_OP_HEADERS`: `metadata`).
+///
+/// Thread-safety: any thread; the call's receiving side, as `isthmus_call_headers`.
 ///
 /// # Safety
 ///
@@ -871,6 +924,8 @@ pub unsafe extern "C" fn isthmus_call_headers_async(
 
 /// A copy of the server's trailing metadata once the call has ended (the caller frees it);
 /// NULL while it runs.
+///
+/// Thread-safety: any thread; it never waits.
 #[no_mangle]
 pub extern "C" fn isthmus_call_trailers(call: *const isthmus_call_t) -> *mut isthmus_metadata_t {
     guard(std::ptr::null_mut(), || {
@@ -881,6 +936,9 @@ pub extern "C" fn isthmus_call_trailers(call: *const isthmus_call_t) -> *mut ist
 /// A writable block of `len` bytes in this side's shared memory (`shm://` only), for a
 /// request built in place: fill it (`isthmus_block_data`), then `isthmus_call_send_block`.
 /// Blocks while the arena is full.
+///
+/// Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread
+/// receives.
 ///
 /// # Safety
 ///
@@ -898,6 +956,9 @@ pub unsafe extern "C" fn isthmus_call_alloc(
 
 /// Sends a block from `isthmus_call_alloc` as one request message, with no copy; `last`
 /// (non-zero) half-closes with it. The block handle is consumed, sent or not.
+///
+/// Thread-safety: any thread, which it blocks; the call's sending side, as `isthmus_call_send`. No
+/// other thread may write the block once it is passed here.
 ///
 /// # Safety
 ///
@@ -921,6 +982,9 @@ pub unsafe extern "C" fn isthmus_call_send_block(
 
 /// Cancels the call: the server sees CANCELLED, and a `recv` waiting in another thread
 /// returns `ISTHMUS_CANCELLED`. The handle stays valid until freed.
+///
+/// Thread-safety: any thread, typically another than the one waiting on the call: that wait ends
+/// `ISTHMUS_CANCELLED`.
 #[no_mangle]
 pub extern "C" fn isthmus_call_cancel(call: *const isthmus_call_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
@@ -930,6 +994,9 @@ pub extern "C" fn isthmus_call_cancel(call: *const isthmus_call_t) -> isthmus_co
 }
 
 /// Frees a call; one still running is cancelled.
+///
+/// Thread-safety: any thread, once; operations other threads have under way end (the call is
+/// cancelled), and their later uses of the handle fail `ISTHMUS_INVALID_ARGUMENT`.
 #[no_mangle]
 pub extern "C" fn isthmus_call_free(call: *mut isthmus_call_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {

@@ -93,7 +93,7 @@ pub struct isthmus_event_t {
     pub metadata: *mut isthmus_metadata_t,
     /// `ISTHMUS_OP_UNARY`: the trailing metadata; NULL when there is none.
     pub trailers: *mut isthmus_metadata_t,
-    /// On failure: the status (code, message, trailers).
+    /// On failure: the status (code, message, details, trailers).
     pub status: *mut isthmus_status_t,
 }
 
@@ -325,6 +325,8 @@ where
 }
 
 /// A new completion queue, or NULL if the system refuses an eventfd.
+///
+/// Thread-safety: any thread.
 #[no_mangle]
 pub extern "C" fn isthmus_cq_new() -> *mut isthmus_cq_t {
     guard(std::ptr::null_mut(), || match Completions::new() {
@@ -337,6 +339,8 @@ pub extern "C" fn isthmus_cq_new() -> *mut isthmus_cq_t {
 
 /// The queue's file descriptor: readable while events wait. Watch it for reading; do not
 /// read, write or close it. -1 for an invalid handle.
+///
+/// Thread-safety: any thread.
 #[no_mangle]
 pub extern "C" fn isthmus_cq_fd(cq: *const isthmus_cq_t) -> i32 {
     guard(-1, || QUEUES.get(cq).map_or(-1, |q| q.completions.fd()))
@@ -345,6 +349,10 @@ pub extern "C" fn isthmus_cq_fd(cq: *const isthmus_cq_t) -> i32 {
 /// Takes up to `capacity` finished operations into `events`, without blocking; the number
 /// taken. Runs what the woken operations have left to do, on this thread. Events not taken
 /// (beyond `capacity`) stay queued and keep the descriptor readable.
+///
+/// Thread-safety: any thread, usually the one loop that watches the queue: threads polling one
+/// queue at once each get different events. The operations' remaining work runs on the polling
+/// thread.
 ///
 /// # Safety
 ///
@@ -374,6 +382,8 @@ pub unsafe extern "C" fn isthmus_cq_poll(
 /// `spin_us` microseconds, then asleep on the descriptor until `timeout_us` (from the call;
 /// negative: no limit) has passed. 0 if none came.
 ///
+/// Thread-safety: any thread, which it blocks (up to `timeout_us`); as `isthmus_cq_poll` otherwise.
+///
 /// # Safety
 ///
 /// As [`isthmus_cq_poll`].
@@ -397,6 +407,9 @@ pub unsafe extern "C" fn isthmus_cq_wait(
 /// Abandons the operation started with `tag` on `cq`: it will not complete (a call it was
 /// making is cancelled) and its event never comes. `ISTHMUS_NOT_FOUND` if it has finished
 /// already: its event is then queued, or was taken.
+///
+/// Thread-safety: any thread; if another thread takes the operation's event meanwhile, this gives
+/// `ISTHMUS_NOT_FOUND`.
 #[no_mangle]
 pub extern "C" fn isthmus_cq_cancel(cq: *const isthmus_cq_t, tag: u64) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
@@ -414,6 +427,8 @@ pub extern "C" fn isthmus_cq_cancel(cq: *const isthmus_cq_t, tag: u64) -> isthmu
 /// `isthmus_cq_bell_accept`; from then on a byte arrives on that connection whenever the
 /// descriptor becomes readable (read them, then `isthmus_cq_poll`). The socket lives in a fresh
 /// directory only this user may enter, under `$TMPDIR` (or `/tmp`), removed once accepted.
+///
+/// Thread-safety: any thread (a lock guards the bell).
 ///
 /// # Safety
 ///
@@ -470,6 +485,8 @@ pub unsafe extern "C" fn isthmus_cq_bell_listen(
 /// Accepts the connection made to the socket of `isthmus_cq_bell_listen` (which must have
 /// been made already: `ISTHMUS_FAILED_PRECONDITION` otherwise) and rings it from now on, in
 /// place of an earlier bell. Removes the socket and its directory.
+///
+/// Thread-safety: any thread (a lock guards the bell).
 #[no_mangle]
 pub extern "C" fn isthmus_cq_bell_accept(
     cq: *const isthmus_cq_t,
@@ -498,6 +515,8 @@ pub extern "C" fn isthmus_cq_bell_accept(
 
 /// Makes the queue's descriptor readable and rings its bell, with no event to take: wakes the
 /// loop that watches it (nginx's watcher, when its worker is exiting).
+///
+/// Thread-safety: any thread: it is how another thread wakes the queue's loop.
 #[no_mangle]
 pub extern "C" fn isthmus_cq_wake(cq: *const isthmus_cq_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
@@ -508,6 +527,10 @@ pub extern "C" fn isthmus_cq_wake(cq: *const isthmus_cq_t) -> isthmus_code_t {
 
 /// Frees a queue. Operations still waiting on it are abandoned: their calls are cancelled and
 /// their events never come; events not yet taken are freed.
+///
+/// Thread-safety: any thread, once nothing uses the queue: operations other threads start on it
+/// afterwards fail `ISTHMUS_INVALID_ARGUMENT`, and a thread asleep in `isthmus_cq_wait` on it
+/// sleeps on until its timeout.
 #[no_mangle]
 pub extern "C" fn isthmus_cq_free(cq: *mut isthmus_cq_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {

@@ -15,15 +15,17 @@
 //!   leak checkers cannot see one never freed: `isthmus_live_handles` counts them instead.
 //! - **Errors.** Fallible functions return an `isthmus_code_t`: `ISTHMUS_OK` (0) or a gRPC
 //!   status code. Where a function takes `isthmus_status_t **status` and it is not NULL, a
-//!   failure stores there a status (code, message, trailers) that the caller frees with
+//!   failure stores there a status (code, message, details, trailers) that the caller frees with
 //!   `isthmus_status_free`; success stores NULL. No panic crosses the boundary: every entry
 //!   point catches one and reports `ISTHMUS_INTERNAL`.
 //! - **Memory.** Byte arguments are `(pointer, length)` pairs, copied (or sent) before the
 //!   function returns, so the caller keeps its buffers. Strings are NUL-terminated UTF-8.
-//!   Pointers *into* an object (a message's bytes, a block's bytes, a status's message, a
-//!   metadata entry) stay valid until that object is freed.
+//!   Pointers *into* an object (a message's bytes, a block's bytes, a status's message or
+//!   details, a metadata entry) stay valid until that object is freed.
 //! - **Threads.** Every function may be called from any thread. A call's sending side and its
-//!   receiving side may be used from two threads at once.
+//!   receiving side may be used from two threads at once. Each function's documentation ends
+//!   with a "Thread-safety:" line: what it allows beside that, what it blocks, and which of its
+//!   pointers another thread's free or change ends.
 //! - **Blocking.** Functions without `_async` block the calling thread until done (bounded by
 //!   the call's timeout). Each `_async` function returns at once; its result arrives as an
 //!   `isthmus_event_t` on a completion queue (`isthmus_cq_t`), whose file descriptor an event
@@ -57,6 +59,8 @@ pub use server::*;
 
 /// The ABI version of the loaded library ([`ISTHMUS_ABI_VERSION`] when it was built): compare
 /// with the header's before use.
+///
+/// Thread-safety: any thread.
 #[no_mangle]
 pub extern "C" fn isthmus_abi_version() -> u32 {
     ISTHMUS_ABI_VERSION
@@ -64,6 +68,8 @@ pub extern "C" fn isthmus_abi_version() -> u32 {
 
 /// The gRPC name of `code` (`"UNAVAILABLE"`), static and NUL-terminated; `"UNKNOWN"` for a
 /// number that is no code.
+///
+/// Thread-safety: any thread; the string is static.
 #[no_mangle]
 pub extern "C" fn isthmus_code_name(code: isthmus_code_t) -> *const std::ffi::c_char {
     const NAMES: [&std::ffi::CStr; 17] = [
@@ -92,6 +98,8 @@ pub extern "C" fn isthmus_code_name(code: isthmus_code_t) -> *const std::ffi::c_
 /// library's registry until it is freed, so a leak checker (LeakSanitizer, valgrind) sees one
 /// never freed as reachable, not leaked: a test that wants to know it freed everything compares
 /// this with its value before (or with 0 at the end).
+///
+/// Thread-safety: any thread; the count of that moment, which calls on other threads change.
 #[no_mangle]
 pub extern "C" fn isthmus_live_handles() -> usize {
     guard(0, || {

@@ -112,6 +112,9 @@ pub(crate) fn metadata_arg(md: *const isthmus_metadata_t) -> Result<MetadataMap,
 /// The message's bytes; their count in `*len`. Valid until the message is freed. NULL (and
 /// length 0) for an empty message or an invalid handle.
 ///
+/// Thread-safety: any thread; several may read the bytes at once. They go with
+/// `isthmus_message_free`, so do not free the message on another thread while they are in use.
+///
 /// # Safety
 ///
 /// `len` is NULL or writable.
@@ -130,6 +133,8 @@ pub unsafe extern "C" fn isthmus_message_data(msg: *const isthmus_message_t, len
 }
 
 /// The message's length in bytes (0 for an invalid handle).
+///
+/// Thread-safety: any thread.
 #[no_mangle]
 pub extern "C" fn isthmus_message_len(msg: *const isthmus_message_t) -> usize {
     guard(0, || MESSAGES.get(msg).map_or(0, |m| m.bytes.len()))
@@ -137,6 +142,9 @@ pub extern "C" fn isthmus_message_len(msg: *const isthmus_message_t) -> usize {
 
 /// Frees a message (over `shm://`, gives its shared memory back to the sender once nothing
 /// else holds it). `ISTHMUS_INVALID_ARGUMENT` for NULL or a message freed already.
+///
+/// Thread-safety: any thread, once; the bytes that other threads hold from `isthmus_message_data`
+/// die with it.
 #[no_mangle]
 pub extern "C" fn isthmus_message_free(msg: *mut isthmus_message_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || MESSAGES.remove(msg).map(drop))
@@ -145,6 +153,9 @@ pub extern "C" fn isthmus_message_free(msg: *mut isthmus_message_t) -> isthmus_c
 // ---- blocks ----
 
 /// The block's writable bytes; their count in `*len`. Valid until the block is sent or freed.
+///
+/// Thread-safety: any thread; the bytes are plain memory, so writers on several threads order their
+/// writes themselves. They go when the block is sent or freed, on any thread.
 ///
 /// # Safety
 ///
@@ -164,6 +175,8 @@ pub unsafe extern "C" fn isthmus_block_data(block: *mut isthmus_block_t, len: *m
 }
 
 /// Frees a block that will not be sent (its shared memory goes back to the arena).
+///
+/// Thread-safety: any thread, once; not while another thread still writes the block's bytes.
 #[no_mangle]
 pub extern "C" fn isthmus_block_free(block: *mut isthmus_block_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || BLOCKS.remove(block).map(drop))
@@ -173,6 +186,8 @@ pub extern "C" fn isthmus_block_free(block: *mut isthmus_block_t) -> isthmus_cod
 
 /// New empty metadata, to fill with `isthmus_metadata_add` and pass to a call; free it with
 /// `isthmus_metadata_free` (a call copies what it needs).
+///
+/// Thread-safety: any thread.
 #[no_mangle]
 pub extern "C" fn isthmus_metadata_new() -> *mut isthmus_metadata_t {
     guard(std::ptr::null_mut(), || metadata_handle(MetadataMap::new()))
@@ -182,6 +197,9 @@ pub extern "C" fn isthmus_metadata_new() -> *mut isthmus_metadata_t {
 /// reserved (`grpc-*`, `content-type`, `te`, `user-agent`); keys ending in `-bin` take any
 /// bytes, others printable ASCII. `ISTHMUS_INVALID_ARGUMENT` with the reason otherwise.
 /// Entry pointers taken earlier from this metadata are invalid afterwards.
+///
+/// Thread-safety: any thread (a lock guards the entries), but it invalidates the entry pointers
+/// that `isthmus_metadata_get` gave other threads: do not add while another thread reads entries.
 ///
 /// # Safety
 ///
@@ -205,6 +223,8 @@ pub unsafe extern "C" fn isthmus_metadata_add(
 }
 
 /// The number of entries (0 for an invalid handle).
+///
+/// Thread-safety: any thread.
 #[no_mangle]
 pub extern "C" fn isthmus_metadata_len(md: *const isthmus_metadata_t) -> usize {
     guard(0, || METADATA.get(md).ok().and_then(|m| m.map.lock().ok().map(|s| s.len())).unwrap_or(0))
@@ -212,6 +232,9 @@ pub extern "C" fn isthmus_metadata_len(md: *const isthmus_metadata_t) -> usize {
 
 /// Entry `index`: its key (not NUL-terminated) and value (NULL when empty), valid until the
 /// metadata is changed or freed. `ISTHMUS_OUT_OF_RANGE` past the end.
+///
+/// Thread-safety: any thread; the pointers last until the metadata is changed
+/// (`isthmus_metadata_add`) or freed, on any thread.
 ///
 /// # Safety
 ///
@@ -245,6 +268,8 @@ pub unsafe extern "C" fn isthmus_metadata_get(
 }
 
 /// Frees metadata.
+///
+/// Thread-safety: any thread, once; calls given the metadata have copied it already.
 #[no_mangle]
 pub extern "C" fn isthmus_metadata_free(md: *mut isthmus_metadata_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || METADATA.remove(md).map(drop))
@@ -254,6 +279,8 @@ pub extern "C" fn isthmus_metadata_free(md: *mut isthmus_metadata_t) -> isthmus_
 
 /// A copy of the status's trailing metadata, which the caller frees; NULL for an invalid
 /// handle.
+///
+/// Thread-safety: any thread; the copy is the caller's alone.
 #[no_mangle]
 pub extern "C" fn isthmus_status_trailers(status: *const isthmus_status_t) -> *mut isthmus_metadata_t {
     guard(std::ptr::null_mut(), || status_trailers(status).map_or(std::ptr::null_mut(), metadata_handle))

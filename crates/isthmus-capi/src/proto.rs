@@ -75,6 +75,8 @@ unsafe fn c_strs<'a>(list: *const *const c_char, n: usize, what: &str) -> Result
 /// or an import not found, fails with `ISTHMUS_INVALID_ARGUMENT` and a message naming the file
 /// and line. Free the result with `isthmus_proto_free`.
 ///
+/// Thread-safety: any thread.
+///
 /// # Safety
 ///
 /// `files` holds `nfiles` NUL-terminated paths and `includes` `nincludes` (either may be NULL
@@ -121,6 +123,8 @@ pub unsafe extern "C" fn isthmus_proto_load(
 /// --descriptor_set_out` writes, or a server's reflection gives). Free the result with
 /// `isthmus_proto_free`.
 ///
+/// Thread-safety: any thread.
+///
 /// # Safety
 ///
 /// `data` is valid for `len` bytes; `out` is writable; `status` is NULL or writable.
@@ -146,6 +150,9 @@ pub unsafe extern "C" fn isthmus_proto_load_descriptor_set(
 /// (`ISTHMUS_PROTO_RESPONSE`) type of the method at `path` (`/package.Service/Method`),
 /// NUL-terminated and valid until the proto is freed; NULL if no loaded service has that method
 /// (or for an invalid handle).
+///
+/// Thread-safety: any thread; the string goes with `isthmus_proto_free`, so do not free the proto
+/// on another thread while it is in use.
 ///
 /// # Safety
 ///
@@ -173,6 +180,8 @@ pub unsafe extern "C" fn isthmus_proto_method_type(
 /// Encodes a message of type `type_name` (`package.Message`) from its proto3 JSON form: `*out`
 /// holds the protobuf bytes. JSON that does not fit the type fails with
 /// `ISTHMUS_INVALID_ARGUMENT` and a message naming the field.
+///
+/// Thread-safety: any thread; several may use one proto at once.
 ///
 /// # Safety
 ///
@@ -203,6 +212,8 @@ pub unsafe extern "C" fn isthmus_proto_encode(
 /// the `.proto` file gives (`time_left_ms`, not `timeLeftMs`; encoding takes either): fields at
 /// their default value left out, 64-bit integers as strings, `bytes` in base64. `*out` holds
 /// the JSON text. Bytes that are not such a message fail with `ISTHMUS_INVALID_ARGUMENT`.
+///
+/// Thread-safety: any thread; several may use one proto at once.
 ///
 /// # Safety
 ///
@@ -260,6 +271,9 @@ unsafe fn convert(
 }
 
 /// Frees a proto.
+///
+/// Thread-safety: any thread, once; not while another thread still uses it or a string from
+/// `isthmus_proto_method_type`.
 #[no_mangle]
 pub extern "C" fn isthmus_proto_free(proto: *mut isthmus_proto_t) -> isthmus_code_t {
     crate::abi::entry(std::ptr::null_mut(), || PROTOS.remove(proto).map(drop))

@@ -84,6 +84,8 @@ pub struct isthmus_server_options_t {
 
 /// A new server with no handlers. Free it with `isthmus_server_free`.
 ///
+/// Thread-safety: any thread.
+///
 /// # Safety
 ///
 /// `opts` is NULL or valid.
@@ -135,6 +137,9 @@ unsafe fn path_arg<'a>(path: *const c_char) -> Result<Option<&'a str>, Status> {
 /// Registers `handler` for `path` (NULL or "": every other path), called with `user_data` for
 /// each new call. Before `isthmus_server_start` only.
 ///
+/// Thread-safety: any thread, before `isthmus_server_start` (a lock orders them). `handler` is
+/// called on the library's threads, for several calls at once.
+///
 /// # Safety
 ///
 /// `path` is NULL or NUL-terminated; `handler` and `user_data` stay valid until the server is
@@ -159,6 +164,9 @@ pub unsafe extern "C" fn isthmus_server_add_handler(
 /// (`ISTHMUS_OP_NEW_CALL`, with `tag` and the call in `server_call`). Before
 /// `isthmus_server_start` only. The queue must outlive the server.
 ///
+/// Thread-safety: any thread, before `isthmus_server_start` (a lock orders them). The new calls'
+/// events go to whichever thread takes them from `cq`.
+///
 /// # Safety
 ///
 /// `path` is NULL or NUL-terminated; `status` is NULL or writable.
@@ -181,6 +189,9 @@ pub unsafe extern "C" fn isthmus_server_add_handler_cq(
 /// Binds every target in `targets` (`count` NUL-terminated strings: `shm://NAME`,
 /// `unix:///path.sock`, `http://host:port`) and starts serving them in the background.
 /// Clients can connect as soon as this returns. A server starts once.
+///
+/// Thread-safety: any thread, which it blocks while it binds; of two calls at once, one starts the
+/// server and the other fails `ISTHMUS_FAILED_PRECONDITION`.
 ///
 /// # Safety
 ///
@@ -234,6 +245,9 @@ pub unsafe extern "C" fn isthmus_server_start(
 /// The `index`th HTTP/2 endpoint of a serving server as clients reach it (`unix:///path`,
 /// `http://host:port` with the port the system chose for port 0), NUL-terminated and valid
 /// until the server is shut down; NULL past the last one or if it does not serve.
+///
+/// Thread-safety: any thread; the string goes with the shutdown, so do not shut the server down on
+/// another thread while it is in use.
 #[no_mangle]
 pub extern "C" fn isthmus_server_http_address(server: *const isthmus_server_t, index: usize) -> *const c_char {
     guard(std::ptr::null(), || {
@@ -251,6 +265,10 @@ pub extern "C" fn isthmus_server_http_address(server: *const isthmus_server_t, i
 /// to go away, new calls are refused with UNAVAILABLE, and calls in progress get `grace_ms`
 /// milliseconds to finish before their connections close. The handle stays valid (free it
 /// with `isthmus_server_free`).
+///
+/// Thread-safety: any thread, which it blocks; a second call meanwhile returns at once, before the
+/// first is done. From a handler of this server, its own unfinished call holds the shutdown for the
+/// whole grace period.
 #[no_mangle]
 pub extern "C" fn isthmus_server_shutdown(server: *const isthmus_server_t, grace_ms: u64) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
@@ -270,6 +288,9 @@ fn stop(server: &isthmus_server_t, grace: Duration) {
 }
 
 /// Frees a server, shutting it down first (with no grace) if it serves.
+///
+/// Thread-safety: any thread, once, which it blocks while the server stops; as
+/// `isthmus_server_shutdown` otherwise.
 #[no_mangle]
 pub extern "C" fn isthmus_server_free(server: *mut isthmus_server_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
@@ -287,6 +308,9 @@ fn handed(call: *const isthmus_server_call_t) -> Result<Arc<HandedCall>, Status>
 
 /// The call's method path (not NUL-terminated; its length in `*len`), valid until the call
 /// is finished.
+///
+/// Thread-safety: any thread; the bytes go with the call's finish, so do not finish it on another
+/// thread while they are in use.
 ///
 /// # Safety
 ///
@@ -306,12 +330,16 @@ pub unsafe extern "C" fn isthmus_server_call_path(call: *const isthmus_server_ca
 }
 
 /// A copy of the client's initial metadata (the caller frees it); NULL for an invalid handle.
+///
+/// Thread-safety: any thread; the copy is the caller's alone.
 #[no_mangle]
 pub extern "C" fn isthmus_server_call_metadata(call: *const isthmus_server_call_t) -> *mut isthmus_metadata_t {
     guard(std::ptr::null_mut(), || handed(call).map_or(std::ptr::null_mut(), |c| metadata_handle(c.metadata().clone())))
 }
 
 /// Microseconds left before the client's deadline; -1 if it set none.
+///
+/// Thread-safety: any thread.
 #[no_mangle]
 pub extern "C" fn isthmus_server_call_time_remaining_us(call: *const isthmus_server_call_t) -> i64 {
     guard(-1, || {
@@ -321,6 +349,8 @@ pub extern "C" fn isthmus_server_call_time_remaining_us(call: *const isthmus_ser
 
 /// 1 while the call runs (not finished, not cancelled by the client, deadline not passed);
 /// 0 otherwise.
+///
+/// Thread-safety: any thread.
 #[no_mangle]
 pub extern "C" fn isthmus_server_call_is_active(call: *const isthmus_server_call_t) -> i32 {
     guard(0, || handed(call).map_or(0, |c| i32::from(c.is_active())))
@@ -344,6 +374,9 @@ pub const ISTHMUS_RECV_SPIN: u32 = 2;
 /// `flags` 0 it sends nothing, so `isthmus_server_call_send_headers` works after it; see
 /// `ISTHMUS_RECV_FLUSH_HEADERS` for request-streaming handlers.
 ///
+/// Thread-safety: any thread, which it blocks; the call's receiving side, usable while another
+/// thread sends (receives from two threads take turns).
+///
 /// # Safety
 ///
 /// `message` is writable; `status` is NULL or writable.
@@ -360,6 +393,9 @@ pub unsafe extern "C" fn isthmus_server_call_recv(
 }
 
 /// [`isthmus_server_call_recv`] without blocking (`ISTHMUS_OP_RECV`).
+///
+/// Thread-safety: any thread, which it holds up to 50 µs with `ISTHMUS_RECV_SPIN` only; the call's
+/// receiving side, usable while another thread sends.
 ///
 /// # Safety
 ///
@@ -388,6 +424,8 @@ pub unsafe extern "C" fn isthmus_server_call_recv_async(
 /// already, the event is queued at once. A handler that works on after its client gave up
 /// learns of it this way.
 ///
+/// Thread-safety: any thread.
+///
 /// # Safety
 ///
 /// `status` is NULL or writable.
@@ -411,6 +449,9 @@ pub unsafe extern "C" fn isthmus_server_call_done_async(
 
 /// Sends one response message (copied), blocking while flow control holds it back.
 ///
+/// Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread
+/// receives. Sends from two threads at once take turns, in an order they fix themselves.
+///
 /// # Safety
 ///
 /// `data` is valid for `len` bytes; `status` is NULL or writable.
@@ -431,6 +472,9 @@ pub unsafe extern "C" fn isthmus_server_call_send(
 
 /// [`isthmus_server_call_send`] without blocking (`ISTHMUS_OP_SEND`); the message is copied
 /// before this returns.
+///
+/// Thread-safety: any thread; the call's sending side, usable while another thread receives. Sends
+/// started from two threads at once go in an order they fix themselves.
 ///
 /// # Safety
 ///
@@ -454,6 +498,9 @@ pub unsafe extern "C" fn isthmus_server_call_send_async(
 
 /// Sends initial metadata now (otherwise the first message sends empty metadata), blocking.
 ///
+/// Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread
+/// receives.
+///
 /// # Safety
 ///
 /// `status` is NULL or writable.
@@ -470,6 +517,8 @@ pub unsafe extern "C" fn isthmus_server_call_send_headers(
 }
 
 /// [`isthmus_server_call_send_headers`] without blocking (`ISTHMUS_OP_SEND_HEADERS`).
+///
+/// Thread-safety: any thread; the call's sending side, usable while another thread receives.
 ///
 /// # Safety
 ///
@@ -493,6 +542,9 @@ pub unsafe extern "C" fn isthmus_server_call_send_headers_async(
 /// A writable block of `len` bytes in the server's shared memory (`shm://` calls only), for a
 /// reply written in place; send it with `isthmus_server_call_send_block`.
 ///
+/// Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread
+/// receives.
+///
 /// # Safety
 ///
 /// `block` is writable; `status` is NULL or writable.
@@ -509,6 +561,9 @@ pub unsafe extern "C" fn isthmus_server_call_alloc(
 
 /// Sends a block from `isthmus_server_call_alloc` as one response message, with no copy. The
 /// block handle is consumed, sent or not.
+///
+/// Thread-safety: any thread, which it blocks; the call's sending side, as
+/// `isthmus_server_call_send`. No other thread may write the block once it is passed here.
 ///
 /// # Safety
 ///
@@ -531,6 +586,9 @@ pub unsafe extern "C" fn isthmus_server_call_send_block(
 /// `message` that is not UTF-8 or a `trailers` that is no live handle still ends the call
 /// (INTERNAL, saying which) and frees the handle, and returns `ISTHMUS_INVALID_ARGUMENT`.
 ///
+/// Thread-safety: any thread, exactly once; operations other threads start on the call afterwards
+/// fail `ISTHMUS_INVALID_ARGUMENT`, and the path from `isthmus_server_call_path` dies.
+///
 /// # Safety
 ///
 /// `message` is NULL or NUL-terminated; `status` is NULL or writable.
@@ -539,6 +597,51 @@ pub unsafe extern "C" fn isthmus_server_call_finish(
     call: *mut isthmus_server_call_t,
     code: isthmus_code_t,
     message: *const c_char,
+    trailers: *const isthmus_metadata_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    // SAFETY: the caller's promises, passed on; no details.
+    unsafe { finish(call, code, message, std::ptr::null(), 0, trailers, status) }
+}
+
+/// [`isthmus_server_call_finish`] with binary details: `details_len` bytes at `details` (NULL
+/// for none when `details_len` is 0; copied), a serialized `google.rpc.Status` whose code and
+/// message should match `code` and `message`. They reach the client as the status's details
+/// (`isthmus_status_details`; over HTTP/2, gRPC's `grpc-status-details-bin` trailer). With a
+/// NULL `details` and a non-zero length the call still ends (INTERNAL, saying why), the
+/// handle is freed, and this returns `ISTHMUS_INVALID_ARGUMENT`.
+///
+/// Thread-safety: as `isthmus_server_call_finish`.
+///
+/// # Safety
+///
+/// `message` is NULL or NUL-terminated; `details` is NULL or valid for `details_len` bytes;
+/// `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_finish_with_details(
+    call: *mut isthmus_server_call_t,
+    code: isthmus_code_t,
+    message: *const c_char,
+    details: *const u8,
+    details_len: usize,
+    trailers: *const isthmus_metadata_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    // SAFETY: the caller's promises, passed on.
+    unsafe { finish(call, code, message, details, details_len, trailers, status) }
+}
+
+/// The body of the finish functions.
+///
+/// # Safety
+///
+/// As [`isthmus_server_call_finish_with_details`].
+unsafe fn finish(
+    call: *mut isthmus_server_call_t,
+    code: isthmus_code_t,
+    message: *const c_char,
+    details: *const u8,
+    details_len: usize,
     trailers: *const isthmus_metadata_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
@@ -552,7 +655,16 @@ pub unsafe extern "C" fn isthmus_server_call_finish(
         let code = u32::try_from(code).ok().filter(|c| *c <= 16).map_or(Code::Unknown, Code::from_u32);
         // The handle is gone now, so the call ends here whatever else is wrong: a call left
         // unfinished would hang until the client's deadline, if it set one.
-        match text.and_then(|text| Ok(Status::new(code, text).with_metadata(metadata_arg(trailers)?))) {
+        let made = text.and_then(|text| {
+            // SAFETY: the caller promises `details` is NULL or valid for `details_len` bytes.
+            let details = unsafe { c_bytes(details, details_len, "the details")? };
+            let status = Status::new(code, text).with_metadata(metadata_arg(trailers)?);
+            Ok(match details.is_empty() {
+                true => status,
+                false => status.with_details(bytes::Bytes::copy_from_slice(details)),
+            })
+        });
+        match made {
             Ok(status) => {
                 handle.call.finish(status);
                 Ok(())

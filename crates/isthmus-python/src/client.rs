@@ -24,9 +24,9 @@
 //! - Connectivity (`connectivity`, `wait_connectivity`): READY while the fast path's blocking
 //!   connection is up (its socket is looked at), else the engine channel's state, which
 //!   `try_to_connect` starts connecting in the background (`isthmus::connectivity`).
-//! - `close` ends the `shm://` connections, failing calls in progress CANCELLED "Channel
-//!   closed!" as grpcio does; over HTTP/2 calls go on and the connection closes with the
-//!   channel. Of `options`, the message-size limits, `grpc.ssl_target_name_override` and
+//! - `close` fails calls in progress CANCELLED "Channel closed!" as grpcio does, over `shm://`
+//!   (its connections end) and over HTTP/2 alike (their streams reset; the connection closes
+//!   with the channel). Of `options`, the message-size limits, `grpc.ssl_target_name_override` and
 //!   `isthmus.upgrade` are used; `compression` is accepted and unused.
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -214,6 +214,16 @@ impl Channel {
         Ok(Channel { blocking, engine, direct, upgraded, config, closed: AtomicBool::new(false) })
     }
 
+    /// The counters of this channel's `shm://` connections (`isthmus.TransportStats`).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let mut counters = vec![self.engine.counters()];
+        counters.extend(self.blocking.as_ref().map(isthmus::blocking::Channel::counters));
+        if let Some((_, channel)) = self.upgraded.lock().ok().as_ref().and_then(|u| u.as_ref()) {
+            counters.push(channel.counters());
+        }
+        crate::convert::counters_to_py(py, counters)
+    }
+
     /// Calls started over shared memory and over HTTP/2, for a channel to an HTTP/2 address.
     fn transport_counts(&self) -> (u64, u64) {
         let counts = self.engine.transport_counts();
@@ -370,9 +380,9 @@ impl Channel {
         self.connectivity(false)
     }
 
-    /// Closes the channel as grpcio's `close` does: calls in progress over `shm://` end
-    /// CANCELLED "Channel closed!" and its connections close; later calls fail. Over HTTP/2 the
-    /// connection closes when the channel is dropped.
+    /// Closes the channel as grpcio's `close` does: calls in progress end CANCELLED "Channel
+    /// closed!" (over HTTP/2 too) and the `shm://` connections close; later calls fail. The
+    /// HTTP/2 connection closes when the channel is dropped.
     fn close(&self) {
         self.closed.store(true, Ordering::Relaxed);
         if let Some(blocking) = &self.blocking {

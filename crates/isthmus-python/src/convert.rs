@@ -5,10 +5,9 @@
 //! ways (a `str` given for one is taken as its UTF-8 bytes), others `str`. A timeout is seconds as
 //! a float; infinite is none, as grpcio reads it. A request `bytes` becomes the engine's `Bytes`
 //! without a copy (`bytes_from_py`: a `PyBuffer` keeps the object alive and owns the `Bytes`), so
-//! the only copy is the transport's own. A response is copied once into a new `bytes`: Python
-//! never holds a view into shared memory, so every arena block goes back at once; there is no
-//! zero-copy API in Python yet (`alloc`/`send_block` have no Python form; the raw-bytes API is a
-//! multi-callable made without serializers).
+//! the only copy is the transport's own. A response for the grpcio-compatible API is copied once
+//! into a new `bytes`, so its arena block goes back at once; the raw tier's views
+//! (`buffers.rs`) keep theirs until Python lets go of them.
 //!
 //! `CallError` is the native exception (code, details, initial and trailing metadata); the package
 //! turns it into `isthmus.RpcError`: a `grpc.RpcError` and `grpc.Call` for the blocking API, a
@@ -18,10 +17,35 @@
 use std::time::Duration;
 
 use bytes::Bytes;
-use isthmus::{metadata::is_binary_key, CallOptions, Code, MetadataMap, Status};
+use isthmus::{metadata::is_binary_key, CallOptions, Code, ConnectionCounters, MetadataMap, Status};
 use pyo3::exceptions::{PyException, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyString};
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+
+/// The counters of a channel's or a server's `shm://` connections, as the dict behind
+/// `isthmus.TransportStats`: sums over the connections, but the largest high-water mark.
+pub(crate) fn counters_to_py<'py>(
+    py: Python<'py>,
+    counters: impl IntoIterator<Item = ConnectionCounters>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let (mut started, mut in_flight, mut sent, mut received, mut in_use, mut high) = (0, 0, 0, 0, 0, 0);
+    for c in counters {
+        started += c.calls_started;
+        in_flight += c.in_flight();
+        sent += c.transport.bytes_sent;
+        received += c.transport.bytes_received;
+        in_use += c.transport.arena_in_use;
+        high = high.max(c.transport.arena_high_water);
+    }
+    let d = PyDict::new(py);
+    d.set_item("calls_started", started)?;
+    d.set_item("calls_in_flight", in_flight)?;
+    d.set_item("bytes_sent", sent)?;
+    d.set_item("bytes_received", received)?;
+    d.set_item("arena_in_use", in_use)?;
+    d.set_item("arena_high_water", high)?;
+    Ok(d)
+}
 
 /// Python-side metadata: a list of `(str, str | bytes)`.
 pub(crate) type PyMetadata = Py<PyList>;

@@ -42,7 +42,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use isthmus::binding::{finish_unary, SharedCall, SpinFirst, SEND_PATIENCE};
+use isthmus::binding::{finish_unary, unary_block_off_loop, SharedCall, SpinFirst, SEND_PATIENCE};
 use isthmus::{MetadataMap, Status};
 use pyo3::exceptions::PyOSError;
 use pyo3::prelude::*;
@@ -62,6 +62,8 @@ pub(crate) enum Outcome {
     Sent(bool),
     Done,
     Started(Arc<SharedCall>),
+    /// The asyncio server's news of its calls (`Server.listen_async`).
+    News(crate::server::News, std::sync::Weak<crate::server::Inbox>),
     Failed(Status),
 }
 
@@ -170,7 +172,11 @@ impl Reactor {
 }
 
 /// An operation's outcome as Python gets it: `(ok, value)`, a failure as a `CallError` value.
-fn outcome_value(py: Python<'_>, completions: &Arc<Completions>, outcome: Outcome) -> PyResult<(bool, Py<PyAny>)> {
+pub(crate) fn outcome_value(
+    py: Python<'_>,
+    completions: &Arc<Completions>,
+    outcome: Outcome,
+) -> PyResult<(bool, Py<PyAny>)> {
     Ok(match outcome {
         Outcome::Unary(r) => (true, Py::new(py, UnaryResult::new(py, &r)?)?.into_any()),
         Outcome::Message(Some(m)) => (true, PyBytes::new(py, &m).into_any().unbind()),
@@ -182,6 +188,7 @@ fn outcome_value(py: Python<'_>, completions: &Arc<Completions>, outcome: Outcom
             let call = AsyncCall { core, completions: completions.clone() };
             (true, Py::new(py, call)?.into_any())
         }
+        Outcome::News(news, inbox) => (true, crate::server::ServerCall::news_to_py(py, news, &inbox)?),
         Outcome::Failed(status) => (false, call_error_value(py, &status)),
     })
 }
@@ -229,6 +236,13 @@ impl AsyncChannel {
             completions: reactor.completions.clone(),
             closed: AtomicBool::new(false),
         })
+    }
+
+    /// The counters of this channel's `shm://` connections (`isthmus.TransportStats`).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let mut counters = vec![self.engine.counters()];
+        counters.extend(self.spin_first.as_ref().map(|s| s.channel().counters()));
+        crate::convert::counters_to_py(py, counters)
     }
 
     /// Calls started over shared memory and over HTTP/2, for a channel to an HTTP/2 address.
@@ -295,10 +309,22 @@ impl AsyncChannel {
         }
     }
 
-    /// A block to build a request in: heap memory (the async channel's calls copy it into
-    /// shared memory when sent).
+    /// A block to build a request in: in the shared memory of the connection `unary_raw`
+    /// sends it on (a direct `shm://` target that is connected and has arena room now), else
+    /// heap memory, which the call copies into shared memory when it sends it. Never waits.
     fn alloc(&self, size: usize) -> PyResult<Block> {
-        Block::heap(size)
+        let shared = self
+            .spin_first
+            .as_ref()
+            .filter(|s| self.is_closed().is_none() && s.connected())
+            .and_then(|s| s.channel().alloc(size, Some(Duration::ZERO)).ok());
+        shared.map_or_else(|| Block::heap(size), |block| Ok(Block::shm(block)))
+    }
+
+    /// True once `alloc` can give shared memory (a direct `shm://` target whose connection for
+    /// blocks is up); starts connecting it if not. False for other targets.
+    fn shm_ready(&self) -> bool {
+        self.spin_first.as_ref().is_some_and(SpinFirst::connected)
     }
 
     /// [`unary`](Self::unary) of the raw tier: `request` is a heap [`Block`] or any
@@ -316,10 +342,23 @@ impl AsyncChannel {
     ) -> PyResult<()> {
         let options = options(metadata, timeout, wait_for_ready)?;
         let request = Request::from_py(request)?;
-        if let Request::Block(Outgoing::Shm(_)) = request {
-            return Err(pyo3::exceptions::PyValueError::new_err(
-                "a block of shared memory goes on the blocking channel that allocated it",
-            ));
+        if let Request::Block(Outgoing::Shm(block)) = request {
+            // Sent where it is, on the connection it came from, by a thread that may wait.
+            let (Some(spin_first), None) = (&self.spin_first, self.is_closed()) else {
+                let status = self.is_closed().unwrap_or_else(|| {
+                    Status::new(isthmus::Code::InvalidArgument, "this channel did not allocate the block")
+                });
+                self.completions.run(token, async move { Outcome::Failed(status) });
+                return Ok(());
+            };
+            let call = unary_block_off_loop(spin_first.channel().clone(), path, block, options);
+            self.completions.run(token, async move {
+                match call.await {
+                    Ok(response) => Outcome::Raw(Some(response.message)),
+                    Err(status) => Outcome::Failed(status),
+                }
+            });
+            return Ok(());
         }
         self.run_unary(token, path, request, options, true);
         Ok(())

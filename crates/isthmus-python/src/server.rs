@@ -1,7 +1,6 @@
 //! The engine's server with Python behind it. Every call, whatever its path, goes to Python:
-//! the blocking server's threads take it from a queue, the asyncio server's `dispatch` callable
-//! hands it to its event loop; the call's handler then receives, sends and finishes it through
-//! [`ServerCall`].
+//! the blocking server's threads take it from a queue, the asyncio server's event loop from an
+//! inbox; the call's handler then receives, sends and finishes it through [`ServerCall`].
 //!
 //! - The engine's `Server` with one `fallback` handler, `PyHandler`: methods are known only to
 //!   Python, possibly only after the ports are bound (grpcio allows `add_insecure_port` before
@@ -10,13 +9,14 @@
 //!   `HandedCall` (the engine's `ServerCall` under a tokio mutex, the path, metadata, deadline,
 //!   whether it is active, its callbacks); the handler's future then waits for `finish`. This
 //!   runs in the call's first poll on the connection's reader task, so it must not block:
-//!   - the blocking server (no `dispatch`): the call goes into `queue::CallQueue`, without the
+//!   - the blocking server: the call goes into `queue::CallQueue`, without the
 //!     GIL; loops on the executor's threads (`serve_calls`) take calls from it and run each
 //!     handler where it is, and a dispatcher thread starts loops as calls need them (ADR 0015);
-//!   - the asyncio server: `PyHandler` takes the GIL and calls `dispatch`, which hands the call
-//!     to the loop with `call_soon_threadsafe`, where the handler runs as a task. While another
-//!     thread holds the GIL (up to the switch interval, 5 ms by default), that connection reads
-//!     no frames.
+//!   - the asyncio server: the call goes into the server's `Inbox`, also without the GIL. The
+//!     loop keeps one operation standing on its reactor, `listen_async`, which completes with
+//!     everything the inbox got since it last looked (calls to start as tasks, calls
+//!     abandoned, calls whose done-callbacks are due); the loop starts it again each time. A
+//!     busy Python thread can delay the loop, never the connection's reader.
 //! - `finish` writes the status onto the ring from the calling thread when no other operation
 //!   of the call holds it (`ServerCall::end_now`), so the client's answer does not wait for the
 //!   engine's task to be woken.
@@ -36,10 +36,10 @@
 //! - The end: a handler that raises ends the call UNKNOWN ("Exception calling application: …"), as
 //!   grpcio does; a `ServerCall` dropped unfinished ends UNKNOWN too. The client's cancel, the
 //!   deadline or the connection's end drop the engine's future; `hand_off` then marks the call
-//!   inactive and runs the `add_callback` callbacks (with the GIL, on the engine's thread). A
-//!   thread-pool handler is not interrupted (grpcio's are not either): its next read or write
-//!   fails with the call's status. An asyncio handler's task is cancelled then, as grpc.aio's
-//!   are (`aio/_server.py`, through such a callback).
+//!   inactive and runs the `add_callback` callbacks (the blocking server's with the GIL, on the
+//!   engine's thread). A thread-pool handler is not interrupted (grpcio's are not either): its
+//!   next read or write fails with the call's status. An asyncio handler's task is cancelled
+//!   then, as grpc.aio's are: the inbox tells the loop (`aio/_server.py`).
 //! - Ports: each `add_insecure_port` binds at once (`Server::bind`) as a `Bound` of its own, so it
 //!   can return the port (the one chosen for `http://…:0`; 1 for other targets, since grpc callers
 //!   take 0 for failure). An HTTP/2 port has its own loopback `shm://` endpoint, through which its
@@ -56,9 +56,9 @@
 //!   are accepted and unused. `add_port` with TLS settings is `add_secure_port` (TCP targets).
 //! - A call's two halves have locks of their own (`HandedCall`): a handler that reads in one
 //!   thread (or task) while it writes in another sees neither wait for the other.
-//! - Health: the engine answers `grpc.health.v1` (`""` SERVING while it serves) on each port
-//!   bound while no Python servicer serves that name; `add_port(.., health=False)` leaves it to
-//!   the application's servicer.
+//! - Health: the engine answers `grpc.health.v1` (`""` SERVING while it serves) unless a Python
+//!   servicer serves that name, as `serve_health` says before `start` (whatever the order of
+//!   the servicers and the ports); `add_port(.., health=False)` is that port's default.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
@@ -74,20 +74,81 @@ use tokio::sync::watch;
 use crate::buffers::{Block, Message, Outgoing, Request};
 use crate::convert::{bytes_from_py, call_error, metadata_from_py, metadata_to_py, PyMetadata};
 use crate::queue::{CallQueue, Next};
-use crate::reactor::Reactor;
+use crate::reactor::{Outcome, Reactor};
 use crate::runtime;
 
-/// Hands every call to Python: to the `dispatch` callable (the asyncio server), or to the
-/// queue the blocking server's threads take calls from; at most `limit` at once, server-wide
-/// (grpcio's `maximum_concurrent_rpcs`).
+/// Hands every call to Python: to the [`Inbox`] its event loop takes calls from (the asyncio
+/// server), or to the queue the blocking server's threads take calls from; at most `limit` at
+/// once, server-wide (grpcio's `maximum_concurrent_rpcs`). Neither takes the GIL.
 struct PyHandler {
     deliver: Deliver,
     limit: Option<Arc<Limit>>,
 }
 
 enum Deliver {
-    Dispatch(Py<PyAny>),
+    Loop(Arc<Inbox>),
     Queue(Arc<CallQueue>),
+}
+
+/// The asyncio server's news for its event loop, put here by the engine's threads without the
+/// GIL: calls that arrived, calls that ended under their handler (whose tasks the loop
+/// cancels) and calls whose `add_done_callback` callbacks are due (which the loop runs). The
+/// loop's standing `listen_async` operation takes it all in one batch, through the loop's
+/// reactor, so no engine thread ever waits for the GIL.
+#[derive(Default)]
+pub(crate) struct Inbox {
+    news: Mutex<News>,
+    ready: tokio::sync::Notify,
+    /// Set while `news` holds something: the loop's `linger` looks at it between frames.
+    told: AtomicBool,
+    next_id: std::sync::atomic::AtomicU64,
+}
+
+/// What an [`Inbox`] holds: calls by id, and the ids of calls abandoned or done.
+#[derive(Default)]
+pub(crate) struct News {
+    pub(crate) calls: Vec<(u64, Arc<HandedCall>)>,
+    pub(crate) abandoned: Vec<u64>,
+    pub(crate) done: Vec<u64>,
+}
+
+impl Inbox {
+    fn tell(&self, add: impl FnOnce(&mut News)) {
+        if let Ok(mut news) = self.news.lock() {
+            add(&mut news);
+            self.told.store(true, Ordering::Release);
+        }
+        self.ready.notify_one();
+    }
+
+    fn has_news(&self) -> bool {
+        self.told.load(Ordering::Acquire)
+    }
+
+    /// A new call for the loop; when it ends under its handler, the loop hears of it.
+    fn deliver(self: &Arc<Self>, core: Arc<HandedCall>) {
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
+        let inbox = Arc::downgrade(self);
+        core.add_abandon_callback(Box::new(move || {
+            if let Some(inbox) = inbox.upgrade() {
+                inbox.tell(|n| n.abandoned.push(id));
+            }
+        }));
+        self.tell(|n| n.calls.push((id, core)));
+    }
+
+    /// Everything told since the last take, once there is something.
+    async fn take(&self) -> News {
+        loop {
+            if let Ok(mut news) = self.news.lock() {
+                if !(news.calls.is_empty() && news.abandoned.is_empty() && news.done.is_empty()) {
+                    self.told.store(false, Ordering::Release);
+                    return std::mem::take(&mut *news);
+                }
+            }
+            self.ready.notified().await;
+        }
+    }
 }
 
 /// Calls in progress on every port of one server, and how many may be.
@@ -142,11 +203,10 @@ impl Handler for PyHandler {
                         queue.push(core);
                         Ok(())
                     }
-                    Deliver::Dispatch(dispatch) => Python::attach(|py| -> PyResult<()> {
-                        let call = Py::new(py, ServerCall { core })?;
-                        dispatch.call1(py, (call,)).map(drop)
-                    })
-                    .map_err(|e| Status::new(Code::Unknown, format!("the server could not start the handler: {e}"))),
+                    Deliver::Loop(inbox) => {
+                        inbox.deliver(core);
+                        Ok(())
+                    }
                 }
             })
             .await
@@ -158,10 +218,48 @@ impl Handler for PyHandler {
 #[pyclass(module = "isthmus._native", frozen)]
 pub(crate) struct ServerCall {
     core: Arc<HandedCall>,
+    /// The asyncio server's: the call's number in its inbox's news, and the inbox.
+    inbox: Option<(u64, std::sync::Weak<Inbox>)>,
+}
+
+impl ServerCall {
+    /// A call of the blocking server.
+    fn queued(core: Arc<HandedCall>) -> ServerCall {
+        ServerCall { core, inbox: None }
+    }
+
+    /// `(calls, abandoned ids, done ids)` for the asyncio server's loop.
+    pub(crate) fn news_to_py(py: Python<'_>, news: News, inbox: &std::sync::Weak<Inbox>) -> PyResult<Py<PyAny>> {
+        let calls = news
+            .calls
+            .into_iter()
+            .map(|(id, core)| Py::new(py, ServerCall { core, inbox: Some((id, inbox.clone())) }))
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok((calls, news.abandoned, news.done).into_pyobject(py)?.into_any().unbind())
+    }
 }
 
 #[pymethods]
 impl ServerCall {
+    /// The asyncio server's number for the call (0 on the blocking server): what `listen_async`
+    /// names it by when it was abandoned or is done.
+    #[getter]
+    fn id(&self) -> u64 {
+        self.inbox.as_ref().map_or(0, |(id, _)| *id)
+    }
+
+    /// The asyncio server's: tells the loop (through `listen_async`, by `id`) when the call
+    /// ends; False if it has ended already.
+    fn watch_done(&self) -> PyResult<bool> {
+        let Some((id, inbox)) = self.inbox.clone() else {
+            return Err(PyRuntimeError::new_err("only the asyncio server's calls report their end to a loop"));
+        };
+        Ok(self.core.add_done_callback(Box::new(move || {
+            if let Some(inbox) = inbox.upgrade() {
+                inbox.tell(|n| n.done.push(id));
+            }
+        })))
+    }
     #[getter]
     fn path(&self) -> &str {
         self.core.path()
@@ -243,7 +341,20 @@ impl ServerCall {
 
     /// A writable block of the server's shared memory to build a reply in, sent with
     /// [`send_raw`](Self::send_raw) with no copy.
-    fn alloc(&self, py: Python<'_>, size: usize) -> PyResult<Block> {
+    /// A reply block in the server's shared memory, waiting for arena room; without `wait`
+    /// (an event loop's thread) a heap block when there is no room at once (sent as a copy).
+    #[pyo3(signature = (size, wait=true))]
+    fn alloc(&self, py: Python<'_>, size: usize, wait: bool) -> PyResult<Block> {
+        if !wait {
+            let _runtime = runtime().enter();
+            let mut alloc = std::pin::pin!(self.core.alloc(size));
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            return match std::future::Future::poll(alloc.as_mut(), &mut cx) {
+                std::task::Poll::Ready(Ok(block)) => Ok(Block::shm(block)),
+                std::task::Poll::Ready(Err(s)) if s.code() != Code::ResourceExhausted => Err(call_error(py, &s)),
+                _ => Block::heap(size),
+            };
+        }
         py.detach(|| runtime().block_on(self.core.alloc(size))).map(Block::shm).map_err(|s| call_error(py, &s))
     }
 
@@ -265,47 +376,75 @@ impl ServerCall {
         py.detach(|| runtime().block_on(self.core.send_headers(metadata))).map_err(|s| call_error(py, &s))
     }
 
+    // The asyncio server's operations: each runs as operation `token` of the loop's `reactor`,
+    // polled here first. One that finishes at once (a unary request that came with its call, a
+    // reply the ring has room for) gives back `(ok, value)` here, with no trip through the
+    // reactor's eventfd and the loop's selector; else `None`, and it completes through the
+    // reactor.
+
     #[pyo3(signature = (reactor, token, flush_headers=false))]
-    fn recv_async(&self, reactor: &Reactor, token: u64, flush_headers: bool) {
+    fn recv_async(&self, py: Python<'_>, reactor: &Reactor, token: u64, flush_headers: bool) -> PyResult<Py<PyAny>> {
         let core = self.core.clone();
-        reactor.completions.run(token, async move { core.recv(flush_headers).await.into() });
+        run_op(py, reactor, token, async move { core.recv(flush_headers).await.into() })
     }
 
     /// [`recv_async`](Self::recv_async) of the raw tier: completes with a `Message`.
     #[pyo3(signature = (reactor, token, flush_headers=false))]
-    fn recv_raw_async(&self, reactor: &Reactor, token: u64, flush_headers: bool) {
+    fn recv_raw_async(
+        &self,
+        py: Python<'_>,
+        reactor: &Reactor,
+        token: u64,
+        flush_headers: bool,
+    ) -> PyResult<Py<PyAny>> {
         let core = self.core.clone();
-        reactor.completions.run(token, async move {
+        run_op(py, reactor, token, async move {
             match core.recv(flush_headers).await {
-                Ok(message) => crate::reactor::Outcome::Raw(message),
-                Err(status) => crate::reactor::Outcome::Failed(status),
+                Ok(message) => Outcome::Raw(message),
+                Err(status) => Outcome::Failed(status),
             }
-        });
+        })
     }
 
     /// [`send_async`](Self::send_async) of the raw tier: a [`Block`] or any C-contiguous
     /// buffer, read when sent (so it must not change until the send completes).
-    fn send_raw_async(&self, reactor: &Reactor, token: u64, message: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn send_raw_async(
+        &self,
+        py: Python<'_>,
+        reactor: &Reactor,
+        token: u64,
+        message: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
         let (core, message) = (self.core.clone(), Request::from_py(message)?);
-        reactor.completions.run(token, async move {
+        run_op(py, reactor, token, async move {
             match message {
                 Request::Block(Outgoing::Shm(block)) => core.send_block(block).await.into(),
                 other => core.send(other.as_slice().unwrap_or_default()).await.into(),
             }
-        });
-        Ok(())
+        })
     }
 
-    fn send_async(&self, reactor: &Reactor, token: u64, message: &Bound<'_, PyBytes>) {
+    fn send_async(
+        &self,
+        py: Python<'_>,
+        reactor: &Reactor,
+        token: u64,
+        message: &Bound<'_, PyBytes>,
+    ) -> PyResult<Py<PyAny>> {
         let (core, message) = (self.core.clone(), bytes_from_py(message));
-        reactor.completions.run(token, async move { core.send(&message).await.into() });
+        run_op(py, reactor, token, async move { core.send(&message).await.into() })
     }
 
-    fn send_initial_metadata_async(&self, reactor: &Reactor, token: u64, metadata: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn send_initial_metadata_async(
+        &self,
+        py: Python<'_>,
+        reactor: &Reactor,
+        token: u64,
+        metadata: &Bound<'_, PyAny>,
+    ) -> PyResult<Py<PyAny>> {
         let metadata = metadata_from_py(Some(metadata))?;
         let core = self.core.clone();
-        reactor.completions.run(token, async move { core.send_headers(metadata).await.into() });
-        Ok(())
+        run_op(py, reactor, token, async move { core.send_headers(metadata).await.into() })
     }
 
     /// Delivers `topic` to this call until the client leaves or the topic closes, GIL released
@@ -334,6 +473,22 @@ impl ServerCall {
     }
 }
 
+/// Runs `op` as operation `token` of `reactor`: `(ok, value)` if it finished at once, else `None`
+/// (it completes through the reactor).
+fn run_op(
+    py: Python<'_>,
+    reactor: &Reactor,
+    token: u64,
+    op: impl std::future::Future<Output = Outcome> + Send + 'static,
+) -> PyResult<Py<PyAny>> {
+    match reactor.completions.run_now(token, op) {
+        Some(outcome) => {
+            Ok(crate::reactor::outcome_value(py, &reactor.completions, outcome)?.into_pyobject(py)?.into_any().unbind())
+        }
+        None => Ok(py.None()),
+    }
+}
+
 /// `callback()` as a call's callback, run by the engine (with the GIL, on an engine thread);
 /// what it raises is printed, as an unraisable exception would be.
 fn engine_callback(callback: Py<PyAny>) -> Box<dyn FnOnce() + Send> {
@@ -350,12 +505,14 @@ fn engine_callback(callback: Py<PyAny>) -> Box<dyn FnOnce() + Send> {
 #[pyclass(module = "isthmus._native", frozen)]
 pub(crate) struct Server {
     handler: Arc<PyHandler>,
-    /// The blocking server's calls on their way to its threads (`dispatch` was None).
+    /// The blocking server's calls on their way to its threads (not `to_loop`).
     queue: Option<Arc<CallQueue>>,
     config: isthmus::Config,
     /// What every port's HTTP/2 clients are offered: the `shm://` port, whichever call bound it.
     offer: Option<isthmus::ShmOffer>,
     bound: Mutex<Vec<isthmus::Bound>>,
+    /// Every port's counters, kept past `start` (which consumes `bound`).
+    stats: Mutex<Vec<isthmus::ServerStats>>,
     stop: watch::Sender<Option<Duration>>,
     stopped: Arc<(Mutex<bool>, Condvar)>,
     started: AtomicBool,
@@ -364,9 +521,9 @@ pub(crate) struct Server {
 #[pymethods]
 impl Server {
     #[new]
-    #[pyo3(signature = (dispatch, max_concurrent_rpcs=None, max_message_size=None, offer_shm=true, max_threads=None))]
+    #[pyo3(signature = (to_loop, max_concurrent_rpcs=None, max_message_size=None, offer_shm=true, max_threads=None))]
     fn new(
-        dispatch: Option<Py<PyAny>>,
+        to_loop: bool,
         max_concurrent_rpcs: Option<usize>,
         max_message_size: Option<u64>,
         offer_shm: bool,
@@ -376,9 +533,9 @@ impl Server {
         if let Some(limit) = max_message_size {
             config.max_message_size = limit;
         }
-        let (deliver, queue) = match dispatch {
-            Some(dispatch) => (Deliver::Dispatch(dispatch), None),
-            None => {
+        let (deliver, queue) = match to_loop {
+            true => (Deliver::Loop(Arc::default()), None),
+            false => {
                 let queue = Arc::new(CallQueue::new(max_threads.unwrap_or(usize::MAX)));
                 (Deliver::Queue(queue.clone()), Some(queue))
             }
@@ -390,6 +547,7 @@ impl Server {
             config,
             offer: offer_shm.then(isthmus::ShmOffer::new),
             bound: Mutex::new(Vec::new()),
+            stats: Mutex::new(Vec::new()),
             stop: watch::Sender::new(None),
             stopped: Arc::new((Mutex::new(false), Condvar::new())),
             started: AtomicBool::new(false),
@@ -415,6 +573,7 @@ impl Server {
             _ => PyOSError::new_err(s.message().to_owned()),
         })?;
         let address = bound.http_addresses().into_iter().next().unwrap_or_else(|| target.to_owned());
+        self.stats.lock().map_err(|_| PyRuntimeError::new_err("server state poisoned"))?.push(bound.stats());
         self.bound.lock().map_err(|_| PyRuntimeError::new_err("server state poisoned"))?.push(bound);
         Ok(address)
     }
@@ -435,7 +594,7 @@ impl Server {
                             connection = Some(c.clone());
                         }
                     }
-                    let call = Py::new(py, ServerCall { core })?;
+                    let call = Py::new(py, ServerCall::queued(core))?;
                     if let Err(e) = handle.call1(py, (call,)) {
                         // `handle` reports a handler's own errors; this is a bug in it.
                         e.print(py);
@@ -444,6 +603,54 @@ impl Server {
                 Next::Idle | Next::Closed => return Ok(()),
             }
         }
+    }
+
+    /// The asyncio server's: completes operation `token` of `reactor` with the news of its
+    /// calls, once there is some: `(calls, abandoned ids, done ids)`. The loop starts it again
+    /// each time; calls that come meanwhile wait in the inbox.
+    fn listen_async(&self, reactor: &Reactor, token: u64) -> PyResult<()> {
+        let Deliver::Loop(inbox) = &self.handler.deliver else {
+            return Err(PyRuntimeError::new_err("this server hands its calls to its executor's threads"));
+        };
+        let inbox = inbox.clone();
+        reactor.completions.run(token, async move {
+            let news = inbox.take().await;
+            Outcome::News(news, Arc::downgrade(&inbox))
+        });
+        Ok(())
+    }
+
+    /// The asyncio server's loop with no handler running, before it sleeps: reads the
+    /// connection of `call` (the last call it ran) on this thread, GIL released, as the
+    /// blocking server's threads do (ADR 0020), for up to `spin_us` µs or until the inbox has
+    /// news; then, for what is left of that time, waits on the reactor. True if `reactor` has
+    /// something to drain. A call that comes meanwhile is read here, not by the connection's
+    /// reader task on the other core, and starts with no thread woken.
+    fn linger(&self, py: Python<'_>, reactor: &Reactor, call: &ServerCall, spin_us: u64) -> PyResult<bool> {
+        let Deliver::Loop(inbox) = &self.handler.deliver else {
+            return Err(PyRuntimeError::new_err("this server hands its calls to its executor's threads"));
+        };
+        let (budget, lender, completions) =
+            (Duration::from_micros(spin_us), call.core.connection(), &reactor.completions);
+        Ok(py.detach(|| {
+            let start = std::time::Instant::now();
+            if let Some(lender) = lender {
+                // A panic there ends that connection (its reader finds the lent receiver
+                // poisoned); the loop goes on.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    lender.serve_here(budget, || inbox.has_news() || completions.is_ready());
+                }));
+            }
+            let left = budget.saturating_sub(start.elapsed());
+            completions.is_ready()
+                || (!left.is_zero() && completions.spin(left, isthmus::SpinPolicy::default().yield_after))
+        }))
+    }
+
+    /// The counters of the server's live `shm://` connections (`isthmus.TransportStats`).
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
+        let ports = self.stats.lock().map_err(|_| PyRuntimeError::new_err("server state poisoned"))?;
+        crate::convert::counters_to_py(py, ports.iter().flat_map(isthmus::ServerStats::connections))
     }
 
     /// For the dispatcher thread: waits until calls need one more `serve_calls` loop. False
@@ -464,6 +671,15 @@ impl Server {
     /// calls fail UNAVAILABLE with `why` from now on.
     fn close_calls(&self, why: &str) -> PyResult<()> {
         self.blocking_queue()?.shut(why);
+        Ok(())
+    }
+
+    /// Whether the engine answers `grpc.health.v1` on every port bound so far (before `start`).
+    fn serve_health(&self, on: bool) -> PyResult<()> {
+        let mut bound = self.bound.lock().map_err(|_| PyRuntimeError::new_err("server state poisoned"))?;
+        for b in bound.iter_mut() {
+            b.serve_health(on);
+        }
         Ok(())
     }
 
@@ -527,7 +743,7 @@ impl Server {
 
 impl Server {
     fn blocking_queue(&self) -> PyResult<&Arc<CallQueue>> {
-        self.queue.as_ref().ok_or_else(|| PyRuntimeError::new_err("this server hands its calls to a dispatch callable"))
+        self.queue.as_ref().ok_or_else(|| PyRuntimeError::new_err("this server hands its calls to an event loop"))
     }
 }
 

@@ -690,9 +690,17 @@ impl Sender {
         self.core.link.poll_alive()
     }
 
-    /// The connection's counters.
+    /// The connection's counters. Takes in the peer's releases first, so `arena_in_use` counts
+    /// only what is still out.
     pub fn counters(&self) -> Counters {
-        self.core.stats.snapshot()
+        let mut counters = self.core.stats.snapshot();
+        if let Ok(mut arena) = self.core.arena.lock() {
+            if let Err(e) = arena.reclaim() {
+                self.core.fail(e);
+            }
+            counters.arena_in_use = arena.allocator().in_use() as u64;
+        }
+        counters
     }
 
     /// Credentials of the peer process.

@@ -40,6 +40,7 @@ impl Stats {
             ring_full_waits: g(&self.ring_full_waits),
             arena_full_waits: g(&self.arena_full_waits),
             arena_high_water: g(&self.arena_high_water),
+            arena_in_use: 0,
             shared_sent: g(&self.shared_sent),
         }
     }
@@ -69,6 +70,10 @@ pub struct Counters {
     pub arena_full_waits: u64,
     /// Most arena bytes this side had out at once.
     pub arena_high_water: u64,
+    /// Arena bytes this side has out now: blocks being built, or sent and not yet released by
+    /// the peer ([`Sender::counters`](crate::Sender::counters) takes in the peer's releases
+    /// first). It returns to zero once neither side holds a message of this side's.
+    pub arena_in_use: u64,
     /// Messages sent as a reference to a block of the shared arena (no copy).
     pub shared_sent: u64,
 }

@@ -875,12 +875,18 @@ impl SpinFirst {
     /// connected (a thread of the pool connects it then: a handshake with a slow server never
     /// runs on the loop's thread) or while [`may_hand_off`] is false.
     pub fn ready(&self) -> Option<&crate::blocking::Channel> {
-        use std::sync::atomic::Ordering;
         if !may_hand_off() {
             return None;
         }
+        self.connected().then_some(&self.channel)
+    }
+
+    /// True if the blocking channel is connected; if not, a thread of the pool starts
+    /// connecting it (never the caller's thread, which may be an event loop's).
+    pub fn connected(&self) -> bool {
+        use std::sync::atomic::Ordering;
         if self.channel.is_connected() {
-            return Some(&self.channel);
+            return true;
         }
         if !self.connecting.swap(true, Ordering::AcqRel) {
             let (channel, connecting) = (self.channel.clone(), self.connecting.clone());
@@ -889,8 +895,38 @@ impl SpinFirst {
                 connecting.store(false, Ordering::Release);
             });
         }
-        None
+        false
     }
+}
+
+/// A unary call whose request is a block of `channel`'s arena
+/// ([`alloc`](crate::blocking::Channel::alloc)), sent and waited for by a thread of the
+/// runtime's blocking pool, so that an event loop's thread never waits for ring room or for the
+/// reply. Dropping the future cancels the call (noticed within 20 ms).
+pub fn unary_block_off_loop(
+    channel: crate::blocking::Channel,
+    path: String,
+    block: crate::BlockMut,
+    options: crate::CallOptions,
+) -> impl Future<Output = Result<crate::Response, Status>> + Send + 'static {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let handed = HandedOff::new();
+    runtime().spawn_blocking(move || {
+        let _handed = handed;
+        let mut unary = match channel.unary_block_begin(&path, block, options) {
+            Ok(unary) => unary,
+            Err(status) => return drop(tx.send(Err(status))),
+        };
+        loop {
+            if let Some(outcome) = unary.wait_until(Instant::now() + std::time::Duration::from_millis(20)) {
+                return drop(tx.send(outcome));
+            }
+            if tx.is_closed() {
+                return unary.cancel();
+            }
+        }
+    });
+    async move { rx.await.unwrap_or_else(|_| Err(Status::new(Code::Cancelled, "the call was abandoned"))) }
 }
 
 /// The outcome of a unary call sent from the caller's thread: waited for there for up to

@@ -65,12 +65,14 @@ enum Via {
     /// its move to shared memory unless that is turned off (`upgrade.rs`).
     /// `max_message`: the largest response message accepted (the builder's `Config`).
     /// `connectivity`: what the connector under tonic's channel saw of its connections.
+    /// `closed`: the status `close` gave, which every call by path in progress ends with.
     Http {
         channel: tonic::transport::Channel,
         target: String,
         upgrade: Option<Arc<Upgrade>>,
         max_message: usize,
         connectivity: Arc<Tracker>,
+        closed: tokio::sync::watch::Sender<Option<Status>>,
     },
 }
 
@@ -157,6 +159,7 @@ impl ChannelBuilder {
                 upgrade,
                 max_message: usize::try_from(self.config.max_message_size).unwrap_or(usize::MAX),
                 connectivity,
+                closed: tokio::sync::watch::Sender::new(None),
             }),
             calls_read: true,
             routes: true,
@@ -326,7 +329,12 @@ impl Channel {
     pub(crate) fn start_http(&self, path: &str, options: CallOptions) -> Result<ClientCall, Status> {
         crate::call::check_path(path)?;
         let limit = self.max_message_size();
-        Ok(ClientCall { via: CallVia::Http(Box::new(HttpCall::start(self.without_upgrade(), path, options, limit)?)) })
+        let closed = match &*self.via {
+            Via::Http { closed, .. } => closed.subscribe(),
+            Via::Shm(_) => tokio::sync::watch::Sender::new(None).subscribe(),
+        };
+        let call = HttpCall::start(self.without_upgrade(), path, options, limit, closed)?;
+        Ok(ClientCall { via: CallVia::Http(Box::new(call)) })
     }
 
     /// The HTTP/2 channel under an HTTP/2 target.
@@ -375,13 +383,16 @@ impl Channel {
     }
 
     /// Closes an `shm://` channel: its connection ends now, its calls in progress fail with
-    /// `status`, and later calls fail UNAVAILABLE. Over HTTP/2 tonic's connection closes when
-    /// the last handle on the channel is dropped; a channel that moved to shared memory closes
-    /// that connection now, and moves no more.
+    /// `status`, and later calls fail UNAVAILABLE. Over HTTP/2 the calls by path in progress
+    /// ([`start`](Self::start), [`unary`](Self::unary)) and later ones fail with `status` (their
+    /// streams reset), as grpcio's `close` cancels its calls; tonic's connection closes when the
+    /// last handle on the channel is dropped. A channel that moved to shared memory closes that
+    /// connection now, and moves no more.
     pub fn close(&self, status: Status) {
         match &*self.via {
             Via::Shm(shm) => shm.close(status),
-            Via::Http { upgrade, connectivity, .. } => {
+            Via::Http { upgrade, connectivity, closed, .. } => {
+                closed.send_replace(Some(status.clone()));
                 if let Some(upgrade) = upgrade {
                     upgrade.close(status);
                 }

@@ -31,7 +31,8 @@
 //!
 //! Health: every endpoint, `shm://` included, serves `grpc.health.v1`. `""` is SERVING from the
 //! start; each added service is set SERVING when serving starts; an unknown name is NOT_FOUND.
-//! `health(false)` leaves that name to the application's own service.
+//! `health(false)` leaves that name to the application's own service; so does
+//! `Bound::serve_health(false)`, up to the moment it serves (the service joins the routes then).
 //!
 //! A graceful shutdown (the signal, or an endpoint that ended):
 //!
@@ -298,11 +299,9 @@ impl Server {
     fn bind_targets(self, targets: Vec<Target>) -> Result<Bound, Status> {
         // `grpc.health.v1` on every endpoint: the server ("") and each tonic service SERVING
         // while it serves, NOT_SERVING once a graceful shutdown begins.
-        let (health, health_service) = tonic_health::server::health_reporter();
+        // The service itself joins the routes when serving starts (`Bound::serve_health`).
+        let (health, _) = tonic_health::server::health_reporter();
         let mut this = self;
-        if this.health {
-            this = this.add_service(health_service);
-        }
         if !this.descriptors.is_empty() {
             let bad = |e: tonic_reflection::server::Error| {
                 Status::new(Code::InvalidArgument, format!("a reflection descriptor set does not decode: {e}"))
@@ -394,6 +393,7 @@ impl Server {
                 catch_all: this.catch_all,
             }),
             health: (health, names),
+            serve_health: this.health,
             grace: this.grace,
             stream_limit: this.stream_limit,
             tracker: Arc::default(),
@@ -424,6 +424,8 @@ pub struct Bound {
     http: Vec<HttpListener>,
     routes: Option<tonic::service::Routes>,
     health: (tonic_health::server::HealthReporter, Vec<&'static str>),
+    /// Whether the built-in health service answers (added to the routes when serving starts).
+    serve_health: bool,
     handlers: Arc<Methods>,
     grace: Duration,
     stream_limit: usize,
@@ -442,6 +444,13 @@ impl Bound {
     /// port the system chose for port 0).
     pub fn http_addresses(&self) -> Vec<String> {
         self.http.iter().map(HttpListener::local_addr).collect()
+    }
+
+    /// Whether this server answers `grpc.health.v1` itself, as the builder's
+    /// [`health`](Server::health) set it; changeable until it serves (the Python binding knows
+    /// only at `start` whether the application serves its own).
+    pub fn serve_health(&mut self, on: bool) {
+        self.serve_health = on;
     }
 
     /// A handle on the server's counters that stays valid while it serves.
@@ -465,8 +474,28 @@ impl Bound {
     /// [`serve_with_shutdown`](Self::serve_with_shutdown) with the grace period chosen when
     /// the shutdown comes: `shutdown`'s output (grpcio's `stop(grace)`).
     pub async fn serve_until(self, shutdown: impl Future<Output = Duration>) -> Result<(), Status> {
-        let Bound { shm, http, routes, health, handlers, grace: default_grace, stream_limit, tracker } = self;
+        let Bound {
+            shm,
+            http,
+            mut routes,
+            health,
+            serve_health,
+            mut handlers,
+            grace: default_grace,
+            stream_limit,
+            tracker,
+        } = self;
         let (reporter, names) = health;
+        if serve_health {
+            let service = tonic_health::pb::health_server::HealthServer::new(
+                tonic_health::server::HealthService::from_health_reporter(reporter.clone()),
+            );
+            routes = routes.map(|routes| routes.add_service(service.clone()));
+            let name = <tonic_health::pb::health_server::HealthServer<()> as tonic::server::NamedService>::NAME;
+            let handler = crate::http::ServiceHandler(crate::http::BoxService::new(service));
+            let f: HandlerFn = Arc::new(move |call| Box::pin(handler.clone().serve(call)));
+            Arc::make_mut(&mut handlers).services.push((format!("/{name}/"), f));
+        }
         for name in &names {
             reporter.set_service_status(name, tonic_health::ServingStatus::Serving).await;
         }

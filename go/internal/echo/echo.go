@@ -10,6 +10,7 @@ import (
 	"io"
 	"time"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -77,12 +78,23 @@ func timeLeft(ctx context.Context) int64 {
 	return -1
 }
 
+// FailureDetail is the detail a failure asked for in a request (fail_with) carries: its
+// status's details (status.WithDetails) hold this one message, for the clients' tests of
+// details (grpc-status-details-bin) to compare.
+func FailureDetail(message string) *errdetails.ErrorInfo {
+	return &errdetails.ErrorInfo{Reason: "FAIL_WITH", Domain: "isthmus.test", Metadata: map[string]string{"message": message}}
+}
+
 func failure(ctx context.Context, req *pb.EchoRequest) error {
 	if req.FailWith == 0 {
 		return nil
 	}
 	_ = grpc.SetTrailer(ctx, metadata.Pairs("x-failed", "yes"))
-	return status.Error(codes.Code(req.FailWith), req.FailMessage)
+	s := status.New(codes.Code(req.FailWith), req.FailMessage)
+	if d, err := s.WithDetails(FailureDetail(req.FailMessage)); err == nil {
+		s = d
+	}
+	return s.Err()
 }
 
 func (Service) Unary(ctx context.Context, req *pb.EchoRequest) (*pb.EchoReply, error) {

@@ -14,7 +14,8 @@
 --   local ok, reply = ch:unary("/helloworld.Greeter/SayHello", { name = "you" }, { timeout = 1 })
 --
 -- Every call returns `ok, result_or_err`: on failure `err` is an error table with the gRPC
--- `code` (a number), its `name` ("UNAVAILABLE"), `message` and `trailers`.
+-- `code` (a number), its `name` ("UNAVAILABLE"), `message`, `trailers` and `details` (the
+-- status's details as the server sent them, or nil).
 
 local ffi = require "ffi"
 
@@ -66,6 +67,7 @@ isthmus_code_t isthmus_status_code(const isthmus_status_t *status);
 const char *isthmus_status_message(const isthmus_status_t *status);
 isthmus_code_t isthmus_status_free(isthmus_status_t *status);
 isthmus_metadata_t *isthmus_status_trailers(const isthmus_status_t *status);
+const uint8_t *isthmus_status_details(const isthmus_status_t *status, size_t *len);
 isthmus_code_t isthmus_channel_new(const char *target, const isthmus_channel_options_t *opts, isthmus_channel_t **out, isthmus_status_t **status);
 isthmus_code_t isthmus_channel_close(isthmus_channel_t *channel);
 isthmus_code_t isthmus_channel_set_spin(const isthmus_channel_t *channel, uint32_t spin_us);
@@ -180,6 +182,7 @@ local md_key = ffi_new("const uint8_t*[1]")
 local md_key_len = ffi_new("size_t[1]")
 local md_val = ffi_new("const uint8_t*[1]")
 local md_val_len = ffi_new("size_t[1]")
+local details_len = ffi_new("size_t[1]")
 
 local error_mt = {
     __tostring = function(e)
@@ -187,12 +190,15 @@ local error_mt = {
     end,
 }
 
-local function new_error(code, message, trailers)
+-- `details`: the status's binary details (a serialized google.rpc.Status, gRPC's
+-- grpc-status-details-bin), or nil.
+local function new_error(code, message, trailers, details)
     return setmetatable({
         code = code,
         name = ffi_string(C.isthmus_code_name(code)),
         message = message,
         trailers = trailers or {},
+        details = details,
     }, error_mt)
 end
 _M.new_error = new_error
@@ -227,8 +233,9 @@ local function take_status(st, code)
     if st == nil then
         return new_error(code ~= OK and code or UNKNOWN, "the call failed")
     end
+    local details = C.isthmus_status_details(st, details_len)
     local err = new_error(C.isthmus_status_code(st), ffi_string(C.isthmus_status_message(st)),
-        take_metadata(C.isthmus_status_trailers(st)))
+        take_metadata(C.isthmus_status_trailers(st)), details ~= nil and ffi_string(details, details_len[0]) or nil)
     C.isthmus_status_free(st)
     return err
 end

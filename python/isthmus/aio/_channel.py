@@ -24,6 +24,7 @@ from .._channel import LOOK_AGAIN_S, STATES, check_raw_size, limited, limits, up
 from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
 from .._native import CallError
+from .._stats import TransportStats
 from ._call import (
     RequestIterable,
     StreamStreamCall,
@@ -489,8 +490,10 @@ class Channel(grpc.aio.Channel):
 
     def alloc(self, size: int) -> _native.Block:
         """The raw tier: a writable buffer of `size` bytes to build a request in, for
-        `raw_unary`. Heap memory here (the asyncio channel copies it into shared memory when the
-        call sends it); the blocking channel's `alloc` gives shared memory itself."""
+        `raw_unary` on this channel. It never waits: shared memory (sent where it is, no copy)
+        when the channel's `shm://` connection is up and has room at once, else heap memory,
+        which the call copies when it sends it (`block.shared` tells which). The first call
+        connects the channel; so does `await channel.channel_ready()`."""
         self._bind()
         return self._native.alloc(size)  # type: ignore[union-attr]
 
@@ -529,6 +532,12 @@ class Channel(grpc.aio.Channel):
         if isinstance(value, CallError):
             raise rpc_error(value, aio=True)
         return value  # type: ignore[no-any-return]
+
+    def stats(self) -> TransportStats:
+        """As the blocking channel's: the counters of its shared-memory connections."""
+        if self._native is None:
+            return TransportStats(0, 0, 0, 0, 0, 0)
+        return TransportStats(**self._native.stats())
 
     def transport_counts(self) -> dict[str, int]:
         """As the blocking channel's: calls over shared memory and over HTTP/2."""
@@ -610,11 +619,17 @@ class Channel(grpc.aio.Channel):
                     driver.abandon(token)
 
     async def channel_ready(self) -> None:
-        """Returns once the channel is READY, connecting it (as grpc.aio's)."""
+        """Returns once the channel is READY, connecting it (as grpc.aio's). For an `shm://`
+        target, also once `alloc` can give shared memory (or after a second)."""
         state = self.get_state(try_to_connect=True)
         while state is not grpc.ChannelConnectivity.READY:
             await self.wait_for_state_change(state)
             state = self.get_state(try_to_connect=True)
+        native = self._bind()[2]
+        for _ in range(1000):
+            if not self._target.startswith("shm:") or native.shm_ready():
+                return
+            await asyncio.sleep(0.001)
 
     # `_registered_method` and whatever private keywords later grpcio-tools pass mean nothing
     # here: every method is called by its path.

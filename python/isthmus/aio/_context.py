@@ -13,7 +13,7 @@ import grpc.aio
 from .._context import Context
 from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
-from .._native import CallError, ServerCall
+from .._native import Block, CallError, ServerCall
 from ._reactor import Driver
 
 
@@ -25,19 +25,34 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         loop: asyncio.AbstractEventLoop,
         driver: Driver,
         raw: bool = False,
+        done_callbacks: dict[int, list[Callable[[], None]]] | None = None,
     ) -> None:
         super().__init__(call, handler, raw)
         self._loop = loop
         self._driver = driver
+        self._done_callbacks = {} if done_callbacks is None else done_callbacks
         # A raw handler (`isthmus.raw`) reads `Message` buffers and writes buffers as they are.
         self._recv_op = call.recv_raw_async if raw else call.recv_async
         self._send_op = call.send_raw_async if raw else call.send_async
 
-    async def _op(self, start: Callable[..., None], *args: Any) -> Any:
-        """One engine operation on the call; raises an RpcError if the call is over."""
-        token, future = self._driver.begin(self._loop)
-        start(self._driver.reactor, token, *args)
-        value = await future
+    def alloc(self, size: int) -> Block:
+        """For a raw handler (`isthmus.raw`): a writable reply buffer of `size` bytes, in the
+        server's shared memory if its arena has room at once (the client reads it where it
+        is), else on the heap (sent as a copy): the event loop never waits for room. Release
+        every view of it before it is sent."""
+        try:
+            return self._call.alloc(size, False)
+        except CallError as e:
+            raise rpc_error(e) from None
+
+    async def _op(self, start: Callable[..., tuple[bool, Any] | None], *args: Any) -> Any:
+        """One engine operation on the call; raises an RpcError if the call is over. One that
+        finishes as it starts (a unary request already here, a reply the ring has room for)
+        costs no trip through the loop's selector."""
+        driver = self._driver
+        token = driver.token()
+        now = start(driver.reactor, token, *args)
+        value = now[1] if now is not None else await driver.wait(self._loop, token)
         if isinstance(value, CallError):
             raise rpc_error(value, aio=True)
         return value
@@ -67,11 +82,11 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         return not self._finished and not self._call.is_active()
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
-        # The engine runs it on one of its threads; grpc.aio runs it on the loop.
-        def schedule() -> None:
-            self._loop.call_soon_threadsafe(callback, self)
-
-        self._call.add_done_callback(schedule)
+        # Run on the loop, as grpc.aio does: the server's inbox tells the loop the call is done.
+        if not self._call.watch_done():  # done already
+            self._loop.call_soon(callback, self)
+            return
+        self._done_callbacks.setdefault(self._call.id, []).append(lambda: callback(self))
 
     async def _unary_request(self) -> Any:
         return self._request(await self._op(self._recv_op))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from .. import _native
@@ -32,6 +33,9 @@ class Driver:
         self.reactor = _native.Reactor()
         self._tokens = itertools.count()
         self._waiting: dict[int, asyncio.Future[Any]] = {}
+        # Standing operations (a server's `listen_async`): their outcome goes to a callback, and
+        # they never make the loop look busy to `idle`.
+        self._standing: dict[int, Callable[[Any], None]] = {}
         loop.add_reader(self.reactor.fileno(), self._drive)
 
     def begin(self, loop: asyncio.AbstractEventLoop) -> tuple[int, asyncio.Future[Any]]:
@@ -43,9 +47,29 @@ class Driver:
         self._waiting[token] = future
         return token, future
 
+    def stand(self, start: Callable[[int], None], then: Callable[[Any], None]) -> int:
+        """Starts a standing operation, `start(token)`, whose outcome is handed to `then` on the
+        loop (which may start it again); its token, to abandon it."""
+        token = next(self._tokens)
+        self._standing[token] = then
+        start(token)
+        return token
+
+    def token(self) -> int:
+        """A token for an operation whose start may finish it at once (then nothing waits for
+        it); `wait` makes the future of one that did not."""
+        return next(self._tokens)
+
+    def wait(self, loop: asyncio.AbstractEventLoop, token: int) -> asyncio.Future[Any]:
+        """The future operation `token`'s outcome resolves, as `begin` gives."""
+        future = loop.create_future()
+        self._waiting[token] = future
+        return future
+
     def abandon(self, token: int) -> None:
         """Stops operation `token` in the engine (a call it makes is cancelled on both sides)."""
         self._waiting.pop(token, None)
+        self._standing.pop(token, None)
         self.reactor.cancel(token)
 
     def idle(self, loop: asyncio.AbstractEventLoop) -> bool:
@@ -67,6 +91,18 @@ class Driver:
             return
         self._resolve(self.reactor.spin(SPIN_US))
 
+    def linger(self, loop: asyncio.AbstractEventLoop, wait: Callable[[int], bool] | None = None) -> None:
+        """Waits a moment on this thread for news of a standing operation (a server's next
+        call) if nothing else is pending and the loop has no callback ready: a call that comes
+        within the spin bound then starts with no sleep in the selector and no wake-up.
+        `wait(spin_us)`, if given, waits instead (GIL released), True if there is news."""
+        if self._waiting or getattr(loop, "_ready", None):
+            return
+        if wait is None:
+            self._resolve(self.reactor.spin(SPIN_US))
+        elif wait(SPIN_US):
+            self._resolve(self.reactor.drain())
+
     def _drive(self) -> None:
         self._resolve(self.reactor.drain())
 
@@ -74,8 +110,13 @@ class Driver:
         waiting = self._waiting
         for token, _ok, value in finished:
             future = waiting.pop(token, None)
-            if future is not None and not future.done():  # done: its waiter was cancelled
-                future.set_result(value)
+            if future is not None:
+                if not future.done():  # done: its waiter was cancelled
+                    future.set_result(value)
+                continue
+            then = self._standing.pop(token, None)
+            if then is not None:
+                then(value)
 
 
 def driver(loop: asyncio.AbstractEventLoop) -> Driver:

@@ -1,24 +1,27 @@
-"""The asyncio server: grpc.aio.Server's shape. The engine hands each call over from its thread
-to the loop, where the handler runs as a task; a call that ends under its handler (the client
-cancelled, the deadline passed, the client went away) cancels that task, as grpc.aio does."""
+"""The asyncio server: grpc.aio.Server's shape. The engine puts each call into the server's
+inbox without the GIL, and the loop's standing `listen_async` operation brings it to the loop,
+where the handler runs as a task; a call that ends under its handler (the client cancelled, the
+deadline passed, the client went away) cancels that task, as grpc.aio does."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import contextvars
 import inspect
-from collections.abc import AsyncIterable, Iterable, Sequence
+from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any
 
 import grpc
 import grpc.aio
 
-from .._handler import behaviour
 from .._native import ServerCall
 from .._server import ServerBase, refuse
 from ._context import ServicerContext
 from ._reactor import Driver, driver
+from ._sync import SyncServicerContext
+
+_END = object()  # what `next` gives for a plain handler's responses once they are over
 
 
 def _cancel_unfinished(task: asyncio.Task[None], ending: list[bool]) -> None:
@@ -30,8 +33,10 @@ def _cancel_unfinished(task: asyncio.Task[None], ending: list[bool]) -> None:
 
 class Server(ServerBase, grpc.aio.Server):
     """Handlers may be coroutine functions, async generators (streaming responses) or plain
-    functions and generators; plain ones run on `migration_thread_pool` if one is given (those
-    with a unary request and response), else on the loop."""
+    functions and generators. Plain ones run as grpc.aio runs them: on `migration_thread_pool`
+    (else the loop's default executor), with a blocking context (`context.abort` raises there,
+    `send_initial_metadata` waits), a blocking request iterator, and each response of a
+    generator taken on the executor."""
 
     def __init__(
         self,
@@ -42,54 +47,91 @@ class Server(ServerBase, grpc.aio.Server):
         maximum_concurrent_rpcs: int | None = None,
         compression: grpc.Compression | None = None,
     ) -> None:
-        super().__init__(self._dispatch, handlers, interceptors, options, maximum_concurrent_rpcs)
+        super().__init__(True, handlers, interceptors, options, maximum_concurrent_rpcs)
         self._pool = migration_thread_pool
         self._loop: asyncio.AbstractEventLoop | None = None
         self._driver: Driver | None = None
         self._tasks: set[asyncio.Task[None]] = set()
+        # Handlers running, by call id: (task, ending), for the news that a call was abandoned.
+        self._running: dict[int, tuple[asyncio.Task[None], list[bool]]] = {}
+        # `context.add_done_callback` callbacks, by call id, run when the news says it is done.
+        self.done_callbacks: dict[int, list[Callable[[], None]]] = {}
+        self._listening: int | None = None
+        self._last: ServerCall | None = None  # whose connection the idle loop reads (ADR 0020)
+        self._plain: dict[Callable[..., Any], bool] = {}  # whether a behaviour is a plain function
+        self._context = contextvars.Context()
 
-    def _dispatch(self, call: ServerCall) -> None:
-        # On an engine thread, which must not block.
-        try:
-            self._loop.call_soon_threadsafe(self._spawn, call)  # type: ignore[union-attr]
-        except RuntimeError:  # the loop is closed
-            call.finish(grpc.StatusCode.UNAVAILABLE.value[0], "the server is shutting down", None)
+    def _listen(self) -> None:
+        assert self._loop is not None and self._driver is not None
+        self._listening = self._driver.stand(
+            lambda token: self._native.listen_async(self._driver.reactor, token),  # type: ignore[union-attr]
+            self._news,
+        )
+
+    def _news(self, news: Any) -> None:
+        """On the loop: calls that arrived, calls that ended under their handler, calls done."""
+        if not isinstance(news, tuple):  # the server is gone
+            return
+        self._listen()
+        calls, abandoned, done = news
+        for call in calls:
+            self._spawn(call)
+        for id in abandoned:
+            running = self._running.get(id)
+            if running is not None:
+                _cancel_unfinished(*running)
+        for id in done:
+            for callback in self.done_callbacks.pop(id, ()):
+                callback()
+
+    def _linger(self) -> None:
+        """The last handler finished: wait a moment for the next call before the loop sleeps."""
+        loop, driver, last = self._loop, self._driver, self._last
+        if self._running or self._listening is None or last is None or driver is None or loop is None:
+            return
+        driver.linger(loop, lambda spin_us: self._native.linger(driver.reactor, last, spin_us))
 
     def _spawn(self, call: ServerCall) -> None:
         loop = self._loop
         assert loop is not None
         ending = [False]  # the handler's outcome is being sent: its end is its own
-        task = loop.create_task(self._handle(call, ending))
+        # Each handler in a copy of the server's context, as grpc.aio's: not of whatever task
+        # or callback took the call in.
+        # (`create_task(context=)` is 3.11's; made inside the context, a task copies it.)
+        task = self._context.run(loop.create_task, self._handle(call, ending))
         self._tasks.add(task)  # the loop keeps only weak references to tasks
-        task.add_done_callback(self._tasks.discard)
+        self._last = call
+        id = call.id
+        self._running[id] = (task, ending)
 
-        def ended() -> None:
-            # On an engine thread, with the GIL: the call ended before its handler finished it
-            # (the client cancelled, the deadline passed, the connection ended). Calls that end
-            # normally never come here, so they cost no trip through the GIL and the loop.
-            with contextlib.suppress(RuntimeError):  # the loop is closed
-                loop.call_soon_threadsafe(_cancel_unfinished, task, ending)
+        def finished(task: asyncio.Task[None]) -> None:
+            self._tasks.discard(task)
+            self._running.pop(id, None)
+            if not self._running:
+                self._linger()  # the last handler done: a moment for the next call
 
-        if not call.add_abandon_callback(ended):  # over already (cancelled before the spawn)
+        task.add_done_callback(finished)
+        if not call.is_active():  # over already (abandoned before the loop took it)
             task.cancel()
 
     async def _handle(self, call: ServerCall, ending: list[bool]) -> None:
         try:
-            handler = await self._handlers.find_async(call)
+            if self._handlers.intercepted:
+                plan = await self._handlers.plan_async(call)
+            else:
+                plan = self._handlers.plan(call)
         except Exception as e:
             refuse(call, e)
             return
-        if handler is None:
+        if plan is None:
             refuse(call, None)
             return
+        handler, method, raw = plan
+        loop, driver = self._loop, self._driver
+        assert loop is not None and driver is not None  # set by start, before any call
+        context = ServicerContext(call, handler, loop, driver, raw, self.done_callbacks)
         try:
-            raw = getattr(behaviour(handler), "__isthmus_raw__", False)
-        except Exception as e:
-            refuse(call, e)
-            return
-        context = ServicerContext(call, handler, self._loop, self._driver, raw)  # type: ignore[arg-type]
-        try:
-            await self._serve(handler, context)
+            await self._serve(handler, method, context)
         except asyncio.CancelledError:
             ending[0] = True
             call.finish(grpc.StatusCode.CANCELLED.value[0], "the server stopped", None)
@@ -101,24 +143,24 @@ class Server(ServerBase, grpc.aio.Server):
             ending[0] = True
             context._finish(None)
 
-    async def _serve(self, handler: grpc.RpcMethodHandler, context: ServicerContext) -> None:
+    async def _serve(
+        self, handler: grpc.RpcMethodHandler, method: Callable[..., Any], context: ServicerContext
+    ) -> None:
+        plain = self._plain.get(method)
+        if plain is None:
+            plain = not (inspect.iscoroutinefunction(method) or inspect.isasyncgenfunction(method))
+            if not self._handlers.intercepted:  # an interceptor's handlers may be new every call
+                self._plain[method] = plain
+        if plain:
+            await self._serve_plain(handler, method, context)
+            return
         if handler.request_streaming:
             request: Any = context._requests()
         else:
             request = await context._unary_request()
-        method = behaviour(handler)
-        plain = not (inspect.iscoroutinefunction(method) or inspect.isasyncgenfunction(method))
-        if (
-            plain
-            and self._pool is not None
-            and not handler.request_streaming
-            and not handler.response_streaming
-        ):
-            result = await self._loop.run_in_executor(self._pool, method, request, context)  # type: ignore[union-attr]
-        else:
-            result = method(request, context)
-            if inspect.isawaitable(result):
-                result = await result
+        result = method(request, context)
+        if inspect.isawaitable(result):
+            result = await result
         if handler.response_streaming:
             if isinstance(result, AsyncIterable):
                 async for message in result:
@@ -129,15 +171,45 @@ class Server(ServerBase, grpc.aio.Server):
         elif context._responds():
             await context.write(result)
 
+    async def _serve_plain(
+        self, handler: grpc.RpcMethodHandler, method: Callable[..., Any], context: ServicerContext
+    ) -> None:
+        """A plain handler, as grpc.aio serves one: on the executor, with a blocking context."""
+        loop = self._loop
+        assert loop is not None
+        sync = SyncServicerContext(context, loop)
+        if handler.request_streaming:
+            request: Any = sync._requests()
+        else:
+            request = await context._unary_request()
+        result = await loop.run_in_executor(self._pool, method, request, sync)
+        if inspect.isawaitable(result):  # a plain function that gave a coroutine
+            result = await result
+        if handler.response_streaming:
+            if isinstance(result, AsyncIterable):
+                async for message in result:
+                    await context.write(message)
+            elif result is not None:
+                responses = iter(result)
+                while (message := await loop.run_in_executor(self._pool, next, responses, _END)) is not _END:
+                    await context.write(message)
+        elif context._responds():
+            await context.write(result)
+
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._driver = driver(self._loop)
+        self._context = contextvars.copy_context()
         self._check_health()
         self._native.start()
+        self._listen()
 
     async def stop(self, grace: float | None) -> None:
         self._native.stop(grace)
         await asyncio.get_running_loop().run_in_executor(None, self._native.wait, None)
+        if self._listening is not None and self._driver is not None:
+            self._driver.abandon(self._listening)
+            self._listening = None
         # The engine has ended every call; handlers still running have nothing left to do.
         for task in list(self._tasks):
             task.cancel()

@@ -19,12 +19,13 @@
  *   ServerStream  request: u32 LE N; N responses of 4 bytes, each its index; trailer `x-count`
  *   ClientStream  one response: the requests' total size, u64 LE
  *   Bidi          send (empty) headers at once, then echo each request as it comes
- *   Fail          NOT_FOUND "nothing here", trailer `x-why: test`
+ *   Fail          NOT_FOUND "nothing here", trailer `x-why: test`, details FAIL_DETAILS
  *   Sleep         wait until the call is no longer active (5 s at most), then CANCELLED
  *   Block         echo the request through isthmus_server_call_alloc + _send_block
  *   Queued        echo every request through the _async functions on a completion queue
- *   BadFinish     finish with a freed trailers handle (request "t") or a message that is not
- *                 UTF-8: the call must still end (INTERNAL) instead of hanging
+ *   BadFinish     finish with a freed trailers handle (request "t"), NULL details of length 5
+ *                 (request "d") or a message that is not UTF-8: the call must still end
+ *                 (INTERNAL) instead of hanging
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -257,11 +258,23 @@ static void h_bidi(isthmus_server_call_t *call) {
   isthmus_server_call_finish(call, ISTHMUS_OK, NULL, NULL, NULL);
 }
 
+/* Fail's status details: bytes of any value, NUL included (a serialized google.rpc.Status in
+ * real use). */
+static const uint8_t FAIL_DETAILS[] = {0x08, 0x05, 0x00, 'w', 'h', 'y', 0xff};
+
 static void h_fail(isthmus_server_call_t *call) {
   isthmus_metadata_t *trailers = isthmus_metadata_new();
   isthmus_metadata_add(trailers, "x-why", (const uint8_t *)"test", 4, NULL);
-  isthmus_server_call_finish(call, ISTHMUS_NOT_FOUND, "nothing here", trailers, NULL);
+  isthmus_server_call_finish_with_details(call, ISTHMUS_NOT_FOUND, "nothing here", FAIL_DETAILS, sizeof FAIL_DETAILS,
+                                          trailers, NULL);
   isthmus_metadata_free(trailers);
+}
+
+/* Whether status `st` carries exactly FAIL_DETAILS. */
+static int has_fail_details(const isthmus_status_t *st) {
+  size_t n = 0;
+  const uint8_t *d = isthmus_status_details(st, &n);
+  return d != NULL && n == sizeof FAIL_DETAILS && memcmp(d, FAIL_DETAILS, n) == 0;
 }
 
 /* Finishes with a bad argument (request "t": a freed trailers handle; else a message that is
@@ -271,11 +284,14 @@ static void h_bad_finish(isthmus_server_call_t *call) {
   isthmus_metadata_free(stale);
   isthmus_status_t *st = NULL;
   isthmus_message_t *req = NULL;
-  int stale_trailers = isthmus_server_call_recv(call, 0, &req, NULL) == ISTHMUS_OK && req != NULL &&
-                       isthmus_message_len(req) == 1 && isthmus_message_data(req, NULL)[0] == 't';
+  char kind = isthmus_server_call_recv(call, 0, &req, NULL) == ISTHMUS_OK && req != NULL &&
+                       isthmus_message_len(req) == 1
+                   ? (char)isthmus_message_data(req, NULL)[0]
+                   : 0;
   if (req) isthmus_message_free(req);
-  isthmus_code_t rc = stale_trailers ? isthmus_server_call_finish(call, ISTHMUS_OK, NULL, stale, &st)
-                                     : isthmus_server_call_finish(call, ISTHMUS_OK, "\377", NULL, &st);
+  isthmus_code_t rc = kind == 't'   ? isthmus_server_call_finish(call, ISTHMUS_OK, NULL, stale, &st)
+                      : kind == 'd' ? isthmus_server_call_finish_with_details(call, ISTHMUS_ABORTED, NULL, NULL, 5, NULL, &st)
+                                    : isthmus_server_call_finish(call, ISTHMUS_OK, "\377", NULL, &st);
   if (rc != ISTHMUS_INVALID_ARGUMENT) fprintf(stderr, "serve: BadFinish: finish gave %s\n", isthmus_code_name(rc));
   if (st) isthmus_status_free(st);
 }
@@ -755,6 +771,8 @@ static int check_null_arguments(ctx_t *c) {
   /* statuses */
   REQUIRE(isthmus_status_code(NULL) == ISTHMUS_INVALID_ARGUMENT, "code of NULL");
   REQUIRE(isthmus_status_message(NULL) != NULL && isthmus_status_message(NULL)[0] == 0, "message of NULL");
+  size_t details_len = 1;
+  REQUIRE(isthmus_status_details(NULL, &details_len) == NULL && details_len == 0, "details of NULL");
   REQUIRE(isthmus_status_trailers(NULL) == NULL, "trailers of NULL");
   INVALID(isthmus_status_free(NULL));
 
@@ -786,6 +804,7 @@ static int check_null_arguments(ctx_t *c) {
   INVALID(isthmus_server_call_alloc(NULL, 16, &block, &st));
   INVALID(isthmus_server_call_send_block(NULL, NULL, &st));
   INVALID(isthmus_server_call_finish(NULL, ISTHMUS_OK, NULL, NULL, &st));
+  INVALID(isthmus_server_call_finish_with_details(NULL, ISTHMUS_ABORTED, NULL, FAIL_DETAILS, 1, NULL, &st));
 
   REQUIRE(isthmus_cq_poll(cq, ev, 2) == 0, "an event from a refused operation");
   MUST(isthmus_server_free(server));
@@ -1070,6 +1089,7 @@ static int check_fail(ctx_t *c) {
   isthmus_metadata_t *trailers = isthmus_status_trailers(st);
   REQUIRE(md_is(trailers, "x-why", "test"), "x-why in the status's trailers");
   isthmus_metadata_free(trailers);
+  REQUIRE(has_fail_details(st), "the status's details");
   isthmus_status_free(st);
 
   /* as a call of any shape: recv gives the status, and the call its trailers */
@@ -1077,6 +1097,7 @@ static int check_fail(ctx_t *c) {
   MUST(isthmus_call_start(c->ch, SVC "Fail", &opts, &call, &st));
   EXPECT(isthmus_call_recv(call, &reply, &st), ISTHMUS_NOT_FOUND);
   REQUIRE(reply == NULL && st != NULL && strcmp(isthmus_status_message(st), "nothing here") == 0, "the status");
+  REQUIRE(has_fail_details(st), "the call's status's details");
   isthmus_status_free(st);
   trailers = isthmus_call_trailers(call);
   REQUIRE(md_is(trailers, "x-why", "test"), "x-why in the call's trailers");
@@ -1455,12 +1476,14 @@ static int check_bad_finish(ctx_t *c) {
   isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
   static const struct {
     const char *req, *named;
-  } cases[] = {{"t", "metadata"}, {"m", "UTF-8"}};
-  for (size_t i = 0; i < 2; i++) {
+  } cases[] = {{"t", "metadata"}, {"d", "details"}, {"m", "UTF-8"}};
+  for (size_t i = 0; i < 3; i++) {
     EXPECT(isthmus_unary(c->ch, SVC "BadFinish", (const uint8_t *)cases[i].req, 1, &opts, &reply, NULL, NULL, &st),
            ISTHMUS_INTERNAL);
     REQUIRE(st != NULL && strstr(isthmus_status_message(st), cases[i].named) != NULL, "'%s' names %s",
             st ? isthmus_status_message(st) : "", cases[i].named);
+    size_t n = 1;
+    REQUIRE(isthmus_status_details(st, &n) == NULL && n == 0, "no details");
     isthmus_status_free(st);
   }
   return 1;

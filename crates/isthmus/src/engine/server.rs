@@ -112,6 +112,7 @@ pub trait Handler: Send + Sync + 'static {
 pub(crate) type BoxFuture = HandlerFuture;
 
 /// What answers each method: handlers by path, then the tonic services, if any.
+#[derive(Clone)]
 pub(crate) struct Methods {
     pub(crate) by_path: HashMap<String, HandlerFn>,
     /// The tonic services by path prefix (`/package.Service/`).

@@ -10,8 +10,10 @@
 //! stream and, at its end, the trailers.
 //!
 //! The deadline is the call's: `grpc-timeout` goes with the head and every wait is bounded by it
-//! (DEADLINE_EXCEEDED, "the call's deadline passed"). A status tonic made from a transport error
-//! (an UNKNOWN with a source) is reported UNAVAILABLE, as the connection's end is over `shm://`.
+//! (DEADLINE_EXCEEDED, "the call's deadline passed"). So is the channel's `close`: a wait ends
+//! with the status the close gave, and the call ends so (its stream reset). A status tonic made
+//! from a transport error (an UNKNOWN with a source) is reported UNAVAILABLE, as the connection's
+//! end is over `shm://`.
 //! The largest response message is the channel's `max_message_size` (its builder's `Config`);
 //! requests have no limit. Dropping or cancelling the call ends the body
 //! and resets the stream: the server sees CANCELLED. Each request is copied once into a `Bytes`
@@ -20,7 +22,7 @@
 use std::sync::{Arc, Mutex};
 
 use bytes::{Buf, BufMut, Bytes};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tonic::codec::{Codec, DecodeBuf, Decoder, EncodeBuf, Encoder, Streaming};
@@ -119,6 +121,8 @@ pub(crate) struct HttpCall {
     deadline: Option<Instant>,
     /// The largest response message (for telling tonic's refusal of one from a server's).
     limit: usize,
+    /// The channel's `close`: the status the call ends with once it is set.
+    closed: watch::Receiver<Option<Status>>,
 }
 
 impl Drop for HttpCall {
@@ -164,12 +168,40 @@ fn deadline_passed() -> Status {
     Status::new(Code::DeadlineExceeded, "the call's deadline passed")
 }
 
+/// `fut`'s output, unless the deadline passes or the channel is closed first: then the status
+/// the call ends with.
+async fn bounded<T>(
+    deadline: Option<Instant>,
+    closed: &mut watch::Receiver<Option<Status>>,
+    fut: impl std::future::Future<Output = T>,
+) -> Result<T, Status> {
+    let closing = async {
+        let status = closed.wait_for(Option::is_some).await.ok().and_then(|status| status.clone());
+        match status {
+            Some(status) => status,
+            // The channel is gone, and with it any close to come.
+            None => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        biased;
+        status = closing => Err(status),
+        done = until(deadline, fut) => done.ok_or_else(deadline_passed),
+    }
+}
+
 impl HttpCall {
     /// Sends the request head at once; must run inside a tokio runtime.
     ///
     /// `channel` carries the request: the front's `Channel`, whose HTTP/2 way resets a stream
-    /// that is dropped half-way (`tonic_client`).
-    pub(crate) fn start<T>(channel: T, path: &str, options: CallOptions, limit: usize) -> Result<Self, Status>
+    /// that is dropped half-way (`tonic_client`). `closed` is that channel's close signal.
+    pub(crate) fn start<T>(
+        channel: T,
+        path: &str,
+        options: CallOptions,
+        limit: usize,
+        closed: watch::Receiver<Option<Status>>,
+    ) -> Result<Self, Status>
     where
         T: tonic::client::GrpcService<tonic::body::Body> + Send + 'static,
         T::Future: Send,
@@ -205,6 +237,7 @@ impl HttpCall {
             ended: None,
             deadline: options.timeout.map(|t| Instant::now() + t),
             limit,
+            closed,
         })
     }
 
@@ -223,14 +256,14 @@ impl HttpCall {
     /// Waits for the response to open (initial metadata in).
     async fn open(&mut self) -> Result<(), Status> {
         let Response::Opening(task) = &mut self.response else { return Ok(()) };
-        match until(self.deadline, task).await {
-            None => self.end(Err(deadline_passed())),
-            Some(Err(e)) => self.end(Err(Status::new(Code::Internal, format!("call task failed: {e}")))),
-            Some(Ok(Err(t))) => {
+        match bounded(self.deadline, &mut self.closed, task).await {
+            Err(status) => self.end(Err(status)),
+            Ok(Err(e)) => self.end(Err(Status::new(Code::Internal, format!("call task failed: {e}")))),
+            Ok(Ok(Err(t))) => {
                 self.headers.get_or_insert_with(MetadataMap::new);
                 self.end(Err(status_from_tonic(t, self.limit)))
             }
-            Some(Ok(Ok(response))) => {
+            Ok(Ok(Ok(response))) => {
                 let (metadata, body, _) = response.into_parts();
                 self.headers = Some(codec::metadata_from(&metadata.into_headers()).unwrap_or_default());
                 self.response = Response::Open(Box::new(body));
@@ -248,10 +281,10 @@ impl HttpCall {
         let Some(tx) = self.requests.sender() else {
             return Err(Status::new(Code::FailedPrecondition, "the request stream was already closed"));
         };
-        let Some(sent) = until(self.deadline, tx.send(message)).await else {
-            return self.end(Err(deadline_passed())).map(|()| false);
+        let sent = match bounded(self.deadline, &mut self.closed, tx.send(message)).await {
+            Ok(sent) => sent.is_ok(),
+            Err(status) => return self.end(Err(status)).map(|()| false),
         };
-        let sent = sent.is_ok();
         if last {
             self.requests.close();
         }
@@ -277,11 +310,11 @@ impl HttpCall {
         let Response::Open(body) = &mut self.response else {
             return self.ended.clone().unwrap_or(Ok(())).map(|()| None);
         };
-        match until(self.deadline, body.message()).await {
-            None => self.end(Err(deadline_passed())).map(|()| None),
-            Some(Ok(Some(m))) => Ok(Some(m)),
-            Some(Err(t)) => self.end(Err(status_from_tonic(t, self.limit))).map(|()| None),
-            Some(Ok(None)) => {
+        match bounded(self.deadline, &mut self.closed, body.message()).await {
+            Err(status) => self.end(Err(status)).map(|()| None),
+            Ok(Ok(Some(m))) => Ok(Some(m)),
+            Ok(Err(t)) => self.end(Err(status_from_tonic(t, self.limit))).map(|()| None),
+            Ok(Ok(None)) => {
                 let trailers = match body.trailers().await {
                     Ok(t) => t.map(|t| codec::metadata_from(&t.into_headers()).unwrap_or_default()),
                     Err(t) => return self.end(Err(status_from_tonic(t, self.limit))).map(|()| None),

@@ -32,7 +32,9 @@
 //! wraps the response body. tonic enforces the deadline itself; its client's `TimeoutExpired`, and
 //! a plain tonic server's trailers-only CANCELLED "Timeout expired", are both reported
 //! DEADLINE_EXCEEDED ("the call's deadline passed"). Other transport errors get
-//! `tonic::Status::from_error`'s code (a refused connection: UNAVAILABLE). `counters()` are zero.
+//! `tonic::Status::from_error`'s code (a refused connection: UNAVAILABLE), but for a connection
+//! that breaks under a response body (the server died), which tonic calls UNKNOWN: UNAVAILABLE
+//! here, as gRPC names it. `counters()` are zero.
 //!
 //! Cancelling over HTTP/2: hyper resets a stream only once both halves are dropped, so a response
 //! dropped while the request stream is open (a bidi call given up midway) would leave the server's
@@ -100,7 +102,7 @@ impl Body for ResponseBody {
                 if frame.as_ref().is_none_or(|f| f.as_ref().is_ok_and(|f| f.is_trailers())) {
                     cancel.disarm(); // the call is over: nothing left to cancel
                 }
-                return Poll::Ready(frame.map(|r| r.map_err(Into::into)));
+                return Poll::Ready(frame.map(|r| r.map_err(body_error)));
             }
             Source::Shm { pending: pending @ Some(_), .. } => {
                 return Poll::Ready(pending.take().map(|m| Ok(Frame::data(m))));
@@ -128,6 +130,20 @@ impl Body for ResponseBody {
             Source::Done => true,
             _ => false,
         }
+    }
+}
+
+/// An HTTP/2 response body's failure as the status tonic's decoder reports: tonic names a
+/// connection that broke under the body (the server died: an I/O error, no HTTP/2 reason)
+/// UNKNOWN, which gRPC calls UNAVAILABLE, as the engine's own calls do (`status_from_tonic`).
+/// Errors with a reason keep tonic's code for it (REFUSED_STREAM is UNAVAILABLE, CANCEL
+/// CANCELLED...).
+fn body_error(status: tonic::Status) -> BoxError {
+    match status.code() {
+        tonic::Code::Unknown if std::error::Error::source(&status).is_some() => {
+            Box::new(tonic::Status::unavailable(status.message().to_owned()))
+        }
+        _ => Box::new(status),
     }
 }
 

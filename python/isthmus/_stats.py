@@ -1,0 +1,29 @@
+"""Counters of a channel's or a server's shared-memory connections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TransportStats:
+    """What `Channel.stats()` and `Server.stats()` report about the `shm://` connections
+    (HTTP/2 calls are not counted). Sums over the connections, except the high-water mark.
+
+    `arena_in_use` is the leak check for the raw tier: this side's shared memory that is
+    allocated now, in blocks being filled, or sent and still held by the peer (a `Message`
+    view it keeps, say). It returns to zero once neither side holds a message of this side's.
+    """
+
+    calls_started: int
+    """Calls started (a channel) or accepted (a server)."""
+    calls_in_flight: int
+    """Calls started and not finished."""
+    bytes_sent: int
+    """Message bytes sent."""
+    bytes_received: int
+    """Message bytes received."""
+    arena_in_use: int
+    """Bytes of this side's arena allocated now."""
+    arena_high_water: int
+    """The most bytes of one connection's arena ever allocated at once."""
