@@ -148,6 +148,15 @@ def main() -> int:
                     f"The same asyncio client with no transport at all (`py-aio-floor`) makes {floor / 1e3:.0f} k calls/s "
                     f"({floor / gar:.1f}× grpc.aio): isthmus aio reaches {100 * ar / floor:.0f} % of it.",
                 ]
+    pp, pg = med("py-py-isthmus", 64, 1, "p50_us"), med("py-py-grpcio", 64, 1, "p50_us")
+    ap, ag = med("py-aio-py-isthmus", 64, 1, "p50_us"), med("py-aio-py-grpc-aio", 64, 1, "p50_us")
+    if pp and pg and ap and ag:
+        rows += [
+            f"A Python client of a Python server (`bench/py_server.py`), 64 B p50: isthmus {fmt(pp)} "
+            f"(grpcio {fmt(pg)}, {pg / pp:.0f}×); asyncio at both ends, isthmus {fmt(ap)} "
+            f"(grpc.aio {fmt(ag)}, {ag / ap:.0f}×).",
+            "",
+        ]
     go = ["go-isthmus-shm", "go-isthmus-raw", "go-grpc-uds"]
     if med(go[0], 64, 1, "p50_us") is not None:
         rows += [
