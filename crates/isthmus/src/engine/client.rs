@@ -231,7 +231,7 @@ pub(crate) struct ShmCall {
     reads: bool,
 }
 
-/// The sending side of a [`ClientCall`], usable beside it (see [`ShmCall::send_half`]).
+/// The sending side of a [`ClientCall`](crate::ClientCall), usable beside it (see [`ShmCall::send_half`]).
 #[derive(Clone)]
 pub(crate) struct SendHalf {
     mux: Arc<Mux>,
@@ -331,7 +331,7 @@ impl ShmCall {
         self.send_flags(message, flags::END_STREAM).await
     }
 
-    /// See [`ClientCall::alloc`].
+    /// See [`ClientCall::alloc`](crate::ClientCall::alloc).
     pub(crate) async fn alloc(&mut self, len: usize) -> Result<BlockMut, Status> {
         let sender = self.state.mux.sender.clone();
         match until(self.deadline, sender.alloc_async(len)).await {
