@@ -381,9 +381,9 @@ class Server:
     ) -> Self: ...
     def stats(self) -> dict[str, int]:
         """The counters of the live shm connections (`isthmus.TransportStats`'s fields)."""
-    def linger(self, reactor: Reactor, call: ServerCall, spin_us: int) -> bool:
-        """The idle loop: reads `call`'s connection here (GIL released) for up to `spin_us` µs
-        or until there is news; True if `reactor` has something to drain."""
+    def linger(self, reactor: Reactor, spin_us: int) -> bool:
+        """The idle loop: reads the last call's connection here (GIL released) for up to
+        `spin_us` µs or until there is news; True if `reactor` has something to drain."""
     def listen_async(self, reactor: Reactor, token: int) -> None:
         """Completes operation `token` with `(calls, abandoned ids, done ids)` once the inbox
         has news (`to_loop` servers)."""

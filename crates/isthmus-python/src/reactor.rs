@@ -106,6 +106,15 @@ pub(crate) struct Reactor {
     pub(crate) completions: Arc<Completions>,
 }
 
+impl Drop for Reactor {
+    /// The loop's driver is gone: its waiting operations end with it (an operation's future
+    /// holds its own waker, so nothing else would drop them; a server's listener, dropped,
+    /// refuses the calls that wait for that loop).
+    fn drop(&mut self) {
+        self.completions.abort_all();
+    }
+}
+
 #[pymethods]
 impl Reactor {
     #[new]

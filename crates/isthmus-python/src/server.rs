@@ -101,6 +101,11 @@ pub(crate) struct Inbox {
     ready: tokio::sync::Notify,
     /// Set while `news` holds something: the loop's `linger` looks at it between frames.
     told: AtomicBool,
+    /// Set once the loop's listener was dropped before it had news (the server stopped, or its
+    /// loop went away): calls are refused from then on instead of waiting for nobody.
+    closed: AtomicBool,
+    /// The connection of the last call the loop started, which its `linger` reads (weakly held).
+    last: Mutex<Option<Lender>>,
     next_id: std::sync::atomic::AtomicU64,
 }
 
@@ -126,7 +131,16 @@ impl Inbox {
     }
 
     /// A new call for the loop; when it ends under its handler, the loop hears of it.
-    fn deliver(self: &Arc<Self>, core: Arc<HandedCall>) {
+    /// UNAVAILABLE once no loop listens.
+    fn deliver(self: &Arc<Self>, core: Arc<HandedCall>) -> Result<(), Status> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(no_loop());
+        }
+        if let (Some(c), Ok(mut last)) = (core.connection(), self.last.lock()) {
+            if !last.as_ref().is_some_and(|l| l.same(c)) {
+                *last = Some(c.clone());
+            }
+        }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let inbox = Arc::downgrade(self);
         core.add_abandon_callback(Box::new(move || {
@@ -135,10 +149,36 @@ impl Inbox {
             }
         }));
         self.tell(|n| n.calls.push((id, core)));
+        Ok(())
     }
 
-    /// Everything told since the last take, once there is something.
-    async fn take(&self) -> News {
+    /// No loop listens any more: the calls waiting for one end UNAVAILABLE, as later ones will.
+    fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+        let waiting = self.news.lock().map(|mut n| std::mem::take(&mut n.calls)).unwrap_or_default();
+        for (_, call) in waiting {
+            call.finish(no_loop());
+        }
+    }
+
+    /// Everything told since the last take, once there is something. Dropped before it has
+    /// any (the loop abandoned it, or went away), it closes the inbox.
+    async fn take(self: Arc<Self>) -> News {
+        struct Listening(Option<Arc<Inbox>>);
+        impl Drop for Listening {
+            fn drop(&mut self) {
+                if let Some(inbox) = self.0.take() {
+                    inbox.close();
+                }
+            }
+        }
+        let mut listening = Listening(Some(self.clone()));
+        let news = self.next_news().await;
+        listening.0 = None;
+        news
+    }
+
+    async fn next_news(&self) -> News {
         loop {
             if let Ok(mut news) = self.news.lock() {
                 if !(news.calls.is_empty() && news.abandoned.is_empty() && news.done.is_empty()) {
@@ -203,10 +243,7 @@ impl Handler for PyHandler {
                         queue.push(core);
                         Ok(())
                     }
-                    Deliver::Loop(inbox) => {
-                        inbox.deliver(core);
-                        Ok(())
-                    }
+                    Deliver::Loop(inbox) => inbox.deliver(core),
                 }
             })
             .await
@@ -473,6 +510,10 @@ impl ServerCall {
     }
 }
 
+fn no_loop() -> Status {
+    Status::new(Code::Unavailable, "the server's event loop is not taking calls")
+}
+
 /// Runs `op` as operation `token` of `reactor`: `(ok, value)` if it finished at once, else `None`
 /// (it completes through the reactor).
 fn run_op(
@@ -614,27 +655,27 @@ impl Server {
         };
         let inbox = inbox.clone();
         reactor.completions.run(token, async move {
-            let news = inbox.take().await;
-            Outcome::News(news, Arc::downgrade(&inbox))
+            let weak = Arc::downgrade(&inbox);
+            Outcome::News(inbox.take().await, weak)
         });
         Ok(())
     }
 
     /// The asyncio server's loop with no handler running, before it sleeps: reads the
-    /// connection of `call` (the last call it ran) on this thread, GIL released, as the
+    /// connection of the last call it took (held weakly) on this thread, GIL released, as the
     /// blocking server's threads do (ADR 0020), for up to `spin_us` µs or until the inbox has
     /// news; then, for what is left of that time, waits on the reactor. True if `reactor` has
     /// something to drain. A call that comes meanwhile is read here, not by the connection's
     /// reader task on the other core, and starts with no thread woken.
-    fn linger(&self, py: Python<'_>, reactor: &Reactor, call: &ServerCall, spin_us: u64) -> PyResult<bool> {
+    fn linger(&self, py: Python<'_>, reactor: &Reactor, spin_us: u64) -> PyResult<bool> {
         let Deliver::Loop(inbox) = &self.handler.deliver else {
             return Err(PyRuntimeError::new_err("this server hands its calls to its executor's threads"));
         };
-        let (budget, lender, completions) =
-            (Duration::from_micros(spin_us), call.core.connection(), &reactor.completions);
+        let lender = inbox.last.lock().ok().and_then(|l| l.clone());
+        let (budget, completions) = (Duration::from_micros(spin_us), &reactor.completions);
         Ok(py.detach(|| {
             let start = std::time::Instant::now();
-            if let Some(lender) = lender {
+            if let Some(lender) = &lender {
                 // A panic there ends that connection (its reader finds the lent receiver
                 // poisoned); the loop goes on.
                 let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

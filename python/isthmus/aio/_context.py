@@ -43,7 +43,7 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         try:
             return self._call.alloc(size, False)
         except CallError as e:
-            raise rpc_error(e) from None
+            raise rpc_error(e, aio=True) from None
 
     async def _op(self, start: Callable[..., tuple[bool, Any] | None], *args: Any) -> Any:
         """One engine operation on the call; raises an RpcError if the call is over. One that

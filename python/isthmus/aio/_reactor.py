@@ -95,7 +95,8 @@ class Driver:
         """Waits a moment on this thread for news of a standing operation (a server's next
         call) if nothing else is pending and the loop has no callback ready: a call that comes
         within the spin bound then starts with no sleep in the selector and no wake-up.
-        `wait(spin_us)`, if given, waits instead (GIL released), True if there is news."""
+        `wait(spin_us)`, if given, waits instead (GIL released), True if there is news. uvloop
+        does not say whether callbacks are ready: there the loop always waits this moment."""
         if self._waiting or getattr(loop, "_ready", None):
             return
         if wait is None:
@@ -107,7 +108,9 @@ class Driver:
         self._resolve(self.reactor.drain())
 
     def _resolve(self, finished: list[tuple[int, bool, Any]]) -> None:
-        waiting = self._waiting
+        # Every future first: a standing operation's callback that raises must not leave the
+        # rest of the batch, taken from the engine already, unresolved.
+        waiting, standing = self._waiting, []
         for token, _ok, value in finished:
             future = waiting.pop(token, None)
             if future is not None:
@@ -116,7 +119,14 @@ class Driver:
                 continue
             then = self._standing.pop(token, None)
             if then is not None:
+                standing.append((then, value))
+        for then, value in standing:
+            try:
                 then(value)
+            except Exception as e:
+                asyncio.get_running_loop().call_exception_handler(
+                    {"message": "an isthmus server's news could not be handled", "exception": e}
+                )
 
 
 def driver(loop: asyncio.AbstractEventLoop) -> Driver:

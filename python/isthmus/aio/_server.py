@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import inspect
+import weakref
 from collections.abc import AsyncIterable, Callable, Iterable, Sequence
 from concurrent.futures import Executor
 from typing import Any
@@ -57,15 +58,23 @@ class Server(ServerBase, grpc.aio.Server):
         # `context.add_done_callback` callbacks, by call id, run when the news says it is done.
         self.done_callbacks: dict[int, list[Callable[[], None]]] = {}
         self._listening: int | None = None
-        self._last: ServerCall | None = None  # whose connection the idle loop reads (ADR 0020)
         self._plain: dict[Callable[..., Any], bool] = {}  # whether a behaviour is a plain function
         self._context = contextvars.Context()
 
     def _listen(self) -> None:
         assert self._loop is not None and self._driver is not None
+        # The driver lives as long as its loop (a weak key) and must not hold the loop up: it
+        # holds this server weakly. A server dropped stops serving (its engine side ends).
+        news = weakref.WeakMethod(self._news)
+
+        def then(value: Any) -> None:
+            method = news()
+            if method is not None:
+                method(value)
+
         self._listening = self._driver.stand(
             lambda token: self._native.listen_async(self._driver.reactor, token),  # type: ignore[union-attr]
-            self._news,
+            then,
         )
 
     def _news(self, news: Any) -> None:
@@ -81,15 +90,22 @@ class Server(ServerBase, grpc.aio.Server):
             if running is not None:
                 _cancel_unfinished(*running)
         for id in done:
-            for callback in self.done_callbacks.pop(id, ()):
-                callback()
+            self._run_done_callbacks(id)
+
+    def _run_done_callbacks(self, id: int) -> None:
+        # Each in a turn of its own, as grpc.aio runs them: one that raises is reported by the
+        # loop and harms nothing else.
+        loop = self._loop
+        assert loop is not None
+        for callback in self.done_callbacks.pop(id, ()):
+            loop.call_soon(callback)
 
     def _linger(self) -> None:
         """The last handler finished: wait a moment for the next call before the loop sleeps."""
-        loop, driver, last = self._loop, self._driver, self._last
-        if self._running or self._listening is None or last is None or driver is None or loop is None:
+        loop, driver = self._loop, self._driver
+        if self._running or self._listening is None or driver is None or loop is None:
             return
-        driver.linger(loop, lambda spin_us: self._native.linger(driver.reactor, last, spin_us))
+        driver.linger(loop, lambda spin_us: self._native.linger(driver.reactor, spin_us))
 
     def _spawn(self, call: ServerCall) -> None:
         loop = self._loop
@@ -98,9 +114,8 @@ class Server(ServerBase, grpc.aio.Server):
         # Each handler in a copy of the server's context, as grpc.aio's: not of whatever task
         # or callback took the call in.
         # (`create_task(context=)` is 3.11's; made inside the context, a task copies it.)
-        task = self._context.run(loop.create_task, self._handle(call, ending))
+        task = self._context.copy().run(loop.create_task, self._handle(call, ending))
         self._tasks.add(task)  # the loop keeps only weak references to tasks
-        self._last = call
         id = call.id
         self._running[id] = (task, ending)
 
@@ -208,9 +223,13 @@ class Server(ServerBase, grpc.aio.Server):
         self._native.stop(grace)
         await asyncio.get_running_loop().run_in_executor(None, self._native.wait, None)
         if self._listening is not None and self._driver is not None:
-            self._driver.abandon(self._listening)
+            self._driver.abandon(self._listening)  # which closes the inbox
             self._listening = None
-        # The engine has ended every call; handlers still running have nothing left to do.
+        # The engine has ended every call: their done-callbacks are due, whether or not their
+        # news came before the inbox closed.
+        for id in list(self.done_callbacks):
+            self._run_done_callbacks(id)
+        # Handlers still running have nothing left to do.
         for task in list(self._tasks):
             task.cancel()
 

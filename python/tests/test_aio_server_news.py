@@ -1,0 +1,114 @@
+"""The asyncio server's inbox (ADR 0021): what reaches its loop as news, done-callbacks that
+raise, a stop with handlers still running, and a loop that goes away without a stop. Server and
+client in this process, over a real `shm://` connection; the client shares the server's loop
+where that matters (its waits then take the server's news too)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import threading
+import time
+from typing import Any
+
+import grpc
+import grpc.aio
+from peer import fresh
+
+import isthmus
+import isthmus.aio
+
+
+def serve(handler: Any) -> tuple[grpc.aio.Server, str]:
+    """An asyncio server of `/t.T/Call`, bound to a fresh `shm://` address (not started)."""
+    methods = {"Call": grpc.unary_unary_rpc_method_handler(handler)}
+    server = isthmus.aio.server(handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
+    target = fresh("shm")
+    server.add_insecure_port(target)
+    return server, target
+
+
+def test_a_done_callback_that_raises_harms_no_other_call() -> None:
+    async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        context.add_done_callback(lambda _: 1 / 0)
+        return request
+
+    async def run() -> None:
+        reported: list[BaseException | None] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _, ctx: reported.append(ctx.get("exception")))
+        server, target = serve(handler)
+        await server.start()
+        try:
+            async with isthmus.aio.insecure_channel(target) as ch:
+                call = ch.unary_unary("/t.T/Call")
+                for _ in range(3):
+                    requests = [i.to_bytes(4, "little") for i in range(200)]
+                    replies = await asyncio.gather(*(call(r, timeout=30) for r in requests))
+                    assert replies == requests
+            end = time.monotonic() + 20
+            while len(reported) < 600 and time.monotonic() < end:
+                await asyncio.sleep(0.01)
+            assert len(reported) == 600 and all(isinstance(e, ZeroDivisionError) for e in reported)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(run())
+
+
+def test_stop_runs_the_done_callbacks_of_the_handlers_it_ends() -> None:
+    started: list[int] = []
+    done: list[bool] = []
+
+    async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        context.add_done_callback(lambda c: done.append(c.cancelled()))
+        started.append(1)
+        await asyncio.sleep(60)
+        return request
+
+    async def run() -> None:
+        server, target = serve(handler)
+        await server.start()
+        async with isthmus.aio.insecure_channel(target) as ch:
+            call = ch.unary_unary("/t.T/Call")
+            calls = [asyncio.ensure_future(call(b"x", timeout=60)) for _ in range(50)]
+            while len(started) < 50:
+                await asyncio.sleep(0.01)
+            await server.stop(None)
+            outcomes = await asyncio.gather(*calls, return_exceptions=True)
+            assert all(isinstance(o, grpc.aio.AioRpcError) for o in outcomes), outcomes[:3]
+            for _ in range(10):
+                await asyncio.sleep(0)  # the callbacks' turns
+            assert len(done) == 50
+
+    asyncio.run(run())
+
+
+def test_a_server_whose_loop_went_away_refuses_calls_unavailable() -> None:
+    """A server started on a loop that ended without `stop()` (an exception path): calls are
+    refused UNAVAILABLE at once, not left to their deadline."""
+
+    async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return request
+
+    targets: list[str] = []
+
+    async def start_and_leave() -> None:
+        server, target = serve(handler)
+        await server.start()
+        async with isthmus.aio.insecure_channel(target) as ch:
+            assert await ch.unary_unary("/t.T/Call")(b"served", timeout=30) == b"served"
+        targets.append(target)
+
+    thread = threading.Thread(target=lambda: asyncio.run(start_and_leave()))
+    thread.start()
+    thread.join()
+    gc.collect()
+    with isthmus.insecure_channel(targets[0]) as ch:
+        began = time.monotonic()
+        try:
+            ch.unary_unary("/t.T/Call")(b"nobody", timeout=30)
+            raise AssertionError("a call to a server with no loop succeeded")
+        except grpc.RpcError as e:
+            assert e.code() is grpc.StatusCode.UNAVAILABLE, (e.code(), e.details())
+            assert "event loop" in (e.details() or "")
+        assert time.monotonic() - began < 20
