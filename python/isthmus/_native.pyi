@@ -296,9 +296,6 @@ class ServerCall:
     ) -> None:
         """Sends a unary response (bytes; any buffer or Block with `raw`), then ends the call
         with this status; raises CallError if the send fails (the call is then not ended)."""
-    def add_abandon_callback(self, callback: Callable[[], None]) -> bool:
-        """`callback()` once if the call ends before its handler finishes it; False if it has
-        ended already."""
     def add_done_callback(self, callback: Callable[[], None]) -> bool:
         """Runs callback (on an engine thread, with the GIL) when the call ends; False, without
         registering, if it already has."""

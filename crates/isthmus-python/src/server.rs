@@ -322,12 +322,6 @@ impl ServerCall {
         self.core.is_active()
     }
 
-    /// `callback()` once if the call ends before its handler finishes it (with the GIL, on an
-    /// engine thread); calls that end normally cost nothing. False if it has ended already.
-    fn add_abandon_callback(&self, callback: Py<PyAny>) -> bool {
-        self.core.add_abandon_callback(engine_callback(callback))
-    }
-
     fn add_done_callback(&self, callback: Py<PyAny>) -> bool {
         self.core.add_done_callback(engine_callback(callback))
     }

@@ -913,20 +913,32 @@ pub fn unary_block_off_loop(
     let handed = HandedOff::new();
     runtime().spawn_blocking(move || {
         let _handed = handed;
-        let mut unary = match channel.unary_block_begin(&path, block, options) {
-            Ok(unary) => unary,
-            Err(status) => return drop(tx.send(Err(status))),
-        };
-        loop {
-            if let Some(outcome) = unary.wait_until(Instant::now() + std::time::Duration::from_millis(20)) {
-                return drop(tx.send(outcome));
-            }
-            if tx.is_closed() {
-                return unary.cancel();
-            }
+        match channel.unary_block_begin(&path, block, options) {
+            Ok(unary) => wait_on_pool(unary, tx),
+            Err(status) => drop(tx.send(Err(status))),
         }
     });
-    async move { rx.await.unwrap_or_else(|_| Err(Status::new(Code::Cancelled, "the call was abandoned"))) }
+    async move { rx.await.unwrap_or_else(|_| Err(abandoned())) }
+}
+
+/// On a thread of the blocking pool: waits for `unary`'s outcome and sends it through `tx`, in
+/// slices, to notice a receiver that gave up and cancel the call then.
+fn wait_on_pool(
+    mut unary: crate::blocking::PendingUnary,
+    tx: tokio::sync::oneshot::Sender<Result<crate::Response, Status>>,
+) {
+    loop {
+        if let Some(outcome) = unary.wait_until(Instant::now() + std::time::Duration::from_millis(20)) {
+            return drop(tx.send(outcome));
+        }
+        if tx.is_closed() {
+            return unary.cancel();
+        }
+    }
+}
+
+fn abandoned() -> Status {
+    Status::new(Code::Cancelled, "the call was abandoned")
 }
 
 /// The outcome of a unary call sent from the caller's thread: waited for there for up to
@@ -947,21 +959,9 @@ pub fn finish_unary(
             let handed = HandedOff::new();
             runtime().spawn_blocking(move || {
                 let _handed = handed;
-                // Waits in slices, to notice an abandoned operation and cancel its call.
-                let outcome = loop {
-                    if let Some(outcome) = unary.wait_until(Instant::now() + std::time::Duration::from_millis(20)) {
-                        break Some(outcome);
-                    }
-                    if tx.is_closed() {
-                        unary.cancel();
-                        break None;
-                    }
-                };
-                if let Some(outcome) = outcome {
-                    let _ = tx.send(outcome);
-                }
+                wait_on_pool(unary, tx);
             });
         }
     }
-    async move { rx.await.unwrap_or_else(|_| Err(Status::new(Code::Cancelled, "the call was abandoned"))) }
+    async move { rx.await.unwrap_or_else(|_| Err(abandoned())) }
 }
