@@ -52,30 +52,20 @@ class Server(ServerBase, grpc.aio.Server):
         self._pool = migration_thread_pool
         self._loop: asyncio.AbstractEventLoop | None = None
         self._driver: Driver | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        # Handlers running, by call id: (task, ending), for the news that a call was abandoned.
+        # Handlers running, by call id: (task, ending), for the news that a call was abandoned; it
+        # also keeps the tasks (the loop keeps only weak references to them).
         self._running: dict[int, tuple[asyncio.Task[None], list[bool]]] = {}
         # `context.add_done_callback` callbacks, by call id, run when the news says it is done.
         self.done_callbacks: dict[int, list[Callable[[], None]]] = {}
         self._listening: int | None = None
+        self._on_news: Callable[[Any], None] | None = None  # `_news`, weakly held (`start`)
         self._plain: dict[Callable[..., Any], bool] = {}  # whether a behaviour is a plain function
         self._context = contextvars.Context()
 
     def _listen(self) -> None:
-        assert self._loop is not None and self._driver is not None
-        # The driver lives as long as its loop (a weak key) and must not hold the loop up: it
-        # holds this server weakly. A server dropped stops serving (its engine side ends).
-        news = weakref.WeakMethod(self._news)
-
-        def then(value: Any) -> None:
-            method = news()
-            if method is not None:
-                method(value)
-
-        self._listening = self._driver.stand(
-            lambda token: self._native.listen_async(self._driver.reactor, token),  # type: ignore[union-attr]
-            then,
-        )
+        driver, native, on_news = self._driver, self._native, self._on_news
+        assert driver is not None and on_news is not None
+        self._listening = driver.stand(lambda token: native.listen_async(driver.reactor, token), on_news)
 
     def _news(self, news: Any) -> None:
         """On the loop: calls that arrived, calls that ended under their handler, calls done."""
@@ -115,12 +105,10 @@ class Server(ServerBase, grpc.aio.Server):
         # or callback took the call in.
         # (`create_task(context=)` is 3.11's; made inside the context, a task copies it.)
         task = self._context.copy().run(loop.create_task, self._handle(call, ending))
-        self._tasks.add(task)  # the loop keeps only weak references to tasks
         id = call.id
         self._running[id] = (task, ending)
 
         def finished(task: asyncio.Task[None]) -> None:
-            self._tasks.discard(task)
             self._running.pop(id, None)
             if not self._running:
                 self._linger()  # the last handler done: a moment for the next call
@@ -215,6 +203,16 @@ class Server(ServerBase, grpc.aio.Server):
         self._loop = asyncio.get_running_loop()
         self._driver = driver(self._loop)
         self._context = contextvars.copy_context()
+        # The driver lives as long as its loop (a weak key) and must not hold the loop up: it
+        # holds this server weakly. A server dropped stops serving (its engine side ends).
+        news = weakref.WeakMethod(self._news)
+
+        def on_news(value: Any) -> None:
+            method = news()
+            if method is not None:
+                method(value)
+
+        self._on_news = on_news
         self._check_health()
         self._native.start()
         self._listen()
@@ -230,7 +228,7 @@ class Server(ServerBase, grpc.aio.Server):
         for id in list(self.done_callbacks):
             self._run_done_callbacks(id)
         # Handlers still running have nothing left to do.
-        for task in list(self._tasks):
+        for task, _ in list(self._running.values()):
             task.cancel()
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:
