@@ -130,10 +130,35 @@ typedef struct isthmus_status_t isthmus_status_t;
 // A gRPC status code: 0 is OK.
 typedef int32_t isthmus_code_t;
 
+// TLS settings of a channel (`isthmus_channel_options_t.tls`) or a server
+// (`isthmus_server_options_t.tls`). Zero-initialise it, then set what you need. Every string is
+// NUL-terminated PEM text (or a name), copied before the function that takes it returns.
+typedef struct {
+  // Certificates to trust. A channel: the CAs that sign the server's certificate (NULL: the
+  // system's roots). A server: the CAs that sign its clients' certificates, which it then
+  // asks clients for (mutual TLS; NULL: it asks none).
+  const char *root_certs_pem;
+  // This side's certificate chain, leaf first, with `private_key_pem`. A server needs one;
+  // a channel gives one for mutual TLS (NULL: none).
+  const char *cert_chain_pem;
+  // The private key of `cert_chain_pem` (PKCS#8, PKCS#1 or SEC1 PEM).
+  const char *private_key_pem;
+  // A channel: the name the server's certificate must carry, in place of the target's host
+  // (grpc's `ssl_target_name_override`); NULL for the host. A server: must be NULL.
+  const char *server_name;
+  // A server with `root_certs_pem`: 1 refuses a client without a certificate signed by them
+  // (grpc's `require_client_auth`); 0 lets it in without one. A channel: must be 0.
+  uint32_t require_client_cert;
+} isthmus_tls_options_t;
+
 // Options of a channel. Zero-initialise it, then set what you need; NULL means defaults.
 typedef struct {
   // The largest message this side accepts, in bytes; 0 for the default (4 GiB).
   uint64_t max_message_size;
+  // TLS settings for a TCP target (`https://host:port`, `host:port`, `dns:`, `ipv4:`…;
+  // INVALID_ARGUMENT for any other); copied. NULL: plaintext, except that `https://`
+  // trusts the system's roots.
+  const isthmus_tls_options_t *tls;
 } isthmus_channel_options_t;
 
 // Options of one call. Zero-initialise it, then set what you need; a NULL
@@ -186,6 +211,11 @@ typedef struct {
   // Calls one client connection may have open at once; 0 for no limit. A call over the
   // limit is refused with RESOURCE_EXHAUSTED.
   uint32_t max_concurrent_streams;
+  // TLS settings for the server's TCP targets (`https://host:port`, `host:port`,
+  // `[::]:port`…; an `http://` target stays plaintext): its certificate and key, and for
+  // mutual TLS the CAs of its clients' certificates. Copied; checked by
+  // `isthmus_server_start`. NULL: no TLS (an `https://` target then fails to start).
+  const isthmus_tls_options_t *tls;
 } isthmus_server_options_t;
 
 // A handler callback: called on one of the library's threads for each new call on its path,
@@ -1072,6 +1102,37 @@ isthmus_code_t isthmus_server_free(isthmus_server_t *server);
 // `len` is NULL or writable.
 const uint8_t *isthmus_server_call_path(const isthmus_server_call_t *call,
                                         size_t *len);
+
+// The client's address (not NUL-terminated; its length in `*len`), valid until the call is
+// finished: gRPC's forms (`ipv4:127.0.0.1:5000`, `ipv6:[::1]:5000`, `unix:/path.sock`) over
+// HTTP/2, and over `shm://` the client process's credentials (`shm:pid=123,uid=1000`). NULL
+// (length 0) for an invalid handle.
+//
+// Thread-safety: any thread; the bytes go with the call's finish, so do not finish it on another
+// thread while they are in use.
+//
+// # Safety
+//
+// `len` is NULL or writable.
+const uint8_t *isthmus_server_call_peer(const isthmus_server_call_t *call,
+                                        size_t *len);
+
+// 1 if the call came over TLS, 0 if not (or for an invalid handle).
+//
+// Thread-safety: any thread.
+int32_t isthmus_server_call_is_tls(const isthmus_server_call_t *call);
+
+// The client's certificate, DER-encoded (its length in `*len`), for a call that came over
+// mutual TLS; NULL (length 0) for any other call. Valid until the call is finished.
+//
+// Thread-safety: any thread; the bytes go with the call's finish, so do not finish it on another
+// thread while they are in use.
+//
+// # Safety
+//
+// `len` is NULL or writable.
+const uint8_t *isthmus_server_call_peer_cert(const isthmus_server_call_t *call,
+                                             size_t *len);
 
 // A copy of the client's initial metadata (the caller frees it); NULL for an invalid handle.
 //

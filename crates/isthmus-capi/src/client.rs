@@ -18,6 +18,7 @@ use crate::object::{
     block_handle, call_handle, isthmus_block_t, isthmus_call_t, isthmus_message_t, isthmus_metadata_t, message_handle,
     metadata_arg, metadata_handle, take_block, CALLS,
 };
+use crate::tls::{isthmus_tls_options_t, TlsPems};
 
 /// A channel to one server: `shm://NAME` or `shm:///path.sock` (shared memory), or
 /// `unix:///path.sock` and `http://host:port` (standard gRPC over HTTP/2). Connects on its
@@ -62,6 +63,10 @@ pub const ISTHMUS_CALL_SPIN: u32 = 2;
 pub struct isthmus_channel_options_t {
     /// The largest message this side accepts, in bytes; 0 for the default (4 GiB).
     pub max_message_size: u64,
+    /// TLS settings for a TCP target (`https://host:port`, `host:port`, `dns:`, `ipv4:`…;
+    /// INVALID_ARGUMENT for any other); copied. NULL: plaintext, except that `https://`
+    /// trusts the system's roots.
+    pub tls: *const isthmus_tls_options_t,
 }
 
 pub(crate) static CHANNELS: Registry<isthmus_channel_t> = Registry::new("channel");
@@ -145,12 +150,18 @@ pub unsafe extern "C" fn isthmus_channel_new(
             if let Some(limit) = opts.map(|o| o.max_message_size).filter(|l| *l > 0) {
                 config.max_message_size = limit;
             }
+            let mut builder = isthmus::Channel::builder(target).config(config.clone());
+            if let Some(tls) = TlsPems::copy(opts.map_or(std::ptr::null(), |o| o.tls))? {
+                builder = builder.tls_config(tls.client()?);
+            }
+            let engine = {
+                let _runtime = runtime().enter();
+                builder.connect_lazy()?
+            };
             let blocking = match target.starts_with("shm:") {
-                true => Some(SpinFirst::new(isthmus::blocking::Channel::lazy_with(target, config.clone())?)),
+                true => Some(SpinFirst::new(isthmus::blocking::Channel::lazy_with(target, config)?)),
                 false => None,
             };
-            let _runtime = runtime().enter();
-            let engine = isthmus::Channel::lazy_with(target, config)?;
             let polled = engine.with_calls_read(false);
             Ok(Some(CHANNELS.add(isthmus_channel_t {
                 engine,

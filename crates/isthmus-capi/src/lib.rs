@@ -49,6 +49,7 @@ mod handle;
 mod object;
 mod proto;
 mod server;
+mod tls;
 
 pub use abi::*;
 pub use client::*;
@@ -56,6 +57,7 @@ pub use cq::*;
 pub use object::*;
 pub use proto::*;
 pub use server::*;
+pub use tls::*;
 
 /// The ABI version of the loaded library ([`ISTHMUS_ABI_VERSION`] when it was built): compare
 /// with the header's before use.

@@ -19,6 +19,7 @@ use crate::object::{
     block_handle, isthmus_block_t, isthmus_message_t, isthmus_metadata_t, isthmus_server_call_t, message_handle,
     metadata_arg, metadata_handle, server_call_handle, take_block, SERVER_CALLS,
 };
+use crate::tls::{isthmus_tls_options_t, TlsPems};
 
 /// A handler callback: called on one of the library's threads for each new call on its path,
 /// with the `user_data` given at registration. It must not block for long: hand the call to
@@ -32,7 +33,13 @@ pub struct isthmus_server_t {
 
 enum ServerState {
     /// Taking handlers and options.
-    Building { server: Box<isthmus::Server>, config: Config, stream_limit: Option<usize> },
+    Building {
+        server: Box<isthmus::Server>,
+        config: Config,
+        stream_limit: Option<usize>,
+        /// The TLS settings, or why they could not be read (reported when the server starts).
+        tls: Box<Result<Option<TlsPems>, Status>>,
+    },
     /// Serving: `stop` ends it with the grace period sent; `done` completes when it has.
     Serving {
         stop: tokio::sync::watch::Sender<Option<Duration>>,
@@ -80,6 +87,11 @@ pub struct isthmus_server_options_t {
     /// Calls one client connection may have open at once; 0 for no limit. A call over the
     /// limit is refused with RESOURCE_EXHAUSTED.
     pub max_concurrent_streams: u32,
+    /// TLS settings for the server's TCP targets (`https://host:port`, `host:port`,
+    /// `[::]:port`…; an `http://` target stays plaintext): its certificate and key, and for
+    /// mutual TLS the CAs of its clients' certificates. Copied; checked by
+    /// `isthmus_server_start`. NULL: no TLS (an `https://` target then fails to start).
+    pub tls: *const isthmus_tls_options_t,
 }
 
 /// A new server with no handlers. Free it with `isthmus_server_free`.
@@ -99,7 +111,11 @@ pub unsafe extern "C" fn isthmus_server_new(opts: *const isthmus_server_options_
             config.max_message_size = limit;
         }
         let stream_limit = opts.map(|o| o.max_concurrent_streams).filter(|l| *l > 0).map(|l| l as usize);
-        let state = ServerState::Building { server: Box::default(), config, stream_limit };
+        // SAFETY: the caller promises NULL or a valid struct, whose strings are NULL or
+        // NUL-terminated. What is wrong with them `isthmus_server_start` reports: this function
+        // has no status to say it with.
+        let tls = Box::new(unsafe { TlsPems::copy(opts.map_or(std::ptr::null(), |o| o.tls)) });
+        let state = ServerState::Building { server: Box::default(), config, stream_limit, tls };
         SERVERS.add(isthmus_server_t { state: Mutex::new(state) })
     })
 }
@@ -214,12 +230,15 @@ pub unsafe extern "C" fn isthmus_server_start(
             list.push(unsafe { c_str(*targets.add(i), "a target")? });
         }
         let mut state = server.state.lock().map_err(|_| invalid("server state poisoned"))?;
-        let ServerState::Building { server: builder, config, stream_limit } =
+        let ServerState::Building { server: builder, config, stream_limit, tls } =
             std::mem::replace(&mut *state, ServerState::Stopped)
         else {
             return Err(Status::new(Code::FailedPrecondition, "the server was started already"));
         };
         let mut builder = (*builder).config(config);
+        if let Some(tls) = (*tls)? {
+            builder = builder.tls_config(tls.server()?);
+        }
         if let Some(limit) = stream_limit {
             builder = builder.max_concurrent_streams(limit);
         }
@@ -323,6 +342,65 @@ pub unsafe extern "C" fn isthmus_server_call_path(call: *const isthmus_server_ca
             Ok(c) => (c.call.path().as_ptr(), c.call.path().len()),
             Err(_) => (std::ptr::null(), 0),
         };
+        // SAFETY: the caller promises `len` is NULL or writable.
+        unsafe { put(len, n) };
+        p
+    })
+}
+
+/// The client's address (not NUL-terminated; its length in `*len`), valid until the call is
+/// finished: gRPC's forms (`ipv4:127.0.0.1:5000`, `ipv6:[::1]:5000`, `unix:/path.sock`) over
+/// HTTP/2, and over `shm://` the client process's credentials (`shm:pid=123,uid=1000`). NULL
+/// (length 0) for an invalid handle.
+///
+/// Thread-safety: any thread; the bytes go with the call's finish, so do not finish it on another
+/// thread while they are in use.
+///
+/// # Safety
+///
+/// `len` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_peer(call: *const isthmus_server_call_t, len: *mut usize) -> *const u8 {
+    guard(std::ptr::null(), || {
+        let (p, n) = match SERVER_CALLS.get(call) {
+            // The peer lives in the HandedCall, which the registry holds until `finish`.
+            Ok(c) => (c.call.peer().as_ptr(), c.call.peer().len()),
+            Err(_) => (std::ptr::null(), 0),
+        };
+        // SAFETY: the caller promises `len` is NULL or writable.
+        unsafe { put(len, n) };
+        p
+    })
+}
+
+/// 1 if the call came over TLS, 0 if not (or for an invalid handle).
+///
+/// Thread-safety: any thread.
+#[no_mangle]
+pub extern "C" fn isthmus_server_call_is_tls(call: *const isthmus_server_call_t) -> i32 {
+    guard(0, || handed(call).map_or(0, |c| i32::from(c.is_tls())))
+}
+
+/// The client's certificate, DER-encoded (its length in `*len`), for a call that came over
+/// mutual TLS; NULL (length 0) for any other call. Valid until the call is finished.
+///
+/// Thread-safety: any thread; the bytes go with the call's finish, so do not finish it on another
+/// thread while they are in use.
+///
+/// # Safety
+///
+/// `len` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_peer_cert(
+    call: *const isthmus_server_call_t,
+    len: *mut usize,
+) -> *const u8 {
+    guard(std::ptr::null(), || {
+        let cert = SERVER_CALLS
+            .get(call)
+            .ok()
+            .and_then(|c| c.call.peer_certificate().map(|p| (p.der().as_ptr(), p.der().len())));
+        let (p, n) = cert.unwrap_or((std::ptr::null(), 0));
         // SAFETY: the caller promises `len` is NULL or writable.
         unsafe { put(len, n) };
         p

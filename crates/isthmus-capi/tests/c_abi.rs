@@ -2,7 +2,8 @@
 //! `include/isthmus.h`, built here by the system compiler under AddressSanitizer (LeakSanitizer
 //! on: a leak or a use-after-free fails it) and run as real processes: a server (`abi_check
 //! serve`), its clients over `shm://` and `unix://` (`abi_check client`), and a client whose
-//! server is killed with SIGKILL mid-call (`abi_check peer-gone`). The library itself is not
+//! server is killed with SIGKILL mid-call (`abi_check peer-gone`), and a TLS server and client
+//! (`abi_check serve-tls`, `client-tls`) with certificates made here (rcgen). The library itself is not
 //! instrumented: ASan sees its heap (every allocation goes through the interposed malloc, so
 //! LeakSanitizer counts them) and the C program's accesses, not the library's own reads.
 //!
@@ -341,4 +342,83 @@ fn a_call_ends_unavailable_when_the_server_is_killed() {
         assert!(status.success(), "{what}: {status}\n{}", client.transcript());
         println!("{what}: {line} ({after:?} after the kill)");
     }
+}
+
+/// A CA for the TLS test's certificates.
+struct Ca {
+    pem: String,
+    issuer: rcgen::Issuer<'static, rcgen::KeyPair>,
+}
+
+impl Ca {
+    fn new(name: &str) -> Ca {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.distinguished_name.push(rcgen::DnType::CommonName, name);
+        let pem = params.self_signed(&key).expect("self-signed").pem();
+        Ca { pem, issuer: rcgen::Issuer::new(params, key) }
+    }
+
+    /// A certificate for `localhost` and 127.0.0.1 (a server's, or with `client` a client's),
+    /// and its key, as PEM.
+    fn issue(&self, cn: &str, client: bool) -> (String, String) {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut params = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).expect("params");
+        params.subject_alt_names.push(rcgen::SanType::IpAddress("127.0.0.1".parse().expect("ip")));
+        params.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        params.extended_key_usages = vec![match client {
+            true => rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+            false => rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+        }];
+        let cert = params.signed_by(&key, &self.issuer).expect("sign");
+        (cert.pem(), key.serialize_pem())
+    }
+}
+
+#[test]
+fn c_program_speaks_tls_and_mutual_tls() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let scratch = Scratch::new();
+    let binary = build_abi_check(&scratch);
+    let (server_ca, client_ca, other_ca) = (Ca::new("server CA"), Ca::new("client CA"), Ca::new("other CA"));
+    let (server_cert, server_key) = server_ca.issue("localhost", false);
+    let (client_cert, client_key) = client_ca.issue("abi-check client", true);
+    let dir = scratch.path("tls");
+    std::fs::create_dir(&dir).expect("mkdir tls");
+    for (name, pem) in [
+        ("server.crt", &server_cert),
+        ("server.key", &server_key),
+        ("client-ca.crt", &client_ca.pem),
+        ("ca.crt", &server_ca.pem),
+        ("client.crt", &client_cert),
+        ("client.key", &client_key),
+        ("other-ca.crt", &other_ca.pem),
+    ] {
+        std::fs::write(dir.join(name), pem).expect("write a TLS file");
+    }
+    let dir = dir.to_str().expect("a UTF-8 path");
+
+    let mut server =
+        Proc::spawn("server", &binary, &["serve-tls", dir, "https://127.0.0.1:0"], &scratch, Stdio::piped());
+    assert_eq!(server.next_line(READY_TIMEOUT), "ready", "{}", server.transcript());
+    let line = server.next_line(READY_TIMEOUT);
+    let address = line.strip_prefix("address ").unwrap_or_else(|| panic!("not an address: {line}"));
+    assert!(address.starts_with("https://127.0.0.1:"), "{address}");
+
+    let what = format!("client-tls {address}");
+    let mut client = Proc::spawn(&what, &binary, &["client-tls", dir, address], &scratch, Stdio::null());
+    let (status, stdout) = client.finish(CLIENT_TIMEOUT);
+    assert!(
+        status.success() && stdout.ends_with(" passed, 0 failed") && !stdout.contains("FAIL"),
+        "{what}: {status}\n{}\n{}",
+        client.transcript(),
+        server.transcript()
+    );
+    println!("{what}:\n{stdout}");
+
+    drop(server.child.stdin.take());
+    let status = server.wait(EXIT_TIMEOUT);
+    let transcript = server.transcript();
+    assert!(status.success(), "the server exited with {status}\n{transcript}");
 }

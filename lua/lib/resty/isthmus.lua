@@ -41,7 +41,17 @@ typedef struct isthmus_metadata_t isthmus_metadata_t;
 typedef struct isthmus_proto_t isthmus_proto_t;
 typedef struct isthmus_server_call_t isthmus_server_call_t;
 typedef struct isthmus_status_t isthmus_status_t;
-typedef struct { uint64_t max_message_size; } isthmus_channel_options_t;
+typedef struct {
+  const char *root_certs_pem;
+  const char *cert_chain_pem;
+  const char *private_key_pem;
+  const char *server_name;
+  uint32_t require_client_cert;
+} isthmus_tls_options_t;
+typedef struct {
+  uint64_t max_message_size;
+  const isthmus_tls_options_t *tls;
+} isthmus_channel_options_t;
 typedef struct {
   int64_t timeout_us;
   const isthmus_metadata_t *metadata;

@@ -10,6 +10,15 @@
  *                               zero-copy check expects isthmus_call_alloc's UNIMPLEMENTED.
  *   abi_check peer-gone TARGET  starts a call to Sleep, prints "waiting", and expects UNAVAILABLE
  *                               once the harness has killed the server (SIGKILL).
+ *   abi_check serve-tls DIR TARGET...
+ *                               `serve` with TLS from DIR (server.crt, server.key, and client-ca.crt
+ *                               whose certificates it requires of clients); prints "ready", then
+ *                               "address A" for its first HTTP/2 endpoint.
+ *   abi_check client-tls DIR ADDRESS
+ *                               the TLS checks against a serve-tls server: mutual TLS with DIR's
+ *                               ca.crt, client.crt and client.key; a client without a certificate,
+ *                               one trusting other-ca.crt, and one expecting another name all fail
+ *                               UNAVAILABLE; settings that cannot work are INVALID_ARGUMENT.
  *
  * The handlers, under /isthmus.test.Echo/ (each answers on a thread of its own but Fail, whose
  * answer is at hand, and Queued, which a completion queue delivers to a polling thread):
@@ -23,6 +32,8 @@
  *   Sleep         wait until the call is no longer active (5 s at most), then CANCELLED
  *   Block         echo the request through isthmus_server_call_alloc + _send_block
  *   Queued        echo every request through the _async functions on a completion queue
+ *   Whoami        "tls=T cert=N peer=P": isthmus_server_call_is_tls, the length of the client's
+ *                 certificate (isthmus_server_call_peer_cert) and isthmus_server_call_peer
  *   BadFinish     finish with a freed trailers handle (request "t"), NULL details of length 5
  *                 (request "d") or a message that is not UTF-8: the call must still end
  *                 (INTERNAL) instead of hanging
@@ -296,6 +307,17 @@ static void h_bad_finish(isthmus_server_call_t *call) {
   if (st) isthmus_status_free(st);
 }
 
+static void h_whoami(isthmus_server_call_t *call) {
+  size_t peer_len = 0, cert_len = 0;
+  const uint8_t *peer = isthmus_server_call_peer(call, &peer_len);
+  const uint8_t *cert = isthmus_server_call_peer_cert(call, &cert_len);
+  char reply[512];
+  int n = snprintf(reply, sizeof reply, "tls=%d cert=%zu peer=%.*s", isthmus_server_call_is_tls(call),
+                   cert ? cert_len : 0, peer ? (int)peer_len : 0, peer ? (const char *)peer : "");
+  isthmus_code_t rc = isthmus_server_call_send(call, (const uint8_t *)reply, (size_t)n, NULL);
+  isthmus_server_call_finish(call, rc, rc == ISTHMUS_OK ? NULL : "send failed", NULL, NULL);
+}
+
 /* How Sleep calls ended: when their call did (cancel, deadline, shutdown), or after 5 s. */
 static atomic_int g_sleep_ended_early, g_sleep_ran_out;
 
@@ -383,6 +405,7 @@ static handler_t g_handlers[] = {
     {SVC "ClientStream", h_client_stream, 1}, {SVC "Bidi", h_bidi, 1},
     {SVC "Fail", h_fail, 0},       {SVC "Sleep", h_sleep, 1},
     {SVC "Block", h_block, 1},     {SVC "BadFinish", h_bad_finish, 1},
+    {SVC "Whoami", h_whoami, 0},
 };
 
 /* The callback every handler path shares: hands the call to a thread (callbacks must not block). */
@@ -507,12 +530,52 @@ static void print_status(const char *what, isthmus_code_t rc, isthmus_status_t *
   if (st) isthmus_status_free(st);
 }
 
-static int serve(int count, char **targets) {
+/* The whole of DIR/NAME as a NUL-terminated string (the caller frees it); NULL if unreadable. */
+static char *read_file(const char *dir, const char *name) {
+  char path[4096];
+  snprintf(path, sizeof path, "%s/%s", dir, name);
+  FILE *f = fopen(path, "rb");
+  if (f == NULL) return NULL;
+  size_t cap = 4096, len = 0;
+  char *text = malloc(cap);
+  size_t n;
+  while (text != NULL && (n = fread(text + len, 1, cap - len - 1, f)) > 0) {
+    len += n;
+    if (len + 1 == cap) {
+      char *more = realloc(text, cap *= 2);
+      if (more == NULL) free(text);
+      text = more;
+    }
+  }
+  fclose(f);
+  if (text != NULL) text[len] = 0;
+  return text;
+}
+
+/* Serves `targets`; with `tls_dir`, with TLS from its files (see the top of this file). */
+static int serve(int count, char **targets, const char *tls_dir) {
   isthmus_status_t *st = NULL;
   isthmus_server_options_t opts;
+  isthmus_tls_options_t tls;
   memset(&opts, 0, sizeof opts);
+  memset(&tls, 0, sizeof tls);
   opts.max_message_size = SERVER_LIMIT;
+  if (tls_dir != NULL) {
+    tls.cert_chain_pem = read_file(tls_dir, "server.crt");
+    tls.private_key_pem = read_file(tls_dir, "server.key");
+    tls.root_certs_pem = read_file(tls_dir, "client-ca.crt");
+    tls.require_client_cert = 1;
+    if (!tls.cert_chain_pem || !tls.private_key_pem || !tls.root_certs_pem) {
+      fprintf(stderr, "serve: cannot read the TLS files in %s\n", tls_dir);
+      return 1;
+    }
+    opts.tls = &tls;
+  }
   isthmus_server_t *server = isthmus_server_new(&opts);
+  /* The server copied the settings. */
+  free((char *)tls.cert_chain_pem);
+  free((char *)tls.private_key_pem);
+  free((char *)tls.root_certs_pem);
   isthmus_cq_t *cq = isthmus_cq_new();
   if (server == NULL || cq == NULL) {
     fprintf(stderr, "serve: isthmus_server_new or isthmus_cq_new failed\n");
@@ -547,6 +610,7 @@ static int serve(int count, char **targets) {
     return 1;
   }
   printf("ready\n");
+  if (tls_dir != NULL) printf("address %s\n", isthmus_server_http_address(server, 0));
   fflush(stdout);
 
   char buf[256];
@@ -1563,6 +1627,35 @@ static int check_connectivity(ctx_t *c) {
   return 1;
 }
 
+/* Whoami's reply over `ch`, NUL-terminated, into `out`; the call's code. */
+static isthmus_code_t whoami(isthmus_channel_t *ch, char *out, size_t cap, isthmus_status_t **st) {
+  isthmus_message_t *reply = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  out[0] = 0;
+  isthmus_code_t rc = isthmus_unary(ch, SVC "Whoami", NULL, 0, &opts, &reply, NULL, NULL, st);
+  if (reply != NULL) {
+    size_t len = 0;
+    const uint8_t *data = isthmus_message_data(reply, &len);
+    snprintf(out, cap, "%.*s", (int)len, (const char *)data);
+    isthmus_message_free(reply);
+  }
+  return rc;
+}
+
+/* A handler learns who called: over shm:// the client's pid and uid, over unix:// the socket;
+ * no TLS and no certificate. */
+static int check_whoami(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  char got[512], want[128];
+  MUST(whoami(c->ch, got, sizeof got, &st));
+  if (c->shm)
+    snprintf(want, sizeof want, "tls=0 cert=0 peer=shm:pid=%ld,uid=%ld", (long)getpid(), (long)getuid());
+  else
+    snprintf(want, sizeof want, "tls=0 cert=0 peer=unix:");
+  REQUIRE(strncmp(got, want, strlen(want)) == 0, "'%s' starts with '%s'", got, want);
+  return 1;
+}
+
 typedef struct {
   const char *name;
   int (*run)(ctx_t *c);
@@ -1593,22 +1686,195 @@ static const check_t CHECKS[] = {
     {"unimplemented", check_unimplemented},
     {"bad_target", check_bad_target},
     {"connectivity", check_connectivity},
+    {"whoami", check_whoami},
 };
 
-static int client(const char *target) {
+
+/* ---- TLS ---- */
+
+/* The TLS files of `client-tls`, and the address of the serve-tls server. */
+static const char *g_tls_dir, *g_tls_address;
+
+/* A channel to the TLS server with `tls`'s settings; NULL (and `g_why` says why) if refused. */
+static isthmus_channel_t *tls_channel(const isthmus_tls_options_t *tls) {
+  isthmus_channel_options_t opts;
+  memset(&opts, 0, sizeof opts);
+  opts.tls = tls;
+  isthmus_channel_t *ch = NULL;
+  isthmus_status_t *st = NULL;
+  isthmus_code_t rc = isthmus_channel_new(g_tls_address, &opts, &ch, &st);
+  if (rc != ISTHMUS_OK) failf(__LINE__, "channel_new: %s", describe(rc, st));
+  return ch;
+}
+
+/* The settings of a client that trusts `ca` and, with `cert`, shows that certificate. */
+typedef struct {
+  isthmus_tls_options_t tls;
+  char *files[3];
+} tls_files_t;
+
+static int tls_files(tls_files_t *t, const char *ca, const char *cert, const char *key) {
+  memset(t, 0, sizeof *t);
+  const char *names[3] = {ca, cert, key};
+  for (int i = 0; i < 3; i++) {
+    if (names[i] != NULL && (t->files[i] = read_file(g_tls_dir, names[i])) == NULL)
+      return failf(__LINE__, "cannot read %s/%s", g_tls_dir, names[i]);
+  }
+  t->tls.root_certs_pem = t->files[0];
+  t->tls.cert_chain_pem = t->files[1];
+  t->tls.private_key_pem = t->files[2];
+  return 1;
+}
+
+static void tls_files_free(tls_files_t *t) {
+  for (int i = 0; i < 3; i++) free(t->files[i]);
+}
+
+/* With the server's CA and a client certificate it trusts, calls succeed, and the handler sees
+ * TLS, the certificate and the client's address. */
+static int check_tls_mutual(ctx_t *c) {
+  (void)c;
+  tls_files_t t;
+  if (!tls_files(&t, "ca.crt", "client.crt", "client.key")) return 0;
+  isthmus_channel_t *ch = tls_channel(&t.tls);
+  tls_files_free(&t); /* the channel copied them */
+  if (ch == NULL) return 0;
+  isthmus_status_t *st = NULL;
+  char got[512];
+  isthmus_code_t rc = whoami(ch, got, sizeof got, &st);
+  isthmus_channel_close(ch);
+  if (rc != ISTHMUS_OK) return failf(__LINE__, "Whoami: %s", describe(rc, st));
+  unsigned cert = 0;
+  REQUIRE(sscanf(got, "tls=1 cert=%u peer=ipv4:127.0.0.1:", &cert) == 1 && cert > 100 &&
+              strstr(got, "peer=ipv4:127.0.0.1:") != NULL,
+          "'%s': TLS, a certificate, the client's address", got);
+  return 1;
+}
+
+/* A call over `tls` fails UNAVAILABLE, and its message contains `why`. */
+static int tls_call_fails(const isthmus_tls_options_t *tls, const char *why) {
+  isthmus_channel_t *ch = tls_channel(tls);
+  if (ch == NULL) return 0;
+  isthmus_status_t *st = NULL;
+  char got[512];
+  isthmus_code_t rc = whoami(ch, got, sizeof got, &st);
+  isthmus_channel_close(ch);
+  const char *message = st ? isthmus_status_message(st) : "";
+  int ok = rc == ISTHMUS_UNAVAILABLE && strstr(message, why) != NULL;
+  if (!ok) failf(__LINE__, "%s: %s, not UNAVAILABLE naming '%s'", got, describe(rc, st), why);
+  else if (st) isthmus_status_free(st);
+  return ok;
+}
+
+static int check_tls_no_client_cert(ctx_t *c) {
+  (void)c;
+  tls_files_t t;
+  if (!tls_files(&t, "ca.crt", NULL, NULL)) return 0;
+  int ok = tls_call_fails(&t.tls, "");
+  tls_files_free(&t);
+  return ok;
+}
+
+static int check_tls_wrong_ca(ctx_t *c) {
+  (void)c;
+  tls_files_t t;
+  if (!tls_files(&t, "other-ca.crt", "client.crt", "client.key")) return 0;
+  int ok = tls_call_fails(&t.tls, "certificate");
+  tls_files_free(&t);
+  return ok;
+}
+
+static int check_tls_server_name(ctx_t *c) {
+  (void)c;
+  tls_files_t t;
+  if (!tls_files(&t, "ca.crt", "client.crt", "client.key")) return 0;
+  t.tls.server_name = "elsewhere.example";
+  int ok = tls_call_fails(&t.tls, "certificate");
+  tls_files_free(&t);
+  return ok;
+}
+
+/* A channel to `target` with `tls` is refused INVALID_ARGUMENT (else `g_why` says what it got). */
+static int channel_refused(const char *target, const isthmus_tls_options_t *tls, const char *what) {
+  isthmus_channel_options_t opts;
+  memset(&opts, 0, sizeof opts);
+  opts.tls = tls;
+  isthmus_channel_t *ch = NULL;
+  isthmus_status_t *st = NULL;
+  isthmus_code_t rc = isthmus_channel_new(target, &opts, &ch, &st);
+  if (ch != NULL) isthmus_channel_close(ch);
+  if (rc != ISTHMUS_INVALID_ARGUMENT || st == NULL) return failf(__LINE__, "%s: %s", what, describe(rc, st));
+  isthmus_status_free(st);
+  return 1;
+}
+
+/* A server with `tls` fails to start INVALID_ARGUMENT. */
+static int server_refused(const isthmus_tls_options_t *tls, const char *what) {
+  const char *target = "https://127.0.0.1:0";
+  isthmus_server_options_t opts;
+  memset(&opts, 0, sizeof opts);
+  opts.tls = tls;
+  isthmus_server_t *server = isthmus_server_new(&opts);
+  isthmus_status_t *st = NULL;
+  isthmus_code_t rc = isthmus_server_start(server, &target, 1, &st);
+  int ok = rc == ISTHMUS_INVALID_ARGUMENT && st != NULL;
+  if (!ok) failf(__LINE__, "%s: start gave %s", what, describe(rc, st));
+  else isthmus_status_free(st);
+  if (rc == ISTHMUS_OK) isthmus_server_shutdown(server, 0);
+  isthmus_server_free(server);
+  return ok;
+}
+
+/* Settings that cannot work are refused when given (a server's when it starts), not at the
+ * first call. */
+static int check_tls_bad_settings(ctx_t *c) {
+  (void)c;
+  tls_files_t t;
+  if (!tls_files(&t, "ca.crt", "client.crt", "client.key")) return 0;
+  isthmus_tls_options_t not_pem = t.tls, no_key = t.tls, server_only = t.tls, no_identity = t.tls,
+                        client_only = t.tls, bad_base64 = t.tls;
+  not_pem.root_certs_pem = "not a certificate";
+  no_key.private_key_pem = NULL;
+  server_only.require_client_cert = 1;
+  no_identity.cert_chain_pem = no_identity.private_key_pem = NULL;
+  client_only.server_name = "localhost";
+  bad_base64.cert_chain_pem = "-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n";
+  int ok = channel_refused(g_tls_address, &not_pem, "roots that are no PEM") &&
+           channel_refused(g_tls_address, &no_key, "a certificate without its key") &&
+           channel_refused(g_tls_address, &server_only, "require_client_cert on a channel") &&
+           channel_refused("shm://tls-makes-no-sense", &t.tls, "TLS over shm://") &&
+           channel_refused("unix:///tmp/tls-makes-no-sense.sock", &t.tls, "TLS over unix://") &&
+           server_refused(&no_identity, "a server without a certificate") &&
+           server_refused(&client_only, "server_name on a server") &&
+           server_refused(&bad_base64, "a certificate that is no base64");
+  tls_files_free(&t);
+  return ok;
+}
+
+static const check_t TLS_CHECKS[] = {
+    {"tls_mutual", check_tls_mutual},
+    {"tls_no_client_cert", check_tls_no_client_cert},
+    {"tls_wrong_ca", check_tls_wrong_ca},
+    {"tls_server_name", check_tls_server_name},
+    {"tls_bad_settings", check_tls_bad_settings},
+};
+
+/* Runs `checks` over a channel to `target` (no channel for TLS checks, which make their own). */
+static int run_checks(const char *target, const check_t *checks, size_t count, int own_channel) {
   ctx_t c = {target, strncmp(target, "shm:", 4) == 0, NULL};
   int passed = 0, failed = 0;
   isthmus_status_t *st = NULL;
-  isthmus_code_t rc = isthmus_channel_new(target, NULL, &c.ch, &st);
+  isthmus_code_t rc = own_channel ? isthmus_channel_new(target, NULL, &c.ch, &st) : ISTHMUS_OK;
   if (rc != ISTHMUS_OK) {
     printf("FAIL channel_new: %s\n0 passed, 1 failed\n", describe(rc, st));
     return 1;
   }
-  for (size_t i = 0; i < sizeof CHECKS / sizeof CHECKS[0]; i++) {
+  for (size_t i = 0; i < count; i++) {
+    const check_t *check = &checks[i];
     size_t before = isthmus_live_handles();
     double start = now_s();
     g_why[0] = 0;
-    int ok = CHECKS[i].run(&c);
+    int ok = check->run(&c);
     size_t after = isthmus_live_handles();
     if (ok && after != before) {
       snprintf(g_why, sizeof g_why, "%zu handles left behind", after - before);
@@ -1616,15 +1882,15 @@ static int client(const char *target) {
     }
     if (ok) {
       passed++;
-      printf("ok   %-20s %.3f s\n", CHECKS[i].name, now_s() - start);
+      printf("ok   %-20s %.3f s\n", check->name, now_s() - start);
     } else {
       failed++;
-      printf("FAIL %-20s %s\n", CHECKS[i].name, g_why);
+      printf("FAIL %-20s %s\n", check->name, g_why);
     }
     fflush(stdout);
   }
   /* every handle freed: the channel last */
-  rc = isthmus_channel_close(c.ch);
+  rc = own_channel ? isthmus_channel_close(c.ch) : ISTHMUS_OK;
   size_t live = isthmus_live_handles();
   if (rc == ISTHMUS_OK && live == 0) {
     passed++;
@@ -1667,10 +1933,21 @@ static int peer_gone(const char *target) {
   return rc != ISTHMUS_UNAVAILABLE || live != 0;
 }
 
+static int client(const char *target) { return run_checks(target, CHECKS, sizeof CHECKS / sizeof CHECKS[0], 1); }
+
+static int client_tls(const char *dir, const char *address) {
+  g_tls_dir = dir;
+  g_tls_address = address;
+  return run_checks(address, TLS_CHECKS, sizeof TLS_CHECKS / sizeof TLS_CHECKS[0], 0);
+}
+
 int main(int argc, char **argv) {
-  if (argc >= 3 && strcmp(argv[1], "serve") == 0) return serve(argc - 2, argv + 2);
+  if (argc >= 3 && strcmp(argv[1], "serve") == 0) return serve(argc - 2, argv + 2, NULL);
+  if (argc >= 4 && strcmp(argv[1], "serve-tls") == 0) return serve(argc - 3, argv + 3, argv[2]);
   if (argc == 3 && strcmp(argv[1], "client") == 0) return client(argv[2]);
+  if (argc == 4 && strcmp(argv[1], "client-tls") == 0) return client_tls(argv[2], argv[3]);
   if (argc == 3 && strcmp(argv[1], "peer-gone") == 0) return peer_gone(argv[2]);
-  fprintf(stderr, "usage: %s serve TARGET... | client TARGET | peer-gone TARGET\n", argv[0]);
+  fprintf(stderr, "usage: %s serve TARGET... | client TARGET | peer-gone TARGET | serve-tls DIR TARGET... | "
+                  "client-tls DIR ADDRESS\n", argv[0]);
   return 2;
 }
