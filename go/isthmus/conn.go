@@ -92,6 +92,7 @@ type DialOption func(*dialOptions)
 
 type dialOptions struct {
 	maxMessageSize uint64
+	tls            *TLSConfig
 }
 
 // WithMaxMessageSize sets the largest message the connection accepts, in bytes (default
@@ -101,9 +102,10 @@ func WithMaxMessageSize(n uint64) DialOption {
 }
 
 // Dial returns a connection to target: "shm://NAME" or "shm:///path.sock" for shared memory,
-// "unix:///path.sock" or "http://host:port" for standard gRPC over HTTP/2 (any gRPC server).
-// It does not wait for the server: a target that does not parse fails here, an unreachable
-// server fails calls with codes.Unavailable.
+// "unix:///path.sock" or "http://host:port" for standard gRPC over HTTP/2 (any gRPC server),
+// "https://host:port" for the same over TLS (see WithTLS). It does not wait for the server: a
+// target or TLS settings that do not parse fail here (codes.InvalidArgument); an unreachable
+// server, or a refused TLS handshake, fails calls with codes.Unavailable.
 func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 	var o dialOptions
 	for _, f := range opts {
@@ -116,6 +118,14 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 	ct := C.CString(target)
 	defer C.free(unsafe.Pointer(ct))
 	copts := C.isthmus_channel_options_t{max_message_size: C.uint64_t(o.maxMessageSize)}
+	if o.tls != nil {
+		t, err := clientTLS(o.tls)
+		defer t.free()
+		if err != nil {
+			return nil, err
+		}
+		copts.tls = t.opts
+	}
 	var ch *C.isthmus_channel_t
 	var st *C.isthmus_status_t
 	if code := C.isthmus_channel_new(ct, &copts, &ch, &st); code != C.ISTHMUS_OK {

@@ -17,12 +17,14 @@
 //
 // All four RPC kinds work, with context deadlines and cancellation, metadata both ways
 // (google.golang.org/grpc/metadata, grpc.Header and grpc.Trailer call options,
-// grpc.SetHeader/SendHeader/SetTrailer in handlers) and errors as status.Status with
-// codes. Handlers run on goroutines (or, with InlineUnary, unary ones on the connection's
-// reading thread). A unary call whose context cannot be cancelled waits in its cgo call while
-// at most half of GOMAXPROCS calls do; every other call waits on a completion queue that one
-// goroutine watches through Go's netpoller, so thousands of calls can be in flight without a
-// thread each.
+// grpc.SetHeader/SendHeader/SetTrailer in handlers), errors as status.Status with codes,
+// TLS and mutual TLS over TCP (WithTLS, ServerTLS), and the caller in a handler's
+// peer.FromContext (its address, and over TLS a credentials.TLSInfo). Handlers run on
+// goroutines (or, with InlineUnary, unary ones on the connection's reading thread). A unary
+// call whose context cannot be cancelled waits in its cgo call while at most half of
+// GOMAXPROCS calls do; every other call waits on a completion queue that one goroutine
+// watches through Go's netpoller, so thousands of calls can be in flight without a thread
+// each.
 //
 // The raw tier moves bytes with no protobuf and no copy: a request written into shared memory
 // (ClientConn.Alloc), sent where it lies (CallRawBlock), answered by a handler that reads it

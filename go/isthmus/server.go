@@ -13,6 +13,7 @@ import (
 	"io"
 	"reflect"
 	"runtime"
+	"strings"
 	"sync"
 	"time"
 	"unsafe"
@@ -20,6 +21,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 )
@@ -59,6 +61,7 @@ type serverOptions struct {
 	unary                grpc.UnaryServerInterceptor
 	stream               grpc.StreamServerInterceptor
 	inline               bool
+	tls                  *ServerTLSConfig
 }
 
 // MaxMessageSize sets the largest request message accepted, in bytes (default 4 GiB); a
@@ -128,8 +131,9 @@ func (s *Server) RegisterService(desc *grpc.ServiceDesc, impl any) {
 	}
 }
 
-// Start binds every target ("shm://NAME", "unix:///path.sock", "http://host:port") and serves
-// them in the background; clients can connect as soon as it returns.
+// Start binds every target ("shm://NAME", "unix:///path.sock", "http://host:port", and
+// "https://host:port" with ServerTLS) and serves them in the background; clients can connect
+// as soon as it returns.
 func (s *Server) Start(targets ...string) error {
 	r, err := getReactor()
 	if err != nil {
@@ -141,9 +145,23 @@ func (s *Server) Start(targets ...string) error {
 		return errors.New("isthmus: the server was started already")
 	}
 	s.r = r
+	// The library refuses this too, but names its Rust setting where a Go user needs ServerTLS.
+	for _, t := range targets {
+		if s.opts.tls == nil && strings.HasPrefix(t, "https://") {
+			return status.Errorf(codes.InvalidArgument, "%s needs the server's TLS settings (ServerTLS)", t)
+		}
+	}
 	opts := C.isthmus_server_options_t{
 		max_message_size:       C.uint64_t(s.opts.maxMessageSize),
 		max_concurrent_streams: C.uint32_t(s.opts.maxConcurrentStreams),
+	}
+	if s.opts.tls != nil {
+		t, err := serverTLS(s.opts.tls)
+		defer t.free()
+		if err != nil {
+			return err
+		}
+		opts.tls = t.opts
 	}
 	srv := C.isthmus_server_new(&opts)
 	if srv == nil {
@@ -342,7 +360,7 @@ func newServerStream(s *Server, m *method, sc *C.isthmus_server_call_t) *serverS
 	if md == nil {
 		md = metadata.MD{}
 	}
-	ctx := metadata.NewIncomingContext(parent, md)
+	ctx := metadata.NewIncomingContext(peer.NewContext(parent, peerOf(sc)), md)
 	if left := int64(C.isthmus_server_call_time_remaining_us(sc)); left >= 0 {
 		ctx, st.cancel = context.WithTimeout(ctx, time.Duration(left)*time.Microsecond)
 	} else {

@@ -233,6 +233,59 @@ function cases.stream_metadata(ch, args)
         header = headers["x-echo"], trailer = st.trailers["x-echo"] }
 end
 
+-- A unary call on a channel of its own with TLS settings: `ca`, `cert` and `key` name PEM files,
+-- passed as their text (`tls.ca`...) or, with `files=1`, by name (`tls.ca_file`...); `bad_ca` is
+-- text given as `tls.ca` in their place, `server_name` goes as it is. Says whether connect
+-- failed, and the CN the server saw of the client's certificate (tonic-peer's `x-peer-cn`).
+local function read(path)
+    local f = assert(io.open(path, "rb"))
+    local s = f:read("*a")
+    f:close()
+    return s
+end
+
+function cases.tls_unary(ch, args)
+    local tls = { server_name = args.server_name, ca = args.bad_ca }
+    for _, name in ipairs({ "ca", "cert", "key" }) do
+        local path = args[name]
+        if path then
+            if args.files == "1" then
+                tls[name .. "_file"] = path
+            else
+                tls[name] = read(path)
+            end
+        end
+    end
+    local own, err = isthmus.connect(args.target, { proto = proto, tls = tls })
+    if not own then
+        local r = failure(err)
+        r.connect_failed = true
+        return r
+    end
+    local ok, r, meta = own:unary(ECHO .. "Unary", { payload = ngx.encode_base64("tls"), seq = 21 }, { timeout = 30 })
+    own:close()
+    if not ok then return failure(r) end
+    return { ok = true, payload = ngx.decode_base64(r.payload), seq = r.seq, cn = meta.headers["x-peer-cn"] }
+end
+
+-- connect's answer to TLS options it refuses before any connection: `which` picks them.
+function cases.tls_refused(ch, args)
+    local tls = ({
+        not_a_table = "yes",
+        unknown = { cacert = "x" },
+        not_a_string = { ca = 1 },
+        both = { ca = "x", ca_file = "/nonexistent" },
+        missing_file = { ca_file = "/nonexistent/ca.pem" },
+        cert_alone = { cert = "x" },
+    })[args.which]
+    local own, err = isthmus.connect(args.target, { tls = tls })
+    if own then
+        own:close()
+        return { ok = true }
+    end
+    return failure(err)
+end
+
 -- Runs case `args.run` in a timer (ngx.timer.at); its result lands in the shared dict under
 -- `args.id`, which timer_result reads.
 function cases.timer_start(ch, args)

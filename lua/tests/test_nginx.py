@@ -2,7 +2,8 @@
 over HTTP/2): every RPC shape over shm://, unix:// and http://, deadlines and metadata on unary
 calls and streams, status codes, a 16 MiB message, calls from timers, the access phase and
 init_worker_by_lua, the proof that the worker goes on serving while calls (and a close_send
-on a full ring) wait, and a server killed under pending calls."""
+on a full ring) wait, a server killed under pending calls, and TLS and mutual TLS to tonic-peer
+with certificates made at test time."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import tempfile
 import threading
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import certs
 import pytest
 from conftest import LUA, ROOT, Nginx, library, need
 from peer import Peer, Served, serve, tonic_peer
@@ -403,6 +405,161 @@ print(r.seq, m.seq, fin == nil, ok4, err.name)
     out = subprocess.run([luajit, "-e", script], check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["5", "6", "true", "false", "NOT_FOUND"]
+
+
+@pytest.fixture(scope="module")
+def cert_dir() -> Iterator[Path]:
+    """Certificates made for this run, as PEM files: `ca`, `server.crt`/`.key` (localhost and
+    127.0.0.1), `client.crt`/`.key` (CN `client`), `other-ca`, and `elsewhere.crt`/`.key` (a
+    server certificate for elsewhere.example only)."""
+    pems = certs.make()
+    with tempfile.TemporaryDirectory(prefix="isthmus-lua-tls-") as d:
+        pems.write(Path(d))
+        Path(d, "other-ca").write_bytes(pems.other_ca)
+        Path(d, "elsewhere.crt").write_bytes(pems.wrong_host_server.cert)
+        Path(d, "elsewhere.key").write_bytes(pems.wrong_host_server.key)
+        yield Path(d)
+
+
+class HttpsPeer:
+    """tonic-peer serving `https://127.0.0.1:0` with the certificate `name`.crt of `cert_dir`,
+    requiring client certificates signed by `ca` when `mutual`; `address` is where it listens."""
+
+    def __init__(self, cert_dir: Path, name: str = "server", mutual: bool = False) -> None:
+        binary = tonic_peer()
+        need(binary is not None, "tonic-peer is not built (make unit)")
+        assert binary is not None
+        env = dict(
+            os.environ,
+            ISTHMUS_TLS_CERT=str(cert_dir / f"{name}.crt"),
+            ISTHMUS_TLS_KEY=str(cert_dir / f"{name}.key"),
+        )
+        if mutual:
+            env["ISTHMUS_TLS_CLIENT_CA"] = str(cert_dir / "ca")
+        self.peer = Peer([str(binary), "https://127.0.0.1:0"], env)
+        self.address = self.peer.expect("LISTENING https://").removeprefix("LISTENING ")
+        self.port = int(self.address.rsplit(":", 1)[1])
+
+
+@pytest.fixture(scope="module")
+def https_peers(cert_dir: Path) -> Iterator[Callable[[str], HttpsPeer]]:
+    """tonic-peers by kind, started on first use: `tls`, `mtls` (client certificates required),
+    `elsewhere` (TLS with a certificate for another name)."""
+    started: dict[str, HttpsPeer] = {}
+
+    def get(kind: str) -> HttpsPeer:
+        if kind not in started:
+            name = "elsewhere" if kind == "elsewhere" else "server"
+            started[kind] = HttpsPeer(cert_dir, name, mutual=kind == "mtls")
+        return started[kind]
+
+    yield get
+    for p in started.values():
+        p.peer.close()
+
+
+@pytest.mark.parametrize("files", [False, True], ids=["pem", "files"])
+def test_tls_with_a_ca(
+    nginx: Nginx, https_peers: Callable[[str], HttpsPeer], cert_dir: Path, files: bool
+) -> None:
+    """`tls.ca` (or `tls.ca_file`) verifies the server; a `host:port` target with TLS settings
+    is TLS as `https://` is."""
+    peer = https_peers("tls")
+    for target in (peer.address, f"127.0.0.1:{peer.port}"):
+        r = nginx.case("tls_unary", target, ca=cert_dir / "ca", files=int(files))
+        assert r == {"ok": True, "payload": "tls", "seq": "21"}, (target, r)  # no cn: no client cert
+
+
+@pytest.mark.parametrize("files", [False, True], ids=["pem", "files"])
+def test_mutual_tls_shows_the_server_the_client_certificate(
+    nginx: Nginx, https_peers: Callable[[str], HttpsPeer], cert_dir: Path, files: bool
+) -> None:
+    r = nginx.case(
+        "tls_unary",
+        https_peers("mtls").address,
+        ca=cert_dir / "ca",
+        cert=cert_dir / "client.crt",
+        key=cert_dir / "client.key",
+        files=int(files),
+    )
+    assert r == {"ok": True, "payload": "tls", "seq": "21", "cn": "client"}, r
+
+
+def test_server_name_verifies_another_name(
+    nginx: Nginx, https_peers: Callable[[str], HttpsPeer], cert_dir: Path
+) -> None:
+    """A certificate for elsewhere.example fails against the target's host (127.0.0.1), and
+    passes with `server_name`."""
+    target = https_peers("elsewhere").address
+    r = nginx.case("tls_unary", target, ca=cert_dir / "ca")
+    assert r["ok"] is False and r["name"] == "UNAVAILABLE", r
+    assert "not valid for the host" in r["message"], r
+    r = nginx.case("tls_unary", target, ca=cert_dir / "ca", server_name="elsewhere.example")
+    assert r["ok"] is True, r
+
+
+@pytest.mark.parametrize(
+    ("peer", "ca", "why"),
+    [("tls", "other-ca", "unknown issuer"), ("mtls", "ca", "client certificate")],
+    ids=["a-server-signed-by-another-ca", "no-client-certificate-for-a-server-that-requires-one"],
+)
+def test_a_refused_handshake_is_unavailable(
+    nginx: Nginx, https_peers: Callable[[str], HttpsPeer], cert_dir: Path, peer: str, ca: str, why: str
+) -> None:
+    r = nginx.case("tls_unary", https_peers(peer).address, ca=cert_dir / ca)
+    assert r["ok"] is False and r["code"] == 14 and "connect_failed" not in r, r
+    assert why in r["message"], r
+
+
+def test_pem_that_does_not_parse_fails_connect(nginx: Nginx, https_peers: Callable[[str], HttpsPeer]) -> None:
+    r = nginx.case("tls_unary", https_peers("tls").address, bad_ca="not a certificate")
+    assert r["connect_failed"] and r["code"] == 3 and r["name"] == "INVALID_ARGUMENT", r
+
+
+@pytest.mark.parametrize("target", ["shm://lua-tls-nobody", "unix:///tmp/lua-tls-nobody.sock"])
+def test_tls_on_a_local_transport_fails_connect(nginx: Nginx, cert_dir: Path, target: str) -> None:
+    r = nginx.case("tls_unary", target, ca=cert_dir / "ca")
+    assert r["connect_failed"] and r["name"] == "INVALID_ARGUMENT", r
+
+
+@pytest.mark.parametrize(
+    ("which", "words"),
+    [
+        ("not_a_table", "the tls option is a table"),
+        ("unknown", "tls.cacert: no such option"),
+        ("not_a_string", "tls.ca is a string"),
+        ("both", "give one of the two"),
+        ("missing_file", "tls.ca_file: /nonexistent/ca.pem"),
+        ("cert_alone", "go together"),
+    ],
+)
+def test_tls_options_connect_refuses(nginx: Nginx, which: str, words: str) -> None:
+    r = nginx.case("tls_refused", "https://127.0.0.1:1", which=which)
+    assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and words in r["message"], r
+
+
+def test_plain_luajit_calls_over_mutual_tls(https_peers: Callable[[str], HttpsPeer], cert_dir: Path) -> None:
+    """The blocking path outside nginx, over mutual TLS with the PEM read from files."""
+    luajit = shutil.which("luajit")
+    need(luajit is not None, "luajit is missing (make lua-tools)")
+    assert luajit is not None
+    target = https_peers("mtls").address
+    script = f"""
+package.path = "{LUA}/lib/?.lua;" .. package.path
+local isthmus = require "resty.isthmus"
+isthmus.init{{ lib = "{library()}" }}
+local proto = assert(isthmus.load_proto({{ "{ROOT}/tests/proto/conformance.proto" }}))
+local dir = "{cert_dir}/"
+local tls = {{ ca_file = dir .. "ca", cert_file = dir .. "client.crt", key_file = dir .. "client.key" }}
+local ch = assert(isthmus.connect("{target}", {{ proto = proto, tls = tls }}))
+local ok, r, meta = ch:unary("/conformance.Echo/Unary", {{ seq = 8 }}, {{ timeout = 30 }})
+assert(ok, tostring(r))
+local refused, err = isthmus.connect("shm://lua-tls-nobody", {{ tls = tls }})
+print(r.seq, meta.headers["x-peer-cn"], refused, err.name)
+"""
+    out = subprocess.run([luajit, "-e", script], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["8", "client", "nil", "INVALID_ARGUMENT"]
 
 
 def _declarations(text: str) -> dict[str, str]:

@@ -1,7 +1,8 @@
 """The asyncio server's inbox (ADR 0021): what reaches its loop as news, done-callbacks that
-raise, a stop with handlers still running, and a loop that goes away without a stop. Server and
-client in this process, over a real `shm://` connection; the client shares the server's loop
-where that matters (its waits then take the server's news too)."""
+raise, a stop with handlers still running, and a loop that goes away without a stop; and a
+handler's read that its waiter gave up on. Server and client in this process, over a real
+`shm://` connection; the client shares the server's loop where that matters (its waits then
+take the server's news too)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from typing import Any
 
 import grpc
 import grpc.aio
+import pytest
+import uvloop
 from peer import fresh
 
 import isthmus
@@ -112,3 +115,47 @@ def test_a_server_whose_loop_went_away_refuses_calls_unavailable() -> None:
             assert e.code() is grpc.StatusCode.UNAVAILABLE, (e.code(), e.details())
             assert "event loop" in (e.details() or "")
         assert time.monotonic() - began < 20
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_read_given_up_on_loses_no_message(loop: str) -> None:
+    """`asyncio.wait_for(context.read(), t)` that times out leaves its receive under way; the
+    next read must get the message that receive takes, not wait forever for another one. The
+    client sends only after the handler has said its first read timed out, so the timeout
+    cannot race the message."""
+
+    async def handler(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            await asyncio.wait_for(context.read(), 0.05)
+            yield b"a message came that was never sent"
+            return
+        except asyncio.TimeoutError:
+            yield b"timed out"
+        for _ in range(2):
+            yield b"got " + await context.read()
+        yield b"end" if await context.read() is grpc.aio.EOF else b"no end"
+
+    async def run() -> None:
+        methods = {"Talk": grpc.stream_stream_rpc_method_handler(handler)}
+        server = isthmus.aio.server(handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
+        target = fresh("shm")
+        server.add_insecure_port(target)
+        await server.start()
+        try:
+            async with isthmus.aio.insecure_channel(target) as ch:
+                call = ch.stream_stream("/t.T/Talk")(timeout=30)
+                assert await call.read() == b"timed out"
+                await call.write(b"one")
+                assert await call.read() == b"got one"
+                await call.write(b"two")
+                assert await call.read() == b"got two"
+                await call.done_writing()
+                assert await call.read() == b"end"
+                assert await call.code() is grpc.StatusCode.OK
+        finally:
+            await server.stop(None)
+
+    if loop == "uvloop":
+        uvloop.run(run())
+    else:
+        asyncio.run(run())

@@ -105,6 +105,36 @@ def test_close_with_a_grace_lets_calls_finish_within_it(
     run(loop, test)
 
 
+def test_a_calls_status_comes_without_reading_to_the_end(
+    client: tuple[Callable[[], Any], str], pb_grpc: ModuleType, pb: ModuleType
+) -> None:
+    """`code()`, `details()` and `trailing_metadata()` of a streaming call end when the call
+    does: once its responses were read but not the end of the stream, and at its deadline with
+    nothing read or sent. grpc.aio's wait for ever while responses are left unread; isthmus's
+    read them on, kept for `read`, and end too."""
+    make, loop = client
+
+    async def test() -> None:
+        async with make() as channel:
+            stub = pb_grpc.EchoStub(channel)
+            read = stub.ServerStream(pb.StreamRequest(count=2, size=8), timeout=60)
+            assert [len((await read.read()).payload) for _ in range(2)] == [8, 8]
+            assert await asyncio.wait_for(read.code(), 30) == grpc.StatusCode.OK
+            assert await read.details() in ("", None)
+            await read.trailing_metadata()
+
+            silent = stub.Bidi(timeout=0.5)  # the server waits for requests that never come
+            assert await asyncio.wait_for(silent.code(), 30) == grpc.StatusCode.DEADLINE_EXCEEDED
+
+            if isinstance(channel, isthmus.aio.Channel):
+                some = stub.ServerStream(pb.StreamRequest(count=3, size=8), timeout=60)
+                assert len((await some.read()).payload) == 8
+                assert await asyncio.wait_for(some.code(), 30) == grpc.StatusCode.OK
+                assert len([r async for r in some]) == 2
+
+    run(loop, test)
+
+
 def _boom(_: Any) -> bytes:
     raise ValueError("cannot serialize this")
 

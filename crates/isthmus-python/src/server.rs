@@ -377,12 +377,9 @@ impl ServerCall {
     #[pyo3(signature = (size, wait=true))]
     fn alloc(&self, py: Python<'_>, size: usize, wait: bool) -> PyResult<Block> {
         if !wait {
-            let _runtime = runtime().enter();
-            let mut alloc = std::pin::pin!(self.core.alloc(size));
-            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-            return match std::future::Future::poll(alloc.as_mut(), &mut cx) {
-                std::task::Poll::Ready(Ok(block)) => Ok(Block::shm(block)),
-                std::task::Poll::Ready(Err(s)) if s.code() != Code::ResourceExhausted => Err(call_error(py, &s)),
+            return match self.core.try_alloc(size) {
+                Ok(Some(block)) => Ok(Block::shm(block)),
+                Err(s) if s.code() != Code::ResourceExhausted => Err(call_error(py, &s)),
                 _ => Block::heap(size),
             };
         }

@@ -424,6 +424,22 @@ impl Sender {
         }
     }
 
+    /// [`alloc`](Self::alloc) without waiting: `None` while the arena has no room for `len`
+    /// bytes (the peer still holds the blocks that would make it), for a caller that must not
+    /// wait (an event loop's thread), and has somewhere else to put the bytes.
+    pub fn try_alloc(&self, len: usize) -> Result<Option<BlockMut>> {
+        self.core.check_block_len(len)?;
+        let got = self.core.try_alloc(len)?;
+        Ok(got.map(|(offset, generation, ptr)| BlockMut {
+            sender: self.clone(),
+            offset,
+            generation,
+            ptr,
+            len,
+            sent: false,
+        }))
+    }
+
     /// Sends a filled block as one MESSAGE of the block's length (after any `truncate`).
     pub fn send_block(&self, stream: u64, frame_flags: u8, block: BlockMut, deadline: Option<Instant>) -> Result<()> {
         let total = block.len as u64;

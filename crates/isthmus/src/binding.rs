@@ -690,6 +690,16 @@ impl HandedCall {
         self.call.lock().await.alloc(len).await
     }
 
+    /// [`alloc`](Self::alloc) without waiting, for an event loop's thread: `None` while the
+    /// arena has no room, or while another task of the call holds it (sending).
+    pub fn try_alloc(&self, len: usize) -> Result<Option<crate::BlockMut>, Status> {
+        self.check_active()?;
+        match self.call.try_lock() {
+            Ok(mut call) => call.try_alloc(len),
+            Err(_) => Ok(None),
+        }
+    }
+
     /// Sends a block from [`alloc`](Self::alloc) as one response message.
     pub async fn send_block(&self, block: crate::BlockMut) -> Result<(), Status> {
         self.check_active()?;

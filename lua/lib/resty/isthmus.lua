@@ -662,13 +662,85 @@ Channel.__index = Channel
 local Stream = {}
 Stream.__index = Stream
 
---- Makes a channel to `target` (`shm://NAME`, `unix:///path.sock`, `http://host:port`, or
---- `https://host:port`, which the C library verifies against the system's roots). It
---- connects on its first call, and again after the server went away. Options: `proto` (from
+-- connect's `tls` keys and the fields of isthmus_tls_options_t they fill; the `_file` forms
+-- name a file to read the same PEM text from.
+local TLS_KEYS = {
+    ca = "root_certs_pem", cert = "cert_chain_pem", key = "private_key_pem", server_name = "server_name",
+}
+local TLS_FILES = { ca_file = "ca", cert_file = "cert", key_file = "key" }
+
+-- What isthmus_channel_new reads through pointers while it runs: the TLS struct and its strings
+-- hang from pointer fields, which the garbage collector does not follow; reachable from here,
+-- they live until the call has copied them.
+local pinned
+
+local function tls_error(fmt, ...)
+    return nil, new_error(INVALID_ARGUMENT, "tls." .. fmt:format(...))
+end
+
+-- connect's `tls` table as an isthmus_tls_options_t, or nil, err; `keep` holds what the struct
+-- points to.
+local function tls_options(t, keep)
+    if type(t) ~= "table" then
+        return nil, new_error(INVALID_ARGUMENT, "the tls option is a table, not a " .. type(t))
+    end
+    for k, v in pairs(t) do
+        local name = TLS_FILES[k] or k
+        if not TLS_KEYS[name] then
+            return tls_error("%s: no such option (ca, cert, key, their _file forms, server_name)", tostring(k))
+        end
+        if type(v) ~= "string" then
+            return tls_error("%s is a string, not a %s", k, type(v))
+        end
+        if TLS_FILES[k] and t[name] ~= nil then
+            return tls_error("%s and tls.%s: give one of the two", name, k)
+        end
+    end
+    local text = {}
+    for k, v in pairs(t) do
+        if TLS_FILES[k] then
+            -- Blocks the worker while it reads: one small file per channel, made once per worker.
+            local f, err = io.open(v, "rb")
+            if not f then
+                return tls_error("%s: %s", k, err)
+            end
+            v, err = f:read("*a")
+            f:close()
+            if not v then
+                return tls_error("%s: %s", k, err)
+            end
+        end
+        text[TLS_FILES[k] or k] = v
+    end
+    if (text.cert == nil) ~= (text.key == nil) then
+        return tls_error("cert and tls.key go together (a client certificate and its key)")
+    end
+    local c = ffi_new("isthmus_tls_options_t")
+    for name, field in pairs(TLS_KEYS) do
+        if text[name] then
+            keep[#keep + 1] = text[name]
+            c[field] = text[name]
+        end
+    end
+    keep[#keep + 1] = c
+    return c
+end
+
+--- Makes a channel to `target` (`shm://NAME`, `unix:///path.sock`, `http://host:port`,
+--- `https://host:port`, or gRPC's other names: `host:port`, `dns:`, `ipv4:`...). It connects
+--- on its first call, and again after the server went away. Options: `proto` (from
 --- isthmus.load_proto: lets calls take and return Lua tables), `max_message_size` (bytes),
---- `spin_us` (how long a unary call may wait for a fast reply before it yields, 10 by
---- default; a large request waits up to 50 µs more, by its size), `spin` (false: never
+--- `tls` (below), `spin_us` (how long a unary call may wait for a fast reply before it yields,
+--- 10 by default; a large request waits up to 50 µs more, by its size), `spin` (false: never
 --- wait), `lib` (the library's path).
+--- `tls` makes a TCP target's connection TLS (`https://` is TLS without it, verified against
+--- the system's roots): `ca` (PEM text of the CAs that sign the server's certificate; nil: the
+--- system's roots), `cert` and `key` (PEM text of a client certificate and its key, for
+--- mutual TLS), `server_name` (the name the server's certificate must carry, in place of the
+--- target's host); `ca_file`, `cert_file` and `key_file` name files to read the PEM from
+--- instead (read as connect runs: it blocks that long). `tls = {}` is TLS with the system's
+--- roots. TLS on `shm://` or `unix://`, and PEM that does not parse, are INVALID_ARGUMENT here;
+--- a certificate the other side refuses fails the calls UNAVAILABLE, saying why.
 --- One channel per worker, made in init_worker_by_lua or on first use, serves every request.
 --- Returns the channel, or nil, err.
 function _M.connect(target, opts)
@@ -676,8 +748,18 @@ function _M.connect(target, opts)
     load(opts.lib)
     local copts = ffi_new("isthmus_channel_options_t")
     copts.max_message_size = opts.max_message_size or 0
+    local keep = {}
+    if opts.tls ~= nil then
+        local tls, err = tls_options(opts.tls, keep)
+        if not tls then
+            return nil, err
+        end
+        copts.tls = tls
+    end
     local out = ffi_new("isthmus_channel_t*[1]")
+    pinned = keep
     local rc = C.isthmus_channel_new(target, copts, out, status_out)
+    pinned = nil
     if rc ~= OK then
         return nil, failed(rc)
     end

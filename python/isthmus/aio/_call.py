@@ -206,6 +206,7 @@ class _StreamCall(_Call):
         self._initial: list[Metadatum] | None = None
         self._early: collections.deque[bytes] = collections.deque()  # see `_read_ahead`
         self._tasks: list[asyncio.Task[Any]] = []
+        self._drainer: asyncio.Task[None] | None = None  # see `_end`
         if requests is not None:
             self._tasks.append(loop.create_task(self._write_all(requests)))
 
@@ -280,8 +281,30 @@ class _StreamCall(_Call):
             raise rpc_error(self._status, aio=True)
 
     async def _end(self) -> CallError | None:
+        # The engine gives the status after the responses: with no reader at the end, `code()`
+        # (or `details()`…) would wait forever, past the deadline. A task reads the rest into
+        # `_early` for `read`, a message at a time, so that a reader still gets each as it
+        # comes. A task, and shielded: a cancelled `code()` must not cancel the call.
+        if not self._done.done() and self._drainer is None:
+            self._drainer = self._loop.create_task(self._drain())
+            self._tasks.append(self._drainer)
         await asyncio.shield(self._done)
         return self._status
+
+    async def _drain(self) -> None:
+        """Receives until the call's end, keeping the responses for `read`."""
+        try:
+            while not self._done.done():
+                async with self._receive_lock:
+                    if self._done.done():
+                        return
+                    value = await self._attempt("recv")
+                    if isinstance(value, bytes):
+                        self._early.append(value)
+                    else:  # None at an OK end, else the CallError it ended with
+                        self._close(value)
+        except asyncio.CancelledError:
+            pass  # the call was cancelled, and `cancel` ended it
 
     def _ok_trailers(self) -> list[Metadatum] | None:
         return None if self._native is None else self._native.trailing_metadata()
@@ -421,6 +444,7 @@ class _UnaryResponse(_StreamCall):
         super().__init__(*args)
         self._response = self._loop.create_task(self._receive())
         self._tasks.append(self._response)
+        self._drainer = self._response  # it reads to the end already
 
     async def _receive(self) -> Any:
         # Never raises an RpcError: the outcome is in `_status`, and a task's exception that

@@ -34,6 +34,8 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         # A raw handler (`isthmus.raw`) reads `Message` buffers and writes buffers as they are.
         self._recv_op = call.recv_raw_async if raw else call.recv_async
         self._send_op = call.send_raw_async if raw else call.send_async
+        # A receive whose reader was cancelled, still under way or holding its message.
+        self._unread: asyncio.Future[Any] | None = None
 
     def alloc(self, size: int) -> Block:
         """For a raw handler (`isthmus.raw`): a writable reply buffer of `size` bytes, in the
@@ -58,9 +60,31 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         return value
 
     async def read(self) -> Any:
-        # A client may wait for the response to open before it sends a request.
-        message = await self._op(self._recv_op, True)
+        message = await self._receive()
         return grpc.aio.EOF if message is None else self._decode(message)
+
+    async def _receive(self) -> Any:
+        """The next message (None at the end). A read whose waiter is cancelled
+        (`asyncio.wait_for(context.read(), t)`) leaves its receive under way, and the next read
+        takes that receive's message: a message is never taken by a read nobody awaits."""
+        future = self._unread
+        if future is None:
+            driver = self._driver
+            token = driver.token()
+            # True: a client may wait for the response to open before it sends a request.
+            now = self._recv_op(driver.reactor, token, True)
+            if now is not None:
+                value = now[1]
+            else:
+                future = self._unread = driver.wait(self._loop, token)
+        if future is not None:
+            # Shielded: cancelling this waiter must not cancel the receive, whose message is
+            # the next read's.
+            value = await asyncio.shield(future)
+            self._unread = None
+        if isinstance(value, CallError):
+            raise rpc_error(value, aio=True)
+        return value
 
     async def write(self, message: Any) -> None:
         await self._op(self._send_op, self._encode(message))

@@ -377,6 +377,13 @@ impl ServerCall {
         self.mux.sender.alloc_async(len).await.map_err(|e| Status::from_transport(&e))
     }
 
+    /// [`alloc`](Self::alloc) without waiting: `None` while the arena has no room for `len`
+    /// bytes, for a handler on an event loop's thread that must not wait (it can build its
+    /// reply elsewhere and send it as a copy).
+    pub fn try_alloc(&mut self, len: usize) -> Result<Option<BlockMut>, Status> {
+        self.mux.sender.try_alloc(len).map_err(|e| Status::from_transport(&e))
+    }
+
     /// Sends a block from [`alloc`](Self::alloc) as one response message, as it is.
     pub async fn send_block(&mut self, block: BlockMut) -> Result<(), Status> {
         let shared = self.shared.clone();

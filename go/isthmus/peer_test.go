@@ -1,0 +1,191 @@
+package isthmus_test
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	grpcpeer "google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+
+	pb "example.invalid/isthmus/go/internal/conformancepb"
+	"example.invalid/isthmus/go/internal/echo"
+	"example.invalid/isthmus/go/isthmus"
+)
+
+// peerService is the conformance suite's Echo service that also keeps what
+// peer.FromContext gave its last Unary and ServerStream calls, for the test to look at.
+type peerService struct {
+	echo.Service
+	mu   sync.Mutex
+	last *grpcpeer.Peer
+}
+
+func (s *peerService) keep(ctx context.Context) error {
+	p, ok := grpcpeer.FromContext(ctx)
+	if !ok {
+		return status.Error(codes.Internal, "no peer in the handler's context")
+	}
+	s.mu.Lock()
+	s.last = p
+	s.mu.Unlock()
+	return nil
+}
+
+func (s *peerService) Unary(ctx context.Context, req *pb.EchoRequest) (*pb.EchoReply, error) {
+	if err := s.keep(ctx); err != nil {
+		return nil, err
+	}
+	return s.Service.Unary(ctx, req)
+}
+
+func (s *peerService) ServerStream(req *pb.StreamRequest, stream grpc.ServerStreamingServer[pb.EchoReply]) error {
+	if err := s.keep(stream.Context()); err != nil {
+		return err
+	}
+	return s.Service.ServerStream(req, stream)
+}
+
+// peerOfCalls makes a unary and a server-streaming call on conn and returns the peer the
+// handler saw for each (of the server behind conn, whose service is svc).
+func peerOfCalls(t *testing.T, label string, conn grpc.ClientConnInterface, svc *peerService) []*grpcpeer.Peer {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c := pb.NewEchoClient(conn)
+	take := func() *grpcpeer.Peer {
+		svc.mu.Lock()
+		defer svc.mu.Unlock()
+		p := svc.last
+		svc.last = nil
+		return p
+	}
+	var out []*grpcpeer.Peer
+	if _, err := c.Unary(ctx, &pb.EchoRequest{}); err != nil {
+		t.Fatalf("%s: Unary: %v", label, err)
+	}
+	out = append(out, take())
+	st, err := c.ServerStream(ctx, &pb.StreamRequest{Count: 1})
+	if err == nil {
+		_, err = st.Recv()
+	}
+	if err != nil {
+		t.Fatalf("%s: ServerStream: %v", label, err)
+	}
+	out = append(out, take())
+	return out
+}
+
+// startPeerServer serves a peerService on targets from this process until the test ends.
+func startPeerServer(t *testing.T, targets []string, opts ...isthmus.ServerOption) (*isthmus.Server, *peerService) {
+	t.Helper()
+	svc := &peerService{}
+	s := isthmus.NewServer(opts...)
+	pb.RegisterEchoServer(s, svc)
+	if err := s.Start(targets...); err != nil {
+		t.Fatalf("start %v: %v", targets, err)
+	}
+	t.Cleanup(s.Stop)
+	return s, svc
+}
+
+// A handler's peer.FromContext names its client as grpc-go's does: over shm:// the client's
+// process (an *isthmus.ShmAddr), over unix:// a *net.UnixAddr, over TCP a *net.TCPAddr; with
+// no AuthInfo, since none of these is TLS. Inline unary handlers see the same.
+func TestPeerFromContextNamesTheClientOnEveryTransport(t *testing.T) {
+	for _, inline := range []bool{false, true} {
+		var opts []isthmus.ServerOption
+		if inline {
+			opts = append(opts, isthmus.InlineUnary())
+		}
+		shm, unix := fresh(t, fmt.Sprintf("peer%v", inline))
+		_, svc := startPeerServer(t, []string{shm}, opts...)
+		for i, p := range peerOfCalls(t, shm, dial(t, shm), svc) {
+			label := fmt.Sprintf("inline=%v %s call %d", inline, shm, i)
+			a, ok := p.Addr.(*isthmus.ShmAddr)
+			if !ok {
+				t.Fatalf("%s: Addr is %T %v, want *isthmus.ShmAddr", label, p.Addr, p.Addr)
+			}
+			want := fmt.Sprintf("shm:pid=%d,uid=%d", os.Getpid(), os.Getuid())
+			if a.PID != os.Getpid() || int(a.UID) != os.Getuid() || a.Network() != "shm" || a.String() != want {
+				t.Errorf("%s: Addr %+v (%s %s), want %s", label, a, a.Network(), a, want)
+			}
+			if p.AuthInfo != nil {
+				t.Errorf("%s: AuthInfo %v over shm://", label, p.AuthInfo)
+			}
+		}
+
+		// A server of its own, with no shm:// endpoint to move its HTTP/2 clients to.
+		targets := []string{unix, "http://127.0.0.1:0"}
+		if l, err := net.Listen("tcp6", "[::1]:0"); err == nil {
+			l.Close()
+			targets = append(targets, "http://[::1]:0")
+		}
+		s, svc := startPeerServer(t, targets, opts...)
+		for _, address := range s.HTTPAddresses() {
+			for i, p := range peerOfCalls(t, address, dial(t, address), svc) {
+				label := fmt.Sprintf("inline=%v %s call %d", inline, address, i)
+				if p.AuthInfo != nil {
+					t.Errorf("%s: AuthInfo %v without TLS", label, p.AuthInfo)
+				}
+				switch a := p.Addr.(type) {
+				case *net.UnixAddr:
+					if !strings.HasPrefix(address, "unix:") || a.Network() != "unix" {
+						t.Errorf("%s: Addr %s %v", label, a.Network(), a)
+					}
+				case *net.TCPAddr:
+					if !a.IP.IsLoopback() || a.Port == 0 || strings.Contains(address, "[::1]") != (a.IP.To4() == nil) {
+						t.Errorf("%s: Addr %v", label, a)
+					}
+				default:
+					t.Errorf("%s: Addr is %T %v", label, p.Addr, p.Addr)
+				}
+			}
+		}
+	}
+}
+
+// Over shm:// the peer is the client's process, not the server's: a client in a process of
+// its own (this test binary again, running TestPeerClientProcess) is named by its pid.
+func TestPeerOverShmIsTheClientProcess(t *testing.T) {
+	shm, _ := fresh(t, "peer-process")
+	_, svc := startPeerServer(t, []string{shm})
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestPeerClientProcess$", "-test.count=1")
+	cmd.Env = append(os.Environ(), "ISTHMUS_PEER_CLIENT="+shm)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("the client process: %v\n%s", err, out)
+	}
+	svc.mu.Lock()
+	p := svc.last
+	svc.mu.Unlock()
+	if p == nil {
+		t.Fatal("the client process made no call")
+	}
+	if a, ok := p.Addr.(*isthmus.ShmAddr); !ok || a.PID != cmd.Process.Pid || a.PID == os.Getpid() {
+		t.Fatalf("Addr %T %v, want the client's pid %d", p.Addr, p.Addr, cmd.Process.Pid)
+	}
+}
+
+// TestPeerClientProcess is the client of TestPeerOverShmIsTheClientProcess, run in a process
+// of its own: one call to the target ISTHMUS_PEER_CLIENT names.
+func TestPeerClientProcess(t *testing.T) {
+	target := os.Getenv("ISTHMUS_PEER_CLIENT")
+	if target == "" {
+		t.Skip("the client process of TestPeerOverShmIsTheClientProcess")
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	if _, err := pb.NewEchoClient(dial(t, target)).Unary(ctx, &pb.EchoRequest{}); err != nil {
+		t.Fatal(err)
+	}
+}
