@@ -20,6 +20,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -35,6 +36,10 @@ type ClientConn struct {
 	closed atomic.Bool
 	// shm: the target is shared memory, where large requests are written in place.
 	shm bool
+	// invoker and streamer run the interceptors (nil without any), composed at Dial.
+	invoker  grpc.UnaryInvoker
+	streamer grpc.Streamer
+	perRPC   perRPC
 }
 
 // Messages up to inPlaceMax bytes are marshalled straight into shared memory (one copy)
@@ -91,8 +96,13 @@ var _ grpc.ClientConnInterface = (*ClientConn)(nil)
 type DialOption func(*dialOptions)
 
 type dialOptions struct {
-	maxMessageSize uint64
-	tls            *TLSConfig
+	maxMessageSize  uint64
+	tls             *TLSConfig
+	unaryInt        grpc.UnaryClientInterceptor
+	chainUnaryInts  []grpc.UnaryClientInterceptor
+	streamInt       grpc.StreamClientInterceptor
+	chainStreamInts []grpc.StreamClientInterceptor
+	perRPC          []credentials.PerRPCCredentials
 }
 
 // WithMaxMessageSize sets the largest message the connection accepts, in bytes (default
@@ -105,11 +115,16 @@ func WithMaxMessageSize(n uint64) DialOption {
 // "unix:///path.sock" or "http://host:port" for standard gRPC over HTTP/2 (any gRPC server),
 // "https://host:port" for the same over TLS (see WithTLS). It does not wait for the server: a
 // target or TLS settings that do not parse fail here (codes.InvalidArgument); an unreachable
-// server, or a refused TLS handshake, fails calls with codes.Unavailable.
+// server, or a refused TLS handshake, fails calls with codes.Unavailable. Per-RPC credentials
+// that need a secure connection fail it on a plaintext one (WithPerRPCCredentials).
 func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 	var o dialOptions
 	for _, f := range opts {
 		f(&o)
+	}
+	creds, err := newPerRPC(&o, target)
+	if err != nil {
+		return nil, err
 	}
 	r, err := getReactor()
 	if err != nil {
@@ -132,7 +147,16 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 		err, _ := statusError(code, st)
 		return nil, err
 	}
-	return &ClientConn{ch: ch, r: r, target: target, shm: strings.HasPrefix(target, "shm:")}, nil
+	cc := &ClientConn{ch: ch, r: r, target: target, shm: strings.HasPrefix(target, "shm:"), perRPC: creds}
+	cc.invoker = unaryInvoker(withFirst(o.unaryInt, o.unaryInt != nil, o.chainUnaryInts),
+		func(ctx context.Context, method string, req, reply any, _ *grpc.ClientConn, opts ...grpc.CallOption) error {
+			return cc.invoke(ctx, method, req, reply, opts...)
+		})
+	cc.streamer = streamer(withFirst(o.streamInt, o.streamInt != nil, o.chainStreamInts),
+		func(ctx context.Context, desc *grpc.StreamDesc, _ *grpc.ClientConn, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+			return cc.newClientStream(ctx, desc, method, opts)
+		})
+	return cc, nil
 }
 
 // Target is the target the connection was made for.
@@ -156,6 +180,7 @@ func errClosing() error {
 type callOptions struct {
 	header, trailer *metadata.MD
 	waitForReady    bool
+	creds           credentials.PerRPCCredentials
 }
 
 func parseCallOptions(opts []grpc.CallOption) callOptions {
@@ -168,14 +193,17 @@ func parseCallOptions(opts []grpc.CallOption) callOptions {
 			co.trailer = o.TrailerAddr
 		case grpc.FailFastCallOption:
 			co.waitForReady = !o.FailFast
+		case grpc.PerRPCCredsCallOption:
+			co.creds = o.Creds
 		}
 	}
 	return co
 }
 
-// cCallOptions builds a call's C options from its context; the caller frees the metadata
-// handle in it.
-func cCallOptions(ctx context.Context, co callOptions, flags C.uint32_t) (C.isthmus_call_options_t, error) {
+// cCallOptions builds the C options of a call of method from its context, with the metadata
+// of its per-RPC credentials; method "" is no call (Alloc): no credentials are asked. The
+// caller frees the metadata handle in it.
+func (cc *ClientConn) cCallOptions(ctx context.Context, method string, co callOptions, flags C.uint32_t) (C.isthmus_call_options_t, error) {
 	var o C.isthmus_call_options_t
 	if err := setTimeout(ctx, &o); err != nil {
 		return o, err
@@ -183,7 +211,15 @@ func cCallOptions(ctx context.Context, co callOptions, flags C.uint32_t) (C.isth
 	if err := ctx.Err(); err != nil {
 		return o, status.FromContextError(err).Err()
 	}
-	if md, ok := metadata.FromOutgoingContext(ctx); ok {
+	md, ok := metadata.FromOutgoingContext(ctx)
+	if method != "" && (len(cc.perRPC.creds) > 0 || co.creds != nil) {
+		var err error
+		if md, err = cc.perRPC.requestMetadata(ctx, method, co.creds, md); err != nil {
+			return o, err
+		}
+		ok = true
+	}
+	if ok {
 		h, err := newMetadata(md)
 		if err != nil {
 			return o, err
@@ -238,8 +274,16 @@ func ctxError(ctx context.Context) error {
 	return status.FromContextError(ctx.Err()).Err()
 }
 
-// Invoke makes a unary call (grpc.ClientConnInterface).
+// Invoke makes a unary call (grpc.ClientConnInterface), through the interceptors if any.
 func (cc *ClientConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	if cc.invoker != nil {
+		return cc.invoker(ctx, method, args, reply, nil, opts...)
+	}
+	return cc.invoke(ctx, method, args, reply, opts...)
+}
+
+// invoke makes a unary call, the interceptors' invoker.
+func (cc *ClientConn) invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
 	if cc.closed.Load() {
 		return errClosing()
 	}
@@ -253,7 +297,7 @@ func (cc *ClientConn) Invoke(ctx context.Context, method string, args, reply any
 	if err != nil {
 		return err
 	}
-	copts, err := cCallOptions(ctx, co, 0)
+	copts, err := cc.cCallOptions(ctx, method, co, 0)
 	if err != nil {
 		return err
 	}
@@ -370,7 +414,7 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 // memory, and whose reply is unmarshalled from where it lies in the server's. The wait for the
 // block (arena room; with WaitForReady, a server) ends with ctx, as the call's own wait does.
 func (cc *ClientConn) invokeLarge(ctx context.Context, method string, args proto.Message, size int, reply any, co callOptions) error {
-	copts, err := cCallOptions(ctx, co, 0)
+	copts, err := cc.cCallOptions(ctx, method, co, 0)
 	if err != nil {
 		return err
 	}
@@ -401,16 +445,29 @@ func (cc *ClientConn) invokeLarge(ctx context.Context, method string, args proto
 	return cc.unaryReply(ctx, ev, ok, reply, co)
 }
 
-// NewStream starts a streaming call (grpc.ClientConnInterface).
+// NewStream starts a streaming call (grpc.ClientConnInterface), through the interceptors if
+// any.
 func (cc *ClientConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	if cc.streamer != nil {
+		return cc.streamer(ctx, desc, nil, method, opts...)
+	}
+	return cc.newClientStream(ctx, desc, method, opts)
+}
+
+// newClientStream starts a streaming call, the interceptors' streamer.
+func (cc *ClientConn) newClientStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts []grpc.CallOption) (grpc.ClientStream, error) {
 	if cc.closed.Load() {
 		return nil, errClosing()
 	}
-	return cc.newStream(ctx, desc, method, parseCallOptions(opts))
+	s, err := cc.newStream(ctx, desc, method, parseCallOptions(opts))
+	if err != nil {
+		return nil, err // not a nil *clientStream in a non-nil interface
+	}
+	return s, nil
 }
 
 func (cc *ClientConn) newStream(ctx context.Context, desc *grpc.StreamDesc, method string, co callOptions) (*clientStream, error) {
-	copts, err := cCallOptions(ctx, co, 0)
+	copts, err := cc.cCallOptions(ctx, method, co, 0)
 	if err != nil {
 		return nil, err
 	}

@@ -18,8 +18,11 @@
 // All four RPC kinds work, with context deadlines and cancellation, metadata both ways
 // (google.golang.org/grpc/metadata, grpc.Header and grpc.Trailer call options,
 // grpc.SetHeader/SendHeader/SetTrailer in handlers), errors as status.Status with codes,
-// TLS and mutual TLS over TCP (WithTLS, ServerTLS), and the caller in a handler's
-// peer.FromContext (its address, and over TLS a credentials.TLSInfo). Handlers run on
+// TLS and mutual TLS over TCP (WithTLS, ServerTLS), the caller in a handler's
+// peer.FromContext (its address, and over TLS a credentials.TLSInfo), grpc-go's interceptors
+// on both sides (WithUnaryInterceptor, WithChainUnaryInterceptor and the stream ones for a
+// ClientConn; UnaryInterceptor, ChainUnaryInterceptor and the stream ones for a Server), and
+// per-RPC credentials (WithPerRPCCredentials, grpc.PerRPCCredentials). Handlers run on
 // goroutines (or, with InlineUnary, unary ones on the connection's reading thread). A unary
 // call whose context cannot be cancelled waits in its cgo call while at most half of
 // GOMAXPROCS calls do; every other call waits on a completion queue that one goroutine

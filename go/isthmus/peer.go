@@ -6,6 +6,7 @@ package isthmus
 import "C"
 
 import (
+	"context"
 	"crypto/tls"
 	"crypto/x509"
 	"fmt"
@@ -75,6 +76,25 @@ func parseAddr(s string) net.Addr {
 		}
 	}
 	return otherAddr(s)
+}
+
+// peerKey is the key peer.FromContext looks its value up with (unexported by grpc-go),
+// learned once by asking a context that keeps the key it is asked for.
+var peerKey = func() any {
+	var probe keyProbe
+	peer.FromContext(&probe)
+	return probe.key
+}()
+
+// keyProbe is a context that remembers the last key its Value was asked for.
+type keyProbe struct {
+	context.Context
+	key any
+}
+
+func (p *keyProbe) Value(key any) any {
+	p.key = key
+	return nil
 }
 
 // peerOf is the client of sc as grpc-go's peer.FromContext gives it to handlers: its address,

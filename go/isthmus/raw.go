@@ -233,7 +233,7 @@ func (cc *ClientConn) CallRaw(ctx context.Context, method string, request []byte
 	if cc.closed.Load() {
 		return nil, errClosing()
 	}
-	copts, err := cCallOptions(ctx, callOptions{}, 0)
+	copts, err := cc.cCallOptions(ctx, method, callOptions{}, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -255,7 +255,7 @@ func (cc *ClientConn) Alloc(ctx context.Context, n int) (*Block, error) {
 	if !cc.shm {
 		return &Block{data: make([]byte, n)}, nil
 	}
-	copts, err := cCallOptions(ctx, callOptions{}, 0)
+	copts, err := cc.cCallOptions(ctx, "", callOptions{}, 0)
 	if err != nil {
 		return nil, err
 	}
@@ -342,7 +342,7 @@ func (cc *ClientConn) CallRawBlock(ctx context.Context, method string, request *
 		request.Release()
 		return nil, errClosing()
 	}
-	copts, err := cCallOptions(ctx, callOptions{}, 0)
+	copts, err := cc.cCallOptions(ctx, method, callOptions{}, 0)
 	if err != nil {
 		request.Release()
 		return nil, err

@@ -38,6 +38,10 @@ type Server struct {
 	serving  chan struct{} // closed when Serve should return
 	stopOnce sync.Once
 	handlers sync.WaitGroup
+	// stopping is set by the first shutdown; later ones (under mu) join cutting, which the
+	// first waits for before it frees srv.
+	stopping bool
+	cutting  sync.WaitGroup
 }
 
 var _ grpc.ServiceRegistrar = (*Server)(nil)
@@ -60,6 +64,8 @@ type serverOptions struct {
 	maxConcurrentStreams uint32
 	unary                grpc.UnaryServerInterceptor
 	stream               grpc.StreamServerInterceptor
+	chainUnary           []grpc.UnaryServerInterceptor
+	chainStream          []grpc.StreamServerInterceptor
 	inline               bool
 	tls                  *ServerTLSConfig
 }
@@ -75,13 +81,14 @@ func MaxConcurrentStreams(n uint32) ServerOption {
 	return func(o *serverOptions) { o.maxConcurrentStreams = n }
 }
 
-// UnaryInterceptor installs an interceptor for unary calls, as grpc.UnaryInterceptor does.
+// UnaryInterceptor installs an interceptor for unary calls, as grpc.UnaryInterceptor does:
+// it runs before those of ChainUnaryInterceptor.
 func UnaryInterceptor(i grpc.UnaryServerInterceptor) ServerOption {
 	return func(o *serverOptions) { o.unary = i }
 }
 
 // StreamInterceptor installs an interceptor for streaming calls, as grpc.StreamInterceptor
-// does.
+// does: it runs before those of ChainStreamInterceptor.
 func StreamInterceptor(i grpc.StreamServerInterceptor) ServerOption {
 	return func(o *serverOptions) { o.stream = i }
 }
@@ -102,6 +109,9 @@ func NewServer(opts ...ServerOption) *Server {
 	for _, f := range opts {
 		f(&s.opts)
 	}
+	// From here on unary and stream are all the interceptors, composed.
+	s.opts.unary = chainUnaryServer(withFirst(s.opts.unary, s.opts.unary != nil, s.opts.chainUnary))
+	s.opts.stream = chainStreamServer(withFirst(s.opts.stream, s.opts.stream != nil, s.opts.chainStream))
 	return s
 }
 
@@ -241,19 +251,35 @@ func (s *Server) Serve(targets ...string) error {
 // see codes.Unavailable).
 func (s *Server) Stop() { s.shutdown(0) }
 
-// GracefulStop stops taking calls and waits for those in progress to finish.
+// GracefulStop stops taking calls and waits for those in progress to finish; a Stop meanwhile
+// ends them now.
 func (s *Server) GracefulStop() { s.shutdown(time.Hour) }
 
 // GracefulStopTimeout is GracefulStop that waits at most grace for the calls in progress.
 func (s *Server) GracefulStopTimeout(grace time.Duration) { s.shutdown(grace) }
 
 func (s *Server) shutdown(grace time.Duration) {
+	ms := C.uint64_t(grace.Milliseconds())
+	s.mu.Lock()
+	srv, later := s.srv, s.stopping
+	s.stopping = true
+	if later && srv != nil {
+		s.cutting.Add(1)
+	}
+	s.mu.Unlock()
+	if later && srv != nil {
+		// A shutdown is under way (GracefulStop's, say): the library ends its grace now if
+		// this one's ends sooner, as grpc-go's Stop does to a GracefulStop.
+		C.isthmus_server_shutdown(srv, ms)
+		s.cutting.Done()
+	}
 	s.stopOnce.Do(func() {
-		s.mu.Lock()
-		srv := s.srv
-		s.mu.Unlock()
 		if srv != nil {
-			C.isthmus_server_shutdown(srv, C.uint64_t(grace.Milliseconds()))
+			C.isthmus_server_shutdown(srv, ms)
+			s.mu.Lock()
+			s.srv = nil // no later shutdown joins cutting from here on
+			s.mu.Unlock()
+			s.cutting.Wait()
 			C.isthmus_server_free(srv)
 		}
 		close(s.serving)
@@ -351,6 +377,7 @@ type serverStream struct {
 	headerSent bool
 	trailer    metadata.MD
 	finished   bool
+	peer       *peer.Peer // once asked for (callContext.Value)
 }
 
 func newServerStream(s *Server, m *method, sc *C.isthmus_server_call_t) *serverStream {
@@ -360,7 +387,7 @@ func newServerStream(s *Server, m *method, sc *C.isthmus_server_call_t) *serverS
 	if md == nil {
 		md = metadata.MD{}
 	}
-	ctx := metadata.NewIncomingContext(peer.NewContext(parent, peerOf(sc)), md)
+	ctx := metadata.NewIncomingContext(parent, md)
 	if left := int64(C.isthmus_server_call_time_remaining_us(sc)); left >= 0 {
 		ctx, st.cancel = context.WithTimeout(ctx, time.Duration(left)*time.Microsecond)
 	} else {
@@ -389,6 +416,30 @@ func (c *callContext) Done() <-chan struct{} {
 func (c *callContext) Err() error {
 	c.once.Do(c.st.watch)
 	return c.Context.Err()
+}
+
+// Value gives peer.FromContext the client, learned when first asked: most handlers never
+// ask, and the cgo call and parse would cost each call for nothing.
+func (c *callContext) Value(key any) any {
+	if key == peerKey {
+		return c.st.client()
+	}
+	return c.Context.Value(key)
+}
+
+// client is the call's peer.Peer. Once the call is finished the library's strings are gone:
+// a goroutine that asks only then is told "unknown".
+func (st *serverStream) client() *peer.Peer {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.peer == nil {
+		if st.finished {
+			st.peer = &peer.Peer{Addr: otherAddr("unknown")}
+		} else {
+			st.peer = peerOf(st.sc)
+		}
+	}
+	return st.peer
 }
 
 // watch cancels the call's context when the call ends under its handler (the client

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -621,3 +622,40 @@ def test_plain_handlers_on_the_asyncio_server_run_as_grpc_aio_runs_them(loop: st
                 assert _plain(channel) == want
     finally:
         served.close()
+
+
+@pytest.mark.parametrize("api", ["grpc", "isthmus"])
+def test_a_second_stop_with_less_grace_cuts_the_first_ones_short(api: str) -> None:
+    """`stop(60)` with a call in progress, then `stop(0)`: the call ends now, not in a minute, as
+    grpcio's does. Server and client in this process, over a Unix socket."""
+    started = threading.Event()
+
+    def wait(request: bytes, context: grpc.ServicerContext) -> bytes:
+        started.set()
+        end = time.monotonic() + 90
+        while context.is_active() and time.monotonic() < end:
+            time.sleep(0.01)
+        return b""
+
+    module: Any = grpc if api == "grpc" else isthmus
+    methods = {"Wait": grpc.unary_unary_rpc_method_handler(wait)}
+    pool = futures.ThreadPoolExecutor(4)
+    server = module.server(pool, handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
+    target = fresh("unix")
+    server.add_insecure_port(target)
+    server.start()
+    try:
+        with module.insecure_channel(target) as channel:
+            call = channel.unary_unary("/t.T/Wait").future(b"", timeout=120)
+            assert started.wait(30)
+            first = server.stop(60)
+            began = time.monotonic()
+            assert server.stop(0).wait(30)
+            assert first.wait(30)
+            with pytest.raises(grpc.RpcError) as ended:
+                call.result(timeout=30)
+            assert ended.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            assert time.monotonic() - began < 30  # far below the first stop's 60 s
+    finally:
+        server.stop(None)
+        pool.shutdown(wait=False)

@@ -820,9 +820,9 @@ isthmus_code_t isthmus_cq_wake(const isthmus_cq_t *cq);
 // Frees a queue. Operations still waiting on it are abandoned: their calls are cancelled and
 // their events never come; events not yet taken are freed.
 //
-// Thread-safety: any thread, once nothing uses the queue: operations other threads start on it
-// afterwards fail `ISTHMUS_INVALID_ARGUMENT`, and a thread asleep in `isthmus_cq_wait` on it
-// sleeps on until its timeout.
+// Thread-safety: any thread, once: operations other threads start on it afterwards fail
+// `ISTHMUS_INVALID_ARGUMENT`, and a thread asleep in `isthmus_cq_wait` on it wakes and gets no
+// event.
 isthmus_code_t isthmus_cq_free(isthmus_cq_t *cq);
 
 // The message's bytes; their count in `*len`. Valid until the message is freed. NULL (and
@@ -1079,9 +1079,10 @@ const char *isthmus_server_http_address(const isthmus_server_t *server,
 // milliseconds to finish before their connections close. The handle stays valid (free it
 // with `isthmus_server_free`).
 //
-// Thread-safety: any thread, which it blocks; a second call meanwhile returns at once, before the
-// first is done. From a handler of this server, its own unfinished call holds the shutdown for the
-// whole grace period.
+// Thread-safety: any thread, which it blocks; a second call meanwhile (or an
+// `isthmus_server_free`) waits for the first to finish, whose grace period counts. From a
+// handler of this server, its own unfinished call holds the shutdown for the whole grace
+// period.
 isthmus_code_t isthmus_server_shutdown(const isthmus_server_t *server,
                                        uint64_t grace_ms);
 

@@ -528,9 +528,9 @@ pub extern "C" fn isthmus_cq_wake(cq: *const isthmus_cq_t) -> isthmus_code_t {
 /// Frees a queue. Operations still waiting on it are abandoned: their calls are cancelled and
 /// their events never come; events not yet taken are freed.
 ///
-/// Thread-safety: any thread, once nothing uses the queue: operations other threads start on it
-/// afterwards fail `ISTHMUS_INVALID_ARGUMENT`, and a thread asleep in `isthmus_cq_wait` on it
-/// sleeps on until its timeout.
+/// Thread-safety: any thread, once: operations other threads start on it afterwards fail
+/// `ISTHMUS_INVALID_ARGUMENT`, and a thread asleep in `isthmus_cq_wait` on it wakes and gets no
+/// event.
 #[no_mangle]
 pub extern "C" fn isthmus_cq_free(cq: *mut isthmus_cq_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
@@ -540,6 +540,9 @@ pub extern "C" fn isthmus_cq_free(cq: *mut isthmus_cq_t) -> isthmus_code_t {
             overflow.clear();
         }
         drop(q.completions.take());
+        // Wakes a waiter, whose poll then finds no queue (the waiter's hold on it keeps the
+        // descriptor open until it has looked).
+        q.completions.signal();
         Ok(())
     })
 }

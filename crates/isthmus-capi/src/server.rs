@@ -40,10 +40,12 @@ enum ServerState {
         /// The TLS settings, or why they could not be read (reported when the server starts).
         tls: Box<Result<Option<TlsPems>, Status>>,
     },
-    /// Serving: `stop` ends it with the grace period sent; `done` completes when it has.
+    /// Serving: `stop` holds when the calls still running are cut off once a shutdown has
+    /// begun (the earliest asked for counts); `finished` turns true (or its sender goes) when
+    /// the server has stopped.
     Serving {
-        stop: tokio::sync::watch::Sender<Option<Duration>>,
-        done: tokio::task::JoinHandle<()>,
+        stop: tokio::sync::watch::Sender<Option<tokio::time::Instant>>,
+        finished: tokio::sync::watch::Receiver<bool>,
         /// The HTTP/2 endpoints as clients reach them (with the port chosen for port 0).
         addresses: Vec<std::ffi::CString>,
     },
@@ -245,18 +247,13 @@ pub unsafe extern "C" fn isthmus_server_start(
         let _runtime = runtime().enter();
         let bound = builder.bind_all(list.iter().copied())?;
         let addresses = bound.http_addresses().into_iter().filter_map(|a| std::ffi::CString::new(a).ok()).collect();
-        let (stop, mut stopped) = tokio::sync::watch::channel(None::<Duration>);
-        let done = runtime().spawn(async move {
-            let _ = bound
-                .serve_until(async move {
-                    match stopped.wait_for(Option::is_some).await {
-                        Ok(grace) => grace.unwrap_or_default(),
-                        Err(_) => Duration::ZERO,
-                    }
-                })
-                .await;
+        let (stop, stopped) = tokio::sync::watch::channel(None);
+        let (ended, finished) = tokio::sync::watch::channel(false);
+        runtime().spawn(async move {
+            let _ = bound.serve_until_deadline(stopped).await;
+            ended.send_replace(true);
         });
-        *state = ServerState::Serving { stop, done, addresses };
+        *state = ServerState::Serving { stop, finished, addresses };
         Ok(())
     })
 }
@@ -285,9 +282,10 @@ pub extern "C" fn isthmus_server_http_address(server: *const isthmus_server_t, i
 /// milliseconds to finish before their connections close. The handle stays valid (free it
 /// with `isthmus_server_free`).
 ///
-/// Thread-safety: any thread, which it blocks; a second call meanwhile returns at once, before the
-/// first is done. From a handler of this server, its own unfinished call holds the shutdown for the
-/// whole grace period.
+/// Thread-safety: any thread, which it blocks. A second call meanwhile (or an
+/// `isthmus_server_free`) waits for the shutdown to finish, and ends its grace period sooner if
+/// its own would end sooner (grpc-go's `Stop` during `GracefulStop`). From a handler of this
+/// server, its own unfinished call holds the shutdown for the whole grace period.
 #[no_mangle]
 pub extern "C" fn isthmus_server_shutdown(server: *const isthmus_server_t, grace_ms: u64) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
@@ -297,12 +295,29 @@ pub extern "C" fn isthmus_server_shutdown(server: *const isthmus_server_t, grace
     })
 }
 
+/// Stops a serving server and waits until it has stopped; a stop already under way is waited
+/// for the same way, its grace cut to this one's if that ends sooner.
 fn stop(server: &isthmus_server_t, grace: Duration) {
-    let Ok(mut state) = server.state.lock() else { return };
-    if let ServerState::Serving { stop, done, .. } = std::mem::replace(&mut *state, ServerState::Stopped) {
-        drop(state);
-        stop.send_replace(Some(grace));
-        let _ = block_on(done);
+    let Ok(state) = server.state.lock() else { return };
+    let mut finished = match &*state {
+        ServerState::Serving { stop, finished, .. } => {
+            let at = tokio::time::Instant::now() + grace;
+            stop.send_if_modified(|sent| match sent {
+                Some(earlier) if *earlier <= at => false,
+                _ => {
+                    *sent = Some(at);
+                    true
+                }
+            });
+            finished.clone()
+        }
+        _ => return,
+    };
+    drop(state);
+    // Err: the serving task is gone (it panicked), which ends the server too.
+    let _ = block_on(finished.wait_for(|done| *done));
+    if let Ok(mut state) = server.state.lock() {
+        *state = ServerState::Stopped;
     }
 }
 

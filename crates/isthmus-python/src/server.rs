@@ -44,7 +44,8 @@
 //!   can return the port (the one chosen for `http://…:0`; 1 for other targets, since grpc callers
 //!   take 0 for failure). An HTTP/2 port has its own loopback `shm://` endpoint, through which its
 //!   calls reach Python: it sees one kind of call everywhere. `start` serves them all with
-//!   `serve_until`, stopped by one `watch` whose value is `stop(grace)`'s grace (none: 0). `wait`
+//!   `serve_until_deadline`, stopped by one `watch` whose value is when `stop(grace)` cuts the
+//!   calls off (the earliest asked for). `wait`
 //!   waits on a condvar with the GIL released; the blocking `wait_for_termination` waits in 1 s
 //!   slices so Ctrl-C gets its turn. The asyncio `stop` cancels the handler tasks still running
 //!   once the engine has ended every call.
@@ -545,7 +546,7 @@ pub(crate) struct Server {
     bound: Mutex<Vec<isthmus::Bound>>,
     /// Every port's counters, kept past `start` (which consumes `bound`).
     stats: Mutex<Vec<isthmus::ServerStats>>,
-    stop: watch::Sender<Option<Duration>>,
+    stop: watch::Sender<Option<tokio::time::Instant>>,
     stopped: Arc<(Mutex<bool>, Condvar)>,
     started: AtomicBool,
 }
@@ -726,13 +727,7 @@ impl Server {
         runtime().spawn(async move {
             let mut serving = tokio::task::JoinSet::new();
             for b in bound {
-                let mut rx = stop.subscribe();
-                serving.spawn(b.serve_until(async move {
-                    match rx.wait_for(Option::is_some).await {
-                        Ok(grace) => grace.unwrap_or_default(),
-                        Err(_) => Duration::ZERO,
-                    }
-                }));
+                serving.spawn(b.serve_until_deadline(stop.subscribe()));
             }
             while serving.join_next().await.is_some() {}
             if let Some(queue) = queue {
@@ -746,7 +741,16 @@ impl Server {
     #[pyo3(signature = (grace=None))]
     fn stop(&self, grace: Option<f64>) {
         let grace = grace.filter(|g| g.is_finite() && *g > 0.0).map_or(Duration::ZERO, Duration::from_secs_f64);
-        self.stop.send_replace(Some(grace));
+        // The earliest end asked for counts: a second stop with a smaller grace shortens the
+        // first one's, as in grpcio.
+        let at = tokio::time::Instant::now() + grace;
+        self.stop.send_if_modified(|sent| match sent {
+            Some(earlier) if *earlier <= at => false,
+            _ => {
+                *sent = Some(at);
+                true
+            }
+        });
         if !self.started.swap(true, Ordering::AcqRel) {
             // Never served: what was bound closes now.
             drop(self.bound.lock().map(|mut b| std::mem::take(&mut *b)));

@@ -474,6 +474,35 @@ impl Bound {
     /// [`serve_with_shutdown`](Self::serve_with_shutdown) with the grace period chosen when
     /// the shutdown comes: `shutdown`'s output (grpcio's `stop(grace)`).
     pub async fn serve_until(self, shutdown: impl Future<Output = Duration>) -> Result<(), Status> {
+        self.serve_to(async move { tokio::time::Instant::now() + shutdown.await }, None).await
+    }
+
+    /// [`serve_until`](Self::serve_until) for a shutdown that may be asked for again, sooner:
+    /// `stop` holds when the calls still running are cut off (`None`: serve on). Its first
+    /// instant starts the shutdown; a later, earlier one ends the grace period then, as a
+    /// second `stop` with a smaller grace does in grpcio, and a `Stop` during `GracefulStop`
+    /// in grpc-go.
+    pub async fn serve_until_deadline(
+        self,
+        stop: tokio::sync::watch::Receiver<Option<tokio::time::Instant>>,
+    ) -> Result<(), Status> {
+        let mut first = stop.clone();
+        let shutdown = async move {
+            match first.wait_for(Option::is_some).await {
+                Ok(deadline) => deadline.unwrap_or_else(tokio::time::Instant::now),
+                Err(_) => tokio::time::Instant::now(), // the sender went: stop now
+            }
+        };
+        self.serve_to(shutdown, Some(stop)).await
+    }
+
+    /// Serves until `shutdown` gives the instant the calls still running are cut off at (or
+    /// sooner, if `hurry` comes to hold an earlier one).
+    async fn serve_to(
+        self,
+        shutdown: impl Future<Output = tokio::time::Instant>,
+        hurry: Option<tokio::sync::watch::Receiver<Option<tokio::time::Instant>>>,
+    ) -> Result<(), Status> {
         let Bound {
             shm,
             http,
@@ -518,10 +547,10 @@ impl Bound {
         }
         tokio::pin!(shutdown);
         // An endpoint that failed gives the builder's grace to the others.
-        let mut grace = default_grace;
+        let mut cut_off = None;
         let failed = tokio::select! {
-            g = &mut shutdown => {
-                grace = g;
+            at = &mut shutdown => {
+                cut_off = Some(at);
                 None
             }
             Some(ended) = endpoints.join_next() => Some(match ended {
@@ -530,6 +559,7 @@ impl Bound {
                 Err(e) => Status::new(Code::Internal, format!("an endpoint's task failed: {e}")),
             }),
         };
+        let cut_off = cut_off.unwrap_or_else(|| tokio::time::Instant::now() + default_grace);
         for name in names.iter().copied().chain([""]) {
             reporter.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
         }
@@ -549,7 +579,10 @@ impl Bound {
             }
             while endpoints.join_next().await.is_some() {}
         };
-        let _ = tokio::time::timeout(grace, drained).await;
+        tokio::select! {
+            () = drained => {}
+            () = grace_over(cut_off, hurry) => {}
+        }
         endpoints.abort_all();
         for mux in &live {
             mux.sender.close(); // whatever is still running ends UNAVAILABLE on the client
@@ -560,5 +593,26 @@ impl Bound {
     /// Serves until the listener fails.
     pub async fn serve(self) -> Result<(), Status> {
         self.serve_with_shutdown(std::future::pending()).await
+    }
+}
+
+/// Completes at `cut_off`, or at an earlier instant `hurry` comes to hold.
+async fn grace_over(
+    mut cut_off: tokio::time::Instant,
+    hurry: Option<tokio::sync::watch::Receiver<Option<tokio::time::Instant>>>,
+) {
+    let Some(mut hurry) = hurry else { return tokio::time::sleep_until(cut_off).await };
+    loop {
+        tokio::select! {
+            () = tokio::time::sleep_until(cut_off) => return,
+            changed = hurry.changed() => match changed {
+                Ok(()) => {
+                    if let Some(at) = *hurry.borrow_and_update() {
+                        cut_off = cut_off.min(at);
+                    }
+                }
+                Err(_) => return tokio::time::sleep_until(cut_off).await, // no one can hurry it
+            },
+        }
     }
 }

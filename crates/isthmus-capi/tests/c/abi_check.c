@@ -318,10 +318,12 @@ static void h_whoami(isthmus_server_call_t *call) {
   isthmus_server_call_finish(call, rc, rc == ISTHMUS_OK ? NULL : "send failed", NULL, NULL);
 }
 
-/* How Sleep calls ended: when their call did (cancel, deadline, shutdown), or after 5 s. */
-static atomic_int g_sleep_ended_early, g_sleep_ran_out;
+/* How Sleep calls ended: when their call did (cancel, deadline, shutdown), or after 5 s; and
+ * how many began. */
+static atomic_int g_sleep_ended_early, g_sleep_ran_out, g_sleep_began;
 
 static void h_sleep(isthmus_server_call_t *call) {
+  atomic_fetch_add(&g_sleep_began, 1);
   double end = now_s() + 5.0;
   while (isthmus_server_call_is_active(call) && now_s() < end) sleep_ms(5);
   atomic_fetch_add(isthmus_server_call_is_active(call) ? &g_sleep_ran_out : &g_sleep_ended_early, 1);
@@ -399,6 +401,9 @@ typedef struct {
   run_fn run;
   int own_thread; /* 0: answered in the callback itself (it does not block) */
 } handler_t;
+
+/* g_handlers' index of Sleep, for a server of the client's own. */
+#define SLEEP_HANDLER 5
 
 static handler_t g_handlers[] = {
     {SVC "Unary", h_unary, 1},     {SVC "ServerStream", h_server_stream, 1},
@@ -1627,6 +1632,126 @@ static int check_connectivity(ctx_t *c) {
   return 1;
 }
 
+/* ---- one thread frees or stops what another waits on ---- */
+
+/* Waits up to `seconds` for `*flag`; its value then. */
+static int eventually(atomic_int *flag, double seconds) {
+  double end = now_s() + seconds;
+  while (!atomic_load(flag) && now_s() < end) sleep_ms(5);
+  return atomic_load(flag);
+}
+
+typedef struct {
+  isthmus_cq_t *cq;
+  size_t got;
+  atomic_int returned;
+} cq_waiter_t;
+
+static void *cq_waiter(void *arg) {
+  cq_waiter_t *w = arg;
+  isthmus_event_t ev;
+  w->got = isthmus_cq_wait(w->cq, &ev, 1, 0, -1);
+  atomic_store(&w->returned, 1);
+  return NULL;
+}
+
+/* A thread asleep in isthmus_cq_wait with no timeout wakes when another frees the queue. */
+static int check_cq_free_wakes_a_waiter(ctx_t *c) {
+  if (!c->shm) return 1; /* no use of the target: once (over shm://) is enough */
+  cq_waiter_t w = {isthmus_cq_new(), 99, 0};
+  pthread_t t;
+  REQUIRE(w.cq != NULL && pthread_create(&t, NULL, cq_waiter, &w) == 0, "a queue and a thread");
+  sleep_ms(100); /* asleep in isthmus_cq_wait by now, most likely; if not, it finds no queue */
+  REQUIRE(isthmus_cq_free(w.cq) == ISTHMUS_OK, "the queue freed");
+  /* A thread that sleeps on is left behind: the process ends with the checks. */
+  REQUIRE(eventually(&w.returned, 10), "isthmus_cq_wait returned once its queue was freed");
+  pthread_join(t, NULL);
+  REQUIRE(w.got == 0, "no event");
+  return 1;
+}
+
+typedef struct {
+  isthmus_server_t *server;
+  uint64_t grace_ms;
+} stopper_t;
+
+static void *stopper(void *arg) {
+  stopper_t *s = arg;
+  isthmus_server_shutdown(s->server, s->grace_ms);
+  return NULL;
+}
+
+typedef struct {
+  isthmus_channel_t *ch;
+  atomic_int ended;
+} sleeper_t;
+
+static void *sleeper(void *arg) {
+  sleeper_t *s = arg;
+  isthmus_message_t *reply = NULL;
+  isthmus_status_t *st = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  isthmus_unary(s->ch, SVC "Sleep", (const uint8_t *)"z", 1, &opts, &reply, NULL, NULL, &st);
+  if (reply) isthmus_message_free(reply);
+  if (st) isthmus_status_free(st);
+  atomic_store(&s->ended, 1);
+  return NULL;
+}
+
+/* Shuts a server down with `first_ms` of grace on one thread while a call holds it, then with
+ * `second_ms` on this one: how long (s) the second took, from the first's start; < 0 on failure
+ * (`g_why` says why). */
+static double shutdown_twice(uint64_t first_ms, uint64_t second_ms) {
+  isthmus_status_t *st = NULL;
+  static atomic_int servers;
+  char target[96];
+  snprintf(target, sizeof target, "shm://abi-shutdown-%ld-%d", (long)getpid(), atomic_fetch_add(&servers, 1));
+  const char *targets[] = {target};
+  isthmus_server_t *server = isthmus_server_new(NULL);
+  sleeper_t call = {NULL, 0};
+  isthmus_code_t rc = isthmus_server_add_handler(server, SVC "Sleep", on_call, &g_handlers[SLEEP_HANDLER], &st);
+  if (rc == ISTHMUS_OK) rc = isthmus_server_start(server, targets, 1, &st);
+  if (rc == ISTHMUS_OK) rc = isthmus_channel_new(target, NULL, &call.ch, &st);
+  if (rc != ISTHMUS_OK) {
+    isthmus_server_free(server);
+    return failf(__LINE__, "a server and a channel: %s", describe(rc, st)) - 1;
+  }
+  int began = atomic_load(&g_sleep_began);
+  pthread_t caller, first;
+  pthread_create(&caller, NULL, sleeper, &call);
+  double end = now_s() + 30;
+  while (atomic_load(&g_sleep_began) == began && now_s() < end) sleep_ms(5);
+  int reached = atomic_load(&g_sleep_began) > began;
+
+  stopper_t graceful = {server, first_ms};
+  double start = now_s();
+  pthread_create(&first, NULL, stopper, &graceful);
+  sleep_ms(100); /* the first shutdown is under way (were it not, this one is first) */
+  rc = isthmus_server_shutdown(server, second_ms);
+  double took = now_s() - start;
+  pthread_join(first, NULL);
+  pthread_join(caller, NULL);
+  reap_workers(1);
+  isthmus_channel_close(call.ch);
+  isthmus_server_free(server);
+  if (!reached) return failf(__LINE__, "the Sleep call never reached its handler") - 1;
+  if (rc != ISTHMUS_OK) return failf(__LINE__, "the second shutdown: %s", isthmus_code_name(rc)) - 1;
+  return took;
+}
+
+/* A second shutdown while one is under way waits for it to finish (it used to return at once),
+ * and its own grace cuts the first one's short if it ends sooner, never longer. */
+static int check_shutdown_twice_at_once(ctx_t *c) {
+  if (!c->shm) return 1; /* servers of its own: once (over shm://) is enough */
+  double took = shutdown_twice(2000, 60000);
+  if (took < 0) return 0;
+  REQUIRE(took >= 1.0 && took < 30, "a longer second grace: it took %.3f s, not the first one's 2 s", took);
+  took = shutdown_twice(60000, 0);
+  if (took < 0) return 0;
+  REQUIRE(took < 30, "a second shutdown with no grace took %.3f s: the first one's 60 s ran on", took);
+  return 1;
+}
+
 /* Whoami's reply over `ch`, NUL-terminated, into `out`; the call's code. */
 static isthmus_code_t whoami(isthmus_channel_t *ch, char *out, size_t cap, isthmus_status_t **st) {
   isthmus_message_t *reply = NULL;
@@ -1687,6 +1812,8 @@ static const check_t CHECKS[] = {
     {"bad_target", check_bad_target},
     {"connectivity", check_connectivity},
     {"whoami", check_whoami},
+    {"cq_free_wakes_waiter", check_cq_free_wakes_a_waiter},
+    {"shutdown_twice", check_shutdown_twice_at_once},
 };
 
 
