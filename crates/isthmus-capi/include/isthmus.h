@@ -1079,10 +1079,10 @@ const char *isthmus_server_http_address(const isthmus_server_t *server,
 // milliseconds to finish before their connections close. The handle stays valid (free it
 // with `isthmus_server_free`).
 //
-// Thread-safety: any thread, which it blocks; a second call meanwhile (or an
-// `isthmus_server_free`) waits for the first to finish, whose grace period counts. From a
-// handler of this server, its own unfinished call holds the shutdown for the whole grace
-// period.
+// Thread-safety: any thread, which it blocks. A second call meanwhile (or an
+// `isthmus_server_free`) waits for the shutdown to finish, and ends its grace period sooner if
+// its own would end sooner (grpc-go's `Stop` during `GracefulStop`). From a handler of this
+// server, its own unfinished call holds the shutdown for the whole grace period.
 isthmus_code_t isthmus_server_shutdown(const isthmus_server_t *server,
                                        uint64_t grace_ms);
 
