@@ -12,6 +12,7 @@ import (
 	"fmt"
 	"io"
 	"runtime"
+	"slices"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -22,6 +23,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 )
@@ -40,6 +42,11 @@ type ClientConn struct {
 	invoker  grpc.UnaryInvoker
 	streamer grpc.Streamer
 	perRPC   perRPC
+	// defaults are WithDefaultCallOptions', applied before each typed call's own.
+	defaults []grpc.CallOption
+	// peer is what grpc.Peer gives, worked out once (serverPeer).
+	peerOnce sync.Once
+	peer     peer.Peer
 }
 
 // Messages up to inPlaceMax bytes are marshalled straight into shared memory (one copy)
@@ -103,10 +110,13 @@ type dialOptions struct {
 	streamInt       grpc.StreamClientInterceptor
 	chainStreamInts []grpc.StreamClientInterceptor
 	perRPC          []credentials.PerRPCCredentials
+	callOptions     []grpc.CallOption
 }
 
 // WithMaxMessageSize sets the largest message the connection accepts, in bytes (default
-// 4 GiB); a larger reply fails its call with codes.ResourceExhausted.
+// 4 GiB); a larger reply fails its call with codes.ResourceExhausted. The library enforces it
+// as the message arrives; grpc.MaxCallRecvMsgSize can set a lower limit for a typed call,
+// checked once the message is there.
 func WithMaxMessageSize(n uint64) DialOption {
 	return func(o *dialOptions) { o.maxMessageSize = n }
 }
@@ -147,7 +157,8 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 		err, _ := statusError(code, st)
 		return nil, err
 	}
-	cc := &ClientConn{ch: ch, r: r, target: target, shm: strings.HasPrefix(target, "shm:"), perRPC: creds}
+	cc := &ClientConn{ch: ch, r: r, target: target, shm: strings.HasPrefix(target, "shm:"), perRPC: creds,
+		defaults: slices.Clip(o.callOptions)}
 	cc.invoker = unaryInvoker(withFirst(o.unaryInt, o.unaryInt != nil, o.chainUnaryInts),
 		func(ctx context.Context, method string, req, reply any, _ *grpc.ClientConn, opts ...grpc.CallOption) error {
 			return cc.invoke(ctx, method, req, reply, opts...)
@@ -174,30 +185,6 @@ func (cc *ClientConn) Close() error {
 
 func errClosing() error {
 	return status.Error(codes.Canceled, "grpc: the client connection is closing")
-}
-
-// callOptions are the grpc.CallOptions isthmus honours.
-type callOptions struct {
-	header, trailer *metadata.MD
-	waitForReady    bool
-	creds           credentials.PerRPCCredentials
-}
-
-func parseCallOptions(opts []grpc.CallOption) callOptions {
-	var co callOptions
-	for _, o := range opts {
-		switch o := o.(type) {
-		case grpc.HeaderCallOption:
-			co.header = o.HeaderAddr
-		case grpc.TrailerCallOption:
-			co.trailer = o.TrailerAddr
-		case grpc.FailFastCallOption:
-			co.waitForReady = !o.FailFast
-		case grpc.PerRPCCredsCallOption:
-			co.creds = o.Creds
-		}
-	}
-	return co
 }
 
 // cCallOptions builds the C options of a call of method from its context, with the metadata
@@ -276,6 +263,7 @@ func ctxError(ctx context.Context) error {
 
 // Invoke makes a unary call (grpc.ClientConnInterface), through the interceptors if any.
 func (cc *ClientConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	opts = withDefaults(cc.defaults, opts)
 	if cc.invoker != nil {
 		return cc.invoker(ctx, method, args, reply, nil, opts...)
 	}
@@ -284,17 +272,34 @@ func (cc *ClientConn) Invoke(ctx context.Context, method string, args, reply any
 
 // invoke makes a unary call, the interceptors' invoker.
 func (cc *ClientConn) invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
+	co := parseCallOptions(opts)
+	err := cc.invokeWith(ctx, method, args, reply, co)
+	co.finished(err)
+	return err
+}
+
+// invokeWith makes a unary call with its parsed options.
+func (cc *ClientConn) invokeWith(ctx context.Context, method string, args, reply any, co callOptions) error {
 	if cc.closed.Load() {
 		return errClosing()
 	}
-	co := parseCallOptions(opts)
-	if pm, ok := args.(proto.Message); ok && cc.shm {
-		if size := proto.Size(pm); inPlace(size, true) {
+	if co.err != nil {
+		return co.err
+	}
+	if pm, ok := args.(proto.Message); ok && cc.shm && co.codec == nil {
+		size := proto.Size(pm)
+		if err := co.checkSend(size); err != nil {
+			return err
+		}
+		if inPlace(size, true) {
 			return cc.invokeLarge(ctx, method, pm, size, reply, co)
 		}
 	}
-	req, err := marshal(args)
+	req, err := co.marshal(args)
 	if err != nil {
+		return err
+	}
+	if err := co.checkSend(len(req)); err != nil {
 		return err
 	}
 	copts, err := cc.cCallOptions(ctx, method, co, 0)
@@ -382,11 +387,16 @@ func unaryEvent(code C.isthmus_code_t, msg *C.isthmus_message_t, header, trailer
 	return ev
 }
 
-// unaryReply unmarshals a unary call's outcome into reply and hands its metadata to the call
-// options that asked for it; every handle in ev is freed.
+// unaryReply unmarshals a unary call's outcome into reply and hands its metadata (and peer)
+// to the call options that asked for it; every handle in ev is freed. A reply over
+// MaxCallRecvMsgSize fails the call, as grpc-go's would.
 func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok bool, reply any, co callOptions) error {
 	if !ok {
 		return ctxError(ctx)
+	}
+	// A call that failed UNAVAILABLE did not reach a server: grpc-go leaves the peer then.
+	if co.peer != nil && ev.code != C.ISTHMUS_UNAVAILABLE {
+		*co.peer = cc.serverPeer()
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, trailers := statusError(ev.code, ev.status)
@@ -395,7 +405,10 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 		}
 		return err
 	}
-	err := unmarshal(messageBytes(ev.message_data, ev.message_len), reply)
+	err := co.checkRecv(int(ev.message_len))
+	if err == nil {
+		err = co.unmarshal(messageBytes(ev.message_data, ev.message_len), reply)
+	}
 	C.isthmus_message_free(ev.message)
 	if co.header != nil {
 		*co.header = takeMetadata(ev.metadata)
@@ -448,6 +461,7 @@ func (cc *ClientConn) invokeLarge(ctx context.Context, method string, args proto
 // NewStream starts a streaming call (grpc.ClientConnInterface), through the interceptors if
 // any.
 func (cc *ClientConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+	opts = withDefaults(cc.defaults, opts)
 	if cc.streamer != nil {
 		return cc.streamer(ctx, desc, nil, method, opts...)
 	}
@@ -456,11 +470,17 @@ func (cc *ClientConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, meth
 
 // newClientStream starts a streaming call, the interceptors' streamer.
 func (cc *ClientConn) newClientStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts []grpc.CallOption) (grpc.ClientStream, error) {
+	co := parseCallOptions(opts)
+	err := co.err
 	if cc.closed.Load() {
-		return nil, errClosing()
+		err = errClosing()
 	}
-	s, err := cc.newStream(ctx, desc, method, parseCallOptions(opts))
+	var s *clientStream
+	if err == nil {
+		s, err = cc.newStream(ctx, desc, method, co)
+	}
 	if err != nil {
+		co.finished(err)
 		return nil, err // not a nil *clientStream in a non-nil interface
 	}
 	return s, nil
@@ -486,7 +506,11 @@ func (cc *ClientConn) newStream(ctx context.Context, desc *grpc.StreamDesc, meth
 		return nil, err
 	}
 	s := &clientStream{cc: cc, call: ev.call, ctx: ctx, desc: desc, opts: co}
-	s.stop = context.AfterFunc(ctx, s.cancel)
+	if co.onFinish || co.peer != nil {
+		s.stop = context.AfterFunc(ctx, s.ctxEnded)
+	} else {
+		s.stop = context.AfterFunc(ctx, s.cancel)
+	}
 	return s, nil
 }
 
@@ -507,6 +531,8 @@ type clientStream struct {
 	gotHead bool
 	trailer metadata.MD
 	sent    atomic.Bool // CloseSend or the last message went
+	// reported: the call options heard how the call ended (report).
+	reported atomic.Bool
 }
 
 // begin marks an operation on the call in progress; false if the call is over.
@@ -536,8 +562,9 @@ func (s *clientStream) releaseLocked() {
 	}
 }
 
-// finish records how the call ended.
-func (s *clientStream) finish(err error) {
+// finish records how the call ended; trailers, if not nil, are its trailers (those of its
+// error's status) in place of what the call has.
+func (s *clientStream) finish(err error, trailers metadata.MD) {
 	s.mu.Lock()
 	if !s.ended {
 		s.ended = true
@@ -546,14 +573,44 @@ func (s *clientStream) finish(err error) {
 			s.trailer = takeMetadata(C.isthmus_call_trailers(s.call))
 		}
 	}
+	if trailers != nil {
+		s.trailer = trailers
+	}
+	err, trailers = s.err, s.trailer
 	s.releaseLocked()
 	s.mu.Unlock()
 	if s.stop != nil {
 		s.stop()
 	}
 	if s.opts.trailer != nil {
-		*s.opts.trailer = s.trailer
+		*s.opts.trailer = trailers
 	}
+	s.report(err)
+}
+
+// fail ends the call with err, a failure of this side, as grpc-go's stream does.
+func (s *clientStream) fail(err error) {
+	s.cancel()
+	s.finish(err, nil)
+}
+
+// report tells the call options how the call ended, once: grpc.Peer gets the server (unless
+// the call failed UNAVAILABLE, reaching none), grpc.OnFinish callbacks the error.
+func (s *clientStream) report(err error) {
+	if (!s.opts.onFinish && s.opts.peer == nil) || s.reported.Swap(true) {
+		return
+	}
+	if s.opts.peer != nil && status.Code(err) != codes.Unavailable {
+		*s.opts.peer = s.cc.serverPeer()
+	}
+	s.opts.finished(err)
+}
+
+// ctxEnded is cancel for a call whose options hear how it ended: grpc-go tells them when the
+// context ends, whether or not the stream is read again.
+func (s *clientStream) ctxEnded() {
+	s.cancel()
+	s.report(ctxError(s.ctx))
 }
 
 // cancel ends the call when its context does.
@@ -630,8 +687,12 @@ func (s *clientStream) SendMsg(m any) error {
 	if s.sent.Load() {
 		return status.Error(codes.Internal, "SendMsg called after CloseSend")
 	}
-	b, err := marshal(m)
+	b, err := s.opts.marshal(m)
+	if err == nil {
+		err = s.opts.checkSend(len(b))
+	}
 	if err != nil {
+		s.fail(err)
 		return err
 	}
 	return s.sendBytes(b, false)
@@ -701,29 +762,27 @@ func (s *clientStream) recv(m any) error {
 	ev, ok := s.cc.recvCall(s.ctx, call)
 	if !ok {
 		err := ctxError(s.ctx)
-		s.finish(err)
+		s.finish(err, nil)
 		return err
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, trailers := statusError(ev.code, ev.status)
 		s.keepHeader(call)
-		s.finish(err)
-		s.mu.Lock()
-		if trailers != nil {
-			s.trailer = trailers
-		}
-		s.mu.Unlock()
-		if s.opts.trailer != nil {
-			*s.opts.trailer = trailers
-		}
+		s.finish(err, trailers)
 		return err
 	}
 	if ev.message == nil {
 		s.keepHeader(call)
-		s.finish(nil)
+		s.finish(nil, nil)
 		return io.EOF
 	}
-	err := unmarshal(messageBytes(ev.message_data, ev.message_len), m)
+	if err := s.opts.checkRecv(int(ev.message_len)); err != nil {
+		C.isthmus_message_free(ev.message)
+		s.keepHeader(call)
+		s.fail(err)
+		return err
+	}
+	err := s.opts.unmarshal(messageBytes(ev.message_data, ev.message_len), m)
 	C.isthmus_message_free(ev.message)
 	return err
 }
@@ -737,8 +796,7 @@ func (s *clientStream) RecvMsg(m any) error {
 	switch err := s.recv(m); {
 	case err == nil:
 		e := status.Error(codes.Internal, "cardinality violation: expected <EOF> for non server-streaming RPCs, but received another message")
-		s.cancel()
-		s.finish(e)
+		s.fail(e)
 		return e
 	case errors.Is(err, io.EOF):
 		return nil

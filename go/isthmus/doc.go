@@ -17,7 +17,9 @@
 //
 // All four RPC kinds work, with context deadlines and cancellation, metadata both ways
 // (google.golang.org/grpc/metadata, grpc.Header and grpc.Trailer call options,
-// grpc.SetHeader/SendHeader/SetTrailer in handlers), errors as status.Status with codes,
+// grpc.SetHeader/SendHeader/SetTrailer in handlers), grpc-go's other common call options
+// (grpc.Peer, grpc.OnFinish, grpc.MaxCallSendMsgSize, grpc.MaxCallRecvMsgSize, proto
+// codecs; WithDefaultCallOptions for every call), errors as status.Status with codes,
 // TLS and mutual TLS over TCP (WithTLS, ServerTLS), the caller in a handler's
 // peer.FromContext (its address, and over TLS a credentials.TLSInfo), grpc-go's interceptors
 // on both sides (WithUnaryInterceptor, WithChainUnaryInterceptor and the stream ones for a

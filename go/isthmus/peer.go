@@ -37,8 +37,9 @@ func (a *ShmAddr) Network() string { return "shm" }
 // String is the library's name for the client: "shm:pid=PID,uid=UID".
 func (a *ShmAddr) String() string { return fmt.Sprintf("shm:pid=%d,uid=%d", a.PID, a.UID) }
 
-// otherAddr is a client address in a form parseAddr does not know ("unknown" when the
-// library could not learn it): its text as the library gave it.
+// otherAddr is an address with no type of its own, its text: a client address in a form
+// parseAddr does not know ("unknown" when the library could not learn it), or a server's
+// shm:// target (targetAddr). Its Network is the text before the first colon.
 type otherAddr string
 
 func (a otherAddr) Network() string {

@@ -205,16 +205,16 @@ func (r *RawStream) Recv() (*Message, error) {
 	ev, ok := r.cs.cc.recvCall(r.cs.ctx, call)
 	if !ok {
 		err := ctxError(r.cs.ctx)
-		r.cs.finish(err)
+		r.cs.finish(err, nil)
 		return nil, err
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, _ := statusError(ev.code, ev.status)
-		r.cs.finish(err)
+		r.cs.finish(err, nil)
 		return nil, err
 	}
 	if ev.message == nil {
-		r.cs.finish(nil)
+		r.cs.finish(nil, nil)
 		return nil, io.EOF
 	}
 	return newMessage(ev.message, ev.message_data, ev.message_len), nil

@@ -1,0 +1,482 @@
+package isthmus_test
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"slices"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	_ "google.golang.org/grpc/encoding/gzip" // registers "gzip" for UseCompressor
+	grpcpeer "google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	pb "example.invalid/isthmus/go/internal/conformancepb"
+	"example.invalid/isthmus/go/internal/echo"
+	"example.invalid/isthmus/go/isthmus"
+)
+
+// grpc-go's call options on an isthmus ClientConn, over shm:// and unix:// to an isthmus
+// server in this process, each checked against a plain grpc-go client of the same server's
+// unix socket: the same codes, the same words.
+
+// optionService is the Echo service counting the unary calls that reach it and telling how
+// each Bidi call ended.
+type optionService struct {
+	echo.Service
+	unary atomic.Int32
+	ended chan string
+}
+
+func (s *optionService) Unary(ctx context.Context, req *pb.EchoRequest) (*pb.EchoReply, error) {
+	s.unary.Add(1)
+	return s.Service.Unary(ctx, req)
+}
+
+// optionClient is one client of the optionService: an isthmus ClientConn or grpc-go's.
+type optionClient struct {
+	label string
+	conn  grpc.ClientConnInterface
+}
+
+// startOptionServer serves an optionService on a fresh shm:// target and unix socket.
+func startOptionServer(t *testing.T, tag string) (svc *optionService, shm, unix string) {
+	t.Helper()
+	shm, unix = fresh(t, tag)
+	svc = &optionService{ended: make(chan string, 16)}
+	svc.BidiEnded = func(how string) { svc.ended <- how }
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, svc)
+	if err := s.Start(shm, unix); err != nil {
+		t.Fatalf("start: %v", err)
+	}
+	t.Cleanup(s.Stop)
+	return svc, shm, unix
+}
+
+// optionClients are isthmus clients of shm and unix with opts, and a grpc-go client of unix
+// with grpcOpts, last: the reference.
+func optionClients(t *testing.T, shm, unix string, opts []isthmus.DialOption, grpcOpts ...grpc.DialOption) []optionClient {
+	return []optionClient{
+		{"isthmus shm", dialWith(t, shm, opts...)},
+		{"isthmus unix", dialWith(t, unix, opts...)},
+		{"grpc-go unix", newGrpcClient(t, unix, grpcOpts...)},
+	}
+}
+
+// sameErrors fails t unless every client's error (by label, in clients' order) has code want
+// and grpc-go's message, the last one's.
+func sameErrors(t *testing.T, what string, clients []optionClient, errs []error, want codes.Code) {
+	t.Helper()
+	ref := status.Convert(errs[len(errs)-1])
+	for i, err := range errs {
+		st := status.Convert(err)
+		switch {
+		case st.Code() != want:
+			t.Errorf("%s: %s: %v, want %v", clients[i].label, what, err, want)
+		case st.Message() != ref.Message():
+			t.Errorf("%s: %s: %q, grpc-go says %q", clients[i].label, what, st.Message(), ref.Message())
+		}
+	}
+}
+
+// nextEnd is how the server's next Bidi call ended.
+func nextEnd(t *testing.T, svc *optionService) string {
+	t.Helper()
+	select {
+	case how := <-svc.ended:
+		return how
+	case <-time.After(10 * time.Second):
+		t.Fatal("the server's Bidi handler did not end within 10 s")
+		return ""
+	}
+}
+
+// A request over MaxCallSendMsgSize fails ResourceExhausted in grpc-go's words before
+// anything is sent: a unary call never reaches the handler (one written in place into shared
+// memory included), and a stream's SendMsg fails and ends the stream.
+func TestMaxCallSendMsgSizeFailsBeforeSending(t *testing.T) {
+	svc, shm, unix := startOptionServer(t, "maxsend")
+	clients := optionClients(t, shm, unix, nil)
+	ctx := testContext(t)
+	for _, size := range []int{1000, 64 << 10} { // 64 KiB: in place over shm://
+		var errs []error
+		for _, c := range clients {
+			before := svc.unary.Load()
+			_, err := pb.NewEchoClient(c.conn).Unary(ctx, &pb.EchoRequest{Payload: make([]byte, size)},
+				grpc.MaxCallSendMsgSize(size-1))
+			errs = append(errs, err)
+			if n := svc.unary.Load() - before; n != 0 {
+				t.Errorf("%s: a %d-byte request over the limit reached the handler", c.label, size)
+			}
+			if _, err := pb.NewEchoClient(c.conn).Unary(ctx, &pb.EchoRequest{Payload: make([]byte, size)},
+				grpc.MaxCallSendMsgSize(size+16)); err != nil {
+				t.Errorf("%s: a %d-byte request under the limit: %v", c.label, size, err)
+			}
+		}
+		sameErrors(t, fmt.Sprintf("unary, %d bytes", size), clients, errs, codes.ResourceExhausted)
+	}
+	if msg := status.Convert(errsOf(t, clients, func(c optionClient) error {
+		_, err := pb.NewEchoClient(c.conn).Unary(ctx, &pb.EchoRequest{Payload: make([]byte, 1000)}, grpc.MaxCallSendMsgSize(100))
+		return err
+	})[0]).Message(); msg != "trying to send message larger than max (1003 vs. 100)" {
+		t.Errorf("the message: %q", msg)
+	}
+
+	var sendErrs, recvErrs []error
+	for _, c := range clients {
+		s, err := pb.NewEchoClient(c.conn).Bidi(ctx, grpc.MaxCallSendMsgSize(100))
+		if err != nil {
+			t.Fatalf("%s: Bidi: %v", c.label, err)
+		}
+		if err := s.Send(&pb.EchoRequest{Payload: make([]byte, 10)}); err != nil {
+			t.Fatalf("%s: a small message: %v", c.label, err)
+		}
+		if _, err := s.Recv(); err != nil {
+			t.Fatalf("%s: its echo: %v", c.label, err)
+		}
+		sendErrs = append(sendErrs, s.Send(&pb.EchoRequest{Payload: make([]byte, 1000)}))
+		_, err = s.Recv()
+		recvErrs = append(recvErrs, err)
+		if how := nextEnd(t, svc); how != "Canceled" {
+			t.Errorf("%s: the server's stream ended %q, want Canceled", c.label, how)
+		}
+	}
+	sameErrors(t, "stream send", clients, sendErrs, codes.ResourceExhausted)
+	for i, err := range recvErrs {
+		if err == nil || errors.Is(err, io.EOF) {
+			t.Errorf("%s: Recv after the failed send: %v, want the call's end", clients[i].label, err)
+		}
+	}
+}
+
+// errsOf is f's error on each client.
+func errsOf(t *testing.T, clients []optionClient, f func(optionClient) error) []error {
+	t.Helper()
+	var errs []error
+	for _, c := range clients {
+		errs = append(errs, f(c))
+	}
+	return errs
+}
+
+// A response over MaxCallRecvMsgSize fails ResourceExhausted in grpc-go's words; a stream's
+// RecvMsg fails and the call is cancelled (the server's handler sees Canceled).
+func TestMaxCallRecvMsgSizeFailsTheCall(t *testing.T) {
+	svc, shm, unix := startOptionServer(t, "maxrecv")
+	clients := optionClients(t, shm, unix, nil)
+	ctx := testContext(t)
+	for _, size := range []int{1000, 64 << 10} {
+		errs := errsOf(t, clients, func(c optionClient) error {
+			_, err := pb.NewEchoClient(c.conn).Unary(ctx, &pb.EchoRequest{Payload: make([]byte, size)},
+				grpc.MaxCallRecvMsgSize(size-1))
+			return err
+		})
+		sameErrors(t, fmt.Sprintf("unary, %d bytes", size), clients, errs, codes.ResourceExhausted)
+		if !strings.HasPrefix(status.Convert(errs[0]).Message(), "grpc: received message larger than max (") {
+			t.Errorf("the message: %v", errs[0])
+		}
+	}
+	errs := errsOf(t, clients, func(c optionClient) error {
+		s, err := pb.NewEchoClient(c.conn).Bidi(ctx, grpc.MaxCallRecvMsgSize(100))
+		if err != nil {
+			return err
+		}
+		if err := s.Send(&pb.EchoRequest{Payload: make([]byte, 10)}); err != nil {
+			return err
+		}
+		if _, err := s.Recv(); err != nil {
+			return fmt.Errorf("a small reply: %w", err)
+		}
+		if err := s.Send(&pb.EchoRequest{Payload: make([]byte, 1000)}); err != nil {
+			return err
+		}
+		_, err = s.Recv()
+		if how := nextEnd(t, svc); how != "Canceled" {
+			t.Errorf("%s: the server's stream ended %q, want Canceled", c.label, how)
+		}
+		if _, again := s.Recv(); again == nil {
+			t.Errorf("%s: Recv after the failed one gave a message", c.label)
+		}
+		return err
+	})
+	sameErrors(t, "stream", clients, errs, codes.ResourceExhausted)
+}
+
+// WithDefaultCallOptions apply to every call before the call's own, which win, and
+// interceptors see them, as with grpc-go's.
+func TestDefaultCallOptionsComeBeforeTheCallsOwn(t *testing.T) {
+	_, shm, unix := startOptionServer(t, "defaults")
+	var seen sync.Map // label → the option kinds the interceptor saw
+	see := func(label string) grpc.UnaryClientInterceptor {
+		return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+			var kinds []string
+			for _, o := range opts {
+				switch o.(type) {
+				case grpc.MaxSendMsgSizeCallOption:
+					kinds = append(kinds, "send")
+				case grpc.MaxRecvMsgSizeCallOption:
+					kinds = append(kinds, "recv")
+				}
+			}
+			seen.Store(label, kinds)
+			return invoker(ctx, method, req, reply, cc, opts...)
+		}
+	}
+	defaults := []grpc.CallOption{grpc.MaxCallSendMsgSize(100)}
+	clients := []optionClient{
+		{"isthmus shm", dialWith(t, shm, isthmus.WithDefaultCallOptions(defaults...), isthmus.WithUnaryInterceptor(see("isthmus shm")))},
+		{"isthmus unix", dialWith(t, unix, isthmus.WithDefaultCallOptions(defaults...), isthmus.WithUnaryInterceptor(see("isthmus unix")))},
+		{"grpc-go unix", newGrpcClient(t, unix, grpc.WithDefaultCallOptions(defaults...), grpc.WithUnaryInterceptor(see("grpc-go unix")))},
+	}
+	ctx := testContext(t)
+	req := &pb.EchoRequest{Payload: make([]byte, 1000)}
+	errs := errsOf(t, clients, func(c optionClient) error {
+		_, err := pb.NewEchoClient(c.conn).Unary(ctx, req)
+		return err
+	})
+	sameErrors(t, "the default limit", clients, errs, codes.ResourceExhausted)
+	for _, c := range clients {
+		if _, err := pb.NewEchoClient(c.conn).Unary(ctx, req, grpc.MaxCallRecvMsgSize(1<<20), grpc.MaxCallSendMsgSize(1<<20)); err != nil {
+			t.Errorf("%s: the call's own limit: %v", c.label, err)
+		}
+		kinds, _ := seen.Load(c.label)
+		if want := []string{"send", "recv", "send"}; !slices.Equal(kinds.([]string), want) {
+			t.Errorf("%s: the interceptor saw %v, want %v", c.label, kinds, want)
+		}
+		s, err := pb.NewEchoClient(c.conn).Bidi(ctx)
+		if err != nil {
+			t.Fatalf("%s: Bidi: %v", c.label, err)
+		}
+		if err := s.Send(req); status.Code(err) != codes.ResourceExhausted {
+			t.Errorf("%s: a stream's message over the default limit: %v", c.label, err)
+		}
+	}
+}
+
+// grpc.Peer names the server after a call: a *net.UnixAddr for unix://, the target (network
+// "shm") for shm://, a *net.TCPAddr for TCP, with credentials.TLSInfo over TLS; a stream's is
+// set when it ends. A call that reached no server leaves it.
+func TestPeerCallOptionNamesTheServer(t *testing.T) {
+	_, shm, unix := startOptionServer(t, "peeropt")
+	ctx := testContext(t)
+	peerOf := func(conn grpc.ClientConnInterface) (unary, stream grpcpeer.Peer) {
+		t.Helper()
+		c := pb.NewEchoClient(conn)
+		if _, err := c.Unary(ctx, &pb.EchoRequest{}, grpc.Peer(&unary)); err != nil {
+			t.Fatalf("Unary: %v", err)
+		}
+		s, err := c.ServerStream(ctx, &pb.StreamRequest{Count: 2}, grpc.Peer(&stream))
+		if err != nil {
+			t.Fatalf("ServerStream: %v", err)
+		}
+		for {
+			if _, err := s.Recv(); err == io.EOF {
+				break
+			} else if err != nil {
+				t.Fatalf("ServerStream: %v", err)
+			}
+		}
+		return unary, stream
+	}
+
+	wantUnix, _ := peerOf(newGrpcClient(t, unix))
+	u, s := peerOf(dial(t, unix))
+	for _, p := range []grpcpeer.Peer{u, s} {
+		a, ok := p.Addr.(*net.UnixAddr)
+		if !ok || a.Name != strings.TrimPrefix(unix, "unix://") || a.String() != wantUnix.Addr.String() || a.Network() != wantUnix.Addr.Network() {
+			t.Errorf("unix: Addr %T %v, grpc-go says %T %v", p.Addr, p.Addr, wantUnix.Addr, wantUnix.Addr)
+		}
+		if p.AuthInfo == nil || p.AuthInfo.AuthType() != "local" {
+			t.Errorf("unix: AuthInfo %v, want local", p.AuthInfo)
+		}
+	}
+	u, s = peerOf(dial(t, shm))
+	for _, p := range []grpcpeer.Peer{u, s} {
+		if p.Addr == nil || p.Addr.Network() != "shm" || p.Addr.String() != shm {
+			t.Errorf("shm: Addr %v, want network shm and %s", p.Addr, shm)
+		}
+		if p.AuthInfo == nil || p.AuthInfo.AuthType() != "local" {
+			t.Errorf("shm: AuthInfo %v, want local", p.AuthInfo)
+		}
+	}
+
+	pki := newPKI(t)
+	target, _ := startTLSServer(t, pki.server(false, false))
+	u, s = peerOf(dialTLS(t, target, isthmus.TLSConfig{RootCAs: pki.caPEM}))
+	for _, p := range []grpcpeer.Peer{u, s} {
+		a, ok := p.Addr.(*net.TCPAddr)
+		if !ok || "https://"+a.String() != target {
+			t.Errorf("tls: Addr %T %v, want %s", p.Addr, p.Addr, target)
+		}
+		if info, ok := p.AuthInfo.(credentials.TLSInfo); !ok || info.SecurityLevel != credentials.PrivacyAndIntegrity {
+			t.Errorf("tls: AuthInfo %T %v, want credentials.TLSInfo", p.AuthInfo, p.AuthInfo)
+		}
+	}
+
+	nobody, _ := fresh(t, "peeropt-nobody")
+	var p grpcpeer.Peer
+	if _, err := pb.NewEchoClient(dial(t, nobody)).Unary(ctx, &pb.EchoRequest{}, grpc.Peer(&p)); status.Code(err) != codes.Unavailable {
+		t.Fatalf("a call to nobody: %v", err)
+	}
+	if p.Addr != nil {
+		t.Errorf("a call to nobody named a peer: %v", p.Addr)
+	}
+}
+
+// grpc.OnFinish hears each call's final error once, as grpc-go's client tells it: unary
+// calls that succeed and fail (at the server or before sending), streams read to their end,
+// and a stream whose context ends while nobody reads it.
+func TestOnFinishHearsHowTheCallEnded(t *testing.T) {
+	_, shm, unix := startOptionServer(t, "onfinish")
+	clients := optionClients(t, shm, unix, nil)
+	ctx := testContext(t)
+	var results [][]string
+	for _, c := range clients {
+		var mu sync.Mutex
+		var heard []string
+		done := make(chan struct{}, 16)
+		onFinish := grpc.OnFinish(func(err error) {
+			mu.Lock()
+			heard = append(heard, status.Code(err).String())
+			mu.Unlock()
+			done <- struct{}{}
+		})
+		wait := func(what string) {
+			select {
+			case <-done:
+			case <-time.After(10 * time.Second):
+				t.Fatalf("%s: %s: OnFinish was not called within 10 s", c.label, what)
+			}
+		}
+		e := pb.NewEchoClient(c.conn)
+		_, _ = e.Unary(ctx, &pb.EchoRequest{}, onFinish)
+		wait("unary")
+		_, _ = e.Unary(ctx, &pb.EchoRequest{FailWith: int32(codes.NotFound)}, onFinish)
+		wait("failing unary")
+		_, _ = e.Unary(ctx, &pb.EchoRequest{Payload: make([]byte, 100)}, onFinish, grpc.MaxCallSendMsgSize(10))
+		wait("unary over the limit")
+		s, err := e.ServerStream(ctx, &pb.StreamRequest{Count: 2}, onFinish)
+		if err != nil {
+			t.Fatal(err)
+		}
+		for err == nil {
+			_, err = s.Recv()
+		}
+		wait("stream")
+		sctx, cancel := context.WithCancel(ctx)
+		if _, err := e.Bidi(sctx, onFinish); err != nil {
+			t.Fatal(err)
+		}
+		cancel()
+		wait("cancelled stream")
+		time.Sleep(50 * time.Millisecond) // a second call would come now
+		mu.Lock()
+		results = append(results, heard)
+		mu.Unlock()
+	}
+	want := results[len(results)-1]
+	if !slices.Equal(want, []string{"OK", "NotFound", "ResourceExhausted", "OK", "Canceled"}) {
+		t.Errorf("grpc-go's client heard %v", want)
+	}
+	for i, got := range results {
+		if !slices.Equal(got, want) {
+			t.Errorf("%s heard %v, grpc-go %v", clients[i].label, got, want)
+		}
+	}
+}
+
+// protoCodec is protobuf under the name it is given, counting its uses.
+type protoCodec struct {
+	name              string
+	marshals, unmarsh *atomic.Int32
+}
+
+func (c protoCodec) Marshal(v any) ([]byte, error) {
+	c.marshals.Add(1)
+	return proto.Marshal(v.(proto.Message))
+}
+
+func (c protoCodec) Unmarshal(data []byte, v any) error {
+	c.unmarsh.Add(1)
+	return proto.Unmarshal(data, v.(proto.Message))
+}
+
+func (c protoCodec) Name() string { return c.name }
+
+// ForceCodec is honoured while its content-subtype is "proto"; a codec or content-subtype
+// isthmus cannot send fails codes.Unimplemented before the call starts; a content-subtype or
+// compressor grpc-go does not know fails as grpc-go's does; a known compressor is accepted
+// (and the message sent uncompressed).
+func TestCodecAndCompressorOptions(t *testing.T) {
+	svc, shm, unix := startOptionServer(t, "codec")
+	clients := optionClients(t, shm, unix, nil)
+	ctx := testContext(t)
+	req := &pb.EchoRequest{Payload: []byte("codec"), Seq: 7}
+	for _, c := range clients {
+		e := pb.NewEchoClient(c.conn)
+		codec := protoCodec{name: "proto", marshals: new(atomic.Int32), unmarsh: new(atomic.Int32)}
+		reply, err := e.Unary(ctx, req, grpc.ForceCodec(codec))
+		if err != nil || reply.Seq != 7 || string(reply.Payload) != "codec" {
+			t.Errorf("%s: ForceCodec(proto): %v, %v", c.label, reply, err)
+		}
+		s, err := e.Bidi(ctx, grpc.ForceCodec(codec))
+		if err == nil {
+			if err = s.Send(req); err == nil {
+				_, err = s.Recv()
+			}
+			s.CloseSend()
+		}
+		if err != nil {
+			t.Errorf("%s: a stream with ForceCodec(proto): %v", c.label, err)
+		}
+		if m, u := codec.marshals.Load(), codec.unmarsh.Load(); m != 2 || u != 2 {
+			t.Errorf("%s: the forced codec marshalled %d and unmarshalled %d messages, want 2 and 2", c.label, m, u)
+		}
+		opts := []grpc.CallOption{grpc.CallContentSubtype("proto"), grpc.UseCompressor("identity")}
+		if strings.HasPrefix(c.label, "isthmus") {
+			// grpc-go would compress, which the isthmus server refuses (Unimplemented).
+			opts = append(opts, grpc.UseCompressor("gzip"))
+		}
+		for _, opt := range opts {
+			if _, err := e.Unary(ctx, req, opt); err != nil {
+				t.Errorf("%s: %#v: %v", c.label, opt, err)
+			}
+		}
+	}
+	isthmusOnly := clients[:len(clients)-1]
+	for _, opt := range []grpc.CallOption{
+		grpc.ForceCodec(protoCodec{name: "json", marshals: new(atomic.Int32), unmarsh: new(atomic.Int32)}),
+	} {
+		for _, c := range isthmusOnly {
+			before := svc.unary.Load()
+			_, err := pb.NewEchoClient(c.conn).Unary(ctx, req, opt)
+			if status.Code(err) != codes.Unimplemented || !strings.Contains(err.Error(), `"json"`) {
+				t.Errorf("%s: a json codec: %v, want Unimplemented naming it", c.label, err)
+			}
+			if svc.unary.Load() != before {
+				t.Errorf("%s: the call reached the server", c.label)
+			}
+			if _, err := pb.NewEchoClient(c.conn).Bidi(ctx, opt); status.Code(err) != codes.Unimplemented {
+				t.Errorf("%s: a stream with a json codec: %v, want Unimplemented", c.label, err)
+			}
+		}
+	}
+	for _, opt := range []grpc.CallOption{grpc.CallContentSubtype("nosuch"), grpc.UseCompressor("nosuch")} {
+		errs := errsOf(t, clients, func(c optionClient) error {
+			_, err := pb.NewEchoClient(c.conn).Unary(ctx, req, opt)
+			return err
+		})
+		sameErrors(t, fmt.Sprintf("%#v", opt), clients, errs, codes.Internal)
+	}
+}
