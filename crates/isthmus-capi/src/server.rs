@@ -301,14 +301,7 @@ fn stop(server: &isthmus_server_t, grace: Duration) {
     let Ok(state) = server.state.lock() else { return };
     let mut finished = match &*state {
         ServerState::Serving { stop, finished, .. } => {
-            let at = tokio::time::Instant::now() + grace;
-            stop.send_if_modified(|sent| match sent {
-                Some(earlier) if *earlier <= at => false,
-                _ => {
-                    *sent = Some(at);
-                    true
-                }
-            });
+            isthmus::stop_by(stop, grace);
             finished.clone()
         }
         _ => return,
@@ -340,6 +333,28 @@ fn handed(call: *const isthmus_server_call_t) -> Result<Arc<HandedCall>, Status>
     Ok(SERVER_CALLS.get(call)?.call.clone())
 }
 
+/// Bytes the call holds (its path, its peer…) as a pointer valid until the call is finished,
+/// their length in `*len`; NULL (length 0) for an invalid handle or bytes it does not have.
+///
+/// # Safety
+///
+/// `len` is NULL or writable.
+unsafe fn call_bytes(
+    call: *const isthmus_server_call_t,
+    len: *mut usize,
+    part: impl FnOnce(&HandedCall) -> Option<&[u8]>,
+) -> *const u8 {
+    guard(std::ptr::null(), || {
+        let got = SERVER_CALLS.get(call);
+        // The bytes live in the HandedCall, which the registry holds until `finish`.
+        let (p, n) =
+            got.as_ref().ok().and_then(|c| part(&c.call)).map_or((std::ptr::null(), 0), |b| (b.as_ptr(), b.len()));
+        // SAFETY: the caller promises `len` is NULL or writable.
+        unsafe { put(len, n) };
+        p
+    })
+}
+
 /// The call's method path (not NUL-terminated; its length in `*len`), valid until the call
 /// is finished.
 ///
@@ -351,16 +366,8 @@ fn handed(call: *const isthmus_server_call_t) -> Result<Arc<HandedCall>, Status>
 /// `len` is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn isthmus_server_call_path(call: *const isthmus_server_call_t, len: *mut usize) -> *const u8 {
-    guard(std::ptr::null(), || {
-        let (p, n) = match SERVER_CALLS.get(call) {
-            // The path lives in the HandedCall, which the registry holds until `finish`.
-            Ok(c) => (c.call.path().as_ptr(), c.call.path().len()),
-            Err(_) => (std::ptr::null(), 0),
-        };
-        // SAFETY: the caller promises `len` is NULL or writable.
-        unsafe { put(len, n) };
-        p
-    })
+    // SAFETY: the caller's promise, passed on.
+    unsafe { call_bytes(call, len, |c| Some(c.path().as_bytes())) }
 }
 
 /// The client's address (not NUL-terminated; its length in `*len`), valid until the call is
@@ -376,16 +383,8 @@ pub unsafe extern "C" fn isthmus_server_call_path(call: *const isthmus_server_ca
 /// `len` is NULL or writable.
 #[no_mangle]
 pub unsafe extern "C" fn isthmus_server_call_peer(call: *const isthmus_server_call_t, len: *mut usize) -> *const u8 {
-    guard(std::ptr::null(), || {
-        let (p, n) = match SERVER_CALLS.get(call) {
-            // The peer lives in the HandedCall, which the registry holds until `finish`.
-            Ok(c) => (c.call.peer().as_ptr(), c.call.peer().len()),
-            Err(_) => (std::ptr::null(), 0),
-        };
-        // SAFETY: the caller promises `len` is NULL or writable.
-        unsafe { put(len, n) };
-        p
-    })
+    // SAFETY: the caller's promise, passed on.
+    unsafe { call_bytes(call, len, |c| Some(c.peer().as_bytes())) }
 }
 
 /// 1 if the call came over TLS, 0 if not (or for an invalid handle).
@@ -410,16 +409,8 @@ pub unsafe extern "C" fn isthmus_server_call_peer_cert(
     call: *const isthmus_server_call_t,
     len: *mut usize,
 ) -> *const u8 {
-    guard(std::ptr::null(), || {
-        let cert = SERVER_CALLS
-            .get(call)
-            .ok()
-            .and_then(|c| c.call.peer_certificate().map(|p| (p.der().as_ptr(), p.der().len())));
-        let (p, n) = cert.unwrap_or((std::ptr::null(), 0));
-        // SAFETY: the caller promises `len` is NULL or writable.
-        unsafe { put(len, n) };
-        p
-    })
+    // SAFETY: the caller's promise, passed on.
+    unsafe { call_bytes(call, len, |c| c.peer_certificate().map(|p| p.der())) }
 }
 
 /// A copy of the client's initial metadata (the caller frees it); NULL for an invalid handle.

@@ -741,16 +741,8 @@ impl Server {
     #[pyo3(signature = (grace=None))]
     fn stop(&self, grace: Option<f64>) {
         let grace = grace.filter(|g| g.is_finite() && *g > 0.0).map_or(Duration::ZERO, Duration::from_secs_f64);
-        // The earliest end asked for counts: a second stop with a smaller grace shortens the
-        // first one's, as in grpcio.
-        let at = tokio::time::Instant::now() + grace;
-        self.stop.send_if_modified(|sent| match sent {
-            Some(earlier) if *earlier <= at => false,
-            _ => {
-                *sent = Some(at);
-                true
-            }
-        });
+        // A second stop with a smaller grace shortens the first one's, as in grpcio.
+        isthmus::stop_by(&self.stop, grace);
         if !self.started.swap(true, Ordering::AcqRel) {
             // Never served: what was bound closes now.
             drop(self.bound.lock().map(|mut b| std::mem::take(&mut *b)));

@@ -596,6 +596,20 @@ impl Bound {
     }
 }
 
+/// Asks a server run by [`Bound::serve_until_deadline`] to stop, cutting off the calls still
+/// running `grace` from now, unless a stop already asked for cuts them off sooner (the
+/// earliest counts, as grpcio's repeated `stop` and grpc-go's `Stop` during `GracefulStop`).
+pub fn stop_by(stop: &tokio::sync::watch::Sender<Option<tokio::time::Instant>>, grace: Duration) {
+    let at = tokio::time::Instant::now() + grace;
+    stop.send_if_modified(|sent| match sent {
+        Some(earlier) if *earlier <= at => false,
+        _ => {
+            *sent = Some(at);
+            true
+        }
+    });
+}
+
 /// Completes at `cut_off`, or at an earlier instant `hurry` comes to hold.
 async fn grace_over(
     mut cut_off: tokio::time::Instant,

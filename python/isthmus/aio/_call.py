@@ -286,25 +286,10 @@ class _StreamCall(_Call):
         # `_early` for `read`, a message at a time, so that a reader still gets each as it
         # comes. A task, and shielded: a cancelled `code()` must not cancel the call.
         if not self._done.done() and self._drainer is None:
-            self._drainer = self._loop.create_task(self._drain())
+            self._drainer = self._loop.create_task(self._read_ahead())
             self._tasks.append(self._drainer)
         await asyncio.shield(self._done)
         return self._status
-
-    async def _drain(self) -> None:
-        """Receives until the call's end, keeping the responses for `read`."""
-        try:
-            while not self._done.done():
-                async with self._receive_lock:
-                    if self._done.done():
-                        return
-                    value = await self._attempt("recv")
-                    if isinstance(value, bytes):
-                        self._early.append(value)
-                    else:  # None at an OK end, else the CallError it ended with
-                        self._close(value)
-        except asyncio.CancelledError:
-            pass  # the call was cancelled, and `cancel` ended it
 
     def _ok_trailers(self) -> list[Metadatum] | None:
         return None if self._native is None else self._native.trailing_metadata()
@@ -395,14 +380,17 @@ class _StreamCall(_Call):
     # The receiving side.
 
     async def _read_ahead(self) -> None:
-        """Learns the status of a call a send found over: the engine gives it only after the
-        responses, which are kept for `read`. (They are few: the call is over.)"""
-        async with self._receive_lock:
-            while not self._done.done():
+        """Receives until the call's end, keeping the responses for `read`: the engine gives
+        the status only after them. A message at a time, so that a reader waiting for the lock
+        still gets each as it comes."""
+        while not self._done.done():
+            async with self._receive_lock:
+                if self._done.done():
+                    return
                 value = await self._attempt("recv")
                 if isinstance(value, bytes):
                     self._early.append(value)
-                else:
+                else:  # None at an OK end, else the CallError it ended with
                     self._close(value)
 
     async def _recv(self) -> bytes | None:
