@@ -81,8 +81,9 @@ test: tools lint unit pytest gotest luatest fuzz-smoke ## Run every check and te
 	   done; \
 	 } | awk '{p += $$1; f += $$2} END {printf "tests: %d passed, %d failed\n", p, f}' 
 
-lint: rust-tools python ## cargo fmt --check, clippy -D warnings, rustdoc -D warnings, ruff, mypy, stubtest
+lint: rust-tools python ## cargo fmt --check, one feature set per dependency, clippy -D warnings, rustdoc -D warnings, ruff, mypy, stubtest
 	$(CARGO) fmt --all -- --check
+	python3 .ci/unified_features.py
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
 	RUSTDOCFLAGS="-D warnings" $(CARGO) doc --workspace --no-deps --quiet
 	$(VENV)/bin/ruff check python examples bench lua
@@ -144,7 +145,9 @@ pytest: python unit ## The Python package's tests (pytest), against the Rust pee
 
 # cargo-fuzz drives libFuzzer with AddressSanitizer, which needs unstable flags;
 # RUSTC_BOOTSTRAP lets the stable toolchain accept them, so no nightly is needed.
+# The targets are built in one cargo invocation first, so that both cores compile and link them.
 fuzz-smoke: rust-tools ## Run each fuzz target for FUZZ_SECONDS
+	cd fuzz && RUSTC_BOOTSTRAP=1 $(CARGO) fuzz build -O
 	cd fuzz && for t in $(FUZZ_TARGETS); do \
 	  RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run -O $$t -- -max_total_time=$(FUZZ_SECONDS) 2>&1 \
 	    | grep -E '^(Done|==[0-9]+==|SUMMARY|thread .* panicked)|ERROR' ; \

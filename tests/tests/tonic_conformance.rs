@@ -2,11 +2,13 @@
 //! `http://`. A generated tonic client on an `isthmus::Channel` calls a generated tonic service
 //! behind `isthmus::Server::add_service` (`tonic-peer`, another process serving all three).
 
+use std::process::Command;
 use std::time::Duration;
 
 use isthmus_tests::cases::{bidi_given_up, client, every_kind_of_call, request};
 use isthmus_tests::conformance::EchoRequest;
-use isthmus_tests::{fresh_addr, fresh_socket, pattern, run, runtime, spawn_tonic_peer, Peer};
+use isthmus_tests::{fresh_addr, fresh_socket, pattern, peer_bin, run, runtime, spawn_tonic_peer, Peer};
+use tonic::codec::CompressionEncoding;
 use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
 use tonic::{Code, Request};
 
@@ -22,6 +24,46 @@ fn a_generated_client_and_service_make_every_kind_of_call() {
     run(async move {
         for addr in &targets {
             every_kind_of_call(addr).await;
+        }
+    });
+}
+
+#[test]
+fn a_generated_client_that_compresses_works_on_every_transport() {
+    // Over shm:// the channel inflates the client's messages before they cross; over HTTP/2
+    // they travel compressed, and the service's gzipped replies are read.
+    let (shm, unix) = (fresh_addr("gzip"), format!("unix://{}", fresh_socket("gzip").display()));
+    let targets = [shm.as_str(), unix.as_str(), "http://127.0.0.1:0"];
+    let mut server = Peer::command(Command::new(peer_bin("tonic-peer")).args(targets).env("ISTHMUS_SEND_GZIP", "1"));
+    let targets: Vec<String> = std::iter::once(shm.clone())
+        .chain(
+            (0..2).map(|_| server.expect_line("LISTENING ", Duration::from_secs(30))["LISTENING ".len()..].to_owned()),
+        )
+        .collect();
+    run(async move {
+        let payload = pattern(4096, 3).repeat(32);
+        for addr in &targets {
+            for encoding in [CompressionEncoding::Gzip, CompressionEncoding::Deflate] {
+                let mut c = client(addr).await.send_compressed(encoding).accept_compressed(CompressionEncoding::Gzip);
+                let r = c.unary(request(payload.clone(), 9)).await.expect("unary").into_inner();
+                assert!(r.seq == 9 && r.payload == payload, "{addr} {encoding:?}");
+                let (tx, rx) = tokio::sync::mpsc::channel(4);
+                let mut replies = c.bidi(ReceiverStream::new(rx)).await.expect("bidi").into_inner();
+                for seq in 0..3 {
+                    tx.send(request(payload.clone(), seq)).await.expect("send");
+                    let r = replies.message().await.expect("echo").expect("reply");
+                    assert!(r.seq == seq && r.payload == payload, "{addr} {encoding:?}");
+                }
+            }
+        }
+        // isthmus's own HTTP/2 calls (what the Python, Go, Lua and C clients make) say they
+        // read gzip, get gzipped replies, and read them.
+        for addr in &targets[1..] {
+            let ch = isthmus::Channel::builder(addr).upgrade(false).connect().await.expect("connect");
+            let req = prost::Message::encode_to_vec(&request(payload.clone(), 11));
+            let r = ch.unary("/conformance.Echo/Unary", &req, isthmus::CallOptions::default()).await.expect("unary");
+            let reply: isthmus_tests::conformance::EchoReply = prost::Message::decode(r.message).expect("a reply");
+            assert!(reply.seq == 11 && reply.payload == payload, "{addr}");
         }
     });
 }

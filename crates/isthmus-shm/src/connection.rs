@@ -729,7 +729,6 @@ impl Sender {
         self.core.role
     }
 
-    #[cfg(feature = "test-support")]
     /// Test support: writes `bytes` at `offset` of the shared segment, as a hostile or buggy
     /// peer could, bypassing every protocol. Out-of-range writes are clipped. Never use this for
     /// anything but testing how the *other* side copes.
@@ -746,14 +745,12 @@ impl Sender {
         self.core.seg.region(offset, n).write_wrapping(0, &bytes[..n]);
     }
 
-    #[cfg(feature = "test-support")]
     /// Test support: rings the peer's receive doorbell, as a producer does after publishing.
     #[doc(hidden)]
     pub fn ring_peer_for_tests(&self) {
         self.core.bells.peer_rx.ring();
     }
 
-    #[cfg(feature = "test-support")]
     /// Test support: the segment's layout, to aim [`scribble_for_tests`](Self::scribble_for_tests).
     #[doc(hidden)]
     pub fn layout_for_tests(&self) -> crate::layout::Layout {

@@ -132,7 +132,6 @@ impl Error {
     }
 
     /// An error of any kind, for tests of code that maps errors (the RPC layer's status table).
-    #[cfg(feature = "test-support")]
     #[doc(hidden)]
     pub fn for_tests(kind: ErrorKind, message: impl Into<String>) -> Error {
         Error::new(kind, message)

@@ -37,12 +37,14 @@
 //!
 //! - `tokio` (default): the async waits (`send_async`, `alloc_async`, `recv_async`, ...) through
 //!   tokio's reactor.
-//! - `test-support` (off): hooks for the hostile-peer tests, compiled only with it.
-//!   `Sender::scribble_for_tests(offset, bytes)` writes anywhere in the segment as a hostile peer
-//!   could, `layout_for_tests()` gives the offsets to aim at, `ring_peer_for_tests()` rings the
-//!   peer's receive doorbell without publishing a tail, and `Error::for_tests` builds an error of
-//!   any kind. Only test code enables it (the `isthmus-tests` crate, and `isthmus` as a
-//!   dev-dependency).
+//!
+//! Hidden from the documentation, the hooks of the hostile-peer tests:
+//! `Sender::scribble_for_tests(offset, bytes)` writes anywhere in the segment as a hostile peer
+//! could, `layout_for_tests()` gives the offsets to aim at, `ring_peer_for_tests()` rings the
+//! peer's receive doorbell without publishing a tail, and `Error::for_tests` builds an error of
+//! any kind. They are always compiled (a feature for them made every build of the workspace
+//! compile this crate and the engine twice) and harmless: they can do nothing a peer cannot,
+//! and both sides treat the segment as untrusted.
 //!
 //! The hidden module `fuzz` holds the entry points of the `frame`, `handshake` and `ring` fuzz
 //! targets; it is always compiled.

@@ -14,7 +14,8 @@
 //	go-cgo-call      one empty cgo call (size 0, p50_us is its cost)
 //
 // Usage: go-bench run [-quick] [-rounds N] [-out results.json]; the serve-* modes are the
-// server processes it starts itself.
+// server processes it starts itself. go-bench load SYSTEM SIZE INFLIGHT SECONDS runs one
+// system alone, for a profiler (perf, pprof) to watch; it prints the record and writes none.
 package main
 
 import (
@@ -326,12 +327,7 @@ func run(quick bool, rounds int, out string) error {
 		return err
 	}
 	defer iconn.Close()
-	gconn, err := grpc.NewClient("unix://"+sock,
-		grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithInitialWindowSize(grpcWindow), grpc.WithInitialConnWindowSize(grpcWindow),
-		grpc.WithReadBufferSize(grpcBuffer), grpc.WithWriteBufferSize(grpcBuffer),
-		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMessage+1024), grpc.MaxCallSendMsgSize(maxMessage+1024)),
-	)
+	gconn, err := grpcClient(sock)
 	if err != nil {
 		return err
 	}
@@ -412,6 +408,75 @@ func run(quick bool, rounds int, out string) error {
 	return merge(out, records)
 }
 
+// grpcClient is grpc-go's client over the Unix socket at sock, at its best documented settings.
+func grpcClient(sock string) (*grpc.ClientConn, error) {
+	return grpc.NewClient("unix://"+sock,
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithInitialWindowSize(grpcWindow), grpc.WithInitialConnWindowSize(grpcWindow),
+		grpc.WithReadBufferSize(grpcBuffer), grpc.WithWriteBufferSize(grpcBuffer),
+		grpc.WithDefaultCallOptions(grpc.MaxCallRecvMsgSize(maxMessage+1024), grpc.MaxCallSendMsgSize(maxMessage+1024)),
+	)
+}
+
+// load runs one system at one size and concurrency for a while: go-isthmus-shm,
+// go-isthmus-raw or go-grpc-uds.
+func load(args []string) error {
+	if len(args) != 4 {
+		return fmt.Errorf("usage: go-bench load SYSTEM SIZE INFLIGHT SECONDS")
+	}
+	var size, inflight, seconds int
+	for i, p := range []*int{&size, &inflight, &seconds} {
+		if _, err := fmt.Sscan(args[i+1], p); err != nil {
+			return fmt.Errorf("%q: %w", args[i+1], err)
+		}
+	}
+	dir, err := os.MkdirTemp("", "isthmus-go-bench-")
+	if err != nil {
+		return err
+	}
+	defer os.RemoveAll(dir)
+	var call caller
+	switch args[0] {
+	case "go-isthmus-shm", "go-isthmus-raw":
+		shm := fmt.Sprintf("shm://go-bench-%d", os.Getpid())
+		srv, err := start("serve-isthmus", shm)
+		if err != nil {
+			return err
+		}
+		defer stop(srv)
+		conn, err := isthmus.Dial(shm, isthmus.WithMaxMessageSize(maxMessage+1024))
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		call = rawCaller(conn)
+		if args[0] == "go-isthmus-shm" {
+			call = protoCaller(pb.NewEchoClient(conn))
+		}
+	case "go-grpc-uds":
+		sock := filepath.Join(dir, "grpc.sock")
+		srv, err := start("serve-grpc", sock)
+		if err != nil {
+			return err
+		}
+		defer stop(srv)
+		conn, err := grpcClient(sock)
+		if err != nil {
+			return err
+		}
+		defer conn.Close()
+		call = protoCaller(pb.NewEchoClient(conn))
+	default:
+		return fmt.Errorf("unknown system %q", args[0])
+	}
+	r, err := measure(call, size, inflight, time.Duration(seconds)*time.Second, 1000)
+	if err != nil {
+		return err
+	}
+	fmt.Printf("%s %d B %d in flight: p50 %.2f µs  p99 %.2f µs  %.0f calls/s\n", args[0], size, inflight, r.P50, r.P99, r.RPS)
+	return nil
+}
+
 // merge replaces the go-* records of results.json with these, keeping everything else.
 func merge(path string, records []record) error {
 	doc := map[string]any{}
@@ -456,6 +521,11 @@ func main() {
 		serveIsthmus(os.Args[2])
 	case "serve-grpc":
 		serveGrpc(os.Args[2])
+	case "load":
+		if err := load(os.Args[2:]); err != nil {
+			fmt.Fprintln(os.Stderr, "go-bench:", err)
+			os.Exit(1)
+		}
 	case "run":
 		fs := flag.NewFlagSet("run", flag.ExitOnError)
 		quick := fs.Bool("quick", false, "a reduced set, one round")

@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use isthmus_tests::conformance::echo_server::{Echo, EchoServer};
 use isthmus_tests::conformance::{EchoReply, EchoRequest, StreamRequest, Summary};
+use tonic::codec::CompressionEncoding;
 use tonic::codegen::tokio_stream::wrappers::ReceiverStream;
 use tonic::codegen::tokio_stream::Stream;
 use tonic::{Request, Response, Status, Streaming};
@@ -156,7 +157,17 @@ fn main() {
     let targets: Vec<String> = std::env::args().skip(1).collect();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     rt.block_on(async move {
-        let server = EchoServer::new(Service).max_decoding_message_size(64 << 20).max_encoding_message_size(64 << 20);
+        // Compression as a tonic user turns it on: requests in gzip or deflate are read;
+        // `ISTHMUS_SEND_GZIP` also gzips the replies for clients that accept it (over HTTP/2;
+        // the shm:// bridge asks for none).
+        let mut server = EchoServer::new(Service)
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20)
+            .accept_compressed(CompressionEncoding::Gzip)
+            .accept_compressed(CompressionEncoding::Deflate);
+        if std::env::var_os("ISTHMUS_SEND_GZIP").is_some() {
+            server = server.send_compressed(CompressionEncoding::Gzip);
+        }
         // `ISTHMUS_NO_OFFER`: HTTP/2 clients are not offered the shm:// endpoint.
         let mut builder = isthmus::Server::builder().offer_shm(std::env::var_os("ISTHMUS_NO_OFFER").is_none());
         if let (Ok(cert), Ok(key)) = (std::env::var("ISTHMUS_TLS_CERT"), std::env::var("ISTHMUS_TLS_KEY")) {

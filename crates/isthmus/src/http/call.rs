@@ -219,8 +219,13 @@ impl HttpCall {
         if let Some(t) = options.timeout {
             request.set_timeout(t);
         }
-        let mut grpc =
-            tonic::client::Grpc::new(channel).max_decoding_message_size(limit).max_encoding_message_size(usize::MAX);
+        // Replies a server chose to compress are read (requests go uncompressed, which every
+        // server accepts).
+        let mut grpc = tonic::client::Grpc::new(channel)
+            .max_decoding_message_size(limit)
+            .max_encoding_message_size(usize::MAX)
+            .accept_compressed(tonic::codec::CompressionEncoding::Gzip)
+            .accept_compressed(tonic::codec::CompressionEncoding::Deflate);
         let task = tokio::spawn(async move {
             grpc.ready().await.map_err(|e| {
                 let e: Box<dyn std::error::Error + Send + Sync> = e.into();

@@ -8,8 +8,14 @@
 //! - `Deframer` cuts a body's data frames back into messages. A message that lies whole in the
 //!   first queued frame is a slice of it (`Bytes::split_to`), not a copy; tonic yields each encoded
 //!   message as one frame, so that is the usual case, and only a message split across frames is
-//!   gathered. A set compressed flag is UNIMPLEMENTED, a length over the limit RESOURCE_EXHAUSTED,
-//!   bytes left at the end of a body a message cut short.
+//!   gathered. A length over the limit is RESOURCE_EXHAUSTED, bytes left at the end of a body a
+//!   message cut short.
+//! - Compression (`Encoding`): a request's `grpc-encoding` of `gzip` or `deflate` (zlib, as gRPC
+//!   means it) is read, any other UNIMPLEMENTED. A message with the compressed flag set is
+//!   inflated, and its inflated size held to the same limit (RESOURCE_EXHAUSTED), so a small
+//!   bomb cannot grow past it; the flag set with no encoding agreed, or a flag other than 0 and
+//!   1, is INTERNAL, as the gRPC spec has it. Replies go uncompressed, which every client
+//!   accepts, and say what this side reads in `grpc-accept-encoding`.
 //! - `grpc-timeout` is read as 1 to 8 digits and a unit (`H`, `M`, `S`, `m`, `u`, `n`), anything
 //!   else INVALID_ARGUMENT; written in the finest unit whose count fits 8 digits, rounded up, at
 //!   least 1 ns.
@@ -22,6 +28,7 @@
 //!   code that does not parse is UNKNOWN, and trailers whose metadata break the rules make an
 //!   INTERNAL status.
 
+use std::io::Read;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
@@ -66,12 +73,73 @@ pub(crate) struct Deframer {
     frames: crate::engine::queue::Queue<Bytes>,
     queued: usize,
     limit: usize,
+    /// The body's `grpc-encoding`, for messages with the compressed flag; `None`: identity.
+    encoding: Option<Encoding>,
+}
+
+/// A message encoding gRPC peers agree on in `grpc-encoding` (besides `identity`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Encoding {
+    /// `gzip`: RFC 1952.
+    Gzip,
+    /// `deflate`: a zlib stream (RFC 1950), which is what gRPC's implementations send.
+    Deflate,
+}
+
+/// What `grpc-accept-encoding` says this side reads.
+pub(crate) const ACCEPT_ENCODING: &str = "gzip,deflate,identity";
+
+impl Encoding {
+    /// A body's encoding from its `grpc-encoding` header: `None` for identity (or no header);
+    /// one this side cannot read is UNIMPLEMENTED, as the gRPC spec asks.
+    pub(crate) fn from_headers(headers: &HeaderMap) -> Result<Option<Encoding>, Status> {
+        let Some(v) = headers.get("grpc-encoding") else { return Ok(None) };
+        match v.as_bytes() {
+            b"identity" => Ok(None),
+            b"gzip" => Ok(Some(Encoding::Gzip)),
+            b"deflate" => Ok(Some(Encoding::Deflate)),
+            other => Err(Status::new(
+                Code::Unimplemented,
+                format!(
+                    "grpc-encoding {:?} is not supported; this server reads {ACCEPT_ENCODING}",
+                    String::from_utf8_lossy(other)
+                ),
+            )),
+        }
+    }
+
+    /// Inflates one message, refusing to grow it past `limit` bytes.
+    fn inflate(self, compressed: &[u8], limit: usize) -> Result<Bytes, Status> {
+        let mut out = Vec::new();
+        let cap = u64::try_from(limit).unwrap_or(u64::MAX).saturating_add(1);
+        let read = match self {
+            Encoding::Gzip => flate2::read::GzDecoder::new(compressed).take(cap).read_to_end(&mut out),
+            Encoding::Deflate => flate2::read::ZlibDecoder::new(compressed).take(cap).read_to_end(&mut out),
+        };
+        read.map_err(|e| Status::new(Code::Internal, format!("a {self:?}-compressed message did not inflate: {e}")))?;
+        if out.len() > limit {
+            return Err(Status::new(
+                Code::ResourceExhausted,
+                format!(
+                    "received a {}-byte compressed message that inflates past the limit of {limit} bytes",
+                    compressed.len()
+                ),
+            ));
+        }
+        Ok(Bytes::from(out))
+    }
 }
 
 impl Deframer {
     /// `limit`: the largest message accepted; a larger one is RESOURCE_EXHAUSTED.
     pub(crate) fn new(limit: usize) -> Deframer {
-        Deframer { frames: crate::engine::queue::Queue::default(), queued: 0, limit }
+        Deframer { frames: crate::engine::queue::Queue::default(), queued: 0, limit, encoding: None }
+    }
+
+    /// The body's `grpc-encoding` (see [`Encoding::from_headers`]).
+    pub(crate) fn with_encoding(mut self, encoding: Option<Encoding>) -> Deframer {
+        self.encoding = encoding;
+        self
     }
 
     /// Adds a data frame.
@@ -123,12 +191,16 @@ impl Deframer {
                 break;
             }
         }
-        if head[0] != 0 {
-            return Err(Status::new(
-                Code::Unimplemented,
-                format!("compressed messages (flag {}) are not supported: no grpc-encoding was agreed", head[0]),
-            ));
-        }
+        let compressed = match (head[0], self.encoding) {
+            (0, _) => None,
+            (1, Some(encoding)) => Some(encoding),
+            (1, None) => {
+                return Err(Status::new(Code::Internal, "a compressed message, but no grpc-encoding was given"));
+            }
+            (flag, _) => {
+                return Err(Status::new(Code::Internal, format!("a message flag of {flag}: gRPC's are 0 and 1")));
+            }
+        };
         let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
         if len > self.limit {
             return Err(Status::new(
@@ -140,7 +212,11 @@ impl Deframer {
             return Ok(None);
         }
         self.take(5);
-        Ok(Some(self.take(len)))
+        let message = self.take(len);
+        match compressed {
+            None => Ok(Some(message)),
+            Some(encoding) => encoding.inflate(&message, self.limit).map(Some),
+        }
     }
 
     /// Whether bytes of an unfinished message are left (an error at the end of a body).
@@ -371,13 +447,80 @@ mod tests {
     }
 
     #[test]
-    fn oversize_and_compressed_messages_are_refused() {
+    fn oversize_and_unagreed_compressed_messages_are_refused() {
         let mut d = Deframer::new(10);
         d.push(Bytes::from_static(&[0, 0, 0, 0, 11]));
         assert_eq!(d.next().expect_err("too large").code(), Code::ResourceExhausted);
         let mut d = Deframer::new(10);
         d.push(Bytes::from_static(&[1, 0, 0, 0, 1, 7]));
-        assert_eq!(d.next().expect_err("compressed").code(), Code::Unimplemented);
+        assert_eq!(d.next().expect_err("compressed, no encoding").code(), Code::Internal);
+        let mut d = Deframer::new(10).with_encoding(Some(Encoding::Gzip));
+        d.push(Bytes::from_static(&[2, 0, 0, 0, 1, 7]));
+        assert_eq!(d.next().expect_err("flag 2").code(), Code::Internal);
+    }
+
+    fn compressed(encoding: Encoding, message: &[u8]) -> Bytes {
+        use std::io::Write;
+        let body = match encoding {
+            Encoding::Gzip => {
+                let mut e = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+                e.write_all(message).expect("gzip");
+                e.finish().expect("gzip")
+            }
+            Encoding::Deflate => {
+                let mut e = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+                e.write_all(message).expect("zlib");
+                e.finish().expect("zlib")
+            }
+        };
+        let mut framed = vec![1];
+        framed.extend_from_slice(&u32::try_from(body.len()).expect("small").to_be_bytes());
+        framed.extend_from_slice(&body);
+        Bytes::from(framed)
+    }
+
+    #[test]
+    fn gzip_and_deflate_messages_are_inflated_within_the_limit() {
+        let message = b"hello, compressed world; hello, compressed world".repeat(20);
+        for encoding in [Encoding::Gzip, Encoding::Deflate] {
+            let framed = compressed(encoding, &message);
+            // Cut across frames, and beside an uncompressed message in the same body.
+            let mut d = Deframer::new(message.len()).with_encoding(Some(encoding));
+            for piece in framed.chunks(3) {
+                d.push(Bytes::copy_from_slice(piece));
+            }
+            d.push(Bytes::from_static(&[0, 0, 0, 0, 2, 8, 9]));
+            assert_eq!(d.next().expect("inflates").expect("whole"), Bytes::from(message.clone()));
+            assert_eq!(d.next().expect("plain").expect("whole"), Bytes::from_static(&[8, 9]));
+            assert!(d.is_empty());
+
+            // A message that inflates past the limit stops at it: a bomb grows no further.
+            let mut d = Deframer::new(message.len() - 1).with_encoding(Some(encoding));
+            d.push(framed.clone());
+            let e = d.next().expect_err("over the limit once inflated");
+            assert_eq!(e.code(), Code::ResourceExhausted, "{e:?}");
+            assert!(e.message().contains(&format!("limit of {} bytes", message.len() - 1)), "{e:?}");
+
+            // Bytes that are not the encoding's are INTERNAL, not a panic.
+            let mut d = Deframer::new(1000).with_encoding(Some(encoding));
+            d.push(Bytes::from_static(&[1, 0, 0, 0, 4, 0xde, 0xad, 0xbe, 0xef]));
+            assert_eq!(d.next().expect_err("not gzip").code(), Code::Internal);
+        }
+    }
+
+    #[test]
+    fn grpc_encoding_is_read_and_unknown_ones_are_unimplemented() {
+        let mut h = HeaderMap::new();
+        assert_eq!(Encoding::from_headers(&h).expect("none"), None);
+        for (value, want) in [("identity", None), ("gzip", Some(Encoding::Gzip)), ("deflate", Some(Encoding::Deflate))]
+        {
+            h.insert("grpc-encoding", HeaderValue::from_static(value));
+            assert_eq!(Encoding::from_headers(&h).expect(value), want);
+        }
+        h.insert("grpc-encoding", HeaderValue::from_static("snappy"));
+        let e = Encoding::from_headers(&h).expect_err("snappy");
+        assert_eq!(e.code(), Code::Unimplemented);
+        assert!(e.message().contains("snappy") && e.message().contains(ACCEPT_ENCODING), "{e:?}");
     }
 
     #[test]

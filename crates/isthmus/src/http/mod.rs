@@ -29,8 +29,9 @@
 //! `unix://` and `http://` there is no conversion at all: both sides are tonic's own HTTP/2
 //! transport under the isthmus types, and connecting, reconnecting and HTTP/2 itself are tonic's.
 //!
-//! Compression is not supported: no `grpc-encoding` is ever agreed, and a compressed message is
-//! UNIMPLEMENTED.
+//! Compression: requests compressed with gzip or deflate are read (`codec::Encoding`), and so
+//! are replies a server compressed; isthmus itself sends everything uncompressed, which the gRPC
+//! spec lets a sender do whatever its peer accepts.
 
 pub(crate) mod authority;
 pub(crate) mod call;

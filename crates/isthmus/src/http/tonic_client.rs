@@ -226,8 +226,15 @@ where
 /// A response that carries only a status (the call failed before the server answered).
 fn failed_response(status: Status) -> http::Response<ResponseBody> {
     let mut response = http::Response::new(ResponseBody(Source::Failed(status)));
-    response.headers_mut().insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    grpc_headers(response.headers_mut());
     response
+}
+
+/// The headers every response from shared memory starts with: gRPC's content type, and the
+/// encodings this side reads (`codec::Encoding`).
+fn grpc_headers(headers: &mut HeaderMap) {
+    headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+    headers.insert("grpc-accept-encoding", HeaderValue::from_static(codec::ACCEPT_ENCODING));
 }
 
 /// Runs `fut` for one poll here; `None` if it has to wait.
@@ -244,13 +251,13 @@ pub(super) async fn poll_once<F: Future + Unpin>(fut: &mut F) -> Option<F::Outpu
 /// Sends a request body's messages on the call. The last message goes with the half-close in one
 /// frame, which needs to know it is the last: a message is held until the body says whether
 /// more follow.
-async fn pump<B>(body: B, sender: SendHalf, limit: usize)
+async fn pump<B>(body: B, sender: SendHalf, limit: usize, encoding: Option<codec::Encoding>)
 where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
     // A request that cannot be sent whole fails the call, on both sides.
-    if let Err(Stop::Failed(status)) = pump_messages(body, &sender, limit).await {
+    if let Err(Stop::Failed(status)) = pump_messages(body, &sender, limit, encoding).await {
         sender.fail(status);
     }
 }
@@ -269,13 +276,18 @@ impl From<Status> for Stop {
     }
 }
 
-async fn pump_messages<B>(body: B, sender: &SendHalf, limit: usize) -> Result<(), Stop>
+async fn pump_messages<B>(
+    body: B,
+    sender: &SendHalf,
+    limit: usize,
+    encoding: Option<codec::Encoding>,
+) -> Result<(), Stop>
 where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
     let mut body = std::pin::pin!(body);
-    let mut deframer = Deframer::new(limit);
+    let mut deframer = Deframer::new(limit).with_encoding(encoding);
     let mut held: Option<Bytes> = None;
     let closed = |()| Stop::CallOver;
     loop {
@@ -347,6 +359,10 @@ impl Channel {
             (Ok(metadata), Ok(timeout)) => CallOptions { metadata, timeout, wait_for_ready: false },
             (Err(s), _) | (_, Err(s)) => return Ok(failed_response(s)),
         };
+        let encoding = match codec::Encoding::from_headers(&parts.headers) {
+            Ok(encoding) => encoding,
+            Err(s) => return Ok(failed_response(s)),
+        };
         let mut call = match self.start_shm(parts.uri.path(), options).await {
             Ok(call) => call,
             Err(status) if hand_back && status.code() == Code::Unavailable => {
@@ -357,7 +373,7 @@ impl Channel {
         // Requests are usually whole already (a unary call's one message): send them here, and
         // give the rest of a streaming request a task of its own.
         let limit = self.max_message_size();
-        let mut sending = Box::pin(pump(body, call.send_half(), limit));
+        let mut sending = Box::pin(pump(body, call.send_half(), limit, encoding));
         if poll_once(&mut sending).await.is_none() {
             tokio::spawn(sending);
         }
@@ -365,7 +381,7 @@ impl Channel {
             Err(status) => failed_response(status),
             Ok(metadata) => {
                 let mut headers = HeaderMap::new();
-                headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+                grpc_headers(&mut headers);
                 codec::metadata_into(&metadata, &mut headers);
                 let mut response = http::Response::new(ResponseBody(Source::Shm { call, pending: None }));
                 *response.headers_mut() = headers;
