@@ -76,10 +76,14 @@ impl TlsPems {
         Ok(Some(pems))
     }
 
-    /// This side's identity, if it gave one: both halves or neither.
+    /// This side's identity, if it gave one: both halves or neither. A half that does not
+    /// decode is named, so that a caller knows which of its strings to look at.
     fn identity(&self) -> Result<Option<Identity>, Status> {
         match (&self.chain, &self.key) {
-            (Some(chain), Some(key)) => Identity::from_pem(chain, key).map(Some),
+            (Some(chain), Some(key)) => {
+                Certificate::from_pem(chain).map_err(|e| named("tls.cert_chain_pem", &e))?;
+                Identity::from_pem(chain, key).map(Some).map_err(|e| named("tls.private_key_pem", &e))
+            }
             (None, None) => Ok(None),
             _ => Err(invalid("tls: a certificate needs both cert_chain_pem and private_key_pem")),
         }
@@ -92,7 +96,7 @@ impl TlsPems {
         }
         let mut tls = ClientTlsConfig::new();
         if let Some(roots) = &self.roots {
-            tls = tls.ca_certificate(Certificate::from_pem(roots)?);
+            tls = tls.ca_certificate(roots_of(roots)?);
         }
         if let Some(identity) = self.identity()? {
             tls = tls.identity(identity);
@@ -113,7 +117,7 @@ impl TlsPems {
         let mut tls = ServerTlsConfig::new().identity(identity);
         match &self.roots {
             Some(roots) => {
-                tls = tls.client_ca_root(Certificate::from_pem(roots)?).client_auth_optional(!self.require_client_cert);
+                tls = tls.client_ca_root(roots_of(roots)?).client_auth_optional(!self.require_client_cert);
             }
             None if self.require_client_cert => {
                 return Err(invalid("tls.require_client_cert needs root_certs_pem to check clients with"));
@@ -122,4 +126,14 @@ impl TlsPems {
         }
         Ok(tls)
     }
+}
+
+/// `root_certs_pem` decoded; a failure names the field.
+fn roots_of(pem: &str) -> Result<Certificate, Status> {
+    Certificate::from_pem(pem).map_err(|e| named("tls.root_certs_pem", &e))
+}
+
+/// `e` (a PEM that does not decode) as INVALID_ARGUMENT naming the field it came from.
+fn named(field: &str, e: &Status) -> Status {
+    invalid(format!("{field}: {}", e.message()))
 }

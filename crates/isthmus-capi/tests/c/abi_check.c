@@ -1921,8 +1921,10 @@ static int check_tls_server_name(ctx_t *c) {
   return ok;
 }
 
-/* A channel to `target` with `tls` is refused INVALID_ARGUMENT (else `g_why` says what it got). */
-static int channel_refused(const char *target, const isthmus_tls_options_t *tls, const char *what) {
+/* A channel to `target` with `tls` is refused INVALID_ARGUMENT, with `named` (unless NULL) in
+ * the status's message (else `g_why` says what it got). */
+static int channel_refused(const char *target, const isthmus_tls_options_t *tls, const char *what,
+                           const char *named) {
   isthmus_channel_options_t opts;
   memset(&opts, 0, sizeof opts);
   opts.tls = tls;
@@ -1931,12 +1933,15 @@ static int channel_refused(const char *target, const isthmus_tls_options_t *tls,
   isthmus_code_t rc = isthmus_channel_new(target, &opts, &ch, &st);
   if (ch != NULL) isthmus_channel_close(ch);
   if (rc != ISTHMUS_INVALID_ARGUMENT || st == NULL) return failf(__LINE__, "%s: %s", what, describe(rc, st));
+  int ok = named == NULL || strstr(isthmus_status_message(st), named) != NULL;
+  if (!ok) failf(__LINE__, "%s: '%s' does not name %s", what, isthmus_status_message(st), named);
   isthmus_status_free(st);
-  return 1;
+  return ok;
 }
 
-/* A server with `tls` fails to start INVALID_ARGUMENT. */
-static int server_refused(const isthmus_tls_options_t *tls, const char *what) {
+/* A server with `tls` fails to start INVALID_ARGUMENT, with `named` (unless NULL) in the
+ * status's message. */
+static int server_refused(const isthmus_tls_options_t *tls, const char *what, const char *named) {
   const char *target = "https://127.0.0.1:0";
   isthmus_server_options_t opts;
   memset(&opts, 0, sizeof opts);
@@ -1945,8 +1950,13 @@ static int server_refused(const isthmus_tls_options_t *tls, const char *what) {
   isthmus_status_t *st = NULL;
   isthmus_code_t rc = isthmus_server_start(server, &target, 1, &st);
   int ok = rc == ISTHMUS_INVALID_ARGUMENT && st != NULL;
-  if (!ok) failf(__LINE__, "%s: start gave %s", what, describe(rc, st));
-  else isthmus_status_free(st);
+  if (!ok) {
+    failf(__LINE__, "%s: start gave %s", what, describe(rc, st));
+  } else {
+    ok = named == NULL || strstr(isthmus_status_message(st), named) != NULL;
+    if (!ok) failf(__LINE__, "%s: '%s' does not name %s", what, isthmus_status_message(st), named);
+    isthmus_status_free(st);
+  }
   if (rc == ISTHMUS_OK) isthmus_server_shutdown(server, 0);
   isthmus_server_free(server);
   return ok;
@@ -1959,21 +1969,23 @@ static int check_tls_bad_settings(ctx_t *c) {
   tls_files_t t;
   if (!tls_files(&t, "ca.crt", "client.crt", "client.key")) return 0;
   isthmus_tls_options_t not_pem = t.tls, no_key = t.tls, server_only = t.tls, no_identity = t.tls,
-                        client_only = t.tls, bad_base64 = t.tls;
+                        client_only = t.tls, bad_base64 = t.tls, bad_key = t.tls;
   not_pem.root_certs_pem = "not a certificate";
   no_key.private_key_pem = NULL;
   server_only.require_client_cert = 1;
   no_identity.cert_chain_pem = no_identity.private_key_pem = NULL;
   client_only.server_name = "localhost";
   bad_base64.cert_chain_pem = "-----BEGIN CERTIFICATE-----\nnot base64\n-----END CERTIFICATE-----\n";
-  int ok = channel_refused(g_tls_address, &not_pem, "roots that are no PEM") &&
-           channel_refused(g_tls_address, &no_key, "a certificate without its key") &&
-           channel_refused(g_tls_address, &server_only, "require_client_cert on a channel") &&
-           channel_refused("shm://tls-makes-no-sense", &t.tls, "TLS over shm://") &&
-           channel_refused("unix:///tmp/tls-makes-no-sense.sock", &t.tls, "TLS over unix://") &&
-           server_refused(&no_identity, "a server without a certificate") &&
-           server_refused(&client_only, "server_name on a server") &&
-           server_refused(&bad_base64, "a certificate that is no base64");
+  bad_key.private_key_pem = "not a key";
+  int ok = channel_refused(g_tls_address, &not_pem, "roots that are no PEM", "tls.root_certs_pem") &&
+           channel_refused(g_tls_address, &no_key, "a certificate without its key", NULL) &&
+           channel_refused(g_tls_address, &bad_key, "a key that is no PEM", "tls.private_key_pem") &&
+           channel_refused(g_tls_address, &server_only, "require_client_cert on a channel", NULL) &&
+           channel_refused("shm://tls-makes-no-sense", &t.tls, "TLS over shm://", NULL) &&
+           channel_refused("unix:///tmp/tls-makes-no-sense.sock", &t.tls, "TLS over unix://", NULL) &&
+           server_refused(&no_identity, "a server without a certificate", NULL) &&
+           server_refused(&client_only, "server_name on a server", NULL) &&
+           server_refused(&bad_base64, "a certificate that is no base64", "tls.cert_chain_pem");
   tls_files_free(&t);
   return ok;
 }
