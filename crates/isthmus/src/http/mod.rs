@@ -48,12 +48,17 @@ pub use tonic_client::ResponseBody;
 pub(crate) use tonic_server::{BoxService, ServiceHandler};
 pub use x509::PeerCertificate;
 
-/// Fuzzing entry: `data` as a gRPC body cut at every offset, and as header values.
+/// Fuzzing entry: `data` as a gRPC body cut at every offset (plain, gzip and deflate), and as
+/// header values.
 pub(crate) fn fuzz(data: &[u8]) {
-    let mut d = codec::Deframer::new(1 << 20);
-    for piece in data.chunks(7) {
-        d.push(bytes::Bytes::copy_from_slice(piece));
-        while let Ok(Some(_)) = d.next() {}
+    // Plain, and with each encoding a peer may name, so that inflating (and its limit) is
+    // fuzzed too.
+    for encoding in [None, Some(codec::Encoding::Gzip), Some(codec::Encoding::Deflate)] {
+        let mut d = codec::Deframer::new(1 << 20).with_encoding(encoding);
+        for piece in data.chunks(7) {
+            d.push(bytes::Bytes::copy_from_slice(piece));
+            while let Ok(Some(_)) = d.next() {}
+        }
     }
     if let Ok(v) = http::HeaderValue::from_bytes(data) {
         let mut h = http::HeaderMap::new();
