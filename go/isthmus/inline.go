@@ -14,7 +14,6 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/proto"
 )
 
 // Inline unary handlers (InlineUnary): the library calls isthmusGoHandle on the thread that
@@ -85,48 +84,25 @@ func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
 		return
 	}
 	reply, err := s.runUnarySafely(st, m, ev)
-	if err != nil {
-		st.end(err)
-		st.cancel()
-		s.handlers.Done()
-		return
-	}
-	if pm, ok := reply.(proto.Message); ok {
-		if size := proto.Size(pm); inPlace(size, true) {
-			// Marshalled into shared memory; a send that must wait for the client's
-			// window waits here (the reading thread is handed to the runtime meanwhile).
-			st.end(st.sendLarge(pm, size))
-			st.cancel()
-			s.handlers.Done()
+	so := s.r.newOp()
+	if err == nil {
+		now, err = st.startReply(reply, so)
+		if !now {
+			// Flow control holds the reply back: the library finishes the call once it is
+			// sent; its event releases the op, on a goroutine since this thread reads.
+			go func() {
+				defer s.handlers.Done()
+				defer st.cancel()
+				so.awaitReply()
+				so.done()
+			}()
 			return
 		}
-	}
-	b, err := marshal(reply)
-	if err == nil {
-		err = st.flushHeader()
-	}
-	if err != nil {
-		st.end(err)
-		st.cancel()
-		s.handlers.Done()
-		return
-	}
-	so := s.r.newOp()
-	code = C.isthmus_server_call_send_async(sc, bytesPtr(b), C.size_t(len(b)), s.r.cq, C.uint64_t(so.tag), so.now, &cst)
-	sent, now := so.started(code, cst)
-	if !now {
-		// Flow control holds the reply back: finish on a goroutine once it is sent.
-		go func() {
-			defer s.handlers.Done()
-			defer st.cancel()
-			ev, ok := so.wait(st.ctx)
-			so.done()
-			st.end(sendOutcome(st, ev, ok))
-		}()
-		return
+	} else {
+		so.r.forget(so.tag)
 	}
 	so.done()
-	st.end(sendOutcome(st, sent, true))
+	st.end(err) // a no-op if the reply finished the call
 	st.cancel()
 	s.handlers.Done()
 }
@@ -139,16 +115,4 @@ func (s *Server) runUnarySafely(st *serverStream, m *method, ev C.isthmus_event_
 		}
 	}()
 	return s.runUnary(st, m, ev)
-}
-
-// sendOutcome is the error a send's event stands for.
-func sendOutcome(st *serverStream, ev C.isthmus_event_t, ok bool) error {
-	if !ok {
-		return ctxError(st.ctx)
-	}
-	if ev.code != C.ISTHMUS_OK {
-		err, _ := statusError(ev.code, ev.status)
-		return err
-	}
-	return nil
 }

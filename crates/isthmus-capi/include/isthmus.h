@@ -1227,6 +1227,33 @@ isthmus_code_t isthmus_server_call_send_async(const isthmus_server_call_t *call,
                                               isthmus_event_t *now,
                                               isthmus_status_t **status);
 
+// A unary handler's whole answer: sends `data` as the response message, then finishes the
+// call OK with `trailers` (NULL for none; copied) and frees the handle, as
+// [`isthmus_server_call_send_async`] followed by `isthmus_server_call_finish(call, ISTHMUS_OK,
+// NULL, trailers, NULL)` would. A small reply that can go at once (the usual case) goes from
+// this thread with nothing queued, and the event is in `now`; otherwise the send goes on in
+// the queue and the call is finished once it is done. The event (`ISTHMUS_OP_SEND`) says
+// whether the message went; a send that failed finished the call with its status.
+//
+// The handle is freed whatever happens, as by `isthmus_server_call_finish`: a `data` that is
+// NULL with a length, a `trailers` or `cq` that is no live handle still ends the call
+// (INTERNAL, saying which) and returns `ISTHMUS_INVALID_ARGUMENT`, with no event.
+//
+// Thread-safety: any thread, exactly once, in place of `isthmus_server_call_finish`; operations
+// other threads start on the call afterwards fail `ISTHMUS_INVALID_ARGUMENT`.
+//
+// # Safety
+//
+// `data` is valid for `len` bytes; `now` is NULL or writable; `status` is NULL or writable.
+isthmus_code_t isthmus_server_call_reply_async(isthmus_server_call_t *call,
+                                               const uint8_t *data,
+                                               size_t len,
+                                               const isthmus_metadata_t *trailers,
+                                               const isthmus_cq_t *cq,
+                                               uint64_t tag,
+                                               isthmus_event_t *now,
+                                               isthmus_status_t **status);
+
 // Sends initial metadata now (otherwise the first message sends empty metadata), blocking.
 //
 // Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread

@@ -138,7 +138,7 @@ impl Outcome {
     }
 
     /// The event for this outcome of operation `op`: handles registered for the caller.
-    fn event(self, tag: u64, op: isthmus_op_t) -> isthmus_event_t {
+    pub(crate) fn event(self, tag: u64, op: isthmus_op_t) -> isthmus_event_t {
         let mut ev = isthmus_event_t { tag, op, ..isthmus_event_t::none() };
         match self {
             Outcome::Unary(r) => {
@@ -317,8 +317,35 @@ pub(crate) fn start_spinning_on<C, F>(
 where
     F: std::future::Future<Output = Outcome> + Send + 'static,
 {
+    start_trying_on(call, cq, tag, op, now, spin, status, |_| None, make)
+}
+
+/// [`start_spinning_on`] with a first look that needs no future: an outcome `at_hand` gives
+/// (a request already in) goes to `now` at once, with nothing boxed or polled.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn start_trying_on<C, F>(
+    call: Result<C, Status>,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    op: isthmus_op_t,
+    now: *mut isthmus_event_t,
+    spin: isthmus::SpinPolicy,
+    status: *mut *mut isthmus_status_t,
+    at_hand: impl FnOnce(&C) -> Option<Outcome>,
+    make: impl FnOnce(C) -> Result<F, Status>,
+) -> isthmus_code_t
+where
+    F: std::future::Future<Output = Outcome> + Send + 'static,
+{
     entry(status, || {
         let (call, cq) = (call?, cq_get(cq)?);
+        if !now.is_null() {
+            if let Some(outcome) = at_hand(&call) {
+                // SAFETY: `now` is not NULL, and the ABI's rules make it writable.
+                unsafe { now.write(outcome.event(tag, op)) };
+                return Ok(());
+            }
+        }
         cq.start_spinning(tag, op, make(call)?, now, spin);
         Ok(())
     })

@@ -11,7 +11,7 @@ use isthmus::{Code, Config, Handler, HandlerFuture, Status};
 
 use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
 use crate::cq::{
-    cq_get, isthmus_cq_t, isthmus_event_t, start_on, start_spinning_on, Outcome, Queue, ISTHMUS_OP_DONE,
+    cq_get, isthmus_cq_t, isthmus_event_t, start_on, start_trying_on, Outcome, Queue, ISTHMUS_OP_DONE,
     ISTHMUS_OP_NEW_CALL, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_SEND_HEADERS, NO_SPIN,
 };
 use crate::handle::Registry;
@@ -498,7 +498,8 @@ pub unsafe extern "C" fn isthmus_server_call_recv_async(
         true => isthmus::SpinPolicy::default(),
         false => NO_SPIN,
     };
-    start_spinning_on(handed(call), cq, tag, ISTHMUS_OP_RECV, now, spin, status, |call| {
+    let at_hand = |call: &Arc<HandedCall>| call.try_recv().map(Outcome::received);
+    start_trying_on(handed(call), cq, tag, ISTHMUS_OP_RECV, now, spin, status, at_hand, |call| {
         Ok(async move { Outcome::received(call.recv(flush).await) })
     })
 }
@@ -577,6 +578,72 @@ pub unsafe extern "C" fn isthmus_server_call_send_async(
         // SAFETY: the caller's promise, passed on.
         let message = unsafe { c_bytes(data, len, "the message")? }.to_vec();
         Ok(async move { Outcome::done(call.send(&message).await) })
+    })
+}
+
+/// A unary handler's whole answer: sends `data` as the response message, then finishes the
+/// call OK with `trailers` (NULL for none; copied) and frees the handle, as
+/// [`isthmus_server_call_send_async`] followed by `isthmus_server_call_finish(call, ISTHMUS_OK,
+/// NULL, trailers, NULL)` would. A small reply that can go at once (the usual case) goes from
+/// this thread with nothing queued, and the event is in `now`; otherwise the send goes on in
+/// the queue and the call is finished once it is done. The event (`ISTHMUS_OP_SEND`) says
+/// whether the message went; a send that failed finished the call with its status.
+///
+/// The handle is freed whatever happens, as by `isthmus_server_call_finish`: a `data` that is
+/// NULL with a length, a `trailers` or `cq` that is no live handle still ends the call
+/// (INTERNAL, saying which) and returns `ISTHMUS_INVALID_ARGUMENT`, with no event.
+///
+/// Thread-safety: any thread, exactly once, in place of `isthmus_server_call_finish`; operations
+/// other threads start on the call afterwards fail `ISTHMUS_INVALID_ARGUMENT`.
+///
+/// # Safety
+///
+/// `data` is valid for `len` bytes; `now` is NULL or writable; `status` is NULL or writable.
+#[no_mangle]
+#[allow(clippy::too_many_arguments)]
+pub unsafe extern "C" fn isthmus_server_call_reply_async(
+    call: *mut isthmus_server_call_t,
+    data: *const u8,
+    len: usize,
+    trailers: *const isthmus_metadata_t,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    now: *mut isthmus_event_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let call = SERVER_CALLS.remove(call)?.call.clone();
+        // SAFETY: the caller's promise, passed on.
+        let args = unsafe { c_bytes(data, len, "the message") }
+            .and_then(|message| Ok((message, metadata_arg(trailers)?, cq_get(cq)?)));
+        let (message, trailers, cq) = match args {
+            Ok(args) => args,
+            Err(bad) => {
+                call.finish(Status::new(Code::Internal, format!("the handler's reply failed: {}", bad.message())));
+                return Err(bad);
+            }
+        };
+        let ok = move || Status::new(Code::Ok, "").with_metadata(trailers.clone());
+        if call.try_reply(message, &ok) {
+            match now.is_null() {
+                true => cq.run(tag, ISTHMUS_OP_SEND, std::future::ready(Outcome::Done)),
+                // SAFETY: `now` is not NULL, and the ABI's rules make it writable.
+                false => unsafe { now.write(Outcome::Done.event(tag, ISTHMUS_OP_SEND)) },
+            }
+            return Ok(());
+        }
+        let message = message.to_vec();
+        cq.start(
+            tag,
+            ISTHMUS_OP_SEND,
+            async move {
+                let sent = call.send(&message).await;
+                call.finish(sent.as_ref().map_or_else(Status::clone, |_| ok()));
+                Outcome::done(sent)
+            },
+            now,
+        );
+        Ok(())
     })
 }
 

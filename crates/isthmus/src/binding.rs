@@ -659,6 +659,41 @@ impl HandedCall {
         std::future::poll_fn(|cx| requests.poll_recv(cx)).await
     }
 
+    /// The next request if it is in already, taken without waiting: `None` if it must be
+    /// waited for (or another thread is receiving), and [`recv`](Self::recv) then waits. For a
+    /// foreign thread that would otherwise poll a future for a request that is there.
+    pub fn try_recv(&self) -> Option<Result<Option<Bytes>, Status>> {
+        if let Err(over) = self.check_active() {
+            return Some(Err(over));
+        }
+        let mut requests = self.requests.try_lock().ok()?;
+        // Polled with a waker that does nothing: a later `recv` polls with its own, and a
+        // request is woken through the waker of the latest poll.
+        match requests.as_mut()?.poll_recv(&mut Context::from_waker(Waker::noop())) {
+            Poll::Ready(r) => Some(r),
+            Poll::Pending => None,
+        }
+    }
+
+    /// A unary handler's whole answer: sends `message` and finishes the call with `status()`,
+    /// now, from the calling thread, if that takes no wait (see `ServerCall::try_send_now`).
+    /// False, with nothing sent and the call still open, otherwise: then [`send`](Self::send)
+    /// and [`finish`](Self::finish) as usual.
+    pub fn try_reply(&self, message: &[u8], status: impl FnOnce() -> Status) -> bool {
+        if !self.active.load(std::sync::atomic::Ordering::Acquire) {
+            return false;
+        }
+        let Ok(mut call) = self.call.try_lock() else { return false };
+        self.settle();
+        if !call.try_send_now(message) {
+            return false;
+        }
+        self.responded.store(true, std::sync::atomic::Ordering::Release);
+        drop(call);
+        self.finish(status());
+        true
+    }
+
     /// Credit owed to the client goes out before a send, unless a receive holds the requests
     /// (it sends it then): the client may be waiting for exactly that credit.
     fn settle(&self) {

@@ -37,6 +37,12 @@
  *   BadFinish     finish with a freed trailers handle (request "t"), NULL details of length 5
  *                 (request "d") or a message that is not UTF-8: the call must still end
  *                 (INTERNAL) instead of hanging
+ *   Reply         answer with isthmus_server_call_reply_async: echo the request (request "L": a
+ *                 1 MiB pattern, which waits on the queue), trailer `x-replied: 1`; request "t"
+ *                 gives a freed trailers handle and "q" no queue, which must end the call
+ *                 INTERNAL; request "?" answers "problems=N", what the earlier Reply calls found
+ *                 wrong on the server's side (an event not as promised, a finish after the reply
+ *                 not refused)
  */
 #define _POSIX_C_SOURCE 200809L
 
@@ -307,6 +313,66 @@ static void h_bad_finish(isthmus_server_call_t *call) {
   if (st) isthmus_status_free(st);
 }
 
+static atomic_int g_reply_problems;
+
+static void reply_problem(const char *what, isthmus_code_t rc) {
+  fprintf(stderr, "serve: Reply: %s (%s)\n", what, isthmus_code_name(rc));
+  atomic_fetch_add(&g_reply_problems, 1);
+}
+
+/* The reply's event: in `now`, or the next on the queue. */
+static void reply_event(isthmus_cq_t *cq, isthmus_event_t *now) {
+  struct pollfd p = {isthmus_cq_fd(cq), POLLIN, 0};
+  double deadline = now_s() + 30.0;
+  while (now->op == 0 && now_s() < deadline)
+    if (poll(&p, 1, 200) > 0) isthmus_cq_poll(cq, now, 1);
+}
+
+static void h_reply(isthmus_server_call_t *call) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *req = NULL;
+  isthmus_cq_t *cq = isthmus_cq_new();
+  isthmus_metadata_t *trailers = isthmus_metadata_new(), *stale = isthmus_metadata_new();
+  isthmus_metadata_free(stale);
+  isthmus_metadata_add(trailers, "x-replied", (const uint8_t *)"1", 1, NULL);
+  isthmus_code_t rc = isthmus_server_call_recv(call, 0, &req, &st);
+  if (cq == NULL || rc != ISTHMUS_OK || req == NULL) {
+    finish_failed(call, rc == ISTHMUS_OK ? ISTHMUS_INTERNAL : rc, st, "no request or no queue");
+  } else {
+    size_t len = 0;
+    const uint8_t *data = isthmus_message_data(req, &len);
+    char kind = len == 1 ? (char)data[0] : 0, answer[32];
+    uint8_t *big = NULL;
+    if (kind == 'L' && (big = malloc(MIB)) != NULL) {
+      fill_pattern(big, MIB, 3);
+      data = big;
+      len = MIB;
+    } else if (kind == '?') {
+      len = (size_t)snprintf(answer, sizeof answer, "problems=%d", atomic_load(&g_reply_problems));
+      data = (const uint8_t *)answer;
+    }
+    int bad = kind == 't' || kind == 'q';
+    isthmus_event_t now;
+    memset(&now, 0, sizeof now);
+    rc = isthmus_server_call_reply_async(call, data, len, kind == 't' ? stale : trailers, kind == 'q' ? NULL : cq, 7,
+                                         &now, &st);
+    if (rc != (bad ? ISTHMUS_INVALID_ARGUMENT : ISTHMUS_OK)) reply_problem("reply_async's code", rc);
+    if (rc == ISTHMUS_OK) {
+      reply_event(cq, &now);
+      if (now.op != ISTHMUS_OP_SEND || now.tag != 7 || now.code != ISTHMUS_OK) reply_problem("the event", now.code);
+      event_free(&now);
+    }
+    /* the handle is gone, whatever the reply's outcome */
+    isthmus_code_t again = isthmus_server_call_finish(call, ISTHMUS_OK, NULL, NULL, NULL);
+    if (again != ISTHMUS_INVALID_ARGUMENT) reply_problem("a finish after the reply", again);
+    free(big);
+  }
+  if (st) isthmus_status_free(st);
+  if (req) isthmus_message_free(req);
+  isthmus_metadata_free(trailers);
+  if (cq) isthmus_cq_free(cq);
+}
+
 static void h_whoami(isthmus_server_call_t *call) {
   size_t peer_len = 0, cert_len = 0;
   const uint8_t *peer = isthmus_server_call_peer(call, &peer_len);
@@ -410,7 +476,7 @@ static handler_t g_handlers[] = {
     {SVC "ClientStream", h_client_stream, 1}, {SVC "Bidi", h_bidi, 1},
     {SVC "Fail", h_fail, 0},       {SVC "Sleep", h_sleep, 1},
     {SVC "Block", h_block, 1},     {SVC "BadFinish", h_bad_finish, 1},
-    {SVC "Whoami", h_whoami, 0},
+    {SVC "Whoami", h_whoami, 0},   {SVC "Reply", h_reply, 1},
 };
 
 /* The callback every handler path shares: hands the call to a thread (callbacks must not block). */
@@ -872,6 +938,7 @@ static int check_null_arguments(ctx_t *c) {
   INVALID(isthmus_server_call_send_headers_async(NULL, NULL, cq, 1, NULL, &st));
   INVALID(isthmus_server_call_alloc(NULL, 16, &block, &st));
   INVALID(isthmus_server_call_send_block(NULL, NULL, &st));
+  INVALID(isthmus_server_call_reply_async(NULL, data, 4, NULL, cq, 1, NULL, &st));
   INVALID(isthmus_server_call_finish(NULL, ISTHMUS_OK, NULL, NULL, &st));
   INVALID(isthmus_server_call_finish_with_details(NULL, ISTHMUS_ABORTED, NULL, FAIL_DETAILS, 1, NULL, &st));
 
@@ -1558,6 +1625,47 @@ static int check_bad_finish(ctx_t *c) {
   return 1;
 }
 
+/* A handler's whole answer in one call (isthmus_server_call_reply_async): the reply and its
+ * trailers arrive, small or large; bad arguments end the call INTERNAL naming them; and the
+ * server saw every event as promised. */
+static int check_reply(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *reply = NULL;
+  isthmus_metadata_t *trailers = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  MUST(isthmus_unary(c->ch, SVC "Reply", (const uint8_t *)"hello", 5, &opts, &reply, NULL, &trailers, &st));
+  REQUIRE(bytes_are(reply, "hello", 5), "the echo");
+  REQUIRE(md_is(trailers, "x-replied", "1"), "the trailer x-replied");
+  isthmus_message_free(reply);
+  isthmus_metadata_free(trailers);
+
+  uint8_t *want = malloc(MIB);
+  REQUIRE(want != NULL, "1 MiB");
+  fill_pattern(want, MIB, 3);
+  isthmus_code_t rc = isthmus_unary(c->ch, SVC "Reply", (const uint8_t *)"L", 1, &opts, &reply, NULL, &trailers, &st);
+  int same = rc == ISTHMUS_OK && bytes_are(reply, want, MIB) && md_is(trailers, "x-replied", "1");
+  free(want);
+  REQUIRE(same, "the 1 MiB reply and its trailer: %s", rc == ISTHMUS_OK ? "differ" : describe(rc, st));
+  isthmus_message_free(reply);
+  isthmus_metadata_free(trailers);
+
+  static const struct {
+    const char *req, *named;
+  } cases[] = {{"t", "metadata"}, {"q", "queue"}};
+  for (size_t i = 0; i < 2; i++) {
+    EXPECT(isthmus_unary(c->ch, SVC "Reply", (const uint8_t *)cases[i].req, 1, &opts, &reply, NULL, NULL, &st),
+           ISTHMUS_INTERNAL);
+    REQUIRE(st != NULL && strstr(isthmus_status_message(st), cases[i].named) != NULL, "'%s' names %s",
+            st ? isthmus_status_message(st) : "", cases[i].named);
+    isthmus_status_free(st);
+  }
+  MUST(isthmus_unary(c->ch, SVC "Reply", (const uint8_t *)"?", 1, &opts, &reply, NULL, NULL, &st));
+  REQUIRE(bytes_are(reply, "problems=0", 10), "the server's side of the replies: %.*s", (int)isthmus_message_len(reply),
+          (const char *)isthmus_message_data(reply, NULL));
+  isthmus_message_free(reply);
+  return 1;
+}
+
 static int check_unimplemented(ctx_t *c) {
   isthmus_status_t *st = NULL;
   isthmus_message_t *reply = NULL;
@@ -1803,6 +1911,7 @@ static const check_t CHECKS[] = {
     {"cancel", check_cancel},
     {"zero_copy_block", check_zero_copy},
     {"block_reply", check_block_reply},
+    {"reply", check_reply},
     {"unary_block", check_unary_block},
     {"async_unary_100", check_async_unary},
     {"async_bidi", check_async_bidi},

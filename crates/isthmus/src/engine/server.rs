@@ -362,6 +362,36 @@ impl ServerCall {
         Ok(())
     }
 
+    /// Sends one small response message now, from the calling thread, if that takes no wait:
+    /// it fits inline in the ring, the stream has credit, the ring has room, and no other send
+    /// of the call is under way. False, with nothing sent, otherwise ([`send`](Self::send) then
+    /// waits as it must). A foreign thread's unary reply goes this way with no future polled.
+    pub(crate) fn try_send_now(&mut self, message: &[u8]) -> bool {
+        if message.len() > self.mux.sender.inline_max() {
+            return false;
+        }
+        let writer = &self.shared.writer;
+        if writer.compare_exchange(Writer::FREE, Writer::HANDLER, Ordering::AcqRel, Ordering::Acquire).is_err() {
+            return false;
+        }
+        let charge = flow::charge(message.len());
+        let sent = self.shared.send_window.try_take(charge) == Credit::Taken && {
+            let now = Some(std::time::Instant::now());
+            match self.mux.sender.send(Kind::Message, 0, self.id, message, now) {
+                Ok(()) => true,
+                Err(_) => {
+                    // Nothing went: the credit comes back.
+                    self.shared.send_window.grant(charge as u64);
+                    false
+                }
+            }
+        };
+        writer.store(Writer::FREE, Ordering::Release);
+        // The first message implies empty initial metadata (protocol 13.7, rule 2).
+        self.headers_sent |= sent;
+        sent
+    }
+
     /// A writable block of `len` bytes in the server's shared memory, for a reply built in
     /// place: fill it (or serialize into it), then [`send_block`](Self::send_block) it. The
     /// client reads it where it is, with no copy on either side.
@@ -443,6 +473,11 @@ impl ServerCall {
         self.mux.unregister(self.id);
         self.mux.calls.finish(status.code());
         let (mux, id, body) = (self.mux.clone(), self.id, wire::encode_trailers(&status));
+        // Straight onto the ring when it has room (the common case): no future, no runtime.
+        let now = Some(std::time::Instant::now());
+        if mux.sender.send(Kind::Trailers, flags::END_STREAM, id, &body, now).is_ok() {
+            return true;
+        }
         let mut send = Box::pin(async move {
             let _ = mux.sender.send_async(Kind::Trailers, flags::END_STREAM, id, &body).await;
         });
