@@ -1,8 +1,9 @@
 //! Fuzz target: the C ABI's entry points where a caller's bytes come in, with arbitrary
 //! bytes: targets for `isthmus_channel_new`, metadata keys and values, method paths, status
 //! codes, JSON and protobuf bytes for `isthmus_proto_encode`/`_decode`, and handles that are
-//! garbage (also for the block calls, `isthmus_channel_alloc` and `isthmus_unary_block`, and
-//! the connectivity calls). Each must answer with a code, never crash or leak.
+//! garbage (also for the block calls, `isthmus_channel_alloc` and `isthmus_unary_block`, the
+//! connectivity calls, and `isthmus_server_call_reply_async`). Each must answer with a code,
+//! never crash or leak.
 #![no_main]
 
 use std::ffi::CString;
@@ -108,7 +109,26 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let mut now: isthmus_event_t = unsafe { std::mem::zeroed() };
     // SAFETY: garbage handles are the point; `now` is a valid local, the status pointer NULL.
     let _ = unsafe {
-        isthmus_call_recv_spin(word as *const isthmus_call_t, word as *const isthmus_cq_t, 1, &mut now, std::ptr::null_mut())
+        isthmus_call_recv_spin(
+            word as *const isthmus_call_t,
+            word as *const isthmus_cq_t,
+            1,
+            &mut now,
+            std::ptr::null_mut(),
+        )
+    };
+    // SAFETY: as above; the message is `b`, a live slice.
+    let _ = unsafe {
+        isthmus_server_call_reply_async(
+            word as *mut isthmus_server_call_t,
+            b.as_ptr(),
+            b.len(),
+            word as *const isthmus_metadata_t,
+            word as *const isthmus_cq_t,
+            1,
+            &mut now,
+            std::ptr::null_mut(),
+        )
     };
     let _ = isthmus_code_name(word as i32);
     let (mut block, mut reply) = (std::ptr::null_mut(), std::ptr::null_mut());
