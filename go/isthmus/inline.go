@@ -84,24 +84,19 @@ func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
 		return
 	}
 	reply, err := s.runUnarySafely(st, m, ev)
-	so := s.r.newOp()
 	if err == nil {
-		now, err = st.startReply(reply, so)
-		if !now {
+		var pending *op
+		if pending, err = st.startReply(reply); pending != nil {
 			// Flow control holds the reply back: the library finishes the call once it is
-			// sent; its event releases the op, on a goroutine since this thread reads.
+			// sent; its event is awaited on a goroutine, since this thread reads.
 			go func() {
 				defer s.handlers.Done()
 				defer st.cancel()
-				so.awaitReply()
-				so.done()
+				pending.awaitReply()
 			}()
 			return
 		}
-	} else {
-		so.r.forget(so.tag)
 	}
-	so.done()
 	st.end(err) // a no-op if the reply finished the call
 	st.cancel()
 	s.handlers.Done()

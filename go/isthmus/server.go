@@ -330,26 +330,23 @@ func (s *Server) unary(st *serverStream, m *method) error {
 
 // sendReply sends a unary call's response (startReply), waiting for it if it must.
 func (st *serverStream) sendReply(m any) error {
-	o := st.s.r.newOp()
-	defer o.done()
-	now, err := st.startReply(m, o)
-	if !now {
-		o.awaitReply()
+	pending, err := st.startReply(m)
+	if pending != nil {
+		pending.awaitReply()
 	}
 	return err
 }
 
 // startReply sends a unary call's response m. A small one also finishes the call OK, in one
-// cgo call (reply) that sends it at once when it can; now is false if it waits for flow
-// control instead: o's event comes when the send is over (awaitReply), and the library
+// cgo call (reply) that sends it at once when it can; while it waits for flow control instead,
+// pending is its op, whose event comes when the send is over (awaitReply), and the library
 // finishes the call then. A large one is marshalled into shared memory and sent, waiting here
 // if it must (a reading thread is handed to the runtime meanwhile), and the call is left for
 // end; so is the call on an error.
-func (st *serverStream) startReply(m any, o *op) (now bool, err error) {
+func (st *serverStream) startReply(m any) (pending *op, err error) {
 	if pm, ok := m.(proto.Message); ok {
 		if size := proto.Size(pm); inPlace(size, true) {
-			o.r.forget(o.tag)
-			return true, st.sendLarge(pm, size)
+			return nil, st.sendLarge(pm, size)
 		}
 	}
 	b, err := marshal(m)
@@ -357,19 +354,19 @@ func (st *serverStream) startReply(m any, o *op) (now bool, err error) {
 		err = st.flushHeader()
 	}
 	if err != nil {
-		o.r.forget(o.tag)
-		return true, err
+		return nil, err
 	}
-	return st.reply(b, o)
+	return st.reply(b)
 }
 
-// awaitReply waits for the event of a reply that did not go at once. The library finishes the
-// call when the send ends, sent or failed, so the wait ends with the call (a call that ends
-// ends the wait for credit too) and takes no context.
+// awaitReply waits for the event of a reply that did not go at once, and releases the op. The
+// library finishes the call when the send ends, sent or failed, so the wait ends with the call
+// (a call that ends ends the wait for credit too) and takes no context.
 func (o *op) awaitReply() {
 	if ev, ok := o.wait(context.Background()); ok && ev.status != nil {
 		C.isthmus_status_free(ev.status)
 	}
+	o.done()
 }
 
 // runUnary runs a unary handler on the request event ev (which it consumes).
@@ -610,31 +607,34 @@ func (st *serverStream) flushHeader() error {
 
 // reply sends b as a unary call's response and finishes the call OK with the trailers set,
 // in one cgo call (isthmus_server_call_reply_async), which frees the call's handle: the
-// stream is finished from here. now is false while the send waits (o's event comes when it is
-// over); a send that fails finishes the call with its status in the library, so its outcome
+// stream is finished from here. pending is the op to await while the send waits, nil once it
+// is over; a send that fails finishes the call with its status in the library, so its outcome
 // is not returned. An error means nothing was sent and the call is still open.
-func (st *serverStream) reply(b []byte, o *op) (now bool, err error) {
+func (st *serverStream) reply(b []byte) (pending *op, err error) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.finished {
-		o.r.forget(o.tag)
-		return true, status.Error(codes.Internal, "the call was finished before its reply")
+		return nil, status.Error(codes.Internal, "the call was finished before its reply")
 	}
 	trailers, err := newMetadata(st.trailer)
 	if err != nil {
-		o.r.forget(o.tag)
-		return true, err
+		return nil, err
 	}
 	st.finished = true
+	o := st.s.r.newOp()
 	var cst *C.isthmus_status_t
 	code := C.isthmus_server_call_reply_async(st.sc, bytesPtr(b), C.size_t(len(b)), trailers, st.s.r.cq, C.uint64_t(o.tag), o.now, &cst)
 	runtime.KeepAlive(b)
 	freeMetadata(trailers)
 	ev, now := o.started(code, cst)
-	if now && ev.status != nil {
+	if !now {
+		return o, nil
+	}
+	if ev.status != nil {
 		C.isthmus_status_free(ev.status)
 	}
-	return now, nil
+	o.done()
+	return nil, nil
 }
 
 // sendBytes sends one response message.

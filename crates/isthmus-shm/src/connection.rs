@@ -366,7 +366,29 @@ impl Sender {
         Ok(())
     }
 
+    /// [`send`](Self::send) without waiting: `Ok(false)`, with nothing sent, while the ring
+    /// has no room. For a thread that must not wait (a foreign handler's reply, a status), and
+    /// has a slower way to fall back on.
+    pub fn try_send(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[u8]) -> Result<bool> {
+        let header = self.frame(kind, frame_flags, stream, &[body])?;
+        let pushed = self.core.try_push(&header, &[body])?;
+        if pushed && kind == Kind::Message {
+            self.core.stats.add(&self.core.stats.bytes_sent, u64::from(header.len));
+        }
+        Ok(pushed)
+    }
+
+    /// The header of a frame about to be sent, its message bytes counted as sent.
     fn header(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[&[u8]]) -> Result<FrameHeader> {
+        let header = self.frame(kind, frame_flags, stream, body)?;
+        if kind == Kind::Message {
+            self.core.stats.add(&self.core.stats.bytes_sent, u64::from(header.len));
+        }
+        Ok(header)
+    }
+
+    /// The header of a frame, checked: no transport flags, a body that fits a frame.
+    fn frame(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[&[u8]]) -> Result<FrameHeader> {
         if frame_flags & flags::TRANSPORT != 0 {
             return Err(Error::new(
                 ErrorKind::InvalidConfig,
@@ -376,9 +398,6 @@ impl Sender {
         let len: usize = body.iter().map(|b| b.len()).sum();
         let len = u32::try_from(len)
             .map_err(|_| Error::new(ErrorKind::TooLarge, format!("a {len}-byte frame body is too large")))?;
-        if kind == Kind::Message {
-            self.core.stats.add(&self.core.stats.bytes_sent, len as u64);
-        }
         Ok(FrameHeader { len, kind, flags: frame_flags, stream })
     }
 

@@ -367,26 +367,11 @@ impl ServerCall {
     /// of the call is under way. False, with nothing sent, otherwise ([`send`](Self::send) then
     /// waits as it must). A foreign thread's unary reply goes this way with no future polled.
     pub(crate) fn try_send_now(&mut self, message: &[u8]) -> bool {
-        if message.len() > self.mux.sender.inline_max() {
-            return false;
-        }
-        let writer = &self.shared.writer;
-        if writer.compare_exchange(Writer::FREE, Writer::HANDLER, Ordering::AcqRel, Ordering::Acquire).is_err() {
-            return false;
-        }
-        let charge = flow::charge(message.len());
-        let sent = self.shared.send_window.try_take(charge) == Credit::Taken && {
-            let now = Some(std::time::Instant::now());
-            match self.mux.sender.send(Kind::Message, 0, self.id, message, now) {
-                Ok(()) => true,
-                Err(_) => {
-                    // Nothing went: the credit comes back.
-                    self.shared.send_window.grant(charge as u64);
-                    false
-                }
-            }
-        };
-        writer.store(Writer::FREE, Ordering::Release);
+        let (sender, id) = (&self.mux.sender, self.id);
+        let sent = message.len() <= sender.inline_max()
+            && push_now(&self.shared, Writer::HANDLER, message.len(), || {
+                matches!(sender.try_send(Kind::Message, 0, id, message), Ok(true))
+            });
         // The first message implies empty initial metadata (protocol 13.7, rule 2).
         self.headers_sent |= sent;
         sent
@@ -474,8 +459,7 @@ impl ServerCall {
         self.mux.calls.finish(status.code());
         let (mux, id, body) = (self.mux.clone(), self.id, wire::encode_trailers(&status));
         // Straight onto the ring when it has room (the common case): no future, no runtime.
-        let now = Some(std::time::Instant::now());
-        if mux.sender.send(Kind::Trailers, flags::END_STREAM, id, &body, now).is_ok() {
+        if matches!(mux.sender.try_send(Kind::Trailers, flags::END_STREAM, id, &body), Ok(true)) {
             return true;
         }
         let mut send = Box::pin(async move {
@@ -510,16 +494,11 @@ impl Direct {
     /// Sends `block` by reference, or `bytes` inline, now; false, with nothing sent, if that would
     /// wait, copy a large message, or the call is over or being written by its handler.
     pub(crate) fn try_send(&self, block: Option<&SharedBlock>, bytes: impl FnOnce() -> Bytes) -> bool {
-        let writer = &self.shared.writer;
-        if writer.compare_exchange(Writer::FREE, Writer::DIRECT, Ordering::AcqRel, Ordering::Acquire).is_err() {
+        // A look first (`push_now` claims the stream for real): `bytes` may copy, for nothing
+        // while the handler writes.
+        if self.shared.writer.load(Ordering::Acquire) != Writer::FREE {
             return false;
         }
-        let sent = self.send_now(block, bytes);
-        writer.store(Writer::FREE, Ordering::Release);
-        sent
-    }
-
-    fn send_now(&self, block: Option<&SharedBlock>, bytes: impl FnOnce() -> Bytes) -> bool {
         let bytes = if block.is_none() { Some(bytes()) } else { None };
         let len = bytes.as_ref().map_or_else(|| block.map_or(0, |b| b.len()), |b| b.len());
         // Only what goes in one frame: a message in pieces cut short by a full ring would leave
@@ -528,32 +507,40 @@ impl Direct {
             Some(_) => len <= self.sender.inline_max(),
             None => len <= self.sender.max_block() / 2,
         };
-        if !one_frame {
-            return false;
-        }
-        let charge = flow::charge(len);
-        if self.shared.send_window.try_take(charge) != Credit::Taken {
-            return false;
-        }
-        let now = Some(std::time::Instant::now());
-        let sent = match (block, &bytes) {
-            // A block the client still holds would be copied here, on the publisher's thread:
-            // the handler sends that one.
-            (Some(block), _) => match self.sender.send_shared_by_reference(self.id, 0, block, now) {
-                Ok(true) => Ok(()),
-                Ok(false) => Err(()),
-                Err(_) => Err(()),
-            },
-            (None, Some(bytes)) => self.sender.send_message(self.id, 0, bytes, now).map_err(drop),
-            (None, None) => return false,
-        };
-        if sent.is_err() {
-            // Nothing went: the credit comes back (a WINDOW's grant would do the same).
-            self.shared.send_window.grant(charge as u64);
-            return false;
-        }
-        true
+        one_frame
+            && push_now(&self.shared, Writer::DIRECT, len, || match (block, &bytes) {
+                // A block the client still holds would be copied here, on the publisher's
+                // thread: the handler sends that one.
+                (Some(block), _) => {
+                    let now = Some(std::time::Instant::now());
+                    matches!(self.sender.send_shared_by_reference(self.id, 0, block, now), Ok(true))
+                }
+                (None, Some(bytes)) => matches!(self.sender.try_send(Kind::Message, 0, self.id, bytes), Ok(true)),
+                (None, None) => false,
+            })
     }
+}
+
+/// Sends a message on a stream now, with no wait, as writer `role`: if no one else is writing
+/// it and it has credit for `len` bytes, `push` puts the message's one frame on the ring (without
+/// waiting) and says whether it went; the credit comes back if it did not. False, with nothing
+/// sent, otherwise. A topic's direct sends and a foreign handler's reply share it.
+fn push_now(shared: &StreamShared, role: u8, len: usize, push: impl FnOnce() -> bool) -> bool {
+    let writer = &shared.writer;
+    if writer.compare_exchange(Writer::FREE, role, Ordering::AcqRel, Ordering::Acquire).is_err() {
+        return false;
+    }
+    let charge = flow::charge(len);
+    let sent = shared.send_window.try_take(charge) == Credit::Taken && {
+        let pushed = push();
+        if !pushed {
+            // Nothing went: the credit comes back (a WINDOW's grant would do the same).
+            shared.send_window.grant(charge as u64);
+        }
+        pushed
+    };
+    writer.store(Writer::FREE, Ordering::Release);
+    sent
 }
 
 /// Who writes messages on a call's stream. The transport allows one writer per stream at a time
