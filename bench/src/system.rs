@@ -131,7 +131,7 @@ pub fn serve_shm(addr: &str, spin_us: u64) {
                 let len = f.body.len();
                 let sent = if len > sender.inline_max() && len <= sender.max_block() / 2 {
                     sender.alloc(len, None).and_then(|mut block| {
-                        block.copy_from_slice(&f.body);
+                        isthmus_shm::copy_into_shared(&mut block, &f.body);
                         let (stream, flags) = (f.stream, f.flags);
                         drop(f);
                         sender.send_block(stream, flags, block, None)
@@ -481,8 +481,14 @@ pub fn serve_copy(fd: RawFd) {
             last = v;
             let len = seg.page.word(2).load(Ordering::Relaxed) as usize;
             // SAFETY: A and B are disjoint COPY_MAX-byte regions of the mapping and `len` is
-            // at most COPY_MAX (the client writes only sizes it mapped for).
-            unsafe { std::ptr::copy_nonoverlapping(seg.a, seg.b, len.min(COPY_MAX)) };
+            // at most COPY_MAX (the client writes only sizes it mapped for); nothing else
+            // touches B while the client waits for this answer.
+            let (a, b) = unsafe {
+                let len = len.min(COPY_MAX);
+                (std::slice::from_raw_parts(seg.a, len), std::slice::from_raw_parts_mut(seg.b, len))
+            };
+            // The transport's copy (streaming stores for large ones), as its echo makes.
+            isthmus_shm::copy_into_shared(b, a);
             seg.page.word(1).store(v, Ordering::Release);
         } else {
             std::hint::spin_loop();
@@ -524,7 +530,7 @@ impl CopySegment {
 
 /// The physical floor of the transport's echo: the client copies the message into shared memory,
 /// the server, spinning, copies it into a second shared buffer, and the client, spinning, sees
-/// the answer. The same two copies and two hand-overs as `isthmus-shm-transport`, with no
+/// the answer. Both copies are the transport's (`copy_into_shared`). The same two copies and two hand-overs as `isthmus-shm-transport`, with no
 /// transport at all; what a round trip costs beyond this is the transport's own.
 pub struct FloorCopy {
     fd: OwnedFd,
@@ -552,8 +558,10 @@ impl System for FloorCopy {
         let (seg, seq) = (&self.seg, &mut self.seq);
         seg.page.word(2).store(size as u64, Ordering::Relaxed);
         let sample = measure::run(budget, size, || {
-            // SAFETY: A is a COPY_MAX-byte region of the mapping and `size` fits in it.
-            unsafe { std::ptr::copy_nonoverlapping(payload.as_ptr(), seg.a, size) };
+            // SAFETY: A is a COPY_MAX-byte region of the mapping, `size` fits in it, and the
+            // server does not read it until the store below.
+            let a = unsafe { std::slice::from_raw_parts_mut(seg.a, size) };
+            isthmus_shm::copy_into_shared(a, &payload);
             *seq += 1;
             seg.page.word(0).store(*seq, Ordering::Release);
             while seg.page.word(1).load(Ordering::Acquire) != *seq {

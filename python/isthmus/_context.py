@@ -85,7 +85,8 @@ class Context:
 
     def alloc(self, size: int) -> Block:
         """For a raw handler (`isthmus.raw`): a writable reply buffer of `size` bytes in the
-        server's shared memory. Fill it and return it (or send it, for a streaming reply); the
+        server's shared memory. Fill it (through views, or `Block.write`, which copies a large
+        buffer with streaming stores) and return it (or send it, for a streaming reply); the
         client reads it where it is. Release every view of it before it is sent."""
         try:
             return self._call.alloc(size)

@@ -79,6 +79,9 @@ class Block:
     def __len__(self) -> int: ...
     def truncate(self, size: int) -> None:
         """Shortens the block before it is sent (not while a view of it is exported)."""
+    def write(self, data: Buffer, offset: int = 0) -> None:
+        """Copies `data` (C-contiguous) in from `offset`, as the transport copies a message:
+        streaming stores for a large one (ADR 0022). ValueError if it does not fit."""
     @property
     def shared(self) -> bool:
         """True while the block lives in shared memory (sending it copies nothing)."""

@@ -119,6 +119,36 @@ def test_a_request_built_in_place_in_shared_memory(shm: isthmus.Channel) -> None
         memoryview(block)
 
 
+@pytest.mark.parametrize("size", [0, 1, 1000, 9 << 20])
+def test_write_fills_a_block_with_any_buffer_at_an_offset(shm: isthmus.Channel, size: int) -> None:
+    # 9 MiB is past the bound from which the copy streams on a host with a 32 MiB cache, and
+    # ISTHMUS_STREAMING_COPY_MIN=0 streams every copy; either way the bytes must be the same.
+    data = (np.arange(size, dtype=np.uint64) % 251).astype(np.uint8)
+    block = shm.alloc(size + 3)
+    block.write(b"abc")
+    block.write(data, 3)
+    assert bytes(shm.raw_unary("/raw.Raw/Echo", block)) == b"abc" + data.tobytes()
+
+
+def test_write_refuses_what_does_not_fit_or_is_not_contiguous(shm: isthmus.Channel) -> None:
+    block = shm.alloc(8)
+    with pytest.raises(ValueError, match="9 bytes at offset 0 do not fit a block of 8 bytes"):
+        block.write(b"x" * 9)
+    with pytest.raises(ValueError, match="2 bytes at offset 7"):
+        block.write(b"xy", 7)
+    with pytest.raises(BufferError, match="C-contiguous"):
+        block.write(np.arange(16, dtype=np.uint8)[::2])
+    with pytest.raises(OverflowError):
+        block.write(b"x", -1)
+    block.write(b"12345678")
+    # A view of the block itself may be written into it: the bytes move as memmove would.
+    with memoryview(block) as view:
+        block.write(view[0:6], 2)
+    assert bytes(shm.raw_unary("/raw.Raw/Echo", block)) == b"12123456"
+    with pytest.raises(BufferError, match="already sent"):
+        block.write(b"x")
+
+
 def test_a_block_off_shared_memory_works_the_same(raw_served: Served) -> None:
     with isthmus.insecure_channel(raw_served.addresses["unix"]) as ch:
         block = ch.alloc(5)

@@ -176,6 +176,40 @@ impl Block {
         Ok(())
     }
 
+    /// Copies `data` (any C-contiguous buffer) into the block from `offset` on, as the transport
+    /// copies a message: streaming stores for a large one, which leave the cache to the
+    /// reader (ADR 0022), where `block[:] = data` would be a plain `memcpy`. `ValueError` if it
+    /// does not fit, `BufferError` for a buffer that is not C-contiguous or a block already sent.
+    #[pyo3(signature = (data, offset = 0))]
+    fn write(&mut self, data: &Bound<'_, PyAny>, offset: usize) -> PyResult<()> {
+        let data = Exported::get(data)?;
+        let (ptr, len) = match &mut self.memory {
+            Memory::Shm(block) => (block.as_mut_ptr(), block.len()),
+            Memory::Heap(bytes) => (bytes.as_mut_ptr(), bytes.len()),
+            Memory::Sent => return Err(PyBufferError::new_err("the block was already sent")),
+        };
+        let n = data.len();
+        if offset.checked_add(n).is_none_or(|end| end > len) {
+            return Err(PyValueError::new_err(format!(
+                "{n} bytes at offset {offset} do not fit a block of {len} bytes"
+            )));
+        }
+        let (d, s) = (ptr as usize + offset, data.ptr() as usize);
+        if n > 0 && d < s + n && s < d + n {
+            // A view of this very block: the ranges overlap, so the bytes are moved, through
+            // pointers only (no slice may alias another).
+            // SAFETY: `offset + n <= len`, so the destination is `n` bytes of the block, and the
+            // source is the export's `n` bytes, held by `data`; `ptr::copy` allows overlap.
+            unsafe { std::ptr::copy(data.ptr(), ptr.add(offset), n) };
+        } else if n > 0 {
+            // SAFETY: `n` bytes of the block from `offset` (checked above), which no slice
+            // borrows meanwhile and which do not overlap the source.
+            let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(offset), n) };
+            isthmus::copy_into_shared(dst, data.as_slice());
+        }
+        Ok(())
+    }
+
     /// True while the block lives in shared memory (so sending it copies nothing).
     #[getter]
     fn shared(&self) -> bool {
@@ -238,6 +272,16 @@ impl Exported {
             ));
         }
         Ok(exported)
+    }
+
+    /// The length in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.as_slice().len()
+    }
+
+    /// Where the bytes start (dangling when there are none).
+    pub(crate) fn ptr(&self) -> *const u8 {
+        self.as_slice().as_ptr()
     }
 
     pub(crate) fn as_slice(&self) -> &[u8] {

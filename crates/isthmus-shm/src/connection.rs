@@ -409,7 +409,7 @@ impl Sender {
             Route::Inline => self.send(Kind::Message, frame_flags, stream, payload, deadline),
             Route::Block => {
                 let mut block = self.alloc(payload.len(), deadline)?;
-                block.copy_from_slice(payload);
+                crate::copy_into_shared(&mut block, payload);
                 self.send_block(stream, frame_flags, block, deadline)
             }
             Route::Pieces(piece) => {
@@ -418,7 +418,7 @@ impl Sender {
                 while let Some(chunk) = chunks.next() {
                     let last = chunks.peek().is_none();
                     let mut block = self.alloc(chunk.len(), deadline)?;
-                    block.copy_from_slice(chunk);
+                    crate::copy_into_shared(&mut block, chunk);
                     let f = if last { frame_flags } else { frame_flags & !flags::END_STREAM };
                     self.send_block_as(stream, f, block, total, deadline)?;
                 }
@@ -650,7 +650,7 @@ impl Sender {
             Route::Inline => self.send_async(Kind::Message, frame_flags, stream, payload).await,
             Route::Block => {
                 let mut block = self.alloc_async(payload.len()).await?;
-                block.copy_from_slice(payload);
+                crate::copy_into_shared(&mut block, payload);
                 self.send_block_as_async(stream, frame_flags, block, payload.len() as u64).await
             }
             Route::Pieces(piece) => {
@@ -659,7 +659,7 @@ impl Sender {
                 while let Some(chunk) = chunks.next() {
                     let f = if chunks.peek().is_none() { frame_flags } else { frame_flags & !flags::END_STREAM };
                     let mut block = self.alloc_async(chunk.len()).await?;
-                    block.copy_from_slice(chunk);
+                    crate::copy_into_shared(&mut block, chunk);
                     self.send_block_as_async(stream, f, block, total).await?;
                 }
                 Ok(())

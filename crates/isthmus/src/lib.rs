@@ -41,8 +41,8 @@
 //!   handlers.
 //!
 //! Bindings need nothing but this crate: besides its own types it re-exports the transport types
-//! they use ([`Config`], [`PeerPolicy`], [`SpinPolicy`], [`EventFd`], [`BlockMut`], the shared
-//! arena's [`SharedArena`] and [`SharedBlock`]). tonic,
+//! they use ([`Config`], [`PeerPolicy`], [`SpinPolicy`], [`EventFd`], [`BlockMut`] and
+//! [`copy_into_shared`], which fills one, the shared arena's [`SharedArena`] and [`SharedBlock`]). tonic,
 //! tonic-health, tonic-reflection, h2, hyper-util, rustls and the `http` crates are unconditional
 //! dependencies: the Python binding serves and calls HTTP/2 through them. A binding for `shm://`
 //! alone would not need them; there is no cargo feature to leave them out yet.
@@ -82,7 +82,8 @@ pub use upgrade::{ShmOffer, TransportCounts, UpgradeStatus, UpgradedTo};
 /// What a binding needs of the transport under the engine, so that bindings (the Python
 /// extension, the C ABI) stand on this crate alone.
 pub use isthmus_shm::{
-    BlockMut, Config, EventFd, PeerPolicy, SharedArena, SharedBlock, SharedBlockMut, SocketBell, SpinPolicy,
+    copy_into_shared, BlockMut, Config, EventFd, PeerPolicy, SharedArena, SharedBlock, SharedBlockMut, SocketBell,
+    SpinPolicy,
 };
 
 /// Entry points for the fuzz targets (`fuzz/`): decoders of what HTTP/2 peers send. Not API.

@@ -305,7 +305,7 @@ impl Channel {
         }
         match mux.sender.alloc(request.len(), sooner(deadline, patience)) {
             Ok(mut block) => {
-                block.copy_from_slice(request);
+                isthmus_shm::copy_into_shared(&mut block, request);
                 Ok(Staged::Ready(mux, block))
             }
             Err(e) if patience.is_some() && impatient(&e, deadline) => Ok(Staged::NoRoom),
