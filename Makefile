@@ -22,7 +22,7 @@ export PYO3_PYTHON := $(CURDIR)/$(VENV)/bin/python
 CAPI_DIR = $(CURDIR)/target/$(if $(RELEASE),release,debug)
 GO_ENV = CGO_LDFLAGS="-L$(CAPI_DIR) -Wl,-rpath,$(CAPI_DIR)"
 
-.PHONY: fuzz-build-idle help test lint fmt unit pytest gotest luatest capi go-bins c-tools lua-tools go-proto fuzz-smoke fuzz-long bench demo tools rust-tools peers python clean
+.PHONY: help test lint fmt unit pytest gotest luatest capi go-bins c-tools lua-tools go-proto fuzz-build-idle fuzz-smoke fuzz-long bench demo tools rust-tools peers python clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'

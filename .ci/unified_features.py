@@ -104,11 +104,11 @@ def main() -> int:
             if not twins:
                 continue
             failed = True
-            own = Graph.own(u)
-            if any(Graph.own(t)[4] == own[4] for t in twins):
+            same_features = [t for t in twins if t["features"] == u["features"]]
+            if same_features:
                 diff = sorted(
-                    f"{k} {v!r} (test build: {t['profile'][k]!r})"
-                    for t in twins
+                    f"{k} {v!r} (test build: {t['profile'].get(k)!r})"
+                    for t in same_features
                     for k, v in u["profile"].items()
                     if k != "name" and t["profile"].get(k) != v
                 )

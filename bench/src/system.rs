@@ -530,8 +530,9 @@ impl CopySegment {
 
 /// The physical floor of the transport's echo: the client copies the message into shared memory,
 /// the server, spinning, copies it into a second shared buffer, and the client, spinning, sees
-/// the answer. Both copies are the transport's (`copy_into_shared`). The same two copies and two hand-overs as `isthmus-shm-transport`, with no
-/// transport at all; what a round trip costs beyond this is the transport's own.
+/// the answer. The same two copies (the transport's own, `copy_into_shared`) and two hand-overs
+/// as `isthmus-shm-transport`, with no transport at all; what a round trip costs beyond this is
+/// the transport's own.
 pub struct FloorCopy {
     fd: OwnedFd,
     seg: CopySegment,

@@ -372,8 +372,8 @@ impl Sender {
     pub fn try_send(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[u8]) -> Result<bool> {
         let header = self.frame(kind, frame_flags, stream, &[body])?;
         let pushed = self.core.try_push(&header, &[body])?;
-        if pushed && kind == Kind::Message {
-            self.core.stats.add(&self.core.stats.bytes_sent, u64::from(header.len));
+        if pushed {
+            self.count_sent(&header);
         }
         Ok(pushed)
     }
@@ -381,10 +381,15 @@ impl Sender {
     /// The header of a frame about to be sent, its message bytes counted as sent.
     fn header(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[&[u8]]) -> Result<FrameHeader> {
         let header = self.frame(kind, frame_flags, stream, body)?;
-        if kind == Kind::Message {
+        self.count_sent(&header);
+        Ok(header)
+    }
+
+    /// Counts a message frame's bytes as sent.
+    fn count_sent(&self, header: &FrameHeader) {
+        if header.kind == Kind::Message {
             self.core.stats.add(&self.core.stats.bytes_sent, u64::from(header.len));
         }
-        Ok(header)
     }
 
     /// The header of a frame, checked: no transport flags, a body that fits a frame.

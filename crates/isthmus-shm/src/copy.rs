@@ -38,32 +38,39 @@ pub fn copy_into_shared(dst: &mut [u8], src: &[u8]) {
 }
 
 /// The size from which copies stream, worked out once per process.
-pub fn streaming_min() -> usize {
+fn streaming_min() -> usize {
     static MIN: OnceLock<usize> = OnceLock::new();
     *MIN.get_or_init(|| {
         if let Some(n) = std::env::var("ISTHMUS_STREAMING_COPY_MIN").ok().and_then(|v| v.trim().parse().ok()) {
             return n;
         }
-        last_level_cache().map_or(DEFAULT_MIN, |llc| (llc / 4).max(1 << 20))
+        bound(last_level_cache())
     })
 }
 
-/// The size of the largest cache of CPU 0, in bytes, as sysfs gives it ("32768K").
+/// The bound for a last-level cache of `llc` bytes, if known.
+fn bound(llc: Option<usize>) -> usize {
+    llc.map_or(DEFAULT_MIN, |llc| (llc / 4).max(1 << 20))
+}
+
+/// The size of the largest cache of CPU 0, in bytes, as sysfs gives it.
 fn last_level_cache() -> Option<usize> {
     let dir = std::fs::read_dir("/sys/devices/system/cpu/cpu0/cache").ok()?;
-    dir.filter_map(|e| {
-        let size = std::fs::read_to_string(e.ok()?.path().join("size")).ok()?;
-        let size = size.trim();
-        let (digits, unit) = size.split_at(size.find(|c: char| !c.is_ascii_digit()).unwrap_or(size.len()));
-        let n: usize = digits.parse().ok()?;
-        Some(match unit {
-            "K" => n << 10,
-            "M" => n << 20,
-            "G" => n << 30,
-            _ => n,
-        })
-    })
-    .max()
+    dir.filter_map(|e| cache_size(&std::fs::read_to_string(e.ok()?.path().join("size")).ok()?)).max()
+}
+
+/// A sysfs cache size ("32768K", "1M") in bytes.
+fn cache_size(text: &str) -> Option<usize> {
+    let text = text.trim();
+    let (digits, unit) = text.split_at(text.find(|c: char| !c.is_ascii_digit()).unwrap_or(text.len()));
+    let n: usize = digits.parse().ok()?;
+    match unit {
+        "K" => n.checked_mul(1 << 10),
+        "M" => n.checked_mul(1 << 20),
+        "G" => n.checked_mul(1 << 30),
+        "" => Some(n),
+        _ => None,
+    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -136,6 +143,19 @@ mod tests {
 
     #[test]
     fn the_bound_is_at_least_a_mebibyte() {
-        assert!(streaming_min() >= 1 << 20 || std::env::var_os("ISTHMUS_STREAMING_COPY_MIN").is_some());
+        for llc in [None, Some(0), Some(512 << 10), Some(2 << 20), Some(32 << 20), Some(usize::MAX)] {
+            assert!(bound(llc) >= 1 << 20, "{llc:?}");
+        }
+        assert_eq!(bound(Some(32 << 20)), 8 << 20);
+    }
+
+    #[test]
+    fn sysfs_cache_sizes_parse() {
+        assert_eq!(cache_size("32768K\n"), Some(32 << 20));
+        assert_eq!(cache_size("1M"), Some(1 << 20));
+        assert_eq!(cache_size("4096"), Some(4096));
+        assert_eq!(cache_size("12Q"), None);
+        assert_eq!(cache_size("K"), None);
+        assert_eq!(cache_size("99999999999999999999G"), None);
     }
 }

@@ -22,8 +22,9 @@
 //! `docs/protocol.md` in the repository specifies the wire format.
 //!
 //! The modules, bottom up; each uses only those listed before it: `sys` (every system call),
-//! `copy` (filling a block: streaming stores for large copies, ADR 0022), `error`, [`layout`], `config`, [`handshake`], [`frame`], `addr`, `segment`, `ring`, `stats`,
-//! `link`, `doorbell`, `allocator`, `shared`, `arena`, `connection`, `establish`, `listener`.
+//! `copy` (filling a block: streaming stores for large copies, ADR 0022), `error`, [`layout`],
+//! `config`, [`handshake`], [`frame`], `addr`, `segment`, `ring`, `stats`, `link`, `doorbell`,
+//! `allocator`, `shared`, `arena`, `connection`, `establish`, `listener`.
 //!
 //! The frame codec, the frame kinds and the connection live here rather than in the RPC crate: the
 //! transport must read frames to route arena messages. What frames *mean* belongs to `isthmus`.
@@ -89,7 +90,7 @@ mod sys;
 pub use addr::{runtime_dir, Address};
 pub use config::{Config, PeerPolicy, SpinPolicy};
 pub use connection::{BlockMut, Connection, Frame, Interrupter, PeerInfo, Receiver, Role, Sender};
-pub use copy::{copy_into_shared, streaming_min};
+pub use copy::copy_into_shared;
 pub use doorbell::{EventFd, SocketBell};
 pub use error::{Error, ErrorKind, Result};
 pub use frame::{flags, Kind};

@@ -42,10 +42,11 @@
 //!
 //! Bindings need nothing but this crate: besides its own types it re-exports the transport types
 //! they use ([`Config`], [`PeerPolicy`], [`SpinPolicy`], [`EventFd`], [`BlockMut`] and
-//! [`copy_into_shared`], which fills one, the shared arena's [`SharedArena`] and [`SharedBlock`]). tonic,
-//! tonic-health, tonic-reflection, h2, hyper-util, rustls and the `http` crates are unconditional
-//! dependencies: the Python binding serves and calls HTTP/2 through them. A binding for `shm://`
-//! alone would not need them; there is no cargo feature to leave them out yet.
+//! [`copy_into_shared`], which fills one, the shared arena's [`SharedArena`] and
+//! [`SharedBlock`]). tonic, tonic-health, tonic-reflection, h2, hyper-util, rustls and the
+//! `http` crates are unconditional dependencies: the Python binding serves and calls HTTP/2
+//! through them. A binding for `shm://` alone would not need them; there is no cargo feature to
+//! leave them out yet.
 //!
 //! The hidden module `fuzz` holds the entry points of the `http2_authority`, `grpc_http` and
 //! `x509` fuzz targets (the `:authority` filter, gRPC bodies and header values, a TLS client's
