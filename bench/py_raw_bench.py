@@ -12,8 +12,14 @@ flight, of 1 KiB to 16 MiB, as avg/p50/p99 µs and GB/s (2 x size / avg, as Slim
   large ones go through its shared-memory object store, 300 warm-up calls per size (with fewer,
   its 4-16 MB figures are first-touch page faults). HOME and Ray's temp dir point at a temp dir.
   Skipped, with a note, if `ray` is not installed (`python/requirements-bench.txt`).
-- `py-memcpy`: one `numpy.copyto` of the same size in this process, the floor the targets are
-  set against.
+- `py-memcpy`: one `numpy.copyto` of the same size in this process, the yardstick the targets
+  are set against.
+- `py-floor-copy`: the floor under `py-isthmus-raw`'s two copies, in the same rounds: the
+  transport matrix's `floor-copy` (`isthmus-bench floor-copy`: two processes, each copies the
+  message once into shared memory the way the transport does, and each hands over by spinning
+  on a shared word). numpy's copy of a large array runs on huge pages; shared memory has them
+  only where the host allows (ADR 0023, `shmem_huge_pages` in the header), so this floor, not
+  two `py-memcpy`s, is what no echo that copies twice can beat.
 
 Records go into results.json, replacing the cells (system, size, one in flight) measured here:
 system, size, inflight, round, p50_us, p99_us, rps, avg_us, gbps.
@@ -176,6 +182,26 @@ def bench_memcpy(sizes: list[int], budget: float) -> dict[int, dict[str, float]]
     return out
 
 
+def bench_floor(sizes: list[int], budget: float) -> dict[int, dict[str, float]] | None:
+    binary = ROOT.parent / "target" / "release" / "isthmus-bench"
+    if not binary.exists():
+        print(f"note: {binary} is not built; no py-floor-copy rows", file=sys.stderr)
+        return None
+    run = subprocess.run(
+        [str(binary), "floor-copy", str(budget), *map(str, sizes)], check=True, capture_output=True, text=True
+    )
+    out = {}
+    for line in run.stdout.splitlines():
+        m = json.loads(line)
+        out[m["size"]] = {
+            "p50_us": m["p50_us"],
+            "p99_us": m["p99_us"],
+            "avg_us": 1e6 / m["rps"],
+            "rps": m["rps"],
+        }
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -190,15 +216,16 @@ def main() -> int:
     def add(system: str, by_size: dict[int, dict[str, float]] | None, round_: int) -> None:
         for size, m in (by_size or {}).items():
             gbps = 2 * size / (m["avg_us"] * 1e-6) / 1e9
-            if system == "py-memcpy":
-                gbps = size / (m["avg_us"] * 1e-6) / 1e9  # one copy, not an echo
+            if system == "py-memcpy":  # one copy, not an echo
+                gbps = size / (m["avg_us"] * 1e-6) / 1e9
             records.append(
                 {"system": system, "size": size, "inflight": 1, "round": round_, **m, "gbps": gbps}
             )
 
     for round_ in range(1, rounds + 1):
-        print(f"round {round_}: memcpy, isthmus, grpcio", file=sys.stderr)
+        print(f"round {round_}: memcpy, floor, isthmus, grpcio", file=sys.stderr)
         add("py-memcpy", bench_memcpy(SIZES, budget), round_)
+        add("py-floor-copy", bench_floor(SIZES, budget), round_)
         add("py-isthmus-raw", bench_isthmus(SIZES, budget), round_)
         add("py-py-grpcio", bench_grpcio(SIZES, budget), round_)
     # Ray last and once started: its raylet and workers would run beside the others.
@@ -221,10 +248,10 @@ def summarize(records: list[dict[str, Any]]) -> None:
         xs = [float(r[field]) for r in records if r["system"] == system and r["size"] == size]
         return statistics.median(xs) if xs else None
 
-    systems = ["py-isthmus-raw", "py-ray-actor", "py-py-grpcio", "py-memcpy"]
+    systems = ["py-isthmus-raw", "py-ray-actor", "py-py-grpcio", "py-memcpy", "py-floor-copy"]
     print("\nRaw echo, one in flight (medians of rounds): avg / p50 / p99 µs, GB/s\n")
-    print("| size | " + " | ".join(systems) + " | isthmus ÷ memcpy | Ray ÷ isthmus |")
-    print("|---:|" + "---:|" * (len(systems) + 2))
+    print("| size | " + " | ".join(systems) + " | isthmus ÷ memcpy | floor ÷ memcpy | Ray ÷ isthmus |")
+    print("|---:|" + "---:|" * (len(systems) + 3))
     for size in SIZES:
         cells = []
         for system in systems:
@@ -232,9 +259,11 @@ def summarize(records: list[dict[str, Any]]) -> None:
             cells.append("–" if avg is None else f"{avg:.1f} / {p50:.1f} / {p99:.1f}, {gbps:.2f}")
         ours, mem, ray = med("py-isthmus-raw", size, "p50_us"), med("py-memcpy", size, "p50_us"), None
         ray = med("py-ray-actor", size, "p50_us")
+        floor = med("py-floor-copy", size, "p50_us")
         ratio = f"{ours / mem:.2f}×" if ours and mem else "–"
+        floor_ratio = f"{floor / mem:.2f}×" if floor and mem else "–"
         vs_ray = f"{ray / ours:.1f}×" if ours and ray else "–"
-        print(f"| {size} | " + " | ".join(cells) + f" | {ratio} | {vs_ray} |")
+        print(f"| {size} | " + " | ".join(cells) + f" | {ratio} | {floor_ratio} | {vs_ray} |")
 
 
 if __name__ == "__main__":

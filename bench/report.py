@@ -33,7 +33,7 @@ PYTHON = [
 ]
 PY_PY = ["py-py-isthmus", "py-py-grpcio", "py-isthmus-sync"]
 PY_AIO = ["py-aio-py-isthmus", "py-aio-py-grpc-aio", "py-isthmus-aio"]
-RAW = ["py-isthmus-raw", "py-ray-actor", "py-py-grpcio", "py-memcpy"]
+RAW = ["py-isthmus-raw", "py-ray-actor", "py-py-grpcio", "py-memcpy", "py-floor-copy"]
 GO = ["go-isthmus-shm", "go-isthmus-raw", "go-grpc-uds", "go-memcpy"]
 GATEWAY = ["gateway-isthmus-shm", "gateway-grpc-aio-uds", "gateway-httpx-axum-uds"]
 FANOUT = ["fanout-isthmus-shm", "fanout-tonic-uds", "fanout-grpcio"]
@@ -303,7 +303,10 @@ def main() -> int:
         "",
         "`bench/py_raw_bench.py`: a numpy `uint8` echo, one call in flight; avg / p50 / p99 and GB/s "
         "(2 × size / avg; one copy for `py-memcpy`). `py-isthmus-raw`: `Channel.raw_unary` to an "
-        "in-place raw handler; `py-ray-actor`: Ray's actor echo, warmed with 300 calls per size.",
+        "in-place raw handler; `py-ray-actor`: Ray's actor echo, warmed with 300 calls per size; "
+        "`py-floor-copy`: the floor under an echo that copies twice (`floor-copy`, in the same rounds). "
+        "numpy's copy runs on huge pages; shared memory has them only where the host allows "
+        "(ADR 0023; this run's host: `shmem_huge_pages` in results.json's header).",
         "",
         *raw_table(res),
         "",

@@ -57,6 +57,15 @@ fn command(cmd: &str, args: &[&str]) -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
+/// The host's setting for huge pages in shared memory, the bracketed word of
+/// `/sys/kernel/mm/transparent_hugepage/shmem_enabled` (`never`, `advise`, …).
+fn shmem_huge_pages() -> String {
+    std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled")
+        .ok()
+        .and_then(|s| Some(s.split_once('[')?.1.split_once(']')?.0.to_owned()))
+        .unwrap_or_else(|| "unknown".into())
+}
+
 fn header(quick: bool) -> Value {
     let cpu = std::fs::read_to_string("/proc/cpuinfo")
         .ok()
@@ -75,6 +84,9 @@ fn header(quick: bool) -> Value {
             "cores": std::thread::available_parallelism().map_or(0, |n| n.get()),
             "memory_gib": mem_gib,
             "kernel": command("uname", &["-r"]),
+            // Whether shared memory may have huge pages here (ADR 0023): the 16 MiB rows
+            // depend on it.
+            "shmem_huge_pages": shmem_huge_pages(),
         },
         "versions": {
             "isthmus": env!("CARGO_PKG_VERSION"),

@@ -521,6 +521,10 @@ impl CopySegment {
             libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, fd, 0)
         };
         assert_ne!(p, libc::MAP_FAILED, "mmap");
+        // The same advice as the transport's arenas (ADR 0023), so the floor is of the same
+        // memory: huge pages where the host allows them for shared memory, else no change.
+        // SAFETY: advice over this mapping only; it changes no contents and no validity.
+        unsafe { libc::madvise(p, len, libc::MADV_HUGEPAGE) };
         let base = p.cast::<u8>();
         // SAFETY: both offsets lie inside the `len`-byte mapping.
         let (a, b) = unsafe { (base.add(4096), base.add(4096 + COPY_MAX)) };

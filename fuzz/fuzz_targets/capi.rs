@@ -1,9 +1,9 @@
 //! Fuzz target: the C ABI's entry points where a caller's bytes come in, with arbitrary
 //! bytes: targets for `isthmus_channel_new`, metadata keys and values, method paths, status
 //! codes, JSON and protobuf bytes for `isthmus_proto_encode`/`_decode`, and handles that are
-//! garbage (also for the block calls, `isthmus_channel_alloc` and `isthmus_unary_block`, the
-//! connectivity calls, and `isthmus_server_call_reply_async`). Each must answer with a code,
-//! never crash or leak.
+//! garbage (also for the block calls, `isthmus_channel_alloc`, `isthmus_block_write` and
+//! `isthmus_unary_block`, the connectivity calls, and `isthmus_server_call_reply_async`). Each
+//! must answer with a code, never crash or leak.
 #![no_main]
 
 use std::ffi::CString;
@@ -146,6 +146,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         let last = u32::from(b.get(8).copied().unwrap_or(0));
         let _ = isthmus_channel_wait_state(word as *const isthmus_channel_t, last, 0, &mut state);
         let (channel, block) = (word as *const isthmus_channel_t, word as *mut isthmus_block_t);
+        let _ = isthmus_block_write(block, word as usize, b.as_ptr(), b.len(), std::ptr::null_mut());
         let (none, path) = (std::ptr::null_mut(), text.as_ptr());
         let _ =
             isthmus_unary_block(channel, path, block, std::ptr::null(), &mut reply, none, none, std::ptr::null_mut());

@@ -386,7 +386,21 @@ func checkRawUnary(t *testing.T, label string, conn *isthmus.ClientConn) {
 			if err != nil {
 				t.Fatalf("%s: Alloc(%d): %v", label, size, err)
 			}
-			copy(b.Bytes(), want)
+			// Filled by WriteAt, the second half first (16 MiB takes the streaming copy).
+			half := size / 2
+			for _, w := range []struct{ from, to int }{{half, size}, {0, half}} {
+				if n, err := b.WriteAt(want[w.from:w.to], int64(w.from)); n != w.to-w.from || err != nil {
+					t.Fatalf("%s: WriteAt(%d bytes at %d) of %d: %d, %v", label, w.to-w.from, w.from, size, n, err)
+				}
+			}
+			for _, off := range []int64{-1, int64(size) + 1} {
+				if n, err := b.WriteAt(nil, off); n != 0 || status.Code(err) != codes.InvalidArgument {
+					t.Fatalf("%s: WriteAt at %d of %d: %d, %v, want InvalidArgument", label, off, size, n, err)
+				}
+			}
+			if n, err := b.WriteAt([]byte{1}, int64(size)); n != 0 || status.Code(err) != codes.InvalidArgument {
+				t.Fatalf("%s: WriteAt past the end of %d: %d, %v, want InvalidArgument", label, size, n, err)
+			}
 			m, err := conn.CallRawBlock(ctx, "/raw.Raw/Echo", b)
 			if err != nil {
 				t.Fatalf("%s: CallRawBlock(%d): %v", label, size, err)
@@ -397,6 +411,9 @@ func checkRawUnary(t *testing.T, label string, conn *isthmus.ClientConn) {
 			m.Release()
 			if _, err := conn.CallRawBlock(ctx, "/raw.Raw/Echo", b); status.Code(err) != codes.InvalidArgument {
 				t.Fatalf("%s: a block sent twice: %v, want InvalidArgument", label, err)
+			}
+			if _, err := b.WriteAt([]byte{1}, 0); status.Code(err) != codes.InvalidArgument {
+				t.Fatalf("%s: WriteAt into a sent block: %v, want InvalidArgument", label, err)
 			}
 		}
 		released, err := conn.Alloc(ctx, 10)

@@ -860,6 +860,27 @@ isthmus_code_t isthmus_message_free(isthmus_message_t *msg);
 uint8_t *isthmus_block_data(isthmus_block_t *block,
                             size_t *len);
 
+// Copies `len` bytes from `data` into the block at byte `offset`, the way the library fills
+// the blocks it copies into: `memcpy` for most sizes, and past a quarter of the last-level
+// cache stores that bypass the cache, since the reader is another process (ADR 0022, 0023).
+// `data` may lie inside the block itself (the bytes then move as `memmove` moves them).
+// `ISTHMUS_INVALID_ARGUMENT`, with nothing written, for a NULL, freed or sent block, a NULL
+// `data` with a nonzero `len`, or a range past the block's end (the status says which).
+//
+// Thread-safety: any thread. Writes to one block from several threads take turns (to fill a
+// block from many threads at once, write through `isthmus_block_data`). A send that comes
+// while a write runs waits for it, a free lets it finish before the memory goes back, and a
+// write after either fails.
+//
+// # Safety
+//
+// `data` is NULL or readable for `len` bytes; `status` is NULL or writable.
+isthmus_code_t isthmus_block_write(isthmus_block_t *block,
+                                   size_t offset,
+                                   const uint8_t *data,
+                                   size_t len,
+                                   isthmus_status_t **status);
+
 // Frees a block that will not be sent (its shared memory goes back to the arena).
 //
 // Thread-safety: any thread, once; not while another thread still writes the block's bytes.

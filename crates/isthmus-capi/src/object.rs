@@ -174,6 +174,61 @@ pub unsafe extern "C" fn isthmus_block_data(block: *mut isthmus_block_t, len: *m
     })
 }
 
+/// Copies `len` bytes from `data` into the block at byte `offset`, the way the library fills
+/// the blocks it copies into: `memcpy` for most sizes, and past a quarter of the last-level
+/// cache stores that bypass the cache, since the reader is another process (ADR 0022, 0023).
+/// `data` may lie inside the block itself (the bytes then move as `memmove` moves them).
+/// `ISTHMUS_INVALID_ARGUMENT`, with nothing written, for a NULL, freed or sent block, a NULL
+/// `data` with a nonzero `len`, or a range past the block's end (the status says which).
+///
+/// Thread-safety: any thread. Writes to one block from several threads take turns (to fill a
+/// block from many threads at once, write through `isthmus_block_data`). A send that comes
+/// while a write runs waits for it, a free lets it finish before the memory goes back, and a
+/// write after either fails.
+///
+/// # Safety
+///
+/// `data` is NULL or readable for `len` bytes; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_block_write(
+    block: *mut isthmus_block_t,
+    offset: usize,
+    data: *const u8,
+    len: usize,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let b = BLOCKS.get(block)?;
+        // Held while copying, so the block is neither sent nor freed under the copy.
+        let held = b.block.lock().map_err(|_| invalid("block poisoned"))?;
+        if held.is_none() {
+            return Err(invalid("the block was sent already"));
+        }
+        let end = offset.checked_add(len).filter(|&end| end <= b.len).ok_or_else(|| {
+            invalid(format!("a write of {len} bytes at offset {offset} does not fit the block's {} bytes", b.len))
+        })?;
+        let dst = (b.data + offset) as *mut u8;
+        let overlaps = len > 0 && (data as usize) < b.data + b.len && (data as usize).saturating_add(len) > b.data;
+        if overlaps {
+            // SAFETY: `data` is readable for `len` bytes (the caller's promise) and
+            // `dst..dst + len` is `offset..end` of the block's writable bytes, which live while
+            // the lock above keeps the block from being sent; `ptr::copy` allows the overlap.
+            // No reference to either range exists meanwhile.
+            unsafe { std::ptr::copy(data, dst, len) };
+            return Ok(());
+        }
+        // SAFETY: the caller promises `data` is readable for `len` bytes when not NULL.
+        let src = unsafe { c_bytes(data, len, "data") }?;
+        if len > 0 {
+            // SAFETY: `offset..end` of the block's bytes, alive while the lock above keeps the
+            // block from being sent, and apart from `src`, so the two slices do not alias.
+            let dst = unsafe { std::slice::from_raw_parts_mut(dst, end - offset) };
+            isthmus::copy_into_shared(dst, src);
+        }
+        Ok(())
+    })
+}
+
 /// Frees a block that will not be sent (its shared memory goes back to the arena).
 ///
 /// Thread-safety: any thread, once; not while another thread still writes the block's bytes.

@@ -13,6 +13,12 @@
 //! read from sysfs once per process (8 MiB if it cannot be), or `ISTHMUS_STREAMING_COPY_MIN`
 //! (bytes; `0` streams every copy, a huge value never does).
 //!
+//! A streaming copy also asks for its source two pages ahead (`prefetchnta`). Its source is
+//! usually a block the other process just streamed out, so it comes from memory, and the
+//! hardware's prefetchers stop at every 4 KiB page boundary: without the hint the reads stall
+//! at each one. With it, `floor-copy` at 16 MiB went from 1.7-2.0 ms to 1.43-1.46 ms here
+//! (ADR 0023).
+//!
 //! Only x86-64 has the path; elsewhere every copy is `memcpy`.
 
 use std::sync::OnceLock;
@@ -75,9 +81,13 @@ fn cache_size(text: &str) -> Option<usize> {
 
 #[cfg(target_arch = "x86_64")]
 fn streaming_copy(dst: &mut [u8], src: &[u8]) {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_sfence, _mm_stream_si128};
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_prefetch, _mm_sfence, _mm_stream_si128, _MM_HINT_NTA};
 
     const LINE: usize = 64;
+    // How far ahead the source is asked for. The hardware's prefetchers stop at each 4 KiB page
+    // boundary, so a source larger than the cache (usually just written by the other process)
+    // is read in bursts; asking two pages ahead keeps the reads going across them.
+    const AHEAD: usize = 8 << 10;
     // Up to the first 16-byte boundary of `dst` with a plain copy: streaming stores need it.
     let head = dst.as_ptr().align_offset(16).min(dst.len());
     dst[..head].copy_from_slice(&src[..head]);
@@ -90,6 +100,9 @@ fn streaming_copy(dst: &mut [u8], src: &[u8]) {
         // aligned: `d` is (the head above), and `at` is a multiple of 64. Loads take any
         // alignment. SSE2 is part of x86-64, so the intrinsics are always available.
         unsafe {
+            if at + AHEAD < body {
+                _mm_prefetch::<_MM_HINT_NTA>(s.add(at + AHEAD).cast::<i8>());
+            }
             let (d, s) = (d.add(at).cast::<__m128i>(), s.add(at).cast::<__m128i>());
             let (a, b, c, e) =
                 (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)), _mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));

@@ -14,6 +14,19 @@ use crate::error::{Error, Result};
 use crate::layout::{self, Layout};
 use crate::sys;
 
+/// How much of an arena's start stays in small pages (ADR 0023). The allocator hands out the
+/// lowest offsets first, so a connection that only sends small messages lives there, where a
+/// huge page would cost it 2 MiB of memory for a few KiB in use.
+const SMALL_PAGED_HEAD: usize = 2 << 20;
+
+/// Advises huge pages for the arena at bytes `arena` of `map`, past its small-paged head: large
+/// messages then cross a few page-table entries instead of thousands. Advice only; where the
+/// host keeps shared memory in small pages it changes nothing.
+pub(crate) fn advise_huge_pages(map: &sys::Mapping, arena: std::ops::Range<usize>) -> bool {
+    let from = arena.start.saturating_add(SMALL_PAGED_HEAD);
+    map.advise_huge_pages(from..arena.end)
+}
+
 /// What keeps a segment's memory alive (held for its `Drop`, never read).
 #[derive(Debug)]
 #[allow(dead_code)]
@@ -45,6 +58,9 @@ impl Segment {
     pub(crate) fn map(fd: BorrowedFd<'_>, layout: Layout) -> Result<Segment> {
         let map = sys::Mapping::new(fd, layout.total).map_err(|e| Error::io("cannot map the shared segment", e))?;
         debug_assert_eq!(map.len(), layout.total);
+        for d in 0..2 {
+            advise_huge_pages(&map, layout.arena_off[d]..layout.arena_off[d] + layout.arena_size[d]);
+        }
         Ok(Segment { base: map.as_ptr(), len: map.len(), layout, _backing: Backing::Mapped(map) })
     }
 
@@ -172,6 +188,37 @@ impl Region {
         // SAFETY: the wrapped tail starts at the region's base and is shorter than the region.
         unsafe {
             std::ptr::copy_nonoverlapping(self.ptr, dst.add(first), len - first);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use super::*;
+    use crate::sys::inspect::{huge_mapped_kib, shmem_huge_on_advice};
+
+    #[test]
+    fn an_arena_past_its_head_asks_for_huge_pages_and_its_head_does_not() {
+        let layout = Layout::new([4096, 4096], [16 << 20, 16 << 20], 0).expect("layout");
+        let fd = sys::memfd_create("segment").expect("memfd");
+        sys::set_len(fd.as_fd(), layout.total as u64).expect("size");
+        let seg = Segment::map(fd.as_fd(), layout).expect("map");
+        let Backing::Mapped(map) = &seg._backing else { unreachable!() };
+        let head = layout.arena_off[0]..layout.arena_off[0] + SMALL_PAGED_HEAD;
+        let arena = layout.arena_off[0]..layout.arena_off[0] + layout.arena_size[0];
+        // SAFETY: both ranges lie inside the writable mapping, which this test alone uses.
+        unsafe { std::ptr::write_bytes(seg.base.add(head.start), 1, head.len()) };
+        assert_eq!(huge_mapped_kib(map, head.clone()), 0, "a small message's memory stays in small pages");
+        // SAFETY: as above.
+        unsafe { std::ptr::write_bytes(seg.base.add(arena.start), 2, arena.len()) };
+        let huge = huge_mapped_kib(map, arena);
+        if shmem_huge_on_advice() {
+            assert!(huge >= 12 << 10, "16 MiB arena: only {huge} KiB in huge pages");
+            assert_eq!(huge_mapped_kib(map, head), 0);
+        } else {
+            assert_eq!(huge, 0);
         }
     }
 }

@@ -99,6 +99,7 @@ impl SharedArena {
             .map_err(|e| Error::io(format!("cannot size the shared arena to {size} bytes"), e))?;
         // Mapped before the seal: this is the one writable mapping there will ever be.
         let map = sys::Mapping::new(fd.as_fd(), size).map_err(|e| Error::io("cannot map the shared arena", e))?;
+        crate::segment::advise_huge_pages(&map, 0..size);
         sys::seal_shared(fd.as_fd()).map_err(|e| Error::io("cannot seal the shared arena", e))?;
         Ok(SharedArena {
             inner: Arc::new(Inner {
@@ -362,6 +363,7 @@ impl SharedView {
             return Err(Error::protocol(format!("handshake: the shared arena is {size} bytes, the hello says {len}")));
         }
         let map = sys::Mapping::read_only(fd, len).map_err(|e| Error::io("cannot map the shared arena", e))?;
+        crate::segment::advise_huge_pages(&map, 0..len);
         Ok(SharedView { map })
     }
 

@@ -158,7 +158,10 @@ func rawCaller(conn *isthmus.ClientConn) caller {
 		if err != nil {
 			return err
 		}
-		copy(b.Bytes(), payload)
+		if _, err := b.WriteAt(payload, 0); err != nil {
+			b.Release()
+			return err
+		}
 		m, err := conn.CallRawBlock(ctx, rawEcho, b)
 		if err != nil {
 			return err
@@ -183,7 +186,10 @@ func rawStreamCaller(conn *isthmus.ClientConn) caller {
 		if err != nil {
 			return err
 		}
-		copy(b.Bytes(), payload)
+		if _, err := b.WriteAt(payload, 0); err != nil {
+			b.Release()
+			return err
+		}
 		if err := s.SendBlock(b, true); err != nil {
 			return err
 		}
@@ -419,7 +425,7 @@ func grpcClient(sock string) (*grpc.ClientConn, error) {
 }
 
 // load runs one system at one size and concurrency for a while: go-isthmus-shm,
-// go-isthmus-raw or go-grpc-uds.
+// go-isthmus-raw, go-grpc-uds or go-memcpy.
 func load(args []string) error {
 	if len(args) != 4 {
 		return fmt.Errorf("usage: go-bench load SYSTEM SIZE INFLIGHT SECONDS")
@@ -437,6 +443,8 @@ func load(args []string) error {
 	defer os.RemoveAll(dir)
 	var call caller
 	switch args[0] {
+	case "go-memcpy":
+		call = memcpyCaller()
 	case "go-isthmus-shm", "go-isthmus-raw":
 		shm := fmt.Sprintf("shm://go-bench-%d", os.Getpid())
 		srv, err := start("serve-isthmus", shm)

@@ -235,7 +235,10 @@ func RawEcho(call *isthmus.RawServerCall, req *isthmus.Message) (*isthmus.Block,
 	if err != nil {
 		return nil, err
 	}
-	copy(reply.Bytes(), req.Bytes())
+	if _, err := reply.WriteAt(req.Bytes(), 0); err != nil {
+		reply.Release()
+		return nil, err
+	}
 	return reply, nil
 }
 

@@ -887,6 +887,7 @@ static int check_null_arguments(ctx_t *c) {
   INVALID(isthmus_message_free(NULL));
   len = 7;
   REQUIRE(isthmus_block_data(NULL, &len) == NULL && len == 0, "block data of NULL");
+  INVALID(isthmus_block_write(NULL, 0, data, 1, &st));
   INVALID(isthmus_block_free(NULL));
 
   /* metadata */
@@ -1310,12 +1311,22 @@ static int check_zero_copy(ctx_t *c) {
   size_t len = 0;
   uint8_t *data = isthmus_block_data(block, &len);
   REQUIRE(data != NULL && len == MIB, "a 1 MiB block (%zu)", len);
-  fill_pattern(data, len, 1);
-  MUST(isthmus_call_send_block(call, block, 1, &st));
-  INVALID(isthmus_block_free(block)); /* sent: consumed */
   uint8_t *want = malloc(MIB);
   REQUIRE(want != NULL, "1 MiB");
   fill_pattern(want, MIB, 1);
+  /* filled by isthmus_block_write in two halves, then a write from the block into itself */
+  MUST(isthmus_block_write(block, MIB / 2, want + MIB / 2, MIB / 2, &st));
+  MUST(isthmus_block_write(block, 0, want, MIB / 2, &st));
+  MUST(isthmus_block_write(block, 1, data, 4096, &st));
+  memmove(want + 1, want, 4096);
+  MUST(isthmus_block_write(block, MIB, NULL, 0, &st)); /* empty, at the end */
+  INVALID(isthmus_block_write(block, MIB, want, 1, &st));
+  INVALID(isthmus_block_write(block, SIZE_MAX, want, 2, &st));
+  INVALID(isthmus_block_write(block, 0, NULL, 5, &st));
+  REQUIRE(memcmp(data, want, MIB) == 0, "the block after the writes");
+  MUST(isthmus_call_send_block(call, block, 1, &st));
+  INVALID(isthmus_block_free(block)); /* sent: consumed */
+  INVALID(isthmus_block_write(block, 0, want, 1, &st));
   st = NULL;
   isthmus_code_t rc = isthmus_call_recv(call, &msg, &st);
   int same = rc == ISTHMUS_OK && bytes_are(msg, want, MIB);

@@ -122,6 +122,10 @@ unsafe impl Send for Mapping {}
 // SAFETY: as for Send: `&Mapping` only hands out the base pointer and length.
 unsafe impl Sync for Mapping {}
 
+/// The size of a huge page that maps a whole page-table entry's worth on x86-64 and arm64 (4 KiB
+/// pages); where a platform's is larger, the advice covers fewer whole pages, which is harmless.
+pub(crate) const HUGE_PAGE: usize = 2 << 20;
+
 impl Mapping {
     /// Maps `len` bytes of `fd` shared and read/write.
     pub(crate) fn new(fd: BorrowedFd<'_>, len: usize) -> io::Result<Mapping> {
@@ -146,6 +150,25 @@ impl Mapping {
         }
         let ptr = NonNull::new(ptr.cast::<u8>()).ok_or_else(|| io::Error::from(io::ErrorKind::Other))?;
         Ok(Mapping { ptr, len })
+    }
+
+    /// Asks the kernel to back bytes `range` of the mapping with huge pages where it can: the
+    /// whole 2 MiB pages inside the range, and only if the host allows them for shared memory
+    /// (`shmem_enabled` is `advise`, `within_size` or `always`). Advice only: where the kernel
+    /// has no huge pages, or refuses, nothing changes and nothing fails. Returns whether the
+    /// kernel took the advice (false also when the range holds no whole huge page).
+    pub(crate) fn advise_huge_pages(&self, range: std::ops::Range<usize>) -> bool {
+        let base = self.ptr.as_ptr() as usize;
+        let end = range.end.min(self.len);
+        let (Some(from), Some(to)) = (base.checked_add(range.start), base.checked_add(end)) else { return false };
+        let (from, to) = (from.next_multiple_of(HUGE_PAGE), to / HUGE_PAGE * HUGE_PAGE);
+        if from >= to {
+            return false;
+        }
+        // SAFETY: `[from, to)` lies inside this mapping (the range is clamped to it and only
+        // narrowed by the rounding). MADV_HUGEPAGE changes how later faults are served, never
+        // the contents or the validity of any address.
+        unsafe { libc::madvise(from as *mut libc::c_void, to - from, libc::MADV_HUGEPAGE) == 0 }
     }
 
     /// The first byte of the mapping.
@@ -445,4 +468,70 @@ pub(crate) fn file_id(path: &std::path::Path) -> io::Result<(u64, u64)> {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::symlink_metadata(path)?;
     Ok((m.dev(), m.ino()))
+}
+
+/// Test helpers that read what the kernel did with a mapping.
+#[cfg(test)]
+pub(crate) mod inspect {
+    use super::Mapping;
+
+    /// The host's setting for huge pages in shared memory (the bracketed word of
+    /// `shmem_enabled`), or `None` where the kernel has no transparent huge pages.
+    pub(crate) fn shmem_huge_setting() -> Option<String> {
+        let text = std::fs::read_to_string("/sys/kernel/mm/transparent_hugepage/shmem_enabled").ok()?;
+        Some(text.split_once('[')?.1.split_once(']')?.0.to_owned())
+    }
+
+    /// Whether the host gives shared memory huge pages when a mapping asks for them.
+    pub(crate) fn shmem_huge_on_advice() -> bool {
+        matches!(shmem_huge_setting().as_deref(), Some("advise" | "within_size" | "always" | "force"))
+    }
+
+    /// KiB of bytes `range` of `map` that the kernel maps with huge page-table entries now,
+    /// from `/proc/self/smaps` (the mapping may have been split by the advice).
+    pub(crate) fn huge_mapped_kib(map: &Mapping, range: std::ops::Range<usize>) -> u64 {
+        let (from, to) = (map.as_ptr() as usize + range.start, map.as_ptr() as usize + range.end);
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("/proc/self/smaps");
+        let mut inside = false;
+        let mut kib = 0;
+        for line in smaps.lines() {
+            let first = line.split_whitespace().next().unwrap_or("");
+            if let Some((a, b)) = first.split_once('-').filter(|(a, _)| a.chars().all(|c| c.is_ascii_hexdigit())) {
+                let (a, b) = (usize::from_str_radix(a, 16).unwrap_or(0), usize::from_str_radix(b, 16).unwrap_or(0));
+                inside = a >= from && b <= to;
+            } else if inside && (first == "ShmemPmdMapped:" || first == "FilePmdMapped:") {
+                kib += line.split_whitespace().nth(1).and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
+            }
+        }
+        kib
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::fd::AsFd;
+
+    use super::inspect::*;
+    use super::*;
+
+    #[test]
+    fn huge_page_advice_covers_whole_huge_pages_only() {
+        let len = 16 << 20;
+        let fd = memfd_create("advice").expect("memfd");
+        set_len(fd.as_fd(), len as u64).expect("size");
+        let map = Mapping::new(fd.as_fd(), len).expect("map");
+        assert!(!map.advise_huge_pages(0..HUGE_PAGE - 1), "no whole huge page in it");
+        assert!(!map.advise_huge_pages(5..5));
+        assert!(!map.advise_huge_pages(usize::MAX - 1..usize::MAX), "clamped to the mapping");
+        let has_thp = shmem_huge_setting().is_some();
+        assert_eq!(map.advise_huge_pages(0..len), has_thp, "16 MiB always holds a whole huge page");
+        // SAFETY: the mapping is `len` bytes, writable and ours alone.
+        unsafe { std::ptr::write_bytes(map.as_ptr(), 1, len) };
+        let huge = huge_mapped_kib(&map, 0..len);
+        if shmem_huge_on_advice() {
+            assert!(huge >= 2048, "the host allows huge pages in shared memory, yet none: {huge} KiB");
+        } else {
+            assert_eq!(huge, 0, "the host keeps shared memory in small pages ({:?})", shmem_huge_setting());
+        }
+    }
 }

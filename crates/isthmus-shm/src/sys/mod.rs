@@ -4,7 +4,8 @@
 //!
 //! - **Segments**: create an anonymous shared-memory file that no other process can open by name
 //!   (`memfd_create`), size it, seal it against shrinking and growing, report its size and seals,
-//!   and map it shared read/write.
+//!   and map it shared read/write; advise huge pages for parts of a mapping (advice only: where
+//!   the platform has none, nothing changes).
 //! - **Doorbells**: a counter fd that one process signals and another waits on (`eventfd`),
 //!   non-blocking, drained by one read.
 //! - **Handshake socket**: pass fds with a message (`SCM_RIGHTS`), report the peer's credentials
