@@ -50,8 +50,9 @@ func withDefaults(defaults, opts []grpc.CallOption) []grpc.CallOption {
 //     "proto": isthmus sends application/grpc, so a call asking for another one fails with
 //     codes.Unimplemented rather than send the server bytes it would read as protobuf;
 //   - UseCompressor is checked as grpc-go checks it (an unregistered name fails the call,
-//     codes.Internal) and otherwise has no effect: messages go uncompressed, which the
-//     receiver cannot tell apart.
+//     codes.Internal); "gzip" (and "deflate", once registered) compresses the requests over
+//     HTTP/2, and over shm:// messages cross no wire and go as they are. Another registered
+//     compressor fails the call with codes.Unimplemented: the library compresses only those.
 //
 // Others (CallAuthority, MaxRetryRPCBufferSize, StaticMethod…) are ignored.
 type callOptions struct {
@@ -64,6 +65,8 @@ type callOptions struct {
 	limitSend, limitRecv bool
 	// codec marshals the call's messages; nil for protobuf by isthmus's own means.
 	codec messageCodec
+	// compression is the requests' grpc-encoding over HTTP/2: "gzip", "deflate" or "".
+	compression string
 	// onFinish says that opts hold grpc.OnFinish callbacks, called when the call ends.
 	onFinish bool
 	opts     []grpc.CallOption
@@ -118,6 +121,14 @@ func parseCallOptions(opts []grpc.CallOption) callOptions {
 func (co *callOptions) checkEncoding(subtype, forcedName, compressor string) error {
 	if compressor != "" && compressor != encoding.Identity && encoding.GetCompressor(compressor) == nil {
 		return status.Errorf(codes.Internal, "grpc: Compressor is not installed for requested grpc-encoding %q", compressor)
+	}
+	switch compressor {
+	case "", encoding.Identity:
+		co.compression = ""
+	case "gzip", "deflate":
+		co.compression = compressor
+	default:
+		return status.Errorf(codes.Unimplemented, "grpc-encoding %q: isthmus compresses with gzip or deflate only", compressor)
 	}
 	switch {
 	case co.codec != nil && subtype == "":

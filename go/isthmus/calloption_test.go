@@ -1,11 +1,13 @@
 package isthmus_test
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"io"
 	"net"
+	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
@@ -18,6 +20,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	_ "google.golang.org/grpc/encoding/gzip" // registers "gzip" for UseCompressor
 	grpcpeer "google.golang.org/grpc/peer"
+	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
@@ -416,8 +419,8 @@ func (c protoCodec) Name() string { return c.name }
 
 // ForceCodec is honoured while its content-subtype is "proto"; a codec or content-subtype
 // isthmus cannot send fails codes.Unimplemented before the call starts; a content-subtype or
-// compressor grpc-go does not know fails as grpc-go's does; a known compressor is accepted
-// (and the message sent uncompressed).
+// compressor grpc-go does not know fails as grpc-go's does; gzip is accepted by every client
+// and server (TestUseCompressorCompressesOverHTTP2 shows that the requests are compressed).
 func TestCodecAndCompressorOptions(t *testing.T) {
 	svc, shm, unix := startOptionServer(t, "codec")
 	clients := optionClients(t, shm, unix, nil)
@@ -443,11 +446,7 @@ func TestCodecAndCompressorOptions(t *testing.T) {
 		if m, u := codec.marshals.Load(), codec.unmarsh.Load(); m != 2 || u != 2 {
 			t.Errorf("%s: the forced codec marshalled %d and unmarshalled %d messages, want 2 and 2", c.label, m, u)
 		}
-		opts := []grpc.CallOption{grpc.CallContentSubtype("proto"), grpc.UseCompressor("identity")}
-		if strings.HasPrefix(c.label, "isthmus") {
-			// grpc-go would compress, which the isthmus server refuses (Unimplemented).
-			opts = append(opts, grpc.UseCompressor("gzip"))
-		}
+		opts := []grpc.CallOption{grpc.CallContentSubtype("proto"), grpc.UseCompressor("identity"), grpc.UseCompressor("gzip")}
 		for _, opt := range opts {
 			if _, err := e.Unary(ctx, req, opt); err != nil {
 				t.Errorf("%s: %#v: %v", c.label, opt, err)
@@ -478,5 +477,75 @@ func TestCodecAndCompressorOptions(t *testing.T) {
 			return err
 		})
 		sameErrors(t, fmt.Sprintf("%#v", opt), clients, errs, codes.Internal)
+	}
+}
+
+// encodingRecorder is a grpc-go server's stats handler that keeps the grpc-encoding of each
+// call's request headers.
+type encodingRecorder struct {
+	mu   sync.Mutex
+	seen []string
+}
+
+func (r *encodingRecorder) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context {
+	return ctx
+}
+func (r *encodingRecorder) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context {
+	return ctx
+}
+func (r *encodingRecorder) HandleConn(context.Context, stats.ConnStats) {}
+func (r *encodingRecorder) HandleRPC(_ context.Context, s stats.RPCStats) {
+	if h, ok := s.(*stats.InHeader); ok {
+		r.mu.Lock()
+		r.seen = append(r.seen, h.Compression)
+		r.mu.Unlock()
+	}
+}
+
+func (r *encodingRecorder) take() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	seen := r.seen
+	r.seen = nil
+	return seen
+}
+
+// UseCompressor("gzip"), per call or as a connection's default, compresses an isthmus
+// client's requests to a grpc-go server over unix://, as grpc-go's own client does: the
+// server sees grpc-encoding gzip. Without it the requests go uncompressed.
+func TestUseCompressorCompressesOverHTTP2(t *testing.T) {
+	sock := filepath.Join(t.TempDir(), "grpc.sock")
+	lis, err := net.Listen("unix", sock)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec := &encodingRecorder{}
+	srv := grpc.NewServer(grpc.StatsHandler(rec))
+	pb.RegisterEchoServer(srv, echo.Service{})
+	go srv.Serve(lis)
+	t.Cleanup(srv.Stop)
+	ctx := testContext(t)
+	req := &pb.EchoRequest{Payload: []byte(strings.Repeat("compress me ", 100)), Seq: 3}
+	plain := dialWith(t, "unix://"+sock)
+	byDefault := dialWith(t, "unix://"+sock, isthmus.WithDefaultCallOptions(grpc.UseCompressor("gzip")))
+	for _, c := range []struct {
+		label string
+		conn  *isthmus.ClientConn
+		opts  []grpc.CallOption
+		want  string
+	}{
+		{"no compressor", plain, nil, ""},
+		{"UseCompressor(gzip)", plain, []grpc.CallOption{grpc.UseCompressor("gzip")}, "gzip"},
+		{"UseCompressor(identity)", plain, []grpc.CallOption{grpc.UseCompressor("identity")}, ""},
+		{"gzip by default", byDefault, nil, "gzip"},
+		{"gzip by default, identity for the call", byDefault, []grpc.CallOption{grpc.UseCompressor("identity")}, ""},
+	} {
+		reply, err := pb.NewEchoClient(c.conn).Unary(ctx, req, c.opts...)
+		if err != nil || reply.Seq != 3 || !bytes.Equal(reply.Payload, req.Payload) {
+			t.Fatalf("%s: %v, %v", c.label, reply, err)
+		}
+		if seen := rec.take(); len(seen) != 1 || seen[0] != c.want {
+			t.Errorf("%s: the server saw grpc-encoding %q, want %q", c.label, seen, c.want)
+		}
 	}
 }

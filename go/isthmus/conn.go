@@ -217,6 +217,12 @@ func (cc *ClientConn) cCallOptions(ctx context.Context, method string, co callOp
 	if co.waitForReady {
 		o.flags |= C.ISTHMUS_CALL_WAIT_FOR_READY
 	}
+	switch co.compression {
+	case "gzip":
+		o.flags |= C.ISTHMUS_CALL_COMPRESS_GZIP
+	case "deflate":
+		o.flags |= C.ISTHMUS_CALL_COMPRESS_DEFLATE
+	}
 	return o, nil
 }
 

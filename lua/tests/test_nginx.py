@@ -249,6 +249,11 @@ def test_standard_grpc_over_http2(nginx: Nginx, servers: Callable[[str], Served]
     assert r["ok"] and r["payload"] == "hello" and r["header"] == "from-lua", r
     assert nginx.case("bidi", target, n=3) == {"ok": True, "seqs": [1, 2, 3], "ended": True}
     assert nginx.case("server_stream", target, count=2, size=10)["seqs"] == [0, 1]
+    assert nginx.case("compressed", target) == {
+        "ok": True,
+        "echoed": {"gzip": True, "deflate": True},
+        "refused": "INVALID_ARGUMENT",
+    }
 
 
 def test_the_worker_serves_other_requests_while_calls_wait(

@@ -95,10 +95,11 @@ class Call(grpc.Call, grpc.Future):
         metadata: Sequence[Metadatum] | None,
         timeout: float | None,
         wait_for_ready: bool,
+        compression: str | None,
     ) -> _native.Call | None:
         """Starts the engine's call; None if it could not start or was cancelled meanwhile."""
         try:
-            native = channel.start(path, metadata, timeout, wait_for_ready)
+            native = channel.start(path, metadata, timeout, wait_for_ready, compression)
         except CallError as e:
             self._end(e)
             return None
@@ -149,13 +150,14 @@ class Call(grpc.Call, grpc.Future):
         metadata: Sequence[Metadatum] | None,
         timeout: float | None,
         wait_for_ready: bool,
+        compression: str | None,
         request: bytes | Iterator[Any],
         serialize: Serializer,
     ) -> None:
         """Runs a call with one response to its end, on the caller's thread or the pool's."""
         # A `.future()` call may have waited for a pool thread: its deadline ran meanwhile.
         left = None if timeout is None else self.time_remaining()
-        native = self._start(channel, path, metadata, left, wait_for_ready)
+        native = self._start(channel, path, metadata, left, wait_for_ready, compression)
         if native is None:
             return
         if isinstance(request, bytes):

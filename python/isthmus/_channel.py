@@ -71,11 +71,23 @@ _COMPLETIONS = _Completions()
 
 
 class _MultiCallable:
-    def __init__(self, channel: _native.Channel, path: str, serialize: Serializer, deserialize: Deserializer):
+    def __init__(
+        self,
+        channel: _native.Channel,
+        path: str,
+        serialize: Serializer,
+        deserialize: Deserializer,
+        compression: str | None = None,
+    ):
         self._channel = channel
         self._path = path
         self._serialize = serialize
         self._deserialize = deserialize
+        self._compression = compression  # the channel's, as a grpc-encoding name
+
+    def _encoding(self, compression: grpc.Compression | None) -> str | None:
+        """The call's compression: its own if given, else the channel's."""
+        return self._compression if compression is None else encoding(compression)
 
     def _encode(self, request: Any) -> bytes:
         """The request serialised; a serializer's failure raises grpc's INTERNAL error."""
@@ -90,6 +102,7 @@ class _MultiCallable:
         timeout: float | None,
         metadata: Iterable[Metadatum] | None,
         wait_for_ready: bool | None,
+        compression: str | None,
     ) -> Call:
         """A call with one response, run to its end on this thread."""
         call = Call(self._deserialize, timeout)
@@ -99,6 +112,7 @@ class _MultiCallable:
             outgoing(metadata),
             timeout,
             bool(wait_for_ready),
+            compression,
             request,
             self._serialize,
         )
@@ -110,6 +124,7 @@ class _MultiCallable:
         timeout: float | None,
         metadata: Iterable[Metadatum] | None,
         wait_for_ready: bool | None,
+        compression: str | None,
     ) -> Call:
         """A call with one response, running while the caller goes on: a unary one completes
         on the completion thread; one with a request iterator runs on a thread of its own,
@@ -120,7 +135,14 @@ class _MultiCallable:
             call._abandon = functools.partial(_COMPLETIONS.abandon, token)
             try:
                 self._channel.unary_future(
-                    reactor, token, self._path, request, outgoing(metadata), timeout, bool(wait_for_ready)
+                    reactor,
+                    token,
+                    self._path,
+                    request,
+                    outgoing(metadata),
+                    timeout,
+                    bool(wait_for_ready),
+                    compression,
                 )
             except BaseException:
                 _COMPLETIONS.abandon(token)
@@ -132,6 +154,7 @@ class _MultiCallable:
             outgoing(metadata),
             timeout,
             bool(wait_for_ready),
+            compression,
             request,
             self._serialize,
         )
@@ -144,10 +167,13 @@ class _MultiCallable:
         timeout: float | None,
         metadata: Iterable[Metadatum] | None,
         wait_for_ready: bool | None,
+        compression: str | None,
     ) -> Call:
         """A call with streaming responses, started; the caller reads them."""
         call = Call(self._deserialize, timeout)
-        native = call._start(self._channel, self._path, outgoing(metadata), timeout, bool(wait_for_ready))
+        native = call._start(
+            self._channel, self._path, outgoing(metadata), timeout, bool(wait_for_ready), compression
+        )
         if native is not None:
             if isinstance(request, bytes):
                 call._send_one(native, request)
@@ -175,6 +201,7 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
                 None if metadata is None else outgoing(metadata),
                 timeout,
                 bool(wait_for_ready),
+                self._compression if compression is None else encoding(compression),
             )
             # A deserializer's failure fails the call (INTERNAL), as in grpcio.
             return decode(self._deserialize, message)
@@ -197,6 +224,7 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
                 outgoing(metadata),
                 timeout,
                 bool(wait_for_ready),
+                self._encoding(compression),
             )
             response = decode(self._deserialize, result.message)
         except CallError as e:
@@ -212,7 +240,9 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        return self._future(self._encode(request), timeout, metadata, wait_for_ready)
+        return self._future(
+            self._encode(request), timeout, metadata, wait_for_ready, self._encoding(compression)
+        )
 
 
 class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
@@ -225,7 +255,9 @@ class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        return self._stream(self._encode(request), timeout, metadata, wait_for_ready)
+        return self._stream(
+            self._encode(request), timeout, metadata, wait_for_ready, self._encoding(compression)
+        )
 
 
 class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
@@ -238,7 +270,9 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Any:
-        return self._run(iter(request_iterator), timeout, metadata, wait_for_ready)._outcome()
+        return self._run(
+            iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
+        )._outcome()
 
     def with_call(
         self,
@@ -249,7 +283,9 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> tuple[Any, grpc.Call]:
-        call = self._run(iter(request_iterator), timeout, metadata, wait_for_ready)
+        call = self._run(
+            iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
+        )
         return call._outcome(), call
 
     def future(
@@ -261,7 +297,9 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        return self._future(iter(request_iterator), timeout, metadata, wait_for_ready)
+        return self._future(
+            iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
+        )
 
 
 class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
@@ -274,12 +312,35 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        return self._stream(iter(request_iterator), timeout, metadata, wait_for_ready)
+        return self._stream(
+            iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
+        )
 
 
 def upgrades(options: Any) -> bool:
     """Whether a channel may move to shared memory: the option `isthmus.upgrade` (default on)."""
     return bool(dict(options or ()).get("isthmus.upgrade", True))
+
+
+_ENCODINGS = {grpc.Compression.Gzip: "gzip", grpc.Compression.Deflate: "deflate"}
+
+
+def encoding(compression: grpc.Compression) -> str | None:
+    """The `grpc-encoding` name of one of grpc's compressions; None for `NoCompression`."""
+    if compression == grpc.Compression.NoCompression:
+        return None
+    try:
+        return _ENCODINGS[grpc.Compression(compression)]
+    except (KeyError, ValueError):
+        raise ValueError(f"no compression {compression!r}: an element of grpc.Compression") from None
+
+
+def channel_compression(compression: grpc.Compression | None, options: Any) -> str | None:
+    """A channel's compression: the option `grpc.default_compression_algorithm` if given, else
+    `compression`, else none. (grpcio turns `compression` into that option after the given ones,
+    and the first of two wins.)"""
+    chosen = dict(options or ()).get("grpc.default_compression_algorithm", compression)
+    return None if chosen is None else encoding(chosen)
 
 
 _RESOURCE_EXHAUSTED = 8
@@ -412,7 +473,10 @@ class Channel(grpc.Channel):
     serves `shm://` moves its calls to shared memory (`("isthmus.upgrade", False)` in `options`
     keeps them on HTTP/2). Of grpc's `options` it uses `grpc.ssl_target_name_override`,
     `grpc.max_send_message_length` and `grpc.max_receive_message_length` (a larger message
-    fails its call RESOURCE_EXHAUSTED), and `compression` is accepted for grpc's sake."""
+    fails its call RESOURCE_EXHAUSTED). The option `grpc.default_compression_algorithm` (or else
+    `compression`) compresses every call's requests over HTTP/2, as a call's own `compression=`
+    does for it; over `shm://` messages cross no wire and go as they
+    are."""
 
     def __init__(
         self,
@@ -422,6 +486,7 @@ class Channel(grpc.Channel):
         tls: tuple[bytes | None, bytes | None, bytes | None, str | None] | None = None,
     ):
         self._max_send, max_receive = limits(options)
+        self._compression = channel_compression(compression, options)
         self._native = _native.Channel(target, tls, upgrades(options), max_receive)
         self._connectivity = _Connectivity(self._native)
 
@@ -463,7 +528,11 @@ class Channel(grpc.Channel):
         **kwargs: Any,
     ) -> UnaryUnaryMultiCallable:
         return UnaryUnaryMultiCallable(
-            self._native, method, limited(request_serializer, self._max_send), response_deserializer
+            self._native,
+            method,
+            limited(request_serializer, self._max_send),
+            response_deserializer,
+            self._compression,
         )
 
     def unary_stream(
@@ -475,7 +544,11 @@ class Channel(grpc.Channel):
         **kwargs: Any,
     ) -> UnaryStreamMultiCallable:
         return UnaryStreamMultiCallable(
-            self._native, method, limited(request_serializer, self._max_send), response_deserializer
+            self._native,
+            method,
+            limited(request_serializer, self._max_send),
+            response_deserializer,
+            self._compression,
         )
 
     def stream_unary(
@@ -487,7 +560,11 @@ class Channel(grpc.Channel):
         **kwargs: Any,
     ) -> StreamUnaryMultiCallable:
         return StreamUnaryMultiCallable(
-            self._native, method, limited(request_serializer, self._max_send), response_deserializer
+            self._native,
+            method,
+            limited(request_serializer, self._max_send),
+            response_deserializer,
+            self._compression,
         )
 
     def stream_stream(
@@ -499,7 +576,11 @@ class Channel(grpc.Channel):
         **kwargs: Any,
     ) -> StreamStreamMultiCallable:
         return StreamStreamMultiCallable(
-            self._native, method, limited(request_serializer, self._max_send), response_deserializer
+            self._native,
+            method,
+            limited(request_serializer, self._max_send),
+            response_deserializer,
+            self._compression,
         )
 
     def alloc(self, size: int, timeout: float | None = None) -> _native.Block:
@@ -520,6 +601,7 @@ class Channel(grpc.Channel):
         timeout: float | None = None,
         metadata: Iterable[Metadatum] | None = None,
         wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
     ) -> _native.Message:
         """The raw tier: calls `method` with `request` as it is, no serializer: a `Block` from
         `alloc` (sent with no copy) or any C-contiguous buffer (bytes, bytearray, memoryview,
@@ -531,7 +613,14 @@ class Channel(grpc.Channel):
         RESOURCE_EXHAUSTED before it is sent, as a serialized one does."""
         try:
             check_raw_size(request, self._max_send)
-            return self._native.unary_raw(method, request, outgoing(metadata), timeout, bool(wait_for_ready))
+            return self._native.unary_raw(
+                method,
+                request,
+                outgoing(metadata),
+                timeout,
+                bool(wait_for_ready),
+                self._compression if compression is None else encoding(compression),
+            )
         except CallError as e:
             raise rpc_error(e) from None
 

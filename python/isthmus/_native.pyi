@@ -108,6 +108,7 @@ class Channel:
         metadata: _Metadata | None,
         timeout: float | None,
         wait_for_ready: bool,
+        compression: str | None = None,
     ) -> UnaryResult:
         """Raises CallError."""
     def unary_message(
@@ -117,6 +118,7 @@ class Channel:
         metadata: _Metadata | None,
         timeout: float | None,
         wait_for_ready: bool,
+        compression: str | None = None,
     ) -> bytes:
         """`unary` for the response message alone; raises CallError."""
     def unary_future(
@@ -128,6 +130,7 @@ class Channel:
         metadata: _Metadata | None,
         timeout: float | None,
         wait_for_ready: bool,
+        compression: str | None = None,
     ) -> None:
         """A unary call as operation `token` of `reactor`: completes with a UnaryResult."""
     def alloc(self, size: int, timeout: float | None = None) -> Block:
@@ -140,11 +143,17 @@ class Channel:
         metadata: _Metadata | None = None,
         timeout: float | None = None,
         wait_for_ready: bool = False,
+        compression: str | None = None,
     ) -> Message:
         """A unary call with a Block or any C-contiguous buffer as the request (BufferError
         otherwise); raises CallError."""
     def start(
-        self, path: str, metadata: _Metadata | None, timeout: float | None, wait_for_ready: bool
+        self,
+        path: str,
+        metadata: _Metadata | None,
+        timeout: float | None,
+        wait_for_ready: bool,
+        compression: str | None = None,
     ) -> Call:
         """Starts a streaming call; raises CallError if it cannot start."""
     def connectivity(self, try_to_connect: bool) -> int:
@@ -219,6 +228,7 @@ class AsyncChannel:
         metadata: _Metadata | None,
         timeout: float | None,
         wait_for_ready: bool,
+        compression: str | None = None,
         spin: bool = False,
     ) -> tuple[bool, object] | bool | None:
         """Completes with a UnaryResult. With `spin` (over shm://) the loop's thread sends the
@@ -238,11 +248,18 @@ class AsyncChannel:
         metadata: _Metadata | None,
         timeout: float | None,
         wait_for_ready: bool,
+        compression: str | None = None,
     ) -> None:
         """Completes with a Message; BufferError at once for a non-contiguous buffer or a
         block still exported, ValueError for a shared-memory block."""
     def start(
-        self, token: int, path: str, metadata: _Metadata | None, timeout: float | None, wait_for_ready: bool
+        self,
+        token: int,
+        path: str,
+        metadata: _Metadata | None,
+        timeout: float | None,
+        wait_for_ready: bool,
+        compression: str | None = None,
     ) -> None:
         """Completes with the started AsyncCall (or a CallError if it could not start)."""
     def connectivity(self, try_to_connect: bool) -> int:

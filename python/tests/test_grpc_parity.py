@@ -683,3 +683,153 @@ def test_a_grpcio_client_that_compresses_is_understood(
             requests = [pb.EchoRequest(seq=seq, payload=payload) for seq in range(3)]
             replies = list(stub.Bidi(iter(requests), timeout=60, compression=for_call))
             assert [(r.seq, r.payload) for r in replies] == [(seq, payload) for seq in range(3)]
+
+
+def _echo_bytes(request: bytes, context: grpc.ServicerContext) -> bytes:
+    return request
+
+
+def _echo_each(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    yield from requests
+
+
+# (the channel's compression, its options, the call's compression), and whether the requests
+# go compressed: then a server that reads only identity refuses them.
+COMPRESSIONS = [
+    (None, [], None, None),
+    (grpc.Compression.Gzip, [], None, "gzip"),
+    (grpc.Compression.Deflate, [], None, "deflate"),
+    (None, [("grpc.default_compression_algorithm", grpc.Compression.Gzip)], None, "gzip"),
+    # grpcio adds `compression` as that option after the given ones, and the first one wins.
+    (
+        grpc.Compression.Gzip,
+        [("grpc.default_compression_algorithm", grpc.Compression.Deflate)],
+        None,
+        "deflate",
+    ),
+    (None, [], grpc.Compression.Deflate, "deflate"),
+    (grpc.Compression.Deflate, [], grpc.Compression.Gzip, "gzip"),
+]
+COMPRESSIBLE = b"a compressible request " * 100
+
+
+def _outcome(error: grpc.RpcError | None) -> tuple[Any, ...]:
+    return (None,) if error is None else (error.code(), error.details())
+
+
+def _compressed_sync(make: Callable[..., Any], address: str, case: tuple[Any, ...]) -> tuple[Any, ...]:
+    """A unary and a bidi call with `case`'s compressions on a blocking channel: their outcomes."""
+    compression, options, per_call = case
+    results = []
+    with make(address, options=options, compression=compression) as channel:
+        try:
+            assert (
+                channel.unary_unary("/t.Echo/Unary")(COMPRESSIBLE, timeout=30, compression=per_call)
+                == COMPRESSIBLE
+            )
+            results.append(_outcome(None))
+        except grpc.RpcError as e:
+            results.append(_outcome(e))
+        try:
+            bidi = channel.stream_stream("/t.Echo/Bidi")
+            assert (
+                list(bidi(iter([COMPRESSIBLE] * 2), timeout=30, compression=per_call)) == [COMPRESSIBLE] * 2
+            )
+            results.append(_outcome(None))
+        except grpc.RpcError as e:
+            results.append(_outcome(e))
+    return tuple(results)
+
+
+async def _compressed_aio(make: Callable[..., Any], address: str, case: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The same on an asyncio channel."""
+    compression, options, per_call = case
+    results = []
+    async with make(address, options=options, compression=compression) as channel:
+        try:
+            reply = await channel.unary_unary("/t.Echo/Unary")(COMPRESSIBLE, timeout=30, compression=per_call)
+            assert reply == COMPRESSIBLE
+            results.append(_outcome(None))
+        except grpc.RpcError as e:
+            results.append(_outcome(e))
+        try:
+            call = channel.stream_stream("/t.Echo/Bidi")(
+                iter([COMPRESSIBLE] * 2), timeout=30, compression=per_call
+            )
+            assert [r async for r in call] == [COMPRESSIBLE] * 2
+            results.append(_outcome(None))
+        except grpc.RpcError as e:
+            results.append(_outcome(e))
+    return tuple(results)
+
+
+class _PassOn(grpc.aio.UnaryUnaryClientInterceptor):  # type: ignore[misc]
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(details, request)
+
+
+async def _compressed_intercepted(
+    make: Callable[..., Any], address: str, case: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """A unary call with `case`'s compressions through an asyncio channel's interceptor."""
+    compression, options, per_call = case
+    async with make(address, options=options, compression=compression, interceptors=[_PassOn()]) as channel:
+        try:
+            reply = await channel.unary_unary("/t.Echo/Unary")(COMPRESSIBLE, timeout=30, compression=per_call)
+            assert reply == COMPRESSIBLE
+            return _outcome(None)
+        except grpc.RpcError as e:
+            return _outcome(e)
+
+
+def _echo_bytes(request: bytes, context: grpc.ServicerContext) -> bytes:
+    return request
+
+
+def _echo_each(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    yield from requests
+
+
+@pytest.mark.parametrize("api", ["grpc", "isthmus", "grpc.aio", "isthmus.aio"])
+def test_a_channel_that_compresses_sends_compressed_requests(api: str, tmp_path: Path) -> None:
+    """The channel's `compression`, the option `grpc.default_compression_algorithm` and a call's
+    own `compression=` compress the requests over HTTP/2 as grpcio's do: a grpcio server that
+    reads no compressed message (`grpc.compression_enabled_algorithms_bitset` 1) fails those
+    calls UNIMPLEMENTED naming the algorithm, and answers the others, unary and streaming, and
+    through asyncio's interceptors."""
+    handlers = grpc.method_handlers_generic_handler(
+        "t.Echo",
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(_echo_bytes),
+            "Bidi": grpc.stream_stream_rpc_method_handler(_echo_each),
+        },
+    )
+    pool = futures.ThreadPoolExecutor(4)
+    server = grpc.server(
+        pool, handlers=[handlers], options=[("grpc.compression_enabled_algorithms_bitset", 1)]
+    )
+    address = f"unix:{tmp_path / 'identity-only.sock'}"
+    server.add_insecure_port(address)
+    server.start()
+    cases = COMPRESSIONS
+    if api.startswith("isthmus"):
+        # A call's NoCompression on a compressing channel: grpcio still compresses it (its core
+        # reads "identity" as no choice of the call's); isthmus sends it uncompressed.
+        cases = [*cases, (grpc.Compression.Gzip, [], grpc.Compression.NoCompression, None)]
+    try:
+        for *case, sent in cases:
+            refused = (grpc.StatusCode.UNIMPLEMENTED, f"Compression algorithm '{sent}' is disabled.")
+            if api in ("grpc", "isthmus"):
+                make = grpc.insecure_channel if api == "grpc" else isthmus.insecure_channel
+                got = _compressed_sync(make, address, tuple(case))
+            else:
+                make = grpc.aio.insecure_channel if api == "grpc.aio" else isthmus.aio.insecure_channel
+                got = asyncio.run(_compressed_aio(make, address, tuple(case)))
+                intercepted = asyncio.run(_compressed_intercepted(make, address, tuple(case)))
+                assert intercepted == (refused if sent else (None,)), case
+            if api == "grpc.aio" and got[1] == (grpc.StatusCode.INTERNAL, "Internal error from Core"):
+                got = (got[0], refused)  # grpc.aio's words for a refused stream; isthmus passes the server's
+            assert got == (((None,), (None,)) if sent is None else (refused, refused)), case
+    finally:
+        server.stop(None)
+        pool.shutdown(wait=False)

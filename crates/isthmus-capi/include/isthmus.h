@@ -49,6 +49,15 @@
 // calling thread never waits (for an event loop's own thread).
 #define ISTHMUS_CALL_SPIN 2
 
+// Call flag: compress the request messages with gzip over HTTP/2 (`unix://`, `http://`,
+// `https://`), as gRPC's `grpc-encoding: gzip`; a server that does not read gzip fails the
+// call UNIMPLEMENTED. Over `shm://` messages cross no wire and go as they are.
+#define ISTHMUS_CALL_COMPRESS_GZIP 4
+
+// Call flag: as `ISTHMUS_CALL_COMPRESS_GZIP` with `deflate` (a zlib stream). Both flags
+// together are INVALID_ARGUMENT.
+#define ISTHMUS_CALL_COMPRESS_DEFLATE 8
+
 // Connectivity states (`isthmus_channel_state`), numbered as gRPC numbers them (grpc-go's
 // `connectivity.State`, grpcio's `ChannelConnectivity`): no connection and none being made.
 #define ISTHMUS_STATE_IDLE 0
@@ -168,7 +177,7 @@ typedef struct {
   int64_t timeout_us;
   // Initial metadata to send (NULL for none). Copied; the caller still frees it.
   const isthmus_metadata_t *metadata;
-  // `ISTHMUS_CALL_WAIT_FOR_READY`, or 0.
+  // `ISTHMUS_CALL_*` flags ORed together, or 0.
   uint32_t flags;
 } isthmus_call_options_t;
 

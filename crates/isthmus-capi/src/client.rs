@@ -44,7 +44,7 @@ pub struct isthmus_call_options_t {
     pub timeout_us: i64,
     /// Initial metadata to send (NULL for none). Copied; the caller still frees it.
     pub metadata: *const isthmus_metadata_t,
-    /// `ISTHMUS_CALL_WAIT_FOR_READY`, or 0.
+    /// `ISTHMUS_CALL_*` flags ORed together, or 0.
     pub flags: u32,
 }
 
@@ -57,6 +57,15 @@ pub const ISTHMUS_CALL_WAIT_FOR_READY: u32 = 1;
 /// returns, so that a fast reply comes back in `now` with no wake-up at all. Without it the
 /// calling thread never waits (for an event loop's own thread).
 pub const ISTHMUS_CALL_SPIN: u32 = 2;
+
+/// Call flag: compress the request messages with gzip over HTTP/2 (`unix://`, `http://`,
+/// `https://`), as gRPC's `grpc-encoding: gzip`; a server that does not read gzip fails the
+/// call UNIMPLEMENTED. Over `shm://` messages cross no wire and go as they are.
+pub const ISTHMUS_CALL_COMPRESS_GZIP: u32 = 4;
+
+/// Call flag: as `ISTHMUS_CALL_COMPRESS_GZIP` with `deflate` (a zlib stream). Both flags
+/// together are INVALID_ARGUMENT.
+pub const ISTHMUS_CALL_COMPRESS_DEFLATE: u32 = 8;
 
 /// Options of a channel. Zero-initialise it, then set what you need; NULL means defaults.
 #[repr(C)]
@@ -79,10 +88,17 @@ pub(crate) static CHANNELS: Registry<isthmus_channel_t> = Registry::new("channel
 unsafe fn call_options(opts: *const isthmus_call_options_t) -> Result<CallOptions, Status> {
     // SAFETY: the caller promises a valid struct when not NULL.
     let Some(o) = (unsafe { opts.as_ref() }) else { return Ok(CallOptions::default()) };
+    let compression = match (o.flags & ISTHMUS_CALL_COMPRESS_GZIP != 0, o.flags & ISTHMUS_CALL_COMPRESS_DEFLATE != 0) {
+        (false, false) => None,
+        (true, false) => Some(isthmus::Compression::Gzip),
+        (false, true) => Some(isthmus::Compression::Deflate),
+        (true, true) => return Err(invalid("ISTHMUS_CALL_COMPRESS_GZIP and _DEFLATE together")),
+    };
     Ok(CallOptions {
         metadata: metadata_arg(o.metadata)?,
         timeout: u64::try_from(o.timeout_us).ok().filter(|t| *t > 0).map(Duration::from_micros),
         wait_for_ready: o.flags & ISTHMUS_CALL_WAIT_FOR_READY != 0,
+        compression,
     })
 }
 

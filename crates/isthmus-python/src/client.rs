@@ -27,7 +27,8 @@
 //! - `close` fails calls in progress CANCELLED "Channel closed!" as grpcio does, over `shm://`
 //!   (its connections end) and over HTTP/2 alike (their streams reset; the connection closes
 //!   with the channel). Of `options`, the message-size limits, `grpc.ssl_target_name_override` and
-//!   `isthmus.upgrade` are used; `compression` is accepted and unused.
+//!   `isthmus.upgrade` are used here; a call's `compression` (a `grpc-encoding` name, resolved
+//!   against the channel's in Python) compresses its requests over HTTP/2.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -235,7 +236,8 @@ impl Channel {
         upgrade_status(&self.engine)
     }
 
-    #[pyo3(signature = (path, request, metadata, timeout, wait_for_ready))]
+    #[pyo3(signature = (path, request, metadata, timeout, wait_for_ready, compression=None))]
+    #[allow(clippy::too_many_arguments)]
     fn unary(
         &self,
         py: Python<'_>,
@@ -244,15 +246,17 @@ impl Channel {
         metadata: Option<&Bound<'_, PyAny>>,
         timeout: Option<f64>,
         wait_for_ready: bool,
+        compression: Option<&str>,
     ) -> PyResult<UnaryResult> {
-        let options = options(metadata, timeout, wait_for_ready)?;
+        let options = options(metadata, timeout, wait_for_ready, compression)?;
         let response = self.call_unary(py, path, request.as_bytes(), options)?;
         UnaryResult::new(py, &response)
     }
 
     /// [`unary`](Self::unary) when only the response message is wanted (a stub's plain call):
     /// no result object and no metadata lists to build.
-    #[pyo3(signature = (path, request, metadata, timeout, wait_for_ready))]
+    #[pyo3(signature = (path, request, metadata, timeout, wait_for_ready, compression=None))]
+    #[allow(clippy::too_many_arguments)]
     fn unary_message<'py>(
         &self,
         py: Python<'py>,
@@ -261,8 +265,9 @@ impl Channel {
         metadata: Option<&Bound<'_, PyAny>>,
         timeout: Option<f64>,
         wait_for_ready: bool,
+        compression: Option<&str>,
     ) -> PyResult<Bound<'py, PyBytes>> {
-        let options = options(metadata, timeout, wait_for_ready)?;
+        let options = options(metadata, timeout, wait_for_ready, compression)?;
         let response = self.call_unary(py, path, request.as_bytes(), options)?;
         Ok(PyBytes::new(py, &response.message))
     }
@@ -270,7 +275,7 @@ impl Channel {
     /// A unary call (`.future()`) run as operation `token` of `reactor`: it completes with a
     /// `UnaryResult` (or a `CallError`) on the thread that drains the reactor, so no thread
     /// waits per call. The connection's reader task reads its reply.
-    #[pyo3(signature = (reactor, token, path, request, metadata, timeout, wait_for_ready))]
+    #[pyo3(signature = (reactor, token, path, request, metadata, timeout, wait_for_ready, compression=None))]
     #[allow(clippy::too_many_arguments)]
     fn unary_future(
         &self,
@@ -281,8 +286,9 @@ impl Channel {
         metadata: Option<&Bound<'_, PyAny>>,
         timeout: Option<f64>,
         wait_for_ready: bool,
+        compression: Option<&str>,
     ) -> PyResult<()> {
-        let options = options(metadata, timeout, wait_for_ready)?;
+        let options = options(metadata, timeout, wait_for_ready, compression)?;
         let closed = self.closed.load(Ordering::Relaxed).then(closed);
         let engine = self.engine.with_calls_read(false);
         let request = bytes_from_py(request);
@@ -306,7 +312,8 @@ impl Channel {
     /// A unary call of the raw tier: `request` is a [`Block`] or any C-contiguous buffer,
     /// read where it is; the reply is a read-only [`Message`] (a view of shared memory when it
     /// came through the server's arena).
-    #[pyo3(signature = (path, request, metadata=None, timeout=None, wait_for_ready=false))]
+    #[pyo3(signature = (path, request, metadata=None, timeout=None, wait_for_ready=false, compression=None))]
+    #[allow(clippy::too_many_arguments)]
     fn unary_raw(
         &self,
         py: Python<'_>,
@@ -315,12 +322,13 @@ impl Channel {
         metadata: Option<&Bound<'_, PyAny>>,
         timeout: Option<f64>,
         wait_for_ready: bool,
+        compression: Option<&str>,
     ) -> PyResult<Message> {
         // Checked before the request is taken: a Block taken is a Block sent.
         if self.closed.load(Ordering::Relaxed) {
             return Err(call_error(py, &closed()));
         }
-        let options = options(metadata, timeout, wait_for_ready)?;
+        let options = options(metadata, timeout, wait_for_ready, compression)?;
         let response = match Request::from_py(request)? {
             Request::Block(Outgoing::Shm(block)) => {
                 let sent = match &self.blocking {
@@ -337,7 +345,7 @@ impl Channel {
         Ok(Message::new(response.message))
     }
 
-    #[pyo3(signature = (path, metadata, timeout, wait_for_ready))]
+    #[pyo3(signature = (path, metadata, timeout, wait_for_ready, compression=None))]
     fn start(
         &self,
         py: Python<'_>,
@@ -345,11 +353,12 @@ impl Channel {
         metadata: Option<&Bound<'_, PyAny>>,
         timeout: Option<f64>,
         wait_for_ready: bool,
+        compression: Option<&str>,
     ) -> PyResult<Call> {
         if self.closed.load(Ordering::Relaxed) {
             return Err(call_error(py, &closed()));
         }
-        let options = options(metadata, timeout, wait_for_ready)?;
+        let options = options(metadata, timeout, wait_for_ready, compression)?;
         match py.detach(|| runtime().block_on(self.engine.start(path, options))) {
             Ok(call) => Ok(Call(SharedCall::new(call))),
             Err(status) => Err(call_error(py, &status)),

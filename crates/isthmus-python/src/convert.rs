@@ -149,13 +149,27 @@ pub(crate) fn metadata_to_py(py: Python<'_>, metadata: &MetadataMap) -> PyResult
     Ok(list.unbind())
 }
 
-/// Call options from the Python arguments.
+/// Call options from the Python arguments; `compression` is a `grpc-encoding` name (`gzip`,
+/// `deflate`) or `None`.
 pub(crate) fn options(
     metadata: Option<&Bound<'_, PyAny>>,
     timeout: Option<f64>,
     wait_for_ready: bool,
+    compression: Option<&str>,
 ) -> PyResult<CallOptions> {
-    Ok(CallOptions { metadata: metadata_from_py(metadata)?, timeout: timeout_from_py(timeout), wait_for_ready })
+    let compression = match compression {
+        None => None,
+        Some(name) => Some(
+            isthmus::Compression::from_name(name)
+                .ok_or_else(|| PyValueError::new_err(format!("no compression {name:?}: gzip or deflate")))?,
+        ),
+    };
+    Ok(CallOptions {
+        metadata: metadata_from_py(metadata)?,
+        timeout: timeout_from_py(timeout),
+        wait_for_ready,
+        compression,
+    })
 }
 
 /// A timeout in seconds from Python: none, or infinite (as grpcio reads it), is no timeout.

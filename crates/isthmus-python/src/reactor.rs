@@ -270,7 +270,7 @@ impl AsyncChannel {
     /// reply, which then comes back here as `(ok, value)` instead of through the reactor.
     /// Otherwise it comes through the reactor: `False` if this waited for it already, `None`
     /// if not.
-    #[pyo3(signature = (token, path, request, metadata, timeout, wait_for_ready, spin=false))]
+    #[pyo3(signature = (token, path, request, metadata, timeout, wait_for_ready, compression=None, spin=false))]
     #[allow(clippy::too_many_arguments)]
     fn unary(
         &self,
@@ -281,9 +281,10 @@ impl AsyncChannel {
         metadata: Option<&Bound<'_, PyAny>>,
         timeout: Option<f64>,
         wait_for_ready: bool,
+        compression: Option<&str>,
         spin: bool,
     ) -> PyResult<Py<PyAny>> {
-        let options = options(metadata, timeout, wait_for_ready)?;
+        let options = options(metadata, timeout, wait_for_ready, compression)?;
         let request = bytes_from_py(request);
         let fast = match spin && !wait_for_ready && request.len() <= SPIN_REQUEST_MAX && self.is_closed().is_none() {
             true => self.spin_first.as_ref().and_then(SpinFirst::ready),
@@ -339,7 +340,8 @@ impl AsyncChannel {
     /// [`unary`](Self::unary) of the raw tier: `request` is a heap [`Block`] or any
     /// C-contiguous buffer, read in place when the call sends it (so it must not change until
     /// the call completes); completes with a [`Message`].
-    #[pyo3(signature = (token, path, request, metadata, timeout, wait_for_ready))]
+    #[pyo3(signature = (token, path, request, metadata, timeout, wait_for_ready, compression=None))]
+    #[allow(clippy::too_many_arguments)]
     fn unary_raw(
         &self,
         token: u64,
@@ -348,8 +350,9 @@ impl AsyncChannel {
         metadata: Option<&Bound<'_, PyAny>>,
         timeout: Option<f64>,
         wait_for_ready: bool,
+        compression: Option<&str>,
     ) -> PyResult<()> {
-        let options = options(metadata, timeout, wait_for_ready)?;
+        let options = options(metadata, timeout, wait_for_ready, compression)?;
         let request = Request::from_py(request)?;
         if let Request::Block(Outgoing::Shm(block)) = request {
             // Sent where it is, on the connection it came from, by a thread that may wait.
@@ -373,7 +376,7 @@ impl AsyncChannel {
         Ok(())
     }
 
-    #[pyo3(signature = (token, path, metadata, timeout, wait_for_ready))]
+    #[pyo3(signature = (token, path, metadata, timeout, wait_for_ready, compression=None))]
     fn start(
         &self,
         token: u64,
@@ -381,8 +384,9 @@ impl AsyncChannel {
         metadata: Option<&Bound<'_, PyAny>>,
         timeout: Option<f64>,
         wait_for_ready: bool,
+        compression: Option<&str>,
     ) -> PyResult<()> {
-        let options = options(metadata, timeout, wait_for_ready)?;
+        let options = options(metadata, timeout, wait_for_ready, compression)?;
         let (engine, closed) = (self.engine.clone(), self.is_closed());
         self.completions.run(token, async move {
             match closed {

@@ -67,7 +67,7 @@ pub mod upgrade;
 pub use self::http::{
     BytesCodec, Certificate, ClientTlsConfig, Identity, PeerCertificate, ResponseBody, ServerTlsConfig,
 };
-pub use call::{CallOptions, Response};
+pub use call::{CallOptions, Compression, Response};
 pub use client::{CallSender, Channel, ChannelBuilder, ClientCall};
 pub use connectivity::Connectivity;
 pub use engine::flow::{INITIAL_WINDOW, MESSAGE_OVERHEAD};

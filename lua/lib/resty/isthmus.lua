@@ -796,6 +796,9 @@ function Channel:state(try_to_connect)
     return STATES[tonumber(state_out[0])]
 end
 
+-- ISTHMUS_CALL_COMPRESS_* by grpc-encoding name.
+local COMPRESSION_FLAGS = { gzip = 4, deflate = 8 }
+
 -- The C options of one call; the metadata handle is returned so that it lives until the call
 -- has copied it.
 local function call_options(opts, flags)
@@ -812,6 +815,15 @@ local function call_options(opts, flags)
         o.metadata = md
         if opts.wait_for_ready then
             flags = flags + 1
+        end
+        if opts.compression ~= nil then
+            local flag = COMPRESSION_FLAGS[opts.compression]
+            if not flag then
+                free_metadata(md)
+                return nil, new_error(INVALID_ARGUMENT,
+                    "compression " .. tostring(opts.compression) .. ": \"gzip\" or \"deflate\"")
+            end
+            flags = flags + flag
         end
     end
     o.flags = flags
@@ -873,7 +885,7 @@ local trailers_out = ffi_new("isthmus_metadata_t*[1]")
 --- string) or a table (with the channel's proto). The reply is a table when the channel's proto
 --- knows the method (unless opts.raw), else its bytes; `meta` holds the server's `headers`
 --- and `trailers`. Options: `timeout` (seconds), `metadata` ({key = value}), `wait_for_ready`,
---- `raw`.
+--- `compression` (`"gzip"` or `"deflate"`: the request compressed over HTTP/2), `raw`.
 function Channel:unary(path, request, opts)
     local h = self.handle
     if h == nil then

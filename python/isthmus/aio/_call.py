@@ -186,6 +186,7 @@ class _StreamCall(_Call):
         metadata: Any,
         timeout: float | None,
         wait_for_ready: bool,
+        compression: str | None,
         serialize: Serializer,
         deserialize: Deserializer,
         requests: RequestIterable | None,
@@ -194,7 +195,7 @@ class _StreamCall(_Call):
         self._driver = driver
         self._serialize = serialize
         token, self._started = driver.begin(loop)  # resolves to the AsyncCall or a CallError
-        channel.start(token, path, metadata, timeout, wait_for_ready)
+        channel.start(token, path, metadata, timeout, wait_for_ready, compression)
         self._started.add_done_callback(self._on_started)
         self._native: _native.AsyncCall | None = None
         self._done: asyncio.Future[None] = loop.create_future()

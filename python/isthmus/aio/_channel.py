@@ -20,7 +20,16 @@ from grpc.aio._channel import _BaseMultiCallable
 
 from .. import _native
 from .._call import Deserializer, Serializer, encode
-from .._channel import LOOK_AGAIN_S, STATES, check_raw_size, limited, limits, upgrades
+from .._channel import (
+    LOOK_AGAIN_S,
+    STATES,
+    channel_compression,
+    check_raw_size,
+    encoding,
+    limited,
+    limits,
+    upgrades,
+)
 from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
 from .._native import CallError
@@ -74,12 +83,17 @@ class _MultiCallable:
         self._serialize = serialize
         self._deserialize = deserialize
 
+    def _encoding(self, compression: grpc.Compression | None) -> str | None:
+        """The call's compression: its own if given, else the channel's."""
+        return self._channel._compression if compression is None else encoding(compression)
+
     def _start(
         self,
         shape: type[_S],
         timeout: float | None,
         metadata: Iterable[Metadatum] | None,
         wait_for_ready: bool | None,
+        compression: grpc.Compression | None,
         requests: RequestIterable | None,
     ) -> _S:
         """A streaming call of `shape`, kept by the channel for `close`."""
@@ -93,6 +107,7 @@ class _MultiCallable:
                 outgoing(metadata),
                 timeout,
                 bool(wait_for_ready),
+                self._encoding(compression),
                 self._serialize,
                 self._deserialize,
                 requests,
@@ -128,7 +143,14 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
         token, outcome = driver.begin(loop)
         try:
             done = native.unary(
-                token, self._path, message, outgoing_metadata, timeout, bool(wait_for_ready), spin
+                token,
+                self._path,
+                message,
+                outgoing_metadata,
+                timeout,
+                bool(wait_for_ready),
+                channel._compression if compression is None else encoding(compression),
+                spin,
             )
         except BaseException:
             driver.abandon(token)
@@ -161,7 +183,7 @@ class UnaryStreamMultiCallable(_MultiCallable, grpc.aio.UnaryStreamMultiCallable
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> UnaryStreamCall:
-        return self._start(UnaryStreamCall, timeout, metadata, wait_for_ready, (request,))
+        return self._start(UnaryStreamCall, timeout, metadata, wait_for_ready, compression, (request,))
 
 
 class StreamUnaryMultiCallable(_MultiCallable, grpc.aio.StreamUnaryMultiCallable):
@@ -174,7 +196,7 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.aio.StreamUnaryMultiCallable
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> StreamUnaryCall:
-        return self._start(StreamUnaryCall, timeout, metadata, wait_for_ready, request_iterator)
+        return self._start(StreamUnaryCall, timeout, metadata, wait_for_ready, compression, request_iterator)
 
 
 class StreamStreamMultiCallable(_MultiCallable, grpc.aio.StreamStreamMultiCallable):
@@ -187,7 +209,7 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.aio.StreamStreamMultiCallab
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> StreamStreamCall:
-        return self._start(StreamStreamCall, timeout, metadata, wait_for_ready, request_iterator)
+        return self._start(StreamStreamCall, timeout, metadata, wait_for_ready, compression, request_iterator)
 
 
 # Client interceptors: grpc.aio's intercepted calls, reused whole but for `_invoke`, so that
@@ -212,8 +234,13 @@ class _Intercepted:
 
     def _terminal(self, details: Any, request: Any, serialize: Serializer, deserialize: Deserializer) -> Any:
         start = self._plain(self._channel, _path(details.method), serialize, deserialize)
+        metadata, compression = _compression_of(details.metadata)
         return start(  # type: ignore[operator]
-            request, timeout=details.timeout, metadata=details.metadata, wait_for_ready=details.wait_for_ready
+            request,
+            timeout=details.timeout,
+            metadata=metadata,
+            wait_for_ready=details.wait_for_ready,
+            compression=compression,
         )
 
     def _returned(self, value: Any) -> Any:
@@ -292,9 +319,31 @@ class InterceptedStreamStreamCall(_InterceptedStreamResponse, _interceptor.Inter
     _response_iterator = _interceptor.StreamStreamCallResponseIterator
 
 
-# grpc.aio's own: the caller's metadata as the `grpc.aio.Metadata` interceptors are given. (Not
-# its compression, which isthmus does not apply: grpc adds it to the metadata as a header.)
+# grpc.aio's own: the caller's metadata as the `grpc.aio.Metadata` interceptors are given, with
+# a call's compression in it as grpc.aio carries it past them (a header of its own, which the
+# last continuation takes back out: `_compression_of`).
 _init_metadata = _BaseMultiCallable._init_metadata
+_COMPRESSION_KEY = "grpc-internal-encoding-request"
+_BY_ENCODING = {
+    "gzip": grpc.Compression.Gzip,
+    "deflate": grpc.Compression.Deflate,
+    "identity": grpc.Compression.NoCompression,
+}
+
+
+def _compression_of(metadata: Any) -> tuple[Any, grpc.Compression | None]:
+    """The metadata an interceptor chain ends with, without the compression grpc.aio put in
+    it, and that compression."""
+    if not metadata:
+        return metadata, None
+    compression = None
+    kept = []
+    for key, value in metadata:
+        if key in (_COMPRESSION_KEY, _COMPRESSION_KEY.encode()):
+            compression = _BY_ENCODING.get(value.decode() if isinstance(value, bytes) else value)
+        else:
+            kept.append((key, value))
+    return (kept if compression is not None else metadata), compression
 
 
 class _InterceptedMultiCallable(_MultiCallable):
@@ -321,14 +370,18 @@ class _InterceptedMultiCallable(_MultiCallable):
         metadata: Iterable[Metadatum] | None,
         credentials: grpc.CallCredentials | None,
         wait_for_ready: bool | None,
+        compression: grpc.Compression | None,
     ) -> Any:
         # The channel is not bound here: as in grpc.aio, a closed channel (or one of another
         # loop) fails the call at the last continuation, where the interceptors see it.
+        initial = _init_metadata(metadata, compression)
+        if compression == grpc.Compression.NoCompression:  # which grpc.aio drops (it is 0)
+            initial.add(_COMPRESSION_KEY, "identity")
         call = shape(
             self._interceptors,
             request,
             timeout,
-            _init_metadata(metadata),
+            initial,
             credentials,
             wait_for_ready,
             self._channel,
@@ -353,7 +406,7 @@ class _InterceptedUnaryUnaryMultiCallable(_InterceptedMultiCallable, grpc.aio.Un
         compression: grpc.Compression | None = None,
     ) -> InterceptedUnaryUnaryCall:
         return self._intercepted(  # type: ignore[no-any-return]
-            InterceptedUnaryUnaryCall, request, timeout, metadata, credentials, wait_for_ready
+            InterceptedUnaryUnaryCall, request, timeout, metadata, credentials, wait_for_ready, compression
         )
 
 
@@ -369,7 +422,7 @@ class _InterceptedUnaryStreamMultiCallable(_InterceptedMultiCallable, grpc.aio.U
         compression: grpc.Compression | None = None,
     ) -> InterceptedUnaryStreamCall:
         return self._intercepted(  # type: ignore[no-any-return]
-            InterceptedUnaryStreamCall, request, timeout, metadata, credentials, wait_for_ready
+            InterceptedUnaryStreamCall, request, timeout, metadata, credentials, wait_for_ready, compression
         )
 
 
@@ -384,7 +437,13 @@ class _InterceptedStreamUnaryMultiCallable(_InterceptedMultiCallable, grpc.aio.S
         compression: grpc.Compression | None = None,
     ) -> InterceptedStreamUnaryCall:
         return self._intercepted(  # type: ignore[no-any-return]
-            InterceptedStreamUnaryCall, request_iterator, timeout, metadata, credentials, wait_for_ready
+            InterceptedStreamUnaryCall,
+            request_iterator,
+            timeout,
+            metadata,
+            credentials,
+            wait_for_ready,
+            compression,
         )
 
 
@@ -399,7 +458,13 @@ class _InterceptedStreamStreamMultiCallable(_InterceptedMultiCallable, grpc.aio.
         compression: grpc.Compression | None = None,
     ) -> InterceptedStreamStreamCall:
         return self._intercepted(  # type: ignore[no-any-return]
-            InterceptedStreamStreamCall, request_iterator, timeout, metadata, credentials, wait_for_ready
+            InterceptedStreamStreamCall,
+            request_iterator,
+            timeout,
+            metadata,
+            credentials,
+            wait_for_ready,
+            compression,
         )
 
 
@@ -435,7 +500,8 @@ class Channel(grpc.aio.Channel):
     the event loop it is first used on, and it stays with that loop (as a grpc.aio channel
     does). It moves to shared memory as the blocking channel does (`isthmus.upgrade`). Of grpc's
     `options` it uses `grpc.ssl_target_name_override` and the message-size limits, as the
-    blocking channel does; `compression` is accepted for grpc's sake. `interceptors` are
+    blocking channel does, and compresses requests over HTTP/2 as it does (`compression`,
+    `grpc.default_compression_algorithm`, or a call's own `compression=`). `interceptors` are
     grpc.aio's client interceptors, run as a grpc.aio channel runs them."""
 
     def __init__(
@@ -452,6 +518,7 @@ class Channel(grpc.aio.Channel):
         self._tls = tls
         self._upgrade = upgrades(options)
         self._max_send, self._max_receive = limits(options)
+        self._compression = channel_compression(compression, options)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._driver: Driver | None = None
         self._native: _native.AsyncChannel | None = None
@@ -504,6 +571,7 @@ class Channel(grpc.aio.Channel):
         timeout: float | None = None,
         metadata: Iterable[Metadatum] | None = None,
         wait_for_ready: bool | None = None,
+        compression: grpc.Compression | None = None,
     ) -> _native.Message:
         """The raw tier, as the blocking channel's `raw_unary`: `request` is any C-contiguous
         buffer (numpy arrays among them), read in place when the call sends it, so leave it
@@ -517,7 +585,15 @@ class Channel(grpc.aio.Channel):
             raise rpc_error(e, aio=True) from None
         token, outcome = driver.begin(loop)
         try:
-            native.unary_raw(token, method, request, outgoing(metadata), timeout, bool(wait_for_ready))
+            native.unary_raw(
+                token,
+                method,
+                request,
+                outgoing(metadata),
+                timeout,
+                bool(wait_for_ready),
+                self._compression if compression is None else encoding(compression),
+            )
         except BaseException:
             driver.abandon(token)
             raise

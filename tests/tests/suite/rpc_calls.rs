@@ -446,8 +446,8 @@ async fn compressing_client(
 #[test]
 fn requests_compressed_with_gzip_or_deflate_reach_the_handlers() {
     // Path handlers answer HTTP/2 through the server's private shm:// endpoint, whose bridge
-    // inflates what the client compressed, within the server's 1 MiB limit. (unix:// takes the
-    // same way once accepted.)
+    // inflates what the client compressed (tonic's client, and isthmus's asked to compress),
+    // within the server's 1 MiB limit. (unix:// takes the same way once accepted.)
     let shm = fresh_addr("gzip");
     let mut server = Peer::spawn_bin("rpc-peer", &[&format!("{shm},http://127.0.0.1:0"), "1048576"]);
     let addr = server.expect_line("LISTENING ", Duration::from_secs(30))["LISTENING ".len()..].to_owned();
@@ -488,6 +488,17 @@ fn requests_compressed_with_gzip_or_deflate_reach_the_handlers() {
                 let s = grpc.unary(tonic::Request::new(bomb), path, isthmus::BytesCodec).await.expect_err("bomb");
                 assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{addr} {encoding:?}: {s:?}");
                 assert!(s.message().contains("limit of 1048576 bytes"), "{s:?}");
+            }
+            // isthmus's own HTTP/2 client compresses when a call asks: the bomb inflates at the
+            // server (uncompressed, 64 MiB would be refused as too large before it was read).
+            let ch = Channel::builder(&addr).upgrade(false).connect().await.expect("connect over HTTP/2");
+            for compression in [isthmus::Compression::Gzip, isthmus::Compression::Deflate] {
+                let opts = CallOptions { compression: Some(compression), ..CallOptions::default() };
+                let reply = ch.unary("/test.Echo/Unary", &message, opts.clone()).await.expect("echoed");
+                assert!(reply.message == message, "{compression:?}: the echo differs");
+                let s = ch.unary("/test.Echo/Unary", &vec![0u8; 64 << 20], opts).await.expect_err("bomb");
+                assert_eq!(s.code(), isthmus::Code::ResourceExhausted, "{compression:?}: {s:?}");
+                assert!(s.message().contains("compressed message that inflates past the limit"), "{s:?}");
             }
         }
         // The server goes on.

@@ -1041,6 +1041,19 @@ static int check_unary_metadata(ctx_t *c) {
   isthmus_metadata_free(headers);
   isthmus_metadata_free(trailers);
 
+  /* compressed requests (over HTTP/2; shm:// sends them as they are) reach the server; the
+   * two compressions at once are refused */
+  for (uint32_t flag = ISTHMUS_CALL_COMPRESS_GZIP; flag <= ISTHMUS_CALL_COMPRESS_DEFLATE; flag <<= 1) {
+    isthmus_call_options_t compressed = opts;
+    compressed.flags = flag;
+    MUST(isthmus_unary(c->ch, SVC "Unary", (const uint8_t *)req, strlen(req), &compressed, &reply, NULL, NULL, &st));
+    REQUIRE(bytes_are(reply, req, strlen(req)), "the echo of a compressed request");
+    isthmus_message_free(reply);
+  }
+  isthmus_call_options_t both = opts;
+  both.flags = ISTHMUS_CALL_COMPRESS_GZIP | ISTHMUS_CALL_COMPRESS_DEFLATE;
+  INVALID(isthmus_unary(c->ch, SVC "Unary", (const uint8_t *)req, strlen(req), &both, &reply, NULL, NULL, &st));
+
   /* the same as a call of any shape, without a deadline: headers, then trailers at the end */
   isthmus_call_t *call = NULL;
   opts.timeout_us = 0;

@@ -15,7 +15,8 @@
 //! from a transport error (an UNKNOWN with a source) is reported UNAVAILABLE, as the connection's
 //! end is over `shm://`.
 //! The largest response message is the channel's `max_message_size` (its builder's `Config`);
-//! requests have no limit. Dropping or cancelling the call ends the body
+//! requests have no limit. `CallOptions::compression` compresses the requests (tonic's
+//! `send_compressed`). Dropping or cancelling the call ends the body
 //! and resets the stream: the server sees CANCELLED. Each request is copied once into a `Bytes`
 //! (none if given one, `CallSender::send_bytes`), and tonic's encoder copies it again.
 
@@ -219,13 +220,19 @@ impl HttpCall {
         if let Some(t) = options.timeout {
             request.set_timeout(t);
         }
-        // Replies a server chose to compress are read (requests go uncompressed, which every
-        // server accepts).
+        // Replies a server chose to compress are read; requests are compressed when the call
+        // asks (uncompressed ones every server accepts).
         let mut grpc = tonic::client::Grpc::new(channel)
             .max_decoding_message_size(limit)
             .max_encoding_message_size(usize::MAX)
             .accept_compressed(tonic::codec::CompressionEncoding::Gzip)
             .accept_compressed(tonic::codec::CompressionEncoding::Deflate);
+        if let Some(compression) = options.compression {
+            grpc = grpc.send_compressed(match compression {
+                crate::Compression::Gzip => tonic::codec::CompressionEncoding::Gzip,
+                crate::Compression::Deflate => tonic::codec::CompressionEncoding::Deflate,
+            });
+        }
         let task = tokio::spawn(async move {
             grpc.ready().await.map_err(|e| {
                 let e: Box<dyn std::error::Error + Send + Sync> = e.into();

@@ -15,7 +15,8 @@
 //!   inflated, and its inflated size held to the same limit (RESOURCE_EXHAUSTED), so a small
 //!   bomb cannot grow past it; the flag set with no encoding agreed, or a flag other than 0 and
 //!   1, is INTERNAL, as the gRPC spec has it. Replies go uncompressed, which every client
-//!   accepts, and say what this side reads in `grpc-accept-encoding`.
+//!   accepts, and say what this side reads in `grpc-accept-encoding`. A client's requests are
+//!   compressed when its call asks (`CallOptions::compression`, by tonic's encoder).
 //! - `grpc-timeout` is read as 1 to 8 digits and a unit (`H`, `M`, `S`, `m`, `u`, `n`), anything
 //!   else INVALID_ARGUMENT; written in the finest unit whose count fits 8 digits, rounded up, at
 //!   least 1 ns.
@@ -77,14 +78,9 @@ pub(crate) struct Deframer {
     encoding: Option<Encoding>,
 }
 
-/// A message encoding gRPC peers agree on in `grpc-encoding` (besides `identity`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Encoding {
-    /// `gzip`: RFC 1952.
-    Gzip,
-    /// `deflate`: a zlib stream (RFC 1950), which is what gRPC's implementations send.
-    Deflate,
-}
+/// A message encoding gRPC peers agree on in `grpc-encoding` (besides `identity`): the public
+/// [`Compression`](crate::Compression), read here.
+pub(crate) use crate::call::Compression as Encoding;
 
 /// What `grpc-accept-encoding` says this side reads.
 pub(crate) const ACCEPT_ENCODING: &str = "gzip,deflate,identity";

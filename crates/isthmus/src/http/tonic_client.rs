@@ -356,7 +356,7 @@ impl Channel {
     {
         let (parts, body) = request.into_parts();
         let options = match (codec::metadata_from(&parts.headers), codec::timeout_from(&parts.headers)) {
-            (Ok(metadata), Ok(timeout)) => CallOptions { metadata, timeout, wait_for_ready: false },
+            (Ok(metadata), Ok(timeout)) => CallOptions { metadata, timeout, ..CallOptions::default() },
             (Err(s), _) | (_, Err(s)) => return Ok(failed_response(s)),
         };
         let encoding = match codec::Encoding::from_headers(&parts.headers) {
