@@ -55,7 +55,9 @@ class Context:
     def auth_context(self) -> dict[str, Iterable[bytes]]:
         return dict(self._call.auth_context())
 
-    # isthmus compresses nothing: shared memory gains nothing from it.
+    # Replies go uncompressed, over shm:// (no wire to save) and over HTTP/2 (every client
+    # reads them): a server's compression is accepted and unused. Requests a client compressed
+    # are read, and isthmus's clients compress theirs when asked.
     def set_compression(self, compression: grpc.Compression) -> None:
         pass
 

@@ -487,19 +487,19 @@ pub(crate) mod inspect {
         matches!(shmem_huge_setting().as_deref(), Some("advise" | "within_size" | "always" | "force"))
     }
 
-    /// KiB of bytes `range` of `map` that the kernel maps with huge page-table entries now,
-    /// from `/proc/self/smaps` (the mapping may have been split by the advice).
+    /// KiB that the kernel maps with huge page-table entries now in the areas of `map` that
+    /// overlap bytes `range`, from `/proc/self/smaps` (the advice splits a mapping into areas).
     pub(crate) fn huge_mapped_kib(map: &Mapping, range: std::ops::Range<usize>) -> u64 {
         let (from, to) = (map.as_ptr() as usize + range.start, map.as_ptr() as usize + range.end);
         let smaps = std::fs::read_to_string("/proc/self/smaps").expect("/proc/self/smaps");
-        let mut inside = false;
+        let mut overlaps = false;
         let mut kib = 0;
         for line in smaps.lines() {
             let first = line.split_whitespace().next().unwrap_or("");
             if let Some((a, b)) = first.split_once('-').filter(|(a, _)| a.chars().all(|c| c.is_ascii_hexdigit())) {
                 let (a, b) = (usize::from_str_radix(a, 16).unwrap_or(0), usize::from_str_radix(b, 16).unwrap_or(0));
-                inside = a >= from && b <= to;
-            } else if inside && (first == "ShmemPmdMapped:" || first == "FilePmdMapped:") {
+                overlaps = a < to && b > from;
+            } else if overlaps && (first == "ShmemPmdMapped:" || first == "FilePmdMapped:") {
                 kib += line.split_whitespace().nth(1).and_then(|n| n.parse::<u64>().ok()).unwrap_or(0);
             }
         }
