@@ -549,3 +549,33 @@ func TestUseCompressorCompressesOverHTTP2(t *testing.T) {
 		}
 	}
 }
+
+// SendCompressed("gzip") compresses an isthmus server's replies over unix:// for a client
+// that reads gzip: a grpc-go client's stats handler sees the reply's grpc-encoding. Its
+// replies reach isthmus's own client too; an encoding the library lacks fails Start.
+func TestSendCompressedCompressesReplies(t *testing.T) {
+	_, unix := fresh(t, "sendgzip")
+	s := isthmus.NewServer(isthmus.SendCompressed("gzip"))
+	pb.RegisterEchoServer(s, echo.Service{})
+	if err := s.Start(unix); err != nil {
+		t.Fatalf("start: %v", err)
+	}
+	t.Cleanup(s.Stop)
+	ctx := testContext(t)
+	req := &pb.EchoRequest{Payload: []byte(strings.Repeat("compress me ", 100)), Seq: 4}
+	rec := &encodingRecorder{}
+	grpcClient := newGrpcClient(t, unix, grpc.WithStatsHandler(rec))
+	for _, conn := range []grpc.ClientConnInterface{grpcClient, dialWith(t, unix)} {
+		reply, err := pb.NewEchoClient(conn).Unary(ctx, req)
+		if err != nil || reply.Seq != 4 || !bytes.Equal(reply.Payload, req.Payload) {
+			t.Fatalf("%T: %v, %v", conn, reply, err)
+		}
+	}
+	if seen := rec.take(); len(seen) != 1 || seen[0] != "gzip" {
+		t.Errorf("grpc-go's client saw replies with grpc-encoding %q, want gzip", seen)
+	}
+	bad := isthmus.NewServer(isthmus.SendCompressed("snappy"))
+	if err := bad.Start(unix + "-bad"); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("SendCompressed(snappy): %v, want InvalidArgument", err)
+	}
+}

@@ -68,12 +68,21 @@ type serverOptions struct {
 	chainStream          []grpc.StreamServerInterceptor
 	inline               bool
 	tls                  *ServerTLSConfig
+	compression          string
 }
 
 // MaxMessageSize sets the largest request message accepted, in bytes (default 4 GiB); a
 // larger one fails its call with codes.ResourceExhausted and the server goes on.
 func MaxMessageSize(n uint64) ServerOption {
 	return func(o *serverOptions) { o.maxMessageSize = n }
+}
+
+// SendCompressed compresses the replies to HTTP/2 calls with "gzip" or "deflate", for each
+// client whose grpc-accept-encoding lists it (grpc's clients do); the others, and every call
+// over shm://, get them as they are. Another name fails Start with codes.InvalidArgument.
+// (grpc-go servers choose per call, with grpc.SetSendCompressor, which isthmus ignores.)
+func SendCompressed(name string) ServerOption {
+	return func(o *serverOptions) { o.compression = name }
 }
 
 // MaxConcurrentStreams limits the calls one client connection may have open at once.
@@ -164,6 +173,15 @@ func (s *Server) Start(targets ...string) error {
 	opts := C.isthmus_server_options_t{
 		max_message_size:       C.uint64_t(s.opts.maxMessageSize),
 		max_concurrent_streams: C.uint32_t(s.opts.maxConcurrentStreams),
+	}
+	switch s.opts.compression {
+	case "":
+	case "gzip":
+		opts.flags = C.ISTHMUS_SERVER_COMPRESS_GZIP
+	case "deflate":
+		opts.flags = C.ISTHMUS_SERVER_COMPRESS_DEFLATE
+	default:
+		return status.Errorf(codes.InvalidArgument, "SendCompressed(%q): isthmus compresses with gzip or deflate", s.opts.compression)
 	}
 	if s.opts.tls != nil {
 		t, err := serverTLS(s.opts.tls)

@@ -519,6 +519,8 @@ def test_a_refused_handshake_is_unavailable(
 def test_pem_that_does_not_parse_fails_connect(nginx: Nginx, https_peers: Callable[[str], HttpsPeer]) -> None:
     r = nginx.case("tls_unary", https_peers("tls").address, bad_ca="not a certificate")
     assert r["connect_failed"] and r["code"] == 3 and r["name"] == "INVALID_ARGUMENT", r
+    # In the words of connect's options, not the C library's fields.
+    assert "tls.ca" in r["message"] and "root_certs_pem" not in r["message"], r
 
 
 @pytest.mark.parametrize("target", ["shm://lua-tls-nobody", "unix:///tmp/lua-tls-nobody.sock"])

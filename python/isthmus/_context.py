@@ -55,9 +55,9 @@ class Context:
     def auth_context(self) -> dict[str, Iterable[bytes]]:
         return dict(self._call.auth_context())
 
-    # Replies go uncompressed, over shm:// (no wire to save) and over HTTP/2 (every client
-    # reads them): a server's compression is accepted and unused. Requests a client compressed
-    # are read, and isthmus's clients compress theirs when asked.
+    # A call's own choice is accepted and unused: replies over HTTP/2 are compressed by the
+    # server's (its `compression`, or the option `grpc.default_compression_algorithm`) for
+    # clients that read it, and over shm:// they cross no wire.
     def set_compression(self, compression: grpc.Compression) -> None:
         pass
 

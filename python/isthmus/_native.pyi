@@ -395,6 +395,7 @@ class Server:
         max_message_size: int | None = None,
         offer_shm: bool = True,
         max_threads: int | None = None,
+        compression: str | None = None,
     ) -> Self: ...
     def stats(self) -> dict[str, int]:
         """The counters of the live shm connections (`isthmus.TransportStats`'s fields)."""

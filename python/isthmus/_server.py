@@ -14,6 +14,7 @@ from typing import Any
 import grpc
 
 from . import _native
+from ._channel import channel_compression
 from ._context import ServicerContext
 from ._credentials import server_tls
 from ._handler import Handlers
@@ -58,12 +59,15 @@ class ServerBase:
         options: Sequence[tuple[str, Any]] | None,
         maximum_concurrent_rpcs: int | None,
         max_threads: int | None = None,
+        compression: grpc.Compression | None = None,
     ) -> None:
         self._handlers = Handlers(handlers, interceptors)
         # `isthmus.offer_shm` (default on): HTTP/2 clients on this machine move to shm://.
         offer_shm = bool(dict(options or ()).get("isthmus.offer_shm", True))
+        # Replies over HTTP/2 to clients that read it, as grpcio's (see `channel_compression`).
+        replies = channel_compression(compression, options)
         self._native = _native.Server(
-            to_loop, maximum_concurrent_rpcs, _max_message_size(options), offer_shm, max_threads
+            to_loop, maximum_concurrent_rpcs, _max_message_size(options), offer_shm, max_threads, replies
         )
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:
@@ -126,6 +130,7 @@ class Server(ServerBase, grpc.Server):
             options,
             maximum_concurrent_rpcs,
             max_threads if isinstance(max_threads, int) else None,
+            compression,
         )
         self._pool = thread_pool
 

@@ -833,3 +833,68 @@ def test_a_channel_that_compresses_sends_compressed_requests(api: str, tmp_path:
     finally:
         server.stop(None)
         pool.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus", "isthmus.aio"])
+def test_a_server_that_compresses_replies_answers_every_client(kind: str, tmp_path: Path) -> None:
+    """A server's `compression` (or `grpc.default_compression_algorithm`) compresses its replies
+    only for clients that read the encoding, as grpcio's server does: a grpcio client that
+    reads identity alone (`grpc.compression_enabled_algorithms_bitset` 1; it would refuse a
+    compressed reply) and one that reads everything get every reply, unary and streaming.
+    (That isthmus's replies do go compressed: the Rust suite's
+    `replies_go_compressed_where_the_server_asks_and_the_client_reads_it`.)"""
+    handlers = grpc.method_handlers_generic_handler(
+        "t.Echo",
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(_echo_bytes),
+            "Bidi": grpc.stream_stream_rpc_method_handler(_echo_each),
+        },
+    )
+    for n, (compression, options) in enumerate(
+        [
+            (grpc.Compression.Gzip, []),
+            (None, [("grpc.default_compression_algorithm", grpc.Compression.Deflate)]),
+        ]
+    ):
+        address = f"unix:{tmp_path / f'compressing-{n}.sock'}"
+        pool = futures.ThreadPoolExecutor(4)
+        loop: asyncio.AbstractEventLoop | None = None
+        if kind == "isthmus.aio":
+            loop = asyncio.new_event_loop()
+            runner = threading.Thread(target=loop.run_forever, daemon=True)
+            runner.start()
+
+            async def make(options: Any, compression: Any, address: str) -> Any:
+                s = isthmus.aio.server(handlers=[handlers], options=options, compression=compression)
+                s.add_insecure_port(address)
+                await s.start()
+                return s
+
+            server: Any = asyncio.run_coroutine_threadsafe(make(options, compression, address), loop).result(
+                30
+            )
+        else:
+            make_server = grpc.server if kind == "grpcio" else isthmus.server
+            server = make_server(pool, handlers=[handlers], options=options, compression=compression)
+            server.add_insecure_port(address)
+            server.start()
+        try:
+            for client_options in [[], [("grpc.compression_enabled_algorithms_bitset", 1)]]:
+                with grpc.insecure_channel(address, options=client_options) as channel:
+                    assert channel.unary_unary("/t.Echo/Unary")(COMPRESSIBLE, timeout=30) == COMPRESSIBLE
+                    if kind == "grpcio" and client_options:
+                        # grpcio's server compresses a stream's replies even for this client,
+                        # which then fails the call (UNIMPLEMENTED "Compression algorithm
+                        # 'gzip' is disabled."); isthmus's keeps to what the client reads.
+                        continue
+                    bidi = channel.stream_stream("/t.Echo/Bidi")
+                    assert list(bidi(iter([COMPRESSIBLE] * 2), timeout=30)) == [COMPRESSIBLE] * 2
+        finally:
+            if loop is not None:
+                asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(30)
+                loop.call_soon_threadsafe(loop.stop)
+                runner.join(30)
+                loop.close()
+            else:
+                server.stop(None)
+            pool.shutdown(wait=False)

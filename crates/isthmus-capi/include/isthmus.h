@@ -80,6 +80,15 @@
 // `isthmus_proto_method_type`: the response's type.
 #define ISTHMUS_PROTO_RESPONSE 1
 
+// Server flag: the handlers' replies to HTTP/2 calls go compressed with gzip, to each client
+// whose `grpc-accept-encoding` lists it (grpc's clients do); others get them as they are.
+// Replies over `shm://` cross no wire and go as they are.
+#define ISTHMUS_SERVER_COMPRESS_GZIP 1
+
+// Server flag: as `ISTHMUS_SERVER_COMPRESS_GZIP` with `deflate`. Both flags together fail
+// `isthmus_server_start` with INVALID_ARGUMENT.
+#define ISTHMUS_SERVER_COMPRESS_DEFLATE 2
+
 // Receive flag: if the call has sent nothing yet and must wait for a request, send its
 // (empty) initial metadata first. A client that sends its first request only once the
 // response has opened (tonic's generated streaming clients do) is then not left waiting on a
@@ -225,6 +234,8 @@ typedef struct {
   // mutual TLS the CAs of its clients' certificates. Copied; checked by
   // `isthmus_server_start`. NULL: no TLS (an `https://` target then fails to start).
   const isthmus_tls_options_t *tls;
+  // `ISTHMUS_SERVER_*` flags ORed together, or 0.
+  uint32_t flags;
 } isthmus_server_options_t;
 
 // A handler callback: called on one of the library's threads for each new call on its path,

@@ -39,6 +39,8 @@ enum ServerState {
         stream_limit: Option<usize>,
         /// The TLS settings, or why they could not be read (reported when the server starts).
         tls: Box<Result<Option<TlsPems>, Status>>,
+        /// How replies over HTTP/2 are compressed, or why the flags asked for two ways.
+        compression: Result<Option<isthmus::Compression>, Status>,
     },
     /// Serving: `stop` holds when the calls still running are cut off once a shutdown has
     /// begun (the earliest asked for counts); `finished` turns true (or its sender goes) when
@@ -94,7 +96,18 @@ pub struct isthmus_server_options_t {
     /// mutual TLS the CAs of its clients' certificates. Copied; checked by
     /// `isthmus_server_start`. NULL: no TLS (an `https://` target then fails to start).
     pub tls: *const isthmus_tls_options_t,
+    /// `ISTHMUS_SERVER_*` flags ORed together, or 0.
+    pub flags: u32,
 }
+
+/// Server flag: the handlers' replies to HTTP/2 calls go compressed with gzip, to each client
+/// whose `grpc-accept-encoding` lists it (grpc's clients do); others get them as they are.
+/// Replies over `shm://` cross no wire and go as they are.
+pub const ISTHMUS_SERVER_COMPRESS_GZIP: u32 = 1;
+
+/// Server flag: as `ISTHMUS_SERVER_COMPRESS_GZIP` with `deflate`. Both flags together fail
+/// `isthmus_server_start` with INVALID_ARGUMENT.
+pub const ISTHMUS_SERVER_COMPRESS_DEFLATE: u32 = 2;
 
 /// A new server with no handlers. Free it with `isthmus_server_free`.
 ///
@@ -117,7 +130,15 @@ pub unsafe extern "C" fn isthmus_server_new(opts: *const isthmus_server_options_
         // NUL-terminated. What is wrong with them `isthmus_server_start` reports: this function
         // has no status to say it with.
         let tls = Box::new(unsafe { TlsPems::copy(opts.map_or(std::ptr::null(), |o| o.tls)) });
-        let state = ServerState::Building { server: Box::default(), config, stream_limit, tls };
+        let flags = opts.map_or(0, |o| o.flags);
+        let compression =
+            match (flags & ISTHMUS_SERVER_COMPRESS_GZIP != 0, flags & ISTHMUS_SERVER_COMPRESS_DEFLATE != 0) {
+                (false, false) => Ok(None),
+                (true, false) => Ok(Some(isthmus::Compression::Gzip)),
+                (false, true) => Ok(Some(isthmus::Compression::Deflate)),
+                (true, true) => Err(invalid("ISTHMUS_SERVER_COMPRESS_GZIP and _DEFLATE together")),
+            };
+        let state = ServerState::Building { server: Box::default(), config, stream_limit, tls, compression };
         SERVERS.add(isthmus_server_t { state: Mutex::new(state) })
     })
 }
@@ -232,12 +253,15 @@ pub unsafe extern "C" fn isthmus_server_start(
             list.push(unsafe { c_str(*targets.add(i), "a target")? });
         }
         let mut state = server.state.lock().map_err(|_| invalid("server state poisoned"))?;
-        let ServerState::Building { server: builder, config, stream_limit, tls } =
+        let ServerState::Building { server: builder, config, stream_limit, tls, compression } =
             std::mem::replace(&mut *state, ServerState::Stopped)
         else {
             return Err(Status::new(Code::FailedPrecondition, "the server was started already"));
         };
         let mut builder = (*builder).config(config);
+        if let Some(compression) = compression? {
+            builder = builder.send_compressed(compression);
+        }
         if let Some(tls) = (*tls)? {
             builder = builder.tls_config(tls.server()?);
         }

@@ -157,19 +157,22 @@ pub(crate) fn options(
     wait_for_ready: bool,
     compression: Option<&str>,
 ) -> PyResult<CallOptions> {
-    let compression = match compression {
-        None => None,
-        Some(name) => Some(
-            isthmus::Compression::from_name(name)
-                .ok_or_else(|| PyValueError::new_err(format!("no compression {name:?}: gzip or deflate")))?,
-        ),
-    };
+    let compression = compression_from_py(compression)?;
     Ok(CallOptions {
         metadata: metadata_from_py(metadata)?,
         timeout: timeout_from_py(timeout),
         wait_for_ready,
         compression,
     })
+}
+
+/// A compression from Python's side: a `grpc-encoding` name (`gzip`, `deflate`) or `None`.
+pub(crate) fn compression_from_py(name: Option<&str>) -> PyResult<Option<isthmus::Compression>> {
+    name.map(|name| {
+        isthmus::Compression::from_name(name)
+            .ok_or_else(|| PyValueError::new_err(format!("no compression {name:?}: gzip or deflate")))
+    })
+    .transpose()
 }
 
 /// A timeout in seconds from Python: none, or infinite (as grpcio reads it), is no timeout.

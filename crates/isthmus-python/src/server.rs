@@ -541,6 +541,8 @@ pub(crate) struct Server {
     /// The blocking server's calls on their way to its threads (not `to_loop`).
     queue: Option<Arc<CallQueue>>,
     config: isthmus::Config,
+    /// Every port's replies over HTTP/2 are compressed with this, for clients that read it.
+    compression: Option<isthmus::Compression>,
     /// What every port's HTTP/2 clients are offered: the `shm://` port, whichever call bound it.
     offer: Option<isthmus::ShmOffer>,
     bound: Mutex<Vec<isthmus::Bound>>,
@@ -554,14 +556,16 @@ pub(crate) struct Server {
 #[pymethods]
 impl Server {
     #[new]
-    #[pyo3(signature = (to_loop, max_concurrent_rpcs=None, max_message_size=None, offer_shm=true, max_threads=None))]
+    #[pyo3(signature = (to_loop, max_concurrent_rpcs=None, max_message_size=None, offer_shm=true, max_threads=None, compression=None))]
     fn new(
         to_loop: bool,
         max_concurrent_rpcs: Option<usize>,
         max_message_size: Option<u64>,
         offer_shm: bool,
         max_threads: Option<usize>,
-    ) -> Server {
+        compression: Option<&str>,
+    ) -> PyResult<Server> {
+        let compression = crate::convert::compression_from_py(compression)?;
         let mut config = isthmus::Config::default();
         if let Some(limit) = max_message_size {
             config.max_message_size = limit;
@@ -574,17 +578,18 @@ impl Server {
             }
         };
         let limit = max_concurrent_rpcs.map(|max| Arc::new(Limit { max, active: AtomicUsize::new(0) }));
-        Server {
+        Ok(Server {
             handler: Arc::new(PyHandler { deliver, limit }),
             queue,
             config,
+            compression,
             offer: offer_shm.then(isthmus::ShmOffer::new),
             bound: Mutex::new(Vec::new()),
             stats: Mutex::new(Vec::new()),
             stop: watch::Sender::new(None),
             stopped: Arc::new((Mutex::new(false), Condvar::new())),
             started: AtomicBool::new(false),
-        }
+        })
     }
 
     #[pyo3(signature = (target, tls=None, health=true))]
@@ -593,6 +598,9 @@ impl Server {
         let _runtime = runtime().enter();
         let mut server =
             isthmus::Server::builder().fallback(self.handler.clone()).config(self.config.clone()).health(health);
+        if let Some(compression) = self.compression {
+            server = server.send_compressed(compression);
+        }
         server = match &self.offer {
             Some(offer) => server.shm_offer(offer.clone()),
             None => server.offer_shm(false),

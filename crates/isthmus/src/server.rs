@@ -124,6 +124,8 @@ pub struct Server {
     offer_shm: bool,
     /// Serve `grpc.health.v1` (off when the application serves its own).
     health: bool,
+    /// Compress handlers' replies over HTTP/2 with this, where the client reads it.
+    reply_compression: Option<crate::Compression>,
 }
 
 impl Default for Server {
@@ -141,6 +143,7 @@ impl Default for Server {
             offer: ShmOffer::new(),
             offer_shm: true,
             health: true,
+            reply_compression: None,
         }
     }
 }
@@ -268,6 +271,15 @@ impl Server {
         self
     }
 
+    /// Compresses the handlers' replies to HTTP/2 calls with `compression`, for each client
+    /// whose `grpc-accept-encoding` lists it (grpc's clients list gzip and deflate); others get
+    /// them uncompressed. Replies over `shm://` cross no wire and go as they are, and tonic
+    /// services keep their own setting (`send_compressed` on the generated server).
+    pub fn send_compressed(mut self, compression: crate::Compression) -> Server {
+        self.reply_compression = Some(compression);
+        self
+    }
+
     /// Whether HTTP/2 clients of this server are offered its `shm://` endpoint, so that their
     /// calls move to shared memory when they run on this machine (default: yes; see
     /// [`crate::upgrade`]).
@@ -369,6 +381,8 @@ impl Server {
             let target = loopback_target();
             shm.push(bind_shm(&target, &this.config, true)?);
             let channel = crate::Channel::lazy_with(&target, this.config.clone())?;
+            let loopback = crate::http::Loopback { channel, replies: this.reply_compression };
+            let channel = tower::service_fn(move |request| loopback.clone().call(request));
             http_routes = http_routes.map(|mut routes| {
                 let router = routes.axum_router_mut();
                 *router = std::mem::take(router).fallback_service(channel);

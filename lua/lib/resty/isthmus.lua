@@ -669,6 +669,24 @@ local TLS_KEYS = {
 }
 local TLS_FILES = { ca_file = "ca", cert_file = "cert", key_file = "key" }
 
+-- The library names the C fields in its errors; a Lua caller gave these keys.
+local TLS_WORDS = {
+    { "tls%.root_certs_pem", "tls.ca" },
+    { "tls%.cert_chain_pem", "tls.cert" },
+    { "tls%.private_key_pem", "tls.key" },
+    { "cert_chain_pem and private_key_pem", "tls.cert and tls.key" },
+}
+
+-- `err` from isthmus_channel_new, in the words of connect's options.
+local function in_lua_words(err)
+    local message = err.message
+    for _, w in ipairs(TLS_WORDS) do
+        message = message:gsub(w[1], w[2])
+    end
+    err.message = message
+    return err
+end
+
 -- What isthmus_channel_new reads through pointers while it runs: the TLS struct and its strings
 -- hang from pointer fields, which the garbage collector does not follow; reachable from here,
 -- they live until the call has copied them.
@@ -761,7 +779,7 @@ function _M.connect(target, opts)
     local rc = C.isthmus_channel_new(target, copts, out, status_out)
     pinned = nil
     if rc ~= OK then
-        return nil, failed(rc)
+        return nil, in_lua_words(failed(rc))
     end
     C.isthmus_channel_set_spin(out[0], opts.spin_us or DEFAULT_SPIN_US)
     return setmetatable({

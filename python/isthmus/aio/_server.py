@@ -48,7 +48,7 @@ class Server(ServerBase, grpc.aio.Server):
         maximum_concurrent_rpcs: int | None = None,
         compression: grpc.Compression | None = None,
     ) -> None:
-        super().__init__(True, handlers, interceptors, options, maximum_concurrent_rpcs)
+        super().__init__(True, handlers, interceptors, options, maximum_concurrent_rpcs, None, compression)
         self._pool = migration_thread_pool
         self._loop: asyncio.AbstractEventLoop | None = None
         self._driver: Driver | None = None

@@ -636,3 +636,41 @@ fn close_ends_the_calls_in_progress_with_its_status() {
         assert_eq!((s.code(), s.message()), (Code::Cancelled, "Channel closed!"));
     });
 }
+
+#[test]
+fn replies_go_compressed_where_the_server_asks_and_the_client_reads_it() {
+    // `Server::send_compressed` compresses the handlers' replies over HTTP/2 for clients whose
+    // grpc-accept-encoding lists the encoding; the others get them as they are.
+    run(async move {
+        let bound = isthmus::Server::builder()
+            .handler("/test.Echo/Unary", |mut call: isthmus::ServerCall| async move {
+                let m = call.recv().await?.unwrap_or_default();
+                call.send(&m).await
+            })
+            .send_compressed(isthmus::Compression::Gzip)
+            .bind_all(["http://127.0.0.1:0"])
+            .expect("bind");
+        let addr = bound.http_addresses().into_iter().next().expect("an address");
+        tokio::spawn(bound.serve());
+        let message = bytes::Bytes::from(pattern(4096, 3).repeat(16));
+        let channel =
+            tonic::transport::Endpoint::from_shared(addr.clone()).expect("uri").connect().await.expect("connect");
+        for accepts in [true, false] {
+            let mut grpc = tonic::client::Grpc::new(channel.clone());
+            if accepts {
+                grpc = grpc.accept_compressed(tonic::codec::CompressionEncoding::Gzip);
+            }
+            grpc.ready().await.expect("ready");
+            let path = http::uri::PathAndQuery::from_static("/test.Echo/Unary");
+            let reply =
+                grpc.unary(tonic::Request::new(message.clone()), path, isthmus::BytesCodec).await.expect("echoed");
+            let encoding = reply.metadata().get("grpc-encoding").map(|v| v.to_str().unwrap_or("?").to_owned());
+            assert_eq!(encoding.as_deref(), accepts.then_some("gzip"), "{addr}, accepts gzip: {accepts}");
+            assert!(reply.into_inner() == message, "the echo differs");
+        }
+        // isthmus's own HTTP/2 client reads them too.
+        let ch = Channel::builder(&addr).upgrade(false).connect().await.expect("connect");
+        let reply = ch.unary("/test.Echo/Unary", &message, CallOptions::default()).await.expect("echoed");
+        assert!(reply.message == message, "isthmus's client: the echo differs");
+    });
+}

@@ -631,6 +631,8 @@ static int serve(int count, char **targets, const char *tls_dir) {
   memset(&opts, 0, sizeof opts);
   memset(&tls, 0, sizeof tls);
   opts.max_message_size = SERVER_LIMIT;
+  /* Its replies over HTTP/2 go gzipped (every check's client reads them); shm:// as they are. */
+  opts.flags = ISTHMUS_SERVER_COMPRESS_GZIP;
   if (tls_dir != NULL) {
     tls.cert_chain_pem = read_file(tls_dir, "server.crt");
     tls.private_key_pem = read_file(tls_dir, "server.key");
@@ -923,6 +925,12 @@ static int check_null_arguments(ctx_t *c) {
   INVALID(isthmus_server_start(server, no_target, 1, &st));
   INVALID(isthmus_server_shutdown(NULL, 0));
   INVALID(isthmus_server_free(NULL));
+  isthmus_server_options_t both_ways = {0};
+  both_ways.flags = ISTHMUS_SERVER_COMPRESS_GZIP | ISTHMUS_SERVER_COMPRESS_DEFLATE;
+  isthmus_server_t *twice = isthmus_server_new(&both_ways);
+  REQUIRE(twice != NULL, "a server with two compressions");
+  INVALID(isthmus_server_start(twice, (const char *const *)&c->target, 1, &st));
+  MUST(isthmus_server_free(twice));
 
   /* the server's side of a call */
   len = 7;

@@ -15,8 +15,10 @@
 //!   inflated, and its inflated size held to the same limit (RESOURCE_EXHAUSTED), so a small
 //!   bomb cannot grow past it; the flag set with no encoding agreed, or a flag other than 0 and
 //!   1, is INTERNAL, as the gRPC spec has it. Replies go uncompressed, which every client
-//!   accepts, and say what this side reads in `grpc-accept-encoding`. A client's requests are
-//!   compressed when its call asks (`CallOptions::compression`, by tonic's encoder).
+//!   accepts, and say what this side reads in `grpc-accept-encoding`, unless the server asks to
+//!   compress them (`Server::send_compressed`) and the client's `grpc-accept-encoding` lists
+//!   that encoding (`framed_compressed`). A client's requests are compressed when its call asks
+//!   (`CallOptions::compression`, by tonic's encoder).
 //! - `grpc-timeout` is read as 1 to 8 digits and a unit (`H`, `M`, `S`, `m`, `u`, `n`), anything
 //!   else INVALID_ARGUMENT; written in the finest unit whose count fits 8 digits, rounded up, at
 //!   least 1 ns.
@@ -63,6 +65,38 @@ pub(crate) fn framed(m: Bytes) -> Result<(Bytes, Option<Bytes>), Status> {
     both.extend_from_slice(&p);
     both.extend_from_slice(&m);
     Ok((both.freeze(), None))
+}
+
+/// One message compressed with `encoding`, behind its prefix with the compressed flag set.
+pub(crate) fn framed_compressed(m: &[u8], encoding: Encoding) -> Result<Bytes, Status> {
+    use std::io::Write;
+    let mut out = vec![0u8; 5];
+    let written = match encoding {
+        Encoding::Gzip => {
+            let mut e = flate2::write::GzEncoder::new(&mut out, flate2::Compression::default());
+            e.write_all(m).and_then(|()| e.finish().map(drop))
+        }
+        Encoding::Deflate => {
+            let mut e = flate2::write::ZlibEncoder::new(&mut out, flate2::Compression::default());
+            e.write_all(m).and_then(|()| e.finish().map(drop))
+        }
+    };
+    written.map_err(|e| Status::new(Code::Internal, format!("a reply did not compress: {e}")))?;
+    let mut p = prefix(out.len() - 5)?;
+    p[0] = 1;
+    out[..5].copy_from_slice(&p);
+    Ok(Bytes::from(out))
+}
+
+/// Whether a request's `grpc-accept-encoding` lists `encoding` (a client that sends none reads
+/// identity only).
+pub(crate) fn accepts(headers: &HeaderMap, encoding: Encoding) -> bool {
+    headers
+        .get_all("grpc-accept-encoding")
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|name| name.trim() == encoding.name())
 }
 
 /// Cuts a gRPC body's data frames back into messages. A message that lies whole inside one

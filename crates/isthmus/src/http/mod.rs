@@ -44,6 +44,7 @@ pub(crate) mod x509;
 
 pub use call::BytesCodec;
 pub use tls::{Certificate, ClientTlsConfig, Identity, ServerTlsConfig};
+pub(crate) use tonic_client::Loopback;
 pub use tonic_client::ResponseBody;
 pub(crate) use tonic_server::{BoxService, ServiceHandler};
 pub use x509::PeerCertificate;

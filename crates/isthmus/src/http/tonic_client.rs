@@ -72,8 +72,9 @@ pub struct ResponseBody(Source);
 // The shm:// call is the common case, held inline: boxing it would cost an allocation per call.
 #[allow(clippy::large_enum_variant)]
 enum Source {
-    /// A call over `shm://`, with the message whose prefix was just yielded.
-    Shm { call: ShmCall, pending: Option<Bytes> },
+    /// A call over `shm://`, with the message whose prefix was just yielded, and the encoding
+    /// its messages are compressed with (the server's loopback only, [`Loopback`]).
+    Shm { call: ShmCall, pending: Option<Bytes>, compress: Option<codec::Encoding> },
     /// A status only: the call failed before the server answered.
     Failed(Status),
     /// tonic's HTTP/2 body (a `unix://` or `http://` channel), passed through; `cancel` resets
@@ -107,14 +108,20 @@ impl Body for ResponseBody {
             Source::Shm { pending: pending @ Some(_), .. } => {
                 return Poll::Ready(pending.take().map(|m| Ok(Frame::data(m))));
             }
-            Source::Shm { call, pending } => match ready!(call.poll_recv(cx)) {
-                Ok(Some(m)) => match codec::framed(m) {
-                    Ok((data, rest)) => {
-                        *pending = rest;
-                        return Poll::Ready(Some(Ok(Frame::data(data))));
+            Source::Shm { call, pending, compress } => match ready!(call.poll_recv(cx)) {
+                Ok(Some(m)) => {
+                    let framed = match *compress {
+                        Some(encoding) => codec::framed_compressed(&m, encoding).map(|data| (data, None)),
+                        None => codec::framed(m),
+                    };
+                    match framed {
+                        Ok((data, rest)) => {
+                            *pending = rest;
+                            return Poll::Ready(Some(Ok(Frame::data(data))));
+                        }
+                        Err(status) => Frame::trailers(codec::status_trailers(&status)),
                     }
-                    Err(status) => Frame::trailers(codec::status_trailers(&status)),
-                },
+                }
                 Ok(None) => Frame::trailers(codec::ok_trailers(call.trailers())),
                 Err(status) => Frame::trailers(codec::status_trailers(&status)),
             },
@@ -331,12 +338,17 @@ where
 }
 
 impl Channel {
-    async fn call_http<B>(self, request: http::Request<B>) -> http::Response<ResponseBody>
+    /// A request over `shm://` that is not handed back, its replies compressed with `compress`.
+    async fn call_http<B>(
+        self,
+        request: http::Request<B>,
+        compress: Option<codec::Encoding>,
+    ) -> http::Response<ResponseBody>
     where
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        match self.call_shm(request, false).await {
+        match self.call_shm(request, false, compress).await {
             Ok(response) => response,
             Err(_) => failed_response(Status::new(Code::Internal, "a call was handed back without a reason")),
         }
@@ -349,6 +361,7 @@ impl Channel {
         self,
         request: http::Request<B>,
         hand_back: bool,
+        compress: Option<codec::Encoding>,
     ) -> Result<http::Response<ResponseBody>, http::Request<B>>
     where
         B: Body<Data = Bytes> + Send + 'static,
@@ -383,11 +396,38 @@ impl Channel {
                 let mut headers = HeaderMap::new();
                 grpc_headers(&mut headers);
                 codec::metadata_into(&metadata, &mut headers);
-                let mut response = http::Response::new(ResponseBody(Source::Shm { call, pending: None }));
+                if let Some(encoding) = compress {
+                    headers.insert("grpc-encoding", HeaderValue::from_static(encoding.name()));
+                }
+                let mut response = http::Response::new(ResponseBody(Source::Shm { call, pending: None, compress }));
                 *response.headers_mut() = headers;
                 response
             }
         })
+    }
+}
+
+/// A server's way to its own handlers for HTTP/2 calls (ADR 0007): its loopback `Channel`,
+/// compressing the replies with `replies` for each client whose `grpc-accept-encoding` lists it
+/// (`Server::send_compressed`).
+#[derive(Clone)]
+pub(crate) struct Loopback {
+    pub(crate) channel: Channel,
+    pub(crate) replies: Option<codec::Encoding>,
+}
+
+impl Loopback {
+    /// Answers one HTTP/2 call through the loopback (the server's fallback service).
+    pub(crate) async fn call<B>(
+        self,
+        request: http::Request<B>,
+    ) -> Result<http::Response<ResponseBody>, std::convert::Infallible>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let compress = self.replies.filter(|&e| codec::accepts(request.headers(), e));
+        Ok(self.channel.call_http(request, compress).await)
     }
 }
 
@@ -411,7 +451,7 @@ where
         if let Some((shm, to)) = self.route() {
             let mut http = self.without_upgrade();
             return Box::pin(async move {
-                match shm.call_shm(request, true).await {
+                match shm.call_shm(request, true, None).await {
                     Ok(response) => Ok(response),
                     Err(request) => {
                         http.upgrade_lost(&to);
@@ -471,6 +511,6 @@ where
             });
         }
         let channel = self.clone();
-        Box::pin(async move { Ok(channel.call_http(request).await) })
+        Box::pin(async move { Ok(channel.call_http(request, None).await) })
     }
 }
