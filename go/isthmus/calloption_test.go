@@ -480,12 +480,9 @@ func TestCodecAndCompressorOptions(t *testing.T) {
 	}
 }
 
-// encodingRecorder is a grpc-go server's stats handler that keeps the grpc-encoding of each
-// call's request headers.
-type encodingRecorder struct {
-	mu   sync.Mutex
-	seen []string
-}
+// encodingRecorder is a grpc-go stats handler that records the grpc-encoding of each call's
+// received headers (a server's: the request's; a client's: the reply's).
+type encodingRecorder struct{ events }
 
 func (r *encodingRecorder) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context {
 	return ctx
@@ -496,18 +493,8 @@ func (r *encodingRecorder) TagConn(ctx context.Context, _ *stats.ConnTagInfo) co
 func (r *encodingRecorder) HandleConn(context.Context, stats.ConnStats) {}
 func (r *encodingRecorder) HandleRPC(_ context.Context, s stats.RPCStats) {
 	if h, ok := s.(*stats.InHeader); ok {
-		r.mu.Lock()
-		r.seen = append(r.seen, h.Compression)
-		r.mu.Unlock()
+		r.add(h.Compression)
 	}
-}
-
-func (r *encodingRecorder) take() []string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	seen := r.seen
-	r.seen = nil
-	return seen
 }
 
 // UseCompressor("gzip"), per call or as a connection's default, compresses an isthmus

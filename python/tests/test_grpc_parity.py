@@ -693,6 +693,16 @@ def _echo_each(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iter
     yield from requests
 
 
+# Bytes in, the same bytes out, unary and bidi: the compression tests' service.
+_BYTES_ECHO = grpc.method_handlers_generic_handler(
+    "t.Echo",
+    {
+        "Unary": grpc.unary_unary_rpc_method_handler(_echo_bytes),
+        "Bidi": grpc.stream_stream_rpc_method_handler(_echo_each),
+    },
+)
+
+
 # (the channel's compression, its options, the call's compression), and whether the requests
 # go compressed: then a server that reads only identity refuses them.
 COMPRESSIONS = [
@@ -782,14 +792,6 @@ async def _compressed_intercepted(
             return _outcome(e)
 
 
-def _echo_bytes(request: bytes, context: grpc.ServicerContext) -> bytes:
-    return request
-
-
-def _echo_each(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-    yield from requests
-
-
 @pytest.mark.parametrize("api", ["grpc", "isthmus", "grpc.aio", "isthmus.aio"])
 def test_a_channel_that_compresses_sends_compressed_requests(api: str, tmp_path: Path) -> None:
     """The channel's `compression`, the option `grpc.default_compression_algorithm` and a call's
@@ -797,16 +799,9 @@ def test_a_channel_that_compresses_sends_compressed_requests(api: str, tmp_path:
     reads no compressed message (`grpc.compression_enabled_algorithms_bitset` 1) fails those
     calls UNIMPLEMENTED naming the algorithm, and answers the others, unary and streaming, and
     through asyncio's interceptors."""
-    handlers = grpc.method_handlers_generic_handler(
-        "t.Echo",
-        {
-            "Unary": grpc.unary_unary_rpc_method_handler(_echo_bytes),
-            "Bidi": grpc.stream_stream_rpc_method_handler(_echo_each),
-        },
-    )
     pool = futures.ThreadPoolExecutor(4)
     server = grpc.server(
-        pool, handlers=[handlers], options=[("grpc.compression_enabled_algorithms_bitset", 1)]
+        pool, handlers=[_BYTES_ECHO], options=[("grpc.compression_enabled_algorithms_bitset", 1)]
     )
     address = f"unix:{tmp_path / 'identity-only.sock'}"
     server.add_insecure_port(address)
@@ -843,13 +838,6 @@ def test_a_server_that_compresses_replies_answers_every_client(kind: str, tmp_pa
     compressed reply) and one that reads everything get every reply, unary and streaming.
     (That isthmus's replies do go compressed: the Rust suite's
     `replies_go_compressed_where_the_server_asks_and_the_client_reads_it`.)"""
-    handlers = grpc.method_handlers_generic_handler(
-        "t.Echo",
-        {
-            "Unary": grpc.unary_unary_rpc_method_handler(_echo_bytes),
-            "Bidi": grpc.stream_stream_rpc_method_handler(_echo_each),
-        },
-    )
     for n, (compression, options) in enumerate(
         [
             (grpc.Compression.Gzip, []),
@@ -865,7 +853,7 @@ def test_a_server_that_compresses_replies_answers_every_client(kind: str, tmp_pa
             runner.start()
 
             async def make(options: Any, compression: Any, address: str) -> Any:
-                s = isthmus.aio.server(handlers=[handlers], options=options, compression=compression)
+                s = isthmus.aio.server(handlers=[_BYTES_ECHO], options=options, compression=compression)
                 s.add_insecure_port(address)
                 await s.start()
                 return s
@@ -875,7 +863,7 @@ def test_a_server_that_compresses_replies_answers_every_client(kind: str, tmp_pa
             )
         else:
             make_server = grpc.server if kind == "grpcio" else isthmus.server
-            server = make_server(pool, handlers=[handlers], options=options, compression=compression)
+            server = make_server(pool, handlers=[_BYTES_ECHO], options=options, compression=compression)
             server.add_insecure_port(address)
             server.start()
         try:

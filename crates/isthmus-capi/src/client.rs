@@ -88,18 +88,28 @@ pub(crate) static CHANNELS: Registry<isthmus_channel_t> = Registry::new("channel
 unsafe fn call_options(opts: *const isthmus_call_options_t) -> Result<CallOptions, Status> {
     // SAFETY: the caller promises a valid struct when not NULL.
     let Some(o) = (unsafe { opts.as_ref() }) else { return Ok(CallOptions::default()) };
-    let compression = match (o.flags & ISTHMUS_CALL_COMPRESS_GZIP != 0, o.flags & ISTHMUS_CALL_COMPRESS_DEFLATE != 0) {
-        (false, false) => None,
-        (true, false) => Some(isthmus::Compression::Gzip),
-        (false, true) => Some(isthmus::Compression::Deflate),
-        (true, true) => return Err(invalid("ISTHMUS_CALL_COMPRESS_GZIP and _DEFLATE together")),
-    };
+    let compression = compression(
+        o.flags & ISTHMUS_CALL_COMPRESS_GZIP != 0,
+        o.flags & ISTHMUS_CALL_COMPRESS_DEFLATE != 0,
+        "ISTHMUS_CALL_COMPRESS_GZIP and _DEFLATE together",
+    )?;
     Ok(CallOptions {
         metadata: metadata_arg(o.metadata)?,
         timeout: u64::try_from(o.timeout_us).ok().filter(|t| *t > 0).map(Duration::from_micros),
         wait_for_ready: o.flags & ISTHMUS_CALL_WAIT_FOR_READY != 0,
         compression,
     })
+}
+
+/// The compression a pair of flags asks for (`both` is the complaint when both are set), for
+/// calls' and servers' options alike.
+pub(crate) fn compression(gzip: bool, deflate: bool, both: &str) -> Result<Option<isthmus::Compression>, Status> {
+    match (gzip, deflate) {
+        (false, false) => Ok(None),
+        (true, false) => Ok(Some(isthmus::Compression::Gzip)),
+        (false, true) => Ok(Some(isthmus::Compression::Deflate)),
+        (true, true) => Err(invalid(both)),
+    }
 }
 
 fn closed() -> Status {

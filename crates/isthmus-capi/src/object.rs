@@ -207,24 +207,13 @@ pub unsafe extern "C" fn isthmus_block_write(
         let end = offset.checked_add(len).filter(|&end| end <= b.len).ok_or_else(|| {
             invalid(format!("a write of {len} bytes at offset {offset} does not fit the block's {} bytes", b.len))
         })?;
-        let dst = (b.data + offset) as *mut u8;
-        let overlaps = len > 0 && (data as usize) < b.data + b.len && (data as usize).saturating_add(len) > b.data;
-        if overlaps {
-            // SAFETY: `data` is readable for `len` bytes (the caller's promise) and
-            // `dst..dst + len` is `offset..end` of the block's writable bytes, which live while
-            // the lock above keeps the block from being sent; `ptr::copy` allows the overlap.
-            // No reference to either range exists meanwhile.
-            unsafe { std::ptr::copy(data, dst, len) };
-            return Ok(());
+        if data.is_null() && len > 0 {
+            return Err(invalid(format!("data is NULL with length {len}")));
         }
-        // SAFETY: the caller promises `data` is readable for `len` bytes when not NULL.
-        let src = unsafe { c_bytes(data, len, "data") }?;
-        if len > 0 {
-            // SAFETY: `offset..end` of the block's bytes, alive while the lock above keeps the
-            // block from being sent, and apart from `src`, so the two slices do not alias.
-            let dst = unsafe { std::slice::from_raw_parts_mut(dst, end - offset) };
-            isthmus::copy_into_shared(dst, src);
-        }
+        // SAFETY: the destination is `offset..end` of the block's writable bytes (checked
+        // above), alive while the lock keeps the block from being sent; the caller promises
+        // `data` readable for `len` bytes, and it may point into the block itself.
+        unsafe { isthmus::move_into_shared((b.data + offset) as *mut u8, data, end - offset) };
         Ok(())
     })
 }

@@ -131,13 +131,11 @@ pub unsafe extern "C" fn isthmus_server_new(opts: *const isthmus_server_options_
         // has no status to say it with.
         let tls = Box::new(unsafe { TlsPems::copy(opts.map_or(std::ptr::null(), |o| o.tls)) });
         let flags = opts.map_or(0, |o| o.flags);
-        let compression =
-            match (flags & ISTHMUS_SERVER_COMPRESS_GZIP != 0, flags & ISTHMUS_SERVER_COMPRESS_DEFLATE != 0) {
-                (false, false) => Ok(None),
-                (true, false) => Ok(Some(isthmus::Compression::Gzip)),
-                (false, true) => Ok(Some(isthmus::Compression::Deflate)),
-                (true, true) => Err(invalid("ISTHMUS_SERVER_COMPRESS_GZIP and _DEFLATE together")),
-            };
+        let compression = crate::client::compression(
+            flags & ISTHMUS_SERVER_COMPRESS_GZIP != 0,
+            flags & ISTHMUS_SERVER_COMPRESS_DEFLATE != 0,
+            "ISTHMUS_SERVER_COMPRESS_GZIP and _DEFLATE together",
+        );
         let state = ServerState::Building { server: Box::default(), config, stream_limit, tls, compression };
         SERVERS.add(isthmus_server_t { state: Mutex::new(state) })
     })

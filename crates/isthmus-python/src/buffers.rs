@@ -194,19 +194,10 @@ impl Block {
                 "{n} bytes at offset {offset} do not fit a block of {len} bytes"
             )));
         }
-        let (d, s) = (ptr as usize + offset, data.ptr() as usize);
-        if n > 0 && d < s + n && s < d + n {
-            // A view of this very block: the ranges overlap, so the bytes are moved, through
-            // pointers only (no slice may alias another).
-            // SAFETY: `offset + n <= len`, so the destination is `n` bytes of the block, and the
-            // source is the export's `n` bytes, held by `data`; `ptr::copy` allows overlap.
-            unsafe { std::ptr::copy(data.ptr(), ptr.add(offset), n) };
-        } else if n > 0 {
-            // SAFETY: `n` bytes of the block from `offset` (checked above), which no slice
-            // borrows meanwhile and which do not overlap the source.
-            let dst = unsafe { std::slice::from_raw_parts_mut(ptr.add(offset), n) };
-            isthmus::copy_into_shared(dst, data.as_slice());
-        }
+        // SAFETY: `offset + n <= len` (checked above), so the destination is `n` bytes of the
+        // block, which `&mut self` keeps to this call; the source is the export's `n` bytes,
+        // held by `data`. It may be a view of this very block: the two may overlap.
+        unsafe { isthmus::move_into_shared(ptr.add(offset), data.ptr(), n) };
         Ok(())
     }
 

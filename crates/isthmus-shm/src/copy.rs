@@ -43,6 +43,31 @@ pub fn copy_into_shared(dst: &mut [u8], src: &[u8]) {
     }
 }
 
+/// [`copy_into_shared`] for a binding's caller, whose source may lie inside the destination
+/// block itself (a view of it from Python, a pointer into it from C): overlapping ranges are
+/// moved as `memmove` moves them, others copied as `copy_into_shared` copies.
+///
+/// # Safety
+///
+/// `dst` is valid for writes of `len` bytes and `src` for reads of `len` bytes, and nothing
+/// else reads or writes `dst`'s bytes meanwhile. The two ranges may overlap.
+pub unsafe fn move_into_shared(dst: *mut u8, src: *const u8, len: usize) {
+    let (d, s) = (dst as usize, src as usize);
+    if len == 0 {
+        return;
+    }
+    if d < s.saturating_add(len) && s < d.saturating_add(len) {
+        // SAFETY: both ranges are valid for `len` bytes (the caller's promise); `ptr::copy`
+        // allows them to overlap, and no reference to either is formed.
+        unsafe { std::ptr::copy(src, dst, len) };
+    } else {
+        // SAFETY: valid for `len` bytes each (the caller's promise), apart, and `dst`'s bytes
+        // are this call's alone, so the two slices alias nothing.
+        let (dst, src) = unsafe { (std::slice::from_raw_parts_mut(dst, len), std::slice::from_raw_parts(src, len)) };
+        copy_into_shared(dst, src);
+    }
+}
+
 /// The size from which copies stream, worked out once per process.
 fn streaming_min() -> usize {
     static MIN: OnceLock<usize> = OnceLock::new();
@@ -152,6 +177,26 @@ mod tests {
         dst.fill(0);
         streaming_copy(&mut dst[3..], &src[3..]);
         assert_eq!(dst[3..], src[3..]);
+    }
+
+    #[test]
+    fn a_move_within_one_buffer_is_memmove_and_a_move_between_two_a_copy() {
+        let original: Vec<u8> = (0..(9 << 20) + 67).map(|i| (i % 253) as u8).collect();
+        for (from, to, len) in [(0, 1, 4096), (1, 0, 4096), (5, 5, 100), (0, 64, 9 << 20), (64, 0, 9 << 20)] {
+            let mut buf = original.clone();
+            let mut want = original.clone();
+            want.copy_within(from..from + len, to);
+            let p = buf.as_mut_ptr();
+            // SAFETY: both ranges lie inside `buf`, which nothing else touches meanwhile.
+            unsafe { move_into_shared(p.add(to), p.add(from), len) };
+            assert!(buf == want, "from {from} to {to} len {len}");
+        }
+        let mut dst = vec![0u8; original.len()];
+        // SAFETY: two distinct buffers of `original.len()` bytes.
+        unsafe { move_into_shared(dst.as_mut_ptr(), original.as_ptr(), original.len()) };
+        assert!(dst == original, "a move between two buffers");
+        // SAFETY: zero bytes: nothing is read or written, whatever the pointers.
+        unsafe { move_into_shared(std::ptr::null_mut(), std::ptr::null(), 0) };
     }
 
     #[test]

@@ -42,7 +42,7 @@
 //!
 //! Bindings need nothing but this crate: besides its own types it re-exports the transport types
 //! they use ([`Config`], [`PeerPolicy`], [`SpinPolicy`], [`EventFd`], [`BlockMut`] and
-//! [`copy_into_shared`], which fills one, the shared arena's [`SharedArena`] and
+//! [`copy_into_shared`] and [`move_into_shared`], which fill one, the shared arena's [`SharedArena`] and
 //! [`SharedBlock`]). tonic, tonic-health, tonic-reflection, h2, hyper-util, rustls and the
 //! `http` crates are unconditional dependencies: the Python binding serves and calls HTTP/2
 //! through them. A binding for `shm://` alone would not need them; there is no cargo feature to
@@ -83,8 +83,8 @@ pub use upgrade::{ShmOffer, TransportCounts, UpgradeStatus, UpgradedTo};
 /// What a binding needs of the transport under the engine, so that bindings (the Python
 /// extension, the C ABI) stand on this crate alone.
 pub use isthmus_shm::{
-    copy_into_shared, BlockMut, Config, EventFd, PeerPolicy, SharedArena, SharedBlock, SharedBlockMut, SocketBell,
-    SpinPolicy,
+    copy_into_shared, move_into_shared, BlockMut, Config, EventFd, PeerPolicy, SharedArena, SharedBlock,
+    SharedBlockMut, SocketBell, SpinPolicy,
 };
 
 /// Entry points for the fuzz targets (`fuzz/`): decoders of what HTTP/2 peers send. Not API.
