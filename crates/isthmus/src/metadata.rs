@@ -66,6 +66,9 @@ pub struct MetadataMap {
 }
 
 impl MetadataMap {
+    /// The empty map, as a constant.
+    pub(crate) const EMPTY: MetadataMap = MetadataMap { entries: Vec::new() };
+
     /// An empty map.
     pub fn new() -> MetadataMap {
         MetadataMap::default()

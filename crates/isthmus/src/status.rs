@@ -123,8 +123,11 @@ impl fmt::Display for Code {
 
 /// How a call ended: a code, a message for people, optional binary details (a serialized
 /// `google.rpc.Status`, as gRPC's `grpc-status-details-bin`) and trailing metadata.
+///
+/// One word: a plain OK (no message, details or metadata), which nearly every call ends with,
+/// is no allocation at all.
 #[derive(Clone, PartialEq, Eq)]
-pub struct Status(Box<StatusInner>);
+pub struct Status(Option<Box<StatusInner>>);
 
 #[derive(Clone, PartialEq, Eq)]
 struct StatusInner {
@@ -134,52 +137,71 @@ struct StatusInner {
     metadata: MetadataMap,
 }
 
+static NO_DETAILS: Bytes = Bytes::new();
+static NO_METADATA: MetadataMap = MetadataMap::EMPTY;
+
 impl Status {
     /// A status with a code and a message.
     pub fn new(code: Code, message: impl Into<String>) -> Status {
-        Status(Box::new(StatusInner {
-            code,
-            message: message.into(),
-            details: Bytes::new(),
-            metadata: MetadataMap::new(),
-        }))
+        let message = message.into();
+        if code == Code::Ok && message.is_empty() {
+            return Status(None);
+        }
+        Status(Some(Box::new(StatusInner { code, message, details: Bytes::new(), metadata: MetadataMap::new() })))
     }
 
     /// The OK status.
     pub fn ok() -> Status {
-        Status::new(Code::Ok, "")
+        Status(None)
+    }
+
+    /// The fields, made real for a change.
+    fn inner_mut(&mut self) -> &mut StatusInner {
+        self.0.get_or_insert_with(|| {
+            Box::new(StatusInner {
+                code: Code::Ok,
+                message: String::new(),
+                details: Bytes::new(),
+                metadata: MetadataMap::new(),
+            })
+        })
     }
 
     /// Adds binary details.
     pub fn with_details(mut self, details: impl Into<Bytes>) -> Status {
-        self.0.details = details.into();
+        let details = details.into();
+        if !details.is_empty() || self.0.is_some() {
+            self.inner_mut().details = details;
+        }
         self
     }
 
     /// Adds trailing metadata.
     pub fn with_metadata(mut self, metadata: MetadataMap) -> Status {
-        self.0.metadata = metadata;
+        if !metadata.is_empty() || self.0.is_some() {
+            self.inner_mut().metadata = metadata;
+        }
         self
     }
 
     /// The code.
     pub fn code(&self) -> Code {
-        self.0.code
+        self.0.as_ref().map_or(Code::Ok, |s| s.code)
     }
 
     /// The message.
     pub fn message(&self) -> &str {
-        &self.0.message
+        self.0.as_ref().map_or("", |s| &s.message)
     }
 
     /// The binary details (empty if none).
     pub fn details(&self) -> &Bytes {
-        &self.0.details
+        self.0.as_ref().map_or(&NO_DETAILS, |s| &s.details)
     }
 
     /// The trailing metadata.
     pub fn metadata(&self) -> &MetadataMap {
-        &self.0.metadata
+        self.0.as_ref().map_or(&NO_METADATA, |s| &s.metadata)
     }
 
     /// The status a transport failure means for a call: the one table that maps them.
@@ -201,12 +223,12 @@ impl Status {
 impl fmt::Debug for Status {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut d = f.debug_struct("Status");
-        d.field("code", &self.0.code).field("message", &self.0.message);
-        if !self.0.details.is_empty() {
-            d.field("details", &format_args!("{} bytes", self.0.details.len()));
+        d.field("code", &self.code()).field("message", &self.message());
+        if !self.details().is_empty() {
+            d.field("details", &format_args!("{} bytes", self.details().len()));
         }
-        if !self.0.metadata.is_empty() {
-            d.field("metadata", &self.0.metadata);
+        if !self.metadata().is_empty() {
+            d.field("metadata", self.metadata());
         }
         d.finish()
     }
@@ -214,10 +236,10 @@ impl fmt::Debug for Status {
 
 impl fmt::Display for Status {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        if self.0.message.is_empty() {
-            write!(f, "{}", self.0.code)
+        if self.message().is_empty() {
+            write!(f, "{}", self.code())
         } else {
-            write!(f, "{}: {}", self.0.code, self.0.message)
+            write!(f, "{}: {}", self.code(), self.message())
         }
     }
 }
@@ -261,6 +283,25 @@ mod tests {
             let e = isthmus_shm::Error::for_tests(kind, "failure");
             assert_eq!(Status::from_transport(&e).code(), code, "{kind:?}");
         }
+    }
+
+    /// A plain OK is no allocation, and reads the same as any other status.
+    #[test]
+    fn a_plain_ok_reads_as_one_built_field_by_field() {
+        let built = Status::new(Code::Ok, "").with_details(Bytes::new()).with_metadata(MetadataMap::new());
+        assert!(built.0.is_none() && Status::ok().0.is_none());
+        assert_eq!(built, Status::ok());
+        assert_eq!(
+            (built.code(), built.message(), built.details().len(), built.metadata().len()),
+            (Code::Ok, "", 0, 0)
+        );
+        let mut md = MetadataMap::new();
+        md.append("k", "v").expect("valid metadata");
+        let with = Status::ok().with_metadata(md.clone());
+        assert_eq!((with.code(), with.metadata()), (Code::Ok, &md));
+        assert_ne!(with, Status::ok());
+        assert_eq!(Status::ok().with_details(&b"d"[..]).details(), &Bytes::from_static(b"d"));
+        assert_eq!(format!("{}", Status::ok()), "OK");
     }
 
     #[test]

@@ -406,7 +406,10 @@ impl CallState {
 
 impl Drop for CallState {
     fn drop(&mut self) {
-        // Never blocks: a drop may run on an event loop.
-        self.cancel_blocking(Code::Cancelled, "the call was dropped", std::time::Instant::now());
+        // Never blocks: a drop may run on an event loop. (The clock is read only for a call
+        // still open: most end before they are dropped.)
+        if self.end_by_cancel(Code::Cancelled, "the call was dropped") {
+            self.mux.send_cancel(self.stream.id, Code::Cancelled, std::time::Instant::now());
+        }
     }
 }

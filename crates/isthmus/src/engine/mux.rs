@@ -1566,7 +1566,12 @@ impl Mux {
 
 impl Reply {
     fn trailers(stream: u64, status: &Status) -> Reply {
-        Reply { kind: Kind::Trailers, flags: flags::END_STREAM, stream, body: wire::encode_trailers(status) }
+        Reply {
+            kind: Kind::Trailers,
+            flags: flags::END_STREAM,
+            stream,
+            body: wire::encode_trailers(status).into_owned(),
+        }
     }
 
     fn cancel(stream: u64, code: Code) -> Reply {

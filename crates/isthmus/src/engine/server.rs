@@ -865,6 +865,9 @@ async fn supervise(fut: BoxFuture, deadline: Option<Instant>, cancelled: &Cancel
         }
     };
     tokio::select! {
+        // In order, the handler first: no random number per poll, and the cancel signal is not
+        // even registered for a handler that finishes in its first poll.
+        biased;
         r = CatchPanic(fut) => match r {
             Ok(r) => Outcome::Done(r),
             Err(what) => Outcome::Panicked(what),

@@ -15,6 +15,7 @@
 //! WINDOW          u64 credit added to the stream's window (1 ..= 2^40)
 //! ```
 
+use std::borrow::Cow;
 use std::fmt;
 use std::time::Duration;
 
@@ -117,6 +118,11 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// The bytes [`put_metadata`] writes for `md`.
+fn metadata_len(md: &MetadataMap) -> usize {
+    4 + md.iter().map(|(k, v)| 6 + k.len() + v.len()).sum::<usize>()
+}
+
 fn put_metadata(out: &mut Vec<u8>, md: &MetadataMap) {
     out.extend_from_slice(&(md.len() as u32).to_le_bytes());
     for (k, v) in md.iter() {
@@ -141,7 +147,7 @@ pub struct RequestHead {
 /// Encodes a HEADERS body from its parts, for a caller that holds the path only as `&str` (no
 /// `RequestHead` to build, so no copy of the path).
 pub fn encode_request_head(path: &str, timeout: Option<Duration>, metadata: &MetadataMap) -> Vec<u8> {
-    let mut out = Vec::with_capacity(16 + path.len());
+    let mut out = Vec::with_capacity(12 + path.len() + metadata_len(metadata));
     out.extend_from_slice(&[WIRE_VERSION, 0]);
     out.extend_from_slice(&(path.len() as u16).to_le_bytes());
     let ns = timeout.map_or(0, |t| t.as_nanos().clamp(1, u64::MAX as u128) as u64);
@@ -205,17 +211,22 @@ impl ResponseHead {
 }
 
 /// Encodes the TRAILERS body for a call's final status.
-pub fn encode_trailers(status: &Status) -> Vec<u8> {
-    let (msg, details) = (status.message().as_bytes(), status.details());
-    let mut out = Vec::with_capacity(13 + msg.len() + details.len());
+pub fn encode_trailers(status: &Status) -> Cow<'static, [u8]> {
+    // Version, code OK, no message, no details, no metadata: how nearly every call ends.
+    static PLAIN_OK: [u8; 17] = [WIRE_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+    let (msg, details, md) = (status.message().as_bytes(), status.details(), status.metadata());
+    if status.code() == Code::Ok && msg.is_empty() && details.is_empty() && md.is_empty() {
+        return Cow::Borrowed(&PLAIN_OK);
+    }
+    let mut out = Vec::with_capacity(13 + msg.len() + details.len() + metadata_len(md));
     out.push(WIRE_VERSION);
     out.extend_from_slice(&(status.code() as u32).to_le_bytes());
     out.extend_from_slice(&(msg.len() as u32).to_le_bytes());
     out.extend_from_slice(&(details.len() as u32).to_le_bytes());
     out.extend_from_slice(msg);
     out.extend_from_slice(details);
-    put_metadata(&mut out, status.metadata());
-    out
+    put_metadata(&mut out, md);
+    Cow::Owned(out)
 }
 
 /// Decodes a TRAILERS body into the call's final status.
@@ -332,6 +343,15 @@ mod tests {
             assert_eq!(decode_trailers(&encode_trailers(&s)), Ok(s));
             assert_eq!(decode_cancel(&encode_cancel(code)), Ok(code));
         }
+        // The plain OK's fixed bytes say what the general encoding says.
+        let ok_with_md = Status::ok().with_metadata(md());
+        assert_eq!(decode_trailers(&encode_trailers(&ok_with_md)), Ok(ok_with_md));
+        assert_eq!(decode_trailers(&encode_trailers(&Status::ok())), Ok(Status::ok()));
+        let mut by_hand = vec![WIRE_VERSION];
+        for field in [Code::Ok as u32, 0, 0, 0] {
+            by_hand.extend_from_slice(&field.to_le_bytes()); // code, message, details, metadata
+        }
+        assert_eq!(&encode_trailers(&Status::ok())[..], &by_hand[..]);
         assert_eq!(decode_window(&encode_window(4096)), Ok(4096));
         assert!(decode_window(&encode_window(0)).is_err());
         assert!(decode_window(&encode_window(MAX_WINDOW_INCREMENT + 1)).is_err());
