@@ -72,6 +72,8 @@ type callOptions struct {
 	opts     []grpc.CallOption
 	// err is an option isthmus cannot honour, which fails the call before it starts.
 	err error
+	// stats reports the call to the connection's stats handlers (nil: there are none).
+	stats *rpcStats
 }
 
 // parseCallOptions reads opts (allocating nothing unless a codec is forced).

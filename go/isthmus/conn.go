@@ -24,6 +24,7 @@ import (
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 )
@@ -47,6 +48,9 @@ type ClientConn struct {
 	// peer is what grpc.Peer gives, worked out once (serverPeer).
 	peerOnce sync.Once
 	peer     peer.Peer
+	// stats are WithStatsHandler's handlers; connStats reports the connection to them.
+	stats     []stats.Handler
+	connStats *connStats
 }
 
 // Messages up to inPlaceMax bytes are marshalled straight into shared memory (one copy)
@@ -111,6 +115,7 @@ type dialOptions struct {
 	chainStreamInts []grpc.StreamClientInterceptor
 	perRPC          []credentials.PerRPCCredentials
 	callOptions     []grpc.CallOption
+	stats           []stats.Handler
 }
 
 // WithMaxMessageSize sets the largest message the connection accepts, in bytes (default
@@ -158,7 +163,10 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 		return nil, err
 	}
 	cc := &ClientConn{ch: ch, r: r, target: target, shm: strings.HasPrefix(target, "shm:"), perRPC: creds,
-		defaults: slices.Clip(o.callOptions)}
+		defaults: slices.Clip(o.callOptions), stats: slices.Clip(o.stats)}
+	if len(cc.stats) > 0 {
+		cc.connStats = beginConn(cc.stats, cc.serverPeer().Addr)
+	}
 	cc.invoker = unaryInvoker(withFirst(o.unaryInt, o.unaryInt != nil, o.chainUnaryInts),
 		func(ctx context.Context, method string, req, reply any, _ *grpc.ClientConn, opts ...grpc.CallOption) error {
 			return cc.invoke(ctx, method, req, reply, opts...)
@@ -180,6 +188,7 @@ func (cc *ClientConn) Close() error {
 		return nil
 	}
 	C.isthmus_channel_close(cc.ch)
+	cc.connStats.end()
 	return nil
 }
 
@@ -279,9 +288,22 @@ func (cc *ClientConn) Invoke(ctx context.Context, method string, args, reply any
 // invoke makes a unary call, the interceptors' invoker.
 func (cc *ClientConn) invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
 	co := parseCallOptions(opts)
+	if len(cc.stats) > 0 {
+		ctx, co.stats = cc.beginStats(ctx, method, co, false, false)
+	}
 	err := cc.invokeWith(ctx, method, args, reply, co)
+	co.stats.end(err)
 	co.finished(err)
 	return err
+}
+
+// beginStats starts reporting a call to the connection's stats handlers: TagRPC, Begin and
+// its outgoing headers (the tagged context's metadata, which the call sends).
+func (cc *ClientConn) beginStats(ctx context.Context, method string, co callOptions, clientStream, serverStream bool) (context.Context, *rpcStats) {
+	ctx, r := beginRPC(ctx, cc.stats, true, method, !co.waitForReady, clientStream, serverStream)
+	md, _ := metadata.FromOutgoingContext(ctx)
+	r.outHeader(md, method, cc.serverPeer().Addr)
+	return ctx, r
 }
 
 // invokeWith makes a unary call with its parsed options.
@@ -312,6 +334,7 @@ func (cc *ClientConn) invokeWith(ctx context.Context, method string, args, reply
 	if err != nil {
 		return err
 	}
+	co.stats.outPayload(args, len(req))
 	ev, ok := cc.unaryBytes(ctx, cString(method), req, &copts)
 	return cc.unaryReply(ctx, ev, ok, reply, co)
 }
@@ -409,23 +432,36 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 		if co.trailer != nil {
 			*co.trailer = trailers
 		}
+		co.stats.inTrailer(trailers)
 		return err
 	}
-	err := co.checkRecv(int(ev.message_len))
-	if err == nil {
-		err = co.unmarshal(messageBytes(ev.message_data, ev.message_len), reply)
-	}
-	C.isthmus_message_free(ev.message)
-	if co.header != nil {
-		*co.header = takeMetadata(ev.metadata)
+	var header, trailer metadata.MD
+	if co.header != nil || co.stats != nil {
+		header = takeMetadata(ev.metadata)
 	} else {
 		freeMetadata(ev.metadata)
 	}
-	if co.trailer != nil {
-		*co.trailer = takeMetadata(ev.trailers)
+	co.stats.inHeader(header, "", nil)
+	err := co.checkRecv(int(ev.message_len))
+	if err == nil {
+		err = co.unmarshal(messageBytes(ev.message_data, ev.message_len), reply)
+		if err == nil {
+			co.stats.inPayload(reply, int(ev.message_len))
+		}
+	}
+	C.isthmus_message_free(ev.message)
+	if co.trailer != nil || co.stats != nil {
+		trailer = takeMetadata(ev.trailers)
 	} else {
 		freeMetadata(ev.trailers)
 	}
+	if co.header != nil {
+		*co.header = header
+	}
+	if co.trailer != nil {
+		*co.trailer = trailer
+	}
+	co.stats.inTrailer(trailer)
 	return err
 }
 
@@ -457,6 +493,7 @@ func (cc *ClientConn) invokeLarge(ctx context.Context, method string, args proto
 		}
 		return status.Errorf(codes.Internal, "grpc: error while marshaling: %v", err)
 	}
+	co.stats.outPayload(args, size)
 	ev, ok, err := cc.unaryBlock(ctx, cString(method), b, &copts)
 	if err != nil {
 		return err
@@ -481,11 +518,15 @@ func (cc *ClientConn) newClientStream(ctx context.Context, desc *grpc.StreamDesc
 	if cc.closed.Load() {
 		err = errClosing()
 	}
+	if err == nil && len(cc.stats) > 0 {
+		ctx, co.stats = cc.beginStats(ctx, method, co, desc.ClientStreams, desc.ServerStreams)
+	}
 	var s *clientStream
 	if err == nil {
 		s, err = cc.newStream(ctx, desc, method, co)
 	}
 	if err != nil {
+		co.stats.end(err)
 		co.finished(err)
 		return nil, err // not a nil *clientStream in a non-nil interface
 	}
@@ -512,7 +553,7 @@ func (cc *ClientConn) newStream(ctx context.Context, desc *grpc.StreamDesc, meth
 		return nil, err
 	}
 	s := &clientStream{cc: cc, call: ev.call, ctx: ctx, desc: desc, opts: co}
-	if co.onFinish || co.peer != nil {
+	if co.onFinish || co.peer != nil || co.stats != nil {
 		s.stop = context.AfterFunc(ctx, s.ctxEnded)
 	} else {
 		s.stop = context.AfterFunc(ctx, s.cancel)
@@ -591,6 +632,10 @@ func (s *clientStream) finish(err error, trailers metadata.MD) {
 	if s.opts.trailer != nil {
 		*s.opts.trailer = trailers
 	}
+	if s.opts.stats != nil && !s.opts.stats.ended.Load() {
+		s.opts.stats.inTrailer(trailers)
+		s.opts.stats.end(err)
+	}
 	s.report(err)
 }
 
@@ -616,6 +661,7 @@ func (s *clientStream) report(err error) {
 // context ends, whether or not the stream is read again.
 func (s *clientStream) ctxEnded() {
 	s.cancel()
+	s.opts.stats.end(ctxError(s.ctx))
 	s.report(ctxError(s.ctx))
 }
 
@@ -663,10 +709,14 @@ func (s *clientStream) headerOf(call *C.isthmus_call_t) (metadata.MD, error) {
 	}
 	md := takeMetadata(ev.metadata)
 	s.mu.Lock()
+	first := !s.gotHead
 	s.header, s.gotHead = md, true
 	s.mu.Unlock()
 	if s.opts.header != nil {
 		*s.opts.header = md
+	}
+	if first {
+		s.opts.stats.inHeader(md, "", nil)
 	}
 	return md, nil
 }
@@ -701,7 +751,11 @@ func (s *clientStream) SendMsg(m any) error {
 		s.fail(err)
 		return err
 	}
-	return s.sendBytes(b, false)
+	if err := s.sendBytes(b, false); err != nil {
+		return err
+	}
+	s.opts.stats.outPayload(m, len(b))
+	return nil
 }
 
 // sendBytes sends one request message; last half-closes with it.
@@ -788,7 +842,13 @@ func (s *clientStream) recv(m any) error {
 		s.fail(err)
 		return err
 	}
+	if s.opts.stats != nil {
+		s.keepHeader(call)
+	}
 	err := s.opts.unmarshal(messageBytes(ev.message_data, ev.message_len), m)
+	if err == nil {
+		s.opts.stats.inPayload(m, int(ev.message_len))
+	}
 	C.isthmus_message_free(ev.message)
 	return err
 }

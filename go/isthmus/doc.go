@@ -24,7 +24,9 @@
 // peer.FromContext (its address, and over TLS a credentials.TLSInfo), grpc-go's interceptors
 // on both sides (WithUnaryInterceptor, WithChainUnaryInterceptor and the stream ones for a
 // ClientConn; UnaryInterceptor, ChainUnaryInterceptor and the stream ones for a Server), and
-// per-RPC credentials (WithPerRPCCredentials, grpc.PerRPCCredentials). Handlers run on
+// per-RPC credentials (WithPerRPCCredentials, grpc.PerRPCCredentials), and stats handlers
+// such as otelgrpc's (WithStatsHandler for a ClientConn, StatsHandler for a Server: the same
+// events grpc-go reports). Handlers run on
 // goroutines (or, with InlineUnary, unary ones on the connection's reading thread). A unary
 // call whose context cannot be cancelled waits in its cgo call while at most half of
 // GOMAXPROCS calls do; every other call waits on a completion queue that one goroutine

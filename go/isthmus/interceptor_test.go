@@ -137,6 +137,14 @@ func callsOrder(t *testing.T, label string, conn grpc.ClientConnInterface, clien
 		t.Fatalf("%s: Unary: %v", label, err)
 	}
 	unaryC, unaryS = client.take(), server.take()
+	serverStreamToTheEnd(t, ctx, label, c)
+	// The stream's end reached the client after the server's interceptors returned.
+	return unaryC, unaryS, client.take(), server.take()
+}
+
+// serverStreamToTheEnd makes a server-streaming call of two replies and reads it to its OK end.
+func serverStreamToTheEnd(t *testing.T, ctx context.Context, label string, c pb.EchoClient) {
+	t.Helper()
 	st, err := c.ServerStream(ctx, &pb.StreamRequest{Count: 2})
 	if err != nil {
 		t.Fatalf("%s: ServerStream: %v", label, err)
@@ -147,8 +155,6 @@ func callsOrder(t *testing.T, label string, conn grpc.ClientConnInterface, clien
 	if err != io.EOF {
 		t.Fatalf("%s: ServerStream: %v", label, err)
 	}
-	// The stream's end reached the client after the server's interceptors returned.
-	return unaryC, unaryS, client.take(), server.take()
 }
 
 // The interceptor set by WithUnaryInterceptor (UnaryInterceptor on the server) runs first,

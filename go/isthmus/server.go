@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 )
@@ -56,6 +57,18 @@ type method struct {
 	name     string // full path, /package.Service/Method
 }
 
+// streams says whether the method's requests and replies are streams, as stats.Begin does; a
+// raw handler's calls may be either, and count as both.
+func (m *method) streams() (client, server bool) {
+	switch {
+	case m.stream != nil:
+		return m.stream.ClientStreams, m.stream.ServerStreams
+	case m.raw != nil:
+		return true, true
+	}
+	return false, false
+}
+
 // ServerOption configures a Server.
 type ServerOption func(*serverOptions)
 
@@ -69,6 +82,7 @@ type serverOptions struct {
 	inline               bool
 	tls                  *ServerTLSConfig
 	compression          string
+	stats                []stats.Handler
 }
 
 // MaxMessageSize sets the largest request message accepted, in bytes (default 4 GiB); a
@@ -374,7 +388,17 @@ func (st *serverStream) startReply(m any) (pending *op, err error) {
 	if err != nil {
 		return nil, err
 	}
-	return st.reply(b)
+	pending, err = st.reply(b)
+	if err == nil && st.stats != nil {
+		// The reply finished the call OK (or will, once flow control lets it go).
+		st.stats.outPayload(m, len(b))
+		st.mu.Lock()
+		trailer := st.trailer
+		st.mu.Unlock()
+		st.stats.outTrailer(trailer)
+		st.stats.end(nil)
+	}
+	return pending, err
 }
 
 // awaitReply waits for the event of a reply that did not go at once, and releases the op. The
@@ -399,6 +423,9 @@ func (s *Server) runUnary(st *serverStream, m *method, ev C.isthmus_event_t) (an
 			return status.Error(codes.Internal, "the client sent no request")
 		}
 		err := unmarshal(messageBytes(ev.message_data, ev.message_len), v)
+		if err == nil {
+			st.stats.inPayload(v, int(ev.message_len))
+		}
 		C.isthmus_message_free(ev.message)
 		ev.message = nil
 		return err
@@ -437,6 +464,7 @@ type serverStream struct {
 	trailer    metadata.MD
 	finished   bool
 	peer       *peer.Peer // once asked for (callContext.Value)
+	stats      *rpcStats  // nil without stats handlers (StatsHandler)
 }
 
 func newServerStream(s *Server, m *method, sc *C.isthmus_server_call_t) *serverStream {
@@ -447,6 +475,12 @@ func newServerStream(s *Server, m *method, sc *C.isthmus_server_call_t) *serverS
 		md = metadata.MD{}
 	}
 	ctx := metadata.NewIncomingContext(parent, md)
+	if len(s.opts.stats) > 0 {
+		clientStream, serverStream := m.streams()
+		ctx, st.stats = beginRPC(ctx, s.opts.stats, false, m.name, false, clientStream, serverStream)
+		st.stats.inHeader(md, m.name, peerOf(sc).Addr)
+		st.stats.serverBegin(clientStream, serverStream)
+	}
 	if left := int64(C.isthmus_server_call_time_remaining_us(sc)); left >= 0 {
 		ctx, st.cancel = context.WithTimeout(ctx, time.Duration(left)*time.Microsecond)
 	} else {
@@ -557,6 +591,7 @@ func (st *serverStream) SendHeader(md metadata.MD) error {
 // sendHeaderLocked sends the initial metadata gathered so far, if any.
 func (st *serverStream) sendHeaderLocked() error {
 	st.headerSent = true
+	st.stats.outHeader(st.header, "", nil)
 	if len(st.header) == 0 {
 		return nil
 	}
@@ -583,14 +618,22 @@ func (st *serverStream) SetTrailer(md metadata.MD) {
 func (st *serverStream) SendMsg(m any) error {
 	if pm, ok := m.(proto.Message); ok {
 		if size := proto.Size(pm); inPlace(size, st.m != nil && st.m.unary != nil) {
-			return st.sendLarge(pm, size)
+			err := st.sendLarge(pm, size)
+			if err == nil {
+				st.stats.outPayload(m, size)
+			}
+			return err
 		}
 	}
 	b, err := marshal(m)
 	if err != nil {
 		return err
 	}
-	return st.sendBytes(b)
+	if err := st.sendBytes(b); err != nil {
+		return err
+	}
+	st.stats.outPayload(m, len(b))
+	return nil
 }
 
 // sendLarge marshals a response straight into a block of the server's shared memory (every
@@ -684,6 +727,7 @@ func (st *serverStream) recvFlags() C.uint32_t {
 		defer st.mu.Unlock()
 		if !st.headerSent && len(st.header) == 0 {
 			st.headerSent = true
+			st.stats.outHeader(nil, "", nil)
 			return C.ISTHMUS_RECV_FLUSH_HEADERS
 		}
 	}
@@ -723,6 +767,9 @@ func (st *serverStream) RecvMsg(m any) error {
 		return io.EOF
 	}
 	err := unmarshal(messageBytes(ev.message_data, ev.message_len), m)
+	if err == nil {
+		st.stats.inPayload(m, int(ev.message_len))
+	}
 	C.isthmus_message_free(ev.message)
 	return err
 }
@@ -749,6 +796,13 @@ func (st *serverStream) end(err error) {
 	trailers, terr := newMetadata(st.trailer)
 	if terr != nil {
 		code, msg, details = C.isthmus_code_t(codes.Internal), terr.Error(), nil
+	}
+	if st.stats != nil {
+		st.stats.outTrailer(st.trailer)
+		if terr != nil {
+			err = status.Error(codes.Internal, terr.Error())
+		}
+		st.stats.end(err)
 	}
 	cmsg := (*C.char)(nil)
 	if msg != "" {

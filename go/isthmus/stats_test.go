@@ -1,0 +1,240 @@
+package isthmus_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/stats"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	pb "example.invalid/isthmus/go/internal/conformancepb"
+	"example.invalid/isthmus/go/internal/echo"
+	"example.invalid/isthmus/go/isthmus"
+)
+
+// Stats handlers (what otelgrpc plugs in) on both sides, the same recorder between an
+// isthmus client and server over shm:// and unix:// and between a plain grpc-go client and
+// server: each call must produce the same events. grpc-go reports some events from its
+// transport's goroutine (a reply's trailers can be reported before the application reads its
+// last message), so the order is compared where grpc-go fixes it (Begin or the request's
+// headers first, End last) and the rest as a multiset.
+
+type tagKey struct{}
+
+// statsRecorder is a stats.Handler that records each call's events by kind, checks that
+// every event comes with the context its TagRPC returned, and (on a client) adds metadata to
+// the outgoing context there, as tracing handlers do.
+type statsRecorder struct {
+	client bool
+	mu     sync.Mutex
+	events []string
+	errs   []string
+}
+
+func (r *statsRecorder) TagRPC(ctx context.Context, info *stats.RPCTagInfo) context.Context {
+	if r.client {
+		ctx = metadata.AppendToOutgoingContext(ctx, "x-stats-tag", "tagged")
+	}
+	return context.WithValue(ctx, tagKey{}, info.FullMethodName)
+}
+
+func (r *statsRecorder) HandleRPC(ctx context.Context, s stats.RPCStats) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if ctx.Value(tagKey{}) == nil {
+		r.errs = append(r.errs, fmt.Sprintf("%T came without the tagged context", s))
+	}
+	if s.IsClient() != r.client {
+		r.errs = append(r.errs, fmt.Sprintf("%T says client=%v", s, s.IsClient()))
+	}
+	name := strings.TrimPrefix(fmt.Sprintf("%T", s), "*stats.")
+	switch s := s.(type) {
+	case *stats.End:
+		name += ":" + status.Code(s.Error).String()
+		if s.BeginTime.IsZero() || s.EndTime.Before(s.BeginTime) {
+			r.errs = append(r.errs, "End's times are wrong")
+		}
+	case *stats.OutPayload:
+		if m, ok := s.Payload.(proto.Message); !ok || proto.Size(m) != s.Length {
+			r.errs = append(r.errs, fmt.Sprintf("OutPayload of %d bytes for %v", s.Length, s.Payload))
+		}
+	case *stats.InPayload:
+		if m, ok := s.Payload.(proto.Message); !ok || proto.Size(m) != s.Length {
+			r.errs = append(r.errs, fmt.Sprintf("InPayload of %d bytes for %v", s.Length, s.Payload))
+		}
+	case *stats.InHeader:
+		if !r.client {
+			if s.FullMethod == "" || len(s.Header.Get("x-stats-tag")) == 0 {
+				r.errs = append(r.errs, fmt.Sprintf("the server's InHeader lacks the method or the client's tag: %q %v", s.FullMethod, s.Header))
+			}
+		}
+	case *stats.OutHeader:
+		if r.client && (s.FullMethod == "" || len(s.Header.Get("x-stats-tag")) == 0) {
+			r.errs = append(r.errs, fmt.Sprintf("the client's OutHeader lacks the method or its tag: %q %v", s.FullMethod, s.Header))
+		}
+	}
+	r.events = append(r.events, name)
+}
+
+func (r *statsRecorder) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context {
+	return ctx
+}
+
+func (r *statsRecorder) HandleConn(context.Context, stats.ConnStats) {}
+
+// take waits (up to 10 s) for a call's End, then gives the events since the last take.
+func (r *statsRecorder) take(t *testing.T, label string) []string {
+	t.Helper()
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		r.mu.Lock()
+		done := slices.ContainsFunc(r.events, func(e string) bool { return strings.HasPrefix(e, "End") })
+		if done || time.Now().After(deadline) {
+			ev, errs := r.events, r.errs
+			r.events, r.errs = nil, nil
+			r.mu.Unlock()
+			for _, e := range errs {
+				t.Errorf("%s: %s", label, e)
+			}
+			return ev
+		}
+		r.mu.Unlock()
+		time.Sleep(time.Millisecond)
+	}
+}
+
+// sameEvents compares two calls' events: the same first and last event, the same multiset.
+func sameEvents(got, want []string) bool {
+	if len(got) == 0 || len(got) != len(want) || got[0] != want[0] || got[len(got)-1] != want[len(want)-1] {
+		return false
+	}
+	g, w := slices.Clone(got), slices.Clone(want)
+	slices.Sort(g)
+	slices.Sort(w)
+	return slices.Equal(g, w)
+}
+
+// statsCalls makes a unary call, a failing one, a server stream and a bidirectional stream
+// on conn, and gives the events each side recorded for each.
+func statsCalls(t *testing.T, label string, conn grpc.ClientConnInterface, client, server *statsRecorder) map[string][2][]string {
+	t.Helper()
+	ctx := testContext(t)
+	c := pb.NewEchoClient(conn)
+	got := map[string][2][]string{}
+	record := func(what string) {
+		got[what] = [2][]string{client.take(t, label+" client "+what), server.take(t, label+" server "+what)}
+	}
+	// A first call finds grpc-go still connecting, which it reports (DelayedPickComplete, an
+	// event of its load balancer that isthmus has not): calls are compared once it is up.
+	for _, what := range []string{"warm-up", "unary"} {
+		if _, err := c.Unary(ctx, &pb.EchoRequest{Payload: []byte("stats")}); err != nil {
+			t.Fatalf("%s: Unary: %v", label, err)
+		}
+		record(what)
+	}
+	_, err := c.Unary(ctx, &pb.EchoRequest{FailWith: int32(codes.NotFound), FailMessage: "no"})
+	if status.Code(err) != codes.NotFound {
+		t.Fatalf("%s: a failing Unary gave %v", label, err)
+	}
+	record("unary error")
+	serverStreamToTheEnd(t, ctx, label, c)
+	record("server stream")
+	bidi, err := c.Bidi(ctx)
+	if err != nil {
+		t.Fatalf("%s: Bidi: %v", label, err)
+	}
+	for i := range 2 {
+		if err := bidi.Send(&pb.EchoRequest{Seq: uint64(i + 1)}); err != nil {
+			t.Fatalf("%s: Bidi send: %v", label, err)
+		}
+		if _, err := bidi.Recv(); err != nil {
+			t.Fatalf("%s: Bidi recv: %v", label, err)
+		}
+	}
+	if err := bidi.CloseSend(); err != nil {
+		t.Fatalf("%s: CloseSend: %v", label, err)
+	}
+	if _, err := bidi.Recv(); err != io.EOF {
+		t.Fatalf("%s: Bidi end: %v", label, err)
+	}
+	record("bidi")
+	return got
+}
+
+// Every call reports the same events to the client's and the server's stats handlers as it
+// does with grpc-go, over every transport; TagRPC's context goes with every event, and the
+// metadata it adds reaches the server.
+func TestStatsHandlersSeeWhatGrpcGoReports(t *testing.T) {
+	client, server := &statsRecorder{client: true}, &statsRecorder{}
+	address := startGrpcServer(t, grpc.StatsHandler(server))
+	want := statsCalls(t, "grpc-go", newGrpcClient(t, address, grpc.WithStatsHandler(client)), client, server)
+
+	delete(want, "warm-up")
+	// Unary handlers on goroutines, and inline on the library's reading thread.
+	for _, opts := range [][]isthmus.ServerOption{nil, {isthmus.InlineUnary()}} {
+		shm, unix := fresh(t, "stats")
+		s := isthmus.NewServer(append(opts, isthmus.StatsHandler(server))...)
+		pb.RegisterEchoServer(s, &echo.Service{})
+		if err := s.Start(shm, unix); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(s.Stop)
+		for _, target := range []string{shm, unix} {
+			label := fmt.Sprintf("%s (inline %v)", target, opts != nil)
+			got := statsCalls(t, label, dialWith(t, target, isthmus.WithStatsHandler(client)), client, server)
+			for what, w := range want {
+				for side, name := range []string{"client", "server"} {
+					if !sameEvents(got[what][side], w[side]) {
+						t.Errorf("%s: %s %s: events %v, grpc-go's %v", label, what, name, got[what][side], w[side])
+					}
+				}
+			}
+		}
+	}
+}
+
+// A stream whose context ends before its status comes still reports End, with the
+// context's error, once.
+func TestStatsHandlersHearOfACancelledStream(t *testing.T) {
+	client := &statsRecorder{client: true}
+	shm, _ := fresh(t, "stats-cancel")
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, &echo.Service{})
+	if err := s.Start(shm); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	conn := dialWith(t, shm, isthmus.WithStatsHandler(client))
+	ctx, cancel := context.WithCancel(testContext(t))
+	bidi, err := pb.NewEchoClient(conn).Bidi(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := bidi.Send(&pb.EchoRequest{Seq: 1}); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	events := client.take(t, "cancelled")
+	ends := slices.DeleteFunc(slices.Clone(events), func(e string) bool { return !strings.HasPrefix(e, "End") })
+	if !slices.Equal(ends, []string{"End:Canceled"}) {
+		t.Errorf("a cancelled stream reported %v", events)
+	}
+	if _, err := bidi.Recv(); status.Code(err) != codes.Canceled {
+		t.Errorf("Recv after the cancel: %v", err)
+	}
+	time.Sleep(10 * time.Millisecond)
+	client.mu.Lock()
+	defer client.mu.Unlock()
+	if len(client.events) != 0 {
+		t.Errorf("events after End: %v", client.events)
+	}
+}
