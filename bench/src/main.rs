@@ -7,6 +7,7 @@
 //! isthmus-bench demo
 //! isthmus-bench soak [--quick] [--calls N] [--python-calls M] [--out FILE]
 //! isthmus-bench profile-transport SIZE…
+//! isthmus-bench count-per-call [SIZE [CALLS]]
 //! ```
 //!
 //! `transport` is isthmus-shm against a raw Unix-socket echo and the physical floors; `rpc` is
@@ -20,6 +21,7 @@
 //! The `serve-*` roles are the servers this binary starts as child processes, and
 //! `fanout-subscriber` the fan-out's subscriber processes.
 
+mod allocs;
 mod fanout;
 mod measure;
 mod python;
@@ -34,6 +36,9 @@ use measure::Budget;
 use report::Record;
 use rpc::{IsthmusRust, TonicClient};
 use system::{FloorCopy, FloorEventfd, FloorSpin, Memcpy, SameCore, ShmEcho, System, UdsEcho};
+
+#[global_allocator]
+static ALLOCATOR: allocs::Counting = allocs::Counting;
 
 const SIZES: [usize; 6] = [64, 1 << 10, 64 << 10, 1 << 20, 16 << 20, 256 << 20];
 /// Sizes of the RPC matrix (gRPC stacks top out well below 256 MiB messages).
@@ -53,6 +58,11 @@ fn main() {
         "serve-copy" => system::serve_copy(num(2) as i32),
         // `serve-isthmus TARGET…`: the echo on every target (an HTTP/2 one offers the shm:// one).
         "serve-isthmus" => rpc::serve_isthmus(&args[2..]),
+        // The echo, its allocations counted (`count-per-call`).
+        "serve-isthmus-counting" => {
+            allocs::start();
+            rpc::serve_isthmus(&args[2..])
+        }
         "serve-isthmus-spin" => rpc::serve_isthmus_spin(&arg(2), num(3) as u64),
         "serve-isthmus-soak" => rpc::serve_isthmus_soak(&arg(2), &arg(3)),
         "serve-tonic" => rpc::serve_tonic(&arg(2)),
@@ -97,6 +107,13 @@ fn main() {
                     println!("{:>10} {:<24} p50 {:>10.2} µs  p99 {:>10.2} µs", size, sys.name(), s.p50_us, s.p99_us);
                 }
             }
+        }
+        // `count-per-call [SIZE [CALLS]]`: allocations, frames and doorbells per call of the
+        // engine's echo (64 B, 100,000 calls by default).
+        "count-per-call" => {
+            let size = args.get(2).map_or(64, |a| a.parse().expect("size"));
+            let calls = args.get(3).map_or(100_000, |a| a.parse().expect("calls"));
+            allocs::per_call(size, calls);
         }
         // `floor-copy SECONDS SIZE…`: the copy floor alone, one JSON line per size, for
         // `py_raw_bench.py` to measure in its own rounds.

@@ -75,6 +75,9 @@ fn serve_isthmus_inner(targets: &[String], config: isthmus::Config, stats_path: 
                 let m = call.recv().await?.unwrap_or_default();
                 call.send(&m).await
             })
+            .handler(crate::allocs::COUNT_PATH, |mut call: isthmus::ServerCall| async move {
+                call.send(&crate::allocs::count().to_le_bytes()).await
+            })
             .handler(STREAM_PATH, |mut call: isthmus::ServerCall| async move {
                 let m = call.recv().await?.unwrap_or_default();
                 let (count, size) = parse_stream_request(&m)
