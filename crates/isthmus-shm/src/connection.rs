@@ -675,8 +675,14 @@ impl Sender {
     /// Async [`send`](Self::send) for tokio; wrap in `tokio::time::timeout` for a deadline.
     #[cfg(feature = "tokio")]
     pub async fn send_async(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[u8]) -> Result<()> {
-        let header = self.header(kind, frame_flags, stream, &[body])?;
-        self.push_async(&header, &[body]).await
+        self.send_parts_async(kind, frame_flags, stream, &[body]).await
+    }
+
+    /// Async [`send_parts`](Self::send_parts) for tokio.
+    #[cfg(feature = "tokio")]
+    pub async fn send_parts_async(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[&[u8]]) -> Result<()> {
+        let header = self.header(kind, frame_flags, stream, body)?;
+        self.push_async(&header, body).await
     }
 
     /// Async [`alloc`](Self::alloc) for tokio.

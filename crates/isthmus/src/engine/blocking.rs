@@ -265,7 +265,7 @@ impl Channel {
         let call = Call { state: CallState::new(stream, mux, path, self.inner.clone()), deadline };
         let head = open_head(path, &options.metadata, deadline);
         let by = sooner(deadline, patience);
-        match call.state.mux.sender.send(Kind::Headers, 0, call.state.id(), &head, by) {
+        match call.state.mux.sender.send_parts(Kind::Headers, 0, call.state.id(), &head.parts(), by) {
             Ok(()) => Ok(call),
             Err(e) if impatient(&e, deadline) => Err(None),
             Err(e) => Err(Some(Status::from_transport(&e))),

@@ -75,10 +75,14 @@ impl Reconnect {
 
 /// The HEADERS body that opens a call. Time spent waiting for a server is the call's: what is
 /// left of the deadline travels (at least 1 ns).
-pub(crate) fn open_head(path: &str, metadata: &MetadataMap, deadline: Option<std::time::Instant>) -> Vec<u8> {
+pub(crate) fn open_head<'a>(
+    path: &'a str,
+    metadata: &MetadataMap,
+    deadline: Option<std::time::Instant>,
+) -> wire::HeadParts<'a> {
     let timeout = deadline
         .map(|d| d.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_nanos(1)));
-    wire::encode_request_head(path, timeout, metadata)
+    wire::HeadParts::new(path, timeout, metadata)
 }
 
 /// One channel's connection slot, shared by its clones: the target, and the live connection

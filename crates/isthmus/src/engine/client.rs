@@ -204,7 +204,7 @@ impl ShmChannel {
         call.state
             .mux
             .sender
-            .send_async(Kind::Headers, 0, call.state.id(), &head)
+            .send_parts_async(Kind::Headers, 0, call.state.id(), &head.parts())
             .await
             .map_err(|e| Status::from_transport(&e))?;
         Ok(call)

@@ -88,12 +88,11 @@ use crate::engine::flow::{Consumed, RecvWindow, SendWindow};
 use crate::engine::wire;
 use crate::status::{Code, Status};
 
-/// A new call the server's reader found: its head, its event queue, and the signal that the
-/// client cancelled it (or the connection died), which must stop its handler.
+/// A new call the server's reader found: its head and its stream (whose shared state holds the
+/// signal that the client cancelled it, or the connection died, which must stop its handler).
 pub(crate) struct Incoming {
     pub(crate) head: wire::RequestHead,
     pub(crate) stream: Stream,
-    pub(crate) cancelled: Arc<Cancel>,
 }
 
 /// A server call's whole life as one future: its handler, then its status sent.
@@ -198,8 +197,10 @@ impl Stream {
     }
 }
 
-/// What a stream's call and the connection's reader share: the events, and both directions'
-/// flow-control windows (one allocation per stream).
+/// What a stream's call and the connection's reader share: the events, both directions'
+/// flow-control windows, and a server call's state that its handler and its future share (one
+/// allocation per stream: a 64 B call allocated three more on the server when these had each
+/// their own).
 #[derive(Debug, Default)]
 pub(crate) struct StreamShared {
     pub(crate) inbox: Inbox,
@@ -208,6 +209,12 @@ pub(crate) struct StreamShared {
     /// Who writes messages on the stream now (server side): the handler, a topic's direct send,
     /// nobody, or nobody ever again by direct send (see `engine::server::Writer`).
     pub(crate) writer: std::sync::atomic::AtomicU8,
+    /// A server call's signal that its client cancelled it or the connection died.
+    pub(crate) cancel: Cancel,
+    /// Who sends a server call's end: its future or its handler (`ServerCall::end_now`).
+    pub(crate) ended: super::server::EndedBy,
+    /// Trailing metadata a server call's handler set (`ServerCall::set_trailers`).
+    pub(crate) trailers: Mutex<crate::metadata::MetadataMap>,
 }
 
 /// Tells a server call that it is over before its handler finished, and with which code (the
@@ -263,7 +270,8 @@ struct Entry {
     /// The peer has half-closed: no more messages will come on this stream.
     peer_done: AtomicBool,
     shared: Arc<StreamShared>,
-    cancelled: Option<Arc<Cancel>>,
+    /// A server's stream, whose end fires its call's cancel signal.
+    serving: bool,
 }
 
 impl Entry {
@@ -690,10 +698,10 @@ impl Mux {
 
     /// Opens stream `id`: its event queue and its windows.
     pub(crate) fn register(&self, id: u64) -> Result<Stream, Status> {
-        self.register_entry(id, None)
+        self.register_entry(id, false)
     }
 
-    fn register_entry(&self, id: u64, cancelled: Option<Arc<Cancel>>) -> Result<Stream, Status> {
+    fn register_entry(&self, id: u64, serving: bool) -> Result<Stream, Status> {
         if let Some(s) = self.dead() {
             return Err(s);
         }
@@ -706,7 +714,7 @@ impl Mux {
             born: self.batch.load(Ordering::Relaxed),
             peer_done: AtomicBool::new(false),
             shared: shared.clone(),
-            cancelled,
+            serving,
         };
         streams.insert(id, entry);
         self.open.store(streams.len(), Ordering::Relaxed);
@@ -744,8 +752,8 @@ impl Mux {
         let Ok(mut s) = self.streams.lock() else { return };
         if let Some(entry) = s.get(&id) {
             self.push(entry, ev);
-            if let (Some(code), Some(c)) = (end, &entry.cancelled) {
-                c.fire(code);
+            if let (Some(code), true) = (end, entry.serving) {
+                entry.shared.cancel.fire(code);
             }
         }
         if end.is_some() {
@@ -829,8 +837,8 @@ impl Mux {
             .unwrap_or_default();
         for (_, entry) in streams {
             entry.shared.inbox.push(Event::End(status.clone()));
-            if let Some(c) = &entry.cancelled {
-                c.fire(status.code());
+            if entry.serving {
+                entry.shared.cancel.fire(status.code());
             }
             entry.close();
         }
@@ -962,7 +970,8 @@ impl Mux {
                     }
                 }
                 acc.bare.clear();
-                let mut waiting = Self::start_calls(std::mem::take(&mut acc.batch), &mut handed).await;
+                // Drained, not taken: the batch's vector keeps its room for the next batch.
+                let mut waiting = Self::start_calls(&mut acc.batch, &mut handed).await;
                 // Calls still waiting get one more look as long (unless the ring stayed empty
                 // through the first) and one more poll.
                 if !waiting.is_empty() && stop.is_none() && !spun {
@@ -970,7 +979,7 @@ impl Mux {
                         stop = self.route_batch(&mut receiver, next, Some(&mut *acc)).await;
                         waiting.append(&mut acc.batch);
                         acc.bare.clear();
-                        waiting = Self::start_calls(waiting, &mut handed).await;
+                        waiting = Self::start_calls(&mut waiting, &mut handed).await;
                     }
                 }
                 for call in waiting {
@@ -1220,7 +1229,7 @@ impl Mux {
             }
             lent.accept.bare.clear();
             let mut handed = false;
-            for mut call in std::mem::take(&mut lent.accept.batch) {
+            for mut call in lent.accept.batch.drain(..) {
                 HANDED_OFF.set(false);
                 if call.as_mut().poll(cx).is_ready() {
                     continue;
@@ -1278,9 +1287,9 @@ impl Mux {
 
     /// Polls each new call once, here on the reader's task; the calls that must wait, but for
     /// those handed to a foreign handler, which join `handed`.
-    async fn start_calls(calls: Vec<CallFuture>, handed: &mut HandedCalls) -> Vec<CallFuture> {
+    async fn start_calls(calls: &mut Vec<CallFuture>, handed: &mut HandedCalls) -> Vec<CallFuture> {
         let mut waiting = Vec::new();
-        for mut call in calls {
+        for mut call in calls.drain(..) {
             HANDED_OFF.set(false);
             let done = std::future::poll_fn(|cx| std::task::Poll::Ready(call.as_mut().poll(cx).is_ready())).await;
             if done {
@@ -1524,9 +1533,8 @@ impl Mux {
                 Some(accept) => {
                     let head = wire::RequestHead::decode(&f.body).map_err(internal)?;
                     self.last_stream.fetch_max(f.stream, Ordering::AcqRel);
-                    let cancelled = Arc::new(Cancel::default());
-                    let stream = self.register_entry(f.stream, Some(cancelled.clone()))?;
-                    let call = (accept.make)(Incoming { head, stream, cancelled });
+                    let stream = self.register_entry(f.stream, true)?;
+                    let call = (accept.make)(Incoming { head, stream });
                     accept.batch.push(call);
                     if f.flags & flags::END_STREAM == 0 {
                         accept.bare.push(f.stream);

@@ -150,15 +150,12 @@ pub struct ServerCall {
     head: wire::RequestHead,
     deadline: Option<Instant>,
     headers_sent: bool,
-    trailers: Arc<Mutex<MetadataMap>>,
     peer: Peer,
-    /// Who sends the call's end: the engine when the handler returns, or the handler itself
-    /// through [`end_now`](Self::end_now). Shared with the call's future so only one does.
-    ended: Arc<EndedBy>,
 }
 
-/// Who has claimed the sending of a call's end (its status, or a CANCEL).
-#[derive(Default)]
+/// Who has claimed the sending of a call's end (its status, or a CANCEL): the engine when the
+/// handler returns, or the handler itself through [`ServerCall::end_now`]; only one does.
+#[derive(Debug, Default)]
 pub(crate) struct EndedBy(std::sync::atomic::AtomicU8);
 
 impl EndedBy {
@@ -439,7 +436,7 @@ impl ServerCall {
 
     /// Trailing metadata to send with the final status (OK or not).
     pub fn set_trailers(&self, metadata: MetadataMap) {
-        if let Ok(mut t) = self.trailers.lock() {
+        if let Ok(mut t) = self.shared.trailers.lock() {
             *t = metadata;
         }
     }
@@ -451,10 +448,10 @@ impl ServerCall {
     /// from a task of the runtime. False, and nothing sent, if the call has already ended (its
     /// deadline, the client's cancel, or an earlier `end_now`).
     pub(crate) fn end_now(&self, status: Status) -> bool {
-        if !self.ended.claim(EndedBy::HANDLER) {
+        if !self.shared.ended.claim(EndedBy::HANDLER) {
             return false;
         }
-        let status = with_set_trailers(status, &self.trailers);
+        let status = with_set_trailers(status, &self.shared.trailers);
         self.mux.unregister(self.id);
         self.mux.calls.finish(status.code());
         let (mux, id, body) = (self.mux.clone(), self.id, wire::encode_trailers(&status));
@@ -747,17 +744,17 @@ fn run_call(
     peer: Peer,
     guard: CallGuard,
 ) -> impl Future<Output = ()> + Send {
-    let Incoming { head, stream, cancelled } = incoming;
+    let Incoming { head, stream } = incoming;
     let span =
         tracing::debug_span!("isthmus.serve", path = %head.path, stream = stream.id, code = tracing::field::Empty);
     let recorder = span.clone();
     async move {
         let _guard = guard;
         let id = stream.id;
-        let ended = Arc::new(EndedBy::default());
-        let status = call_status(&mux, head, stream, handler, &cancelled, peer, &ended).await;
-        recorder.record("code", tracing::field::debug(status.as_ref().map_or(cancelled.code(), |s| s.code())));
-        if !ended.claim(EndedBy::ENGINE) {
+        let shared = stream.shared.clone();
+        let status = call_status(&mux, head, stream, handler, peer, &shared).await;
+        recorder.record("code", tracing::field::debug(status.as_ref().map_or(shared.cancel.code(), |s| s.code())));
+        if !shared.ended.claim(EndedBy::ENGINE) {
             // The handler sent the end itself (`ServerCall::end_now`).
             return;
         }
@@ -771,7 +768,7 @@ fn run_call(
             // The client is gone or gave up: it expects no status. Answer with CANCEL so the
             // client drops anything half-sent on this stream.
             None => {
-                let code = cancelled.code();
+                let code = shared.cancel.code();
                 mux.calls.finish(code);
                 mux.cancel(id, code).await;
             }
@@ -786,16 +783,14 @@ async fn call_status(
     head: wire::RequestHead,
     stream: Stream,
     handler: Option<HandlerFn>,
-    cancelled: &Cancel,
     peer: Peer,
-    ended: &Arc<EndedBy>,
+    shared: &StreamShared,
 ) -> Option<Status> {
     mux.calls.start();
     let status = match handler {
         None => Status::new(Code::Unimplemented, format!("method {} is not implemented by this server", head.path)),
         Some(handler) => {
             let deadline = head.timeout.map(|t| Instant::now() + t);
-            let trailers = Arc::new(Mutex::new(MetadataMap::new()));
             let call = ServerCall {
                 id: stream.id,
                 shared: stream.shared.clone(),
@@ -804,11 +799,9 @@ async fn call_status(
                 head,
                 deadline,
                 headers_sent: false,
-                trailers: trailers.clone(),
                 peer,
-                ended: ended.clone(),
             };
-            let status = match supervise(handler(call), deadline, cancelled).await {
+            let status = match supervise(handler(call), deadline, &shared.cancel).await {
                 Outcome::Done(Ok(())) => Status::ok(),
                 Outcome::Done(Err(status)) => status,
                 Outcome::Panicked(what) => Status::new(Code::Internal, format!("the handler panicked: {what}")),
@@ -816,7 +809,7 @@ async fn call_status(
                 Outcome::Cancelled => return None,
             };
             // Trailers set on the call go after any the returned status carries.
-            with_set_trailers(status, &trailers)
+            with_set_trailers(status, &shared.trailers)
         }
     };
     Some(status)

@@ -147,14 +147,39 @@ pub struct RequestHead {
 /// Encodes a HEADERS body from its parts, for a caller that holds the path only as `&str` (no
 /// `RequestHead` to build, so no copy of the path).
 pub fn encode_request_head(path: &str, timeout: Option<Duration>, metadata: &MetadataMap) -> Vec<u8> {
-    let mut out = Vec::with_capacity(12 + path.len() + metadata_len(metadata));
-    out.extend_from_slice(&[WIRE_VERSION, 0]);
-    out.extend_from_slice(&(path.len() as u16).to_le_bytes());
-    let ns = timeout.map_or(0, |t| t.as_nanos().clamp(1, u64::MAX as u128) as u64);
-    out.extend_from_slice(&ns.to_le_bytes());
-    out.extend_from_slice(path.as_bytes());
-    put_metadata(&mut out, metadata);
-    out
+    HeadParts::new(path, timeout, metadata).parts().concat()
+}
+
+/// A HEADERS body as the three parts a sender copies into the ring back to back (so that no
+/// buffer holds it whole): its fixed fields, the path, and the metadata, which is a constant
+/// when there is none.
+pub(crate) struct HeadParts<'a> {
+    fixed: [u8; 12],
+    path: &'a str,
+    metadata: Cow<'static, [u8]>,
+}
+
+impl<'a> HeadParts<'a> {
+    pub(crate) fn new(path: &'a str, timeout: Option<Duration>, metadata: &MetadataMap) -> HeadParts<'a> {
+        let mut fixed = [0u8; 12];
+        fixed[0] = WIRE_VERSION;
+        fixed[2..4].copy_from_slice(&(path.len() as u16).to_le_bytes());
+        let ns = timeout.map_or(0, |t| t.as_nanos().clamp(1, u64::MAX as u128) as u64);
+        fixed[4..12].copy_from_slice(&ns.to_le_bytes());
+        let metadata = if metadata.is_empty() {
+            Cow::Borrowed(&[0u8; 4][..])
+        } else {
+            let mut out = Vec::with_capacity(metadata_len(metadata));
+            put_metadata(&mut out, metadata);
+            Cow::Owned(out)
+        };
+        HeadParts { fixed, path, metadata }
+    }
+
+    /// The body, in order.
+    pub(crate) fn parts(&self) -> [&[u8]; 3] {
+        [&self.fixed, self.path.as_bytes(), &self.metadata]
+    }
 }
 
 impl RequestHead {
