@@ -1,65 +1,56 @@
-//! A FIFO queue that keeps its first two items inline.
+//! A FIFO queue that keeps its first item inline.
 //!
 //! A call's queues (its inbox of events, the messages it read early, the frames of a gRPC body)
-//! hold one or two items at a time far more often than more (a unary request is its message
-//! and the half-close after it); a `VecDeque` allocates for the first item already, once per
-//! call, and this allocates only when a third item waits.
+//! hold one item at a time far more often than several; a `VecDeque` allocates for the first
+//! item already, once per call, and this allocates only when a second item waits.
 
 use std::collections::VecDeque;
 
-/// A FIFO queue whose first two items need no allocation. Its items are `front`, `second`,
-/// then `rest`, in order, and none is missing before another: an empty `front` means an empty
-/// queue, an empty `second` an empty `rest`.
+/// A FIFO queue whose first item needs no allocation.
 #[derive(Debug)]
 pub(crate) struct Queue<T> {
-    front: Option<T>,
-    second: Option<T>,
+    first: Option<T>,
     rest: VecDeque<T>,
 }
 
 impl<T> Default for Queue<T> {
     fn default() -> Queue<T> {
-        Queue { front: None, second: None, rest: VecDeque::new() }
+        Queue { first: None, rest: VecDeque::new() }
     }
 }
 
 impl<T> Queue<T> {
     pub(crate) fn push_back(&mut self, item: T) {
-        if self.front.is_none() {
-            self.front = Some(item);
-        } else if self.second.is_none() {
-            self.second = Some(item);
+        if self.first.is_none() && self.rest.is_empty() {
+            self.first = Some(item);
         } else {
             self.rest.push_back(item);
         }
     }
 
     pub(crate) fn push_front(&mut self, item: T) {
-        let Some(old) = self.front.replace(item) else { return };
-        if let Some(older) = self.second.replace(old) {
-            self.rest.push_front(older);
+        if let Some(old) = self.first.replace(item) {
+            self.rest.push_front(old);
         }
     }
 
     pub(crate) fn pop_front(&mut self) -> Option<T> {
-        let item = self.front.take()?;
-        self.front = self.second.take();
-        if self.front.is_some() {
-            self.second = self.rest.pop_front();
-        }
-        Some(item)
+        self.first.take().or_else(|| self.rest.pop_front())
     }
 
     pub(crate) fn front_mut(&mut self) -> Option<&mut T> {
-        self.front.as_mut()
+        if self.first.is_none() {
+            self.first = self.rest.pop_front();
+        }
+        self.first.as_mut()
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.front.is_none()
+        self.first.is_none() && self.rest.is_empty()
     }
 
     pub(crate) fn iter(&self) -> impl Iterator<Item = &T> {
-        self.front.iter().chain(self.second.iter()).chain(self.rest.iter())
+        self.first.iter().chain(self.rest.iter())
     }
 }
 
