@@ -378,7 +378,11 @@ func (st *serverStream) sendReply(m any) error {
 func (st *serverStream) startReply(m any) (pending *op, err error) {
 	if pm, ok := m.(proto.Message); ok {
 		if size := proto.Size(pm); inPlace(size, true) {
-			return nil, st.sendLarge(pm, size)
+			err := st.sendLarge(pm, size)
+			if err == nil {
+				st.stats.outPayload(m, size)
+			}
+			return nil, err
 		}
 	}
 	b, err := marshal(m)
@@ -395,8 +399,7 @@ func (st *serverStream) startReply(m any) (pending *op, err error) {
 		st.mu.Lock()
 		trailer := st.trailer
 		st.mu.Unlock()
-		st.stats.outTrailer(trailer)
-		st.stats.end(nil)
+		st.stats.finish(trailer, nil)
 	}
 	return pending, err
 }
@@ -478,7 +481,8 @@ func newServerStream(s *Server, m *method, sc *C.isthmus_server_call_t) *serverS
 	if len(s.opts.stats) > 0 {
 		clientStream, serverStream := m.streams()
 		ctx, st.stats = beginRPC(ctx, s.opts.stats, false, m.name, false, clientStream, serverStream)
-		st.stats.inHeader(md, m.name, peerOf(sc).Addr)
+		st.peer = peerOf(sc) // kept for peer.FromContext: one cgo call and parse per call
+		st.stats.inHeader(md, m.name, st.peer.Addr)
 		st.stats.serverBegin(clientStream, serverStream)
 	}
 	if left := int64(C.isthmus_server_call_time_remaining_us(sc)); left >= 0 {
@@ -798,11 +802,10 @@ func (st *serverStream) end(err error) {
 		code, msg, details = C.isthmus_code_t(codes.Internal), terr.Error(), nil
 	}
 	if st.stats != nil {
-		st.stats.outTrailer(st.trailer)
 		if terr != nil {
 			err = status.Error(codes.Internal, terr.Error())
 		}
-		st.stats.end(err)
+		st.stats.finish(st.trailer, err)
 	}
 	cmsg := (*C.char)(nil)
 	if msg != "" {

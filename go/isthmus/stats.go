@@ -127,6 +127,12 @@ func (r *rpcStats) keepTrailer(md metadata.MD) {
 	r.mu.Unlock()
 }
 
+// finish reports a server call's end: its trailers, then End.
+func (r *rpcStats) finish(trailer metadata.MD, err error) {
+	r.outTrailer(trailer)
+	r.end(err)
+}
+
 // end reports End, with the trailers reported before it, once; a later end (a stream's
 // context ending after its status came) is not reported.
 func (r *rpcStats) end(err error) {

@@ -87,7 +87,7 @@ class _MultiCallable:
 
     def _encoding(self, compression: grpc.Compression | None) -> str | None:
         """The call's compression: its own if given, else the channel's."""
-        return self._compression if compression is None else encoding(compression)
+        return call_encoding(self._compression, compression)
 
     def _encode(self, request: Any) -> bytes:
         """The request serialised; a serializer's failure raises grpc's INTERNAL error."""
@@ -333,6 +333,11 @@ def encoding(compression: grpc.Compression) -> str | None:
         return _ENCODINGS[grpc.Compression(compression)]
     except (KeyError, ValueError):
         raise ValueError(f"no compression {compression!r}: an element of grpc.Compression") from None
+
+
+def call_encoding(channel: str | None, compression: grpc.Compression | None) -> str | None:
+    """A call's `grpc-encoding` name: its own `compression=` if given, else its channel's."""
+    return channel if compression is None else encoding(compression)
 
 
 def channel_compression(compression: grpc.Compression | None, options: Any) -> str | None:
@@ -619,7 +624,7 @@ class Channel(grpc.Channel):
                 outgoing(metadata),
                 timeout,
                 bool(wait_for_ready),
-                self._compression if compression is None else encoding(compression),
+                call_encoding(self._compression, compression),
             )
         except CallError as e:
             raise rpc_error(e) from None

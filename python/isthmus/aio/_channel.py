@@ -23,6 +23,7 @@ from .._call import Deserializer, Serializer, encode
 from .._channel import (
     LOOK_AGAIN_S,
     STATES,
+    call_encoding,
     channel_compression,
     check_raw_size,
     encoding,
@@ -85,7 +86,7 @@ class _MultiCallable:
 
     def _encoding(self, compression: grpc.Compression | None) -> str | None:
         """The call's compression: its own if given, else the channel's."""
-        return self._channel._compression if compression is None else encoding(compression)
+        return call_encoding(self._channel._compression, compression)
 
     def _start(
         self,
@@ -149,6 +150,7 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
                 outgoing_metadata,
                 timeout,
                 bool(wait_for_ready),
+                # call_encoding, inline on this path as in the blocking channel's __call__
                 channel._compression if compression is None else encoding(compression),
                 spin,
             )
@@ -592,7 +594,7 @@ class Channel(grpc.aio.Channel):
                 outgoing(metadata),
                 timeout,
                 bool(wait_for_ready),
-                self._compression if compression is None else encoding(compression),
+                call_encoding(self._compression, compression),
             )
         except BaseException:
             driver.abandon(token)

@@ -503,7 +503,7 @@ const CANCEL_PATIENCE: Duration = Duration::from_millis(100);
 impl Call {
     fn expire(&mut self) -> Status {
         let message = "the call's deadline passed";
-        self.state.cancel_blocking(Code::DeadlineExceeded, message, Instant::now() + CANCEL_PATIENCE);
+        self.state.cancel_blocking(Code::DeadlineExceeded, message, CANCEL_PATIENCE);
         Status::new(Code::DeadlineExceeded, message)
     }
 
@@ -662,7 +662,7 @@ impl Call {
 
     /// Cancels the call: the server sees CANCELLED and stops its handler.
     pub fn cancel(mut self) {
-        self.state.cancel_blocking(Code::Cancelled, "the call was cancelled", Instant::now() + CANCEL_PATIENCE);
+        self.state.cancel_blocking(Code::Cancelled, "the call was cancelled", CANCEL_PATIENCE);
     }
 }
 

@@ -399,21 +399,19 @@ impl CallState {
         open
     }
 
-    /// Ends the call with `code` and tells the server, waiting for ring room until `patience`
-    /// (`Mux::send_cancel`).
-    pub(crate) fn cancel_blocking(&mut self, code: Code, message: &str, patience: std::time::Instant) {
+    /// Ends the call with `code` and tells the server, waiting up to `patience` for ring room
+    /// (`Mux::send_cancel`). The clock is read only if a CANCEL goes: most calls have ended
+    /// before they are dropped.
+    pub(crate) fn cancel_blocking(&mut self, code: Code, message: &str, patience: std::time::Duration) {
         if self.end_by_cancel(code, message) {
-            self.mux.send_cancel(self.stream.id, code, patience);
+            self.mux.send_cancel(self.stream.id, code, std::time::Instant::now() + patience);
         }
     }
 }
 
 impl Drop for CallState {
     fn drop(&mut self) {
-        // Never blocks: a drop may run on an event loop. (The clock is read only for a call
-        // still open: most end before they are dropped.)
-        if self.end_by_cancel(Code::Cancelled, "the call was dropped") {
-            self.mux.send_cancel(self.stream.id, Code::Cancelled, std::time::Instant::now());
-        }
+        // Never blocks: a drop may run on an event loop.
+        self.cancel_blocking(Code::Cancelled, "the call was dropped", std::time::Duration::ZERO);
     }
 }

@@ -384,7 +384,7 @@ impl ShmCall {
         let timer = self.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         ready!(timer.as_mut().poll(cx));
         let message = "the call's deadline passed";
-        self.state.cancel_blocking(Code::DeadlineExceeded, message, std::time::Instant::now());
+        self.state.cancel_blocking(Code::DeadlineExceeded, message, std::time::Duration::ZERO);
         Poll::Ready(Err(Status::new(Code::DeadlineExceeded, message)))
     }
 

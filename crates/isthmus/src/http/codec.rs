@@ -124,17 +124,15 @@ impl Encoding {
     /// one this side cannot read is UNIMPLEMENTED, as the gRPC spec asks.
     pub(crate) fn from_headers(headers: &HeaderMap) -> Result<Option<Encoding>, Status> {
         let Some(v) = headers.get("grpc-encoding") else { return Ok(None) };
-        match v.as_bytes() {
-            b"identity" => Ok(None),
-            b"gzip" => Ok(Some(Encoding::Gzip)),
-            b"deflate" => Ok(Some(Encoding::Deflate)),
-            other => Err(Status::new(
-                Code::Unimplemented,
-                format!(
-                    "grpc-encoding {:?} is not supported; this server reads {ACCEPT_ENCODING}",
-                    String::from_utf8_lossy(other)
-                ),
-            )),
+        let unsupported = || {
+            let name = String::from_utf8_lossy(v.as_bytes());
+            let message = format!("grpc-encoding {name:?} is not supported; this server reads {ACCEPT_ENCODING}");
+            Status::new(Code::Unimplemented, message)
+        };
+        match v.to_str() {
+            Ok("identity") => Ok(None),
+            Ok(name) => Encoding::from_name(name).map(Some).ok_or_else(unsupported),
+            Err(_) => Err(unsupported()),
         }
     }
 
