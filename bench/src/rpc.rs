@@ -46,7 +46,13 @@ pub(crate) const MAX_MESSAGE: usize = 64 << 20;
 /// Several targets at once (`shm://` and an HTTP/2 one) offer the first to clients of the
 /// second on this machine: the upgrade.
 pub fn serve_isthmus(targets: &[String]) {
-    serve_isthmus_with(targets, isthmus::Config::default())
+    let mut config = isthmus::Config::default();
+    // The protocol features granted (ADR 0025), to compare with and without one in one build:
+    // `ISTHMUS_BENCH_FEATURES=0` serves every call in the frames of protocol 13.7 alone.
+    if let Some(features) = std::env::var("ISTHMUS_BENCH_FEATURES").ok().and_then(|f| f.parse().ok()) {
+        config.features = features;
+    }
+    serve_isthmus_with(targets, config)
 }
 
 /// [`serve_isthmus`] with the connections' spin bound set to `spin_us` (0: a wait sleeps at once).
@@ -73,7 +79,7 @@ fn serve_isthmus_inner(targets: &[String], config: isthmus::Config, stats_path: 
             .config(config)
             .handler(PATH, |mut call: isthmus::ServerCall| async move {
                 let m = call.recv().await?.unwrap_or_default();
-                call.send(&m).await
+                call.send_last(&m).await
             })
             .handler(crate::allocs::COUNT_PATH, |mut call: isthmus::ServerCall| async move {
                 call.send(&crate::allocs::count().to_le_bytes()).await

@@ -353,11 +353,19 @@ impl ServerCall {
         raw: bool,
     ) -> PyResult<()> {
         let trailers = metadata_from_py(trailing_metadata)?;
-        match raw {
-            true => self.send_raw(py, message)?,
-            false => self.send(py, message.cast::<PyBytes>()?)?,
+        let status = Status::new(Code::from_u32(code), details).with_metadata(trailers);
+        if raw {
+            self.send_raw(py, message)?;
+        } else {
+            let message = message.cast::<PyBytes>()?;
+            // Now, from this thread, when that takes no wait: the status, and the message inside
+            // it where the connection agreed to one-frame calls.
+            if self.core.try_reply(message.as_bytes(), || status.clone()) {
+                return Ok(());
+            }
+            self.send(py, message)?;
         }
-        self.core.finish(Status::new(Code::from_u32(code), details).with_metadata(trailers));
+        self.core.finish(status);
         Ok(())
     }
 

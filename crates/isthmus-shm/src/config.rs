@@ -124,6 +124,10 @@ pub struct Config {
     /// 4 GiB; memory is used only as blocks are written. Every client can read all of it, so a
     /// listener whose `peer_policy` admits other users has none, whatever this says.
     pub shared_arena_size: usize,
+    /// The optional protocol features this side takes part in ([`crate::features`]; all of them by
+    /// default): a client offers these, a server grants those of the client's it has here.
+    /// Turning one off makes a connection behave as with a peer that lacks it.
+    pub features: u16,
 }
 
 impl Default for Config {
@@ -139,6 +143,7 @@ impl Default for Config {
             max_ring_size: 64 << 20,
             max_arena_size: 4 << 30,
             shared_arena_size: 64 << 20,
+            features: crate::features::ALL,
         }
     }
 }

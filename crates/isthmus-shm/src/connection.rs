@@ -149,6 +149,8 @@ struct Core {
     arena: Mutex<ArenaOwner>,
     /// The listener's shared arena, whose blocks this (server) side can send by reference.
     shared: Option<SharedArena>,
+    /// The optional features the handshake agreed on (`handshake::features`).
+    features: u16,
     /// Set by an [`Interrupter`]: the receiver's interruptible wait should return.
     interrupted: std::sync::atomic::AtomicBool,
 }
@@ -370,8 +372,13 @@ impl Sender {
     /// has no room. For a thread that must not wait (a foreign handler's reply, a status), and
     /// has a slower way to fall back on.
     pub fn try_send(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[u8]) -> Result<bool> {
-        let header = self.frame(kind, frame_flags, stream, &[body])?;
-        let pushed = self.core.try_push(&header, &[body])?;
+        self.try_send_parts(kind, frame_flags, stream, &[body])
+    }
+
+    /// [`try_send`](Self::try_send) with a body given in parts, as [`send_parts`](Self::send_parts).
+    pub fn try_send_parts(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[&[u8]]) -> Result<bool> {
+        let header = self.frame(kind, frame_flags, stream, body)?;
+        let pushed = self.core.try_push(&header, body)?;
         if pushed {
             self.count_sent(&header);
         }
@@ -702,6 +709,29 @@ impl Sender {
             )
             .await?;
         }
+    }
+
+    /// The optional protocol features both sides agreed on in the handshake
+    /// ([`crate::features`]).
+    pub fn features(&self) -> u16 {
+        self.core.features
+    }
+
+    /// Counts a message of `len` bytes that the RPC layer sent inside another frame's body (a
+    /// one-frame call's HEADERS or TRAILERS), as [`send_message`](Self::send_message) counts its own.
+    pub fn count_sent_inside(&self, len: usize) {
+        self.core.stats.add(&self.core.stats.bytes_sent, len as u64);
+    }
+
+    /// Takes in a message of `len` bytes that arrived inside another frame's body on `stream`:
+    /// counts it as received and holds it to this side's `max_message_size`, failing with
+    /// [`ErrorKind::MessageTooLarge`] on that stream as a MESSAGE frame would.
+    pub fn take_in_inside(&self, stream: u64, len: usize) -> Result<()> {
+        self.core.stats.add(&self.core.stats.bytes_received, len as u64);
+        if len as u64 > self.core.max_message_size {
+            return Err(too_large(stream, len as u64, self.core.max_message_size));
+        }
+        Ok(())
     }
 
     /// Largest message that travels inline in the ring.
@@ -1090,14 +1120,7 @@ impl Receiver {
     }
 
     fn too_large(&self, stream: u64, size: u64) -> Error {
-        Error::new(
-            ErrorKind::MessageTooLarge,
-            format!(
-                "stream {stream}: received a {size}-byte message, larger than the limit of {} bytes",
-                self.core.max_message_size
-            ),
-        )
-        .on_stream(stream)
+        too_large(stream, size, self.core.max_message_size)
     }
 
     /// Waits for the next frame until `deadline`: spins briefly, then sleeps on the doorbell.
@@ -1262,6 +1285,17 @@ pub(crate) struct Parts {
     pub(crate) bells: Bells,
     pub(crate) peer: PeerInfo,
     pub(crate) shared: SharedSide,
+    pub(crate) features: u16,
+}
+
+/// The error for a received message above this side's limit; the call on `stream` fails, the
+/// connection goes on.
+fn too_large(stream: u64, size: u64, limit: u64) -> Error {
+    Error::new(
+        ErrorKind::MessageTooLarge,
+        format!("stream {stream}: received a {size}-byte message, larger than the limit of {limit} bytes"),
+    )
+    .on_stream(stream)
 }
 
 impl Connection {
@@ -1285,6 +1319,7 @@ impl Connection {
             ring: Mutex::new(FrameProducer::new(p.seg.clone(), tx)),
             arena: Mutex::new(ArenaOwner::new(&p.seg, tx)),
             shared,
+            features: p.features,
             seg: p.seg.clone(),
             role: p.role,
             tx,

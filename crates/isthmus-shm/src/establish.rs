@@ -119,6 +119,7 @@ pub(crate) fn connect(addr: &Address, cfg: &Config) -> Result<Connection> {
     let mut hello = Hello::new(HelloKind::Client);
     hello.ring_size = [cfg.ring_size as u64, 0];
     hello.arena_size = [cfg.arena_size as u64, 0];
+    hello.features = cfg.features & handshake::features::ALL;
     sys::send_with_fds(s.as_fd(), &hello.encode(), &[]).map_err(|e| Error::io("handshake: cannot send hello", e))?;
 
     // The fds arrive with the first byte of the server's record; the rest may trail behind.
@@ -150,12 +151,19 @@ pub(crate) fn connect(addr: &Address, cfg: &Config) -> Result<Connection> {
     if h.kind != HelloKind::Server {
         return Err(refuse(&mut s, RefuseCode::BadRequest, Error::protocol("handshake: expected the server's hello")));
     }
+    if h.features & !hello.features != 0 {
+        let e = Error::protocol(format!(
+            "handshake: the server granted features {:#06x}, of which this client offered only {:#06x}",
+            h.features, hello.features
+        ));
+        return Err(refuse(&mut s, RefuseCode::BadRequest, e));
+    }
     let (seg, bells, shared) = match client_segment(&h, fds) {
         Ok(v) => v,
         Err(e) => return Err(refuse(&mut s, RefuseCode::BadRequest, e)),
     };
     let link = Link::new(s)?;
-    let parts = Parts { seg, role: Role::Client, link, bells, peer, shared };
+    let parts = Parts { seg, role: Role::Client, link, bells, peer, shared, features: h.features };
     Ok(Connection::from_parts(parts, cfg))
 }
 
@@ -270,6 +278,7 @@ pub(crate) fn accept(mut s: UnixStream, cfg: &Config, shared: Option<SharedArena
     reply.arena_size = [layout.arena_size[0] as u64, layout.arena_size[1] as u64];
     reply.segment_len = layout.total as u64;
     reply.shared_len = layout.shared_size as u64;
+    reply.features = h.features & cfg.features & handshake::features::ALL;
     let mut fds = vec![memfd.as_fd(), c_rx.as_fd(), c_tx.as_fd(), s_rx.as_fd(), s_tx.as_fd()];
     if let Some(shared) = &shared {
         fds.push(shared.fd());
@@ -286,5 +295,6 @@ pub(crate) fn accept(mut s: UnixStream, cfg: &Config, shared: Option<SharedArena
     };
     let link = Link::new(s)?;
     let shared = shared.map_or(SharedSide::None, SharedSide::Owner);
-    Ok(Connection::from_parts(Parts { seg, role: Role::Server, link, bells, peer, shared }, cfg))
+    let features = reply.features;
+    Ok(Connection::from_parts(Parts { seg, role: Role::Server, link, bells, peer, shared, features }, cfg))
 }

@@ -9,7 +9,7 @@
 //! 10      1     kind: 1 client hello, 2 server hello, 3 refuse
 //! 11      1     refuse only: reason code (1 version, 2 permission, 3 bad request), else zero
 //! 12      2     refuse only: reason length (the UTF-8 reason follows the record)
-//! 14      2     reserved, zero
+//! 14      2     features (u16): a client's offer, the server's grant (a subset of the offer)
 //! 16      16    ring sizes   [client→server, server→client] (u64 each)
 //! 32      16    arena sizes  [client→server, server→client] (u64 each)
 //! 48      8     segment length (server hello only)
@@ -30,8 +30,21 @@ use crate::error::{Error, ErrorKind, Result};
 
 /// The protocol version this crate speaks.
 /// Version 2 added the server's shared arena (ADR 0016): its length in the hello, a sixth fd, the
-/// `SHARED` flag and the tagged releases.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// `SHARED` flag and the tagged releases. Version 3 made bytes 14..16 of the hello a features
+/// word (ADR 0025), so that what the RPC layer adds is agreed on without a new version.
+pub const PROTOCOL_VERSION: u16 = 3;
+
+/// Optional behaviours two sides agree on in the handshake (bytes 14..16 of the hello): the
+/// client offers the ones it knows, the server grants the ones of those it knows and allows, and
+/// both use what the server granted. A bit neither knows is never granted; a server that grants
+/// a bit the client did not offer breaks the protocol.
+pub mod features {
+    /// The RPC layer's one-frame unary call: a client's HEADERS may carry the call's only
+    /// request, and a server's TRAILERS the call's last response (protocol 13.9).
+    pub const UNARY_IN_ONE_FRAME: u16 = 0x0001;
+    /// Every feature this crate knows.
+    pub const ALL: u16 = UNARY_IN_ONE_FRAME;
+}
 /// The handshake magic.
 pub const MAGIC: [u8; 8] = *b"ISTHMUS\0";
 /// Size of the fixed handshake record.
@@ -67,6 +80,8 @@ pub struct Hello {
     pub code: u8,
     /// Refuse only: length of the reason that follows.
     pub reason_len: u16,
+    /// Hellos only: the features a client offers, or a server grants (see [`features`]).
+    pub features: u16,
     /// Frame-ring sizes, `[client→server, server→client]`. A client states what it wants, the
     /// server what it granted.
     pub ring_size: [u64; 2],
@@ -86,6 +101,7 @@ impl Hello {
             kind,
             code: 0,
             reason_len: 0,
+            features: 0,
             ring_size: [0; 2],
             arena_size: [0; 2],
             segment_len: 0,
@@ -101,6 +117,7 @@ impl Hello {
         b[10] = self.kind as u8;
         b[11] = self.code;
         b[12..14].copy_from_slice(&self.reason_len.to_le_bytes());
+        b[14..16].copy_from_slice(&self.features.to_le_bytes());
         let words = [
             self.ring_size[0],
             self.ring_size[1],
@@ -137,8 +154,9 @@ impl Hello {
             // Past byte 14 a record of another version may mean anything.
             return Ok(Hello { version, kind, code, reason_len, ..Hello::new(kind) });
         }
-        if b[14] != 0 || b[15] != 0 {
-            return Err(Error::protocol("handshake: reserved bytes are not zero"));
+        let features = u16::from_le_bytes([b[14], b[15]]);
+        if features != 0 && kind == HelloKind::Refuse {
+            return Err(Error::protocol("handshake: a refusal carries no features"));
         }
         let word = |i: usize| {
             let o = 16 + 8 * i;
@@ -149,6 +167,7 @@ impl Hello {
             kind,
             code,
             reason_len,
+            features,
             ring_size: [word(0), word(1)],
             arena_size: [word(2), word(3)],
             segment_len: word(4),
@@ -223,6 +242,7 @@ mod tests {
     #[test]
     fn round_trips() {
         let mut h = Hello::new(HelloKind::Server);
+        h.features = features::ALL | 0x8000;
         h.ring_size = [1 << 20, 1 << 16];
         h.arena_size = [64 << 20, 1 << 30];
         h.segment_len = 12345;
@@ -238,7 +258,7 @@ mod tests {
         let mut b = Hello::new(HelloKind::Client).encode();
         b[10] = 9;
         assert!(Hello::decode(&b).is_err());
-        let mut b = Hello::new(HelloKind::Client).encode();
+        let mut b = Hello::new(HelloKind::Refuse).encode();
         b[14] = 1;
         assert!(Hello::decode(&b).is_err());
         let mut future = Hello::new(HelloKind::Client);

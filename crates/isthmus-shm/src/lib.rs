@@ -94,6 +94,7 @@ pub use copy::{copy_into_shared, move_into_shared};
 pub use doorbell::{EventFd, SocketBell};
 pub use error::{Error, ErrorKind, Result};
 pub use frame::{flags, Kind};
+pub use handshake::features;
 pub use listener::{Incoming, Listener};
 pub use shared::{SharedArena, SharedBlock, SharedBlockMut};
 pub use stats::Counters;

@@ -676,7 +676,8 @@ impl HandedCall {
     }
 
     /// A unary handler's whole answer: sends `message` and finishes the call with `status()`,
-    /// now, from the calling thread, if that takes no wait (see `ServerCall::try_send_now`).
+    /// now, from the calling thread, if that takes no wait (see `ServerCall::try_send_now`),
+    /// in one frame where the connection agreed to one-frame calls (`ServerCall::send_last`).
     /// False, with nothing sent and the call still open, otherwise: then [`send`](Self::send)
     /// and [`finish`](Self::finish) as usual.
     pub fn try_reply(&self, message: &[u8], status: impl FnOnce() -> Status) -> bool {
@@ -685,6 +686,14 @@ impl HandedCall {
         }
         let Ok(mut call) = self.call.try_lock() else { return false };
         self.settle();
+        if call.reserve_last(message.len()) {
+            // One frame, the message inside the status, sent under this hold of the call.
+            let Some(finish) = self.begin_finish() else { return false };
+            self.responded.store(true, std::sync::atomic::Ordering::Release);
+            call.end_now(status(), Some(message));
+            let _ = finish.send(Ok(()));
+            return true;
+        }
         if !call.try_send_now(message) {
             return false;
         }
@@ -692,6 +701,16 @@ impl HandedCall {
         drop(call);
         self.finish(status());
         true
+    }
+
+    /// The first step of finishing the call, once: takes what tells its handler's future, and
+    /// runs the `on_finish` hook. `None` if it was finished already.
+    fn begin_finish(&self) -> Option<Finish> {
+        let finish = self.finish.lock().ok().and_then(|mut f| f.take())?;
+        if let Some(finishing) = self.finishing.lock().ok().and_then(|mut f| f.take()) {
+            finishing();
+        }
+        Some(finish)
     }
 
     /// Credit owed to the client goes out before a send, unless a receive holds the requests
@@ -808,16 +827,13 @@ impl HandedCall {
     /// engine's task being woken first. Otherwise, and if the call ended meanwhile, the
     /// engine sends it when the handler's future ends.
     pub fn finish(&self, status: Status) -> bool {
-        let Some(finish) = self.finish.lock().ok().and_then(|mut f| f.take()) else { return false };
-        if let Some(finishing) = self.finishing.lock().ok().and_then(|mut f| f.take()) {
-            finishing();
-        }
+        let Some(finish) = self.begin_finish() else { return false };
         // Not once the call is over: its end (the deadline, the client's cancel) is the
         // engine's to send, and the handler may be finishing only because that end reached it
         // (`Ended` marks the call inactive before it runs the callbacks that tell it).
         if self.active.load(std::sync::atomic::Ordering::Acquire) {
             if let Ok(call) = self.call.try_lock() {
-                let ended = call.end_now(status);
+                let ended = call.end_now(status, None);
                 let _ = finish.send(Ok(()));
                 return ended;
             }

@@ -485,8 +485,11 @@ impl Channel {
             let trailers = call.trailers().cloned().unwrap_or_default();
             return Ok(Response { metadata, message, trailers });
         }
-        let mut call = self.start_shm(path, options).await?;
-        call.send_last(request).await?;
+        let shm = self.via.shm()?;
+        let (mut call, sent) = shm.start_with(path, options, self.calls_read, self.via.clone(), Some(request)).await?;
+        if !sent {
+            call.send_last(request).await?;
+        }
         let message = call.recv().await?.ok_or_else(|| no_response(path))?;
         if call.recv().await?.is_some() {
             return Err(more_than_one(path));

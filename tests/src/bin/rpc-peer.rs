@@ -12,10 +12,14 @@
 //! answers `u64` messages `Flood` has sent so far; `/test.Admin/Shutdown` starts a graceful
 //! shutdown, after which the process prints `SHUTDOWN-DONE` and exits.
 //!
+//! `Last` echoes with `send_last`, reflecting `x-echo` into trailers only (a one-frame call's
+//! answer where the connection agreed to them).
+//!
 //! `rpc-peer ADDR[,ADDR…] [MAX_MESSAGE [MAX_STREAMS]]`: the endpoints (`shm://`, and `unix://` or
 //! `http://`, where the same handlers answer over HTTP/2; each HTTP/2 endpoint is announced as
 //! `LISTENING ADDRESS` after `READY`), the largest request message accepted (0 = the default),
-//! and the concurrent calls allowed per connection.
+//! and the concurrent calls allowed per connection. `RPC_PEER_FEATURES` (a number) sets the
+//! protocol features the server grants at most (all by default).
 
 use std::io::Write;
 
@@ -133,6 +137,11 @@ fn main() {
                 call.set_trailers(reflect(call.metadata(), "tail"));
                 call.send(&m).await
             })
+            .handler("/test.Echo/Last", |mut call: ServerCall| async move {
+                let m = one(&mut call).await?;
+                call.set_trailers(reflect(call.metadata(), "tail"));
+                call.send_last(&m).await
+            })
             .handler("/test.Echo/ServerStream", |mut call: ServerCall| async move {
                 let m = one(&mut call).await?;
                 let count = u32_at(&m, 0)?;
@@ -214,10 +223,14 @@ fn main() {
                 let left = call.time_remaining().map_or(-1, |d| d.as_millis() as i64);
                 call.send(left.to_string().as_bytes()).await
             });
-        let server = match max_message {
-            Some(max) => server.config(isthmus_shm::Config { max_message_size: max, ..isthmus_shm::Config::default() }),
-            None => server,
-        };
+        let mut config = isthmus_shm::Config::default();
+        if let Some(max) = max_message {
+            config.max_message_size = max;
+        }
+        if let Some(features) = std::env::var("RPC_PEER_FEATURES").ok().and_then(|f| f.parse().ok()) {
+            config.features = features;
+        }
+        let server = server.config(config);
         let server = match max_streams {
             Some(n) => server.max_concurrent_streams(n),
             None => server,

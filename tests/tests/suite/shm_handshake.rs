@@ -6,7 +6,7 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::Duration;
 
 use isthmus_shm::handshake::{Hello, HelloKind, HELLO_LEN, PROTOCOL_VERSION};
-use isthmus_shm::{Address, Config, Connection, ErrorKind, Listener, PeerPolicy};
+use isthmus_shm::{features, Address, Config, Connection, ErrorKind, Listener, PeerPolicy};
 use isthmus_tests::{fresh_addr, Peer};
 
 fn round_trip(addr: &Address) {
@@ -76,9 +76,14 @@ fn the_server_refuses_another_version_and_names_both() {
     round_trip(&addr); // the server goes on
 }
 
-#[test]
-fn the_client_refuses_another_version_and_names_both() {
-    let dir = std::env::temp_dir().join(format!("isthmus-vcli-{}", std::process::id()));
+/// A fake server on a socket of its own: it reads the client's hello, answers with what `answer`
+/// makes of it (and no fds), and reads the refusal the client then sends. Returns the directory to
+/// remove, the address, and what the fake saw: the client's hello, the refusal's kind and reason.
+fn fake_server(
+    tag: &str,
+    answer: impl FnOnce(&Hello) -> Hello + Send + 'static,
+) -> (std::path::PathBuf, Address, std::thread::JoinHandle<(Hello, HelloKind, String)>) {
+    let dir = std::env::temp_dir().join(format!("isthmus-{tag}-{}", std::process::id()));
     std::fs::create_dir_all(&dir).expect("dir");
     let path = dir.join("fake.sock");
     let _ = std::fs::remove_file(&path);
@@ -87,26 +92,68 @@ fn the_client_refuses_another_version_and_names_both() {
         let (mut s, _) = fake.accept().expect("accept");
         let mut rec = [0u8; HELLO_LEN];
         s.read_exact(&mut rec).expect("client hello");
-        let mut answer = Hello::new(HelloKind::Server);
-        answer.version = 99;
-        s.write_all(&answer.encode()).expect("answer");
+        let hello = Hello::decode(&rec).expect("decodes");
+        s.write_all(&answer(&hello).encode()).expect("answer");
         let mut rec = [0u8; HELLO_LEN];
         s.read_exact(&mut rec).expect("refusal");
         let h = Hello::decode(&rec).expect("decodes");
         let mut reason = vec![0u8; h.reason_len as usize];
         s.read_exact(&mut reason).expect("reason");
-        (h.kind, String::from_utf8(reason).expect("utf-8"))
+        (hello, h.kind, String::from_utf8(reason).expect("utf-8"))
     });
     let addr: Address = format!("shm://{}", path.display()).parse().expect("address");
+    (dir, addr, server)
+}
+
+#[test]
+fn the_client_refuses_another_version_and_names_both() {
+    let (dir, addr, server) = fake_server("vcli", |_| Hello { version: 99, ..Hello::new(HelloKind::Server) });
     let e = Connection::connect(&addr, &Config::default()).expect_err("refused");
     assert_eq!(e.kind(), ErrorKind::VersionMismatch);
     assert!(
         e.to_string().contains("version 99") && e.to_string().contains(&format!("version {PROTOCOL_VERSION}")),
         "{e}"
     );
-    let (kind, reason) = server.join().expect("fake server");
+    let (_, kind, reason) = server.join().expect("fake server");
     assert_eq!(kind, HelloKind::Refuse);
     assert!(reason.contains("version 99"), "{reason}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn the_server_grants_only_the_features_both_know_and_the_client_refuses_more() {
+    // A client that offers every bit (future ones too) is granted those the server knows.
+    let addr: Address = fresh_addr("features").parse().expect("address");
+    let listener = Listener::bind(&addr, Config::default()).expect("bind");
+    let server = std::thread::spawn(move || listener.accept().map(|c| c.sender.features()));
+    let mut s = UnixStream::connect(addr.socket_path()).expect("connect");
+    let mut hello = Hello::new(HelloKind::Client);
+    hello.ring_size = [1 << 16, 0];
+    hello.arena_size = [1 << 20, 0];
+    hello.features = u16::MAX;
+    s.write_all(&hello.encode()).expect("hello");
+    let mut rec = [0u8; HELLO_LEN];
+    s.read_exact(&mut rec).expect("server hello");
+    let answer = Hello::decode(&rec).expect("decodes");
+    assert_eq!((answer.kind, answer.features), (HelloKind::Server, features::ALL));
+    assert_eq!(server.join().expect("server").expect("accepted"), features::ALL);
+    // A server with a feature turned off does not grant it, and both sides agree.
+    let addr: Address = fresh_addr("features-off").parse().expect("address");
+    let listener = Listener::bind(&addr, Config { features: 0, ..Config::default() }).expect("bind");
+    let server = std::thread::spawn(move || listener.accept().map(|c| c.sender.features()));
+    let c = Connection::connect(&addr, &Config::default()).expect("connect");
+    assert_eq!(c.sender.features(), 0);
+    assert_eq!(server.join().expect("server").expect("accepted"), 0);
+
+    // A server that grants what the client did not offer breaks the protocol.
+    let (dir, addr, server) =
+        fake_server("fcli", |_| Hello { features: features::UNARY_IN_ONE_FRAME, ..Hello::new(HelloKind::Server) });
+    let e = Connection::connect(&addr, &Config { features: 0, ..Config::default() }).expect_err("refused");
+    assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
+    assert!(e.to_string().contains("granted features 0x0001"), "{e}");
+    let (hello, kind, reason) = server.join().expect("fake server");
+    assert_eq!((hello.features, kind), (0, HelloKind::Refuse));
+    assert!(reason.contains("granted features"), "{reason}");
     let _ = std::fs::remove_dir_all(&dir);
 }
 

@@ -43,7 +43,8 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use isthmus_shm::{flags, BlockMut, Config, Kind};
 
-use super::call::{open_head, CallState, Next, Reconnect, Slot};
+use super::call::{open_head, request_in_head, CallState, Next, Reconnect, Slot};
+use super::wire;
 use crate::call::{check_path, CallOptions, Response};
 use crate::connectivity::{Connectivity, Live, Tracker};
 use crate::engine::flow::{self, Credit};
@@ -229,22 +230,25 @@ impl Channel {
     /// deadline): `Err(None)` if it passed.
     fn start_by(&self, path: &str, options: &CallOptions, patience: Option<Instant>) -> Result<Call, Option<Status>> {
         check_path(path)?;
-        self.start_until(path, options, options.timeout.map(|t| Instant::now() + t), patience)
+        let deadline = options.timeout.map(|t| Instant::now() + t);
+        self.start_with(path, options, deadline, patience, None).map(|(call, _)| call)
     }
 
     /// [`start_by`](Self::start_by) with the call's deadline already set (a unary call sets it
-    /// before it stages its request, and keeps it).
-    fn start_until(
+    /// before it stages its request, and keeps it), sending `first`, the call's only request,
+    /// inside its HEADERS when it can (a one-frame call, `request_in_head`); whether it did.
+    fn start_with(
         &self,
         path: &str,
         options: &CallOptions,
         deadline: Option<Instant>,
         patience: Option<Instant>,
-    ) -> Result<Call, Option<Status>> {
+        first: Option<&[u8]>,
+    ) -> Result<(Call, bool), Option<Status>> {
         let mut again = true;
         loop {
             let mux = self.mux_for_call(options.wait_for_ready, deadline)?;
-            match self.open(mux.clone(), path, options, deadline, patience) {
+            match self.open(mux.clone(), path, options, deadline, patience, first) {
                 // As the async client's `start`: a call whose connection died before its HEADERS
                 // went out never reached the server, and starts once more on a new connection.
                 Err(Some(_)) if again && !mux.takes_calls() => again = false,
@@ -260,13 +264,22 @@ impl Channel {
         options: &CallOptions,
         deadline: Option<Instant>,
         patience: Option<Instant>,
-    ) -> Result<Call, Option<Status>> {
+        first: Option<&[u8]>,
+    ) -> Result<(Call, bool), Option<Status>> {
         let stream = mux.register(self.inner.slot.next_stream())?;
         let call = Call { state: CallState::new(stream, mux, path, self.inner.clone()), deadline };
         let head = open_head(path, &options.metadata, deadline);
         let by = sooner(deadline, patience);
-        match call.state.mux.sender.send_parts(Kind::Headers, 0, call.state.id(), &head.parts(), by) {
-            Ok(()) => Ok(call),
+        let first = first.filter(|m| request_in_head(&call.state, &head, m));
+        let (sender, id) = (&call.state.mux.sender, call.state.id());
+        let sent = match first {
+            Some(m) => {
+                sender.send_parts(Kind::Headers, flags::END_STREAM | wire::WITH_MESSAGE, id, &head.parts_with(m), by)
+            }
+            None => sender.send_parts(Kind::Headers, 0, id, &head.parts(), by),
+        };
+        match sent {
+            Ok(()) => Ok((call, first.is_some())),
             Err(e) if impatient(&e, deadline) => Err(None),
             Err(e) => Err(Some(Status::from_transport(&e))),
         }
@@ -345,16 +358,17 @@ impl Channel {
         match self.stage(request, options, deadline, patience)? {
             Staged::Usual => {}
             Staged::NoRoom => return Ok(None),
-            Staged::Ready(mux, block) => match self.open(mux.clone(), path, options, deadline, patience) {
-                Ok(call) => return send_last(call, path, Body::Block(block), patience),
+            Staged::Ready(mux, block) => match self.open(mux.clone(), path, options, deadline, patience, None) {
+                Ok((call, _)) => return send_last(call, path, Body::Block(block), patience),
                 Err(None) => return Ok(None),
                 // Its HEADERS never went out: as `start_by`, once more on a new connection.
                 Err(Some(_)) if !mux.takes_calls() => {}
                 Err(Some(status)) => return Err(status),
             },
         }
-        let call = match self.start_until(path, options, deadline, patience) {
-            Ok(call) => call,
+        let call = match self.start_with(path, options, deadline, patience, Some(request)) {
+            Ok((call, true)) => return Ok(Some(PendingUnary::new(call, path, request.len()))),
+            Ok((call, false)) => call,
             Err(None) => return Ok(None),
             Err(Some(status)) => return Err(status),
         };

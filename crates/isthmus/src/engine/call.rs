@@ -85,6 +85,22 @@ pub(crate) fn open_head<'a>(
     wire::HeadParts::new(path, timeout, metadata)
 }
 
+/// Whether `request` travels inside the HEADERS `head` that opens `state`'s call, as a one-frame
+/// call (protocol 13.9): the connection agreed to them, the two fit inline in the ring, and the
+/// stream has credit for the request (a new one always has). If so, that credit is taken and the
+/// bytes are counted as sent; the caller then sends `head.parts_with(request)` with
+/// `END_STREAM | WITH_MESSAGE`.
+pub(crate) fn request_in_head(state: &CallState, head: &wire::HeadParts<'_>, request: &[u8]) -> bool {
+    let sender = &state.mux.sender;
+    let inside = state.mux.one_frame()
+        && head.len() + request.len() <= sender.inline_max()
+        && state.stream.shared.send_window.try_take(super::flow::charge(request.len())) == super::flow::Credit::Taken;
+    if inside {
+        sender.count_sent_inside(request.len());
+    }
+    inside
+}
+
 /// One channel's connection slot, shared by its clones: the target, and the live connection
 /// that calls use until it dies.
 pub(crate) struct Slot {
@@ -303,7 +319,8 @@ impl CallState {
                 self.headers = Some(md);
                 Next::More
             }
-            Event::Message(m) => {
+            // A server's END_STREAM on a message means nothing more than its TRAILERS will.
+            Event::Message(m) | Event::Last(m) => {
                 // A message with no HEADERS before it implies empty initial metadata.
                 self.headers.get_or_insert_with(MetadataMap::new);
                 // Taken off the connection's queue: counted for flow control now, even if it is
@@ -315,6 +332,12 @@ impl CallState {
             Event::End(status) => {
                 self.end(status);
                 Next::Ended(self.outcome())
+            }
+            // The message now, the end at the next look (`ready_result`).
+            Event::Final(m, status) => {
+                self.headers.get_or_insert_with(MetadataMap::new);
+                self.end(status);
+                Next::Message(m)
             }
         }
     }

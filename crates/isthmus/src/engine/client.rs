@@ -56,7 +56,7 @@ use bytes::Bytes;
 use isthmus_shm::{flags, BlockMut, Config, Kind};
 use tokio::time::Instant;
 
-use super::call::{open_head, CallState, Next, Reconnect, Slot};
+use super::call::{open_head, request_in_head, CallState, Next, Reconnect, Slot};
 use super::flow::{self, Credit};
 use super::inbox::Event;
 use super::mux::{ConnectionCounters, Mux, StreamShared};
@@ -175,12 +175,25 @@ impl ShmChannel {
         reads: bool,
         keep: Arc<dyn std::any::Any + Send + Sync>,
     ) -> Result<ShmCall, Status> {
+        self.start_with(path, options, reads, keep, None).await.map(|(call, _)| call)
+    }
+
+    /// [`start`](Self::start) that sends `first`, the call's only request, inside its HEADERS
+    /// when it can (a one-frame call); whether it did.
+    pub(crate) async fn start_with(
+        &self,
+        path: &str,
+        options: CallOptions,
+        reads: bool,
+        keep: Arc<dyn std::any::Any + Send + Sync>,
+        first: Option<&[u8]>,
+    ) -> Result<(ShmCall, bool), Status> {
         check_path(path)?;
         let deadline = options.timeout.map(|t| Instant::now() + t);
         let mut again = true;
         loop {
             let mux = self.mux(options.wait_for_ready, deadline).await?;
-            match self.open(mux.clone(), path, &options, deadline, reads, keep.clone()).await {
+            match self.open(mux.clone(), path, &options, deadline, reads, keep.clone(), first).await {
                 // Its connection died before the call's HEADERS went out: the server never saw
                 // it, so it starts once more on a new connection (gRPC's transparent retry).
                 Err(_) if again && !mux.takes_calls() => again = false,
@@ -189,6 +202,7 @@ impl ShmChannel {
         }
     }
 
+    #[allow(clippy::too_many_arguments)] // `start_with`'s own, passed down
     async fn open(
         &self,
         mux: Arc<Mux>,
@@ -197,17 +211,22 @@ impl ShmChannel {
         deadline: Option<Instant>,
         reads: bool,
         keep: Arc<dyn std::any::Any + Send + Sync>,
-    ) -> Result<ShmCall, Status> {
+        first: Option<&[u8]>,
+    ) -> Result<(ShmCall, bool), Status> {
         let stream = mux.register(self.slot.next_stream())?;
         let call = ShmCall { state: CallState::new(stream, mux, path, keep), deadline, timer: None, reads };
         let head = open_head(path, &options.metadata, deadline.map(Instant::into_std));
-        call.state
-            .mux
-            .sender
-            .send_parts_async(Kind::Headers, 0, call.state.id(), &head.parts())
-            .await
-            .map_err(|e| Status::from_transport(&e))?;
-        Ok(call)
+        let first = first.filter(|m| request_in_head(&call.state, &head, m));
+        let (sender, id) = (&call.state.mux.sender, call.state.id());
+        let sent = match first {
+            Some(m) => {
+                let f = flags::END_STREAM | wire::WITH_MESSAGE;
+                sender.send_parts_async(Kind::Headers, f, id, &head.parts_with(m)).await
+            }
+            None => sender.send_parts_async(Kind::Headers, 0, id, &head.parts()).await,
+        };
+        sent.map_err(|e| Status::from_transport(&e))?;
+        Ok((call, first.is_some()))
     }
 
     /// The largest message this channel accepts (its configuration's `max_message_size`).

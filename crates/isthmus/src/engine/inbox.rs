@@ -26,10 +26,15 @@ pub(crate) enum Event {
     Headers(MetadataMap),
     /// One message.
     Message(Bytes),
+    /// The other side's last message, and its half-close with it (a unary request): one event
+    /// where two would fill a call's queue past the one it keeps inline.
+    Last(Bytes),
     /// The other side will send no more messages (the client's half-close).
     HalfClose,
     /// The call is over: the server's trailers, a CANCEL, or the connection's death.
     End(Status),
+    /// The server's last message and the call's end with it (a one-frame call's TRAILERS).
+    Final(Bytes, Status),
 }
 
 /// Why [`Inbox::try_recv`] gave nothing.

@@ -215,6 +215,8 @@ pub(crate) struct StreamShared {
     pub(crate) ended: super::server::EndedBy,
     /// Trailing metadata a server call's handler set (`ServerCall::set_trailers`).
     pub(crate) trailers: Mutex<crate::metadata::MetadataMap>,
+    /// A server call's only response, held to go out inside its TRAILERS (`ServerCall::send_last`).
+    pub(crate) last: Mutex<Option<Vec<u8>>>,
 }
 
 /// Tells a server call that it is over before its handler finished, and with which code (the
@@ -684,6 +686,11 @@ impl Mux {
         }
     }
 
+    /// Whether the handshake agreed to one-frame calls (protocol 13.9).
+    pub(crate) fn one_frame(&self) -> bool {
+        self.sender.features() & isthmus_shm::features::UNARY_IN_ONE_FRAME != 0
+    }
+
     /// The status every call gets once the connection is gone, if it is.
     pub(crate) fn dead(&self) -> Option<Status> {
         self.dead.lock().ok().and_then(|d| d.clone())
@@ -746,7 +753,7 @@ impl Mux {
 
     fn deliver(&self, id: u64, ev: Event) {
         let end = match &ev {
-            Event::End(status) => Some(status.code()),
+            Event::End(status) | Event::Final(_, status) => Some(status.code()),
             _ => None,
         };
         let Ok(mut s) = self.streams.lock() else { return };
@@ -769,7 +776,7 @@ impl Mux {
         if entry.born != self.batch.load(Ordering::Relaxed) {
             self.woke.store(true, Ordering::Relaxed);
         }
-        if matches!(ev, Event::HalfClose) {
+        if matches!(ev, Event::HalfClose | Event::Last(_)) {
             entry.peer_done.store(true, Ordering::Relaxed);
         }
         entry.shared.inbox.push(ev);
@@ -798,10 +805,7 @@ impl Mux {
             let s = self.streams.lock().ok()?;
             let entry = s.get(&id)?; // a stream that has ended: the message crossed its end
             if entry.shared.recv_window.charge_arrival(message.len()) {
-                self.push(entry, Event::Message(message));
-                if half_close {
-                    self.push(entry, Event::HalfClose);
-                }
+                self.push(entry, if half_close { Event::Last(message) } else { Event::Message(message) });
                 return None;
             }
         }
@@ -1513,6 +1517,16 @@ impl Mux {
             self.credit_only.store(false, Ordering::Relaxed);
         }
         let internal = |e: wire::WireError| Status::new(Code::Internal, format!("malformed frame from the peer: {e}"));
+        let with_message = f.flags & wire::WITH_MESSAGE != 0;
+        if with_message && !(self.one_frame() && matches!(f.kind, Kind::Headers | Kind::Trailers)) {
+            return Err(Status::new(
+                Code::Internal,
+                format!(
+                    "malformed frame from the peer: {:?} with a message inside, which this connection did not agree to",
+                    f.kind
+                ),
+            ));
+        }
         match f.kind {
             Kind::Headers => match accept {
                 Some(_) if self.draining.load(Ordering::Acquire) => {
@@ -1531,21 +1545,57 @@ impl Mux {
                     return Ok(Some(Reply::trailers(f.stream, &refused)));
                 }
                 Some(accept) => {
-                    let head = wire::RequestHead::decode(&f.body).map_err(internal)?;
+                    let end = f.flags & flags::END_STREAM != 0;
+                    let (head, request) = if with_message {
+                        let (head, at) = wire::RequestHead::decode_prefix(&f.body).map_err(internal)?;
+                        if !end {
+                            return Err(internal(wire::WireError::new("HEADERS with a request but no END_STREAM")));
+                        }
+                        // Too large for this side: the call fails as it would have on a MESSAGE
+                        // frame, before its handler starts, and the connection goes on.
+                        if let Err(e) = self.sender.take_in_inside(f.stream, f.body.len() - at) {
+                            self.last_stream.fetch_max(f.stream, Ordering::AcqRel);
+                            return Ok(Some(Reply::trailers(f.stream, &Status::from_transport(&e))));
+                        }
+                        (head, Some(message_after(f.body, at)))
+                    } else {
+                        (wire::RequestHead::decode(&f.body).map_err(internal)?, None)
+                    };
                     self.last_stream.fetch_max(f.stream, Ordering::AcqRel);
                     let stream = self.register_entry(f.stream, true)?;
                     let call = (accept.make)(Incoming { head, stream });
                     accept.batch.push(call);
-                    if f.flags & flags::END_STREAM == 0 {
+                    if let Some(request) = request {
+                        return Ok(self.deliver_message(f.stream, request, true));
+                    }
+                    if !end {
                         accept.bare.push(f.stream);
                     }
+                }
+                None if with_message => {
+                    return Err(internal(wire::WireError::new("a server's HEADERS with a message inside")));
                 }
                 None => self
                     .deliver(f.stream, Event::Headers(wire::ResponseHead::decode(&f.body).map_err(internal)?.metadata)),
             },
             Kind::Message => return Ok(self.deliver_message(f.stream, f.body, f.flags & flags::END_STREAM != 0)),
             // From the client, TRAILERS (empty) is a half-close without a message.
+            Kind::Trailers if serving && with_message => {
+                return Err(internal(wire::WireError::new("a client's TRAILERS with a message inside")));
+            }
             Kind::Trailers if serving => self.deliver(f.stream, Event::HalfClose),
+            // A one-frame call's end: its last response, then its status.
+            Kind::Trailers if with_message => {
+                let (status, at) = wire::decode_trailers_prefix(&f.body).map_err(internal)?;
+                // No flow control to keep: the call ends with this message.
+                let end = match self.sender.take_in_inside(f.stream, f.body.len() - at) {
+                    Ok(()) => Event::Final(message_after(f.body, at), status),
+                    // Too large for this side: the call fails RESOURCE_EXHAUSTED, as it would
+                    // have on a MESSAGE frame; the server has ended it, so no CANCEL.
+                    Err(e) => Event::End(Status::from_transport(&e)),
+                };
+                self.deliver(f.stream, end);
+            }
             Kind::Trailers => self.deliver(f.stream, Event::End(wire::decode_trailers(&f.body).map_err(internal)?)),
             Kind::Cancel => {
                 let code = wire::decode_cancel(&f.body).map_err(internal)?;
@@ -1570,6 +1620,14 @@ impl Mux {
         }
         Ok(None)
     }
+}
+
+/// The message that starts at `at` of a one-frame call's body, in the body's own buffer (moved
+/// to its front): a slice would allocate to share the buffer.
+fn message_after(body: Bytes, at: usize) -> Bytes {
+    let mut buf = Vec::from(body);
+    buf.drain(..at.min(buf.len()));
+    Bytes::from(buf)
 }
 
 impl Reply {

@@ -47,6 +47,10 @@
 //! - `send(message)` first sends credit still owed (`settle`), then waits for credit and sends.
 //!   `alloc` and `send_block` build a reply in place. `set_trailers` replaces the trailing
 //!   metadata.
+//! - `send_last(message)` holds a small first-and-only response (`hold_last`, where the handshake
+//!   agreed to one-frame calls) and the call's end sends it inside its TRAILERS: a unary reply is
+//!   then one frame (protocol 13.9, ADR 0025). A binding's one-step reply (`HandedCall::try_reply`)
+//!   goes the same way.
 //! - Sends and allocations are not bounded by the deadline themselves: dropping the handler at the
 //!   deadline bounds them. A send on an ended stream fails with the connection's status if it died,
 //!   else CANCELLED.
@@ -245,12 +249,17 @@ impl Requests {
                     self.stream.took(m.len(), &self.mux.sender);
                     Ok(Some(m))
                 }
+                Some(Event::Last(m)) => {
+                    self.stream.took(m.len(), &self.mux.sender);
+                    self.half_closed = true;
+                    Ok(Some(m))
+                }
                 Some(Event::HalfClose) => {
                     self.half_closed = true;
                     Ok(None)
                 }
                 Some(Event::Headers(_)) => continue,
-                Some(Event::End(status)) => Err(status),
+                Some(Event::End(status) | Event::Final(_, status)) => Err(status),
                 None => Err(self.mux.dead().unwrap_or_else(|| Status::new(Code::Cancelled, "the call was cancelled"))),
             });
         }
@@ -359,6 +368,44 @@ impl ServerCall {
         Ok(())
     }
 
+    /// Sends the call's last response message. When it is the call's only one and small, and
+    /// the connection agreed to one-frame calls, it is held and goes out inside the call's
+    /// TRAILERS when the handler returns: one frame where two would go (protocol 13.9). So
+    /// send nothing after it, and return soon: the client has it only then. Otherwise (or held
+    /// in vain: the call ended first) as [`send`](Self::send).
+    pub async fn send_last(&mut self, message: &[u8]) -> Result<(), Status> {
+        if self.hold_last(message) {
+            return Ok(());
+        }
+        self.send(message).await
+    }
+
+    /// Holds `message` to go out inside the call's TRAILERS if it can (see
+    /// [`send_last`](Self::send_last) and [`reserve_last`](Self::reserve_last)).
+    fn hold_last(&mut self, message: &[u8]) -> bool {
+        let shared = self.shared.clone();
+        let Ok(mut last) = shared.last.lock() else { return false };
+        if !self.reserve_last(message.len()) {
+            return false;
+        }
+        *last = Some(message.to_vec());
+        true
+    }
+
+    /// Makes ready for a last message of `len` bytes inside the call's TRAILERS, if it can go
+    /// there: the call's first message, small, on a connection that agreed to one-frame calls,
+    /// with credit for it now (taken). The caller then sends it with the status
+    /// ([`end_now`](Self::end_now)) or holds it.
+    pub(crate) fn reserve_last(&mut self, len: usize) -> bool {
+        let ready = !self.headers_sent
+            && self.mux.one_frame()
+            && len + PLAIN_TRAILERS_LEN <= self.mux.sender.inline_max()
+            && self.shared.send_window.try_take(flow::charge(len)) == Credit::Taken;
+        // The message implies empty initial metadata (protocol 13.7, rule 2).
+        self.headers_sent |= ready;
+        ready
+    }
+
     /// Sends one small response message now, from the calling thread, if that takes no wait:
     /// it fits inline in the ring, the stream has credit, the ring has room, and no other send
     /// of the call is under way. False, with nothing sent, otherwise ([`send`](Self::send) then
@@ -446,8 +493,9 @@ impl ServerCall {
     /// each call without waking the engine's task first, which on a busy machine costs a
     /// cross-core wake-up per call. The status goes out at once if the ring has room, else
     /// from a task of the runtime. False, and nothing sent, if the call has already ended (its
-    /// deadline, the client's cancel, or an earlier `end_now`).
-    pub(crate) fn end_now(&self, status: Status) -> bool {
+    /// deadline, the client's cancel, or an earlier `end_now`). `last`, made ready with
+    /// [`reserve_last`](Self::reserve_last) (or one held), goes inside the status: one frame.
+    pub(crate) fn end_now(&self, status: Status, last: Option<&[u8]>) -> bool {
         if !self.shared.ended.claim(EndedBy::HANDLER) {
             return false;
         }
@@ -455,12 +503,15 @@ impl ServerCall {
         self.mux.unregister(self.id);
         self.mux.calls.finish(status.code());
         let (mux, id, body) = (self.mux.clone(), self.id, wire::encode_trailers(&status));
+        let held = self.shared.last.lock().ok().and_then(|mut l| l.take());
+        let last = last.or(held.as_deref());
         // Straight onto the ring when it has room (the common case): no future, no runtime.
-        if matches!(mux.sender.try_send(Kind::Trailers, flags::END_STREAM, id, &body), Ok(true)) {
+        if try_send_end(&mux.sender, id, &body, last) {
             return true;
         }
+        let last = last.map(<[u8]>::to_vec);
         let mut send = Box::pin(async move {
-            let _ = mux.sender.send_async(Kind::Trailers, flags::END_STREAM, id, &body).await;
+            send_end(&mux.sender, id, &body, last.as_deref()).await;
         });
         // The caller is a foreign thread (Python's, C's): the send's wait for ring room needs the
         // runtime's reactor, so it runs in the runtime's context, and goes on as its task.
@@ -474,6 +525,48 @@ impl ServerCall {
         }
         true
     }
+}
+
+/// Bytes of the TRAILERS body of a plain OK status, the least a held last message goes beside.
+const PLAIN_TRAILERS_LEN: usize = 17;
+
+/// Sends a call's end now if the ring has room: its TRAILERS `body`, with the call's held `last`
+/// message inside when the two fit inline (a one-frame call's end, protocol 13.9). False, with
+/// nothing sent, otherwise.
+fn try_send_end(sender: &isthmus_shm::Sender, id: u64, body: &[u8], last: Option<&[u8]>) -> bool {
+    let pushed = match last {
+        None => sender.try_send(Kind::Trailers, flags::END_STREAM, id, body),
+        Some(m) if body.len() + m.len() <= sender.inline_max() => {
+            sender.try_send_parts(Kind::Trailers, flags::END_STREAM | wire::WITH_MESSAGE, id, &[body, m])
+        }
+        Some(_) => Ok(false),
+    };
+    let pushed = matches!(pushed, Ok(true));
+    if let (true, Some(m)) = (pushed, last) {
+        sender.count_sent_inside(m.len());
+    }
+    pushed
+}
+
+/// Sends a call's end, waiting for ring room: as [`try_send_end`], or the held message as a
+/// MESSAGE of its own before the TRAILERS when the two do not fit one frame (a long status
+/// message, many trailers). Its credit was taken when it was held.
+async fn send_end(sender: &isthmus_shm::Sender, id: u64, body: &[u8], last: Option<&[u8]>) {
+    let _ = match last {
+        None => sender.send_async(Kind::Trailers, flags::END_STREAM, id, body).await,
+        Some(m) if body.len() + m.len() <= sender.inline_max() => {
+            let f = flags::END_STREAM | wire::WITH_MESSAGE;
+            let sent = sender.send_parts_async(Kind::Trailers, f, id, &[body, m]).await;
+            if sent.is_ok() {
+                sender.count_sent_inside(m.len());
+            }
+            sent
+        }
+        Some(m) => match sender.send_message_async(id, 0, m).await {
+            Ok(()) => sender.send_async(Kind::Trailers, flags::END_STREAM, id, body).await,
+            Err(e) => Err(e),
+        },
+    };
 }
 
 /// Sends a response message on a call from outside its handler, only when that takes no wait:
@@ -763,7 +856,8 @@ fn run_call(
                 mux.unregister(id);
                 mux.calls.finish(status.code());
                 let body = wire::encode_trailers(&status);
-                let _ = mux.sender.send_async(Kind::Trailers, flags::END_STREAM, id, &body).await;
+                let last = shared.last.lock().ok().and_then(|mut l| l.take());
+                send_end(&mux.sender, id, &body, last.as_deref()).await;
             }
             // The client is gone or gave up: it expects no status. Answer with CANCEL so the
             // client drops anything half-sent on this stream.

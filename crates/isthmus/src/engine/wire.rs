@@ -26,6 +26,10 @@ use crate::status::{Code, Status};
 
 /// Version byte of the bodies this crate writes.
 pub const WIRE_VERSION: u8 = 1;
+/// RPC-layer frame flag of a one-frame call (protocol 13.9; only where the handshake granted
+/// `features::UNARY_IN_ONE_FRAME`): a client's HEADERS carries the call's only request after its
+/// head, or a server's TRAILERS the call's last response after its status.
+pub const WITH_MESSAGE: u8 = 0x10;
 /// Longest method path accepted.
 pub const MAX_PATH_LEN: usize = 1024;
 
@@ -40,6 +44,13 @@ impl fmt::Display for WireError {
 }
 
 impl std::error::Error for WireError {}
+
+impl WireError {
+    /// An error that says `what` is wrong with a body.
+    pub(crate) fn new(what: &str) -> WireError {
+        WireError(what.to_owned())
+    }
+}
 
 fn bad(what: impl Into<String>) -> WireError {
     WireError(what.into())
@@ -180,6 +191,16 @@ impl<'a> HeadParts<'a> {
     pub(crate) fn parts(&self) -> [&[u8]; 3] {
         [&self.fixed, self.path.as_bytes(), &self.metadata]
     }
+
+    /// The body with the call's only request after it, for a one-frame call (protocol 13.9).
+    pub(crate) fn parts_with<'m>(&'m self, request: &'m [u8]) -> [&'m [u8]; 4] {
+        [&self.fixed, self.path.as_bytes(), &self.metadata, request]
+    }
+
+    /// Bytes of the body.
+    pub(crate) fn len(&self) -> usize {
+        self.fixed.len() + self.path.len() + self.metadata.len()
+    }
 }
 
 impl RequestHead {
@@ -190,6 +211,16 @@ impl RequestHead {
 
     /// Decodes and checks a body.
     pub fn decode(body: &[u8]) -> Result<RequestHead, WireError> {
+        let (head, rest) = RequestHead::decode_prefix(body)?;
+        if rest != body.len() {
+            return Err(bad(format!("HEADERS body has {} trailing bytes", body.len() - rest)));
+        }
+        Ok(head)
+    }
+
+    /// Decodes and checks the head at the start of a HEADERS body that carries the call's first
+    /// message after it (`flags::WITH_MESSAGE`); also where that message starts.
+    pub fn decode_prefix(body: &[u8]) -> Result<(RequestHead, usize), WireError> {
         let mut r = Reader { buf: body, what: "HEADERS" };
         r.version()?;
         if r.u8()? != 0 {
@@ -205,8 +236,8 @@ impl RequestHead {
             return Err(bad(format!("method path {path:?} must start with '/' and be printable ASCII")));
         }
         let metadata = r.metadata()?;
-        r.end()?;
-        Ok(RequestHead { path: path.to_owned(), timeout: (ns > 0).then(|| Duration::from_nanos(ns)), metadata })
+        let head = RequestHead { path: path.to_owned(), timeout: (ns > 0).then(|| Duration::from_nanos(ns)), metadata };
+        Ok((head, body.len() - r.buf.len()))
     }
 }
 
@@ -256,6 +287,16 @@ pub fn encode_trailers(status: &Status) -> Cow<'static, [u8]> {
 
 /// Decodes a TRAILERS body into the call's final status.
 pub fn decode_trailers(body: &[u8]) -> Result<Status, WireError> {
+    let (status, at) = decode_trailers_prefix(body)?;
+    if at != body.len() {
+        return Err(bad(format!("TRAILERS body has {} trailing bytes", body.len() - at)));
+    }
+    Ok(status)
+}
+
+/// Decodes the status at the start of a TRAILERS body that carries the call's last message
+/// after it (`WITH_MESSAGE`); also where that message starts.
+pub fn decode_trailers_prefix(body: &[u8]) -> Result<(Status, usize), WireError> {
     let mut r = Reader { buf: body, what: "TRAILERS" };
     r.version()?;
     let code = Code::from_u32(r.u32()?);
@@ -264,8 +305,7 @@ pub fn decode_trailers(body: &[u8]) -> Result<Status, WireError> {
     let message = String::from_utf8_lossy(r.take(mlen)?).into_owned();
     let details = Bytes::copy_from_slice(r.take(dlen)?);
     let metadata = r.metadata()?;
-    r.end()?;
-    Ok(Status::new(code, message).with_details(details).with_metadata(metadata))
+    Ok((Status::new(code, message).with_details(details).with_metadata(metadata), body.len() - r.buf.len()))
 }
 
 /// Encodes a CANCEL body.
@@ -336,6 +376,8 @@ impl GoAway {
 /// Fuzz entry point: every decoder over arbitrary bytes must return, never panic.
 pub fn fuzz(data: &[u8]) {
     let _ = RequestHead::decode(data);
+    let _ = RequestHead::decode_prefix(data);
+    let _ = decode_trailers_prefix(data);
     let _ = ResponseHead::decode(data);
     let _ = decode_trailers(data);
     let _ = decode_cancel(data);
@@ -383,6 +425,28 @@ mod tests {
         assert!(decode_window(&[1, 0, 0, 0]).is_err());
         let g = GoAway { last_stream: 77, message: "shutting down".into() };
         assert_eq!(GoAway::decode(&g.encode()), Ok(g));
+    }
+
+    #[test]
+    fn a_one_frame_calls_message_starts_where_the_head_or_status_ends() {
+        let h = RequestHead { path: "/pkg.Svc/Call".into(), timeout: None, metadata: md() };
+        let parts = HeadParts::new(&h.path, h.timeout, &h.metadata);
+        for request in [&b""[..], b"request bytes"] {
+            let body = parts.parts_with(request).concat();
+            assert_eq!(parts.len() + request.len(), body.len());
+            let (head, at) = RequestHead::decode_prefix(&body).expect("head");
+            assert_eq!((head, &body[at..]), (h.clone(), request));
+            // Without the flag the same bytes are a HEADERS with trailing bytes.
+            assert_eq!(RequestHead::decode(&body).is_err(), !request.is_empty());
+        }
+        let s = Status::new(Code::NotFound, "why").with_metadata(md());
+        let mut body = encode_trailers(&s).into_owned();
+        body.extend_from_slice(b"last response");
+        let (status, at) = decode_trailers_prefix(&body).expect("status");
+        assert_eq!((status, &body[at..]), (s, &b"last response"[..]));
+        assert!(decode_trailers(&body).is_err());
+        // A head cut short is an error either way.
+        assert!(RequestHead::decode_prefix(&parts.parts_with(b"x").concat()[..5]).is_err());
     }
 
     #[test]
