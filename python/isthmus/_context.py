@@ -134,6 +134,8 @@ class Context:
         """Ends the call: with the handler's code, details and trailers, or as grpcio ends a
         handler that raised. Does nothing if the call is already over. `reply` (the blocking
         server's unary response, encoded) is sent first, in the same step."""
+        if self._finished and error is None:  # ended already, with its reply (`aio._reply`)
+            return
         code, details = self._code, self._details
         if error is not None and not self._aborted:
             if self._call.is_active():  # otherwise the error is the call's end, not a fault

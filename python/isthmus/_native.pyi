@@ -316,6 +316,12 @@ class ServerCall:
     ) -> None:
         """Sends a unary response (bytes; any buffer or Block with `raw`), then ends the call
         with this status; raises CallError if the send fails (the call is then not ended)."""
+    def try_reply(
+        self, message: bytes, code: int, details: str, trailing_metadata: _Metadata | None = None
+    ) -> bool:
+        """`reply` for an event loop's thread: only if it takes no wait (the ring has room, no
+        other operation of the call is under way); False, with nothing sent and the call still
+        open, otherwise."""
     def add_done_callback(self, callback: Callable[[], None]) -> bool:
         """Runs callback (on an engine thread, with the GIL) when the call ends; False, without
         registering, if it already has."""

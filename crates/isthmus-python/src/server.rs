@@ -369,6 +369,22 @@ impl ServerCall {
         Ok(())
     }
 
+    /// [`reply`](Self::reply) for an event loop's thread: only if it takes no wait. False, with
+    /// nothing sent and the call still open, otherwise (the loop then sends and finishes as
+    /// usual, without blocking).
+    #[pyo3(signature = (message, code, details, trailing_metadata=None))]
+    fn try_reply(
+        &self,
+        message: &Bound<'_, PyBytes>,
+        code: u32,
+        details: String,
+        trailing_metadata: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<bool> {
+        let trailers = metadata_from_py(trailing_metadata)?;
+        let status = Status::new(Code::from_u32(code), details).with_metadata(trailers);
+        Ok(self.core.try_reply(message.as_bytes(), || status))
+    }
+
     /// [`recv`](Self::recv) for the raw tier: the request as a read-only [`Message`], a view
     /// of the client's shared memory when it came through its arena.
     #[pyo3(signature = (flush_headers=false))]

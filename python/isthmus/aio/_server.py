@@ -172,7 +172,7 @@ class Server(ServerBase, grpc.aio.Server):
                 for message in result:
                     await context.write(message)
         elif context._responds():
-            await context.write(result)
+            await context._reply(result)
 
     async def _serve_plain(
         self, handler: grpc.RpcMethodHandler, method: Callable[..., Any], context: ServicerContext
@@ -197,7 +197,7 @@ class Server(ServerBase, grpc.aio.Server):
                 while (message := await loop.run_in_executor(self._pool, next, responses, _END)) is not _END:
                     await context.write(message)
         elif context._responds():
-            await context.write(result)
+            await context._reply(result)
 
     async def start(self) -> None:
         self._loop = asyncio.get_running_loop()
