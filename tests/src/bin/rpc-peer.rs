@@ -13,7 +13,8 @@
 //! shutdown, after which the process prints `SHUTDOWN-DONE` and exits.
 //!
 //! `Last` echoes with `send_last`, reflecting `x-echo` into trailers only (a one-frame call's
-//! answer where the connection agreed to them).
+//! answer where the connection agreed to them); `LastThenFail` echoes with `send_last`, then
+//! ends ABORTED with a 10,000-character message (too long to go beside it).
 //!
 //! `rpc-peer ADDR[,ADDR…] [MAX_MESSAGE [MAX_STREAMS]]`: the endpoints (`shm://`, and `unix://` or
 //! `http://`, where the same handlers answer over HTTP/2; each HTTP/2 endpoint is announced as
@@ -141,6 +142,12 @@ fn main() {
                 let m = one(&mut call).await?;
                 call.set_trailers(reflect(call.metadata(), "tail"));
                 call.send_last(&m).await
+            })
+            .handler("/test.Echo/LastThenFail", |mut call: ServerCall| async move {
+                // A status too long to go beside the held message: the two go in two frames.
+                let m = one(&mut call).await?;
+                call.send_last(&m).await?;
+                Err(Status::new(Code::Aborted, "x".repeat(10_000)))
             })
             .handler("/test.Echo/ServerStream", |mut call: ServerCall| async move {
                 let m = one(&mut call).await?;

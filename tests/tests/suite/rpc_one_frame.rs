@@ -82,6 +82,21 @@ fn a_unary_call_takes_one_frame_each_way_only_where_both_sides_agree() {
 }
 
 #[test]
+fn a_held_last_message_comes_before_a_status_too_long_to_go_beside_it() {
+    let (_server, addr) = server("one-frame-long-status", features::ALL, 0);
+    run(async move {
+        let ch = isthmus::Channel::connect(&addr).await.expect("connect");
+        let mut call = ch.start("/test.Echo/LastThenFail", CallOptions::default()).await.expect("start");
+        call.send_last(b"kept").await.expect("request");
+        assert_eq!(call.recv().await.expect("the message first").as_deref(), Some(&b"kept"[..]));
+        let s = call.recv().await.expect_err("then the status");
+        assert_eq!((s.code(), s.message().len()), (Code::Aborted, 10_000));
+        let s = ch.unary("/test.Echo/LastThenFail", b"x", CallOptions::default()).await.expect_err("unary");
+        assert_eq!(s.code(), Code::Aborted);
+    });
+}
+
+#[test]
 fn a_request_over_the_servers_limit_in_one_frame_is_resource_exhausted_naming_both() {
     let (_server, addr) = server("one-frame-limit", features::ALL, 100);
     let ch = isthmus::blocking::Channel::connect(&addr).expect("connect");

@@ -1557,7 +1557,7 @@ impl Mux {
                             self.last_stream.fetch_max(f.stream, Ordering::AcqRel);
                             return Ok(Some(Reply::trailers(f.stream, &Status::from_transport(&e))));
                         }
-                        (head, Some(message_after(f.body, at)))
+                        (head, Some(f.body.slice(at..)))
                     } else {
                         (wire::RequestHead::decode(&f.body).map_err(internal)?, None)
                     };
@@ -1589,7 +1589,7 @@ impl Mux {
                 let (status, at) = wire::decode_trailers_prefix(&f.body).map_err(internal)?;
                 // No flow control to keep: the call ends with this message.
                 let end = match self.sender.take_in_inside(f.stream, f.body.len() - at) {
-                    Ok(()) => Event::Final(message_after(f.body, at), status),
+                    Ok(()) => Event::Final(f.body.slice(at..), status),
                     // Too large for this side: the call fails RESOURCE_EXHAUSTED, as it would
                     // have on a MESSAGE frame; the server has ended it, so no CANCEL.
                     Err(e) => Event::End(Status::from_transport(&e)),
@@ -1620,14 +1620,6 @@ impl Mux {
         }
         Ok(None)
     }
-}
-
-/// The message that starts at `at` of a one-frame call's body, in the body's own buffer (moved
-/// to its front): a slice would allocate to share the buffer.
-fn message_after(body: Bytes, at: usize) -> Bytes {
-    let mut buf = Vec::from(body);
-    buf.drain(..at.min(buf.len()));
-    Bytes::from(buf)
 }
 
 impl Reply {
