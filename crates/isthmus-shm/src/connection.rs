@@ -726,7 +726,7 @@ impl Sender {
     /// Takes in a message of `len` bytes that arrived inside another frame's body on `stream`:
     /// counts it as received and holds it to this side's `max_message_size`, failing with
     /// [`ErrorKind::MessageTooLarge`] on that stream as a MESSAGE frame would.
-    pub fn take_in_inside(&self, stream: u64, len: usize) -> Result<()> {
+    pub fn received_inside(&self, stream: u64, len: usize) -> Result<()> {
         self.core.stats.add(&self.core.stats.bytes_received, len as u64);
         if len as u64 > self.core.max_message_size {
             return Err(too_large(stream, len as u64, self.core.max_message_size));

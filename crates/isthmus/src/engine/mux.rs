@@ -12,8 +12,11 @@
 //! dropped, except a server's HEADERS, which opens a call: refused with TRAILERS if the connection
 //! is draining (UNAVAILABLE) or already has `max_concurrent_streams` calls (RESOURCE_EXHAUSTED);
 //! else decoded, registered and handed to the server as a new call. A HEADERS for a stream still
-//! open is malformed input. An end removes the stream and closes its entry (inbox, send window, the
-//! server's `Cancel`). Routing never waits for a call: flow control, not the inbox, bounds what a
+//! open is malformed input. A one-frame call (protocol 13.9, where the handshake granted it) brings
+//! its request inside its HEADERS and its response inside its TRAILERS: each becomes one event
+//! (`Event::Last`, the request and the half-close; `Event::Final`, the response and the end), and
+//! the message inside is held to `max_message_size` as a MESSAGE is. An end removes the stream and
+//! closes its entry (inbox, send window, the server's `Cancel`). Routing never waits for a call: flow control, not the inbox, bounds what a
 //! peer may queue.
 //!
 //! The reader task (`read_loop`) owns the `Receiver` for the async client and the server. It reads
@@ -1553,7 +1556,7 @@ impl Mux {
                         }
                         // Too large for this side: the call fails as it would have on a MESSAGE
                         // frame, before its handler starts, and the connection goes on.
-                        if let Err(e) = self.sender.take_in_inside(f.stream, f.body.len() - at) {
+                        if let Err(e) = self.sender.received_inside(f.stream, f.body.len() - at) {
                             self.last_stream.fetch_max(f.stream, Ordering::AcqRel);
                             return Ok(Some(Reply::trailers(f.stream, &Status::from_transport(&e))));
                         }
@@ -1588,7 +1591,7 @@ impl Mux {
             Kind::Trailers if with_message => {
                 let (status, at) = wire::decode_trailers_prefix(&f.body).map_err(internal)?;
                 // No flow control to keep: the call ends with this message.
-                let end = match self.sender.take_in_inside(f.stream, f.body.len() - at) {
+                let end = match self.sender.received_inside(f.stream, f.body.len() - at) {
                     Ok(()) => Event::Final(f.body.slice(at..), status),
                     // Too large for this side: the call fails RESOURCE_EXHAUSTED, as it would
                     // have on a MESSAGE frame; the server has ended it, so no CANCEL.

@@ -383,12 +383,10 @@ impl ServerCall {
     /// Holds `message` to go out inside the call's TRAILERS if it can (see
     /// [`send_last`](Self::send_last) and [`reserve_last`](Self::reserve_last)).
     fn hold_last(&mut self, message: &[u8]) -> bool {
-        let shared = self.shared.clone();
-        let Ok(mut last) = shared.last.lock() else { return false };
         if !self.reserve_last(message.len()) {
             return false;
         }
-        *last = Some(message.to_vec());
+        *self.shared.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(message.to_vec());
         true
     }
 
@@ -503,7 +501,8 @@ impl ServerCall {
         self.mux.unregister(self.id);
         self.mux.calls.finish(status.code());
         let (mux, id, body) = (self.mux.clone(), self.id, wire::encode_trailers(&status));
-        let held = self.shared.last.lock().ok().and_then(|mut l| l.take());
+        // A message given here was never held (`try_reply`): no lock to take for it.
+        let held = if last.is_none() { self.shared.last.lock().ok().and_then(|mut l| l.take()) } else { None };
         let last = last.or(held.as_deref());
         // Straight onto the ring when it has room (the common case): no future, no runtime.
         if try_send_end(&mux.sender, id, &body, last) {
