@@ -88,7 +88,27 @@ impl SpinPolicy {
         }
         SpinPolicy { max: self.max.saturating_add(extra), ..self }
     }
+
+    /// How much longer than `max` a wait for the peer's next frame may spin while the peer
+    /// says it is writing `composing` bytes of messages for us (`layout::CTL_COMPOSING`): the
+    /// same 0.25 µs per KiB as [`owing`](Self::owing), up to `COMPOSING_SPIN_CAP`. The word
+    /// is the peer's to write, so it only ever bounds a spin; below `COMPOSING_MIN` nothing
+    /// is added (the base spin covers such a copy). A spin of zero stays zero (ADR 0026).
+    pub(crate) fn composing_extra(self, composing: u64) -> Duration {
+        if self.max.is_zero() || composing < COMPOSING_MIN as u64 {
+            return Duration::ZERO;
+        }
+        let kib = u32::try_from(composing / 1024).unwrap_or(u32::MAX);
+        OWED_SPIN_PER_KIB.saturating_mul(kib).min(COMPOSING_SPIN_CAP)
+    }
 }
+
+/// A block at least this large is announced to the peer while it is written
+/// (`layout::CTL_COMPOSING`), and the announcement wakes a sleeping peer: writing it takes
+/// longer (25–100 µs on the machines measured) than the peer's base spin, or its wake-up.
+pub(crate) const COMPOSING_MIN: usize = 256 << 10;
+/// The longest a wait spins for a message the peer announced: 16 MiB at 0.25 µs per KiB.
+pub(crate) const COMPOSING_SPIN_CAP: Duration = Duration::from_millis(4);
 
 /// Configuration of one side of a connection.
 ///
@@ -226,5 +246,18 @@ mod tests {
         // A policy that never spins keeps never spinning.
         let none = SpinPolicy { max: Duration::ZERO, ..base };
         assert_eq!(none.owing(1 << 20), none);
+    }
+
+    #[test]
+    fn composing_extends_by_the_announced_bytes_up_to_a_cap() {
+        let base = SpinPolicy::default();
+        assert_eq!(base.composing_extra(0), Duration::ZERO);
+        assert_eq!(base.composing_extra(COMPOSING_MIN as u64 - 1), Duration::ZERO);
+        assert_eq!(base.composing_extra(1 << 20), Duration::from_micros(256));
+        assert_eq!(base.composing_extra(16 << 20), COMPOSING_SPIN_CAP);
+        // The peer writes the word: any value only bounds the spin.
+        assert_eq!(base.composing_extra(u64::MAX), COMPOSING_SPIN_CAP);
+        let never = SpinPolicy { max: Duration::ZERO, ..base };
+        assert_eq!(never.composing_extra(1 << 20), Duration::ZERO);
     }
 }

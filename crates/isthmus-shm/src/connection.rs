@@ -59,13 +59,14 @@ use std::collections::HashMap;
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::os::fd::BorrowedFd;
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
 use bytes::Bytes;
 
 use crate::arena::{Allocator, ArenaOwner, Lease, Releaser};
-use crate::config::{Config, SpinPolicy};
+use crate::config::{Config, SpinPolicy, COMPOSING_MIN};
 use crate::doorbell::{wake_if_parked, Bell, Waiter};
 use crate::error::{Error, ErrorKind, Result};
 use crate::frame::{flags, ArenaDescriptor, FrameHeader, Kind};
@@ -168,6 +169,7 @@ impl Core {
             spin: self.spin,
             stats: &self.stats,
             what,
+            composing: None,
         }
     }
 
@@ -191,6 +193,7 @@ impl Core {
             spin,
             stats: &self.stats,
             what: "waiting for a frame",
+            composing: Some(self.seg.ctl_u64(self.rx, layout::CTL_COMPOSING)),
         }
     }
 
@@ -446,7 +449,7 @@ impl Sender {
         self.core.check_block_len(len)?;
         loop {
             if let Some((offset, generation, ptr)) = self.core.try_alloc(len)? {
-                return Ok(BlockMut { sender: self.clone(), offset, generation, ptr, len, sent: false });
+                return Ok(self.block(offset, generation, ptr, len));
             }
             self.core.stats.add(&self.core.stats.arena_full_waits, 1);
             self.core
@@ -461,14 +464,25 @@ impl Sender {
     pub fn try_alloc(&self, len: usize) -> Result<Option<BlockMut>> {
         self.core.check_block_len(len)?;
         let got = self.core.try_alloc(len)?;
-        Ok(got.map(|(offset, generation, ptr)| BlockMut {
-            sender: self.clone(),
-            offset,
-            generation,
-            ptr,
-            len,
-            sent: false,
-        }))
+        Ok(got.map(|(offset, generation, ptr)| self.block(offset, generation, ptr, len)))
+    }
+
+    /// A block just taken from the arena. One of [`COMPOSING_MIN`] bytes or more is announced
+    /// to the peer until it is sent or dropped (`layout::CTL_COMPOSING`), and the announcement
+    /// rings a peer that sleeps waiting for frames: it wakes while this side writes the block,
+    /// spins, and takes the frame as it comes, where it would otherwise start to wake only
+    /// then (ADR 0026).
+    fn block(&self, offset: usize, generation: u64, ptr: *mut u8, len: usize) -> BlockMut {
+        let mut announced = 0;
+        if len >= COMPOSING_MIN {
+            let core = &self.core;
+            core.seg.ctl_u64(core.tx, layout::CTL_COMPOSING).fetch_add(len as u64, Ordering::Relaxed);
+            announced = len as u64;
+            if wake_if_parked(core.seg.ctl_u32(core.tx, layout::CTL_CONSUMER_PARKED), &core.bells.peer_rx) {
+                core.stats.add(&core.stats.doorbells_rung, 1);
+            }
+        }
+        BlockMut { sender: self.clone(), offset, generation, ptr, len, sent: false, announced }
     }
 
     /// Sends a filled block as one MESSAGE of the block's length (after any `truncate`).
@@ -698,7 +712,7 @@ impl Sender {
         self.core.check_block_len(len)?;
         loop {
             if let Some((offset, generation, ptr)) = self.core.try_alloc(len)? {
-                return Ok(BlockMut { sender: self.clone(), offset, generation, ptr, len, sent: false });
+                return Ok(self.block(offset, generation, ptr, len));
             }
             self.core.stats.add(&self.core.stats.arena_full_waits, 1);
             // Boxed for the reason `push_async` gives.
@@ -811,6 +825,17 @@ impl Sender {
         self.core.bells.peer_rx.ring();
     }
 
+    /// Test support: the control word `field` (a `layout::CTL_*` offset) of direction `dir`,
+    /// read as a `u64` (a `u32` flag reads as its value: the rest of its stretch is zero).
+    /// `None` for a direction or field outside the control block.
+    #[doc(hidden)]
+    pub fn control_word_for_tests(&self, dir: usize, field: usize) -> Option<u64> {
+        if dir > SERVER_TO_CLIENT || field % layout::CONTROL_STRIDE != 0 || field >= 8 * layout::CONTROL_STRIDE {
+            return None;
+        }
+        Some(self.core.seg.ctl_u64(dir, field).load(Ordering::Acquire))
+    }
+
     /// Test support: the segment's layout, to aim [`scribble_for_tests`](Self::scribble_for_tests).
     #[doc(hidden)]
     pub fn layout_for_tests(&self) -> crate::layout::Layout {
@@ -826,6 +851,8 @@ pub struct BlockMut {
     ptr: *mut u8,
     len: usize,
     sent: bool,
+    /// What this block added to our `CTL_COMPOSING` word; taken back when it is sent or freed.
+    announced: u64,
 }
 
 // SAFETY: the block is exclusively ours (the allocator handed it out once and nothing else
@@ -872,6 +899,12 @@ impl DerefMut for BlockMut {
 
 impl Drop for BlockMut {
     fn drop(&mut self) {
+        let core = &self.sender.core;
+        if self.announced != 0 {
+            // After the push when the block was sent: the peer's spin lasts until the frame is
+            // there. The peer may scribble on the word; that only misleads its own spin.
+            core.seg.ctl_u64(core.tx, layout::CTL_COMPOSING).fetch_sub(self.announced, Ordering::Relaxed);
+        }
         if self.sent {
             return;
         }
@@ -881,7 +914,6 @@ impl Drop for BlockMut {
         // Another thread of ours may be waiting for exactly this room; the peer will not ring
         // for it (it never saw the block), so we do, the way the peer rings for released blocks:
         // only if a waiter has announced its sleep (no system call otherwise).
-        let core = &self.sender.core;
         wake_if_parked(core.seg.ctl_u32(core.tx, layout::CTL_PRODUCER_PARKED), &core.bells.my_tx);
     }
 }

@@ -13,7 +13,9 @@
 //!
 //! A wait (`Waiter`) spins first, checking its condition in batches of 64: purely for
 //! `SpinPolicy::yield_after`, then yielding the CPU after every batch, until `SpinPolicy::max` (see
-//! `config`). Then it parks: it sets the parked flag, fences, checks once more
+//! `config`), or past it while the peer announces a large message it is writing for us (ADR
+//! 0026: a wait woken by that announcement spins for the message before it sleeps again).
+//! Then it parks: it sets the parked flag, fences, checks once more
 //! (`announce_and_check`), and sleeps in `poll(2)` on the eventfd and the socket for the time left.
 //! A deadline that passes is `Timeout`, and the connection stays usable; an error from the
 //! condition itself (a corrupted cursor found while a receive or a send waits) closes the
@@ -38,7 +40,7 @@
 //! binding's asyncio `Reactor` gives one to its event loop to watch.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{fence, AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::time::Instant;
 
 use event_listener::{Event, Listener};
@@ -107,6 +109,10 @@ pub(crate) struct Waiter<'a> {
     pub(crate) stats: &'a Stats,
     /// Says what was being waited for, in timeout errors.
     pub(crate) what: &'static str,
+    /// For a wait for the peer's frames: the peer's `CTL_COMPOSING` word, the bytes it says it
+    /// is writing for us. While it is large the spin goes on longer, and a wait woken with no
+    /// frame yet spins again instead of sleeping at once (ADR 0026).
+    pub(crate) composing: Option<&'a AtomicU64>,
 }
 
 /// Releases the poller role (and the parked flag) however the wait ends, and lets the other
@@ -125,10 +131,35 @@ impl Drop for PollerGuard<'_> {
 }
 
 impl Waiter<'_> {
-    /// Spins for at most the policy's bound, yielding the CPU after `yield_after`.
+    /// Spins for at most the policy's bound, yielding the CPU after `yield_after`; past it, for
+    /// as long as the peer's announced message plausibly takes to write.
     fn spin(&self, deadline: Option<Instant>, ready: &mut impl FnMut() -> Result<bool>) -> Result<bool> {
-        let max = self.spin.max;
-        if max.is_zero() {
+        self.spin_for(self.spin.max, deadline, ready)
+    }
+
+    /// The spin after a wake-up that found nothing: only while the peer announces a message.
+    fn spin_while_composing(
+        &self,
+        deadline: Option<Instant>,
+        ready: &mut impl FnMut() -> Result<bool>,
+    ) -> Result<bool> {
+        if self.composing_extra().is_zero() {
+            return Ok(false);
+        }
+        self.spin_for(std::time::Duration::ZERO, deadline, ready)
+    }
+
+    fn composing_extra(&self) -> std::time::Duration {
+        self.composing.map_or(std::time::Duration::ZERO, |c| self.spin.composing_extra(c.load(Ordering::Relaxed)))
+    }
+
+    fn spin_for(
+        &self,
+        base: std::time::Duration,
+        deadline: Option<Instant>,
+        ready: &mut impl FnMut() -> Result<bool>,
+    ) -> Result<bool> {
+        if self.spin.max.is_zero() {
             return Ok(false);
         }
         let start = Instant::now();
@@ -142,7 +173,12 @@ impl Waiter<'_> {
             }
             let now = Instant::now();
             let spent = now - start;
-            if spent >= max || deadline.is_some_and(|d| now >= d) {
+            if deadline.is_some_and(|d| now >= d) {
+                return Ok(false);
+            }
+            // The announcement is read only once the base bound is spent: one load per batch
+            // of a line the peer writes twice per large message.
+            if spent >= base && spent >= base.saturating_add(self.composing_extra()) {
                 return Ok(false);
             }
             if spent >= self.spin.yield_after {
@@ -193,6 +229,11 @@ impl Waiter<'_> {
                     Some(d) => drop(listener.wait_deadline(d)),
                     None => listener.wait(),
                 }
+            }
+            // Woken (perhaps by the peer's announcement of a large message) with the flag
+            // down: catch that message by spinning, not by a second sleep and wake-up.
+            if self.spin_while_composing(deadline, &mut ready)? {
+                return Ok(());
             }
         }
     }
@@ -263,6 +304,9 @@ impl Waiter<'_> {
                     return Ok(());
                 }
                 listener.await;
+            }
+            if self.spin_while_composing(None, &mut ready)? {
+                return Ok(());
             }
         }
     }

@@ -41,8 +41,12 @@ pub const CTL_PRODUCER_PARKED: usize = 3 * CONTROL_STRIDE;
 pub const CTL_REL_TAIL: usize = 4 * CONTROL_STRIDE;
 /// Control word: release-ring head, written by the producer.
 pub const CTL_REL_HEAD: usize = 5 * CONTROL_STRIDE;
+/// Control word: bytes of arena blocks the producer has taken for messages it is still writing
+/// (u64). A hint for the consumer's spin, written by the producer; the consumer only bounds a
+/// spin by it (ADR 0026).
+pub const CTL_COMPOSING: usize = 6 * CONTROL_STRIDE;
 
-const _: () = assert!(control_base(1) + 6 * CONTROL_STRIDE <= CONTROL_LEN);
+const _: () = assert!(control_base(1) + 7 * CONTROL_STRIDE <= CONTROL_LEN);
 
 /// Fixed size of a frame header in the ring.
 pub const FRAME_HEADER_LEN: usize = 16;

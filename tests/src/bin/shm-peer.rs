@@ -4,6 +4,10 @@
 //! shm-peer echo-server ADDR [ARENA]      echo every MESSAGE back on its stream
 //! shm-peer hang-client ADDR              connect, send one message, block in recv
 //! shm-peer big-client ADDR SIZE ARENA    send one SIZE-byte patterned message, print the reply
+//! shm-peer composing-client ADDR SIZE    on the server's `go`, once its reader sleeps: take a
+//!                                        SIZE-byte block (`ANNOUNCED rung=… composing=…`), fill
+//!                                        it with pattern SIZE and send it (`SENT composing=…`),
+//!                                        then take one more and drop it (`DROPPED composing=…`)
 //! shm-peer hostile-server ADDR MODE      accept one client, then corrupt the segment
 //! shm-peer sink-server ADDR              accept clients and never read from them
 //! shm-peer client-as-uid ADDR UID        switch to UID (needs root), then try to connect
@@ -20,7 +24,7 @@ use std::io::Write;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-use isthmus_shm::layout::{self, SERVER_TO_CLIENT};
+use isthmus_shm::layout::{self, CLIENT_TO_SERVER, SERVER_TO_CLIENT};
 use isthmus_shm::{flags, Address, Config, Connection, Kind, Listener, Sender};
 use isthmus_tests::pattern;
 
@@ -60,6 +64,7 @@ fn main() {
             echo_server(&addr, cfg)
         }
         "hang-client" => hang_client(&addr),
+        "composing-client" => composing_client(&addr, num(&arg(&args, 3, "size"))),
         "big-client" => big_client(&addr, num(&arg(&args, 3, "size")), num(&arg(&args, 4, "arena"))),
         "hostile-server" => hostile_server(&addr, &arg(&args, 3, "mode")),
         "shared-sink" => shared_sink(&addr, num(&arg(&args, 3, "count")), num(&arg(&args, 4, "hold"))),
@@ -138,6 +143,38 @@ fn big_client(addr: &Address, size: usize, arena: usize) {
     }
     let c = sender.counters();
     say(&format!("COUNTERS arena_full_waits={} arena_high_water={}", c.arena_full_waits, c.arena_high_water));
+}
+
+/// Shows the announcement of a large block (ADR 0026) from the writer's side: what the
+/// allocation rang, and the word the server reads, while the block is held, once it is sent,
+/// and once another is dropped unsent.
+fn composing_client(addr: &Address, size: usize) {
+    say("READY");
+    let Connection { sender, mut receiver } = Connection::connect(addr, &Config::default()).unwrap_or_else(|e| {
+        say(&format!("CONNECT-ERROR {:?} {e}", e.kind()));
+        std::process::exit(1)
+    });
+    let word = |field| sender.control_word_for_tests(CLIENT_TO_SERVER, field).expect("a control word");
+    let go = receiver.recv(None).expect("the server's go");
+    assert_eq!(&go.body[..], b"go");
+    drop(go);
+    // The server's reader is asleep once its parked flag is up: it waits for this client's
+    // next frame and none is coming (a watchdog bound, not a timing assumption).
+    let asleep = (0..30_000).any(|_| {
+        std::thread::sleep(Duration::from_millis(1));
+        word(layout::CTL_CONSUMER_PARKED) != 0
+    });
+    assert!(asleep, "the server's reader never went to sleep");
+    let before = sender.counters().doorbells_rung;
+    let mut block = sender.alloc(size, None).expect("a block");
+    let rung = sender.counters().doorbells_rung - before;
+    say(&format!("ANNOUNCED rung={rung} composing={}", word(layout::CTL_COMPOSING)));
+    isthmus_tests::fill(&mut block, size as u64);
+    sender.send_block(1, flags::END_STREAM, block, None).expect("send the block");
+    say(&format!("SENT composing={}", word(layout::CTL_COMPOSING)));
+    drop(sender.alloc(size, None).expect("another block"));
+    say(&format!("DROPPED composing={}", word(layout::CTL_COMPOSING)));
+    let _ = receiver.recv(None); // until the server closes
 }
 
 /// Writes what `mode` names into the server→client direction, as a broken or hostile server.

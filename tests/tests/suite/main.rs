@@ -14,6 +14,7 @@ mod rpc_calls;
 mod rpc_flow;
 mod rpc_one_frame;
 mod shm_big;
+mod shm_composing;
 mod shm_handshake;
 mod shm_hostile;
 mod shm_liveness;
