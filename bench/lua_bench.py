@@ -6,6 +6,12 @@ alternative it replaces, a cosocket to a Unix socket with a 4-byte length before
 makes one 512 B call per request (`lua-isthmus-shm-http`, `lua-cosocket-uds-http`) and against
 the same location making none (`nginx-lua-nocall-http`, the ceiling).
 
+The floor under the sequential echo is measured in the same rounds (`lua-floor-copy-out`:
+`isthmus-bench floor-copy-out`, two processes that spin on each other and make the echo's three
+copies, with no transport and no Lua: the request into shared memory, the server's answer, and
+the answer out into memory of the caller's own, as `ffi.string` makes it; the lowest of three
+short runs).
+
 Two other ways to wait that the ADR (docs/adr/0011) weighed are measured at 512 B too:
 `lua-isthmus-shm-nospin` (every reply through the completion queue's cosocket bell) and
 `lua-isthmus-worker-thread` (a blocking call inside `ngx.run_worker_thread`).
@@ -183,7 +189,7 @@ def main() -> int:
             "uds_server": [servers[1].pid],
         }
         for rnd in range(1, rounds + 1):
-            records += run_round(port, rnd, calls, seconds, pids)
+            records += run_round(port, rnd, calls, seconds, pids, bench_bin)
     finally:
         nginx.send_signal(signal.SIGQUIT)
         try:
@@ -211,13 +217,21 @@ def main() -> int:
 
 
 def run_round(
-    port: int, rnd: int, calls: int, seconds: int, pids: dict[str, list[int]]
+    port: int, rnd: int, calls: int, seconds: int, pids: dict[str, list[int]], bench_bin: Path
 ) -> list[dict[str, object]]:
-    """One round: the sequential runs, then wrk against each location."""
+    """One round: the sequential runs, each size's floor right after them (this host's speed
+    drifts by 2-4x within minutes), then wrk against each location."""
     records: list[dict[str, object]] = []
-    runs = [(s, size, calls) for size in SIZES for s in ("lua-isthmus-shm", "lua-cosocket-uds")]
+    runs = [
+        (s, size, calls)
+        for size in SIZES
+        for s in ("lua-isthmus-shm", "lua-cosocket-uds", "lua-floor-copy-out")
+    ]
     runs += [(s, 512, calls // 5) for s in ("lua-isthmus-shm-nospin", "lua-isthmus-worker-thread")]
     for system, size, n in runs:
+        if system == "lua-floor-copy-out":
+            records.append(floor(bench_bin, rnd, size, 1.0 if calls < CALLS else 2.0))
+            continue
         r = json.loads(get(port, f"/seq?system={system}&size={size}&n={n}"))
         assert "error" not in r, (system, size, r)
         rec = {"system": system, "size": size, "inflight": 1, "round": rnd, "calls": n}
@@ -234,6 +248,31 @@ def run_round(
     return records
 
 
+def floor(bench_bin: Path, rnd: int, size: int, budget: float) -> dict[str, object]:
+    """One `lua-floor-copy-out` record (see the module's doc): the lowest p50 of three short
+    runs, each with processes of its own. A floor is the least the copies can cost, and on this
+    host one run in a few lands in a phase where it costs 3-4x that (as `floor-copy` does in
+    the transport's table), while the echoes beside it do not."""
+    runs = []
+    for _ in range(3):
+        done = subprocess.run(
+            [str(bench_bin), "floor-copy-out", str(budget / 3), str(size)],
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        runs.append(json.loads(done.stdout))
+    r = min(runs, key=lambda run: float(run["p50_us"]))
+    rec: dict[str, object] = {"system": "lua-floor-copy-out", "size": size, "inflight": 1, "round": rnd}
+    rec.update(p50_us=round(r["p50_us"], 3), p99_us=round(r["p99_us"], 3), rps=round(r["rps"], 1))
+    seen = ", ".join(f"{run['p50_us']:.2f}" for run in runs)
+    print(
+        f"round {rnd} {'lua-floor-copy-out':28} {size:>7} B  p50 {r['p50_us']:8.2f} µs (runs: {seen})",
+        flush=True,
+    )
+    return rec
+
+
 def median(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[len(xs) // 2]
@@ -246,8 +285,10 @@ def summarize(records: list[dict[str, object]]) -> None:
     print("\nmedians across rounds:")
     for size in SIZES:
         ours, theirs = med("lua-isthmus-shm", size, "p50_us"), med("lua-cosocket-uds", size, "p50_us")
+        floor = med("lua-floor-copy-out", size, "p50_us")
         print(
-            f"  {size:>6} B  isthmus p50 {ours:7.2f} µs, cosocket p50 {theirs:7.2f} µs: {theirs / ours:.1f}x"
+            f"  {size:>6} B  isthmus p50 {ours:7.2f} µs, cosocket p50 {theirs:7.2f} µs: {theirs / ours:.1f}x;"
+            f" floor {floor:.2f} µs (isthmus {ours / floor:.2f}x it; 5x the cosocket is {theirs / 5:.2f} µs)"
         )
     ours, theirs, none = (med(s, 512, "rps") for s in (HTTP[0], HTTP[2], HTTP[3]))
     print(f"  wrk -c32: isthmus {ours:.0f}/s, cosocket {theirs:.0f}/s ({ours / theirs:.2f}x)")

@@ -116,11 +116,12 @@ fn main() {
             allocs::per_call(size, calls);
         }
         // `floor-copy SECONDS SIZE…`: the copy floor alone, one JSON line per size, for
-        // `py_raw_bench.py` to measure in its own rounds.
-        "floor-copy" => {
+        // `py_raw_bench.py` to measure in its own rounds; `floor-copy-out` the same with the
+        // answer copied out (`lua_bench.py`'s floor).
+        "floor-copy" | "floor-copy-out" => {
             let time = Duration::from_secs_f64(arg(2).parse().expect("seconds"));
             let budget = Budget { time, min_iters: 20, max_iters: 100_000 };
-            let mut floor = FloorCopy::start();
+            let mut floor = if arg(1) == "floor-copy" { FloorCopy::start() } else { FloorCopy::copying_out() };
             for size in args[3..].iter().map(|a| a.parse::<usize>().expect("size")) {
                 let s = floor.round_trip(size, budget);
                 let line = serde_json::json!({"size": size, "p50_us": s.p50_us, "p99_us": s.p99_us, "rps": s.rps});

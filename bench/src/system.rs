@@ -537,30 +537,45 @@ impl CopySegment {
 /// the answer. The same two copies (the transport's own, `copy_into_shared`) and two hand-overs
 /// as `isthmus-shm-transport`, with no transport at all; what a round trip costs beyond this is
 /// the transport's own.
+///
+/// [`FloorCopy::copying_out`] adds a third copy: the client copies the answer out of shared
+/// memory into its own buffer, as a binding does that hands its language a string of its own
+/// (Lua's `ffi.string`, Python's `bytes`). That is the floor of such a binding's echo.
 pub struct FloorCopy {
     fd: OwnedFd,
     seg: CopySegment,
     seq: u64,
+    copy_out: bool,
 }
 
 impl FloorCopy {
     pub fn start() -> FloorCopy {
         let fd = inheritable_memfd(c"bench-copy", 4096 + 2 * COPY_MAX);
         let seg = CopySegment::map(fd.as_raw_fd());
-        FloorCopy { fd, seg, seq: 0 }
+        FloorCopy { fd, seg, seq: 0, copy_out: false }
+    }
+
+    /// The floor with the answer copied out too (system `floor-copy-out`).
+    pub fn copying_out() -> FloorCopy {
+        FloorCopy { copy_out: true, ..FloorCopy::start() }
     }
 }
 
 impl System for FloorCopy {
     fn name(&self) -> &'static str {
-        "floor-copy"
+        if self.copy_out {
+            "floor-copy-out"
+        } else {
+            "floor-copy"
+        }
     }
 
     fn round_trip(&mut self, size: usize, budget: Budget) -> Sample {
         assert!(size <= COPY_MAX);
         let server = Server::spawn(&["serve-copy".into(), self.fd.as_raw_fd().to_string()]);
         let payload = vec![0x5au8; size];
-        let (seg, seq) = (&self.seg, &mut self.seq);
+        let mut answer = vec![0u8; if self.copy_out { size } else { 0 }];
+        let (seg, seq, copy_out) = (&self.seg, &mut self.seq, self.copy_out);
         seg.page.word(2).store(size as u64, Ordering::Relaxed);
         let sample = measure::run(budget, size, || {
             // SAFETY: A is a COPY_MAX-byte region of the mapping, `size` fits in it, and the
@@ -571,6 +586,14 @@ impl System for FloorCopy {
             seg.page.word(0).store(*seq, Ordering::Release);
             while seg.page.word(1).load(Ordering::Acquire) != *seq {
                 std::hint::spin_loop();
+            }
+            if copy_out {
+                // SAFETY: B is a COPY_MAX-byte region the server finished writing before its
+                // store to word 1, which the load above acquired; it writes B again only after
+                // the next store to word 0.
+                let b = unsafe { std::slice::from_raw_parts(seg.b, size) };
+                answer.copy_from_slice(b);
+                std::hint::black_box(&mut answer);
             }
         });
         drop(server);
