@@ -193,6 +193,7 @@ impl Waiter<'_> {
         if self.spin(deadline, &mut ready)? {
             return Ok(());
         }
+        let mut spun_for_announcement = false;
         loop {
             self.link.check()?;
             if ready()? {
@@ -231,9 +232,14 @@ impl Waiter<'_> {
                 }
             }
             // Woken (perhaps by the peer's announcement of a large message) with the flag
-            // down: catch that message by spinning, not by a second sleep and wake-up.
-            if self.spin_while_composing(deadline, &mut ready)? {
-                return Ok(());
+            // down: catch that message by spinning, not by a second sleep and wake-up. Once
+            // per wait, so a peer that rings and announces without sending costs one such spin
+            // per frame it sends, as an honest one does.
+            if !spun_for_announcement {
+                spun_for_announcement = true;
+                if self.spin_while_composing(deadline, &mut ready)? {
+                    return Ok(());
+                }
             }
         }
     }
@@ -259,6 +265,7 @@ impl Waiter<'_> {
         if self.spin(None, &mut ready)? {
             return Ok(());
         }
+        let mut spun_for_announcement = false;
         loop {
             self.link.check()?;
             if ready()? {
@@ -305,8 +312,11 @@ impl Waiter<'_> {
                 }
                 listener.await;
             }
-            if self.spin_while_composing(None, &mut ready)? {
-                return Ok(());
+            if !spun_for_announcement {
+                spun_for_announcement = true;
+                if self.spin_while_composing(None, &mut ready)? {
+                    return Ok(());
+                }
             }
         }
     }
