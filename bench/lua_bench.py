@@ -189,7 +189,7 @@ def main() -> int:
             "uds_server": [servers[1].pid],
         }
         for rnd in range(1, rounds + 1):
-            records += run_round(port, rnd, calls, seconds, pids, bench_bin)
+            records += run_round(port, rnd, calls, seconds, pids, bench_bin, 1.0 if args.quick else 2.0)
     finally:
         nginx.send_signal(signal.SIGQUIT)
         try:
@@ -217,7 +217,13 @@ def main() -> int:
 
 
 def run_round(
-    port: int, rnd: int, calls: int, seconds: int, pids: dict[str, list[int]], bench_bin: Path
+    port: int,
+    rnd: int,
+    calls: int,
+    seconds: int,
+    pids: dict[str, list[int]],
+    bench_bin: Path,
+    floor_seconds: float,
 ) -> list[dict[str, object]]:
     """One round: the sequential runs, each size's floor right after them (this host's speed
     drifts by 2-4x within minutes), then wrk against each location."""
@@ -230,7 +236,7 @@ def run_round(
     runs += [(s, 512, calls // 5) for s in ("lua-isthmus-shm-nospin", "lua-isthmus-worker-thread")]
     for system, size, n in runs:
         if system == "lua-floor-copy-out":
-            records.append(floor(bench_bin, rnd, size, 1.0 if calls < CALLS else 2.0))
+            records.append(floor(bench_bin, rnd, size, floor_seconds))
             continue
         r = json.loads(get(port, f"/seq?system={system}&size={size}&n={n}"))
         assert "error" not in r, (system, size, r)

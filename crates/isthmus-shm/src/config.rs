@@ -82,7 +82,7 @@ impl SpinPolicy {
         if self.max.is_zero() || owed < 1024 {
             return self;
         }
-        let extra = OWED_SPIN_PER_KIB.saturating_mul(u32::try_from(owed / 1024).unwrap_or(u32::MAX));
+        let extra = copy_time(owed);
         if extra > OWED_SPIN_CAP {
             return self;
         }
@@ -98,9 +98,13 @@ impl SpinPolicy {
         if self.max.is_zero() || composing < COMPOSING_MIN as u64 {
             return Duration::ZERO;
         }
-        let kib = u32::try_from(composing / 1024).unwrap_or(u32::MAX);
-        OWED_SPIN_PER_KIB.saturating_mul(kib).min(COMPOSING_SPIN_CAP)
+        copy_time(composing).min(COMPOSING_SPIN_CAP)
     }
+}
+
+/// How long a peer plausibly takes to copy `bytes`, at [`OWED_SPIN_PER_KIB`]; saturating.
+fn copy_time(bytes: u64) -> Duration {
+    OWED_SPIN_PER_KIB.saturating_mul(u32::try_from(bytes / 1024).unwrap_or(u32::MAX))
 }
 
 /// A block at least this large is announced to the peer while it is written

@@ -210,11 +210,21 @@ impl Core {
         let pushed = lock(&self.ring)?.try_push(header, body).map_err(|e| self.fail(e))?;
         if pushed {
             self.stats.add(&self.stats.frames_sent, 1);
-            if wake_if_parked(self.seg.ctl_u32(self.tx, layout::CTL_CONSUMER_PARKED), &self.bells.peer_rx) {
-                self.stats.add(&self.stats.doorbells_rung, 1);
-            }
+            self.wake_peer_reader();
         }
         Ok(pushed)
+    }
+
+    /// Rings the peer's receive doorbell if its reader sleeps (no system call otherwise).
+    fn wake_peer_reader(&self) {
+        if wake_if_parked(self.seg.ctl_u32(self.tx, layout::CTL_CONSUMER_PARKED), &self.bells.peer_rx) {
+            self.stats.add(&self.stats.doorbells_rung, 1);
+        }
+    }
+
+    /// Our `CTL_COMPOSING` word: the bytes of large blocks we are writing (ADR 0026).
+    fn composing(&self) -> &std::sync::atomic::AtomicU64 {
+        self.seg.ctl_u64(self.tx, layout::CTL_COMPOSING)
     }
 
     fn ring_has_room(&self, body_len: usize) -> Result<bool> {
@@ -475,12 +485,9 @@ impl Sender {
     fn block(&self, offset: usize, generation: u64, ptr: *mut u8, len: usize) -> BlockMut {
         let mut announced = 0;
         if len >= COMPOSING_MIN {
-            let core = &self.core;
-            core.seg.ctl_u64(core.tx, layout::CTL_COMPOSING).fetch_add(len as u64, Ordering::Relaxed);
             announced = len as u64;
-            if wake_if_parked(core.seg.ctl_u32(core.tx, layout::CTL_CONSUMER_PARKED), &core.bells.peer_rx) {
-                core.stats.add(&core.stats.doorbells_rung, 1);
-            }
+            self.core.composing().fetch_add(announced, Ordering::Relaxed);
+            self.core.wake_peer_reader();
         }
         BlockMut { sender: self.clone(), offset, generation, ptr, len, sent: false, announced }
     }
@@ -903,7 +910,7 @@ impl Drop for BlockMut {
         if self.announced != 0 {
             // After the push when the block was sent: the peer's spin lasts until the frame is
             // there. The peer may scribble on the word; that only misleads its own spin.
-            core.seg.ctl_u64(core.tx, layout::CTL_COMPOSING).fetch_sub(self.announced, Ordering::Relaxed);
+            core.composing().fetch_sub(self.announced, Ordering::Relaxed);
         }
         if self.sent {
             return;

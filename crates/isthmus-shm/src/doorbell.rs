@@ -41,7 +41,7 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use event_listener::{Event, Listener};
 
@@ -137,25 +137,29 @@ impl Waiter<'_> {
         self.spin_for(self.spin.max, deadline, ready)
     }
 
-    /// The spin after a wake-up that found nothing: only while the peer announces a message.
-    fn spin_while_composing(
+    /// The spin after a wake-up that found no frame (perhaps the peer's announcement of a large
+    /// message woke us): catch that message by spinning, not by a second sleep and wake-up; only
+    /// while the peer announces one, and once per wait (`tried`), so a peer that rings and
+    /// announces without sending costs one such spin per frame it sends, as an honest one does.
+    fn spin_after_wake(
         &self,
+        tried: &mut bool,
         deadline: Option<Instant>,
         ready: &mut impl FnMut() -> Result<bool>,
     ) -> Result<bool> {
-        if self.composing_extra().is_zero() {
+        if std::mem::replace(tried, true) || self.composing_extra().is_zero() {
             return Ok(false);
         }
-        self.spin_for(std::time::Duration::ZERO, deadline, ready)
+        self.spin_for(Duration::ZERO, deadline, ready)
     }
 
-    fn composing_extra(&self) -> std::time::Duration {
-        self.composing.map_or(std::time::Duration::ZERO, |c| self.spin.composing_extra(c.load(Ordering::Relaxed)))
+    fn composing_extra(&self) -> Duration {
+        self.composing.map_or(Duration::ZERO, |c| self.spin.composing_extra(c.load(Ordering::Relaxed)))
     }
 
     fn spin_for(
         &self,
-        base: std::time::Duration,
+        base: Duration,
         deadline: Option<Instant>,
         ready: &mut impl FnMut() -> Result<bool>,
     ) -> Result<bool> {
@@ -193,7 +197,7 @@ impl Waiter<'_> {
         if self.spin(deadline, &mut ready)? {
             return Ok(());
         }
-        let mut spun_for_announcement = false;
+        let mut spun_after_wake = false;
         loop {
             self.link.check()?;
             if ready()? {
@@ -231,15 +235,8 @@ impl Waiter<'_> {
                     None => listener.wait(),
                 }
             }
-            // Woken (perhaps by the peer's announcement of a large message) with the flag
-            // down: catch that message by spinning, not by a second sleep and wake-up. Once
-            // per wait, so a peer that rings and announces without sending costs one such spin
-            // per frame it sends, as an honest one does.
-            if !spun_for_announcement {
-                spun_for_announcement = true;
-                if self.spin_while_composing(deadline, &mut ready)? {
-                    return Ok(());
-                }
+            if self.spin_after_wake(&mut spun_after_wake, deadline, &mut ready)? {
+                return Ok(());
             }
         }
     }
@@ -265,7 +262,7 @@ impl Waiter<'_> {
         if self.spin(None, &mut ready)? {
             return Ok(());
         }
-        let mut spun_for_announcement = false;
+        let mut spun_after_wake = false;
         loop {
             self.link.check()?;
             if ready()? {
@@ -312,11 +309,8 @@ impl Waiter<'_> {
                 }
                 listener.await;
             }
-            if !spun_for_announcement {
-                spun_for_announcement = true;
-                if self.spin_while_composing(None, &mut ready)? {
-                    return Ok(());
-                }
+            if self.spin_after_wake(&mut spun_after_wake, None, &mut ready)? {
+                return Ok(());
             }
         }
     }

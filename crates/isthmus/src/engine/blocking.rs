@@ -43,8 +43,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use isthmus_shm::{flags, BlockMut, Config, Kind};
 
-use super::call::{open_head, request_in_head, CallState, Next, Reconnect, Slot};
-use super::wire;
+use super::call::{head_frame, open_head, request_in_head, CallState, Next, Reconnect, Slot};
 use crate::call::{check_path, CallOptions, Response};
 use crate::connectivity::{Connectivity, Live, Tracker};
 use crate::engine::flow::{self, Credit};
@@ -271,14 +270,8 @@ impl Channel {
         let head = open_head(path, &options.metadata, deadline);
         let by = sooner(deadline, patience);
         let first = first.filter(|m| request_in_head(&call.state, &head, m));
-        let (sender, id) = (&call.state.mux.sender, call.state.id());
-        let sent = match first {
-            Some(m) => {
-                sender.send_parts(Kind::Headers, flags::END_STREAM | wire::WITH_MESSAGE, id, &head.parts_with(m), by)
-            }
-            None => sender.send_parts(Kind::Headers, 0, id, &head.parts(), by),
-        };
-        match sent {
+        let (f, body) = head_frame(&head, first);
+        match call.state.mux.sender.send_parts(Kind::Headers, f, call.state.id(), &body, by) {
             Ok(()) => Ok((call, first.is_some())),
             Err(e) if impatient(&e, deadline) => Err(None),
             Err(e) => Err(Some(Status::from_transport(&e))),

@@ -101,6 +101,13 @@ pub(crate) fn request_in_head(state: &CallState, head: &wire::HeadParts<'_>, req
     inside
 }
 
+/// The flags and body of the HEADERS that opens a call: `head`, with `first` inside it for a
+/// one-frame call (what [`request_in_head`] let through).
+pub(crate) fn head_frame<'a>(head: &'a wire::HeadParts<'_>, first: Option<&'a [u8]>) -> (u8, [&'a [u8]; 4]) {
+    let flags = if first.is_some() { isthmus_shm::flags::END_STREAM | wire::WITH_MESSAGE } else { 0 };
+    (flags, head.parts_with(first.unwrap_or_default()))
+}
+
 /// One channel's connection slot, shared by its clones: the target, and the live connection
 /// that calls use until it dies.
 pub(crate) struct Slot {

@@ -56,7 +56,7 @@ use bytes::Bytes;
 use isthmus_shm::{flags, BlockMut, Config, Kind};
 use tokio::time::Instant;
 
-use super::call::{open_head, request_in_head, CallState, Next, Reconnect, Slot};
+use super::call::{head_frame, open_head, request_in_head, CallState, Next, Reconnect, Slot};
 use super::flow::{self, Credit};
 use super::inbox::Event;
 use super::mux::{ConnectionCounters, Mux, StreamShared};
@@ -217,15 +217,12 @@ impl ShmChannel {
         let call = ShmCall { state: CallState::new(stream, mux, path, keep), deadline, timer: None, reads };
         let head = open_head(path, &options.metadata, deadline.map(Instant::into_std));
         let first = first.filter(|m| request_in_head(&call.state, &head, m));
-        let (sender, id) = (&call.state.mux.sender, call.state.id());
-        let sent = match first {
-            Some(m) => {
-                let f = flags::END_STREAM | wire::WITH_MESSAGE;
-                sender.send_parts_async(Kind::Headers, f, id, &head.parts_with(m)).await
-            }
-            None => sender.send_parts_async(Kind::Headers, 0, id, &head.parts()).await,
-        };
-        sent.map_err(|e| Status::from_transport(&e))?;
+        let (f, body) = head_frame(&head, first);
+        let sender = &call.state.mux.sender;
+        sender
+            .send_parts_async(Kind::Headers, f, call.state.id(), &body)
+            .await
+            .map_err(|e| Status::from_transport(&e))?;
         Ok((call, first.is_some()))
     }
 

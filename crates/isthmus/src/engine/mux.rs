@@ -16,8 +16,8 @@
 //! its request inside its HEADERS and its response inside its TRAILERS: each becomes one event
 //! (`Event::Last`, the request and the half-close; `Event::Final`, the response and the end), and
 //! the message inside is held to `max_message_size` as a MESSAGE is. An end removes the stream and
-//! closes its entry (inbox, send window, the server's `Cancel`). Routing never waits for a call: flow control, not the inbox, bounds what a
-//! peer may queue.
+//! closes its entry (inbox, send window, the server's `Cancel`). Routing never waits for a call:
+//! flow control, not the inbox, bounds what a peer may queue.
 //!
 //! The reader task (`read_loop`) owns the `Receiver` for the async client and the server. It reads
 //! in batches: one wait, then up to 256 frames already in the ring without waiting, so calls start
@@ -1522,13 +1522,8 @@ impl Mux {
         let internal = |e: wire::WireError| Status::new(Code::Internal, format!("malformed frame from the peer: {e}"));
         let with_message = f.flags & wire::WITH_MESSAGE != 0;
         if with_message && !(self.one_frame() && matches!(f.kind, Kind::Headers | Kind::Trailers)) {
-            return Err(Status::new(
-                Code::Internal,
-                format!(
-                    "malformed frame from the peer: {:?} with a message inside, which this connection did not agree to",
-                    f.kind
-                ),
-            ));
+            let what = format!("{:?} with a message inside, which this connection did not agree to", f.kind);
+            return Err(internal(wire::bad(what)));
         }
         match f.kind {
             Kind::Headers => match accept {
@@ -1552,7 +1547,7 @@ impl Mux {
                     let (head, request) = if with_message {
                         let (head, at) = wire::RequestHead::decode_prefix(&f.body).map_err(internal)?;
                         if !end {
-                            return Err(internal(wire::WireError::new("HEADERS with a request but no END_STREAM")));
+                            return Err(internal(wire::bad("HEADERS with a request but no END_STREAM")));
                         }
                         // Too large for this side: the call fails as it would have on a MESSAGE
                         // frame, before its handler starts, and the connection goes on.
@@ -1576,7 +1571,7 @@ impl Mux {
                     }
                 }
                 None if with_message => {
-                    return Err(internal(wire::WireError::new("a server's HEADERS with a message inside")));
+                    return Err(internal(wire::bad("a server's HEADERS with a message inside")));
                 }
                 None => self
                     .deliver(f.stream, Event::Headers(wire::ResponseHead::decode(&f.body).map_err(internal)?.metadata)),
@@ -1584,7 +1579,7 @@ impl Mux {
             Kind::Message => return Ok(self.deliver_message(f.stream, f.body, f.flags & flags::END_STREAM != 0)),
             // From the client, TRAILERS (empty) is a half-close without a message.
             Kind::Trailers if serving && with_message => {
-                return Err(internal(wire::WireError::new("a client's TRAILERS with a message inside")));
+                return Err(internal(wire::bad("a client's TRAILERS with a message inside")));
             }
             Kind::Trailers if serving => self.deliver(f.stream, Event::HalfClose),
             // A one-frame call's end: its last response, then its status.

@@ -397,7 +397,7 @@ impl ServerCall {
     pub(crate) fn reserve_last(&mut self, len: usize) -> bool {
         let ready = !self.headers_sent
             && self.mux.one_frame()
-            && len + PLAIN_TRAILERS_LEN <= self.mux.sender.inline_max()
+            && len + wire::PLAIN_TRAILERS_LEN <= self.mux.sender.inline_max()
             && self.shared.send_window.try_take(flow::charge(len)) == Credit::Taken;
         // The message implies empty initial metadata (protocol 13.7, rule 2).
         self.headers_sent |= ready;
@@ -525,9 +525,6 @@ impl ServerCall {
         true
     }
 }
-
-/// Bytes of the TRAILERS body of a plain OK status, the least a held last message goes beside.
-const PLAIN_TRAILERS_LEN: usize = 17;
 
 /// Sends a call's end now if the ring has room: its TRAILERS `body`, with the call's held `last`
 /// message inside when the two fit inline (a one-frame call's end, protocol 13.9). False, with

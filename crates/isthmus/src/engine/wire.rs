@@ -30,6 +30,9 @@ pub const WIRE_VERSION: u8 = 1;
 /// `features::UNARY_IN_ONE_FRAME`): a client's HEADERS carries the call's only request after its
 /// head, or a server's TRAILERS the call's last response after its status.
 pub const WITH_MESSAGE: u8 = 0x10;
+/// Bytes of the TRAILERS body of a plain OK status (no message, details or metadata): how nearly
+/// every call ends, and the least a one-frame call's last message goes beside.
+pub(crate) const PLAIN_TRAILERS_LEN: usize = 17;
 /// Longest method path accepted.
 pub const MAX_PATH_LEN: usize = 1024;
 
@@ -45,14 +48,8 @@ impl fmt::Display for WireError {
 
 impl std::error::Error for WireError {}
 
-impl WireError {
-    /// An error that says `what` is wrong with a body.
-    pub(crate) fn new(what: &str) -> WireError {
-        WireError(what.to_owned())
-    }
-}
-
-fn bad(what: impl Into<String>) -> WireError {
+/// An error that says `what` is wrong with a body.
+pub(crate) fn bad(what: impl Into<String>) -> WireError {
     WireError(what.into())
 }
 
@@ -269,7 +266,7 @@ impl ResponseHead {
 /// Encodes the TRAILERS body for a call's final status.
 pub fn encode_trailers(status: &Status) -> Cow<'static, [u8]> {
     // Version, code OK, no message, no details, no metadata: how nearly every call ends.
-    static PLAIN_OK: [u8; 17] = [WIRE_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+    static PLAIN_OK: [u8; PLAIN_TRAILERS_LEN] = [WIRE_VERSION, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
     let (msg, details, md) = (status.message().as_bytes(), status.details(), status.metadata());
     if status.code() == Code::Ok && msg.is_empty() && details.is_empty() && md.is_empty() {
         return Cow::Borrowed(&PLAIN_OK);
