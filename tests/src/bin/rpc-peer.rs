@@ -6,7 +6,8 @@
 //! `ClientStream` (reply `u64 count, u64 bytes` of what arrived), `Bidi` (echo each),
 //! `Fail` (request `u32 code`: that status, with details and a trailer), `Panic`, `Sleep` (never
 //! returns; prints `SLEEP-DROPPED` when the server stops it), `TimeLeft` (milliseconds left),
-//! `Slow` (prints `SLOW-STARTED`, answers after 500 ms), `InPlace` (request `u32 size`: a reply of
+//! `Slow` (prints `SLOW-STARTED`, answers after 500 ms), `After` (request `u32 µs`: its
+//! echo after that long), `Every` (request `u32 µs, u32 count`: that many echoes, one every µs), `InPlace` (request `u32 size`: a reply of
 //! that size built in place in shared memory), `Flood` (64 KiB patterned messages until
 //! the call ends), `Stall` (never reads; returns only when stopped); `/test.Admin/FloodSent`
 //! answers `u64` messages `Flood` has sent so far; `/test.Admin/Shutdown` starts a graceful
@@ -131,6 +132,18 @@ fn main() {
                     tokio::time::sleep(std::time::Duration::from_micros(delay.into())).await;
                 }
                 call.send(&m).await
+            })
+            // Request `u32 µs, u32 count`: that many echoes, the first at once, then one every µs.
+            .handler("/test.Echo/Every", |mut call: ServerCall| async move {
+                let m = one(&mut call).await?;
+                let (every, count) = (u32_at(&m, 0)?, u32_at(&m, 4)?);
+                for i in 0..count {
+                    if i > 0 {
+                        tokio::time::sleep(std::time::Duration::from_micros(every.into())).await;
+                    }
+                    call.send(&m).await?;
+                }
+                Ok(())
             })
             .handler("/test.Echo/Unary", |mut call: ServerCall| async move {
                 let m = one(&mut call).await?;

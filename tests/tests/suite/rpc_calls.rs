@@ -674,3 +674,25 @@ fn replies_go_compressed_where_the_server_asks_and_the_client_reads_it() {
         assert!(reply.message == message, "isthmus's client: the echo differs");
     });
 }
+
+/// A call whose answer comes late waits asleep: it may read the connection for its spin, then
+/// leaves the reading to the reader task. A fruitless read once led to another (the reader task,
+/// asked for the receiver, woke the asking call as it gave the receiver back), and a stream
+/// waiting for its next message could go on asking and spinning until it came: 44-71 ms of CPU
+/// over the 500 ms this test waits, where a wait asleep costs 0-1 ms. The client is a process of
+/// its own (`idle-client`), so the CPU it reports is its own, whatever else the host runs.
+#[test]
+fn a_call_waiting_for_a_late_answer_spends_no_cpu_meanwhile() {
+    let (_server, addr) = server();
+    let mut client = Peer::spawn_bin("idle-client", &[&addr]);
+    for kind in ["unary", "stream"] {
+        let line = client.expect_line("WAITED ", Duration::from_secs(60));
+        let f: Vec<&str> = line.split_whitespace().collect();
+        let (wall_ms, cpu_ms): (u64, u64) = (f[2].parse().expect("wall"), f[3].parse().expect("cpu"));
+        assert_eq!(f[1], kind, "{line}");
+        assert!(wall_ms >= 400, "the answers came sooner than the server sends them: {line}");
+        // A twentieth of the wall time: 20 times what a wait asleep costs here.
+        assert!(cpu_ms * 20 < wall_ms, "a {kind} call used {cpu_ms} ms of CPU while it waited {wall_ms} ms: {line}");
+    }
+    client.expect_line("DONE", Duration::from_secs(30));
+}
