@@ -175,6 +175,40 @@ fn a_client_cancel_stops_the_server_handler() {
     });
 }
 
+/// A call dropped while the ring to the server is full still stops its handler: its CANCEL
+/// goes once the ring has room. The server is stopped (SIGSTOP) with a handler running, the
+/// client fills its 4 KiB ring with another call's messages, drops the first call, and the
+/// server is let go on. Before, a drop's CANCEL that found no room was lost, and the handler ran
+/// on until the connection ended.
+#[test]
+fn a_call_dropped_while_the_ring_is_full_still_stops_its_handler() {
+    let (mut server, addr) = server();
+    run(async move {
+        let small = isthmus::Config { ring_size: 4096, inline_max: 512, ..isthmus::Config::default() };
+        let ch = Channel::connect_with(&addr, small).await.expect("connect");
+        let mut sleeping = ch.start("/test.Echo/Sleep", CallOptions::default()).await.expect("start");
+        sleeping.send(b"x").await.expect("send");
+        server.expect_line("SLEEPING", Duration::from_secs(30));
+
+        // SAFETY: kill(2) on the peer process this test started; it only sends a signal.
+        assert_eq!(unsafe { libc::kill(server.pid() as i32, libc::SIGSTOP) }, 0);
+        let mut filler = ch.start("/test.Echo/Stall", CallOptions::default()).await.expect("start");
+        let mut sent = 0;
+        // A send that waits this long for room has found the ring full (the server reads
+        // nothing while stopped); a watchdog bounds the loop.
+        while tokio::time::timeout(Duration::from_millis(200), filler.send(&[7u8; 256])).await.is_ok() {
+            sent += 1;
+            assert!(sent < 1000, "4 KiB of ring took {sent} messages of 256 B and is still not full");
+        }
+        drop(sleeping);
+        // SAFETY: as above.
+        assert_eq!(unsafe { libc::kill(server.pid() as i32, libc::SIGCONT) }, 0);
+        server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
+        drop(filler);
+        drop(ch);
+    });
+}
+
 #[test]
 fn a_server_that_ends_a_stream_midway_cancels_it_for_the_client() {
     let (_server, addr) = server();

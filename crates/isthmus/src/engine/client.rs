@@ -34,9 +34,9 @@
 //! bounded by it.
 //!
 //! `cancel()` sends CANCEL with CANCELLED and the server stops the handler. Dropping a call that
-//! has not ended unregisters it and sends the same CANCEL, best effort and without blocking
-//! (`Mux::send_cancel` with a patience of now): if the ring is full at that moment none goes out,
-//! and the server's handler runs on until its deadline or the connection's end.
+//! has not ended unregisters it and sends the same CANCEL without blocking (`Mux::send_cancel`
+//! with a patience of now): if the ring is full at that moment, the CANCEL goes once it has room,
+//! from a task of the connection's runtime.
 //!
 //! `SendHalf` sends a call's requests from another task (the bridge's request pump, a
 //! `CallSender`), waiting for credit on the stream's send window, while the call's own task reads

@@ -561,6 +561,9 @@ pub(crate) struct Mux {
     last_stream: AtomicU64,
     /// Calls started and finished on this connection, by final code.
     pub(crate) calls: CallTally,
+    /// The runtime the connection was made on, if any: CANCELs the ring had no room for go out
+    /// from a task of it (`send_cancel`).
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 /// Calls started, and calls finished by their final code.
@@ -673,6 +676,7 @@ impl Mux {
             draining: AtomicBool::new(false),
             last_stream: AtomicU64::new(0),
             calls: CallTally::default(),
+            runtime: tokio::runtime::Handle::try_current().ok(),
         })
     }
 
@@ -793,11 +797,28 @@ impl Mux {
         self.send_cancel(id, code, std::time::Instant::now());
     }
 
-    /// Sends a CANCEL for `id`, waiting for ring room until `patience` at most (best effort: if
-    /// the ring stays full the peer learns of it when the connection closes, or at its own
-    /// deadline).
+    /// Sends a CANCEL for `id`, waiting for ring room until `patience` at most; if the ring is
+    /// still full then, the CANCEL goes once it has room, from a task of the connection's
+    /// runtime (a thread of its own where there is none), so that the peer's handler stops
+    /// rather than run on until its deadline or the connection's end.
     pub(crate) fn send_cancel(&self, id: u64, code: Code, patience: std::time::Instant) {
-        let _ = self.sender.send(Kind::Cancel, 0, id, &wire::encode_cancel(code), Some(patience));
+        let body = wire::encode_cancel(code);
+        let Err(e) = self.sender.send(Kind::Cancel, 0, id, &body, Some(patience)) else { return };
+        if e.kind() != isthmus_shm::ErrorKind::Timeout {
+            return; // the connection is over: the peer's calls end with it
+        }
+        let sender = self.sender.clone();
+        match &self.runtime {
+            Some(rt) => drop(rt.spawn(async move {
+                let _ = sender.send_async(Kind::Cancel, 0, id, &body).await;
+            })),
+            None => {
+                let sent = std::thread::Builder::new()
+                    .name("isthmus-cancel".into())
+                    .spawn(move || sender.send(Kind::Cancel, 0, id, &body, None));
+                drop(sent);
+            }
+        }
     }
 
     /// Delivers a message, charging it to the stream's window; a peer that had no credit left
