@@ -41,7 +41,8 @@
 //! 2. one stop signal ends every `shm://` accept loop, which drops its listener and removes its
 //!    socket, and starts tonic's graceful shutdown on each HTTP/2 endpoint;
 //! 3. every live `shm://` connection gets GOAWAY and drains: a HEADERS after it is refused
-//!    UNAVAILABLE, with no handler run;
+//!    UNAVAILABLE, with no handler run; a connection whose handshake was still under way gets
+//!    GOAWAY once it ends, and closes at once;
 //! 4. the server waits until no `shm://` call is in flight and every endpoint's task has ended, for
 //!    at most `grace` in all;
 //! 5. endpoint tasks still running are aborted (their HTTP/2 calls dropped) and every `shm://`
@@ -67,9 +68,8 @@
 //! - A raw handler sends no HEADERS before its first message unless it calls `send_headers`, so a
 //!   tonic client that sends its first request only once the response opens waits on it, on every
 //!   endpoint, until its deadline.
-//! - Connections still in their handshake when a shutdown begins are not yet listed: they get no
-//!   GOAWAY and are not closed. A `unix://` endpoint aborted at the end of the grace leaves its
-//!   socket file; the next bind replaces it.
+//! - A `unix://` endpoint aborted at the end of the grace leaves its socket file; the next bind
+//!   replaces it.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -578,6 +578,8 @@ impl Bound {
             reporter.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
         }
         let _ = stop_tx.send(true); // shm listeners drop (their sockets go), HTTP/2 drains
+                                    // Connections still in their handshake close themselves once it ends (`Tracker::stopping`).
+        tracker.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
         let live: Vec<Arc<Mux>> =
             tracker.connections.lock().map(|c| c.iter().filter_map(|w| w.upgrade()).collect()).unwrap_or_default();
         for mux in &live {

@@ -450,6 +450,56 @@ fn graceful_shutdown_lets_calls_in_progress_finish_and_refuses_new_ones() {
     });
 }
 
+/// A client whose handshake ends after the server's graceful shutdown (it connected to the
+/// socket before, and sent its hello after) gets GOAWAY and a closed connection. Before, the
+/// shutdown never listed such a connection, and it was served on after `serve` had returned.
+/// The server runs in this process here, so that what outlives its `serve` can be seen.
+#[test]
+fn a_handshake_that_ends_after_the_shutdown_gets_a_closed_connection() {
+    use isthmus_shm::handshake::{Hello, HelloKind, HELLO_LEN};
+    use std::io::{Read, Write};
+    let addr = fresh_addr("late-handshake");
+    let path = addr.parse::<isthmus_shm::Address>().expect("address").socket_path().to_owned();
+    run(async move {
+        let bound = isthmus::Server::builder()
+            .handler("/test.Echo/Unary", |mut call: isthmus::ServerCall| async move {
+                let m = call.recv().await?.unwrap_or_default();
+                call.send_last(&m).await
+            })
+            .bind(&addr)
+            .expect("bind");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(bound.serve_with_shutdown(async {
+            let _ = stopped.await;
+        }));
+        let mut late = std::os::unix::net::UnixStream::connect(&path).expect("connect to the socket");
+        // The listener accepts in order: once a later client is served, `late` was accepted
+        // too, and its handshake waits for the hello.
+        let ch = Channel::connect(&addr).await.expect("connect");
+        ch.unary("/test.Echo/Unary", b"up", CallOptions::default()).await.expect("a call");
+        let _ = stop.send(());
+        serving.await.expect("task").expect("a clean shutdown");
+
+        let late = tokio::task::spawn_blocking(move || {
+            let mut hello = Hello::new(HelloKind::Client);
+            let config = isthmus::Config::default();
+            hello.ring_size = [config.ring_size as u64, 0];
+            hello.arena_size = [config.arena_size as u64, 0];
+            late.write_all(&hello.encode()).expect("send the hello");
+            let mut reply = [0u8; HELLO_LEN];
+            late.read_exact(&mut reply).expect("the server's hello: the handshake ends after the shutdown");
+            assert_eq!(Hello::decode(&reply).expect("a hello").kind, HelloKind::Server);
+            // A generous watchdog: the connection closes as its handshake ends.
+            late.set_read_timeout(Some(Duration::from_secs(10))).expect("timeout");
+            late.read(&mut [0u8; 1])
+        });
+        match late.await.expect("task") {
+            Ok(0) => {}
+            other => panic!("the connection made after the shutdown stayed open: {other:?}"),
+        }
+    });
+}
+
 #[test]
 fn a_message_over_the_limit_is_resource_exhausted_naming_size_and_limit() {
     let addr = fresh_addr("rpc-limit");

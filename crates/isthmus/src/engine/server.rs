@@ -721,6 +721,9 @@ pub(crate) struct Tracker {
     pub(crate) connections: Mutex<Vec<std::sync::Weak<Mux>>>,
     pub(crate) calls: std::sync::atomic::AtomicUsize,
     pub(crate) idle: Notify,
+    /// Set by a graceful shutdown before it lists `connections`: a connection whose handshake
+    /// ends after that list was made closes itself (`serve_connection`).
+    pub(crate) stopping: std::sync::atomic::AtomicBool,
 }
 
 /// Counts a call in progress for as long as it lives.
@@ -808,6 +811,14 @@ async fn serve_connection(
     if let Ok(mut c) = tracker.connections.lock() {
         c.retain(|w| w.strong_count() > 0);
         c.push(Arc::downgrade(&mux));
+    }
+    // Listed before this look, under the same lock as the shutdown's list: a connection the
+    // shutdown did not list sees `stopping` here. Its client had begun the handshake before
+    // the listener closed; it gets GOAWAY and the connection closes, as the others' will.
+    if tracker.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+        mux.go_away("the server is shutting down").await;
+        mux.sender.close();
+        return;
     }
     let reader_mux = mux.clone();
     let make = Box::new(move |mut incoming: Incoming| -> CallFuture {
