@@ -68,8 +68,6 @@
 //! - A raw handler sends no HEADERS before its first message unless it calls `send_headers`, so a
 //!   tonic client that sends its first request only once the response opens waits on it, on every
 //!   endpoint, until its deadline.
-//! - A `unix://` endpoint aborted at the end of the grace leaves its socket file; the next bind
-//!   replaces it.
 
 use std::collections::HashMap;
 use std::future::Future;

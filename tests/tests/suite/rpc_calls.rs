@@ -500,6 +500,44 @@ fn a_handshake_that_ends_after_the_shutdown_gets_a_closed_connection() {
     });
 }
 
+/// A `unix://` endpoint whose calls outlast the grace is aborted, and its socket file goes
+/// with it (it used to stay until the next bind replaced it). In this process, so that the
+/// file can be looked at once `serve` has returned.
+#[test]
+fn a_unix_endpoint_aborted_at_the_end_of_the_grace_removes_its_socket() {
+    let socket = fresh_socket("aborted");
+    let target = format!("unix://{}", socket.display());
+    run(async move {
+        let started = std::sync::Arc::new(tokio::sync::Notify::new());
+        let starts = started.clone();
+        let bound = isthmus::Server::builder()
+            .grace(Duration::from_millis(200))
+            .handler("/test.Echo/Sleep", move |_call: isthmus::ServerCall| {
+                let starts = starts.clone();
+                async move {
+                    starts.notify_one();
+                    std::future::pending::<()>().await;
+                    Ok(())
+                }
+            })
+            .bind(&target)
+            .expect("bind");
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let serving = tokio::spawn(bound.serve_with_shutdown(async {
+            let _ = stopped.await;
+        }));
+        let ch = Channel::connect(&target).await.expect("connect");
+        let mut call = ch.start("/test.Echo/Sleep", CallOptions::default()).await.expect("start");
+        call.send(b"x").await.expect("send");
+        started.notified().await; // the call is in flight over HTTP/2
+        assert!(socket.exists());
+        let _ = stop.send(());
+        serving.await.expect("task").expect("the shutdown ends");
+        assert!(!socket.exists(), "{} is still there", socket.display());
+        drop(call);
+    });
+}
+
 #[test]
 fn a_message_over_the_limit_is_resource_exhausted_naming_size_and_limit() {
     let addr = fresh_addr("rpc-limit");

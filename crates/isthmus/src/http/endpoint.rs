@@ -265,7 +265,8 @@ impl HttpListener {
     }
 
     /// Serves `routes` with tonic's HTTP/2 server until `stop` completes; calls in progress
-    /// then finish (tonic's graceful shutdown).
+    /// then finish (tonic's graceful shutdown). A `unix://` socket's file goes when this ends or
+    /// is dropped.
     pub(crate) async fn serve(
         self,
         routes: tonic::service::Routes,
@@ -284,11 +285,10 @@ impl HttpListener {
                 let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(l), |s| {
                     fix(s.map(ServerIo::Unix))
                 });
-                let r = server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed);
-                if let Some(path) = path {
-                    let _ = std::fs::remove_file(path);
-                }
-                r
+                // Removed however the serving ends: also when a shutdown's grace runs out and
+                // this task is aborted.
+                let _file = SocketFile(path);
+                server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed)
             }
             HttpListener::Tcp(l, None) => {
                 let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(l), |s| {
@@ -300,6 +300,17 @@ impl HttpListener {
                 let incoming = tokio_stream::StreamExt::map(tls_incoming(l, config), fix);
                 server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed)
             }
+        }
+    }
+}
+
+/// A unix socket's file, removed when this is dropped.
+struct SocketFile(Option<std::path::PathBuf>);
+
+impl Drop for SocketFile {
+    fn drop(&mut self) {
+        if let Some(path) = &self.0 {
+            let _ = std::fs::remove_file(path);
         }
     }
 }
