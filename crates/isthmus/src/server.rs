@@ -598,6 +598,9 @@ impl Bound {
             () = grace_over(cut_off, hurry) => {}
         }
         endpoints.abort_all();
+        // Until each aborted task is dropped: what it holds (a listener, a socket file) is gone
+        // once `serve` returns.
+        while endpoints.join_next().await.is_some() {}
         for mux in &live {
             mux.sender.close(); // whatever is still running ends UNAVAILABLE on the client
         }
