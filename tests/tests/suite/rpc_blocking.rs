@@ -301,3 +301,32 @@ fn a_connection_found_dead_by_a_call_no_longer_counts_as_ready() {
     assert_eq!(waiting.join().expect("thread"), Code::Unavailable);
     assert_ne!(ch.connectivity(false), isthmus::Connectivity::Ready);
 }
+
+/// The blocking client's side of `rpc_calls::a_call_dropped_while_the_ring_is_full_…`: with no
+/// runtime in this process, the CANCEL that finds the ring full waits on a thread of its own
+/// (for up to 10 s) and goes once the server reads again.
+#[test]
+fn a_call_dropped_while_the_ring_is_full_still_stops_its_handler() {
+    let (mut server, addr) = server();
+    let small = isthmus::Config { ring_size: 4096, inline_max: 512, ..isthmus::Config::default() };
+    let ch = Channel::connect_with(&addr, small).expect("connect");
+    let mut sleeping = ch.start("/test.Echo/Sleep", CallOptions::default()).expect("start");
+    sleeping.send(b"x").expect("send");
+    server.expect_line("SLEEPING", Duration::from_secs(30));
+
+    // SAFETY: kill(2) on the peer process this test started; it only sends a signal.
+    assert_eq!(unsafe { libc::kill(server.pid() as i32, libc::SIGSTOP) }, 0);
+    // The filler's sends stop at its deadline once the ring is full (the server reads nothing
+    // while stopped).
+    let patient = CallOptions { timeout: Some(Duration::from_millis(300)), ..CallOptions::default() };
+    let mut filler = ch.start("/test.Echo/Stall", patient).expect("start");
+    let mut sent = 0;
+    while filler.send(&[7u8; 256]).is_ok() {
+        sent += 1;
+        assert!(sent < 1000, "4 KiB of ring took {sent} messages of 256 B and is still not full");
+    }
+    drop(sleeping);
+    // SAFETY: as above.
+    assert_eq!(unsafe { libc::kill(server.pid() as i32, libc::SIGCONT) }, 0);
+    server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
+}

@@ -534,6 +534,10 @@ impl Lender {
     }
 }
 
+/// How long a thread of its own waits for ring room to send a dropped call's CANCEL, where the
+/// connection has no runtime to wait on (`Mux::send_cancel`).
+const CANCEL_THREAD_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// The stream table of one connection.
 pub(crate) struct Mux {
     pub(crate) sender: Sender,
@@ -799,8 +803,8 @@ impl Mux {
 
     /// Sends a CANCEL for `id`, waiting for ring room until `patience` at most; if the ring is
     /// still full then, the CANCEL goes once it has room, from a task of the connection's
-    /// runtime (a thread of its own where there is none), so that the peer's handler stops
-    /// rather than run on until its deadline or the connection's end.
+    /// runtime (a thread of its own, for up to 10 s, where there is none), so that the peer's
+    /// handler stops rather than run on until its deadline or the connection's end.
     pub(crate) fn send_cancel(&self, id: u64, code: Code, patience: std::time::Instant) {
         let body = wire::encode_cancel(code);
         let Err(e) = self.sender.send(Kind::Cancel, 0, id, &body, Some(patience)) else { return };
@@ -812,10 +816,14 @@ impl Mux {
             Some(rt) => drop(rt.spawn(async move {
                 let _ = sender.send_async(Kind::Cancel, 0, id, &body).await;
             })),
+            // A thread waits a bounded time: a peer that stays stopped must not collect one
+            // parked thread per dropped call. Past it, the peer learns at its own deadline or
+            // the connection's end, as before.
             None => {
+                let patience = std::time::Instant::now() + CANCEL_THREAD_PATIENCE;
                 let sent = std::thread::Builder::new()
                     .name("isthmus-cancel".into())
-                    .spawn(move || sender.send(Kind::Cancel, 0, id, &body, None));
+                    .spawn(move || sender.send(Kind::Cancel, 0, id, &body, Some(patience)));
                 drop(sent);
             }
         }
