@@ -291,10 +291,10 @@ def summarize(records: list[dict[str, object]]) -> None:
     print("\nmedians across rounds:")
     for size in SIZES:
         ours, theirs = med("lua-isthmus-shm", size, "p50_us"), med("lua-cosocket-uds", size, "p50_us")
-        floor = med("lua-floor-copy-out", size, "p50_us")
+        low = med("lua-floor-copy-out", size, "p50_us")  # not `floor`: that is the function above
         print(
             f"  {size:>6} B  isthmus p50 {ours:7.2f} µs, cosocket p50 {theirs:7.2f} µs: {theirs / ours:.1f}x;"
-            f" floor {floor:.2f} µs (isthmus {ours / floor:.2f}x it; 5x the cosocket is {theirs / 5:.2f} µs)"
+            f" floor {low:.2f} µs (isthmus {ours / low:.2f}x it; 5x the cosocket is {theirs / 5:.2f} µs)"
         )
     ours, theirs, none = (med(s, 512, "rps") for s in (HTTP[0], HTTP[2], HTTP[3]))
     print(f"  wrk -c32: isthmus {ours:.0f}/s, cosocket {theirs:.0f}/s ({ours / theirs:.2f}x)")

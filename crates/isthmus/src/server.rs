@@ -79,7 +79,7 @@ use tokio::io::unix::AsyncFd;
 
 use crate::engine::mux::Mux;
 use crate::engine::server::{
-    accept_shm, bind_shm, Accepting, Handler, HandlerFn, Methods, ServerCall, ServerStats, Tracker,
+    accept_shm, bind_shm, Accepting, Handler, HandlerFn, Methods, ServerCall, ServerStats, Tracker, GOING_AWAY,
 };
 use crate::http::endpoint::{HttpListener, Target};
 use crate::http::tls::ServerTlsConfig;
@@ -576,12 +576,12 @@ impl Bound {
             reporter.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
         }
         let _ = stop_tx.send(true); // shm listeners drop (their sockets go), HTTP/2 drains
-                                    // Connections still in their handshake close themselves once it ends (`Tracker::stopping`).
+                                    // Before the list: connections still in their handshake close themselves once it ends.
         tracker.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
         let live: Vec<Arc<Mux>> =
             tracker.connections.lock().map(|c| c.iter().filter_map(|w| w.upgrade()).collect()).unwrap_or_default();
         for mux in &live {
-            mux.go_away("the server is shutting down").await;
+            mux.go_away(GOING_AWAY).await;
         }
         let drained = async {
             while tracker.calls.load(std::sync::atomic::Ordering::Acquire) > 0 {

@@ -6,10 +6,11 @@
 //! `ClientStream` (reply `u64 count, u64 bytes` of what arrived), `Bidi` (echo each),
 //! `Fail` (request `u32 code`: that status, with details and a trailer), `Panic`, `Sleep` (never
 //! returns; prints `SLEEP-DROPPED` when the server stops it), `TimeLeft` (milliseconds left),
-//! `Slow` (prints `SLOW-STARTED`, answers after 500 ms), `After` (request `u32 µs`: its
-//! echo after that long), `Every` (request `u32 µs, u32 count`: that many echoes, one every µs), `InPlace` (request `u32 size`: a reply of
-//! that size built in place in shared memory), `Flood` (64 KiB patterned messages until
-//! the call ends), `Stall` (never reads; returns only when stopped); `/test.Admin/FloodSent`
+//! `Slow` (prints `SLOW-STARTED`, answers after 500 ms), `After` (request `u32 µs`: its echo
+//! after that long), `Every` (request `u32 µs, u32 count`: that many echoes, one every µs),
+//! `InPlace` (request `u32 size`: a reply of that size built in place in shared memory), `Flood`
+//! (64 KiB patterned messages until the call ends), `Stall` (never reads; returns only when
+//! stopped); `/test.Admin/FloodSent`
 //! answers `u64` messages `Flood` has sent so far; `/test.Admin/Shutdown` starts a graceful
 //! shutdown, after which the process prints `SHUTDOWN-DONE` and exits.
 //!

@@ -715,6 +715,9 @@ impl ServerStats {
     }
 }
 
+/// What a graceful shutdown's GOAWAY says.
+pub(crate) const GOING_AWAY: &str = "the server is shutting down";
+
 /// The server's connections and calls in progress, for a graceful shutdown and counters.
 #[derive(Default)]
 pub(crate) struct Tracker {
@@ -816,7 +819,7 @@ async fn serve_connection(
     // shutdown did not list sees `stopping` here. Its client had begun the handshake before
     // the listener closed; it gets GOAWAY and the connection closes, as the others' will.
     if tracker.stopping.load(std::sync::atomic::Ordering::SeqCst) {
-        mux.go_away("the server is shutting down").await;
+        mux.go_away(GOING_AWAY).await;
         mux.sender.close();
         return;
     }

@@ -182,8 +182,8 @@ fn ip_port(s: &str, v6: bool) -> Result<String, String> {
 
 /// A bound HTTP/2 listener.
 pub(crate) enum HttpListener {
-    /// A unix socket, and its file to remove at the end (none for an abstract name).
-    Unix(tokio::net::UnixListener, Option<PathBuf>, String),
+    /// A unix socket, and its file, removed with the listener (none for an abstract name).
+    Unix(tokio::net::UnixListener, Option<SocketFile>, String),
     /// TCP, with TLS if configured.
     Tcp(tokio::net::TcpListener, Option<Arc<rustls::ServerConfig>>),
 }
@@ -212,8 +212,9 @@ impl HttpListener {
                 }
                 let std = std::os::unix::net::UnixListener::bind(path)
                     .map_err(|e| unavailable(format!("cannot bind {}: {e}", path.display())))?;
+                let file = SocketFile::bound(path.clone());
                 let name = format!("unix://{}", path.display());
-                Ok(HttpListener::Unix(tokio_unix(std)?, Some(path.clone()), name))
+                Ok(HttpListener::Unix(tokio_unix(std)?, file, name))
             }
             Target::UnixAbstract(name) => {
                 let addr = abstract_addr(name)?;
@@ -266,7 +267,7 @@ impl HttpListener {
 
     /// Serves `routes` with tonic's HTTP/2 server until `stop` completes; calls in progress
     /// then finish (tonic's graceful shutdown). A `unix://` socket's file goes when this ends or
-    /// is dropped.
+    /// is dropped (`SocketFile`).
     pub(crate) async fn serve(
         self,
         routes: tonic::service::Routes,
@@ -281,13 +282,11 @@ impl HttpListener {
         // Every connection is read through the `:authority` filter (see `authority.rs`).
         let fix = |s: std::io::Result<ServerIo>| s.map(crate::http::authority::AuthorityFix::new);
         match self {
-            HttpListener::Unix(l, path, _) => {
+            // `_file` goes when this ends, or when the task is aborted at the end of a grace.
+            HttpListener::Unix(l, _file, _) => {
                 let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(l), |s| {
                     fix(s.map(ServerIo::Unix))
                 });
-                // Removed however the serving ends: also when a shutdown's grace runs out and
-                // this task is aborted.
-                let _file = SocketFile(path);
                 server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed)
             }
             HttpListener::Tcp(l, None) => {
@@ -304,13 +303,30 @@ impl HttpListener {
     }
 }
 
-/// A unix socket's file, removed when this is dropped.
-struct SocketFile(Option<std::path::PathBuf>);
+/// A unix socket's file, removed when this is dropped if it is still the socket bound (its
+/// device and inode), not a successor's: the rule the `shm://` listener keeps (protocol 2).
+pub(crate) struct SocketFile {
+    path: PathBuf,
+    id: (u64, u64),
+}
+
+impl SocketFile {
+    /// The file just bound at `path`; `None` if it cannot be looked at (nothing is removed).
+    fn bound(path: PathBuf) -> Option<SocketFile> {
+        let id = file_id(&path)?;
+        Some(SocketFile { path, id })
+    }
+}
+
+fn file_id(path: &std::path::Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(path).ok().map(|m| (m.dev(), m.ino()))
+}
 
 impl Drop for SocketFile {
     fn drop(&mut self) {
-        if let Some(path) = &self.0 {
-            let _ = std::fs::remove_file(path);
+        if file_id(&self.path) == Some(self.id) {
+            let _ = std::fs::remove_file(&self.path);
         }
     }
 }
@@ -692,6 +708,26 @@ delegate_io!(Tracked.io);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_socket_file_is_removed_only_while_it_is_still_the_one_bound() {
+        let path = std::env::temp_dir().join(format!("isthmus-socketfile-{}.sock", std::process::id()));
+        let _ = std::fs::remove_file(&path);
+        let first = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        drop(SocketFile::bound(path.clone()).expect("bound"));
+        assert!(!path.exists(), "our own socket file is removed");
+        drop(first);
+
+        let first = std::os::unix::net::UnixListener::bind(&path).expect("bind");
+        let file = SocketFile::bound(path.clone()).expect("bound");
+        // A successor replaced the file (as `bind` does over a dead server's socket).
+        std::fs::remove_file(&path).expect("remove");
+        let successor = std::os::unix::net::UnixListener::bind(&path).expect("bind again");
+        drop(file);
+        assert!(path.exists(), "a successor's socket file stays");
+        drop((first, successor));
+        std::fs::remove_file(&path).expect("clean up");
+    }
 
     #[test]
     fn targets_parse_in_grpcs_forms() {
