@@ -9,7 +9,13 @@ cost this process something the real sidecar pays in Rust; that share is timed o
 taken off.
 
 So the gateway's requests/s on one core cannot exceed ``1 / floor``, whatever the transport,
-and ``grpc.aio``'s measured requests/s over that is the most any transport could gain on it::
+and ``grpc.aio``'s measured requests/s over that is the most any transport could gain on it.
+
+The same stub with ``suspend`` (system ``gateway-floor-async``) adds what any transport that
+completes calls on the event loop costs the loop at least: each call, and each message of a
+stream, waits for one future that the loop resolves on its next turn, as ``py-aio-floor`` does
+for the echo. The caller's task is suspended and resumed once per message, as it is when a
+reply comes from another process; nothing else is added::
 
     python bench/gateway_floor.py [--callers 125] [--seconds 5] [--results docs/bench/results.json]
 """
@@ -31,11 +37,21 @@ sys.path.insert(0, str(ROOT / "examples" / "gateway-sidecar"))
 import gateway  # noqa: E402
 
 
-class InProcessSidecar:
-    """A stub whose replies are made here: the sidecar's shapes, no transport."""
+async def next_turn() -> None:
+    """Suspends the calling task until the loop's next turn: one future, resolved by the loop."""
+    loop = asyncio.get_running_loop()
+    future = loop.create_future()
+    loop.call_soon(future.set_result, None)
+    await future
 
-    def __init__(self, pb: Any) -> None:
+
+class InProcessSidecar:
+    """A stub whose replies are made here: the sidecar's shapes, no transport; with `suspend`,
+    each reply and each streamed message is awaited for one turn of the loop."""
+
+    def __init__(self, pb: Any, suspend: bool = False) -> None:
         self.pb = pb
+        self.suspend = suspend
         self.reply_seconds = 0.0
         self.chunks = [
             pb.InvokeChunk(
@@ -57,11 +73,15 @@ class InProcessSidecar:
 
     async def Invoke(self, request: Any, timeout: float | None = None) -> Any:
         request = self.pb.InvokeRequest.FromString(request.SerializeToString())
+        if self.suspend:
+            await next_turn()
         return self.pb.InvokeResponse.FromString(self._invoke_reply(request))
 
     async def _chunks(self, request: Any) -> Any:
         request.SerializeToString()
         for c in self.chunks:
+            if self.suspend:
+                await next_turn()
             yield self.pb.InvokeChunk.FromString(c)
 
     def InvokeStream(self, request: Any, timeout: float | None = None) -> Any:
@@ -69,6 +89,8 @@ class InProcessSidecar:
 
     async def CloseSession(self, request: Any, timeout: float | None = None) -> Any:
         request.SerializeToString()
+        if self.suspend:
+            await next_turn()
         return self.pb.CloseSessionResponse.FromString(self.closed)
 
 
@@ -84,12 +106,13 @@ def grpc_aio_rps(results: Path, callers: int) -> float | None:
     return sorted(rows)[len(rows) // 2] if rows else None
 
 
-def measure(callers: int, seconds: float) -> tuple[float, float, float]:
-    """The gateway's own work per request at `callers`, in seconds, with the whole time per
-    request and the in-process replies' share; ValueError if requests failed."""
+def measure(callers: int, seconds: float, suspend: bool = False) -> tuple[float, float, float]:
+    """The gateway's own work per request at `callers`, in seconds (with `suspend`, plus one
+    turn of the loop per reply), with the whole time per request and the in-process replies'
+    share; ValueError if requests failed."""
     with tempfile.TemporaryDirectory() as out:
         pb, _ = gateway.stubs(out)
-        stub = InProcessSidecar(pb)
+        stub = InProcessSidecar(pb, suspend)
         result = asyncio.run(gateway.drive("isthmus", gateway.grpc_caller(pb, stub), callers, seconds))
     n = len(result.latencies)
     if result.failures or not n:
@@ -109,12 +132,17 @@ def main() -> int:
     args = parser.parse_args()
     try:
         floor, total, replies = measure(args.callers, args.seconds)
+        suspended, _, _ = measure(args.callers, args.seconds, suspend=True)
     except ValueError as e:
         print(e)
         return 1
     print(f"{args.callers} callers, {args.seconds:.1f} s, no transport")
     print(f"  per request: {total * 1e6:.1f} µs, of which the in-process replies {replies * 1e6:.1f} µs")
     print(f"  the gateway's own work: {floor * 1e6:.1f} µs a request, at most {1 / floor:,.0f} requests/s")
+    print(
+        f"  with one turn of the loop per reply and per streamed message (gateway-floor-async): "
+        f"{suspended * 1e6:.1f} µs a request, at most {1 / suspended:,.0f} requests/s"
+    )
     base = grpc_aio_rps(args.results, args.callers)
     if base:
         print(

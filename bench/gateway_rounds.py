@@ -3,7 +3,9 @@ its sidecar at 1, 32 and 125 concurrent callers, every transport in each run (so
 alternate), for several rounds; the rows join docs/bench/results.json as the systems
 `gateway-isthmus-shm`, `gateway-grpc-aio-uds` and `gateway-httpx-axum-uds`, with `size` = the
 request body's bytes and `inflight` = the callers; and each round's `gateway-floor` at 125
-callers (`gateway_floor.py`: requests/s of the gateway's own work, no transport).
+callers (`gateway_floor.py`: requests/s of the gateway's own work, no transport) and its
+`gateway-floor-async` (the same with one turn of the event loop per reply and per streamed
+message: the least a transport that completes calls on the loop adds).
 
 Usage: gateway_rounds.py RESULTS_JSON [--quick]
 """
@@ -73,24 +75,25 @@ def main() -> int:
                     )
         # The floor in the same run (bench/gateway_floor.py): the gateway's own Python work
         # per request, at the most callers, as requests/s.
-        floor, _, _ = gateway_floor.measure(max(callers), seconds)
         body = next((r["size"] for r in records if r["system"] == SYSTEMS["isthmus"]), 0)
-        records.append(
-            {
-                "system": "gateway-floor",
-                "size": body,
-                "inflight": max(callers),
-                "rps": round(1 / floor, 1),
-                "round": round_,
-            }
-        )
+        for system, suspend in (("gateway-floor", False), ("gateway-floor-async", True)):
+            floor, _, _ = gateway_floor.measure(max(callers), seconds, suspend)
+            records.append(
+                {
+                    "system": system,
+                    "size": body,
+                    "inflight": max(callers),
+                    "rps": round(1 / floor, 1),
+                    "round": round_,
+                }
+            )
     data = json.loads(results.read_text())
     data["header"].setdefault("versions", {}).update(versions())
     data["header"]["fields"] = (
         "system, size (bytes), inflight, p50_us, p99_us, rps, round; gateway rows also avg_us and failures; "
         "medians are taken across rounds"
     )
-    ours = {*SYSTEMS.values(), "gateway-floor"}
+    ours = {*SYSTEMS.values(), "gateway-floor", "gateway-floor-async"}
     kept = [r for r in data["records"] if r["system"] not in ours]
     data["records"] = kept + records
     # As isthmus-bench writes it: one compact record a line, keys sorted.

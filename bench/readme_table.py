@@ -64,11 +64,19 @@ def main() -> int:
         rows.append("")
         floor = med("gateway-floor", size, max(callers), "rps")
         top = med(gateway[0], size, max(callers), "rps")
+        floor_async = med("gateway-floor-async", size, max(callers), "rps")
         if floor and top:
             rows += [
                 f"The gateway's own Python work, with no transport (`bench/gateway_floor.py`, same run), "
                 f"allows at most {floor:,.0f} requests/s at {max(callers)} callers: isthmus reaches "
-                f"{top / floor:.0%} of it.",
+                f"{top / floor:.0%} of it."
+                + (
+                    f" With one turn of the event loop per reply and per streamed message, the least a "
+                    f"transport that completes calls on the loop adds (`gateway-floor-async`), it allows "
+                    f"{floor_async:,.0f}: isthmus reaches {top / floor_async:.0%} of that."
+                    if floor_async
+                    else ""
+                ),
                 "",
             ]
     rows += [

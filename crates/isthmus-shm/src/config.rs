@@ -131,6 +131,13 @@ pub struct Config {
     /// Largest message this side accepts; a larger one is refused with
     /// [`ErrorKind::MessageTooLarge`] and the connection goes on.
     pub max_message_size: u64,
+    /// Bytes this side holds at once, across all streams, of messages still arriving in pieces
+    /// (messages over half the peer's arena); `None` (the default) for `max_message_size`. A
+    /// piece that would go past it fails its own message with [`ErrorKind::MessageTooLarge`]: the
+    /// bytes copied so far are dropped, its later pieces handed back uncopied, and the
+    /// connection goes on. So messages a peer starts and never finishes cannot take more memory
+    /// than this.
+    pub max_reassembly: Option<u64>,
     /// Spinning before sleeping.
     pub spin: SpinPolicy,
     /// How long the server waits for a client's hello, and each side for each handshake read
@@ -161,6 +168,7 @@ impl Default for Config {
             arena_size: 64 << 20,
             inline_max: 8 << 10,
             max_message_size: 4 << 30,
+            max_reassembly: None,
             spin: SpinPolicy::default(),
             handshake_timeout: Duration::from_secs(5),
             peer_policy: PeerPolicy::default(),

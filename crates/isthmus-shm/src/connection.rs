@@ -39,8 +39,11 @@
 //!
 //! Reassembly buffers come from a pool private to the `Receiver`. A buffer starts empty, or is a
 //! pooled one cleared, and grows only with the bytes that arrive (`try_reserve` per piece), so the
-//! peer's `total` never decides how much is reserved; if a reservation fails the message becomes
-//! `MessageTooLarge` (remaining pieces released uncopied) instead of aborting the process. When the
+//! peer's `total` never decides how much is reserved. The bytes held in all of them at once are
+//! bounded by `Config::max_reassembly` (`reassembling`), so messages a peer starts and never ends
+//! cost at most that. A piece that would go past the bound, or a reservation that fails, makes its
+//! message `MessageTooLarge` (its bytes dropped, remaining pieces released uncopied) instead of
+//! aborting the process or failing the connection. When the
 //! delivered `Bytes` drops, its buffer goes back to the pool, which keeps at most two of at most
 //! 256 MiB each. A new message takes the smallest spare that holds its total, else the largest: a
 //! stream of large messages reuses memory already faulted in (65,536 page faults saved at 256 MiB,
@@ -141,6 +144,8 @@ struct Core {
     rx: usize,
     inline_max: usize,
     max_message_size: u64,
+    /// `Config::max_reassembly`, resolved.
+    max_reassembly: u64,
     spin: SpinPolicy,
     link: Link,
     bells: Bells,
@@ -1004,8 +1009,18 @@ struct Partial {
     received: u64,
     total: u64,
     oversize: bool,
-    /// Under the limit, but memory for it could not be had.
-    unreservable: bool,
+    /// Under the limit, but no memory for it: why, once known.
+    refused: Option<Refused>,
+}
+
+/// Why a message in pieces under `max_message_size` is dropped all the same.
+#[derive(Debug, Clone, Copy)]
+enum Refused {
+    /// The allocator had no room for its next piece.
+    Unreservable,
+    /// Its next piece would have taken the bytes held in pieces past `max_reassembly`; the
+    /// bytes of the other messages held then.
+    OverReassembly { others: u64 },
 }
 
 /// The receiving half of a connection. One per connection: the frame ring has one reader.
@@ -1014,6 +1029,9 @@ pub struct Receiver {
     ring: FrameConsumer,
     releaser: Arc<Releaser>,
     partial: HashMap<u64, Partial>,
+    /// Bytes copied into the buffers of `partial` (those not dropped), against
+    /// `Core::max_reassembly`.
+    reassembling: u64,
     pool: Arc<BufferPool>,
     /// Our `bytes_sent` when the peer's last frame came in (see [`Core::rx_waiter`]); read by
     /// blocking waits only.
@@ -1064,7 +1082,9 @@ impl Receiver {
         if h.kind != Kind::Message {
             if matches!(h.kind, Kind::Cancel | Kind::Trailers) {
                 // The stream is over: a message cut short by a sender's deadline goes with it.
-                self.partial.remove(&h.stream);
+                if let Some(p) = self.partial.remove(&h.stream) {
+                    self.reassembling -= p.buf.len() as u64;
+                }
             }
             return Ok(Some(frame(body)));
         }
@@ -1102,7 +1122,7 @@ impl Receiver {
         let p = self.partial.entry(h.stream).or_insert_with(|| {
             let oversize = d.total > limit;
             let buf = if oversize { Vec::new() } else { pool.take(d.total) };
-            Partial { buf, received: 0, total: d.total, oversize, unreservable: false }
+            Partial { buf, received: 0, total: d.total, oversize, refused: None }
         });
         if p.total != d.total || d.len > p.total - p.received {
             return Err(Error::protocol(format!(
@@ -1110,12 +1130,25 @@ impl Receiver {
                 h.stream, d.len, p.total, p.received
             )));
         }
-        // Memory grows with what actually arrives, never with what `total` claims; a buffer we
-        // cannot get makes the message too large, not the process abort.
-        if !p.oversize && lease.copy_into(&mut p.buf).is_err() {
-            p.oversize = true;
-            p.unreservable = true;
-            p.buf = Vec::new();
+        // Memory grows with what actually arrives, never with what `total` claims, and in sum no
+        // further than `max_reassembly`; a piece past it, or a buffer we cannot get, makes the
+        // message too large, not the process abort.
+        if !p.oversize {
+            let held = p.buf.len() as u64;
+            let refused = if self.reassembling.saturating_add(d.len) > c.max_reassembly {
+                Some(Refused::OverReassembly { others: self.reassembling - held })
+            } else if lease.copy_into(&mut p.buf).is_err() {
+                Some(Refused::Unreservable)
+            } else {
+                self.reassembling += d.len;
+                None
+            };
+            if refused.is_some() {
+                self.reassembling -= held;
+                p.oversize = true;
+                p.refused = refused;
+                p.buf = Vec::new();
+            }
         }
         drop(lease);
         p.received += d.len;
@@ -1123,15 +1156,22 @@ impl Receiver {
             return Ok(None);
         }
         let p = self.partial.remove(&h.stream).ok_or_else(|| Error::protocol("partial message vanished"))?;
-        if p.unreservable {
-            return Err(Error::new(
-                ErrorKind::MessageTooLarge,
-                format!("stream {}: could not reserve memory for a {}-byte message", h.stream, p.total),
-            )
-            .on_stream(h.stream));
-        }
-        if p.oversize {
-            return Err(self.too_large(h.stream, p.total));
+        self.reassembling -= p.buf.len() as u64;
+        match p.refused {
+            Some(Refused::Unreservable) => {
+                let what = format!("stream {}: could not reserve memory for a {}-byte message", h.stream, p.total);
+                return Err(Error::new(ErrorKind::MessageTooLarge, what).on_stream(h.stream));
+            }
+            Some(Refused::OverReassembly { others }) => {
+                let what = format!(
+                    "stream {}: a {}-byte message in pieces would have taken the bytes held in pieces past the \
+                     limit of {} bytes ({others} held for other messages)",
+                    h.stream, p.total, c.max_reassembly
+                );
+                return Err(Error::new(ErrorKind::MessageTooLarge, what).on_stream(h.stream));
+            }
+            None if p.oversize => return Err(self.too_large(h.stream, p.total)),
+            None => {}
         }
         Ok(Some(frame(Bytes::from_owner(Pooled { buf: p.buf, pool: self.pool.clone() }))))
     }
@@ -1365,6 +1405,7 @@ impl Connection {
             rx,
             inline_max,
             max_message_size: cfg.max_message_size,
+            max_reassembly: cfg.max_reassembly.unwrap_or(cfg.max_message_size),
             spin: cfg.spin,
             link: p.link,
             bells: p.bells,
@@ -1381,6 +1422,7 @@ impl Connection {
             core: core.clone(),
             releaser,
             partial: HashMap::new(),
+            reassembling: 0,
             pool: Arc::default(),
             heard: 0,
         };

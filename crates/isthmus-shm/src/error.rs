@@ -17,8 +17,9 @@
 //!   block was found freed before it was sent (a bug here, not peer input).
 //! - `Timeout`: a deadline passed waiting for ring room, arena room or a frame; a handshake read or
 //!   write timed out, or the client's hello did not come in time.
-//! - `MessageTooLarge`: a received message over `max_message_size`, or memory to reassemble a
-//!   message in pieces could not be reserved; only that message is dropped.
+//! - `MessageTooLarge`: a received message over `max_message_size`, or a message in pieces whose
+//!   next piece would take the bytes held in pieces past `max_reassembly`, or for which memory
+//!   could not be reserved; only that message is dropped.
 //! - `Protocol`: the peer broke the protocol (a bad frame, cursor, descriptor or release, a release
 //!   of a block not yet sent, more than 256 messages in pieces at once, stray bytes on the socket),
 //!   or refused with code 3 (bad request).

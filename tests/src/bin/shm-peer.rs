@@ -9,6 +9,12 @@
 //!                                        it with pattern SIZE and send it (`SENT composing=…`),
 //!                                        then take one more and drop it (`DROPPED composing=…`)
 //! shm-peer hostile-server ADDR MODE      accept one client, then corrupt the segment
+//! shm-peer ping-server ADDR COUNT LEN    accept one client, take its first frame (a call), send
+//!                                        COUNT PINGs of LEN bytes (pattern i) reading nothing,
+//!                                        then read the answers (`ACKS n`) and hang up
+//! shm-peer pieces-client ADDR            write by hand messages in pieces on streams 1, 3, 5
+//!                                        and 7 (768 KiB pattern-0 block, 1 MiB each; 5 ends
+//!                                        in a CANCEL), then "after" inline on stream 9
 //! shm-peer sink-server ADDR              accept clients and never read from them
 //! shm-peer client-as-uid ADDR UID        switch to UID (needs root), then try to connect
 //! shm-peer server-as-uid ADDR UID        switch to UID (needs root), then echo-serve
@@ -24,6 +30,7 @@ use std::io::Write;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use isthmus_shm::frame::{ArenaDescriptor, FrameHeader};
 use isthmus_shm::layout::{self, CLIENT_TO_SERVER, SERVER_TO_CLIENT};
 use isthmus_shm::{flags, Address, Config, Connection, Kind, Listener, Sender};
 use isthmus_tests::pattern;
@@ -67,6 +74,8 @@ fn main() {
         "composing-client" => composing_client(&addr, num(&arg(&args, 3, "size"))),
         "big-client" => big_client(&addr, num(&arg(&args, 3, "size")), num(&arg(&args, 4, "arena"))),
         "hostile-server" => hostile_server(&addr, &arg(&args, 3, "mode")),
+        "pieces-client" => pieces_client(&addr),
+        "ping-server" => ping_server(&addr, num(&arg(&args, 3, "count")), num(&arg(&args, 4, "len"))),
         "shared-sink" => shared_sink(&addr, num(&arg(&args, 3, "count")), num(&arg(&args, 4, "hold"))),
         "sink-server" => sink_server(&addr),
         "client-as-uid" => client_as_uid(&addr, num(&arg(&args, 3, "uid")) as u32),
@@ -238,6 +247,83 @@ fn corrupt(sender: &Sender, mode: &str) {
         }
     }
     std::sync::atomic::fence(Ordering::SeqCst);
+}
+
+/// Messages in pieces, written into the ring by hand so that several stay under way at once
+/// (the real `Sender` sends one message's pieces in a row). Every piece is a view of the same
+/// block at the start of our arena, patterned with seed 0, so a reassembled message is the
+/// pattern's first `len` bytes of each piece one after the other.
+fn pieces_client(addr: &Address) {
+    const K: u64 = 1024;
+    say("READY"); // before connecting: the test accepts only after this line
+    let conn = Connection::connect(addr, &Config::default()).unwrap_or_else(|e| {
+        say(&format!("CONNECT-ERROR {:?} {e}", e.kind()));
+        std::process::exit(1)
+    });
+    let sender = &conn.sender;
+    let l = sender.layout_for_tests();
+    sender.scribble_for_tests(l.arena_off[CLIENT_TO_SERVER], &pattern(768 << 10, 0));
+    fn frame(ring: &mut Vec<u8>, kind: Kind, flags: u8, stream: u64, body: &[u8]) {
+        let len = u32::try_from(body.len()).expect("small body");
+        ring.extend_from_slice(&FrameHeader { len, kind, flags, stream }.encode());
+        ring.extend_from_slice(body);
+        ring.resize(ring.len().next_multiple_of(layout::FRAME_ALIGN), 0);
+    }
+    fn piece(ring: &mut Vec<u8>, stream: u64, len: u64) {
+        let d = ArenaDescriptor { offset: 0, len: len * K, total: 1024 * K };
+        frame(ring, Kind::Message, flags::ARENA, stream, &d.encode());
+    }
+    let mut ring = Vec::new();
+    piece(&mut ring, 1, 512); // 512 KiB held
+    piece(&mut ring, 3, 768); // 1280 KiB would be held: stream 3's message is refused
+    piece(&mut ring, 1, 512); // 1 MiB held: stream 1's message is whole
+    piece(&mut ring, 3, 256); // stream 3's message ends: MessageTooLarge
+    piece(&mut ring, 5, 768);
+    frame(&mut ring, Kind::Cancel, 0, 5, &[]); // its 768 KiB are dropped
+    piece(&mut ring, 7, 768); // fits only if stream 5's bytes were given back
+    piece(&mut ring, 7, 256);
+    frame(&mut ring, Kind::Message, 0, 9, b"after");
+    sender.scribble_for_tests(l.ring_off[CLIENT_TO_SERVER], &ring);
+    std::sync::atomic::fence(Ordering::SeqCst);
+    let tail = layout::control_base(CLIENT_TO_SERVER) + layout::CTL_TAIL;
+    sender.scribble_for_tests(tail, &(ring.len() as u64).to_le_bytes());
+    sender.ring_peer_for_tests();
+    say("SENT");
+    // Stay connected: the server must see our frames, not our end.
+    std::thread::sleep(Duration::from_secs(3600));
+}
+
+/// A server that writes into the client's ring while it reads nothing of its own, as a peer of
+/// the spec may: only once its PINGs are sent does it read, and count the answers that come in
+/// order.
+fn ping_server(addr: &Address, count: usize, len: usize) {
+    let listener = Listener::bind(addr, Config::default()).expect("bind");
+    say("READY");
+    let Connection { sender, mut receiver } = listener.accept().expect("accept");
+    let call = receiver.recv(None).expect("the client's call");
+    say(&format!("CALL {:?} {}", call.kind, call.stream));
+    for i in 0..count {
+        sender.send(Kind::Ping, 0, 0, &pattern(len, i as u64), None).expect("PING");
+    }
+    let mut acks = 0;
+    while acks < count {
+        let deadline = Some(std::time::Instant::now() + Duration::from_secs(30));
+        match receiver.recv(deadline) {
+            Ok(f) if f.kind == Kind::Ping && f.flags == flags::ACK && f.body[..] == pattern(len, acks as u64)[..] => {
+                acks += 1
+            }
+            Ok(f) if f.kind == Kind::Ping => {
+                say(&format!("OUT-OF-ORDER after {acks}: {} bytes", f.body.len()));
+                break;
+            }
+            Ok(_) => {}
+            Err(e) => {
+                say(&format!("RECV-ERROR after {acks}: {e}"));
+                break;
+            }
+        }
+    }
+    say(&format!("ACKS {acks}"));
 }
 
 fn hostile_server(addr: &Address, mode: &str) {

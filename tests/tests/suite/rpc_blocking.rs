@@ -330,3 +330,25 @@ fn a_call_dropped_while_the_ring_is_full_still_stops_its_handler() {
     assert_eq!(unsafe { libc::kill(server.pid() as i32, libc::SIGCONT) }, 0);
     server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
 }
+
+/// A server that keeps writing into the client's ring while it reads nothing of its own (a peer
+/// of the spec: isthmus itself sends no PINGs). The blocking call reads them while it waits, and
+/// its answers that find no ring room wait for it, on a thread of their own, instead of holding
+/// the reading thread for a second each and then being dropped: all of them arrive, in order.
+#[test]
+fn a_waiting_call_answers_every_ping_of_a_server_that_reads_nothing_meanwhile() {
+    let addr = fresh_addr("blk-pings");
+    // 48 PINGs of 60 KiB, and as many answers: 2.8 MiB each way, past both 1 MiB rings.
+    let mut server = Peer::spawn(&["ping-server", &addr, "48", "61440"]);
+    let ch = Channel::connect(&addr).expect("connect");
+    let call = std::thread::spawn(move || {
+        let options = CallOptions { timeout: Some(Duration::from_secs(120)), ..Default::default() };
+        ch.unary("/test.Echo/Unary", b"waits", options)
+    });
+    server.expect_line("CALL", Duration::from_secs(30));
+    let acks = server.expect_line("ACKS", Duration::from_secs(90));
+    assert_eq!(acks, "ACKS 48");
+    // The server hangs up without answering.
+    let ended = call.join().expect("the calling thread").expect_err("no answer came");
+    assert_eq!(ended.code(), Code::Unavailable, "{ended:?}");
+}

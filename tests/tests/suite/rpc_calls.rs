@@ -818,3 +818,28 @@ fn a_call_waiting_for_a_late_answer_spends_no_cpu_meanwhile() {
     }
     client.expect_line("DONE", Duration::from_secs(30));
 }
+
+/// A peer that keeps writing into the server's ring while it reads nothing of its own (a peer of
+/// the spec: isthmus itself sends no PINGs): the server's answers that find no ring room wait
+/// while its reader reads on, so the peer's writes go through, and every answer comes, in
+/// order, once the peer reads. Before, the reader waited for room for its first answer that
+/// had none, reading nothing meanwhile, and both rings stayed full.
+#[test]
+fn a_server_reads_on_while_its_answers_wait_for_ring_room() {
+    use isthmus_shm::{flags, Address, Connection, Kind};
+    let (_server, addr) = server();
+    let addr: Address = addr.parse().expect("address");
+    let mut c = Connection::connect(&addr, &isthmus_shm::Config::default()).expect("connect");
+    // 48 PINGs of 60 KiB, and as many answers: 2.8 MiB each way, past both 1 MiB rings.
+    let (pings, len) = (48, 60 << 10);
+    for i in 0..pings {
+        let patience = Some(Instant::now() + Duration::from_secs(30));
+        let sent = c.sender.send(Kind::Ping, 0, 0, &pattern(len, i), patience);
+        sent.unwrap_or_else(|e| panic!("PING {i} of {pings}: {e}"));
+    }
+    for i in 0..pings {
+        let f = c.receiver.recv(Some(Instant::now() + Duration::from_secs(30))).expect("an answer");
+        assert_eq!((f.kind, f.flags), (Kind::Ping, flags::ACK));
+        assert!(f.body[..] == pattern(len, i)[..], "answer {i} comes in order");
+    }
+}

@@ -121,3 +121,38 @@ fn a_client_gets_a_clean_error_from_a_damaging_server() {
         }
     }
 }
+
+/// Messages a client starts in pieces and does not finish take at most the server's
+/// `max_reassembly` in sum: the piece that would go past it fails its own message (the other
+/// messages, and the connection, go on), and bytes a CANCEL discards count no more.
+#[test]
+fn messages_in_pieces_take_at_most_max_reassembly_in_sum() {
+    let uri = fresh_addr("reassembly");
+    let cfg = Config { max_reassembly: Some(1 << 20), ..Config::default() };
+    let listener = isthmus_shm::Listener::bind(&uri.parse().expect("address"), cfg).expect("bind");
+    let mut client = Peer::spawn(&["pieces-client", &uri]);
+    let mut receiver = listener.accept().expect("accept").receiver;
+    client.expect_line("SENT", Duration::from_secs(30));
+    let deadline = Some(Instant::now() + Duration::from_secs(30));
+    let block = isthmus_tests::pattern(768 << 10, 0);
+    let whole = |parts: &[usize]| parts.iter().flat_map(|&k| &block[..k << 10]).copied().collect::<Vec<u8>>();
+
+    let first = receiver.recv(deadline).expect("stream 1");
+    assert_eq!((first.stream, first.kind), (1, Kind::Message));
+    assert!(first.body[..] == whole(&[512, 512]), "stream 1's message is intact");
+
+    let refused = receiver.recv(deadline).expect_err("stream 3 goes past the bound");
+    assert_eq!((refused.kind(), refused.stream()), (ErrorKind::MessageTooLarge, Some(3)), "{refused}");
+    let text = refused.to_string();
+    assert!(text.contains("1048576-byte message") && text.contains("limit of 1048576 bytes"), "{text}");
+    assert!(text.contains("524288 held for other messages"), "{text}");
+
+    let cancel = receiver.recv(deadline).expect("stream 5's CANCEL");
+    assert_eq!((cancel.stream, cancel.kind), (5, Kind::Cancel));
+    let after_cancel = receiver.recv(deadline).expect("stream 7: the cancelled bytes were given back");
+    assert_eq!((after_cancel.stream, after_cancel.kind), (7, Kind::Message));
+    assert!(after_cancel.body[..] == whole(&[768, 256]), "stream 7's message is intact");
+
+    let last = receiver.recv(deadline).expect("the connection goes on");
+    assert_eq!((last.stream, &last.body[..]), (9, &b"after"[..]));
+}

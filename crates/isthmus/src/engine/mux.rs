@@ -56,8 +56,12 @@
 //!
 //! Whoever reads also sends a few frames: the PING answer, the TRAILERS that refuse a call, the
 //! CANCEL for a peer past its window, and the frames that end a call whose message was too large.
-//! The reader task waits for ring room for these and reads nothing meanwhile; a blocking leader
-//! waits at most 1 s, then drops the frame; an async call reading in its poll does not wait at all.
+//! None of them waits for ring room (`Mux::reply`): one that finds the ring full, or answers
+//! queued before it, joins them, and a flusher (a task of the connection's runtime, or a thread
+//! where there is none) sends them in order as room comes. So a peer that stops reading its ring
+//! while it writes into ours cannot stop our reading, and two readers each waiting for the
+//! other's room cannot deadlock. At most `REPLIES_MAX` answers of `REPLY_BYTES_MAX` bytes in all
+//! wait; a peer that makes more while it reads nothing of ours loses the rest (logged).
 //!
 //! The end: `fail_all(status)` records the connection's `dead` status (the first stays), empties
 //! the table, ends every call with it, fires every server `Cancel`, and closes every entry; from
@@ -434,8 +438,6 @@ struct Lent {
     sessions: u64,
     /// The connection ended under a borrower.
     stop: Option<Status>,
-    /// Answers a borrower found no ring room for, for the reader task to send.
-    unsent: Vec<Reply>,
     runtime: tokio::runtime::Handle,
 }
 
@@ -566,8 +568,46 @@ pub(crate) struct Mux {
     /// Calls started and finished on this connection, by final code.
     pub(crate) calls: CallTally,
     /// The runtime the connection was made on, if any: CANCELs the ring had no room for go out
-    /// from a task of it (`send_cancel`).
+    /// from a task of it (`send_cancel`), and so do the reader's answers (`reply`).
     runtime: Option<tokio::runtime::Handle>,
+    /// The reader's answers that wait for ring room (`reply`).
+    replies: Arc<Mutex<Replies>>,
+}
+
+/// Answers of the reader's waiting for ring room, in the order they were made, and whether a
+/// flusher is sending them.
+#[derive(Default)]
+struct Replies {
+    queue: std::collections::VecDeque<Reply>,
+    bytes: usize,
+    flushing: bool,
+}
+
+/// At most this many of the reader's answers wait for ring room at once ...
+const REPLIES_MAX: usize = 1024;
+/// ... holding at most this many bytes of bodies (a PING's answer carries the PING's body).
+const REPLY_BYTES_MAX: usize = 4 << 20;
+
+impl Replies {
+    /// The next answer to send, or none: then the flusher stops, under the same lock that a
+    /// new answer looks at `flushing` under.
+    fn next(replies: &Mutex<Replies>) -> Option<Reply> {
+        let mut q = replies.lock().ok()?;
+        let next = q.queue.pop_front();
+        match &next {
+            Some(r) => q.bytes -= r.body.len(),
+            None => q.flushing = false,
+        }
+        next
+    }
+
+    /// The connection is over: what waits is dropped, and a later answer starts afresh (and
+    /// fails at once).
+    fn clear(replies: &Mutex<Replies>) {
+        if let Ok(mut q) = replies.lock() {
+            *q = Replies::default();
+        }
+    }
 }
 
 /// Calls started, and calls finished by their final code.
@@ -681,6 +721,7 @@ impl Mux {
             last_stream: AtomicU64::new(0),
             calls: CallTally::default(),
             runtime: tokio::runtime::Handle::try_current().ok(),
+            replies: Arc::default(),
         })
     }
 
@@ -829,6 +870,61 @@ impl Mux {
         }
     }
 
+    /// Sends one of the reader's answers (a PING's, a refusal, a cancel) without waiting: at once
+    /// if the ring has room and no earlier answer waits, else after those, from a flusher (a task
+    /// of the connection's runtime, or a thread where there is none, which waits at most
+    /// `CANCEL_THREAD_PATIENCE` for each). Past `REPLIES_MAX` answers or `REPLY_BYTES_MAX` bytes
+    /// waiting, the peer reads nothing of ours while it keeps asking: the answer is dropped.
+    fn reply(&self, r: Reply) {
+        let Ok(mut q) = self.replies.lock() else { return };
+        if !q.flushing {
+            match self.sender.try_send(r.kind, r.flags, r.stream, &r.body) {
+                Ok(false) => {}
+                // Sent, or the connection is over and the peer's calls end with it.
+                Ok(true) | Err(_) => return,
+            }
+        }
+        if q.queue.len() >= REPLIES_MAX || q.bytes + r.body.len() > REPLY_BYTES_MAX {
+            tracing::warn!(
+                kind = ?r.kind,
+                stream = r.stream,
+                "isthmus: the peer reads nothing of ours while {} answers to it wait; this one is dropped",
+                q.queue.len()
+            );
+            return;
+        }
+        q.bytes += r.body.len();
+        q.queue.push_back(r);
+        if std::mem::replace(&mut q.flushing, true) {
+            return;
+        }
+        drop(q);
+        let (replies, sender) = (self.replies.clone(), self.sender.clone());
+        match &self.runtime {
+            Some(rt) => drop(rt.spawn(async move {
+                while let Some(r) = Replies::next(&replies) {
+                    if sender.send_async(r.kind, r.flags, r.stream, &r.body).await.is_err() {
+                        return Replies::clear(&replies);
+                    }
+                }
+            })),
+            None => {
+                let mine = replies.clone();
+                let flush = move || {
+                    while let Some(r) = Replies::next(&replies) {
+                        let patience = std::time::Instant::now() + CANCEL_THREAD_PATIENCE;
+                        if sender.send(r.kind, r.flags, r.stream, &r.body, Some(patience)).is_err() {
+                            return Replies::clear(&replies);
+                        }
+                    }
+                };
+                if std::thread::Builder::new().name("isthmus-reply".into()).spawn(flush).is_err() {
+                    Replies::clear(&mine);
+                }
+            }
+        }
+    }
+
     /// Delivers a message, charging it to the stream's window; a peer that had no credit left
     /// broke flow control, which ends that call (only) with INTERNAL.
     fn deliver_message(&self, id: u64, message: Bytes, half_close: bool) -> Option<Reply> {
@@ -955,13 +1051,9 @@ impl Mux {
                                 calls: Vec::new(),
                                 sessions: 0,
                                 stop: None,
-                                unsent: Vec::new(),
                                 runtime: tokio::runtime::Handle::current(),
                             };
                             let lent = handed.serve_while(Self::lend_out(lend, lent)).await;
-                            for r in &lent.unsent {
-                                let _ = self.sender.send_async(r.kind, r.flags, r.stream, &r.body).await;
-                            }
                             handed.calls.extend(lent.calls);
                             accept = Some(lent.accept);
                             if let Some(status) = lent.stop {
@@ -1062,9 +1154,7 @@ impl Mux {
         while let Some(frame) = got.take() {
             match self.step(frame, accept.as_deref_mut()) {
                 Step::Continue(None) => {}
-                Step::Continue(Some(r)) => {
-                    let _ = self.sender.send_async(r.kind, r.flags, r.stream, &r.body).await;
-                }
+                Step::Continue(Some(r)) => self.reply(r),
                 Step::Stop(status) => return Some(status),
             }
             budget -= 1;
@@ -1179,8 +1269,8 @@ impl Mux {
             std::thread::yield_now();
         };
         let Some(lent) = slot.as_mut() else { return };
-        if lent.stop.is_some() || !lent.unsent.is_empty() {
-            // Over, or owing the peer an answer: the reader task's now.
+        if lent.stop.is_some() {
+            // Over: the reader task's now.
             lend.wanted.store(false, Ordering::SeqCst);
             drop(slot);
             lend.call_back();
@@ -1250,15 +1340,14 @@ impl Mux {
                 }
             };
             self.batch.fetch_add(1, Ordering::Relaxed);
-            if let Some(status) = self.route_here(&mut lent.receiver, got, &mut lent.accept, &mut lent.unsent) {
+            if let Some(status) = self.route_here(&mut lent.receiver, got, &mut lent.accept) {
                 lent.stop.get_or_insert(status);
             }
             // As the reader task does: a call whose HEADERS came alone gets a moment for its
             // request before its first poll.
             if !lent.accept.bare.is_empty() && lent.stop.is_none() {
                 if let Some(next) = Self::follow_up(&mut lent.receiver).transpose() {
-                    if let Some(status) = self.route_here(&mut lent.receiver, next, &mut lent.accept, &mut lent.unsent)
-                    {
+                    if let Some(status) = self.route_here(&mut lent.receiver, next, &mut lent.accept) {
                         lent.stop.get_or_insert(status);
                     }
                 }
@@ -1277,7 +1366,7 @@ impl Mux {
                     drop(lent.runtime.spawn(call));
                 }
             }
-            if lent.stop.is_some() || !lent.unsent.is_empty() {
+            if lent.stop.is_some() {
                 return Read::GiveBack;
             }
             if handed {
@@ -1289,28 +1378,14 @@ impl Mux {
         }
     }
 
-    /// [`route_batch`](Self::route_batch) on a borrower's thread. An answer that finds no ring
-    /// room at once waits in `unsent` for the reader task: a client that stopped reading must
-    /// not hold this thread, which other connections' calls wait for.
-    fn route_here(
-        &self,
-        receiver: &mut Receiver,
-        first: Result<Frame, Error>,
-        accept: &mut Accept,
-        unsent: &mut Vec<Reply>,
-    ) -> Option<Status> {
+    /// [`route_batch`](Self::route_batch) on a borrower's thread.
+    fn route_here(&self, receiver: &mut Receiver, first: Result<Frame, Error>, accept: &mut Accept) -> Option<Status> {
         let mut got = Some(first);
         let mut budget = 256;
         while let Some(frame) = got.take() {
             match self.step(frame, Some(&mut *accept)) {
                 Step::Continue(None) => {}
-                Step::Continue(Some(r)) if unsent.is_empty() => {
-                    let now = Some(std::time::Instant::now());
-                    if self.sender.send(r.kind, r.flags, r.stream, &r.body, now).is_err() {
-                        unsent.push(r);
-                    }
-                }
-                Step::Continue(Some(r)) => unsent.push(r),
+                Step::Continue(Some(r)) => self.reply(r),
                 Step::Stop(status) => return Some(status),
             }
             budget -= 1;
@@ -1419,10 +1494,7 @@ impl Mux {
             };
             match self.step(got, None) {
                 Step::Continue(None) => {}
-                Step::Continue(Some(r)) => {
-                    // Answers (a PING's) are best effort here: a poll must not wait for room.
-                    let _ = self.sender.send(r.kind, r.flags, r.stream, &r.body, Some(std::time::Instant::now()));
-                }
+                Step::Continue(Some(r)) => self.reply(r),
                 Step::Stop(status) => {
                     self.end(status);
                     break;
@@ -1500,10 +1572,7 @@ impl Mux {
             }
             match self.step(got, None) {
                 Step::Continue(None) => {}
-                Step::Continue(Some(r)) => {
-                    let patience = std::time::Instant::now() + std::time::Duration::from_secs(1);
-                    let _ = self.sender.send(r.kind, r.flags, r.stream, &r.body, Some(patience));
-                }
+                Step::Continue(Some(r)) => self.reply(r),
                 Step::Stop(status) => {
                     self.end(status);
                     return false;
