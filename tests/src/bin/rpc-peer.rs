@@ -22,7 +22,9 @@
 //! `http://`, where the same handlers answer over HTTP/2; each HTTP/2 endpoint is announced as
 //! `LISTENING ADDRESS` after `READY`), the largest request message accepted (0 = the default),
 //! and the concurrent calls allowed per connection. `RPC_PEER_FEATURES` (a number) sets the
-//! protocol features the server grants at most (all by default).
+//! protocol features the server grants at most (all by default). `RPC_PEER_FDS_LEFT=N` lowers the
+//! process's file-descriptor limit, once it serves, to N more than it has open; and
+//! `/test.Admin/AcceptErrors` answers `accept_errors=A handshakes_failed=H` from `ServerStats`.
 
 use std::io::Write;
 
@@ -94,6 +96,18 @@ fn main() {
                 async move {
                     trigger.notify_one();
                     call.send(b"").await
+                }
+            })
+            .handler("/test.Admin/AcceptErrors", {
+                let stats = stats.clone();
+                move |mut call: ServerCall| {
+                    let stats = stats.clone();
+                    async move {
+                        let text = stats.get().map_or(String::new(), |s| {
+                            format!("accept_errors={} handshakes_failed={}", s.accept_errors(), s.handshakes_failed())
+                        });
+                        call.send(text.as_bytes()).await
+                    }
                 }
             })
             .handler("/test.Admin/Counters", move |mut call: ServerCall| {
@@ -261,6 +275,18 @@ fn main() {
             Err(e) => return say(&format!("BIND-ERROR {e}")),
         };
         let _ = stats.set(bound.stats());
+        if let Some(left) = std::env::var("RPC_PEER_FDS_LEFT").ok().and_then(|n| n.parse::<u64>().ok()) {
+            let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
+            let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            // SAFETY: `limit` is a live, initialised `rlimit` of this frame, for both calls.
+            let set = unsafe {
+                libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && {
+                    limit.rlim_cur = open + left;
+                    libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0
+                }
+            };
+            say(&format!("FDS-LIMIT {} {set}", open + left));
+        }
         say("READY");
         for address in bound.http_addresses() {
             say(&format!("LISTENING {address}"));

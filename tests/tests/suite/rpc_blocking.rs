@@ -352,3 +352,43 @@ fn a_waiting_call_answers_every_ping_of_a_server_that_reads_nothing_meanwhile() 
     let ended = call.join().expect("the calling thread").expect_err("no answer came");
     assert_eq!(ended.code(), Code::Unavailable, "{ended:?}");
 }
+
+/// A server out of file descriptors: the connections it has go on serving, a new client is
+/// turned away (UNAVAILABLE), the failed accepts and handshakes are counted in `ServerStats`
+/// (and logged), and once descriptors are free again the listener accepts again.
+#[test]
+fn a_server_out_of_descriptors_counts_its_failed_accepts_and_accepts_again() {
+    use std::process::Command;
+    let addr = fresh_addr("blk-fds");
+    let _server =
+        Peer::command(Command::new(isthmus_tests::peer_bin("rpc-peer")).arg(&addr).env("RPC_PEER_FDS_LEFT", "4"));
+    let quick = isthmus::Config { handshake_timeout: Duration::from_secs(1), ..Default::default() };
+    let options = || CallOptions { timeout: Some(Duration::from_secs(10)), ..Default::default() };
+    let call = |ch: &Channel| ch.unary("/test.Echo/Unary", b"fds", options());
+    let mut held = Vec::new();
+    let turned_away = loop {
+        match Channel::connect_with(&addr, quick.clone()).and_then(|ch| call(&ch).map(|_| ch)) {
+            Ok(ch) => held.push(ch),
+            Err(status) => break status,
+        }
+        assert!(held.len() < 64, "the server never ran out of descriptors");
+    };
+    assert_eq!(turned_away.code(), Code::Unavailable, "{turned_away:?}");
+    for ch in &held {
+        call(ch).expect("a connection made before goes on serving");
+    }
+    let n = held.len();
+    drop(held);
+    // The server sees those clients go and closes their descriptors; its listener's pause after
+    // failing is at most 1 s.
+    let ch = Channel::connect(&addr).expect("connect");
+    let again = CallOptions { wait_for_ready: true, ..options() };
+    let counts = ch.unary("/test.Admin/AcceptErrors", b"", again).expect("accepted again");
+    let text = String::from_utf8_lossy(&counts.message).into_owned();
+    let count = |name: &str| -> u64 {
+        let field = text.split(' ').find_map(|f| f.strip_prefix(name)).unwrap_or_else(|| panic!("{name} in {text}"));
+        field.parse().expect("a count")
+    };
+    println!("{n} connections held, then {turned_away:?}; {text}");
+    assert!(count("accept_errors=") + count("handshakes_failed=") > 0, "{text}");
+}

@@ -5,9 +5,12 @@
 //! Accepting: each `shm://` listener is registered with tokio (`bind_shm`: an `unsafe` call, sound
 //! because the `AsyncFd` owns the listener, so its fd stays open and the same for the
 //! registration's life) and gets an accept loop, a task of its own. A would-block clears the
-//! readiness; any other accept error (out of fds, say) pauses the loop 20 ms, and nothing reports
-//! it yet. Each accepted socket gets a task that runs the handshake on `spawn_blocking` (a failed
-//! handshake is dropped silently), joins the server's list of connections, and becomes that
+//! readiness; any other accept error (out of fds, say) is logged (`tracing` warning), counted
+//! ([`ServerStats::accept_errors`]) and pauses the loop, 5 ms after the first error in a row and
+//! twice as long after each next one, up to 1 s (grpc-go's schedule); the calls in progress go
+//! on. Each accepted socket gets a task that runs the handshake on `spawn_blocking` (a failed
+//! handshake is counted, [`ServerStats::handshakes_failed`], and logged at debug level: it is
+//! mostly the client's doing), joins the server's list of connections, and becomes that
 //! connection's reader (`Mux::read_loop`).
 //!
 //! Each call: the reader looks the handler up when it routes the HEADERS; the call's future counts
@@ -705,6 +708,19 @@ impl std::fmt::Debug for ServerStats {
 }
 
 impl ServerStats {
+    /// Accepts on a `shm://` listener that failed (out of file descriptors, say) since the
+    /// server started serving; each is also logged as a `tracing` warning, and the listener
+    /// tries again after a pause.
+    pub fn accept_errors(&self) -> u64 {
+        self.0.accept_errors.load(Ordering::Relaxed)
+    }
+
+    /// `shm://` connections accepted whose handshake failed: the client went away or spoke
+    /// another version, a policy refused it, or the segment could not be made.
+    pub fn handshakes_failed(&self) -> u64 {
+        self.0.handshakes_failed.load(Ordering::Relaxed)
+    }
+
     /// Counters of every live connection, one entry each.
     pub fn connections(&self) -> Vec<ConnectionCounters> {
         self.0
@@ -727,6 +743,10 @@ pub(crate) struct Tracker {
     /// Set by a graceful shutdown before it lists `connections`: a connection whose handshake
     /// ends after that list was made closes itself (`serve_connection`).
     pub(crate) stopping: std::sync::atomic::AtomicBool,
+    /// [`ServerStats::accept_errors`].
+    pub(crate) accept_errors: std::sync::atomic::AtomicU64,
+    /// [`ServerStats::handshakes_failed`].
+    pub(crate) handshakes_failed: std::sync::atomic::AtomicU64,
 }
 
 /// Counts a call in progress for as long as it lives.
@@ -757,6 +777,7 @@ pub(crate) async fn accept_shm(
     stop: impl Future<Output = ()>,
 ) -> Result<(), Status> {
     tokio::pin!(stop);
+    let mut pause = None;
     loop {
         tokio::select! {
             () = &mut stop => return Ok(()),
@@ -764,24 +785,44 @@ pub(crate) async fn accept_shm(
                 let mut guard = ready.map_err(|e| Status::new(Code::Unavailable, e.to_string()))?;
                 match guard.get_inner().listener.accept_incoming() {
                     Ok(incoming) => {
+                        pause = None;
                         let (handlers, tracker) = (handlers.clone(), tracker.clone());
                         let bridge = guard.get_inner().bridge;
                         tokio::spawn(async move {
                             // The handshake reads with timeouts: keep it off the reactor.
-                            if let Ok(Ok(conn)) = tokio::task::spawn_blocking(move || incoming.handshake()).await {
-                                serve_connection(conn, handlers, tracker, stream_limit, bridge).await;
+                            match tokio::task::spawn_blocking(move || incoming.handshake()).await {
+                                Ok(Ok(conn)) => serve_connection(conn, handlers, tracker, stream_limit, bridge).await,
+                                Ok(Err(e)) => {
+                                    tracker.handshakes_failed.fetch_add(1, Ordering::Relaxed);
+                                    tracing::debug!(error = %e, "isthmus: a shm:// handshake failed");
+                                }
+                                Err(_) => {
+                                    tracker.handshakes_failed.fetch_add(1, Ordering::Relaxed);
+                                }
                             }
                         });
                     }
                     Err(e) if e.kind() == ErrorKind::Timeout => guard.clear_ready(),
-                    // Out of fds, say: keep serving the calls we have and try again shortly,
-                    // rather than take the whole server down.
-                    Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                    // Out of fds, say: keep serving the calls we have and try again, less often
+                    // while it lasts, rather than take the whole server down.
+                    Err(e) => {
+                        let p: Duration = pause.map_or(ACCEPT_PAUSE_MIN, |p: Duration| (p * 2).min(ACCEPT_PAUSE_MAX));
+                        pause = Some(p);
+                        tracker.accept_errors.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(error = %e, retry_in = ?p, "isthmus: accepting a shm:// connection failed");
+                        tokio::time::sleep(p).await;
+                    }
                 }
             }
         }
     }
 }
+
+/// The pause after the first accept error in a row; each next one doubles it, up to
+/// [`ACCEPT_PAUSE_MAX`].
+const ACCEPT_PAUSE_MIN: Duration = Duration::from_millis(5);
+/// The longest pause between two accepts that fail.
+const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
 
 /// The listener as tokio sees it.
 pub(crate) struct Accepting {
