@@ -843,3 +843,51 @@ fn a_server_reads_on_while_its_answers_wait_for_ring_room() {
         assert!(f.body[..] == pattern(len, i)[..], "answer {i} comes in order");
     }
 }
+
+/// Credit a server's handler gives back while the ring to its client is full goes out once the
+/// client reads, though the handler, waiting for the next message, does nothing meanwhile. A
+/// client of the spec (raw frames) fills that ring with PING answers it does not read, then
+/// streams 40 messages of 64 KiB (over half the 4 MiB window) and stops, as a writer out of
+/// credit would. Before, the grant was taken back to go with the handler's next read or send,
+/// which never came: the client waited for credit until its deadline.
+#[test]
+fn credit_granted_while_the_ring_is_full_goes_out_once_the_peer_reads() {
+    use isthmus::wire;
+    use isthmus_shm::layout::{self, CLIENT_TO_SERVER};
+    use isthmus_shm::{Address, Connection, Kind};
+    let (_server, addr) = server();
+    let addr: Address = addr.parse().expect("address");
+    let mut c = Connection::connect(&addr, &isthmus_shm::Config::default()).expect("connect");
+    let patience = || Some(Instant::now() + Duration::from_secs(30));
+    // Each answer takes 64 KiB of the ring with its header: 16 fill the 1 MiB ring to the byte.
+    let (pings, len) = (20, (64 << 10) - 16);
+    for i in 0..pings {
+        c.sender.send(Kind::Ping, 0, 0, &pattern(len, i), patience()).expect("PING");
+    }
+    let head = wire::encode_request_head("/test.Echo/ClientStream", None, &MetadataMap::new());
+    c.sender.send(Kind::Headers, 0, 1, &head, patience()).expect("HEADERS");
+    for i in 0..40 {
+        c.sender.send_message(1, 0, &pattern(64 << 10, i), patience()).expect("MESSAGE");
+    }
+    // The handler has taken all 40 (each block comes back once its message is dropped) and
+    // waits for the next; a moment more for that wait to begin, so that the old code's last
+    // try to grant came before we read.
+    let released = || c.sender.control_word_for_tests(CLIENT_TO_SERVER, layout::CTL_REL_TAIL).expect("word");
+    let end = Instant::now() + Duration::from_secs(30);
+    while released() < 40 {
+        assert!(Instant::now() < end, "the handler took {} of 40 messages", released());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let (mut answers, mut granted) = (0, 0);
+    while granted == 0 {
+        let f = c.receiver.recv(patience()).expect("the PING answers, then credit");
+        match f.kind {
+            Kind::Ping => answers += 1,
+            Kind::Window if f.stream == 1 => granted = wire::decode_window(&f.body).expect("WINDOW"),
+            other => panic!("unexpected {other:?} on stream {}", f.stream),
+        }
+    }
+    assert_eq!(answers, pings, "every PING answered before the grant that waited behind them");
+    assert!(granted >= 2 << 20, "half a window or more: {granted}");
+}

@@ -361,13 +361,13 @@ impl CallState {
     /// Counts a message for flow control (credit goes back to the server once due).
     fn hand_out(&mut self, m: &Bytes) {
         if self.ended.is_none() {
-            self.stream.took(m.len(), &self.mux.sender);
+            self.stream.took(m.len(), &self.mux);
         }
     }
 
     /// Sends credit still owed to the server (see `Stream::settle`).
     pub(crate) fn settle(&mut self) {
-        self.stream.settle(&self.mux.sender);
+        self.stream.settle(&self.mux);
     }
 
     /// Keeps a message read while waiting for the headers.

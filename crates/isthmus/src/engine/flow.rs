@@ -24,14 +24,14 @@
 //! when a message is taken off the queue, not when it arrives, so an application that stops reading
 //! stops the grants and with them its peer's writer. Once the count reaches half a window it is all
 //! granted in one WINDOW. A WINDOW never waits for ring room (the sender may be inside a poll or on
-//! an event loop): without room the grant is taken back (`Consumed::undo`) and stays owed, and goes
-//! with the next `took` or with `settle`, which every call runs before it waits for a message,
-//! since the peer may be waiting for exactly that credit. Who settles: the async `ClientCall` at
-//! each poll, the blocking call before it waits, the server's `Requests::poll_recv` (behind
-//! `ServerCall::recv` and the bridge's request body), and a `ServerCall` before each send while it
-//! holds its request side. Until then the peer's writer on that stream waits: a late WINDOW, not a
-//! lost one; a call that neither takes nor waits for another message sends it at its next send
-//! (server) or read (client).
+//! an event loop): without room it waits behind the reader's other answers for a flusher that
+//! sends them as room comes (`Mux::reply`), so it goes out as soon as the peer reads, whatever
+//! this call does meanwhile. Only if too many answers already wait (a peer that reads nothing of
+//! ours) is the grant taken back (`Consumed::undo`); it stays owed, and goes with the next `took`
+//! or with `settle`, which every call runs before it waits for a message. Who settles: the async
+//! `ClientCall` at each poll, the blocking call before it waits, the server's
+//! `Requests::poll_recv` (behind `ServerCall::recv` and the bridge's request body), and a
+//! `ServerCall` before each send while it holds its request side.
 //!
 //! The receiving side charges every arriving MESSAGE to its own count
 //! (`RecvWindow::charge_arrival`); one that arrives at zero or below ends that call alone with

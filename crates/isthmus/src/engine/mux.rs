@@ -55,8 +55,9 @@
 //! frame (`need_reader`), or when it lay unread for a millisecond.
 //!
 //! Whoever reads also sends a few frames: the PING answer, the TRAILERS that refuse a call, the
-//! CANCEL for a peer past its window, and the frames that end a call whose message was too large.
-//! None of them waits for ring room (`Mux::reply`): one that finds the ring full, or answers
+//! CANCEL for a peer past its window, and the frames that end a call whose message was too large;
+//! and a call that takes a message may grant credit (WINDOW). None of them waits for ring room
+//! (`Mux::reply`): one that finds the ring full, or answers
 //! queued before it, joins them, and a flusher (a task of the connection's runtime, or a thread
 //! where there is none) sends them in order as room comes. So a peer that stops reading its ring
 //! while it writes into ours cannot stop our reading, and two readers each waiting for the
@@ -180,25 +181,27 @@ pub(crate) struct Stream {
 impl Stream {
     /// Counts a message the application took, and gives credit back to the peer once due
     /// (one WINDOW frame per half window).
-    pub(crate) fn took(&mut self, len: usize, sender: &Sender) {
+    pub(crate) fn took(&mut self, len: usize, mux: &Mux) {
         if let Some(n) = self.consumed.take(len, &self.shared.recv_window) {
-            self.give(n, sender);
+            self.give(n, mux);
         }
     }
 
-    /// Sends credit still owed: a grant the ring had no room for. Call it before waiting for
-    /// a message, since the peer may be waiting for exactly this credit.
-    pub(crate) fn settle(&mut self, sender: &Sender) {
+    /// Sends credit still owed: a grant that found too many answers waiting for ring room
+    /// (`Mux::reply`). Call it before waiting for a message, since the peer may be waiting for
+    /// exactly this credit.
+    pub(crate) fn settle(&mut self, mux: &Mux) {
         if let Some(n) = self.consumed.due(&self.shared.recv_window) {
-            self.give(n, sender);
+            self.give(n, mux);
         }
     }
 
     /// Sends a WINDOW without waiting for ring room (this may run on an event loop, or in a
-    /// poll); if there is none, the credit stays owed for the next `took` or `settle`.
-    fn give(&mut self, n: u64, sender: &Sender) {
-        let now = Some(std::time::Instant::now());
-        if sender.send(Kind::Window, 0, self.id, &wire::encode_window(n), now).is_err() {
+    /// poll): now, or once there is room (`Mux::reply`); if it cannot even wait for room, the
+    /// credit stays owed for the next `took` or `settle`.
+    fn give(&mut self, n: u64, mux: &Mux) {
+        let window = Reply { kind: Kind::Window, flags: 0, stream: self.id, body: wire::encode_window(n).to_vec() };
+        if !mux.reply(window) {
             self.consumed.undo(n, &self.shared.recv_window);
         }
     }
@@ -874,14 +877,15 @@ impl Mux {
     /// if the ring has room and no earlier answer waits, else after those, from a flusher (a task
     /// of the connection's runtime, or a thread where there is none, which waits at most
     /// `CANCEL_THREAD_PATIENCE` for each). Past `REPLIES_MAX` answers or `REPLY_BYTES_MAX` bytes
-    /// waiting, the peer reads nothing of ours while it keeps asking: the answer is dropped.
-    fn reply(&self, r: Reply) {
-        let Ok(mut q) = self.replies.lock() else { return };
+    /// waiting, the peer reads nothing of ours while it keeps asking: the answer is dropped, and
+    /// `false` says so.
+    fn reply(&self, r: Reply) -> bool {
+        let Ok(mut q) = self.replies.lock() else { return false };
         if !q.flushing {
             match self.sender.try_send(r.kind, r.flags, r.stream, &r.body) {
                 Ok(false) => {}
                 // Sent, or the connection is over and the peer's calls end with it.
-                Ok(true) | Err(_) => return,
+                Ok(true) | Err(_) => return true,
             }
         }
         if q.queue.len() >= REPLIES_MAX || q.bytes + r.body.len() > REPLY_BYTES_MAX {
@@ -891,12 +895,12 @@ impl Mux {
                 "isthmus: the peer reads nothing of ours while {} answers to it wait; this one is dropped",
                 q.queue.len()
             );
-            return;
+            return false;
         }
         q.bytes += r.body.len();
         q.queue.push_back(r);
         if std::mem::replace(&mut q.flushing, true) {
-            return;
+            return true;
         }
         drop(q);
         let (replies, sender) = (self.replies.clone(), self.sender.clone());
@@ -923,6 +927,7 @@ impl Mux {
                 }
             }
         }
+        true
     }
 
     /// Delivers a message, charging it to the stream's window; a peer that had no credit left
@@ -1154,7 +1159,9 @@ impl Mux {
         while let Some(frame) = got.take() {
             match self.step(frame, accept.as_deref_mut()) {
                 Step::Continue(None) => {}
-                Step::Continue(Some(r)) => self.reply(r),
+                Step::Continue(Some(r)) => {
+                    self.reply(r);
+                }
                 Step::Stop(status) => return Some(status),
             }
             budget -= 1;
@@ -1385,7 +1392,9 @@ impl Mux {
         while let Some(frame) = got.take() {
             match self.step(frame, Some(&mut *accept)) {
                 Step::Continue(None) => {}
-                Step::Continue(Some(r)) => self.reply(r),
+                Step::Continue(Some(r)) => {
+                    self.reply(r);
+                }
                 Step::Stop(status) => return Some(status),
             }
             budget -= 1;
@@ -1494,7 +1503,9 @@ impl Mux {
             };
             match self.step(got, None) {
                 Step::Continue(None) => {}
-                Step::Continue(Some(r)) => self.reply(r),
+                Step::Continue(Some(r)) => {
+                    self.reply(r);
+                }
                 Step::Stop(status) => {
                     self.end(status);
                     break;
@@ -1572,7 +1583,9 @@ impl Mux {
             }
             match self.step(got, None) {
                 Step::Continue(None) => {}
-                Step::Continue(Some(r)) => self.reply(r),
+                Step::Continue(Some(r)) => {
+                    self.reply(r);
+                }
                 Step::Stop(status) => {
                     self.end(status);
                     return false;

@@ -228,7 +228,7 @@ pub(crate) struct Requests {
 impl Requests {
     /// Sends credit still owed to the client (see `Stream::settle`).
     pub(crate) fn settle(&mut self) {
-        self.stream.settle(&self.mux.sender);
+        self.stream.settle(&self.mux);
     }
 
     /// The next request message; `None` once the client has half-closed.
@@ -249,11 +249,11 @@ impl Requests {
             };
             return Poll::Ready(match event {
                 Some(Event::Message(m)) => {
-                    self.stream.took(m.len(), &self.mux.sender);
+                    self.stream.took(m.len(), &self.mux);
                     Ok(Some(m))
                 }
                 Some(Event::Last(m)) => {
-                    self.stream.took(m.len(), &self.mux.sender);
+                    self.stream.took(m.len(), &self.mux);
                     self.half_closed = true;
                     Ok(Some(m))
                 }
@@ -349,7 +349,7 @@ impl ServerCall {
         // Credit owed to the client goes first: it may be waiting for it to send what this
         // handler waits for.
         if let Some(requests) = &mut self.requests {
-            requests.stream.settle(&self.mux.sender);
+            requests.stream.settle(&self.mux);
         }
         if self.shared.send_window.starved() {
             // The credit comes in a WINDOW frame, which someone must read (ADR 0020).
