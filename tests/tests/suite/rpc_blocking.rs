@@ -379,9 +379,16 @@ fn a_server_out_of_descriptors_counts_its_failed_accepts_and_accepts_again() {
     }
     let n = held.len();
     drop(held);
-    // The server sees those clients go and closes their descriptors; its listener's pause after
-    // failing is at most 1 s.
-    let ch = Channel::connect(&addr).expect("connect");
+    // The server sees those clients go, in its own time, and closes their descriptors; its
+    // listener's pause after failing is at most 1 s. Until then a handshake may still fail.
+    let end = Instant::now() + Duration::from_secs(30);
+    let ch = loop {
+        match Channel::connect(&addr) {
+            Ok(ch) => break ch,
+            Err(e) => assert!(Instant::now() < end, "never accepted again: {e:?}"),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
     let again = CallOptions { wait_for_ready: true, ..options() };
     let counts = ch.unary("/test.Admin/AcceptErrors", b"", again).expect("accepted again");
     let text = String::from_utf8_lossy(&counts.message).into_owned();

@@ -57,12 +57,12 @@
 //! Whoever reads also sends a few frames: the PING answer, the TRAILERS that refuse a call, the
 //! CANCEL for a peer past its window, and the frames that end a call whose message was too large;
 //! and a call that takes a message may grant credit (WINDOW). None of them waits for ring room
-//! (`Mux::reply`): one that finds the ring full, or answers
-//! queued before it, joins them, and a flusher (a task of the connection's runtime, or a thread
-//! where there is none) sends them in order as room comes. So a peer that stops reading its ring
-//! while it writes into ours cannot stop our reading, and two readers each waiting for the
-//! other's room cannot deadlock. At most `REPLIES_MAX` answers of `REPLY_BYTES_MAX` bytes in all
-//! wait; a peer that makes more while it reads nothing of ours loses the rest (logged).
+//! (`Mux::reply`): one that finds the ring full, or others queued before it, joins the queue, and
+//! a flusher (a task of the connection's runtime, or a thread where there is none) sends the
+//! queue in order as room comes. So a peer that stops reading its ring while it writes into ours
+//! cannot stop our reading, and two readers each waiting for the other's room cannot deadlock. At
+//! most `REPLIES_MAX` answers of `REPLY_BYTES_MAX` bytes in all wait; a peer that makes more
+//! while it reads nothing of ours loses the rest (logged; a grant stays owed instead).
 //!
 //! The end: `fail_all(status)` records the connection's `dead` status (the first stays), empties
 //! the table, ends every call with it, fires every server `Cancel`, and closes every entry; from
@@ -577,8 +577,8 @@ pub(crate) struct Mux {
     replies: Arc<Mutex<Replies>>,
 }
 
-/// Answers of the reader's waiting for ring room, in the order they were made, and whether a
-/// flusher is sending them.
+/// The answers waiting for ring room, in the order they were made, and whether a flusher is
+/// sending them.
 #[derive(Default)]
 struct Replies {
     queue: std::collections::VecDeque<Reply>,
