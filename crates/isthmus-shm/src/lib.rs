@@ -142,6 +142,62 @@ pub mod fuzz {
         }
     }
 
+    /// Fills a client's ring and arena with `data` as a hostile client would, then reads them as
+    /// the server's `Receiver` does: frames, arena descriptors, and messages in pieces with their
+    /// reassembly, under small limits taken from `data` (`max_message_size`, `max_reassembly`).
+    pub fn receive(data: &[u8]) {
+        use crate::connection::{Bells, Parts, SharedSide};
+        use crate::doorbell::Bell;
+        use crate::{Config, Connection, PeerInfo, Role};
+
+        let Ok(layout) = Layout::new([4096, 4096], [64 << 10, 64 << 10], 0) else { return };
+        let seg = Arc::new(Segment::heap(layout));
+        let word = |i: usize| -> u64 {
+            let mut b = [0u8; 8];
+            for (k, x) in b.iter_mut().enumerate() {
+                *x = data.get(i * 8 + k).copied().unwrap_or(0);
+            }
+            u64::from_le_bytes(b)
+        };
+        seg.ctl_u64(0, layout::CTL_TAIL).store(word(0) % 16384, Ordering::Relaxed);
+        let body = data.get(16..).unwrap_or_default();
+        let ring = seg.region(layout.ring_off[0], layout.ring_size[0]);
+        ring.write_wrapping(0, &body[..body.len().min(ring.len())]);
+        let rest = body.get(ring.len()..).unwrap_or_default();
+        let arena = seg.region(layout.arena_off[0], layout.arena_size[0]);
+        arena.write_wrapping(0, &rest[..rest.len().min(arena.len())]);
+
+        let bell = || crate::sys::eventfd().ok().map(|fd| Arc::new(Bell::new(fd)));
+        let (Some(my_rx), Some(my_tx), Some(peer_rx), Some(peer_tx)) = (bell(), bell(), bell(), bell()) else {
+            return;
+        };
+        let Ok((socket, _peer)) = std::os::unix::net::UnixStream::pair() else { return };
+        let Ok(link) = crate::link::Link::new(socket) else { return };
+        let parts = Parts {
+            seg,
+            role: Role::Server,
+            link,
+            bells: Bells { my_rx, my_tx, peer_rx, peer_tx },
+            peer: PeerInfo { pid: 0, uid: 0, gid: 0 },
+            shared: SharedSide::None,
+            features: crate::features::ALL,
+        };
+        let limits = word(1);
+        let cfg = Config {
+            max_message_size: limits % (256 << 10),
+            max_reassembly: Some((limits >> 32) % (128 << 10)),
+            ..Config::default()
+        };
+        let mut receiver = Connection::from_parts(parts, &cfg).receiver;
+        for _ in 0..512 {
+            match receiver.try_recv() {
+                Ok(Some(_)) => {}
+                Err(e) if !e.is_fatal() => {}
+                _ => break,
+            }
+        }
+    }
+
     /// Fills a ring, its cursors and a release ring with `data` as a hostile peer would, then
     /// reads it as the receiver and the arena owner do.
     pub fn ring(data: &[u8]) {
