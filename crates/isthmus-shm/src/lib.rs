@@ -142,6 +142,28 @@ pub mod fuzz {
         }
     }
 
+    /// The `i`th little-endian word of `data`, zero past its end.
+    fn word(data: &[u8], i: usize) -> u64 {
+        let mut b = [0u8; 8];
+        for (k, x) in b.iter_mut().enumerate() {
+            *x = data.get(i * 8 + k).copied().unwrap_or(0);
+        }
+        u64::from_le_bytes(b)
+    }
+
+    /// A small heap segment whose client→server ring holds `data` as a hostile client wrote it:
+    /// word 0 is the ring's tail, the bytes from 16 on its contents; with the bytes past the
+    /// ring, for the caller.
+    fn hostile_ring(data: &[u8]) -> Option<(Arc<Segment>, Layout, &[u8])> {
+        let layout = Layout::new([4096, 4096], [64 << 10, 64 << 10], 0).ok()?;
+        let seg = Arc::new(Segment::heap(layout));
+        seg.ctl_u64(0, layout::CTL_TAIL).store(word(data, 0) % 16384, Ordering::Relaxed);
+        let body = data.get(16..).unwrap_or_default();
+        let ring = seg.region(layout.ring_off[0], layout.ring_size[0]);
+        ring.write_wrapping(0, &body[..body.len().min(ring.len())]);
+        Some((seg, layout, body.get(ring.len()..).unwrap_or_default()))
+    }
+
     /// Fills a client's ring and arena with `data` as a hostile client would, then reads them as
     /// the server's `Receiver` does: frames, arena descriptors, and messages in pieces with their
     /// reassembly, under small limits taken from `data` (`max_message_size`, `max_reassembly`).
@@ -150,20 +172,7 @@ pub mod fuzz {
         use crate::doorbell::Bell;
         use crate::{Config, Connection, PeerInfo, Role};
 
-        let Ok(layout) = Layout::new([4096, 4096], [64 << 10, 64 << 10], 0) else { return };
-        let seg = Arc::new(Segment::heap(layout));
-        let word = |i: usize| -> u64 {
-            let mut b = [0u8; 8];
-            for (k, x) in b.iter_mut().enumerate() {
-                *x = data.get(i * 8 + k).copied().unwrap_or(0);
-            }
-            u64::from_le_bytes(b)
-        };
-        seg.ctl_u64(0, layout::CTL_TAIL).store(word(0) % 16384, Ordering::Relaxed);
-        let body = data.get(16..).unwrap_or_default();
-        let ring = seg.region(layout.ring_off[0], layout.ring_size[0]);
-        ring.write_wrapping(0, &body[..body.len().min(ring.len())]);
-        let rest = body.get(ring.len()..).unwrap_or_default();
+        let Some((seg, layout, rest)) = hostile_ring(data) else { return };
         let arena = seg.region(layout.arena_off[0], layout.arena_size[0]);
         arena.write_wrapping(0, &rest[..rest.len().min(arena.len())]);
 
@@ -182,7 +191,7 @@ pub mod fuzz {
             shared: SharedSide::None,
             features: crate::features::ALL,
         };
-        let limits = word(1);
+        let limits = word(data, 1);
         let cfg = Config {
             max_message_size: limits % (256 << 10),
             max_reassembly: Some((limits >> 32) % (128 << 10)),
@@ -201,21 +210,8 @@ pub mod fuzz {
     /// Fills a ring, its cursors and a release ring with `data` as a hostile peer would, then
     /// reads it as the receiver and the arena owner do.
     pub fn ring(data: &[u8]) {
-        let Ok(layout) = Layout::new([4096, 4096], [64 << 10, 64 << 10], 0) else { return };
-        let seg = Arc::new(Segment::heap(layout));
-        let word = |i: usize| -> u64 {
-            let mut b = [0u8; 8];
-            for (k, x) in b.iter_mut().enumerate() {
-                *x = data.get(i * 8 + k).copied().unwrap_or(0);
-            }
-            u64::from_le_bytes(b)
-        };
-        seg.ctl_u64(0, layout::CTL_TAIL).store(word(0) % 16384, Ordering::Relaxed);
-        seg.ctl_u64(0, layout::CTL_REL_TAIL).store(word(1) % 64, Ordering::Relaxed);
-        let body = data.get(16..).unwrap_or_default();
-        let ring = seg.region(layout.ring_off[0], layout.ring_size[0]);
-        ring.write_wrapping(0, &body[..body.len().min(ring.len())]);
-        let rest = body.get(ring.len()..).unwrap_or_default();
+        let Some((seg, layout, rest)) = hostile_ring(data) else { return };
+        seg.ctl_u64(0, layout::CTL_REL_TAIL).store(word(data, 1) % 64, Ordering::Relaxed);
         let rel = seg.region(layout.rel_off[0], layout.rel_cap[0] * layout::RELEASE_ENTRY_LEN);
         rel.write_wrapping(0, &rest[..rest.len().min(rel.len())]);
 
