@@ -74,6 +74,7 @@ class Call(grpc.Call, grpc.Future):
 
     def __init__(self, deserialize: Deserializer, timeout: float | None) -> None:
         self._deserialize = deserialize
+        self._timeout = timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
         self._lock = threading.Condition()
         self._native: _native.Call | None = None
@@ -309,7 +310,10 @@ class Call(grpc.Call, grpc.Future):
         return not self._ended
 
     def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
+        if self._deadline is None or self._timeout is None:
+            return None
+        # Clamped to the timeout: `start + timeout - start` can round above it.
+        return min(max(self._deadline - time.monotonic(), 0.0), self._timeout)
 
     def cancel(self) -> bool:
         return self._cancel(LOCALLY_CANCELLED)

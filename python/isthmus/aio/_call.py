@@ -46,6 +46,7 @@ class _Call(abc.ABC):
 
     def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float | None, deserialize: Deserializer):
         self._loop = loop
+        self._timeout = timeout
         self._deadline = None if timeout is None else loop.time() + timeout
         self._deserialize = deserialize
 
@@ -70,7 +71,10 @@ class _Call(abc.ABC):
         """True once the call is over."""
 
     def time_remaining(self) -> float | None:
-        return None if self._deadline is None else max(self._deadline - self._loop.time(), 0.0)
+        if self._deadline is None or self._timeout is None:
+            return None
+        # Clamped to the timeout: `start + timeout - start` can round above it.
+        return min(max(self._deadline - self._loop.time(), 0.0), self._timeout)
 
     async def trailing_metadata(self) -> grpc.aio.Metadata:
         error = await self._end()
@@ -105,6 +109,7 @@ class UnaryUnaryCall(_Call, grpc.aio.UnaryUnaryCall):
     ) -> None:
         # _Call's fields, set here: this runs once per unary call, the hottest path there is.
         self._loop = loop
+        self._timeout = timeout
         self._deadline = None if timeout is None else loop.time() + timeout
         self._deserialize = deserialize
         self._outcome = outcome  # resolves to a UnaryResult or a CallError
