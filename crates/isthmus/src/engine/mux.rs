@@ -539,8 +539,9 @@ impl Lender {
     }
 }
 
-/// How long a thread of its own waits for ring room to send a dropped call's CANCEL, where the
-/// connection has no runtime to wait on (`Mux::send_cancel`).
+/// How long the flusher's thread, where the connection has no runtime to wait on, waits for ring
+/// room for each frame (`Mux::reply`): a peer that stays stopped must not hold it for ever.
+/// Past it, the peer learns at its own deadline or the connection's end.
 const CANCEL_THREAD_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The stream table of one connection.
@@ -570,8 +571,8 @@ pub(crate) struct Mux {
     last_stream: AtomicU64,
     /// Calls started and finished on this connection, by final code.
     pub(crate) calls: CallTally,
-    /// The runtime the connection was made on, if any: CANCELs the ring had no room for go out
-    /// from a task of it (`send_cancel`), and so do the reader's answers (`reply`).
+    /// The runtime the connection was made on, if any: the frames `reply` queues go out from a
+    /// task of it.
     runtime: Option<tokio::runtime::Handle>,
     /// The reader's answers that wait for ring room (`reply`).
     replies: Arc<Mutex<Replies>>,
@@ -846,34 +847,20 @@ impl Mux {
     }
 
     /// Sends a CANCEL for `id`, waiting for ring room until `patience` at most; if the ring is
-    /// still full then, the CANCEL goes once it has room, from a task of the connection's
-    /// runtime (a thread of its own, for up to 10 s, where there is none), so that the peer's
-    /// handler stops rather than run on until its deadline or the connection's end.
+    /// still full then, the CANCEL goes once it has room, behind the reader's answers
+    /// (`reply`), so that the peer's handler stops rather than run on until its deadline or the
+    /// connection's end.
     pub(crate) fn send_cancel(&self, id: u64, code: Code, patience: std::time::Instant) {
         let body = wire::encode_cancel(code);
         let Err(e) = self.sender.send(Kind::Cancel, 0, id, &body, Some(patience)) else { return };
-        if e.kind() != isthmus_shm::ErrorKind::Timeout {
-            return; // the connection is over: the peer's calls end with it
-        }
-        let sender = self.sender.clone();
-        match &self.runtime {
-            Some(rt) => drop(rt.spawn(async move {
-                let _ = sender.send_async(Kind::Cancel, 0, id, &body).await;
-            })),
-            // A thread waits a bounded time: a peer that stays stopped must not collect one
-            // parked thread per dropped call. Past it, the peer learns at its own deadline or
-            // the connection's end, as before.
-            None => {
-                let patience = std::time::Instant::now() + CANCEL_THREAD_PATIENCE;
-                let sent = std::thread::Builder::new()
-                    .name("isthmus-cancel".into())
-                    .spawn(move || sender.send(Kind::Cancel, 0, id, &body, Some(patience)));
-                drop(sent);
-            }
+        // Any other error: the connection is over, and the peer's calls end with it.
+        if e.kind() == isthmus_shm::ErrorKind::Timeout {
+            self.reply(Reply::cancel(id, code));
         }
     }
 
-    /// Sends one of the reader's answers (a PING's, a refusal, a cancel) without waiting: at once
+    /// Sends one of the reader's answers (a PING's, a refusal, a cancel), a grant or a dropped
+    /// call's CANCEL without waiting: at once
     /// if the ring has room and no earlier answer waits, else after those, from a flusher (a task
     /// of the connection's runtime, or a thread where there is none, which waits at most
     /// `CANCEL_THREAD_PATIENCE` for each). Past `REPLIES_MAX` answers or `REPLY_BYTES_MAX` bytes
