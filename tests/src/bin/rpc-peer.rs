@@ -23,7 +23,8 @@
 //! `LISTENING ADDRESS` after `READY`), the largest request message accepted (0 = the default),
 //! and the concurrent calls allowed per connection. `RPC_PEER_FEATURES` (a number) sets the
 //! protocol features the server grants at most (all by default). `RPC_PEER_FDS_LEFT=N` lowers the
-//! process's file-descriptor limit, once it serves, to N more than it has open; and
+//! process's file-descriptor limit, once it serves, so that exactly N descriptor numbers are free
+//! below it (the limit bounds numbers, not counts, and inherited descriptors leave gaps); and
 //! `/test.Admin/AcceptErrors` answers `accept_errors=A handshakes_failed=H` from `ServerStats`.
 
 use std::io::Write;
@@ -275,17 +276,17 @@ fn main() {
             Err(e) => return say(&format!("BIND-ERROR {e}")),
         };
         let _ = stats.set(bound.stats());
-        if let Some(left) = std::env::var("RPC_PEER_FDS_LEFT").ok().and_then(|n| n.parse::<u64>().ok()) {
-            let open = std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64);
-            let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
-            // SAFETY: `limit` is a live, initialised `rlimit` of this frame, for both calls.
+        if let Some(left) = std::env::var("RPC_PEER_FDS_LEFT").ok().and_then(|n| n.parse::<usize>().ok()) {
+            let limit = fd_limit_leaving(left);
+            let mut rl = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+            // SAFETY: `rl` is a live, initialised `rlimit` of this frame, for both calls.
             let set = unsafe {
-                libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) == 0 && {
-                    limit.rlim_cur = open + left;
-                    libc::setrlimit(libc::RLIMIT_NOFILE, &limit) == 0
+                libc::getrlimit(libc::RLIMIT_NOFILE, &mut rl) == 0 && {
+                    rl.rlim_cur = limit;
+                    libc::setrlimit(libc::RLIMIT_NOFILE, &rl) == 0
                 }
             };
-            say(&format!("FDS-LIMIT {} {set}", open + left));
+            say(&format!("FDS-LIMIT {limit} {set}"));
         }
         say("READY");
         for address in bound.http_addresses() {
@@ -296,4 +297,22 @@ fn main() {
             Err(e) => say(&format!("SERVE-ERROR {e}")),
         }
     });
+}
+
+/// The lowest descriptor limit below which exactly `left` numbers are free: new descriptors take
+/// the lowest free number, so a limit of "open + left" would leave more or fewer than `left`
+/// depending on where the inherited ones sit.
+fn fd_limit_leaving(left: usize) -> u64 {
+    let is_open = |fd: i32| {
+        // SAFETY: F_GETFD on any number only reads that number's flags (EBADF when it is free).
+        unsafe { libc::fcntl(fd, libc::F_GETFD) != -1 }
+    };
+    let (mut fd, mut free) = (0i32, 0usize);
+    while free < left {
+        if !is_open(fd) {
+            free += 1;
+        }
+        fd += 1;
+    }
+    fd as u64
 }

@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use isthmus::blocking::Channel;
 use isthmus::{CallOptions, Code, MetadataMap};
-use isthmus_tests::{first_mismatch, fresh_addr, mix, pattern, Peer};
+use isthmus_tests::{eventually, first_mismatch, fresh_addr, mix, pattern, Peer};
 
 fn server() -> (Peer, String) {
     let addr = fresh_addr("blk");
@@ -353,6 +353,23 @@ fn a_waiting_call_answers_every_ping_of_a_server_that_reads_nothing_meanwhile() 
     assert_eq!(ended.code(), Code::Unavailable, "{ended:?}");
 }
 
+/// What process `pid` has open, for a failure's message.
+fn fds_of(pid: u32) -> String {
+    let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return "unknown".into() };
+    let mut fds: Vec<String> = dir
+        .flatten()
+        .map(|e| {
+            format!(
+                "{}→{}",
+                e.file_name().to_string_lossy(),
+                std::fs::read_link(e.path()).unwrap_or_default().display()
+            )
+        })
+        .collect();
+    fds.sort();
+    fds.join(" ")
+}
+
 /// A server out of file descriptors: the connections it has go on serving, a new client is
 /// turned away (UNAVAILABLE), the failed accepts and handshakes are counted in `ServerStats`
 /// (and logged), and once descriptors are free again the listener accepts again.
@@ -360,11 +377,21 @@ fn a_waiting_call_answers_every_ping_of_a_server_that_reads_nothing_meanwhile() 
 fn a_server_out_of_descriptors_counts_its_failed_accepts_and_accepts_again() {
     use std::process::Command;
     let addr = fresh_addr("blk-fds");
-    let _server =
-        Peer::command(Command::new(isthmus_tests::peer_bin("rpc-peer")).arg(&addr).env("RPC_PEER_FDS_LEFT", "4"));
+    let server =
+        Peer::command(Command::new(isthmus_tests::peer_bin("rpc-peer")).arg(&addr).env("RPC_PEER_FDS_LEFT", "8"));
     let quick = isthmus::Config { handshake_timeout: Duration::from_secs(1), ..Default::default() };
     let options = || CallOptions { timeout: Some(Duration::from_secs(10)), ..Default::default() };
     let call = |ch: &Channel| ch.unary("/test.Echo/Unary", b"fds", options());
+    let counts = |ch: &Channel| {
+        let again = CallOptions { wait_for_ready: true, ..options() };
+        let text = ch.unary("/test.Admin/AcceptErrors", b"", again).expect("the counts");
+        let text = String::from_utf8_lossy(&text.message).into_owned();
+        let count = |name: &str| -> u64 {
+            let f = text.split(' ').find_map(|f| f.strip_prefix(name)).unwrap_or_else(|| panic!("{name} in {text}"));
+            f.parse().expect("a count")
+        };
+        (count("accept_errors="), count("handshakes_failed="))
+    };
     let mut held = Vec::new();
     let turned_away = loop {
         match Channel::connect_with(&addr, quick.clone()).and_then(|ch| call(&ch).map(|_| ch)) {
@@ -374,28 +401,39 @@ fn a_server_out_of_descriptors_counts_its_failed_accepts_and_accepts_again() {
         assert!(held.len() < 64, "the server never ran out of descriptors");
     };
     assert_eq!(turned_away.code(), Code::Unavailable, "{turned_away:?}");
+    // A connection takes six descriptors while its handshake runs (the socket, the segment and
+    // four doorbells) and keeps five: eight free fit one and turn the second away.
+    assert!(!held.is_empty(), "no connection fitted: {turned_away:?}; the server's fds: {}", fds_of(server.pid()));
+    let first = &held[0];
+    // Counted once the server's handshake task is back, which may be after its client saw the
+    // socket close.
+    assert!(eventually(Duration::from_secs(30), || counts(first).1 > 0), "the turned-away handshake is counted");
+    // Sockets that never say hello: each accepted one holds a descriptor for the server's
+    // handshake timeout, so the server soon has none left even to accept.
+    let path = addr.parse::<isthmus_shm::Address>().expect("address").socket_path().to_owned();
+    let silent: Vec<_> = (0..8).map(|_| std::os::unix::net::UnixStream::connect(&path).expect("connect")).collect();
+    assert!(
+        eventually(Duration::from_secs(30), || counts(first).0 > 0),
+        "no accept failed while the server had no descriptors; its fds: {}",
+        fds_of(server.pid())
+    );
     for ch in &held {
         call(ch).expect("a connection made before goes on serving");
     }
     let n = held.len();
-    drop(held);
+    drop((held, silent));
     // The server sees those clients go, in its own time, and closes their descriptors; its
     // listener's pause after failing is at most 1 s. Until then a handshake may still fail.
     let end = Instant::now() + Duration::from_secs(30);
     let ch = loop {
         match Channel::connect(&addr) {
             Ok(ch) => break ch,
-            Err(e) => assert!(Instant::now() < end, "never accepted again: {e:?}"),
+            Err(e) => {
+                assert!(Instant::now() < end, "never accepted again: {e:?}; the server's fds: {}", fds_of(server.pid()))
+            }
         }
         std::thread::sleep(Duration::from_millis(50));
     };
-    let again = CallOptions { wait_for_ready: true, ..options() };
-    let counts = ch.unary("/test.Admin/AcceptErrors", b"", again).expect("accepted again");
-    let text = String::from_utf8_lossy(&counts.message).into_owned();
-    let count = |name: &str| -> u64 {
-        let field = text.split(' ').find_map(|f| f.strip_prefix(name)).unwrap_or_else(|| panic!("{name} in {text}"));
-        field.parse().expect("a count")
-    };
-    println!("{n} connections held, then {turned_away:?}; {text}");
-    assert!(count("accept_errors=") + count("handshakes_failed=") > 0, "{text}");
+    let (accept_errors, handshakes_failed) = counts(&ch);
+    println!("{n} connections held, then {turned_away:?}; accept_errors={accept_errors} handshakes_failed={handshakes_failed}");
 }
