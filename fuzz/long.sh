@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # `make fuzz-long`: every fuzz target named on the command line for at least RUNS executions
 # (default 10 million), one after another, with the counts libFuzzer reports written to
-# docs/fuzz-long.md; the targets of fuzz/fuzz_targets that were not run are listed there too.
+# docs/fuzz-long.md. Each target's row is written as soon as it finishes, with its commit and
+# date, and rows of targets not run this time are kept: a long run may be done in parts. The
+# targets of fuzz/fuzz_targets that have no row yet are listed there too.
 # A crash stops the run and leaves its input in fuzz/artifacts/ as libFuzzer does.
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -9,7 +11,41 @@ runs=${RUNS:-10000000}
 out=../docs/fuzz-long.md
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
-rows=()
+
+# Rows by target: those of earlier runs first (a row of the table, "| `name` | …").
+declare -A rows
+if [ -f "$out" ]; then
+  while IFS= read -r line; do
+    name=$(echo "$line" | sed -nE 's/^\| `([a-z0-9_]+)` \|.*/\1/p')
+    [ -n "$name" ] && rows[$name]=$line
+  done <"$out"
+fi
+
+write() {
+  local never=()
+  {
+    echo "# Long fuzz runs"
+    echo
+    echo "Written by \`make fuzz-long\` (fuzz/long.sh) on $(nproc) cores. Each target ran under"
+    echo "libFuzzer with AddressSanitizer (\`cargo fuzz run -O\`) from the corpus it had, for the"
+    echo "executions below, at the commit and on the day its row gives, and found nothing."
+    echo "\`make test\` runs the same targets for a few seconds each (the smoke)."
+    echo
+    echo "| target | executions | seconds | coverage (edges) | commit | date |"
+    echo "|---|---:|---:|---:|---|---|"
+    for f in fuzz_targets/*.rs; do
+      name=$(basename "$f" .rs)
+      if [ -n "${rows[$name]:-}" ]; then echo "${rows[$name]}"; else never+=("\`$name\`"); fi
+    done
+    if [ ${#never[@]} -gt 0 ]; then
+      printf -v list '%s, ' "${never[@]}"
+      echo
+      echo "Not run yet: ${list%, }."
+    fi
+  } >"$out"
+}
+
+commit=$(git rev-parse --short HEAD)
 for t in "$@"; do
   echo "fuzz-long: $t for $runs runs"
   if ! RUSTC_BOOTSTRAP=1 ${CARGO:-cargo} fuzz run -O "$t" -- -runs="$runs" >"$log" 2>&1; then
@@ -25,28 +61,8 @@ for t in "$@"; do
   fi
   cov=$(grep -oE 'cov: [0-9]+' "$log" | tail -1 | cut -d' ' -f2 || true)
   echo "  $done_line"
-  rows+=("| \`$t\` | $(echo "$done_line" | awk '{print $2}') | $(echo "$done_line" | awk '{print $5}') | ${cov:-?} |")
+  rows[$t]="| \`$t\` | $(echo "$done_line" | awk '{print $2}') | $(echo "$done_line" | awk '{print $5}') | ${cov:-?} | $commit | $(date -u +%Y-%m-%d) |"
+  write
 done
-not_run=()
-for f in fuzz_targets/*.rs; do
-  name=$(basename "$f" .rs)
-  [[ " $* " == *" $name "* ]] || not_run+=("\`$name\`")
-done
-{
-  echo "# Long fuzz runs"
-  echo
-  echo "Written by \`make fuzz-long\` (fuzz/long.sh) on $(date -u +%Y-%m-%d) at commit"
-  echo "$(git rev-parse --short HEAD), $(nproc) cores. Each target ran under libFuzzer with"
-  echo "AddressSanitizer (\`cargo fuzz run -O\`) from the corpus it had, for the executions below,"
-  echo "and found nothing. \`make test\` runs the same targets for a few seconds each (the smoke)."
-  echo
-  echo "| target | executions | seconds | coverage (edges) |"
-  echo "|---|---:|---:|---:|"
-  printf '%s\n' "${rows[@]}"
-  if [ ${#not_run[@]} -gt 0 ]; then
-    printf -v list '%s, ' "${not_run[@]}"
-    echo
-    echo "Not run this time: ${list%, }."
-  fi
-} >"$out"
+write
 echo "wrote docs/fuzz-long.md"
