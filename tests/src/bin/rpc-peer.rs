@@ -122,11 +122,12 @@ fn main() {
                         .iter()
                         .map(|c| {
                             format!(
-                                "started={} ok={} cancelled={} deadline={} frames_received={}",
+                                "started={} ok={} cancelled={} deadline={} internal={} frames_received={}",
                                 c.calls_started,
                                 c.finished(Code::Ok),
                                 c.finished(Code::Cancelled),
                                 c.finished(Code::DeadlineExceeded),
+                                c.finished(Code::Internal),
                                 c.transport.frames_received
                             )
                         })

@@ -15,6 +15,9 @@
 //! shm-peer pieces-client ADDR            write by hand messages in pieces on streams 1, 3, 5
 //!                                        and 7 (768 KiB pattern-0 block, 1 MiB each; 5 ends
 //!                                        in a CANCEL), then "after" inline on stream 9
+//! shm-peer partials-client ADDR          write by hand a message in 300 pieces of 1 KiB on stream
+//!                                        1, then 257 messages begun in pieces on streams 3, 5,
+//!                                        …; print how its connection ended (`ENDED kind`)
 //! shm-peer sink-server ADDR              accept clients and never read from them
 //! shm-peer client-as-uid ADDR UID        switch to UID (needs root), then try to connect
 //! shm-peer server-as-uid ADDR UID        switch to UID (needs root), then echo-serve
@@ -75,6 +78,7 @@ fn main() {
         "big-client" => big_client(&addr, num(&arg(&args, 3, "size")), num(&arg(&args, 4, "arena"))),
         "hostile-server" => hostile_server(&addr, &arg(&args, 3, "mode")),
         "pieces-client" => pieces_client(&addr),
+        "partials-client" => partials_client(&addr),
         "ping-server" => ping_server(&addr, num(&arg(&args, 3, "count")), num(&arg(&args, 4, "len"))),
         "shared-sink" => shared_sink(&addr, num(&arg(&args, 3, "count")), num(&arg(&args, 4, "hold"))),
         "sink-server" => sink_server(&addr),
@@ -263,34 +267,70 @@ fn pieces_client(addr: &Address) {
     let sender = &conn.sender;
     let l = sender.layout_for_tests();
     sender.scribble_for_tests(l.arena_off[CLIENT_TO_SERVER], &pattern(768 << 10, 0));
-    fn frame(ring: &mut Vec<u8>, kind: Kind, flags: u8, stream: u64, body: &[u8]) {
+    let piece = |stream: u64, len: u64| {
+        let d = ArenaDescriptor { offset: 0, len: len * K, total: 1024 * K };
+        (Kind::Message, flags::ARENA, stream, d.encode().to_vec())
+    };
+    let frames = [
+        piece(1, 512), // 512 KiB held
+        piece(3, 768), // 1280 KiB would be held: stream 3's message is refused
+        piece(1, 512), // 1 MiB held: stream 1's message is whole
+        piece(3, 256), // stream 3's message ends: MessageTooLarge
+        piece(5, 768),
+        (Kind::Cancel, 0, 5, Vec::new()), // its 768 KiB are dropped
+        piece(7, 768),                    // fits only if stream 5's bytes were given back
+        piece(7, 256),
+        (Kind::Message, 0, 9, b"after".to_vec()),
+    ];
+    publish_by_hand(sender, &frames);
+    say("SENT");
+    // Stay connected: the server must see our frames, not our end.
+    std::thread::sleep(Duration::from_secs(3600));
+}
+
+/// Frames written into the client's ring by hand, then published at once (one tail store and
+/// one doorbell), as a peer that ignores the protocol's bounds may.
+fn publish_by_hand(sender: &Sender, frames: &[(Kind, u8, u64, Vec<u8>)]) {
+    let l = sender.layout_for_tests();
+    let mut ring = Vec::new();
+    for (kind, flags, stream, body) in frames {
         let len = u32::try_from(body.len()).expect("small body");
-        ring.extend_from_slice(&FrameHeader { len, kind, flags, stream }.encode());
+        ring.extend_from_slice(&FrameHeader { len, kind: *kind, flags: *flags, stream: *stream }.encode());
         ring.extend_from_slice(body);
         ring.resize(ring.len().next_multiple_of(layout::FRAME_ALIGN), 0);
     }
-    fn piece(ring: &mut Vec<u8>, stream: u64, len: u64) {
-        let d = ArenaDescriptor { offset: 0, len: len * K, total: 1024 * K };
-        frame(ring, Kind::Message, flags::ARENA, stream, &d.encode());
-    }
-    let mut ring = Vec::new();
-    piece(&mut ring, 1, 512); // 512 KiB held
-    piece(&mut ring, 3, 768); // 1280 KiB would be held: stream 3's message is refused
-    piece(&mut ring, 1, 512); // 1 MiB held: stream 1's message is whole
-    piece(&mut ring, 3, 256); // stream 3's message ends: MessageTooLarge
-    piece(&mut ring, 5, 768);
-    frame(&mut ring, Kind::Cancel, 0, 5, &[]); // its 768 KiB are dropped
-    piece(&mut ring, 7, 768); // fits only if stream 5's bytes were given back
-    piece(&mut ring, 7, 256);
-    frame(&mut ring, Kind::Message, 0, 9, b"after");
     sender.scribble_for_tests(l.ring_off[CLIENT_TO_SERVER], &ring);
     std::sync::atomic::fence(Ordering::SeqCst);
     let tail = layout::control_base(CLIENT_TO_SERVER) + layout::CTL_TAIL;
     sender.scribble_for_tests(tail, &(ring.len() as u64).to_le_bytes());
     sender.ring_peer_for_tests();
+}
+
+/// Past the receiver's bounds on pieces: one message in more pieces than one `try_recv` takes,
+/// then one message more in pieces at once than a receiver keeps.
+fn partials_client(addr: &Address) {
+    say("READY"); // before connecting: the test accepts only after this line
+    let Connection { sender, mut receiver } = Connection::connect(addr, &Config::default()).unwrap_or_else(|e| {
+        say(&format!("CONNECT-ERROR {:?} {e}", e.kind()));
+        std::process::exit(1)
+    });
+    let l = sender.layout_for_tests();
+    sender.scribble_for_tests(l.arena_off[CLIENT_TO_SERVER], &pattern(1024, 0));
+    let piece = |stream: u64, total: u64| {
+        let d = ArenaDescriptor { offset: 0, len: 1024, total };
+        (Kind::Message, flags::ARENA, stream, d.encode().to_vec())
+    };
+    let mut frames: Vec<_> = (0..300).map(|_| piece(1, 300 * 1024)).collect();
+    frames.extend((0..257).map(|k| piece(3 + 2 * k, 2048)));
+    publish_by_hand(&sender, &frames);
     say("SENT");
-    // Stay connected: the server must see our frames, not our end.
-    std::thread::sleep(Duration::from_secs(3600));
+    let deadline = Some(std::time::Instant::now() + Duration::from_secs(60));
+    loop {
+        match receiver.recv(deadline) {
+            Ok(_) => continue,
+            Err(e) => return say(&format!("ENDED {:?}", e.kind())),
+        }
+    }
 }
 
 /// A server that writes into the client's ring while it reads nothing of its own, as a peer of

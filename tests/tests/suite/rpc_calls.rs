@@ -196,9 +196,11 @@ fn a_call_dropped_while_the_ring_is_full_still_stops_its_handler() {
         let mut sent = 0;
         // A send that waits this long for room has found the ring full (the server reads
         // nothing while stopped); a watchdog bounds the loop.
-        while tokio::time::timeout(Duration::from_millis(200), filler.send(&[7u8; 256])).await.is_ok() {
+        while let Ok(sending) = tokio::time::timeout(Duration::from_millis(200), filler.send(&[7u8; 256])).await {
+            sending.unwrap_or_else(|e| panic!("send {sent} on a stalled call: {e:?}"));
             sent += 1;
-            assert!(sent < 1000, "4 KiB of ring took {sent} messages of 256 B and is still not full");
+            let state = std::fs::read_to_string(format!("/proc/{}/stat", server.pid())).unwrap_or_default();
+            assert!(sent < 1000, "4 KiB of ring took {sent} messages of 256 B and is still not full; server: {state}");
         }
         drop(sleeping);
         // SAFETY: as above.
@@ -819,6 +821,17 @@ fn a_call_waiting_for_a_late_answer_spends_no_cpu_meanwhile() {
     client.expect_line("DONE", Duration::from_secs(30));
 }
 
+/// A server, and a client of the spec that speaks raw frames to it.
+fn raw_client() -> (Peer, isthmus_shm::Connection) {
+    let (server, addr) = server();
+    let addr: isthmus_shm::Address = addr.parse().expect("address");
+    (server, isthmus_shm::Connection::connect(&addr, &isthmus_shm::Config::default()).expect("connect"))
+}
+
+fn patience_30s() -> Option<Instant> {
+    Some(Instant::now() + Duration::from_secs(30))
+}
+
 /// A peer that keeps writing into the server's ring while it reads nothing of its own (a peer of
 /// the spec: isthmus itself sends no PINGs): the server's answers that find no ring room wait
 /// while its reader reads on, so the peer's writes go through, and every answer comes, in
@@ -826,10 +839,8 @@ fn a_call_waiting_for_a_late_answer_spends_no_cpu_meanwhile() {
 /// had none, reading nothing meanwhile, and both rings stayed full.
 #[test]
 fn a_server_reads_on_while_its_answers_wait_for_ring_room() {
-    use isthmus_shm::{flags, Address, Connection, Kind};
-    let (_server, addr) = server();
-    let addr: Address = addr.parse().expect("address");
-    let mut c = Connection::connect(&addr, &isthmus_shm::Config::default()).expect("connect");
+    use isthmus_shm::{flags, Kind};
+    let (_server, mut c) = raw_client();
     // 48 PINGs of 60 KiB, and as many answers: 2.8 MiB each way, past both 1 MiB rings.
     let (pings, len) = (48, 60 << 10);
     for i in 0..pings {
@@ -854,11 +865,9 @@ fn a_server_reads_on_while_its_answers_wait_for_ring_room() {
 fn credit_granted_while_the_ring_is_full_goes_out_once_the_peer_reads() {
     use isthmus::wire;
     use isthmus_shm::layout::{self, CLIENT_TO_SERVER};
-    use isthmus_shm::{Address, Connection, Kind};
-    let (_server, addr) = server();
-    let addr: Address = addr.parse().expect("address");
-    let mut c = Connection::connect(&addr, &isthmus_shm::Config::default()).expect("connect");
-    let patience = || Some(Instant::now() + Duration::from_secs(30));
+    use isthmus_shm::Kind;
+    let (_server, mut c) = raw_client();
+    let patience = patience_30s;
     // Each answer takes 64 KiB of the ring with its header: 16 fill the 1 MiB ring to the byte.
     let (pings, len) = (20, (64 << 10) - 16);
     for i in 0..pings {
@@ -890,4 +899,54 @@ fn credit_granted_while_the_ring_is_full_goes_out_once_the_peer_reads() {
     }
     assert_eq!(answers, pings, "every PING answered before the grant that waited behind them");
     assert!(granted >= 2 << 20, "half a window or more: {granted}");
+}
+
+/// A client of the spec (raw frames) that writes past a stream's flow-control window, to a
+/// handler that reads nothing and so gives no credit back: the server ends that call (a CANCEL
+/// with INTERNAL) and only that call; the connection serves the next.
+#[test]
+fn a_peer_past_its_window_ends_its_call_and_only_that_call() {
+    use isthmus::wire;
+    use isthmus_shm::{flags, Kind};
+    let (_server, mut c) = raw_client();
+    let patience = patience_30s;
+    let head = |path: &str| wire::encode_request_head(path, None, &MetadataMap::new());
+    c.sender.send(Kind::Headers, 0, 1, &head("/test.Echo/Stall"), patience()).expect("HEADERS");
+    // The window is 4 MiB: 64 messages of 64 KiB fill it, the 65th is past it.
+    for i in 0..65 {
+        c.sender.send_message(1, 0, &pattern(64 << 10, i), patience()).expect("MESSAGE");
+    }
+    let f = c.receiver.recv(patience()).expect("the server's answer to stream 1");
+    assert_eq!((f.kind, f.stream), (Kind::Cancel, 1), "no credit from a handler that reads nothing");
+    assert_eq!(wire::decode_cancel(&f.body).expect("a CANCEL's code"), Code::Internal);
+
+    // The connection serves the next calls, and nothing more comes on stream 1: the handler,
+    // stopped, sends no second end. Its task counts the call as it ends, so once the count shows
+    // it, one more call's answer comes after anything that task sent.
+    let mut unary = |stream: u64, path: &str, body: &[u8]| {
+        c.sender.send(Kind::Headers, 0, stream, &head(path), patience()).expect("HEADERS");
+        c.sender.send_message(stream, flags::END_STREAM, body, patience()).expect("MESSAGE");
+        let mut answer = Vec::new();
+        loop {
+            let f = c.receiver.recv(patience()).expect("an answer");
+            match (f.kind, f.stream) {
+                (Kind::Message, s) if s == stream => answer.extend_from_slice(&f.body),
+                (Kind::Trailers, s) if s == stream => {
+                    let status = wire::decode_trailers(&f.body).expect("trailers");
+                    assert_eq!(status.code(), Code::Ok, "{status:?}");
+                    return String::from_utf8_lossy(&answer).into_owned();
+                }
+                (Kind::Headers | Kind::Window, s) if s == stream => {}
+                (kind, s) => panic!("{kind:?} on stream {s} during the call on stream {stream}"),
+            }
+        }
+    };
+    assert_eq!(unary(3, "/test.Echo/Unary", b"next"), "next");
+    let mut stream = 5;
+    while !unary(stream, "/test.Admin/Counters", b"").contains("internal=1") {
+        stream += 2;
+        assert!(stream < 20_000, "the broken call never finished");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(unary(stream + 2, "/test.Echo/Unary", b"last"), "last");
 }

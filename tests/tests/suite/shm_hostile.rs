@@ -156,3 +156,42 @@ fn messages_in_pieces_take_at_most_max_reassembly_in_sum() {
     let last = receiver.recv(deadline).expect("the connection goes on");
     assert_eq!((last.stream, &last.body[..]), (9, &b"after"[..]));
 }
+
+/// A message in more pieces than one `try_recv` takes comes whole from the next, so a peer
+/// streaming pieces never holds an event loop in one call; and a client that begins one message
+/// in pieces more than a receiver keeps (256) is a protocol error that ends its connection, and
+/// only its connection.
+#[test]
+fn pieces_past_the_receivers_bounds_end_only_their_connection() {
+    let uri = fresh_addr("partials");
+    let listener = isthmus_shm::Listener::bind(&uri.parse().expect("address"), Config::default()).expect("bind");
+    let mut client = Peer::spawn(&["partials-client", &uri]);
+    let mut receiver = listener.accept().expect("accept").receiver;
+    client.expect_line("SENT", Duration::from_secs(30));
+
+    // Every frame was published at once: the first call takes 256 of the 300 pieces.
+    assert!(receiver.try_recv().expect("pieces").is_none(), "one call took more than 256 pieces");
+    let message = receiver.try_recv().expect("the rest").expect("the message, from the next call");
+    assert_eq!((message.stream, message.kind), (1, Kind::Message));
+    let block = isthmus_tests::pattern(1024, 0);
+    assert!(message.body.chunks(1024).all(|c| c == &block[..]) && message.body.len() == 300 << 10, "intact");
+
+    let deadline = Some(Instant::now() + Duration::from_secs(30));
+    let e = match receiver.recv(deadline) {
+        Ok(f) => panic!("a frame on stream {} from a message begun in pieces", f.stream),
+        Err(e) => e,
+    };
+    assert_eq!(e.kind(), ErrorKind::Protocol, "{e}");
+    assert!(e.to_string().contains("more than 256 messages in pieces at once"), "{e}");
+    assert_eq!(client.expect_line("ENDED", Duration::from_secs(30)), "ENDED PeerGone", "the client is told");
+
+    // The listener serves the next client.
+    let other = std::thread::spawn({
+        let uri = uri.clone();
+        move || Connection::connect(&uri.parse().expect("address"), &Config::default()).expect("connect")
+    });
+    let mut next = listener.accept().expect("the next client");
+    let mine = other.join().expect("the client thread");
+    mine.sender.send(Kind::Message, 0, 1, b"next", None).expect("send");
+    assert_eq!(&next.receiver.recv(deadline).expect("recv").body[..], b"next");
+}

@@ -221,7 +221,8 @@ pub(crate) struct StreamShared {
     pub(crate) writer: std::sync::atomic::AtomicU8,
     /// A server call's signal that its client cancelled it or the connection died.
     pub(crate) cancel: Cancel,
-    /// Who sends a server call's end: its future or its handler (`ServerCall::end_now`).
+    /// Who sends a server call's end: its future, its handler (`ServerCall::end_now`) or the
+    /// reader.
     pub(crate) ended: super::server::EndedBy,
     /// Trailing metadata a server call's handler set (`ServerCall::set_trailers`).
     pub(crate) trailers: Mutex<crate::metadata::MetadataMap>,
@@ -933,8 +934,21 @@ impl Mux {
             Code::Internal,
             format!("the peer sent on stream {id} past its flow-control window ({} bytes)", crate::INITIAL_WINDOW),
         );
-        self.deliver(id, Event::End(status));
-        Some(Reply::cancel(id, Code::Internal))
+        self.end_broken(id, status, |code| Reply::cancel(id, code))
+    }
+
+    /// Ends a call the peer broke (past its window, a message too large) with `status`, and
+    /// returns the frame that tells the peer, made by `tell`; a server call's end is claimed
+    /// for the reader first, so that its handler's task sends no second one, and `None` if the
+    /// call had ended already.
+    fn end_broken(&self, id: u64, status: Status, tell: impl FnOnce(Code) -> Reply) -> Option<Reply> {
+        let claimed = match self.streams.lock().ok()?.get(&id) {
+            Some(entry) => !entry.serving || entry.shared.ended.claim(super::server::EndedBy::READER),
+            None => true,
+        };
+        let code = status.code();
+        self.deliver(id, Event::End(status)); // which also forgets the stream
+        claimed.then(|| tell(code))
     }
 
     /// Ends every call with `status` and refuses new ones.
@@ -1600,8 +1614,7 @@ impl Mux {
                 let status = Status::from_transport(&e);
                 let reply =
                     if serving { Reply::trailers(id, &status) } else { Reply::cancel(id, Code::ResourceExhausted) };
-                self.deliver(id, Event::End(status)); // which also forgets the stream
-                Step::Continue(Some(reply))
+                Step::Continue(self.end_broken(id, status, |_| reply))
             }
             Err(e) => Step::Stop(Status::from_transport(&e)),
         }

@@ -161,7 +161,9 @@ pub struct ServerCall {
 }
 
 /// Who has claimed the sending of a call's end (its status, or a CANCEL): the engine when the
-/// handler returns, or the handler itself through [`ServerCall::end_now`]; only one does.
+/// handler returns, the handler itself through [`ServerCall::end_now`], or the connection's
+/// reader when the peer broke the call (past its window, a message too large); only one does,
+/// so the peer gets one end.
 #[derive(Debug, Default)]
 pub(crate) struct EndedBy(std::sync::atomic::AtomicU8);
 
@@ -169,11 +171,17 @@ impl EndedBy {
     const OPEN: u8 = 0;
     const HANDLER: u8 = 1;
     const ENGINE: u8 = 2;
+    pub(crate) const READER: u8 = 3;
 
-    /// Claims the end for `who`; false if the other side has it.
-    fn claim(&self, who: u8) -> bool {
+    /// Claims the end for `who`; false if another has it.
+    pub(crate) fn claim(&self, who: u8) -> bool {
         use std::sync::atomic::Ordering;
         self.0.compare_exchange(Self::OPEN, who, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    }
+
+    /// The reader sent the call's end.
+    fn by_reader(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire) == Self::READER
     }
 }
 
@@ -899,7 +907,11 @@ fn run_call(
         let status = call_status(&mux, head, stream, handler, peer, &shared).await;
         recorder.record("code", tracing::field::debug(status.as_ref().map_or(shared.cancel.code(), |s| s.code())));
         if !shared.ended.claim(EndedBy::ENGINE) {
-            // The handler sent the end itself (`ServerCall::end_now`).
+            // The handler sent the end itself (`ServerCall::end_now`), which counted it; or the
+            // reader did, which counts it not.
+            if shared.ended.by_reader() {
+                mux.calls.finish(shared.cancel.code());
+            }
             return;
         }
         match status {
