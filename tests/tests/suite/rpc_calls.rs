@@ -907,11 +907,11 @@ fn credit_granted_while_the_ring_is_full_goes_out_once_the_peer_reads() {
 #[test]
 fn a_peer_past_its_window_ends_its_call_and_only_that_call() {
     use isthmus::wire;
-    use isthmus_shm::{flags, Kind};
+    use isthmus_shm::Kind;
     let (_server, mut c) = raw_client();
     let patience = patience_30s;
-    let head = |path: &str| wire::encode_request_head(path, None, &MetadataMap::new());
-    c.sender.send(Kind::Headers, 0, 1, &head("/test.Echo/Stall"), patience()).expect("HEADERS");
+    let head = wire::encode_request_head("/test.Echo/Stall", None, &MetadataMap::new());
+    c.sender.send(Kind::Headers, 0, 1, &head, patience()).expect("HEADERS");
     // The window is 4 MiB: 64 messages of 64 KiB fill it, the 65th is past it.
     for i in 0..65 {
         c.sender.send_message(1, 0, &pattern(64 << 10, i), patience()).expect("MESSAGE");
@@ -920,15 +920,44 @@ fn a_peer_past_its_window_ends_its_call_and_only_that_call() {
     assert_eq!((f.kind, f.stream), (Kind::Cancel, 1), "no credit from a handler that reads nothing");
     assert_eq!(wire::decode_cancel(&f.body).expect("a CANCEL's code"), Code::Internal);
 
-    // The connection serves the next calls, and nothing more comes on stream 1: the handler,
-    // stopped, sends no second end. Its task counts the call as it ends, so once the count shows
-    // it, one more call's answer comes after anything that task sent.
+    serves_on_and_ends_stream_1_once(&mut c, "internal=1");
+}
+
+/// A raw client's request over the server's `max_message_size`: TRAILERS with
+/// RESOURCE_EXHAUSTED naming both sizes end that call, once, and the connection goes on.
+#[test]
+fn a_request_too_large_from_a_raw_client_ends_its_call_once() {
+    use isthmus::wire;
+    use isthmus_shm::Kind;
+    let addr = fresh_addr("raw-large");
+    let _server = Peer::spawn_bin("rpc-peer", &[&addr, "1024"]);
+    let addr: isthmus_shm::Address = addr.parse().expect("address");
+    let mut c = isthmus_shm::Connection::connect(&addr, &isthmus_shm::Config::default()).expect("connect");
+    let head = wire::encode_request_head("/test.Echo/Stall", None, &MetadataMap::new());
+    c.sender.send(Kind::Headers, 0, 1, &head, patience_30s()).expect("HEADERS");
+    c.sender.send_message(1, 0, &pattern(2048, 1), patience_30s()).expect("MESSAGE");
+    let f = c.receiver.recv(patience_30s()).expect("the server's answer to stream 1");
+    assert_eq!((f.kind, f.stream), (Kind::Trailers, 1));
+    let status = wire::decode_trailers(&f.body).expect("trailers");
+    assert_eq!(status.code(), Code::ResourceExhausted, "{status:?}");
+    assert!(status.message().contains("2048") && status.message().contains("1024"), "{status:?}");
+    serves_on_and_ends_stream_1_once(&mut c, "resource_exhausted=1");
+}
+
+/// The connection serves the next calls, and nothing more comes on stream 1, whose call the
+/// server ended: its handler, stopped, sends no second end. The handler's task counts the call
+/// (`counted`, in `/test.Admin/Counters`) as it ends, so once the count shows it, one more
+/// call's answer comes after anything that task sent.
+fn serves_on_and_ends_stream_1_once(c: &mut isthmus_shm::Connection, counted: &str) {
+    use isthmus::wire;
+    use isthmus_shm::{flags, Kind};
     let mut unary = |stream: u64, path: &str, body: &[u8]| {
-        c.sender.send(Kind::Headers, 0, stream, &head(path), patience()).expect("HEADERS");
-        c.sender.send_message(stream, flags::END_STREAM, body, patience()).expect("MESSAGE");
+        let head = wire::encode_request_head(path, None, &MetadataMap::new());
+        c.sender.send(Kind::Headers, 0, stream, &head, patience_30s()).expect("HEADERS");
+        c.sender.send_message(stream, flags::END_STREAM, body, patience_30s()).expect("MESSAGE");
         let mut answer = Vec::new();
         loop {
-            let f = c.receiver.recv(patience()).expect("an answer");
+            let f = c.receiver.recv(patience_30s()).expect("an answer");
             match (f.kind, f.stream) {
                 (Kind::Message, s) if s == stream => answer.extend_from_slice(&f.body),
                 (Kind::Trailers, s) if s == stream => {
@@ -943,7 +972,7 @@ fn a_peer_past_its_window_ends_its_call_and_only_that_call() {
     };
     assert_eq!(unary(3, "/test.Echo/Unary", b"next"), "next");
     let mut stream = 5;
-    while !unary(stream, "/test.Admin/Counters", b"").contains("internal=1") {
+    while !unary(stream, "/test.Admin/Counters", b"").contains(counted) {
         stream += 2;
         assert!(stream < 20_000, "the broken call never finished");
         std::thread::sleep(Duration::from_millis(10));
