@@ -27,3 +27,9 @@ class TransportStats:
     """Bytes of this side's arena allocated now."""
     arena_high_water: int
     """The most bytes of one connection's arena ever allocated at once."""
+    accept_errors: int = 0
+    """A server's failed accepts on its `shm://` listeners (out of file descriptors, say); each
+    is logged, and the listener pauses (5 ms, doubling to 1 s) before it accepts again."""
+    handshakes_failed: int = 0
+    """A server's `shm://` clients whose handshake failed (a client that hung up, a version or
+    user refused, no descriptors left for the segment)."""

@@ -18,6 +18,7 @@ Methods, all under `/raw.Raw/`:
   request held still reads as it was sent, then lets them go.
 - `Busy`: sleeps 0.3 s; returns how many calls were in a handler at once at most so far.
 - `ArenaInUse`: the server's `stats().arena_in_use` (little-endian u64).
+- `HandshakesFailed`: the server's `stats().handshakes_failed` (little-endian u64).
 - `HogGil`: holds the GIL for the request's number of milliseconds (little-endian u64): it
   spins in Python with the switch interval raised, so no other thread of the process runs Python.
 """
@@ -131,6 +132,11 @@ def arena_in_use(request: isthmus.Message, context: Any) -> bytes:
 
 
 @isthmus.raw
+def handshakes_failed(request: isthmus.Message, context: Any) -> bytes:
+    return int(serving[0].stats().handshakes_failed).to_bytes(8, "little")
+
+
+@isthmus.raw
 def hog_gil(request: isthmus.Message, context: Any) -> bytes:
     end = time.monotonic() + int.from_bytes(bytes(request), "little") / 1000
     interval = sys.getswitchinterval()
@@ -163,6 +169,7 @@ def main() -> None:
             "CheckHeld": grpc.unary_unary_rpc_method_handler(check_held),
             "Busy": grpc.unary_unary_rpc_method_handler(busy),
             "ArenaInUse": grpc.unary_unary_rpc_method_handler(arena_in_use),
+            "HandshakesFailed": grpc.unary_unary_rpc_method_handler(handshakes_failed),
             "HogGil": grpc.unary_unary_rpc_method_handler(hog_gil),
         },
     )

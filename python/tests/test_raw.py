@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import socket
 import sys
 import threading
 import time
@@ -532,3 +533,23 @@ def test_a_python_thread_holding_the_gil_does_not_stop_the_asyncio_servers_reade
         hog.join(60)
         queued.join(60)
         assert outcomes == {"hog": b"done", "echo": b"q"}
+
+
+def shm_socket(address: str) -> Path:
+    """Where an `shm://NAME` server's socket is: `$XDG_RUNTIME_DIR/isthmus`, else
+    `/tmp/isthmus-UID` (protocol.md, section 2.1)."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime, "isthmus") if runtime else Path(f"/tmp/isthmus-{os.getuid()}")
+    return base / f"{address.removeprefix('shm://')}.sock"
+
+
+def test_a_server_counts_each_client_whose_handshake_fails(raw_served: Served, shm: isthmus.Channel) -> None:
+    def failed() -> int:
+        return int.from_bytes(bytes(shm.raw_unary("/raw.Raw/HandshakesFailed", b"", timeout=60)), "little")
+
+    before = failed()
+    with socket.socket(socket.AF_UNIX) as s:
+        s.connect(str(shm_socket(raw_served.addresses["shm"])))
+        s.sendall(b"not a hello" * 16)
+    assert settles(failed, before + 1) == before + 1
+    assert bytes(shm.raw_unary("/raw.Raw/Echo", b"still serving", timeout=60)) == b"still serving"

@@ -712,10 +712,14 @@ impl Server {
         }))
     }
 
-    /// The counters of the server's live `shm://` connections (`isthmus.TransportStats`).
+    /// The counters of the server's live `shm://` connections, and its listeners' failed
+    /// accepts and handshakes (`isthmus.TransportStats`).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, pyo3::types::PyDict>> {
         let ports = self.stats.lock().map_err(|_| PyRuntimeError::new_err("server state poisoned"))?;
-        crate::convert::counters_to_py(py, ports.iter().flat_map(isthmus::ServerStats::connections))
+        let d = crate::convert::counters_to_py(py, ports.iter().flat_map(isthmus::ServerStats::connections))?;
+        d.set_item("accept_errors", ports.iter().map(isthmus::ServerStats::accept_errors).sum::<u64>())?;
+        d.set_item("handshakes_failed", ports.iter().map(isthmus::ServerStats::handshakes_failed).sum::<u64>())?;
+        Ok(d)
     }
 
     /// For the dispatcher thread: waits until calls need one more `serve_calls` loop. False
