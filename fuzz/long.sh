@@ -2,27 +2,31 @@
 # `make fuzz-long`: every fuzz target named on the command line for at least RUNS executions
 # (default 10 million), one after another, with the counts libFuzzer reports written to
 # docs/fuzz-long.md. Each target's row is written as soon as it finishes, with its commit and
-# date, and rows of targets not run this time are kept: a long run may be done in parts. The
-# targets of fuzz/fuzz_targets that have no row yet are listed there too.
+# date, and rows of targets not run this time are kept: a long run may be done in parts (OUT
+# names another file). The targets of fuzz/fuzz_targets that have no row yet are listed too.
 # A crash stops the run and leaves its input in fuzz/artifacts/ as libFuzzer does.
 set -euo pipefail
 cd "$(dirname "$0")"
 runs=${RUNS:-10000000}
-out=../docs/fuzz-long.md
+out=${OUT:-../docs/fuzz-long.md}
 log=$(mktemp)
 trap 'rm -f "$log"' EXIT
 
-# Rows by target: those of earlier runs first (a row of the table, "| `name` | …").
-declare -A rows
-if [ -f "$out" ]; then
+# Rows by target (a row of the table, "| `name` | …"): this run's, and those the file has
+# (read again before each write, so that two runs at once keep each other's rows).
+declare -A rows mine
+read_rows() {
+  [ -f "$out" ] || return 0
+  local line name
   while IFS= read -r line; do
     name=$(echo "$line" | sed -nE 's/^\| `([a-z0-9_]+)` \|.*/\1/p')
-    [ -n "$name" ] && rows[$name]=$line
+    [ -n "$name" ] && [ -z "${mine[$name]:-}" ] && rows[$name]=$line
   done <"$out"
-fi
+}
 
 write() {
   local never=()
+  read_rows
   {
     echo "# Long fuzz runs"
     echo
@@ -61,6 +65,7 @@ for t in "$@"; do
   fi
   cov=$(grep -oE 'cov: [0-9]+' "$log" | tail -1 | cut -d' ' -f2 || true)
   echo "  $done_line"
+  mine[$t]=1
   rows[$t]="| \`$t\` | $(echo "$done_line" | awk '{print $2}') | $(echo "$done_line" | awk '{print $5}') | ${cov:-?} | $commit | $(date -u +%Y-%m-%d) |"
   write
 done

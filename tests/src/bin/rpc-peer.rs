@@ -122,14 +122,16 @@ fn main() {
                         .iter()
                         .map(|c| {
                             format!(
-                                "started={} ok={} cancelled={} deadline={} internal={} resource_exhausted={} frames_received={}",
+                                "started={} ok={} cancelled={} deadline={} internal={} resource_exhausted={} frames_received={} \
+                                 answers_dropped={}",
                                 c.calls_started,
                                 c.finished(Code::Ok),
                                 c.finished(Code::Cancelled),
                                 c.finished(Code::DeadlineExceeded),
                                 c.finished(Code::Internal),
                                 c.finished(Code::ResourceExhausted),
-                                c.transport.frames_received
+                                c.transport.frames_received,
+                                c.answers_dropped
                             )
                         })
                         .collect();

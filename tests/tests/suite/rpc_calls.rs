@@ -855,6 +855,49 @@ fn a_server_reads_on_while_its_answers_wait_for_ring_room() {
     }
 }
 
+/// A peer that asks for more answers than the server keeps for it while it reads nothing of
+/// ours (120 PINGs of 60 KiB: 1 MiB of answers fits the ring, 4 MiB the queue): the answers past
+/// the bound are dropped and counted (`ConnectionCounters::answers_dropped`), those kept come
+/// in order, and the connection goes on.
+#[test]
+fn answers_past_the_queue_bound_are_dropped_and_counted() {
+    use isthmus::wire;
+    use isthmus_shm::{flags, Kind};
+    let (_server, mut c) = raw_client();
+    let (pings, len) = (120, 60 << 10);
+    for i in 0..pings {
+        c.sender.send(Kind::Ping, 0, 0, &pattern(len, i), patience_30s()).expect("PING");
+    }
+    // The server reads every PING before this call, so its count is final when the call reads it.
+    let head = wire::encode_request_head("/test.Admin/Counters", None, &MetadataMap::new());
+    c.sender.send(Kind::Headers, 0, 1, &head, patience_30s()).expect("HEADERS");
+    c.sender.send_message(1, flags::END_STREAM, b"", patience_30s()).expect("MESSAGE");
+    let (mut acks, mut text, mut dropped) = (0u64, String::new(), None);
+    while dropped.is_none_or(|d| acks + d < pings) {
+        let f = c.receiver.recv(patience_30s()).expect("an answer");
+        match (f.kind, f.stream) {
+            (Kind::Ping, 0) => {
+                assert_eq!(f.flags, flags::ACK);
+                assert!(f.body[..] == pattern(len, acks)[..], "answer {acks} comes in order");
+                acks += 1;
+            }
+            (Kind::Message, 1) => text.push_str(&String::from_utf8_lossy(&f.body)),
+            (Kind::Trailers, 1) => {
+                let field = text.split([' ', '\n']).find_map(|f| f.strip_prefix("answers_dropped="));
+                dropped = Some(field.and_then(|n| n.parse::<u64>().ok()).unwrap_or_else(|| panic!("{text}")));
+            }
+            (Kind::Headers | Kind::Window, 1) => {}
+            (kind, stream) => panic!("unexpected {kind:?} on stream {stream}"),
+        }
+    }
+    let dropped = dropped.unwrap_or_default();
+    println!("{acks} answers, {dropped} dropped");
+    assert!(dropped > 0 && acks + dropped == pings, "{acks} answers, {dropped} dropped");
+    c.sender.send(Kind::Ping, 0, 0, b"after", patience_30s()).expect("PING");
+    let f = c.receiver.recv(patience_30s()).expect("an answer");
+    assert_eq!((f.kind, &f.body[..]), (Kind::Ping, &b"after"[..]), "the connection goes on");
+}
+
 /// Credit a server's handler gives back while the ring to its client is full goes out once the
 /// client reads, though the handler, waiting for the next message, does nothing meanwhile. A
 /// client of the spec (raw frames) fills that ring with PING answers it does not read, then

@@ -586,6 +586,8 @@ struct Replies {
     queue: std::collections::VecDeque<Reply>,
     bytes: usize,
     flushing: bool,
+    /// Answers dropped because the queue was full ([`ConnectionCounters::answers_dropped`]).
+    dropped: u64,
 }
 
 /// At most this many of the reader's answers wait for ring room at once ...
@@ -610,7 +612,7 @@ impl Replies {
     /// fails at once).
     fn clear(replies: &Mutex<Replies>) {
         if let Ok(mut q) = replies.lock() {
-            *q = Replies::default();
+            *q = Replies { dropped: q.dropped, ..Replies::default() };
         }
     }
 }
@@ -643,6 +645,10 @@ pub struct ConnectionCounters {
     /// The transport's counters: frames and bytes each way, doorbell rings, sleeps, spins,
     /// ring-full and arena-full waits, arena high-water mark.
     pub transport: isthmus_shm::Counters,
+    /// Answers of this side's reader (a PING's, a refusal, a CANCEL, a WINDOW grant) dropped
+    /// because the peer read nothing of ours while 1,024 of them, or 4 MiB, waited for ring room
+    /// (ADR 0027); each is also logged. A dropped grant stays owed.
+    pub answers_dropped: u64,
 }
 
 impl ConnectionCounters {
@@ -740,6 +746,7 @@ impl Mux {
             calls_started: self.calls.started.load(Ordering::Relaxed),
             calls_finished: finished,
             transport: self.sender.counters(),
+            answers_dropped: self.replies.lock().map_or(0, |q| q.dropped),
         }
     }
 
@@ -877,6 +884,7 @@ impl Mux {
             }
         }
         if q.queue.len() >= REPLIES_MAX || q.bytes + r.body.len() > REPLY_BYTES_MAX {
+            q.dropped += 1;
             tracing::warn!(
                 kind = ?r.kind,
                 stream = r.stream,
