@@ -437,3 +437,38 @@ fn a_server_out_of_descriptors_counts_its_failed_accepts_and_accepts_again() {
     let (accept_errors, handshakes_failed) = counts(&ch);
     println!("{n} connections held, then {turned_away:?}; accept_errors={accept_errors} handshakes_failed={handshakes_failed}");
 }
+
+/// GOAWAY seen by a blocking channel: a graceful shutdown lets the call in progress on another
+/// thread finish, and a new call is refused UNAVAILABLE (the server no longer listens), not
+/// sent on the connection that is going away.
+#[test]
+fn a_blocking_channel_sees_a_graceful_shutdown_finish_its_call_and_refuse_new_ones() {
+    let (mut server, addr) = server();
+    let ch = Channel::connect(&addr).expect("connect");
+    let slow = std::thread::spawn({
+        let ch = ch.clone();
+        move || ch.unary("/test.Echo/Slow", b"in flight", CallOptions::default())
+    });
+    server.expect_line("SLOW-STARTED", Duration::from_secs(30));
+    ch.unary("/test.Admin/Shutdown", b"", CallOptions::default()).expect("shutdown starts");
+    let r = slow.join().expect("the calling thread").expect("the call in progress finishes");
+    assert_eq!(&r.message[..], b"in flight");
+    let late = ch.unary("/test.Echo/Unary", b"late", CallOptions::default()).expect_err("no new calls");
+    assert_eq!(late.code(), Code::Unavailable, "{late:?}");
+    server.expect_line("SHUTDOWN-DONE", Duration::from_secs(30));
+}
+
+/// A blocking call's `cancel()` stops its server handler (which sees CANCELLED and is dropped),
+/// and the channel serves the next call.
+#[test]
+fn a_blocking_calls_cancel_stops_its_handler() {
+    let (mut server, addr) = server();
+    let ch = Channel::connect(&addr).expect("connect");
+    let mut call = ch.start("/test.Echo/Sleep", CallOptions::default()).expect("start");
+    call.send(b"x").expect("send");
+    server.expect_line("SLEEPING", Duration::from_secs(30));
+    call.cancel();
+    server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
+    let r = ch.unary("/test.Echo/Unary", b"next", CallOptions::default()).expect("the channel serves on");
+    assert_eq!(&r.message[..], b"next");
+}
