@@ -27,6 +27,9 @@ class TransportStats:
     """Bytes of this side's arena allocated now."""
     arena_high_water: int
     """The most bytes of one connection's arena ever allocated at once."""
+    answers_dropped: int = 0
+    """Answers to the peer (to its PINGs, say) dropped because it read nothing of ours while
+    1,024 of them, or 4 MiB, waited for room; each is also logged."""
     accept_errors: int = 0
     """A server's failed accepts on its `shm://` listeners (out of file descriptors, say); each
     is logged, and the listener pauses (5 ms, doubling to 1 s) before it accepts again."""

@@ -29,7 +29,9 @@ pub(crate) fn counters_to_py<'py>(
     counters: impl IntoIterator<Item = ConnectionCounters>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let (mut started, mut in_flight, mut sent, mut received, mut in_use, mut high) = (0, 0, 0, 0, 0, 0);
+    let mut dropped = 0;
     for c in counters {
+        dropped += c.answers_dropped;
         started += c.calls_started;
         in_flight += c.in_flight();
         sent += c.transport.bytes_sent;
@@ -44,6 +46,7 @@ pub(crate) fn counters_to_py<'py>(
     d.set_item("bytes_received", received)?;
     d.set_item("arena_in_use", in_use)?;
     d.set_item("arena_high_water", high)?;
+    d.set_item("answers_dropped", dropped)?;
     Ok(d)
 }
 
