@@ -20,7 +20,7 @@ read_rows() {
   local line name
   while IFS= read -r line; do
     name=$(echo "$line" | sed -nE 's/^\| `([a-z0-9_]+)` \|.*/\1/p')
-    [ -n "$name" ] && [ -z "${mine[$name]:-}" ] && rows[$name]=$line
+    if [ -n "$name" ] && [ -z "${mine[$name]:-}" ]; then rows[$name]=$line; fi
   done <"$out"
 }
 
@@ -70,4 +70,4 @@ for t in "$@"; do
   write
 done
 write
-echo "wrote docs/fuzz-long.md"
+echo "wrote $out"
