@@ -543,7 +543,7 @@ impl Lender {
 /// How long the flusher's thread, where the connection has no runtime to wait on, waits for ring
 /// room for each frame (`Mux::reply`): a peer that stays stopped must not hold it for ever.
 /// Past it, the peer learns at its own deadline or the connection's end.
-const CANCEL_THREAD_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
+const FLUSHER_THREAD_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// The stream table of one connection.
 pub(crate) struct Mux {
@@ -871,7 +871,7 @@ impl Mux {
     /// call's CANCEL without waiting: at once
     /// if the ring has room and no earlier answer waits, else after those, from a flusher (a task
     /// of the connection's runtime, or a thread where there is none, which waits at most
-    /// `CANCEL_THREAD_PATIENCE` for each). Past `REPLIES_MAX` answers or `REPLY_BYTES_MAX` bytes
+    /// `FLUSHER_THREAD_PATIENCE` for each). Past `REPLIES_MAX` answers or `REPLY_BYTES_MAX` bytes
     /// waiting, the peer reads nothing of ours while it keeps asking: the answer is dropped, and
     /// `false` says so.
     fn reply(&self, r: Reply) -> bool {
@@ -912,7 +912,7 @@ impl Mux {
                 let mine = replies.clone();
                 let flush = move || {
                     while let Some(r) = Replies::next(&replies) {
-                        let patience = std::time::Instant::now() + CANCEL_THREAD_PATIENCE;
+                        let patience = std::time::Instant::now() + FLUSHER_THREAD_PATIENCE;
                         if sender.send(r.kind, r.flags, r.stream, &r.body, Some(patience)).is_err() {
                             return Replies::clear(&replies);
                         }
@@ -942,21 +942,20 @@ impl Mux {
             Code::Internal,
             format!("the peer sent on stream {id} past its flow-control window ({} bytes)", crate::INITIAL_WINDOW),
         );
-        self.end_broken(id, status, |code| Reply::cancel(id, code))
+        self.end_broken(id, status, Reply::cancel(id, Code::Internal))
     }
 
     /// Ends a call the peer broke (past its window, a message too large) with `status`, and
-    /// returns the frame that tells the peer, made by `tell`; a server call's end is claimed
-    /// for the reader first, so that its handler's task sends no second one, and `None` if the
-    /// call had ended already.
-    fn end_broken(&self, id: u64, status: Status, tell: impl FnOnce(Code) -> Reply) -> Option<Reply> {
+    /// returns `tell`, the frame that tells the peer; a server call's end is claimed for the
+    /// reader first, so that its handler's task sends no second one, and `None` if the call
+    /// had ended already.
+    fn end_broken(&self, id: u64, status: Status, tell: Reply) -> Option<Reply> {
         let claimed = match self.streams.lock().ok()?.get(&id) {
             Some(entry) => !entry.serving || entry.shared.ended.claim(super::server::EndedBy::READER),
             None => true,
         };
-        let code = status.code();
         self.deliver(id, Event::End(status)); // which also forgets the stream
-        claimed.then(|| tell(code))
+        claimed.then_some(tell)
     }
 
     /// Ends every call with `status` and refuses new ones.
@@ -1622,7 +1621,7 @@ impl Mux {
                 let status = Status::from_transport(&e);
                 let reply =
                     if serving { Reply::trailers(id, &status) } else { Reply::cancel(id, Code::ResourceExhausted) };
-                Step::Continue(self.end_broken(id, status, |_| reply))
+                Step::Continue(self.end_broken(id, status, reply))
             }
             Err(e) => Step::Stop(Status::from_transport(&e)),
         }
