@@ -62,7 +62,10 @@
 //! queue in order as room comes. So a peer that stops reading its ring while it writes into ours
 //! cannot stop our reading, and two readers each waiting for the other's room cannot deadlock. At
 //! most `REPLIES_MAX` answers of `REPLY_BYTES_MAX` bytes in all wait; a peer that makes more
-//! while it reads nothing of ours loses the rest (logged; a grant stays owed instead).
+//! while it reads nothing of ours loses the rest (logged and counted in
+//! `ConnectionCounters::answers_dropped`; a grant stays owed instead). A server call the peer
+//! broke (past its window, a message too large) is ended by the reader, which claims the call's
+//! end first (`end_broken`), so that its handler's task sends no second one.
 //!
 //! The end: `fail_all(status)` records the connection's `dead` status (the first stays), empties
 //! the table, ends every call with it, fires every server `Cancel`, and closes every entry; from
