@@ -2,8 +2,8 @@
 //! bytes: targets for `isthmus_channel_new`, metadata keys and values, method paths, status
 //! codes, JSON and protobuf bytes for `isthmus_proto_encode`/`_decode`, and handles that are
 //! garbage (also for the block calls, `isthmus_channel_alloc`, `isthmus_block_write` and
-//! `isthmus_unary_block`, the connectivity calls, and `isthmus_server_call_reply_async`). Each
-//! must answer with a code, never crash or leak.
+//! `isthmus_unary_block`, the connectivity calls, the counters, and
+//! `isthmus_server_call_reply_async`). Each must answer with a code, never crash or leak.
 #![no_main]
 
 use std::ffi::CString;
@@ -150,6 +150,16 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         let (none, path) = (std::ptr::null_mut(), text.as_ptr());
         let _ =
             isthmus_unary_block(channel, path, block, std::ptr::null(), &mut reply, none, none, std::ptr::null_mut());
+    }
+    // Counters into a caller's buffer of a caller's size (the library writes no more than its
+    // own struct's).
+    let mut buffer = [0u64; 64];
+    let size = usize::from(b.get(9).copied().unwrap_or(0)) * 2;
+    // SAFETY: `buffer` is writable for 512 bytes, more than `size`; the handles are garbage.
+    unsafe {
+        let out = buffer.as_mut_ptr().cast::<isthmus_stats_t>();
+        let _ = isthmus_channel_stats(word as *const isthmus_channel_t, out, size);
+        let _ = isthmus_server_stats(word as *const isthmus_server_t, out, size);
     }
     assert_eq!(isthmus_live_handles(), 1); // the proto
 });

@@ -207,6 +207,10 @@ function cases.bad_request(ch, args)
     return failure(err)
 end
 
+function cases.stats(ch, args)
+    return assert(ch:stats())
+end
+
 function cases.state(ch, args)
     return { state = ch:state(args.connect == "1") }
 end

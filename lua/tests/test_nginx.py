@@ -88,6 +88,21 @@ def test_status_details(nginx: Nginx, servers: Callable[[str], Served], kind: st
         assert b"not now" in details and b"FAIL_WITH" in details, details
 
 
+def test_a_channels_stats_count_its_calls_by_code(nginx: Nginx, shm: str) -> None:
+    before = nginx.case("stats", shm)
+    for _ in range(3):
+        assert nginx.case("unary", shm)["ok"]
+    assert nginx.case("fail", shm, code=5, message="none")["code"] == 5
+    after = nginx.case("stats", shm)
+    assert after["calls_started"] - before["calls_started"] == 4, (before, after)
+    finished = {k: after["calls_finished"][k] - before["calls_finished"][k] for k in after["calls_finished"]}
+    assert finished == {**{k: 0 for k in finished}, "OK": 3, "NOT_FOUND": 1}
+    assert after["calls_in_flight"] == 0
+    assert after["bytes_sent"] > before["bytes_sent"] and after["bytes_received"] > before["bytes_received"]
+    assert after["frames_sent"] > before["frames_sent"]
+    assert after["answers_dropped"] == 0
+
+
 def test_deadline(nginx: Nginx, shm: str) -> None:
     r = nginx.case("slow", shm, sleep=5000, timeout=0.2)
     assert r["ok"] is False and r["name"] == "DEADLINE_EXCEEDED", r

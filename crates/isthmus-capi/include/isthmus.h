@@ -244,6 +244,58 @@ typedef struct {
 typedef void (*isthmus_handler_fn)(void *user_data,
                                    isthmus_server_call_t *call);
 
+// Counters of a channel's or a server's `shm://` connections (calls over HTTP/2 are not
+// counted): sums over the connections, but the largest high-water mark. A channel's counts start
+// afresh when it reconnects; a server's cover its live connections, and its listeners' failures
+// since it started. Every field is a `uint64_t`; fields are only ever appended (see
+// `isthmus_channel_stats` for how an older caller's smaller struct is filled).
+typedef struct {
+  // Calls started (a channel) or accepted (a server).
+  uint64_t calls_started;
+  // Calls started and not finished yet.
+  uint64_t calls_in_flight;
+  // Calls finished, by their final code: `calls_finished[ISTHMUS_UNAVAILABLE]` ended
+  // UNAVAILABLE.
+  uint64_t calls_finished[17];
+  // Frames this side wrote into its rings.
+  uint64_t frames_sent;
+  // Frames this side read from the peers' rings.
+  uint64_t frames_received;
+  // Message bytes sent.
+  uint64_t bytes_sent;
+  // Message bytes received.
+  uint64_t bytes_received;
+  // Doorbell system calls made to wake a peer.
+  uint64_t doorbells_rung;
+  // Times a wait on this side went to sleep on its doorbell.
+  uint64_t sleeps;
+  // Waits that ended while spinning, with no sleep.
+  uint64_t spin_hits;
+  // Sends that found a frame ring full and waited.
+  uint64_t ring_full_waits;
+  // Allocations that found an arena full and waited.
+  uint64_t arena_full_waits;
+  // Bytes of this side's arenas allocated now: blocks being filled, or sent and still held
+  // by the peer. It returns to 0 once neither side holds a message of this side's (the raw
+  // tier's leak check).
+  uint64_t arena_in_use;
+  // The most bytes of one connection's arena ever allocated at once.
+  uint64_t arena_high_water;
+  // Messages sent as a block of shared memory, with no copy.
+  uint64_t shared_sent;
+  // Answers to the peer (to its PINGs, say) dropped because it read nothing of ours while
+  // 1,024 of them, or 4 MiB, waited for room; each is also logged.
+  uint64_t answers_dropped;
+  // A server's live `shm://` connections (0 for a channel).
+  uint64_t connections;
+  // A server's failed accepts on its `shm://` listeners (out of file descriptors, say);
+  // each is logged, and the listener pauses before it accepts again (0 for a channel).
+  uint64_t accept_errors;
+  // A server's `shm://` clients whose handshake failed: a client that hung up, a version or
+  // user refused, no descriptors left for the segment (0 for a channel).
+  uint64_t handshakes_failed;
+} isthmus_stats_t;
+
 // The call succeeded.
 #define ISTHMUS_OK 0
 
@@ -1385,6 +1437,34 @@ isthmus_code_t isthmus_server_call_finish_with_details(isthmus_server_call_t *ca
                                                        size_t details_len,
                                                        const isthmus_metadata_t *trailers,
                                                        isthmus_status_t **status);
+
+// The channel's counters (see `isthmus_stats_t`) into `*out`. `size` is `sizeof(*out)` as the
+// caller compiled it: the library writes that many bytes (at most its own struct's), so a
+// program built against an older header gets the fields it knows and nothing past them.
+//
+// Thread-safety: any thread, an event loop's included: it never waits. The counts are of that
+// moment; calls on other threads change them.
+//
+// # Safety
+//
+// `out` is NULL or writable for `size` bytes.
+isthmus_code_t isthmus_channel_stats(const isthmus_channel_t *channel,
+                                     isthmus_stats_t *out,
+                                     size_t size);
+
+// The server's counters (see `isthmus_stats_t`) into `*out`, `size` as for
+// `isthmus_channel_stats`. All zero before the server starts; after a shutdown, its listeners'
+// failures stay and its connections are gone.
+//
+// Thread-safety: any thread: it never waits for calls or connections. The counts are of that
+// moment.
+//
+// # Safety
+//
+// `out` is NULL or writable for `size` bytes.
+isthmus_code_t isthmus_server_stats(const isthmus_server_t *server,
+                                    isthmus_stats_t *out,
+                                    size_t size);
 
 #ifdef __cplusplus
 }  // extern "C"

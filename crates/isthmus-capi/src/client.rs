@@ -248,6 +248,14 @@ pub const ISTHMUS_STATE_SHUTDOWN: u32 = 4;
 const STATE_POLL: Duration = Duration::from_millis(10);
 
 impl isthmus_channel_t {
+    /// The counters of the channel's `shm://` connections: the engine's (its calls from a
+    /// completion queue share it) and the fast path's.
+    pub(crate) fn counters(&self) -> Vec<isthmus::ConnectionCounters> {
+        let mut all = vec![self.engine.counters()];
+        all.extend(self.blocking.as_ref().map(|b| b.channel().counters()));
+        all
+    }
+
     /// The channel's state. Over `shm://` a channel has two connections (the fast path's,
     /// which unary calls from the caller's thread use, and the engine's): it is as far along
     /// as the further of the two, so a channel whose calls all went the fast path is READY.

@@ -49,6 +49,7 @@ mod handle;
 mod object;
 mod proto;
 mod server;
+mod stats;
 mod tls;
 
 pub use abi::*;
@@ -57,6 +58,7 @@ pub use cq::*;
 pub use object::*;
 pub use proto::*;
 pub use server::*;
+pub use stats::*;
 pub use tls::*;
 
 /// The ABI version of the loaded library ([`ISTHMUS_ABI_VERSION`] when it was built): compare

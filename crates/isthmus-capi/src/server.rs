@@ -29,6 +29,15 @@ pub type isthmus_handler_fn = Option<unsafe extern "C" fn(user_data: *mut c_void
 /// A server: handlers by method path, served on one or more targets at once.
 pub struct isthmus_server_t {
     state: Mutex<ServerState>,
+    /// Its counters, from the moment it starts (kept past a shutdown).
+    stats: std::sync::OnceLock<isthmus::ServerStats>,
+}
+
+impl isthmus_server_t {
+    /// Its counters, once it has started.
+    pub(crate) fn stats(&self) -> Option<isthmus::ServerStats> {
+        self.stats.get().cloned()
+    }
 }
 
 enum ServerState {
@@ -137,7 +146,7 @@ pub unsafe extern "C" fn isthmus_server_new(opts: *const isthmus_server_options_
             "ISTHMUS_SERVER_COMPRESS_GZIP and _DEFLATE together",
         );
         let state = ServerState::Building { server: Box::default(), config, stream_limit, tls, compression };
-        SERVERS.add(isthmus_server_t { state: Mutex::new(state) })
+        SERVERS.add(isthmus_server_t { state: Mutex::new(state), stats: std::sync::OnceLock::new() })
     })
 }
 
@@ -268,6 +277,7 @@ pub unsafe extern "C" fn isthmus_server_start(
         }
         let _runtime = runtime().enter();
         let bound = builder.bind_all(list.iter().copied())?;
+        let _ = server.stats.set(bound.stats());
         let addresses = bound.http_addresses().into_iter().filter_map(|a| std::ffi::CString::new(a).ok()).collect();
         let (stop, stopped) = tokio::sync::watch::channel(None);
         let (ended, finished) = tokio::sync::watch::channel(false);

@@ -70,6 +70,24 @@ typedef struct {
   isthmus_metadata_t *trailers;
   isthmus_status_t *status;
 } isthmus_event_t;
+typedef struct {
+  uint64_t calls_started;
+  uint64_t calls_in_flight;
+  uint64_t calls_finished[17];
+  uint64_t frames_sent;
+  uint64_t frames_received;
+  uint64_t bytes_sent;
+  uint64_t bytes_received;
+  uint64_t doorbells_rung;
+  uint64_t sleeps;
+  uint64_t spin_hits;
+  uint64_t ring_full_waits;
+  uint64_t arena_full_waits;
+  uint64_t arena_in_use;
+  uint64_t arena_high_water;
+  uint64_t shared_sent;
+  uint64_t answers_dropped;
+} isthmus_stats_t;
 
 uint32_t isthmus_abi_version(void);
 const char *isthmus_code_name(isthmus_code_t code);
@@ -82,6 +100,7 @@ isthmus_code_t isthmus_channel_new(const char *target, const isthmus_channel_opt
 isthmus_code_t isthmus_channel_close(isthmus_channel_t *channel);
 isthmus_code_t isthmus_channel_set_spin(const isthmus_channel_t *channel, uint32_t spin_us);
 isthmus_code_t isthmus_channel_state(const isthmus_channel_t *channel, int32_t try_to_connect, uint32_t *state);
+isthmus_code_t isthmus_channel_stats(const isthmus_channel_t *channel, isthmus_stats_t *out, size_t size);
 isthmus_code_t isthmus_unary(const isthmus_channel_t *channel, const char *path, const uint8_t *request, size_t request_len, const isthmus_call_options_t *opts, isthmus_message_t **reply, isthmus_metadata_t **headers, isthmus_metadata_t **trailers, isthmus_status_t **status);
 isthmus_code_t isthmus_unary_async(const isthmus_channel_t *channel, const char *path, const uint8_t *request, size_t request_len, const isthmus_call_options_t *opts, const isthmus_cq_t *cq, uint64_t tag, isthmus_event_t *now, isthmus_status_t **status);
 isthmus_code_t isthmus_call_start(const isthmus_channel_t *channel, const char *path, const isthmus_call_options_t *opts, isthmus_call_t **call, isthmus_status_t **status);
@@ -812,6 +831,43 @@ function Channel:state(try_to_connect)
         return "SHUTDOWN"
     end
     return STATES[tonumber(state_out[0])]
+end
+
+-- The fields of isthmus_stats_t a channel's stats give, besides calls_finished. (The header's
+-- struct goes on with a server's fields, which a channel leaves 0: this one stops before them,
+-- and the library writes no more than its size.)
+local STATS_FIELDS = {
+    "calls_started", "calls_in_flight", "frames_sent", "frames_received", "bytes_sent",
+    "bytes_received", "doorbells_rung", "sleeps", "spin_hits", "ring_full_waits",
+    "arena_full_waits", "arena_in_use", "arena_high_water", "shared_sent", "answers_dropped",
+}
+local CODE_NAMES = {}
+for name, code in pairs(_M.code) do CODE_NAMES[code] = name end
+
+--- The counters of the channel's shm:// connections (calls over HTTP/2 are not counted), as a
+--- table of numbers: calls_started, calls_in_flight, calls_finished (by code name:
+--- `stats.calls_finished.UNAVAILABLE`), frames_sent/_received, bytes_sent/_received,
+--- doorbells_rung, sleeps, spin_hits, ring_full_waits, arena_full_waits, arena_in_use (this
+--- side's shared memory allocated now), arena_high_water and answers_dropped. They start afresh
+--- when the channel reconnects. `nil, err` for a closed channel. Never waits.
+function Channel:stats()
+    local h = self.handle
+    local out = ffi_new("isthmus_stats_t")
+    if h == nil then
+        return nil, new_error(INVALID_ARGUMENT, "the channel is closed")
+    end
+    local rc = C.isthmus_channel_stats(h, out, ffi.sizeof(out))
+    if rc ~= OK then
+        return nil, new_error(rc, "isthmus_channel_stats failed")
+    end
+    local t = { calls_finished = {} }
+    for _, field in ipairs(STATS_FIELDS) do
+        t[field] = tonumber(out[field])
+    end
+    for code = 0, 16 do
+        t.calls_finished[CODE_NAMES[code]] = tonumber(out.calls_finished[code])
+    end
+    return t
 end
 
 -- ISTHMUS_CALL_COMPRESS_* by grpc-encoding name.

@@ -384,6 +384,26 @@ static void h_whoami(isthmus_server_call_t *call) {
   isthmus_server_call_finish(call, rc, rc == ISTHMUS_OK ? NULL : "send failed", NULL, NULL);
 }
 
+/* The server serve() runs, for the Stats handler. */
+static isthmus_server_t *g_server;
+
+/* Replies with the server's counters as text: what a client cannot see from its side. */
+static void h_stats(isthmus_server_call_t *call) {
+  isthmus_stats_t s;
+  memset(&s, 0, sizeof s);
+  isthmus_code_t rc = isthmus_server_stats(g_server, &s, sizeof s);
+  char reply[512];
+  int n = snprintf(reply, sizeof reply,
+                   "connections=%llu started=%llu in_flight=%llu ok=%llu not_found=%llu received=%llu "
+                   "accept_errors=%llu handshakes_failed=%llu",
+                   (unsigned long long)s.connections, (unsigned long long)s.calls_started,
+                   (unsigned long long)s.calls_in_flight, (unsigned long long)s.calls_finished[ISTHMUS_OK],
+                   (unsigned long long)s.calls_finished[ISTHMUS_NOT_FOUND], (unsigned long long)s.bytes_received,
+                   (unsigned long long)s.accept_errors, (unsigned long long)s.handshakes_failed);
+  if (rc == ISTHMUS_OK) rc = isthmus_server_call_send(call, (const uint8_t *)reply, (size_t)n, NULL);
+  isthmus_server_call_finish(call, rc, rc == ISTHMUS_OK ? NULL : "isthmus_server_stats failed", NULL, NULL);
+}
+
 /* How Sleep calls ended: when their call did (cancel, deadline, shutdown), or after 5 s; and
  * how many began. */
 static atomic_int g_sleep_ended_early, g_sleep_ran_out, g_sleep_began;
@@ -477,6 +497,7 @@ static handler_t g_handlers[] = {
     {SVC "Fail", h_fail, 0},       {SVC "Sleep", h_sleep, 1},
     {SVC "Block", h_block, 1},     {SVC "BadFinish", h_bad_finish, 1},
     {SVC "Whoami", h_whoami, 0},   {SVC "Reply", h_reply, 1},
+    {SVC "Stats", h_stats, 0},
 };
 
 /* The callback every handler path shares: hands the call to a thread (callbacks must not block). */
@@ -645,6 +666,7 @@ static int serve(int count, char **targets, const char *tls_dir) {
     opts.tls = &tls;
   }
   isthmus_server_t *server = isthmus_server_new(&opts);
+  g_server = server;
   /* The server copied the settings. */
   free((char *)tls.cert_chain_pem);
   free((char *)tls.private_key_pem);
@@ -1261,6 +1283,82 @@ static int check_fail(ctx_t *c) {
   REQUIRE(md_is(trailers, "x-why", "test"), "x-why in the call's trailers");
   isthmus_metadata_free(trailers);
   MUST(isthmus_call_free(call));
+  return 1;
+}
+
+/* The channel's counters count its shm:// calls by their code (and no HTTP/2 call); the
+ * server's, read by its Stats handler, its connections and calls; an older caller's smaller
+ * struct gets only the fields it knows. */
+static int check_stats(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *reply = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  isthmus_stats_t before, after;
+  memset(&before, 0xff, sizeof before);
+  MUST(isthmus_channel_stats(c->ch, &before, sizeof before));
+  uint8_t payload[100];
+  fill_pattern(payload, sizeof payload, 7);
+  for (int i = 0; i < 3; i++) {
+    MUST(isthmus_unary(c->ch, SVC "Unary", payload, sizeof payload, &opts, &reply, NULL, NULL, &st));
+    isthmus_message_free(reply);
+  }
+  EXPECT(isthmus_unary(c->ch, SVC "Fail", (const uint8_t *)"x", 1, &opts, &reply, NULL, NULL, &st), ISTHMUS_NOT_FOUND);
+  isthmus_status_free(st);
+  MUST(isthmus_channel_stats(c->ch, &after, sizeof after));
+  if (c->shm) {
+    REQUIRE(after.calls_started - before.calls_started == 4, "%llu calls started, not 4",
+            (unsigned long long)(after.calls_started - before.calls_started));
+    REQUIRE(after.calls_finished[ISTHMUS_OK] - before.calls_finished[ISTHMUS_OK] == 3, "3 OK");
+    REQUIRE(after.calls_finished[ISTHMUS_NOT_FOUND] - before.calls_finished[ISTHMUS_NOT_FOUND] == 1, "1 NOT_FOUND");
+    REQUIRE(after.bytes_sent - before.bytes_sent >= 3 * sizeof payload + 1, "the requests' bytes");
+    REQUIRE(after.bytes_received - before.bytes_received >= 3 * sizeof payload, "the replies' bytes");
+    REQUIRE(after.frames_sent > before.frames_sent && after.frames_received > before.frames_received, "frames");
+    REQUIRE(after.connections == 0 && after.accept_errors == 0, "a channel's server-only fields are 0");
+  } else {
+    REQUIRE(after.calls_started == 0 && after.bytes_sent == 0, "HTTP/2 calls counted: %llu",
+            (unsigned long long)after.calls_started);
+  }
+
+  /* A caller built against a header whose struct had two fields. */
+  uint64_t old[3] = {UINT64_MAX, UINT64_MAX, UINT64_MAX};
+  MUST(isthmus_channel_stats(c->ch, (isthmus_stats_t *)(void *)old, 2 * sizeof(uint64_t)));
+  REQUIRE(old[0] == after.calls_started && old[1] == after.calls_in_flight && old[2] == UINT64_MAX,
+          "the old struct: %llu %llu %llu", (unsigned long long)old[0], (unsigned long long)old[1],
+          (unsigned long long)old[2]);
+  INVALID(isthmus_channel_stats(c->ch, NULL, sizeof after));
+  INVALID(isthmus_channel_stats(NULL, &after, sizeof after));
+  INVALID(isthmus_server_stats(NULL, &after, sizeof after));
+
+  /* A server not started has counted nothing. */
+  isthmus_server_t *fresh = isthmus_server_new(NULL);
+  REQUIRE(fresh != NULL, "isthmus_server_new");
+  memset(&after, 0xff, sizeof after);
+  isthmus_code_t rc = isthmus_server_stats(fresh, &after, sizeof after);
+  isthmus_server_free(fresh);
+  REQUIRE(rc == ISTHMUS_OK && after.calls_started == 0 && after.connections == 0 && after.arena_high_water == 0,
+          "an unstarted server's stats: %s", isthmus_code_name(rc));
+
+  /* The server's side. */
+  MUST(isthmus_unary(c->ch, SVC "Stats", (const uint8_t *)"", 0, &opts, &reply, NULL, NULL, &st));
+  size_t len = 0;
+  const uint8_t *data = isthmus_message_data(reply, &len);
+  char text[512];
+  snprintf(text, sizeof text, "%.*s", (int)len, (const char *)data);
+  isthmus_message_free(reply);
+  unsigned long long connections, started, in_flight, ok, not_found, received, accept_errors, handshakes_failed;
+  REQUIRE(sscanf(text,
+                 "connections=%llu started=%llu in_flight=%llu ok=%llu not_found=%llu received=%llu "
+                 "accept_errors=%llu handshakes_failed=%llu",
+                 &connections, &started, &in_flight, &ok, &not_found, &received, &accept_errors,
+                 &handshakes_failed) == 8,
+          "'%s'", text);
+  REQUIRE(accept_errors == 0 && handshakes_failed == 0, "'%s': no failed accept or handshake", text);
+  if (c->shm) {
+    /* This call is one in flight; the channel's connection (or two) are the server's. */
+    REQUIRE(connections >= 1 && in_flight >= 1 && started >= 5 && ok >= 3 && not_found >= 1 &&
+                received >= 3 * sizeof payload,
+            "'%s'", text);
+  }
   return 1;
 }
 
@@ -1932,6 +2030,7 @@ static const check_t CHECKS[] = {
     {"null_arguments", check_null_arguments},
     {"double_free", check_double_free},
     {"metadata_rules", check_metadata_rules},
+    {"stats", check_stats},
     {"unary_metadata", check_unary_metadata},
     {"unary_64mib", check_unary_64mib},
     {"too_large", check_too_large},
