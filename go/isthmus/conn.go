@@ -116,6 +116,22 @@ type dialOptions struct {
 	perRPC          []credentials.PerRPCCredentials
 	callOptions     []grpc.CallOption
 	stats           []stats.Handler
+	// upgrade is the channel's ISTHMUS_CHANNEL_*UPGRADE flag (0: the process's default).
+	upgrade C.uint32_t
+}
+
+// WithUpgrade says whether calls to an HTTP/2 address move to shared memory when its server is
+// a local isthmus server that offers it (docs/adr/0013): true moves them even where the
+// environment variable ISTHMUS_UPGRADE=0 turns that off for the process, false keeps them on
+// HTTP/2. Without it the process's default holds: on, unless ISTHMUS_UPGRADE is 0, off or
+// false. A connection that moved counts its calls in TransportStats.
+func WithUpgrade(on bool) DialOption {
+	return func(o *dialOptions) {
+		o.upgrade = C.ISTHMUS_CHANNEL_NO_UPGRADE
+		if on {
+			o.upgrade = C.ISTHMUS_CHANNEL_UPGRADE
+		}
+	}
 }
 
 // WithMaxMessageSize sets the largest message the connection accepts, in bytes (default
@@ -147,7 +163,7 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 	}
 	ct := C.CString(target)
 	defer C.free(unsafe.Pointer(ct))
-	copts := C.isthmus_channel_options_t{max_message_size: C.uint64_t(o.maxMessageSize)}
+	copts := C.isthmus_channel_options_t{max_message_size: C.uint64_t(o.maxMessageSize), flags: o.upgrade}
 	if o.tls != nil {
 		t, err := clientTLS(o.tls)
 		defer t.free()

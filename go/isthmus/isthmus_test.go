@@ -38,6 +38,12 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	goPeerBin = filepath.Join(dir, "go-peer")
+	if os.Getenv("ISTHMUS_TEST_UPGRADE_TARGET") != "" {
+		// A child of TestWithUpgradeOverrulesTheProcessDefault: its server runs already.
+		code := m.Run()
+		os.RemoveAll(dir)
+		os.Exit(code)
+	}
 	build := exec.Command("go", "build", "-o", goPeerBin, "example.invalid/isthmus/go/cmd/go-peer")
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {

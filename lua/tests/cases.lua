@@ -207,6 +207,27 @@ function cases.bad_request(ch, args)
     return failure(err)
 end
 
+-- A channel of its own to `target` (`upgrade` "1", "0" or absent), making unary calls until its
+-- stats count one over shared memory (it moved to the server's shm:// endpoint) or `seconds`
+-- pass: how many its stats counted, and how long it took.
+function cases.upgrade(_, args)
+    local opts = { proto = proto }
+    if args.upgrade then opts.upgrade = args.upgrade == "1" end
+    local ch = assert(isthmus.connect(args.target, opts))
+    ngx.update_time()
+    local began, n = ngx.now(), 0
+    while ngx.now() - began < tonumber(args.seconds) do
+        local ok, err = ch:unary(ECHO .. "Unary", { payload = ngx.encode_base64("where") }, { timeout = 30 })
+        if not ok then ch:close(); return failure(err) end
+        n = assert(ch:stats()).calls_started
+        if n > 0 then break end
+        ngx.sleep(0.005)
+        ngx.update_time()
+    end
+    ch:close()
+    return { ok = true, shm_calls = n, took = ngx.now() - began }
+end
+
 function cases.stats(ch, args)
     return assert(ch:stats())
 end

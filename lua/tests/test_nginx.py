@@ -103,6 +103,22 @@ def test_a_channels_stats_count_its_calls_by_code(nginx: Nginx, shm: str) -> Non
     assert after["answers_dropped"] == 0
 
 
+def test_connects_upgrade_option_overrules_the_processs_default(
+    nginx: Nginx, servers: Callable[[str], Served]
+) -> None:
+    """`upgrade = true` moves a unix:// channel to the server's shm:// endpoint (its stats then
+    count its calls) where ISTHMUS_UPGRADE=0; `upgrade = false` keeps it on HTTP/2."""
+    target = servers("rust").addresses["unix"]
+    moved = nginx.case("upgrade", target, upgrade=1, seconds=30)
+    assert moved["ok"] and moved["shm_calls"] > 0, moved
+    # What never moves is watched for three times as long as moving took, and 1 s more.
+    watch = moved["took"] * 3 + 1
+    assert nginx.case("upgrade", target, upgrade=0, seconds=watch)["shm_calls"] == 0
+    default_on = os.environ.get("ISTHMUS_UPGRADE", "").lower() not in ("0", "off", "false")
+    r = nginx.case("upgrade", target, seconds=30 if default_on else watch)
+    assert (r["shm_calls"] > 0) == default_on, r
+
+
 def test_deadline(nginx: Nginx, shm: str) -> None:
     r = nginx.case("slow", shm, sleep=5000, timeout=0.2)
     assert r["ok"] is False and r["name"] == "DEADLINE_EXCEEDED", r

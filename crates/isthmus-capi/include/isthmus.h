@@ -58,6 +58,16 @@
 // together are INVALID_ARGUMENT.
 #define ISTHMUS_CALL_COMPRESS_DEFLATE 8
 
+// Channel flag: calls to an HTTP/2 address move to shared memory when its server is a local
+// isthmus server that offers it (ADR 0013), even where the environment variable
+// `ISTHMUS_UPGRADE=0` turns that off for the process.
+#define ISTHMUS_CHANNEL_UPGRADE 1
+
+// Channel flag: calls to an HTTP/2 address stay on HTTP/2, whatever the server offers.
+// Without either flag, the process's default holds: on, unless `ISTHMUS_UPGRADE` is `0`,
+// `off` or `false`.
+#define ISTHMUS_CHANNEL_NO_UPGRADE 2
+
 // Connectivity states (`isthmus_channel_state`), numbered as gRPC numbers them (grpc-go's
 // `connectivity.State`, grpcio's `ChannelConnectivity`): no connection and none being made.
 #define ISTHMUS_STATE_IDLE 0
@@ -177,6 +187,8 @@ typedef struct {
   // INVALID_ARGUMENT for any other); copied. NULL: plaintext, except that `https://`
   // trusts the system's roots.
   const isthmus_tls_options_t *tls;
+  // `ISTHMUS_CHANNEL_*` flags ORed together, or 0.
+  uint32_t flags;
 } isthmus_channel_options_t;
 
 // Options of one call. Zero-initialise it, then set what you need; a NULL
@@ -432,7 +444,8 @@ const uint8_t *isthmus_status_details(const isthmus_status_t *status,
 isthmus_code_t isthmus_status_free(isthmus_status_t *status);
 
 // Makes a channel to `target`. It connects on its first call, so this fails only for a
-// target it cannot parse (`ISTHMUS_INVALID_ARGUMENT`). Close it with `isthmus_channel_close`.
+// target it cannot parse, or options it cannot take (bad TLS settings, unknown flags, both
+// upgrade flags): `ISTHMUS_INVALID_ARGUMENT`. Close it with `isthmus_channel_close`.
 //
 // Thread-safety: any thread.
 //

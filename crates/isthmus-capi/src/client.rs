@@ -76,7 +76,19 @@ pub struct isthmus_channel_options_t {
     /// INVALID_ARGUMENT for any other); copied. NULL: plaintext, except that `https://`
     /// trusts the system's roots.
     pub tls: *const isthmus_tls_options_t,
+    /// `ISTHMUS_CHANNEL_*` flags ORed together, or 0.
+    pub flags: u32,
 }
+
+/// Channel flag: calls to an HTTP/2 address move to shared memory when its server is a local
+/// isthmus server that offers it (ADR 0013), even where the environment variable
+/// `ISTHMUS_UPGRADE=0` turns that off for the process.
+pub const ISTHMUS_CHANNEL_UPGRADE: u32 = 1;
+
+/// Channel flag: calls to an HTTP/2 address stay on HTTP/2, whatever the server offers.
+/// Without either flag, the process's default holds: on, unless `ISTHMUS_UPGRADE` is `0`,
+/// `off` or `false`.
+pub const ISTHMUS_CHANNEL_NO_UPGRADE: u32 = 2;
 
 pub(crate) static CHANNELS: Registry<isthmus_channel_t> = Registry::new("channel");
 
@@ -152,7 +164,8 @@ impl isthmus_channel_t {
 }
 
 /// Makes a channel to `target`. It connects on its first call, so this fails only for a
-/// target it cannot parse (`ISTHMUS_INVALID_ARGUMENT`). Close it with `isthmus_channel_close`.
+/// target it cannot parse, or options it cannot take (bad TLS settings, unknown flags, both
+/// upgrade flags): `ISTHMUS_INVALID_ARGUMENT`. Close it with `isthmus_channel_close`.
 ///
 /// Thread-safety: any thread.
 ///
@@ -177,6 +190,15 @@ pub unsafe extern "C" fn isthmus_channel_new(
                 config.max_message_size = limit;
             }
             let mut builder = isthmus::Channel::builder(target).config(config.clone());
+            let flags = opts.map_or(0, |o| o.flags);
+            if flags & !(ISTHMUS_CHANNEL_UPGRADE | ISTHMUS_CHANNEL_NO_UPGRADE) != 0 {
+                return Err(invalid(format!("unknown channel flags {flags:#x}")));
+            }
+            match (flags & ISTHMUS_CHANNEL_UPGRADE != 0, flags & ISTHMUS_CHANNEL_NO_UPGRADE != 0) {
+                (true, true) => return Err(invalid("ISTHMUS_CHANNEL_UPGRADE and ISTHMUS_CHANNEL_NO_UPGRADE together")),
+                (on, off) if on || off => builder = builder.upgrade(on),
+                _ => {}
+            }
             if let Some(tls) = TlsPems::copy(opts.map_or(std::ptr::null(), |o| o.tls))? {
                 builder = builder.tls_config(tls.client()?);
             }

@@ -158,6 +158,18 @@ struct Proc {
 
 impl Proc {
     fn spawn(what: &str, binary: &Path, args: &[&str], scratch: &Scratch, stdin: Stdio) -> Proc {
+        Proc::spawn_with(what, binary, args, scratch, stdin, &[])
+    }
+
+    /// [`Proc::spawn`] with `env` set last (over the defaults).
+    fn spawn_with(
+        what: &str,
+        binary: &Path,
+        args: &[&str],
+        scratch: &Scratch,
+        stdin: Stdio,
+        env: &[(&str, &str)],
+    ) -> Proc {
         let mut child = Command::new(binary)
             .args(args)
             .env("ASAN_OPTIONS", ASAN_OPTIONS)
@@ -166,6 +178,7 @@ impl Proc {
             // Each check names the transport it tests: an HTTP/2 address stays on HTTP/2
             // rather than move to the server's shm:// endpoint (ADR 0013).
             .env("ISTHMUS_UPGRADE", "0")
+            .envs(env.iter().copied())
             .stdin(stdin)
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -310,6 +323,32 @@ fn c_program_passes_every_check_over_shm_and_unix() {
     let transcript = server.transcript();
     assert!(status.success(), "the server exited with {status}\n{transcript}");
     println!("{transcript}");
+}
+
+/// A channel's upgrade flags against the process's default: here on (`ISTHMUS_UPGRADE=1`), so
+/// a channel with no flag moves to the server's `shm://` endpoint and one with
+/// `ISTHMUS_CHANNEL_NO_UPGRADE` stays on HTTP/2 (the other client checks run with it off, where
+/// `ISTHMUS_CHANNEL_UPGRADE` moves a channel all the same).
+#[test]
+fn a_channels_upgrade_flags_overrule_the_processs_default() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let scratch = Scratch::new();
+    let binary = build_abi_check(&scratch);
+    let shm = format!("shm://capi-up-{}", std::process::id());
+    let unix = format!("unix://{}", scratch.path("up.sock").display());
+    let mut server = start_server(&binary, &scratch, &[&shm, &unix]);
+    let what = "client-upgrade";
+    let env = [("ISTHMUS_UPGRADE", "1")];
+    let mut client = Proc::spawn_with(what, &binary, &[what, &unix], &scratch, Stdio::null(), &env);
+    let (status, stdout) = client.finish(CLIENT_TIMEOUT);
+    assert!(
+        status.success() && stdout.contains("ok   upgrade_flags") && stdout.ends_with(" passed, 0 failed"),
+        "{what}: {status}\n{}\n{}",
+        client.transcript(),
+        server.transcript()
+    );
+    drop(server.child.stdin.take());
+    assert!(server.wait(EXIT_TIMEOUT).success(), "the server\n{}", server.transcript());
 }
 
 #[test]

@@ -466,10 +466,14 @@ impl Channel {
         }
     }
 
-    /// Counters of the current connection (zero if there is none yet); they start afresh when
+    /// Counters of the current `shm://` connection (zero if there is none yet): for a channel
+    /// to an HTTP/2 address, of the one it moved to ([`crate::upgrade`]). They start afresh when
     /// the channel reconnects.
     pub fn counters(&self) -> ConnectionCounters {
-        self.via.shm().map(ShmChannel::counters).unwrap_or_default()
+        match self.via.shm() {
+            Ok(shm) => shm.counters(),
+            Err(_) => self.upgrade().and_then(|up| up.moved_to()).map(|c| c.counters()).unwrap_or_default(),
+        }
     }
 
     /// A unary call: one request, one response.

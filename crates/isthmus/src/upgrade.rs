@@ -63,8 +63,8 @@ const NOT_OFFERED: Duration = Duration::from_secs(60);
 const PROBE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Whether channels move to shared memory unless told otherwise: yes, unless the environment
-/// variable `ISTHMUS_UPGRADE` is `0`, `off` or `false` (for bindings with no per-channel
-/// setting, the C ABI's, and for tests of the HTTP/2 path itself).
+/// variable `ISTHMUS_UPGRADE` is `0`, `off` or `false` (for a process whose code says nothing
+/// per channel, and for tests of the HTTP/2 path itself).
 pub(crate) fn on_by_default() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| {
@@ -271,6 +271,14 @@ impl Upgrade {
             if matches!(&*state, State::Shm { to: current, .. } if current == to) {
                 *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true };
             }
+        }
+    }
+
+    /// The `shm://` channel this one moved to, if it has (for its counters).
+    pub(crate) fn moved_to(&self) -> Option<Channel> {
+        match self.state.lock().as_deref() {
+            Ok(State::Shm { channel, .. }) => Some(channel.clone()),
+            _ => None,
         }
     }
 

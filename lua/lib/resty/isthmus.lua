@@ -51,6 +51,7 @@ typedef struct {
 typedef struct {
   uint64_t max_message_size;
   const isthmus_tls_options_t *tls;
+  uint32_t flags;
 } isthmus_channel_options_t;
 typedef struct {
   int64_t timeout_us;
@@ -141,6 +142,7 @@ isthmus_code_t isthmus_proto_free(isthmus_proto_t *proto);
 local ABI_VERSION = 1
 local OK, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, UNAVAILABLE = 0, 2, 3, 4, 14
 local CALL_SPIN = 2
+local CHANNEL_UPGRADE, CHANNEL_NO_UPGRADE = 1, 2
 local PROTO_REQUEST, PROTO_RESPONSE = 0, 1
 local STATES = { [0] = "IDLE", "CONNECTING", "READY", "TRANSIENT_FAILURE", "SHUTDOWN" }
 
@@ -785,6 +787,9 @@ function _M.connect(target, opts)
     load(opts.lib)
     local copts = ffi_new("isthmus_channel_options_t")
     copts.max_message_size = opts.max_message_size or 0
+    if opts.upgrade ~= nil then
+        copts.flags = opts.upgrade and CHANNEL_UPGRADE or CHANNEL_NO_UPGRADE
+    end
     local keep = {}
     if opts.tls ~= nil then
         local tls, err = tls_options(opts.tls, keep)

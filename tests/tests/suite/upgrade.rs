@@ -69,6 +69,9 @@ fn http2_calls_to_a_local_isthmus_server_move_to_shm() {
             let after = channel.transport_counts();
             assert_eq!(after.http2, before.http2, "{target}: {before:?} → {after:?}");
             assert!(after.shm >= before.shm + 4, "{target}: {before:?} → {after:?}");
+            // The counters are the shm:// connection's it moved to.
+            let counters = channel.counters();
+            assert!(counters.calls_started >= 4 && counters.transport.bytes_sent > 0, "{target}: {counters:?}");
         }
         // Turned off for one channel: every call stays on HTTP/2.
         let channel = Channel::builder(&format!("localhost:{port}")).upgrade(false).connect().await.expect("connect");
@@ -77,6 +80,7 @@ fn http2_calls_to_a_local_isthmus_server_move_to_shm() {
         }
         assert_eq!(channel.upgrade_status(), UpgradeStatus::Off);
         assert_eq!(channel.transport_counts(), isthmus::TransportCounts::default());
+        assert_eq!(channel.counters().calls_started, 0, "HTTP/2 calls are not counted");
     });
     drop(peer);
 }

@@ -56,6 +56,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -2019,6 +2020,84 @@ static int check_whoami(ctx_t *c) {
   return 1;
 }
 
+/* A channel to `target` with `opts`; NULL (and `g_why` says why) if refused. */
+static isthmus_channel_t *channel_with(const char *target, const isthmus_channel_options_t *opts) {
+  isthmus_channel_t *ch = NULL;
+  isthmus_status_t *st = NULL;
+  isthmus_code_t rc = isthmus_channel_new(target, opts, &ch, &st);
+  if (rc != ISTHMUS_OK) failf(__LINE__, "channel_new: %s", describe(rc, st));
+  return ch;
+}
+
+/* Calls Whoami on a channel with `flags` until its calls come over shm:// (a handler sees a pid)
+ * or `seconds` pass: 1 if they moved, 0 if not, -1 on a failed call. */
+static int moves_to_shm(const char *target, uint32_t flags, double seconds, unsigned long long *shm_calls) {
+  isthmus_channel_options_t opts;
+  memset(&opts, 0, sizeof opts);
+  opts.flags = flags;
+  isthmus_channel_t *ch = channel_with(target, &opts);
+  if (ch == NULL) return -1;
+  isthmus_status_t *st = NULL;
+  char got[512];
+  int moved = 0;
+  for (double end = now_s() + seconds; !moved && now_s() < end;) {
+    isthmus_code_t rc = whoami(ch, got, sizeof got, &st);
+    if (rc != ISTHMUS_OK) {
+      failf(__LINE__, "Whoami with flags %u: %s", flags, describe(rc, st));
+      isthmus_channel_close(ch);
+      return -1;
+    }
+    moved = strstr(got, "peer=shm:pid=") != NULL;
+    if (!moved) sleep_ms(5);
+  }
+  isthmus_stats_t stats;
+  memset(&stats, 0, sizeof stats);
+  isthmus_channel_stats(ch, &stats, sizeof stats);
+  *shm_calls = (unsigned long long)stats.calls_started;
+  isthmus_channel_close(ch);
+  return moved;
+}
+
+/* Whether this process's channels move to shared memory unless told: as the library reads
+ * ISTHMUS_UPGRADE. */
+static int upgrade_on_by_default(void) {
+  const char *v = getenv("ISTHMUS_UPGRADE");
+  return !(v && (strcmp(v, "0") == 0 || strcasecmp(v, "off") == 0 || strcasecmp(v, "false") == 0));
+}
+
+/* A channel's flags decide whether its HTTP/2 address moves to the server's shm:// endpoint,
+ * whatever ISTHMUS_UPGRADE says; without one, the variable decides. A channel that moved counts
+ * its calls over shm:// in its stats. */
+static int check_upgrade_flags(ctx_t *c) {
+  isthmus_channel_options_t opts;
+  memset(&opts, 0, sizeof opts);
+  isthmus_channel_t *ch = NULL;
+  isthmus_status_t *st = NULL;
+  opts.flags = ISTHMUS_CHANNEL_UPGRADE | ISTHMUS_CHANNEL_NO_UPGRADE;
+  INVALID(isthmus_channel_new(c->target, &opts, &ch, &st));
+  opts.flags = 4;
+  INVALID(isthmus_channel_new(c->target, &opts, &ch, &st));
+  REQUIRE(ch == NULL, "no channel for refused flags");
+  if (c->shm) return 1; /* nothing to move */
+
+  double began = now_s();
+  unsigned long long shm_calls = 0;
+  int moved = moves_to_shm(c->target, ISTHMUS_CHANNEL_UPGRADE, 20.0, &shm_calls);
+  if (moved < 0) return 0;
+  REQUIRE(moved == 1, "ISTHMUS_CHANNEL_UPGRADE: still on HTTP/2 after 20 s");
+  REQUIRE(shm_calls >= 1, "a moved channel's stats count its shm:// calls");
+  /* What never moves is watched for three times as long as moving took, and 1 s more. */
+  double watch = (now_s() - began) * 3 + 1.0;
+  moved = moves_to_shm(c->target, ISTHMUS_CHANNEL_NO_UPGRADE, watch, &shm_calls);
+  if (moved < 0) return 0;
+  REQUIRE(moved == 0 && shm_calls == 0, "ISTHMUS_CHANNEL_NO_UPGRADE: moved to shm://");
+  moved = moves_to_shm(c->target, 0, upgrade_on_by_default() ? 20.0 : watch, &shm_calls);
+  if (moved < 0) return 0;
+  REQUIRE(moved == upgrade_on_by_default(), "no flag, ISTHMUS_UPGRADE=%s: moved %d",
+          getenv("ISTHMUS_UPGRADE") ? getenv("ISTHMUS_UPGRADE") : "(unset)", moved);
+  return 1;
+}
+
 typedef struct {
   const char *name;
   int (*run)(ctx_t *c);
@@ -2031,6 +2110,7 @@ static const check_t CHECKS[] = {
     {"double_free", check_double_free},
     {"metadata_rules", check_metadata_rules},
     {"stats", check_stats},
+    {"upgrade_flags", check_upgrade_flags},
     {"unary_metadata", check_unary_metadata},
     {"unary_64mib", check_unary_64mib},
     {"too_large", check_too_large},
@@ -2067,11 +2147,7 @@ static isthmus_channel_t *tls_channel(const isthmus_tls_options_t *tls) {
   isthmus_channel_options_t opts;
   memset(&opts, 0, sizeof opts);
   opts.tls = tls;
-  isthmus_channel_t *ch = NULL;
-  isthmus_status_t *st = NULL;
-  isthmus_code_t rc = isthmus_channel_new(g_tls_address, &opts, &ch, &st);
-  if (rc != ISTHMUS_OK) failf(__LINE__, "channel_new: %s", describe(rc, st));
-  return ch;
+  return channel_with(g_tls_address, &opts);
 }
 
 /* The settings of a client that trusts `ca` and, with `cert`, shows that certificate. */
@@ -2314,6 +2390,8 @@ static int peer_gone(const char *target) {
 
 static int client(const char *target) { return run_checks(target, CHECKS, sizeof CHECKS / sizeof CHECKS[0], 1); }
 
+static const check_t UPGRADE_CHECKS[] = {{"upgrade_flags", check_upgrade_flags}};
+
 static int client_tls(const char *dir, const char *address) {
   g_tls_dir = dir;
   g_tls_address = address;
@@ -2325,8 +2403,10 @@ int main(int argc, char **argv) {
   if (argc >= 4 && strcmp(argv[1], "serve-tls") == 0) return serve(argc - 3, argv + 3, argv[2]);
   if (argc == 3 && strcmp(argv[1], "client") == 0) return client(argv[2]);
   if (argc == 4 && strcmp(argv[1], "client-tls") == 0) return client_tls(argv[2], argv[3]);
+  if (argc == 3 && strcmp(argv[1], "client-upgrade") == 0)
+    return run_checks(argv[2], UPGRADE_CHECKS, sizeof UPGRADE_CHECKS / sizeof UPGRADE_CHECKS[0], 0);
   if (argc == 3 && strcmp(argv[1], "peer-gone") == 0) return peer_gone(argv[2]);
-  fprintf(stderr, "usage: %s serve TARGET... | client TARGET | peer-gone TARGET | serve-tls DIR TARGET... | "
-                  "client-tls DIR ADDRESS\n", argv[0]);
+  fprintf(stderr, "usage: %s serve TARGET... | client TARGET | client-upgrade TARGET | peer-gone TARGET | "
+                  "serve-tls DIR TARGET... | client-tls DIR ADDRESS\n", argv[0]);
   return 2;
 }
