@@ -195,13 +195,21 @@ fn client_segment(h: &Hello, fds: Vec<OwnedFd>) -> Result<(Arc<Segment>, Bells, 
     }
     let seg = Arc::new(Segment::map(memfd.as_fd(), layout)?);
     drop(memfd);
-    let mut bell = || -> Result<Arc<Bell>> {
+    let mut bell = |n: usize| -> Result<Arc<Bell>> {
         let fd = next()?;
-        // A blocking doorbell (a pipe, say) would let the server stall our every send.
+        // Anything else would disturb our wake-ups: a regular file or a socket is always
+        // readable (a busy loop), a pipe's writes fill it up.
+        match sys::fd_kind(fd.as_fd()) {
+            Some(kind) if kind != sys::EVENTFD_KIND => {
+                return Err(Error::protocol(format!("handshake: doorbell fd {n} is {kind}, not an eventfd")))
+            }
+            _ => {}
+        }
+        // A blocking doorbell would let the server stall our every send.
         sys::set_nonblocking(fd.as_fd()).map_err(|e| Error::io("handshake: a doorbell fd is unusable", e))?;
         Ok(Arc::new(Bell::new(fd)))
     };
-    let bells = Bells { my_rx: bell()?, my_tx: bell()?, peer_rx: bell()?, peer_tx: bell()? };
+    let bells = Bells { my_rx: bell(1)?, my_tx: bell(2)?, peer_rx: bell(3)?, peer_tx: bell(4)? };
     let shared = match layout.shared_size {
         0 => SharedSide::None,
         len => SharedSide::View(Arc::new(SharedView::map(next()?.as_fd(), len)?)),
@@ -297,4 +305,50 @@ pub(crate) fn accept(mut s: UnixStream, cfg: &Config, shared: Option<SharedArena
     let shared = shared.map_or(SharedSide::None, SharedSide::Owner);
     let features = reply.features;
     Ok(Connection::from_parts(Parts { seg, role: Role::Server, link, bells, peer, shared, features }, cfg))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A server's hello and the five fds a server sends with it, the doorbell at `odd` (1 to 4)
+    /// being `instead` rather than an eventfd.
+    fn server_answer(odd: usize, instead: Option<OwnedFd>) -> (Hello, Vec<OwnedFd>) {
+        let (ring, arena) = (1usize << 16, 1usize << 20);
+        let layout = Layout::new([ring; 2], [arena; 2], 0).expect("layout");
+        let mut h = Hello::new(HelloKind::Server);
+        h.ring_size = [ring as u64; 2];
+        h.arena_size = [arena as u64; 2];
+        h.segment_len = layout.total as u64;
+        let memfd = sys::memfd_create("isthmus-test").expect("memfd");
+        sys::set_len(memfd.as_fd(), h.segment_len).expect("size");
+        sys::seal(memfd.as_fd()).expect("seal");
+        let mut fds = vec![memfd];
+        let mut instead = instead;
+        for n in 1..=4 {
+            fds.push(match (n == odd, instead.take()) {
+                (true, Some(fd)) => fd,
+                (_, kept) => {
+                    instead = kept;
+                    sys::eventfd().expect("eventfd")
+                }
+            });
+        }
+        (h, fds)
+    }
+
+    #[test]
+    fn a_doorbell_that_is_no_eventfd_is_refused_by_name() {
+        let (h, fds) = server_answer(0, None);
+        assert!(client_segment(&h, fds).is_ok(), "four eventfds");
+        let (reader, _writer) = std::io::pipe().expect("pipe");
+        let (h, fds) = server_answer(3, Some(OwnedFd::from(reader)));
+        let e = client_segment(&h, fds).err().expect("a pipe refused");
+        assert_eq!(e.kind(), crate::ErrorKind::Protocol, "{e}");
+        assert!(e.to_string().contains("doorbell fd 3 is pipe:["), "{e}");
+        let file = std::fs::File::open("/proc/self/status").expect("a regular file");
+        let (h, fds) = server_answer(1, Some(OwnedFd::from(file)));
+        let e = client_segment(&h, fds).err().expect("a file refused");
+        assert!(e.to_string().contains("doorbell fd 1 is /proc/"), "{e}");
+    }
 }

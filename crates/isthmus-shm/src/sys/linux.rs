@@ -438,6 +438,16 @@ pub(crate) fn shutdown(fd: RawFd) {
     unsafe { libc::shutdown(fd, libc::SHUT_RDWR) };
 }
 
+/// What `fd` is, as `/proc/self/fd` names it (`anon_inode:[eventfd]`, `pipe:[123]`, a path);
+/// `None` where `/proc` is not mounted, so nothing can be told.
+pub(crate) fn fd_kind(fd: BorrowedFd<'_>) -> Option<String> {
+    let link = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd())).ok()?;
+    Some(link.to_string_lossy().into_owned())
+}
+
+/// What `fd_kind` names an eventfd.
+pub(crate) const EVENTFD_KIND: &str = "anon_inode:[eventfd]";
+
 /// Makes an fd non-blocking.
 pub(crate) fn set_nonblocking(fd: BorrowedFd<'_>) -> io::Result<()> {
     // SAFETY: F_GETFL/F_SETFL take and return ints; a bad fd is reported as an error.
