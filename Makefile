@@ -112,7 +112,7 @@ go-bins: capi c-tools
 	cd go && $(GO_ENV) go build -o ../target/go-bin/ ./cmd/go-peer ./cmd/go-conformance
 
 # The Go and Lua tests name the transport they test: ISTHMUS_UPGRADE=0 keeps their HTTP/2
-# channels on HTTP/2 (the upgrade to shm:// is tested in Rust and Python).
+# channels on HTTP/2 (the upgrade tests there say what they want per channel).
 gotest: capi unit ## The Go package's tests (go test), against the Go, Rust and Python peers
 	@mkdir -p target
 	set -o pipefail; cd go && $(GO_ENV) ISTHMUS_TONIC_PEER=$(CURDIR)/target/debug/tonic-peer ISTHMUS_REQUIRE_PEERS=1 ISTHMUS_UPGRADE=0 \

@@ -548,6 +548,10 @@ impl Lender {
 /// Past it, the peer learns at its own deadline or the connection's end.
 const FLUSHER_THREAD_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// How long a server's reader waits for ring room to send the GOAWAY that names a fault before
+/// it closes the connection without one.
+const FAULT_GOAWAY_PATIENCE: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// The stream table of one connection.
 pub(crate) struct Mux {
     pub(crate) sender: Sender,
@@ -1037,6 +1041,7 @@ impl Mux {
         // here rather than as tasks of their own: the thread that finishes one then wakes this
         // task, which is usually running, instead of a worker asleep (ADR 0019).
         let mut handed = HandedCalls::default();
+        let serving = accept.is_some();
         let mut held = Some(receiver);
         let end = 'read: loop {
             let mut receiver = match held.take() {
@@ -1152,6 +1157,13 @@ impl Mux {
                 held = Some(receiver);
             }
         };
+        if serving && end.code() == Code::Internal {
+            // A fault (malformed input from the client, say): tell it why before hanging up, so
+            // that its calls fail naming the fault rather than a vanished peer. Best effort: a
+            // client that reads nothing of ours gets no GOAWAY.
+            let why = format!("a fault ends this connection: {}", end.message());
+            let _ = tokio::time::timeout(FAULT_GOAWAY_PATIENCE, self.go_away(&why)).await;
+        }
         self.end(end);
         // Cancelled by the connection's end: they finish as tasks of their own.
         handed.spawn_all();
