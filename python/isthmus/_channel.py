@@ -497,7 +497,8 @@ class Channel(grpc.Channel):
 
     def stats(self) -> TransportStats:
         """The counters of this channel's shared-memory connections (zeros before the first
-        call, and for calls over HTTP/2)."""
+        call, and for calls over HTTP/2): for a channel to an HTTP/2 address, of the one it
+        moved to."""
         return TransportStats(**self._native.stats())
 
     def transport_counts(self) -> dict[str, int]:

@@ -78,7 +78,7 @@ def test_asyncio_channels_move_too(cert_dir: tuple[certs.Certs, Path]) -> None:
     with Server("isthmus", cert_dir[1], "none", "localhost:0", shm_name()) as server:
         port = server.ports[0]
 
-        async def run() -> tuple[str, str, dict[str, int]]:
+        async def run() -> tuple[str, str, dict[str, int], int]:
             async with isthmus.aio.insecure_channel(f"localhost:{port}") as channel:
                 call = channel.unary_unary(METHOD)
                 end = time.monotonic() + 30
@@ -86,12 +86,15 @@ def test_asyncio_channels_move_too(cert_dir: tuple[certs.Certs, Path]) -> None:
                     await call(b"", timeout=10)
                     await asyncio.sleep(0.01)
                 peer = json.loads(await call(b"", timeout=10))["peer"]
-                return channel.upgrade_status(), peer, channel.transport_counts()
+                stats = channel.stats()
+                return channel.upgrade_status(), peer, channel.transport_counts(), stats.calls_started
 
-        status, peer, counts = asyncio.run(run())
+        status, peer, counts, started = asyncio.run(run())
         assert status.startswith("shm:///"), status
         assert peer.startswith("shm:pid="), peer
         assert counts["shm"] >= 1 and counts["http2"] >= 1, counts
+        # Its counters are those of the shm:// connection it moved to.
+        assert started >= 1, started
 
 
 @pytest.mark.parametrize("case", ["grpcio", "no-offer"])
