@@ -994,6 +994,41 @@ fn a_malformed_headers_ends_its_connection_with_a_goaway_that_names_it() {
     drop(server);
 }
 
+/// A HEADERS that crosses the server's GOAWAY (sent after it, by a client that had not read
+/// it yet) is refused with TRAILERS UNAVAILABLE and runs no handler, so the client may retry it
+/// elsewhere (protocol 13.7, GOAWAY).
+#[test]
+fn a_headers_that_crosses_a_goaway_is_refused_unavailable() {
+    use isthmus::wire;
+    use isthmus_shm::{flags, Kind};
+    let (mut server, addr) = server();
+    let shm: isthmus_shm::Address = addr.parse().expect("address");
+    let mut c = isthmus_shm::Connection::connect(&shm, &isthmus_shm::Config::default()).expect("connect");
+    // A call in flight, which keeps the server draining for its grace period.
+    let head = wire::encode_request_head("/test.Echo/Sleep", None, &MetadataMap::new());
+    c.sender.send(Kind::Headers, 0, 1, &head, patience_30s()).expect("HEADERS");
+    server.expect_line("SLEEPING", Duration::from_secs(30));
+    let admin = isthmus::blocking::Channel::connect(&addr).expect("connect");
+    admin.unary("/test.Admin/Shutdown", b"", CallOptions::default()).expect("shutdown starts");
+    loop {
+        let f = c.receiver.recv(patience_30s()).expect("the GOAWAY");
+        match f.kind {
+            Kind::GoAway => break,
+            Kind::Headers | Kind::Window => assert_eq!(f.stream, 1, "{f:?}"),
+            other => panic!("{other:?} on stream {} before the GOAWAY", f.stream),
+        }
+    }
+    let head = wire::encode_request_head("/test.Echo/Unary", None, &MetadataMap::new());
+    c.sender.send(Kind::Headers, 0, 3, &head, patience_30s()).expect("HEADERS after the GOAWAY");
+    c.sender.send_message(3, flags::END_STREAM, b"late", patience_30s()).expect("its MESSAGE");
+    let f = c.receiver.recv(patience_30s()).expect("the refusal");
+    assert_eq!((f.kind, f.stream), (Kind::Trailers, 3), "{f:?}");
+    let status = wire::decode_trailers(&f.body).expect("trailers");
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    // The reader's refusal, before any handler: no call was opened for it.
+    assert!(status.message().contains("shutting down and takes no new calls"), "{status:?}");
+}
+
 /// A raw client's request over the server's `max_message_size`: TRAILERS with
 /// RESOURCE_EXHAUSTED naming both sizes end that call, once, and the connection goes on.
 #[test]
