@@ -26,6 +26,7 @@
 //! process's file-descriptor limit, once it serves, so that exactly N descriptor numbers are free
 //! below it (the limit bounds numbers, not counts, and inherited descriptors leave gaps); and
 //! `/test.Admin/AcceptErrors` answers `accept_errors=A handshakes_failed=H` from `ServerStats`.
+//! `RPC_PEER_GRACE_MS` sets the graceful shutdown's grace period (10 s by default).
 
 use std::io::Write;
 
@@ -270,7 +271,10 @@ fn main() {
         if let Some(features) = std::env::var("RPC_PEER_FEATURES").ok().and_then(|f| f.parse().ok()) {
             config.features = features;
         }
-        let server = server.config(config);
+        let mut server = server.config(config);
+        if let Some(ms) = std::env::var("RPC_PEER_GRACE_MS").ok().and_then(|n| n.parse().ok()) {
+            server = server.grace(std::time::Duration::from_millis(ms));
+        }
         let server = match max_streams {
             Some(n) => server.max_concurrent_streams(n),
             None => server,

@@ -438,6 +438,32 @@ fn a_server_out_of_descriptors_counts_its_failed_accepts_and_accepts_again() {
     println!("{n} connections held, then {turned_away:?}; accept_errors={accept_errors} handshakes_failed={handshakes_failed}");
 }
 
+/// A handler still running when the grace period ends: the server cancels its call, which
+/// drops the handler, its client's call ends UNAVAILABLE, and the shutdown finishes.
+#[test]
+fn a_handler_still_running_when_the_grace_ends_is_stopped_and_its_call_fails_unavailable() {
+    use std::process::Command;
+    let addr = fresh_addr("blk-grace");
+    let mut server =
+        Peer::command(Command::new(isthmus_tests::peer_bin("rpc-peer")).arg(&addr).env("RPC_PEER_GRACE_MS", "300"));
+    let ch = Channel::connect(&addr).expect("connect");
+    let sleeper = std::thread::spawn({
+        let ch = ch.clone();
+        // The handler reads its request, then never answers.
+        move || ch.unary("/test.Echo/Sleep", b"", CallOptions::default())
+    });
+    server.expect_line("SLEEPING", Duration::from_secs(30));
+    ch.unary("/test.Admin/Shutdown", b"", CallOptions::default()).expect("shutdown starts");
+    let err = sleeper.join().expect("the calling thread").expect_err("the call outlived the grace");
+    assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+    // The grace's end cancels the call, which drops the handler on its own task, while the
+    // serving task finishes: the two lines come in either order.
+    let mut lines =
+        [server.expect_line("S", Duration::from_secs(30)), server.expect_line("S", Duration::from_secs(30))];
+    lines.sort();
+    assert_eq!(lines, ["SHUTDOWN-DONE", "SLEEP-DROPPED"]);
+}
+
 /// GOAWAY seen by a blocking channel: a graceful shutdown lets the call in progress on another
 /// thread finish, and a new call is refused UNAVAILABLE (the server no longer listens), not
 /// sent on the connection that is going away.
