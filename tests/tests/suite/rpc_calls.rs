@@ -1085,3 +1085,26 @@ fn serves_on_and_ends_stream_1_once(c: &mut isthmus_shm::Connection, counted: &s
     }
     assert_eq!(unary(stream + 2, "/test.Echo/Unary", b"last"), "last");
 }
+
+/// A channel whose reader task's runtime shut down: its connection counts as dead (the reader's
+/// `Watch` guard), so a call from another runtime is made on a new connection (its counters
+/// start afresh) rather than on one whose replies nobody reads.
+#[test]
+fn a_channel_whose_runtime_shut_down_calls_on_a_new_connection() {
+    let (_server, addr) = server();
+    let first = runtime();
+    let channel = first.block_on(async {
+        let channel = Channel::connect(&addr).await.expect("connect");
+        let r = channel.unary("/test.Echo/Unary", b"one", CallOptions::default()).await.expect("a call");
+        assert_eq!(&r.message[..], b"one");
+        channel
+    });
+    first.shutdown_timeout(Duration::from_secs(10));
+    run(async move {
+        let options = CallOptions { timeout: Some(Duration::from_secs(60)), ..Default::default() };
+        let r = channel.unary("/test.Echo/Unary", b"two", options).await.expect("a call on a new connection");
+        assert_eq!(&r.message[..], b"two");
+        let counters = channel.counters();
+        assert_eq!(counters.calls_started, 1, "the old connection carried it: {counters:?}");
+    });
+}
