@@ -2,7 +2,7 @@
 //! bytes: targets for `isthmus_channel_new`, metadata keys and values, method paths, status
 //! codes, JSON and protobuf bytes for `isthmus_proto_encode`/`_decode`, and handles that are
 //! garbage (also for the block calls, `isthmus_channel_alloc`, `isthmus_block_write` and
-//! `isthmus_unary_block`, the connectivity calls, the counters, and
+//! `isthmus_unary_block`, the connectivity calls, the counters, the topics, and
 //! `isthmus_server_call_reply_async`). Each must answer with a code, never crash or leak.
 #![no_main]
 
@@ -160,6 +160,11 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         let out = buffer.as_mut_ptr().cast::<isthmus_stats_t>();
         let _ = isthmus_channel_stats(word as *const isthmus_channel_t, out, size);
         let _ = isthmus_server_stats(word as *const isthmus_server_t, out, size);
+        let topic = word as *const isthmus_topic_t;
+        let _ = isthmus_topic_publish(topic, b.as_ptr(), b.len(), std::ptr::null_mut(), std::ptr::null_mut());
+        let _ = isthmus_topic_stats(topic, buffer.as_mut_ptr().cast(), size);
+        let _ = isthmus_topic_close(topic);
+        let _ = isthmus_topic_free(word as *mut isthmus_topic_t);
     }
     assert_eq!(isthmus_live_handles(), 1); // the proto
 });

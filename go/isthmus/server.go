@@ -54,7 +54,9 @@ type method struct {
 	raw    RawHandler
 	// rawUnary answers unary calls by method path (HandleRawUnary).
 	rawUnary RawUnaryHandler
-	name     string // full path, /package.Service/Method
+	// topic subscribes calls to it (ServeTopic).
+	topic *Topic
+	name  string // full path, /package.Service/Method
 }
 
 // streams says whether the method's requests and replies are streams, as stats.Begin does; a
@@ -214,7 +216,9 @@ func (s *Server) Start(targets ...string) error {
 		cname := C.CString(name)
 		var st *C.isthmus_status_t
 		var code C.isthmus_code_t
-		if s.opts.inline && (m.unary != nil || m.rawUnary != nil) {
+		if m.topic != nil {
+			code = addTopic(srv, cname, m.topic, &st)
+		} else if s.opts.inline && (m.unary != nil || m.rawUnary != nil) {
 			code = addInlineHandler(srv, cname, s, m, &st)
 		} else {
 			// A new call's tag stays registered: the reactor keeps NEW_CALL tags after delivery.

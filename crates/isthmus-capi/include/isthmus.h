@@ -112,6 +112,11 @@
 // microseconds.
 #define ISTHMUS_RECV_SPIN 2
 
+// Topic flag: a subscriber whose queue is full has its call ended RESOURCE_EXHAUSTED. Without
+// it, its oldest queued message is dropped (counted in `isthmus_topic_stats_t.dropped`) and it
+// goes on with the newer ones.
+#define ISTHMUS_TOPIC_CANCEL_SLOW 1
+
 // A writable block in this side's shared memory, from `isthmus_call_alloc` or
 // `isthmus_server_call_alloc`: fill it, then send it without a copy.
 typedef struct isthmus_block_t isthmus_block_t;
@@ -154,6 +159,10 @@ typedef struct isthmus_server_t isthmus_server_t;
 
 // A gRPC status: code, message, binary details and trailing metadata.
 typedef struct isthmus_status_t isthmus_status_t;
+
+// A topic: publish to it from any thread; a server serves it at a method path
+// (`isthmus_server_add_topic`).
+typedef struct isthmus_topic_t isthmus_topic_t;
 
 // A gRPC status code: 0 is OK.
 typedef int32_t isthmus_code_t;
@@ -307,6 +316,30 @@ typedef struct {
   // user refused, no descriptors left for the segment (0 for a channel).
   uint64_t handshakes_failed;
 } isthmus_stats_t;
+
+// Options of a topic. Zero-initialise it, then set what you need; NULL means defaults.
+typedef struct {
+  // Messages queued per subscriber before its queue counts as full; 0 for the default (64).
+  uint32_t capacity;
+  // `ISTHMUS_TOPIC_*` flags ORed together, or 0.
+  uint32_t flags;
+} isthmus_topic_options_t;
+
+// A topic's counters (`isthmus_topic_stats`); fields are only ever appended.
+typedef struct {
+  // Subscribers now.
+  uint64_t subscribers;
+  // Messages published.
+  uint64_t published;
+  // Payload bytes published, each message counted once however many it reached.
+  uint64_t bytes;
+  // Messages sent to subscribers, one per subscriber reached.
+  uint64_t delivered;
+  // Messages dropped from full queues.
+  uint64_t dropped;
+  // Subscribers ended for falling behind (`ISTHMUS_TOPIC_CANCEL_SLOW`).
+  uint64_t cancelled;
+} isthmus_topic_stats_t;
 
 // The call succeeded.
 #define ISTHMUS_OK 0
@@ -1478,6 +1511,94 @@ isthmus_code_t isthmus_channel_stats(const isthmus_channel_t *channel,
 isthmus_code_t isthmus_server_stats(const isthmus_server_t *server,
                                     isthmus_stats_t *out,
                                     size_t size);
+
+// Makes a topic named `name` (for logs). Free it with `isthmus_topic_free`; a server that
+// serves it keeps it alive meanwhile.
+//
+// Thread-safety: any thread.
+//
+// # Safety
+//
+// `name` is NUL-terminated; `opts` is NULL or valid; `out` is writable; `status` is NULL or
+// writable.
+isthmus_code_t isthmus_topic_new(const char *name,
+                                 const isthmus_topic_options_t *opts,
+                                 isthmus_topic_t **out,
+                                 isthmus_status_t **status);
+
+// Publishes `len` bytes to every current subscriber and stores how many it reached in
+// `*reached` (NULL: not wanted). It never waits: each subscriber's queue takes the message (a
+// full one meets the topic's policy). The bytes are copied before it returns. After
+// `isthmus_topic_close`, nothing is published (0 reached).
+//
+// Thread-safety: any thread; publishes from several threads at once are ordered by a lock.
+//
+// # Safety
+//
+// `data` is valid for `len` bytes (or `len` is 0); `reached` and `status` are NULL or writable.
+isthmus_code_t isthmus_topic_publish(const isthmus_topic_t *topic,
+                                     const uint8_t *data,
+                                     size_t len,
+                                     size_t *reached,
+                                     isthmus_status_t **status);
+
+// `isthmus_topic_publish`, also keeping the message as the topic's state: every later
+// subscriber gets it first.
+//
+// Thread-safety: as `isthmus_topic_publish`.
+//
+// # Safety
+//
+// As `isthmus_topic_publish`.
+isthmus_code_t isthmus_topic_publish_state(const isthmus_topic_t *topic,
+                                           const uint8_t *data,
+                                           size_t len,
+                                           size_t *reached,
+                                           isthmus_status_t **status);
+
+// Forgets the topic's state (`isthmus_topic_publish_state`): later subscribers get none.
+//
+// Thread-safety: any thread.
+isthmus_code_t isthmus_topic_clear_state(const isthmus_topic_t *topic);
+
+// Closes the topic: every subscription ends OK after what it has queued, and later subscribers'
+// calls end OK at once. The handle stays valid (free it with `isthmus_topic_free`).
+//
+// Thread-safety: any thread.
+isthmus_code_t isthmus_topic_close(const isthmus_topic_t *topic);
+
+// The topic's counters into `*out`; `size` is `sizeof(*out)` as the caller compiled it, and no
+// more is written (see `isthmus_channel_stats`).
+//
+// Thread-safety: any thread; the counts of that moment.
+//
+// # Safety
+//
+// `out` is NULL or writable for `size` bytes.
+isthmus_code_t isthmus_topic_stats(const isthmus_topic_t *topic,
+                                   isthmus_topic_stats_t *out,
+                                   size_t size);
+
+// Frees the topic's handle. It does not close the topic: a server that serves it keeps it,
+// and its subscribers, until the server is freed.
+//
+// Thread-safety: any thread, once.
+isthmus_code_t isthmus_topic_free(isthmus_topic_t *topic);
+
+// Serves `topic` at `path`: each call to it (a server-streaming call; its request is not read)
+// is a subscriber, sent the topic's state if it has one, then every message published while
+// it is subscribed, until its client cancels or goes away, or the topic closes (OK). Before
+// `isthmus_server_start` only.
+//
+// Thread-safety: any thread, before `isthmus_server_start` (a lock orders them).
+//
+// # Safety
+//
+// `path` is NUL-terminated; `status` is NULL or writable.
+isthmus_code_t isthmus_server_add_topic(const isthmus_server_t *server,
+                                        const char *path,
+                                        const isthmus_topic_t *topic,
+                                        isthmus_status_t **status);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -51,6 +51,7 @@ mod proto;
 mod server;
 mod stats;
 mod tls;
+mod topic;
 
 pub use abi::*;
 pub use client::*;
@@ -60,6 +61,7 @@ pub use proto::*;
 pub use server::*;
 pub use stats::*;
 pub use tls::*;
+pub use topic::*;
 
 /// The ABI version of the loaded library ([`ISTHMUS_ABI_VERSION`] when it was built): compare
 /// with the header's before use.
@@ -117,5 +119,6 @@ pub extern "C" fn isthmus_live_handles() -> usize {
             + server::SERVERS.len()
             + object::SERVER_CALLS.len()
             + proto::PROTOS.len()
+            + topic::TOPICS.len()
     })
 }

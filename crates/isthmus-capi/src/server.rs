@@ -167,6 +167,22 @@ fn add_handler(server: *const isthmus_server_t, path: Option<&str>, deliver: Del
     Ok(())
 }
 
+/// Registers an engine handler for `path` (the topics'), before the server starts.
+pub(crate) fn add_handler_fn<F, Fut>(server: *const isthmus_server_t, path: &str, handler: F) -> Result<(), Status>
+where
+    F: Fn(isthmus::ServerCall) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<(), Status>> + Send + 'static,
+{
+    let server = SERVERS.get(server)?;
+    let mut state = server.state.lock().map_err(|_| invalid("server state poisoned"))?;
+    let ServerState::Building { server: builder, .. } = &mut *state else {
+        return Err(Status::new(Code::FailedPrecondition, "topics must be added before the server starts"));
+    };
+    let b = std::mem::take(&mut **builder);
+    **builder = b.handler(path, handler);
+    Ok(())
+}
+
 /// The optional path argument of the `add_handler` functions.
 ///
 /// # Safety

@@ -111,13 +111,23 @@ impl isthmus_stats_t {
 ///
 /// `out` is NULL or writable for `size` bytes.
 unsafe fn store(out: *mut isthmus_stats_t, size: usize, stats: isthmus_stats_t) -> Result<(), isthmus::Status> {
+    // SAFETY: the caller's promise, passed on.
+    unsafe { store_sized(out, size, stats) }
+}
+
+/// [`store`] for any plain struct of counters (`T` is `repr(C)` and all integers).
+///
+/// # Safety
+///
+/// `out` is NULL or writable for `size` bytes.
+pub(crate) unsafe fn store_sized<T: Copy>(out: *mut T, size: usize, value: T) -> Result<(), isthmus::Status> {
     if out.is_null() {
         return Err(invalid("the stats out-pointer is NULL"));
     }
-    let n = size.min(std::mem::size_of::<isthmus_stats_t>());
-    // SAFETY: `stats` is a local of `size_of::<isthmus_stats_t>() >= n` bytes; `out` is writable
-    // for `size >= n` bytes (the caller's promise); a local and the caller's memory never overlap.
-    unsafe { std::ptr::copy_nonoverlapping(std::ptr::from_ref(&stats).cast::<u8>(), out.cast::<u8>(), n) };
+    let n = size.min(std::mem::size_of::<T>());
+    // SAFETY: `value` is a local of `size_of::<T>() >= n` bytes; `out` is writable for
+    // `size >= n` bytes (the caller's promise); a local and the caller's memory never overlap.
+    unsafe { std::ptr::copy_nonoverlapping(std::ptr::from_ref(&value).cast::<u8>(), out.cast::<u8>(), n) };
     Ok(())
 }
 

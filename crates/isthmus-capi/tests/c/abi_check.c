@@ -388,6 +388,29 @@ static void h_whoami(isthmus_server_call_t *call) {
 /* The server serve() runs, for the Stats handler. */
 static isthmus_server_t *g_server;
 
+/* The topic the server serves at Watch; Publish publishes its request to it (PublishState as
+ * the topic's state) and answers "reached=N". */
+static isthmus_topic_t *g_topic;
+
+static void h_publish(isthmus_server_call_t *call) {
+  isthmus_message_t *req = NULL;
+  isthmus_status_t *st = NULL;
+  isthmus_code_t rc = isthmus_server_call_recv(call, 0, &req, &st);
+  if (rc != ISTHMUS_OK || req == NULL) {
+    finish_failed(call, rc == ISTHMUS_OK ? ISTHMUS_INVALID_ARGUMENT : rc, st, "no request");
+    return;
+  }
+  size_t len = 0, reached = 0;
+  const uint8_t *data = isthmus_message_data(req, &len);
+  rc = path_is(call, SVC "PublishState") ? isthmus_topic_publish_state(g_topic, data, len, &reached, NULL)
+                                         : isthmus_topic_publish(g_topic, data, len, &reached, NULL);
+  isthmus_message_free(req);
+  char reply[64];
+  int n = snprintf(reply, sizeof reply, "reached=%zu", reached);
+  if (rc == ISTHMUS_OK) rc = isthmus_server_call_send(call, (const uint8_t *)reply, (size_t)n, NULL);
+  isthmus_server_call_finish(call, rc, rc == ISTHMUS_OK ? NULL : "publish failed", NULL, NULL);
+}
+
 /* Replies with the server's counters as text: what a client cannot see from its side. */
 static void h_stats(isthmus_server_call_t *call) {
   isthmus_stats_t s;
@@ -498,7 +521,8 @@ static handler_t g_handlers[] = {
     {SVC "Fail", h_fail, 0},       {SVC "Sleep", h_sleep, 1},
     {SVC "Block", h_block, 1},     {SVC "BadFinish", h_bad_finish, 1},
     {SVC "Whoami", h_whoami, 0},   {SVC "Reply", h_reply, 1},
-    {SVC "Stats", h_stats, 0},
+    {SVC "Stats", h_stats, 0},     {SVC "Publish", h_publish, 0},
+    {SVC "PublishState", h_publish, 0},
 };
 
 /* The callback every handler path shares: hands the call to a thread (callbacks must not block). */
@@ -689,6 +713,12 @@ static int serve(int count, char **targets, const char *tls_dir) {
     print_status("serve: isthmus_server_add_handler_cq", rc, st);
     return 1;
   }
+  isthmus_topic_options_t topic_opts = {4, 0}; /* a small queue: a subscriber that reads nothing drops */
+  if ((rc = isthmus_topic_new("watch", &topic_opts, &g_topic, &st)) != ISTHMUS_OK ||
+      (rc = isthmus_server_add_topic(server, SVC "Watch", g_topic, &st)) != ISTHMUS_OK) {
+    print_status("serve: the topic", rc, st);
+    return 1;
+  }
   int stop[2];
   if (pipe(stop) != 0) {
     perror("serve: pipe");
@@ -725,6 +755,7 @@ static int serve(int count, char **targets, const char *tls_dir) {
   pthread_join(queue_thread, NULL);
   reap_workers(1);
   if (isthmus_server_free(server) != ISTHMUS_OK || isthmus_cq_free(cq) != ISTHMUS_OK) failed = 1;
+  if (isthmus_topic_free(g_topic) != ISTHMUS_OK || isthmus_topic_free(g_topic) != ISTHMUS_INVALID_ARGUMENT) failed = 1;
   close(stop[0]);
   close(stop[1]);
   fprintf(stderr, "serve: Sleep calls ended with their call: %d, after 5 s: %d\n",
@@ -1173,6 +1204,109 @@ static int check_server_stream(ctx_t *c) {
   REQUIRE(md_is(trailers, "x-count", "1000"), "x-count in the trailers");
   isthmus_metadata_free(trailers);
   MUST(isthmus_call_free(call));
+  return 1;
+}
+
+/* Publishes `text` through the server's Publish (or PublishState) handler; how many
+ * subscribers it reached, or -1 (g_why says why). */
+static long publish(ctx_t *c, const char *path, const char *text) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *reply = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  isthmus_code_t rc = isthmus_unary(c->ch, path, (const uint8_t *)text, strlen(text), &opts, &reply, NULL, NULL, &st);
+  if (rc != ISTHMUS_OK) return failf(__LINE__, "%s: %s", path, describe(rc, st)) - 1;
+  size_t len = 0;
+  const uint8_t *data = isthmus_message_data(reply, &len);
+  long reached = -1;
+  char buf[64];
+  snprintf(buf, sizeof buf, "%.*s", (int)len, (const char *)data);
+  isthmus_message_free(reply);
+  if (sscanf(buf, "reached=%ld", &reached) != 1) return failf(__LINE__, "'%s'", buf) - 1;
+  return reached;
+}
+
+/* The next message of a subscription, as a string ("" at its end); 0 on failure. */
+static int next_published(isthmus_call_t *call, char *out, size_t cap) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *msg = NULL;
+  isthmus_code_t rc = isthmus_call_recv(call, &msg, &st);
+  if (rc != ISTHMUS_OK) return failf(__LINE__, "recv: %s", describe(rc, st));
+  out[0] = 0;
+  if (msg != NULL) {
+    size_t len = 0;
+    const uint8_t *data = isthmus_message_data(msg, &len);
+    snprintf(out, cap, "%.*s", (int)len, (const char *)data);
+    isthmus_message_free(msg);
+  }
+  return 1;
+}
+
+/* A topic served by a C server: a subscriber gets the state first, then what is published while
+ * it is subscribed, in order; a second subscriber is reached too; the topic's handles follow the
+ * ABI's rules. */
+static int check_topic(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  char got[256];
+  REQUIRE(publish(c, SVC "PublishState", "state-1") >= 0, "PublishState: %s", g_why);
+  isthmus_call_t *subs[2] = {NULL, NULL};
+  for (int i = 0; i < 2; i++) {
+    MUST(isthmus_call_start(c->ch, SVC "Watch", &opts, &subs[i], &st));
+    MUST(isthmus_call_send(subs[i], (const uint8_t *)"", 0, 1, &st));
+    /* The state comes first, once the server has the subscription. */
+    if (!next_published(subs[i], got, sizeof got)) return 0;
+    REQUIRE(strcmp(got, "state-1") == 0, "subscriber %d's first message: '%s'", i, got);
+  }
+  long reached = publish(c, SVC "Publish", "one");
+  REQUIRE(reached == 2, "'one' reached %ld subscribers, not 2 (%s)", reached, g_why);
+  REQUIRE(publish(c, SVC "Publish", "two") == 2, "'two'");
+  for (int i = 0; i < 2; i++) {
+    for (const char *want = "one"; want != NULL; want = strcmp(want, "one") == 0 ? "two" : NULL) {
+      if (!next_published(subs[i], got, sizeof got)) return 0;
+      REQUIRE(strcmp(got, want) == 0, "subscriber %d: '%s', not '%s'", i, got, want);
+    }
+  }
+  /* A subscriber that leaves is gone from the topic at once. */
+  MUST(isthmus_call_cancel(subs[0]));
+  MUST(isthmus_call_free(subs[0]));
+  double end = now_s() + 30;
+  while ((reached = publish(c, SVC "Publish", "three")) == 2 && now_s() < end) sleep_ms(5);
+  REQUIRE(reached == 1, "after one subscriber left, 'three' reached %ld", reached);
+  /* The other gets it (as it got each 'three' published before the first had left). */
+  if (!next_published(subs[1], got, sizeof got)) return 0;
+  REQUIRE(strcmp(got, "three") == 0, "the remaining subscriber: '%s'", got);
+  MUST(isthmus_call_cancel(subs[1]));
+  MUST(isthmus_call_free(subs[1]));
+
+  /* Handles: a topic of the client's own, refused arguments, a double free. */
+  isthmus_topic_t *t = NULL;
+  isthmus_topic_options_t bad = {0, 8};
+  INVALID(isthmus_topic_new("x", &bad, &t, &st));
+  REQUIRE(t == NULL, "no topic for unknown flags");
+  INVALID(isthmus_topic_new(NULL, NULL, &t, &st));
+  MUST(isthmus_topic_new("mine", NULL, &t, &st));
+  size_t n = 99;
+  MUST(isthmus_topic_publish(t, (const uint8_t *)"x", 1, &n, &st));
+  REQUIRE(n == 0, "no subscriber, reached %zu", n);
+  INVALID(isthmus_topic_publish(t, NULL, 5, &n, &st));
+  INVALID(isthmus_topic_publish(NULL, (const uint8_t *)"x", 1, &n, &st));
+  isthmus_topic_stats_t ts;
+  memset(&ts, 0xff, sizeof ts);
+  MUST(isthmus_topic_stats(t, &ts, sizeof ts));
+  REQUIRE(ts.published == 1 && ts.subscribers == 0 && ts.bytes == 1, "stats: %llu published, %llu subscribers",
+          (unsigned long long)ts.published, (unsigned long long)ts.subscribers);
+  MUST(isthmus_topic_clear_state(t));
+  MUST(isthmus_topic_close(t));
+  MUST(isthmus_topic_publish(t, (const uint8_t *)"x", 1, &n, &st));
+  REQUIRE(n == 0, "a closed topic publishes nothing");
+  isthmus_server_t *srv = isthmus_server_new(NULL);
+  INVALID(isthmus_server_add_topic(srv, "", t, &st));
+  INVALID(isthmus_server_add_topic(srv, SVC "T", NULL, &st));
+  MUST(isthmus_server_add_topic(srv, SVC "T", t, &st));
+  isthmus_server_free(srv);
+  MUST(isthmus_topic_free(t));
+  INVALID(isthmus_topic_free(t));
+  INVALID(isthmus_topic_close(t));
   return 1;
 }
 
@@ -2111,6 +2245,7 @@ static const check_t CHECKS[] = {
     {"metadata_rules", check_metadata_rules},
     {"stats", check_stats},
     {"upgrade_flags", check_upgrade_flags},
+    {"topic", check_topic},
     {"unary_metadata", check_unary_metadata},
     {"unary_64mib", check_unary_64mib},
     {"too_large", check_too_large},
