@@ -228,6 +228,36 @@ function cases.upgrade(_, args)
     return { ok = true, shm_calls = n, took = ngx.now() - began }
 end
 
+-- A subscriber of the Go peer's topic: a stream to /topic.Topic/Watch, then publishes through
+-- /topic.Topic/Publish (which answers how many it reached) until one reaches it; what the
+-- stream then receives.
+function cases.topic(ch, args)
+    local st, err = ch:stream("/topic.Topic/Watch", { timeout = 30 })
+    if not st then return failure(err) end
+    assert(st:send("", true))
+    local function publish(text)
+        local ok, reached = ch:unary("/topic.Topic/Publish", text, { timeout = 30 })
+        if not ok then error(tostring(reached)) end
+        return tonumber(reached)
+    end
+    local tries = 0
+    while publish("sync") < 1 do
+        tries = tries + 1
+        if tries > 3000 then st:close(); return { ok = false, message = "never subscribed" } end
+        ngx.sleep(0.01)
+    end
+    assert(publish("a") == 1 and publish("b") == 1)
+    local got = {}
+    for _ = 1, 3 do
+        local ok, m = st:recv()
+        if not ok then st:close(); return failure(m) end
+        got[#got + 1] = m
+    end
+    st:cancel()
+    st:close()
+    return { ok = true, got = got }
+end
+
 function cases.stats(ch, args)
     return assert(ch:stats())
 end

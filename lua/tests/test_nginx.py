@@ -119,6 +119,13 @@ def test_connects_upgrade_option_overrules_the_processs_default(
     assert (r["shm_calls"] > 0) == default_on, r
 
 
+def test_a_subscriber_of_a_go_servers_topic(nginx: Nginx, servers: Callable[[str], Served]) -> None:
+    """A stream from Lua subscribes to a topic a Go server serves (isthmus.Topic over the C
+    ABI) and receives what is published while it is subscribed, in order."""
+    r = nginx.case("topic", servers("go").addresses["shm"])
+    assert r == {"ok": True, "got": ["sync", "a", "b"]}, r
+
+
 def test_deadline(nginx: Nginx, shm: str) -> None:
     r = nginx.case("slow", shm, sleep=5000, timeout=0.2)
     assert r["ok"] is False and r["name"] == "DEADLINE_EXCEEDED", r

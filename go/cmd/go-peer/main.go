@@ -65,4 +65,23 @@ func registerRaw(s *isthmus.Server) {
 		}
 	})
 	s.HandleRaw("/raw.Raw/Stream", echo.RawEchoStream)
+	// A topic: /topic.Topic/Watch subscribes, /topic.Topic/Publish publishes its request and
+	// answers how many subscribers it reached (decimal).
+	topic, err := isthmus.NewTopic("go-peer")
+	if err != nil {
+		panic(err)
+	}
+	s.ServeTopic("/topic.Topic/Watch", topic)
+	s.HandleRawUnary("/topic.Topic/Publish", func(call *isthmus.RawServerCall, req *isthmus.Message) (*isthmus.Block, error) {
+		n, err := topic.Publish(req.Bytes())
+		if err != nil {
+			return nil, err
+		}
+		text := fmt.Sprint(n)
+		reply, err := call.Alloc(len(text))
+		if err == nil {
+			copy(reply.Bytes(), text)
+		}
+		return reply, err
+	})
 }
