@@ -89,8 +89,9 @@ func transportStats(c *C.isthmus_stats_t) TransportStats {
 	return s
 }
 
-// TransportStats returns the counters of the connection's shm:// connections (all zero for
-// other transports, and once it is closed).
+// TransportStats returns the counters of the connection's shm:// connections: for a target
+// over HTTP/2, of the shm:// connection it moved to (WithUpgrade), if it has; all zero
+// otherwise, and once it is closed.
 func (cc *ClientConn) TransportStats() TransportStats {
 	var c C.isthmus_stats_t
 	if cc.closed.Load() || C.isthmus_channel_stats(cc.ch, &c, C.size_t(unsafe.Sizeof(c))) != C.ISTHMUS_OK {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"os"
 	"os/exec"
+	"strings"
 	"testing"
 	"time"
 
@@ -58,7 +59,7 @@ func checkUpgrade(t *testing.T, target string, defaultOn bool) {
 
 // WithUpgrade overrules the process's default both ways: here (make test sets ISTHMUS_UPGRADE=0)
 // and in a child process of this test binary with ISTHMUS_UPGRADE=1, both against a Go server
-// in a third process.
+// in a third process. Under ISTHMUS_UPGRADE=0 the child is the test of WithUpgrade(false).
 func TestWithUpgradeOverrulesTheProcessDefault(t *testing.T) {
 	if target := os.Getenv("ISTHMUS_TEST_UPGRADE_TARGET"); target != "" {
 		checkUpgrade(t, target, true)
@@ -67,9 +68,17 @@ func TestWithUpgradeOverrulesTheProcessDefault(t *testing.T) {
 	shm, unix := fresh(t, "upgrade")
 	p := startPeer(t, goPeerBin, shm, unix)
 	target := p.addresses[0]
-	checkUpgrade(t, target, false)
+	// As the library reads ISTHMUS_UPGRADE (make test sets 0).
+	switch strings.ToLower(os.Getenv("ISTHMUS_UPGRADE")) {
+	case "0", "off", "false":
+		checkUpgrade(t, target, false)
+	default:
+		checkUpgrade(t, target, true)
+	}
 
-	child := exec.Command(os.Args[0], "-test.run=^TestWithUpgradeOverrulesTheProcessDefault$", "-test.count=1")
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	child := exec.CommandContext(ctx, os.Args[0], "-test.run=^TestWithUpgradeOverrulesTheProcessDefault$", "-test.count=1")
 	child.Env = append(os.Environ(), "ISTHMUS_UPGRADE=1", "ISTHMUS_TEST_UPGRADE_TARGET="+target)
 	out, err := child.CombinedOutput()
 	if err != nil {

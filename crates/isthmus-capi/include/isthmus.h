@@ -1485,8 +1485,9 @@ isthmus_code_t isthmus_server_call_finish_with_details(isthmus_server_call_t *ca
                                                        isthmus_status_t **status);
 
 // The channel's counters (see `isthmus_stats_t`) into `*out`. `size` is `sizeof(*out)` as the
-// caller compiled it: the library writes that many bytes (at most its own struct's), so a
-// program built against an older header gets the fields it knows and nothing past them.
+// caller compiled it, and the library writes exactly that many bytes: a program built against
+// an older header gets the fields it knows and nothing past them, one built against a newer
+// header reads the fields this library lacks as 0.
 //
 // Thread-safety: any thread, an event loop's included: it never waits. The counts are of that
 // moment; calls on other threads change them.

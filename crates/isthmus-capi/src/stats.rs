@@ -103,9 +103,10 @@ impl isthmus_stats_t {
     }
 }
 
-/// Stores `stats` into the caller's `out` of `size` bytes: the first `size` bytes of it, so
-/// that a caller built against an older header, whose struct lacks the newer fields at its
-/// end, gets the fields it knows.
+/// Stores `stats` into the caller's `out` of `size` bytes: the first `size` bytes of it, and
+/// zeros past its end, so that a caller built against an older header, whose struct lacks the
+/// newer fields at its end, gets the fields it knows, and one built against a newer header
+/// reads those this library lacks as 0.
 ///
 /// # Safety
 ///
@@ -128,12 +129,17 @@ pub(crate) unsafe fn store_sized<T: Copy>(out: *mut T, size: usize, value: T) ->
     // SAFETY: `value` is a local of `size_of::<T>() >= n` bytes; `out` is writable for
     // `size >= n` bytes (the caller's promise); a local and the caller's memory never overlap.
     unsafe { std::ptr::copy_nonoverlapping(std::ptr::from_ref(&value).cast::<u8>(), out.cast::<u8>(), n) };
+    // A caller built against a newer header, whose struct has fields this library lacks, reads
+    // them as 0 rather than as whatever its memory held.
+    // SAFETY: `out` is writable for `size` bytes (the caller's promise), of which `n` are written.
+    unsafe { std::ptr::write_bytes(out.cast::<u8>().add(n), 0, size - n) };
     Ok(())
 }
 
 /// The channel's counters (see `isthmus_stats_t`) into `*out`. `size` is `sizeof(*out)` as the
-/// caller compiled it: the library writes that many bytes (at most its own struct's), so a
-/// program built against an older header gets the fields it knows and nothing past them.
+/// caller compiled it, and the library writes exactly that many bytes: a program built against
+/// an older header gets the fields it knows and nothing past them, one built against a newer
+/// header reads the fields this library lacks as 0.
 ///
 /// Thread-safety: any thread, an event loop's included: it never waits. The counts are of that
 /// moment; calls on other threads change them.
@@ -189,11 +195,15 @@ mod tests {
         // SAFETY: `old` is writable for its 24 bytes.
         unsafe { store(old.as_mut_ptr().cast(), std::mem::size_of_val(&old), stats) }.expect("stored");
         assert_eq!(old, [7, 2, 0]);
-        let mut whole = isthmus_stats_t::default();
-        // A caller's struct larger than the library's (a newer header) gets the library's part.
-        // SAFETY: writable for the library's size, which is all that is written.
-        unsafe { store(&mut whole, usize::MAX, stats) }.expect("stored");
-        assert_eq!((whole.calls_started, whole.handshakes_failed), (7, 9));
+        // A caller's struct larger than the library's (a newer header): the library's part, and
+        // zeros past it.
+        let mut newer = [u64::MAX; 64];
+        let size = std::mem::size_of_val(&newer);
+        // SAFETY: `newer` is writable for its 512 bytes.
+        unsafe { store(newer.as_mut_ptr().cast(), size, stats) }.expect("stored");
+        let fields = std::mem::size_of::<isthmus_stats_t>() / 8;
+        assert_eq!((newer[0], newer[fields - 1]), (7, 9));
+        assert!(newer[fields..].iter().all(|&w| w == 0), "zeros past the library's fields");
         // SAFETY: NULL is refused before anything is written.
         assert!(unsafe { store(std::ptr::null_mut(), 8, stats) }.is_err());
     }

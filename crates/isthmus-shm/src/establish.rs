@@ -341,11 +341,11 @@ mod tests {
     fn a_doorbell_that_is_no_eventfd_is_refused_by_name() {
         let (h, fds) = server_answer(0, None);
         assert!(client_segment(&h, fds).is_ok(), "four eventfds");
-        let (reader, _writer) = std::io::pipe().expect("pipe");
-        let (h, fds) = server_answer(3, Some(OwnedFd::from(reader)));
-        let e = client_segment(&h, fds).err().expect("a pipe refused");
+        let (socket, _other) = UnixStream::pair().expect("socket pair");
+        let (h, fds) = server_answer(3, Some(OwnedFd::from(socket)));
+        let e = client_segment(&h, fds).err().expect("a socket refused");
         assert_eq!(e.kind(), crate::ErrorKind::Protocol, "{e}");
-        assert!(e.to_string().contains("doorbell fd 3 is pipe:["), "{e}");
+        assert!(e.to_string().contains("doorbell fd 3 is socket:["), "{e}");
         let file = std::fs::File::open("/proc/self/status").expect("a regular file");
         let (h, fds) = server_answer(1, Some(OwnedFd::from(file)));
         let e = client_segment(&h, fds).err().expect("a file refused");

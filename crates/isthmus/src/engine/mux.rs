@@ -1158,7 +1158,8 @@ impl Mux {
             }
         };
         if serving && end.code() == Code::Internal {
-            // A fault (malformed input from the client, say): tell it why before hanging up, so
+            // A fault (malformed input from the client, a transport protocol error, a failure of
+            // ours): tell the client why before hanging up, so
             // that its calls fail naming the fault rather than a vanished peer. Best effort: a
             // client that reads nothing of ours gets no GOAWAY.
             let why = format!("a fault ends this connection: {}", end.message());

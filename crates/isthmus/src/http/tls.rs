@@ -150,16 +150,21 @@ impl ClientTlsConfig {
 /// The system's CA certificates, read and parsed once per process: reading them (a directory
 /// of PEM files, ~150 certificates on Debian) took milliseconds, for every channel to an
 /// `https://` target. Certificates the system gains later reach processes started later, as
-/// with grpc-go's and OpenSSL's cached system pools.
+/// with grpc-go's and OpenSSL's cached system pools; but a process that found none (before its
+/// system's CA package was installed, say) looks again for its next channel.
 fn system_roots() -> Arc<rustls::RootCertStore> {
-    static ROOTS: std::sync::OnceLock<Arc<rustls::RootCertStore>> = std::sync::OnceLock::new();
-    ROOTS
-        .get_or_init(|| {
-            let mut roots = rustls::RootCertStore::empty();
-            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
-            Arc::new(roots)
-        })
-        .clone()
+    static ROOTS: std::sync::Mutex<Option<Arc<rustls::RootCertStore>>> = std::sync::Mutex::new(None);
+    let mut cached = ROOTS.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let Some(roots) = cached.as_ref() {
+        return roots.clone();
+    }
+    let mut roots = rustls::RootCertStore::empty();
+    roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
+    let roots = Arc::new(roots);
+    if !roots.is_empty() {
+        *cached = Some(roots.clone());
+    }
+    roots
 }
 
 /// A server's TLS settings, tonic's shape: `ServerTlsConfig::new().identity(id)`.
