@@ -160,6 +160,22 @@ def cgo_line(res: Results) -> list[str]:
     return [f"- one empty cgo call: {v[0] * 1000:.0f} ns"] if v else []
 
 
+def go_floor_line(res: Results) -> list[str]:
+    """The raw echo beside its floor: two copies between the processes (`floor-copy`, the same
+    run) against one copy in Go, the ratio issue 16's 2.5x target is set in."""
+    parts = []
+    for size in (4 << 20, 16 << 20):
+        memcpy = res.get("go-memcpy", size, 1, "p50_us")
+        raw = res.get("go-isthmus-raw", size, 1, "p50_us")
+        floor = res.get("floor-copy", size, 1, "p50_us")
+        if memcpy and raw and floor:
+            parts.append(
+                f"{size_name(size)}: `go-isthmus-raw` {raw[0] / memcpy[0]:.2f}× `go-memcpy`, "
+                f"its floor (`floor-copy`) {floor[0] / memcpy[0]:.2f}×"
+            )
+    return [f"- the raw echo against one Go copy, p50: {'; '.join(parts)}"] if parts else []
+
+
 def stream_table(res: Results) -> list[str]:
     rows = ["| message | system | messages/s | GB/s |", "|---:|---|---:|---:|"]
     for size in (1 << 10, 1 << 20):
@@ -319,6 +335,7 @@ def main() -> int:
         "",
         *latency_table(res, GO),
         *cgo_line(res),
+        *go_floor_line(res),
         "",
         "## Fan-out (publish/subscribe)",
         "",
