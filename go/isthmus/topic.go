@@ -20,8 +20,8 @@ import (
 // path (Server.ServeTopic), each server-streaming call to that path is a subscriber, and
 // Publish reaches every current one with one write into shared memory. Publish never waits for
 // a subscriber: each has a queue (TopicCapacity), and one whose queue is full loses its oldest
-// message (counted in TopicStats.Dropped), or its call (CancelSlowSubscribers). Safe for
-// concurrent use.
+// message (counted in TopicStats.Dropped; ResyncWithState sends it the state then), or its call
+// (CancelSlowSubscribers). Safe for concurrent use.
 type Topic struct {
 	mu     sync.RWMutex // Close takes it to free h while no publish uses it
 	h      *C.isthmus_topic_t
@@ -44,6 +44,13 @@ func TopicCapacity(n int) TopicOption {
 // codes.ResourceExhausted, instead of dropping its oldest message.
 func CancelSlowSubscribers() TopicOption {
 	return func(o *C.isthmus_topic_options_t) { o.flags |= C.ISTHMUS_TOPIC_CANCEL_SLOW }
+}
+
+// ResyncWithState makes a subscriber whose queue overflowed (messages were dropped for it)
+// drop what is still queued for it and receive the topic's state (PublishState) in its place,
+// a resync; with no state, it goes on with the next message.
+func ResyncWithState() TopicOption {
+	return func(o *C.isthmus_topic_options_t) { o.flags |= C.ISTHMUS_TOPIC_RESYNC_STATE }
 }
 
 // TopicStats are a topic's counters.

@@ -19,16 +19,7 @@ import (
 // first, then each message published while it is subscribed, in order; a client that leaves is
 // gone from the topic; Close ends the others' streams OK.
 func TestATopicReachesGeneratedClientsStreams(t *testing.T) {
-	target := "shm://" + filepath.Join(t.TempDir(), "topic.sock")
-	topic, err := isthmus.NewTopic("echoes", isthmus.TopicCapacity(8))
-	if err != nil {
-		t.Fatal(err)
-	}
-	s := isthmus.NewServer()
-	s.ServeTopic("/conformance.Echo/ServerStream", topic)
-	if err := s.Start(target); err != nil {
-		t.Fatal(err)
-	}
+	target, topic, s := topicServer(t, isthmus.TopicCapacity(8))
 	defer s.Stop()
 	if _, err := topic.PublishState(mustMarshal(t, &pb.EchoReply{Seq: 1})); err != nil {
 		t.Fatal(err)
@@ -78,6 +69,23 @@ func TestATopicReachesGeneratedClientsStreams(t *testing.T) {
 	topic.Close() // a no-op
 }
 
+// topicServer serves a new topic at the Echo service's ServerStream method on a shm:// target
+// of its own; the target, the topic and the server.
+func topicServer(t *testing.T, opts ...isthmus.TopicOption) (string, *isthmus.Topic, *isthmus.Server) {
+	t.Helper()
+	target := "shm://" + filepath.Join(t.TempDir(), "topic.sock")
+	topic, err := isthmus.NewTopic("echoes", opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := isthmus.NewServer()
+	s.ServeTopic("/conformance.Echo/ServerStream", topic)
+	if err := s.Start(target); err != nil {
+		t.Fatal(err)
+	}
+	return target, topic, s
+}
+
 func mustMarshal(t *testing.T, m *pb.EchoReply) []byte {
 	t.Helper()
 	b, err := proto.Marshal(m)
@@ -85,4 +93,71 @@ func mustMarshal(t *testing.T, m *pb.EchoReply) []byte {
 		t.Fatal(err)
 	}
 	return b
+}
+
+// A subscriber that reads nothing while far more is published than its window and queue hold
+// loses messages; with ResyncWithState it then gets the state again in their place, and without
+// it only the newer messages.
+func TestASlowSubscriberIsResyncedWithTheState(t *testing.T) {
+	for _, resync := range []bool{true, false} {
+		opts := []isthmus.TopicOption{isthmus.TopicCapacity(1)}
+		if resync {
+			opts = append(opts, isthmus.ResyncWithState())
+		}
+		target, topic, s := topicServer(t, opts...)
+		if _, err := topic.PublishState(mustMarshal(t, &pb.EchoReply{Seq: 1})); err != nil {
+			t.Fatal(err)
+		}
+		ctx, cancel := context.WithCancel(context.Background())
+		stream, err := pb.NewEchoClient(dial(t, target)).ServerStream(ctx, &pb.StreamRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m, err := stream.Recv(); err != nil || m.Seq != 1 {
+			t.Fatalf("the state first: %v, %v", m, err)
+		}
+		// 200 messages of 64 KiB: three times the 4 MiB window, unread.
+		big := make([]byte, 64<<10)
+		for seq := uint64(2); seq < 202; seq++ {
+			if _, err := topic.PublishMessage(&pb.EchoReply{Seq: seq, Payload: big}); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if topic.Stats().Dropped == 0 {
+			t.Fatalf("resync %v: nothing dropped: %+v", resync, topic.Stats())
+		}
+		// Read on: with the resync, the state comes again in place of what was still queued
+		// (the newest included); without it, the newest message (201) comes last.
+		states, last := 0, uint64(0)
+		recv := func() {
+			m, err := stream.Recv()
+			if err != nil {
+				t.Fatalf("resync %v: %v after seq %d", resync, err, last)
+			}
+			switch {
+			case m.Seq == 1:
+				states++
+			case m.Seq <= last:
+				t.Fatalf("resync %v: seq %d after %d", resync, m.Seq, last)
+			default:
+				last = m.Seq
+			}
+		}
+		for (resync && states == 0) || (!resync && last != 201) {
+			recv()
+		}
+		// The stream goes on: a message published now comes next.
+		if _, err := topic.PublishMessage(&pb.EchoReply{Seq: 1000}); err != nil {
+			t.Fatal(err)
+		}
+		for last != 1000 {
+			recv()
+		}
+		if want := map[bool]int{true: 1, false: 0}[resync]; states != want {
+			t.Errorf("resync %v: the state came %d times more, want %d", resync, states, want)
+		}
+		cancel()
+		topic.Close()
+		s.Stop()
+	}
 }

@@ -117,6 +117,11 @@
 // goes on with the newer ones.
 #define ISTHMUS_TOPIC_CANCEL_SLOW 1
 
+// Topic flag: when a subscriber's queue overflowed (messages were dropped for it), the messages
+// still queued for it are dropped too and the topic's state (`isthmus_topic_publish_state`) is
+// sent in their place, a resync; with no state, it goes on with the next message.
+#define ISTHMUS_TOPIC_RESYNC_STATE 2
+
 // A writable block in this side's shared memory, from `isthmus_call_alloc` or
 // `isthmus_server_call_alloc`: fill it, then send it without a copy.
 typedef struct isthmus_block_t isthmus_block_t;

@@ -14,6 +14,8 @@ use crate::server::{add_handler_fn, isthmus_server_t};
 /// (`isthmus_server_add_topic`).
 pub struct isthmus_topic_t {
     topic: Topic,
+    /// `ISTHMUS_TOPIC_RESYNC_STATE`.
+    resync: bool,
 }
 
 pub(crate) static TOPICS: Registry<isthmus_topic_t> = Registry::new("topic");
@@ -31,6 +33,11 @@ pub struct isthmus_topic_options_t {
 /// it, its oldest queued message is dropped (counted in `isthmus_topic_stats_t.dropped`) and it
 /// goes on with the newer ones.
 pub const ISTHMUS_TOPIC_CANCEL_SLOW: u32 = 1;
+
+/// Topic flag: when a subscriber's queue overflowed (messages were dropped for it), the messages
+/// still queued for it are dropped too and the topic's state (`isthmus_topic_publish_state`) is
+/// sent in their place, a resync; with no state, it goes on with the next message.
+pub const ISTHMUS_TOPIC_RESYNC_STATE: u32 = 2;
 
 /// A topic's counters (`isthmus_topic_stats`); fields are only ever appended.
 #[repr(C)]
@@ -72,7 +79,7 @@ pub unsafe extern "C" fn isthmus_topic_new(
             let name = c_str(name, "the topic's name")?;
             let mut options = TopicOptions::default();
             if let Some(o) = opts.as_ref() {
-                if o.flags & !ISTHMUS_TOPIC_CANCEL_SLOW != 0 {
+                if o.flags & !(ISTHMUS_TOPIC_CANCEL_SLOW | ISTHMUS_TOPIC_RESYNC_STATE) != 0 {
                     return Err(invalid(format!("unknown topic flags {:#x}", o.flags)));
                 }
                 if o.capacity > 0 {
@@ -82,7 +89,8 @@ pub unsafe extern "C" fn isthmus_topic_new(
                     options.slow = SlowSubscriber::Cancel;
                 }
             }
-            Ok(Some(TOPICS.add(isthmus_topic_t { topic: Topic::with_options(name, options) })))
+            let resync = opts.as_ref().is_some_and(|o| o.flags & ISTHMUS_TOPIC_RESYNC_STATE != 0);
+            Ok(Some(TOPICS.add(isthmus_topic_t { topic: Topic::with_options(name, options), resync })))
         })
     }
 }
@@ -239,10 +247,16 @@ pub unsafe extern "C" fn isthmus_server_add_topic(
         if path.is_empty() {
             return Err(invalid("a topic is served at a path, not as the fallback"));
         }
-        let topic = TOPICS.get(topic)?.topic.clone();
+        let handle = TOPICS.get(topic)?;
+        let (topic, resync) = (handle.topic.clone(), handle.resync);
         add_handler_fn(server, path, move |mut call| {
             let topic = topic.clone();
-            async move { topic.serve(&mut call).await }
+            async move {
+                match resync {
+                    true => topic.serve_with(&mut call, |_| topic.state()).await,
+                    false => topic.serve(&mut call).await,
+                }
+            }
         })
     })
 }

@@ -282,6 +282,12 @@ impl Topic {
         self.publish_inner(message, true)
     }
 
+    /// The current state ([`publish_state`](Self::publish_state)), if any: what a gap's resync
+    /// usually sends ([`serve_with`](Self::serve_with)).
+    pub fn state(&self) -> Option<Bytes> {
+        self.inner.members().state.as_ref().map(Published::bytes)
+    }
+
     /// Forgets the current state: later subscribers start with the next message.
     pub fn clear_state(&self) {
         self.inner.members().state = None;
@@ -634,6 +640,7 @@ mod tests {
         let topic = Topic::new("t");
         let mut a = topic.subscribe();
         topic.publish_state(b"state-1");
+        assert_eq!(topic.state().as_deref(), Some(&b"state-1"[..]));
         topic.publish(b"m2");
         let mut b = topic.subscribe();
         assert_eq!(topic.stats().subscribers, 2);

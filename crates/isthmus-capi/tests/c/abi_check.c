@@ -521,8 +521,8 @@ static handler_t g_handlers[] = {
     {SVC "Fail", h_fail, 0},       {SVC "Sleep", h_sleep, 1},
     {SVC "Block", h_block, 1},     {SVC "BadFinish", h_bad_finish, 1},
     {SVC "Whoami", h_whoami, 0},   {SVC "Reply", h_reply, 1},
-    {SVC "Stats", h_stats, 0},     {SVC "Publish", h_publish, 0},
-    {SVC "PublishState", h_publish, 0},
+    {SVC "Stats", h_stats, 0},     {SVC "Publish", h_publish, 1},
+    {SVC "PublishState", h_publish, 1},
 };
 
 /* The callback every handler path shares: hands the call to a thread (callbacks must not block). */
@@ -1284,6 +1284,9 @@ static int check_topic(ctx_t *c) {
   INVALID(isthmus_topic_new("x", &bad, &t, &st));
   REQUIRE(t == NULL, "no topic for unknown flags");
   INVALID(isthmus_topic_new(NULL, NULL, &t, &st));
+  isthmus_topic_options_t resync = {2, ISTHMUS_TOPIC_RESYNC_STATE | ISTHMUS_TOPIC_CANCEL_SLOW};
+  MUST(isthmus_topic_new("resync", &resync, &t, &st));
+  MUST(isthmus_topic_free(t));
   MUST(isthmus_topic_new("mine", NULL, &t, &st));
   size_t n = 99;
   MUST(isthmus_topic_publish(t, (const uint8_t *)"x", 1, &n, &st));
