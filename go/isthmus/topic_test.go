@@ -127,7 +127,7 @@ func TestASlowSubscriberIsResyncedWithTheState(t *testing.T) {
 			t.Fatalf("resync %v: nothing dropped: %+v", resync, topic.Stats())
 		}
 		// Read on: with the resync, the state comes again in place of what was still queued
-		// (the newest included); without it, the newest message (201) comes last.
+		// (the newest included, at the last gap); without it, the newest message (201) comes.
 		states, last := 0, uint64(0)
 		recv := func() {
 			m, err := stream.Recv()
@@ -153,8 +153,10 @@ func TestASlowSubscriberIsResyncedWithTheState(t *testing.T) {
 		for last != 1000 {
 			recv()
 		}
-		if want := map[bool]int{true: 1, false: 0}[resync]; states != want {
-			t.Errorf("resync %v: the state came %d times more, want %d", resync, states, want)
+		// Each gap the handler finds is one resync: one or more, as publishing and sending
+		// interleave; none without the option.
+		if (states > 0) != resync {
+			t.Errorf("resync %v: the state came %d times more", resync, states)
 		}
 		cancel()
 		topic.Close()
