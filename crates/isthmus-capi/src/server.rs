@@ -153,33 +153,25 @@ pub unsafe extern "C" fn isthmus_server_new(opts: *const isthmus_server_options_
 /// Registers a handler before the server starts. `path` names one method
 /// (`/package.Service/Method`); NULL or "" takes every path no other handler takes.
 fn add_handler(server: *const isthmus_server_t, path: Option<&str>, deliver: Deliver) -> Result<(), Status> {
+    let handler: Arc<dyn Handler> = Arc::new(deliver);
+    build(server, |b| match path.filter(|p| !p.is_empty()) {
+        Some(path) => b.handler_object(path, handler),
+        None => b.fallback(handler),
+    })
+}
+
+/// Changes the engine's server with `f` (a handler or a topic added), before it starts.
+pub(crate) fn build(
+    server: *const isthmus_server_t,
+    f: impl FnOnce(isthmus::Server) -> isthmus::Server,
+) -> Result<(), Status> {
     let server = SERVERS.get(server)?;
     let mut state = server.state.lock().map_err(|_| invalid("server state poisoned"))?;
     let ServerState::Building { server: builder, .. } = &mut *state else {
         return Err(Status::new(Code::FailedPrecondition, "handlers must be added before the server starts"));
     };
-    let handler: Arc<dyn Handler> = Arc::new(deliver);
     let b = std::mem::take(&mut **builder);
-    **builder = match path.filter(|p| !p.is_empty()) {
-        Some(path) => b.handler_object(path, handler),
-        None => b.fallback(handler),
-    };
-    Ok(())
-}
-
-/// Registers an engine handler for `path` (the topics'), before the server starts.
-pub(crate) fn add_handler_fn<F, Fut>(server: *const isthmus_server_t, path: &str, handler: F) -> Result<(), Status>
-where
-    F: Fn(isthmus::ServerCall) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = Result<(), Status>> + Send + 'static,
-{
-    let server = SERVERS.get(server)?;
-    let mut state = server.state.lock().map_err(|_| invalid("server state poisoned"))?;
-    let ServerState::Building { server: builder, .. } = &mut *state else {
-        return Err(Status::new(Code::FailedPrecondition, "topics must be added before the server starts"));
-    };
-    let b = std::mem::take(&mut **builder);
-    **builder = b.handler(path, handler);
+    **builder = f(b);
     Ok(())
 }
 

@@ -63,31 +63,29 @@ pub struct isthmus_stats_t {
 }
 
 impl isthmus_stats_t {
-    /// The sums over `counters` (see the type's documentation).
+    /// `counters` as one (see the type's documentation).
     pub(crate) fn of(counters: impl IntoIterator<Item = ConnectionCounters>) -> isthmus_stats_t {
-        let mut s = isthmus_stats_t::default();
-        for c in counters {
-            s.calls_started += c.calls_started;
-            s.calls_in_flight += c.in_flight();
-            for (sum, n) in s.calls_finished.iter_mut().zip(c.calls_finished) {
-                *sum += n;
-            }
-            let t = c.transport;
-            s.frames_sent += t.frames_sent;
-            s.frames_received += t.frames_received;
-            s.bytes_sent += t.bytes_sent;
-            s.bytes_received += t.bytes_received;
-            s.doorbells_rung += t.doorbells_rung;
-            s.sleeps += t.sleeps;
-            s.spin_hits += t.spin_hits;
-            s.ring_full_waits += t.ring_full_waits;
-            s.arena_full_waits += t.arena_full_waits;
-            s.arena_in_use += t.arena_in_use;
-            s.arena_high_water = s.arena_high_water.max(t.arena_high_water);
-            s.shared_sent += t.shared_sent;
-            s.answers_dropped += c.answers_dropped;
+        let c = ConnectionCounters::total(counters);
+        let t = c.transport;
+        isthmus_stats_t {
+            calls_started: c.calls_started,
+            calls_in_flight: c.in_flight(),
+            calls_finished: c.calls_finished,
+            frames_sent: t.frames_sent,
+            frames_received: t.frames_received,
+            bytes_sent: t.bytes_sent,
+            bytes_received: t.bytes_received,
+            doorbells_rung: t.doorbells_rung,
+            sleeps: t.sleeps,
+            spin_hits: t.spin_hits,
+            ring_full_waits: t.ring_full_waits,
+            arena_full_waits: t.arena_full_waits,
+            arena_in_use: t.arena_in_use,
+            arena_high_water: t.arena_high_water,
+            shared_sent: t.shared_sent,
+            answers_dropped: c.answers_dropped,
+            ..isthmus_stats_t::default()
         }
-        s
     }
 
     /// A server's counters: its connections', and its listeners' failures.
@@ -103,25 +101,16 @@ impl isthmus_stats_t {
     }
 }
 
-/// Stores `stats` into the caller's `out` of `size` bytes: the first `size` bytes of it, and
-/// zeros past its end, so that a caller built against an older header, whose struct lacks the
-/// newer fields at its end, gets the fields it knows, and one built against a newer header
-/// reads those this library lacks as 0.
+/// Stores `value`, a plain struct of counters (`repr(C)`, all `u64`: no padding), into the
+/// caller's `out` of `size` bytes: the first `size` bytes of it, and zeros past its end, so that
+/// a caller built against an older header, whose struct lacks the newer fields at its end, gets
+/// the fields it knows, and one built against a newer header reads those this library lacks
+/// as 0.
 ///
 /// # Safety
 ///
 /// `out` is NULL or writable for `size` bytes.
-unsafe fn store(out: *mut isthmus_stats_t, size: usize, stats: isthmus_stats_t) -> Result<(), isthmus::Status> {
-    // SAFETY: the caller's promise, passed on.
-    unsafe { store_sized(out, size, stats) }
-}
-
-/// [`store`] for any plain struct of counters (`T` is `repr(C)` and all integers).
-///
-/// # Safety
-///
-/// `out` is NULL or writable for `size` bytes.
-pub(crate) unsafe fn store_sized<T: Copy>(out: *mut T, size: usize, value: T) -> Result<(), isthmus::Status> {
+pub(crate) unsafe fn store<T: Copy>(out: *mut T, size: usize, value: T) -> Result<(), isthmus::Status> {
     if out.is_null() {
         return Err(invalid("the stats out-pointer is NULL"));
     }

@@ -8,7 +8,7 @@ use isthmus::{SlowSubscriber, Topic, TopicOptions};
 
 use crate::abi::{c_bytes, c_str, entry, entry_out, invalid, isthmus_code_t, isthmus_status_t, put};
 use crate::handle::Registry;
-use crate::server::{add_handler_fn, isthmus_server_t};
+use crate::server::{build, isthmus_server_t};
 
 /// A topic: publish to it from any thread; a server serves it at a method path
 /// (`isthmus_server_add_topic`).
@@ -211,7 +211,7 @@ pub unsafe extern "C" fn isthmus_topic_stats(
             cancelled: s.cancelled,
         };
         // SAFETY: the caller's promise, passed on.
-        unsafe { crate::stats::store_sized(out, size, stats) }
+        unsafe { crate::stats::store(out, size, stats) }
     })
 }
 
@@ -249,14 +249,16 @@ pub unsafe extern "C" fn isthmus_server_add_topic(
         }
         let handle = TOPICS.get(topic)?;
         let (topic, resync) = (handle.topic.clone(), handle.resync);
-        add_handler_fn(server, path, move |mut call| {
-            let topic = topic.clone();
-            async move {
-                match resync {
-                    true => topic.serve_with(&mut call, |_| topic.state()).await,
-                    false => topic.serve(&mut call).await,
+        build(server, |b| {
+            b.handler(path, move |mut call| {
+                let topic = topic.clone();
+                async move {
+                    match resync {
+                        true => topic.serve_with(&mut call, |_| topic.state()).await,
+                        false => topic.serve(&mut call).await,
+                    }
                 }
-            }
+            })
         })
     })
 }

@@ -28,25 +28,15 @@ pub(crate) fn counters_to_py<'py>(
     py: Python<'py>,
     counters: impl IntoIterator<Item = ConnectionCounters>,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let (mut started, mut in_flight, mut sent, mut received, mut in_use, mut high) = (0, 0, 0, 0, 0, 0);
-    let mut dropped = 0;
-    for c in counters {
-        dropped += c.answers_dropped;
-        started += c.calls_started;
-        in_flight += c.in_flight();
-        sent += c.transport.bytes_sent;
-        received += c.transport.bytes_received;
-        in_use += c.transport.arena_in_use;
-        high = high.max(c.transport.arena_high_water);
-    }
+    let c = ConnectionCounters::total(counters);
     let d = PyDict::new(py);
-    d.set_item("calls_started", started)?;
-    d.set_item("calls_in_flight", in_flight)?;
-    d.set_item("bytes_sent", sent)?;
-    d.set_item("bytes_received", received)?;
-    d.set_item("arena_in_use", in_use)?;
-    d.set_item("arena_high_water", high)?;
-    d.set_item("answers_dropped", dropped)?;
+    d.set_item("calls_started", c.calls_started)?;
+    d.set_item("calls_in_flight", c.in_flight())?;
+    d.set_item("bytes_sent", c.transport.bytes_sent)?;
+    d.set_item("bytes_received", c.transport.bytes_received)?;
+    d.set_item("arena_in_use", c.transport.arena_in_use)?;
+    d.set_item("arena_high_water", c.transport.arena_high_water)?;
+    d.set_item("answers_dropped", c.answers_dropped)?;
     Ok(d)
 }
 

@@ -77,3 +77,37 @@ pub struct Counters {
     /// Messages sent as a reference to a block of the shared arena (no copy).
     pub shared_sent: u64,
 }
+
+impl Counters {
+    /// The counters of several connections as one: sums, but the largest high-water mark (one
+    /// connection's arena is one arena).
+    pub fn merged(self, other: Counters) -> Counters {
+        Counters {
+            frames_sent: self.frames_sent + other.frames_sent,
+            frames_received: self.frames_received + other.frames_received,
+            bytes_sent: self.bytes_sent + other.bytes_sent,
+            bytes_received: self.bytes_received + other.bytes_received,
+            doorbells_rung: self.doorbells_rung + other.doorbells_rung,
+            sleeps: self.sleeps + other.sleeps,
+            spin_hits: self.spin_hits + other.spin_hits,
+            ring_full_waits: self.ring_full_waits + other.ring_full_waits,
+            arena_full_waits: self.arena_full_waits + other.arena_full_waits,
+            arena_high_water: self.arena_high_water.max(other.arena_high_water),
+            arena_in_use: self.arena_in_use + other.arena_in_use,
+            shared_sent: self.shared_sent + other.shared_sent,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn merged_counters_sum_but_keep_the_largest_high_water_mark() {
+        let a = Counters { frames_sent: 3, arena_high_water: 100, arena_in_use: 7, ..Counters::default() };
+        let b = Counters { frames_sent: 4, arena_high_water: 60, arena_in_use: 5, ..Counters::default() };
+        let m = a.merged(b);
+        assert_eq!((m.frames_sent, m.arena_high_water, m.arena_in_use), (7, 100, 12));
+    }
+}

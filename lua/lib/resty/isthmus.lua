@@ -848,19 +848,20 @@ local STATS_FIELDS = {
 }
 local CODE_NAMES = {}
 for name, code in pairs(_M.code) do CODE_NAMES[code] = name end
+local stats_out = ffi_new("isthmus_stats_t")
 
---- The counters of the channel's shm:// connections (calls over HTTP/2 are not counted), as a
---- table of numbers: calls_started, calls_in_flight, calls_finished (by code name:
+--- The counters of the channel's shm:// connections (for a target over HTTP/2, of the one it
+--- moved to; calls over HTTP/2 are not counted), as a table of numbers: calls_started, calls_in_flight, calls_finished (by code name:
 --- `stats.calls_finished.UNAVAILABLE`), frames_sent/_received, bytes_sent/_received,
 --- doorbells_rung, sleeps, spin_hits, ring_full_waits, arena_full_waits, arena_in_use (this
 --- side's shared memory allocated now), arena_high_water and answers_dropped. They start afresh
 --- when the channel reconnects. `nil, err` for a closed channel. Never waits.
 function Channel:stats()
     local h = self.handle
-    local out = ffi_new("isthmus_stats_t")
     if h == nil then
         return nil, new_error(INVALID_ARGUMENT, "the channel is closed")
     end
+    local out = stats_out
     local rc = C.isthmus_channel_stats(h, out, ffi.sizeof(out))
     if rc ~= OK then
         return nil, new_error(rc, "isthmus_channel_stats failed")

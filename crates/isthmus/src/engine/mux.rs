@@ -668,6 +668,20 @@ impl ConnectionCounters {
     pub fn in_flight(&self) -> u64 {
         self.calls_started.saturating_sub(self.calls_finished.iter().sum())
     }
+
+    /// The counters of several connections (a binding's channel, a server's) as one: sums, but
+    /// the largest high-water mark ([`isthmus_shm::Counters::merged`]).
+    pub fn total(counters: impl IntoIterator<Item = ConnectionCounters>) -> ConnectionCounters {
+        counters.into_iter().fold(ConnectionCounters::default(), |mut t, c| {
+            t.calls_started += c.calls_started;
+            for (sum, n) in t.calls_finished.iter_mut().zip(c.calls_finished) {
+                *sum += n;
+            }
+            t.transport = t.transport.merged(c.transport);
+            t.answers_dropped += c.answers_dropped;
+            t
+        })
+    }
 }
 
 fn poisoned() -> Status {
@@ -1159,9 +1173,9 @@ impl Mux {
         };
         if serving && end.code() == Code::Internal {
             // A fault (malformed input from the client, a transport protocol error, a failure of
-            // ours): tell the client why before hanging up, so
-            // that its calls fail naming the fault rather than a vanished peer. Best effort: a
-            // client that reads nothing of ours gets no GOAWAY.
+            // ours): tell the client why before hanging up, so that its calls fail naming the
+            // fault rather than a vanished peer. Best effort: a client that reads nothing of ours
+            // gets no GOAWAY.
             let why = format!("a fault ends this connection: {}", end.message());
             let _ = tokio::time::timeout(FAULT_GOAWAY_PATIENCE, self.go_away(&why)).await;
         }
