@@ -22,7 +22,7 @@ export PYO3_PYTHON := $(CURDIR)/$(VENV)/bin/python
 CAPI_DIR = $(CURDIR)/target/$(if $(RELEASE),release,debug)
 GO_ENV = CGO_LDFLAGS="-L$(CAPI_DIR) -Wl,-rpath,$(CAPI_DIR)"
 
-.PHONY: help test lint fmt unit pytest gotest luatest capi go-bins c-tools lua-tools go-proto fuzz-build-idle fuzz-smoke fuzz-long bench demo tools rust-tools peers python clean
+.PHONY: help test lint fmt unit pytest gotest luatest capi go-bins c-tools lua-tools go-proto fuzz-build-idle fuzz-smoke fuzz-long miri bench demo tools rust-tools peers python clean
 
 help: ## List the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-11s %s\n", $$1, $$2}'
@@ -167,6 +167,20 @@ fuzz-smoke: rust-tools ## Run each fuzz target for FUZZ_SECONDS
 
 fuzz-long: rust-tools ## Run each fuzz target for FUZZ_RUNS executions (10 million) and record the counts in docs/fuzz-long.md
 	CARGO=$(CARGO) RUNS=$(FUZZ_RUNS) fuzz/long.sh $(FUZZ_TARGETS)
+
+# Miri runs the unsafe code that reads a peer's shared memory (isthmus-shm's ring, frames,
+# handshake and copies, and the fuzz targets' decoders over fixed inputs and the local fuzz
+# corpus) on a heap segment, and fails on undefined behaviour; what needs a memfd or an mmap
+# it cannot run. Slow (minutes), so not in `make test`. Nightly and its miri are installed on
+# first use.
+MIRI_TESTS := copy:: frame:: handshake:: layout:: ring::
+miri: rust-tools ## Run the shared-memory code's unit tests and peer-data decoders under Miri
+	@rustup component list --toolchain nightly --installed 2>/dev/null | grep -q '^miri' || \
+	  rustup toolchain install nightly --profile minimal --component miri,rust-src
+	ISTHMUS_STREAMING_COPY_MIN=4096 MIRIFLAGS=-Zmiri-disable-isolation \
+	  $(CARGO) +nightly miri test -p isthmus-shm --lib -- $(MIRI_TESTS)
+	ISTHMUS_FUZZ_CORPUS=$(CURDIR)/fuzz/corpus MIRIFLAGS=-Zmiri-disable-isolation \
+	  $(CARGO) +nightly miri test -p isthmus-shm --test hostile_inputs
 
 bench: rust-tools peers ## Benchmarks beside their competitors: docs/bench/results.json, RESULTS.md, plots, README table
 	$(MAKE) --no-print-directory python RELEASE=1

@@ -171,7 +171,8 @@ pub(crate) struct Link {
 
 impl Link {
     pub(crate) fn new(socket: UnixStream) -> Result<Link> {
-        socket.set_nonblocking(true).map_err(|e| Error::io("cannot make the socket non-blocking", e))?;
+        // fcntl, as std's `set_nonblocking` is an ioctl that Miri cannot run (`make miri`).
+        sys::set_nonblocking(socket.as_fd()).map_err(|e| Error::io("cannot make the socket non-blocking", e))?;
         let health = std::sync::Arc::new(Health::default());
         if let Ok(mut s) = health.socket.lock() {
             *s = Some(socket.as_raw_fd());

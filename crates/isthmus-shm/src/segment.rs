@@ -34,7 +34,32 @@ enum Backing {
     /// A shared mapping of a memfd (the real thing).
     Mapped(sys::Mapping),
     /// Private heap memory of the same layout, for unit tests and fuzzing.
-    Heap(Box<[AtomicU64]>),
+    Heap(HeapWords),
+}
+
+/// A heap segment's words, owned through a raw pointer rather than a `Box`: moving a `Box`
+/// asserts unique access to what it points to, which would void the segment's `base`, derived
+/// from it before the move (Miri's aliasing model says so, and the optimiser may act on it).
+#[derive(Debug)]
+struct HeapWords(std::ptr::NonNull<[AtomicU64]>);
+
+impl HeapWords {
+    fn zeroed(words: usize) -> HeapWords {
+        let boxed: Box<[AtomicU64]> = (0..words).map(|_| AtomicU64::new(0)).collect();
+        HeapWords(std::ptr::NonNull::from(Box::leak(boxed)))
+    }
+
+    fn base(&self) -> *mut u8 {
+        self.0.as_ptr() as *mut u8
+    }
+}
+
+impl Drop for HeapWords {
+    fn drop(&mut self) {
+        // SAFETY: the pointer came from `Box::leak` in `zeroed` and is freed only here, once;
+        // the segment that used it is being dropped, so nothing reaches it any more.
+        drop(unsafe { Box::from_raw(self.0.as_ptr()) });
+    }
 }
 
 /// A mapped segment and its layout.
@@ -67,9 +92,8 @@ impl Segment {
     /// A zeroed heap segment with the same layout: for tests and fuzzing only, where both ends
     /// live in one process.
     pub(crate) fn heap(layout: Layout) -> Segment {
-        let words: Box<[AtomicU64]> = (0..layout.total.div_ceil(8)).map(|_| AtomicU64::new(0)).collect();
-        let base = words.as_ptr() as *mut u8;
-        Segment { base, len: layout.total, layout, _backing: Backing::Heap(words) }
+        let words = HeapWords::zeroed(layout.total.div_ceil(8));
+        Segment { base: words.base(), len: layout.total, layout, _backing: Backing::Heap(words) }
     }
 
     pub(crate) fn layout(&self) -> &Layout {
