@@ -37,10 +37,11 @@ fn inputs(count: usize) -> Vec<Vec<u8>> {
     out
 }
 
-/// The corpus files of `target`, if `ISTHMUS_FUZZ_CORPUS` is set (at most `limit` of them, in
-/// name order: Miri takes seconds per input).
+/// The corpus files of `target`, if `ISTHMUS_FUZZ_CORPUS` is set: at most `limit` of them, in
+/// name order (Miri takes seconds per input), or `ISTHMUS_FUZZ_CORPUS_LIMIT` for a long run.
 fn corpus(target: &str, limit: usize) -> Vec<Vec<u8>> {
     let Some(root) = std::env::var_os("ISTHMUS_FUZZ_CORPUS") else { return vec![] };
+    let limit = std::env::var("ISTHMUS_FUZZ_CORPUS_LIMIT").ok().and_then(|n| n.parse().ok()).unwrap_or(limit);
     let dir = PathBuf::from(root).join(target);
     let Ok(entries) = std::fs::read_dir(&dir) else { return vec![] };
     let mut paths: Vec<PathBuf> = entries.filter_map(|e| Some(e.ok()?.path())).collect();
