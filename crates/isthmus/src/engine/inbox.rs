@@ -65,17 +65,22 @@ impl Inbox {
 
     /// Queues an event and wakes the call waiting for it. Events after `close` are dropped.
     pub(crate) fn push(&self, ev: Event) {
-        let waker = {
-            let mut st = self.state();
-            if st.closed {
-                return;
-            }
-            st.events.push_back(ev);
-            st.waker.take()
-        };
-        if let Some(w) = waker {
+        if let Some(w) = self.push_unwoken(ev) {
             w.wake();
         }
+    }
+
+    /// Queues an event; the waker of the call waiting for it, for the caller to wake once it
+    /// holds no lock: a wake-up may make a system call (an eventfd's write, a worker's unpark),
+    /// which must not keep a connection's stream table locked.
+    #[must_use = "the waker must be woken"]
+    pub(crate) fn push_unwoken(&self, ev: Event) -> Option<Waker> {
+        let mut st = self.state();
+        if st.closed {
+            return None;
+        }
+        st.events.push_back(ev);
+        st.waker.take()
     }
 
     /// No more events will come; the call drains what is queued, then sees the end.

@@ -841,30 +841,43 @@ impl Mux {
             Event::End(status) | Event::Final(_, status) => Some(status.code()),
             _ => None,
         };
-        let Ok(mut s) = self.streams.lock() else { return };
-        if let Some(entry) = s.get(&id) {
-            self.push(entry, ev);
-            if let (Some(code), true) = (end, entry.serving) {
-                entry.shared.cancel.fire(code);
+        // The call is woken, and an ended stream closed, once the table is unlocked (`push`).
+        let (waker, ended) = {
+            let Ok(mut s) = self.streams.lock() else { return };
+            let mut waker = None;
+            if let Some(entry) = s.get(&id) {
+                waker = self.push(entry, ev);
+                if let (Some(code), true) = (end, entry.serving) {
+                    entry.shared.cancel.fire(code);
+                }
             }
-        }
-        if end.is_some() {
-            if let Some(e) = s.remove(&id) {
+            let ended = end.and_then(|_| s.remove(&id));
+            if ended.is_some() {
                 self.open.store(s.len(), Ordering::Relaxed);
-                e.close();
             }
+            (waker, ended)
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+        if let Some(e) = ended {
+            e.close();
         }
     }
 
-    /// Queues an event for a stream's call, noting whether that may wake a task.
-    fn push(&self, entry: &Entry, ev: Event) {
+    /// Queues an event for a stream's call, noting whether that may wake a task; the call's
+    /// waker, to be woken once the stream table is unlocked: a wake-up may make a system call
+    /// (an eventfd's write, a runtime worker's unpark), and every call of the connection, and
+    /// its reader, take that lock.
+    #[must_use = "the waker must be woken"]
+    fn push(&self, entry: &Entry, ev: Event) -> Option<std::task::Waker> {
         if entry.born != self.batch.load(Ordering::Relaxed) {
             self.woke.store(true, Ordering::Relaxed);
         }
         if matches!(ev, Event::HalfClose | Event::Last(_)) {
             entry.peer_done.store(true, Ordering::Relaxed);
         }
-        entry.shared.inbox.push(ev);
+        entry.shared.inbox.push_unwoken(ev)
     }
 
     /// Ends stream `id` here with `status` (its call sees it as its end) and tells the peer with a
@@ -950,14 +963,21 @@ impl Mux {
     /// Delivers a message, charging it to the stream's window; a peer that had no credit left
     /// broke flow control, which ends that call (only) with INTERNAL.
     fn deliver_message(&self, id: u64, message: Bytes, half_close: bool) -> Option<Reply> {
-        {
+        let charged = {
             // One lookup for the message and its half-close: this is every message's path.
             let s = self.streams.lock().ok()?;
             let entry = s.get(&id)?; // a stream that has ended: the message crossed its end
-            if entry.shared.recv_window.charge_arrival(message.len()) {
-                self.push(entry, if half_close { Event::Last(message) } else { Event::Message(message) });
-                return None;
+            entry
+                .shared
+                .recv_window
+                .charge_arrival(message.len())
+                .then(|| self.push(entry, if half_close { Event::Last(message) } else { Event::Message(message) }))
+        };
+        if let Some(waker) = charged {
+            if let Some(w) = waker {
+                w.wake();
             }
+            return None;
         }
         let status = Status::new(
             Code::Internal,
@@ -1749,8 +1769,10 @@ impl Mux {
             }
             Kind::Window => {
                 let n = wire::decode_window(&f.body).map_err(internal)?;
-                if let Some(entry) = self.streams.lock().ok().as_ref().and_then(|s| s.get(&f.stream)) {
-                    entry.shared.send_window.grant(n);
+                // Granted with the table unlocked: it wakes the stream's writer.
+                let shared = self.streams.lock().ok().and_then(|s| s.get(&f.stream).map(|e| e.shared.clone()));
+                if let Some(shared) = shared {
+                    shared.send_window.grant(n);
                 }
             }
             Kind::Ping if f.flags & flags::ACK == 0 => {
