@@ -130,6 +130,10 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
             std::ptr::null_mut(),
         )
     };
+    // SAFETY: a garbage handle is the point; the name is a NUL-terminated literal.
+    let _ = unsafe {
+        isthmus_server_call_set_compression(word as *const isthmus_server_call_t, c"gzip".as_ptr(), std::ptr::null_mut())
+    };
     let _ = isthmus_code_name(word as i32);
     let (mut block, mut reply) = (std::ptr::null_mut(), std::ptr::null_mut());
     // SAFETY: garbage handles are the point; every pointer argument is a valid local or NULL.

@@ -96,7 +96,7 @@ func MaxMessageSize(n uint64) ServerOption {
 // SendCompressed compresses the replies to HTTP/2 calls with "gzip" or "deflate", for each
 // client whose grpc-accept-encoding lists it (grpc's clients do); the others, and every call
 // over shm://, get them as they are. Another name fails Start with codes.InvalidArgument.
-// (grpc-go servers choose per call, with grpc.SetSendCompressor, which isthmus ignores.)
+// A handler chooses otherwise for its own call with SetSendCompressor.
 func SendCompressed(name string) ServerOption {
 	return func(o *serverOptions) { o.compression = name }
 }
@@ -611,6 +611,39 @@ func (st *serverStream) sendHeaderLocked() error {
 	code := C.isthmus_server_call_send_headers(st.sc, h, &cst)
 	freeMetadata(h)
 	if code != C.ISTHMUS_OK {
+		err, _ := statusError(code, cst)
+		return err
+	}
+	return nil
+}
+
+// SetSendCompressor chooses how the replies of the call whose handler was given ctx are
+// compressed: grpc.SetSendCompressor for this server, which grpc-go's cannot serve (it looks
+// for its own transport's stream); on a grpc-go server it calls grpc.SetSendCompressor, so a
+// service may call it on either. name is "gzip", "deflate" or "identity" (uncompressed, even
+// where SendCompressed compresses the server's replies). It applies to calls that came over
+// HTTP/2, for a client whose grpc-accept-encoding lists the encoding: others get the replies
+// uncompressed, where grpc-go's server would fail this call instead. Over shm:// nothing is
+// compressed, and it changes nothing. It must come before the initial metadata and the first
+// reply go, as with grpc-go.
+func SetSendCompressor(ctx context.Context, name string) error {
+	ts, ok := grpc.ServerTransportStreamFromContext(ctx).(transportStream)
+	if !ok {
+		return grpc.SetSendCompressor(ctx, name)
+	}
+	return ts.setSendCompressor(name)
+}
+
+func (st *serverStream) setSendCompressor(name string) error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.headerSent || st.finished {
+		return status.Error(codes.Internal, "transport: the stream is done or WriteHeader was already called")
+	}
+	cname := C.CString(name)
+	defer C.free(unsafe.Pointer(cname))
+	var cst *C.isthmus_status_t
+	if code := C.isthmus_server_call_set_compression(st.sc, cname, &cst); code != C.ISTHMUS_OK {
 		err, _ := statusError(code, cst)
 		return err
 	}

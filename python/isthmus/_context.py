@@ -11,6 +11,7 @@ from typing import Any, NoReturn
 import grpc
 import grpc.aio
 
+from ._channel import encoding
 from ._errors import rpc_error
 from ._metadata import Metadata, Metadatum, incoming, outgoing
 from ._native import Block, CallError, Message, ServerCall
@@ -55,12 +56,14 @@ class Context:
     def auth_context(self) -> dict[str, Iterable[bytes]]:
         return dict(self._call.auth_context())
 
-    # A call's own choice is accepted and unused: replies over HTTP/2 are compressed by the
-    # server's (its `compression`, or the option `grpc.default_compression_algorithm`) for
-    # clients that read it, and over shm:// they cross no wire.
+    # The call's own choice replaces the server's (its `compression`, or the option
+    # `grpc.default_compression_algorithm`) for replies over HTTP/2, to clients that read it; as
+    # grpcio's, it goes with the initial metadata, so it does nothing after them. Over shm://
+    # replies cross no wire and go as they are.
     def set_compression(self, compression: grpc.Compression) -> None:
-        pass
+        self._call.set_compression(encoding(compression))
 
+    # Accepted and unused: a call's replies are compressed all or none.
     def disable_next_message_compression(self) -> None:
         pass
 

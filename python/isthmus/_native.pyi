@@ -325,6 +325,11 @@ class ServerCall:
     def add_done_callback(self, callback: Callable[[], None]) -> bool:
         """Runs callback (on an engine thread, with the GIL) when the call ends; False, without
         registering, if it already has."""
+    def set_compression(self, encoding: str | None = None) -> bool:
+        """Compresses the replies with `encoding` ("gzip", "deflate"; None: uncompressed, even
+        where the server compresses its replies) where they cross a wire: over HTTP/2, for a
+        client that accepts it. False, and nothing changed, once initial metadata or a message
+        has gone. ValueError for another name."""
     # Blocking (GIL released):
     def recv(self, flush_headers: bool = False) -> bytes | None:
         """The next request; None once the client half-closed; raises CallError if the call

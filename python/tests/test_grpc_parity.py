@@ -5,9 +5,11 @@ isthmus.aio's under asyncio's own loop and under uvloop."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -886,3 +888,202 @@ def test_a_server_that_compresses_replies_answers_every_client(kind: str, tmp_pa
             else:
                 server.stop(None)
             pool.shutdown(wait=False)
+
+
+# A handler's own choice of compression for its replies (`context.set_compression`), named by
+# the request's metadata `want`; the reply is large and compresses well.
+COMPRESSIBLE_REPLY = b"a compressible reply " * 12_000
+_WANT = {
+    "gzip": grpc.Compression.Gzip,
+    "deflate": grpc.Compression.Deflate,
+    "none": grpc.Compression.NoCompression,
+}
+
+
+def _choose(context: Any) -> None:
+    want = dict(context.invocation_metadata()).get("want")
+    if want is not None:
+        context.set_compression(_WANT[want])
+
+
+def _reply_chosen(request: bytes, context: grpc.ServicerContext) -> bytes:
+    _choose(context)
+    return COMPRESSIBLE_REPLY
+
+
+def _replies_chosen(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    _choose(context)
+    for _ in requests:
+        yield COMPRESSIBLE_REPLY
+
+
+async def _reply_chosen_aio(request: bytes, context: Any) -> bytes:
+    _choose(context)
+    return COMPRESSIBLE_REPLY
+
+
+async def _replies_chosen_aio(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
+    _choose(context)
+    async for _ in requests:
+        yield COMPRESSIBLE_REPLY
+
+
+def _chosen_handlers(aio: bool) -> grpc.GenericRpcHandler:
+    unary, bidi = (_reply_chosen_aio, _replies_chosen_aio) if aio else (_reply_chosen, _replies_chosen)
+    return grpc.method_handlers_generic_handler(
+        "t.Chosen",
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+            "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
+        },
+    )
+
+
+class _CountingProxy:
+    """A TCP proxy to `port` on 127.0.0.1 that counts the bytes the server sends: what a
+    reply costs on the wire, compressed or not."""
+
+    def __init__(self, port: int) -> None:
+        self._upstream = port
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        self._lock = threading.Lock()
+        self._sent = 0
+        self._sockets: list[socket.socket] = [self._listener]
+        self._threads = [threading.Thread(target=self._accept, daemon=True)]
+        self._threads[0].start()
+
+    def sent(self) -> int:
+        with self._lock:
+            return self._sent
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.create_connection(("127.0.0.1", self._upstream))
+            with self._lock:
+                self._sockets += [client, server]
+            for source, sink, counted in ((client, server, False), (server, client, True)):
+                t = threading.Thread(target=self._pump, args=(source, sink, counted), daemon=True)
+                self._threads.append(t)
+                t.start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, counted: bool) -> None:
+        while True:
+            try:
+                data = source.recv(1 << 16)
+                if not data:
+                    sink.shutdown(socket.SHUT_WR)
+                    return
+                if counted:  # before it is passed on: the client has no byte not counted yet
+                    with self._lock:
+                        self._sent += len(data)
+                sink.sendall(data)
+            except OSError:
+                return
+
+    def close(self) -> None:
+        with self._lock:
+            sockets = list(self._sockets)
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+        for t in self._threads:
+            t.join(30)
+
+
+class _ChoosingServer:
+    """A server of `kind` (grpcio's or isthmus's, blocking or asyncio) with the `t.Chosen`
+    service on a TCP port, replies compressed by `compression` unless a handler chooses."""
+
+    def __init__(self, kind: str, compression: grpc.Compression | None) -> None:
+        self._pool = futures.ThreadPoolExecutor(4)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if kind.endswith(".aio"):
+            self._loop = asyncio.new_event_loop()
+            self._runner = threading.Thread(target=self._loop.run_forever, daemon=True)
+            self._runner.start()
+            module: Any = grpc.aio if kind == "grpcio.aio" else isthmus.aio
+            self._server, self.port = asyncio.run_coroutine_threadsafe(
+                self._start_aio(module, compression), self._loop
+            ).result(30)
+        else:
+            make_server = grpc.server if kind == "grpcio" else isthmus.server
+            self._server = make_server(
+                self._pool, handlers=[_chosen_handlers(False)], compression=compression
+            )
+            self.port = self._server.add_insecure_port("127.0.0.1:0")
+            self._server.start()
+
+    @staticmethod
+    async def _start_aio(module: Any, compression: grpc.Compression | None) -> tuple[Any, int]:
+        server = module.server(handlers=[_chosen_handlers(True)], compression=compression)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        return server, port
+
+    def stop(self) -> None:
+        if self._loop is not None:
+            asyncio.run_coroutine_threadsafe(self._server.stop(None), self._loop).result(30)
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._runner.join(30)
+            self._loop.close()
+        else:
+            self._server.stop(None)
+        self._pool.shutdown(wait=False)
+
+
+def _bytes_on_the_wire(proxy: _CountingProxy, want: str | None) -> tuple[int, int]:
+    """What the server sends for a unary call's reply and for a bidi call's two, through
+    `proxy` from a grpcio client that reads every encoding."""
+    metadata = () if want is None else (("want", want),)
+    with grpc.insecure_channel(f"127.0.0.1:{proxy.port}") as channel:
+        before = proxy.sent()
+        assert (
+            channel.unary_unary("/t.Chosen/Unary")(b"", metadata=metadata, timeout=30) == COMPRESSIBLE_REPLY
+        )
+        unary = proxy.sent() - before
+        before = proxy.sent()
+        replies = list(
+            channel.stream_stream("/t.Chosen/Bidi")(iter([b"", b""]), metadata=metadata, timeout=30)
+        )
+        assert replies == [COMPRESSIBLE_REPLY] * 2
+        return unary, proxy.sent() - before
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus", "grpcio.aio", "isthmus.aio"])
+def test_a_handler_chooses_the_compression_of_its_replies(kind: str) -> None:
+    """`context.set_compression` in a handler compresses that call's replies (unary and
+    streaming) over HTTP/2 even where the server compresses none, and `NoCompression` sends
+    them uncompressed where the server compresses all; what crosses the wire is counted by a
+    proxy between a grpcio client and the server."""
+    for server_compression in (None, grpc.Compression.Gzip):
+        server = _ChoosingServer(kind, server_compression)
+        proxy = _CountingProxy(server.port)
+        try:
+            for want in (None, "gzip", "deflate", "none"):
+                # isthmus: the handler's choice, else the server's. grpcio differs in two ways:
+                # its blocking server takes `NoCompression` for no choice at all (its
+                # `_compression.augment_metadata` tests the enum's truth, and NoCompression is
+                # 0), and grpc.aio's compresses a unary reply by the server's setting alone (a
+                # handler's choice reaches its streamed replies only).
+                chosen = want in ("gzip", "deflate")
+                server_compresses = server_compression is not None
+                ignored = want == "none" and kind == "grpcio"
+                compressed = chosen or (server_compresses and (want is None or ignored))
+                unary_compressed = server_compresses if kind == "grpcio.aio" else compressed
+                case = f"{kind}, server compression {server_compression}, want {want}"
+                unary, streamed = _bytes_on_the_wire(proxy, want)
+                # Compressed, each reply takes a few hundred bytes; uncompressed, all of its 252 KB.
+                small = len(COMPRESSIBLE_REPLY) // 10
+                assert (unary < small) == unary_compressed and unary > 0, (case, unary)
+                assert (streamed < small) == compressed and streamed > 0, (case, streamed)
+                if not compressed:
+                    assert streamed >= 2 * len(COMPRESSIBLE_REPLY), (case, streamed)
+        finally:
+            proxy.close()
+            server.stop()

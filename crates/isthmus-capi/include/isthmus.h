@@ -1424,6 +1424,24 @@ isthmus_code_t isthmus_server_call_send_headers_async(const isthmus_server_call_
                                                       isthmus_event_t *now,
                                                       isthmus_status_t **status);
 
+// Chooses how the call's replies are compressed where they cross a wire, as grpc-go's
+// `grpc.SetSendCompressor` and grpcio's `context.set_compression`: `encoding` is `"gzip"`,
+// `"deflate"` or `"identity"` (uncompressed, even where the server compresses its replies,
+// `ISTHMUS_SERVER_COMPRESS_*`). It applies to calls that came over HTTP/2, for a client whose
+// `grpc-accept-encoding` lists the encoding (the others get the replies uncompressed); over
+// `shm://` nothing is compressed, and it changes nothing. The choice goes with the initial
+// metadata: FAILED_PRECONDITION, and nothing changed, once they or a message have gone (or
+// while another thread sends on the call); INVALID_ARGUMENT for a NULL or another name.
+//
+// Thread-safety: any thread; it never blocks.
+//
+// # Safety
+//
+// `encoding` is NULL or a NUL-terminated string; `status` is NULL or writable.
+isthmus_code_t isthmus_server_call_set_compression(const isthmus_server_call_t *call,
+                                                   const char *encoding,
+                                                   isthmus_status_t **status);
+
 // A writable block of `len` bytes in the server's shared memory (`shm://` calls only), for a
 // reply written in place; send it with `isthmus_server_call_send_block`.
 //

@@ -730,6 +730,47 @@ pub unsafe extern "C" fn isthmus_server_call_send_headers_async(
     })
 }
 
+/// Chooses how the call's replies are compressed where they cross a wire, as grpc-go's
+/// `grpc.SetSendCompressor` and grpcio's `context.set_compression`: `encoding` is `"gzip"`,
+/// `"deflate"` or `"identity"` (uncompressed, even where the server compresses its replies,
+/// `ISTHMUS_SERVER_COMPRESS_*`). It applies to calls that came over HTTP/2, for a client whose
+/// `grpc-accept-encoding` lists the encoding (the others get the replies uncompressed); over
+/// `shm://` nothing is compressed, and it changes nothing. The choice goes with the initial
+/// metadata: FAILED_PRECONDITION, and nothing changed, once they or a message have gone (or
+/// while another thread sends on the call); INVALID_ARGUMENT for a NULL or another name.
+///
+/// Thread-safety: any thread; it never blocks.
+///
+/// # Safety
+///
+/// `encoding` is NULL or a NUL-terminated string; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_set_compression(
+    call: *const isthmus_server_call_t,
+    encoding: *const c_char,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let call = handed(call)?;
+        // SAFETY: the caller promises NULL or a NUL-terminated string, read only here.
+        let name = unsafe { c_str(encoding, "encoding") }?;
+        let compression =
+            match name {
+                "identity" => None,
+                _ => Some(isthmus::Compression::from_name(name).ok_or_else(|| {
+                    invalid(format!("no compression {name:?}: \"gzip\", \"deflate\" or \"identity\""))
+                })?),
+            };
+        match call.set_compression(compression) {
+            true => Ok(()),
+            false => Err(Status::new(
+                Code::FailedPrecondition,
+                "the call's compression is chosen before its initial metadata or first message goes",
+            )),
+        }
+    })
+}
+
 /// A writable block of `len` bytes in the server's shared memory (`shm://` calls only), for a
 /// reply written in place; send it with `isthmus_server_call_send_block`.
 ///

@@ -327,6 +327,19 @@ impl ServerCall {
         self.core.add_done_callback(engine_callback(callback))
     }
 
+    /// Compresses the replies with `encoding` (`gzip`, `deflate`; `None`: uncompressed) where
+    /// they cross a wire (`HandedCall::set_compression`); false once too late.
+    #[pyo3(signature = (encoding=None))]
+    fn set_compression(&self, encoding: Option<&str>) -> PyResult<bool> {
+        let compression = match encoding {
+            None => None,
+            Some(name) => Some(isthmus::Compression::from_name(name).ok_or_else(|| {
+                pyo3::exceptions::PyValueError::new_err(format!("no compression {name:?}: gzip or deflate"))
+            })?),
+        };
+        Ok(self.core.set_compression(compression))
+    }
+
     #[pyo3(signature = (flush_headers=false))]
     fn recv(&self, py: Python<'_>, flush_headers: bool) -> PyResult<Option<Py<PyBytes>>> {
         match crate::recv(py, &self.core, flush_headers) {

@@ -738,6 +738,17 @@ impl HandedCall {
         self.call.lock().await.send_headers(metadata).await
     }
 
+    /// Chooses the compression of this call's replies where they cross a wire (see
+    /// [`ServerCall::set_compression`](crate::ServerCall::set_compression)); false once initial
+    /// metadata or a message has gone, or while another thread sends on the call. Never waits:
+    /// an event loop's thread may call it while the loop's own operations hold the call.
+    pub fn set_compression(&self, compression: Option<crate::Compression>) -> bool {
+        if self.responded.load(std::sync::atomic::Ordering::Acquire) {
+            return false;
+        }
+        self.call.try_lock().is_ok_and(|mut call| call.set_compression(compression))
+    }
+
     /// A writable block in the server's shared memory (`shm://` calls only).
     pub async fn alloc(&self, len: usize) -> Result<crate::BlockMut, Status> {
         self.check_active()?;

@@ -799,6 +799,118 @@ fn replies_go_compressed_where_the_server_asks_and_the_client_reads_it() {
     });
 }
 
+#[test]
+fn a_handler_chooses_how_its_replies_are_compressed() {
+    // `ServerCall::set_compression` (grpcio's `context.set_compression`): over HTTP/2 the
+    // handler's choice replaces the server's, for a client whose grpc-accept-encoding lists it;
+    // too late once initial metadata went; over shm:// it changes nothing on the wire.
+    use isthmus::Compression::{Deflate, Gzip};
+    use tonic::codec::CompressionEncoding;
+    let shm = fresh_addr("compress");
+    run(async move {
+        let bound = isthmus::Server::builder()
+            .handler("/test.Echo/Chosen", |mut call: isthmus::ServerCall| async move {
+                let choice = match call.metadata().get("want") {
+                    Some("gzip") => Some(Some(Gzip)),
+                    Some("deflate") => Some(Some(Deflate)),
+                    Some("identity") => Some(None),
+                    _ => None,
+                };
+                if let Some(choice) = choice {
+                    assert!(call.set_compression(choice), "a choice before any reply is taken");
+                }
+                let m = call.recv().await?.unwrap_or_default();
+                if call.metadata().get("stream").is_some() {
+                    call.send(&m).await?;
+                    return call.send(&m).await;
+                }
+                call.send_last(&m).await
+            })
+            .handler("/test.Echo/Late", |mut call: isthmus::ServerCall| async move {
+                let m = call.recv().await?.unwrap_or_default();
+                call.send_headers(MetadataMap::new()).await?;
+                let mut trailers = MetadataMap::new();
+                trailers.append("late-choice-taken", &call.set_compression(Some(Gzip)).to_string()).expect("ascii");
+                call.set_trailers(trailers);
+                call.send(&m).await
+            })
+            .send_compressed(Gzip)
+            .bind_all(["http://127.0.0.1:0", shm.as_str()])
+            .expect("bind");
+        let http = bound.http_addresses().into_iter().next().expect("an HTTP/2 address");
+        tokio::spawn(bound.serve());
+        let message = bytes::Bytes::from(pattern(4096, 5).repeat(16));
+        let channel =
+            tonic::transport::Endpoint::from_shared(http.clone()).expect("uri").connect().await.expect("connect");
+        let call =
+            |path: &'static str, want: Option<&'static str>, stream: bool, accepts: &'static [CompressionEncoding]| {
+                let (channel, message) = (channel.clone(), message.clone());
+                async move {
+                    let mut grpc = tonic::client::Grpc::new(channel);
+                    for &e in accepts {
+                        grpc = grpc.accept_compressed(e);
+                    }
+                    grpc.ready().await.expect("ready");
+                    let mut request = tonic::Request::new(message.clone());
+                    if let Some(want) = want {
+                        request.metadata_mut().insert("want", want.parse().expect("ascii"));
+                    }
+                    if stream {
+                        request.metadata_mut().insert("stream", "1".parse().expect("ascii"));
+                    }
+                    let path = http::uri::PathAndQuery::from_static(path);
+                    let reply = grpc.unary(request, path, isthmus::BytesCodec).await.expect("echoed");
+                    let md = reply.metadata().clone();
+                    let text = |key: &str| md.get(key).map(|v| v.to_str().unwrap_or("?").to_owned());
+                    let (encoding, late, leaked) =
+                        (text("grpc-encoding"), text("late-choice-taken"), text("x-isthmus-reply-encoding"));
+                    assert!(leaked.is_none(), "the bridge's own metadata reached the client: {leaked:?}");
+                    let echoed = reply.into_inner();
+                    assert!(echoed.len() % message.len() == 0 && echoed.starts_with(&message), "the echo differs");
+                    (encoding, late)
+                }
+            };
+        let both: &[CompressionEncoding] = &[CompressionEncoding::Gzip, CompressionEncoding::Deflate];
+        let gzip_only: &[CompressionEncoding] = &[CompressionEncoding::Gzip];
+        // (path, the handler's choice, streamed, what the client reads, the replies' encoding)
+        type Case<'a> = (&'a str, Option<&'a str>, bool, &'a [CompressionEncoding], Option<&'a str>);
+        let cases: [Case<'_>; 9] = [
+            // The server's own choice, gzip, for a client that reads it, and none for one that
+            // does not.
+            ("/test.Echo/Chosen", None, false, both, Some("gzip")),
+            ("/test.Echo/Chosen", None, false, &[], None),
+            // The handler's choice replaces it: deflate, or none at all.
+            ("/test.Echo/Chosen", Some("deflate"), false, both, Some("deflate")),
+            ("/test.Echo/Chosen", Some("deflate"), true, both, Some("deflate")),
+            ("/test.Echo/Chosen", Some("identity"), false, both, None),
+            ("/test.Echo/Chosen", Some("identity"), true, both, None),
+            ("/test.Echo/Chosen", Some("gzip"), true, both, Some("gzip")),
+            // A choice the client cannot read: uncompressed, which every client reads.
+            ("/test.Echo/Chosen", Some("deflate"), false, gzip_only, None),
+            // After the initial metadata the choice is refused, and the server's stands.
+            ("/test.Echo/Late", None, false, both, Some("gzip")),
+        ];
+        for (path, want, stream, accepts, expected) in cases {
+            let (encoding, late) = call(path, want, stream, accepts).await;
+            let case = format!("{path}, want {want:?}, stream {stream}, accepts {accepts:?}");
+            assert_eq!(encoding.as_deref(), expected, "{case}");
+            if path == "/test.Echo/Late" {
+                assert_eq!(late.as_deref(), Some("false"), "{case}: a choice after the initial metadata");
+            }
+        }
+        // Over shm:// the choice is taken and nothing about it reaches the client.
+        let ch = Channel::builder(&shm).connect().await.expect("connect");
+        for want in ["gzip", "identity"] {
+            let mut md = MetadataMap::new();
+            md.append("want", want).expect("ascii");
+            let opts = CallOptions { metadata: md, ..CallOptions::default() };
+            let reply = ch.unary("/test.Echo/Chosen", &message, opts).await.expect("echoed over shm://");
+            assert!(reply.message == message, "shm://, want {want}: the echo differs");
+            assert!(reply.metadata.get("x-isthmus-reply-encoding").is_none(), "shm://: {:?}", reply.metadata);
+        }
+    });
+}
+
 /// A call whose answer comes late waits asleep: it may read the connection for its spin, then
 /// leaves the reading to the reader task. A fruitless read once led to another (the reader task,
 /// asked for the receiver, woke the asking call as it gave the receiver back), and a stream

@@ -181,6 +181,17 @@ static void h_unary(isthmus_server_call_t *call) {
   const char *deadline = isthmus_server_call_time_remaining_us(call) >= 0 ? "1" : "0";
   isthmus_metadata_add(trailers, "x-has-deadline", (const uint8_t *)deadline, 1, NULL);
 
+  /* The replies' compression (isthmus_server_call_set_compression): taken before any reply
+     (over shm:// it changes nothing on the wire), a bad name or NULL refused, too late once
+     the reply went. A wrong answer fails the call with what was wrong. */
+  const char *wrong = NULL;
+  if (isthmus_server_call_set_compression(call, "gzip", NULL) != ISTHMUS_OK)
+    wrong = "set_compression: gzip refused before the reply";
+  else if (isthmus_server_call_set_compression(call, "zstd", NULL) != ISTHMUS_INVALID_ARGUMENT)
+    wrong = "set_compression: zstd taken";
+  else if (isthmus_server_call_set_compression(call, NULL, NULL) != ISTHMUS_INVALID_ARGUMENT)
+    wrong = "set_compression: NULL taken";
+
   isthmus_code_t rc = isthmus_server_call_recv(call, 0, &req, &st);
   if (rc == ISTHMUS_OK && req == NULL) rc = ISTHMUS_INVALID_ARGUMENT;
   if (rc == ISTHMUS_OK && echo) rc = isthmus_server_call_send_headers(call, headers, &st);
@@ -189,7 +200,12 @@ static void h_unary(isthmus_server_call_t *call) {
     const uint8_t *data = isthmus_message_data(req, &len);
     rc = isthmus_server_call_send(call, data, len, &st);
   }
-  if (rc == ISTHMUS_OK)
+  if (rc == ISTHMUS_OK && !wrong &&
+      isthmus_server_call_set_compression(call, "identity", NULL) != ISTHMUS_FAILED_PRECONDITION)
+    wrong = "set_compression: taken after the reply";
+  if (rc == ISTHMUS_OK && wrong)
+    isthmus_server_call_finish(call, ISTHMUS_INTERNAL, wrong, NULL, NULL);
+  else if (rc == ISTHMUS_OK)
     isthmus_server_call_finish(call, ISTHMUS_OK, NULL, trailers, NULL);
   else
     finish_failed(call, rc, st, "no request");
@@ -999,6 +1015,7 @@ static int check_null_arguments(ctx_t *c) {
   INVALID(isthmus_server_call_send_async(NULL, data, 4, cq, 1, NULL, &st));
   INVALID(isthmus_server_call_send_headers(NULL, NULL, &st));
   INVALID(isthmus_server_call_send_headers_async(NULL, NULL, cq, 1, NULL, &st));
+  INVALID(isthmus_server_call_set_compression(NULL, "gzip", &st));
   INVALID(isthmus_server_call_alloc(NULL, 16, &block, &st));
   INVALID(isthmus_server_call_send_block(NULL, NULL, &st));
   INVALID(isthmus_server_call_reply_async(NULL, data, 4, NULL, cq, 1, NULL, &st));

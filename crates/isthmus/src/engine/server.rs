@@ -157,6 +157,9 @@ pub struct ServerCall {
     head: wire::RequestHead,
     deadline: Option<Instant>,
     headers_sent: bool,
+    /// The handler's choice of compression for the replies (`set_compression`), as the
+    /// `grpc-encoding` name the bridge is to use: sent with the initial metadata.
+    reply_encoding: Option<&'static str>,
     peer: Peer,
 }
 
@@ -191,12 +194,14 @@ pub(crate) struct Peer {
     addr: Arc<str>,
     tls: bool,
     cert: Option<Bytes>,
+    /// The call came over HTTP/2, through this server's own bridge.
+    bridged: bool,
 }
 
 impl Peer {
     /// An `shm://` client, by its credentials: `shm:pid=PID,uid=UID`.
     fn shm(info: isthmus_shm::PeerInfo) -> Peer {
-        Peer { addr: format!("shm:pid={},uid={}", info.pid, info.uid).into(), tls: false, cert: None }
+        Peer { addr: format!("shm:pid={},uid={}", info.pid, info.uid).into(), tls: false, cert: None, bridged: false }
     }
 
     /// The peer of one call. Over the loopback (HTTP/2 calls handed on by this process's own
@@ -213,7 +218,7 @@ impl Peer {
         let cert = metadata.remove(PEER_CERT_HEADER);
         let tls = metadata.remove(PEER_TLS_HEADER).is_some();
         match (bridged, addr) {
-            (true, Some(addr)) => Peer { addr: String::from_utf8_lossy(&addr).into(), tls, cert },
+            (true, Some(addr)) => Peer { addr: String::from_utf8_lossy(&addr).into(), tls, cert, bridged: true },
             _ => self.clone(),
         }
     }
@@ -341,18 +346,46 @@ impl ServerCall {
     }
 
     /// Sends initial metadata now (otherwise the first message implies empty metadata).
-    pub async fn send_headers(&mut self, metadata: MetadataMap) -> Result<(), Status> {
+    pub async fn send_headers(&mut self, mut metadata: MetadataMap) -> Result<(), Status> {
         if self.headers_sent {
             return Err(Status::new(Code::Internal, "initial metadata was already sent"));
         }
         self.headers_sent = true;
+        if let Some(encoding) = self.reply_encoding.take() {
+            // A name of `Compression`'s, or "identity": a valid value, so this cannot fail.
+            let _ = metadata.append(crate::http::endpoint::REPLY_ENCODING_HEADER, encoding);
+        }
         let body = wire::ResponseHead { metadata }.encode();
         self.mux.sender.send_async(Kind::Headers, 0, self.id, &body).await.map_err(|e| Status::from_transport(&e))
     }
 
+    /// Compresses this call's response messages with `compression`, or sends them
+    /// uncompressed (`None`) even where the server compresses its replies
+    /// ([`Server::send_compressed`](crate::Server::send_compressed)): grpcio's
+    /// `context.set_compression`. It applies where replies cross a wire: a call that came over
+    /// HTTP/2 (through the server's bridge, which compresses them for a client whose
+    /// `grpc-accept-encoding` lists the encoding; the others get them uncompressed). Over
+    /// `shm://` nothing is compressed, and this does nothing.
+    ///
+    /// The choice goes with the initial metadata, so it must come before them (or the first
+    /// message, which sends them): `false`, and nothing changed, after that.
+    pub fn set_compression(&mut self, compression: Option<crate::Compression>) -> bool {
+        if self.headers_sent {
+            return false;
+        }
+        if self.peer.bridged {
+            self.reply_encoding = Some(compression.map_or("identity", crate::Compression::name));
+        }
+        true
+    }
+
     /// Waits for credit to send `len` bytes. Initial metadata not sent by now is empty, which
-    /// the first MESSAGE implies on its own (protocol 13.7, rule 2): one frame less per call.
+    /// the first MESSAGE implies on its own (protocol 13.7, rule 2): one frame less per call;
+    /// unless a choice of compression must go with them (`set_compression`).
     async fn ready_to_send(&mut self, len: usize) -> Result<(), Status> {
+        if self.reply_encoding.is_some() && !self.headers_sent {
+            self.send_headers(MetadataMap::new()).await?;
+        }
         self.headers_sent = true;
         // Credit owed to the client goes first: it may be waiting for it to send what this
         // handler waits for.
@@ -407,6 +440,7 @@ impl ServerCall {
     /// ([`end_now`](Self::end_now)) or holds it.
     pub(crate) fn reserve_last(&mut self, len: usize) -> bool {
         let ready = !self.headers_sent
+            && self.reply_encoding.is_none()
             && self.mux.one_frame()
             && len + wire::PLAIN_TRAILERS_LEN <= self.mux.sender.inline_max()
             && self.shared.send_window.try_take(flow::charge(len)) == Credit::Taken;
@@ -421,7 +455,9 @@ impl ServerCall {
     /// waits as it must). A foreign thread's unary reply goes this way with no future polled.
     pub(crate) fn try_send_now(&mut self, message: &[u8]) -> bool {
         let (sender, id) = (&self.mux.sender, self.id);
-        let sent = message.len() <= sender.inline_max()
+        // A choice of compression goes in HEADERS first, which `send` sends.
+        let sent = (self.headers_sent || self.reply_encoding.is_none())
+            && message.len() <= sender.inline_max()
             && push_now(&self.shared, Writer::HANDLER, message.len(), || {
                 matches!(sender.try_send(Kind::Message, 0, id, message), Ok(true))
             });
@@ -956,6 +992,7 @@ async fn call_status(
                 head,
                 deadline,
                 headers_sent: false,
+                reply_encoding: None,
                 peer,
             };
             let status = match supervise(handler(call), deadline, &shared.cancel).await {

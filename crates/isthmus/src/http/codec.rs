@@ -99,6 +99,41 @@ pub(crate) fn accepts(headers: &HeaderMap, encoding: Encoding) -> bool {
         .any(|name| name.trim() == encoding.name())
 }
 
+/// How a server's bridge compresses one HTTP/2 call's replies: with the handler's own choice
+/// (`ServerCall::set_compression`, carried in the reply's initial metadata under
+/// `REPLY_ENCODING_HEADER`), else the server's (`Server::send_compressed`), each only if the
+/// client's `grpc-accept-encoding` lists it; uncompressed otherwise, which every client reads.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ReplyCompression {
+    server: Option<Encoding>,
+    gzip: bool,
+    deflate: bool,
+}
+
+impl ReplyCompression {
+    /// For a request with `headers` to a server that compresses its replies with `server`.
+    pub(crate) fn new(server: Option<Encoding>, headers: &HeaderMap) -> ReplyCompression {
+        ReplyCompression {
+            server,
+            gzip: accepts(headers, Encoding::Gzip),
+            deflate: accepts(headers, Encoding::Deflate),
+        }
+    }
+
+    /// The encoding of the replies, given the handler's choice if it made one (`identity`, or
+    /// a name this side does not know: uncompressed).
+    pub(crate) fn choose(self, handler: Option<&[u8]>) -> Option<Encoding> {
+        let wanted = match handler {
+            Some(name) => std::str::from_utf8(name).ok().and_then(Encoding::from_name),
+            None => self.server,
+        };
+        wanted.filter(|&e| match e {
+            Encoding::Gzip => self.gzip,
+            Encoding::Deflate => self.deflate,
+        })
+    }
+}
+
 /// Cuts a gRPC body's data frames back into messages. A message that lies whole inside one
 /// data frame (tonic yields each encoded message as one frame) is a slice of that frame, not a
 /// copy; only a message split across frames is gathered into a buffer of its own.

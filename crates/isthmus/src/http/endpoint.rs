@@ -447,6 +447,11 @@ pub(crate) const PEER_HEADER: &str = "x-isthmus-peer";
 pub(crate) const PEER_CERT_HEADER: &str = "x-isthmus-peer-cert-bin";
 pub(crate) const PEER_TLS_HEADER: &str = "x-isthmus-peer-tls";
 
+/// The reply metadata that carries a handler's choice of compression for its replies
+/// (`ServerCall::set_compression`: `gzip`, `deflate` or `identity`) to the bridge, which frames
+/// them for the HTTP/2 client; sent on the bridge's calls only, and taken out by the bridge.
+pub(crate) const REPLY_ENCODING_HEADER: &str = "x-isthmus-reply-encoding";
+
 /// Puts the connection's [`PeerInfo`] into each request's headers, for handlers reached through
 /// the loopback (whose `shm://` connection is the server's own), after removing any the client
 /// sent.

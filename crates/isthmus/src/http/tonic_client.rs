@@ -338,17 +338,18 @@ where
 }
 
 impl Channel {
-    /// A request over `shm://` that is not handed back, its replies compressed with `compress`.
+    /// A request over `shm://` that is not handed back; `replies` for the server's bridge (see
+    /// [`call_shm`](Self::call_shm)).
     async fn call_http<B>(
         self,
         request: http::Request<B>,
-        compress: Option<codec::Encoding>,
+        replies: Option<codec::ReplyCompression>,
     ) -> http::Response<ResponseBody>
     where
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        match self.call_shm(request, false, compress).await {
+        match self.call_shm(request, false, replies).await {
             Ok(response) => response,
             Err(_) => failed_response(Status::new(Code::Internal, "a call was handed back without a reason")),
         }
@@ -356,12 +357,14 @@ impl Channel {
 
     /// Carries a tonic request over `shm://`. With `hand_back`, a call whose start fails
     /// UNAVAILABLE (the connection is gone, so the server never saw it) is handed back
-    /// untouched, for HTTP/2 to carry (an upgraded channel, `upgrade.rs`).
+    /// untouched, for HTTP/2 to carry (an upgraded channel, `upgrade.rs`). `replies`, for a
+    /// server's bridge only, says how to compress the replies; it also takes the handler's choice
+    /// out of the reply's metadata.
     async fn call_shm<B>(
         self,
         request: http::Request<B>,
         hand_back: bool,
-        compress: Option<codec::Encoding>,
+        replies: Option<codec::ReplyCompression>,
     ) -> Result<http::Response<ResponseBody>, http::Request<B>>
     where
         B: Body<Data = Bytes> + Send + 'static,
@@ -392,7 +395,11 @@ impl Channel {
         }
         Ok(match std::future::poll_fn(|cx| call.poll_headers(cx)).await {
             Err(status) => failed_response(status),
-            Ok(metadata) => {
+            Ok(mut metadata) => {
+                let compress = replies.and_then(|r| {
+                    let chosen = metadata.remove(crate::http::endpoint::REPLY_ENCODING_HEADER);
+                    r.choose(chosen.as_deref())
+                });
                 let mut headers = HeaderMap::new();
                 grpc_headers(&mut headers);
                 codec::metadata_into(&metadata, &mut headers);
@@ -408,8 +415,9 @@ impl Channel {
 }
 
 /// A server's way to its own handlers for HTTP/2 calls (ADR 0007): its loopback `Channel`,
-/// compressing the replies with `replies` for each client whose `grpc-accept-encoding` lists it
-/// (`Server::send_compressed`).
+/// compressing the replies with `replies` (`Server::send_compressed`), or as each handler
+/// chooses, for each client whose `grpc-accept-encoding` lists the encoding
+/// ([`codec::ReplyCompression`]).
 #[derive(Clone)]
 pub(crate) struct Loopback {
     pub(crate) channel: Channel,
@@ -426,8 +434,8 @@ impl Loopback {
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        let compress = self.replies.filter(|&e| codec::accepts(request.headers(), e));
-        Ok(self.channel.call_http(request, compress).await)
+        let replies = codec::ReplyCompression::new(self.replies, request.headers());
+        Ok(self.channel.call_http(request, Some(replies)).await)
     }
 }
 
