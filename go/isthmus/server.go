@@ -623,7 +623,8 @@ func (st *serverStream) sendHeaderLocked() error {
 // service may call it on either. name is "gzip", "deflate" or "identity" (uncompressed, even
 // where SendCompressed compresses the server's replies). It applies to calls that came over
 // HTTP/2, for a client whose grpc-accept-encoding lists the encoding: others get the replies
-// uncompressed, where grpc-go's server would fail this call instead. Over shm:// nothing is
+// uncompressed (grpc-go's returns an error then, and refuses a compressor not registered in
+// the process, such as deflate by default; this one takes gzip and deflate). Over shm:// nothing is
 // compressed, and it changes nothing. It must come before the initial metadata and the first
 // reply go, as with grpc-go.
 func SetSendCompressor(ctx context.Context, name string) error {

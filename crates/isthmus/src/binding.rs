@@ -790,7 +790,7 @@ impl HandedCall {
         self.responded.store(true, std::sync::atomic::Ordering::Release);
         let (arena, direct) = {
             let mut call = self.call.lock().await;
-            (call.shared_arena().cloned(), call.direct())
+            (call.shared_arena().cloned(), call.direct().await?)
         };
         let mut sub = topic.subscribe_for(arena.as_ref());
         sub.send_directly(direct);

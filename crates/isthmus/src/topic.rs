@@ -450,7 +450,7 @@ impl Topic {
         mut on_gap: Option<&mut (dyn FnMut(u64) -> Option<Bytes> + Send)>,
     ) -> Result<(), Status> {
         let mut sub = self.subscribe_for(call.shared_arena());
-        sub.send_directly(call.direct());
+        sub.send_directly(call.direct().await?);
         while let Some(next) = sub.next().await? {
             let (message, published) = match next {
                 Delivery::Gap(n) => match on_gap.as_mut() {

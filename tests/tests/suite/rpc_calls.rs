@@ -806,25 +806,48 @@ fn a_handler_chooses_how_its_replies_are_compressed() {
     // too late once initial metadata went; over shm:// it changes nothing on the wire.
     use isthmus::Compression::{Deflate, Gzip};
     use tonic::codec::CompressionEncoding;
+    fn choose(call: &mut isthmus::ServerCall) {
+        let choice = match call.metadata().get("want") {
+            Some("gzip") => Some(Some(Gzip)),
+            Some("deflate") => Some(Some(Deflate)),
+            Some("identity") => Some(None),
+            _ => None,
+        };
+        if let Some(choice) = choice {
+            assert!(call.set_compression(choice), "a choice before any reply is taken");
+        }
+    }
     let shm = fresh_addr("compress");
+    let topic = isthmus::Topic::new("compressed");
+    let message = bytes::Bytes::from(pattern(4096, 5).repeat(16));
+    topic.publish_state(&message);
     run(async move {
         let bound = isthmus::Server::builder()
             .handler("/test.Echo/Chosen", |mut call: isthmus::ServerCall| async move {
-                let choice = match call.metadata().get("want") {
-                    Some("gzip") => Some(Some(Gzip)),
-                    Some("deflate") => Some(Some(Deflate)),
-                    Some("identity") => Some(None),
-                    _ => None,
-                };
-                if let Some(choice) = choice {
-                    assert!(call.set_compression(choice), "a choice before any reply is taken");
-                }
+                choose(&mut call);
                 let m = call.recv().await?.unwrap_or_default();
+                if call.metadata().get("forge").is_some() {
+                    // A handler's own metadata of the engine's key chooses nothing.
+                    let mut md = MetadataMap::new();
+                    md.append("x-isthmus-reply-encoding", "identity").expect("ascii");
+                    call.send_headers(md).await?;
+                }
                 if call.metadata().get("stream").is_some() {
                     call.send(&m).await?;
                     return call.send(&m).await;
                 }
+                if call.metadata().get("small").is_some() {
+                    // Small enough for the one-frame reply, which a choice must not skip.
+                    return call.send_last(&m[..100]).await;
+                }
                 call.send_last(&m).await
+            })
+            .handler("/test.Echo/Topic", move |mut call: isthmus::ServerCall| {
+                let topic = topic.clone();
+                async move {
+                    choose(&mut call);
+                    topic.serve(&mut call).await
+                }
             })
             .handler("/test.Echo/Late", |mut call: isthmus::ServerCall| async move {
                 let m = call.recv().await?.unwrap_or_default();
@@ -839,73 +862,89 @@ fn a_handler_chooses_how_its_replies_are_compressed() {
             .expect("bind");
         let http = bound.http_addresses().into_iter().next().expect("an HTTP/2 address");
         tokio::spawn(bound.serve());
-        let message = bytes::Bytes::from(pattern(4096, 5).repeat(16));
         let channel =
             tonic::transport::Endpoint::from_shared(http.clone()).expect("uri").connect().await.expect("connect");
-        let call =
-            |path: &'static str, want: Option<&'static str>, stream: bool, accepts: &'static [CompressionEncoding]| {
-                let (channel, message) = (channel.clone(), message.clone());
-                async move {
-                    let mut grpc = tonic::client::Grpc::new(channel);
-                    for &e in accepts {
-                        grpc = grpc.accept_compressed(e);
-                    }
-                    grpc.ready().await.expect("ready");
-                    let mut request = tonic::Request::new(message.clone());
-                    if let Some(want) = want {
-                        request.metadata_mut().insert("want", want.parse().expect("ascii"));
-                    }
-                    if stream {
-                        request.metadata_mut().insert("stream", "1".parse().expect("ascii"));
-                    }
-                    let path = http::uri::PathAndQuery::from_static(path);
-                    let reply = grpc.unary(request, path, isthmus::BytesCodec).await.expect("echoed");
-                    let md = reply.metadata().clone();
-                    let text = |key: &str| md.get(key).map(|v| v.to_str().unwrap_or("?").to_owned());
-                    let (encoding, late, leaked) =
-                        (text("grpc-encoding"), text("late-choice-taken"), text("x-isthmus-reply-encoding"));
-                    assert!(leaked.is_none(), "the bridge's own metadata reached the client: {leaked:?}");
-                    let echoed = reply.into_inner();
-                    assert!(echoed.len() % message.len() == 0 && echoed.starts_with(&message), "the echo differs");
-                    (encoding, late)
-                }
-            };
         let both: &[CompressionEncoding] = &[CompressionEncoding::Gzip, CompressionEncoding::Deflate];
         let gzip_only: &[CompressionEncoding] = &[CompressionEncoding::Gzip];
-        // (path, the handler's choice, streamed, what the client reads, the replies' encoding)
-        type Case<'a> = (&'a str, Option<&'a str>, bool, &'a [CompressionEncoding], Option<&'a str>);
-        let cases: [Case<'_>; 9] = [
+        // (path, the handler's choice, how it answers, what the client reads, the replies'
+        // encoding)
+        type Case<'a> = (&'a str, Option<&'a str>, &'a str, &'a [CompressionEncoding], Option<&'a str>);
+        let cases: [Case<'_>; 14] = [
             // The server's own choice, gzip, for a client that reads it, and none for one that
             // does not.
-            ("/test.Echo/Chosen", None, false, both, Some("gzip")),
-            ("/test.Echo/Chosen", None, false, &[], None),
-            // The handler's choice replaces it: deflate, or none at all.
-            ("/test.Echo/Chosen", Some("deflate"), false, both, Some("deflate")),
-            ("/test.Echo/Chosen", Some("deflate"), true, both, Some("deflate")),
-            ("/test.Echo/Chosen", Some("identity"), false, both, None),
-            ("/test.Echo/Chosen", Some("identity"), true, both, None),
-            ("/test.Echo/Chosen", Some("gzip"), true, both, Some("gzip")),
+            ("/test.Echo/Chosen", None, "", both, Some("gzip")),
+            ("/test.Echo/Chosen", None, "", &[], None),
+            // The handler's choice replaces it, deflate or none at all: for a unary reply, a
+            // streamed one, a small one (one frame where no choice is pending), a topic's.
+            ("/test.Echo/Chosen", Some("deflate"), "", both, Some("deflate")),
+            ("/test.Echo/Chosen", Some("deflate"), "stream", both, Some("deflate")),
+            ("/test.Echo/Chosen", Some("identity"), "", both, None),
+            ("/test.Echo/Chosen", Some("identity"), "stream", both, None),
+            ("/test.Echo/Chosen", Some("gzip"), "stream", both, Some("gzip")),
+            ("/test.Echo/Chosen", Some("deflate"), "small", both, Some("deflate")),
+            ("/test.Echo/Chosen", Some("identity"), "small", both, None),
+            ("/test.Echo/Topic", Some("identity"), "topic", both, None),
+            ("/test.Echo/Topic", Some("deflate"), "topic", both, Some("deflate")),
             // A choice the client cannot read: uncompressed, which every client reads.
-            ("/test.Echo/Chosen", Some("deflate"), false, gzip_only, None),
+            ("/test.Echo/Chosen", Some("deflate"), "", gzip_only, None),
+            // The engine's key in a handler's own metadata chooses nothing.
+            ("/test.Echo/Chosen", None, "forge", both, Some("gzip")),
             // After the initial metadata the choice is refused, and the server's stands.
-            ("/test.Echo/Late", None, false, both, Some("gzip")),
+            ("/test.Echo/Late", None, "", both, Some("gzip")),
         ];
-        for (path, want, stream, accepts, expected) in cases {
-            let (encoding, late) = call(path, want, stream, accepts).await;
-            let case = format!("{path}, want {want:?}, stream {stream}, accepts {accepts:?}");
+        for (path, want, how, accepts, expected) in cases {
+            let case = format!("{path}, want {want:?}, {how:?}, accepts {accepts:?}");
+            let mut grpc = tonic::client::Grpc::new(channel.clone());
+            for &e in accepts {
+                grpc = grpc.accept_compressed(e);
+            }
+            grpc.ready().await.expect("ready");
+            let mut request = tonic::Request::new(message.clone());
+            if let Some(want) = want {
+                request.metadata_mut().insert("want", want.parse().expect("ascii"));
+            }
+            if !how.is_empty() {
+                request.metadata_mut().insert(how, "1".parse().expect("ascii"));
+            }
+            let late_path = path == "/test.Echo/Late";
+            let path = http::uri::PathAndQuery::from_static(path);
+            let text = |md: &tonic::metadata::MetadataMap, key: &str| {
+                md.get(key).map(|v| v.to_str().unwrap_or("?").to_owned())
+            };
+            let (encoding, late, leaked) = if how == "topic" {
+                // The topic's state, the first message of a stream that goes on.
+                let reply = grpc.server_streaming(request, path, isthmus::BytesCodec).await.expect("subscribed");
+                let md = reply.metadata().clone();
+                let first = reply.into_inner().message().await.expect("a message").expect("the state");
+                assert!(first == message, "{case}: the topic's state differs");
+                (text(&md, "grpc-encoding"), None, text(&md, "x-isthmus-reply-encoding"))
+            } else {
+                let reply = grpc.unary(request, path, isthmus::BytesCodec).await.expect("echoed");
+                let md = reply.metadata().clone();
+                let echoed = reply.into_inner();
+                let whole = echoed.len() % message.len() == 0 && echoed.starts_with(&message);
+                assert!(whole || (how == "small" && echoed == message[..100]), "{case}: the echo differs");
+                (text(&md, "grpc-encoding"), text(&md, "late-choice-taken"), text(&md, "x-isthmus-reply-encoding"))
+            };
+            assert!(leaked.is_none(), "{case}: the bridge's own metadata reached the client: {leaked:?}");
             assert_eq!(encoding.as_deref(), expected, "{case}");
-            if path == "/test.Echo/Late" {
+            if late_path {
                 assert_eq!(late.as_deref(), Some("false"), "{case}: a choice after the initial metadata");
             }
         }
-        // Over shm:// the choice is taken and nothing about it reaches the client.
+        // Over shm:// the choice is taken and nothing about it reaches the client, nor the key
+        // from a handler's own metadata.
         let ch = Channel::builder(&shm).connect().await.expect("connect");
-        for want in ["gzip", "identity"] {
+        for (want, how) in [("gzip", ""), ("identity", "small"), ("gzip", "forge")] {
             let mut md = MetadataMap::new();
             md.append("want", want).expect("ascii");
+            if !how.is_empty() {
+                md.append(how, "1").expect("ascii");
+            }
             let opts = CallOptions { metadata: md, ..CallOptions::default() };
             let reply = ch.unary("/test.Echo/Chosen", &message, opts).await.expect("echoed over shm://");
-            assert!(reply.message == message, "shm://, want {want}: the echo differs");
+            let expected = if how == "small" { &message[..100] } else { &message[..] };
+            assert!(reply.message == expected, "shm://, want {want}, {how:?}: the echo differs");
             assert!(reply.metadata.get("x-isthmus-reply-encoding").is_none(), "shm://: {:?}", reply.metadata);
         }
     });

@@ -351,6 +351,8 @@ impl ServerCall {
             return Err(Status::new(Code::Internal, "initial metadata was already sent"));
         }
         self.headers_sent = true;
+        // The key is the engine's to send (`set_compression`), not a handler's.
+        metadata.remove(crate::http::endpoint::REPLY_ENCODING_HEADER);
         if let Some(encoding) = self.reply_encoding.take() {
             // A name of `Compression`'s, or "identity": a valid value, so this cannot fail.
             let _ = metadata.append(crate::http::endpoint::REPLY_ENCODING_HEADER, encoding);
@@ -520,10 +522,13 @@ impl ServerCall {
 
     /// A way to send on this call from another thread while its handler waits, for a topic's
     /// publisher (see [`Direct`]). Initial metadata counts as sent from now on: a message may go
-    /// at any moment, and it implies them.
-    pub(crate) fn direct(&mut self) -> Direct {
+    /// at any moment, and it implies them; a choice of compression goes first, in HEADERS.
+    pub(crate) async fn direct(&mut self) -> Result<Direct, Status> {
+        if self.reply_encoding.is_some() && !self.headers_sent {
+            self.send_headers(MetadataMap::new()).await?;
+        }
         self.headers_sent = true;
-        Direct { sender: self.mux.sender.clone(), id: self.id, shared: self.shared.clone() }
+        Ok(Direct { sender: self.mux.sender.clone(), id: self.id, shared: self.shared.clone() })
     }
 
     /// Trailing metadata to send with the final status (OK or not).
