@@ -134,6 +134,18 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let _ = unsafe {
         isthmus_server_call_set_compression(word as *const isthmus_server_call_t, c"gzip".as_ptr(), std::ptr::null_mut())
     };
+    // SAFETY: garbage handles are the point; `now` is a valid local, the status pointer NULL.
+    let _ = unsafe {
+        isthmus_channel_wait_state_async(
+            word as *const isthmus_channel_t,
+            u32::from(b.first().copied().unwrap_or(0)),
+            i64::from(b.get(1).copied().unwrap_or(0)),
+            word as *const isthmus_cq_t,
+            2,
+            &mut now,
+            std::ptr::null_mut(),
+        )
+    };
     let _ = isthmus_code_name(word as i32);
     let (mut block, mut reply) = (std::ptr::null_mut(), std::ptr::null_mut());
     // SAFETY: garbage handles are the point; every pointer argument is a valid local or NULL.

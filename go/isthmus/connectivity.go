@@ -7,14 +7,9 @@ import "C"
 
 import (
 	"context"
-	"time"
 
 	"google.golang.org/grpc/connectivity"
 )
-
-// stateSlice bounds one wait in the library, so that a cancelled context ends
-// WaitForStateChange within it (a cgo call cannot be interrupted).
-const stateSlice = 50 * time.Millisecond
 
 // GetState returns the connection's connectivity state, as grpc-go's ClientConn.GetState:
 // Idle until the first call (or Connect), Ready while a connection to the server is up,
@@ -59,16 +54,21 @@ func (cc *ClientConn) WaitForStateChange(ctx context.Context, sourceState connec
 		if ctx.Err() != nil {
 			return false
 		}
-		slice := stateSlice
-		if d, ok := ctx.Deadline(); ok && time.Until(d) < slice {
-			slice = max(time.Until(d), time.Millisecond)
+		// Waited for in the library through the reactor, with no thread held: any number of
+		// goroutines may wait, and ctx's end abandons the wait at once.
+		ev, ok := cc.r.do(ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
+			var st *C.isthmus_status_t
+			return C.isthmus_channel_wait_state_async(cc.ch, C.uint32_t(sourceState), -1, cq, tag, now, &st), st
+		})
+		if !ok {
+			return false // ctx ended first
 		}
-		var s C.uint32_t
-		switch C.isthmus_channel_wait_state(cc.ch, C.uint32_t(sourceState), C.uint32_t(slice/time.Millisecond), &s) {
+		if ev.status != nil {
+			C.isthmus_status_free(ev.status)
+		}
+		switch ev.code {
 		case C.ISTHMUS_OK:
 			return true
-		case C.ISTHMUS_DEADLINE_EXCEEDED:
-			continue
 		default:
 			// Refused: the handle is gone (closed meanwhile; the next turn sees it), or
 			// sourceState is no state, which the connection's then is not.

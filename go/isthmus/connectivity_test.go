@@ -2,6 +2,9 @@ package isthmus_test
 
 import (
 	"context"
+	"runtime/pprof"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -113,5 +116,45 @@ func TestClosingEndsAWaitForAStateChange(t *testing.T) {
 	}
 	if s := conn.GetState(); s != connectivity.Shutdown {
 		t.Fatalf("%s after Close", s)
+	}
+}
+
+// Goroutines waiting for a state change hold no OS thread each (they wait in the reactor, as
+// calls do): 200 of them start few threads, and all hear the change once it comes. A wait
+// inside a cgo call would hold one thread per goroutine.
+func TestWaitingForAStateChangeHoldsNoThread(t *testing.T) {
+	shm, _ := fresh(t, "waiters") // nobody serves it: the connection stays Idle until asked
+	conn := dial(t, shm)
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	const waiters = 200
+	threads := pprof.Lookup("threadcreate")
+	before := threads.Count()
+	var wg sync.WaitGroup
+	var changed, waiting atomic.Int32
+	for i := 0; i < waiters; i++ {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			waiting.Add(1)
+			if conn.WaitForStateChange(ctx, connectivity.Idle) {
+				changed.Add(1)
+			}
+		}()
+	}
+	for waiting.Load() < waiters {
+		time.Sleep(time.Millisecond)
+	}
+	time.Sleep(100 * time.Millisecond) // into their waits
+	if grew := threads.Count() - before; grew > waiters/4 {
+		t.Fatalf("%d goroutines waiting for a state change started %d threads", waiters, grew)
+	}
+	if n := changed.Load(); n != 0 {
+		t.Fatalf("%d waits ended with no change", n)
+	}
+	conn.Connect()
+	wg.Wait()
+	if n := changed.Load(); n != waiters {
+		t.Fatalf("%d of %d waits heard the change", n, waiters)
 	}
 }

@@ -266,6 +266,16 @@ function cases.state(ch, args)
     return { state = ch:state(args.connect == "1") }
 end
 
+-- Waits for the channel's state to leave `from` (seconds `timeout` at most): the new state, or
+-- the error and the state it stayed.
+function cases.wait_state(ch, args)
+    local ok, r = ch:wait_state(args.from, tonumber(args.timeout))
+    if ok then
+        return { ok = true, state = r }
+    end
+    return { ok = false, code = r.code, state = r.state, message = r.message }
+end
+
 -- A stream whose deadline passes while it waits: one message echoed, then a recv the server
 -- never answers (it waits for the next request).
 function cases.stream_deadline(ch, args)

@@ -416,6 +416,36 @@ def test_channel_state_follows_the_server(nginx: Nginx, stubs: object) -> None:
     await_state(nginx, nobody, "TRANSIENT_FAILURE", "READY")
 
 
+def test_a_wait_for_a_state_change_does_not_block_the_worker(nginx: Nginx, stubs: object) -> None:
+    """`ch:wait_state` yields: while one request waits for its channel to leave IDLE, the same
+    worker answers a plain request and the request that makes the channel connect, and the
+    waiter then hears the change; a wait that runs out of time says DEADLINE_EXCEEDED and the
+    state it stayed."""
+    assert len(nginx.worker_pids()) == 1
+    served = serve("rust", ["shm"], stubs)  # type: ignore[arg-type]
+    target = served.addresses["shm"]
+    try:
+        timed_out = nginx.case("wait_state", target, **{"from": "IDLE", "timeout": 0.05})
+        assert timed_out["ok"] is False and timed_out["state"] == "IDLE", timed_out
+        assert timed_out["code"] == 4, timed_out  # DEADLINE_EXCEEDED
+        result: list[dict] = []
+        waiter = threading.Thread(
+            target=lambda: result.append(nginx.case("wait_state", target, **{"from": "IDLE", "timeout": 60}))
+        )
+        waiter.start()
+        try:
+            time.sleep(0.2)  # the waiter is in its wait (a result before the connect fails below)
+            assert nginx.get("/plain").strip() == "plain"
+            assert not result, f"the wait ended with no change: {result}"
+            nginx.case("state", target, connect=1)
+        finally:
+            waiter.join(60)
+        assert len(result) == 1 and result[0]["ok"] is True, result
+        assert result[0]["state"] in ("CONNECTING", "READY"), result
+    finally:
+        served.close()
+
+
 def serve_at(kind: str, name: str, stubs: object) -> Served:
     """A server of `kind` on shm://`name` (a restart at a known address)."""
     binary = tonic_peer()
@@ -443,11 +473,13 @@ local ok2, m = st:recv()
 assert(st:close_send())
 local ok3, fin = st:recv()
 local ok4, err = ch:unary("/conformance.Echo/Unary", {{ fail_with = 5 }})
-print(r.seq, m.seq, fin == nil, ok4, err.name)
+local ok5, stayed = ch:wait_state("READY", 0.05)
+print(r.seq, m.seq, fin == nil, ok4, err.name, ok5, stayed.name, stayed.state)
 """
     out = subprocess.run([luajit, "-e", script], check=False, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["5", "6", "true", "false", "NOT_FOUND"]
+    want = ["5", "6", "true", "false", "NOT_FOUND", "false", "DEADLINE_EXCEEDED", "READY"]
+    assert out.stdout.split() == want
 
 
 @pytest.fixture(scope="module")

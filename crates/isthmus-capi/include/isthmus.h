@@ -205,17 +205,6 @@ typedef struct {
   uint32_t flags;
 } isthmus_channel_options_t;
 
-// Options of one call. Zero-initialise it, then set what you need; a NULL
-// `isthmus_call_options_t*` means all defaults.
-typedef struct {
-  // The call's deadline, in microseconds from its start; 0 or less for none.
-  int64_t timeout_us;
-  // Initial metadata to send (NULL for none). Copied; the caller still frees it.
-  const isthmus_metadata_t *metadata;
-  // `ISTHMUS_CALL_*` flags ORed together, or 0.
-  uint32_t flags;
-} isthmus_call_options_t;
-
 // Which operation an event completes.
 typedef int32_t isthmus_op_t;
 
@@ -236,7 +225,7 @@ typedef struct {
   isthmus_message_t *message;
   // The message's bytes (as `isthmus_message_data` gives them), valid until it is freed.
   const uint8_t *message_data;
-  // The message's length.
+  // The message's length; `ISTHMUS_OP_STATE`: the channel's state.
   size_t message_len;
   // `ISTHMUS_OP_HEADERS`, `ISTHMUS_OP_UNARY`: the initial metadata; NULL when there is
   // none.
@@ -246,6 +235,17 @@ typedef struct {
   // On failure: the status (code, message, details, trailers).
   isthmus_status_t *status;
 } isthmus_event_t;
+
+// Options of one call. Zero-initialise it, then set what you need; a NULL
+// `isthmus_call_options_t*` means all defaults.
+typedef struct {
+  // The call's deadline, in microseconds from its start; 0 or less for none.
+  int64_t timeout_us;
+  // Initial metadata to send (NULL for none). Copied; the caller still frees it.
+  const isthmus_metadata_t *metadata;
+  // `ISTHMUS_CALL_*` flags ORed together, or 0.
+  uint32_t flags;
+} isthmus_call_options_t;
 
 // Options of a server. Zero-initialise it, then set what you need; NULL means defaults.
 typedef struct {
@@ -425,6 +425,10 @@ typedef struct {
 // past its deadline).
 #define ISTHMUS_OP_DONE 9
 
+// `isthmus_channel_wait_state_async`: the channel's state (`ISTHMUS_STATE_*`) in
+// `message_len`; `ISTHMUS_OK` if it changed, `ISTHMUS_DEADLINE_EXCEEDED` if the time ran out.
+#define ISTHMUS_OP_STATE 10
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -543,6 +547,25 @@ isthmus_code_t isthmus_channel_wait_state(const isthmus_channel_t *channel,
                                           uint32_t last,
                                           uint32_t timeout_ms,
                                           uint32_t *state);
+
+// [`isthmus_channel_wait_state`] without blocking (`ISTHMUS_OP_STATE`: the state in
+// `message_len`, with `ISTHMUS_OK` once it is not `last`, or `ISTHMUS_DEADLINE_EXCEEDED` and
+// the state, still `last`, after `timeout_ms` milliseconds; a negative `timeout_ms` waits
+// without a limit). Give up on it with `isthmus_cq_cancel`. For event loops (nginx, Go's
+// netpoller), where a wait must not hold a thread.
+//
+// Thread-safety: any thread; it never blocks.
+//
+// # Safety
+//
+// `now` is NULL or writable; `status` is NULL or writable.
+isthmus_code_t isthmus_channel_wait_state_async(const isthmus_channel_t *channel,
+                                                uint32_t last,
+                                                int64_t timeout_ms,
+                                                const isthmus_cq_t *cq,
+                                                uint64_t tag,
+                                                isthmus_event_t *now,
+                                                isthmus_status_t **status);
 
 // A unary call, blocking: sends `request` to `path` (`/package.Service/Method`) and waits
 // for the one response. On success `*reply` holds the response message; `*headers` and
@@ -887,7 +910,8 @@ size_t isthmus_cq_poll(const isthmus_cq_t *cq,
 
 // [`isthmus_cq_poll`], but waits first until an event is ready: spinning for up to
 // `spin_us` microseconds, then asleep on the descriptor until `timeout_us` (from the call;
-// negative: no limit) has passed. 0 if none came.
+// negative: no limit) has passed. 0 if none came: the time ran out, `isthmus_cq_wake` woke
+// it, or the operations woken meanwhile have not finished yet (wait again).
 //
 // Thread-safety: any thread, which it blocks (up to `timeout_us`); as `isthmus_cq_poll` otherwise.
 //

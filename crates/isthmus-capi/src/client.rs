@@ -11,7 +11,8 @@ use isthmus::{CallOptions, Code, Config, Status};
 use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
 use crate::cq::{
     cq_get, isthmus_cq_t, isthmus_event_t, start_on, start_spinning_on, Outcome, Queue, ISTHMUS_OP_CLOSE_SEND,
-    ISTHMUS_OP_HEADERS, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_UNARY, NO_SPIN,
+    ISTHMUS_OP_HEADERS, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_STATE, ISTHMUS_OP_UNARY,
+    NO_SPIN,
 };
 use crate::handle::Registry;
 use crate::object::{
@@ -398,6 +399,53 @@ pub unsafe extern "C" fn isthmus_channel_wait_state(
             Ok((now, result))
         })
     }
+}
+
+/// [`isthmus_channel_wait_state`] without blocking (`ISTHMUS_OP_STATE`: the state in
+/// `message_len`, with `ISTHMUS_OK` once it is not `last`, or `ISTHMUS_DEADLINE_EXCEEDED` and
+/// the state, still `last`, after `timeout_ms` milliseconds; a negative `timeout_ms` waits
+/// without a limit). Give up on it with `isthmus_cq_cancel`. For event loops (nginx, Go's
+/// netpoller), where a wait must not hold a thread.
+///
+/// Thread-safety: any thread; it never blocks.
+///
+/// # Safety
+///
+/// `now` is NULL or writable; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_channel_wait_state_async(
+    channel: *const isthmus_channel_t,
+    last: u32,
+    timeout_ms: i64,
+    cq: *const isthmus_cq_t,
+    tag: u64,
+    now: *mut isthmus_event_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    let until = u64::try_from(timeout_ms).ok().map(|ms| std::time::Instant::now() + Duration::from_millis(ms));
+    start_on(CHANNELS.get(channel), cq, tag, ISTHMUS_OP_STATE, now, status, |channel| {
+        if last > ISTHMUS_STATE_SHUTDOWN {
+            return Err(invalid(format!("{last} is not a connectivity state")));
+        }
+        Ok(async move {
+            loop {
+                let state = channel.state(false);
+                let left = until.map(|u| u.saturating_duration_since(std::time::Instant::now()));
+                if state as u32 != last {
+                    return Outcome::State(state as u32, None);
+                }
+                if left.is_some_and(|l| l.is_zero()) {
+                    let why = format!("the state stayed {state:?} for {timeout_ms} ms");
+                    return Outcome::State(state as u32, Some(Status::new(Code::DeadlineExceeded, why)));
+                }
+                // As the blocking wait: the engine's connection announces its changes, the fast
+                // path's is looked at every STATE_POLL.
+                let engine = channel.engine.connectivity(false);
+                let slice = left.map_or(STATE_POLL, |l| l.min(STATE_POLL));
+                let _ = tokio::time::timeout(slice, channel.engine.connectivity_changed(engine)).await;
+            }
+        })
+    })
 }
 
 /// A unary call, blocking: sends `request` to `path` (`/package.Service/Method`) and waits

@@ -67,6 +67,9 @@ pub const ISTHMUS_OP_SEND_HEADERS: isthmus_op_t = 8;
 /// `isthmus_server_call_done_async`: the call is over (finished, cancelled by its client, or
 /// past its deadline).
 pub const ISTHMUS_OP_DONE: isthmus_op_t = 9;
+/// `isthmus_channel_wait_state_async`: the channel's state (`ISTHMUS_STATE_*`) in
+/// `message_len`; `ISTHMUS_OK` if it changed, `ISTHMUS_DEADLINE_EXCEEDED` if the time ran out.
+pub const ISTHMUS_OP_STATE: isthmus_op_t = 10;
 
 /// One finished operation. Every non-NULL handle in it belongs to the caller, who frees it.
 #[repr(C)]
@@ -86,7 +89,7 @@ pub struct isthmus_event_t {
     pub message: *mut isthmus_message_t,
     /// The message's bytes (as `isthmus_message_data` gives them), valid until it is freed.
     pub message_data: *const u8,
-    /// The message's length.
+    /// The message's length; `ISTHMUS_OP_STATE`: the channel's state.
     pub message_len: usize,
     /// `ISTHMUS_OP_HEADERS`, `ISTHMUS_OP_UNARY`: the initial metadata; NULL when there is
     /// none.
@@ -104,6 +107,8 @@ pub(crate) enum Outcome {
     Message(Option<Bytes>),
     Metadata(MetadataMap),
     NewCall(Arc<HandedCall>),
+    /// A channel's state, and why the wait for a change ended without one.
+    State(u32, Option<Status>),
     Done,
     Failed(Status),
 }
@@ -152,6 +157,13 @@ impl Outcome {
             // Asked for, so given even when empty.
             Outcome::Metadata(md) => ev.metadata = metadata_handle(md),
             Outcome::NewCall(call) => ev.server_call = server_call_handle(call),
+            Outcome::State(state, why) => {
+                ev.message_len = state as usize;
+                if let Some(status) = why {
+                    ev.code = status.code() as isthmus_code_t;
+                    ev.status = status_handle(&status);
+                }
+            }
             Outcome::Failed(status) => {
                 ev.code = status.code() as isthmus_code_t;
                 ev.status = status_handle(&status);
@@ -407,7 +419,8 @@ pub unsafe extern "C" fn isthmus_cq_poll(
 
 /// [`isthmus_cq_poll`], but waits first until an event is ready: spinning for up to
 /// `spin_us` microseconds, then asleep on the descriptor until `timeout_us` (from the call;
-/// negative: no limit) has passed. 0 if none came.
+/// negative: no limit) has passed. 0 if none came: the time ran out, `isthmus_cq_wake` woke
+/// it, or the operations woken meanwhile have not finished yet (wait again).
 ///
 /// Thread-safety: any thread, which it blocks (up to `timeout_us`); as `isthmus_cq_poll` otherwise.
 ///

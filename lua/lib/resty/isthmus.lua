@@ -101,6 +101,8 @@ isthmus_code_t isthmus_channel_new(const char *target, const isthmus_channel_opt
 isthmus_code_t isthmus_channel_close(isthmus_channel_t *channel);
 isthmus_code_t isthmus_channel_set_spin(const isthmus_channel_t *channel, uint32_t spin_us);
 isthmus_code_t isthmus_channel_state(const isthmus_channel_t *channel, int32_t try_to_connect, uint32_t *state);
+isthmus_code_t isthmus_channel_wait_state(const isthmus_channel_t *channel, uint32_t last, uint32_t timeout_ms, uint32_t *state);
+isthmus_code_t isthmus_channel_wait_state_async(const isthmus_channel_t *channel, uint32_t last, int64_t timeout_ms, const isthmus_cq_t *cq, uint64_t tag, isthmus_event_t *now, isthmus_status_t **status);
 isthmus_code_t isthmus_channel_stats(const isthmus_channel_t *channel, isthmus_stats_t *out, size_t size);
 isthmus_code_t isthmus_unary(const isthmus_channel_t *channel, const char *path, const uint8_t *request, size_t request_len, const isthmus_call_options_t *opts, isthmus_message_t **reply, isthmus_metadata_t **headers, isthmus_metadata_t **trailers, isthmus_status_t **status);
 isthmus_code_t isthmus_unary_async(const isthmus_channel_t *channel, const char *path, const uint8_t *request, size_t request_len, const isthmus_call_options_t *opts, const isthmus_cq_t *cq, uint64_t tag, isthmus_event_t *now, isthmus_status_t **status);
@@ -142,6 +144,7 @@ isthmus_code_t isthmus_proto_free(isthmus_proto_t *proto);
 local ABI_VERSION = 1
 local OK, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, UNAVAILABLE = 0, 2, 3, 4, 14
 local CALL_SPIN = 2
+local OP_STATE = 10
 local CHANNEL_UPGRADE, CHANNEL_NO_UPGRADE = 1, 2
 local PROTO_REQUEST, PROTO_RESPONSE = 0, 1
 local STATES = { [0] = "IDLE", "CONNECTING", "READY", "TRANSIENT_FAILURE", "SHUTDOWN" }
@@ -445,6 +448,9 @@ local watching = false
 -- An event as a plain outcome table; frees or takes over every handle in it.
 local function outcome(ev)
     local r = { code = ev.code, op = ev.op }
+    if ev.op == OP_STATE then
+        r.state = tonumber(ev.message_len) -- a channel's state, changed or not
+    end
     if ev.code ~= OK then
         r.err = take_status(ev.status, ev.code)
         return r
@@ -836,6 +842,48 @@ function Channel:state(try_to_connect)
         return "SHUTDOWN"
     end
     return STATES[tonumber(state_out[0])]
+end
+
+local STATE_NUMBERS = {}
+for n, name in pairs(STATES) do STATE_NUMBERS[name] = n end
+local WAIT_MS_MAX = 2 ^ 32 - 1
+
+--- Waits until the channel's state is not `last` (a name, as `state` gives it), for `timeout`
+--- seconds at most (nil: no limit): true, the new state; or false, err, with err.code
+--- DEADLINE_EXCEEDED and err.state `last` once the time ran out (grpc-go's
+--- WaitForStateChange). In a yieldable phase the worker serves other requests meanwhile;
+--- elsewhere (init_worker, plain LuaJIT) it blocks. A closed channel is "SHUTDOWN", for good.
+function Channel:wait_state(last, timeout)
+    local from = STATE_NUMBERS[last]
+    if from == nil then
+        return false, new_error(INVALID_ARGUMENT, ("%s is not a connectivity state"):format(tostring(last)))
+    end
+    local h = self.handle
+    if h == nil then
+        if last ~= "SHUTDOWN" then
+            return true, "SHUTDOWN"
+        end
+        return false, new_error(UNAVAILABLE, "the channel is closed")
+    end
+    if can_yield() then
+        local q, tag = queue(), fresh_tag()
+        local ms = timeout and math.max(math.floor(timeout * 1000), 0) or -1
+        local rc = C.isthmus_channel_wait_state_async(h, from, ms, q, tag, now, status_out)
+        local r = finish_async(rc, tag, (timeout or FOREVER) + 1)
+        if r.err then
+            r.err.state = r.state and STATES[r.state]
+            return false, r.err
+        end
+        return true, STATES[r.state]
+    end
+    local ms = timeout and math.min(math.max(math.floor(timeout * 1000), 0), WAIT_MS_MAX) or WAIT_MS_MAX
+    local rc = C.isthmus_channel_wait_state(h, from, ms, state_out)
+    if rc == OK then
+        return true, STATES[tonumber(state_out[0])]
+    end
+    local err = new_error(rc, rc == DEADLINE_EXCEEDED and ("the state stayed %s"):format(last) or "the wait failed")
+    err.state = rc == DEADLINE_EXCEEDED and last or nil
+    return false, err
 end
 
 -- The fields of isthmus_stats_t a channel's stats give, besides calls_finished. (The header's

@@ -1991,6 +1991,69 @@ static int reach_state(isthmus_channel_t *ch, uint32_t want, uint32_t never) {
   return 1;
 }
 
+/* The next event on `cq` within 10 s, which must be operation `tag`'s. (A wait may end with
+ * none: a woken operation that has not finished yet.) */
+static int next_event(isthmus_cq_t *cq, uint64_t tag, isthmus_event_t *ev) {
+  double until = now_s() + 10;
+  size_t got = 0;
+  while (got == 0 && now_s() < until) got = isthmus_cq_wait(cq, ev, 1, 0, 100 * 1000);
+  REQUIRE(got == 1, "no event for operation %llu in 10 s", (unsigned long long)tag);
+  REQUIRE(ev->tag == tag && ev->op == ISTHMUS_OP_STATE, "event %llu op %d", (unsigned long long)ev->tag, ev->op);
+  return 1;
+}
+
+/* isthmus_channel_wait_state_async: a wait that ends with the change it waited for, one that
+ * runs out of time with the state unchanged, one given up (no event after
+ * isthmus_cq_cancel), and bad arguments refused, on a completion queue. */
+static int check_state_async(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_channel_t *ch = NULL;
+  isthmus_event_t ev, now;
+  isthmus_cq_t *cq = isthmus_cq_new();
+  REQUIRE(cq != NULL, "a completion queue");
+  INVALID(isthmus_channel_wait_state_async(NULL, ISTHMUS_STATE_IDLE, -1, cq, 1, NULL, &st));
+  INVALID(isthmus_channel_wait_state_async(c->ch, ISTHMUS_STATE_SHUTDOWN + 1, -1, cq, 1, NULL, &st));
+  INVALID(isthmus_channel_wait_state_async(c->ch, ISTHMUS_STATE_IDLE, -1, NULL, 1, NULL, &st));
+
+  /* A state that is not the current one: the answer comes at once, in `now`. */
+  MUST(isthmus_channel_new(c->target, NULL, &ch, &st));
+  memset(&now, 0, sizeof now);
+  MUST(isthmus_channel_wait_state_async(ch, ISTHMUS_STATE_READY, -1, cq, 1, &now, &st));
+  REQUIRE(now.op == ISTHMUS_OP_STATE && now.code == ISTHMUS_OK && now.message_len == ISTHMUS_STATE_IDLE,
+          "at once: op %d code %d state %zu", now.op, now.code, now.message_len);
+
+  /* Out of time: DEADLINE_EXCEEDED, with the state, still IDLE, and a status. */
+  MUST(isthmus_channel_wait_state_async(ch, ISTHMUS_STATE_IDLE, 20, cq, 2, NULL, &st));
+  if (!next_event(cq, 2, &ev)) return 0;
+  REQUIRE(ev.code == ISTHMUS_DEADLINE_EXCEEDED && ev.message_len == ISTHMUS_STATE_IDLE && ev.status != NULL,
+          "timed out: code %d state %zu", ev.code, ev.message_len);
+  isthmus_status_free(ev.status);
+
+  /* Given up: cancelled, nothing comes. */
+  MUST(isthmus_channel_wait_state_async(ch, ISTHMUS_STATE_IDLE, -1, cq, 3, NULL, &st));
+  MUST(isthmus_cq_cancel(cq, 3));
+  double quiet = now_s() + 0.05;
+  while (now_s() < quiet) REQUIRE(isthmus_cq_wait(cq, &ev, 1, 0, 10 * 1000) == 0, "an event for a cancelled wait");
+
+  /* The change: asked to connect, the channel leaves IDLE, and the waiter hears it. */
+  MUST(isthmus_channel_wait_state_async(ch, ISTHMUS_STATE_IDLE, -1, cq, 4, NULL, &st));
+  uint32_t s = 99;
+  MUST(isthmus_channel_state(ch, 1, &s));
+  if (!next_event(cq, 4, &ev)) return 0;
+  REQUIRE(ev.code == ISTHMUS_OK && ev.message_len != ISTHMUS_STATE_IDLE, "changed: code %d state %zu", ev.code,
+          ev.message_len);
+
+  /* Closing the channel ends a wait on any other state: SHUTDOWN. */
+  if (!reach_state(ch, ISTHMUS_STATE_READY, ISTHMUS_STATE_SHUTDOWN)) return 0;
+  MUST(isthmus_channel_wait_state_async(ch, ISTHMUS_STATE_READY, -1, cq, 5, NULL, &st));
+  MUST(isthmus_channel_close(ch));
+  if (!next_event(cq, 5, &ev)) return 0;
+  REQUIRE(ev.code == ISTHMUS_OK && ev.message_len == ISTHMUS_STATE_SHUTDOWN, "closed: code %d state %zu", ev.code,
+          ev.message_len);
+  MUST(isthmus_cq_free(cq));
+  return 1;
+}
+
 /* Connectivity: a new channel is IDLE until asked to connect, then reaches READY in the
  * background; the shared channel is READY after its calls; a channel to nobody fails; a
  * closed handle and bad arguments are refused. */
@@ -2022,7 +2085,7 @@ static int check_connectivity(ctx_t *c) {
   MUST(isthmus_channel_state(ch, 1, &s));
   if (!reach_state(ch, ISTHMUS_STATE_TRANSIENT_FAILURE, ISTHMUS_STATE_READY)) return 0;
   MUST(isthmus_channel_close(ch));
-  return 1;
+  return check_state_async(c);
 }
 
 /* ---- one thread frees or stops what another waits on ---- */
