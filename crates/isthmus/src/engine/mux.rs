@@ -841,16 +841,11 @@ impl Mux {
             Event::End(status) | Event::Final(_, status) => Some(status.code()),
             _ => None,
         };
-        // The call is woken, and an ended stream closed, once the table is unlocked (`push`).
+        // The call is woken, a server call's cancel fired and an ended stream closed once the
+        // table is unlocked (`push`): each may wake a task.
         let (waker, ended) = {
             let Ok(mut s) = self.streams.lock() else { return };
-            let mut waker = None;
-            if let Some(entry) = s.get(&id) {
-                waker = self.push(entry, ev);
-                if let (Some(code), true) = (end, entry.serving) {
-                    entry.shared.cancel.fire(code);
-                }
-            }
+            let waker = s.get(&id).and_then(|entry| self.push(entry, ev));
             let ended = end.and_then(|_| s.remove(&id));
             if ended.is_some() {
                 self.open.store(s.len(), Ordering::Relaxed);
@@ -860,7 +855,10 @@ impl Mux {
         if let Some(w) = waker {
             w.wake();
         }
-        if let Some(e) = ended {
+        if let (Some(e), Some(code)) = (ended, end) {
+            if e.serving {
+                e.shared.cancel.fire(code);
+            }
             e.close();
         }
     }
