@@ -54,6 +54,9 @@
 //!   agreed to one-frame calls) and the call's end sends it inside its TRAILERS: a unary reply is
 //!   then one frame (protocol 13.9, ADR 0025). A binding's one-step reply (`HandedCall::try_reply`)
 //!   goes the same way.
+//! - `set_compression(c)` chooses how the call's replies are compressed over HTTP/2; on a call
+//!   from the server's own bridge it becomes the reply metadata `x-isthmus-reply-encoding` (in
+//!   HEADERS, so those go before the first message), which the bridge reads and removes.
 //! - Sends and allocations are not bounded by the deadline themselves: dropping the handler at the
 //!   deadline bounds them. A send on an ended stream fails with the connection's status if it died,
 //!   else CANCELLED.
