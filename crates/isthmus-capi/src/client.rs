@@ -375,30 +375,39 @@ pub unsafe extern "C" fn isthmus_channel_wait_state(
             // The handle may be closed meanwhile: this keeps the channel until the wait ends.
             let channel = CHANNELS.get(channel)?;
             let until = std::time::Instant::now() + Duration::from_millis(timeout_ms.into());
-            let now = loop {
-                let now = channel.state(false);
-                let left = until.saturating_duration_since(std::time::Instant::now());
-                if now as u32 != last || left.is_zero() {
-                    break now;
-                }
-                // The engine's connection announces its changes; the fast path's is looked at
-                // every STATE_POLL.
-                let engine = channel.engine.connectivity(false);
-                // The timer is made inside: it needs the runtime that `block_on` enters.
-                block_on(async {
-                    let _ =
-                        tokio::time::timeout(left.min(STATE_POLL), channel.engine.connectivity_changed(engine)).await;
-                });
-            };
+            let now = block_on(state_other_than(&channel, last, Some(until)));
             let result = match now as u32 == last {
-                true => {
-                    Err(Status::new(Code::DeadlineExceeded, format!("the state stayed {now:?} for {timeout_ms} ms")))
-                }
+                true => Err(stayed(now, timeout_ms)),
                 false => Ok(()),
             };
             Ok((now, result))
         })
     }
+}
+
+/// Waits until `channel`'s state is not `last`, or until `until` (`None`: no limit): the state
+/// then. The engine's connection announces its changes; the fast path's is looked at every
+/// `STATE_POLL`.
+async fn state_other_than(
+    channel: &isthmus_channel_t,
+    last: u32,
+    until: Option<std::time::Instant>,
+) -> isthmus::Connectivity {
+    loop {
+        let state = channel.state(false);
+        let left = until.map(|u| u.saturating_duration_since(std::time::Instant::now()));
+        if state as u32 != last || left.is_some_and(|l| l.is_zero()) {
+            return state;
+        }
+        let engine = channel.engine.connectivity(false);
+        let slice = left.map_or(STATE_POLL, |l| l.min(STATE_POLL));
+        let _ = tokio::time::timeout(slice, channel.engine.connectivity_changed(engine)).await;
+    }
+}
+
+/// The status of a wait for a state change that ran out of time.
+fn stayed(state: isthmus::Connectivity, timeout_ms: impl std::fmt::Display) -> Status {
+    Status::new(Code::DeadlineExceeded, format!("the state stayed {state:?} for {timeout_ms} ms"))
 }
 
 /// [`isthmus_channel_wait_state`] without blocking (`ISTHMUS_OP_STATE`: the state in
@@ -428,22 +437,8 @@ pub unsafe extern "C" fn isthmus_channel_wait_state_async(
             return Err(invalid(format!("{last} is not a connectivity state")));
         }
         Ok(async move {
-            loop {
-                let state = channel.state(false);
-                let left = until.map(|u| u.saturating_duration_since(std::time::Instant::now()));
-                if state as u32 != last {
-                    return Outcome::State(state as u32, None);
-                }
-                if left.is_some_and(|l| l.is_zero()) {
-                    let why = format!("the state stayed {state:?} for {timeout_ms} ms");
-                    return Outcome::State(state as u32, Some(Status::new(Code::DeadlineExceeded, why)));
-                }
-                // As the blocking wait: the engine's connection announces its changes, the fast
-                // path's is looked at every STATE_POLL.
-                let engine = channel.engine.connectivity(false);
-                let slice = left.map_or(STATE_POLL, |l| l.min(STATE_POLL));
-                let _ = tokio::time::timeout(slice, channel.engine.connectivity_changed(engine)).await;
-            }
+            let state = state_other_than(&channel, last, until).await;
+            Outcome::State(state as u32, (state as u32 == last).then(|| stayed(state, timeout_ms)))
         })
     })
 }

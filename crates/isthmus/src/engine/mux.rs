@@ -971,17 +971,17 @@ impl Mux {
                 .charge_arrival(message.len())
                 .then(|| self.push(entry, if half_close { Event::Last(message) } else { Event::Message(message) }))
         };
-        if let Some(waker) = charged {
-            if let Some(w) = waker {
-                w.wake();
-            }
-            return None;
+        let Some(waker) = charged else {
+            let status = Status::new(
+                Code::Internal,
+                format!("the peer sent on stream {id} past its flow-control window ({} bytes)", crate::INITIAL_WINDOW),
+            );
+            return self.end_broken(id, status, Reply::cancel(id, Code::Internal));
+        };
+        if let Some(w) = waker {
+            w.wake();
         }
-        let status = Status::new(
-            Code::Internal,
-            format!("the peer sent on stream {id} past its flow-control window ({} bytes)", crate::INITIAL_WINDOW),
-        );
-        self.end_broken(id, status, Reply::cancel(id, Code::Internal))
+        None
     }
 
     /// Ends a call the peer broke (past its window, a message too large) with `status`, and

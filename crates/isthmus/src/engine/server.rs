@@ -384,13 +384,20 @@ impl ServerCall {
         true
     }
 
+    /// Sends the initial metadata now if a choice of compression is pending: it goes with them,
+    /// and a message would imply them empty.
+    async fn send_chosen_encoding(&mut self) -> Result<(), Status> {
+        match self.reply_encoding.is_some() && !self.headers_sent {
+            true => self.send_headers(MetadataMap::new()).await,
+            false => Ok(()),
+        }
+    }
+
     /// Waits for credit to send `len` bytes. Initial metadata not sent by now is empty, which
     /// the first MESSAGE implies on its own (protocol 13.7, rule 2): one frame less per call;
     /// unless a choice of compression must go with them (`set_compression`).
     async fn ready_to_send(&mut self, len: usize) -> Result<(), Status> {
-        if self.reply_encoding.is_some() && !self.headers_sent {
-            self.send_headers(MetadataMap::new()).await?;
-        }
+        self.send_chosen_encoding().await?;
         self.headers_sent = true;
         // Credit owed to the client goes first: it may be waiting for it to send what this
         // handler waits for.
@@ -527,9 +534,7 @@ impl ServerCall {
     /// publisher (see [`Direct`]). Initial metadata counts as sent from now on: a message may go
     /// at any moment, and it implies them; a choice of compression goes first, in HEADERS.
     pub(crate) async fn direct(&mut self) -> Result<Direct, Status> {
-        if self.reply_encoding.is_some() && !self.headers_sent {
-            self.send_headers(MetadataMap::new()).await?;
-        }
+        self.send_chosen_encoding().await?;
         self.headers_sent = true;
         Ok(Direct { sender: self.mux.sender.clone(), id: self.id, shared: self.shared.clone() })
     }
