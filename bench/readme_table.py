@@ -189,6 +189,15 @@ def main() -> int:
                 "",
                 f"64 B with 32 in flight: go-isthmus-shm {r32[0] / 1e3:.0f} k calls/s, go-grpc-uds {r32[2] / 1e3:.0f} k ({r32[0] / r32[2]:.1f}×).",
             ]
+        gr = (
+            med("go-isthmus-shm-goroutines", 64, 1, "p50_us"),
+            med("go-isthmus-shm-goroutines", 64, 32, "rps"),
+        )
+        if None not in gr:
+            rows += [
+                "",
+                f"go-isthmus-shm's server runs its unary handlers on the connection's reader (`InlineUnary`); with `NewServer`'s defaults, each handler on a goroutine (`go-isthmus-shm-goroutines`), 64 B p50 {fmt(gr[0])}, 32 in flight {gr[1] / 1e3:.0f} k calls/s.",
+            ]
         dl = [med(s, 64, 1, "p50_us") for s in ("go-isthmus-shm-deadline", "go-grpc-uds-deadline")]
         if None not in dl:
             rows += [

@@ -15,6 +15,7 @@ import (
 	"runtime"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -222,7 +223,8 @@ func (s *Server) Start(targets ...string) error {
 			code = addInlineHandler(srv, cname, s, m, &st)
 		} else {
 			// A new call's tag stays registered: the reactor keeps NEW_CALL tags after delivery.
-			tag := r.tag(func(ev C.isthmus_event_t) { s.handlers.Add(1); go s.handle(m, ev.server_call) })
+			tag := r.tag(func(ev C.isthmus_event_t) { s.handlers.Add(1); go s.serveFrom(m, ev.server_call) })
+			queuedMethods.Store(tag, &inlineEntry{s: s, m: m})
 			code = C.isthmus_server_add_handler_cq(srv, cname, r.cq, C.uint64_t(tag), &st)
 		}
 		C.free(unsafe.Pointer(cname))
@@ -320,6 +322,49 @@ func (s *Server) shutdown(grace time.Duration) {
 		}
 		close(s.serving)
 	})
+}
+
+// queuedMethods maps the tag of each method whose calls come through the reactor's queue to
+// its server and method, for the calls a handler's goroutine takes itself (serveFrom).
+var queuedMethods sync.Map // uint64 → *inlineEntry
+
+// takenCalls counts the calls serveFrom took (for tests).
+var takenCalls atomic.Int64
+
+// takeSpin is how long a goroutine that has finished a call waits on its thread for the next.
+const takeSpin = 50 // µs
+
+// serveFrom runs the call's handler, then takes the process's next new call itself if one
+// comes within takeSpin (isthmus_cq_take_call), while a thread may be held (hold), and runs
+// that one too. A call that comes while no goroutine waits so goes through the reactor as
+// before: a wake-up of the reactor's thread and of a thread for the handler's goroutine,
+// 26-72 µs on two vCPUs, against 4.3-6.0 µs for a call taken here (ADR 0028).
+func (s *Server) serveFrom(m *method, sc *C.isthmus_server_call_t) {
+	for {
+		s.handle(m, sc)
+		if !hold() {
+			return
+		}
+		var tag C.uint64_t
+		var next *C.isthmus_server_call_t
+		code := C.isthmus_cq_take_call(s.r.cq, takeSpin, &tag, &next, nil)
+		release()
+		if code != C.ISTHMUS_OK || next == nil {
+			return
+		}
+		e, ok := queuedMethods.Load(uint64(tag))
+		if !ok {
+			// Every tag on the queue's handlers is in the map before its server starts.
+			msg := C.CString("isthmus: a call for an unknown handler")
+			C.isthmus_server_call_finish(next, C.ISTHMUS_INTERNAL, msg, nil, nil)
+			C.free(unsafe.Pointer(msg))
+			return
+		}
+		takenCalls.Add(1)
+		target := e.(*inlineEntry)
+		s, m, sc = target.s, target.m, next
+		s.handlers.Add(1)
+	}
 }
 
 // handle runs one call's handler and ends the call with its outcome.

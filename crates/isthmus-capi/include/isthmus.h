@@ -1218,6 +1218,26 @@ isthmus_code_t isthmus_server_add_handler_cq(const isthmus_server_t *server,
                                              uint64_t tag,
                                              isthmus_status_t **status);
 
+// Waits up to `spin_us` microseconds on the calling thread for a new call of a handler
+// registered on `cq` (`isthmus_server_add_handler_cq`), and takes it: `*tag` and `*call` are
+// set as its `ISTHMUS_OP_NEW_CALL` event would set them, and that event never comes. `*call`
+// is NULL (and `*tag` 0) if none came in time, or at once if another thread waits here
+// already: one thread waits at a time. Meant for the thread that has just finished a call:
+// the next call then reaches it with no wake-up of the queue's waiter. Calls that come while
+// nobody waits here go to the queue as before. The thread also reads the connection of the
+// latest call meanwhile, so a call on it may start (and a callback handler run) on this thread.
+//
+// Thread-safety: any thread, which it holds for up to `spin_us`.
+//
+// # Safety
+//
+// `tag` and `call` are writable; `status` is NULL or writable.
+isthmus_code_t isthmus_cq_take_call(const isthmus_cq_t *cq,
+                                    uint32_t spin_us,
+                                    uint64_t *tag,
+                                    isthmus_server_call_t **call,
+                                    isthmus_status_t **status);
+
 // Binds every target in `targets` (`count` NUL-terminated strings: `shm://NAME`,
 // `unix:///path.sock`, `http://host:port`) and starts serving them in the background.
 // Clients can connect as soon as this returns. A server starts once.

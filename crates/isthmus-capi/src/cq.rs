@@ -31,6 +31,8 @@ pub struct isthmus_cq_t {
     overflow: std::sync::Mutex<std::collections::VecDeque<(u64, (isthmus_op_t, Outcome))>>,
     /// The socket `isthmus_cq_bell_listen` made, until its connection is accepted.
     bell: std::sync::Mutex<Option<BellListener>>,
+    /// New calls for a thread that spins for one (`isthmus_cq_take_call`).
+    pub(crate) taker: Arc<crate::server::Taker>,
 }
 
 /// A listening socket in a fresh directory only this user may enter; both are removed when it
@@ -369,9 +371,12 @@ where
 #[no_mangle]
 pub extern "C" fn isthmus_cq_new() -> *mut isthmus_cq_t {
     guard(std::ptr::null_mut(), || match Completions::new() {
-        Ok(completions) => {
-            QUEUES.add(isthmus_cq_t { completions, overflow: Default::default(), bell: Default::default() })
-        }
+        Ok(completions) => QUEUES.add(isthmus_cq_t {
+            completions,
+            overflow: Default::default(),
+            bell: Default::default(),
+            taker: Default::default(),
+        }),
         Err(_) => std::ptr::null_mut(),
     })
 }

@@ -1,12 +1,14 @@
 //! Servers: handlers registered by method path, as C callbacks or as events on a completion
 //! queue; each call is handed to its handler as an `isthmus_server_call_t` that the handler
-//! answers from any thread, now or later, and ends with `isthmus_server_call_finish`.
+//! answers from any thread, now or later, and ends with `isthmus_server_call_finish`. A thread
+//! that spins in `isthmus_cq_take_call` takes a queue's next call before it is queued (`Taker`).
 
 use std::ffi::{c_char, c_void};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use isthmus::binding::{block_on, hand_off, runtime, HandedCall};
+use isthmus::binding::{block_on, hand_off, runtime, HandedCall, Lender};
 use isthmus::{Code, Config, Handler, HandlerFuture, Status};
 
 use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
@@ -69,7 +71,81 @@ pub(crate) static SERVERS: Registry<isthmus_server_t> = Registry::new("server");
 /// Where a handler's calls go.
 enum Deliver {
     Callback { f: unsafe extern "C" fn(*mut c_void, *mut isthmus_server_call_t), user_data: usize },
-    Queue { cq: Queue, tag: u64 },
+    Queue { cq: Queue, tag: u64, taker: Arc<Taker> },
+}
+
+/// A queue's new calls, offered first to the one thread that spins for one
+/// (`isthmus_cq_take_call`): the thread that has just finished a call takes the next with no
+/// trip through the queue, whose waiter sleeps and a wake-up costs (tens of µs on two vCPUs;
+/// a Go server's unary call took 26-72 µs that way against 4.3-6.0 µs taken). While it spins it
+/// reads the connection of the latest call (`Lender::serve_here`, ADR 0020), so the call that
+/// comes next on it starts on this thread with no reader in between. At most one thread spins,
+/// so idle threads never take both cores.
+#[derive(Default)]
+pub(crate) struct Taker {
+    slot: Mutex<TakerSlot>,
+    /// A call waits in the slot: what the spinner watches without the lock.
+    ready: AtomicBool,
+}
+
+#[derive(Default)]
+struct TakerSlot {
+    spinning: bool,
+    call: Option<(u64, Arc<HandedCall>)>,
+    /// The connection of the latest call offered.
+    last: Option<Lender>,
+}
+
+impl Taker {
+    fn lock(&self) -> std::sync::MutexGuard<'_, TakerSlot> {
+        // Nothing panics while holding it.
+        self.slot.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Gives `call` to the spinner, if one spins with empty hands; else it comes back, for
+    /// the queue.
+    fn offer(&self, tag: u64, call: Arc<HandedCall>) -> Option<Arc<HandedCall>> {
+        let mut slot = self.lock();
+        if !matches!((&slot.last, call.connection()), (Some(a), Some(b)) if a.same(b)) {
+            slot.last = call.connection().cloned();
+        }
+        if slot.spinning && slot.call.is_none() {
+            slot.call = Some((tag, call));
+            self.ready.store(true, Ordering::Release);
+            return None;
+        }
+        Some(call)
+    }
+
+    /// Waits up to `spin` for a call offered; `None` at once if another thread spins. A call
+    /// offered is taken under the lock that also ends the spin, so none is left behind.
+    fn take(&self, spin: Duration) -> Option<(u64, Arc<HandedCall>)> {
+        let last = {
+            let mut slot = self.lock();
+            if slot.spinning {
+                return None;
+            }
+            slot.spinning = true;
+            slot.last.clone()
+        };
+        let start = Instant::now();
+        if let Some(connection) = last {
+            // A panic there ends that connection (its reader finds the lent receiver
+            // poisoned); the slot must still be left right.
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                connection.serve_here(spin, || self.ready.load(Ordering::Acquire));
+            }));
+        }
+        // Every look yields the core: the client and the connection's reader may need it for
+        // the next call to come at all.
+        while !self.ready.load(Ordering::Acquire) && start.elapsed() < spin {
+            std::thread::yield_now();
+        }
+        let mut slot = self.lock();
+        slot.spinning = false;
+        self.ready.store(false, Ordering::Release);
+        slot.call.take()
+    }
 }
 
 impl Handler for Deliver {
@@ -82,8 +158,10 @@ impl Handler for Deliver {
                     // server's life; the handle is live until the handler finishes it.
                     unsafe { f(*user_data as *mut c_void, handle) };
                 }
-                Deliver::Queue { cq, tag } => {
-                    cq.run(*tag, ISTHMUS_OP_NEW_CALL, std::future::ready(Outcome::NewCall(handed)));
+                Deliver::Queue { cq, tag, taker } => {
+                    if let Some(handed) = taker.offer(*tag, handed) {
+                        cq.run(*tag, ISTHMUS_OP_NEW_CALL, std::future::ready(Outcome::NewCall(handed)));
+                    }
                 }
             }
             Ok(())
@@ -233,10 +311,52 @@ pub unsafe extern "C" fn isthmus_server_add_handler_cq(
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
+        let taker = crate::cq::QUEUES.get(cq)?.taker.clone();
         let cq = cq_get(cq)?;
         // SAFETY: the caller's promise, passed on.
         let path = unsafe { path_arg(path)? };
-        add_handler(server, path, Deliver::Queue { cq, tag })
+        add_handler(server, path, Deliver::Queue { cq, tag, taker })
+    })
+}
+
+/// Waits up to `spin_us` microseconds on the calling thread for a new call of a handler
+/// registered on `cq` (`isthmus_server_add_handler_cq`), and takes it: `*tag` and `*call` are
+/// set as its `ISTHMUS_OP_NEW_CALL` event would set them, and that event never comes. `*call`
+/// is NULL (and `*tag` 0) if none came in time, or at once if another thread waits here
+/// already: one thread waits at a time. Meant for the thread that has just finished a call:
+/// the next call then reaches it with no wake-up of the queue's waiter. Calls that come while
+/// nobody waits here go to the queue as before. The thread also reads the connection of the
+/// latest call meanwhile, so a call on it may start (and a callback handler run) on this thread.
+///
+/// Thread-safety: any thread, which it holds for up to `spin_us`.
+///
+/// # Safety
+///
+/// `tag` and `call` are writable; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_cq_take_call(
+    cq: *const isthmus_cq_t,
+    spin_us: u32,
+    tag: *mut u64,
+    call: *mut *mut isthmus_server_call_t,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        if tag.is_null() || call.is_null() {
+            return Err(invalid("tag or call is NULL"));
+        }
+        let taker = crate::cq::QUEUES.get(cq)?.taker.clone();
+        let taken = taker.take(Duration::from_micros(u64::from(spin_us)));
+        let (t, handle) = match taken {
+            Some((t, handed)) => (t, server_call_handle(handed)),
+            None => (0, std::ptr::null_mut()),
+        };
+        // SAFETY: both checked not NULL; the caller promises them writable.
+        unsafe {
+            tag.write(t);
+            call.write(handle);
+        }
+        Ok(())
     })
 }
 

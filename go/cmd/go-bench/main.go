@@ -1,7 +1,10 @@
 // Command go-bench measures Go over isthmus beside grpc-go over a Unix socket, each client and
 // server in its own process, and writes the records into docs/bench/results.json:
 //
-//	go-isthmus-shm   a protoc-gen-go-grpc client → a Go server on isthmus.NewServer, shm://
+//	go-isthmus-shm   a protoc-gen-go-grpc client → a Go server on isthmus.NewServer, shm://,
+//	                 whose unary handlers run on the connection's reader (InlineUnary)
+//	go-isthmus-shm-goroutines  the same with NewServer's defaults: each handler on a
+//	                 goroutine, as grpc-go runs them (64 B and 1 KiB)
 //	go-isthmus-raw   the raw tier: the request written into an allocated block, read by the
 //	                 server as a view; the reply written into a block, read by the client as a
 //	                 view (a raw unary call: Alloc, CallRawBlock, HandleRawUnary)
@@ -69,9 +72,15 @@ func waitForSignal() {
 	<-ch
 }
 
-func serveIsthmus(target string) {
-	// Its handlers answer at once, what InlineUnary is for (see its documentation).
-	s := isthmus.NewServer(isthmus.MaxMessageSize(maxMessage), isthmus.InlineUnary())
+// serveIsthmus serves the echo; inline runs its unary handlers on the connection's reader
+// (InlineUnary), else they run on goroutines as NewServer's do by default.
+func serveIsthmus(target string, inline bool) {
+	opts := []isthmus.ServerOption{isthmus.MaxMessageSize(maxMessage)}
+	if inline {
+		// Its handlers answer at once, what InlineUnary is for (see its documentation).
+		opts = append(opts, isthmus.InlineUnary())
+	}
+	s := isthmus.NewServer(opts...)
 	pb.RegisterEchoServer(s, echoServer{})
 	s.HandleRawUnary(rawEcho, echo.RawEcho)
 	s.HandleRaw(rawEchoStream, echo.RawEchoStream)
@@ -322,6 +331,12 @@ func run(quick bool, rounds int, out string) error {
 		return err
 	}
 	defer stop(isrv)
+	dshm := shm + "-default"
+	dsrv, err := start("serve-isthmus-default", dshm)
+	if err != nil {
+		return err
+	}
+	defer stop(dsrv)
 	gsrv, err := start("serve-grpc", sock)
 	if err != nil {
 		return err
@@ -333,6 +348,11 @@ func run(quick bool, rounds int, out string) error {
 		return err
 	}
 	defer iconn.Close()
+	dconn, err := isthmus.Dial(dshm)
+	if err != nil {
+		return err
+	}
+	defer dconn.Close()
 	gconn, err := grpcClient(sock)
 	if err != nil {
 		return err
@@ -356,6 +376,7 @@ func run(quick bool, rounds int, out string) error {
 		{"go-isthmus-shm-deadline", withDeadline(protoCaller(pb.NewEchoClient(iconn)))},
 		{"go-grpc-uds-deadline", withDeadline(protoCaller(pb.NewEchoClient(gconn)))},
 		{"go-isthmus-raw-stream", rawStreamCaller(iconn)},
+		{"go-isthmus-shm-goroutines", protoCaller(pb.NewEchoClient(dconn))},
 	}
 	sizes := []int{64, 1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20}
 	wide := []int{64, 1 << 10}
@@ -425,7 +446,7 @@ func grpcClient(sock string) (*grpc.ClientConn, error) {
 }
 
 // load runs one system at one size and concurrency for a while: go-isthmus-shm,
-// go-isthmus-raw, go-grpc-uds or go-memcpy.
+// go-isthmus-shm-goroutines, go-isthmus-raw, go-isthmus-raw-stream, go-grpc-uds or go-memcpy.
 func load(args []string) error {
 	if len(args) != 4 {
 		return fmt.Errorf("usage: go-bench load SYSTEM SIZE INFLIGHT SECONDS")
@@ -445,9 +466,13 @@ func load(args []string) error {
 	switch args[0] {
 	case "go-memcpy":
 		call = memcpyCaller()
-	case "go-isthmus-shm", "go-isthmus-raw":
+	case "go-isthmus-shm", "go-isthmus-raw", "go-isthmus-shm-goroutines", "go-isthmus-raw-stream":
 		shm := fmt.Sprintf("shm://go-bench-%d", os.Getpid())
-		srv, err := start("serve-isthmus", shm)
+		serve := "serve-isthmus"
+		if args[0] == "go-isthmus-shm-goroutines" {
+			serve = "serve-isthmus-default"
+		}
+		srv, err := start(serve, shm)
 		if err != nil {
 			return err
 		}
@@ -457,8 +482,12 @@ func load(args []string) error {
 			return err
 		}
 		defer conn.Close()
-		call = rawCaller(conn)
-		if args[0] == "go-isthmus-shm" {
+		switch args[0] {
+		case "go-isthmus-raw":
+			call = rawCaller(conn)
+		case "go-isthmus-raw-stream":
+			call = rawStreamCaller(conn)
+		default:
 			call = protoCaller(pb.NewEchoClient(conn))
 		}
 	case "go-grpc-uds":
@@ -526,7 +555,9 @@ func main() {
 	}
 	switch os.Args[1] {
 	case "serve-isthmus":
-		serveIsthmus(os.Args[2])
+		serveIsthmus(os.Args[2], true)
+	case "serve-isthmus-default":
+		serveIsthmus(os.Args[2], false)
 	case "serve-grpc":
 		serveGrpc(os.Args[2])
 	case "load":

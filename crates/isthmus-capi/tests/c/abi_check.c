@@ -2208,6 +2208,137 @@ static int check_shutdown_twice_at_once(ctx_t *c) {
   return 1;
 }
 
+typedef struct {
+  isthmus_channel_t *ch;
+  const char *request;
+  isthmus_code_t rc;
+  char reply[64];
+} taker_caller_t;
+
+static void *taker_caller(void *arg) {
+  taker_caller_t *t = arg;
+  isthmus_message_t *reply = NULL;
+  isthmus_status_t *st = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  t->rc = isthmus_unary(t->ch, SVC "Taken", (const uint8_t *)t->request, strlen(t->request), &opts, &reply, NULL,
+                        NULL, &st);
+  if (reply != NULL) {
+    size_t len = 0;
+    const uint8_t *data = isthmus_message_data(reply, &len);
+    snprintf(t->reply, sizeof t->reply, "%.*s", (int)len, (const char *)data);
+    isthmus_message_free(reply);
+  }
+  if (st) isthmus_status_free(st);
+  return NULL;
+}
+
+/* Answers a call of the Taken handler with its request; 1 if it was one. */
+static int answer_taken(isthmus_server_call_t *call) {
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *req = NULL;
+  if (!path_is(call, SVC "Taken") || isthmus_server_call_recv(call, 0, &req, &st) != ISTHMUS_OK || req == NULL) {
+    if (st) isthmus_status_free(st);
+    isthmus_server_call_finish(call, ISTHMUS_INTERNAL, "not the Taken call", NULL, NULL);
+    return 0;
+  }
+  size_t len = 0;
+  const uint8_t *data = isthmus_message_data(req, &len);
+  isthmus_code_t rc = isthmus_server_call_send(call, data, len, &st);
+  isthmus_message_free(req);
+  if (st) isthmus_status_free(st);
+  isthmus_server_call_finish(call, ISTHMUS_OK, NULL, NULL, NULL);
+  return rc == ISTHMUS_OK;
+}
+
+/* A thread spinning in isthmus_cq_take_call takes a queue handler's next call, whose event then
+ * never comes; with nobody spinning the call goes to the queue; nothing coming leaves the
+ * taker empty-handed after its spin. */
+static int check_take_call(ctx_t *c) {
+  if (!c->shm) return 1; /* a server of its own: once (over shm://) is enough */
+  enum { TAKEN_TAG = 77 };
+  isthmus_status_t *st = NULL;
+  char target[96];
+  snprintf(target, sizeof target, "shm://abi-take-%ld", (long)getpid());
+  const char *targets[] = {target};
+  isthmus_cq_t *cq = isthmus_cq_new();
+  REQUIRE(cq != NULL, "a queue");
+  isthmus_server_t *server = isthmus_server_new(NULL);
+  taker_caller_t caller = {NULL, "taken", ISTHMUS_UNKNOWN, ""};
+  isthmus_code_t rc = isthmus_server_add_handler_cq(server, SVC "Taken", cq, TAKEN_TAG, &st);
+  if (rc == ISTHMUS_OK) rc = isthmus_server_start(server, targets, 1, &st);
+  if (rc == ISTHMUS_OK) rc = isthmus_channel_new(target, NULL, &caller.ch, &st);
+  if (rc != ISTHMUS_OK) {
+    isthmus_server_free(server);
+    isthmus_cq_free(cq);
+    return failf(__LINE__, "a server and a channel: %s", describe(rc, st));
+  }
+  int ok = 1;
+  uint64_t tag = 5;
+  isthmus_server_call_t *call = (isthmus_server_call_t *)&tag;
+
+  /* Nothing comes: empty-handed after the spin. */
+  MUST(isthmus_cq_take_call(cq, 1000, &tag, &call, &st));
+  if (call != NULL || tag != 0) ok = failf(__LINE__, "a call taken where none came (tag %llu)", (unsigned long long)tag);
+
+  /* A call that comes while this thread spins is taken here, not queued. One that came in the
+   * moment between two spins went to the queue, rightly: answered, and the next call tried. */
+  int taken = 0;
+  for (int attempt = 0; ok && !taken && attempt < 5; attempt++) {
+    pthread_t t;
+    caller.rc = ISTHMUS_UNKNOWN;
+    caller.reply[0] = 0;
+    pthread_create(&t, NULL, taker_caller, &caller);
+    int queued = 0;
+    call = NULL;
+    for (double end = now_s() + 30; ok && call == NULL && !queued && now_s() < end;) {
+      MUST(isthmus_cq_take_call(cq, 100000, &tag, &call, &st));
+      isthmus_event_t ev[2];
+      size_t n = isthmus_cq_poll(cq, ev, 2);
+      for (size_t i = 0; i < n; i++) {
+        if (ev[i].op == ISTHMUS_OP_NEW_CALL) {
+          queued = 1;
+          if (!answer_taken(ev[i].server_call)) ok = failf(__LINE__, "a queued call could not be answered");
+        } else {
+          event_free(&ev[i]);
+        }
+      }
+    }
+    if (call != NULL) {
+      taken = 1;
+      if (tag != TAKEN_TAG) ok = failf(__LINE__, "the taken call's tag is %llu", (unsigned long long)tag);
+      if (!answer_taken(call)) ok = failf(__LINE__, "the taken call could not be answered");
+    }
+    pthread_join(t, NULL);
+    if (ok && (caller.rc != ISTHMUS_OK || strcmp(caller.reply, "taken") != 0))
+      ok = failf(__LINE__, "the caller got %s, '%s'", isthmus_code_name(caller.rc), caller.reply);
+  }
+  if (ok && !taken) ok = failf(__LINE__, "no call of 5 was taken by the spinning thread");
+  isthmus_event_t ev[2];
+  if (ok && isthmus_cq_poll(cq, ev, 2) != 0) ok = failf(__LINE__, "an event for the taken call");
+
+  /* Nobody spins: the next call is an event on the queue. */
+  caller.request = "queued";
+  pthread_t t;
+  pthread_create(&t, NULL, taker_caller, &caller);
+  size_t n = 0;
+  for (double end = now_s() + 30; ok && n == 0 && now_s() < end;) n = isthmus_cq_wait(cq, ev, 1, 0, 100000);
+  if (ok && (n != 1 || ev[0].op != ISTHMUS_OP_NEW_CALL || ev[0].tag != TAKEN_TAG))
+    ok = failf(__LINE__, "no NEW_CALL event with the handler's tag (%zu events)", n);
+  if (n == 1 && ev[0].op == ISTHMUS_OP_NEW_CALL && !answer_taken(ev[0].server_call))
+    ok = failf(__LINE__, "the queued call could not be answered");
+  pthread_join(t, NULL);
+  if (ok && (caller.rc != ISTHMUS_OK || strcmp(caller.reply, "queued") != 0))
+    ok = failf(__LINE__, "the queued caller got %s, '%s'", isthmus_code_name(caller.rc), caller.reply);
+
+  INVALID(isthmus_cq_take_call(NULL, 0, &tag, &call, &st));
+  INVALID(isthmus_cq_take_call(cq, 0, NULL, &call, &st));
+  INVALID(isthmus_cq_take_call(cq, 0, &tag, NULL, &st));
+  isthmus_channel_close(caller.ch);
+  isthmus_server_free(server);
+  isthmus_cq_free(cq);
+  return ok;
+}
+
 /* Whoami's reply over `ch`, NUL-terminated, into `out`; the call's code. */
 static isthmus_code_t whoami(isthmus_channel_t *ch, char *out, size_t cap, isthmus_status_t **st) {
   isthmus_message_t *reply = NULL;
@@ -2352,6 +2483,7 @@ static const check_t CHECKS[] = {
     {"whoami", check_whoami},
     {"cq_free_wakes_waiter", check_cq_free_wakes_a_waiter},
     {"shutdown_twice", check_shutdown_twice_at_once},
+    {"take_call", check_take_call},
 };
 
 
