@@ -149,6 +149,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     // SAFETY: a garbage queue is the point; `tag` and `taken` are valid locals.
     let (mut tag, mut taken) = (0u64, std::ptr::null_mut());
     let _ = unsafe { isthmus_cq_take_call(word as *const isthmus_cq_t, 1, &mut tag, &mut taken, std::ptr::null_mut()) };
+    let _ = isthmus_server_call_headers_sent(word as *const isthmus_server_call_t);
     let _ = isthmus_code_name(word as i32);
     let (mut block, mut reply) = (std::ptr::null_mut(), std::ptr::null_mut());
     // SAFETY: garbage handles are the point; every pointer argument is a valid local or NULL.

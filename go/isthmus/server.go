@@ -513,6 +513,7 @@ type serverStream struct {
 	mu         sync.Mutex
 	header     metadata.MD
 	headerSent bool
+	flushAsked bool // a receive was asked to flush the initial metadata (recvFlags)
 	trailer    metadata.MD
 	finished   bool
 	peer       *peer.Peer // once asked for (callContext.Value)
@@ -807,18 +808,34 @@ func (st *serverStream) sendBytes(b []byte) error {
 
 // recvFlags: a request-streaming call sends its initial metadata when it must wait for a
 // request, so that clients that wait for the response to open before they send (tonic's
-// generated ones) are not left waiting, as isthmus's Python servers do.
+// generated ones) are not left waiting, as isthmus's Python servers do. Until the receive
+// has started (settleFlush), the metadata counts as sent: none can be set meanwhile.
 func (st *serverStream) recvFlags() C.uint32_t {
 	if st.m.stream != nil && st.m.stream.ClientStreams {
 		st.mu.Lock()
 		defer st.mu.Unlock()
 		if !st.headerSent && len(st.header) == 0 {
-			st.headerSent = true
-			st.stats.outHeader(nil, "", nil)
+			st.headerSent, st.flushAsked = true, true
 			return C.ISTHMUS_RECV_FLUSH_HEADERS
 		}
 	}
 	return 0
+}
+
+// settleFlush learns whether the receive recvFlags asked to flush the initial metadata did:
+// one that found its request in sent nothing, and the handler may still set metadata.
+func (st *serverStream) settleFlush() {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if !st.flushAsked {
+		return
+	}
+	st.flushAsked = false
+	if C.isthmus_server_call_headers_sent(st.sc) != 0 {
+		st.stats.outHeader(nil, "", nil)
+	} else {
+		st.headerSent = false
+	}
 }
 
 // recv waits for the next request's event; false if the context ended first. While a thread
@@ -836,6 +853,10 @@ func (st *serverStream) recv() (C.isthmus_event_t, bool) {
 		code := C.isthmus_server_call_recv_async(st.sc, flags, cq, tag, now, &cst)
 		if spin {
 			release()
+		}
+		// The receive has looked for its request by now, and flushed if it had to wait.
+		if flags&C.ISTHMUS_RECV_FLUSH_HEADERS != 0 {
+			st.settleFlush()
 		}
 		return code, cst
 	})

@@ -1339,6 +1339,13 @@ int64_t isthmus_server_call_time_remaining_us(const isthmus_server_call_t *call)
 // Thread-safety: any thread.
 int32_t isthmus_server_call_is_active(const isthmus_server_call_t *call);
 
+// 1 once the call's initial metadata has gone: sent by `isthmus_server_call_send_headers`, by
+// a receive with `ISTHMUS_RECV_FLUSH_HEADERS` that had to wait, or with a first response; 0
+// before, and for an invalid handle. A receive that found its request in sends nothing.
+//
+// Thread-safety: any thread.
+int32_t isthmus_server_call_headers_sent(const isthmus_server_call_t *call);
+
 // Receives the next request message, blocking: `ISTHMUS_OK` with `*message` set, or with
 // `*message` NULL once the client has half-closed; another code if the call is over. With
 // `flags` 0 it sends nothing, so `isthmus_server_call_send_headers` works after it; see

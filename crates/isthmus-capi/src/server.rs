@@ -600,6 +600,16 @@ pub extern "C" fn isthmus_server_call_is_active(call: *const isthmus_server_call
     guard(0, || handed(call).map_or(0, |c| i32::from(c.is_active())))
 }
 
+/// 1 once the call's initial metadata has gone: sent by `isthmus_server_call_send_headers`, by
+/// a receive with `ISTHMUS_RECV_FLUSH_HEADERS` that had to wait, or with a first response; 0
+/// before, and for an invalid handle. A receive that found its request in sends nothing.
+///
+/// Thread-safety: any thread.
+#[no_mangle]
+pub extern "C" fn isthmus_server_call_headers_sent(call: *const isthmus_server_call_t) -> i32 {
+    guard(0, || handed(call).map_or(0, |c| i32::from(c.has_responded())))
+}
+
 /// Receive flag: if the call has sent nothing yet and must wait for a request, send its
 /// (empty) initial metadata first. A client that sends its first request only once the
 /// response has opened (tonic's generated streaming clients do) is then not left waiting on a

@@ -592,6 +592,12 @@ impl HandedCall {
         self.deadline.map(|d| d.saturating_duration_since(Instant::now()))
     }
 
+    /// True once the call's initial metadata has gone or is going: sent on its own (by a
+    /// handler, or by a [`recv`](Self::recv) that flushed it), or with a first response.
+    pub fn has_responded(&self) -> bool {
+        self.responded.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     /// True while the call runs and has not been finished.
     pub fn is_active(&self) -> bool {
         self.active.load(std::sync::atomic::Ordering::Acquire) && self.finish.lock().is_ok_and(|f| f.is_some())

@@ -1008,6 +1008,7 @@ static int check_null_arguments(ctx_t *c) {
   REQUIRE(isthmus_server_call_metadata(NULL) == NULL, "metadata of NULL");
   REQUIRE(isthmus_server_call_time_remaining_us(NULL) == -1, "time remaining of NULL");
   REQUIRE(isthmus_server_call_is_active(NULL) == 0, "NULL is active");
+  REQUIRE(isthmus_server_call_headers_sent(NULL) == 0, "NULL sent headers");
   INVALID(isthmus_server_call_recv(NULL, 0, &msg, &st));
   INVALID(isthmus_server_call_recv_async(NULL, 0, cq, 1, NULL, &st));
   INVALID(isthmus_server_call_recv_async(NULL, ISTHMUS_RECV_SPIN, cq, 1, NULL, &st));
