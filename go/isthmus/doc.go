@@ -28,8 +28,9 @@
 // such as otelgrpc's (WithStatsHandler for a ClientConn, StatsHandler for a Server: the same
 // events grpc-go reports). Handlers run on
 // goroutines (or, with InlineUnary, unary ones on the connection's reading thread); a
-// goroutine whose handler has returned waits up to 50 µs on its thread for the next call and
-// runs it, which then costs no wake-up. A unary
+// goroutine whose handler has returned waits up to 50 µs on its thread for the next call
+// (while the threads that calls may hold, half of GOMAXPROCS, are not all in use) and runs it,
+// which then costs no wake-up. A unary
 // call whose context cannot be cancelled waits in its cgo call while at most half of
 // GOMAXPROCS calls do; every other call waits on a completion queue that one goroutine
 // watches through Go's netpoller, so thousands of calls can be in flight without a thread

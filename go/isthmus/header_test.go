@@ -18,11 +18,20 @@ import (
 
 // firstRequestHeader is a request-streaming handler that reads its first request, then sends
 // initial metadata made from it, as a handler that authenticates by the first message does.
-// It waits first, so that the request is in when it reads.
-type firstRequestHeader struct{ pb.UnimplementedEchoServer }
+// It reads only once the client has sent (sent is closed), and a moment later, so that the
+// request is in.
+type firstRequestHeader struct {
+	pb.UnimplementedEchoServer
+	sent chan struct{}
+}
 
-func (firstRequestHeader) ClientStream(s grpc.ClientStreamingServer[pb.EchoRequest, pb.Summary]) error {
-	time.Sleep(200 * time.Millisecond)
+func (h firstRequestHeader) ClientStream(s grpc.ClientStreamingServer[pb.EchoRequest, pb.Summary]) error {
+	select {
+	case <-h.sent:
+	case <-s.Context().Done():
+		return s.Context().Err()
+	}
+	time.Sleep(100 * time.Millisecond)
 	r, err := s.Recv()
 	if err != nil {
 		return err
@@ -44,16 +53,17 @@ func (firstRequestHeader) ClientStream(s grpc.ClientStreamingServer[pb.EchoReque
 
 // A request-streaming handler that has read a request that was already in can still send its
 // initial metadata, on isthmus's server as on grpc-go's. It could not: asking the receive to
-// send the metadata if it had to wait counted them as sent either way.
+// send the metadata if it had to wait counted them as sent either way. (One that waits for its
+// first request sends empty metadata on isthmus, for tonic's clients; not tested here.)
 func TestAHandlerSendsHeadersAfterReadingARequestThatWasIn(t *testing.T) {
-	servers := map[string]func(t *testing.T) pb.EchoClient{
-		"grpc-go": func(t *testing.T) pb.EchoClient {
+	servers := map[string]func(t *testing.T, h firstRequestHeader) pb.EchoClient{
+		"grpc-go": func(t *testing.T, h firstRequestHeader) pb.EchoClient {
 			l, err := net.Listen("tcp", "127.0.0.1:0")
 			if err != nil {
 				t.Fatal(err)
 			}
 			s := grpc.NewServer()
-			pb.RegisterEchoServer(s, firstRequestHeader{})
+			pb.RegisterEchoServer(s, h)
 			go s.Serve(l)
 			t.Cleanup(s.Stop)
 			conn, err := grpc.NewClient(l.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
@@ -63,10 +73,10 @@ func TestAHandlerSendsHeadersAfterReadingARequestThatWasIn(t *testing.T) {
 			t.Cleanup(func() { conn.Close() })
 			return pb.NewEchoClient(conn)
 		},
-		"isthmus": func(t *testing.T) pb.EchoClient {
+		"isthmus": func(t *testing.T, h firstRequestHeader) pb.EchoClient {
 			shm, _ := fresh(t, "header-after-recv")
 			s := isthmus.NewServer()
-			pb.RegisterEchoServer(s, firstRequestHeader{})
+			pb.RegisterEchoServer(s, h)
 			if err := s.Start(shm); err != nil {
 				t.Fatal(err)
 			}
@@ -76,7 +86,8 @@ func TestAHandlerSendsHeadersAfterReadingARequestThatWasIn(t *testing.T) {
 	}
 	for name, start := range servers {
 		t.Run(name, func(t *testing.T) {
-			client := start(t)
+			h := firstRequestHeader{sent: make(chan struct{})}
+			client := start(t, h)
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			stream, err := client.ClientStream(ctx)
@@ -88,6 +99,7 @@ func TestAHandlerSendsHeadersAfterReadingARequestThatWasIn(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
+			close(h.sent)
 			summary, err := stream.CloseAndRecv()
 			if err != nil || summary.GetCount() != 2 {
 				t.Fatalf("%v, %v", summary, err)

@@ -44,6 +44,8 @@ type Server struct {
 	// first waits for before it frees srv.
 	stopping bool
 	cutting  sync.WaitGroup
+	// queued are the reactor's tags of the methods whose calls come through its queue.
+	queued []uint64
 }
 
 var _ grpc.ServiceRegistrar = (*Server)(nil)
@@ -225,11 +227,13 @@ func (s *Server) Start(targets ...string) error {
 			// A new call's tag stays registered: the reactor keeps NEW_CALL tags after delivery.
 			tag := r.tag(func(ev C.isthmus_event_t) { s.handlers.Add(1); go s.serveFrom(m, ev.server_call) })
 			queuedMethods.Store(tag, &inlineEntry{s: s, m: m})
+			s.queued = append(s.queued, tag)
 			code = C.isthmus_server_add_handler_cq(srv, cname, r.cq, C.uint64_t(tag), &st)
 		}
 		C.free(unsafe.Pointer(cname))
 		if code != C.ISTHMUS_OK {
 			C.isthmus_server_free(srv)
+			s.forgetQueued()
 			err, _ := statusError(code, st)
 			return err
 		}
@@ -245,6 +249,7 @@ func (s *Server) Start(targets ...string) error {
 	}()
 	if len(targets) == 0 {
 		C.isthmus_server_free(srv)
+		s.forgetQueued()
 		return errors.New("isthmus: no target to serve")
 	}
 	arr := (**C.char)(C.malloc(C.size_t(len(targets)) * C.size_t(unsafe.Sizeof((*C.char)(nil)))))
@@ -253,6 +258,7 @@ func (s *Server) Start(targets ...string) error {
 	var st *C.isthmus_status_t
 	if code := C.isthmus_server_start(srv, arr, C.size_t(len(targets)), &st); code != C.ISTHMUS_OK {
 		C.isthmus_server_free(srv)
+		s.forgetQueued()
 		err, _ := statusError(code, st)
 		return err
 	}
@@ -319,6 +325,9 @@ func (s *Server) shutdown(grace time.Duration) {
 			s.mu.Unlock()
 			s.cutting.Wait()
 			C.isthmus_server_free(srv)
+			s.mu.Lock()
+			s.forgetQueued()
+			s.mu.Unlock()
 		}
 		close(s.serving)
 	})
@@ -335,20 +344,26 @@ var takenCalls atomic.Int64
 const takeSpin = 50 // µs
 
 // serveFrom runs the call's handler, then takes the process's next new call itself if one
-// comes within takeSpin (isthmus_cq_take_call), while a thread may be held (hold), and runs
+// comes within takeSpin (isthmus_cq_take_call), if a thread may be held (hold), and runs
 // that one too. A call that comes while no goroutine waits so goes through the reactor as
 // before: a wake-up of the reactor's thread and of a thread for the handler's goroutine,
 // 26-72 µs on two vCPUs, against 4.3-6.0 µs for a call taken here (ADR 0028).
 func (s *Server) serveFrom(m *method, sc *C.isthmus_server_call_t) {
 	for {
 		s.handle(m, sc)
-		if !hold() {
-			return
+		// Without a thread to hold, a wait of zero: it gives back the connection this
+		// goroutine's thread may have borrowed, which would otherwise lie unread for a while.
+		spin := C.uint32_t(0)
+		held := hold()
+		if held {
+			spin = takeSpin
 		}
 		var tag C.uint64_t
 		var next *C.isthmus_server_call_t
-		code := C.isthmus_cq_take_call(s.r.cq, takeSpin, &tag, &next, nil)
-		release()
+		code := C.isthmus_cq_take_call(s.r.cq, spin, &tag, &next, nil)
+		if held {
+			release()
+		}
 		if code != C.ISTHMUS_OK || next == nil {
 			return
 		}
@@ -365,6 +380,16 @@ func (s *Server) serveFrom(m *method, sc *C.isthmus_server_call_t) {
 		s, m, sc = target.s, target.m, next
 		s.handlers.Add(1)
 	}
+}
+
+// forgetQueued drops the server's queue tags once it can take no call (under mu): a new
+// call's event for one of them then finds nobody, and the call ends CANCELLED.
+func (s *Server) forgetQueued() {
+	for _, tag := range s.queued {
+		queuedMethods.Delete(tag)
+		s.r.forget(tag)
+	}
+	s.queued = nil
 }
 
 // handle runs one call's handler and ends the call with its outcome.

@@ -102,7 +102,8 @@
 // Receive flag: if the call has sent nothing yet and must wait for a request, send its
 // (empty) initial metadata first. A client that sends its first request only once the
 // response has opened (tonic's generated streaming clients do) is then not left waiting on a
-// handler that waits for that request; initial metadata can no longer be sent after it.
+// handler that waits for that request; initial metadata can no longer be sent once it has
+// (`isthmus_server_call_headers_sent`). A receive that finds its request in sends nothing.
 #define ISTHMUS_RECV_FLUSH_HEADERS 1
 
 // Receive flag for `isthmus_server_call_recv_async` with a `now` event: a request that comes
@@ -968,8 +969,8 @@ isthmus_code_t isthmus_cq_wake(const isthmus_cq_t *cq);
 // their events never come; events not yet taken are freed.
 //
 // Thread-safety: any thread, once: operations other threads start on it afterwards fail
-// `ISTHMUS_INVALID_ARGUMENT`, and a thread asleep in `isthmus_cq_wait` on it wakes and gets no
-// event.
+// `ISTHMUS_INVALID_ARGUMENT`, a thread asleep in `isthmus_cq_wait` on it wakes and gets no
+// event, and one in `isthmus_cq_take_call` returns soon with no call.
 isthmus_code_t isthmus_cq_free(isthmus_cq_t *cq);
 
 // The message's bytes; their count in `*len`. Valid until the message is freed. NULL (and
@@ -1225,9 +1226,13 @@ isthmus_code_t isthmus_server_add_handler_cq(const isthmus_server_t *server,
 // already: one thread waits at a time. Meant for the thread that has just finished a call:
 // the next call then reaches it with no wake-up of the queue's waiter. Calls that come while
 // nobody waits here go to the queue as before. The thread also reads the connection of the
-// latest call meanwhile, so a call on it may start (and a callback handler run) on this thread.
+// latest call meanwhile, so a call on it may start (and a callback handler run) on this
+// thread; the connection goes back to its reader when the wait takes nothing. A `spin_us` of
+// 0 takes only a call offered already, and gives that connection back: for a thread that
+// will not wait again soon. Freeing the queue ends a wait with no call.
 //
-// Thread-safety: any thread, which it holds for up to `spin_us`.
+// Thread-safety: any thread, which it holds for up to `spin_us`, and longer while a callback
+// handler runs on it (above).
 //
 // # Safety
 //
@@ -1339,9 +1344,11 @@ int64_t isthmus_server_call_time_remaining_us(const isthmus_server_call_t *call)
 // Thread-safety: any thread.
 int32_t isthmus_server_call_is_active(const isthmus_server_call_t *call);
 
-// 1 once the call's initial metadata has gone: sent by `isthmus_server_call_send_headers`, by
-// a receive with `ISTHMUS_RECV_FLUSH_HEADERS` that had to wait, or with a first response; 0
-// before, and for an invalid handle. A receive that found its request in sends nothing.
+// 1 once the call's initial metadata has gone or is on its way: sent by
+// `isthmus_server_call_send_headers`, by a receive with `ISTHMUS_RECV_FLUSH_HEADERS` that had
+// to wait (decided by the time `isthmus_server_call_recv_async` returns), or with a first
+// response; 0 before, and for an invalid handle. A receive that found its request in sends
+// nothing.
 //
 // Thread-safety: any thread.
 int32_t isthmus_server_call_headers_sent(const isthmus_server_call_t *call);

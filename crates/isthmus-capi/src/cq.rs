@@ -574,12 +574,13 @@ pub extern "C" fn isthmus_cq_wake(cq: *const isthmus_cq_t) -> isthmus_code_t {
 /// their events never come; events not yet taken are freed.
 ///
 /// Thread-safety: any thread, once: operations other threads start on it afterwards fail
-/// `ISTHMUS_INVALID_ARGUMENT`, and a thread asleep in `isthmus_cq_wait` on it wakes and gets no
-/// event.
+/// `ISTHMUS_INVALID_ARGUMENT`, a thread asleep in `isthmus_cq_wait` on it wakes and gets no
+/// event, and one in `isthmus_cq_take_call` returns soon with no call.
 #[no_mangle]
 pub extern "C" fn isthmus_cq_free(cq: *mut isthmus_cq_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
         let q = QUEUES.remove(cq)?;
+        q.taker.close();
         q.completions.abort_all();
         if let Ok(mut overflow) = q.overflow.lock() {
             overflow.clear();

@@ -86,6 +86,8 @@ pub(crate) struct Taker {
     slot: Mutex<TakerSlot>,
     /// A call waits in the slot: what the spinner watches without the lock.
     ready: AtomicBool,
+    /// The queue was freed: no call is taken any more, and a spinner stops.
+    closed: AtomicBool,
 }
 
 #[derive(Default)]
@@ -109,7 +111,7 @@ impl Taker {
         if !matches!((&slot.last, call.connection()), (Some(a), Some(b)) if a.same(b)) {
             slot.last = call.connection().cloned();
         }
-        if slot.spinning && slot.call.is_none() {
+        if slot.spinning && slot.call.is_none() && !self.closed.load(Ordering::Acquire) {
             slot.call = Some((tag, call));
             self.ready.store(true, Ordering::Release);
             return None;
@@ -118,33 +120,50 @@ impl Taker {
     }
 
     /// Waits up to `spin` for a call offered; `None` at once if another thread spins. A call
-    /// offered is taken under the lock that also ends the spin, so none is left behind.
+    /// offered is taken under the lock that also ends the spin, so none is left behind. A
+    /// spin of zero takes only a call offered already, and gives back the connection this
+    /// thread may have borrowed, as a wait that took nothing does.
     fn take(&self, spin: Duration) -> Option<(u64, Arc<HandedCall>)> {
         let last = {
             let mut slot = self.lock();
-            if slot.spinning {
+            if slot.spinning || self.closed.load(Ordering::Acquire) {
                 return None;
             }
             slot.spinning = true;
             slot.last.clone()
         };
         let start = Instant::now();
+        let stop = || self.ready.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire);
         if let Some(connection) = last {
-            // A panic there ends that connection (its reader finds the lent receiver
-            // poisoned); the slot must still be left right.
-            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                connection.serve_here(spin, || self.ready.load(Ordering::Acquire));
-            }));
+            if !spin.is_zero() {
+                // A panic there ends that connection (its reader finds the lent receiver
+                // poisoned); the slot must still be left right.
+                let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    connection.serve_here(spin, stop);
+                }));
+            }
+            // The reading ended without a call for this thread (nothing came, or the call
+            // that came went to another handler): the reader task reads on, rather than
+            // nobody until the lend's idle bound.
+            if !self.ready.load(Ordering::Acquire) {
+                connection.give_back();
+            }
         }
         // Every look yields the core: the client and the connection's reader may need it for
         // the next call to come at all.
-        while !self.ready.load(Ordering::Acquire) && start.elapsed() < spin {
+        while !stop() && start.elapsed() < spin {
             std::thread::yield_now();
         }
         let mut slot = self.lock();
         slot.spinning = false;
         self.ready.store(false, Ordering::Release);
         slot.call.take()
+    }
+
+    /// The queue is freed: a spinner stops, and no call is taken any more.
+    pub(crate) fn close(&self) {
+        let _slot = self.lock();
+        self.closed.store(true, Ordering::Release);
     }
 }
 
@@ -326,9 +345,13 @@ pub unsafe extern "C" fn isthmus_server_add_handler_cq(
 /// already: one thread waits at a time. Meant for the thread that has just finished a call:
 /// the next call then reaches it with no wake-up of the queue's waiter. Calls that come while
 /// nobody waits here go to the queue as before. The thread also reads the connection of the
-/// latest call meanwhile, so a call on it may start (and a callback handler run) on this thread.
+/// latest call meanwhile, so a call on it may start (and a callback handler run) on this
+/// thread; the connection goes back to its reader when the wait takes nothing. A `spin_us` of
+/// 0 takes only a call offered already, and gives that connection back: for a thread that
+/// will not wait again soon. Freeing the queue ends a wait with no call.
 ///
-/// Thread-safety: any thread, which it holds for up to `spin_us`.
+/// Thread-safety: any thread, which it holds for up to `spin_us`, and longer while a callback
+/// handler runs on it (above).
 ///
 /// # Safety
 ///
@@ -600,9 +623,11 @@ pub extern "C" fn isthmus_server_call_is_active(call: *const isthmus_server_call
     guard(0, || handed(call).map_or(0, |c| i32::from(c.is_active())))
 }
 
-/// 1 once the call's initial metadata has gone: sent by `isthmus_server_call_send_headers`, by
-/// a receive with `ISTHMUS_RECV_FLUSH_HEADERS` that had to wait, or with a first response; 0
-/// before, and for an invalid handle. A receive that found its request in sends nothing.
+/// 1 once the call's initial metadata has gone or is on its way: sent by
+/// `isthmus_server_call_send_headers`, by a receive with `ISTHMUS_RECV_FLUSH_HEADERS` that had
+/// to wait (decided by the time `isthmus_server_call_recv_async` returns), or with a first
+/// response; 0 before, and for an invalid handle. A receive that found its request in sends
+/// nothing.
 ///
 /// Thread-safety: any thread.
 #[no_mangle]
@@ -613,7 +638,8 @@ pub extern "C" fn isthmus_server_call_headers_sent(call: *const isthmus_server_c
 /// Receive flag: if the call has sent nothing yet and must wait for a request, send its
 /// (empty) initial metadata first. A client that sends its first request only once the
 /// response has opened (tonic's generated streaming clients do) is then not left waiting on a
-/// handler that waits for that request; initial metadata can no longer be sent after it.
+/// handler that waits for that request; initial metadata can no longer be sent once it has
+/// (`isthmus_server_call_headers_sent`). A receive that finds its request in sends nothing.
 pub const ISTHMUS_RECV_FLUSH_HEADERS: u32 = 1;
 
 /// Receive flag for `isthmus_server_call_recv_async` with a `now` event: a request that comes

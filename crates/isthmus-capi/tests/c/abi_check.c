@@ -2233,6 +2233,25 @@ static void *taker_caller(void *arg) {
   return NULL;
 }
 
+typedef struct {
+  isthmus_cq_t *cq;
+  atomic_int started;
+  double seconds;
+  isthmus_server_call_t *call;
+  isthmus_code_t rc;
+} take_waiter_t;
+
+/* Waits 20 s in isthmus_cq_take_call; how long it took. */
+static void *take_waiter(void *arg) {
+  take_waiter_t *w = arg;
+  uint64_t tag = 0;
+  atomic_store(&w->started, 1);
+  double start = now_s();
+  w->rc = isthmus_cq_take_call(w->cq, 20 * 1000 * 1000, &tag, &w->call, NULL);
+  w->seconds = now_s() - start;
+  return NULL;
+}
+
 /* Answers a call of the Taken handler with its request; 1 if it was one. */
 static int answer_taken(isthmus_server_call_t *call) {
   isthmus_status_t *st = NULL;
@@ -2336,7 +2355,16 @@ static int check_take_call(ctx_t *c) {
   INVALID(isthmus_cq_take_call(cq, 0, &tag, NULL, &st));
   isthmus_channel_close(caller.ch);
   isthmus_server_free(server);
+
+  /* Freeing the queue ends a thread's wait in it (of 20 s) soon, with no call. */
+  take_waiter_t w = {cq, 0, 0, NULL, ISTHMUS_UNKNOWN};
+  pthread_create(&t, NULL, take_waiter, &w);
+  while (!atomic_load(&w.started)) sleep_ms(1);
+  sleep_ms(100);
   isthmus_cq_free(cq);
+  pthread_join(t, NULL);
+  if (ok && (w.seconds > 10 || w.call != NULL))
+    ok = failf(__LINE__, "a wait in a freed queue took %.3f s (call %p)", w.seconds, (void *)w.call);
   return ok;
 }
 

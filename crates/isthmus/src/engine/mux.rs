@@ -537,6 +537,15 @@ impl Lender {
         }
     }
 
+    /// Has the reader task take the receiver back as soon as nobody reads it, if it is lent:
+    /// for a thread that borrowed it and will not read again soon, so that the connection does
+    /// not lie unread until the lend's idle bound (1 ms) passes.
+    pub fn give_back(&self) {
+        if let Some(mux) = self.0.upgrade() {
+            mux.need_reader();
+        }
+    }
+
     /// Whether both name the same connection.
     pub fn same(&self, other: &Lender) -> bool {
         std::sync::Weak::ptr_eq(&self.0, &other.0)
