@@ -369,9 +369,9 @@ func (s *Server) serveFrom(m *method, sc *C.isthmus_server_call_t) {
 		}
 		e, ok := queuedMethods.Load(uint64(tag))
 		if !ok {
-			// Every tag on the queue's handlers is in the map before its server starts.
-			msg := C.CString("isthmus: a call for an unknown handler")
-			C.isthmus_server_call_finish(next, C.ISTHMUS_INTERNAL, msg, nil, nil)
+			// Its server stopped just now (forgetQueued): every tag is in the map until then.
+			msg := C.CString("the server has stopped")
+			C.isthmus_server_call_finish(next, C.ISTHMUS_UNAVAILABLE, msg, nil, nil)
 			C.free(unsafe.Pointer(msg))
 			return
 		}
