@@ -84,15 +84,47 @@ func startPeer(t testing.TB, bin string, targets ...string) *peer {
 	if err := cmd.Start(); err != nil {
 		t.Fatalf("start %s: %v", bin, err)
 	}
-	p := &peer{cmd: cmd, lines: make(chan string, 1024)}
+	p := &peer{cmd: cmd, lines: make(chan string)}
+	done := make(chan struct{})
 	t.Cleanup(func() {
 		cmd.Process.Kill()
 		cmd.Wait()
+		close(done)
 	})
+	// The peer's lines queue here however many nobody reads: a peer blocked on its stdout (it
+	// prints a line per bidi call that ends) would stall the test.
+	scanned := make(chan string)
 	go func() {
 		s := bufio.NewScanner(out)
 		for s.Scan() {
-			p.lines <- s.Text()
+			select {
+			case scanned <- s.Text():
+			case <-done:
+				return
+			}
+		}
+		close(scanned)
+	}()
+	go func() {
+		var queue []string
+		for in := scanned; in != nil || len(queue) > 0; {
+			var out chan string
+			var next string
+			if len(queue) > 0 {
+				out, next = p.lines, queue[0]
+			}
+			select {
+			case line, ok := <-in:
+				if !ok {
+					in = nil
+					continue
+				}
+				queue = append(queue, line)
+			case out <- next:
+				queue = queue[1:]
+			case <-done:
+				return
+			}
 		}
 		close(p.lines)
 	}()
@@ -328,6 +360,39 @@ func TestThousandsOfCallsAtOnceHoldNoThreadEach(t *testing.T) {
 	}
 	if peak > 200 {
 		t.Fatalf("%d calls in flight took the process to %d threads", n, peak)
+	}
+}
+
+// Thousands of short bidi streams one after another on one connection each echo and end, and
+// the server sees every half-close (go-peer prints BIDI-ENDED for each: a peer whose lines
+// nobody read used to block on its stdout after ~4,000 and stall the test).
+func TestThousandsOfShortStreamsEndOneAfterAnother(t *testing.T) {
+	shm, _ := fresh(t, "short-streams")
+	p := startPeer(t, goPeerBin, shm)
+	c := pb.NewEchoClient(dial(t, shm))
+	const n = 5000
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	for i := 0; i < n; i++ {
+		s, err := c.Bidi(ctx)
+		if err != nil {
+			t.Fatalf("stream %d: %v", i, err)
+		}
+		if err := s.Send(&pb.EchoRequest{Seq: uint64(i)}); err != nil {
+			t.Fatalf("stream %d: %v", i, err)
+		}
+		if r, err := s.Recv(); err != nil || r.Seq != uint64(i) {
+			t.Fatalf("stream %d: %v, %v", i, r, err)
+		}
+		if err := s.CloseSend(); err != nil {
+			t.Fatalf("stream %d: %v", i, err)
+		}
+		if _, err := s.Recv(); err != io.EOF {
+			t.Fatalf("stream %d ended with %v", i, err)
+		}
+	}
+	for ended := 0; ended < n; ended++ {
+		p.expect(t, "BIDI-ENDED half-close")
 	}
 }
 
