@@ -46,7 +46,6 @@ func isthmusGoHandle(userData unsafe.Pointer, sc *C.isthmus_server_call_t) {
 }
 
 func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
-	s.handlers.Add(1)
 	st := newServerStream(s, m, sc)
 	o := s.r.newOp()
 	var cst *C.isthmus_status_t
@@ -55,7 +54,6 @@ func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
 	if !now {
 		// The request is not in yet: wait for it on a goroutine.
 		go func() {
-			defer s.handlers.Done()
 			defer st.cancel()
 			ev, ok := o.wait(st.ctx)
 			o.done()
@@ -80,7 +78,6 @@ func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
 		// Its reply is a block: sent with no wait for anything but the client's window.
 		st.end(s.runRawUnary(st, m, ev))
 		st.cancel()
-		s.handlers.Done()
 		return
 	}
 	reply, err := s.runUnarySafely(st, m, ev)
@@ -90,7 +87,6 @@ func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
 			// Flow control holds the reply back: the library finishes the call once it is
 			// sent; its event is awaited on a goroutine, since this thread reads.
 			go func() {
-				defer s.handlers.Done()
 				defer st.cancel()
 				pending.awaitReply()
 			}()
@@ -99,7 +95,6 @@ func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
 	}
 	st.end(err) // a no-op if the reply finished the call
 	st.cancel()
-	s.handlers.Done()
 }
 
 // runUnarySafely is runUnary with a handler's panic turned into INTERNAL.

@@ -39,7 +39,6 @@ type Server struct {
 	srv      *C.isthmus_server_t
 	serving  chan struct{} // closed when Serve should return
 	stopOnce sync.Once
-	handlers sync.WaitGroup
 	// stopping is set by the first shutdown; later ones (under mu) join cutting, which the
 	// first waits for before it frees srv.
 	stopping bool
@@ -225,7 +224,7 @@ func (s *Server) Start(targets ...string) error {
 			code = addInlineHandler(srv, cname, s, m, &st)
 		} else {
 			// A new call's tag stays registered: the reactor keeps NEW_CALL tags after delivery.
-			tag := r.tag(func(ev C.isthmus_event_t) { s.handlers.Add(1); go s.serveFrom(m, ev.server_call) })
+			tag := r.tag(func(ev C.isthmus_event_t) { go s.serveFrom(m, ev.server_call) })
 			queuedMethods.Store(tag, &inlineEntry{s: s, m: m})
 			s.queued = append(s.queued, tag)
 			code = C.isthmus_server_add_handler_cq(srv, cname, r.cq, C.uint64_t(tag), &st)
@@ -378,7 +377,6 @@ func (s *Server) serveFrom(m *method, sc *C.isthmus_server_call_t) {
 		takenCalls.Add(1)
 		target := e.(*inlineEntry)
 		s, m, sc = target.s, target.m, next
-		s.handlers.Add(1)
 	}
 }
 
@@ -394,7 +392,6 @@ func (s *Server) forgetQueued() {
 
 // handle runs one call's handler and ends the call with its outcome.
 func (s *Server) handle(m *method, sc *C.isthmus_server_call_t) {
-	defer s.handlers.Done()
 	st := newServerStream(s, m, sc)
 	defer st.cancel()
 	var err error

@@ -215,6 +215,11 @@ pub(crate) fn cq_get(cq: *const isthmus_cq_t) -> Result<Queue, Status> {
     Ok(Queue(QUEUES.get(cq)?.completions.clone()))
 }
 
+/// The taker of the queue behind a caller's handle (`isthmus_cq_take_call`).
+pub(crate) fn cq_taker(cq: *const isthmus_cq_t) -> Result<Arc<crate::server::Taker>, Status> {
+    Ok(QUEUES.get(cq)?.taker.clone())
+}
+
 /// A queue as operations start on it.
 #[derive(Clone)]
 pub(crate) struct Queue(Arc<Completions<(isthmus_op_t, Outcome)>>);

@@ -13,7 +13,7 @@ use isthmus::{Code, Config, Handler, HandlerFuture, Status};
 
 use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
 use crate::cq::{
-    cq_get, isthmus_cq_t, isthmus_event_t, start_on, start_trying_on, Outcome, Queue, ISTHMUS_OP_DONE,
+    cq_get, cq_taker, isthmus_cq_t, isthmus_event_t, start_on, start_trying_on, Outcome, Queue, ISTHMUS_OP_DONE,
     ISTHMUS_OP_NEW_CALL, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_SEND_HEADERS, NO_SPIN,
 };
 use crate::handle::Registry;
@@ -330,7 +330,7 @@ pub unsafe extern "C" fn isthmus_server_add_handler_cq(
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
-        let taker = crate::cq::QUEUES.get(cq)?.taker.clone();
+        let taker = cq_taker(cq)?;
         let cq = cq_get(cq)?;
         // SAFETY: the caller's promise, passed on.
         let path = unsafe { path_arg(path)? };
@@ -368,7 +368,7 @@ pub unsafe extern "C" fn isthmus_cq_take_call(
         if tag.is_null() || call.is_null() {
             return Err(invalid("tag or call is NULL"));
         }
-        let taker = crate::cq::QUEUES.get(cq)?.taker.clone();
+        let taker = cq_taker(cq)?;
         let taken = taker.take(Duration::from_micros(u64::from(spin_us)));
         let (t, handle) = match taken {
             Some((t, handed)) => (t, server_call_handle(handed)),

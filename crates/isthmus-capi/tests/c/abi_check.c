@@ -2138,20 +2138,30 @@ static void *stopper(void *arg) {
   return NULL;
 }
 
+/* A unary call on a thread of its own: `request` to `path` over `ch`; its code and the reply's
+ * text (up to 63 bytes). */
 typedef struct {
   isthmus_channel_t *ch;
-  atomic_int ended;
-} sleeper_t;
+  const char *path;
+  const char *request;
+  isthmus_code_t rc;
+  char reply[64];
+} caller_t;
 
-static void *sleeper(void *arg) {
-  sleeper_t *s = arg;
+static void *unary_caller(void *arg) {
+  caller_t *t = arg;
   isthmus_message_t *reply = NULL;
   isthmus_status_t *st = NULL;
   isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
-  isthmus_unary(s->ch, SVC "Sleep", (const uint8_t *)"z", 1, &opts, &reply, NULL, NULL, &st);
-  if (reply) isthmus_message_free(reply);
+  t->rc = isthmus_unary(t->ch, t->path, (const uint8_t *)t->request, strlen(t->request), &opts, &reply, NULL, NULL,
+                        &st);
+  if (reply != NULL) {
+    size_t len = 0;
+    const uint8_t *data = isthmus_message_data(reply, &len);
+    snprintf(t->reply, sizeof t->reply, "%.*s", (int)len, (const char *)data);
+    isthmus_message_free(reply);
+  }
   if (st) isthmus_status_free(st);
-  atomic_store(&s->ended, 1);
   return NULL;
 }
 
@@ -2165,7 +2175,7 @@ static double shutdown_twice(uint64_t first_ms, uint64_t second_ms) {
   snprintf(target, sizeof target, "shm://abi-shutdown-%ld-%d", (long)getpid(), atomic_fetch_add(&servers, 1));
   const char *targets[] = {target};
   isthmus_server_t *server = isthmus_server_new(NULL);
-  sleeper_t call = {NULL, 0};
+  caller_t call = {NULL, SVC "Sleep", "z", ISTHMUS_UNKNOWN, ""};
   isthmus_code_t rc = isthmus_server_add_handler(server, SVC "Sleep", on_call, &g_handlers[SLEEP_HANDLER], &st);
   if (rc == ISTHMUS_OK) rc = isthmus_server_start(server, targets, 1, &st);
   if (rc == ISTHMUS_OK) rc = isthmus_channel_new(target, NULL, &call.ch, &st);
@@ -2175,7 +2185,7 @@ static double shutdown_twice(uint64_t first_ms, uint64_t second_ms) {
   }
   int began = atomic_load(&g_sleep_began);
   pthread_t caller, first;
-  pthread_create(&caller, NULL, sleeper, &call);
+  pthread_create(&caller, NULL, unary_caller, &call);
   double end = now_s() + 30;
   while (atomic_load(&g_sleep_began) == began && now_s() < end) sleep_ms(5);
   int reached = atomic_load(&g_sleep_began) > began;
@@ -2207,30 +2217,6 @@ static int check_shutdown_twice_at_once(ctx_t *c) {
   if (took < 0) return 0;
   REQUIRE(took < 30, "a second shutdown with no grace took %.3f s: the first one's 60 s ran on", took);
   return 1;
-}
-
-typedef struct {
-  isthmus_channel_t *ch;
-  const char *request;
-  isthmus_code_t rc;
-  char reply[64];
-} taker_caller_t;
-
-static void *taker_caller(void *arg) {
-  taker_caller_t *t = arg;
-  isthmus_message_t *reply = NULL;
-  isthmus_status_t *st = NULL;
-  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
-  t->rc = isthmus_unary(t->ch, SVC "Taken", (const uint8_t *)t->request, strlen(t->request), &opts, &reply, NULL,
-                        NULL, &st);
-  if (reply != NULL) {
-    size_t len = 0;
-    const uint8_t *data = isthmus_message_data(reply, &len);
-    snprintf(t->reply, sizeof t->reply, "%.*s", (int)len, (const char *)data);
-    isthmus_message_free(reply);
-  }
-  if (st) isthmus_status_free(st);
-  return NULL;
 }
 
 typedef struct {
@@ -2283,7 +2269,7 @@ static int check_take_call(ctx_t *c) {
   isthmus_cq_t *cq = isthmus_cq_new();
   REQUIRE(cq != NULL, "a queue");
   isthmus_server_t *server = isthmus_server_new(NULL);
-  taker_caller_t caller = {NULL, "taken", ISTHMUS_UNKNOWN, ""};
+  caller_t caller = {NULL, SVC "Taken", "taken", ISTHMUS_UNKNOWN, ""};
   isthmus_code_t rc = isthmus_server_add_handler_cq(server, SVC "Taken", cq, TAKEN_TAG, &st);
   if (rc == ISTHMUS_OK) rc = isthmus_server_start(server, targets, 1, &st);
   if (rc == ISTHMUS_OK) rc = isthmus_channel_new(target, NULL, &caller.ch, &st);
@@ -2307,7 +2293,7 @@ static int check_take_call(ctx_t *c) {
     pthread_t t;
     caller.rc = ISTHMUS_UNKNOWN;
     caller.reply[0] = 0;
-    pthread_create(&t, NULL, taker_caller, &caller);
+    pthread_create(&t, NULL, unary_caller, &caller);
     int queued = 0;
     call = NULL;
     for (double end = now_s() + 30; ok && call == NULL && !queued && now_s() < end;) {
@@ -2339,7 +2325,7 @@ static int check_take_call(ctx_t *c) {
   /* Nobody spins: the next call is an event on the queue. */
   caller.request = "queued";
   pthread_t t;
-  pthread_create(&t, NULL, taker_caller, &caller);
+  pthread_create(&t, NULL, unary_caller, &caller);
   size_t n = 0;
   for (double end = now_s() + 30; ok && n == 0 && now_s() < end;) n = isthmus_cq_wait(cq, ev, 1, 0, 100000);
   if (ok && (n != 1 || ev[0].op != ISTHMUS_OP_NEW_CALL || ev[0].tag != TAKEN_TAG))
