@@ -2,6 +2,7 @@ package isthmus_test
 
 import (
 	"context"
+	"os"
 	"testing"
 
 	pb "example.invalid/isthmus/go/internal/conformancepb"
@@ -14,7 +15,11 @@ import (
 func BenchmarkBidiPingPong(b *testing.B) {
 	shm, _ := fresh(b, "pingpong")
 	startPeer(b, goPeerBin, shm)
-	c := pb.NewEchoClient(dial(b, shm))
+	pingPong(b, pb.NewEchoClient(dial(b, shm)))
+}
+
+// pingPong sends one message and receives one, b.N times, on one bidi stream.
+func pingPong(b *testing.B, c pb.EchoClient) {
 	s, err := c.Bidi(context.Background())
 	if err != nil {
 		b.Fatal(err)
@@ -30,4 +35,16 @@ func BenchmarkBidiPingPong(b *testing.B) {
 	}
 	b.StopTimer()
 	s.CloseSend()
+}
+
+// BenchmarkBidiPingPongTonic is BenchmarkBidiPingPong against the Rust tonic-peer
+// (ISTHMUS_TONIC_PEER), whose handler runs on tokio: what the Go client's side costs.
+func BenchmarkBidiPingPongTonic(b *testing.B) {
+	bin := os.Getenv("ISTHMUS_TONIC_PEER")
+	if bin == "" {
+		b.Skip("ISTHMUS_TONIC_PEER is not set")
+	}
+	shm, _ := fresh(b, "pingpong-tonic")
+	startPeer(b, bin, shm)
+	pingPong(b, pb.NewEchoClient(dial(b, shm)))
 }

@@ -46,7 +46,10 @@
 // Call flag for `_async` calls given a `now` event: the operation may wait for its reply on
 // the calling thread for up to the connection's spin bound (50 µs by default) before it
 // returns, so that a fast reply comes back in `now` with no wake-up at all. Without it the
-// calling thread never waits (for an event loop's own thread).
+// calling thread never waits (for an event loop's own thread). On a streaming call
+// (`isthmus_call_start_async`) it lets the call's receives read the connection on the thread
+// that waits (`isthmus_call_recv_spin`), rather than only through the library's reader: a
+// stream's message then costs no hand-over between threads.
 #define ISTHMUS_CALL_SPIN 2
 
 // Call flag: compress the request messages with gzip over HTTP/2 (`unix://`, `http://`,

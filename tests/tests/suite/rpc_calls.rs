@@ -240,6 +240,45 @@ fn a_server_that_ends_a_stream_midway_cancels_it_for_the_client() {
     });
 }
 
+/// A ping-pong stream alone on its connection: each response is read by the call that waits for
+/// it, and between messages the receiver stays parked for the calls (ADR 0029), so the channel's
+/// reader task neither spins nor sleeps on the doorbell meanwhile. Before, it took the receiver
+/// back after every message, read the next one itself and woke the call: a doorbell wait per
+/// message, and two threads taking turns for the core. A call that waits without reading (an
+/// event loop's) is answered all the same: it has the reader task take the receiver back.
+#[test]
+fn a_lone_stream_reads_its_own_messages_and_the_reader_task_rests() {
+    let (_server, addr) = server();
+    run(async move {
+        let ch = Channel::connect(&addr).await.expect("connect");
+        let mut call = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
+        call.send(b"first").await.expect("send");
+        assert_eq!(call.recv().await.expect("echo").as_deref(), Some(&b"first"[..]));
+        let waits = |c: isthmus_shm::Counters| c.spin_hits + c.sleeps;
+        let before = waits(ch.counters().transport);
+        const N: u64 = 2_000;
+        for i in 0..N {
+            let m = pattern(64, i);
+            call.send(&m).await.expect("send");
+            assert_eq!(call.recv().await.expect("echo").as_deref(), Some(&m[..]), "message {i}");
+        }
+        let waited = waits(ch.counters().transport) - before;
+        // A thread that loses its core for over a millisecond lets the reader task take the
+        // receiver back (and wait once); far from one wait per message all the same.
+        assert!(waited < N / 4, "the reader task waited on the doorbell {waited} times in {N} round trips");
+        let polled = ch.with_calls_read(false);
+        for i in 0..100u64 {
+            let m = pattern(64, i);
+            let r = polled.unary("/test.Echo/Unary", &m, CallOptions::default()).await.expect("unary");
+            assert_eq!(r.message, m, "call {i}");
+            call.send(&m).await.expect("send");
+            assert_eq!(call.recv().await.expect("echo").as_deref(), Some(&m[..]), "message {i}");
+        }
+        call.close_send().await.expect("half-close");
+        assert_eq!(call.recv().await.expect("OK end"), None);
+    });
+}
+
 /// Calls on one channel whose replies come at once, and after the spin a waiting call reads for
 /// (replies a millisecond or two late): the connection passes between the calls reading for
 /// themselves and the channel's reader task, on a runtime of two workers and on one where a

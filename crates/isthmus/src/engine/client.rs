@@ -238,6 +238,13 @@ impl ShmChannel {
     }
 }
 
+/// Takes credit for a message of `len` bytes on a stream, waiting for the server's window; a
+/// writer that has to wait has the reader task read, since the grant comes as a frame.
+async fn credit(mux: &Mux, shared: &StreamShared, len: usize) -> Credit {
+    let _wanted = shared.send_window.starved().then(|| mux.reader_wanted());
+    shared.send_window.take(flow::charge(len)).await
+}
+
 /// A call over `shm://`.
 pub(crate) struct ShmCall {
     state: CallState,
@@ -266,7 +273,7 @@ impl SendHalf {
     /// Sends one message once the server's window allows; `last` half-closes with it. An error
     /// means the call is over (its status comes from the receiving side).
     pub(crate) async fn send(&self, message: &[u8], last: bool) -> Result<(), ()> {
-        if self.shared.send_window.take(flow::charge(message.len())).await != Credit::Taken {
+        if credit(&self.mux, &self.shared, message.len()).await != Credit::Taken {
             return Err(());
         }
         let f = if last { flags::END_STREAM } else { 0 };
@@ -281,7 +288,7 @@ impl SendHalf {
     /// Sends a block from [`alloc`](Self::alloc) once the server's window allows; `last`
     /// half-closes with it.
     pub(crate) async fn send_block(&self, block: BlockMut, last: bool) -> Result<(), ()> {
-        if self.shared.send_window.take(flow::charge(block.len())).await != Credit::Taken {
+        if credit(&self.mux, &self.shared, block.len()).await != Credit::Taken {
             return Err(());
         }
         let f = if last { flags::END_STREAM } else { 0 };
@@ -326,7 +333,7 @@ impl ShmCall {
             return Err(self.state.ended_error());
         }
         let shared = self.state.stream.shared.clone();
-        match until(self.deadline, shared.send_window.take(flow::charge(len))).await {
+        match until(self.deadline, credit(&self.state.mux, &shared, len)).await {
             None => Err(self.expire().await),
             Some(Credit::Taken) => Ok(true),
             Some(_) => self.state.after_close().map(|()| false),
@@ -405,6 +412,8 @@ impl ShmCall {
             let ev = ev.unwrap_or_else(|| Event::End(self.state.connection_end()));
             return Poll::Ready(Ok(self.state.absorb(ev)));
         }
+        // It waits without reading: the reader task must read for it.
+        self.state.mux.want_reader();
         let Some(deadline) = self.deadline else { return Poll::Pending };
         let timer = self.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         ready!(timer.as_mut().poll(cx));

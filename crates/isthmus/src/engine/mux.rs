@@ -44,7 +44,10 @@
 //! call that finds the reader task holding the receiver registers its waker and interrupts the
 //! reader's wait (`Interrupter`); the reader hands the receiver back, wakes the calls that asked,
 //! and yields once before taking it again. `Channel::with_calls_read(false)` leaves reading to the
-//! reader task, for calls an event loop polls.
+//! reader task, for calls an event loop polls. A call that got its event while no other call is
+//! open parks the receiver instead of ringing (ADR 0029): the next read of that call, or the next
+//! call, takes it from the slot with no hand-over, and the reader task stays asleep until a call
+//! waits without reading (`want_reader`), a writer waits for credit, or `PARK_IDLE` passes.
 //!
 //! The blocking client's threads read through `driven` and `wait` (see `blocking`).
 //!
@@ -348,7 +351,7 @@ impl Pump {
 }
 
 /// Lets the async client's calls read the connection themselves while they wait, beside its
-/// reader task (ADR 0008). A call that waits for its reply (on a channel handle that allows it:
+/// reader task (ADR 0008, 0029). A call that waits for its reply (on a channel handle that allows it:
 /// `Channel::with_calls_read`) takes the receiver, if nobody reads, and reads until its own
 /// event has come or the spin bound has passed: the reply then costs no task wake-up and no
 /// hand-off between threads (the reader task would route it and wake the call's task, often on
@@ -358,10 +361,38 @@ impl Pump {
 struct Lead {
     slot: Mutex<Slot>,
     interrupter: isthmus_shm::Interrupter,
-    /// Rung whenever the receiver is put back, for the reader task.
+    /// Rung whenever the receiver is put back for the reader task.
     free: Notify,
     spin: isthmus_shm::SpinPolicy,
+    /// The receiver lies in the slot, unread, left by a call that got its event on a connection
+    /// with no other call open: that call is likely to read again within microseconds (the next
+    /// message of a ping-pong stream, the next unary call), so the reader task was not rung and
+    /// does not spin beside it. The reader task takes it back when something rings `free`
+    /// ([`Mux::want_reader`]) or once it has lain unread for [`PARK_IDLE`].
+    parked: AtomicBool,
+    /// When a call last parked the receiver, in nanoseconds since `since`.
+    parked_at: AtomicU64,
+    /// Writers waiting for credit, whose grants come as frames: no call parks the receiver
+    /// while there are any ([`Mux::reader_wanted`]).
+    writers: std::sync::atomic::AtomicUsize,
+    since: std::time::Instant,
 }
+
+/// A writer waiting for credit ([`Mux::reader_wanted`]).
+pub(crate) struct ReaderWanted<'a>(Option<&'a Lead>);
+
+impl Drop for ReaderWanted<'_> {
+    fn drop(&mut self) {
+        if let Some(lead) = self.0 {
+            lead.writers.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// The longest a receiver parked by a call ([`Lead::parked`]) lies unread before the reader task
+/// takes it back: the bound on how late a frame nobody waits for (a PING, a GOAWAY, the peer's
+/// end) is read while calls come and go.
+const PARK_IDLE: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// The receiver while nobody reads (`None` while the reader task holds it), and the calls that
 /// asked the reader task for it.
@@ -371,6 +402,20 @@ struct Slot {
 }
 
 impl Lead {
+    /// How long the parked receiver has lain unread.
+    fn parked_for(&self) -> std::time::Duration {
+        let at = std::time::Duration::from_nanos(self.parked_at.load(Ordering::Acquire));
+        self.since.elapsed().saturating_sub(at)
+    }
+
+    /// Rings the reader task if the receiver is parked: someone waits for a frame without
+    /// reading.
+    fn unpark(&self) {
+        if self.parked.load(Ordering::SeqCst) && self.parked.swap(false, Ordering::SeqCst) {
+            self.free.notify_one();
+        }
+    }
+
     /// Puts the receiver back and wakes the calls that asked for it.
     fn give_back(&self, mut slot: MutexGuard<'_, Slot>, receiver: Receiver) {
         slot.receiver = Some(receiver);
@@ -707,6 +752,10 @@ impl Mux {
             spin: receiver.spin_policy(),
             slot: Mutex::new(Slot { receiver: None, wanting: Vec::new() }),
             free: Notify::new(),
+            parked: AtomicBool::new(false),
+            parked_at: AtomicU64::new(0),
+            writers: Default::default(),
+            since: std::time::Instant::now(),
         };
         Mux::build(sender, None, Some(lead), None, usize::MAX)
     }
@@ -818,7 +867,7 @@ impl Mux {
             serving,
         };
         streams.insert(id, entry);
-        self.open.store(streams.len(), Ordering::Relaxed);
+        self.open.store(streams.len(), Ordering::SeqCst);
         drop(streams);
         // The reader may have died between the check and the insert; it empties the table
         // after setting `dead`, so look again.
@@ -837,7 +886,7 @@ impl Mux {
     pub(crate) fn unregister(&self, id: u64) {
         let entry = self.streams.lock().ok().and_then(|mut s| {
             let entry = s.remove(&id);
-            self.open.store(s.len(), Ordering::Relaxed);
+            self.open.store(s.len(), Ordering::SeqCst);
             entry
         });
         if let Some(e) = entry {
@@ -857,7 +906,7 @@ impl Mux {
             let waker = s.get(&id).and_then(|entry| self.push(entry, ev));
             let ended = end.and_then(|_| s.remove(&id));
             if ended.is_some() {
-                self.open.store(s.len(), Ordering::Relaxed);
+                self.open.store(s.len(), Ordering::SeqCst);
             }
             (waker, ended)
         };
@@ -1131,8 +1180,15 @@ impl Mux {
                     // A call asked for the receiver: it reads until its reply has come. Let it run
                     // (it may be queued on this worker) before taking the receiver back.
                     None => {
+                        // Handed over as if parked: this task looks at the slot again only when
+                        // rung or after `PARK_IDLE`, so it does not take the receiver back before
+                        // the call that asked has it (a call that gives up rings).
                         match lead.slot.lock() {
-                            Ok(slot) => lead.give_back(slot, receiver),
+                            Ok(slot) => {
+                                lead.parked_at.store(lead.since.elapsed().as_nanos() as u64, Ordering::Release);
+                                lead.parked.store(true, Ordering::SeqCst);
+                                lead.give_back(slot, receiver);
+                            }
                             Err(_) => break 'read poisoned(),
                         }
                         tokio::task::yield_now().await;
@@ -1511,17 +1567,48 @@ impl Mux {
         let lead = self.lead.as_ref()?;
         loop {
             let notified = lead.free.notified();
+            // A call that reads now may park the receiver without ringing: look again by then.
+            let mut wait = PARK_IDLE;
             match lead.slot.try_lock() {
                 Ok(mut slot) => {
-                    if let Some(r) = slot.receiver.take() {
-                        return Some(r);
+                    if slot.receiver.is_some() {
+                        let unread = lead.parked_for();
+                        if !lead.parked.load(Ordering::SeqCst) || unread >= PARK_IDLE {
+                            lead.parked.store(false, Ordering::SeqCst);
+                            return slot.receiver.take();
+                        }
+                        wait = PARK_IDLE - unread;
                     }
                 }
                 Err(std::sync::TryLockError::Poisoned(_)) => return None,
                 Err(std::sync::TryLockError::WouldBlock) => {}
             }
-            notified.await;
+            let _ = tokio::time::timeout(wait, notified).await;
         }
+    }
+
+    /// For a call (or a send waiting for credit) that waits for a frame without reading the
+    /// connection itself: if a call parked the receiver, the reader task takes it back now.
+    pub(crate) fn want_reader(&self) {
+        if let Some(lead) = &self.lead {
+            lead.unpark();
+        }
+    }
+
+    /// [`want_reader`](Self::want_reader) for a writer about to wait for credit, and no call parks
+    /// the receiver until the returned guard drops.
+    pub(crate) fn reader_wanted(&self) -> ReaderWanted<'_> {
+        if let Some(lead) = &self.lead {
+            lead.writers.fetch_add(1, Ordering::SeqCst);
+            lead.unpark();
+        }
+        ReaderWanted(self.lead.as_ref())
+    }
+
+    /// Whether a call that got its event may park the receiver: nothing else on the connection
+    /// waits for a frame (at most its own stream is open, and no writer waits for credit).
+    fn may_park(&self, lead: &Lead) -> bool {
+        self.open.load(Ordering::SeqCst) <= 1 && lead.writers.load(Ordering::SeqCst) == 0
     }
 
     /// Client side: reads the connection on this thread while a call waits, until `ready()`
@@ -1536,8 +1623,22 @@ impl Mux {
         // The slot's lock is held while this call reads, so the other calls see at once that
         // someone does (and leave the reading to it).
         let (slot, mut receiver) = loop {
-            let Ok(mut slot) = lead.slot.try_lock() else { return };
+            let mut slot = match lead.slot.try_lock() {
+                Ok(slot) => slot,
+                // Another call reads, and delivers to this one too; but once this call has asked
+                // the reader task, the lock is most likely its hand-back, with the receiver
+                // next: a call that left here lost it to the reader task taking it again.
+                Err(std::sync::TryLockError::WouldBlock) if asked => {
+                    if !lead.pause(start, &mut pauses, &mut ready) {
+                        lead.unpark();
+                        return;
+                    }
+                    continue;
+                }
+                Err(_) => return,
+            };
             if let Some(r) = slot.receiver.take() {
+                lead.parked.store(false, Ordering::SeqCst);
                 break (slot, r);
             }
             // The reader task holds it: ask for it, once. A spinning reader hands it back within
@@ -1553,10 +1654,15 @@ impl Mux {
                 asked = true;
             }
             if !lead.pause(start, &mut pauses, &mut ready) {
+                // The reader task may have handed the receiver over already: it takes it back.
+                if asked {
+                    lead.unpark();
+                }
                 return;
             }
         };
         let (start, mut pauses) = (std::time::Instant::now(), 0);
+        let mut done = false;
         loop {
             let Some(got) = receiver.try_recv().transpose() else {
                 // Nothing new: only this thread routes frames now, so `ready` can change only by
@@ -1577,12 +1683,26 @@ impl Mux {
                 }
             }
             if ready() {
+                done = true;
                 break;
             }
         }
+        // With no other call open, this call (or the next) will read again soon: the receiver
+        // is parked, and the reader task left asleep. A call that opens meanwhile and waits
+        // without reading rings it (`want_reader`); one that opened as this call parked is seen
+        // by the second look at `open` (each side writes, then reads the other's word).
+        let park = done && self.may_park(lead);
+        if park {
+            lead.parked_at.store(lead.since.elapsed().as_nanos() as u64, Ordering::Release);
+            lead.parked.store(true, Ordering::SeqCst);
+        }
         // The reader task takes over; it looks at the slot only once the lock is free.
         lead.give_back(slot, receiver);
-        lead.free.notify_one();
+        if !park {
+            lead.free.notify_one();
+        } else if !self.may_park(lead) {
+            lead.unpark();
+        }
     }
 
     /// Blocks until `ready()` holds, reading the connection on this thread while no other
