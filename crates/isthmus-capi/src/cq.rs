@@ -336,11 +336,12 @@ pub(crate) fn start_spinning_on<C, F>(
 where
     F: std::future::Future<Output = Outcome> + Send + 'static,
 {
-    start_trying_on(call, cq, tag, op, now, spin, status, |_| None, make)
+    start_trying_on(call, cq, tag, op, now, spin, status, |_, _| None, make)
 }
 
 /// [`start_spinning_on`] with a first look that needs no future: an outcome `at_hand` gives
-/// (a request already in) goes to `now` at once, with nothing boxed or polled.
+/// (a request already in) goes to `now` at once, with nothing boxed or polled. `at_hand` may
+/// shorten the spin that follows (it waited on the calling thread already).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn start_trying_on<C, F>(
     call: Result<C, Status>,
@@ -350,7 +351,7 @@ pub(crate) fn start_trying_on<C, F>(
     now: *mut isthmus_event_t,
     spin: isthmus::SpinPolicy,
     status: *mut *mut isthmus_status_t,
-    at_hand: impl FnOnce(&C) -> Option<Outcome>,
+    at_hand: impl FnOnce(&C, &mut isthmus::SpinPolicy) -> Option<Outcome>,
     make: impl FnOnce(C) -> Result<F, Status>,
 ) -> isthmus_code_t
 where
@@ -358,8 +359,9 @@ where
 {
     entry(status, || {
         let (call, cq) = (call?, cq_get(cq)?);
+        let mut spin = spin;
         if !now.is_null() {
-            if let Some(outcome) = at_hand(&call) {
+            if let Some(outcome) = at_hand(&call, &mut spin) {
                 // SAFETY: `now` is not NULL, and the ABI's rules make it writable.
                 unsafe { now.write(outcome.event(tag, op)) };
                 return Ok(());

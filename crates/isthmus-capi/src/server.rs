@@ -646,7 +646,8 @@ pub const ISTHMUS_RECV_FLUSH_HEADERS: u32 = 1;
 /// within 50 µs (a fixed bound) is taken on the calling thread and returned in `now`, without
 /// the two wake-ups a trip through the queue costs (as `isthmus_call_recv_spin` on the
 /// client's side). The thread spins, yielding its core between looks after the first
-/// microseconds.
+/// microseconds; over `shm://`, while its call is the only one open on the connection, it reads
+/// the connection itself meanwhile, so the request needs no hand-over from the library's reader.
 pub const ISTHMUS_RECV_SPIN: u32 = 2;
 
 /// Receives the next request message, blocking: `ISTHMUS_OK` with `*message` set, or with
@@ -694,7 +695,17 @@ pub unsafe extern "C" fn isthmus_server_call_recv_async(
         true => isthmus::SpinPolicy::default(),
         false => NO_SPIN,
     };
-    let at_hand = |call: &Arc<HandedCall>| call.try_recv().map(Outcome::received);
+    // A spinning receive first reads the connection itself while its call is alone there (ADR
+    // 0029): the request then comes without a hand-over from the connection's reader. Having
+    // read for the whole spin, it waits no more on this thread.
+    // (`read_for_request` looks first: a `try_recv` that finds nothing would have the reader
+    // task take the connection back, as for a receive that waits.)
+    let at_hand = |call: &Arc<HandedCall>, spin: &mut isthmus::SpinPolicy| {
+        if !spin.max.is_zero() && call.read_for_request(spin.max) {
+            *spin = NO_SPIN;
+        }
+        call.try_recv().map(Outcome::received)
+    };
     start_trying_on(handed(call), cq, tag, ISTHMUS_OP_RECV, now, spin, status, at_hand, |call| {
         Ok(async move { Outcome::received(call.recv(flush).await) })
     })

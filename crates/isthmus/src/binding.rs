@@ -681,6 +681,23 @@ impl HandedCall {
         }
     }
 
+    /// Waits up to `budget` for the next request on this thread, reading the call's connection
+    /// meanwhile while this is the only call open on it ([`Lender::read_for_call`], ADR 0029):
+    /// a streaming handler's receive that spins then takes the message without a hand-over from
+    /// the connection's reader task. Returns at once if the request is in, another thread
+    /// receives, or the connection cannot be read here; [`try_recv`](Self::try_recv) then takes
+    /// what came. Whether it read the connection (for `budget`, unless the request came).
+    pub fn read_for_request(&self, budget: std::time::Duration) -> bool {
+        let Some(lender) = &self.connection else { return false };
+        let Ok(requests) = self.requests.try_lock() else { return false };
+        let Some(requests) = requests.as_ref() else { return false };
+        if requests.is_ready() || !self.is_active() {
+            return false;
+        }
+        // A call that ends closes its stream's inbox, which `is_ready` sees.
+        lender.read_for_call(budget, || requests.is_ready())
+    }
+
     /// A unary handler's whole answer: sends `message` and finishes the call with `status()`,
     /// now, from the calling thread, if that takes no wait (see `ServerCall::try_send_now`),
     /// in one frame where the connection agreed to one-frame calls (`ServerCall::send_last`).

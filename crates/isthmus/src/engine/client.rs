@@ -404,7 +404,7 @@ impl ShmCall {
         // The call reads its own reply (see `Mux::read_here`), unless its channel leaves that to
         // the reader task.
         if self.reads && !self.read_dry && !inbox.is_ready() {
-            self.state.mux.read_here(cx, || inbox.is_ready());
+            self.state.mux.read_here(self.state.id(), cx, || inbox.is_ready());
             self.read_dry = !inbox.is_ready();
         }
         if let Poll::Ready(ev) = inbox.poll_recv(cx) {

@@ -375,6 +375,9 @@ struct Lead {
     /// Writers waiting for credit, whose grants come as frames: no call parks the receiver
     /// while there are any ([`Mux::reader_wanted`]).
     writers: std::sync::atomic::AtomicUsize,
+    /// Calls that asked the reader task for the receiver and wait for it: the reader task
+    /// leaves it in the slot for them, parked, only while there are any.
+    askers: std::sync::atomic::AtomicUsize,
     since: std::time::Instant,
 }
 
@@ -391,7 +394,8 @@ impl Drop for ReaderWanted<'_> {
 
 /// The longest a receiver parked by a call ([`Lead::parked`]) lies unread before the reader task
 /// takes it back: the bound on how late a frame nobody waits for (a PING, a GOAWAY, the peer's
-/// end) is read while calls come and go.
+/// end) is read while calls come and go (1-2 ms in practice: tokio's timer ticks by the
+/// millisecond).
 const PARK_IDLE: std::time::Duration = std::time::Duration::from_millis(1);
 
 /// The receiver while nobody reads (`None` while the reader task holds it), and the calls that
@@ -500,6 +504,8 @@ enum Read {
     Handed,
     /// The reader task should read now.
     GiveBack,
+    /// `stop()` held after a frame was routed: what the borrower waited for may have come.
+    Stopped,
 }
 
 /// How long a connection whose calls overlapped is not lent: while a client keeps several calls
@@ -578,8 +584,18 @@ impl Lender {
     /// in progress on it, or it is over.
     pub fn serve_here(&self, budget: std::time::Duration, stop: impl FnMut() -> bool) {
         if let Some(mux) = self.0.upgrade() {
-            mux.serve_here(budget, stop);
+            mux.serve_here(budget, 0, stop);
         }
+    }
+
+    /// [`serve_here`](Self::serve_here) for a streaming handler that waits for its call's next
+    /// request: reads until `ready()` holds (the request, or the call's end, is in) or `budget`
+    /// has passed, and only while its call is the only one open on the connection. The receiver
+    /// then stays lent, so the handler's next wait reads again with no hand-over (ADR 0029); a
+    /// call that waits without reading has the reader task take it back
+    /// (`Mux::need_reader`). Returns whether it read (false: it returned at once).
+    pub fn read_for_call(&self, budget: std::time::Duration, ready: impl FnMut() -> bool) -> bool {
+        self.0.upgrade().is_some_and(|mux| mux.serve_here(budget, 1, ready))
     }
 
     /// Has the reader task take the receiver back as soon as nobody reads it, if it is lent:
@@ -755,6 +771,7 @@ impl Mux {
             parked: AtomicBool::new(false),
             parked_at: AtomicU64::new(0),
             writers: Default::default(),
+            askers: Default::default(),
             since: std::time::Instant::now(),
         };
         Mux::build(sender, None, Some(lead), None, usize::MAX)
@@ -1073,7 +1090,7 @@ impl Mux {
             .streams
             .lock()
             .map(|mut s| {
-                self.open.store(0, Ordering::Relaxed);
+                self.open.store(0, Ordering::SeqCst);
                 std::mem::take(&mut *s)
             })
             .unwrap_or_default();
@@ -1190,6 +1207,12 @@ impl Mux {
                                 lead.give_back(slot, receiver);
                             }
                             Err(_) => break 'read poisoned(),
+                        }
+                        // An interrupt left from an ask that ended meanwhile, or an asker that
+                        // gave up before this: nobody comes for it (each side writes, then reads
+                        // the other's word).
+                        if lead.askers.load(Ordering::SeqCst) == 0 {
+                            lead.unpark();
                         }
                         tokio::task::yield_now().await;
                         continue;
@@ -1355,18 +1378,20 @@ impl Mux {
         }
     }
 
-    /// Reads the connection on a foreign handler's thread (see [`Lender::serve_here`]).
-    fn serve_here(&self, budget: std::time::Duration, mut stop: impl FnMut() -> bool) {
-        let Some(lend) = &self.lend else { return };
+    /// Reads the connection on a foreign handler's thread (see [`Lender::serve_here`]); `mine`
+    /// is how many of the open calls are the borrower's own (its stream, for
+    /// [`Lender::read_for_call`]). Whether it read (it had the receiver).
+    fn serve_here(&self, budget: std::time::Duration, mine: usize, mut stop: impl FnMut() -> bool) -> bool {
+        let Some(lend) = &self.lend else { return false };
         // Lend only a quiet connection: while other calls are in progress here, the reader task
         // keeps reading for them, and a lend would be given back at once (see the end).
         if !lend.out.load(Ordering::Acquire)
-            && (lend.since_nanos() < lend.busy_until.load(Ordering::Acquire) || self.open_streams() > 0)
+            && (lend.since_nanos() < lend.busy_until.load(Ordering::Acquire) || self.open_streams() > mine)
         {
-            return;
+            return false;
         }
         if self.dead().is_some() {
-            return;
+            return false;
         }
         let start = std::time::Instant::now();
         lend.wanted.store(true, Ordering::SeqCst);
@@ -1383,7 +1408,7 @@ impl Mux {
                 Ok(_) | Err(std::sync::TryLockError::WouldBlock) => {}
                 Err(std::sync::TryLockError::Poisoned(_)) => {
                     lend.wanted.store(false, Ordering::SeqCst);
-                    return;
+                    return false;
                 }
             }
             looks = looks.wrapping_add(1);
@@ -1391,18 +1416,18 @@ impl Mux {
                 // A lend that comes after this goes straight back: nobody wants it.
                 lend.wanted.store(false, Ordering::SeqCst);
                 lend.free.notify_one();
-                return;
+                return false;
             }
             // The reader task needs a core to hand the receiver over; this thread may share it.
             std::thread::yield_now();
         };
-        let Some(lent) = slot.as_mut() else { return };
+        let Some(lent) = slot.as_mut() else { return false };
         if lent.stop.is_some() {
             // Over: the reader task's now.
             lend.wanted.store(false, Ordering::SeqCst);
             drop(slot);
             lend.call_back();
-            return;
+            return false;
         }
         lent.sessions += 1;
         let _runtime = lent.runtime.enter();
@@ -1412,8 +1437,14 @@ impl Mux {
         lent.calls.retain_mut(|call| call.as_mut().poll(&mut cx).is_pending());
         // Calls still in progress here run on other threads: the reader task reads for them
         // better (see below), and this thread waits for its next call as before.
-        let overlapping = self.open_streams() > 0;
-        let give_back = overlapping || self.read_lent(lent, &mut cx, start, budget, &mut stop) == Read::GiveBack;
+        let overlapping = self.open_streams() > mine;
+        // A streaming handler whose request came keeps the receiver: its next wait reads again.
+        let give_back = overlapping
+            || match self.read_lent(lent, &mut cx, start, budget, &mut stop) {
+                Read::Handed => false,
+                Read::GiveBack => true,
+                Read::Stopped => mine == 0,
+            };
         // Other calls in progress here (more than the one this thread is about to run) may get
         // frames, and the client may start more, while this thread runs its handler: the reader
         // task reads for them meanwhile (a wake-up, shared by all those calls). With only this
@@ -1431,6 +1462,7 @@ impl Mux {
         if give_back || busy || lend.back.load(Ordering::Acquire) {
             lend.call_back();
         }
+        true
     }
 
     /// A borrower's reading, until a call is handed to its thread (`Handed`: the receiver stays
@@ -1500,7 +1532,10 @@ impl Mux {
             if handed {
                 return Read::Handed;
             }
-            if stop() || start.elapsed() >= budget {
+            if stop() {
+                return Read::Stopped;
+            }
+            if start.elapsed() >= budget {
                 return Read::GiveBack;
             }
         }
@@ -1606,16 +1641,17 @@ impl Mux {
     }
 
     /// Whether a call that got its event may park the receiver: nothing else on the connection
-    /// waits for a frame (at most its own stream is open, and no writer waits for credit).
-    fn may_park(&self, lead: &Lead) -> bool {
-        self.open.load(Ordering::SeqCst) <= 1 && lead.writers.load(Ordering::SeqCst) == 0
+    /// waits for a frame (no stream is open but its own, `own` of them, and no writer waits for
+    /// credit).
+    fn may_park(&self, lead: &Lead, own: usize) -> bool {
+        self.open.load(Ordering::SeqCst) <= own && lead.writers.load(Ordering::SeqCst) == 0
     }
 
     /// Client side: reads the connection on this thread while a call waits, until `ready()`
     /// holds or the connection's spin bound has passed (see [`Lead`]). Does nothing if another
     /// call reads (it delivers to this one too); if the reader task reads, asks it for the
     /// receiver, and `cx` is woken once it is handed back.
-    pub(crate) fn read_here(&self, cx: &std::task::Context<'_>, mut ready: impl FnMut() -> bool) {
+    pub(crate) fn read_here(&self, id: u64, cx: &std::task::Context<'_>, mut ready: impl FnMut() -> bool) {
         let Some(lead) = &self.lead else { return };
         let start = std::time::Instant::now();
         let mut pauses = 0;
@@ -1630,15 +1666,25 @@ impl Mux {
                 // next: a call that left here lost it to the reader task taking it again.
                 Err(std::sync::TryLockError::WouldBlock) if asked => {
                     if !lead.pause(start, &mut pauses, &mut ready) {
+                        lead.askers.fetch_sub(1, Ordering::SeqCst);
                         lead.unpark();
                         return;
                     }
                     continue;
                 }
-                Err(_) => return,
+                Err(_) => {
+                    if asked {
+                        lead.askers.fetch_sub(1, Ordering::SeqCst);
+                        lead.unpark();
+                    }
+                    return;
+                }
             };
             if let Some(r) = slot.receiver.take() {
                 lead.parked.store(false, Ordering::SeqCst);
+                if asked {
+                    lead.askers.fetch_sub(1, Ordering::SeqCst);
+                }
                 break (slot, r);
             }
             // The reader task holds it: ask for it, once. A spinning reader hands it back within
@@ -1650,12 +1696,14 @@ impl Mux {
             }
             drop(slot);
             if ask {
+                lead.askers.fetch_add(1, Ordering::SeqCst);
                 lead.interrupter.interrupt();
                 asked = true;
             }
             if !lead.pause(start, &mut pauses, &mut ready) {
                 // The reader task may have handed the receiver over already: it takes it back.
                 if asked {
+                    lead.askers.fetch_sub(1, Ordering::SeqCst);
                     lead.unpark();
                 }
                 return;
@@ -1691,7 +1739,9 @@ impl Mux {
         // is parked, and the reader task left asleep. A call that opens meanwhile and waits
         // without reading rings it (`want_reader`); one that opened as this call parked is seen
         // by the second look at `open` (each side writes, then reads the other's word).
-        let park = done && self.may_park(lead);
+        // Its own stream counts only while it is open (its end takes it out of the table).
+        let own = self.streams.lock().map_or(1, |s| s.contains_key(&id) as usize);
+        let park = done && self.may_park(lead, own);
         if park {
             lead.parked_at.store(lead.since.elapsed().as_nanos() as u64, Ordering::Release);
             lead.parked.store(true, Ordering::SeqCst);
@@ -1700,7 +1750,7 @@ impl Mux {
         lead.give_back(slot, receiver);
         if !park {
             lead.free.notify_one();
-        } else if !self.may_park(lead) {
+        } else if !self.may_park(lead, own) {
             lead.unpark();
         }
     }

@@ -242,6 +242,12 @@ pub(crate) struct Requests {
 }
 
 impl Requests {
+    /// Whether the next [`poll_recv`](Self::poll_recv) has something to give: a request, the
+    /// half-close or the stream's end.
+    pub(crate) fn is_ready(&self) -> bool {
+        self.half_closed || self.stream.shared.inbox.is_ready()
+    }
+
     /// Sends credit still owed to the client (see `Stream::settle`).
     pub(crate) fn settle(&mut self) {
         self.stream.settle(&self.mux);
