@@ -696,13 +696,19 @@ pub unsafe extern "C" fn isthmus_server_call_recv_async(
         false => NO_SPIN,
     };
     // A spinning receive first reads the connection itself while its call is alone there (ADR
-    // 0029): the request then comes without a hand-over from the connection's reader. Having
-    // read for the whole spin, it waits no more on this thread.
-    // (`read_for_request` looks first: a `try_recv` that finds nothing would have the reader
-    // task take the connection back, as for a receive that waits.)
+    // 0029): the request then comes without a hand-over from the connection's reader; the spin
+    // that follows has what is left of the bound. Not a receive that must flush the initial
+    // metadata first: its client may wait for them before it sends. (`read_for_request` looks
+    // first: a `try_recv` that finds nothing has the reader task take the connection back, as
+    // for a receive that waits.)
     let at_hand = |call: &Arc<HandedCall>, spin: &mut isthmus::SpinPolicy| {
-        if !spin.max.is_zero() && call.read_for_request(spin.max) {
-            *spin = NO_SPIN;
+        if !spin.max.is_zero() && (!flush || call.has_responded()) {
+            let start = std::time::Instant::now();
+            if call.read_for_request(spin.max) {
+                let spent = start.elapsed();
+                spin.max = spin.max.saturating_sub(spent);
+                spin.yield_after = spin.yield_after.saturating_sub(spent);
+            }
         }
         call.try_recv().map(Outcome::received)
     };

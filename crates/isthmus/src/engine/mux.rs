@@ -593,7 +593,7 @@ impl Lender {
     /// has passed, and only while its call is the only one open on the connection. The receiver
     /// then stays lent, so the handler's next wait reads again with no hand-over (ADR 0029); a
     /// call that waits without reading has the reader task take it back
-    /// (`Mux::need_reader`). Returns whether it read (false: it returned at once).
+    /// (`Mux::need_reader`). Returns whether it had the connection to read.
     pub fn read_for_call(&self, budget: std::time::Duration, ready: impl FnMut() -> bool) -> bool {
         self.0.upgrade().is_some_and(|mux| mux.serve_here(budget, 1, ready))
     }
@@ -1440,7 +1440,7 @@ impl Mux {
         let overlapping = self.open_streams() > mine;
         // A streaming handler whose request came keeps the receiver: its next wait reads again.
         let give_back = overlapping
-            || match self.read_lent(lent, &mut cx, start, budget, &mut stop) {
+            || match self.read_lent(lent, &mut cx, start, budget, &mut stop, mine == 0) {
                 Read::Handed => false,
                 Read::GiveBack => true,
                 Read::Stopped => mine == 0,
@@ -1475,6 +1475,7 @@ impl Mux {
         start: std::time::Instant,
         budget: std::time::Duration,
         stop: &mut impl FnMut() -> bool,
+        inline: bool,
     ) -> Read {
         let spin = lent.receiver.spin_policy();
         let mut looks = 0u32;
@@ -1514,6 +1515,15 @@ impl Mux {
             }
             lent.accept.bare.clear();
             let mut handed = false;
+            if !inline && !lent.accept.batch.is_empty() {
+                // A streaming handler's thread runs no other call's handler (a C callback would
+                // run here, inside its receive): new calls go to the runtime, and the reader
+                // task, which reads for them, takes the receiver back.
+                for call in lent.accept.batch.drain(..) {
+                    drop(lent.runtime.spawn(call));
+                }
+                return Read::GiveBack;
+            }
             for mut call in lent.accept.batch.drain(..) {
                 HANDED_OFF.set(false);
                 if call.as_mut().poll(cx).is_ready() {
