@@ -3,23 +3,32 @@ package isthmus_test
 import (
 	"context"
 	"fmt"
+	"os"
 	"testing"
 
 	pb "example.invalid/isthmus/go/internal/conformancepb"
+	"example.invalid/isthmus/go/isthmus"
 )
+
+// pingPongStream opens a bidi stream over shm:// to a fresh server started from bin.
+func pingPongStream(t testing.TB, bin, name string) (*isthmus.ClientConn, pb.Echo_BidiClient) {
+	t.Helper()
+	shm, _ := fresh(t, name)
+	startPeer(t, bin, shm)
+	conn := dial(t, shm)
+	s, err := pb.NewEchoClient(conn).Bidi(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	return conn, s
+}
 
 // A bidi stream alone on its connection, one message each way at a time: the client's receives
 // read the connection themselves (ADR 0029), so its reader never waits on the doorbell for
 // them. With the reader doing the reading, as before, it waited about once per message, and
 // a message each way cost 25-55 µs instead of 5-8.
 func TestAPingPongStreamReadsItsOwnMessages(t *testing.T) {
-	shm, _ := fresh(t, "pingpong-own")
-	startPeer(t, goPeerBin, shm)
-	conn := dial(t, shm)
-	s, err := pb.NewEchoClient(conn).Bidi(context.Background())
-	if err != nil {
-		t.Fatal(err)
-	}
+	conn, s := pingPongStream(t, goPeerBin, "pingpong-own")
 	exchange := func(i int) {
 		payload := []byte(fmt.Sprintf("message %d", i))
 		if err := s.Send(&pb.EchoRequest{Seq: uint64(i), Payload: payload}); err != nil {
@@ -51,4 +60,39 @@ func TestAPingPongStreamReadsItsOwnMessages(t *testing.T) {
 	if _, err := s.Recv(); err == nil {
 		t.Fatal("the stream did not end after the half-close")
 	}
+}
+
+// BenchmarkBidiPingPong is one message each way on an open bidi stream over shm://, against
+// the Go server (go-peer): the cost of a stream's receive (run with -bench; not part of the
+// tests). With a release library: CGO_LDFLAGS="-L$PWD/../target/release
+// -Wl,-rpath,$PWD/../target/release" go test -run '^$' -bench BidiPingPong ./isthmus/
+func BenchmarkBidiPingPong(b *testing.B) {
+	_, s := pingPongStream(b, goPeerBin, "pingpong")
+	pingPong(b, s)
+}
+
+// BenchmarkBidiPingPongTonic is BenchmarkBidiPingPong against the Rust tonic-peer
+// (ISTHMUS_TONIC_PEER), whose handler runs on tokio: what the Go client's side costs.
+func BenchmarkBidiPingPongTonic(b *testing.B) {
+	bin := os.Getenv("ISTHMUS_TONIC_PEER")
+	if bin == "" {
+		b.Skip("ISTHMUS_TONIC_PEER is not set")
+	}
+	_, s := pingPongStream(b, bin, "pingpong-tonic")
+	pingPong(b, s)
+}
+
+// pingPong sends one message and receives one, b.N times, on s.
+func pingPong(b *testing.B, s pb.Echo_BidiClient) {
+	b.ResetTimer()
+	for i := 0; i < b.N; i++ {
+		if err := s.Send(&pb.EchoRequest{Seq: uint64(i)}); err != nil {
+			b.Fatal(err)
+		}
+		if _, err := s.Recv(); err != nil {
+			b.Fatal(err)
+		}
+	}
+	b.StopTimer()
+	s.CloseSend()
 }

@@ -704,11 +704,10 @@ pub unsafe extern "C" fn isthmus_server_call_recv_async(
     let at_hand = |call: &Arc<HandedCall>, spin: &mut isthmus::SpinPolicy| {
         if !spin.max.is_zero() && (!flush || call.has_responded()) {
             let start = std::time::Instant::now();
-            if call.read_for_request(spin.max) {
-                let spent = start.elapsed();
-                spin.max = spin.max.saturating_sub(spent);
-                spin.yield_after = spin.yield_after.saturating_sub(spent);
-            }
+            call.read_for_request(spin.max);
+            let spent = start.elapsed();
+            spin.max = spin.max.saturating_sub(spent);
+            spin.yield_after = spin.yield_after.saturating_sub(spent);
         }
         call.try_recv().map(Outcome::received)
     };

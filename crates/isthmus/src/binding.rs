@@ -686,14 +686,14 @@ impl HandedCall {
     /// a streaming handler's receive that spins then takes the message without a hand-over from
     /// the connection's reader task. Returns at once if the request is in, another thread
     /// receives, or the connection cannot be read here; [`try_recv`](Self::try_recv) then takes
-    /// what came. Whether it had the connection to read. Credit owed to the client goes first:
-    /// the client may be waiting for it to send the request.
-    pub fn read_for_request(&self, budget: std::time::Duration) -> bool {
-        let Some(lender) = &self.connection else { return false };
-        let Ok(mut requests) = self.requests.try_lock() else { return false };
-        let Some(requests) = requests.as_mut() else { return false };
+    /// what came. Credit owed to the client goes first: the client may be waiting for it to
+    /// send the request.
+    pub fn read_for_request(&self, budget: std::time::Duration) {
+        let Some(lender) = &self.connection else { return };
+        let Ok(mut requests) = self.requests.try_lock() else { return };
+        let Some(requests) = requests.as_mut() else { return };
         if requests.is_ready() || !self.is_active() {
-            return false;
+            return;
         }
         requests.settle();
         // A call that ends closes its stream's inbox, which `is_ready` sees.

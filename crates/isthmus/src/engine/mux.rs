@@ -412,6 +412,12 @@ impl Lead {
         self.since.elapsed().saturating_sub(at)
     }
 
+    /// Marks the receiver parked as of now (it is about to be put back, or has just been).
+    fn park(&self) {
+        self.parked_at.store(self.since.elapsed().as_nanos() as u64, Ordering::Release);
+        self.parked.store(true, Ordering::SeqCst);
+    }
+
     /// Rings the reader task if the receiver is parked: someone waits for a frame without
     /// reading.
     fn unpark(&self) {
@@ -593,9 +599,11 @@ impl Lender {
     /// has passed, and only while its call is the only one open on the connection. The receiver
     /// then stays lent, so the handler's next wait reads again with no hand-over (ADR 0029); a
     /// call that waits without reading has the reader task take it back
-    /// (`Mux::need_reader`). Returns whether it had the connection to read.
-    pub fn read_for_call(&self, budget: std::time::Duration, ready: impl FnMut() -> bool) -> bool {
-        self.0.upgrade().is_some_and(|mux| mux.serve_here(budget, 1, ready))
+    /// (`Mux::need_reader`).
+    pub fn read_for_call(&self, budget: std::time::Duration, ready: impl FnMut() -> bool) {
+        if let Some(mux) = self.0.upgrade() {
+            mux.serve_here(budget, 1, ready);
+        }
     }
 
     /// Has the reader task take the receiver back as soon as nobody reads it, if it is lent:
@@ -1202,8 +1210,7 @@ impl Mux {
                         // the call that asked has it (a call that gives up rings).
                         match lead.slot.lock() {
                             Ok(slot) => {
-                                lead.parked_at.store(lead.since.elapsed().as_nanos() as u64, Ordering::Release);
-                                lead.parked.store(true, Ordering::SeqCst);
+                                lead.park();
                                 lead.give_back(slot, receiver);
                             }
                             Err(_) => break 'read poisoned(),
@@ -1380,18 +1387,18 @@ impl Mux {
 
     /// Reads the connection on a foreign handler's thread (see [`Lender::serve_here`]); `mine`
     /// is how many of the open calls are the borrower's own (its stream, for
-    /// [`Lender::read_for_call`]). Whether it read (it had the receiver).
-    fn serve_here(&self, budget: std::time::Duration, mine: usize, mut stop: impl FnMut() -> bool) -> bool {
-        let Some(lend) = &self.lend else { return false };
+    /// [`Lender::read_for_call`]).
+    fn serve_here(&self, budget: std::time::Duration, mine: usize, mut stop: impl FnMut() -> bool) {
+        let Some(lend) = &self.lend else { return };
         // Lend only a quiet connection: while other calls are in progress here, the reader task
         // keeps reading for them, and a lend would be given back at once (see the end).
         if !lend.out.load(Ordering::Acquire)
             && (lend.since_nanos() < lend.busy_until.load(Ordering::Acquire) || self.open_streams() > mine)
         {
-            return false;
+            return;
         }
         if self.dead().is_some() {
-            return false;
+            return;
         }
         let start = std::time::Instant::now();
         lend.wanted.store(true, Ordering::SeqCst);
@@ -1408,7 +1415,7 @@ impl Mux {
                 Ok(_) | Err(std::sync::TryLockError::WouldBlock) => {}
                 Err(std::sync::TryLockError::Poisoned(_)) => {
                     lend.wanted.store(false, Ordering::SeqCst);
-                    return false;
+                    return;
                 }
             }
             looks = looks.wrapping_add(1);
@@ -1416,18 +1423,18 @@ impl Mux {
                 // A lend that comes after this goes straight back: nobody wants it.
                 lend.wanted.store(false, Ordering::SeqCst);
                 lend.free.notify_one();
-                return false;
+                return;
             }
             // The reader task needs a core to hand the receiver over; this thread may share it.
             std::thread::yield_now();
         };
-        let Some(lent) = slot.as_mut() else { return false };
+        let Some(lent) = slot.as_mut() else { return };
         if lent.stop.is_some() {
             // Over: the reader task's now.
             lend.wanted.store(false, Ordering::SeqCst);
             drop(slot);
             lend.call_back();
-            return false;
+            return;
         }
         lent.sessions += 1;
         let _runtime = lent.runtime.enter();
@@ -1462,7 +1469,6 @@ impl Mux {
         if give_back || busy || lend.back.load(Ordering::Acquire) {
             lend.call_back();
         }
-        true
     }
 
     /// A borrower's reading, until a call is handed to its thread (`Handed`: the receiver stays
@@ -1749,12 +1755,15 @@ impl Mux {
         // is parked, and the reader task left asleep. A call that opens meanwhile and waits
         // without reading rings it (`want_reader`); one that opened as this call parked is seen
         // by the second look at `open` (each side writes, then reads the other's word).
-        // Its own stream counts only while it is open (its end takes it out of the table).
-        let own = self.streams.lock().map_or(1, |s| s.contains_key(&id) as usize);
+        // Its own stream counts only while it is open (its end takes it out of the table); the
+        // table is looked at only when that decides: one stream open.
+        let own = match done && self.open.load(Ordering::SeqCst) == 1 {
+            true => self.streams.lock().map_or(1, |s| s.contains_key(&id) as usize),
+            false => 0,
+        };
         let park = done && self.may_park(lead, own);
         if park {
-            lead.parked_at.store(lead.since.elapsed().as_nanos() as u64, Ordering::Release);
-            lead.parked.store(true, Ordering::SeqCst);
+            lead.park();
         }
         // The reader task takes over; it looks at the slot only once the lock is free.
         lead.give_back(slot, receiver);
