@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -88,6 +89,16 @@ def grpcio_target(address: str) -> str:
     return address.removeprefix("http://")
 
 
+def thread_stopped(task: Path) -> bool:
+    """Whether the thread `/proc/PID/task/TID` is stopped (or gone, or exiting)."""
+    try:
+        stat = (task / "stat").read_text()
+    except OSError:
+        return True
+    # The state follows the command's closing parenthesis (a command may hold spaces).
+    return stat[stat.rindex(")") + 2] in "tTZX"
+
+
 class Peer:
     """A peer process; its stdout lines arrive on a queue, so waiting for one can give up."""
 
@@ -138,6 +149,21 @@ class Peer:
 
     def terminate(self) -> None:
         self.process.send_signal(signal.SIGTERM)
+
+    def stop(self) -> None:
+        """SIGSTOP; returns once every thread of the process has stopped. (kill(2) returns at
+        once, and a process stops only when one of its threads takes the signal: on a busy
+        machine its other threads ran on for milliseconds, reading and answering.)"""
+        self.process.send_signal(signal.SIGSTOP)
+        tasks = Path(f"/proc/{self.process.pid}/task")
+        end = time.monotonic() + PATIENCE
+        while not all(thread_stopped(t) for t in tasks.iterdir()):
+            assert time.monotonic() < end, f"the peer did not stop within {PATIENCE} s"
+            time.sleep(0.001)
+
+    def resume(self) -> None:
+        """SIGCONT: a stopped peer goes on."""
+        self.process.send_signal(signal.SIGCONT)
 
     def kill9(self) -> None:
         """SIGKILL, as a crash would; returns once the process is gone."""

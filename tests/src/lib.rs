@@ -224,6 +224,37 @@ impl Peer {
     pub fn pid(&self) -> u32 {
         self.child.id()
     }
+
+    /// SIGSTOP; returns once every thread of the peer has stopped. (kill(2) returns at once,
+    /// and a process stops only when one of its threads takes the signal: on a busy machine its
+    /// other threads ran on for milliseconds, reading and answering.)
+    pub fn stop(&self) {
+        self.signal(libc::SIGSTOP);
+        let tasks = format!("/proc/{}/task", self.pid());
+        let stopped = eventually(Duration::from_secs(60), || {
+            std::fs::read_dir(&tasks).is_ok_and(|d| d.flatten().all(|t| thread_stopped(&t.path())))
+        });
+        assert!(stopped, "the peer did not stop within 60 s");
+    }
+
+    /// SIGCONT: a stopped peer goes on.
+    pub fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&self, signal: i32) {
+        let pid = i32::try_from(self.pid()).expect("a pid fits an i32");
+        // SAFETY: kill(2) on the peer process this test started; it only sends a signal.
+        assert_eq!(unsafe { libc::kill(pid, signal) }, 0, "kill({pid}, {signal})");
+    }
+}
+
+/// Whether the thread `/proc/PID/task/TID` is stopped (or gone, or exiting).
+fn thread_stopped(task: &std::path::Path) -> bool {
+    let Ok(stat) = std::fs::read_to_string(task.join("stat")) else { return true };
+    // The state follows the command's closing parenthesis (a command may hold spaces).
+    let state = stat.rfind(')').and_then(|i| stat.as_bytes().get(i + 2).copied());
+    matches!(state, None | Some(b't' | b'T' | b'Z' | b'X'))
 }
 
 impl Drop for Peer {

@@ -314,8 +314,7 @@ fn a_call_dropped_while_the_ring_is_full_still_stops_its_handler() {
     sleeping.send(b"x").expect("send");
     server.expect_line("SLEEPING", Duration::from_secs(30));
 
-    // SAFETY: kill(2) on the peer process this test started; it only sends a signal.
-    assert_eq!(unsafe { libc::kill(server.pid() as i32, libc::SIGSTOP) }, 0);
+    server.stop();
     // The filler's sends stop at its deadline once the ring is full (the server reads nothing
     // while stopped).
     let patient = CallOptions { timeout: Some(Duration::from_millis(300)), ..CallOptions::default() };
@@ -326,8 +325,7 @@ fn a_call_dropped_while_the_ring_is_full_still_stops_its_handler() {
         assert!(sent < 1000, "4 KiB of ring took {sent} messages of 256 B and is still not full");
     }
     drop(sleeping);
-    // SAFETY: as above.
-    assert_eq!(unsafe { libc::kill(server.pid() as i32, libc::SIGCONT) }, 0);
+    server.resume();
     server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
 }
 

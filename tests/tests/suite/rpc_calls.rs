@@ -190,8 +190,7 @@ fn a_call_dropped_while_the_ring_is_full_still_stops_its_handler() {
         sleeping.send(b"x").await.expect("send");
         server.expect_line("SLEEPING", Duration::from_secs(30));
 
-        // SAFETY: kill(2) on the peer process this test started; it only sends a signal.
-        assert_eq!(unsafe { libc::kill(server.pid() as i32, libc::SIGSTOP) }, 0);
+        server.stop();
         let mut filler = ch.start("/test.Echo/Stall", CallOptions::default()).await.expect("start");
         let mut sent = 0;
         // A send that waits this long for room has found the ring full (the server reads
@@ -203,8 +202,7 @@ fn a_call_dropped_while_the_ring_is_full_still_stops_its_handler() {
             assert!(sent < 1000, "4 KiB of ring took {sent} messages of 256 B and is still not full; server: {state}");
         }
         drop(sleeping);
-        // SAFETY: as above.
-        assert_eq!(unsafe { libc::kill(server.pid() as i32, libc::SIGCONT) }, 0);
+        server.resume();
         server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
         drop(filler);
         drop(ch);
