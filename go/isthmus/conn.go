@@ -51,6 +51,9 @@ type ClientConn struct {
 	// stats are WithStatsHandler's handlers; connStats reports the connection to them.
 	stats     []stats.Handler
 	connStats *connStats
+	// readerReads: streams leave the reading to the library's reader, as before ADR 0029
+	// (set by tests only, for a baseline).
+	readerReads bool
 }
 
 // Messages up to inPlaceMax bytes are marshalled straight into shared memory (one copy)
@@ -554,7 +557,7 @@ func (cc *ClientConn) newStream(ctx context.Context, desc *grpc.StreamDesc, meth
 	// the receiving goroutine's thread, within the bound of threads held): a reader on another
 	// thread would take turns with it for the core, and a ping-pong message took 25-55 µs so.
 	var flags C.uint32_t
-	if cc.shm {
+	if cc.shm && !cc.readerReads {
 		flags = C.ISTHMUS_CALL_SPIN
 	}
 	copts, err := cc.cCallOptions(ctx, method, co, flags)
