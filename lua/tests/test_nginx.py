@@ -134,7 +134,7 @@ def test_deadline(nginx: Nginx, shm: str) -> None:
 def test_a_stream_past_its_deadline(nginx: Nginx, shm: str) -> None:
     """A stream's recv that nothing answers ends DEADLINE_EXCEEDED when the stream's deadline
     passes (well before the 5 s backstop a lost deadline would hit)."""
-    r = nginx.case("stream_deadline", shm, timeout=0.5)
+    r = nginx.case("stream_deadline", shm, timeout=2)
     assert r["ok"] is False and r["name"] == "DEADLINE_EXCEEDED" and r["first"] == 1, r
     # The library's deadline, not the module's backstop (the deadline + 5 s), ended the wait.
     assert r["waited_ms"] < 5000 and "no answer in time" not in r["message"], r
@@ -323,9 +323,9 @@ def test_the_worker_serves_other_requests_while_calls_wait(
     assert all(r["ok"] for r in results), results
     assert answered_while_waiting, "the plain request was answered only after the calls ended"
     # Serially they would take n x 200 ms = 4 s; concurrently about 200 ms. The bound leaves a
-    # slow, shared machine room (5x the ideal), yet calls serialised even a quarter of the way
-    # (5 x 200 ms) would miss it.
-    assert elapsed < 1.0, f"{n} calls of {sleep_ms} ms took {elapsed:.2f} s"
+    # busy machine room (starting 20 threads and connections, 10x the ideal), yet calls
+    # serialised even half of the way would miss it.
+    assert elapsed < n * sleep_ms / 1000 / 2, f"{n} calls of {sleep_ms} ms took {elapsed:.2f} s"
     print(f"{n} concurrent calls of {sleep_ms} ms from one worker: {elapsed * 1000:.0f} ms in all")
 
 

@@ -111,7 +111,9 @@ fn deadlines_end_blocking_calls_on_both_sides() {
     assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
     server.expect_line("SLEEP-DROPPED", Duration::from_secs(30));
 
-    // Mid-stream: messages flow, then the deadline ends the stream.
+    // Mid-stream: messages flow, then the deadline ends the stream (one long enough for the
+    // first echo on a busy machine).
+    let opts = CallOptions { timeout: Some(Duration::from_secs(2)), ..Default::default() };
     let mut call = ch.start("/test.Echo/Bidi", opts).expect("start");
     call.send(b"one").expect("send");
     assert_eq!(call.recv().expect("echo").as_deref(), Some(&b"one"[..]));

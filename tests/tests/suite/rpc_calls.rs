@@ -145,8 +145,10 @@ fn deadlines_travel_and_end_the_call_on_both_sides() {
             assert_eq!(s.code(), Code::DeadlineExceeded);
             assert!(started.elapsed() >= Duration::from_millis(300));
             server.expect_line("SLEEP-DROPPED", Duration::from_secs(30)); // the handler was stopped
-                                                                          // Mid-stream: messages flow, then the deadline ends the call.
-            let mut call = ch.start("/test.Echo/Bidi", with_timeout(500)).await.expect("start");
+
+            // Mid-stream: messages flow, then the deadline ends the call (one long enough for
+            // the first echo on a busy machine).
+            let mut call = ch.start("/test.Echo/Bidi", with_timeout(2_000)).await.expect("start");
             call.send(b"one").await.expect("send");
             assert_eq!(&call.recv().await.expect("echo").expect("message")[..], b"one");
             let s = call.recv().await.expect_err("nothing more before the deadline");

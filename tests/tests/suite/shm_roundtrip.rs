@@ -151,7 +151,10 @@ fn an_interrupted_wait_gives_up_and_loses_no_frame() {
             // Before the wait: the next wait returns at once, once.
             interrupter.interrupt();
             assert!(receiver.recv_async_interruptible(receiver.spin_policy()).await.expect("interrupted").is_none());
-            // During the wait, asleep on the doorbell (no spin), from another thread.
+            // During the wait, asleep on the doorbell (no spin), from another thread. Timed from
+            // before the thread starts its 50 ms: a main thread that loses its core after the spawn
+            // finds the interrupt already there, and still waited that long.
+            let waited = Instant::now();
             let other = std::thread::spawn({
                 let interrupter = interrupter.clone();
                 move || {
@@ -159,7 +162,6 @@ fn an_interrupted_wait_gives_up_and_loses_no_frame() {
                     interrupter.interrupt();
                 }
             });
-            let waited = Instant::now();
             let got = tokio::time::timeout(
                 Duration::from_secs(30),
                 receiver.recv_async_interruptible(receiver.spin_policy()),
