@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use isthmus_shm::{Config, Connection, ErrorKind, Listener};
-use isthmus_tests::{fresh_addr, watchdog, Peer};
+use isthmus_tests::{eventually, fresh_addr, watchdog, Peer};
 
 /// Generous on purpose: the wake-up takes microseconds; the bound only catches "never".
 const WAKE_BOUND: Duration = Duration::from_secs(1);
@@ -42,8 +42,11 @@ fn server_kill9_wakes_every_blocked_client_wait() {
         let r = receiver.recv(None);
         tx.send(("recv", Instant::now(), r.expect_err("recv must fail").kind())).expect("report");
     });
-    std::thread::sleep(Duration::from_millis(300)); // all three are asleep by now
-    assert!(sender.counters().ring_full_waits > 0 || sender.counters().arena_full_waits > 0);
+    // The waits begin (on a busy machine the threads may take a while to get there); the sleep
+    // lets all three fall asleep.
+    let waiting = || sender.counters().ring_full_waits > 0 || sender.counters().arena_full_waits > 0;
+    assert!(eventually(Duration::from_secs(30), waiting), "neither the ring nor the arena filled");
+    std::thread::sleep(Duration::from_millis(300));
 
     let killed = Instant::now();
     peer.kill9();
@@ -68,7 +71,7 @@ fn check_alive_sees_a_dead_peer_without_any_wait() {
     sender.check_alive().expect("alive");
     peer.kill9();
     // Nobody is waiting on this connection; one look at the socket must notice.
-    assert!(isthmus_tests::eventually(Duration::from_secs(30), || sender.check_alive().is_err()));
+    assert!(eventually(Duration::from_secs(30), || sender.check_alive().is_err()));
     assert_eq!(sender.check_alive().expect_err("dead").kind(), ErrorKind::PeerGone);
 }
 
