@@ -252,10 +252,10 @@ fn a_lone_stream_reads_its_own_messages_and_the_reader_task_rests() {
     run(async move {
         let ch = Channel::connect(&addr).await.expect("connect");
         const N: u64 = 2_000;
-        // Round trips on a new stream of `on`; the times the reader task waited on the doorbell
+        // Round trips on a new stream of `ch`; the times the reader task waited on the doorbell
         // meanwhile.
-        async fn doorbell_waits(on: &Channel, ch: &Channel) -> (u64, isthmus::ClientCall) {
-            let mut call = on.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
+        async fn doorbell_waits(ch: &Channel) -> (u64, isthmus::ClientCall) {
+            let mut call = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
             call.send(b"first").await.expect("send");
             assert_eq!(call.recv().await.expect("echo").as_deref(), Some(&b"first"[..]));
             let waits = || {
@@ -272,10 +272,11 @@ fn a_lone_stream_reads_its_own_messages_and_the_reader_task_rests() {
         }
         // The baseline: calls that never read, as all did before.
         let polled = ch.with_calls_read(false);
-        let (baseline, mut old) = doorbell_waits(&polled, &ch).await;
+        // (Both share the one connection, and its counters.)
+        let (baseline, mut old) = doorbell_waits(&polled).await;
         old.close_send().await.expect("half-close");
         assert_eq!(old.recv().await.expect("OK end"), None);
-        let (waited, mut call) = doorbell_waits(&ch, &ch).await;
+        let (waited, mut call) = doorbell_waits(&ch).await;
         // A thread that loses its core for over a millisecond lets the reader task take the
         // receiver back (and wait once); on a busy machine that is hundreds of times in a run,
         // far from once per message all the same.

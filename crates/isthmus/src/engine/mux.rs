@@ -418,6 +418,13 @@ impl Lead {
         self.parked.store(true, Ordering::SeqCst);
     }
 
+    /// A call that asked for the receiver gives up waiting for it: the reader task may have
+    /// handed it over already, and takes it back.
+    fn stop_asking(&self) {
+        self.askers.fetch_sub(1, Ordering::SeqCst);
+        self.unpark();
+    }
+
     /// Rings the reader task if the receiver is parked: someone waits for a frame without
     /// reading.
     fn unpark(&self) {
@@ -1682,16 +1689,14 @@ impl Mux {
                 // next: a call that left here lost it to the reader task taking it again.
                 Err(std::sync::TryLockError::WouldBlock) if asked => {
                     if !lead.pause(start, &mut pauses, &mut ready) {
-                        lead.askers.fetch_sub(1, Ordering::SeqCst);
-                        lead.unpark();
+                        lead.stop_asking();
                         return;
                     }
                     continue;
                 }
                 Err(_) => {
                     if asked {
-                        lead.askers.fetch_sub(1, Ordering::SeqCst);
-                        lead.unpark();
+                        lead.stop_asking();
                     }
                     return;
                 }
@@ -1717,10 +1722,8 @@ impl Mux {
                 asked = true;
             }
             if !lead.pause(start, &mut pauses, &mut ready) {
-                // The reader task may have handed the receiver over already: it takes it back.
                 if asked {
-                    lead.askers.fetch_sub(1, Ordering::SeqCst);
-                    lead.unpark();
+                    lead.stop_asking();
                 }
                 return;
             }
