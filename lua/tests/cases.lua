@@ -474,6 +474,17 @@ function cases.close_send_full_ring(ch, args)
         echoed = { echoed_big, echoed_small } }
 end
 
+-- Who a call is taken to come from (the spin rule's caller, docs/adr/0011) and the coroutine
+-- this request runs on, each against the last request's that ran this case.
+local last_co, last_caller
+function cases.caller(_, args)
+    local co, who = coroutine.running(), isthmus._caller()
+    local r = { ok = true, same_coroutine = co == last_co, same_caller = who == last_caller,
+        steady = isthmus._caller() == who }
+    last_co, last_caller = co, who
+    return r
+end
+
 function _M.serve()
     local name = ngx.var.uri:match("^/case/([%w_]+)$")
     local case = cases[name]

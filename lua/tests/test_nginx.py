@@ -7,6 +7,8 @@ with certificates made at test time."""
 
 from __future__ import annotations
 
+import http.client
+import json
 import os
 import re
 import shutil
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import certs
 import pytest
-from conftest import LUA, ROOT, Nginx, library, need
+from conftest import LUA, PATIENCE, ROOT, Nginx, library, need
 from peer import Peer, Served, serve, tonic_peer
 
 KINDS = ["rust", "go", "isthmus"]  # isthmus: the Python server
@@ -327,6 +329,28 @@ def test_the_worker_serves_other_requests_while_calls_wait(
     # serialised even half of the way would miss it.
     assert elapsed < n * sleep_ms / 1000 / 2, f"{n} calls of {sleep_ms} ms took {elapsed:.2f} s"
     print(f"{n} concurrent calls of {sleep_ms} ms from one worker: {elapsed * 1000:.0f} ms in all")
+
+
+def test_the_next_request_on_a_reused_coroutine_is_another_caller(nginx: Nginx) -> None:
+    """A unary call waits for its reply on the worker's thread only if it comes from the same
+    request as the last call (or after a quiet spell). lua-nginx-module runs the next request
+    of a keepalive connection on the coroutine the last one finished with, so the rule must
+    tell the requests apart by more than their coroutine: taking the coroutine for the request
+    made one call in a hundred spin under wrk, yielding the worker's thread for the others."""
+    conn = http.client.HTTPConnection("127.0.0.1", nginx.port, timeout=PATIENCE)
+    try:
+        seen = []
+        for _ in range(3):
+            conn.request("GET", "/case/caller?target=")
+            response = conn.getresponse()
+            assert response.status == 200
+            seen.append(json.loads(response.read()))
+    finally:
+        conn.close()
+    assert all(r["steady"] for r in seen), seen
+    # The premise: this module version hands the finished coroutine to the next request.
+    assert seen[1]["same_coroutine"] and seen[2]["same_coroutine"], seen
+    assert not seen[1]["same_caller"] and not seen[2]["same_caller"], seen
 
 
 def test_a_killed_server_fails_pending_calls_and_a_restarted_one_serves(nginx: Nginx, stubs: object) -> None:

@@ -610,20 +610,37 @@ local function queue()
 end
 
 -- Whether a call should wait for a fast reply on the worker's thread: only while the worker is
--- not interleaving requests. A request making calls one after another (the same coroutine as
--- the last call) or the first call after a quiet spell gains the reply without a wake-up; while
+-- not interleaving requests. A request making calls one after another (the same request as the
+-- last call) or the first call after a quiet spell gains the reply without a wake-up; while
 -- calls of many requests alternate (the worker under load), every microsecond spent spinning is
 -- taken from the other requests, and their replies come in batches through the bell anyway.
 local QUIET_S = 0.002
-local last_caller, last_call_at = nil, 0
+-- The last caller, held weakly: a finished request's ngx.ctx may hold much of its user's data.
+local last_caller = setmetatable({}, { __mode = "v" })
+local last_call_at = 0
+
+-- Phases whose ngx.ctx is the request's own table (a timer's is the timer's).
+local CTX_PHASES = { rewrite = true, access = true, content = true, timer = true }
+
+-- What names the request a call comes from. Not its coroutine: lua-nginx-module hands a
+-- finished request's coroutine to the next request (lua_thread_cache_max_entries), whose first
+-- call then passed for the last request's next one and spun under load (docs/adr/0011). In the
+-- ssl_* phases, which have no ngx.ctx of their own, the coroutine stands for the request.
+local function caller()
+    if CTX_PHASES[ngx.get_phase()] then
+        return ngx.ctx
+    end
+    return coroutine.running()
+end
+_M._caller = caller -- for lua/tests: the request a call is taken to come from
 
 local function worth_spinning()
     if next(waiting) ~= nil then
         return false
     end
-    local co, at = coroutine.running(), ngx.now()
-    local spin = co == last_caller or at - last_call_at > QUIET_S
-    last_caller, last_call_at = co, at
+    local who, at = caller(), ngx.now()
+    local spin = who == last_caller[1] or at - last_call_at > QUIET_S
+    last_caller[1], last_call_at = who, at
     return spin
 end
 
