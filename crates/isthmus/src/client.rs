@@ -478,27 +478,36 @@ impl Channel {
 
     /// A unary call: one request, one response.
     pub async fn unary(&self, path: &str, request: &[u8], options: CallOptions) -> Result<Response, Status> {
+        // The paths taken less often are boxed, so that they do not size the future of every
+        // call: the bindings allocate it and copy it whole at each move (2,352 bytes with
+        // them inline, 1,336 without; `-Zprint-type-sizes`).
         if self.http().is_some() {
-            let mut call = self.start(path, options).await?;
-            call.send_last(request).await?;
-            let message = call.recv().await?.ok_or_else(|| no_response(path))?;
-            if call.recv().await?.is_some() {
-                return Err(more_than_one(path));
-            }
-            let metadata = call.headers().await?;
-            let trailers = call.trailers().cloned().unwrap_or_default();
-            return Ok(Response { metadata, message, trailers });
+            return Box::pin(self.unary_http(path, request, options)).await;
         }
         let shm = self.via.shm()?;
         let (mut call, sent) = shm.start_with(path, options, self.calls_read, self.via.clone(), Some(request)).await?;
         if !sent {
-            call.send_last(request).await?;
+            // The request did not fit in the call's HEADERS frame (ADR 0025).
+            Box::pin(call.send_last(request)).await?;
         }
         let message = call.recv().await?.ok_or_else(|| no_response(path))?;
         if call.recv().await?.is_some() {
             return Err(more_than_one(path));
         }
         Ok(call.take_response(message))
+    }
+
+    /// [`unary`](Self::unary) over HTTP/2.
+    async fn unary_http(&self, path: &str, request: &[u8], options: CallOptions) -> Result<Response, Status> {
+        let mut call = self.start(path, options).await?;
+        call.send_last(request).await?;
+        let message = call.recv().await?.ok_or_else(|| no_response(path))?;
+        if call.recv().await?.is_some() {
+            return Err(more_than_one(path));
+        }
+        let metadata = call.headers().await?;
+        let trailers = call.trailers().cloned().unwrap_or_default();
+        Ok(Response { metadata, message, trailers })
     }
 }
 
@@ -708,5 +717,23 @@ impl ClientCall {
             CallVia::Shm(call) => call.cancel().await,
             CallVia::Http(mut call) => call.cancel(),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The bindings box a unary call's future and move it whole (see `Channel::unary`): the
+    /// paths taken less often stay out of it. 2,352 bytes in a release build with them inline,
+    /// 1,336 without; the bound leaves room for other compilers' layouts.
+    #[test]
+    fn a_unary_calls_future_leaves_its_rare_paths_boxed() {
+        let runtime = tokio::runtime::Builder::new_current_thread().build().expect("runtime");
+        let _context = runtime.enter();
+        let channel = Channel::lazy("shm://isthmus-future-size").expect("channel");
+        let call = channel.unary("/a.B/C", b"", CallOptions::default());
+        let size = std::mem::size_of_val(&call);
+        assert!(size < 1800, "a unary call's future is {size} bytes");
     }
 }
