@@ -219,11 +219,14 @@ impl ShmChannel {
         let head = open_head(path, &options.metadata, deadline.map(Instant::into_std));
         let first = first.filter(|m| request_in_head(&call.state, &head, m));
         let (f, body) = head_frame(&head, first);
-        let sender = &call.state.mux.sender;
-        sender
-            .send_parts_async(Kind::Headers, f, call.state.id(), &body)
-            .await
-            .map_err(|e| Status::from_transport(&e))?;
+        let (sender, id) = (&call.state.mux.sender, call.state.id());
+        // Pushed here when the ring has room, as it mostly has: a wait's state would make every
+        // call's future larger (see `Channel::unary`).
+        if !sender.try_send_parts(Kind::Headers, f, id, &body).map_err(|e| Status::from_transport(&e))? {
+            Box::pin(sender.send_parts_async(Kind::Headers, f, id, &body))
+                .await
+                .map_err(|e| Status::from_transport(&e))?;
+        }
         Ok((call, first.is_some()))
     }
 
