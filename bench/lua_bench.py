@@ -3,8 +3,10 @@ echo server 100,000 times in a row from one `content_by_lua` (the lua-resty-ffi 
 at 512 B, 4 KiB, 10 KiB and 100 KiB, over isthmus (`lua-isthmus-shm`) and over the hand-made
 alternative it replaces, a cosocket to a Unix socket with a 4-byte length before each message
 (`lua-cosocket-uds`, echoed by a Rust server); then wrk at 32 connections against a location that
-makes one 512 B call per request (`lua-isthmus-shm-http`, `lua-cosocket-uds-http`) and against
-the same location making none (`nginx-lua-nocall-http`, the ceiling).
+makes one 512 B call per request (`lua-isthmus-shm-http`, `lua-cosocket-uds-http`), against
+the same location making none (`nginx-lua-nocall-http`, the ceiling), and against one making none
+but yielding once to the event loop (`nginx-lua-yield-http`, `ngx.sleep(0)`: the floor under any
+call that does not block the worker, which must suspend the request and resume it).
 
 The floor under the sequential echo is measured in the same rounds (`lua-floor-copy-out`:
 `isthmus-bench floor-copy-out`, two processes that spin on each other and make the echo's three
@@ -77,6 +79,7 @@ HTTP = [
     "lua-isthmus-shm-http",
     "lua-isthmus-shm-nospin-http",
     "lua-cosocket-uds-http",
+    "nginx-lua-yield-http",
     "nginx-lua-nocall-http",
 ]
 
@@ -296,9 +299,13 @@ def summarize(records: list[dict[str, object]]) -> None:
             f"  {size:>6} B  isthmus p50 {ours:7.2f} µs, cosocket p50 {theirs:7.2f} µs: {theirs / ours:.1f}x;"
             f" floor {low:.2f} µs (isthmus {ours / low:.2f}x it; 5x the cosocket is {theirs / 5:.2f} µs)"
         )
-    ours, theirs, none = (med(s, 512, "rps") for s in (HTTP[0], HTTP[2], HTTP[3]))
+    ours, theirs, yielding, none = (
+        med(s, 512, "rps")
+        for s in ("lua-isthmus-shm-http", "lua-cosocket-uds-http", "nginx-lua-yield-http", HTTP[-1])
+    )
     print(f"  wrk -c32: isthmus {ours:.0f}/s, cosocket {theirs:.0f}/s ({ours / theirs:.2f}x)")
     print(f"  no call {none:.0f}/s: isthmus reaches {100 * ours / none:.0f} % of the ceiling")
+    print(f"  one yield, no call {yielding:.0f}/s: isthmus reaches {100 * ours / yielding:.0f} % of it")
 
 
 if __name__ == "__main__":

@@ -109,11 +109,16 @@ function _M.seq()
     }))
 end
 
--- Under wrk: one 512 B echo per request, or none.
+-- Under wrk: one 512 B echo per request, or none, or none but one yield of the request's
+-- coroutine to the event loop (the least a call that does not block the worker adds).
 local body = string.rep("x", 512)
 local framed = len4(#body) .. body
 
 function _M.http(system)
+    if system == "nginx-lua-yield-http" then
+        ngx.sleep(0)
+        return ngx.print(#body)
+    end
     if system == "lua-cosocket-uds-http" then
         local sock = cosocket()
         local r = cosocket_echo(sock, framed)
