@@ -299,10 +299,13 @@ def summarize(records: list[dict[str, object]]) -> None:
             f"  {size:>6} B  isthmus p50 {ours:7.2f} µs, cosocket p50 {theirs:7.2f} µs: {theirs / ours:.1f}x;"
             f" floor {low:.2f} µs (isthmus {ours / low:.2f}x it; 5x the cosocket is {theirs / 5:.2f} µs)"
         )
-    ours, theirs, yielding, none = (
-        med(s, 512, "rps")
-        for s in ("lua-isthmus-shm-http", "lua-cosocket-uds-http", "nginx-lua-yield-http", HTTP[-1])
+    wrk_systems = (
+        "lua-isthmus-shm-http",
+        "lua-cosocket-uds-http",
+        "nginx-lua-yield-http",
+        "nginx-lua-nocall-http",
     )
+    ours, theirs, yielding, none = (med(s, 512, "rps") for s in wrk_systems)
     print(f"  wrk -c32: isthmus {ours:.0f}/s, cosocket {theirs:.0f}/s ({ours / theirs:.2f}x)")
     print(f"  no call {none:.0f}/s: isthmus reaches {100 * ours / none:.0f} % of the ceiling")
     print(f"  one yield, no call {yielding:.0f}/s: isthmus reaches {100 * ours / yielding:.0f} % of it")

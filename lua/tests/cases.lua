@@ -478,9 +478,10 @@ end
 -- this request runs on, each against the last request's that ran this case.
 local last_co, last_caller
 function cases.caller(_, args)
-    local co, who = coroutine.running(), isthmus._caller()
+    local phase = ngx.get_phase()
+    local co, who = coroutine.running(), isthmus._caller(phase)
     local r = { ok = true, same_coroutine = co == last_co, same_caller = who == last_caller,
-        steady = isthmus._caller() == who }
+        steady = isthmus._caller(phase) == who }
     last_co, last_caller = co, who
     return r
 end

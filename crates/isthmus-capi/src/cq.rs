@@ -224,26 +224,15 @@ pub(crate) fn cq_taker(cq: *const isthmus_cq_t) -> Result<Arc<crate::server::Tak
 #[derive(Clone)]
 pub(crate) struct Queue(Arc<Completions<(isthmus_op_t, Outcome)>>);
 
-pin_project_lite::pin_project! {
-    /// An operation's future with its kind beside it, what the queue runs. Not an
-    /// `async move { (op, fut.await) }` block: such a block holds `fut` twice, as its capture and
-    /// as the value it awaits (a queued unary call's future took 1,984 bytes so, 992 now), and
-    /// the queue allocates it and copies it whole at each move, once per operation.
-    struct Tagged<F> {
-        op: isthmus_op_t,
-        #[pin]
-        fut: F,
-    }
-}
-
-impl<F: std::future::Future<Output = Outcome>> std::future::Future for Tagged<F> {
-    type Output = (isthmus_op_t, Outcome);
-
-    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
-        let this = self.project();
-        let op = *this.op;
-        this.fut.poll(cx).map(|outcome| (op, outcome))
-    }
+/// An operation's future with its kind beside it, what the queue runs. A map of the future, not
+/// an `async move { (op, fut.await) }` block: such a block holds `fut` twice, as its capture and
+/// as the value it awaits (a queued unary call took 1,984 bytes so, 992 now), and the queue
+/// allocates it and copies it whole at each move, once per operation.
+fn tagged<F>(op: isthmus_op_t, fut: F) -> impl std::future::Future<Output = (isthmus_op_t, Outcome)>
+where
+    F: std::future::Future<Output = Outcome>,
+{
+    futures_util::FutureExt::map(fut, move |outcome| (op, outcome))
 }
 
 impl Queue {
@@ -252,7 +241,7 @@ impl Queue {
     where
         F: std::future::Future<Output = Outcome> + Send + 'static,
     {
-        self.0.run(tag, Tagged { op, fut });
+        self.0.run(tag, tagged(op, fut));
     }
 
     /// [`run`](Self::run) for a caller that gave `now`: an outcome ready at once goes there
@@ -264,7 +253,7 @@ impl Queue {
         if now.is_null() {
             return self.run(tag, op, fut);
         }
-        let ev = match self.0.run_now(tag, Tagged { op, fut }) {
+        let ev = match self.0.run_now(tag, tagged(op, fut)) {
             Some((op, outcome)) => outcome.event(tag, op),
             None => isthmus_event_t::none(),
         };

@@ -427,9 +427,17 @@ end
 local YIELDABLE = { rewrite = true, access = true, content = true, timer = true, ssl_cert = true,
     ssl_session_fetch = true, ssl_client_hello = true, preread = true }
 
--- (In a VM of ngx.run_worker_thread, `ngx` has no get_phase: such a thread may block.)
+-- The phase a coroutine may yield in now, or nil where it must block. (In a VM of
+-- ngx.run_worker_thread, `ngx` has no get_phase: such a thread may block.)
+local function yield_phase()
+    local phase = ngx ~= nil and ngx.get_phase ~= nil and ngx.get_phase()
+    if YIELDABLE[phase] then
+        return phase
+    end
+end
+
 local function can_yield()
-    return ngx ~= nil and ngx.get_phase ~= nil and YIELDABLE[ngx.get_phase()] == true
+    return yield_phase() ~= nil
 end
 
 local FOREVER = 86400 * 24 -- an ngx.semaphore wait is in whole milliseconds below 2^31
@@ -626,19 +634,20 @@ local CTX_PHASES = { rewrite = true, access = true, content = true, timer = true
 -- finished request's coroutine to the next request (lua_thread_cache_max_entries), whose first
 -- call then passed for the last request's next one and spun under load (docs/adr/0011). In the
 -- ssl_* phases, which have no ngx.ctx of their own, the coroutine stands for the request.
-local function caller()
-    if CTX_PHASES[ngx.get_phase()] then
+local function caller(phase)
+    if CTX_PHASES[phase] then
         return ngx.ctx
     end
     return coroutine.running()
 end
 _M._caller = caller -- for lua/tests: the request a call is taken to come from
 
-local function worth_spinning()
+-- `phase`: the (yieldable) phase the call is made in.
+local function worth_spinning(phase)
     if next(waiting) ~= nil then
         return false
     end
-    local who, at = caller(), ngx.now()
+    local who, at = caller(phase), ngx.now()
     local spin = who == last_caller[1] or at - last_call_at > QUIET_S
     last_caller[1], last_call_at = who, at
     return spin
@@ -1042,8 +1051,9 @@ function Channel:unary(path, request, opts)
         return false, bytes
     end
     local r
-    if can_yield() then
-        local o, md = call_options(opts, (self.spin and worth_spinning()) and CALL_SPIN or 0)
+    local phase = yield_phase()
+    if phase then
+        local o, md = call_options(opts, (self.spin and worth_spinning(phase)) and CALL_SPIN or 0)
         if not o then
             return false, md
         end
