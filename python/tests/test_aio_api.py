@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import threading
 from collections.abc import AsyncIterator, Iterator
 from types import ModuleType
 from typing import Any
@@ -189,6 +190,36 @@ def test_channel_made_outside_a_loop(address: str, pb_grpc: ModuleType, pb: Modu
             return (await pb_grpc.EchoStub(channel).Unary(pb.EchoRequest(seq=8), timeout=60)).seq  # type: ignore[no-any-return]
 
     assert asyncio.run(use()) == 8
+
+
+def test_a_channel_stays_on_its_loop(address: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
+    # As grpc.aio: a channel used on a loop other than its own fails UsageError, whether its own
+    # loop still runs (on another thread) or has ended; on its own loop it goes on working.
+    own = asyncio.new_event_loop()
+    thread = threading.Thread(target=own.run_forever)
+    thread.start()
+    try:
+        channel = asyncio.run_coroutine_threadsafe(_make(address), own).result(60)
+        stub = pb_grpc.EchoStub(channel)
+
+        async def call(seq: int) -> int:
+            return (await stub.Unary(pb.EchoRequest(seq=seq), timeout=60)).seq  # type: ignore[no-any-return]
+
+        assert asyncio.run_coroutine_threadsafe(call(1), own).result(60) == 1
+        with pytest.raises(grpc.aio.UsageError):
+            asyncio.run(call(2))
+        assert asyncio.run_coroutine_threadsafe(call(3), own).result(60) == 3
+        asyncio.run_coroutine_threadsafe(channel.close(), own).result(60)
+    finally:
+        own.call_soon_threadsafe(own.stop)
+        thread.join()
+    own.close()
+    with pytest.raises(grpc.aio.UsageError):
+        asyncio.run(call(4))
+
+
+async def _make(address: str) -> isthmus.aio.Channel:
+    return isthmus.aio.insecure_channel(address)
 
 
 @pytest.mark.parametrize("transport", ["shm", "unix"])
