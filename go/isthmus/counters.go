@@ -39,7 +39,8 @@ type TransportStats struct {
 	ArenaInUse uint64
 	// ArenaHighWater is the most bytes of one connection's arena ever allocated at once.
 	ArenaHighWater uint64
-	// SharedSent counts messages sent as a block of shared memory, with no copy.
+	// SharedSent counts messages a Server sent by reference from its listener's shared arena
+	// (a topic's one write for every subscriber); a raw block sent in place is not counted here.
 	SharedSent uint64
 	// AnswersDropped counts answers to the peer (to its PINGs, say) dropped because it read
 	// nothing of this side's while 1,024 of them, or 4 MiB, waited for room; each is logged.

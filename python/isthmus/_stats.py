@@ -27,6 +27,23 @@ class TransportStats:
     """Bytes of this side's arena allocated now."""
     arena_high_water: int
     """The most bytes of one connection's arena ever allocated at once."""
+    frames_sent: int = 0
+    """Frames written into this side's rings (a 64 B unary call is one each way)."""
+    frames_received: int = 0
+    """Frames read from the peer's rings."""
+    doorbells_rung: int = 0
+    """System calls made to wake the peer: per call, the share of calls whose peer was asleep."""
+    sleeps: int = 0
+    """Waits on this side that went to sleep on the doorbell after their bounded spin."""
+    spin_hits: int = 0
+    """Waits that ended while spinning, with no sleep and no wake-up."""
+    ring_full_waits: int = 0
+    """Sends that found a frame ring full and waited."""
+    arena_full_waits: int = 0
+    """Allocations that found the arena full and waited."""
+    shared_sent: int = 0
+    """Messages a server sent by reference from its listener's shared arena (a `Topic`'s one
+    write for every subscriber); a raw block sent in place is not counted here."""
     answers_dropped: int = 0
     """Answers to the peer (to its PINGs, say) dropped because it read nothing of ours while
     1,024 of them, or 4 MiB, waited for room; each is also logged."""

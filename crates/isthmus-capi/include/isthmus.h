@@ -312,7 +312,8 @@ typedef struct {
   uint64_t arena_in_use;
   // The most bytes of one connection's arena ever allocated at once.
   uint64_t arena_high_water;
-  // Messages sent as a block of shared memory, with no copy.
+  // Messages a server sent by reference from its listener's shared arena (a topic's one
+  // write for every subscriber, ADR 0016); a raw block sent in place is not counted here.
   uint64_t shared_sent;
   // Answers to the peer (to its PINGs, say) dropped because it read nothing of ours while
   // 1,024 of them, or 4 MiB, waited for room; each is also logged.

@@ -47,7 +47,8 @@ pub struct isthmus_stats_t {
     pub arena_in_use: u64,
     /// The most bytes of one connection's arena ever allocated at once.
     pub arena_high_water: u64,
-    /// Messages sent as a block of shared memory, with no copy.
+    /// Messages a server sent by reference from its listener's shared arena (a topic's one
+    /// write for every subscriber, ADR 0016); a raw block sent in place is not counted here.
     pub shared_sent: u64,
     /// Answers to the peer (to its PINGs, say) dropped because it read nothing of ours while
     /// 1,024 of them, or 4 MiB, waited for room; each is also logged.

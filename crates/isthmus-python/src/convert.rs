@@ -34,6 +34,14 @@ pub(crate) fn counters_to_py<'py>(
     d.set_item("calls_in_flight", c.in_flight())?;
     d.set_item("bytes_sent", c.transport.bytes_sent)?;
     d.set_item("bytes_received", c.transport.bytes_received)?;
+    d.set_item("frames_sent", c.transport.frames_sent)?;
+    d.set_item("frames_received", c.transport.frames_received)?;
+    d.set_item("doorbells_rung", c.transport.doorbells_rung)?;
+    d.set_item("sleeps", c.transport.sleeps)?;
+    d.set_item("spin_hits", c.transport.spin_hits)?;
+    d.set_item("ring_full_waits", c.transport.ring_full_waits)?;
+    d.set_item("arena_full_waits", c.transport.arena_full_waits)?;
+    d.set_item("shared_sent", c.transport.shared_sent)?;
     d.set_item("arena_in_use", c.transport.arena_in_use)?;
     d.set_item("arena_high_water", c.transport.arena_high_water)?;
     d.set_item("answers_dropped", c.answers_dropped)?;
