@@ -32,7 +32,7 @@ class TransportStats:
     frames_received: int = 0
     """Frames read from the peer's rings."""
     doorbells_rung: int = 0
-    """System calls made to wake the peer: per call, the share of calls whose peer was asleep."""
+    """System calls made to wake a peer that had gone to sleep on its doorbell."""
     sleeps: int = 0
     """Waits on this side that went to sleep on the doorbell after their bounded spin."""
     spin_hits: int = 0

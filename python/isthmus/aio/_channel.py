@@ -46,8 +46,8 @@ from ._call import (
 )
 from ._reactor import Driver, driver
 
-# Forks of this process so far, as its children count them: a channel bound before a fork is
-# not bound in the child (its engine's threads did not come along).
+# Forks so far, as a child counts them: in a child, a channel bound before the fork finds its
+# loop the long way (`get_running_loop`, which sees the fork), as it always did.
 _forks = 0
 
 
