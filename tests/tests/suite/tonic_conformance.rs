@@ -123,6 +123,35 @@ async fn statuses_and_deadlines(addr: &str) {
 }
 
 #[test]
+fn a_deadline_ends_a_stream_in_the_middle_on_both_sides() {
+    // A bidi stream whose deadline passes after one echo, while the client waits for a reply
+    // that will not come and keeps its request stream open: the client's read fails
+    // DEADLINE_EXCEEDED (tonic's own client bounds only the wait for the response's headers),
+    // and the service's stream ends too (it prints BIDI-ENDED; tonic's HTTP/2 server gives a
+    // reset stream as its plain end).
+    let (mut server, targets) = server();
+    for target in &targets {
+        let (addr, open) = (target.clone(), std::sync::Arc::new(std::sync::Mutex::new(None)));
+        let keep = open.clone();
+        run(async move {
+            let mut c = client(&addr).await;
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            let mut call = Request::new(ReceiverStream::new(rx));
+            call.set_timeout(Duration::from_millis(300));
+            let mut replies = c.bidi(call).await.expect("bidi").into_inner();
+            tx.send(request(b"one".to_vec(), 1)).await.expect("send");
+            assert_eq!(replies.message().await.expect("echo").expect("reply").payload, b"one", "{addr}");
+            let read = tokio::time::timeout(Duration::from_secs(20), replies.message()).await;
+            let s = read.unwrap_or_else(|_| panic!("{addr}: the deadline did not end the read")).expect_err("no reply");
+            assert_eq!((s.code(), s.message()), (Code::DeadlineExceeded, "the call's deadline passed"), "{addr}");
+            *keep.lock().expect("lock") = Some(tx); // the request stream stays open
+        });
+        server.expect_line("BIDI-ENDED ", Duration::from_secs(20));
+        drop(open);
+    }
+}
+
+#[test]
 fn the_health_service_answers_on_every_endpoint() {
     use tonic_health::pb::health_check_response::ServingStatus;
     use tonic_health::pb::health_client::HealthClient;

@@ -29,7 +29,9 @@
 //!    (tonic's body, with its `CancelOnDrop`) or `Done`.
 //!
 //! Over `unix://` and `http://` the service passes each request to tonic's channel unchanged and
-//! wraps the response body. tonic enforces the deadline itself; its client's `TimeoutExpired`, and
+//! wraps the response body. tonic enforces the deadline only until the response's headers; the
+//! body ends DEADLINE_EXCEEDED if it has not ended when `grpc-timeout` runs out, and is dropped,
+//! which resets the stream (below). tonic's client's `TimeoutExpired`, and
 //! a plain tonic server's trailers-only CANCELLED "Timeout expired", are both reported
 //! DEADLINE_EXCEEDED ("the call's deadline passed"). Other transport errors get
 //! `tonic::Status::from_error`'s code (a refused connection: UNAVAILABLE), but for a connection
@@ -78,8 +80,9 @@ enum Source {
     /// A status only: the call failed before the server answered.
     Failed(Status),
     /// tonic's HTTP/2 body (a `unix://` or `http://` channel), passed through; `cancel` resets
-    /// the stream if the body is dropped before its end.
-    Http { body: tonic::body::Body, cancel: CancelOnDrop },
+    /// the stream if the body is dropped before its end, and `deadline` (the request's
+    /// `grpc-timeout`) ends it DEADLINE_EXCEEDED if it has not ended by then.
+    Http { body: tonic::body::Body, cancel: CancelOnDrop, deadline: Option<Pin<Box<tokio::time::Sleep>>> },
     /// Over.
     Done,
 }
@@ -98,13 +101,22 @@ impl Body for ResponseBody {
         let frame = match &mut self.0 {
             Source::Done => return Poll::Ready(None),
             Source::Failed(status) => Frame::trailers(codec::status_trailers(status)),
-            Source::Http { body, cancel } => {
-                let frame = ready!(Pin::new(body).poll_frame(cx));
-                if frame.as_ref().is_none_or(|f| f.as_ref().is_ok_and(|f| f.is_trailers())) {
-                    cancel.disarm(); // the call is over: nothing left to cancel
+            Source::Http { body, cancel, deadline } => match Pin::new(body).poll_frame(cx) {
+                Poll::Ready(frame) => {
+                    if frame.as_ref().is_none_or(|f| f.as_ref().is_ok_and(|f| f.is_trailers())) {
+                        cancel.disarm(); // the call is over: nothing left to cancel
+                    }
+                    return Poll::Ready(frame.map(|r| r.map_err(body_error)));
                 }
-                return Poll::Ready(frame.map(|r| r.map_err(body_error)));
-            }
+                // tonic bounds only the wait for the response's headers: the rest of a streaming
+                // call is bounded here. Dropping the body (below) resets the stream (`cancel`).
+                Poll::Pending => match deadline.as_mut().map(|d| d.as_mut().poll(cx)) {
+                    Some(Poll::Ready(())) => {
+                        Frame::trailers(codec::status_trailers(&Status::new(Code::DeadlineExceeded, DEADLINE_PASSED)))
+                    }
+                    _ => return Poll::Pending,
+                },
+            },
             Source::Shm { pending: pending @ Some(_), .. } => {
                 return Poll::Ready(pending.take().map(|m| Ok(Frame::data(m))));
             }
@@ -157,12 +169,15 @@ fn body_error(status: tonic::Status) -> BoxError {
 /// tonic's server answers a deadline that passed with CANCELLED "Timeout expired" (a
 /// trailers-only response, made outside any layer we could add there); gRPC's code for it is
 /// DEADLINE_EXCEEDED, which is what this channel reports.
+/// The message of a call whose deadline passed, however it was noticed.
+const DEADLINE_PASSED: &str = "the call's deadline passed";
+
 fn deadline_code(headers: &mut HeaderMap) {
     let expired = headers.get("grpc-status").is_some_and(|c| c == "1")
         && headers.get("grpc-message").is_some_and(|m| m == "Timeout expired" || m == "Timeout%20expired");
     if expired {
         headers.insert("grpc-status", HeaderValue::from_static("4"));
-        headers.insert("grpc-message", HeaderValue::from_static("the call's deadline passed"));
+        headers.insert("grpc-message", HeaderValue::from_static(DEADLINE_PASSED));
     }
 }
 
@@ -472,6 +487,8 @@ where
             // unix:// and http://: tonic's own HTTP/2 channel carries the request as it is.
             let mut http = http.clone();
             let (parts, body) = request.into_parts();
+            // A malformed grpc-timeout is tonic's to refuse; here it bounds nothing.
+            let timeout = codec::timeout_from(&parts.headers).ok().flatten();
             // hyper resets an HTTP/2 stream only once both its halves are dropped; a response
             // dropped while the request stream is still open would leave the server's call
             // running. The request body ends with CANCELLED instead, which resets it.
@@ -480,6 +497,7 @@ where
             let request = http::Request::from_parts(parts, tonic::body::Body::new(body));
             let cancel = CancelOnDrop(Some(cancel));
             return Box::pin(async move {
+                let deadline = timeout.map(|t| Box::pin(tokio::time::sleep(t)));
                 let sent = async {
                     tower::ServiceExt::ready(&mut http).await?;
                     tower_service::Service::call(&mut http, request).await
@@ -487,13 +505,13 @@ where
                 Ok(match sent.await {
                     Ok(mut response) => {
                         deadline_code(response.headers_mut());
-                        response.map(|body| ResponseBody(Source::Http { body, cancel }))
+                        response.map(|body| ResponseBody(Source::Http { body, cancel, deadline }))
                     }
                     // tonic's own reading of its errors: a deadline that passed is
                     // DEADLINE_EXCEEDED, a refused connection UNAVAILABLE.
                     Err(e) if timed_out(&e) => {
                         // tonic reports its own deadline as CANCELLED; gRPC's code is this one.
-                        failed_response(Status::new(Code::DeadlineExceeded, "the call's deadline passed"))
+                        failed_response(Status::new(Code::DeadlineExceeded, DEADLINE_PASSED))
                     }
                     Err(e) => {
                         // A TLS failure says which (an unknown CA, no client certificate…).
