@@ -209,13 +209,15 @@ def test_a_channel_stays_on_its_loop(address: str, pb_grpc: ModuleType, pb: Modu
         with pytest.raises(grpc.aio.UsageError):
             asyncio.run(call(2))
         assert asyncio.run_coroutine_threadsafe(call(3), own).result(60) == 3
-        asyncio.run_coroutine_threadsafe(channel.close(), own).result(60)
     finally:
         own.call_soon_threadsafe(own.stop)
         thread.join()
-    own.close()
-    with pytest.raises(grpc.aio.UsageError):
-        asyncio.run(call(4))
+    try:
+        with pytest.raises(grpc.aio.UsageError):  # its own loop has ended; the channel is open
+            asyncio.run(call(4))
+    finally:
+        own.run_until_complete(channel.close())
+        own.close()
 
 
 async def _make(address: str) -> isthmus.aio.Channel:

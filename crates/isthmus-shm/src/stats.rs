@@ -74,7 +74,8 @@ pub struct Counters {
     /// the peer ([`Sender::counters`](crate::Sender::counters) takes in the peer's releases
     /// first). It returns to zero once neither side holds a message of this side's.
     pub arena_in_use: u64,
-    /// Messages sent by reference to a block of the listener's shared arena ([`crate::SharedArena`]).
+    /// Messages sent by reference to a block of the listener's shared arena
+    /// ([`crate::SharedArena`]).
     pub shared_sent: u64,
 }
 

@@ -101,6 +101,12 @@ impl Body for ResponseBody {
         let frame = match &mut self.0 {
             Source::Done => return Poll::Ready(None),
             Source::Failed(status) => Frame::trailers(codec::status_trailers(status)),
+            // tonic bounds only the wait for the response's headers: the rest of a streaming
+            // call is bounded here, also while frames keep coming (a clock read each), and the
+            // timer wakes a body that waits. Dropping the body (below) resets the stream.
+            Source::Http { deadline: Some(d), .. } if d.deadline() <= tokio::time::Instant::now() => {
+                Frame::trailers(codec::status_trailers(&deadline_passed()))
+            }
             Source::Http { body, cancel, deadline } => match Pin::new(body).poll_frame(cx) {
                 Poll::Ready(frame) => {
                     if frame.as_ref().is_none_or(|f| f.as_ref().is_ok_and(|f| f.is_trailers())) {
@@ -108,12 +114,8 @@ impl Body for ResponseBody {
                     }
                     return Poll::Ready(frame.map(|r| r.map_err(body_error)));
                 }
-                // tonic bounds only the wait for the response's headers: the rest of a streaming
-                // call is bounded here. Dropping the body (below) resets the stream (`cancel`).
                 Poll::Pending => match deadline.as_mut().map(|d| d.as_mut().poll(cx)) {
-                    Some(Poll::Ready(())) => {
-                        Frame::trailers(codec::status_trailers(&Status::new(Code::DeadlineExceeded, DEADLINE_PASSED)))
-                    }
+                    Some(Poll::Ready(())) => Frame::trailers(codec::status_trailers(&deadline_passed())),
                     _ => return Poll::Pending,
                 },
             },
@@ -166,12 +168,16 @@ fn body_error(status: tonic::Status) -> BoxError {
     }
 }
 
-/// tonic's server answers a deadline that passed with CANCELLED "Timeout expired" (a
-/// trailers-only response, made outside any layer we could add there); gRPC's code for it is
-/// DEADLINE_EXCEEDED, which is what this channel reports.
 /// The message of a call whose deadline passed, however it was noticed.
 const DEADLINE_PASSED: &str = "the call's deadline passed";
 
+fn deadline_passed() -> Status {
+    Status::new(Code::DeadlineExceeded, DEADLINE_PASSED)
+}
+
+/// tonic's server answers a deadline that passed with CANCELLED "Timeout expired" (a
+/// trailers-only response, made outside any layer we could add there); gRPC's code for it is
+/// DEADLINE_EXCEEDED, which is what this channel reports.
 fn deadline_code(headers: &mut HeaderMap) {
     let expired = headers.get("grpc-status").is_some_and(|c| c == "1")
         && headers.get("grpc-message").is_some_and(|m| m == "Timeout expired" || m == "Timeout%20expired");
@@ -511,7 +517,7 @@ where
                     // DEADLINE_EXCEEDED, a refused connection UNAVAILABLE.
                     Err(e) if timed_out(&e) => {
                         // tonic reports its own deadline as CANCELLED; gRPC's code is this one.
-                        failed_response(Status::new(Code::DeadlineExceeded, DEADLINE_PASSED))
+                        failed_response(deadline_passed())
                     }
                     Err(e) => {
                         // A TLS failure says which (an unknown CA, no client certificate…).
