@@ -272,6 +272,7 @@ async def soak(target: str, calls: int, inflight: int) -> dict[str, object]:
         lost += calls - len(latencies)
         first_error = first_error or "the soak's watchdog expired with calls unanswered"
     total = time.perf_counter() - start
+    client_high_water = channel.stats().arena_high_water
     await channel.close()
     latencies.sort()
 
@@ -287,6 +288,7 @@ async def soak(target: str, calls: int, inflight: int) -> dict[str, object]:
         "p999_us": pick(0.999),
         "rps": round(len(latencies) / total, 1),
         "first_error": first_error,
+        "arena_high_water_client": client_high_water,
     }
 
 

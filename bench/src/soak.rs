@@ -175,7 +175,11 @@ fn python(calls: u64) -> Option<(Outcome, Value)> {
         rps: f("rps"),
         first_error: v.get("first_error").and_then(Value::as_str).map(str::to_owned),
     };
-    Some((outcome, json!({ "arena_high_water_server": server_high_water })))
+    let client_high_water = v.get("arena_high_water_client").and_then(Value::as_u64);
+    Some((
+        outcome,
+        json!({ "arena_high_water_client": client_high_water, "arena_high_water_server": server_high_water }),
+    ))
 }
 
 /// The soak server's arena high-water mark from the file it keeps writing; stops the server

@@ -141,10 +141,15 @@ class Nginx:
         return dict(json.loads(self.get(f"/case/{name}?{query}")))
 
     def logged_errors(self) -> list[str]:
+        """The log's errors, and the module's warnings of a write to a global Lua variable
+        (lua-resty convention: a library keeps its state in locals and its module table)."""
         return [
             line
             for line in self.errors().splitlines()
-            if "[error]" in line or "[alert]" in line or "[crit]" in line
+            if "[error]" in line
+            or "[alert]" in line
+            or "[crit]" in line
+            or "writing a global Lua variable" in line
         ]
 
     def errors(self) -> str:

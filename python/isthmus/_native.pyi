@@ -29,6 +29,10 @@ _ClientTls: TypeAlias = tuple[bytes | None, bytes | None, bytes | None, str | No
 # (private_key, certificate_chain, root_certificates, require_client_auth), PEM.
 _ServerTls: TypeAlias = tuple[bytes, bytes, bytes | None, bool]
 
+# An asyncio operation that may finish when it starts: `(ok, value)` if it did, None if its
+# outcome comes through the Reactor under its token.
+_Now: TypeAlias = tuple[bool, Any] | None
+
 @disjoint_base
 class CallError(Exception):
     """A call ended with a status other than OK."""
@@ -260,7 +264,7 @@ class AsyncChannel:
         timeout: float | None,
         wait_for_ready: bool,
         compression: str | None = None,
-    ) -> None:
+    ) -> _Now:
         """Completes with the started AsyncCall (or a CallError if it could not start)."""
     def connectivity(self, try_to_connect: bool) -> int:
         """As Channel.connectivity."""
@@ -274,14 +278,14 @@ class AsyncCall:
     """One call driven through the Reactor; at most one send-side and one receive-side
     operation in flight at a time."""
 
-    def send(self, token: int, message: bytes, last: bool = False) -> None:
+    def send(self, token: int, message: bytes, last: bool = False) -> _Now:
         """Completes with True, or False if the call is already over; `last` half-closes with
         the message."""
-    def close_send(self, token: int) -> None:
+    def close_send(self, token: int) -> _Now:
         """Completes with None."""
-    def recv(self, token: int) -> None:
+    def recv(self, token: int) -> _Now:
         """Completes with bytes, or None at an OK end; a CallError otherwise."""
-    def initial_metadata(self, token: int) -> None:
+    def initial_metadata(self, token: int) -> _Now:
         """Completes with the initial metadata list."""
     def trailing_metadata(self) -> list[tuple[str, str | bytes]] | None: ...
     def cancel(self) -> None: ...

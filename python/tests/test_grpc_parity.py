@@ -166,6 +166,12 @@ def test_a_request_serializer_that_raises_fails_the_call_internal(servers: Calla
                         await call.write(object())
                     assert (caught.value.code(), caught.value.details()) == want
                     assert await call.code() == grpc.StatusCode.INTERNAL
+                    # A unary request of a server stream is encoded as the call starts.
+                    path = "/conformance.Echo/ServerStream"
+                    call = channel.unary_stream(path, request_serializer=_boom)(object(), timeout=60)
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await call.read()
+                    assert (caught.value.code(), caught.value.details()) == want
 
             run(loop, test)
 

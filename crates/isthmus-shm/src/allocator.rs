@@ -207,4 +207,35 @@ mod tests {
         a.free_own(off, g);
         assert!(a.mark_in_flight(again, g2), "a stale owner's free leaves the new block alone");
     }
+
+    /// Warm reuse (ADR 0014): a message's block, once the peer frees it, is where the next
+    /// message of that size goes, so an echo keeps writing memory that is faulted in and
+    /// cached instead of walking the arena; among free runs that fit equally, the lowest.
+    #[test]
+    fn a_freed_block_is_where_the_next_message_goes() {
+        let mut a = Allocator::new(64 * ARENA_GRANULE);
+        let send = |a: &mut Allocator, len: usize| {
+            let (off, generation) = a.alloc(len).expect("room");
+            assert!(a.mark_in_flight(off, generation));
+            off
+        };
+        let len = 3 * ARENA_GRANULE;
+        let first = send(&mut a, len);
+        a.free(first, len).expect("sent");
+        let held = send(&mut a, ARENA_GRANULE); // a message the peer keeps meanwhile
+        assert_eq!(held, first, "one free run again: its lowest offset");
+        let base = send(&mut a, len);
+        a.free(base, len).expect("sent");
+        for _ in 0..100 {
+            let off = send(&mut a, len);
+            assert_eq!(off, base, "the block just freed, not a cold one further on");
+            a.free(off, len).expect("sent");
+        }
+        // Three equal holes, freed highest first: the next block takes the lowest.
+        let blocks: Vec<usize> = (0..6).map(|_| send(&mut a, len)).collect();
+        for &i in &[4, 2, 0] {
+            a.free(blocks[i], len).expect("sent");
+        }
+        assert_eq!(send(&mut a, len), blocks[0]);
+    }
 }

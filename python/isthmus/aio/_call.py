@@ -199,13 +199,20 @@ class _StreamCall(_Call):
         super().__init__(loop, timeout, deserialize)
         self._driver = driver
         self._serialize = serialize
-        token, self._started = driver.begin(loop)  # resolves to the AsyncCall or a CallError
-        channel.start(token, path, metadata, timeout, wait_for_ready, compression)
-        self._started.add_done_callback(self._on_started)
         self._native: _native.AsyncCall | None = None
         self._done: asyncio.Future[None] = loop.create_future()
         self._status: CallError | None = None  # once `_done`; None for OK
         self._cancelled = False
+        token = driver.token()
+        started = channel.start(token, path, metadata, timeout, wait_for_ready, compression)
+        # Resolves to the AsyncCall or a CallError; at once if the call started at once.
+        if started is None:
+            self._started = driver.wait(loop, token)
+            self._started.add_done_callback(self._on_started)
+        else:
+            self._started = loop.create_future()
+            self._started.set_result(started[1])
+            self._on_started(self._started)
         self._done_writing = False
         # The engine takes one receive-side operation at a time (recv, initial_metadata).
         self._receive_lock = asyncio.Lock()
@@ -213,8 +220,27 @@ class _StreamCall(_Call):
         self._early: collections.deque[bytes] = collections.deque()  # see `_read_ahead`
         self._tasks: list[asyncio.Task[Any]] = []
         self._drainer: asyncio.Task[None] | None = None  # see `_end`
-        if requests is not None:
+        if requests is not None and not self._send_now(requests):
             self._tasks.append(loop.create_task(self._write_all(requests)))
+
+    def _send_now(self, requests: RequestIterable) -> bool:
+        """Sends a unary request (the channel passes it as a 1-tuple) here, with the half-close
+        in the same frame, if the call has started: no task per call, and the request goes
+        before the caller's first read waits. False if a task must write the requests."""
+        if self._native is None or not (isinstance(requests, tuple) and len(requests) == 1):
+            return False
+        self._done_writing = True
+        try:
+            message = encode(self._serialize, requests[0])
+        except CallError as error:  # as grpcio's: the call fails INTERNAL
+            self._fail(error)
+            return True
+        token = self._driver.token()
+        if self._native.send(token, message, True) is None:
+            # Not sent yet (no room in the ring): it completes through the reactor. Its outcome
+            # needs no waiter: a call that ended first is reported by the receiving side.
+            self._driver.wait(self._loop, token)
+        return True
 
     def _on_started(self, started: asyncio.Future[Any]) -> None:
         # Also run by `_attempt`, which may take the call first: uvloop runs the reactor's
@@ -244,9 +270,12 @@ class _StreamCall(_Call):
                 return call
             if self._native is None:
                 self._on_started(self._started)
-            token, future = self._driver.begin(self._loop)
+            token = self._driver.token()
             try:
-                getattr(call, operation)(token, *args)
+                done = getattr(call, operation)(token, *args)
+                if done is not None:  # finished at once: no trip through the reactor
+                    return done[1]
+                future = self._driver.wait(self._loop, token)
                 self._driver.settle(self._loop, future)
                 return await future
             except BaseException:
