@@ -267,35 +267,43 @@ func TestGeneratedClientAgainstTheRustServer(t *testing.T) {
 	}
 }
 
+// A call in its handler when the server is killed (SIGKILL: no goodbye) ends Unavailable
+// promptly, over shared memory and over HTTP/2 on a Unix socket and on TCP.
 func TestAKilledServerFailsItsCallsUnavailable(t *testing.T) {
-	shm, _ := fresh(t, "kill")
-	p := startPeer(t, goPeerBin, shm)
-	c := pb.NewEchoClient(dial(t, shm))
-	if _, err := c.Unary(context.Background(), &pb.EchoRequest{}); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() {
-		_, err := c.Unary(context.Background(), &pb.EchoRequest{SleepMs: 60000})
-		done <- err
-	}()
-	time.Sleep(100 * time.Millisecond) // most likely in flight; Unavailable either way
-	killed := time.Now()
-	p.cmd.Process.Signal(syscall.SIGKILL)
-	select {
-	case err := <-done:
-		if status.Code(err) != codes.Unavailable {
-			t.Fatalf("got %v, want Unavailable", err)
+	for _, transport := range []string{"shm", "unix", "tcp"} {
+		shm, unix := fresh(t, "kill-"+transport)
+		target := map[string]string{"shm": shm, "unix": unix, "tcp": "http://127.0.0.1:0"}[transport]
+		p := startPeer(t, goPeerBin, target)
+		if transport != "shm" {
+			target = p.addresses[0]
 		}
-		if el := time.Since(killed); el > 5*time.Second {
-			t.Fatalf("Unavailable came %v after the kill", el)
+		c := pb.NewEchoClient(dial(t, target))
+		if _, err := c.Unary(context.Background(), &pb.EchoRequest{}); err != nil {
+			t.Fatal(err)
 		}
-	case <-time.After(30 * time.Second):
-		t.Fatal("the call did not end after its server was killed")
-	}
-	// The next call fails at once too: nobody listens.
-	if _, err := c.Unary(context.Background(), &pb.EchoRequest{}); status.Code(err) != codes.Unavailable {
-		t.Fatalf("a call to no server gave %v", err)
+		done := make(chan error, 1)
+		go func() {
+			_, err := c.Unary(context.Background(), &pb.EchoRequest{Seq: 7, SleepMs: 60000})
+			done <- err
+		}()
+		p.expect(t, "UNARY-SLEEPING 7") // in its handler: in flight
+		killed := time.Now()
+		p.cmd.Process.Signal(syscall.SIGKILL)
+		select {
+		case err := <-done:
+			if status.Code(err) != codes.Unavailable {
+				t.Fatalf("%s: got %v, want Unavailable", transport, err)
+			}
+			if el := time.Since(killed); el > 5*time.Second {
+				t.Fatalf("%s: Unavailable came %v after the kill", transport, el)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatalf("%s: the call did not end after its server was killed", transport)
+		}
+		// The next call fails at once too: nobody listens.
+		if _, err := c.Unary(context.Background(), &pb.EchoRequest{}); status.Code(err) != codes.Unavailable {
+			t.Fatalf("%s: a call to no server gave %v", transport, err)
+		}
 	}
 }
 

@@ -1,11 +1,13 @@
 """isthmus.aio under asyncio's own loop and under uvloop: the calls of every shape, and the
 loop's waits. A loop that waits for one call and has nothing else to do takes a fast reply on
 its own thread (no sleep in its selector, no wake-up through the reactor's eventfd); a slow
-reply still arrives, and a loop waiting for it sleeps instead of spinning."""
+reply still arrives, and a loop waiting for it sleeps instead of spinning; so does an asyncio
+server's while its handler waits."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import resource
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -18,6 +20,7 @@ import pytest
 from clients import run_on as run
 from peer import PATIENCE, Served, serve
 
+import isthmus
 import isthmus.aio
 from isthmus.aio import _reactor
 
@@ -240,3 +243,33 @@ def test_a_loop_waiting_for_a_slow_reply_sleeps(
             assert cpu < 0.3 * elapsed, f"{cpu:.3f} s of CPU over {elapsed:.3f} s of waiting"
 
     run(loop, test)
+
+
+def _cpu_seconds(pid: int) -> float:
+    """User and system CPU time process `pid` (all its threads) has used."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@pytest.mark.parametrize("kind", ["isthmus-aio", "isthmus-aio-uvloop"])
+def test_an_asyncio_server_waiting_for_its_handler_sleeps(
+    kind: str, stubs: Path, pb_grpc: ModuleType, pb: ModuleType
+) -> None:
+    """An asyncio server whose one call's handler sleeps a second, its client's shm://
+    connection open and quiet meanwhile: the server's process uses a small fraction of that
+    second of CPU (all of it if its loop, or the thread that reads the connection, spun)."""
+    served = serve(kind, ["shm"], stubs)
+    try:
+        with isthmus.insecure_channel(served.addresses["shm"]) as channel:
+            stub = pb_grpc.EchoStub(channel)
+            assert stub.Unary(pb.EchoRequest(seq=1), timeout=60).seq == 1
+            pid = served.peer.process.pid
+            slow = stub.Unary.future(pb.EchoRequest(seq=2, sleep_ms=1000), timeout=60)
+            served.peer.expect("UNARY-SLEEPING")
+            before, start = _cpu_seconds(pid), time.monotonic()
+            assert slow.result(timeout=60).seq == 2
+            elapsed, cpu = time.monotonic() - start, _cpu_seconds(pid) - before
+        assert elapsed >= 0.5
+        assert cpu < 0.3 * elapsed, f"{cpu:.3f} s of CPU over {elapsed:.3f} s of waiting"
+    finally:
+        served.close()

@@ -234,7 +234,8 @@ def test_message_size_limits_from_the_channel_options(
             assert received.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert (await stub.Unary(under, timeout=60)).seq == 5
 
-    run("asyncio", test)
+    for loop in ["asyncio", "uvloop"] if api == "isthmus.aio" else ["asyncio"]:
+        run(loop, test)
 
 
 def parity_server(api: str, *flags: str, loop: str = "asyncio") -> tuple[Served, list[str]]:
@@ -336,8 +337,16 @@ def _guarded(channel: Any) -> tuple[list[Any], list[str]]:
     return got, seen.decode().splitlines()
 
 
-@pytest.mark.parametrize(("grpc_api", "api"), [("grpcio", "isthmus"), ("grpc.aio", "isthmus-aio")])
-def test_server_interceptors_run_as_grpcs_do(grpc_api: str, api: str) -> None:
+# (grpc's server, isthmus's of the same API, the event loop of isthmus's asyncio server)
+INTERCEPTED = [
+    ("grpcio", "isthmus", "asyncio"),
+    ("grpc.aio", "isthmus-aio", "asyncio"),
+    ("grpc.aio", "isthmus-aio", "uvloop"),
+]
+
+
+@pytest.mark.parametrize(("grpc_api", "api", "loop"), INTERCEPTED, ids="-".join)
+def test_server_interceptors_run_as_grpcs_do(grpc_api: str, api: str, loop: str) -> None:
     """A server's `interceptors=` (`grpc.ServerInterceptor`s for the blocking server,
     `grpc.aio.ServerInterceptor`s for the asyncio one) see every call with its method and
     metadata, in order, and may pass it on, answer it with a handler of their own (one that
@@ -361,7 +370,7 @@ def test_server_interceptors_run_as_grpcs_do(grpc_api: str, api: str) -> None:
         [f"/parity.Guarded/{m} {who}" for m in ("Echo", "Denied", "Hidden", "Shout", "Twice")]
         + ["/parity.Guarded/Seen -"],
     )
-    served, targets = parity_server(api, "--intercepted")
+    served, targets = parity_server(api, "--intercepted", loop=loop)
     try:
         for channel in _every_client(targets):
             with channel:
@@ -403,12 +412,16 @@ def test_a_handler_writes_while_another_thread_of_it_reads(api: str) -> None:
 
 
 @pytest.mark.parametrize("order", ["first", "last"])
-@pytest.mark.parametrize("api", ["grpcio", "isthmus", "isthmus-aio"])
-def test_the_applications_health_servicer_is_the_one_that_answers(api: str, order: str) -> None:
+@pytest.mark.parametrize(
+    ("api", "loop"),
+    [("grpcio", "asyncio"), ("isthmus", "asyncio"), *AIO_SERVERS],
+    ids="-".join,
+)
+def test_the_applications_health_servicer_is_the_one_that_answers(api: str, loop: str, order: str) -> None:
     """A `grpc.health.v1.Health` servicer of the application answers Check (isthmus's own
-    health service steps aside), over every transport, with the same answers as under grpcio:
-    added before the ports are, or after them (before `start`), as grpcio allows."""
-    served, targets = parity_server(api, *(["--health-last"] if order == "last" else []))
+    health service steps aside), over every transport, with the same answers as under grpcio
+    and grpc.aio: added before the ports are, or after them (before `start`), as they allow."""
+    served, targets = parity_server(api, *(["--health-last"] if order == "last" else []), loop=loop)
     try:
         for channel in _every_client(targets):
             with channel:
@@ -425,21 +438,24 @@ def test_the_applications_health_servicer_is_the_one_that_answers(api: str, orde
         served.close()
 
 
-@pytest.mark.parametrize("kind", ["grpcio", "isthmus", "isthmus-aio"])
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus", "isthmus-aio", "isthmus-aio-uvloop"])
 def test_maximum_concurrent_rpcs_counts_the_whole_server(
     kind: str, stubs: Path, pb_grpc: ModuleType, pb: ModuleType, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Two slow calls on two ports fill a server whose `maximum_concurrent_rpcs` is 2: one
-    more, on either port, is refused RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!", and
-    once they end calls go through again."""
+    more, on any port (isthmus's shm:// one too), is refused RESOURCE_EXHAUSTED "Concurrent
+    RPC limit exceeded!", and once they end calls go through again."""
     monkeypatch.setenv("ECHO_MAX_RPCS", "2")
-    served = serve(kind, ["unix", "http"], stubs)
+    transports = ["unix", "http"] if kind == "grpcio" else ["unix", "http", "shm"]
+    served = serve(kind, transports, stubs)
     try:
-        channels = [isthmus.insecure_channel(served.addresses[t]) for t in ("unix", "http")]
+        channels = [isthmus.insecure_channel(served.addresses[t]) for t in transports]
         echo = [pb_grpc.EchoStub(channel) for channel in channels]
-        slow = [e.Unary.future(pb.EchoRequest(seq=i, sleep_ms=3500), timeout=60) for i, e in enumerate(echo)]
+        slow = [
+            e.Unary.future(pb.EchoRequest(seq=i, sleep_ms=3500), timeout=60) for i, e in enumerate(echo[:2])
+        ]
         # Both handlers hold their slots once they say they sleep; they sleep seconds longer
-        # than the two refused calls below take.
+        # than the refused calls below take.
         started = {served.peer.expect("UNARY-SLEEPING").split()[1] for _ in slow}
         assert started == {"0", "1"}
         with pytest.raises(grpc.RpcError) as refused:
@@ -448,9 +464,10 @@ def test_maximum_concurrent_rpcs_counts_the_whole_server(
             grpc.StatusCode.RESOURCE_EXHAUSTED,
             "Concurrent RPC limit exceeded!",
         )
-        with pytest.raises(grpc.RpcError) as other_port:
-            echo[1].Unary(pb.EchoRequest(), timeout=60)
-        assert other_port.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        for other_port in echo[1:]:
+            with pytest.raises(grpc.RpcError) as refused:
+                other_port.Unary(pb.EchoRequest(), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert [f.result(timeout=60).seq for f in slow] == [0, 1]
         # isthmus frees a call's slot before its client sees the call end; grpcio only when the
         # handler's thread is done, after it sent the reply, so a call may be refused until then.
@@ -550,8 +567,10 @@ def _raw_shout(channel: Any) -> tuple[bytes, str | None]:
     return bytes(reply), dict(call.trailing_metadata()).get("x-request")
 
 
-@pytest.mark.parametrize(("grpc_api", "api"), [("grpcio", "isthmus"), ("grpc.aio", "isthmus-aio")])
-def test_a_raw_handler_stays_raw_behind_an_interceptor_that_wraps_it(grpc_api: str, api: str) -> None:
+@pytest.mark.parametrize(("grpc_api", "api", "loop"), INTERCEPTED, ids="-".join)
+def test_a_raw_handler_stays_raw_behind_an_interceptor_that_wraps_it(
+    grpc_api: str, api: str, loop: str
+) -> None:
     """A server interceptor that wraps a raw handler (`isthmus.raw`) in a handler of its own
     (upper-casing the reply) gets the same reply from isthmus's server as from grpc's, and on
     isthmus's the raw handler still gets its request as a `Message` (grpc's ignore the mark)."""
@@ -561,7 +580,7 @@ def test_a_raw_handler_stays_raw_behind_an_interceptor_that_wraps_it(grpc_api: s
             assert _raw_shout(channel) == (b"QUIET", "bytes")
     finally:
         reference.close()
-    served, targets = parity_server(api, "--intercepted")
+    served, targets = parity_server(api, "--intercepted", loop=loop)
     try:
         for channel in _every_client(targets):
             with channel:

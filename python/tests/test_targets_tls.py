@@ -18,7 +18,7 @@ from typing import Any
 import certs
 import grpc
 import pytest
-from peer import Peer
+from peer import LOOP_ENV, Peer
 
 import isthmus
 
@@ -106,6 +106,28 @@ def _grpc_addresses(cert_dir: Path, tag: str, sock: str) -> None:
                 if kind == "isthmus":
                     # And grpcio's own client reaches isthmus's server by the same names.
                     assert whoami(grpc.insecure_channel(target))["peer"], target
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_an_asyncio_handler_names_its_peer(
+    cert_dir: Path, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`context.peer()` in a handler of an `isthmus.aio` server names the caller as grpc's
+    servers do over TCP (`ipv4:`) and a Unix socket (`unix:`), and over shared memory by the
+    calling process's own pid and uid (`shm:pid=PID,uid=UID`)."""
+    monkeypatch.setenv(LOOP_ENV, loop)
+    monkeypatch.setenv("ISTHMUS_NO_OFFER", "1")  # TCP stays TCP: no move to shared memory
+    name = f"isthmus-py-whoami-{os.getpid()}-{loop}"
+    with Server(
+        "isthmus-aio", cert_dir, "none", "127.0.0.1:0", f"unix-abstract:{name}", f"shm://{name}"
+    ) as server:
+        seen = [
+            whoami(isthmus.insecure_channel(target))["peer"]
+            for target in (f"127.0.0.1:{server.ports[0]}", f"unix-abstract:{name}", f"shm://{name}")
+        ]
+    assert seen[0].startswith("ipv4:127.0.0.1:"), seen
+    assert seen[1].startswith("unix:"), seen
+    assert seen[2] == f"shm:pid={os.getpid()},uid={os.getuid()}", seen
 
 
 def test_unknown_schemes_name_the_accepted_forms() -> None:

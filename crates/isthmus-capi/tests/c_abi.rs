@@ -325,6 +325,31 @@ fn c_program_passes_every_check_over_shm_and_unix() {
     println!("{transcript}");
 }
 
+/// The ABI's promise of no global state a second load breaks: the library loaded again from
+/// another path (`dlopen`, `RTLD_LOCAL`), as two plugins of one host that each ship it would
+/// load it, calls the same server beside the linked copy, each with its own handles.
+#[test]
+fn a_second_copy_of_the_library_works_beside_the_first() {
+    let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let scratch = Scratch::new();
+    let binary = build_abi_check(&scratch);
+    let shm = format!("shm://capi-copy-{}", std::process::id());
+    let mut server = start_server(&binary, &scratch, &[&shm]);
+    let copy = scratch.path("libisthmus_capi_copy.so");
+    std::fs::copy(library_dir().join("libisthmus_capi.so"), &copy).expect("a copy of the library");
+    let copy = copy.to_str().expect("a UTF-8 path");
+    let mut client = Proc::spawn("second-copy", &binary, &["second-copy", copy, &shm], &scratch, Stdio::null());
+    let (status, stdout) = client.finish(CLIENT_TIMEOUT);
+    assert!(
+        status.success() && stdout.contains("second-copy: ok"),
+        "second-copy: {status}\n{}\n{}",
+        client.transcript(),
+        server.transcript()
+    );
+    drop(server.child.stdin.take());
+    assert!(server.wait(EXIT_TIMEOUT).success(), "the server\n{}", server.transcript());
+}
+
 /// A channel's upgrade flags against the process's default: here on (`ISTHMUS_UPGRADE=1`), so
 /// a channel with no flag moves to the server's `shm://` endpoint and one with
 /// `ISTHMUS_CHANNEL_NO_UPGRADE` stays on HTTP/2 (the other client checks run with it off, where

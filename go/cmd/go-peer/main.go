@@ -30,7 +30,10 @@ func main() {
 		opts = append(opts, isthmus.InlineUnary())
 	}
 	s := isthmus.NewServer(opts...)
-	pb.RegisterEchoServer(s, echo.Service{BidiEnded: func(how string) { fmt.Println("BIDI-ENDED", how) }})
+	pb.RegisterEchoServer(s, echo.Service{
+		BidiEnded:     func(how string) { fmt.Println("BIDI-ENDED", how) },
+		UnarySleeping: func(seq uint64) { fmt.Println("UNARY-SLEEPING", seq) },
+	})
 	registerRaw(s)
 	if err := s.Start(os.Args[1:]...); err != nil {
 		fmt.Fprintln(os.Stderr, "go-peer:", err)

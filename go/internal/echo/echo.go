@@ -69,6 +69,9 @@ type Service struct {
 	pb.UnimplementedEchoServer
 	// BidiEnded, if set, hears how each Bidi call ended: "half-close" or an error's code.
 	BidiEnded func(string)
+	// UnarySleeping, if set, hears the seq of each Unary call that is about to sleep (its
+	// sleep_ms): the call is in its handler, so a test that kills the server has a call in flight.
+	UnarySleeping func(seq uint64)
 }
 
 func timeLeft(ctx context.Context) int64 {
@@ -97,10 +100,13 @@ func failure(ctx context.Context, req *pb.EchoRequest) error {
 	return s.Err()
 }
 
-func (Service) Unary(ctx context.Context, req *pb.EchoRequest) (*pb.EchoReply, error) {
+func (s Service) Unary(ctx context.Context, req *pb.EchoRequest) (*pb.EchoReply, error) {
 	left := timeLeft(ctx)
 	md, _ := metadata.FromIncomingContext(ctx)
 	if req.SleepMs > 0 {
+		if s.UnarySleeping != nil {
+			s.UnarySleeping(req.Seq)
+		}
 		select {
 		case <-time.After(time.Duration(req.SleepMs) * time.Millisecond):
 		case <-ctx.Done():

@@ -1,7 +1,8 @@
 //! A tonic service served by `isthmus::Server`: `tonic-peer TARGET…` (any of `shm://`,
 //! `unix://`, `http://`; prints `LISTENING ADDRESS` for each HTTP/2 endpoint after `READY`).
 //! `Bidi` prints `BIDI-ENDED CODE` when its request stream fails (a client's cancel), and
-//! `BIDI-ENDED half-close` when it ends.
+//! `BIDI-ENDED half-close` when it ends; a `Unary` call with a `sleep_ms` prints
+//! `UNARY-SLEEPING SEQ` as its handler starts to sleep.
 //! `https://` targets take the certificate and key in the files `ISTHMUS_TLS_CERT` and
 //! `ISTHMUS_TLS_KEY` name, and with `ISTHMUS_TLS_CLIENT_CA` require client certificates signed
 //! by it; `Unary` then answers a client's certificate's common name in `x-peer-cn`.
@@ -76,6 +77,8 @@ impl Echo for Service {
             .and_then(|cert| cert.common_name().map(str::to_owned));
         let req = request.into_inner();
         if req.sleep_ms > 0 {
+            // The call is in its handler: a test that kills this server has it in flight.
+            println!("UNARY-SLEEPING {}", req.seq);
             tokio::time::sleep(Duration::from_millis(u64::from(req.sleep_ms))).await;
         }
         failure(&req)?;

@@ -10,6 +10,9 @@
  *                               zero-copy check expects isthmus_call_alloc's UNIMPLEMENTED.
  *   abi_check peer-gone TARGET  starts a call to Sleep, prints "waiting", and expects UNAVAILABLE
  *                               once the harness has killed the server (SIGKILL).
+ *   abi_check second-copy LIBRARY TARGET
+ *                               loads LIBRARY (a copy of the library at another path) with
+ *                               dlopen and calls TARGET through it and through the linked one.
  *   abi_check serve-tls DIR TARGET...
  *                               `serve` with TLS from DIR (server.crt, server.key, and client-ca.crt
  *                               whose certificates it requires of clients); prints "ready", then
@@ -46,6 +49,7 @@
  */
 #define _POSIX_C_SOURCE 200809L
 
+#include <dlfcn.h>
 #include <errno.h>
 #include <inttypes.h>
 #include <poll.h>
@@ -1022,6 +1026,41 @@ static int check_null_arguments(ctx_t *c) {
   INVALID(isthmus_server_call_reply_async(NULL, data, 4, NULL, cq, 1, NULL, &st));
   INVALID(isthmus_server_call_finish(NULL, ISTHMUS_OK, NULL, NULL, &st));
   INVALID(isthmus_server_call_finish_with_details(NULL, ISTHMUS_ABORTED, NULL, FAIL_DETAILS, 1, NULL, &st));
+  INVALID(isthmus_server_call_done_async(NULL, cq, 1, &st));
+  len = 7;
+  REQUIRE(isthmus_server_call_peer(NULL, &len) == NULL && len == 0, "peer of NULL");
+  len = 7;
+  REQUIRE(isthmus_server_call_peer_cert(NULL, &len) == NULL && len == 0, "peer certificate of NULL");
+  REQUIRE(isthmus_server_call_is_tls(NULL) == 0, "NULL came over TLS");
+  REQUIRE(isthmus_server_http_address(NULL, 0) == NULL, "HTTP address of NULL");
+  REQUIRE(isthmus_server_http_address(server, 0) == NULL, "HTTP address of a server never started");
+
+  /* the rest of the surface: nginx's bell, the spin, blocks sent async, topics, protos */
+  char bell[256];
+  INVALID(isthmus_channel_set_spin(NULL, 10));
+  INVALID(isthmus_cq_cancel(NULL, 1));
+  INVALID(isthmus_cq_wake(NULL));
+  INVALID(isthmus_cq_bell_listen(NULL, bell, sizeof bell, &st));
+  INVALID(isthmus_cq_bell_listen(cq, NULL, sizeof bell, &st));
+  INVALID(isthmus_cq_bell_accept(NULL, &st));
+  INVALID(isthmus_unary_block_async(NULL, path, NULL, NULL, cq, 1, NULL, &st));
+  INVALID(isthmus_unary_block_async(c->ch, path, NULL, NULL, cq, 1, NULL, &st));
+  INVALID(isthmus_topic_clear_state(NULL));
+  INVALID(isthmus_topic_close(NULL));
+  INVALID(isthmus_topic_stats(NULL, NULL, 0));
+  INVALID(isthmus_topic_free(NULL));
+  isthmus_proto_t *proto = NULL;
+  const char *no_file[1] = {NULL};
+  INVALID(isthmus_proto_load(NULL, 1, NULL, 0, &proto, &st));
+  INVALID(isthmus_proto_load(no_file, 1, NULL, 0, &proto, &st));
+  INVALID(isthmus_proto_load_descriptor_set(NULL, 4, &proto, &st));
+  INVALID(isthmus_proto_load_descriptor_set(data, 4, NULL, &st));
+  REQUIRE(proto == NULL, "no proto");
+  REQUIRE(isthmus_proto_method_type(NULL, path, ISTHMUS_PROTO_REQUEST) == NULL, "method type of NULL");
+  INVALID(isthmus_proto_encode(NULL, "x.Y", data, 2, &msg, &st));
+  INVALID(isthmus_proto_decode(NULL, "x.Y", data, 4, &msg, &st));
+  REQUIRE(msg == NULL, "no message");
+  INVALID(isthmus_proto_free(NULL));
 
   REQUIRE(isthmus_cq_poll(cq, ev, 2) == 0, "an event from a refused operation");
   MUST(isthmus_server_free(server));
@@ -1563,6 +1602,24 @@ static int check_cancel(ctx_t *c) {
   return 1;
 }
 
+/* 1 if `p` lies in a mapping of an isthmus shared-memory segment (its memfd's name in
+   /proc/self/maps), 0 if in other memory, -1 if the maps cannot be read. */
+static int in_segment(const void *p) {
+  FILE *maps = fopen("/proc/self/maps", "r");
+  if (maps == NULL) return -1;
+  char line[512];
+  int found = 0;
+  while (fgets(line, sizeof line, maps) != NULL) {
+    uintptr_t lo = 0, hi = 0;
+    if (sscanf(line, "%" SCNxPTR "-%" SCNxPTR, &lo, &hi) == 2 && (uintptr_t)p >= lo && (uintptr_t)p < hi) {
+      found = strstr(line, "isthmus-segment") != NULL;
+      break;
+    }
+  }
+  fclose(maps);
+  return found;
+}
+
 static int check_zero_copy(ctx_t *c) {
   isthmus_status_t *st = NULL;
   isthmus_call_t *call = NULL;
@@ -1586,6 +1643,7 @@ static int check_zero_copy(ctx_t *c) {
   size_t len = 0;
   uint8_t *data = isthmus_block_data(block, &len);
   REQUIRE(data != NULL && len == MIB, "a 1 MiB block (%zu)", len);
+  REQUIRE(in_segment(data) == 1, "the block is written in place in the shared segment");
   uint8_t *want = malloc(MIB);
   REQUIRE(want != NULL, "1 MiB");
   fill_pattern(want, MIB, 1);
@@ -1607,6 +1665,7 @@ static int check_zero_copy(ctx_t *c) {
   int same = rc == ISTHMUS_OK && bytes_are(msg, want, MIB);
   free(want);
   REQUIRE(same, "the reply to the block: %s", rc == ISTHMUS_OK ? "differs" : describe(rc, st));
+  REQUIRE(in_segment(isthmus_message_data(msg, NULL)) == 1, "the reply is a view of the shared segment, not a copy");
   isthmus_message_free(msg);
   MUST(isthmus_call_recv(call, &msg, &st));
   REQUIRE(msg == NULL, "an OK end");
@@ -2753,6 +2812,80 @@ static int peer_gone(const char *target) {
   return rc != ISTHMUS_UNAVAILABLE || live != 0;
 }
 
+/* One unary echo of `text` through `unary` (the linked library's or a loaded copy's). */
+typedef isthmus_code_t (*unary_fn)(const isthmus_channel_t *, const char *, const uint8_t *, size_t,
+                                   const isthmus_call_options_t *, isthmus_message_t **, isthmus_metadata_t **,
+                                   isthmus_metadata_t **, isthmus_status_t **);
+
+/* The library loaded a second time from another path (`copy`, with RTLD_LOCAL, as a plugin
+   host loads a library two plugins ship): each copy has its own runtime, handles and queues,
+   and calls through both, interleaved, work; handles of one are not the other's. */
+static int second_copy(const char *copy, const char *target) {
+  void *lib = dlopen(copy, RTLD_NOW | RTLD_LOCAL);
+  if (lib == NULL) {
+    printf("second-copy: dlopen: %s\n", dlerror());
+    return 1;
+  }
+  isthmus_code_t (*channel_new)(const char *, const isthmus_channel_options_t *, isthmus_channel_t **,
+                                isthmus_status_t **);
+  isthmus_code_t (*channel_close)(isthmus_channel_t *);
+  unary_fn unary2;
+  size_t (*message_len)(const isthmus_message_t *);
+  isthmus_code_t (*message_free)(isthmus_message_t *);
+  size_t (*live_handles)(void);
+  *(void **)&channel_new = dlsym(lib, "isthmus_channel_new");
+  *(void **)&channel_close = dlsym(lib, "isthmus_channel_close");
+  *(void **)&unary2 = dlsym(lib, "isthmus_unary");
+  *(void **)&message_len = dlsym(lib, "isthmus_message_len");
+  *(void **)&message_free = dlsym(lib, "isthmus_message_free");
+  *(void **)&live_handles = dlsym(lib, "isthmus_live_handles");
+  if (!channel_new || !channel_close || !unary2 || !message_len || !message_free || !live_handles) {
+    printf("second-copy: a symbol is missing: %s\n", dlerror());
+    return 1;
+  }
+  if ((void *)unary2 == (void *)isthmus_unary) {
+    printf("second-copy: %s resolved to the linked library, not a copy\n", copy);
+    return 1;
+  }
+  isthmus_status_t *st = NULL;
+  isthmus_channel_t *mine = NULL, *theirs = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  isthmus_code_t rc = isthmus_channel_new(target, NULL, &mine, &st);
+  if (rc == ISTHMUS_OK) rc = channel_new(target, NULL, &theirs, &st);
+  if (rc != ISTHMUS_OK) {
+    printf("second-copy: no channel: %s\n", describe(rc, st));
+    return 1;
+  }
+  int failed = 0;
+  for (int i = 0; i < 20 && !failed; i++) {
+    isthmus_message_t *a = NULL, *b = NULL;
+    rc = isthmus_unary(mine, SVC "Unary", (const uint8_t *)"linked", 6, &opts, &a, NULL, NULL, &st);
+    if (rc == ISTHMUS_OK) rc = unary2(theirs, SVC "Unary", (const uint8_t *)"copy!!!", 7, &opts, &b, NULL, NULL, &st);
+    if (rc != ISTHMUS_OK) {
+      printf("second-copy: call %d: %s\n", i, describe(rc, st));
+      failed = 1;
+    } else if (isthmus_message_len(a) != 6 || message_len(b) != 7) {
+      printf("second-copy: call %d: replies of %zu and %zu bytes\n", i, isthmus_message_len(a), message_len(b));
+      failed = 1;
+    }
+    if (a) isthmus_message_free(a);
+    if (b) message_free(b);
+  }
+  /* A handle of the copy means nothing to the linked library (its registry is its own). */
+  if (!failed && isthmus_channel_close(theirs) != ISTHMUS_INVALID_ARGUMENT) {
+    printf("second-copy: the linked library closed the copy's channel\n");
+    failed = 1;
+  }
+  if (channel_close(theirs) != ISTHMUS_OK || isthmus_channel_close(mine) != ISTHMUS_OK) failed = 1;
+  if (live_handles() != 0 || isthmus_live_handles() != 0) {
+    printf("second-copy: handles live: %zu in the copy, %zu linked\n", live_handles(), isthmus_live_handles());
+    failed = 1;
+  }
+  /* Not dlclose'd: the copy's runtime threads run its code until the process exits. */
+  printf(failed ? "second-copy: FAIL\n" : "second-copy: ok\n");
+  return failed;
+}
+
 static int client(const char *target) { return run_checks(target, CHECKS, sizeof CHECKS / sizeof CHECKS[0], 1); }
 
 static const check_t UPGRADE_CHECKS[] = {{"upgrade_flags", check_upgrade_flags}};
@@ -2771,7 +2904,8 @@ int main(int argc, char **argv) {
   if (argc == 3 && strcmp(argv[1], "client-upgrade") == 0)
     return run_checks(argv[2], UPGRADE_CHECKS, sizeof UPGRADE_CHECKS / sizeof UPGRADE_CHECKS[0], 0);
   if (argc == 3 && strcmp(argv[1], "peer-gone") == 0) return peer_gone(argv[2]);
+  if (argc == 4 && strcmp(argv[1], "second-copy") == 0) return second_copy(argv[2], argv[3]);
   fprintf(stderr, "usage: %s serve TARGET... | client TARGET | client-upgrade TARGET | peer-gone TARGET | "
-                  "serve-tls DIR TARGET... | client-tls DIR ADDRESS\n", argv[0]);
+                  "second-copy LIBRARY TARGET | serve-tls DIR TARGET... | client-tls DIR ADDRESS\n", argv[0]);
   return 2;
 }
