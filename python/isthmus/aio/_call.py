@@ -273,16 +273,27 @@ class _StreamCall(_Call):
             token = self._driver.token()
             try:
                 done = getattr(call, operation)(token, *args)
-                if done is not None:  # finished at once: no trip through the reactor
-                    return done[1]
-                future = self._driver.wait(self._loop, token)
-                self._driver.settle(self._loop, future)
-                return await future
             except BaseException:
-                self._driver.abandon(token)  # nothing will wait for it any more
+                self._driver.abandon(token)
                 raise
         except asyncio.CancelledError:
             self.cancel()
+            raise
+        if done is not None:  # finished at once: no trip through the reactor
+            return done[1]
+        return await self._wait(token)
+
+    async def _wait(self, token: int) -> Any:
+        """The outcome of operation `token`, started and not finished at once. A cancelled
+        waiter cancels the call, as in grpc.aio."""
+        future = self._driver.wait(self._loop, token)
+        try:
+            self._driver.settle(self._loop, future)
+            return await future
+        except BaseException as e:
+            self._driver.abandon(token)  # nothing will wait for it any more
+            if isinstance(e, asyncio.CancelledError):
+                self.cancel()
             raise
 
     async def _op(self, operation: str, *args: Any) -> Any:
@@ -430,16 +441,38 @@ class _StreamCall(_Call):
 
     async def _recv(self) -> bytes | None:
         """The next response; None at an OK end. Raises the status otherwise."""
-        async with self._receive_lock:
-            if self._early:
-                return self._early.popleft()
-            if self._done.done():
-                self._raise_status()
-                return None
-            message = await self._op("recv")
-            if message is None:
-                self._close(None)
-            return message  # type: ignore[no-any-return]
+        native, lock = self._native, self._receive_lock
+        if native is None or lock.locked() or self._early or self._done.done():
+            async with lock:
+                if self._early:
+                    return self._early.popleft()
+                if self._done.done():
+                    self._raise_status()
+                    return None
+                return self._received(await self._attempt("recv"))
+        # The usual case, one reader of a started call: a message already in is taken here,
+        # with no coroutine of the lock's or of `_attempt`'s; one still to come is waited for
+        # under the lock (free, so taken with no wait: nothing runs in between).
+        token = self._driver.token()
+        try:
+            done = native.recv(token)
+        except BaseException:
+            self._driver.abandon(token)
+            raise
+        if done is not None:
+            return self._received(done[1])
+        async with lock:
+            return self._received(await self._wait(token))
+
+    def _received(self, value: Any) -> bytes | None:
+        """What a receive gave, for `_recv`: a message, or None at an OK end (the call is then
+        over); a CallError ends the call and raises its status."""
+        if isinstance(value, CallError):
+            self._close(value)
+            self._raise_status()
+        if value is None:
+            self._close(None)
+        return value  # type: ignore[no-any-return]
 
     async def read(self) -> Any:
         message = await self._recv()
