@@ -355,20 +355,14 @@ class ServerCall:
         send)."""
     # Through a Reactor (same outcomes as the blocking forms). Each gives back `(ok, value)` if it
     # finished as it started (nothing then comes through the reactor), else None:
-    def recv_async(
-        self, reactor: Reactor, token: int, flush_headers: bool = False
-    ) -> tuple[bool, Any] | None: ...
-    def send_async(self, reactor: Reactor, token: int, message: bytes) -> tuple[bool, Any] | None: ...
-    def recv_raw_async(
-        self, reactor: Reactor, token: int, flush_headers: bool = False
-    ) -> tuple[bool, Any] | None:
+    def recv_async(self, reactor: Reactor, token: int, flush_headers: bool = False) -> _Now: ...
+    def send_async(self, reactor: Reactor, token: int, message: bytes) -> _Now: ...
+    def recv_raw_async(self, reactor: Reactor, token: int, flush_headers: bool = False) -> _Now:
         """Completes with a Message, None, or a CallError."""
-    def send_raw_async(self, reactor: Reactor, token: int, message: Buffer) -> tuple[bool, Any] | None:
+    def send_raw_async(self, reactor: Reactor, token: int, message: Buffer) -> _Now:
         """A Block or any C-contiguous buffer, read when sent; BufferError at once for a block
         still exported or already sent."""
-    def send_initial_metadata_async(
-        self, reactor: Reactor, token: int, metadata: _Metadata
-    ) -> tuple[bool, Any] | None: ...
+    def send_initial_metadata_async(self, reactor: Reactor, token: int, metadata: _Metadata) -> _Now: ...
     def serve_topic(self, topic: Topic, on_gap: Callable[[int], Buffer | None] | None = None) -> None:
         """Delivers the topic until the client leaves (raises CallError CANCELLED) or the topic
         closes (returns); CallError RESOURCE_EXHAUSTED for a subscriber that fell behind."""

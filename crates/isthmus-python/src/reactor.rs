@@ -455,10 +455,11 @@ pub(crate) struct AsyncCall {
 /// What an operation that may finish when it starts gives back: `(ok, value)` if it did (as
 /// `drain` would have given it, with no trip through the eventfd and the loop's selector),
 /// None if its outcome comes through the reactor.
-type Now = PyResult<Option<(bool, Py<PyAny>)>>;
+pub(crate) type Now = PyResult<Option<(bool, Py<PyAny>)>>;
 
-/// Runs `fut` as operation `token` of `completions`, its outcome returned if ready at once.
-fn run_now(
+/// Runs `fut` as operation `token` of `completions`, its outcome returned if ready at once
+/// (the streaming calls' operations, and the asyncio server's).
+pub(crate) fn run_now(
     py: Python<'_>,
     completions: &Arc<Completions>,
     token: u64,

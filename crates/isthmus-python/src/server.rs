@@ -75,7 +75,7 @@ use tokio::sync::watch;
 use crate::buffers::{Block, Message, Outgoing, Request};
 use crate::convert::{bytes_from_py, call_error, metadata_from_py, metadata_to_py, PyMetadata};
 use crate::queue::{CallQueue, Next};
-use crate::reactor::{Outcome, Reactor};
+use crate::reactor::{run_now, Now, Outcome, Reactor};
 use crate::runtime;
 
 /// Hands every call to Python: to the [`Inbox`] its event loop takes calls from (the asyncio
@@ -449,22 +449,16 @@ impl ServerCall {
     // reactor.
 
     #[pyo3(signature = (reactor, token, flush_headers=false))]
-    fn recv_async(&self, py: Python<'_>, reactor: &Reactor, token: u64, flush_headers: bool) -> PyResult<Py<PyAny>> {
+    fn recv_async(&self, py: Python<'_>, reactor: &Reactor, token: u64, flush_headers: bool) -> Now {
         let core = self.core.clone();
-        run_op(py, reactor, token, async move { core.recv(flush_headers).await.into() })
+        run_now(py, &reactor.completions, token, async move { core.recv(flush_headers).await.into() })
     }
 
     /// [`recv_async`](Self::recv_async) of the raw tier: completes with a `Message`.
     #[pyo3(signature = (reactor, token, flush_headers=false))]
-    fn recv_raw_async(
-        &self,
-        py: Python<'_>,
-        reactor: &Reactor,
-        token: u64,
-        flush_headers: bool,
-    ) -> PyResult<Py<PyAny>> {
+    fn recv_raw_async(&self, py: Python<'_>, reactor: &Reactor, token: u64, flush_headers: bool) -> Now {
         let core = self.core.clone();
-        run_op(py, reactor, token, async move {
+        run_now(py, &reactor.completions, token, async move {
             match core.recv(flush_headers).await {
                 Ok(message) => Outcome::Raw(message),
                 Err(status) => Outcome::Failed(status),
@@ -474,15 +468,9 @@ impl ServerCall {
 
     /// [`send_async`](Self::send_async) of the raw tier: a [`Block`] or any C-contiguous
     /// buffer, read when sent (so it must not change until the send completes).
-    fn send_raw_async(
-        &self,
-        py: Python<'_>,
-        reactor: &Reactor,
-        token: u64,
-        message: &Bound<'_, PyAny>,
-    ) -> PyResult<Py<PyAny>> {
+    fn send_raw_async(&self, py: Python<'_>, reactor: &Reactor, token: u64, message: &Bound<'_, PyAny>) -> Now {
         let (core, message) = (self.core.clone(), Request::from_py(message)?);
-        run_op(py, reactor, token, async move {
+        run_now(py, &reactor.completions, token, async move {
             match message {
                 Request::Block(Outgoing::Shm(block)) => core.send_block(block).await.into(),
                 other => core.send(other.as_slice().unwrap_or_default()).await.into(),
@@ -490,15 +478,9 @@ impl ServerCall {
         })
     }
 
-    fn send_async(
-        &self,
-        py: Python<'_>,
-        reactor: &Reactor,
-        token: u64,
-        message: &Bound<'_, PyBytes>,
-    ) -> PyResult<Py<PyAny>> {
+    fn send_async(&self, py: Python<'_>, reactor: &Reactor, token: u64, message: &Bound<'_, PyBytes>) -> Now {
         let (core, message) = (self.core.clone(), bytes_from_py(message));
-        run_op(py, reactor, token, async move { core.send(&message).await.into() })
+        run_now(py, &reactor.completions, token, async move { core.send(&message).await.into() })
     }
 
     fn send_initial_metadata_async(
@@ -507,10 +489,10 @@ impl ServerCall {
         reactor: &Reactor,
         token: u64,
         metadata: &Bound<'_, PyAny>,
-    ) -> PyResult<Py<PyAny>> {
+    ) -> Now {
         let metadata = metadata_from_py(Some(metadata))?;
         let core = self.core.clone();
-        run_op(py, reactor, token, async move { core.send_headers(metadata).await.into() })
+        run_now(py, &reactor.completions, token, async move { core.send_headers(metadata).await.into() })
     }
 
     /// Delivers `topic` to this call until the client leaves or the topic closes, GIL released
@@ -541,22 +523,6 @@ impl ServerCall {
 
 fn no_loop() -> Status {
     Status::new(Code::Unavailable, "the server's event loop is not taking calls")
-}
-
-/// Runs `op` as operation `token` of `reactor`: `(ok, value)` if it finished at once, else `None`
-/// (it completes through the reactor).
-fn run_op(
-    py: Python<'_>,
-    reactor: &Reactor,
-    token: u64,
-    op: impl std::future::Future<Output = Outcome> + Send + 'static,
-) -> PyResult<Py<PyAny>> {
-    match reactor.completions.run_now(token, op) {
-        Some(outcome) => {
-            Ok(crate::reactor::outcome_value(py, &reactor.completions, outcome)?.into_pyobject(py)?.into_any().unbind())
-        }
-        None => Ok(py.None()),
-    }
 }
 
 /// `callback()` as a call's callback, run by the engine (with the GIL, on an engine thread);

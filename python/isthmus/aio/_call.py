@@ -235,11 +235,9 @@ class _StreamCall(_Call):
         except CallError as error:  # as grpcio's: the call fails INTERNAL
             self._fail(error)
             return True
-        token = self._driver.token()
-        if self._native.send(token, message, True) is None:
-            # Not sent yet (no room in the ring): it completes through the reactor. Its outcome
-            # needs no waiter: a call that ended first is reported by the receiving side.
-            self._driver.wait(self._loop, token)
+        # Not sent at once (no room in the ring), it completes through the reactor, where its
+        # outcome needs no waiter: a call that ended first is reported by the receiving side.
+        self._begin(self._native, "send", message, True)
         return True
 
     def _on_started(self, started: asyncio.Future[Any]) -> None:
@@ -266,22 +264,26 @@ class _StreamCall(_Call):
             # Shielded: several coroutines may wait for the start, and one being cancelled
             # must not lose the AsyncCall for the others (and for `cancel`).
             call = self._started.result() if self._started.done() else await asyncio.shield(self._started)
-            if isinstance(call, CallError):
-                return call
-            if self._native is None:
-                self._on_started(self._started)
-            token = self._driver.token()
-            try:
-                done = getattr(call, operation)(token, *args)
-            except BaseException:
-                self._driver.abandon(token)
-                raise
         except asyncio.CancelledError:
             self.cancel()
             raise
-        if done is not None:  # finished at once: no trip through the reactor
-            return done[1]
-        return await self._wait(token)
+        if isinstance(call, CallError):
+            return call
+        if self._native is None:
+            self._on_started(self._started)
+        token, done = self._begin(call, operation, *args)
+        return done[1] if done is not None else await self._wait(token)
+
+    def _begin(self, call: _native.AsyncCall, operation: str, *args: Any) -> tuple[int, Any]:
+        """Starts `operation` on the started `call` under a new token: the token, and
+        `(ok, value)` if it finished as it started (then nothing comes through the reactor:
+        no trip through the loop's selector)."""
+        token = self._driver.token()
+        try:
+            return token, getattr(call, operation)(token, *args)
+        except BaseException:
+            self._driver.abandon(token)
+            raise
 
     async def _wait(self, token: int) -> Any:
         """The outcome of operation `token`, started and not finished at once. A cancelled
@@ -298,7 +300,10 @@ class _StreamCall(_Call):
 
     async def _op(self, operation: str, *args: Any) -> Any:
         """`_attempt`, where a CallError ends the call, and this raises its status."""
-        value = await self._attempt(operation, *args)
+        return self._checked(await self._attempt(operation, *args))
+
+    def _checked(self, value: Any) -> Any:
+        """`value`, unless it is a CallError: that ends the call, and its status is raised."""
         if isinstance(value, CallError):
             self._close(value)
             self._raise_status()
@@ -452,7 +457,8 @@ class _StreamCall(_Call):
                 return self._received(await self._attempt("recv"))
         # The usual case, one reader of a started call: a message already in is taken here,
         # with no coroutine of the lock's or of `_attempt`'s; one still to come is waited for
-        # under the lock (free, so taken with no wait: nothing runs in between).
+        # under the lock (free, so taken with no wait: nothing runs in between). `_begin`,
+        # inline: a function call less per message measured 6 % of a stream's throughput.
         token = self._driver.token()
         try:
             done = native.recv(token)
@@ -467,12 +473,10 @@ class _StreamCall(_Call):
     def _received(self, value: Any) -> bytes | None:
         """What a receive gave, for `_recv`: a message, or None at an OK end (the call is then
         over); a CallError ends the call and raises its status."""
-        if isinstance(value, CallError):
-            self._close(value)
-            self._raise_status()
-        if value is None:
+        message = self._checked(value)
+        if message is None:
             self._close(None)
-        return value  # type: ignore[no-any-return]
+        return message  # type: ignore[no-any-return]
 
     async def read(self) -> Any:
         message = await self._recv()
