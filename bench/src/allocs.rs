@@ -5,6 +5,10 @@
 //! The allocator counts only in a process that turned it on ([`start`]): the server role
 //! `serve-isthmus-counting` does, and the client of `count-per-call`; everywhere else it is
 //! the system allocator behind one relaxed load.
+//!
+//! `bench/count_per_call.py` counts the same from outside, for the Python client and the tonic
+//! bridge as well (uprobes on the C library's allocator, system calls by kind); its clients here
+//! are [`client`]'s.
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
@@ -101,4 +105,70 @@ pub fn per_call(size: usize, calls: u64) {
         per(frames1.doorbells_rung - frames0.doorbells_rung),
         per(frames1.sleeps - frames0.sleeps),
     );
+}
+
+/// `count-client engine|tonic ADDR SIZE CALLS`: a client for `bench/count_per_call.py`, which
+/// counts this process's allocations and system calls from outside. It prints `READY` once
+/// warm, makes `CALLS` echo calls of `SIZE` bytes when a line arrives on stdin, prints
+/// `DONE FRAMES_SENT FRAMES_RECEIVED DOORBELLS_RUNG SLEEPS` (this side's transport counters over
+/// those calls) and exits at the next line. `engine` is the blocking client (`isthmus-rust`),
+/// `tonic` a tonic client on an `isthmus::Channel` (`tonic-isthmus-shm`).
+pub fn client(args: &[String]) {
+    use std::io::BufRead;
+    let [kind, addr, size, calls] = args else { panic!("count-client engine|tonic ADDR SIZE CALLS") };
+    let size: usize = size.parse().expect("size");
+    let calls: u64 = calls.parse().expect("calls");
+    let payload = vec![0x5au8; size];
+    let go = || {
+        let mut line = String::new();
+        std::io::stdin().lock().read_line(&mut line).expect("stdin");
+    };
+    let report = |before: isthmus_shm::Counters, after: isthmus_shm::Counters| {
+        println!(
+            "DONE {} {} {} {}",
+            after.frames_sent - before.frames_sent,
+            after.frames_received - before.frames_received,
+            after.doorbells_rung - before.doorbells_rung,
+            after.sleeps - before.sleeps
+        );
+    };
+    match kind.as_str() {
+        "engine" => {
+            let channel = isthmus::blocking::Channel::connect(addr).expect("connect");
+            let echo = || {
+                let r = channel.unary(crate::rpc::PATH, &payload, Default::default()).expect("echo");
+                assert_eq!(r.message.len(), size);
+            };
+            (0..10_000).for_each(|_| echo());
+            crate::system::ready();
+            go();
+            let before = channel.counters().transport;
+            (0..calls).for_each(|_| echo());
+            report(before, channel.counters().transport);
+        }
+        "tonic" => {
+            let rt = crate::rpc::runtime();
+            let channel = rt.block_on(isthmus::Channel::connect(addr)).expect("connect");
+            let payload = bytes::Bytes::from(payload);
+            // In a task of the runtime, as a tonic user's code runs.
+            let run = |n: u64| {
+                let (channel, payload) = (channel.clone(), payload.clone());
+                rt.block_on(rt.spawn(async move {
+                    for _ in 0..n {
+                        assert_eq!(crate::rpc::tonic_echo(channel.clone(), payload.clone()).await, size);
+                    }
+                }))
+                .expect("client task")
+            };
+            run(10_000);
+            crate::system::ready();
+            go();
+            let before = channel.counters().transport;
+            run(calls);
+            report(before, channel.counters().transport);
+        }
+        other => panic!("count-client: no client {other}"),
+    }
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    go();
 }

@@ -8,6 +8,7 @@
 //! isthmus-bench soak [--quick] [--calls N] [--python-calls M] [--out FILE]
 //! isthmus-bench profile-transport SIZE…
 //! isthmus-bench count-per-call [SIZE [CALLS]]
+//! isthmus-bench count-client engine|tonic ADDR SIZE CALLS   (for bench/count_per_call.py)
 //! ```
 //!
 //! `transport` is isthmus-shm against a raw Unix-socket echo and the physical floors; `rpc` is
@@ -115,6 +116,8 @@ fn main() {
             let calls = args.get(3).map_or(100_000, |a| a.parse().expect("calls"));
             allocs::per_call(size, calls);
         }
+        // `count-client engine|tonic ADDR SIZE CALLS`: `bench/count_per_call.py`'s client.
+        "count-client" => allocs::client(&args[2..]),
         // `floor-copy SECONDS SIZE…`: the copy floor alone, one JSON line per size, for
         // `py_raw_bench.py` to measure in its own rounds; `floor-copy-out` the same with the
         // answer copied out (`lua_bench.py`'s floor).

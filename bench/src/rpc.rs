@@ -394,7 +394,7 @@ impl<T> Drop for TonicClient<T> {
     }
 }
 
-async fn tonic_echo<T: TonicTransport>(channel: T, payload: Bytes) -> usize {
+pub(crate) async fn tonic_echo<T: TonicTransport>(channel: T, payload: Bytes) -> usize {
     let mut grpc =
         tonic::client::Grpc::new(channel).max_decoding_message_size(MAX_MESSAGE).max_encoding_message_size(MAX_MESSAGE);
     grpc.ready().await.map_err(Into::into).expect("ready");

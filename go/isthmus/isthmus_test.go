@@ -308,7 +308,12 @@ func TestAKilledServerFailsItsCallsUnavailable(t *testing.T) {
 }
 
 func threads(t *testing.T) int {
-	b, err := os.ReadFile("/proc/self/status")
+	return threadsOf(t, "self")
+}
+
+// threadsOf is the thread count of process pid ("self" for this one).
+func threadsOf(t *testing.T, pid string) int {
+	b, err := os.ReadFile("/proc/" + pid + "/status")
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -368,6 +373,80 @@ func TestThousandsOfCallsAtOnceHoldNoThreadEach(t *testing.T) {
 	}
 	if peak > 200 {
 		t.Fatalf("%d calls in flight took the process to %d threads", n, peak)
+	}
+}
+
+// Thousands of bidi streams open at once on one connection, each with its handler waiting in
+// Recv on the Go server (go-peer), hold no OS thread each on either side: the handlers are
+// goroutines, and the client's receives wait in the reactor. Every stream then finishes its
+// exchange and ends, and the server sees each half-close.
+func TestThousandsOfOpenStreamsHoldNoThreadEachOnEitherSide(t *testing.T) {
+	shm, _ := fresh(t, "open-streams")
+	p := startPeer(t, goPeerBin, shm)
+	c := pb.NewEchoClient(dial(t, shm))
+	const n = 2000
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var opened, finished sync.WaitGroup
+	opened.Add(n)
+	finished.Add(n)
+	second := make(chan struct{})
+	errs := make(chan error, n)
+	exchange := func(s pb.Echo_BidiClient, i, round int) error {
+		seq := uint64(i*2 + round)
+		if err := s.Send(&pb.EchoRequest{Payload: echo.Pattern(48, seq), Seq: seq}); err != nil {
+			return fmt.Errorf("stream %d, send %d: %w", i, round, err)
+		}
+		r, err := s.Recv()
+		if err != nil {
+			return fmt.Errorf("stream %d, receive %d: %w", i, round, err)
+		}
+		if r.Seq != seq || echo.FirstMismatch(r.Payload, seq) >= 0 {
+			return fmt.Errorf("stream %d got another's reply (seq %d)", i, r.Seq)
+		}
+		return nil
+	}
+	for i := 0; i < n; i++ {
+		go func(i int) {
+			defer finished.Done()
+			s, err := c.Bidi(ctx)
+			if err == nil {
+				err = exchange(s, i, 0)
+			}
+			opened.Done()
+			if err != nil {
+				errs <- err
+				return
+			}
+			<-second
+			if err := exchange(s, i, 1); err != nil {
+				errs <- err
+				return
+			}
+			if err := s.CloseSend(); err != nil {
+				errs <- fmt.Errorf("stream %d: %w", i, err)
+				return
+			}
+			if _, err := s.Recv(); err != io.EOF {
+				errs <- fmt.Errorf("stream %d ended with %v", i, err)
+			}
+		}(i)
+	}
+	opened.Wait()
+	// Every stream is open now, with its server handler waiting for the second message.
+	client, server := threads(t), threadsOf(t, fmt.Sprint(p.cmd.Process.Pid))
+	close(second)
+	finished.Wait()
+	close(errs)
+	for err := range errs {
+		t.Fatal(err)
+	}
+	t.Logf("%d streams open at once: %d threads in the client, %d in the server", n, client, server)
+	if client > 200 || server > 200 {
+		t.Fatalf("%d open streams took the client to %d threads and the server to %d", n, client, server)
+	}
+	for ended := 0; ended < n; ended++ {
+		p.expect(t, "BIDI-ENDED half-close")
 	}
 }
 

@@ -458,6 +458,17 @@ impl Channel {
         self.via.shm()?.start(path, options, self.calls_read, self.via.clone()).await
     }
 
+    /// [`start_shm`](Self::start_shm) that sends `first`, the call's only request, inside its
+    /// HEADERS when it can (a one-frame call, ADR 0025); whether it did.
+    pub(crate) async fn start_shm_with(
+        &self,
+        path: &str,
+        options: CallOptions,
+        first: Option<&[u8]>,
+    ) -> Result<(ShmCall, bool), Status> {
+        self.via.shm()?.start_with(path, options, self.calls_read, self.via.clone(), first).await
+    }
+
     /// The largest message this channel accepts (its configuration's `max_message_size`).
     pub(crate) fn max_message_size(&self) -> usize {
         match &*self.via {

@@ -5,7 +5,7 @@
 use std::process::Command;
 use std::time::Duration;
 
-use isthmus_tests::cases::{bidi_given_up, client, every_kind_of_call, request};
+use isthmus_tests::cases::{bidi_given_up, client, client_on, connect, every_kind_of_call, request};
 use isthmus_tests::conformance::EchoRequest;
 use isthmus_tests::{fresh_addr, fresh_socket, pattern, peer_bin, run, runtime, spawn_tonic_peer, Peer};
 use tonic::codec::CompressionEncoding;
@@ -167,6 +167,37 @@ fn the_health_service_answers_on_every_endpoint() {
             let s = health.check(HealthCheckRequest { service: "no.Such".into() }).await.expect_err("unknown");
             assert_eq!(s.code(), Code::NotFound, "{addr}");
         }
+    });
+}
+
+/// A generated client's unary request, which tonic hands over whole, goes inside its call's
+/// HEADERS over `shm://` (ADR 0025): one frame per call. A request too large for that frame, and
+/// a client stream whose messages are all ready at once, go as before.
+#[test]
+fn a_generated_clients_unary_request_goes_in_one_frame() {
+    let (_server, targets) = server();
+    run(async move {
+        let channel = connect(&targets[0]).await;
+        let mut c = client_on(channel.clone());
+        c.unary(request(b"warm".to_vec(), 0)).await.expect("warm");
+        let before = channel.counters().transport.frames_sent;
+        for i in 1..=10u64 {
+            let r = c.unary(request(pattern(64, i), i)).await.expect("unary").into_inner();
+            assert_eq!((r.seq, r.payload), (i, pattern(64, i)));
+        }
+        let sent = channel.counters().transport.frames_sent - before;
+        // A WINDOW of credit may go besides, never a second frame per call.
+        assert!(sent <= 12, "10 unary calls sent {sent} frames");
+
+        let big = pattern(100 << 10, 11);
+        let r = c.unary(request(big.clone(), 11)).await.expect("100 KiB").into_inner();
+        assert_eq!(r.payload, big);
+        let requests: Vec<_> = (0..3u64).map(|i| request(pattern(10, i), i)).collect();
+        let summary = c.client_stream(tonic::codegen::tokio_stream::iter(requests)).await.expect("client stream");
+        assert_eq!((summary.get_ref().count, summary.get_ref().bytes), (3, 30));
+        let one = vec![request(pattern(10, 0), 0)];
+        let summary = c.client_stream(tonic::codegen::tokio_stream::iter(one)).await.expect("one message");
+        assert_eq!(summary.get_ref().count, 1);
     });
 }
 

@@ -8,16 +8,20 @@
 //!
 //! 1. Its metadata and `grpc-timeout` become the `CallOptions` (`wait_for_ready` off); the URI's
 //!    path is the method. A header that does not decode gives a response carrying only its status.
-//! 2. `Channel::start_shm` connects if need be and sends HEADERS with what is left of the
-//!    deadline.
-//! 3. `pump` sends the body: it deframes it (limit: the channel's `max_message_size`) and holds one
-//!    message back until it knows whether another follows, so the last goes with END_STREAM in one
-//!    frame; a body that ends with none held half-closes with an empty TRAILERS. It is polled once
-//!    right there, so a unary request, which tonic hands over whole, is sent on the caller's task.
-//!    If it must wait (a streaming request, or no credit) it continues as a spawned task sending
-//!    through a `SendHalf`. A body that fails ends the call on both sides CANCELLED ("the request
-//!    stream failed: …"); one that ends inside a message INTERNAL (`Mux::abandon`). If the call
-//!    ends first, the pump stops.
+//! 2. `Begun::read` takes what the body has ready (at most two frames, deframed with the
+//!    channel's `max_message_size` as limit). A unary request, which tonic hands over whole, is one
+//!    message and then the end: `Channel::start_shm_with` connects if need be and sends it inside
+//!    the call's HEADERS, with what is left of the deadline (one frame, ADR 0025; a request too
+//!    large for that frame goes after it). A body that fails before the call starts fails it
+//!    CANCELLED ("the request stream failed: …") and the server never sees it. (A call an
+//!    upgraded channel may hand back to HTTP/2 reads nothing first: its body must stay whole.)
+//! 3. Otherwise `pump` sends the rest of the body from where that stopped: it holds one message
+//!    back until it knows whether another follows, so the last goes with END_STREAM in one frame;
+//!    a body that ends with none held half-closes with an empty TRAILERS. It is polled once right
+//!    there, on the caller's task. If it must wait (a streaming request, or no credit) it
+//!    continues as a spawned task sending through a `SendHalf`. A body that fails ends the call on
+//!    both sides CANCELLED ("the request stream failed: …"); one that ends inside a message
+//!    INTERNAL (`Mux::abandon`). If the call ends first, the pump stops.
 //! 4. The response is returned once the server's initial metadata arrives (a HEADERS, or the first
 //!    MESSAGE), with `content-type: application/grpc` and the metadata. A call that fails before
 //!    then gives a response whose body yields only the status, as trailers.
@@ -276,16 +280,83 @@ pub(super) async fn poll_once<F: Future + Unpin>(fut: &mut F) -> Option<F::Outpu
     .await
 }
 
-/// Sends a request body's messages on the call. The last message goes with the half-close in one
-/// frame, which needs to know it is the last: a message is held until the body says whether
-/// more follow.
-async fn pump<B>(body: B, sender: SendHalf, limit: usize, encoding: Option<codec::Encoding>)
+/// A request body's start, read before its call starts. A unary request, which tonic hands over
+/// whole, is one message and then the body's end: it goes inside the call's HEADERS (one frame,
+/// ADR 0025). Anything else goes on as [`pump`] sends it, from where this reading stopped.
+struct Begun {
+    deframer: Deframer,
+    /// The first message, cut and not sent.
+    held: Option<Bytes>,
+    /// A frame polled already and not yet deframed.
+    frame: Option<Option<Result<Frame<Bytes>, BoxError>>>,
+    /// The body has ended (it must not be polled again).
+    ended: bool,
+}
+
+impl Begun {
+    /// Nothing read yet.
+    fn new(limit: usize, encoding: Option<codec::Encoding>) -> Begun {
+        Begun { deframer: Deframer::new(limit).with_encoding(encoding), held: None, frame: None, ended: false }
+    }
+
+    /// What `body` has ready now: at most two frames, the second only after a first that held
+    /// exactly one whole message.
+    async fn read<B>(body: &mut Pin<Box<B>>, limit: usize, encoding: Option<codec::Encoding>) -> Result<Begun, Status>
+    where
+        B: Body<Data = Bytes> + Send + 'static,
+        B::Error: Into<BoxError>,
+    {
+        let mut begun = Begun::new(limit, encoding);
+        let Some(first) = poll_once(&mut next_frame(body)).await else { return Ok(begun) };
+        match first {
+            None => begun.ended = true,
+            Some(Err(e)) => return Err(request_failed(&*e)),
+            Some(Ok(frame)) => {
+                if let Ok(data) = frame.into_data() {
+                    begun.deframer.push(data);
+                    begun.held = begun.deframer.next()?;
+                }
+                if begun.held.is_some() && begun.deframer.is_empty() {
+                    match poll_once(&mut next_frame(body)).await {
+                        Some(None) => begun.ended = true,
+                        second => begun.frame = second,
+                    }
+                }
+            }
+        }
+        Ok(begun)
+    }
+
+    /// The request's only message, if it is whole: one message, then the end.
+    fn whole(&self) -> Option<&Bytes> {
+        self.held.as_ref().filter(|_| self.ended && self.deframer.is_empty())
+    }
+}
+
+/// The next frame of `body`, its error boxed at once (the body's own error type need not be
+/// `Send`).
+fn next_frame<B>(body: &mut Pin<Box<B>>) -> impl Future<Output = Option<Result<Frame<Bytes>, BoxError>>> + Unpin + '_
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    std::future::poll_fn(move |cx| body.as_mut().poll_frame(cx).map(|f| f.map(|r| r.map_err(Into::<BoxError>::into))))
+}
+
+fn request_failed(e: &(dyn std::error::Error + Send + Sync)) -> Status {
+    Status::new(Code::Cancelled, format!("the request stream failed: {e}"))
+}
+
+/// Sends a request body's messages on the call, from where [`Begun::read`] stopped. The last
+/// message goes with the half-close in one frame, which needs to know it is the last: a message
+/// is held until the body says whether more follow.
+async fn pump<B>(body: Pin<Box<B>>, begun: Begun, sender: SendHalf)
 where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
     // A request that cannot be sent whole fails the call, on both sides.
-    if let Err(Stop::Failed(status)) = pump_messages(body, &sender, limit, encoding).await {
+    if let Err(Stop::Failed(status)) = pump_messages(body, begun, &sender).await {
         sender.fail(status);
     }
 }
@@ -304,39 +375,38 @@ impl From<Status> for Stop {
     }
 }
 
-async fn pump_messages<B>(
-    body: B,
-    sender: &SendHalf,
-    limit: usize,
-    encoding: Option<codec::Encoding>,
-) -> Result<(), Stop>
+async fn pump_messages<B>(mut body: Pin<Box<B>>, begun: Begun, sender: &SendHalf) -> Result<(), Stop>
 where
     B: Body<Data = Bytes> + Send + 'static,
     B::Error: Into<BoxError>,
 {
-    let mut body = std::pin::pin!(body);
-    let mut deframer = Deframer::new(limit).with_encoding(encoding);
-    let mut held: Option<Bytes> = None;
+    let Begun { mut deframer, mut held, mut frame, mut ended } = begun;
     let closed = |()| Stop::CallOver;
-    loop {
-        // Errors become `BoxError` at once: the body's own error type need not be `Send`.
-        let mut next = std::future::poll_fn(|cx| {
-            body.as_mut().poll_frame(cx).map(|f| f.map(|r| r.map_err(Into::<BoxError>::into)))
-        });
-        let frame = match poll_once(&mut next).await {
+    // Messages cut from the first frame beyond the first.
+    while let Some(m) = deframer.next()? {
+        if let Some(prev) = held.replace(m) {
+            sender.send(&prev, false).await.map_err(closed)?;
+        }
+    }
+    while !ended {
+        let next = match frame.take() {
             Some(f) => f,
             None => {
-                if let Some(m) = held.take() {
-                    sender.send(&m, false).await.map_err(closed)?;
+                let mut next = next_frame(&mut body);
+                match poll_once(&mut next).await {
+                    Some(f) => f,
+                    None => {
+                        if let Some(m) = held.take() {
+                            sender.send(&m, false).await.map_err(closed)?;
+                        }
+                        next.await
+                    }
                 }
-                next.await
             }
         };
-        match frame {
-            None => break,
-            Some(Err(e)) => {
-                return Err(Status::new(Code::Cancelled, format!("the request stream failed: {e}")).into());
-            }
+        match next {
+            None => ended = true,
+            Some(Err(e)) => return Err(request_failed(&*e).into()),
             Some(Ok(frame)) => {
                 if let Ok(data) = frame.into_data() {
                     deframer.push(data);
@@ -386,7 +456,7 @@ impl Channel {
         request: http::Request<B>,
         hand_back: bool,
         replies: Option<codec::ReplyCompression>,
-    ) -> Result<http::Response<ResponseBody>, http::Request<B>>
+    ) -> Result<http::Response<ResponseBody>, http::Request<Pin<Box<B>>>>
     where
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
@@ -400,20 +470,35 @@ impl Channel {
             Ok(encoding) => encoding,
             Err(s) => return Ok(failed_response(s)),
         };
-        let mut call = match self.start_shm(parts.uri.path(), options).await {
-            Ok(call) => call,
+        // Requests are usually whole already (a unary call's one message): one that is goes
+        // inside the call's HEADERS; the rest is sent here, and what must wait for more of a
+        // streaming request gets a task of its own.
+        let mut body = Box::pin(body);
+        let limit = self.max_message_size();
+        // A call that may be handed back must leave its body as it was.
+        let begun = match hand_back {
+            true => Ok(Begun::new(limit, encoding)),
+            false => Begun::read(&mut body, limit, encoding).await,
+        };
+        let begun = match begun {
+            Ok(begun) => begun,
+            Err(status) => return Ok(failed_response(status)),
+        };
+        let first = begun.whole().map(|m| &m[..]);
+        let mut call = match self.start_shm_with(parts.uri.path(), options, first).await {
+            Ok((call, true)) => call,
+            Ok((call, false)) => {
+                let mut sending = Box::pin(pump(body, begun, call.send_half()));
+                if poll_once(&mut sending).await.is_none() {
+                    tokio::spawn(sending);
+                }
+                call
+            }
             Err(status) if hand_back && status.code() == Code::Unavailable => {
                 return Err(http::Request::from_parts(parts, body))
             }
             Err(status) => return Ok(failed_response(status)),
         };
-        // Requests are usually whole already (a unary call's one message): send them here, and
-        // give the rest of a streaming request a task of its own.
-        let limit = self.max_message_size();
-        let mut sending = Box::pin(pump(body, call.send_half(), limit, encoding));
-        if poll_once(&mut sending).await.is_none() {
-            tokio::spawn(sending);
-        }
         Ok(match std::future::poll_fn(|cx| call.poll_headers(cx)).await {
             Err(status) => failed_response(status),
             Ok(mut metadata) => {
@@ -477,72 +562,83 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         // An HTTP/2 channel that moved to shared memory (`upgrade.rs`) sends the call there.
-        if let Some((shm, to)) = self.route() {
-            let mut http = self.without_upgrade();
+        if let (Some((shm, to)), Some(h2)) = (self.route(), self.http().cloned()) {
+            let http = self.without_upgrade();
             return Box::pin(async move {
                 match shm.call_shm(request, true, None).await {
                     Ok(response) => Ok(response),
                     Err(request) => {
                         http.upgrade_lost(&to);
-                        tower_service::Service::call(&mut http, request).await
+                        over_http(h2, request).await
                     }
                 }
             });
         }
         if let Some(http) = self.http() {
-            // unix:// and http://: tonic's own HTTP/2 channel carries the request as it is.
-            let mut http = http.clone();
-            let (parts, body) = request.into_parts();
-            // A malformed grpc-timeout is tonic's to refuse; here it bounds nothing.
-            let timeout = codec::timeout_from(&parts.headers).ok().flatten();
-            // hyper resets an HTTP/2 stream only once both its halves are dropped; a response
-            // dropped while the request stream is still open would leave the server's call
-            // running. The request body ends with CANCELLED instead, which resets it.
-            let (cancel, cancelled) = tokio::sync::oneshot::channel();
-            let body = Cancellable { body: Box::pin(body), cancelled: Some(cancelled) };
-            let request = http::Request::from_parts(parts, tonic::body::Body::new(body));
-            let cancel = CancelOnDrop(Some(cancel));
-            return Box::pin(async move {
-                let deadline = timeout.map(|t| Box::pin(tokio::time::sleep(t)));
-                let sent = async {
-                    tower::ServiceExt::ready(&mut http).await?;
-                    tower_service::Service::call(&mut http, request).await
-                };
-                Ok(match sent.await {
-                    Ok(mut response) => {
-                        deadline_code(response.headers_mut());
-                        response.map(|body| ResponseBody(Source::Http { body, cancel, deadline }))
-                    }
-                    // tonic's own reading of its errors: a deadline that passed is
-                    // DEADLINE_EXCEEDED, a refused connection UNAVAILABLE.
-                    Err(e) if timed_out(&e) => {
-                        // tonic reports its own deadline as CANCELLED; gRPC's code is this one.
-                        failed_response(deadline_passed())
-                    }
-                    Err(e) => {
-                        // A TLS failure says which (an unknown CA, no client certificate…).
-                        let tls = crate::http::tls::describe(&e);
-                        let t = tonic::Status::from_error(Box::new(e));
-                        // No response at all: the request could not be carried (the server hung
-                        // up or died before answering), which gRPC calls UNAVAILABLE; tonic names
-                        // such transport errors UNKNOWN.
-                        // hyper's "operation was canceled" is a request its connection dropped
-                        // (the server went away), not a cancel of ours: ours drops this future.
-                        let code = match t.code() {
-                            tonic::Code::Unknown | tonic::Code::Cancelled => Code::Unavailable,
-                            other => Code::from_u32(other as u32),
-                        };
-                        match tls {
-                            Some(why) => failed_response(Status::new(Code::Unavailable, why)),
-                            None => failed_response(
-                                Status::new(code, t.message().to_owned()).with_details(t.details().to_vec()),
-                            ),
-                        }
-                    }
-                })
-            });
+            return over_http(http.clone(), request);
         }
         let channel = self.clone();
         Box::pin(async move { Ok(channel.call_http(request, None).await) })
     }
+}
+
+/// A request carried by tonic's own HTTP/2 channel as it is (unix:// and http://, and a call an
+/// upgraded channel handed back).
+fn over_http<B>(
+    mut http: tonic::transport::Channel,
+    request: http::Request<B>,
+) -> Pin<Box<dyn Future<Output = Result<http::Response<ResponseBody>, std::convert::Infallible>> + Send>>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    let (parts, body) = request.into_parts();
+    // A malformed grpc-timeout is tonic's to refuse; here it bounds nothing.
+    let timeout = codec::timeout_from(&parts.headers).ok().flatten();
+    // hyper resets an HTTP/2 stream only once both its halves are dropped; a response
+    // dropped while the request stream is still open would leave the server's call
+    // running. The request body ends with CANCELLED instead, which resets it.
+    let (cancel, cancelled) = tokio::sync::oneshot::channel();
+    let body = Cancellable { body: Box::pin(body), cancelled: Some(cancelled) };
+    let request = http::Request::from_parts(parts, tonic::body::Body::new(body));
+    let cancel = CancelOnDrop(Some(cancel));
+    Box::pin(async move {
+        let deadline = timeout.map(|t| Box::pin(tokio::time::sleep(t)));
+        let sent = async {
+            tower::ServiceExt::ready(&mut http).await?;
+            tower_service::Service::call(&mut http, request).await
+        };
+        Ok(match sent.await {
+            Ok(mut response) => {
+                deadline_code(response.headers_mut());
+                response.map(|body| ResponseBody(Source::Http { body, cancel, deadline }))
+            }
+            // tonic's own reading of its errors: a deadline that passed is
+            // DEADLINE_EXCEEDED, a refused connection UNAVAILABLE.
+            Err(e) if timed_out(&e) => {
+                // tonic reports its own deadline as CANCELLED; gRPC's code is this one.
+                failed_response(deadline_passed())
+            }
+            Err(e) => {
+                // A TLS failure says which (an unknown CA, no client certificate…).
+                let tls = crate::http::tls::describe(&e);
+                let t = tonic::Status::from_error(Box::new(e));
+                // No response at all: the request could not be carried (the server hung
+                // up or died before answering), which gRPC calls UNAVAILABLE; tonic names
+                // such transport errors UNKNOWN.
+                // hyper's "operation was canceled" is a request its connection dropped
+                // (the server went away), not a cancel of ours: ours drops this future.
+                let code = match t.code() {
+                    tonic::Code::Unknown | tonic::Code::Cancelled => Code::Unavailable,
+                    other => Code::from_u32(other as u32),
+                };
+                match tls {
+                    Some(why) => failed_response(Status::new(Code::Unavailable, why)),
+                    None => {
+                        failed_response(Status::new(code, t.message().to_owned()).with_details(t.details().to_vec()))
+                    }
+                }
+            }
+        })
+    })
 }

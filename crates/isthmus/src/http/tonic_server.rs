@@ -27,6 +27,10 @@
 //!    `ServerCall::send`: one copy, into shared memory. The trailers become the status: OK with its
 //!    metadata as trailing metadata, else the code with its message, details and metadata. A body
 //!    that fails, or ends without trailers, is INTERNAL ("the service's response failed: …").
+//!    A unary response goes in two frames (MESSAGE, then TRAILERS), not inside the TRAILERS as
+//!    `send_last` would put it: holding it for the trailers measured 4.6-5.0 µs for a 64 B
+//!    `tonic-isthmus-shm` call against 4.2-4.4 µs, since the client's tonic side starts on the
+//!    message while the status is on its way (8-12 % more calls/s with 32 in flight, though).
 //!
 //! The service's own message limits apply over `shm://` as over HTTP/2: tonic decodes at most 4 MiB
 //! by default, so raise both limits on the generated server and client for larger messages
