@@ -1,7 +1,7 @@
 //! The C ABI's own tests: `tests/c/abi_check.c`, a C program that uses the library only through
 //! `include/isthmus.h`, built here by the system compiler under AddressSanitizer (LeakSanitizer
 //! on: a leak or a use-after-free fails it) and run as real processes: a server (`abi_check
-//! serve`), its clients over `shm://` and `unix://` (`abi_check client`), and a client whose
+//! serve`), its clients over `shm://`, `unix://` and `http://` (`abi_check client`), and a client whose
 //! server is killed with SIGKILL mid-call (`abi_check peer-gone`), and a TLS server and client
 //! (`abi_check serve-tls`, `client-tls`) with certificates made here (rcgen). The library itself is not
 //! instrumented: ASan sees its heap (every allocation goes through the interposed malloc, so
@@ -285,10 +285,26 @@ impl Drop for Proc {
 fn start_server(binary: &Path, scratch: &Scratch, targets: &[&str]) -> Proc {
     let mut args = vec!["serve"];
     args.extend_from_slice(targets);
-    let mut server = Proc::spawn("server", binary, &args, scratch, Stdio::piped());
+    start(binary, scratch, &args).0
+}
+
+/// Starts `abi_check ARGS…` as a server, waits for its `ready`, and reads the HTTP/2 addresses
+/// it serves, as clients reach them.
+fn start(binary: &Path, scratch: &Scratch, args: &[&str]) -> (Proc, Vec<String>) {
+    let mut server = Proc::spawn("server", binary, args, scratch, Stdio::piped());
     let line = server.next_line(READY_TIMEOUT);
     assert_eq!(line, "ready", "the server's first line\n{}", server.transcript());
-    server
+    let mut addresses = Vec::new();
+    loop {
+        let line = server.next_line(READY_TIMEOUT);
+        match line.strip_prefix("address ") {
+            Some(address) => addresses.push(address.to_owned()),
+            None => {
+                assert_eq!(line, "addresses end", "{}", server.transcript());
+                return (server, addresses);
+            }
+        }
+    }
 }
 
 /// Runs every client check against `target`; they must all pass.
@@ -307,16 +323,20 @@ fn run_client(binary: &Path, scratch: &Scratch, target: &str, server: &mut Proc)
 }
 
 #[test]
-fn c_program_passes_every_check_over_shm_and_unix() {
+fn c_program_passes_every_check_over_shm_unix_and_http() {
     let _serial = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let scratch = Scratch::new();
     let binary = build_abi_check(&scratch);
     let shm = format!("shm://capi-{}", std::process::id());
     let unix = format!("unix://{}", scratch.path("s.sock").display());
-    let mut server = start_server(&binary, &scratch, &[&shm, &unix]);
+    let (mut server, addresses) = start(&binary, &scratch, &["serve", &shm, &unix, "http://127.0.0.1:0"]);
+    let http = addresses.iter().find(|a| a.starts_with("http://127.0.0.1:")).expect("the http:// endpoint");
 
     run_client(&binary, &scratch, &shm, &mut server);
     run_client(&binary, &scratch, &unix, &mut server);
+    // Plain HTTP/2 over TCP (every process here runs with ISTHMUS_UPGRADE=0, so the client
+    // stays there rather than move to the shm:// endpoint the server offers).
+    run_client(&binary, &scratch, http, &mut server);
 
     drop(server.child.stdin.take()); // EOF: the server shuts down and frees everything
     let status = server.wait(EXIT_TIMEOUT);
@@ -463,11 +483,8 @@ fn c_program_speaks_tls_and_mutual_tls() {
     }
     let dir = dir.to_str().expect("a UTF-8 path");
 
-    let mut server =
-        Proc::spawn("server", &binary, &["serve-tls", dir, "https://127.0.0.1:0"], &scratch, Stdio::piped());
-    assert_eq!(server.next_line(READY_TIMEOUT), "ready", "{}", server.transcript());
-    let line = server.next_line(READY_TIMEOUT);
-    let address = line.strip_prefix("address ").unwrap_or_else(|| panic!("not an address: {line}"));
+    let (mut server, addresses) = start(&binary, &scratch, &["serve-tls", dir, "https://127.0.0.1:0"]);
+    let address = addresses.first().expect("the https:// endpoint");
     assert!(address.starts_with("https://127.0.0.1:"), "{address}");
 
     let what = format!("client-tls {address}");

@@ -756,7 +756,10 @@ static int serve(int count, char **targets, const char *tls_dir) {
     return 1;
   }
   printf("ready\n");
-  if (tls_dir != NULL) printf("address %s\n", isthmus_server_http_address(server, 0));
+  /* Every HTTP/2 endpoint as clients reach it (port 0 resolved), then a line of its own. */
+  for (size_t i = 0; isthmus_server_http_address(server, i) != NULL; i++)
+    printf("address %s\n", isthmus_server_http_address(server, i));
+  printf("addresses end\n");
   fflush(stdout);
 
   char buf[256];
@@ -2428,14 +2431,16 @@ static isthmus_code_t whoami(isthmus_channel_t *ch, char *out, size_t cap, isthm
   return rc;
 }
 
-/* A handler learns who called: over shm:// the client's pid and uid, over unix:// the socket;
- * no TLS and no certificate. */
+/* A handler learns who called: over shm:// the client's pid and uid, over unix:// the socket,
+ * over http:// the client's address and port; no TLS and no certificate. */
 static int check_whoami(ctx_t *c) {
   isthmus_status_t *st = NULL;
   char got[512], want[128];
   MUST(whoami(c->ch, got, sizeof got, &st));
   if (c->shm)
     snprintf(want, sizeof want, "tls=0 cert=0 peer=shm:pid=%ld,uid=%ld", (long)getpid(), (long)getuid());
+  else if (strncmp(c->target, "http://127.0.0.1:", 17) == 0)
+    snprintf(want, sizeof want, "tls=0 cert=0 peer=ipv4:127.0.0.1:");
   else
     snprintf(want, sizeof want, "tls=0 cert=0 peer=unix:");
   REQUIRE(strncmp(got, want, strlen(want)) == 0, "'%s' starts with '%s'", got, want);
