@@ -15,8 +15,9 @@ tracepoints.
 
 How: ``perf probe`` puts uprobes on ``malloc``, ``calloc``, ``realloc``, ``posix_memalign`` and
 ``pthread_mutex_lock`` in the C library (removed again at the end if this run added them), and
-``perf stat -p`` counts them and the system-call tracepoints in each process while the client
-makes its calls (after 10,000 warm-up calls). What it cannot see, it does not claim:
+``perf stat -p`` counts them and the system-call tracepoints in each process from just before
+the client's calls to just after them (enabled and disabled through perf's control FIFOs; the
+client has made 10,000 calls before, to warm up). What it cannot see, it does not claim:
 
 - Python's small objects come from its own allocator (pymalloc) and are not counted; Rust's
   allocations all go through ``malloc`` and friends.
@@ -25,9 +26,11 @@ makes its calls (after 10,000 warm-up calls). What it cannot see, it does not cl
 - Atomic instructions are not counted: the virtual machines this runs on expose no hardware
   counters to perf (``perf stat -e instructions`` says ``<not supported>``).
 
-Each uprobe hit costs the process a trap (~1-2 µs), so calls run slower under it than in the
-benchmark; the ``sleeps`` column shows whether that made a side go to sleep between calls
-(which would add doorbell system calls a normal run does not make).
+Each uprobe hit costs the process a trap (~1-2 µs), so calls run slower under the probes than in
+the benchmark, and a side that waited longer would make system calls a normal run does not (a
+sleep on the doorbell, a wake-up). So each system runs twice: the system calls and the client's
+transport counters are those of a run without uprobes; the last column gives the client's
+sleeps in the run with them.
 """
 
 from __future__ import annotations
@@ -79,19 +82,48 @@ def add_probes() -> list[str]:
 
 
 class Side:
-    """``perf stat`` counting `events` in one process until stopped."""
+    """``perf stat`` on one process, counting `events` only between `enable` and `disable`
+    (its control FIFOs, each command acknowledged): the client's calls and nothing around them."""
 
-    def __init__(self, pid: int, out: Path, events: list[str]):
-        self.out = out
+    def __init__(self, pid: int, tmp: Path, name: str, events: list[str]):
+        self.out, ctl, ack = tmp / f"{name}.csv", tmp / f"{name}.ctl", tmp / f"{name}.ack"
+        os.mkfifo(ctl)
+        os.mkfifo(ack)
         self.perf = subprocess.Popen(
-            ["perf", "stat", "-x", ",", "-o", str(out), "-e", ",".join(events), "-p", str(pid)],
+            [
+                "perf",
+                "stat",
+                "-x",
+                ",",
+                "-o",
+                str(self.out),
+                "-e",
+                ",".join(events),
+                "-p",
+                str(pid),
+                "--delay=-1",
+                f"--control=fifo:{ctl},{ack}",
+            ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
+        # Each open waits for perf's own end of the FIFO: then perf has attached.
+        self.ctl = open(ctl, "w")  # noqa: SIM115 (closed in `stop`)
+        self.ack = open(ack)  # noqa: SIM115
+
+    def command(self, what: str) -> None:
+        self.ctl.write(what + "\n")
+        self.ctl.flush()
+        # perf ends each acknowledgement with a NUL after its newline ("ack\n\0").
+        if (got := self.ack.readline()).replace("\0", "").strip() != "ack":
+            raise SystemExit(f"perf stat did not acknowledge {what!r}: {got!r}")
 
     def stop(self) -> dict[str, int]:
+        """The counts, by event; an event that never fired reads 0 (perf: ``<not counted>``)."""
         self.perf.send_signal(signal.SIGINT)
         self.perf.wait(timeout=30)
+        self.ctl.close()
+        self.ack.close()
         counts = {}
         for line in self.out.read_text().splitlines():
             fields = line.split(",")
@@ -133,14 +165,15 @@ def run(kind: str, size: int, calls: int, tmp: Path, events: list[str]) -> dict[
     client = spawn(client_cmd)
     assert client.stdin is not None and client.stdout is not None
     try:
-        sides = {
-            name: Side(p.pid, tmp / f"{kind}-{name}", events)
-            for name, p in (("client", client), ("server", server))
-        }
-        time.sleep(1.0)  # perf attached to every thread
+        own = Path(tempfile.mkdtemp(dir=tmp))  # this run's FIFOs and outputs
+        sides = {name: Side(p.pid, own, name, events) for name, p in (("client", client), ("server", server))}
+        for side in sides.values():
+            side.command("enable")
         client.stdin.write("go\n")
         client.stdin.flush()
         done = client.stdout.readline().split()
+        for side in sides.values():
+            side.command("disable")
         if not done or done[0] != "DONE":
             raise SystemExit(f"{kind}: the client printed {done!r}")
         counts = {name: side.stop() for name, side in sides.items()}
@@ -178,10 +211,10 @@ def table(results: list[dict[str, object]], calls: int, size: int) -> str:
     ]
     names = {"engine": "isthmus-rust", "python": "py-isthmus-sync", "tonic": "tonic-isthmus-shm"}
     for r in results:
-        c, s = r["counts"]["client"], r["counts"]["server"]  # type: ignore[index]
+        counts: dict[str, dict[str, int]] = r["counts"]  # type: ignore[assignment]
 
-        def both(*events: str) -> str:
-            return f"{per(c, *events)} / {per(s, *events)}"  # noqa: B023
+        def both(*events: str, counts: dict[str, dict[str, int]] = counts) -> str:
+            return f"{per(counts['client'], *events)} / {per(counts['server'], *events)}"
 
         lines.append(
             f"| {names[str(r['kind'])]} | {both(*allocs)} | {both('probe_libc:pthread_mutex_lock')}"

@@ -1,11 +1,12 @@
 //! The C ABI's own tests: `tests/c/abi_check.c`, a C program that uses the library only through
 //! `include/isthmus.h`, built here by the system compiler under AddressSanitizer (LeakSanitizer
 //! on: a leak or a use-after-free fails it) and run as real processes: a server (`abi_check
-//! serve`), its clients over `shm://`, `unix://` and `http://` (`abi_check client`), and a client whose
-//! server is killed with SIGKILL mid-call (`abi_check peer-gone`), and a TLS server and client
-//! (`abi_check serve-tls`, `client-tls`) with certificates made here (rcgen). The library itself is not
-//! instrumented: ASan sees its heap (every allocation goes through the interposed malloc, so
-//! LeakSanitizer counts them) and the C program's accesses, not the library's own reads.
+//! serve`), its clients over `shm://`, `unix://` and `http://` (`abi_check client`), a client
+//! whose server is killed with SIGKILL mid-call (`abi_check peer-gone`), and a TLS server and
+//! client (`abi_check serve-tls`, `client-tls`) with certificates made here (rcgen). The library
+//! itself is not instrumented: ASan sees its heap (every allocation goes through the interposed
+//! malloc, so LeakSanitizer counts them) and the C program's accesses, not the library's own
+//! reads.
 //!
 //! LeakSanitizer cannot see a handle that was never freed (the library's registry keeps it
 //! reachable), so the program also compares `isthmus_live_handles()` before and after each check

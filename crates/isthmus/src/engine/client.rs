@@ -165,21 +165,10 @@ impl ShmChannel {
         Ok(mux)
     }
 
-    /// Starts a call and sends its head. `reads`: whether its waits read the connection
-    /// themselves (`Channel::with_calls_read`); `keep`: what keeps the channel's connection
-    /// open while the call lives.
-    pub(crate) async fn start(
-        &self,
-        path: &str,
-        options: CallOptions,
-        reads: bool,
-        keep: Arc<dyn std::any::Any + Send + Sync>,
-    ) -> Result<ShmCall, Status> {
-        self.start_with(path, options, reads, keep, None).await.map(|(call, _)| call)
-    }
-
-    /// [`start`](Self::start) that sends `first`, the call's only request, inside its HEADERS
-    /// when it can (a one-frame call); whether it did.
+    /// Starts a call and sends its head; with `first`, the call's only request, inside its
+    /// HEADERS when it can (a one-frame call, ADR 0025): whether it did. `reads`: whether its
+    /// waits read the connection themselves (`Channel::with_calls_read`); `keep`: what keeps the
+    /// channel's connection open while the call lives.
     pub(crate) async fn start_with(
         &self,
         path: &str,
