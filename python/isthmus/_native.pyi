@@ -204,6 +204,10 @@ class Reactor:
     def wait(self, timeout: float | None = None) -> list[tuple[int, bool, object]]:
         """`drain()` after sleeping (the GIL released) up to `timeout` s, forever if None, until
         something finished; empty if nothing did."""
+    def resolve(self, waiting: dict[int, Any], spin_us: int = 0) -> list[tuple[int, object]] | None:
+        """`drain()` with each finished operation's future, found in `waiting` and removed
+        from it, resolved here with its value (skipped if cancelled); `(token, value)` for each
+        that has none there, None if no such. With `spin_us`, first waits as `spin` does."""
     def cancel(self, token: int) -> bool:
         """Abandons operation `token`: it will not complete, and a call it was making is
         cancelled on both sides. False if it has already finished."""

@@ -21,6 +21,8 @@
 //! - `drain()` clears the eventfd, takes the queue, polls each woken operation on the loop's
 //!   thread, and returns `(token, ok, value)` for each that finished. A failure comes back as a
 //!   `CallError` value, not raised, so one nobody awaits is not logged as a lost exception.
+//!   asyncio's driver calls `resolve(waiting)` instead, which does the same and resolves each
+//!   operation's future (found by token in the driver's dict) here, one native call a batch.
 //! - So no task is spawned and no thread woken per call on the way out, and the loop wakes once per
 //!   batch. The reply still crosses one thread, from the reader task to the loop, through the
 //!   eventfd. These channels are made `with_calls_read(false)`: a spin on the loop's thread
@@ -48,8 +50,9 @@ use bytes::Bytes;
 use isthmus::binding::{finish_unary, unary_block_off_loop, SharedCall, SpinFirst, SEND_PATIENCE};
 use isthmus::{MetadataMap, Status};
 use pyo3::exceptions::PyOSError;
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList};
+use pyo3::types::{PyBytes, PyDict, PyList};
 
 use crate::buffers::{Block, Message, Outgoing, Request};
 use crate::client::UnaryResult;
@@ -135,6 +138,53 @@ impl Reactor {
         self.outcomes(py, self.completions.take())
     }
 
+    /// [`drain`](Self::drain) with the futures resolved here: each finished operation's asyncio
+    /// future, found in `waiting` (token → future) and removed from it, gets its value
+    /// (`set_result`; skipped if it was cancelled meanwhile). What has no future there (a
+    /// standing operation's outcome, which goes to a callback) comes back as `(token, value)`
+    /// pairs, None if there is none. With `spin_us`, first waits as [`spin`](Self::spin) does.
+    /// One call per batch, where a tuple and a turn of a Python loop per operation cost the
+    /// asyncio loop ~0.3 µs each under load.
+    #[pyo3(signature = (waiting, spin_us=0))]
+    fn resolve(&self, py: Python<'_>, waiting: &Bound<'_, PyDict>, spin_us: u64) -> PyResult<Option<Py<PyList>>> {
+        if spin_us > 0 {
+            let completions = &self.completions;
+            let yield_after = isthmus::SpinPolicy::default().yield_after;
+            if !py.detach(|| completions.spin(Duration::from_micros(spin_us), yield_after)) {
+                return Ok(None);
+            }
+        }
+        let mut rest: Option<Bound<'_, PyList>> = None;
+        // A failure is raised after the whole batch: the engine has handed it over already.
+        let mut failed: Option<PyErr> = None;
+        for (token, outcome) in self.completions.take() {
+            let key = token.into_pyobject(py)?;
+            let value = outcome_value(py, &self.completions, outcome).map(|(_, value)| value);
+            let Some(future) = waiting.get_item(&key)? else {
+                match value {
+                    Ok(value) => rest.get_or_insert_with(|| PyList::empty(py)).append((key, value))?,
+                    Err(e) => drop(failed.get_or_insert(e)),
+                }
+                continue;
+            };
+            waiting.del_item(&key)?;
+            let set = match value {
+                Ok(value) => future.call_method1(intern!(py, "set_result"), (value,)),
+                Err(e) => future.call_method1(intern!(py, "set_exception"), (e.into_value(py),)),
+            };
+            // A future done already was cancelled by its waiter: nothing to tell it.
+            if let Err(e) = set {
+                if !future.call_method0(intern!(py, "done"))?.is_truthy()? {
+                    failed.get_or_insert(e);
+                }
+            }
+        }
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(rest.map(Bound::unbind)),
+        }
+    }
+
     /// [`drain`](Self::drain) after waiting on this thread (the GIL released, never asleep)
     /// for up to `spin_us` µs until something finished: empty if nothing did.
     fn spin(&self, py: Python<'_>, spin_us: u64) -> PyResult<Py<PyList>> {
@@ -190,7 +240,7 @@ pub(crate) fn outcome_value(
     outcome: Outcome,
 ) -> PyResult<(bool, Py<PyAny>)> {
     Ok(match outcome {
-        Outcome::Unary(r) => (true, Py::new(py, UnaryResult::new(py, &r)?)?.into_any()),
+        Outcome::Unary(r) => (true, Py::new(py, UnaryResult::new(py, r))?.into_any()),
         Outcome::Message(Some(m)) => (true, PyBytes::new(py, &m).into_any().unbind()),
         Outcome::Raw(Some(m)) => (true, Py::new(py, Message::new(m))?.into_any()),
         Outcome::Message(None) | Outcome::Raw(None) | Outcome::Done => (true, py.None()),

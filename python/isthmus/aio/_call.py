@@ -125,7 +125,9 @@ class UnaryUnaryCall(_Call, grpc.aio.UnaryUnaryCall):
         try:
             if self._settle:
                 self._settle = False
-                self._driver.settle(self._loop, self._outcome)  # type: ignore[union-attr]
+                # Driver.settle's cheapest test first: under load many calls wait at once.
+                if len(self._driver._waiting) == 1:  # type: ignore[union-attr]
+                    self._driver.settle(self._loop, self._outcome)  # type: ignore[union-attr]
             value = yield from self._outcome.__await__()
         except asyncio.CancelledError:
             self._abandon()

@@ -89,7 +89,7 @@ class Driver:
         loop waits for and the loop has no callback ready."""
         if future.done() or len(self._waiting) != 1 or getattr(loop, "_ready", None):
             return
-        self._resolve(self.reactor.spin(SPIN_US))
+        self._then(self.reactor.resolve(self._waiting, SPIN_US))
 
     def linger(self, loop: asyncio.AbstractEventLoop, wait: Callable[[int], bool] | None = None) -> None:
         """Waits a moment on this thread for news of a standing operation (a server's next
@@ -100,27 +100,21 @@ class Driver:
         if self._waiting or getattr(loop, "_ready", None):
             return
         if wait is None:
-            self._resolve(self.reactor.spin(SPIN_US))
+            self._then(self.reactor.resolve(self._waiting, SPIN_US))
         elif wait(SPIN_US):
-            self._resolve(self.reactor.drain())
+            self._drive()
 
     def _drive(self) -> None:
-        self._resolve(self.reactor.drain())
+        self._then(self.reactor.resolve(self._waiting))
 
-    def _resolve(self, finished: list[tuple[int, bool, Any]]) -> None:
-        # Every future first: a standing operation's callback that raises must not leave the
-        # rest of the batch, taken from the engine already, unresolved.
-        waiting, standing = self._waiting, []
-        for token, _ok, value in finished:
-            future = waiting.pop(token, None)
-            if future is not None:
-                if not future.done():  # done: its waiter was cancelled
-                    future.set_result(value)
-                continue
+    def _then(self, standing: list[tuple[int, Any]] | None) -> None:
+        """Hands the standing operations' outcomes to their callbacks; `Reactor.resolve` has
+        resolved every waiting future of the batch first, so a callback that raises leaves
+        none of it unresolved."""
+        for token, value in standing or ():
             then = self._standing.pop(token, None)
-            if then is not None:
-                standing.append((then, value))
-        for then, value in standing:
+            if then is None:
+                continue  # abandoned
             try:
                 then(value)
             except Exception as e:
