@@ -189,25 +189,21 @@ class Call:
 
 @final
 class Reactor:
-    """Completions for one asyncio loop: `fileno()` becomes readable when `drain()` has
-    completions; register it with `loop.add_reader`. Each operation below takes a `token` (an
-    int of the caller's choosing) and its outcome comes back from `drain` under that token."""
+    """Completions for one asyncio loop: `fileno()` becomes readable when operations have
+    finished; register it with `loop.add_reader` and call `resolve`. Each operation below takes a
+    `token` (an int of the caller's choosing) and its outcome comes back under that token: on
+    success the operation's result, otherwise a CallError value."""
 
     def __new__(cls) -> Self: ...
     def fileno(self) -> int: ...
-    def drain(self) -> list[tuple[int, bool, object]]:
-        """(token, ok, value) for each finished operation: on ok, value is the operation's
-        result; otherwise a CallError. Never blocks."""
-    def spin(self, spin_us: int) -> list[tuple[int, bool, object]]:
-        """`drain()` after waiting on this thread (the GIL released, never asleep) up to
-        `spin_us` µs for something to finish; empty if nothing did."""
     def wait(self, timeout: float | None = None) -> list[tuple[int, bool, object]]:
-        """`drain()` after sleeping (the GIL released) up to `timeout` s, forever if None, until
-        something finished; empty if nothing did."""
+        """(token, ok, value) for each finished operation, after sleeping (the GIL released) up
+        to `timeout` s, forever if None, until something finished; empty if nothing did."""
     def resolve(self, waiting: dict[int, Any], spin_us: int = 0) -> list[tuple[int, object]] | None:
-        """`drain()` with each finished operation's future, found in `waiting` and removed
-        from it, resolved here with its value (skipped if cancelled); `(token, value)` for each
-        that has none there, None if no such. With `spin_us`, first waits as `spin` does."""
+        """Resolves each finished operation's future, found in `waiting` and removed from it,
+        with its value (skipped if cancelled); `(token, value)` for each that has none there,
+        None if no such. Never blocks, but with `spin_us` first waits on this thread (the GIL
+        released, never asleep) up to that long for something to finish (None if nothing did)."""
     def cancel(self, token: int) -> bool:
         """Abandons operation `token`: it will not complete, and a call it was making is
         cancelled on both sides. False if it has already finished."""

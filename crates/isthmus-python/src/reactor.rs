@@ -1,8 +1,8 @@
 //! Calls for asyncio. Each operation runs on the event loop's own thread: it runs as far as it
 //! can when started (a unary call over `shm://` writes its request into the ring there), and
 //! when the engine wakes it (a reply arrived), it is queued in its loop's [`Reactor`], whose
-//! eventfd the loop watches (`add_reader`); the loop's `drain` polls every queued operation and
-//! hands back all that finished, in one batch.
+//! eventfd the loop watches (`add_reader`); the loop's `resolve` polls every queued operation and
+//! resolves the futures of all that finished, in one batch.
 //!
 //! - Each running loop gets one `Reactor`, around the engine's `isthmus::binding::Completions`
 //!   (an eventfd and a queue). Every operation (a unary call, a call's start, `send`,
@@ -18,11 +18,12 @@
 //! - A future that must wait is kept by token. When the engine wakes it (on a runtime thread: the
 //!   reader task delivered the reply, or a timer fired), the wake-up only queues the operation,
 //!   and the first of a batch signals the eventfd.
-//! - `drain()` clears the eventfd, takes the queue, polls each woken operation on the loop's
-//!   thread, and returns `(token, ok, value)` for each that finished. A failure comes back as a
-//!   `CallError` value, not raised, so one nobody awaits is not logged as a lost exception.
-//!   asyncio's driver calls `resolve(waiting)` instead, which does the same and resolves each
-//!   operation's future (found by token in the driver's dict) here, one native call a batch.
+//! - `resolve(waiting)` clears the eventfd, takes the queue, polls each woken operation on the
+//!   loop's thread, and resolves the asyncio future of each that finished (found by token in the
+//!   driver's dict), one native call a batch; what has no future there (a server's news) comes
+//!   back as `(token, value)`. A failure is a `CallError` value, not an exception, so one nobody
+//!   awaits is not logged as a lost exception. `wait` (the blocking API's completion thread)
+//!   gives `(token, ok, value)` for each instead.
 //! - So no task is spawned and no thread woken per call on the way out, and the loop wakes once per
 //!   batch. The reply still crosses one thread, from the reader task to the loop, through the
 //!   eventfd. These channels are made `with_calls_read(false)`: a spin on the loop's thread
@@ -30,8 +31,8 @@
 //! - Except on an idle loop (ADR 0017): a unary call started while the loop waits for nothing
 //!   else is sent over the channel's blocking connection (`SpinFirst`, direct `shm://` targets)
 //!   and its reply waited for on the loop's thread, GIL released, up to the spin bound; it
-//!   comes back from `unary` itself. `Reactor.spin` waits the same way for any other operation
-//!   the loop awaits alone.
+//!   comes back from `unary` itself. `Reactor.resolve` with `spin_us` waits the same way for any
+//!   other operation the loop awaits alone.
 //! - Cancelling a unary call (or the task awaiting it) abandons its token: `Reactor.cancel` drops
 //!   the Rust future, and dropping an engine call sends CANCEL. A streaming call's `cancel` goes
 //!   through its `isthmus::binding::SharedCall`. A request iterator is written by a task on the
@@ -133,18 +134,14 @@ impl Reactor {
         self.completions.fd()
     }
 
-    /// `(token, ok, value)` for every finished operation.
-    fn drain(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        self.outcomes(py, self.completions.take())
-    }
-
-    /// [`drain`](Self::drain) with the futures resolved here: each finished operation's asyncio
-    /// future, found in `waiting` (token → future) and removed from it, gets its value
-    /// (`set_result`; skipped if it was cancelled meanwhile). What has no future there (a
-    /// standing operation's outcome, which goes to a callback) comes back as `(token, value)`
-    /// pairs, None if there is none. With `spin_us`, first waits as [`spin`](Self::spin) does.
-    /// One call per batch, where a tuple and a turn of a Python loop per operation cost the
-    /// asyncio loop ~0.3 µs each under load.
+    /// Takes every finished operation and resolves its asyncio future, found in `waiting`
+    /// (token → future) and removed from it, with its value (`set_result`; skipped if it was
+    /// cancelled meanwhile). What has no future there (a standing operation's outcome, which goes
+    /// to a callback) comes back as `(token, value)` pairs, None if there is none. With
+    /// `spin_us`, first waits on this thread (the GIL released, never asleep) up to that long
+    /// for something to finish, and returns None if nothing did. One call per batch, where a
+    /// tuple and a turn of a Python loop per operation cost the asyncio loop ~0.3 µs each under
+    /// load.
     #[pyo3(signature = (waiting, spin_us=0))]
     fn resolve(&self, py: Python<'_>, waiting: &Bound<'_, PyDict>, spin_us: u64) -> PyResult<Option<Py<PyList>>> {
         if spin_us > 0 {
@@ -163,7 +160,9 @@ impl Reactor {
             let Some(future) = waiting.get_item(&key)? else {
                 match value {
                     Ok(value) => rest.get_or_insert_with(|| PyList::empty(py)).append((key, value))?,
-                    Err(e) => drop(failed.get_or_insert(e)),
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                    }
                 }
                 continue;
             };
@@ -185,21 +184,10 @@ impl Reactor {
         }
     }
 
-    /// [`drain`](Self::drain) after waiting on this thread (the GIL released, never asleep)
-    /// for up to `spin_us` µs until something finished: empty if nothing did.
-    fn spin(&self, py: Python<'_>, spin_us: u64) -> PyResult<Py<PyList>> {
-        let completions = &self.completions;
-        let policy = isthmus::SpinPolicy::default();
-        let ready = py.detach(|| completions.spin(Duration::from_micros(spin_us), policy.yield_after));
-        match ready {
-            true => self.drain(py),
-            false => Ok(PyList::empty(py).unbind()),
-        }
-    }
-
-    /// [`drain`](Self::drain) after waiting on this thread, asleep and the GIL released, up to
-    /// `timeout` seconds (forever if None) for something to finish: for a thread that does
-    /// nothing but complete operations (the blocking API's `.future()` calls).
+    /// `(token, ok, value)` for every finished operation (a failure as a `CallError` value),
+    /// after waiting on this thread, asleep and the GIL released, up to `timeout` seconds
+    /// (forever if None) for something to finish: for a thread that does nothing but complete
+    /// operations (the blocking API's `.future()` calls). Empty if nothing did.
     #[pyo3(signature = (timeout=None))]
     fn wait(&self, py: Python<'_>, timeout: Option<f64>) -> PyResult<Py<PyList>> {
         let deadline = timeout
@@ -207,7 +195,7 @@ impl Reactor {
             .map(|t| std::time::Instant::now() + Duration::from_secs_f64(t.clamp(0.0, 86_400.0)));
         let completions = &self.completions;
         match py.detach(|| completions.wait(Duration::ZERO, deadline)) {
-            true => self.drain(py),
+            true => self.outcomes(py, self.completions.take()),
             false => Ok(PyList::empty(py).unbind()),
         }
     }
@@ -222,7 +210,7 @@ impl Reactor {
 }
 
 impl Reactor {
-    /// The finished operations as `drain` gives them to Python.
+    /// The finished operations as `wait` gives them to Python.
     fn outcomes(&self, py: Python<'_>, done: Vec<(u64, Outcome)>) -> PyResult<Py<PyList>> {
         let list = PyList::empty(py);
         for (token, outcome) in done {
@@ -503,7 +491,7 @@ pub(crate) struct AsyncCall {
 }
 
 /// What an operation that may finish when it starts gives back: `(ok, value)` if it did (as
-/// `drain` would have given it, with no trip through the eventfd and the loop's selector),
+/// the reactor would have delivered it, with no trip through the eventfd and the loop's selector),
 /// None if its outcome comes through the reactor.
 pub(crate) type Now = PyResult<Option<(bool, Py<PyAny>)>>;
 

@@ -160,11 +160,10 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
             except CallError as error:  # as grpcio's: the call fails INTERNAL
                 return channel._track(_failed(loop, timeout, self._deserialize, error))
         outgoing_metadata = None if metadata is None else outgoing(metadata)
-        waiting = driver._waiting
         spin = driver.idle(loop)
         token = next(driver._tokens)
         outcome = loop.create_future()
-        waiting[token] = outcome
+        driver._waiting[token] = outcome
         try:
             done = native.unary(
                 token,
@@ -570,8 +569,8 @@ class Channel(grpc.aio.Channel):
         # fork), 0.2 µs of the loop's time per unary call. An asyncio loop names the thread
         # that runs it, and a thread runs one loop at a time: that loop, running on this thread
         # and in this process, is the running loop. (uvloop's does not say: the long way.)
-        here = getattr(self._loop, "_thread_id", None) == _get_ident()
-        if here and self._bound_forks == _forks and not self._closed:
+        # The unary fast path makes this same test inline (`_bound_forks` is -1 once closed).
+        if self._bound_forks == _forks and getattr(self._loop, "_thread_id", None) == _get_ident():
             return self._bound
         loop = asyncio.get_running_loop()
         if loop is self._loop and not self._closed:

@@ -102,7 +102,7 @@ class Driver:
         if wait is None:
             self._then(self.reactor.resolve(self._waiting, SPIN_US))
         elif wait(SPIN_US):
-            self._drive()
+            self._then(self.reactor.resolve(self._waiting))
 
     def _drive(self) -> None:
         self._then(self.reactor.resolve(self._waiting))
