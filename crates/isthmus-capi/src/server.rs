@@ -908,8 +908,9 @@ pub unsafe extern "C" fn isthmus_server_call_send_headers_async(
 /// `ISTHMUS_SERVER_COMPRESS_*`). It applies to calls that came over HTTP/2, for a client whose
 /// `grpc-accept-encoding` lists the encoding (the others get the replies uncompressed); over
 /// `shm://` nothing is compressed, and it changes nothing. The choice goes with the initial
-/// metadata: FAILED_PRECONDITION, and nothing changed, once they or a message have gone (or
-/// while another thread sends on the call); INVALID_ARGUMENT for a NULL or another name.
+/// metadata: FAILED_PRECONDITION, and nothing changed, once they or a message have gone or begun
+/// to go; INVALID_ARGUMENT for a NULL or another name. Made while another thread holds the call
+/// (an `isthmus_server_call_alloc` waiting for room), the choice waits for the first send.
 ///
 /// Thread-safety: any thread; it never blocks.
 ///

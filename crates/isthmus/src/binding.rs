@@ -475,8 +475,13 @@ pub struct HandedCall {
     deadline: Option<Instant>,
     /// False once the call is over: finished, cancelled by the client, or past its deadline.
     active: std::sync::atomic::AtomicBool,
-    /// Initial metadata or a message has been sent.
+    /// Initial metadata or a message has been sent, or is being sent.
     responded: std::sync::atomic::AtomicBool,
+    /// A choice of compression made while another thread held `call`, for whoever sends
+    /// first to apply ([`set_compression`](HandedCall::set_compression)).
+    chosen: Mutex<Option<Option<crate::Compression>>>,
+    /// Set once a choice has waited in `chosen`: senders look there only then.
+    choice_waits: std::sync::atomic::AtomicBool,
     /// Taken by `finish`.
     finish: Mutex<Option<Finish>>,
     /// Run once when the call ends (grpc's `add_callback`).
@@ -515,6 +520,8 @@ pub async fn hand_off(
         call: tokio::sync::Mutex::new(call),
         active: AtomicBool::new(true),
         responded: AtomicBool::new(false),
+        chosen: Mutex::new(None),
+        choice_waits: AtomicBool::new(false),
         finish: Mutex::new(Some(finish)),
         done: Mutex::new(Vec::new()),
         abandoned: Mutex::new(Vec::new()),
@@ -659,8 +666,10 @@ impl HandedCall {
             if let Poll::Ready(r) = std::future::poll_fn(|cx| Poll::Ready(requests.poll_recv(cx))).await {
                 return r;
             }
-            self.responded.store(true, Ordering::Release);
-            self.call.lock().await.flush_headers().await?;
+            self.responded.store(true, Ordering::SeqCst);
+            let mut call = self.call.lock().await;
+            self.apply_choice(&mut call);
+            call.flush_headers().await?;
         }
         std::future::poll_fn(|cx| requests.poll_recv(cx)).await
     }
@@ -710,11 +719,14 @@ impl HandedCall {
             return false;
         }
         let Ok(mut call) = self.call.try_lock() else { return false };
+        // Responding from here on (a reply that cannot go now goes through `send`), and a
+        // choice of compression made meanwhile decides how.
+        self.responded.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.apply_choice(&mut call);
         self.settle();
         if call.reserve_last(message.len()) {
             // One frame, the message inside the status, sent under this hold of the call.
             let Some(finish) = self.begin_finish() else { return false };
-            self.responded.store(true, std::sync::atomic::Ordering::Release);
             call.end_now(status(), Some(message));
             let _ = finish.send(Ok(()));
             return true;
@@ -722,7 +734,6 @@ impl HandedCall {
         if !call.try_send_now(message) {
             return false;
         }
-        self.responded.store(true, std::sync::atomic::Ordering::Release);
         drop(call);
         self.finish(status());
         true
@@ -751,27 +762,56 @@ impl HandedCall {
     /// Sends one response message.
     pub async fn send(&self, message: &[u8]) -> Result<(), Status> {
         self.check_active()?;
-        self.responded.store(true, std::sync::atomic::Ordering::Release);
+        self.responded.store(true, std::sync::atomic::Ordering::SeqCst);
         self.settle();
-        self.call.lock().await.send(message).await
+        let mut call = self.call.lock().await;
+        self.apply_choice(&mut call);
+        call.send(message).await
     }
 
     /// Sends initial metadata now.
     pub async fn send_headers(&self, metadata: MetadataMap) -> Result<(), Status> {
         self.check_active()?;
-        self.responded.store(true, std::sync::atomic::Ordering::Release);
-        self.call.lock().await.send_headers(metadata).await
+        self.responded.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut call = self.call.lock().await;
+        self.apply_choice(&mut call);
+        call.send_headers(metadata).await
     }
 
     /// Chooses the compression of this call's replies where they cross a wire (see
     /// [`ServerCall::set_compression`](crate::ServerCall::set_compression)); false once initial
-    /// metadata or a message has gone, or while another thread sends on the call. Never waits:
-    /// an event loop's thread may call it while the loop's own operations hold the call.
+    /// metadata or a message has gone or begun to go. Never waits: an event loop's thread may
+    /// call it while the loop's own operations hold the call (an `alloc` waiting for room, say);
+    /// the choice then waits for the first send, which applies it.
     pub fn set_compression(&self, compression: Option<crate::Compression>) -> bool {
-        if self.responded.load(std::sync::atomic::Ordering::Acquire) {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.responded.load(SeqCst) {
             return false;
         }
-        self.call.try_lock().is_ok_and(|mut call| call.set_compression(compression))
+        if let Ok(mut call) = self.call.try_lock() {
+            // A choice that waited is older than this one.
+            self.chosen.lock().map(|mut c| c.take()).ok();
+            return call.set_compression(compression);
+        }
+        let Ok(mut chosen) = self.chosen.lock() else { return false };
+        *chosen = Some(compression);
+        drop(chosen);
+        // Each sender marks `responded`, then looks for a waiting choice; this marks the
+        // choice, then looks at `responded` (both SeqCst): at least one sees the other. If a
+        // send has begun, the choice counts only if that send took it.
+        self.choice_waits.store(true, SeqCst);
+        !self.responded.load(SeqCst) || self.chosen.lock().is_ok_and(|mut c| c.take().is_none())
+    }
+
+    /// Applies a choice of compression that waited for the call (`set_compression`); the
+    /// caller holds the call, has marked `responded`, and sends next.
+    fn apply_choice(&self, call: &mut crate::ServerCall) {
+        if !self.choice_waits.load(std::sync::atomic::Ordering::SeqCst) {
+            return;
+        }
+        if let Some(choice) = self.chosen.lock().ok().and_then(|mut c| c.take()) {
+            call.set_compression(choice);
+        }
     }
 
     /// A writable block in the server's shared memory (`shm://` calls only).
@@ -793,9 +833,11 @@ impl HandedCall {
     /// Sends a block from [`alloc`](Self::alloc) as one response message.
     pub async fn send_block(&self, block: crate::BlockMut) -> Result<(), Status> {
         self.check_active()?;
-        self.responded.store(true, std::sync::atomic::Ordering::Release);
+        self.responded.store(true, std::sync::atomic::Ordering::SeqCst);
         self.settle();
-        self.call.lock().await.send_block(block).await
+        let mut call = self.call.lock().await;
+        self.apply_choice(&mut call);
+        call.send_block(block).await
     }
 
     /// Delivers `topic` to this call until the client leaves or the topic closes
@@ -812,9 +854,10 @@ impl HandedCall {
     ) -> Result<(), Status> {
         use crate::Delivery;
         self.check_active()?;
-        self.responded.store(true, std::sync::atomic::Ordering::Release);
+        self.responded.store(true, std::sync::atomic::Ordering::SeqCst);
         let (arena, direct) = {
             let mut call = self.call.lock().await;
+            self.apply_choice(&mut call);
             (call.shared_arena().cloned(), call.direct().await?)
         };
         let mut sub = topic.subscribe_for(arena.as_ref());

@@ -1006,6 +1006,59 @@ fn a_handler_chooses_how_its_replies_are_compressed() {
     });
 }
 
+#[test]
+fn a_handed_calls_choice_of_compression_made_while_the_call_is_held_waits_for_its_first_send() {
+    // `HandedCall::set_compression` never waits: an event loop's thread may choose while the
+    // loop's own operation holds the call, here an `alloc` waiting for room in a full arena.
+    // The choice is kept for the first send, not refused.
+    use std::future::Future;
+    use std::task::{Context, Waker};
+    const BLOCK: usize = 4 << 20;
+    run(async move {
+        let bound = isthmus::Server::builder()
+            .handler("/test.Echo/Held", |call: isthmus::ServerCall| {
+                isthmus::binding::hand_off(call, |handed| {
+                    tokio::spawn(async move {
+                        let mut held = Vec::new();
+                        while let Some(block) = handed.try_alloc(BLOCK).expect("alloc") {
+                            held.push(block);
+                        }
+                        assert!(!held.is_empty(), "the arena took some blocks");
+                        // Polled once: it holds the call and waits for room.
+                        let mut waiting = Box::pin(handed.alloc(BLOCK));
+                        let pending = waiting.as_mut().poll(&mut Context::from_waker(Waker::noop())).is_pending();
+                        assert!(pending, "the arena is full");
+                        let taken = handed.set_compression(Some(isthmus::Compression::Deflate));
+                        drop(waiting);
+                        drop(held);
+                        if !taken {
+                            handed.finish(isthmus::Status::new(Code::FailedPrecondition, "the choice was refused"));
+                            return;
+                        }
+                        let sent = handed.send(&pattern(64 << 10, 3)).await;
+                        handed.finish(sent.err().unwrap_or_else(|| isthmus::Status::new(Code::Ok, "")));
+                    });
+                    Ok(())
+                })
+            })
+            .bind_all(["http://127.0.0.1:0"])
+            .expect("bind");
+        let http = bound.http_addresses().into_iter().next().expect("an HTTP/2 address");
+        tokio::spawn(bound.serve());
+        let channel = tonic::transport::Endpoint::from_shared(http).expect("uri").connect().await.expect("connect");
+        let mut grpc = tonic::client::Grpc::new(channel)
+            .accept_compressed(tonic::codec::CompressionEncoding::Deflate)
+            .max_decoding_message_size(1 << 20);
+        grpc.ready().await.expect("ready");
+        let path = http::uri::PathAndQuery::from_static("/test.Echo/Held");
+        let reply =
+            grpc.unary(tonic::Request::new(bytes::Bytes::new()), path, isthmus::BytesCodec).await.expect("a reply");
+        let encoding = reply.metadata().get("grpc-encoding").map(|v| v.to_str().unwrap_or("?").to_owned());
+        assert_eq!(encoding.as_deref(), Some("deflate"), "the choice reached the reply");
+        assert!(reply.into_inner() == pattern(64 << 10, 3), "the reply differs");
+    });
+}
+
 /// A call whose answer comes late waits asleep: it may read the connection for its spin, then
 /// leaves the reading to the reader task. A fruitless read once led to another (the reader task,
 /// asked for the receiver, woke the asking call as it gave the receiver back), and a stream
