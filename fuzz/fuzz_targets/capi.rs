@@ -3,7 +3,7 @@
 //! codes, JSON and protobuf bytes for `isthmus_proto_encode`/`_decode`, and handles that are
 //! garbage (also for the block calls, `isthmus_channel_alloc`, `isthmus_block_write` and
 //! `isthmus_unary_block`, the connectivity calls, the counters, the topics, and
-//! `isthmus_server_call_reply_async`). Each must answer with a code, never crash or leak.
+//! `isthmus_server_call_reply_async`, `isthmus_server_call_begin`). Each must answer with a code, never crash or leak.
 #![no_main]
 
 use std::ffi::CString;
@@ -132,7 +132,11 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     };
     // SAFETY: a garbage handle is the point; the name is a NUL-terminated literal.
     let _ = unsafe {
-        isthmus_server_call_set_compression(word as *const isthmus_server_call_t, c"gzip".as_ptr(), std::ptr::null_mut())
+        isthmus_server_call_set_compression(
+            word as *const isthmus_server_call_t,
+            c"gzip".as_ptr(),
+            std::ptr::null_mut(),
+        )
     };
     // SAFETY: garbage handles are the point; `now` is a valid local, the status pointer NULL.
     let _ = unsafe {
@@ -150,6 +154,11 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let (mut tag, mut taken) = (0u64, std::ptr::null_mut());
     let _ = unsafe { isthmus_cq_take_call(word as *const isthmus_cq_t, 1, &mut tag, &mut taken, std::ptr::null_mut()) };
     let _ = isthmus_server_call_headers_sent(word as *const isthmus_server_call_t);
+    let (mut md, mut left) = (std::ptr::null_mut(), 0i64);
+    // SAFETY: a garbage handle is the point; every pointer argument is a valid local.
+    let begun =
+        unsafe { isthmus_server_call_begin(word as *const isthmus_server_call_t, &mut md, &mut left, &mut now) };
+    assert!(begun == -1 && md.is_null(), "a garbage call begins nothing");
     let _ = isthmus_code_name(word as i32);
     let (mut block, mut reply) = (std::ptr::null_mut(), std::ptr::null_mut());
     // SAFETY: garbage handles are the point; every pointer argument is a valid local or NULL.

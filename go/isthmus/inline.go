@@ -5,11 +5,21 @@ package isthmus
 #include <stdlib.h>
 #include "isthmus.h"
 extern void isthmusGoHandle(void *user_data, isthmus_server_call_t *call);
+
+// What isthmus_server_call_begin writes, in C memory (cgo lets no Go pointer sit beside a
+// pointer passed to C).
+typedef struct {
+	isthmus_metadata_t *metadata;
+	int64_t left;
+	isthmus_event_t now;
+} isthmus_go_begin_t;
 */
 import "C"
 
 import (
+	"runtime"
 	"runtime/cgo"
+	"sync"
 	"unsafe"
 
 	"google.golang.org/grpc/codes"
@@ -45,8 +55,40 @@ func isthmusGoHandle(userData unsafe.Pointer, sc *C.isthmus_server_call_t) {
 	e.s.handleInline(e.m, sc)
 }
 
+// beginBuf is what isthmus_server_call_begin writes, in C memory that its finalizer frees (a
+// pool may drop it at any collection).
+type beginBuf struct{ c *C.isthmus_go_begin_t }
+
+var beginPool = sync.Pool{New: func() any {
+	b := &beginBuf{c: (*C.isthmus_go_begin_t)(C.calloc(1, C.size_t(unsafe.Sizeof(C.isthmus_go_begin_t{}))))}
+	runtime.SetFinalizer(b, func(b *beginBuf) { C.free(unsafe.Pointer(b.c)) })
+	return b
+}}
+
 func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
-	st := newServerStream(s, m, sc)
+	// The metadata, the deadline and the request if it is in (it usually is): one cgo call.
+	buf := beginPool.Get().(*beginBuf)
+	b := buf.c
+	in := C.isthmus_server_call_begin(sc, &b.metadata, &b.left, &b.now)
+	var st *serverStream
+	if in < 0 {
+		st = newServerStream(s, m, sc)
+	} else {
+		st = newServerStreamWith(s, m, sc, b.metadata, int64(b.left))
+	}
+	ev := b.now
+	*b = C.isthmus_go_begin_t{}
+	beginPool.Put(buf)
+	if in != 1 {
+		s.receiveInline(st, m, sc)
+		return
+	}
+	s.answerInline(st, m, ev)
+}
+
+// receiveInline takes the request that was not in when the handler began: at once if it has
+// come since, else on a goroutine that waits for it.
+func (s *Server) receiveInline(st *serverStream, m *method, sc *C.isthmus_server_call_t) {
 	o := s.r.newOp()
 	var cst *C.isthmus_status_t
 	code := C.isthmus_server_call_recv_async(sc, 0, s.r.cq, C.uint64_t(o.tag), o.now, &cst)
@@ -74,6 +116,11 @@ func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
 		return
 	}
 	o.done()
+	s.answerInline(st, m, ev)
+}
+
+// answerInline runs the handler on its request event ev (which it consumes) and replies.
+func (s *Server) answerInline(st *serverStream, m *method, ev C.isthmus_event_t) {
 	if m.rawUnary != nil {
 		// Its reply is a block: sent with no wait for anything but the client's window.
 		st.end(s.runRawUnary(st, m, ev))

@@ -9,6 +9,7 @@ import "C"
 import (
 	"context"
 	"os"
+	"runtime"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -149,8 +150,12 @@ type op struct {
 	now *C.isthmus_event_t
 }
 
+// opPool's ops free their C memory when collected: a pool may drop what it holds at any
+// collection.
 var opPool = sync.Pool{New: func() any {
-	return &op{ch: make(chan C.isthmus_event_t, 1), now: (*C.isthmus_event_t)(C.calloc(1, C.size_t(unsafe.Sizeof(C.isthmus_event_t{}))))}
+	o := &op{ch: make(chan C.isthmus_event_t, 1), now: (*C.isthmus_event_t)(C.calloc(1, C.size_t(unsafe.Sizeof(C.isthmus_event_t{}))))}
+	runtime.SetFinalizer(o, func(o *op) { C.free(unsafe.Pointer(o.now)) })
+	return o
 }}
 
 // newOp reserves a tag for one operation.

@@ -543,9 +543,16 @@ type serverStream struct {
 }
 
 func newServerStream(s *Server, m *method, sc *C.isthmus_server_call_t) *serverStream {
+	left := int64(C.isthmus_server_call_time_remaining_us(sc))
+	return newServerStreamWith(s, m, sc, C.isthmus_server_call_metadata(sc), left)
+}
+
+// newServerStreamWith is newServerStream given the call's metadata (a handle it frees; nil
+// for none) and the microseconds left before its deadline (-1: none).
+func newServerStreamWith(s *Server, m *method, sc *C.isthmus_server_call_t, mdh *C.isthmus_metadata_t, left int64) *serverStream {
 	st := &serverStream{s: s, m: m, sc: sc}
 	parent := context.Background()
-	md := takeMetadata(C.isthmus_server_call_metadata(sc))
+	md := takeMetadata(mdh)
 	if md == nil {
 		md = metadata.MD{}
 	}
@@ -557,7 +564,7 @@ func newServerStream(s *Server, m *method, sc *C.isthmus_server_call_t) *serverS
 		st.stats.inHeader(md, m.name, st.peer.Addr)
 		st.stats.serverBegin(clientStream, serverStream)
 	}
-	if left := int64(C.isthmus_server_call_time_remaining_us(sc)); left >= 0 {
+	if left >= 0 {
 		ctx, st.cancel = context.WithTimeout(ctx, time.Duration(left)*time.Microsecond)
 	} else {
 		ctx, st.cancel = context.WithCancel(ctx)

@@ -1343,6 +1343,26 @@ isthmus_metadata_t *isthmus_server_call_metadata(const isthmus_server_call_t *ca
 // Thread-safety: any thread.
 int64_t isthmus_server_call_time_remaining_us(const isthmus_server_call_t *call);
 
+// What a unary handler asks first, in one call: the client's initial metadata (`*metadata`, a
+// copy the caller frees; NULL when the client sent none), the microseconds left before its
+// deadline (`*time_remaining_us`, -1 if it set none), and its request if that is in already:
+// then `*now` is written as [`isthmus_server_call_recv_async`] with `flags` 0 would write it
+// (`ISTHMUS_OP_RECV`, tag 0: the message, NULL if the client half-closed without one, or the
+// failure) and 1 is returned. 0 if the request has not come yet: receive it with
+// `isthmus_server_call_recv_async`. -1, with nothing written, for an invalid handle or a NULL
+// pointer. For a handler that runs on the connection's reading thread: one crossing of the
+// boundary where it would make four.
+//
+// Thread-safety: any thread; the call's receiving side, as a receive.
+//
+// # Safety
+//
+// `metadata`, `time_remaining_us` and `now` are NULL or writable.
+int32_t isthmus_server_call_begin(const isthmus_server_call_t *call,
+                                  isthmus_metadata_t **metadata,
+                                  int64_t *time_remaining_us,
+                                  isthmus_event_t *now);
+
 // 1 while the call runs (not finished, not cancelled by the client, deadline not passed);
 // 0 otherwise.
 //

@@ -614,6 +614,54 @@ pub extern "C" fn isthmus_server_call_time_remaining_us(call: *const isthmus_ser
     })
 }
 
+/// What a unary handler asks first, in one call: the client's initial metadata (`*metadata`, a
+/// copy the caller frees; NULL when the client sent none), the microseconds left before its
+/// deadline (`*time_remaining_us`, -1 if it set none), and its request if that is in already:
+/// then `*now` is written as [`isthmus_server_call_recv_async`] with `flags` 0 would write it
+/// (`ISTHMUS_OP_RECV`, tag 0: the message, NULL if the client half-closed without one, or the
+/// failure) and 1 is returned. 0 if the request has not come yet: receive it with
+/// `isthmus_server_call_recv_async`. -1, with nothing written, for an invalid handle or a NULL
+/// pointer. For a handler that runs on the connection's reading thread: one crossing of the
+/// boundary where it would make four.
+///
+/// Thread-safety: any thread; the call's receiving side, as a receive.
+///
+/// # Safety
+///
+/// `metadata`, `time_remaining_us` and `now` are NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_call_begin(
+    call: *const isthmus_server_call_t,
+    metadata: *mut *mut isthmus_metadata_t,
+    time_remaining_us: *mut i64,
+    now: *mut isthmus_event_t,
+) -> i32 {
+    guard(-1, || {
+        if metadata.is_null() || time_remaining_us.is_null() || now.is_null() {
+            return -1;
+        }
+        let Ok(call) = handed(call) else { return -1 };
+        let md = match call.metadata().is_empty() {
+            true => std::ptr::null_mut(),
+            false => metadata_handle(call.metadata().clone()),
+        };
+        let left = call.time_remaining().map_or(-1, |t| t.as_micros().min(i64::MAX as u128) as i64);
+        let received = call.try_recv();
+        // SAFETY: all three are not NULL, and the ABI's rules make them writable.
+        unsafe {
+            metadata.write(md);
+            time_remaining_us.write(left);
+            match received {
+                Some(r) => {
+                    now.write(Outcome::received(r).event(0, ISTHMUS_OP_RECV));
+                    1
+                }
+                None => 0,
+            }
+        }
+    })
+}
+
 /// 1 while the call runs (not finished, not cancelled by the client, deadline not passed);
 /// 0 otherwise.
 ///

@@ -16,6 +16,10 @@
 //	go-memcpy        one copy of the payload within this process (Go's copy, a memmove)
 //	go-cgo-call      one empty cgo call (size 0, p50_us is its cost)
 //
+// go-bench load also runs go-client-engine-server: the go-isthmus-shm client against the Rust
+// engine's echo server (isthmus-bench serve-isthmus, found beside this binary's directory in
+// target/release, or at $ISTHMUS_BENCH), to split a Go-to-Go figure into its two sides.
+//
 // Usage: go-bench run [-quick] [-rounds N] [-out results.json]; the serve-* modes are the
 // server processes it starts itself. go-bench load SYSTEM SIZE INFLIGHT SECONDS runs one
 // system alone, for a profiler (perf, pprof) to watch; it prints the record and writes none.
@@ -131,6 +135,23 @@ func protoCaller(c pb.EchoClient) caller {
 		r, err := c.Unary(ctx, &pb.EchoRequest{Payload: payload})
 		if err == nil && len(r.Payload) != len(payload) {
 			err = fmt.Errorf("reply of %d bytes for %d", len(r.Payload), len(payload))
+		}
+		return err
+	}
+}
+
+// engineEchoPath is the Rust engine's echo (isthmus-bench's `/bench.Echo/Unary`), which
+// returns a request's bytes as they came: an EchoRequest's payload comes back as an
+// EchoReply's, the same field.
+const engineEchoPath = "/bench.Echo/Unary"
+
+// engineEchoCaller is protoCaller's call, as a generated client makes it, to the engine's echo.
+func engineEchoCaller(conn *isthmus.ClientConn) caller {
+	return func(ctx context.Context, payload []byte) error {
+		var reply pb.EchoReply
+		err := conn.Invoke(ctx, engineEchoPath, &pb.EchoRequest{Payload: payload}, &reply)
+		if err == nil && len(reply.Payload) != len(payload) {
+			err = fmt.Errorf("reply of %d bytes for %d", len(reply.Payload), len(payload))
 		}
 		return err
 	}
@@ -279,7 +300,25 @@ func start(mode, target string) (*exec.Cmd, error) {
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(self, mode, target)
+	return startCommand(exec.Command(self, mode, target), mode)
+}
+
+// startEngineServer starts the Rust engine's echo server (isthmus-bench serve-isthmus) on
+// target and waits for READY.
+func startEngineServer(target string) (*exec.Cmd, error) {
+	bin := os.Getenv("ISTHMUS_BENCH")
+	if bin == "" {
+		self, err := os.Executable()
+		if err != nil {
+			return nil, err
+		}
+		bin = filepath.Join(filepath.Dir(self), "..", "release", "isthmus-bench")
+	}
+	return startCommand(exec.Command(bin, "serve-isthmus", target), "isthmus-bench serve-isthmus")
+}
+
+// startCommand starts cmd, a server that prints READY once it serves, and waits for that.
+func startCommand(cmd *exec.Cmd, mode string) (*exec.Cmd, error) {
 	cmd.Stderr = os.Stderr
 	out, err := cmd.StdoutPipe()
 	if err != nil {
@@ -446,7 +485,8 @@ func grpcClient(sock string) (*grpc.ClientConn, error) {
 }
 
 // load runs one system at one size and concurrency for a while: go-isthmus-shm,
-// go-isthmus-shm-goroutines, go-isthmus-raw, go-isthmus-raw-stream, go-grpc-uds or go-memcpy.
+// go-isthmus-shm-goroutines, go-isthmus-raw, go-isthmus-raw-stream, go-grpc-uds, go-memcpy or
+// go-client-engine-server.
 func load(args []string) error {
 	if len(args) != 4 {
 		return fmt.Errorf("usage: go-bench load SYSTEM SIZE INFLIGHT SECONDS")
@@ -466,13 +506,18 @@ func load(args []string) error {
 	switch args[0] {
 	case "go-memcpy":
 		call = memcpyCaller()
-	case "go-isthmus-shm", "go-isthmus-raw", "go-isthmus-shm-goroutines", "go-isthmus-raw-stream":
+	case "go-isthmus-shm", "go-isthmus-raw", "go-isthmus-shm-goroutines", "go-isthmus-raw-stream", "go-client-engine-server":
 		shm := fmt.Sprintf("shm://go-bench-%d", os.Getpid())
-		serve := "serve-isthmus"
-		if args[0] == "go-isthmus-shm-goroutines" {
-			serve = "serve-isthmus-default"
+		var srv *exec.Cmd
+		var err error
+		switch args[0] {
+		case "go-isthmus-shm-goroutines":
+			srv, err = start("serve-isthmus-default", shm)
+		case "go-client-engine-server":
+			srv, err = startEngineServer(shm)
+		default:
+			srv, err = start("serve-isthmus", shm)
 		}
-		srv, err := start(serve, shm)
 		if err != nil {
 			return err
 		}
@@ -487,6 +532,8 @@ func load(args []string) error {
 			call = rawCaller(conn)
 		case "go-isthmus-raw-stream":
 			call = rawStreamCaller(conn)
+		case "go-client-engine-server":
+			call = engineEchoCaller(conn)
 		default:
 			call = protoCaller(pb.NewEchoClient(conn))
 		}

@@ -356,7 +356,27 @@ static void h_reply(isthmus_server_call_t *call) {
   isthmus_metadata_t *trailers = isthmus_metadata_new(), *stale = isthmus_metadata_new();
   isthmus_metadata_free(stale);
   isthmus_metadata_add(trailers, "x-replied", (const uint8_t *)"1", 1, NULL);
-  isthmus_code_t rc = isthmus_server_call_recv(call, 0, &req, &st);
+  /* isthmus_server_call_begin: the metadata (NULL: none), the deadline as
+     isthmus_server_call_time_remaining_us says, and the request if it is in (it came inside
+     the call's HEADERS); else a receive takes it. */
+  isthmus_metadata_t *md = NULL;
+  int64_t left = -2;
+  isthmus_event_t first;
+  memset(&first, 0, sizeof first);
+  int in = isthmus_server_call_begin(call, &md, &left, &first);
+  if (in != 0 && in != 1) reply_problem("begin's answer", (isthmus_code_t)in);
+  if (left < -1 || (left >= 0) != (isthmus_server_call_time_remaining_us(call) >= 0))
+    reply_problem("begin's deadline", (isthmus_code_t)left);
+  if (md) isthmus_metadata_free(md);
+  isthmus_code_t rc = ISTHMUS_OK;
+  if (in == 1) {
+    if (first.op != ISTHMUS_OP_RECV || first.tag != 0) reply_problem("begin's event", (isthmus_code_t)first.op);
+    rc = first.code;
+    req = first.message;
+    st = first.status;
+  } else {
+    rc = isthmus_server_call_recv(call, 0, &req, &st);
+  }
   if (cq == NULL || rc != ISTHMUS_OK || req == NULL) {
     finish_failed(call, rc == ISTHMUS_OK ? ISTHMUS_INTERNAL : rc, st, "no request or no queue");
   } else {
@@ -1014,6 +1034,12 @@ static int check_null_arguments(ctx_t *c) {
   REQUIRE(isthmus_server_call_path(NULL, &len) == NULL && len == 0, "path of NULL");
   REQUIRE(isthmus_server_call_metadata(NULL) == NULL, "metadata of NULL");
   REQUIRE(isthmus_server_call_time_remaining_us(NULL) == -1, "time remaining of NULL");
+  {
+    isthmus_metadata_t *md = NULL;
+    int64_t left = 0;
+    isthmus_event_t ev;
+    REQUIRE(isthmus_server_call_begin(NULL, &md, &left, &ev) == -1 && md == NULL, "begin of NULL");
+  }
   REQUIRE(isthmus_server_call_is_active(NULL) == 0, "NULL is active");
   REQUIRE(isthmus_server_call_headers_sent(NULL) == 0, "NULL sent headers");
   INVALID(isthmus_server_call_recv(NULL, 0, &msg, &st));
