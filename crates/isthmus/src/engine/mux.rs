@@ -1922,7 +1922,11 @@ impl Mux {
                             self.last_stream.fetch_max(f.stream, Ordering::AcqRel);
                             return Ok(Some(Reply::trailers(f.stream, &Status::from_transport(&e))));
                         }
-                        (head, Some(f.body.slice(at..)))
+                        // The request is the body's tail: advanced to, not sliced, which would
+                        // allocate to share the frame's buffer.
+                        let mut request = f.body;
+                        bytes::Buf::advance(&mut request, at);
+                        (head, Some(request))
                     } else {
                         (wire::RequestHead::decode(&f.body).map_err(internal)?, None)
                     };
