@@ -160,6 +160,22 @@ def cgo_line(res: Results) -> list[str]:
     return [f"- one empty cgo call: {v[0] * 1000:.0f} ns"] if v else []
 
 
+def go_split_line(res: Results) -> list[str]:
+    """The Go client against the Rust engine's echo server beside Go to Go: which side a Go
+    figure's cost is on."""
+    parts = []
+    for inflight, field, show in ((1, "p50_us", us), (32, "rps", lambda v: f"{v:,.0f} calls/s")):
+        split = res.get("go-client-engine-server", 64, inflight, field)
+        whole = res.get("go-isthmus-shm", 64, inflight, field)
+        if split and whole:
+            where = "p50" if inflight == 1 else "32 in flight"
+            parts.append(f"{where} {show(split[0])} (Go to Go: {show(whole[0])})")
+    if not parts:
+        return []
+    against = "the same client against the Rust engine's echo server (`go-client-engine-server`)"
+    return [f"- {against}, 64 B: {'; '.join(parts)}"]
+
+
 def go_floor_line(res: Results) -> list[str]:
     """The raw echo against one copy in Go, the ratio issue 16's 2.5x target is set in, beside
     its floor: two copies between the processes (`floor-copy`) against one copy (`memcpy`).
@@ -338,6 +354,7 @@ def main() -> int:
         "",
         *latency_table(res, GO),
         *cgo_line(res),
+        *go_split_line(res),
         *go_floor_line(res),
         "",
         "## Fan-out (publish/subscribe)",

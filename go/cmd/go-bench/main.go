@@ -15,10 +15,10 @@
 //	                 and write buffers)
 //	go-memcpy        one copy of the payload within this process (Go's copy, a memmove)
 //	go-cgo-call      one empty cgo call (size 0, p50_us is its cost)
-//
-// go-bench load also runs go-client-engine-server: the go-isthmus-shm client against the Rust
-// engine's echo server (isthmus-bench serve-isthmus, found beside this binary's directory in
-// target/release, or at $ISTHMUS_BENCH), to split a Go-to-Go figure into its two sides.
+//	go-client-engine-server  the go-isthmus-shm client against the Rust engine's echo server
+//	                 (isthmus-bench serve-isthmus, found in target/release beside this
+//	                 binary's directory, or at $ISTHMUS_BENCH; skipped if neither is there):
+//	                 a Go-to-Go figure's client side alone (64 B and 1 KiB)
 //
 // Usage: go-bench run [-quick] [-rounds N] [-out results.json]; the serve-* modes are the
 // server processes it starts itself. go-bench load SYSTEM SIZE INFLIGHT SECONDS runs one
@@ -397,6 +397,20 @@ func run(quick bool, rounds int, out string) error {
 		return err
 	}
 	defer gconn.Close()
+	// The Go client against the Rust engine's echo server, where isthmus-bench is built.
+	var engineCall caller
+	eshm := shm + "-engine"
+	if esrv, err := startEngineServer(eshm); err != nil {
+		fmt.Fprintln(os.Stderr, "go-bench: no go-client-engine-server:", err)
+	} else {
+		defer stop(esrv)
+		econn, err := isthmus.Dial(eshm)
+		if err != nil {
+			return err
+		}
+		defer econn.Close()
+		engineCall = engineEchoCaller(econn)
+	}
 	systems := []struct {
 		name string
 		call caller
@@ -416,6 +430,12 @@ func run(quick bool, rounds int, out string) error {
 		{"go-grpc-uds-deadline", withDeadline(protoCaller(pb.NewEchoClient(gconn)))},
 		{"go-isthmus-raw-stream", rawStreamCaller(iconn)},
 		{"go-isthmus-shm-goroutines", protoCaller(pb.NewEchoClient(dconn))},
+	}
+	if engineCall != nil {
+		deadlined = append(deadlined, struct {
+			name string
+			call caller
+		}{"go-client-engine-server", engineCall})
 	}
 	sizes := []int{64, 1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20}
 	wide := []int{64, 1 << 10}
