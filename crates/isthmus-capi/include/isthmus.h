@@ -1351,7 +1351,7 @@ int64_t isthmus_server_call_time_remaining_us(const isthmus_server_call_t *call)
 // failure) and 1 is returned. 0 if the request has not come yet: receive it with
 // `isthmus_server_call_recv_async`. -1, with nothing written, for an invalid handle or a NULL
 // pointer. For a handler that runs on the connection's reading thread: one crossing of the
-// boundary where it would make four.
+// boundary where it would make five.
 //
 // Thread-safety: any thread; the call's receiving side, as a receive.
 //
