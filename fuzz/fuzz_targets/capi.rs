@@ -2,8 +2,9 @@
 //! bytes: targets for `isthmus_channel_new`, metadata keys and values, method paths, status
 //! codes, JSON and protobuf bytes for `isthmus_proto_encode`/`_decode`, and handles that are
 //! garbage (also for the block calls, `isthmus_channel_alloc`, `isthmus_block_write` and
-//! `isthmus_unary_block`, the connectivity calls, the counters, the topics, and
-//! `isthmus_server_call_reply_async`, `isthmus_server_call_begin`). Each must answer with a code, never crash or leak.
+//! `isthmus_unary_block`, the connectivity calls, the counters, the topics,
+//! `isthmus_server_call_reply_async` and `isthmus_server_call_begin`). Each must answer with a
+//! code, never crash or leak.
 #![no_main]
 
 use std::ffi::CString;

@@ -609,9 +609,12 @@ pub extern "C" fn isthmus_server_call_metadata(call: *const isthmus_server_call_
 /// Thread-safety: any thread.
 #[no_mangle]
 pub extern "C" fn isthmus_server_call_time_remaining_us(call: *const isthmus_server_call_t) -> i64 {
-    guard(-1, || {
-        handed(call).ok().and_then(|c| c.time_remaining()).map_or(-1, |t| t.as_micros().min(i64::MAX as u128) as i64)
-    })
+    guard(-1, || handed(call).map_or(-1, |c| micros_left(&c)))
+}
+
+/// Microseconds left before a call's deadline; -1 if it has none.
+fn micros_left(call: &HandedCall) -> i64 {
+    call.time_remaining().map_or(-1, |t| t.as_micros().min(i64::MAX as u128) as i64)
 }
 
 /// What a unary handler asks first, in one call: the client's initial metadata (`*metadata`, a
@@ -645,7 +648,7 @@ pub unsafe extern "C" fn isthmus_server_call_begin(
             true => std::ptr::null_mut(),
             false => metadata_handle(call.metadata().clone()),
         };
-        let left = call.time_remaining().map_or(-1, |t| t.as_micros().min(i64::MAX as u128) as i64);
+        let left = micros_left(&call);
         let received = call.try_recv();
         // SAFETY: all three are not NULL, and the ABI's rules make them writable.
         unsafe {

@@ -666,10 +666,7 @@ impl HandedCall {
             if let Poll::Ready(r) = std::future::poll_fn(|cx| Poll::Ready(requests.poll_recv(cx))).await {
                 return r;
             }
-            self.responded.store(true, Ordering::SeqCst);
-            let mut call = self.call.lock().await;
-            self.apply_choice(&mut call);
-            call.flush_headers().await?;
+            self.sending().await.flush_headers().await?;
         }
         std::future::poll_fn(|cx| requests.poll_recv(cx)).await
     }
@@ -762,20 +759,14 @@ impl HandedCall {
     /// Sends one response message.
     pub async fn send(&self, message: &[u8]) -> Result<(), Status> {
         self.check_active()?;
-        self.responded.store(true, std::sync::atomic::Ordering::SeqCst);
         self.settle();
-        let mut call = self.call.lock().await;
-        self.apply_choice(&mut call);
-        call.send(message).await
+        self.sending().await.send(message).await
     }
 
     /// Sends initial metadata now.
     pub async fn send_headers(&self, metadata: MetadataMap) -> Result<(), Status> {
         self.check_active()?;
-        self.responded.store(true, std::sync::atomic::Ordering::SeqCst);
-        let mut call = self.call.lock().await;
-        self.apply_choice(&mut call);
-        call.send_headers(metadata).await
+        self.sending().await.send_headers(metadata).await
     }
 
     /// Chooses the compression of this call's replies where they cross a wire (see
@@ -790,7 +781,9 @@ impl HandedCall {
         }
         if let Ok(mut call) = self.call.try_lock() {
             // A choice that waited is older than this one.
-            self.chosen.lock().map(|mut c| c.take()).ok();
+            if let Ok(mut older) = self.chosen.lock() {
+                older.take();
+            }
             return call.set_compression(compression);
         }
         let Ok(mut chosen) = self.chosen.lock() else { return false };
@@ -801,6 +794,15 @@ impl HandedCall {
         // send has begun, the choice counts only if that send took it.
         self.choice_waits.store(true, SeqCst);
         !self.responded.load(SeqCst) || self.chosen.lock().is_ok_and(|mut c| c.take().is_none())
+    }
+
+    /// The call, for a send: marks the call as responding, waits for the call, and applies a
+    /// choice of compression that waited for it (`set_compression`), in that order.
+    async fn sending(&self) -> tokio::sync::MutexGuard<'_, crate::ServerCall> {
+        self.responded.store(true, std::sync::atomic::Ordering::SeqCst);
+        let mut call = self.call.lock().await;
+        self.apply_choice(&mut call);
+        call
     }
 
     /// Applies a choice of compression that waited for the call (`set_compression`); the
@@ -833,11 +835,8 @@ impl HandedCall {
     /// Sends a block from [`alloc`](Self::alloc) as one response message.
     pub async fn send_block(&self, block: crate::BlockMut) -> Result<(), Status> {
         self.check_active()?;
-        self.responded.store(true, std::sync::atomic::Ordering::SeqCst);
         self.settle();
-        let mut call = self.call.lock().await;
-        self.apply_choice(&mut call);
-        call.send_block(block).await
+        self.sending().await.send_block(block).await
     }
 
     /// Delivers `topic` to this call until the client leaves or the topic closes
@@ -854,10 +853,8 @@ impl HandedCall {
     ) -> Result<(), Status> {
         use crate::Delivery;
         self.check_active()?;
-        self.responded.store(true, std::sync::atomic::Ordering::SeqCst);
         let (arena, direct) = {
-            let mut call = self.call.lock().await;
-            self.apply_choice(&mut call);
+            let mut call = self.sending().await;
             (call.shared_arena().cloned(), call.direct().await?)
         };
         let mut sub = topic.subscribe_for(arena.as_ref());

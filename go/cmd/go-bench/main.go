@@ -140,21 +140,19 @@ func protoCaller(c pb.EchoClient) caller {
 	}
 }
 
-// engineEchoPath is the Rust engine's echo (isthmus-bench's `/bench.Echo/Unary`), which
-// returns a request's bytes as they came: an EchoRequest's payload comes back as an
-// EchoReply's, the same field.
-const engineEchoPath = "/bench.Echo/Unary"
+// toEngineEcho carries a generated client's unary calls to the Rust engine's echo
+// (isthmus-bench's `/bench.Echo/Unary`), which returns a request's bytes as they came: an
+// EchoRequest's payload comes back as an EchoReply's, the same field.
+type toEngineEcho struct{ *isthmus.ClientConn }
 
-// engineEchoCaller is protoCaller's call, as a generated client makes it, to the engine's echo.
-func engineEchoCaller(conn *isthmus.ClientConn) caller {
-	return func(ctx context.Context, payload []byte) error {
-		var reply pb.EchoReply
-		err := conn.Invoke(ctx, engineEchoPath, &pb.EchoRequest{Payload: payload}, &reply)
-		if err == nil && len(reply.Payload) != len(payload) {
-			err = fmt.Errorf("reply of %d bytes for %d", len(reply.Payload), len(payload))
-		}
-		return err
-	}
+func (c toEngineEcho) Invoke(ctx context.Context, _ string, args, reply any, opts ...grpc.CallOption) error {
+	return c.ClientConn.Invoke(ctx, "/bench.Echo/Unary", args, reply, opts...)
+}
+
+// system is a named way to make one echo.
+type system struct {
+	name string
+	call caller
 }
 
 // withDeadline gives each call a context with a 10 s deadline, as most real code does: a
@@ -409,33 +407,24 @@ func run(quick bool, rounds int, out string) error {
 			return err
 		}
 		defer econn.Close()
-		engineCall = engineEchoCaller(econn)
+		engineCall = protoCaller(pb.NewEchoClient(toEngineEcho{econn}))
 	}
-	systems := []struct {
-		name string
-		call caller
-	}{
+	systems := []system{
 		{"go-memcpy", memcpyCaller()},
 		{"go-isthmus-shm", protoCaller(pb.NewEchoClient(iconn))},
 		{"go-isthmus-raw", rawCaller(iconn)},
 		{"go-grpc-uds", protoCaller(pb.NewEchoClient(gconn))},
 	}
-	// The same unary calls with a deadline on each, and the raw echo as a stream (64 B and
-	// 1 KiB only).
-	deadlined := []struct {
-		name string
-		call caller
-	}{
+	// 64 B and 1 KiB only: the same unary calls with a deadline on each, the raw echo as a
+	// stream, the server with NewServer's defaults, and the client against the engine's echo.
+	deadlined := []system{
 		{"go-isthmus-shm-deadline", withDeadline(protoCaller(pb.NewEchoClient(iconn)))},
 		{"go-grpc-uds-deadline", withDeadline(protoCaller(pb.NewEchoClient(gconn)))},
 		{"go-isthmus-raw-stream", rawStreamCaller(iconn)},
 		{"go-isthmus-shm-goroutines", protoCaller(pb.NewEchoClient(dconn))},
 	}
 	if engineCall != nil {
-		deadlined = append(deadlined, struct {
-			name string
-			call caller
-		}{"go-client-engine-server", engineCall})
+		deadlined = append(deadlined, system{"go-client-engine-server", engineCall})
 	}
 	sizes := []int{64, 1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20}
 	wide := []int{64, 1 << 10}
@@ -553,7 +542,7 @@ func load(args []string) error {
 		case "go-isthmus-raw-stream":
 			call = rawStreamCaller(conn)
 		case "go-client-engine-server":
-			call = engineEchoCaller(conn)
+			call = protoCaller(pb.NewEchoClient(toEngineEcho{conn}))
 		default:
 			call = protoCaller(pb.NewEchoClient(conn))
 		}
