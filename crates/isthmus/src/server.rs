@@ -584,9 +584,11 @@ impl Bound {
             mux.go_away(GOING_AWAY).await;
         }
         let drained = async {
-            while tracker.calls.load(std::sync::atomic::Ordering::Acquire) > 0 {
+            // SeqCst, after `stopping`: a call that ends unseen here sees `stopping` and wakes
+            // this (`CallGuard`).
+            while tracker.calls.load(std::sync::atomic::Ordering::SeqCst) > 0 {
                 let idle = tracker.idle.notified();
-                if tracker.calls.load(std::sync::atomic::Ordering::Acquire) == 0 {
+                if tracker.calls.load(std::sync::atomic::Ordering::SeqCst) == 0 {
                     break;
                 }
                 idle.await;

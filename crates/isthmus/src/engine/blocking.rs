@@ -230,14 +230,16 @@ impl Channel {
     fn start_by(&self, path: &str, options: &CallOptions, patience: Option<Instant>) -> Result<Call, Option<Status>> {
         check_path(path)?;
         let deadline = options.timeout.map(|t| Instant::now() + t);
-        self.start_with(path, options, deadline, patience, None).map(|(call, _)| call)
+        self.start_with(None, path, options, deadline, patience, None).map(|(call, _)| call)
     }
 
     /// [`start_by`](Self::start_by) with the call's deadline already set (a unary call sets it
     /// before it stages its request, and keeps it), sending `first`, the call's only request,
     /// inside its HEADERS when it can (a one-frame call, `request_in_head`); whether it did.
+    /// `live` is the connection the caller just took for it, if it did.
     fn start_with(
         &self,
+        mut live: Option<Arc<Mux>>,
         path: &str,
         options: &CallOptions,
         deadline: Option<Instant>,
@@ -246,7 +248,10 @@ impl Channel {
     ) -> Result<(Call, bool), Option<Status>> {
         let mut again = true;
         loop {
-            let mux = self.mux_for_call(options.wait_for_ready, deadline)?;
+            let mux = match live.take() {
+                Some(mux) => mux,
+                None => self.mux_for_call(options.wait_for_ready, deadline)?,
+            };
             match self.open(mux.clone(), path, options, deadline, patience, first) {
                 // As the async client's `start`: a call whose connection died before its HEADERS
                 // went out never reached the server, and starts once more on a new connection.
@@ -307,7 +312,7 @@ impl Channel {
     ) -> Result<Staged, Status> {
         let mux = self.mux_for_call(options.wait_for_ready, deadline)?;
         if !mux.sender.sends_as_block(request.len()) {
-            return Ok(Staged::Usual);
+            return Ok(Staged::Usual(Some(mux)));
         }
         match mux.sender.alloc(request.len(), sooner(deadline, patience)) {
             Ok(mut block) => {
@@ -316,7 +321,7 @@ impl Channel {
             }
             Err(e) if patience.is_some() && impatient(&e, deadline) => Ok(Staged::NoRoom),
             // The connection died under it: the usual way starts the call on a new one.
-            Err(_) if !mux.takes_calls() => Ok(Staged::Usual),
+            Err(_) if !mux.takes_calls() => Ok(Staged::Usual(None)),
             Err(e) => Err(Status::from_transport(&e)),
         }
     }
@@ -348,18 +353,18 @@ impl Channel {
     ) -> Result<Option<PendingUnary>, Status> {
         check_path(path)?;
         let deadline = options.timeout.map(|t| Instant::now() + t);
-        match self.stage(request, options, deadline, patience)? {
-            Staged::Usual => {}
+        let live = match self.stage(request, options, deadline, patience)? {
+            Staged::Usual(live) => live,
             Staged::NoRoom => return Ok(None),
             Staged::Ready(mux, block) => match self.open(mux.clone(), path, options, deadline, patience, None) {
                 Ok((call, _)) => return send_last(call, path, Body::Block(block), patience),
                 Err(None) => return Ok(None),
                 // Its HEADERS never went out: as `start_by`, once more on a new connection.
-                Err(Some(_)) if !mux.takes_calls() => {}
+                Err(Some(_)) if !mux.takes_calls() => None,
                 Err(Some(status)) => return Err(status),
             },
-        }
-        let call = match self.start_with(path, options, deadline, patience, Some(request)) {
+        };
+        let call = match self.start_with(live, path, options, deadline, patience, Some(request)) {
             Ok((call, true)) => return Ok(Some(PendingUnary::new(call, path, request.len()))),
             Ok((call, false)) => call,
             Err(None) => return Ok(None),
@@ -478,8 +483,9 @@ fn send_last(
 
 /// What [`Channel::stage`] made of a request.
 enum Staged {
-    /// Sent the usual way, after the HEADERS: inline in the ring, or in pieces.
-    Usual,
+    /// Sent the usual way, with or after the HEADERS: inline in the ring, or in pieces; on this
+    /// connection if there is one (taken already, so the call need not look again).
+    Usual(Option<Arc<Mux>>),
     /// One block of the arena, filled, on this connection.
     Ready(Arc<Mux>, BlockMut),
     /// A block, but no arena room for it within the caller's patience.

@@ -46,7 +46,7 @@
 //! waits in a queue would remove this at the price of a copy (ADR 0006). A message larger than the
 //! window leaves the credit below zero, so for such messages one is in flight per stream.
 
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 
 use tokio::sync::Notify;
 
@@ -70,6 +70,9 @@ pub(crate) struct SendWindow {
     /// The stream has ended: no credit will come, waiting writers must stop.
     closed: AtomicBool,
     changed: Notify,
+    /// Writers in [`take`](Self::take): only then do a grant and the close wake anyone, and
+    /// most streams never wait (a `Notify` takes a lock even with nobody to wake).
+    waiting: AtomicUsize,
 }
 
 /// What a writer may do now.
@@ -89,6 +92,7 @@ impl Default for SendWindow {
             credit: AtomicI64::new(INITIAL_WINDOW as i64),
             closed: AtomicBool::new(false),
             changed: Notify::new(),
+            waiting: AtomicUsize::new(0),
         }
     }
 }
@@ -96,12 +100,13 @@ impl Default for SendWindow {
 impl SendWindow {
     /// Takes credit for a message costing `charge`, if the window is open.
     pub(crate) fn try_take(&self, charge: i64) -> Credit {
-        if self.closed.load(Ordering::Acquire) {
+        // SeqCst: a waiting writer's half of the handshake with `grant` and `close` (`take`).
+        if self.closed.load(Ordering::SeqCst) {
             return Credit::Closed;
         }
         // One writer per stream (calls are `&mut self`), so nothing can take the credit between
         // the check and the subtraction; the reader only ever adds.
-        if self.credit.load(Ordering::Acquire) <= 0 {
+        if self.credit.load(Ordering::SeqCst) <= 0 {
             return Credit::Wait;
         }
         self.credit.fetch_sub(charge, Ordering::AcqRel);
@@ -121,6 +126,20 @@ impl SendWindow {
 
     /// Waits (async) until credit for `charge` is taken or the stream is over.
     pub(crate) async fn take(&self, charge: i64) -> Credit {
+        if let done @ (Credit::Taken | Credit::Closed) = self.try_take(charge) {
+            return done;
+        }
+        // Counted before the look that decides to wait, and `grant`/`close` change the window
+        // before they look at the count (all SeqCst): one of the two sees the other, so either
+        // this look finds the change or the change wakes this wait.
+        struct Waiting<'a>(&'a AtomicUsize);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        self.waiting.fetch_add(1, Ordering::SeqCst);
+        let _waiting = Waiting(&self.waiting);
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -132,19 +151,26 @@ impl SendWindow {
         }
     }
 
+    /// Wakes the writers waiting in [`take`](Self::take), if any.
+    fn wake(&self) {
+        if self.waiting.load(Ordering::SeqCst) > 0 {
+            self.changed.notify_waiters();
+        }
+    }
+
     /// The reader gives `n` bytes of credit back (a WINDOW frame).
     pub(crate) fn grant(&self, n: u64) {
         // Increments are at most 2^40 each and an honest reader never grants more than it was
         // charged, so this cannot overflow; a hostile one that tries only hurts its own stream.
         let n = n.min(i64::MAX as u64 / 4) as i64;
-        let _ = self.credit.fetch_update(Ordering::AcqRel, Ordering::Acquire, |c| Some(c.saturating_add(n)));
-        self.changed.notify_waiters();
+        let _ = self.credit.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |c| Some(c.saturating_add(n)));
+        self.wake();
     }
 
     /// The stream ended: wake any waiting writer for good.
     pub(crate) fn close(&self) {
-        self.closed.store(true, Ordering::Release);
-        self.changed.notify_waiters();
+        self.closed.store(true, Ordering::SeqCst);
+        self.wake();
     }
 }
 

@@ -302,6 +302,17 @@ impl Entry {
     }
 }
 
+/// A stream out of the table and not yet closed ([`Mux::unlist`]); dropping it closes it.
+pub(crate) struct Unlisted(Option<Entry>);
+
+impl Drop for Unlisted {
+    fn drop(&mut self) {
+        if let Some(e) = self.0.take() {
+            e.close();
+        }
+    }
+}
+
 /// A frame the reader sends in answer to one it read (a PING's answer, a refusal, a cancel).
 pub(crate) struct Reply {
     kind: Kind,
@@ -658,6 +669,9 @@ pub(crate) struct Mux {
     open: std::sync::atomic::AtomicUsize,
     /// Set once the connection is finished: every later call fails with it.
     dead: Mutex<Option<Status>>,
+    /// `dead` is set: every call's start looks, and this look takes no lock. Stored (SeqCst)
+    /// after `dead` is, before the table is emptied (`register_entry` relies on that order).
+    is_dead: AtomicBool,
     /// Server side: GOAWAY was sent; new calls are refused.
     draining: AtomicBool,
     /// Server side: the highest stream id accepted.
@@ -839,6 +853,7 @@ impl Mux {
             streams: Mutex::new(HashMap::default()),
             open: std::sync::atomic::AtomicUsize::new(0),
             dead: Mutex::new(None),
+            is_dead: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             last_stream: AtomicU64::new(0),
             calls: CallTally::default(),
@@ -868,7 +883,18 @@ impl Mux {
 
     /// The status every call gets once the connection is gone, if it is.
     pub(crate) fn dead(&self) -> Option<Status> {
+        if !self.is_dead.load(Ordering::SeqCst) {
+            return None;
+        }
         self.dead.lock().ok().and_then(|d| d.clone())
+    }
+
+    /// Records the connection's end (the first status stays).
+    fn set_dead(&self, status: Status) {
+        if let Ok(mut d) = self.dead.lock() {
+            d.get_or_insert(status);
+        }
+        self.is_dead.store(true, Ordering::SeqCst);
     }
 
     /// Whether new calls may start here: not once the connection is dead, going away, or its
@@ -880,21 +906,31 @@ impl Mux {
 
     /// Opens stream `id`: its event queue and its windows.
     pub(crate) fn register(&self, id: u64) -> Result<Stream, Status> {
-        self.register_entry(id, false)
+        self.register_entry(id, false, None)
     }
 
-    fn register_entry(&self, id: u64, serving: bool) -> Result<Stream, Status> {
+    /// Opens stream `id`; a server's stream whose request came inside its HEADERS (`last`)
+    /// opens with that request queued as its last message, charged to its window.
+    fn register_entry(&self, id: u64, serving: bool, last: Option<Bytes>) -> Result<Stream, Status> {
         if let Some(s) = self.dead() {
             return Err(s);
         }
         let shared = Arc::new(StreamShared::default());
+        // Queued before the stream is in the table, where nothing else can see it yet: one lock
+        // of the table per call, not two. A fresh window takes any first message.
+        let peer_done = last.is_some();
+        if let Some(m) = last {
+            shared.recv_window.charge_arrival(m.len());
+            let no_waker = shared.inbox.push_unwoken(Event::Last(m));
+            debug_assert!(no_waker.is_none());
+        }
         let mut streams = self.streams.lock().map_err(|_| poisoned())?;
         if streams.contains_key(&id) {
             return Err(Status::new(Code::Internal, format!("the peer reused open stream id {id}")));
         }
         let entry = Entry {
             born: self.batch.load(Ordering::Relaxed),
-            peer_done: AtomicBool::new(false),
+            peer_done: AtomicBool::new(peer_done),
             shared: shared.clone(),
             serving,
         };
@@ -916,14 +952,18 @@ impl Mux {
     }
 
     pub(crate) fn unregister(&self, id: u64) {
-        let entry = self.streams.lock().ok().and_then(|mut s| {
+        drop(self.unlist(id));
+    }
+
+    /// Takes stream `id` out of the table (it no longer counts against the stream limit, and
+    /// frames for it are dropped); the stream closes when the result is dropped, so that a
+    /// server call's end can go out first and the waking be done after.
+    pub(crate) fn unlist(&self, id: u64) -> Unlisted {
+        Unlisted(self.streams.lock().ok().and_then(|mut s| {
             let entry = s.remove(&id);
             self.open.store(s.len(), Ordering::SeqCst);
             entry
-        });
-        if let Some(e) = entry {
-            e.close();
-        }
+        }))
     }
 
     fn deliver(&self, id: u64, ev: Event) {
@@ -1098,9 +1138,7 @@ impl Mux {
 
     /// Every call on the connection ends with `status`, and the connection counts as dead.
     pub(crate) fn fail_all(&self, status: Status) {
-        if let Ok(mut d) = self.dead.lock() {
-            d.get_or_insert(status.clone());
-        }
+        self.set_dead(status.clone());
         let streams = self
             .streams
             .lock()
@@ -1931,13 +1969,11 @@ impl Mux {
                         (wire::RequestHead::decode(&f.body).map_err(internal)?, None)
                     };
                     self.last_stream.fetch_max(f.stream, Ordering::AcqRel);
-                    let stream = self.register_entry(f.stream, true)?;
+                    let one_frame = request.is_some();
+                    let stream = self.register_entry(f.stream, true, request)?;
                     let call = (accept.make)(Incoming { head, stream });
                     accept.batch.push(call);
-                    if let Some(request) = request {
-                        return Ok(self.deliver_message(f.stream, request, true));
-                    }
-                    if !end {
+                    if !end && !one_frame {
                         accept.bare.push(f.stream);
                     }
                 }
@@ -1984,9 +2020,7 @@ impl Mux {
             Kind::Ping => {}
             Kind::GoAway => {
                 let g = wire::GoAway::decode(&f.body).map_err(internal)?;
-                if let Ok(mut d) = self.dead.lock() {
-                    d.get_or_insert(Status::new(Code::Unavailable, format!("the server is going away: {}", g.message)));
-                }
+                self.set_dead(Status::new(Code::Unavailable, format!("the server is going away: {}", g.message)));
             }
         }
         Ok(None)

@@ -439,7 +439,9 @@ impl ServerCall {
         if self.hold_last(message) {
             return Ok(());
         }
-        self.send(message).await
+        // Boxed: held is the usual way, and `send`'s future would make every unary handler's
+        // future (which this one is part of) larger by its size.
+        Box::pin(self.send(message)).await
     }
 
     /// Holds `message` to go out inside the call's TRAILERS if it can (see
@@ -564,7 +566,8 @@ impl ServerCall {
             return false;
         }
         let status = with_set_trailers(status, &self.shared.trailers);
-        self.mux.unregister(self.id);
+        // Closed once the end has gone, as `run_call` does.
+        let _unlisted = self.mux.unlist(self.id);
         self.mux.calls.finish(status.code());
         let (mux, id, body) = (self.mux.clone(), self.id, wire::encode_trailers(&status));
         // A message given here was never held (`try_reply`): no lock to take for it.
@@ -817,14 +820,19 @@ struct CallGuard(Arc<Tracker>);
 
 impl CallGuard {
     fn new(t: &Arc<Tracker>) -> CallGuard {
-        t.calls.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        t.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         CallGuard(t.clone())
     }
 }
 
 impl Drop for CallGuard {
     fn drop(&mut self) {
-        if self.0.calls.fetch_sub(1, std::sync::atomic::Ordering::AcqRel) == 1 {
+        use std::sync::atomic::Ordering::SeqCst;
+        // Only a graceful shutdown waits for `idle`, and it sets `stopping` before it looks at
+        // `calls` (all SeqCst): it sees this call's end, or this sees it stopping. A `Notify`
+        // takes a lock even with nobody to wake, and a server at one call in flight gets here
+        // every call.
+        if self.0.calls.fetch_sub(1, SeqCst) == 1 && self.0.stopping.load(SeqCst) {
             self.0.idle.notify_waiters();
         }
     }
@@ -959,7 +967,10 @@ fn run_call(
         let _guard = guard;
         let id = stream.id;
         let shared = stream.shared.clone();
-        let status = call_status(&mux, head, stream, handler, peer, &shared).await;
+        let status = match begin_call(&mux, head, stream, handler, peer) {
+            Ok((handler, deadline)) => outcome_status(supervise(handler, deadline, &shared.cancel).await, &shared),
+            Err(status) => Some(status),
+        };
         recorder.record("code", tracing::field::debug(status.as_ref().map_or(shared.cancel.code(), |s| s.code())));
         if !shared.ended.claim(EndedBy::ENGINE) {
             // The handler sent the end itself (`ServerCall::end_now`), which counted it; or the
@@ -971,61 +982,74 @@ fn run_call(
         }
         match status {
             Some(status) => {
-                mux.unregister(id);
+                // Out of the table before the end goes (the client may open its next call at
+                // once, and this one must not count against the limit then), closed after it:
+                // the wakings that closing does are not on the client's way.
+                let unlisted = mux.unlist(id);
                 mux.calls.finish(status.code());
                 let body = wire::encode_trailers(&status);
                 let last = shared.last.lock().ok().and_then(|mut l| l.take());
-                send_end(&mux.sender, id, &body, last.as_deref()).await;
+                // Waiting for ring room is rare: its future, boxed, keeps every call's small.
+                if !try_send_end(&mux.sender, id, &body, last.as_deref()) {
+                    Box::pin(send_end(&mux.sender, id, &body, last.as_deref())).await;
+                }
+                drop(unlisted);
             }
             // The client is gone or gave up: it expects no status. Answer with CANCEL so the
             // client drops anything half-sent on this stream.
             None => {
                 let code = shared.cancel.code();
                 mux.calls.finish(code);
-                mux.cancel(id, code).await;
+                Box::pin(mux.cancel(id, code)).await;
             }
         }
     }
     .instrument(span)
 }
 
-/// Runs the handler; the status to send, or `None` if the call was cancelled under it.
-async fn call_status(
+/// The call's handler future and deadline; or, without a handler, the status to send at once.
+/// Not `async`: what it takes moves into the `ServerCall`, and the call's future holds only the
+/// handler's (boxed) future while it runs, not a second copy of them.
+fn begin_call(
     mux: &Arc<Mux>,
     head: wire::RequestHead,
     stream: Stream,
     handler: Option<HandlerFn>,
     peer: Peer,
-    shared: &StreamShared,
-) -> Option<Status> {
+) -> Result<(BoxFuture, Option<Instant>), Status> {
     mux.calls.start();
-    let status = match handler {
-        None => Status::new(Code::Unimplemented, format!("method {} is not implemented by this server", head.path)),
-        Some(handler) => {
-            let deadline = head.timeout.map(|t| Instant::now() + t);
-            let call = ServerCall {
-                id: stream.id,
-                shared: stream.shared.clone(),
-                mux: mux.clone(),
-                requests: Some(Requests { stream, mux: mux.clone(), half_closed: false }),
-                head,
-                deadline,
-                headers_sent: false,
-                reply_encoding: None,
-                peer,
-            };
-            let status = match supervise(handler(call), deadline, &shared.cancel).await {
-                Outcome::Done(Ok(())) => Status::ok(),
-                Outcome::Done(Err(status)) => status,
-                Outcome::Panicked(what) => Status::new(Code::Internal, format!("the handler panicked: {what}")),
-                Outcome::DeadlineExceeded => Status::new(Code::DeadlineExceeded, "the call's deadline passed"),
-                Outcome::Cancelled => return None,
-            };
-            // Trailers set on the call go after any the returned status carries.
-            with_set_trailers(status, &shared.trailers)
-        }
+    let Some(handler) = handler else {
+        return Err(Status::new(
+            Code::Unimplemented,
+            format!("method {} is not implemented by this server", head.path),
+        ));
     };
-    Some(status)
+    let deadline = head.timeout.map(|t| Instant::now() + t);
+    let call = ServerCall {
+        id: stream.id,
+        shared: stream.shared.clone(),
+        mux: mux.clone(),
+        requests: Some(Requests { stream, mux: mux.clone(), half_closed: false }),
+        head,
+        deadline,
+        headers_sent: false,
+        reply_encoding: None,
+        peer,
+    };
+    Ok((handler(call), deadline))
+}
+
+/// The status a handler's outcome sends; `None` if the call was cancelled under it.
+fn outcome_status(outcome: Outcome, shared: &StreamShared) -> Option<Status> {
+    let status = match outcome {
+        Outcome::Done(Ok(())) => Status::ok(),
+        Outcome::Done(Err(status)) => status,
+        Outcome::Panicked(what) => Status::new(Code::Internal, format!("the handler panicked: {what}")),
+        Outcome::DeadlineExceeded => Status::new(Code::DeadlineExceeded, "the call's deadline passed"),
+        Outcome::Cancelled => return None,
+    };
+    // Trailers set on the call go after any the returned status carries.
+    Some(with_set_trailers(status, &shared.trailers))
 }
 
 enum Outcome {
