@@ -101,6 +101,17 @@ def main() -> int:
         med("tonic-isthmus-shm", 64, 32, "rps"),
         med("tonic-uds", 64, 32, "rps"),
     )
+    floor, s64, t64 = (
+        med("tonic-floor", 64, 1, "p50_us"),
+        med("tonic-isthmus-shm", 64, 1, "p50_us"),
+        med("tonic-uds", 64, 1, "p50_us"),
+    )
+    if floor and s64 and t64:
+        rows += [
+            "",
+            f"tonic's own floor at 64 B (`tonic-floor`: the same tonic client and service in one task, no transport): "
+            f"{fmt(floor)}. `tonic-isthmus-shm` is that plus {fmt(s64 - floor)} of isthmus; 20× `tonic-uds` would be {fmt(t64 / 20)}.",
+        ]
     if ir and tr:
         bridged = f", tonic-isthmus-shm {sr / 1e3:.0f} k ({sr / tr:.1f}×)" if sr else ""
         rows += [

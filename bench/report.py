@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = [64, 1 << 10, 64 << 10, 1 << 20, 4 << 20, 16 << 20, 256 << 20]
-RUST = ["isthmus-rust", "tonic-isthmus-shm", "tonic-uds", "isthmus-shm-transport", "raw-uds"]
+RUST = ["isthmus-rust", "tonic-isthmus-shm", "tonic-uds", "tonic-floor", "isthmus-shm-transport", "raw-uds"]
 PYTHON = [
     "py-isthmus-sync",
     "py-isthmus-upgraded",

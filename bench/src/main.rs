@@ -74,7 +74,7 @@ fn main() {
         "fanout-subscriber" => fanout::subscribe(&args[2..]),
         "demo" => demo(),
         // For profilers: one system's echo alone for a few seconds:
-        // `profile-rpc INFLIGHT [SIZE [isthmus-rust|tonic-isthmus-shm|tonic-uds|SPLIT]]`, where
+        // `profile-rpc INFLIGHT [SIZE [isthmus-rust|tonic-isthmus-shm|tonic-uds|tonic-floor|SPLIT]]`, where
         // the SPLIT systems put the tonic layer on one side only: `tonic-client-engine-server`,
         // `engine-client-tonic-server`.
         "profile-rpc" => {
@@ -84,6 +84,7 @@ fn main() {
                 "tonic-client-engine-server" => Box::new(TonicClient::over_isthmus_against("serve-isthmus")),
                 "engine-client-tonic-server" => Box::new(IsthmusRust::against("serve-tonic-isthmus")),
                 "tonic-uds" => Box::new(TonicClient::over_uds()),
+                "tonic-floor" => Box::new(TonicClient::in_process()),
                 _ => Box::new(IsthmusRust::start()),
             };
             let size = arg(3).parse().unwrap_or(64);
@@ -214,6 +215,13 @@ fn rpc(budget: Budget) -> Vec<Record> {
         vec![Box::new(IsthmusRust::start()), Box::new(TonicClient::over_isthmus()), Box::new(TonicClient::over_uds())];
     let mut records = matrix(&mut systems, budget);
     records.extend(streams(&mut systems));
+    // tonic's own floor, for the 64 B call only: what tonic-isthmus-shm cannot go below.
+    let mut floor = TonicClient::in_process();
+    for round in 1..=ROUNDS {
+        status(&format!("round {round}: tonic-floor 64 B"));
+        records.push(Record::new("tonic-floor", 64, 1, round, floor.round_trip(64, budget)));
+    }
+    status("");
     records
 }
 

@@ -233,6 +233,18 @@ pub fn print_rpc(records: &[Record]) {
             get("raw-uds", size, 1).map_or_else(|| "-".into(), |r| us(r.0)),
         );
     }
+    if let (Some(f), Some(b), Some(t)) =
+        (get("tonic-floor", 64, 1), get("tonic-isthmus-shm", 64, 1), get("tonic-uds", 64, 1))
+    {
+        println!(
+            "\ntonic's own floor at 64 B (tonic-floor: the same client and service in one task, no transport): \
+             {}; tonic-isthmus-shm {} is that plus {} of isthmus; 20× tonic-uds would be {}",
+            us(f.0),
+            us(b.0),
+            us(b.0 - f.0),
+            us(t.0 / 20.0)
+        );
+    }
     if let (Some(i), Some(t)) = (get("isthmus-rust", 64, 32), get("tonic-uds", 64, 32)) {
         println!(
             "\n64 B with 32 in flight: isthmus-rust {:.0} calls/s, tonic-uds {:.0} calls/s ({:.1}×)",

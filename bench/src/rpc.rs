@@ -217,9 +217,11 @@ impl System for IsthmusRust {
 // tonic-uds: a tonic client → a tonic server over a Unix socket.
 
 /// The echo service, written as tonic's generated servers are: a tower service per package
-/// service, dispatching on the method path.
+/// service, dispatching on the method path. Also `tonic-floor`'s transport: a tonic client on
+/// it hands each `http::Request` it builds straight to the service, in the same task, and takes
+/// the service's `http::Response` as it is.
 #[derive(Debug, Clone, Copy, Default)]
-struct EchoService;
+pub struct EchoService;
 
 impl tonic::server::NamedService for EchoService {
     const NAME: &'static str = "bench.Echo";
@@ -319,11 +321,12 @@ pub trait TonicTransport:
 
 impl TonicTransport for tonic::transport::Channel {}
 impl TonicTransport for isthmus::Channel {}
+impl TonicTransport for EchoService {}
 
 /// A tonic client, on a multi-threaded tokio runtime as a tonic user has it, over `T`.
 pub struct TonicClient<T> {
     name: &'static str,
-    _server: Server,
+    _server: Option<Server>,
     rt: tokio::runtime::Runtime,
     channel: T,
     socket: Option<String>,
@@ -336,7 +339,7 @@ impl TonicClient<tonic::transport::Channel> {
         let server = Server::spawn(&["serve-tonic".into(), path.clone()]);
         let rt = runtime();
         let channel = rt.block_on(uds_channel(path.clone())).expect("connect");
-        TonicClient { name: "tonic-uds", _server: server, rt, channel, socket: Some(path) }
+        TonicClient { name: "tonic-uds", _server: Some(server), rt, channel, socket: Some(path) }
     }
 }
 
@@ -369,7 +372,17 @@ impl TonicClient<isthmus::Channel> {
         let server = Server::spawn(&[role.into(), addr.clone()]);
         let rt = runtime();
         let channel = rt.block_on(isthmus::Channel::connect(&addr)).expect("connect");
-        TonicClient { name: "tonic-isthmus-shm", _server: server, rt, channel, socket: None }
+        TonicClient { name: "tonic-isthmus-shm", _server: Some(server), rt, channel, socket: None }
+    }
+}
+
+impl TonicClient<EchoService> {
+    /// `tonic-floor`: the tonic client and service of `tonic-uds` and `tonic-isthmus-shm`, with
+    /// nothing between them (the client's transport is the service itself). No transport under
+    /// tonic's own layers can be faster, so `tonic-isthmus-shm`'s figure is this floor plus what
+    /// isthmus adds.
+    pub fn in_process() -> Self {
+        TonicClient { name: "tonic-floor", _server: None, rt: runtime(), channel: EchoService, socket: None }
     }
 }
 

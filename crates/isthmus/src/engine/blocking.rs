@@ -285,7 +285,9 @@ impl Channel {
 
     /// A unary call: one request, one response.
     pub fn unary(&self, path: &str, request: &[u8], options: CallOptions) -> Result<Response, Status> {
-        self.unary_begin(path, request, options)?.wait()
+        // No `PendingUnary` (which owns a copy of the path, for its errors): waited for here.
+        let (mut call, _) = self.begin(path, request, &options, None)?.ok_or_else(no_room)?;
+        unary_wait(&mut call, &mut None, path)
     }
 
     /// A unary call whose request is sent and whose response is waited for later, on this
@@ -293,7 +295,8 @@ impl Channel {
     /// choosing and leaves the call running. An event loop waits a moment for a fast reply and
     /// hands a slow one to a thread of its own.
     pub fn unary_begin(&self, path: &str, request: &[u8], options: CallOptions) -> Result<PendingUnary, Status> {
-        self.begin(path, request, &options, None)?.ok_or_else(no_room)
+        let (call, sent) = self.begin(path, request, &options, None)?.ok_or_else(no_room)?;
+        Ok(PendingUnary::new(call, path, sent))
     }
 
     /// For a request that travels as one block of the arena: that block, filled, from the
@@ -339,25 +342,27 @@ impl Channel {
         options: &CallOptions,
         patience: Duration,
     ) -> Result<Option<PendingUnary>, Status> {
-        self.begin(path, request, options, Some(Instant::now() + patience))
+        let begun = self.begin(path, request, options, Some(Instant::now() + patience))?;
+        Ok(begun.map(|(call, sent)| PendingUnary::new(call, path, sent)))
     }
 
     /// [`unary_begin`](Self::unary_begin), or with `patience`
-    /// [`unary_begin_within`](Self::unary_begin_within): `None` only if the patience passed.
+    /// [`unary_begin_within`](Self::unary_begin_within): the call and its request's size, or
+    /// `None` only if the patience passed.
     fn begin(
         &self,
         path: &str,
         request: &[u8],
         options: &CallOptions,
         patience: Option<Instant>,
-    ) -> Result<Option<PendingUnary>, Status> {
+    ) -> Result<Option<(Call, usize)>, Status> {
         check_path(path)?;
         let deadline = options.timeout.map(|t| Instant::now() + t);
         let live = match self.stage(request, options, deadline, patience)? {
             Staged::Usual(live) => live,
             Staged::NoRoom => return Ok(None),
             Staged::Ready(mux, block) => match self.open(mux.clone(), path, options, deadline, patience, None) {
-                Ok((call, _)) => return send_last(call, path, Body::Block(block), patience),
+                Ok((call, _)) => return send_last(call, Body::Block(block), patience),
                 Err(None) => return Ok(None),
                 // Its HEADERS never went out: as `start_by`, once more on a new connection.
                 Err(Some(_)) if !mux.takes_calls() => None,
@@ -365,12 +370,12 @@ impl Channel {
             },
         };
         let call = match self.start_with(live, path, options, deadline, patience, Some(request)) {
-            Ok((call, true)) => return Ok(Some(PendingUnary::new(call, path, request.len()))),
+            Ok((call, true)) => return Ok(Some((call, request.len()))),
             Ok((call, false)) => call,
             Err(None) => return Ok(None),
             Err(Some(status)) => return Err(status),
         };
-        send_last(call, path, Body::Bytes(request), patience)
+        send_last(call, Body::Bytes(request), patience)
     }
 
     /// A writable block of `len` bytes in this side's shared memory, for a request built in
@@ -453,18 +458,13 @@ enum Body<'a> {
 
 /// The end of [`Channel::begin`]: sends `call`'s request with END_STREAM; `None` (the call
 /// cancelled) if the ring or the arena had no room for it by `patience`.
-fn send_last(
-    mut call: Call,
-    path: &str,
-    body: Body<'_>,
-    patience: Option<Instant>,
-) -> Result<Option<PendingUnary>, Status> {
+fn send_last(mut call: Call, body: Body<'_>, patience: Option<Instant>) -> Result<Option<(Call, usize)>, Status> {
     let len = match &body {
         Body::Bytes(b) => b.len(),
         Body::Block(b) => b.len(),
     };
     if !call.credit(len)? {
-        return Ok(Some(PendingUnary::new(call, path, len)));
+        return Ok(Some((call, len)));
     }
     let (sender, id, until) = (&call.state.mux.sender, call.state.id(), sooner(call.deadline, patience));
     let sent = match body {
@@ -472,12 +472,50 @@ fn send_last(
         Body::Block(b) => sender.send_block(id, flags::END_STREAM, b, until),
     };
     match sent {
-        Ok(()) => Ok(Some(PendingUnary::new(call, path, len))),
+        Ok(()) => Ok(Some((call, len))),
         Err(e) if patience.is_some() && impatient(&e, call.deadline) => {
             drop(call); // cancels it, without waiting for room for the CANCEL
             Ok(None)
         }
         Err(e) => Err(call.failed(e)),
+    }
+}
+
+/// A unary call's outcome if it ends by `until`, `None` if it is still running then; `message`
+/// keeps the response between looks.
+fn unary_outcome(
+    call: &mut Call,
+    message: &mut Option<Bytes>,
+    path: &str,
+    until: Instant,
+) -> Option<Result<Response, Status>> {
+    loop {
+        let received = match call.recv_until(until)? {
+            Ok(m) => m,
+            Err(status) => return Some(Err(status)),
+        };
+        match (received, message.is_some()) {
+            (Some(m), false) => *message = Some(m),
+            (Some(_), true) => {
+                let what = format!("{path}: the server sent more than one response");
+                return Some(Err(Status::new(Code::Internal, what)));
+            }
+            (None, true) => return Some(Ok(call.state.take_response(message.take().unwrap_or_default()))),
+            (None, false) => {
+                let what = format!("{path}: the server ended the call without a response");
+                return Some(Err(Status::new(Code::Internal, what)));
+            }
+        }
+    }
+}
+
+/// [`unary_outcome`], waiting as long as the call's deadline allows.
+fn unary_wait(call: &mut Call, message: &mut Option<Bytes>, path: &str) -> Result<Response, Status> {
+    loop {
+        let until = call.deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
+        if let Some(outcome) = unary_outcome(call, message, path, until) {
+            return outcome;
+        }
     }
 }
 
@@ -711,43 +749,12 @@ impl PendingUnary {
 
     /// The call's outcome if it ends by `until`; `None` if it is still running then.
     pub fn wait_until(&mut self, until: Instant) -> Option<Result<Response, Status>> {
-        loop {
-            let received = match self.call.recv_until(until)? {
-                Ok(m) => m,
-                Err(status) => return Some(Err(status)),
-            };
-            match (received, self.message.is_some()) {
-                (Some(m), false) => self.message = Some(m),
-                (Some(_), true) => {
-                    let path = &self.path;
-                    return Some(Err(Status::new(
-                        Code::Internal,
-                        format!("{path}: the server sent more than one response"),
-                    )));
-                }
-                (None, true) => {
-                    let message = self.message.take().unwrap_or_default();
-                    return Some(Ok(self.call.state.take_response(message)));
-                }
-                (None, false) => {
-                    let path = &self.path;
-                    return Some(Err(Status::new(
-                        Code::Internal,
-                        format!("{path}: the server ended the call without a response"),
-                    )));
-                }
-            }
-        }
+        unary_outcome(&mut self.call, &mut self.message, &self.path, until)
     }
 
     /// Waits for the call's outcome (bounded by its deadline).
     pub fn wait(mut self) -> Result<Response, Status> {
-        loop {
-            let until = self.call.deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
-            if let Some(outcome) = self.wait_until(until) {
-                return outcome;
-            }
-        }
+        unary_wait(&mut self.call, &mut self.message, &self.path)
     }
 
     /// Cancels the call: the server sees CANCELLED.

@@ -280,9 +280,17 @@ impl CallState {
 
     /// Ends the call here with `status`, once; the connection forgets the stream.
     pub(crate) fn end(&mut self, status: Status) {
+        self.end_here(status, true);
+    }
+
+    /// [`end`](Self::end); `listed`: the stream may still be in the connection's table. An end
+    /// that came as an event is not: whoever queued it took the stream out first.
+    fn end_here(&mut self, status: Status, listed: bool) {
         if self.ended.is_none() {
             self.mux.calls.finish(status.code());
-            self.mux.unregister(self.stream.id);
+            if listed {
+                self.mux.unregister(self.stream.id);
+            }
             self.span.record("code", tracing::field::debug(status.code()));
             tracing::debug!(parent: &self.span, code = ?status.code(), "call ended");
             if status.code() == Code::Ok {
@@ -337,13 +345,13 @@ impl CallState {
             }
             Event::HalfClose => Next::More,
             Event::End(status) => {
-                self.end(status);
+                self.end_here(status, false);
                 Next::Ended(self.outcome())
             }
             // The message now, the end at the next look (`ready_result`).
             Event::Final(m, status) => {
                 self.headers.get_or_insert_with(MetadataMap::new);
-                self.end(status);
+                self.end_here(status, false);
                 Next::Message(m)
             }
         }

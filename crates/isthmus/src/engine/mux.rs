@@ -1994,7 +1994,12 @@ impl Mux {
                 let (status, at) = wire::decode_trailers_prefix(&f.body).map_err(internal)?;
                 // No flow control to keep: the call ends with this message.
                 let end = match self.sender.received_inside(f.stream, f.body.len() - at) {
-                    Ok(()) => Event::Final(f.body.slice(at..), status),
+                    // The body's tail, advanced to: a slice would allocate to share the buffer.
+                    Ok(()) => {
+                        let mut message = f.body;
+                        bytes::Buf::advance(&mut message, at);
+                        Event::Final(message, status)
+                    }
                     // Too large for this side: the call fails RESOURCE_EXHAUSTED, as it would
                     // have on a MESSAGE frame; the server has ended it, so no CANCEL.
                     Err(e) => Event::End(Status::from_transport(&e)),

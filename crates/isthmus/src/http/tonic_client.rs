@@ -299,15 +299,21 @@ impl Begun {
         Begun { deframer: Deframer::new(limit).with_encoding(encoding), held: None, frame: None, ended: false }
     }
 
-    /// What `body` has ready now: at most two frames, the second only after a first that held
-    /// exactly one whole message.
-    async fn read<B>(body: &mut Pin<Box<B>>, limit: usize, encoding: Option<codec::Encoding>) -> Result<Begun, Status>
+    /// What `body` has ready now (polled with the caller's `cx`, never waiting): at most two
+    /// frames, the second only after a first that held exactly one whole message. Not `async`:
+    /// a future of its own would sit inside every tonic call's.
+    fn read<B>(
+        body: &mut Pin<Box<B>>,
+        cx: &mut Context<'_>,
+        limit: usize,
+        encoding: Option<codec::Encoding>,
+    ) -> Result<Begun, Status>
     where
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
         let mut begun = Begun::new(limit, encoding);
-        let Some(first) = poll_once(&mut next_frame(body)).await else { return Ok(begun) };
+        let Poll::Ready(first) = poll_next_frame(body, cx) else { return Ok(begun) };
         match first {
             None => begun.ended = true,
             Some(Err(e)) => return Err(request_failed(&*e)),
@@ -317,9 +323,10 @@ impl Begun {
                     begun.held = begun.deframer.next()?;
                 }
                 if begun.held.is_some() && begun.deframer.is_empty() {
-                    match poll_once(&mut next_frame(body)).await {
-                        Some(None) => begun.ended = true,
-                        second => begun.frame = second,
+                    match poll_next_frame(body, cx) {
+                        Poll::Ready(None) => begun.ended = true,
+                        Poll::Ready(second) => begun.frame = Some(second),
+                        Poll::Pending => {}
                     }
                 }
             }
@@ -340,7 +347,16 @@ where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    std::future::poll_fn(move |cx| body.as_mut().poll_frame(cx).map(|f| f.map(|r| r.map_err(Into::<BoxError>::into))))
+    std::future::poll_fn(move |cx| poll_next_frame(body, cx))
+}
+
+/// [`next_frame`]'s one poll.
+fn poll_next_frame<B>(body: &mut Pin<Box<B>>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    body.as_mut().poll_frame(cx).map(|f| f.map(|r| r.map_err(Into::<BoxError>::into)))
 }
 
 fn request_failed(e: &(dyn std::error::Error + Send + Sync)) -> Status {
@@ -477,12 +493,11 @@ impl Channel {
         let limit = self.max_message_size();
         // A call that may be handed back must leave its body as it was.
         let begun = match hand_back {
-            true => Ok(Begun::new(limit, encoding)),
-            false => Begun::read(&mut body, limit, encoding).await,
-        };
-        let begun = match begun {
-            Ok(begun) => begun,
-            Err(status) => return Ok(failed_response(status)),
+            true => Begun::new(limit, encoding),
+            false => match std::future::poll_fn(|cx| Poll::Ready(Begun::read(&mut body, cx, limit, encoding))).await {
+                Ok(begun) => begun,
+                Err(status) => return Ok(failed_response(status)),
+            },
         };
         let first = begun.whole().map(|m| &m[..]);
         let mut call = match self.start_shm_with(parts.uri.path(), options, first).await {
@@ -577,8 +592,9 @@ where
         if let Some(http) = self.http() {
             return over_http(http.clone(), request);
         }
-        let channel = self.clone();
-        Box::pin(async move { Ok(channel.call_http(request, None).await) })
+        // Mapped, not awaited in a block of its own, which would hold the request beside the
+        // future that took it: this future is allocated and moved whole for every call.
+        Box::pin(futures_util::FutureExt::map(self.clone().call_http(request, None), Ok))
     }
 }
 

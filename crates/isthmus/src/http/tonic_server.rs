@@ -24,6 +24,7 @@
 //!    metadata is not empty, else the first MESSAGE implies it.
 //! 4. The data frames are deframed (no limit of its own: the service's `max_encoding_message_size`
 //!    applies before), each message sliced when it lies whole in one frame, and sent with
+//!    `ServerCall::try_send_now` (no wait: a small message, with credit and ring room), else
 //!    `ServerCall::send`: one copy, into shared memory. The trailers become the status: OK with its
 //!    metadata as trailing metadata, else the code with its message, details and metadata. A body
 //!    that fails, or ends without trailers, is INTERNAL ("the service's response failed: …").
@@ -137,12 +138,12 @@ impl ServiceHandler {
             match super::tonic_client::poll_once(&mut first).await {
                 Some(frame) => {
                     if !metadata.is_empty() {
-                        call.send_headers(metadata).await?;
+                        Box::pin(call.send_headers(metadata)).await?;
                     }
                     frame
                 }
                 None => {
-                    call.send_headers(metadata).await?;
+                    Box::pin(call.send_headers(metadata)).await?;
                     first.await
                 }
             }
@@ -156,8 +157,12 @@ impl ServiceHandler {
             match frame.into_data() {
                 Ok(data) => {
                     deframer.push(data);
+                    // Straight onto the ring when that takes no wait (a small message, credit,
+                    // room): the future of a send that waits, boxed, keeps every call's small.
                     while let Some(m) = deframer.next()? {
-                        call.send(&m).await?;
+                        if !call.try_send_now(&m) {
+                            Box::pin(call.send(&m)).await?;
+                        }
                     }
                 }
                 Err(frame) => {
