@@ -15,7 +15,13 @@ from grpc_tools import protoc
 
 
 def stubs(proto_dir: str, out: str):
-    args = ["protoc", f"-I{proto_dir}", f"--python_out={out}", f"--grpc_python_out={out}", f"{proto_dir}/conformance.proto"]
+    args = [
+        "protoc",
+        f"-I{proto_dir}",
+        f"--python_out={out}",
+        f"--grpc_python_out={out}",
+        f"{proto_dir}/conformance.proto",
+    ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed")
     sys.path.insert(0, out)
@@ -24,7 +30,10 @@ def stubs(proto_dir: str, out: str):
 
 def main() -> int:
     target, proto_dir = sys.argv[1], sys.argv[2]
-    with tempfile.TemporaryDirectory(prefix="isthmus-stubs-") as out, grpc.insecure_channel(target) as channel:
+    with (
+        tempfile.TemporaryDirectory(prefix="isthmus-stubs-") as out,
+        grpc.insecure_channel(target) as channel,
+    ):
         pb, rpc = stubs(proto_dir, out)
         echo = rpc.EchoStub(channel)
 
