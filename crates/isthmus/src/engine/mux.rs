@@ -1960,11 +1960,7 @@ impl Mux {
                             self.last_stream.fetch_max(f.stream, Ordering::AcqRel);
                             return Ok(Some(Reply::trailers(f.stream, &Status::from_transport(&e))));
                         }
-                        // The request is the body's tail: advanced to, not sliced, which would
-                        // allocate to share the frame's buffer.
-                        let mut request = f.body;
-                        bytes::Buf::advance(&mut request, at);
-                        (head, Some(request))
+                        (head, Some(tail(f.body, at)))
                     } else {
                         (wire::RequestHead::decode(&f.body).map_err(internal)?, None)
                     };
@@ -1994,12 +1990,7 @@ impl Mux {
                 let (status, at) = wire::decode_trailers_prefix(&f.body).map_err(internal)?;
                 // No flow control to keep: the call ends with this message.
                 let end = match self.sender.received_inside(f.stream, f.body.len() - at) {
-                    // The body's tail, advanced to: a slice would allocate to share the buffer.
-                    Ok(()) => {
-                        let mut message = f.body;
-                        bytes::Buf::advance(&mut message, at);
-                        Event::Final(message, status)
-                    }
+                    Ok(()) => Event::Final(tail(f.body, at), status),
                     // Too large for this side: the call fails RESOURCE_EXHAUSTED, as it would
                     // have on a MESSAGE frame; the server has ended it, so no CANCEL.
                     Err(e) => Event::End(Status::from_transport(&e)),
@@ -2030,6 +2021,14 @@ impl Mux {
         }
         Ok(None)
     }
+}
+
+/// The message inside a frame's body, from `at` on (a one-frame call's request or response):
+/// the body advanced to it, not sliced, since a slice of a buffer not yet shared allocates to
+/// share it.
+fn tail(mut body: Bytes, at: usize) -> Bytes {
+    bytes::Buf::advance(&mut body, at);
+    body
 }
 
 impl Reply {
