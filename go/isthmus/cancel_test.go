@@ -335,3 +335,81 @@ func checkPollingSeesCancel(t *testing.T, tag string, look func(context.Context)
 		}
 	}
 }
+
+// keepingEcho's unary handler hands its context, untouched, to kept and returns at once, or, for a request with Seq 1, first sleeps past its deadline and hands on
+// what Err says then.
+type keepingEcho struct {
+	echo.Service
+	kept chan context.Context
+	late chan error
+}
+
+func (k keepingEcho) Unary(ctx context.Context, r *pb.EchoRequest) (*pb.EchoReply, error) {
+	if r.Seq == 1 {
+		d, ok := ctx.Deadline()
+		if !ok {
+			k.late <- errors.New("no deadline")
+			return nil, status.Error(codes.Internal, "no deadline")
+		}
+		time.Sleep(time.Until(d) + 20*time.Millisecond)
+		k.late <- ctx.Err() // Err is the first thing asked of the context
+		return nil, status.FromContextError(ctx.Err()).Err()
+	}
+	k.kept <- ctx
+	return &pb.EchoReply{}, nil
+}
+
+// A handler's context is made when first asked for (no timer or cancel per call otherwise),
+// yet behaves as grpc-go's: done once the call is over, however late it is first asked;
+// with the client's deadline from the start; and, asked only for Err once that deadline has
+// passed, DeadlineExceeded. With inline unary handlers and without.
+func TestAHandlersContextIsDoneWhenItsCallIsOverAndKeepsItsDeadline(t *testing.T) {
+	for _, inline := range []bool{false, true} {
+		shm, _ := fresh(t, "keeping")
+		impl := keepingEcho{kept: make(chan context.Context, 1), late: make(chan error, 1)}
+		var opts []isthmus.ServerOption
+		if inline {
+			opts = append(opts, isthmus.InlineUnary())
+		}
+		s := isthmus.NewServer(opts...)
+		pb.RegisterEchoServer(s, impl)
+		if err := s.Start(shm); err != nil {
+			t.Fatal(err)
+		}
+		c := pb.NewEchoClient(dial(t, shm))
+
+		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+		if _, err := c.Unary(ctx, &pb.EchoRequest{}); err != nil {
+			t.Fatalf("inline %v: %v", inline, err)
+		}
+		cancel()
+		kept := <-impl.kept
+		if d, ok := kept.Deadline(); !ok || time.Until(d) > time.Minute || time.Until(d) < 0 {
+			t.Fatalf("inline %v: the handler's deadline was %v, %v; want within a minute from the call", inline, d, ok)
+		}
+		// First asked now, after the call: through a context derived from it, then directly.
+		derived, stop := context.WithCancel(kept)
+		defer stop()
+		for i, kept := range []context.Context{derived, kept} {
+			select {
+			case <-kept.Done():
+			case <-time.After(10 * time.Second):
+				t.Fatalf("inline %v: context %d of a finished call is not done 10 s on", inline, i)
+			}
+			if !errors.Is(kept.Err(), context.Canceled) {
+				t.Fatalf("inline %v: context %d of a finished call says %v, want context.Canceled", inline, i, kept.Err())
+			}
+		}
+
+		ctx, cancel = context.WithTimeout(context.Background(), 200*time.Millisecond)
+		_, err := c.Unary(ctx, &pb.EchoRequest{Seq: 1})
+		cancel()
+		if status.Code(err) != codes.DeadlineExceeded {
+			t.Fatalf("inline %v: a call past its deadline gave %v", inline, err)
+		}
+		if late := <-impl.late; !errors.Is(late, context.DeadlineExceeded) {
+			t.Fatalf("inline %v: the handler's Err past the deadline was %v, want context.DeadlineExceeded", inline, late)
+		}
+		s.Stop()
+	}
+}

@@ -145,6 +145,9 @@ type op struct {
 	r   *reactor
 	tag uint64
 	ch  chan C.isthmus_event_t
+	// deliver sends an event to ch: the reactor's entry for tag, made with ch rather than for
+	// every operation (it holds ch, not the op, which a finalizer must be able to collect).
+	deliver func(C.isthmus_event_t)
 	// now is C memory: the C call writes an immediate result there, and cgo lets no Go
 	// pointer sit beside a pointer passed to C.
 	now *C.isthmus_event_t
@@ -153,18 +156,24 @@ type op struct {
 // opPool's ops free their C memory when collected: a pool may drop what it holds at any
 // collection.
 var opPool = sync.Pool{New: func() any {
-	o := &op{ch: make(chan C.isthmus_event_t, 1), now: (*C.isthmus_event_t)(C.calloc(1, C.size_t(unsafe.Sizeof(C.isthmus_event_t{}))))}
+	o := &op{now: (*C.isthmus_event_t)(C.calloc(1, C.size_t(unsafe.Sizeof(C.isthmus_event_t{}))))}
+	o.newChan()
 	runtime.SetFinalizer(o, func(o *op) { C.free(unsafe.Pointer(o.now)) })
 	return o
 }}
+
+// newChan gives the op a channel of its own, and deliver for it.
+func (o *op) newChan() {
+	ch := make(chan C.isthmus_event_t, 1)
+	o.ch, o.deliver = ch, func(ev C.isthmus_event_t) { ch <- ev }
+}
 
 // newOp reserves a tag for one operation.
 func (r *reactor) newOp() *op {
 	o := opPool.Get().(*op)
 	o.r = r
 	*o.now = C.isthmus_event_t{}
-	ch := o.ch
-	o.tag = r.tag(func(ev C.isthmus_event_t) { ch <- ev })
+	o.tag = r.tag(o.deliver)
 	return o
 }
 
@@ -193,7 +202,7 @@ func (o *op) wait(ctx context.Context) (ev C.isthmus_event_t, ok bool) {
 			o.r.forget(o.tag)
 			// The library promises no event for the tag now; a channel of its own all the
 			// same, so that nothing late could ever reach the next call that takes this op.
-			o.ch = make(chan C.isthmus_event_t, 1)
+			o.newChan()
 			return ev, false
 		}
 		// It finished meanwhile: its event is on the way.

@@ -526,13 +526,16 @@ func (s *Server) streaming(st *serverStream, m *method) error {
 // serverStream is a call's server side: grpc.ServerStream for streaming handlers, and the
 // grpc.ServerTransportStream behind grpc.SetHeader/SendHeader/SetTrailer for unary ones.
 type serverStream struct {
-	s      *Server
-	m      *method
-	sc     *C.isthmus_server_call_t
-	ctx    context.Context
-	cancel context.CancelFunc
+	s   *Server
+	m   *method
+	sc  *C.isthmus_server_call_t
+	ctx context.Context
+	// call is the handler's context under ctx's last value (one allocation with the stream).
+	call callContext
 
 	mu         sync.Mutex
+	stop       context.CancelFunc // call's, once a handler asked for it
+	over       bool               // the handler has returned: a context asked for later is done
 	header     metadata.MD
 	headerSent bool
 	flushAsked bool // a receive was asked to flush the initial metadata (recvFlags)
@@ -554,7 +557,7 @@ func newServerStreamWith(s *Server, m *method, sc *C.isthmus_server_call_t, mdh 
 	parent := context.Background()
 	md := takeMetadata(mdh)
 	if md == nil {
-		md = metadata.MD{}
+		md = noMetadata
 	}
 	ctx := metadata.NewIncomingContext(parent, md)
 	if len(s.opts.stats) > 0 {
@@ -564,43 +567,78 @@ func newServerStreamWith(s *Server, m *method, sc *C.isthmus_server_call_t, mdh 
 		st.stats.inHeader(md, m.name, st.peer.Addr)
 		st.stats.serverBegin(clientStream, serverStream)
 	}
+	st.call.Context, st.call.st = ctx, st
 	if left >= 0 {
-		ctx, st.cancel = context.WithTimeout(ctx, time.Duration(left)*time.Microsecond)
-	} else {
-		ctx, st.cancel = context.WithCancel(ctx)
+		st.call.deadline = time.Now().Add(time.Duration(left) * time.Microsecond)
 	}
-	ctx = &callContext{Context: ctx, st: st}
-	st.ctx = grpc.NewContextWithServerTransportStream(ctx, transportStream{st})
+	st.ctx = grpc.NewContextWithServerTransportStream(&st.call, transportStream{st})
 	return st
 }
 
-// callContext is a handler's context: it learns of the client's cancel only when first asked
-// (Done or Err, asked for by few unary handlers), so that a call whose handler never looks
-// pays nothing for it. Err starts the watch too: a handler that polls Err and never calls
-// Done sees context.Canceled once the client cancels, as with grpc-go.
+// noMetadata is the incoming metadata of a call that has none. Shared: handlers get copies
+// (metadata.FromIncomingContext copies).
+var noMetadata = metadata.MD{}
+
+// callContext is a handler's context. Its cancellable part (a context.WithDeadline or
+// WithCancel) is made when first asked for (Done or Err, asked for by few unary handlers),
+// and only then does it learn of the client's cancel: a call whose handler never looks pays
+// for neither, nor for a deadline's timer. Err starts it too: a handler that polls Err and
+// never calls Done sees context.Canceled once the client cancels, as with grpc-go.
 type callContext struct {
-	context.Context
-	st   *serverStream
-	once sync.Once
+	context.Context // the incoming metadata (and stats) for Value
+	st              *serverStream
+	deadline        time.Time // zero: none
+	once            sync.Once
+	inner           context.Context // the cancellable part, once made
+	made            atomic.Bool     // inner is set
 }
 
-func (c *callContext) Done() <-chan struct{} {
-	c.once.Do(c.st.watch)
-	return c.Context.Done()
+// cancellable makes inner on first use. A handler that has returned gets it done already,
+// as grpc-go cancels a call's context when the call ends.
+func (c *callContext) cancellable() context.Context {
+	c.once.Do(func() {
+		var cancel context.CancelFunc
+		if c.deadline.IsZero() {
+			c.inner, cancel = context.WithCancel(c.Context)
+		} else {
+			c.inner, cancel = context.WithDeadline(c.Context, c.deadline)
+		}
+		c.made.Store(true)
+		c.st.watch(cancel)
+	})
+	return c.inner
 }
 
-func (c *callContext) Err() error {
-	c.once.Do(c.st.watch)
-	return c.Context.Err()
-}
+func (c *callContext) Deadline() (time.Time, bool) { return c.deadline, !c.deadline.IsZero() }
+
+func (c *callContext) Done() <-chan struct{} { return c.cancellable().Done() }
+
+func (c *callContext) Err() error { return c.cancellable().Err() }
 
 // Value gives peer.FromContext the client, learned when first asked: most handlers never
-// ask, and the cgo call and parse would cost each call for nothing.
+// ask, and the cgo call and parse would cost each call for nothing. Once the cancellable part
+// exists, other keys go through it, so that a context derived from this one (which asks Done
+// first) finds it and is cancelled with it directly, without a goroutine to watch it.
 func (c *callContext) Value(key any) any {
 	if key == peerKey {
 		return c.st.client()
 	}
+	if c.made.Load() {
+		return c.inner.Value(key)
+	}
 	return c.Context.Value(key)
+}
+
+// cancel ends the handler's context, the call being over: now if a handler made it, else
+// when one does.
+func (st *serverStream) cancel() {
+	st.mu.Lock()
+	st.over = true
+	stop := st.stop
+	st.mu.Unlock()
+	if stop != nil {
+		stop()
+	}
 }
 
 // client is the call's peer.Peer. Once the call is finished the library's strings are gone:
@@ -618,15 +656,20 @@ func (st *serverStream) client() *peer.Peer {
 	return st.peer
 }
 
-// watch cancels the call's context when the call ends under its handler (the client
-// cancelled or went away, or the deadline passed).
-func (st *serverStream) watch() {
+// watch takes the cancel of the handler's context, just made: it runs when the call ends
+// under its handler (the client cancelled or went away, or the deadline passed), or now if
+// the handler has returned.
+func (st *serverStream) watch(cancel context.CancelFunc) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
+	if st.over {
+		cancel()
+		return
+	}
+	st.stop = cancel
 	if st.finished {
 		return
 	}
-	cancel := st.cancel
 	tag := st.s.r.tag(func(C.isthmus_event_t) { cancel() })
 	var status *C.isthmus_status_t
 	if C.isthmus_server_call_done_async(st.sc, st.s.r.cq, C.uint64_t(tag), &status) != C.ISTHMUS_OK {

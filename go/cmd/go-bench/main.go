@@ -23,6 +23,7 @@
 // Usage: go-bench run [-quick] [-rounds N] [-out results.json]; the serve-* modes are the
 // server processes it starts itself. go-bench load SYSTEM SIZE INFLIGHT SECONDS runs one
 // system alone, for a profiler (perf, pprof) to watch; it prints the record and writes none.
+// A SYSTEM ending in -deadline gives each of its calls a deadline, as run does for those rows.
 package main
 
 import (
@@ -511,15 +512,17 @@ func load(args []string) error {
 		return err
 	}
 	defer os.RemoveAll(dir)
+	// SYSTEM-deadline: the same calls, each with a deadline (withDeadline), as run measures them.
+	name, deadlined := strings.CutSuffix(args[0], "-deadline")
 	var call caller
-	switch args[0] {
+	switch name {
 	case "go-memcpy":
 		call = memcpyCaller()
 	case "go-isthmus-shm", "go-isthmus-raw", "go-isthmus-shm-goroutines", "go-isthmus-raw-stream", "go-client-engine-server":
 		shm := fmt.Sprintf("shm://go-bench-%d", os.Getpid())
 		var srv *exec.Cmd
 		var err error
-		switch args[0] {
+		switch name {
 		case "go-isthmus-shm-goroutines":
 			srv, err = start("serve-isthmus-default", shm)
 		case "go-client-engine-server":
@@ -536,7 +539,7 @@ func load(args []string) error {
 			return err
 		}
 		defer conn.Close()
-		switch args[0] {
+		switch name {
 		case "go-isthmus-raw":
 			call = rawCaller(conn)
 		case "go-isthmus-raw-stream":
@@ -561,6 +564,9 @@ func load(args []string) error {
 		call = protoCaller(pb.NewEchoClient(conn))
 	default:
 		return fmt.Errorf("unknown system %q", args[0])
+	}
+	if deadlined {
+		call = withDeadline(call)
 	}
 	r, err := measure(call, size, inflight, time.Duration(seconds)*time.Second, 1000)
 	if err != nil {
