@@ -282,6 +282,194 @@ def gateway_table(res: Results) -> list[str]:
     return rows
 
 
+def targets_table(res: Results) -> list[str]:
+    """The open issues' speed targets as this run measured them, each beside the best that
+    run's floors allow: a target beyond its floor cannot be met on that host by any transport
+    (the two copies alone, the transport alone, tonic's own layers, the event loop's own
+    future per call, nginx's own yield)."""
+
+    def med(system: str, size: int, inflight: int = 1, field: str = "p50_us") -> float | None:
+        v = res.get(system, size, inflight, field)
+        return v[0] if v else None
+
+    def over(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    rows = [
+        "| issue | target | this run | best the floors allow | verdict |",
+        "|---|---|---:|---:|---|",
+    ]
+
+    def row(
+        issue: int,
+        what: str,
+        value: float | None,
+        want: str,
+        limit: float,
+        bound: float | None = None,
+        unit: str = "×",
+    ) -> None:
+        if value is None:
+            return
+        ok = value <= limit if want == "≤" else value >= limit
+
+        def fmt(v: float) -> str:
+            if unit == "%":
+                return f"{v:.0%}"
+            # Two decimals, or three where two would hide which side of the target it is.
+            return f"{v:.3f}×" if f"{v:.2f}" == f"{limit:.2f}" and v != limit else f"{v:.2f}×"
+
+        allowed = "" if bound is None else fmt(bound)
+        beyond = bound is not None and (bound > limit if want == "≤" else bound < limit)
+        verdict = "met" if ok else ("missed; beyond this host's floor" if beyond else "missed")
+        target = f"{limit:.0%}" if unit == "%" else f"{limit:g}×"
+        rows.append(f"| {issue} | {what} {want} {target} | {fmt(value)} | {allowed} | {verdict} |")
+
+    transport, rust = med("isthmus-shm-transport", 64), med("isthmus-rust", 64)
+    for size in (64 << 10, 1 << 20, 16 << 20):
+        row(
+            19,
+            f"`isthmus-shm-transport` {size_name(size)} ÷ `memcpy`",
+            over(med("isthmus-shm-transport", size), med("memcpy", size)),
+            "≤",
+            2.5,
+            over(med("floor-copy", size), med("memcpy", size)),
+        )
+    row(19, "`isthmus-rust` 64 B ÷ the transport", over(rust, transport), "≤", 2.5)
+    row(
+        19,
+        "`tonic-uds` ÷ `isthmus-rust` 64 B",
+        over(med("tonic-uds", 64), rust),
+        "≥",
+        40,
+        over(med("tonic-uds", 64), transport),
+    )
+    row(19, "`py-isthmus-sync` 64 B ÷ the transport", over(med("py-isthmus-sync", 64), transport), "≤", 4)
+    row(
+        19,
+        "`py-grpc-sync-tonic-uds` ÷ `py-isthmus-sync` 64 B",
+        over(med("py-grpc-sync-tonic-uds", 64), med("py-isthmus-sync", 64)),
+        "≥",
+        40,
+        over(med("py-grpc-sync-tonic-uds", 64), transport),
+    )
+    tonic_floor = med("tonic-floor", 64)
+    row(
+        19,
+        "`tonic-uds` ÷ `tonic-isthmus-shm` 64 B",
+        over(med("tonic-uds", 64), med("tonic-isthmus-shm", 64)),
+        "≥",
+        20,
+        over(med("tonic-uds", 64), tonic_floor + transport) if tonic_floor and transport else None,
+    )
+    row(
+        18,
+        "`py-isthmus-aio` ÷ `py-isthmus-sync` 64 B",
+        over(med("py-isthmus-aio", 64), med("py-isthmus-sync", 64)),
+        "≤",
+        4,
+    )
+    row(
+        18,
+        "`py-grpc-aio-tonic-uds` ÷ `py-isthmus-aio` 64 B",
+        over(med("py-grpc-aio-tonic-uds", 64), med("py-isthmus-aio", 64)),
+        "≥",
+        12,
+    )
+    aio32 = med("py-grpc-aio-tonic-uds", 64, 32, "rps")
+    row(
+        18,
+        "`py-isthmus-aio` ÷ grpc.aio, calls/s at 64 B × 32",
+        over(med("py-isthmus-aio", 64, 32, "rps"), aio32),
+        "≥",
+        10,
+        over(med("py-aio-floor", 64, 32, "rps"), aio32),
+    )
+    gw125 = med("gateway-isthmus-shm", 1019, 125, "rps")
+    row(
+        18,
+        "gateway at 125 callers ÷ `gateway-floor`",
+        over(gw125, med("gateway-floor", 1019, 125, "rps")),
+        "≥",
+        0.85,
+        unit="%",
+    )
+    row(
+        18,
+        "gateway at 125 callers ÷ at 32",
+        over(gw125, med("gateway-isthmus-shm", 1019, 32, "rps")),
+        "≥",
+        1.0,
+        unit="%",
+    )
+    for size in (512, 102400):
+        cosocket = med("lua-cosocket-uds", size)
+        row(
+            17,
+            f"`lua-cosocket-uds` ÷ `lua-isthmus-shm` {size_name(size)}",
+            over(cosocket, med("lua-isthmus-shm", size)),
+            "≥",
+            5,
+            over(cosocket, med("lua-floor-copy-out", size)),
+        )
+    cos_http, yielding = (
+        med("lua-cosocket-uds-http", 512, 32, "rps"),
+        med("nginx-lua-yield-http", 512, 32, "rps"),
+    )
+    lua_http, nocall = (
+        med("lua-isthmus-shm-http", 512, 32, "rps"),
+        med("nginx-lua-nocall-http", 512, 32, "rps"),
+    )
+    row(
+        17,
+        "`lua-isthmus-shm-http` ÷ `lua-cosocket-uds-http`, requests/s",
+        over(lua_http, cos_http),
+        "≥",
+        2,
+        over(yielding, cos_http),
+    )
+    row(
+        17,
+        "`lua-isthmus-shm-http` ÷ `nginx-lua-nocall-http`",
+        over(lua_http, nocall),
+        "≥",
+        0.75,
+        over(yielding, nocall),
+        unit="%",
+    )
+    grpc_go = med("go-grpc-uds", 64)
+    row(16, "`go-grpc-uds` ÷ `go-isthmus-shm` 64 B", over(grpc_go, med("go-isthmus-shm", 64)), "≥", 20)
+    row(
+        16,
+        "`go-isthmus-shm` ÷ `go-grpc-uds`, calls/s at 64 B × 32",
+        over(med("go-isthmus-shm", 64, 32, "rps"), med("go-grpc-uds", 64, 32, "rps")),
+        "≥",
+        5,
+    )
+    row(
+        16,
+        "`go-grpc-uds` ÷ `go-isthmus-shm` 4 MiB",
+        over(med("go-grpc-uds", 4 << 20), med("go-isthmus-shm", 4 << 20)),
+        "≥",
+        3,
+    )
+    for size in (4 << 20, 16 << 20):
+        # No floor: Go's copies are not floor-copy's (go-isthmus-raw has run below its ratio).
+        row(
+            16,
+            f"`go-isthmus-raw` {size_name(size)} ÷ `go-memcpy`",
+            over(med("go-isthmus-raw", size), med("go-memcpy", size)),
+            "≤",
+            2.5,
+        )
+    for soak in ("soak-isthmus-rust", "soak-py-isthmus-aio"):
+        lost = [r.get("lost", 0) + r.get("mismatched", 0) for r in res.records if r["system"] == soak]
+        if lost:
+            verdict = "met" if max(lost) == 0 else "missed"
+            rows.append(f"| 19 | `{soak}`: calls lost or mismatched = 0 | {max(lost)} |  | {verdict} |")
+    return rows
+
+
 def main() -> int:
     out = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "docs/bench"
     res = Results(json.loads((out / "results.json").read_text()))
@@ -378,6 +566,17 @@ def main() -> int:
         "## Speed-up",
         "",
         "![speed-up](speedup.png)",
+        "",
+        "## The open issues' targets in this run",
+        "",
+        "Ratios of the medians above. The floors column is the best any transport could reach on "
+        "this host: for a copy target, `floor-copy` (the echo's two copies, spinning, no transport) "
+        "÷ `memcpy`; against a competitor, the competitor ÷ the least our side cannot avoid (the "
+        "bare transport; tonic's own layers, `tonic-floor`, plus the transport; the event loop's one "
+        "future per call, `py-aio-floor`; nginx's own yield, `nginx-lua-yield-http`; the Lua echo's "
+        "three copies, `lua-floor-copy-out`).",
+        "",
+        *targets_table(res),
         "",
     ]
     (out / "RESULTS.md").write_text("\n".join(text))
