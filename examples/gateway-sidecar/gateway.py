@@ -66,6 +66,11 @@ def stubs(out: str) -> tuple[Any, Any]:
     ]
     if protoc.main(args) != 0:
         raise SystemExit("generating the stubs failed")
+    return load_stubs(out)
+
+
+def load_stubs(out: str) -> tuple[Any, Any]:
+    """The stubs `stubs` made in `out`, imported."""
     sys.path.insert(0, out)
     return importlib.import_module("sidecar_pb2"), importlib.import_module("sidecar_pb2_grpc")
 
@@ -293,28 +298,29 @@ async def run(
         return await drive(transport, http_caller(client), callers, seconds)
 
 
-def watch(address: str) -> None:
+def watch(address: str, stubs_dir: str) -> None:
     """A gateway worker's catalog subscription (``--watch``): prints ``READY`` once it has the
     current catalog, then ``UPDATE version published_ns µs`` for each change: when the sidecar
-    published it (CLOCK_MONOTONIC), and the µs from then to here."""
-    with tempfile.TemporaryDirectory(prefix="isthmus-watcher-") as tmp:
-        pb, pb_grpc = stubs(tmp)
-        with isthmus.insecure_channel(address) as channel:
-            updates = pb_grpc.SidecarStub(channel).WatchCatalog(pb.WatchCatalogRequest())
-            for n, update in enumerate(updates):
-                now = time.monotonic_ns()
-                if n == 0:  # the current catalog, published before we came
-                    print("READY", flush=True)
-                    continue
-                published = update.published_monotonic_ns
-                print(f"UPDATE {update.version} {published} {(now - published) / 1e3:.1f}", flush=True)
+    published it (CLOCK_MONOTONIC), and the µs from then to here. It imports the gateway's stubs
+    from `stubs_dir` and makes no file of its own: it ends by a signal, which cleans up nothing."""
+    pb, pb_grpc = load_stubs(stubs_dir)
+    with isthmus.insecure_channel(address) as channel:
+        updates = pb_grpc.SidecarStub(channel).WatchCatalog(pb.WatchCatalogRequest())
+        for n, update in enumerate(updates):
+            now = time.monotonic_ns()
+            if n == 0:  # the current catalog, published before we came
+                print("READY", flush=True)
+                continue
+            published = update.published_monotonic_ns
+            print(f"UPDATE {update.version} {published} {(now - published) / 1e3:.1f}", flush=True)
 
 
 class Watchers:
-    """``n`` worker processes subscribed to the catalog while a load runs."""
+    """``n`` worker processes subscribed to the catalog while a load runs, on the stubs in
+    `stubs_dir`."""
 
-    def __init__(self, n: int, address: str) -> None:
-        argv = [sys.executable, __file__, "--watch", address]
+    def __init__(self, n: int, address: str, stubs_dir: str) -> None:
+        argv = [sys.executable, __file__, "--watch", address, "--stubs", stubs_dir]
         self.procs = [subprocess.Popen(argv, stdout=subprocess.PIPE, text=True) for _ in range(n)]
         for p in self.procs:
             if p.stdout is None or p.stdout.readline().strip() != "READY":
@@ -377,9 +383,10 @@ def main() -> int:
     parser.add_argument("--sidecar", default=str(ROOT / "target/release/gateway-sidecar"))
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--watch", help=argparse.SUPPRESS)  # a worker's subscription (internal)
+    parser.add_argument("--stubs", help=argparse.SUPPRESS)  # where its stubs are (internal)
     args = parser.parse_args()
     if args.watch:
-        watch(args.watch)
+        watch(args.watch, args.stubs)
         return 0
     transports = args.transports.split(",")
     with tempfile.TemporaryDirectory(prefix="isthmus-gateway-") as tmp:
@@ -408,7 +415,7 @@ def main() -> int:
             catalog: dict[str, Any] | None = None
             for t in transports:
                 watchers = (
-                    Watchers(args.workers, endpoints["shm"]) if t == "isthmus" and args.workers else None
+                    Watchers(args.workers, endpoints["shm"], tmp) if t == "isthmus" and args.workers else None
                 )
                 rows.append(asyncio.run(run(t, endpoints, pb, pb_grpc, args.callers, args.seconds)))
                 if watchers is not None:

@@ -5,9 +5,11 @@ addresses."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,6 +37,7 @@ def generate_stubs() -> Path:
     """`conformance_pb2` and `conformance_pb2_grpc` for the Python peers and clients, made in a
     fresh directory that is put on sys.path."""
     out = Path(tempfile.mkdtemp(prefix="isthmus-stubs-"))
+    atexit.register(shutil.rmtree, out, True)
     proto = PROTO / "conformance.proto"
     assert (
         protoc.main(["protoc", f"-I{PROTO}", f"--python_out={out}", f"--grpc_python_out={out}", str(proto)])
