@@ -76,12 +76,16 @@ def run_loop(main: Coroutine[Any, Any, None]) -> None:
 
 
 def fresh(transport: str) -> str:
-    """An address no other test (or test run) uses; `http://` gets its port from the system."""
+    """An address no other test (or test run) uses; `http://` gets its port from the system. A
+    `unix://` one's socket is removed when the session ends (a server killed with SIGKILL
+    leaves it)."""
     tag = f"py-{os.getpid()}-{next(_fresh)}"
     if transport == "shm":
         return f"shm://{tag}"
     if transport == "unix":
-        return f"unix://{tempfile.gettempdir()}/isthmus-{tag}.sock"
+        path = Path(tempfile.gettempdir()) / f"isthmus-{tag}.sock"
+        atexit.register(path.unlink, missing_ok=True)
+        return f"unix://{path}"
     return "http://127.0.0.1:0"
 
 
