@@ -386,22 +386,18 @@ def targets_table(res: Results) -> list[str]:
         over(med("py-aio-floor", 64, 32, "rps"), aio32),
     )
     gw125 = med("gateway-isthmus-shm", 1019, 125, "rps")
-    row(
-        18,
-        "gateway at 125 callers ÷ `gateway-floor`",
-        over(gw125, med("gateway-floor", 1019, 125, "rps")),
-        "≥",
-        0.85,
-        unit="%",
-    )
-    row(
-        18,
-        "gateway at 125 callers ÷ at 32",
-        over(gw125, med("gateway-isthmus-shm", 1019, 32, "rps")),
-        "≥",
-        1.0,
-        unit="%",
-    )
+    for than, system, callers, limit in (
+        ("`gateway-floor`", "gateway-floor", 125, 0.85),
+        ("at 32", "gateway-isthmus-shm", 32, 1.0),
+    ):
+        row(
+            18,
+            f"gateway at 125 callers ÷ {than}",
+            over(gw125, med(system, 1019, callers, "rps")),
+            "≥",
+            limit,
+            unit="%",
+        )
     for size in (512, 102400):
         cosocket = med("lua-cosocket-uds", size)
         row(

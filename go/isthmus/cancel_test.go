@@ -336,8 +336,8 @@ func checkPollingSeesCancel(t *testing.T, tag string, look func(context.Context)
 	}
 }
 
-// keepingEcho's unary handler hands its context, untouched, to kept and returns at once, or, for a request with Seq 1, first sleeps past its deadline and hands on
-// what Err says then.
+// keepingEcho's unary handler hands its context, untouched, to kept and returns at once, or,
+// for a request with Seq 1, first sleeps past its deadline and hands on what Err says then.
 type keepingEcho struct {
 	echo.Service
 	kept chan context.Context
@@ -376,6 +376,7 @@ func TestAHandlersContextIsDoneWhenItsCallIsOverAndKeepsItsDeadline(t *testing.T
 		if err := s.Start(shm); err != nil {
 			t.Fatal(err)
 		}
+		t.Cleanup(s.Stop)
 		c := pb.NewEchoClient(dial(t, shm))
 
 		ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
@@ -389,17 +390,17 @@ func TestAHandlersContextIsDoneWhenItsCallIsOverAndKeepsItsDeadline(t *testing.T
 		}
 		// First asked now, after the call: through a context derived from it, then directly.
 		derived, stop := context.WithCancel(kept)
-		defer stop()
-		for i, kept := range []context.Context{derived, kept} {
+		for i, late := range []context.Context{derived, kept} {
 			select {
-			case <-kept.Done():
+			case <-late.Done():
 			case <-time.After(10 * time.Second):
 				t.Fatalf("inline %v: context %d of a finished call is not done 10 s on", inline, i)
 			}
-			if !errors.Is(kept.Err(), context.Canceled) {
-				t.Fatalf("inline %v: context %d of a finished call says %v, want context.Canceled", inline, i, kept.Err())
+			if !errors.Is(late.Err(), context.Canceled) {
+				t.Fatalf("inline %v: context %d of a finished call says %v, want context.Canceled", inline, i, late.Err())
 			}
 		}
+		stop()
 
 		ctx, cancel = context.WithTimeout(context.Background(), 200*time.Millisecond)
 		_, err := c.Unary(ctx, &pb.EchoRequest{Seq: 1})
@@ -410,6 +411,5 @@ func TestAHandlersContextIsDoneWhenItsCallIsOverAndKeepsItsDeadline(t *testing.T
 		if late := <-impl.late; !errors.Is(late, context.DeadlineExceeded) {
 			t.Fatalf("inline %v: the handler's Err past the deadline was %v, want context.DeadlineExceeded", inline, late)
 		}
-		s.Stop()
 	}
 }
