@@ -38,7 +38,13 @@ def main() -> int:
         ]
         return statistics.median(vals) if vals else None
 
+    h = data["header"]
+    machine, versions = h["machine"], h["versions"]
     rows = [
+        f"This run: commit {versions['commit']}, {h['date'][:10]}, {machine['cores']} vCPUs "
+        f"({machine['cpu']}), {machine['memory_gib']} GiB RAM, Linux {machine['kernel']}; medians of "
+        f"{h['rounds']} rounds{' (QUICK)' if h.get('quick') else ''}.",
+        "",
         "![Round-trip latency against message size, Python clients](docs/bench/latency-python.png)",
         "",
     ]
