@@ -232,8 +232,21 @@ func grpcTarget(address string) string {
 }
 
 func TestPlainGrpcGoClientAgainstTheGoServer(t *testing.T) {
+	plainGrpcGoClient(t, goPeerBin)
+}
+
+func TestPlainGrpcGoClientAgainstTheRustServer(t *testing.T) {
+	plainGrpcGoClient(t, tonicPeer(t))
+}
+
+// plainGrpcGoClient runs the suite with grpc-go's own client against server bin's HTTP/2
+// addresses: the way out to and in from standard gRPC.
+func plainGrpcGoClient(t *testing.T, bin string) {
 	_, unix := fresh(t, "plain")
-	p := startPeer(t, goPeerBin, unix, "http://127.0.0.1:0")
+	p := startPeer(t, bin, unix, "http://127.0.0.1:0")
+	if len(p.addresses) != 2 {
+		t.Fatalf("the server listens on %v, not on its Unix socket and TCP port", p.addresses)
+	}
 	for _, address := range p.addresses {
 		conn, err := grpc.NewClient(grpcTarget(address), grpc.WithTransportCredentials(insecure.NewCredentials()))
 		if err != nil {
@@ -268,12 +281,18 @@ func TestGeneratedClientAgainstTheRustServer(t *testing.T) {
 }
 
 // A call in its handler when the server is killed (SIGKILL: no goodbye) ends Unavailable
-// promptly, over shared memory and over HTTP/2 on a Unix socket and on TCP.
+// promptly, over shared memory and over HTTP/2 on a Unix socket and on TCP; the Go server's
+// and the Rust one's (tonic-peer; the Python servers' in tests/tests/suite/go_peers.rs).
 func TestAKilledServerFailsItsCallsUnavailable(t *testing.T) {
+	t.Run("go", func(t *testing.T) { killedServerFailsCallsUnavailable(t, goPeerBin) })
+	t.Run("rust", func(t *testing.T) { killedServerFailsCallsUnavailable(t, tonicPeer(t)) })
+}
+
+func killedServerFailsCallsUnavailable(t *testing.T, bin string) {
 	for _, transport := range []string{"shm", "unix", "tcp"} {
 		shm, unix := fresh(t, "kill-"+transport)
 		target := map[string]string{"shm": shm, "unix": unix, "tcp": "http://127.0.0.1:0"}[transport]
-		p := startPeer(t, goPeerBin, target)
+		p := startPeer(t, bin, target)
 		if transport != "shm" {
 			target = p.addresses[0]
 		}

@@ -19,9 +19,25 @@ from ._native import Block, CallError, Message, ServerCall
 _LOG = logging.getLogger("isthmus")
 
 
+def reply_size(message: Any) -> int | None:
+    """The bytes a reply sends: a `bytes` or `Block`'s length, a buffer's size; None for what is
+    no buffer (the call refuses it when it sends)."""
+    if isinstance(message, (bytes, Block)):
+        return len(message)
+    try:
+        with memoryview(message) as view:
+            return view.nbytes
+    except TypeError:
+        return None
+
+
 class Context:
-    def __init__(self, call: ServerCall, handler: grpc.RpcMethodHandler, raw: bool = False) -> None:
+    def __init__(
+        self, call: ServerCall, handler: grpc.RpcMethodHandler, raw: bool = False, max_send: int | None = None
+    ) -> None:
         self._call = call
+        # The server's `grpc.max_send_message_length`: a larger reply fails the call.
+        self._max_send = max_send
         self._deserialize: Callable[[bytes], Any] | None = handler.request_deserializer
         self._serialize: Callable[[Any], bytes] | None = handler.response_serializer
         self._code: grpc.StatusCode | None = None
@@ -123,11 +139,21 @@ class Context:
 
     def _encode(self, response: Any) -> bytes:
         if self._serialize is None:
-            return response  # type: ignore[no-any-return]
-        try:
-            return self._serialize(response)
-        except Exception:
-            self._abort(grpc.StatusCode.INTERNAL, "Failed to serialize response!")
+            message = response
+        else:
+            try:
+                message = self._serialize(response)
+            except Exception:
+                self._abort(grpc.StatusCode.INTERNAL, "Failed to serialize response!")
+        if self._max_send is not None:
+            size = reply_size(message)
+            if size is not None and size > self._max_send:
+                # grpcio's words, and its code: the reply does not go.
+                self._abort(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"SERVER: Sent message larger than max ({size} vs. {self._max_send})",
+                )
+        return message  # type: ignore[no-any-return]
 
     def _responds(self) -> bool:
         """Whether a unary handler's return value is sent: not once it set a failing code."""
@@ -159,8 +185,10 @@ class Context:
 class ServicerContext(Context, grpc.ServicerContext):
     """The blocking server's context."""
 
-    def __init__(self, call: ServerCall, handler: grpc.RpcMethodHandler, raw: bool = False) -> None:
-        super().__init__(call, handler, raw)
+    def __init__(
+        self, call: ServerCall, handler: grpc.RpcMethodHandler, raw: bool = False, max_send: int | None = None
+    ) -> None:
+        super().__init__(call, handler, raw, max_send)
         # How the blocking server reads requests and sends replies (raw ones as buffers).
         self._recv = call.recv_raw if raw else call.recv
         self._send = call.send_raw if raw else call.send

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from . import _native
-from ._channel import channel_compression
+from ._channel import channel_compression, limits
 from ._context import ServicerContext
 from ._credentials import server_tls
 from ._handler import Handlers
@@ -26,12 +26,6 @@ _LOG = logging.getLogger("isthmus")
 # How long a blocking wait lasts at most before Python gets a chance to run signal handlers
 # (Ctrl-C): the engine's waits release the GIL and cannot be interrupted.
 _WAIT_SLICE = 1.0
-
-
-def _max_message_size(options: Sequence[tuple[str, Any]] | None) -> int | None:
-    """grpc's receive limit, if the options set one (-1 in grpc means none)."""
-    size = dict(options or ()).get("grpc.max_receive_message_length")
-    return None if size is None or size < 0 else int(size)
 
 
 def _port(bound: str) -> int:
@@ -66,8 +60,10 @@ class ServerBase:
         offer_shm = bool(dict(options or ()).get("isthmus.offer_shm", True))
         # Replies over HTTP/2 to clients that read it, as grpcio's (see `channel_compression`).
         replies = channel_compression(compression, options)
+        max_send, max_receive = limits(options)
+        self._max_send = max_send
         self._native = _native.Server(
-            to_loop, maximum_concurrent_rpcs, _max_message_size(options), offer_shm, max_threads, replies
+            to_loop, maximum_concurrent_rpcs, max_receive, offer_shm, max_threads, replies
         )
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:
@@ -162,7 +158,7 @@ class Server(ServerBase, grpc.Server):
             refuse(call, None)
             return
         handler, method, raw = plan
-        context = ServicerContext(call, handler, raw)
+        context = ServicerContext(call, handler, raw, self._max_send)
         try:
             request = context._requests() if handler.request_streaming else context._request(context._recv())
             response = method(request, context)

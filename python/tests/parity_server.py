@@ -1,5 +1,6 @@
 """A server for the parity tests (`test_grpc_parity.py`): `parity_server.py API [--intercepted]
-[--health-last] TARGET…` with API `grpcio`, `grpc.aio`, `isthmus` or `isthmus-aio`. It prints READY, then
+[--health-last] [--send-limit] TARGET…` with API `grpcio`, `grpc.aio`, `isthmus` or `isthmus-aio`
+(`--send-limit`: the server's `grpc.max_send_message_length` is 100 bytes). It prints READY, then
 LISTENING <address> for each HTTP/2 target, and serves until killed. An asyncio server runs on
 the loop `PEER_LOOP` names (`asyncio`, the default, or `uvloop`; see `peer.run_loop`). It serves:
 
@@ -54,6 +55,8 @@ import isthmus
 import isthmus.aio
 
 SERVICE = "grpc.health.v1.Health"
+# `grpc.max_send_message_length` with `--send-limit`.
+SEND_LIMIT = 100
 
 
 def _name(request: bytes) -> str:
@@ -354,12 +357,13 @@ def main() -> None:
     flags = {t for t in targets if t.startswith("--")}
     targets = [t for t in targets if not t.startswith("--")]
     intercepted, health_last = "--intercepted" in flags, "--health-last" in flags
+    options = [("grpc.max_send_message_length", SEND_LIMIT)] if "--send-limit" in flags else None
     if api in ("isthmus-aio", "grpc.aio"):
 
         async def serve() -> None:
             interceptors = [AioRecorder(), AioGuard()] if intercepted else None
             make = isthmus.aio.server if api == "isthmus-aio" else grpc.aio.server
-            server = make(interceptors=interceptors)
+            server = make(interceptors=interceptors, options=options)
             if not health_last:
                 server.add_generic_rpc_handlers((handlers(check_async),))
             server.add_generic_rpc_handlers((SLOW, PLAIN, duplex(talk_async)))
@@ -376,7 +380,8 @@ def main() -> None:
         run_loop(serve())
         return
     make = grpc.server if api == "grpcio" else isthmus.server
-    server = make(futures.ThreadPoolExecutor(4), interceptors=[Recorder(), Guard()] if intercepted else None)
+    interceptors = [Recorder(), Guard()] if intercepted else None
+    server = make(futures.ThreadPoolExecutor(4), interceptors=interceptors, options=options)
     if not health_last:
         server.add_generic_rpc_handlers((handlers(check),))
     server.add_generic_rpc_handlers((META, duplex(talk)))

@@ -109,7 +109,11 @@ BIG = [
         for api in ("isthmus", "isthmus.aio")
         for transport in ("shm", "unix", "http")
     ),
-    *((api, server, "shm") for api in ("isthmus", "isthmus.aio") for server in ("isthmus", "isthmus-aio")),
+    *(
+        (api, server, "shm")
+        for api in ("isthmus", "isthmus.aio")
+        for server in ("isthmus", "isthmus-aio", "go")
+    ),
     ("isthmus", "grpcio", "unix"),
     ("grpcio", "isthmus", "unix"),
     ("grpcio.aio", "isthmus-aio", "http"),

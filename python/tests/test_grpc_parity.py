@@ -434,6 +434,43 @@ def test_the_applications_health_servicer_is_the_one_that_answers(api: str, loop
                     grpc.StatusCode.NOT_FOUND,
                     "no such service: other",
                 )
+                # The application's servicer has no Watch, and isthmus's own does not stand in.
+                with pytest.raises(grpc.RpcError) as caught:
+                    next(channel.unary_stream("/grpc.health.v1.Health/Watch")(b"", timeout=60))
+                assert caught.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    finally:
+        served.close()
+
+
+@pytest.mark.parametrize(
+    ("api", "loop"), [("grpcio", "asyncio"), ("isthmus", "asyncio"), *AIO_SERVERS], ids="-".join
+)
+def test_a_reply_over_the_servers_send_limit_fails_its_call(api: str, loop: str) -> None:
+    """A server's `grpc.max_send_message_length` (100 bytes): a larger reply fails its call
+    RESOURCE_EXHAUSTED in grpcio's words, the replies of a stream before it arrive, and the
+    next call goes through; over every transport, as under grpcio and grpc.aio."""
+    served, targets = parity_server(api, "--send-limit", loop=loop)
+    aio = api.endswith("aio")
+    # Methods that send their requests back: joined (one reply), and each as it comes.
+    join, echo = (
+        ("/parity.Plain/Join", "/parity.Plain/Echo")
+        if aio
+        else ("/parity.Meta/ClientStream", "/parity.Meta/Bidi")
+    )
+    over = (grpc.StatusCode.RESOURCE_EXHAUSTED, "SERVER: Sent message larger than max (150 vs. 100)")
+    try:
+        for channel in _every_client(targets):
+            with channel:
+                joined = channel.stream_unary(join)
+                with pytest.raises(grpc.RpcError) as caught:
+                    joined(iter([b"x" * 150]), timeout=60)
+                assert (caught.value.code(), caught.value.details()) == over
+                echoed = channel.stream_stream(echo)(iter([b"small", b"y" * 150, b"never"]), timeout=60)
+                assert next(echoed) == b"small"
+                with pytest.raises(grpc.RpcError) as caught:
+                    next(echoed)
+                assert (caught.value.code(), caught.value.details()) == over
+                assert joined(iter([b"a", b"b"]), timeout=60) == b"a+b"
     finally:
         served.close()
 

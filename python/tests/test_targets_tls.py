@@ -108,19 +108,20 @@ def _grpc_addresses(cert_dir: Path, tag: str, sock: str) -> None:
                     assert whoami(grpc.insecure_channel(target))["peer"], target
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
-def test_an_asyncio_handler_names_its_peer(
-    cert_dir: Path, loop: str, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    ("kind", "loop"), [("isthmus", ""), ("isthmus-aio", "asyncio"), ("isthmus-aio", "uvloop")]
+)
+def test_a_handler_names_its_peer(
+    cert_dir: Path, kind: str, loop: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`context.peer()` in a handler of an `isthmus.aio` server names the caller as grpc's
-    servers do over TCP (`ipv4:`) and a Unix socket (`unix:`), and over shared memory by the
-    calling process's own pid and uid (`shm:pid=PID,uid=UID`)."""
-    monkeypatch.setenv(LOOP_ENV, loop)
+    """`context.peer()` in a handler of an isthmus server, thread pool or asyncio, names the
+    caller as grpc's servers do over TCP (`ipv4:`) and a Unix socket (`unix:`), and over shared
+    memory by the calling process's own pid and uid (`shm:pid=PID,uid=UID`)."""
+    if loop:
+        monkeypatch.setenv(LOOP_ENV, loop)
     monkeypatch.setenv("ISTHMUS_NO_OFFER", "1")  # TCP stays TCP: no move to shared memory
-    name = f"isthmus-py-whoami-{os.getpid()}-{loop}"
-    with Server(
-        "isthmus-aio", cert_dir, "none", "127.0.0.1:0", f"unix-abstract:{name}", f"shm://{name}"
-    ) as server:
+    name = f"isthmus-py-whoami-{os.getpid()}-{kind}-{loop}"
+    with Server(kind, cert_dir, "none", "127.0.0.1:0", f"unix-abstract:{name}", f"shm://{name}") as server:
         seen = [
             whoami(isthmus.insecure_channel(target))["peer"]
             for target in (f"127.0.0.1:{server.ports[0]}", f"unix-abstract:{name}", f"shm://{name}")

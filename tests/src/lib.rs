@@ -235,6 +235,22 @@ impl Peer {
         }
     }
 
+    /// Every stdout line still to come, once the peer has closed its stdout (exited). Panics if
+    /// that takes longer than `patience` (a watchdog, not a timing test).
+    pub fn rest(&mut self, patience: Duration) -> Vec<String> {
+        let end = Instant::now() + patience;
+        let mut lines = Vec::new();
+        loop {
+            match self.lines.recv_timeout(end.saturating_duration_since(Instant::now())) {
+                Ok(line) => lines.push(line),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return lines,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    panic!("peer still running after {patience:?}; it printed {lines:?}")
+                }
+            }
+        }
+    }
+
     /// SIGKILL, as a crash would; returns once the process and its stdout pipe are gone.
     pub fn kill9(&mut self) {
         let _ = self.child.kill();

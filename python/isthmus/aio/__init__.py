@@ -67,7 +67,8 @@ def server(
     maximum_concurrent_rpcs: int | None = None,
     compression: grpc.Compression | None = None,
 ) -> Server:
-    """A server, as `grpc.aio.server` makes one; bind it with `add_insecure_port`."""
+    """A server, as `grpc.aio.server` makes one; bind it with `add_insecure_port`. It reads the
+    `options` that `isthmus.server` reads."""
     return Server(
         migration_thread_pool, handlers, interceptors, options, maximum_concurrent_rpcs, compression
     )

@@ -26,8 +26,9 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         driver: Driver,
         raw: bool = False,
         done_callbacks: dict[int, list[Callable[[], None]]] | None = None,
+        max_send: int | None = None,
     ) -> None:
-        super().__init__(call, handler, raw)
+        super().__init__(call, handler, raw, max_send)
         self._loop = loop
         self._driver = driver
         self._done_callbacks = {} if done_callbacks is None else done_callbacks

@@ -132,7 +132,7 @@ class Server(ServerBase, grpc.aio.Server):
         handler, method, raw = plan
         loop, driver = self._loop, self._driver
         assert loop is not None and driver is not None  # set by start, before any call
-        context = ServicerContext(call, handler, loop, driver, raw, self.done_callbacks)
+        context = ServicerContext(call, handler, loop, driver, raw, self.done_callbacks, self._max_send)
         try:
             await self._serve(handler, method, context)
         except asyncio.CancelledError:

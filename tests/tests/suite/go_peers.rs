@@ -187,6 +187,28 @@ fn go_client_checks(addresses: &[String]) {
     assert!(out.status.success() && transcript.contains(" 0 failed"), "go-conformance:\n{transcript}");
 }
 
+/// The Go client's calls in flight when a Python server (thread pool, then asyncio) is killed
+/// end UNAVAILABLE, soon, on every transport, and the next calls too (`go-conformance --killed`).
+#[test]
+fn a_killed_python_server_fails_the_go_clients_calls_unavailable() {
+    for kind in ["isthmus", "isthmus-aio"] {
+        let (mut server, addresses) = python_server(kind);
+        let mut client = Peer::command(Command::new(go_bin("go-conformance")).arg("--killed").args(&addresses));
+        // Each call in its handler, sleeping: in flight.
+        for _ in &addresses {
+            server.expect_line("UNARY-SLEEPING ", Duration::from_secs(60));
+        }
+        let killed = Instant::now();
+        server.kill9();
+        let transcript = client.rest(Duration::from_secs(120));
+        let elapsed = killed.elapsed();
+        let summary = format!("{} passed, 0 failed", 2 * addresses.len());
+        assert!(transcript.contains(&summary), "{kind}: go-conformance --killed:\n{transcript:#?}");
+        assert!(client.child.wait().is_ok_and(|s| s.success()), "{kind}: {transcript:#?}");
+        assert!(elapsed < Duration::from_secs(10), "{kind}: the calls took {elapsed:?} to end after kill -9");
+    }
+}
+
 #[test]
 fn the_go_client_calls_the_python_thread_pool_server_on_every_transport() {
     let (_server, addresses) = python_server("isthmus");
