@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from . import _native
-from ._call import Call, Deserializer, Serializer, Succeeded, decode, encode
+from ._call import _INTERNAL, Call, Deserializer, Serializer, Succeeded, decode, encode
 from ._errors import rpc_error
 from ._metadata import Metadatum, outgoing
 from ._native import CallError
@@ -182,8 +182,12 @@ class _MultiCallable:
         return call
 
 
-class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
-    def __call__(
+class UnaryUnaryMultiCallable(_native.UnaryCallable, _MultiCallable, grpc.UnaryUnaryMultiCallable):
+    # `__call__` is the native base's: a call without metadata or a compression of its own is
+    # one native step (serializer, engine call, deserializer), ~0.5 µs less than the same in
+    # Python; the others come to `_call`, and failures to `_failed`.
+
+    def _call(
         self,
         request: Any,
         timeout: float | None = None,
@@ -192,8 +196,8 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Any:
-        # The fast path (with_call repeats it, to keep this one a single frame): one engine call,
-        # no thread, no call object.
+        """`__call__` with metadata or a compression: one engine call, no thread, no call
+        object."""
         try:
             message = self._channel.unary_message(
                 self._path,
@@ -207,6 +211,18 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.UnaryUnaryMultiCallable):
             return decode(self._deserialize, message)
         except CallError as e:
             raise rpc_error(e) from None
+
+    def _failed(self, stage: int, error: BaseException) -> BaseException:
+        """What the native `__call__` raises for `error`, as `_call` would: from the serializer
+        (stage 0; INTERNAL, logged, unless it is a size limit's `CallError`), the call (1, a
+        `CallError`) or the deserializer (2; INTERNAL)."""
+        if stage == 0 and not isinstance(error, CallError):
+            _LOG.error("Exception serializing request!", exc_info=error)
+            error = CallError(_INTERNAL, "Exception serializing request!")
+        elif stage == 2:
+            error = CallError(_INTERNAL, "Exception deserializing response!")
+        assert isinstance(error, CallError)
+        return rpc_error(error)
 
     def with_call(
         self,

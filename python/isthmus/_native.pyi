@@ -19,6 +19,7 @@ __all__ = [
     "Server",
     "ServerCall",
     "Topic",
+    "UnaryCallable",
     "UnaryResult",
 ]
 
@@ -169,6 +170,30 @@ class Channel:
     def close(self) -> None:
         """Calls in progress over shm:// end CANCELLED and the connections close; later calls
         fail with CallError(UNAVAILABLE)."""
+
+@disjoint_base
+class UnaryCallable:
+    """A blocking unary stub call in one native step; the base of
+    `isthmus._channel.UnaryUnaryMultiCallable`, which provides `_call` (a call with metadata or
+    a compression of its own) and `_failed` (the exception for a failure)."""
+
+    def __new__(
+        cls,
+        channel: Channel,
+        path: str,
+        serialize: Callable[[Any], bytes] | None,
+        deserialize: Callable[[bytes], Any] | None,
+        compression: str | None = None,
+    ) -> Self: ...
+    def __call__(
+        self,
+        request: Any,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any: ...
 
 @final
 class Call:

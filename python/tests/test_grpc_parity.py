@@ -142,6 +142,29 @@ def _boom(_: Any) -> bytes:
     raise ValueError("cannot serialize this")
 
 
+def test_a_response_deserializer_that_raises_fails_the_call_internal(servers: Callable[[str], Any]) -> None:
+    """As grpcio does: INTERNAL, "Exception deserializing response!", for a blocking unary
+    call with metadata and without (isthmus makes the second in one native step), over every
+    transport; a request that is no `bytes`, with no serializer, raises TypeError."""
+
+    def boom(_: bytes) -> Any:
+        raise ValueError("cannot deserialize this")
+
+    want = (grpc.StatusCode.INTERNAL, "Exception deserializing response!")
+    addresses = servers("rust").addresses
+    channels = [grpc.insecure_channel(grpcio_target(str(addresses["unix"])))]
+    channels += [isthmus.insecure_channel(str(addresses[t])) for t in ("shm", "unix", "http")]
+    for channel in channels:
+        with channel:
+            for metadata in (None, [("x-a", "1")]):
+                call = channel.unary_unary("/conformance.Echo/Unary", response_deserializer=boom)
+                with pytest.raises(grpc.RpcError) as caught:
+                    call(b"", metadata=metadata, timeout=60)
+                assert (caught.value.code(), caught.value.details()) == want, (channel, metadata)
+                with pytest.raises(TypeError):
+                    channel.unary_unary("/conformance.Echo/Unary")("text", metadata=metadata, timeout=60)
+
+
 def test_a_request_serializer_that_raises_fails_the_call_internal(servers: Callable[[str], Any]) -> None:
     """As grpcio's sync API does (grpc.aio instead logs the error and sends an empty request):
     INTERNAL, "Exception serializing request!"."""

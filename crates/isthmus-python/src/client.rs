@@ -420,6 +420,91 @@ impl Channel {
 
 /// One blocking call of any shape; its sending and receiving sides may be used from two
 /// threads at once.
+/// A stub's blocking unary call (`UnaryUnaryMultiCallable.__call__`) in one native step: the
+/// request serialized, the call made and the reply deserialized with no Python frame between
+/// them, which cost a 64 B call 0.5-0.8 µs of its ~4 µs. A call with metadata or a compression
+/// of its own goes to the subclass's `_call`, as does no other: only that common case is here.
+/// A failure becomes its exception through the subclass's `_failed(stage, error)` (0: the
+/// serializer raised, 1: the call failed with a `CallError`, 2: the deserializer raised), so
+/// that grpcio's errors and log lines stay written once, in Python.
+#[pyclass(module = "isthmus._native", frozen, subclass)]
+pub(crate) struct UnaryCallable {
+    channel: Py<Channel>,
+    path: String,
+    serialize: Option<Py<PyAny>>,
+    deserialize: Option<Py<PyAny>>,
+    compression: Option<isthmus::Compression>,
+}
+
+#[pymethods]
+impl UnaryCallable {
+    #[new]
+    #[pyo3(signature = (channel, path, serialize, deserialize, compression=None))]
+    fn new(
+        channel: Py<Channel>,
+        path: String,
+        serialize: Option<Py<PyAny>>,
+        deserialize: Option<Py<PyAny>>,
+        compression: Option<&str>,
+    ) -> PyResult<UnaryCallable> {
+        let compression = crate::convert::compression_from_py(compression)?;
+        Ok(UnaryCallable { channel, path, serialize, deserialize, compression })
+    }
+
+    #[pyo3(signature = (request, timeout=None, metadata=None, credentials=None, wait_for_ready=None, compression=None))]
+    fn __call__<'py>(
+        slf: &Bound<'py, Self>,
+        request: &Bound<'py, PyAny>,
+        timeout: Option<&Bound<'py, PyAny>>,
+        metadata: Option<&Bound<'py, PyAny>>,
+        credentials: Option<&Bound<'py, PyAny>>,
+        wait_for_ready: Option<&Bound<'py, PyAny>>,
+        compression: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        if metadata.is_some() || compression.is_some() {
+            let args = (request, timeout, metadata, credentials, wait_for_ready, compression);
+            return slf.call_method1(pyo3::intern!(py, "_call"), args);
+        }
+        let this = slf.get();
+        let failed = |stage: u8, error: PyErr| match slf.call_method1(pyo3::intern!(py, "_failed"), (stage, error)) {
+            Ok(raised) => PyErr::from_value(raised),
+            Err(e) => e,
+        };
+        // Only what Python's `except Exception` would catch becomes the call's error.
+        let raised = |stage: u8, error: PyErr| match error.is_instance_of::<pyo3::exceptions::PyException>(py) {
+            true => failed(stage, error),
+            false => error,
+        };
+        let encoded;
+        let request = match &this.serialize {
+            None => request,
+            Some(serialize) => {
+                encoded = serialize.bind(py).call1((request,)).map_err(|e| raised(0, e))?;
+                &encoded
+            }
+        };
+        let request = request.cast::<PyBytes>()?;
+        let options = isthmus::CallOptions {
+            timeout: crate::convert::timeout_from_py(timeout.map(|t| t.extract::<f64>()).transpose()?),
+            wait_for_ready: wait_for_ready.map(|w| w.is_truthy()).transpose()?.unwrap_or(false),
+            compression: this.compression,
+            ..Default::default()
+        };
+        let response = this.channel.get().call_unary(py, &this.path, request.as_bytes(), options).map_err(|e| {
+            match e.is_instance_of::<crate::convert::CallError>(py) {
+                true => failed(1, e),
+                false => e,
+            }
+        })?;
+        let reply = PyBytes::new(py, &response.message).into_any();
+        match &this.deserialize {
+            None => Ok(reply),
+            Some(deserialize) => deserialize.bind(py).call1((reply,)).map_err(|e| raised(2, e)),
+        }
+    }
+}
+
 #[pyclass(module = "isthmus._native", frozen)]
 pub(crate) struct Call(Arc<SharedCall>);
 

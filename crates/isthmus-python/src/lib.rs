@@ -78,6 +78,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<convert::CallError>()?;
     m.add_class::<client::UnaryResult>()?;
     m.add_class::<client::Channel>()?;
+    m.add_class::<client::UnaryCallable>()?;
     m.add_class::<client::Call>()?;
     m.add_class::<reactor::Reactor>()?;
     m.add_class::<reactor::AsyncChannel>()?;
