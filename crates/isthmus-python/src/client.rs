@@ -6,7 +6,8 @@
 //! - A unary call (`__call__`, `with_call`) over `shm://` runs on the engine's blocking channel on
 //!   the calling thread, GIL released: the thread writes its request into the ring and reads its
 //!   own reply, with no runtime and no thread hop. This is the fast path; it makes no Python call
-//!   object.
+//!   object, and a stub's call without metadata or a compression of its own runs it with no
+//!   Python frame at all ([`UnaryCallable`], the base of `UnaryUnaryMultiCallable`).
 //! - Every other call (streaming shapes, `.future()`), and every call over `unix://` and `http://`,
 //!   runs on the engine's async `Channel` on the shared runtime, driven by `block_on` from the
 //!   calling thread, GIL released. Over `shm://` that thread reads the connection while it waits
