@@ -566,3 +566,76 @@ func TestSendCompressedCompressesReplies(t *testing.T) {
 		t.Errorf("SendCompressed(snappy): %v, want InvalidArgument", err)
 	}
 }
+
+// A server's MaxSendMessageSize is grpc.MaxSendMsgSize's: a reply over it fails its call
+// ResourceExhausted in grpc-go's words and is not sent, a stream's replies before it arrive,
+// and the next call goes through; a raw handler's reply block too. The reference is a grpc-go
+// server with grpc.MaxSendMsgSize.
+func TestMaxSendMessageSizeFailsALargerReply(t *testing.T) {
+	const limit = 100
+	shm, unix := fresh(t, "srvmaxsend")
+	s := isthmus.NewServer(isthmus.MaxSendMessageSize(limit))
+	pb.RegisterEchoServer(s, &echo.Service{})
+	raw := "/isthmus.test.Raw/Echo"
+	s.HandleRawUnary(raw, func(c *isthmus.RawServerCall, req *isthmus.Message) (*isthmus.Block, error) {
+		b, err := c.Alloc(len(req.Bytes()))
+		if err == nil {
+			copy(b.Bytes(), req.Bytes())
+		}
+		return b, err
+	})
+	if err := s.Start(shm, unix); err != nil {
+		t.Fatalf("start: %v", err)
+	}
+	t.Cleanup(s.Stop)
+	clients := []optionClient{
+		{"isthmus shm", dialWith(t, shm)},
+		{"isthmus unix", dialWith(t, unix)},
+		{"grpc-go unix", newGrpcClient(t, unix)},
+		{"grpc-go → grpc-go", newGrpcClient(t, startGrpcServer(t, grpc.MaxSendMsgSize(limit)))},
+	}
+	ctx := testContext(t)
+	for _, size := range []int{1000, 64 << 10} { // 64 KiB: marshalled in place over shm://
+		errs := errsOf(t, clients, func(c optionClient) error {
+			_, err := pb.NewEchoClient(c.conn).Unary(ctx, &pb.EchoRequest{Payload: make([]byte, size)})
+			return err
+		})
+		sameErrors(t, fmt.Sprintf("unary, %d bytes", size), clients, errs, codes.ResourceExhausted)
+	}
+	if msg := status.Convert(errsOf(t, clients[:1], func(c optionClient) error {
+		_, err := pb.NewEchoClient(c.conn).Unary(ctx, &pb.EchoRequest{Payload: make([]byte, 1000)})
+		return err
+	})[0]).Message(); !strings.HasPrefix(msg, "trying to send message larger than max (10") || !strings.HasSuffix(msg, " vs. 100)") {
+		t.Errorf("the message: %q", msg)
+	}
+	var recvErrs []error
+	for _, c := range clients {
+		st, err := pb.NewEchoClient(c.conn).Bidi(ctx)
+		if err != nil {
+			t.Fatalf("%s: Bidi: %v", c.label, err)
+		}
+		for _, n := range []int{10, 1000} {
+			if err := st.Send(&pb.EchoRequest{Payload: make([]byte, n)}); err != nil {
+				t.Fatalf("%s: send %d bytes: %v", c.label, n, err)
+			}
+		}
+		if r, err := st.Recv(); err != nil || len(r.Payload) != 10 {
+			t.Fatalf("%s: the small echo: %v, %v", c.label, r, err)
+		}
+		_, err = st.Recv()
+		recvErrs = append(recvErrs, err)
+		if r, err := pb.NewEchoClient(c.conn).Unary(ctx, &pb.EchoRequest{Payload: make([]byte, 10)}); err != nil || len(r.Payload) != 10 {
+			t.Errorf("%s: a call under the limit after: %v, %v", c.label, r, err)
+		}
+	}
+	sameErrors(t, "stream", clients, recvErrs, codes.ResourceExhausted)
+	for _, c := range clients[:2] {
+		m, err := c.conn.(*isthmus.ClientConn).CallRaw(ctx, raw, make([]byte, 1000))
+		if status.Code(err) != codes.ResourceExhausted {
+			t.Errorf("%s: a raw 1000-byte reply: %v", c.label, err)
+		}
+		if m != nil {
+			m.Release()
+		}
+	}
+}

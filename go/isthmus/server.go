@@ -78,6 +78,7 @@ type ServerOption func(*serverOptions)
 
 type serverOptions struct {
 	maxMessageSize       uint64
+	maxSendMessageSize   uint64 // 0: none
 	maxConcurrentStreams uint32
 	unary                grpc.UnaryServerInterceptor
 	stream               grpc.StreamServerInterceptor
@@ -93,6 +94,13 @@ type serverOptions struct {
 // larger one fails its call with codes.ResourceExhausted and the server goes on.
 func MaxMessageSize(n uint64) ServerOption {
 	return func(o *serverOptions) { o.maxMessageSize = n }
+}
+
+// MaxSendMessageSize sets the largest response message a handler may send, in bytes, as
+// grpc.MaxSendMsgSize does on a grpc-go server (default: no limit but the transport's); a
+// larger one fails its call with codes.ResourceExhausted, in grpc-go's words, and is not sent.
+func MaxSendMessageSize(n uint64) ServerOption {
+	return func(o *serverOptions) { o.maxSendMessageSize = n }
 }
 
 // SendCompressed compresses the replies to HTTP/2 calls with "gzip" or "deflate", for each
@@ -449,6 +457,9 @@ func (st *serverStream) sendReply(m any) error {
 func (st *serverStream) startReply(m any) (pending *op, err error) {
 	if pm, ok := m.(proto.Message); ok {
 		if size := proto.Size(pm); inPlace(size, true) {
+			if err := st.checkSend(size); err != nil {
+				return nil, err
+			}
 			err := st.sendLarge(pm, size)
 			if err == nil {
 				st.stats.outPayload(m, size)
@@ -457,6 +468,9 @@ func (st *serverStream) startReply(m any) (pending *op, err error) {
 		}
 	}
 	b, err := marshal(m)
+	if err == nil {
+		err = st.checkSend(len(b))
+	}
 	if err == nil {
 		err = st.flushHeader()
 	}
@@ -775,9 +789,20 @@ func (st *serverStream) SetTrailer(md metadata.MD) {
 	st.mu.Unlock()
 }
 
+// checkSend fails a response of size bytes over MaxSendMessageSize, in grpc-go's words.
+func (st *serverStream) checkSend(size int) error {
+	if limit := st.s.opts.maxSendMessageSize; limit > 0 && uint64(size) > limit {
+		return status.Errorf(codes.ResourceExhausted, "trying to send message larger than max (%d vs. %d)", size, limit)
+	}
+	return nil
+}
+
 func (st *serverStream) SendMsg(m any) error {
 	if pm, ok := m.(proto.Message); ok {
 		if size := proto.Size(pm); inPlace(size, st.m != nil && st.m.unary != nil) {
+			if err := st.checkSend(size); err != nil {
+				return err
+			}
 			err := st.sendLarge(pm, size)
 			if err == nil {
 				st.stats.outPayload(m, size)
@@ -786,6 +811,9 @@ func (st *serverStream) SendMsg(m any) error {
 		}
 	}
 	b, err := marshal(m)
+	if err == nil {
+		err = st.checkSend(len(b))
+	}
 	if err != nil {
 		return err
 	}
