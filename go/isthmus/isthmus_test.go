@@ -52,7 +52,34 @@ func TestMain(m *testing.M) {
 	}
 	code := m.Run()
 	os.RemoveAll(dir)
+	removeShmSockets()
 	os.Exit(code)
+}
+
+// removeShmSockets removes the sockets of the shm:// names fresh gave: a server killed with
+// SIGKILL leaves its socket in the runtime directory (where isthmus_shm::runtime_dir says).
+func removeShmSockets() {
+	names.Range(func(name, _ any) bool {
+		os.Remove(filepath.Join(runtimeDir(), name.(string)+".sock"))
+		return true
+	})
+}
+
+// runtimeDir is where shm:// sockets live, as isthmus_shm::runtime_dir chooses it.
+func runtimeDir() string {
+	if xdg := os.Getenv("XDG_RUNTIME_DIR"); xdg != "" {
+		return filepath.Join(xdg, "isthmus")
+	}
+	return fmt.Sprintf("/tmp/isthmus-%d", os.Getuid())
+}
+
+// removeLoopbacksOf removes the private loopback sockets of server process pid, which is gone:
+// one killed with SIGKILL cannot remove them itself.
+func removeLoopbacksOf(pid int) {
+	found, _ := filepath.Glob(filepath.Join(runtimeDir(), fmt.Sprintf("isthmus-loopback-%d-*.sock", pid)))
+	for _, f := range found {
+		os.Remove(f)
+	}
 }
 
 // peer is a server process; its HTTP/2 addresses as it announced them.
@@ -62,6 +89,7 @@ type peer struct {
 	lines     chan string
 }
 
+// names are the shm:// names fresh gave, whose sockets TestMain removes at the end.
 var names sync.Map
 
 // fresh returns a shm:// target and a unix:// socket path no other test uses.
@@ -89,6 +117,7 @@ func startPeer(t testing.TB, bin string, targets ...string) *peer {
 	t.Cleanup(func() {
 		cmd.Process.Kill()
 		cmd.Wait()
+		removeLoopbacksOf(cmd.Process.Pid)
 		close(done)
 	})
 	// The peer's lines queue here however many nobody reads: a peer blocked on its stdout (it

@@ -75,12 +75,19 @@ def run_loop(main: Coroutine[Any, Any, None]) -> None:
         raise ValueError(f"{LOOP_ENV}={loop}: asyncio or uvloop")
 
 
+def runtime_dir() -> Path:
+    """Where `shm://NAME` sockets live, as the engine chooses it (`isthmus_shm::runtime_dir`)."""
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    return Path(xdg) / "isthmus" if xdg else Path(f"/tmp/isthmus-{os.getuid()}")
+
+
 def fresh(transport: str) -> str:
     """An address no other test (or test run) uses; `http://` gets its port from the system. A
-    `unix://` one's socket is removed when the session ends (a server killed with SIGKILL
-    leaves it)."""
+    `unix://` or `shm://` one's socket is removed when the session ends (a server killed with
+    SIGKILL leaves it)."""
     tag = f"py-{os.getpid()}-{next(_fresh)}"
     if transport == "shm":
+        atexit.register((runtime_dir() / f"{tag}.sock").unlink, missing_ok=True)
         return f"shm://{tag}"
     if transport == "unix":
         path = Path(tempfile.gettempdir()) / f"isthmus-{tag}.sock"
@@ -173,10 +180,13 @@ class Peer:
         self.process.send_signal(signal.SIGCONT)
 
     def kill9(self) -> None:
-        """SIGKILL, as a crash would; returns once the process is gone."""
+        """SIGKILL, as a crash would; returns once the process is gone, and its servers'
+        private loopback sockets with it (a killed server cannot remove them)."""
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
+        for socket in runtime_dir().glob(f"isthmus-loopback-{self.process.pid}-*.sock"):
+            socket.unlink(missing_ok=True)
 
     def close(self) -> None:
         self.kill9()

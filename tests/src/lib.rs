@@ -175,8 +175,8 @@ pub struct Peer {
     pub child: Child,
     lines: std::sync::mpsc::Receiver<String>,
     reader: Option<std::thread::JoinHandle<()>>,
-    /// The Unix sockets its arguments name (`unix://…`): a peer killed by SIGKILL leaves them
-    /// behind, so dropping the peer removes them.
+    /// The socket files its arguments name (`unix://…`, `shm://NAME`): a peer killed by SIGKILL
+    /// leaves them behind, so dropping the peer removes those nobody has bound since.
     sockets: Vec<PathBuf>,
 }
 
@@ -207,7 +207,7 @@ impl Peer {
     /// Starts `command` (a peer of any kind: a Python server, say) and waits (up to 30 s) for
     /// it to print `READY`.
     pub fn command(command: &mut Command) -> Peer {
-        let sockets = command.get_args().flat_map(|a| unix_sockets(&a.to_string_lossy())).collect();
+        let sockets = command.get_args().flat_map(|a| socket_files(&a.to_string_lossy())).collect();
         let mut child =
             command.stdout(Stdio::piped()).stderr(Stdio::inherit()).spawn().expect("spawn the peer process");
         let (lines, reader) = forward_lines(child.stdout.take().expect("piped stdout"));
@@ -255,6 +255,7 @@ impl Peer {
     pub fn kill9(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        remove_loopbacks_of(self.child.id());
         if let Some(reader) = self.reader.take() {
             let _ = reader.join(); // EOF on the pipe: the child is dead
         }
@@ -299,19 +300,44 @@ fn thread_stopped(task: &std::path::Path) -> bool {
 impl Drop for Peer {
     fn drop(&mut self) {
         self.kill9();
-        for socket in &self.sockets {
+        // A test may have started a successor on the same address: its socket stays.
+        let bound = bound_unix_paths();
+        for socket in self.sockets.iter().filter(|s| !bound.contains(*s)) {
             let _ = std::fs::remove_file(socket);
         }
     }
 }
 
-/// The Unix socket paths in a peer's argument: `unix://` targets, alone or in a comma-separated
-/// list, that lie in the temp directory (where `fresh_socket` makes them).
-fn unix_sockets(arg: &str) -> Vec<PathBuf> {
+/// Removes the private loopback sockets (`isthmus-loopback-PID-N`) of process `pid`, which is
+/// gone: a server killed with SIGKILL leaves them in the runtime directory.
+fn remove_loopbacks_of(pid: u32) {
+    let prefix = format!("isthmus-loopback-{pid}-");
+    let Ok(entries) = std::fs::read_dir(isthmus_shm::runtime_dir()) else { return };
+    for entry in entries.flatten() {
+        if entry.file_name().to_str().is_some_and(|n| n.starts_with(&prefix)) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+}
+
+/// The paths of the Unix sockets bound in this network namespace (`/proc/net/unix`).
+fn bound_unix_paths() -> std::collections::HashSet<PathBuf> {
+    let table = std::fs::read_to_string("/proc/net/unix").unwrap_or_default();
+    // Num RefCount Protocol Flags Type St Inode [Path]
+    table.lines().skip(1).filter_map(|line| line.split_whitespace().nth(7)).map(PathBuf::from).collect()
+}
+
+/// The socket files a peer's argument names: `unix://` targets that lie in the temp directory
+/// (where `fresh_socket` makes them), and `shm://NAME` ones (their sockets in the runtime
+/// directory), alone or in a comma-separated list.
+fn socket_files(arg: &str) -> Vec<PathBuf> {
     arg.split(',')
-        .filter_map(|t| t.strip_prefix("unix://"))
-        .map(PathBuf::from)
-        .filter(|p| p.starts_with(std::env::temp_dir()))
+        .filter_map(|t| match t.strip_prefix("unix://") {
+            Some(path) => Some(PathBuf::from(path)).filter(|p| p.starts_with(std::env::temp_dir())),
+            None => {
+                t.parse::<isthmus_shm::Address>().ok().filter(|a| a.is_named()).map(|a| a.socket_path().to_path_buf())
+            }
+        })
         .collect()
 }
 

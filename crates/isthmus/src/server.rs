@@ -423,11 +423,42 @@ impl Server {
     }
 }
 
-/// A fresh private `shm://` name for the HTTP/2 endpoints' way to the handlers.
+/// The prefix of a loopback endpoint's name (`isthmus-loopback-PID-N`).
+const LOOPBACK: &str = "isthmus-loopback-";
+
+/// A fresh private `shm://` name for the HTTP/2 endpoints' way to the handlers. The process's
+/// first one sweeps the runtime directory of the loopback sockets dead processes left.
 fn loopback_target() -> String {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    format!("shm://isthmus-loopback-{}-{n}", std::process::id())
+    if n == 0 {
+        sweep_dead_loopbacks(&isthmus_shm::runtime_dir());
+    }
+    format!("shm://{LOOPBACK}{}-{n}", std::process::id())
+}
+
+/// Removes from `dir` the loopback sockets of processes that no longer run. A server removes
+/// its own when it stops; one killed (SIGKILL, a crash) cannot, and since each name carries its
+/// process's id, no later server binds it and removes it as stale: they would pile up, one per
+/// killed server. A name whose process runs, or that is no socket, stays.
+fn sweep_dead_loopbacks(dir: &std::path::Path) {
+    use std::os::unix::fs::FileTypeExt;
+    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(pid) = name
+            .to_str()
+            .and_then(|n| n.strip_prefix(LOOPBACK))
+            .and_then(|rest| rest.split('-').next())
+            .and_then(|pid| pid.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let dead = !std::path::Path::new("/proc").join(pid.to_string()).exists();
+        if dead && entry.file_type().is_ok_and(|t| t.is_socket()) {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
 }
 
 /// A bound server, accepting once served.
@@ -647,5 +678,48 @@ async fn grace_over(
                 Err(_) => return tokio::time::sleep_until(cut_off).await, // no one can hurry it
             },
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Removes its directory, whatever the test's outcome.
+    struct TempDir(std::path::PathBuf);
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    #[test]
+    fn the_sweep_removes_only_dead_processes_loopback_sockets() {
+        let dir = TempDir(std::env::temp_dir().join(format!("isthmus-sweep-{}", std::process::id())));
+        std::fs::create_dir_all(&dir.0).expect("the test's directory");
+        // No process has an id above the kernel's limit (pid_max is at most 2^22).
+        let dead = 1u32 << 23;
+        let me = std::process::id();
+        let socket = |name: &str| std::os::unix::net::UnixListener::bind(dir.0.join(name)).expect("bind");
+        let _listeners = [
+            socket(&format!("{LOOPBACK}{dead}-0.sock")),
+            socket(&format!("{LOOPBACK}{me}-0.sock")),
+            socket(&format!("some-server-{dead}.sock")),
+        ];
+        std::fs::write(dir.0.join(format!("{LOOPBACK}{dead}-1.sock")), b"not a socket").expect("a file");
+        sweep_dead_loopbacks(&dir.0);
+        let mut left: Vec<String> = std::fs::read_dir(&dir.0)
+            .expect("read the directory")
+            .map(|e| e.expect("an entry").file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        let mut want = vec![
+            format!("{LOOPBACK}{dead}-1.sock"),
+            format!("{LOOPBACK}{me}-0.sock"),
+            format!("some-server-{dead}.sock"),
+        ];
+        want.sort();
+        assert_eq!(left, want);
     }
 }
