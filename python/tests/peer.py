@@ -81,6 +81,16 @@ def runtime_dir() -> Path:
     return Path(xdg) / "isthmus" if xdg else Path(f"/tmp/isthmus-{os.getuid()}")
 
 
+def bound_unix_paths() -> set[str]:
+    """The paths of the Unix sockets bound in this network namespace (`/proc/net/unix`)."""
+    try:
+        lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    except OSError:
+        return set()
+    # Num RefCount Protocol Flags Type St Inode [Path]
+    return {fields[7] for fields in (line.split() for line in lines) if len(fields) > 7}
+
+
 def fresh(transport: str) -> str:
     """An address no other test (or test run) uses; `http://` gets its port from the system. A
     `unix://` or `shm://` one's socket is removed when the session ends (a server killed with
@@ -117,6 +127,14 @@ class Peer:
     """A peer process; its stdout lines arrive on a queue, so waiting for one can give up."""
 
     def __init__(self, argv: list[str], env: dict[str, str] | None = None) -> None:
+        # The sockets of the `shm://NAME` targets it is given: a peer killed with SIGKILL
+        # leaves them, so `kill9` removes those nobody has bound since.
+        self._shm_sockets = [
+            runtime_dir() / f"{target.removeprefix('shm://')}.sock"
+            for arg in argv
+            for target in arg.split(",")
+            if target.startswith("shm://") and not target.startswith("shm:///")
+        ]
         self.process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
         self._lines: queue.Queue[str | None] = queue.Queue()
         self._reader = threading.Thread(target=self._read, daemon=True)
@@ -187,6 +205,10 @@ class Peer:
         self.process.wait()
         for socket in runtime_dir().glob(f"isthmus-loopback-{self.process.pid}-*.sock"):
             socket.unlink(missing_ok=True)
+        bound = bound_unix_paths()
+        for socket in self._shm_sockets:
+            if str(socket) not in bound:  # else a successor serves the same address
+                socket.unlink(missing_ok=True)
 
     def close(self) -> None:
         self.kill9()
