@@ -584,6 +584,13 @@ func TestMaxSendMessageSizeFailsALargerReply(t *testing.T) {
 		}
 		return b, err
 	})
+	rawStream := "/isthmus.test.Raw/Stream"
+	s.HandleRaw(rawStream, func(c *isthmus.RawServerCall) error {
+		if err := c.Send([]byte("small")); err != nil {
+			return err
+		}
+		return c.Send(make([]byte, 1000))
+	})
 	if err := s.Start(shm, unix); err != nil {
 		t.Fatalf("start: %v", err)
 	}
@@ -636,6 +643,22 @@ func TestMaxSendMessageSizeFailsALargerReply(t *testing.T) {
 		}
 		if m != nil {
 			m.Release()
+		}
+		// A raw stream's reply over the limit fails its handler's Send, and so the call.
+		st, err := c.conn.(*isthmus.ClientConn).StartRaw(ctx, rawStream)
+		if err != nil {
+			t.Fatalf("%s: StartRaw: %v", c.label, err)
+		}
+		if err := st.CloseSend(); err != nil {
+			t.Fatalf("%s: CloseSend: %v", c.label, err)
+		}
+		first, err := st.Recv()
+		if err != nil || string(first.Bytes()) != "small" {
+			t.Fatalf("%s: the raw stream's first reply: %v", c.label, err)
+		}
+		first.Release()
+		if _, err := st.Recv(); status.Code(err) != codes.ResourceExhausted {
+			t.Errorf("%s: a raw stream's 1000-byte reply: %v", c.label, err)
 		}
 	}
 }

@@ -525,16 +525,16 @@ func (c *RawServerCall) Alloc(n int) (*Block, error) {
 
 // SendBlock sends a block from Alloc as one response, with no copy over shm://.
 func (c *RawServerCall) SendBlock(b *Block) error {
-	if err := c.st.checkSend(len(b.Bytes())); err != nil {
-		b.Release()
-		return err
-	}
 	h, data, err := b.take()
 	if err != nil {
 		return err
 	}
 	if h == nil {
 		return c.st.sendBytes(data)
+	}
+	if err := c.st.checkSend(len(data)); err != nil {
+		C.isthmus_block_free(h)
+		return err
 	}
 	if err := c.st.flushHeader(); err != nil {
 		C.isthmus_block_free(h)

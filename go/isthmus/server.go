@@ -457,9 +457,6 @@ func (st *serverStream) sendReply(m any) error {
 func (st *serverStream) startReply(m any) (pending *op, err error) {
 	if pm, ok := m.(proto.Message); ok {
 		if size := proto.Size(pm); inPlace(size, true) {
-			if err := st.checkSend(size); err != nil {
-				return nil, err
-			}
 			err := st.sendLarge(pm, size)
 			if err == nil {
 				st.stats.outPayload(m, size)
@@ -789,7 +786,8 @@ func (st *serverStream) SetTrailer(md metadata.MD) {
 	st.mu.Unlock()
 }
 
-// checkSend fails a response of size bytes over MaxSendMessageSize, in grpc-go's words.
+// checkSend fails a response of size bytes over MaxSendMessageSize, in grpc-go's words. Every
+// way a response goes checks it: sendBytes, sendLarge, SendBlock and startReply.
 func (st *serverStream) checkSend(size int) error {
 	if limit := st.s.opts.maxSendMessageSize; limit > 0 && uint64(size) > limit {
 		return status.Errorf(codes.ResourceExhausted, "trying to send message larger than max (%d vs. %d)", size, limit)
@@ -800,9 +798,6 @@ func (st *serverStream) checkSend(size int) error {
 func (st *serverStream) SendMsg(m any) error {
 	if pm, ok := m.(proto.Message); ok {
 		if size := proto.Size(pm); inPlace(size, st.m != nil && st.m.unary != nil) {
-			if err := st.checkSend(size); err != nil {
-				return err
-			}
 			err := st.sendLarge(pm, size)
 			if err == nil {
 				st.stats.outPayload(m, size)
@@ -811,9 +806,6 @@ func (st *serverStream) SendMsg(m any) error {
 		}
 	}
 	b, err := marshal(m)
-	if err == nil {
-		err = st.checkSend(len(b))
-	}
 	if err != nil {
 		return err
 	}
@@ -827,6 +819,9 @@ func (st *serverStream) SendMsg(m any) error {
 // sendLarge marshals a response straight into a block of the server's shared memory (every
 // server call is an shm:// one: HTTP/2 calls reach handlers through a loopback) and sends it.
 func (st *serverStream) sendLarge(m proto.Message, size int) error {
+	if err := st.checkSend(size); err != nil {
+		return err
+	}
 	call := &RawServerCall{st: st}
 	b, err := call.Alloc(size)
 	if err != nil {
@@ -888,6 +883,9 @@ func (st *serverStream) reply(b []byte) (pending *op, err error) {
 
 // sendBytes sends one response message.
 func (st *serverStream) sendBytes(b []byte) error {
+	if err := st.checkSend(len(b)); err != nil {
+		return err
+	}
 	if err := st.flushHeader(); err != nil {
 		return err
 	}

@@ -34,8 +34,13 @@ def encode(serialize: Serializer, request: Any) -> bytes:
     except CallError:
         raise  # a limit's (see `_channel.limited`)
     except Exception as e:
-        _LOG.exception("Exception serializing request!")
-        raise CallError(_INTERNAL, "Exception serializing request!") from e
+        raise serialize_failed(e) from e
+
+
+def serialize_failed(error: BaseException) -> CallError:
+    """What a serializer that raised `error` fails its call with, as grpc's: INTERNAL, logged."""
+    _LOG.error("Exception serializing request!", exc_info=error)
+    return CallError(_INTERNAL, "Exception serializing request!")
 
 
 def decode(deserialize: Deserializer, message: bytes) -> Any:
@@ -45,7 +50,24 @@ def decode(deserialize: Deserializer, message: bytes) -> Any:
     try:
         return deserialize(message)
     except Exception as e:
-        raise CallError(_INTERNAL, "Exception deserializing response!") from e
+        raise deserialize_failed() from e
+
+
+def deserialize_failed() -> CallError:
+    """What a deserializer that raised fails its call with, as grpc's: INTERNAL."""
+    return CallError(_INTERNAL, "Exception deserializing response!")
+
+
+def buffer_size(message: Any) -> int | None:
+    """The bytes a message sends: the length of `bytes`, a `Block` or a `Message`, the size of
+    any other C-contiguous buffer; None for what is neither (the call refuses it itself)."""
+    if isinstance(message, (bytes, _native.Block, _native.Message)):
+        return len(message)
+    try:
+        with memoryview(message) as view:
+            return view.nbytes if view.c_contiguous else None
+    except TypeError:
+        return None
 
 
 class Succeeded(Ended, grpc.Call):

@@ -12,7 +12,17 @@ from typing import Any
 import grpc
 
 from . import _native
-from ._call import _INTERNAL, Call, Deserializer, Serializer, Succeeded, decode, encode
+from ._call import (
+    Call,
+    Deserializer,
+    Serializer,
+    Succeeded,
+    buffer_size,
+    decode,
+    deserialize_failed,
+    encode,
+    serialize_failed,
+)
 from ._errors import rpc_error
 from ._metadata import Metadatum, outgoing
 from ._native import CallError
@@ -217,10 +227,9 @@ class UnaryUnaryMultiCallable(_native.UnaryCallable, _MultiCallable, grpc.UnaryU
         (stage 0; INTERNAL, logged, unless it is a size limit's `CallError`), the call (1, a
         `CallError`) or the deserializer (2; INTERNAL)."""
         if stage == 0 and not isinstance(error, CallError):
-            _LOG.error("Exception serializing request!", exc_info=error)
-            error = CallError(_INTERNAL, "Exception serializing request!")
+            error = serialize_failed(error)
         elif stage == 2:
-            error = CallError(_INTERNAL, "Exception deserializing response!")
+            error = deserialize_failed()
         assert isinstance(error, CallError)
         return rpc_error(error)
 
@@ -400,17 +409,8 @@ def check_raw_size(request: Any, limit: int | None) -> None:
     no C-contiguous one, is left for the call to refuse."""
     if limit is None:
         return
-    if isinstance(request, (_native.Block, _native.Message)):
-        size = len(request)
-    else:
-        try:
-            with memoryview(request) as view:
-                if not view.c_contiguous:
-                    return
-                size = view.nbytes
-        except TypeError:
-            return
-    if size > limit:
+    size = buffer_size(request)
+    if size is not None and size > limit:
         raise CallError(_RESOURCE_EXHAUSTED, f"Sent message larger than max ({size} vs. {limit})")
 
 

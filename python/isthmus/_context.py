@@ -11,24 +11,13 @@ from typing import Any, NoReturn
 import grpc
 import grpc.aio
 
+from ._call import buffer_size
 from ._channel import encoding
 from ._errors import rpc_error
 from ._metadata import Metadata, Metadatum, incoming, outgoing
 from ._native import Block, CallError, Message, ServerCall
 
 _LOG = logging.getLogger("isthmus")
-
-
-def reply_size(message: Any) -> int | None:
-    """The bytes a reply sends: a `bytes` or `Block`'s length, a buffer's size; None for what is
-    no buffer (the call refuses it when it sends)."""
-    if isinstance(message, (bytes, Block)):
-        return len(message)
-    try:
-        with memoryview(message) as view:
-            return view.nbytes
-    except TypeError:
-        return None
 
 
 class Context:
@@ -146,7 +135,7 @@ class Context:
             except Exception:
                 self._abort(grpc.StatusCode.INTERNAL, "Failed to serialize response!")
         if self._max_send is not None:
-            size = reply_size(message)
+            size = buffer_size(message)
             if size is not None and size > self._max_send:
                 # grpcio's words, and its code: the reply does not go.
                 self._abort(

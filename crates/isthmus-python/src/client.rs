@@ -419,8 +419,6 @@ impl Channel {
     }
 }
 
-/// One blocking call of any shape; its sending and receiving sides may be used from two
-/// threads at once.
 /// A stub's blocking unary call (`UnaryUnaryMultiCallable.__call__`) in one native step: the
 /// request serialized, the call made and the reply deserialized with no Python frame between
 /// them, which cost a 64 B call 0.5-0.8 µs of its ~4 µs. A call with metadata or a compression
@@ -506,6 +504,8 @@ impl UnaryCallable {
     }
 }
 
+/// One blocking call of any shape; its sending and receiving sides may be used from two
+/// threads at once.
 #[pyclass(module = "isthmus._native", frozen)]
 pub(crate) struct Call(Arc<SharedCall>);
 
