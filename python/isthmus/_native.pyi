@@ -1,6 +1,7 @@
 """The Rust engine as Python sees it (`crates/isthmus-python`). Not API: use `isthmus` and
 `isthmus.aio`, which give these grpc's shapes."""
 
+import asyncio
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, TypeAlias, final
@@ -8,6 +9,9 @@ from typing import Any, TypeAlias, final
 from typing_extensions import Buffer, Self, disjoint_base
 
 __all__ = [
+    "AioUnaryCall",
+    "AioUnaryCallable",
+    "AioUnaryWait",
     "AsyncCall",
     "AsyncChannel",
     "Block",
@@ -21,6 +25,7 @@ __all__ = [
     "Topic",
     "UnaryCallable",
     "UnaryResult",
+    "forks",
 ]
 
 # Metadata crosses as (key, value) pairs: `str` values, or `bytes` for keys ending in `-bin`.
@@ -297,6 +302,69 @@ class AsyncChannel:
         """Completes (with None) once the state changes."""
     def close(self) -> None:
         """Calls still on its shm:// connections end CANCELLED; the connections close."""
+
+def forks() -> int:
+    """Forks so far, as this process counts them (the `_fast` tuple of an asyncio channel
+    records it when the channel binds)."""
+
+@disjoint_base
+class AioUnaryCallable:
+    """An asyncio stub's unary call in native steps; the base of
+    `isthmus.aio._channel.UnaryUnaryMultiCallable`, which provides `_call_type` (the call's
+    class), `_call` (every call the native path leaves: metadata, a compression of its own,
+    another loop, uvloop) and `_serialize_failed`. It reads its channel's `_fast` tuple."""
+
+    def __new__(
+        cls,
+        channel: Any,
+        path: str,
+        serialize: Callable[[Any], bytes] | None,
+        deserialize: Callable[[bytes], Any] | None,
+    ) -> Self: ...
+    def __call__(
+        self,
+        request: Any,
+        *,
+        timeout: float | None = None,
+        metadata: Any = None,
+        credentials: Any = None,
+        wait_for_ready: bool | None = None,
+        compression: Any = None,
+    ) -> Any: ...
+
+@disjoint_base
+class AioUnaryCall:
+    """An asyncio unary call, awaited natively (`AioUnaryWait`); the base of
+    `isthmus.aio._call.UnaryUnaryCall`, which provides `_raise(error)` and `_undecodable()`."""
+
+    def __new__(
+        cls,
+        loop: asyncio.AbstractEventLoop,
+        timeout: float | None,
+        deserialize: Callable[[bytes], Any] | None,
+        outcome: asyncio.Future[Any],
+        driver: Any,
+        token: Any,
+        settle: bool,
+    ) -> Self: ...
+    # Read-only at run time (set by `__new__`).
+    _loop: asyncio.AbstractEventLoop
+    _timeout: float | None
+    _deadline: float | None
+    _deserialize: Callable[[bytes], Any] | None
+    _outcome: asyncio.Future[Any]
+    _driver: Any
+    _token: Any
+    def __await__(self) -> AioUnaryWait: ...
+
+@final
+class AioUnaryWait:
+    """One await of an AioUnaryCall: the iterator its `__await__` gives."""
+
+    def __iter__(self) -> Self: ...
+    def __next__(self) -> Any: ...
+    def send(self, value: Any) -> Any: ...
+    def throw(self, kind: Any, value: Any = None, _traceback: Any = None) -> None: ...
 
 @final
 class AsyncCall:

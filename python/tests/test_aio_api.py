@@ -4,8 +4,10 @@ iterators, the channel's shapes and isthmus's errors there."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import threading
+import time
 from collections.abc import AsyncIterator, Iterator
 from types import ModuleType
 from typing import Any
@@ -52,6 +54,9 @@ async def test_unary_call_object(address: str, pb_grpc: ModuleType, pb: ModuleTy
         call.add_done_callback(lambda c: ended.set())
         assert 0 < call.time_remaining() <= 60
         assert (await call).seq == 2
+        assert (await call).seq == 2  # as a grpc.aio call, awaited again it gives its reply again
+        with pytest.raises(TypeError):
+            iter(call)  # and, as one, it is no iterator (its await's iterator is another object)
         await asyncio.wait_for(ended.wait(), 60)
         assert call.done() and not call.cancelled()
         assert (await call.code(), await call.details()) == (grpc.StatusCode.OK, "")
@@ -231,3 +236,63 @@ async def test_nobody_there(transport: str, pb_grpc: ModuleType, pb: ModuleType)
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             await pb_grpc.EchoStub(channel).Unary(pb.EchoRequest(), timeout=60)
         assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+@aio
+async def test_a_response_deserializer_that_raises_fails_the_call_internal(address: str) -> None:
+    """As grpcio's blocking call does (which isthmus.aio follows here: grpc.aio logs and returns
+    None): INTERNAL, "Exception deserializing response!", for a call with metadata and without
+    (the native path and the Python one); a request that is no `bytes`, with no serializer,
+    raises TypeError on both paths, and the channel goes on."""
+
+    def boom(_: bytes) -> Any:
+        raise ValueError("cannot deserialize this")
+
+    async with isthmus.aio.insecure_channel(address) as channel:
+        path = "/conformance.Echo/Unary"
+        for metadata in (None, [("x-a", "1")]):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await channel.unary_unary(path, response_deserializer=boom)(
+                    b"", metadata=metadata, timeout=60
+                )
+            assert (caught.value.code(), caught.value.details()) == (
+                grpc.StatusCode.INTERNAL,
+                "Exception deserializing response!",
+            ), metadata
+            with pytest.raises(TypeError):
+                await channel.unary_unary(path)("text", metadata=metadata, timeout=60)
+        assert isinstance(await channel.unary_unary(path)(b"", timeout=60), bytes)
+
+
+@aio
+async def test_a_channel_bound_before_a_fork_is_not_used_in_the_child(
+    address: str, pb_grpc: ModuleType, pb: ModuleType
+) -> None:
+    """The child of a fork does not call through its parent's channel (whose loop, reader and
+    connections are the parent's): the call raises there, as asyncio's own objects do after a
+    fork, instead of writing into the parent's connection or waiting for ever. The parent's
+    channel goes on."""
+    async with isthmus.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.EchoStub(channel)
+        assert (await stub.Unary(pb.EchoRequest(seq=1), timeout=60)).seq == 1  # bound, connected
+        pid = os.fork()
+        if pid == 0:  # the child: no pytest, no output, only an exit code
+            code = 3
+            try:
+                await stub.Unary(pb.EchoRequest(seq=2), timeout=5)
+                code = 1
+            except RuntimeError:
+                code = 0
+            except BaseException:
+                code = 2
+            finally:
+                os._exit(code)
+        end = time.monotonic() + 60
+        while (done := os.waitpid(pid, os.WNOHANG)) == (0, 0) and time.monotonic() < end:
+            await asyncio.sleep(0.01)
+        if done == (0, 0):
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            raise AssertionError("the child's call did not end")
+        assert os.waitstatus_to_exitcode(done[1]) == 0, "the child's call did not raise RuntimeError"
+        assert (await stub.Unary(pb.EchoRequest(seq=3), timeout=60)).seq == 3

@@ -49,7 +49,7 @@ use crate::runtime;
 #[pyclass(module = "isthmus._native", frozen)]
 pub(crate) struct UnaryResult {
     #[pyo3(get)]
-    message: Py<PyBytes>,
+    pub(crate) message: Py<PyBytes>,
     initial: MetadataMap,
     trailing: MetadataMap,
 }

@@ -4,7 +4,8 @@
 //!
 //! - `client`: blocking calls (`Channel`, `Call`); waits release the GIL.
 //! - `reactor`: calls for asyncio (`AsyncChannel`, `AsyncCall`); they run on the event loop's
-//!   thread and come back in batches through one eventfd per loop (`Reactor`).
+//!   thread and come back in batches through one eventfd per loop (`Reactor`). `aio_call`: an
+//!   asyncio stub's unary call and its awaiting, natively.
 //! - `server`: the engine's server, handing each call to the asyncio server's callable, or
 //!   through `queue` to the blocking server's threads.
 //! - `convert`: metadata, statuses and `bytes` across the boundary; `tls`: grpcio's TLS
@@ -35,6 +36,7 @@
 //! `aio/`, the same for grpc.aio, with `_reactor.py`, which ties one `Reactor` to each running
 //! loop.
 
+mod aio_call;
 mod buffers;
 mod client;
 mod convert;
@@ -83,6 +85,10 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<reactor::Reactor>()?;
     m.add_class::<reactor::AsyncChannel>()?;
     m.add_class::<reactor::AsyncCall>()?;
+    m.add_class::<aio_call::AioUnaryCallable>()?;
+    m.add_class::<aio_call::AioUnaryCall>()?;
+    m.add_class::<aio_call::AioUnaryWait>()?;
+    m.add_function(wrap_pyfunction!(aio_call::forks, m)?)?;
     m.add_class::<server::ServerCall>()?;
     m.add_class::<server::Server>()?;
     m.add_class::<buffers::Message>()?;

@@ -326,40 +326,8 @@ impl AsyncChannel {
         spin: bool,
     ) -> PyResult<Py<PyAny>> {
         let options = options(metadata, timeout, wait_for_ready, compression)?;
-        let request = bytes_from_py(request);
-        let fast = match spin && !wait_for_ready && request.len() <= SPIN_REQUEST_MAX && self.is_closed().is_none() {
-            true => self.spin_first.as_ref().and_then(SpinFirst::ready),
-            false => None,
-        };
-        let Some(fast) = fast else {
-            self.run_unary(token, path, request, options, false);
-            return Ok(py.None());
-        };
-        let begun = py.detach(|| {
-            let begun = fast.unary_begin_within(&path, &request, &options, SEND_PATIENCE);
-            begun.map(|unary| unary.map(|unary| finish_unary(unary, isthmus::SpinPolicy::default().max)))
-        });
-        let reply = match begun {
-            Ok(Some(reply)) => Ok(reply),
-            Err(status) => Err(status),
-            // No room for it now: the reactor's path sends it (a task may wait; the loop not).
-            Ok(None) => {
-                self.run_unary(token, path, request, options, false);
-                return Ok(py.None());
-            }
-        };
-        let outcome = self.completions.run_now(token, async move {
-            match reply {
-                Ok(reply) => Outcome::from(reply.await),
-                Err(status) => Outcome::Failed(status),
-            }
-        });
-        match outcome {
-            Some(o) => Ok(outcome_value(py, &self.completions, o)?.into_pyobject(py)?.into_any().unbind()),
-            None => Ok(pyo3::types::PyBool::new(py, false).to_owned().into_any().unbind()),
-        }
+        self.unary_now(py, token, path, bytes_from_py(request), options, spin)
     }
-
     /// A block to build a request in: in the shared memory of the connection `unary_raw`
     /// sends it on (a direct `shm://` target that is connected and has arena room now), else
     /// heap memory, which the call copies into shared memory when it sends it. Never waits.
@@ -478,6 +446,50 @@ impl AsyncChannel {
 }
 
 impl AsyncChannel {
+    /// [`unary`](Self::unary) with its arguments converted (also `AioUnaryCallable`'s).
+    pub(crate) fn unary_now(
+        &self,
+        py: Python<'_>,
+        token: u64,
+        path: String,
+        request: Bytes,
+        options: isthmus::CallOptions,
+        spin: bool,
+    ) -> PyResult<Py<PyAny>> {
+        let wait_for_ready = options.wait_for_ready;
+        let fast = match spin && !wait_for_ready && request.len() <= SPIN_REQUEST_MAX && self.is_closed().is_none() {
+            true => self.spin_first.as_ref().and_then(SpinFirst::ready),
+            false => None,
+        };
+        let Some(fast) = fast else {
+            self.run_unary(token, path, request, options, false);
+            return Ok(py.None());
+        };
+        let begun = py.detach(|| {
+            let begun = fast.unary_begin_within(&path, &request, &options, SEND_PATIENCE);
+            begun.map(|unary| unary.map(|unary| finish_unary(unary, isthmus::SpinPolicy::default().max)))
+        });
+        let reply = match begun {
+            Ok(Some(reply)) => Ok(reply),
+            Err(status) => Err(status),
+            // No room for it now: the reactor's path sends it (a task may wait; the loop not).
+            Ok(None) => {
+                self.run_unary(token, path, request, options, false);
+                return Ok(py.None());
+            }
+        };
+        let outcome = self.completions.run_now(token, async move {
+            match reply {
+                Ok(reply) => Outcome::from(reply.await),
+                Err(status) => Outcome::Failed(status),
+            }
+        });
+        match outcome {
+            Some(o) => Ok(outcome_value(py, &self.completions, o)?.into_pyobject(py)?.into_any().unbind()),
+            None => Ok(pyo3::types::PyBool::new(py, false).to_owned().into_any().unbind()),
+        }
+    }
+
     fn is_closed(&self) -> Option<Status> {
         self.closed.load(Ordering::Relaxed).then(|| Status::new(isthmus::Code::Unavailable, "the channel was closed"))
     }

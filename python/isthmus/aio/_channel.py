@@ -21,14 +21,13 @@ from grpc.aio import _interceptor
 from grpc.aio._channel import _BaseMultiCallable
 
 from .. import _native
-from .._call import Deserializer, Serializer, encode
+from .._call import Deserializer, Serializer, encode, serialize_failed
 from .._channel import (
     LOOK_AGAIN_S,
     STATES,
     call_encoding,
     channel_compression,
     check_raw_size,
-    encoding,
     limited,
     limits,
     upgrades,
@@ -131,25 +130,26 @@ class _MultiCallable:
         )
 
 
-class UnaryUnaryMultiCallable(_MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
-    def __call__(
+class UnaryUnaryMultiCallable(_native.AioUnaryCallable, _MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
+    # `__call__` is the native base's: a call without metadata or a compression of its own,
+    # made on its standard loop's thread, is a few native steps (the serializer, the engine
+    # operation and its future, the call object, `_track`) where the same in Python cost the
+    # loop's thread ~1.5 µs more a call; the others come to `_call`, and a serializer's failure
+    # to `_serialize_failed`. Both sides read the channel's `_fast`.
+
+    _call_type = UnaryUnaryCall
+
+    def _call(
         self,
         request: Any,
-        *,
-        timeout: float | None = None,
-        metadata: Iterable[Metadatum] | None = None,
-        credentials: grpc.CallCredentials | None = None,
-        wait_for_ready: bool | None = None,
-        compression: grpc.Compression | None = None,
+        timeout: float | None,
+        metadata: Iterable[Metadatum] | None,
+        credentials: grpc.CallCredentials | None,
+        wait_for_ready: bool | None,
+        compression: grpc.Compression | None,
     ) -> UnaryUnaryCall:
-        # The fast path: one engine operation and one future, with `Channel._bind`'s check,
-        # `Driver.begin` and `Channel._track` written out here: each a Python call
-        # otherwise, ~0.1-0.2 µs of the loop's time apiece on every unary call.
         channel = self._channel
-        if channel._bound_forks == _forks and getattr(channel._loop, "_thread_id", None) == _get_ident():
-            loop, driver, native = channel._bound  # see _bind
-        else:
-            loop, driver, native = channel._bind()
+        loop, driver, native = channel._bind()
         serialize = self._serialize
         # Encoded before the operation is registered: a failure here leaves nothing waiting.
         if serialize is None:
@@ -159,21 +159,17 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
                 message = encode(serialize, request)
             except CallError as error:  # as grpcio's: the call fails INTERNAL
                 return channel._track(_failed(loop, timeout, self._deserialize, error))
-        outgoing_metadata = None if metadata is None else outgoing(metadata)
         spin = driver.idle(loop)
-        token = next(driver._tokens)
-        outcome = loop.create_future()
-        driver._waiting[token] = outcome
+        token, outcome = driver.begin(loop)
         try:
             done = native.unary(
                 token,
                 self._path,
                 message,
-                outgoing_metadata,
+                None if metadata is None else outgoing(metadata),
                 timeout,
                 bool(wait_for_ready),
-                # call_encoding, inline on this path as in the blocking channel's __call__
-                channel._compression if compression is None else encoding(compression),
+                self._encoding(compression),
                 spin,
             )
         except BaseException:
@@ -182,9 +178,14 @@ class UnaryUnaryMultiCallable(_MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
         if isinstance(done, tuple):  # (ok, value): it finished in the spin
             driver.finish(token, done[1])
         # After a spin that missed, the await does not spin again.
-        call = UnaryUnaryCall(loop, timeout, self._deserialize, outcome, driver, token, done is not False)
-        channel._calls.add(weakref.ref(call, channel._forget))  # channel._track(call)
-        return call
+        return channel._track(
+            UnaryUnaryCall(loop, timeout, self._deserialize, outcome, driver, token, done is not False)
+        )
+
+    def _serialize_failed(self, error: Exception, timeout: float | None) -> UnaryUnaryCall:
+        """The call of a request the serializer failed on (as grpcio's: INTERNAL, logged)."""
+        failure = error if isinstance(error, CallError) else serialize_failed(error)
+        return self._channel._track(_failed(self._channel._bind()[0], timeout, self._deserialize, failure))
 
 
 def _failed(
@@ -547,8 +548,11 @@ class Channel(grpc.aio.Channel):
         self._driver: Driver | None = None
         self._native: _native.AsyncChannel | None = None
         self._bound: tuple[asyncio.AbstractEventLoop, Driver, _native.AsyncChannel]  # set with _loop
-        # `_forks` when _loop was set, -1 once closed: the unary fast path's one check for both.
+        # `_forks` when _loop was set, -1 once closed: `_bind`'s one check for both.
         self._bound_forks = -1
+        # What the native unary path needs of a bound channel (see `_bind`); None unbound or
+        # closed.
+        self._fast: tuple[Any, ...] | None = None
         self._closed = False
         self._shutdown: asyncio.Future[None] | None = None
         # The calls, for `close`, weakly: a set of references that remove themselves (a
@@ -569,7 +573,7 @@ class Channel(grpc.aio.Channel):
         # fork), 0.2 µs of the loop's time per unary call. An asyncio loop names the thread
         # that runs it, and a thread runs one loop at a time: that loop, running on this thread
         # and in this process, is the running loop. (uvloop's does not say: the long way.)
-        # The unary fast path makes this same test inline (`_bound_forks` is -1 once closed).
+        # The native unary path makes the same test on `_fast` (None once closed).
         if self._bound_forks == _forks and getattr(self._loop, "_thread_id", None) == _get_ident():
             return self._bound
         loop = asyncio.get_running_loop()
@@ -587,6 +591,18 @@ class Channel(grpc.aio.Channel):
             self._loop = loop
             self._bound = (loop, self._driver, self._native)
             self._bound_forks = _forks
+            # Read by `_native.AioUnaryCallable.__call__`, in this order.
+            self._fast = (
+                _native.forks(),
+                loop,
+                self._driver,
+                self._native,
+                self._driver._waiting,
+                self._driver._tokens,
+                self._calls,
+                self._forget,
+                self._compression,
+            )
         return self._bound
 
     def alloc(self, size: int) -> _native.Block:
@@ -685,6 +701,7 @@ class Channel(grpc.aio.Channel):
             return
         self._closed = True
         self._bound_forks = -1
+        self._fast = None
         calls = [call for ref in list(self._calls) if (call := ref()) is not None and not call.done()]
         chains = [task for task in self._chains if not task.done()]
         try:

@@ -1,0 +1,366 @@
+//! grpc.aio's unary call in native steps: a stub's `__call__` ([`AioUnaryCallable`], the base of
+//! `isthmus.aio`'s `UnaryUnaryMultiCallable`) and the awaiting of its call ([`AioUnaryCall`], the
+//! base of its `UnaryUnaryCall`). With 32 calls in flight the event loop's thread is the
+//! bottleneck, and these two, written in Python, cost it ~2.5 µs per call on top of the loop's own
+//! ~3 µs for one future (`bench/py_aio_overhead.py`): frames, a generator, keyword arguments,
+//! attribute lookups.
+//!
+//! Only the common case is here: a call without metadata or a compression of its own, on the
+//! standard loop's thread while it runs (it says which thread that is; uvloop does not), in the
+//! process that bound the channel. Every other call goes to the subclass's `_call`, the Python
+//! path, which does the same with all its options. What the two share on the Python side is the
+//! channel's `_fast` tuple, set when it binds to its loop and cleared when it closes.
+//!
+//! Failures stay written once, in Python: a serializer that raised goes to the multi-callable's
+//! `_serialize_failed`, a call that failed to the call's `_raise`, a deserializer that raised to
+//! its `_undecodable`.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Once;
+
+use pyo3::exceptions::{PyException, PyStopIteration};
+use pyo3::intern;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PySet, PyTuple, PyWeakrefReference};
+
+use crate::client::UnaryResult;
+use crate::reactor::AsyncChannel;
+
+/// Forks so far, as the child counts them. A channel bound before a fork must not take the
+/// fast path in the child: its loop, driver and connections are the parent's.
+static FORKS: AtomicU64 = AtomicU64::new(0);
+
+extern "C" fn count_fork() {
+    FORKS.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The fork count a channel's `_fast` tuple records when it binds (see [`FORKS`]).
+#[pyfunction]
+pub(crate) fn forks() -> u64 {
+    static REGISTER: Once = Once::new();
+    REGISTER.call_once(|| {
+        // SAFETY: `count_fork` is async-signal-safe (one atomic add) and lives as long as the
+        // process; registering a child handler has no other effect.
+        unsafe { libc::pthread_atfork(None, None, Some(count_fork)) };
+    });
+    FORKS.load(Ordering::Relaxed)
+}
+
+/// What `_fast` holds, in this order (the channel's `_bind` writes it).
+struct Fast<'py> {
+    loop_: Bound<'py, PyAny>,
+    driver: Bound<'py, PyAny>,
+    /// An `AsyncChannel`, or what stands for one (`bench/py_aio_overhead.py`'s stand-in).
+    native: Bound<'py, PyAny>,
+    waiting: Bound<'py, PyDict>,
+    tokens: Bound<'py, PyAny>,
+    calls: Bound<'py, PySet>,
+    forget: Bound<'py, PyAny>,
+    compression: Option<String>,
+}
+
+impl<'py> Fast<'py> {
+    /// The channel's fast-path state if a call made now may use it: bound, not closed, in
+    /// this process, and called on its loop's thread while the loop runs.
+    fn of(channel: &Bound<'py, PyAny>) -> PyResult<Option<Fast<'py>>> {
+        let py = channel.py();
+        let fast = channel.getattr(intern!(py, "_fast"))?;
+        let Ok(fast) = fast.cast_into::<PyTuple>() else {
+            return Ok(None);
+        };
+        if fast.get_item(0)?.extract::<u64>()? != FORKS.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let loop_ = fast.get_item(1)?;
+        // A loop names its thread while it runs (None once stopped): a stopped loop's channel
+        // used from another loop on the same thread is the Python path's UsageError.
+        let Some(thread) = loop_.getattr_opt(intern!(py, "_thread_id"))? else {
+            return Ok(None);
+        };
+        // SAFETY: pthread_self has no preconditions; Python's threading.get_ident is the same
+        // value.
+        let me = unsafe { libc::pthread_self() } as u64;
+        if thread.extract::<u64>().ok() != Some(me) {
+            return Ok(None);
+        }
+        Ok(Some(Fast {
+            loop_,
+            driver: fast.get_item(2)?,
+            native: fast.get_item(3)?,
+            waiting: fast.get_item(4)?.cast_into::<PyDict>()?,
+            tokens: fast.get_item(5)?,
+            calls: fast.get_item(6)?.cast_into::<PySet>()?,
+            forget: fast.get_item(7)?,
+            compression: fast.get_item(8)?.extract()?,
+        }))
+    }
+}
+
+/// An asyncio stub's unary call (see the module's documentation).
+#[pyclass(module = "isthmus._native", frozen, subclass)]
+pub(crate) struct AioUnaryCallable {
+    channel: Py<PyAny>,
+    path: String,
+    serialize: Option<Py<PyAny>>,
+    deserialize: Py<PyAny>,
+}
+
+#[pymethods]
+impl AioUnaryCallable {
+    #[new]
+    fn new(channel: Py<PyAny>, path: String, serialize: Option<Py<PyAny>>, deserialize: Py<PyAny>) -> Self {
+        AioUnaryCallable { channel, path, serialize, deserialize }
+    }
+
+    #[pyo3(signature = (request, *, timeout=None, metadata=None, credentials=None, wait_for_ready=None, compression=None))]
+    fn __call__<'py>(
+        slf: &Bound<'py, Self>,
+        request: &Bound<'py, PyAny>,
+        timeout: Option<&Bound<'py, PyAny>>,
+        metadata: Option<&Bound<'py, PyAny>>,
+        credentials: Option<&Bound<'py, PyAny>>,
+        wait_for_ready: Option<&Bound<'py, PyAny>>,
+        compression: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let py = slf.py();
+        let this = slf.get();
+        let fast = match metadata.is_none() && compression.is_none() {
+            true => Fast::of(this.channel.bind(py))?,
+            false => None,
+        };
+        let Some(fast) = fast else {
+            let args = (request, timeout, metadata, credentials, wait_for_ready, compression);
+            return slf.call_method1(intern!(py, "_call"), args);
+        };
+        let timeout = timeout.map(|t| t.extract::<f64>()).transpose()?;
+        // Encoded before the operation is registered: a failure here leaves nothing waiting.
+        let encoded;
+        let request = match &this.serialize {
+            None => request,
+            Some(serialize) => match serialize.bind(py).call1((request,)) {
+                Ok(message) => {
+                    encoded = message;
+                    &encoded
+                }
+                Err(e) if e.is_instance_of::<PyException>(py) => {
+                    return slf.call_method1(intern!(py, "_serialize_failed"), (e, timeout));
+                }
+                Err(e) => return Err(e),
+            },
+        };
+        let request = request.cast::<PyBytes>()?;
+        let options = isthmus::CallOptions {
+            timeout: crate::convert::timeout_from_py(timeout),
+            wait_for_ready: wait_for_ready.map(|w| w.is_truthy()).transpose()?.unwrap_or(false),
+            compression: crate::convert::compression_from_py(fast.compression.as_deref())?,
+            ..Default::default()
+        };
+        // Asked of the driver, whose rule it is (and which tests count), though a Python call.
+        let idle = fast.driver.call_method1(intern!(py, "idle"), (&fast.loop_,))?.is_truthy()?;
+        let token = fast.tokens.call_method0(intern!(py, "__next__"))?;
+        let outcome = fast.loop_.call_method0(intern!(py, "create_future"))?;
+        fast.waiting.set_item(&token, &outcome)?;
+        let started = match fast.native.cast::<AsyncChannel>() {
+            Ok(native) => native.get().unary_now(
+                py,
+                token.extract()?,
+                this.path.clone(),
+                crate::convert::bytes_from_py(request),
+                options,
+                idle,
+            ),
+            Err(_) => {
+                let args =
+                    (&token, &this.path, request, py.None(), timeout, options.wait_for_ready, &fast.compression, idle);
+                fast.native.call_method1(intern!(py, "unary"), args).map(Bound::unbind)
+            }
+        };
+        let done = match started {
+            Ok(done) => done.into_bound(py),
+            Err(e) => {
+                fast.driver.call_method1(intern!(py, "abandon"), (&token,))?;
+                return Err(e);
+            }
+        };
+        if let Ok(finished) = done.cast::<PyTuple>() {
+            // (ok, value): it finished in the spin.
+            fast.driver.call_method1(intern!(py, "finish"), (&token, finished.get_item(1)?))?;
+        }
+        // After a spin that missed (False), the await does not wait on this thread again.
+        let settle = !done.is(pyo3::types::PyBool::new(py, false));
+        let call_type = slf.getattr(intern!(py, "_call_type"))?;
+        let call = call_type.call1((fast.loop_, timeout, &this.deserialize, outcome, fast.driver, token, settle))?;
+        fast.calls.add(PyWeakrefReference::new_with(&call, fast.forget)?)?;
+        Ok(call)
+    }
+}
+
+/// A unary call of `isthmus.aio`, awaited natively ([`AioUnaryWait`]).
+#[pyclass(module = "isthmus._native", frozen, subclass)]
+pub(crate) struct AioUnaryCall {
+    #[pyo3(get, name = "_loop")]
+    loop_: Py<PyAny>,
+    #[pyo3(get, name = "_timeout")]
+    timeout: Option<f64>,
+    #[pyo3(get, name = "_deadline")]
+    deadline: Option<f64>,
+    #[pyo3(get, name = "_deserialize")]
+    deserialize: Py<PyAny>,
+    /// Resolves to a `UnaryResult` or a `CallError`.
+    #[pyo3(get, name = "_outcome")]
+    outcome: Py<PyAny>,
+    /// None: nothing to abandon (a call that failed before it started).
+    #[pyo3(get, name = "_driver")]
+    driver: Py<PyAny>,
+    #[pyo3(get, name = "_token")]
+    token: Py<PyAny>,
+    /// Wait for the outcome on this thread first (`Driver.settle`), once.
+    settle: AtomicBool,
+}
+
+#[pymethods]
+impl AioUnaryCall {
+    #[new]
+    #[pyo3(signature = (r#loop, timeout, deserialize, outcome, driver, token, settle))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        r#loop: Py<PyAny>,
+        timeout: Option<f64>,
+        deserialize: Py<PyAny>,
+        outcome: Py<PyAny>,
+        driver: Py<PyAny>,
+        token: Py<PyAny>,
+        settle: bool,
+    ) -> PyResult<Self> {
+        let loop_ = r#loop;
+        let deadline = match timeout {
+            Some(t) => Some(loop_.bind(py).call_method0(intern!(py, "time"))?.extract::<f64>()? + t),
+            None => None,
+        };
+        Ok(AioUnaryCall {
+            loop_,
+            timeout,
+            deadline,
+            deserialize,
+            outcome,
+            driver,
+            token,
+            settle: AtomicBool::new(settle),
+        })
+    }
+
+    fn __await__(slf: Bound<'_, Self>) -> PyResult<Bound<'_, AioUnaryWait>> {
+        Bound::new(slf.py(), AioUnaryWait { call: slf.unbind() })
+    }
+}
+
+/// An await of an [`AioUnaryCall`]: what `__await__` gives the awaiting coroutine, whose
+/// `__next__` hands the task the outcome future until that is done and then returns the reply
+/// (a Python `__await__`'s generator frame cost the loop's thread ~0.3 µs a call). Not the call
+/// itself: a call that were its own iterator would loop for ever in `list(call)`.
+#[pyclass(module = "isthmus._native", frozen)]
+pub(crate) struct AioUnaryWait {
+    call: Py<AioUnaryCall>,
+}
+
+#[pymethods]
+impl AioUnaryWait {
+    fn __iter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
+        slf
+    }
+
+    /// The awaiting task's step: the outcome future while it is pending (the task waits for
+    /// it), then the reply, returned as StopIteration's value.
+    fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let slf = self.call.bind(py);
+        let this = slf.get();
+        let outcome = this.outcome.bind(py);
+        let done = intern!(py, "done");
+        if !outcome.call_method0(done)?.is_truthy()? {
+            if this.settle.swap(false, Ordering::Relaxed) && !this.driver.is_none(py) {
+                let driver = this.driver.bind(py);
+                // Driver.settle's cheapest test first: under load many calls wait at once.
+                if driver.getattr(intern!(py, "_waiting"))?.len()? == 1 {
+                    driver.call_method1(intern!(py, "settle"), (&this.loop_, outcome))?;
+                }
+            }
+            if !outcome.call_method0(done)?.is_truthy()? {
+                // What Future.__await__ does before it yields the future to the task.
+                outcome.setattr(intern!(py, "_asyncio_future_blocking"), true)?;
+                return Ok(outcome.clone());
+            }
+        }
+        let value = match outcome.call_method0(intern!(py, "result")) {
+            Ok(value) => value,
+            Err(e) => {
+                // Cancelled, by `cancel` or its task: the call ends on both sides.
+                this.abandon(py)?;
+                return Err(e);
+            }
+        };
+        let message = match value.cast::<UnaryResult>() {
+            Ok(result) => result.get().message.bind(py).clone().into_any(),
+            Err(_) if value.is_instance_of::<crate::convert::CallError>() => {
+                return Err(slf.call_method1(intern!(py, "_raise"), (value,)).err().unwrap_or_else(unraised));
+            }
+            // What stands for a UnaryResult (`bench/py_aio_overhead.py`'s stand-in).
+            Err(_) => value.getattr(intern!(py, "message"))?,
+        };
+        let reply = match this.deserialize.is_none(py) {
+            true => message,
+            false => match this.deserialize.bind(py).call1((message,)) {
+                Ok(reply) => reply,
+                Err(e) if e.is_instance_of::<PyException>(py) => {
+                    return Err(slf.call_method0(intern!(py, "_undecodable")).err().unwrap_or_else(unraised));
+                }
+                Err(e) => return Err(e),
+            },
+        };
+        Err(PyStopIteration::new_err((reply.unbind(),)))
+    }
+
+    /// As `__next__`, for a task that sends None (anything else is an error, as for a future).
+    fn send<'py>(&self, value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+        if !value.is_none() {
+            return Err(pyo3::exceptions::PyTypeError::new_err("can't send non-None value to an awaited call"));
+        }
+        self.__next__(value.py())
+    }
+
+    /// An exception thrown into the awaiting task (its cancellation) abandons the call, which
+    /// ends it on both sides, and goes on up.
+    #[pyo3(signature = (kind, value=None, _traceback=None))]
+    fn throw(
+        &self,
+        py: Python<'_>,
+        kind: &Bound<'_, PyAny>,
+        value: Option<&Bound<'_, PyAny>>,
+        _traceback: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let raised = match value {
+            Some(value) if !value.is_none() => value.clone(),
+            _ if kind.is_instance_of::<pyo3::exceptions::PyBaseException>() => kind.clone(),
+            _ => kind.call0()?,
+        };
+        let error = PyErr::from_value(raised);
+        if error.is_instance_of::<pyo3::exceptions::asyncio::CancelledError>(py) {
+            self.call.get().abandon(py)?;
+        }
+        Err(error)
+    }
+}
+
+impl AioUnaryCall {
+    fn abandon(&self, py: Python<'_>) -> PyResult<()> {
+        if !self.driver.is_none(py) {
+            self.driver.bind(py).call_method1(intern!(py, "abandon"), (&self.token,))?;
+        }
+        Ok(())
+    }
+}
+
+/// A Python method that was to raise returned instead.
+fn unraised() -> PyErr {
+    pyo3::exceptions::PySystemError::new_err("isthmus: an error handler returned instead of raising")
+}
