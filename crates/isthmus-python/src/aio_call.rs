@@ -278,14 +278,16 @@ impl AioUnaryWait {
         let outcome = this.outcome.bind(py);
         let done = intern!(py, "done");
         if !outcome.call_method0(done)?.is_truthy()? {
+            let mut settled = false;
             if this.settle.swap(false, Ordering::Relaxed) && !this.driver.is_none(py) {
                 let driver = this.driver.bind(py);
                 // Driver.settle's cheapest test first: under load many calls wait at once.
                 if driver.getattr(intern!(py, "_waiting"))?.len()? == 1 {
                     driver.call_method1(intern!(py, "settle"), (&this.loop_, outcome))?;
+                    settled = true;
                 }
             }
-            if !outcome.call_method0(done)?.is_truthy()? {
+            if !settled || !outcome.call_method0(done)?.is_truthy()? {
                 // What Future.__await__ does before it yields the future to the task.
                 outcome.setattr(intern!(py, "_asyncio_future_blocking"), true)?;
                 return Ok(outcome.clone());
