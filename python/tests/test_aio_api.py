@@ -4,10 +4,12 @@ iterators, the channel's shapes and isthmus's errors there."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Iterator
 from types import ModuleType
 from typing import Any
@@ -68,6 +70,11 @@ async def test_unary_call_object(address: str, pb_grpc: ModuleType, pb: ModuleTy
 async def test_cancel_unary(address: str, pb_grpc: ModuleType, pb: ModuleType) -> None:
     async with isthmus.aio.insecure_channel(address) as channel:
         call = pb_grpc.EchoStub(channel).Unary(pb.EchoRequest(sleep_ms=30_000), timeout=60)
+        # Driven by hand, not by a task, its await fails as a future's does.
+        waiting = call.__await__()
+        assert isinstance(next(waiting), asyncio.Future)
+        with pytest.raises(RuntimeError, match="await wasn't used with future"):
+            next(waiting)
         assert call.cancel() and call.cancelled()
         with pytest.raises(asyncio.CancelledError):
             await call
@@ -296,3 +303,38 @@ async def test_a_channel_bound_before_a_fork_is_not_used_in_the_child(
             raise AssertionError("the child's call did not end")
         assert os.waitstatus_to_exitcode(done[1]) == 0, "the child's call did not raise RuntimeError"
         assert (await stub.Unary(pb.EchoRequest(seq=3), timeout=60)).seq == 3
+
+
+def test_a_stub_held_by_its_own_serializers_owner_is_collected() -> None:
+    """A multi-callable whose serializer is a bound method of the object that holds it is a
+    cycle; the collector frees it, as it frees grpcio's (the native multi-callables show it
+    their references), for the blocking channel and the asyncio one."""
+
+    class Client:
+        def __init__(self, channel: Any) -> None:
+            self.rpc = channel.unary_unary(
+                "/conformance.Echo/Unary", request_serializer=self.encode, response_deserializer=self.decode
+            )
+
+        def encode(self, message: bytes) -> bytes:
+            return message
+
+        def decode(self, message: bytes) -> bytes:
+            return message
+
+    def collected(channel: Any) -> bool:
+        client = Client(channel)
+        gone = weakref.ref(client)
+        del client
+        gc.collect()
+        return gone() is None
+
+    target = fresh("shm")  # never connected: a stub connects nothing
+    with isthmus.insecure_channel(target) as channel:
+        assert collected(channel)
+
+    async def test() -> None:
+        async with isthmus.aio.insecure_channel(target) as channel:
+            assert collected(channel)
+
+    asyncio.run(test())

@@ -18,10 +18,12 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Once;
 
-use pyo3::exceptions::{PyException, PyStopIteration};
+use pyo3::exceptions::{PyException, PyRuntimeError, PyStopIteration};
+use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PySet, PyTuple, PyWeakrefReference};
+use pyo3::PyTraverseError;
 
 use crate::client::UnaryResult;
 use crate::reactor::AsyncChannel;
@@ -110,6 +112,14 @@ impl AioUnaryCallable {
     #[new]
     fn new(channel: Py<PyAny>, path: String, serialize: Option<Py<PyAny>>, deserialize: Py<PyAny>) -> Self {
         AioUnaryCallable { channel, path, serialize, deserialize }
+    }
+
+    /// Its references, for Python's cycle collector: a serializer that is a bound method of an
+    /// object holding this multi-callable is a cycle the collector must see to free.
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.channel)?;
+        visit.call(&self.serialize)?;
+        visit.call(&self.deserialize)
     }
 
     #[pyo3(signature = (request, *, timeout=None, metadata=None, credentials=None, wait_for_ready=None, compression=None))]
@@ -251,7 +261,16 @@ impl AioUnaryCall {
     }
 
     fn __await__(slf: Bound<'_, Self>) -> PyResult<Bound<'_, AioUnaryWait>> {
-        Bound::new(slf.py(), AioUnaryWait { call: slf.unbind() })
+        Bound::new(slf.py(), AioUnaryWait { call: slf.unbind(), yielded: AtomicBool::new(false) })
+    }
+
+    /// Its references, for Python's cycle collector (see `AioUnaryCallable`'s).
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.loop_)?;
+        visit.call(&self.deserialize)?;
+        visit.call(&self.outcome)?;
+        visit.call(&self.driver)?;
+        visit.call(&self.token)
     }
 }
 
@@ -262,12 +281,19 @@ impl AioUnaryCall {
 #[pyclass(module = "isthmus._native", frozen)]
 pub(crate) struct AioUnaryWait {
     call: Py<AioUnaryCall>,
+    /// The outcome future was handed to the task: resumed before it is done, this is not
+    /// driven by a task (Future.__await__'s RuntimeError).
+    yielded: AtomicBool,
 }
 
 #[pymethods]
 impl AioUnaryWait {
     fn __iter__(slf: Bound<'_, Self>) -> Bound<'_, Self> {
         slf
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        visit.call(&self.call)
     }
 
     /// The awaiting task's step: the outcome future while it is pending (the task waits for
@@ -288,6 +314,9 @@ impl AioUnaryWait {
                 }
             }
             if !settled || !outcome.call_method0(done)?.is_truthy()? {
+                if self.yielded.swap(true, Ordering::Relaxed) {
+                    return Err(PyRuntimeError::new_err("await wasn't used with future"));
+                }
                 // What Future.__await__ does before it yields the future to the task.
                 outcome.setattr(intern!(py, "_asyncio_future_blocking"), true)?;
                 return Ok(outcome.clone());
@@ -340,9 +369,12 @@ impl AioUnaryWait {
         value: Option<&Bound<'_, PyAny>>,
         _traceback: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
+        // As a generator's throw: an instance; or a class, made with `value` unless that is
+        // an instance already.
         let raised = match value {
-            Some(value) if !value.is_none() => value.clone(),
             _ if kind.is_instance_of::<pyo3::exceptions::PyBaseException>() => kind.clone(),
+            Some(value) if value.is_instance_of::<pyo3::exceptions::PyBaseException>() => value.clone(),
+            Some(value) if !value.is_none() => kind.call1((value,))?,
             _ => kind.call0()?,
         };
         let error = PyErr::from_value(raised);

@@ -450,6 +450,14 @@ impl UnaryCallable {
         Ok(UnaryCallable { channel, path, serialize, deserialize, compression })
     }
 
+    /// Its references, for Python's cycle collector: a serializer that is a bound method of an
+    /// object holding this multi-callable is a cycle the collector must see to free.
+    fn __traverse__(&self, visit: pyo3::gc::PyVisit<'_>) -> Result<(), pyo3::PyTraverseError> {
+        visit.call(&self.channel)?;
+        visit.call(&self.serialize)?;
+        visit.call(&self.deserialize)
+    }
+
     #[pyo3(signature = (request, timeout=None, metadata=None, credentials=None, wait_for_ready=None, compression=None))]
     fn __call__<'py>(
         slf: &Bound<'py, Self>,
