@@ -22,7 +22,7 @@ use pyo3::exceptions::{PyException, PyRuntimeError, PyStopIteration};
 use pyo3::gc::PyVisit;
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PySet, PyTuple, PyWeakrefReference};
+use pyo3::types::{PyBytes, PyDict, PySet, PyString, PyTuple, PyWeakrefReference};
 use pyo3::PyTraverseError;
 
 use crate::client::UnaryResult;
@@ -58,7 +58,8 @@ struct Fast<'py> {
     tokens: Bound<'py, PyAny>,
     calls: Bound<'py, PySet>,
     forget: Bound<'py, PyAny>,
-    compression: Option<String>,
+    /// The channel's default compression, by name (borrowed per call, not copied).
+    compression: Option<Bound<'py, PyString>>,
 }
 
 impl<'py> Fast<'py> {
@@ -93,7 +94,7 @@ impl<'py> Fast<'py> {
             tokens: fast.get_item(5)?,
             calls: fast.get_item(6)?.cast_into::<PySet>()?,
             forget: fast.get_item(7)?,
-            compression: fast.get_item(8)?.extract()?,
+            compression: fast.get_item(8)?.cast_into::<PyString>().ok(),
         }))
     }
 }
@@ -162,11 +163,14 @@ impl AioUnaryCallable {
         let options = isthmus::CallOptions {
             timeout: crate::convert::timeout_from_py(timeout),
             wait_for_ready: wait_for_ready.map(|w| w.is_truthy()).transpose()?.unwrap_or(false),
-            compression: crate::convert::compression_from_py(fast.compression.as_deref())?,
+            compression: crate::convert::compression_from_py(
+                fast.compression.as_ref().map(|c| c.to_str()).transpose()?,
+            )?,
             ..Default::default()
         };
         // Asked of the driver, whose rule it is (and which tests count), though a Python call.
         let idle = fast.driver.call_method1(intern!(py, "idle"), (&fast.loop_,))?.is_truthy()?;
+        // Driver.begin, written out: a Python frame fewer on every call.
         let token = fast.tokens.call_method0(intern!(py, "__next__"))?;
         let outcome = fast.loop_.call_method0(intern!(py, "create_future"))?;
         fast.waiting.set_item(&token, &outcome)?;
