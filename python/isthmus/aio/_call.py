@@ -100,9 +100,8 @@ class UnaryUnaryCall(_native.AioUnaryCall, _Call, grpc.aio.UnaryUnaryCall):
     Made as `UnaryUnaryCall(loop, timeout, deserialize, outcome, driver, token, settle)`: the
     future `outcome` resolves to a `UnaryResult` or a `CallError`; `driver` is None for a call
     that failed before it started (nothing to abandon); `settle` waits for the outcome on the
-    loop's thread first (`Driver.settle`). Awaiting it is the native base's (`__await__`): the
-    hottest path there is, where a Python generator cost the loop's thread ~0.3 µs a call. It
-    comes here for what it raises."""
+    loop's thread first (`Driver.settle`). Awaiting it is the native base's (`__await__`, no
+    generator: the hottest path there is); it comes here for what it raises."""
 
     def _abandon(self) -> None:
         if self._driver is not None:

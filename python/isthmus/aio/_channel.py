@@ -133,9 +133,9 @@ class _MultiCallable:
 class UnaryUnaryMultiCallable(_native.AioUnaryCallable, _MultiCallable, grpc.aio.UnaryUnaryMultiCallable):
     # `__call__` is the native base's: a call without metadata or a compression of its own,
     # made on its standard loop's thread, is a few native steps (the serializer, the engine
-    # operation and its future, the call object, `_track`) where the same in Python cost the
-    # loop's thread ~1.5 µs more a call; the others come to `_call`, and a serializer's failure
-    # to `_serialize_failed`. Both sides read the channel's `_fast`.
+    # operation and its future, the call object, `_track`), where the same in Python, with the
+    # call's await, cost the loop's thread ~1 µs more a call; the others come to `_call`, and a
+    # serializer's failure to `_serialize_failed`. Both sides read the channel's `_fast`.
 
     _call_type = UnaryUnaryCall
 
