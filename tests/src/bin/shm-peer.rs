@@ -9,6 +9,9 @@
 //!                                        it with pattern SIZE and send it (`SENT composing=…`),
 //!                                        then take one more and drop it (`DROPPED composing=…`)
 //! shm-peer hostile-server ADDR MODE      accept one client, then corrupt the segment
+//! shm-peer misanswering-server ADDR      serve unary calls with hand-made frames: a request
+//!                                        that names a wrong answer (see `answer`) gets it, any
+//!                                        other its echo; `ENDED kind` as a connection ends
 //! shm-peer ping-server ADDR COUNT LEN    accept one client, take its first frame (a call), send
 //!                                        COUNT PINGs of LEN bytes (pattern i) reading nothing,
 //!                                        then read the answers (`ACKS n`) and hang up
@@ -77,6 +80,7 @@ fn main() {
         "composing-client" => composing_client(&addr, num(&arg(&args, 3, "size"))),
         "big-client" => big_client(&addr, num(&arg(&args, 3, "size")), num(&arg(&args, 4, "arena"))),
         "hostile-server" => hostile_server(&addr, &arg(&args, 3, "mode")),
+        "misanswering-server" => misanswering_server(&addr),
         "pieces-client" => pieces_client(&addr),
         "partials-client" => partials_client(&addr),
         "ping-server" => ping_server(&addr, num(&arg(&args, 3, "count")), num(&arg(&args, 4, "len"))),
@@ -378,6 +382,131 @@ fn hostile_server(addr: &Address, mode: &str) {
     say("CORRUPTED");
     // Stay alive (socket open) so the client's error is about the damage, not about EOF.
     std::thread::sleep(Duration::from_secs(3600));
+}
+
+fn misanswering_server(addr: &Address) {
+    let listener = Listener::bind(addr, Config::default()).expect("bind");
+    say("READY");
+    loop {
+        match listener.accept() {
+            Ok(conn) => drop(std::thread::spawn(move || misanswer(conn))),
+            Err(e) => say(&format!("ACCEPT-ERROR {e}")),
+        }
+    }
+}
+
+/// Serves one connection until its client hangs up; says `ENDED kind` then.
+fn misanswer(conn: Connection) {
+    use isthmus::wire;
+    let Connection { sender, mut receiver } = conn;
+    let mut requests: std::collections::HashMap<u64, Vec<u8>> = std::collections::HashMap::new();
+    let end = loop {
+        let f = match receiver.recv(None) {
+            Ok(f) => f,
+            Err(e) => break e,
+        };
+        let ends = f.flags & flags::END_STREAM != 0;
+        match f.kind {
+            Kind::Headers if f.flags & wire::WITH_MESSAGE != 0 => {
+                // A one-frame call: the request follows the head.
+                let Ok((_, at)) = wire::RequestHead::decode_prefix(&f.body) else { break_bad(&sender) };
+                answer(&sender, f.stream, &f.body[at..]);
+            }
+            Kind::Headers if ends => answer(&sender, f.stream, b""),
+            Kind::Headers => drop(requests.insert(f.stream, Vec::new())),
+            Kind::Message => {
+                requests.entry(f.stream).or_default().extend_from_slice(&f.body);
+                if ends {
+                    let request = requests.remove(&f.stream).unwrap_or_default();
+                    answer(&sender, f.stream, &request);
+                }
+            }
+            Kind::Trailers => {
+                let request = requests.remove(&f.stream).unwrap_or_default();
+                answer(&sender, f.stream, &request);
+            }
+            Kind::Cancel => drop(requests.remove(&f.stream)),
+            Kind::Ping if f.flags & flags::ACK == 0 => {
+                drop(sender.send(Kind::Ping, flags::ACK, f.stream, &f.body, None))
+            }
+            _ => {}
+        }
+    };
+    say(&format!("ENDED {:?}", end.kind()));
+}
+
+fn break_bad(sender: &Sender) -> ! {
+    say("BAD-REQUEST-HEAD");
+    sender.close();
+    std::process::exit(1)
+}
+
+/// Answers the call on `stream` whose request was `request`: with the wrong answer it names,
+/// or with its echo. The wrong answers are frames an honest server never sends, well-formed (a
+/// status code outside gRPC's, no response, two responses, a status with no HEADERS before it,
+/// frames for streams nobody opened) or not (a body that does not decode, a message inside a
+/// frame that may not carry one).
+fn answer(sender: &Sender, stream: u64, request: &[u8]) {
+    use isthmus::{wire, Code, Status};
+    let head = wire::ResponseHead::default().encode();
+    let ok = wire::encode_trailers(&Status::ok());
+    let send = |kind: Kind, frame_flags: u8, stream: u64, body: &[u8]| {
+        if let Err(e) = sender.send(kind, frame_flags, stream, body, None) {
+            say(&format!("SEND-ERROR {e}"));
+        }
+    };
+    let mode = std::str::from_utf8(request).unwrap_or("");
+    match mode {
+        // A version byte, then a status cut short.
+        "bad-trailers" => send(Kind::Trailers, flags::END_STREAM, stream, b"\x01\x00\x00"),
+        // A wire version nobody speaks.
+        "bad-headers" => send(Kind::Headers, 0, stream, b"\x07"),
+        // Three bytes where a WINDOW has eight.
+        "bad-window" => send(Kind::Window, 0, stream, b"\x01\x00\x00"),
+        "bad-goaway" => send(Kind::GoAway, 0, 0, b"\xff"),
+        "message-inside-headers" => {
+            let mut body = head.clone();
+            body.extend_from_slice(request);
+            send(Kind::Headers, wire::WITH_MESSAGE, stream, &body);
+        }
+        "unknown-code" => {
+            // Code 99, which gRPC does not define, with a message.
+            let mut body = vec![wire::WIRE_VERSION];
+            body.extend_from_slice(&99u32.to_le_bytes());
+            body.extend_from_slice(&3u32.to_le_bytes());
+            body.extend_from_slice(&0u32.to_le_bytes());
+            body.extend_from_slice(b"odd");
+            body.extend_from_slice(&0u32.to_le_bytes());
+            send(Kind::Trailers, flags::END_STREAM, stream, &body);
+        }
+        "no-response" => {
+            send(Kind::Headers, 0, stream, &head);
+            send(Kind::Trailers, flags::END_STREAM, stream, &ok);
+        }
+        "two-responses" => {
+            send(Kind::Headers, 0, stream, &head);
+            send(Kind::Message, 0, stream, b"one");
+            send(Kind::Message, 0, stream, b"two");
+            send(Kind::Trailers, flags::END_STREAM, stream, &ok);
+        }
+        "trailers-only" => {
+            let failed = Status::new(Code::PermissionDenied, "no headers first");
+            send(Kind::Trailers, flags::END_STREAM, stream, &wire::encode_trailers(&failed));
+        }
+        _ => {
+            if mode == "stray-frames" {
+                // Frames for streams this client never opened (nor will soon), before the echo.
+                send(Kind::Message, 0, stream + 1_000_000, b"stray");
+                send(Kind::Trailers, flags::END_STREAM, stream + 1_000_002, &ok);
+                send(Kind::Window, 0, stream + 1_000_004, &wire::encode_window(4096));
+            }
+            send(Kind::Headers, 0, stream, &head);
+            if let Err(e) = sender.send_message(stream, 0, request, None) {
+                say(&format!("SEND-ERROR {e}"));
+            }
+            send(Kind::Trailers, flags::END_STREAM, stream, &ok);
+        }
+    }
 }
 
 fn shared_sink(addr: &Address, count: usize, hold_mode: usize) {
