@@ -348,6 +348,16 @@ function cases.tls_unary(ch, args)
     return { ok = true, payload = ngx.decode_base64(r.payload), seq = r.seq, cn = meta.headers["x-peer-cn"] }
 end
 
+-- connect's answer: `{ ok = true }` (the channel closed again) or its error.
+local function connect_answer(target, opts)
+    local own, err = isthmus.connect(target, opts)
+    if own then
+        own:close()
+        return { ok = true }
+    end
+    return failure(err)
+end
+
 -- connect's answer to TLS options it refuses before any connection: `which` picks them.
 function cases.tls_refused(ch, args)
     local tls = ({
@@ -358,12 +368,15 @@ function cases.tls_refused(ch, args)
         missing_file = { ca_file = "/nonexistent/ca.pem" },
         cert_alone = { cert = "x" },
     })[args.which]
-    local own, err = isthmus.connect(args.target, { tls = tls })
-    if own then
-        own:close()
-        return { ok = true }
-    end
-    return failure(err)
+    return connect_answer(args.target, { tls = tls })
+end
+
+-- connect's answer to a numeric option that is no whole number of 0 or more: refused before
+-- a channel exists (before, a string spin_us raised in the ffi after the channel was made, and
+-- that channel was never closed).
+function cases.option_refused(ch, args)
+    local value = ({ string = "10", negative = -1, fraction = 1.5 })[args.value]
+    return connect_answer(args.target, { [args.key] = value })
 end
 
 -- Runs case `args.run` in a timer (ngx.timer.at); its result lands in the shared dict under

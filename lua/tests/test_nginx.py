@@ -664,6 +664,13 @@ def test_tls_options_connect_refuses(nginx: Nginx, which: str, words: str) -> No
     assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and words in r["message"], r
 
 
+@pytest.mark.parametrize("key", ["spin_us", "max_message_size"])
+@pytest.mark.parametrize("value", ["string", "negative", "fraction"])
+def test_a_numeric_option_that_is_no_count_fails_connect(nginx: Nginx, key: str, value: str) -> None:
+    r = nginx.case("option_refused", "shm://lua-option-nobody", key=key, value=value)
+    assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and f"{key} is a whole number" in r["message"], r
+
+
 def test_plain_luajit_calls_over_mutual_tls(https_peers: Callable[[str], HttpsPeer], cert_dir: Path) -> None:
     """The blocking path outside nginx, over mutual TLS with the PEM read from files."""
     luajit = shutil.which("luajit")

@@ -215,7 +215,8 @@ typedef int32_t isthmus_op_t;
 
 // One finished operation. Every non-NULL handle in it belongs to the caller, who frees it.
 typedef struct {
-  // The tag the operation was started with.
+  // The tag the operation was started with. A tag names one operation: starting one with
+  // the tag of another still pending on the same queue fails `ISTHMUS_INVALID_ARGUMENT`.
   uint64_t tag;
   // Which operation (`ISTHMUS_OP_*`).
   isthmus_op_t op;

@@ -10,7 +10,7 @@ use isthmus::{CallOptions, Code, Config, Status};
 
 use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
 use crate::cq::{
-    cq_get, isthmus_cq_t, isthmus_event_t, start_on, start_spinning_on, Outcome, Queue, ISTHMUS_OP_CLOSE_SEND,
+    cq_for, isthmus_cq_t, isthmus_event_t, start_on, start_spinning_on, Outcome, Queue, ISTHMUS_OP_CLOSE_SEND,
     ISTHMUS_OP_HEADERS, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_STATE, ISTHMUS_OP_UNARY,
     NO_SPIN,
 };
@@ -557,7 +557,7 @@ pub unsafe extern "C" fn isthmus_unary_async(
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
-        let (channel, cq) = (CHANNELS.get(channel)?, cq_get(cq)?);
+        let (channel, cq) = (CHANNELS.get(channel)?, cq_for(cq, tag)?);
         channel.open()?;
         // SAFETY: the caller's promises, passed on.
         let (path, request, options) =
@@ -727,7 +727,7 @@ pub unsafe extern "C" fn isthmus_unary_block_async(
 ) -> isthmus_code_t {
     entry(status, || {
         let block = take_block(block)?;
-        let (channel, cq) = (CHANNELS.get(channel)?, cq_get(cq)?);
+        let (channel, cq) = (CHANNELS.get(channel)?, cq_for(cq, tag)?);
         channel.open()?;
         // SAFETY: the caller's promises, passed on.
         let (path, options) = unsafe { (c_str(path, "the path")?, call_options(opts)?) };
@@ -807,7 +807,7 @@ pub unsafe extern "C" fn isthmus_call_start_async(
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
-        let (channel, cq) = (CHANNELS.get(channel)?, cq_get(cq)?);
+        let (channel, cq) = (CHANNELS.get(channel)?, cq_for(cq, tag)?);
         channel.open()?;
         // SAFETY: the caller's promises, passed on.
         let (path, options) = unsafe { (c_str(path, "the path")?, call_options(opts)?) };

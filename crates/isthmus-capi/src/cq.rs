@@ -76,7 +76,8 @@ pub const ISTHMUS_OP_STATE: isthmus_op_t = 10;
 /// One finished operation. Every non-NULL handle in it belongs to the caller, who frees it.
 #[repr(C)]
 pub struct isthmus_event_t {
-    /// The tag the operation was started with.
+    /// The tag the operation was started with. A tag names one operation: starting one with
+    /// the tag of another still pending on the same queue fails `ISTHMUS_INVALID_ARGUMENT`.
     pub tag: u64,
     /// Which operation (`ISTHMUS_OP_*`).
     pub op: isthmus_op_t,
@@ -213,6 +214,18 @@ pub(crate) static QUEUES: Registry<isthmus_cq_t> = Registry::new("completion que
 /// The queue behind a caller's handle, as the operations that complete on it hold it.
 pub(crate) fn cq_get(cq: *const isthmus_cq_t) -> Result<Queue, Status> {
     Ok(Queue(QUEUES.get(cq)?.completions.clone()))
+}
+
+/// The queue behind a caller's handle, for an operation the caller starts with `tag`: refused
+/// (INVALID_ARGUMENT) if an operation started with the same tag is still pending there. A tag
+/// names one operation: its event, and `isthmus_cq_cancel`, find it by the tag, and a second
+/// operation under it made the cancel stop the wrong one, or neither.
+pub(crate) fn cq_for(cq: *const isthmus_cq_t, tag: u64) -> Result<Queue, Status> {
+    let queue = cq_get(cq)?;
+    match queue.0.is_running(tag) {
+        true => Err(invalid(format!("tag {tag} names an operation still pending on this queue"))),
+        false => Ok(queue),
+    }
 }
 
 /// The taker of the queue behind a caller's handle (`isthmus_cq_take_call`).
@@ -369,7 +382,7 @@ where
     F: std::future::Future<Output = Outcome> + Send + 'static,
 {
     entry(status, || {
-        let (call, cq) = (call?, cq_get(cq)?);
+        let (call, cq) = (call?, cq_for(cq, tag)?);
         let mut spin = spin;
         if !now.is_null() {
             if let Some(outcome) = at_hand(&call, &mut spin) {

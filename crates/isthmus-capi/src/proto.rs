@@ -64,7 +64,12 @@ unsafe fn c_strs<'a>(list: *const *const c_char, n: usize, what: &str) -> Result
     if list.is_null() {
         return Err(invalid(format!("{what} is NULL with {n} entries")));
     }
-    // SAFETY: not NULL; the caller promises `n` readable entries.
+    // No array that large exists: a count past this is a caller's mistake, and a slice of it
+    // is undefined behaviour.
+    if n > isize::MAX as usize / std::mem::size_of::<*const c_char>() {
+        return Err(invalid(format!("{what}: {n} entries is more than any array holds")));
+    }
+    // SAFETY: not NULL, within isize::MAX bytes; the caller promises `n` readable entries.
     let items = unsafe { std::slice::from_raw_parts(list, n) };
     // SAFETY: each entry is a NUL-terminated string by the caller's promise.
     items.iter().map(|s| unsafe { c_str(*s, what) }).collect()

@@ -13,8 +13,8 @@ use isthmus::{Code, Config, Handler, HandlerFuture, Status};
 
 use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
 use crate::cq::{
-    cq_get, cq_taker, isthmus_cq_t, isthmus_event_t, start_on, start_trying_on, Outcome, Queue, ISTHMUS_OP_DONE,
-    ISTHMUS_OP_NEW_CALL, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_SEND_HEADERS, NO_SPIN,
+    cq_for, cq_get, cq_taker, isthmus_cq_t, isthmus_event_t, start_on, start_trying_on, Outcome, Queue,
+    ISTHMUS_OP_DONE, ISTHMUS_OP_NEW_CALL, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_SEND_HEADERS, NO_SPIN,
 };
 use crate::handle::Registry;
 use crate::object::{
@@ -785,7 +785,7 @@ pub unsafe extern "C" fn isthmus_server_call_done_async(
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
-        let (call, cq) = (handed(call)?, cq_get(cq)?);
+        let (call, cq) = (handed(call)?, cq_for(cq, tag)?);
         let queue = cq.clone();
         if !call.add_done_callback(Box::new(move || queue.run(tag, ISTHMUS_OP_DONE, std::future::ready(Outcome::Done))))
         {
@@ -878,7 +878,7 @@ pub unsafe extern "C" fn isthmus_server_call_reply_async(
         let call = SERVER_CALLS.remove(call)?.call.clone();
         // SAFETY: the caller's promise, passed on.
         let args = unsafe { c_bytes(data, len, "the message") }
-            .and_then(|message| Ok((message, metadata_arg(trailers)?, cq_get(cq)?)));
+            .and_then(|message| Ok((message, metadata_arg(trailers)?, cq_for(cq, tag)?)));
         let (message, trailers, cq) = match args {
             Ok(args) => args,
             Err(bad) => {
@@ -896,18 +896,32 @@ pub unsafe extern "C" fn isthmus_server_call_reply_async(
             return Ok(());
         }
         let message = message.to_vec();
+        // The operation owns the call now (its handle is gone): if the operation is dropped
+        // unfinished (its tag cancelled, its queue freed), the guard ends the call, which
+        // would otherwise wait for its deadline with nobody left to finish it.
+        let call = FinishOnDrop(call);
         cq.start(
             tag,
             ISTHMUS_OP_SEND,
             async move {
-                let sent = call.send(&message).await;
-                call.finish(sent.as_ref().map_or_else(Status::clone, |_| ok()));
+                let sent = call.0.send(&message).await;
+                call.0.finish(sent.as_ref().map_or_else(Status::clone, |_| ok()));
                 Outcome::done(sent)
             },
             now,
         );
         Ok(())
     })
+}
+
+/// A handed call that an operation on a queue owns: finished CANCELLED when dropped, if the
+/// operation did not finish it first (`HandedCall::finish` does nothing the second time).
+struct FinishOnDrop(Arc<HandedCall>);
+
+impl Drop for FinishOnDrop {
+    fn drop(&mut self) {
+        self.0.finish(Status::new(Code::Cancelled, "the reply's operation was cancelled before the reply went"));
+    }
 }
 
 /// Sends initial metadata now (otherwise the first message sends empty metadata), blocking.

@@ -167,10 +167,18 @@ impl AioUnaryCallable {
             )?,
             ..Default::default()
         };
-        // Asked of the driver, whose rule it is (and which tests count), though a Python call.
-        let idle = fast.driver.call_method1(intern!(py, "idle"), (&fast.loop_,))?.is_truthy()?;
-        // Driver.begin, written out: a Python frame fewer on every call.
-        let token = fast.tokens.call_method0(intern!(py, "__next__"))?;
+        // Asked of the driver, whose rule it is (and which tests count), though a Python call;
+        // but not while other operations are pending, which its rule's first test answers: with
+        // many calls in flight that is nearly every call (the Python call was 1.6 % of the
+        // loop's samples in a profile at 32 in flight).
+        let idle =
+            fast.waiting.is_empty() && fast.driver.call_method1(intern!(py, "idle"), (&fast.loop_,))?.is_truthy()?;
+        // Driver.begin, written out: a Python frame fewer on every call. The count is an
+        // iterator: its next item without looking up a method.
+        let token = match fast.tokens.cast::<pyo3::types::PyIterator>() {
+            Ok(tokens) => tokens.clone().next().ok_or_else(|| PyRuntimeError::new_err("the token count ended"))??,
+            Err(_) => fast.tokens.call_method0(intern!(py, "__next__"))?,
+        };
         let outcome = fast.loop_.call_method0(intern!(py, "create_future"))?;
         fast.waiting.set_item(&token, &outcome)?;
         let started = match fast.native.cast::<AsyncChannel>() {

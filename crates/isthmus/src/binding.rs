@@ -431,6 +431,12 @@ impl<O: Send + 'static> Completions<O> {
         }
     }
 
+    /// Whether an operation started with `token` is still waiting (neither finished nor
+    /// abandoned): a binding whose caller picks the tokens refuses one in use.
+    pub fn is_running(&self, token: u64) -> bool {
+        self.running.lock().is_ok_and(|r| r.contains_key(&token))
+    }
+
     /// Drops a waiting operation's future (which cancels a call it was making); its token
     /// never completes. `false` if it is not waiting.
     pub fn abort(&self, token: u64) -> bool {

@@ -817,6 +817,14 @@ end
 function _M.connect(target, opts)
     opts = opts or {}
     load(opts.lib)
+    -- Checked before the channel exists: a value the ffi cannot convert raised after it was
+    -- made, and the channel leaked.
+    for _, key in ipairs({ "max_message_size", "spin_us" }) do
+        local v = opts[key]
+        if v ~= nil and (type(v) ~= "number" or v < 0 or v ~= math.floor(v)) then
+            return nil, new_error(INVALID_ARGUMENT, key .. " is a whole number, 0 or more, not " .. tostring(v))
+        end
+    end
     local copts = ffi_new("isthmus_channel_options_t")
     copts.max_message_size = opts.max_message_size or 0
     if opts.upgrade ~= nil then
@@ -837,9 +845,10 @@ function _M.connect(target, opts)
     if rc ~= OK then
         return nil, in_lua_words(failed(rc))
     end
-    C.isthmus_channel_set_spin(out[0], opts.spin_us or DEFAULT_SPIN_US)
+    local handle = ffi_gc(out[0], C.isthmus_channel_close)
+    C.isthmus_channel_set_spin(handle, opts.spin_us or DEFAULT_SPIN_US)
     return setmetatable({
-        handle = ffi_gc(out[0], C.isthmus_channel_close),
+        handle = handle,
         target = target,
         proto = opts.proto,
         spin = opts.spin ~= false,

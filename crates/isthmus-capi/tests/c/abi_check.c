@@ -41,7 +41,9 @@
  *                 (request "d") or a message that is not UTF-8: the call must still end
  *                 (INTERNAL) instead of hanging
  *   Reply         answer with isthmus_server_call_reply_async: echo the request (request "L": a
- *                 1 MiB pattern, which waits on the queue), trailer `x-replied: 1`; request "t"
+ *                 1 MiB pattern; "C" 4 MiB first, which takes the client's window, then the 1 MiB
+ *                 reply, which waits on the queue for credit, its operation cancelled at once,
+ *                 and "F" the same with its queue freed), trailer `x-replied: 1`; request "t"
  *                 gives a freed trailers handle and "q" no queue, which must end the call
  *                 INTERNAL; request "?" answers "problems=N", what the earlier Reply calls found
  *                 wrong on the server's side (an event not as promised, a finish after the reply
@@ -384,7 +386,7 @@ static void h_reply(isthmus_server_call_t *call) {
     const uint8_t *data = isthmus_message_data(req, &len);
     char kind = len == 1 ? (char)data[0] : 0, answer[32];
     uint8_t *big = NULL;
-    if (kind == 'L' && (big = malloc(MIB)) != NULL) {
+    if ((kind == 'L' || kind == 'C' || kind == 'F') && (big = malloc(MIB)) != NULL) {
       fill_pattern(big, MIB, 3);
       data = big;
       len = MIB;
@@ -393,12 +395,27 @@ static void h_reply(isthmus_server_call_t *call) {
       data = (const uint8_t *)answer;
     }
     int bad = kind == 't' || kind == 'q';
+    if (kind == 'C' || kind == 'F') {
+      /* First a message that takes the client's whole window (4 MiB): the reply then waits
+         on the queue for credit, which comes only once the client has read it. */
+      uint8_t *fill = calloc(1, 4 * MIB);
+      if (fill == NULL || isthmus_server_call_send(call, fill, 4 * MIB, &st) != ISTHMUS_OK)
+        reply_problem("the 4 MiB message before the reply", ISTHMUS_INTERNAL);
+      free(fill);
+    }
     isthmus_event_t now;
     memset(&now, 0, sizeof now);
     rc = isthmus_server_call_reply_async(call, data, len, kind == 't' ? stale : trailers, kind == 'q' ? NULL : cq, 7,
                                          &now, &st);
     if (rc != (bad ? ISTHMUS_INVALID_ARGUMENT : ISTHMUS_OK)) reply_problem("reply_async's code", rc);
-    if (rc == ISTHMUS_OK) {
+    if (rc == ISTHMUS_OK && kind == 'F' && now.op == 0) {
+      /* The queue freed under the reply: the call must still end (CANCELLED), not wait for
+         its deadline with no handle left to finish it. */
+      isthmus_cq_free(cq);
+      cq = NULL;
+    } else if (rc == ISTHMUS_OK && kind == 'C' && now.op == 0 && isthmus_cq_cancel(cq, 7) == ISTHMUS_OK) {
+      /* The same with the reply's operation cancelled; no event comes for it. */
+    } else if (rc == ISTHMUS_OK) {
       reply_event(cq, &now);
       if (now.op != ISTHMUS_OP_SEND || now.tag != 7 || now.code != ISTHMUS_OK) reply_problem("the event", now.code);
       event_free(&now);
@@ -1861,6 +1878,25 @@ static int check_async_unary(ctx_t *c) {
   isthmus_event_t extra;
   REQUIRE(isthmus_cq_poll(cq, &extra, 1) == 0, "an event beyond the %d", ASYNC_CALLS);
   REQUIRE(poll(&p, 1, 0) == 0, "the descriptor stays readable with nothing queued");
+
+  /* A tag names one pending operation: a second started under it is refused (and sends
+     nothing), and the cancel stops the first. */
+  MUST(isthmus_unary_async(c->ch, SVC "Sleep", (const uint8_t *)"z", 1, &opts, cq, 77, NULL, &st));
+  EXPECT(isthmus_unary_async(c->ch, SVC "Unary", (const uint8_t *)"x", 1, &opts, cq, 77, NULL, &st),
+         ISTHMUS_INVALID_ARGUMENT);
+  int names = st != NULL && strstr(isthmus_status_message(st), "tag 77") != NULL;
+  if (st) isthmus_status_free(st);
+  REQUIRE(names, "the refusal names the tag");
+  MUST(isthmus_cq_cancel(cq, 77));
+  EXPECT(isthmus_cq_cancel(cq, 77), ISTHMUS_NOT_FOUND);
+  if (st) isthmus_status_free(st);
+  REQUIRE(isthmus_cq_poll(cq, &extra, 1) == 0, "no event for a cancelled operation");
+  /* Once it is over, the tag is free again. */
+  isthmus_event_t now = {0}, ev = {0};
+  MUST(isthmus_unary_async(c->ch, SVC "Unary", (const uint8_t *)"again", 5, &opts, cq, 77, &now, &st));
+  REQUIRE(op_event(cq, &now, &ev) && ev.tag == 77 && ev.code == ISTHMUS_OK && bytes_are(ev.message, "again", 5),
+          "the tag's next operation");
+  event_free(&ev);
   MUST(isthmus_cq_free(cq));
   return 1;
 }
@@ -2022,6 +2058,29 @@ static int check_reply(ctx_t *c) {
   REQUIRE(same, "the 1 MiB reply and its trailer: %s", rc == ISTHMUS_OK ? "differ" : describe(rc, st));
   isthmus_message_free(reply);
   isthmus_metadata_free(trailers);
+
+  /* The reply's operation cancelled ("C"), or its queue freed ("F"), while the 1 MiB reply
+     waits for credit: the call ends CANCELLED at once (or the reply came first, whole), never
+     at its deadline. */
+  for (const char *req = "CF"; *req; req++) {
+    isthmus_call_t *call = NULL;
+    MUST(isthmus_call_start(c->ch, SVC "Reply", &opts, &call, &st));
+    MUST(isthmus_call_send(call, (const uint8_t *)req, 1, 1, &st));
+    MUST(isthmus_call_recv(call, &reply, &st));
+    int filled = reply != NULL && isthmus_message_len(reply) == 4 * MIB;
+    if (reply) isthmus_message_free(reply);
+    reply = NULL;
+    st = NULL;
+    rc = isthmus_call_recv(call, &reply, &st);
+    /* Cancelled (nearly always: the client's credit comes long after the cancel), or the
+       reply went first and the call ended OK. */
+    int fine = rc == ISTHMUS_OK ? reply != NULL && isthmus_message_len(reply) == MIB
+                                : rc == ISTHMUS_CANCELLED && st && strstr(isthmus_status_message(st), "before the reply went");
+    if (reply) isthmus_message_free(reply);
+    if (st) isthmus_status_free(st);
+    isthmus_call_free(call);
+    REQUIRE(filled && fine, "'%c': the 4 MiB message (%d), then %s", *req, filled, isthmus_code_name(rc));
+  }
 
   static const struct {
     const char *req, *named;
