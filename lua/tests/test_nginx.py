@@ -668,7 +668,9 @@ def test_tls_options_connect_refuses(nginx: Nginx, which: str, words: str) -> No
 @pytest.mark.parametrize("value", ["string", "negative", "fraction"])
 def test_a_numeric_option_that_is_no_count_fails_connect(nginx: Nginx, key: str, value: str) -> None:
     r = nginx.case("option_refused", "shm://lua-option-nobody", key=key, value=value)
-    assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and f"{key} is a whole number" in r["message"], r
+    assert (
+        r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and f"{key} is a whole number" in r["message"]
+    ), r
 
 
 def test_plain_luajit_calls_over_mutual_tls(https_peers: Callable[[str], HttpsPeer], cert_dir: Path) -> None:

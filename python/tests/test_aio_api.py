@@ -338,3 +338,80 @@ def test_a_stub_held_by_its_own_serializers_owner_is_collected() -> None:
             assert collected(channel)
 
     asyncio.run(test())
+
+
+@aio
+async def test_a_read_racing_the_drain_of_code_loses_no_message(
+    address: str, pb_grpc: ModuleType, pb: ModuleType
+) -> None:
+    """A reader in a loop of reads and a `code()` await (which drains the responses for the
+    status) take turns at the receive: a read that started its receive while the lock was
+    free but a woken waiter not yet run went beside that waiter's receive, and the message it
+    took was lost (then the read waited for ever). Paced as a ping-pong: each request goes once
+    the reader has the last reply, so each read finds its message still to come."""
+    count = 12
+    async with isthmus.aio.insecure_channel(address) as channel:
+        call = pb_grpc.EchoStub(channel).Bidi(timeout=60)
+        got: list[int] = []
+
+        async def reader() -> None:
+            async for reply in call:
+                got.append(reply.seq)
+
+        async def got_at_least(n: int) -> None:
+            while len(got) < n:
+                await asyncio.sleep(0.001)
+
+        reading = asyncio.ensure_future(reader())
+        await call.write(pb.EchoRequest(seq=0))
+        await asyncio.wait_for(got_at_least(1), 30)
+        status = asyncio.ensure_future(call.code())
+        for seq in range(1, count):
+            await asyncio.sleep(0.01)  # the drain and the reader take their turns meanwhile
+            await call.write(pb.EchoRequest(seq=seq))
+            await asyncio.wait_for(got_at_least(seq + 1), 30)
+        await call.done_writing()
+        assert await asyncio.wait_for(status, 30) == grpc.StatusCode.OK
+        await asyncio.wait_for(reading, 30)
+        assert got == list(range(count))
+
+
+@aio
+async def test_cancelling_a_call_still_starting_ends_its_waiters(pb_grpc: ModuleType, pb: ModuleType) -> None:
+    """A streaming call waiting for a server (wait_for_ready) and cancelled: a read waiting for
+    its start raises CancelledError at once, as grpc.aio's, and the start stops, instead of
+    both waiting for a server until the deadline."""
+    address = fresh("shm")
+    async with isthmus.aio.insecure_channel(address) as channel:
+        call = pb_grpc.EchoStub(channel).Bidi(timeout=120, wait_for_ready=True)
+        read = asyncio.ensure_future(call.read())
+        await asyncio.sleep(0.05)  # the read waits for the start
+        assert not read.done()
+        assert call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(read, 30)
+        assert call.cancelled() and await call.code() == grpc.StatusCode.CANCELLED
+
+
+def test_a_loop_closed_with_a_call_pending_is_freed(
+    address: str, pb_grpc: ModuleType, pb: ModuleType
+) -> None:
+    """A loop closed while a call made on it was never awaited: its driver held the call's
+    future, which holds the loop, so neither was ever freed. The next loop to use isthmus
+    drops the closed loop's driver, which ends the call."""
+    loops: list[weakref.ref[asyncio.AbstractEventLoop]] = []
+
+    async def leave_a_call_pending() -> None:
+        loops.append(weakref.ref(asyncio.get_running_loop()))
+        channel = isthmus.aio.insecure_channel(address)
+        pb_grpc.EchoStub(channel).Unary(pb.EchoRequest(sleep_ms=2000), timeout=60)  # never awaited
+        await asyncio.sleep(0.05)
+
+    async def another_loop() -> None:
+        async with isthmus.aio.insecure_channel(address) as channel:
+            assert (await pb_grpc.EchoStub(channel).Unary(pb.EchoRequest(seq=3), timeout=60)).seq == 3
+
+    asyncio.run(leave_a_call_pending())
+    asyncio.run(another_loop())
+    gc.collect()
+    assert loops[0]() is None, gc.get_referrers(loops[0]())

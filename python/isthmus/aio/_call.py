@@ -7,6 +7,7 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
+import contextlib
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable
 from typing import Any
@@ -180,7 +181,7 @@ class _StreamCall(_Call):
         self._done: asyncio.Future[None] = loop.create_future()
         self._status: CallError | None = None  # once `_done`; None for OK
         self._cancelled = False
-        token = driver.token()
+        token = self._start_token = driver.token()
         started = channel.start(token, path, metadata, timeout, wait_for_ready, compression)
         # Resolves to the AsyncCall or a CallError; at once if the call started at once.
         if started is None:
@@ -193,6 +194,10 @@ class _StreamCall(_Call):
         self._done_writing = False
         # The engine takes one receive-side operation at a time (recv, initial_metadata).
         self._receive_lock = asyncio.Lock()
+        # Coroutines that hold the lock or wait for it (`_receiving`): `_recv`'s fast path is
+        # for none. `locked()` alone said free while a waiter was woken and not yet run, and
+        # the fast path's receive then went alongside that waiter's (see `_recv`).
+        self._receivers = 0
         self._initial: list[Metadatum] | None = None
         self._early: collections.deque[bytes] = collections.deque()  # see `_read_ahead`
         self._tasks: list[asyncio.Task[Any]] = []
@@ -265,7 +270,10 @@ class _StreamCall(_Call):
     async def _wait(self, token: int) -> Any:
         """The outcome of operation `token`, started and not finished at once. A cancelled
         waiter cancels the call, as in grpc.aio."""
-        future = self._driver.wait(self._loop, token)
+        return await self._wait_for(token, self._driver.wait(self._loop, token))
+
+    async def _wait_for(self, token: int, future: asyncio.Future[Any]) -> Any:
+        """`_wait` for the `future` made for `token` already (`Driver.wait`)."""
         try:
             self._driver.settle(self._loop, future)
             return await future
@@ -327,7 +335,7 @@ class _StreamCall(_Call):
 
     async def initial_metadata(self) -> grpc.aio.Metadata:
         if self._initial is None:
-            async with self._receive_lock:
+            async with self._receiving():
                 if self._initial is None:
                     value = await self._attempt("initial_metadata")
                     self._initial = value.initial_metadata if isinstance(value, CallError) else value
@@ -343,6 +351,11 @@ class _StreamCall(_Call):
         self._cancelled = True
         if self._native is not None:
             self._native.cancel()
+        elif not self._started.done():
+            # Not started yet (connecting, or waiting for a server with wait_for_ready): the
+            # start stops, and whoever waits for it hears of the cancel now.
+            self._driver.abandon(self._start_token)
+            self._started.set_result(_local_cancel())
         self._close(_local_cancel())
         for task in self._tasks:
             task.cancel()
@@ -412,7 +425,7 @@ class _StreamCall(_Call):
         the status only after them. A message at a time, so that a reader waiting for the lock
         still gets each as it comes."""
         while not self._done.done():
-            async with self._receive_lock:
+            async with self._receiving():
                 if self._done.done():
                     return
                 value = await self._attempt("recv")
@@ -423,9 +436,9 @@ class _StreamCall(_Call):
 
     async def _recv(self) -> bytes | None:
         """The next response; None at an OK end. Raises the status otherwise."""
-        native, lock = self._native, self._receive_lock
-        if native is None or lock.locked() or self._early or self._done.done():
-            async with lock:
+        native = self._native
+        if native is None or self._receivers or self._early or self._done.done():
+            async with self._receiving():
                 if self._early:
                     return self._early.popleft()
                 if self._done.done():
@@ -434,8 +447,9 @@ class _StreamCall(_Call):
                 return self._received(await self._attempt("recv"))
         # The usual case, one reader of a started call: a message already in is taken here,
         # with no coroutine of the lock's or of `_attempt`'s; one still to come is waited for
-        # under the lock (free, so taken with no wait: nothing runs in between). `_begin`,
-        # inline: a function call less per message measured 6 % of a stream's throughput.
+        # under the lock (free, and nobody waiting for it, so taken with no wait: nothing runs
+        # in between, and no other receive goes beside this one). `_begin`, inline: a
+        # function call less per message measured 6 % of a stream's throughput.
         token = self._driver.token()
         try:
             done = native.recv(token)
@@ -444,8 +458,23 @@ class _StreamCall(_Call):
             raise
         if done is not None:
             return self._received(done[1])
-        async with lock:
-            return self._received(await self._wait(token))
+        future = self._driver.wait(self._loop, token)
+        self._receivers += 1  # `_receiving`, inline
+        try:
+            async with self._receive_lock:
+                return self._received(await self._wait_for(token, future))
+        finally:
+            self._receivers -= 1
+
+    @contextlib.asynccontextmanager
+    async def _receiving(self) -> AsyncIterator[None]:
+        """The receive lock, counted in `_receivers` from before it is asked for."""
+        self._receivers += 1
+        try:
+            async with self._receive_lock:
+                yield
+        finally:
+            self._receivers -= 1
 
     def _received(self, value: Any) -> bytes | None:
         """What a receive gave, for `_recv`: a message, or None at an OK end (the call is then

@@ -126,5 +126,19 @@ class Driver:
 def driver(loop: asyncio.AbstractEventLoop) -> Driver:
     found = _drivers.get(loop)
     if found is None:
+        _forget_closed_loops()
         found = _drivers[loop] = Driver(loop)
     return found
+
+
+def _forget_closed_loops() -> None:
+    """Drops the drivers of loops that have closed. A driver holds the futures of what is
+    pending on its loop, and each holds the loop: the weak key never went, and a loop closed
+    with operations pending (a call never awaited) kept the loop, its driver and their engine
+    operations for good. Dropped here (when another loop begins), the driver's reactor ends
+    those operations."""
+    for loop, found in list(_drivers.items()):
+        if loop.is_closed():
+            found._waiting.clear()
+            found._standing.clear()
+            del _drivers[loop]
