@@ -118,6 +118,10 @@ func freeMetadata(h *C.isthmus_metadata_t) {
 	}
 }
 
+// liveHandles is the library's count of handles made and not yet freed: what the tests
+// compare to see that a call gave back everything it took.
+func liveHandles() int { return int(C.isthmus_live_handles()) }
+
 // statusError turns a failure code and its status handle (freed here; may be nil) into a
 // status.Status error, with the status's details, and the trailing metadata that came with it.
 func statusError(code C.isthmus_code_t, st *C.isthmus_status_t) (error, metadata.MD) {

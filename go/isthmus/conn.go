@@ -37,6 +37,11 @@ type ClientConn struct {
 	r      *reactor
 	target string
 	closed atomic.Bool
+	// uses counts the cgo calls in progress that pass ch: Close frees ch once none is (the
+	// last to end frees it then), so that no call passes a handle freed under it (a handle
+	// is an address, which a new handle may take).
+	uses  atomic.Int64
+	freed sync.Once
 	// shm: the target is shared memory, where large requests are written in place.
 	shm bool
 	// invoker and streamer run the interceptors (nil without any), composed at Dial.
@@ -206,9 +211,38 @@ func (cc *ClientConn) Close() error {
 	if cc.closed.Swap(true) {
 		return nil
 	}
-	C.isthmus_channel_close(cc.ch)
+	if cc.uses.Load() == 0 {
+		cc.free()
+	}
 	cc.connStats.end()
 	return nil
+}
+
+// use marks a cgo call that passes ch as begun: false (and nothing marked) once the
+// connection is closed. Each true is followed by unuse when the cgo call has returned.
+func (cc *ClientConn) use() bool {
+	cc.uses.Add(1)
+	if cc.closed.Load() {
+		cc.unuse()
+		return false
+	}
+	return true
+}
+
+// unuse marks a cgo call that passed ch as over; the last one after Close frees ch.
+func (cc *ClientConn) unuse() {
+	if cc.uses.Add(-1) == 0 && cc.closed.Load() {
+		cc.free()
+	}
+}
+
+func (cc *ClientConn) free() {
+	cc.freed.Do(func() { C.isthmus_channel_close(cc.ch) })
+}
+
+// closedEvent is the outcome of a call that found the connection closed as it started.
+func closedEvent() C.isthmus_event_t {
+	return C.isthmus_event_t{op: C.ISTHMUS_OP_UNARY, code: C.ISTHMUS_CANCELLED}
 }
 
 func errClosing() error {
@@ -363,12 +397,20 @@ func (cc *ClientConn) invokeWith(ctx context.Context, method string, args, reply
 func (cc *ClientConn) unaryBytes(ctx context.Context, path *C.char, req []byte, copts *C.isthmus_call_options_t) (C.isthmus_event_t, bool) {
 	defer runtime.KeepAlive(req)
 	return cc.unary(ctx, copts, func(o *C.isthmus_call_options_t) C.isthmus_event_t {
+		if !cc.use() {
+			return closedEvent()
+		}
+		defer cc.unuse()
 		var msg *C.isthmus_message_t
 		var header, trailer *C.isthmus_metadata_t
 		var st *C.isthmus_status_t
 		code := C.isthmus_unary(cc.ch, path, bytesPtr(req), C.size_t(len(req)), o, &msg, &header, &trailer, &st)
 		return unaryEvent(code, msg, header, trailer, st)
 	}, func(o *C.isthmus_call_options_t, cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
+		if !cc.use() {
+			return C.ISTHMUS_CANCELLED, nil
+		}
+		defer cc.unuse()
 		var st *C.isthmus_status_t
 		return C.isthmus_unary_async(cc.ch, path, bytesPtr(req), C.size_t(len(req)), o, cq, tag, now, &st), st
 	})
@@ -566,6 +608,10 @@ func (cc *ClientConn) newStream(ctx context.Context, desc *grpc.StreamDesc, meth
 	}
 	path := cString(method)
 	ev, ok := cc.r.do(ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
+		if !cc.use() {
+			return C.ISTHMUS_CANCELLED, nil
+		}
+		defer cc.unuse()
 		var st *C.isthmus_status_t
 		code := C.isthmus_call_start_async(cc.ch, path, &copts, cq, tag, now, &st)
 		return code, st
@@ -579,11 +625,7 @@ func (cc *ClientConn) newStream(ctx context.Context, desc *grpc.StreamDesc, meth
 		return nil, err
 	}
 	s := &clientStream{cc: cc, call: ev.call, ctx: ctx, desc: desc, opts: co}
-	if co.onFinish || co.peer != nil || co.stats != nil {
-		s.stop = context.AfterFunc(ctx, s.ctxEnded)
-	} else {
-		s.stop = context.AfterFunc(ctx, s.cancel)
-	}
+	s.stop = context.AfterFunc(ctx, s.ctxEnded)
 	return s, nil
 }
 
@@ -636,10 +678,12 @@ func (s *clientStream) releaseLocked() {
 }
 
 // finish records how the call ended; trailers, if not nil, are its trailers (those of its
-// error's status) in place of what the call has.
+// error's status) in place of what the call has. The first finish tells the call options and
+// stats handlers; a later one only what it brings.
 func (s *clientStream) finish(err error, trailers metadata.MD) {
 	s.mu.Lock()
-	if !s.ended {
+	first := !s.ended
+	if first {
 		s.ended = true
 		s.err = err
 		if s.call != nil {
@@ -654,6 +698,9 @@ func (s *clientStream) finish(err error, trailers metadata.MD) {
 	s.mu.Unlock()
 	if s.stop != nil {
 		s.stop()
+	}
+	if !first {
+		return
 	}
 	if s.opts.trailer != nil {
 		*s.opts.trailer = trailers
@@ -683,12 +730,13 @@ func (s *clientStream) report(err error) {
 	s.opts.finished(err)
 }
 
-// ctxEnded is cancel for a call whose options hear how it ended: grpc-go tells them when the
-// context ends, whether or not the stream is read again.
+// ctxEnded ends the call when its context does, as grpc-go's stream does: the call is
+// cancelled on both sides and finished here, so that its handle is freed even if it is never
+// read again (it was kept until a RecvMsg that may never come), and the call options and
+// stats handlers hear of it now.
 func (s *clientStream) ctxEnded() {
 	s.cancel()
-	s.opts.stats.end(ctxError(s.ctx))
-	s.report(ctxError(s.ctx))
+	s.finish(ctxError(s.ctx), nil)
 }
 
 // cancel ends the call when its context does.
@@ -872,11 +920,14 @@ func (s *clientStream) recv(m any) error {
 		s.keepHeader(call)
 	}
 	err := s.opts.unmarshal(messageBytes(ev.message_data, ev.message_len), m)
-	if err == nil {
-		s.opts.stats.inPayload(m, int(ev.message_len))
-	}
 	C.isthmus_message_free(ev.message)
-	return err
+	if err != nil {
+		// The call ends with it, as grpc-go's does: it is cancelled and its handle freed.
+		s.fail(err)
+		return err
+	}
+	s.opts.stats.inPayload(m, int(ev.message_len))
+	return nil
 }
 
 func (s *clientStream) RecvMsg(m any) error {

@@ -25,9 +25,10 @@ func (cc *ClientConn) Connect() {
 }
 
 func (cc *ClientConn) state(tryToConnect bool) connectivity.State {
-	if cc.closed.Load() {
+	if !cc.use() {
 		return connectivity.Shutdown
 	}
+	defer cc.unuse()
 	try := C.int32_t(0)
 	if tryToConnect {
 		try = 1
@@ -57,6 +58,10 @@ func (cc *ClientConn) WaitForStateChange(ctx context.Context, sourceState connec
 		// Waited for in the library through the reactor, with no thread held: any number of
 		// goroutines may wait, and ctx's end abandons the wait at once.
 		ev, ok := cc.r.do(ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
+			if !cc.use() {
+				return C.ISTHMUS_CANCELLED, nil
+			}
+			defer cc.unuse()
 			var st *C.isthmus_status_t
 			return C.isthmus_channel_wait_state_async(cc.ch, C.uint32_t(sourceState), -1, cq, tag, now, &st), st
 		})

@@ -95,7 +95,11 @@ func transportStats(c *C.isthmus_stats_t) TransportStats {
 // otherwise, and once it is closed.
 func (cc *ClientConn) TransportStats() TransportStats {
 	var c C.isthmus_stats_t
-	if cc.closed.Load() || C.isthmus_channel_stats(cc.ch, &c, C.size_t(unsafe.Sizeof(c))) != C.ISTHMUS_OK {
+	if !cc.use() {
+		return TransportStats{}
+	}
+	defer cc.unuse()
+	if C.isthmus_channel_stats(cc.ch, &c, C.size_t(unsafe.Sizeof(c))) != C.ISTHMUS_OK {
 		return TransportStats{}
 	}
 	return transportStats(&c)

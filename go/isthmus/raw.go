@@ -166,6 +166,10 @@ var rawDesc = grpc.StreamDesc{ServerStreams: true, ClientStreams: true}
 func (r *RawStream) Alloc(n int) (*Block, error) {
 	call, ok := r.cs.begin()
 	if !ok {
+		// Over; ended by its context (which finishes the stream), it says why, as below.
+		if r.cs.ctx.Err() != nil {
+			return nil, ctxError(r.cs.ctx)
+		}
 		return nil, io.EOF
 	}
 	defer r.cs.end()
@@ -310,6 +314,10 @@ const allocPauseMax = 500 * time.Millisecond
 // here, where ctx is watched, that grows up to allocPauseMax: no busy connecting.
 func (cc *ClientConn) allocBlock(ctx context.Context, n int, copts *C.isthmus_call_options_t) (*Block, error) {
 	done := ctx.Done()
+	if !cc.use() {
+		return nil, errClosing()
+	}
+	defer cc.unuse()
 	if done == nil {
 		var h *C.isthmus_block_t
 		var st *C.isthmus_status_t
@@ -394,12 +402,22 @@ func (cc *ClientConn) unaryBlock(ctx context.Context, path *C.char, block *Block
 		return ev, ok, nil
 	}
 	ev, ok := cc.unary(ctx, copts, func(o *C.isthmus_call_options_t) C.isthmus_event_t {
+		if !cc.use() {
+			C.isthmus_block_free(h) // consumed, as a call would
+			return closedEvent()
+		}
+		defer cc.unuse()
 		var msg *C.isthmus_message_t
 		var header, trailer *C.isthmus_metadata_t
 		var st *C.isthmus_status_t
 		code := C.isthmus_unary_block(cc.ch, path, h, o, &msg, &header, &trailer, &st)
 		return unaryEvent(code, msg, header, trailer, st)
 	}, func(o *C.isthmus_call_options_t, cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
+		if !cc.use() {
+			C.isthmus_block_free(h)
+			return C.ISTHMUS_CANCELLED, nil
+		}
+		defer cc.unuse()
 		var st *C.isthmus_status_t
 		return C.isthmus_unary_block_async(cc.ch, path, h, o, cq, tag, now, &st), st
 	})

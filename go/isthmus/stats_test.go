@@ -206,13 +206,7 @@ func TestStatsHandlersSeeWhatGrpcGoReports(t *testing.T) {
 // context's error, once.
 func TestStatsHandlersHearOfACancelledStream(t *testing.T) {
 	client := &statsRecorder{client: true}
-	shm, _ := fresh(t, "stats-cancel")
-	s := isthmus.NewServer()
-	pb.RegisterEchoServer(s, &echo.Service{})
-	if err := s.Start(shm); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.Stop)
+	shm := startEchoServer(t, "stats-cancel")
 	conn := dialWith(t, shm, isthmus.WithStatsHandler(client))
 	ctx, cancel := context.WithCancel(testContext(t))
 	bidi, err := pb.NewEchoClient(conn).Bidi(ctx)
@@ -237,4 +231,88 @@ func TestStatsHandlersHearOfACancelledStream(t *testing.T) {
 	if len(client.events) != 0 {
 		t.Errorf("events after End: %v", client.events)
 	}
+}
+
+// A stream abandoned by its caller after a cancel (never read again, as a generated client's
+// caller often does) gives back its call handle: it was kept until a RecvMsg that never came.
+// So does a stream whose reply did not unmarshal (grpc-go ends the call there).
+func TestAStreamLeftAfterItsContextEndsFreesItsHandle(t *testing.T) {
+	shm := startEchoServer(t, "stream-left")
+	conn := dial(t, shm)
+	client := pb.NewEchoClient(conn)
+	// A call first, so that what the connection itself holds is counted in the baseline.
+	if _, err := client.Unary(testContext(t), &pb.EchoRequest{Seq: 1}); err != nil {
+		t.Fatal(err)
+	}
+	before := isthmus.LiveHandles()
+	for i := 0; i < 20; i++ {
+		ctx, cancel := context.WithCancel(testContext(t))
+		stream, err := client.ServerStream(ctx, &pb.StreamRequest{Count: 1000, Size: 16})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := stream.Recv(); err != nil {
+			t.Fatal(err)
+		}
+		cancel() // and the stream is never read again
+	}
+	deadline := time.Now().Add(10 * time.Second)
+	for isthmus.LiveHandles() > before && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if n := isthmus.LiveHandles(); n > before {
+		t.Fatalf("%d handles live after 20 abandoned streams, %d before", n, before)
+	}
+}
+
+// Close while calls are being made from many goroutines: a call either goes through or fails
+// Canceled, as on a closed grpc-go connection. Before, one that had passed the closed check
+// could hand the library the freed channel handle (INVALID_ARGUMENT, or another channel's if
+// a new handle took its address).
+func TestCloseUnderCallsInProgressFailsThemCanceledOnly(t *testing.T) {
+	shm := startEchoServer(t, "close-under-calls")
+	for round := 0; round < 5; round++ {
+		conn, err := isthmus.Dial(shm)
+		if err != nil {
+			t.Fatal(err)
+		}
+		client := pb.NewEchoClient(conn)
+		var wg sync.WaitGroup
+		codesSeen := make(chan codes.Code, 64)
+		for g := 0; g < 16; g++ {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for {
+					_, err := client.Unary(testContext(t), &pb.EchoRequest{Seq: 1})
+					if err != nil {
+						codesSeen <- status.Code(err)
+						return
+					}
+				}
+			}()
+		}
+		time.Sleep(20 * time.Millisecond)
+		conn.Close()
+		wg.Wait()
+		close(codesSeen)
+		for c := range codesSeen {
+			if c != codes.Canceled {
+				t.Fatalf("round %d: a call during Close failed %v, not Canceled", round, c)
+			}
+		}
+	}
+}
+
+// startEchoServer serves the echo over a fresh shm:// target until the test ends; the target.
+func startEchoServer(t *testing.T, tag string) string {
+	t.Helper()
+	shm, _ := fresh(t, tag)
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, &echo.Service{})
+	if err := s.Start(shm); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	return shm
 }
