@@ -138,6 +138,32 @@ def test_a_calls_status_comes_without_reading_to_the_end(
     run(loop, test)
 
 
+def test_a_done_callback_added_to_a_finished_call_runs_at_once(
+    client: tuple[Callable[[], Any], str], pb_grpc: ModuleType, pb: ModuleType
+) -> None:
+    """grpc.aio runs a callback added to a call that is over at once, as it is added (isthmus
+    ran it on the loop's next turn); one added before the end runs at the end."""
+    make, loop = client
+
+    async def test() -> None:
+        async with make() as channel:
+            stub = pb_grpc.EchoStub(channel)
+            unary = stub.Unary(pb.EchoRequest(seq=1), timeout=60)
+            early: list[Any] = []
+            unary.add_done_callback(early.append)
+            await unary
+            await asyncio.sleep(0)  # a callback of the end runs on the loop
+            assert early == [unary]
+            streamed = stub.ServerStream(pb.StreamRequest(count=1, size=8), timeout=60)
+            assert [len(r.payload) async for r in streamed] == [8]
+            for call in (unary, streamed):
+                seen: list[Any] = []
+                call.add_done_callback(seen.append)
+                assert seen == [call]
+
+    run(loop, test)
+
+
 def _boom(_: Any) -> bytes:
     raise ValueError("cannot serialize this")
 

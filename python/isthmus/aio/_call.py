@@ -151,6 +151,9 @@ class UnaryUnaryCall(_native.AioUnaryCall, _Call, grpc.aio.UnaryUnaryCall):
         return self._outcome.done()
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        if self.done():
+            callback(self)  # at once, as grpc.aio's, not on the loop's next turn
+            return
         self._outcome.add_done_callback(lambda _: callback(self))
 
 
@@ -368,6 +371,9 @@ class _StreamCall(_Call):
         return self._done.done()
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
+        if self.done():
+            callback(self)  # at once, as grpc.aio's
+            return
         self._done.add_done_callback(lambda _: callback(self))
 
     @property
