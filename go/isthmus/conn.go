@@ -932,6 +932,10 @@ func (s *clientStream) recv(m any) error {
 
 func (s *clientStream) RecvMsg(m any) error {
 	err := s.recv(m)
+	if errors.Is(err, io.EOF) && !s.desc.ServerStreams {
+		// An OK end with no response, where one was due: grpc-go's error (from 1.66).
+		return status.Error(codes.Internal, "cardinality violation: received no response message from non-server-streaming RPC")
+	}
 	if err != nil || s.desc.ServerStreams {
 		return err
 	}

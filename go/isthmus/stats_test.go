@@ -316,3 +316,37 @@ func startEchoServer(t *testing.T, tag string) string {
 	t.Cleanup(s.Stop)
 	return shm
 }
+
+// silentClientStream ends a client-streaming call OK without sending its response.
+type silentClientStream struct{ echo.Service }
+
+func (silentClientStream) ClientStream(stream grpc.ClientStreamingServer[pb.EchoRequest, pb.Summary]) error {
+	for {
+		if _, err := stream.Recv(); err != nil {
+			return nil
+		}
+	}
+}
+
+// A client-streaming call that ends OK with no response: CloseAndRecv fails Internal with
+// grpc-go's cardinality error, where it returned io.EOF.
+func TestCloseAndRecvWithNoResponseIsACardinalityViolation(t *testing.T) {
+	shm, _ := fresh(t, "no-response")
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, silentClientStream{})
+	if err := s.Start(shm); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	stream, err := pb.NewEchoClient(dial(t, shm)).ClientStream(testContext(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.Send(&pb.EchoRequest{Seq: 1}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = stream.CloseAndRecv()
+	if status.Code(err) != codes.Internal || !strings.Contains(err.Error(), "cardinality violation: received no response") {
+		t.Fatalf("CloseAndRecv on a call that sent no response: %v", err)
+	}
+}
