@@ -148,6 +148,18 @@ def test_deadline(nginx: Nginx, shm: str) -> None:
     assert r["ok"] is False and r["name"] == "DEADLINE_EXCEEDED", r
 
 
+@pytest.mark.parametrize("timeout", [0, 1e-7, -10])
+def test_a_spent_timeout_is_deadline_exceeded_at_once(nginx: Nginx, shm: str, timeout: float) -> None:
+    """A timeout of 0 or less (a spent budget), or under a microsecond, fails the call at once:
+    the library takes 0 as no deadline, so the call waited for its backstop (-10 raised in the
+    semaphore's wait)."""
+    r = nginx.case("slow", shm, sleep=5000, timeout=timeout)
+    assert r["ok"] is False and r["name"] == "DEADLINE_EXCEEDED", r
+    # Under a microsecond is one microsecond: the library's deadline, not the module's backstop.
+    assert ("passed before it started" in r["message"]) == (timeout <= 0), r
+    assert "no answer in time" not in r["message"], r
+
+
 def test_a_stream_past_its_deadline(nginx: Nginx, shm: str) -> None:
     """A stream's recv that nothing answers ends DEADLINE_EXCEEDED when the stream's deadline
     passes (well before the 5 s backstop a lost deadline would hit)."""

@@ -424,8 +424,8 @@ end
 ---------------------------------------------------------------------------------------------
 
 -- Phases in which a coroutine may yield on a semaphore (others block instead).
-local YIELDABLE = { rewrite = true, access = true, content = true, timer = true, ssl_cert = true,
-    ssl_session_fetch = true, ssl_client_hello = true, preread = true }
+local YIELDABLE = { rewrite = true, server_rewrite = true, access = true, content = true, timer = true,
+    ssl_cert = true, ssl_session_fetch = true, ssl_client_hello = true, preread = true }
 
 -- The phase a coroutine may yield in now, or nil where it must block. (In a VM of
 -- ngx.run_worker_thread, `ngx` has no get_phase: such a thread may block.)
@@ -628,7 +628,7 @@ local last_caller = setmetatable({}, { __mode = "v" })
 local last_call_at = 0
 
 -- Phases whose ngx.ctx is the request's own table (a timer's is the timer's).
-local CTX_PHASES = { rewrite = true, access = true, content = true, timer = true }
+local CTX_PHASES = { rewrite = true, server_rewrite = true, access = true, content = true, timer = true }
 
 -- What names the request a call comes from. Not its coroutine: lua-nginx-module hands a
 -- finished request's coroutine to the next request (lua_thread_cache_max_entries), whose first
@@ -969,7 +969,18 @@ local function call_options(opts, flags)
     local md, err
     if opts then
         if opts.timeout then
-            o.timeout_us = opts.timeout * 1e6
+            if type(opts.timeout) ~= "number" then
+                return nil, new_error(INVALID_ARGUMENT, "timeout is a number of seconds, not a " .. type(opts.timeout))
+            end
+            -- The library takes whole microseconds, and 0 or less as no deadline at all: a
+            -- budget that is spent fails here, as a passed deadline; under a microsecond is
+            -- one (truncated, it was 0).
+            local us = math.ceil(opts.timeout * 1e6)
+            if us <= 0 then
+                return nil, new_error(DEADLINE_EXCEEDED, "the call's deadline passed before it started (timeout "
+                    .. tostring(opts.timeout) .. " s)")
+            end
+            o.timeout_us = us
         end
         md, err = make_metadata(opts.metadata)
         if err then
