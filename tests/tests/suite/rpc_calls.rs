@@ -211,6 +211,77 @@ fn a_call_dropped_while_the_ring_is_full_still_stops_its_handler() {
     });
 }
 
+/// A server that reads nothing (stopped) with the ring full: calls with a deadline end
+/// DEADLINE_EXCEEDED at it, whether their HEADERS could not go or a send waited for room; their
+/// CANCEL waits in the connection's queue, not the caller. Before, the unary call waited for
+/// ring room for its HEADERS, and the stream for its CANCEL, until the server read again.
+#[test]
+fn a_deadline_ends_calls_that_wait_for_a_stopped_servers_ring() {
+    let (server, addr) = server();
+    run(async move {
+        let small = isthmus::Config { ring_size: 4096, inline_max: 512, ..isthmus::Config::default() };
+        let ch = Channel::connect_with(&addr, small).await.expect("connect");
+        ch.unary("/test.Echo/Unary", b"up", CallOptions::default()).await.expect("a first call");
+        // Started (its HEADERS out) before the server stops; its deadline passes while it waits.
+        let within = CallOptions { timeout: Some(Duration::from_secs(3)), ..CallOptions::default() };
+        let mut stream = ch.start("/test.Echo/Bidi", within).await.expect("start");
+        server.stop();
+        let mut filler = ch.start("/test.Echo/Stall", CallOptions::default()).await.expect("start");
+        let mut sent = 0;
+        // A send that waits this long for room has found the ring full; then smaller ones fill
+        // what is left, so that no HEADERS and no CANCEL fits either. A watchdog bounds it.
+        for size in [256, 1] {
+            while let Ok(sending) =
+                tokio::time::timeout(Duration::from_millis(200), filler.send(&vec![7u8; size])).await
+            {
+                sending.unwrap_or_else(|e| panic!("send {sent} on a stalled call: {e:?}"));
+                sent += 1;
+                assert!(sent < 1000, "4 KiB of ring took {sent} messages and is still not full");
+            }
+        }
+        let quick = CallOptions { timeout: Some(Duration::from_millis(300)), ..CallOptions::default() };
+        // Watchdogs far past the deadline: the server stays stopped all the while.
+        let unary = tokio::time::timeout(Duration::from_secs(20), ch.unary("/test.Echo/Unary", &[1u8; 64], quick));
+        let s = unary.await.expect("the unary call ended while the server was stopped").expect_err("no reply");
+        assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+        let send = async {
+            loop {
+                stream.send(&[2u8; 256]).await?;
+            }
+        };
+        let sent: Result<(), isthmus::Status> = tokio::time::timeout(Duration::from_secs(20), send)
+            .await
+            .expect("the sends ended while the server was stopped");
+        let s = sent.expect_err("no room");
+        assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+        server.resume();
+        drop((stream, filler));
+        let r = ch.unary("/test.Echo/Unary", b"after", CallOptions::default()).await.expect("the channel goes on");
+        assert_eq!(&r.message[..], b"after");
+    });
+}
+
+/// A GOAWAY from a client (only a server sends one, protocol 13.7) is malformed input: it ends
+/// that client's connection with a GOAWAY naming it, as any fault does. Before, the server took
+/// it as its own going away and ended the connection's calls UNAVAILABLE.
+#[test]
+fn a_clients_goaway_ends_its_connection_as_a_fault() {
+    use isthmus::wire;
+    use isthmus_shm::Kind;
+    let (server, addr) = server();
+    let shm: isthmus_shm::Address = addr.parse().expect("address");
+    let mut c = isthmus_shm::Connection::connect(&shm, &isthmus_shm::Config::default()).expect("connect");
+    let away = wire::GoAway { last_stream: 0, message: "bye".into() }.encode();
+    c.sender.send(Kind::GoAway, 0, 0, &away, patience_30s()).expect("GOAWAY");
+    let f = c.receiver.recv(patience_30s()).expect("a GOAWAY back");
+    assert_eq!(f.kind, Kind::GoAway, "{f:?}");
+    let g = wire::GoAway::decode(&f.body).expect("a GOAWAY body");
+    assert!(g.message.contains("a client's GOAWAY"), "{}", g.message);
+    let mut next = isthmus_shm::Connection::connect(&shm, &isthmus_shm::Config::default()).expect("reconnect");
+    serves_on_and_ends_stream_1_once(&mut next, "started=");
+    drop(server);
+}
+
 #[test]
 fn a_server_that_ends_a_stream_midway_cancels_it_for_the_client() {
     let (_server, addr) = server();

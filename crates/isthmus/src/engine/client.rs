@@ -26,12 +26,11 @@
 //! the stream closed while asking for credit returns the call's status if it failed, and `Ok(())`
 //! without sending if the server already ended it OK (gRPC drops such a message too).
 //!
-//! The deadline bounds every operation, their waits for credit, ring room and arena room included;
-//! when it passes, the call sends CANCEL with DEADLINE_EXCEEDED and returns DEADLINE_EXCEEDED. That
-//! CANCEL waits for ring room, except in the poll forms (`poll_recv`, `poll_headers`, which the
-//! bridge uses), which keep the deadline as a timer and send it without waiting. One connect
-//! attempt is bounded by the handshake's timeout, not the deadline, and the send of HEADERS is not
-//! bounded by it.
+//! The deadline bounds every operation, their waits for credit, ring room and arena room included,
+//! and the send of HEADERS; when it passes, the call sends CANCEL with DEADLINE_EXCEEDED and
+//! returns DEADLINE_EXCEEDED. That CANCEL never waits for ring room: with none, it waits in the
+//! connection's queue of answers (ADR 0027) and the call returns at once. One connect attempt is
+//! bounded by the handshake's timeout, not the deadline.
 //!
 //! `cancel()` sends CANCEL with CANCELLED and the server stops the handler. Dropping a call that
 //! has not ended unregisters it and sends the same CANCEL without blocking (`Mux::send_cancel`
@@ -60,7 +59,6 @@ use super::call::{head_frame, open_head, request_in_head, CallState, Next, Recon
 use super::flow::{self, Credit};
 use super::inbox::Event;
 use super::mux::{ConnectionCounters, Mux, StreamShared};
-use super::wire;
 use crate::call::{check_path, until, CallOptions};
 use crate::connectivity::Tracker;
 use crate::metadata::MetadataMap;
@@ -212,9 +210,12 @@ impl ShmChannel {
         // Pushed here when the ring has room, as it mostly has: a wait's state would make every
         // call's future larger (see `Channel::unary`).
         if !sender.try_send_parts(Kind::Headers, f, id, &body).map_err(|e| Status::from_transport(&e))? {
-            Box::pin(sender.send_parts_async(Kind::Headers, f, id, &body))
-                .await
-                .map_err(|e| Status::from_transport(&e))?;
+            // Within the deadline: a server that reads nothing must not hold the call past it.
+            // The HEADERS never went, so the server knows nothing of the call to cancel.
+            match until(deadline, Box::pin(sender.send_parts_async(Kind::Headers, f, id, &body))).await {
+                Some(sent) => sent.map_err(|e| Status::from_transport(&e))?,
+                None => return Err(Status::new(Code::DeadlineExceeded, "the call's deadline passed")),
+            }
         }
         Ok((call, first.is_some()))
     }
@@ -311,11 +312,11 @@ impl ShmCall {
         Status::new(Code::DeadlineExceeded, "the call's deadline passed")
     }
 
+    /// Ends the call with `code` and tells the server, without waiting for ring room: a CANCEL
+    /// that finds none waits in the connection's queue of answers, so that a server that reads
+    /// nothing does not hold the caller past its deadline or its cancel.
     async fn cancel_with(&mut self, code: Code, message: &str) {
-        if self.state.end_by_cancel(code, message) {
-            let _ =
-                self.state.mux.sender.send_async(Kind::Cancel, 0, self.state.id(), &wire::encode_cancel(code)).await;
-        }
+        self.state.cancel_blocking(code, message, std::time::Duration::ZERO);
     }
 
     /// Waits for credit to send `len` bytes; `Ok(false)` if the call is already over and the

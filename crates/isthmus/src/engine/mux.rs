@@ -2014,6 +2014,9 @@ impl Mux {
                 return Ok(Some(Reply { kind: Kind::Ping, flags: flags::ACK, stream: f.stream, body: f.body.to_vec() }))
             }
             Kind::Ping => {}
+            // Only a server sends GOAWAY (protocol 13.7): from a client it would have ended
+            // every call of the connection as if the server were going away.
+            Kind::GoAway if serving => return Err(internal(wire::bad("a client's GOAWAY, which only a server sends"))),
             Kind::GoAway => {
                 let g = wire::GoAway::decode(&f.body).map_err(internal)?;
                 self.set_dead(Status::new(Code::Unavailable, format!("the server is going away: {}", g.message)));
