@@ -576,6 +576,17 @@ end
 local bell_path = ffi_new("char[512]")
 local exit_timer
 
+-- Wakes the watcher when the worker exits (the timer fires early, premature), so that it sees
+-- the exit; one that fires on its own (a year on) is armed again, or the next exit would find
+-- none while the watcher lives on.
+local function wake_at_exit(premature)
+    exit_timer = nil
+    C.isthmus_cq_wake(cq)
+    if not premature and not ngx.worker.exiting() then
+        exit_timer = ngx.timer.at(WAKE_AT_EXIT_S, wake_at_exit)
+    end
+end
+
 start_watching = function()
     if watching then
         return true
@@ -588,10 +599,7 @@ start_watching = function()
     -- exiting there is none to make, and the watcher ends with the last call's reply.
     local ok, err = true, nil
     if not exit_timer and not ngx.worker.exiting() then
-        exit_timer, err = ngx.timer.at(WAKE_AT_EXIT_S, function()
-            exit_timer = nil
-            C.isthmus_cq_wake(cq)
-        end)
+        exit_timer, err = ngx.timer.at(WAKE_AT_EXIT_S, wake_at_exit)
         ok = exit_timer ~= nil
     end
     if ok then

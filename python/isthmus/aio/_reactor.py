@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -123,11 +124,18 @@ class Driver:
                 )
 
 
+# Loops on several threads may make their drivers at once: the sweep iterates the dictionary.
+_drivers_lock = threading.Lock()
+
+
 def driver(loop: asyncio.AbstractEventLoop) -> Driver:
     found = _drivers.get(loop)
     if found is None:
-        _forget_closed_loops()
-        found = _drivers[loop] = Driver(loop)
+        with _drivers_lock:
+            found = _drivers.get(loop)
+            if found is None:
+                _forget_closed_loops()
+                found = _drivers[loop] = Driver(loop)
     return found
 
 
