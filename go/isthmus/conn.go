@@ -37,9 +37,10 @@ type ClientConn struct {
 	r      *reactor
 	target string
 	closed atomic.Bool
-	// uses counts the cgo calls in progress that pass ch: Close frees ch once none is (the
-	// last to end frees it then), so that no call passes a handle freed under it (a handle
-	// is an address, which a new handle may take).
+	// uses counts the references to ch: one of the connection's own, which Close drops, and
+	// one per cgo call in progress that passes it. ch is freed when the count reaches 0, so
+	// that no call passes a handle freed under it (a handle is an address, which a new
+	// handle may take).
 	uses  atomic.Int64
 	freed sync.Once
 	// shm: the target is shared memory, where large requests are written in place.
@@ -188,6 +189,7 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 	}
 	cc := &ClientConn{ch: ch, r: r, target: target, shm: strings.HasPrefix(target, "shm:"), perRPC: creds,
 		defaults: slices.Clip(o.callOptions), stats: slices.Clip(o.stats)}
+	cc.uses.Store(1) // the connection's own reference, which Close drops
 	if len(cc.stats) > 0 {
 		cc.connStats = beginConn(cc.stats, cc.serverPeer().Addr)
 	}
@@ -211,27 +213,27 @@ func (cc *ClientConn) Close() error {
 	if cc.closed.Swap(true) {
 		return nil
 	}
-	if cc.uses.Load() == 0 {
-		cc.free()
-	}
+	cc.unuse() // the connection's own reference: ch goes now, or with the last call using it
 	cc.connStats.end()
 	return nil
 }
 
-// use marks a cgo call that passes ch as begun: false (and nothing marked) once the
+// use takes a reference to ch for a cgo call that passes it: false (and none taken) once the
 // connection is closed. Each true is followed by unuse when the cgo call has returned.
 func (cc *ClientConn) use() bool {
 	cc.uses.Add(1)
 	if cc.closed.Load() {
+		// Close dropped its reference before, or drops it after and sees this one: either
+		// way ch is freed exactly when the count reaches 0.
 		cc.unuse()
 		return false
 	}
 	return true
 }
 
-// unuse marks a cgo call that passed ch as over; the last one after Close frees ch.
+// unuse drops a reference to ch; the last one frees it.
 func (cc *ClientConn) unuse() {
-	if cc.uses.Add(-1) == 0 && cc.closed.Load() {
+	if cc.uses.Add(-1) == 0 {
 		cc.free()
 	}
 }
@@ -625,7 +627,12 @@ func (cc *ClientConn) newStream(ctx context.Context, desc *grpc.StreamDesc, meth
 		return nil, err
 	}
 	s := &clientStream{cc: cc, call: ev.call, ctx: ctx, desc: desc, opts: co}
-	s.stop = context.AfterFunc(ctx, s.ctxEnded)
+	// Under the lock: a context done already runs ctxEnded at once, on a goroutine of its own,
+	// and finish reads stop.
+	stop := context.AfterFunc(ctx, s.ctxEnded)
+	s.mu.Lock()
+	s.stop = stop
+	s.mu.Unlock()
 	return s, nil
 }
 
@@ -648,6 +655,8 @@ type clientStream struct {
 	sent    atomic.Bool // CloseSend or the last message went
 	// reported: the call options heard how the call ended (report).
 	reported atomic.Bool
+	// gotMessage: a response came (read by the receiving goroutine only, as RecvMsg is).
+	gotMessage bool
 }
 
 // begin marks an operation on the call in progress; false if the call is over.
@@ -695,9 +704,10 @@ func (s *clientStream) finish(err error, trailers metadata.MD) {
 	}
 	err, trailers = s.err, s.trailer
 	s.releaseLocked()
+	stop := s.stop
 	s.mu.Unlock()
-	if s.stop != nil {
-		s.stop()
+	if stop != nil {
+		stop()
 	}
 	if !first {
 		return
@@ -907,9 +917,17 @@ func (s *clientStream) recv(m any) error {
 	}
 	if ev.message == nil {
 		s.keepHeader(call)
+		if !s.desc.ServerStreams && !s.gotMessage {
+			// An OK end with no response, where one was due: grpc-go's error (from 1.66),
+			// which the call ends with.
+			err := status.Error(codes.Internal, "cardinality violation: received no response message from non-server-streaming RPC")
+			s.finish(err, nil)
+			return err
+		}
 		s.finish(nil, nil)
 		return io.EOF
 	}
+	s.gotMessage = true
 	if err := s.opts.checkRecv(int(ev.message_len)); err != nil {
 		C.isthmus_message_free(ev.message)
 		s.keepHeader(call)
@@ -932,10 +950,6 @@ func (s *clientStream) recv(m any) error {
 
 func (s *clientStream) RecvMsg(m any) error {
 	err := s.recv(m)
-	if errors.Is(err, io.EOF) && !s.desc.ServerStreams {
-		// An OK end with no response, where one was due: grpc-go's error (from 1.66).
-		return status.Error(codes.Internal, "cardinality violation: received no response message from non-server-streaming RPC")
-	}
 	if err != nil || s.desc.ServerStreams {
 		return err
 	}

@@ -166,9 +166,13 @@ var rawDesc = grpc.StreamDesc{ServerStreams: true, ClientStreams: true}
 func (r *RawStream) Alloc(n int) (*Block, error) {
 	call, ok := r.cs.begin()
 	if !ok {
-		// Over; ended by its context (which finishes the stream), it says why, as below.
-		if r.cs.ctx.Err() != nil {
-			return nil, ctxError(r.cs.ctx)
+		// Over; ended by its context (which finishes the stream with the context's error), it
+		// says why, as below; ended otherwise, io.EOF, as a send says.
+		r.cs.mu.Lock()
+		err := r.cs.err
+		r.cs.mu.Unlock()
+		if err != nil && r.cs.ctx.Err() != nil {
+			return nil, err
 		}
 		return nil, io.EOF
 	}

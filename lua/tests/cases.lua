@@ -375,7 +375,7 @@ end
 -- a channel exists (before, a string spin_us raised in the ffi after the channel was made, and
 -- that channel was never closed).
 function cases.option_refused(ch, args)
-    local value = ({ string = "10", negative = -1, fraction = 1.5 })[args.value]
+    local value = ({ string = "10", negative = -1, fraction = 1.5, nan = 0 / 0, huge = math.huge })[args.value]
     return connect_answer(args.target, { [args.key] = value })
 end
 

@@ -677,7 +677,7 @@ def test_tls_options_connect_refuses(nginx: Nginx, which: str, words: str) -> No
 
 
 @pytest.mark.parametrize("key", ["spin_us", "max_message_size"])
-@pytest.mark.parametrize("value", ["string", "negative", "fraction"])
+@pytest.mark.parametrize("value", ["string", "negative", "fraction", "nan", "huge"])
 def test_a_numeric_option_that_is_no_count_fails_connect(nginx: Nginx, key: str, value: str) -> None:
     r = nginx.case("option_refused", "shm://lua-option-nobody", key=key, value=value)
     assert (

@@ -829,7 +829,9 @@ function _M.connect(target, opts)
     -- made, and the channel leaked.
     for _, key in ipairs({ "max_message_size", "spin_us" }) do
         local v = opts[key]
-        if v ~= nil and (type(v) ~= "number" or v < 0 or v ~= math.floor(v)) then
+        -- (NaN fails `v == math.floor(v)`; infinity and counts past 2^32 are no sizes here.)
+        if v ~= nil and (type(v) ~= "number" or v < 0 or v ~= math.floor(v) or v >= 2 ^ 53
+            or (key == "spin_us" and v > 4294967295)) then
             return nil, new_error(INVALID_ARGUMENT, key .. " is a whole number, 0 or more, not " .. tostring(v))
         end
     end
@@ -977,8 +979,8 @@ local function call_options(opts, flags)
     local md, err
     if opts then
         if opts.timeout then
-            if type(opts.timeout) ~= "number" then
-                return nil, new_error(INVALID_ARGUMENT, "timeout is a number of seconds, not a " .. type(opts.timeout))
+            if type(opts.timeout) ~= "number" or opts.timeout ~= opts.timeout then
+                return nil, new_error(INVALID_ARGUMENT, "timeout is a number of seconds, not " .. tostring(opts.timeout))
             end
             -- The library takes whole microseconds, and 0 or less as no deadline at all: a
             -- budget that is spent fails here, as a passed deadline; under a microsecond is
