@@ -653,8 +653,6 @@ type clientStream struct {
 	gotHead bool
 	trailer metadata.MD
 	sent    atomic.Bool // CloseSend or the last message went
-	// reported: the call options heard how the call ended (report).
-	reported atomic.Bool
 	// gotMessage: a response came (read by the receiving goroutine only, as RecvMsg is).
 	gotMessage bool
 }
@@ -715,7 +713,7 @@ func (s *clientStream) finish(err error, trailers metadata.MD) {
 	if s.opts.trailer != nil {
 		*s.opts.trailer = trailers
 	}
-	if s.opts.stats != nil && !s.opts.stats.ended.Load() {
+	if s.opts.stats != nil {
 		s.opts.stats.inTrailer(trailers)
 		s.opts.stats.end(err)
 	}
@@ -728,10 +726,11 @@ func (s *clientStream) fail(err error) {
 	s.finish(err, nil)
 }
 
-// report tells the call options how the call ended, once: grpc.Peer gets the server (unless
-// the call failed UNAVAILABLE, reaching none), grpc.OnFinish callbacks the error.
+// report tells the call options how the call ended (the first finish does, once): grpc.Peer
+// gets the server (unless the call failed UNAVAILABLE, reaching none), grpc.OnFinish callbacks
+// the error.
 func (s *clientStream) report(err error) {
-	if (!s.opts.onFinish && s.opts.peer == nil) || s.reported.Swap(true) {
+	if !s.opts.onFinish && s.opts.peer == nil {
 		return
 	}
 	if s.opts.peer != nil && status.Code(err) != codes.Unavailable {

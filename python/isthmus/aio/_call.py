@@ -7,10 +7,9 @@ from __future__ import annotations
 import abc
 import asyncio
 import collections
-import contextlib
 import logging
 from collections.abc import AsyncIterable, AsyncIterator, Callable, Generator, Iterable
-from typing import Any
+from typing import Any, Literal
 
 import grpc
 import grpc.aio
@@ -157,6 +156,29 @@ class UnaryUnaryCall(_native.AioUnaryCall, _Call, grpc.aio.UnaryUnaryCall):
         self._outcome.add_done_callback(lambda _: callback(self))
 
 
+class _CountedLock(asyncio.Lock):
+    """An asyncio lock that counts the coroutines holding it or waiting for it: `users` is 0
+    only when an acquire takes it at once. `locked()` alone says free while a waiter was woken
+    and has not run yet; a stream read that took its fast path then went beside that waiter's
+    receive, and the message it took was lost (`_StreamCall._recv`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.users = 0
+
+    async def acquire(self) -> Literal[True]:
+        self.users += 1
+        try:
+            return await super().acquire()
+        except BaseException:
+            self.users -= 1
+            raise
+
+    def release(self) -> None:
+        super().release()
+        self.users -= 1
+
+
 class _StreamCall(_Call):
     """A call on an engine `AsyncCall`; the base of the three streaming shapes."""
 
@@ -196,11 +218,7 @@ class _StreamCall(_Call):
             self._on_started(self._started)
         self._done_writing = False
         # The engine takes one receive-side operation at a time (recv, initial_metadata).
-        self._receive_lock = asyncio.Lock()
-        # Coroutines that hold the lock or wait for it (`_receiving`): `_recv`'s fast path is
-        # for none. `locked()` alone said free while a waiter was woken and not yet run, and
-        # the fast path's receive then went alongside that waiter's (see `_recv`).
-        self._receivers = 0
+        self._receive_lock = _CountedLock()
         self._initial: list[Metadatum] | None = None
         self._early: collections.deque[bytes] = collections.deque()  # see `_read_ahead`
         self._tasks: list[asyncio.Task[Any]] = []
@@ -338,7 +356,7 @@ class _StreamCall(_Call):
 
     async def initial_metadata(self) -> grpc.aio.Metadata:
         if self._initial is None:
-            async with self._receiving():
+            async with self._receive_lock:
                 if self._initial is None:
                     value = await self._attempt("initial_metadata")
                     self._initial = value.initial_metadata if isinstance(value, CallError) else value
@@ -431,7 +449,7 @@ class _StreamCall(_Call):
         the status only after them. A message at a time, so that a reader waiting for the lock
         still gets each as it comes."""
         while not self._done.done():
-            async with self._receiving():
+            async with self._receive_lock:
                 if self._done.done():
                     return
                 value = await self._attempt("recv")
@@ -442,9 +460,9 @@ class _StreamCall(_Call):
 
     async def _recv(self) -> bytes | None:
         """The next response; None at an OK end. Raises the status otherwise."""
-        native = self._native
-        if native is None or self._receivers or self._early or self._done.done():
-            async with self._receiving():
+        native, lock = self._native, self._receive_lock
+        if native is None or lock.users or self._early or self._done.done():
+            async with lock:
                 if self._early:
                     return self._early.popleft()
                 if self._done.done():
@@ -465,22 +483,8 @@ class _StreamCall(_Call):
         if done is not None:
             return self._received(done[1])
         future = self._driver.wait(self._loop, token)
-        self._receivers += 1  # `_receiving`, inline
-        try:
-            async with self._receive_lock:
-                return self._received(await self._wait_for(token, future))
-        finally:
-            self._receivers -= 1
-
-    @contextlib.asynccontextmanager
-    async def _receiving(self) -> AsyncIterator[None]:
-        """The receive lock, counted in `_receivers` from before it is asked for."""
-        self._receivers += 1
-        try:
-            async with self._receive_lock:
-                yield
-        finally:
-            self._receivers -= 1
+        async with lock:
+            return self._received(await self._wait_for(token, future))
 
     def _received(self, value: Any) -> bytes | None:
         """What a receive gave, for `_recv`: a message, or None at an OK end (the call is then

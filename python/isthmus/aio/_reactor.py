@@ -105,6 +105,12 @@ class Driver:
         elif wait(SPIN_US):
             self._then(self.reactor.resolve(self._waiting))
 
+    def forget(self) -> None:
+        """Lets go of every operation's future and callback (its loop has closed: nothing will
+        run them), so that they no longer hold the loop."""
+        self._waiting.clear()
+        self._standing.clear()
+
     def _drive(self) -> None:
         self._then(self.reactor.resolve(self._waiting))
 
@@ -147,6 +153,5 @@ def _forget_closed_loops() -> None:
     those operations."""
     for loop, found in list(_drivers.items()):
         if loop.is_closed():
-            found._waiting.clear()
-            found._standing.clear()
+            found.forget()
             del _drivers[loop]

@@ -306,17 +306,13 @@ impl std::fmt::Debug for ShmCall {
 }
 
 impl ShmCall {
-    /// Ends the call at its deadline: cancels it on both sides and gives the status.
-    async fn expire(&mut self) -> Status {
-        self.cancel_with(Code::DeadlineExceeded, "the call's deadline passed").await;
-        Status::new(Code::DeadlineExceeded, "the call's deadline passed")
-    }
-
-    /// Ends the call with `code` and tells the server, without waiting for ring room: a CANCEL
-    /// that finds none waits in the connection's queue of answers, so that a server that reads
-    /// nothing does not hold the caller past its deadline or its cancel.
-    async fn cancel_with(&mut self, code: Code, message: &str) {
-        self.state.cancel_blocking(code, message, std::time::Duration::ZERO);
+    /// Ends the call at its deadline: cancels it on both sides and gives the status. The CANCEL
+    /// never waits for ring room (with none, it waits in the connection's queue of answers), so
+    /// a server that reads nothing does not hold the caller past its deadline.
+    fn expire(&mut self) -> Status {
+        let message = "the call's deadline passed";
+        self.state.cancel_blocking(Code::DeadlineExceeded, message, std::time::Duration::ZERO);
+        Status::new(Code::DeadlineExceeded, message)
     }
 
     /// Waits for credit to send `len` bytes; `Ok(false)` if the call is already over and the
@@ -327,7 +323,7 @@ impl ShmCall {
         }
         let shared = self.state.stream.shared.clone();
         match until(self.deadline, credit(&self.state.mux, &shared, len)).await {
-            None => Err(self.expire().await),
+            None => Err(self.expire()),
             Some(Credit::Taken) => Ok(true),
             Some(_) => self.state.after_close().map(|()| false),
         }
@@ -340,7 +336,7 @@ impl ShmCall {
         let (sender, id) = (self.state.mux.sender.clone(), self.state.id());
         match until(self.deadline, sender.send_message_async(id, frame_flags, message)).await {
             Some(sent) => sent.map_err(|e| Status::from_transport(&e)),
-            None => Err(self.expire().await),
+            None => Err(self.expire()),
         }
     }
 
@@ -359,7 +355,7 @@ impl ShmCall {
         let sender = self.state.mux.sender.clone();
         match until(self.deadline, sender.alloc_async(len)).await {
             Some(block) => block.map_err(|e| Status::from_transport(&e)),
-            None => Err(self.expire().await),
+            None => Err(self.expire()),
         }
     }
 
@@ -373,7 +369,7 @@ impl ShmCall {
         let f = if last { flags::END_STREAM } else { 0 };
         match until(self.deadline, sender.send_block_async(id, f, block)).await {
             Some(sent) => sent.map_err(|e| Status::from_transport(&e)),
-            None => Err(self.expire().await),
+            None => Err(self.expire()),
         }
     }
 
@@ -386,7 +382,7 @@ impl ShmCall {
         let (sender, id) = (self.state.mux.sender.clone(), self.state.id());
         match until(self.deadline, sender.send_async(Kind::Trailers, flags::END_STREAM, id, &[])).await {
             Some(sent) => sent.map_err(|e| Status::from_transport(&e)),
-            None => Err(self.expire().await),
+            None => Err(self.expire()),
         }
     }
 
@@ -410,9 +406,7 @@ impl ShmCall {
         let Some(deadline) = self.deadline else { return Poll::Pending };
         let timer = self.timer.get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
         ready!(timer.as_mut().poll(cx));
-        let message = "the call's deadline passed";
-        self.state.cancel_blocking(Code::DeadlineExceeded, message, std::time::Duration::ZERO);
-        Poll::Ready(Err(Status::new(Code::DeadlineExceeded, message)))
+        Poll::Ready(Err(self.expire()))
     }
 
     /// [`recv`](Self::recv) in poll form.
@@ -475,6 +469,7 @@ impl ShmCall {
 
     /// Cancels the call: the server sees CANCELLED and stops its handler.
     pub(crate) async fn cancel(mut self) {
-        self.cancel_with(Code::Cancelled, "the call was cancelled").await;
+        // As `expire`'s CANCEL, without waiting for ring room.
+        self.state.cancel_blocking(Code::Cancelled, "the call was cancelled", std::time::Duration::ZERO);
     }
 }
