@@ -15,6 +15,12 @@
 //! shm-peer ping-server ADDR COUNT LEN    accept one client, take its first frame (a call), send
 //!                                        COUNT PINGs of LEN bytes (pattern i) reading nothing,
 //!                                        then read the answers (`ACKS n`) and hang up
+//! shm-peer credit-server ADDR WAIT_MS   accept one client, take its call, send 20 PINGs of
+//!                                        64 KiB (their answers fill the client's 1 MiB ring and
+//!                                        4 more) and 40 messages of 64 KiB on the call, read
+//!                                        nothing for WAIT_MS, then read: `ANSWERS n GRANTED b
+//!                                        ENDED kind` once a WINDOW for the call comes (`-`), or
+//!                                        the connection ends (or 10 s pass), and end the call OK
 //! shm-peer pieces-client ADDR            write by hand messages in pieces on streams 1, 3, 5
 //!                                        and 7 (768 KiB pattern-0 block, 1 MiB each; 5 ends
 //!                                        in a CANCEL), then "after" inline on stream 9
@@ -83,6 +89,7 @@ fn main() {
         "misanswering-server" => misanswering_server(&addr),
         "pieces-client" => pieces_client(&addr),
         "partials-client" => partials_client(&addr),
+        "credit-server" => credit_server(&addr, num(&arg(&args, 3, "wait_ms")) as u64),
         "ping-server" => ping_server(&addr, num(&arg(&args, 3, "count")), num(&arg(&args, 4, "len"))),
         "shared-sink" => shared_sink(&addr, num(&arg(&args, 3, "count")), num(&arg(&args, 4, "hold"))),
         "sink-server" => sink_server(&addr),
@@ -368,6 +375,47 @@ fn ping_server(addr: &Address, count: usize, len: usize) {
         }
     }
     say(&format!("ACKS {acks}"));
+}
+
+fn credit_server(addr: &Address, wait_ms: u64) {
+    use isthmus::{wire, Status};
+    let listener = Listener::bind(addr, Config::default()).expect("bind");
+    say("READY");
+    let Connection { sender, mut receiver } = listener.accept().expect("accept");
+    let call = receiver.recv(None).expect("the client's call");
+    let stream = call.stream;
+    say(&format!("CALL {:?} {stream}", call.kind));
+    let (pings, len) = (20, (64 << 10) - 16);
+    for i in 0..pings {
+        sender.send(Kind::Ping, 0, 0, &pattern(len, i), None).expect("PING");
+    }
+    sender.send(Kind::Headers, 0, stream, &wire::ResponseHead::default().encode(), None).expect("HEADERS");
+    // 2.5 MiB, past half the 4 MiB window: taking them grants credit.
+    for i in 0..40 {
+        sender.send_message(stream, 0, &pattern(64 << 10, i), None).expect("MESSAGE");
+    }
+    say("SENT");
+    std::thread::sleep(Duration::from_millis(wait_ms));
+    let (mut answers, mut granted, mut ended) = (0, 0, "-".to_owned());
+    let end = std::time::Instant::now() + Duration::from_secs(10);
+    while granted == 0 {
+        match receiver.recv(Some(end)) {
+            Ok(f) if f.kind == Kind::Ping && f.flags == flags::ACK => answers += 1,
+            Ok(f) if f.kind == Kind::Window && f.stream == stream => {
+                granted = wire::decode_window(&f.body).unwrap_or(0)
+            }
+            Ok(_) => {}
+            Err(e) => {
+                ended = format!("{:?}", e.kind());
+                break;
+            }
+        }
+    }
+    say(&format!("ANSWERS {answers} GRANTED {granted} ENDED {ended}"));
+    // The client may be gone (the test that drops its channel).
+    let _ = sender.send(Kind::Trailers, flags::END_STREAM, stream, &wire::encode_trailers(&Status::ok()), None);
+    // Until the client hangs up.
+    while receiver.recv(None).is_ok() {}
 }
 
 fn hostile_server(addr: &Address, mode: &str) {

@@ -353,6 +353,55 @@ fn a_waiting_call_answers_every_ping_of_a_server_that_reads_nothing_meanwhile() 
     assert_eq!(ended.code(), Code::Unavailable, "{ended:?}");
 }
 
+/// Credit a blocking call grants while the ring to its server is full waits for room as long
+/// as the connection lives. The server fills that ring with PING answers, streams 40 messages
+/// of 64 KiB (over half the window, so taking them grants), then reads nothing for 3 s, past
+/// the flusher thread's 1 s wait. Before, that thread gave up after its wait and dropped what
+/// was queued, the grant with it: a stream waiting for the credit stalled once the server read
+/// again.
+#[test]
+fn credit_queued_behind_a_full_ring_outlasts_a_long_stop_of_the_server() {
+    let (mut server, _ch, mut call) = take_40_messages_of_a_credit_server(3000);
+    let line = server.expect_line("ANSWERS", Duration::from_secs(30));
+    let words: Vec<&str> = line.split(' ').collect();
+    assert_eq!(words[1], "20", "every PING answered: {line}");
+    let granted: u64 = words[3].parse().expect("a count");
+    assert!(granted >= 2 << 20, "the grant came: {line}");
+    assert!(call.recv().expect("the end").is_none(), "ends OK");
+}
+
+/// The same, with the channel dropped while its answers wait: the flusher thread, which now
+/// waits as long as the connection lives, does not hold the connection open behind a stopped
+/// server. The server reads the answers the ring held, then finds the client gone.
+#[test]
+fn a_dropped_blocking_channel_lets_its_queued_answers_go() {
+    let (mut server, ch, call) = take_40_messages_of_a_credit_server(5000);
+    drop((call, ch));
+    let line = server.expect_line("ANSWERS", Duration::from_secs(30));
+    let words: Vec<&str> = line.split(' ').collect();
+    let answers: u32 = words[1].parse().expect("a count");
+    // The ring held some of the answers (and the call's frames); the rest went with the thread.
+    assert!(answers < 20 && words[3] == "0", "only what the ring held: {line}");
+    assert_eq!(words[5], "PeerGone", "the connection ended: {line}");
+}
+
+/// A call to `shm-peer credit-server` that reads nothing for `wait_ms` once it has sent; its 40
+/// messages taken (and checked), so that their credit is granted.
+fn take_40_messages_of_a_credit_server(wait_ms: u32) -> (Peer, Channel, isthmus::blocking::Call) {
+    let addr = fresh_addr("blk-credit");
+    let mut server = Peer::spawn(&["credit-server", &addr, &wait_ms.to_string()]);
+    let ch = Channel::connect(&addr).expect("connect");
+    let options = CallOptions { timeout: Some(Duration::from_secs(60)), ..Default::default() };
+    let mut call = ch.start("/test.Echo/ServerStream", options).expect("start");
+    call.send_last(b"go").expect("request");
+    server.expect_line("CALL", Duration::from_secs(30));
+    for i in 0..40u64 {
+        let m = call.recv().expect("a message").expect("40 messages");
+        assert_eq!((m.len(), first_mismatch(&m, i)), (64 << 10, None), "message {i}");
+    }
+    (server, ch, call)
+}
+
 /// What process `pid` has open, for a failure's message.
 fn fds_of(pid: u32) -> String {
     let Ok(dir) = std::fs::read_dir(format!("/proc/{pid}/fd")) else { return "unknown".into() };

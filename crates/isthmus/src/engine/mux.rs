@@ -640,9 +640,9 @@ impl Lender {
 }
 
 /// How long the flusher's thread, where the connection has no runtime to wait on, waits for ring
-/// room for each frame (`Mux::reply`): a peer that stays stopped must not hold it for ever.
-/// Past it, the peer learns at its own deadline or the connection's end.
-const FLUSHER_THREAD_PATIENCE: std::time::Duration = std::time::Duration::from_secs(10);
+/// room at a time (`Mux::reply`); then it waits again, with the frame first in line, for as long
+/// as the connection lives.
+const FLUSHER_THREAD_PATIENCE: std::time::Duration = std::time::Duration::from_secs(1);
 
 /// How long a server's reader waits for ring room to send the GOAWAY that names a fault before
 /// it closes the connection without one.
@@ -712,6 +712,14 @@ impl Replies {
             None => q.flushing = false,
         }
         next
+    }
+
+    /// An answer that found no room yet goes first again, its flusher still at work.
+    fn put_back(replies: &Mutex<Replies>, r: Reply) {
+        if let Ok(mut q) = replies.lock() {
+            q.bytes += r.body.len();
+            q.queue.push_front(r);
+        }
     }
 
     /// The connection is over: what waits is dropped, and a later answer starts afresh (and
@@ -1033,7 +1041,7 @@ impl Mux {
     /// call's CANCEL without waiting: at once
     /// if the ring has room and no earlier answer waits, else after those, from a flusher (a task
     /// of the connection's runtime, or a thread where there is none, which waits at most
-    /// `FLUSHER_THREAD_PATIENCE` for each). Past `REPLIES_MAX` answers or `REPLY_BYTES_MAX` bytes
+    /// waiting as long as the connection lives). Past `REPLIES_MAX` answers or `REPLY_BYTES_MAX` bytes
     /// waiting, the peer reads nothing of ours while it keeps asking: the answer is dropped, and
     /// `false` says so.
     fn reply(&self, r: Reply) -> bool {
@@ -1072,11 +1080,15 @@ impl Mux {
             })),
             None => {
                 let mine = replies.clone();
+                // Waits as long as the connection lives: what waits may be credit a stream
+                // needs. Dropping the channel ends the connection, and with it this wait.
                 let flush = move || {
                     while let Some(r) = Replies::next(&replies) {
                         let patience = std::time::Instant::now() + FLUSHER_THREAD_PATIENCE;
-                        if sender.send(r.kind, r.flags, r.stream, &r.body, Some(patience)).is_err() {
-                            return Replies::clear(&replies);
+                        match sender.send(r.kind, r.flags, r.stream, &r.body, Some(patience)) {
+                            Ok(()) => {}
+                            Err(e) if e.kind() == ErrorKind::Timeout => Replies::put_back(&replies, r),
+                            Err(_) => return Replies::clear(&replies),
                         }
                     }
                 };
