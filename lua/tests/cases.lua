@@ -164,6 +164,31 @@ function cases.cancel(ch, args)
     return failure(err2)
 end
 
+-- Light threads wait in a Bidi stream's second recv and in a unary call the server answers
+-- after a minute, neither with a deadline, when the request ends (ngx.exit aborts them): their
+-- operations are left with nobody waiting for them.
+function cases.orphans(ch, args)
+    local seq = tonumber(args.seq)
+    local waits = 0
+    ngx.thread.spawn(function()
+        local st = assert(ch:stream(ECHO .. "Bidi"))
+        assert(st:send({ payload = ngx.encode_base64("orphan"), seq = seq }))
+        assert(st:recv())
+        waits = waits + 1
+        st:recv()
+    end)
+    ngx.thread.spawn(function()
+        waits = waits + 1
+        ch:unary(ECHO .. "Unary", { sleep_ms = 60000, seq = seq })
+    end)
+    while waits < 2 do
+        ngx.sleep(0.01)
+    end
+    ngx.sleep(0.1)
+    ngx.say(cjson.encode({ ok = true }))
+    return ngx.exit(200)
+end
+
 function cases.fail(ch, args)
     local ok, err = ch:unary(ECHO .. "Unary", { fail_with = tonumber(args.code), fail_message = args.message })
     if ok then return { ok = true } end
@@ -393,6 +418,18 @@ function cases.timer_start(ch, args)
         ngx.shared.isthmus_tests:set(args.id, cjson.encode(r))
     end)
     return { started = ok and true or false, err = err }
+end
+
+-- Starts `n` timers that each sleep `ms` milliseconds: they hold that many of the worker's
+-- running timers (lua_max_running_timers) meanwhile.
+function cases.hog_timers(_, args)
+    local started = 0
+    for _ = 1, tonumber(args.n) do
+        if ngx.timer.at(0, function() ngx.sleep(tonumber(args.ms) / 1000) end) then
+            started = started + 1
+        end
+    end
+    return { started = started }
 end
 
 function cases.timer_result(ch, args)

@@ -66,6 +66,7 @@ http {{
     access_log off;
     lua_package_path "{lua}/lib/?.lua;{lua}/tests/?.lua;;";
     lua_shared_dict isthmus_tests 1m;
+    {http_extra}
     init_worker_by_lua_block {{
         require("cases").init_worker("{proto}", "{init_target}")
     }}
@@ -84,9 +85,10 @@ http {{
 
 class Nginx:
     """nginx with the Lua module in a prefix of its own; stopped and removed by `close`. With
-    `init_target`, its worker calls that server from init_worker_by_lua (cases.lua)."""
+    `init_target`, its worker calls that server from init_worker_by_lua (cases.lua);
+    `http_extra` goes into its `http` block."""
 
-    def __init__(self, init_target: str = "") -> None:
+    def __init__(self, init_target: str = "", http_extra: str = "") -> None:
         module = Path("/usr/lib/nginx/modules/ngx_http_lua_module.so")
         need(
             shutil.which("nginx") is not None and module.is_file(),
@@ -104,6 +106,7 @@ class Nginx:
             port=self.port,
             proto=ROOT / "tests" / "proto" / "conformance.proto",
             init_target=init_target,
+            http_extra=http_extra,
         )
         (self.prefix / "nginx.conf").write_text(conf)
         env = dict(os.environ, ISTHMUS_LIB=str(library()))

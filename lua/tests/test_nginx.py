@@ -439,6 +439,52 @@ def test_a_quitting_worker_answers_its_pending_calls_and_exits(servers: Callable
         own.close()  # waits for the graceful exit, and fails if it does not come
 
 
+def test_a_watcher_whose_timer_nginx_dropped_is_made_anew(servers: Callable[[str], Served]) -> None:
+    """Two timers hold the worker's two running timers for 3 s (lua_max_running_timers 2), so
+    nginx drops the watcher's timer ("lua_max_running_timers are not enough"). The waiting call
+    looks each second, makes the watcher anew, and is answered once a running timer is free.
+    Before, the watcher was taken to run: the call waited for its deadline (30 s)."""
+    target = servers("rust").addresses["shm"]
+    own = Nginx(http_extra="lua_max_running_timers 2;")
+    try:
+        assert own.case("hog_timers", "", n=2, ms=3000)["started"] == 2
+        r = own.case("slow", target, sleep=200, timeout=30)
+        assert r["ok"], r
+        log = own.errors()
+        assert "lua_max_running_timers are not enough" in log, log
+        assert "watcher never ran" in log, log
+    finally:
+        own.close()
+
+
+def test_calls_left_by_their_request_are_cancelled_while_other_calls_wait(nginx: Nginx, stubs: Path) -> None:
+    """A request ends (ngx.exit) while its light threads wait, in a stream and in a unary call
+    the server answers after a minute, neither with a deadline: a call still waiting elsewhere
+    in the worker cancels both within a second or two, so the server's handlers end while that
+    call (12 s) is still under way (10 s allowed). Before, only a bell of the completion queue
+    pruned them (here the other call's own reply), and the stream's call stayed open until
+    Lua's garbage collector freed it."""
+    served = serve("rust", ["shm"], stubs)
+    try:
+        target = served.addresses["shm"]
+        assert nginx.case("orphans", target, seq=91)["ok"]
+        slow: list[dict] = []
+        waiting = threading.Thread(
+            target=lambda: slow.append(nginx.case("slow", target, sleep=12000, timeout=60))
+        )
+        waiting.start()
+        ended: set[str] = set()
+        while len(ended) < 2:  # in either order
+            line = served.peer.expect("", patience=10)
+            if line == "UNARY-DROPPED 91" or line.startswith("BIDI-ENDED"):
+                ended.add(line.split()[0])
+        assert waiting.is_alive(), "the calls were cancelled only once the other call had its reply"
+        waiting.join()
+        assert slow[0]["ok"], slow
+    finally:
+        served.close()
+
+
 def await_state(nginx: Nginx, target: str, want: str, never: str) -> None:
     """Polls the worker's channel to `target` (10 s at most) until it is `want`; it must not be
     `never` on the way."""

@@ -448,10 +448,18 @@ local BELL_READ_MS = 2 ^ 31 - 1
 local WAKE_AT_EXIT_S = 86400 * 365
 
 local cq, events, now
-local waiting = {}   -- tag -> waiter: { sema = ngx.semaphore, result = outcome }
+local waiting = {}   -- tag -> waiter: { sema = ngx.semaphore, result = outcome, call = a stream's }
 local spare = {}     -- waiters for reuse
 local next_tag = 0
-local watching = false
+local watching = false     -- a watcher runs, or its timer is made
+local watcher = 0          -- the current watcher's number: a stale one leaves at once
+local watcher_ran = false  -- the current watcher's timer has run
+local watcher_made_at = 0  -- when its timer was made (ngx.now())
+-- How long a call waits before it looks whether the watcher ever ran (nginx drops a timer it
+-- cannot run: past lua_max_running_timers, or with no free connection) and prunes the calls
+-- nobody waits for any more.
+local LOOK_S = 1
+local last_prune = 0
 
 -- An event as a plain outcome table; frees or takes over every handle in it.
 local function outcome(ev)
@@ -504,11 +512,17 @@ local watch, start_watching
 
 -- Abandons the operations whose coroutine no longer waits (its request was finalised, by a
 -- client that went away or an ngx.exit from another light thread): nobody would take their
--- results, and an operation with no deadline would stay forever.
-local function prune()
+-- results, and an operation with no deadline would stay forever. `own`: the tag of the caller's
+-- operation, if a caller prunes (it is not waiting on its semaphore just then).
+local function prune(own)
+    last_prune = ngx.now()
     for tag, w in pairs(waiting) do
-        if w.sema:count() >= 0 then
+        if tag ~= own and w.sema:count() >= 0 then
             waiting[tag] = nil
+            if w.call ~= nil then
+                C.isthmus_call_cancel(w.call) -- its stream too: the server's handler ends
+                w.call = nil
+            end
             C.isthmus_cq_cancel(cq, tag)
         end
     end
@@ -525,11 +539,15 @@ local function fail_all(why)
 end
 
 -- The worker's one watcher of the completion queue, in a timer: it sleeps on the cosocket the
--- library rings whenever operations finish, and hands them out.
-watch = function(premature, path)
-    if premature then
+-- library rings whenever operations finish, and hands them out. Run early (premature) as the
+-- worker exits, it still serves the calls in flight.
+watch = function(premature, path, number)
+    if number ~= watcher then
+        return -- its timer was taken for lost, and another watcher made
+    end
+    watcher_ran = true
+    if premature and next(waiting) == nil then
         watching = false
-        fail_all("the worker is exiting")
         return
     end
     local sock = ngx.socket.tcp()
@@ -591,6 +609,8 @@ start_watching = function()
     if watching then
         return true
     end
+    watcher = watcher + 1
+    watcher_ran, watcher_made_at = false, ngx.now()
     local rc = C.isthmus_cq_bell_listen(cq, bell_path, 512, status_out)
     if rc ~= OK then
         return nil, failed(rc)
@@ -603,7 +623,7 @@ start_watching = function()
         ok = exit_timer ~= nil
     end
     if ok then
-        ok, err = ngx.timer.at(0, watch, ffi_string(bell_path))
+        ok, err = ngx.timer.at(0, watch, ffi_string(bell_path), watcher)
     end
     if not ok then
         return nil, new_error(UNAVAILABLE, "resty.isthmus: cannot start the completion queue's watcher: " .. tostring(err))
@@ -666,9 +686,37 @@ local function fresh_tag()
     return next_tag
 end
 
+-- Waits for waiter `w` of operation `tag` at most `backstop` seconds, like `w.sema:wait`, looking
+-- every LOOK_S that the watcher runs: one whose timer nginx dropped is made anew, or every
+-- call would wait for its backstop.
+local function await(w, tag, backstop)
+    local deadline = ngx.now() + backstop
+    while true do
+        local left = deadline - ngx.now()
+        local ok, err = w.sema:wait(left < LOOK_S and left or LOOK_S)
+        if ok or err ~= "timeout" or left <= LOOK_S then
+            return ok, err
+        end
+        local at = ngx.now()
+        if watching and not watcher_ran and at - watcher_made_at >= LOOK_S then
+            ngx.log(ngx.WARN, "resty.isthmus: the completion queue's watcher never ran (nginx dropped its timer: ",
+                "lua_max_running_timers, or no free connection?); making it anew")
+            watching = false
+            local started, serr = start_watching()
+            if not started then
+                fail_all("cannot start the completion queue's watcher anew: " .. tostring(serr))
+            end
+        end
+        if at - last_prune >= LOOK_S then
+            prune(tag)
+        end
+    end
+end
+
 -- After an _async start that returned `rc`: the outcome, at once (in `now`) or after waiting on
--- the semaphore; `backstop` bounds the wait (seconds) beyond the call's own deadline.
-local function finish_async(rc, tag, backstop)
+-- the semaphore; `backstop` bounds the wait (seconds) beyond the call's own deadline. `call`: the
+-- stream an operation is a step of, cancelled too if nobody waits for the operation any more.
+local function finish_async(rc, tag, backstop, call)
     if rc ~= OK then
         return { code = rc, err = failed(rc) }
     end
@@ -682,6 +730,7 @@ local function finish_async(rc, tag, backstop)
         w = { sema = require("ngx.semaphore").new() }
     end
     waiting[tag] = w
+    w.call = call
     if not watching then
         local ok, err = start_watching()
         if not ok then
@@ -690,9 +739,9 @@ local function finish_async(rc, tag, backstop)
             return { code = err.code, err = err }
         end
     end
-    local ok, err = w.sema:wait(backstop)
+    local ok, err = await(w, tag, backstop)
     local r = w.result
-    w.result = nil
+    w.result, w.call = nil, nil
     if not ok then
         waiting[tag] = nil
         C.isthmus_cq_cancel(cq, tag)
@@ -1168,7 +1217,7 @@ local function step(self, start_async, blocking)
     end
     if can_yield() then
         local q, tag = queue(), fresh_tag()
-        return finish_async(start_async(q, tag), tag, self.backstop)
+        return finish_async(start_async(q, tag), tag, self.backstop, self.call)
     end
     return blocking()
 end

@@ -2,7 +2,8 @@
 //! `unix://`, `http://`; prints `LISTENING ADDRESS` for each HTTP/2 endpoint after `READY`).
 //! `Bidi` prints `BIDI-ENDED CODE` when its request stream fails (a client's cancel), and
 //! `BIDI-ENDED half-close` when it ends; a `Unary` call with a `sleep_ms` prints
-//! `UNARY-SLEEPING SEQ` as its handler starts to sleep.
+//! `UNARY-SLEEPING SEQ` as its handler starts to sleep, and `UNARY-DROPPED SEQ` if the call is
+//! cancelled (its handler dropped) during the sleep.
 //! `https://` targets take the certificate and key in the files `ISTHMUS_TLS_CERT` and
 //! `ISTHMUS_TLS_KEY` name, and with `ISTHMUS_TLS_CLIENT_CA` require client certificates signed
 //! by it; `Unary` then answers a client's certificate's common name in `x-peer-cn`.
@@ -23,6 +24,18 @@ use tonic::{Request, Response, Status, Streaming};
 
 #[derive(Default)]
 struct Service;
+
+/// Says `UNARY-DROPPED SEQ` if dropped while it holds a sequence number: the sleeping handler's
+/// future was dropped, as tonic does when its call is cancelled.
+struct DroppedUnary(Option<u64>);
+
+impl Drop for DroppedUnary {
+    fn drop(&mut self) {
+        if let Some(seq) = self.0 {
+            println!("UNARY-DROPPED {seq}");
+        }
+    }
+}
 
 type ReplyStream = Pin<Box<dyn Stream<Item = Result<EchoReply, Status>> + Send>>;
 
@@ -79,7 +92,9 @@ impl Echo for Service {
         if req.sleep_ms > 0 {
             // The call is in its handler: a test that kills this server has it in flight.
             println!("UNARY-SLEEPING {}", req.seq);
+            let mut dropped = DroppedUnary(Some(req.seq));
             tokio::time::sleep(Duration::from_millis(u64::from(req.sleep_ms))).await;
+            dropped.0 = None;
         }
         failure(&req)?;
         let mut response = Response::new(EchoReply { payload: req.payload, seq: req.seq, time_left_ms: left });
