@@ -448,7 +448,7 @@ local BELL_READ_MS = 2 ^ 31 - 1
 local WAKE_AT_EXIT_S = 86400 * 365
 
 local cq, events, now
-local waiting = {}   -- tag -> waiter: { sema = ngx.semaphore, result = outcome, call = a stream's }
+local waiting = {}   -- tag -> waiter: { sema = ngx.semaphore, result = outcome }
 local spare = {}     -- waiters for reuse
 local next_tag = 0
 local watching = false     -- a watcher runs, or its timer is made
@@ -512,19 +512,20 @@ local watch, start_watching
 
 -- Abandons the operations whose coroutine no longer waits (its request was finalised, by a
 -- client that went away or an ngx.exit from another light thread): nobody would take their
--- results, and an operation with no deadline would stay forever. `own`: the tag of the caller's
--- operation, if a caller prunes (it is not waiting on its semaphore just then).
+-- results, and an operation with no deadline would stay forever. A unary call ends with its
+-- operation; a stream's step does not end the stream, which other light threads of a request may
+-- still use: an abandoned stream ends when the garbage collector frees it. `own`: the tag of
+-- the caller's operation, if a caller prunes (it is not waiting on its semaphore just then).
 local function prune(own)
     last_prune = ngx.now()
     for tag, w in pairs(waiting) do
         if tag ~= own and w.sema:count() >= 0 then
             waiting[tag] = nil
-            if w.call ~= nil then
-                C.isthmus_call_cancel(w.call) -- its stream too: the server's handler ends
-                w.call = nil
-            end
             C.isthmus_cq_cancel(cq, tag)
         end
+    end
+    if ngx.worker.exiting() and next(waiting) == nil then
+        C.isthmus_cq_wake(cq) -- a cancelled operation rings no bell: the watcher may leave now
     end
 end
 
@@ -568,9 +569,13 @@ watch = function(premature, path, number)
     while true do
         dispatch()
         -- Looked at once the queue is drained: the bell that brought an exiting worker's last
-        -- reply was read before that reply was dispatched, and no other bell would come.
-        if ngx.worker.exiting() and next(waiting) == nil then
-            break
+        -- reply was read before that reply was dispatched, and no other bell would come. The
+        -- calls nobody waits for any more would hold the worker: they go first.
+        if ngx.worker.exiting() then
+            prune()
+            if next(waiting) == nil then
+                break
+            end
         end
         local data, rerr = sock:receiveany(4096)
         if not data and rerr ~= "timeout" then
@@ -693,6 +698,9 @@ local function await(w, tag, backstop)
     local deadline = ngx.now() + backstop
     while true do
         local left = deadline - ngx.now()
+        if left <= 0 then -- a slice that ended late
+            return nil, "timeout"
+        end
         local ok, err = w.sema:wait(left < LOOK_S and left or LOOK_S)
         if ok or err ~= "timeout" or left <= LOOK_S then
             return ok, err
@@ -714,9 +722,8 @@ local function await(w, tag, backstop)
 end
 
 -- After an _async start that returned `rc`: the outcome, at once (in `now`) or after waiting on
--- the semaphore; `backstop` bounds the wait (seconds) beyond the call's own deadline. `call`: the
--- stream an operation is a step of, cancelled too if nobody waits for the operation any more.
-local function finish_async(rc, tag, backstop, call)
+-- the semaphore; `backstop` bounds the wait (seconds) beyond the call's own deadline.
+local function finish_async(rc, tag, backstop)
     if rc ~= OK then
         return { code = rc, err = failed(rc) }
     end
@@ -730,7 +737,6 @@ local function finish_async(rc, tag, backstop, call)
         w = { sema = require("ngx.semaphore").new() }
     end
     waiting[tag] = w
-    w.call = call
     if not watching then
         local ok, err = start_watching()
         if not ok then
@@ -741,7 +747,7 @@ local function finish_async(rc, tag, backstop, call)
     end
     local ok, err = await(w, tag, backstop)
     local r = w.result
-    w.result, w.call = nil, nil
+    w.result = nil
     if not ok then
         waiting[tag] = nil
         C.isthmus_cq_cancel(cq, tag)
@@ -1217,7 +1223,7 @@ local function step(self, start_async, blocking)
     end
     if can_yield() then
         local q, tag = queue(), fresh_tag()
-        return finish_async(start_async(q, tag), tag, self.backstop, self.call)
+        return finish_async(start_async(q, tag), tag, self.backstop)
     end
     return blocking()
 end

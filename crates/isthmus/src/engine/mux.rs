@@ -1079,11 +1079,13 @@ impl Mux {
                 }
             })),
             None => {
-                let mine = replies.clone();
-                // Waits as long as the connection lives: what waits may be credit a stream
-                // needs. Dropping the channel ends the connection, and with it this wait.
+                // Waits as long as the connection lives, since what waits may be credit a
+                // stream needs, and while its table does: a connection replaced (after a
+                // GOAWAY) or dropped is not kept open by this thread's sender.
+                let table = Arc::downgrade(&replies);
                 let flush = move || {
-                    while let Some(r) = Replies::next(&replies) {
+                    while let Some(replies) = table.upgrade() {
+                        let Some(r) = Replies::next(&replies) else { return };
                         let patience = std::time::Instant::now() + FLUSHER_THREAD_PATIENCE;
                         match sender.send(r.kind, r.flags, r.stream, &r.body, Some(patience)) {
                             Ok(()) => {}
@@ -1093,7 +1095,7 @@ impl Mux {
                     }
                 };
                 if std::thread::Builder::new().name("isthmus-reply".into()).spawn(flush).is_err() {
-                    Replies::clear(&mine);
+                    Replies::clear(&replies);
                 }
             }
         }
