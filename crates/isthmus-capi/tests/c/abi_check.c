@@ -1137,6 +1137,16 @@ static int check_double_free(ctx_t *c) {
   INVALID(isthmus_metadata_free(md));
   INVALID(isthmus_metadata_add(md, "x-a", (const uint8_t *)"b", 1, &st));
 
+  /* freed twice with another made in between, which the allocator would have given the same
+   * address: the second free is refused and the new handle is left alone */
+  isthmus_metadata_t *first = isthmus_metadata_new();
+  MUST(isthmus_metadata_free(first));
+  isthmus_metadata_t *second = isthmus_metadata_new();
+  REQUIRE(second != first, "a freed handle's value handed out again at once");
+  INVALID(isthmus_metadata_free(first));
+  MUST(isthmus_metadata_add(second, "x-a", (const uint8_t *)"b", 1, &st));
+  MUST(isthmus_metadata_free(second));
+
   MUST(isthmus_call_start(c->ch, SVC "Bidi", &opts, &call, &st));
   MUST(isthmus_call_free(call));
   INVALID(isthmus_call_free(call));
