@@ -14,8 +14,7 @@
 //! `_serialize_failed`, a call that failed to the call's `_raise`, a deserializer that raised to
 //! its `_undecodable`.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::Once;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use pyo3::exceptions::{PyException, PyRuntimeError, PyStopIteration};
 use pyo3::gc::PyVisit;
@@ -27,24 +26,12 @@ use pyo3::PyTraverseError;
 use crate::client::UnaryResult;
 use crate::reactor::AsyncChannel;
 
-/// Forks so far, as the child counts them. A channel bound before a fork must not take the
-/// fast path in the child: its loop, driver and connections are the parent's.
-static FORKS: AtomicU64 = AtomicU64::new(0);
-
-extern "C" fn count_fork() {
-    FORKS.fetch_add(1, Ordering::Relaxed);
-}
-
-/// The fork count a channel's `_fast` tuple records when it binds (see [`FORKS`]).
+/// The fork count a channel's `_fast` tuple records when it binds: a channel bound before a
+/// fork must not take the fast path in the child, whose loop, driver and connections are the
+/// parent's ([`isthmus::binding::forks`]).
 #[pyfunction]
 pub(crate) fn forks() -> u64 {
-    static REGISTER: Once = Once::new();
-    REGISTER.call_once(|| {
-        // SAFETY: `count_fork` is async-signal-safe (one atomic add) and lives as long as the
-        // process; registering a child handler has no other effect.
-        unsafe { libc::pthread_atfork(None, None, Some(count_fork)) };
-    });
-    FORKS.load(Ordering::Relaxed)
+    isthmus::binding::forks()
 }
 
 /// What `_fast` holds, in this order (the channel's `_bind` writes it).
@@ -71,7 +58,7 @@ impl<'py> Fast<'py> {
         let Ok(fast) = fast.cast_into::<PyTuple>() else {
             return Ok(None);
         };
-        if fast.get_item(0)?.extract::<u64>()? != FORKS.load(Ordering::Relaxed) {
+        if fast.get_item(0)?.extract::<u64>()? != isthmus::binding::forks() {
             return Ok(None);
         }
         let loop_ = fast.get_item(1)?;

@@ -279,6 +279,9 @@ impl Drain for Core {
 
 impl Drop for Core {
     fn drop(&mut self) {
+        if self.link.health.forked() {
+            return; // the lending records are the parent's to keep (link.rs)
+        }
         if let Some(shared) = &self.shared {
             // Even after a panic under the lock: the blocks' bookkeeping is whole between calls,
             // and freeing them now could change what the client reads.
@@ -912,6 +915,9 @@ impl DerefMut for BlockMut {
 impl Drop for BlockMut {
     fn drop(&mut self) {
         let core = &self.sender.core;
+        if core.link.health.forked() {
+            return; // the control words and the peer's bell are the parent's (link.rs)
+        }
         if self.announced != 0 {
             // After the push when the block was sent: the peer's spin lasts until the frame is
             // there. The peer may scribble on the word; that only misleads its own spin.

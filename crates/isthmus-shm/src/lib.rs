@@ -107,6 +107,14 @@ pub fn block_sigpipe_on_this_thread() {
     sys::block_sigpipe();
 }
 
+/// Forks this process has gone through since the transport was first used: a value taken
+/// before a `fork` differs in the child. A connection made before a fork is unusable in the
+/// child, and leaves the parent's untouched (see `link.rs`); a binding's runtime made before a
+/// fork has no threads in the child and must be made anew.
+pub fn forks() -> u64 {
+    sys::forks()
+}
+
 #[doc(hidden)]
 pub mod fuzz {
     //! Entry points for the fuzz targets in `fuzz/`: each feeds arbitrary bytes to a decoder of

@@ -55,16 +55,39 @@ use crate::sys::{self, SocketState};
 /// Whether a connection is still usable, and if not, why. Outlives the socket (views of the
 /// peer's arena hold it), so it keeps only the socket's number, cleared under the lock before
 /// the socket is closed: a late failure can still shut the socket down, never a recycled fd.
-#[derive(Debug, Default)]
+///
+/// A connection belongs to the process that made it. In a child forked since, it counts as
+/// closed, and nothing of it may reach the peer: its rings, arena and socket are the parent's
+/// still, so the child sends, receives and releases nothing, and never shuts the socket down
+/// (which would end the parent's connection too).
+#[derive(Debug)]
 pub(crate) struct Health {
     closed: AtomicBool,
     reason: Mutex<Option<(ErrorKind, String)>>,
     socket: Mutex<Option<RawFd>>,
+    /// [`sys::forks`] when the connection was made.
+    made_in: u64,
+}
+
+impl Default for Health {
+    fn default() -> Health {
+        Health {
+            closed: AtomicBool::new(false),
+            reason: Mutex::default(),
+            socket: Mutex::default(),
+            made_in: sys::forks(),
+        }
+    }
 }
 
 impl Health {
     pub(crate) fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
+        self.closed.load(Ordering::Acquire) || self.forked()
+    }
+
+    /// Whether this process is a child forked since the connection was made.
+    pub(crate) fn forked(&self) -> bool {
+        sys::forks() != self.made_in
     }
 
     /// Records the first fatal error; later ones are ignored.
@@ -77,9 +100,13 @@ impl Health {
         self.closed.store(true, Ordering::Release);
     }
 
-    /// Records `e` and shuts the socket down, so the peer sees EOF and our sleepers wake.
+    /// Records `e` and shuts the socket down, so the peer sees EOF and our sleepers wake (not
+    /// in a forked child: the socket is the parent's connection too).
     pub(crate) fn fail_and_hang_up(&self, e: Error) {
         self.fail(e);
+        if self.forked() {
+            return;
+        }
         if let Ok(sock) = self.socket.lock() {
             if let Some(fd) = *sock {
                 sys::shutdown(fd);
@@ -89,6 +116,12 @@ impl Health {
 
     /// The error that closed the connection.
     pub(crate) fn error(&self) -> Error {
+        if self.forked() {
+            return Error::new(
+                ErrorKind::Closed,
+                "the connection was made by the parent of this process, before a fork; this process makes its own",
+            );
+        }
         match self.reason.lock().ok().and_then(|r| r.clone()) {
             Some((kind, msg)) => Error::new(kind, msg),
             None => Error::new(ErrorKind::Closed, "the connection is closed"),

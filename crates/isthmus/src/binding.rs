@@ -36,22 +36,54 @@ use crate::status::{Code, Status};
 /// threads: the machines isthmus is built for have few cores, and calls that wait read their
 /// own replies.
 ///
+/// A child forked since the runtime was made gets a runtime of its own on first use: the
+/// parent's worker threads do not exist in it. The parent's runtime is left as it is (dropping
+/// it would wait for those threads); its tasks never run in the child, and the connections
+/// they served are unusable there anyway ([`forks`]).
+///
 /// # Panics
 ///
 /// If the operating system refuses the runtime's threads at first use.
 pub fn runtime() -> &'static tokio::runtime::Runtime {
-    static RUNTIME: std::sync::OnceLock<tokio::runtime::Runtime> = std::sync::OnceLock::new();
-    RUNTIME.get_or_init(|| {
-        tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("isthmus")
-            // The host may not ignore SIGPIPE (a Go or C program): a peer that hangs up while
-            // a worker writes to its Unix socket must fail that write, not kill the host.
-            .on_thread_start(isthmus_shm::block_sigpipe_on_this_thread)
-            .enable_all()
-            .build()
-            .unwrap_or_else(|e| panic!("isthmus cannot start its runtime: {e}"))
-    })
+    type Made = (u64, &'static tokio::runtime::Runtime);
+    thread_local! {
+        static SEEN: std::cell::Cell<Option<Made>> = const { std::cell::Cell::new(None) };
+    }
+    static CURRENT: std::sync::Mutex<Option<Made>> = std::sync::Mutex::new(None);
+    let forks = isthmus_shm::forks();
+    if let Some((made_in, rt)) = SEEN.get() {
+        if made_in == forks {
+            return rt;
+        }
+    }
+    let mut current = CURRENT.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let made = match *current {
+        Some(made) if made.0 == forks => made,
+        _ => {
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .thread_name("isthmus")
+                // The host may not ignore SIGPIPE (a Go or C program): a peer that hangs up
+                // while a worker writes to its Unix socket must fail that write, not kill the
+                // host.
+                .on_thread_start(isthmus_shm::block_sigpipe_on_this_thread)
+                .enable_all()
+                .build()
+                .unwrap_or_else(|e| panic!("isthmus cannot start its runtime: {e}"));
+            (forks, &*Box::leak(Box::new(rt)))
+        }
+    };
+    *current = Some(made);
+    SEEN.set(Some(made));
+    made.1
+}
+
+/// Forks this process has gone through since isthmus was first used (the transport's count): a
+/// value a binding keeps differs in a child forked since. A connection made before a fork is
+/// unusable in the child (its calls fail UNAVAILABLE and the channel connects anew) and the
+/// child's use of it leaves the parent's connection alone.
+pub fn forks() -> u64 {
+    isthmus_shm::forks()
 }
 
 /// Runs `fut` to completion on the calling thread, in the binding [`runtime`]'s context. From

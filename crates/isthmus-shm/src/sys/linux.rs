@@ -248,6 +248,24 @@ pub(crate) fn block_sigpipe() {
     }
 }
 
+/// Forks this process has gone through, as a child counts them: 0 in the process that first
+/// asked, and one more in each child of a `fork` made after that (a child handler registered
+/// with `pthread_atfork` on the first call).
+pub(crate) fn forks() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static FORKS: AtomicU64 = AtomicU64::new(0);
+    static REGISTER: std::sync::Once = std::sync::Once::new();
+    extern "C" fn count_fork() {
+        FORKS.fetch_add(1, Ordering::Relaxed);
+    }
+    REGISTER.call_once(|| {
+        // SAFETY: `count_fork` is async-signal-safe (one atomic add) and lives as long as the
+        // process; registering a child handler has no other effect.
+        unsafe { libc::pthread_atfork(None, None, Some(count_fork)) };
+    });
+    FORKS.load(Ordering::Relaxed)
+}
+
 /// Sends `data` on a stream socket with `fds` attached as SCM_RIGHTS.
 pub(crate) fn send_with_fds(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     let raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();
