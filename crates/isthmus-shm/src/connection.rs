@@ -790,6 +790,12 @@ impl Sender {
         self.core.link.health.is_closed()
     }
 
+    /// Whether this process is a child forked since the connection was made: the connection
+    /// is the parent's, and counts as closed here (see [`crate::forks`]).
+    pub fn forked(&self) -> bool {
+        self.core.link.health.forked()
+    }
+
     /// Checks the socket now (one non-blocking system call) and reports a dead peer.
     pub fn check_alive(&self) -> Result<()> {
         self.core.link.poll_alive()
@@ -1289,6 +1295,7 @@ impl Receiver {
     /// frame is already waiting; then call [`try_recv`](Self::try_recv) instead of sleeping.
     /// After the loop reports the fd readable, call [`disarm`](Self::disarm).
     pub fn arm(&self) -> Result<bool> {
+        self.core.link.check()?; // closed, or the parent's connection in a forked child
         let parked = self.core.seg.ctl_u32(self.core.rx, layout::CTL_CONSUMER_PARKED);
         parked.store(1, std::sync::atomic::Ordering::Relaxed);
         std::sync::atomic::fence(std::sync::atomic::Ordering::SeqCst);
@@ -1302,6 +1309,9 @@ impl Receiver {
     /// Ends a sleep begun with [`arm`](Self::arm): clears the announcement and the doorbell and
     /// checks the socket, reporting a dead peer.
     pub fn disarm(&self) -> Result<()> {
+        if self.core.link.health.forked() {
+            return self.core.link.check(); // the parent's words and doorbell (link.rs)
+        }
         let parked = self.core.seg.ctl_u32(self.core.rx, layout::CTL_CONSUMER_PARKED);
         parked.store(0, std::sync::atomic::Ordering::Relaxed);
         crate::sys::eventfd_drain(self.core.bells.my_rx.fd());
@@ -1339,6 +1349,9 @@ impl Interrupter {
     pub fn interrupt(&self) {
         let c = &self.core;
         c.interrupted.store(true, std::sync::atomic::Ordering::Release);
+        if c.link.health.forked() {
+            return; // the parent's control word and doorbell (link.rs)
+        }
         wake_if_parked(c.seg.ctl_u32(c.rx, layout::CTL_CONSUMER_PARKED), &c.bells.my_rx);
     }
 }

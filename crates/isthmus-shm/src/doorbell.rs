@@ -59,6 +59,16 @@ pub(crate) struct Bell {
     fd: OwnedFd,
     poller: AtomicBool,
     woken: Event,
+    /// [`sys::forks`] when the bell was made (see [`crate::link::keep_registration_if_forked`]).
+    #[cfg(feature = "tokio")]
+    made_in: u64,
+}
+
+impl Drop for Bell {
+    fn drop(&mut self) {
+        #[cfg(feature = "tokio")]
+        crate::link::keep_registration_if_forked(&mut self.async_fd, self.made_in);
+    }
 }
 
 impl Bell {
@@ -69,6 +79,8 @@ impl Bell {
             fd,
             poller: AtomicBool::new(false),
             woken: Event::new(),
+            #[cfg(feature = "tokio")]
+            made_in: sys::forks(),
         }
     }
 

@@ -264,6 +264,20 @@ impl Drop for Link {
         if let Ok(mut s) = self.health.socket.lock() {
             *s = None;
         }
+        #[cfg(feature = "tokio")]
+        keep_registration_if_forked(&mut self.async_fd, self.health.made_in);
+    }
+}
+
+/// In a child forked since `made_in`, leaves the registration in `cell` with the parent's
+/// reactor as it is: dropping it deregisters the fd (`EPOLL_CTL_DEL`) from the epoll instance
+/// parent and child share, which would remove the parent's registration of the same file.
+#[cfg(feature = "tokio")]
+pub(crate) fn keep_registration_if_forked(cell: &mut AsyncCell, made_in: u64) {
+    if sys::forks() != made_in {
+        if let Some(Ok(registration)) = cell.take() {
+            std::mem::forget(registration);
+        }
     }
 }
 

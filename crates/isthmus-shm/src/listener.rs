@@ -19,6 +19,8 @@ pub struct Listener {
     cfg: Config,
     file_id: (u64, u64),
     shared: Option<SharedArena>,
+    /// [`sys::forks`] at bind: a child forked since leaves the socket file to the parent.
+    made_in: u64,
 }
 
 /// An accepted socket whose handshake has not run yet. Run it with
@@ -83,7 +85,7 @@ impl Listener {
             Err(e) => return Err(Error::io(format!("cannot bind {}", path.display()), e)),
         };
         let file_id = sys::file_id(path).map_err(|e| Error::io(format!("cannot inspect {}", path.display()), e))?;
-        Ok(Listener { inner, addr: addr.clone(), cfg, file_id, shared })
+        Ok(Listener { inner, addr: addr.clone(), cfg, file_id, shared, made_in: sys::forks() })
     }
 
     /// Accepts one connection and runs its handshake. A handshake failure (version mismatch,
@@ -130,8 +132,9 @@ impl AsFd for Listener {
 impl Drop for Listener {
     fn drop(&mut self) {
         let path = self.addr.socket_path();
-        // Only remove the file if it is still the socket we bound, not a successor's.
-        if sys::file_id(path).is_ok_and(|id| id == self.file_id) {
+        // Only remove the file if it is still the socket we bound, not a successor's, and this
+        // is the process that bound it (a forked child's copy would take the parent's address).
+        if sys::forks() == self.made_in && sys::file_id(path).is_ok_and(|id| id == self.file_id) {
             let _ = std::fs::remove_file(path);
         }
     }

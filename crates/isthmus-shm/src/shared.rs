@@ -62,6 +62,9 @@ struct Inner {
     drains: Mutex<Vec<Weak<dyn Drain>>>,
     /// Blocks held by the clients of connections that ended, until those processes exit.
     graves: Mutex<Vec<Grave>>,
+    /// [`sys::forks`] when the arena was made: a child forked since allocates nothing in it,
+    /// since its copy of the bookkeeping would hand out blocks the parent hands out too.
+    made_in: u64,
 }
 
 /// What a client process may still read after its connections ended.
@@ -108,6 +111,7 @@ impl SharedArena {
                 alloc: Mutex::new(Allocator::new(size)),
                 drains: Mutex::new(Vec::new()),
                 graves: Mutex::new(Vec::new()),
+                made_in: sys::forks(),
             }),
         })
     }
@@ -149,6 +153,9 @@ impl SharedArena {
                 ErrorKind::TooLarge,
                 format!("a shared block must hold 1 byte to half the {}-byte shared arena; {len} asked", self.size()),
             ));
+        }
+        if sys::forks() != self.inner.made_in {
+            return Ok(None); // the parent's arena (see `made_in`): the message goes as copies
         }
         self.reap();
         if let Some(block) = self.alloc_now(len) {

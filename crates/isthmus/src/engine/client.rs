@@ -390,6 +390,10 @@ impl ShmCall {
     fn poll_next(&mut self, cx: &mut Context<'_>) -> Poll<Result<Next, Status>> {
         self.state.settle();
         let inbox = &self.state.stream.shared.inbox;
+        // A call made before a fork, in the child: nobody would ever read for it.
+        if !inbox.is_ready() {
+            self.state.mux.end_if_forked();
+        }
         // The call reads its own reply (see `Mux::read_here`), unless its channel leaves that to
         // the reader task.
         if self.reads && !self.read_dry && !inbox.is_ready() {

@@ -1150,6 +1150,21 @@ impl Mux {
         self.sender.close();
     }
 
+    /// In a child forked since the connection was made, nothing reads it here (its reader task
+    /// ran on the parent's runtime), so every call on it ends now with the connection's error
+    /// (UNAVAILABLE), and true says so.
+    pub(crate) fn end_if_forked(&self) -> bool {
+        if !self.sender.forked() {
+            return false;
+        }
+        let why = self.sender.check_alive().err().map_or_else(
+            || Status::new(Code::Unavailable, "the connection was made before a fork"),
+            |e| Status::from_transport(&e),
+        );
+        self.fail_all(why);
+        true
+    }
+
     /// Every call on the connection ends with `status`, and the connection counts as dead.
     pub(crate) fn fail_all(&self, status: Status) {
         self.set_dead(status.clone());
