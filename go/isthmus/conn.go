@@ -39,8 +39,8 @@ type ClientConn struct {
 	closed atomic.Bool
 	// uses counts the references to ch: one of the connection's own, which Close drops, and
 	// one per cgo call in progress that passes it. ch is freed when the count reaches 0, so
-	// that no call passes a handle freed under it (a handle is an address, which a new
-	// handle may take).
+	// that no call passes a handle freed under it (the library would refuse it as no channel,
+	// INVALID_ARGUMENT, where the call should end with the connection's closing).
 	uses  atomic.Int64
 	freed sync.Once
 	// shm: the target is shared memory, where large requests are written in place.

@@ -6,11 +6,10 @@
 //! ever mapped there, so a value is no object's address (a garbage collector that scans the
 //! caller's memory, as Go's does, takes it for none of its own, and a C caller that dereferences
 //! one faults at once), and a value is not handed out again until 2^36 handles later (2^28 in
-//! the smaller range). A handle
-//! freed twice is refused even when other handles were made in between: an object's own
-//! address, the handle this used to be, came back from the allocator for the next object of its
-//! size at once, so the second free freed that one. Where the range cannot be reserved (an
-//! address-space limit), handles fall back to the objects' addresses.
+//! the smaller range). A handle freed twice is refused even when other handles were made in
+//! between: an object's own address, the handle this used to be, came back from the allocator
+//! for the next object of its size at once, so the second free freed that one. Where the range
+//! cannot be reserved (an address-space limit), handles fall back to the objects' addresses.
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -12,8 +12,9 @@
 //!   a pointer that is no handle of that type is refused with `ISTHMUS_INVALID_ARGUMENT`
 //!   instead of crashing. A handle's value is not handed out again until 2^36 more handles
 //!   have been made (2^28 where the address space is limited; `handle.rs`), so a handle freed
-//!   twice is refused even when others were made in between. The registry keeps every handle reachable, so
-//!   leak checkers cannot see one never freed: `isthmus_live_handles` counts them instead.
+//!   twice is refused even when others were made in between. The registry keeps every handle
+//!   reachable, so leak checkers cannot see one never freed: `isthmus_live_handles` counts them
+//!   instead.
 //! - **Errors.** Fallible functions return an `isthmus_code_t`: `ISTHMUS_OK` (0) or a gRPC
 //!   status code. Where a function takes `isthmus_status_t **status` and it is not NULL, a
 //!   failure stores there a status (code, message, details, trailers) that the caller frees with

@@ -59,9 +59,9 @@ pub(crate) struct Bell {
     fd: OwnedFd,
     poller: AtomicBool,
     woken: Event,
-    /// [`sys::forks`] when the bell was made (see [`crate::link::keep_registration_if_forked`]).
+    /// See [`crate::link::keep_registration_if_forked`].
     #[cfg(feature = "tokio")]
-    made_in: u64,
+    made_in: crate::link::MadeIn,
 }
 
 impl Drop for Bell {
@@ -80,7 +80,7 @@ impl Bell {
             poller: AtomicBool::new(false),
             woken: Event::new(),
             #[cfg(feature = "tokio")]
-            made_in: sys::forks(),
+            made_in: crate::link::MadeIn::now(),
         }
     }
 

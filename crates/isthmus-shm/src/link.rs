@@ -65,8 +65,7 @@ pub(crate) struct Health {
     closed: AtomicBool,
     reason: Mutex<Option<(ErrorKind, String)>>,
     socket: Mutex<Option<RawFd>>,
-    /// [`sys::forks`] when the connection was made.
-    made_in: u64,
+    made_in: MadeIn,
 }
 
 impl Default for Health {
@@ -75,8 +74,25 @@ impl Default for Health {
             closed: AtomicBool::new(false),
             reason: Mutex::default(),
             socket: Mutex::default(),
-            made_in: sys::forks(),
+            made_in: MadeIn::now(),
         }
+    }
+}
+
+/// The process a part of the transport was made in, as the fork count ([`sys::forks`]) then:
+/// in a child forked since, the part is the parent's, and the child leaves it alone (see
+/// [`Health`]). Looking costs one relaxed load.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct MadeIn(u64);
+
+impl MadeIn {
+    pub(crate) fn now() -> MadeIn {
+        MadeIn(sys::forks())
+    }
+
+    /// Whether this process is a child forked since.
+    pub(crate) fn forked(self) -> bool {
+        sys::forks_counted() != self.0
     }
 }
 
@@ -87,7 +103,7 @@ impl Health {
 
     /// Whether this process is a child forked since the connection was made.
     pub(crate) fn forked(&self) -> bool {
-        sys::forks() != self.made_in
+        self.made_in.forked()
     }
 
     /// Records the first fatal error; later ones are ignored.
@@ -273,8 +289,8 @@ impl Drop for Link {
 /// reactor as it is: dropping it deregisters the fd (`EPOLL_CTL_DEL`) from the epoll instance
 /// parent and child share, which would remove the parent's registration of the same file.
 #[cfg(feature = "tokio")]
-pub(crate) fn keep_registration_if_forked(cell: &mut AsyncCell, made_in: u64) {
-    if sys::forks() != made_in {
+pub(crate) fn keep_registration_if_forked(cell: &mut AsyncCell, made_in: MadeIn) {
+    if made_in.forked() {
         if let Some(Ok(registration)) = cell.take() {
             std::mem::forget(registration);
         }

@@ -19,8 +19,8 @@ pub struct Listener {
     cfg: Config,
     file_id: (u64, u64),
     shared: Option<SharedArena>,
-    /// [`sys::forks`] at bind: a child forked since leaves the socket file to the parent.
-    made_in: u64,
+    /// A child forked since the bind leaves the socket file to the parent.
+    made_in: crate::link::MadeIn,
 }
 
 /// An accepted socket whose handshake has not run yet. Run it with
@@ -85,7 +85,7 @@ impl Listener {
             Err(e) => return Err(Error::io(format!("cannot bind {}", path.display()), e)),
         };
         let file_id = sys::file_id(path).map_err(|e| Error::io(format!("cannot inspect {}", path.display()), e))?;
-        Ok(Listener { inner, addr: addr.clone(), cfg, file_id, shared, made_in: sys::forks() })
+        Ok(Listener { inner, addr: addr.clone(), cfg, file_id, shared, made_in: crate::link::MadeIn::now() })
     }
 
     /// Accepts one connection and runs its handshake. A handshake failure (version mismatch,
@@ -134,7 +134,7 @@ impl Drop for Listener {
         let path = self.addr.socket_path();
         // Only remove the file if it is still the socket we bound, not a successor's, and this
         // is the process that bound it (a forked child's copy would take the parent's address).
-        if sys::forks() == self.made_in && sys::file_id(path).is_ok_and(|id| id == self.file_id) {
+        if !self.made_in.forked() && sys::file_id(path).is_ok_and(|id| id == self.file_id) {
             let _ = std::fs::remove_file(path);
         }
     }

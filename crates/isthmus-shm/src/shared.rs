@@ -62,9 +62,9 @@ struct Inner {
     drains: Mutex<Vec<Weak<dyn Drain>>>,
     /// Blocks held by the clients of connections that ended, until those processes exit.
     graves: Mutex<Vec<Grave>>,
-    /// [`sys::forks`] when the arena was made: a child forked since allocates nothing in it,
-    /// since its copy of the bookkeeping would hand out blocks the parent hands out too.
-    made_in: u64,
+    /// A child forked since the arena was made allocates nothing in it: its copy of the
+    /// bookkeeping would hand out blocks the parent hands out too.
+    made_in: crate::link::MadeIn,
 }
 
 /// What a client process may still read after its connections ended.
@@ -111,7 +111,7 @@ impl SharedArena {
                 alloc: Mutex::new(Allocator::new(size)),
                 drains: Mutex::new(Vec::new()),
                 graves: Mutex::new(Vec::new()),
-                made_in: sys::forks(),
+                made_in: crate::link::MadeIn::now(),
             }),
         })
     }
@@ -154,7 +154,7 @@ impl SharedArena {
                 format!("a shared block must hold 1 byte to half the {}-byte shared arena; {len} asked", self.size()),
             ));
         }
-        if sys::forks() != self.inner.made_in {
+        if self.inner.made_in.forked() {
             return Ok(None); // the parent's arena (see `made_in`): the message goes as copies
         }
         self.reap();

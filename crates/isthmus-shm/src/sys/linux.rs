@@ -248,22 +248,30 @@ pub(crate) fn block_sigpipe() {
     }
 }
 
+/// Forks since the count was first asked for, as a child counts them (a `pthread_atfork` child
+/// handler adds one).
+static FORKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
 /// Forks this process has gone through, as a child counts them: 0 in the process that first
-/// asked, and one more in each child of a `fork` made after that (a child handler registered
-/// with `pthread_atfork` on the first call).
+/// asked, and one more in each child of a `fork` made after that (the child handler is
+/// registered on the first call).
 pub(crate) fn forks() -> u64 {
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static FORKS: AtomicU64 = AtomicU64::new(0);
     static REGISTER: std::sync::Once = std::sync::Once::new();
     extern "C" fn count_fork() {
-        FORKS.fetch_add(1, Ordering::Relaxed);
+        FORKS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     }
     REGISTER.call_once(|| {
         // SAFETY: `count_fork` is async-signal-safe (one atomic add) and lives as long as the
         // process; registering a child handler has no other effect.
         unsafe { libc::pthread_atfork(None, None, Some(count_fork)) };
     });
-    FORKS.load(Ordering::Relaxed)
+    forks_counted()
+}
+
+/// [`forks`] without the registration: for a caller that called it before (a count taken
+/// before any registration could not have changed since).
+pub(crate) fn forks_counted() -> u64 {
+    FORKS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
 /// Sends `data` on a stream socket with `fds` attached as SCM_RIGHTS.

@@ -1040,10 +1040,10 @@ impl Mux {
     /// Sends one of the reader's answers (a PING's, a refusal, a cancel), a grant or a dropped
     /// call's CANCEL without waiting: at once
     /// if the ring has room and no earlier answer waits, else after those, from a flusher (a task
-    /// of the connection's runtime, or a thread where there is none, which waits at most
-    /// waiting as long as the connection lives). Past `REPLIES_MAX` answers or `REPLY_BYTES_MAX` bytes
-    /// waiting, the peer reads nothing of ours while it keeps asking: the answer is dropped, and
-    /// `false` says so.
+    /// of the connection's runtime, or a thread where there is none; either waits as long as the
+    /// connection lives). Past `REPLIES_MAX` answers or `REPLY_BYTES_MAX` bytes waiting, the
+    /// peer reads nothing of ours while it keeps asking: the answer is dropped, and `false` says
+    /// so.
     fn reply(&self, r: Reply) -> bool {
         let Ok(mut q) = self.replies.lock() else { return false };
         if !q.flushing {
@@ -1152,17 +1152,15 @@ impl Mux {
 
     /// In a child forked since the connection was made, nothing reads it here (its reader task
     /// ran on the parent's runtime), so every call on it ends now with the connection's error
-    /// (UNAVAILABLE), and true says so.
-    pub(crate) fn end_if_forked(&self) -> bool {
-        if !self.sender.forked() {
-            return false;
+    /// (UNAVAILABLE).
+    pub(crate) fn end_if_forked(&self) {
+        if self.sender.forked() {
+            let why = self.sender.check_alive().err().map_or_else(
+                || Status::new(Code::Unavailable, "the connection was made before a fork"),
+                |e| Status::from_transport(&e),
+            );
+            self.fail_all(why);
         }
-        let why = self.sender.check_alive().err().map_or_else(
-            || Status::new(Code::Unavailable, "the connection was made before a fork"),
-            |e| Status::from_transport(&e),
-        );
-        self.fail_all(why);
-        true
     }
 
     /// Every call on the connection ends with `status`, and the connection counts as dead.
