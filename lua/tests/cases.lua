@@ -41,6 +41,26 @@ function _M.init_worker(proto_path, target)
     end
 end
 
+-- What the calls made in init_by_lua, in nginx's master, saw (init_master's targets).
+local master_results
+
+-- In the master (init_by_lua): loads the proto, connects to each of `targets` (separated by
+-- spaces) and makes one call on each, blocking; the workers, forked after, inherit the channels
+-- (each worker makes connections of its own, ADR 0030) and find them under the same targets.
+function _M.init_master(proto_path, targets)
+    proto = assert(isthmus.load_proto({ proto_path }))
+    master_results = {}
+    for target in targets:gmatch("%S+") do
+        local r = cases.unary(channel(target), {})
+        r.phase = ngx.get_phase()
+        master_results[target] = r
+    end
+end
+
+function cases.master_results()
+    return { ok = master_results ~= nil, results = master_results }
+end
+
 local function failure(err)
     return { ok = false, code = err.code, name = err.name, message = err.message,
         failed = err.trailers["x-failed"] }

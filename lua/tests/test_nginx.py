@@ -439,6 +439,31 @@ def test_a_quitting_worker_answers_its_pending_calls_and_exits(servers: Callable
         own.close()  # waits for the graceful exit, and fails if it does not come
 
 
+def test_channels_made_in_init_by_lua_serve_the_worker_forked_after(servers: Callable[[str], Served]) -> None:
+    """nginx's master connects in init_by_lua and calls over shm://, unix:// and http://, then
+    forks its worker, which calls on the same channels: each worker connects anew and the
+    master's connections are left alone (ADR 0030). Before, the worker's calls over HTTP/2
+    waited for their deadline: the connection was a task of the master's runtime."""
+    served = servers("rust")
+    targets = [served.addresses[t] for t in ("shm", "unix", "http")]
+    proto = ROOT / "tests" / "proto" / "conformance.proto"
+    init = 'init_by_lua_block {{ require("cases").init_master("{}", "{}") }}'.format(proto, " ".join(targets))
+    own = Nginx(http_extra=init)
+    try:
+        seen = own.case("master_results", "")
+        assert seen["ok"], seen
+        for target in targets:
+            assert seen["results"][target]["ok"], seen
+            assert seen["results"][target]["phase"] == "init", seen
+            for _ in range(3):
+                r = own.case("unary", target)
+                assert r["ok"] and r["seq"] == "7" and r["payload"] == "hello", (target, r)
+            r = own.case("bidi", target, n=3)
+            assert r["ok"], (target, r)
+    finally:
+        own.close()
+
+
 def test_a_watcher_whose_timer_nginx_dropped_is_made_anew(servers: Callable[[str], Served]) -> None:
     """Two timers hold the worker's two running timers for 3 s (lua_max_running_timers 2), so
     nginx drops the watcher's timer ("lua_max_running_timers are not enough"). The waiting call

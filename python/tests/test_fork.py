@@ -1,8 +1,10 @@
 """A process forked after isthmus was used (a data loader's workers, a pre-forking server): the
-child's calls work, on channels made before the fork and after it, blocking and asyncio, and
-the parent's connection is left as it was, whatever the child does with what it inherited.
-(Before, the child's calls shared the parent's connection, so the parent could be handed the
-child's reply, and an asyncio call in the child waited for ever on the parent's runtime.)"""
+child's calls work, on channels made before the fork and after it, blocking and asyncio, over
+shared memory and over HTTP/2, and the parent's connections are left as they were, whatever the
+child does with what it inherited. (Before, the child's calls shared the parent's shm://
+connection, so the parent could be handed the child's reply; an asyncio call in the child waited
+for ever on the parent's runtime; and a call on an HTTP/2 channel made before the fork waited
+for its deadline, its connection being a task of that runtime.)"""
 
 from __future__ import annotations
 
@@ -11,25 +13,49 @@ import json
 import os
 import queue
 import signal
+import threading
+import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import grpc
+import pytest
 from clients import WATCHDOG
-from peer import Served
+from peer import Served, serve
 
 import isthmus
 import isthmus.aio
 
 
+def forked(child: Callable[[], dict]) -> dict:
+    """Runs `child` in a forked child, which reports through a pipe and never returns into
+    pytest; what it reported. A watchdog the kernel carries out ends a child that hangs, even
+    in native code, and the parent sees how it ended."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        signal.signal(signal.SIGALRM, signal.SIG_DFL)
+        signal.alarm(60)
+        try:
+            report = child()
+        except BaseException as e:  # anything the child meets is the parent's to report
+            report = {"error": repr(e)}
+        os.write(write, json.dumps(report).encode())
+        os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as r:
+        seen: dict = json.loads(r.read() or b'{"error": "the child reported nothing"}')
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, f"the child ended with {status:#x}: {seen}"
+    return seen
+
+
 def in_the_child(
     target: str, stub: Any, channel: Any, pb: ModuleType, pb_grpc: ModuleType, stream: Iterator[Any]
 ) -> dict:
-    # A watchdog the kernel carries out: a child that hangs in native code dies all the same,
-    # and the parent sees how it ended.
-    signal.signal(signal.SIGALRM, signal.SIG_DFL)
-    signal.alarm(60)
     seen: dict[str, Any] = {}
     # The stream the parent opened: nothing of it is this process's to read.
     try:
@@ -62,21 +88,7 @@ def test_a_forked_child_calls_and_the_parents_connection_is_untouched(
     stream = stub.Bidi(iter(requests.get, None), timeout=WATCHDOG)
     requests.put(pb.EchoRequest(seq=100))
     assert next(stream).seq == 100
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: reports through the pipe, and never returns into pytest
-        os.close(read)
-        try:
-            report: dict = in_the_child(target, stub, channel, pb, pb_grpc, stream)
-        except BaseException as e:  # anything the child meets is the parent's to report
-            report = {"error": repr(e)}
-        os.write(write, json.dumps(report).encode())
-        os._exit(0)
-    os.close(write)
-    with os.fdopen(read, "rb") as r:
-        seen = json.loads(r.read() or b'{"error": "the child reported nothing"}')
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, f"the child ended with {status:#x}: {seen}"
+    seen = forked(lambda: in_the_child(target, stub, channel, pb, pb_grpc, stream))
     assert seen == {"stream": "UNAVAILABLE", "inherited": [2, 3, 4], "fresh": 5, "aio": 6}
     try:
         requests.put(pb.EchoRequest(seq=101))
@@ -87,3 +99,90 @@ def test_a_forked_child_calls_and_the_parents_connection_is_untouched(
             assert stub.Unary(pb.EchoRequest(seq=seq), timeout=WATCHDOG).seq == seq
     finally:
         channel.close()
+
+
+def test_a_forked_child_calls_on_http2_channels_made_before_the_fork(
+    servers: Callable[[str], Served], pb: ModuleType, pb_grpc: ModuleType
+) -> None:
+    served = servers("rust")
+    off = [("isthmus.upgrade", False)]
+    channels = {t: isthmus.insecure_channel(served.addresses[t], options=off) for t in ("unix", "http")}
+    # Its calls move to shm:// once its probe has run: in the parent, and again in the child.
+    channels["moving"] = isthmus.insecure_channel(served.addresses["http"])
+    stubs = {name: pb_grpc.EchoStub(c) for name, c in channels.items()}
+    try:
+        for stub in stubs.values():
+            assert stub.Unary(pb.EchoRequest(seq=1), timeout=WATCHDOG).seq == 1
+
+        def child() -> dict:
+            seen: dict[str, Any] = {
+                name: [stub.Unary(pb.EchoRequest(seq=s), timeout=WATCHDOG).seq for s in (2, 3)]
+                for name, stub in stubs.items()
+            }
+            moving = channels["moving"]
+            for _ in range(500):
+                stubs["moving"].Unary(pb.EchoRequest(seq=4), timeout=WATCHDOG)
+                if moving.upgrade_status().startswith("shm://"):
+                    break
+                time.sleep(0.01)
+            seen["moved"] = moving.upgrade_status().startswith("shm://")
+            for c in channels.values():
+                c.close()
+            return seen
+
+        seen = forked(child)
+        assert seen == {"unix": [2, 3], "http": [2, 3], "moving": [2, 3], "moved": True}
+        for seq, stub in enumerate(stubs.values(), start=10):
+            assert stub.Unary(pb.EchoRequest(seq=seq), timeout=WATCHDOG).seq == seq, "the parent's go on"
+    finally:
+        for c in channels.values():
+            c.close()
+
+
+@pytest.mark.parametrize("shape", ["unary", "stream"])
+def test_a_child_forked_while_a_call_waits_for_its_server_connects_for_itself(
+    stubs: Path, pb: ModuleType, pb_grpc: ModuleType, shape: str
+) -> None:
+    """A call with `wait_for_ready` holds its channel's connecting lock while it waits for the
+    server (a unary call the blocking channel's, a stream the engine's); a child forked
+    meanwhile connects on its own (here: finds no server, UNAVAILABLE at once). Before, the
+    child found the lock held for ever by a thread or task it does not have."""
+    target = f"shm://py-fork-wait-{os.getpid()}-{time.monotonic_ns()}"
+    channel = isthmus.insecure_channel(target)
+    stub = pb_grpc.EchoStub(channel)
+
+    def call(seq: int, **options: Any) -> list[int]:
+        if shape == "unary":
+            return [stub.Unary(pb.EchoRequest(seq=seq), **options).seq]
+        return [r.seq for r in stub.ServerStream(pb.StreamRequest(count=2), **options)]
+
+    waited: list[Any] = []
+
+    def wait() -> None:
+        try:
+            waited.append(call(1, timeout=WATCHDOG, wait_for_ready=True))
+        except grpc.RpcError as e:  # the test's failure is told below, not by this thread
+            waited.append(e.code().name)
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    # Time for the waiter to reach its backoff; without it the test passes without the case.
+    time.sleep(0.5)
+
+    def child() -> dict:
+        try:
+            return {"seqs": call(2, timeout=20)}
+        except grpc.RpcError as e:
+            return {"code": e.code().name}
+
+    try:
+        assert forked(child) == {"code": "UNAVAILABLE"}
+        served = serve("rust", ["shm"], stubs, targets=[target])
+        try:
+            waiter.join(WATCHDOG)
+            assert len(waited) == 1 and isinstance(waited[0], list) and waited[0], waited
+        finally:
+            served.close()
+    finally:
+        channel.close()
+        waiter.join(WATCHDOG)

@@ -67,13 +67,64 @@ enum Via {
     /// `connectivity`: what the connector under tonic's channel saw of its connections.
     /// `closed`: the status `close` gave, which every call by path in progress ends with.
     Http {
-        channel: tonic::transport::Channel,
+        channel: HttpChannel,
         target: String,
         upgrade: Option<Arc<Upgrade>>,
         max_message: usize,
         connectivity: Arc<Tracker>,
         closed: tokio::sync::watch::Sender<Option<Status>>,
     },
+}
+
+/// tonic's channel under an HTTP/2 target. Its connection is a task on the runtime it was made
+/// on, so in a child forked since (whose runtime is its own, ADR 0030) nothing would ever carry
+/// a call on it: the child makes a channel of its own on first use, connecting anew, and leaves
+/// the parent's untouched. Not even dropped: the last handle's drop wakes the channel's worker,
+/// which would ring the parent's runtime through the descriptor both processes hold. The
+/// parent's own calls look at one fork count and take no lock.
+struct HttpChannel {
+    /// The channel made with this one (`None` only while it is dropped).
+    made: Option<tonic::transport::Channel>,
+    made_in: u64,
+    /// Makes the channel again, connecting on its first call.
+    remake: Box<dyn Fn() -> tonic::transport::Channel + Send + Sync>,
+    /// A forked child's own channel, with the fork count it was made under.
+    child: std::sync::Mutex<Option<(u64, tonic::transport::Channel)>>,
+    connectivity: Arc<Tracker>,
+}
+
+impl HttpChannel {
+    /// The channel this process's calls go on.
+    fn get(&self) -> tonic::transport::Channel {
+        let forks = isthmus_shm::forks();
+        if let (true, Some(made)) = (forks == self.made_in, &self.made) {
+            return made.clone();
+        }
+        let mut child = self.child.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &mut *child {
+            Some((made_in, channel)) if *made_in == forks => channel.clone(),
+            slot => {
+                // tonic starts the channel's worker with `tokio::spawn`: on the binding runtime
+                // (made anew in the child) unless the caller runs in a runtime of its own.
+                let _in_runtime =
+                    tokio::runtime::Handle::try_current().is_err().then(|| crate::binding::runtime().enter());
+                let channel = (self.remake)();
+                if let Some((_, grandparents)) = slot.replace((forks, channel.clone())) {
+                    std::mem::forget(grandparents);
+                }
+                self.connectivity.forked();
+                channel
+            }
+        }
+    }
+}
+
+impl Drop for HttpChannel {
+    fn drop(&mut self) {
+        if isthmus_shm::forks() != self.made_in {
+            std::mem::forget(self.made.take());
+        }
+    }
 }
 
 impl Via {
@@ -141,17 +192,31 @@ impl ChannelBuilder {
             }
             other => {
                 let (endpoint, connector, peer, connectivity) = self.http_parts(&other)?;
-                let channel = endpoint.connect_with_connector(connector).await.map_err(|e| {
+                let channel = endpoint.connect_with_connector(connector.clone()).await.map_err(|e| {
                     let why = crate::http::tls::describe(&e).unwrap_or_else(|| e.to_string());
                     Status::new(Code::Unavailable, format!("cannot connect to {}: {why}", self.target))
                 })?;
-                Ok(self.over_http(channel, peer, connectivity))
+                Ok(self.over_http(channel, endpoint, connector, peer, connectivity))
             }
         }
     }
 
-    fn over_http(&self, channel: tonic::transport::Channel, peer: HttpPeer, connectivity: Arc<Tracker>) -> Channel {
+    fn over_http(
+        &self,
+        channel: tonic::transport::Channel,
+        endpoint: tonic::transport::Endpoint,
+        connector: impl crate::http::endpoint::MakeIo + Sync,
+        peer: HttpPeer,
+        connectivity: Arc<Tracker>,
+    ) -> Channel {
         let upgrade = self.upgrade.then(|| Arc::new(Upgrade::new(self.config.clone(), peer)));
+        let channel = HttpChannel {
+            made: Some(channel),
+            made_in: isthmus_shm::forks(),
+            remake: Box::new(move || endpoint.connect_with_connector_lazy(connector.clone())),
+            child: std::sync::Mutex::new(None),
+            connectivity: connectivity.clone(),
+        };
         Channel {
             via: Arc::new(Via::Http {
                 channel,
@@ -180,7 +245,8 @@ impl ChannelBuilder {
             }),
             other => {
                 let (endpoint, connector, peer, connectivity) = self.http_parts(&other)?;
-                Ok(self.over_http(endpoint.connect_with_connector_lazy(connector), peer, connectivity))
+                let channel = endpoint.connect_with_connector_lazy(connector.clone());
+                Ok(self.over_http(channel, endpoint, connector, peer, connectivity))
             }
         }
     }
@@ -337,10 +403,10 @@ impl Channel {
         Ok(ClientCall { via: CallVia::Http(Box::new(call)) })
     }
 
-    /// The HTTP/2 channel under an HTTP/2 target.
-    pub(crate) fn http(&self) -> Option<&tonic::transport::Channel> {
+    /// The HTTP/2 channel under an HTTP/2 target (this process's: see `HttpChannel`).
+    pub(crate) fn http(&self) -> Option<tonic::transport::Channel> {
         match &*self.via {
-            Via::Http { channel, .. } => Some(channel),
+            Via::Http { channel, .. } => Some(channel.get()),
             Via::Shm(_) => None,
         }
     }
@@ -374,7 +440,11 @@ impl Channel {
         let tracker = self.tracker();
         let state = match &*self.via {
             Via::Shm(shm) => shm.connectivity(),
-            Via::Http { .. } => tracker.get(),
+            Via::Http { channel, .. } => {
+                // In a child forked since, the parent's state is not this process's.
+                drop(channel.get());
+                tracker.get()
+            }
         };
         if try_to_connect && matches!(state, Connectivity::Idle | Connectivity::TransientFailure) {
             tracker.kick(Arc::downgrade(&self.via), Channel::attempt);
@@ -494,7 +564,7 @@ impl Channel {
         // move, once per call. The paths taken less often are boxed, and the call is finished
         // in a future of its own, so that its state does not sit beside the start's (2,352
         // bytes before; `-Zprint-type-sizes`).
-        if self.http().is_some() {
+        if matches!(&*self.via, Via::Http { .. }) {
             return Box::pin(self.unary_http(path, request, options)).await;
         }
         // The engine's own start, not `start_shm_with`: a future more around it made this one

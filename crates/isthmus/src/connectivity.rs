@@ -108,6 +108,21 @@ impl Tracker {
         Live { tracker: self.clone(), generation }
     }
 
+    /// A child forked since the channel was made begins its own connection (ADR 0030): IDLE,
+    /// unless closed, with no attempt running (the parent's ran on a runtime the child does not
+    /// have), and the parent's connections no longer count.
+    pub(crate) fn forked(&self) {
+        self.state.send_if_modified(|s| {
+            self.generation.fetch_add(1, Ordering::AcqRel);
+            let moves = *s != Connectivity::Idle && *s != Connectivity::Shutdown;
+            if moves {
+                *s = Connectivity::Idle;
+            }
+            moves
+        });
+        self.attempting.store(false, Ordering::Release);
+    }
+
     /// The channel was closed: SHUTDOWN, for good.
     pub(crate) fn shutdown(&self) {
         self.state.send_if_modified(|s| std::mem::replace(s, Connectivity::Shutdown) != Connectivity::Shutdown);

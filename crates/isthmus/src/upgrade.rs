@@ -210,6 +210,10 @@ enum State {
 /// An HTTP/2 channel's upgrade state, shared by its clones.
 pub(crate) struct Upgrade {
     state: Mutex<State>,
+    /// The fork count `state` belongs to: a child forked since starts over (ADR 0030), since
+    /// a probe running at the fork ran on the parent's runtime and never ends in the child, and
+    /// the `shm://` connection it moved to is the parent's.
+    forks: AtomicU64,
     config: Config,
     /// Who is at the other end of the channel's HTTP/2 connection (its connector records it).
     http_peer: HttpPeer,
@@ -221,6 +225,7 @@ impl Upgrade {
     pub(crate) fn new(config: Config, http_peer: HttpPeer) -> Upgrade {
         Upgrade {
             state: Mutex::new(State::Idle { next_probe: Instant::now(), probed: false }),
+            forks: AtomicU64::new(isthmus_shm::forks()),
             config,
             http_peer,
             shm: AtomicU64::new(0),
@@ -232,7 +237,7 @@ impl Upgrade {
     /// connection is up; otherwise starts a probe over `http` if one is due (inside a tokio
     /// runtime) and returns `None`.
     pub(crate) fn route(self: &Arc<Self>, http: &Channel) -> Option<(Channel, UpgradedTo)> {
-        let mut state = self.state.lock().ok()?;
+        let mut state = self.state()?;
         match &*state {
             State::Shm { channel, to } => {
                 if channel.shm_connected() {
@@ -253,9 +258,20 @@ impl Upgrade {
         }
     }
 
+    /// The state, as this process's: in a child forked since, a new start (closed stays closed).
+    fn state(&self) -> Option<std::sync::MutexGuard<'_, State>> {
+        let mut state = self.state.lock().ok()?;
+        let forks = isthmus_shm::forks();
+        if self.forks.swap(forks, Ordering::Relaxed) != forks && !matches!(*state, State::Closed) {
+            // Not dropped: the parent's `shm://` channel is the parent's to close.
+            std::mem::forget(std::mem::replace(&mut *state, State::Idle { next_probe: Instant::now(), probed: false }));
+        }
+        Some(state)
+    }
+
     /// The channel was closed: the `shm://` channel it moved to closes too, and it moves no more.
     pub(crate) fn close(&self, status: Status) {
-        if let Ok(mut state) = self.state.lock() {
+        if let Some(mut state) = self.state() {
             if let State::Shm { channel, .. } = std::mem::replace(&mut *state, State::Closed) {
                 channel.close(status);
             }
@@ -292,9 +308,9 @@ impl Upgrade {
     }
 
     pub(crate) fn status(&self) -> UpgradeStatus {
-        match self.state.lock().as_deref() {
-            Ok(State::Shm { to, .. }) => UpgradeStatus::Shm(to.clone()),
-            Ok(State::Idle { probed: true, .. } | State::Probing { probed: true } | State::Closed) => {
+        match self.state().as_deref() {
+            Some(State::Shm { to, .. }) => UpgradeStatus::Shm(to.clone()),
+            Some(State::Idle { probed: true, .. } | State::Probing { probed: true } | State::Closed) => {
                 UpgradeStatus::Http2
             }
             _ => UpgradeStatus::Pending,

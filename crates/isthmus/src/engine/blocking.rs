@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use isthmus_shm::{flags, BlockMut, Config, Kind};
 
-use super::call::{head_frame, open_head, request_in_head, CallState, Next, Reconnect, Slot};
+use super::call::{head_frame, open_head, request_in_head, CallState, ConnectLock, Next, Reconnect, Slot};
 use crate::call::{check_path, CallOptions, Response};
 use crate::connectivity::{Connectivity, Live, Tracker};
 use crate::engine::flow::{self, Credit};
@@ -53,7 +53,7 @@ use crate::status::{Code, Status};
 struct Inner {
     slot: Slot,
     /// Serialises reconnecting, so a burst of calls makes one connection, not many.
-    connecting: Mutex<()>,
+    connecting: ConnectLock<Mutex<()>>,
     connectivity: Arc<Tracker>,
     /// The newest connection, and what holds the channel READY for it. Nobody reads it
     /// between calls, so its end is seen by the next look ([`Channel::connectivity`], a call
@@ -69,7 +69,7 @@ impl Inner {
     fn new(slot: Slot) -> Inner {
         Inner {
             slot,
-            connecting: Mutex::new(()),
+            connecting: ConnectLock::default(),
             connectivity: Arc::default(),
             live: Mutex::new(None),
             last_start: AtomicU64::new(0),
@@ -135,7 +135,8 @@ impl Channel {
             return Ok(m);
         }
         self.inner.slot.closed()?;
-        let _one_at_a_time = self.inner.connecting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let connecting = self.inner.connecting.get();
+        let _one_at_a_time = connecting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut reconnect = Reconnect::new();
         loop {
             if let Some(m) = self.inner.slot.live() {

@@ -108,6 +108,33 @@ pub(crate) fn head_frame<'a>(head: &'a wire::HeadParts<'_>, first: Option<&'a [u
     (flags, head.parts_with(first.unwrap_or_default()))
 }
 
+/// The lock that serialises a channel's reconnecting, which a call holds while it waits for a
+/// server (`wait_for_ready`'s backoff): one per process. A child forked while a thread or task
+/// of its parent held it would otherwise find it held for ever, since nothing of the parent's
+/// runs there to let it go (ADR 0030): its calls waited for their deadline, or, on a blocking
+/// channel, for ever.
+pub(crate) struct ConnectLock<L> {
+    current: std::sync::Mutex<(u64, Arc<L>)>,
+}
+
+impl<L: Default> Default for ConnectLock<L> {
+    fn default() -> ConnectLock<L> {
+        ConnectLock { current: std::sync::Mutex::new((isthmus_shm::forks(), Arc::default())) }
+    }
+}
+
+impl<L: Default> ConnectLock<L> {
+    /// This process's lock.
+    pub(crate) fn get(&self) -> Arc<L> {
+        let forks = isthmus_shm::forks();
+        let mut current = self.current.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if current.0 != forks {
+            *current = (forks, Arc::default());
+        }
+        current.1.clone()
+    }
+}
+
 /// One channel's connection slot, shared by its clones: the target, and the live connection
 /// that calls use until it dies.
 pub(crate) struct Slot {

@@ -55,7 +55,7 @@ use bytes::Bytes;
 use isthmus_shm::{flags, BlockMut, Config, Kind};
 use tokio::time::Instant;
 
-use super::call::{head_frame, open_head, request_in_head, CallState, Next, Reconnect, Slot};
+use super::call::{head_frame, open_head, request_in_head, CallState, ConnectLock, Next, Reconnect, Slot};
 use super::flow::{self, Credit};
 use super::inbox::Event;
 use super::mux::{ConnectionCounters, Mux, StreamShared};
@@ -68,7 +68,7 @@ use crate::status::{Code, Status};
 pub(crate) struct ShmChannel {
     slot: Slot,
     /// Serialises reconnecting, so a burst of calls makes one connection, not many.
-    connecting: tokio::sync::Mutex<()>,
+    connecting: ConnectLock<tokio::sync::Mutex<()>>,
     /// gRPC's connectivity state: set as connections are made and as their readers end.
     pub(crate) connectivity: Arc<Tracker>,
 }
@@ -79,7 +79,7 @@ impl ShmChannel {
     }
 
     fn on(slot: Slot) -> ShmChannel {
-        ShmChannel { slot, connecting: tokio::sync::Mutex::new(()), connectivity: Arc::default() }
+        ShmChannel { slot, connecting: ConnectLock::default(), connectivity: Arc::default() }
     }
 
     /// A channel that refuses any server but process `pid` (an upgrade's check, ADR 0013).
@@ -124,7 +124,7 @@ impl ShmChannel {
             return Ok(m);
         }
         self.slot.closed()?;
-        let _one_at_a_time = self.connecting.lock().await;
+        let _one_at_a_time = self.connecting.get().lock_owned().await;
         let mut reconnect = Reconnect::new();
         loop {
             if let Some(m) = self.live() {
