@@ -104,39 +104,96 @@ def test_a_forked_child_calls_and_the_parents_connection_is_untouched(
 def test_a_forked_child_calls_on_http2_channels_made_before_the_fork(
     servers: Callable[[str], Served], pb: ModuleType, pb_grpc: ModuleType
 ) -> None:
+    """HTTP/2 channels made before the fork: the child's calls go on connections of its own, a
+    stream open at the fork ends UNAVAILABLE there, and channels whose calls move to shm:// move
+    in the child too, whether the parent's probe was still running at the fork ("moving") or
+    had moved them ("moved"). Before, the child's calls waited for their deadline."""
     served = servers("rust")
     off = [("isthmus.upgrade", False)]
     channels = {t: isthmus.insecure_channel(served.addresses[t], options=off) for t in ("unix", "http")}
-    # Its calls move to shm:// once its probe has run: in the parent, and again in the child.
     channels["moving"] = isthmus.insecure_channel(served.addresses["http"])
+    channels["moved"] = isthmus.insecure_channel(served.addresses["http"])
     stubs = {name: pb_grpc.EchoStub(c) for name, c in channels.items()}
     try:
         for stub in stubs.values():
             assert stub.Unary(pb.EchoRequest(seq=1), timeout=WATCHDOG).seq == 1
+        end = time.monotonic() + WATCHDOG
+        while not channels["moved"].upgrade_status().startswith("shm://") and time.monotonic() < end:
+            stubs["moved"].Unary(pb.EchoRequest(seq=1), timeout=WATCHDOG)
+            time.sleep(0.01)
+        assert channels["moved"].upgrade_status().startswith("shm://")
+        requests: queue.Queue = queue.Queue()
+        stream = stubs["unix"].Bidi(iter(requests.get, None), timeout=WATCHDOG)
+        requests.put(pb.EchoRequest(seq=100))
+        assert next(stream).seq == 100
 
         def child() -> dict:
-            seen: dict[str, Any] = {
-                name: [stub.Unary(pb.EchoRequest(seq=s), timeout=WATCHDOG).seq for s in (2, 3)]
-                for name, stub in stubs.items()
-            }
-            moving = channels["moving"]
-            for _ in range(500):
-                stubs["moving"].Unary(pb.EchoRequest(seq=4), timeout=WATCHDOG)
-                if moving.upgrade_status().startswith("shm://"):
-                    break
-                time.sleep(0.01)
-            seen["moved"] = moving.upgrade_status().startswith("shm://")
+            try:
+                seen: dict[str, Any] = {"stream": next(stream).seq}
+            except grpc.RpcError as e:
+                seen = {"stream": e.code().name}
+            for name, stub in stubs.items():
+                seen[name] = [stub.Unary(pb.EchoRequest(seq=s), timeout=WATCHDOG).seq for s in (2, 3)]
+            # Under the 5 s a lost move waits before it probes again (REPROBE), which is how
+            # long the child's moves took before.
+            end = time.monotonic() + 4
+            for name in ("moving", "moved"):
+                while not channels[name].upgrade_status().startswith("shm://") and time.monotonic() < end:
+                    stubs[name].Unary(pb.EchoRequest(seq=4), timeout=WATCHDOG)
+                    time.sleep(0.01)
+                seen[f"{name} to"] = channels[name].upgrade_status()[:6]
             for c in channels.values():
                 c.close()
             return seen
 
         seen = forked(child)
-        assert seen == {"unix": [2, 3], "http": [2, 3], "moving": [2, 3], "moved": True}
+        assert seen == {
+            "stream": "UNAVAILABLE",
+            **{name: [2, 3] for name in stubs},
+            "moving to": "shm://",
+            "moved to": "shm://",
+        }
+        requests.put(pb.EchoRequest(seq=101))
+        assert next(stream).seq == 101, "the parent's stream goes on"
+        requests.put(None)
+        assert list(stream) == []
         for seq, stub in enumerate(stubs.values(), start=10):
             assert stub.Unary(pb.EchoRequest(seq=seq), timeout=WATCHDOG).seq == seq, "the parent's go on"
     finally:
         for c in channels.values():
             c.close()
+
+
+def test_a_stream_a_parent_thread_reads_at_the_fork_ends_in_the_child(
+    servers: Callable[[str], Served], pb: ModuleType, pb_grpc: ModuleType
+) -> None:
+    """A parent's thread waits in a stream's read at the fork, holding the call's lock: the
+    child's read of that stream ends UNAVAILABLE at once (before, it waited for ever on the
+    lock), and the parent's read is answered afterwards."""
+    channel = isthmus.insecure_channel(servers("rust").addresses["shm"])
+    try:
+        requests: queue.Queue = queue.Queue()
+        stream = pb_grpc.EchoStub(channel).Bidi(iter(requests.get, None), timeout=WATCHDOG)
+        read: list[Any] = []
+        reader = threading.Thread(target=lambda: read.append(next(stream).seq))
+        reader.start()
+        # Time for the reader to reach its wait; without it the test passes without the case.
+        time.sleep(0.5)
+
+        def child() -> dict:
+            try:
+                return {"seq": next(stream).seq}
+            except grpc.RpcError as e:
+                return {"code": e.code().name}
+
+        assert forked(child) == {"code": "UNAVAILABLE"}
+        requests.put(pb.EchoRequest(seq=7))
+        reader.join(WATCHDOG)
+        assert read == [7]
+        requests.put(None)
+        assert list(stream) == []
+    finally:
+        channel.close()
 
 
 @pytest.mark.parametrize("shape", ["unary", "stream"])

@@ -124,6 +124,10 @@ pub struct SharedCall {
     cancel: watch::Sender<bool>,
     /// The trailing metadata, once the call has ended.
     trailers: Mutex<Option<MetadataMap>>,
+    /// The fork count the call was made under: in a child forked since, `call` may be held for
+    /// ever by a thread of the parent that was reading at the fork, so the call ends
+    /// UNAVAILABLE there without it (ADR 0030).
+    made_in: u64,
 }
 
 impl std::fmt::Debug for SharedCall {
@@ -140,7 +144,17 @@ impl SharedCall {
             call: tokio::sync::Mutex::new(Some(call)),
             cancel: watch::Sender::new(false),
             trailers: Mutex::new(None),
+            made_in: isthmus_shm::forks(),
         })
+    }
+
+    /// UNAVAILABLE in a child forked since the call was made.
+    fn here(&self) -> Result<(), Status> {
+        if isthmus_shm::forks() == self.made_in {
+            return Ok(());
+        }
+        self.ended(MetadataMap::new());
+        Err(Status::new(Code::Unavailable, "the call was made by the parent of this process, before a fork"))
     }
 
     /// Sends one request (`last` half-closes with it); `false` if the call is over (or
@@ -194,6 +208,7 @@ impl SharedCall {
     /// The next response; `None` at an OK end (the trailers are then in
     /// [`trailers`](Self::trailers)); the call's status otherwise.
     pub async fn recv(&self) -> Result<Option<Bytes>, Status> {
+        self.here()?;
         let mut cancel = self.cancel.subscribe();
         let mut guard = self.call.lock().await;
         let Some(call) = guard.as_mut() else { return Err(cancelled()) };
@@ -224,6 +239,7 @@ impl SharedCall {
 
     /// The server's initial metadata, waiting for it.
     pub async fn headers(&self) -> Result<MetadataMap, Status> {
+        self.here()?;
         let mut cancel = self.cancel.subscribe();
         let mut guard = self.call.lock().await;
         let Some(call) = guard.as_mut() else { return Err(cancelled()) };
@@ -242,7 +258,7 @@ impl SharedCall {
     /// Ends the call with CANCELLED on both sides: wakes a waiting receiver, which sends the
     /// cancel, or sends it from the [`runtime`] if none waits. Idempotent.
     pub fn cancel(self: &Arc<Self>) {
-        if self.cancel.send_replace(true) {
+        if self.cancel.send_replace(true) || self.here().is_err() {
             return;
         }
         let this = self.clone();

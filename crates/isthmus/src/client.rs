@@ -90,39 +90,68 @@ struct HttpChannel {
     remake: Box<dyn Fn() -> tonic::transport::Channel + Send + Sync>,
     /// A forked child's own channel, with the fork count it was made under.
     child: std::sync::Mutex<Option<(u64, tonic::transport::Channel)>>,
+    /// The fork count whose process last took over the connectivity state (`settle`).
+    settled: std::sync::atomic::AtomicU64,
     connectivity: Arc<Tracker>,
 }
 
 impl HttpChannel {
     /// The channel this process's calls go on.
     fn get(&self) -> tonic::transport::Channel {
-        let forks = isthmus_shm::forks();
+        let forks = self.settle();
         if let (true, Some(made)) = (forks == self.made_in, &self.made) {
             return made.clone();
         }
+        if let Some(channel) = self.child_channel(forks) {
+            return channel;
+        }
+        // Made outside the lock (it may start the binding runtime's threads). tonic starts the
+        // channel's worker with `tokio::spawn`: on the binding runtime, made anew in the child,
+        // unless the caller runs in a runtime of its own.
+        let made = {
+            let _in_runtime = tokio::runtime::Handle::try_current().is_err().then(|| crate::binding::runtime().enter());
+            (self.remake)()
+        };
         let mut child = self.child.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-        match &mut *child {
+        match &*child {
+            // Another thread of this process made one meanwhile; ours is this process's to drop.
             Some((made_in, channel)) if *made_in == forks => channel.clone(),
-            slot => {
-                // tonic starts the channel's worker with `tokio::spawn`: on the binding runtime
-                // (made anew in the child) unless the caller runs in a runtime of its own.
-                let _in_runtime =
-                    tokio::runtime::Handle::try_current().is_err().then(|| crate::binding::runtime().enter());
-                let channel = (self.remake)();
-                if let Some((_, grandparents)) = slot.replace((forks, channel.clone())) {
+            _ => {
+                if let Some((_, grandparents)) = child.replace((forks, made.clone())) {
                     std::mem::forget(grandparents);
                 }
-                self.connectivity.forked();
-                channel
+                made
             }
         }
+    }
+
+    fn child_channel(&self, forks: u64) -> Option<tonic::transport::Channel> {
+        let child = self.child.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        child.as_ref().filter(|(made_in, _)| *made_in == forks).map(|(_, channel)| channel.clone())
+    }
+
+    /// The fork count now; in a process that has not looked since it was forked, the channel's
+    /// connectivity starts over first (IDLE: the parent's connections are not this one's).
+    fn settle(&self) -> u64 {
+        use std::sync::atomic::Ordering;
+        let forks = isthmus_shm::forks();
+        if forks != self.made_in && self.settled.swap(forks, Ordering::AcqRel) != forks {
+            self.connectivity.forked();
+        }
+        forks
     }
 }
 
 impl Drop for HttpChannel {
     fn drop(&mut self) {
-        if isthmus_shm::forks() != self.made_in {
+        let forks = isthmus_shm::forks();
+        if forks != self.made_in {
             std::mem::forget(self.made.take());
+        }
+        if let Ok(child) = self.child.get_mut() {
+            if child.as_ref().is_some_and(|(made_in, _)| *made_in != forks) {
+                std::mem::forget(child.take());
+            }
         }
     }
 }
@@ -215,6 +244,7 @@ impl ChannelBuilder {
             made_in: isthmus_shm::forks(),
             remake: Box::new(move || endpoint.connect_with_connector_lazy(connector.clone())),
             child: std::sync::Mutex::new(None),
+            settled: std::sync::atomic::AtomicU64::new(isthmus_shm::forks()),
             connectivity: connectivity.clone(),
         };
         Channel {
@@ -440,11 +470,7 @@ impl Channel {
         let tracker = self.tracker();
         let state = match &*self.via {
             Via::Shm(shm) => shm.connectivity(),
-            Via::Http { channel, .. } => {
-                // In a child forked since, the parent's state is not this process's.
-                drop(channel.get());
-                tracker.get()
-            }
+            Via::Http { .. } => tracker.get(),
         };
         if try_to_connect && matches!(state, Connectivity::Idle | Connectivity::TransientFailure) {
             tracker.kick(Arc::downgrade(&self.via), Channel::attempt);
@@ -479,7 +505,11 @@ impl Channel {
     fn tracker(&self) -> &Arc<Tracker> {
         match &*self.via {
             Via::Shm(shm) => &shm.connectivity,
-            Via::Http { connectivity, .. } => connectivity,
+            Via::Http { connectivity, channel, .. } => {
+                // In a child forked since, the parent's state is not this process's.
+                channel.settle();
+                connectivity
+            }
         }
     }
 

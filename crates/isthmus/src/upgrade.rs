@@ -265,6 +265,9 @@ impl Upgrade {
         if self.forks.swap(forks, Ordering::Relaxed) != forks && !matches!(*state, State::Closed) {
             // Not dropped: the parent's `shm://` channel is the parent's to close.
             std::mem::forget(std::mem::replace(&mut *state, State::Idle { next_probe: Instant::now(), probed: false }));
+            // The counts are of this process's calls.
+            self.shm.store(0, Ordering::Relaxed);
+            self.http2.store(0, Ordering::Relaxed);
         }
         Some(state)
     }
@@ -283,7 +286,7 @@ impl Upgrade {
     pub(crate) fn lost(&self, to: &UpgradedTo) {
         let _ = self.shm.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
         self.http2.fetch_add(1, Ordering::Relaxed);
-        if let Ok(mut state) = self.state.lock() {
+        if let Some(mut state) = self.state() {
             if matches!(&*state, State::Shm { to: current, .. } if current == to) {
                 *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true };
             }
@@ -292,8 +295,8 @@ impl Upgrade {
 
     /// The `shm://` channel this one moved to, if it has (for its counters).
     pub(crate) fn moved_to(&self) -> Option<Channel> {
-        match self.state.lock().as_deref() {
-            Ok(State::Shm { channel, .. }) => Some(channel.clone()),
+        match self.state().as_deref() {
+            Some(State::Shm { channel, .. }) => Some(channel.clone()),
             _ => None,
         }
     }
@@ -304,6 +307,7 @@ impl Upgrade {
     }
 
     pub(crate) fn counts(&self) -> TransportCounts {
+        drop(self.state()); // a child forked since counts its own calls
         TransportCounts { shm: self.shm.load(Ordering::Relaxed), http2: self.http2.load(Ordering::Relaxed) }
     }
 

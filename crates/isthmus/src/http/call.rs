@@ -74,16 +74,45 @@ impl Decoder for BytesCodec {
 
 /// The request side of an HTTP/2 call: the body ends once no sender is left.
 #[derive(Clone)]
-pub(crate) struct Requests(Arc<Mutex<Option<mpsc::Sender<Bytes>>>>);
+pub(crate) struct Requests(Arc<RequestSide>);
+
+struct RequestSide {
+    tx: Mutex<Option<mpsc::Sender<Bytes>>>,
+    /// The fork count the call was made under: in a child forked since, the body that reads
+    /// these requests is a task of the parent's runtime, and closing the sender would wake it
+    /// (ADR 0030). There nothing is sent, and the sender is forgotten, not dropped.
+    made_in: u64,
+}
+
+impl Drop for RequestSide {
+    fn drop(&mut self) {
+        if isthmus_shm::forks() != self.made_in {
+            if let Ok(tx) = self.tx.get_mut() {
+                std::mem::forget(tx.take());
+            }
+        }
+    }
+}
 
 impl Requests {
+    fn new(tx: mpsc::Sender<Bytes>, made_in: u64) -> Requests {
+        Requests(Arc::new(RequestSide { tx: Mutex::new(Some(tx)), made_in }))
+    }
+
     fn sender(&self) -> Option<mpsc::Sender<Bytes>> {
-        self.0.lock().ok()?.clone()
+        if isthmus_shm::forks() != self.0.made_in {
+            self.close();
+            return None;
+        }
+        self.0.tx.lock().ok()?.clone()
     }
 
     pub(crate) fn close(&self) {
-        if let Ok(mut tx) = self.0.lock() {
-            *tx = None;
+        if let Ok(mut tx) = self.0.tx.lock() {
+            let tx = tx.take();
+            if isthmus_shm::forks() != self.0.made_in {
+                std::mem::forget(tx);
+            }
         }
     }
 
@@ -124,11 +153,18 @@ pub(crate) struct HttpCall {
     limit: usize,
     /// The channel's `close`: the status the call ends with once it is set.
     closed: watch::Receiver<Option<Status>>,
+    /// The fork count the call was made under. In a child forked since, the call's tasks and
+    /// its connection are the parent runtime's: the call ends UNAVAILABLE when next used, and
+    /// what would wake those tasks (an abort, the response body's drop) is forgotten instead
+    /// (ADR 0030).
+    made_in: u64,
 }
 
 impl Drop for HttpCall {
     fn drop(&mut self) {
-        if let Response::Opening(task) = &self.response {
+        if self.forked() {
+            std::mem::forget(std::mem::replace(&mut self.response, Response::Ended));
+        } else if let Response::Opening(task) = &self.response {
             task.abort();
         }
     }
@@ -241,8 +277,9 @@ impl HttpCall {
             })?;
             grpc.streaming(request, path, BytesCodec).await
         });
+        let made_in = isthmus_shm::forks();
         Ok(HttpCall {
-            requests: Requests(Arc::new(Mutex::new(Some(tx)))),
+            requests: Requests::new(tx, made_in),
             response: Response::Opening(task),
             headers: None,
             trailers: None,
@@ -250,14 +287,31 @@ impl HttpCall {
             deadline: options.timeout.map(|t| Instant::now() + t),
             limit,
             closed,
+            made_in,
         })
     }
 
-    fn end(&mut self, outcome: Result<(), Status>) -> Result<(), Status> {
-        if let Response::Opening(task) = &self.response {
-            task.abort();
+    fn forked(&self) -> bool {
+        isthmus_shm::forks() != self.made_in
+    }
+
+    /// In a child forked since the call was made: ends it UNAVAILABLE, touching nothing.
+    fn end_if_forked(&mut self) -> Result<(), Status> {
+        match self.forked() {
+            true => self.end(Err(Status::new(
+                Code::Unavailable,
+                "the call was made by the parent of this process, before a fork",
+            ))),
+            false => Ok(()),
         }
-        self.response = Response::Ended;
+    }
+
+    fn end(&mut self, outcome: Result<(), Status>) -> Result<(), Status> {
+        match std::mem::replace(&mut self.response, Response::Ended) {
+            response if self.forked() => std::mem::forget(response),
+            Response::Opening(task) => task.abort(),
+            _ => {}
+        }
         self.requests.close();
         if self.trailers.is_none() {
             self.trailers = Some(outcome.as_ref().err().map(|s| s.metadata().clone()).unwrap_or_default());
@@ -290,6 +344,7 @@ impl HttpCall {
         if let Some(Err(s)) = &self.ended {
             return Err(s.clone());
         }
+        self.end_if_forked()?;
         let Some(tx) = self.requests.sender() else {
             return Err(Status::new(Code::FailedPrecondition, "the request stream was already closed"));
         };
@@ -318,6 +373,7 @@ impl HttpCall {
         if let Some(ended) = &self.ended {
             return ended.clone().map(|()| None);
         }
+        self.end_if_forked()?;
         self.open().await?;
         let Response::Open(body) = &mut self.response else {
             return self.ended.clone().unwrap_or(Ok(())).map(|()| None);
@@ -339,6 +395,9 @@ impl HttpCall {
 
     /// The server's initial metadata.
     pub(crate) async fn headers(&mut self) -> Result<MetadataMap, Status> {
+        if self.ended.is_none() {
+            self.end_if_forked()?;
+        }
         self.open().await?;
         Ok(self.headers.clone().unwrap_or_default())
     }
