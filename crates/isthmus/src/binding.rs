@@ -124,9 +124,10 @@ pub struct SharedCall {
     cancel: watch::Sender<bool>,
     /// The trailing metadata, once the call has ended.
     trailers: Mutex<Option<MetadataMap>>,
-    /// The fork count the call was made under: in a child forked since, `call` may be held for
-    /// ever by a thread of the parent that was reading at the fork, so the call ends
-    /// UNAVAILABLE there without it (ADR 0030).
+    /// The fork count the call was made under. In a child forked since, nothing is sent (a
+    /// send may wait for credit nobody will give there), and a read finds `call` held for ever
+    /// if a thread of the parent was reading at the fork: the call then ends UNAVAILABLE
+    /// without it; otherwise the call itself ends so when read (ADR 0030).
     made_in: u64,
 }
 
@@ -148,18 +149,29 @@ impl SharedCall {
         })
     }
 
-    /// UNAVAILABLE in a child forked since the call was made.
-    fn here(&self) -> Result<(), Status> {
-        if isthmus_shm::forks() == self.made_in {
-            return Ok(());
+    /// Whether this process is a child forked since the call was made.
+    fn forked(&self) -> bool {
+        isthmus_shm::forks() != self.made_in
+    }
+
+    /// The call, locked; UNAVAILABLE in a child forked since the call was made if a thread of
+    /// the parent held the lock at the fork.
+    async fn lock(&self) -> Result<tokio::sync::MutexGuard<'_, Option<ClientCall>>, Status> {
+        if !self.forked() {
+            return Ok(self.call.lock().await);
         }
-        self.ended(MetadataMap::new());
-        Err(Status::new(Code::Unavailable, "the call was made by the parent of this process, before a fork"))
+        self.call.try_lock().map_err(|_| {
+            self.ended(MetadataMap::new());
+            Status::new(Code::Unavailable, "the call was made by the parent of this process, before a fork")
+        })
     }
 
     /// Sends one request (`last` half-closes with it); `false` if the call is over (or
     /// cancelled): its status then comes from [`recv`](Self::recv).
     pub async fn send(&self, message: Bytes, last: bool) -> bool {
+        if self.forked() {
+            return false;
+        }
         let mut cancel = self.cancel.subscribe();
         tokio::select! {
             biased;
@@ -171,6 +183,12 @@ impl SharedCall {
     /// A writable block in this side's shared memory (`shm://` only), to fill and send with
     /// [`send_block`](Self::send_block).
     pub async fn alloc(&self, len: usize) -> Result<crate::BlockMut, Status> {
+        if self.forked() {
+            return Err(Status::new(
+                Code::Unavailable,
+                "the call was made by the parent of this process, before a fork",
+            ));
+        }
         let mut cancel = self.cancel.subscribe();
         tokio::select! {
             biased;
@@ -181,6 +199,9 @@ impl SharedCall {
 
     /// Sends a block from [`alloc`](Self::alloc) as one request; `false` if the call is over.
     pub async fn send_block(&self, block: crate::BlockMut, last: bool) -> bool {
+        if self.forked() {
+            return false;
+        }
         let mut cancel = self.cancel.subscribe();
         tokio::select! {
             biased;
@@ -191,6 +212,9 @@ impl SharedCall {
 
     /// Half-closes.
     pub async fn close_send(&self) {
+        if self.forked() {
+            return;
+        }
         let mut cancel = self.cancel.subscribe();
         tokio::select! {
             biased;
@@ -208,9 +232,8 @@ impl SharedCall {
     /// The next response; `None` at an OK end (the trailers are then in
     /// [`trailers`](Self::trailers)); the call's status otherwise.
     pub async fn recv(&self) -> Result<Option<Bytes>, Status> {
-        self.here()?;
         let mut cancel = self.cancel.subscribe();
-        let mut guard = self.call.lock().await;
+        let mut guard = self.lock().await?;
         let Some(call) = guard.as_mut() else { return Err(cancelled()) };
         let received = tokio::select! {
             biased;
@@ -239,9 +262,8 @@ impl SharedCall {
 
     /// The server's initial metadata, waiting for it.
     pub async fn headers(&self) -> Result<MetadataMap, Status> {
-        self.here()?;
         let mut cancel = self.cancel.subscribe();
-        let mut guard = self.call.lock().await;
+        let mut guard = self.lock().await?;
         let Some(call) = guard.as_mut() else { return Err(cancelled()) };
         tokio::select! {
             biased;
@@ -258,7 +280,14 @@ impl SharedCall {
     /// Ends the call with CANCELLED on both sides: wakes a waiting receiver, which sends the
     /// cancel, or sends it from the [`runtime`] if none waits. Idempotent.
     pub fn cancel(self: &Arc<Self>) {
-        if self.cancel.send_replace(true) || self.here().is_err() {
+        // In a child forked since, the wakers waiting on `cancel` are the parent's (a wake would
+        // ring the parent's runtime or loop), and a task would wait on `call` for ever if a
+        // parent's thread held it: the call is over here, and a read of it says UNAVAILABLE.
+        if self.forked() {
+            self.ended(MetadataMap::new());
+            return;
+        }
+        if self.cancel.send_replace(true) {
             return;
         }
         let this = self.clone();

@@ -148,10 +148,9 @@ impl Drop for HttpChannel {
         if forks != self.made_in {
             std::mem::forget(self.made.take());
         }
-        if let Ok(child) = self.child.get_mut() {
-            if child.as_ref().is_some_and(|(made_in, _)| *made_in != forks) {
-                std::mem::forget(child.take());
-            }
+        let child = self.child.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+        if child.as_ref().is_some_and(|(made_in, _)| *made_in != forks) {
+            std::mem::forget(child.take());
         }
     }
 }

@@ -262,9 +262,15 @@ impl Upgrade {
     fn state(&self) -> Option<std::sync::MutexGuard<'_, State>> {
         let mut state = self.state.lock().ok()?;
         let forks = isthmus_shm::forks();
-        if self.forks.swap(forks, Ordering::Relaxed) != forks && !matches!(*state, State::Closed) {
-            // Not dropped: the parent's `shm://` channel is the parent's to close.
-            std::mem::forget(std::mem::replace(&mut *state, State::Idle { next_probe: Instant::now(), probed: false }));
+        if self.forks.load(Ordering::Relaxed) != forks {
+            self.forks.store(forks, Ordering::Relaxed);
+            if !matches!(*state, State::Closed) {
+                // Not dropped: the parent's `shm://` channel is the parent's to close.
+                std::mem::forget(std::mem::replace(
+                    &mut *state,
+                    State::Idle { next_probe: Instant::now(), probed: false },
+                ));
+            }
             // The counts are of this process's calls.
             self.shm.store(0, Ordering::Relaxed);
             self.http2.store(0, Ordering::Relaxed);
@@ -284,9 +290,10 @@ impl Upgrade {
     /// A call over the upgraded channel could not start (its connection is gone): it goes over
     /// HTTP/2 instead (and is counted there), so do the next calls, and a probe runs again later.
     pub(crate) fn lost(&self, to: &UpgradedTo) {
+        let state = self.state();
         let _ = self.shm.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1));
         self.http2.fetch_add(1, Ordering::Relaxed);
-        if let Some(mut state) = self.state() {
+        if let Some(mut state) = state {
             if matches!(&*state, State::Shm { to: current, .. } if current == to) {
                 *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true };
             }
@@ -318,6 +325,16 @@ impl Upgrade {
                 UpgradeStatus::Http2
             }
             _ => UpgradeStatus::Pending,
+        }
+    }
+}
+
+impl Drop for Upgrade {
+    fn drop(&mut self) {
+        // In a child forked since, an `shm://` channel it moved to is the parent's (`state`).
+        if self.forks.load(Ordering::Relaxed) != isthmus_shm::forks() {
+            let state = self.state.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
+            std::mem::forget(std::mem::replace(state, State::Closed));
         }
     }
 }
