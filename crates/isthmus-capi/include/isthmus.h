@@ -142,7 +142,9 @@ typedef struct isthmus_call_t isthmus_call_t;
 typedef struct isthmus_channel_t isthmus_channel_t;
 
 // A completion queue (see the module's documentation). Free it with `isthmus_cq_free` once
-// nothing uses it.
+// nothing uses it. A queue is its process's: in a child forked after it was made, operations
+// started on it fail `ISTHMUS_FAILED_PRECONDITION`, polls find nothing, and freeing it only
+// forgets it (its descriptor and operations are the parent's); the child makes its own.
 typedef struct isthmus_cq_t isthmus_cq_t;
 
 // A received message. Over `shm://` a large one is a view into the sender's shared memory,

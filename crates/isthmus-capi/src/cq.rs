@@ -24,7 +24,9 @@ use crate::object::{
 };
 
 /// A completion queue (see the module's documentation). Free it with `isthmus_cq_free` once
-/// nothing uses it.
+/// nothing uses it. A queue is its process's: in a child forked after it was made, operations
+/// started on it fail `ISTHMUS_FAILED_PRECONDITION`, polls find nothing, and freeing it only
+/// forgets it (its descriptor and operations are the parent's); the child makes its own.
 pub struct isthmus_cq_t {
     completions: Arc<Completions<(isthmus_op_t, Outcome)>>,
     /// Finished operations taken from `completions` that did not fit the caller's array.
@@ -33,6 +35,11 @@ pub struct isthmus_cq_t {
     bell: std::sync::Mutex<Option<BellListener>>,
     /// New calls for a thread that spins for one (`isthmus_cq_take_call`).
     pub(crate) taker: Arc<crate::server::Taker>,
+    /// The fork count the queue was made under. In a child forked since, its descriptor is
+    /// the parent's too (a signal here would wake the parent's loop, and the parent's read
+    /// would take this one's wake-ups) and its operations are the parent's: the child refuses
+    /// to use it, and freeing it there only forgets it.
+    made_in: u64,
 }
 
 /// A listening socket in a fresh directory only this user may enter; both are removed when it
@@ -211,9 +218,21 @@ fn metadata_or_null(md: MetadataMap) -> *mut isthmus_metadata_t {
 
 pub(crate) static QUEUES: Registry<isthmus_cq_t> = Registry::new("completion queue");
 
+/// The queue behind a caller's handle; FAILED_PRECONDITION in a child forked since it was made.
+fn queue(cq: *const isthmus_cq_t) -> Result<Arc<isthmus_cq_t>, Status> {
+    let q = QUEUES.get(cq)?;
+    match isthmus::binding::forks() == q.made_in {
+        true => Ok(q),
+        false => Err(Status::new(
+            Code::FailedPrecondition,
+            "the completion queue was made before a fork, by the parent of this process: make one here (isthmus_cq_new)",
+        )),
+    }
+}
+
 /// The queue behind a caller's handle, as the operations that complete on it hold it.
 pub(crate) fn cq_get(cq: *const isthmus_cq_t) -> Result<Queue, Status> {
-    Ok(Queue(QUEUES.get(cq)?.completions.clone()))
+    Ok(Queue(queue(cq)?.completions.clone()))
 }
 
 /// The queue behind a caller's handle, for an operation the caller starts with `tag`: refused
@@ -230,7 +249,7 @@ pub(crate) fn cq_for(cq: *const isthmus_cq_t, tag: u64) -> Result<Queue, Status>
 
 /// The taker of the queue behind a caller's handle (`isthmus_cq_take_call`).
 pub(crate) fn cq_taker(cq: *const isthmus_cq_t) -> Result<Arc<crate::server::Taker>, Status> {
-    Ok(QUEUES.get(cq)?.taker.clone())
+    Ok(queue(cq)?.taker.clone())
 }
 
 /// A queue as operations start on it.
@@ -407,6 +426,7 @@ pub extern "C" fn isthmus_cq_new() -> *mut isthmus_cq_t {
             overflow: Default::default(),
             bell: Default::default(),
             taker: Default::default(),
+            made_in: isthmus::binding::forks(),
         }),
         Err(_) => std::ptr::null_mut(),
     })
@@ -439,7 +459,7 @@ pub unsafe extern "C" fn isthmus_cq_poll(
     capacity: usize,
 ) -> usize {
     guard(0, || {
-        let Ok(q) = QUEUES.get(cq) else { return 0 };
+        let Ok(q) = queue(cq) else { return 0 };
         if events.is_null() || capacity == 0 {
             return 0;
         }
@@ -472,7 +492,7 @@ pub unsafe extern "C" fn isthmus_cq_wait(
     timeout_us: i64,
 ) -> usize {
     guard(0, || {
-        let Ok(q) = QUEUES.get(cq) else { return 0 };
+        let Ok(q) = queue(cq) else { return 0 };
         let deadline = u64::try_from(timeout_us).ok().map(|t| Instant::now() + Duration::from_micros(t));
         q.completions.wait(Duration::from_micros(spin_us.into()), deadline);
         // SAFETY: the caller's promise, passed on.
@@ -489,7 +509,7 @@ pub unsafe extern "C" fn isthmus_cq_wait(
 #[no_mangle]
 pub extern "C" fn isthmus_cq_cancel(cq: *const isthmus_cq_t, tag: u64) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
-        let q = QUEUES.get(cq)?;
+        let q = queue(cq)?;
         match q.completions.abort(tag) {
             true => Ok(()),
             false => Err(Status::new(isthmus::Code::NotFound, format!("no operation {tag} waits on this queue"))),
@@ -518,7 +538,7 @@ pub unsafe extern "C" fn isthmus_cq_bell_listen(
 ) -> isthmus_code_t {
     static NEXT: AtomicU64 = AtomicU64::new(0);
     entry(status, || {
-        let q = QUEUES.get(cq)?;
+        let q = queue(cq)?;
         if path.is_null() {
             return Err(invalid("the path buffer is NULL"));
         }
@@ -569,7 +589,7 @@ pub extern "C" fn isthmus_cq_bell_accept(
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
-        let q = QUEUES.get(cq)?;
+        let q = queue(cq)?;
         let mut bell = q.bell.lock().map_err(|_| Status::new(Code::Internal, "a thread panicked holding the bell"))?;
         let listening = bell.take().ok_or_else(|| {
             Status::new(Code::FailedPrecondition, "no bell socket: call isthmus_cq_bell_listen first")
@@ -596,7 +616,7 @@ pub extern "C" fn isthmus_cq_bell_accept(
 #[no_mangle]
 pub extern "C" fn isthmus_cq_wake(cq: *const isthmus_cq_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
-        QUEUES.get(cq)?.completions.signal();
+        queue(cq)?.completions.signal();
         Ok(())
     })
 }
@@ -611,6 +631,11 @@ pub extern "C" fn isthmus_cq_wake(cq: *const isthmus_cq_t) -> isthmus_code_t {
 pub extern "C" fn isthmus_cq_free(cq: *mut isthmus_cq_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
         let q = QUEUES.remove(cq)?;
+        if isthmus::binding::forks() != q.made_in {
+            // The parent's operations and descriptor: neither run, abandoned, nor signalled here.
+            std::mem::forget(q);
+            return Ok(());
+        }
         q.taker.close();
         q.completions.abort_all();
         if let Ok(mut overflow) = q.overflow.lock() {

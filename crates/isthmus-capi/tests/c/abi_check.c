@@ -64,6 +64,7 @@
 #include <string.h>
 #include <strings.h>
 #include <time.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include "isthmus.h"
@@ -2284,6 +2285,66 @@ static int check_cq_free_wakes_a_waiter(ctx_t *c) {
   return 1;
 }
 
+/* One unary echo on `cq` under `tag`, its event awaited (60 s at most); 1 if it came back OK with
+   its request. */
+static int queued_echo(ctx_t *c, isthmus_cq_t *cq, uint64_t tag) {
+  isthmus_status_t *st = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  char req[32];
+  int n = snprintf(req, sizeof req, "forked-%" PRIu64, tag);
+  MUST(isthmus_unary_async(c->ch, SVC "Unary", (const uint8_t *)req, (size_t)n, &opts, cq, tag, NULL, &st));
+  struct pollfd p = {isthmus_cq_fd(cq), POLLIN, 0};
+  double deadline = now_s() + 60.0;
+  for (;;) {
+    REQUIRE(now_s() < deadline, "no event for tag %" PRIu64 " in 60 s", tag);
+    if (poll(&p, 1, 200) <= 0) continue;
+    isthmus_event_t ev;
+    if (isthmus_cq_poll(cq, &ev, 1) == 0) continue;
+    int ok = ev.tag == tag && ev.code == ISTHMUS_OK && bytes_are(ev.message, req, (size_t)n);
+    uint64_t got = ev.tag;
+    isthmus_code_t code = ev.code;
+    event_free(&ev);
+    REQUIRE(ok, "tag %" PRIu64 " (%s), not an OK echo for %" PRIu64, got, isthmus_code_name(code), tag);
+    return 1;
+  }
+}
+
+/* A queue made before a fork is the parent's: in the child, an operation started on it is
+   refused (FAILED_PRECONDITION) and a poll finds nothing, while a queue the child makes carries
+   a call on the channel it inherited; the parent's queue carries its calls as before. Before,
+   both processes signalled and read one descriptor, each able to take the other's wake-ups. */
+static int check_fork_keeps_queues_apart(ctx_t *c) {
+  if (!c->shm) return 1; /* once is enough */
+  isthmus_cq_t *cq = isthmus_cq_new();
+  REQUIRE(cq != NULL, "a queue");
+  REQUIRE(queued_echo(c, cq, 1), "a call before the fork");
+  fflush(NULL);
+  pid_t pid = fork();
+  REQUIRE(pid >= 0, "fork: %s", strerror(errno));
+  if (pid == 0) {
+    alarm(60); /* a child that hangs dies, and the parent sees it */
+    isthmus_status_t *st = NULL;
+    isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+    int refused = isthmus_unary_async(c->ch, SVC "Unary", (const uint8_t *)"x", 1, &opts, cq, 2, NULL, &st) ==
+                  ISTHMUS_FAILED_PRECONDITION;
+    if (st) isthmus_status_free(st);
+    isthmus_event_t ev;
+    int empty = isthmus_cq_poll(cq, &ev, 1) == 0;
+    isthmus_cq_t *own = isthmus_cq_new();
+    int served = own != NULL && queued_echo(c, own, 3);
+    int freed = isthmus_cq_free(cq) == ISTHMUS_OK && (own == NULL || isthmus_cq_free(own) == ISTHMUS_OK);
+    if (!(refused && empty && served && freed))
+      fprintf(stderr, "fork child: refused %d, empty %d, served %d, freed %d\n", refused, empty, served, freed);
+    _exit(refused && empty && served && freed ? 0 : 1);
+  }
+  int status = 0;
+  REQUIRE(waitpid(pid, &status, 0) == pid, "waitpid: %s", strerror(errno));
+  REQUIRE(WIFEXITED(status) && WEXITSTATUS(status) == 0, "the child ended with status %#x", status);
+  REQUIRE(queued_echo(c, cq, 4), "the parent's queue after the fork");
+  REQUIRE(isthmus_cq_free(cq) == ISTHMUS_OK, "the queue freed");
+  return 1;
+}
+
 typedef struct {
   isthmus_server_t *server;
   uint64_t grace_ms;
@@ -2656,6 +2717,7 @@ static const check_t CHECKS[] = {
     {"connectivity", check_connectivity},
     {"whoami", check_whoami},
     {"cq_free_wakes_waiter", check_cq_free_wakes_a_waiter},
+    {"fork_keeps_queues_apart", check_fork_keeps_queues_apart},
     {"shutdown_twice", check_shutdown_twice_at_once},
     {"take_call", check_take_call},
 };
