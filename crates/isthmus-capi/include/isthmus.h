@@ -143,8 +143,9 @@ typedef struct isthmus_channel_t isthmus_channel_t;
 
 // A completion queue (see the module's documentation). Free it with `isthmus_cq_free` once
 // nothing uses it. A queue is its process's: in a child forked after it was made, operations
-// started on it fail `ISTHMUS_FAILED_PRECONDITION`, polls find nothing, and freeing it only
-// forgets it (its descriptor and operations are the parent's); the child makes its own.
+// started on it fail `ISTHMUS_FAILED_PRECONDITION`, polls find nothing, `isthmus_cq_fd` gives
+// -1, and freeing it only forgets it (its descriptor and operations are the parent's); the
+// child makes its own.
 typedef struct isthmus_cq_t isthmus_cq_t;
 
 // A received message. Over `shm://` a large one is a view into the sender's shared memory,
@@ -897,7 +898,8 @@ isthmus_code_t isthmus_call_free(isthmus_call_t *call);
 isthmus_cq_t *isthmus_cq_new(void);
 
 // The queue's file descriptor: readable while events wait. Watch it for reading; do not
-// read, write or close it. -1 for an invalid handle.
+// read, write or close it. -1 for an invalid handle, and for a queue made before a fork by
+// the parent of this process (the descriptor is the parent's too).
 //
 // Thread-safety: any thread.
 int32_t isthmus_cq_fd(const isthmus_cq_t *cq);

@@ -25,8 +25,9 @@ use crate::object::{
 
 /// A completion queue (see the module's documentation). Free it with `isthmus_cq_free` once
 /// nothing uses it. A queue is its process's: in a child forked after it was made, operations
-/// started on it fail `ISTHMUS_FAILED_PRECONDITION`, polls find nothing, and freeing it only
-/// forgets it (its descriptor and operations are the parent's); the child makes its own.
+/// started on it fail `ISTHMUS_FAILED_PRECONDITION`, polls find nothing, `isthmus_cq_fd` gives
+/// -1, and freeing it only forgets it (its descriptor and operations are the parent's); the
+/// child makes its own.
 pub struct isthmus_cq_t {
     completions: Arc<Completions<(isthmus_op_t, Outcome)>>,
     /// Finished operations taken from `completions` that did not fit the caller's array.
@@ -433,12 +434,13 @@ pub extern "C" fn isthmus_cq_new() -> *mut isthmus_cq_t {
 }
 
 /// The queue's file descriptor: readable while events wait. Watch it for reading; do not
-/// read, write or close it. -1 for an invalid handle.
+/// read, write or close it. -1 for an invalid handle, and for a queue made before a fork by
+/// the parent of this process (the descriptor is the parent's too).
 ///
 /// Thread-safety: any thread.
 #[no_mangle]
 pub extern "C" fn isthmus_cq_fd(cq: *const isthmus_cq_t) -> i32 {
-    guard(-1, || QUEUES.get(cq).map_or(-1, |q| q.completions.fd()))
+    guard(-1, || queue(cq).map_or(-1, |q| q.completions.fd()))
 }
 
 /// Takes up to `capacity` finished operations into `events`, without blocking; the number

@@ -2310,9 +2310,10 @@ static int queued_echo(ctx_t *c, isthmus_cq_t *cq, uint64_t tag) {
 }
 
 /* A queue made before a fork is the parent's: in the child, an operation started on it is
-   refused (FAILED_PRECONDITION) and a poll finds nothing, while a queue the child makes carries
-   a call on the channel it inherited; the parent's queue carries its calls as before. Before,
-   both processes signalled and read one descriptor, each able to take the other's wake-ups. */
+   refused (FAILED_PRECONDITION), a poll finds nothing and it has no descriptor, while a queue
+   the child makes carries a call on the channel it inherited; the parent's queue carries its
+   calls as before. Before, both processes signalled and read one descriptor, each able to take
+   the other's wake-ups. */
 static int check_fork_keeps_queues_apart(ctx_t *c) {
   if (!c->shm) return 1; /* once is enough */
   isthmus_cq_t *cq = isthmus_cq_new();
@@ -2329,7 +2330,7 @@ static int check_fork_keeps_queues_apart(ctx_t *c) {
                   ISTHMUS_FAILED_PRECONDITION;
     if (st) isthmus_status_free(st);
     isthmus_event_t ev;
-    int empty = isthmus_cq_poll(cq, &ev, 1) == 0;
+    int empty = isthmus_cq_poll(cq, &ev, 1) == 0 && isthmus_cq_fd(cq) == -1;
     isthmus_cq_t *own = isthmus_cq_new();
     int served = own != NULL && queued_echo(c, own, 3);
     int freed = isthmus_cq_free(cq) == ISTHMUS_OK && (own == NULL || isthmus_cq_free(own) == ISTHMUS_OK);
