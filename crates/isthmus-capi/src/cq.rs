@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use isthmus::binding::{Completions, HandedCall, SharedCall};
+use isthmus::binding::{Completions, HandedCall, MadeIn, SharedCall};
 use isthmus::{Code, MetadataMap, Response, SocketBell, Status};
 
 use crate::abi::{entry, guard, invalid, isthmus_code_t, isthmus_status_t, status_handle, ISTHMUS_OK};
@@ -40,7 +40,7 @@ pub struct isthmus_cq_t {
     /// the parent's too (a signal here would wake the parent's loop, and the parent's read
     /// would take this one's wake-ups) and its operations are the parent's: the child refuses
     /// to use it, and freeing it there only forgets it.
-    made_in: u64,
+    made_in: MadeIn,
 }
 
 /// A listening socket in a fresh directory only this user may enter; both are removed when it
@@ -222,7 +222,7 @@ pub(crate) static QUEUES: Registry<isthmus_cq_t> = Registry::new("completion que
 /// The queue behind a caller's handle; FAILED_PRECONDITION in a child forked since it was made.
 fn queue(cq: *const isthmus_cq_t) -> Result<Arc<isthmus_cq_t>, Status> {
     let q = QUEUES.get(cq)?;
-    match isthmus::binding::forks() == q.made_in {
+    match !q.made_in.forked() {
         true => Ok(q),
         false => Err(Status::new(
             Code::FailedPrecondition,
@@ -427,7 +427,7 @@ pub extern "C" fn isthmus_cq_new() -> *mut isthmus_cq_t {
             overflow: Default::default(),
             bell: Default::default(),
             taker: Default::default(),
-            made_in: isthmus::binding::forks(),
+            made_in: MadeIn::now(),
         }),
         Err(_) => std::ptr::null_mut(),
     })
@@ -633,7 +633,7 @@ pub extern "C" fn isthmus_cq_wake(cq: *const isthmus_cq_t) -> isthmus_code_t {
 pub extern "C" fn isthmus_cq_free(cq: *mut isthmus_cq_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
         let q = QUEUES.remove(cq)?;
-        if isthmus::binding::forks() != q.made_in {
+        if q.made_in.forked() {
             // The parent's operations and descriptor: neither run, abandoned, nor signalled here.
             std::mem::forget(q);
             return Ok(());

@@ -95,6 +95,7 @@ pub use doorbell::{EventFd, SocketBell};
 pub use error::{Error, ErrorKind, Result};
 pub use frame::{flags, Kind};
 pub use handshake::features;
+pub use link::MadeIn;
 pub use listener::{Incoming, Listener};
 pub use shared::{SharedArena, SharedBlock, SharedBlockMut};
 pub use stats::Counters;

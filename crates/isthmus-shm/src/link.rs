@@ -79,19 +79,20 @@ impl Default for Health {
     }
 }
 
-/// The process a part of the transport was made in, as the fork count ([`sys::forks`]) then:
-/// in a child forked since, the part is the parent's, and the child leaves it alone (see
-/// [`Health`]). Looking costs one relaxed load.
+/// The process something was made in, as the fork count ([`forks`](crate::forks)) then: in a
+/// child forked since, it is the parent's, and the child leaves it alone (ADR 0030).
+/// Looking costs one relaxed load.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct MadeIn(u64);
+pub struct MadeIn(u64);
 
 impl MadeIn {
-    pub(crate) fn now() -> MadeIn {
+    /// This process, now.
+    pub fn now() -> MadeIn {
         MadeIn(sys::forks())
     }
 
     /// Whether this process is a child forked since.
-    pub(crate) fn forked(self) -> bool {
+    pub fn forked(self) -> bool {
         sys::forks_counted() != self.0
     }
 }

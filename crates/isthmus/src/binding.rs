@@ -86,6 +86,9 @@ pub fn forks() -> u64 {
     isthmus_shm::forks()
 }
 
+/// The process something was made in: [`forked`](MadeIn::forked) in a child forked since.
+pub use isthmus_shm::MadeIn;
+
 /// Runs `fut` to completion on the calling thread, in the binding [`runtime`]'s context. From
 /// a thread of that runtime (a handler a binding called back into), the worker is handed its
 /// other tasks first if `fut` must wait, so a blocking call made there cannot stall them.
@@ -128,7 +131,7 @@ pub struct SharedCall {
     /// send may wait for credit nobody will give there), and a read finds `call` held for ever
     /// if a thread of the parent was reading at the fork: the call then ends UNAVAILABLE
     /// without it; otherwise the call itself ends so when read (ADR 0030).
-    made_in: u64,
+    made_in: MadeIn,
 }
 
 impl std::fmt::Debug for SharedCall {
@@ -145,31 +148,26 @@ impl SharedCall {
             call: tokio::sync::Mutex::new(Some(call)),
             cancel: watch::Sender::new(false),
             trailers: Mutex::new(None),
-            made_in: isthmus_shm::forks(),
+            made_in: MadeIn::now(),
         })
-    }
-
-    /// Whether this process is a child forked since the call was made.
-    fn forked(&self) -> bool {
-        isthmus_shm::forks() != self.made_in
     }
 
     /// The call, locked; UNAVAILABLE in a child forked since the call was made if a thread of
     /// the parent held the lock at the fork.
     async fn lock(&self) -> Result<tokio::sync::MutexGuard<'_, Option<ClientCall>>, Status> {
-        if !self.forked() {
+        if !self.made_in.forked() {
             return Ok(self.call.lock().await);
         }
         self.call.try_lock().map_err(|_| {
             self.ended(MetadataMap::new());
-            Status::new(Code::Unavailable, "the call was made by the parent of this process, before a fork")
+            crate::status::made_before_fork()
         })
     }
 
     /// Sends one request (`last` half-closes with it); `false` if the call is over (or
     /// cancelled): its status then comes from [`recv`](Self::recv).
     pub async fn send(&self, message: Bytes, last: bool) -> bool {
-        if self.forked() {
+        if self.made_in.forked() {
             return false;
         }
         let mut cancel = self.cancel.subscribe();
@@ -183,11 +181,8 @@ impl SharedCall {
     /// A writable block in this side's shared memory (`shm://` only), to fill and send with
     /// [`send_block`](Self::send_block).
     pub async fn alloc(&self, len: usize) -> Result<crate::BlockMut, Status> {
-        if self.forked() {
-            return Err(Status::new(
-                Code::Unavailable,
-                "the call was made by the parent of this process, before a fork",
-            ));
+        if self.made_in.forked() {
+            return Err(crate::status::made_before_fork());
         }
         let mut cancel = self.cancel.subscribe();
         tokio::select! {
@@ -199,7 +194,7 @@ impl SharedCall {
 
     /// Sends a block from [`alloc`](Self::alloc) as one request; `false` if the call is over.
     pub async fn send_block(&self, block: crate::BlockMut, last: bool) -> bool {
-        if self.forked() {
+        if self.made_in.forked() {
             return false;
         }
         let mut cancel = self.cancel.subscribe();
@@ -212,7 +207,7 @@ impl SharedCall {
 
     /// Half-closes.
     pub async fn close_send(&self) {
-        if self.forked() {
+        if self.made_in.forked() {
             return;
         }
         let mut cancel = self.cancel.subscribe();
@@ -283,7 +278,7 @@ impl SharedCall {
         // In a child forked since, the wakers waiting on `cancel` are the parent's (a wake would
         // ring the parent's runtime or loop), and a task would wait on `call` for ever if a
         // parent's thread held it: the call is over here, and a read of it says UNAVAILABLE.
-        if self.forked() {
+        if self.made_in.forked() {
             self.ended(MetadataMap::new());
             return;
         }

@@ -85,7 +85,7 @@ enum Via {
 struct HttpChannel {
     /// The channel made with this one (`None` only while it is dropped).
     made: Option<tonic::transport::Channel>,
-    made_in: u64,
+    made_in: isthmus_shm::MadeIn,
     /// Makes the channel again, connecting on its first call.
     remake: Box<dyn Fn() -> tonic::transport::Channel + Send + Sync>,
     /// A forked child's own channel, with the fork count it was made under.
@@ -98,10 +98,10 @@ struct HttpChannel {
 impl HttpChannel {
     /// The channel this process's calls go on.
     fn get(&self) -> tonic::transport::Channel {
-        let forks = self.settle();
-        if let (true, Some(made)) = (forks == self.made_in, &self.made) {
+        if let (false, Some(made)) = (self.made_in.forked(), &self.made) {
             return made.clone();
         }
+        let forks = self.settle();
         if let Some(channel) = self.child_channel(forks) {
             return channel;
         }
@@ -130,12 +130,12 @@ impl HttpChannel {
         child.as_ref().filter(|(made_in, _)| *made_in == forks).map(|(_, channel)| channel.clone())
     }
 
-    /// The fork count now; in a process that has not looked since it was forked, the channel's
+    /// The fork count now; in a child that has not looked since it was forked, the channel's
     /// connectivity starts over first (IDLE: the parent's connections are not this one's).
     fn settle(&self) -> u64 {
         use std::sync::atomic::Ordering;
         let forks = isthmus_shm::forks();
-        if forks != self.made_in && self.settled.swap(forks, Ordering::AcqRel) != forks {
+        if self.made_in.forked() && self.settled.swap(forks, Ordering::AcqRel) != forks {
             self.connectivity.forked();
         }
         forks
@@ -145,7 +145,7 @@ impl HttpChannel {
 impl Drop for HttpChannel {
     fn drop(&mut self) {
         let forks = isthmus_shm::forks();
-        if forks != self.made_in {
+        if self.made_in.forked() {
             std::mem::forget(self.made.take());
         }
         let child = self.child.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
@@ -240,7 +240,7 @@ impl ChannelBuilder {
         let upgrade = self.upgrade.then(|| Arc::new(Upgrade::new(self.config.clone(), peer)));
         let channel = HttpChannel {
             made: Some(channel),
-            made_in: isthmus_shm::forks(),
+            made_in: isthmus_shm::MadeIn::now(),
             remake: Box::new(move || endpoint.connect_with_connector_lazy(connector.clone())),
             child: std::sync::Mutex::new(None),
             settled: std::sync::atomic::AtomicU64::new(isthmus_shm::forks()),

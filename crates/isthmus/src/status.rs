@@ -220,6 +220,12 @@ impl Status {
     }
 }
 
+/// The status of a call made before a fork, used in the child (ADR 0030): UNAVAILABLE, as a
+/// connection made before a fork is closed there.
+pub(crate) fn made_before_fork() -> Status {
+    Status::new(Code::Unavailable, "the call was made by the parent of this process, before a fork")
+}
+
 impl fmt::Debug for Status {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let mut d = f.debug_struct("Status");

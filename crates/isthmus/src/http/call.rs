@@ -23,6 +23,7 @@
 use std::sync::{Arc, Mutex};
 
 use bytes::{Buf, BufMut, Bytes};
+use isthmus_shm::MadeIn;
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -81,12 +82,12 @@ struct RequestSide {
     /// The fork count the call was made under: in a child forked since, the body that reads
     /// these requests is a task of the parent's runtime, and closing the sender would wake it
     /// (ADR 0030). There nothing is sent, and the sender is forgotten, not dropped.
-    made_in: u64,
+    made_in: MadeIn,
 }
 
 impl Drop for RequestSide {
     fn drop(&mut self) {
-        if isthmus_shm::forks() != self.made_in {
+        if self.made_in.forked() {
             if let Ok(tx) = self.tx.get_mut() {
                 std::mem::forget(tx.take());
             }
@@ -95,12 +96,12 @@ impl Drop for RequestSide {
 }
 
 impl Requests {
-    fn new(tx: mpsc::Sender<Bytes>, made_in: u64) -> Requests {
+    fn new(tx: mpsc::Sender<Bytes>, made_in: MadeIn) -> Requests {
         Requests(Arc::new(RequestSide { tx: Mutex::new(Some(tx)), made_in }))
     }
 
     fn sender(&self) -> Option<mpsc::Sender<Bytes>> {
-        if isthmus_shm::forks() != self.0.made_in {
+        if self.0.made_in.forked() {
             self.close();
             return None;
         }
@@ -110,7 +111,7 @@ impl Requests {
     pub(crate) fn close(&self) {
         if let Ok(mut tx) = self.0.tx.lock() {
             let tx = tx.take();
-            if isthmus_shm::forks() != self.0.made_in {
+            if self.0.made_in.forked() {
                 std::mem::forget(tx);
             }
         }
@@ -157,12 +158,12 @@ pub(crate) struct HttpCall {
     /// its connection are the parent runtime's: the call ends UNAVAILABLE when next used, and
     /// what would wake those tasks (an abort, the response body's drop) is forgotten instead
     /// (ADR 0030).
-    made_in: u64,
+    made_in: MadeIn,
 }
 
 impl Drop for HttpCall {
     fn drop(&mut self) {
-        if self.forked() {
+        if self.made_in.forked() {
             std::mem::forget(std::mem::replace(&mut self.response, Response::Ended));
         } else if let Response::Opening(task) = &self.response {
             task.abort();
@@ -277,7 +278,7 @@ impl HttpCall {
             })?;
             grpc.streaming(request, path, BytesCodec).await
         });
-        let made_in = isthmus_shm::forks();
+        let made_in = MadeIn::now();
         Ok(HttpCall {
             requests: Requests::new(tx, made_in),
             response: Response::Opening(task),
@@ -291,24 +292,17 @@ impl HttpCall {
         })
     }
 
-    fn forked(&self) -> bool {
-        isthmus_shm::forks() != self.made_in
-    }
-
     /// In a child forked since the call was made: ends it UNAVAILABLE, touching nothing.
     fn end_if_forked(&mut self) -> Result<(), Status> {
-        match self.forked() {
-            true => self.end(Err(Status::new(
-                Code::Unavailable,
-                "the call was made by the parent of this process, before a fork",
-            ))),
+        match self.made_in.forked() {
+            true => self.end(Err(crate::status::made_before_fork())),
             false => Ok(()),
         }
     }
 
     fn end(&mut self, outcome: Result<(), Status>) -> Result<(), Status> {
         match std::mem::replace(&mut self.response, Response::Ended) {
-            response if self.forked() => std::mem::forget(response),
+            response if self.made_in.forked() => std::mem::forget(response),
             Response::Opening(task) => task.abort(),
             _ => {}
         }

@@ -577,20 +577,20 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         // An HTTP/2 channel that moved to shared memory (`upgrade.rs`) sends the call there.
-        if let (Some((shm, to)), Some(h2)) = (self.route(), self.http()) {
-            let http = self.without_upgrade();
-            return Box::pin(async move {
-                match shm.call_shm(request, true, None).await {
-                    Ok(response) => Ok(response),
-                    Err(request) => {
-                        http.upgrade_lost(&to);
-                        over_http(h2, request).await
+        if let Some(h2) = self.http() {
+            if let Some((shm, to)) = self.route() {
+                let http = self.without_upgrade();
+                return Box::pin(async move {
+                    match shm.call_shm(request, true, None).await {
+                        Ok(response) => Ok(response),
+                        Err(request) => {
+                            http.upgrade_lost(&to);
+                            over_http(h2, request).await
+                        }
                     }
-                }
-            });
-        }
-        if let Some(http) = self.http() {
-            return over_http(http, request);
+                });
+            }
+            return over_http(h2, request);
         }
         // Mapped, not awaited in a block of its own, which would hold the request beside the
         // future that took it: this future is allocated and moved whole for every call.
