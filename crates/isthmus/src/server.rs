@@ -79,7 +79,7 @@ use tokio::io::unix::AsyncFd;
 
 use crate::engine::mux::Mux;
 use crate::engine::server::{
-    accept_shm, bind_shm, Accepting, Handler, HandlerFn, Methods, ServerCall, ServerStats, Tracker, GOING_AWAY,
+    accept_shm, bind_shm, route, Accepting, Handler, HandlerFn, Methods, ServerCall, ServerStats, Tracker, GOING_AWAY,
 };
 use crate::http::endpoint::{HttpListener, Target};
 use crate::http::tls::ServerTlsConfig;
@@ -165,7 +165,7 @@ impl Server {
         F: Fn(ServerCall) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<(), Status>> + Send + 'static,
     {
-        self.handlers.insert(path.to_owned(), Arc::new(move |call| Box::pin(handler(call))));
+        self.handlers.insert(path.to_owned(), route(move |call| Box::pin(handler(call))));
         self
     }
 
@@ -205,7 +205,7 @@ impl Server {
 
     /// Registers a [`Handler`] trait object for `path`.
     pub fn handler_object(mut self, path: &str, handler: Arc<dyn Handler>) -> Server {
-        self.handlers.insert(path.to_owned(), Arc::new(move |call| handler.clone().handle(call)));
+        self.handlers.insert(path.to_owned(), route(move |call| handler.clone().handle(call)));
         self
     }
 
@@ -213,7 +213,7 @@ impl Server {
     /// servers whose methods are known only at run time (the Python binding's). It then answers
     /// unknown methods itself.
     pub fn fallback(mut self, handler: Arc<dyn Handler>) -> Server {
-        self.catch_all = Some(Arc::new(move |call| handler.clone().handle(call)));
+        self.catch_all = Some(route(move |call| handler.clone().handle(call)));
         self
     }
 
@@ -398,7 +398,7 @@ impl Server {
                     .into_iter()
                     .map(|(name, service)| {
                         let handler = crate::http::ServiceHandler(service);
-                        let f: HandlerFn = Arc::new(move |call| Box::pin(handler.clone().serve(call)));
+                        let f: HandlerFn = route(move |call| Box::pin(handler.clone().serve(call)));
                         (format!("/{name}/"), f)
                     })
                     .collect(),
@@ -565,7 +565,7 @@ impl Bound {
             routes = routes.map(|routes| routes.add_service(service.clone()));
             let name = <tonic_health::pb::health_server::HealthServer<()> as tonic::server::NamedService>::NAME;
             let handler = crate::http::ServiceHandler(crate::http::BoxService::new(service));
-            let f: HandlerFn = Arc::new(move |call| Box::pin(handler.clone().serve(call)));
+            let f: HandlerFn = route(move |call| Box::pin(handler.clone().serve(call)));
             Arc::make_mut(&mut handlers).services.push((format!("/{name}/"), f));
         }
         for name in &names {

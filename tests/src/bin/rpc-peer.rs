@@ -6,7 +6,10 @@
 //! `ClientStream` (reply `u64 count, u64 bytes` of what arrived), `Bidi` (echo each),
 //! `Fail` (request `u32 code`: that status, with details and a trailer), `Panic`, `Sleep` (never
 //! returns; prints `SLEEP-DROPPED` when the server stops it), `TimeLeft` (milliseconds left),
-//! `Slow` (prints `SLOW-STARTED`, answers after 500 ms), `After` (request `u32 µs`: its echo
+//! `Slow` (prints `SLOW-STARTED`, answers after 500 ms), `Hog` (blocks its thread before its
+//! first `.await`, as metadata `x-hog` says: `sleep:MS`, or `until-released`, which waits up to
+//! 15 s for `/test.Admin/Release` and answers `released` or `not released`; Release answers
+//! `released`, or `not-hogging` while no Hog waits), `After` (request `u32 µs`: its echo
 //! after that long), `Every` (request `u32 µs, u32 count`: that many echoes, one every µs),
 //! `InPlace` (request `u32 size`: a reply of that size built in place in shared memory), `Flood`
 //! (64 KiB patterned messages until the call ends), `Stall` (never reads; returns only when
@@ -74,6 +77,41 @@ impl Drop for Loud {
 /// What `/test.Echo/Panic` panics with.
 const ON_PURPOSE: &str = "handler exploded on purpose";
 
+/// `/test.Echo/Hog`'s state: whether one waits for `/test.Admin/Release`, and whether it came.
+static HOG: std::sync::Mutex<(bool, bool)> = std::sync::Mutex::new((false, false));
+static HOG_RELEASED: std::sync::Condvar = std::sync::Condvar::new();
+
+/// Blocks the calling thread as `mode` says (see the module's documentation).
+fn hog(mode: &str) -> &'static str {
+    if let Some(ms) = mode.strip_prefix("sleep:").and_then(|ms| ms.parse().ok()) {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+        return "slept";
+    }
+    let mut state = HOG.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    *state = (true, false);
+    let (mut state, _) = HOG_RELEASED
+        .wait_timeout_while(state, std::time::Duration::from_secs(15), |s| !s.1)
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let released = state.1;
+    *state = (false, false);
+    if released {
+        "released"
+    } else {
+        "not released"
+    }
+}
+
+/// `/test.Admin/Release`: lets a waiting Hog go.
+fn release_hog() -> &'static str {
+    let mut state = HOG.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    if !state.0 {
+        return "not-hogging";
+    }
+    state.1 = true;
+    HOG_RELEASED.notify_all();
+    "released"
+}
+
 fn main() {
     let addr = std::env::args().nth(1).expect("address");
     // Optional second argument: the largest request message accepted, in bytes.
@@ -86,6 +124,7 @@ fn main() {
         Some(&ON_PURPOSE) => eprintln!("rpc-peer: {ON_PURPOSE}"),
         _ => report(info),
     }));
+    // Two workers: a Hog holds one while the other reads (rpc_calls.rs's blocking-handler test).
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
     rt.block_on(async move {
         let shutdown = std::sync::Arc::new(tokio::sync::Notify::new());
@@ -138,6 +177,16 @@ fn main() {
                         .collect();
                     call.send(text.join("\n").as_bytes()).await
                 }
+            })
+            .handler("/test.Echo/Hog", |mut call: ServerCall| async move {
+                // Before any `.await`: the call's first poll blocks.
+                let reply = hog(call.metadata().get("x-hog").unwrap_or(""));
+                let _ = one(&mut call).await?;
+                call.send(reply.as_bytes()).await
+            })
+            .handler("/test.Admin/Release", |mut call: ServerCall| async move {
+                let _ = one(&mut call).await?;
+                call.send(release_hog().as_bytes()).await
             })
             .handler("/test.Echo/Slow", |mut call: ServerCall| async move {
                 let m = one(&mut call).await?;

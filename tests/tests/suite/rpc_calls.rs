@@ -1439,3 +1439,38 @@ fn a_channel_whose_runtime_shut_down_calls_on_a_new_connection() {
         assert_eq!(counters.calls_started, 1, "the old connection carried it: {counters:?}");
     });
 }
+
+/// A handler that blocks its thread before its first `.await` holds up its connection's reader
+/// only until the server has seen it do so: its next calls become tasks of their own, and other
+/// calls on the same connection are read and answered while one of them blocks.
+#[test]
+fn a_handler_that_blocks_its_thread_stops_holding_up_its_connection() {
+    let (_server, addr) = server();
+    run(async move {
+        let ch = Channel::connect(&addr).await.expect("connect");
+        let hog = |mode: &str| {
+            let mut md = MetadataMap::new();
+            md.append("x-hog", mode).expect("ascii");
+            CallOptions { metadata: md, timeout: Some(Duration::from_secs(60)), ..CallOptions::default() }
+        };
+        // Seen blocking its thread for 20 ms in its first poll.
+        let r = ch.unary("/test.Echo/Hog", b"", hog("sleep:20")).await.expect("the first hog");
+        assert_eq!(&r.message[..], b"slept");
+        // Blocks a server thread until the Release below has run; Release goes on the same
+        // connection, and is read only if the hog's call is not on the reader.
+        let waits = ch.unary("/test.Echo/Hog", b"", hog("until-released"));
+        let releases = async {
+            for _ in 0..1_000 {
+                let r = ch.unary("/test.Admin/Release", b"", with_timeout(30_000)).await.expect("release");
+                if &r.message[..] == b"released" {
+                    return true;
+                }
+                tokio::time::sleep(Duration::from_millis(10)).await; // the hog has not begun to wait
+            }
+            false
+        };
+        let (waited, released) = tokio::join!(waits, releases);
+        assert!(released, "no Hog call was seen waiting");
+        assert_eq!(&waited.expect("the blocking hog").message[..], b"released");
+    });
+}

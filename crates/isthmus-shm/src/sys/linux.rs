@@ -274,6 +274,22 @@ pub(crate) fn forks_counted() -> u64 {
     FORKS.load(std::sync::atomic::Ordering::Relaxed)
 }
 
+/// The time-stamp counter (see `crate::ticks`).
+#[cfg(target_arch = "x86_64")]
+pub(crate) fn ticks() -> u64 {
+    // SAFETY: RDTSC reads a counter and touches no memory; every x86-64 CPU has it. A process
+    // that forbade it (`prctl(PR_SET_TSC, PR_TSC_SIGSEGV)`) gets SIGSEGV, not undefined
+    // behaviour.
+    unsafe { core::arch::x86_64::_rdtsc() }
+}
+
+/// Nanoseconds since the first call (see `crate::ticks`).
+#[cfg(not(target_arch = "x86_64"))]
+pub(crate) fn ticks() -> u64 {
+    static START: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    START.get_or_init(Instant::now).elapsed().as_nanos() as u64
+}
+
 /// Sends `data` on a stream socket with `fds` attached as SCM_RIGHTS.
 pub(crate) fn send_with_fds(sock: BorrowedFd<'_>, data: &[u8], fds: &[BorrowedFd<'_>]) -> io::Result<()> {
     let raw: Vec<RawFd> = fds.iter().map(|fd| fd.as_raw_fd()).collect();

@@ -34,7 +34,11 @@
 //! scheduler before waiting again, since its own spin would hold the woken task's worker. A call
 //! handed to a foreign handler (`binding::hand_off`: Python, C, Go) is not spawned: the reader
 //! keeps it in `HandedCalls` and polls it whenever its own task is woken, so the foreign thread's
-//! `finish` wakes a running task rather than a sleeping worker (ADR 0019).
+//! `finish` wakes a running task rather than a sleeping worker (ADR 0019). A call whose handler
+//! holds its thread for long (`server::Pace`) asks in its first poll to be a task of its own
+//! (`to_own_task`): it is spawned at once, and the reader then yields through the run queue
+//! (`requeue`), not `yield_now`, so that an idle worker takes the reader, and the I/O driver,
+//! while the handler holds this one (ADR 0031).
 //!
 //! Async calls read for themselves (`Lead`, `read_here`, ADR 0008): the `Receiver` sits in a slot
 //! under a mutex; a call whose inbox is empty, polled on a tokio thread, takes it if free and reads
@@ -115,6 +119,25 @@ pub(crate) type CallFuture = std::pin::Pin<Box<dyn std::future::Future<Output = 
 thread_local! {
     /// Set by [`handed_off`] while a server reader gives a call its first poll.
     static HANDED_OFF: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// True while a server reader gives a call its first poll on the reader's own task.
+    static ON_READER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+    /// Set by [`to_own_task`] in such a poll.
+    static OWN_TASK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Tells the server reader polling the current call that the call is to be a task of its own
+/// before its handler runs, since the handler holds its thread for long (`server::Pace`): the
+/// reader spawns it and does not yield to it, so that it goes on reading (a task woken by a
+/// yield waits in the list of the worker that yielded, which the handler is about to hold).
+pub(crate) fn to_own_task() {
+    OWN_TASK.set(true);
+}
+
+/// Whether the current poll is a call's first, made by its connection's reader on the reader's
+/// task: a call that returns `Pending` from it, without having handed itself off, becomes a task
+/// of its own at once (so it may return `Pending` with no waker registered).
+pub(crate) fn polled_by_reader() -> bool {
+    ON_READER.get()
 }
 
 /// Tells the server reader polling the current call that its handler is now a foreign
@@ -122,6 +145,54 @@ thread_local! {
 /// (`binding::hand_off`). Outside a reader's first poll it does nothing.
 pub(crate) fn handed_off() {
     HANDED_OFF.set(true);
+}
+
+/// Yields once to the tasks queued on this worker, as `tokio::task::yield_now` does, but
+/// through the worker's run queue, which the other workers steal from, and waking one that is
+/// idle. `yield_now` puts the task in a list of the worker's own that it reads only when it
+/// runs out of tasks: behind a task that then holds the thread (a handler that blocks or
+/// computes), the reader would read nothing, though the other worker was idle; and an idle
+/// worker asleep on its condition variable rather than on the I/O driver would not watch the
+/// connection's doorbell for it.
+async fn requeue() {
+    let mut woken = false;
+    std::future::poll_fn(|cx| {
+        if woken {
+            return std::task::Poll::Ready(());
+        }
+        woken = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    })
+    .await;
+}
+
+/// How a reader's poll of a new call went, and what the call said of itself meanwhile.
+struct FirstPoll {
+    done: bool,
+    /// [`handed_off`] was called.
+    handed_off: bool,
+    /// [`to_own_task`] was called.
+    own_task: bool,
+}
+
+/// Polls a new call on a server reader, with [`polled_by_reader`] true meanwhile: restored after,
+/// even if the poll panics (a handler's panic is caught inside the call, but a `Handler` whose
+/// `handle` panics before it returns its future is not), so that no later poll on this thread
+/// passes for a reader's.
+fn first_poll(call: &mut CallFuture, cx: &mut std::task::Context<'_>) -> FirstPoll {
+    struct Restore(bool);
+    impl Drop for Restore {
+        fn drop(&mut self) {
+            ON_READER.set(self.0);
+        }
+    }
+    HANDED_OFF.set(false);
+    OWN_TASK.set(false);
+    let restore = Restore(ON_READER.replace(true));
+    let done = call.as_mut().poll(cx).is_ready();
+    drop(restore);
+    FirstPoll { done, handed_off: HANDED_OFF.replace(false), own_task: OWN_TASK.replace(false) }
 }
 
 /// A server reader's calls handed to foreign handlers: polled by the reader's task when one
@@ -255,6 +326,11 @@ impl Cancel {
     /// The code the call ended with, once fired.
     pub(crate) fn code(&self) -> Code {
         self.code.lock().ok().and_then(|c| *c).unwrap_or(Code::Cancelled)
+    }
+
+    /// Whether the call is over already.
+    pub(crate) fn fired(&self) -> bool {
+        self.code.lock().map_or(true, |c| c.is_some())
     }
 }
 
@@ -1301,6 +1377,9 @@ impl Mux {
             self.batch.fetch_add(1, Ordering::Relaxed);
             self.woke.store(false, Ordering::Relaxed);
             self.credit_only.store(true, Ordering::Relaxed);
+            // Whether the batch made calls tasks of their own because their handlers hold
+            // their thread for long (`server::Pace`).
+            let mut own_tasks = false;
             let mut stop = self.route_batch(&mut receiver, first, accept.as_mut()).await;
             if let Some(acc) = accept.as_mut() {
                 // A client writes a call's HEADERS and its first message a fraction of a
@@ -1319,7 +1398,7 @@ impl Mux {
                 }
                 acc.bare.clear();
                 // Drained, not taken: the batch's vector keeps its room for the next batch.
-                let mut waiting = Self::start_calls(&mut acc.batch, &mut handed).await;
+                let mut waiting = Self::start_calls(&mut acc.batch, &mut handed, &mut own_tasks).await;
                 // Calls still waiting get one more look as long (unless the ring stayed empty
                 // through the first) and one more poll.
                 if !waiting.is_empty() && stop.is_none() && !spun {
@@ -1327,7 +1406,7 @@ impl Mux {
                         stop = self.route_batch(&mut receiver, next, Some(&mut *acc)).await;
                         waiting.append(&mut acc.batch);
                         acc.bare.clear();
-                        waiting = Self::start_calls(&mut waiting, &mut handed).await;
+                        waiting = Self::start_calls(&mut waiting, &mut handed, &mut own_tasks).await;
                     }
                 }
                 for call in waiting {
@@ -1343,7 +1422,7 @@ impl Mux {
             // this worker: let them run now, before the wait for the next frame spins on this
             // thread. A batch that only opened and finished calls inline skips the trip through
             // the scheduler. The calls that run meanwhile may read the connection themselves.
-            if self.woke.load(Ordering::Relaxed) {
+            if self.woke.load(Ordering::Relaxed) || own_tasks {
                 match &self.lead {
                     None => held = Some(receiver),
                     Some(lead) => match lead.slot.lock() {
@@ -1351,7 +1430,13 @@ impl Mux {
                         Err(_) => break 'read poisoned(),
                     },
                 }
-                tokio::task::yield_now().await;
+                if own_tasks {
+                    // Through the run queue: this worker is about to run a handler that holds
+                    // it, and another must take this task (and the I/O driver) meanwhile.
+                    requeue().await;
+                } else {
+                    tokio::task::yield_now().await;
+                }
             } else {
                 held = Some(receiver);
             }
@@ -1603,11 +1688,12 @@ impl Mux {
                 return Read::GiveBack;
             }
             for mut call in lent.accept.batch.drain(..) {
-                HANDED_OFF.set(false);
-                if call.as_mut().poll(cx).is_ready() {
+                // A call that asks for a task of its own is spawned below like any that waits.
+                let polled = first_poll(&mut call, cx);
+                if polled.done {
                     continue;
                 }
-                if HANDED_OFF.replace(false) {
+                if polled.handed_off {
                     handed = true;
                     lent.calls.push(call);
                 } else {
@@ -1651,17 +1737,20 @@ impl Mux {
 
     /// Polls each new call once, here on the reader's task; the calls that must wait, but for
     /// those handed to a foreign handler, which join `handed`.
-    async fn start_calls(calls: &mut Vec<CallFuture>, handed: &mut HandedCalls) -> Vec<CallFuture> {
+    async fn start_calls(calls: &mut Vec<CallFuture>, handed: &mut HandedCalls, own: &mut bool) -> Vec<CallFuture> {
         let mut waiting = Vec::new();
         for mut call in calls.drain(..) {
-            HANDED_OFF.set(false);
-            let done = std::future::poll_fn(|cx| std::task::Poll::Ready(call.as_mut().poll(cx).is_ready())).await;
-            if done {
+            let polled = std::future::poll_fn(|cx| std::task::Poll::Ready(first_poll(&mut call, cx))).await;
+            if polled.done {
                 continue;
             }
-            match HANDED_OFF.replace(false) {
-                true => handed.calls.push(call),
-                false => waiting.push(call),
+            match (polled.handed_off, polled.own_task) {
+                (true, _) => handed.calls.push(call),
+                (false, true) => {
+                    *own = true;
+                    drop(tokio::spawn(call));
+                }
+                (false, false) => waiting.push(call),
             }
         }
         waiting

@@ -16,8 +16,11 @@
 //! Each call: the reader looks the handler up when it routes the HEADERS; the call's future counts
 //! itself in flight (for graceful shutdown), gets its first poll on the reader task, and is spawned
 //! only if that poll returns `Pending` (a call handed to a foreign handler stays with the reader
-//! instead, ADR 0019). So a handler that blocks its thread, or computes for long,
-//! before its first `.await` stalls every call of its connection: no frame is read meanwhile.
+//! instead, ADR 0019). No frame is read during that poll, so a handler that blocks its thread,
+//! or computes for long, before its first `.await` would stall every call of its connection and
+//! run them one after another: once such a first poll has taken about 100 µs or more (`Pace`,
+//! timed with the time-stamp counter), the handler's next calls become tasks of their own
+//! before it runs, which the runtime's other workers take while the reader reads on (ADR 0031).
 //! `supervise` polls the handler inside the call's future (no task of its own, so no hand-off
 //! between workers per call), racing the deadline (measured from the call's first poll, just after
 //! its HEADERS was read) and the cancel signal; the loser is dropped:
@@ -72,7 +75,7 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::os::fd::AsRawFd;
 use std::pin::Pin;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -143,7 +146,83 @@ impl Methods {
         self.catch_all.clone()
     }
 }
-pub(crate) type HandlerFn = Arc<dyn Fn(ServerCall) -> BoxFuture + Send + Sync>;
+pub(crate) type HandlerFn = Arc<Route<dyn Fn(ServerCall) -> BoxFuture + Send + Sync>>;
+
+/// A registered handler (a method's, a tonic service's or the fallback) and its [`Pace`], in
+/// one allocation.
+pub(crate) struct Route<F: ?Sized> {
+    pace: Pace,
+    run: F,
+}
+
+/// Stores `run` as a registered handler.
+pub(crate) fn route(run: impl Fn(ServerCall) -> BoxFuture + Send + Sync + 'static) -> HandlerFn {
+    Arc::new(Route { pace: Pace::default(), run })
+}
+
+/// Whether a handler's calls get their first poll on the connection's reader. That poll saves
+/// a task and a wake-up per call, but the reader reads nothing while it runs: a handler that
+/// computes, or blocks its thread, before its first `.await` held up every other call of its
+/// connection, and all of them ran one after another on one thread. Once a first poll has
+/// taken `SLOW` or more, the handler's next calls become tasks of their own before it runs
+/// (the runtime's other workers take them, and the reader goes on reading): 64 calls, then
+/// one first poll on the reader again to look, and twice as many calls after each slow look,
+/// up to 65,536; a fast look ends the streak.
+#[derive(Default)]
+struct Pace {
+    /// Calls still to send to their own task.
+    defer: AtomicU32,
+    /// The streak's current length; 0 while first polls are fast.
+    window: AtomicU32,
+}
+
+impl Pace {
+    /// A first poll that takes this long is a handler the reader should not run: tokio's advice
+    /// is 10-100 µs of work at most between two `.await`s. In ticks of the time-stamp counter
+    /// (`isthmus_shm::ticks`, cheaper than a clock: this is timed on every call), so 60-250
+    /// µs depending on the host's counter rate.
+    const SLOW: u64 = 250_000;
+    const FIRST_WINDOW: u32 = 64;
+    const LAST_WINDOW: u32 = 1 << 16;
+
+    /// True if this call is to become a task of its own before its handler runs.
+    fn defer(&self) -> bool {
+        // One relaxed load per call while first polls are fast: the line stays shared.
+        self.defer.load(Ordering::Relaxed) != 0
+            && self.defer.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok()
+    }
+
+    /// A first poll on the reader took `took`.
+    fn first_poll_took(&self, took: u64) {
+        if took >= Self::SLOW {
+            let window =
+                self.window.load(Ordering::Relaxed).saturating_mul(2).clamp(Self::FIRST_WINDOW, Self::LAST_WINDOW);
+            self.window.store(window, Ordering::Relaxed);
+            self.defer.store(window, Ordering::Relaxed);
+        } else if self.window.load(Ordering::Relaxed) != 0 {
+            self.window.store(0, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Pending when the connection's reader gives the call its first poll, so that the reader
+/// makes it a task of its own at once (`Mux::start_calls`); ready on that task.
+struct OwnTask;
+
+impl Future for OwnTask {
+    type Output = ();
+
+    fn poll(self: Pin<&mut Self>, _cx: &mut std::task::Context<'_>) -> std::task::Poll<()> {
+        // No waker to register: the reader spawns a call it polled that returned `Pending`
+        // without handing itself off, and a new task is polled at once.
+        if super::mux::polled_by_reader() {
+            super::mux::to_own_task();
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    }
+}
 
 /// The server's side of one call, handed to its handler.
 ///
@@ -967,8 +1046,28 @@ fn run_call(
         let _guard = guard;
         let id = stream.id;
         let shared = stream.shared.clone();
-        let status = match begin_call(&mux, head, stream, handler, peer) {
-            Ok((handler, deadline)) => outcome_status(supervise(handler, deadline, &shared.cancel).await, &shared),
+        let pace = handler.as_ref().map(|h| &h.pace);
+        // When the call's own task is to run it: when it arrived, which its deadline counts from.
+        let mut arrived = None;
+        if pace.is_some_and(Pace::defer) {
+            arrived = Some(Instant::now());
+            OwnTask.await;
+        }
+        let status = match begin_call(&mux, head, stream, handler.as_ref(), peer, arrived) {
+            Ok((fut, deadline)) => {
+                // A call that waited for its task may be over already: its handler, which would
+                // hold this thread first, does not run.
+                let over = match arrived {
+                    Some(_) if shared.cancel.fired() => Some(Outcome::Cancelled),
+                    Some(_) if deadline.is_some_and(|d| d <= Instant::now()) => Some(Outcome::DeadlineExceeded),
+                    _ => None,
+                };
+                let outcome = match over {
+                    Some(outcome) => outcome,
+                    None => supervise(fut, deadline, &shared.cancel, pace).await,
+                };
+                outcome_status(outcome, &shared)
+            }
             Err(status) => Some(status),
         };
         recorder.record("code", tracing::field::debug(status.as_ref().map_or(shared.cancel.code(), |s| s.code())));
@@ -1014,8 +1113,9 @@ fn begin_call(
     mux: &Arc<Mux>,
     head: wire::RequestHead,
     stream: Stream,
-    handler: Option<HandlerFn>,
+    handler: Option<&HandlerFn>,
     peer: Peer,
+    arrived: Option<Instant>,
 ) -> Result<(BoxFuture, Option<Instant>), Status> {
     mux.calls.start();
     let Some(handler) = handler else {
@@ -1024,7 +1124,7 @@ fn begin_call(
             format!("method {} is not implemented by this server", head.path),
         ));
     };
-    let deadline = head.timeout.map(|t| Instant::now() + t);
+    let deadline = head.timeout.map(|t| arrived.unwrap_or_else(Instant::now) + t);
     let call = ServerCall {
         id: stream.id,
         shared: stream.shared.clone(),
@@ -1036,7 +1136,7 @@ fn begin_call(
         reply_encoding: None,
         peer,
     };
-    Ok((handler(call), deadline))
+    Ok(((handler.run)(call), deadline))
 }
 
 /// The status a handler's outcome sends; `None` if the call was cancelled under it.
@@ -1060,15 +1160,22 @@ enum Outcome {
 }
 
 /// Polls a handler where it is (no task of its own, so no hand-off between worker threads per
-/// call) and turns a panic inside it into a value instead of unwinding into the server.
-struct CatchPanic(BoxFuture);
+/// call) and turns a panic inside it into a value instead of unwinding into the server. A poll
+/// the connection's reader makes is timed for the handler's [`Pace`].
+struct CatchPanic<'a>(BoxFuture, Option<&'a Pace>);
 
-impl Future for CatchPanic {
+impl Future for CatchPanic<'_> {
     type Output = Result<Result<(), Status>, String>;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Self::Output> {
+        // Every poll the reader makes (a call that waited for its request gets a second one).
+        let timed = self.1.filter(|_| super::mux::polled_by_reader()).map(|p| (p, isthmus_shm::ticks()));
         let handler = self.0.as_mut();
-        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler.poll(cx))) {
+        let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler.poll(cx)));
+        if let Some((pace, start)) = timed {
+            pace.first_poll_took(isthmus_shm::ticks().saturating_sub(start));
+        }
+        match polled {
             Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
             Ok(std::task::Poll::Ready(r)) => std::task::Poll::Ready(Ok(r)),
             Err(p) => {
@@ -1085,7 +1192,7 @@ impl Future for CatchPanic {
 
 /// Runs the handler against the deadline and the cancel signal; the losing branch's handler
 /// future is dropped, which is what stops it.
-async fn supervise(fut: BoxFuture, deadline: Option<Instant>, cancelled: &Cancel) -> Outcome {
+async fn supervise(fut: BoxFuture, deadline: Option<Instant>, cancelled: &Cancel, pace: Option<&Pace>) -> Outcome {
     // Boxed, and only for a call with a deadline: a timer's state would make every call's
     // future larger than the allocator's fast size classes.
     let expired = async {
@@ -1098,11 +1205,46 @@ async fn supervise(fut: BoxFuture, deadline: Option<Instant>, cancelled: &Cancel
         // In order, the handler first: no random number per poll, and the cancel signal is not
         // even registered for a handler that finishes in its first poll.
         biased;
-        r = CatchPanic(fut) => match r {
+        r = CatchPanic(fut, pace) => match r {
             Ok(r) => Outcome::Done(r),
             Err(what) => Outcome::Panicked(what),
         },
         () = expired => Outcome::DeadlineExceeded,
         () = cancelled.signal.notified() => Outcome::Cancelled,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Pace;
+
+    const SLOW: u64 = Pace::SLOW;
+
+    fn deferred(pace: &Pace) -> u32 {
+        std::iter::from_fn(|| pace.defer().then_some(())).take(1 << 20).count() as u32
+    }
+
+    #[test]
+    fn fast_first_polls_defer_nothing() {
+        let pace = Pace::default();
+        for _ in 0..10 {
+            pace.first_poll_took(SLOW - 1);
+            assert!(!pace.defer());
+        }
+    }
+
+    #[test]
+    fn each_slow_look_doubles_the_streak_up_to_its_cap_and_a_fast_one_ends_it() {
+        let pace = Pace::default();
+        let mut streaks = Vec::new();
+        for _ in 0..13 {
+            pace.first_poll_took(SLOW);
+            streaks.push(deferred(&pace));
+        }
+        assert_eq!(streaks, [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 65536, 65536]);
+        pace.first_poll_took(0);
+        assert!(!pace.defer());
+        pace.first_poll_took(u64::MAX);
+        assert_eq!(deferred(&pace), 64, "a fast look starts the next streak over");
     }
 }
