@@ -125,6 +125,12 @@ thread_local! {
     static OWN_TASK: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
+/// Whether the call being polled has handed itself to a foreign thread ([`handed_off`]) in a
+/// reader's poll.
+pub(crate) fn handing_off() -> bool {
+    HANDED_OFF.get()
+}
+
 /// Tells the server reader polling the current call that the call is to be a task of its own
 /// before its handler runs, since the handler holds its thread for long (`server::Pace`): the
 /// reader spawns it and does not yield to it, so that it goes on reading (a task woken by a

@@ -1172,7 +1172,10 @@ impl Future for CatchPanic<'_> {
         let timed = self.1.filter(|_| super::mux::polled_by_reader()).map(|p| (p, isthmus_shm::ticks()));
         let handler = self.0.as_mut();
         let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| handler.poll(cx)));
-        if let Some((pace, start)) = timed {
+        // A call handed to a foreign thread that did not finish it here ran no handler here
+        // (Python's queue theirs): how long its poll took says nothing of the handler.
+        let ran_here = !(matches!(polled, Ok(std::task::Poll::Pending)) && super::mux::handing_off());
+        if let Some((pace, start)) = timed.filter(|_| ran_here) {
             pace.first_poll_took(isthmus_shm::ticks().saturating_sub(start));
         }
         match polled {
