@@ -163,16 +163,16 @@ pub(crate) fn route(run: impl Fn(ServerCall) -> BoxFuture + Send + Sync + 'stati
 /// Whether a handler's calls get their first poll on the connection's reader. That poll saves
 /// a task and a wake-up per call, but the reader reads nothing while it runs: a handler that
 /// computes, or blocks its thread, before its first `.await` held up every other call of its
-/// connection, and all of them ran one after another on one thread. Once a first poll has
+/// connection, and all of them ran one after another on one thread. Once a poll on the reader has
 /// taken `SLOW` or more, the handler's next calls become tasks of their own before it runs
 /// (the runtime's other workers take them, and the reader goes on reading): 64 calls, then
-/// one first poll on the reader again to look, and twice as many calls after each slow look,
+/// one call on the reader again to look, and twice as many calls after each slow look,
 /// up to 65,536; a fast look ends the streak.
 #[derive(Default)]
 struct Pace {
     /// Calls still to send to their own task.
     defer: AtomicU32,
-    /// The streak's current length; 0 while first polls are fast.
+    /// The streak's current length; 0 while polls on the reader are fast.
     window: AtomicU32,
 }
 
@@ -187,13 +187,14 @@ impl Pace {
 
     /// True if this call is to become a task of its own before its handler runs.
     fn defer(&self) -> bool {
-        // One relaxed load per call while first polls are fast: the line stays shared.
+        // One relaxed load per call while polls on the reader are fast: the line stays shared.
         self.defer.load(Ordering::Relaxed) != 0
             && self.defer.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1)).is_ok()
     }
 
-    /// A first poll on the reader took `took`.
-    fn first_poll_took(&self, took: u64) {
+    /// A poll the connection's reader made of the handler (its first, or the second of a call
+    /// that waited for its request) took `took` ticks.
+    fn reader_poll_took(&self, took: u64) {
         if took >= Self::SLOW {
             let window =
                 self.window.load(Ordering::Relaxed).saturating_mul(2).clamp(Self::FIRST_WINDOW, Self::LAST_WINDOW);
@@ -1176,7 +1177,7 @@ impl Future for CatchPanic<'_> {
         // (Python's queue theirs): how long its poll took says nothing of the handler.
         let ran_here = !(matches!(polled, Ok(std::task::Poll::Pending)) && super::mux::handing_off());
         if let Some((pace, start)) = timed.filter(|_| ran_here) {
-            pace.first_poll_took(isthmus_shm::ticks().saturating_sub(start));
+            pace.reader_poll_took(isthmus_shm::ticks().saturating_sub(start));
         }
         match polled {
             Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
@@ -1231,7 +1232,7 @@ mod tests {
     fn fast_first_polls_defer_nothing() {
         let pace = Pace::default();
         for _ in 0..10 {
-            pace.first_poll_took(SLOW - 1);
+            pace.reader_poll_took(SLOW - 1);
             assert!(!pace.defer());
         }
     }
@@ -1241,13 +1242,13 @@ mod tests {
         let pace = Pace::default();
         let mut streaks = Vec::new();
         for _ in 0..13 {
-            pace.first_poll_took(SLOW);
+            pace.reader_poll_took(SLOW);
             streaks.push(deferred(&pace));
         }
         assert_eq!(streaks, [64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 65536, 65536]);
-        pace.first_poll_took(0);
+        pace.reader_poll_took(0);
         assert!(!pace.defer());
-        pace.first_poll_took(u64::MAX);
+        pace.reader_poll_took(u64::MAX);
         assert_eq!(deferred(&pace), 64, "a fast look starts the next streak over");
     }
 }
