@@ -16,8 +16,8 @@ names (`localhost:50051`, `dns:///host:port`, `ipv4:…`, `ipv6:…`, `unix:PATH
 `unix-abstract:NAME`) or `http://HOST:PORT`: standard gRPC over HTTP/2, which grpcio, tonic and
 others speak too; with TLS through `secure_channel` and `add_secure_port`.
 `isthmus.aio` is the asyncio API, in grpc.aio's shapes. Failed calls raise `isthmus.RpcError`,
-which is a `grpc.RpcError` (and a `grpc.aio.AioRpcError`); every exception isthmus raises is an
-`isthmus.IsthmusError`.
+which is a `grpc.RpcError` (and a `grpc.aio.AioRpcError`); a bad target or TLS setting raises
+`ValueError`, and isthmus's other exceptions of its own are `isthmus.IsthmusError`.
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@
 //!   credentials and `auth_context()`.
 //! - `buffers`: the raw tier's messages as Python buffers (`Message` read-only, `Block`
 //!   writable), and any buffer-protocol object as a request, with no copy into a `bytes`.
+//! - `topic`: `isthmus.Topic`, a publisher's messages written once for every subscriber.
 //!
 //! What every binding needs beyond that (a call whose halves two threads drive, completions
 //! for event loops, a call handed to foreign code) is the engine's `isthmus::binding`.
