@@ -1,6 +1,7 @@
 """A server for the parity tests (`test_grpc_parity.py`): `parity_server.py API [--intercepted]
-[--health-last] [--send-limit] TARGET…` with API `grpcio`, `grpc.aio`, `isthmus` or `isthmus-aio`
-(`--send-limit`: the server's `grpc.max_send_message_length` is 100 bytes). It prints READY, then
+[--health-last] [--send-limit] [--receive-limit] TARGET…` with API `grpcio`, `grpc.aio`,
+`isthmus` or `isthmus-aio` (`--send-limit`: the server's `grpc.max_send_message_length` is 100
+bytes; `--receive-limit`: its `grpc.max_receive_message_length` is 1000 bytes). It prints READY, then
 LISTENING <address> for each HTTP/2 target, and serves until killed. An asyncio server runs on
 the loop `PEER_LOOP` names (`asyncio`, the default, or `uvloop`; see `peer.run_loop`). It serves:
 
@@ -57,6 +58,8 @@ import isthmus.aio
 SERVICE = "grpc.health.v1.Health"
 # `grpc.max_send_message_length` with `--send-limit`.
 SEND_LIMIT = 100
+# `grpc.max_receive_message_length` with `--receive-limit`.
+RECEIVE_LIMIT = 1000
 
 
 def _name(request: bytes) -> str:
@@ -357,7 +360,9 @@ def main() -> None:
     flags = {t for t in targets if t.startswith("--")}
     targets = [t for t in targets if not t.startswith("--")]
     intercepted, health_last = "--intercepted" in flags, "--health-last" in flags
-    options = [("grpc.max_send_message_length", SEND_LIMIT)] if "--send-limit" in flags else None
+    options = [("grpc.max_send_message_length", SEND_LIMIT)] if "--send-limit" in flags else []
+    if "--receive-limit" in flags:
+        options.append(("grpc.max_receive_message_length", RECEIVE_LIMIT))
     if api in ("isthmus-aio", "grpc.aio"):
 
         async def serve() -> None:

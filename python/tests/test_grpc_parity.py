@@ -524,6 +524,31 @@ def test_a_reply_over_the_servers_send_limit_fails_its_call(api: str, loop: str)
         served.close()
 
 
+@pytest.mark.parametrize(
+    ("api", "loop"), [("grpcio", "asyncio"), ("isthmus", "asyncio"), *AIO_SERVERS], ids="-".join
+)
+def test_a_servers_receive_limit_holds_its_requests_not_its_replies(api: str, loop: str) -> None:
+    """A server's `grpc.max_receive_message_length` (1000 bytes) refuses a larger request
+    RESOURCE_EXHAUSTED, naming its size and the limit, and leaves the server's replies alone: a
+    4,999-byte reply arrives; over every transport, as under grpcio and grpc.aio. (Over a Unix
+    socket isthmus's handlers answer through its bridge, which held replies to that limit.)"""
+    served, targets = parity_server(api, "--receive-limit", loop=loop)
+    join = "/parity.Plain/Join" if api.endswith("aio") else "/parity.Meta/ClientStream"
+    parts = [bytes([c]) * 999 for c in b"abcde"]
+    try:
+        for channel in _every_client(targets):
+            with channel:
+                joined = channel.stream_unary(join)
+                assert joined(iter(parts), timeout=60) == b"+".join(parts)
+                with pytest.raises(grpc.RpcError) as caught:
+                    joined(iter([b"y" * 1500]), timeout=60)
+                assert caught.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert "1500" in caught.value.details(), caught.value.details()
+                assert "1000" in caught.value.details(), caught.value.details()
+    finally:
+        served.close()
+
+
 @pytest.mark.parametrize("kind", ["grpcio", "isthmus", "isthmus-aio", "isthmus-aio-uvloop"])
 def test_maximum_concurrent_rpcs_counts_the_whole_server(
     kind: str, stubs: Path, pb_grpc: ModuleType, pb: ModuleType, monkeypatch: pytest.MonkeyPatch

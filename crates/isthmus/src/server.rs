@@ -378,8 +378,13 @@ impl Server {
             // server (ADR 0007). One local hop (~2 µs) is small beside HTTP/2's own cost.
             let target = loopback_target();
             shm.push(bind_shm(&target, &this.config, true)?);
-            let channel = crate::Channel::lazy_with(&target, this.config.clone())?;
-            let loopback = crate::http::Loopback { channel, replies: this.reply_compression };
+            // The server's message limit is on what it receives: its replies may be larger, and
+            // the loopback's client side takes them as any client would (its requests are held
+            // to the limit by the bridge, and by the shm:// side again).
+            let replies = Config { max_message_size: u64::MAX, max_reassembly: None, ..this.config.clone() };
+            let channel = crate::Channel::lazy_with(&target, replies)?;
+            let max_request = usize::try_from(this.config.max_message_size).unwrap_or(usize::MAX);
+            let loopback = crate::http::Loopback { channel, replies: this.reply_compression, max_request };
             let channel = tower::service_fn(move |request| loopback.clone().call(request));
             http_routes = http_routes.map(|mut routes| {
                 let router = routes.axum_router_mut();

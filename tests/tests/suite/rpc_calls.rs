@@ -13,9 +13,14 @@ fn server() -> (Peer, String) {
 /// `rpc-peer` on shm:// and on unix:// and http://, where its handlers answer over HTTP/2
 /// through the server's private shm:// endpoint; the addresses as clients reach them.
 fn server_everywhere(tag: &str) -> (Peer, Vec<String>) {
+    server_everywhere_with(tag, &[])
+}
+
+/// [`server_everywhere`] with `rpc-peer`'s other arguments (its message limit, its streams).
+fn server_everywhere_with(tag: &str, args: &[&str]) -> (Peer, Vec<String>) {
     let (shm, socket) = (fresh_addr(tag), fresh_socket(tag));
     let targets = format!("{shm},unix://{},http://127.0.0.1:0", socket.display());
-    let mut peer = Peer::spawn_bin("rpc-peer", &[&targets]);
+    let mut peer = Peer::spawn_bin("rpc-peer", &[&[targets.as_str()], args].concat());
     let mut addresses = vec![shm];
     for _ in 0..2 {
         let line = peer.expect_line("LISTENING ", Duration::from_secs(30));
@@ -669,18 +674,76 @@ fn a_unix_endpoint_aborted_at_the_end_of_the_grace_removes_its_socket() {
 
 #[test]
 fn a_message_over_the_limit_is_resource_exhausted_naming_size_and_limit() {
-    let addr = fresh_addr("rpc-limit");
-    let _server = Peer::spawn_bin("rpc-peer", &[&addr, "1048576"]);
+    // rpc-peer takes requests of up to 1 MiB, on every transport: over HTTP/2 its handlers answer
+    // through its private shm:// endpoint, whose bridge holds requests to the same limit.
+    let (_server, addrs) = server_everywhere_with("rpc-limit", &["1048576"]);
     run(async move {
-        let ch = Channel::connect(&addr).await.expect("connect");
-        for size in [(1 << 20) + 1, 3 << 20] {
-            let s =
-                ch.unary("/test.Echo/Unary", &vec![1u8; size], CallOptions::default()).await.expect_err("too large");
-            assert_eq!(s.code(), Code::ResourceExhausted, "{s}");
-            assert!(s.message().contains(&size.to_string()) && s.message().contains("1048576"), "{s}");
+        for addr in addrs {
+            // Over HTTP/2 itself: no move to the server's shm:// endpoint (ADR 0013).
+            let ch = Channel::builder(&addr).upgrade(false).connect().await.expect("connect");
+            for size in [(1 << 20) + 1, 3 << 20] {
+                let s = ch
+                    .unary("/test.Echo/Unary", &vec![1u8; size], CallOptions::default())
+                    .await
+                    .expect_err("too large");
+                assert_eq!(s.code(), Code::ResourceExhausted, "{addr}: {s}");
+                assert!(s.message().contains(&size.to_string()) && s.message().contains("1048576"), "{addr}: {s}");
+            }
+            let r =
+                ch.unary("/test.Echo/Unary", &vec![2u8; 1 << 20], CallOptions::default()).await.expect("at the limit");
+            assert_eq!(r.message.len(), 1 << 20);
+            // The limit is on what the server receives, not on what it sends: a 3 MiB reply
+            // arrives (over HTTP/2 the loopback's client side once held replies to it too).
+            let mut call = ch.start("/test.Echo/ServerStream", CallOptions::default()).await.expect("start");
+            let mut request = 1u32.to_le_bytes().to_vec();
+            request.extend_from_slice(&(3u32 << 20).to_le_bytes());
+            call.send_last(&request).await.expect("request");
+            let m = call.recv().await.unwrap_or_else(|s| panic!("{addr}: {s}")).expect("the reply");
+            assert_eq!((m.len(), first_mismatch(&m, 0)), (3 << 20, None), "{addr}");
+            assert!(call.recv().await.expect("the end").is_none(), "{addr}");
         }
-        let r = ch.unary("/test.Echo/Unary", &vec![2u8; 1 << 20], CallOptions::default()).await.expect("at the limit");
-        assert_eq!(r.message.len(), 1 << 20);
+    });
+}
+
+#[test]
+fn tonic_services_refuse_a_message_over_their_limit_as_grpc_does() {
+    // A tonic service keeps tonic's own limits: the health service every server serves takes
+    // requests of up to 4 MiB. tonic refuses a larger one OUT_OF_RANGE; the server answers it
+    // RESOURCE_EXHAUSTED, as grpc-go's and grpc-core's do, in tonic's words (size and limit),
+    // over shm:// (the bridge) and over HTTP/2 (tonic's own server).
+    let (_server, addrs) = server_everywhere("tonic-limit");
+    run(async move {
+        let request = vec![0x0au8; 5 << 20]; // a field 1 tag, as the start of a request's bytes
+        for addr in &addrs {
+            let ch = Channel::builder(addr).upgrade(false).connect().await.expect("connect");
+            let s = ch
+                .unary("/grpc.health.v1.Health/Check", &request, CallOptions::default())
+                .await
+                .expect_err("over tonic's limit");
+            assert_eq!(s.code(), Code::ResourceExhausted, "{addr}: {s}");
+            assert!(s.message().contains("5242880") && s.message().contains("4194304"), "{addr}: {s}");
+        }
+        // A tonic client's channel limits what it receives, not what it sends: a 2 MiB request
+        // goes on a channel that takes 1 MiB, and a 2 MiB reply does not come.
+        let config = isthmus::Config { max_message_size: 1 << 20, ..isthmus::Config::default() };
+        let ch = Channel::builder(&addrs[0]).config(config).connect().await.expect("connect");
+        let mut grpc = tonic::client::Grpc::new(ch);
+        grpc.ready().await.expect("ready");
+        let requests = tonic::codegen::tokio_stream::iter([bytes::Bytes::from(pattern(2 << 20, 0))]);
+        let path = http::uri::PathAndQuery::from_static("/test.Echo/ClientStream");
+        let reply = grpc
+            .client_streaming(tonic::Request::new(requests), path, isthmus::BytesCodec)
+            .await
+            .expect("a 2 MiB request on a 1 MiB channel")
+            .into_inner();
+        assert_eq!(u64::from_le_bytes(reply[8..16].try_into().expect("8")), 2 << 20);
+        grpc.ready().await.expect("ready");
+        let path = http::uri::PathAndQuery::from_static("/test.Echo/Unary");
+        let s = grpc
+            .unary(tonic::Request::new(bytes::Bytes::from(vec![3u8; 2 << 20])), path, isthmus::BytesCodec)
+            .await
+            .expect_err("a 2 MiB reply");
+        assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s}");
     });
 }
 

@@ -172,8 +172,6 @@ impl Drop for HttpCall {
 }
 
 /// How tonic words a decoded message over its limit.
-const TONIC_TOO_LARGE: &str = "Error, decoded message length too large";
-
 /// A status from tonic, with its trailers as metadata; `limit` is the call's largest response.
 fn status_from_tonic(t: tonic::Status, limit: usize) -> Status {
     let metadata = codec::metadata_from(&t.metadata().clone().into_headers()).unwrap_or_default();
@@ -187,7 +185,7 @@ fn status_from_tonic(t: tonic::Status, limit: usize) -> Status {
         // tonic's own refusal of a response over this call's limit, which gRPC names
         // RESOURCE_EXHAUSTED: tonic's words with this side's limit in them.
         tonic::Code::OutOfRange
-            if t.message().starts_with(TONIC_TOO_LARGE)
+            if t.message().starts_with(codec::TONIC_TOO_LARGE[0])
                 && t.message().ends_with(&format!("the limit is: {limit} bytes")) =>
         {
             Code::ResourceExhausted

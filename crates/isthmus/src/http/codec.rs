@@ -405,6 +405,40 @@ pub(crate) fn ok_trailers(metadata: Option<&MetadataMap>) -> HeaderMap {
     t
 }
 
+/// tonic's words when its codec refuses a message over a limit (`max_decoding_message_size`,
+/// `max_encoding_message_size`), which it says with OUT_OF_RANGE; they go on to name the
+/// message's size and the limit.
+pub(crate) const TONIC_TOO_LARGE: [&str; 2] =
+    ["Error, decoded message length too large", "Error, encoded message length too large"];
+
+/// Whether a status of `code` and `message` is tonic's refusal of a message over a limit, which
+/// gRPC names RESOURCE_EXHAUSTED (grpc-go and grpc-core do).
+pub(crate) fn tonic_too_large(code: Code, message: &str) -> bool {
+    code == Code::OutOfRange && TONIC_TOO_LARGE.iter().any(|words| message.starts_with(words))
+}
+
+/// `status`, with gRPC's code if it is tonic's refusal of a message over a limit: what a tonic
+/// service served through isthmus answers, over `shm://` as over HTTP/2.
+pub(crate) fn too_large_code(status: Status) -> Status {
+    if !tonic_too_large(status.code(), status.message()) {
+        return status;
+    }
+    Status::new(Code::ResourceExhausted, status.message().to_owned())
+        .with_details(status.details().clone())
+        .with_metadata(status.metadata().clone())
+}
+
+/// The same for a status in `headers` (trailers, or a trailers-only response's headers): its
+/// `grpc-status` becomes RESOURCE_EXHAUSTED; the rest stays as tonic wrote it.
+pub(crate) fn too_large_code_in(headers: &mut HeaderMap) {
+    let out_of_range = headers.get(GRPC_STATUS).is_some_and(|c| c == "11");
+    if out_of_range
+        && headers.get("grpc-message").is_some_and(|m| tonic_too_large(Code::OutOfRange, &percent_decode(m.as_bytes())))
+    {
+        headers.insert(GRPC_STATUS, HeaderValue::from(Code::ResourceExhausted as u32));
+    }
+}
+
 /// The status in trailers (or in the headers of a trailers-only response), if there is one.
 pub(crate) fn status_from(headers: &HeaderMap) -> Option<Status> {
     let code = headers.get("grpc-status")?;
@@ -584,6 +618,28 @@ mod tests {
         let e = Encoding::from_headers(&h).expect_err("snappy");
         assert_eq!(e.code(), Code::Unimplemented);
         assert!(e.message().contains("snappy") && e.message().contains(ACCEPT_ENCODING), "{e:?}");
+    }
+
+    #[test]
+    fn tonics_refusal_of_a_message_too_large_gets_grpcs_code_and_nothing_else_does() {
+        let words = "Error, decoded message length too large: found 5242880 bytes, the limit is: 4194304 bytes";
+        let refused = tonic::Status::out_of_range(words);
+        // As tonic writes it: trailers (or a trailers-only response's headers), message encoded.
+        let mut headers = HeaderMap::new();
+        refused.add_header(&mut headers).expect("headers");
+        assert!(headers.get("grpc-message").is_some_and(|m| m.as_bytes().windows(3).any(|w| w == b"%20")));
+        too_large_code_in(&mut headers);
+        let status = status_from(&headers).expect("a status");
+        assert_eq!((status.code(), status.message()), (Code::ResourceExhausted, words));
+        let sent = Status::new(Code::OutOfRange, "Error, encoded message length too large: found 9 bytes");
+        assert_eq!(too_large_code(sent).code(), Code::ResourceExhausted);
+        // An application's own OUT_OF_RANGE, and tonic's words under another code, stay.
+        for (code, message) in [(Code::OutOfRange, "page 9 of 3"), (Code::Internal, words)] {
+            let mut headers = status_trailers(&Status::new(code, message));
+            too_large_code_in(&mut headers);
+            assert_eq!(status_from(&headers).expect("a status").code(), code);
+            assert_eq!(too_large_code(Status::new(code, message)).code(), code);
+        }
     }
 
     #[test]

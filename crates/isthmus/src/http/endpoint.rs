@@ -3,19 +3,21 @@
 //!
 //! `Target::parse`: `shm://NAME` and `shm:///path.sock`; `unix:///abs/path.sock`,
 //! `unix:/abs/path.sock` and `unix:relative.sock` (gRPC's forms); `http://host:port` with no path.
-//! Any other scheme, or a form without its path or host, is INVALID_ARGUMENT. `https://` is not
-//! supported yet, and nothing configures TLS.
+//! Any other scheme, or a form without its path or host, is INVALID_ARGUMENT. `https://` and a
+//! channel's or server's TLS settings make a TCP endpoint TLS (`tls.rs`).
 //!
 //! `HttpListener::bind`: for `unix://`, if a connect to the path succeeds a server is there and the
 //! bind fails ALREADY_EXISTS (an `shm://` bind says UNAVAILABLE then); otherwise whatever is at the
 //! path is removed and the path bound. For `http://`, a TCP bind; port 0 lets the system choose.
 //! Other failures are UNAVAILABLE. The socket gets the process's umask: these endpoints have none
-//! of `shm://`'s checks (no peer credentials or `PeerPolicy`, no private directory, no TLS or
-//! authentication on TCP).
+//! of `shm://`'s checks (no peer credentials or `PeerPolicy`, no private directory); TCP has
+//! TLS, and mutual TLS, when asked for.
 //!
 //! `HttpListener::serve` runs tonic's HTTP/2 server with tonic's defaults over the server's
 //! `Routes` (the tonic services, health and reflection, and the loopback `Channel` as fallback),
-//! every accepted connection read through the `:authority` filter. On the stop signal tonic stops
+//! every accepted connection read through the `:authority` filter, and tonic's two answers
+//! that gRPC names otherwise given gRPC's codes (an expired deadline, `DeadlineLayer`; a message
+//! over a service's limit, `TooLargeLayer`). On the stop signal tonic stops
 //! accepting and drains (GOAWAY, calls in progress finish), then the unix socket file is removed.
 //! `grace` bounds this drain and the `shm://` one together.
 //!
@@ -275,6 +277,7 @@ impl HttpListener {
     ) -> Result<(), Status> {
         let server = tonic::transport::Server::builder()
             .layer(crate::http::authority::DeadlineLayer)
+            .layer(TooLargeLayer)
             .layer(PeerLayer)
             .add_routes(routes);
         let failed =
@@ -503,6 +506,80 @@ where
             }
         }
         self.0.call(request)
+    }
+}
+
+/// Gives tonic's refusal of a message over a service's limit gRPC's code on an HTTP/2 endpoint,
+/// as the `shm://` bridge does ([`codec::too_large_code`](crate::http::codec::too_large_code)):
+/// tonic says OUT_OF_RANGE where grpc-go and grpc-core say RESOURCE_EXHAUSTED. A trailers-only
+/// response's headers are looked at here, a body's trailers as they pass.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct TooLargeLayer;
+
+impl<S> tower::Layer<S> for TooLargeLayer {
+    type Service = TooLarge<S>;
+
+    fn layer(&self, inner: S) -> TooLarge<S> {
+        TooLarge(inner)
+    }
+}
+
+/// [`TooLargeLayer`]'s service.
+#[derive(Debug, Clone)]
+pub(crate) struct TooLarge<S>(S);
+
+type Responded<E> = Result<http::Response<tonic::body::Body>, E>;
+
+impl<S, B> tower_service::Service<http::Request<B>> for TooLarge<S>
+where
+    S: tower_service::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = futures_util::future::Map<S::Future, fn(Responded<S::Error>) -> Responded<S::Error>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        let code: fn(Responded<S::Error>) -> Responded<S::Error> = |r| r.map(too_large_code);
+        futures_util::FutureExt::map(self.0.call(request), code)
+    }
+}
+
+fn too_large_code(response: http::Response<tonic::body::Body>) -> http::Response<tonic::body::Body> {
+    let (mut parts, body) = response.into_parts();
+    crate::http::codec::too_large_code_in(&mut parts.headers);
+    http::Response::from_parts(parts, tonic::body::Body::new(TooLargeTrailers(body)))
+}
+
+/// A response body whose trailers go through [`codec::too_large_code_in`](crate::http::codec::too_large_code_in).
+struct TooLargeTrailers(tonic::body::Body);
+
+impl http_body::Body for TooLargeTrailers {
+    type Data = bytes::Bytes;
+    type Error = tonic::Status;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<bytes::Bytes>, tonic::Status>>> {
+        Pin::new(&mut self.0).poll_frame(cx).map_ok(|frame| match frame.into_trailers() {
+            Ok(mut trailers) => {
+                crate::http::codec::too_large_code_in(&mut trailers);
+                http_body::Frame::trailers(trailers)
+            }
+            Err(frame) => frame,
+        })
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.is_end_stream()
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        self.0.size_hint()
     }
 }
 

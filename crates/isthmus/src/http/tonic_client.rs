@@ -8,8 +8,9 @@
 //!
 //! 1. Its metadata and `grpc-timeout` become the `CallOptions` (`wait_for_ready` off); the URI's
 //!    path is the method. A header that does not decode gives a response carrying only its status.
-//! 2. `Begun::read` takes what the body has ready (at most two frames, deframed with the
-//!    channel's `max_message_size` as limit). A unary request, which tonic hands over whole, is one
+//! 2. `Begun::read` takes what the body has ready (at most two frames, deframed with no limit
+//!    of this side's: a channel's `max_message_size` is on what it receives, and tonic's encoder
+//!    has its own; the server's bridge holds requests to the server's limit). A unary request, which tonic hands over whole, is one
 //!    message and then the end: `Channel::start_shm_with` connects if need be and sends it inside
 //!    the call's HEADERS, with what is left of the deadline (one frame, ADR 0025; a request too
 //!    large for that frame goes after it). A body that fails before the call starts fails it
@@ -451,12 +452,13 @@ impl Channel {
         self,
         request: http::Request<B>,
         replies: Option<codec::ReplyCompression>,
+        request_limit: usize,
     ) -> http::Response<ResponseBody>
     where
         B: Body<Data = Bytes> + Send + 'static,
         B::Error: Into<BoxError>,
     {
-        match self.call_shm(request, false, replies).await {
+        match self.call_shm(request, false, replies, request_limit).await {
             Ok(response) => response,
             Err(_) => failed_response(Status::new(Code::Internal, "a call was handed back without a reason")),
         }
@@ -466,12 +468,15 @@ impl Channel {
     /// UNAVAILABLE (the connection is gone, so the server never saw it) is handed back
     /// untouched, for HTTP/2 to carry (an upgraded channel, `upgrade.rs`). `replies`, for a
     /// server's bridge only, says how to compress the replies; it also takes the handler's choice
-    /// out of the reply's metadata.
+    /// out of the reply's metadata. A request message over `request_limit` bytes fails the call
+    /// RESOURCE_EXHAUSTED before it starts: the server's own limit on the bridge, none for a
+    /// client (the channel's limit is on what it receives).
     async fn call_shm<B>(
         self,
         request: http::Request<B>,
         hand_back: bool,
         replies: Option<codec::ReplyCompression>,
+        request_limit: usize,
     ) -> Result<http::Response<ResponseBody>, http::Request<Pin<Box<B>>>>
     where
         B: Body<Data = Bytes> + Send + 'static,
@@ -490,7 +495,7 @@ impl Channel {
         // inside the call's HEADERS; the rest is sent here, and what must wait for more of a
         // streaming request gets a task of its own.
         let mut body = Box::pin(body);
-        let limit = self.max_message_size();
+        let limit = request_limit;
         // A call that may be handed back must leave its body as it was.
         let begun = match hand_back {
             true => Begun::new(limit, encoding),
@@ -539,10 +544,14 @@ impl Channel {
 /// compressing the replies with `replies` (`Server::send_compressed`), or as each handler
 /// chooses, for each client whose `grpc-accept-encoding` lists the encoding
 /// ([`codec::ReplyCompression`]).
+///
+/// The channel takes replies of any size (the limit a server is given is on what it receives);
+/// requests are held to `max_request`, the server's limit, before they reach its `shm://` side.
 #[derive(Clone)]
 pub(crate) struct Loopback {
     pub(crate) channel: Channel,
     pub(crate) replies: Option<codec::Encoding>,
+    pub(crate) max_request: usize,
 }
 
 impl Loopback {
@@ -556,7 +565,7 @@ impl Loopback {
         B::Error: Into<BoxError>,
     {
         let replies = codec::ReplyCompression::new(self.replies, request.headers());
-        Ok(self.channel.call_http(request, Some(replies)).await)
+        Ok(self.channel.call_http(request, Some(replies), self.max_request).await)
     }
 }
 
@@ -581,7 +590,7 @@ where
             if let Some((shm, to)) = self.route() {
                 let http = self.without_upgrade();
                 return Box::pin(async move {
-                    match shm.call_shm(request, true, None).await {
+                    match shm.call_shm(request, true, None, usize::MAX).await {
                         Ok(response) => Ok(response),
                         Err(request) => {
                             http.upgrade_lost(&to);
@@ -594,7 +603,7 @@ where
         }
         // Mapped, not awaited in a block of its own, which would hold the request beside the
         // future that took it: this future is allocated and moved whole for every call.
-        Box::pin(futures_util::FutureExt::map(self.clone().call_http(request, None), Ok))
+        Box::pin(futures_util::FutureExt::map(self.clone().call_http(request, None, usize::MAX), Ok))
     }
 }
 

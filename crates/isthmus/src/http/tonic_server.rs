@@ -214,12 +214,14 @@ fn split_response(response: http::Response<tonic::body::Body>) -> Result<Answer,
     Ok(Answer::Messages(codec::metadata_from(&parts.headers)?, body))
 }
 
-/// Ends the call with the service's status: OK carries its metadata as trailers.
+/// Ends the call with the service's status: OK carries its metadata as trailers; tonic's
+/// refusal of a message over the service's limit (OUT_OF_RANGE) goes as gRPC's
+/// RESOURCE_EXHAUSTED, in tonic's words, which name the size and the limit.
 fn finish(call: &ServerCall, status: Status) -> Result<(), Status> {
     if status.code() == Code::Ok {
         call.set_trailers(status.metadata().clone());
         Ok(())
     } else {
-        Err(status)
+        Err(codec::too_large_code(status))
     }
 }
