@@ -265,7 +265,12 @@ fn main() {
                 let code = u32_at(&m, 0)?;
                 let mut t = MetadataMap::new();
                 let _ = t.append("x-failed", "yes");
-                Err(Status::new(Code::from_u32(code), format!("requested failure {code}"))
+                // The message: what follows the code, if anything does.
+                let message = match m.get(4..) {
+                    Some(rest) if !rest.is_empty() => String::from_utf8_lossy(rest).into_owned(),
+                    _ => format!("requested failure {code}"),
+                };
+                Err(Status::new(Code::from_u32(code), message)
                     .with_details(bytes::Bytes::from_static(b"\x00details\xff"))
                     .with_metadata(t))
             })

@@ -722,6 +722,13 @@ fn tonic_services_refuse_a_message_over_their_limit_as_grpc_does() {
                 .expect_err("over tonic's limit");
             assert_eq!(s.code(), Code::ResourceExhausted, "{addr}: {s}");
             assert!(s.message().contains("5242880") && s.message().contains("4194304"), "{addr}: {s}");
+            // A handler's status is its own, whatever its words: passed on from a tonic client
+            // of its own, say. It arrives as it left, over every transport.
+            let words = "Error, decoded message length too large: found 5242880 bytes, the limit is: 4194304 bytes";
+            let mut request = (Code::OutOfRange as u32).to_le_bytes().to_vec();
+            request.extend_from_slice(words.as_bytes());
+            let s = ch.unary("/test.Echo/Fail", &request, CallOptions::default()).await.expect_err("fails");
+            assert_eq!((s.code(), s.message()), (Code::OutOfRange, words), "{addr}");
         }
         // A tonic client's channel limits what it receives, not what it sends: a 2 MiB request
         // goes on a channel that takes 1 MiB, and a 2 MiB reply does not come.

@@ -29,6 +29,36 @@ fn a_generated_client_and_service_make_every_kind_of_call() {
 }
 
 #[test]
+fn a_tonic_services_refusal_of_a_message_too_large_is_resource_exhausted_in_a_streams_trailers_too() {
+    // A stream's status goes in its trailers once its headers and messages have gone. A tonic
+    // service's OUT_OF_RANGE in tonic's words for a message over a limit arrives as gRPC's
+    // RESOURCE_EXHAUSTED (the service raises it itself here: a bidi message's `fail_with`); the
+    // same code in other words, or tonic's words cut short, arrives as it left.
+    let (_server, targets) = server();
+    run(async move {
+        let words = "Error, decoded message length too large: found 70000000 bytes, the limit is: 67108864 bytes";
+        let cut = "Error, decoded message length too large: found 70000000 bytes";
+        for addr in &targets {
+            for (message, code) in
+                [(words, Code::ResourceExhausted), ("page 9 of 3", Code::OutOfRange), (cut, Code::OutOfRange)]
+            {
+                let mut c = client(addr).await;
+                let (tx, rx) = tokio::sync::mpsc::channel(4);
+                let mut replies = c.bidi(ReceiverStream::new(rx)).await.expect("bidi").into_inner();
+                tx.send(request(b"first".to_vec(), 0)).await.expect("send");
+                assert!(replies.message().await.expect("echo").is_some(), "{addr}: the first echo");
+                let mut failing = request(Vec::new(), 1);
+                failing.fail_with = Code::OutOfRange as i32;
+                failing.fail_message = message.to_owned();
+                tx.send(failing).await.expect("send");
+                let status = replies.message().await.expect_err("the failure");
+                assert_eq!((status.code(), status.message()), (code, message), "{addr}");
+            }
+        }
+    });
+}
+
+#[test]
 fn a_generated_client_that_compresses_works_on_every_transport() {
     // Over shm:// the channel inflates the client's messages before they cross; over HTTP/2
     // they travel compressed, and the service's gzipped replies are read.

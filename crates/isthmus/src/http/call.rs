@@ -171,7 +171,6 @@ impl Drop for HttpCall {
     }
 }
 
-/// How tonic words a decoded message over its limit.
 /// A status from tonic, with its trailers as metadata; `limit` is the call's largest response.
 fn status_from_tonic(t: tonic::Status, limit: usize) -> Status {
     let metadata = codec::metadata_from(&t.metadata().clone().into_headers()).unwrap_or_default();

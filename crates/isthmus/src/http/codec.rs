@@ -406,15 +406,28 @@ pub(crate) fn ok_trailers(metadata: Option<&MetadataMap>) -> HeaderMap {
 }
 
 /// tonic's words when its codec refuses a message over a limit (`max_decoding_message_size`,
-/// `max_encoding_message_size`), which it says with OUT_OF_RANGE; they go on to name the
-/// message's size and the limit.
+/// `max_encoding_message_size`), which it says with OUT_OF_RANGE; they go on
+/// `": found N bytes, the limit is: M bytes"`.
 pub(crate) const TONIC_TOO_LARGE: [&str; 2] =
     ["Error, decoded message length too large", "Error, encoded message length too large"];
 
-/// Whether a status of `code` and `message` is tonic's refusal of a message over a limit, which
-/// gRPC names RESOURCE_EXHAUSTED (grpc-go and grpc-core do).
+/// Whether a status of `code` and `message` is tonic's refusal of a message over a limit, in
+/// tonic's words to the last one, which gRPC names RESOURCE_EXHAUSTED (grpc-go and grpc-core
+/// do).
 pub(crate) fn tonic_too_large(code: Code, message: &str) -> bool {
-    code == Code::OutOfRange && TONIC_TOO_LARGE.iter().any(|words| message.starts_with(words))
+    fn number_then<'a>(s: &'a str, then: &str) -> Option<&'a str> {
+        let digits = s.bytes().take_while(u8::is_ascii_digit).count();
+        (digits > 0).then(|| s[digits..].strip_prefix(then)).flatten()
+    }
+    code == Code::OutOfRange
+        && TONIC_TOO_LARGE.iter().any(|words| {
+            message
+                .strip_prefix(words)
+                .and_then(|rest| rest.strip_prefix(": found "))
+                .and_then(|rest| number_then(rest, " bytes, the limit is: "))
+                .and_then(|rest| number_then(rest, " bytes"))
+                .is_some_and(str::is_empty)
+        })
 }
 
 /// `status`, with gRPC's code if it is tonic's refusal of a message over a limit: what a tonic
@@ -631,10 +644,19 @@ mod tests {
         too_large_code_in(&mut headers);
         let status = status_from(&headers).expect("a status");
         assert_eq!((status.code(), status.message()), (Code::ResourceExhausted, words));
-        let sent = Status::new(Code::OutOfRange, "Error, encoded message length too large: found 9 bytes");
-        assert_eq!(too_large_code(sent).code(), Code::ResourceExhausted);
-        // An application's own OUT_OF_RANGE, and tonic's words under another code, stay.
-        for (code, message) in [(Code::OutOfRange, "page 9 of 3"), (Code::Internal, words)] {
+        let sent = "Error, encoded message length too large: found 9 bytes, the limit is: 8 bytes";
+        assert_eq!(too_large_code(Status::new(Code::OutOfRange, sent)).code(), Code::ResourceExhausted);
+        // An application's own OUT_OF_RANGE, tonic's words cut short or followed by more, and
+        // tonic's words under another code, stay.
+        let cut = "Error, decoded message length too large: found 5242880 bytes";
+        let more = format!("{words}, said the backend");
+        for (code, message) in [
+            (Code::OutOfRange, "page 9 of 3"),
+            (Code::OutOfRange, cut),
+            (Code::OutOfRange, more.as_str()),
+            (Code::OutOfRange, "Error, decoded message length too large: found many bytes, the limit is: 4 bytes"),
+            (Code::Internal, words),
+        ] {
             let mut headers = status_trailers(&Status::new(code, message));
             too_large_code_in(&mut headers);
             assert_eq!(status_from(&headers).expect("a status").code(), code);

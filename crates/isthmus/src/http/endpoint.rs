@@ -512,7 +512,9 @@ where
 /// Gives tonic's refusal of a message over a service's limit gRPC's code on an HTTP/2 endpoint,
 /// as the `shm://` bridge does ([`codec::too_large_code`](crate::http::codec::too_large_code)):
 /// tonic says OUT_OF_RANGE where grpc-go and grpc-core say RESOURCE_EXHAUSTED. A trailers-only
-/// response's headers are looked at here, a body's trailers as they pass.
+/// response's headers are looked at here, a body's trailers as they pass. The handlers' answers
+/// (through the loopback, marked `FromHandler`) pass as they are: their statuses are their own,
+/// the same over every transport.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct TooLargeLayer;
 
@@ -549,6 +551,9 @@ where
 }
 
 fn too_large_code(response: http::Response<tonic::body::Body>) -> http::Response<tonic::body::Body> {
+    if response.extensions().get::<crate::http::tonic_client::FromHandler>().is_some() {
+        return response;
+    }
     let (mut parts, body) = response.into_parts();
     crate::http::codec::too_large_code_in(&mut parts.headers);
     http::Response::from_parts(parts, tonic::body::Body::new(TooLargeTrailers(body)))

@@ -9,8 +9,9 @@
 //! 1. Its metadata and `grpc-timeout` become the `CallOptions` (`wait_for_ready` off); the URI's
 //!    path is the method. A header that does not decode gives a response carrying only its status.
 //! 2. `Begun::read` takes what the body has ready (at most two frames, deframed with no limit
-//!    of this side's: a channel's `max_message_size` is on what it receives, and tonic's encoder
-//!    has its own; the server's bridge holds requests to the server's limit). A unary request, which tonic hands over whole, is one
+//!    of this side's: a channel's `max_message_size` is on what it receives, and tonic's
+//!    encoder has its own; the server's bridge holds requests to the server's limit). A unary
+//!    request, which tonic hands over whole, is one
 //!    message and then the end: `Channel::start_shm_with` connects if need be and sends it inside
 //!    the call's HEADERS, with what is left of the deadline (one frame, ADR 0025; a request too
 //!    large for that frame goes after it). A body that fails before the call starts fails it
@@ -565,9 +566,17 @@ impl Loopback {
         B::Error: Into<BoxError>,
     {
         let replies = codec::ReplyCompression::new(self.replies, request.headers());
-        Ok(self.channel.call_http(request, Some(replies), self.max_request).await)
+        let mut response = self.channel.call_http(request, Some(replies), self.max_request).await;
+        response.extensions_mut().insert(FromHandler);
+        Ok(response)
     }
 }
+
+/// Marks a response of the server's handlers (through its [`Loopback`]): its status is the
+/// handler's own, which the HTTP/2 endpoint passes on as it is (`endpoint::TooLargeLayer`
+/// gives gRPC's code to tonic services' refusals only).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct FromHandler;
 
 /// A `Channel` carries tonic's requests: `FooClient::new(channel)` works for any generated
 /// client. Failures arrive as gRPC statuses in the response, as from any gRPC server.
