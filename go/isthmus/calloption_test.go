@@ -591,16 +591,7 @@ func TestMaxSendMessageSizeFailsALargerReply(t *testing.T) {
 		}
 		return c.Send(make([]byte, 1000))
 	})
-	if err := s.Start(shm, unix); err != nil {
-		t.Fatalf("start: %v", err)
-	}
-	t.Cleanup(s.Stop)
-	clients := []optionClient{
-		{"isthmus shm", dialWith(t, shm)},
-		{"isthmus unix", dialWith(t, unix)},
-		{"grpc-go unix", newGrpcClient(t, unix)},
-		{"grpc-go → grpc-go", newGrpcClient(t, startGrpcServer(t, grpc.MaxSendMsgSize(limit)))},
-	}
+	clients := serveToLimitClients(t, s, shm, unix, grpc.MaxSendMsgSize(limit))
 	ctx := testContext(t)
 	for _, size := range []int{1000, 64 << 10} { // 64 KiB: marshalled in place over shm://
 		errs := errsOf(t, clients, func(c optionClient) error {
@@ -659,6 +650,56 @@ func TestMaxSendMessageSizeFailsALargerReply(t *testing.T) {
 		first.Release()
 		if _, err := st.Recv(); status.Code(err) != codes.ResourceExhausted {
 			t.Errorf("%s: a raw stream's 1000-byte reply: %v", c.label, err)
+		}
+	}
+}
+
+// serveToLimitClients starts s on shm and unix (stopped when the test ends) and gives clients
+// of it on both, grpc-go's over the socket, and last a grpc-go client of a grpc-go server made
+// with the reference option.
+func serveToLimitClients(t *testing.T, s *isthmus.Server, shm, unix string, reference grpc.ServerOption) []optionClient {
+	t.Helper()
+	if err := s.Start(shm, unix); err != nil {
+		t.Fatalf("start: %v", err)
+	}
+	t.Cleanup(s.Stop)
+	return []optionClient{
+		{"isthmus shm", dialWith(t, shm)},
+		{"isthmus unix", dialWith(t, unix)},
+		{"grpc-go unix", newGrpcClient(t, unix)},
+		{"grpc-go → grpc-go", newGrpcClient(t, startGrpcServer(t, reference))},
+	}
+}
+
+// A server's MaxMessageSize is grpc.MaxRecvMsgSize's: a request over it fails
+// ResourceExhausted naming the limit, and it holds what the server receives, not what it sends:
+// a reply over it arrives, over HTTP/2 too (handlers answer HTTP/2 through the server's
+// loopback, which held replies to the server's limit before). The reference is a grpc-go server
+// with grpc.MaxRecvMsgSize.
+func TestMaxMessageSizeHoldsRequestsNotReplies(t *testing.T) {
+	const limit = 1000
+	shm, unix := fresh(t, "srvmaxrecv")
+	s := isthmus.NewServer(isthmus.MaxMessageSize(limit))
+	pb.RegisterEchoServer(s, &echo.Service{})
+	clients := serveToLimitClients(t, s, shm, unix, grpc.MaxRecvMsgSize(limit))
+	ctx := testContext(t)
+	for _, c := range clients {
+		client := pb.NewEchoClient(c.conn)
+		_, err := client.Unary(ctx, &pb.EchoRequest{Payload: make([]byte, 1500)})
+		if status.Code(err) != codes.ResourceExhausted || !strings.Contains(status.Convert(err).Message(), fmt.Sprint(limit)) {
+			t.Errorf("%s: a 1500-byte request: %v", c.label, err)
+		}
+		st, err := client.ServerStream(ctx, &pb.StreamRequest{Count: 1, Size: 5000})
+		if err != nil {
+			t.Fatalf("%s: %v", c.label, err)
+		}
+		r, err := st.Recv()
+		if err != nil || len(r.Payload) != 5000 {
+			t.Errorf("%s: a 5000-byte reply: %v", c.label, err)
+			continue
+		}
+		if _, err := st.Recv(); err != io.EOF {
+			t.Errorf("%s: the stream ended with %v", c.label, err)
 		}
 	}
 }

@@ -238,6 +238,26 @@ function cases.big(ch, args)
     return { ok = true, size = #echoed, same = echoed == payload }
 end
 
+-- A channel of its own whose `max_message_size` is 1 MiB (the limit on what it receives): a
+-- 2 MiB request goes, its 2 MiB echo fails RESOURCE_EXHAUSTED, and the next call works.
+function cases.limited(_, args)
+    local key = args.target .. "#limited"
+    local ch = channels[key]
+    if not ch then
+        ch = assert(isthmus.connect(args.target, { proto = proto, max_message_size = 1048576 }))
+        channels[key] = ch
+    end
+    local payload = string.rep("x", 2097152)
+    local ok, err = ch:unary(ECHO .. "Unary", "\10" .. varint(#payload) .. payload, { raw = true, timeout = 60 })
+    if ok then
+        return { ok = true }
+    end
+    local after, reply = ch:unary(ECHO .. "Unary", "\10\3abc", { raw = true, timeout = 60 })
+    local r = failure(err)
+    r.after = after and payload_of(reply) or tostring(reply)
+    return r
+end
+
 function cases.bad_request(ch, args)
     local ok, err = ch:unary(ECHO .. "Unary", { no_such_field = 1 })
     if ok then return { ok = true } end

@@ -298,6 +298,16 @@ def test_16_mib_message(nginx: Nginx, shm: str) -> None:
     assert r == {"ok": True, "size": 16 * 1024 * 1024, "same": True}
 
 
+def test_a_reply_over_the_channels_limit_is_resource_exhausted(nginx: Nginx, shm: str) -> None:
+    """`connect`'s `max_message_size` holds what the channel receives: a 2 MiB request goes,
+    its 2 MiB echo fails RESOURCE_EXHAUSTED naming its size and the 1 MiB limit, and the
+    channel's next call works."""
+    r = nginx.case("limited", shm)
+    assert r["ok"] is False and r["name"] == "RESOURCE_EXHAUSTED", r
+    assert "1048576" in r["message"] and "20971" in r["message"], r
+    assert r["after"] == "abc", r
+
+
 def test_a_table_that_is_no_such_message(nginx: Nginx, servers: Callable[[str], Served]) -> None:
     r = nginx.case("bad_request", servers("rust").addresses["shm"])
     assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and "no_such_field" in r["message"], r
