@@ -608,9 +608,10 @@ class Channel(grpc.Channel):
     def alloc(self, size: int, timeout: float | None = None) -> _native.Block:
         """The raw tier: a writable buffer of `size` bytes to build a request in place (fill it
         through `memoryview(block)` or `numpy.frombuffer(block, ...)`), then pass it to
-        `raw_unary`. Over `shm://` it is this side's shared memory, which the server reads where
-        it is; elsewhere it is heap memory, copied when sent. Release every view of it before
-        sending it (`BufferError` otherwise); a block is sent once."""
+        `raw_unary`. Over `shm://` it is this side's shared memory (waiting up to `timeout` for
+        room), which the server reads where it is; elsewhere, and for a size larger than the
+        whole arena, it is heap memory, copied when sent (`block.shared` says which). Release
+        every view of it before sending it (`BufferError` otherwise); a block is sent once."""
         try:
             return self._native.alloc(size, timeout)
         except CallError as e:

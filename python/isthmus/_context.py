@@ -95,9 +95,11 @@ class Context:
 
     def alloc(self, size: int) -> Block:
         """For a raw handler (`isthmus.raw`): a writable reply buffer of `size` bytes in the
-        server's shared memory. Fill it (through views, or `Block.write`, which copies a large
-        buffer with streaming stores) and return it (or send it, for a streaming reply); the
-        client reads it where it is. Release every view of it before it is sent."""
+        server's shared memory, waiting for room. Fill it (through views, or `Block.write`,
+        which copies a large buffer with streaming stores) and return it (or send it, for a
+        streaming reply); the client reads it where it is. A size larger than the whole arena
+        gets heap memory instead, sent as a copy (`block.shared` is False). Release every view
+        of it before it is sent."""
         try:
             return self._call.alloc(size)
         except CallError as e:

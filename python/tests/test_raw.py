@@ -252,6 +252,27 @@ def test_a_gibibyte_each_way(shm: isthmus.Channel) -> None:
     del got, reply, request
 
 
+def test_a_block_larger_than_the_arena_is_heap_memory_sent_as_a_copy(shm: isthmus.Channel) -> None:
+    """A block the whole 64 MiB arena could not hold: the blocking channel's `alloc`, and a
+    blocking server's `context.alloc` (`Fill`), give heap memory, as asyncio's do, where they
+    failed RESOURCE_EXHAUSTED; the message goes as a copy, in pieces, and arrives whole."""
+    size = 65 << 20
+    filled = shm.raw_unary("/raw.Raw/Fill", size.to_bytes(8, "little") + b"\x07", timeout=60)
+    assert len(filled) == size
+    got = np.frombuffer(filled, dtype=np.uint8)
+    assert got[0] == got[size // 2] == got[-1] == 7
+    del got, filled
+    block = shm.alloc(size)
+    assert not block.shared
+    with memoryview(block) as view:
+        view[:: 1 << 20] = bytes(i % 251 for i in range(size >> 20))
+    reply = shm.raw_unary("/raw.Raw/Echo", block, timeout=60)
+    assert len(reply) == size
+    with memoryview(reply) as view:
+        assert view[:: 1 << 20] == bytes(i % 251 for i in range(size >> 20))
+    del reply
+
+
 def test_handlers_run_on_the_executor_no_more_at_once_than_its_size(stubs: Path) -> None:
     # The blocking server takes calls on its executor's threads (ADR 0015): with 6 calls at
     # once, a pool of 2 runs two handlers at once (a second loop starts while the first is

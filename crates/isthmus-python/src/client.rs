@@ -309,14 +309,19 @@ impl Channel {
         Ok(())
     }
 
-    /// A writable block to build a request in: this side's shared memory over `shm://`, heap
-    /// memory on other transports.
+    /// A writable block to build a request in: this side's shared memory over `shm://`
+    /// (waiting for room), heap memory on other transports, and for a size the whole arena
+    /// could not hold (RESOURCE_EXHAUSTED: no wait would make room), sent as a copy.
     #[pyo3(signature = (size, timeout=None))]
     fn alloc(&self, py: Python<'_>, size: usize, timeout: Option<f64>) -> PyResult<Block> {
         match &self.blocking {
             Some(channel) => {
                 let timeout = crate::convert::timeout_from_py(timeout);
-                py.detach(|| channel.alloc(size, timeout)).map(Block::shm).map_err(|s| call_error(py, &s))
+                match py.detach(|| channel.alloc(size, timeout)) {
+                    Ok(block) => Ok(Block::shm(block)),
+                    Err(s) if s.code() == Code::ResourceExhausted => Block::heap(size),
+                    Err(s) => Err(call_error(py, &s)),
+                }
             }
             None => Block::heap(size),
         }

@@ -412,6 +412,8 @@ impl ServerCall {
     /// [`send_raw`](Self::send_raw) with no copy.
     /// A reply block in the server's shared memory, waiting for arena room; without `wait`
     /// (an event loop's thread) a heap block when there is no room at once (sent as a copy).
+    /// Either way a heap block for a size the whole arena could not hold (RESOURCE_EXHAUSTED:
+    /// no wait would make room), which goes as a copy, in pieces.
     #[pyo3(signature = (size, wait=true))]
     fn alloc(&self, py: Python<'_>, size: usize, wait: bool) -> PyResult<Block> {
         if !wait {
@@ -421,7 +423,11 @@ impl ServerCall {
                 _ => Block::heap(size),
             };
         }
-        py.detach(|| runtime().block_on(self.core.alloc(size))).map(Block::shm).map_err(|s| call_error(py, &s))
+        match py.detach(|| runtime().block_on(self.core.alloc(size))) {
+            Ok(block) => Ok(Block::shm(block)),
+            Err(s) if s.code() == Code::ResourceExhausted => Block::heap(size),
+            Err(s) => Err(call_error(py, &s)),
+        }
     }
 
     /// [`send`](Self::send) for the raw tier: a [`Block`] (sent where it is) or any
