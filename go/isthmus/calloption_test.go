@@ -8,6 +8,7 @@ import (
 	"io"
 	"net"
 	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"sync"
@@ -650,6 +651,44 @@ func TestMaxSendMessageSizeFailsALargerReply(t *testing.T) {
 		first.Release()
 		if _, err := st.Recv(); status.Code(err) != codes.ResourceExhausted {
 			t.Errorf("%s: a raw stream's 1000-byte reply: %v", c.label, err)
+		}
+	}
+}
+
+// A connection's WithMaxMessageSize holds what it receives, over shm:// and HTTP/2: a larger
+// reply fails its call ResourceExhausted naming the size and the limit (the library's words;
+// grpc-go has no such connection-wide option), a larger request goes, and the connection serves
+// on.
+func TestWithMaxMessageSizeHoldsReplies(t *testing.T) {
+	replySize := regexp.MustCompile(`\b20\d\d\b`)
+	shm, unix := fresh(t, "connmax")
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, &echo.Service{})
+	if err := s.Start(shm, unix); err != nil {
+		t.Fatalf("start: %v", err)
+	}
+	t.Cleanup(s.Stop)
+	ctx := testContext(t)
+	for _, target := range []string{shm, unix} {
+		client := pb.NewEchoClient(dialWith(t, target, isthmus.WithMaxMessageSize(1000)))
+		_, err := client.Unary(ctx, &pb.EchoRequest{Payload: make([]byte, 2000)})
+		// The reply's size depends on its time-left field, so any 20xx-byte size will do.
+		if msg := status.Convert(err).Message(); status.Code(err) != codes.ResourceExhausted ||
+			!strings.Contains(msg, "1000 bytes") || !replySize.MatchString(msg) {
+			t.Errorf("%s: a 2000-byte echo: %v", target, err)
+		}
+		st, err := client.ClientStream(ctx)
+		if err != nil {
+			t.Fatalf("%s: %v", target, err)
+		}
+		if err := st.Send(&pb.EchoRequest{Payload: echo.Pattern(5000, 0)}); err != nil {
+			t.Fatalf("%s: send: %v", target, err)
+		}
+		if sum, err := st.CloseAndRecv(); err != nil || sum.Bytes != 5000 {
+			t.Errorf("%s: a 5000-byte request: %v, %v", target, sum, err)
+		}
+		if r, err := client.Unary(ctx, &pb.EchoRequest{Payload: []byte("after")}); err != nil || string(r.Payload) != "after" {
+			t.Errorf("%s: the call after: %v", target, err)
 		}
 	}
 }
