@@ -264,6 +264,29 @@ function cases.bad_request(ch, args)
     return failure(err)
 end
 
+-- Empty Lua tables for a repeated field, a map field and inside messages, through a proto
+-- loaded from `args.proto` (lua-cjson writes every empty table as {}): the bytes each gives,
+-- decoded back, and what a table for a list that is not empty gives.
+function cases.empty_tables(_, args)
+    local p = assert(isthmus.load_proto({ args.proto }))
+    local r = {}
+    for name, tbl in pairs({
+        top = { pings = {}, by_name = {} },
+        nested = { pings = { { labels = {}, attrs = {}, note = "a" } }, first = { labels = {} } },
+    }) do
+        local ok, bytes = p:encode("demo.Pong", tbl)
+        if not ok then
+            r[name] = failure(bytes)
+        else
+            local decoded_ok, back = p:decode("demo.Pong", bytes)
+            r[name] = { ok = decoded_ok, size = #bytes, back = back }
+        end
+    end
+    local ok, err = p:encode("demo.Pong", { pings = { x = 1 } })
+    r.map_for_list = ok and { ok = true } or failure(err)
+    return r
+end
+
 -- A channel of its own to `target` (`upgrade` "1", "0" or absent), making unary calls until its
 -- stats count one over shared memory (it moved to the server's shm:// endpoint) or `seconds`
 -- pass: how many its stats counted, and how long it took.

@@ -313,6 +313,21 @@ def test_a_table_that_is_no_such_message(nginx: Nginx, servers: Callable[[str], 
     assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and "no_such_field" in r["message"], r
 
 
+def test_an_empty_table_is_the_empty_list_or_map_its_field_declares(nginx: Nginx, tmp_path: Path) -> None:
+    proto = tmp_path / "demo.proto"
+    proto.write_text(
+        'syntax = "proto3"; package demo;\n'
+        "message Ping { string note = 1; repeated string labels = 2; map<string, string> attrs = 3; }\n"
+        "message Pong { repeated Ping pings = 1; map<string, Ping> by_name = 2; Ping first = 3; }\n"
+    )
+    r = nginx.case("empty_tables", "", proto=proto)
+    # Before, {} for a list failed: "JSON is not a demo.Pong: invalid type: map, expected a list".
+    assert r["top"] == {"ok": True, "size": 0, "back": {}}, r
+    assert r["nested"] == {"ok": True, "size": 7, "back": {"pings": [{"note": "a"}], "first": {}}}, r
+    assert r["map_for_list"]["name"] == "INVALID_ARGUMENT", r
+    assert "expected a list" in r["map_for_list"]["message"], r
+
+
 def test_call_in_the_access_phase(nginx: Nginx, servers: Callable[[str], Served]) -> None:
     target = urllib.parse.quote(servers("rust").addresses["shm"], safe="")
     assert nginx.get(f"/access/x?target={target}").strip() == "access"

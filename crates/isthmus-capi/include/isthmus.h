@@ -1149,7 +1149,9 @@ const char *isthmus_proto_method_type(const isthmus_proto_t *proto,
 
 // Encodes a message of type `type_name` (`package.Message`) from its proto3 JSON form: `*out`
 // holds the protobuf bytes. JSON that does not fit the type fails with
-// `ISTHMUS_INVALID_ARGUMENT` and a message naming the field.
+// `ISTHMUS_INVALID_ARGUMENT` and a message naming the field. An empty object (`{}`) is taken
+// for an empty repeated field and an empty array (`[]`) for an empty map field: a JSON
+// encoder of Lua tables cannot tell an empty list from an empty map (lua-cjson writes `{}`).
 //
 // Thread-safety: any thread; several may use one proto at once.
 //

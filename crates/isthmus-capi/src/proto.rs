@@ -184,7 +184,9 @@ pub unsafe extern "C" fn isthmus_proto_method_type(
 
 /// Encodes a message of type `type_name` (`package.Message`) from its proto3 JSON form: `*out`
 /// holds the protobuf bytes. JSON that does not fit the type fails with
-/// `ISTHMUS_INVALID_ARGUMENT` and a message naming the field.
+/// `ISTHMUS_INVALID_ARGUMENT` and a message naming the field. An empty object (`{}`) is taken
+/// for an empty repeated field and an empty array (`[]`) for an empty map field: a JSON
+/// encoder of Lua tables cannot tell an empty list from an empty map (lua-cjson writes `{}`).
 ///
 /// Thread-safety: any thread; several may use one proto at once.
 ///
@@ -204,10 +206,15 @@ pub unsafe extern "C" fn isthmus_proto_encode(
     // SAFETY: the caller's promises, passed on.
     unsafe {
         convert(proto, type_name, (json, json_len, "the JSON"), out, status, |desc, json| {
-            let mut de = serde_json::Deserializer::from_slice(json);
-            let message = DynamicMessage::deserialize(desc.clone(), &mut de)
-                .and_then(|m| de.end().map(|()| m))
-                .map_err(|e| invalid(format!("JSON is not a {}: {e}", desc.full_name())))?;
+            let not_a = |e: serde_json::Error| invalid(format!("JSON is not a {}: {e}", desc.full_name()));
+            let message = if has_empty_container(json) {
+                let mut value: serde_json::Value = serde_json::from_slice(json).map_err(not_a)?;
+                empty_containers_as_declared(&desc, &mut value);
+                DynamicMessage::deserialize(desc.clone(), value).map_err(not_a)?
+            } else {
+                let mut de = serde_json::Deserializer::from_slice(json);
+                DynamicMessage::deserialize(desc.clone(), &mut de).and_then(|m| de.end().map(|()| m)).map_err(not_a)?
+            };
             Ok(message.encode_to_vec())
         })
     }
@@ -245,6 +252,58 @@ pub unsafe extern "C" fn isthmus_proto_decode(
                 .map_err(|e| Status::new(Code::Internal, format!("cannot write {} as JSON: {e}", desc.full_name())))?;
             Ok(json)
         })
+    }
+}
+
+/// Whether `json` may hold an empty object or array (`{}`, `[]`, perhaps with blanks inside):
+/// only then is it read into a `Value` first, for [`empty_containers_as_declared`].
+fn has_empty_container(json: &[u8]) -> bool {
+    let mut open = None;
+    for &b in json {
+        match b {
+            b'{' | b'[' => open = Some(b),
+            b'}' | b']' if open.is_some() => return true,
+            b' ' | b'\t' | b'\n' | b'\r' => {}
+            _ => open = None,
+        }
+    }
+    false
+}
+
+/// Gives an empty object where `desc` declares a repeated field an empty array, and an empty
+/// array where it declares a map field an empty object, in `value` and the messages inside it.
+/// The well-known types (`google.protobuf.*`), whose JSON forms are their own, are left as
+/// they are.
+fn empty_containers_as_declared(desc: &MessageDescriptor, value: &mut serde_json::Value) {
+    use serde_json::Value;
+    if desc.full_name().starts_with("google.protobuf.") {
+        return;
+    }
+    let Value::Object(fields) = value else { return };
+    for (name, v) in fields.iter_mut() {
+        let Some(field) = desc.get_field_by_name(name).or_else(|| desc.get_field_by_json_name(name)) else {
+            continue; // deserializing names it
+        };
+        let inner = field.kind();
+        let inner = inner.as_message();
+        if field.is_map() {
+            if matches!(v, Value::Array(a) if a.is_empty()) {
+                *v = Value::Object(serde_json::Map::new());
+            }
+            let values = inner.map(|entry| entry.map_entry_value_field().kind());
+            if let (Some(prost_reflect::Kind::Message(m)), Value::Object(entries)) = (values, v) {
+                entries.values_mut().for_each(|e| empty_containers_as_declared(&m, e));
+            }
+        } else if field.is_list() {
+            if matches!(v, Value::Object(o) if o.is_empty()) {
+                *v = Value::Array(Vec::new());
+            }
+            if let (Some(m), Value::Array(items)) = (inner, v) {
+                items.iter_mut().for_each(|item| empty_containers_as_declared(m, item));
+            }
+        } else if let Some(m) = inner {
+            empty_containers_as_declared(m, v);
+        }
     }
 }
 
@@ -296,8 +355,8 @@ mod tests {
 
     const PROTO: &str = r#"syntax = "proto3";
 package demo;
-message Ping { bytes payload = 1; uint64 seq = 2; string note_text = 3; }
-message Pong { repeated Ping pings = 1; }
+message Ping { bytes payload = 1; uint64 seq = 2; string note_text = 3; repeated string labels = 4; map<string, string> attrs = 5; }
+message Pong { repeated Ping pings = 1; map<string, Ping> by_name = 2; Ping first = 3; }
 service Echo { rpc Call(Ping) returns (Pong); }
 "#;
 
@@ -320,8 +379,8 @@ service Echo { rpc Call(Ping) returns (Pong); }
         let mut len = 0;
         // SAFETY: a live handle; `len` is writable.
         let data = unsafe { isthmus_message_data(msg, &mut len) };
-        // SAFETY: the handle's bytes are valid until it is freed, below.
-        let out = unsafe { std::slice::from_raw_parts(data, len) }.to_vec();
+        // SAFETY: the handle's bytes are valid until it is freed, below (NULL: empty).
+        let out = if data.is_null() { Vec::new() } else { unsafe { std::slice::from_raw_parts(data, len) }.to_vec() };
         assert_eq!(isthmus_message_free(msg), ISTHMUS_OK);
         out
     }
@@ -404,6 +463,33 @@ service Echo { rpc Call(Ping) returns (Pong); }
         assert_eq!(isthmus_proto_free(again), ISTHMUS_OK);
         assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
         assert_eq!(isthmus_proto_free(proto), ISTHMUS_INVALID_ARGUMENT, "a double free is refused");
+    }
+
+    #[test]
+    fn an_empty_table_is_the_empty_list_or_map_its_field_declares() {
+        let (proto, _dir) = load();
+        let empty = encode(proto, c"demo.Pong", "{}").expect("an empty message");
+        assert!(empty.is_empty());
+        // lua-cjson writes every empty Lua table as {}; other encoders write [].
+        for json in [r#"{"pings":{}}"#, r#"{"pings":{ }}"#, r#"{"by_name":[]}"#, r#"{"byName":[ ],"pings":[]}"#] {
+            assert_eq!(encode(proto, c"demo.Pong", json).expect(json), empty, "{json}");
+        }
+        // Inside messages, list items and map values too; what is not empty is left alone.
+        let nested = r#"{"pings":[{"payload":"aGk=","labels":{}},{"attrs":[],"labels":["x"]}],
+            "by_name":{"a":{"labels":{},"attrs":{"k":"v"}}},"first":{"attrs":[],"labels":{}}}"#;
+        let plain = r#"{"pings":[{"payload":"aGk="},{"labels":["x"]}],"by_name":{"a":{"attrs":{"k":"v"}}},"first":{}}"#;
+        assert_eq!(
+            encode(proto, c"demo.Pong", nested).expect("nested"),
+            encode(proto, c"demo.Pong", plain).expect("plain")
+        );
+        // A map given for a list, or a list for a map, is still refused; so is an unknown name.
+        let (code, message) = encode(proto, c"demo.Pong", r#"{"pings":{"x":{}}}"#).expect_err("a map for a list");
+        assert_eq!(code, ISTHMUS_INVALID_ARGUMENT);
+        assert!(message.contains("expected a list"), "{message}");
+        assert!(encode(proto, c"demo.Pong", r#"{"by_name":[{}]}"#).is_err(), "a list for a map");
+        let (_, message) = encode(proto, c"demo.Pong", r#"{"first":{"nope":{}}}"#).expect_err("unknown");
+        assert!(message.contains("nope"), "{message}");
+        assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
     }
 
     #[test]

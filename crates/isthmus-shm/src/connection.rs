@@ -1391,7 +1391,7 @@ pub(crate) struct Parts {
 fn too_large(stream: u64, size: u64, limit: u64) -> Error {
     Error::new(
         ErrorKind::MessageTooLarge,
-        format!("stream {stream}: received a {size}-byte message, larger than the limit of {limit} bytes"),
+        format!("received a {size}-byte message, larger than the limit of {limit} bytes"),
     )
     .on_stream(stream)
 }
