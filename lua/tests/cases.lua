@@ -264,26 +264,48 @@ function cases.bad_request(ch, args)
     return failure(err)
 end
 
--- Empty Lua tables for a repeated field, a map field and inside messages, through a proto
--- loaded from `args.proto` (lua-cjson writes every empty table as {}): the bytes each gives,
--- decoded back, and what a table for a list that is not empty gives.
-function cases.empty_tables(_, args)
+-- Lua tables through a proto loaded from `args.proto` (package demo), each as a Lua user writes
+-- it: encoded, then decoded back (doubles as "%.17g" text, to see every digit). With
+-- `args.target`, also a reply that does not parse as the type a second proto
+-- (`args.strict_proto`) declares for the echo's Unary.
+function cases.lua_tables(_, args)
     local p = assert(isthmus.load_proto({ args.proto }))
+    -- Another library's setting of the shared lua-cjson must not reach the module's JSON.
+    require("cjson.safe").encode_number_precision(4)
     local r = {}
     for name, tbl in pairs({
         top = { pings = {}, by_name = {} },
         nested = { pings = { { labels = {}, attrs = {}, note = "a" } }, first = { labels = {} } },
+        double = { first = { d = 0.1 + 0.2 } },
+        seq = { first = { seq = 1234567 } },
+        special = { pings = { { d = math.huge }, { d = -math.huge }, { d = 0 / 0 } } },
+        int_keys = { by_int = { [1] = "a", [2] = "b", [100] = "c" } },
+        bool_keys = { by_bool = { [true] = "yes" } },
+        cdata = { first = { seq = 1234567890123456789ULL } },
+        list_value = { first = { lv = {} } },
     }) do
         local ok, bytes = p:encode("demo.Pong", tbl)
         if not ok then
             r[name] = failure(bytes)
         else
             local decoded_ok, back = p:decode("demo.Pong", bytes)
+            if back.first and type(back.first.d) == "number" then
+                back.first.d = string.format("%.17g", back.first.d)
+            end
             r[name] = { ok = decoded_ok, size = #bytes, back = back }
         end
     end
+    require("cjson.safe").encode_number_precision(14)
     local ok, err = p:encode("demo.Pong", { pings = { x = 1 } })
     r.map_for_list = ok and { ok = true } or failure(err)
+    r.concat = "failed: " .. err
+    if args.target and args.target ~= "" then
+        local strict = assert(isthmus.load_proto({ args.strict_proto }))
+        local ch = assert(isthmus.connect(args.target, { proto = strict }))
+        local cok, reply = ch:unary(ECHO .. "Unary", { payload = ngx.encode_base64("\255\254") }, { timeout = 10 })
+        r.unparsable = cok and { ok = true } or failure(reply)
+        ch:close()
+    end
     return r
 end
 

@@ -313,19 +313,49 @@ def test_a_table_that_is_no_such_message(nginx: Nginx, servers: Callable[[str], 
     assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and "no_such_field" in r["message"], r
 
 
-def test_an_empty_table_is_the_empty_list_or_map_its_field_declares(nginx: Nginx, tmp_path: Path) -> None:
+def test_lua_tables_take_the_shapes_their_fields_declare(
+    nginx: Nginx, servers: Callable[[str], Served], tmp_path: Path
+) -> None:
     proto = tmp_path / "demo.proto"
     proto.write_text(
-        'syntax = "proto3"; package demo;\n'
-        "message Ping { string note = 1; repeated string labels = 2; map<string, string> attrs = 3; }\n"
-        "message Pong { repeated Ping pings = 1; map<string, Ping> by_name = 2; Ping first = 3; }\n"
+        'syntax = "proto3"; package demo; import "google/protobuf/struct.proto";\n'
+        "message Ping { string note = 1; repeated string labels = 2; map<string, string> attrs = 3;\n"
+        "  double d = 4; uint64 seq = 5; google.protobuf.ListValue lv = 6; }\n"
+        "message Pong { repeated Ping pings = 1; map<string, Ping> by_name = 2; Ping first = 3;\n"
+        "  map<int32, string> by_int = 4; map<bool, string> by_bool = 5; }\n"
     )
-    r = nginx.case("empty_tables", "", proto=proto)
-    # Before, {} for a list failed: "JSON is not a demo.Pong: invalid type: map, expected a list".
+    # The echo's Unary, its reply read as a type whose field 1 is a string, not bytes.
+    strict = tmp_path / "strict" / "strict.proto"
+    strict.parent.mkdir()
+    strict.write_text(
+        'syntax = "proto3"; package conformance; message Req { bytes payload = 1; }\n'
+        "message Strict { string payload = 1; } service Echo { rpc Unary(Req) returns (Strict); }\n"
+    )
+    target = servers("rust").addresses["shm"]
+    r = nginx.case("lua_tables", target, proto=proto, strict_proto=strict)
+    # Each of these failed before, or arrived changed (shown after "was").
+    # {} for a list, was: "JSON is not a demo.Pong: invalid type: map, expected a list".
     assert r["top"] == {"ok": True, "size": 0, "back": {}}, r
     assert r["nested"] == {"ok": True, "size": 7, "back": {"pings": [{"note": "a"}], "first": {}}}, r
+    # Doubles keep 17 digits, was 0.3 (lua-cjson writes at most 14).
+    assert r["double"]["back"] == {"first": {"d": "0.30000000000000004"}}, r
+    # Another library's cjson precision does not reach the module, was "1235000".
+    assert r["seq"]["back"] == {"first": {"seq": "1234567"}}, r
+    # proto3 JSON's NaN and infinities, was "must not be NaN or Inf".
+    assert r["special"]["back"] == {"pings": [{"d": "Infinity"}, {"d": "-Infinity"}, {"d": "NaN"}]}, r
+    # Integer and boolean map keys, was "expected a map" and "table key must be a number or string".
+    assert r["int_keys"]["back"] == {"by_int": {"1": "a", "2": "b", "100": "c"}}, r
+    assert r["bool_keys"]["back"] == {"by_bool": {"true": "yes"}}, r
+    # A 64-bit cdata integer, was "Cannot serialise cdata".
+    assert r["cdata"]["back"] == {"first": {"seq": "1234567890123456789"}}, r
+    # An empty ListValue, which reads back as an empty table (the case's answer shows it as {}).
+    assert r["list_value"] == {"ok": True, "size": 4, "back": {"first": {"lv": {}}}}, r
     assert r["map_for_list"]["name"] == "INVALID_ARGUMENT", r
     assert "expected a list" in r["map_for_list"]["message"], r
+    assert r["concat"].startswith("failed: INVALID_ARGUMENT: "), r
+    # A reply the client cannot parse is INTERNAL (gRPC's statuscodes.md), was INVALID_ARGUMENT.
+    assert r["unparsable"]["name"] == "INTERNAL", r
+    assert "the reply could not be read" in r["unparsable"]["message"], r
 
 
 def test_call_in_the_access_phase(nginx: Nginx, servers: Callable[[str], Served]) -> None:

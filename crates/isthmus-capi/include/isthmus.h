@@ -1101,7 +1101,8 @@ isthmus_code_t isthmus_metadata_free(isthmus_metadata_t *md);
 isthmus_metadata_t *isthmus_status_trailers(const isthmus_status_t *status);
 
 // Compiles `.proto` files (with what they import) at run time. Imports are looked up in the
-// `includes` directories; with none, in each file's own directory. A file that does not parse,
+// `includes` directories, then in the directory of each file neither under nor found in any of
+// them (with no `includes`, each file's own directory). A file that does not parse,
 // or an import not found, fails with `ISTHMUS_INVALID_ARGUMENT` and a message naming the file
 // and line. Free the result with `isthmus_proto_free`.
 //
@@ -1149,9 +1150,10 @@ const char *isthmus_proto_method_type(const isthmus_proto_t *proto,
 
 // Encodes a message of type `type_name` (`package.Message`) from its proto3 JSON form: `*out`
 // holds the protobuf bytes. JSON that does not fit the type fails with
-// `ISTHMUS_INVALID_ARGUMENT` and a message naming the field. An empty object (`{}`) is taken
-// for an empty repeated field and an empty array (`[]`) for an empty map field: a JSON
-// encoder of Lua tables cannot tell an empty list from an empty map (lua-cjson writes `{}`).
+// `ISTHMUS_INVALID_ARGUMENT` and a message naming the field. What a JSON encoder of Lua
+// tables cannot tell apart is taken as the type declares it: an empty object (`{}`) for an
+// empty repeated field, and an array for a map field as keys 1..n (a Lua table with keys
+// 1..n is an array to any encoder).
 //
 // Thread-safety: any thread; several may use one proto at once.
 //

@@ -76,7 +76,8 @@ unsafe fn c_strs<'a>(list: *const *const c_char, n: usize, what: &str) -> Result
 }
 
 /// Compiles `.proto` files (with what they import) at run time. Imports are looked up in the
-/// `includes` directories; with none, in each file's own directory. A file that does not parse,
+/// `includes` directories, then in the directory of each file neither under nor found in any of
+/// them (with no `includes`, each file's own directory). A file that does not parse,
 /// or an import not found, fails with `ISTHMUS_INVALID_ARGUMENT` and a message naming the file
 /// and line. Free the result with `isthmus_proto_free`.
 ///
@@ -104,13 +105,22 @@ pub unsafe extern "C" fn isthmus_proto_load(
             }
             let mut dirs: Vec<PathBuf> =
                 c_strs(includes, nincludes, "an include directory")?.into_iter().map(PathBuf::from).collect();
-            if dirs.is_empty() {
-                for file in &files {
-                    let dir = Path::new(file).parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
-                    if !dirs.iter().any(|d| d == dir) {
-                        dirs.push(dir.to_path_buf());
-                    }
+            // A file neither under nor found in any of the includes is found in its own
+            // directory (protoc would refuse it: "is not in any include path").
+            for file in &files {
+                let path = Path::new(file);
+                if dirs.iter().any(|d| path.starts_with(d) || (path.is_relative() && d.join(path).exists())) {
+                    continue;
                 }
+                let dir = path.parent().filter(|d| !d.as_os_str().is_empty()).unwrap_or(Path::new("."));
+                if !dirs.iter().any(|d| d == dir) {
+                    dirs.push(dir.to_path_buf());
+                }
+            }
+            if let Some(missing) =
+                files.iter().find(|f| !Path::new(f).exists() && !dirs.iter().any(|d| d.join(f).exists()))
+            {
+                return Err(invalid(format!("cannot load {missing}: no such file")));
             }
             let compile = || -> Result<DescriptorPool, protox::Error> {
                 let mut compiler = protox::Compiler::new(&dirs)?;
@@ -184,9 +194,10 @@ pub unsafe extern "C" fn isthmus_proto_method_type(
 
 /// Encodes a message of type `type_name` (`package.Message`) from its proto3 JSON form: `*out`
 /// holds the protobuf bytes. JSON that does not fit the type fails with
-/// `ISTHMUS_INVALID_ARGUMENT` and a message naming the field. An empty object (`{}`) is taken
-/// for an empty repeated field and an empty array (`[]`) for an empty map field: a JSON
-/// encoder of Lua tables cannot tell an empty list from an empty map (lua-cjson writes `{}`).
+/// `ISTHMUS_INVALID_ARGUMENT` and a message naming the field. What a JSON encoder of Lua
+/// tables cannot tell apart is taken as the type declares it: an empty object (`{}`) for an
+/// empty repeated field, and an array for a map field as keys 1..n (a Lua table with keys
+/// 1..n is an array to any encoder).
 ///
 /// Thread-safety: any thread; several may use one proto at once.
 ///
@@ -207,9 +218,9 @@ pub unsafe extern "C" fn isthmus_proto_encode(
     unsafe {
         convert(proto, type_name, (json, json_len, "the JSON"), out, status, |desc, json| {
             let not_a = |e: serde_json::Error| invalid(format!("JSON is not a {}: {e}", desc.full_name()));
-            let message = if has_empty_container(json) {
+            let message = if may_need_reshaping(json) {
                 let mut value: serde_json::Value = serde_json::from_slice(json).map_err(not_a)?;
-                empty_containers_as_declared(&desc, &mut value);
+                as_declared(&desc, &mut value);
                 DynamicMessage::deserialize(desc.clone(), value).map_err(not_a)?
             } else {
                 let mut de = serde_json::Deserializer::from_slice(json);
@@ -255,27 +266,36 @@ pub unsafe extern "C" fn isthmus_proto_decode(
     }
 }
 
-/// Whether `json` may hold an empty object or array (`{}`, `[]`, perhaps with blanks inside):
-/// only then is it read into a `Value` first, for [`empty_containers_as_declared`].
-fn has_empty_container(json: &[u8]) -> bool {
-    let mut open = None;
+/// Whether `json` holds an array or an empty object (`{}`, perhaps with blanks inside): only
+/// then is it read into a `Value` first, for [`as_declared`].
+fn may_need_reshaping(json: &[u8]) -> bool {
+    let mut open = false;
     for &b in json {
         match b {
-            b'{' | b'[' => open = Some(b),
-            b'}' | b']' if open.is_some() => return true,
+            b'[' => return true,
+            b'{' => open = true,
+            b'}' if open => return true,
             b' ' | b'\t' | b'\n' | b'\r' => {}
-            _ => open = None,
+            _ => open = false,
         }
     }
     false
 }
 
-/// Gives an empty object where `desc` declares a repeated field an empty array, and an empty
-/// array where it declares a map field an empty object, in `value` and the messages inside it.
-/// The well-known types (`google.protobuf.*`), whose JSON forms are their own, are left as
-/// they are.
-fn empty_containers_as_declared(desc: &MessageDescriptor, value: &mut serde_json::Value) {
+/// Reshapes what a JSON encoder of Lua tables cannot tell apart into what `desc` declares, in
+/// `value` and the messages inside it: an empty object given for a repeated field (or a
+/// `google.protobuf.ListValue`) becomes an empty array, and an array given for a map field an
+/// object keyed `"1"`..`"n"` (a Lua table with keys 1..n is an array to any encoder; its null
+/// entries, holes, are left out). The other well-known types (`google.protobuf.*`), whose JSON
+/// forms are their own, are left as they are.
+fn as_declared(desc: &MessageDescriptor, value: &mut serde_json::Value) {
     use serde_json::Value;
+    if desc.full_name() == "google.protobuf.ListValue" {
+        if matches!(value, Value::Object(o) if o.is_empty()) {
+            *value = Value::Array(Vec::new());
+        }
+        return;
+    }
     if desc.full_name().starts_with("google.protobuf.") {
         return;
     }
@@ -284,25 +304,26 @@ fn empty_containers_as_declared(desc: &MessageDescriptor, value: &mut serde_json
         let Some(field) = desc.get_field_by_name(name).or_else(|| desc.get_field_by_json_name(name)) else {
             continue; // deserializing names it
         };
-        let inner = field.kind();
-        let inner = inner.as_message();
+        let kind = field.kind();
+        let inner = kind.as_message();
         if field.is_map() {
-            if matches!(v, Value::Array(a) if a.is_empty()) {
-                *v = Value::Object(serde_json::Map::new());
+            if let Value::Array(items) = v {
+                let entries = std::mem::take(items).into_iter().enumerate().filter(|(_, item)| !item.is_null());
+                *v = Value::Object(entries.map(|(i, item)| ((i + 1).to_string(), item)).collect());
             }
             let values = inner.map(|entry| entry.map_entry_value_field().kind());
             if let (Some(prost_reflect::Kind::Message(m)), Value::Object(entries)) = (values, v) {
-                entries.values_mut().for_each(|e| empty_containers_as_declared(&m, e));
+                entries.values_mut().for_each(|e| as_declared(&m, e));
             }
         } else if field.is_list() {
             if matches!(v, Value::Object(o) if o.is_empty()) {
                 *v = Value::Array(Vec::new());
             }
             if let (Some(m), Value::Array(items)) = (inner, v) {
-                items.iter_mut().for_each(|item| empty_containers_as_declared(m, item));
+                items.iter_mut().for_each(|item| as_declared(m, item));
             }
         } else if let Some(m) = inner {
-            empty_containers_as_declared(m, v);
+            as_declared(m, v);
         }
     }
 }
@@ -400,6 +421,16 @@ service Echo { rpc Call(Ping) returns (Pong); }
         }
     }
 
+    /// Bytes of type `ty` as their JSON value.
+    fn decode(proto: *mut isthmus_proto_t, ty: &CStr, bytes: &[u8]) -> serde_json::Value {
+        let (mut out, mut status) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: valid arguments.
+        let rc =
+            unsafe { isthmus_proto_decode(proto, ty.as_ptr(), bytes.as_ptr(), bytes.len(), &mut out, &mut status) };
+        assert_eq!(rc, ISTHMUS_OK);
+        serde_json::from_slice(&take(out)).expect("json")
+    }
+
     #[test]
     fn tables_travel_as_json_through_the_loaded_types() {
         let (proto, _dir) = load();
@@ -482,14 +513,64 @@ service Echo { rpc Call(Ping) returns (Pong); }
             encode(proto, c"demo.Pong", nested).expect("nested"),
             encode(proto, c"demo.Pong", plain).expect("plain")
         );
-        // A map given for a list, or a list for a map, is still refused; so is an unknown name.
+        // A map given for a list is still refused; so is an unknown name.
         let (code, message) = encode(proto, c"demo.Pong", r#"{"pings":{"x":{}}}"#).expect_err("a map for a list");
         assert_eq!(code, ISTHMUS_INVALID_ARGUMENT);
         assert!(message.contains("expected a list"), "{message}");
-        assert!(encode(proto, c"demo.Pong", r#"{"by_name":[{}]}"#).is_err(), "a list for a map");
+        // A list for a map: keys 1..n, holes (null) left out.
+        let bytes = encode(proto, c"demo.Pong", r#"{"by_name":[{"seq":1},null,{"seq":3}]}"#).expect("a list for a map");
+        assert_eq!(
+            decode(proto, c"demo.Pong", &bytes),
+            serde_json::json!({"by_name": {"1": {"seq": "1"}, "3": {"seq": "3"}}})
+        );
         let (_, message) = encode(proto, c"demo.Pong", r#"{"first":{"nope":{}}}"#).expect_err("unknown");
         assert!(message.contains("nope"), "{message}");
         assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
+    }
+
+    /// `isthmus_proto_load` of `files` with `includes`: the proto, or the failure's message.
+    fn load_with(files: &[&std::path::Path], includes: &[&std::path::Path]) -> Result<*mut isthmus_proto_t, String> {
+        let c = |p: &&std::path::Path| CString::new(p.to_str().expect("utf8")).expect("cstr");
+        let (files, includes): (Vec<CString>, Vec<CString>) =
+            (files.iter().map(c).collect(), includes.iter().map(c).collect());
+        let (fp, ip): (Vec<_>, Vec<_>) =
+            (files.iter().map(|f| f.as_ptr()).collect(), includes.iter().map(|i| i.as_ptr()).collect());
+        let (mut proto, mut status) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: valid lists of paths and out-pointers.
+        let rc = unsafe { isthmus_proto_load(fp.as_ptr(), fp.len(), ip.as_ptr(), ip.len(), &mut proto, &mut status) };
+        if rc == ISTHMUS_OK {
+            return Ok(proto);
+        }
+        // SAFETY: a status was stored.
+        let message = unsafe { CStr::from_ptr(isthmus_status_message(status)) }.to_string_lossy().into_owned();
+        isthmus_status_free(status);
+        Err(message)
+    }
+
+    #[test]
+    fn a_file_outside_the_includes_is_found_in_its_own_directory() {
+        let dir = tempdir::Dir::new();
+        let (inc, own) = (dir.0.join("inc"), dir.0.join("own"));
+        std::fs::create_dir_all(inc.join("shared")).expect("mkdir");
+        std::fs::create_dir_all(&own).expect("mkdir");
+        std::fs::write(inc.join("shared/common.proto"), "syntax = \"proto3\"; package s; message C { int32 n = 1; }")
+            .expect("write");
+        let file = own.join("user.proto");
+        std::fs::write(
+            &file,
+            "syntax = \"proto3\"; package u; import \"shared/common.proto\"; message U { s.C c = 1; }",
+        )
+        .expect("write");
+        // protoc would refuse it ("not in any include path"); the import comes from `inc`.
+        let proto = load_with(&[&file], &[&inc]).expect("loads");
+        assert_eq!(encode(proto, c"u.U", r#"{"c":{"n":5}}"#).expect("encode"), vec![10, 2, 8, 5]);
+        assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
+        // A name relative to an include is found there.
+        let proto = load_with(&[std::path::Path::new("shared/common.proto")], &[&inc]).expect("relative");
+        assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
+        // A file that is nowhere says so.
+        let message = load_with(&[&own.join("nope.proto")], &[&inc]).expect_err("missing");
+        assert!(message.ends_with("nope.proto: no such file"), "{message}");
     }
 
     #[test]

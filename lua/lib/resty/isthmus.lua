@@ -142,7 +142,7 @@ isthmus_code_t isthmus_proto_free(isthmus_proto_t *proto);
 
 -- The header's constants this module uses.
 local ABI_VERSION = 1
-local OK, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, UNAVAILABLE = 0, 2, 3, 4, 14
+local OK, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, INTERNAL, UNAVAILABLE = 0, 2, 3, 4, 13, 14
 local CALL_SPIN = 2
 local OP_STATE = 10
 local CHANNEL_UPGRADE, CHANNEL_NO_UPGRADE = 1, 2
@@ -223,6 +223,11 @@ local error_mt = {
         return e.name .. ": " .. e.message
     end,
 }
+-- `"failed: " .. err` reads as tostring(err) does (lua-resty code concatenates its errors).
+error_mt.__concat = function(a, b)
+    return (getmetatable(a) == error_mt and error_mt.__tostring(a) or a)
+        .. (getmetatable(b) == error_mt and error_mt.__tostring(b) or b)
+end
 
 -- `details`: the status's binary details (a serialized google.rpc.Status, gRPC's
 -- grpc-status-details-bin), or nil.
@@ -323,6 +328,8 @@ end
 -- Protobuf through the proto3 JSON mapping
 ---------------------------------------------------------------------------------------------
 
+-- Replies are read with a lua-cjson instance of this module's own (`cjson.safe.new`), so that
+-- another library's settings (`encode_number_precision`...) and this module's never meet.
 local cjson
 local function json()
     if not cjson then
@@ -330,18 +337,143 @@ local function json()
         if not ok then
             error("resty.isthmus: Lua tables as messages need lua-cjson (Debian: apt-get install lua-cjson)", 3)
         end
-        cjson = lib
-        -- As many digits as the library allows (14 in lua-cjson 2.1.0): integers beyond that
-        -- must be given as strings, as proto3 JSON allows for 64-bit fields.
-        if not pcall(cjson.encode_number_precision, 16) then
-            pcall(cjson.encode_number_precision, 14)
-        end
-        if cjson.encode_empty_table_as_object then
-            cjson.encode_empty_table_as_object(true) -- OpenResty's lua-cjson; the stock one does so already
-        end
+        cjson = lib.new and lib.new() or lib
     end
     return cjson
 end
+
+-- Tables are written as JSON here, not by lua-cjson, whose numbers keep at most 14 digits
+-- (16 in OpenResty's build; a double needs 17), which refuses NaN, infinities, boolean keys,
+-- 64-bit cdata and sparse arrays, and whose settings are shared by every library of the VM.
+-- A table is an array when its keys are exactly 1..n (n > 0); any other table is an object,
+-- its keys written as strings (numbers as integers where whole, booleans as true/false):
+-- the proto3 JSON form of map keys. The C side takes an array given for a map field as keys
+-- 1..n, and an empty object for an empty repeated field.
+local byte, format, gsub, concat = string.byte, string.format, string.gsub, table.concat
+local floor, huge = math.floor, math.huge
+local MAX_DEPTH = 100
+
+local escapes = { ['"'] = '\\"', ["\\"] = "\\\\", ["\n"] = "\\n", ["\r"] = "\\r", ["\t"] = "\\t" }
+local function escape(c)
+    return escapes[c] or format("\\u%04x", byte(c))
+end
+
+local function json_number(n)
+    if n ~= n then
+        return '"NaN"'
+    elseif n == huge then
+        return '"Infinity"'
+    elseif n == -huge then
+        return '"-Infinity"'
+    elseif n == floor(n) and n > -1e21 and n < 1e21 then
+        return format("%.0f", n)
+    end
+    return format("%.17g", n)
+end
+
+-- A 64-bit integer cdata (`123LL`, `123ULL`) as its digits; nil for any other cdata.
+local function cdata_integer(v)
+    if ffi.istype("int64_t", v) or ffi.istype("uint64_t", v) then
+        return (gsub(tostring(v), "U?LL$", ""))
+    end
+end
+
+local function key_string(k)
+    local t = type(k)
+    if t == "string" then
+        return k
+    elseif t == "number" then
+        return json_number(k):gsub('"', "")
+    elseif t == "boolean" then
+        return tostring(k)
+    elseif t == "cdata" then
+        return cdata_integer(k)
+    end
+end
+
+local write_value
+
+local function write_table(buf, t, depth, seen)
+    if seen[t] then
+        return "a table that contains itself"
+    end
+    if depth > MAX_DEPTH then
+        return "tables nested deeper than " .. MAX_DEPTH
+    end
+    seen[t] = true
+    local n, count = #t, 0
+    for _ in pairs(t) do
+        count = count + 1
+    end
+    local array = n > 0 and count == n
+    for i = 1, array and n or 0 do
+        if t[i] == nil then
+            array = false -- a hole, and as many keys elsewhere
+            break
+        end
+    end
+    local err
+    if array then
+        buf[#buf + 1] = "["
+        for i = 1, n do
+            if i > 1 then
+                buf[#buf + 1] = ","
+            end
+            err = write_value(buf, t[i], depth + 1, seen)
+            if err then
+                return err
+            end
+        end
+        buf[#buf + 1] = "]"
+    else
+        buf[#buf + 1] = "{"
+        local first = true
+        for k, v in pairs(t) do
+            local key = key_string(k)
+            if not key then
+                return "a key of type " .. type(k) .. " (keys are strings, numbers or booleans)"
+            end
+            buf[#buf + 1] = (first and '"' or ',"') .. gsub(key, '[%c"\\]', escape) .. '":'
+            first = false
+            err = write_value(buf, v, depth + 1, seen)
+            if err then
+                return err
+            end
+        end
+        buf[#buf + 1] = "}"
+    end
+    seen[t] = nil
+end
+
+write_value = function(buf, v, depth, seen)
+    local t = type(v)
+    if t == "string" then
+        buf[#buf + 1] = '"' .. gsub(v, '[%c"\\]', escape) .. '"'
+    elseif t == "number" then
+        buf[#buf + 1] = json_number(v)
+    elseif t == "boolean" then
+        buf[#buf + 1] = v and "true" or "false"
+    elseif t == "table" then
+        return write_table(buf, v, depth, seen)
+    elseif t == "userdata" and ((ngx and v == ngx.null) or (cjson and v == cjson.null)) then
+        buf[#buf + 1] = "null"
+    elseif t == "cdata" and cdata_integer(v) then
+        buf[#buf + 1] = '"' .. cdata_integer(v) .. '"'
+    else
+        return "a value of type " .. t
+    end
+end
+
+-- A table as JSON text, or nil, err.
+local function to_json(tbl)
+    local buf = {}
+    local err = write_value(buf, tbl, 0, {})
+    if err then
+        return nil, err
+    end
+    return concat(buf)
+end
+_M._to_json = to_json
 
 local Proto = {}
 Proto.__index = Proto
@@ -350,12 +482,16 @@ local function new_proto(handle)
     return setmetatable({ handle = ffi_gc(handle, C.isthmus_proto_free), types = {} }, Proto)
 end
 
---- Compiles `.proto` files at run time (what they import is looked up in `includes`, or in
---- each file's directory). Returns a proto for isthmus.connect's `proto` option, or nil, err.
+--- Compiles `.proto` files at run time (a path or a list of them; what they import is looked
+--- up in `includes`, a directory or a list of them, then in the directory of each file under
+--- none of those). Returns a proto for isthmus.connect's `proto` option, or nil, err.
 function _M.load_proto(files, includes)
     load()
     if type(files) == "string" then
         files = { files }
+    end
+    if type(includes) == "string" then
+        includes = { includes }
     end
     includes = includes or {}
     local cfiles = ffi_new("const char*[?]", #files, files)
@@ -393,7 +529,7 @@ end
 
 --- Encodes a Lua table as a message of type `type_name`: ok, bytes or false, err.
 function Proto:encode(type_name, tbl)
-    local text, jerr = json().encode(tbl)
+    local text, jerr = to_json(tbl)
     if not text then
         return false, new_error(INVALID_ARGUMENT, "cannot write the message as JSON: " .. tostring(jerr))
     end
@@ -1113,7 +1249,12 @@ local function decode(codec, bytes)
     if codec == nil or bytes == nil then
         return true, bytes
     end
-    return codec.proto:decode(codec.response, bytes)
+    local ok, reply = codec.proto:decode(codec.response, bytes)
+    if ok then
+        return true, reply
+    end
+    -- gRPC's code for a response the client cannot parse (the server did answer).
+    return false, new_error(INTERNAL, "the reply could not be read: " .. reply.message)
 end
 
 local reply_out = ffi_new("isthmus_message_t*[1]")
