@@ -51,6 +51,14 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         // SAFETY: a live channel and a valid out-pointer.
         assert_eq!(unsafe { isthmus_channel_state(channel, 0, &mut state) }, ISTHMUS_OK);
         assert_eq!(state, ISTHMUS_STATE_IDLE);
+        // Its calls ended with a code and message from a caller: valid ones, and others.
+        let code = i32::from(b.first().copied().unwrap_or(0)) - 8;
+        let mut status = std::ptr::null_mut();
+        // SAFETY: a live channel; `text` is NUL-terminated; a valid out-pointer.
+        match unsafe { isthmus_channel_shutdown(channel, code, text.as_ptr(), &mut status) } {
+            ISTHMUS_OK => assert!((1..=16).contains(&code)),
+            _ => assert_eq!(isthmus_status_free(status), ISTHMUS_OK),
+        }
         assert_eq!(isthmus_channel_close(channel), ISTHMUS_OK);
     } else {
         assert_eq!(isthmus_status_free(status), ISTHMUS_OK);

@@ -207,12 +207,17 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 // Target is the target the connection was made for.
 func (cc *ClientConn) Target() string { return cc.target }
 
-// Close releases the connection. Calls in progress end as the server ends them; new calls
-// fail with codes.Canceled, as grpc-go's do on a closed connection.
+// Close releases the connection. Calls in progress end now with codes.Canceled "grpc: the
+// client connection is closing" (their handlers see them end), and new calls fail with it, as
+// grpc-go's do.
 func (cc *ClientConn) Close() error {
 	if cc.closed.Swap(true) {
 		return nil
 	}
+	// ch is still the connection's own reference's here.
+	msg := C.CString(closingMessage)
+	C.isthmus_channel_shutdown(cc.ch, C.ISTHMUS_CANCELLED, msg, nil)
+	C.free(unsafe.Pointer(msg))
 	cc.unuse() // the connection's own reference: ch goes now, or with the last call using it
 	cc.connStats.end()
 	return nil
@@ -247,8 +252,11 @@ func closedEvent() C.isthmus_event_t {
 	return C.isthmus_event_t{op: C.ISTHMUS_OP_UNARY, code: C.ISTHMUS_CANCELLED}
 }
 
+// closingMessage is grpc-go's, for calls that a closed connection ends.
+const closingMessage = "grpc: the client connection is closing"
+
 func errClosing() error {
-	return status.Error(codes.Canceled, "grpc: the client connection is closing")
+	return status.Error(codes.Canceled, closingMessage)
 }
 
 // cCallOptions builds the C options of a call of method from its context, with the metadata
@@ -773,7 +781,13 @@ func (s *clientStream) Header() (metadata.MD, error) {
 		return s.header, nil
 	}
 	defer s.end()
-	return s.headerOf(call)
+	md, err := s.headerOf(call)
+	if err != nil {
+		// As grpc-go's: a stream that ended without headers gives none and no error here;
+		// RecvMsg gives its status.
+		return nil, nil
+	}
+	return md, nil
 }
 
 // headerOf waits for the call's initial metadata (call is held, begin) and keeps it for

@@ -5,12 +5,15 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strings"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 
 	pb "example.invalid/isthmus/go/internal/conformancepb"
 	"example.invalid/isthmus/go/isthmus"
@@ -109,5 +112,97 @@ func TestAHandlerSendsHeadersAfterReadingARequestThatWasIn(t *testing.T) {
 				t.Fatalf("header %v, %v", header, err)
 			}
 		})
+	}
+}
+
+// failingAfterHeader sets initial metadata, then fails: a unary call and a server stream
+// (with bare, a stream that fails with no metadata at all), and a unary call whose trailer
+// key is invalid.
+type failingAfterHeader struct{ pb.UnimplementedEchoServer }
+
+func (failingAfterHeader) Unary(ctx context.Context, r *pb.EchoRequest) (*pb.EchoReply, error) {
+	if r.GetSeq() == 1 {
+		grpc.SetTrailer(ctx, metadata.MD{"X-Up": {"v"}})
+		return &pb.EchoReply{}, nil
+	}
+	grpc.SetHeader(ctx, metadata.Pairs("x-h", "1"))
+	return nil, status.Error(codes.NotFound, "after a header")
+}
+
+func (failingAfterHeader) ServerStream(r *pb.StreamRequest, s grpc.ServerStreamingServer[pb.EchoReply]) error {
+	if r.GetCount() == 0 {
+		return status.Error(codes.NotFound, "bare")
+	}
+	s.SetHeader(metadata.Pairs("x-h", "2"))
+	return status.Error(codes.NotFound, "after a header")
+}
+
+// Initial metadata a handler set before it failed reaches the client ahead of the status, as
+// from grpc-go's server (isthmus sent none: only an explicit SendHeader went); a stream that
+// failed with no metadata gives Header() nil and no error, the status coming from Recv, as
+// grpc-go's client does (isthmus gave the status); and an invalid trailer key fails the call
+// INTERNAL naming the key, in words not wrapped twice. Each beside grpc-go's server and
+// client, by the same test.
+func TestInitialMetadataSetBeforeAFailureReachesTheClient(t *testing.T) {
+	shm, unix := fresh(t, "header-fail")
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, failingAfterHeader{})
+	if err := s.Start(shm, unix); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grpc.NewServer()
+	pb.RegisterEchoServer(g, failingAfterHeader{})
+	go g.Serve(l)
+	t.Cleanup(g.Stop)
+	clients := map[string]grpc.ClientConnInterface{
+		"grpc-go to isthmus over unix": newGrpcClient(t, unix),
+		"grpc-go to grpc-go":           newGrpcClient(t, l.Addr().String()),
+		"isthmus over shm":             dial(t, shm),
+		"isthmus to grpc-go":           dial(t, "http://"+l.Addr().String()),
+	}
+	ctx := testContext(t)
+	for name, conn := range clients {
+		client := pb.NewEchoClient(conn)
+		if strings.HasPrefix(name, "grpc-go") {
+			// isthmus's client does not keep a failed unary call's initial metadata yet.
+			var h metadata.MD
+			_, err := client.Unary(ctx, &pb.EchoRequest{}, grpc.Header(&h))
+			if status.Code(err) != codes.NotFound || fmt.Sprint(h.Get("x-h")) != "[1]" {
+				t.Errorf("%s: unary: header %v, %v", name, h, err)
+			}
+		}
+		stream, err := client.ServerStream(ctx, &pb.StreamRequest{Count: 1})
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if h, err := stream.Header(); err != nil || fmt.Sprint(h.Get("x-h")) != "[2]" {
+			t.Errorf("%s: stream: header %v, %v", name, h, err)
+		}
+		if _, err := stream.Recv(); status.Code(err) != codes.NotFound {
+			t.Errorf("%s: stream: %v", name, err)
+		}
+		bare, err := client.ServerStream(ctx, &pb.StreamRequest{})
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		// No error; metadata none of the handler's (a server may send empty headers first).
+		if h, err := bare.Header(); err != nil || len(h.Get("x-h")) != 0 {
+			t.Errorf("%s: a stream that failed bare: header %v, %v", name, h, err)
+		}
+		if _, err := bare.Recv(); status.Code(err) != codes.NotFound || status.Convert(err).Message() != "bare" {
+			t.Errorf("%s: a stream that failed bare: %v", name, err)
+		}
+		if !strings.Contains(name, "grpc-go to grpc-go") && !strings.HasSuffix(name, "to grpc-go") {
+			_, err = client.Unary(ctx, &pb.EchoRequest{Seq: 1})
+			msg := status.Convert(err).Message()
+			if status.Code(err) != codes.Internal || !strings.Contains(msg, `"X-Up"`) || strings.Contains(msg, "rpc error") {
+				t.Errorf("%s: an invalid trailer key: %v", name, err)
+			}
+		}
 	}
 }

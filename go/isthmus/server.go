@@ -45,6 +45,8 @@ type Server struct {
 	cutting  sync.WaitGroup
 	// queued are the reactor's tags of the methods whose calls come through its queue.
 	queued []uint64
+	// services describe what RegisterService registered, for GetServiceInfo.
+	services map[string]grpc.ServiceInfo
 }
 
 var _ grpc.ServiceRegistrar = (*Server)(nil)
@@ -164,16 +166,37 @@ func (s *Server) RegisterService(desc *grpc.ServiceDesc, impl any) {
 	if s.srv != nil {
 		panic("isthmus: Server.RegisterService after Serve")
 	}
+	info := grpc.ServiceInfo{Metadata: desc.Metadata}
 	for i := range desc.Methods {
 		m := &desc.Methods[i]
 		name := "/" + desc.ServiceName + "/" + m.MethodName
 		s.methods[name] = &method{impl: impl, unary: m, name: name}
+		info.Methods = append(info.Methods, grpc.MethodInfo{Name: m.MethodName})
 	}
 	for i := range desc.Streams {
 		d := &desc.Streams[i]
 		name := "/" + desc.ServiceName + "/" + d.StreamName
 		s.methods[name] = &method{impl: impl, stream: d, name: name}
+		info.Methods = append(info.Methods, grpc.MethodInfo{
+			Name: d.StreamName, IsClientStream: d.ClientStreams, IsServerStream: d.ServerStreams,
+		})
 	}
+	if s.services == nil {
+		s.services = make(map[string]grpc.ServiceInfo)
+	}
+	s.services[desc.ServiceName] = info
+}
+
+// GetServiceInfo returns the services RegisterService registered, by name, as grpc-go's
+// Server does: what reflection.Register needs to list them (reflection.ServiceInfoProvider).
+func (s *Server) GetServiceInfo() map[string]grpc.ServiceInfo {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := make(map[string]grpc.ServiceInfo, len(s.services))
+	for name, info := range s.services {
+		out[name] = info
+	}
+	return out
 }
 
 // Start binds every target ("shm://NAME", "unix:///path.sock", "http://host:port", and
@@ -186,6 +209,10 @@ func (s *Server) Start(targets ...string) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if s.stopping {
+		// As grpc-go's Serve after Stop: a Stop that ran before a `go s.Serve(...)` began.
+		return grpc.ErrServerStopped
+	}
 	if s.srv != nil {
 		return errors.New("isthmus: the server was started already")
 	}
@@ -999,13 +1026,18 @@ func (st *serverStream) end(err error) {
 		}
 		code, msg, details = C.isthmus_code_t(s.Code()), s.Message(), detailsOf(s)
 	}
+	if !st.headerSent && len(st.header) > 0 {
+		// Set and not sent (an error before any reply, or a stream with none): grpc-go sends
+		// it ahead of the status too. A call already over takes none, which is no loss.
+		_ = st.sendHeaderLocked()
+	}
 	trailers, terr := newMetadata(st.trailer)
 	if terr != nil {
-		code, msg, details = C.isthmus_code_t(codes.Internal), terr.Error(), nil
+		code, msg, details = C.isthmus_code_t(codes.Internal), status.Convert(terr).Message(), nil
 	}
 	if st.stats != nil {
 		if terr != nil {
-			err = status.Error(codes.Internal, terr.Error())
+			err = status.Error(codes.Internal, status.Convert(terr).Message())
 		}
 		st.stats.finish(st.trailer, err)
 	}

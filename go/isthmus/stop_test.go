@@ -2,9 +2,13 @@ package isthmus_test
 
 import (
 	"context"
+	"errors"
+	"net"
+	"path/filepath"
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
@@ -67,4 +71,126 @@ func TestStopCutsAGracefulStopShort(t *testing.T) {
 		t.Fatal("the call in progress still runs 30 s after Stop")
 	}
 	t.Logf("both stops returned within %v", time.Since(began))
+}
+
+// A Stop that runs before Serve (a signal handler's, before `go s.Serve(...)` began) leaves
+// nothing serving: Serve returns grpc.ErrServerStopped, as grpc-go's does. Before, it served
+// with nothing left to stop it.
+func TestServeAfterStopServesNothing(t *testing.T) {
+	shm, unix := fresh(t, "stopfirst")
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, &echo.Service{})
+	s.Stop()
+	if err := s.Serve(shm, unix); !errors.Is(err, grpc.ErrServerStopped) {
+		t.Fatalf("Serve after Stop: %v", err)
+	}
+	l, err := net.Listen("unix", filepath.Join(t.TempDir(), "g.sock"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	g := grpc.NewServer()
+	g.Stop()
+	if err := g.Serve(l); !errors.Is(err, grpc.ErrServerStopped) {
+		t.Fatalf("grpc-go's own Serve after Stop: %v", err)
+	}
+	conn, err := isthmus.Dial(shm)
+	if err == nil {
+		defer conn.Close()
+		ctx := testContext(t)
+		if _, err := pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{}); err == nil {
+			t.Fatal("a call reached a server that was stopped before it served")
+		}
+	}
+}
+
+// waitingService's handlers wait for their call to end, telling started when they begin and
+// ended when their context is done.
+type waitingService struct {
+	pb.UnimplementedEchoServer
+	started, ended chan string
+}
+
+func (w waitingService) Unary(ctx context.Context, r *pb.EchoRequest) (*pb.EchoReply, error) {
+	w.started <- "unary"
+	<-ctx.Done()
+	w.ended <- "unary"
+	return nil, ctx.Err()
+}
+
+func (w waitingService) ServerStream(r *pb.StreamRequest, s grpc.ServerStreamingServer[pb.EchoReply]) error {
+	w.started <- "stream"
+	<-s.Context().Done()
+	w.ended <- "stream"
+	return s.Context().Err()
+}
+
+// Close ends the calls in progress at once with codes.Canceled "grpc: the client connection
+// is closing", as grpc-go's does, and their handlers see them end: a unary call that nothing
+// else could cancel (context.Background: the blocking path), one with a deadline, and a server
+// stream waiting in Recv. Before, they ran on until the server ended them (a stream for ever).
+func TestCloseEndsTheCallsInProgress(t *testing.T) {
+	shm, unix := fresh(t, "close-calls")
+	w := waitingService{started: make(chan string, 8), ended: make(chan string, 8)}
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, w)
+	if err := s.Start(shm, unix); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	for _, target := range []string{shm, unix} {
+		conn, err := isthmus.Dial(target)
+		if err != nil {
+			t.Fatal(err)
+		}
+		client := pb.NewEchoClient(conn)
+		deadline, cancel := context.WithTimeout(context.Background(), time.Minute)
+		results := make(chan error, 3)
+		go func() {
+			_, err := client.Unary(context.Background(), &pb.EchoRequest{})
+			results <- err
+		}()
+		go func() {
+			_, err := client.Unary(deadline, &pb.EchoRequest{})
+			results <- err
+		}()
+		stream, err := client.ServerStream(deadline, &pb.StreamRequest{Count: 1})
+		if err != nil {
+			t.Fatal(err)
+		}
+		go func() {
+			_, err := stream.Recv()
+			results <- err
+		}()
+		for range 3 {
+			within(t, w.started, "a handler to start")
+		}
+		conn.Close()
+		for range 3 {
+			err := within(t, results, "a call to end after Close")
+			if status.Code(err) != codes.Canceled || status.Convert(err).Message() != "grpc: the client connection is closing" {
+				t.Errorf("%s: a call in progress at Close: %v", target, err)
+			}
+		}
+		for range 3 {
+			within(t, w.ended, "a handler to see its call end")
+		}
+		cancel()
+		if _, err := client.Unary(context.Background(), &pb.EchoRequest{}); status.Code(err) != codes.Canceled {
+			t.Errorf("%s: a call after Close: %v", target, err)
+		}
+	}
+}
+
+// within is the next value from ch, failing the test if none comes in a minute (a generous
+// bound: what it waits for takes milliseconds, and without the change under test, for ever).
+func within[T any](t *testing.T, ch <-chan T, what string) T {
+	t.Helper()
+	select {
+	case v := <-ch:
+		return v
+	case <-time.After(time.Minute):
+		t.Fatalf("waited a minute for %s", what)
+		var zero T
+		return zero
+	}
 }

@@ -517,6 +517,23 @@ isthmus_code_t isthmus_channel_new(const char *target,
 // of the handle fail `ISTHMUS_INVALID_ARGUMENT`.
 isthmus_code_t isthmus_channel_close(isthmus_channel_t *channel);
 
+// Ends a channel's calls in progress now with status `code` (a gRPC code other than OK) and
+// `message` (NULL: none), as grpc-go's `ClientConn.Close` ("grpc: the client connection is
+// closing", CANCELLED) and grpcio's `close` do: blocking calls return it, queued operations
+// complete with it, and the server's handlers see their calls end. The channel's `shm://`
+// connections close; later calls on it fail (UNAVAILABLE over `shm://`, `code` over HTTP/2).
+// The handle stays valid until `isthmus_channel_close`.
+//
+// Thread-safety: any thread; calls in progress on other threads end.
+//
+// # Safety
+//
+// `message` is NULL or NUL-terminated; `status` is NULL or writable.
+isthmus_code_t isthmus_channel_shutdown(const isthmus_channel_t *channel,
+                                        isthmus_code_t code,
+                                        const char *message,
+                                        isthmus_status_t **status);
+
 // Sets how long a unary call started with `ISTHMUS_CALL_SPIN` on this channel waits for its
 // reply on the calling thread before it leaves the reply to the completion queue, in µs (the
 // default is the connection's spin bound, 50 µs). An event loop that has other work when

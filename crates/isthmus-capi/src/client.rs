@@ -240,6 +240,47 @@ pub extern "C" fn isthmus_channel_close(channel: *mut isthmus_channel_t) -> isth
     })
 }
 
+/// Ends a channel's calls in progress now with status `code` (a gRPC code other than OK) and
+/// `message` (NULL: none), as grpc-go's `ClientConn.Close` ("grpc: the client connection is
+/// closing", CANCELLED) and grpcio's `close` do: blocking calls return it, queued operations
+/// complete with it, and the server's handlers see their calls end. The channel's `shm://`
+/// connections close; later calls on it fail (UNAVAILABLE over `shm://`, `code` over HTTP/2).
+/// The handle stays valid until `isthmus_channel_close`.
+///
+/// Thread-safety: any thread; calls in progress on other threads end.
+///
+/// # Safety
+///
+/// `message` is NULL or NUL-terminated; `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_channel_shutdown(
+    channel: *const isthmus_channel_t,
+    code: isthmus_code_t,
+    message: *const c_char,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        let channel = CHANNELS.get(channel)?;
+        let code = u32::try_from(code)
+            .ok()
+            .filter(|c| (1..=16).contains(c))
+            .map(Code::from_u32)
+            .ok_or_else(|| invalid(format!("{code} is not a gRPC status code other than OK")))?;
+        let text = match message.is_null() {
+            true => "",
+            // SAFETY: not NULL; NUL-terminated by the caller's promise.
+            false => unsafe { c_str(message, "the message")? },
+        };
+        let status = Status::new(code, text);
+        if let Some(blocking) = &channel.blocking {
+            blocking.channel().close(status.clone());
+        }
+        let _runtime = runtime().enter();
+        channel.engine.close(status);
+        Ok(())
+    })
+}
+
 /// Sets how long a unary call started with `ISTHMUS_CALL_SPIN` on this channel waits for its
 /// reply on the calling thread before it leaves the reply to the completion queue, in µs (the
 /// default is the connection's spin bound, 50 µs). An event loop that has other work when
