@@ -259,6 +259,15 @@ func errClosing() error {
 	return status.Error(codes.Canceled, closingMessage)
 }
 
+// closingError is err, or errClosing for an Unavailable that Close caused: a call that
+// started while Close shut the channel, or that waited for a server (WaitForReady).
+func (cc *ClientConn) closingError(err error) error {
+	if status.Code(err) == codes.Unavailable && cc.closed.Load() {
+		return errClosing()
+	}
+	return err
+}
+
 // cCallOptions builds the C options of a call of method from its context, with the metadata
 // of its per-RPC credentials; method "" is no call (Alloc): no credentials are asked. The
 // caller frees the metadata handle in it.
@@ -504,7 +513,7 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 			*co.trailer = trailers
 		}
 		co.stats.inTrailer(trailers)
-		return err
+		return cc.closingError(err)
 	}
 	var header, trailer metadata.MD
 	if co.header != nil || co.stats != nil {
@@ -632,7 +641,7 @@ func (cc *ClientConn) newStream(ctx context.Context, desc *grpc.StreamDesc, meth
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, _ := statusError(ev.code, ev.status)
-		return nil, err
+		return nil, cc.closingError(err)
 	}
 	s := &clientStream{cc: cc, call: ev.call, ctx: ctx, desc: desc, opts: co}
 	// Under the lock: a context done already runs ctxEnded at once, on a goroutine of its own,
@@ -924,6 +933,7 @@ func (s *clientStream) recv(m any) error {
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, trailers := statusError(ev.code, ev.status)
+		err = s.cc.closingError(err)
 		s.keepHeader(call)
 		s.finish(err, trailers)
 		return err

@@ -194,3 +194,28 @@ func within[T any](t *testing.T, ch <-chan T, what string) T {
 		return zero
 	}
 }
+
+// A call waiting for a server (WaitForReady) when the connection closes ends Canceled
+// "grpc: the client connection is closing", as grpc-go's does (it ended Unavailable, which
+// retry policies take as a reason to retry). The sleep only makes it likely that the call is
+// waiting by then; a Close before it starts must give the same.
+func TestCloseEndsACallWaitingForAServer(t *testing.T) {
+	shm, _ := fresh(t, "close-wfr")
+	for _, ctx := range []context.Context{context.Background(), testContext(t)} {
+		conn, err := isthmus.Dial(shm)
+		if err != nil {
+			t.Fatal(err)
+		}
+		done := make(chan error, 1)
+		go func() {
+			_, err := pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{}, grpc.WaitForReady(true))
+			done <- err
+		}()
+		time.Sleep(100 * time.Millisecond)
+		conn.Close()
+		err = within(t, done, "the waiting call to end after Close")
+		if status.Code(err) != codes.Canceled || status.Convert(err).Message() != "grpc: the client connection is closing" {
+			t.Errorf("a call waiting for a server at Close: %v", err)
+		}
+	}
+}

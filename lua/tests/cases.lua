@@ -277,6 +277,9 @@ function cases.lua_tables(_, args)
         top = { pings = {}, by_name = {} },
         nested = { pings = { { labels = {}, attrs = {}, note = "a" } }, first = { labels = {} } },
         double = { first = { d = 0.1 + 0.2 } },
+        -- serde_json's own parse read this one a bit off (serde-rs/json#604).
+        double_hard = { first = { d = 117.63331139400017 } },
+        same_key = { by_int = { [1] = "a", ["1"] = "b" } },
         seq = { first = { seq = 1234567 } },
         special = { pings = { { d = math.huge }, { d = -math.huge }, { d = 0 / 0 } } },
         int_keys = { by_int = { [1] = "a", [2] = "b", [100] = "c" } },

@@ -339,6 +339,10 @@ def test_lua_tables_take_the_shapes_their_fields_declare(
     assert r["nested"] == {"ok": True, "size": 7, "back": {"pings": [{"note": "a"}], "first": {}}}, r
     # Doubles keep 17 digits, was 0.3 (lua-cjson writes at most 14).
     assert r["double"]["back"] == {"first": {"d": "0.30000000000000004"}}, r
+    assert r["double_hard"]["back"] == {"first": {"d": "117.63331139400017"}}, r
+    # {[1] = ..., ["1"] = ...}: two values for one key, refused rather than one dropped.
+    assert r["same_key"]["name"] == "INVALID_ARGUMENT", r
+    assert "two keys that are both 1" in r["same_key"]["message"], r
     # Another library's cjson precision does not reach the module, was "1235000".
     assert r["seq"]["back"] == {"first": {"seq": "1234567"}}, r
     # proto3 JSON's NaN and infinities, was "must not be NaN or Inf".

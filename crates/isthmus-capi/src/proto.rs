@@ -218,13 +218,18 @@ pub unsafe extern "C" fn isthmus_proto_encode(
     unsafe {
         convert(proto, type_name, (json, json_len, "the JSON"), out, status, |desc, json| {
             let not_a = |e: serde_json::Error| invalid(format!("JSON is not a {}: {e}", desc.full_name()));
-            let message = if may_need_reshaping(json) {
-                let mut value: serde_json::Value = serde_json::from_slice(json).map_err(not_a)?;
-                as_declared(&desc, &mut value);
-                DynamicMessage::deserialize(desc.clone(), value).map_err(not_a)?
-            } else {
-                let mut de = serde_json::Deserializer::from_slice(json);
-                DynamicMessage::deserialize(desc.clone(), &mut de).and_then(|m| de.end().map(|()| m)).map_err(not_a)?
+            let mut de = serde_json::Deserializer::from_slice(json);
+            let strict = DynamicMessage::deserialize(desc.clone(), &mut de).and_then(|m| de.end().map(|()| m));
+            // JSON that fits as it is is read as it is; only what does not may be a shape a
+            // Lua encoder could not tell apart (the error, with its position, is the first one's).
+            let message = match strict {
+                Ok(m) => m,
+                Err(e) if may_need_reshaping(json) => {
+                    let mut value: serde_json::Value = serde_json::from_slice(json).map_err(not_a)?;
+                    as_declared(&desc, &mut value);
+                    DynamicMessage::deserialize(desc.clone(), value).map_err(|_| not_a(e))?
+                }
+                Err(e) => return Err(not_a(e)),
             };
             Ok(message.encode_to_vec())
         })
@@ -267,7 +272,7 @@ pub unsafe extern "C" fn isthmus_proto_decode(
 }
 
 /// Whether `json` holds an array or an empty object (`{}`, perhaps with blanks inside): only
-/// then is it read into a `Value` first, for [`as_declared`].
+/// then may JSON that did not fit its type fit once reshaped ([`as_declared`]).
 fn may_need_reshaping(json: &[u8]) -> bool {
     let mut open = false;
     for &b in json {

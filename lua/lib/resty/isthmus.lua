@@ -427,12 +427,16 @@ local function write_table(buf, t, depth, seen)
         buf[#buf + 1] = "]"
     else
         buf[#buf + 1] = "{"
-        local first = true
+        local first, written = true, {}
         for k, v in pairs(t) do
             local key = key_string(k)
             if not key then
                 return "a key of type " .. type(k) .. " (keys are strings, numbers or booleans)"
             end
+            if written[key] then
+                return "two keys that are both " .. key .. " as JSON (a number and a string, say)"
+            end
+            written[key] = true
             buf[#buf + 1] = (first and '"' or ',"') .. gsub(key, '[%c"\\]', escape) .. '":'
             first = false
             err = write_value(buf, v, depth + 1, seen)
