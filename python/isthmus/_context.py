@@ -166,11 +166,19 @@ class Context:
                 details = f"Exception calling application: {error}"
         self._finished = True
         trailing = None if self._trailing is None else outgoing(self._trailing)
-        if reply is None:
-            self._call.finish(0 if code is None else code.value[0], details or "", trailing)
-            return
-        # A send that fails raises here, as the handler's own send would have.
-        self._call.reply(reply, 0 if code is None else code.value[0], details or "", trailing, self._raw)
+        try:
+            if reply is None:
+                self._call.finish(0 if code is None else code.value[0], details or "", trailing)
+                return
+            # A send that fails raises here, as the handler's own send would have.
+            self._call.reply(reply, 0 if code is None else code.value[0], details or "", trailing, self._raw)
+        except (TypeError, ValueError) as e:
+            if trailing is None:
+                raise
+            # Trailing metadata the engine cannot send (a value that is not printable ASCII, a
+            # pair that is not one): the call still ends, rather than wait for its deadline.
+            _LOG.error("the handler's trailing metadata was refused", exc_info=e)
+            self._call.finish(grpc.StatusCode.INTERNAL.value[0], f"invalid trailing metadata: {e}", None)
 
 
 class ServicerContext(Context, grpc.ServicerContext):

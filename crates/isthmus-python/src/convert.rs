@@ -101,7 +101,7 @@ pub(crate) fn call_error(py: Python<'_>, status: &Status) -> PyErr {
             code: status.code() as u32,
             details: status.message().to_owned(),
             initial_metadata: PyList::empty(py).unbind(),
-            trailing_metadata: metadata_to_py(py, status.metadata())?,
+            trailing_metadata: trailers_to_py(py, status)?,
         };
         Ok(PyErr::from_value(Bound::new(py, error)?.into_any()))
     })();
@@ -113,13 +113,60 @@ pub(crate) fn call_error_value(py: Python<'_>, status: &Status) -> Py<PyAny> {
     call_error(py, status).into_value(py).into_any()
 }
 
-/// Python metadata (any iterable of pairs, or None) as the engine's.
+/// A failed call's trailing metadata as grpcio gives it: with the status's details under
+/// `grpc-status-details-bin`, where `grpc_status.rpc_status.from_call` looks for them.
+fn trailers_to_py(py: Python<'_>, status: &Status) -> PyResult<PyMetadata> {
+    let list = metadata_to_py(py, status.metadata())?;
+    if !status.details().is_empty() {
+        list.bind(py).append((DETAILS_KEY, PyBytes::new(py, status.details())))?;
+    }
+    Ok(list)
+}
+
+/// The trailer that carries a status's details (a serialized `google.rpc.Status`).
+const DETAILS_KEY: &str = "grpc-status-details-bin";
+
+/// Python metadata (any iterable of pairs, or None) as the engine's. Keys gRPC reserves for
+/// itself (`grpc-*`, `user-agent`, `content-type`, `te`) are left out, as grpcio leaves out
+/// the ones it sets itself, instead of failing the call.
 pub(crate) fn metadata_from_py(metadata: Option<&Bound<'_, PyAny>>) -> PyResult<MetadataMap> {
+    Ok(metadata_and_details_from_py(metadata)?.0)
+}
+
+/// A status's trailing metadata from Python, with the details a handler gave under
+/// `grpc-status-details-bin` (what `grpc_status.rpc_status.to_status` builds), taken out of
+/// it: the status carries them.
+pub(crate) fn trailers_from_py(code: u32, details: String, metadata: Option<&Bound<'_, PyAny>>) -> PyResult<Status> {
+    let (trailers, rich) = metadata_and_details_from_py(metadata)?;
+    let status = Status::new(Code::from_u32(code), details).with_metadata(trailers);
+    Ok(match rich {
+        Some(rich) => status.with_details(rich),
+        None => status,
+    })
+}
+
+fn metadata_and_details_from_py(metadata: Option<&Bound<'_, PyAny>>) -> PyResult<(MetadataMap, Option<Bytes>)> {
     let mut map = MetadataMap::new();
-    let Some(metadata) = metadata.filter(|m| !m.is_none()) else { return Ok(map) };
+    let mut rich = None;
+    let Some(metadata) = metadata.filter(|m| !m.is_none()) else { return Ok((map, rich)) };
     for pair in metadata.try_iter()? {
-        let (key, value): (String, Bound<'_, PyAny>) = pair?.extract()?;
+        let pair = pair?;
+        // A pair is any two-item sequence: grpcio takes lists as well as tuples.
+        let (key, value): (String, Bound<'_, PyAny>) = match pair.extract() {
+            Ok(kv) => kv,
+            Err(e) if pair.len().ok() == Some(2) => (pair.get_item(0)?.extract().map_err(|_| e)?, pair.get_item(1)?),
+            Err(e) => return Err(e),
+        };
         let key = key.to_ascii_lowercase();
+        if key == DETAILS_KEY {
+            if let Ok(b) = value.cast::<PyBytes>() {
+                rich = Some(Bytes::copy_from_slice(b.as_bytes()));
+                continue;
+            }
+        }
+        if isthmus::metadata::is_reserved_key(&key) {
+            continue;
+        }
         let added = if let Ok(b) = value.cast::<PyBytes>() {
             map.append_raw(&key, Bytes::copy_from_slice(b.as_bytes()))
         } else if let Ok(s) = value.cast::<PyString>() {
@@ -134,7 +181,7 @@ pub(crate) fn metadata_from_py(metadata: Option<&Bound<'_, PyAny>>) -> PyResult<
         };
         added.map_err(|e| PyValueError::new_err(format!("invalid metadata: {e}")))?;
     }
-    Ok(map)
+    Ok((map, rich))
 }
 
 /// Engine metadata as a Python list of `(key, str | bytes)`: bytes for `-bin` keys, as grpcio.

@@ -73,7 +73,7 @@ use pyo3::types::PyBytes;
 use tokio::sync::watch;
 
 use crate::buffers::{Block, Message, Outgoing, Request};
-use crate::convert::{bytes_from_py, call_error, metadata_from_py, metadata_to_py, PyMetadata};
+use crate::convert::{bytes_from_py, call_error, metadata_from_py, metadata_to_py, trailers_from_py, PyMetadata};
 use crate::queue::{CallQueue, Next};
 use crate::reactor::{run_now, Now, Outcome, Reactor};
 use crate::runtime;
@@ -365,8 +365,7 @@ impl ServerCall {
         trailing_metadata: Option<&Bound<'_, PyAny>>,
         raw: bool,
     ) -> PyResult<()> {
-        let trailers = metadata_from_py(trailing_metadata)?;
-        let status = Status::new(Code::from_u32(code), details).with_metadata(trailers);
+        let status = trailers_from_py(code, details, trailing_metadata)?;
         if raw {
             self.send_raw(py, message)?;
         } else {
@@ -393,8 +392,7 @@ impl ServerCall {
         details: String,
         trailing_metadata: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let trailers = metadata_from_py(trailing_metadata)?;
-        let status = Status::new(Code::from_u32(code), details).with_metadata(trailers);
+        let status = trailers_from_py(code, details, trailing_metadata)?;
         Ok(self.core.try_reply(message.as_bytes(), || status))
     }
 
@@ -521,8 +519,7 @@ impl ServerCall {
     /// Ends the call with this status (0 = OK) and trailing metadata.
     #[pyo3(signature = (code, details, trailing_metadata=None))]
     fn finish(&self, code: u32, details: String, trailing_metadata: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-        let trailers = metadata_from_py(trailing_metadata)?;
-        self.core.finish(Status::new(Code::from_u32(code), details).with_metadata(trailers));
+        self.core.finish(trailers_from_py(code, details, trailing_metadata)?);
         Ok(())
     }
 }

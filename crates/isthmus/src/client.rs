@@ -428,8 +428,31 @@ impl Channel {
             Via::Http { closed, .. } => closed.subscribe(),
             Via::Shm(_) => tokio::sync::watch::Sender::new(None).subscribe(),
         };
-        let call = HttpCall::start(self.without_upgrade(), path, options, limit, closed)?;
+        // gRPC's wait_for_ready: the call waits (within its deadline) until the channel is
+        // READY instead of failing UNAVAILABLE while no server answers.
+        let ready = match options.wait_for_ready {
+            true => {
+                let channel = self.without_upgrade();
+                Some(Box::pin(async move { channel.until_ready().await }) as crate::http::call::Ready)
+            }
+            false => None,
+        };
+        let call = HttpCall::start(self.without_upgrade(), path, options, limit, closed, ready)?;
         Ok(ClientCall { via: CallVia::Http(Box::new(call)) })
+    }
+
+    /// Waits until an HTTP/2 channel is READY, asking it to connect (it retries with backoff
+    /// while it fails); SHUTDOWN fails with UNAVAILABLE.
+    async fn until_ready(&self) -> Result<(), Status> {
+        loop {
+            match self.connectivity(true) {
+                Connectivity::Ready => return Ok(()),
+                Connectivity::Shutdown => return Err(Status::new(Code::Unavailable, "the channel was closed")),
+                state => {
+                    self.connectivity_changed(state).await;
+                }
+            }
+        }
     }
 
     /// The HTTP/2 channel under an HTTP/2 target (this process's: see `HttpChannel`).

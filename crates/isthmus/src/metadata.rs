@@ -33,6 +33,12 @@ pub fn is_binary_key(key: &str) -> bool {
     key.ends_with("-bin")
 }
 
+/// True if gRPC reserves `key` for itself (`grpc-*`, and the HTTP/2 headers it sets): a
+/// binding that takes metadata as grpcio does may leave such keys out rather than fail.
+pub fn is_reserved_key(key: &str) -> bool {
+    key.starts_with("grpc-") || RESERVED.contains(&key)
+}
+
 /// Checks a key against gRPC's rules, including the reserved names.
 pub fn check_key(key: &str) -> Result<(), InvalidMetadata> {
     if key.is_empty() || key.len() > MAX_KEY_LEN {
@@ -43,7 +49,7 @@ pub fn check_key(key: &str) -> Result<(), InvalidMetadata> {
             "metadata key {key:?} may hold only lower-case a-z, 0-9, '-', '_' and '.'"
         )));
     }
-    if key.starts_with("grpc-") || RESERVED.contains(&key) {
+    if is_reserved_key(key) {
         return Err(InvalidMetadata(format!("metadata key {key:?} is reserved by gRPC")));
     }
     Ok(())

@@ -225,8 +225,12 @@ async fn bounded<T>(
     }
 }
 
+/// Waits until the channel can carry a call ([`HttpCall::start`]'s wait for a server).
+pub(crate) type Ready = std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), Status>> + Send>>;
+
 impl HttpCall {
-    /// Sends the request head at once; must run inside a tokio runtime.
+    /// Sends the request head at once (after `ready`, if given); must run inside a tokio
+    /// runtime.
     ///
     /// `channel` carries the request: the front's `Channel`, whose HTTP/2 way resets a stream
     /// that is dropped half-way (`tonic_client`). `closed` is that channel's close signal.
@@ -236,6 +240,7 @@ impl HttpCall {
         options: CallOptions,
         limit: usize,
         closed: watch::Receiver<Option<Status>>,
+        ready: Option<Ready>,
     ) -> Result<Self, Status>
     where
         T: tonic::client::GrpcService<tonic::body::Body> + Send + 'static,
@@ -268,6 +273,9 @@ impl HttpCall {
             });
         }
         let task = tokio::spawn(async move {
+            if let Some(ready) = ready {
+                ready.await.map_err(|s| tonic::Status::unavailable(s.message().to_owned()))?;
+            }
             grpc.ready().await.map_err(|e| {
                 let e: Box<dyn std::error::Error + Send + Sync> = e.into();
                 let why = crate::http::tls::describe(&*e).unwrap_or_else(|| e.to_string());

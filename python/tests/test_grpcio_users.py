@@ -1,0 +1,184 @@
+"""What grpcio users write on their first day, found wanting by a probe of isthmus beside
+grpcio: each test runs the same code on a grpcio server or channel and on isthmus ones, in
+this process, and expects the same result."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+from peer import fresh, grpcio_target
+
+import isthmus
+import isthmus.aio
+
+# A serialized google.rpc.Status (code 3, message "rich"): what grpc_status.rpc_status.to_status
+# puts under grpc-status-details-bin.
+RICH = b"\x08\x03\x12\x04rich"
+
+
+class RichStatus(grpc.Status):
+    def __init__(self, code: grpc.StatusCode, details: str, trailing_metadata: Any) -> None:
+        self.code, self.details, self.trailing_metadata = code, details, trailing_metadata
+
+
+def _rich(request: bytes, context: Any) -> bytes:
+    context.abort_with_status(
+        RichStatus(grpc.StatusCode.INVALID_ARGUMENT, "rich", (("grpc-status-details-bin", RICH), ("k", "v")))
+    )
+    raise AssertionError("abort_with_status returned")
+
+
+def _reserved_trailer(request: bytes, context: Any) -> bytes:
+    context.set_trailing_metadata((("grpc-foo", "v"), ("k", "v")))
+    return b"ok"
+
+
+def _bad_trailer(request: bytes, context: Any) -> bytes:
+    context.set_trailing_metadata((("k", "not ascii: é"),))
+    return b"ok"
+
+
+def _metadata(request: bytes, context: Any) -> bytes:
+    # Sorted: gRPC keeps the order of one key's values, not the order of the keys.
+    pairs = sorted(f"{k}={v}" for k, v in context.invocation_metadata() if k.startswith("x-"))
+    return ",".join(pairs).encode()
+
+
+HANDLERS = {
+    "Rich": _rich,
+    "ReservedTrailer": _reserved_trailer,
+    "BadTrailer": _bad_trailer,
+    "Metadata": _metadata,
+}
+
+
+def _generic() -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(
+        "users.T", {name: grpc.unary_unary_rpc_method_handler(h) for name, h in HANDLERS.items()}
+    )
+
+
+@pytest.fixture(params=["grpcio", "isthmus"])
+def server(request: pytest.FixtureRequest) -> Iterator[list[Any]]:
+    """A blocking server of HANDLERS, and channels to it: grpcio's to a grpcio server; isthmus's
+    over shm:// and the Unix socket, and grpcio's over the socket, to an isthmus server."""
+    pool = futures.ThreadPoolExecutor(4)
+    unix = fresh("unix")
+    if request.param == "grpcio":
+        s = grpc.server(pool)
+        s.add_insecure_port(grpcio_target(unix))
+        channels = [grpc.insecure_channel(grpcio_target(unix))]
+    else:
+        s = isthmus.server(pool)
+        shm = fresh("shm")
+        s.add_insecure_port(shm)
+        s.add_insecure_port(unix)
+        channels = [isthmus.insecure_channel(shm), isthmus.insecure_channel(unix)]
+        channels.append(grpc.insecure_channel(grpcio_target(unix)))
+    s.add_generic_rpc_handlers((_generic(),))
+    s.start()
+    yield channels
+    for c in channels:
+        c.close()
+    s.stop(None)
+    pool.shutdown()
+
+
+def test_a_rich_status_reaches_the_client_with_its_details(server: list[Any]) -> None:
+    """`abort_with_status` with grpc-status-details-bin (grpc_status.rpc_status's way): the
+    client gets the code and the details under that trailer, where `rpc_status.from_call` looks.
+    isthmus's server refused the trailer inside its finish, and the call hung to its deadline."""
+    for channel in server:
+        with pytest.raises(grpc.RpcError) as caught:
+            channel.unary_unary("/users.T/Rich")(b"", timeout=10)
+        e = caught.value
+        assert (e.code(), e.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "rich"), channel
+        trailers = dict(e.trailing_metadata())
+        assert trailers["grpc-status-details-bin"] == RICH and trailers["k"] == "v", channel
+
+
+def test_trailing_metadata_gRPC_reserves_does_not_fail_the_call(server: list[Any]) -> None:
+    """A handler's trailer under a `grpc-` key: grpcio sends it; isthmus leaves it out. Either
+    way the call succeeds with the rest (isthmus's hung to its deadline)."""
+    for channel in server:
+        reply, call = channel.unary_unary("/users.T/ReservedTrailer").with_call(b"", timeout=10)
+        assert reply == b"ok" and ("k", "v") in call.trailing_metadata(), channel
+
+
+def test_a_client_may_send_metadata_as_lists_and_with_keys_grpc_sets_itself(server: list[Any]) -> None:
+    """Pairs as lists, and `user-agent` among them (as a proxy forwarding what its grpcio
+    server received does): grpcio takes both; isthmus raised TypeError and ValueError."""
+    for channel in server:
+        md = [["x-a", "1"], ("user-agent", "forwarded"), ("x-b", "2")]
+        assert channel.unary_unary("/users.T/Metadata")(b"", metadata=md, timeout=10) == b"x-a=1,x-b=2"
+
+
+def test_trailing_metadata_that_cannot_be_sent_ends_the_call() -> None:
+    """A trailer value that is not printable ASCII: isthmus's call ends INTERNAL naming it, at
+    once (it hung to its deadline, 10 s here)."""
+    pool = futures.ThreadPoolExecutor(2)
+    shm = fresh("shm")
+    s = isthmus.server(pool)
+    s.add_insecure_port(shm)
+    s.add_generic_rpc_handlers((_generic(),))
+    s.start()
+    try:
+        with isthmus.insecure_channel(shm) as channel:
+            with pytest.raises(grpc.RpcError) as caught:
+                channel.unary_unary("/users.T/BadTrailer")(b"", timeout=10)
+            assert caught.value.code() == grpc.StatusCode.INTERNAL, caught.value
+            assert "invalid trailing metadata" in caught.value.details()
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
+@pytest.mark.parametrize("api", ["grpcio", "isthmus", "grpc.aio", "isthmus.aio"])
+@pytest.mark.parametrize("transport", ["unix", "http"])
+def test_wait_for_ready_waits_for_a_server_that_starts_later(api: str, transport: str) -> None:
+    """A call with wait_for_ready made before its server listens goes through once it does, over
+    a Unix socket and TCP (isthmus failed it UNAVAILABLE at once over HTTP/2). The server starts
+    half a second later; the call may wait 30 s."""
+    address = fresh(transport)
+    if transport == "http":  # a port no one listens on yet, then the server's
+        with socket.socket() as free:
+            free.bind(("127.0.0.1", 0))
+            address = f"http://127.0.0.1:{free.getsockname()[1]}"
+    target = address if api.startswith("isthmus") else grpcio_target(address)
+    pool = futures.ThreadPoolExecutor(2)
+    s = grpc.server(pool)
+    s.add_generic_rpc_handlers((_generic(),))
+
+    def listen() -> None:  # nothing listens at the address until now
+        s.add_insecure_port(grpcio_target(address))
+        s.start()
+
+    starter = threading.Timer(0.5, listen)
+    starter.start()
+    try:
+        if api.endswith("aio"):
+            module: Any = grpc.aio if api == "grpc.aio" else isthmus.aio
+
+            async def call() -> bytes:
+                async with module.insecure_channel(target) as channel:
+                    method = channel.unary_unary("/users.T/Metadata")
+                    return bytes(await method(b"", metadata=(("x-w", "1"),), timeout=30, wait_for_ready=True))
+
+            assert asyncio.run(call()) == b"x-w=1"
+        else:
+            module = grpc if api == "grpcio" else isthmus
+            with module.insecure_channel(target) as channel:
+                method = channel.unary_unary("/users.T/Metadata")
+                assert method(b"", metadata=(("x-w", "1"),), timeout=30, wait_for_ready=True) == b"x-w=1"
+    finally:
+        starter.join()
+        s.stop(None)
+        pool.shutdown()
