@@ -166,19 +166,24 @@ class Context:
                 details = f"Exception calling application: {error}"
         self._finished = True
         trailing = None if self._trailing is None else outgoing(self._trailing)
+        status = 0 if code is None else code.value[0]
         try:
-            if reply is None:
-                self._call.finish(0 if code is None else code.value[0], details or "", trailing)
-                return
-            # A send that fails raises here, as the handler's own send would have.
-            self._call.reply(reply, 0 if code is None else code.value[0], details or "", trailing, self._raw)
+            self._end(status, details or "", trailing, reply)
         except (TypeError, ValueError) as e:
             if trailing is None:
                 raise
             # Trailing metadata the engine cannot send (a value that is not printable ASCII, a
-            # pair that is not one): the call still ends, rather than wait for its deadline.
-            _LOG.error("the handler's trailing metadata was refused", exc_info=e)
-            self._call.finish(grpc.StatusCode.INTERNAL.value[0], f"invalid trailing metadata: {e}", None)
+            # pair that is not one): the status goes without it, rather than the call waiting
+            # for its deadline. (A reply that is itself refused raises again.)
+            _LOG.error("the handler's trailing metadata was refused; the status goes without it", exc_info=e)
+            self._end(status, details or "", None, reply)
+
+    def _end(self, code: int, details: str, trailing: Any, reply: Any) -> None:
+        if reply is None:
+            self._call.finish(code, details, trailing)
+            return
+        # A send that fails raises here, as the handler's own send would have.
+        self._call.reply(reply, code, details, trailing, self._raw)
 
 
 class ServicerContext(Context, grpc.ServicerContext):

@@ -163,6 +163,10 @@ fn metadata_and_details_from_py(metadata: Option<&Bound<'_, PyAny>>) -> PyResult
                 rich = Some(Bytes::copy_from_slice(b.as_bytes()));
                 continue;
             }
+            if let Ok(s) = value.cast::<PyString>() {
+                rich = Some(Bytes::copy_from_slice(s.to_str()?.as_bytes()));
+                continue;
+            }
         }
         if isthmus::metadata::is_reserved_key(&key) {
             continue;

@@ -256,9 +256,8 @@ impl HttpCall {
         let mut headers = http::HeaderMap::new();
         codec::metadata_into(&options.metadata, &mut headers);
         *request.metadata_mut() = tonic::metadata::MetadataMap::from_headers(headers);
-        if let Some(t) = options.timeout {
-            request.set_timeout(t);
-        }
+        // The server is told the time left when the request goes, after any wait for READY.
+        let deadline = options.timeout.map(|t| Instant::now() + t);
         // Replies a server chose to compress are read; requests are compressed when the call
         // asks (uncompressed ones every server accepts).
         let mut grpc = tonic::client::Grpc::new(channel)
@@ -281,6 +280,9 @@ impl HttpCall {
                 let why = crate::http::tls::describe(&*e).unwrap_or_else(|| e.to_string());
                 tonic::Status::unavailable(format!("channel not ready: {why}"))
             })?;
+            if let Some(deadline) = deadline {
+                request.set_timeout(deadline.saturating_duration_since(Instant::now()));
+            }
             grpc.streaming(request, path, BytesCodec).await
         });
         let made_in = MadeIn::now();
@@ -290,7 +292,7 @@ impl HttpCall {
             headers: None,
             trailers: None,
             ended: None,
-            deadline: options.timeout.map(|t| Instant::now() + t),
+            deadline,
             limit,
             closed,
             made_in,
