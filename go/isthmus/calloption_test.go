@@ -664,10 +664,7 @@ func TestWithMaxMessageSizeHoldsReplies(t *testing.T) {
 	shm, unix := fresh(t, "connmax")
 	s := isthmus.NewServer()
 	pb.RegisterEchoServer(s, &echo.Service{})
-	if err := s.Start(shm, unix); err != nil {
-		t.Fatalf("start: %v", err)
-	}
-	t.Cleanup(s.Stop)
+	serving(t, s, shm, unix)
 	ctx := testContext(t)
 	for _, target := range []string{shm, unix} {
 		client := pb.NewEchoClient(dialWith(t, target, isthmus.WithMaxMessageSize(1000)))

@@ -99,6 +99,15 @@ func fresh(t testing.TB, tag string) (shm, unix string) {
 	return "shm://" + n, "unix://" + filepath.Join(t.TempDir(), tag+".sock")
 }
 
+// serving starts s on targets, stopped when the test ends.
+func serving(t testing.TB, s *isthmus.Server, targets ...string) {
+	t.Helper()
+	if err := s.Start(targets...); err != nil {
+		t.Fatalf("start %v: %v", targets, err)
+	}
+	t.Cleanup(s.Stop)
+}
+
 // startPeer starts bin with targets and waits (30 s at most) for READY and one LISTENING
 // line per HTTP/2 target. The process is killed when the test ends.
 func startPeer(t testing.TB, bin string, targets ...string) *peer {

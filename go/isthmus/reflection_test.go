@@ -27,10 +27,7 @@ func TestReflectionRegistersOnTheServerAndListsItsServices(t *testing.T) {
 	if echo := info["conformance.Echo"]; len(echo.Methods) != 4 || echo.Metadata != "conformance.proto" {
 		t.Fatalf("GetServiceInfo: %+v", info)
 	}
-	if err := s.Start(shm, unix); err != nil {
-		t.Fatalf("start: %v", err)
-	}
-	t.Cleanup(s.Stop)
+	serving(t, s, shm, unix)
 	ctx := testContext(t)
 	for name, conn := range map[string]grpc.ClientConnInterface{
 		"isthmus shm": dialWith(t, shm), "grpc-go unix": newGrpcClient(t, unix),

@@ -133,10 +133,7 @@ func TestCloseEndsTheCallsInProgress(t *testing.T) {
 	w := waitingService{started: make(chan string, 8), ended: make(chan string, 8)}
 	s := isthmus.NewServer()
 	pb.RegisterEchoServer(s, w)
-	if err := s.Start(shm, unix); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.Stop)
+	serving(t, s, shm, unix)
 	for _, target := range []string{shm, unix} {
 		conn, err := isthmus.Dial(target)
 		if err != nil {

@@ -123,6 +123,24 @@ pub(crate) unsafe fn c_str<'a>(s: *const c_char, what: &str) -> Result<&'a str, 
     unsafe { std::ffi::CStr::from_ptr(s) }.to_str().map_err(|_| invalid(format!("{what} is not UTF-8")))
 }
 
+/// An optional NUL-terminated UTF-8 argument (a status's message): NULL is "".
+///
+/// # Safety
+///
+/// As [`c_str`].
+pub(crate) unsafe fn c_str_or_empty<'a>(s: *const c_char, what: &str) -> Result<&'a str, Status> {
+    match s.is_null() {
+        true => Ok(""),
+        // SAFETY: the caller's promise, passed on.
+        false => unsafe { c_str(s, what) },
+    }
+}
+
+/// A gRPC status code from a caller (0-16), or None for a number gRPC does not define.
+pub(crate) fn grpc_code(code: isthmus_code_t) -> Option<Code> {
+    u32::try_from(code).ok().filter(|c| *c <= 16).map(Code::from_u32)
+}
+
 /// A `(pointer, length)` argument as a slice; NULL is allowed for length 0.
 ///
 /// # Safety

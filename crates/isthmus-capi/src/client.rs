@@ -8,7 +8,9 @@ use bytes::Bytes;
 use isthmus::binding::{block_on, finish_unary, may_hand_off, runtime, SharedCall, SpinFirst, SEND_PATIENCE};
 use isthmus::{CallOptions, Code, Config, Status};
 
-use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
+use crate::abi::{
+    c_bytes, c_str, c_str_or_empty, entry, entry_out, grpc_code, guard, invalid, isthmus_code_t, isthmus_status_t, put,
+};
 use crate::cq::{
     cq_for, isthmus_cq_t, isthmus_event_t, start_on, start_spinning_on, Outcome, Queue, ISTHMUS_OP_CLOSE_SEND,
     ISTHMUS_OP_HEADERS, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_STATE, ISTHMUS_OP_UNARY,
@@ -261,16 +263,11 @@ pub unsafe extern "C" fn isthmus_channel_shutdown(
 ) -> isthmus_code_t {
     entry(status, || {
         let channel = CHANNELS.get(channel)?;
-        let code = u32::try_from(code)
-            .ok()
-            .filter(|c| (1..=16).contains(c))
-            .map(Code::from_u32)
+        let code = grpc_code(code)
+            .filter(|c| *c != Code::Ok)
             .ok_or_else(|| invalid(format!("{code} is not a gRPC status code other than OK")))?;
-        let text = match message.is_null() {
-            true => "",
-            // SAFETY: not NULL; NUL-terminated by the caller's promise.
-            false => unsafe { c_str(message, "the message")? },
-        };
+        // SAFETY: NULL or NUL-terminated, by the caller's promise.
+        let text = unsafe { c_str_or_empty(message, "the message")? };
         let status = Status::new(code, text);
         if let Some(blocking) = &channel.blocking {
             blocking.channel().close(status.clone());

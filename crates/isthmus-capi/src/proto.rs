@@ -224,12 +224,13 @@ pub unsafe extern "C" fn isthmus_proto_encode(
             // Lua encoder could not tell apart (the error, with its position, is the first one's).
             let message = match strict {
                 Ok(m) => m,
-                Err(e) if may_need_reshaping(json) => {
-                    let mut value: serde_json::Value = serde_json::from_slice(json).map_err(not_a)?;
-                    as_declared(&desc, &mut value);
-                    DynamicMessage::deserialize(desc.clone(), value).map_err(|_| not_a(e))?
+                Err(e) => {
+                    let reshaped = serde_json::from_slice::<serde_json::Value>(json).ok().and_then(|mut value| {
+                        as_declared(&desc, &mut value);
+                        DynamicMessage::deserialize(desc.clone(), value).ok()
+                    });
+                    reshaped.ok_or_else(|| not_a(e))?
                 }
-                Err(e) => return Err(not_a(e)),
             };
             Ok(message.encode_to_vec())
         })
@@ -269,22 +270,6 @@ pub unsafe extern "C" fn isthmus_proto_decode(
             Ok(json)
         })
     }
-}
-
-/// Whether `json` holds an array or an empty object (`{}`, perhaps with blanks inside): only
-/// then may JSON that did not fit its type fit once reshaped ([`as_declared`]).
-fn may_need_reshaping(json: &[u8]) -> bool {
-    let mut open = false;
-    for &b in json {
-        match b {
-            b'[' => return true,
-            b'{' => open = true,
-            b'}' if open => return true,
-            b' ' | b'\t' | b'\n' | b'\r' => {}
-            _ => open = false,
-        }
-    }
-    false
 }
 
 /// Reshapes what a JSON encoder of Lua tables cannot tell apart into what `desc` declares, in

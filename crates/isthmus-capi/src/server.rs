@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 use isthmus::binding::{block_on, hand_off, runtime, HandedCall, Lender};
 use isthmus::{Code, Config, Handler, HandlerFuture, Status};
 
-use crate::abi::{c_bytes, c_str, entry, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t, put};
+use crate::abi::{
+    c_bytes, c_str, c_str_or_empty, entry, entry_out, grpc_code, guard, invalid, isthmus_code_t, isthmus_status_t, put,
+};
 use crate::cq::{
     cq_for, cq_get, cq_taker, isthmus_cq_t, isthmus_event_t, start_on, start_trying_on, Outcome, Queue,
     ISTHMUS_OP_DONE, ISTHMUS_OP_NEW_CALL, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_SEND_HEADERS, NO_SPIN,
@@ -1117,12 +1119,9 @@ unsafe fn finish(
 ) -> isthmus_code_t {
     entry(status, || {
         let handle = SERVER_CALLS.remove(call)?;
-        let text = match message.is_null() {
-            true => Ok(""),
-            // SAFETY: not NULL; NUL-terminated by the caller's promise.
-            false => unsafe { c_str(message, "the message") },
-        };
-        let code = u32::try_from(code).ok().filter(|c| *c <= 16).map_or(Code::Unknown, Code::from_u32);
+        // SAFETY: NULL or NUL-terminated, by the caller's promise.
+        let text = unsafe { c_str_or_empty(message, "the message") };
+        let code = grpc_code(code).unwrap_or(Code::Unknown);
         // The handle is gone now, so the call ends here whatever else is wrong: a call left
         // unfinished would hang until the client's deadline, if it set one.
         let made = text.and_then(|text| {

@@ -430,14 +430,15 @@ impl Channel {
         };
         // gRPC's wait_for_ready: the call waits (within its deadline) until the channel is
         // READY instead of failing UNAVAILABLE while no server answers.
+        let http = self.without_upgrade();
         let ready = match options.wait_for_ready {
             true => {
-                let channel = self.without_upgrade();
+                let channel = http.clone();
                 Some(Box::pin(async move { channel.until_ready().await }) as crate::http::call::Ready)
             }
             false => None,
         };
-        let call = HttpCall::start(self.without_upgrade(), path, options, limit, closed, ready)?;
+        let call = HttpCall::start(http, path, options, limit, closed, ready)?;
         Ok(ClientCall { via: CallVia::Http(Box::new(call)) })
     }
 

@@ -371,9 +371,11 @@ local function json_number(n)
     return format("%.17g", n)
 end
 
+local int64_t, uint64_t = ffi.typeof("int64_t"), ffi.typeof("uint64_t")
+
 -- A 64-bit integer cdata (`123LL`, `123ULL`) as its digits; nil for any other cdata.
 local function cdata_integer(v)
-    if ffi.istype("int64_t", v) or ffi.istype("uint64_t", v) then
+    if ffi.istype(int64_t, v) or ffi.istype(uint64_t, v) then
         return (gsub(tostring(v), "U?LL$", ""))
     end
 end
@@ -461,10 +463,12 @@ write_value = function(buf, v, depth, seen)
         return write_table(buf, v, depth, seen)
     elseif t == "userdata" and ((ngx and v == ngx.null) or (cjson and v == cjson.null)) then
         buf[#buf + 1] = "null"
-    elseif t == "cdata" and cdata_integer(v) then
-        buf[#buf + 1] = '"' .. cdata_integer(v) .. '"'
     else
-        return "a value of type " .. t
+        local digits = t == "cdata" and cdata_integer(v)
+        if not digits then
+            return "a value of type " .. t
+        end
+        buf[#buf + 1] = '"' .. digits .. '"'
     end
 end
 
