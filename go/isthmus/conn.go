@@ -509,6 +509,15 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, trailers := statusError(ev.code, ev.status)
+		// The initial metadata the server sent before it failed the call: grpc-go's
+		// grpc.Header gives them too.
+		if ev.metadata != nil {
+			header := takeMetadata(ev.metadata)
+			if co.header != nil {
+				*co.header = header
+			}
+			co.stats.inHeader(header, "", nil)
+		}
 		if co.trailer != nil {
 			*co.trailer = trailers
 		}

@@ -160,17 +160,34 @@ func TestInitialMetadataSetBeforeAFailureReachesTheClient(t *testing.T) {
 		"grpc-go to isthmus over unix": newGrpcClient(t, unix),
 		"grpc-go to grpc-go":           newGrpcClient(t, l.Addr().String()),
 		"isthmus over shm":             dial(t, shm),
+		"isthmus over unix":            dial(t, unix),
 		"isthmus to grpc-go":           dial(t, "http://"+l.Addr().String()),
 	}
 	ctx := testContext(t)
 	for name, conn := range clients {
 		client := pb.NewEchoClient(conn)
-		if strings.HasPrefix(name, "grpc-go") {
-			// isthmus's client does not keep a failed unary call's initial metadata yet.
+		// A call nothing can cancel waits in one cgo call; one that can be cancelled through
+		// the completion queue: both keep the header.
+		for _, c := range []context.Context{context.Background(), ctx} {
 			var h metadata.MD
-			_, err := client.Unary(ctx, &pb.EchoRequest{}, grpc.Header(&h))
+			_, err := client.Unary(c, &pb.EchoRequest{}, grpc.Header(&h))
 			if status.Code(err) != codes.NotFound || fmt.Sprint(h.Get("x-h")) != "[1]" {
-				t.Errorf("%s: unary: header %v, %v", name, h, err)
+				t.Errorf("%s: unary (cancellable %v): header %v, %v", name, c.Done() != nil, h, err)
+			}
+		}
+		// The header of a failed call is freed whoever asks for it: the raw tier's too.
+		if ic, ok := conn.(*isthmus.ClientConn); ok {
+			before := isthmus.LiveHandles()
+			for _, c := range []context.Context{context.Background(), ctx} {
+				if _, err := client.Unary(c, &pb.EchoRequest{}); status.Code(err) != codes.NotFound {
+					t.Errorf("%s: unary: %v", name, err)
+				}
+				if _, err := ic.CallRaw(c, pb.Echo_Unary_FullMethodName, nil); status.Code(err) != codes.NotFound {
+					t.Errorf("%s: raw: %v", name, err)
+				}
+			}
+			if n := isthmus.LiveHandles(); n != before {
+				t.Errorf("%s: %d handles live after failed calls, %d before", name, n, before)
 			}
 		}
 		stream, err := client.ServerStream(ctx, &pb.StreamRequest{Count: 1})

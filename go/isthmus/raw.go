@@ -244,6 +244,7 @@ func (r *RawStream) Recv() (*Message, error) {
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, _ := statusError(ev.code, ev.status)
+		err = r.cs.cc.closingError(err)
 		r.cs.finish(err, nil)
 		return nil, err
 	}
@@ -272,7 +273,7 @@ func (cc *ClientConn) CallRaw(ctx context.Context, method string, request []byte
 		return nil, err
 	}
 	ev, ok := cc.unaryBytes(ctx, cString(method), request, &copts)
-	return rawReply(ctx, ev, ok)
+	return cc.rawReply(ctx, ev, ok)
 }
 
 // Alloc returns a writable block of n bytes for the request of a CallRawBlock, to fill in
@@ -389,7 +390,7 @@ func (cc *ClientConn) CallRawBlock(ctx context.Context, method string, request *
 	if err != nil {
 		return nil, err
 	}
-	return rawReply(ctx, ev, ok)
+	return cc.rawReply(ctx, ev, ok)
 }
 
 // unaryBlock runs a unary call whose request is block (spent here; one of Go memory goes as
@@ -429,15 +430,15 @@ func (cc *ClientConn) unaryBlock(ctx context.Context, path *C.char, block *Block
 }
 
 // rawReply is a raw unary call's outcome: the reply as a Message, or the call's error.
-func rawReply(ctx context.Context, ev C.isthmus_event_t, ok bool) (*Message, error) {
+func (cc *ClientConn) rawReply(ctx context.Context, ev C.isthmus_event_t, ok bool) (*Message, error) {
 	if !ok {
 		return nil, ctxError(ctx)
 	}
+	freeMetadata(ev.metadata)
 	if ev.code != C.ISTHMUS_OK {
 		err, _ := statusError(ev.code, ev.status)
-		return nil, err
+		return nil, cc.closingError(err)
 	}
-	freeMetadata(ev.metadata)
 	freeMetadata(ev.trailers)
 	return newMessage(ev.message, ev.message_data, ev.message_len), nil
 }

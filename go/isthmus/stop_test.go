@@ -141,11 +141,19 @@ func TestCloseEndsTheCallsInProgress(t *testing.T) {
 		}
 		client := pb.NewEchoClient(conn)
 		deadline, cancel := context.WithTimeout(context.Background(), time.Minute)
-		results := make(chan error, 3)
+		const calls = 5
+		results := make(chan error, calls)
 		go func() {
 			_, err := client.Unary(context.Background(), &pb.EchoRequest{})
 			results <- err
 		}()
+		// The raw tier's calls, waiting each way (they said Unavailable).
+		for _, ctx := range []context.Context{context.Background(), deadline} {
+			go func() {
+				_, err := conn.CallRaw(ctx, pb.Echo_Unary_FullMethodName, nil)
+				results <- err
+			}()
+		}
 		go func() {
 			_, err := client.Unary(deadline, &pb.EchoRequest{})
 			results <- err
@@ -158,17 +166,17 @@ func TestCloseEndsTheCallsInProgress(t *testing.T) {
 			_, err := stream.Recv()
 			results <- err
 		}()
-		for range 3 {
+		for range calls {
 			within(t, w.started, "a handler to start")
 		}
 		conn.Close()
-		for range 3 {
+		for range calls {
 			err := within(t, results, "a call to end after Close")
 			if status.Code(err) != codes.Canceled || status.Convert(err).Message() != "grpc: the client connection is closing" {
 				t.Errorf("%s: a call in progress at Close: %v", target, err)
 			}
 		}
-		for range 3 {
+		for range calls {
 			within(t, w.ended, "a handler to see its call end")
 		}
 		cancel()

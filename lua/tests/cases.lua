@@ -207,6 +207,16 @@ function cases.fail(ch, args)
     return failure(err)
 end
 
+-- A failure after the server sent initial metadata (it reflects x-echo): the error keeps them.
+function cases.fail_headers(ch, args)
+    local ok, err = ch:unary(ECHO .. "Unary", { fail_with = tonumber(args.code), fail_message = "late" },
+        { metadata = { ["x-echo"] = "early" } })
+    if ok then return { ok = true } end
+    local r = failure(err)
+    r.header = err.headers["x-echo"]
+    return r
+end
+
 -- A failure's details, in hex ("" for none).
 function cases.fail_details(ch, args)
     local ok, err = ch:unary(ECHO .. "Unary", { fail_with = tonumber(args.code), fail_message = args.message })

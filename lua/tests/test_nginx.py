@@ -95,6 +95,17 @@ def test_status_code_message_and_trailers(nginx: Nginx, shm: str) -> None:
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_a_failed_call_keeps_the_initial_metadata_sent_before(
+    nginx: Nginx, servers: Callable[[str], Served], kind: str
+) -> None:
+    """`err.headers`: what the server sent before it failed a unary call (the Go and Python
+    peers reflect x-echo there first; a tonic handler's failure sends none)."""
+    r = nginx.case("fail_headers", servers(kind).addresses["shm"], code=5)
+    assert (r["ok"], r["code"], r["message"], r["failed"]) == (False, 5, "late", "yes"), r
+    assert r.get("header") == (None if kind == "rust" else "early"), r
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_status_details(nginx: Nginx, servers: Callable[[str], Served], kind: str) -> None:
     r = nginx.case("fail_details", servers(kind).addresses["shm"], code=9, message="not now")
     assert (r["ok"], r["code"], r["message"]) == (False, 9, "not now"), r

@@ -1,6 +1,7 @@
 """The conformance suite's `Echo` service (tests/proto/conformance.proto) in Python, blocking and
 asyncio, with the semantics of the Rust peer (tests/src/bin/tonic-peer.rs): echo, reflect
-`x-echo` / `x-echo-bin` into the initial metadata (and, as the proto says, the trailers), fail
+`x-echo` / `x-echo-bin` into the initial metadata (sent before a failure too; tonic-peer's go
+with a success only) and, as the proto says, the trailers, fail
 with `fail_with` and `fail_message` (trailer `x-failed: yes`), and print `BIDI-ENDED ...` when a
 Bidi call ends. Two additions: `fail_with = -1` raises in the handler (the Rust peer answers it
 with UNKNOWN too), and a Unary call with a `sleep_ms` prints `UNARY-SLEEPING SEQ` as its handler
@@ -88,9 +89,10 @@ class Echo(pb_grpc.EchoServicer):
         end = time.monotonic() + request.sleep_ms / 1000
         while time.monotonic() < end and context.is_active():
             time.sleep(0.01)
+        if echo:  # ahead of a failure too: the client keeps them (RpcError.initial_metadata())
+            context.send_initial_metadata(echo)
         self._fail(request, context)
         if echo:
-            context.send_initial_metadata(echo)
             context.set_trailing_metadata(echo)
         return pb.EchoReply(payload=request.payload, seq=request.seq, time_left_ms=left)
 
@@ -143,9 +145,10 @@ class AsyncEcho(pb_grpc.EchoServicer):
         end = time.monotonic() + request.sleep_ms / 1000
         while time.monotonic() < end and not context.done():
             await asyncio.sleep(0.01)
-        await self._fail(request, context)
         if echo:
             await context.send_initial_metadata(echo)
+        await self._fail(request, context)
+        if echo:
             context.set_trailing_metadata(echo)
         return pb.EchoReply(payload=request.payload, seq=request.seq, time_left_ms=left)
 

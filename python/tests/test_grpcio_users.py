@@ -56,7 +56,14 @@ def _left(request: bytes, context: Any) -> bytes:
     return repr(context.time_remaining()).encode()
 
 
+def _head_then_fail(request: bytes, context: Any) -> bytes:
+    context.send_initial_metadata((("x-h", "1"),))
+    context.abort(grpc.StatusCode.NOT_FOUND, "after a header")
+    raise AssertionError("abort returned")
+
+
 HANDLERS = {
+    "HeadThenFail": _head_then_fail,
     "Left": _left,
     "Rich": _rich,
     "ReservedTrailer": _reserved_trailer,
@@ -108,6 +115,53 @@ def test_a_rich_status_reaches_the_client_with_its_details(server: list[Any]) ->
         assert (e.code(), e.details()) == (grpc.StatusCode.INVALID_ARGUMENT, "rich"), channel
         trailers = dict(e.trailing_metadata())
         assert trailers["grpc-status-details-bin"] == RICH and trailers["k"] == "v", channel
+
+
+def test_a_failed_call_keeps_the_initial_metadata_sent_before_the_failure(server: list[Any]) -> None:
+    """`RpcError.initial_metadata()` of a unary call whose handler sent initial metadata, then
+    aborted: grpcio gives them; isthmus's client gave nothing."""
+    for channel in server:
+        method = channel.unary_unary("/users.T/HeadThenFail")
+        future = method.future
+        for way in (method, method.with_call, lambda r, timeout, f=future: f(r, timeout=timeout).result()):
+            with pytest.raises(grpc.RpcError) as caught:
+                way(b"", timeout=10)
+            e = caught.value
+            assert (e.code(), e.details()) == (grpc.StatusCode.NOT_FOUND, "after a header"), (channel, way)
+            assert ("x-h", "1") in tuple(e.initial_metadata()), (channel, way, e.initial_metadata())
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_an_asyncio_call_that_failed_keeps_the_initial_metadata_sent_before(kind: str) -> None:
+    """As above, from grpc.aio's client to a grpcio server and isthmus.aio's to an isthmus
+    server, over shm:// and the socket."""
+    pool = futures.ThreadPoolExecutor(2)
+    unix = fresh("unix")
+    if kind == "grpc.aio":
+        s, module, targets = grpc.server(pool), grpc.aio, [grpcio_target(unix)]
+        s.add_insecure_port(grpcio_target(unix))
+    else:
+        shm = fresh("shm")
+        s, module, targets = isthmus.server(pool), isthmus.aio, [shm, unix]
+        s.add_insecure_port(shm)
+        s.add_insecure_port(unix)
+    s.add_generic_rpc_handlers((_generic(),))
+    s.start()
+
+    async def fail(target: str) -> grpc.aio.AioRpcError:
+        async with module.insecure_channel(target) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await channel.unary_unary("/users.T/HeadThenFail")(b"", timeout=10)
+            return caught.value
+
+    try:
+        for target in targets:
+            e = asyncio.run(fail(target))
+            assert e.code() == grpc.StatusCode.NOT_FOUND, target
+            assert ("x-h", "1") in tuple(e.initial_metadata()), (target, e.initial_metadata())
+    finally:
+        s.stop(None)
+        pool.shutdown()
 
 
 def test_trailing_metadata_gRPC_reserves_does_not_fail_the_call(server: list[Any]) -> None:

@@ -236,8 +236,8 @@ typedef struct {
   const uint8_t *message_data;
   // The message's length; `ISTHMUS_OP_STATE`: the channel's state.
   size_t message_len;
-  // `ISTHMUS_OP_HEADERS`, `ISTHMUS_OP_UNARY`: the initial metadata; NULL when there is
-  // none.
+  // `ISTHMUS_OP_HEADERS`, `ISTHMUS_OP_UNARY`: the initial metadata (of a failed unary
+  // call too, when the server sent them before it failed it); NULL when there is none.
   isthmus_metadata_t *metadata;
   // `ISTHMUS_OP_UNARY`: the trailing metadata; NULL when there is none.
   isthmus_metadata_t *trailers;
@@ -597,7 +597,9 @@ isthmus_code_t isthmus_channel_wait_state_async(const isthmus_channel_t *channel
 // A unary call, blocking: sends `request` to `path` (`/package.Service/Method`) and waits
 // for the one response. On success `*reply` holds the response message; `*headers` and
 // `*trailers` (each out-pointer may be NULL) the server's initial and trailing metadata, or
-// NULL when there is none. All are the caller's to free. On failure they are set to NULL and `*status` (if not NULL) says why.
+// NULL when there is none. All are the caller's to free. On failure `*status` (if not NULL) says
+// why, `*reply` and `*trailers` are NULL (the status holds the trailers), and `*headers` holds
+// the initial metadata the server sent before it failed the call, or NULL.
 //
 // Thread-safety: any thread, which it blocks (not an event loop's); many threads may call at once
 // on one channel.
@@ -618,7 +620,8 @@ isthmus_code_t isthmus_unary(const isthmus_channel_t *channel,
 
 // [`isthmus_unary`] without blocking: returns at once, and the outcome arrives on `cq` as an
 // event with `op = ISTHMUS_OP_UNARY` and this `tag`: `message`, `metadata` (initial) and
-// `trailers` on success, `status` on failure.
+// `trailers` on success; on failure `status`, and `metadata` if the server sent initial
+// metadata before it failed the call.
 //
 // Thread-safety: any thread, many at once on one channel. It does not block; with
 // `ISTHMUS_CALL_SPIN` it may wait on the calling thread up to the channel's spin. The event goes

@@ -487,7 +487,9 @@ pub unsafe extern "C" fn isthmus_channel_wait_state_async(
 /// A unary call, blocking: sends `request` to `path` (`/package.Service/Method`) and waits
 /// for the one response. On success `*reply` holds the response message; `*headers` and
 /// `*trailers` (each out-pointer may be NULL) the server's initial and trailing metadata, or
-/// NULL when there is none. All are the caller's to free. On failure they are set to NULL and `*status` (if not NULL) says why.
+/// NULL when there is none. All are the caller's to free. On failure `*status` (if not NULL) says
+/// why, `*reply` and `*trailers` are NULL (the status holds the trailers), and `*headers` holds
+/// the initial metadata the server sent before it failed the call, or NULL.
 ///
 /// Thread-safety: any thread, which it blocks (not an event loop's); many threads may call at once
 /// on one channel.
@@ -522,7 +524,9 @@ pub unsafe extern "C" fn isthmus_unary(
         let response = match &channel.blocking {
             Some(blocking) => blocking.channel().unary(path, request, options),
             None => block_on(channel.engine.unary(path, request, options)),
-        }?;
+        };
+        // SAFETY: as above.
+        let response = unsafe { put_failed_headers(response, headers) }?;
         // SAFETY: as above.
         unsafe { put_response(response, reply, headers, trailers) };
         Ok(())
@@ -545,6 +549,26 @@ unsafe fn clear_response(
         put(headers, std::ptr::null_mut());
         put(trailers, std::ptr::null_mut());
     }
+}
+
+/// Hands a failed unary call's initial metadata, if the server sent any before it failed the
+/// call, to the caller's `headers` (grpc-go's `grpc.Header` and grpcio's
+/// `RpcError.initial_metadata()` give them).
+///
+/// # Safety
+///
+/// `headers` is NULL or writable.
+unsafe fn put_failed_headers(
+    response: Result<isthmus::Response, Status>,
+    headers: *mut *mut isthmus_metadata_t,
+) -> Result<isthmus::Response, Status> {
+    if let Err(failed) = &response {
+        if !headers.is_null() && !failed.headers().is_empty() {
+            // SAFETY: the caller's promise.
+            unsafe { put(headers, metadata_handle(failed.headers().clone())) };
+        }
+    }
+    response
 }
 
 /// Hands a unary call's response to the caller's out-pointers (headers and trailers only when
@@ -573,7 +597,8 @@ unsafe fn put_response(
 
 /// [`isthmus_unary`] without blocking: returns at once, and the outcome arrives on `cq` as an
 /// event with `op = ISTHMUS_OP_UNARY` and this `tag`: `message`, `metadata` (initial) and
-/// `trailers` on success, `status` on failure.
+/// `trailers` on success; on failure `status`, and `metadata` if the server sent initial
+/// metadata before it failed the call.
 ///
 /// Thread-safety: any thread, many at once on one channel. It does not block; with
 /// `ISTHMUS_CALL_SPIN` it may wait on the calling thread up to the channel's spin. The event goes
@@ -727,7 +752,9 @@ pub unsafe extern "C" fn isthmus_unary_block(
         channel.open()?;
         // SAFETY: the caller's promises, passed on.
         let (path, options) = unsafe { (c_str(path, "the path")?, call_options(opts)?) };
-        let response = channel.blocking.as_ref().ok_or_else(no_blocks)?.channel().unary_block(path, block, options)?;
+        let response = channel.blocking.as_ref().ok_or_else(no_blocks)?.channel().unary_block(path, block, options);
+        // SAFETY: as above.
+        let response = unsafe { put_failed_headers(response, headers) }?;
         // SAFETY: as above.
         unsafe { put_response(response, reply, headers, trailers) };
         Ok(())

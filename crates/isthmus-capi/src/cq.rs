@@ -102,8 +102,8 @@ pub struct isthmus_event_t {
     pub message_data: *const u8,
     /// The message's length; `ISTHMUS_OP_STATE`: the channel's state.
     pub message_len: usize,
-    /// `ISTHMUS_OP_HEADERS`, `ISTHMUS_OP_UNARY`: the initial metadata; NULL when there is
-    /// none.
+    /// `ISTHMUS_OP_HEADERS`, `ISTHMUS_OP_UNARY`: the initial metadata (of a failed unary
+    /// call too, when the server sent them before it failed it); NULL when there is none.
     pub metadata: *mut isthmus_metadata_t,
     /// `ISTHMUS_OP_UNARY`: the trailing metadata; NULL when there is none.
     pub trailers: *mut isthmus_metadata_t,
@@ -178,6 +178,10 @@ impl Outcome {
             Outcome::Failed(status) => {
                 ev.code = status.code() as isthmus_code_t;
                 ev.status = status_handle(&status);
+                // As `isthmus_unary` gives them: the server's initial metadata before it failed.
+                if op == ISTHMUS_OP_UNARY {
+                    ev.metadata = metadata_or_null(status.headers().clone());
+                }
             }
         }
         ev

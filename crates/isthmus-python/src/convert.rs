@@ -100,7 +100,8 @@ pub(crate) fn call_error(py: Python<'_>, status: &Status) -> PyErr {
         let error = CallError {
             code: status.code() as u32,
             details: status.message().to_owned(),
-            initial_metadata: PyList::empty(py).unbind(),
+            // What the server sent before it failed the call (grpcio's `RpcError.initial_metadata()`).
+            initial_metadata: metadata_to_py(py, status.headers())?,
             trailing_metadata: trailers_to_py(py, status)?,
         };
         Ok(PyErr::from_value(Bound::new(py, error)?.into_any()))

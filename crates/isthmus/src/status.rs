@@ -122,7 +122,8 @@ impl fmt::Display for Code {
 }
 
 /// How a call ended: a code, a message for people, optional binary details (a serialized
-/// `google.rpc.Status`, as gRPC's `grpc-status-details-bin`) and trailing metadata.
+/// `google.rpc.Status`, as gRPC's `grpc-status-details-bin`) and trailing metadata; on a
+/// client, also the initial metadata the server sent before it failed the call.
 ///
 /// One word: a plain OK (no message, details or metadata), which nearly every call ends with,
 /// is no allocation at all.
@@ -135,6 +136,7 @@ struct StatusInner {
     message: String,
     details: Bytes,
     metadata: MetadataMap,
+    headers: MetadataMap,
 }
 
 static NO_DETAILS: Bytes = Bytes::new();
@@ -147,7 +149,13 @@ impl Status {
         if code == Code::Ok && message.is_empty() {
             return Status(None);
         }
-        Status(Some(Box::new(StatusInner { code, message, details: Bytes::new(), metadata: MetadataMap::new() })))
+        Status(Some(Box::new(StatusInner {
+            code,
+            message,
+            details: Bytes::new(),
+            metadata: MetadataMap::new(),
+            headers: MetadataMap::new(),
+        })))
     }
 
     /// The OK status.
@@ -163,6 +171,7 @@ impl Status {
                 message: String::new(),
                 details: Bytes::new(),
                 metadata: MetadataMap::new(),
+                headers: MetadataMap::new(),
             })
         })
     }
@@ -180,6 +189,17 @@ impl Status {
     pub fn with_metadata(mut self, metadata: MetadataMap) -> Status {
         if !metadata.is_empty() || self.0.is_some() {
             self.inner_mut().metadata = metadata;
+        }
+        self
+    }
+
+    /// Adds the initial metadata a server sent before it ended the call with this status. A
+    /// client's failed call carries them (gRPC keeps a response's headers apart from its
+    /// trailers, and grpcio's `RpcError.initial_metadata()` or grpc-go's `grpc.Header` give
+    /// them); a server sends only the trailers of a status it is given.
+    pub fn with_headers(mut self, headers: MetadataMap) -> Status {
+        if !headers.is_empty() || self.0.is_some() {
+            self.inner_mut().headers = headers;
         }
         self
     }
@@ -202,6 +222,12 @@ impl Status {
     /// The trailing metadata.
     pub fn metadata(&self) -> &MetadataMap {
         self.0.as_ref().map_or(&NO_METADATA, |s| &s.metadata)
+    }
+
+    /// The initial metadata the server sent before the call failed (empty if it sent none, or
+    /// the call failed before they came): see [`with_headers`](Self::with_headers).
+    pub fn headers(&self) -> &MetadataMap {
+        self.0.as_ref().map_or(&NO_METADATA, |s| &s.headers)
     }
 
     /// The status a transport failure means for a call: the one table that maps them.
@@ -235,6 +261,9 @@ impl fmt::Debug for Status {
         }
         if !self.metadata().is_empty() {
             d.field("metadata", self.metadata());
+        }
+        if !self.headers().is_empty() {
+            d.field("headers", self.headers());
         }
         d.finish()
     }

@@ -113,19 +113,22 @@ func (s Service) Unary(ctx context.Context, req *pb.EchoRequest) (*pb.EchoReply,
 			return nil, status.FromContextError(ctx.Err()).Err()
 		}
 	}
-	if err := failure(ctx, req); err != nil {
-		return nil, err
-	}
 	out := metadata.MD{}
 	for _, k := range []string{"x-echo", "x-echo-bin"} {
 		if v := md.Get(k); len(v) > 0 {
 			out.Set(k, v[0])
 		}
 	}
+	// The header goes ahead of a failure too: the client keeps it (grpc.Header).
 	if len(out) > 0 {
 		if err := grpc.SetHeader(ctx, out); err != nil {
 			return nil, err
 		}
+	}
+	if err := failure(ctx, req); err != nil {
+		return nil, err
+	}
+	if len(out) > 0 {
 		grpc.SetTrailer(ctx, out)
 	}
 	return &pb.EchoReply{Payload: req.Payload, Seq: req.Seq, TimeLeftMs: left}, nil

@@ -14,7 +14,8 @@
 --   local ok, reply = ch:unary("/helloworld.Greeter/SayHello", { name = "you" }, { timeout = 1 })
 --
 -- Every call returns `ok, result_or_err`: on failure `err` is an error table with the gRPC
--- `code` (a number), its `name` ("UNAVAILABLE"), `message`, `trailers` and `details` (the
+-- `code` (a number), its `name` ("UNAVAILABLE"), `message`, `headers` (the initial metadata
+-- the server sent before a unary call failed, else empty), `trailers` and `details` (the
 -- status's details as the server sent them, or nil).
 
 local ffi = require "ffi"
@@ -236,6 +237,7 @@ local function new_error(code, message, trailers, details)
         code = code,
         name = ffi_string(C.isthmus_code_name(code)),
         message = message,
+        headers = {},
         trailers = trailers or {},
         details = details,
     }, error_mt)
@@ -613,6 +615,9 @@ local function outcome(ev)
     end
     if ev.code ~= OK then
         r.err = take_status(ev.status, ev.code)
+        if ev.metadata ~= nil then -- a failed unary call's initial metadata
+            r.err.headers = take_metadata(ev.metadata)
+        end
         return r
     end
     if ev.message ~= nil then
@@ -1306,7 +1311,11 @@ function Channel:unary(path, request, opts)
         local rc = C.isthmus_unary(h, path, bytes, #bytes, o, reply_out, headers_out, trailers_out, status_out)
         free_metadata(md)
         if rc ~= OK then
-            return false, failed(rc)
+            local err = failed(rc)
+            if headers_out[0] ~= nil then
+                err.headers = take_metadata(headers_out[0])
+            end
+            return false, err
         end
         r = { message = take_message(reply_out[0]) }
         if headers_out[0] ~= nil then

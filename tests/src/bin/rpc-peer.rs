@@ -263,6 +263,11 @@ fn main() {
             .handler("/test.Echo/Fail", |mut call: ServerCall| async move {
                 let m = one(&mut call).await?;
                 let code = u32_at(&m, 0)?;
+                // Initial metadata ahead of the failure, when the client asks for them.
+                let head = reflect(call.metadata(), "head");
+                if !head.is_empty() {
+                    call.send_headers(head).await?;
+                }
                 let mut t = MetadataMap::new();
                 let _ = t.append("x-failed", "yes");
                 // The message: what follows the code, if anything does.

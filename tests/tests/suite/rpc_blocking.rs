@@ -56,6 +56,11 @@ fn every_call_shape_from_a_plain_thread() {
 
     let s = ch.unary("/test.Echo/Fail", &(Code::Aborted as u32).to_le_bytes(), Default::default()).expect_err("fail");
     assert_eq!((s.code(), &s.details()[..]), (Code::Aborted, &b"\x00details\xff"[..]));
+    let mut md = MetadataMap::new();
+    md.append("x-echo", "early").expect("ascii");
+    let options = CallOptions { metadata: md, ..CallOptions::default() };
+    let s = ch.unary("/test.Echo/Fail", &(Code::Aborted as u32).to_le_bytes(), options).expect_err("fail");
+    assert_eq!((s.code(), s.headers().get("x-echo")), (Code::Aborted, Some("head:early")), "initial metadata kept");
     let s = ch.unary("/test.Nope/Missing", b"", Default::default()).expect_err("unknown");
     assert_eq!(s.code(), Code::Unimplemented);
 }

@@ -113,7 +113,41 @@ fn every_status_code_arrives_with_message_details_and_trailers() {
                 assert_eq!(s.message(), format!("requested failure {}", code as u32));
                 assert_eq!(&s.details()[..], b"\x00details\xff");
                 assert_eq!(s.metadata().get("x-failed"), Some("yes"));
+                // None of the handler's (over HTTP/2 the server's `date` may come).
+                assert_eq!(s.headers().get("x-echo"), None, "{code:?} at {addr}: {s:?}");
             }
+        }
+    });
+}
+
+/// gRPC keeps a response's headers apart from its trailers even when the call fails: grpcio's
+/// `RpcError.initial_metadata()` and grpc-go's `grpc.Header` give them. A unary call's status
+/// carries them, and a stream's headers stay readable after its failure.
+#[test]
+fn a_failed_call_keeps_the_initial_metadata_sent_before_the_failure() {
+    let (_server, addrs) = server_everywhere("failed-headers");
+    run(async move {
+        for addr in addrs {
+            let ch = Channel::connect(&addr).await.expect("connect");
+            let mut md = MetadataMap::new();
+            md.append("x-echo", "early").expect("ascii");
+            md.append_bin("x-echo-bin", vec![0u8, 0xff]).expect("binary");
+            let options = CallOptions { metadata: md, ..CallOptions::default() };
+            let s = ch
+                .unary("/test.Echo/Fail", &(Code::NotFound as u32).to_le_bytes(), options.clone())
+                .await
+                .expect_err("fails");
+            assert_eq!(s.code(), Code::NotFound, "{addr}");
+            assert_eq!(s.headers().get("x-echo"), Some("head:early"), "{addr}: {s:?}");
+            assert_eq!(s.headers().get_bin("x-echo-bin"), Some(&[0u8, 0xff][..]), "{addr}");
+            assert_eq!(s.metadata().get("x-failed"), Some("yes"), "{addr}: the trailers stay apart");
+            assert_eq!(s.metadata().get("x-echo"), None, "{addr}: the headers stay apart");
+
+            let mut call = ch.start("/test.Echo/Fail", options).await.expect("start");
+            call.send_last(&(Code::Aborted as u32).to_le_bytes()).await.expect("send");
+            let s = call.recv().await.expect_err("fails");
+            assert_eq!((s.code(), s.headers().get("x-echo")), (Code::Aborted, Some("head:early")), "{addr}");
+            assert_eq!(call.headers().await.expect("headers").get("x-echo"), Some("head:early"), "{addr}");
         }
     });
 }

@@ -32,6 +32,7 @@
  *   ClientStream  one response: the requests' total size, u64 LE
  *   Bidi          send (empty) headers at once, then echo each request as it comes
  *   Fail          NOT_FOUND "nothing here", trailer `x-why: test`, details FAIL_DETAILS
+ *   HeadFail      header `x-head: early`, then fail as Fail does
  *   Sleep         wait until the call is no longer active (5 s at most), then CANCELLED
  *   Block         echo the request through isthmus_server_call_alloc + _send_block
  *   Queued        echo every request through the _async functions on a completion queue
@@ -311,6 +312,20 @@ static void h_fail(isthmus_server_call_t *call) {
   isthmus_metadata_free(trailers);
 }
 
+/* Initial metadata first, then Fail's status: the client keeps both. */
+static void h_head_fail(isthmus_server_call_t *call) {
+  isthmus_metadata_t *head = isthmus_metadata_new();
+  isthmus_metadata_add(head, "x-head", (const uint8_t *)"early", 5, NULL);
+  isthmus_status_t *st = NULL;
+  isthmus_code_t rc = isthmus_server_call_send_headers(call, head, &st);
+  isthmus_metadata_free(head);
+  if (rc != ISTHMUS_OK) {
+    finish_failed(call, rc, st, "send_headers failed");
+    return;
+  }
+  h_fail(call);
+}
+
 /* Whether status `st` carries exactly FAIL_DETAILS. */
 static int has_fail_details(const isthmus_status_t *st) {
   size_t n = 0;
@@ -577,6 +592,7 @@ static handler_t g_handlers[] = {
     {SVC "Unary", h_unary, 1},     {SVC "ServerStream", h_server_stream, 1},
     {SVC "ClientStream", h_client_stream, 1}, {SVC "Bidi", h_bidi, 1},
     {SVC "Fail", h_fail, 0},       {SVC "Sleep", h_sleep, 1},
+    {SVC "HeadFail", h_head_fail, 1},
     {SVC "Block", h_block, 1},     {SVC "BadFinish", h_bad_finish, 1},
     {SVC "Whoami", h_whoami, 0},   {SVC "Reply", h_reply, 1},
     {SVC "Stats", h_stats, 0},     {SVC "Publish", h_publish, 1},
@@ -1522,6 +1538,23 @@ static int check_fail(ctx_t *c) {
   REQUIRE(md_is(trailers, "x-why", "test"), "x-why in the status's trailers");
   isthmus_metadata_free(trailers);
   REQUIRE(has_fail_details(st), "the status's details");
+  isthmus_status_free(st);
+
+  /* the initial metadata a server sent before it failed the call are the caller's; none else */
+  isthmus_metadata_t *head = NULL;
+  EXPECT(isthmus_unary(c->ch, SVC "HeadFail", (const uint8_t *)"x", 1, &opts, &reply, &head, NULL, &st),
+         ISTHMUS_NOT_FOUND);
+  REQUIRE(reply == NULL && md_is(head, "x-head", "early"), "the initial metadata before the failure");
+  trailers = isthmus_status_trailers(st);
+  REQUIRE(md_is(trailers, "x-why", "test"), "x-why in the status's trailers, apart");
+  isthmus_metadata_free(trailers);
+  isthmus_metadata_free(head);
+  isthmus_status_free(st);
+  EXPECT(isthmus_unary(c->ch, SVC "Fail", (const uint8_t *)"x", 1, &opts, &reply, &head, NULL, &st), ISTHMUS_NOT_FOUND);
+  /* (over HTTP/2 the server's `date` header may come all the same) */
+  size_t len = 0;
+  REQUIRE(md_find(head, "x-head", &len) == NULL, "no handler's initial metadata where it sent none");
+  if (head != NULL) isthmus_metadata_free(head);
   isthmus_status_free(st);
 
   /* as a call of any shape: recv gives the status, and the call its trailers */

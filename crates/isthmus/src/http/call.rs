@@ -317,6 +317,11 @@ impl HttpCall {
         if self.trailers.is_none() {
             self.trailers = Some(outcome.as_ref().err().map(|s| s.metadata().clone()).unwrap_or_default());
         }
+        // A failure keeps the initial metadata that came before it, as over shm://.
+        let outcome = match (outcome, self.headers.as_ref().filter(|h| !h.is_empty())) {
+            (Err(status), Some(headers)) if status.headers().is_empty() => Err(status.with_headers(headers.clone())),
+            (outcome, _) => outcome,
+        };
         self.ended.get_or_insert(outcome).clone()
     }
 

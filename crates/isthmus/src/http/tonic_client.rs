@@ -26,13 +26,13 @@
 //!    INTERNAL (`Mux::abandon`). If the call ends first, the pump stops.
 //! 4. The response is returned once the server's initial metadata arrives (a HEADERS, or the first
 //!    MESSAGE), with `content-type: application/grpc` and the metadata. A call that fails before
-//!    then gives a response whose body yields only the status, as trailers.
+//!    then gives a trailers-only response: the status in its headers, and an empty body.
 //! 5. [`ResponseBody`] yields for each message a data frame with the 5-byte prefix, then the
 //!    message's own `Bytes` (for a large one a view into the server's arena; tonic's decoder copies
 //!    it), and at the end the status as trailers. It reads through `ShmCall::poll_recv`, so
 //!    deadline and WINDOW grants work as for any call. Dropping it before the end drops the call,
-//!    which sends CANCEL. Its `Source` is `Shm` (the call), `Failed` (a status only), `Http`
-//!    (tonic's body, with its `CancelOnDrop`) or `Done`.
+//!    which sends CANCEL. Its `Source` is `Shm` (the call), `Http` (tonic's body, with its
+//!    `CancelOnDrop`) or `Done`.
 //!
 //! Over `unix://` and `http://` the service passes each request to tonic's channel unchanged and
 //! wraps the response body. tonic enforces the deadline only until the response's headers; the
@@ -83,8 +83,6 @@ enum Source {
     /// A call over `shm://`, with the message whose prefix was just yielded, and the encoding
     /// its messages are compressed with (the server's loopback only, [`Loopback`]).
     Shm { call: ShmCall, pending: Option<Bytes>, compress: Option<codec::Encoding> },
-    /// A status only: the call failed before the server answered.
-    Failed(Status),
     /// tonic's HTTP/2 body (a `unix://` or `http://` channel), passed through; `cancel` resets
     /// the stream if the body is dropped before its end, and `deadline` (the request's
     /// `grpc-timeout`) ends it DEADLINE_EXCEEDED if it has not ended by then.
@@ -106,7 +104,6 @@ impl Body for ResponseBody {
     fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         let frame = match &mut self.0 {
             Source::Done => return Poll::Ready(None),
-            Source::Failed(status) => Frame::trailers(codec::status_trailers(status)),
             // tonic bounds only the wait for the response's headers: the rest of a streaming
             // call is bounded here, also while frames keep coming (a clock read each), and the
             // timer wakes a body that waits. Dropping the body (below) resets the stream.
@@ -257,10 +254,14 @@ where
     }
 }
 
-/// A response that carries only a status (the call failed before the server answered).
+/// A response that carries only a status (the call failed before the server answered): gRPC's
+/// trailers-only form, the status in the headers and no body, so that the server's bridge sends
+/// one HEADERS with END_STREAM, as gRPC servers do for a call that fails before it answers (sent
+/// as HEADERS and then TRAILERS, a client took the first for initial metadata).
 fn failed_response(status: Status) -> http::Response<ResponseBody> {
-    let mut response = http::Response::new(ResponseBody(Source::Failed(status)));
+    let mut response = http::Response::new(ResponseBody(Source::Done));
     grpc_headers(response.headers_mut());
+    response.headers_mut().extend(codec::status_trailers(&status));
     response
 }
 
