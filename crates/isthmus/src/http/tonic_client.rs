@@ -29,7 +29,7 @@
 //!    then gives a trailers-only response: the status in its headers, and an empty body.
 //! 5. [`ResponseBody`] yields for each message a data frame with the 5-byte prefix, then the
 //!    message's own `Bytes` (for a large one a view into the server's arena; tonic's decoder copies
-//!    it), and at the end the status as trailers. It reads through `ShmCall::poll_recv`, so
+//!    it), and at the end the status as trailers (none after a trailers-only response). It reads through `ShmCall::poll_recv`, so
 //!    deadline and WINDOW grants work as for any call. Dropping it before the end drops the call,
 //!    which sends CANCEL. Its `Source` is `Shm` (the call), `Http` (tonic's body, with its
 //!    `CancelOnDrop`) or `Done`.
@@ -72,8 +72,9 @@ use crate::Channel;
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 /// The body of a response from a [`Channel`] used as a tower service: each response message
-/// (prefix, then the message's own bytes), then the status as trailers. Dropping it before the
-/// end cancels the call.
+/// (prefix, then the message's own bytes), then the status as trailers; empty for a
+/// trailers-only response, whose status is in its headers. Dropping it before the end cancels
+/// the call.
 pub struct ResponseBody(Source);
 
 /// Where a response body's frames come from.
