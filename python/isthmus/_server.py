@@ -44,6 +44,11 @@ def refuse(call: ServerCall, error: Exception | None) -> None:
         call.finish(grpc.StatusCode.UNKNOWN.value[0], "Error in service handler!", None)
 
 
+class BindError(RuntimeError, OSError):
+    """An address a server could not bind (in use, not allowed, a directory that is not
+    there): a RuntimeError, as grpcio raises for it, and an OSError."""
+
+
 class ServerBase:
     def __init__(
         self,
@@ -82,7 +87,9 @@ class ServerBase:
     def add_insecure_port(self, address: str) -> int:
         """Binds now: `[::]:PORT`, `0.0.0.0:PORT`, `localhost:PORT` and grpc's other TCP forms,
         `unix:PATH`, `unix-abstract:NAME`, or `shm://NAME`. Returns the TCP port (the one
-        chosen for port 0), else 1, as grpc does: its callers treat 0 as failure."""
+        chosen for port 0), else 1, as grpc does: its callers treat 0 as failure. An address
+        that cannot be bound raises RuntimeError, as grpcio does (`BindError`, also an
+        OSError); one that does not parse, ValueError."""
         return _port(self._add_port(address, None))
 
     def add_secure_port(self, address: str, server_credentials: grpc.ServerCredentials) -> int:
@@ -91,7 +98,10 @@ class ServerBase:
         return _port(self._add_port(address, server_tls(server_credentials)))
 
     def _add_port(self, address: str, tls: Any) -> str:
-        return self._native.add_port(address, tls)
+        try:
+            return self._native.add_port(address, tls)
+        except OSError as e:
+            raise BindError(f"Failed to bind to address {address}: {e}") from e
 
     def _check_health(self) -> None:
         """At start, once every servicer is known (added before or after the ports, as grpcio

@@ -164,6 +164,35 @@ def test_an_asyncio_call_that_failed_keeps_the_initial_metadata_sent_before(kind
         pool.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus", "isthmus.aio"])
+def test_an_address_that_cannot_be_bound_raises_RuntimeError(kind: str, tmp_path: Any) -> None:
+    """A TCP port another socket holds, and a Unix socket in a directory that is not there:
+    grpcio raises RuntimeError, which grpcio users catch; isthmus raised OSError."""
+    pool = futures.ThreadPoolExecutor(1)
+    server = {
+        "grpcio": lambda: grpc.server(pool),
+        "isthmus": lambda: isthmus.server(pool),
+        "isthmus.aio": isthmus.aio.server,
+    }[kind]()
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        for address in (f"127.0.0.1:{held.getsockname()[1]}", f"unix:{tmp_path}/not-there/s.sock"):
+            with pytest.raises(RuntimeError):
+                server.add_insecure_port(address)
+    if kind == "isthmus":  # an shm:// name another server serves
+        shm = fresh("shm")
+        first = isthmus.server(pool)
+        first.add_insecure_port(shm)
+        try:
+            with pytest.raises(RuntimeError) as caught:
+                server.add_insecure_port(shm)
+            assert isinstance(caught.value, OSError) and shm in str(caught.value)
+        finally:
+            first.stop(None)
+    pool.shutdown()
+
+
 def test_trailing_metadata_gRPC_reserves_does_not_fail_the_call(server: list[Any]) -> None:
     """A handler's trailer under a `grpc-` key: grpcio sends it; isthmus leaves it out. Either
     way the call succeeds with the rest (isthmus's hung to its deadline)."""

@@ -431,10 +431,22 @@ impl Channel {
         // gRPC's wait_for_ready: the call waits (within its deadline) until the channel is
         // READY instead of failing UNAVAILABLE while no server answers.
         let http = self.without_upgrade();
+        // The wait ends with the call's deadline: the call's request stream waits on it too,
+        // and a send there would wait for ever with nobody reading the call's status.
         let ready = match options.wait_for_ready {
             true => {
-                let channel = http.clone();
-                Some(Box::pin(async move { channel.until_ready().await }) as crate::http::call::Ready)
+                let (channel, timeout) = (http.clone(), options.timeout);
+                Some(Box::pin(async move {
+                    match timeout {
+                        Some(t) => tokio::time::timeout(t, channel.until_ready()).await.unwrap_or_else(|_| {
+                            Err(Status::new(
+                                Code::DeadlineExceeded,
+                                "the call's deadline passed waiting for the channel to be ready",
+                            ))
+                        }),
+                        None => channel.until_ready().await,
+                    }
+                }) as crate::http::call::Ready)
             }
             false => None,
         };

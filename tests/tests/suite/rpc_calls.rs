@@ -563,6 +563,37 @@ fn wait_for_ready_waits_for_a_server_and_fail_fast_does_not() {
     assert_eq!(&r.message[..], b"waited");
 }
 
+/// A stream over HTTP/2 that waits for ready, with no server: its sends beyond the one the
+/// request queue holds waited for ever (the wait for READY knew no deadline), so a caller that
+/// sends before it reads (a C caller, Lua outside nginx) never learnt of the deadline.
+#[test]
+fn a_stream_waiting_for_a_server_ends_its_sends_at_its_deadline() {
+    let socket = fresh_socket("ready-sends");
+    let addr = format!("unix://{}", socket.display());
+    let started = Instant::now();
+    let s = isthmus_tests::watchdog(Duration::from_secs(60), move || {
+        runtime().block_on(async move {
+            let ch = Channel::builder(&addr).upgrade(false).connect_lazy().expect("lazy channel");
+            let opts = CallOptions {
+                wait_for_ready: true,
+                timeout: Some(Duration::from_millis(300)),
+                ..CallOptions::default()
+            };
+            let mut call = ch.start("/test.Echo/Bidi", opts).await.expect("start");
+            // The sender a binding's caller sends through (the C ABI's, Python's iterators).
+            let sender = call.sender();
+            for i in 0..4u64 {
+                if !sender.send(&pattern(10, i), false).await {
+                    break;
+                }
+            }
+            call.recv().await.expect_err("no server")
+        })
+    });
+    assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+    assert!(started.elapsed() >= Duration::from_millis(300), "not before the deadline: {:?}", started.elapsed());
+}
+
 #[test]
 fn a_server_that_never_answers_the_handshake_is_unavailable_and_waited_for() {
     // A socket that takes connections (into its backlog) and never answers: a server hung

@@ -79,6 +79,9 @@ pub(crate) struct Requests(Arc<RequestSide>);
 
 struct RequestSide {
     tx: Mutex<Option<mpsc::Sender<Bytes>>>,
+    /// The call's deadline: a send that waits (for the request queue's room, which only the
+    /// call's own reading of requests makes) gives up there, as the call does.
+    deadline: Option<Instant>,
     /// The fork count the call was made under: in a child forked since, the body that reads
     /// these requests is a task of the parent's runtime, and closing the sender would wake it
     /// (ADR 0030). There nothing is sent, and the sender is forgotten, not dropped.
@@ -96,8 +99,8 @@ impl Drop for RequestSide {
 }
 
 impl Requests {
-    fn new(tx: mpsc::Sender<Bytes>, made_in: MadeIn) -> Requests {
-        Requests(Arc::new(RequestSide { tx: Mutex::new(Some(tx)), made_in }))
+    fn new(tx: mpsc::Sender<Bytes>, deadline: Option<Instant>, made_in: MadeIn) -> Requests {
+        Requests(Arc::new(RequestSide { tx: Mutex::new(Some(tx)), deadline, made_in }))
     }
 
     fn sender(&self) -> Option<mpsc::Sender<Bytes>> {
@@ -120,7 +123,10 @@ impl Requests {
     /// Sends one message; `false` once the call is over or half-closed.
     pub(crate) async fn send(&self, message: Bytes, last: bool) -> bool {
         let Some(tx) = self.sender() else { return false };
-        let sent = tx.send(message).await.is_ok();
+        let sent = match self.0.deadline {
+            Some(deadline) => tokio::time::timeout_at(deadline, tx.send(message)).await.is_ok_and(|r| r.is_ok()),
+            None => tx.send(message).await.is_ok(),
+        };
         if last {
             self.close();
         }
@@ -273,7 +279,9 @@ impl HttpCall {
         }
         let task = tokio::spawn(async move {
             if let Some(ready) = ready {
-                ready.await.map_err(|s| tonic::Status::unavailable(s.message().to_owned()))?;
+                ready
+                    .await
+                    .map_err(|s| tonic::Status::new(tonic::Code::from_i32(s.code() as i32), s.message().to_owned()))?;
             }
             grpc.ready().await.map_err(|e| {
                 let e: Box<dyn std::error::Error + Send + Sync> = e.into();
@@ -287,7 +295,7 @@ impl HttpCall {
         });
         let made_in = MadeIn::now();
         Ok(HttpCall {
-            requests: Requests::new(tx, made_in),
+            requests: Requests::new(tx, deadline, made_in),
             response: Response::Opening(task),
             headers: None,
             trailers: None,
