@@ -413,3 +413,56 @@ func TestAHandlersContextIsDoneWhenItsCallIsOverAndKeepsItsDeadline(t *testing.T
 		}
 	}
 }
+
+// stallingEcho sends one message on a stream, or none on a unary call, then waits for its
+// call's end.
+type stallingEcho struct{ pb.UnimplementedEchoServer }
+
+func (stallingEcho) Unary(ctx context.Context, _ *pb.EchoRequest) (*pb.EchoReply, error) {
+	<-ctx.Done()
+	return nil, status.FromContextError(ctx.Err()).Err()
+}
+
+func (stallingEcho) ServerStream(_ *pb.StreamRequest, s grpc.ServerStreamingServer[pb.EchoReply]) error {
+	if err := s.Send(&pb.EchoReply{Seq: 1}); err != nil {
+		return err
+	}
+	<-s.Context().Done()
+	return status.FromContextError(s.Context().Err()).Err()
+}
+
+// A call whose context's deadline passes fails DeadlineExceeded "context deadline exceeded",
+// as grpc-go's do, every time: a stream's receive sometimes said Canceled "the call was
+// cancelled" (the cancel that the context's end caused reached the receive first), and calls
+// said "the call's deadline passed".
+func TestACallPastItsContextsDeadlineSaysSoEveryTime(t *testing.T) {
+	shm, unix := fresh(t, "ctx-deadline")
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, stallingEcho{})
+	serving(t, s, shm, unix)
+	for _, target := range []string{shm, unix} {
+		client := pb.NewEchoClient(dial(t, target))
+		for i := range 10 {
+			want := func(what string, err error) {
+				if status.Code(err) != codes.DeadlineExceeded || status.Convert(err).Message() != "context deadline exceeded" {
+					t.Errorf("%s: %s %d: %v", target, what, i, err)
+				}
+			}
+			ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+			stream, err := client.ServerStream(ctx, &pb.StreamRequest{Count: 1})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := stream.Recv(); err != nil {
+				t.Fatalf("%s: the first message: %v", target, err)
+			}
+			_, err = stream.Recv()
+			want("a stream", err)
+			cancel()
+			ctx, cancel = context.WithTimeout(context.Background(), 50*time.Millisecond)
+			_, err = client.Unary(ctx, &pb.EchoRequest{})
+			want("a unary call", err)
+			cancel()
+		}
+	}
+}

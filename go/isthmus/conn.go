@@ -348,6 +348,20 @@ func ctxError(ctx context.Context) error {
 	return status.FromContextError(ctx.Err()).Err()
 }
 
+// contextual is a call's error as grpc-go gives it once the call's context has ended: the
+// context's (DeadlineExceeded "context deadline exceeded", or Canceled), not the library's
+// account of the end, which may come first: the cancel that the context's end caused, or
+// the library's own deadline, which is the same deadline.
+func contextual(ctx context.Context, err error) error {
+	if ctx.Err() != nil {
+		switch status.Code(err) {
+		case codes.Canceled, codes.DeadlineExceeded:
+			return ctxError(ctx)
+		}
+	}
+	return err
+}
+
 // Invoke makes a unary call (grpc.ClientConnInterface), through the interceptors if any.
 func (cc *ClientConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
 	opts = withDefaults(cc.defaults, opts)
@@ -509,6 +523,7 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, trailers := statusError(ev.code, ev.status)
+		err = contextual(ctx, err)
 		// The initial metadata the server sent before it failed the call: grpc-go's
 		// grpc.Header gives them too.
 		if ev.metadata != nil {
@@ -942,7 +957,7 @@ func (s *clientStream) recv(m any) error {
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, trailers := statusError(ev.code, ev.status)
-		err = s.cc.closingError(err)
+		err = contextual(s.ctx, s.cc.closingError(err))
 		s.keepHeader(call)
 		s.finish(err, trailers)
 		return err

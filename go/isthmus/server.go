@@ -576,7 +576,6 @@ type serverStream struct {
 	over       bool               // the handler has returned: a context asked for later is done
 	header     metadata.MD
 	headerSent bool
-	flushAsked bool // a receive was asked to flush the initial metadata (recvFlags)
 	trailer    metadata.MD
 	finished   bool
 	peer       *peer.Peer // once asked for (callContext.Value)
@@ -931,44 +930,17 @@ func (st *serverStream) sendBytes(b []byte) error {
 	return nil
 }
 
-// recvFlags: a request-streaming call sends its initial metadata when it must wait for a
-// request, so that clients that wait for the response to open before they send (tonic's
-// generated ones) are not left waiting, as isthmus's Python servers do. Until the receive
-// has started (settleFlush), the metadata counts as sent: none can be set meanwhile.
-func (st *serverStream) recvFlags() C.uint32_t {
-	if st.m.stream != nil && st.m.stream.ClientStreams {
-		st.mu.Lock()
-		defer st.mu.Unlock()
-		if !st.headerSent && len(st.header) == 0 {
-			st.headerSent, st.flushAsked = true, true
-			return C.ISTHMUS_RECV_FLUSH_HEADERS
-		}
-	}
-	return 0
-}
-
-// settleFlush learns whether the receive recvFlags asked to flush the initial metadata did:
-// one that found its request in sent nothing, and the handler may still set metadata.
-func (st *serverStream) settleFlush() {
-	st.mu.Lock()
-	defer st.mu.Unlock()
-	if !st.flushAsked {
-		return
-	}
-	st.flushAsked = false
-	if C.isthmus_server_call_headers_sent(st.sc) != 0 {
-		st.stats.outHeader(nil, "", nil)
-	} else {
-		st.headerSent = false
-	}
-}
-
 // recv waits for the next request's event; false if the context ended first. While a thread
 // may be held (hold), the request is first waited for on this one, up to 50 µs, as a
 // client's receive is (ClientConn.recvCall). Over every transport: the library does not tell
 // a handler which one its call came by.
+//
+// A receive sends no initial metadata, as grpc-go's does not: a handler may set them after it
+// has read requests. (A client that waits for the response to open before it sends its first
+// request, as a tonic client awaiting its call does, waits on a handler that reads first, as it
+// would on grpc-go's server.)
 func (st *serverStream) recv() (C.isthmus_event_t, bool) {
-	flags := st.recvFlags()
+	var flags C.uint32_t
 	spin := hold()
 	if spin {
 		flags |= C.ISTHMUS_RECV_SPIN
@@ -978,10 +950,6 @@ func (st *serverStream) recv() (C.isthmus_event_t, bool) {
 		code := C.isthmus_server_call_recv_async(st.sc, flags, cq, tag, now, &cst)
 		if spin {
 			release()
-		}
-		// The receive has looked for its request by now, and flushed if it had to wait.
-		if flags&C.ISTHMUS_RECV_FLUSH_HEADERS != 0 {
-			st.settleFlush()
 		}
 		return code, cst
 	})

@@ -334,8 +334,9 @@ class Call(grpc.Call, grpc.Future):
     def time_remaining(self) -> float | None:
         if self._deadline is None or self._timeout is None:
             return None
-        # Clamped to the timeout: `start + timeout - start` can round above it.
-        return min(max(self._deadline - time.monotonic(), 0.0), self._timeout)
+        # Clamped to the timeout (`start + timeout - start` can round above it), and to 0 (a
+        # negative timeout is a deadline passed already).
+        return max(min(self._deadline - time.monotonic(), self._timeout), 0.0)
 
     def cancel(self) -> bool:
         return self._cancel(LOCALLY_CANCELLED)

@@ -232,8 +232,9 @@ class ServicerContext(Context, grpc.ServicerContext):
         before the client half-closes (it cancelled, its deadline passed, the connection went)."""
         while True:
             try:
-                # A client may wait for the response to open before it sends a request.
-                message = self._recv(True)
+                # No flush of initial metadata (False): the handler may still send them after it
+                # has read, as grpcio's may.
+                message = self._recv(False)
             except CallError as e:
                 raise rpc_error(e) from None
             if message is None:

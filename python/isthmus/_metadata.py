@@ -4,11 +4,19 @@ values, `bytes` for keys ending in `-bin`."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import grpc.aio
 
 Metadatum = tuple[str, str | bytes]
 Metadata = tuple[Metadatum, ...]
+
+
+class _Metadatum(NamedTuple):
+    """One entry as grpc gives it: a pair that also reads as `.key` and `.value`."""
+
+    key: str
+    value: str | bytes
 
 
 def outgoing(metadata: Iterable[Metadatum] | None) -> Sequence[Metadatum] | None:
@@ -19,8 +27,9 @@ def outgoing(metadata: Iterable[Metadatum] | None) -> Sequence[Metadatum] | None
 
 
 def incoming(pairs: Iterable[Metadatum] | None) -> Metadata:
-    """What grpc's blocking API gives: a tuple of pairs."""
-    return () if pairs is None else tuple(pairs)
+    """What grpc gives a handler (`invocation_metadata()`) and its blocking API's callers: a
+    tuple of pairs that read as `.key` and `.value` too."""
+    return () if not pairs else tuple(map(_Metadatum._make, pairs))
 
 
 def incoming_aio(pairs: Iterable[Metadatum] | None) -> grpc.aio.Metadata:

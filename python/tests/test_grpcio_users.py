@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
+import time
 from collections.abc import Iterator
 from concurrent import futures
 from typing import Any
@@ -62,8 +63,15 @@ def _head_then_fail(request: bytes, context: Any) -> bytes:
     raise AssertionError("abort returned")
 
 
+def _key_value(request: bytes, context: Any) -> bytes:
+    context.set_trailing_metadata((("x-t", "2"),))
+    pairs = (f"{m.key}={m.value}" for m in context.invocation_metadata() if m.key.startswith("x-"))
+    return ",".join(pairs).encode()
+
+
 HANDLERS = {
     "HeadThenFail": _head_then_fail,
+    "KeyValue": _key_value,
     "Left": _left,
     "Rich": _rich,
     "ReservedTrailer": _reserved_trailer,
@@ -191,6 +199,194 @@ def test_an_address_that_cannot_be_bound_raises_RuntimeError(kind: str, tmp_path
         finally:
             first.stop(None)
     pool.shutdown()
+
+
+def _read_then_head(requests: Iterator[bytes], context: Any) -> bytes:
+    first = next(requests)
+    context.send_initial_metadata((("x-first", first.decode()),))
+    return b"%d" % (1 + sum(1 for _ in requests))
+
+
+async def _read_then_head_aio(requests: Any, context: Any) -> bytes:
+    first = await context.read()
+    await context.send_initial_metadata((("x-first", first.decode()),))
+    n = 1
+    while await context.read() is not grpc.aio.EOF:
+        n += 1
+    return b"%d" % n
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus", "grpc.aio", "isthmus.aio"])
+def test_a_handler_sends_initial_metadata_after_a_read_that_waited(kind: str) -> None:
+    """A request-streaming handler that reads its first request (authenticating by it, say),
+    then sends initial metadata: its read waits for the request. grpcio and grpc.aio send the
+    metadata; isthmus had sent empty metadata when the read began to wait, and refused them
+    ("Initial metadata no longer allowed!")."""
+    aio = kind.endswith("aio")
+    address = fresh("shm") if kind.startswith("isthmus") else grpcio_target(fresh("unix"))
+    behaviour = _read_then_head_aio if aio else _read_then_head
+    generic = grpc.method_handlers_generic_handler(
+        "users.S", {"ReadThenHead": grpc.stream_unary_rpc_method_handler(behaviour)}
+    )
+
+    def later() -> Iterator[bytes]:
+        time.sleep(0.2)  # the handler's read waits meanwhile
+        yield b"alice"
+        yield b"more"
+
+    if not aio:
+        pool = futures.ThreadPoolExecutor(2)
+        s = (grpc.server if kind == "grpcio" else isthmus.server)(pool)
+        s.add_generic_rpc_handlers((generic,))
+        s.add_insecure_port(address)
+        s.start()
+        try:
+            with (grpc if kind == "grpcio" else isthmus).insecure_channel(address) as channel:
+                reply, call = channel.stream_unary("/users.S/ReadThenHead").with_call(later(), timeout=10)
+                assert (reply, tuple(call.initial_metadata())) == (b"2", (("x-first", "alice"),)), kind
+        finally:
+            s.stop(None)
+            pool.shutdown()
+        return
+
+    module: Any = grpc.aio if kind == "grpc.aio" else isthmus.aio
+
+    async def run() -> tuple[bytes, Any]:
+        s = module.server()
+        s.add_generic_rpc_handlers((generic,))
+        s.add_insecure_port(address)
+        await s.start()
+        try:
+            async with module.insecure_channel(address) as channel:
+
+                async def requests() -> Any:
+                    await asyncio.sleep(0.2)
+                    yield b"alice"
+                    yield b"more"
+
+                call = channel.stream_unary("/users.S/ReadThenHead")(requests(), timeout=10)
+                return await call, tuple(await call.initial_metadata())
+        finally:
+            await s.stop(None)
+
+    assert asyncio.run(run()) == (b"2", (("x-first", "alice"),)), kind
+
+
+def test_metadata_entries_read_as_key_and_value(server: list[Any]) -> None:
+    """`m.key`, `m.value` of `invocation_metadata()` entries (grpc's `_Metadatum`), the way
+    auth interceptors read them; isthmus's were plain tuples (AttributeError, UNKNOWN)."""
+    for channel in server:
+        method = channel.unary_unary("/users.T/KeyValue")
+        reply, call = method.with_call(b"", metadata=(("x-a", "1"),), timeout=10)
+        assert reply == b"x-a=1", channel
+        assert [(m.key, m.value) for m in call.trailing_metadata()] == [("x-t", "2")], channel
+
+
+def _aio_users(address: str, module: Any) -> Any:
+    """An asyncio server of the handlers below and a channel to it, as an async context."""
+
+    async def twice_abort(request: bytes, context: Any) -> bytes:
+        try:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "no such user")
+        except Exception as e:
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal: {e}")
+        raise AssertionError("abort returned")
+
+    async def twice_head(request: bytes, context: Any) -> bytes:
+        await context.send_initial_metadata((("x-h", "1"),))
+        try:
+            await context.send_initial_metadata((("x-h", "2"),))
+        except grpc.aio.UsageError as e:
+            return f"UsageError: {e}".encode()
+        return b"no error"
+
+    async def defaults(request: bytes, context: Any) -> bytes:
+        return repr((context.details(), tuple(context.trailing_metadata()))).encode()
+
+    async def echo(request: bytes, context: Any) -> bytes:
+        return request
+
+    handlers = {"TwiceAbort": twice_abort, "TwiceHead": twice_head, "Defaults": defaults, "Echo": echo}
+    generic = grpc.method_handlers_generic_handler(
+        "users.A", {name: grpc.unary_unary_rpc_method_handler(h) for name, h in handlers.items()}
+    )
+
+    class Served:
+        async def __aenter__(self) -> Any:
+            self.server = module.server()
+            self.server.add_generic_rpc_handlers((generic,))
+            self.server.add_insecure_port(address)
+            await self.server.start()
+            self.channel = module.insecure_channel(address)
+            return self.channel
+
+        async def __aexit__(self, *exc: Any) -> None:
+            await self.channel.close()
+            await self.server.stop(None)
+
+    return Served()
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_asyncio_handlers_misusing_their_context_get_grpc_aios_answers(kind: str) -> None:
+    """A second abort (a handler's `except Exception: abort(...)` around the first) leaves the
+    first's status; a second `send_initial_metadata` raises UsageError; `details()` and
+    `trailing_metadata()` start as '' and (). isthmus sent the second abort's status, raised an
+    RpcError, and gave None and None."""
+    isthmus_kind = kind.startswith("isthmus")
+    address = fresh("shm") if isthmus_kind else grpcio_target(fresh("unix"))
+
+    async def run() -> None:
+        async with _aio_users(address, isthmus.aio if isthmus_kind else grpc.aio) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await channel.unary_unary("/users.A/TwiceAbort")(b"", timeout=10)
+            e = caught.value
+            assert (e.code(), e.details()) == (grpc.StatusCode.NOT_FOUND, "no such user")
+            reply = await channel.unary_unary("/users.A/TwiceHead")(b"", timeout=10)
+            assert reply == b"UsageError: Send initial metadata failed: already sent", reply
+            assert await channel.unary_unary("/users.A/Defaults")(b"", timeout=10) == b"('', ())"
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus", "grpc.aio", "isthmus.aio"])
+def test_a_deadline_passed_already_fails_the_call(kind: str) -> None:
+    """A negative timeout (`deadline - time.time()` past the deadline): DEADLINE_EXCEEDED
+    every time, and `time_remaining()` 0. Over shm:// isthmus sent the call, and a fast handler's
+    reply could come back OK; `time_remaining()` was negative."""
+    isthmus_kind = kind.startswith("isthmus")
+    address = fresh("shm") if isthmus_kind else grpcio_target(fresh("unix"))
+    if kind.endswith("aio"):
+
+        async def run() -> None:
+            async with _aio_users(address, isthmus.aio if isthmus_kind else grpc.aio) as channel:
+                for _ in range(20):
+                    call = channel.unary_unary("/users.A/Echo")(b"x", timeout=-1)
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await call
+                    assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, caught.value
+                    assert call.time_remaining() == 0
+
+        asyncio.run(run())
+        return
+    pool = futures.ThreadPoolExecutor(2)
+    s = (isthmus.server if isthmus_kind else grpc.server)(pool)
+    s.add_generic_rpc_handlers((_generic(),))
+    s.add_insecure_port(address)
+    s.start()
+    try:
+        with (isthmus if isthmus_kind else grpc).insecure_channel(address) as channel:
+            method = channel.unary_unary("/users.T/Metadata")
+            for _ in range(20):
+                with pytest.raises(grpc.RpcError) as caught:
+                    method(b"", timeout=-1)
+                assert caught.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, caught.value
+            future = method.future(b"", timeout=-1)
+            assert future.exception(timeout=10).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert future.time_remaining() == 0
+    finally:
+        s.stop(None)
+        pool.shutdown()
 
 
 def test_trailing_metadata_gRPC_reserves_does_not_fail_the_call(server: list[Any]) -> None:

@@ -29,10 +29,10 @@
 //!   `block_on`, GIL released (thread-pool server), or operations through the loop's `Reactor`
 //!   (asyncio). Plain (not `async`) unary handlers of the asyncio server run on
 //!   `migration_thread_pool` if one is given; other plain handlers run on the loop.
-//! - A request-streaming handler's read flushes headers: if the call has sent nothing and no
-//!   request is ready, `HandedCall::recv` first sends empty initial metadata, so a client that
-//!   waits for the response to open before its first request (tonic's generated clients) is not
-//!   left waiting.
+//! - A request-streaming handler's read sends no initial metadata, as grpcio's does not: the
+//!   handler may send them after it has read (`recv`'s `flush_headers` stays false; a client
+//!   that waits for the response to open before its first request, as a tonic client awaiting
+//!   its call does, waits on a handler that reads first, as on grpcio's server).
 //! - The end: a handler that raises ends the call UNKNOWN ("Exception calling application: …"), as
 //!   grpcio does; a `ServerCall` dropped unfinished ends UNKNOWN too. The client's cancel, the
 //!   deadline or the connection's end drop the engine's future; `hand_off` then marks the call

@@ -70,6 +70,20 @@ pub struct Response {
     pub trailers: MetadataMap,
 }
 
+/// Refuses a call that cannot start: a method path the server could never match, or a
+/// deadline that has passed already (a zero timeout; a binding makes a negative one zero). gRPC
+/// fails such a call DEADLINE_EXCEEDED without sending it; sent, a fast handler's reply could
+/// still have come back OK.
+pub(crate) fn check_start(path: &str, options: &CallOptions) -> Result<(), Status> {
+    check_path(path)?;
+    match options.timeout {
+        Some(t) if t.is_zero() => {
+            Err(Status::new(Code::DeadlineExceeded, "the call's deadline had passed before it started"))
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Refuses a method path the server could never match.
 pub(crate) fn check_path(path: &str) -> Result<(), Status> {
     if !path.starts_with('/') || path.len() > wire::MAX_PATH_LEN || !path.bytes().all(|b| b.is_ascii_graphic()) {

@@ -422,7 +422,7 @@ impl Channel {
 
     /// Starts a call over HTTP/2 whatever the upgrade says (the probe's own call).
     pub(crate) fn start_http(&self, path: &str, options: CallOptions) -> Result<ClientCall, Status> {
-        crate::call::check_path(path)?;
+        crate::call::check_start(path, &options)?;
         let limit = self.max_message_size();
         let closed = match &*self.via {
             Via::Http { closed, .. } => closed.subscribe(),

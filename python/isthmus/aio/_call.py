@@ -73,8 +73,9 @@ class _Call(abc.ABC):
     def time_remaining(self) -> float | None:
         if self._deadline is None or self._timeout is None:
             return None
-        # Clamped to the timeout: `start + timeout - start` can round above it.
-        return min(max(self._deadline - self._loop.time(), 0.0), self._timeout)
+        # Clamped to the timeout (`start + timeout - start` can round above it), and to 0 (a
+        # negative timeout is a deadline passed already).
+        return max(min(self._deadline - self._loop.time(), self._timeout), 0.0)
 
     async def trailing_metadata(self) -> grpc.aio.Metadata:
         error = await self._end()

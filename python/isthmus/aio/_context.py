@@ -72,8 +72,9 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         if future is None:
             driver = self._driver
             token = driver.token()
-            # True: a client may wait for the response to open before it sends a request.
-            now = self._recv_op(driver.reactor, token, True)
+            # No flush of initial metadata (False): the handler may still send them after it
+            # has read, as grpc.aio's may.
+            now = self._recv_op(driver.reactor, token, False)
             if now is not None:
                 value = now[1]
             else:
@@ -91,14 +92,32 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         await self._op(self._send_op, self._encode(message))
 
     async def send_initial_metadata(self, initial_metadata: Iterable[Metadatum]) -> None:
-        await self._op(self._call.send_initial_metadata_async, outgoing(initial_metadata) or ())
+        driver = self._driver
+        token = driver.token()
+        now = self._call.send_initial_metadata_async(driver.reactor, token, outgoing(initial_metadata) or ())
+        value = now[1] if now is not None else await driver.wait(self._loop, token)
+        if isinstance(value, CallError):
+            # Sent already (or implied by a message): grpc.aio's error for it.
+            if self._call.is_active() and "already sent" in value.details:
+                raise grpc.aio.UsageError("Send initial metadata failed: already sent")
+            raise rpc_error(value, aio=True)
 
     async def abort(
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: Iterable[Metadatum] = ()
     ) -> NoReturn:
+        # A second abort (a handler's `except Exception: abort(...)` around the first) leaves
+        # the first's status, as grpc.aio does.
+        if self._aborted:
+            raise grpc.aio.UsageError("Abort already called!")
         if trailing_metadata:
             self._trailing = trailing_metadata
         self._abort(code, details)
+
+    def details(self) -> str:
+        return self._details or ""
+
+    def trailing_metadata(self) -> Iterable[Metadatum]:
+        return () if self._trailing is None else self._trailing
 
     def done(self) -> bool:
         return self._finished or not self._call.is_active()

@@ -152,8 +152,9 @@ fn a_killed_go_server_fails_the_rust_clients_calls_unavailable() {
         for addr in &addresses {
             let mut c = client(addr).await;
             let (tx, rx) = tokio::sync::mpsc::channel(1);
-            let mut replies = c.bidi(ReceiverStream::new(rx)).await.expect("bidi").into_inner();
+            // Before the call is awaited: the Go server opens the response with its echo.
             tx.send(request(b"x".to_vec(), 1)).await.expect("send");
+            let mut replies = c.bidi(ReceiverStream::new(rx)).await.expect("bidi").into_inner();
             assert_eq!(replies.message().await.expect("echo").expect("reply").payload, b"x", "{addr}");
             open.push((addr.clone(), c, tx, replies));
         }

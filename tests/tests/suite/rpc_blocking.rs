@@ -63,6 +63,12 @@ fn every_call_shape_from_a_plain_thread() {
     assert_eq!((s.code(), s.headers().get("x-echo")), (Code::Aborted, Some("head:early")), "initial metadata kept");
     let s = ch.unary("/test.Nope/Missing", b"", Default::default()).expect_err("unknown");
     assert_eq!(s.code(), Code::Unimplemented);
+    // A deadline passed already: DEADLINE_EXCEEDED every time, the call never sent.
+    let passed = CallOptions { timeout: Some(Duration::ZERO), ..CallOptions::default() };
+    for _ in 0..20 {
+        let s = ch.unary("/test.Echo/Unary", b"x", passed.clone()).expect_err("passed");
+        assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+    }
 }
 
 #[test]

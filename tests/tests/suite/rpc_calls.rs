@@ -563,6 +563,29 @@ fn wait_for_ready_waits_for_a_server_and_fail_fast_does_not() {
     assert_eq!(&r.message[..], b"waited");
 }
 
+/// A call whose deadline has passed before it starts (a zero timeout; the bindings make a
+/// negative one zero) fails DEADLINE_EXCEEDED without going, as gRPC's do: over shm:// it went,
+/// and a fast handler's reply could come back OK.
+#[test]
+fn a_call_whose_deadline_passed_already_fails_every_time() {
+    let (_server, addrs) = server_everywhere("passed");
+    run(async move {
+        for addr in addrs {
+            let ch = Channel::connect(&addr).await.expect("connect");
+            let options = CallOptions { timeout: Some(Duration::ZERO), ..CallOptions::default() };
+            for _ in 0..20 {
+                let s = ch.unary("/test.Echo/Unary", b"x", options.clone()).await.expect_err("passed");
+                assert_eq!(s.code(), Code::DeadlineExceeded, "{addr}: {s}");
+            }
+            let s = match ch.start("/test.Echo/Bidi", options.clone()).await {
+                Ok(mut call) => call.recv().await.expect_err("passed"),
+                Err(s) => s,
+            };
+            assert_eq!(s.code(), Code::DeadlineExceeded, "{addr}: a stream: {s}");
+        }
+    });
+}
+
 /// A stream over HTTP/2 that waits for ready, with no server: its sends beyond the one the
 /// request queue holds waited for ever (the wait for READY knew no deadline), so a caller that
 /// sends before it reads (a C caller, Lua outside nginx) never learnt of the deadline.

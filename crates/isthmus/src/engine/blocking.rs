@@ -44,7 +44,7 @@ use bytes::Bytes;
 use isthmus_shm::{flags, BlockMut, Config, Kind};
 
 use super::call::{head_frame, open_head, request_in_head, CallState, ConnectLock, Next, Reconnect, Slot};
-use crate::call::{check_path, CallOptions, Response};
+use crate::call::{check_start, CallOptions, Response};
 use crate::connectivity::{Connectivity, Live, Tracker};
 use crate::engine::flow::{self, Credit};
 use crate::engine::mux::{ConnectionCounters, Mux};
@@ -229,7 +229,7 @@ impl Channel {
     /// [`start`](Self::start), waiting for ring room only until `patience` (if sooner than the
     /// deadline): `Err(None)` if it passed.
     fn start_by(&self, path: &str, options: &CallOptions, patience: Option<Instant>) -> Result<Call, Option<Status>> {
-        check_path(path)?;
+        check_start(path, options)?;
         let deadline = options.timeout.map(|t| Instant::now() + t);
         self.start_with(None, path, options, deadline, patience, None).map(|(call, _)| call)
     }
@@ -357,7 +357,7 @@ impl Channel {
         options: &CallOptions,
         patience: Option<Instant>,
     ) -> Result<Option<(Call, usize)>, Status> {
-        check_path(path)?;
+        check_start(path, options)?;
         let deadline = options.timeout.map(|t| Instant::now() + t);
         let live = match self.stage(request, options, deadline, patience)? {
             Staged::Usual(live) => live,

@@ -59,7 +59,7 @@ use super::call::{head_frame, open_head, request_in_head, CallState, ConnectLock
 use super::flow::{self, Credit};
 use super::inbox::Event;
 use super::mux::{ConnectionCounters, Mux, StreamShared};
-use crate::call::{check_path, until, CallOptions};
+use crate::call::{check_start, until, CallOptions};
 use crate::connectivity::Tracker;
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
@@ -175,7 +175,7 @@ impl ShmChannel {
         keep: Arc<dyn std::any::Any + Send + Sync>,
         first: Option<&[u8]>,
     ) -> Result<(ShmCall, bool), Status> {
-        check_path(path)?;
+        check_start(path, &options)?;
         let deadline = options.timeout.map(|t| Instant::now() + t);
         let mut again = true;
         loop {

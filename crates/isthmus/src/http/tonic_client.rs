@@ -53,7 +53,8 @@
 //!
 //! A tonic client's call returns only when the server's initial metadata arrives, so a client that
 //! sends its first request only after that waits on a handler that sends none first (the server
-//! side sends HEADERS early for tonic services; a raw Rust handler must call `send_headers`).
+//! side sends HEADERS early for tonic services; a raw Rust handler must call `send_headers`; a Go
+//! or Python handler that reads first sends none, as grpc-go's and grpcio's do not).
 
 use std::future::Future;
 use std::pin::Pin;
