@@ -466,3 +466,31 @@ func TestACallPastItsContextsDeadlineSaysSoEveryTime(t *testing.T) {
 		}
 	}
 }
+
+// SendMsg after CloseSend fails, and ends the call: the stream's receives give the same error
+// from then on, as grpc-go's do (isthmus's went on, the echo and then io.EOF).
+func TestSendAfterCloseSendEndsTheStream(t *testing.T) {
+	clients := map[string]grpc.ClientConnInterface{
+		"grpc-go": newGrpcClient(t, startGrpcServer(t)),
+		"isthmus": dial(t, startEchoServer(t, "send-after-close")),
+	}
+	for name, conn := range clients {
+		stream, err := pb.NewEchoClient(conn).Bidi(testContext(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := stream.Send(&pb.EchoRequest{Seq: 1}); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if err := stream.CloseSend(); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		err = stream.Send(&pb.EchoRequest{Seq: 2})
+		if status.Code(err) != codes.Internal || status.Convert(err).Message() != "SendMsg called after CloseSend" {
+			t.Errorf("%s: Send after CloseSend: %v", name, err)
+		}
+		if _, err := stream.Recv(); status.Code(err) != codes.Internal {
+			t.Errorf("%s: Recv after it: %v", name, err)
+		}
+	}
+}

@@ -353,11 +353,14 @@ func ctxError(ctx context.Context) error {
 // account of the end, which may come first: the cancel that the context's end caused, or
 // the library's own deadline, which is the same deadline.
 func contextual(ctx context.Context, err error) error {
-	if ctx.Err() != nil {
-		switch status.Code(err) {
-		case codes.Canceled, codes.DeadlineExceeded:
-			return ctxError(ctx)
-		}
+	code := status.Code(err)
+	if (code == codes.Canceled || code == codes.DeadlineExceeded) && ctx.Err() != nil {
+		return ctxError(ctx)
+	}
+	// The library's timer, on the same deadline (rounded down to whole microseconds), can go off
+	// before Go's has ended the context.
+	if d, ok := ctx.Deadline(); ok && code == codes.DeadlineExceeded && time.Until(d) < time.Millisecond {
+		return status.FromContextError(context.DeadlineExceeded).Err()
 	}
 	return err
 }
@@ -665,7 +668,7 @@ func (cc *ClientConn) newStream(ctx context.Context, desc *grpc.StreamDesc, meth
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, _ := statusError(ev.code, ev.status)
-		return nil, cc.closingError(err)
+		return nil, contextual(ctx, cc.closingError(err))
 	}
 	s := &clientStream{cc: cc, call: ev.call, ctx: ctx, desc: desc, opts: co}
 	// Under the lock: a context done already runs ctxEnded at once, on a goroutine of its own,
@@ -871,7 +874,10 @@ func (s *clientStream) Trailer() metadata.MD {
 
 func (s *clientStream) SendMsg(m any) error {
 	if s.sent.Load() {
-		return status.Error(codes.Internal, "SendMsg called after CloseSend")
+		// A misuse that ends the call, as on grpc-go: its receives then give this error too.
+		err := status.Error(codes.Internal, "SendMsg called after CloseSend")
+		s.fail(err)
+		return err
 	}
 	b, err := s.opts.marshal(m)
 	if err == nil {

@@ -18,7 +18,8 @@ use crate::status::{Code, Status};
 pub struct CallOptions {
     /// Initial metadata.
     pub metadata: MetadataMap,
-    /// The call's deadline, from when it starts; it travels to the server.
+    /// The call's deadline, from when it starts; it travels to the server. Zero is a deadline
+    /// passed already: the call fails DEADLINE_EXCEEDED without going.
     pub timeout: Option<std::time::Duration>,
     /// If no server is reachable, keep trying until the deadline instead of failing at once
     /// with UNAVAILABLE (gRPC's `wait_for_ready`).

@@ -127,7 +127,9 @@ impl Requests {
             Some(deadline) => tokio::time::timeout_at(deadline, tx.send(message)).await.is_ok_and(|r| r.is_ok()),
             None => tx.send(message).await.is_ok(),
         };
-        if last {
+        // Not after a send that timed out: the server would see a clean end without the last
+        // message. The call's end (its deadline) resets the stream instead.
+        if last && sent {
             self.close();
         }
         sent
