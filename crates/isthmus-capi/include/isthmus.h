@@ -1584,8 +1584,9 @@ isthmus_code_t isthmus_server_call_send_block(const isthmus_server_call_t *call,
 
 // Ends the call with `code` (`ISTHMUS_OK` or a gRPC code), `message` (NULL for none) and
 // trailing metadata (NULL for none; copied), and frees the handle. Exactly once per call. A
-// `message` that is not UTF-8 or a `trailers` that is no live handle still ends the call
-// (INTERNAL, saying which) and frees the handle, and returns `ISTHMUS_INVALID_ARGUMENT`.
+// `code` that is no gRPC code ends the call UNKNOWN, as gRPC clients read one. A `message`
+// that is not UTF-8 or a `trailers` that is no live handle still ends the call (INTERNAL,
+// saying which) and frees the handle, and returns `ISTHMUS_INVALID_ARGUMENT`.
 //
 // Thread-safety: any thread, exactly once; operations other threads start on the call afterwards
 // fail `ISTHMUS_INVALID_ARGUMENT`, and the path from `isthmus_server_call_path` dies.

@@ -57,7 +57,7 @@ impl isthmus_proto_t {
 /// # Safety
 ///
 /// `list` is NULL (with `n` 0) or valid for reads of `n` NUL-terminated strings.
-unsafe fn c_strs<'a>(list: *const *const c_char, n: usize, what: &str) -> Result<Vec<&'a str>, Status> {
+pub(crate) unsafe fn c_strs<'a>(list: *const *const c_char, n: usize, what: &str) -> Result<Vec<&'a str>, Status> {
     if n == 0 {
         return Ok(Vec::new());
     }

@@ -407,11 +407,9 @@ pub unsafe extern "C" fn isthmus_server_start(
         if targets.is_null() || count == 0 {
             return Err(invalid("no target to serve"));
         }
-        let mut list = Vec::with_capacity(count);
-        for i in 0..count {
-            // SAFETY: the caller promises `count` valid string pointers.
-            list.push(unsafe { c_str(*targets.add(i), "a target")? });
-        }
+        // SAFETY: the caller promises `count` valid string pointers; a count no array holds is
+        // refused before any is read.
+        let list = unsafe { crate::proto::c_strs(targets, count, "the targets")? };
         let mut state = server.state.lock().map_err(|_| invalid("server state poisoned"))?;
         let ServerState::Building { server: builder, config, stream_limit, tls, compression } =
             std::mem::replace(&mut *state, ServerState::Stopped)
@@ -1055,8 +1053,9 @@ pub unsafe extern "C" fn isthmus_server_call_send_block(
 
 /// Ends the call with `code` (`ISTHMUS_OK` or a gRPC code), `message` (NULL for none) and
 /// trailing metadata (NULL for none; copied), and frees the handle. Exactly once per call. A
-/// `message` that is not UTF-8 or a `trailers` that is no live handle still ends the call
-/// (INTERNAL, saying which) and frees the handle, and returns `ISTHMUS_INVALID_ARGUMENT`.
+/// `code` that is no gRPC code ends the call UNKNOWN, as gRPC clients read one. A `message`
+/// that is not UTF-8 or a `trailers` that is no live handle still ends the call (INTERNAL,
+/// saying which) and frees the handle, and returns `ISTHMUS_INVALID_ARGUMENT`.
 ///
 /// Thread-safety: any thread, exactly once; operations other threads start on the call afterwards
 /// fail `ISTHMUS_INVALID_ARGUMENT`, and the path from `isthmus_server_call_path` dies.

@@ -60,9 +60,11 @@ impl Allocator {
         self.by_size.remove(&(len, off));
     }
 
-    /// Granule-rounded size of a `len`-byte block.
+    /// Granule-rounded size of a `len`-byte block; `usize::MAX`, which no arena holds, for a
+    /// `len` that does not round within `usize` (a caller's `SIZE_MAX`, or a negative `int`
+    /// made `size_t`). Wrapping would have made it 0, a block that fits anywhere.
     pub(crate) fn block_len(len: usize) -> usize {
-        len.max(1).next_multiple_of(ARENA_GRANULE)
+        len.max(1).checked_next_multiple_of(ARENA_GRANULE).unwrap_or(usize::MAX)
     }
 
     /// Allocates a block for `len` bytes: its offset and generation; `None` when no free run is
@@ -190,6 +192,17 @@ mod tests {
             }
             assert_eq!(a.in_use(), taken.iter().filter(|t| **t).count() * ARENA_GRANULE);
         }
+    }
+
+    #[test]
+    fn a_size_that_does_not_round_within_usize_fits_nowhere() {
+        let mut a = Allocator::new(16 * ARENA_GRANULE);
+        for len in [usize::MAX, usize::MAX - ARENA_GRANULE + 2, usize::MAX - 1] {
+            assert_eq!(Allocator::block_len(len), usize::MAX, "{len}");
+            assert!(!a.fits(len) && a.alloc(len).is_none(), "{len}");
+        }
+        assert_eq!(Allocator::block_len(usize::MAX - ARENA_GRANULE + 1), usize::MAX - ARENA_GRANULE + 1);
+        assert!(a.alloc(100).is_some(), "the arena is as it was");
     }
 
     #[test]

@@ -1053,6 +1053,8 @@ static int check_null_arguments(ctx_t *c) {
   INVALID(isthmus_server_start(NULL, (const char *const *)&c->target, 1, &st));
   INVALID(isthmus_server_start(server, NULL, 1, &st));
   INVALID(isthmus_server_start(server, (const char *const *)&c->target, 0, &st));
+  /* a count no array holds: refused before any entry is read (it aborted reserving room) */
+  INVALID(isthmus_server_start(server, (const char *const *)&c->target, (size_t)1 << 60, &st));
   INVALID(isthmus_server_start(server, no_target, 1, &st));
   INVALID(isthmus_server_shutdown(NULL, 0));
   INVALID(isthmus_server_free(NULL));
@@ -1723,6 +1725,18 @@ static int check_zero_copy(ctx_t *c) {
     isthmus_status_free(st);
     MUST(isthmus_call_free(call));
     return 1;
+  }
+  /* a size no arena holds, SIZE_MAX and what a negative int becomes: refused, nothing given */
+  for (size_t i = 0; i < 2; i++) {
+    size_t huge = i == 0 ? SIZE_MAX : (size_t)-4000;
+    EXPECT(isthmus_call_alloc(call, huge, &block, &st), ISTHMUS_RESOURCE_EXHAUSTED);
+    REQUIRE(block == NULL && st != NULL, "no block for %zu bytes, a status", huge);
+    isthmus_status_free(st);
+    st = NULL;
+    EXPECT(isthmus_channel_alloc(c->ch, huge, NULL, &block, &st), ISTHMUS_RESOURCE_EXHAUSTED);
+    REQUIRE(block == NULL, "no channel block for %zu bytes", huge);
+    isthmus_status_free(st);
+    st = NULL;
   }
   /* a block not sent goes back */
   MUST(isthmus_call_alloc(call, 4096, &block, &st));
