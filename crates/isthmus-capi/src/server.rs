@@ -27,7 +27,11 @@ use crate::tls::{isthmus_tls_options_t, TlsPems};
 
 /// A handler callback: called on one of the library's threads for each new call on its path,
 /// with the `user_data` given at registration. It must not block for long: hand the call to
-/// your own thread or loop, and finish it there (or here, if the answer is at hand).
+/// your own thread or loop, and finish it there (or here, if the answer is at hand). That
+/// thread may be the one reading the call's connection, so a blocking library function that
+/// waits for the connection (a `recv` whose request is not in, a `send` waiting for the
+/// client's credit, `isthmus_server_shutdown` or `_free`) called from the callback waits on
+/// itself, and the connection stalls: use the `_async` forms there, or another thread.
 pub type isthmus_handler_fn = Option<unsafe extern "C" fn(user_data: *mut c_void, call: *mut isthmus_server_call_t)>;
 
 /// A server: handlers by method path, served on one or more targets at once.
