@@ -252,7 +252,8 @@ typedef struct {
   int64_t timeout_us;
   // Initial metadata to send (NULL for none). Copied; the caller still frees it.
   const isthmus_metadata_t *metadata;
-  // `ISTHMUS_CALL_*` flags ORed together, or 0.
+  // `ISTHMUS_CALL_*` flags ORed together, or 0; any other bit fails the call
+  // `ISTHMUS_INVALID_ARGUMENT`.
   uint32_t flags;
 } isthmus_call_options_t;
 
@@ -269,7 +270,8 @@ typedef struct {
   // mutual TLS the CAs of its clients' certificates. Copied; checked by
   // `isthmus_server_start`. NULL: no TLS (an `https://` target then fails to start).
   const isthmus_tls_options_t *tls;
-  // `ISTHMUS_SERVER_*` flags ORed together, or 0.
+  // `ISTHMUS_SERVER_*` flags ORed together, or 0; any other bit fails
+  // `isthmus_server_start` `ISTHMUS_INVALID_ARGUMENT`.
   uint32_t flags;
 } isthmus_server_options_t;
 

@@ -47,7 +47,8 @@ pub struct isthmus_call_options_t {
     pub timeout_us: i64,
     /// Initial metadata to send (NULL for none). Copied; the caller still frees it.
     pub metadata: *const isthmus_metadata_t,
-    /// `ISTHMUS_CALL_*` flags ORed together, or 0.
+    /// `ISTHMUS_CALL_*` flags ORed together, or 0; any other bit fails the call
+    /// `ISTHMUS_INVALID_ARGUMENT`.
     pub flags: u32,
 }
 
@@ -106,6 +107,12 @@ pub(crate) static CHANNELS: Registry<isthmus_channel_t> = Registry::new("channel
 unsafe fn call_options(opts: *const isthmus_call_options_t) -> Result<CallOptions, Status> {
     // SAFETY: the caller promises a valid struct when not NULL.
     let Some(o) = (unsafe { opts.as_ref() }) else { return Ok(CallOptions::default()) };
+    // A flag this library does not know (a newer header's) is refused, not silently dropped.
+    let known =
+        ISTHMUS_CALL_WAIT_FOR_READY | ISTHMUS_CALL_SPIN | ISTHMUS_CALL_COMPRESS_GZIP | ISTHMUS_CALL_COMPRESS_DEFLATE;
+    if o.flags & !known != 0 {
+        return Err(invalid(format!("unknown call flags {:#x}", o.flags & !known)));
+    }
     let compression = compression(
         o.flags & ISTHMUS_CALL_COMPRESS_GZIP != 0,
         o.flags & ISTHMUS_CALL_COMPRESS_DEFLATE != 0,

@@ -1064,6 +1064,12 @@ static int check_null_arguments(ctx_t *c) {
   REQUIRE(twice != NULL, "a server with two compressions");
   INVALID(isthmus_server_start(twice, (const char *const *)&c->target, 1, &st));
   MUST(isthmus_server_free(twice));
+  isthmus_server_options_t unknown_flag = {0};
+  unknown_flag.flags = 1u << 30; /* a newer header's flag: refused, not dropped */
+  isthmus_server_t *newer = isthmus_server_new(&unknown_flag);
+  REQUIRE(newer != NULL, "a server with an unknown flag");
+  INVALID(isthmus_server_start(newer, (const char *const *)&c->target, 1, &st));
+  MUST(isthmus_server_free(newer));
 
   /* the server's side of a call */
   len = 7;
@@ -1247,6 +1253,9 @@ static int check_unary_metadata(ctx_t *c) {
   isthmus_call_options_t both = opts;
   both.flags = ISTHMUS_CALL_COMPRESS_GZIP | ISTHMUS_CALL_COMPRESS_DEFLATE;
   INVALID(isthmus_unary(c->ch, SVC "Unary", (const uint8_t *)req, strlen(req), &both, &reply, NULL, NULL, &st));
+  isthmus_call_options_t newer = opts;
+  newer.flags = 1u << 30; /* a newer header's flag: refused, not dropped */
+  INVALID(isthmus_unary(c->ch, SVC "Unary", (const uint8_t *)req, strlen(req), &newer, &reply, NULL, NULL, &st));
 
   /* the same as a call of any shape, without a deadline: headers, then trailers at the end */
   isthmus_call_t *call = NULL;
