@@ -365,6 +365,12 @@ func contextual(ctx context.Context, err error) error {
 	return err
 }
 
+// callError is a failed call's error as grpc-go gives it: Canceled once Close has cut the
+// call (closingError), the context's error once the context has ended (contextual).
+func (cc *ClientConn) callError(ctx context.Context, err error) error {
+	return contextual(ctx, cc.closingError(err))
+}
+
 // Invoke makes a unary call (grpc.ClientConnInterface), through the interceptors if any.
 func (cc *ClientConn) Invoke(ctx context.Context, method string, args, reply any, opts ...grpc.CallOption) error {
 	opts = withDefaults(cc.defaults, opts)
@@ -526,7 +532,6 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, trailers := statusError(ev.code, ev.status)
-		err = contextual(ctx, err)
 		// The initial metadata the server sent before it failed the call: grpc-go's
 		// grpc.Header gives them too.
 		if ev.metadata != nil {
@@ -540,7 +545,7 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 			*co.trailer = trailers
 		}
 		co.stats.inTrailer(trailers)
-		return cc.closingError(err)
+		return cc.callError(ctx, err)
 	}
 	var header, trailer metadata.MD
 	if co.header != nil || co.stats != nil {
@@ -668,7 +673,7 @@ func (cc *ClientConn) newStream(ctx context.Context, desc *grpc.StreamDesc, meth
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, _ := statusError(ev.code, ev.status)
-		return nil, contextual(ctx, cc.closingError(err))
+		return nil, cc.callError(ctx, err)
 	}
 	s := &clientStream{cc: cc, call: ev.call, ctx: ctx, desc: desc, opts: co}
 	// Under the lock: a context done already runs ctxEnded at once, on a goroutine of its own,
@@ -963,7 +968,7 @@ func (s *clientStream) recv(m any) error {
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, trailers := statusError(ev.code, ev.status)
-		err = contextual(s.ctx, s.cc.closingError(err))
+		err = s.cc.callError(s.ctx, err)
 		s.keepHeader(call)
 		s.finish(err, trailers)
 		return err

@@ -244,7 +244,7 @@ func (r *RawStream) Recv() (*Message, error) {
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, _ := statusError(ev.code, ev.status)
-		err = contextual(r.cs.ctx, r.cs.cc.closingError(err))
+		err = r.cs.cc.callError(r.cs.ctx, err)
 		r.cs.finish(err, nil)
 		return nil, err
 	}
@@ -437,7 +437,7 @@ func (cc *ClientConn) rawReply(ctx context.Context, ev C.isthmus_event_t, ok boo
 	freeMetadata(ev.metadata)
 	if ev.code != C.ISTHMUS_OK {
 		err, _ := statusError(ev.code, ev.status)
-		return nil, contextual(ctx, cc.closingError(err))
+		return nil, cc.callError(ctx, err)
 	}
 	freeMetadata(ev.trailers)
 	return newMessage(ev.message, ev.message_data, ev.message_len), nil

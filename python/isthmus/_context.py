@@ -232,9 +232,7 @@ class ServicerContext(Context, grpc.ServicerContext):
         before the client half-closes (it cancelled, its deadline passed, the connection went)."""
         while True:
             try:
-                # No flush of initial metadata (False): the handler may still send them after it
-                # has read, as grpcio's may.
-                message = self._recv(False)
+                message = self._recv()
             except CallError as e:
                 raise rpc_error(e) from None
             if message is None:

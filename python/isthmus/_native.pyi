@@ -428,14 +428,12 @@ class ServerCall:
         client that accepts it. False, and nothing changed, once initial metadata or a message
         has gone. ValueError for another name."""
     # Blocking (GIL released):
-    def recv(self, flush_headers: bool = False) -> bytes | None:
+    def recv(self) -> bytes | None:
         """The next request; None once the client half-closed; raises CallError if the call
-        ended (cancelled, deadline, connection lost). With `flush_headers`, a call that has sent
-        nothing yet and must wait sends empty initial metadata first (a client may be waiting
-        for it before it sends)."""
+        ended (cancelled, deadline, connection lost). Sends no initial metadata."""
     def send(self, message: bytes) -> None:
         """Raises CallError if the call ended."""
-    def recv_raw(self, flush_headers: bool = False) -> Message | None:
+    def recv_raw(self) -> Message | None:
         """`recv`, the request as a read-only Message."""
     def alloc(self, size: int, wait: bool = True) -> Block:
         """A block of the server's shared memory to build a reply in, waiting for arena room;
@@ -448,9 +446,9 @@ class ServerCall:
         send)."""
     # Through a Reactor (same outcomes as the blocking forms). Each gives back `(ok, value)` if it
     # finished as it started (nothing then comes through the reactor), else None:
-    def recv_async(self, reactor: Reactor, token: int, flush_headers: bool = False) -> _Now: ...
+    def recv_async(self, reactor: Reactor, token: int) -> _Now: ...
     def send_async(self, reactor: Reactor, token: int, message: bytes) -> _Now: ...
-    def recv_raw_async(self, reactor: Reactor, token: int, flush_headers: bool = False) -> _Now:
+    def recv_raw_async(self, reactor: Reactor, token: int) -> _Now:
         """Completes with a Message, None, or a CallError."""
     def send_raw_async(self, reactor: Reactor, token: int, message: Buffer) -> _Now:
         """A Block or any C-contiguous buffer, read when sent; BufferError at once for a block

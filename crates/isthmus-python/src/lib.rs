@@ -57,17 +57,16 @@ pub(crate) fn runtime() -> &'static tokio::runtime::Runtime {
 
 /// A handed call's next request ([`isthmus::binding::HandedCall::recv`]): polled once with
 /// the GIL held, since the request is usually there already, and waited for with the GIL
-/// released only if it is not. A receive that may flush headers sends, and a send may spin for
-/// ring room: that one releases the GIL first.
+/// released only if it is not. It sends no initial metadata (grpcio's receives do not), so the
+/// one poll never waits on the ring.
 pub(crate) fn recv(
     py: Python<'_>,
     call: &isthmus::binding::HandedCall,
-    flush_headers: bool,
 ) -> Result<Option<bytes::Bytes>, isthmus::Status> {
     use std::future::Future;
     use std::task::{Context, Poll, Waker};
-    let mut next = std::pin::pin!(call.recv(flush_headers));
-    if !flush_headers {
+    let mut next = std::pin::pin!(call.recv(false));
+    {
         let _runtime = runtime().enter();
         if let Poll::Ready(out) = next.as_mut().poll(&mut Context::from_waker(Waker::noop())) {
             return out;

@@ -30,9 +30,9 @@
 //!   (asyncio). Plain (not `async`) unary handlers of the asyncio server run on
 //!   `migration_thread_pool` if one is given; other plain handlers run on the loop.
 //! - A request-streaming handler's read sends no initial metadata, as grpcio's does not: the
-//!   handler may send them after it has read (`recv`'s `flush_headers` stays false; a client
-//!   that waits for the response to open before its first request, as a tonic client awaiting
-//!   its call does, waits on a handler that reads first, as on grpcio's server).
+//!   handler may send them after it has read (a client that waits for the response to open
+//!   before its first request, as a tonic client awaiting its call does, waits on a handler
+//!   that reads first, as on grpcio's server).
 //! - The end: a handler that raises ends the call UNKNOWN ("Exception calling application: …"), as
 //!   grpcio does; a `ServerCall` dropped unfinished ends UNKNOWN too. The client's cancel, the
 //!   deadline or the connection's end drop the engine's future; `hand_off` then marks the call
@@ -340,9 +340,8 @@ impl ServerCall {
         Ok(self.core.set_compression(compression))
     }
 
-    #[pyo3(signature = (flush_headers=false))]
-    fn recv(&self, py: Python<'_>, flush_headers: bool) -> PyResult<Option<Py<PyBytes>>> {
-        match crate::recv(py, &self.core, flush_headers) {
+    fn recv(&self, py: Python<'_>) -> PyResult<Option<Py<PyBytes>>> {
+        match crate::recv(py, &self.core) {
             Ok(m) => Ok(m.map(|m| PyBytes::new(py, &m).unbind())),
             Err(status) => Err(call_error(py, &status)),
         }
@@ -398,9 +397,8 @@ impl ServerCall {
 
     /// [`recv`](Self::recv) for the raw tier: the request as a read-only [`Message`], a view
     /// of the client's shared memory when it came through its arena.
-    #[pyo3(signature = (flush_headers=false))]
-    fn recv_raw(&self, py: Python<'_>, flush_headers: bool) -> PyResult<Option<Message>> {
-        match crate::recv(py, &self.core, flush_headers) {
+    fn recv_raw(&self, py: Python<'_>) -> PyResult<Option<Message>> {
+        match crate::recv(py, &self.core) {
             Ok(m) => Ok(m.map(Message::new)),
             Err(status) => Err(call_error(py, &status)),
         }
@@ -452,18 +450,16 @@ impl ServerCall {
     // reactor's eventfd and the loop's selector; else `None`, and it completes through the
     // reactor.
 
-    #[pyo3(signature = (reactor, token, flush_headers=false))]
-    fn recv_async(&self, py: Python<'_>, reactor: &Reactor, token: u64, flush_headers: bool) -> Now {
+    fn recv_async(&self, py: Python<'_>, reactor: &Reactor, token: u64) -> Now {
         let core = self.core.clone();
-        run_now(py, &reactor.completions, token, async move { core.recv(flush_headers).await.into() })
+        run_now(py, &reactor.completions, token, async move { core.recv(false).await.into() })
     }
 
     /// [`recv_async`](Self::recv_async) of the raw tier: completes with a `Message`.
-    #[pyo3(signature = (reactor, token, flush_headers=false))]
-    fn recv_raw_async(&self, py: Python<'_>, reactor: &Reactor, token: u64, flush_headers: bool) -> Now {
+    fn recv_raw_async(&self, py: Python<'_>, reactor: &Reactor, token: u64) -> Now {
         let core = self.core.clone();
         run_now(py, &reactor.completions, token, async move {
-            match core.recv(flush_headers).await {
+            match core.recv(false).await {
                 Ok(message) => Outcome::Raw(message),
                 Err(status) => Outcome::Failed(status),
             }

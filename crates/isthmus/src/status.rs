@@ -204,6 +204,15 @@ impl Status {
         self
     }
 
+    /// A client call's end as its caller sees it: a failure keeps `headers`, the initial
+    /// metadata that came before it, if any came (OK keeps them in the response instead).
+    pub(crate) fn after_headers(self, headers: Option<&MetadataMap>) -> Status {
+        match headers.filter(|h| !h.is_empty()) {
+            Some(headers) if self.code() != Code::Ok => self.with_headers(headers.clone()),
+            _ => self,
+        }
+    }
+
     /// The code.
     pub fn code(&self) -> Code {
         self.0.as_ref().map_or(Code::Ok, |s| s.code)

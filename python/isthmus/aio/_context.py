@@ -72,9 +72,7 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         if future is None:
             driver = self._driver
             token = driver.token()
-            # No flush of initial metadata (False): the handler may still send them after it
-            # has read, as grpc.aio's may.
-            now = self._recv_op(driver.reactor, token, False)
+            now = self._recv_op(driver.reactor, token)
             if now is not None:
                 value = now[1]
             else:
@@ -92,15 +90,13 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         await self._op(self._send_op, self._encode(message))
 
     async def send_initial_metadata(self, initial_metadata: Iterable[Metadatum]) -> None:
-        driver = self._driver
-        token = driver.token()
-        now = self._call.send_initial_metadata_async(driver.reactor, token, outgoing(initial_metadata) or ())
-        value = now[1] if now is not None else await driver.wait(self._loop, token)
-        if isinstance(value, CallError):
+        try:
+            await self._op(self._call.send_initial_metadata_async, outgoing(initial_metadata) or ())
+        except grpc.RpcError as e:
             # Sent already (or implied by a message): grpc.aio's error for it.
-            if self._call.is_active() and "already sent" in value.details:
-                raise grpc.aio.UsageError("Send initial metadata failed: already sent")
-            raise rpc_error(value, aio=True)
+            if self._call.is_active() and "already sent" in (e.details() or ""):
+                raise grpc.aio.UsageError("Send initial metadata failed: already sent") from None
+            raise
 
     async def abort(
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: Iterable[Metadatum] = ()

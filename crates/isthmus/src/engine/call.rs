@@ -320,19 +320,12 @@ impl CallState {
             }
             self.span.record("code", tracing::field::debug(status.code()));
             tracing::debug!(parent: &self.span, code = ?status.code(), "call ended");
-            let status = match status.code() {
-                Code::Ok => {
-                    self.trailers = Some(status.metadata().clone());
-                    status
-                }
-                // A failure keeps the initial metadata that came before it (what grpcio's
-                // `RpcError.initial_metadata()` and grpc-go's `grpc.Header` give).
-                _ => match self.headers.as_ref().filter(|h| !h.is_empty()) {
-                    Some(headers) => status.with_headers(headers.clone()),
-                    None => status,
-                },
-            };
-            self.ended = Some(status);
+            if status.code() == Code::Ok {
+                self.trailers = Some(status.metadata().clone());
+            }
+            // A failure keeps the initial metadata that came before it (what grpcio's
+            // `RpcError.initial_metadata()` and grpc-go's `grpc.Header` give).
+            self.ended = Some(status.after_headers(self.headers.as_ref()));
         }
     }
 

@@ -328,10 +328,7 @@ impl HttpCall {
             self.trailers = Some(outcome.as_ref().err().map(|s| s.metadata().clone()).unwrap_or_default());
         }
         // A failure keeps the initial metadata that came before it, as over shm://.
-        let outcome = match (outcome, self.headers.as_ref().filter(|h| !h.is_empty())) {
-            (Err(status), Some(headers)) if status.headers().is_empty() => Err(status.with_headers(headers.clone())),
-            (outcome, _) => outcome,
-        };
+        let outcome = outcome.map_err(|s| s.after_headers(self.headers.as_ref()));
         self.ended.get_or_insert(outcome).clone()
     }
 
