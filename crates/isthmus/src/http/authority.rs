@@ -363,9 +363,9 @@ where
         let renamed = request.headers_mut().remove(DEADLINE_HEADER);
         let timeout = renamed.and_then(|v| {
             let mut h = http::HeaderMap::new();
-            h.insert("grpc-timeout", v.clone());
+            h.insert(crate::http::codec::GRPC_TIMEOUT, v.clone());
             let t = crate::http::codec::timeout_from(&h).ok().flatten();
-            request.headers_mut().insert("grpc-timeout", v);
+            request.headers_mut().insert(crate::http::codec::GRPC_TIMEOUT, v);
             t
         });
         let responding = self.0.call(request);

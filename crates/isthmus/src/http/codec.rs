@@ -92,7 +92,7 @@ pub(crate) fn framed_compressed(m: &[u8], encoding: Encoding) -> Result<Bytes, S
 /// identity only).
 pub(crate) fn accepts(headers: &HeaderMap, encoding: Encoding) -> bool {
     headers
-        .get_all("grpc-accept-encoding")
+        .get_all(GRPC_ACCEPT_ENCODING)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
@@ -158,7 +158,7 @@ impl Encoding {
     /// A body's encoding from its `grpc-encoding` header: `None` for identity (or no header);
     /// one this side cannot read is UNIMPLEMENTED, as the gRPC spec asks.
     pub(crate) fn from_headers(headers: &HeaderMap) -> Result<Option<Encoding>, Status> {
-        let Some(v) = headers.get("grpc-encoding") else { return Ok(None) };
+        let Some(v) = headers.get(GRPC_ENCODING) else { return Ok(None) };
         let unsupported = || {
             let name = String::from_utf8_lossy(v.as_bytes());
             let message = format!("grpc-encoding {name:?} is not supported; this server reads {ACCEPT_ENCODING}");
@@ -290,7 +290,7 @@ impl Deframer {
 
 /// Reads `grpc-timeout` (gRPC over HTTP/2: at most 8 digits and a unit).
 pub(crate) fn timeout_from(headers: &HeaderMap) -> Result<Option<Duration>, Status> {
-    let Some(v) = headers.get("grpc-timeout") else { return Ok(None) };
+    let Some(v) = headers.get(GRPC_TIMEOUT) else { return Ok(None) };
     let bad = || Status::new(Code::InvalidArgument, format!("malformed grpc-timeout {v:?}"));
     let s = v.to_str().map_err(|_| bad())?;
     if s.len() < 2 || s.len() > 9 {
@@ -382,18 +382,24 @@ pub(crate) fn status_trailers(status: &Status) -> HeaderMap {
     if !status.message().is_empty() {
         let encoded = percent_encode(status.message());
         if let Ok(v) = HeaderValue::from_str(&encoded) {
-            t.insert(HeaderName::from_static("grpc-message"), v);
+            t.insert(GRPC_MESSAGE, v);
         }
     }
     if !status.details().is_empty() {
         if let Ok(v) = HeaderValue::from_str(&encode_base64(status.details())) {
-            t.insert(HeaderName::from_static("grpc-status-details-bin"), v);
+            t.insert(GRPC_STATUS_DETAILS, v);
         }
     }
     t
 }
 
-const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+/// gRPC's own header names, made once: looking one up by `&str` parses the name on every call.
+pub(crate) const GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+pub(crate) const GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+pub(crate) const GRPC_STATUS_DETAILS: HeaderName = HeaderName::from_static("grpc-status-details-bin");
+pub(crate) const GRPC_ENCODING: HeaderName = HeaderName::from_static("grpc-encoding");
+pub(crate) const GRPC_ACCEPT_ENCODING: HeaderName = HeaderName::from_static("grpc-accept-encoding");
+pub(crate) const GRPC_TIMEOUT: HeaderName = HeaderName::from_static("grpc-timeout");
 
 /// The trailers of a call that ended with OK: `metadata`, and `grpc-status: 0`.
 pub(crate) fn ok_trailers(metadata: Option<&MetadataMap>) -> HeaderMap {
@@ -446,7 +452,7 @@ pub(crate) fn too_large_code(status: Status) -> Status {
 pub(crate) fn too_large_code_in(headers: &mut HeaderMap) {
     let out_of_range = headers.get(GRPC_STATUS).is_some_and(|c| c == "11");
     if out_of_range
-        && headers.get("grpc-message").is_some_and(|m| tonic_too_large(Code::OutOfRange, &percent_decode(m.as_bytes())))
+        && headers.get(GRPC_MESSAGE).is_some_and(|m| tonic_too_large(Code::OutOfRange, &percent_decode(m.as_bytes())))
     {
         headers.insert(GRPC_STATUS, HeaderValue::from(Code::ResourceExhausted as u32));
     }
@@ -454,11 +460,11 @@ pub(crate) fn too_large_code_in(headers: &mut HeaderMap) {
 
 /// The status in trailers (or in the headers of a trailers-only response), if there is one.
 pub(crate) fn status_from(headers: &HeaderMap) -> Option<Status> {
-    let code = headers.get("grpc-status")?;
+    let code = headers.get(GRPC_STATUS)?;
     let code = code.to_str().ok().and_then(|c| c.parse::<u32>().ok()).map_or(Code::Unknown, Code::from_u32);
-    let message = headers.get("grpc-message").map(|m| percent_decode(m.as_bytes())).unwrap_or_default();
+    let message = headers.get(GRPC_MESSAGE).map(|m| percent_decode(m.as_bytes())).unwrap_or_default();
     let mut status = Status::new(code, message);
-    if let Some(d) = headers.get("grpc-status-details-bin").and_then(|d| decode_base64(d.as_bytes())) {
+    if let Some(d) = headers.get(GRPC_STATUS_DETAILS).and_then(|d| decode_base64(d.as_bytes())) {
         status = status.with_details(d);
     }
     match metadata_from(headers) {

@@ -184,11 +184,11 @@ fn deadline_passed() -> Status {
 /// trailers-only response, made outside any layer we could add there); gRPC's code for it is
 /// DEADLINE_EXCEEDED, which is what this channel reports.
 fn deadline_code(headers: &mut HeaderMap) {
-    let expired = headers.get("grpc-status").is_some_and(|c| c == "1")
-        && headers.get("grpc-message").is_some_and(|m| m == "Timeout expired" || m == "Timeout%20expired");
+    let expired = headers.get(codec::GRPC_STATUS).is_some_and(|c| c == "1")
+        && headers.get(codec::GRPC_MESSAGE).is_some_and(|m| m == "Timeout expired" || m == "Timeout%20expired");
     if expired {
-        headers.insert("grpc-status", HeaderValue::from_static("4"));
-        headers.insert("grpc-message", HeaderValue::from_static(DEADLINE_PASSED));
+        headers.insert(codec::GRPC_STATUS, HeaderValue::from_static("4"));
+        headers.insert(codec::GRPC_MESSAGE, HeaderValue::from_static(DEADLINE_PASSED));
     }
 }
 
@@ -271,7 +271,7 @@ fn failed_response(status: Status) -> http::Response<ResponseBody> {
 /// encodings this side reads (`codec::Encoding`).
 fn grpc_headers(headers: &mut HeaderMap) {
     headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-    headers.insert("grpc-accept-encoding", HeaderValue::from_static(codec::ACCEPT_ENCODING));
+    headers.insert(codec::GRPC_ACCEPT_ENCODING, HeaderValue::from_static(codec::ACCEPT_ENCODING));
 }
 
 /// Runs `fut` for one poll here; `None` if it has to wait.
@@ -534,7 +534,7 @@ impl Channel {
                 grpc_headers(&mut headers);
                 codec::metadata_into(&metadata, &mut headers);
                 if let Some(encoding) = compress {
-                    headers.insert("grpc-encoding", HeaderValue::from_static(encoding.name()));
+                    headers.insert(codec::GRPC_ENCODING, HeaderValue::from_static(encoding.name()));
                 }
                 let mut response = http::Response::new(ResponseBody(Source::Shm { call, pending: None, compress }));
                 *response.headers_mut() = headers;

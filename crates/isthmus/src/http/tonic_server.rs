@@ -192,7 +192,7 @@ fn http_request(call: &mut ServerCall) -> Result<http::Request<tonic::body::Body
     headers.insert(http::header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
     headers.insert(http::header::TE, HeaderValue::from_static("trailers"));
     if let Some(left) = call.time_remaining() {
-        headers.insert(http::HeaderName::from_static("grpc-timeout"), codec::timeout_value(left));
+        headers.insert(codec::GRPC_TIMEOUT, codec::timeout_value(left));
     }
     codec::metadata_into(call.metadata(), headers);
     Ok(request)
