@@ -73,14 +73,8 @@ pub(crate) fn report(result: Result<(), Status>, status: *mut *mut isthmus_statu
 
 /// [`guard`] for the common shape: a body that succeeds or fails with a status.
 pub(crate) fn entry(status: *mut *mut isthmus_status_t, body: impl FnOnce() -> Result<(), Status>) -> isthmus_code_t {
-    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body)).unwrap_or_else(|p| {
-        let what = p
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| p.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "a non-text panic".into());
-        Err(Status::new(Code::Internal, format!("isthmus caught a panic: {what}")))
-    });
+    let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(body))
+        .unwrap_or_else(|p| Err(isthmus::binding::panic_status(&*p)));
     report(result, status)
 }
 

@@ -29,9 +29,9 @@ use crate::object::{
 /// -1, and freeing it only forgets it (its descriptor and operations are the parent's); the
 /// child makes its own.
 pub struct isthmus_cq_t {
-    completions: Arc<Completions<(isthmus_op_t, Outcome)>>,
+    completions: Arc<Completions<Finished>>,
     /// Finished operations taken from `completions` that did not fit the caller's array.
-    overflow: std::sync::Mutex<std::collections::VecDeque<(u64, (isthmus_op_t, Outcome))>>,
+    overflow: std::sync::Mutex<std::collections::VecDeque<(u64, Finished)>>,
     /// The socket `isthmus_cq_bell_listen` made, until its connection is accepted.
     bell: std::sync::Mutex<Option<BellListener>>,
     /// New calls for a thread that spins for one (`isthmus_cq_take_call`).
@@ -259,17 +259,53 @@ pub(crate) fn cq_taker(cq: *const isthmus_cq_t) -> Result<Arc<crate::server::Tak
 
 /// A queue as operations start on it.
 #[derive(Clone)]
-pub(crate) struct Queue(Arc<Completions<(isthmus_op_t, Outcome)>>);
+pub(crate) struct Queue(Arc<Completions<Finished>>);
 
-/// An operation's future with its kind beside it, what the queue runs. A map of the future, not
-/// an `async move { (op, fut.await) }` block: such a block holds `fut` twice, as its capture and
+/// A finished operation: which kind, and how it ended.
+pub(crate) struct Finished(isthmus_op_t, Outcome);
+
+/// A panic inside an operation is caught where its kind is known ([`tagged`]); this is for
+/// the queue's own, should one ever get past that: INTERNAL, with no kind (`op` 0).
+impl isthmus::binding::Outcome for Finished {
+    fn panicked(status: Status) -> Finished {
+        Finished(0, Outcome::Failed(status))
+    }
+}
+
+/// An operation's future with its kind beside it, what the queue runs; a panic inside it ends
+/// the operation INTERNAL, as an event of its kind. A wrapper of the future, not an
+/// `async move { (op, fut.await) }` block: such a block holds `fut` twice, as its capture and
 /// as the value it awaits (a queued unary call took 1,984 bytes so, 992 now), and the queue
 /// allocates it and copies it whole at each move, once per operation.
-fn tagged<F>(op: isthmus_op_t, fut: F) -> impl std::future::Future<Output = (isthmus_op_t, Outcome)>
+fn tagged<F>(op: isthmus_op_t, fut: F) -> Tagged<F>
 where
     F: std::future::Future<Output = Outcome>,
 {
-    futures_util::FutureExt::map(fut, move |outcome| (op, outcome))
+    Tagged { op, fut }
+}
+
+pin_project_lite::pin_project! {
+    /// [`tagged`]'s future.
+    pub(crate) struct Tagged<F> {
+        op: isthmus_op_t,
+        #[pin]
+        fut: F,
+    }
+}
+
+impl<F: std::future::Future<Output = Outcome>> std::future::Future for Tagged<F> {
+    type Output = Finished;
+
+    fn poll(self: std::pin::Pin<&mut Self>, cx: &mut std::task::Context<'_>) -> std::task::Poll<Finished> {
+        let this = self.project();
+        let op = *this.op;
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| this.fut.poll(cx))) {
+            Ok(polled) => polled.map(|outcome| Finished(op, outcome)),
+            Err(panic) => {
+                std::task::Poll::Ready(Finished(op, Outcome::Failed(isthmus::binding::panic_status(&*panic))))
+            }
+        }
+    }
 }
 
 impl Queue {
@@ -291,7 +327,7 @@ impl Queue {
             return self.run(tag, op, fut);
         }
         let ev = match self.0.run_now(tag, tagged(op, fut)) {
-            Some((op, outcome)) => outcome.event(tag, op),
+            Some(Finished(op, outcome)) => outcome.event(tag, op),
             None => isthmus_event_t::none(),
         };
         // SAFETY: `now` is not NULL, and the ABI's rules make it writable.
@@ -644,9 +680,7 @@ pub extern "C" fn isthmus_cq_free(cq: *mut isthmus_cq_t) -> isthmus_code_t {
         }
         q.taker.close();
         q.completions.abort_all();
-        if let Ok(mut overflow) = q.overflow.lock() {
-            overflow.clear();
-        }
+        q.overflow.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
         drop(q.completions.take());
         // Wakes a waiter, whose poll then finds no queue (the waiter's hold on it keeps the
         // descriptor open until it has looked).
@@ -658,17 +692,19 @@ pub extern "C" fn isthmus_cq_free(cq: *mut isthmus_cq_t) -> isthmus_code_t {
 impl isthmus_cq_t {
     /// Up to `capacity` events: those left over from the last poll first.
     fn take_into(&self, capacity: usize) -> Vec<isthmus_event_t> {
-        let Ok(mut overflow) = self.overflow.lock() else { return Vec::new() };
+        // A panic while it was held (it is held while operations are polled) left nothing half
+        // done: refusing it would lose every event from then on.
+        let mut overflow = self.overflow.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         if overflow.len() < capacity {
             overflow.extend(self.completions.take());
         }
         let n = overflow.len().min(capacity);
-        let taken: Vec<(u64, (isthmus_op_t, Outcome))> = overflow.drain(..n).collect();
+        let taken: Vec<(u64, Finished)> = overflow.drain(..n).collect();
         if !overflow.is_empty() {
             self.completions.signal(); // the rest keeps the descriptor readable
         }
         drop(overflow);
-        taken.into_iter().map(|(tag, (op, outcome))| outcome.event(tag, op)).collect()
+        taken.into_iter().map(|(tag, Finished(op, outcome))| outcome.event(tag, op)).collect()
     }
 }
 
@@ -728,6 +764,35 @@ mod tests {
         // SAFETY: `small` has room for 8 bytes.
         let rc = unsafe { isthmus_cq_bell_listen(cq, small.as_mut_ptr(), small.len(), std::ptr::null_mut()) };
         assert_eq!(rc, crate::abi::ISTHMUS_INVALID_ARGUMENT, "a buffer too small is refused");
+        assert_eq!(isthmus_cq_free(cq), ISTHMUS_OK);
+    }
+
+    #[test]
+    fn an_operation_that_panics_ends_internal_as_an_event_of_its_kind() {
+        let cq = isthmus_cq_new();
+        let queue = cq_get(cq).expect("queue");
+        let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+        queue.run(1, ISTHMUS_OP_RECV, async move {
+            let _ = rx.await;
+            panic!("a bug inside an operation")
+        });
+        let (tx2, rx2) = tokio::sync::oneshot::channel::<()>();
+        queue.run(2, ISTHMUS_OP_SEND, async move {
+            let _ = rx2.await;
+            Outcome::Done
+        });
+        tx.send(()).expect("send");
+        tx2.send(()).expect("send");
+        let mut events: Vec<isthmus_event_t> = (0..4).map(|_| isthmus_event_t::none()).collect();
+        // SAFETY: `events` has room for 4 events.
+        let n = unsafe { isthmus_cq_poll(cq, events.as_mut_ptr(), events.len()) };
+        assert_eq!(n, 2, "both operations end, the one that panicked too");
+        events.truncate(n);
+        events.sort_by_key(|e| e.tag);
+        assert_eq!((events[0].tag, events[0].op, events[0].code), (1, ISTHMUS_OP_RECV, crate::abi::ISTHMUS_INTERNAL));
+        assert!(!events[0].status.is_null(), "the failure says why");
+        assert_eq!((events[1].tag, events[1].op, events[1].code), (2, ISTHMUS_OP_SEND, ISTHMUS_OK));
+        assert_eq!(crate::abi::isthmus_status_free(events[0].status), ISTHMUS_OK);
         assert_eq!(isthmus_cq_free(cq), ISTHMUS_OK);
     }
 }

@@ -74,6 +74,12 @@ pub(crate) enum Outcome {
     Failed(Status),
 }
 
+impl isthmus::binding::Outcome for Outcome {
+    fn panicked(status: Status) -> Outcome {
+        Outcome::Failed(status)
+    }
+}
+
 impl<T: Into<Outcome>> From<Result<T, Status>> for Outcome {
     fn from(r: Result<T, Status>) -> Outcome {
         r.map_or_else(Outcome::Failed, Into::into)

@@ -297,6 +297,38 @@ impl SharedCall {
 
 type OpFuture<O> = Pin<Box<dyn Future<Output = O> + Send>>;
 
+/// The outcome of a [`Completions`] operation, which can also say that the operation's future
+/// panicked: the operation then still completes (INTERNAL), and the others drained with it are
+/// not lost with the panic.
+pub trait Outcome: Send + 'static {
+    /// The outcome of an operation whose future panicked; `status` is INTERNAL and says so.
+    fn panicked(status: Status) -> Self;
+}
+
+/// Polls an operation's future, a panic becoming its outcome.
+fn poll_op<O: Outcome>(future: &mut OpFuture<O>, cx: &mut Context<'_>) -> Poll<O> {
+    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| future.as_mut().poll(cx)))
+        .unwrap_or_else(|panic| Poll::Ready(O::panicked(panic_status(&*panic))))
+}
+
+/// The INTERNAL status a binding reports for a panic it caught (`panic` is what
+/// `catch_unwind` gave).
+pub fn panic_status(panic: &(dyn std::any::Any + Send)) -> Status {
+    let what = panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-text panic".into());
+    Status::new(Code::Internal, format!("isthmus caught a panic: {what}"))
+}
+
+/// A lock of the completions' plain data, taken even if a thread panicked holding it: every
+/// change under these locks is one push, take or removal, so no half-made state is left, and
+/// refusing the lock would lose every operation's outcome from then on.
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// An operation that had to wait: its future, polled again on the draining thread each time
 /// it is woken.
 struct Op<O> {
@@ -305,7 +337,7 @@ struct Op<O> {
     completions: Weak<Completions<O>>,
 }
 
-impl<O: Send + 'static> Wake for Op<O> {
+impl<O: Outcome> Wake for Op<O> {
     fn wake(self: Arc<Self>) {
         self.wake_by_ref();
     }
@@ -346,7 +378,7 @@ impl<O> std::fmt::Debug for Completions<O> {
     }
 }
 
-impl<O: Send + 'static> Completions<O> {
+impl<O: Outcome> Completions<O> {
     /// Empty completions with a fresh eventfd.
     pub fn new() -> std::io::Result<Arc<Completions<O>>> {
         Ok(Arc::new(Completions {
@@ -363,7 +395,7 @@ impl<O: Send + 'static> Completions<O> {
     }
 
     fn queue(&self, add: impl FnOnce(&mut Queue<O>)) {
-        let Ok(mut queue) = self.queue.lock() else { return };
+        let mut queue = lock(&self.queue);
         let first = queue.done.is_empty() && queue.woken.is_empty();
         add(&mut queue);
         drop(queue);
@@ -376,9 +408,7 @@ impl<O: Send + 'static> Completions<O> {
 
     /// Rings `bell` too whenever the eventfd is signalled, instead of the bell set before.
     pub fn set_bell(&self, bell: SocketBell) {
-        if let Ok(mut slot) = self.bell.lock() {
-            *slot = Some(bell);
-        }
+        *lock(&self.bell) = Some(bell);
         if self.is_ready() {
             self.signal(); // what came before the bell
         }
@@ -410,12 +440,12 @@ impl<O: Send + 'static> Completions<O> {
         F: Future<Output = O> + Send + 'static,
     {
         let op = Arc::new(Op { token, future: Mutex::new(None), completions: Arc::downgrade(self) });
-        let Ok(mut slot) = op.future.lock() else { return None };
+        let mut slot = lock(&op.future);
         // In the slot before the first poll: a wake-up that comes before this returns finds
         // the future there (and waits for this lock).
         let future = slot.insert(Box::pin(fut));
         let _runtime = runtime().enter();
-        match future.as_mut().poll(&mut Context::from_waker(&Waker::from(op.clone()))) {
+        match poll_op(future, &mut Context::from_waker(&Waker::from(op.clone()))) {
             Poll::Ready(outcome) => {
                 *slot = None;
                 Some(outcome)
@@ -423,9 +453,7 @@ impl<O: Send + 'static> Completions<O> {
             Poll::Pending => {
                 // Registered while the slot is still locked: a `take` that polls it to its end
                 // (after a wake-up during the first poll) then finds it there to remove.
-                if let Ok(mut running) = self.running.lock() {
-                    running.insert(token, op.clone());
-                }
+                lock(&self.running).insert(token, op.clone());
                 drop(slot);
                 None
             }
@@ -435,16 +463,14 @@ impl<O: Send + 'static> Completions<O> {
     /// Polls every woken operation; the finished ones, with those that finished at once.
     pub fn take(&self) -> Vec<(u64, O)> {
         self.fd.drain();
-        let Queue { mut done, woken } = self.queue.lock().map(|mut q| std::mem::take(&mut *q)).unwrap_or_default();
+        let Queue { mut done, woken } = std::mem::take(&mut *lock(&self.queue));
         let _runtime = runtime().enter();
         for op in woken {
-            let Ok(mut slot) = op.future.lock() else { continue };
+            let mut slot = lock(&op.future);
             let Some(future) = slot.as_mut() else { continue }; // finished or abandoned
-            if let Poll::Ready(outcome) = future.as_mut().poll(&mut Context::from_waker(&Waker::from(op.clone()))) {
+            if let Poll::Ready(outcome) = poll_op(future, &mut Context::from_waker(&Waker::from(op.clone()))) {
                 *slot = None;
-                if let Ok(mut running) = self.running.lock() {
-                    running.remove(&op.token);
-                }
+                lock(&self.running).remove(&op.token);
                 done.push((op.token, outcome));
             }
         }
@@ -454,16 +480,15 @@ impl<O: Send + 'static> Completions<O> {
     /// Makes the eventfd readable (for a caller that took fewer completions than were ready).
     pub fn signal(&self) {
         self.fd.signal();
-        if let Ok(bell) = self.bell.lock() {
-            if let Some(bell) = bell.as_ref() {
-                bell.ring();
-            }
+        if let Some(bell) = lock(&self.bell).as_ref() {
+            bell.ring();
         }
     }
 
     /// True if something waits to be taken (without taking it).
     pub fn is_ready(&self) -> bool {
-        self.queue.lock().is_ok_and(|q| !q.done.is_empty() || !q.woken.is_empty())
+        let q = lock(&self.queue);
+        !q.done.is_empty() || !q.woken.is_empty()
     }
 
     /// Waits until something waits to be taken or `deadline` passes: first spinning for up to
@@ -506,14 +531,14 @@ impl<O: Send + 'static> Completions<O> {
     /// Whether an operation started with `token` is still waiting (neither finished nor
     /// abandoned): a binding whose caller picks the tokens refuses one in use.
     pub fn is_running(&self, token: u64) -> bool {
-        self.running.lock().is_ok_and(|r| r.contains_key(&token))
+        lock(&self.running).contains_key(&token)
     }
 
     /// Drops a waiting operation's future (which cancels a call it was making); its token
     /// never completes. `false` if it is not waiting.
     pub fn abort(&self, token: u64) -> bool {
-        let Some(op) = self.running.lock().ok().and_then(|mut r| r.remove(&token)) else { return false };
-        let future = op.future.lock().ok().and_then(|mut f| f.take());
+        let Some(op) = lock(&self.running).remove(&token) else { return false };
+        let future = lock(&op.future).take();
         // No future: a `take` polled it to its end meanwhile (it removes the operation from
         // `running` only after), so its outcome is queued or taken. Saying "abandoned" then
         // would let a caller reuse what waits for it while that outcome is still delivered.
@@ -524,9 +549,9 @@ impl<O: Send + 'static> Completions<O> {
 
     /// Abandons every waiting operation (the loop is closing).
     pub fn abort_all(&self) {
-        let ops: Vec<_> = self.running.lock().map(|mut r| r.drain().map(|(_, op)| op).collect()).unwrap_or_default();
+        let ops: Vec<_> = lock(&self.running).drain().map(|(_, op)| op).collect();
         for op in ops {
-            let future = op.future.lock().ok().and_then(|mut f| f.take());
+            let future = lock(&op.future).take();
             drop(future);
         }
     }
@@ -1006,6 +1031,42 @@ impl HandedCall {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Outcome for u32 {
+        fn panicked(_: Status) -> u32 {
+            u32::MAX
+        }
+    }
+
+    #[test]
+    fn an_operation_that_panics_completes_and_the_others_of_its_batch_too() {
+        let completions = Completions::<u32>::new().expect("eventfd");
+        // Panics at once: the start gives its outcome.
+        let at_once = completions.run_now(1, async { panic!("at once") });
+        assert_eq!(at_once, Some(u32::MAX));
+        // Three waiting; the middle one panics when woken. All three are drained together.
+        let (txs, rxs): (Vec<_>, Vec<_>) = (0..3).map(|_| tokio::sync::oneshot::channel::<u32>()).unzip();
+        for (i, rx) in rxs.into_iter().enumerate() {
+            let token = 10 + i as u64;
+            completions.run(token, async move {
+                let v = rx.await.unwrap_or(0);
+                assert!(token != 11, "a bug inside an operation");
+                v
+            });
+        }
+        for (i, tx) in txs.into_iter().enumerate() {
+            tx.send(i as u32 + 1).expect("send");
+        }
+        let mut done = completions.take();
+        done.sort();
+        assert_eq!(done, vec![(10, 1), (11, u32::MAX), (12, 3)]);
+        assert!(!completions.is_running(11), "the panicked operation is over");
+        // The queue still works after it.
+        let (tx, rx) = tokio::sync::oneshot::channel::<u32>();
+        completions.run(20, async move { rx.await.unwrap_or(0) });
+        tx.send(7).expect("send");
+        assert_eq!(completions.take(), vec![(20, 7)]);
+    }
 
     #[test]
     fn an_operation_abandoned_after_it_finished_is_not_reported_abandoned() {
