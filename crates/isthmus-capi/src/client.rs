@@ -12,9 +12,9 @@ use crate::abi::{
     c_bytes, c_str, c_str_or_empty, entry, entry_out, grpc_code, guard, invalid, isthmus_code_t, isthmus_status_t, put,
 };
 use crate::cq::{
-    cq_for, isthmus_cq_t, isthmus_event_t, start_on, start_spinning_on, Outcome, Queue, ISTHMUS_OP_CLOSE_SEND,
-    ISTHMUS_OP_HEADERS, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_STATE, ISTHMUS_OP_UNARY,
-    NO_SPIN,
+    clear_now, cq_for, isthmus_cq_t, isthmus_event_t, start_on, start_spinning_on, Outcome, Queue,
+    ISTHMUS_OP_CLOSE_SEND, ISTHMUS_OP_HEADERS, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_START, ISTHMUS_OP_STATE,
+    ISTHMUS_OP_UNARY, NO_SPIN,
 };
 use crate::handle::Registry;
 use crate::object::{
@@ -626,6 +626,7 @@ pub unsafe extern "C" fn isthmus_unary_async(
     now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
+    clear_now(now);
     entry(status, || {
         let (channel, cq) = (CHANNELS.get(channel)?, cq_for(cq, tag)?);
         channel.open()?;
@@ -797,6 +798,7 @@ pub unsafe extern "C" fn isthmus_unary_block_async(
     now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
+    clear_now(now);
     entry(status, || {
         let block = take_block(block)?;
         let (channel, cq) = (CHANNELS.get(channel)?, cq_for(cq, tag)?);
@@ -878,6 +880,7 @@ pub unsafe extern "C" fn isthmus_call_start_async(
     now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
+    clear_now(now);
     entry(status, || {
         let (channel, cq) = (CHANNELS.get(channel)?, cq_for(cq, tag)?);
         channel.open()?;

@@ -441,6 +441,7 @@ pub(crate) fn start_trying_on<C, F>(
 where
     F: std::future::Future<Output = Outcome> + Send + 'static,
 {
+    clear_now(now);
     entry(status, || {
         let (call, cq) = (call?, cq_for(cq, tag)?);
         let mut spin = spin;
@@ -454,6 +455,15 @@ where
         cq.start_spinning(tag, op, make(call)?, now, spin);
         Ok(())
     })
+}
+
+/// Marks `now` (when given) as holding no event, before anything that can fail: a start that
+/// fails leaves no earlier event there for a caller that reads `now` whatever the code.
+pub(crate) fn clear_now(now: *mut isthmus_event_t) {
+    if !now.is_null() {
+        // SAFETY: `now` is not NULL, and the ABI's rules make it writable.
+        unsafe { now.write(isthmus_event_t::none()) };
+    }
 }
 
 /// A new completion queue, or NULL if the system refuses an eventfd.

@@ -33,8 +33,9 @@
 //!   `isthmus_event_t` on a completion queue (`isthmus_cq_t`), whose file descriptor an event
 //!   loop (nginx, libuv, Go's netpoller) watches. Given a `now` event (not NULL), an
 //!   `_async` function that finishes before it returns stores its event there instead of
-//!   queueing it (`now->op` is then non-zero; 0 means "it will come on the queue"), and with
-//!   `ISTHMUS_CALL_SPIN` a call may wait up to the connection's spin bound for that.
+//!   queueing it (`now->op` is then non-zero; 0 means "it will come on the queue", and is what
+//!   a function that fails leaves there), and with `ISTHMUS_CALL_SPIN` a call may wait up to the
+//!   connection's spin bound for that.
 //! - **State.** No global state but the runtime this copy of the library starts on first use,
 //!   and its handle registries: a second `dlopen` of another copy gets its own.
 

@@ -15,7 +15,7 @@ use crate::abi::{
     c_bytes, c_str, c_str_or_empty, entry, entry_out, grpc_code, guard, invalid, isthmus_code_t, isthmus_status_t, put,
 };
 use crate::cq::{
-    cq_for, cq_get, cq_taker, isthmus_cq_t, isthmus_event_t, start_on, start_trying_on, Outcome, Queue,
+    clear_now, cq_for, cq_get, cq_taker, isthmus_cq_t, isthmus_event_t, start_on, start_trying_on, Outcome, Queue,
     ISTHMUS_OP_DONE, ISTHMUS_OP_NEW_CALL, ISTHMUS_OP_RECV, ISTHMUS_OP_SEND, ISTHMUS_OP_SEND_HEADERS, NO_SPIN,
 };
 use crate::handle::Registry;
@@ -885,6 +885,7 @@ pub unsafe extern "C" fn isthmus_server_call_reply_async(
     now: *mut isthmus_event_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
+    clear_now(now);
     entry(status, || {
         let call = SERVER_CALLS.remove(call)?.call.clone();
         // SAFETY: the caller's promise, passed on.

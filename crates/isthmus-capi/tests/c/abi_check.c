@@ -1954,6 +1954,16 @@ static int check_async_unary(ctx_t *c) {
   int names = st != NULL && strstr(isthmus_status_message(st), "tag 77") != NULL;
   if (st) isthmus_status_free(st);
   REQUIRE(names, "the refusal names the tag");
+  /* A start that fails leaves no event in `now`, not even one a caller left there before. */
+  isthmus_event_t stale = {.tag = 5, .op = ISTHMUS_OP_UNARY, .code = ISTHMUS_OK};
+  EXPECT(isthmus_unary_async(c->ch, SVC "Unary", (const uint8_t *)"x", 1, &opts, cq, 77, &stale, &st),
+         ISTHMUS_INVALID_ARGUMENT);
+  if (st) isthmus_status_free(st);
+  REQUIRE(stale.op == 0, "a refused unary start leaves now->op 0 (it was %d)", stale.op);
+  stale.op = ISTHMUS_OP_RECV;
+  EXPECT(isthmus_call_recv_async(NULL, cq, 78, &stale, &st), ISTHMUS_INVALID_ARGUMENT);
+  if (st) isthmus_status_free(st);
+  REQUIRE(stale.op == 0, "a refused receive leaves now->op 0 (it was %d)", stale.op);
   MUST(isthmus_cq_cancel(cq, 77));
   EXPECT(isthmus_cq_cancel(cq, 77), ISTHMUS_NOT_FOUND);
   if (st) isthmus_status_free(st);
