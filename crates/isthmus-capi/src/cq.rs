@@ -265,7 +265,8 @@ pub(crate) struct Queue(Arc<Completions<Finished>>);
 pub(crate) struct Finished(isthmus_op_t, Outcome);
 
 /// A panic inside an operation is caught where its kind is known ([`tagged`]); this is for
-/// the queue's own, should one ever get past that: INTERNAL, with no kind (`op` 0).
+/// the queue's own, should one ever get past that: INTERNAL, with no kind (`op` 0; an outcome
+/// given at once in `now` takes the kind the start knows).
 impl isthmus::binding::Outcome for Finished {
     fn panicked(status: Status) -> Finished {
         Finished(0, Outcome::Failed(status))
@@ -323,11 +324,20 @@ impl Queue {
     where
         F: std::future::Future<Output = Outcome> + Send + 'static,
     {
+        self.start_tagged(tag, op, tagged(op, fut), now)
+    }
+
+    /// [`start`](Self::start) of a future [`tagged`] already.
+    fn start_tagged<F>(&self, tag: u64, op: isthmus_op_t, fut: F, now: *mut isthmus_event_t)
+    where
+        F: std::future::Future<Output = Finished> + Send + 'static,
+    {
         if now.is_null() {
-            return self.run(tag, op, fut);
+            return self.0.run(tag, fut);
         }
-        let ev = match self.0.run_now(tag, tagged(op, fut)) {
-            Some(Finished(op, outcome)) => outcome.event(tag, op),
+        let ev = match self.0.run_now(tag, fut) {
+            // `op`, not the outcome's: a panic the queue caught itself carries no kind.
+            Some(Finished(_, outcome)) => outcome.event(tag, op),
             None => isthmus_event_t::none(),
         };
         // SAFETY: `now` is not NULL, and the ABI's rules make it writable.
@@ -355,13 +365,14 @@ impl Queue {
         // Polled here with a waker that does nothing: each look polls again, and the future,
         // unfinished, goes on in the queue, which polls it with its own waker (a future is woken
         // through the waker of its latest poll), so nothing that arrives meanwhile is lost.
-        let mut fut = Box::pin(fut);
+        // Tagged before the spin's polls, so that a panic in one ends the operation as any other.
+        let mut fut = Box::pin(tagged(op, fut));
         let started = Instant::now();
         {
             let _runtime = isthmus::binding::runtime().enter();
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
             loop {
-                if let std::task::Poll::Ready(outcome) = fut.as_mut().poll(&mut cx) {
+                if let std::task::Poll::Ready(Finished(_, outcome)) = std::future::Future::poll(fut.as_mut(), &mut cx) {
                     // SAFETY: `now` is not NULL, and the ABI's rules make it writable.
                     unsafe { now.write(outcome.event(tag, op)) };
                     return;
@@ -379,7 +390,7 @@ impl Queue {
                 }
             }
         }
-        self.start(tag, op, fut, now)
+        self.start_tagged(tag, op, fut, now)
     }
 }
 
@@ -803,6 +814,12 @@ mod tests {
         assert!(!events[0].status.is_null(), "the failure says why");
         assert_eq!((events[1].tag, events[1].op, events[1].code), (2, ISTHMUS_OP_SEND, ISTHMUS_OK));
         assert_eq!(crate::abi::isthmus_status_free(events[0].status), ISTHMUS_OK);
+        // A panic in a look of a spinning start ends it in `now`, as an event of its kind.
+        let mut now = isthmus_event_t::none();
+        let spin = isthmus::SpinPolicy { max: Duration::from_millis(1), yield_after: Duration::from_micros(100) };
+        queue.start_spinning(3, ISTHMUS_OP_RECV, async { panic!("a bug in a spin") }, &mut now, spin);
+        assert_eq!((now.tag, now.op, now.code), (3, ISTHMUS_OP_RECV, crate::abi::ISTHMUS_INTERNAL));
+        assert_eq!(crate::abi::isthmus_status_free(now.status), ISTHMUS_OK);
         assert_eq!(isthmus_cq_free(cq), ISTHMUS_OK);
     }
 }
