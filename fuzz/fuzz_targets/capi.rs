@@ -5,9 +5,14 @@
 //! `isthmus_unary_block`, the connectivity calls, the counters, the topics,
 //! `isthmus_server_call_reply_async` and `isthmus_server_call_begin`). Each must answer with a
 //! code, never crash or leak.
+//!
+//! Over a live connection too (one `shm://` server and channel for the whole run): a block of
+//! a caller's size (`isthmus_channel_alloc`), and a unary call with a caller's path, request,
+//! metadata, flags and timeout, which the server's handler finishes with the code and message
+//! the request asks for (gRPC codes, and numbers that are none).
 #![no_main]
 
-use std::ffi::CString;
+use std::ffi::{c_void, CString};
 
 use isthmus_capi::*;
 
@@ -33,6 +38,177 @@ fn proto() -> *const isthmus_proto_t {
         let _ = std::fs::remove_dir_all(&dir);
         p as usize
     }) as *const isthmus_proto_t
+}
+
+/// The live server's one handler (`/f.S/M`): ends each call with the code its request's first
+/// byte asks for (minus 8: gRPC codes, and numbers that are none), and the rest of the request
+/// as the message; OK replies with the request itself, through `user_data`'s queue.
+extern "C" fn finish_as_asked(user_data: *mut c_void, call: *mut isthmus_server_call_t) {
+    let (mut md, mut left) = (std::ptr::null_mut(), 0i64);
+    // SAFETY: an event is plain integers and pointers: all zero is a valid one (no handles).
+    let mut now: isthmus_event_t = unsafe { std::mem::zeroed() };
+    // SAFETY: the library's live call; every out-pointer is a valid local.
+    let begun = unsafe { isthmus_server_call_begin(call, &mut md, &mut left, &mut now) };
+    if !md.is_null() {
+        assert_eq!(isthmus_metadata_free(md), ISTHMUS_OK);
+    }
+    let asked = match (begun, now.message_data.is_null()) {
+        // SAFETY: the event's message bytes are valid until the message is freed, below.
+        (1, false) => unsafe { std::slice::from_raw_parts(now.message_data, now.message_len) }.to_vec(),
+        _ => Vec::new(),
+    };
+    if !now.message.is_null() {
+        assert_eq!(isthmus_message_free(now.message), ISTHMUS_OK);
+    }
+    if !now.status.is_null() {
+        assert_eq!(isthmus_status_free(now.status), ISTHMUS_OK);
+    }
+    let code = asked.first().map_or(0, |c| i32::from(*c) - 8);
+    if code == ISTHMUS_OK {
+        let (cq, mut status) = (user_data as *const isthmus_cq_t, std::ptr::null_mut());
+        // SAFETY: as above; the reply is a live slice; the queue lives for the whole run.
+        let replied = unsafe {
+            isthmus_server_call_reply_async(
+                call,
+                asked.as_ptr(),
+                asked.len(),
+                std::ptr::null(),
+                cq,
+                1,
+                &mut now,
+                &mut status,
+            )
+        };
+        if replied != ISTHMUS_OK {
+            assert_eq!(isthmus_status_free(status), ISTHMUS_OK);
+        } else if !now.status.is_null() {
+            assert_eq!(isthmus_status_free(now.status), ISTHMUS_OK);
+        }
+        return; // an event that had to wait is taken from the queue after the call
+    }
+    let text = CString::new(asked.iter().skip(1).copied().filter(|c| *c != 0).collect::<Vec<u8>>()).unwrap_or_default();
+    let mut status = std::ptr::null_mut();
+    // SAFETY: the live call, finished once here; `text` is NUL-terminated; a valid out-pointer.
+    if unsafe { isthmus_server_call_finish(call, code, text.as_ptr(), std::ptr::null(), &mut status) } != ISTHMUS_OK {
+        assert_eq!(isthmus_status_free(status), ISTHMUS_OK);
+    }
+}
+
+/// The live connection: a server answering `/f.S/M` with [`finish_as_asked`] on `shm://`, a
+/// channel connected to it, and the queue its replies that wait complete on. All live for the
+/// whole run.
+fn live() -> (*const isthmus_channel_t, *const isthmus_cq_t) {
+    static LIVE: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+    let (channel, cq) = *LIVE.get_or_init(|| {
+        let cq = isthmus_cq_new();
+        assert!(!cq.is_null());
+        // SAFETY: NULL options are the defaults.
+        let server = unsafe { isthmus_server_new(std::ptr::null()) };
+        assert!(!server.is_null());
+        let handler: isthmus_handler_fn = Some(finish_as_asked);
+        // SAFETY: a live server, a NUL-terminated path, a handler whose user data is the queue.
+        let code =
+            unsafe { isthmus_server_add_handler(server, c"/f.S/M".as_ptr(), handler, cq.cast(), std::ptr::null_mut()) };
+        assert_eq!(code, ISTHMUS_OK);
+        let dir = std::env::temp_dir().join(format!("isthmus-fuzz-capi-live-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("mkdir");
+        let target = CString::new(format!("shm://{}/s.sock", dir.display())).expect("cstr");
+        // SAFETY: one NUL-terminated target.
+        let code = unsafe { isthmus_server_start(server, [target.as_ptr()].as_ptr(), 1, std::ptr::null_mut()) };
+        assert_eq!(code, ISTHMUS_OK);
+        let mut channel = std::ptr::null_mut();
+        // SAFETY: a NUL-terminated target, a valid out-pointer.
+        let code =
+            unsafe { isthmus_channel_new(target.as_ptr(), std::ptr::null(), &mut channel, std::ptr::null_mut()) };
+        assert_eq!(code, ISTHMUS_OK);
+        // Connected by a first call; then the socket goes, so that nothing is left behind when
+        // the run ends (libFuzzer exits without dropping anything). The connection lives on.
+        let (mut reply, none) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: a live channel, a NUL-terminated path, a one-byte request, valid out-pointers.
+        let code = unsafe {
+            let request = [8u8]; // code 0: OK
+            let path = c"/f.S/M".as_ptr();
+            isthmus_unary(
+                channel,
+                path,
+                request.as_ptr(),
+                1,
+                std::ptr::null(),
+                &mut reply,
+                none,
+                none,
+                std::ptr::null_mut(),
+            )
+        };
+        assert_eq!(code, ISTHMUS_OK, "the live server answers");
+        assert_eq!(isthmus_message_free(reply), ISTHMUS_OK);
+        std::fs::remove_dir_all(&dir).expect("rm");
+        (channel as usize, cq as usize)
+    });
+    (channel as *const isthmus_channel_t, cq as *const isthmus_cq_t)
+}
+
+/// A unary call over the live connection with a caller's path, request, metadata, flags and
+/// timeout; every handle it gives back is freed.
+fn call_live(text: &CString, b: &[u8]) {
+    let (live, cq) = live();
+    let byte = |i: usize| b.get(i).copied().unwrap_or(0);
+    // A block of a caller's size, up to `usize::MAX`: refused, or given and freed. Its timeout
+    // bounds the wait for room in a full arena.
+    let size = b.iter().skip(10).take(8).fold(0usize, |w, x| w << 8 | usize::from(*x));
+    let opts = isthmus_call_options_t { timeout_us: 1000, metadata: std::ptr::null(), flags: 0 };
+    let (mut block, mut status) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: a live channel, valid options and out-pointers.
+    match unsafe { isthmus_channel_alloc(live, size, &opts, &mut block, &mut status) } {
+        ISTHMUS_OK => assert_eq!(isthmus_block_free(block), ISTHMUS_OK),
+        _ => assert_eq!(isthmus_status_free(status), ISTHMUS_OK),
+    }
+    // The call. Its timeout is none, negative (none) or long: the server always answers first,
+    // so no call of the server's is left when the call returns.
+    let timeout_us = match byte(18) {
+        x @ 0..128 => -i64::from(x),
+        x => i64::from(x) * 1_000_000,
+    };
+    let flags = b.iter().skip(19).take(4).fold(0u32, |w, x| w << 8 | u32::from(*x));
+    let md = isthmus_metadata_new();
+    let mut status = std::ptr::null_mut();
+    // SAFETY: `text` is NUL-terminated, `b` is a live slice, `status` a valid local.
+    if unsafe { isthmus_metadata_add(md, text.as_ptr(), b.as_ptr(), b.len().min(64), &mut status) } != ISTHMUS_OK {
+        assert_eq!(isthmus_status_free(status), ISTHMUS_OK);
+    }
+    let opts = isthmus_call_options_t { timeout_us, metadata: md, flags };
+    let path = if byte(1) & 1 == 0 { c"/f.S/M".as_ptr() } else { text.as_ptr() };
+    let (mut reply, mut headers, mut trailers, mut status) =
+        (std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: a live channel, a NUL-terminated path, a live request slice, valid options and
+    // out-pointers.
+    let code = unsafe {
+        isthmus_unary(live, path, b.as_ptr(), b.len(), &opts, &mut reply, &mut headers, &mut trailers, &mut status)
+    };
+    assert_eq!(code == ISTHMUS_OK, status.is_null(), "a status exactly for a failure");
+    for md in [headers, trailers] {
+        if !md.is_null() {
+            assert_eq!(isthmus_metadata_free(md), ISTHMUS_OK);
+        }
+    }
+    if !reply.is_null() {
+        assert_eq!(isthmus_message_free(reply), ISTHMUS_OK);
+    }
+    if !status.is_null() {
+        assert_eq!(isthmus_status_free(status), ISTHMUS_OK);
+    }
+    assert_eq!(isthmus_metadata_free(md), ISTHMUS_OK);
+    // The handler's replies that had to wait: their events (a status at most).
+    // SAFETY: an event is plain integers and pointers: all zero is a valid one (no handles).
+    let mut events: [isthmus_event_t; 4] = unsafe { std::mem::zeroed() };
+    // SAFETY: room for 4 events.
+    while let n @ 1.. = unsafe { isthmus_cq_poll(cq, events.as_mut_ptr(), events.len()) } {
+        for ev in &events[..n] {
+            if !ev.status.is_null() {
+                assert_eq!(isthmus_status_free(ev.status), ISTHMUS_OK);
+            }
+        }
+    }
 }
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
@@ -204,5 +380,6 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         let _ = isthmus_topic_close(topic);
         let _ = isthmus_topic_free(word as *mut isthmus_topic_t);
     }
-    assert_eq!(isthmus_live_handles(), 1); // the proto
+    call_live(&text, b);
+    assert_eq!(isthmus_live_handles(), 4); // the proto, the live server, its channel and queue
 });
