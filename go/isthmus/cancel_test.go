@@ -470,11 +470,7 @@ func TestACallPastItsContextsDeadlineSaysSoEveryTime(t *testing.T) {
 // SendMsg after CloseSend fails, and ends the call: the stream's receives give the same error
 // from then on, as grpc-go's do (isthmus's went on, the echo and then io.EOF).
 func TestSendAfterCloseSendEndsTheStream(t *testing.T) {
-	clients := map[string]grpc.ClientConnInterface{
-		"grpc-go": newGrpcClient(t, startGrpcServer(t)),
-		"isthmus": dial(t, startEchoServer(t, "send-after-close")),
-	}
-	for name, conn := range clients {
+	for name, conn := range besideGrpcGo(t, "send-after-close") {
 		stream, err := pb.NewEchoClient(conn).Bidi(testContext(t))
 		if err != nil {
 			t.Fatal(err)

@@ -567,14 +567,23 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 	} else {
 		freeMetadata(ev.trailers)
 	}
+	// Empty maps, not nil, when the server sent none: grpc-go gives copies of its own.
 	if co.header != nil {
-		*co.header = header
+		*co.header = orEmpty(header)
 	}
 	if co.trailer != nil {
-		*co.trailer = trailer
+		*co.trailer = orEmpty(trailer)
 	}
 	co.stats.inTrailer(trailer)
 	return err
+}
+
+// orEmpty is md, or an empty map for nil.
+func orEmpty(md metadata.MD) metadata.MD {
+	if md == nil {
+		return metadata.MD{}
+	}
+	return md
 }
 
 // invokeLarge makes a unary call whose request is marshalled straight into a block of shared
@@ -871,10 +880,12 @@ func (s *clientStream) keepHeader(call *C.isthmus_call_t) {
 	}
 }
 
+// Trailer is a copy of the trailing metadata: empty, not nil, before they come, as on
+// grpc-go.
 func (s *clientStream) Trailer() metadata.MD {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	return s.trailer
+	return s.trailer.Copy()
 }
 
 func (s *clientStream) SendMsg(m any) error {

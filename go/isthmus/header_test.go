@@ -230,3 +230,34 @@ func TestInitialMetadataSetBeforeAFailureReachesTheClient(t *testing.T) {
 		}
 	}
 }
+
+// A stream's Trailer is an empty map, not nil, before the trailers come, and the trailers
+// once the stream has ended; a unary call's grpc.Header and grpc.Trailer are empty maps when
+// the server sent none: as on grpc-go.
+func TestTrailerIsAnEmptyMapUntilTheTrailersCome(t *testing.T) {
+	for name, conn := range besideGrpcGo(t, "trailer-before-end") {
+		stream, err := pb.NewEchoClient(conn).Bidi(testContext(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if md := stream.Trailer(); md == nil || len(md) != 0 {
+			t.Errorf("%s: Trailer before the end: %#v, want an empty map", name, md)
+		}
+		if err := stream.CloseSend(); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if _, err := stream.Recv(); err != io.EOF {
+			t.Fatalf("%s: Recv: %v", name, err)
+		}
+		if md := stream.Trailer(); md == nil {
+			t.Errorf("%s: Trailer after the end is nil", name)
+		}
+		var header, trailer metadata.MD
+		if _, err := pb.NewEchoClient(conn).Unary(testContext(t), &pb.EchoRequest{Seq: 1}, grpc.Header(&header), grpc.Trailer(&trailer)); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if header == nil || trailer == nil {
+			t.Errorf("%s: a unary call's header %#v, trailer %#v: want maps, empty or not", name, header, trailer)
+		}
+	}
+}

@@ -100,6 +100,16 @@ func startGrpcServer(t *testing.T, opts ...grpc.ServerOption) string {
 	return lis.Addr().String()
 }
 
+// besideGrpcGo is a client of grpc-go's Echo server and one of isthmus's (started under tag),
+// by name: for tests that run the same code against both and expect the same.
+func besideGrpcGo(t *testing.T, tag string) map[string]grpc.ClientConnInterface {
+	t.Helper()
+	return map[string]grpc.ClientConnInterface{
+		"grpc-go": newGrpcClient(t, startGrpcServer(t)),
+		"isthmus": dial(t, startEchoServer(t, tag)),
+	}
+}
+
 // newGrpcClient is a plain grpc-go client of address (plaintext), closed when the test ends.
 func newGrpcClient(t *testing.T, address string, opts ...grpc.DialOption) *grpc.ClientConn {
 	t.Helper()
