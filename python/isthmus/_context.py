@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, NoReturn
 
@@ -186,6 +187,10 @@ class Context:
         self._call.reply(reply, code, details, trailing, self._raw)
 
 
+#: Where grpcio puts the deadline of a call without one: gpr_inf_future, in seconds.
+_NO_DEADLINE = float(2**63 - 1)
+
+
 class ServicerContext(Context, grpc.ServicerContext):
     """The blocking server's context."""
 
@@ -199,6 +204,13 @@ class ServicerContext(Context, grpc.ServicerContext):
 
     def is_active(self) -> bool:
         return self._call.is_active()
+
+    def time_remaining(self) -> float:
+        # grpcio's for a call without a deadline: a float, as if the deadline were its time's
+        # end (2**63 s), never None, which a handler comparing it (`< 1`) would raise on.
+        # grpc.aio's is None, as isthmus.aio's.
+        left = self._call.time_remaining()
+        return max(_NO_DEADLINE - time.time(), 0.0) if left is None else left
 
     def add_callback(self, callback: Callable[[], None]) -> bool:
         def guarded() -> None:

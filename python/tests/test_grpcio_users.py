@@ -112,6 +112,16 @@ def server(request: pytest.FixtureRequest) -> Iterator[list[Any]]:
     pool.shutdown()
 
 
+def test_a_call_without_a_deadline_leaves_its_handler_a_time_far_away(server: list[Any]) -> None:
+    """grpcio's `time_remaining()` for a call without a deadline is a float, a very large one,
+    so a handler may compare it (`if context.time_remaining() < 1`); isthmus gave None."""
+    for channel in server:
+        left = float(channel.unary_unary("/users.T/Left")(b""))
+        assert left > 1e18, left
+        # With one, its time (grpc's reaches the server rounded up a little).
+        assert 0 < float(channel.unary_unary("/users.T/Left")(b"", timeout=30)) < 31
+
+
 def test_a_rich_status_reaches_the_client_with_its_details(server: list[Any]) -> None:
     """`abort_with_status` with grpc-status-details-bin (grpc_status.rpc_status's way): the
     client gets the code and the details under that trailer, where `rpc_status.from_call` looks.
