@@ -117,6 +117,29 @@ pub(crate) unsafe fn c_str<'a>(s: *const c_char, what: &str) -> Result<&'a str, 
     unsafe { std::ffi::CStr::from_ptr(s) }.to_str().map_err(|_| invalid(format!("{what} is not UTF-8")))
 }
 
+/// A list of `n` C strings as Rust strings (`what` names it in errors).
+///
+/// # Safety
+///
+/// `list` is NULL (with `n` 0) or valid for reads of `n` NUL-terminated strings.
+pub(crate) unsafe fn c_strs<'a>(list: *const *const c_char, n: usize, what: &str) -> Result<Vec<&'a str>, Status> {
+    if n == 0 {
+        return Ok(Vec::new());
+    }
+    if list.is_null() {
+        return Err(invalid(format!("{what} is NULL with {n} entries")));
+    }
+    // No array that large exists: a count past this is a caller's mistake, and a slice of it
+    // is undefined behaviour.
+    if n > isize::MAX as usize / std::mem::size_of::<*const c_char>() {
+        return Err(invalid(format!("{what}: {n} entries is more than any array holds")));
+    }
+    // SAFETY: not NULL, within isize::MAX bytes; the caller promises `n` readable entries.
+    let items = unsafe { std::slice::from_raw_parts(list, n) };
+    // SAFETY: each entry is a NUL-terminated string by the caller's promise.
+    items.iter().map(|s| unsafe { c_str(*s, what) }).collect()
+}
+
 /// An optional NUL-terminated UTF-8 argument (a status's message): NULL is "".
 ///
 /// # Safety

@@ -12,7 +12,7 @@ use isthmus::{Code, Status};
 use prost::Message as _;
 use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, SerializeOptions};
 
-use crate::abi::{c_bytes, c_str, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t};
+use crate::abi::{c_bytes, c_str, c_strs, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t};
 use crate::handle::Registry;
 use crate::object::{isthmus_message_t, message_handle};
 
@@ -50,29 +50,6 @@ impl isthmus_proto_t {
             .get_message_by_name(name.trim_start_matches('.'))
             .ok_or_else(|| Status::new(Code::NotFound, format!("no message type {name} is loaded")))
     }
-}
-
-/// A list of `n` C strings as Rust strings (`what` names it in errors).
-///
-/// # Safety
-///
-/// `list` is NULL (with `n` 0) or valid for reads of `n` NUL-terminated strings.
-pub(crate) unsafe fn c_strs<'a>(list: *const *const c_char, n: usize, what: &str) -> Result<Vec<&'a str>, Status> {
-    if n == 0 {
-        return Ok(Vec::new());
-    }
-    if list.is_null() {
-        return Err(invalid(format!("{what} is NULL with {n} entries")));
-    }
-    // No array that large exists: a count past this is a caller's mistake, and a slice of it
-    // is undefined behaviour.
-    if n > isize::MAX as usize / std::mem::size_of::<*const c_char>() {
-        return Err(invalid(format!("{what}: {n} entries is more than any array holds")));
-    }
-    // SAFETY: not NULL, within isize::MAX bytes; the caller promises `n` readable entries.
-    let items = unsafe { std::slice::from_raw_parts(list, n) };
-    // SAFETY: each entry is a NUL-terminated string by the caller's promise.
-    items.iter().map(|s| unsafe { c_str(*s, what) }).collect()
 }
 
 /// Compiles `.proto` files (with what they import) at run time. Imports are looked up in the

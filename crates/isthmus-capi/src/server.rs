@@ -12,7 +12,8 @@ use isthmus::binding::{block_on, hand_off, runtime, HandedCall, Lender};
 use isthmus::{Code, Config, Handler, HandlerFuture, Status};
 
 use crate::abi::{
-    c_bytes, c_str, c_str_or_empty, entry, entry_out, grpc_code, guard, invalid, isthmus_code_t, isthmus_status_t, put,
+    c_bytes, c_str, c_str_or_empty, c_strs, entry, entry_out, grpc_code, guard, invalid, isthmus_code_t,
+    isthmus_status_t, put,
 };
 use crate::cq::{
     clear_now, cq_for, cq_get, cq_taker, isthmus_cq_t, isthmus_event_t, start_on, start_trying_on, Outcome, Queue,
@@ -420,7 +421,7 @@ pub unsafe extern "C" fn isthmus_server_start(
         }
         // SAFETY: the caller promises `count` valid string pointers; a count no array holds is
         // refused before any is read.
-        let list = unsafe { crate::proto::c_strs(targets, count, "the targets")? };
+        let list = unsafe { c_strs(targets, count, "the targets")? };
         let mut state = server.state.lock().map_err(|_| invalid("server state poisoned"))?;
         let ServerState::Building { server: builder, config, stream_limit, tls, compression } =
             std::mem::replace(&mut *state, ServerState::Stopped)

@@ -314,12 +314,7 @@ fn poll_op<O: Outcome>(future: &mut OpFuture<O>, cx: &mut Context<'_>) -> Poll<O
 /// The INTERNAL status a binding reports for a panic it caught (`panic` is what
 /// `catch_unwind` gave).
 pub fn panic_status(panic: &(dyn std::any::Any + Send)) -> Status {
-    let what = panic
-        .downcast_ref::<&str>()
-        .map(|s| s.to_string())
-        .or_else(|| panic.downcast_ref::<String>().cloned())
-        .unwrap_or_else(|| "a non-text panic".into());
-    Status::new(Code::Internal, format!("isthmus caught a panic: {what}"))
+    Status::new(Code::Internal, format!("isthmus caught a panic: {}", crate::status::panic_text(panic)))
 }
 
 /// A lock of the completions' plain data, taken even if a thread panicked holding it: every

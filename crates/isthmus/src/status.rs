@@ -255,6 +255,16 @@ impl Status {
     }
 }
 
+/// The text of a panic's payload (what `catch_unwind` gave): its `&str` or `String`, else "a
+/// non-text panic". For the statuses that report a panic caught (a handler's, a binding's).
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+    panic
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| panic.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-text panic".into())
+}
+
 /// The status of a call made before a fork, used in the child (ADR 0030): UNAVAILABLE, as a
 /// connection made before a fork is closed there.
 pub(crate) fn made_before_fork() -> Status {

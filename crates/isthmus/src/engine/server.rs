@@ -1182,14 +1182,7 @@ impl Future for CatchPanic<'_> {
         match polled {
             Ok(std::task::Poll::Pending) => std::task::Poll::Pending,
             Ok(std::task::Poll::Ready(r)) => std::task::Poll::Ready(Ok(r)),
-            Err(p) => {
-                let what = p
-                    .downcast_ref::<&str>()
-                    .map(|s| s.to_string())
-                    .or_else(|| p.downcast_ref::<String>().cloned())
-                    .unwrap_or_else(|| "a non-text panic".into());
-                std::task::Poll::Ready(Err(what))
-            }
+            Err(p) => std::task::Poll::Ready(Err(crate::status::panic_text(&*p))),
         }
     }
 }

@@ -30,9 +30,9 @@
 //! 5. [`ResponseBody`] yields for each message a data frame with the 5-byte prefix, then the
 //!    message's own `Bytes` (for a large one a view into the server's arena; tonic's decoder copies
 //!    it), and at the end the status as trailers (none after a trailers-only response). It
-//!    reads through `ShmCall::poll_recv`, so deadline and WINDOW grants work as for any call. Dropping it before the end drops the call,
-//!    which sends CANCEL. Its `Source` is `Shm` (the call), `Http` (tonic's body, with its
-//!    `CancelOnDrop`) or `Done`.
+//!    reads through `ShmCall::poll_recv`, so deadline and WINDOW grants work as for any call.
+//!    Dropping it before the end drops the call, which sends CANCEL. Its `Source` is `Shm` (the
+//!    call), `Http` (tonic's body, with its `CancelOnDrop`) or `Done`.
 //!
 //! Over `unix://` and `http://` the service passes each request to tonic's channel unchanged and
 //! wraps the response body. tonic enforces the deadline only until the response's headers; the
