@@ -355,6 +355,9 @@ class AioUnaryCall:
     _outcome: asyncio.Future[Any]
     _driver: Any
     _token: Any
+    # Whether the reply deserialized (None: not tried yet); set by an await, or `_set_decoded`.
+    _decoded: bool | None
+    def _set_decoded(self, ok: bool) -> None: ...
     def __await__(self) -> AioUnaryWait: ...
 
 @final

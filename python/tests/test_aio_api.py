@@ -249,23 +249,28 @@ async def test_nobody_there(transport: str, pb_grpc: ModuleType, pb: ModuleType)
 async def test_a_response_deserializer_that_raises_fails_the_call_internal(address: str) -> None:
     """As grpcio's blocking call does (which isthmus.aio follows here: grpc.aio logs and returns
     None): INTERNAL, "Exception deserializing response!", for a call with metadata and without
-    (the native path and the Python one); a request that is no `bytes`, with no serializer,
+    (the native path and the Python one), and the call's own `code()` and `details()` say the
+    same, asked after its await or before it; a request that is no `bytes`, with no serializer,
     raises TypeError on both paths, and the channel goes on."""
 
     def boom(_: bytes) -> Any:
         raise ValueError("cannot deserialize this")
 
+    internal = (grpc.StatusCode.INTERNAL, "Exception deserializing response!")
     async with isthmus.aio.insecure_channel(address) as channel:
         path = "/conformance.Echo/Unary"
         for metadata in (None, [("x-a", "1")]):
+            call = channel.unary_unary(path, response_deserializer=boom)(b"", metadata=metadata, timeout=60)
             with pytest.raises(grpc.aio.AioRpcError) as caught:
-                await channel.unary_unary(path, response_deserializer=boom)(
-                    b"", metadata=metadata, timeout=60
-                )
-            assert (caught.value.code(), caught.value.details()) == (
-                grpc.StatusCode.INTERNAL,
-                "Exception deserializing response!",
-            ), metadata
+                await call
+            assert (caught.value.code(), caught.value.details()) == internal, metadata
+            assert (await call.code(), await call.details()) == internal, metadata
+            # Its status first: the same, and so is the await's.
+            call = channel.unary_unary(path, response_deserializer=boom)(b"", metadata=metadata, timeout=60)
+            assert (await call.code(), await call.details()) == internal, metadata
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert (caught.value.code(), caught.value.details()) == internal, metadata
             with pytest.raises(TypeError):
                 await channel.unary_unary(path)("text", metadata=metadata, timeout=60)
         assert isinstance(await channel.unary_unary(path)(b"", timeout=60), bytes)

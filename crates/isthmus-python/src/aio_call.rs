@@ -14,7 +14,7 @@
 //! `_serialize_failed`, a call that failed to the call's `_raise`, a deserializer that raised to
 //! its `_undecodable`.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 
 use pyo3::exceptions::{PyException, PyRuntimeError, PyStopIteration};
 use pyo3::gc::PyVisit;
@@ -221,7 +221,16 @@ pub(crate) struct AioUnaryCall {
     token: Py<PyAny>,
     /// Wait for the outcome on this thread first (`Driver.settle`), once.
     settle: AtomicBool,
+    /// Whether the reply deserialized: [`UNTRIED`], [`DECODED`] or [`UNDECODABLE`]. A call
+    /// whose reply does not is over INTERNAL, also for its `code()`, and whether or not it was
+    /// awaited (`UnaryUnaryCall._end`).
+    decoded: AtomicU8,
 }
+
+/// [`AioUnaryCall::decoded`]'s states.
+const UNTRIED: u8 = 0;
+const DECODED: u8 = 1;
+const UNDECODABLE: u8 = 2;
 
 #[pymethods]
 impl AioUnaryCall {
@@ -252,7 +261,22 @@ impl AioUnaryCall {
             driver,
             token,
             settle: AtomicBool::new(settle),
+            decoded: AtomicU8::new(UNTRIED),
         })
+    }
+
+    /// Whether the reply deserialized: None if nothing tried yet.
+    #[getter(_decoded)]
+    fn decoded(&self) -> Option<bool> {
+        match self.decoded.load(Ordering::Relaxed) {
+            UNTRIED => None,
+            state => Some(state == DECODED),
+        }
+    }
+
+    /// Records whether the reply deserialized, for a status asked before the call was awaited.
+    fn _set_decoded(&self, ok: bool) {
+        self.decoded.store(if ok { DECODED } else { UNDECODABLE }, Ordering::Relaxed);
     }
 
     fn __await__(slf: Bound<'_, Self>) -> PyResult<Bound<'_, AioUnaryWait>> {
@@ -336,8 +360,12 @@ impl AioUnaryWait {
         let reply = match this.deserialize.is_none(py) {
             true => message,
             false => match this.deserialize.bind(py).call1((message,)) {
-                Ok(reply) => reply,
+                Ok(reply) => {
+                    this.decoded.store(DECODED, Ordering::Relaxed);
+                    reply
+                }
                 Err(e) if e.is_instance_of::<PyException>(py) => {
+                    this.decoded.store(UNDECODABLE, Ordering::Relaxed);
                     return Err(slf.call_method0(intern!(py, "_undecodable")).err().unwrap_or_else(unraised));
                 }
                 Err(e) => return Err(e),

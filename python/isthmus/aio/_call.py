@@ -124,7 +124,23 @@ class UnaryUnaryCall(_native.AioUnaryCall, _Call, grpc.aio.UnaryUnaryCall):
 
     async def _end(self) -> CallError | None:
         value = await self._result()
-        return value if isinstance(value, CallError) else None
+        if isinstance(value, CallError):
+            return value
+        # A reply that does not deserialize fails the call INTERNAL (its await raises it), so
+        # its status says so too, asked before the await or after.
+        return None if self._decodes(value) else deserialize_failed()
+
+    def _decodes(self, value: Any) -> bool:
+        decoded: bool | None = self._decoded
+        if decoded is None:
+            decoded = True
+            if self._deserialize is not None:
+                try:
+                    self._deserialize(value.message)
+                except Exception:
+                    decoded = False
+            self._set_decoded(decoded)
+        return decoded
 
     def _ok_trailers(self) -> list[Metadatum]:
         return self._outcome.result().trailing_metadata  # type: ignore[no-any-return]
