@@ -465,11 +465,21 @@ impl<O: Outcome> Completions<O> {
             let Some(future) = slot.as_mut() else { continue }; // finished or abandoned
             if let Poll::Ready(outcome) = poll_op(future, &mut Context::from_waker(&Waker::from(op.clone()))) {
                 *slot = None;
-                lock(&self.running).remove(&op.token);
+                self.forget(&op);
                 done.push((op.token, outcome));
             }
         }
         done
+    }
+
+    /// Removes a finished operation from `running`, unless a later one took its token there
+    /// (a caller that reused a token still in use, which a binding refuses but two threads can
+    /// race past): that one stays, so that `abort` still finds it.
+    fn forget(&self, op: &Arc<Op<O>>) {
+        let mut running = lock(&self.running);
+        if running.get(&op.token).is_some_and(|r| Arc::ptr_eq(r, op)) {
+            running.remove(&op.token);
+        }
     }
 
     /// Makes the eventfd readable (for a caller that took fewer completions than were ready).
@@ -1061,6 +1071,22 @@ mod tests {
         completions.run(20, async move { rx.await.unwrap_or(0) });
         tx.send(7).expect("send");
         assert_eq!(completions.take(), vec![(20, 7)]);
+    }
+
+    #[test]
+    fn a_token_reused_while_in_use_names_the_later_operation() {
+        // Two threads past a binding's check at once: both operations wait under token 3.
+        let completions = Completions::<u32>::new().expect("eventfd");
+        let (tx1, rx1) = tokio::sync::oneshot::channel::<u32>();
+        let (_tx2, rx2) = tokio::sync::oneshot::channel::<u32>();
+        completions.run(3, async move { rx1.await.unwrap_or(0) });
+        completions.run(3, async move { rx2.await.unwrap_or(0) });
+        // The first finishes; the second still waits under the token, and can be abandoned.
+        tx1.send(1).expect("send");
+        assert_eq!(completions.take(), vec![(3, 1)]);
+        assert!(completions.is_running(3), "the later operation still waits");
+        assert!(completions.abort(3), "and is abandoned by its token");
+        assert!(completions.take().is_empty());
     }
 
     #[test]
