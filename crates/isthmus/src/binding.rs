@@ -17,6 +17,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::hash::BuildHasherDefault;
 use std::os::fd::{AsRawFd, RawFd};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
@@ -28,6 +29,7 @@ use isthmus_shm::{EventFd, SocketBell};
 use tokio::sync::watch;
 
 use crate::client::{CallSender, ClientCall};
+use crate::engine::mux::IdHasher;
 pub use crate::engine::mux::Lender;
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
@@ -363,8 +365,9 @@ pub struct Completions<O> {
     /// Rung with `fd` when set: for a loop that can watch only a socket it connected itself.
     bell: Mutex<Option<SocketBell>>,
     queue: Mutex<Queue<O>>,
-    /// Operations waiting, by token (to abandon them).
-    running: Mutex<HashMap<u64, Arc<Op<O>>>>,
+    /// Operations waiting, by token (to abandon them); a token is hashed as a stream id is,
+    /// cheaper than SipHash, on every operation that waits.
+    running: Mutex<HashMap<u64, Arc<Op<O>>, BuildHasherDefault<IdHasher>>>,
 }
 
 impl<O> std::fmt::Debug for Completions<O> {

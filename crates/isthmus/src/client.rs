@@ -880,8 +880,8 @@ mod tests {
     use super::*;
 
     /// The bindings box a unary call's future and move it whole (see `Channel::unary`): the
-    /// paths taken less often stay out of it. 2,352 bytes with them inline, 864 now, and the
-    /// C ABI's queued call around it 992, which glibc's thread cache serves (chunks up to
+    /// paths taken less often stay out of it. 2,352 bytes with them inline, 736 now, and the
+    /// C ABI's queued call around it 864, which glibc's thread cache serves (chunks up to
     /// 1,032 bytes); 4,960 before.
     #[test]
     fn a_unary_calls_future_leaves_its_rare_paths_boxed() {

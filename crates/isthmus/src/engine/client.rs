@@ -179,8 +179,26 @@ impl ShmChannel {
         let deadline = options.timeout.map(|t| Instant::now() + t);
         let mut again = true;
         loop {
-            let mux = self.mux(options.wait_for_ready, deadline).await?;
-            match self.open(mux.clone(), path, &options, deadline, reads, keep.clone(), first).await {
+            // Connecting, and a wait for ring room, are boxed: their state would sit in every
+            // call's future, which the bindings allocate per call (`Channel::start_shm_with`'s:
+            // 992 bytes with them inline, 384 now).
+            let mux = match self.live() {
+                Some(mux) => mux,
+                None => Box::pin(self.mux(options.wait_for_ready, deadline)).await?,
+            };
+            // Awaited outside the match, whose scrutinee (a call) would sit in the future.
+            let sending = match self.open(mux.clone(), path, &options, deadline, reads, keep.clone(), first) {
+                Ok((call, inside, true)) => return Ok((call, inside)),
+                Ok((call, inside, false)) => {
+                    Ok((Box::pin(send_head(call, path, &options, first.filter(|_| inside))), inside))
+                }
+                Err(status) => Err(status),
+            };
+            let opened = match sending {
+                Ok((sending, inside)) => sending.await.map(|call| (call, inside)),
+                Err(status) => Err(status),
+            };
+            match opened {
                 // Its connection died before the call's HEADERS went out: the server never saw
                 // it, so it starts once more on a new connection (gRPC's transparent retry).
                 Err(_) if again && !mux.takes_calls() => again = false,
@@ -189,8 +207,11 @@ impl ShmChannel {
         }
     }
 
+    /// Registers the call and sends its HEADERS if the ring has room now, as it mostly has:
+    /// the call, whether `first` went inside the HEADERS (or will, [`send_head`]), and whether
+    /// they went.
     #[allow(clippy::too_many_arguments)] // `start_with`'s own, passed down
-    async fn open(
+    fn open(
         &self,
         mux: Arc<Mux>,
         path: &str,
@@ -199,25 +220,16 @@ impl ShmChannel {
         reads: bool,
         keep: Arc<dyn std::any::Any + Send + Sync>,
         first: Option<&[u8]>,
-    ) -> Result<(ShmCall, bool), Status> {
+    ) -> Result<(ShmCall, bool, bool), Status> {
         let stream = mux.register(self.slot.next_stream())?;
         let call =
             ShmCall { state: CallState::new(stream, mux, path, keep), deadline, timer: None, reads, read_dry: false };
         let head = open_head(path, &options.metadata, deadline.map(Instant::into_std));
         let first = first.filter(|m| request_in_head(&call.state, &head, m));
         let (f, body) = head_frame(&head, first);
-        let (sender, id) = (&call.state.mux.sender, call.state.id());
-        // Pushed here when the ring has room, as it mostly has: a wait's state would make every
-        // call's future larger (see `Channel::unary`).
-        if !sender.try_send_parts(Kind::Headers, f, id, &body).map_err(|e| Status::from_transport(&e))? {
-            // Within the deadline: a server that reads nothing must not hold the call past it.
-            // The HEADERS never went, so the server knows nothing of the call to cancel.
-            match until(deadline, Box::pin(sender.send_parts_async(Kind::Headers, f, id, &body))).await {
-                Some(sent) => sent.map_err(|e| Status::from_transport(&e))?,
-                None => return Err(Status::new(Code::DeadlineExceeded, "the call's deadline passed")),
-            }
-        }
-        Ok((call, first.is_some()))
+        let sent = call.state.mux.sender.try_send_parts(Kind::Headers, f, call.state.id(), &body);
+        let sent = sent.map_err(|e| Status::from_transport(&e))?;
+        Ok((call, first.is_some(), sent))
     }
 
     /// The largest message this channel accepts (its configuration's `max_message_size`).
@@ -229,6 +241,21 @@ impl ShmChannel {
     pub(crate) fn counters(&self) -> ConnectionCounters {
         self.slot.counters()
     }
+}
+
+/// Sends the HEADERS of a call that found no room in the ring ([`ShmChannel::open`]), with
+/// `first` inside them if it was let in, within the call's deadline: a server that reads nothing
+/// must not hold the call past it. The HEADERS never went, so the server knows nothing of the
+/// call to cancel.
+async fn send_head(call: ShmCall, path: &str, options: &CallOptions, first: Option<&[u8]>) -> Result<ShmCall, Status> {
+    let head = open_head(path, &options.metadata, call.deadline.map(Instant::into_std));
+    let (f, body) = head_frame(&head, first);
+    let (sender, id) = (&call.state.mux.sender, call.state.id());
+    match until(call.deadline, sender.send_parts_async(Kind::Headers, f, id, &body)).await {
+        Some(sent) => sent.map_err(|e| Status::from_transport(&e))?,
+        None => return Err(Status::new(Code::DeadlineExceeded, "the call's deadline passed")),
+    }
+    Ok(call)
 }
 
 /// Takes credit for a message of `len` bytes on a stream, waiting for the server's window; a

@@ -342,9 +342,10 @@ impl Cancel {
 
 /// Hashes stream ids: they are chosen by the peer, so not trusted to be spread out, but a
 /// multiply-shift spreads any pattern of ids well enough for a table the peer can only fill
-/// with its own open calls.
+/// with its own open calls. The bindings' operations, named by their caller's tokens, are kept
+/// so too (`binding::Completions`).
 #[derive(Default)]
-struct IdHasher(u64);
+pub(crate) struct IdHasher(u64);
 
 impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
