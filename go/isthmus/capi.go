@@ -9,6 +9,7 @@ package isthmus
 import "C"
 
 import (
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
@@ -59,6 +60,47 @@ func bytesPtr(b []byte) *C.uint8_t {
 func reserved(key string) bool {
 	return strings.HasPrefix(key, "grpc-") || strings.HasPrefix(key, ":") ||
 		key == "content-type" || key == "te" || key == "user-agent"
+}
+
+// validateMetadata refuses what grpc-go's client refuses to send, with its code
+// (codes.Internal) and words: an empty key, a key with a character outside [0-9a-z-_.] (a
+// pseudo-header's ":" aside), and a value of a key not ending in "-bin" with a byte outside
+// printable ASCII. grpc-go checks the keys as the caller wrote them; what the metadata
+// package gives here is lowercased already, so an upper-case key passes.
+func validateMetadata(md metadata.MD) error {
+	for k, vs := range md {
+		if err := validatePair(k, vs); err != nil {
+			return status.Error(codes.Internal, err.Error())
+		}
+	}
+	return nil
+}
+
+func validatePair(key string, values []string) error {
+	if key == "" {
+		return errors.New("there is an empty key in the header")
+	}
+	if key[0] == ':' {
+		return nil
+	}
+	for i := 0; i < len(key); i++ {
+		switch c := key[i]; {
+		case c >= 'a' && c <= 'z', c >= '0' && c <= '9', c == '-', c == '_', c == '.':
+		default:
+			return fmt.Errorf("header key %q contains illegal characters not in [0-9a-z-_.]", key)
+		}
+	}
+	if strings.HasSuffix(key, "-bin") {
+		return nil
+	}
+	for _, v := range values {
+		for i := 0; i < len(v); i++ {
+			if v[i] < 0x20 || v[i] > 0x7e {
+				return fmt.Errorf("header key %q contains value with non-printable ASCII characters", key)
+			}
+		}
+	}
+	return nil
 }
 
 // newMetadata copies md into a C metadata handle (nil when md has nothing to send); the

@@ -280,6 +280,11 @@ func (cc *ClientConn) cCallOptions(ctx context.Context, method string, co callOp
 		return o, status.FromContextError(err).Err()
 	}
 	md, ok := metadata.FromOutgoingContext(ctx)
+	if method != "" {
+		if err := validateMetadata(md); err != nil {
+			return o, err
+		}
+	}
 	if method != "" && (len(cc.perRPC.creds) > 0 || co.creds != nil) {
 		var err error
 		if md, err = cc.perRPC.requestMetadata(ctx, method, co.creds, md); err != nil {

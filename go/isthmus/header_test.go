@@ -261,3 +261,56 @@ func TestTrailerIsAnEmptyMapUntilTheTrailersCome(t *testing.T) {
 		}
 	}
 }
+
+// Metadata grpc-go's client will not send fails the call before it starts, codes.Internal in
+// grpc-go's words, for unary and streaming calls alike; the connection goes on.
+func TestMetadataGrpcGoRefusesFailsTheCallAsThere(t *testing.T) {
+	bad := map[string]metadata.MD{
+		"empty key":        {"": {"v"}},
+		"key with a space": {"a key": {"v"}},
+		"key with a slash": {"a/b": {"v"}},
+		"newline in value": {"k": {"a\nb"}},
+		"byte 0x7f":        {"k": {"a\x7fb"}},
+		"utf-8 in value":   {"k": {"é"}},
+	}
+	fine := map[string]metadata.MD{
+		"binary value":  {"k-bin": {"\x00\xff"}},
+		"all it allows": {"0-9_a.z": {" ~"}},
+	}
+	for name, conn := range besideGrpcGo(t, "metadata-refused") {
+		c := pb.NewEchoClient(conn)
+		for what, md := range bad {
+			ctx := metadata.NewOutgoingContext(testContext(t), md)
+			_, uerr := c.Unary(ctx, &pb.EchoRequest{Seq: 1})
+			_, serr := c.Bidi(ctx)
+			for kind, err := range map[string]error{"unary": uerr, "stream": serr} {
+				s := status.Convert(err)
+				if s.Code() != codes.Internal || !strings.HasPrefix(s.Message(), "there is an empty key") && !strings.HasPrefix(s.Message(), "header key ") {
+					t.Errorf("%s, %s, %s: %v; want Internal in grpc-go's words", name, what, kind, err)
+				}
+			}
+		}
+		for what, md := range fine {
+			ctx := metadata.NewOutgoingContext(testContext(t), md)
+			if _, err := c.Unary(ctx, &pb.EchoRequest{Seq: 2}); err != nil {
+				t.Errorf("%s, %s: %v", name, what, err)
+			}
+		}
+	}
+}
+
+// The two clients' words for each refusal are the same.
+func TestMetadataRefusalsSayWhatGrpcGoSays(t *testing.T) {
+	conns := besideGrpcGo(t, "metadata-words")
+	for _, md := range []metadata.MD{{"": {"v"}}, {"a key": {"v"}}, {"k": {"a\tb"}}} {
+		said := map[string]string{}
+		for name, conn := range conns {
+			ctx := metadata.NewOutgoingContext(testContext(t), md)
+			_, err := pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{Seq: 1})
+			said[name] = status.Convert(err).Message()
+		}
+		if said["grpc-go"] != said["isthmus"] || said["isthmus"] == "" {
+			t.Errorf("%v: grpc-go said %q, isthmus %q", md, said["grpc-go"], said["isthmus"])
+		}
+	}
+}
