@@ -98,6 +98,9 @@ def server(
     """A server whose handlers run on `thread_pool`, as `grpc.server` makes one; bind it with
     `add_insecure_port`. `options` it reads: `grpc.max_receive_message_length` and
     `grpc.max_send_message_length` (a larger request or reply fails its call
-    RESOURCE_EXHAUSTED), `grpc.default_compression_algorithm`, and `isthmus.offer_shm` (False:
-    HTTP/2 clients on this machine are not offered the move to shm://)."""
+    RESOURCE_EXHAUSTED), `grpc.default_compression_algorithm`, `grpc.so_reuseport` (on by
+    default, as grpcio's: servers of several processes can bind the same TCP port, the kernel
+    spreading the connections among them; 0: a port in use fails the bind), and
+    `isthmus.offer_shm` (False: HTTP/2 clients on this machine are not offered the move to
+    shm://)."""
     return Server(thread_pool, handlers, interceptors, options, maximum_concurrent_rpcs, compression)

@@ -499,6 +499,7 @@ class Server:
         offer_shm: bool = True,
         max_threads: int | None = None,
         compression: str | None = None,
+        reuse_port: bool = False,
     ) -> Self: ...
     def stats(self) -> dict[str, int]:
         """The counters of the live shm connections (`isthmus.TransportStats`'s fields)."""

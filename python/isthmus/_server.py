@@ -67,8 +67,11 @@ class ServerBase:
         replies = channel_compression(compression, options)
         max_send, max_receive = limits(options)
         self._max_send = max_send
+        # `grpc.so_reuseport` (default on, as grpcio's): servers of several processes share a
+        # TCP port.
+        reuse_port = bool(dict(options or ()).get("grpc.so_reuseport", 1))
         self._native = _native.Server(
-            to_loop, maximum_concurrent_rpcs, max_receive, offer_shm, max_threads, replies
+            to_loop, maximum_concurrent_rpcs, max_receive, offer_shm, max_threads, replies, reuse_port
         )
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:

@@ -211,6 +211,45 @@ def test_an_address_that_cannot_be_bound_raises_RuntimeError(kind: str, tmp_path
     pool.shutdown()
 
 
+def _answering(name: bytes) -> grpc.GenericRpcHandler:
+    return grpc.method_handlers_generic_handler(
+        "t.Port", {"Who": grpc.unary_unary_rpc_method_handler(lambda request, context: name)}
+    )
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus", "isthmus.aio"])
+def test_servers_share_a_tcp_port_unless_so_reuseport_is_off(kind: str) -> None:
+    """grpcio binds TCP ports with SO_REUSEPORT unless `grpc.so_reuseport` is 0: a second
+    server (of this process or another) binds a port the first serves, and serves it once the
+    first has stopped; with the option 0 that bind raises RuntimeError. isthmus refused the
+    second bind (the port was in use)."""
+    pool = futures.ThreadPoolExecutor(2)
+
+    def server(name: bytes, options: list[tuple[str, Any]] | None = None) -> Any:
+        if kind == "grpcio":
+            return grpc.server(pool, handlers=[_answering(name)], options=options)
+        if kind == "isthmus":
+            return isthmus.server(pool, handlers=[_answering(name)], options=options)
+        return isthmus.aio.server(options=options)
+
+    first = server(b"first")
+    port = first.add_insecure_port("127.0.0.1:0")
+    second = server(b"second")
+    assert second.add_insecure_port(f"127.0.0.1:{port}") == port
+    with pytest.raises(RuntimeError):
+        server(b"third", [("grpc.so_reuseport", 0)]).add_insecure_port(f"127.0.0.1:{port}")
+    if kind != "isthmus.aio":  # bound only: an asyncio server starts on a loop
+        first.start()
+        second.start()
+        first.stop(None).wait()
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                assert channel.unary_unary("/t.Port/Who")(b"", timeout=30) == b"second"
+        finally:
+            second.stop(None)
+    pool.shutdown()
+
+
 def _read_then_head(requests: Iterator[bytes], context: Any) -> bytes:
     first = next(requests)
     context.send_initial_metadata((("x-first", first.decode()),))

@@ -547,6 +547,8 @@ pub(crate) struct Server {
     compression: Option<isthmus::Compression>,
     /// What every port's HTTP/2 clients are offered: the `shm://` port, whichever call bound it.
     offer: Option<isthmus::ShmOffer>,
+    /// TCP ports are bound with `SO_REUSEPORT` (`grpc.so_reuseport`).
+    reuse_port: bool,
     bound: Mutex<Vec<isthmus::Bound>>,
     /// Every port's counters, kept past `start` (which consumes `bound`).
     stats: Mutex<Vec<isthmus::ServerStats>>,
@@ -558,7 +560,8 @@ pub(crate) struct Server {
 #[pymethods]
 impl Server {
     #[new]
-    #[pyo3(signature = (to_loop, max_concurrent_rpcs=None, max_message_size=None, offer_shm=true, max_threads=None, compression=None))]
+    #[pyo3(signature = (to_loop, max_concurrent_rpcs=None, max_message_size=None, offer_shm=true, max_threads=None, compression=None, reuse_port=false))]
+    #[allow(clippy::too_many_arguments)] // Python's keywords
     fn new(
         to_loop: bool,
         max_concurrent_rpcs: Option<usize>,
@@ -566,6 +569,7 @@ impl Server {
         offer_shm: bool,
         max_threads: Option<usize>,
         compression: Option<&str>,
+        reuse_port: bool,
     ) -> PyResult<Server> {
         let compression = crate::convert::compression_from_py(compression)?;
         let mut config = isthmus::Config::default();
@@ -586,6 +590,7 @@ impl Server {
             config,
             compression,
             offer: offer_shm.then(isthmus::ShmOffer::new),
+            reuse_port,
             bound: Mutex::new(Vec::new()),
             stats: Mutex::new(Vec::new()),
             stop: watch::Sender::new(None),
@@ -598,8 +603,11 @@ impl Server {
     fn add_port(&self, target: &str, tls: Option<crate::tls::ServerTls>, health: bool) -> PyResult<String> {
         let tls = tls.map(crate::tls::server_config).transpose()?;
         let _runtime = runtime().enter();
-        let mut server =
-            isthmus::Server::builder().fallback(self.handler.clone()).config(self.config.clone()).health(health);
+        let mut server = isthmus::Server::builder()
+            .fallback(self.handler.clone())
+            .config(self.config.clone())
+            .health(health)
+            .reuse_port(self.reuse_port);
         if let Some(compression) = self.compression {
             server = server.send_compressed(compression);
         }

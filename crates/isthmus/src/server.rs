@@ -124,6 +124,8 @@ pub struct Server {
     health: bool,
     /// Compress handlers' replies over HTTP/2 with this, where the client reads it.
     reply_compression: Option<crate::Compression>,
+    /// Bind TCP addresses with `SO_REUSEPORT`.
+    reuse_port: bool,
 }
 
 impl Default for Server {
@@ -142,6 +144,7 @@ impl Default for Server {
             offer_shm: true,
             health: true,
             reply_compression: None,
+            reuse_port: false,
         }
     }
 }
@@ -278,6 +281,15 @@ impl Server {
         self
     }
 
+    /// Binds TCP addresses with `SO_REUSEPORT` (default: no), so that servers of several
+    /// processes, or several in one, serve the same port, the kernel spreading the
+    /// connections among them; each must bind with it. grpcio's servers do so by default
+    /// (`grpc.so_reuseport`), and the Python binding follows them.
+    pub fn reuse_port(mut self, on: bool) -> Server {
+        self.reuse_port = on;
+        self
+    }
+
     /// Whether HTTP/2 clients of this server are offered its `shm://` endpoint, so that their
     /// calls move to shared memory when they run on this machine (default: yes; see
     /// [`crate::upgrade`]).
@@ -354,9 +366,10 @@ impl Server {
                                 "an https:// target needs the server's TLS settings (Server::tls_config)",
                             )
                         })?),
+                        this.reuse_port,
                     )?);
                 }
-                other => http.push(HttpListener::bind(&other, None)?),
+                other => http.push(HttpListener::bind(&other, None, this.reuse_port)?),
             }
         }
         if shm.is_empty() && http.is_empty() {

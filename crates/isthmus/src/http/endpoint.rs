@@ -182,6 +182,31 @@ fn ip_port(s: &str, v6: bool) -> Result<String, String> {
     )
 }
 
+/// A TCP listener on `host` (`host:port`, resolved; the first address that binds) with
+/// `SO_REUSEPORT`, as `std::net::TcpListener::bind` would make it otherwise.
+fn bind_reusing_port(host: &str) -> std::io::Result<tokio::net::TcpListener> {
+    use std::net::ToSocketAddrs;
+    let mut last = None;
+    for addr in host.to_socket_addrs()? {
+        let socket = match addr {
+            std::net::SocketAddr::V4(_) => tokio::net::TcpSocket::new_v4(),
+            std::net::SocketAddr::V6(_) => tokio::net::TcpSocket::new_v6(),
+        };
+        let bound = socket.and_then(|socket| {
+            // As std's own bind: a port a closing connection still holds can be bound again.
+            socket.set_reuseaddr(true)?;
+            socket.set_reuseport(true)?;
+            socket.bind(addr)?;
+            socket.listen(1024)
+        });
+        match bound {
+            Ok(listener) => return Ok(listener),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| std::io::Error::new(std::io::ErrorKind::InvalidInput, "no address to bind")))
+}
+
 /// A bound HTTP/2 listener.
 pub(crate) enum HttpListener {
     /// A unix socket, and its file, removed with the listener (none for an abstract name).
@@ -192,8 +217,13 @@ pub(crate) enum HttpListener {
 
 impl HttpListener {
     /// Binds `target` now (inside a tokio runtime), with TLS if `tls` is given (TCP targets
-    /// only). A unix socket left by a dead server is replaced; one that answers is not.
-    pub(crate) fn bind(target: &Target, tls: Option<&ServerTlsConfig>) -> Result<HttpListener, Status> {
+    /// only), and a TCP address with `SO_REUSEPORT` if `reuse_port`. A unix socket left by a
+    /// dead server is replaced; one that answers is not.
+    pub(crate) fn bind(
+        target: &Target,
+        tls: Option<&ServerTlsConfig>,
+        reuse_port: bool,
+    ) -> Result<HttpListener, Status> {
         let unavailable = |what: String| Status::new(Code::Unavailable, what);
         if tls.is_some() && !matches!(target, Target::Tcp { .. }) {
             return Err(Status::new(Code::InvalidArgument, "TLS is served on TCP addresses only"));
@@ -245,10 +275,14 @@ impl HttpListener {
                     }
                     (None, _) => None,
                 };
-                let std = std::net::TcpListener::bind(host.as_str())
-                    .map_err(|e| unavailable(format!("cannot bind {host}: {e}")))?;
-                std.set_nonblocking(true).map_err(|e| unavailable(e.to_string()))?;
-                let l = tokio::net::TcpListener::from_std(std).map_err(|e| unavailable(e.to_string()))?;
+                let l = match reuse_port {
+                    false => std::net::TcpListener::bind(host.as_str()).and_then(|std| {
+                        std.set_nonblocking(true)?;
+                        tokio::net::TcpListener::from_std(std)
+                    }),
+                    true => bind_reusing_port(host),
+                };
+                let l = l.map_err(|e| unavailable(format!("cannot bind {host}: {e}")))?;
                 Ok(HttpListener::Tcp(l, config))
             }
             Target::Shm(_) => Err(Status::new(Code::Internal, "an shm:// target is not an HTTP listener")),
@@ -814,6 +848,26 @@ mod tests {
         assert!(path.exists(), "a successor's socket file stays");
         drop((first, successor));
         std::fs::remove_file(&path).expect("clean up");
+    }
+
+    #[test]
+    fn a_tcp_port_is_shared_only_by_listeners_that_all_reuse_it() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let _context = runtime.enter();
+        let tcp = |addr: String| Target::Tcp { addrs: vec![addr], tls: None };
+        let first = HttpListener::bind(&tcp("127.0.0.1:0".into()), None, true).expect("bind");
+        let HttpListener::Tcp(listener, _) = &first else { panic!("a TCP listener") };
+        let port = listener.local_addr().expect("address").port();
+        let at = tcp(format!("127.0.0.1:{port}"));
+        let second = HttpListener::bind(&at, None, true).expect("a second listener that reuses the port");
+        let refused = HttpListener::bind(&at, None, false).err().expect("one that does not is refused");
+        assert_eq!(refused.code(), Code::Unavailable, "{refused:?}");
+        drop((first, second));
+        // Without the option on the first, the port is its own.
+        let plain = HttpListener::bind(&tcp("127.0.0.1:0".into()), None, false).expect("bind");
+        let HttpListener::Tcp(listener, _) = &plain else { panic!("a TCP listener") };
+        let port = listener.local_addr().expect("address").port();
+        assert!(HttpListener::bind(&tcp(format!("127.0.0.1:{port}")), None, true).is_err());
     }
 
     #[test]
