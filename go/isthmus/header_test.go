@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	pb "example.invalid/isthmus/go/internal/conformancepb"
+	"example.invalid/isthmus/go/internal/echo"
 	"example.invalid/isthmus/go/isthmus"
 )
 
@@ -311,6 +312,42 @@ func TestMetadataRefusalsSayWhatGrpcGoSays(t *testing.T) {
 		}
 		if said["grpc-go"] != said["isthmus"] || said["isthmus"] == "" {
 			t.Errorf("%v: grpc-go said %q, isthmus %q", md, said["grpc-go"], said["isthmus"])
+		}
+	}
+}
+
+// badHeaders sets metadata grpc-go refuses as a streaming call's header: ServerStream with
+// SetHeader, Bidi with SendHeader; each handler ends its call with what that returned.
+type badHeaders struct{ echo.Service }
+
+var badHeader = metadata.MD{"a key": {"v"}}
+
+func (badHeaders) ServerStream(_ *pb.StreamRequest, stream grpc.ServerStreamingServer[pb.EchoReply]) error {
+	return stream.SetHeader(badHeader)
+}
+
+func (badHeaders) Bidi(stream grpc.BidiStreamingServer[pb.EchoRequest, pb.EchoReply]) error {
+	return stream.SendHeader(badHeader)
+}
+
+// A streaming handler's SetHeader and SendHeader refuse what grpc-go's refuse, codes.Internal
+// in grpc-go's words, at once (isthmus's failed only when the header went, InvalidArgument).
+func TestAStreamsHeaderGrpcGoRefusesIsRefusedAsThere(t *testing.T) {
+	want := `header key "a key" contains illegal characters not in [0-9a-z-_.]`
+	for name, conn := range besideGrpcGoServing(t, "bad-headers", badHeaders{}) {
+		c := pb.NewEchoClient(conn)
+		ss, err := c.ServerStream(testContext(t), &pb.StreamRequest{})
+		if err == nil {
+			_, err = ss.Recv()
+		}
+		bidi, berr := c.Bidi(testContext(t))
+		if berr == nil {
+			_, berr = bidi.Recv()
+		}
+		for kind, err := range map[string]error{"SetHeader": err, "SendHeader": berr} {
+			if s := status.Convert(err); s.Code() != codes.Internal || s.Message() != want {
+				t.Errorf("%s, %s: %v; want Internal %q", name, kind, err, want)
+			}
 		}
 	}
 }

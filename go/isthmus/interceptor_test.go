@@ -89,12 +89,18 @@ func streamServerRec(e *events, name string) grpc.StreamServerInterceptor {
 // address is host:port.
 func startGrpcServer(t *testing.T, opts ...grpc.ServerOption) string {
 	t.Helper()
+	return startGrpcServing(t, &echo.Service{}, opts...)
+}
+
+// startGrpcServing starts a grpc-go server of impl on a free local port: its address.
+func startGrpcServing(t *testing.T, impl pb.EchoServer, opts ...grpc.ServerOption) string {
+	t.Helper()
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	s := grpc.NewServer(opts...)
-	pb.RegisterEchoServer(s, &echo.Service{})
+	pb.RegisterEchoServer(s, impl)
 	go s.Serve(lis)
 	t.Cleanup(s.Stop)
 	return lis.Addr().String()
@@ -104,9 +110,15 @@ func startGrpcServer(t *testing.T, opts ...grpc.ServerOption) string {
 // by name: for tests that run the same code against both and expect the same.
 func besideGrpcGo(t *testing.T, tag string) map[string]grpc.ClientConnInterface {
 	t.Helper()
+	return besideGrpcGoServing(t, tag, &echo.Service{})
+}
+
+// besideGrpcGoServing is besideGrpcGo with impl as both servers' Echo service.
+func besideGrpcGoServing(t *testing.T, tag string, impl pb.EchoServer) map[string]grpc.ClientConnInterface {
+	t.Helper()
 	return map[string]grpc.ClientConnInterface{
-		"grpc-go": newGrpcClient(t, startGrpcServer(t)),
-		"isthmus": dial(t, startEchoServer(t, tag)),
+		"grpc-go": newGrpcClient(t, startGrpcServing(t, impl)),
+		"isthmus": dial(t, startIsthmusServing(t, tag, impl)),
 	}
 }
 

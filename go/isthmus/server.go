@@ -731,7 +731,12 @@ func (t transportStream) SetTrailer(md metadata.MD) error {
 
 func (st *serverStream) Context() context.Context { return st.ctx }
 
+// SetHeader and SendHeader refuse metadata grpc-go's refuse (validateMetadata) at once, as
+// its streams' do; a header that failed only when it went could be lost with no word.
 func (st *serverStream) SetHeader(md metadata.MD) error {
+	if err := validateMetadata(md); err != nil {
+		return err
+	}
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.headerSent {
@@ -742,6 +747,9 @@ func (st *serverStream) SetHeader(md metadata.MD) error {
 }
 
 func (st *serverStream) SendHeader(md metadata.MD) error {
+	if err := validateMetadata(md); err != nil {
+		return err
+	}
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.headerSent {

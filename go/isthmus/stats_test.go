@@ -307,9 +307,16 @@ func TestCloseUnderCallsInProgressFailsThemCanceledOnly(t *testing.T) {
 // startEchoServer serves the echo over a fresh shm:// target until the test ends; the target.
 func startEchoServer(t *testing.T, tag string) string {
 	t.Helper()
+	return startIsthmusServing(t, tag, &echo.Service{})
+}
+
+// startIsthmusServing starts an isthmus server of impl on a fresh shm:// name (under tag):
+// its target.
+func startIsthmusServing(t *testing.T, tag string, impl pb.EchoServer) string {
+	t.Helper()
 	shm, _ := fresh(t, tag)
 	s := isthmus.NewServer()
-	pb.RegisterEchoServer(s, &echo.Service{})
+	pb.RegisterEchoServer(s, impl)
 	if err := s.Start(shm); err != nil {
 		t.Fatal(err)
 	}
