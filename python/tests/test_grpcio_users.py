@@ -69,7 +69,20 @@ def _key_value(request: bytes, context: Any) -> bytes:
     return ",".join(pairs).encode()
 
 
+def _stream_then_fail(request: bytes, context: Any) -> Iterator[bytes]:
+    yield b"one"
+    context.abort(grpc.StatusCode.NOT_FOUND, "after a message")
+
+
+def _until_cancelled(request: bytes, context: Any) -> bytes:
+    end = time.monotonic() + 30
+    while context.is_active() and time.monotonic() < end:
+        time.sleep(0.01)
+    return b"not cancelled"
+
+
 HANDLERS = {
+    "UntilCancelled": _until_cancelled,
     "HeadThenFail": _head_then_fail,
     "KeyValue": _key_value,
     "Left": _left,
@@ -149,11 +162,12 @@ def test_a_failed_call_keeps_the_initial_metadata_sent_before_the_failure(server
             assert ("x-h", "1") in tuple(e.initial_metadata()), (channel, way, e.initial_metadata())
 
 
-@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
-def test_an_asyncio_call_that_failed_keeps_the_initial_metadata_sent_before(kind: str) -> None:
-    """As above, from grpc.aio's client to a grpcio server and isthmus.aio's to an isthmus
-    server, over shm:// and the socket."""
-    pool = futures.ThreadPoolExecutor(2)
+def _serving_asyncio_clients(
+    kind: str, pool: futures.ThreadPoolExecutor, *more: grpc.GenericRpcHandler
+) -> tuple[Any, Any, list[str]]:
+    """A started blocking server of HANDLERS (and `more`), the asyncio module whose clients
+    the test runs, and their targets: grpc.aio's to a grpcio server over a Unix socket;
+    isthmus.aio's to an isthmus server over shm:// and the socket."""
     unix = fresh("unix")
     if kind == "grpc.aio":
         s, module, targets = grpc.server(pool), grpc.aio, [grpcio_target(unix)]
@@ -163,8 +177,17 @@ def test_an_asyncio_call_that_failed_keeps_the_initial_metadata_sent_before(kind
         s, module, targets = isthmus.server(pool), isthmus.aio, [shm, unix]
         s.add_insecure_port(shm)
         s.add_insecure_port(unix)
-    s.add_generic_rpc_handlers((_generic(),))
+    s.add_generic_rpc_handlers((_generic(), *more))
     s.start()
+    return s, module, targets
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_an_asyncio_call_that_failed_keeps_the_initial_metadata_sent_before(kind: str) -> None:
+    """As above, from grpc.aio's client to a grpcio server and isthmus.aio's to an isthmus
+    server, over shm:// and the socket."""
+    pool = futures.ThreadPoolExecutor(2)
+    s, module, targets = _serving_asyncio_clients(kind, pool)
 
     async def fail(target: str) -> grpc.aio.AioRpcError:
         async with module.insecure_channel(target) as channel:
@@ -177,6 +200,48 @@ def test_an_asyncio_call_that_failed_keeps_the_initial_metadata_sent_before(kind
             e = asyncio.run(fail(target))
             assert e.code() == grpc.StatusCode.NOT_FOUND, target
             assert ("x-h", "1") in tuple(e.initial_metadata()), (target, e.initial_metadata())
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_wait_for_connection_raises_how_the_call_ended(kind: str) -> None:
+    """grpc.aio's `wait_for_connection()` waits for a call to be sent, and then, if the call
+    is over, raises how it ended: its failure as AioRpcError, CancelledError after its cancel;
+    it returns for one that ended OK. isthmus.aio's returned in all three for a unary call, and
+    for a stream that failed after it started. From grpc.aio's client to a grpcio server and
+    isthmus.aio's to an isthmus server, over shm:// and the socket."""
+    pool = futures.ThreadPoolExecutor(2)
+    streams = {"StreamThenFail": grpc.unary_stream_rpc_method_handler(_stream_then_fail)}
+    s, module, targets = _serving_asyncio_clients(
+        kind, pool, grpc.method_handlers_generic_handler("users.S", streams)
+    )
+
+    async def calls(target: str) -> None:
+        async with module.insecure_channel(target) as channel:
+            ok = channel.unary_unary("/users.T/KeyValue")(b"", timeout=10)
+            assert await ok.wait_for_connection() is None
+            await ok
+            failed = channel.unary_unary("/users.T/HeadThenFail")(b"", timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await failed.wait_for_connection()
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+            cancelled = channel.unary_unary("/users.T/UntilCancelled")(b"", timeout=10)
+            assert cancelled.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await cancelled.wait_for_connection()
+            stream = channel.unary_stream("/users.S/StreamThenFail")(b"", timeout=10)
+            assert await stream.read() == b"one"
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stream.read()
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await stream.wait_for_connection()
+            assert caught.value.code() == grpc.StatusCode.NOT_FOUND
+
+    try:
+        for target in targets:
+            asyncio.run(calls(target))
     finally:
         s.stop(None)
         pool.shutdown()

@@ -152,7 +152,13 @@ class UnaryUnaryCall(_native.AioUnaryCall, _Call, grpc.aio.UnaryUnaryCall):
         return incoming_aio((await self._result()).initial_metadata)
 
     async def wait_for_connection(self) -> None:
-        await self._result()
+        # The call runs whole as one operation: this waits for its end, and then, as grpc.aio's
+        # does for a call that is over, raises how it ended (CancelledError after a cancel).
+        error = await self._end()
+        if self._outcome.cancelled():
+            raise asyncio.CancelledError()
+        if error is not None:
+            self._raise(error)
 
     def cancel(self) -> bool:
         if not self._outcome.cancel():
@@ -380,7 +386,8 @@ class _StreamCall(_Call):
         return incoming_aio(self._initial)
 
     async def wait_for_connection(self) -> None:
-        if isinstance(await asyncio.shield(self._started), CallError):
+        # As grpc.aio's: once the call has started, one that is over raises how it ended.
+        if isinstance(await asyncio.shield(self._started), CallError) or self.done():
             self._raise_status()
 
     def cancel(self) -> bool:
