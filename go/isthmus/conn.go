@@ -284,13 +284,13 @@ func (cc *ClientConn) cCallOptions(ctx context.Context, method string, co callOp
 		if err := validateMetadata(md); err != nil {
 			return o, err
 		}
-	}
-	if method != "" && (len(cc.perRPC.creds) > 0 || co.creds != nil) {
-		var err error
-		if md, err = cc.perRPC.requestMetadata(ctx, method, co.creds, md); err != nil {
-			return o, err
+		if len(cc.perRPC.creds) > 0 || co.creds != nil {
+			var err error
+			if md, err = cc.perRPC.requestMetadata(ctx, method, co.creds, md); err != nil {
+				return o, err
+			}
+			ok = true
 		}
-		ok = true
 	}
 	if ok {
 		h, err := newMetadata(md)
