@@ -355,9 +355,9 @@ class AioUnaryCall:
     _outcome: asyncio.Future[Any]
     _driver: Any
     _token: Any
-    # Whether the reply deserialized (None: not tried yet); set by an await, or `_set_decoded`.
-    _decoded: bool | None
-    def _set_decoded(self, ok: bool) -> None: ...
+    # Whether the reply of `value` (the outcome's UnaryResult) deserializes. The reply is
+    # made once: every await gives that one object, and this does not make it again.
+    def _decodes(self, value: Any) -> bool: ...
     def __await__(self) -> AioUnaryWait: ...
 
 @final

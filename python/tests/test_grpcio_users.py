@@ -247,6 +247,43 @@ def test_wait_for_connection_raises_how_the_call_ended(kind: str) -> None:
         pool.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_a_unary_calls_reply_is_deserialized_once(kind: str) -> None:
+    """grpc.aio deserializes a unary call's reply once: every await of the call gives that one
+    object, and a `code()` asked before the await does not deserialize it again. isthmus.aio's
+    deserialized it on every await, and once more after a `code()` asked first. From grpc.aio's
+    client to a grpcio server and isthmus.aio's to an isthmus server, over shm:// and the
+    socket."""
+    pool = futures.ThreadPoolExecutor(2)
+    s, module, targets = _serving_asyncio_clients(kind, pool)
+    made: list[bytes] = []
+
+    def deserialize(message: bytes) -> list[bytes]:
+        made.append(message)
+        return [message]
+
+    async def calls(target: str) -> None:
+        async with module.insecure_channel(target) as channel:
+            method = channel.unary_unary("/users.T/KeyValue", response_deserializer=deserialize)
+            asked_first = method(b"", timeout=10)
+            assert await asked_first.code() == grpc.StatusCode.OK
+            reply = await asked_first
+            assert reply == [b""] and await asked_first is reply
+            awaited = method(b"", timeout=10)
+            reply = await awaited
+            assert await awaited is reply
+            assert await awaited.code() == grpc.StatusCode.OK
+
+    try:
+        for target in targets:
+            made.clear()
+            asyncio.run(calls(target))
+            assert len(made) == 2, (target, made)
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["grpcio", "isthmus", "isthmus.aio"])
 def test_an_address_that_cannot_be_bound_raises_RuntimeError(kind: str, tmp_path: Any) -> None:
     """A TCP port another socket holds, and a Unix socket in a directory that is not there:

@@ -14,7 +14,8 @@
 //! `_serialize_failed`, a call that failed to the call's `_raise`, a deserializer that raised to
 //! its `_undecodable`.
 
-use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::OnceLock;
 
 use pyo3::exceptions::{PyException, PyRuntimeError, PyStopIteration};
 use pyo3::gc::PyVisit;
@@ -221,16 +222,11 @@ pub(crate) struct AioUnaryCall {
     token: Py<PyAny>,
     /// Wait for the outcome on this thread first (`Driver.settle`), once.
     settle: AtomicBool,
-    /// Whether the reply deserialized: [`UNTRIED`], [`DECODED`] or [`UNDECODABLE`]. A call
-    /// whose reply does not is over INTERNAL, also for its `code()`, and whether or not it was
-    /// awaited (`UnaryUnaryCall._end`).
-    decoded: AtomicU8,
+    /// The reply, deserialized once, as grpc.aio's call does: every await gives this one
+    /// object, and a status asked first does not deserialize again. None: the deserializer
+    /// raised, and the call is over INTERNAL, also for its `code()` (`UnaryUnaryCall._end`).
+    reply: OnceLock<Option<Py<PyAny>>>,
 }
-
-/// [`AioUnaryCall::decoded`]'s states.
-const UNTRIED: u8 = 0;
-const DECODED: u8 = 1;
-const UNDECODABLE: u8 = 2;
 
 #[pymethods]
 impl AioUnaryCall {
@@ -261,22 +257,14 @@ impl AioUnaryCall {
             driver,
             token,
             settle: AtomicBool::new(settle),
-            decoded: AtomicU8::new(UNTRIED),
+            reply: OnceLock::new(),
         })
     }
 
-    /// Whether the reply deserialized: None if nothing tried yet.
-    #[getter(_decoded)]
-    fn decoded(&self) -> Option<bool> {
-        match self.decoded.load(Ordering::Relaxed) {
-            UNTRIED => None,
-            state => Some(state == DECODED),
-        }
-    }
-
-    /// Records whether the reply deserialized, for a status asked before the call was awaited.
-    fn _set_decoded(&self, ok: bool) {
-        self.decoded.store(if ok { DECODED } else { UNDECODABLE }, Ordering::Relaxed);
+    /// Whether the reply of `value` (the outcome, a `UnaryResult`) deserializes, trying it
+    /// once: for a status asked before the call was awaited.
+    fn _decodes(&self, value: &Bound<'_, PyAny>) -> PyResult<bool> {
+        Ok(self.reply(&message_of(value)?)?.is_some())
     }
 
     fn __await__(slf: Bound<'_, Self>) -> PyResult<Bound<'_, AioUnaryWait>> {
@@ -289,7 +277,11 @@ impl AioUnaryCall {
         visit.call(&self.deserialize)?;
         visit.call(&self.outcome)?;
         visit.call(&self.driver)?;
-        visit.call(&self.token)
+        visit.call(&self.token)?;
+        if let Some(Some(reply)) = self.reply.get() {
+            visit.call(reply)?;
+        }
+        Ok(())
     }
 }
 
@@ -349,27 +341,11 @@ impl AioUnaryWait {
                 return Err(e);
             }
         };
-        let message = match value.cast::<UnaryResult>() {
-            Ok(result) => result.get().message.bind(py).clone().into_any(),
-            Err(_) if value.is_instance_of::<crate::convert::CallError>() => {
-                return Err(slf.call_method1(intern!(py, "_raise"), (value,)).err().unwrap_or_else(unraised));
-            }
-            // What stands for a UnaryResult (`bench/py_aio_overhead.py`'s stand-in).
-            Err(_) => value.getattr(intern!(py, "message"))?,
-        };
-        let reply = match this.deserialize.is_none(py) {
-            true => message,
-            false => match this.deserialize.bind(py).call1((message,)) {
-                Ok(reply) => {
-                    this.decoded.store(DECODED, Ordering::Relaxed);
-                    reply
-                }
-                Err(e) if e.is_instance_of::<PyException>(py) => {
-                    this.decoded.store(UNDECODABLE, Ordering::Relaxed);
-                    return Err(slf.call_method0(intern!(py, "_undecodable")).err().unwrap_or_else(unraised));
-                }
-                Err(e) => return Err(e),
-            },
+        if value.cast::<UnaryResult>().is_err() && value.is_instance_of::<crate::convert::CallError>() {
+            return Err(slf.call_method1(intern!(py, "_raise"), (value,)).err().unwrap_or_else(unraised));
+        }
+        let Some(reply) = this.reply(&message_of(&value)?)? else {
+            return Err(slf.call_method0(intern!(py, "_undecodable")).err().unwrap_or_else(unraised));
         };
         Err(PyStopIteration::new_err((reply.unbind(),)))
     }
@@ -409,11 +385,42 @@ impl AioUnaryWait {
 }
 
 impl AioUnaryCall {
+    /// The reply made of `message` by the call's deserializer, made once: later calls give
+    /// the same object (or None again: the deserializer raised). An error that is not an
+    /// Exception (KeyboardInterrupt) goes up and leaves the reply untried.
+    fn reply<'py>(&self, message: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = message.py();
+        if let Some(reply) = self.reply.get() {
+            return Ok(reply.as_ref().map(|r| r.bind(py).clone()));
+        }
+        let reply = match self.deserialize.is_none(py) {
+            true => Some(message.clone()),
+            false => match self.deserialize.bind(py).call1((message,)) {
+                Ok(reply) => Some(reply),
+                Err(e) if e.is_instance_of::<PyException>(py) => None,
+                Err(e) => return Err(e),
+            },
+        };
+        // Another await that got here while the deserializer ran (Python code, which may let
+        // another thread in) keeps its reply: every await gives one object.
+        let kept = self.reply.get_or_init(|| reply.map(Bound::unbind));
+        Ok(kept.as_ref().map(|r| r.bind(py).clone()))
+    }
+
     fn abandon(&self, py: Python<'_>) -> PyResult<()> {
         if !self.driver.is_none(py) {
             self.driver.bind(py).call_method1(intern!(py, "abandon"), (&self.token,))?;
         }
         Ok(())
+    }
+}
+
+/// The serialized reply a unary call's outcome carries.
+fn message_of<'py>(value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    match value.cast::<UnaryResult>() {
+        Ok(result) => Ok(result.get().message.bind(value.py()).clone().into_any()),
+        // What stands for a UnaryResult (`bench/py_aio_overhead.py`'s stand-in).
+        Err(_) => value.getattr(intern!(value.py(), "message")),
     }
 }
 

@@ -130,18 +130,6 @@ class UnaryUnaryCall(_native.AioUnaryCall, _Call, grpc.aio.UnaryUnaryCall):
         # its status says so too, asked before the await or after.
         return None if self._decodes(value) else deserialize_failed()
 
-    def _decodes(self, value: Any) -> bool:
-        decoded: bool | None = self._decoded
-        if decoded is None:
-            decoded = True
-            if self._deserialize is not None:
-                try:
-                    self._deserialize(value.message)
-                except Exception:
-                    decoded = False
-            self._set_decoded(decoded)
-        return decoded
-
     def _ok_trailers(self) -> list[Metadatum]:
         return self._outcome.result().trailing_metadata  # type: ignore[no-any-return]
 
