@@ -173,7 +173,8 @@ func (co *callOptions) checkRecv(size int) error {
 }
 
 func (co *callOptions) marshal(m any) ([]byte, error) {
-	if co.codec == nil {
+	// An untyped nil is an empty message before any codec sees it, as on grpc-go.
+	if co.codec == nil || m == nil {
 		return marshal(m)
 	}
 	b, err := co.codec.marshal(m)

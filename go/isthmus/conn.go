@@ -325,7 +325,12 @@ func setTimeout(ctx context.Context, o *C.isthmus_call_options_t) error {
 	return nil
 }
 
+// marshal encodes a message with protobuf. An untyped nil is an empty message, as grpc-go's
+// encoding takes it (a typed nil is one to protobuf too).
 func marshal(m any) ([]byte, error) {
+	if m == nil {
+		return nil, nil
+	}
 	pm, ok := m.(proto.Message)
 	if !ok {
 		return nil, status.Errorf(codes.Internal, "grpc: error while marshaling: %T is not a proto.Message", m)
