@@ -154,7 +154,8 @@ def measure(kind: str, size: int, calls: int, tmp: Path) -> dict[str, object]:
 
 
 def run(kind: str, size: int, calls: int, tmp: Path, events: list[str]) -> dict[str, object]:
-    addr = f"shm://count-{kind}-{os.getpid()}-{time.monotonic_ns()}"
+    # A socket in the run's temporary directory, removed with it: the server is killed.
+    addr = f"shm://{tmp}/count-{kind}-{time.monotonic_ns()}.sock"
     role = "serve-tonic-isthmus" if kind == "tonic" else "serve-isthmus"
     server = spawn([str(BENCH), role, addr])
     client_cmd = (

@@ -161,7 +161,7 @@ def main() -> int:
     assert shutil.which("nginx") and shutil.which("wrk"), "nginx and wrk are needed (make lua-tools)"
 
     prefix = Path(tempfile.mkdtemp(prefix="isthmus-lua-bench-"))
-    target = f"shm://lua-bench-{os.getpid()}"
+    target = f"shm://{prefix}/isthmus.sock"  # removed with the prefix: the server is killed
     uds = prefix / "echo.sock"
     servers = [
         start_server([str(bench_bin), "serve-isthmus", target]),

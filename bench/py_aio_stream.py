@@ -13,6 +13,7 @@ import os
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -55,7 +56,8 @@ async def main(target: str, seconds: float) -> None:
 if __name__ == "__main__":
     bench = ROOT / "target" / "release" / "isthmus-bench"
     assert bench.is_file(), f"{bench} is not built (cargo build --release -p isthmus-bench)"
-    address = f"shm://py-aio-stream-{os.getpid()}"
+    sock = Path(tempfile.gettempdir()) / f"py-aio-stream-{os.getpid()}.sock"
+    address = f"shm://{sock}"
     server = subprocess.Popen([str(bench), "serve-isthmus", address], stdout=subprocess.PIPE, text=True)
     try:
         assert server.stdout is not None and server.stdout.readline().strip() == "READY"
@@ -63,3 +65,4 @@ if __name__ == "__main__":
     finally:
         server.kill()
         server.wait()
+        sock.unlink(missing_ok=True)

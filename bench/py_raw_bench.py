@@ -87,7 +87,8 @@ def payload(size: int) -> np.ndarray[Any, np.dtype[np.uint8]]:
 
 
 def bench_isthmus(sizes: list[int], budget: float) -> dict[int, dict[str, float]]:
-    target = f"shm://pyraw-{os.getpid()}"
+    sock = Path(tempfile.gettempdir()) / f"pyraw-{os.getpid()}.sock"
+    target = f"shm://{sock}"
     server = start_server("isthmus-raw", target)
     out: dict[int, dict[str, float]] = {}
     try:
@@ -105,6 +106,7 @@ def bench_isthmus(sizes: list[int], budget: float) -> dict[int, dict[str, float]
     finally:
         server.kill()
         server.wait()
+        sock.unlink(missing_ok=True)
     return out
 
 

@@ -63,10 +63,7 @@ impl PyClient {
             let mut command = Command::new(&python);
             command.args(["bench/py_server.py", system, &target]);
             let server = Server::spawn_command(command, &format!("py_server.py {system}"));
-            match target.starts_with("shm://") {
-                true => (server, target),
-                false => (server.removing(&target), target),
-            }
+            (server.removing(&target), target)
         };
         vec![
             PyClient::start(&python, "py-isthmus-sync", "isthmus-sync", shm()),

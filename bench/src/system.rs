@@ -32,8 +32,8 @@ pub trait System {
 /// A child process that prints `READY` when it is set up and is killed on drop.
 pub struct Server {
     child: Child,
-    /// Its Unix socket, removed on drop: a killed server leaves it behind.
-    socket: Option<std::path::PathBuf>,
+    /// Its Unix sockets, removed on drop: a killed server leaves them behind.
+    sockets: Vec<std::path::PathBuf>,
 }
 
 impl Server {
@@ -53,7 +53,9 @@ impl Server {
             None => Command::new(exe),
         };
         command.args(args);
-        Server::spawn_command(command, &format!("{args:?}"))
+        let mut server = Server::spawn_command(command, &format!("{args:?}"));
+        server.sockets.extend(args.iter().filter_map(|a| shm_socket(a)));
+        server
     }
 
     /// Starts `command` as a server that prints `READY` (a Python server, say).
@@ -62,12 +64,14 @@ impl Server {
         let mut line = String::new();
         BufReader::new(child.stdout.take().expect("stdout")).read_line(&mut line).expect("server output");
         assert_eq!(line.trim(), "READY", "server {what} failed to start");
-        Server { child, socket: None }
+        Server { child, sockets: Vec::new() }
     }
 
-    /// This server, whose Unix socket `path` is removed when it is dropped.
+    /// This server, whose Unix socket `path` (a file, or an `shm://` address's socket) is
+    /// removed when it is dropped. [`Server::spawn`] does this itself for the `shm://`
+    /// addresses among its arguments.
     pub fn removing(mut self, path: &str) -> Server {
-        self.socket = Some(path.into());
+        self.sockets.push(shm_socket(path).unwrap_or_else(|| path.into()));
         self
     }
 
@@ -86,10 +90,15 @@ impl Drop for Server {
             let _ = self.child.kill();
         }
         let _ = self.child.wait();
-        if let Some(path) = &self.socket {
+        for path in &self.sockets {
             let _ = std::fs::remove_file(path);
         }
     }
+}
+
+/// The handshake socket of `arg`, if it is an `shm://` address.
+fn shm_socket(arg: &str) -> Option<std::path::PathBuf> {
+    arg.parse::<Address>().ok().map(|a| a.socket_path().to_owned())
 }
 
 /// The profiler command servers run under, if one is set.
