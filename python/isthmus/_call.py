@@ -73,9 +73,12 @@ def buffer_size(message: Any) -> int | None:
 class Succeeded(Ended, grpc.Call):
     """A call that ended OK, as `with_call` returns it."""
 
-    def __init__(self, initial: Sequence[Metadatum], trailing: Sequence[Metadatum] | None) -> None:
+    def __init__(
+        self, initial: Sequence[Metadatum], trailing: Sequence[Metadatum] | None, details: str = ""
+    ) -> None:
         self._initial = incoming(initial)
         self._trailing = incoming(trailing)
+        self._details = details
 
     def initial_metadata(self) -> Metadata:
         return self._initial
@@ -87,7 +90,7 @@ class Succeeded(Ended, grpc.Call):
         return grpc.StatusCode.OK
 
     def details(self) -> str:
-        return ""
+        return self._details
 
 
 class Call(grpc.Call, grpc.Future):
@@ -105,9 +108,11 @@ class Call(grpc.Call, grpc.Future):
         self._error: RpcError | None = None
         self._response: Any = None
         self._callbacks: list[Callable[[], None]] = []
-        # A unary `.future()`: no engine call object; its metadata comes with its end.
+        # A unary `.future()`: no engine call object; its metadata and its OK status's
+        # message come with its end.
         self._abandon: Callable[[], None] | None = None
         self._metadata: tuple[Metadata, Metadata] | None = None
+        self._ok_details = ""
 
     # Driving the call.
 
@@ -205,6 +210,7 @@ class Call(grpc.Call, grpc.Future):
             self._end(value)
             return
         self._metadata = (incoming(value.initial_metadata), incoming(value.trailing_metadata))
+        self._ok_details = value.details
         try:
             response = decode(self._deserialize, value.message)
         except CallError as e:
@@ -322,7 +328,9 @@ class Call(grpc.Call, grpc.Future):
 
     def details(self) -> str:
         self._wait()
-        return "" if self._error is None else self._error.details()
+        if self._error is not None:
+            return self._error.details()  # type: ignore[no-any-return]
+        return (self._ok_details if self._native is None else self._native.details()) or ""
 
     def debug_error_string(self) -> str:
         self._wait()

@@ -254,7 +254,7 @@ class UnaryUnaryMultiCallable(_native.UnaryCallable, _MultiCallable, grpc.UnaryU
             response = decode(self._deserialize, result.message)
         except CallError as e:
             raise rpc_error(e) from None
-        return response, Succeeded(result.initial_metadata, result.trailing_metadata)
+        return response, Succeeded(result.initial_metadata, result.trailing_metadata, result.details)
 
     def future(
         self,

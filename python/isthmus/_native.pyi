@@ -63,6 +63,7 @@ class UnaryResult:
     message: bytes
     initial_metadata: list[tuple[str, str | bytes]]
     trailing_metadata: list[tuple[str, str | bytes]]
+    details: str
 
 @final
 class Message:
@@ -214,6 +215,8 @@ class Call:
         """Waits for the server's initial metadata."""
     def trailing_metadata(self) -> list[tuple[str, str | bytes]] | None:
         """The trailers once the call ended (OK or not); None before."""
+    def details(self) -> str | None:
+        """The OK status's message once the call ended (empty after a failure); None before."""
     def cancel(self) -> None:
         """Ends the call with CANCELLED on both sides; idempotent."""
 
@@ -384,6 +387,7 @@ class AsyncCall:
     def initial_metadata(self, token: int) -> _Now:
         """Completes with the initial metadata list."""
     def trailing_metadata(self) -> list[tuple[str, str | bytes]] | None: ...
+    def details(self) -> str | None: ...
     def cancel(self) -> None: ...
 
 @final

@@ -284,6 +284,164 @@ def test_a_unary_calls_reply_is_deserialized_once(kind: str) -> None:
         pool.shutdown()
 
 
+# What a handler says beside its success: grpcio's clients show it (`details()` of a call that
+# ended OK); percent-encoded on HTTP/2, so a '%' and a non-ASCII character go too.
+OK_WORDS = "all went well: 100 % \u2713"
+
+
+def _ok_unary(request: bytes, context: Any) -> bytes:
+    context.set_details(OK_WORDS)
+    return request
+
+
+def _ok_server_stream(request: bytes, context: Any) -> Iterator[bytes]:
+    context.set_details(OK_WORDS)
+    yield request
+
+
+def _ok_client_stream(requests: Iterator[bytes], context: Any) -> bytes:
+    context.set_details(OK_WORDS)
+    return b"".join(requests)
+
+
+def _ok_bidi(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+    context.set_details(OK_WORDS)
+    yield from requests
+
+
+async def _ok_unary_aio(request: bytes, context: Any) -> bytes:
+    context.set_details(OK_WORDS)
+    return request
+
+
+async def _ok_server_stream_aio(request: bytes, context: Any) -> Any:
+    context.set_details(OK_WORDS)
+    yield request
+
+
+async def _ok_client_stream_aio(requests: Any, context: Any) -> bytes:
+    context.set_details(OK_WORDS)
+    return b"".join([r async for r in requests])
+
+
+async def _ok_bidi_aio(requests: Any, context: Any) -> Any:
+    context.set_details(OK_WORDS)
+    async for r in requests:
+        yield r
+
+
+def _ok_words(aio: bool) -> grpc.GenericRpcHandler:
+    """/users.Ok/{U,S,C,B}: the four shapes, each ending OK with OK_WORDS."""
+    u, s, c, b = (
+        (_ok_unary_aio, _ok_server_stream_aio, _ok_client_stream_aio, _ok_bidi_aio)
+        if aio
+        else (_ok_unary, _ok_server_stream, _ok_client_stream, _ok_bidi)
+    )
+    return grpc.method_handlers_generic_handler(
+        "users.Ok",
+        {
+            "U": grpc.unary_unary_rpc_method_handler(u),
+            "S": grpc.unary_stream_rpc_method_handler(s),
+            "C": grpc.stream_unary_rpc_method_handler(c),
+            "B": grpc.stream_stream_rpc_method_handler(b),
+        },
+    )
+
+
+def _ok_details_blocking(channel: Any) -> list[str]:
+    """`details()` of each shape's call, made as grpcio's users make them."""
+    seen = []
+    _, call = channel.unary_unary("/users.Ok/U").with_call(b"a", timeout=10)
+    seen.append(call.details())
+    future = channel.unary_unary("/users.Ok/U").future(b"a", timeout=10)
+    assert future.result() == b"a"
+    seen.append(future.details())
+    responses = channel.unary_stream("/users.Ok/S")(b"a", timeout=10)
+    assert list(responses) == [b"a"]
+    seen.append(responses.details())
+    _, call = channel.stream_unary("/users.Ok/C").with_call(iter([b"a", b"b"]), timeout=10)
+    seen.append(call.details())
+    responses = channel.stream_stream("/users.Ok/B")(iter([b"a"]), timeout=10)
+    assert list(responses) == [b"a"]
+    seen.append(responses.details())
+    return seen
+
+
+async def _ok_details_asyncio(channel: Any) -> list[str]:
+    seen = []
+    call = channel.unary_unary("/users.Ok/U")(b"a", timeout=10)
+    assert await call == b"a"
+    seen.append(await call.details())
+    call = channel.unary_stream("/users.Ok/S")(b"a", timeout=10)
+    assert [m async for m in call] == [b"a"]
+    seen.append(await call.details())
+    call = channel.stream_unary("/users.Ok/C")(iter([b"a", b"b"]), timeout=10)
+    assert await call == b"ab"
+    seen.append(await call.details())
+    call = channel.stream_stream("/users.Ok/B")(iter([b"a"]), timeout=10)
+    assert [m async for m in call] == [b"a"]
+    seen.append(await call.details())
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus", "grpc.aio", "isthmus.aio"])
+def test_an_ok_status_keeps_the_details_its_handler_set(kind: str) -> None:
+    """A handler that sets details and succeeds: grpcio's and grpc.aio's clients read them in
+    `details()`, for every shape. isthmus sent none over HTTP/2 when the call ended through the
+    engine's task, and its clients dropped those of an OK status whatever the transport."""
+    if kind in ("grpcio", "isthmus"):
+        pool = futures.ThreadPoolExecutor(4)
+        unix = fresh("unix")
+        s: Any = (grpc.server if kind == "grpcio" else isthmus.server)(pool)
+        s.add_generic_rpc_handlers((_ok_words(aio=False),))
+        s.add_insecure_port(grpcio_target(unix))
+        if kind == "grpcio":
+            module, targets = grpc.aio, [grpcio_target(unix)]
+            channels = [grpc.insecure_channel(grpcio_target(unix))]
+        else:
+            shm = fresh("shm")
+            s.add_insecure_port(shm)
+            module, targets = isthmus.aio, [shm, unix]
+            # grpcio's own client too: what an isthmus server sends over HTTP/2.
+            channels = [isthmus.insecure_channel(shm), isthmus.insecure_channel(unix)]
+            channels.append(grpc.insecure_channel(grpcio_target(unix)))
+        s.start()
+        try:
+            for channel in channels:
+                with channel:
+                    assert _ok_details_blocking(channel) == [OK_WORDS] * 5, (kind, channel)
+
+            async def asyncio_clients() -> None:
+                for target in targets:
+                    async with module.insecure_channel(target) as channel:
+                        assert await _ok_details_asyncio(channel) == [OK_WORDS] * 4, (kind, target)
+
+            asyncio.run(asyncio_clients())
+        finally:
+            s.stop(None)
+            pool.shutdown()
+        return
+
+    module = grpc.aio if kind == "grpc.aio" else isthmus.aio
+
+    async def asyncio_server() -> None:
+        unix = fresh("unix")
+        targets = [grpcio_target(unix)] + ([] if kind == "grpc.aio" else [fresh("shm")])
+        server = module.server()
+        server.add_generic_rpc_handlers((_ok_words(aio=True),))
+        for target in targets:
+            server.add_insecure_port(target)
+        await server.start()
+        try:
+            for target in targets:
+                async with module.insecure_channel(target) as channel:
+                    assert await _ok_details_asyncio(channel) == [OK_WORDS] * 4, (kind, target)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(asyncio_server())
+
+
 @pytest.mark.parametrize("kind", ["grpcio", "isthmus", "isthmus.aio"])
 def test_an_address_that_cannot_be_bound_raises_RuntimeError(kind: str, tmp_path: Any) -> None:
     """A TCP port another socket holds, and a Unix socket in a directory that is not there:

@@ -52,6 +52,9 @@ pub(crate) struct UnaryResult {
     pub(crate) message: Py<PyBytes>,
     initial: MetadataMap,
     trailing: MetadataMap,
+    /// The OK status's message (grpcio's `details()`), nearly always empty.
+    #[pyo3(get)]
+    details: String,
 }
 
 impl UnaryResult {
@@ -60,6 +63,7 @@ impl UnaryResult {
             message: PyBytes::new(py, &response.message).unbind(),
             initial: response.metadata,
             trailing: response.trailers,
+            details: response.status_message,
         }
     }
 }
@@ -550,6 +554,10 @@ impl Call {
 
     fn trailing_metadata(&self, py: Python<'_>) -> PyResult<Option<PyMetadata>> {
         self.0.trailers().map(|t| metadata_to_py(py, &t)).transpose()
+    }
+
+    fn details(&self) -> Option<String> {
+        self.0.status_message()
     }
 
     fn cancel(&self) {

@@ -556,6 +556,10 @@ impl AsyncCall {
         self.core.trailers().map(|t| metadata_to_py(py, &t)).transpose()
     }
 
+    fn details(&self) -> Option<String> {
+        self.core.status_message()
+    }
+
     fn cancel(&self) {
         self.core.cancel();
     }

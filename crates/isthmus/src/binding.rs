@@ -127,8 +127,9 @@ pub struct SharedCall {
     /// `None` once cancelled.
     call: tokio::sync::Mutex<Option<ClientCall>>,
     cancel: watch::Sender<bool>,
-    /// The trailing metadata, once the call has ended.
-    trailers: Mutex<Option<MetadataMap>>,
+    /// The trailing metadata and the OK status's message (empty after a failure), once the
+    /// call has ended.
+    trailers: Mutex<Option<(MetadataMap, String)>>,
     /// The fork count the call was made under. In a child forked since, nothing is sent (a
     /// send may wait for credit nobody will give there), and a read finds `call` held for ever
     /// if a thread of the parent was reading at the fork: the call then ends UNAVAILABLE
@@ -161,7 +162,7 @@ impl SharedCall {
             return Ok(self.call.lock().await);
         }
         self.call.try_lock().map_err(|_| {
-            self.ended(MetadataMap::new());
+            self.ended(MetadataMap::new(), "");
             crate::status::made_before_fork()
         })
     }
@@ -220,9 +221,9 @@ impl SharedCall {
         }
     }
 
-    fn ended(&self, trailers: MetadataMap) {
+    fn ended(&self, trailers: MetadataMap, message: &str) {
         if let Ok(mut t) = self.trailers.lock() {
-            t.get_or_insert(trailers);
+            t.get_or_insert_with(|| (trailers, message.to_owned()));
         }
     }
 
@@ -242,16 +243,16 @@ impl SharedCall {
                 if let Some(call) = guard.take() {
                     call.cancel().await;
                 }
-                self.ended(MetadataMap::new());
+                self.ended(MetadataMap::new(), "");
                 Err(cancelled())
             }
             Some(Ok(Some(message))) => Ok(Some(message)),
             Some(Ok(None)) => {
-                self.ended(call.trailers().cloned().unwrap_or_default());
+                self.ended(call.trailers().cloned().unwrap_or_default(), call.status_message().unwrap_or_default());
                 Ok(None)
             }
             Some(Err(status)) => {
-                self.ended(status.metadata().clone());
+                self.ended(status.metadata().clone(), "");
                 Err(status)
             }
         }
@@ -271,7 +272,13 @@ impl SharedCall {
 
     /// The trailing metadata, once the call has ended.
     pub fn trailers(&self) -> Option<MetadataMap> {
-        self.trailers.lock().ok()?.clone()
+        Some(self.trailers.lock().ok()?.as_ref()?.0.clone())
+    }
+
+    /// The message of the OK status the call ended with (nearly always empty), once it has
+    /// ended; empty after a failure, whose status has its own.
+    pub fn status_message(&self) -> Option<String> {
+        Some(self.trailers.lock().ok()?.as_ref()?.1.clone())
     }
 
     /// Ends the call with CANCELLED on both sides: wakes a waiting receiver, which sends the
@@ -281,7 +288,7 @@ impl SharedCall {
         // ring the parent's runtime or loop), and a task would wait on `call` for ever if a
         // parent's thread held it: the call is over here, and a read of it says UNAVAILABLE.
         if self.made_in.forked() {
-            self.ended(MetadataMap::new());
+            self.ended(MetadataMap::new(), "");
             return;
         }
         if self.cancel.send_replace(true) {
@@ -292,7 +299,7 @@ impl SharedCall {
             if let Some(call) = this.call.lock().await.take() {
                 call.cancel().await;
             }
-            this.ended(MetadataMap::new());
+            this.ended(MetadataMap::new(), "");
         });
     }
 }
@@ -1025,10 +1032,11 @@ impl HandedCall {
                 return ended;
             }
         }
-        let outcome = if status.code() == Code::Ok && status.metadata().is_empty() {
+        let outcome = if status.code() == Code::Ok && status.metadata().is_empty() && status.message().is_empty() {
             Ok(())
         } else {
-            // An OK status with trailers goes as a status too: the engine sends it as it is.
+            // An OK status with trailers or a message goes as a status too: the engine sends it
+            // as it is.
             Err(status)
         };
         let _ = finish.send(outcome);

@@ -69,6 +69,10 @@ pub struct Response {
     pub message: Bytes,
     /// The server's trailing metadata.
     pub trailers: MetadataMap,
+    /// The message of the OK status the call ended with: nearly always empty, but a server
+    /// may say something beside its success (grpcio's `set_details`), and grpcio's clients
+    /// show it (`call.details()`).
+    pub status_message: String,
 }
 
 /// Refuses a call that cannot start: a method path the server could never match, or a

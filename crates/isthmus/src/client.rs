@@ -650,7 +650,8 @@ impl Channel {
         }
         let metadata = call.headers().await?;
         let trailers = call.trailers().cloned().unwrap_or_default();
-        Ok(Response { metadata, message, trailers })
+        let status_message = call.status_message().unwrap_or_default().to_owned();
+        Ok(Response { metadata, message, trailers, status_message })
     }
 }
 
@@ -854,6 +855,15 @@ impl ClientCall {
         match &self.via {
             CallVia::Shm(call) => call.trailers(),
             CallVia::Http(call) => call.trailers(),
+        }
+    }
+
+    /// The message of the OK status the call ended with, once it has (nearly always empty);
+    /// `None` before then, or if it failed (`recv` gave its status).
+    pub fn status_message(&self) -> Option<&str> {
+        match &self.via {
+            CallVia::Shm(call) => call.status_message(),
+            CallVia::Http(call) => call.status_message(),
         }
     }
 

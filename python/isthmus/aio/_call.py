@@ -59,6 +59,10 @@ class _Call(abc.ABC):
         """The trailing metadata of a call that ended OK."""
 
     @abc.abstractmethod
+    def _ok_details(self) -> str | None:
+        """The message of the OK status a call ended with (nearly always empty)."""
+
+    @abc.abstractmethod
     def _finished(self) -> asyncio.Future[Any]:
         """A future done when the call is over (for the channel's `close(grace)`)."""
 
@@ -87,7 +91,7 @@ class _Call(abc.ABC):
 
     async def details(self) -> str:
         error = await self._end()
-        return "" if error is None else error.details
+        return (self._ok_details() or "") if error is None else error.details
 
     async def debug_error_string(self) -> str:
         error = await self._end()
@@ -132,6 +136,9 @@ class UnaryUnaryCall(_native.AioUnaryCall, _Call, grpc.aio.UnaryUnaryCall):
 
     def _ok_trailers(self) -> list[Metadatum]:
         return self._outcome.result().trailing_metadata  # type: ignore[no-any-return]
+
+    def _ok_details(self) -> str:
+        return self._outcome.result().details  # type: ignore[no-any-return]
 
     def _finished(self) -> asyncio.Future[Any]:
         return self._outcome
@@ -361,6 +368,9 @@ class _StreamCall(_Call):
 
     def _ok_trailers(self) -> list[Metadatum] | None:
         return None if self._native is None else self._native.trailing_metadata()
+
+    def _ok_details(self) -> str | None:
+        return None if self._native is None else self._native.details()
 
     def _finished(self) -> asyncio.Future[Any]:
         return self._done

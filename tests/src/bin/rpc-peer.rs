@@ -260,6 +260,12 @@ fn main() {
                 }
                 Ok(())
             })
+            .handler("/test.Echo/OkWithWords", |mut call: ServerCall| async move {
+                // Success with words beside it (grpcio's `set_details`): an OK status as a status.
+                let m = one(&mut call).await?;
+                call.send(&m).await?;
+                Err(Status::new(Code::Ok, format!("all went well: {}", String::from_utf8_lossy(&m))))
+            })
             .handler("/test.Echo/Fail", |mut call: ServerCall| async move {
                 let m = one(&mut call).await?;
                 let code = u32_at(&m, 0)?;

@@ -120,6 +120,30 @@ fn every_status_code_arrives_with_message_details_and_trailers() {
     });
 }
 
+/// A server may end a call OK with a message (grpcio's `set_details`); grpcio's clients show
+/// it. The engine's client dropped it: a unary `Response` had no place for it, a stream no way
+/// to ask, and the HTTP/2 server's trailers went without it.
+#[test]
+fn an_ok_status_keeps_its_message() {
+    let (_server, addrs) = server_everywhere("okwords");
+    run(async move {
+        for addr in addrs {
+            let ch = Channel::connect(&addr).await.expect("connect");
+            let r =
+                ch.unary("/test.Echo/OkWithWords", b"100 % \xe2\x9c\x93", with_timeout(10_000)).await.expect("call");
+            assert_eq!(r.status_message, "all went well: 100 % \u{2713}", "{addr}");
+            let r = ch.unary("/test.Echo/Unary", b"x", with_timeout(10_000)).await.expect("call");
+            assert_eq!(r.status_message, "", "{addr}");
+            let mut call = ch.start("/test.Echo/OkWithWords", with_timeout(10_000)).await.expect("start");
+            call.send_last(b"stream").await.expect("send");
+            assert_eq!(call.status_message(), None, "{addr}: not before the end");
+            assert_eq!(call.recv().await.expect("reply").as_deref(), Some(&b"stream"[..]));
+            assert_eq!(call.recv().await.expect("end"), None);
+            assert_eq!(call.status_message(), Some("all went well: stream"), "{addr}");
+        }
+    });
+}
+
 /// gRPC keeps a response's headers apart from its trailers even when the call fails: grpcio's
 /// `RpcError.initial_metadata()` and grpc-go's `grpc.Header` give them. A unary call's status
 /// carries them, and a stream's headers stay readable after its failure.

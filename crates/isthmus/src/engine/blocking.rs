@@ -712,6 +712,11 @@ impl Call {
         self.state.trailers()
     }
 
+    /// The message of the OK status the call ended with, once it has (nearly always empty).
+    pub fn status_message(&self) -> Option<&str> {
+        self.state.status_message()
+    }
+
     /// Cancels the call: the server sees CANCELLED and stops its handler.
     pub fn cancel(mut self) {
         self.state.cancel_blocking(Code::Cancelled, "the call was cancelled", CANCEL_PATIENCE);

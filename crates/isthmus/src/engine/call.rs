@@ -421,11 +421,17 @@ impl CallState {
             metadata: self.headers.take().unwrap_or_default(),
             message,
             trailers: self.trailers.take().unwrap_or_default(),
+            status_message: self.status_message().unwrap_or_default().to_owned(),
         }
     }
 
     pub(crate) fn trailers(&self) -> Option<&MetadataMap> {
         self.trailers.as_ref()
+    }
+
+    /// The message of the OK status the call ended with; `None` before it ended OK.
+    pub(crate) fn status_message(&self) -> Option<&str> {
+        self.ended.as_ref().filter(|s| s.code() == Code::Ok).map(|s| s.message())
     }
 
     /// What a send does once the stream is closed for writing: the final status if it failed, the

@@ -493,6 +493,11 @@ impl ShmCall {
         self.state.trailers()
     }
 
+    /// The message of the OK status the call ended with, once it has.
+    pub(crate) fn status_message(&self) -> Option<&str> {
+        self.state.status_message()
+    }
+
     /// A unary call's response, once its one message is in and the call has ended.
     pub(crate) fn take_response(&mut self, message: Bytes) -> crate::call::Response {
         self.state.take_response(message)

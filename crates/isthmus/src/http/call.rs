@@ -155,6 +155,8 @@ pub(crate) struct HttpCall {
     response: Response,
     headers: Option<MetadataMap>,
     trailers: Option<MetadataMap>,
+    /// The message of the OK status in the trailers (`grpc-message`), nearly always empty.
+    ok_message: String,
     /// How the call ended, once it has: `Ok` with OK, the status otherwise.
     ended: Option<Result<(), Status>>,
     deadline: Option<Instant>,
@@ -301,6 +303,7 @@ impl HttpCall {
             response: Response::Opening(task),
             headers: None,
             trailers: None,
+            ok_message: String::new(),
             ended: None,
             deadline,
             limit,
@@ -397,10 +400,14 @@ impl HttpCall {
             Ok(Err(t)) => self.end(Err(status_from_tonic(t, self.limit))).map(|()| None),
             Ok(Ok(None)) => {
                 let trailers = match body.trailers().await {
-                    Ok(t) => t.map(|t| codec::metadata_from(&t.into_headers()).unwrap_or_default()),
+                    Ok(t) => t.map(|t| t.into_headers()),
                     Err(t) => return self.end(Err(status_from_tonic(t, self.limit))).map(|()| None),
                 };
-                self.trailers = Some(trailers.unwrap_or_default());
+                if let Some(t) = &trailers {
+                    self.ok_message = codec::status_message(t);
+                }
+                self.trailers =
+                    Some(trailers.map(|t| codec::metadata_from(&t).unwrap_or_default()).unwrap_or_default());
                 self.end(Ok(())).map(|()| None)
             }
         }
@@ -418,6 +425,11 @@ impl HttpCall {
     /// Trailing metadata once the call has ended.
     pub(crate) fn trailers(&self) -> Option<&MetadataMap> {
         self.trailers.as_ref()
+    }
+
+    /// The message of the OK status the call ended with; `None` before it ended OK.
+    pub(crate) fn status_message(&self) -> Option<&str> {
+        matches!(self.ended, Some(Ok(()))).then_some(self.ok_message.as_str())
     }
 
     /// Ends the call as cancelled: the stream is reset, the server sees CANCELLED.

@@ -462,8 +462,7 @@ pub(crate) fn too_large_code_in(headers: &mut HeaderMap) {
 pub(crate) fn status_from(headers: &HeaderMap) -> Option<Status> {
     let code = headers.get(GRPC_STATUS)?;
     let code = code.to_str().ok().and_then(|c| c.parse::<u32>().ok()).map_or(Code::Unknown, Code::from_u32);
-    let message = headers.get(GRPC_MESSAGE).map(|m| percent_decode(m.as_bytes())).unwrap_or_default();
-    let mut status = Status::new(code, message);
+    let mut status = Status::new(code, status_message(headers));
     if let Some(d) = headers.get(GRPC_STATUS_DETAILS).and_then(|d| decode_base64(d.as_bytes())) {
         status = status.with_details(d);
     }
@@ -472,6 +471,11 @@ pub(crate) fn status_from(headers: &HeaderMap) -> Option<Status> {
         Ok(_) => Some(status),
         Err(e) => Some(Status::new(Code::Internal, format!("trailers with invalid metadata: {}", e.message()))),
     }
+}
+
+/// The status message in `headers` (`grpc-message`, percent-decoded); empty if there is none.
+pub(crate) fn status_message(headers: &HeaderMap) -> String {
+    headers.get(GRPC_MESSAGE).map(|m| percent_decode(m.as_bytes())).unwrap_or_default()
 }
 
 /// gRPC's percent-encoding of `grpc-message`: bytes outside printable ASCII, and `%`.

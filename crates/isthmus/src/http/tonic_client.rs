@@ -141,7 +141,14 @@ impl Body for ResponseBody {
                         Err(status) => Frame::trailers(codec::status_trailers(&status)),
                     }
                 }
-                Ok(None) => Frame::trailers(codec::ok_trailers(call.trailers())),
+                Ok(None) => Frame::trailers(match call.status_message() {
+                    // The rare OK with words (grpcio's `set_details`) keeps them.
+                    Some(m) if !m.is_empty() => codec::status_trailers(
+                        &Status::new(Code::Ok, m.to_owned())
+                            .with_metadata(call.trailers().cloned().unwrap_or_default()),
+                    ),
+                    _ => codec::ok_trailers(call.trailers()),
+                }),
                 Err(status) => Frame::trailers(codec::status_trailers(&status)),
             },
         };
