@@ -316,6 +316,29 @@ func TestMetadataRefusalsSayWhatGrpcGoSays(t *testing.T) {
 	}
 }
 
+// A method named without its leading slash: grpc-go's client sends it as written and its server
+// answers Unimplemented, "malformed method name"; isthmus's refused it InvalidArgument.
+func TestAMethodWithoutItsLeadingSlashIsUnimplementedAsOnGrpcGo(t *testing.T) {
+	said := map[string]string{}
+	for name, conn := range besideGrpcGo(t, "no-slash") {
+		const method = "conformance.Echo/Unary"
+		err := conn.Invoke(testContext(t), method, &pb.EchoRequest{Seq: 1}, new(pb.EchoReply))
+		stream, serr := conn.NewStream(testContext(t), &pb.Echo_ServiceDesc.Streams[0], method)
+		if serr == nil {
+			serr = stream.RecvMsg(new(pb.EchoReply)) // grpc-go's stream fails at its first read
+		}
+		for kind, err := range map[string]error{"unary": err, "stream": serr} {
+			if c := status.Code(err); c != codes.Unimplemented {
+				t.Errorf("%s, %s: %v; want Unimplemented", name, kind, err)
+			}
+		}
+		said[name] = status.Convert(err).Message()
+	}
+	if said["grpc-go"] != said["isthmus"] {
+		t.Errorf("grpc-go said %q, isthmus %q", said["grpc-go"], said["isthmus"])
+	}
+}
+
 // badHeaders sets metadata grpc-go refuses as a streaming call's header: ServerStream with
 // SetHeader, Bidi with SendHeader; each handler ends its call with what that returned.
 type badHeaders struct{ echo.Service }

@@ -2,7 +2,9 @@
 //! and the checks and deadline helper both ways share.
 //!
 //! `check_path` is the rule a method path must meet before any frame goes out: it starts with `/`,
-//! is printable ASCII without space, and is at most 1024 bytes; anything else is INVALID_ARGUMENT.
+//! is printable ASCII without space, and is at most 1024 bytes. A path without its leading `/`
+//! fails UNIMPLEMENTED, as a gRPC server answers it (grpc-go's words, "malformed method name");
+//! anything else is INVALID_ARGUMENT.
 //! `until` runs a future until a deadline that may be absent, dropping it if the deadline comes
 //! first: the async waits of both ways bound themselves with it.
 
@@ -91,6 +93,11 @@ pub(crate) fn check_start(path: &str, options: &CallOptions) -> Result<(), Statu
 
 /// Refuses a method path the server could never match.
 pub(crate) fn check_path(path: &str) -> Result<(), Status> {
+    if !path.starts_with('/') && path.len() <= wire::MAX_PATH_LEN {
+        // Sent, it would reach a server that answers so: grpc-go and grpcio both say
+        // UNIMPLEMENTED (grpc-go in these words), and a caller may act on the code.
+        return Err(Status::new(Code::Unimplemented, format!("malformed method name: {path:?}")));
+    }
     if !path.starts_with('/') || path.len() > wire::MAX_PATH_LEN || !path.bytes().all(|b| b.is_ascii_graphic()) {
         return Err(Status::new(
             Code::InvalidArgument,
@@ -108,5 +115,26 @@ pub(crate) async fn until<T>(deadline: Option<Instant>, fut: impl std::future::F
     match deadline {
         None => Some(fut.await),
         Some(d) => tokio::time::timeout_at(d, fut).await.ok(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_path_without_its_leading_slash_is_unimplemented_as_a_server_would_answer() {
+        let refused = check_path("pkg.Svc/Method").expect_err("refused");
+        assert_eq!(
+            (refused.code(), refused.message()),
+            (Code::Unimplemented, r#"malformed method name: "pkg.Svc/Method""#)
+        );
+        assert_eq!(check_path("Method").expect_err("refused").code(), Code::Unimplemented);
+        // What no server could be given stays the caller's mistake.
+        for path in ["/pkg.Svc/Me thod", "/pkg.Svc/M\u{e9}", &format!("/{}", "x".repeat(wire::MAX_PATH_LEN))] {
+            assert_eq!(check_path(path).expect_err("refused").code(), Code::InvalidArgument, "{path:?}");
+        }
+        assert_eq!(check_path(&"x".repeat(wire::MAX_PATH_LEN + 1)).expect_err("refused").code(), Code::InvalidArgument);
+        assert!(check_path("/pkg.Svc/Method").is_ok());
     }
 }
