@@ -293,6 +293,68 @@ def test_an_asyncio_method_without_its_leading_slash_is_unimplemented(kind: str)
         pool.shutdown()
 
 
+def _two_then_ok(request: bytes, context: Any) -> Iterator[bytes]:
+    yield b"one"
+    yield b"two"
+
+
+def _until_cancelled_stream(request: bytes, context: Any) -> Iterator[bytes]:
+    yield _until_cancelled(request, context)
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_done_callbacks_have_run_when_the_end_is_seen(kind: str) -> None:
+    """grpc.aio runs a call's done callbacks as its status comes, and as `cancel()` ends it: a
+    reader that saw a stream's end, a stream's failure, or the return of `cancel()`, finds them
+    run. isthmus.aio ran a stream's, and a cancelled unary call's, on the loop's next turn."""
+    streams = {
+        "TwoThenOk": grpc.unary_stream_rpc_method_handler(_two_then_ok),
+        "StreamThenFail": grpc.unary_stream_rpc_method_handler(_stream_then_fail),
+        "UntilCancelled": grpc.unary_stream_rpc_method_handler(_until_cancelled_stream),
+    }
+    pool = futures.ThreadPoolExecutor(4)
+    s, module, targets = _serving_asyncio_clients(
+        kind, pool, grpc.method_handlers_generic_handler("users.S", streams)
+    )
+
+    async def calls(target: str) -> list[tuple[str, list[str]]]:
+        seen: list[str] = []
+        ran: list[tuple[str, list[str]]] = []
+        async with module.insecure_channel(target) as channel:
+            stream = channel.unary_stream("/users.S/TwoThenOk")(b"", timeout=10)
+            stream.add_done_callback(lambda _: seen.append("ok stream"))
+            assert [m async for m in stream] == [b"one", b"two"]
+            ran.append(("after the stream's last read", list(seen)))
+            failing = channel.unary_stream("/users.S/StreamThenFail")(b"", timeout=10)
+            failing.add_done_callback(lambda _: seen.append("failed stream"))
+            with pytest.raises(grpc.aio.AioRpcError):
+                [m async for m in failing]
+            ran.append(("after the failure's raise", list(seen)))
+            for way in ("unary_unary", "unary_stream"):
+                path = "/users.T/UntilCancelled" if way == "unary_unary" else "/users.S/UntilCancelled"
+                call = getattr(channel, way)(path)(b"", timeout=10)
+                call.add_done_callback(lambda _, way=way: seen.append(f"cancelled {way}"))
+                await asyncio.sleep(0.05)  # started (a cancel before the start ends it as well)
+                assert call.cancel()
+                ran.append((f"after the {way} cancel()", list(seen)))
+        return ran
+
+    try:
+        for target in targets:
+            assert asyncio.run(calls(target)) == [
+                ("after the stream's last read", ["ok stream"]),
+                ("after the failure's raise", ["ok stream", "failed stream"]),
+                ("after the unary_unary cancel()", ["ok stream", "failed stream", "cancelled unary_unary"]),
+                (
+                    "after the unary_stream cancel()",
+                    ["ok stream", "failed stream", "cancelled unary_unary", "cancelled unary_stream"],
+                ),
+            ], (kind, target)
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
 def test_a_unary_calls_reply_is_deserialized_once(kind: str) -> None:
     """grpc.aio deserializes a unary call's reply once: every await of the call gives that one

@@ -156,9 +156,15 @@ class UnaryUnaryCall(_native.AioUnaryCall, _Call, grpc.aio.UnaryUnaryCall):
             self._raise(error)
 
     def cancel(self) -> bool:
-        if not self._outcome.cancel():
+        if self._outcome.done():
             return False
+        # Its done callbacks run now, as grpc.aio's do when a cancel ends the call, not on the
+        # loop's next turn as the future's cancel would run them.
+        runs = [r for r in self.__dict__.pop("_done_runs", ()) if self._outcome.remove_done_callback(r)]
+        self._outcome.cancel()
         self._abandon()
+        for run in runs:
+            run(self._outcome)
         return True
 
     def cancelled(self) -> bool:
@@ -171,7 +177,13 @@ class UnaryUnaryCall(_native.AioUnaryCall, _Call, grpc.aio.UnaryUnaryCall):
         if self.done():
             callback(self)  # at once, as grpc.aio's, not on the loop's next turn
             return
-        self._outcome.add_done_callback(lambda _: callback(self))
+
+        def run(_: Any) -> None:
+            callback(self)
+
+        self._outcome.add_done_callback(run)
+        # Kept for `cancel` (rare: no list for the calls that add none).
+        self.__dict__.setdefault("_done_runs", []).append(run)
 
 
 class _CountedLock(asyncio.Lock):
@@ -224,6 +236,9 @@ class _StreamCall(_Call):
         self._done: asyncio.Future[None] = loop.create_future()
         self._status: CallError | None = None  # once `_done`; None for OK
         self._cancelled = False
+        # Run when the call ends, from the code that ends it (as grpc.aio's run when its status
+        # comes): by the time a reader sees the end, or `cancel()` returns, they have run.
+        self._done_callbacks: list[Callable[[Any], None]] = []
         token = self._start_token = driver.token()
         started = channel.start(token, path, metadata, timeout, wait_for_ready, compression)
         # Resolves to the AsyncCall or a CallError; at once if the call started at once.
@@ -334,10 +349,18 @@ class _StreamCall(_Call):
         return value
 
     def _close(self, status: CallError | None) -> None:
-        """Records how the call ended; the first end counts."""
+        """Records how the call ended, and runs its done callbacks; the first end counts."""
         if not self._done.done():
             self._status = status
             self._done.set_result(None)
+            callbacks, self._done_callbacks = self._done_callbacks, []
+            for callback in callbacks:
+                try:
+                    callback(self)
+                except Exception as e:  # reported as the loop reports a future callback's
+                    self._loop.call_exception_handler(
+                        {"message": f"Exception in callback {callback!r}", "exception": e}
+                    )
 
     def _fail(self, error: CallError) -> None:
         """Ends the call with `error` found here (the server's data was wrong), even after the
@@ -414,7 +437,7 @@ class _StreamCall(_Call):
         if self.done():
             callback(self)  # at once, as grpc.aio's
             return
-        self._done.add_done_callback(lambda _: callback(self))
+        self._done_callbacks.append(callback)
 
     @property
     def _done_writing_flag(self) -> bool:
