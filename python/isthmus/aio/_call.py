@@ -164,7 +164,7 @@ class UnaryUnaryCall(_native.AioUnaryCall, _Call, grpc.aio.UnaryUnaryCall):
         self._outcome.cancel()
         self._abandon()
         for run in runs:
-            run(self._outcome)
+            _run_done_callback(self._loop, run, self._outcome)
         return True
 
     def cancelled(self) -> bool:
@@ -184,6 +184,15 @@ class UnaryUnaryCall(_native.AioUnaryCall, _Call, grpc.aio.UnaryUnaryCall):
         self._outcome.add_done_callback(run)
         # Kept for `cancel` (rare: no list for the calls that add none).
         self.__dict__.setdefault("_done_runs", []).append(run)
+
+
+def _run_done_callback(loop: asyncio.AbstractEventLoop, callback: Callable[[Any], None], arg: Any) -> None:
+    """Runs a done callback now, as the loop would run a future's later: what it raises goes to
+    the loop's exception handler, not to the code that ended the call."""
+    try:
+        callback(arg)
+    except Exception as e:
+        loop.call_exception_handler({"message": f"Exception in callback {callback!r}", "exception": e})
 
 
 class _CountedLock(asyncio.Lock):
@@ -355,12 +364,7 @@ class _StreamCall(_Call):
             self._done.set_result(None)
             callbacks, self._done_callbacks = self._done_callbacks, []
             for callback in callbacks:
-                try:
-                    callback(self)
-                except Exception as e:  # reported as the loop reports a future callback's
-                    self._loop.call_exception_handler(
-                        {"message": f"Exception in callback {callback!r}", "exception": e}
-                    )
+                _run_done_callback(self._loop, callback, self)
 
     def _fail(self, error: CallError) -> None:
         """Ends the call with `error` found here (the server's data was wrong), even after the
