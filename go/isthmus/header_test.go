@@ -374,3 +374,43 @@ func TestAStreamsHeaderGrpcGoRefusesIsRefusedAsThere(t *testing.T) {
 		}
 	}
 }
+
+// trailersOnly is a server-streaming handler that sends nothing and sets a trailer, so that
+// grpc-go's server answers with a trailers-only response: one HEADERS frame that ends the stream.
+type trailersOnly struct{ pb.UnimplementedEchoServer }
+
+func (trailersOnly) ServerStream(_ *pb.StreamRequest, s grpc.ServerStreamingServer[pb.EchoReply]) error {
+	s.SetTrailer(metadata.Pairs("x-trailer", "t"))
+	return nil
+}
+
+// A trailers-only OK end from grpc-go's server: its fields are the call's trailer and there is
+// no header, for isthmus's client as for grpc-go's. isthmus's gave them as the header and an
+// empty trailer.
+func TestATrailersOnlyOkEndGivesItsFieldsAsTheTrailer(t *testing.T) {
+	address := startGrpcServing(t, trailersOnly{})
+	for name, conn := range map[string]grpc.ClientConnInterface{
+		"grpc-go": newGrpcClient(t, address),
+		"isthmus": dial(t, "http://"+address),
+	} {
+		t.Run(name, func(t *testing.T) {
+			stream, err := pb.NewEchoClient(conn).ServerStream(testContext(t), &pb.StreamRequest{Count: 3})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, err := stream.Recv(); err != io.EOF {
+				t.Fatalf("Recv: %v, want io.EOF", err)
+			}
+			header, err := stream.Header()
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := header.Get("x-trailer"); len(got) != 0 {
+				t.Errorf("header has x-trailer %q; a trailers-only response has no header", got)
+			}
+			if got := stream.Trailer().Get("x-trailer"); len(got) != 1 || got[0] != "t" {
+				t.Errorf("trailer x-trailer = %q, want [t]", got)
+			}
+		})
+	}
+}

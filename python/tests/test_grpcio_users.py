@@ -550,6 +550,48 @@ def test_an_ok_status_keeps_the_details_its_handler_set(kind: str) -> None:
     asyncio.run(asyncio_server())
 
 
+def _trailers_only(request: bytes, context: Any) -> Iterator[bytes]:
+    context.set_details(OK_WORDS)
+    context.set_trailing_metadata((("x-trailer", "t"),))
+    return iter(())
+
+
+def test_a_trailers_only_ok_end_keeps_its_details_and_gives_its_fields_as_trailers() -> None:
+    """grpcio's server answers a stream that sends nothing with one HEADERS frame that ends it
+    (trailers-only). Its fields are the call's trailing metadata and there is no initial
+    metadata, in grpcio's and grpc.aio's clients. isthmus's lost the details and gave the fields
+    as initial metadata."""
+    pool = futures.ThreadPoolExecutor(2)
+    unix = fresh("unix")
+    s = grpc.server(pool)
+    methods = {"S": grpc.unary_stream_rpc_method_handler(_trailers_only)}
+    s.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("users.Ok", methods),))
+    s.add_insecure_port(grpcio_target(unix))
+    s.start()
+    want = (OK_WORDS, [], [("x-trailer", "t")])
+    try:
+        for module in (grpc, isthmus):
+            with module.insecure_channel(grpcio_target(unix)) as channel:
+                call = channel.unary_stream("/users.Ok/S")(b"a", timeout=10)
+                assert list(call) == []
+                got = (call.details(), list(call.initial_metadata()), list(call.trailing_metadata()))
+                assert got == want, module.__name__
+
+        async def asyncio_clients() -> None:
+            for module in (grpc.aio, isthmus.aio):
+                async with module.insecure_channel(grpcio_target(unix)) as channel:
+                    call = channel.unary_stream("/users.Ok/S")(b"a", timeout=10)
+                    assert [m async for m in call] == []
+                    initial, trailing = await call.initial_metadata(), await call.trailing_metadata()
+                    got = (await call.details(), list(initial), list(trailing))
+                    assert got == want, module.__name__
+
+        asyncio.run(asyncio_clients())
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["grpcio", "isthmus", "isthmus.aio"])
 def test_an_address_that_cannot_be_bound_raises_RuntimeError(kind: str, tmp_path: Any) -> None:
     """A TCP port another socket holds, and a Unix socket in a directory that is not there:

@@ -347,7 +347,17 @@ impl HttpCall {
             }
             Ok(Ok(Ok(response))) => {
                 let (metadata, body, _) = response.into_parts();
-                self.headers = Some(codec::metadata_from(&metadata.into_headers()).unwrap_or_default());
+                let headers = metadata.into_headers();
+                let fields = codec::metadata_from(&headers).unwrap_or_default();
+                if headers.contains_key(codec::GRPC_STATUS) {
+                    // A trailers-only response (tonic passes only an OK one): its fields are the
+                    // trailers, as grpcio and grpc-go read them, and there is no initial metadata.
+                    self.headers = Some(MetadataMap::new());
+                    self.trailers = Some(fields);
+                    self.ok_message = codec::status_message(&headers);
+                } else {
+                    self.headers = Some(fields);
+                }
                 self.response = Response::Open(Box::new(body));
                 Ok(())
             }
@@ -405,9 +415,8 @@ impl HttpCall {
                 };
                 if let Some(t) = &trailers {
                     self.ok_message = codec::status_message(t);
+                    self.trailers = Some(codec::metadata_from(t).unwrap_or_default());
                 }
-                self.trailers =
-                    Some(trailers.map(|t| codec::metadata_from(&t).unwrap_or_default()).unwrap_or_default());
                 self.end(Ok(())).map(|()| None)
             }
         }
@@ -424,7 +433,7 @@ impl HttpCall {
 
     /// Trailing metadata once the call has ended.
     pub(crate) fn trailers(&self) -> Option<&MetadataMap> {
-        self.trailers.as_ref()
+        self.trailers.as_ref().filter(|_| self.ended.is_some())
     }
 
     /// The message of the OK status the call ended with; `None` before it ended OK.
