@@ -137,6 +137,8 @@ class Context:
                 message = self._serialize(response)
             except Exception:
                 self._abort(grpc.StatusCode.INTERNAL, "Failed to serialize response!")
+        if message is None:
+            message = self._no_message()
         if self._max_send is not None:
             size = buffer_size(message)
             if size is not None and size > self._max_send:
@@ -147,14 +149,24 @@ class Context:
                 )
         return message  # type: ignore[no-any-return]
 
+    def _no_message(self) -> bytes:
+        """What a reply of None (a handler that returned nothing) sends: grpcio's server ends
+        the call INTERNAL; grpc.aio's sends an empty message (`aio/_context.py`)."""
+        self._abort(grpc.StatusCode.INTERNAL, "Failed to serialize response!")
+
+    def _fault(self, error: BaseException) -> str:
+        """The details of a call whose handler raised `error`, in grpcio's words."""
+        return f"Exception calling application: {error}"
+
     def _responds(self) -> bool:
         """Whether a unary handler's return value is sent: not once it set a failing code."""
         return self._code is None or self._code is grpc.StatusCode.OK
 
-    def _finish(self, error: BaseException | None, reply: Any = None) -> None:
+    def _finish(self, error: BaseException | None, reply: Any = None, fault: str | None = None) -> None:
         """Ends the call: with the handler's code, details and trailers, or as grpcio ends a
-        handler that raised. Does nothing if the call is already over. `reply` (the blocking
-        server's unary response, encoded) is sent first, in the same step."""
+        handler that raised (`fault`, if given, the details then). Does nothing if the call is
+        already over. `reply` (the blocking server's unary response, encoded) is sent first, in
+        the same step."""
         if self._finished and error is None:  # ended already, with its reply (`aio._reply`)
             return
         code, details = self._code, self._details
@@ -164,7 +176,7 @@ class Context:
             if code is None or code is grpc.StatusCode.OK:
                 code = grpc.StatusCode.UNKNOWN
             if details is None:
-                details = f"Exception calling application: {error}"
+                details = self._fault(error) if fault is None else fault
         self._finished = True
         trailing = None if self._trailing is None else outgoing(self._trailing)
         status = 0 if code is None else code.value[0]

@@ -176,8 +176,17 @@ class Server(ServerBase, grpc.Server):
             request = context._requests() if handler.request_streaming else context._request(context._recv())
             response = method(request, context)
             if handler.response_streaming:
-                send = context._send
-                for message in response:
+                send, responses = context._send, None
+                while True:
+                    try:
+                        if responses is None:
+                            responses = iter(response)
+                        message = next(responses, None)
+                    except Exception as e:  # the handler's own code, run by the iteration
+                        context._finish(e, fault=f"Exception iterating responses: {e}")
+                        return
+                    if message is None:  # as grpcio's server: a None ends the stream too
+                        break
                     send(context._encode(message))
             elif context._responds():
                 # The response and the status in one step.

@@ -8,7 +8,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -590,6 +590,152 @@ def test_a_trailers_only_ok_end_keeps_its_details_and_gives_its_fields_as_traile
     finally:
         s.stop(None)
         pool.shutdown()
+
+
+def _returns_nothing(request: bytes, context: Any) -> None:
+    return None
+
+
+def _yields_then_nothing(request: bytes, context: Any) -> Iterator[bytes | None]:
+    yield b"a"
+    yield None
+    yield b"b"
+
+
+def _yields_then_raises(request: bytes, context: Any) -> Iterator[bytes]:
+    yield b"a"
+    raise ValueError("boom")
+
+
+def _raises(request: bytes, context: Any) -> bytes:
+    raise ValueError("boom")
+
+
+async def _returns_nothing_aio(request: bytes, context: Any) -> None:
+    return None
+
+
+async def _yields_then_nothing_aio(request: bytes, context: Any) -> AsyncIterator[bytes | None]:
+    yield b"a"
+    yield None
+
+
+async def _yields_then_raises_aio(request: bytes, context: Any) -> AsyncIterator[bytes]:
+    yield b"a"
+    raise ValueError("boom")
+
+
+async def _raises_aio(request: bytes, context: Any) -> bytes:
+    raise ValueError("boom")
+
+
+def _careless(aio: bool) -> grpc.GenericRpcHandler:
+    """/users.Careless/{Nothing,NothingInStream,RaiseInStream,Raise}: handlers that return
+    None where a message belongs, or raise; each of the asyncio server's plain ones too."""
+    unary, stream = grpc.unary_unary_rpc_method_handler, grpc.unary_stream_rpc_method_handler
+    methods = {
+        "Nothing": unary(_returns_nothing),
+        "NothingInStream": stream(_yields_then_nothing),
+        "RaiseInStream": stream(_yields_then_raises),
+        "Raise": unary(_raises),
+    }
+    if aio:
+        methods["PlainNothing"], methods["PlainRaiseInStream"] = methods["Nothing"], methods["RaiseInStream"]
+        methods.update(
+            Nothing=unary(_returns_nothing_aio),
+            NothingInStream=stream(_yields_then_nothing_aio),
+            RaiseInStream=stream(_yields_then_raises_aio),
+            Raise=unary(_raises_aio),
+        )
+    return grpc.method_handlers_generic_handler("users.Careless", methods)
+
+
+def _outcomes(channel: Any, methods: Iterable[str]) -> dict[str, Any]:
+    """Each method's replies, or its failure's code and details, as a blocking client sees them."""
+    seen: dict[str, Any] = {}
+    for method in methods:
+        path = f"/users.Careless/{method}"
+        try:
+            if "Stream" in method:
+                seen[method] = list(channel.unary_stream(path)(b"", timeout=10))
+            else:
+                seen[method] = channel.unary_unary(path)(b"", timeout=10)
+        except grpc.RpcError as e:
+            seen[method] = (e.code(), e.details())
+    return seen
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_blocking_handler_that_returns_nothing_or_raises_while_iterated(kind: str) -> None:
+    """grpcio's server ends a unary call whose handler returned None INTERNAL "Failed to
+    serialize response!" (isthmus's ended it OK with no message: grpcio's client got None), ends
+    a stream at a None it yields, and says "Exception iterating responses" for an exception its
+    iteration raised (isthmus said "Exception calling application")."""
+    pool = futures.ThreadPoolExecutor(2)
+    unix = fresh("unix")
+    s: Any = (grpc.server if kind == "grpcio" else isthmus.server)(pool)
+    s.add_generic_rpc_handlers((_careless(aio=False),))
+    s.add_insecure_port(grpcio_target(unix))
+    channels = [grpc.insecure_channel(grpcio_target(unix))]
+    if kind == "isthmus":
+        shm = fresh("shm")
+        s.add_insecure_port(shm)
+        channels += [isthmus.insecure_channel(shm), isthmus.insecure_channel(unix)]
+    s.start()
+    want = {
+        "Nothing": (grpc.StatusCode.INTERNAL, "Failed to serialize response!"),
+        "NothingInStream": [b"a"],
+        "RaiseInStream": (grpc.StatusCode.UNKNOWN, "Exception iterating responses: boom"),
+        "Raise": (grpc.StatusCode.UNKNOWN, "Exception calling application: boom"),
+    }
+    try:
+        for channel in channels:
+            with channel:
+                assert _outcomes(channel, want) == want, channel
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_an_asyncio_handler_that_returns_nothing_or_raises(kind: str) -> None:
+    """grpc.aio's server sends a handler's None as an empty message, and words a handler's
+    exception "Unexpected <class '…'>: …", for coroutines and plain handlers alike. isthmus.aio's
+    failed a None UNKNOWN and used the blocking server's words."""
+    module = grpc.aio if kind == "grpc.aio" else isthmus.aio
+    pool = futures.ThreadPoolExecutor(2)
+    unix = fresh("unix")
+    targets = [grpcio_target(unix)] + ([] if kind == "grpc.aio" else [fresh("shm")])
+    unexpected = (grpc.StatusCode.UNKNOWN, "Unexpected <class 'ValueError'>: boom")
+    want = {
+        "Nothing": b"",
+        "PlainNothing": b"",
+        "NothingInStream": [b"a", b""],
+        "RaiseInStream": unexpected,
+        "PlainRaiseInStream": unexpected,
+        "Raise": unexpected,
+    }
+
+    async def serve() -> None:
+        server = module.server(migration_thread_pool=pool)
+        server.add_generic_rpc_handlers((_careless(aio=True),))
+        for target in targets:
+            server.add_insecure_port(target)
+        await server.start()
+        loop = asyncio.get_running_loop()
+        try:
+            for target in targets:
+                clients = [grpc.insecure_channel(grpcio_target(unix))] if target.startswith("unix") else []
+                clients.append(isthmus.insecure_channel(target) if kind == "isthmus.aio" else None)
+                for channel in filter(None, clients):
+                    with channel:
+                        seen = await loop.run_in_executor(None, _outcomes, channel, want)
+                    assert seen == want, (target, channel)
+        finally:
+            await server.stop(None)
+
+    asyncio.run(serve())
+    pool.shutdown()
 
 
 @pytest.mark.parametrize("kind", ["grpcio", "isthmus", "isthmus.aio"])

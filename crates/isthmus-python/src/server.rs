@@ -33,11 +33,12 @@
 //!   handler may send them after it has read (a client that waits for the response to open
 //!   before its first request, as a tonic client awaiting its call does, waits on a handler
 //!   that reads first, as on grpcio's server).
-//! - The end: a handler that raises ends the call UNKNOWN ("Exception calling application: …"), as
-//!   grpcio does; a `ServerCall` dropped unfinished ends UNKNOWN too. The client's cancel, the
-//!   deadline or the connection's end drop the engine's future; `hand_off` then marks the call
-//!   inactive and runs the `add_callback` callbacks (the blocking server's with the GIL, on the
-//!   engine's thread). A thread-pool handler is not interrupted (grpcio's are not either): its
+//! - The end: a handler that raises ends the call UNKNOWN in its server's words ("Exception calling
+//!   application: …", or grpc.aio's "Unexpected <class '…'>: …"; `_context.py`), as grpcio does; a
+//!   `ServerCall` dropped unfinished ends UNKNOWN too. The client's cancel, the deadline or the
+//!   connection's end drop the engine's future; `hand_off` then marks the call inactive and runs
+//!   the `add_callback` callbacks (the blocking server's with the GIL, on the engine's thread). A
+//!   thread-pool handler is not interrupted (grpcio's are not either): its
 //!   next read or write fails with the call's status. An asyncio handler's task is cancelled
 //!   then, as grpc.aio's are: the inbox tells the loop (`aio/_server.py`).
 //! - Ports: each `add_insecure_port` binds at once (`Server::bind`) as a `Bound` of its own, so it

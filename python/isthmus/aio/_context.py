@@ -109,6 +109,12 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
             self._trailing = trailing_metadata
         self._abort(code, details)
 
+    def _no_message(self) -> bytes:
+        return b""  # grpc.aio's server sends a handler's None as an empty message
+
+    def _fault(self, error: BaseException) -> str:
+        return f"Unexpected {type(error)}: {error}"  # grpc.aio's words
+
     def details(self) -> str:
         return self._details or ""
 
