@@ -48,6 +48,9 @@ fn proto() -> *const isthmus_proto_t {
 /// handle count is checked once this is zero: checked sooner, it raced them.
 static OWED: AtomicUsize = AtomicUsize::new(0);
 
+/// The tag of the handler's replies on the live queue: the events [`drain`] counts off [`OWED`].
+const REPLY_TAG: u64 = 1;
+
 /// One running handler, in [`OWED`] until it returns.
 struct Running;
 
@@ -99,7 +102,7 @@ extern "C" fn finish_as_asked(user_data: *mut c_void, call: *mut isthmus_server_
                 asked.len(),
                 std::ptr::null(),
                 cq,
-                1,
+                REPLY_TAG,
                 &mut now,
                 &mut status,
             )
@@ -238,7 +241,7 @@ fn drain(cq: *const isthmus_cq_t) {
             if !ev.status.is_null() {
                 assert_eq!(isthmus_status_free(ev.status), ISTHMUS_OK);
             }
-            if ev.tag == 1 {
+            if ev.tag == REPLY_TAG {
                 OWED.fetch_sub(1, SeqCst);
             }
         }
