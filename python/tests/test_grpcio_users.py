@@ -227,6 +227,64 @@ def test_an_asyncio_call_that_failed_keeps_the_initial_metadata_sent_before(kind
         pool.shutdown()
 
 
+def _one_then_until_cancelled(request: bytes, context: Any) -> Iterator[bytes]:
+    yield b"one"
+    _until_cancelled(request, context)
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_call_past_its_deadline_says_deadline_exceeded(kind: str) -> None:
+    """A call whose timeout runs out (a unary call, a stream after its first message) or is
+    zero fails DEADLINE_EXCEEDED "Deadline Exceeded" in grpcio's and grpc.aio's clients:
+    grpc-core's words, which code compares. isthmus's said "the call's deadline passed", or "the
+    call's deadline had passed before it started". grpc's clients to a grpcio server, isthmus's
+    to an isthmus server over shm:// and the socket."""
+    pool = futures.ThreadPoolExecutor(4)
+    streams = {"OneThenUntilCancelled": grpc.unary_stream_rpc_method_handler(_one_then_until_cancelled)}
+    more = grpc.method_handlers_generic_handler("users.S", streams)
+    s, aio, targets = _serving_asyncio_clients("grpc.aio" if kind == "grpcio" else "isthmus.aio", pool, more)
+    blocking: Any = grpc if kind == "grpcio" else isthmus
+    want = (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+    unary, stream = "/users.T/UntilCancelled", "/users.S/OneThenUntilCancelled"
+
+    def blocking_outcomes(target: str) -> list[Any]:
+        seen = []
+        with blocking.insecure_channel(target) as channel:
+            for timeout in (0.2, 0):
+                with pytest.raises(grpc.RpcError) as caught:
+                    channel.unary_unary(unary)(b"", timeout=timeout)
+                seen.append((caught.value.code(), caught.value.details()))
+            got: list[bytes] = []
+            with pytest.raises(grpc.RpcError) as caught:
+                got.extend(channel.unary_stream(stream)(b"", timeout=0.3))
+            assert got in ([], [b"one"]), got  # the first message may come after the deadline
+            seen.append((caught.value.code(), caught.value.details()))
+        return seen
+
+    async def asyncio_outcomes(target: str) -> list[Any]:
+        seen = []
+        async with aio.insecure_channel(target) as channel:
+            for timeout in (0.2, 0):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await channel.unary_unary(unary)(b"", timeout=timeout)
+                seen.append((caught.value.code(), caught.value.details()))
+            got = []
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for m in channel.unary_stream(stream)(b"", timeout=0.3):
+                    got.append(m)
+            assert got in ([], [b"one"]), got
+            seen.append((caught.value.code(), caught.value.details()))
+        return seen
+
+    try:
+        for target in targets:
+            assert blocking_outcomes(target) == [want] * 3, target
+            assert asyncio.run(asyncio_outcomes(target)) == [want] * 3, target
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
 def test_wait_for_connection_raises_how_the_call_ended(kind: str) -> None:
     """grpc.aio's `wait_for_connection()` waits for a call to be sent, and then, if the call

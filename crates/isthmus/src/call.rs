@@ -84,9 +84,7 @@ pub struct Response {
 pub(crate) fn check_start(path: &str, options: &CallOptions) -> Result<(), Status> {
     check_path(path)?;
     match options.timeout {
-        Some(t) if t.is_zero() => {
-            Err(Status::new(Code::DeadlineExceeded, "the call's deadline had passed before it started"))
-        }
+        Some(t) if t.is_zero() => Err(Status::deadline_exceeded()),
         _ => Ok(()),
     }
 }

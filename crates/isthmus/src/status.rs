@@ -130,6 +130,12 @@ impl fmt::Display for Code {
 #[derive(Clone, PartialEq, Eq)]
 pub struct Status(Option<Box<StatusInner>>);
 
+/// The message of a call whose own deadline passed: grpc-core's words, which grpcio's and
+/// grpc.aio's clients give as `details()` (the zero timeout of a call that never started too),
+/// so code written against them reads the same over isthmus. grpc-go's clients say "context
+/// deadline exceeded"; the Go package maps to that.
+pub const DEADLINE_EXCEEDED: &str = "Deadline Exceeded";
+
 #[derive(Clone, PartialEq, Eq)]
 struct StatusInner {
     code: Code,
@@ -161,6 +167,12 @@ impl Status {
     /// The OK status.
     pub fn ok() -> Status {
         Status(None)
+    }
+
+    /// DEADLINE_EXCEEDED for a call whose own deadline passed, however it was noticed, in
+    /// grpc-core's words ([`DEADLINE_EXCEEDED`]).
+    pub fn deadline_exceeded() -> Status {
+        Status::new(Code::DeadlineExceeded, DEADLINE_EXCEEDED)
     }
 
     /// The fields, made real for a change.

@@ -48,7 +48,7 @@ use crate::call::{check_start, CallOptions, Response};
 use crate::connectivity::{Connectivity, Live, Tracker};
 use crate::engine::flow::{self, Credit};
 use crate::engine::mux::{ConnectionCounters, Mux};
-use crate::status::{Code, Status};
+use crate::status::{Code, Status, DEADLINE_EXCEEDED};
 
 struct Inner {
     slot: Slot,
@@ -554,9 +554,8 @@ const CANCEL_PATIENCE: Duration = Duration::from_millis(100);
 
 impl Call {
     fn expire(&mut self) -> Status {
-        let message = "the call's deadline passed";
-        self.state.cancel_blocking(Code::DeadlineExceeded, message, CANCEL_PATIENCE);
-        Status::new(Code::DeadlineExceeded, message)
+        self.state.cancel_blocking(Code::DeadlineExceeded, DEADLINE_EXCEEDED, CANCEL_PATIENCE);
+        Status::deadline_exceeded()
     }
 
     /// A transport failure while sending, past the deadline if it was a timeout.

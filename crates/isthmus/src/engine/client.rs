@@ -62,7 +62,7 @@ use super::mux::{ConnectionCounters, Mux, StreamShared};
 use crate::call::{check_start, until, CallOptions};
 use crate::connectivity::Tracker;
 use crate::metadata::MetadataMap;
-use crate::status::{Code, Status};
+use crate::status::{Code, Status, DEADLINE_EXCEEDED};
 
 /// A channel's way to one `shm://` server: the connection slot its clones share.
 pub(crate) struct ShmChannel {
@@ -253,7 +253,7 @@ async fn send_head(call: ShmCall, path: &str, options: &CallOptions, first: Opti
     let (sender, id) = (&call.state.mux.sender, call.state.id());
     match until(call.deadline, sender.send_parts_async(Kind::Headers, f, id, &body)).await {
         Some(sent) => sent.map_err(|e| Status::from_transport(&e))?,
-        None => return Err(Status::new(Code::DeadlineExceeded, "the call's deadline passed")),
+        None => return Err(Status::deadline_exceeded()),
     }
     Ok(call)
 }
@@ -337,9 +337,8 @@ impl ShmCall {
     /// never waits for ring room (with none, it waits in the connection's queue of answers), so
     /// a server that reads nothing does not hold the caller past its deadline.
     fn expire(&mut self) -> Status {
-        let message = "the call's deadline passed";
-        self.state.cancel_blocking(Code::DeadlineExceeded, message, std::time::Duration::ZERO);
-        Status::new(Code::DeadlineExceeded, message)
+        self.state.cancel_blocking(Code::DeadlineExceeded, DEADLINE_EXCEEDED, std::time::Duration::ZERO);
+        Status::deadline_exceeded()
     }
 
     /// Waits for credit to send `len` bytes; `Ok(false)` if the call is already over and the

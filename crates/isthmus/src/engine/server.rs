@@ -1146,7 +1146,7 @@ fn outcome_status(outcome: Outcome, shared: &StreamShared) -> Option<Status> {
         Outcome::Done(Ok(())) => Status::ok(),
         Outcome::Done(Err(status)) => status,
         Outcome::Panicked(what) => Status::new(Code::Internal, format!("the handler panicked: {what}")),
-        Outcome::DeadlineExceeded => Status::new(Code::DeadlineExceeded, "the call's deadline passed"),
+        Outcome::DeadlineExceeded => Status::deadline_exceeded(),
         Outcome::Cancelled => return None,
     };
     // Trailers set on the call go after any the returned status carries.

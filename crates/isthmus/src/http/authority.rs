@@ -27,7 +27,7 @@
 //! answers an expired call with CANCELLED "Timeout expired", where gRPC and a grpcio client expect
 //! DEADLINE_EXCEEDED. So the filter also renames `grpc-timeout` to `x-isthmus-grpc-timeout` on the
 //! way in, tonic's timer never starts, and `DeadlineLayer` puts the header back for the service and
-//! answers DEADLINE_EXCEEDED ("the call's deadline passed") when the response is not ready in time.
+//! answers DEADLINE_EXCEEDED ("Deadline Exceeded") when the response is not ready in time.
 
 use std::io;
 use std::pin::Pin;
@@ -374,7 +374,7 @@ where
                 None => responding.await,
                 Some(t) => match tokio::time::timeout(t, responding).await {
                     Ok(r) => r,
-                    Err(_) => Ok(tonic::Status::deadline_exceeded("the call's deadline passed").into_http()),
+                    Err(_) => Ok(tonic::Status::deadline_exceeded(crate::status::DEADLINE_EXCEEDED).into_http()),
                 },
             }
         })

@@ -10,7 +10,7 @@
 //! stream and, at its end, the trailers.
 //!
 //! The deadline is the call's: `grpc-timeout` goes with the head and every wait is bounded by it
-//! (DEADLINE_EXCEEDED, "the call's deadline passed"). So is the channel's `close`: a wait ends
+//! (DEADLINE_EXCEEDED, "Deadline Exceeded"). So is the channel's `close`: a wait ends
 //! with the status the close gave, and the call ends so (its stream reset). A status tonic made
 //! from a transport error (an UNKNOWN with a source) is reported UNAVAILABLE, as the connection's
 //! end is over `shm://`.
@@ -210,7 +210,7 @@ fn status_from_tonic(t: tonic::Status, limit: usize) -> Status {
 }
 
 fn deadline_passed() -> Status {
-    Status::new(Code::DeadlineExceeded, "the call's deadline passed")
+    Status::deadline_exceeded()
 }
 
 /// `fut`'s output, unless the deadline passes or the channel is closed first: then the status

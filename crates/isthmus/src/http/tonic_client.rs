@@ -39,7 +39,7 @@
 //! body ends DEADLINE_EXCEEDED if it has not ended when `grpc-timeout` runs out, and is dropped,
 //! which resets the stream (below). tonic's client's `TimeoutExpired`, and
 //! a plain tonic server's trailers-only CANCELLED "Timeout expired", are both reported
-//! DEADLINE_EXCEEDED ("the call's deadline passed"). Other transport errors get
+//! DEADLINE_EXCEEDED ("Deadline Exceeded", grpc-core's words). Other transport errors get
 //! `tonic::Status::from_error`'s code (a refused connection: UNAVAILABLE), but for a connection
 //! that breaks under a response body (the server died), which tonic calls UNKNOWN: UNAVAILABLE
 //! here, as gRPC names it. `counters()` are zero.
@@ -180,11 +180,8 @@ fn body_error(status: tonic::Status) -> BoxError {
     }
 }
 
-/// The message of a call whose deadline passed, however it was noticed.
-const DEADLINE_PASSED: &str = "the call's deadline passed";
-
 fn deadline_passed() -> Status {
-    Status::new(Code::DeadlineExceeded, DEADLINE_PASSED)
+    Status::deadline_exceeded()
 }
 
 /// tonic's server answers a deadline that passed with CANCELLED "Timeout expired" (a
@@ -195,7 +192,7 @@ fn deadline_code(headers: &mut HeaderMap) {
         && headers.get(codec::GRPC_MESSAGE).is_some_and(|m| m == "Timeout expired" || m == "Timeout%20expired");
     if expired {
         headers.insert(codec::GRPC_STATUS, HeaderValue::from_static("4"));
-        headers.insert(codec::GRPC_MESSAGE, HeaderValue::from_static(DEADLINE_PASSED));
+        headers.insert(codec::GRPC_MESSAGE, HeaderValue::from_static(crate::status::DEADLINE_EXCEEDED));
     }
 }
 
