@@ -398,7 +398,9 @@ func run(quick bool, rounds int, out string) error {
 	defer gconn.Close()
 	// The Go client against the Rust engine's echo server, where isthmus-bench is built.
 	var engineCall caller
-	eshm := shm + "-engine"
+	// A path in dir, so that the socket goes with it: the Rust server leaves it behind when it
+	// is stopped.
+	eshm := "shm://" + filepath.Join(dir, "engine.sock")
 	if esrv, err := startEngineServer(eshm); err != nil {
 		fmt.Fprintln(os.Stderr, "go-bench: no go-client-engine-server:", err)
 	} else {
@@ -526,6 +528,7 @@ func load(args []string) error {
 		case "go-isthmus-shm-goroutines":
 			srv, err = start("serve-isthmus-default", shm)
 		case "go-client-engine-server":
+			shm = "shm://" + filepath.Join(dir, "engine.sock") // goes with dir, as in run
 			srv, err = startEngineServer(shm)
 		default:
 			srv, err = start("serve-isthmus", shm)
