@@ -346,15 +346,21 @@ mod tests {
     #[cfg(not(target_arch = "x86_64"))]
     const AHEAD_FOR_TESTS: usize = 0;
 
-    #[test]
+    /// [`exact_at_every_alignment_and_length`] for a copy that needs AVX2, where the CPU has it.
     #[cfg(all(target_arch = "x86_64", not(miri)))]
-    fn the_avx2_cached_copy_is_exact_where_the_cpu_has_it() {
+    fn exact_where_the_cpu_has_avx2(copy: unsafe fn(&mut [u8], &[u8])) {
         if !std::arch::is_x86_feature_detected!("avx2") {
             eprintln!("no AVX2 on this CPU: its copy is not run here");
             return;
         }
-        // SAFETY: AVX2 was just detected.
-        exact_at_every_alignment_and_length(|d, s| unsafe { cached_copy_avx2(d, s) });
+        // SAFETY: AVX2 was just detected, which is all either AVX2 copy asks.
+        exact_at_every_alignment_and_length(|d, s| unsafe { copy(d, s) });
+    }
+
+    #[test]
+    #[cfg(all(target_arch = "x86_64", not(miri)))]
+    fn the_avx2_cached_copy_is_exact_where_the_cpu_has_it() {
+        exact_where_the_cpu_has_avx2(cached_copy_avx2);
     }
 
     #[test]
@@ -379,12 +385,7 @@ mod tests {
     #[test]
     #[cfg(all(target_arch = "x86_64", not(miri)))]
     fn the_avx2_streaming_copy_is_exact_where_the_cpu_has_it() {
-        if !std::arch::is_x86_feature_detected!("avx2") {
-            eprintln!("no AVX2 on this CPU: its copy is not run here");
-            return;
-        }
-        // SAFETY: AVX2 was just detected.
-        exact_at_every_alignment_and_length(|d, s| unsafe { streaming_copy_avx2(d, s) });
+        exact_where_the_cpu_has_avx2(streaming_copy_avx2);
     }
 
     #[test]

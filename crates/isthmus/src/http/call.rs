@@ -209,10 +209,6 @@ fn status_from_tonic(t: tonic::Status, limit: usize) -> Status {
     Status::new(code, message).with_details(t.details().to_vec()).with_metadata(metadata)
 }
 
-fn deadline_passed() -> Status {
-    Status::deadline_exceeded()
-}
-
 /// `fut`'s output, unless the deadline passes or the channel is closed first: then the status
 /// the call ends with.
 async fn bounded<T>(
@@ -231,7 +227,7 @@ async fn bounded<T>(
     tokio::select! {
         biased;
         status = closing => Err(status),
-        done = until(deadline, fut) => done.ok_or_else(deadline_passed),
+        done = until(deadline, fut) => done.ok_or_else(Status::deadline_exceeded),
     }
 }
 

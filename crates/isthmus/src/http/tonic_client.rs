@@ -110,7 +110,7 @@ impl Body for ResponseBody {
             // call is bounded here, also while frames keep coming (a clock read each), and the
             // timer wakes a body that waits. Dropping the body (below) resets the stream.
             Source::Http { deadline: Some(d), .. } if d.deadline() <= tokio::time::Instant::now() => {
-                Frame::trailers(codec::status_trailers(&deadline_passed()))
+                Frame::trailers(codec::status_trailers(&Status::deadline_exceeded()))
             }
             Source::Http { body, cancel, deadline } => match Pin::new(body).poll_frame(cx) {
                 Poll::Ready(frame) => {
@@ -120,7 +120,7 @@ impl Body for ResponseBody {
                     return Poll::Ready(frame.map(|r| r.map_err(body_error)));
                 }
                 Poll::Pending => match deadline.as_mut().map(|d| d.as_mut().poll(cx)) {
-                    Some(Poll::Ready(())) => Frame::trailers(codec::status_trailers(&deadline_passed())),
+                    Some(Poll::Ready(())) => Frame::trailers(codec::status_trailers(&Status::deadline_exceeded())),
                     _ => return Poll::Pending,
                 },
             },
@@ -178,10 +178,6 @@ fn body_error(status: tonic::Status) -> BoxError {
         }
         _ => Box::new(status),
     }
-}
-
-fn deadline_passed() -> Status {
-    Status::deadline_exceeded()
 }
 
 /// tonic's server answers a deadline that passed with CANCELLED "Timeout expired" (a
@@ -658,7 +654,7 @@ where
             // DEADLINE_EXCEEDED, a refused connection UNAVAILABLE.
             Err(e) if timed_out(&e) => {
                 // tonic reports its own deadline as CANCELLED; gRPC's code is this one.
-                failed_response(deadline_passed())
+                failed_response(Status::deadline_exceeded())
             }
             Err(e) => {
                 // A TLS failure says which (an unknown CA, no client certificate…).
