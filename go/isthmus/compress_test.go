@@ -75,12 +75,15 @@ func (choosingService) Bidi(stream grpc.BidiStreamingServer[pb.EchoRequest, pb.E
 }
 
 // countingProxy passes TCP connections on to upstream and counts the bytes the server sends.
+// Frozen, it drops what either side sends and keeps every socket open, so to both ends the
+// connection is up and the other side silent, as a dropped network flow makes it.
 type countingProxy struct {
-	l    net.Listener
-	sent atomic.Int64
-	wg   sync.WaitGroup
-	mu   sync.Mutex
-	open []net.Conn
+	l      net.Listener
+	sent   atomic.Int64
+	frozen atomic.Bool
+	wg     sync.WaitGroup
+	mu     sync.Mutex
+	open   []net.Conn
 }
 
 func newCountingProxy(t *testing.T, upstream string) *countingProxy {
@@ -124,7 +127,7 @@ func (p *countingProxy) pump(dst, src net.Conn, counted bool) {
 	buf := make([]byte, 64<<10)
 	for {
 		n, err := src.Read(buf)
-		if n > 0 {
+		if n > 0 && !p.frozen.Load() {
 			if counted {
 				p.sent.Add(int64(n))
 			}

@@ -22,6 +22,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/stats"
@@ -126,7 +127,19 @@ type dialOptions struct {
 	callOptions     []grpc.CallOption
 	stats           []stats.Handler
 	// upgrade is the channel's ISTHMUS_CHANNEL_*UPGRADE flag (0: the process's default).
-	upgrade C.uint32_t
+	upgrade   C.uint32_t
+	keepalive keepalive.ClientParameters
+}
+
+// WithKeepaliveParams turns on HTTP/2 keepalive, as grpc.WithKeepaliveParams does: after
+// kp.Time in which nothing came from the server, the connection sends a PING, and if its
+// answer does not come within kp.Timeout (20 s if zero) it closes, and its calls fail with
+// codes.Unavailable instead of waiting for their deadlines (a host gone, a flow dropped on the
+// way). It pings only while a call is open, unless kp.PermitWithoutStream. A zero kp.Time
+// turns it off. Unlike grpc-go, a Time under 10 s is not raised to 10 s: mind the server's
+// ping policy. shm:// needs none: a server that dies there is seen at once.
+func WithKeepaliveParams(kp keepalive.ClientParameters) DialOption {
+	return func(o *dialOptions) { o.keepalive = kp }
 }
 
 // WithUpgrade says whether calls to an HTTP/2 address move to shared memory when its server is
@@ -173,6 +186,17 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 	ct := C.CString(target)
 	defer C.free(unsafe.Pointer(ct))
 	copts := C.isthmus_channel_options_t{max_message_size: C.uint64_t(o.maxMessageSize), flags: o.upgrade}
+	if kp := o.keepalive; kp.Time > 0 {
+		// Rounded up: a Time or Timeout under a millisecond is not none.
+		ms := func(d time.Duration) C.uint64_t { return C.uint64_t((d + time.Millisecond - 1) / time.Millisecond) }
+		copts.keepalive_time_ms = ms(kp.Time)
+		if kp.Timeout > 0 {
+			copts.keepalive_timeout_ms = ms(kp.Timeout)
+		}
+		if kp.PermitWithoutStream {
+			copts.flags |= C.ISTHMUS_CHANNEL_KEEPALIVE_WITHOUT_CALLS
+		}
+	}
 	if o.tls != nil {
 		t, err := clientTLS(o.tls)
 		defer t.free()

@@ -494,6 +494,24 @@ function cases.option_refused(ch, args)
     return connect_answer(args.target, { [args.key] = value })
 end
 
+-- One channel per target with a quick keepalive (a PING after 200 ms of quiet, 500 ms for its
+-- answer), kept on HTTP/2.
+local keepalive_channels = {}
+
+-- A raw unary call of `args.path` with `args.body` on the target's keepalive channel, and a
+-- deadline a minute away.
+function cases.keepalive(ch, args)
+    local kch = keepalive_channels[args.target]
+    if not kch then
+        kch = assert(isthmus.connect(args.target,
+            { keepalive_time_ms = 200, keepalive_timeout_ms = 500, upgrade = false }))
+        keepalive_channels[args.target] = kch
+    end
+    local ok, r = kch:unary(args.path, args.body or "", { raw = true, timeout = 60 })
+    if not ok then return failure(r) end
+    return { ok = true, reply = r }
+end
+
 -- Runs case `args.run` in a timer (ngx.timer.at); its result lands in the shared dict under
 -- `args.id`, which timer_result reads.
 function cases.timer_start(ch, args)

@@ -19,12 +19,13 @@ import threading
 import time
 import urllib.parse
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from pathlib import Path
 
 import certs
 import pytest
 from conftest import LUA, PATIENCE, ROOT, Nginx, library, need
-from peer import Peer, Served, serve, tonic_peer
+from peer import Peer, Served, ServerBehindSilentProxy, serve, tonic_peer
 
 KINDS = ["rust", "go", "isthmus"]  # isthmus: the Python server
 
@@ -812,13 +813,34 @@ def test_tls_options_connect_refuses(nginx: Nginx, which: str, words: str) -> No
     assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and words in r["message"], r
 
 
-@pytest.mark.parametrize("key", ["spin_us", "max_message_size"])
+@pytest.mark.parametrize("key", ["spin_us", "max_message_size", "keepalive_time_ms", "keepalive_timeout_ms"])
 @pytest.mark.parametrize("value", ["string", "negative", "fraction", "nan", "huge"])
 def test_a_numeric_option_that_is_no_count_fails_connect(nginx: Nginx, key: str, value: str) -> None:
     r = nginx.case("option_refused", "shm://lua-option-nobody", key=key, value=value)
     assert (
         r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and f"{key} is a whole number" in r["message"]
     ), r
+
+
+def test_keepalive_ends_a_call_on_a_connection_gone_silent(nginx: Nginx) -> None:
+    """connect's keepalive options: a call on an HTTP/2 connection that goes silent (a proxy that
+    stops forwarding and keeps both sockets open) fails UNAVAILABLE long before its deadline,
+    and the worker's next call on the channel goes through a new connection. The server is a
+    grpcio one in this process, behind the proxy; its handler would wait 30 s."""
+    served = ServerBehindSilentProxy()
+    target = f"http://127.0.0.1:{served.proxy.port}"
+    try:
+        with futures.ThreadPoolExecutor(1) as one:
+            waiting = one.submit(nginx.case, "keepalive", target, path="/keep.K/Wait")
+            assert served.entered.wait(30)
+            served.proxy.frozen = True
+            r = waiting.result(timeout=60)
+        assert r["ok"] is False and r["name"] == "UNAVAILABLE" and "keep-alive" in r["message"], r
+        served.proxy.frozen = False
+        again = nginx.case("keepalive", target, path="/keep.K/Echo", body="again")
+        assert again == {"ok": True, "reply": "again"}, again
+    finally:
+        served.close()
 
 
 def test_plain_luajit_calls_over_mutual_tls(https_peers: Callable[[str], HttpsPeer], cert_dir: Path) -> None:

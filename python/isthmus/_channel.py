@@ -347,6 +347,26 @@ def upgrades(options: Any) -> bool:
     return bool(dict(options or ()).get("isthmus.upgrade", True))
 
 
+# grpc's defaults for a client: no keepalive, 20 s for a PING's answer, none without calls.
+_NO_KEEPALIVE = 2**31 - 1
+_KEEPALIVE_TIMEOUT_MS = 20_000
+
+
+def keepalive(options: Any) -> tuple[int, int, bool] | None:
+    """HTTP/2 keepalive from grpc's options, as grpcio reads them: `grpc.keepalive_time_ms` (a
+    PING after that long without a frame; unset, or grpc's INT_MAX, for none),
+    `grpc.keepalive_timeout_ms` (how long its answer may take before the connection closes and
+    its calls end UNAVAILABLE; 20 s) and `grpc.keepalive_permit_without_calls` (PINGs while no
+    call is open too; off). None for no keepalive. `shm://` needs none: a dead peer is seen at
+    once there."""
+    given = dict(options or ())
+    time_ms = int(given.get("grpc.keepalive_time_ms", _NO_KEEPALIVE))
+    if time_ms <= 0 or time_ms >= _NO_KEEPALIVE:
+        return None
+    timeout_ms = max(int(given.get("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS)), 1)
+    return time_ms, timeout_ms, bool(int(given.get("grpc.keepalive_permit_without_calls", 0)))
+
+
 _ENCODINGS = {grpc.Compression.Gzip: "gzip", grpc.Compression.Deflate: "deflate"}
 
 
@@ -494,7 +514,10 @@ class Channel(grpc.Channel):
     serves `shm://` moves its calls to shared memory (`("isthmus.upgrade", False)` in `options`
     keeps them on HTTP/2). Of grpc's `options` it uses `grpc.ssl_target_name_override`,
     `grpc.max_send_message_length` and `grpc.max_receive_message_length` (a larger message
-    fails its call RESOURCE_EXHAUSTED). The option `grpc.default_compression_algorithm` (or else
+    fails its call RESOURCE_EXHAUSTED), and over HTTP/2 the keepalive options
+    (`grpc.keepalive_time_ms`, `grpc.keepalive_timeout_ms`,
+    `grpc.keepalive_permit_without_calls`: a connection whose PING goes unanswered closes, and
+    its calls end UNAVAILABLE). The option `grpc.default_compression_algorithm` (or else
     `compression`) compresses every call's requests over HTTP/2, as a call's own `compression=`
     does for it; over `shm://` messages cross no wire and go as they
     are."""
@@ -508,7 +531,7 @@ class Channel(grpc.Channel):
     ):
         self._max_send, max_receive = limits(options)
         self._compression = channel_compression(compression, options)
-        self._native = _native.Channel(target, tls, upgrades(options), max_receive)
+        self._native = _native.Channel(target, tls, upgrades(options), max_receive, keepalive(options))
         self._connectivity = _Connectivity(self._native)
 
     def stats(self) -> TransportStats:

@@ -103,9 +103,15 @@ class Channel:
     first call. Waits release the GIL."""
 
     def __new__(
-        cls, target: str, tls: _ClientTls | None = None, upgrade: bool = True, max_receive: int | None = None
+        cls,
+        target: str,
+        tls: _ClientTls | None = None,
+        upgrade: bool = True,
+        max_receive: int | None = None,
+        keepalive: tuple[int, int, bool] | None = None,
     ) -> Self:
-        """Raises ValueError for a target that does not parse, or TLS settings that do not."""
+        """Raises ValueError for a target that does not parse, or TLS settings that do not.
+        `keepalive`: HTTP/2 keepalive, (time in ms, timeout in ms, permit without calls)."""
     def stats(self) -> dict[str, int]:
         """The counters of the channel's shm connections (`isthmus.TransportStats`'s fields)."""
     def transport_counts(self) -> tuple[int, int]:
@@ -253,6 +259,7 @@ class AsyncChannel:
         tls: _ClientTls | None = None,
         upgrade: bool = True,
         max_receive: int | None = None,
+        keepalive: tuple[int, int, bool] | None = None,
     ) -> Self: ...
     def stats(self) -> dict[str, int]: ...
     def transport_counts(self) -> tuple[int, int]: ...

@@ -6,21 +6,25 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import itertools
 import os
 import queue
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from collections.abc import Coroutine
+from concurrent import futures
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import grpc
 import uvloop
 from grpc_tools import protoc
 
@@ -203,12 +207,12 @@ class Peer:
         if self.process.poll() is None:
             self.process.kill()
         self.process.wait()
-        for socket in runtime_dir().glob(f"isthmus-loopback-{self.process.pid}-*.sock"):
-            socket.unlink(missing_ok=True)
+        for loopback in runtime_dir().glob(f"isthmus-loopback-{self.process.pid}-*.sock"):
+            loopback.unlink(missing_ok=True)
         bound = bound_unix_paths()
-        for socket in self._shm_sockets:
-            if str(socket) not in bound:  # else a successor serves the same address
-                socket.unlink(missing_ok=True)
+        for path in self._shm_sockets:
+            if str(path) not in bound:  # else a successor serves the same address
+                path.unlink(missing_ok=True)
 
     def close(self) -> None:
         self.kill9()
@@ -271,3 +275,76 @@ def serve(kind: str, transports: list[str], stubs: Path, targets: list[str] | No
             target if transport == "shm" else served.peer.expect("LISTENING ").removeprefix("LISTENING ")
         )
     return served
+
+
+class SilentProxy:
+    """A TCP proxy to `upstream` that forwards both ways until it is frozen; frozen, it drops
+    what either side sends and keeps every socket open, so to both ends the connection is up
+    and the other side silent, as a network that loses a flow makes it. Connections made while
+    it is thawed forward again."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream, self.frozen, self.closed = upstream, False, False
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            server = socket.create_connection(self.upstream)
+            self.sockets += [client, server]
+            for a, b in ((client, server), (server, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                if not self.frozen:
+                    dst.sendall(data)
+        except OSError:
+            pass
+        for s in (src, dst):
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+        for s in self.sockets:
+            s.close()
+
+
+class ServerBehindSilentProxy:
+    """A grpcio server in this process of `/keep.K/Wait` (waits while its call is active, at
+    most 30 s, having set `entered`) and `/keep.K/Echo`, behind a SilentProxy: `proxy.port` is
+    where clients connect."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+
+        def wait(request: bytes, context: Any) -> bytes:
+            self.entered.set()
+            end = time.monotonic() + 30
+            while context.is_active() and time.monotonic() < end:
+                time.sleep(0.01)
+            return b"not cancelled"
+
+        handlers = {"Wait": wait, "Echo": lambda request, context: request}
+        generic = grpc.method_handlers_generic_handler(
+            "keep.K", {name: grpc.unary_unary_rpc_method_handler(h) for name, h in handlers.items()}
+        )
+        self.pool = futures.ThreadPoolExecutor(4)
+        self.server = grpc.server(self.pool)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.add_generic_rpc_handlers((generic,))
+        self.server.start()
+        self.proxy = SilentProxy(("127.0.0.1", port))
+
+    def close(self) -> None:
+        self.proxy.close()
+        self.server.stop(None)
+        self.pool.shutdown()

@@ -71,6 +71,10 @@
 // `off` or `false`.
 #define ISTHMUS_CHANNEL_NO_UPGRADE 2
 
+// Channel flag: keepalive PINGs (`keepalive_time_ms`) go out while no call is open too (gRPC's
+// `keepalive_permit_without_calls`).
+#define ISTHMUS_CHANNEL_KEEPALIVE_WITHOUT_CALLS 4
+
 // Connectivity states (`isthmus_channel_state`), numbered as gRPC numbers them (grpc-go's
 // `connectivity.State`, grpcio's `ChannelConnectivity`): no connection and none being made.
 #define ISTHMUS_STATE_IDLE 0
@@ -211,6 +215,14 @@ typedef struct {
   const isthmus_tls_options_t *tls;
   // `ISTHMUS_CHANNEL_*` flags ORed together, or 0.
   uint32_t flags;
+  // HTTP/2 keepalive (gRPC's `keepalive_time`): a PING after this many milliseconds in
+  // which nothing arrived, while a call is open (always, with
+  // `ISTHMUS_CHANNEL_KEEPALIVE_WITHOUT_CALLS`); 0: none. If its answer does not come within
+  // `keepalive_timeout_ms`, the connection closes and its calls end `ISTHMUS_UNAVAILABLE`.
+  // `shm://` needs none: a peer that dies there is seen at once.
+  uint64_t keepalive_time_ms;
+  // How long a keepalive PING's answer may take, in milliseconds; 0 for gRPC's 20 s.
+  uint64_t keepalive_timeout_ms;
 } isthmus_channel_options_t;
 
 // Which operation an event completes.

@@ -85,6 +85,14 @@ pub struct isthmus_channel_options_t {
     pub tls: *const isthmus_tls_options_t,
     /// `ISTHMUS_CHANNEL_*` flags ORed together, or 0.
     pub flags: u32,
+    /// HTTP/2 keepalive (gRPC's `keepalive_time`): a PING after this many milliseconds in
+    /// which nothing arrived, while a call is open (always, with
+    /// `ISTHMUS_CHANNEL_KEEPALIVE_WITHOUT_CALLS`); 0: none. If its answer does not come within
+    /// `keepalive_timeout_ms`, the connection closes and its calls end `ISTHMUS_UNAVAILABLE`.
+    /// `shm://` needs none: a peer that dies there is seen at once.
+    pub keepalive_time_ms: u64,
+    /// How long a keepalive PING's answer may take, in milliseconds; 0 for gRPC's 20 s.
+    pub keepalive_timeout_ms: u64,
 }
 
 /// Channel flag: calls to an HTTP/2 address move to shared memory when its server is a local
@@ -96,6 +104,10 @@ pub const ISTHMUS_CHANNEL_UPGRADE: u32 = 1;
 /// Without either flag, the process's default holds: on, unless `ISTHMUS_UPGRADE` is `0`,
 /// `off` or `false`.
 pub const ISTHMUS_CHANNEL_NO_UPGRADE: u32 = 2;
+
+/// Channel flag: keepalive PINGs (`keepalive_time_ms`) go out while no call is open too (gRPC's
+/// `keepalive_permit_without_calls`).
+pub const ISTHMUS_CHANNEL_KEEPALIVE_WITHOUT_CALLS: u32 = 4;
 
 pub(crate) static CHANNELS: Registry<isthmus_channel_t> = Registry::new("channel");
 
@@ -204,13 +216,22 @@ pub unsafe extern "C" fn isthmus_channel_new(
             }
             let mut builder = isthmus::Channel::builder(target).config(config.clone());
             let flags = opts.map_or(0, |o| o.flags);
-            if flags & !(ISTHMUS_CHANNEL_UPGRADE | ISTHMUS_CHANNEL_NO_UPGRADE) != 0 {
+            let known = ISTHMUS_CHANNEL_UPGRADE | ISTHMUS_CHANNEL_NO_UPGRADE | ISTHMUS_CHANNEL_KEEPALIVE_WITHOUT_CALLS;
+            if flags & !known != 0 {
                 return Err(invalid(format!("unknown channel flags {flags:#x}")));
             }
             match (flags & ISTHMUS_CHANNEL_UPGRADE != 0, flags & ISTHMUS_CHANNEL_NO_UPGRADE != 0) {
                 (true, true) => return Err(invalid("ISTHMUS_CHANNEL_UPGRADE and ISTHMUS_CHANNEL_NO_UPGRADE together")),
                 (on, off) if on || off => builder = builder.upgrade(on),
                 _ => {}
+            }
+            if let Some(o) = opts.filter(|o| o.keepalive_time_ms > 0) {
+                let mut keepalive = isthmus::Keepalive::new(Duration::from_millis(o.keepalive_time_ms));
+                if o.keepalive_timeout_ms > 0 {
+                    keepalive.timeout = Duration::from_millis(o.keepalive_timeout_ms);
+                }
+                keepalive.permit_without_calls = flags & ISTHMUS_CHANNEL_KEEPALIVE_WITHOUT_CALLS != 0;
+                builder = builder.keepalive(keepalive);
             }
             if let Some(tls) = TlsPems::copy(opts.map_or(std::ptr::null(), |o| o.tls))? {
                 builder = builder.tls_config(tls.client()?);

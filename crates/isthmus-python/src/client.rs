@@ -83,16 +83,28 @@ impl UnaryResult {
 
 /// The engine's channel to `target`, with TLS settings from Python if given; connects on its
 /// first call.
+/// HTTP/2 keepalive as Python gives it (`_channel.keepalive`): grpc's `keepalive_time_ms`,
+/// `keepalive_timeout_ms` and `keepalive_permit_without_calls`.
+pub(crate) type Keepalive = (u64, u64, bool);
+
 pub(crate) fn lazy_channel(
     target: &str,
     tls: Option<crate::tls::ClientTls>,
     upgrade: bool,
     config: isthmus::Config,
+    keepalive: Option<Keepalive>,
 ) -> PyResult<isthmus::Channel> {
     let _runtime = runtime().enter();
     let mut builder = isthmus::Channel::builder(target).upgrade(upgrade).config(config);
     if let Some(tls) = tls {
         builder = builder.tls_config(crate::tls::client_config(tls)?);
+    }
+    if let Some((time_ms, timeout_ms, permit_without_calls)) = keepalive {
+        builder = builder.keepalive(isthmus::Keepalive {
+            time: std::time::Duration::from_millis(time_ms),
+            timeout: std::time::Duration::from_millis(timeout_ms),
+            permit_without_calls,
+        });
     }
     builder.connect_lazy().map_err(|s| bad_target(&s))
 }
@@ -214,19 +226,20 @@ impl Channel {
 #[pymethods]
 impl Channel {
     #[new]
-    #[pyo3(signature = (target, tls=None, upgrade=true, max_receive=None))]
+    #[pyo3(signature = (target, tls=None, upgrade=true, max_receive=None, keepalive=None))]
     fn new(
         target: &str,
         tls: Option<crate::tls::ClientTls>,
         upgrade: bool,
         max_receive: Option<u64>,
+        keepalive: Option<Keepalive>,
     ) -> PyResult<Channel> {
         let config = client_config(max_receive);
         let blocking = match target.starts_with("shm:") && tls.is_none() {
             true => Some(isthmus::blocking::Channel::lazy_with(target, config.clone()).map_err(|s| bad_target(&s))?),
             false => None,
         };
-        let engine = lazy_channel(target, tls, upgrade, config.clone())?;
+        let engine = lazy_channel(target, tls, upgrade, config.clone(), keepalive)?;
         let direct = engine.without_upgrade();
         let upgraded = std::sync::Mutex::new(None);
         Ok(Channel { blocking, engine, direct, upgraded, config, closed: AtomicBool::new(false) })

@@ -267,13 +267,14 @@ pub(crate) struct AsyncChannel {
 #[pymethods]
 impl AsyncChannel {
     #[new]
-    #[pyo3(signature = (target, reactor, tls=None, upgrade=true, max_receive=None))]
+    #[pyo3(signature = (target, reactor, tls=None, upgrade=true, max_receive=None, keepalive=None))]
     fn new(
         target: &str,
         reactor: &Reactor,
         tls: Option<crate::tls::ClientTls>,
         upgrade: bool,
         max_receive: Option<u64>,
+        keepalive: Option<crate::client::Keepalive>,
     ) -> PyResult<AsyncChannel> {
         let config = crate::client::client_config(max_receive);
         // Calls are polled on the event loop's thread, which every other coroutine shares: a
@@ -285,7 +286,7 @@ impl AsyncChannel {
             )),
             false => None,
         };
-        let engine = crate::client::lazy_channel(target, tls, upgrade, config)?.with_calls_read(false);
+        let engine = crate::client::lazy_channel(target, tls, upgrade, config, keepalive)?.with_calls_read(false);
         Ok(AsyncChannel {
             engine,
             spin_first,

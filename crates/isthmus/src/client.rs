@@ -21,6 +21,7 @@
 //! runtime, over `shm://` only; an async `Channel` and a blocking one never share a connection.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use isthmus_shm::{BlockMut, Config};
@@ -184,6 +185,34 @@ pub struct ChannelBuilder {
     config: Config,
     tls: Option<ClientTlsConfig>,
     upgrade: bool,
+    keepalive: Option<Keepalive>,
+}
+
+/// HTTP/2 keepalive for a channel's connection ([`ChannelBuilder::keepalive`]): gRPC's
+/// `keepalive_time`, `keepalive_timeout` and `keepalive_permit_without_calls` (grpcio's
+/// `grpc.keepalive_*_ms` options, grpc-go's `keepalive.ClientParameters`).
+///
+/// Over a network a peer can vanish without a word (a host that loses power, a NAT or firewall
+/// that drops the flow): nothing then arrives, and a call without a deadline waits for ever. With
+/// keepalive, a connection that has been quiet for `time` gets a PING; if its answer does not
+/// come within `timeout`, the connection is closed, and its calls end UNAVAILABLE. `shm://` has
+/// no use for it: a peer that dies there is seen at once, through the socket beside the segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Keepalive {
+    /// How long the connection may be quiet before a PING goes out.
+    pub time: Duration,
+    /// How long the PING's answer may take.
+    pub timeout: Duration,
+    /// Whether PINGs go out while no call is open too (gRPC's default: no).
+    pub permit_without_calls: bool,
+}
+
+impl Keepalive {
+    /// A PING after `time` of quiet, answered within 20 s (gRPC's default timeout), only while a
+    /// call is open.
+    pub fn new(time: Duration) -> Keepalive {
+        Keepalive { time, timeout: Duration::from_secs(20), permit_without_calls: false }
+    }
 }
 
 impl ChannelBuilder {
@@ -192,6 +221,14 @@ impl ChannelBuilder {
     /// `ISTHMUS_UPGRADE` is `0`, `off` or `false`; see [`crate::upgrade`]).
     pub fn upgrade(mut self, on: bool) -> ChannelBuilder {
         self.upgrade = on;
+        self
+    }
+
+    /// HTTP/2 keepalive (see [`Keepalive`]); none by default, as in gRPC. Applies to HTTP/2
+    /// targets; an `shm://` channel, and the `shm://` connection an HTTP/2 one moves to, do not
+    /// need it.
+    pub fn keepalive(mut self, keepalive: Keepalive) -> ChannelBuilder {
+        self.keepalive = Some(keepalive);
         self
     }
 
@@ -308,7 +345,13 @@ impl ChannelBuilder {
             None => None,
         };
         let (peer, connectivity) = (HttpPeer::default(), Arc::<Tracker>::default());
-        let endpoint = http_endpoint(target, tls.is_some())?;
+        let mut endpoint = http_endpoint(target, tls.is_some())?;
+        if let Some(k) = self.keepalive {
+            endpoint = endpoint
+                .http2_keep_alive_interval(k.time)
+                .keep_alive_timeout(k.timeout)
+                .keep_alive_while_idle(k.permit_without_calls);
+        }
         Ok((endpoint, connector(target, tls, peer.clone(), connectivity.clone()), peer, connectivity))
     }
 }
@@ -349,6 +392,7 @@ impl Channel {
             config: Config::default(),
             tls: None,
             upgrade: crate::upgrade::on_by_default(),
+            keepalive: None,
         }
     }
 

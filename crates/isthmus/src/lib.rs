@@ -68,7 +68,7 @@ pub use self::http::{
     BytesCodec, Certificate, ClientTlsConfig, Identity, PeerCertificate, ResponseBody, ServerTlsConfig,
 };
 pub use call::{CallOptions, Compression, Response};
-pub use client::{CallSender, Channel, ChannelBuilder, ClientCall};
+pub use client::{CallSender, Channel, ChannelBuilder, ClientCall, Keepalive};
 pub use connectivity::Connectivity;
 pub use engine::flow::{INITIAL_WINDOW, MESSAGE_OVERHEAD};
 pub use engine::mux::ConnectionCounters;

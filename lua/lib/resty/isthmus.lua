@@ -19,6 +19,7 @@
 -- status's details as the server sent them, or nil).
 
 local ffi = require "ffi"
+local bor = require("bit").bor
 
 local C
 local ffi_new, ffi_string, ffi_gc = ffi.new, ffi.string, ffi.gc
@@ -53,6 +54,8 @@ typedef struct {
   uint64_t max_message_size;
   const isthmus_tls_options_t *tls;
   uint32_t flags;
+  uint64_t keepalive_time_ms;
+  uint64_t keepalive_timeout_ms;
 } isthmus_channel_options_t;
 typedef struct {
   int64_t timeout_us;
@@ -146,7 +149,7 @@ local ABI_VERSION = 1
 local OK, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, INTERNAL, UNAVAILABLE = 0, 2, 3, 4, 13, 14
 local CALL_SPIN = 2
 local OP_STATE = 10
-local CHANNEL_UPGRADE, CHANNEL_NO_UPGRADE = 1, 2
+local CHANNEL_UPGRADE, CHANNEL_NO_UPGRADE, CHANNEL_KEEPALIVE_WITHOUT_CALLS = 1, 2, 4
 local PROTO_REQUEST, PROTO_RESPONSE = 0, 1
 local STATES = { [0] = "IDLE", "CONNECTING", "READY", "TRANSIENT_FAILURE", "SHUTDOWN" }
 
@@ -1015,7 +1018,10 @@ end
 --- isthmus.load_proto: lets calls take and return Lua tables), `max_message_size` (bytes),
 --- `tls` (below), `spin_us` (how long a unary call may wait for a fast reply before it yields,
 --- 10 by default; a large request waits up to 50 µs more, by its size), `spin` (false: never
---- wait), `lib` (the library's path).
+--- wait), `lib` (the library's path), and for HTTP/2 targets `keepalive_time_ms` (a PING
+--- after that long without a frame while a call is open; if its answer does not come within
+--- `keepalive_timeout_ms`, 20000 by default, the connection closes and its calls fail
+--- UNAVAILABLE; `keepalive_without_calls = true` pings while none is open too).
 --- `tls` makes a TCP target's connection TLS (`https://` is TLS without it, verified against
 --- the system's roots): `ca` (PEM text of the CAs that sign the server's certificate; nil: the
 --- system's roots), `cert` and `key` (PEM text of a client certificate and its key, for
@@ -1031,7 +1037,7 @@ function _M.connect(target, opts)
     load(opts.lib)
     -- Checked before the channel exists: a value the ffi cannot convert raised after it was
     -- made, and the channel leaked.
-    for _, key in ipairs({ "max_message_size", "spin_us" }) do
+    for _, key in ipairs({ "max_message_size", "spin_us", "keepalive_time_ms", "keepalive_timeout_ms" }) do
         local v = opts[key]
         -- (NaN fails `v == math.floor(v)`; infinity and counts past 2^32 are no sizes here.)
         if v ~= nil and (type(v) ~= "number" or v < 0 or v ~= math.floor(v) or v >= 2 ^ 53
@@ -1043,6 +1049,11 @@ function _M.connect(target, opts)
     copts.max_message_size = opts.max_message_size or 0
     if opts.upgrade ~= nil then
         copts.flags = opts.upgrade and CHANNEL_UPGRADE or CHANNEL_NO_UPGRADE
+    end
+    copts.keepalive_time_ms = opts.keepalive_time_ms or 0
+    copts.keepalive_timeout_ms = opts.keepalive_timeout_ms or 0
+    if opts.keepalive_without_calls then
+        copts.flags = bor(copts.flags, CHANNEL_KEEPALIVE_WITHOUT_CALLS)
     end
     local keep = {}
     if opts.tls ~= nil then

@@ -28,6 +28,7 @@ from .._channel import (
     call_encoding,
     channel_compression,
     check_raw_size,
+    keepalive,
     limited,
     limits,
     upgrades,
@@ -524,10 +525,10 @@ class Channel(grpc.aio.Channel):
     with TLS if `tls` is given (from `secure_channel`). Its calls complete through the Reactor of
     the event loop it is first used on, and it stays with that loop (as a grpc.aio channel
     does). It moves to shared memory as the blocking channel does (`isthmus.upgrade`). Of grpc's
-    `options` it uses `grpc.ssl_target_name_override` and the message-size limits, as the
-    blocking channel does, and compresses requests over HTTP/2 as it does (`compression`,
-    `grpc.default_compression_algorithm`, or a call's own `compression=`). `interceptors` are
-    grpc.aio's client interceptors, run as a grpc.aio channel runs them."""
+    `options` it uses `grpc.ssl_target_name_override`, the message-size limits and the
+    keepalive options, as the blocking channel does, and compresses requests over HTTP/2 as it
+    does (`compression`, `grpc.default_compression_algorithm`, or a call's own `compression=`).
+    `interceptors` are grpc.aio's client interceptors, run as a grpc.aio channel runs them."""
 
     def __init__(
         self,
@@ -542,6 +543,7 @@ class Channel(grpc.aio.Channel):
         self._target = target
         self._tls = tls
         self._upgrade = upgrades(options)
+        self._keepalive = keepalive(options)
         self._max_send, self._max_receive = limits(options)
         self._compression = channel_compression(compression, options)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -586,7 +588,12 @@ class Channel(grpc.aio.Channel):
                 raise grpc.aio.UsageError("The channel is used on an event loop other than its own.")
             self._driver = driver(loop)
             self._native = _native.AsyncChannel(
-                self._target, self._driver.reactor, self._tls, self._upgrade, self._max_receive
+                self._target,
+                self._driver.reactor,
+                self._tls,
+                self._upgrade,
+                self._max_receive,
+                self._keepalive,
             )
             self._loop = loop
             self._bound = (loop, self._driver, self._native)

@@ -12,6 +12,7 @@ mod python_servers;
 mod rpc_blocking;
 mod rpc_calls;
 mod rpc_flow;
+mod rpc_keepalive;
 mod rpc_misanswers;
 mod rpc_one_frame;
 mod shm_big;

@@ -2725,7 +2725,7 @@ static int check_upgrade_flags(ctx_t *c) {
   isthmus_status_t *st = NULL;
   opts.flags = ISTHMUS_CHANNEL_UPGRADE | ISTHMUS_CHANNEL_NO_UPGRADE;
   INVALID(isthmus_channel_new(c->target, &opts, &ch, &st));
-  opts.flags = 4;
+  opts.flags = 1u << 30; /* a newer header's flag: refused, not dropped */
   INVALID(isthmus_channel_new(c->target, &opts, &ch, &st));
   REQUIRE(ch == NULL, "no channel for refused flags");
   if (c->shm) return 1; /* nothing to move */

@@ -204,9 +204,25 @@ fn status_from_tonic(t: tonic::Status, limit: usize) -> Status {
     // A TLS failure under the transport error says which (unknown CA, no client certificate…).
     let message = match crate::http::tls::describe(&t) {
         Some(why) if code == Code::Unavailable => why,
+        _ if code == Code::Unavailable => with_causes(t.message(), &t),
         _ => t.message().to_owned(),
     };
     Status::new(code, message).with_details(t.details().to_vec()).with_metadata(metadata)
+}
+
+/// `message` followed by what the error's sources say that it does not ("http2 error: keep-alive
+/// timed out"): tonic words a broken connection by its outermost error alone.
+pub(crate) fn with_causes(message: &str, error: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = message.to_owned();
+    let mut next = error.source();
+    while let Some(e) = next {
+        let said = e.to_string();
+        if !said.is_empty() && !out.contains(&said) {
+            out = if out.is_empty() { said } else { format!("{out}: {said}") };
+        }
+        next = e.source();
+    }
+    out
 }
 
 /// `fut`'s output, unless the deadline passes or the channel is closed first: then the status

@@ -1,0 +1,74 @@
+package isthmus_test
+
+import (
+	"context"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/keepalive"
+	"google.golang.org/grpc/status"
+
+	pb "example.invalid/isthmus/go/internal/conformancepb"
+	"example.invalid/isthmus/go/internal/echo"
+	"example.invalid/isthmus/go/isthmus"
+)
+
+// With WithKeepaliveParams, a call on an HTTP/2 connection that goes silent fails with
+// codes.Unavailable long before its deadline, and the next call goes through a new connection;
+// without it the call waits for its deadline. The server is plain grpc-go's, behind the proxy.
+func TestKeepaliveEndsACallOnAConnectionGoneSilent(t *testing.T) {
+	inHandler := make(chan struct{}, 8)
+	gs := grpc.NewServer(grpc.UnaryInterceptor(func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+		inHandler <- struct{}{}
+		return h(ctx, req)
+	}))
+	pb.RegisterEchoServer(gs, &echo.Service{})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go gs.Serve(ln)
+	defer gs.Stop()
+	proxy := newCountingProxy(t, ln.Addr().String())
+
+	kp := keepalive.ClientParameters{Time: 200 * time.Millisecond, Timeout: 500 * time.Millisecond}
+	conn, err := isthmus.Dial("http://"+proxy.l.Addr().String(), isthmus.WithUpgrade(false), isthmus.WithKeepaliveParams(kp))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	client := pb.NewEchoClient(conn)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	if _, err := client.Unary(ctx, &pb.EchoRequest{Payload: []byte("before")}); err != nil {
+		t.Fatal(err)
+	}
+	<-inHandler
+
+	ended := make(chan error, 1)
+	go func() {
+		// Its handler sleeps for a minute: only keepalive ends it before the deadline.
+		_, err := client.Unary(ctx, &pb.EchoRequest{SleepMs: 60_000})
+		ended <- err
+	}()
+	<-inHandler
+	proxy.frozen.Store(true)
+	select {
+	case err := <-ended:
+		if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "keep-alive") {
+			t.Fatalf("the call on the silent connection ended with %v; want Unavailable, saying keep-alive", err)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the call on the silent connection is still waiting after 30 s")
+	}
+
+	proxy.frozen.Store(false)
+	reply, err := client.Unary(ctx, &pb.EchoRequest{Payload: []byte("after")})
+	if err != nil || string(reply.GetPayload()) != "after" {
+		t.Fatalf("the call after the silence: %v, %v", reply, err)
+	}
+}

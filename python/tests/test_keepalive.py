@@ -1,0 +1,64 @@
+"""HTTP/2 keepalive from grpcio's channel options (`grpc.keepalive_time_ms`,
+`grpc.keepalive_timeout_ms`): a connection that goes silent ends its calls UNAVAILABLE instead of
+leaving them to their deadlines. The engine's own test is `tests/tests/suite/rpc_keepalive.rs`."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import grpc
+import grpc.aio
+import pytest
+from peer import ServerBehindSilentProxy
+
+import isthmus
+import isthmus.aio
+
+# A PING after 200 ms of quiet, 500 ms for its answer.
+_KEEPALIVE = [("grpc.keepalive_time_ms", 200), ("grpc.keepalive_timeout_ms", 500)]
+
+
+@pytest.mark.parametrize("kind", ["isthmus", "isthmus.aio"])
+def test_keepalive_ends_a_call_on_a_connection_gone_silent_unavailable(kind: str) -> None:
+    """grpcio's keepalive options over HTTP/2: a connection that goes silent (here a proxy that
+    stops forwarding and keeps both sockets open, as a hung middlebox or a stopped peer whose
+    kernel still acknowledges does) ends a call waiting on it UNAVAILABLE long before its
+    deadline, and the channel's next call goes through a new connection. isthmus ignored the
+    options: the call waited for its deadline. The server is grpcio's, behind the proxy; its
+    handler would wait 30 s. (grpcio's own client, given the same options and also
+    `grpc.http2.max_pings_without_data` 0, sent one PING into the silence and then waited for
+    the deadline: it is not the reference here.)"""
+    served = ServerBehindSilentProxy()
+    target = f"127.0.0.1:{served.proxy.port}"
+
+    def blocking() -> tuple[Any, str, bytes]:
+        with isthmus.insecure_channel(target, options=_KEEPALIVE) as channel:
+            assert channel.unary_unary("/keep.K/Echo")(b"before", timeout=30) == b"before"
+            waiting = channel.unary_unary("/keep.K/Wait").future(b"", timeout=60)
+            assert served.entered.wait(30)
+            served.proxy.frozen = True
+            with pytest.raises(grpc.RpcError) as caught:
+                waiting.result(timeout=30)
+            served.proxy.frozen = False
+            after = channel.unary_unary("/keep.K/Echo")(b"after", timeout=30)
+            return caught.value.code(), caught.value.details(), after
+
+    async def on_a_loop() -> tuple[Any, str, bytes]:
+        async with isthmus.aio.insecure_channel(target, options=_KEEPALIVE) as channel:
+            assert await channel.unary_unary("/keep.K/Echo")(b"before", timeout=30) == b"before"
+            waiting = asyncio.ensure_future(channel.unary_unary("/keep.K/Wait")(b"", timeout=60))
+            assert await asyncio.to_thread(served.entered.wait, 30)
+            served.proxy.frozen = True
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await asyncio.wait_for(waiting, 30)
+            served.proxy.frozen = False
+            after = await channel.unary_unary("/keep.K/Echo")(b"after", timeout=30)
+            return caught.value.code(), caught.value.details(), after
+
+    try:
+        code, details, after = blocking() if kind == "isthmus" else asyncio.run(on_a_loop())
+        assert (code, after) == (grpc.StatusCode.UNAVAILABLE, b"after")
+        assert "keep-alive" in details, details
+    finally:
+        served.close()
