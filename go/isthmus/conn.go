@@ -131,6 +131,12 @@ type dialOptions struct {
 	keepalive keepalive.ClientParameters
 }
 
+// millis is d in whole milliseconds, rounded up: a keepalive time or timeout under a
+// millisecond is not none.
+func millis(d time.Duration) C.uint64_t {
+	return C.uint64_t((d + time.Millisecond - 1) / time.Millisecond)
+}
+
 // WithKeepaliveParams turns on HTTP/2 keepalive, as grpc.WithKeepaliveParams does: after
 // kp.Time in which nothing came from the server, the connection sends a PING, and if its
 // answer does not come within kp.Timeout (20 s if zero) it closes, and its calls fail with
@@ -187,11 +193,9 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 	defer C.free(unsafe.Pointer(ct))
 	copts := C.isthmus_channel_options_t{max_message_size: C.uint64_t(o.maxMessageSize), flags: o.upgrade}
 	if kp := o.keepalive; kp.Time > 0 {
-		// Rounded up: a Time or Timeout under a millisecond is not none.
-		ms := func(d time.Duration) C.uint64_t { return C.uint64_t((d + time.Millisecond - 1) / time.Millisecond) }
-		copts.keepalive_time_ms = ms(kp.Time)
+		copts.keepalive_time_ms = millis(kp.Time)
 		if kp.Timeout > 0 {
-			copts.keepalive_timeout_ms = ms(kp.Timeout)
+			copts.keepalive_timeout_ms = millis(kp.Timeout)
 		}
 		if kp.PermitWithoutStream {
 			copts.flags |= C.ISTHMUS_CHANNEL_KEEPALIVE_WITHOUT_CALLS

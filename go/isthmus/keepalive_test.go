@@ -9,6 +9,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/status"
 
@@ -70,5 +71,44 @@ func TestKeepaliveEndsACallOnAConnectionGoneSilent(t *testing.T) {
 	reply, err := client.Unary(ctx, &pb.EchoRequest{Payload: []byte("after")})
 	if err != nil || string(reply.GetPayload()) != "after" {
 		t.Fatalf("the call after the silence: %v, %v", reply, err)
+	}
+}
+
+// With KeepaliveParams, an isthmus server PINGs a quiet HTTP/2 client, and when the PING goes
+// unanswered it closes the connection and cancels the client's calls: the handler's context
+// ends instead of the handler waiting out its sleep. The client is plain grpc-go's, with no
+// keepalive of its own, behind a proxy that goes silent.
+func TestServerKeepaliveCancelsTheCallsOfAClientGoneSilent(t *testing.T) {
+	entered, cancelled := make(chan struct{}, 1), make(chan error, 1)
+	kp := keepalive.ServerParameters{Time: 200 * time.Millisecond, Timeout: 500 * time.Millisecond}
+	s := isthmus.NewServer(isthmus.KeepaliveParams(kp),
+		isthmus.UnaryInterceptor(func(ctx context.Context, req any, _ *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+			entered <- struct{}{}
+			reply, err := h(ctx, req)
+			cancelled <- ctx.Err()
+			return reply, err
+		}))
+	pb.RegisterEchoServer(s, &echo.Service{})
+	shm, _ := fresh(t, "keepalive")
+	serving(t, s, shm, "http://127.0.0.1:0")
+	proxy := newCountingProxy(t, strings.TrimPrefix(s.HTTPAddresses()[0], "http://"))
+
+	conn, err := grpc.NewClient(proxy.l.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	go pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{SleepMs: 60_000}) //nolint:errcheck // its end is the handler's
+	<-entered
+	proxy.frozen.Store(true)
+	select {
+	case err := <-cancelled:
+		if err == nil {
+			t.Fatal("the handler ended with its context still live")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the handler of the silent client's call still runs after 30 s")
 	}
 }

@@ -21,6 +21,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/stats"
@@ -90,6 +91,18 @@ type serverOptions struct {
 	tls                  *ServerTLSConfig
 	compression          string
 	stats                []stats.Handler
+	keepalive            keepalive.ServerParameters
+}
+
+// KeepaliveParams turns on HTTP/2 keepalive for the server's HTTP/2 endpoints, as
+// grpc.KeepaliveParams does: a client connection from which nothing came for kp.Time gets a
+// PING, and if its answer does not come within kp.Timeout (20 s if zero) the connection
+// closes and its calls are cancelled, so handlers stop waiting on a client that vanished. A
+// zero kp.Time turns it off (grpc-go's default is 2 hours); MaxConnectionIdle,
+// MaxConnectionAge and MaxConnectionAgeGrace are not supported and are ignored. shm:// needs
+// none: a client that dies there is seen at once.
+func KeepaliveParams(kp keepalive.ServerParameters) ServerOption {
+	return func(o *serverOptions) { o.keepalive = kp }
 }
 
 // MaxMessageSize sets the largest request message accepted, in bytes (default 4 GiB); a
@@ -226,6 +239,12 @@ func (s *Server) Start(targets ...string) error {
 	opts := C.isthmus_server_options_t{
 		max_message_size:       C.uint64_t(s.opts.maxMessageSize),
 		max_concurrent_streams: C.uint32_t(s.opts.maxConcurrentStreams),
+	}
+	if kp := s.opts.keepalive; kp.Time > 0 {
+		opts.keepalive_time_ms = millis(kp.Time)
+		if kp.Timeout > 0 {
+			opts.keepalive_timeout_ms = millis(kp.Timeout)
+		}
 	}
 	switch s.opts.compression {
 	case "":

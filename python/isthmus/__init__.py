@@ -100,7 +100,9 @@ def server(
     `grpc.max_send_message_length` (a larger request or reply fails its call
     RESOURCE_EXHAUSTED), `grpc.default_compression_algorithm`, `grpc.so_reuseport` (on by
     default, as grpcio's: servers of several processes can bind the same TCP port, the kernel
-    spreading the connections among them; 0: a port in use fails the bind), and
-    `isthmus.offer_shm` (False: HTTP/2 clients on this machine are not offered the move to
-    shm://)."""
+    spreading the connections among them; 0: a port in use fails the bind),
+    `grpc.keepalive_time_ms` and `grpc.keepalive_timeout_ms` (a PING to an HTTP/2 client
+    connection gone quiet that long; one left unanswered closes the connection and cancels its
+    calls; none by default), and `isthmus.offer_shm` (False: HTTP/2 clients on this machine are
+    not offered the move to shm://)."""
     return Server(thread_pool, handlers, interceptors, options, maximum_concurrent_rpcs, compression)

@@ -511,6 +511,7 @@ class Server:
         max_threads: int | None = None,
         compression: str | None = None,
         reuse_port: bool = False,
+        keepalive: tuple[int, int, bool] | None = None,
     ) -> Self: ...
     def stats(self) -> dict[str, int]:
         """The counters of the live shm connections (`isthmus.TransportStats`'s fields)."""

@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from . import _native
-from ._channel import channel_compression, limits
+from ._channel import channel_compression, keepalive, limits
 from ._context import ServicerContext
 from ._credentials import server_tls
 from ._handler import Handlers
@@ -70,8 +70,17 @@ class ServerBase:
         # `grpc.so_reuseport` (default on, as grpcio's): servers of several processes share a
         # TCP port.
         reuse_port = bool(dict(options or ()).get("grpc.so_reuseport", 1))
+        # `grpc.keepalive_time_ms`, `grpc.keepalive_timeout_ms`: PINGs to HTTP/2 clients gone
+        # quiet; one left unanswered closes its connection and cancels its calls.
         self._native = _native.Server(
-            to_loop, maximum_concurrent_rpcs, max_receive, offer_shm, max_threads, replies, reuse_port
+            to_loop,
+            maximum_concurrent_rpcs,
+            max_receive,
+            offer_shm,
+            max_threads,
+            replies,
+            reuse_port,
+            keepalive(options),
         )
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:

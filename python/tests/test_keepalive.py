@@ -5,12 +5,15 @@ leaving them to their deadlines. The engine's own test is `tests/tests/suite/rpc
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
+from concurrent import futures
 from typing import Any
 
 import grpc
 import grpc.aio
 import pytest
-from peer import ServerBehindSilentProxy
+from peer import ServerBehindSilentProxy, SilentProxy
 
 import isthmus
 import isthmus.aio
@@ -62,3 +65,64 @@ def test_keepalive_ends_a_call_on_a_connection_gone_silent_unavailable(kind: str
         assert "keep-alive" in details, details
     finally:
         served.close()
+
+
+@pytest.mark.parametrize("kind", ["isthmus", "isthmus.aio"])
+def test_a_servers_keepalive_cancels_the_calls_of_a_client_gone_silent(kind: str) -> None:
+    """grpcio's keepalive options on an isthmus server (blocking and asyncio): the server PINGs
+    a quiet HTTP/2 client, and when the PING goes unanswered it closes the connection and
+    cancels the client's calls, so the handler sees `is_active()` go false instead of waiting
+    for ever. The client is grpcio's, with no keepalive of its own, behind a proxy that goes
+    silent."""
+    entered, cancelled = threading.Event(), threading.Event()
+
+    def wait(request: bytes, context: Any) -> bytes:
+        entered.set()
+        end = time.monotonic() + 60
+        while context.is_active() and time.monotonic() < end:
+            time.sleep(0.01)
+        if not context.is_active():
+            cancelled.set()
+        return b"not cancelled"
+
+    generic = grpc.method_handlers_generic_handler(
+        "keep.S", {"Wait": grpc.unary_unary_rpc_method_handler(wait)}
+    )
+    pool = futures.ThreadPoolExecutor(4)
+    loop = asyncio.new_event_loop()
+    loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
+    loop_thread.start()
+
+    async def start_aio() -> tuple[Any, int]:
+        s = isthmus.aio.server(pool, options=_KEEPALIVE)
+        s.add_generic_rpc_handlers((generic,))
+        bound = s.add_insecure_port("127.0.0.1:0")
+        await s.start()
+        return s, bound
+
+    if kind == "isthmus":
+        server: Any = isthmus.server(pool, options=_KEEPALIVE)
+        server.add_generic_rpc_handlers((generic,))
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+    else:
+        server, port = asyncio.run_coroutine_threadsafe(start_aio(), loop).result(30)
+    proxy = SilentProxy(("127.0.0.1", port))
+    channel = grpc.insecure_channel(f"127.0.0.1:{proxy.port}")
+    try:
+        waiting = channel.unary_unary("/keep.S/Wait").future(b"", timeout=60)
+        assert entered.wait(30)
+        proxy.frozen = True
+        assert cancelled.wait(30), "the handler of the silent client's call still runs after 30 s"
+        waiting.cancel()
+    finally:
+        channel.close()
+        proxy.close()
+        if kind == "isthmus":
+            server.stop(None)
+        else:
+            asyncio.run_coroutine_threadsafe(server.stop(None), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        loop_thread.join(30)
+        loop.close()
+        pool.shutdown()

@@ -285,6 +285,13 @@ typedef struct {
   // `ISTHMUS_SERVER_*` flags ORed together, or 0; any other bit fails
   // `isthmus_server_start` `ISTHMUS_INVALID_ARGUMENT`.
   uint32_t flags;
+  // HTTP/2 keepalive (gRPC's server `keepalive_time`): a PING to a client connection of an
+  // HTTP/2 endpoint after this many milliseconds in which nothing arrived from it; 0: none.
+  // If its answer does not come within `keepalive_timeout_ms`, the connection closes and its
+  // calls are cancelled. `shm://` needs none: a client that dies there is seen at once.
+  uint64_t keepalive_time_ms;
+  // How long a keepalive PING's answer may take, in milliseconds; 0 for gRPC's 20 s.
+  uint64_t keepalive_timeout_ms;
 } isthmus_server_options_t;
 
 // A handler callback: called on one of the library's threads for each new call on its path,

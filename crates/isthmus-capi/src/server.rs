@@ -212,6 +212,13 @@ pub struct isthmus_server_options_t {
     /// `ISTHMUS_SERVER_*` flags ORed together, or 0; any other bit fails
     /// `isthmus_server_start` `ISTHMUS_INVALID_ARGUMENT`.
     pub flags: u32,
+    /// HTTP/2 keepalive (gRPC's server `keepalive_time`): a PING to a client connection of an
+    /// HTTP/2 endpoint after this many milliseconds in which nothing arrived from it; 0: none.
+    /// If its answer does not come within `keepalive_timeout_ms`, the connection closes and its
+    /// calls are cancelled. `shm://` needs none: a client that dies there is seen at once.
+    pub keepalive_time_ms: u64,
+    /// How long a keepalive PING's answer may take, in milliseconds; 0 for gRPC's 20 s.
+    pub keepalive_timeout_ms: u64,
 }
 
 /// Server flag: the handlers' replies to HTTP/2 calls go compressed with gzip, to each client
@@ -256,7 +263,15 @@ pub unsafe extern "C" fn isthmus_server_new(opts: *const isthmus_server_options_
             ),
             unknown => Err(invalid(format!("unknown server flags {unknown:#x}"))),
         };
-        let state = ServerState::Building { server: Box::default(), config, stream_limit, tls, compression };
+        let mut server = isthmus::Server::builder();
+        if let Some(o) = opts.filter(|o| o.keepalive_time_ms > 0) {
+            let timeout = match o.keepalive_timeout_ms {
+                0 => Duration::from_secs(20),
+                ms => Duration::from_millis(ms),
+            };
+            server = server.keepalive(Duration::from_millis(o.keepalive_time_ms), timeout);
+        }
+        let state = ServerState::Building { server: Box::new(server), config, stream_limit, tls, compression };
         SERVERS.add(isthmus_server_t { state: Mutex::new(state), stats: std::sync::OnceLock::new() })
     })
 }

@@ -550,6 +550,9 @@ pub(crate) struct Server {
     offer: Option<isthmus::ShmOffer>,
     /// TCP ports are bound with `SO_REUSEPORT` (`grpc.so_reuseport`).
     reuse_port: bool,
+    /// HTTP/2 keepalive of every port's connections: PING interval and timeout
+    /// (`grpc.keepalive_time_ms`, `grpc.keepalive_timeout_ms`).
+    keepalive: Option<(std::time::Duration, std::time::Duration)>,
     bound: Mutex<Vec<isthmus::Bound>>,
     /// Every port's counters, kept past `start` (which consumes `bound`).
     stats: Mutex<Vec<isthmus::ServerStats>>,
@@ -561,7 +564,7 @@ pub(crate) struct Server {
 #[pymethods]
 impl Server {
     #[new]
-    #[pyo3(signature = (to_loop, max_concurrent_rpcs=None, max_message_size=None, offer_shm=true, max_threads=None, compression=None, reuse_port=false))]
+    #[pyo3(signature = (to_loop, max_concurrent_rpcs=None, max_message_size=None, offer_shm=true, max_threads=None, compression=None, reuse_port=false, keepalive=None))]
     #[allow(clippy::too_many_arguments)] // Python's keywords
     fn new(
         to_loop: bool,
@@ -571,6 +574,7 @@ impl Server {
         max_threads: Option<usize>,
         compression: Option<&str>,
         reuse_port: bool,
+        keepalive: Option<crate::client::Keepalive>,
     ) -> PyResult<Server> {
         let compression = crate::convert::compression_from_py(compression)?;
         let mut config = isthmus::Config::default();
@@ -592,6 +596,9 @@ impl Server {
             compression,
             offer: offer_shm.then(isthmus::ShmOffer::new),
             reuse_port,
+            keepalive: keepalive.map(|(time_ms, timeout_ms, _)| {
+                (std::time::Duration::from_millis(time_ms), std::time::Duration::from_millis(timeout_ms))
+            }),
             bound: Mutex::new(Vec::new()),
             stats: Mutex::new(Vec::new()),
             stop: watch::Sender::new(None),
@@ -611,6 +618,9 @@ impl Server {
             .reuse_port(self.reuse_port);
         if let Some(compression) = self.compression {
             server = server.send_compressed(compression);
+        }
+        if let Some((time, timeout)) = self.keepalive {
+            server = server.keepalive(time, timeout);
         }
         server = match &self.offer {
             Some(offer) => server.shm_offer(offer.clone()),

@@ -126,6 +126,9 @@ pub struct Server {
     reply_compression: Option<crate::Compression>,
     /// Bind TCP addresses with `SO_REUSEPORT`.
     reuse_port: bool,
+    /// HTTP/2 keepalive of the connections to its `unix://` and TCP endpoints: PING interval and
+    /// the answer's timeout.
+    keepalive: Option<(Duration, Duration)>,
 }
 
 impl Default for Server {
@@ -145,6 +148,7 @@ impl Default for Server {
             health: true,
             reply_compression: None,
             reuse_port: false,
+            keepalive: None,
         }
     }
 }
@@ -224,6 +228,17 @@ impl Server {
     /// (default 10 s).
     pub fn grace(mut self, grace: Duration) -> Server {
         self.grace = grace;
+        self
+    }
+
+    /// HTTP/2 keepalive (gRPC's server `keepalive_time` and `keepalive_timeout`, grpc-go's
+    /// `keepalive.ServerParameters`): a connection to an HTTP/2 endpoint from which nothing
+    /// arrived for `time` gets a PING, and if its answer does not come within `timeout` the
+    /// connection is closed and its calls are cancelled, so that handlers do not wait on a client
+    /// that vanished without a word. None by default. `shm://` clients need none: a client that
+    /// dies there is seen at once.
+    pub fn keepalive(mut self, time: Duration, timeout: Duration) -> Server {
+        self.keepalive = Some((time, timeout));
         self
     }
 
@@ -426,6 +441,7 @@ impl Server {
             serve_health: this.health,
             grace: this.grace,
             stream_limit: this.stream_limit,
+            keepalive: this.keepalive,
             tracker: Arc::default(),
         })
     }
@@ -490,6 +506,7 @@ pub struct Bound {
     handlers: Arc<Methods>,
     grace: Duration,
     stream_limit: usize,
+    keepalive: Option<(Duration, Duration)>,
     tracker: Arc<Tracker>,
 }
 
@@ -573,6 +590,7 @@ impl Bound {
             mut handlers,
             grace: default_grace,
             stream_limit,
+            keepalive,
             tracker,
         } = self;
         let (reporter, names) = health;
@@ -599,7 +617,7 @@ impl Bound {
         let mut endpoints = tokio::task::JoinSet::new();
         for listener in http {
             if let Some(routes) = routes.clone() {
-                endpoints.spawn(listener.serve(routes, stopped()));
+                endpoints.spawn(listener.serve(routes, keepalive, stopped()));
             }
         }
         for listener in shm {

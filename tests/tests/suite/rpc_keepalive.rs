@@ -160,3 +160,59 @@ fn keepalive_leaves_a_slow_call_on_a_live_connection_alone() {
         assert_eq!(&reply.message[..], &request[..]);
     });
 }
+
+/// Sends on `tx` when dropped: the engine drops a handler's future when its call is cancelled.
+struct OnDrop(Option<tokio::sync::oneshot::Sender<()>>);
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+#[test]
+fn a_servers_keepalive_cancels_the_calls_of_a_client_gone_silent() {
+    // `Server::keepalive`: the server PINGs a quiet HTTP/2 client, and when the PING goes
+    // unanswered it closes the connection, which cancels the client's calls and so drops their
+    // handlers. Without it the handler below would wait for ever. The client (no keepalive of
+    // its own) is behind the proxy.
+    run(async move {
+        let (entered_tx, entered) = tokio::sync::mpsc::unbounded_channel::<()>();
+        let (dropped_tx, dropped) = std::sync::mpsc::channel::<tokio::sync::oneshot::Receiver<()>>();
+        let dropped_tx = std::sync::Mutex::new(dropped_tx);
+        let bound = isthmus::Server::builder()
+            .handler("/test.Echo/Wait", move |mut call: isthmus::ServerCall| {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let _ = dropped_tx.lock().expect("lock").send(rx);
+                let entered = entered_tx.clone();
+                async move {
+                    let _guard = OnDrop(Some(tx));
+                    let _ = call.recv().await;
+                    let _ = entered.send(());
+                    std::future::pending::<Result<(), isthmus::Status>>().await
+                }
+            })
+            .keepalive(Duration::from_millis(200), Duration::from_millis(500))
+            .bind_all(["http://127.0.0.1:0"])
+            .expect("bind");
+        let addr = bound.http_addresses().into_iter().next().expect("an address");
+        tokio::spawn(bound.serve());
+        let proxy = SilentProxy::to(addr.trim_start_matches("http://").to_owned());
+        let ch = Channel::builder(&format!("http://{}", proxy.addr)).upgrade(false).connect().await.expect("connect");
+        let call = {
+            let ch = ch.clone();
+            tokio::spawn(async move { ch.unary("/test.Echo/Wait", &b"z"[..], within(60)).await })
+        };
+        let mut entered = entered;
+        entered.recv().await.expect("the handler runs");
+        let handler_dropped = dropped.recv().expect("the handler's drop signal");
+        proxy.freeze(true);
+        tokio::time::timeout(Duration::from_secs(30), handler_dropped)
+            .await
+            .expect("the handler of the silent client's call still runs after 30 s")
+            .expect("dropped");
+        call.abort();
+    });
+}

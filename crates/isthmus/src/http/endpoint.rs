@@ -302,14 +302,18 @@ impl HttpListener {
     }
 
     /// Serves `routes` with tonic's HTTP/2 server until `stop` completes; calls in progress
-    /// then finish (tonic's graceful shutdown). A `unix://` socket's file goes when this ends or
-    /// is dropped (`SocketFile`).
+    /// then finish (tonic's graceful shutdown). With `keepalive` (interval, timeout), a quiet
+    /// connection is PINGed, and closed if the answer does not come in time. A `unix://`
+    /// socket's file goes when this ends or is dropped (`SocketFile`).
     pub(crate) async fn serve(
         self,
         routes: tonic::service::Routes,
+        keepalive: Option<(std::time::Duration, std::time::Duration)>,
         stop: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<(), Status> {
         let server = tonic::transport::Server::builder()
+            .http2_keepalive_interval(keepalive.map(|(time, _)| time))
+            .http2_keepalive_timeout(keepalive.map(|(_, timeout)| timeout))
             .layer(crate::http::authority::DeadlineLayer)
             .layer(TooLargeLayer)
             .layer(PeerLayer)
