@@ -13,6 +13,8 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
+import uvloop
+from clients import run_on
 from peer import ServerBehindSilentProxy, SilentProxy
 
 import isthmus
@@ -22,9 +24,10 @@ import isthmus.aio
 _KEEPALIVE = [("grpc.keepalive_time_ms", 200), ("grpc.keepalive_timeout_ms", 500)]
 
 
-@pytest.mark.parametrize("kind", ["isthmus", "isthmus.aio"])
+@pytest.mark.parametrize("kind", ["isthmus", "asyncio", "uvloop"])
 def test_keepalive_ends_a_call_on_a_connection_gone_silent_unavailable(kind: str) -> None:
-    """grpcio's keepalive options over HTTP/2: a connection that goes silent (here a proxy that
+    """grpcio's keepalive options over HTTP/2 (the blocking channel, and isthmus.aio's on
+    asyncio's loop and on uvloop): a connection that goes silent (here a proxy that
     stops forwarding and keeps both sockets open, as a hung middlebox or a stopped peer whose
     kernel still acknowledges does) ends a call waiting on it UNAVAILABLE long before its
     deadline, and the channel's next call goes through a new connection. isthmus ignored the
@@ -60,16 +63,26 @@ def test_keepalive_ends_a_call_on_a_connection_gone_silent_unavailable(kind: str
             return caught.value.code(), caught.value.details(), after
 
     try:
-        code, details, after = blocking() if kind == "isthmus" else asyncio.run(on_a_loop())
+        if kind == "isthmus":
+            code, details, after = blocking()
+        else:
+            outcome: list[tuple[Any, str, bytes]] = []
+
+            async def kept() -> None:
+                outcome.append(await on_a_loop())
+
+            run_on(kind, kept)
+            code, details, after = outcome[0]
         assert (code, after) == (grpc.StatusCode.UNAVAILABLE, b"after")
         assert "keep-alive" in details, details
     finally:
         served.close()
 
 
-@pytest.mark.parametrize("kind", ["isthmus", "isthmus.aio"])
+@pytest.mark.parametrize("kind", ["isthmus", "asyncio", "uvloop"])
 def test_a_servers_keepalive_cancels_the_calls_of_a_client_gone_silent(kind: str) -> None:
-    """grpcio's keepalive options on an isthmus server (blocking and asyncio): the server PINGs
+    """grpcio's keepalive options on an isthmus server (blocking, and isthmus.aio's on
+    asyncio's loop and on uvloop): the server PINGs
     a quiet HTTP/2 client, and when the PING goes unanswered it closes the connection and
     cancels the client's calls, so the handler sees `is_active()` go false instead of waiting
     for ever. The client is grpcio's, with no keepalive of its own, behind a proxy that goes
@@ -89,7 +102,7 @@ def test_a_servers_keepalive_cancels_the_calls_of_a_client_gone_silent(kind: str
         "keep.S", {"Wait": grpc.unary_unary_rpc_method_handler(wait)}
     )
     pool = futures.ThreadPoolExecutor(4)
-    loop = asyncio.new_event_loop()
+    loop = uvloop.new_event_loop() if kind == "uvloop" else asyncio.new_event_loop()
     loop_thread = threading.Thread(target=loop.run_forever, daemon=True)
     loop_thread.start()
 

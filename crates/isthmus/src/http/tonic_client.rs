@@ -659,7 +659,7 @@ where
             Err(e) => {
                 // A TLS failure says which (an unknown CA, no client certificate…).
                 let tls = crate::http::tls::describe(&e);
-                let why = crate::http::call::with_causes(&e.to_string(), &e);
+                let causes = crate::http::call::with_causes(&e.to_string(), &e);
                 let t = tonic::Status::from_error(Box::new(e));
                 // No response at all: the request could not be carried (the server hung
                 // up or died before answering), which gRPC calls UNAVAILABLE; tonic names
@@ -674,7 +674,7 @@ where
                     Some(why) => failed_response(Status::new(Code::Unavailable, why)),
                     // tonic words a broken connection by its outermost error ("http2
                     // error"); what broke is further down ("keep-alive timed out").
-                    None if code == Code::Unavailable => failed_response(Status::new(code, why)),
+                    None if code == Code::Unavailable => failed_response(Status::new(code, causes)),
                     None => {
                         failed_response(Status::new(code, t.message().to_owned()).with_details(t.details().to_vec()))
                     }
