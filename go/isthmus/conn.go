@@ -131,9 +131,12 @@ type dialOptions struct {
 	keepalive keepalive.ClientParameters
 }
 
-// millis is d in whole milliseconds, rounded up: a keepalive time or timeout under a
-// millisecond is not none.
+// millis is d in whole milliseconds, rounded up (a keepalive time or timeout under a
+// millisecond is not none); 0, the library's "none" or "default", for d <= 0.
 func millis(d time.Duration) C.uint64_t {
+	if d <= 0 {
+		return 0
+	}
 	return C.uint64_t((d + time.Millisecond - 1) / time.Millisecond)
 }
 
@@ -192,14 +195,9 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 	ct := C.CString(target)
 	defer C.free(unsafe.Pointer(ct))
 	copts := C.isthmus_channel_options_t{max_message_size: C.uint64_t(o.maxMessageSize), flags: o.upgrade}
-	if kp := o.keepalive; kp.Time > 0 {
-		copts.keepalive_time_ms = millis(kp.Time)
-		if kp.Timeout > 0 {
-			copts.keepalive_timeout_ms = millis(kp.Timeout)
-		}
-		if kp.PermitWithoutStream {
-			copts.flags |= C.ISTHMUS_CHANNEL_KEEPALIVE_WITHOUT_CALLS
-		}
+	copts.keepalive_time_ms, copts.keepalive_timeout_ms = millis(o.keepalive.Time), millis(o.keepalive.Timeout)
+	if o.keepalive.PermitWithoutStream {
+		copts.flags |= C.ISTHMUS_CHANNEL_KEEPALIVE_WITHOUT_CALLS
 	}
 	if o.tls != nil {
 		t, err := clientTLS(o.tls)

@@ -239,12 +239,8 @@ func (s *Server) Start(targets ...string) error {
 	opts := C.isthmus_server_options_t{
 		max_message_size:       C.uint64_t(s.opts.maxMessageSize),
 		max_concurrent_streams: C.uint32_t(s.opts.maxConcurrentStreams),
-	}
-	if kp := s.opts.keepalive; kp.Time > 0 {
-		opts.keepalive_time_ms = millis(kp.Time)
-		if kp.Timeout > 0 {
-			opts.keepalive_timeout_ms = millis(kp.Timeout)
-		}
+		keepalive_time_ms:      millis(s.opts.keepalive.Time),
+		keepalive_timeout_ms:   millis(s.opts.keepalive.Timeout),
 	}
 	switch s.opts.compression {
 	case "":

@@ -284,7 +284,7 @@ class SilentProxy:
     it is thawed forward again."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream, self.frozen, self.closed = upstream, False, False
+        self.upstream, self.frozen = upstream, False
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.port = self.listener.getsockname()[1]
         self.sockets: list[socket.socket] = []
@@ -313,6 +313,9 @@ class SilentProxy:
                 s.shutdown(socket.SHUT_RDWR)
 
     def close(self) -> None:
+        # Shut down first: closing alone leaves the accept thread blocked on the old descriptor.
+        with contextlib.suppress(OSError):
+            self.listener.shutdown(socket.SHUT_RDWR)
         self.listener.close()
         for s in self.sockets:
             s.close()

@@ -111,6 +111,18 @@ pub const ISTHMUS_CHANNEL_KEEPALIVE_WITHOUT_CALLS: u32 = 4;
 
 pub(crate) static CHANNELS: Registry<isthmus_channel_t> = Registry::new("channel");
 
+/// The engine's keepalive for a caller's `keepalive_time_ms` and `keepalive_timeout_ms` (0:
+/// gRPC's 20 s), as both options structs carry them; none for a time of 0.
+pub(crate) fn keepalive(time_ms: u64, timeout_ms: u64) -> Option<isthmus::Keepalive> {
+    (time_ms > 0).then(|| {
+        let mut keepalive = isthmus::Keepalive::new(Duration::from_millis(time_ms));
+        if timeout_ms > 0 {
+            keepalive.timeout = Duration::from_millis(timeout_ms);
+        }
+        keepalive
+    })
+}
+
 /// The options behind a caller's pointer.
 ///
 /// # Safety
@@ -225,13 +237,9 @@ pub unsafe extern "C" fn isthmus_channel_new(
                 (on, off) if on || off => builder = builder.upgrade(on),
                 _ => {}
             }
-            if let Some(o) = opts.filter(|o| o.keepalive_time_ms > 0) {
-                let mut keepalive = isthmus::Keepalive::new(Duration::from_millis(o.keepalive_time_ms));
-                if o.keepalive_timeout_ms > 0 {
-                    keepalive.timeout = Duration::from_millis(o.keepalive_timeout_ms);
-                }
-                keepalive.permit_without_calls = flags & ISTHMUS_CHANNEL_KEEPALIVE_WITHOUT_CALLS != 0;
-                builder = builder.keepalive(keepalive);
+            if let Some(mut k) = opts.and_then(|o| keepalive(o.keepalive_time_ms, o.keepalive_timeout_ms)) {
+                k.permit_without_calls = flags & ISTHMUS_CHANNEL_KEEPALIVE_WITHOUT_CALLS != 0;
+                builder = builder.keepalive(k);
             }
             if let Some(tls) = TlsPems::copy(opts.map_or(std::ptr::null(), |o| o.tls))? {
                 builder = builder.tls_config(tls.client()?);

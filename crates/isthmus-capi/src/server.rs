@@ -264,12 +264,8 @@ pub unsafe extern "C" fn isthmus_server_new(opts: *const isthmus_server_options_
             unknown => Err(invalid(format!("unknown server flags {unknown:#x}"))),
         };
         let mut server = isthmus::Server::builder();
-        if let Some(o) = opts.filter(|o| o.keepalive_time_ms > 0) {
-            let timeout = match o.keepalive_timeout_ms {
-                0 => Duration::from_secs(20),
-                ms => Duration::from_millis(ms),
-            };
-            server = server.keepalive(Duration::from_millis(o.keepalive_time_ms), timeout);
+        if let Some(k) = opts.and_then(|o| crate::client::keepalive(o.keepalive_time_ms, o.keepalive_timeout_ms)) {
+            server = server.keepalive(k.time, k.timeout);
         }
         let state = ServerState::Building { server: Box::new(server), config, stream_limit, tls, compression };
         SERVERS.add(isthmus_server_t { state: Mutex::new(state), stats: std::sync::OnceLock::new() })

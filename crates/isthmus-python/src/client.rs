@@ -81,12 +81,21 @@ impl UnaryResult {
     }
 }
 
-/// The engine's channel to `target`, with TLS settings from Python if given; connects on its
-/// first call.
 /// HTTP/2 keepalive as Python gives it (`_channel.keepalive`): grpc's `keepalive_time_ms`,
 /// `keepalive_timeout_ms` and `keepalive_permit_without_calls`.
 pub(crate) type Keepalive = (u64, u64, bool);
 
+/// [`Keepalive`] as the engine takes it.
+pub(crate) fn engine_keepalive((time_ms, timeout_ms, permit_without_calls): Keepalive) -> isthmus::Keepalive {
+    isthmus::Keepalive {
+        time: std::time::Duration::from_millis(time_ms),
+        timeout: std::time::Duration::from_millis(timeout_ms),
+        permit_without_calls,
+    }
+}
+
+/// The engine's channel to `target`, with TLS settings from Python if given; connects on its
+/// first call.
 pub(crate) fn lazy_channel(
     target: &str,
     tls: Option<crate::tls::ClientTls>,
@@ -99,12 +108,8 @@ pub(crate) fn lazy_channel(
     if let Some(tls) = tls {
         builder = builder.tls_config(crate::tls::client_config(tls)?);
     }
-    if let Some((time_ms, timeout_ms, permit_without_calls)) = keepalive {
-        builder = builder.keepalive(isthmus::Keepalive {
-            time: std::time::Duration::from_millis(time_ms),
-            timeout: std::time::Duration::from_millis(timeout_ms),
-            permit_without_calls,
-        });
+    if let Some(k) = keepalive {
+        builder = builder.keepalive(engine_keepalive(k));
     }
     builder.connect_lazy().map_err(|s| bad_target(&s))
 }

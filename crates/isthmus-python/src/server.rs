@@ -550,9 +550,9 @@ pub(crate) struct Server {
     offer: Option<isthmus::ShmOffer>,
     /// TCP ports are bound with `SO_REUSEPORT` (`grpc.so_reuseport`).
     reuse_port: bool,
-    /// HTTP/2 keepalive of every port's connections: PING interval and timeout
-    /// (`grpc.keepalive_time_ms`, `grpc.keepalive_timeout_ms`).
-    keepalive: Option<(std::time::Duration, std::time::Duration)>,
+    /// HTTP/2 keepalive of every port's connections (`grpc.keepalive_time_ms`,
+    /// `grpc.keepalive_timeout_ms`).
+    keepalive: Option<isthmus::Keepalive>,
     bound: Mutex<Vec<isthmus::Bound>>,
     /// Every port's counters, kept past `start` (which consumes `bound`).
     stats: Mutex<Vec<isthmus::ServerStats>>,
@@ -596,9 +596,7 @@ impl Server {
             compression,
             offer: offer_shm.then(isthmus::ShmOffer::new),
             reuse_port,
-            keepalive: keepalive.map(|(time_ms, timeout_ms, _)| {
-                (std::time::Duration::from_millis(time_ms), std::time::Duration::from_millis(timeout_ms))
-            }),
+            keepalive: keepalive.map(crate::client::engine_keepalive),
             bound: Mutex::new(Vec::new()),
             stats: Mutex::new(Vec::new()),
             stop: watch::Sender::new(None),
@@ -619,8 +617,8 @@ impl Server {
         if let Some(compression) = self.compression {
             server = server.send_compressed(compression);
         }
-        if let Some((time, timeout)) = self.keepalive {
-            server = server.keepalive(time, timeout);
+        if let Some(k) = self.keepalive {
+            server = server.keepalive(k.time, k.timeout);
         }
         server = match &self.offer {
             Some(offer) => server.shm_offer(offer.clone()),
