@@ -137,7 +137,12 @@ func millis(d time.Duration) C.uint64_t {
 	if d <= 0 {
 		return 0
 	}
-	return C.uint64_t((d + time.Millisecond - 1) / time.Millisecond)
+	// Rounded up without adding first: grpc-go's "infinity" is math.MaxInt64.
+	ms := d / time.Millisecond
+	if d%time.Millisecond != 0 {
+		ms++
+	}
+	return C.uint64_t(ms)
 }
 
 // WithKeepaliveParams turns on HTTP/2 keepalive, as grpc.WithKeepaliveParams does: after

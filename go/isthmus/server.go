@@ -98,9 +98,14 @@ type serverOptions struct {
 // grpc.KeepaliveParams does: a client connection from which nothing came for kp.Time gets a
 // PING, and if its answer does not come within kp.Timeout (20 s if zero) the connection
 // closes and its calls are cancelled, so handlers stop waiting on a client that vanished. A
-// zero kp.Time turns it off (grpc-go's default is 2 hours); MaxConnectionIdle,
-// MaxConnectionAge and MaxConnectionAgeGrace are not supported and are ignored. shm:// needs
-// none: a client that dies there is seen at once.
+// zero kp.Time turns it off (grpc-go's default is 2 hours). shm:// needs none: a client that
+// dies there is seen at once.
+//
+// kp.MaxConnectionAge sends an HTTP/2 connection that old a GOAWAY: its client opens a new
+// connection for its next calls, and those in progress finish on the old one, until
+// kp.MaxConnectionAgeGrace (for ever if zero) closes it and cancels them. grpc-go adds ±10%
+// jitter to the age; isthmus adds none. shm:// connections have no age limit.
+// MaxConnectionIdle is not supported and is ignored.
 func KeepaliveParams(kp keepalive.ServerParameters) ServerOption {
 	return func(o *serverOptions) { o.keepalive = kp }
 }
@@ -237,10 +242,12 @@ func (s *Server) Start(targets ...string) error {
 		}
 	}
 	opts := C.isthmus_server_options_t{
-		max_message_size:       C.uint64_t(s.opts.maxMessageSize),
-		max_concurrent_streams: C.uint32_t(s.opts.maxConcurrentStreams),
-		keepalive_time_ms:      millis(s.opts.keepalive.Time),
-		keepalive_timeout_ms:   millis(s.opts.keepalive.Timeout),
+		max_message_size:            C.uint64_t(s.opts.maxMessageSize),
+		max_concurrent_streams:      C.uint32_t(s.opts.maxConcurrentStreams),
+		keepalive_time_ms:           millis(s.opts.keepalive.Time),
+		keepalive_timeout_ms:        millis(s.opts.keepalive.Timeout),
+		max_connection_age_ms:       millis(s.opts.keepalive.MaxConnectionAge),
+		max_connection_age_grace_ms: millis(s.opts.keepalive.MaxConnectionAgeGrace),
 	}
 	switch s.opts.compression {
 	case "":

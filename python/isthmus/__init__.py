@@ -103,6 +103,9 @@ def server(
     spreading the connections among them; 0: a port in use fails the bind),
     `grpc.keepalive_time_ms` and `grpc.keepalive_timeout_ms` (a PING to an HTTP/2 client
     connection gone quiet that long; one left unanswered closes the connection and cancels its
-    calls; none by default), and `isthmus.offer_shm` (False: HTTP/2 clients on this machine are
-    not offered the move to shm://)."""
+    calls; none by default), `grpc.max_connection_age_ms` and `grpc.max_connection_age_grace_ms`
+    (a GOAWAY to an HTTP/2 connection that old, so its client moves its next calls to a new
+    one; the calls still on it are cancelled when the grace is over; none by default;
+    `grpc.max_connection_idle_ms` is not supported), and `isthmus.offer_shm` (False: HTTP/2
+    clients on this machine are not offered the move to shm://)."""
     return Server(thread_pool, handlers, interceptors, options, maximum_concurrent_rpcs, compression)

@@ -512,7 +512,9 @@ class Server:
         compression: str | None = None,
         reuse_port: bool = False,
         keepalive: tuple[int, int, bool] | None = None,
-    ) -> Self: ...
+        max_connection_age: tuple[int, int | None] | None = None,
+    ) -> Self:
+        """`max_connection_age`: (age in ms, grace in ms or None) of every HTTP/2 connection."""
     def stats(self) -> dict[str, int]:
         """The counters of the live shm connections (`isthmus.TransportStats`'s fields)."""
     def linger(self, reactor: Reactor, spin_us: int) -> bool:

@@ -71,7 +71,8 @@ class ServerBase:
         # TCP port.
         reuse_port = bool(dict(options or ()).get("grpc.so_reuseport", 1))
         # `grpc.keepalive_time_ms`, `grpc.keepalive_timeout_ms`: PINGs to HTTP/2 clients gone
-        # quiet; one left unanswered closes its connection and cancels its calls.
+        # quiet; one left unanswered closes its connection and cancels its calls. And
+        # `grpc.max_connection_age_ms`, `grpc.max_connection_age_grace_ms` (`connection_age`).
         self._native = _native.Server(
             to_loop,
             maximum_concurrent_rpcs,
@@ -81,6 +82,7 @@ class ServerBase:
             replies,
             reuse_port,
             keepalive(options),
+            connection_age(options),
         )
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:
@@ -241,3 +243,22 @@ class Server(ServerBase, grpc.Server):
                 return False
             if end is not None and time.monotonic() >= end:
                 return True
+
+
+# grpc's "no limit" for the connection-age options (INT_MAX milliseconds).
+_NO_AGE_LIMIT = 2**31 - 1
+
+
+def connection_age(options: Any) -> tuple[int, int | None] | None:
+    """The maximum age of an HTTP/2 connection, from grpc's options as grpcio reads them:
+    `grpc.max_connection_age_ms` (a GOAWAY at that age, so the client moves its next calls to a
+    new connection; unset, or INT_MAX, for none) and `grpc.max_connection_age_grace_ms` (how
+    long calls in progress may then go on before the connection closes and they end
+    UNAVAILABLE; unset for ever). `grpc.max_connection_idle_ms` is not supported. `shm://`
+    connections have no age limit."""
+    given = dict(options or ())
+    age_ms = int(given.get("grpc.max_connection_age_ms", _NO_AGE_LIMIT))
+    if age_ms < 0 or age_ms >= _NO_AGE_LIMIT:
+        return None
+    grace_ms = int(given.get("grpc.max_connection_age_grace_ms", _NO_AGE_LIMIT))
+    return age_ms, (None if grace_ms < 0 or grace_ms >= _NO_AGE_LIMIT else grace_ms)

@@ -292,6 +292,15 @@ typedef struct {
   uint64_t keepalive_time_ms;
   // How long a keepalive PING's answer may take, in milliseconds; 0 for gRPC's 20 s.
   uint64_t keepalive_timeout_ms;
+  // The longest an HTTP/2 connection may live, in milliseconds (gRPC's
+  // `MAX_CONNECTION_AGE`); 0: no limit. At that age it gets a GOAWAY: its client opens a new
+  // connection for its next calls, and those in progress finish on the old one. `shm://`
+  // connections have no age limit.
+  uint64_t max_connection_age_ms;
+  // How long calls in progress may go on after that GOAWAY, in milliseconds (gRPC's
+  // `MAX_CONNECTION_AGE_GRACE`): then the connection closes and they are cancelled, their
+  // clients seeing UNAVAILABLE. 0: for ever (grpc-go's zero value too).
+  uint64_t max_connection_age_grace_ms;
 } isthmus_server_options_t;
 
 // A handler callback: called on one of the library's threads for each new call on its path,

@@ -219,6 +219,15 @@ pub struct isthmus_server_options_t {
     pub keepalive_time_ms: u64,
     /// How long a keepalive PING's answer may take, in milliseconds; 0 for gRPC's 20 s.
     pub keepalive_timeout_ms: u64,
+    /// The longest an HTTP/2 connection may live, in milliseconds (gRPC's
+    /// `MAX_CONNECTION_AGE`); 0: no limit. At that age it gets a GOAWAY: its client opens a new
+    /// connection for its next calls, and those in progress finish on the old one. `shm://`
+    /// connections have no age limit.
+    pub max_connection_age_ms: u64,
+    /// How long calls in progress may go on after that GOAWAY, in milliseconds (gRPC's
+    /// `MAX_CONNECTION_AGE_GRACE`): then the connection closes and they are cancelled, their
+    /// clients seeing UNAVAILABLE. 0: for ever (grpc-go's zero value too).
+    pub max_connection_age_grace_ms: u64,
 }
 
 /// Server flag: the handlers' replies to HTTP/2 calls go compressed with gzip, to each client
@@ -266,6 +275,12 @@ pub unsafe extern "C" fn isthmus_server_new(opts: *const isthmus_server_options_
         let mut server = isthmus::Server::builder();
         if let Some(k) = opts.and_then(|o| crate::client::keepalive(o.keepalive_time_ms, o.keepalive_timeout_ms)) {
             server = server.keepalive(k.time, k.timeout);
+        }
+        if let Some(o) = opts.filter(|o| o.max_connection_age_ms > 0) {
+            server = server.max_connection_age(Duration::from_millis(o.max_connection_age_ms));
+            if o.max_connection_age_grace_ms > 0 {
+                server = server.max_connection_age_grace(Duration::from_millis(o.max_connection_age_grace_ms));
+            }
         }
         let state = ServerState::Building { server: Box::new(server), config, stream_limit, tls, compression };
         SERVERS.add(isthmus_server_t { state: Mutex::new(state), stats: std::sync::OnceLock::new() })

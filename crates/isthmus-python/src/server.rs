@@ -553,6 +553,9 @@ pub(crate) struct Server {
     /// HTTP/2 keepalive of every port's connections (`grpc.keepalive_time_ms`,
     /// `grpc.keepalive_timeout_ms`).
     keepalive: Option<isthmus::Keepalive>,
+    /// Every port's HTTP/2 connections get a GOAWAY at this age, and are closed this grace
+    /// later (`grpc.max_connection_age_ms`, `grpc.max_connection_age_grace_ms`).
+    max_connection_age: Option<(Duration, Option<Duration>)>,
     bound: Mutex<Vec<isthmus::Bound>>,
     /// Every port's counters, kept past `start` (which consumes `bound`).
     stats: Mutex<Vec<isthmus::ServerStats>>,
@@ -564,7 +567,7 @@ pub(crate) struct Server {
 #[pymethods]
 impl Server {
     #[new]
-    #[pyo3(signature = (to_loop, max_concurrent_rpcs=None, max_message_size=None, offer_shm=true, max_threads=None, compression=None, reuse_port=false, keepalive=None))]
+    #[pyo3(signature = (to_loop, max_concurrent_rpcs=None, max_message_size=None, offer_shm=true, max_threads=None, compression=None, reuse_port=false, keepalive=None, max_connection_age=None))]
     #[allow(clippy::too_many_arguments)] // Python's keywords
     fn new(
         to_loop: bool,
@@ -575,6 +578,7 @@ impl Server {
         compression: Option<&str>,
         reuse_port: bool,
         keepalive: Option<crate::client::Keepalive>,
+        max_connection_age: Option<(u64, Option<u64>)>,
     ) -> PyResult<Server> {
         let compression = crate::convert::compression_from_py(compression)?;
         let mut config = isthmus::Config::default();
@@ -597,6 +601,8 @@ impl Server {
             offer: offer_shm.then(isthmus::ShmOffer::new),
             reuse_port,
             keepalive: keepalive.map(crate::client::engine_keepalive),
+            max_connection_age: max_connection_age
+                .map(|(age, grace)| (Duration::from_millis(age), grace.map(Duration::from_millis))),
             bound: Mutex::new(Vec::new()),
             stats: Mutex::new(Vec::new()),
             stop: watch::Sender::new(None),
@@ -619,6 +625,12 @@ impl Server {
         }
         if let Some(k) = self.keepalive {
             server = server.keepalive(k.time, k.timeout);
+        }
+        if let Some((age, grace)) = self.max_connection_age {
+            server = server.max_connection_age(age);
+            if let Some(grace) = grace {
+                server = server.max_connection_age_grace(grace);
+            }
         }
         server = match &self.offer {
             Some(offer) => server.shm_offer(offer.clone()),

@@ -81,7 +81,7 @@ use crate::engine::mux::Mux;
 use crate::engine::server::{
     accept_shm, bind_shm, route, Accepting, Handler, HandlerFn, Methods, ServerCall, ServerStats, Tracker, GOING_AWAY,
 };
-use crate::http::endpoint::{HttpListener, Target};
+use crate::http::endpoint::{ConnectionPolicy, HttpListener, Target};
 use crate::http::tls::ServerTlsConfig;
 use crate::status::{Code, Status};
 use crate::upgrade::ShmOffer;
@@ -126,9 +126,8 @@ pub struct Server {
     reply_compression: Option<crate::Compression>,
     /// Bind TCP addresses with `SO_REUSEPORT`.
     reuse_port: bool,
-    /// HTTP/2 keepalive of the connections to its `unix://` and TCP endpoints: PING interval and
-    /// the answer's timeout.
-    keepalive: Option<(Duration, Duration)>,
+    /// How its `unix://` and TCP endpoints keep their HTTP/2 connections: keepalive and age.
+    connections: ConnectionPolicy,
 }
 
 impl Default for Server {
@@ -148,7 +147,7 @@ impl Default for Server {
             health: true,
             reply_compression: None,
             reuse_port: false,
-            keepalive: None,
+            connections: ConnectionPolicy::default(),
         }
     }
 }
@@ -238,7 +237,27 @@ impl Server {
     /// that vanished without a word. None by default. `shm://` clients need none: a client that
     /// dies there is seen at once.
     pub fn keepalive(mut self, time: Duration, timeout: Duration) -> Server {
-        self.keepalive = Some((time, timeout));
+        self.connections.keepalive = Some((time, timeout));
+        self
+    }
+
+    /// The longest an HTTP/2 connection to this server may live (gRPC's `MAX_CONNECTION_AGE`,
+    /// grpc-go's `keepalive.ServerParameters.MaxConnectionAge`, grpcio's
+    /// `grpc.max_connection_age_ms`): at that age it gets a GOAWAY, so its client opens a new
+    /// connection for its next calls while those in progress finish on the old one. Clients
+    /// behind a load balancer spread out this way. Unlike gRPC, no jitter is added. None by
+    /// default; `shm://` connections have no age limit.
+    pub fn max_connection_age(mut self, age: Duration) -> Server {
+        self.connections.max_age = Some(age);
+        self
+    }
+
+    /// How long calls in progress may go on after [`max_connection_age`](Self::max_connection_age)
+    /// sent their connection its GOAWAY (gRPC's `MAX_CONNECTION_AGE_GRACE`): then the connection
+    /// closes and they are cancelled, their clients seeing UNAVAILABLE. Without it, or without
+    /// a maximum age, they may go on for ever.
+    pub fn max_connection_age_grace(mut self, grace: Duration) -> Server {
+        self.connections.max_age_grace = Some(grace);
         self
     }
 
@@ -441,7 +460,7 @@ impl Server {
             serve_health: this.health,
             grace: this.grace,
             stream_limit: this.stream_limit,
-            keepalive: this.keepalive,
+            connections: this.connections,
             tracker: Arc::default(),
         })
     }
@@ -506,7 +525,7 @@ pub struct Bound {
     handlers: Arc<Methods>,
     grace: Duration,
     stream_limit: usize,
-    keepalive: Option<(Duration, Duration)>,
+    connections: ConnectionPolicy,
     tracker: Arc<Tracker>,
 }
 
@@ -590,7 +609,7 @@ impl Bound {
             mut handlers,
             grace: default_grace,
             stream_limit,
-            keepalive,
+            connections,
             tracker,
         } = self;
         let (reporter, names) = health;
@@ -617,7 +636,7 @@ impl Bound {
         let mut endpoints = tokio::task::JoinSet::new();
         for listener in http {
             if let Some(routes) = routes.clone() {
-                endpoints.spawn(listener.serve(routes, keepalive, stopped()));
+                endpoints.spawn(listener.serve(routes, connections, stopped()));
             }
         }
         for listener in shm {

@@ -20,6 +20,8 @@
 //! over a service's limit, `TooLargeLayer`). On the stop signal tonic stops
 //! accepting and drains (GOAWAY, calls in progress finish), then the unix socket file is removed.
 //! `grace` bounds this drain and the `shm://` one together.
+//! With a maximum connection age, tonic sends each connection that old its GOAWAY, and `Aged`
+//! ends the connection when the age's grace is over too.
 //!
 //! `http_endpoint` and `connector` make a channel's tonic `Endpoint` and open its stream
 //! (`HttpIo`): a unix stream, or TCP with `TCP_NODELAY`. The URI's authority is `localhost` for a
@@ -302,38 +304,51 @@ impl HttpListener {
     }
 
     /// Serves `routes` with tonic's HTTP/2 server until `stop` completes; calls in progress
-    /// then finish (tonic's graceful shutdown). With `keepalive` (interval, timeout), a quiet
-    /// connection is PINGed, and closed if the answer does not come in time. A `unix://`
-    /// socket's file goes when this ends or is dropped (`SocketFile`).
+    /// then finish (tonic's graceful shutdown). `connections` says how connections are kept
+    /// (keepalive PINGs, a maximum age). A `unix://` socket's file goes when this ends or is
+    /// dropped (`SocketFile`).
     pub(crate) async fn serve(
         self,
         routes: tonic::service::Routes,
-        keepalive: Option<(std::time::Duration, std::time::Duration)>,
+        connections: ConnectionPolicy,
         stop: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<(), Status> {
-        let server = tonic::transport::Server::builder()
+        let ConnectionPolicy { keepalive, max_age, max_age_grace } = connections;
+        let mut server = tonic::transport::Server::builder()
             .http2_keepalive_interval(keepalive.map(|(time, _)| time))
-            .http2_keepalive_timeout(keepalive.map(|(_, timeout)| timeout))
+            .http2_keepalive_timeout(keepalive.map(|(_, timeout)| timeout));
+        if let Some(age) = max_age {
+            // Not tonic's `max_connection_age_grace`: with it tonic sends no GOAWAY at the age,
+            // and only drops the connection when the grace ends too. `Aged` ends it instead.
+            server = server.max_connection_age(age);
+        }
+        let server = server
             .layer(crate::http::authority::DeadlineLayer)
             .layer(TooLargeLayer)
             .layer(PeerLayer)
             .add_routes(routes);
         let failed =
             |e: tonic::transport::Error| Status::new(Code::Unavailable, format!("HTTP/2 endpoint failed: {e}"));
-        // Every connection is read through the `:authority` filter (see `authority.rs`).
-        let fix = |s: std::io::Result<ServerIo>| s.map(crate::http::authority::AuthorityFix::new);
+        // Every connection is read through the `:authority` filter (see `authority.rs`), and
+        // closed when its age and grace are over.
+        let end_after = max_age.zip(max_age_grace).map(|(age, grace)| age.saturating_add(grace));
+        let fix = move |s: std::io::Result<ServerIo>| {
+            s.map(|io| Aged::new(crate::http::authority::AuthorityFix::new(io), end_after))
+        };
         match self {
             // `_file` goes when this ends, or when the task is aborted at the end of a grace.
             HttpListener::Unix(l, _file, _) => {
-                let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(l), |s| {
-                    fix(s.map(ServerIo::Unix))
-                });
+                let incoming =
+                    tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(l), move |s| {
+                        fix(s.map(ServerIo::Unix))
+                    });
                 server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed)
             }
             HttpListener::Tcp(l, None) => {
-                let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(l), |s| {
-                    fix(s.map(ServerIo::Tcp))
-                });
+                let incoming =
+                    tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(l), move |s| {
+                        fix(s.map(ServerIo::Tcp))
+                    });
                 server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed)
             }
             HttpListener::Tcp(l, Some(config)) => {
@@ -341,6 +356,85 @@ impl HttpListener {
                 server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed)
             }
         }
+    }
+}
+
+/// How a server's HTTP/2 endpoints keep their connections (`Server::keepalive`,
+/// `Server::max_connection_age`, `Server::max_connection_age_grace`).
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct ConnectionPolicy {
+    /// PING a connection quiet this long, and close it if the answer takes longer than this.
+    pub(crate) keepalive: Option<(std::time::Duration, std::time::Duration)>,
+    /// GOAWAY to a connection this old.
+    pub(crate) max_age: Option<std::time::Duration>,
+    /// After the GOAWAY, close the connection this much later, whatever still runs on it.
+    pub(crate) max_age_grace: Option<std::time::Duration>,
+}
+
+/// A server connection's stream that ends, once `end` passes, with an error on its next read:
+/// h2 then closes the connection and cancels the calls still on it. h2 keeps a read pending
+/// for as long as the connection lives, so the timer's wake-up reaches it.
+pub(crate) struct Aged<S> {
+    io: S,
+    end: Option<Pin<Box<tokio::time::Sleep>>>,
+}
+
+impl<S> Aged<S> {
+    /// `io`, ended `after` from now (`None`: never).
+    fn new(io: S, after: Option<std::time::Duration>) -> Aged<S> {
+        Aged { io, end: after.map(|after| Box::pin(tokio::time::sleep(after))) }
+    }
+}
+
+impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Aged<S> {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        if let Some(end) = self.end.as_mut() {
+            if end.as_mut().poll(cx).is_ready() {
+                return Poll::Ready(Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionAborted,
+                    "the connection's maximum age and its grace are over",
+                )));
+            }
+        }
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Aged<S> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write(cx, data)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+}
+
+impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected for Aged<S> {
+    type ConnectInfo = S::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.io.connect_info()
     }
 }
 

@@ -7,6 +7,8 @@
 //! - `codec`: gRPC's HTTP/2 framing (the 5-byte prefix, metadata, timeout, status headers).
 //! - `tonic_client` and `tonic_server`: the bridge. Generated tonic clients call over isthmus,
 //!   and tonic services answer isthmus calls.
+//! - `retry`: gRPC's transparent retry of a call its connection never carried to the server
+//!   (a GOAWAY crossing it, a connection closed before sending it).
 //!
 //! Over HTTP/2, a gRPC message travels in the body with a 5-byte prefix, and metadata, deadlines
 //! and status travel as headers and trailers. Over `shm://` a message is a frame of its own and
@@ -37,6 +39,7 @@ pub(crate) mod authority;
 pub(crate) mod call;
 pub(crate) mod codec;
 pub(crate) mod endpoint;
+mod retry;
 pub(crate) mod tls;
 mod tonic_client;
 mod tonic_server;

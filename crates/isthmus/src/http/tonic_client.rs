@@ -65,6 +65,7 @@ use http::{HeaderMap, HeaderValue};
 use http_body::{Body, Frame};
 
 use super::codec::{self, Deframer};
+use super::retry::{self, Replayable};
 use crate::call::CallOptions;
 use crate::engine::client::{SendHalf, ShmCall};
 use crate::status::{Code, Status};
@@ -636,16 +637,44 @@ where
     // dropped while the request stream is still open would leave the server's call
     // running. The request body ends with CANCELLED instead, which resets it.
     let (cancel, cancelled) = tokio::sync::oneshot::channel();
-    let body = Cancellable { body: Box::pin(body), cancelled: Some(cancelled) };
-    let request = http::Request::from_parts(parts, tonic::body::Body::new(body));
+    let body = Replayable::new(Cancellable { body: Box::pin(body), cancelled: Some(cancelled) });
     let cancel = CancelOnDrop(Some(cancel));
     Box::pin(async move {
+        let start = tokio::time::Instant::now();
         let deadline = timeout.map(|t| Box::pin(tokio::time::sleep(t)));
-        let sent = async {
-            tower::ServiceExt::ready(&mut http).await?;
-            tower_service::Service::call(&mut http, request).await
+        // A call its connection never carried to the server goes again (`retry.rs`), with the
+        // time left of its deadline.
+        let (mut view, mut attempt) = (body.first(), 1);
+        let sent = loop {
+            let mut request = http::Request::new(tonic::body::Body::new(view));
+            *request.method_mut() = parts.method.clone();
+            *request.uri_mut() = parts.uri.clone();
+            *request.version_mut() = parts.version;
+            *request.headers_mut() = parts.headers.clone();
+            *request.extensions_mut() = parts.extensions.clone();
+            if let Some(t) = timeout.filter(|_| attempt > 1) {
+                let left = t.saturating_sub(start.elapsed());
+                if left.is_zero() {
+                    return Ok(failed_response(Status::deadline_exceeded()));
+                }
+                request.headers_mut().insert(codec::GRPC_TIMEOUT, codec::timeout_value(left));
+            }
+            let sent = async {
+                tower::ServiceExt::ready(&mut http).await?;
+                tower_service::Service::call(&mut http, request).await
+            };
+            match sent.await {
+                Err(e) if attempt < retry::ATTEMPTS && retry::never_processed(&e) => match body.again() {
+                    Some(next) => (view, attempt) = (next, attempt + 1),
+                    None => break Err(e),
+                },
+                sent => {
+                    body.done();
+                    break sent;
+                }
+            }
         };
-        Ok(match sent.await {
+        Ok(match sent {
             Ok(mut response) => {
                 deadline_code(response.headers_mut());
                 response.map(|body| ResponseBody(Source::Http { body, cancel, deadline }))

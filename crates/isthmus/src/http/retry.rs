@@ -1,0 +1,255 @@
+//! gRPC's transparent retry for calls over HTTP/2: a call that its connection never carried to
+//! the server's application goes again, on a new connection, instead of failing UNAVAILABLE.
+//!
+//! A server that ends a connection (a maximum connection age, an idle limit, a graceful stop)
+//! sends GOAWAY and closes it once its calls are done. A call the client starts in that moment
+//! can be lost three ways, none of which the server saw: hyper queued it for a connection that
+//! closed before sending it ("operation was canceled: connection closed"); the GOAWAY's last
+//! stream id leaves it out (h2's remote GOAWAY with NO_ERROR, which h2 gives only such streams
+//! and those opened after it); or the server refused its stream (RST_STREAM REFUSED_STREAM).
+//! grpc-core and grpc-go retry these whatever the call's retry policy, since running it again
+//! cannot run it twice; so does this module, up to [`ATTEMPTS`] times within the deadline.
+//!
+//! To send a request again, its body must be whole: [`Replay`] keeps every frame it hands out
+//! (the `Bytes` are shared, not copied) until the response opens, at most [`KEPT`] bytes, as
+//! grpc-core's per-call retry buffer does. A call that sent more, or whose body fails, is not
+//! retried. Each attempt reads the body through its own `Replay`: the kept frames first, then
+//! the body itself; an attempt given up (a stale one, whose stream hyper may still poll) reads
+//! nothing more.
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http::HeaderMap;
+use http_body::{Body, Frame};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// How many times a call goes at most, its first attempt included.
+pub(crate) const ATTEMPTS: u32 = 5;
+
+/// The most request bytes kept for a retry (grpc-core's `grpc.per_rpc_retry_buffer_size`).
+pub(crate) const KEPT: usize = 256 << 10;
+
+/// Whether a request that failed with `e` never reached the server's application (see the
+/// module's documentation), so that sending it again cannot run it twice.
+pub(crate) fn never_processed(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(c) = cause {
+        if c.downcast_ref::<hyper::Error>().is_some_and(hyper::Error::is_canceled) {
+            return true;
+        }
+        if let Some(h2) = c.downcast_ref::<h2::Error>() {
+            return h2.is_remote()
+                && match h2.reason() {
+                    Some(h2::Reason::REFUSED_STREAM) => h2.is_reset(),
+                    Some(h2::Reason::NO_ERROR) => h2.is_go_away(),
+                    _ => false,
+                };
+        }
+        cause = c.source();
+    }
+    false
+}
+
+/// A frame handed out, kept for the next attempt.
+enum Kept {
+    Data(Bytes),
+    Trailers(HeaderMap),
+}
+
+impl Kept {
+    fn frame(&self) -> Frame<Bytes> {
+        match self {
+            Kept::Data(d) => Frame::data(d.clone()),
+            Kept::Trailers(t) => Frame::trailers(t.clone()),
+        }
+    }
+}
+
+/// A request body and what its attempts took of it.
+struct Shared<B> {
+    body: Pin<Box<B>>,
+    /// The frames taken so far; `None` once the call can no longer go again.
+    kept: Option<Vec<Kept>>,
+    bytes: usize,
+    /// The attempt reading now; older ones read nothing more.
+    attempt: u32,
+    ended: bool,
+}
+
+/// A call's request body, kept so that the call can go again (see the module's documentation).
+pub(crate) struct Replayable<B>(Arc<Mutex<Shared<B>>>);
+
+/// One attempt's view of a [`Replayable`] body: the body it sends.
+pub(crate) struct Replay<B> {
+    shared: Arc<Mutex<Shared<B>>>,
+    attempt: u32,
+    /// The next kept frame this attempt sends.
+    at: usize,
+}
+
+impl<B> Replayable<B> {
+    pub(crate) fn new(body: B) -> Replayable<B> {
+        let shared = Shared { body: Box::pin(body), kept: Some(Vec::new()), bytes: 0, attempt: 0, ended: false };
+        Replayable(Arc::new(Mutex::new(shared)))
+    }
+
+    /// The first attempt's view.
+    pub(crate) fn first(&self) -> Replay<B> {
+        Replay { shared: self.0.clone(), attempt: 0, at: 0 }
+    }
+
+    /// The next attempt's view, which sends the body from its start; `None` if the call cannot
+    /// go again (more than [`KEPT`] bytes went, or the body failed, or the response opened).
+    /// The attempts before it read nothing more.
+    pub(crate) fn again(&self) -> Option<Replay<B>> {
+        let mut shared = self.0.lock().ok()?;
+        shared.kept.as_ref()?;
+        shared.attempt += 1;
+        Some(Replay { shared: self.0.clone(), attempt: shared.attempt, at: 0 })
+    }
+
+    /// Keeps nothing more: the server has the call (its response opened).
+    pub(crate) fn done(&self) {
+        if let Ok(mut shared) = self.0.lock() {
+            shared.kept = None;
+        }
+    }
+}
+
+impl<B> Body for Replay<B>
+where
+    B: Body<Data = Bytes>,
+    B::Error: Into<BoxError>,
+{
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        let this = &mut *self;
+        let Ok(mut shared) = this.shared.lock() else {
+            return Poll::Ready(Some(Err("the request body's lock was poisoned".into())));
+        };
+        let shared = &mut *shared;
+        if shared.attempt != this.attempt {
+            // Given up: its stream is gone or going; hyper resets it with this.
+            return Poll::Ready(Some(Err(Box::new(h2::Error::from(h2::Reason::CANCEL)))));
+        }
+        if let Some(kept) = shared.kept.as_ref().and_then(|k| k.get(this.at)) {
+            this.at += 1;
+            return Poll::Ready(Some(Ok(kept.frame())));
+        }
+        if shared.ended {
+            return Poll::Ready(None);
+        }
+        match shared.body.as_mut().poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                let size = frame.data_ref().map_or(0, Bytes::len);
+                match &mut shared.kept {
+                    Some(_) if shared.bytes + size > KEPT => shared.kept = None,
+                    Some(kept) => {
+                        shared.bytes += size;
+                        kept.push(match (frame.data_ref(), frame.trailers_ref()) {
+                            (Some(d), _) => Kept::Data(d.clone()),
+                            (None, Some(t)) => Kept::Trailers(t.clone()),
+                            // A kind of frame a gRPC request has none of: no replay then.
+                            (None, None) => {
+                                shared.kept = None;
+                                return Poll::Ready(Some(Ok(frame)));
+                            }
+                        });
+                        this.at += 1;
+                    }
+                    None => {}
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(None) => {
+                shared.ended = true;
+                Poll::Ready(None)
+            }
+            Poll::Ready(Some(Err(e))) => {
+                // A body that failed cannot be sent whole again.
+                shared.kept = None;
+                Poll::Ready(Some(Err(e.into())))
+            }
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        let Ok(shared) = self.shared.lock() else { return false };
+        let kept_left = shared.kept.as_ref().is_some_and(|k| self.at < k.len());
+        shared.attempt == self.attempt && !kept_left && (shared.ended || shared.body.is_end_stream())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::VecDeque;
+
+    /// A body of data frames.
+    struct Frames(VecDeque<Bytes>);
+
+    impl Body for Frames {
+        type Data = Bytes;
+        type Error = BoxError;
+
+        fn poll_frame(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            Poll::Ready(self.0.pop_front().map(|d| Ok(Frame::data(d))))
+        }
+    }
+
+    fn body(frames: &[&'static [u8]]) -> Frames {
+        Frames(frames.iter().map(|f| Bytes::from_static(f)).collect())
+    }
+
+    /// The next frame's data; `None` at the end; panics on an error.
+    async fn next(b: &mut Replay<Frames>) -> Result<Option<Bytes>, BoxError> {
+        let frame = std::future::poll_fn(|cx| Pin::new(&mut *b).poll_frame(cx)).await;
+        frame.transpose().map(|f| f.and_then(|f| f.into_data().ok()))
+    }
+
+    async fn all(mut b: Replay<Frames>) -> Vec<Bytes> {
+        let mut got = Vec::new();
+        while let Some(d) = next(&mut b).await.expect("a frame") {
+            got.push(d);
+        }
+        got
+    }
+
+    #[tokio::test]
+    async fn a_second_attempt_sends_the_whole_body_again() {
+        let r = Replayable::new(body(&[b"a", b"bc"]));
+        let mut first = r.first();
+        // The first attempt took one frame before its connection failed.
+        assert_eq!(next(&mut first).await.expect("ok"), Some(Bytes::from_static(b"a")));
+        let second = r.again().expect("replayable");
+        assert_eq!(all(second).await, vec![Bytes::from_static(b"a"), Bytes::from_static(b"bc")]);
+        // The attempt given up reads nothing more.
+        assert!(next(&mut first).await.is_err());
+    }
+
+    #[tokio::test]
+    async fn no_attempt_after_the_response_opened_or_past_the_limit() {
+        let r = Replayable::new(body(&[b"a"]));
+        r.done();
+        assert!(r.again().is_none());
+
+        let big: &'static [u8] = Box::leak(vec![0u8; KEPT + 1].into_boxed_slice());
+        let r = Replayable::new(body(&[big]));
+        assert_eq!(all(r.first()).await.len(), 1);
+        assert!(r.again().is_none());
+    }
+
+    #[test]
+    fn failures_of_this_side_are_not_the_servers_word() {
+        // A REFUSED_STREAM made here, not received, and a broken pipe: no retry.
+        assert!(!never_processed(&h2::Error::from(h2::Reason::REFUSED_STREAM)));
+        assert!(!never_processed(&std::io::Error::new(std::io::ErrorKind::BrokenPipe, "gone")));
+    }
+}
