@@ -5,7 +5,13 @@
 //! answers with the call's peer address, whose port names the connection it came on.
 
 use std::collections::BTreeSet;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
+
+use bytes::Bytes;
 
 use isthmus::{CallOptions, Channel, Code, Server, ServerCall, Status};
 use isthmus_tests::run;
@@ -135,6 +141,95 @@ fn the_grace_ends_a_call_still_in_progress_unavailable() {
         // The channel opens a new connection for the next call.
         let reply = ch.unary("/test.Age/Peer", b"", within(30)).await.expect("a call after the cut");
         assert!(!reply.message.is_empty());
+    });
+}
+
+/// A TCP stream whose reads stop (pending for ever) once `stalled` is set, its socket left
+/// open: a client that stops reading, so the server's writes fill the socket and block.
+struct Stalling {
+    tcp: tokio::net::TcpStream,
+    stalled: Arc<AtomicBool>,
+}
+
+impl tokio::io::AsyncRead for Stalling {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.stalled.load(Ordering::SeqCst) {
+            true => Poll::Pending,
+            false => Pin::new(&mut self.tcp).poll_read(cx, buf),
+        }
+    }
+}
+
+impl tokio::io::AsyncWrite for Stalling {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.tcp).poll_write(cx, data)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tcp).poll_shutdown(cx)
+    }
+}
+
+#[test]
+fn the_grace_ends_a_connection_whose_client_stopped_reading() {
+    // A handler streams 64 KiB messages to a client that reads two and then stops reading its
+    // socket; its HTTP/2 window (2^31 - 1) lets the server write until the socket is full, so
+    // the server's connection waits to write, not to read. The grace must end it all the same.
+    run(async {
+        let (dropped_tx, dropped) = tokio::sync::oneshot::channel::<()>();
+        let dropped_tx = std::sync::Mutex::new(Some(dropped_tx));
+        let srv = server()
+            .handler("/test.Age/Flood", move |mut call: ServerCall| {
+                let guard = OnDrop(dropped_tx.lock().expect("lock").take());
+                async move {
+                    let _guard = guard;
+                    let _ = call.recv().await;
+                    let message = vec![7u8; 64 << 10];
+                    loop {
+                        call.send(&message).await?;
+                    }
+                }
+            })
+            .max_connection_age(Duration::from_millis(200))
+            .max_connection_age_grace(Duration::from_millis(300));
+        let addr = serve(srv);
+        let host = addr.trim_start_matches("http://").to_owned();
+        let stalled = Arc::new(AtomicBool::new(false));
+        let tcp = tokio::net::TcpStream::connect(&host).await.expect("connect");
+        let io = Stalling { tcp, stalled: stalled.clone() };
+        let (mut client, connection) = h2::client::Builder::new()
+            .initial_window_size(i32::MAX as u32)
+            .initial_connection_window_size(i32::MAX as u32)
+            .handshake::<_, Bytes>(io)
+            .await
+            .expect("HTTP/2 handshake");
+        tokio::spawn(connection);
+        let request = http::Request::post(format!("http://{host}/test.Age/Flood"))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .body(())
+            .expect("request");
+        let (response, mut send) = client.send_request(request, false).expect("send");
+        send.send_data(Bytes::from_static(&[0, 0, 0, 0, 0]), true).expect("an empty message");
+        let mut body = response.await.expect("the response's headers").into_body();
+        let mut got = 0;
+        while got < 2 * (64 << 10) {
+            got += body.data().await.expect("a frame").expect("data").len();
+        }
+        stalled.store(true, Ordering::SeqCst);
+        tokio::time::timeout(Duration::from_secs(30), dropped)
+            .await
+            .expect("the handler still runs 30 s past its connection's age and grace")
+            .expect("dropped");
+        drop((client, send, body));
     });
 }
 

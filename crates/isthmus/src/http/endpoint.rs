@@ -371,9 +371,9 @@ pub(crate) struct ConnectionPolicy {
     pub(crate) max_age_grace: Option<std::time::Duration>,
 }
 
-/// A server connection's stream that ends, once `end` passes, with an error on its next read:
-/// h2 then closes the connection and cancels the calls still on it. h2 keeps a read pending
-/// for as long as the connection lives, so the timer's wake-up reaches it.
+/// A server connection's stream that fails every read and write once `end` passes: h2 then
+/// closes the connection and cancels the calls still on it. Reads and writes both, since h2
+/// polls one or the other: a client that stops reading leaves h2 waiting to write.
 pub(crate) struct Aged<S> {
     io: S,
     end: Option<Pin<Box<tokio::time::Sleep>>>,
@@ -384,6 +384,17 @@ impl<S> Aged<S> {
     fn new(io: S, after: Option<std::time::Duration>) -> Aged<S> {
         Aged { io, end: after.map(|after| Box::pin(tokio::time::sleep(after))) }
     }
+
+    /// The error for a read or write once `end` has passed (the wake-up when it does is `cx`'s).
+    fn over(&mut self, cx: &mut Context<'_>) -> Option<std::io::Error> {
+        let end = self.end.as_mut()?;
+        end.as_mut().poll(cx).is_ready().then(|| {
+            std::io::Error::new(
+                std::io::ErrorKind::ConnectionAborted,
+                "the connection's maximum age and its grace are over",
+            )
+        })
+    }
 }
 
 impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Aged<S> {
@@ -392,13 +403,8 @@ impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Aged<S> {
         cx: &mut Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
-        if let Some(end) = self.end.as_mut() {
-            if end.as_mut().poll(cx).is_ready() {
-                return Poll::Ready(Err(std::io::Error::new(
-                    std::io::ErrorKind::ConnectionAborted,
-                    "the connection's maximum age and its grace are over",
-                )));
-            }
+        if let Some(e) = self.over(cx) {
+            return Poll::Ready(Err(e));
         }
         Pin::new(&mut self.io).poll_read(cx, buf)
     }
@@ -406,10 +412,16 @@ impl<S: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Aged<S> {
 
 impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Aged<S> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, data: &[u8]) -> Poll<std::io::Result<usize>> {
+        if let Some(e) = self.over(cx) {
+            return Poll::Ready(Err(e));
+        }
         Pin::new(&mut self.io).poll_write(cx, data)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if let Some(e) = self.over(cx) {
+            return Poll::Ready(Err(e));
+        }
         Pin::new(&mut self.io).poll_flush(cx)
     }
 
@@ -422,6 +434,9 @@ impl<S: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Aged<S> {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
+        if let Some(e) = self.over(cx) {
+            return Poll::Ready(Err(e));
+        }
         Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
     }
 

@@ -689,6 +689,7 @@ where
                 // A TLS failure says which (an unknown CA, no client certificate…).
                 let tls = crate::http::tls::describe(&e);
                 let causes = crate::http::call::with_causes(&e.to_string(), &e);
+                let went_away = retry::went_away(&e);
                 let t = tonic::Status::from_error(Box::new(e));
                 // No response at all: the request could not be carried (the server hung
                 // up or died before answering), which gRPC calls UNAVAILABLE; tonic names
@@ -697,6 +698,8 @@ where
                 // (the server went away), not a cancel of ours: ours drops this future.
                 let code = match t.code() {
                     tonic::Code::Unknown | tonic::Code::Cancelled => Code::Unavailable,
+                    // A GOAWAY that left the call out, which tonic calls INTERNAL.
+                    _ if went_away => Code::Unavailable,
                     other => Code::from_u32(other as u32),
                 };
                 match tls {
