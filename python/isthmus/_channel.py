@@ -347,8 +347,8 @@ def upgrades(options: Any) -> bool:
     return bool(dict(options or ()).get("isthmus.upgrade", True))
 
 
-# grpc's defaults for a client: no keepalive, 20 s for a PING's answer, none without calls.
-_NO_KEEPALIVE = 2**31 - 1
+# grpc's "none" for its millisecond options (INT_MAX), and its 20 s for a PING's answer.
+_NO_LIMIT_MS = 2**31 - 1
 _KEEPALIVE_TIMEOUT_MS = 20_000
 
 
@@ -360,11 +360,26 @@ def keepalive(options: Any) -> tuple[int, int, bool] | None:
     call is open too; off). None for no keepalive. `shm://` needs none: a dead peer is seen at
     once there."""
     given = dict(options or ())
-    time_ms = int(given.get("grpc.keepalive_time_ms", _NO_KEEPALIVE))
-    if time_ms <= 0 or time_ms >= _NO_KEEPALIVE:
+    time_ms = int(given.get("grpc.keepalive_time_ms", _NO_LIMIT_MS))
+    if time_ms <= 0 or time_ms >= _NO_LIMIT_MS:
         return None
     timeout_ms = max(int(given.get("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS)), 1)
     return time_ms, timeout_ms, bool(int(given.get("grpc.keepalive_permit_without_calls", 0)))
+
+
+def connection_age(options: Any) -> tuple[int, int | None] | None:
+    """A server's maximum HTTP/2 connection age, from grpc's options as grpcio reads them:
+    `grpc.max_connection_age_ms` (a GOAWAY at that age, so the client moves its next calls to a
+    new connection; unset, or INT_MAX, for none) and `grpc.max_connection_age_grace_ms` (how
+    long calls in progress may then go on before the connection closes and they end
+    UNAVAILABLE; unset for ever). `grpc.max_connection_idle_ms` is not supported. `shm://`
+    connections have no age limit."""
+    given = dict(options or ())
+    age_ms = int(given.get("grpc.max_connection_age_ms", _NO_LIMIT_MS))
+    if age_ms < 0 or age_ms >= _NO_LIMIT_MS:
+        return None
+    grace_ms = int(given.get("grpc.max_connection_age_grace_ms", _NO_LIMIT_MS))
+    return age_ms, (None if grace_ms < 0 or grace_ms >= _NO_LIMIT_MS else grace_ms)
 
 
 _ENCODINGS = {grpc.Compression.Gzip: "gzip", grpc.Compression.Deflate: "deflate"}

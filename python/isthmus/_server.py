@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from . import _native
-from ._channel import channel_compression, keepalive, limits
+from ._channel import channel_compression, connection_age, keepalive, limits
 from ._context import ServicerContext
 from ._credentials import server_tls
 from ._handler import Handlers
@@ -243,22 +243,3 @@ class Server(ServerBase, grpc.Server):
                 return False
             if end is not None and time.monotonic() >= end:
                 return True
-
-
-# grpc's "no limit" for the connection-age options (INT_MAX milliseconds).
-_NO_AGE_LIMIT = 2**31 - 1
-
-
-def connection_age(options: Any) -> tuple[int, int | None] | None:
-    """The maximum age of an HTTP/2 connection, from grpc's options as grpcio reads them:
-    `grpc.max_connection_age_ms` (a GOAWAY at that age, so the client moves its next calls to a
-    new connection; unset, or INT_MAX, for none) and `grpc.max_connection_age_grace_ms` (how
-    long calls in progress may then go on before the connection closes and they end
-    UNAVAILABLE; unset for ever). `grpc.max_connection_idle_ms` is not supported. `shm://`
-    connections have no age limit."""
-    given = dict(options or ())
-    age_ms = int(given.get("grpc.max_connection_age_ms", _NO_AGE_LIMIT))
-    if age_ms < 0 or age_ms >= _NO_AGE_LIMIT:
-        return None
-    grace_ms = int(given.get("grpc.max_connection_age_grace_ms", _NO_AGE_LIMIT))
-    return age_ms, (None if grace_ms < 0 or grace_ms >= _NO_AGE_LIMIT else grace_ms)

@@ -74,6 +74,27 @@ pub fn run<F: std::future::Future<Output = ()>>(f: F) {
     runtime().block_on(async { tokio::time::timeout(Duration::from_secs(120), f).await.expect("watchdog") });
 }
 
+/// Sends once when dropped. Held in a handler's future, it tells a test when the engine drops
+/// that future, as it does a cancelled call's.
+#[derive(Debug)]
+pub struct OnDrop(pub Option<tokio::sync::oneshot::Sender<()>>);
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// A drop signal for a handler's first call: `guard()` gives that call an [`OnDrop`] (later
+/// calls an inert one), and the receiver completes when it is dropped.
+pub fn first_call_dropped() -> (impl Fn() -> OnDrop + Send + Sync + 'static, tokio::sync::oneshot::Receiver<()>) {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let tx = std::sync::Mutex::new(Some(tx));
+    (move || OnDrop(tx.lock().ok().and_then(|mut tx| tx.take())), rx)
+}
+
 /// Starts `tonic-peer` on `targets` (`http://…:0` gets a port from the system); returns it and
 /// the address of each target as clients reach it, in order.
 pub fn spawn_tonic_peer(targets: &[&str]) -> (Peer, Vec<String>) {

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 
 use isthmus::{CallOptions, Channel, Code, Server, ServerCall, Status};
-use isthmus_tests::run;
+use isthmus_tests::{first_call_dropped, run};
 
 fn within(secs: u64) -> CallOptions {
     CallOptions { timeout: Some(Duration::from_secs(secs)), ..CallOptions::default() }
@@ -52,12 +52,13 @@ async fn channel(addr: &str) -> Channel {
     Channel::builder(addr).upgrade(false).connect().await.expect("connect")
 }
 
-/// Unary calls one after another for `secs`; the connections (peer addresses) they came on.
+/// Unary calls one after another for `secs` (at least one); the connections (peer addresses)
+/// they came on.
 async fn peers_over(ch: &Channel, secs: f64) -> BTreeSet<String> {
     let mut peers = BTreeSet::new();
     let start = Instant::now();
     let mut calls = 0;
-    while start.elapsed().as_secs_f64() < secs {
+    while calls == 0 || start.elapsed().as_secs_f64() < secs {
         let reply = ch.unary("/test.Age/Peer", b"", within(30)).await;
         let reply = reply.unwrap_or_else(|s| panic!("call {calls} failed: {s:?}"));
         peers.insert(String::from_utf8(reply.message.to_vec()).expect("utf-8"));
@@ -98,6 +99,7 @@ fn a_call_in_progress_finishes_on_an_aged_connection() {
     run(async {
         let addr = serve(server().max_connection_age(Duration::from_millis(300)));
         let ch = channel(&addr).await;
+        let before = peers_over(&ch, 0.0).await;
         let mut call = ch.start("/test.Age/Ticks", within(60)).await.expect("start");
         call.send_last(&[10]).await.expect("request");
         let mut got = Vec::new();
@@ -105,6 +107,9 @@ fn a_call_in_progress_finishes_on_an_aged_connection() {
             got.extend_from_slice(&m);
         }
         assert_eq!(got, (0..10).collect::<Vec<u8>>());
+        // The GOAWAY did come meanwhile: the next call goes on another connection.
+        let after = peers_over(&ch, 0.0).await;
+        assert!(before.is_disjoint(&after), "no GOAWAY during the call: {before:?} then {after:?}");
     });
 }
 
@@ -113,11 +118,10 @@ fn the_grace_ends_a_call_still_in_progress_unavailable() {
     // Age 200 ms, grace 300 ms: a call that would take 60 s is cut off after about half a
     // second, and its handler stops.
     run(async {
-        let (dropped_tx, dropped) = tokio::sync::oneshot::channel::<()>();
-        let dropped_tx = std::sync::Mutex::new(Some(dropped_tx));
+        let (guard, dropped) = first_call_dropped();
         let srv = server()
             .handler("/test.Age/Forever", move |mut call: ServerCall| {
-                let guard = OnDrop(dropped_tx.lock().expect("lock").take());
+                let guard = guard();
                 async move {
                     let _guard = guard;
                     let _ = call.recv().await;
@@ -184,11 +188,10 @@ fn the_grace_ends_a_connection_whose_client_stopped_reading() {
     // socket; its HTTP/2 window (2^31 - 1) lets the server write until the socket is full, so
     // the server's connection waits to write, not to read. The grace must end it all the same.
     run(async {
-        let (dropped_tx, dropped) = tokio::sync::oneshot::channel::<()>();
-        let dropped_tx = std::sync::Mutex::new(Some(dropped_tx));
+        let (guard, dropped) = first_call_dropped();
         let srv = server()
             .handler("/test.Age/Flood", move |mut call: ServerCall| {
-                let guard = OnDrop(dropped_tx.lock().expect("lock").take());
+                let guard = guard();
                 async move {
                     let _guard = guard;
                     let _ = call.recv().await;
@@ -231,16 +234,4 @@ fn the_grace_ends_a_connection_whose_client_stopped_reading() {
             .expect("dropped");
         drop((client, send, body));
     });
-}
-
-/// Sends on its sender when dropped: the engine drops a handler's future when its call is
-/// cancelled.
-struct OnDrop(Option<tokio::sync::oneshot::Sender<()>>);
-
-impl Drop for OnDrop {
-    fn drop(&mut self) {
-        if let Some(tx) = self.0.take() {
-            let _ = tx.send(());
-        }
-    }
 }

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use isthmus::{CallOptions, Channel, Code, Keepalive};
-use isthmus_tests::{fresh_addr, run, Peer};
+use isthmus_tests::{fresh_addr, run, OnDrop, Peer};
 
 /// A TCP proxy to `upstream` that forwards both ways until it is frozen. Frozen, it reads what
 /// either side sends and drops it, and keeps every socket open: to both ends the connection is
@@ -159,17 +159,6 @@ fn keepalive_leaves_a_slow_call_on_a_live_connection_alone() {
         let reply = ch.unary("/test.Echo/After", &request[..], within(60)).await.expect("a slow call");
         assert_eq!(&reply.message[..], &request[..]);
     });
-}
-
-/// Sends on `tx` when dropped: the engine drops a handler's future when its call is cancelled.
-struct OnDrop(Option<tokio::sync::oneshot::Sender<()>>);
-
-impl Drop for OnDrop {
-    fn drop(&mut self) {
-        if let Some(tx) = self.0.take() {
-            let _ = tx.send(());
-        }
-    }
 }
 
 #[test]

@@ -52,6 +52,19 @@ pub use tonic_client::ResponseBody;
 pub(crate) use tonic_server::{BoxService, ServiceHandler};
 pub use x509::PeerCertificate;
 
+/// The first error of type `T` in `e`'s chain of sources, `e` included: what broke under the
+/// words tonic and hyper put around it.
+pub(crate) fn cause<'e, T: std::error::Error + 'static>(e: &'e (dyn std::error::Error + 'static)) -> Option<&'e T> {
+    let mut next = Some(e);
+    while let Some(c) = next {
+        if let Some(t) = c.downcast_ref::<T>() {
+            return Some(t);
+        }
+        next = c.source();
+    }
+    None
+}
+
 /// Fuzzing entry: `data` as a gRPC body cut at every offset (plain, gzip and deflate), and as
 /// header values.
 pub(crate) fn fuzz(data: &[u8]) {

@@ -20,10 +20,10 @@
 //! client-streaming or bidi handler that acts before its first read was started and at once
 //! cancelled, and starts again with the retry.
 //!
-//! To send a request again, its body must be whole: [`Replay`] keeps every frame it hands out
-//! (the `Bytes` are shared, not copied) until the response opens, at most [`KEPT`] bytes, as
-//! grpc-core's per-call retry buffer does. A call that sent more, or whose body fails, is not
-//! retried. Each attempt reads the body through its own `Replay`: the kept frames first, then
+//! To send a request again, its body must be whole: [`Replay`] keeps every data frame it hands
+//! out (the `Bytes` are shared, not copied) until the response opens, at most [`KEPT`] bytes, as
+//! grpc-core's per-call retry buffer does. A call that sent more, or whose body fails or holds
+//! any other kind of frame (a gRPC request has none), is not retried. Each attempt reads the body through its own `Replay`: the kept frames first, then
 //! the body itself; an attempt given up (a stale one, whose stream hyper may still poll) reads
 //! nothing more. Once the response opens nothing more is kept, but the attempt that got it
 //! still sends what it has not yet sent of the kept frames (hyper sends as the stream's window
@@ -34,8 +34,9 @@ use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
-use http::HeaderMap;
 use http_body::{Body, Frame};
+
+use super::cause;
 
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
@@ -48,12 +49,10 @@ pub(crate) const KEPT: usize = 256 << 10;
 /// Whether a request that failed with `e` never reached the server's application (see the
 /// module's documentation), so that sending it again cannot run it twice.
 pub(crate) fn never_processed(e: &(dyn std::error::Error + 'static)) -> bool {
-    if let Some(h) = find::<hyper::Error>(e) {
-        if h.is_canceled() {
-            return true;
-        }
+    if cause::<hyper::Error>(e).is_some_and(hyper::Error::is_canceled) {
+        return true;
     }
-    find::<h2::Error>(e).is_some_and(|h2| {
+    cause::<h2::Error>(e).is_some_and(|h2| {
         h2.is_remote()
             && match h2.reason() {
                 Some(h2::Reason::REFUSED_STREAM) => h2.is_reset(),
@@ -66,42 +65,15 @@ pub(crate) fn never_processed(e: &(dyn std::error::Error + 'static)) -> bool {
 /// Whether `e` is the server's GOAWAY: the connection went away under the call, which gRPC
 /// calls UNAVAILABLE (tonic says INTERNAL, "h2 protocol error", for one with NO_ERROR).
 pub(crate) fn went_away(e: &(dyn std::error::Error + 'static)) -> bool {
-    find::<h2::Error>(e).is_some_and(|h2| h2.is_go_away() && h2.is_remote())
-}
-
-/// The first error of type `T` in `e`'s chain of sources.
-fn find<'e, T: std::error::Error + 'static>(e: &'e (dyn std::error::Error + 'static)) -> Option<&'e T> {
-    let mut cause = Some(e);
-    while let Some(c) = cause {
-        if let Some(t) = c.downcast_ref::<T>() {
-            return Some(t);
-        }
-        cause = c.source();
-    }
-    None
-}
-
-/// A frame handed out, kept for the next attempt.
-enum Kept {
-    Data(Bytes),
-    Trailers(HeaderMap),
-}
-
-impl Kept {
-    fn frame(&self) -> Frame<Bytes> {
-        match self {
-            Kept::Data(d) => Frame::data(d.clone()),
-            Kept::Trailers(t) => Frame::trailers(t.clone()),
-        }
-    }
+    cause::<h2::Error>(e).is_some_and(|h2| h2.is_go_away() && h2.is_remote())
 }
 
 /// A request body and what its attempts took of it.
 struct Shared<B> {
     body: Pin<Box<B>>,
-    /// The frames taken so far; `None` once the call can no longer go again and the current
-    /// attempt has sent them all.
-    kept: Option<Vec<Kept>>,
+    /// The data frames taken so far; `None` once the call can no longer go again and the
+    /// current attempt has sent them all.
+    kept: Option<Vec<Bytes>>,
     bytes: usize,
     /// The response opened: no more attempts, nothing more kept.
     closed: bool,
@@ -174,9 +146,9 @@ where
             return Poll::Ready(Some(Err(Box::new(h2::Error::from(h2::Reason::CANCEL)))));
         }
         if let Some(kept) = &shared.kept {
-            if let Some(frame) = kept.get(this.at) {
+            if let Some(data) = kept.get(this.at) {
                 this.at += 1;
-                return Poll::Ready(Some(Ok(frame.frame())));
+                return Poll::Ready(Some(Ok(Frame::data(data.clone()))));
             }
             if shared.closed {
                 shared.kept = None;
@@ -187,23 +159,14 @@ where
         }
         match shared.body.as_mut().poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                let size = frame.data_ref().map_or(0, Bytes::len);
-                match &mut shared.kept {
-                    Some(_) if shared.bytes + size > KEPT => shared.kept = None,
-                    Some(kept) => {
-                        shared.bytes += size;
-                        kept.push(match (frame.data_ref(), frame.trailers_ref()) {
-                            (Some(d), _) => Kept::Data(d.clone()),
-                            (None, Some(t)) => Kept::Trailers(t.clone()),
-                            // A kind of frame a gRPC request has none of: no replay then.
-                            (None, None) => {
-                                shared.kept = None;
-                                return Poll::Ready(Some(Ok(frame)));
-                            }
-                        });
+                // A gRPC request is data frames only; anything else is not kept, nor sent again.
+                match (&mut shared.kept, frame.data_ref()) {
+                    (Some(kept), Some(data)) if shared.bytes + data.len() <= KEPT => {
+                        shared.bytes += data.len();
+                        kept.push(data.clone());
                         this.at += 1;
                     }
-                    None => {}
+                    (kept, _) => *kept = None,
                 }
                 Poll::Ready(Some(Ok(frame)))
             }

@@ -35,7 +35,8 @@
 //!    call), `Http` (tonic's body, with its `CancelOnDrop`) or `Done`.
 //!
 //! Over `unix://` and `http://` the service passes each request to tonic's channel unchanged and
-//! wraps the response body. tonic enforces the deadline only until the response's headers; the
+//! wraps the response body; a request its connection never carried to the server goes again
+//! (`retry.rs`). tonic enforces the deadline only until the response's headers; the
 //! body ends DEADLINE_EXCEEDED if it has not ended when `grpc-timeout` runs out, and is dropped,
 //! which resets the stream (below). tonic's client's `TimeoutExpired`, and
 //! a plain tonic server's trailers-only CANCELLED "Timeout expired", are both reported
@@ -195,14 +196,7 @@ fn deadline_code(headers: &mut HeaderMap) {
 
 /// Whether an HTTP/2 transport error is tonic's client-side deadline.
 fn timed_out(e: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cause = Some(e);
-    while let Some(c) = cause {
-        if c.downcast_ref::<tonic::TimeoutExpired>().is_some() {
-            return true;
-        }
-        cause = c.source();
-    }
-    false
+    super::cause::<tonic::TimeoutExpired>(e).is_some()
 }
 
 /// Sends the cancel for an HTTP/2 call when dropped, unless disarmed first.
