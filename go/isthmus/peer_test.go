@@ -13,6 +13,8 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	grpcpeer "google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 
@@ -150,6 +152,73 @@ func TestPeerFromContextNamesTheClientOnEveryTransport(t *testing.T) {
 				}
 			}
 		}
+	}
+}
+
+// agentService's Unary answers with the user-agent values in its handler's incoming metadata.
+type agentService struct{ echo.Service }
+
+func (agentService) Unary(ctx context.Context, _ *pb.EchoRequest) (*pb.EchoReply, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	return &pb.EchoReply{Payload: []byte(strings.Join(md.Get("user-agent"), "|"))}, nil
+}
+
+// A handler's incoming metadata holds its HTTP/2 caller's user-agent, as on grpc-go's server
+// (goroutine and inline handlers alike), never one a client claims through isthmus's own
+// forwarding header; over shm://, where no agent is sent, none.
+func TestAHandlerSeesItsHTTP2CallersUserAgentAsGrpcGos(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	ctx = metadata.AppendToOutgoingContext(ctx, "x-isthmus-peer-agent", "claimed/1.0")
+	agentOf := func(label string, conn grpc.ClientConnInterface) string {
+		reply, err := pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{})
+		if err != nil {
+			t.Fatalf("%s: %v", label, err)
+		}
+		return string(reply.Payload)
+	}
+	plain := func(address string) *grpc.ClientConn {
+		conn, err := grpc.NewClient(address, grpc.WithTransportCredentials(insecure.NewCredentials()),
+			grpc.WithUserAgent("agent-test/7.0"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { conn.Close() })
+		return conn
+	}
+
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	theirs := grpc.NewServer()
+	pb.RegisterEchoServer(theirs, agentService{})
+	go theirs.Serve(l)
+	defer theirs.Stop()
+	want := agentOf("grpc-go's server", plain(l.Addr().String()))
+	if !strings.HasPrefix(want, "agent-test/7.0 grpc-go/") {
+		t.Fatalf("grpc-go's server saw user-agent %q", want)
+	}
+
+	for _, inline := range []bool{false, true} {
+		var opts []isthmus.ServerOption
+		if inline {
+			opts = append(opts, isthmus.InlineUnary())
+		}
+		shm, _ := fresh(t, fmt.Sprintf("agent%v", inline))
+		s := isthmus.NewServer(opts...)
+		pb.RegisterEchoServer(s, agentService{})
+		if err := s.Start(shm, "http://127.0.0.1:0"); err != nil {
+			t.Fatal(err)
+		}
+		label := fmt.Sprintf("inline=%v", inline)
+		if got := agentOf(label, plain(grpcTarget(s.HTTPAddresses()[0]))); got != want {
+			t.Errorf("%s over HTTP/2: user-agent %q, grpc-go's server saw %q", label, got, want)
+		}
+		if got := agentOf(label, dial(t, shm)); got != "" {
+			t.Errorf("%s over shm://: user-agent %q, want none", label, got)
+		}
+		s.Stop()
 	}
 }
 

@@ -131,6 +131,42 @@ def test_a_handler_names_its_peer(
     assert seen[2] == f"shm:pid={os.getpid()},uid={os.getuid()}", seen
 
 
+@pytest.mark.parametrize(
+    ("kind", "loop"), [("isthmus", ""), ("isthmus-aio", "asyncio"), ("isthmus-aio", "uvloop")]
+)
+def test_a_handler_sees_its_http2_callers_user_agent_as_grpcios_does(
+    cert_dir: Path, kind: str, loop: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`invocation_metadata()` holds the HTTP/2 caller's `user-agent` in an isthmus server's
+    handler exactly as in a grpcio server's, for grpcio's client and isthmus's; never one a
+    client claims through isthmus's own forwarding header; none over shared memory, where
+    no agent is sent."""
+    if loop:
+        monkeypatch.setenv(LOOP_ENV, loop)
+    monkeypatch.setenv("ISTHMUS_NO_OFFER", "1")  # HTTP/2 stays HTTP/2: no move to shared memory
+    name = f"isthmus-py-agent-{os.getpid()}-{kind}-{loop}"
+    claimed = [("x-isthmus-peer-agent", "claimed/1.0")]
+
+    def agents(target: str) -> list[list[str]]:
+        seen = []
+        for channel in (grpc.insecure_channel(target), isthmus.insecure_channel(target)):
+            with channel:
+                reply = channel.unary_unary(METHOD)(b"", timeout=10, metadata=claimed)
+            seen.append(json.loads(reply)["agent"])
+        return seen
+
+    with Server("grpcio", cert_dir, "none", f"unix-abstract:{name}-grpcio"):
+        theirs = agents(f"unix-abstract:{name}-grpcio")
+    with Server(kind, cert_dir, "none", f"unix-abstract:{name}", f"shm://{name}"):
+        ours = agents(f"unix-abstract:{name}")
+        with isthmus.insecure_channel(f"shm://{name}") as channel:
+            over_shm = json.loads(channel.unary_unary(METHOD)(b"", timeout=10, metadata=claimed))["agent"]
+    assert theirs[0][0].startswith("grpc-python/"), theirs
+    assert len(theirs[1]) == 1, theirs
+    assert ours == theirs, (ours, theirs)
+    assert over_shm == [], over_shm
+
+
 def test_unknown_schemes_name_the_accepted_forms() -> None:
     for bad, words in (
         ("tcp://x:1", "shm://NAME"),

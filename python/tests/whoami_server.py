@@ -1,5 +1,6 @@
 """A server whose one method, `/whoami.Who/Am`, answers what its handler's context says of the
-caller: `peer()`, `auth_context()`, `peer_identities()`, `peer_identity_key()`, as JSON.
+caller: `peer()`, `auth_context()`, `peer_identities()`, `peer_identity_key()` and the
+`user-agent` values in `invocation_metadata()`, as JSON.
 
     whoami_server.py isthmus|isthmus-aio|grpcio CERT_DIR none|tls|mtls TARGET...
 
@@ -75,6 +76,7 @@ def _am(request: bytes, context: Any) -> bytes:
             "auth": auth,
             "identities": None if ids is None else [i.decode() for i in ids],
             "key": context.peer_identity_key(),
+            "agent": [v for k, v in context.invocation_metadata() if k == "user-agent"],
         }
     ).encode()
 

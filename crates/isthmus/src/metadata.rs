@@ -141,6 +141,22 @@ impl MetadataMap {
         self.entries.iter().map(|(k, v)| (k.as_str(), &v[..]))
     }
 
+    /// Appends an entry under a key gRPC reserves, unchecked: what a call's transport carried
+    /// outside its metadata and a handler sees in it, as grpcio's and grpc-go's do (the HTTP/2
+    /// client's `user-agent`). Such entries are never sent on ([`sendable`](Self::sendable)),
+    /// so a handler that passes its metadata to a call of its own sends its own agent, not
+    /// its caller's.
+    pub(crate) fn append_transport(&mut self, key: &'static str, value: Bytes) {
+        debug_assert!(is_reserved_key(key));
+        self.entries.push((key.to_owned(), value));
+    }
+
+    /// The entries a call sends: every one but those under reserved keys
+    /// ([`append_transport`](Self::append_transport)'s).
+    pub(crate) fn sendable(&self) -> impl Iterator<Item = (&str, &[u8])> {
+        self.iter().filter(|(k, _)| !is_reserved_key(k))
+    }
+
     /// Appends every entry of `other` (already checked when it was built).
     pub fn extend(&mut self, other: &MetadataMap) {
         self.entries.extend(other.entries.iter().cloned());

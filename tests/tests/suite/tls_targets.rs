@@ -306,6 +306,65 @@ fn no_client_can_claim_another_identity() {
     });
 }
 
+/// A handler sees an HTTP/2 caller's `user-agent` in its metadata, as grpcio's and grpc-go's
+/// handlers do (gRPC keeps it out of metadata; the loopback carries it), and never one a
+/// client claims in metadata. Passing that metadata on to a call of its own sends no
+/// `user-agent`: an `shm://` server would refuse one as malformed, and end the connection.
+#[test]
+fn a_handler_sees_its_http2_callers_user_agent_and_does_not_send_it_on() {
+    run(async {
+        let shm = isthmus_tests::fresh_addr("user-agent");
+        let agent = |call: &isthmus::ServerCall| call.metadata().get("user-agent").unwrap_or("none").to_owned();
+        let onward = shm.clone();
+        let bound = isthmus::Server::builder()
+            .handler("/t.Who/Agent", move |mut call: isthmus::ServerCall| async move {
+                let _ = call.recv().await?;
+                let answer = agent(&call);
+                call.send(answer.as_bytes()).await
+            })
+            .handler("/t.Who/Onward", move |mut call: isthmus::ServerCall| {
+                let onward = onward.clone();
+                async move {
+                    let _ = call.recv().await?;
+                    let seen = agent(&call);
+                    let ch = isthmus::Channel::connect(&onward).await?;
+                    let options = isthmus::CallOptions { metadata: call.metadata().clone(), ..Default::default() };
+                    let reply = ch.unary("/t.Who/Agent", b"", options).await?;
+                    call.send(format!("{seen} then {}", String::from_utf8_lossy(&reply.message)).as_bytes()).await
+                }
+            })
+            .bind_all([shm.as_str(), "http://127.0.0.1:0"])
+            .expect("bind");
+        let http = bound.http_addresses().remove(0);
+        tokio::spawn(bound.serve());
+        let mut forged = isthmus::MetadataMap::new();
+        forged.append("x-isthmus-peer-agent", "forged/1.0").expect("ascii");
+        let options = || isthmus::CallOptions { metadata: forged.clone(), ..Default::default() };
+        let said = |reply: isthmus::Response| String::from_utf8_lossy(&reply.message).into_owned();
+
+        let over_shm = isthmus::Channel::connect(&shm).await.expect("shm");
+        let reply = over_shm.unary("/t.Who/Agent", b"", options()).await.expect("shm call");
+        assert_eq!(said(reply), "none", "over shm:// no agent, and no claimed one");
+
+        let tonic = tonic::transport::Endpoint::from_shared(http.clone())
+            .expect("endpoint")
+            .user_agent("agent-test/7.0")
+            .expect("agent")
+            .connect()
+            .await
+            .expect("tonic connect");
+        let mut grpc = tonic::client::Grpc::new(tonic);
+        grpc.ready().await.expect("ready");
+        let mut request = tonic::Request::new(bytes::Bytes::new());
+        request.metadata_mut().insert("x-isthmus-peer-agent", "forged/3.0".parse().expect("ascii"));
+        let path = http::uri::PathAndQuery::from_static("/t.Who/Onward");
+        let reply = grpc.unary(request, path, isthmus::BytesCodec).await.expect("tonic call");
+        let seen = String::from_utf8_lossy(reply.get_ref()).into_owned();
+        assert!(seen.starts_with("agent-test/7.0"), "the caller's own agent, not a claimed one: {seen}");
+        assert!(seen.ends_with(" then none"), "the agent went on with the metadata: {seen}");
+    });
+}
+
 fn own_uid() -> u32 {
     // SAFETY: getuid has no preconditions and cannot fail.
     unsafe { libc::getuid() }

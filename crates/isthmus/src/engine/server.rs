@@ -290,9 +290,10 @@ impl Peer {
     /// The peer of one call. Over the loopback (HTTP/2 calls handed on by this process's own
     /// bridge) the HTTP/2 client's address and certificate arrive as metadata, which is taken
     /// out here; any other client's metadata of those names is dropped, so no client can claim
-    /// an identity (ADR 0012).
+    /// an identity (ADR 0012). Its `user-agent` arrives so too, and goes back into the
+    /// metadata under its own name, as grpcio's and grpc-go's handlers see it.
     fn of_call(&self, metadata: &mut MetadataMap, bridged: bool) -> Peer {
-        use crate::http::endpoint::{PEER_CERT_HEADER, PEER_HEADER, PEER_TLS_HEADER};
+        use crate::http::endpoint::{PEER_AGENT_HEADER, PEER_CERT_HEADER, PEER_HEADER, PEER_TLS_HEADER};
         // One pass over the (usually few) keys; most calls carry none of these.
         if !metadata.iter().any(|(key, _)| key.starts_with(PEER_HEADER)) {
             return self.clone();
@@ -300,6 +301,9 @@ impl Peer {
         let addr = metadata.remove(PEER_HEADER);
         let cert = metadata.remove(PEER_CERT_HEADER);
         let tls = metadata.remove(PEER_TLS_HEADER).is_some();
+        if let (true, Some(agent)) = (bridged, metadata.remove(PEER_AGENT_HEADER)) {
+            metadata.append_transport("user-agent", agent);
+        }
         match (bridged, addr) {
             (true, Some(addr)) => Peer { addr: String::from_utf8_lossy(&addr).into(), tls, cert, bridged: true },
             _ => self.clone(),

@@ -128,12 +128,12 @@ impl<'a> Reader<'a> {
 
 /// The bytes [`put_metadata`] writes for `md`.
 fn metadata_len(md: &MetadataMap) -> usize {
-    4 + md.iter().map(|(k, v)| 6 + k.len() + v.len()).sum::<usize>()
+    4 + md.sendable().map(|(k, v)| 6 + k.len() + v.len()).sum::<usize>()
 }
 
 fn put_metadata(out: &mut Vec<u8>, md: &MetadataMap) {
-    out.extend_from_slice(&(md.len() as u32).to_le_bytes());
-    for (k, v) in md.iter() {
+    out.extend_from_slice(&(md.sendable().count() as u32).to_le_bytes());
+    for (k, v) in md.sendable() {
         out.extend_from_slice(&(k.len() as u16).to_le_bytes());
         out.extend_from_slice(&(v.len() as u32).to_le_bytes());
         out.extend_from_slice(k.as_bytes());
@@ -385,6 +385,17 @@ pub fn fuzz(data: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A handler's metadata with its HTTP/2 caller's `user-agent` in it, passed on to a call
+    /// of its own: the agent stays behind, and the body decodes (a peer refuses reserved keys).
+    #[test]
+    fn entries_under_reserved_keys_are_not_encoded() {
+        let mut metadata = md();
+        metadata.append_transport("user-agent", Bytes::from_static(b"grpc-go/1.85.0"));
+        assert_eq!(metadata.get("user-agent"), Some("grpc-go/1.85.0"));
+        let body = encode_request_head("/a.B/C", None, &metadata);
+        assert_eq!(RequestHead::decode(&body).expect("decodes").metadata, md());
+    }
 
     fn md() -> MetadataMap {
         let mut m = MetadataMap::new();

@@ -358,7 +358,7 @@ pub(crate) fn metadata_from(headers: &HeaderMap) -> Result<MetadataMap, Status> 
 
 /// Appends `md` to a header map (`-bin` values base64 without padding, as gRPC sends them).
 pub(crate) fn metadata_into(md: &MetadataMap, headers: &mut HeaderMap) {
-    for (key, value) in md.iter() {
+    for (key, value) in md.sendable() {
         let Ok(name) = http::HeaderName::from_bytes(key.as_bytes()) else { continue };
         let value = if crate::metadata::is_binary_key(key) {
             HeaderValue::from_str(&encode_base64(value))

@@ -596,6 +596,9 @@ impl tonic::transport::server::Connected for ServerIo {
 pub(crate) const PEER_HEADER: &str = "x-isthmus-peer";
 pub(crate) const PEER_CERT_HEADER: &str = "x-isthmus-peer-cert-bin";
 pub(crate) const PEER_TLS_HEADER: &str = "x-isthmus-peer-tls";
+/// The HTTP/2 client's `user-agent`, which gRPC keeps out of metadata but grpcio's and
+/// grpc-go's servers show their handlers; the loopback would drop it as a protocol header.
+pub(crate) const PEER_AGENT_HEADER: &str = "x-isthmus-peer-agent";
 
 /// The reply metadata that carries a handler's choice of compression for its replies
 /// (`ServerCall::set_compression`: `gzip`, `deflate` or `identity`) to the bridge, which frames
@@ -638,6 +641,13 @@ where
         headers.remove(PEER_HEADER);
         headers.remove(PEER_CERT_HEADER);
         headers.remove(PEER_TLS_HEADER);
+        headers.remove(PEER_AGENT_HEADER);
+        // Printable ASCII only, as metadata must be: another agent would fail the call.
+        let agent =
+            headers.get(http::header::USER_AGENT).filter(|a| a.as_bytes().iter().all(|b| (0x20..0x7f).contains(b)));
+        if let Some(agent) = agent.cloned() {
+            headers.insert(PEER_AGENT_HEADER, agent);
+        }
         if let Some(peer) = peer {
             if peer.tls {
                 headers.insert(PEER_TLS_HEADER, http::HeaderValue::from_static("1"));
