@@ -129,6 +129,7 @@ type dialOptions struct {
 	// upgrade is the channel's ISTHMUS_CHANNEL_*UPGRADE flag (0: the process's default).
 	upgrade   C.uint32_t
 	keepalive keepalive.ClientParameters
+	userAgent string
 }
 
 // millis is d in whole milliseconds, rounded up (a keepalive time or timeout under a
@@ -154,6 +155,15 @@ func millis(d time.Duration) C.uint64_t {
 // ping policy. shm:// needs none: a server that dies there is seen at once.
 func WithKeepaliveParams(kp keepalive.ClientParameters) DialOption {
 	return func(o *dialOptions) { o.keepalive = kp }
+}
+
+// WithUserAgent names the connection's calls' user agent, as grpc.WithUserAgent does: a
+// server's handlers see it as "user-agent" in their incoming metadata, grpc-go's, grpcio's and
+// isthmus's alike. Over HTTP/2 the library's own agent follows it ("AGENT tonic/0.14.9", where
+// grpc-go's says "AGENT grpc-go/1.85.0"); over shm:// it goes as it is. Printable ASCII, at
+// most 1 KiB: Dial fails with codes.InvalidArgument otherwise.
+func WithUserAgent(s string) DialOption {
+	return func(o *dialOptions) { o.userAgent = s }
 }
 
 // WithUpgrade says whether calls to an HTTP/2 address move to shared memory when its server is
@@ -211,6 +221,10 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 			return nil, err
 		}
 		copts.tls = t.opts
+	}
+	if o.userAgent != "" {
+		copts.user_agent = C.CString(o.userAgent)
+		defer C.free(unsafe.Pointer(copts.user_agent))
 	}
 	var ch *C.isthmus_channel_t
 	var st *C.isthmus_status_t

@@ -208,9 +208,9 @@ func runSuite(t *testing.T, label string, conn grpc.ClientConnInterface, opts ..
 	}
 }
 
-func dial(t testing.TB, target string) *isthmus.ClientConn {
+func dial(t testing.TB, target string, opts ...isthmus.DialOption) *isthmus.ClientConn {
 	t.Helper()
-	conn, err := isthmus.Dial(target)
+	conn, err := isthmus.Dial(target, opts...)
 	if err != nil {
 		t.Fatalf("dial %s: %v", target, err)
 	}

@@ -163,15 +163,18 @@ func (agentService) Unary(ctx context.Context, _ *pb.EchoRequest) (*pb.EchoReply
 	return &pb.EchoReply{Payload: []byte(strings.Join(md.Get("user-agent"), "|"))}, nil
 }
 
-// A handler's incoming metadata holds its HTTP/2 caller's user-agent, as on grpc-go's server
-// (goroutine and inline handlers alike), never one a client claims through isthmus's own
-// forwarding header; over shm://, where no agent is sent, none.
-func TestAHandlerSeesItsHTTP2CallersUserAgentAsGrpcGos(t *testing.T) {
+// A handler's incoming metadata holds its caller's user-agent, as on grpc-go's server
+// (goroutine and inline handlers alike): a grpc-go client's, never one a client claims through
+// isthmus's own forwarding header, and an isthmus client's WithUserAgent, over HTTP/2 (tonic's
+// agent after it) and over shm:// (alone; none without it).
+func TestAHandlerSeesItsCallersUserAgentAsGrpcGos(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	ctx = metadata.AppendToOutgoingContext(ctx, "x-isthmus-peer-agent", "claimed/1.0")
+	// A claim in the metadata: an HTTP/2 client's own agent replaces it; over shm:// it is how
+	// an agent travels, and the channel's own comes after it.
+	claimed := metadata.AppendToOutgoingContext(ctx, "x-isthmus-peer-agent", "claimed/1.0")
 	agentOf := func(label string, conn grpc.ClientConnInterface) string {
-		reply, err := pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{})
+		reply, err := pb.NewEchoClient(conn).Unary(claimed, &pb.EchoRequest{})
 		if err != nil {
 			t.Fatalf("%s: %v", label, err)
 		}
@@ -211,14 +214,30 @@ func TestAHandlerSeesItsHTTP2CallersUserAgentAsGrpcGos(t *testing.T) {
 		if err := s.Start(shm, "http://127.0.0.1:0"); err != nil {
 			t.Fatal(err)
 		}
+		t.Cleanup(s.Stop)
 		label := fmt.Sprintf("inline=%v", inline)
 		if got := agentOf(label, plain(grpcTarget(s.HTTPAddresses()[0]))); got != want {
 			t.Errorf("%s over HTTP/2: user-agent %q, grpc-go's server saw %q", label, got, want)
 		}
-		if got := agentOf(label, dial(t, shm)); got != "" {
-			t.Errorf("%s over shm://: user-agent %q, want none", label, got)
+		if got := agentOf(label, dial(t, shm)); got != "claimed/1.0" {
+			t.Errorf("%s over shm://: user-agent %q, want the one in the metadata", label, got)
 		}
-		s.Stop()
+		reply, err := pb.NewEchoClient(dial(t, shm)).Unary(ctx, &pb.EchoRequest{})
+		if err != nil || len(reply.Payload) != 0 {
+			t.Errorf("%s over shm:// with no agent: %v, user-agent %q", label, err, reply.GetPayload())
+		}
+		if got := agentOf(label, dial(t, shm, isthmus.WithUserAgent("go-test/1.0"))); got != "go-test/1.0" {
+			t.Errorf("%s over shm:// with WithUserAgent: user-agent %q", label, got)
+		}
+		named := dial(t, s.HTTPAddresses()[0], isthmus.WithUserAgent("go-test/2.0"), isthmus.WithUpgrade(false))
+		if got := agentOf(label, named); !strings.HasPrefix(got, "go-test/2.0 tonic/") {
+			t.Errorf("%s over HTTP/2 with WithUserAgent: user-agent %q", label, got)
+		}
+	}
+	for _, bad := range []string{"caf\u00e9", "a\nb"} {
+		if _, err := isthmus.Dial("shm://agent-refused", isthmus.WithUserAgent(bad)); status.Code(err) != codes.InvalidArgument {
+			t.Errorf("WithUserAgent(%q): %v, want InvalidArgument", bad, err)
+		}
 	}
 }
 

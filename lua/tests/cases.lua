@@ -494,6 +494,22 @@ function cases.option_refused(ch, args)
     return connect_answer(args.target, { [args.key] = value })
 end
 
+-- connect's user_agent: a call on a channel that names one, or connect's refusal of a value
+-- that is no agent (`args.value` picks it).
+function cases.user_agent(_, args)
+    local value = ({ good = "lua-test/1.0", number = 5, newline = "a\nb", empty = "" })[args.value]
+    local own, err = isthmus.connect(args.target, { proto = proto, user_agent = value })
+    if not own then
+        return failure(err)
+    end
+    local ok, r = own:unary(ECHO .. "Unary", { payload = ngx.encode_base64("agent"), seq = 1 }, { timeout = 10 })
+    own:close()
+    if not ok then
+        return failure(r)
+    end
+    return { ok = true, payload = ngx.decode_base64(r.payload) }
+end
+
 -- One channel per target with a quick keepalive (a PING after 200 ms of quiet, 500 ms for its
 -- answer), kept on HTTP/2.
 local keepalive_channels = {}

@@ -822,6 +822,20 @@ def test_a_numeric_option_that_is_no_count_fails_connect(nginx: Nginx, key: str,
     ), r
 
 
+def test_connect_names_a_user_agent_and_refuses_what_is_none(nginx: Nginx, shm: str) -> None:
+    """connect's `user_agent` (which the C ABI sends with every call; the Go and Python tests
+    show a server's handler seeing it): a channel that names one calls as any other, and a
+    value that is no agent fails connect INVALID_ARGUMENT, saying why."""
+    assert nginx.case("user_agent", shm, value="good") == {"ok": True, "payload": "agent"}
+    for value, words in (
+        ("number", "user_agent is a string"),
+        ("newline", "printable ASCII"),
+        ("empty", "1-1024"),
+    ):
+        r = nginx.case("user_agent", shm, value=value)
+        assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and words in r["message"], (value, r)
+
+
 def test_keepalive_ends_a_call_on_a_connection_gone_silent(nginx: Nginx) -> None:
     """connect's keepalive options: a call on an HTTP/2 connection that goes silent (a proxy that
     stops forwarding and keeps both sockets open) fails UNAVAILABLE long before its deadline,

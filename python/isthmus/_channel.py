@@ -367,6 +367,18 @@ def keepalive(options: Any) -> tuple[int, int, bool] | None:
     return time_ms, timeout_ms, bool(int(given.get("grpc.keepalive_permit_without_calls", 0)))
 
 
+def user_agent(options: Any) -> str | None:
+    """The user agent a channel's calls name, from grpc's options as grpcio reads them:
+    `grpc.primary_user_agent`, then `grpc.secondary_user_agent` (grpcio puts its own agent
+    between the two; isthmus puts tonic's after both, over HTTP/2 only). None if neither is
+    given."""
+    given = dict(options or ())
+    parts = [
+        str(given[key]) for key in ("grpc.primary_user_agent", "grpc.secondary_user_agent") if given.get(key)
+    ]
+    return " ".join(parts) or None
+
+
 def connection_age(options: Any) -> tuple[int, int | None] | None:
     """A server's maximum HTTP/2 connection age, from grpc's options as grpcio reads them:
     `grpc.max_connection_age_ms` (a GOAWAY at that age, so the client moves its next calls to a
@@ -532,7 +544,9 @@ class Channel(grpc.Channel):
     fails its call RESOURCE_EXHAUSTED), and over HTTP/2 the keepalive options
     (`grpc.keepalive_time_ms`, `grpc.keepalive_timeout_ms`,
     `grpc.keepalive_permit_without_calls`: a connection whose PING goes unanswered closes, and
-    its calls end UNAVAILABLE). The option `grpc.default_compression_algorithm` (or else
+    its calls end UNAVAILABLE), and `grpc.primary_user_agent` and `grpc.secondary_user_agent`
+    (what the calls name as `user-agent`, which a server's handlers see in their
+    `invocation_metadata()`). The option `grpc.default_compression_algorithm` (or else
     `compression`) compresses every call's requests over HTTP/2, as a call's own `compression=`
     does for it; over `shm://` messages cross no wire and go as they
     are."""
@@ -546,7 +560,9 @@ class Channel(grpc.Channel):
     ):
         self._max_send, max_receive = limits(options)
         self._compression = channel_compression(compression, options)
-        self._native = _native.Channel(target, tls, upgrades(options), max_receive, keepalive(options))
+        self._native = _native.Channel(
+            target, tls, upgrades(options), max_receive, keepalive(options), user_agent(options)
+        )
         self._connectivity = _Connectivity(self._native)
 
     def stats(self) -> TransportStats:

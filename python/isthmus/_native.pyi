@@ -109,9 +109,11 @@ class Channel:
         upgrade: bool = True,
         max_receive: int | None = None,
         keepalive: tuple[int, int, bool] | None = None,
+        user_agent: str | None = None,
     ) -> Self:
-        """Raises ValueError for a target that does not parse, or TLS settings that do not.
-        `keepalive`: HTTP/2 keepalive, (time in ms, timeout in ms, permit without calls)."""
+        """Raises ValueError for a target that does not parse, or TLS settings or a user agent
+        that do not. `keepalive`: HTTP/2 keepalive, (time in ms, timeout in ms, permit without
+        calls). `user_agent`: what every call names as `user-agent`."""
     def stats(self) -> dict[str, int]:
         """The counters of the channel's shm connections (`isthmus.TransportStats`'s fields)."""
     def transport_counts(self) -> tuple[int, int]:
@@ -260,6 +262,7 @@ class AsyncChannel:
         upgrade: bool = True,
         max_receive: int | None = None,
         keepalive: tuple[int, int, bool] | None = None,
+        user_agent: str | None = None,
     ) -> Self: ...
     def stats(self) -> dict[str, int]: ...
     def transport_counts(self) -> tuple[int, int]: ...

@@ -21,6 +21,7 @@ import pytest
 from peer import LOOP_ENV, Peer
 
 import isthmus
+import isthmus.aio
 
 HERE = Path(__file__).parent
 METHOD = "/whoami.Who/Am"
@@ -134,37 +135,51 @@ def test_a_handler_names_its_peer(
 @pytest.mark.parametrize(
     ("kind", "loop"), [("isthmus", ""), ("isthmus-aio", "asyncio"), ("isthmus-aio", "uvloop")]
 )
-def test_a_handler_sees_its_http2_callers_user_agent_as_grpcios_does(
+def test_a_handler_sees_its_callers_user_agent_as_grpcios_does(
     cert_dir: Path, kind: str, loop: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`invocation_metadata()` holds the HTTP/2 caller's `user-agent` in an isthmus server's
-    handler exactly as in a grpcio server's, for grpcio's client and isthmus's; never one a
-    client claims through isthmus's own forwarding header; none over shared memory, where
-    no agent is sent."""
+    """`invocation_metadata()` holds the caller's `user-agent` in an isthmus server's handler
+    exactly as in a grpcio server's, for grpcio's client and isthmus's over HTTP/2, each with
+    grpc's `grpc.primary_user_agent` and `grpc.secondary_user_agent` and without; over shared
+    memory an isthmus client's agent is those options' alone (blocking and asyncio), and
+    there is none without them."""
     if loop:
         monkeypatch.setenv(LOOP_ENV, loop)
     monkeypatch.setenv("ISTHMUS_NO_OFFER", "1")  # HTTP/2 stays HTTP/2: no move to shared memory
     name = f"isthmus-py-agent-{os.getpid()}-{kind}-{loop}"
-    claimed = [("x-isthmus-peer-agent", "claimed/1.0")]
+    named = [("grpc.primary_user_agent", "py-test/1.0"), ("grpc.secondary_user_agent", "(extra)")]
 
     def agents(target: str) -> list[list[str]]:
         seen = []
-        for channel in (grpc.insecure_channel(target), isthmus.insecure_channel(target)):
-            with channel:
-                reply = channel.unary_unary(METHOD)(b"", timeout=10, metadata=claimed)
-            seen.append(json.loads(reply)["agent"])
+        for options in (None, named):
+            for channel in (
+                grpc.insecure_channel(target, options),
+                isthmus.insecure_channel(target, options),
+            ):
+                with channel:
+                    reply = channel.unary_unary(METHOD)(b"", timeout=10)
+                seen.append(json.loads(reply)["agent"])
         return seen
+
+    async def over_aio(target: str) -> list[str]:
+        async with isthmus.aio.insecure_channel(target, named) as channel:
+            return list(json.loads(await channel.unary_unary(METHOD)(b"", timeout=10))["agent"])
 
     with Server("grpcio", cert_dir, "none", f"unix-abstract:{name}-grpcio"):
         theirs = agents(f"unix-abstract:{name}-grpcio")
     with Server(kind, cert_dir, "none", f"unix-abstract:{name}", f"shm://{name}"):
         ours = agents(f"unix-abstract:{name}")
-        with isthmus.insecure_channel(f"shm://{name}") as channel:
-            over_shm = json.loads(channel.unary_unary(METHOD)(b"", timeout=10, metadata=claimed))["agent"]
+        shm = f"shm://{name}"
+        over_shm = []
+        for options in (None, named):
+            with isthmus.insecure_channel(shm, options) as channel:
+                over_shm.append(json.loads(channel.unary_unary(METHOD)(b"", timeout=10))["agent"])
+        over_shm.append(asyncio.run(over_aio(shm)))
     assert theirs[0][0].startswith("grpc-python/"), theirs
-    assert len(theirs[1]) == 1, theirs
+    assert theirs[2][0].startswith("py-test/1.0 grpc-python/") and theirs[2][0].endswith(" (extra)"), theirs
+    assert theirs[3][0].startswith("py-test/1.0 (extra) "), theirs
     assert ours == theirs, (ours, theirs)
-    assert over_shm == [], over_shm
+    assert over_shm == [[], ["py-test/1.0 (extra)"], ["py-test/1.0 (extra)"]], over_shm
 
 
 def test_unknown_schemes_name_the_accepted_forms() -> None:

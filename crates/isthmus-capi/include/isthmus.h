@@ -223,6 +223,11 @@ typedef struct {
   uint64_t keepalive_time_ms;
   // How long a keepalive PING's answer may take, in milliseconds; 0 for gRPC's 20 s.
   uint64_t keepalive_timeout_ms;
+  // The user agent the channel's calls name (gRPC's `user-agent`, which a server's handlers
+  // see in their metadata), NUL-terminated, copied; NULL: none. Printable ASCII, at most
+  // 1 KiB (`ISTHMUS_INVALID_ARGUMENT` otherwise). Over HTTP/2 the library's own agent
+  // follows it; over `shm://` it goes as it is.
+  const char *user_agent;
 } isthmus_channel_options_t;
 
 // Which operation an event completes.
@@ -1407,7 +1412,8 @@ isthmus_metadata_t *isthmus_server_call_metadata(const isthmus_server_call_t *ca
 int64_t isthmus_server_call_time_remaining_us(const isthmus_server_call_t *call);
 
 // What a unary handler asks first, in one call: the client's initial metadata (`*metadata`, a
-// copy the caller frees; NULL when the client sent none), the microseconds left before its
+// copy the caller frees; NULL when there is none: the client's user agent is in it as
+// `user-agent` when the client named one), the microseconds left before its
 // deadline (`*time_remaining_us`, -1 if it set none), and its request if that is in already:
 // then `*now` is written as [`isthmus_server_call_recv_async`] with `flags` 0 would write it
 // (`ISTHMUS_OP_RECV`, tag 0: the message, NULL if the client half-closed without one, or the

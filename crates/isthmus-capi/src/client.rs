@@ -93,6 +93,11 @@ pub struct isthmus_channel_options_t {
     pub keepalive_time_ms: u64,
     /// How long a keepalive PING's answer may take, in milliseconds; 0 for gRPC's 20 s.
     pub keepalive_timeout_ms: u64,
+    /// The user agent the channel's calls name (gRPC's `user-agent`, which a server's handlers
+    /// see in their metadata), NUL-terminated, copied; NULL: none. Printable ASCII, at most
+    /// 1 KiB (`ISTHMUS_INVALID_ARGUMENT` otherwise). Over HTTP/2 the library's own agent
+    /// follows it; over `shm://` it goes as it is.
+    pub user_agent: *const c_char,
 }
 
 /// Channel flag: calls to an HTTP/2 address move to shared memory when its server is a local
@@ -244,12 +249,25 @@ pub unsafe extern "C" fn isthmus_channel_new(
             if let Some(tls) = TlsPems::copy(opts.map_or(std::ptr::null(), |o| o.tls))? {
                 builder = builder.tls_config(tls.client()?);
             }
+            let agent = match opts.map_or(std::ptr::null(), |o| o.user_agent) {
+                p if p.is_null() => None,
+                p => Some(c_str(p, "the user agent")?),
+            };
+            if let Some(agent) = agent {
+                builder = builder.user_agent(agent);
+            }
             let engine = {
                 let _runtime = runtime().enter();
                 builder.connect_lazy()?
             };
             let blocking = match target.starts_with("shm:") {
-                true => Some(SpinFirst::new(isthmus::blocking::Channel::lazy_with(target, config)?)),
+                true => {
+                    let blocking = isthmus::blocking::Channel::lazy_with(target, config)?;
+                    if let Some(agent) = agent {
+                        blocking.set_user_agent(agent)?;
+                    }
+                    Some(SpinFirst::new(blocking))
+                }
                 false => None,
             };
             let polled = engine.with_calls_read(false);

@@ -656,7 +656,8 @@ fn micros_left(call: &HandedCall) -> i64 {
 }
 
 /// What a unary handler asks first, in one call: the client's initial metadata (`*metadata`, a
-/// copy the caller frees; NULL when the client sent none), the microseconds left before its
+/// copy the caller frees; NULL when there is none: the client's user agent is in it as
+/// `user-agent` when the client named one), the microseconds left before its
 /// deadline (`*time_remaining_us`, -1 if it set none), and its request if that is in already:
 /// then `*now` is written as [`isthmus_server_call_recv_async`] with `flags` 0 would write it
 /// (`ISTHMUS_OP_RECV`, tag 0: the message, NULL if the client half-closed without one, or the

@@ -102,9 +102,13 @@ pub(crate) fn lazy_channel(
     upgrade: bool,
     config: isthmus::Config,
     keepalive: Option<Keepalive>,
+    user_agent: Option<&str>,
 ) -> PyResult<isthmus::Channel> {
     let _runtime = runtime().enter();
     let mut builder = isthmus::Channel::builder(target).upgrade(upgrade).config(config);
+    if let Some(agent) = user_agent {
+        builder = builder.user_agent(agent);
+    }
     if let Some(tls) = tls {
         builder = builder.tls_config(crate::tls::client_config(tls)?);
     }
@@ -112,6 +116,19 @@ pub(crate) fn lazy_channel(
         builder = builder.keepalive(engine_keepalive(k));
     }
     builder.connect_lazy().map_err(|s| bad_target(&s))
+}
+
+/// The engine's blocking channel to an `shm://` `target`, naming `user_agent` if given.
+pub(crate) fn blocking_channel(
+    target: &str,
+    config: isthmus::Config,
+    user_agent: Option<&str>,
+) -> Result<isthmus::blocking::Channel, isthmus::Status> {
+    let channel = isthmus::blocking::Channel::lazy_with(target, config)?;
+    if let Some(agent) = user_agent {
+        channel.set_user_agent(agent)?;
+    }
+    Ok(channel)
 }
 
 /// [`Channel::upgrade_status`] as Python sees it.
@@ -176,6 +193,8 @@ pub(crate) struct Channel {
     upgraded: std::sync::Mutex<Option<(isthmus::UpgradedTo, isthmus::blocking::Channel)>>,
     /// The engine's settings for every connection of this channel.
     config: isthmus::Config,
+    /// The user agent its calls name (grpc's `grpc.primary_user_agent`), if any.
+    user_agent: Option<String>,
     closed: AtomicBool,
 }
 
@@ -194,6 +213,9 @@ impl Channel {
                 Some((current, channel)) if *current == to => channel.clone(),
                 _ => {
                     let channel = isthmus::blocking::Channel::lazy_upgraded(&to, self.config.clone()).ok()?;
+                    if let Some(agent) = &self.user_agent {
+                        channel.set_user_agent(agent).ok()?;
+                    }
                     *cached = Some((to.clone(), channel.clone()));
                     channel
                 }
@@ -231,23 +253,25 @@ impl Channel {
 #[pymethods]
 impl Channel {
     #[new]
-    #[pyo3(signature = (target, tls=None, upgrade=true, max_receive=None, keepalive=None))]
+    #[pyo3(signature = (target, tls=None, upgrade=true, max_receive=None, keepalive=None, user_agent=None))]
     fn new(
         target: &str,
         tls: Option<crate::tls::ClientTls>,
         upgrade: bool,
         max_receive: Option<u64>,
         keepalive: Option<Keepalive>,
+        user_agent: Option<String>,
     ) -> PyResult<Channel> {
         let config = client_config(max_receive);
+        let agent = user_agent.as_deref();
         let blocking = match target.starts_with("shm:") && tls.is_none() {
-            true => Some(isthmus::blocking::Channel::lazy_with(target, config.clone()).map_err(|s| bad_target(&s))?),
+            true => Some(blocking_channel(target, config.clone(), agent).map_err(|s| bad_target(&s))?),
             false => None,
         };
-        let engine = lazy_channel(target, tls, upgrade, config.clone(), keepalive)?;
+        let engine = lazy_channel(target, tls, upgrade, config.clone(), keepalive, agent)?;
         let direct = engine.without_upgrade();
         let upgraded = std::sync::Mutex::new(None);
-        Ok(Channel { blocking, engine, direct, upgraded, config, closed: AtomicBool::new(false) })
+        Ok(Channel { blocking, engine, direct, upgraded, config, user_agent, closed: AtomicBool::new(false) })
     }
 
     /// The counters of this channel's `shm://` connections (`isthmus.TransportStats`).

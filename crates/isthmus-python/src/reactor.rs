@@ -267,7 +267,8 @@ pub(crate) struct AsyncChannel {
 #[pymethods]
 impl AsyncChannel {
     #[new]
-    #[pyo3(signature = (target, reactor, tls=None, upgrade=true, max_receive=None, keepalive=None))]
+    #[pyo3(signature = (target, reactor, tls=None, upgrade=true, max_receive=None, keepalive=None, user_agent=None))]
+    #[allow(clippy::too_many_arguments)] // grpc's channel options, one by one
     fn new(
         target: &str,
         reactor: &Reactor,
@@ -275,18 +276,21 @@ impl AsyncChannel {
         upgrade: bool,
         max_receive: Option<u64>,
         keepalive: Option<crate::client::Keepalive>,
+        user_agent: Option<String>,
     ) -> PyResult<AsyncChannel> {
         let config = crate::client::client_config(max_receive);
+        let agent = user_agent.as_deref();
         // Calls are polled on the event loop's thread, which every other coroutine shares: a
         // call must not spin there reading the connection. The reader task reads for them.
         let spin_first = match target.starts_with("shm:") && tls.is_none() {
             true => Some(SpinFirst::new(
-                isthmus::blocking::Channel::lazy_with(target, config.clone())
+                crate::client::blocking_channel(target, config.clone(), agent)
                     .map_err(|s| crate::client::bad_target(&s))?,
             )),
             false => None,
         };
-        let engine = crate::client::lazy_channel(target, tls, upgrade, config, keepalive)?.with_calls_read(false);
+        let engine =
+            crate::client::lazy_channel(target, tls, upgrade, config, keepalive, agent)?.with_calls_read(false);
         Ok(AsyncChannel {
             engine,
             spin_first,

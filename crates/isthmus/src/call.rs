@@ -89,6 +89,21 @@ pub(crate) fn check_start(path: &str, options: &CallOptions) -> Result<(), Statu
     }
 }
 
+/// The longest user agent a channel takes.
+pub(crate) const MAX_USER_AGENT: usize = 1024;
+
+/// Refuses a user agent no metadata value could carry: empty, longer than
+/// [`MAX_USER_AGENT`], or not printable ASCII (gRPC's rule for metadata values).
+pub(crate) fn check_user_agent(agent: &str) -> Result<(), Status> {
+    if agent.is_empty() || agent.len() > MAX_USER_AGENT || !agent.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        return Err(Status::new(
+            Code::InvalidArgument,
+            format!("user agent {agent:?} must be 1-{MAX_USER_AGENT} bytes of printable ASCII"),
+        ));
+    }
+    Ok(())
+}
+
 /// Refuses a method path the server could never match.
 pub(crate) fn check_path(path: &str) -> Result<(), Status> {
     if !path.starts_with('/') && path.len() <= wire::MAX_PATH_LEN {

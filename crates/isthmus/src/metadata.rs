@@ -6,6 +6,9 @@
 //!   headers a gRPC peer owns (`content-type`, `te`, `user-agent`, `:`-pseudo-headers): users
 //!   cannot set them, and a peer that sends them in user metadata is refused.
 //! - A key may appear several times; order among values of one key is kept.
+//! - One exception: a server's handler finds its caller's user agent under `user-agent` in its
+//!   call's metadata, as grpcio's and grpc-go's do. A map never sends an entry under a reserved
+//!   key: one passed on from a handler's metadata leaves the agent behind.
 
 use std::fmt;
 
@@ -157,7 +160,8 @@ impl MetadataMap {
         self.iter().filter(|(k, _)| !is_reserved_key(k))
     }
 
-    /// Appends every entry of `other` (already checked when it was built).
+    /// Appends every entry of `other` (already checked when it was built; a handler's may hold
+    /// its caller's `user-agent`, which is never sent).
     pub fn extend(&mut self, other: &MetadataMap) {
         self.entries.extend(other.entries.iter().cloned());
     }

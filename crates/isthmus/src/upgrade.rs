@@ -215,6 +215,8 @@ pub(crate) struct Upgrade {
     /// the `shm://` connection it moved to is the parent's.
     forks: AtomicU64,
     config: Config,
+    /// The channel's user agent, which its `shm://` calls name too.
+    agent: Option<Arc<str>>,
     /// Who is at the other end of the channel's HTTP/2 connection (its connector records it).
     http_peer: HttpPeer,
     shm: AtomicU64,
@@ -222,11 +224,12 @@ pub(crate) struct Upgrade {
 }
 
 impl Upgrade {
-    pub(crate) fn new(config: Config, http_peer: HttpPeer) -> Upgrade {
+    pub(crate) fn new(config: Config, http_peer: HttpPeer, agent: Option<Arc<str>>) -> Upgrade {
         Upgrade {
             state: Mutex::new(State::Idle { next_probe: Instant::now(), probed: false }),
             forks: AtomicU64::new(isthmus_shm::forks()),
             config,
+            agent,
             http_peer,
             shm: AtomicU64::new(0),
             http2: AtomicU64::new(0),
@@ -370,7 +373,7 @@ async fn probe_once(up: Arc<Upgrade>, http: Channel) {
             tracing::debug!("the offer names process {}, which is not the HTTP/2 peer", to.pid);
             NOT_OFFERED
         }
-        Ok(Some(to)) => match connect(&to, up.config.clone()).await {
+        Ok(Some(to)) => match connect(&to, up.config.clone(), up.agent.as_deref()).await {
             Ok(channel) => {
                 if let Ok(mut state) = up.state.lock() {
                     match *state {
@@ -436,8 +439,8 @@ async fn offer(http: &Channel) -> Result<Option<UpgradedTo>, Status> {
 }
 
 /// A connected `shm://` channel to `to`, whose server is checked to be process `to.pid`.
-async fn connect(to: &UpgradedTo, config: Config) -> Result<Channel, Status> {
-    let channel = Channel::expecting(to, config)?;
+async fn connect(to: &UpgradedTo, config: Config, agent: Option<&str>) -> Result<Channel, Status> {
+    let channel = Channel::expecting(to, config, agent)?;
     channel.connect_shm().await?;
     Ok(channel)
 }

@@ -56,6 +56,7 @@ typedef struct {
   uint32_t flags;
   uint64_t keepalive_time_ms;
   uint64_t keepalive_timeout_ms;
+  const char *user_agent;
 } isthmus_channel_options_t;
 typedef struct {
   int64_t timeout_us;
@@ -1021,7 +1022,9 @@ end
 --- wait), `lib` (the library's path), and for HTTP/2 targets `keepalive_time_ms` (a PING
 --- after that long without a frame while a call is open; if its answer does not come within
 --- `keepalive_timeout_ms`, 20000 by default, the connection closes and its calls fail
---- UNAVAILABLE; `keepalive_without_calls = true` pings while none is open too).
+--- UNAVAILABLE; `keepalive_without_calls = true` pings while none is open too), and
+--- `user_agent` (what the calls name as gRPC's `user-agent`, which the server's handlers see
+--- in their metadata; over HTTP/2 the library's own agent follows it).
 --- `tls` makes a TCP target's connection TLS (`https://` is TLS without it, verified against
 --- the system's roots): `ca` (PEM text of the CAs that sign the server's certificate; nil: the
 --- system's roots), `cert` and `key` (PEM text of a client certificate and its key, for
@@ -1056,6 +1059,13 @@ function _M.connect(target, opts)
         copts.flags = bor(copts.flags, CHANNEL_KEEPALIVE_WITHOUT_CALLS)
     end
     local keep = {}
+    if opts.user_agent ~= nil then
+        if type(opts.user_agent) ~= "string" then
+            return nil, new_error(INVALID_ARGUMENT, "user_agent is a string, not " .. type(opts.user_agent))
+        end
+        keep[#keep + 1] = opts.user_agent
+        copts.user_agent = opts.user_agent
+    end
     if opts.tls ~= nil then
         local tls, err = tls_options(opts.tls, keep)
         if not tls then

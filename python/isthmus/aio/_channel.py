@@ -32,6 +32,7 @@ from .._channel import (
     limited,
     limits,
     upgrades,
+    user_agent,
 )
 from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
@@ -525,9 +526,10 @@ class Channel(grpc.aio.Channel):
     with TLS if `tls` is given (from `secure_channel`). Its calls complete through the Reactor of
     the event loop it is first used on, and it stays with that loop (as a grpc.aio channel
     does). It moves to shared memory as the blocking channel does (`isthmus.upgrade`). Of grpc's
-    `options` it uses `grpc.ssl_target_name_override`, the message-size limits and the
-    keepalive options, as the blocking channel does, and compresses requests over HTTP/2 as it
-    does (`compression`, `grpc.default_compression_algorithm`, or a call's own `compression=`).
+    `options` it uses `grpc.ssl_target_name_override`, the message-size limits, the keepalive
+    and the user agent options, as the blocking channel does, and compresses requests over
+    HTTP/2 as it does (`compression`, `grpc.default_compression_algorithm`, or a call's own
+    `compression=`).
     `interceptors` are grpc.aio's client interceptors, run as a grpc.aio channel runs them."""
 
     def __init__(
@@ -544,6 +546,7 @@ class Channel(grpc.aio.Channel):
         self._tls = tls
         self._upgrade = upgrades(options)
         self._keepalive = keepalive(options)
+        self._user_agent = user_agent(options)
         self._max_send, self._max_receive = limits(options)
         self._compression = channel_compression(compression, options)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -594,6 +597,7 @@ class Channel(grpc.aio.Channel):
                 self._upgrade,
                 self._max_receive,
                 self._keepalive,
+                self._user_agent,
             )
             self._loop = loop
             self._bound = (loop, self._driver, self._native)

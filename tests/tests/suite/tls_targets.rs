@@ -306,12 +306,14 @@ fn no_client_can_claim_another_identity() {
     });
 }
 
-/// A handler sees an HTTP/2 caller's `user-agent` in its metadata, as grpcio's and grpc-go's
-/// handlers do (gRPC keeps it out of metadata; the loopback carries it), and never one a
-/// client claims in metadata. Passing that metadata on to a call of its own sends no
-/// `user-agent`: an `shm://` server would refuse one as malformed, and end the connection.
+/// A handler sees its caller's user agent in its metadata as `user-agent`, as grpcio's and
+/// grpc-go's handlers do: the agent a channel names (`ChannelBuilder::user_agent`) over
+/// `shm://` and over HTTP/2 (tonic's after it there), and an HTTP/2 client's own `user-agent`
+/// header, which the loopback carries, never a claim in its metadata. Passing that metadata on
+/// to a call of its own sends no `user-agent`: an `shm://` server would refuse one as
+/// malformed, and end the connection.
 #[test]
-fn a_handler_sees_its_http2_callers_user_agent_and_does_not_send_it_on() {
+fn a_handler_sees_its_callers_user_agent_and_does_not_send_it_on() {
     run(async {
         let shm = isthmus_tests::fresh_addr("user-agent");
         let agent = |call: &isthmus::ServerCall| call.metadata().get("user-agent").unwrap_or("none").to_owned();
@@ -337,32 +339,56 @@ fn a_handler_sees_its_http2_callers_user_agent_and_does_not_send_it_on() {
             .expect("bind");
         let http = bound.http_addresses().remove(0);
         tokio::spawn(bound.serve());
-        let mut forged = isthmus::MetadataMap::new();
-        forged.append("x-isthmus-peer-agent", "forged/1.0").expect("ascii");
-        let options = || isthmus::CallOptions { metadata: forged.clone(), ..Default::default() };
         let said = |reply: isthmus::Response| String::from_utf8_lossy(&reply.message).into_owned();
+        let none = || isthmus::CallOptions::default();
 
-        let over_shm = isthmus::Channel::connect(&shm).await.expect("shm");
-        let reply = over_shm.unary("/t.Who/Agent", b"", options()).await.expect("shm call");
-        assert_eq!(said(reply), "none", "over shm:// no agent, and no claimed one");
-
-        let tonic = tonic::transport::Endpoint::from_shared(http.clone())
-            .expect("endpoint")
-            .user_agent("agent-test/7.0")
-            .expect("agent")
-            .connect()
+        let plain = isthmus::Channel::connect(&shm).await.expect("shm");
+        assert_eq!(said(plain.unary("/t.Who/Agent", b"", none()).await.expect("shm call")), "none");
+        let named = isthmus::Channel::builder(&shm).user_agent("rust-test/1.0").connect().await.expect("shm");
+        assert_eq!(said(named.unary("/t.Who/Agent", b"", none()).await.expect("shm call")), "rust-test/1.0");
+        let blocking = isthmus::blocking::Channel::lazy(&shm).expect("blocking");
+        blocking.set_user_agent("rust-test/1.1").expect("an agent");
+        let reply = tokio::task::spawn_blocking(move || blocking.unary("/t.Who/Agent", b"", none()))
             .await
-            .expect("tonic connect");
-        let mut grpc = tonic::client::Grpc::new(tonic);
-        grpc.ready().await.expect("ready");
-        let mut request = tonic::Request::new(bytes::Bytes::new());
-        request.metadata_mut().insert("x-isthmus-peer-agent", "forged/3.0".parse().expect("ascii"));
-        let path = http::uri::PathAndQuery::from_static("/t.Who/Onward");
-        let reply = grpc.unary(request, path, isthmus::BytesCodec).await.expect("tonic call");
-        let seen = String::from_utf8_lossy(reply.get_ref()).into_owned();
+            .expect("joins")
+            .expect("blocking call");
+        assert_eq!(said(reply), "rust-test/1.1");
+        let over_http =
+            isthmus::Channel::builder(&http).user_agent("rust-test/2.0").upgrade(false).connect().await.expect("http");
+        let seen = said(over_http.unary("/t.Who/Agent", b"", none()).await.expect("http call"));
+        assert!(seen.starts_with("rust-test/2.0 tonic/"), "{seen}");
+        for bad in ["", "caf\u{e9}", "a\nb"] {
+            let refused = isthmus::Channel::builder(&shm).user_agent(bad).connect().await.expect_err(bad);
+            assert_eq!(refused.code(), isthmus::Code::InvalidArgument, "{bad:?}: {refused}");
+        }
+
+        // tonic's own client, whose agent is its header: a claim in its metadata is dropped.
+        let seen = tonic_call(&http, http::HeaderValue::from_static("agent-test/7.0"), "/t.Who/Onward").await;
         assert!(seen.starts_with("agent-test/7.0"), "the caller's own agent, not a claimed one: {seen}");
         assert!(seen.ends_with(" then none"), "the agent went on with the metadata: {seen}");
+        // An agent that is not printable ASCII goes nowhere, and the claim does not stand in.
+        let odd = http::HeaderValue::from_bytes(b"caf\xe9/1.0").expect("obs-text is a header value");
+        assert_eq!(tonic_call(&http, odd, "/t.Who/Agent").await, "none");
     });
+}
+
+/// A call of `path` by tonic's own HTTP/2 client, with `agent` as its `user-agent` and a claim
+/// of another in its metadata: the reply, as text.
+async fn tonic_call(http: &str, agent: http::HeaderValue, path: &'static str) -> String {
+    let tonic = tonic::transport::Endpoint::from_shared(http.to_owned())
+        .expect("endpoint")
+        .user_agent(agent)
+        .expect("agent")
+        .connect()
+        .await
+        .expect("tonic connect");
+    let mut grpc = tonic::client::Grpc::new(tonic);
+    grpc.ready().await.expect("ready");
+    let mut request = tonic::Request::new(bytes::Bytes::new());
+    request.metadata_mut().insert("x-isthmus-peer-agent", "claimed/3.0".parse().expect("ascii"));
+    let path = http::uri::PathAndQuery::from_static(path);
+    let reply = grpc.unary(request, path, isthmus::BytesCodec).await.expect("tonic call");
+    String::from_utf8_lossy(reply.get_ref()).into_owned()
 }
 
 fn own_uid() -> u32 {

@@ -121,6 +121,14 @@ impl Channel {
         Ok(Channel { inner: Arc::new(Inner::new(Slot::new(target, config)?)) })
     }
 
+    /// Names `agent` as the user agent of every call from now on, as gRPC's channels do
+    /// (grpcio's `grpc.primary_user_agent`, grpc-go's `WithUserAgent`): a server's handlers
+    /// see it as `user-agent` in their metadata. Printable ASCII, at most 1 KiB, set once:
+    /// INVALID_ARGUMENT otherwise.
+    pub fn set_user_agent(&self, agent: &str) -> Result<(), Status> {
+        self.inner.slot.set_agent(agent)
+    }
+
     /// A lazy channel to the `shm://` endpoint an HTTP/2 channel was upgraded to
     /// ([`crate::Channel::route_for_binding`]): it refuses any server but that process.
     pub fn lazy_upgraded(upgrade: &crate::UpgradedTo, config: Config) -> Result<Channel, Status> {
@@ -273,7 +281,7 @@ impl Channel {
     ) -> Result<(Call, bool), Option<Status>> {
         let stream = mux.register(self.inner.slot.next_stream())?;
         let call = Call { state: CallState::new(stream, mux, path, self.inner.clone()), deadline };
-        let head = open_head(path, &options.metadata, deadline);
+        let head = open_head(path, &options.metadata, deadline, self.inner.slot.agent());
         let by = sooner(deadline, patience);
         let first = first.filter(|m| request_in_head(&call.state, &head, m));
         let (f, body) = head_frame(&head, first);

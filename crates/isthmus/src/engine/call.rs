@@ -75,14 +75,16 @@ impl Reconnect {
 
 /// The HEADERS body that opens a call. Time spent waiting for a server is the call's: what is
 /// left of the deadline travels (at least 1 ns).
+/// `agent` is the channel's user agent ([`Slot::agent`]), if it has one.
 pub(crate) fn open_head<'a>(
     path: &'a str,
     metadata: &MetadataMap,
     deadline: Option<std::time::Instant>,
+    agent: Option<&str>,
 ) -> wire::HeadParts<'a> {
     let timeout = deadline
         .map(|d| d.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_nanos(1)));
-    wire::HeadParts::new(path, timeout, metadata)
+    wire::HeadParts::with_agent(path, timeout, metadata, agent)
 }
 
 /// Whether `request` travels inside the HEADERS `head` that opens `state`'s call, as a one-frame
@@ -146,6 +148,8 @@ pub(crate) struct Slot {
     next_stream: std::sync::atomic::AtomicU64,
     /// Closed by the channel's owner: no connection is made again.
     closed: std::sync::atomic::AtomicBool,
+    /// The user agent every call names (gRPC's `user-agent`), once set.
+    agent: std::sync::OnceLock<Arc<str>>,
 }
 
 impl Slot {
@@ -159,7 +163,22 @@ impl Slot {
             current: std::sync::Mutex::new(None),
             next_stream: std::sync::atomic::AtomicU64::new(1),
             closed: std::sync::atomic::AtomicBool::new(false),
+            agent: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The user agent this channel's calls name, if it has one.
+    pub(crate) fn agent(&self) -> Option<&str> {
+        self.agent.get().map(|a| &**a)
+    }
+
+    /// Names `agent` as the user agent of every call from now on: printable ASCII, at most
+    /// 1 KiB, set once (INVALID_ARGUMENT otherwise).
+    pub(crate) fn set_agent(&self, agent: &str) -> Result<(), Status> {
+        crate::call::check_user_agent(agent)?;
+        self.agent
+            .set(agent.into())
+            .map_err(|_| Status::new(Code::InvalidArgument, "the channel's user agent is set already"))
     }
 
     /// A new connection to the target (blocking: the handshake reads with timeouts). With

@@ -82,6 +82,11 @@ impl ShmChannel {
         ShmChannel { slot, connecting: ConnectLock::default(), connectivity: Arc::default() }
     }
 
+    /// Names `agent` as the user agent of the channel's calls (see [`Slot::set_agent`]).
+    pub(crate) fn set_agent(&self, agent: &str) -> Result<(), Status> {
+        self.slot.set_agent(agent)
+    }
+
     /// A channel that refuses any server but process `pid` (an upgrade's check, ADR 0013).
     pub(crate) fn expecting(target: &str, config: Config, pid: u32) -> Result<ShmChannel, Status> {
         let mut slot = Slot::new(target, config)?;
@@ -190,7 +195,7 @@ impl ShmChannel {
             let sending = match self.open(mux.clone(), path, &options, deadline, reads, keep.clone(), first) {
                 Ok((call, inside, true)) => return Ok((call, inside)),
                 Ok((call, inside, false)) => {
-                    Ok((Box::pin(send_head(call, path, &options, first.filter(|_| inside))), inside))
+                    Ok((Box::pin(send_head(call, path, &options, first.filter(|_| inside), self.slot.agent())), inside))
                 }
                 Err(status) => Err(status),
             };
@@ -224,7 +229,7 @@ impl ShmChannel {
         let stream = mux.register(self.slot.next_stream())?;
         let call =
             ShmCall { state: CallState::new(stream, mux, path, keep), deadline, timer: None, reads, read_dry: false };
-        let head = open_head(path, &options.metadata, deadline.map(Instant::into_std));
+        let head = open_head(path, &options.metadata, deadline.map(Instant::into_std), self.slot.agent());
         let first = first.filter(|m| request_in_head(&call.state, &head, m));
         let (f, body) = head_frame(&head, first);
         let sent = call.state.mux.sender.try_send_parts(Kind::Headers, f, call.state.id(), &body);
@@ -247,8 +252,14 @@ impl ShmChannel {
 /// `first` inside them if it was let in, within the call's deadline: a server that reads nothing
 /// must not hold the call past it. The HEADERS never went, so the server knows nothing of the
 /// call to cancel.
-async fn send_head(call: ShmCall, path: &str, options: &CallOptions, first: Option<&[u8]>) -> Result<ShmCall, Status> {
-    let head = open_head(path, &options.metadata, call.deadline.map(Instant::into_std));
+async fn send_head(
+    call: ShmCall,
+    path: &str,
+    options: &CallOptions,
+    first: Option<&[u8]>,
+    agent: Option<&str>,
+) -> Result<ShmCall, Status> {
+    let head = open_head(path, &options.metadata, call.deadline.map(Instant::into_std), agent);
     let (f, body) = head_frame(&head, first);
     let (sender, id) = (&call.state.mux.sender, call.state.id());
     match until(call.deadline, sender.send_parts_async(Kind::Headers, f, id, &body)).await {

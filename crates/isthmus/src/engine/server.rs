@@ -290,10 +290,11 @@ impl Peer {
     /// The peer of one call. Over the loopback (HTTP/2 calls handed on by this process's own
     /// bridge) the HTTP/2 client's address and certificate arrive as metadata, which is taken
     /// out here; any other client's metadata of those names is dropped, so no client can claim
-    /// an identity (ADR 0012). Its `user-agent` arrives so too, and goes back into the
-    /// metadata under its own name, as grpcio's and grpc-go's handlers see it.
+    /// an identity (ADR 0012). The client's user agent, which any client may name as it likes
+    /// (over HTTP/2 as over `shm://`), goes back into the metadata under `user-agent`, as
+    /// grpcio's and grpc-go's handlers see it.
     fn of_call(&self, metadata: &mut MetadataMap, bridged: bool) -> Peer {
-        use crate::http::endpoint::{PEER_AGENT_HEADER, PEER_CERT_HEADER, PEER_HEADER, PEER_TLS_HEADER};
+        use crate::http::endpoint::{PEER_CERT_HEADER, PEER_HEADER, PEER_TLS_HEADER};
         // One pass over the (usually few) keys; most calls carry none of these.
         if !metadata.iter().any(|(key, _)| key.starts_with(PEER_HEADER)) {
             return self.clone();
@@ -301,7 +302,10 @@ impl Peer {
         let addr = metadata.remove(PEER_HEADER);
         let cert = metadata.remove(PEER_CERT_HEADER);
         let tls = metadata.remove(PEER_TLS_HEADER).is_some();
-        if let (true, Some(agent)) = (bridged, metadata.remove(PEER_AGENT_HEADER)) {
+        // The last: a channel's own agent follows the metadata a caller gave its call.
+        let agent = metadata.get_all(crate::engine::wire::AGENT_KEY).last().map(Bytes::copy_from_slice);
+        if let Some(agent) = agent {
+            metadata.remove(crate::engine::wire::AGENT_KEY);
             metadata.append_transport("user-agent", agent);
         }
         match (bridged, addr) {

@@ -24,6 +24,12 @@ use bytes::Bytes;
 use crate::metadata::{check_key, check_value, MetadataMap};
 use crate::status::{Code, Status};
 
+/// The metadata key under which a client's user agent travels in the HEADERS that open a
+/// call, which a server gives its handlers as `user-agent` (a key gRPC reserves, which a peer
+/// may not send as metadata). An HTTP/2 endpoint sends its client's `user-agent` header on
+/// to its handlers the same way.
+pub(crate) const AGENT_KEY: &str = "x-isthmus-peer-agent";
+
 /// Version byte of the bodies this crate writes.
 pub const WIRE_VERSION: u8 = 1;
 /// RPC-layer frame flag of a one-frame call (protocol 13.9; only where the handshake granted
@@ -128,12 +134,22 @@ impl<'a> Reader<'a> {
 
 /// The bytes [`put_metadata`] writes for `md`.
 fn metadata_len(md: &MetadataMap) -> usize {
-    4 + md.sendable().map(|(k, v)| 6 + k.len() + v.len()).sum::<usize>()
+    metadata_len_with(md, None)
+}
+
+/// [`metadata_len`] with one more entry.
+fn metadata_len_with(md: &MetadataMap, extra: Option<(&str, &[u8])>) -> usize {
+    4 + md.sendable().chain(extra).map(|(k, v)| 6 + k.len() + v.len()).sum::<usize>()
 }
 
 fn put_metadata(out: &mut Vec<u8>, md: &MetadataMap) {
-    out.extend_from_slice(&(md.sendable().count() as u32).to_le_bytes());
-    for (k, v) in md.sendable() {
+    put_metadata_with(out, md, None)
+}
+
+/// [`put_metadata`] with one more entry after `md`'s (an `extra` the caller has checked).
+fn put_metadata_with(out: &mut Vec<u8>, md: &MetadataMap, extra: Option<(&str, &[u8])>) {
+    out.extend_from_slice(&(md.sendable().chain(extra).count() as u32).to_le_bytes());
+    for (k, v) in md.sendable().chain(extra) {
         out.extend_from_slice(&(k.len() as u16).to_le_bytes());
         out.extend_from_slice(&(v.len() as u32).to_le_bytes());
         out.extend_from_slice(k.as_bytes());
@@ -169,16 +185,28 @@ pub(crate) struct HeadParts<'a> {
 
 impl<'a> HeadParts<'a> {
     pub(crate) fn new(path: &'a str, timeout: Option<Duration>, metadata: &MetadataMap) -> HeadParts<'a> {
+        HeadParts::with_agent(path, timeout, metadata, None)
+    }
+
+    /// [`new`](Self::new), with the client's user agent (printable ASCII, checked when the
+    /// channel took it) after the metadata, under [`AGENT_KEY`].
+    pub(crate) fn with_agent(
+        path: &'a str,
+        timeout: Option<Duration>,
+        metadata: &MetadataMap,
+        agent: Option<&str>,
+    ) -> HeadParts<'a> {
         let mut fixed = [0u8; 12];
         fixed[0] = WIRE_VERSION;
         fixed[2..4].copy_from_slice(&(path.len() as u16).to_le_bytes());
         let ns = timeout.map_or(0, |t| t.as_nanos().clamp(1, u64::MAX as u128) as u64);
         fixed[4..12].copy_from_slice(&ns.to_le_bytes());
-        let metadata = if metadata.is_empty() {
+        let extra = agent.map(|a| (AGENT_KEY, a.as_bytes()));
+        let metadata = if metadata.is_empty() && extra.is_none() {
             Cow::Borrowed(&[0u8; 4][..])
         } else {
-            let mut out = Vec::with_capacity(metadata_len(metadata));
-            put_metadata(&mut out, metadata);
+            let mut out = Vec::with_capacity(metadata_len_with(metadata, extra));
+            put_metadata_with(&mut out, metadata, extra);
             Cow::Owned(out)
         };
         HeadParts { fixed, path, metadata }
@@ -395,6 +423,19 @@ mod tests {
         assert_eq!(metadata.get("user-agent"), Some("grpc-go/1.85.0"));
         let body = encode_request_head("/a.B/C", None, &metadata);
         assert_eq!(RequestHead::decode(&body).expect("decodes").metadata, md());
+    }
+
+    /// A channel's user agent goes last in the metadata of the HEADERS that open a call, under
+    /// its key, with or without other metadata.
+    #[test]
+    fn a_user_agent_travels_after_the_metadata() {
+        for metadata in [MetadataMap::new(), md()] {
+            let head = HeadParts::with_agent("/a.B/C", None, &metadata, Some("app/1.0"));
+            let decoded = RequestHead::decode(&head.parts().concat()).expect("decodes").metadata;
+            let mut expected = metadata.clone();
+            expected.append(AGENT_KEY, "app/1.0").expect("ascii");
+            assert_eq!(decoded, expected);
+        }
     }
 
     fn md() -> MetadataMap {

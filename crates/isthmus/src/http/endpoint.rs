@@ -597,8 +597,9 @@ pub(crate) const PEER_HEADER: &str = "x-isthmus-peer";
 pub(crate) const PEER_CERT_HEADER: &str = "x-isthmus-peer-cert-bin";
 pub(crate) const PEER_TLS_HEADER: &str = "x-isthmus-peer-tls";
 /// The HTTP/2 client's `user-agent`, which gRPC keeps out of metadata but grpcio's and
-/// grpc-go's servers show their handlers; the loopback would drop it as a protocol header.
-pub(crate) const PEER_AGENT_HEADER: &str = "x-isthmus-peer-agent";
+/// grpc-go's servers show their handlers; the loopback would drop it as a protocol header, so
+/// it goes on as an `shm://` client's agent does.
+pub(crate) const PEER_AGENT_HEADER: &str = crate::engine::wire::AGENT_KEY;
 
 /// The reply metadata that carries a handler's choice of compression for its replies
 /// (`ServerCall::set_compression`: `gzip`, `deflate` or `identity`) to the bridge, which frames
