@@ -159,9 +159,9 @@ func WithKeepaliveParams(kp keepalive.ClientParameters) DialOption {
 
 // WithUserAgent names the connection's calls' user agent, as grpc.WithUserAgent does: a
 // server's handlers see it as "user-agent" in their incoming metadata, grpc-go's, grpcio's and
-// isthmus's alike. Over HTTP/2 the library's own agent follows it ("AGENT tonic/0.14.9", where
-// grpc-go's says "AGENT grpc-go/1.85.0"); over shm:// it goes as it is. Printable ASCII, at
-// most 1 KiB: Dial fails with codes.InvalidArgument otherwise.
+// isthmus's alike. Over HTTP/2 the library's own agent follows it ("AGENT tonic/…", where
+// grpc-go's says "AGENT grpc-go/…"); over shm:// it goes as it is. Printable ASCII, at most
+// 1 KiB: Dial fails with codes.InvalidArgument otherwise. "" names none, as with grpc-go.
 func WithUserAgent(s string) DialOption {
 	return func(o *dialOptions) { o.userAgent = s }
 }
@@ -223,6 +223,10 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 		copts.tls = t.opts
 	}
 	if o.userAgent != "" {
+		if strings.IndexByte(o.userAgent, 0) >= 0 {
+			// C would end the string there: refused, as the library refuses any control byte.
+			return nil, status.Errorf(codes.InvalidArgument, "user agent %q must be printable ASCII", o.userAgent)
+		}
 		copts.user_agent = C.CString(o.userAgent)
 		defer C.free(unsafe.Pointer(copts.user_agent))
 	}

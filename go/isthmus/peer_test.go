@@ -234,7 +234,7 @@ func TestAHandlerSeesItsCallersUserAgentAsGrpcGos(t *testing.T) {
 			t.Errorf("%s over HTTP/2 with WithUserAgent: user-agent %q", label, got)
 		}
 	}
-	for _, bad := range []string{"caf\u00e9", "a\nb"} {
+	for _, bad := range []string{"caf\u00e9", "a\nb", "a\x00b"} {
 		if _, err := isthmus.Dial("shm://agent-refused", isthmus.WithUserAgent(bad)); status.Code(err) != codes.InvalidArgument {
 			t.Errorf("WithUserAgent(%q): %v, want InvalidArgument", bad, err)
 		}

@@ -497,7 +497,7 @@ end
 -- connect's user_agent: a call on a channel that names one, or connect's refusal of a value
 -- that is no agent (`args.value` picks it).
 function cases.user_agent(_, args)
-    local value = ({ good = "lua-test/1.0", number = 5, newline = "a\nb", empty = "" })[args.value]
+    local value = ({ good = "lua-test/1.0", number = 5, newline = "a\nb", empty = "", nul = "a\0b" })[args.value]
     local own, err = isthmus.connect(args.target, { proto = proto, user_agent = value })
     if not own then
         return failure(err)

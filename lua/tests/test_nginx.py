@@ -831,6 +831,7 @@ def test_connect_names_a_user_agent_and_refuses_what_is_none(nginx: Nginx, shm: 
         ("number", "user_agent is a string"),
         ("newline", "printable ASCII"),
         ("empty", "1-1024"),
+        ("nul", "printable ASCII"),
     ):
         r = nginx.case("user_agent", shm, value=value)
         assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and words in r["message"], (value, r)

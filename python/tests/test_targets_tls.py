@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -180,6 +181,29 @@ def test_a_handler_sees_its_callers_user_agent_as_grpcios_does(
     assert theirs[3][0].startswith("py-test/1.0 (extra) "), theirs
     assert ours == theirs, (ours, theirs)
     assert over_shm == [[], ["py-test/1.0 (extra)"], ["py-test/1.0 (extra)"]], over_shm
+
+
+def test_a_channel_that_moved_to_shared_memory_names_its_user_agent_there(cert_dir: Path) -> None:
+    """A channel to an HTTP/2 address that moves to the server's `shm://` endpoint (the
+    upgrade) names its `grpc.primary_user_agent` there too: tonic's agent follows it while the
+    calls go over HTTP/2, and it goes alone once they go over shared memory."""
+    name = f"isthmus-py-agent-moves-{os.getpid()}"
+    options = [("grpc.primary_user_agent", "py-test/2.0"), ("isthmus.upgrade", True)]
+    with (
+        Server("isthmus", cert_dir, "none", f"unix-abstract:{name}", f"shm://{name}"),
+        isthmus.insecure_channel(f"unix-abstract:{name}", options) as channel,
+    ):
+        call = channel.unary_unary(METHOD)
+        first = json.loads(call(b"", timeout=10))["agent"]
+        end = time.monotonic() + 30
+        while channel.upgrade_status() == "pending" and time.monotonic() < end:
+            call(b"", timeout=10)
+            time.sleep(0.01)
+        assert channel.upgrade_status().startswith("shm://"), channel.upgrade_status()
+        moved = json.loads(call(b"", timeout=10))["agent"]
+        assert channel.transport_counts()["shm"] > 0
+    assert first[0].startswith("py-test/2.0 tonic/"), first
+    assert moved == ["py-test/2.0"], moved
 
 
 def test_unknown_schemes_name_the_accepted_forms() -> None:

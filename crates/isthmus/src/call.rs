@@ -96,9 +96,12 @@ pub(crate) const MAX_USER_AGENT: usize = 1024;
 /// [`MAX_USER_AGENT`], or not printable ASCII (gRPC's rule for metadata values).
 pub(crate) fn check_user_agent(agent: &str) -> Result<(), Status> {
     if agent.is_empty() || agent.len() > MAX_USER_AGENT || !agent.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+        // A long agent is named by its start only.
+        let shown: String = agent.chars().take(64).collect();
+        let more = if shown.len() < agent.len() { "…" } else { "" };
         return Err(Status::new(
             Code::InvalidArgument,
-            format!("user agent {agent:?} must be 1-{MAX_USER_AGENT} bytes of printable ASCII"),
+            format!("user agent {shown:?}{more} must be 1-{MAX_USER_AGENT} bytes of printable ASCII"),
         ));
     }
     Ok(())

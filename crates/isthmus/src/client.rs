@@ -236,7 +236,7 @@ impl ChannelBuilder {
     /// The user agent the channel's calls name, as gRPC's channels do (grpcio's
     /// `grpc.primary_user_agent`, grpc-go's `WithUserAgent`): a server's handlers see it as
     /// `user-agent` in their metadata, grpcio's, grpc-go's and isthmus's alike. Over HTTP/2
-    /// tonic's own agent follows it (`"AGENT tonic/0.14.9"`), as grpc-go's follows a user's;
+    /// tonic's own agent follows it (`"AGENT tonic/…"`), as grpc-go's follows a user's;
     /// over `shm://` it goes as it is. Printable ASCII, at most 1 KiB: INVALID_ARGUMENT on
     /// connect otherwise. None by default (an HTTP/2 call then names tonic's alone).
     pub fn user_agent(mut self, agent: impl Into<String>) -> ChannelBuilder {

@@ -1063,6 +1063,10 @@ function _M.connect(target, opts)
         if type(opts.user_agent) ~= "string" then
             return nil, new_error(INVALID_ARGUMENT, "user_agent is a string, not " .. type(opts.user_agent))
         end
+        if opts.user_agent:find("\0", 1, true) then
+            -- C would end the string there: refused, as the library refuses any control byte.
+            return nil, new_error(INVALID_ARGUMENT, "user agent must be printable ASCII")
+        end
         keep[#keep + 1] = opts.user_agent
         copts.user_agent = opts.user_agent
     end

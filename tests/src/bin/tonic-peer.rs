@@ -81,6 +81,8 @@ impl Echo for Service {
         let left = time_left(&request);
         let echo = request.metadata().get("x-echo").cloned();
         let echo_bin = request.metadata().get_bin("x-echo-bin").cloned();
+        // The caller's user agent, for a caller that asks for it.
+        let agent = request.metadata().get("x-want-agent").and(request.metadata().get("user-agent")).cloned();
         // An mTLS client's certificate, as the isthmus server hands it to tonic services.
         let peer_cn = request
             .metadata()
@@ -103,6 +105,9 @@ impl Echo for Service {
         }
         if let Some(v) = echo_bin {
             response.metadata_mut().insert_bin("x-echo-bin", v);
+        }
+        if let Some(v) = agent {
+            response.metadata_mut().insert("x-user-agent", v);
         }
         if let Some(cn) = peer_cn.and_then(|cn| cn.parse().ok()) {
             response.metadata_mut().insert("x-peer-cn", cn);

@@ -357,9 +357,12 @@ fn a_handler_sees_its_callers_user_agent_and_does_not_send_it_on() {
             isthmus::Channel::builder(&http).user_agent("rust-test/2.0").upgrade(false).connect().await.expect("http");
         let seen = said(over_http.unary("/t.Who/Agent", b"", none()).await.expect("http call"));
         assert!(seen.starts_with("rust-test/2.0 tonic/"), "{seen}");
-        for bad in ["", "caf\u{e9}", "a\nb"] {
-            let refused = isthmus::Channel::builder(&shm).user_agent(bad).connect().await.expect_err(bad);
-            assert_eq!(refused.code(), isthmus::Code::InvalidArgument, "{bad:?}: {refused}");
+        for bad in [String::new(), "caf\u{e9}".into(), "a\nb".into(), "x".repeat(1025)] {
+            for target in [&shm, &http] {
+                let refused = isthmus::Channel::builder(target).user_agent(bad.as_str()).connect().await;
+                let refused = refused.expect_err("a bad agent");
+                assert_eq!(refused.code(), isthmus::Code::InvalidArgument, "{target} {bad:?}: {refused}");
+            }
         }
 
         // tonic's own client, whose agent is its header: a claim in its metadata is dropped.

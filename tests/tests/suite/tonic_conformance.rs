@@ -28,6 +28,49 @@ fn a_generated_client_and_service_make_every_kind_of_call() {
     });
 }
 
+/// A tonic service behind `add_service` sees its caller's user agent as its request's
+/// `user-agent` header over every transport: the agent a channel names, as it is over
+/// `shm://` (the channel's calls, and those of a channel to an HTTP/2 address that moved to
+/// shared memory), with tonic's after it over HTTP/2.
+#[test]
+fn a_tonic_service_sees_the_channels_user_agent_on_every_transport() {
+    let (_server, targets) = server();
+    run(async move {
+        let agent_of = |channel: isthmus::Channel| async move {
+            let mut c = isthmus_tests::cases::client_on(channel);
+            let mut req = Request::new(request(b"a".to_vec(), 0));
+            req.metadata_mut().insert("x-want-agent", "1".parse().expect("ascii"));
+            let reply = c.unary(req).await.expect("unary");
+            reply.metadata().get("x-user-agent").and_then(|v| v.to_str().ok()).unwrap_or("none").to_owned()
+        };
+        for addr in &targets {
+            let named = isthmus::Channel::builder(addr).user_agent("rust-test/3.0").upgrade(false);
+            let seen = agent_of(named.connect().await.expect("connect")).await;
+            if addr.starts_with("shm://") {
+                assert_eq!(seen, "rust-test/3.0", "{addr}");
+                assert_eq!(agent_of(connect(addr).await).await, "none", "{addr}: no agent named");
+            } else {
+                assert!(seen.starts_with("rust-test/3.0 tonic/"), "{addr}: {seen}");
+            }
+        }
+        // A channel to the HTTP/2 address that moves to the server's shm:// endpoint names its
+        // agent there too.
+        let http = targets.iter().find(|t| t.starts_with("http://")).expect("an http:// target");
+        let moving = isthmus::Channel::builder(http).user_agent("rust-test/4.0").upgrade(true);
+        let channel = moving.connect().await.expect("connect");
+        let mut seen = String::new();
+        for _ in 0..200 {
+            seen = agent_of(channel.clone()).await;
+            if channel.transport_counts().shm > 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(channel.transport_counts().shm > 0, "the channel never moved to shared memory");
+        assert_eq!(seen, "rust-test/4.0", "over the shm:// endpoint it moved to");
+    });
+}
+
 #[test]
 fn a_tonic_services_refusal_of_a_message_too_large_is_resource_exhausted_in_a_streams_trailers_too() {
     // A stream's status goes in its trailers once its headers and messages have gone. A tonic

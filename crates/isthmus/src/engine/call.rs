@@ -80,7 +80,7 @@ pub(crate) fn open_head<'a>(
     path: &'a str,
     metadata: &MetadataMap,
     deadline: Option<std::time::Instant>,
-    agent: Option<&str>,
+    agent: Option<(&str, &'a [u8])>,
 ) -> wire::HeadParts<'a> {
     let timeout = deadline
         .map(|d| d.saturating_duration_since(std::time::Instant::now()).max(std::time::Duration::from_nanos(1)));
@@ -148,8 +148,9 @@ pub(crate) struct Slot {
     next_stream: std::sync::atomic::AtomicU64,
     /// Closed by the channel's owner: no connection is made again.
     closed: std::sync::atomic::AtomicBool,
-    /// The user agent every call names (gRPC's `user-agent`), once set.
-    agent: std::sync::OnceLock<Arc<str>>,
+    /// The user agent every call names (gRPC's `user-agent`), once set, and its metadata
+    /// block alone ([`wire::agent_block`]).
+    agent: std::sync::OnceLock<(Box<str>, Box<[u8]>)>,
 }
 
 impl Slot {
@@ -167,9 +168,9 @@ impl Slot {
         })
     }
 
-    /// The user agent this channel's calls name, if it has one.
-    pub(crate) fn agent(&self) -> Option<&str> {
-        self.agent.get().map(|a| &**a)
+    /// The user agent this channel's calls name, if it has one, and its metadata block.
+    pub(crate) fn agent(&self) -> Option<(&str, &[u8])> {
+        self.agent.get().map(|(agent, block)| (&**agent, &**block))
     }
 
     /// Names `agent` as the user agent of every call from now on: printable ASCII, at most
@@ -177,7 +178,7 @@ impl Slot {
     pub(crate) fn set_agent(&self, agent: &str) -> Result<(), Status> {
         crate::call::check_user_agent(agent)?;
         self.agent
-            .set(agent.into())
+            .set((agent.into(), wire::agent_block(agent)))
             .map_err(|_| Status::new(Code::InvalidArgument, "the channel's user agent is set already"))
     }
 

@@ -257,7 +257,7 @@ async fn send_head(
     path: &str,
     options: &CallOptions,
     first: Option<&[u8]>,
-    agent: Option<&str>,
+    agent: Option<(&str, &[u8])>,
 ) -> Result<ShmCall, Status> {
     let head = open_head(path, &options.metadata, call.deadline.map(Instant::into_std), agent);
     let (f, body) = head_frame(&head, first);

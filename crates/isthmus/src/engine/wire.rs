@@ -180,7 +180,16 @@ pub fn encode_request_head(path: &str, timeout: Option<Duration>, metadata: &Met
 pub(crate) struct HeadParts<'a> {
     fixed: [u8; 12],
     path: &'a str,
-    metadata: Cow<'static, [u8]>,
+    metadata: Cow<'a, [u8]>,
+}
+
+/// The metadata block of a call whose only entry is the client's user agent: made once per
+/// channel, sent as it is by each call that has no other metadata.
+pub(crate) fn agent_block(agent: &str) -> Box<[u8]> {
+    let extra = Some((AGENT_KEY, agent.as_bytes()));
+    let mut out = Vec::with_capacity(metadata_len_with(&MetadataMap::EMPTY, extra));
+    put_metadata_with(&mut out, &MetadataMap::EMPTY, extra);
+    out.into_boxed_slice()
 }
 
 impl<'a> HeadParts<'a> {
@@ -189,21 +198,22 @@ impl<'a> HeadParts<'a> {
     }
 
     /// [`new`](Self::new), with the client's user agent (printable ASCII, checked when the
-    /// channel took it) after the metadata, under [`AGENT_KEY`].
+    /// channel took it) after the metadata, under [`AGENT_KEY`]: the agent, and its metadata
+    /// block alone ([`agent_block`]), which a call with no other metadata sends as it is.
     pub(crate) fn with_agent(
         path: &'a str,
         timeout: Option<Duration>,
         metadata: &MetadataMap,
-        agent: Option<&str>,
+        agent: Option<(&str, &'a [u8])>,
     ) -> HeadParts<'a> {
         let mut fixed = [0u8; 12];
         fixed[0] = WIRE_VERSION;
         fixed[2..4].copy_from_slice(&(path.len() as u16).to_le_bytes());
         let ns = timeout.map_or(0, |t| t.as_nanos().clamp(1, u64::MAX as u128) as u64);
         fixed[4..12].copy_from_slice(&ns.to_le_bytes());
-        let extra = agent.map(|a| (AGENT_KEY, a.as_bytes()));
-        let metadata = if metadata.is_empty() && extra.is_none() {
-            Cow::Borrowed(&[0u8; 4][..])
+        let extra = agent.map(|(a, _)| (AGENT_KEY, a.as_bytes()));
+        let metadata = if metadata.is_empty() {
+            Cow::Borrowed(agent.map_or(&[0u8; 4][..], |(_, block)| block))
         } else {
             let mut out = Vec::with_capacity(metadata_len_with(metadata, extra));
             put_metadata_with(&mut out, metadata, extra);
@@ -430,7 +440,8 @@ mod tests {
     #[test]
     fn a_user_agent_travels_after_the_metadata() {
         for metadata in [MetadataMap::new(), md()] {
-            let head = HeadParts::with_agent("/a.B/C", None, &metadata, Some("app/1.0"));
+            let block = agent_block("app/1.0");
+            let head = HeadParts::with_agent("/a.B/C", None, &metadata, Some(("app/1.0", &block)));
             let decoded = RequestHead::decode(&head.parts().concat()).expect("decodes").metadata;
             let mut expected = metadata.clone();
             expected.append(AGENT_KEY, "app/1.0").expect("ascii");

@@ -195,6 +195,11 @@ fn http_request(call: &mut ServerCall) -> Result<http::Request<tonic::body::Body
         headers.insert(codec::GRPC_TIMEOUT, codec::timeout_value(left));
     }
     codec::metadata_into(call.metadata(), headers);
+    // The caller's agent, which the metadata keeps from being sent on, is this request's own
+    // header, as over HTTP/2.
+    if let Some(agent) = call.metadata().get_bin("user-agent").and_then(|a| HeaderValue::from_bytes(a).ok()) {
+        headers.insert(http::header::USER_AGENT, agent);
+    }
     Ok(request)
 }
 
