@@ -546,10 +546,10 @@ class Channel(grpc.Channel):
     `grpc.keepalive_permit_without_calls`: a connection whose PING goes unanswered closes, and
     its calls end UNAVAILABLE). Over every transport, `grpc.primary_user_agent` and
     `grpc.secondary_user_agent` name what the calls give as `user-agent`, which a server's
-    handlers see in their `invocation_metadata()`. The option `grpc.default_compression_algorithm` (or else
-    `compression`) compresses every call's requests over HTTP/2, as a call's own `compression=`
-    does for it; over `shm://` messages cross no wire and go as they
-    are."""
+    handlers see in their `invocation_metadata()`. The option
+    `grpc.default_compression_algorithm` (or else `compression`) compresses every call's
+    requests over HTTP/2, as a call's own `compression=` does for it; over `shm://` messages
+    cross no wire and go as they are."""
 
     def __init__(
         self,

@@ -124,7 +124,14 @@ pub(crate) fn blocking_channel(
     config: isthmus::Config,
     user_agent: Option<&str>,
 ) -> Result<isthmus::blocking::Channel, isthmus::Status> {
-    let channel = isthmus::blocking::Channel::lazy_with(target, config)?;
+    named(isthmus::blocking::Channel::lazy_with(target, config)?, user_agent)
+}
+
+/// `channel`, naming `user_agent` if given.
+fn named(
+    channel: isthmus::blocking::Channel,
+    user_agent: Option<&str>,
+) -> Result<isthmus::blocking::Channel, isthmus::Status> {
     if let Some(agent) = user_agent {
         channel.set_user_agent(agent)?;
     }
@@ -212,10 +219,8 @@ impl Channel {
             match &*cached {
                 Some((current, channel)) if *current == to => channel.clone(),
                 _ => {
-                    let channel = isthmus::blocking::Channel::lazy_upgraded(&to, self.config.clone()).ok()?;
-                    if let Some(agent) = &self.user_agent {
-                        channel.set_user_agent(agent).ok()?;
-                    }
+                    let channel = isthmus::blocking::Channel::lazy_upgraded(&to, self.config.clone());
+                    let channel = named(channel.ok()?, self.user_agent.as_deref()).ok()?;
                     *cached = Some((to.clone(), channel.clone()));
                     channel
                 }

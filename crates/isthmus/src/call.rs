@@ -95,7 +95,8 @@ pub(crate) const MAX_USER_AGENT: usize = 1024;
 /// Refuses a user agent no metadata value could carry: empty, longer than
 /// [`MAX_USER_AGENT`], or not printable ASCII (gRPC's rule for metadata values).
 pub(crate) fn check_user_agent(agent: &str) -> Result<(), Status> {
-    if agent.is_empty() || agent.len() > MAX_USER_AGENT || !agent.bytes().all(|b| (0x20..0x7f).contains(&b)) {
+    let printable = crate::metadata::check_value("user-agent", agent.as_bytes()).is_ok();
+    if agent.is_empty() || agent.len() > MAX_USER_AGENT || !printable {
         // A long agent is named by its start only.
         let shown: String = agent.chars().take(64).collect();
         let more = if shown.len() < agent.len() { "…" } else { "" };

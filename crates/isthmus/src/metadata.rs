@@ -91,6 +91,14 @@ impl MetadataMap {
         Some(value)
     }
 
+    /// Removes every entry under `key`, returning the last one's value.
+    pub(crate) fn remove_last(&mut self, key: &str) -> Option<Bytes> {
+        let last = self.entries.iter().rposition(|(k, _)| k == key)?;
+        let value = self.entries[last].1.clone();
+        self.entries.retain(|(k, _)| k != key);
+        Some(value)
+    }
+
     /// Appends an ASCII entry. The key must not end in `-bin`.
     ///
     /// ```
@@ -193,6 +201,17 @@ impl fmt::Debug for MetadataMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn remove_last_takes_every_value_and_gives_the_last() {
+        let mut md = MetadataMap::new();
+        for (k, v) in [("a", "1"), ("b", "2"), ("a", "3")] {
+            md.append(k, v).expect("ascii");
+        }
+        assert_eq!(md.remove_last("a").as_deref(), Some(&b"3"[..]));
+        assert_eq!((md.get("a"), md.get("b"), md.len()), (None, Some("2"), 1));
+        assert_eq!(md.remove_last("a"), None);
+    }
 
     #[test]
     fn keys_follow_grpc_rules() {

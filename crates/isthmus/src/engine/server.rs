@@ -303,9 +303,7 @@ impl Peer {
         let cert = metadata.remove(PEER_CERT_HEADER);
         let tls = metadata.remove(PEER_TLS_HEADER).is_some();
         // The last: a channel's own agent follows the metadata a caller gave its call.
-        let agent = metadata.get_all(crate::engine::wire::AGENT_KEY).last().map(Bytes::copy_from_slice);
-        if let Some(agent) = agent {
-            metadata.remove(crate::engine::wire::AGENT_KEY);
+        if let Some(agent) = metadata.remove_last(crate::engine::wire::AGENT_KEY) {
             metadata.append_transport("user-agent", agent);
         }
         match (bridged, addr) {

@@ -643,10 +643,10 @@ where
         headers.remove(PEER_CERT_HEADER);
         headers.remove(PEER_TLS_HEADER);
         headers.remove(PEER_AGENT_HEADER);
-        // Printable ASCII only, as metadata must be: another agent would fail the call.
-        let agent =
-            headers.get(http::header::USER_AGENT).filter(|a| a.as_bytes().iter().all(|b| (0x20..0x7f).contains(b)));
-        if let Some(agent) = agent.cloned() {
+        // Only what metadata may carry (printable ASCII): another agent would fail the call.
+        let agent = headers.get(http::header::USER_AGENT);
+        let agent = agent.filter(|a| crate::metadata::check_value(PEER_AGENT_HEADER, a.as_bytes()).is_ok()).cloned();
+        if let Some(agent) = agent {
             headers.insert(PEER_AGENT_HEADER, agent);
         }
         if let Some(peer) = peer {

@@ -23,9 +23,9 @@
 //! To send a request again, its body must be whole: [`Replay`] keeps every data frame it hands
 //! out (the `Bytes` are shared, not copied) until the response opens, at most [`KEPT`] bytes, as
 //! grpc-core's per-call retry buffer does. A call that sent more, or whose body fails or holds
-//! any other kind of frame (a gRPC request has none), is not retried. Each attempt reads the body through its own `Replay`: the kept frames first, then
-//! the body itself; an attempt given up (a stale one, whose stream hyper may still poll) reads
-//! nothing more. Once the response opens nothing more is kept, but the attempt that got it
+//! any other kind of frame (a gRPC request has none), is not retried. Each attempt reads the
+//! body through its own `Replay`: the kept frames first, then the body itself; an attempt given
+//! up (a stale one, whose stream hyper may still poll) reads nothing more. Once the response opens nothing more is kept, but the attempt that got it
 //! still sends what it has not yet sent of the kept frames (hyper sends as the stream's window
 //! allows, which may be after the response's headers).
 
