@@ -538,9 +538,9 @@ impl Channel {
     }
 
     /// The HTTP/2 channel under an HTTP/2 target (this process's: see `HttpChannel`).
-    pub(crate) fn http(&self) -> Option<tonic::transport::Channel> {
+    pub(crate) fn http(&self) -> Option<(tonic::transport::Channel, &Arc<Tracker>)> {
         match &*self.via {
-            Via::Http { channel, .. } => Some(channel.get()),
+            Via::Http { channel, connectivity, .. } => Some((channel.get(), connectivity)),
             Via::Shm(_) => None,
         }
     }

@@ -54,6 +54,8 @@ pub(crate) struct Tracker {
     generation: AtomicU64,
     /// A background attempt to connect is running.
     attempting: AtomicBool,
+    /// How many connections have ended: a call's attempt watches it (`http::retry`).
+    ends: watch::Sender<u64>,
 }
 
 impl Default for Tracker {
@@ -62,6 +64,7 @@ impl Default for Tracker {
             state: watch::Sender::new(Connectivity::Idle),
             generation: AtomicU64::new(0),
             attempting: AtomicBool::new(false),
+            ends: watch::Sender::new(0),
         }
     }
 }
@@ -141,6 +144,11 @@ impl Tracker {
         });
     }
 
+    /// Told of every connection that ends from now on (its `changed` wakes).
+    pub(crate) fn ends(&self) -> watch::Receiver<u64> {
+        self.ends.subscribe()
+    }
+
     /// Waits until the state is not `from`, and gives the new one.
     pub(crate) async fn changed(&self, from: Connectivity) -> Connectivity {
         let mut rx = self.state.subscribe();
@@ -201,6 +209,7 @@ pub(crate) struct Live {
 
 impl Drop for Live {
     fn drop(&mut self) {
+        self.tracker.ends.send_modify(|n| *n += 1);
         self.tracker.not_ready(Some(self.generation));
     }
 }

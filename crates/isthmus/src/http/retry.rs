@@ -25,9 +25,21 @@
 //! grpc-core's per-call retry buffer does. A call that sent more, or whose body fails or holds
 //! any other kind of frame (a gRPC request has none), is not retried. Each attempt reads the
 //! body through its own `Replay`: the kept frames first, then the body itself; an attempt given
-//! up (a stale one, whose stream hyper may still poll) reads nothing more. Once the response opens nothing more is kept, but the attempt that got it
-//! still sends what it has not yet sent of the kept frames (hyper sends as the stream's window
-//! allows, which may be after the response's headers).
+//! up (a stale one, whose stream hyper may still poll) reads nothing more. Once the response
+//! opens nothing more is kept, but the attempt that got it still sends what it has not yet sent
+//! of the kept frames (hyper sends as the stream's window allows, which may be after the
+//! response's headers).
+//!
+//! An attempt can also be lost before any connection takes it. hyper hands a request to a
+//! connection's task through a queue; a request queued just as that task ends (a GOAWAY closed
+//! the connection) stays there, neither sent nor failed, until tonic drops the connection's
+//! handle, which it does only when the channel's next call comes. A call made alone waited so
+//! for its deadline (seen about once in 500,000 calls with a GOAWAY every 50 ms). hyper's task
+//! asks a request's body its `size_hint` as it takes the request, before it opens a stream, and
+//! nothing asks before it (tonic's `Body::new` asks `is_end_stream`). So an attempt whose body
+//! was never asked when one of the channel's connections ends was not sent, and goes again
+//! ([`Replayable::again_if_untaken`]). Not covered: an attempt that begins after the connection
+//! ended but still reaches its queue (a window of microseconds, not seen).
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -79,6 +91,8 @@ struct Shared<B> {
     closed: bool,
     /// The attempt reading now; older ones read nothing more.
     attempt: u32,
+    /// A connection took the current attempt (hyper looked at its body).
+    taken: bool,
     ended: bool,
 }
 
@@ -95,8 +109,15 @@ pub(crate) struct Replay<B> {
 
 impl<B> Replayable<B> {
     pub(crate) fn new(body: B) -> Replayable<B> {
-        let shared =
-            Shared { body: Box::pin(body), kept: Some(Vec::new()), bytes: 0, closed: false, attempt: 0, ended: false };
+        let shared = Shared {
+            body: Box::pin(body),
+            kept: Some(Vec::new()),
+            bytes: 0,
+            closed: false,
+            attempt: 0,
+            taken: false,
+            ended: false,
+        };
         Replayable(Arc::new(Mutex::new(shared)))
     }
 
@@ -115,7 +136,20 @@ impl<B> Replayable<B> {
         }
         shared.kept.as_ref()?;
         shared.attempt += 1;
+        shared.taken = false;
         Some(Replay { shared: self.0.clone(), attempt: shared.attempt, at: 0 })
+    }
+
+    /// [`again`](Self::again), if no connection has taken the current attempt: one queued for
+    /// a connection that ended is not sent, and a connection that takes it later finds its
+    /// body given up (it resets the stream, before any of the request went).
+    pub(crate) fn again_if_untaken(&self) -> Option<Replay<B>> {
+        if self.0.lock().ok()?.taken {
+            return None;
+        }
+        // Between the two locks a connection may take it: it then finds the body given up,
+        // as above.
+        self.again()
     }
 
     /// Keeps nothing more: the server has the call (its response opened). The current attempt
@@ -145,6 +179,7 @@ where
             // Given up: its stream is gone or going; hyper resets it with this.
             return Poll::Ready(Some(Err(Box::new(h2::Error::from(h2::Reason::CANCEL)))));
         }
+        shared.taken = true;
         if let Some(kept) = &shared.kept {
             if let Some(data) = kept.get(this.at) {
                 this.at += 1;
@@ -187,6 +222,16 @@ where
         let Ok(shared) = self.shared.lock() else { return false };
         let kept_left = shared.kept.as_ref().is_some_and(|k| self.at < k.len());
         shared.attempt == self.attempt && !kept_left && (shared.ended || shared.body.is_end_stream())
+    }
+
+    fn size_hint(&self) -> http_body::SizeHint {
+        // hyper's connection task asks first, as it takes the request: the attempt is taken.
+        if let Ok(mut shared) = self.shared.lock() {
+            if shared.attempt == self.attempt {
+                shared.taken = true;
+            }
+        }
+        http_body::SizeHint::default()
     }
 }
 
@@ -264,6 +309,20 @@ mod tests {
         let r = Replayable::new(body(&[big]));
         assert_eq!(all(r.first()).await.len(), 1);
         assert!(r.again().is_none());
+    }
+
+    #[tokio::test]
+    async fn an_attempt_goes_again_on_a_connection_end_only_if_none_took_it() {
+        let r = Replayable::new(body(&[b"a"]));
+        let first = r.first();
+        // Queued and never taken: it goes again, and the one given up sends nothing.
+        let second = r.again_if_untaken().expect("untaken");
+        let mut first = first;
+        assert!(next(&mut first).await.is_err());
+        // hyper's task took the second as it does (it asks the body's size first): no more.
+        let _ = second.size_hint();
+        assert!(r.again_if_untaken().is_none());
+        assert_eq!(all(second).await, vec![Bytes::from_static(b"a")]);
     }
 
     #[test]

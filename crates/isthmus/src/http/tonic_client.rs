@@ -593,7 +593,8 @@ where
 
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         // An HTTP/2 channel that moved to shared memory (`upgrade.rs`) sends the call there.
-        if let Some(h2) = self.http() {
+        if let Some((h2, connections)) = self.http() {
+            let ends = connections.ends();
             if let Some((shm, to)) = self.route() {
                 let http = self.without_upgrade();
                 return Box::pin(async move {
@@ -601,12 +602,12 @@ where
                         Ok(response) => Ok(response),
                         Err(request) => {
                             http.upgrade_lost(&to);
-                            over_http(h2, request).await
+                            over_http(h2, ends, request).await
                         }
                     }
                 });
             }
-            return over_http(h2, request);
+            return over_http(h2, ends, request);
         }
         // Mapped, not awaited in a block of its own, which would hold the request beside the
         // future that took it: this future is allocated and moved whole for every call.
@@ -615,9 +616,10 @@ where
 }
 
 /// A request carried by tonic's own HTTP/2 channel as it is (unix:// and http://, and a call an
-/// upgraded channel handed back).
+/// upgraded channel handed back). `ends` tells of each of the channel's connections that ends.
 fn over_http<B>(
     mut http: tonic::transport::Channel,
+    mut ends: tokio::sync::watch::Receiver<u64>,
     request: http::Request<B>,
 ) -> Pin<Box<dyn Future<Output = Result<http::Response<ResponseBody>, std::convert::Infallible>> + Send>>
 where
@@ -653,16 +655,31 @@ where
                 }
                 request.headers_mut().insert(codec::GRPC_TIMEOUT, codec::timeout_value(left));
             }
-            let sent = async {
+            ends.mark_unchanged();
+            let mut sent = std::pin::pin!(async {
                 tower::ServiceExt::ready(&mut http).await?;
                 tower_service::Service::call(&mut http, request).await
+            });
+            // A connection that ended may hold this attempt in its queue, never to send it
+            // (`retry.rs`): an attempt no connection took goes again then.
+            let given_up = loop {
+                tokio::select! {
+                    biased;
+                    sent = &mut sent => break Err(sent),
+                    Ok(()) = ends.changed(), if attempt < retry::ATTEMPTS => {
+                        if let Some(next) = body.again_if_untaken() {
+                            break Ok(next);
+                        }
+                    }
+                }
             };
-            match sent.await {
-                Err(e) if attempt < retry::ATTEMPTS && retry::never_processed(&e) => match body.again() {
+            match given_up {
+                Ok(next) => (view, attempt) = (next, attempt + 1),
+                Err(Err(e)) if attempt < retry::ATTEMPTS && retry::never_processed(&e) => match body.again() {
                     Some(next) => (view, attempt) = (next, attempt + 1),
                     None => break Err(e),
                 },
-                sent => {
+                Err(sent) => {
                     body.done();
                     break sent;
                 }
