@@ -54,7 +54,7 @@ pub(crate) struct Tracker {
     generation: AtomicU64,
     /// A background attempt to connect is running.
     attempting: AtomicBool,
-    /// How many connections have ended: a call's attempt watches it (`http::retry`).
+    /// How many connections have closed: a call's attempt watches it (`http::retry`).
     ends: watch::Sender<u64>,
 }
 
@@ -144,7 +144,8 @@ impl Tracker {
         });
     }
 
-    /// Told of every connection that ends from now on (its `changed` wakes).
+    /// Told of every connection that closes from now on (its `changed` wakes), once the state
+    /// says so.
     pub(crate) fn ends(&self) -> watch::Receiver<u64> {
         self.ends.subscribe()
     }
@@ -209,8 +210,9 @@ pub(crate) struct Live {
 
 impl Drop for Live {
     fn drop(&mut self) {
-        self.tracker.ends.send_modify(|n| *n += 1);
         self.tracker.not_ready(Some(self.generation));
+        // After the state, which whoever this wakes looks at.
+        self.tracker.ends.send_modify(|n| *n += 1);
     }
 }
 

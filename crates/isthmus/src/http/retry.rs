@@ -31,15 +31,20 @@
 //! response's headers).
 //!
 //! An attempt can also be lost before any connection takes it. hyper hands a request to a
-//! connection's task through a queue; a request queued just as that task ends (a GOAWAY closed
-//! the connection) stays there, neither sent nor failed, until tonic drops the connection's
-//! handle, which it does only when the channel's next call comes. A call made alone waited so
-//! for its deadline (seen about once in 500,000 calls with a GOAWAY every 50 ms). hyper's task
-//! asks a request's body its `size_hint` as it takes the request, before it opens a stream, and
-//! nothing asks before it (tonic's `Body::new` asks `is_end_stream`). So an attempt whose body
-//! was never asked when one of the channel's connections ends was not sent, and goes again
-//! ([`Replayable::again_if_untaken`]). Not covered: an attempt that begins after the connection
-//! ended but still reaches its queue (a window of microseconds, not seen).
+//! connection's task through a queue; a request queued just as that task ends (a GOAWAY, and
+//! the connection closed) stays there, neither sent nor failed, until tonic drops the
+//! connection's handle, which it does only when the channel's next call comes. A call made
+//! alone waited so for its deadline (seen about once in 500,000 calls with a GOAWAY every
+//! 50 ms). hyper's task asks a request's body its `size_hint` as it takes the request, before
+//! it opens a stream, and nothing asks before it (tonic's `Body::new` asks `is_end_stream`, and
+//! puts an empty body in place of one that has ended, which is never asked: such an attempt is
+//! not watched). So an attempt whose body was never asked when the channel's connection closes
+//! and leaves it with none was not sent, and goes again ([`Replayable::again_if_untaken`]).
+//! A connection's task also ends when a request wakes it after a GOAWAY while the connection
+//! still carries calls; that request's own retry then goes through tonic, which drops the
+//! handle and fails what its queue held (and that goes again as above). Not covered: an
+//! attempt that begins after the connection closed but still reaches its queue (a window of
+//! microseconds, not seen).
 
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -130,26 +135,26 @@ impl<B> Replayable<B> {
     /// go again (more than [`KEPT`] bytes went, or the body failed, or the response opened).
     /// The attempts before it read nothing more.
     pub(crate) fn again(&self) -> Option<Replay<B>> {
+        self.next(false)
+    }
+
+    /// [`again`](Self::again), if no connection has taken the current attempt (in the same
+    /// lock, so none takes it meanwhile): one queued for a connection that ended is not sent,
+    /// and a connection that takes it later finds its body given up and resets the stream
+    /// after its HEADERS, before any request message.
+    pub(crate) fn again_if_untaken(&self) -> Option<Replay<B>> {
+        self.next(true)
+    }
+
+    fn next(&self, if_untaken: bool) -> Option<Replay<B>> {
         let mut shared = self.0.lock().ok()?;
-        if shared.closed {
+        if shared.closed || (if_untaken && shared.taken) {
             return None;
         }
         shared.kept.as_ref()?;
         shared.attempt += 1;
         shared.taken = false;
         Some(Replay { shared: self.0.clone(), attempt: shared.attempt, at: 0 })
-    }
-
-    /// [`again`](Self::again), if no connection has taken the current attempt: one queued for
-    /// a connection that ended is not sent, and a connection that takes it later finds its
-    /// body given up (it resets the stream, before any of the request went).
-    pub(crate) fn again_if_untaken(&self) -> Option<Replay<B>> {
-        if self.0.lock().ok()?.taken {
-            return None;
-        }
-        // Between the two locks a connection may take it: it then finds the body given up,
-        // as above.
-        self.again()
     }
 
     /// Keeps nothing more: the server has the call (its response opened). The current attempt

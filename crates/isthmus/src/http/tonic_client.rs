@@ -594,7 +594,7 @@ where
     fn call(&mut self, request: http::Request<B>) -> Self::Future {
         // An HTTP/2 channel that moved to shared memory (`upgrade.rs`) sends the call there.
         if let Some((h2, connections)) = self.http() {
-            let ends = connections.ends();
+            let connections = connections.clone();
             if let Some((shm, to)) = self.route() {
                 let http = self.without_upgrade();
                 return Box::pin(async move {
@@ -602,12 +602,12 @@ where
                         Ok(response) => Ok(response),
                         Err(request) => {
                             http.upgrade_lost(&to);
-                            over_http(h2, ends, request).await
+                            over_http(h2, connections, request).await
                         }
                     }
                 });
             }
-            return over_http(h2, ends, request);
+            return over_http(h2, connections, request);
         }
         // Mapped, not awaited in a block of its own, which would hold the request beside the
         // future that took it: this future is allocated and moved whole for every call.
@@ -616,10 +616,10 @@ where
 }
 
 /// A request carried by tonic's own HTTP/2 channel as it is (unix:// and http://, and a call an
-/// upgraded channel handed back). `ends` tells of each of the channel's connections that ends.
+/// upgraded channel handed back). `connections`: what the channel's connector sees of them.
 fn over_http<B>(
     mut http: tonic::transport::Channel,
-    mut ends: tokio::sync::watch::Receiver<u64>,
+    connections: std::sync::Arc<crate::connectivity::Tracker>,
     request: http::Request<B>,
 ) -> Pin<Box<dyn Future<Output = Result<http::Response<ResponseBody>, std::convert::Infallible>> + Send>>
 where
@@ -642,6 +642,10 @@ where
         // time left of its deadline.
         let (mut view, mut attempt) = (body.first(), 1);
         let sent = loop {
+            // An attempt whose body has ended already goes as tonic's empty body, which hyper
+            // never asks: it is not watched (`retry.rs`).
+            let watched = attempt < retry::ATTEMPTS && !view.is_end_stream();
+            let mut ends = connections.ends();
             let mut request = http::Request::new(tonic::body::Body::new(view));
             *request.method_mut() = parts.method.clone();
             *request.uri_mut() = parts.uri.clone();
@@ -655,18 +659,20 @@ where
                 }
                 request.headers_mut().insert(codec::GRPC_TIMEOUT, codec::timeout_value(left));
             }
-            ends.mark_unchanged();
             let mut sent = std::pin::pin!(async {
                 tower::ServiceExt::ready(&mut http).await?;
                 tower_service::Service::call(&mut http, request).await
             });
-            // A connection that ended may hold this attempt in its queue, never to send it
-            // (`retry.rs`): an attempt no connection took goes again then.
+            // A connection that closed and left the channel none may hold this attempt in its
+            // queue, never to send it (`retry.rs`): an attempt no connection took goes again.
             let given_up = loop {
                 tokio::select! {
                     biased;
                     sent = &mut sent => break Err(sent),
-                    Ok(()) = ends.changed(), if attempt < retry::ATTEMPTS => {
+                    Ok(()) = ends.changed(), if watched => {
+                        if connections.get() == crate::connectivity::Connectivity::Ready {
+                            continue;
+                        }
                         if let Some(next) = body.again_if_untaken() {
                             break Ok(next);
                         }
