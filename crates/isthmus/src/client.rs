@@ -319,9 +319,7 @@ impl ChannelBuilder {
             )),
             Target::Shm(_) => {
                 let shm = ShmChannel::new(&self.target, self.config)?;
-                if let Some(agent) = &self.user_agent {
-                    shm.set_agent(agent)?;
-                }
+                shm.set_agent(self.user_agent.as_deref())?;
                 Ok(Channel { via: Arc::new(Via::Shm(shm)), calls_read: true, routes: true })
             }
             other => {
@@ -422,9 +420,7 @@ impl Channel {
     /// process.
     pub(crate) fn expecting(to: &UpgradedTo, config: Config, agent: Option<&str>) -> Result<Channel, Status> {
         let shm = ShmChannel::expecting(&to.target, config, to.pid)?;
-        if let Some(agent) = agent {
-            shm.set_agent(agent)?;
-        }
+        shm.set_agent(agent)?;
         Ok(Channel { via: Arc::new(Via::Shm(shm)), calls_read: true, routes: true })
     }
 

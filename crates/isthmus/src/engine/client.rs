@@ -82,9 +82,10 @@ impl ShmChannel {
         ShmChannel { slot, connecting: ConnectLock::default(), connectivity: Arc::default() }
     }
 
-    /// Names `agent` as the user agent of the channel's calls (see [`Slot::set_agent`]).
-    pub(crate) fn set_agent(&self, agent: &str) -> Result<(), Status> {
-        self.slot.set_agent(agent)
+    /// Names `agent`, if given, as the user agent of the channel's calls (see
+    /// [`Slot::set_agent`]).
+    pub(crate) fn set_agent(&self, agent: Option<&str>) -> Result<(), Status> {
+        agent.map_or(Ok(()), |agent| self.slot.set_agent(agent))
     }
 
     /// A channel that refuses any server but process `pid` (an upgrade's check, ADR 0013).
