@@ -1,6 +1,7 @@
 //! Fuzz target: the C ABI's entry points where a caller's bytes come in, with arbitrary
-//! bytes: targets for `isthmus_channel_new`, metadata keys and values, method paths, status
-//! codes, JSON and protobuf bytes for `isthmus_proto_encode`/`_decode`, and handles that are
+//! bytes: targets and channel options (a user agent, sizes, flags, keepalive times) for
+//! `isthmus_channel_new`, metadata keys and values, method paths, status codes, JSON and
+//! protobuf bytes for `isthmus_proto_encode`/`_decode`, and handles that are
 //! garbage (also for the block calls, `isthmus_channel_alloc`, `isthmus_block_write` and
 //! `isthmus_unary_block`, the connectivity calls, the counters, the topics,
 //! `isthmus_server_call_reply_async` and `isthmus_server_call_begin`). Each must answer with a
@@ -274,6 +275,34 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         }
         assert_eq!(isthmus_channel_close(channel), ISTHMUS_OK);
     } else {
+        assert_eq!(isthmus_status_free(status), ISTHMUS_OK);
+    }
+
+    // Channel options from a caller: a user agent (any bytes but NUL), sizes, flags (known
+    // bits and others) and keepalive times, for a target that parses. Checked when the channel
+    // is made: it is refused with a status, or made IDLE.
+    let word = |at: usize| b.iter().skip(at).take(8).fold(0u64, |w, x| w << 8 | u64::from(*x));
+    let options = isthmus_channel_options_t {
+        max_message_size: word(1),
+        tls: std::ptr::null(),
+        flags: word(9) as u32,
+        keepalive_time_ms: word(13),
+        keepalive_timeout_ms: word(17),
+        user_agent: if b.first().is_some_and(|x| x & 1 == 1) { std::ptr::null() } else { text.as_ptr() },
+    };
+    let mut channel = std::ptr::null_mut();
+    let mut status = std::ptr::null_mut();
+    // SAFETY: a NUL-terminated target, options whose agent is NUL-terminated or NULL, valid
+    // out-pointers.
+    let code = unsafe { isthmus_channel_new(c"shm://isthmus-fuzz-none".as_ptr(), &options, &mut channel, &mut status) };
+    if code == ISTHMUS_OK {
+        let mut state = u32::MAX;
+        // SAFETY: a live channel and a valid out-pointer.
+        assert_eq!(unsafe { isthmus_channel_state(channel, 0, &mut state) }, ISTHMUS_OK);
+        assert_eq!(state, ISTHMUS_STATE_IDLE);
+        assert_eq!(isthmus_channel_close(channel), ISTHMUS_OK);
+    } else {
+        assert_ne!(code, ISTHMUS_INTERNAL, "options from a caller are refused, not a fault");
         assert_eq!(isthmus_status_free(status), ISTHMUS_OK);
     }
 
