@@ -11,6 +11,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"reflect"
 	"runtime"
 	"strings"
@@ -628,10 +629,20 @@ func newServerStreamWith(s *Server, m *method, sc *C.isthmus_server_call_t, mdh 
 	}
 	st.call.Context, st.call.st = ctx, st
 	if left >= 0 {
-		st.call.deadline = time.Now().Add(time.Duration(left) * time.Microsecond)
+		st.call.deadline = deadlineIn(left)
 	}
 	st.ctx = grpc.NewContextWithServerTransportStream(&st.call, transportStream{st})
 	return st
+}
+
+// deadlineIn is the time us microseconds from now. One too far for a time.Duration (past 292
+// years; shm:// carries up to 584, grpc-timeout up to 11,415) is as far as a Duration goes:
+// multiplied out, it overflowed into the past, and the handler's context was done at once.
+func deadlineIn(us int64) time.Time {
+	if us > math.MaxInt64/int64(time.Microsecond) {
+		return time.Now().Add(math.MaxInt64)
+	}
+	return time.Now().Add(time.Duration(us) * time.Microsecond)
 }
 
 // noMetadata is the incoming metadata of a call that has none. Shared: handlers get copies

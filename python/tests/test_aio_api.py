@@ -7,6 +7,7 @@ import asyncio
 import gc
 import os
 import random
+import sys
 import threading
 import time
 import weakref
@@ -46,6 +47,23 @@ async def test_errors_are_grpc_aios(address: str, pb_grpc: ModuleType, pb: Modul
         assert isinstance(error.trailing_metadata(), grpc.aio.Metadata)
         assert error.trailing_metadata()["x-failed"] == "yes"
         assert (await call.code(), await call.details()) == (grpc.StatusCode.ABORTED, "stop")
+
+
+@aio
+async def test_a_timeout_too_long_for_the_clock_is_no_deadline(
+    address: str, pb_grpc: ModuleType, pb: ModuleType
+) -> None:
+    """As the blocking API's test of the name: a caller's "forever" is no deadline, and 1e12 s
+    the longest the transport says; each raised a PanicException. grpc.aio fails such calls
+    DEADLINE_EXCEEDED at once."""
+    async with isthmus.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.EchoStub(channel)
+        for timeout in (1e12, float(sys.maxsize), 1e20, 1e300):
+            reply = await stub.Unary(pb.EchoRequest(seq=3, payload=b"x"), timeout=timeout)
+            assert (reply.seq, reply.payload) == (3, b"x")
+            assert reply.time_left_ms == -1 or reply.time_left_ms > 10**12, (timeout, reply.time_left_ms)
+            replies = [r async for r in stub.ServerStream(pb.StreamRequest(count=2, size=8), timeout=timeout)]
+            assert len(replies) == 2
 
 
 @aio

@@ -762,6 +762,20 @@ def test_plain_handlers_on_the_asyncio_server_run_as_grpc_aio_runs_them(loop: st
         served.close()
 
 
+def _serving_wait(
+    module: Any, wait: Callable[[bytes, grpc.ServicerContext], bytes]
+) -> tuple[Any, str, futures.ThreadPoolExecutor]:
+    """A server of `module` (grpc or isthmus) answering `/t.T/Wait` with `wait` on a fresh Unix
+    socket, started; and its target and pool."""
+    methods = {"Wait": grpc.unary_unary_rpc_method_handler(wait)}
+    pool = futures.ThreadPoolExecutor(4)
+    server = module.server(pool, handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
+    target = fresh("unix")
+    server.add_insecure_port(target)
+    server.start()
+    return server, target, pool
+
+
 @pytest.mark.parametrize("api", ["grpc", "isthmus"])
 def test_a_second_stop_with_less_grace_cuts_the_first_ones_short(api: str) -> None:
     """`stop(60)` with a call in progress, then `stop(0)`: the call ends now, not in a minute, as
@@ -776,12 +790,7 @@ def test_a_second_stop_with_less_grace_cuts_the_first_ones_short(api: str) -> No
         return b""
 
     module: Any = grpc if api == "grpc" else isthmus
-    methods = {"Wait": grpc.unary_unary_rpc_method_handler(wait)}
-    pool = futures.ThreadPoolExecutor(4)
-    server = module.server(pool, handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
-    target = fresh("unix")
-    server.add_insecure_port(target)
-    server.start()
+    server, target, pool = _serving_wait(module, wait)
     try:
         with module.insecure_channel(target) as channel:
             call = channel.unary_unary("/t.T/Wait").future(b"", timeout=120)
@@ -795,6 +804,40 @@ def test_a_second_stop_with_less_grace_cuts_the_first_ones_short(api: str) -> No
             assert ended.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
             assert time.monotonic() - began < 30  # far below the first stop's 60 s
     finally:
+        server.stop(None)
+        pool.shutdown(wait=False)
+
+
+# grpcio's thread that would cut the calls off at the end of the grace dies on such a grace
+# (OverflowError: timestamp out of range), which pytest reports as a warning.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+@pytest.mark.parametrize("grace", [float("inf"), 1e20])
+@pytest.mark.parametrize("api", ["grpc", "isthmus"])
+def test_a_stop_whose_grace_is_endless_lets_the_call_in_progress_finish(api: str, grace: float) -> None:
+    """`stop(inf)` and `stop(1e20)` with a call in progress: the call finishes with its reply, as
+    grpcio's does (its timer thread fails on such a grace, and nothing cuts the call off). In
+    isthmus `inf` cancelled the call at once, and 1e20 raised a PanicException from `stop`."""
+    started, release = threading.Event(), threading.Event()
+
+    def wait(request: bytes, context: grpc.ServicerContext) -> bytes:
+        started.set()
+        release.wait(30)
+        return b"finished"
+
+    module: Any = grpc if api == "grpc" else isthmus
+    server, target, pool = _serving_wait(module, wait)
+    try:
+        with module.insecure_channel(target) as channel:
+            call = channel.unary_unary("/t.T/Wait").future(b"", timeout=60)
+            assert started.wait(30)
+            stopped = server.stop(grace)
+            # A stop that cut the call off did so at once: the handler still holds it here.
+            time.sleep(0.2)
+            release.set()
+            assert call.result(timeout=30) == b"finished"
+            assert stopped.wait(30)
+    finally:
+        release.set()
         server.stop(None)
         pool.shutdown(wait=False)
 

@@ -7,6 +7,7 @@ import dataclasses
 import pickle
 import queue
 import random
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -46,6 +47,21 @@ def test_errors_are_grpcs(stub: Any, pb: ModuleType) -> None:
     assert isinstance(error.trailing_metadata(), tuple)
     copy = pickle.loads(pickle.dumps(error))
     assert (type(copy), copy.code(), copy.details()) == (isthmus.RpcError, grpc.StatusCode.ABORTED, "stop")
+
+
+@pytest.mark.parametrize("timeout", [1e12, float(sys.maxsize), 1e20, 1e300])
+def test_a_timeout_too_long_for_the_clock_is_no_deadline(stub: Any, pb: ModuleType, timeout: float) -> None:
+    """A caller's "forever" (`sys.maxsize` seconds, 1e300) is no deadline, as `inf` is, and 1e12 s
+    reaches the server as the longest `grpc-timeout` says (11,415 years) or shm:// does (584):
+    each raised a PanicException (not an `Exception`) or failed INTERNAL. grpcio fails such calls
+    DEADLINE_EXCEEDED at once (past ~285 years its deadline overflows), so this is isthmus's own."""
+    for call in (stub.Unary, stub.Unary.future):
+        reply = call(pb.EchoRequest(seq=3, payload=b"x"), timeout=timeout)
+        reply = reply if isinstance(reply, pb.EchoReply) else reply.result(timeout=30)
+        assert (reply.seq, reply.payload) == (3, b"x")
+        assert reply.time_left_ms == -1 or reply.time_left_ms > 10**12, reply.time_left_ms
+    replies = list(stub.ServerStream(pb.StreamRequest(count=2, size=8), timeout=timeout))
+    assert len(replies) == 2
 
 
 def test_with_call(stub: Any, pb: ModuleType) -> None:

@@ -3,11 +3,12 @@
 //!
 //! Metadata is a list of `(key, value)` pairs; keys are lowercased, `-bin` values are `bytes` both
 //! ways (a `str` given for one is taken as its UTF-8 bytes), others `str`. A timeout is seconds as
-//! a float; infinite is none, as grpcio reads it. A request `bytes` becomes the engine's `Bytes`
-//! without a copy (`bytes_from_py`: a `PyBuffer` keeps the object alive and owns the `Bytes`), so
-//! the only copy is the transport's own. A response for the grpcio-compatible API is copied once
-//! into a new `bytes`, so its arena block goes back at once; the raw tier's views
-//! (`buffers.rs`) keep theirs until Python lets go of them.
+//! a float; an infinite one, or one too long for a `Duration`, is none (grpcio fails both
+//! DEADLINE_EXCEEDED at once: its deadline overflows past ~285 years). A request `bytes` becomes
+//! the engine's `Bytes` without a copy (`bytes_from_py`: a `PyBuffer` keeps the object alive and
+//! owns the `Bytes`), so the only copy is the transport's own. A response for the
+//! grpcio-compatible API is copied once into a new `bytes`, so its arena block goes back at
+//! once; the raw tier's views (`buffers.rs`) keep theirs until Python lets go of them.
 //!
 //! `CallError` is the native exception (code, details, initial and trailing metadata); the package
 //! turns it into `isthmus.RpcError`: a `grpc.RpcError` and `grpc.Call` for the blocking API, a
@@ -231,7 +232,9 @@ pub(crate) fn compression_from_py(name: Option<&str>) -> PyResult<Option<isthmus
 /// A timeout in seconds from Python: none, or infinite (as grpcio reads it), is no timeout.
 pub(crate) fn timeout_from_py(timeout: Option<f64>) -> Option<Duration> {
     match timeout {
-        Some(t) if t.is_finite() => Some(Duration::from_secs_f64(t.max(0.0))),
+        // One too long for a `Duration` (grpcio's callers pass `sys.maxsize` for "forever") is
+        // none, as an infinite one is.
+        Some(t) if t.is_finite() => Duration::try_from_secs_f64(t.max(0.0)).ok(),
         _ => None,
     }
 }

@@ -783,7 +783,12 @@ impl Server {
 
     #[pyo3(signature = (grace=None))]
     fn stop(&self, grace: Option<f64>) {
-        let grace = grace.filter(|g| g.is_finite() && *g > 0.0).map_or(Duration::ZERO, Duration::from_secs_f64);
+        // None, zero or less: calls are cancelled now. A grace too long for a `Duration`, or
+        // infinite, lets them finish, as grpcio's (whose timer thread fails on it).
+        let grace = match grace {
+            Some(g) if g > 0.0 => Duration::try_from_secs_f64(g).unwrap_or(Duration::MAX),
+            _ => Duration::ZERO,
+        };
         // A second stop with a smaller grace shortens the first one's, as in grpcio.
         isthmus::stop_by(&self.stop, grace);
         if !self.started.swap(true, Ordering::AcqRel) {
@@ -805,7 +810,9 @@ impl Server {
             match timeout.filter(|t| t.is_finite()) {
                 None => cv.wait_while(guard, |s| !*s).map_or(true, |g| *g),
                 Some(t) => {
-                    cv.wait_timeout_while(guard, Duration::from_secs_f64(t.max(0.0)), |s| !*s).map_or(true, |(g, _)| *g)
+                    // One too long for a `Duration` waits as long as the clock can count.
+                    let t = Duration::try_from_secs_f64(t.max(0.0)).unwrap_or(Duration::MAX);
+                    cv.wait_timeout_while(guard, t, |s| !*s).map_or(true, |(g, _)| *g)
                 }
             }
         })

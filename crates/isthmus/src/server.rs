@@ -571,7 +571,7 @@ impl Bound {
     /// [`serve_with_shutdown`](Self::serve_with_shutdown) with the grace period chosen when
     /// the shutdown comes: `shutdown`'s output (grpcio's `stop(grace)`).
     pub async fn serve_until(self, shutdown: impl Future<Output = Duration>) -> Result<(), Status> {
-        self.serve_to(async move { tokio::time::Instant::now() + shutdown.await }, None).await
+        self.serve_to(async move { grace_ends(shutdown.await) }, None).await
     }
 
     /// [`serve_until`](Self::serve_until) for a shutdown that may be asked for again, sooner:
@@ -657,7 +657,7 @@ impl Bound {
                 Err(e) => Status::new(Code::Internal, format!("an endpoint's task failed: {e}")),
             }),
         };
-        let cut_off = cut_off.unwrap_or_else(|| tokio::time::Instant::now() + default_grace);
+        let cut_off = cut_off.unwrap_or_else(|| grace_ends(default_grace));
         for name in names.iter().copied().chain([""]) {
             reporter.set_service_status(name, tonic_health::ServingStatus::NotServing).await;
         }
@@ -705,7 +705,7 @@ impl Bound {
 /// running `grace` from now, unless a stop already asked for cuts them off sooner (the
 /// earliest counts, as grpcio's repeated `stop` and grpc-go's `Stop` during `GracefulStop`).
 pub fn stop_by(stop: &tokio::sync::watch::Sender<Option<tokio::time::Instant>>, grace: Duration) {
-    let at = tokio::time::Instant::now() + grace;
+    let at = grace_ends(grace);
     stop.send_if_modified(|sent| match sent {
         Some(earlier) if *earlier <= at => false,
         _ => {
@@ -713,6 +713,13 @@ pub fn stop_by(stop: &tokio::sync::watch::Sender<Option<tokio::time::Instant>>, 
             true
         }
     });
+}
+
+/// When a grace period that starts now ends. One too long for the clock to hold
+/// (`Duration::MAX`: "let them finish") ends in a century: `Instant + Duration` would panic.
+fn grace_ends(grace: Duration) -> tokio::time::Instant {
+    let now = tokio::time::Instant::now();
+    now.checked_add(grace).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
 }
 
 /// Completes at `cut_off`, or at an earlier instant `hurry` comes to hold.

@@ -610,6 +610,49 @@ fn a_call_whose_deadline_passed_already_fails_every_time() {
     });
 }
 
+/// What the server saw of a call's deadline (`TimeLeft`): none, or more than 500 years. A
+/// timeout the clock cannot hold (a caller's "forever": `Duration::MAX`, ~2^63 s) is none; a
+/// long one that it can (2^40 s, ~35,000 years) reaches the server as the longest its transport
+/// says (584 years in shm://'s nanoseconds, 11,415 in `grpc-timeout`'s 8 digits of hours).
+fn far_or_none(left_ms: &[u8]) -> bool {
+    let left: i64 = std::str::from_utf8(left_ms).expect("ascii").parse().expect("number");
+    left == -1 || left > 500 * 365 * 86_400_000
+}
+
+/// The timeouts of [`far_or_none`]: each panicked, on `Instant + Duration`'s overflow or in
+/// tonic, which refuses to write a `grpc-timeout` over 8 digits of hours.
+const FOREVERS: [Duration; 3] = [Duration::MAX, Duration::from_secs(u64::MAX / 2), Duration::from_secs(1 << 40)];
+
+#[test]
+fn a_timeout_too_long_for_the_clock_is_no_deadline_on_every_transport() {
+    let (_server, addrs) = server_everywhere("forever");
+    run(async move {
+        for addr in addrs {
+            let ch = Channel::connect(&addr).await.expect("connect");
+            for timeout in FOREVERS {
+                let options = CallOptions { timeout: Some(timeout), ..CallOptions::default() };
+                let r = ch.unary("/test.Echo/TimeLeft", b"", options.clone()).await;
+                let r = r.unwrap_or_else(|s| panic!("{addr}, {timeout:?}: {s}"));
+                assert!(far_or_none(&r.message), "{addr}, {timeout:?}: {:?}", r.message);
+                let mut call = ch.start("/test.Echo/Bidi", options).await.expect("start");
+                call.send(b"one").await.expect("send");
+                assert_eq!(&call.recv().await.expect("echo").expect("message")[..], b"one");
+            }
+        }
+    });
+    // The blocking client, over shm://.
+    let (_server, addr) = server();
+    let ch = isthmus::blocking::Channel::connect(&addr).expect("connect");
+    for timeout in FOREVERS {
+        let options = CallOptions { timeout: Some(timeout), ..CallOptions::default() };
+        let r = ch.unary("/test.Echo/TimeLeft", b"", options.clone()).unwrap_or_else(|s| panic!("{timeout:?}: {s}"));
+        assert!(far_or_none(&r.message), "blocking, {timeout:?}: {:?}", r.message);
+        let mut call = ch.start("/test.Echo/Bidi", options).expect("start");
+        call.send(b"one").expect("send");
+        assert_eq!(&call.recv().expect("echo").expect("message")[..], b"one");
+    }
+}
+
 /// A stream over HTTP/2 that waits for ready, with no server: its sends beyond the one the
 /// request queue holds waited for ever (the wait for READY knew no deadline), so a caller that
 /// sends before it reads (a C caller, Lua outside nginx) never learnt of the deadline.

@@ -238,7 +238,7 @@ impl Channel {
     /// deadline): `Err(None)` if it passed.
     fn start_by(&self, path: &str, options: &CallOptions, patience: Option<Instant>) -> Result<Call, Option<Status>> {
         check_start(path, options)?;
-        let deadline = options.timeout.map(|t| Instant::now() + t);
+        let deadline = options.timeout.and_then(crate::call::deadline_in);
         self.start_with(None, path, options, deadline, patience, None).map(|(call, _)| call)
     }
 
@@ -366,7 +366,7 @@ impl Channel {
         patience: Option<Instant>,
     ) -> Result<Option<(Call, usize)>, Status> {
         check_start(path, options)?;
-        let deadline = options.timeout.map(|t| Instant::now() + t);
+        let deadline = options.timeout.and_then(crate::call::deadline_in);
         let live = match self.stage(request, options, deadline, patience)? {
             Staged::Usual(live) => live,
             Staged::NoRoom => return Ok(None),
@@ -398,7 +398,7 @@ impl Channel {
     /// [`alloc`](Self::alloc) for the request of a call with these options: within its
     /// timeout, and with `wait_for_ready` waiting for a server to connect to as the call would.
     pub fn alloc_for(&self, len: usize, options: &CallOptions) -> Result<BlockMut, Status> {
-        let deadline = options.timeout.map(|t| Instant::now() + t);
+        let deadline = options.timeout.and_then(crate::call::deadline_in);
         let mux = self.mux(options.wait_for_ready, deadline)?;
         mux.sender.alloc(len, deadline).map_err(|e| Status::from_transport(&e))
     }

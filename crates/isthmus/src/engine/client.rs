@@ -182,7 +182,7 @@ impl ShmChannel {
         first: Option<&[u8]>,
     ) -> Result<(ShmCall, bool), Status> {
         check_start(path, &options)?;
-        let deadline = options.timeout.map(|t| Instant::now() + t);
+        let deadline = options.timeout.and_then(crate::call::deadline_in).map(Instant::from_std);
         let mut again = true;
         loop {
             // Connecting, and a wait for ring room, are boxed: their state would sit in every

@@ -279,7 +279,7 @@ impl HttpCall {
         codec::metadata_into(&options.metadata, &mut headers);
         *request.metadata_mut() = tonic::metadata::MetadataMap::from_headers(headers);
         // The server is told the time left when the request goes, after any wait for READY.
-        let deadline = options.timeout.map(|t| Instant::now() + t);
+        let deadline = options.timeout.and_then(crate::call::deadline_in).map(Instant::from_std);
         // Replies a server chose to compress are read; requests are compressed when the call
         // asks (uncompressed ones every server accepts).
         let mut grpc = tonic::client::Grpc::new(channel)
@@ -305,7 +305,8 @@ impl HttpCall {
                 tonic::Status::unavailable(format!("channel not ready: {why}"))
             })?;
             if let Some(deadline) = deadline {
-                request.set_timeout(deadline.saturating_duration_since(Instant::now()));
+                // tonic panics on a timeout `grpc-timeout` cannot say (over 8 digits of hours).
+                request.set_timeout(deadline.saturating_duration_since(Instant::now()).min(codec::MAX_TIMEOUT));
             }
             grpc.streaming(request, path, BytesCodec).await
         });

@@ -309,6 +309,9 @@ pub(crate) fn timeout_from(headers: &HeaderMap) -> Result<Option<Duration>, Stat
     }))
 }
 
+/// The longest timeout `grpc-timeout` can say: 8 digits of hours (11,415 years).
+pub(crate) const MAX_TIMEOUT: Duration = Duration::from_secs(99_999_999 * 3600);
+
 /// Writes `grpc-timeout` in the finest unit whose count fits 8 digits.
 pub(crate) fn timeout_value(t: Duration) -> HeaderValue {
     let units: [(u128, char); 6] = [
