@@ -21,7 +21,36 @@ from ._native import Block, CallError, Message, ServerCall
 _LOG = logging.getLogger("isthmus")
 
 
+def status_code(code: Any, numbers: bool = False) -> int:
+    """The number a call ends with for the code its handler set (None: OK). Anything else not a
+    `grpc.StatusCode` is UNKNOWN, as grpcio ends such a call, but for a plain int of a code
+    where `numbers` says so (grpc.aio's server takes `abort(5, ...)` as NOT_FOUND). Taken as a
+    `StatusCode`, such a code raised inside the call's end and the call never ended."""
+    if code is None:
+        return 0
+    if isinstance(code, grpc.StatusCode):
+        return int(code.value[0])
+    if numbers and isinstance(code, int) and 0 <= code <= 16:
+        return code
+    return int(grpc.StatusCode.UNKNOWN.value[0])
+
+
+def status_details(details: Any) -> str:
+    """The text a call ends with for the details its handler set: `bytes` as grpcio sends them
+    (their UTF-8), anything else not a `str` by its `str()`. Refused as they were, they left the
+    call unended."""
+    if not details:
+        return ""
+    if isinstance(details, bytes):
+        return details.decode("utf-8", "replace")
+    return details if isinstance(details, str) else str(details)
+
+
 class Context:
+    # Whether a plain int is taken as the code of that number (`status_code`): grpc.aio's
+    # server does, grpcio's ends the call UNKNOWN.
+    _NUMBERS = False
+
     def __init__(
         self, call: ServerCall, handler: grpc.RpcMethodHandler, raw: bool = False, max_send: int | None = None
     ) -> None:
@@ -160,7 +189,7 @@ class Context:
 
     def _responds(self) -> bool:
         """Whether a unary handler's return value is sent: not once it set a failing code."""
-        return self._code is None or self._code is grpc.StatusCode.OK
+        return status_code(self._code, self._NUMBERS) == 0
 
     def _finish(self, error: BaseException | None, reply: Any = None, fault: str | None = None) -> None:
         """Ends the call: with the handler's code, details and trailers, or as grpcio ends a
@@ -173,15 +202,15 @@ class Context:
         if error is not None and not self._aborted:
             if self._call.is_active():  # otherwise the error is the call's end, not a fault
                 _LOG.error("Exception calling application", exc_info=error)
-            if code is None or code is grpc.StatusCode.OK:
+            if status_code(code, self._NUMBERS) == 0:
                 code = grpc.StatusCode.UNKNOWN
             if details is None:
                 details = self._fault(error) if fault is None else fault
         self._finished = True
         trailing = None if self._trailing is None else outgoing(self._trailing)
-        status = 0 if code is None else code.value[0]
+        status, details = status_code(code, self._NUMBERS), status_details(details)
         try:
-            self._end(status, details or "", trailing, reply)
+            self._end(status, details, trailing, reply)
         except (TypeError, ValueError) as e:
             if trailing is None:
                 raise
@@ -189,7 +218,7 @@ class Context:
             # pair that is not one): the status goes without it, rather than the call waiting
             # for its deadline. (A reply that is itself refused raises again.)
             _LOG.error("the handler's trailing metadata was refused; the status goes without it", exc_info=e)
-            self._end(status, details or "", None, reply)
+            self._end(status, details, None, reply)
 
     def _end(self, code: int, details: str, trailing: Any, reply: Any) -> None:
         if reply is None:

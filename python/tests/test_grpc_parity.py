@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent import futures
 from pathlib import Path
 from types import ModuleType
@@ -762,12 +762,12 @@ def test_plain_handlers_on_the_asyncio_server_run_as_grpc_aio_runs_them(loop: st
         served.close()
 
 
-def _serving_wait(
-    module: Any, wait: Callable[[bytes, grpc.ServicerContext], bytes]
+def _serving(
+    module: Any, handlers: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]]
 ) -> tuple[Any, str, futures.ThreadPoolExecutor]:
-    """A server of `module` (grpc or isthmus) answering `/t.T/Wait` with `wait` on a fresh Unix
-    socket, started; and its target and pool."""
-    methods = {"Wait": grpc.unary_unary_rpc_method_handler(wait)}
+    """A server of `module` (grpc or isthmus) answering `/t.T/<name>` with each of `handlers`
+    on a fresh Unix socket, started; and its target and pool."""
+    methods = {name: grpc.unary_unary_rpc_method_handler(h) for name, h in handlers.items()}
     pool = futures.ThreadPoolExecutor(4)
     server = module.server(pool, handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
     target = fresh("unix")
@@ -790,7 +790,7 @@ def test_a_second_stop_with_less_grace_cuts_the_first_ones_short(api: str) -> No
         return b""
 
     module: Any = grpc if api == "grpc" else isthmus
-    server, target, pool = _serving_wait(module, wait)
+    server, target, pool = _serving(module, {"Wait": wait})
     try:
         with module.insecure_channel(target) as channel:
             call = channel.unary_unary("/t.T/Wait").future(b"", timeout=120)
@@ -825,7 +825,7 @@ def test_a_stop_whose_grace_is_endless_lets_the_call_in_progress_finish(api: str
         return b"finished"
 
     module: Any = grpc if api == "grpc" else isthmus
-    server, target, pool = _serving_wait(module, wait)
+    server, target, pool = _serving(module, {"Wait": wait})
     try:
         with module.insecure_channel(target) as channel:
             call = channel.unary_unary("/t.T/Wait").future(b"", timeout=60)
@@ -840,6 +840,100 @@ def test_a_stop_whose_grace_is_endless_lets_the_call_in_progress_finish(api: str
         release.set()
         server.stop(None)
         pool.shutdown(wait=False)
+
+
+def _odd_statuses() -> dict[str, Callable[[bytes, grpc.ServicerContext], bytes]]:
+    """Handlers that end their calls with a code that is a plain int, or details that are bytes."""
+
+    def set_code(code: Any, details: Any = None) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+        def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
+            context.set_code(code)
+            if details is not None:
+                context.set_details(details)
+            return b"reply"
+
+        return handler
+
+    def abort(code: Any, details: Any) -> Callable[[bytes, grpc.ServicerContext], bytes]:
+        def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
+            context.abort(code, details)
+
+        return handler
+
+    return {
+        "AbortInt": abort(5, "x"),
+        "SetCodeInt": set_code(5),
+        "AbortBytes": abort(grpc.StatusCode.NOT_FOUND, b"bytes"),
+        "SetDetailsBytes": set_code(grpc.StatusCode.NOT_FOUND, b"bd"),
+    }
+
+
+def _statuses(target: str, methods: Iterable[str]) -> list[Any]:
+    """What grpcio's client gets from each method: its reply, or its error's code and details."""
+    got: list[Any] = []
+    with grpc.insecure_channel(target) as channel:
+        for method in methods:
+            try:
+                got.append(channel.unary_unary(f"/t.T/{method}")(b"", timeout=10))
+            except grpc.RpcError as e:
+                got.append((e.code(), e.details()))
+    return got
+
+
+@pytest.mark.parametrize("api", ["grpc", "isthmus"])
+def test_a_code_that_is_an_int_or_details_that_are_bytes_end_the_call_as_grpcio_ends_it(api: str) -> None:
+    """A handler that sets a plain int as its code, or bytes as its details, has its call end:
+    UNKNOWN for the int, the bytes' text as details, as grpcio's server does. In isthmus each
+    raised inside the call's end, and the call waited for its deadline."""
+    module: Any = grpc if api == "grpc" else isthmus
+    handlers = _odd_statuses()
+    server, target, pool = _serving(module, handlers)
+    try:
+        assert _statuses(target, handlers) == [
+            (grpc.StatusCode.UNKNOWN, "x"),
+            (grpc.StatusCode.UNKNOWN, ""),
+            (grpc.StatusCode.NOT_FOUND, "bytes"),
+            (grpc.StatusCode.NOT_FOUND, "bd"),
+        ]
+    finally:
+        server.stop(None)
+        pool.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("api", ["grpc.aio", "isthmus.aio"])
+def test_an_asyncio_handlers_code_that_is_an_int_is_that_code_as_in_grpc_aio(api: str, loop: str) -> None:
+    """grpc.aio's server takes a plain int as the code of that number (`abort(5, ...)` is
+    NOT_FOUND; `set_code(0)` lets the reply go). In isthmus.aio each raised inside the call's
+    end, and the call waited for its deadline. (Bytes as details grpc.aio refuses, failing the
+    call with a TypeError's text; isthmus.aio sends their text, as grpcio does.)"""
+
+    async def abort_int(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await context.abort(5, "x")
+
+    async def set_code_int(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        context.set_code(5)
+        return b"reply"
+
+    async def set_code_zero(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        context.set_code(0)
+        return b"reply"
+
+    async def test() -> None:
+        module: Any = grpc.aio if api == "grpc.aio" else isthmus.aio
+        handlers = {"AbortInt": abort_int, "SetCodeInt": set_code_int, "SetCodeZero": set_code_zero}
+        methods = {name: grpc.unary_unary_rpc_method_handler(h) for name, h in handlers.items()}
+        server = module.server(handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
+        target = fresh("unix")
+        server.add_insecure_port(target)
+        await server.start()
+        try:
+            got = await asyncio.to_thread(_statuses, target, handlers)
+            assert got == [(grpc.StatusCode.NOT_FOUND, "x"), (grpc.StatusCode.NOT_FOUND, ""), b"reply"]
+        finally:
+            await server.stop(None)
+
+    run(loop, test)
 
 
 @pytest.mark.parametrize("transport", ["unix", "http"])

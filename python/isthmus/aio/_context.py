@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 import grpc
 import grpc.aio
 
-from .._context import Context
+from .._context import Context, status_code, status_details
 from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
 from .._native import Block, CallError, ServerCall
@@ -18,6 +18,8 @@ from ._reactor import Driver
 
 
 class ServicerContext(Context, grpc.aio.ServicerContext):
+    _NUMBERS = True  # grpc.aio's server takes `abort(5, ...)` as NOT_FOUND
+
     def __init__(
         self,
         call: ServerCall,
@@ -140,10 +142,9 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         else written as `write` does, and the status follows when the handler's task ends."""
         encoded = self._encode(response)
         if not self._raw and isinstance(encoded, bytes):
-            code, trailing = self._code, self._trailing
-            status = 0 if code is None else code.value[0]
-            md = None if trailing is None else outgoing(trailing)
-            if self._call.try_reply(encoded, status, self._details or "", md):
+            md = None if self._trailing is None else outgoing(self._trailing)
+            code, details = status_code(self._code, self._NUMBERS), status_details(self._details)
+            if self._call.try_reply(encoded, code, details, md):
                 self._finished = True
                 return
         await self._op(self._send_op, encoded)
