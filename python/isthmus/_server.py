@@ -193,7 +193,7 @@ class Server(ServerBase, grpc.Server):
                         if responses is None:
                             responses = iter(response)
                         message = next(responses, None)
-                    except Exception as e:  # the handler's own code, run by the iteration
+                    except BaseException as e:  # the handler's own code, run by the iteration
                         context._finish(e, fault=f"Exception iterating responses: {e}")
                         return
                     if message is None:  # as grpcio's server: a None ends the stream too
@@ -203,7 +203,9 @@ class Server(ServerBase, grpc.Server):
                 # The response and the status in one step.
                 context._finish(None, context._encode(response))
                 return
-        except Exception as e:
+        # A handler's SystemExit or KeyboardInterrupt too: its call ends UNKNOWN, and the thread
+        # serves on, as threads ignore SystemExit (grpcio's call then waits for its deadline).
+        except BaseException as e:
             context._finish(e)
         else:
             context._finish(None)

@@ -17,7 +17,7 @@ import grpc
 import grpc.aio
 import pytest
 from conftest import Endpoint
-from peer import Served, fresh
+from peer import Peer, Served, fresh
 
 import isthmus
 
@@ -62,6 +62,66 @@ def test_a_timeout_too_long_for_the_clock_is_no_deadline(stub: Any, pb: ModuleTy
         assert reply.time_left_ms == -1 or reply.time_left_ms > 10**12, reply.time_left_ms
     replies = list(stub.ServerStream(pb.StreamRequest(count=2, size=8), timeout=timeout))
     assert len(replies) == 2
+
+
+# A blocking server whose handlers take the process's way out: `sys.exit` and
+# KeyboardInterrupt, raised in a handler and while a streaming handler's replies are read.
+_EXITING_SERVER = """
+import sys
+from concurrent import futures
+import grpc, isthmus
+
+def exits(request, context):
+    raise SystemExit(3)
+
+def interrupted(request, context):
+    raise KeyboardInterrupt
+
+def exits_midway(request, context):
+    yield b"a"
+    sys.exit(4)
+
+server = isthmus.server(futures.ThreadPoolExecutor(2))
+methods = {
+    "Exit": grpc.unary_unary_rpc_method_handler(exits),
+    "Interrupt": grpc.unary_unary_rpc_method_handler(interrupted),
+    "ExitMidway": grpc.unary_stream_rpc_method_handler(exits_midway),
+    "Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request),
+}
+server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", methods)])
+server.add_insecure_port(sys.argv[1])
+server.start()
+print("READY", flush=True)
+server.wait_for_termination()
+"""
+
+
+def test_a_handler_that_raises_systemexit_ends_its_call_not_the_server() -> None:
+    """A handler that calls `sys.exit` (or raises KeyboardInterrupt) has its call end UNKNOWN,
+    as other exceptions do, and the server serves on: the `SystemExit` reached `PyErr::print` on
+    its way out of the thread, which ended the whole process. (grpcio's server serves on too,
+    but its call waits for its deadline.)"""
+    target = fresh("unix")
+    peer = Peer([sys.executable, "-c", _EXITING_SERVER, target])
+    try:
+        with grpc.insecure_channel(target.replace("unix://", "unix:")) as channel:
+            echo = channel.unary_unary("/t.T/Echo")
+            for method, details in [("Exit", "3"), ("Interrupt", "")]:
+                with pytest.raises(grpc.RpcError) as ended:
+                    channel.unary_unary(f"/t.T/{method}")(b"", timeout=30)
+                got = (ended.value.code(), ended.value.details())
+                assert got == (grpc.StatusCode.UNKNOWN, f"Exception calling application: {details}")
+                assert echo(b"on", timeout=30) == b"on"
+            replies = channel.unary_stream("/t.T/ExitMidway")(b"", timeout=30)
+            assert next(replies) == b"a"
+            with pytest.raises(grpc.RpcError) as ended:
+                next(replies)
+            got = (ended.value.code(), ended.value.details())
+            assert got == (grpc.StatusCode.UNKNOWN, "Exception iterating responses: 4")
+            assert echo(b"on", timeout=30) == b"on"
+        assert peer.process.poll() is None
+    finally:
+        peer.close()
 
 
 def test_with_call(stub: Any, pb: ModuleType) -> None:

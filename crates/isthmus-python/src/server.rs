@@ -526,12 +526,13 @@ fn no_loop() -> Status {
 }
 
 /// `callback()` as a call's callback, run by the engine (with the GIL, on an engine thread);
-/// what it raises is printed, as an unraisable exception would be.
+/// what it raises is reported as an unraisable exception (`PyErr::print` would have ended the
+/// process on a `SystemExit`).
 fn engine_callback(callback: Py<PyAny>) -> Box<dyn FnOnce() + Send> {
     Box::new(move || {
         Python::attach(|py| {
             if let Err(e) = callback.call0(py) {
-                e.print(py);
+                e.write_unraisable(py, Some(callback.bind(py)));
             }
         })
     })
@@ -668,8 +669,9 @@ impl Server {
                     }
                     let call = Py::new(py, ServerCall::queued(core))?;
                     if let Err(e) = handle.call1(py, (call,)) {
-                        // `handle` reports a handler's own errors; this is a bug in it.
-                        e.print(py);
+                        // `handle` reports a handler's own errors; this is a bug in it. Not
+                        // `print`, which ends the process on a `SystemExit`.
+                        e.write_unraisable(py, Some(handle.bind(py)));
                     }
                 }
                 Next::Idle | Next::Closed => return Ok(()),

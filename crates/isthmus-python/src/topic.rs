@@ -91,7 +91,8 @@ pub(crate) fn gap_callback(on_gap: Option<Py<PyAny>>) -> Option<impl FnMut(u64) 
                 Ok(Some(bytes::Bytes::copy_from_slice(buffer.as_slice())))
             });
             made.unwrap_or_else(|e| {
-                e.print(py);
+                // Not `print`, which ends the process on a `SystemExit`.
+                e.write_unraisable(py, Some(on_gap.bind(py)));
                 None
             })
         })
