@@ -133,7 +133,44 @@ def test_a_calls_status_comes_without_reading_to_the_end(
                 some = stub.ServerStream(pb.StreamRequest(count=3, size=8), timeout=60)
                 assert len((await some.read()).payload) == 8
                 assert await asyncio.wait_for(some.code(), 30) == grpc.StatusCode.OK
-                assert len([r async for r in some]) == 2
+                assert [len((await some.read()).payload) for _ in range(2)] == [8, 8]
+                assert await some.read() is grpc.aio.EOF
+
+    run(loop, test)
+
+
+def test_a_call_is_read_and_written_one_way_only(
+    client: tuple[Callable[[], Any], str], pb_grpc: ModuleType, pb: ModuleType
+) -> None:
+    """A streaming call's responses are read with `read()` or with `async for`, not both, and a
+    call given a request iterator takes no `write()` or `done_writing()`: each mix is grpc.aio's
+    UsageError. isthmus.aio allowed both, and a write went in among the iterator's requests."""
+    make, loop = client
+
+    async def test() -> None:
+        async with make() as channel:
+            stub = pb_grpc.EchoStub(channel)
+            read = stub.ServerStream(pb.StreamRequest(count=2, size=8), timeout=60)
+            assert len((await read.read()).payload) == 8
+            with pytest.raises(grpc.aio.UsageError):
+                [r async for r in read]
+            iterated = stub.ServerStream(pb.StreamRequest(count=2, size=8), timeout=60)
+            async for _ in iterated:
+                break
+            with pytest.raises(grpc.aio.UsageError):
+                await iterated.read()
+            given = stub.Bidi(iter([pb.EchoRequest(seq=1)]), timeout=60)
+            with pytest.raises(grpc.aio.UsageError):
+                await given.write(pb.EchoRequest(seq=2))
+            with pytest.raises(grpc.aio.UsageError):
+                await given.done_writing()
+            assert [r.seq async for r in given] == [1]
+            # Written, the other way: read with `read()` to the end.
+            written = stub.Bidi(timeout=60)
+            await written.write(pb.EchoRequest(seq=3))
+            await written.done_writing()
+            assert (await written.read()).seq == 3
+            assert await written.read() is grpc.aio.EOF
 
     run(loop, test)
 

@@ -24,6 +24,8 @@ from ._reactor import Driver
 _LOG = logging.getLogger("isthmus")
 
 _INTERNAL = 13
+# grpc.aio's words for a call whose requests or responses are used both ways.
+_API_STYLE_ERROR = "The iterator and read/write APIs may not be mixed on a single RPC."
 
 RequestIterable = AsyncIterable[Any] | Iterable[Any]
 
@@ -259,6 +261,11 @@ class _StreamCall(_Call):
             self._started.set_result(started[1])
             self._on_started(self._started)
         self._done_writing = False
+        # As grpc.aio: a call given its requests (an iterator, or the one request of a
+        # unary-request call) takes no `write` or `done_writing`, and one read with `read`
+        # is not iterated with `async for`, nor the other way round (`_style`).
+        self._requests_given = requests is not None
+        self._reading: str | None = None
         # The engine takes one receive-side operation at a time (recv, initial_metadata).
         self._receive_lock = _CountedLock()
         self._initial: list[Metadatum] | None = None
@@ -469,7 +476,7 @@ class _StreamCall(_Call):
             async for request in _aiter(requests):
                 if not await self._send(request):
                     return  # the call is over; the receiving side reports how
-            await self.done_writing()
+            await self._half_close()
         except grpc.RpcError:
             pass  # likewise
         except Exception:
@@ -477,6 +484,8 @@ class _StreamCall(_Call):
             self.cancel()
 
     async def write(self, request: Any) -> None:
+        if self._requests_given:
+            raise grpc.aio.UsageError(_API_STYLE_ERROR)
         if self._done.done():
             raise asyncio.InvalidStateError("RPC already finished.")
         if self._done_writing:
@@ -486,6 +495,11 @@ class _StreamCall(_Call):
             self._raise_status()
 
     async def done_writing(self) -> None:
+        if self._requests_given:
+            raise grpc.aio.UsageError(_API_STYLE_ERROR)
+        await self._half_close()
+
+    async def _half_close(self) -> None:
         if self._done.done() or self._done_writing:
             return
         self._done_writing = True
@@ -543,7 +557,19 @@ class _StreamCall(_Call):
             self._close(None)
         return message  # type: ignore[no-any-return]
 
+    def _style(self, reading: str) -> None:
+        """Reading the responses one way (`read`, or `async for`) after the other is grpc.aio's
+        UsageError."""
+        if self._reading is None:
+            self._reading = reading
+        elif self._reading != reading:
+            raise grpc.aio.UsageError(_API_STYLE_ERROR)
+
     async def read(self) -> Any:
+        self._style("read")
+        return await self._read()
+
+    async def _read(self) -> Any:
         message = await self._recv()
         if message is None:
             return grpc.aio.EOF
@@ -554,10 +580,11 @@ class _StreamCall(_Call):
             raise rpc_error(e, aio=True) from None
 
     async def _responses(self) -> AsyncIterator[Any]:
-        while (response := await self.read()) is not grpc.aio.EOF:
+        while (response := await self._read()) is not grpc.aio.EOF:
             yield response
 
     def __aiter__(self) -> AsyncIterator[Any]:
+        self._style("iterate")
         return self._responses()
 
 
