@@ -172,6 +172,18 @@ def test_a_spent_timeout_is_deadline_exceeded_at_once(nginx: Nginx, shm: str, ti
     assert "no answer in time" not in r["message"], r
 
 
+@pytest.mark.parametrize("timeout", [1e12, 1e30])
+@pytest.mark.parametrize("transport", ["shm", "http"])
+def test_a_timeout_too_long_for_the_clock_is_no_deadline(
+    nginx: Nginx, servers: Callable[[str], Served], transport: str, timeout: float
+) -> None:
+    """A caller's "forever" is no deadline: 1e12 s (~31,700 years) failed INTERNAL over HTTP/2,
+    where tonic refused to write a `grpc-timeout` that long; 1e30 s is more microseconds than
+    the library's int64 holds."""
+    r = nginx.case("slow", servers("rust").addresses[transport], sleep=0, timeout=timeout)
+    assert r == {"ok": True, "seq": "1"}, r  # proto3 JSON writes a uint64 as a string
+
+
 def test_a_stream_past_its_deadline(nginx: Nginx, shm: str) -> None:
     """A stream's recv that nothing answers ends DEADLINE_EXCEEDED when the stream's deadline
     passes (well before the 5 s backstop a lost deadline would hit)."""
