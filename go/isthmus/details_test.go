@@ -5,17 +5,20 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"strings"
 	"testing"
 
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 
 	pb "example.invalid/isthmus/go/internal/conformancepb"
 	"example.invalid/isthmus/go/internal/echo"
+	"example.invalid/isthmus/go/isthmus"
 )
 
 // A status's details (status.WithDetails: a google.rpc.Status, gRPC's grpc-status-details-bin)
@@ -124,6 +127,70 @@ func TestDetailsThatDoNotDecodeAreIgnored(t *testing.T) {
 		s, _ := status.FromError(err)
 		if s.Code() != codes.DataLoss || s.Message() != "lost" || len(s.Details()) != 0 {
 			t.Errorf("%s: got %v with details %v", target, err, s.Details())
+		}
+	}
+}
+
+// oddMessages fails each call with the status message its request's seq picks.
+type oddMessages struct{ echo.Service }
+
+// oddMessage is the status message of seq, and what a client reads of it.
+func oddMessage(seq uint64) (sent, read string) {
+	switch seq {
+	case 0:
+		return "bytes \xff\xfe that are no UTF-8", "bytes \uFFFD\uFFFD that are no UTF-8"
+	case 1:
+		return "a NUL \x00 inside", "a NUL \uFFFD inside"
+	default:
+		long := strings.Repeat("a long message ", 1400) // 21 KB, over hyper's 16 KiB of headers
+		return long, long
+	}
+}
+
+func (oddMessages) Unary(ctx context.Context, r *pb.EchoRequest) (*pb.EchoReply, error) {
+	if r.Seq == 3 { // the size of a large metadata value the client sent
+		md, _ := metadata.FromIncomingContext(ctx)
+		return &pb.EchoReply{Seq: uint64(len(strings.Join(md.Get("x-big"), "")))}, nil
+	}
+	sent, _ := oddMessage(r.Seq)
+	return nil, status.Error(codes.NotFound, sent)
+}
+
+// A handler's status message of any bytes reaches a client with its code, as from grpc-go's
+// server: bytes that are not UTF-8 and a NUL read as U+FFFD (the library refused them, and the
+// call ended INTERNAL in the library's words), and a 21 KB message whole over HTTP/2 (over
+// hyper's 16 KiB of headers, the isthmus client's call ended INTERNAL 'h2 protocol error').
+// As much metadata the other way reaches the server, as grpc-go's takes up to 16 MiB.
+func TestAStatusMessageOfAnyBytesReachesTheClientWithItsCode(t *testing.T) {
+	shm, _ := fresh(t, "odd-messages")
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, oddMessages{})
+	if err := s.Start(shm, "http://127.0.0.1:0"); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	address := s.HTTPAddresses()[0]
+	gconn, err := grpc.NewClient(grpcTarget(address), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { gconn.Close() })
+	clients := map[string]grpc.ClientConnInterface{
+		"isthmus " + shm: dial(t, shm), "isthmus " + address: dial(t, address, isthmus.WithUpgrade(false)), "grpc-go " + address: gconn,
+	}
+	for name, conn := range clients {
+		for seq := uint64(0); seq < 3; seq++ {
+			_, err := pb.NewEchoClient(conn).Unary(context.Background(), &pb.EchoRequest{Seq: seq})
+			_, read := oddMessage(seq)
+			if s, _ := status.FromError(err); s.Code() != codes.NotFound || s.Message() != read {
+				t.Errorf("%s, message %d: got %v %.80q", name, seq, s.Code(), s.Message())
+			}
+		}
+		// And the other way: a 21 KB metadata value reaches the server whole.
+		big := strings.Repeat("b", 21000)
+		ctx := metadata.AppendToOutgoingContext(context.Background(), "x-big", big)
+		if r, err := pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{Seq: 3}); err != nil || r.Seq != 21000 {
+			t.Errorf("%s, a 21 KB metadata value: got %v, %v", name, r, err)
 		}
 	}
 }

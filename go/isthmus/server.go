@@ -18,6 +18,7 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unicode/utf8"
 	"unsafe"
 
 	"google.golang.org/grpc"
@@ -645,6 +646,25 @@ func deadlineIn(us int64) time.Time {
 	return time.Now().Add(time.Duration(us) * time.Microsecond)
 }
 
+// statusText is a status message as the library takes it: UTF-8 without NUL. grpc-go sends
+// any bytes (percent-encoded), and its clients read each byte that is not UTF-8 as U+FFFD; the
+// library refused such a message, and ended the call INTERNAL in its own words instead.
+func statusText(msg string) string {
+	if utf8.ValidString(msg) && !strings.Contains(msg, "\x00") {
+		return msg
+	}
+	var b strings.Builder
+	for i := 0; i < len(msg); {
+		r, n := utf8.DecodeRuneInString(msg[i:])
+		if r == 0 || (r == utf8.RuneError && n == 1) {
+			r = utf8.RuneError
+		}
+		b.WriteRune(r)
+		i += n
+	}
+	return b.String()
+}
+
 // noMetadata is the incoming metadata of a call that has none. Shared: handlers get copies
 // (metadata.FromIncomingContext copies).
 var noMetadata = metadata.MD{}
@@ -1052,7 +1072,7 @@ func (st *serverStream) end(err error) {
 	}
 	cmsg := (*C.char)(nil)
 	if msg != "" {
-		cmsg = C.CString(msg)
+		cmsg = C.CString(statusText(msg))
 		defer C.free(unsafe.Pointer(cmsg))
 	}
 	if len(details) == 0 {
