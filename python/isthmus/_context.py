@@ -37,13 +37,19 @@ def status_code(code: Any, numbers: bool = False) -> int:
 
 def status_details(details: Any) -> str:
     """The text a call ends with for the details its handler set: `bytes` as grpcio sends them
-    (their UTF-8), anything else not a `str` by its `str()`. Refused as they were, they left the
-    call unended."""
+    (their UTF-8), anything else not a `str` by its `str()`, and a `str` that has no UTF-8 (a
+    lone surrogate) as grpcio's server words its failure to encode it. Refused as they were,
+    they left the call unended."""
     if not details:
         return ""
     if isinstance(details, bytes):
         return details.decode("utf-8", "replace")
-    return details if isinstance(details, str) else str(details)
+    text = details if isinstance(details, str) else str(details)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"Exception calling application: {e}"
+    return text
 
 
 class Context:

@@ -902,6 +902,7 @@ def _odd_statuses() -> dict[str, Callable[[bytes, grpc.ServicerContext], bytes]]
         "SetCodeInt": set_code(5),
         "AbortBytes": abort(grpc.StatusCode.NOT_FOUND, b"bytes"),
         "SetDetailsBytes": set_code(grpc.StatusCode.NOT_FOUND, b"bd"),
+        "AbortSurrogate": abort(grpc.StatusCode.NOT_FOUND, "a \ud800 surrogate"),
     }
 
 
@@ -919,9 +920,10 @@ def _statuses(target: str, methods: Iterable[str]) -> list[Any]:
 
 @pytest.mark.parametrize("api", ["grpc", "isthmus"])
 def test_a_code_that_is_an_int_or_details_that_are_bytes_end_the_call_as_grpcio_ends_it(api: str) -> None:
-    """A handler that sets a plain int as its code, or bytes as its details, has its call end:
-    UNKNOWN for the int, the bytes' text as details, as grpcio's server does. In isthmus each
-    raised inside the call's end, and the call waited for its deadline."""
+    """A handler that sets a plain int as its code, bytes as its details, or details with no
+    UTF-8 (a lone surrogate) has its call end: UNKNOWN for the int, the bytes' text as details,
+    the encoding's failure as details, as grpcio's server does. In isthmus each raised inside
+    the call's end, and the call waited for its deadline."""
     module: Any = grpc if api == "grpc" else isthmus
     handlers = _odd_statuses()
     server, target, pool = _serving(module, handlers)
@@ -931,6 +933,12 @@ def test_a_code_that_is_an_int_or_details_that_are_bytes_end_the_call_as_grpcio_
             (grpc.StatusCode.UNKNOWN, ""),
             (grpc.StatusCode.NOT_FOUND, "bytes"),
             (grpc.StatusCode.NOT_FOUND, "bd"),
+            # What has no UTF-8 is worded as grpcio's server words its failure to encode it.
+            (
+                grpc.StatusCode.NOT_FOUND,
+                "Exception calling application: 'utf-8' codec can't encode character '\\ud800' in position 2:"
+                " surrogates not allowed",
+            ),
         ]
     finally:
         server.stop(None)
