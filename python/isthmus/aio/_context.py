@@ -111,6 +111,13 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
             self._trailing = trailing_metadata
         self._abort(code, details)
 
+    def _encode(self, response: Any) -> bytes:
+        # grpc.aio's server sends a `str` reply of a method with no serializer as its UTF-8
+        # (grpcio's blocking one never answers the call).
+        if self._serialize is None and isinstance(response, str):
+            response = response.encode()
+        return super()._encode(response)
+
     def _no_message(self) -> bytes:
         return b""  # grpc.aio's server sends a handler's None as an empty message
 
