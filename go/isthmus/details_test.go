@@ -157,8 +157,9 @@ func (oddMessages) Unary(ctx context.Context, r *pb.EchoRequest) (*pb.EchoReply,
 }
 
 // A handler's status message of any bytes reaches a client with its code, as from grpc-go's
-// server: bytes that are not UTF-8 and a NUL read as U+FFFD (the library refused them, and the
-// call ended INTERNAL in the library's words), and a 21 KB message whole over HTTP/2 (over
+// server: bytes that are not UTF-8 read as U+FFFD, as there, and a NUL too (grpc-go's clients
+// read it back; a C string ends at it) (the library refused both, and the call ended INTERNAL
+// in the library's words), and a 21 KB message whole over HTTP/2 (over
 // hyper's 16 KiB of headers, the isthmus client's call ended INTERNAL 'h2 protocol error').
 // As much metadata the other way reaches the server, as grpc-go's takes up to 16 MiB.
 func TestAStatusMessageOfAnyBytesReachesTheClientWithItsCode(t *testing.T) {

@@ -647,7 +647,8 @@ func deadlineIn(us int64) time.Time {
 }
 
 // statusText is a status message as the library takes it: UTF-8 without NUL. grpc-go sends
-// any bytes (percent-encoded), and its clients read each byte that is not UTF-8 as U+FFFD; the
+// any bytes (percent-encoded), and its clients read each byte that is not UTF-8 as U+FFFD, as
+// here; a NUL they read back as one, but a C string ends at it, so here it is U+FFFD too. The
 // library refused such a message, and ended the call INTERNAL in its own words instead.
 func statusText(msg string) string {
 	if utf8.ValidString(msg) && !strings.Contains(msg, "\x00") {

@@ -172,14 +172,15 @@ def test_a_spent_timeout_is_deadline_exceeded_at_once(nginx: Nginx, shm: str, ti
     assert "no answer in time" not in r["message"], r
 
 
-@pytest.mark.parametrize("timeout", [1e12, 1e30])
+@pytest.mark.parametrize("timeout", [1e12, 1e30, "inf"])
 @pytest.mark.parametrize("transport", ["shm", "http"])
 def test_a_timeout_too_long_for_the_clock_is_no_deadline(
     nginx: Nginx, servers: Callable[[str], Served], transport: str, timeout: float
 ) -> None:
     """A caller's "forever" is no deadline: 1e12 s (~31,700 years) failed INTERNAL over HTTP/2,
-    where tonic refused to write a `grpc-timeout` that long; 1e30 s is more microseconds than
-    the library's int64 holds."""
+    where tonic refused to write a `grpc-timeout` that long; 1e30 s and `math.huge` are more
+    microseconds than the library's int64 holds (converted, they were what the CPU makes of a
+    double out of range)."""
     r = nginx.case("slow", servers("rust").addresses[transport], sleep=0, timeout=timeout)
     assert r == {"ok": True, "seq": "1"}, r  # proto3 JSON writes a uint64 as a string
 

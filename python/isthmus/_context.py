@@ -21,7 +21,7 @@ from ._native import Block, CallError, Message, ServerCall
 _LOG = logging.getLogger("isthmus")
 
 
-def status_code(code: Any, numbers: bool = False) -> int:
+def status_number(code: Any, numbers: bool = False) -> int:
     """The number a call ends with for the code its handler set (None: OK). Anything else not a
     `grpc.StatusCode` is UNKNOWN, as grpcio ends such a call, but for a plain int of a code
     where `numbers` says so (grpc.aio's server takes `abort(5, ...)` as NOT_FOUND). Taken as a
@@ -53,7 +53,7 @@ def status_details(details: Any) -> str:
 
 
 class Context:
-    # Whether a plain int is taken as the code of that number (`status_code`): grpc.aio's
+    # Whether a plain int is taken as the code of that number (`status_number`): grpc.aio's
     # server does, grpcio's ends the call UNKNOWN.
     _NUMBERS = False
 
@@ -143,7 +143,7 @@ class Context:
 
     def _abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
         # Recorded before raising: a handler that catches the exception still ends aborted.
-        if code is grpc.StatusCode.OK:
+        if status_number(code, self._NUMBERS) == 0:
             _LOG.error("abort() called with StatusCode.OK; ending the call with UNKNOWN")
             code, details = grpc.StatusCode.UNKNOWN, ""
         self._code, self._details, self._aborted = code, details, True
@@ -195,7 +195,7 @@ class Context:
 
     def _responds(self) -> bool:
         """Whether a unary handler's return value is sent: not once it set a failing code."""
-        return status_code(self._code, self._NUMBERS) == 0
+        return status_number(self._code, self._NUMBERS) == 0
 
     def _finish(self, error: BaseException | None, reply: Any = None, fault: str | None = None) -> None:
         """Ends the call: with the handler's code, details and trailers, or as grpcio ends a
@@ -208,13 +208,13 @@ class Context:
         if error is not None and not self._aborted:
             if self._call.is_active():  # otherwise the error is the call's end, not a fault
                 _LOG.error("Exception calling application", exc_info=error)
-            if status_code(code, self._NUMBERS) == 0:
+            if status_number(code, self._NUMBERS) == 0:
                 code = grpc.StatusCode.UNKNOWN
             if details is None:
                 details = self._fault(error) if fault is None else fault
         self._finished = True
         trailing = None if self._trailing is None else outgoing(self._trailing)
-        status, details = status_code(code, self._NUMBERS), status_details(details)
+        status, details = status_number(code, self._NUMBERS), status_details(details)
         try:
             self._end(status, details, trailing, reply)
         except (TypeError, ValueError) as e:

@@ -35,7 +35,7 @@ def _port(bound: str) -> int:
     return 1
 
 
-def refuse(call: ServerCall, error: Exception | None) -> None:
+def refuse(call: ServerCall, error: BaseException | None) -> None:
     """Ends a call that no handler takes (`error` None) or whose lookup raised, as grpcio does."""
     if error is None:
         call.finish(grpc.StatusCode.UNIMPLEMENTED.value[0], "Method not found!", None)
@@ -175,7 +175,7 @@ class Server(ServerBase, grpc.Server):
     def _handle(self, call: ServerCall) -> None:
         try:
             plan = self._handlers.plan(call)
-        except Exception as e:
+        except BaseException as e:  # an interceptor's SystemExit too: the call ends all the same
             refuse(call, e)
             return
         if plan is None:

@@ -81,7 +81,13 @@ def exits_midway(request, context):
     yield b"a"
     sys.exit(4)
 
-server = isthmus.server(futures.ThreadPoolExecutor(2))
+class ExitingInterceptor(grpc.ServerInterceptor):
+    def intercept_service(self, continuation, details):
+        if details.method == "/t.T/InterceptorExits":
+            sys.exit(5)
+        return continuation(details)
+
+server = isthmus.server(futures.ThreadPoolExecutor(2), interceptors=[ExitingInterceptor()])
 methods = {
     "Exit": grpc.unary_unary_rpc_method_handler(exits),
     "Interrupt": grpc.unary_unary_rpc_method_handler(interrupted),
@@ -97,10 +103,10 @@ server.wait_for_termination()
 
 
 def test_a_handler_that_raises_systemexit_ends_its_call_not_the_server() -> None:
-    """A handler that calls `sys.exit` (or raises KeyboardInterrupt) has its call end UNKNOWN,
-    as other exceptions do, and the server serves on: the `SystemExit` reached `PyErr::print` on
-    its way out of the thread, which ended the whole process. (grpcio's server serves on too,
-    but its call waits for its deadline.)"""
+    """A handler that calls `sys.exit` (or raises KeyboardInterrupt), or an interceptor that
+    does, has its call end UNKNOWN, as other exceptions do, and the server serves on: the
+    `SystemExit` reached `PyErr::print` on its way out of the thread, which ended the whole
+    process. (grpcio's server serves on too, but its call waits for its deadline.)"""
     target = fresh("unix")
     peer = Peer([sys.executable, "-c", _EXITING_SERVER, target])
     try:
@@ -118,6 +124,12 @@ def test_a_handler_that_raises_systemexit_ends_its_call_not_the_server() -> None
                 next(replies)
             got = (ended.value.code(), ended.value.details())
             assert got == (grpc.StatusCode.UNKNOWN, "Exception iterating responses: 4")
+            assert echo(b"on", timeout=30) == b"on"
+            # An interceptor's, as grpcio words a handler lookup that raised.
+            with pytest.raises(grpc.RpcError) as ended:
+                channel.unary_unary("/t.T/InterceptorExits")(b"", timeout=30)
+            got = (ended.value.code(), ended.value.details())
+            assert got == (grpc.StatusCode.UNKNOWN, "Error in service handler!")
             assert echo(b"on", timeout=30) == b"on"
         assert peer.process.poll() is None
     finally:

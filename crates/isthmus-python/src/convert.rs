@@ -229,7 +229,8 @@ pub(crate) fn compression_from_py(name: Option<&str>) -> PyResult<Option<isthmus
     .transpose()
 }
 
-/// A timeout in seconds from Python: none, or infinite (as grpcio reads it), is no timeout.
+/// A timeout in seconds from Python: none, or infinite, is no timeout (isthmus's reading:
+/// grpcio fails an infinite one DEADLINE_EXCEEDED at once).
 pub(crate) fn timeout_from_py(timeout: Option<f64>) -> Option<Duration> {
     match timeout {
         // One too long for a `Duration` (grpcio's callers pass `sys.maxsize` for "forever") is

@@ -1219,7 +1219,12 @@ local function call_options(opts, flags)
                 return nil, new_error(DEADLINE_EXCEEDED, "the call's deadline passed before it started (timeout "
                     .. tostring(opts.timeout) .. " s)")
             end
-            o.timeout_us = us
+            -- One past the library's int64 microseconds (`math.huge` too) is no deadline, as
+            -- the library reads a timeout too long for its clock: converted, it was whatever
+            -- the CPU makes of a double out of range.
+            if us < 2 ^ 63 then
+                o.timeout_us = us
+            end
         end
         md, err = make_metadata(opts.metadata)
         if err then

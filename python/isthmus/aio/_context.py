@@ -10,7 +10,7 @@ from typing import Any, NoReturn
 import grpc
 import grpc.aio
 
-from .._context import Context, status_code, status_details
+from .._context import Context, status_details, status_number
 from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
 from .._native import Block, CallError, ServerCall
@@ -150,7 +150,7 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         encoded = self._encode(response)
         if not self._raw and isinstance(encoded, bytes):
             md = None if self._trailing is None else outgoing(self._trailing)
-            code, details = status_code(self._code, self._NUMBERS), status_details(self._details)
+            code, details = status_number(self._code, self._NUMBERS), status_details(self._details)
             if self._call.try_reply(encoded, code, details, md):
                 self._finished = True
                 return
