@@ -281,14 +281,15 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     // Channel options from a caller: a user agent (any bytes but NUL), sizes, flags (known
     // bits and others) and keepalive times, for a target that parses. Checked when the channel
     // is made: it is refused with a status, or made IDLE.
-    let word = |at: usize| b.iter().skip(at).take(8).fold(0u64, |w, x| w << 8 | u64::from(*x));
+    // Each field from bytes of its own (after the first, which picks the shutdown's code).
+    let word = |at: usize, n: usize| b.iter().skip(at).take(n).fold(0u64, |w, x| w << 8 | u64::from(*x));
     let options = isthmus_channel_options_t {
-        max_message_size: word(1),
+        max_message_size: word(1, 8),
         tls: std::ptr::null(),
-        flags: word(9) as u32,
-        keepalive_time_ms: word(13),
-        keepalive_timeout_ms: word(17),
-        user_agent: if b.first().is_some_and(|x| x & 1 == 1) { std::ptr::null() } else { text.as_ptr() },
+        flags: word(9, 4) as u32,
+        keepalive_time_ms: word(13, 8),
+        keepalive_timeout_ms: word(21, 8),
+        user_agent: if b.get(29).is_some_and(|x| x & 1 == 1) { std::ptr::null() } else { text.as_ptr() },
     };
     let mut channel = std::ptr::null_mut();
     let mut status = std::ptr::null_mut();
