@@ -799,18 +799,23 @@ def test_plain_handlers_on_the_asyncio_server_run_as_grpc_aio_runs_them(loop: st
         served.close()
 
 
+@contextlib.contextmanager
 def _serving(
     module: Any, handlers: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]]
-) -> tuple[Any, str, futures.ThreadPoolExecutor]:
+) -> Iterator[tuple[Any, str]]:
     """A server of `module` (grpc or isthmus) answering `/t.T/<name>` with each of `handlers`
-    on a fresh Unix socket, started; and its target and pool."""
+    on a fresh Unix socket, started; and its target. Stopped at once, with its pool, after."""
     methods = {name: grpc.unary_unary_rpc_method_handler(h) for name, h in handlers.items()}
     pool = futures.ThreadPoolExecutor(4)
     server = module.server(pool, handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
     target = fresh("unix")
     server.add_insecure_port(target)
     server.start()
-    return server, target, pool
+    try:
+        yield server, target
+    finally:
+        server.stop(None)
+        pool.shutdown(wait=False)
 
 
 @pytest.mark.parametrize("api", ["grpc", "isthmus"])
@@ -827,22 +832,17 @@ def test_a_second_stop_with_less_grace_cuts_the_first_ones_short(api: str) -> No
         return b""
 
     module: Any = grpc if api == "grpc" else isthmus
-    server, target, pool = _serving(module, {"Wait": wait})
-    try:
-        with module.insecure_channel(target) as channel:
-            call = channel.unary_unary("/t.T/Wait").future(b"", timeout=120)
-            assert started.wait(30)
-            first = server.stop(60)
-            began = time.monotonic()
-            assert server.stop(0).wait(30)
-            assert first.wait(30)
-            with pytest.raises(grpc.RpcError) as ended:
-                call.result(timeout=30)
-            assert ended.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
-            assert time.monotonic() - began < 30  # far below the first stop's 60 s
-    finally:
-        server.stop(None)
-        pool.shutdown(wait=False)
+    with _serving(module, {"Wait": wait}) as (server, target), module.insecure_channel(target) as channel:
+        call = channel.unary_unary("/t.T/Wait").future(b"", timeout=120)
+        assert started.wait(30)
+        first = server.stop(60)
+        began = time.monotonic()
+        assert server.stop(0).wait(30)
+        assert first.wait(30)
+        with pytest.raises(grpc.RpcError) as ended:
+            call.result(timeout=30)
+        assert ended.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+        assert time.monotonic() - began < 30  # far below the first stop's 60 s
 
 
 # grpcio's thread that would cut the calls off at the end of the grace dies on such a grace
@@ -862,9 +862,8 @@ def test_a_stop_whose_grace_is_endless_lets_the_call_in_progress_finish(api: str
         return b"finished"
 
     module: Any = grpc if api == "grpc" else isthmus
-    server, target, pool = _serving(module, {"Wait": wait})
     try:
-        with module.insecure_channel(target) as channel:
+        with _serving(module, {"Wait": wait}) as (server, target), module.insecure_channel(target) as channel:
             call = channel.unary_unary("/t.T/Wait").future(b"", timeout=60)
             assert started.wait(30)
             stopped = server.stop(grace)
@@ -875,8 +874,6 @@ def test_a_stop_whose_grace_is_endless_lets_the_call_in_progress_finish(api: str
             assert stopped.wait(30)
     finally:
         release.set()
-        server.stop(None)
-        pool.shutdown(wait=False)
 
 
 def _odd_statuses() -> dict[str, Callable[[bytes, grpc.ServicerContext], bytes]]:
@@ -926,8 +923,7 @@ def test_a_code_that_is_an_int_or_details_that_are_bytes_end_the_call_as_grpcio_
     the call's end, and the call waited for its deadline."""
     module: Any = grpc if api == "grpc" else isthmus
     handlers = _odd_statuses()
-    server, target, pool = _serving(module, handlers)
-    try:
+    with _serving(module, handlers) as (_, target):
         assert _statuses(target, handlers) == [
             (grpc.StatusCode.UNKNOWN, "x"),
             (grpc.StatusCode.UNKNOWN, ""),
@@ -940,9 +936,6 @@ def test_a_code_that_is_an_int_or_details_that_are_bytes_end_the_call_as_grpcio_
                 " surrogates not allowed",
             ),
         ]
-    finally:
-        server.stop(None)
-        pool.shutdown(wait=False)
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])

@@ -788,7 +788,7 @@ impl Server {
         // None, zero or less: calls are cancelled now. A grace too long for a `Duration`, or
         // infinite, lets them finish, as grpcio's (whose timer thread fails on it).
         let grace = match grace {
-            Some(g) if g > 0.0 => Duration::try_from_secs_f64(g).unwrap_or(Duration::MAX),
+            Some(g) if g > 0.0 => crate::convert::timeout_from_py(Some(g)).unwrap_or(Duration::MAX),
             _ => Duration::ZERO,
         };
         // A second stop with a smaller grace shortens the first one's, as in grpcio.
@@ -809,13 +809,10 @@ impl Server {
         py.detach(move || {
             let (lock, cv) = &*stopped;
             let Ok(guard) = lock.lock() else { return true };
-            match timeout.filter(|t| t.is_finite()) {
+            // Infinite, or too long for a `Duration`: no timeout, as a call's.
+            match crate::convert::timeout_from_py(timeout) {
                 None => cv.wait_while(guard, |s| !*s).map_or(true, |g| *g),
-                Some(t) => {
-                    // One too long for a `Duration` waits as long as the clock can count.
-                    let t = Duration::try_from_secs_f64(t.max(0.0)).unwrap_or(Duration::MAX);
-                    cv.wait_timeout_while(guard, t, |s| !*s).map_or(true, |(g, _)| *g)
-                }
+                Some(t) => cv.wait_timeout_while(guard, t, |s| !*s).map_or(true, |(g, _)| *g),
             }
         })
     }

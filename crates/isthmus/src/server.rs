@@ -716,10 +716,13 @@ pub fn stop_by(stop: &tokio::sync::watch::Sender<Option<tokio::time::Instant>>, 
 }
 
 /// When a grace period that starts now ends. One too long for the clock to hold
-/// (`Duration::MAX`: "let them finish") ends in a century: `Instant + Duration` would panic.
+/// (`Duration::MAX`: "let them finish"), which a call's timeout takes as no deadline
+/// ([`crate::call::deadline_in`]), ends in a century.
 fn grace_ends(grace: Duration) -> tokio::time::Instant {
-    let now = tokio::time::Instant::now();
-    now.checked_add(grace).unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 86_400))
+    crate::call::deadline_in(grace).map_or_else(
+        || tokio::time::Instant::now() + Duration::from_secs(100 * 365 * 86_400),
+        tokio::time::Instant::from_std,
+    )
 }
 
 /// Completes at `cut_off`, or at an earlier instant `hurry` comes to hold.
