@@ -414,3 +414,54 @@ func TestATrailersOnlyOkEndGivesItsFieldsAsTheTrailer(t *testing.T) {
 		})
 	}
 }
+
+// headersTwice is a unary handler that sends its initial metadata, then tries to add to it and
+// send it again; it answers with the errors it got.
+type headersTwice struct{ pb.UnimplementedEchoServer }
+
+func (headersTwice) Unary(ctx context.Context, _ *pb.EchoRequest) (*pb.EchoReply, error) {
+	errs := []error{
+		grpc.SendHeader(ctx, metadata.Pairs("x-first", "1")),
+		grpc.SetHeader(ctx, metadata.Pairs("x-late", "1")),
+		grpc.SendHeader(ctx, metadata.Pairs("x-late", "2")),
+	}
+	var words []string
+	for _, err := range errs {
+		words = append(words, fmt.Sprint(status.Code(err), ": ", status.Convert(err).Message()))
+	}
+	return &pb.EchoReply{Payload: []byte(strings.Join(words, "; "))}, nil
+}
+
+// Initial metadata given once it went fails in grpc-go's words on isthmus's server as on
+// grpc-go's ("transport: SendHeader called multiple times"; isthmus's gave the words of an
+// older grpc-go), and the first metadata reaches the client alone.
+func TestHeadersGivenAfterTheyWentFailInGrpcGosWords(t *testing.T) {
+	shm, _ := fresh(t, "headers-twice")
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, headersTwice{})
+	if err := s.Start(shm); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	replies := map[string]string{}
+	for name, conn := range map[string]grpc.ClientConnInterface{
+		"grpc-go": newGrpcClient(t, startGrpcServing(t, headersTwice{})),
+		"isthmus": dial(t, shm),
+	} {
+		var header metadata.MD
+		r, err := pb.NewEchoClient(conn).Unary(testContext(t), &pb.EchoRequest{}, grpc.Header(&header))
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if got := header.Get("x-first"); len(got) != 1 || len(header.Get("x-late")) != 0 {
+			t.Errorf("%s: header %v, want x-first alone", name, header)
+		}
+		replies[name] = string(r.Payload)
+	}
+	want := "OK: ; Internal: transport: SendHeader called multiple times; Internal: transport: SendHeader called multiple times"
+	for name, got := range replies {
+		if got != want {
+			t.Errorf("%s's handler got %q, want %q", name, got, want)
+		}
+	}
+}

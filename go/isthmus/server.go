@@ -785,6 +785,10 @@ func (t transportStream) SetTrailer(md metadata.MD) error {
 
 func (st *serverStream) Context() context.Context { return st.ctx }
 
+// errHeaderSent is grpc-go's error (transport.ErrIllegalHeaderWrite) for initial metadata, or
+// a compressor, given once the initial metadata went.
+var errHeaderSent = status.Error(codes.Internal, "transport: SendHeader called multiple times")
+
 // SetHeader and SendHeader refuse metadata grpc-go's refuse (validateMetadata) at once, as
 // its streams' do; a header that failed only when it went could be lost with no word.
 func (st *serverStream) SetHeader(md metadata.MD) error {
@@ -794,7 +798,7 @@ func (st *serverStream) SetHeader(md metadata.MD) error {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.headerSent {
-		return status.Error(codes.Internal, "transport: the stream is done or WriteHeader was already called")
+		return errHeaderSent
 	}
 	st.header = metadata.Join(st.header, md)
 	return nil
@@ -807,7 +811,7 @@ func (st *serverStream) SendHeader(md metadata.MD) error {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.headerSent {
-		return status.Error(codes.Internal, "transport: the stream is done or WriteHeader was already called")
+		return errHeaderSent
 	}
 	st.header = metadata.Join(st.header, md)
 	return st.sendHeaderLocked()
@@ -856,7 +860,7 @@ func (st *serverStream) setSendCompressor(name string) error {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.headerSent || st.finished {
-		return status.Error(codes.Internal, "transport: the stream is done or WriteHeader was already called")
+		return errHeaderSent
 	}
 	cname := C.CString(name)
 	defer C.free(unsafe.Pointer(cname))

@@ -13,7 +13,7 @@ from typing import Any
 import grpc
 
 from . import _native
-from ._errors import LOCALLY_CANCELLED, Ended, RpcError, rpc_error, status_code
+from ._errors import LOCALLY_CANCELLED, Ended, RpcError, rpc_error, status_code, traceback_of
 from ._metadata import Metadata, Metadatum, incoming
 from ._native import CallError
 
@@ -25,22 +25,32 @@ Deserializer = Callable[[bytes], Any] | None
 _INTERNAL = 13
 
 
+#: grpcio's details for a request that could not be serialized.
+SERIALIZE_FAILED = "Exception serializing request!"
+
+
 def encode(serialize: Serializer, request: Any) -> bytes:
-    """A request as it goes out; a serializer's failure fails the call (INTERNAL) as grpc's does."""
+    """A request as it goes out; a serializer's failure fails the call (INTERNAL) as grpc's does,
+    and so does a request that serializes to None (grpcio reads None as its serializer's
+    failure, and so sends no None)."""
     if serialize is None:
-        return request  # type: ignore[no-any-return]
-    try:
-        return serialize(request)
-    except CallError:
-        raise  # a limit's (see `_channel.limited`)
-    except Exception as e:
-        raise serialize_failed(e) from e
+        message = request
+    else:
+        try:
+            message = serialize(request)
+        except CallError:
+            raise  # a limit's (see `_channel.limited`)
+        except Exception as e:
+            raise serialize_failed(e) from e
+    if message is None:
+        raise CallError(_INTERNAL, SERIALIZE_FAILED)
+    return message  # type: ignore[no-any-return]
 
 
 def serialize_failed(error: BaseException) -> CallError:
     """What a serializer that raised `error` fails its call with, as grpc's: INTERNAL, logged."""
-    _LOG.error("Exception serializing request!", exc_info=error)
-    return CallError(_INTERNAL, "Exception serializing request!")
+    _LOG.error(SERIALIZE_FAILED, exc_info=error)
+    return CallError(_INTERNAL, SERIALIZE_FAILED)
 
 
 def decode(deserialize: Deserializer, message: bytes) -> Any:
@@ -381,7 +391,7 @@ class Call(grpc.Call, grpc.Future):
 
     def traceback(self, timeout: float | None = None) -> Any:
         error = self.exception(timeout)
-        return None if error is None else error.__traceback__
+        return None if error is None else traceback_of(error)
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         if not self.add_callback(functools.partial(fn, self)):

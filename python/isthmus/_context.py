@@ -221,9 +221,14 @@ class Context:
             if trailing is None:
                 raise
             # Trailing metadata the engine cannot send (a value that is not printable ASCII, a
-            # pair that is not one): the status goes without it, rather than the call waiting
-            # for its deadline. (A reply that is itself refused raises again.)
-            _LOG.error("the handler's trailing metadata was refused; the status goes without it", exc_info=e)
+            # pair that is not one). The call ends without it, rather than waiting for its
+            # deadline as grpcio's does; but not OK, which would tell the client all went
+            # through: an OK status becomes the handler's failure, UNKNOWN with the refusal in
+            # the API's words for a handler's exception (grpc.aio's server fails the call so;
+            # grpc-go's, INTERNAL). A failing status goes as it was, without the metadata.
+            _LOG.error("the handler's trailing metadata was refused", exc_info=e)
+            if status == 0:
+                status, details, reply = grpc.StatusCode.UNKNOWN.value[0], self._fault(e), None
             self._end(status, details, None, reply)
 
     def _end(self, code: int, details: str, trailing: Any, reply: Any) -> None:

@@ -3,6 +3,7 @@ with a status other than OK."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from types import TracebackType
 from typing import Any, NoReturn
@@ -94,10 +95,21 @@ class RpcError(Ended, IsthmusError, grpc.aio.AioRpcError, grpc.Call, grpc.Future
         return self
 
     def traceback(self, timeout: float | None = None) -> TracebackType | None:
-        return self.__traceback__
+        return traceback_of(self)
 
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         fn(self)
+
+
+def traceback_of(error: BaseException) -> TracebackType | None:
+    """The traceback a failed future gives, as grpcio's: the error's own if it was raised, else
+    that of raising it here (grpcio's futures raise their error to take one), never None."""
+    if error.__traceback__ is not None:
+        return error.__traceback__
+    try:
+        raise error
+    except BaseException:
+        return sys.exc_info()[2]
 
 
 # Shown as the public names (isthmus.RpcError) in tracebacks and reprs; pickling finds them there.

@@ -17,7 +17,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent import futures
 from pathlib import Path
-from types import ModuleType
+from types import ModuleType, TracebackType
 from typing import Any
 
 import grpc
@@ -260,6 +260,63 @@ def test_a_request_serializer_that_raises_fails_the_call_internal(servers: Calla
                     assert (caught.value.code(), caught.value.details()) == want
 
             run(loop, test)
+
+
+def _blocking_channels(servers: Callable[[str], Any]) -> list[Any]:
+    """grpcio's channel to the Rust server over its Unix socket, and isthmus's over shm:// and
+    the Unix socket."""
+    addresses = servers("rust").addresses
+    channels = [grpc.insecure_channel(grpcio_target(str(addresses["unix"])))]
+    return channels + [isthmus.insecure_channel(str(addresses[t])) for t in ("shm", "unix")]
+
+
+def test_a_request_that_serializes_to_none_fails_the_call_internal(servers: Callable[[str], Any]) -> None:
+    """grpcio's sync API reads a request that serializes to None (a serializer that returns
+    None, or None with no serializer) as a serializer's failure: INTERNAL "Exception serializing
+    request!", on every shape, its future and with_call. isthmus raised TypeError from a unary
+    call and failed the streaming ones UNKNOWN "Exception iterating requests!"."""
+    want = (grpc.StatusCode.INTERNAL, "Exception serializing request!")
+
+    def calls(channel: Any, serializer: Callable[[Any], Any] | None) -> list[Callable[[], Any]]:
+        unary = channel.unary_unary("/conformance.Echo/Unary", request_serializer=serializer)
+        server_stream = channel.unary_stream("/conformance.Echo/ServerStream", request_serializer=serializer)
+        client_stream = channel.stream_unary("/conformance.Echo/ClientStream", request_serializer=serializer)
+        bidi = channel.stream_stream("/conformance.Echo/Bidi", request_serializer=serializer)
+        return [
+            lambda: unary(None, timeout=60),
+            lambda: unary.with_call(None, timeout=60),
+            lambda: unary.future(None, timeout=60).result(),
+            lambda: list(server_stream(None, timeout=60)),
+            lambda: client_stream(iter([b"", None]), timeout=60),
+            lambda: list(bidi(iter([b"", None]), timeout=60)),
+        ]
+
+    for channel in _blocking_channels(servers):
+        with channel:
+            for serializer in (None, lambda _: None):
+                for i, call in enumerate(calls(channel, serializer)):
+                    with pytest.raises(grpc.RpcError) as caught:
+                        call()
+                    assert (caught.value.code(), caught.value.details()) == want, (channel, serializer, i)
+
+
+def test_a_failed_futures_traceback_is_a_traceback(servers: Callable[[str], Any], pb: ModuleType) -> None:
+    """grpcio's `traceback()` of a future whose call failed is the traceback of raising its
+    error, never None; isthmus's was None until the error had been raised."""
+    failing = pb.EchoRequest(fail_with=grpc.StatusCode.NOT_FOUND.value[0], fail_message="no")
+    for channel in _blocking_channels(servers):
+        with channel:
+            unary = channel.unary_unary("/conformance.Echo/Unary")
+            future = unary.future(failing.SerializeToString(), timeout=60)
+            assert isinstance(future.exception(), grpc.RpcError), channel
+            assert isinstance(future.traceback(), TracebackType), channel
+
+
+def test_a_metadata_value_neither_str_nor_bytes_raises_typeerror(servers: Callable[[str], Any]) -> None:
+    """As grpcio's: TypeError (isthmus raised ValueError, which an `except TypeError` misses)."""
+    for channel in _blocking_channels(servers):
+        with channel, pytest.raises(TypeError):
+            channel.unary_unary("/conformance.Echo/Unary")(b"", metadata=(("x-a", 5),), timeout=60)
 
 
 LIMITED = [("grpc.max_send_message_length", 1000), ("grpc.max_receive_message_length", 1000)]

@@ -44,6 +44,8 @@ def _reserved_trailer(request: bytes, context: Any) -> bytes:
 
 def _bad_trailer(request: bytes, context: Any) -> bytes:
     context.set_trailing_metadata((("k", "not ascii: é"),))
+    if request == b"abort":
+        context.abort(grpc.StatusCode.NOT_FOUND, "gone")
     return b"ok"
 
 
@@ -1070,10 +1072,12 @@ def test_a_client_may_send_metadata_as_lists_and_with_keys_grpc_sets_itself(serv
         assert channel.unary_unary("/users.T/Metadata")(b"", metadata=md, timeout=10) == b"x-a=1,x-b=2"
 
 
-def test_trailing_metadata_that_cannot_be_sent_does_not_hold_the_call() -> None:
-    """A trailer value that is not printable ASCII: isthmus's call ends with the handler's
-    status and reply, without that trailer (logged), at once (it hung to its deadline, 10 s
-    here)."""
+def test_trailing_metadata_that_cannot_be_sent_fails_the_call_at_once() -> None:
+    """A trailer value that is not printable ASCII: isthmus's call ends at once (it hung to its
+    deadline, 10 s here), without that trailer, and not OK: a handler that answered fails
+    UNKNOWN with the refusal, as one that raised it would (isthmus sent OK and the reply without
+    the trailer, as though all had gone; grpc.aio's server fails the call so, grpcio's waits for
+    the deadline). One that aborted keeps its status."""
     pool = futures.ThreadPoolExecutor(2)
     shm = fresh("shm")
     s = isthmus.server(pool)
@@ -1082,8 +1086,17 @@ def test_trailing_metadata_that_cannot_be_sent_does_not_hold_the_call() -> None:
     s.start()
     try:
         with isthmus.insecure_channel(shm) as channel:
-            reply, call = channel.unary_unary("/users.T/BadTrailer").with_call(b"", timeout=10)
-            assert (reply, call.code(), tuple(call.trailing_metadata())) == (b"ok", grpc.StatusCode.OK, ())
+            bad_trailer = channel.unary_unary("/users.T/BadTrailer")
+            with pytest.raises(grpc.RpcError) as failed:
+                bad_trailer(b"", timeout=10)
+            assert failed.value.code() == grpc.StatusCode.UNKNOWN
+            assert failed.value.details().startswith("Exception calling application: invalid metadata: ")
+            assert "'k'" in failed.value.details() or '"k"' in failed.value.details()
+            assert tuple(failed.value.trailing_metadata()) == ()
+            with pytest.raises(grpc.RpcError) as aborted:
+                bad_trailer(b"abort", timeout=10)
+            assert (aborted.value.code(), aborted.value.details()) == (grpc.StatusCode.NOT_FOUND, "gone")
+            assert tuple(aborted.value.trailing_metadata()) == ()
     finally:
         s.stop(None)
         pool.shutdown()

@@ -475,6 +475,9 @@ impl Channel {
     }
 }
 
+/// grpcio's details for a request that could not be serialized (`_call.SERIALIZE_FAILED`).
+const SERIALIZE_FAILED: &str = "Exception serializing request!";
+
 /// A stub's blocking unary call (`UnaryUnaryMultiCallable.__call__`) in one native step: the
 /// request serialized, the call made and the reply deserialized with no Python frame between
 /// them, which cost a 64 B call 0.5-0.8 µs of its ~4 µs. A call with metadata or a compression
@@ -547,6 +550,10 @@ impl UnaryCallable {
                 &encoded
             }
         };
+        // grpcio reads a request that serializes to None as its serializer's failure.
+        if request.is_none() {
+            return Err(failed(1, call_error(py, &Status::new(Code::Internal, SERIALIZE_FAILED))));
+        }
         let request = request.cast::<PyBytes>()?;
         let options = isthmus::CallOptions {
             timeout: crate::convert::timeout_from_py(timeout.map(|t| t.extract::<f64>()).transpose()?),

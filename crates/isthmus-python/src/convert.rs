@@ -19,7 +19,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use isthmus::{metadata::is_binary_key, CallOptions, Code, ConnectionCounters, MetadataMap, Status};
-use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::exceptions::{PyException, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PyString};
 
@@ -183,7 +183,8 @@ fn metadata_and_details_from_py(metadata: Option<&Bound<'_, PyAny>>) -> PyResult
                 map.append(&key, s)
             }
         } else {
-            return Err(PyValueError::new_err(format!("metadata value for {key:?} must be str or bytes")));
+            // grpcio's error for this too (its is "Expected str, not <class 'int'>").
+            return Err(PyTypeError::new_err(format!("metadata value for {key:?} must be str or bytes")));
         };
         added.map_err(|e| PyValueError::new_err(format!("invalid metadata: {e}")))?;
     }
