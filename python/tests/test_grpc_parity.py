@@ -171,6 +171,18 @@ def test_a_call_is_read_and_written_one_way_only(
             await written.done_writing()
             assert (await written.read()).seq == 3
             assert await written.read() is grpc.aio.EOF
+            # A call over, its responses all read, reads as over whichever way it was read:
+            # EOF, or its error again (isthmus.aio's raised UsageError).
+            whole = stub.ServerStream(pb.StreamRequest(count=2, size=8), timeout=60)
+            assert [len(r.payload) async for r in whole] == [8, 8]
+            assert await whole.read() is grpc.aio.EOF
+            aborting = pb.EchoRequest(fail_with=grpc.StatusCode.ABORTED.value[0])
+            failing = stub.Bidi(iter([aborting]), timeout=60)
+            with pytest.raises(grpc.aio.AioRpcError) as iterating:
+                [r async for r in failing]
+            with pytest.raises(grpc.aio.AioRpcError) as reading:
+                await failing.read()
+            assert iterating.value.code() == reading.value.code() == grpc.StatusCode.ABORTED
 
     run(loop, test)
 
@@ -1059,6 +1071,47 @@ def test_an_asyncio_handlers_str_reply_goes_as_its_utf8_as_in_grpc_aio(api: str,
                 assert await channel.unary_unary("/t.T/Unary")(b"", timeout=30) == "caf\u00e9".encode()
                 replies = channel.unary_stream("/t.T/Stream")(b"", timeout=30)
                 assert [r async for r in replies] == [b"one", b"two"]
+        finally:
+            await server.stop(None)
+
+    run(loop, test)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("api", ["grpc.aio", "isthmus.aio"])
+def test_what_a_streaming_coroutine_handler_returns_is_not_sent(api: str, loop: str) -> None:
+    """A response-streaming handler that is a coroutine (not an async generator) streams with
+    `context.write`; grpc.aio's server sends nothing of what it returns. isthmus.aio's sent the
+    items of a returned value, and a `bytes` one failed the call UNKNOWN (its items are ints)."""
+
+    async def server_stream(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        await context.write(b"one")
+        await context.write(b"two")
+        return b"returned"
+
+    async def bidi(requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext) -> list[bytes]:
+        async for request in requests:
+            await context.write(request)
+        return [b"returned"]
+
+    async def test() -> None:
+        module: Any = grpc.aio if api == "grpc.aio" else isthmus.aio
+        methods = {
+            "ServerStream": grpc.unary_stream_rpc_method_handler(server_stream),
+            "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
+        }
+        server = module.server(handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
+        target = fresh("unix")
+        server.add_insecure_port(target)
+        await server.start()
+        try:
+            async with grpc.aio.insecure_channel(target) as channel:
+                replies = channel.unary_stream("/t.T/ServerStream")(b"", timeout=30)
+                assert [r async for r in replies] == [b"one", b"two"]
+                assert await replies.code() == grpc.StatusCode.OK
+                replies = channel.stream_stream("/t.T/Bidi")(iter([b"a", b"b"]), timeout=30)
+                assert [r async for r in replies] == [b"a", b"b"]
+                assert await replies.code() == grpc.StatusCode.OK
         finally:
             await server.stop(None)
 

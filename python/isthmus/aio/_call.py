@@ -566,7 +566,11 @@ class _StreamCall(_Call):
             raise grpc.aio.UsageError(_API_STYLE_ERROR)
 
     async def read(self) -> Any:
-        self._style("read")
+        # A call that is over, its responses all read, reads as over (EOF, or its error)
+        # whichever way it was read, as with grpc.aio: the style counts while responses are
+        # left (isthmus's may be over with responses read ahead, in `_early`).
+        if not self._done.done() or self._early:
+            self._style("read")
         return await self._read()
 
     async def _read(self) -> Any:

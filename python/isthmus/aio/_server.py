@@ -164,13 +164,13 @@ class Server(ServerBase, grpc.aio.Server):
         result = method(request, context)
         if inspect.isawaitable(result):
             result = await result
+            if handler.response_streaming:
+                # A coroutine streams with context.write; what it returns is not sent, as
+                # grpc.aio's server sends none of it (isthmus sent a value's items).
+                return
         if handler.response_streaming:
-            if isinstance(result, AsyncIterable):
-                async for message in result:
-                    await context.write(message)
-            elif result is not None:  # None: the handler wrote with context.write
-                for message in result:
-                    await context.write(message)
+            async for message in result:  # an async generator's
+                await context.write(message)
         elif context._responds():
             await context._reply(result)
 
