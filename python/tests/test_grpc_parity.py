@@ -1007,6 +1007,21 @@ def test_a_code_that_is_an_int_or_details_that_are_bytes_end_the_call_as_grpcio_
         ]
 
 
+@contextlib.asynccontextmanager
+async def _asyncio_serving(api: str, methods: dict[str, grpc.RpcMethodHandler]) -> AsyncIterator[str]:
+    """grpc.aio's or isthmus.aio's server of `methods` (service `t.T`) on a fresh Unix socket,
+    for the `async with` block: its target."""
+    module: Any = grpc.aio if api == "grpc.aio" else isthmus.aio
+    server = module.server(handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
+    target = fresh("unix")
+    server.add_insecure_port(target)
+    await server.start()
+    try:
+        yield target
+    finally:
+        await server.stop(None)
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 @pytest.mark.parametrize("api", ["grpc.aio", "isthmus.aio"])
 def test_an_asyncio_handlers_code_that_is_an_int_is_that_code_as_in_grpc_aio(api: str, loop: str) -> None:
@@ -1027,18 +1042,11 @@ def test_an_asyncio_handlers_code_that_is_an_int_is_that_code_as_in_grpc_aio(api
         return b"reply"
 
     async def test() -> None:
-        module: Any = grpc.aio if api == "grpc.aio" else isthmus.aio
         handlers = {"AbortInt": abort_int, "SetCodeInt": set_code_int, "SetCodeZero": set_code_zero}
         methods = {name: grpc.unary_unary_rpc_method_handler(h) for name, h in handlers.items()}
-        server = module.server(handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
-        target = fresh("unix")
-        server.add_insecure_port(target)
-        await server.start()
-        try:
+        async with _asyncio_serving(api, methods) as target:
             got = await asyncio.to_thread(_statuses, target, handlers)
             assert got == [(grpc.StatusCode.NOT_FOUND, "x"), (grpc.StatusCode.NOT_FOUND, ""), b"reply"]
-        finally:
-            await server.stop(None)
 
     run(loop, test)
 
@@ -1057,22 +1065,14 @@ def test_an_asyncio_handlers_str_reply_goes_as_its_utf8_as_in_grpc_aio(api: str,
         yield b"two"
 
     async def test() -> None:
-        module: Any = grpc.aio if api == "grpc.aio" else isthmus.aio
         methods = {
             "Unary": grpc.unary_unary_rpc_method_handler(unary),
             "Stream": grpc.unary_stream_rpc_method_handler(stream),
         }
-        server = module.server(handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
-        target = fresh("unix")
-        server.add_insecure_port(target)
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(target) as channel:
-                assert await channel.unary_unary("/t.T/Unary")(b"", timeout=30) == "caf\u00e9".encode()
-                replies = channel.unary_stream("/t.T/Stream")(b"", timeout=30)
-                assert [r async for r in replies] == [b"one", b"two"]
-        finally:
-            await server.stop(None)
+        async with _asyncio_serving(api, methods) as target, grpc.aio.insecure_channel(target) as channel:
+            assert await channel.unary_unary("/t.T/Unary")(b"", timeout=30) == "caf\u00e9".encode()
+            replies = channel.unary_stream("/t.T/Stream")(b"", timeout=30)
+            assert [r async for r in replies] == [b"one", b"two"]
 
     run(loop, test)
 
@@ -1095,25 +1095,17 @@ def test_what_a_streaming_coroutine_handler_returns_is_not_sent(api: str, loop: 
         return [b"returned"]
 
     async def test() -> None:
-        module: Any = grpc.aio if api == "grpc.aio" else isthmus.aio
         methods = {
             "ServerStream": grpc.unary_stream_rpc_method_handler(server_stream),
             "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
         }
-        server = module.server(handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
-        target = fresh("unix")
-        server.add_insecure_port(target)
-        await server.start()
-        try:
-            async with grpc.aio.insecure_channel(target) as channel:
-                replies = channel.unary_stream("/t.T/ServerStream")(b"", timeout=30)
-                assert [r async for r in replies] == [b"one", b"two"]
-                assert await replies.code() == grpc.StatusCode.OK
-                replies = channel.stream_stream("/t.T/Bidi")(iter([b"a", b"b"]), timeout=30)
-                assert [r async for r in replies] == [b"a", b"b"]
-                assert await replies.code() == grpc.StatusCode.OK
-        finally:
-            await server.stop(None)
+        async with _asyncio_serving(api, methods) as target, grpc.aio.insecure_channel(target) as channel:
+            replies = channel.unary_stream("/t.T/ServerStream")(b"", timeout=30)
+            assert [r async for r in replies] == [b"one", b"two"]
+            assert await replies.code() == grpc.StatusCode.OK
+            replies = channel.stream_stream("/t.T/Bidi")(iter([b"a", b"b"]), timeout=30)
+            assert [r async for r in replies] == [b"a", b"b"]
+            assert await replies.code() == grpc.StatusCode.OK
 
     run(loop, test)
 
