@@ -777,3 +777,34 @@ func TestAnUntypedNilMessageGoesAsAnEmptyOne(t *testing.T) {
 		}
 	}
 }
+
+// A message that is not a proto.Message fails the call in the words of grpc-go's codec, to
+// send (Invoke's request) and to receive (a reply of another type), and a second Close of a
+// connection fails as grpc-go's does. isthmus's said "string is not a proto.Message", and its
+// second Close gave nil.
+func TestWrongMessagesAndASecondCloseFailAsOnGrpcGo(t *testing.T) {
+	got := map[string][]string{}
+	for name, conn := range besideGrpcGoServing(t, "wrong-message", nilFirst{}) {
+		ctx := testContext(t)
+		for _, call := range []struct{ req, reply any }{
+			{"not a message", &pb.EchoReply{}},
+			{&pb.EchoRequest{}, nil},
+			{&pb.EchoRequest{}, "not a message"},
+		} {
+			err := conn.Invoke(ctx, pb.Echo_Unary_FullMethodName, call.req, call.reply)
+			got[name] = append(got[name], fmt.Sprint(status.Code(err), ": ", status.Convert(err).Message()))
+		}
+		closer := conn.(interface{ Close() error })
+		if err := closer.Close(); err != nil {
+			t.Errorf("%s: first Close: %v", name, err)
+		}
+		err := closer.Close()
+		got[name] = append(got[name], fmt.Sprint(status.Code(err), ": ", status.Convert(err).Message()))
+	}
+	if fmt.Sprint(got["isthmus"]) != fmt.Sprint(got["grpc-go"]) {
+		t.Errorf("isthmus:\n%q\ngrpc-go:\n%q", got["isthmus"], got["grpc-go"])
+	}
+	if want := "Canceled: grpc: the client connection is closing"; got["grpc-go"][3] != want {
+		t.Errorf("grpc-go's second Close: %q, want %q", got["grpc-go"][3], want)
+	}
+}

@@ -258,10 +258,10 @@ func (cc *ClientConn) Target() string { return cc.target }
 
 // Close releases the connection. Calls in progress end now with codes.Canceled "grpc: the
 // client connection is closing" (their handlers see them end), and new calls fail with it, as
-// grpc-go's do.
+// grpc-go's do; so does a second Close.
 func (cc *ClientConn) Close() error {
 	if cc.closed.Swap(true) {
-		return nil
+		return errClosing()
 	}
 	// ch is still the connection's own reference's here.
 	msg := C.CString(closingMessage)
@@ -375,14 +375,15 @@ func setTimeout(ctx context.Context, o *C.isthmus_call_options_t) error {
 }
 
 // marshal encodes a message with protobuf. An untyped nil is an empty message, as grpc-go's
-// encoding takes it (a typed nil is one to protobuf too).
+// encoding takes it (a typed nil is one to protobuf too). Its errors, and unmarshal's, are in
+// the words of grpc-go's proto codec.
 func marshal(m any) ([]byte, error) {
 	if m == nil {
 		return nil, nil
 	}
 	pm, ok := m.(proto.Message)
 	if !ok {
-		return nil, status.Errorf(codes.Internal, "grpc: error while marshaling: %T is not a proto.Message", m)
+		return nil, status.Errorf(codes.Internal, "grpc: error while marshaling: proto: failed to marshal, message is %T, want proto.Message", m)
 	}
 	b, err := proto.Marshal(pm)
 	if err != nil {
@@ -394,7 +395,7 @@ func marshal(m any) ([]byte, error) {
 func unmarshal(b []byte, m any) error {
 	pm, ok := m.(proto.Message)
 	if !ok {
-		return status.Errorf(codes.Internal, "grpc: failed to unmarshal the received message: %T is not a proto.Message", m)
+		return status.Errorf(codes.Internal, "grpc: failed to unmarshal the received message: failed to unmarshal, message is %T, want proto.Message", m)
 	}
 	if err := proto.Unmarshal(b, pm); err != nil {
 		return status.Errorf(codes.Internal, "grpc: failed to unmarshal the received message: %v", err)

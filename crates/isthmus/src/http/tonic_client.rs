@@ -111,10 +111,16 @@ impl Body for ResponseBody {
             // tonic bounds only the wait for the response's headers: the rest of a streaming
             // call is bounded here, also while frames keep coming (a clock read each), and the
             // timer wakes a body that waits. Dropping the body (below) resets the stream.
-            Source::Http { deadline: Some(d), .. } if d.deadline() <= tokio::time::Instant::now() => {
+            Source::Http { deadline, .. } if passed(deadline) => {
                 Frame::trailers(codec::status_trailers(&Status::deadline_exceeded()))
             }
             Source::Http { body, cancel, deadline } => match Pin::new(body).poll_frame(cx) {
+                // A server resets the stream as its copy of the deadline passes (grpc-go's
+                // sends CANCEL), which may come before the timer here fires: the call ended by
+                // its deadline, as grpc-go's clients then report, not UNAVAILABLE.
+                Poll::Ready(Some(Err(_))) if passed(deadline) => {
+                    Frame::trailers(codec::status_trailers(&Status::deadline_exceeded()))
+                }
                 Poll::Ready(frame) => {
                     if frame.as_ref().is_none_or(|f| f.as_ref().is_ok_and(|f| f.is_trailers())) {
                         cancel.disarm(); // the call is over: nothing left to cancel
@@ -192,6 +198,11 @@ fn deadline_code(headers: &mut HeaderMap) {
         headers.insert(codec::GRPC_STATUS, HeaderValue::from_static("4"));
         headers.insert(codec::GRPC_MESSAGE, HeaderValue::from_static(crate::status::DEADLINE_EXCEEDED));
     }
+}
+
+/// Whether a call's deadline (its timer) has passed, fired or not.
+fn passed(deadline: &Option<Pin<Box<tokio::time::Sleep>>>) -> bool {
+    deadline.as_ref().is_some_and(|d| d.deadline() <= tokio::time::Instant::now())
 }
 
 /// Whether an HTTP/2 transport error is tonic's client-side deadline.
@@ -697,8 +708,9 @@ where
                 response.map(|body| ResponseBody(Source::Http { body, cancel, deadline }))
             }
             // tonic's own reading of its errors: a deadline that passed is
-            // DEADLINE_EXCEEDED, a refused connection UNAVAILABLE.
-            Err(e) if timed_out(&e) => {
+            // DEADLINE_EXCEEDED, a refused connection UNAVAILABLE. So is any failure once
+            // the deadline has passed: the server's reset at its deadline may come first.
+            Err(e) if timed_out(&e) || passed(&deadline) => {
                 // tonic reports its own deadline as CANCELLED; gRPC's code is this one.
                 failed_response(Status::deadline_exceeded())
             }
