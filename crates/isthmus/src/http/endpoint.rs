@@ -17,7 +17,8 @@
 //! `Routes` (the tonic services, health and reflection, and the loopback `Channel` as fallback),
 //! every accepted connection read through the `:authority` filter, and tonic's two answers
 //! that gRPC names otherwise given gRPC's codes (an expired deadline, `DeadlineLayer`; a message
-//! over a service's limit, `TooLargeLayer`). On the stop signal tonic stops
+//! over a service's limit, `TooLargeLayer`), behind `GrpcOnlyLayer`, which refuses a request that
+//! is not a gRPC call (its method, its content type). On the stop signal tonic stops
 //! accepting and drains (GOAWAY, calls in progress finish), then the unix socket file is removed.
 //! `grace` bounds this drain and the `shm://` one together.
 //! With a maximum connection age, tonic sends each connection that old its GOAWAY, and `Aged`
@@ -324,6 +325,7 @@ impl HttpListener {
             server = server.max_connection_age(age);
         }
         let server = server
+            .layer(GrpcOnlyLayer)
             .layer(crate::http::authority::DeadlineLayer)
             .layer(TooLargeLayer)
             .layer(PeerLayer)
@@ -668,6 +670,77 @@ where
     }
 }
 
+/// Refuses an HTTP/2 request that is not a gRPC call before any service or handler sees it, as
+/// grpc-go's server does and with its words: a method other than `POST` (HTTP 405, INTERNAL),
+/// and a content type other than `application/grpc`, `application/grpc+…` or
+/// `application/grpc;…` (HTTP 415, INVALID_ARGUMENT). The gRPC spec asks for the 415 so that no
+/// other HTTP client takes the answer for a success; it also keeps a browser's cross-site form
+/// `POST` (`text/plain`) from running a handler. tonic's server checks neither.
+#[derive(Debug, Clone, Copy, Default)]
+pub(crate) struct GrpcOnlyLayer;
+
+impl<S> tower::Layer<S> for GrpcOnlyLayer {
+    type Service = GrpcOnly<S>;
+
+    fn layer(&self, inner: S) -> GrpcOnly<S> {
+        GrpcOnly(inner)
+    }
+}
+
+/// [`GrpcOnlyLayer`]'s service.
+#[derive(Debug, Clone)]
+pub(crate) struct GrpcOnly<S>(S);
+
+impl<S, B> tower_service::Service<http::Request<B>> for GrpcOnly<S>
+where
+    S: tower_service::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = S::Error;
+    type Future = futures_util::future::Either<std::future::Ready<Responded<S::Error>>, S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, request: http::Request<B>) -> Self::Future {
+        match not_grpc(&request) {
+            Some(refusal) => futures_util::future::Either::Left(std::future::ready(Ok(refusal))),
+            None => futures_util::future::Either::Right(self.0.call(request)),
+        }
+    }
+}
+
+/// The answer to a request that is not a gRPC call ([`GrpcOnlyLayer`]), or None for a call.
+fn not_grpc<B>(request: &http::Request<B>) -> Option<http::Response<tonic::body::Body>> {
+    let (http_status, status) = if request.method() != http::Method::POST {
+        let words =
+            format!("Received a HEADERS frame with :method {:?} which should be POST", request.method().as_str());
+        (http::StatusCode::METHOD_NOT_ALLOWED, Status::new(Code::Internal, words))
+    } else {
+        let content_type = request.headers().get(http::header::CONTENT_TYPE).map(|v| v.as_bytes()).unwrap_or_default();
+        if is_grpc_content_type(content_type) {
+            return None;
+        }
+        let words = format!("invalid gRPC request content-type {:?}", String::from_utf8_lossy(content_type));
+        (http::StatusCode::UNSUPPORTED_MEDIA_TYPE, Status::new(Code::InvalidArgument, words))
+    };
+    let mut response = http::Response::new(tonic::body::Body::empty());
+    *response.status_mut() = http_status;
+    let headers = response.headers_mut();
+    headers.insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("application/grpc"));
+    headers.extend(crate::http::codec::status_trailers(&status));
+    Some(response)
+}
+
+/// `application/grpc`, or it followed by `+` (a codec) or `;` (parameters), as grpc-go reads it.
+fn is_grpc_content_type(value: &[u8]) -> bool {
+    match value.strip_prefix(b"application/grpc") {
+        Some(rest) => rest.is_empty() || rest[0] == b'+' || rest[0] == b';',
+        None => false,
+    }
+}
+
 /// Gives tonic's refusal of a message over a service's limit gRPC's code on an HTTP/2 endpoint,
 /// as the `shm://` bridge does ([`codec::too_large_code`](crate::http::codec::too_large_code)):
 /// tonic says OUT_OF_RANGE where grpc-go and grpc-core say RESOURCE_EXHAUSTED. A trailers-only
@@ -961,6 +1034,20 @@ delegate_io!(Tracked.io);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn grpc_content_types_are_grpc_gos() {
+        for ok in
+            ["application/grpc", "application/grpc+proto", "application/grpc+json", "application/grpc;charset=utf-8"]
+        {
+            assert!(is_grpc_content_type(ok.as_bytes()), "{ok}");
+        }
+        for not in
+            ["", "text/plain", "application/grpcx", "application/grpc-web", "Application/grpc", "application/json"]
+        {
+            assert!(!is_grpc_content_type(not.as_bytes()), "{not}");
+        }
+    }
 
     #[test]
     fn a_socket_file_is_removed_only_while_it_is_still_the_one_bound() {

@@ -1,0 +1,104 @@
+package isthmus_test
+
+import (
+	"bytes"
+	"context"
+	"crypto/tls"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"sync/atomic"
+	"testing"
+
+	"golang.org/x/net/http2"
+
+	pb "example.invalid/isthmus/go/internal/conformancepb"
+	"example.invalid/isthmus/go/isthmus"
+)
+
+// countsCalls is an Echo service that counts the unary calls its handler runs.
+type countsCalls struct {
+	pb.UnimplementedEchoServer
+	calls *atomic.Int32
+}
+
+func (s countsCalls) Unary(_ context.Context, req *pb.EchoRequest) (*pb.EchoReply, error) {
+	s.calls.Add(1)
+	return &pb.EchoReply{Payload: req.Payload}, nil
+}
+
+// An HTTP/2 request that is not a gRPC call (a method other than POST; a content type other
+// than application/grpc, +codec or ;parameters) is refused before any handler runs, with
+// grpc-go's HTTP status, gRPC code and words: 405 INTERNAL, 415 INVALID_ARGUMENT. isthmus's
+// server ran the handler for a PUT, or a POST of text/plain (a browser's cross-site form
+// sends one) or of no content type at all, and answered 200.
+func TestRequestsThatAreNotGrpcCallsAreRefusedAsGrpcGoRefusesThem(t *testing.T) {
+	var isthmusCalls, grpcCalls atomic.Int32
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	address := l.Addr().String()
+	l.Close() // its port, for the isthmus server
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, countsCalls{calls: &isthmusCalls})
+	if err := s.Start("http://" + address); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	servers := map[string]string{
+		"isthmus": address,
+		"grpc-go": startGrpcServing(t, countsCalls{calls: &grpcCalls}),
+	}
+	client := &http.Client{Transport: &http2.Transport{AllowHTTP: true,
+		DialTLSContext: func(ctx context.Context, network, addr string, _ *tls.Config) (net.Conn, error) {
+			var d net.Dialer
+			return d.DialContext(ctx, network, addr)
+		}}}
+	t.Cleanup(client.CloseIdleConnections)
+	message := []byte{0, 0, 0, 0, 2, 10, 0} // one EchoRequest with an empty payload
+	cases := []struct{ method, contentType, want string }{
+		{"POST", "application/grpc", "200 status 0 words "},
+		{"POST", "application/grpc+proto", "200 status 0 words "},
+		{"POST", "application/grpc;charset=utf-8", "200 status 0 words "},
+		{"PUT", "application/grpc", `405 status 13 words Received a HEADERS frame with :method "PUT" which should be POST`},
+		{"GET", "application/grpc", `405 status 13 words Received a HEADERS frame with :method "GET" which should be POST`},
+		{"POST", "text/plain", `415 status 3 words invalid gRPC request content-type "text/plain"`},
+		{"POST", "", `415 status 3 words invalid gRPC request content-type ""`},
+		{"POST", "application/grpc-web", `415 status 3 words invalid gRPC request content-type "application/grpc-web"`},
+	}
+	for name, address := range servers {
+		for _, c := range cases {
+			var body io.Reader = bytes.NewReader(message)
+			if c.method == "GET" {
+				body = nil
+			}
+			request, err := http.NewRequestWithContext(testContext(t), c.method, "http://"+address+pb.Echo_Unary_FullMethodName, body)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c.contentType != "" {
+				request.Header.Set("content-type", c.contentType)
+			}
+			request.Header.Set("te", "trailers")
+			response, err := client.Do(request)
+			if err != nil {
+				t.Fatalf("%s: %s %q: %v", name, c.method, c.contentType, err)
+			}
+			io.Copy(io.Discard, response.Body)
+			response.Body.Close()
+			field := func(key string) string { return response.Header.Get(key) + response.Trailer.Get(key) }
+			got := fmt.Sprintf("%d status %s words %s", response.StatusCode, field("grpc-status"), field("grpc-message"))
+			if got != c.want {
+				t.Errorf("%s: %s %q: %q, want %q", name, c.method, c.contentType, got, c.want)
+			}
+		}
+	}
+	if got := isthmusCalls.Load(); got != 3 {
+		t.Errorf("isthmus's handler ran %d times, want 3 (the gRPC calls only)", got)
+	}
+	if got := grpcCalls.Load(); got != 3 {
+		t.Errorf("grpc-go's handler ran %d times, want 3", got)
+	}
+}
