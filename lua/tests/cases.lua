@@ -238,6 +238,41 @@ function cases.unknown(ch, args)
     return failure(err)
 end
 
+-- Arguments a C string would cut short, or that are no path, metadata or options at all:
+-- each call returns false and its error (it raised, or sent something else), and the channel
+-- serves on. The names of the INVALID_ARGUMENT errors, by case; "after": the next call's reply.
+function cases.bad_arguments(ch, args)
+    local raw = { raw = true, timeout = 30 }
+    local calls = {
+        path_number = function() return ch:unary(5, "", raw) end,
+        path_nul = function() return ch:unary(ECHO .. "Un\0ary", "", raw) end,
+        stream_path_nil = function() return ch:stream(nil) end,
+        options_string = function() return ch:unary(ECHO .. "Unary", "", "raw") end,
+        metadata_string = function() return ch:unary(ECHO .. "Unary", "", { raw = true, metadata = "x-a" }) end,
+        metadata_list = function() return ch:unary(ECHO .. "Unary", "", { raw = true, metadata = { "x-a", "v" } }) end,
+        metadata_key_nul = function()
+            return ch:unary(ECHO .. "Unary", "", { raw = true, metadata = { ["x-echo\0x"] = "v" } })
+        end,
+        metadata_value_bool = function()
+            return ch:unary(ECHO .. "Unary", "", { raw = true, metadata = { ["x-echo"] = true } })
+        end,
+    }
+    local out = {}
+    for name, call in pairs(calls) do
+        local raised, ok, err = pcall(call)
+        if not raised then
+            out[name] = "raised: " .. tostring(ok)
+        elseif ok then
+            out[name] = "succeeded"
+        else
+            out[name] = failure(err).name
+        end
+    end
+    local ok, reply = ch:unary(ECHO .. "Unary", "\10\3abc", raw)
+    out.after = ok and payload_of(reply) or failure(reply).name
+    return out
+end
+
 function cases.big(ch, args)
     local size = tonumber(args.size)
     local payload = string.rep("0123456789abcdef", size / 16)

@@ -318,6 +318,30 @@ def test_unknown_method(nginx: Nginx, shm: str) -> None:
     assert r["ok"] is False and r["name"] == "UNIMPLEMENTED", r
 
 
+def test_arguments_a_c_string_would_cut_or_that_are_none_fail_their_call(nginx: Nginx, shm: str) -> None:
+    """A path or metadata key with a NUL, a path that is no string, metadata or options that
+    are no table, a metadata list, a value that is no string or number: each call fails
+    INVALID_ARGUMENT, and the channel serves on. The module cut a NUL's string short (a call to
+    another method, a key of another name), raised for a number or a string where a table
+    goes, and sent a list's indexes as its keys."""
+    r = nginx.case("bad_arguments", shm)
+    after = r.pop("after")
+    assert r == {
+        name: "INVALID_ARGUMENT"
+        for name in (
+            "path_number",
+            "path_nul",
+            "stream_path_nil",
+            "options_string",
+            "metadata_string",
+            "metadata_list",
+            "metadata_key_nul",
+            "metadata_value_bool",
+        )
+    }, r
+    assert after == "abc", after
+
+
 def test_16_mib_message(nginx: Nginx, shm: str) -> None:
     r = nginx.case("big", shm, size=16 * 1024 * 1024)
     assert r == {"ok": True, "size": 16 * 1024 * 1024, "same": True}

@@ -304,15 +304,41 @@ local function take_message(msg)
     return s
 end
 
--- Lua metadata ({key = value or {values}}) as a handle for one call, or nil.
+-- A string the library takes as a C string (a path, a metadata key): nil and an error for
+-- one that is not a string, or holds a NUL, where C would read it cut short.
+local function c_string(what, s)
+    if type(s) ~= "string" then
+        return nil, new_error(INVALID_ARGUMENT, ("%s is a string, not a %s"):format(what, type(s)))
+    end
+    if s:find("\0", 1, true) then
+        return nil, new_error(INVALID_ARGUMENT, ("%s %q holds a NUL"):format(what, s))
+    end
+    return s
+end
+
+-- Lua metadata ({key = value or {values}}) as a handle for one call, or nil. A value is a
+-- string (or a number, written as Lua writes it); anything else is refused, not sent as
+-- something else (a list's keys were its indexes, a key with a NUL was cut at it).
 local function make_metadata(t)
+    if t ~= nil and type(t) ~= "table" then
+        return nil, new_error(INVALID_ARGUMENT, "metadata is a table of key = value or {values}, not a " .. type(t))
+    end
     if t == nil or next(t) == nil then
         return nil
     end
     local md = ffi_gc(C.isthmus_metadata_new(), C.isthmus_metadata_free)
     for k, v in pairs(t) do
+        local key, err = c_string("a metadata key", k)
+        if not key then
+            return nil, err
+        end
         local values = type(v) == "table" and v or { v }
         for _, value in ipairs(values) do
+            local kind = type(value)
+            if kind ~= "string" and kind ~= "number" then
+                return nil, new_error(INVALID_ARGUMENT,
+                    ("metadata value of %s is a string or a number, not a %s"):format(key, kind))
+            end
             value = tostring(value)
             local rc = C.isthmus_metadata_add(md, tostring(k), value, #value, status_out)
             if rc ~= OK then
@@ -1204,6 +1230,9 @@ local COMPRESSION_FLAGS = { gzip = 4, deflate = 8 }
 -- The C options of one call; the metadata handle is returned so that it lives until the call
 -- has copied it.
 local function call_options(opts, flags)
+    if opts ~= nil and type(opts) ~= "table" then
+        return nil, new_error(INVALID_ARGUMENT, "a call's options are a table, not a " .. type(opts))
+    end
     local o = ffi_new("isthmus_call_options_t")
     local md, err
     if opts then
@@ -1314,6 +1343,10 @@ function Channel:unary(path, request, opts)
     if h == nil then
         return false, new_error(UNAVAILABLE, "the channel is closed")
     end
+    local _, perr = c_string("the path", path)
+    if perr then
+        return false, perr
+    end
     local codec = self:_codec(path, opts)
     local ok, bytes = encode(self, codec, path, request)
     if not ok then
@@ -1368,6 +1401,10 @@ function Channel:stream(path, opts)
     local h = self.handle
     if h == nil then
         return nil, new_error(UNAVAILABLE, "the channel is closed")
+    end
+    local _, perr = c_string("the path", path)
+    if perr then
+        return nil, perr
     end
     -- Streams never wait on the worker's thread: each of their waits goes through the bell.
     local o, md = call_options(opts, 0)
