@@ -536,3 +536,37 @@ func TestACallResetAtItsDeadlineByTheServerIsDeadlineExceeded(t *testing.T) {
 		t.Errorf("calls past their deadline that ended otherwise: %v", wrong)
 	}
 }
+
+// A method path with a NUL fails InvalidArgument, as the library fails a path it cannot send.
+// The C copy of the path ended at the NUL, and the call went to another method (here
+// Unimplemented "unknown method Un").
+func TestAMethodPathWithANulIsRefused(t *testing.T) {
+	for name, conn := range map[string]*isthmus.ClientConn{
+		"shm":   dial(t, startIsthmusServing(t, "nul-path", &echo.Service{})),
+		"http2": dial(t, "http://"+startGrpcServing(t, &echo.Service{})),
+	} {
+		err := conn.Invoke(testContext(t), "/conformance.Echo/Un\x00ary", &pb.EchoRequest{}, &pb.EchoReply{})
+		if status.Code(err) != codes.InvalidArgument {
+			t.Errorf("%s: %v, want InvalidArgument", name, err)
+		}
+		desc := &grpc.StreamDesc{ServerStreams: true, ClientStreams: true}
+		if _, err := conn.NewStream(testContext(t), desc, "/conformance.Echo/Bi\x00di"); status.Code(err) != codes.InvalidArgument {
+			t.Errorf("%s: a stream: %v, want InvalidArgument", name, err)
+		}
+	}
+}
+
+// A target with a NUL fails InvalidArgument in Dial and in a server's Start: the C copy ended
+// at the NUL, and the client connected to another server, the server bound another name.
+func TestATargetWithANulIsRefused(t *testing.T) {
+	shm, _ := fresh(t, "nul-target")
+	if _, err := isthmus.Dial(shm + "\x00more"); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("Dial: %v, want InvalidArgument", err)
+	}
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, &echo.Service{})
+	t.Cleanup(s.Stop)
+	if err := s.Start(shm + "\x00more"); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("Start: %v, want InvalidArgument", err)
+	}
+}

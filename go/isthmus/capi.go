@@ -13,6 +13,7 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"unsafe"
 
 	spb "google.golang.org/genproto/googleapis/rpc/status"
@@ -32,19 +33,43 @@ func init() {
 }
 
 // cStrings interns the C copies of method paths: a path is made once per process, not per
-// call.
-var cStrings sync.Map // string -> *C.char
+// call, for up to maxInterned paths. A process calls few methods, each many times; a proxy
+// that passes on its callers' paths would otherwise grow the cache without end.
+var (
+	cStrings sync.Map // string -> *C.char
+	interned atomic.Int64
+)
 
-func cString(s string) *C.char {
+const maxInterned = 4096
+
+// cString is the C copy of a method path for one call, and what to run once the call has
+// taken it: nothing for an interned path, the free of a copy made for this call alone.
+func cString(s string) (*C.char, func()) {
 	if p, ok := cStrings.Load(s); ok {
-		return p.(*C.char)
+		return p.(*C.char), keep
 	}
 	mine := C.CString(s)
+	if interned.Load() >= maxInterned {
+		return mine, func() { C.free(unsafe.Pointer(mine)) }
+	}
 	p, loaded := cStrings.LoadOrStore(s, mine)
 	if loaded { // another goroutine interned it first
 		C.free(unsafe.Pointer(mine))
+	} else {
+		interned.Add(1)
 	}
-	return p.(*C.char)
+	return p.(*C.char), keep
+}
+
+func keep() {}
+
+// noNUL refuses a string the library takes as a C string that holds a NUL: C would read it
+// cut there (another target, another method).
+func noNUL(what, s string) error {
+	if strings.IndexByte(s, 0) >= 0 {
+		return status.Errorf(codes.InvalidArgument, "%s %q holds a NUL", what, s)
+	}
+	return nil
 }
 
 // bytesPtr is the C view of b's bytes for the duration of one cgo call (nil when empty).

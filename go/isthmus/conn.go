@@ -207,6 +207,9 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 	if err != nil {
 		return nil, err
 	}
+	if err := noNUL("target", target); err != nil {
+		return nil, err
+	}
 	ct := C.CString(target)
 	defer C.free(unsafe.Pointer(ct))
 	copts := C.isthmus_channel_options_t{max_message_size: C.uint64_t(o.maxMessageSize), flags: o.upgrade}
@@ -322,6 +325,11 @@ func (cc *ClientConn) closingError(err error) error {
 // caller frees the metadata handle in it.
 func (cc *ClientConn) cCallOptions(ctx context.Context, method string, co callOptions, flags C.uint32_t) (C.isthmus_call_options_t, error) {
 	var o C.isthmus_call_options_t
+	// C would read the path cut at a NUL, another method: refused, in the library's words
+	// for a path it cannot send.
+	if strings.IndexByte(method, 0) >= 0 {
+		return o, status.Errorf(codes.InvalidArgument, "method path %q must start with '/', be printable ASCII and at most 1024 bytes", method)
+	}
 	if err := setTimeout(ctx, &o); err != nil {
 		return o, err
 	}
@@ -490,7 +498,9 @@ func (cc *ClientConn) invokeWith(ctx context.Context, method string, args, reply
 		return err
 	}
 	co.stats.outPayload(args, len(req))
-	ev, ok := cc.unaryBytes(ctx, cString(method), req, &copts)
+	path, done := cString(method)
+	ev, ok := cc.unaryBytes(ctx, path, req, &copts)
+	done()
 	return cc.unaryReply(ctx, ev, ok, reply, co)
 }
 
@@ -675,7 +685,9 @@ func (cc *ClientConn) invokeLarge(ctx context.Context, method string, args proto
 		return status.Errorf(codes.Internal, "grpc: error while marshaling: %v", err)
 	}
 	co.stats.outPayload(args, size)
-	ev, ok, err := cc.unaryBlock(ctx, cString(method), b, &copts)
+	path, done := cString(method)
+	ev, ok, err := cc.unaryBlock(ctx, path, b, &copts)
+	done()
 	if err != nil {
 		return err
 	}
@@ -726,7 +738,8 @@ func (cc *ClientConn) newStream(ctx context.Context, desc *grpc.StreamDesc, meth
 	if err != nil {
 		return nil, err
 	}
-	path := cString(method)
+	path, done := cString(method)
+	defer done()
 	ev, ok := cc.r.do(ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
 		if !cc.use() {
 			return C.ISTHMUS_CANCELLED, nil

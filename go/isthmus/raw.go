@@ -272,7 +272,9 @@ func (cc *ClientConn) CallRaw(ctx context.Context, method string, request []byte
 	if err != nil {
 		return nil, err
 	}
-	ev, ok := cc.unaryBytes(ctx, cString(method), request, &copts)
+	path, done := cString(method)
+	ev, ok := cc.unaryBytes(ctx, path, request, &copts)
+	done()
 	return cc.rawReply(ctx, ev, ok)
 }
 
@@ -386,7 +388,9 @@ func (cc *ClientConn) CallRawBlock(ctx context.Context, method string, request *
 		request.Release()
 		return nil, err
 	}
-	ev, ok, err := cc.unaryBlock(ctx, cString(method), request, &copts)
+	path, done := cString(method)
+	ev, ok, err := cc.unaryBlock(ctx, path, request, &copts)
+	done()
 	if err != nil {
 		return nil, err
 	}

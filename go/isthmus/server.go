@@ -238,7 +238,15 @@ func (s *Server) Start(targets ...string) error {
 	}
 	s.r = r
 	// The library refuses this too, but names its Rust setting where a Go user needs ServerTLS.
+	for name := range s.methods {
+		if err := noNUL("method path", name); err != nil {
+			return err
+		}
+	}
 	for _, t := range targets {
+		if err := noNUL("target", t); err != nil {
+			return err
+		}
 		if s.opts.tls == nil && strings.HasPrefix(t, "https://") {
 			return status.Errorf(codes.InvalidArgument, "%s needs the server's TLS settings (ServerTLS)", t)
 		}

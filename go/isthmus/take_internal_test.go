@@ -91,3 +91,27 @@ func TestAFinishedHandlerTakesTheNextCallItself(t *testing.T) {
 		t.Fatal("no call was taken by a handler's goroutine: every one went through the reactor")
 	}
 }
+
+// The C copies of method paths are interned for the process up to maxInterned paths; past
+// that, each call's copy is its own and freed after it, so a process that calls without end
+// on new paths (a proxy passing on its callers') does not grow without end.
+func TestInternedMethodPathsAreBounded(t *testing.T) {
+	for i := 0; i < maxInterned+100; i++ {
+		p, done := cString(fmt.Sprintf("/bounded.Paths/M%d", i))
+		if p == nil {
+			t.Fatal("no C string")
+		}
+		done()
+	}
+	n := 0
+	cStrings.Range(func(_, _ any) bool { n++; return true })
+	if n > maxInterned || interned.Load() > maxInterned {
+		t.Fatalf("%d paths interned (counted %d), at most %d", n, interned.Load(), maxInterned)
+	}
+	// An interned path is still the same copy.
+	a, _ := cString("/bounded.Paths/M0")
+	b, _ := cString("/bounded.Paths/M0")
+	if a != b {
+		t.Error("an interned path was copied again")
+	}
+}

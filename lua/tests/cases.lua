@@ -238,7 +238,7 @@ function cases.unknown(ch, args)
     return failure(err)
 end
 
--- Arguments a C string would cut short, or that are no path, metadata or options at all:
+-- Arguments a C string would cut short, or that are no target, path, metadata or options:
 -- each call returns false and its error (it raised, or sent something else), and the channel
 -- serves on. The names of the INVALID_ARGUMENT errors, by case; "after": the next call's reply.
 function cases.bad_arguments(ch, args)
@@ -256,6 +256,9 @@ function cases.bad_arguments(ch, args)
         metadata_value_bool = function()
             return ch:unary(ECHO .. "Unary", "", { raw = true, metadata = { ["x-echo"] = true } })
         end,
+        target_nul = function() return isthmus.connect(args.target .. "\0more") end,
+        target_number = function() return isthmus.connect(5) end,
+        connect_options_string = function() return isthmus.connect(args.target, "opts") end,
     }
     local out = {}
     for name, call in pairs(calls) do

@@ -319,11 +319,12 @@ def test_unknown_method(nginx: Nginx, shm: str) -> None:
 
 
 def test_arguments_a_c_string_would_cut_or_that_are_none_fail_their_call(nginx: Nginx, shm: str) -> None:
-    """A path or metadata key with a NUL, a path that is no string, metadata or options that
-    are no table, a metadata list, a value that is no string or number: each call fails
-    INVALID_ARGUMENT, and the channel serves on. The module cut a NUL's string short (a call to
-    another method, a key of another name), raised for a number or a string where a table
-    goes, and sent a list's indexes as its keys."""
+    """A target, path or metadata key with a NUL, a target or path that is no string, metadata
+    or options that are no table, a metadata list, a value that is no string or number: each
+    call (or connect) fails INVALID_ARGUMENT, and the channel serves on. The module cut a NUL's
+    string short (a connection to another server, a call to another method, a key of another
+    name), raised for a number or a string where a table goes, and sent a list's indexes as
+    its keys."""
     r = nginx.case("bad_arguments", shm)
     after = r.pop("after")
     assert r == {
@@ -337,6 +338,9 @@ def test_arguments_a_c_string_would_cut_or_that_are_none_fail_their_call(nginx: 
             "metadata_list",
             "metadata_key_nul",
             "metadata_value_bool",
+            "target_nul",
+            "target_number",
+            "connect_options_string",
         )
     }, r
     assert after == "abc", after

@@ -1062,8 +1062,18 @@ end
 --- One channel per worker, made in init_worker_by_lua or on first use, serves every request.
 --- Returns the channel, or nil, err.
 function _M.connect(target, opts)
+    if opts ~= nil and type(opts) ~= "table" then
+        return nil, new_error(INVALID_ARGUMENT, "connect's options are a table, not a " .. type(opts))
+    end
     opts = opts or {}
     load(opts.lib)
+    -- nil is the library's to refuse (INVALID_ARGUMENT "the target is NULL").
+    if target ~= nil then
+        local _, terr = c_string("the target", target)
+        if terr then
+            return nil, terr
+        end
+    end
     -- Checked before the channel exists: a value the ffi cannot convert raised after it was
     -- made, and the channel leaked.
     for _, key in ipairs({ "max_message_size", "spin_us", "keepalive_time_ms", "keepalive_timeout_ms" }) do
