@@ -67,6 +67,8 @@ func TestRequestsThatAreNotGrpcCallsAreRefusedAsGrpcGoRefusesThem(t *testing.T) 
 		{"POST", "text/plain", `415 status 3 words invalid gRPC request content-type "text/plain"`},
 		{"POST", "", `415 status 3 words invalid gRPC request content-type ""`},
 		{"POST", "application/grpc-web", `415 status 3 words invalid gRPC request content-type "application/grpc-web"`},
+		// Both wrong (a stray GET from curl or a browser): the content type counts first.
+		{"GET", "", `415 status 3 words invalid gRPC request content-type ""`},
 	}
 	for name, address := range servers {
 		for _, c := range cases {

@@ -237,7 +237,6 @@ func (s *Server) Start(targets ...string) error {
 		return errors.New("isthmus: the server was started already")
 	}
 	s.r = r
-	// The library refuses this too, but names its Rust setting where a Go user needs ServerTLS.
 	for name := range s.methods {
 		if err := noNUL("method path", name); err != nil {
 			return err
@@ -247,6 +246,8 @@ func (s *Server) Start(targets ...string) error {
 		if err := noNUL("target", t); err != nil {
 			return err
 		}
+		// The library refuses this too, but names its Rust setting where a Go user needs
+		// ServerTLS.
 		if s.opts.tls == nil && strings.HasPrefix(t, "https://") {
 			return status.Errorf(codes.InvalidArgument, "%s needs the server's TLS settings (ServerTLS)", t)
 		}

@@ -96,6 +96,21 @@ func TestAFinishedHandlerTakesTheNextCallItself(t *testing.T) {
 // that, each call's copy is its own and freed after it, so a process that calls without end
 // on new paths (a proxy passing on its callers') does not grow without end.
 func TestInternedMethodPathsAreBounded(t *testing.T) {
+	// The process's cache, full after this test, would leave every later test of the package
+	// a copy per call: it is put back as it was (the copies interned here are left to the
+	// test process; a test file cannot call C.free).
+	before := map[any]bool{}
+	cStrings.Range(func(k, _ any) bool { before[k] = true; return true })
+	count := interned.Load()
+	t.Cleanup(func() {
+		cStrings.Range(func(k, _ any) bool {
+			if !before[k] {
+				cStrings.Delete(k)
+			}
+			return true
+		})
+		interned.Store(count)
+	})
 	for i := 0; i < maxInterned+100; i++ {
 		p, done := cString(fmt.Sprintf("/bounded.Paths/M%d", i))
 		if p == nil {

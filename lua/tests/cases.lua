@@ -248,6 +248,8 @@ function cases.bad_arguments(ch, args)
         path_nul = function() return ch:unary(ECHO .. "Un\0ary", "", raw) end,
         stream_path_nil = function() return ch:stream(nil) end,
         options_string = function() return ch:unary(ECHO .. "Unary", "", "raw") end,
+        options_number = function() return ch:unary(ECHO .. "Unary", "", 5) end,
+        stream_options_bool = function() return ch:stream(ECHO .. "Bidi", true) end,
         metadata_string = function() return ch:unary(ECHO .. "Unary", "", { raw = true, metadata = "x-a" }) end,
         metadata_list = function() return ch:unary(ECHO .. "Unary", "", { raw = true, metadata = { "x-a", "v" } }) end,
         metadata_key_nul = function()

@@ -334,6 +334,8 @@ def test_arguments_a_c_string_would_cut_or_that_are_none_fail_their_call(nginx: 
             "path_nul",
             "stream_path_nil",
             "options_string",
+            "options_number",
+            "stream_options_bool",
             "metadata_string",
             "metadata_list",
             "metadata_key_nul",

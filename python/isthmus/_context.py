@@ -226,7 +226,7 @@ class Context:
             # through: an OK status becomes the handler's failure, UNKNOWN with the refusal in
             # the API's words for a handler's exception (grpc.aio's server fails the call so;
             # grpc-go's, INTERNAL). A failing status goes as it was, without the metadata.
-            _LOG.error("the handler's trailing metadata was refused", exc_info=e)
+            _LOG.error("the call's end was refused (its trailing metadata, or its reply)", exc_info=e)
             if status == 0:
                 status, details, reply = grpc.StatusCode.UNKNOWN.value[0], self._fault(e), None
             self._end(status, details, None, reply)

@@ -311,6 +311,19 @@ def test_a_request_that_serializes_to_none_fails_the_call_internal(servers: Call
                         call()
                     assert (caught.value.code(), caught.value.details()) == want, (channel, serializer, i)
 
+    # isthmus.aio's the same (grpc.aio sends it as an empty message), a unary call with and
+    # without metadata (the second in one native step, which raised TypeError).
+    async def asyncio_calls() -> None:
+        async with isthmus.aio.insecure_channel(servers("rust").addresses["shm"]) as channel:
+            for serializer in (None, lambda _: None):
+                unary = channel.unary_unary("/conformance.Echo/Unary", request_serializer=serializer)
+                for metadata in (None, [("x-a", "1")]):
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await unary(None, metadata=metadata, timeout=60)
+                    assert (caught.value.code(), caught.value.details()) == want, (serializer, metadata)
+
+    run("asyncio", asyncio_calls)
+
 
 def test_a_failed_futures_traceback_is_a_traceback(servers: Callable[[str], Any], pb: ModuleType) -> None:
     """grpcio's `traceback()` of a future whose call failed is the traceback of raising its

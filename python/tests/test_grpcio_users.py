@@ -1102,6 +1102,58 @@ def test_trailing_metadata_that_cannot_be_sent_fails_the_call_at_once() -> None:
         pool.shutdown()
 
 
+def _streams_then_bad_trailer(request: bytes, context: Any) -> Iterator[bytes]:
+    yield b"one"
+    yield b"two"
+    context.set_trailing_metadata((("k", "not ascii: \u00e9"),))
+
+
+async def _streams_then_bad_trailer_async(request: bytes, context: Any) -> AsyncIterator[bytes]:
+    yield b"one"
+    yield b"two"
+    context.set_trailing_metadata((("k", "not ascii: \u00e9"),))
+
+
+@pytest.mark.parametrize("api", ["isthmus", "isthmus.aio"])
+def test_a_streaming_handlers_trailing_metadata_that_cannot_be_sent_fails_its_call(api: str) -> None:
+    """A response-streaming handler whose trailer cannot be sent: its messages have gone, and
+    the call ends UNKNOWN with the refusal, not OK without the trailer, on the blocking server
+    and the asyncio one (their words for a handler's exception)."""
+    pool = futures.ThreadPoolExecutor(2)
+    handler = _streams_then_bad_trailer if api == "isthmus" else _streams_then_bad_trailer_async
+    methods = {"Stream": grpc.unary_stream_rpc_method_handler(handler)}
+    generic = grpc.method_handlers_generic_handler("users.S", methods)
+    shm = fresh("shm")
+
+    async def test() -> None:
+        server: Any = isthmus.server(pool) if api == "isthmus" else isthmus.aio.server()
+        server.add_generic_rpc_handlers((generic,))
+        server.add_insecure_port(shm)
+        if api == "isthmus":
+            server.start()
+        else:
+            await server.start()
+        try:
+            async with isthmus.aio.insecure_channel(shm) as channel:
+                call = channel.unary_stream("/users.S/Stream")(b"", timeout=10)
+                got = []
+                with pytest.raises(grpc.aio.AioRpcError) as failed:
+                    async for message in call:
+                        got.append(message)
+                assert got == [b"one", b"two"]
+                assert failed.value.code() == grpc.StatusCode.UNKNOWN, failed.value
+                assert "invalid metadata" in failed.value.details(), failed.value
+                assert tuple(failed.value.trailing_metadata()) == ()
+        finally:
+            if api == "isthmus":
+                server.stop(None)
+            else:
+                await server.stop(None)
+
+    asyncio.run(test())
+    pool.shutdown()
+
+
 @pytest.mark.parametrize("api", ["grpcio", "isthmus", "grpc.aio", "isthmus.aio"])
 @pytest.mark.parametrize("transport", ["unix", "http"])
 def test_wait_for_ready_waits_for_a_server_that_starts_later(api: str, transport: str) -> None:

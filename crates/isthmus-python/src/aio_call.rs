@@ -147,6 +147,12 @@ impl AioUnaryCallable {
                 Err(e) => return Err(e),
             },
         };
+        // A request that serializes to None fails as in the blocking API (and as grpcio's).
+        if request.is_none() {
+            let status = isthmus::Status::new(isthmus::Code::Internal, crate::client::SERIALIZE_FAILED);
+            let failure = crate::convert::call_error_value(py, &status);
+            return slf.call_method1(intern!(py, "_serialize_failed"), (failure, timeout));
+        }
         let request = request.cast::<PyBytes>()?;
         let options = isthmus::CallOptions {
             timeout: crate::convert::timeout_from_py(timeout),

@@ -476,7 +476,7 @@ impl Channel {
 }
 
 /// grpcio's details for a request that could not be serialized (`_call.SERIALIZE_FAILED`).
-const SERIALIZE_FAILED: &str = "Exception serializing request!";
+pub(crate) const SERIALIZE_FAILED: &str = "Exception serializing request!";
 
 /// A stub's blocking unary call (`UnaryUnaryMultiCallable.__call__`) in one native step: the
 /// request serialized, the call made and the reply deserialized with no Python frame between

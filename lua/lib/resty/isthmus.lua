@@ -1357,6 +1357,9 @@ function Channel:unary(path, request, opts)
     if perr then
         return false, perr
     end
+    if opts ~= nil and type(opts) ~= "table" then
+        return false, new_error(INVALID_ARGUMENT, "a call's options are a table, not a " .. type(opts))
+    end
     local codec = self:_codec(path, opts)
     local ok, bytes = encode(self, codec, path, request)
     if not ok then

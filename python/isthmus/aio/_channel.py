@@ -154,13 +154,11 @@ class UnaryUnaryMultiCallable(_native.AioUnaryCallable, _MultiCallable, grpc.aio
         loop, driver, native = channel._bind()
         serialize = self._serialize
         # Encoded before the operation is registered: a failure here leaves nothing waiting.
-        if serialize is None:
-            message = request
-        else:
-            try:
-                message = encode(serialize, request)
-            except CallError as error:  # as grpcio's: the call fails INTERNAL
-                return channel._track(_failed(loop, timeout, self._deserialize, error))
+        # (`encode` also fails a request that serializes to None, as the native path does.)
+        try:
+            message = encode(serialize, request)
+        except CallError as error:  # as grpcio's: the call fails INTERNAL
+            return channel._track(_failed(loop, timeout, self._deserialize, error))
         spin = driver.idle(loop)
         token, outcome = driver.begin(loop)
         try:

@@ -188,6 +188,8 @@ class Server(ServerBase, grpc.aio.Server):
         result = await loop.run_in_executor(self._pool, method, request, sync)
         if inspect.isawaitable(result):  # a plain function that gave a coroutine
             result = await result
+            if handler.response_streaming:
+                return  # a coroutine's return value is not sent (see `_serve`)
         if handler.response_streaming:
             if isinstance(result, AsyncIterable):
                 async for message in result:

@@ -712,18 +712,18 @@ where
 }
 
 /// The answer to a request that is not a gRPC call ([`GrpcOnlyLayer`]), or None for a call.
+/// The content type is looked at first, as grpc-go does: a stray `GET` with none is 415.
 fn not_grpc<B>(request: &http::Request<B>) -> Option<http::Response<tonic::body::Body>> {
-    let (http_status, status) = if request.method() != http::Method::POST {
+    let content_type = request.headers().get(http::header::CONTENT_TYPE).map(|v| v.as_bytes()).unwrap_or_default();
+    let (http_status, status) = if !is_grpc_content_type(content_type) {
+        let words = format!("invalid gRPC request content-type {:?}", String::from_utf8_lossy(content_type));
+        (http::StatusCode::UNSUPPORTED_MEDIA_TYPE, Status::new(Code::InvalidArgument, words))
+    } else if request.method() != http::Method::POST {
         let words =
             format!("Received a HEADERS frame with :method {:?} which should be POST", request.method().as_str());
         (http::StatusCode::METHOD_NOT_ALLOWED, Status::new(Code::Internal, words))
     } else {
-        let content_type = request.headers().get(http::header::CONTENT_TYPE).map(|v| v.as_bytes()).unwrap_or_default();
-        if is_grpc_content_type(content_type) {
-            return None;
-        }
-        let words = format!("invalid gRPC request content-type {:?}", String::from_utf8_lossy(content_type));
-        (http::StatusCode::UNSUPPORTED_MEDIA_TYPE, Status::new(Code::InvalidArgument, words))
+        return None;
     };
     let mut response = http::Response::new(tonic::body::Body::empty());
     *response.status_mut() = http_status;

@@ -43,7 +43,10 @@
 //! DEADLINE_EXCEEDED ("Deadline Exceeded", grpc-core's words). Other transport errors get
 //! `tonic::Status::from_error`'s code (a refused connection: UNAVAILABLE), but for a connection
 //! that breaks under a response body (the server died), which tonic calls UNKNOWN: UNAVAILABLE
-//! here, as gRPC names it. `counters()` are zero.
+//! here, as gRPC names it. Once the deadline has passed, any failure is DEADLINE_EXCEEDED
+//! (`passed`): the server's reset at its own copy of the deadline (grpc-go's CANCEL, which
+//! grpc-go's client reads so too) may come before the timer here fires, and whatever broke
+//! after the deadline, the call had run out of time. `counters()` are zero.
 //!
 //! Cancelling over HTTP/2: hyper resets a stream only once both halves are dropped, so a response
 //! dropped while the request stream is open (a bidi call given up midway) would leave the server's
@@ -117,7 +120,8 @@ impl Body for ResponseBody {
             Source::Http { body, cancel, deadline } => match Pin::new(body).poll_frame(cx) {
                 // A server resets the stream as its copy of the deadline passes (grpc-go's
                 // sends CANCEL), which may come before the timer here fires: the call ended by
-                // its deadline, as grpc-go's clients then report, not UNAVAILABLE.
+                // its deadline (grpc-go's client reads such a CANCEL so), not UNAVAILABLE. Any
+                // failure past the deadline is read so: the call had run out of time.
                 Poll::Ready(Some(Err(_))) if passed(deadline) => {
                     Frame::trailers(codec::status_trailers(&Status::deadline_exceeded()))
                 }
