@@ -1091,6 +1091,40 @@ def test_an_asyncio_handlers_str_reply_goes_as_its_utf8_as_in_grpc_aio(api: str,
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_an_asyncio_handler_that_raises_cancellederror_ends_its_call_cancelled(loop: str) -> None:
+    """A handler that raises asyncio.CancelledError itself (or cancels its own task) ends its
+    call CANCELLED "the handler was cancelled" at once, and the server serves on (the words
+    said "the server stopped", which it had not). grpc.aio's server leaves such a call to its
+    deadline, so this is isthmus.aio's alone."""
+
+    async def cancels_itself(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        if request == b"raise":
+            raise asyncio.CancelledError()
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await asyncio.sleep(30)
+        return b"not cancelled"
+
+    async def test() -> None:
+        methods = {"Cancel": grpc.unary_unary_rpc_method_handler(cancels_itself)}
+        async with _asyncio_serving("isthmus.aio", methods) as target:
+            ch = grpc.aio.insecure_channel(target)
+            for request in (b"raise", b"self"):
+                start = time.monotonic()
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await ch.unary_unary("/t.T/Cancel")(request, timeout=30)
+                assert (caught.value.code(), caught.value.details()) == (
+                    grpc.StatusCode.CANCELLED,
+                    "the handler was cancelled",
+                ), request
+                assert time.monotonic() - start < 20, request  # not the deadline's 30 s
+            await ch.close()
+
+    run(loop, test)
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 @pytest.mark.parametrize("api", ["grpc.aio", "isthmus.aio"])
 def test_what_a_streaming_coroutine_handler_returns_is_not_sent(api: str, loop: str) -> None:
     """A response-streaming handler that is a coroutine (not an async generator) streams with

@@ -137,7 +137,11 @@ class Server(ServerBase, grpc.aio.Server):
             await self._serve(handler, method, context)
         except asyncio.CancelledError:
             ending[0] = True
-            call.finish(grpc.StatusCode.CANCELLED.value[0], "the server stopped", None)
+            # A task cancelled by the call's end or the server's stop finds its call over
+            # already (this finish does nothing then): the call still open is one whose
+            # handler raised CancelledError itself, or cancelled its own task. grpc.aio's
+            # server leaves that call to its deadline.
+            call.finish(grpc.StatusCode.CANCELLED.value[0], "the handler was cancelled", None)
             raise
         except Exception as e:
             ending[0] = True
