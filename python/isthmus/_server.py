@@ -49,6 +49,11 @@ class BindError(RuntimeError, OSError):
     there): a RuntimeError, as grpcio raises for it, and an OSError."""
 
 
+class AddressError(RuntimeError, ValueError):
+    """An address a server cannot read (`:0`, an unknown scheme): a RuntimeError, as grpcio
+    raises for any address it fails to bind, and a ValueError."""
+
+
 class ServerBase:
     def __init__(
         self,
@@ -103,7 +108,7 @@ class ServerBase:
         `unix:PATH`, `unix-abstract:NAME`, or `shm://NAME`. Returns the TCP port (the one
         chosen for port 0), else 1, as grpc does: its callers treat 0 as failure. An address
         that cannot be bound raises RuntimeError, as grpcio does (`BindError`, also an
-        OSError); one that does not parse, ValueError."""
+        OSError); so does one that does not parse (`AddressError`, also a ValueError)."""
         return _port(self._add_port(address, None))
 
     def add_secure_port(self, address: str, server_credentials: grpc.ServerCredentials) -> int:
@@ -116,6 +121,8 @@ class ServerBase:
             return self._native.add_port(address, tls)
         except OSError as e:
             raise BindError(f"Failed to bind to address {address}: {e}") from e
+        except ValueError as e:
+            raise AddressError(f"Failed to bind to address {address}: {e}") from e
 
     def _check_health(self) -> None:
         """At start, once every servicer is known (added before or after the ports, as grpcio

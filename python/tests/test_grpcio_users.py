@@ -802,8 +802,9 @@ def test_an_asyncio_handler_that_returns_nothing_or_raises(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", ["grpcio", "isthmus", "isthmus.aio"])
 def test_an_address_that_cannot_be_bound_raises_RuntimeError(kind: str, tmp_path: Any) -> None:
-    """A TCP port another socket holds, and a Unix socket in a directory that is not there:
-    grpcio raises RuntimeError, which grpcio users catch; isthmus raised OSError."""
+    """A TCP port another socket holds, a Unix socket in a directory that is not there, and an
+    address that does not parse: grpcio raises RuntimeError, which grpcio users catch; isthmus
+    raised OSError, and ValueError for the last."""
     pool = futures.ThreadPoolExecutor(1)
     server = {
         "grpcio": lambda: grpc.server(pool),
@@ -816,6 +817,12 @@ def test_an_address_that_cannot_be_bound_raises_RuntimeError(kind: str, tmp_path
         for address in (f"127.0.0.1:{held.getsockname()[1]}", f"unix:{tmp_path}/not-there/s.sock"):
             with pytest.raises(RuntimeError):
                 server.add_insecure_port(address)
+    # Addresses that do not parse: RuntimeError too (isthmus raised ValueError only; it is
+    # both now).
+    for address in (":0", "bogus://x"):
+        with pytest.raises(RuntimeError) as malformed:
+            server.add_insecure_port(address)
+        assert kind == "grpcio" or isinstance(malformed.value, ValueError), malformed.value
     if kind == "isthmus":  # an shm:// name another server serves
         shm = fresh("shm")
         first = isthmus.server(pool)
