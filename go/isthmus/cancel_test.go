@@ -537,9 +537,8 @@ func TestACallResetAtItsDeadlineByTheServerIsDeadlineExceeded(t *testing.T) {
 	}
 }
 
-// A method path with a NUL fails InvalidArgument, as the library fails a path it cannot send.
-// The C copy of the path ended at the NUL, and the call went to another method (here
-// Unimplemented "unknown method Un").
+// A method path with a NUL fails InvalidArgument. The C copy of the path ended at the NUL, and
+// the call went to another method (here Unimplemented "unknown method Un").
 func TestAMethodPathWithANulIsRefused(t *testing.T) {
 	for name, conn := range map[string]*isthmus.ClientConn{
 		"shm":   dial(t, startIsthmusServing(t, "nul-path", &echo.Service{})),

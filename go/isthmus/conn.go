@@ -325,10 +325,8 @@ func (cc *ClientConn) closingError(err error) error {
 // caller frees the metadata handle in it.
 func (cc *ClientConn) cCallOptions(ctx context.Context, method string, co callOptions, flags C.uint32_t) (C.isthmus_call_options_t, error) {
 	var o C.isthmus_call_options_t
-	// C would read the path cut at a NUL, another method: refused, in the library's words
-	// for a path it cannot send.
-	if strings.IndexByte(method, 0) >= 0 {
-		return o, status.Errorf(codes.InvalidArgument, "method path %q must start with '/', be printable ASCII and at most 1024 bytes", method)
+	if err := noNUL("method path", method); err != nil {
+		return o, err
 	}
 	if err := setTimeout(ctx, &o); err != nil {
 		return o, err

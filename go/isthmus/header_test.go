@@ -436,18 +436,8 @@ func (headersTwice) Unary(ctx context.Context, _ *pb.EchoRequest) (*pb.EchoReply
 // grpc-go's ("transport: SendHeader called multiple times"; isthmus's gave the words of an
 // older grpc-go), and the first metadata reaches the client alone.
 func TestHeadersGivenAfterTheyWentFailInGrpcGosWords(t *testing.T) {
-	shm, _ := fresh(t, "headers-twice")
-	s := isthmus.NewServer()
-	pb.RegisterEchoServer(s, headersTwice{})
-	if err := s.Start(shm); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.Stop)
 	replies := map[string]string{}
-	for name, conn := range map[string]grpc.ClientConnInterface{
-		"grpc-go": newGrpcClient(t, startGrpcServing(t, headersTwice{})),
-		"isthmus": dial(t, shm),
-	} {
+	for name, conn := range besideGrpcGoServing(t, "headers-twice", headersTwice{}) {
 		var header metadata.MD
 		r, err := pb.NewEchoClient(conn).Unary(testContext(t), &pb.EchoRequest{}, grpc.Header(&header))
 		if err != nil {

@@ -35,20 +35,14 @@ func (s countsCalls) Unary(_ context.Context, req *pb.EchoRequest) (*pb.EchoRepl
 // sends one) or of no content type at all, and answered 200.
 func TestRequestsThatAreNotGrpcCallsAreRefusedAsGrpcGoRefusesThem(t *testing.T) {
 	var isthmusCalls, grpcCalls atomic.Int32
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	address := l.Addr().String()
-	l.Close() // its port, for the isthmus server
 	s := isthmus.NewServer()
 	pb.RegisterEchoServer(s, countsCalls{calls: &isthmusCalls})
-	if err := s.Start("http://" + address); err != nil {
+	if err := s.Start("http://127.0.0.1:0"); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(s.Stop)
 	servers := map[string]string{
-		"isthmus": address,
+		"isthmus": grpcTarget(s.HTTPAddresses()[0]),
 		"grpc-go": startGrpcServing(t, countsCalls{calls: &grpcCalls}),
 	}
 	client := &http.Client{Transport: &http2.Transport{AllowHTTP: true,

@@ -1108,8 +1108,8 @@ def test_an_asyncio_handler_that_raises_cancellederror_ends_its_call_cancelled(l
 
     async def test() -> None:
         methods = {"Cancel": grpc.unary_unary_rpc_method_handler(cancels_itself)}
-        async with _asyncio_serving("isthmus.aio", methods) as target:
-            ch = grpc.aio.insecure_channel(target)
+        serving = _asyncio_serving("isthmus.aio", methods)
+        async with serving as target, grpc.aio.insecure_channel(target) as ch:
             for request in (b"raise", b"self"):
                 start = time.monotonic()
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -1119,7 +1119,6 @@ def test_an_asyncio_handler_that_raises_cancellederror_ends_its_call_cancelled(l
                     "the handler was cancelled",
                 ), request
                 assert time.monotonic() - start < 20, request  # not the deadline's 30 s
-            await ch.close()
 
     run(loop, test)
 

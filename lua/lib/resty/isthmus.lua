@@ -340,7 +340,7 @@ local function make_metadata(t)
                     ("metadata value of %s is a string or a number, not a %s"):format(key, kind))
             end
             value = tostring(value)
-            local rc = C.isthmus_metadata_add(md, tostring(k), value, #value, status_out)
+            local rc = C.isthmus_metadata_add(md, key, value, #value, status_out)
             if rc ~= OK then
                 return nil, failed(rc)
             end
@@ -1295,7 +1295,8 @@ end
 -- The codec of a call on `path`: whether replies become tables, and the types.
 function Channel:_codec(path, opts)
     local p = self.proto
-    if p == nil or (opts and opts.raw) then
+    -- Options that are no table are call_options' to refuse, after this.
+    if p == nil or (type(opts) == "table" and opts.raw) then
         return nil
     end
     local req = p:method_type(path, PROTO_REQUEST)
@@ -1356,9 +1357,6 @@ function Channel:unary(path, request, opts)
     local _, perr = c_string("the path", path)
     if perr then
         return false, perr
-    end
-    if opts ~= nil and type(opts) ~= "table" then
-        return false, new_error(INVALID_ARGUMENT, "a call's options are a table, not a " .. type(opts))
     end
     local codec = self:_codec(path, opts)
     local ok, bytes = encode(self, codec, path, request)
