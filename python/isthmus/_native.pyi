@@ -546,9 +546,11 @@ class Server:
     def serve_health(self, on: bool) -> None:
         """Whether the engine answers grpc.health.v1 on every port bound so far (before
         `start`; overrides `add_port`'s `health`)."""
-    def start(self) -> None: ...
-    def stop(self, grace: float | None = None) -> None:
+    def start(self) -> bool:
+        """Starts serving what is bound; False if the server had started before."""
+    def stop(self, grace: float | None = None) -> bool:
         """Starts a graceful shutdown (new calls refused, calls in progress get `grace` seconds,
-        None = cancel them at once) and returns at once."""
+        None = cancel them at once) and returns at once; False, having done nothing, if the
+        server never started."""
     def wait(self, timeout: float | None = None) -> bool:
         """Waits (GIL released) until the server has stopped; False on timeout."""

@@ -54,6 +54,11 @@ class AddressError(RuntimeError, ValueError):
     raises for any address it fails to bind, and a ValueError."""
 
 
+class StartError(RuntimeError, ValueError):
+    """`start` of a server that has started before: a ValueError, as grpcio raises, and the
+    RuntimeError this package raised."""
+
+
 class ServerBase:
     def __init__(
         self,
@@ -219,7 +224,8 @@ class Server(ServerBase, grpc.Server):
 
     def start(self) -> None:
         self._check_health()
-        self._native.start()
+        if not self._native.start():
+            raise StartError("Cannot start already-started server!")  # grpcio's words
         threading.Thread(target=self._dispatch, name="isthmus-dispatch", daemon=True).start()
         # At exit, before the executor joins its threads (its hook was registered first, and
         # these run last first): the loops on them end now instead of after 2 s without calls.
@@ -233,8 +239,11 @@ class Server(ServerBase, grpc.Server):
         threading._register_atexit(close)  # type: ignore[attr-defined]
 
     def stop(self, grace: float | None) -> threading.Event:
-        self._native.stop(grace)
         stopped = threading.Event()
+        if not self._native.stop(grace):
+            # Never started: nothing to stop, and `start` may still serve, as in grpcio.
+            stopped.set()
+            return stopped
 
         def wait() -> None:
             self._native.wait(None)

@@ -836,6 +836,66 @@ def test_an_address_that_cannot_be_bound_raises_RuntimeError(kind: str, tmp_path
     pool.shutdown()
 
 
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_stop_before_start_does_nothing_and_a_second_start_raises_valueerror(
+    kind: str, tmp_path: Any
+) -> None:
+    """grpcio's stop of a server not yet started does nothing: its event is set, and a start
+    after it serves. isthmus closed the ports then and refused the start ('the server was
+    already started'). A start of a server that has started raises ValueError in grpcio;
+    isthmus raised RuntimeError (it is both now)."""
+    pool = futures.ThreadPoolExecutor(2)
+    module: Any = grpc if kind == "grpcio" else isthmus
+    server = module.server(pool)
+    server.add_generic_rpc_handlers((_answering(b"served"),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    targets = [f"127.0.0.1:{port}", f"unix:{tmp_path}/s.sock"]
+    server.add_insecure_port(targets[1])
+    assert server.stop(None).is_set()
+    server.start()
+    try:
+        for target in targets:
+            with module.insecure_channel(target) as channel:
+                assert channel.unary_unary("/t.Port/Who")(b"", timeout=10) == b"served", target
+        with pytest.raises(ValueError):
+            server.start()
+    finally:
+        assert server.stop(None).wait(10)
+    with pytest.raises(ValueError):
+        server.start()  # once stopped, a server does not start again
+    pool.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_an_asyncio_stop_before_start_does_nothing_and_a_second_start_is_ignored(
+    kind: str, tmp_path: Any
+) -> None:
+    """The same with grpc.aio: a stop before the start does nothing (isthmus.aio closed the
+    ports and refused the start), a start of a serving server is ignored (isthmus.aio raised),
+    and a start after the stop raises."""
+    module: Any = grpc.aio if kind == "grpc.aio" else isthmus.aio
+
+    async def run() -> None:
+        server = module.server()
+        server.add_generic_rpc_handlers((_answering(b"served"),))
+        port = server.add_insecure_port("127.0.0.1:0")
+        targets = [f"127.0.0.1:{port}", f"unix:{tmp_path}/s.sock"]
+        server.add_insecure_port(targets[1])
+        await server.stop(None)
+        await server.start()
+        try:
+            await server.start()
+            for target in targets:
+                async with module.insecure_channel(target) as channel:
+                    assert await channel.unary_unary("/t.Port/Who")(b"", timeout=10) == b"served", target
+        finally:
+            await server.stop(None)
+        with pytest.raises(Exception):  # noqa: B017 (grpc.aio's UsageError is not public)
+            await server.start()
+
+    asyncio.run(run())
+
+
 def _answering(name: bytes) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(
         "t.Port", {"Who": grpc.unary_unary_rpc_method_handler(lambda request, context: name)}

@@ -761,9 +761,11 @@ impl Server {
         Ok(())
     }
 
-    fn start(&self) -> PyResult<()> {
+    /// Starts serving what is bound; false if the server had started before (and may have
+    /// stopped since): the wrappers raise or not, as grpcio and grpc.aio do.
+    fn start(&self) -> bool {
         if self.started.swap(true, Ordering::AcqRel) {
-            return Err(PyRuntimeError::new_err("the server was already started"));
+            return false;
         }
         let bound = self.bound.lock().map(|mut b| std::mem::take(&mut *b)).unwrap_or_default();
         let stopped = self.stopped.clone();
@@ -780,11 +782,16 @@ impl Server {
             }
             mark_stopped(&stopped);
         });
-        Ok(())
+        true
     }
 
+    /// False if the server never started: then nothing is done, as grpcio's and grpc.aio's
+    /// stop of a server not started does nothing (its ports stay bound, and `start` serves).
     #[pyo3(signature = (grace=None))]
-    fn stop(&self, grace: Option<f64>) {
+    fn stop(&self, grace: Option<f64>) -> bool {
+        if !self.started.load(Ordering::Acquire) {
+            return false;
+        }
         // None, zero or less: calls are cancelled now. A grace too long for a `Duration`, or
         // infinite, lets them finish, as grpcio's (whose timer thread fails on it).
         let grace = match grace {
@@ -793,14 +800,7 @@ impl Server {
         };
         // A second stop with a smaller grace shortens the first one's, as in grpcio.
         isthmus::stop_by(&self.stop, grace);
-        if !self.started.swap(true, Ordering::AcqRel) {
-            // Never served: what was bound closes now.
-            drop(self.bound.lock().map(|mut b| std::mem::take(&mut *b)));
-            if let Some(queue) = &self.queue {
-                queue.close();
-            }
-            mark_stopped(&self.stopped);
-        }
+        true
     }
 
     #[pyo3(signature = (timeout=None))]

@@ -17,7 +17,7 @@ import grpc
 import grpc.aio
 
 from .._native import ServerCall
-from .._server import ServerBase, refuse
+from .._server import ServerBase, StartError, refuse
 from ._context import ServicerContext
 from ._reactor import Driver, driver
 from ._sync import SyncServicerContext
@@ -51,6 +51,8 @@ class Server(ServerBase, grpc.aio.Server):
         super().__init__(True, handlers, interceptors, options, maximum_concurrent_rpcs, None, compression)
         self._pool = migration_thread_pool
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._native_started = False  # `start` has run
+        self._stopped = False  # `stop` has run on a started server
         self._driver: Driver | None = None
         # Handlers running, by call id: (task, ending), for the news that a call was abandoned; it
         # also keeps the tasks (the loop keeps only weak references to them).
@@ -206,6 +208,11 @@ class Server(ServerBase, grpc.aio.Server):
             await context._reply(result)
 
     async def start(self) -> None:
+        if self._native_started:
+            # Started before: a no-op while it serves, as grpc.aio's; refused once stopped.
+            if self._stopped:
+                raise StartError("the server has stopped and cannot start again")
+            return
         self._loop = asyncio.get_running_loop()
         self._driver = driver(self._loop)
         self._context = contextvars.copy_context()
@@ -220,11 +227,13 @@ class Server(ServerBase, grpc.aio.Server):
 
         self._on_news = on_news
         self._check_health()
-        self._native.start()
+        self._native_started = self._native.start()
         self._listen()
 
     async def stop(self, grace: float | None) -> None:
-        self._native.stop(grace)
+        if not self._native.stop(grace):
+            return  # never started: nothing to stop, and `start` may still serve, as in grpc.aio
+        self._stopped = True
         await asyncio.get_running_loop().run_in_executor(None, self._native.wait, None)
         if self._listening is not None and self._driver is not None:
             self._driver.abandon(self._listening)  # which closes the inbox
