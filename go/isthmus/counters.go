@@ -105,15 +105,44 @@ func (cc *ClientConn) TransportStats() TransportStats {
 	return transportStats(&c)
 }
 
-// TransportStats returns the counters of the server's shm:// connections and listeners (all
-// zero before Start and once it has stopped).
+// TransportStats returns the counters of the server's shm:// connections and listeners, of
+// every Start (all zero before Start and once it has stopped).
 func (s *Server) TransportStats() TransportStats {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	var c C.isthmus_stats_t
-	// Under mu: the shutdown that frees srv first sets it to nil under mu.
-	if s.srv == nil || C.isthmus_server_stats(s.srv, &c, C.size_t(unsafe.Sizeof(c))) != C.ISTHMUS_OK {
-		return TransportStats{}
+	var sum TransportStats
+	// Under mu: the shutdown that frees srvs first sets them to nil under mu.
+	for _, srv := range s.srvs {
+		var c C.isthmus_stats_t
+		if C.isthmus_server_stats(srv, &c, C.size_t(unsafe.Sizeof(c))) == C.ISTHMUS_OK {
+			sum.add(transportStats(&c))
+		}
 	}
-	return transportStats(&c)
+	return sum
+}
+
+// add adds o's counts to s (sums, but the larger high-water mark), as the library sums a
+// server's connections.
+func (s *TransportStats) add(o TransportStats) {
+	s.CallsStarted += o.CallsStarted
+	s.CallsInFlight += o.CallsInFlight
+	for i := range s.CallsFinished {
+		s.CallsFinished[i] += o.CallsFinished[i]
+	}
+	s.FramesSent += o.FramesSent
+	s.FramesReceived += o.FramesReceived
+	s.BytesSent += o.BytesSent
+	s.BytesReceived += o.BytesReceived
+	s.DoorbellsRung += o.DoorbellsRung
+	s.Sleeps += o.Sleeps
+	s.SpinHits += o.SpinHits
+	s.RingFullWaits += o.RingFullWaits
+	s.ArenaFullWaits += o.ArenaFullWaits
+	s.ArenaInUse += o.ArenaInUse
+	s.ArenaHighWater = max(s.ArenaHighWater, o.ArenaHighWater)
+	s.SharedSent += o.SharedSent
+	s.AnswersDropped += o.AnswersDropped
+	s.Connections += o.Connections
+	s.AcceptErrors += o.AcceptErrors
+	s.HandshakesFailed += o.HandshakesFailed
 }

@@ -478,7 +478,7 @@ func (s *Server) HandleRawUnary(path string, h RawUnaryHandler) {
 func (s *Server) register(m *method, caller string) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.srv != nil {
+	if len(s.srvs) > 0 {
 		panic("isthmus: Server." + caller + " after Serve")
 	}
 	s.methods[m.name] = m

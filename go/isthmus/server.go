@@ -35,15 +35,17 @@ import (
 // grpc.ServiceRegistrar) on shm://, unix:// and http:// targets at once. Each call runs its
 // handler on a goroutine.
 type Server struct {
-	opts     serverOptions
-	r        *reactor
-	mu       sync.Mutex
-	methods  map[string]*method
-	srv      *C.isthmus_server_t
+	opts    serverOptions
+	r       *reactor
+	mu      sync.Mutex
+	methods map[string]*method
+	// srvs are the library's servers, one per Start (as grpc-go serves each listener given
+	// to a Serve of its own), in the order they started.
+	srvs     []*C.isthmus_server_t
 	serving  chan struct{} // closed when Serve should return
 	stopOnce sync.Once
 	// stopping is set by the first shutdown; later ones (under mu) join cutting, which the
-	// first waits for before it frees srv.
+	// first waits for before it frees srvs.
 	stopping bool
 	cutting  sync.WaitGroup
 	// queued are the reactor's tags of the methods whose calls come through its queue.
@@ -173,7 +175,7 @@ func NewServer(opts ...ServerOption) *Server {
 }
 
 // RegisterService registers a service and its implementation (grpc.ServiceRegistrar), as
-// generated Register...Server functions call it. Before Serve only.
+// generated Register...Server functions call it. Before Serve only, and once per service.
 func (s *Server) RegisterService(desc *grpc.ServiceDesc, impl any) {
 	if impl != nil {
 		ht := reflect.TypeOf(desc.HandlerType).Elem()
@@ -183,8 +185,12 @@ func (s *Server) RegisterService(desc *grpc.ServiceDesc, impl any) {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.srv != nil {
+	if len(s.srvs) > 0 {
 		panic("isthmus: Server.RegisterService after Serve")
+	}
+	if _, ok := s.services[desc.ServiceName]; ok {
+		// grpc-go's words; it exits the process (log.Fatalf) where this panics.
+		panic(fmt.Sprintf("isthmus: Server.RegisterService found duplicate service registration for %q", desc.ServiceName))
 	}
 	info := grpc.ServiceInfo{Metadata: desc.Metadata}
 	for i := range desc.Methods {
@@ -221,7 +227,8 @@ func (s *Server) GetServiceInfo() map[string]grpc.ServiceInfo {
 
 // Start binds every target ("shm://NAME", "unix:///path.sock", "http://host:port", and
 // "https://host:port" with ServerTLS) and serves them in the background; clients can connect
-// as soon as it returns.
+// as soon as it returns. It may be called again with other targets, as grpc-go's Serve is
+// called once per listener; Stop and GracefulStop stop them all.
 func (s *Server) Start(targets ...string) error {
 	r, err := getReactor()
 	if err != nil {
@@ -232,9 +239,6 @@ func (s *Server) Start(targets ...string) error {
 	if s.stopping {
 		// As grpc-go's Serve after Stop: a Stop that ran before a `go s.Serve(...)` began.
 		return grpc.ErrServerStopped
-	}
-	if s.srv != nil {
-		return errors.New("isthmus: the server was started already")
 	}
 	s.r = r
 	for name := range s.methods {
@@ -281,6 +285,13 @@ func (s *Server) Start(targets ...string) error {
 	if srv == nil {
 		return errors.New("isthmus: cannot make a server")
 	}
+	// The reactor's tags of this server's queued methods: forgotten if it does not start.
+	var tags []uint64
+	fail := func(err error) error {
+		C.isthmus_server_free(srv)
+		forgetTags(r, tags)
+		return err
+	}
 	for name, m := range s.methods {
 		m := m
 		cname := C.CString(name)
@@ -294,15 +305,13 @@ func (s *Server) Start(targets ...string) error {
 			// A new call's tag stays registered: the reactor keeps NEW_CALL tags after delivery.
 			tag := r.tag(func(ev C.isthmus_event_t) { go s.serveFrom(m, ev.server_call) })
 			queuedMethods.Store(tag, &inlineEntry{s: s, m: m})
-			s.queued = append(s.queued, tag)
+			tags = append(tags, tag)
 			code = C.isthmus_server_add_handler_cq(srv, cname, r.cq, C.uint64_t(tag), &st)
 		}
 		C.free(unsafe.Pointer(cname))
 		if code != C.ISTHMUS_OK {
-			C.isthmus_server_free(srv)
-			s.forgetQueued()
 			err, _ := statusError(code, st)
-			return err
+			return fail(err)
 		}
 	}
 	ctargets := make([]*C.char, len(targets))
@@ -315,41 +324,42 @@ func (s *Server) Start(targets ...string) error {
 		}
 	}()
 	if len(targets) == 0 {
-		C.isthmus_server_free(srv)
-		s.forgetQueued()
-		return errors.New("isthmus: no target to serve")
+		return fail(errors.New("isthmus: no target to serve"))
 	}
 	arr := (**C.char)(C.malloc(C.size_t(len(targets)) * C.size_t(unsafe.Sizeof((*C.char)(nil)))))
 	defer C.free(unsafe.Pointer(arr))
 	copy(unsafe.Slice(arr, len(targets)), ctargets)
 	var st *C.isthmus_status_t
 	if code := C.isthmus_server_start(srv, arr, C.size_t(len(targets)), &st); code != C.ISTHMUS_OK {
-		C.isthmus_server_free(srv)
-		s.forgetQueued()
 		err, _ := statusError(code, st)
-		return err
+		return fail(err)
 	}
-	s.srv = srv
+	s.srvs = append(s.srvs, srv)
+	s.queued = append(s.queued, tags...)
 	return nil
 }
 
 // HTTPAddresses are the server's HTTP/2 endpoints as clients reach them ("unix:///path",
-// "http://host:port" with the port the system chose for port 0), in the order given to Start.
+// "http://host:port" with the port the system chose for port 0), in the order given to Start
+// (and of the Starts).
 func (s *Server) HTTPAddresses() []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var out []string
-	for i := 0; s.srv != nil; i++ {
-		a := C.isthmus_server_http_address(s.srv, C.size_t(i))
-		if a == nil {
-			break
+	for _, srv := range s.srvs {
+		for i := 0; ; i++ {
+			a := C.isthmus_server_http_address(srv, C.size_t(i))
+			if a == nil {
+				break
+			}
+			out = append(out, C.GoString(a))
 		}
-		out = append(out, C.GoString(a))
 	}
 	return out
 }
 
-// Serve binds and serves every target (see Start) until Stop or GracefulStop.
+// Serve binds and serves every target (see Start) until Stop or GracefulStop. Like grpc-go's,
+// it may be called once for each set of targets (a goroutine each); all return on the stop.
 func (s *Server) Serve(targets ...string) error {
 	if err := s.Start(targets...); err != nil {
 		return err
@@ -372,32 +382,52 @@ func (s *Server) GracefulStopTimeout(grace time.Duration) { s.shutdown(grace) }
 func (s *Server) shutdown(grace time.Duration) {
 	ms := C.uint64_t(grace.Milliseconds())
 	s.mu.Lock()
-	srv, later := s.srv, s.stopping
+	srvs, later := s.srvs, s.stopping
 	s.stopping = true
-	if later && srv != nil {
+	if later && len(srvs) > 0 {
 		s.cutting.Add(1)
 	}
 	s.mu.Unlock()
-	if later && srv != nil {
+	if later && len(srvs) > 0 {
 		// A shutdown is under way (GracefulStop's, say): the library ends its grace now if
 		// this one's ends sooner, as grpc-go's Stop does to a GracefulStop.
-		C.isthmus_server_shutdown(srv, ms)
+		shutdownAll(srvs, ms)
 		s.cutting.Done()
 	}
 	s.stopOnce.Do(func() {
-		if srv != nil {
-			C.isthmus_server_shutdown(srv, ms)
+		if len(srvs) > 0 {
+			shutdownAll(srvs, ms)
 			s.mu.Lock()
-			s.srv = nil // no later shutdown joins cutting from here on
+			s.srvs = nil // no later shutdown joins cutting from here on
 			s.mu.Unlock()
 			s.cutting.Wait()
-			C.isthmus_server_free(srv)
+			for _, srv := range srvs {
+				C.isthmus_server_free(srv)
+			}
 			s.mu.Lock()
 			s.forgetQueued()
 			s.mu.Unlock()
 		}
 		close(s.serving)
 	})
+}
+
+// shutdownAll shuts the library's servers down at once, each with the grace ms, and returns
+// when all have (isthmus_server_shutdown blocks until its server has).
+func shutdownAll(srvs []*C.isthmus_server_t, ms C.uint64_t) {
+	if len(srvs) == 1 {
+		C.isthmus_server_shutdown(srvs[0], ms)
+		return
+	}
+	var wg sync.WaitGroup
+	for _, srv := range srvs {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			C.isthmus_server_shutdown(srv, ms)
+		}()
+	}
+	wg.Wait()
 }
 
 // queuedMethods maps the tag of each method whose calls come through the reactor's queue to
@@ -451,11 +481,17 @@ func (s *Server) serveFrom(m *method, sc *C.isthmus_server_call_t) {
 // forgetQueued drops the server's queue tags once it can take no call (under mu): a new
 // call's event for one of them then finds nobody, and the call ends CANCELLED.
 func (s *Server) forgetQueued() {
-	for _, tag := range s.queued {
-		queuedMethods.Delete(tag)
-		s.r.forget(tag)
-	}
+	forgetTags(s.r, s.queued)
 	s.queued = nil
+}
+
+// forgetTags forgets queued methods' tags (forgetQueued), or those of a server that did not
+// start.
+func forgetTags(r *reactor, tags []uint64) {
+	for _, tag := range tags {
+		queuedMethods.Delete(tag)
+		r.forget(tag)
+	}
 }
 
 // handle runs one call's handler and ends the call with its outcome.

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"net"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -223,4 +224,86 @@ func TestCloseEndsACallWaitingForAServer(t *testing.T) {
 			t.Errorf("a call waiting for a server at Close: %v", err)
 		}
 	}
+}
+
+// grpc-go serves each listener given to a Serve of its own, a goroutine each, and stops them
+// all at once: the same here, one Serve per set of targets. Before, the second Serve returned
+// "the server was started already" at once, and its targets were never served.
+func TestEachServeServesItsTargetsAndAStopEndsThemAll(t *testing.T) {
+	shm, unix := fresh(t, "serves")
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, &echo.Service{})
+	t.Cleanup(s.Stop)
+	served := make(chan error, 3)
+	for _, targets := range [][]string{{shm}, {unix}, {"http://127.0.0.1:0"}} {
+		go func() { served <- s.Serve(targets...) }()
+	}
+	ctx := testContext(t)
+	// Each Serve's targets, as they come up: shm:// and the Unix socket by name, TCP by the
+	// address the system chose (WaitForReady: a Serve may not have bound yet).
+	call := func(target string) {
+		t.Helper()
+		conn := dial(t, target, isthmus.WithUpgrade(false))
+		if _, err := pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{}, grpc.WaitForReady(true)); err != nil {
+			t.Fatalf("%s: %v", target, err)
+		}
+	}
+	call(shm)
+	call(unix)
+	var tcp string
+	for tcp == "" {
+		for _, a := range s.HTTPAddresses() {
+			if strings.HasPrefix(a, "http://") {
+				tcp = a
+			}
+		}
+		select {
+		case err := <-served:
+			t.Fatalf("a Serve returned while the others serve: %v", err)
+		case <-ctx.Done():
+			t.Fatal("the TCP target never came up")
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+	call(tcp)
+	if got := s.HTTPAddresses(); len(got) != 2 {
+		t.Fatalf("HTTPAddresses %q, want the Unix socket's and the TCP port's", got)
+	}
+	// Every Serve's counts: HTTP/2 calls reach Go handlers through their server's shm://
+	// loopback, so each of the three calls counts once.
+	if n := s.TransportStats().CallsStarted; n != 3 {
+		t.Fatalf("TransportStats counted %d calls, want 3", n)
+	}
+	s.GracefulStop()
+	for range 3 {
+		select {
+		case err := <-served:
+			if err != nil {
+				t.Fatalf("Serve returned %v after GracefulStop, want nil", err)
+			}
+		case <-ctx.Done():
+			t.Fatal("a Serve has not returned after GracefulStop")
+		}
+	}
+	if err := s.Start(shm); !errors.Is(err, grpc.ErrServerStopped) {
+		t.Fatalf("Start after GracefulStop: %v", err)
+	}
+	conn := dial(t, shm)
+	if _, err := pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{}); status.Code(err) != codes.Unavailable {
+		t.Fatalf("a call after the stop: %v, want Unavailable", err)
+	}
+}
+
+// A service registered twice is a mistake grpc-go stops the process for (log.Fatalf); here it
+// panics with grpc-go's words. Before, the second registration replaced the first silently.
+func TestAServiceRegisteredTwicePanics(t *testing.T) {
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, &echo.Service{})
+	defer func() {
+		want := `isthmus: Server.RegisterService found duplicate service registration for "conformance.Echo"`
+		if got := recover(); got != want {
+			t.Fatalf("the second registration panicked with %v, want %q", got, want)
+		}
+	}()
+	pb.RegisterEchoServer(s, &echo.Service{})
 }
