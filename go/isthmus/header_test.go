@@ -455,3 +455,46 @@ func TestHeadersGivenAfterTheyWentFailInGrpcGosWords(t *testing.T) {
 		}
 	}
 }
+
+// contentTypeSeen answers each call with the content types its handler found in its incoming
+// metadata.
+type contentTypeSeen struct{ pb.UnimplementedEchoServer }
+
+func contentTypes(ctx context.Context) []byte {
+	return []byte(strings.Join(metadata.ValueFromIncomingContext(ctx, "content-type"), ","))
+}
+
+func (contentTypeSeen) Unary(ctx context.Context, _ *pb.EchoRequest) (*pb.EchoReply, error) {
+	return &pb.EchoReply{Payload: contentTypes(ctx)}, nil
+}
+
+func (contentTypeSeen) ServerStream(_ *pb.StreamRequest, stream grpc.ServerStreamingServer[pb.EchoReply]) error {
+	return stream.Send(&pb.EchoReply{Payload: contentTypes(stream.Context())})
+}
+
+// A grpc-go handler finds the call's content type in its incoming metadata, with or without
+// metadata of the caller's, in unary and streaming calls; the same here. Before, a handler
+// over shm:// found none.
+func TestHandlersFindTheContentTypeInTheirMetadata(t *testing.T) {
+	for name, conn := range besideGrpcGoServing(t, "content-type", contentTypeSeen{}) {
+		c := pb.NewEchoClient(conn)
+		for _, md := range []metadata.MD{nil, metadata.Pairs("x-a", "1")} {
+			ctx := metadata.NewOutgoingContext(testContext(t), md)
+			r, err := c.Unary(ctx, &pb.EchoRequest{})
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			stream, err := c.ServerStream(ctx, &pb.StreamRequest{})
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			s, err := stream.Recv()
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			if got := []string{string(r.Payload), string(s.Payload)}; got[0] != "application/grpc" || got[1] != "application/grpc" {
+				t.Errorf("%s, metadata %v: the handlers found content types %q, want application/grpc", name, md, got)
+			}
+		}
+	}
+}

@@ -664,6 +664,8 @@ func newServerStreamWith(s *Server, m *method, sc *C.isthmus_server_call_t, mdh 
 	md := takeMetadata(mdh)
 	if md == nil {
 		md = noMetadata
+	} else {
+		md["content-type"] = []string{grpcContentType}
 	}
 	ctx := metadata.NewIncomingContext(parent, md)
 	if len(s.opts.stats) > 0 {
@@ -711,9 +713,14 @@ func statusText(msg string) string {
 	return b.String()
 }
 
-// noMetadata is the incoming metadata of a call that has none. Shared: handlers get copies
-// (metadata.FromIncomingContext copies).
-var noMetadata = metadata.MD{}
+// grpcContentType is the content type a handler finds in its incoming metadata, as grpc-go's
+// handlers find the one their client sent: shm:// carries none, and the library takes gRPC's
+// protobuf calls only (over HTTP/2 it refuses other content types before a handler runs).
+const grpcContentType = "application/grpc"
+
+// noMetadata is the incoming metadata of a call that has none of its own. Shared: handlers
+// get copies (metadata.FromIncomingContext copies).
+var noMetadata = metadata.MD{"content-type": {grpcContentType}}
 
 // callContext is a handler's context. Its cancellable part (a context.WithDeadline or
 // WithCancel) is made when first asked for (Done or Err, asked for by few unary handlers),
