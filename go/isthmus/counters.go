@@ -112,9 +112,9 @@ func (s *Server) TransportStats() TransportStats {
 	defer s.mu.Unlock()
 	var sum TransportStats
 	// Under mu: the shutdown that frees srvs first sets them to nil under mu.
-	for _, srv := range s.srvs {
+	for _, l := range s.srvs {
 		var c C.isthmus_stats_t
-		if C.isthmus_server_stats(srv, &c, C.size_t(unsafe.Sizeof(c))) == C.ISTHMUS_OK {
+		if C.isthmus_server_stats(l.c, &c, C.size_t(unsafe.Sizeof(c))) == C.ISTHMUS_OK {
 			sum.add(transportStats(&c))
 		}
 	}

@@ -37,16 +37,30 @@ type inlineEntry struct {
 }
 
 // inlineTarget is the user data a method's callback gets: C memory holding a cgo.Handle, as
-// C may keep no Go pointer. It lives as long as the process's servers do.
+// C may keep no Go pointer. It lives until its library server is freed (freeInlineTarget).
 func inlineTarget(s *Server, m *method) unsafe.Pointer {
 	p := C.malloc(C.size_t(unsafe.Sizeof(C.uintptr_t(0))))
 	*(*C.uintptr_t)(p) = C.uintptr_t(cgo.NewHandle(&inlineEntry{s: s, m: m}))
 	return p
 }
 
-// addInlineHandler registers m's path to call isthmusGoHandle.
-func addInlineHandler(srv *C.isthmus_server_t, path *C.char, s *Server, m *method, st **C.isthmus_status_t) C.isthmus_code_t {
-	return C.isthmus_server_add_handler(srv, path, C.isthmus_handler_fn(C.isthmusGoHandle), inlineTarget(s, m), st)
+// freeInlineTarget frees what inlineTarget made, once no callback can be given it.
+func freeInlineTarget(p unsafe.Pointer) {
+	cgo.Handle(*(*C.uintptr_t)(p)).Delete()
+	C.free(p)
+}
+
+// addInlineHandler registers m's path to call isthmusGoHandle; the user data the callback
+// gets is the library server's to free (libServer.inline).
+func addInlineHandler(l *libServer, path *C.char, s *Server, m *method, st **C.isthmus_status_t) C.isthmus_code_t {
+	p := inlineTarget(s, m)
+	code := C.isthmus_server_add_handler(l.c, path, C.isthmus_handler_fn(C.isthmusGoHandle), p, st)
+	if code != C.ISTHMUS_OK {
+		freeInlineTarget(p)
+		return code
+	}
+	l.inline = append(l.inline, p)
+	return code
 }
 
 //export isthmusGoHandle

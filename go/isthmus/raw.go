@@ -492,7 +492,7 @@ func (s *Server) runRawUnary(st *serverStream, m *method, ev C.isthmus_event_t) 
 		return err
 	}
 	if ev.message == nil {
-		return status.Error(codes.Internal, "the client sent no request")
+		return errNoRequest
 	}
 	request := newMessage(ev.message, ev.message_data, ev.message_len)
 	defer request.Release()

@@ -41,7 +41,7 @@ type Server struct {
 	methods map[string]*method
 	// srvs are the library's servers, one per Start (as grpc-go serves each listener given
 	// to a Serve of its own), in the order they started.
-	srvs     []*C.isthmus_server_t
+	srvs     []*libServer
 	serving  chan struct{} // closed when Serve should return
 	stopOnce sync.Once
 	// stopping is set by the first shutdown; later ones (under mu) join cutting, which the
@@ -55,6 +55,24 @@ type Server struct {
 }
 
 var _ grpc.ServiceRegistrar = (*Server)(nil)
+
+// libServer is one Start's server in the library, and what goes when it is freed.
+type libServer struct {
+	c *C.isthmus_server_t
+	// addresses are its HTTP/2 endpoints as clients reach them, copied as it starts: the
+	// library's strings go with its shutdown, which may run while HTTPAddresses reads.
+	addresses []string
+	// inline is the user data of its inline handlers (inlineTarget).
+	inline []unsafe.Pointer
+}
+
+// free frees the library's server (shut down, or never started), then its handlers' data.
+func (l *libServer) free() {
+	C.isthmus_server_free(l.c)
+	for _, p := range l.inline {
+		freeInlineTarget(p)
+	}
+}
 
 type method struct {
 	impl   any
@@ -285,10 +303,11 @@ func (s *Server) Start(targets ...string) error {
 	if srv == nil {
 		return errors.New("isthmus: cannot make a server")
 	}
+	l := &libServer{c: srv}
 	// The reactor's tags of this server's queued methods: forgotten if it does not start.
 	var tags []uint64
 	fail := func(err error) error {
-		C.isthmus_server_free(srv)
+		l.free()
 		forgetTags(r, tags)
 		return err
 	}
@@ -300,7 +319,7 @@ func (s *Server) Start(targets ...string) error {
 		if m.topic != nil {
 			code = addTopic(srv, cname, m.topic, &st)
 		} else if s.opts.inline && (m.unary != nil || m.rawUnary != nil) {
-			code = addInlineHandler(srv, cname, s, m, &st)
+			code = addInlineHandler(l, cname, s, m, &st)
 		} else {
 			// A new call's tag stays registered: the reactor keeps NEW_CALL tags after delivery.
 			tag := r.tag(func(ev C.isthmus_event_t) { go s.serveFrom(m, ev.server_call) })
@@ -334,7 +353,14 @@ func (s *Server) Start(targets ...string) error {
 		err, _ := statusError(code, st)
 		return fail(err)
 	}
-	s.srvs = append(s.srvs, srv)
+	for i := 0; ; i++ {
+		a := C.isthmus_server_http_address(srv, C.size_t(i))
+		if a == nil {
+			break
+		}
+		l.addresses = append(l.addresses, C.GoString(a))
+	}
+	s.srvs = append(s.srvs, l)
 	s.queued = append(s.queued, tags...)
 	return nil
 }
@@ -346,14 +372,8 @@ func (s *Server) HTTPAddresses() []string {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var out []string
-	for _, srv := range s.srvs {
-		for i := 0; ; i++ {
-			a := C.isthmus_server_http_address(srv, C.size_t(i))
-			if a == nil {
-				break
-			}
-			out = append(out, C.GoString(a))
-		}
+	for _, l := range s.srvs {
+		out = append(out, l.addresses...)
 	}
 	return out
 }
@@ -401,8 +421,8 @@ func (s *Server) shutdown(grace time.Duration) {
 			s.srvs = nil // no later shutdown joins cutting from here on
 			s.mu.Unlock()
 			s.cutting.Wait()
-			for _, srv := range srvs {
-				C.isthmus_server_free(srv)
+			for _, l := range srvs {
+				l.free()
 			}
 			s.mu.Lock()
 			s.forgetQueued()
@@ -414,17 +434,17 @@ func (s *Server) shutdown(grace time.Duration) {
 
 // shutdownAll shuts the library's servers down at once, each with the grace ms, and returns
 // when all have (isthmus_server_shutdown blocks until its server has).
-func shutdownAll(srvs []*C.isthmus_server_t, ms C.uint64_t) {
+func shutdownAll(srvs []*libServer, ms C.uint64_t) {
 	if len(srvs) == 1 {
-		C.isthmus_server_shutdown(srvs[0], ms)
+		C.isthmus_server_shutdown(srvs[0].c, ms)
 		return
 	}
 	var wg sync.WaitGroup
-	for _, srv := range srvs {
+	for _, l := range srvs {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			C.isthmus_server_shutdown(srv, ms)
+			C.isthmus_server_shutdown(l.c, ms)
 		}()
 	}
 	wg.Wait()
@@ -601,7 +621,7 @@ func (s *Server) runUnary(st *serverStream, m *method, ev C.isthmus_event_t) (an
 			return err
 		}
 		if ev.message == nil {
-			return status.Error(codes.Internal, "the client sent no request")
+			return errNoRequest
 		}
 		err := unmarshal(messageBytes(ev.message_data, ev.message_len), v)
 		if err == nil {
@@ -649,6 +669,7 @@ type serverStream struct {
 	finished   bool
 	peer       *peer.Peer // once asked for (callContext.Value)
 	stats      *rpcStats  // nil without stats handlers (StatsHandler)
+	tookOnly   bool       // recvOnly has read the one request of the call
 }
 
 func newServerStream(s *Server, m *method, sc *C.isthmus_server_call_t) *serverStream {
@@ -713,9 +734,10 @@ func statusText(msg string) string {
 	return b.String()
 }
 
-// grpcContentType is the content type a handler finds in its incoming metadata, as grpc-go's
-// handlers find the one their client sent: shm:// carries none, and the library takes gRPC's
-// protobuf calls only (over HTTP/2 it refuses other content types before a handler runs).
+// grpcContentType is the content type a handler finds in its incoming metadata, where
+// grpc-go's handlers find the one their client sent: shm:// carries none, and the HTTP/2
+// side keeps it from handlers (it refuses a request that is not gRPC's, and passes on
+// application/grpc+proto or +json without saying which).
 const grpcContentType = "application/grpc"
 
 // noMetadata is the incoming metadata of a call that has none of its own. Shared: handlers
@@ -1074,6 +1096,14 @@ func (st *serverStream) recv() (C.isthmus_event_t, bool) {
 }
 
 func (st *serverStream) RecvMsg(m any) error {
+	if st.m.stream != nil && !st.m.stream.ClientStreams {
+		return st.recvOnly(m)
+	}
+	return st.recvMsg(m)
+}
+
+// recvMsg reads the next request into m; io.EOF once the client has half-closed.
+func (st *serverStream) recvMsg(m any) error {
 	ev, ok := st.recv()
 	if !ok {
 		return ctxError(st.ctx)
@@ -1091,6 +1121,40 @@ func (st *serverStream) RecvMsg(m any) error {
 	}
 	C.isthmus_message_free(ev.message)
 	return err
+}
+
+// errNoRequest and errManyRequests end a call whose client sent no request, or more than
+// one, where its method takes one: grpc-go's code and words.
+var (
+	errNoRequest    = status.Error(codes.Internal, "cardinality violation: received no request message from non-client-streaming RPC")
+	errManyRequests = status.Error(codes.Internal, "cardinality violation: received multiple request messages for non-client-streaming RPC")
+)
+
+// recvOnly is RecvMsg for a method whose client sends one request (a server-streaming one),
+// as grpc-go's: the request must be followed by the client's half-close, and a call with none
+// or more fails with codes.Internal in grpc-go's words. Without it, a client that sent no
+// request saw its stream end OK with no replies (the handler's io.EOF). Later calls give
+// io.EOF.
+func (st *serverStream) recvOnly(m any) error {
+	if st.tookOnly {
+		return io.EOF
+	}
+	st.tookOnly = true
+	switch err := st.recvMsg(m); err {
+	case nil:
+	case io.EOF:
+		return errNoRequest
+	default:
+		return err
+	}
+	switch err := st.recvMsg(m); err {
+	case io.EOF:
+		return nil
+	case nil:
+		return errManyRequests
+	default:
+		return err
+	}
 }
 
 // end finishes the call with the handler's outcome.

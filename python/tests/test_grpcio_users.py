@@ -890,7 +890,7 @@ def test_an_asyncio_stop_before_start_does_nothing_and_a_second_start_is_ignored
                     assert await channel.unary_unary("/t.Port/Who")(b"", timeout=10) == b"served", target
         finally:
             await server.stop(None)
-        with pytest.raises(Exception):  # noqa: B017 (grpc.aio's UsageError is not public)
+        with pytest.raises(grpc.aio.UsageError):
             await server.start()
 
     asyncio.run(run())

@@ -32,6 +32,11 @@ def _cancel_unfinished(task: asyncio.Task[None], ending: list[bool]) -> None:
         task.cancel()
 
 
+class UsageError(StartError, grpc.aio.UsageError):
+    """`start` of a server that cannot start: grpc.aio's `UsageError`, and the `ValueError` and
+    `RuntimeError` of the blocking server's."""
+
+
 class Server(ServerBase, grpc.aio.Server):
     """Handlers may be coroutine functions, async generators (streaming responses) or plain
     functions and generators. Plain ones run as grpc.aio runs them: on `migration_thread_pool`
@@ -211,8 +216,22 @@ class Server(ServerBase, grpc.aio.Server):
         if self._native_started:
             # Started before: a no-op while it serves, as grpc.aio's; refused once stopped.
             if self._stopped:
-                raise StartError("the server has stopped and cannot start again")
+                raise UsageError("the server has stopped and cannot start again")
             return
+        self._check_health()
+        if not self._native.start():  # another thread's start came first
+            raise UsageError("the server was started already")
+        self._native_started = True
+        try:
+            self._serve_news()
+        except BaseException:
+            # Nothing would take its calls: it stops (and may not start again), as one stopped.
+            self._native.stop(None)
+            self._stopped = True
+            raise
+
+    def _serve_news(self) -> None:
+        """Takes the engine's news of calls on this loop, from `start` on."""
         self._loop = asyncio.get_running_loop()
         self._driver = driver(self._loop)
         self._context = contextvars.copy_context()
@@ -226,8 +245,6 @@ class Server(ServerBase, grpc.aio.Server):
                 method(value)
 
         self._on_news = on_news
-        self._check_health()
-        self._native_started = self._native.start()
         self._listen()
 
     async def stop(self, grace: float | None) -> None:
