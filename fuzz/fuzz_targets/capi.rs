@@ -406,6 +406,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let (mut tag, mut taken) = (0u64, std::ptr::null_mut());
     let _ = unsafe { isthmus_cq_take_call(word as *const isthmus_cq_t, 1, &mut tag, &mut taken, std::ptr::null_mut()) };
     let _ = isthmus_server_call_headers_sent(word as *const isthmus_server_call_t);
+    assert_eq!(isthmus_server_call_half_closed(word as *const isthmus_server_call_t), 0, "a garbage call is open");
     let (mut md, mut left) = (std::ptr::null_mut(), 0i64);
     // SAFETY: a garbage handle is the point; every pointer argument is a valid local.
     let begun =

@@ -537,21 +537,38 @@ func sendRequests(ctx context.Context, conn grpc.ClientConnInterface, method str
 
 // A client that sends no request, or two, to a method that takes one (a stub of another
 // shape): grpc-go's server fails the call INTERNAL ("cardinality violation"), and so does the
-// Go server now, for unary calls sent none and server-streaming calls. Before, a
-// server-streaming call sent none ended OK with no replies (the handler's io.EOF), and one
-// sent two was served from the first. (A unary call sent two is still answered from the first,
-// as grpcio's and tonic's servers answer it: README's known gaps.)
+// Go server now. Before, a server-streaming call sent none ended OK with no replies (the
+// handler's io.EOF), and a call sent two was served from the first.
 func TestAMethodTakingOneRequestRefusesNoneOrMore(t *testing.T) {
-	for name, conn := range besideGrpcGoServing(t, "cardinality", &echo.Service{}) {
+	conns := besideGrpcGoServing(t, "cardinality", &echo.Service{})
+	// Unary handlers on the connection's reader too, and HTTP/2's loopback (a grpc-go client).
+	shm, unix := fresh(t, "cardinality-inline")
+	s := isthmus.NewServer(isthmus.InlineUnary())
+	pb.RegisterEchoServer(s, &echo.Service{})
+	s.HandleRawUnary("/raw.Echo/Unary", func(call *isthmus.RawServerCall, request *isthmus.Message) (*isthmus.Block, error) {
+		return call.Alloc(0)
+	})
+	if err := s.Start(shm, unix); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(s.Stop)
+	conns["isthmus, InlineUnary"] = dial(t, shm)
+	conns["grpc-go to isthmus over HTTP/2, InlineUnary"] = newGrpcClient(t, unix)
+	for name, conn := range conns {
 		for _, c := range []struct {
 			method string
 			n      int
 			want   string
 		}{
 			{"/conformance.Echo/Unary", 0, "no request message from"},
+			{"/conformance.Echo/Unary", 2, "multiple request messages for"},
 			{"/conformance.Echo/ServerStream", 0, "no request message from"},
 			{"/conformance.Echo/ServerStream", 2, "multiple request messages for"},
+			{"/raw.Echo/Unary", 2, "multiple request messages for"},
 		} {
+			if c.method == "/raw.Echo/Unary" && !strings.Contains(name, "InlineUnary") {
+				continue // a raw handler of the InlineUnary server only
+			}
 			want := status.New(codes.Internal, "cardinality violation: received "+c.want+" non-client-streaming RPC").String()
 			if got := sendRequests(testContext(t), conn, c.method, c.n); len(got) != 1 || got[0] != want {
 				t.Errorf("%s: %s with %d requests ended %q, want %q", name, c.method, c.n, got, want)

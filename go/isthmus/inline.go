@@ -110,22 +110,14 @@ func (s *Server) receiveInline(st *serverStream, m *method, sc *C.isthmus_server
 	if !now {
 		// The request is not in yet: wait for it on a goroutine.
 		go func() {
-			defer st.cancel()
 			ev, ok := o.wait(st.ctx)
 			o.done()
 			if !ok {
 				st.end(ctxError(st.ctx))
+				st.cancel()
 				return
 			}
-			if m.rawUnary != nil {
-				st.end(s.runRawUnary(st, m, ev))
-				return
-			}
-			reply, err := s.runUnarySafely(st, m, ev)
-			if err == nil {
-				err = st.SendMsg(reply)
-			}
-			st.end(err)
+			s.answerWaiting(st, m, ev)
 		}()
 		return
 	}
@@ -135,6 +127,12 @@ func (s *Server) receiveInline(st *serverStream, m *method, sc *C.isthmus_server
 
 // answerInline runs the handler on its request event ev (which it consumes) and replies.
 func (s *Server) answerInline(st *serverStream, m *method, ev C.isthmus_event_t) {
+	if ev.code == C.ISTHMUS_OK && ev.message != nil && C.isthmus_server_call_half_closed(st.sc) != 1 {
+		// The client has not half-closed yet: whether a second request comes is waited for on
+		// a goroutine, since this thread reads.
+		go s.answerWaiting(st, m, ev)
+		return
+	}
 	if m.rawUnary != nil {
 		// Its reply is a block: sent with no wait for anything but the client's window.
 		st.end(s.runRawUnary(st, m, ev))
@@ -156,6 +154,26 @@ func (s *Server) answerInline(st *serverStream, m *method, ev C.isthmus_event_t)
 	}
 	st.end(err) // a no-op if the reply finished the call
 	st.cancel()
+}
+
+// answerWaiting is answerInline on a goroutine of its own, for a call whose request came, or
+// whose half-close after it may come, only after its handler began: it checks that no second
+// request comes (onlyRequest), runs the handler on ev (which it consumes) and replies.
+func (s *Server) answerWaiting(st *serverStream, m *method, ev C.isthmus_event_t) {
+	defer st.cancel()
+	if err := st.onlyRequest(ev); err != nil {
+		st.end(err)
+		return
+	}
+	if m.rawUnary != nil {
+		st.end(s.runRawUnary(st, m, ev))
+		return
+	}
+	reply, err := s.runUnarySafely(st, m, ev)
+	if err == nil {
+		err = st.SendMsg(reply)
+	}
+	st.end(err)
 }
 
 // runUnarySafely is runUnary with a handler's panic turned into INTERNAL.

@@ -531,10 +531,10 @@ func (s *Server) handle(m *method, sc *C.isthmus_server_call_t) {
 		case m.raw != nil:
 			err = m.raw(&RawServerCall{st: st})
 		case m.rawUnary != nil:
-			if ev, ok := st.recv(); ok {
-				err = s.runRawUnary(st, m, ev)
-			} else {
+			if ev, ok := st.recv(); !ok {
 				err = ctxError(st.ctx)
+			} else if err = st.onlyRequest(ev); err == nil {
+				err = s.runRawUnary(st, m, ev)
 			}
 		default:
 			err = s.streaming(st, m)
@@ -547,6 +547,9 @@ func (s *Server) unary(st *serverStream, m *method) error {
 	ev, ok := st.recv()
 	if !ok {
 		return ctxError(st.ctx)
+	}
+	if err := st.onlyRequest(ev); err != nil {
+		return err
 	}
 	reply, err := s.runUnary(st, m, ev)
 	if err != nil {
@@ -1129,6 +1132,31 @@ var (
 	errNoRequest    = status.Error(codes.Internal, "cardinality violation: received no request message from non-client-streaming RPC")
 	errManyRequests = status.Error(codes.Internal, "cardinality violation: received multiple request messages for non-client-streaming RPC")
 )
+
+// onlyRequest checks, as grpc-go does before a unary handler runs, that the client sends
+// nothing after its request ev (a received event, which is left alone unless it is a message):
+// at once if the client has half-closed, else by waiting for its next event. On a second
+// request (errManyRequests) or a failure it frees ev's message and fails.
+func (st *serverStream) onlyRequest(ev C.isthmus_event_t) error {
+	if ev.code != C.ISTHMUS_OK || ev.message == nil || C.isthmus_server_call_half_closed(st.sc) == 1 {
+		return nil
+	}
+	next, ok := st.recv()
+	var err error
+	switch {
+	case !ok:
+		err = ctxError(st.ctx)
+	case next.code != C.ISTHMUS_OK:
+		err, _ = statusError(next.code, next.status)
+	case next.message == nil:
+		return nil
+	default:
+		C.isthmus_message_free(next.message)
+		err = errManyRequests
+	}
+	C.isthmus_message_free(ev.message)
+	return err
+}
 
 // recvOnly is RecvMsg for a method whose client sends one request (a server-streaming one),
 // as grpc-go's: the request must be followed by the client's half-close, and a call with none

@@ -1432,6 +1432,16 @@ int32_t isthmus_server_call_begin(const isthmus_server_call_t *call,
                                   int64_t *time_remaining_us,
                                   isthmus_event_t *now);
 
+// 1 if the client has half-closed and every request it sent has been taken (received, or
+// given by [`isthmus_server_call_begin`]); 0 if not yet, while another thread receives, and
+// for an invalid handle. For a handler of a method that takes one request: having taken it,
+// 1 says no second one comes, without a receive; 0 asks for one, which gives the end of the
+// stream or the second request (gRPC's servers fail such a call INTERNAL, "cardinality
+// violation").
+//
+// Thread-safety: any thread.
+int32_t isthmus_server_call_half_closed(const isthmus_server_call_t *call);
+
 // 1 while the call runs (not finished, not cancelled by the client, deadline not passed);
 // 0 otherwise.
 //

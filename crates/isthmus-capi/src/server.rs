@@ -704,6 +704,19 @@ pub unsafe extern "C" fn isthmus_server_call_begin(
     })
 }
 
+/// 1 if the client has half-closed and every request it sent has been taken (received, or
+/// given by [`isthmus_server_call_begin`]); 0 if not yet, while another thread receives, and
+/// for an invalid handle. For a handler of a method that takes one request: having taken it,
+/// 1 says no second one comes, without a receive; 0 asks for one, which gives the end of the
+/// stream or the second request (gRPC's servers fail such a call INTERNAL, "cardinality
+/// violation").
+///
+/// Thread-safety: any thread.
+#[no_mangle]
+pub extern "C" fn isthmus_server_call_half_closed(call: *const isthmus_server_call_t) -> i32 {
+    guard(0, || handed(call).map_or(0, |c| i32::from(c.half_closed())))
+}
+
 /// 1 while the call runs (not finished, not cancelled by the client, deadline not passed);
 /// 0 otherwise.
 ///

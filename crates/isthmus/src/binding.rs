@@ -805,6 +805,14 @@ impl HandedCall {
         }
     }
 
+    /// Whether the client has half-closed and every request it sent has been taken: a handler
+    /// of a method that takes one request, having taken it, knows then that no second one
+    /// comes (gRPC's cardinality check) without waiting. False if not (yet), or while another
+    /// thread receives.
+    pub fn half_closed(&self) -> bool {
+        self.requests.try_lock().is_ok_and(|r| r.as_ref().is_some_and(|r| r.half_closed()))
+    }
+
     /// Waits up to `budget` for the next request on this thread, reading the call's connection
     /// meanwhile while this is the only call open on it ([`Lender::read_for_call`], ADR 0029):
     /// a streaming handler's receive that spins then takes the message without a hand-over from

@@ -395,6 +395,17 @@ static void h_reply(isthmus_server_call_t *call) {
   } else {
     rc = isthmus_server_call_recv(call, 0, &req, &st);
   }
+  if (rc == ISTHMUS_OK && req != NULL && !isthmus_server_call_half_closed(call)) {
+    /* A unary call: the client's half-close, if it did not come with the request, comes
+       next, and then the call says so (isthmus_server_call_half_closed). */
+    isthmus_message_t *more = NULL;
+    isthmus_status_t *more_st = NULL;
+    isthmus_code_t more_rc = isthmus_server_call_recv(call, 0, &more, &more_st);
+    if (more_rc != ISTHMUS_OK || more != NULL || !isthmus_server_call_half_closed(call))
+      reply_problem("the half-close after the request", more_rc);
+    if (more) isthmus_message_free(more);
+    if (more_st) isthmus_status_free(more_st);
+  }
   if (cq == NULL || rc != ISTHMUS_OK || req == NULL) {
     finish_failed(call, rc == ISTHMUS_OK ? ISTHMUS_INTERNAL : rc, st, "no request or no queue");
   } else {
@@ -1083,6 +1094,7 @@ static int check_null_arguments(ctx_t *c) {
     REQUIRE(isthmus_server_call_begin(NULL, &md, &left, &ev) == -1 && md == NULL, "begin of NULL");
   }
   REQUIRE(isthmus_server_call_is_active(NULL) == 0, "NULL is active");
+  REQUIRE(isthmus_server_call_half_closed(NULL) == 0, "NULL half-closed");
   REQUIRE(isthmus_server_call_headers_sent(NULL) == 0, "NULL sent headers");
   INVALID(isthmus_server_call_recv(NULL, 0, &msg, &st));
   INVALID(isthmus_server_call_recv_async(NULL, 0, cq, 1, NULL, &st));

@@ -334,6 +334,11 @@ impl Requests {
         self.half_closed || self.stream.shared.inbox.is_ready()
     }
 
+    /// Whether the client has half-closed and its requests have all been taken.
+    pub(crate) fn half_closed(&self) -> bool {
+        self.half_closed
+    }
+
     /// Sends credit still owed to the client (see `Stream::settle`).
     pub(crate) fn settle(&mut self) {
         self.stream.settle(&self.mux);
