@@ -33,7 +33,9 @@ from ._channel import Channel
 from ._credentials import (
     ChannelCredentials,
     ServerCredentials,
-    channel_tls,
+    channel_security,
+    local_channel_credentials,
+    local_server_credentials,
     ssl_channel_credentials,
     ssl_server_credentials,
 )
@@ -58,6 +60,8 @@ __all__ = [
     "TransportStats",
     "aio",
     "insecure_channel",
+    "local_channel_credentials",
+    "local_server_credentials",
     "raw",
     "secure_channel",
     "server",
@@ -81,10 +85,13 @@ def secure_channel(
     options: Any = None,
     compression: grpc.Compression | None = None,
 ) -> Channel:
-    """A TLS channel to a TCP target (`host:port`, `https://host:port`, …), `credentials`
-    from `isthmus.ssl_channel_credentials`, as `grpc.secure_channel` makes one. The option
-    `grpc.ssl_target_name_override` names the host the server's certificate must cover."""
-    return Channel(target, options, compression, channel_tls(credentials, options))
+    """A secure channel, as `grpc.secure_channel` makes one: TLS to a TCP target (`host:port`,
+    `https://host:port`, …) with `credentials` from `isthmus.ssl_channel_credentials` (or
+    grpc's own), or grpc's `local_channel_credentials()` for a target on this machine; either
+    may be composed with call credentials (`grpc.composite_channel_credentials`), which every
+    call then sends. The option `grpc.ssl_target_name_override` names the host the server's
+    certificate must cover."""
+    return Channel(target, options, compression, channel_security(credentials, options, target))
 
 
 def server(

@@ -23,6 +23,7 @@ from ._call import (
     encode,
     serialize_failed,
 )
+from ._credentials import Auth, Security, insecure
 from ._errors import rpc_error
 from ._metadata import Metadatum, outgoing
 from ._native import CallError
@@ -98,6 +99,23 @@ class _MultiCallable:
     def _encoding(self, compression: grpc.Compression | None) -> str | None:
         """The call's compression: its own if given, else the channel's."""
         return call_encoding(self._compression, compression)
+
+    # The channel's part in call credentials (set by the channel that makes this).
+    _auth: Auth | None = None
+
+    def _with_credentials(
+        self, metadata: Any, credentials: grpc.CallCredentials | None, timeout: float | None
+    ) -> Any:
+        """The call's metadata with what its call credentials give (`Auth.metadata`); a call
+        they fail raises grpc's error, as grpcio's does."""
+        try:
+            return (
+                metadata
+                if self._auth is None
+                else self._auth.metadata(metadata, credentials, self._path, timeout)
+            )
+        except CallError as e:
+            raise rpc_error(e) from None
 
     def _encode(self, request: Any) -> bytes:
         """The request serialised; a serializer's failure raises grpc's INTERNAL error."""
@@ -208,6 +226,7 @@ class UnaryUnaryMultiCallable(_native.UnaryCallable, _MultiCallable, grpc.UnaryU
     ) -> Any:
         """`__call__` with metadata or a compression: one engine call, no thread, no call
         object."""
+        metadata = self._with_credentials(metadata, credentials, timeout)
         try:
             message = self._channel.unary_message(
                 self._path,
@@ -242,6 +261,7 @@ class UnaryUnaryMultiCallable(_native.UnaryCallable, _MultiCallable, grpc.UnaryU
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> tuple[Any, grpc.Call]:
+        metadata = self._with_credentials(metadata, credentials, timeout)
         try:
             result = self._channel.unary(
                 self._path,
@@ -265,9 +285,17 @@ class UnaryUnaryMultiCallable(_native.UnaryCallable, _MultiCallable, grpc.UnaryU
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
+        metadata = self._with_credentials(metadata, credentials, timeout)
         return self._future(
             self._encode(request), timeout, metadata, wait_for_ready, self._encoding(compression)
         )
+
+
+class _AuthUnaryUnaryMultiCallable(UnaryUnaryMultiCallable):
+    """A channel's with call credentials of its own: every call asks them (`_call`), where the
+    native `__call__` would go without."""
+
+    __call__ = UnaryUnaryMultiCallable._call
 
 
 class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
@@ -280,6 +308,7 @@ class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
+        metadata = self._with_credentials(metadata, credentials, timeout)
         return self._stream(
             self._encode(request), timeout, metadata, wait_for_ready, self._encoding(compression)
         )
@@ -295,6 +324,7 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Any:
+        metadata = self._with_credentials(metadata, credentials, timeout)
         return self._run(
             iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
         )._outcome()
@@ -308,6 +338,7 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> tuple[Any, grpc.Call]:
+        metadata = self._with_credentials(metadata, credentials, timeout)
         call = self._run(
             iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
         )
@@ -322,6 +353,7 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
+        metadata = self._with_credentials(metadata, credentials, timeout)
         return self._future(
             iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
         )
@@ -337,6 +369,7 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
+        metadata = self._with_credentials(metadata, credentials, timeout)
         return self._stream(
             iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
         )
@@ -556,12 +589,14 @@ class Channel(grpc.Channel):
         target: str,
         options: Any = None,
         compression: grpc.Compression | None = None,
-        tls: tuple[bytes | None, bytes | None, bytes | None, str | None] | None = None,
+        security: Security | None = None,
     ):
         self._max_send, max_receive = limits(options)
         self._compression = channel_compression(compression, options)
+        security = security or insecure(target)
+        self._auth = Auth(security, target)
         self._native = _native.Channel(
-            target, tls, upgrades(options), max_receive, keepalive(options), user_agent(options)
+            target, security.tls, upgrades(options), max_receive, keepalive(options), user_agent(options)
         )
         self._connectivity = _Connectivity(self._native)
 
@@ -603,13 +638,15 @@ class Channel(grpc.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> UnaryUnaryMultiCallable:
-        return UnaryUnaryMultiCallable(
+        made = (_AuthUnaryUnaryMultiCallable if self._auth.plugins else UnaryUnaryMultiCallable)(
             self._native,
             method,
             limited(request_serializer, self._max_send),
             response_deserializer,
             self._compression,
         )
+        made._auth = self._auth
+        return made
 
     def unary_stream(
         self,
@@ -619,13 +656,15 @@ class Channel(grpc.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> UnaryStreamMultiCallable:
-        return UnaryStreamMultiCallable(
+        made = UnaryStreamMultiCallable(
             self._native,
             method,
             limited(request_serializer, self._max_send),
             response_deserializer,
             self._compression,
         )
+        made._auth = self._auth
+        return made
 
     def stream_unary(
         self,
@@ -635,13 +674,15 @@ class Channel(grpc.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> StreamUnaryMultiCallable:
-        return StreamUnaryMultiCallable(
+        made = StreamUnaryMultiCallable(
             self._native,
             method,
             limited(request_serializer, self._max_send),
             response_deserializer,
             self._compression,
         )
+        made._auth = self._auth
+        return made
 
     def stream_stream(
         self,
@@ -651,13 +692,15 @@ class Channel(grpc.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> StreamStreamMultiCallable:
-        return StreamStreamMultiCallable(
+        made = StreamStreamMultiCallable(
             self._native,
             method,
             limited(request_serializer, self._max_send),
             response_deserializer,
             self._compression,
         )
+        made._auth = self._auth
+        return made
 
     def alloc(self, size: int, timeout: float | None = None) -> _native.Block:
         """The raw tier: a writable buffer of `size` bytes to build a request in place (fill it

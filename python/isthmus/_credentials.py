@@ -1,14 +1,33 @@
-"""TLS credentials in grpcio's shapes: `ssl_channel_credentials` and `ssl_server_credentials`
-take the same PEM arguments as grpcio's and give objects that `secure_channel` and
-`add_secure_port` take. They hold the PEM bytes; the engine (rustls) reads them when a channel
-or port is made, and a PEM that does not decode raises ValueError there."""
+"""Credentials in grpcio's shapes.
+
+- TLS: `ssl_channel_credentials` and `ssl_server_credentials` take the same PEM arguments as
+  grpcio's and give objects that `secure_channel` and `add_secure_port` take. They hold the
+  PEM bytes; the engine (rustls) reads them when a channel or port is made, and a PEM that does
+  not decode raises ValueError there.
+- Local: grpc's own `local_channel_credentials()` and `local_server_credentials()`, for a
+  target or port on this machine (`shm://`, a Unix socket, a loopback address).
+- Call credentials: grpc's own `metadata_call_credentials(plugin)`,
+  `access_token_call_credentials(token)` and their `composite_call_credentials`, given to a
+  call (`credentials=`) or composed into a channel's (`composite_channel_credentials`): before
+  each call, each plugin is asked for metadata, as grpcio asks it. As in grpcio, they need a
+  channel that is secure: TLS, local credentials, or `shm://` (local by construction); on any
+  other the call fails UNAUTHENTICATED.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import logging
+import re
+import threading
+import time
+from collections.abc import Iterable, Sequence
+from typing import Any, NamedTuple
 
 import grpc
+
+from ._native import CallError
+
+_LOG = logging.getLogger(__name__)
 
 # The target name a channel checks the server's certificate against, as grpc's option.
 _NAME_OVERRIDE = "grpc.ssl_target_name_override"
@@ -73,15 +92,73 @@ def ssl_server_credentials(
     return ServerCredentials(key, chain, root_certificates, require_client_auth)
 
 
-def channel_tls(
-    credentials: grpc.ChannelCredentials, options: Any
-) -> tuple[bytes | None, bytes | None, bytes | None, str | None]:
-    """What the native channel takes for `credentials` and the options' name override."""
+Tls = tuple[bytes | None, bytes | None, bytes | None, str | None]
+
+
+class Security(NamedTuple):
+    """What a channel's credentials make of it."""
+
+    tls: Tls | None
+    """What the native channel takes for TLS (None: none)."""
+    plugins: tuple[grpc.AuthMetadataPlugin, ...]
+    """The call credentials every call of the channel asks for metadata."""
+    secure: bool
+    """Whether call credentials may go over it (TLS, local, or `shm://`)."""
+
+
+# Loopback hosts, in the address forms grpc takes (`localhost:50051`, `dns:///localhost:1`,
+# `ipv4:127.0.0.1:1`, `ipv6:[::1]:1`, `http://[::1]:1`).
+_LOOPBACK = re.compile(
+    r"^(?:[a-z0-9+-]+:(?://[^/]*/|//)?)?\[?(localhost|127(?:\.\d{1,3}){3}|::1)\]?(?::\d+)?$"
+)
+
+
+def is_local(target: str) -> bool:
+    """Whether `target` names this machine: `shm://`, a Unix socket, or a loopback address."""
+    if target.startswith(("shm:", "unix:", "unix-abstract:")):
+        return True
+    return _LOOPBACK.match(target.lower()) is not None
+
+
+def insecure(target: str) -> Security:
+    """An insecure channel's: call credentials go only over `shm://`, which is local."""
+    return Security(None, (), target.startswith("shm:"))
+
+
+def channel_security(credentials: grpc.ChannelCredentials, options: Any, target: str) -> Security:
+    """What `secure_channel(target, credentials, options)` makes of its credentials: TLS from
+    isthmus's, grpc's local credentials, and call credentials composed into either."""
+    plugins: tuple[grpc.AuthMetadataPlugin, ...] = ()
+    inner = getattr(credentials, "_credentials", None)
+    composed = getattr(inner, "_call_credentialses", None)
+    if composed is not None:  # grpc.composite_channel_credentials(channel, *call)
+        plugins = _plugins_of(composed)
+        base = getattr(inner, "_channel_credentials", None)
+        if type(base).__name__ == "LocalChannelCredentials":
+            return _local(target, plugins)
+        if type(base).__name__ == "SSLChannelCredentials":
+            return Security(_grpc_ssl(base, options), plugins, True)
+        raise TypeError(f"isthmus.secure_channel cannot read {type(base).__name__} in composite credentials")
+    if type(inner).__name__ == "LocalChannelCredentials":
+        return _local(target, plugins)
+    if type(inner).__name__ == "SSLChannelCredentials":
+        return Security(_grpc_ssl(inner, options), plugins, True)
     if not isinstance(credentials, ChannelCredentials):
         raise TypeError(
-            "isthmus.secure_channel takes credentials from isthmus.ssl_channel_credentials "
-            f"(grpcio's own cannot be read), not {type(credentials).__name__}"
+            "isthmus.secure_channel takes credentials from isthmus.ssl_channel_credentials or grpc's "
+            f"local, SSL or composite channel credentials, not {type(credentials).__name__}"
         )
+    return Security(_tls(credentials, options), plugins, True)
+
+
+def _local(target: str, plugins: tuple[grpc.AuthMetadataPlugin, ...]) -> Security:
+    if not is_local(target):
+        # grpcio's handshake refuses it (UNAVAILABLE at the first call); here at once.
+        raise ValueError(f"local channel credentials need a target on this machine, not {target}")
+    return Security(None, plugins, True)
+
+
+def _tls(credentials: ChannelCredentials, options: Any) -> Tls:
     override = dict(options or ()).get(_NAME_OVERRIDE)
     return (
         credentials.root_certificates,
@@ -91,12 +168,187 @@ def channel_tls(
     )
 
 
-def server_tls(credentials: grpc.ServerCredentials) -> tuple[bytes, bytes, bytes | None, bool]:
-    """What the native server's `add_port` takes for `credentials`."""
+def _grpc_ssl(inner: Any, options: Any) -> Tls:
+    """grpc.ssl_channel_credentials' PEM, which its cygrpc object keeps readable."""
+    ours = ChannelCredentials(
+        getattr(inner, "_pem_root_certificates", None),
+        getattr(inner, "_private_key", None),
+        getattr(inner, "_certificate_chain", None),
+    )
+    return _tls(ours, options)
+
+
+def _plugins_of(credentials: Iterable[Any]) -> tuple[grpc.AuthMetadataPlugin, ...]:
+    """The metadata plugins of grpc's call credentials (cygrpc objects), composites opened."""
+    out: list[grpc.AuthMetadataPlugin] = []
+    for c in credentials:
+        composed = getattr(c, "_call_credentialses", None)
+        if composed is not None:
+            out.extend(_plugins_of(composed))
+            continue
+        wrapped = getattr(c, "_metadata_plugin", None)  # grpc._plugin_wrapping._Plugin
+        plugin = getattr(wrapped, "_metadata_plugin", None)
+        if plugin is None:
+            raise TypeError(f"isthmus cannot read call credentials of type {type(c).__name__}")
+        out.append(plugin)
+    return tuple(out)
+
+
+def call_plugins(credentials: grpc.CallCredentials | None) -> tuple[grpc.AuthMetadataPlugin, ...]:
+    """The metadata plugins of a call's `credentials=`."""
+    if credentials is None:
+        return ()
+    if not isinstance(credentials, grpc.CallCredentials):
+        raise TypeError(f"credentials must be grpc.CallCredentials, not {type(credentials).__name__}")
+    return _plugins_of((credentials._credentials,))
+
+
+class Auth:
+    """A channel's part in its calls' call credentials: its own plugins (composed into its
+    credentials), whether they may go over it, and what the plugins are told of it."""
+
+    def __init__(self, security: Security, target: str) -> None:
+        self.plugins = security.plugins
+        self.secure = security.secure
+        self.scheme = "https" if security.tls is not None else ""
+        if target.startswith(("unix:", "unix-abstract:")):
+            self.authority = "localhost"
+        else:
+            self.authority = re.sub(r"^[a-z0-9+-]+:(//[^/]*/|//)?", "", target.lower()) or target
+
+    def metadata(
+        self, metadata: Any, credentials: grpc.CallCredentials | None, path: str, timeout: float | None
+    ) -> Any:
+        """The call's metadata (an iterable of pairs, or None), then what the call credentials
+        (the channel's, then the call's own) give for it; `metadata` itself if there are none.
+        Raises CallError as grpcio fails such a call."""
+        if credentials is None and not self.plugins:
+            return metadata
+        plugins = self.plugins + call_plugins(credentials)
+        extra = ask_plugins(plugins, self.secure, self.scheme, self.authority, path, timeout)
+        return (*(metadata or ()), *extra)
+
+
+class _Context(NamedTuple):
+    """grpc.AuthMetadataContext."""
+
+    service_url: str
+    method_name: str
+
+
+class _Answer:
+    """A plugin's callback (grpc.AuthMetadataPluginCallback): the first answer counts."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.metadata: Any = None
+        self.error: BaseException | str | None = None
+
+    def __call__(self, metadata: Any, error: BaseException | str | None) -> None:
+        if self.done.is_set():
+            raise RuntimeError("AuthMetadataPluginCallback invoked more than once!")
+        self.metadata, self.error = metadata, error
+        self.done.set()
+
+
+def _plugin_failed(error: object) -> CallError:
+    return CallError(
+        grpc.StatusCode.UNAVAILABLE.value[0], f"Getting metadata from plugin failed with error: {error}"
+    )
+
+
+def ask_plugins(
+    plugins: Sequence[grpc.AuthMetadataPlugin],
+    secure: bool,
+    scheme: str,
+    authority: str,
+    path: str,
+    timeout: float | None,
+) -> list[tuple[str, str | bytes]]:
+    """The metadata `plugins` give for a call of `path` (grpcio's words and codes when they
+    cannot): each is asked on this thread and may answer from another; the call's timeout
+    bounds the wait. Raises CallError."""
+    if not secure:
+        raise CallError(
+            grpc.StatusCode.UNAUTHENTICATED.value[0],
+            "Established channel does not have a sufficient security level to transfer call credential.",
+        )
+    service, _, method = path.lstrip("/").rpartition("/")
+    context = _Context(f"{scheme}://{authority}/{service}", method)
+    end = None if timeout is None else time.monotonic() + timeout
+    out: list[tuple[str, str | bytes]] = []
+    for plugin in plugins:
+        answer = _Answer()
+        try:
+            plugin(context, answer)
+        except Exception as e:
+            _LOG.exception('AuthMetadataPluginCallback "%s" raised exception!', plugin)
+            raise _plugin_failed(e) from None
+        if not answer.done.wait(None if end is None else max(0.0, end - time.monotonic())):
+            raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "Deadline Exceeded")
+        if answer.error is not None:
+            raise _plugin_failed(answer.error)
+        out.extend(_pairs(answer.metadata))
+    return out
+
+
+def _pairs(metadata: Any) -> list[tuple[str, str | bytes]]:
+    """A plugin's metadata, checked as grpcio checks it (UNAVAILABLE "Illegal metadata")."""
+    try:
+        pairs = [(k, v) for k, v in metadata or ()]
+    except (TypeError, ValueError):
+        pairs = None
+    if pairs is None or not all(_legal(k, v) for k, v in pairs):
+        raise CallError(grpc.StatusCode.UNAVAILABLE.value[0], "Illegal metadata")
+    return pairs
+
+
+_KEY = re.compile(r"^[0-9a-z_.-]+$")
+
+
+def _legal(key: object, value: object) -> bool:
+    if not isinstance(key, str) or not _KEY.match(key):
+        return False
+    if key.endswith("-bin"):
+        return isinstance(value, (bytes, str))
+    return isinstance(value, str) and all(" " <= c <= "~" for c in value)
+
+
+class LocalServerCredentials(grpc.ServerCredentials):
+    """grpc's local server credentials: `isthmus.local_server_credentials()`."""
+
+    def __init__(self) -> None:
+        super().__init__(None)
+
+
+def local_server_credentials(
+    local_connect_type: grpc.LocalConnectionType = grpc.LocalConnectionType.LOCAL_TCP,
+) -> LocalServerCredentials:
+    """grpc.local_server_credentials: a port that serves this machine only (a Unix socket or a
+    loopback address; `shm://` is local anyway), over which clients' call credentials may go.
+    grpc's own object cannot be told from its SSL credentials, so `add_secure_port` takes this
+    one. Either connection type serves both kinds of local address."""
+    return LocalServerCredentials()
+
+
+def local_channel_credentials(
+    local_connect_type: grpc.LocalConnectionType = grpc.LocalConnectionType.LOCAL_TCP,
+) -> grpc.ChannelCredentials:
+    """grpc.local_channel_credentials (grpc's own, which `secure_channel` reads): for a target
+    on this machine, over which call credentials may go."""
+    return grpc.local_channel_credentials(local_connect_type)
+
+
+def server_tls(credentials: grpc.ServerCredentials) -> tuple[bytes, bytes, bytes | None, bool] | None:
+    """What the native server's `add_port` takes for `credentials`; None for local
+    credentials (the port then serves as an insecure one, and must be local)."""
+    if isinstance(credentials, LocalServerCredentials):
+        return None
     if not isinstance(credentials, ServerCredentials):
         raise TypeError(
-            "add_secure_port takes credentials from isthmus.ssl_server_credentials "
-            f"(grpcio's own cannot be read), not {type(credentials).__name__}"
+            "add_secure_port takes credentials from isthmus.ssl_server_credentials or "
+            "isthmus.local_server_credentials (grpcio's own cannot be read), not "
+            f"{type(credentials).__name__}"
         )
     return (
         credentials.private_key,

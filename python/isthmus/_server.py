@@ -16,7 +16,7 @@ import grpc
 from . import _native
 from ._channel import channel_compression, connection_age, keepalive, limits
 from ._context import ServicerContext
-from ._credentials import server_tls
+from ._credentials import is_local, server_tls
 from ._handler import Handlers
 from ._native import ServerCall
 from ._stats import TransportStats
@@ -118,8 +118,16 @@ class ServerBase:
 
     def add_secure_port(self, address: str, server_credentials: grpc.ServerCredentials) -> int:
         """Binds a TCP address with TLS, `server_credentials` from
-        `isthmus.ssl_server_credentials`. Returns the port, as `add_insecure_port` does."""
-        return _port(self._add_port(address, server_tls(server_credentials)))
+        `isthmus.ssl_server_credentials`; or, with `isthmus.local_server_credentials()`, an
+        address on this machine (a loopback one, a Unix socket, `shm://`) as an insecure
+        port that clients with local credentials call. Returns the port, as
+        `add_insecure_port` does."""
+        tls = server_tls(server_credentials)
+        if tls is None and not is_local(address):
+            raise AddressError(
+                f"Failed to bind to address {address}: local credentials serve this machine only"
+            )
+        return _port(self._add_port(address, tls))
 
     def _add_port(self, address: str, tls: Any) -> str:
         try:

@@ -1264,3 +1264,213 @@ def test_wait_for_ready_waits_for_a_server_that_starts_later(api: str, transport
         starter.join()
         s.stop(None)
         pool.shutdown()
+
+
+# Call credentials: the metadata grpc's call credentials give, per call and composed into a
+# channel's credentials, and how a call fails when they cannot give it.
+
+
+def _seen(request: Any, context: Any) -> bytes:
+    """What the handler saw of the call credentials' metadata."""
+    return repr(
+        sorted((k, v) for k, v in context.invocation_metadata() if k in ("authorization", "x-ctx"))
+    ).encode()
+
+
+def _seen_stream(request: Any, context: Any) -> Iterator[bytes]:
+    yield _seen(request, context)
+
+
+def _seen_requests(requests: Iterator[bytes], context: Any) -> bytes:
+    list(requests)
+    return _seen(None, context)
+
+
+_SEEN = grpc.method_handlers_generic_handler(
+    "t.Auth",
+    {
+        "Unary": grpc.unary_unary_rpc_method_handler(_seen),
+        "Stream": grpc.unary_stream_rpc_method_handler(_seen_stream),
+        "Requests": grpc.stream_unary_rpc_method_handler(_seen_requests),
+    },
+)
+
+
+class _Later(grpc.AuthMetadataPlugin):
+    """Answers from another thread, a moment later, with the method's name."""
+
+    def __call__(self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback) -> None:
+        threading.Timer(0.01, callback, ((("x-ctx", context.method_name),), None)).start()
+
+
+class _Raises(grpc.AuthMetadataPlugin):
+    def __call__(self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback) -> None:
+        raise ValueError("no token here")
+
+
+class _Silent(grpc.AuthMetadataPlugin):
+    def __call__(self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback) -> None:
+        pass  # never answers
+
+
+class _Illegal(grpc.AuthMetadataPlugin):
+    def __call__(self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback) -> None:
+        callback((("Not A Key", "v"),), None)
+
+
+_TOKEN = grpc.access_token_call_credentials("t0k")
+_BEARER = "[('authorization', 'Bearer t0k')]"
+
+
+def _auth_servers(tmp_path: Any) -> tuple[list[Any], dict[str, str], str]:
+    """A grpcio and an isthmus server of `_SEEN`, each on a loopback port with local
+    credentials; their targets by name, and a grpcio port without them."""
+    grpcio = grpc.server(futures.ThreadPoolExecutor(4))
+    ours = isthmus.server(futures.ThreadPoolExecutor(4))
+    targets = {}
+    for name, server, local in (
+        ("grpcio", grpcio, grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP)),
+        ("isthmus", ours, isthmus.local_server_credentials()),
+    ):
+        server.add_generic_rpc_handlers((_SEEN,))
+        targets[name] = f"127.0.0.1:{server.add_secure_port('127.0.0.1:0', local)}"
+    plain = f"127.0.0.1:{grpcio.add_insecure_port('127.0.0.1:0')}"
+    targets["isthmus, Unix socket"] = f"unix:{tmp_path}/auth.sock"
+    ours.add_secure_port(targets["isthmus, Unix socket"], isthmus.local_server_credentials())
+    for server in (grpcio, ours):
+        server.start()
+    return [grpcio, ours], targets, plain
+
+
+def _outcome(call: Any, *args: Any, **kwargs: Any) -> str:
+    """What `call(*args, **kwargs)` gave: a `with_call`'s response, a future's result, a
+    response stream's first message (`first=True`), or the error's code and details."""
+    first = kwargs.pop("first", False)
+    try:
+        value = call(*args, **kwargs)
+        if first:
+            value = next(value)
+        elif isinstance(value, tuple):
+            value = value[0]
+        elif isinstance(value, grpc.Future):
+            value = value.result()
+        return value.decode() if isinstance(value, bytes) else str(value)
+    except grpc.RpcError as e:
+        return f"{e.code().name} {e.details()}"
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_call_credentials_send_their_metadata_as_grpcios_do(kind: str, tmp_path: Any) -> None:
+    """grpc's call credentials, given to a call or composed into the channel's local
+    credentials, add their metadata to every call shape (a plugin may answer from another
+    thread); a plugin that raises, never answers or gives an illegal key fails the call with
+    grpcio's code and words, and call credentials on an insecure channel fail it
+    UNAUTHENTICATED. isthmus ignored them all (and refused local credentials)."""
+    module: Any = grpc if kind == "grpcio" else isthmus
+    servers, targets, plain = _auth_servers(tmp_path)
+    local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    later = grpc.metadata_call_credentials(_Later())
+    try:
+        for name, target in targets.items():
+            if kind == "grpcio" and target.startswith("unix:"):
+                continue  # grpcio's LOCAL_TCP credentials take TCP targets only
+            with module.secure_channel(target, local) as channel:
+                unary = channel.unary_unary("/t.Auth/Unary")
+                assert _outcome(unary, b"", timeout=10) == "[]", name
+                assert _outcome(unary, b"", timeout=10, credentials=_TOKEN) == _BEARER, name
+                both = grpc.composite_call_credentials(_TOKEN, later)
+                want = "[('authorization', 'Bearer t0k'), ('x-ctx', '{}')]"
+                with_call = _outcome(unary.with_call, b"", timeout=10, credentials=both)
+                assert with_call == want.format("Unary"), name
+                assert _outcome(unary.future, b"", timeout=10, credentials=both) == want.format("Unary"), name
+                stream = channel.unary_stream("/t.Auth/Stream")
+                got = _outcome(stream, b"", timeout=10, credentials=later, first=True)
+                assert got == "[('x-ctx', 'Stream')]", name
+                requests = channel.stream_unary("/t.Auth/Requests")
+                got = _outcome(requests, iter([b""]), timeout=10, credentials=both)
+                assert got == want.format("Requests"), name
+                for plugin, words in (
+                    (_Raises(), "UNAVAILABLE Getting metadata from plugin failed with error: no token here"),
+                    (_Silent(), "DEADLINE_EXCEEDED Deadline Exceeded"),
+                    (_Illegal(), "UNAVAILABLE Illegal metadata"),
+                ):
+                    got = _outcome(
+                        unary, b"", timeout=0.5, credentials=grpc.metadata_call_credentials(plugin)
+                    )
+                    assert got == words, (name, plugin)
+            composite = grpc.composite_channel_credentials(local, _TOKEN)
+            with module.secure_channel(target, composite) as channel:
+                unary = channel.unary_unary("/t.Auth/Unary")
+                assert _outcome(unary, b"", timeout=10) == _BEARER, name
+                got = _outcome(unary, b"", timeout=10, credentials=later)
+                assert got == "[('authorization', 'Bearer t0k'), ('x-ctx', 'Unary')]", name
+        with module.insecure_channel(plain) as channel:
+            got = _outcome(channel.unary_unary("/t.Auth/Unary"), b"", timeout=10, credentials=_TOKEN)
+            assert got == (
+                "UNAUTHENTICATED Established channel does not have a sufficient security level to transfer "
+                "call credential."
+            )
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_asyncio_call_credentials_send_their_metadata_as_grpc_aios_do(kind: str, tmp_path: Any) -> None:
+    """The same through grpc.aio's API: per call and composed into the channel's credentials;
+    a plugin that raises fails the call UNAVAILABLE; call credentials on an insecure channel
+    raise grpc.aio's UsageError."""
+    module: Any = grpc.aio if kind == "grpc.aio" else isthmus.aio
+    servers, targets, plain = _auth_servers(tmp_path)
+    local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    later = grpc.metadata_call_credentials(_Later())
+
+    async def run() -> None:
+        for name, target in targets.items():
+            if kind == "grpc.aio" and target.startswith("unix:"):
+                continue
+            async with module.secure_channel(target, local) as channel:
+                unary = channel.unary_unary("/t.Auth/Unary")
+                assert (await unary(b"", timeout=10, credentials=_TOKEN)).decode() == _BEARER, name
+                stream = channel.unary_stream("/t.Auth/Stream")
+                got = [m async for m in stream(b"", timeout=10, credentials=later)]
+                assert got == [b"[('x-ctx', 'Stream')]"], name
+                with pytest.raises(grpc.RpcError) as failed:
+                    await unary(b"", timeout=10, credentials=grpc.metadata_call_credentials(_Raises()))
+                assert failed.value.code() == grpc.StatusCode.UNAVAILABLE, name
+                assert "no token here" in str(failed.value.details()), name
+            async with module.secure_channel(
+                target, grpc.composite_channel_credentials(local, _TOKEN)
+            ) as channel:
+                assert (await channel.unary_unary("/t.Auth/Unary")(b"", timeout=10)).decode() == _BEARER, name
+        async with module.insecure_channel(plain) as channel:
+            with pytest.raises(grpc.aio.UsageError, match="only valid on secure channels"):
+                await channel.unary_unary("/t.Auth/Unary")(b"", timeout=10, credentials=_TOKEN)
+
+    try:
+        asyncio.run(run())
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
+def test_call_credentials_go_over_shm_and_local_credentials_stay_local(tmp_path: Any) -> None:
+    """`shm://` is local by construction: an insecure channel's calls there take call
+    credentials. Local credentials for a target or port elsewhere are refused at once (grpcio
+    fails the handshake, or binds and refuses remote clients)."""
+    shm = fresh("shm")
+    server = isthmus.server(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((_SEEN,))
+    server.add_insecure_port(shm)
+    server.start()
+    try:
+        with isthmus.insecure_channel(shm) as channel:
+            assert (
+                channel.unary_unary("/t.Auth/Unary")(b"", timeout=10, credentials=_TOKEN).decode() == _BEARER
+            )
+        with pytest.raises(ValueError, match="this machine"):
+            isthmus.secure_channel("example.com:443", grpc.local_channel_credentials())
+        with pytest.raises(RuntimeError, match="this machine"):
+            server.add_secure_port("0.0.0.0:0", isthmus.local_server_credentials())
+    finally:
+        server.stop(None)

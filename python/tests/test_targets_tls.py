@@ -235,6 +235,9 @@ def test_tls_between_isthmus_and_grpcio_both_ways(pems: certs.Certs, cert_dir: P
                 f"127.0.0.1:{port}", mine, options=[("grpc.ssl_target_name_override", "localhost")]
             )
             assert whoami(by_ip)["auth"]["transport_security_type"] == ["c3Ns"]
+            # grpc's own credentials, read by isthmus, make the same channel.
+            with_theirs = whoami(isthmus.secure_channel(f"localhost:{port}", theirs))
+            assert {**with_theirs, "peer": ""} == {**answers[kind], "peer": ""}, with_theirs
             if kind == "isthmus":
                 # grpcio's client, with the same certificates, is told apart from nobody.
                 grpcio_client = whoami(grpc.secure_channel(f"localhost:{port}", theirs))
@@ -305,7 +308,7 @@ def test_bad_server_certificates_say_which(pems: certs.Certs, which: str, words:
 
 def test_credentials_are_checked() -> None:
     with pytest.raises(TypeError, match=r"isthmus\.ssl_channel_credentials"):
-        isthmus.secure_channel("localhost:1", grpc.ssl_channel_credentials())
+        isthmus.secure_channel("localhost:1", grpc.ChannelCredentials(None))
     with pytest.raises(ValueError, match="both"):
         isthmus.ssl_channel_credentials(None, b"key", None)
     with pytest.raises(ValueError, match=r"does not decode|no PEM"):

@@ -123,7 +123,7 @@ impl AioUnaryCallable {
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
         let this = slf.get();
-        let fast = match metadata.is_none() && compression.is_none() {
+        let fast = match metadata.is_none() && compression.is_none() && credentials.is_none() {
             true => Fast::of(this.channel.bind(py))?,
             false => None,
         };

@@ -528,7 +528,7 @@ impl UnaryCallable {
         compression: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let py = slf.py();
-        if metadata.is_some() || compression.is_some() {
+        if metadata.is_some() || compression.is_some() || credentials.is_some() {
             let args = (request, timeout, metadata, credentials, wait_for_ready, compression);
             return slf.call_method1(pyo3::intern!(py, "_call"), args);
         }

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from .._credentials import channel_tls
+from .._credentials import channel_security
 from ._call import StreamStreamCall, StreamUnaryCall, UnaryStreamCall, UnaryUnaryCall
 from ._channel import Channel
 from ._context import ServicerContext
@@ -54,9 +54,9 @@ def secure_channel(
     compression: grpc.Compression | None = None,
     interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
 ) -> Channel:
-    """A TLS channel to a TCP target, `credentials` from `isthmus.ssl_channel_credentials`, as
-    `grpc.aio.secure_channel` makes one."""
-    return Channel(target, options, compression, channel_tls(credentials, options), interceptors)
+    """A secure channel, as `grpc.aio.secure_channel` makes one: the credentials
+    `isthmus.secure_channel` takes (TLS, local, and call credentials composed into either)."""
+    return Channel(target, options, compression, channel_security(credentials, options, target), interceptors)
 
 
 def server(

@@ -236,6 +236,7 @@ class _StreamCall(_Call):
         serialize: Serializer,
         deserialize: Deserializer,
         requests: RequestIterable | None,
+        failure: CallError | None = None,
     ) -> None:
         self._loop = loop
         self._timeout = timeout
@@ -251,7 +252,10 @@ class _StreamCall(_Call):
         # comes): by the time a reader sees the end, or `cancel()` returns, they have run.
         self._done_callbacks: list[Callable[[Any], None]] = []
         token = self._start_token = driver.token()
-        started = channel.start(token, path, metadata, timeout, wait_for_ready, compression)
+        # A call that failed before it could start (its call credentials) is never started.
+        started = (False, failure) if failure is not None else None
+        if failure is None:
+            started = channel.start(token, path, metadata, timeout, wait_for_ready, compression)
         # Resolves to the AsyncCall or a CallError; at once if the call started at once.
         if started is None:
             self._started = driver.wait(loop, token)

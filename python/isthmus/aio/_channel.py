@@ -34,6 +34,7 @@ from .._channel import (
     upgrades,
     user_agent,
 )
+from .._credentials import Auth, Security, insecure
 from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
 from .._native import CallError
@@ -104,6 +105,19 @@ class _MultiCallable:
         """The call's compression: its own if given, else the channel's."""
         return call_encoding(self._channel._compression, compression)
 
+    def _with_credentials(
+        self, metadata: Any, credentials: grpc.CallCredentials | None, timeout: float | None
+    ) -> Any:
+        """The call's metadata with what its call credentials give (`Auth.metadata`), whose
+        plugins run on the loop's thread: one that blocks holds the loop up. Raises CallError,
+        which fails the call as grpc.aio's, and on a channel that is not secure grpc.aio's
+        UsageError (which grpc.aio raises when the call is awaited)."""
+        auth = self._channel._auth
+        if credentials is not None and not auth.secure:
+            # grpc.aio's refusal (where grpcio's blocking API fails the call UNAUTHENTICATED).
+            raise grpc.aio.UsageError("Call credentials are only valid on secure channels")
+        return auth.metadata(metadata, credentials, self._path, timeout)
+
     def _start(
         self,
         shape: type[_S],
@@ -112,9 +126,15 @@ class _MultiCallable:
         wait_for_ready: bool | None,
         compression: grpc.Compression | None,
         requests: RequestIterable | None,
+        credentials: grpc.CallCredentials | None = None,
     ) -> _S:
         """A streaming call of `shape`, kept by the channel for `close`."""
         loop, driver, native = self._channel._bind()
+        failure = None
+        try:
+            metadata = self._with_credentials(metadata, credentials, timeout)
+        except CallError as error:
+            failure = error
         return self._channel._track(
             shape(
                 loop,
@@ -128,6 +148,7 @@ class _MultiCallable:
                 self._serialize,
                 self._deserialize,
                 requests,
+                failure,
             )
         )
 
@@ -157,7 +178,8 @@ class UnaryUnaryMultiCallable(_native.AioUnaryCallable, _MultiCallable, grpc.aio
         # (`encode` also fails a request that serializes to None, as the native path does.)
         try:
             message = encode(serialize, request)
-        except CallError as error:  # as grpcio's: the call fails INTERNAL
+            metadata = self._with_credentials(metadata, credentials, timeout)
+        except CallError as error:  # as grpcio's: the call fails (INTERNAL for the serializer)
             return channel._track(_failed(loop, timeout, self._deserialize, error))
         spin = driver.idle(loop)
         token, outcome = driver.begin(loop)
@@ -208,7 +230,9 @@ class UnaryStreamMultiCallable(_MultiCallable, grpc.aio.UnaryStreamMultiCallable
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> UnaryStreamCall:
-        return self._start(UnaryStreamCall, timeout, metadata, wait_for_ready, compression, (request,))
+        return self._start(
+            UnaryStreamCall, timeout, metadata, wait_for_ready, compression, (request,), credentials
+        )
 
 
 class StreamUnaryMultiCallable(_MultiCallable, grpc.aio.StreamUnaryMultiCallable):
@@ -221,7 +245,9 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.aio.StreamUnaryMultiCallable
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> StreamUnaryCall:
-        return self._start(StreamUnaryCall, timeout, metadata, wait_for_ready, compression, request_iterator)
+        return self._start(
+            StreamUnaryCall, timeout, metadata, wait_for_ready, compression, request_iterator, credentials
+        )
 
 
 class StreamStreamMultiCallable(_MultiCallable, grpc.aio.StreamStreamMultiCallable):
@@ -234,7 +260,9 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.aio.StreamStreamMultiCallab
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> StreamStreamCall:
-        return self._start(StreamStreamCall, timeout, metadata, wait_for_ready, compression, request_iterator)
+        return self._start(
+            StreamStreamCall, timeout, metadata, wait_for_ready, compression, request_iterator, credentials
+        )
 
 
 # Client interceptors: grpc.aio's intercepted calls, reused whole but for `_invoke`, so that
@@ -264,6 +292,7 @@ class _Intercepted:
             request,
             timeout=details.timeout,
             metadata=metadata,
+            credentials=details.credentials,
             wait_for_ready=details.wait_for_ready,
             compression=compression,
         )
@@ -535,13 +564,15 @@ class Channel(grpc.aio.Channel):
         target: str,
         options: Any = None,
         compression: grpc.Compression | None = None,
-        tls: tuple[bytes | None, bytes | None, bytes | None, str | None] | None = None,
+        security: Security | None = None,
         interceptors: Sequence[Any] | None = None,
     ):
         # Checked first, as grpc.aio does: a bad interceptor fails before anything is made.
         self._interceptors = _by_shape(interceptors)
         self._target = target
-        self._tls = tls
+        security = security or insecure(target)
+        self._tls = security.tls
+        self._auth = Auth(security, target)
         self._upgrade = upgrades(options)
         self._keepalive = keepalive(options)
         self._user_agent = user_agent(options)
@@ -600,17 +631,22 @@ class Channel(grpc.aio.Channel):
             self._loop = loop
             self._bound = (loop, self._driver, self._native)
             self._bound_forks = _forks
-            # Read by `_native.AioUnaryCallable.__call__`, in this order.
+            # Read by `_native.AioUnaryCallable.__call__`, in this order; a channel with call
+            # credentials of its own leaves its calls to `_call`, which asks them.
             self._fast = (
-                _native.forks(),
-                loop,
-                self._driver,
-                self._native,
-                self._driver._waiting,
-                self._driver._tokens,
-                self._calls,
-                self._forget,
-                self._compression,
+                None
+                if self._auth.plugins
+                else (
+                    _native.forks(),
+                    loop,
+                    self._driver,
+                    self._native,
+                    self._driver._waiting,
+                    self._driver._tokens,
+                    self._calls,
+                    self._forget,
+                    self._compression,
+                )
             )
         return self._bound
 
