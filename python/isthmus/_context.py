@@ -87,11 +87,14 @@ class Context:
         return None if key is None else list(self.auth_context()[key])
 
     def peer_identity_key(self) -> str | None:
-        # As grpc: the alternative names when the client's certificate has any, else its CN.
+        # As grpc: the alternative names when the client's certificate has any, else its CN;
+        # a local client (over shm://, as grpc's local credentials) is known as "local".
         context = self.auth_context()
         for key in ("x509_subject_alternative_name", "x509_common_name"):
             if context.get(key):
                 return key
+        if list(context.get("transport_security_type", ())) == [b"local"]:
+            return "transport_security_type"
         return None
 
     def auth_context(self) -> dict[str, Iterable[bytes]]:

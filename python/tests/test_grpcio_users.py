@@ -1454,20 +1454,30 @@ def test_asyncio_call_credentials_send_their_metadata_as_grpc_aios_do(kind: str,
             server.stop(None)
 
 
+def _identity(request: Any, context: Any) -> bytes:
+    return repr((context.peer_identity_key(), context.peer_identities())).encode()
+
+
 def test_call_credentials_go_over_shm_and_local_credentials_stay_local(tmp_path: Any) -> None:
     """`shm://` is local by construction: an insecure channel's calls there take call
-    credentials. Local credentials for a target or port elsewhere are refused at once (grpcio
-    fails the handshake, or binds and refuses remote clients)."""
+    credentials, and a handler knows its client as grpc's local credentials name it ("local",
+    under `transport_security_type`; it was None). Local credentials for a target or port
+    elsewhere are refused at once (grpcio fails the handshake, or binds and refuses remote
+    clients)."""
     shm = fresh("shm")
     server = isthmus.server(futures.ThreadPoolExecutor(2))
-    server.add_generic_rpc_handlers((_SEEN,))
+    who = grpc.method_handlers_generic_handler(
+        "t.Who", {"Am": grpc.unary_unary_rpc_method_handler(_identity)}
+    )
+    server.add_generic_rpc_handlers((_SEEN, who))
     server.add_insecure_port(shm)
     server.start()
     try:
         with isthmus.insecure_channel(shm) as channel:
-            assert (
-                channel.unary_unary("/t.Auth/Unary")(b"", timeout=10, credentials=_TOKEN).decode() == _BEARER
-            )
+            seen = channel.unary_unary("/t.Auth/Unary")(b"", timeout=10, credentials=_TOKEN).decode()
+            assert seen == _BEARER
+            identity = channel.unary_unary("/t.Who/Am")(b"", timeout=10).decode()
+            assert identity == "('transport_security_type', [b'local'])", identity
         with pytest.raises(ValueError, match="this machine"):
             isthmus.secure_channel("example.com:443", grpc.local_channel_credentials())
         with pytest.raises(RuntimeError, match="this machine"):
