@@ -574,5 +574,9 @@ func TestAMethodTakingOneRequestRefusesNoneOrMore(t *testing.T) {
 				t.Errorf("%s: %s with %d requests ended %q, want %q", name, c.method, c.n, got, want)
 			}
 		}
+		// One request, its half-close in a frame of its own (the handler waits for it): served.
+		if got := sendRequests(testContext(t), conn, "/conformance.Echo/Unary", 1); fmt.Sprint(got) != "[1 OK]" {
+			t.Errorf("%s: a unary call sent one request ended %q, want [1 OK]", name, got)
+		}
 	}
 }

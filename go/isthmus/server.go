@@ -175,7 +175,8 @@ func StreamInterceptor(i grpc.StreamServerInterceptor) ServerOption {
 // and no thread woken per call, which saves tens of microseconds on machines where waking a
 // thread is slow. Only for handlers that answer at once: a handler that waits (on a lock, a
 // database, another call) holds up every other call of its connection meanwhile. Streaming
-// handlers and calls whose request has not arrived yet run on goroutines as always.
+// handlers, and calls whose request (or whose client's half-close after it) has not arrived
+// yet, run on goroutines as always.
 func InlineUnary() ServerOption {
 	return func(o *serverOptions) { o.inline = true }
 }

@@ -107,13 +107,12 @@ class _MultiCallable:
         self, metadata: Any, credentials: grpc.CallCredentials | None, timeout: float | None
     ) -> Any:
         """The call's metadata with what its call credentials give (`Auth.metadata`); a call
-        they fail raises grpc's error, as grpcio's does."""
+        they fail raises grpc's error, as grpcio's does (on the calling thread, for a future
+        or a stream too)."""
+        if self._auth is None:
+            return metadata
         try:
-            return (
-                metadata
-                if self._auth is None
-                else self._auth.metadata(metadata, credentials, self._path, timeout)
-            )
+            return self._auth.metadata(metadata, credentials, self._path, timeout)
         except CallError as e:
             raise rpc_error(e) from None
 

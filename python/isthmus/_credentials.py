@@ -39,7 +39,11 @@ class ChannelCredentials(grpc.ChannelCredentials):
     def __init__(
         self, root_certificates: bytes | None, private_key: bytes | None, certificate_chain: bytes | None
     ) -> None:
-        super().__init__(None)
+        # grpc's own underneath, which grpc.composite_channel_credentials takes and
+        # `channel_security` reads back.
+        super().__init__(
+            grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)._credentials
+        )
         if (private_key is None) != (certificate_chain is None):
             raise ValueError("a client certificate needs both private_key and certificate_chain")
         self.root_certificates = root_certificates
@@ -106,18 +110,18 @@ class Security(NamedTuple):
     """Whether call credentials may go over it (TLS, local, or `shm://`)."""
 
 
-# Loopback hosts, in the address forms grpc takes (`localhost:50051`, `dns:///localhost:1`,
-# `ipv4:127.0.0.1:1`, `ipv6:[::1]:1`, `http://[::1]:1`).
-_LOOPBACK = re.compile(
-    r"^(?:[a-z0-9+-]+:(?://[^/]*/|//)?)?\[?(localhost|127(?:\.\d{1,3}){3}|::1)\]?(?::\d+)?$"
-)
+# The schemes of grpc's address forms that name a host (`dns:///localhost:1`, `dns:localhost:1`,
+# `ipv4:127.0.0.1:1`, `ipv6:[::1]:1`, `http://[::1]:1`), with no DNS server of their own.
+_SCHEME = re.compile(r"^(?:dns:(?:///)?|ipv4:|ipv6:|https?://)")
+# Loopback hosts, with a port or not.
+_LOOPBACK = re.compile(r"^\[?(localhost|127(?:\.\d{1,3}){3}|::1)\]?(?::\d+)?$")
 
 
 def is_local(target: str) -> bool:
     """Whether `target` names this machine: `shm://`, a Unix socket, or a loopback address."""
     if target.startswith(("shm:", "unix:", "unix-abstract:")):
         return True
-    return _LOOPBACK.match(target.lower()) is not None
+    return _LOOPBACK.match(_SCHEME.sub("", target.lower())) is not None
 
 
 def insecure(target: str) -> Security:
@@ -131,14 +135,10 @@ def channel_security(credentials: grpc.ChannelCredentials, options: Any, target:
     plugins: tuple[grpc.AuthMetadataPlugin, ...] = ()
     inner = getattr(credentials, "_credentials", None)
     composed = getattr(inner, "_call_credentialses", None)
-    if composed is not None:  # grpc.composite_channel_credentials(channel, *call)
-        plugins = _plugins_of(composed)
-        base = getattr(inner, "_channel_credentials", None)
-        if type(base).__name__ == "LocalChannelCredentials":
-            return _local(target, plugins)
-        if type(base).__name__ == "SSLChannelCredentials":
-            return Security(_grpc_ssl(base, options), plugins, True)
-        raise TypeError(f"isthmus.secure_channel cannot read {type(base).__name__} in composite credentials")
+    while composed is not None:  # grpc.composite_channel_credentials(channel, *call), nested
+        plugins = _plugins_of(composed) + plugins
+        inner = getattr(inner, "_channel_credentials", None)
+        composed = getattr(inner, "_call_credentialses", None)
     if type(inner).__name__ == "LocalChannelCredentials":
         return _local(target, plugins)
     if type(inner).__name__ == "SSLChannelCredentials":
@@ -168,14 +168,18 @@ def _tls(credentials: ChannelCredentials, options: Any) -> Tls:
     )
 
 
+_SSL_FIELDS = ("_pem_root_certificates", "_private_key", "_certificate_chain")
+
+
 def _grpc_ssl(inner: Any, options: Any) -> Tls:
-    """grpc.ssl_channel_credentials' PEM, which its cygrpc object keeps readable."""
-    ours = ChannelCredentials(
-        getattr(inner, "_pem_root_certificates", None),
-        getattr(inner, "_private_key", None),
-        getattr(inner, "_certificate_chain", None),
-    )
-    return _tls(ours, options)
+    """grpc.ssl_channel_credentials' PEM, which its cygrpc object keeps readable (in the
+    grpcio releases this package was tested with: another that hides it is refused, rather
+    than trusting the system's roots and sending no client certificate)."""
+    if not all(hasattr(inner, field) for field in _SSL_FIELDS):
+        raise TypeError(
+            "this grpcio's ssl_channel_credentials cannot be read: use isthmus.ssl_channel_credentials"
+        )
+    return _tls(ChannelCredentials(*(getattr(inner, field) for field in _SSL_FIELDS)), options)
 
 
 def _plugins_of(credentials: Iterable[Any]) -> tuple[grpc.AuthMetadataPlugin, ...]:
@@ -210,22 +214,32 @@ class Auth:
     def __init__(self, security: Security, target: str) -> None:
         self.plugins = security.plugins
         self.secure = security.secure
-        self.scheme = "https" if security.tls is not None else ""
-        if target.startswith(("unix:", "unix-abstract:")):
+        tls = security.tls
+        self.scheme = "https" if tls is not None else ""
+        if target.startswith(("unix:", "unix-abstract:", "shm:")):
             self.authority = "localhost"
         else:
-            self.authority = re.sub(r"^[a-z0-9+-]+:(//[^/]*/|//)?", "", target.lower()) or target
+            # As grpc's client auth filter: the target's host and port, the name override's
+            # host if one is set, and no port 443 over TLS.
+            self.authority = _SCHEME.sub("", target.lower()).rsplit("/", 1)[-1]
+            if tls is not None and tls[3] is not None:
+                port = self.authority.rpartition(":")[2] if ":" in self.authority else ""
+                self.authority = tls[3] + (f":{port}" if port else "")
+            if tls is not None and self.authority.endswith(":443"):
+                self.authority = self.authority[: -len(":443")]
 
     def metadata(
         self, metadata: Any, credentials: grpc.CallCredentials | None, path: str, timeout: float | None
     ) -> Any:
         """The call's metadata (an iterable of pairs, or None), then what the call credentials
         (the channel's, then the call's own) give for it; `metadata` itself if there are none.
-        Raises CallError as grpcio fails such a call."""
+        The call's timeout bounds the plugins' answers; as in grpcio, the call then has its
+        whole timeout. Raises CallError as grpcio fails such a call."""
         if credentials is None and not self.plugins:
             return metadata
         plugins = self.plugins + call_plugins(credentials)
-        extra = ask_plugins(plugins, self.secure, self.scheme, self.authority, path, timeout)
+        end = None if timeout is None else time.monotonic() + timeout
+        extra = ask_plugins(plugins, self.secure, self.scheme, self.authority, path, end)
         return (*(metadata or ()), *extra)
 
 
@@ -241,14 +255,16 @@ class _Answer:
 
     def __init__(self) -> None:
         self.done = threading.Event()
+        self.lock = threading.Lock()
         self.metadata: Any = None
         self.error: BaseException | str | None = None
 
     def __call__(self, metadata: Any, error: BaseException | str | None) -> None:
-        if self.done.is_set():
-            raise RuntimeError("AuthMetadataPluginCallback invoked more than once!")
-        self.metadata, self.error = metadata, error
-        self.done.set()
+        with self.lock:
+            if self.done.is_set():
+                raise RuntimeError("AuthMetadataPluginCallback invoked more than once!")
+            self.metadata, self.error = metadata, error
+            self.done.set()
 
 
 def _plugin_failed(error: object) -> CallError:
@@ -263,11 +279,11 @@ def ask_plugins(
     scheme: str,
     authority: str,
     path: str,
-    timeout: float | None,
+    end: float | None,
 ) -> list[tuple[str, str | bytes]]:
     """The metadata `plugins` give for a call of `path` (grpcio's words and codes when they
-    cannot): each is asked on this thread and may answer from another; the call's timeout
-    bounds the wait. Raises CallError."""
+    cannot): each is asked on this thread and may answer from another; the call's deadline
+    (`end`, on `time.monotonic`'s clock) bounds the wait. Raises CallError."""
     if not secure:
         raise CallError(
             grpc.StatusCode.UNAUTHENTICATED.value[0],
@@ -275,7 +291,6 @@ def ask_plugins(
         )
     service, _, method = path.lstrip("/").rpartition("/")
     context = _Context(f"{scheme}://{authority}/{service}", method)
-    end = None if timeout is None else time.monotonic() + timeout
     out: list[tuple[str, str | bytes]] = []
     for plugin in plugins:
         answer = _Answer()
@@ -283,7 +298,8 @@ def ask_plugins(
             plugin(context, answer)
         except Exception as e:
             _LOG.exception('AuthMetadataPluginCallback "%s" raised exception!', plugin)
-            raise _plugin_failed(e) from None
+            if not answer.done.is_set():  # as grpcio: an answer given before the raise counts
+                raise _plugin_failed(e) from None
         if not answer.done.wait(None if end is None else max(0.0, end - time.monotonic())):
             raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "Deadline Exceeded")
         if answer.error is not None:
@@ -311,6 +327,8 @@ def _legal(key: object, value: object) -> bool:
         return False
     if key.endswith("-bin"):
         return isinstance(value, (bytes, str))
+    if isinstance(value, bytes):
+        value = value.decode("latin-1")
     return isinstance(value, str) and all(" " <= c <= "~" for c in value)
 
 

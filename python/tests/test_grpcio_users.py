@@ -1292,15 +1292,25 @@ _SEEN = grpc.method_handlers_generic_handler(
         "Unary": grpc.unary_unary_rpc_method_handler(_seen),
         "Stream": grpc.unary_stream_rpc_method_handler(_seen_stream),
         "Requests": grpc.stream_unary_rpc_method_handler(_seen_requests),
+        "Left": grpc.unary_unary_rpc_method_handler(_left),
     },
 )
 
 
 class _Later(grpc.AuthMetadataPlugin):
-    """Answers from another thread, a moment later, with the method's name."""
+    """Answers from another thread, `delay` seconds later, with the method's name."""
+
+    def __init__(self, delay: float = 0.01) -> None:
+        self.delay = delay
+        self.urls: list[str] = []
 
     def __call__(self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback) -> None:
-        threading.Timer(0.01, callback, ((("x-ctx", context.method_name),), None)).start()
+        self.urls.append(context.service_url)
+        threading.Timer(self.delay, callback, ((("x-ctx", context.method_name),), None)).start()
+
+
+def _left(request: Any, context: Any) -> bytes:
+    return str(context.time_remaining()).encode()
 
 
 class _Raises(grpc.AuthMetadataPlugin):
@@ -1369,11 +1379,13 @@ def test_call_credentials_send_their_metadata_as_grpcios_do(kind: str, tmp_path:
     module: Any = grpc if kind == "grpcio" else isthmus
     servers, targets, plain = _auth_servers(tmp_path)
     local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
-    later = grpc.metadata_call_credentials(_Later())
+    told = _Later()
+    later = grpc.metadata_call_credentials(told)
     try:
         for name, target in targets.items():
             if kind == "grpcio" and target.startswith("unix:"):
                 continue  # grpcio's LOCAL_TCP credentials take TCP targets only
+            told.urls.clear()
             with module.secure_channel(target, local) as channel:
                 unary = channel.unary_unary("/t.Auth/Unary")
                 assert _outcome(unary, b"", timeout=10) == "[]", name
@@ -1398,11 +1410,24 @@ def test_call_credentials_send_their_metadata_as_grpcios_do(kind: str, tmp_path:
                         unary, b"", timeout=0.5, credentials=grpc.metadata_call_credentials(plugin)
                     )
                     assert got == words, (name, plugin)
+                # The plugin is told the service's URL as grpcio tells it (no scheme over local
+                # credentials; a Unix socket's host is localhost).
+                host = "localhost" if target.startswith("unix:") else target
+                assert set(told.urls) == {f"://{host}/t.Auth"}, (name, told.urls)
+                # A plugin's time is not taken from the call's: grpcio's handler sees the
+                # whole timeout after a plugin that took 0.3 s.
+                slow = grpc.metadata_call_credentials(_Later(delay=0.3))
+                left = float(_outcome(channel.unary_unary("/t.Auth/Left"), b"", timeout=10, credentials=slow))
+                assert left > 9.5, (name, left)
             composite = grpc.composite_channel_credentials(local, _TOKEN)
             with module.secure_channel(target, composite) as channel:
                 unary = channel.unary_unary("/t.Auth/Unary")
                 assert _outcome(unary, b"", timeout=10) == _BEARER, name
                 got = _outcome(unary, b"", timeout=10, credentials=later)
+                assert got == "[('authorization', 'Bearer t0k'), ('x-ctx', 'Unary')]", name
+            nested = grpc.composite_channel_credentials(composite, later)
+            with module.secure_channel(target, nested) as channel:
+                got = _outcome(channel.unary_unary("/t.Auth/Unary"), b"", timeout=10)
                 assert got == "[('authorization', 'Bearer t0k'), ('x-ctx', 'Unary')]", name
         with module.insecure_channel(plain) as channel:
             got = _outcome(channel.unary_unary("/t.Auth/Unary"), b"", timeout=10, credentials=_TOKEN)
@@ -1480,6 +1505,11 @@ def test_call_credentials_go_over_shm_and_local_credentials_stay_local(tmp_path:
             assert identity == "('transport_security_type', [b'local'])", identity
         with pytest.raises(ValueError, match="this machine"):
             isthmus.secure_channel("example.com:443", grpc.local_channel_credentials())
+        with pytest.raises(ValueError, match="this machine"):  # a DNS server of its own names it
+            isthmus.secure_channel("dns://8.8.8.8/localhost:1", grpc.local_channel_credentials())
+        # isthmus's TLS credentials compose with call credentials as grpc's do.
+        tls = grpc.composite_channel_credentials(isthmus.ssl_channel_credentials(None), _TOKEN)
+        isthmus.secure_channel("localhost:1", tls).close()
         with pytest.raises(RuntimeError, match="this machine"):
             server.add_secure_port("0.0.0.0:0", isthmus.local_server_credentials())
     finally:

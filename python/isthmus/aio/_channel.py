@@ -108,10 +108,11 @@ class _MultiCallable:
     def _with_credentials(
         self, metadata: Any, credentials: grpc.CallCredentials | None, timeout: float | None
     ) -> Any:
-        """The call's metadata with what its call credentials give (`Auth.metadata`), whose
-        plugins run on the loop's thread: one that blocks holds the loop up. Raises CallError,
+        """The call's metadata with what its call credentials give (`Auth.metadata`). Their
+        plugins run on the loop's thread: one that blocks holds the loop up, and one that
+        answers through the loop is not heard before the call's deadline. Raises CallError,
         which fails the call as grpc.aio's, and on a channel that is not secure grpc.aio's
-        UsageError (which grpc.aio raises when the call is awaited)."""
+        UsageError, as grpc.aio raises it making the call."""
         auth = self._channel._auth
         if credentials is not None and not auth.secure:
             # grpc.aio's refusal (where grpcio's blocking API fails the call UNAUTHENTICATED).
