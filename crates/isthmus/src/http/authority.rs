@@ -47,8 +47,13 @@ const PADDED: u8 = 0x8;
 const PRIORITY: u8 = 0x20;
 /// The frame size every HTTP/2 peer accepts before settings say otherwise.
 const MAX_FRAME: usize = 16_384;
-/// A header block larger than this (after its CONTINUATIONs) ends the connection.
-const MAX_BLOCK: usize = 1 << 20;
+/// A header block larger than this (after its CONTINUATIONs) ends the connection; so does one
+/// whose header list, decoded, is larger (counted as HTTP/2's SETTINGS_MAX_HEADER_LIST_SIZE
+/// counts it: each field's name and value, and 32). The server advertises it as that setting,
+/// so a client that keeps to it never meets either bound.
+pub(crate) const MAX_BLOCK: usize = 1 << 20;
+/// What HTTP/2 counts per header field beside its name and value (RFC 7540 §6.5.2).
+const FIELD_OVERHEAD: usize = 32;
 
 /// A header block being gathered from HEADERS and CONTINUATION frames.
 struct Block {
@@ -176,8 +181,16 @@ impl<S> AuthorityFix<S> {
         // returning its error: a panic is caught and counted as the error it should have been.
         // The decoder is not used again after an error: the connection ends.
         let decoder = &mut self.decoder;
+        // Decoded, a block can be far larger than it is: a field indexed in the client's table
+        // costs one byte each time it is named again (a 62 KB block made this filter write
+        // 240 MB before). What it decodes to is bounded too, and nothing past the bound is kept.
+        let mut list_size = 0usize;
         let decoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             decoder.decode_with_cb(&block.fragment, |name, value| {
+                list_size = list_size.saturating_add(name.len() + value.len() + FIELD_OVERHEAD);
+                if list_size > MAX_BLOCK {
+                    return;
+                }
                 let value: &[u8] =
                     if &name[..] == b":authority" && !valid_authority(&value) { b"localhost" } else { &value };
                 // The deadline goes around tonic's own timer, which would answer CANCELLED; the
@@ -187,6 +200,7 @@ impl<S> AuthorityFix<S> {
             })
         }));
         match decoded {
+            Ok(Ok(())) if list_size > MAX_BLOCK => return Err(bad("a header list over 1 MiB, decoded")),
             Ok(Ok(())) => {}
             Ok(Err(e)) => return Err(bad(&format!("header block does not decode: {e:?}"))),
             Err(_) => return Err(bad("header block does not decode")),
@@ -462,6 +476,34 @@ mod tests {
         }
         let out = filter(&client_bytes(b"localhost:50051"), 5).expect("filters");
         assert!(decoded_headers(&out).contains(&(b":authority".to_vec(), b"localhost:50051".to_vec())));
+    }
+
+    #[test]
+    fn a_block_that_decodes_past_the_bound_ends_the_connection_and_keeps_nothing_of_it() {
+        // One 4,000-byte field into the client's table, then named again by its index (one
+        // byte) 2,000 times: a 6 KB block that decodes to 8 MB.
+        let mut block = Vec::new();
+        for (n, v) in [(&b":method"[..], &b"POST"[..]), (b":scheme", b"http"), (b":path", b"/a.B/C")] {
+            literal(&mut block, n, v);
+        }
+        block.push(0x40); // literal with incremental indexing, new name
+        string(&mut block, b"x-big");
+        string(&mut block, &[b'a'; 4000]);
+        block.extend(std::iter::repeat_n(0x80 | 62, 2000)); // indexed: the table's newest entry
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        frame(&mut bytes, HEADERS, END_HEADERS, 1, &block);
+        let mut f = AuthorityFix::new(());
+        f.raw.extend_from_slice(&bytes);
+        let err = f.process().expect_err("a header list of 8 MB is refused");
+        assert!(err.to_string().contains("over 1 MiB, decoded"), "{err}");
+        assert!(f.out.len() < 64, "what was written of it: {} bytes", f.out.len());
+        // At the bound itself the block goes through.
+        let fields = (MAX_BLOCK - 3 * 100) / (5 + 4000 + FIELD_OVERHEAD);
+        let mut block = block[..block.len() - 2000].to_vec();
+        block.extend(std::iter::repeat_n(0x80 | 62, fields - 1));
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        frame(&mut bytes, HEADERS, END_HEADERS, 1, &block);
+        assert_eq!(decoded_headers(&filter(&bytes, 4096).expect("within the bound")).len(), 3 + fields);
     }
 
     #[test]

@@ -316,7 +316,9 @@ impl HttpListener {
     ) -> Result<(), Status> {
         let ConnectionPolicy { keepalive, max_age, max_age_grace } = connections;
         let mut server = tonic::transport::Server::builder()
-            .http2_max_header_list_size(MAX_HEADER_LIST)
+            // What the `:authority` filter every connection is read through takes (its
+            // bound): a client that keeps to it is not cut off.
+            .http2_max_header_list_size(crate::http::authority::MAX_BLOCK as u32)
             .http2_keepalive_interval(keepalive.map(|(time, _)| time))
             .http2_keepalive_timeout(keepalive.map(|(_, timeout)| timeout));
         if let Some(age) = max_age {
@@ -826,9 +828,10 @@ pub(crate) type Io = hyper_util::rt::TokioIo<Tracked>;
 /// Opening one such stream.
 pub(crate) type Connecting = Pin<Box<dyn Future<Output = std::io::Result<Io>> + Send>>;
 
-/// The largest header list (metadata, a status's message) an HTTP/2 peer may send: grpc-go's, on
-/// both sides. hyper's 16 KiB failed a call whose status message was 20 KB INTERNAL ('h2
-/// protocol error') where grpc-go's clients read it.
+/// The largest header list (metadata, a status's message) an HTTP/2 server may send a client:
+/// grpc-go's. hyper's 16 KiB failed a call whose status message was 20 KB INTERNAL ('h2
+/// protocol error') where grpc-go's clients read it. (A server takes 1 MiB, its `:authority`
+/// filter's bound.)
 pub(crate) const MAX_HEADER_LIST: u32 = 16 << 20;
 
 /// tonic's endpoint for an HTTP/2 target. Its URI's authority is `localhost` for a unix
