@@ -8,10 +8,14 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"os"
+	"strings"
 	"sync/atomic"
 	"testing"
+	"time"
 
 	"golang.org/x/net/http2"
+	"golang.org/x/net/http2/hpack"
 
 	pb "example.invalid/isthmus/go/internal/conformancepb"
 	"example.invalid/isthmus/go/isthmus"
@@ -96,5 +100,82 @@ func TestRequestsThatAreNotGrpcCallsAreRefusedAsGrpcGoRefusesThem(t *testing.T) 
 	}
 	if got := grpcCalls.Load(); got != 3 {
 		t.Errorf("grpc-go's handler ran %d times, want 3", got)
+	}
+}
+
+// peakKiB is a process's peak resident memory (VmHWM), in KiB.
+func peakKiB(t *testing.T, pid int) int {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
+			var kib int
+			fmt.Sscan(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), &kib)
+			return kib
+		}
+	}
+	t.Fatal("no VmHWM")
+	return 0
+}
+
+// A header block that names one 4,000-byte field of the client's table 60,000 times (a 62 KB
+// block that decodes to 240 MB, an HPACK "bomb") ends its own connection, costs the server no
+// more than the bound it advertises, and the server serves the next connection. Before, the
+// server's peak memory rose from 6 to 477 MB, and 1 MiB of such a block took ~4 GB.
+func TestAHeaderBlockThatDecodesPastTheBoundEndsItsConnectionAndCostsNothing(t *testing.T) {
+	p := startPeer(t, tonicPeer(t), "http://127.0.0.1:0")
+	addr := strings.TrimPrefix(p.addresses[0], "http://")
+	before := peakKiB(t, p.cmd.Process.Pid)
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	var block bytes.Buffer
+	enc := hpack.NewEncoder(&block)
+	for _, f := range []hpack.HeaderField{
+		{Name: ":method", Value: "POST"}, {Name: ":scheme", Value: "http"}, {Name: ":path", Value: "/conformance.Echo/Unary"},
+		{Name: ":authority", Value: "x"}, {Name: "content-type", Value: "application/grpc"},
+	} {
+		enc.WriteField(f)
+	}
+	big := hpack.HeaderField{Name: "x-big", Value: strings.Repeat("a", 4000)}
+	for range 60_001 { // into the table once, then by its index
+		enc.WriteField(big)
+	}
+	c.Write([]byte(http2.ClientPreface))
+	fr := http2.NewFramer(c, c)
+	fr.WriteSettings()
+	rest := block.Bytes()
+	first := rest[:16384]
+	rest = rest[16384:]
+	fr.WriteHeaders(http2.HeadersFrameParam{StreamID: 1, BlockFragment: first})
+	for len(rest) > 0 {
+		n := min(16384, len(rest))
+		fr.WriteContinuation(1, n == len(rest), rest[:n])
+		rest = rest[n:]
+	}
+	c.SetReadDeadline(time.Now().Add(30 * time.Second))
+	for {
+		f, err := fr.ReadFrame()
+		if err != nil {
+			if ne, ok := err.(net.Error); ok && ne.Timeout() {
+				t.Fatal("the connection is still open 30 s after its header block")
+			}
+			break // the server ended the connection
+		}
+		if h, ok := f.(*http2.HeadersFrame); ok && h.StreamID == 1 {
+			t.Fatal("the server answered the call whose header block decodes to 240 MB")
+		}
+	}
+	if grew := peakKiB(t, p.cmd.Process.Pid) - before; grew > 64<<10 {
+		t.Fatalf("the server's peak memory grew by %d KiB for one 62 KB header block", grew)
+	}
+	// The server serves on.
+	conn := newGrpcClient(t, addr)
+	if _, err := pb.NewEchoClient(conn).Unary(testContext(t), &pb.EchoRequest{Seq: 1}); err != nil {
+		t.Fatalf("a call after the bomb: %v", err)
 	}
 }
