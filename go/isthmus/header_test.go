@@ -480,10 +480,7 @@ func TestHandlersFindTheContentTypeInTheirMetadata(t *testing.T) {
 	_, unix := fresh(t, "content-type-http2")
 	s := isthmus.NewServer()
 	pb.RegisterEchoServer(s, contentTypeSeen{})
-	if err := s.Start(unix); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.Stop)
+	serving(t, s, unix)
 	conns["grpc-go to isthmus over HTTP/2"] = newGrpcClient(t, unix)
 	for name, conn := range conns {
 		c := pb.NewEchoClient(conn)
@@ -548,10 +545,7 @@ func TestAMethodTakingOneRequestRefusesNoneOrMore(t *testing.T) {
 	s.HandleRawUnary("/raw.Echo/Unary", func(call *isthmus.RawServerCall, request *isthmus.Message) (*isthmus.Block, error) {
 		return call.Alloc(0)
 	})
-	if err := s.Start(shm, unix); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.Stop)
+	serving(t, s, shm, unix)
 	conns["isthmus, InlineUnary"] = dial(t, shm)
 	conns["grpc-go to isthmus over HTTP/2, InlineUnary"] = newGrpcClient(t, unix)
 	for name, conn := range conns {

@@ -8,7 +8,6 @@ import (
 	"io"
 	"net"
 	"net/http"
-	"os"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -103,23 +102,6 @@ func TestRequestsThatAreNotGrpcCallsAreRefusedAsGrpcGoRefusesThem(t *testing.T) 
 	}
 }
 
-// peakKiB is a process's peak resident memory (VmHWM), in KiB.
-func peakKiB(t *testing.T, pid int) int {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, line := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(line, "VmHWM:"); ok {
-			var kib int
-			fmt.Sscan(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), &kib)
-			return kib
-		}
-	}
-	t.Fatal("no VmHWM")
-	return 0
-}
-
 // A header block that names one 4,000-byte field of the client's table 60,000 times (a 62 KB
 // block that decodes to 240 MB, an HPACK "bomb") ends its own connection, costs the server no
 // more than the bound it advertises, and the server serves the next connection. Before, the
@@ -127,7 +109,8 @@ func peakKiB(t *testing.T, pid int) int {
 func TestAHeaderBlockThatDecodesPastTheBoundEndsItsConnectionAndCostsNothing(t *testing.T) {
 	p := startPeer(t, tonicPeer(t), "http://127.0.0.1:0")
 	addr := strings.TrimPrefix(p.addresses[0], "http://")
-	before := peakKiB(t, p.cmd.Process.Pid)
+	pid := fmt.Sprint(p.cmd.Process.Pid)
+	before := procStatus(t, pid, "VmHWM") // KiB
 	c, err := net.Dial("tcp", addr)
 	if err != nil {
 		t.Fatal(err)
@@ -170,7 +153,7 @@ func TestAHeaderBlockThatDecodesPastTheBoundEndsItsConnectionAndCostsNothing(t *
 			t.Fatal("the server answered the call whose header block decodes to 240 MB")
 		}
 	}
-	if grew := peakKiB(t, p.cmd.Process.Pid) - before; grew > 64<<10 {
+	if grew := procStatus(t, pid, "VmHWM") - before; grew > 64<<10 {
 		t.Fatalf("the server's peak memory grew by %d KiB for one 62 KB header block", grew)
 	}
 	// The server serves on.

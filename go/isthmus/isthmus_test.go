@@ -370,12 +370,17 @@ func threads(t *testing.T) int {
 
 // threadsOf is the thread count of process pid ("self" for this one).
 func threadsOf(t *testing.T, pid string) int {
+	return procStatus(t, pid, "Threads")
+}
+
+// procStatus is the number a field of /proc/PID/status gives ("Threads", "VmHWM" in KiB).
+func procStatus(t *testing.T, pid, field string) int {
 	b, err := os.ReadFile("/proc/" + pid + "/status")
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, line := range strings.Split(string(b), "\n") {
-		if n, ok := strings.CutPrefix(line, "Threads:"); ok {
+		if n, ok := strings.CutPrefix(line, field+":"); ok {
 			var v int
 			fmt.Sscan(strings.TrimSpace(n), &v)
 			return v

@@ -673,7 +673,7 @@ type serverStream struct {
 	finished   bool
 	peer       *peer.Peer // once asked for (callContext.Value)
 	stats      *rpcStats  // nil without stats handlers (StatsHandler)
-	tookOnly   bool       // recvOnly has read the one request of the call
+	tookOnly   bool       // RecvMsg has taken the one request of a server-streaming call
 }
 
 func newServerStream(s *Server, m *method, sc *C.isthmus_server_call_t) *serverStream {
@@ -1100,18 +1100,31 @@ func (st *serverStream) recv() (C.isthmus_event_t, bool) {
 }
 
 func (st *serverStream) RecvMsg(m any) error {
-	if st.m.stream != nil && !st.m.stream.ClientStreams {
-		return st.recvOnly(m)
+	// A method whose client sends one request (server-streaming) takes it as grpc-go's does:
+	// followed by the half-close, else the call fails (onlyRequest); later calls give io.EOF.
+	only := st.m.stream != nil && !st.m.stream.ClientStreams
+	if only && st.tookOnly {
+		return io.EOF
 	}
-	return st.recvMsg(m)
-}
-
-// recvMsg reads the next request into m; io.EOF once the client has half-closed.
-func (st *serverStream) recvMsg(m any) error {
 	ev, ok := st.recv()
 	if !ok {
 		return ctxError(st.ctx)
 	}
+	if only {
+		st.tookOnly = true
+		if ev.code == C.ISTHMUS_OK && ev.message == nil {
+			return errNoRequest
+		}
+		if err := st.onlyRequest(ev); err != nil {
+			return err
+		}
+	}
+	return st.decode(ev, m)
+}
+
+// decode consumes a received event ev: its message unmarshalled into m, io.EOF at the end
+// of the client's stream, or the call's failure.
+func (st *serverStream) decode(ev C.isthmus_event_t, m any) error {
 	if ev.code != C.ISTHMUS_OK {
 		err, _ := statusError(ev.code, ev.status)
 		return err
@@ -1134,8 +1147,9 @@ var (
 	errManyRequests = status.Error(codes.Internal, "cardinality violation: received multiple request messages for non-client-streaming RPC")
 )
 
-// onlyRequest checks, as grpc-go does before a unary handler runs, that the client sends
-// nothing after its request ev (a received event, which is left alone unless it is a message):
+// onlyRequest checks, as grpc-go does for a method that takes one request (unary or
+// server-streaming) before its handler has that request, that the client sends nothing after
+// its request ev (a received event, which is left alone unless it is a message):
 // at once if the client has half-closed, else by waiting for its next event. On a second
 // request (errManyRequests) or a failure it frees ev's message and fails.
 func (st *serverStream) onlyRequest(ev C.isthmus_event_t) error {
@@ -1157,33 +1171,6 @@ func (st *serverStream) onlyRequest(ev C.isthmus_event_t) error {
 	}
 	C.isthmus_message_free(ev.message)
 	return err
-}
-
-// recvOnly is RecvMsg for a method whose client sends one request (a server-streaming one),
-// as grpc-go's: the request must be followed by the client's half-close, and a call with none
-// or more fails with codes.Internal in grpc-go's words. Without it, a client that sent no
-// request saw its stream end OK with no replies (the handler's io.EOF). Later calls give
-// io.EOF.
-func (st *serverStream) recvOnly(m any) error {
-	if st.tookOnly {
-		return io.EOF
-	}
-	st.tookOnly = true
-	switch err := st.recvMsg(m); err {
-	case nil:
-	case io.EOF:
-		return errNoRequest
-	default:
-		return err
-	}
-	switch err := st.recvMsg(m); err {
-	case io.EOF:
-		return nil
-	case nil:
-		return errManyRequests
-	default:
-		return err
-	}
 }
 
 // end finishes the call with the handler's outcome.

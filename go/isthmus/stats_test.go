@@ -317,10 +317,7 @@ func startIsthmusServing(t *testing.T, tag string, impl pb.EchoServer) string {
 	shm, _ := fresh(t, tag)
 	s := isthmus.NewServer()
 	pb.RegisterEchoServer(s, impl)
-	if err := s.Start(shm); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.Stop)
+	serving(t, s, shm)
 	return shm
 }
 

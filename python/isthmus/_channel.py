@@ -7,7 +7,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -100,8 +100,8 @@ class _MultiCallable:
         """The call's compression: its own if given, else the channel's."""
         return call_encoding(self._compression, compression)
 
-    # The channel's part in call credentials (set by the channel that makes this).
-    _auth: Auth | None = None
+    # The channel's part in call credentials (set by `Channel._callable`).
+    _auth: Auth
 
     def _with_credentials(
         self, metadata: Any, credentials: grpc.CallCredentials | None, timeout: float | None
@@ -109,7 +109,7 @@ class _MultiCallable:
         """The call's metadata with what its call credentials give (`Auth.metadata`); a call
         they fail raises grpc's error, as grpcio's does (on the calling thread, for a future
         or a stream too)."""
-        if self._auth is None:
+        if credentials is None and not self._auth.plugins:
             return metadata
         try:
             return self._auth.metadata(metadata, credentials, self._path, timeout)
@@ -566,6 +566,9 @@ def _deliver(callback: Callable[[grpc.ChannelConnectivity], None], state: grpc.C
         _LOG.exception("a connectivity callback raised")
 
 
+_M = TypeVar("_M", bound=_MultiCallable)
+
+
 class Channel(grpc.Channel):
     """A client channel to any target grpc names (`host:port`, `dns:///host:port`, `unix:path`,
     …) or `shm://NAME`, with TLS if `tls` is given (from `secure_channel`). It connects on the
@@ -637,7 +640,18 @@ class Channel(grpc.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> UnaryUnaryMultiCallable:
-        made = (_AuthUnaryUnaryMultiCallable if self._auth.plugins else UnaryUnaryMultiCallable)(
+        shape = _AuthUnaryUnaryMultiCallable if self._auth.plugins else UnaryUnaryMultiCallable
+        return self._callable(shape, method, request_serializer, response_deserializer)
+
+    def _callable(
+        self,
+        shape: type[_M],
+        method: str,
+        request_serializer: Serializer,
+        response_deserializer: Deserializer,
+    ) -> _M:
+        """A multi-callable of `shape` for `method` on this channel."""
+        made = shape(
             self._native,
             method,
             limited(request_serializer, self._max_send),
@@ -655,15 +669,7 @@ class Channel(grpc.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> UnaryStreamMultiCallable:
-        made = UnaryStreamMultiCallable(
-            self._native,
-            method,
-            limited(request_serializer, self._max_send),
-            response_deserializer,
-            self._compression,
-        )
-        made._auth = self._auth
-        return made
+        return self._callable(UnaryStreamMultiCallable, method, request_serializer, response_deserializer)
 
     def stream_unary(
         self,
@@ -673,15 +679,7 @@ class Channel(grpc.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> StreamUnaryMultiCallable:
-        made = StreamUnaryMultiCallable(
-            self._native,
-            method,
-            limited(request_serializer, self._max_send),
-            response_deserializer,
-            self._compression,
-        )
-        made._auth = self._auth
-        return made
+        return self._callable(StreamUnaryMultiCallable, method, request_serializer, response_deserializer)
 
     def stream_stream(
         self,
@@ -691,15 +689,7 @@ class Channel(grpc.Channel):
         _registered_method: bool | None = False,
         **kwargs: Any,
     ) -> StreamStreamMultiCallable:
-        made = StreamStreamMultiCallable(
-            self._native,
-            method,
-            limited(request_serializer, self._max_send),
-            response_deserializer,
-            self._compression,
-        )
-        made._auth = self._auth
-        return made
+        return self._callable(StreamStreamMultiCallable, method, request_serializer, response_deserializer)
 
     def alloc(self, size: int, timeout: float | None = None) -> _native.Block:
         """The raw tier: a writable buffer of `size` bytes to build a request in place (fill it

@@ -39,13 +39,13 @@ class ChannelCredentials(grpc.ChannelCredentials):
     def __init__(
         self, root_certificates: bytes | None, private_key: bytes | None, certificate_chain: bytes | None
     ) -> None:
+        if (private_key is None) != (certificate_chain is None):
+            raise ValueError("a client certificate needs both private_key and certificate_chain")
         # grpc's own underneath, which grpc.composite_channel_credentials takes and
-        # `channel_security` reads back.
+        # `channel_security` reads back, as it reads grpc's.
         super().__init__(
             grpc.ssl_channel_credentials(root_certificates, private_key, certificate_chain)._credentials
         )
-        if (private_key is None) != (certificate_chain is None):
-            raise ValueError("a client certificate needs both private_key and certificate_chain")
         self.root_certificates = root_certificates
         self.private_key = private_key
         self.certificate_chain = certificate_chain
@@ -131,7 +131,8 @@ def insecure(target: str) -> Security:
 
 def channel_security(credentials: grpc.ChannelCredentials, options: Any, target: str) -> Security:
     """What `secure_channel(target, credentials, options)` makes of its credentials: TLS from
-    isthmus's, grpc's local credentials, and call credentials composed into either."""
+    isthmus's or grpc's (both hold grpc's SSL credentials), grpc's local credentials, and call
+    credentials composed into any of them."""
     plugins: tuple[grpc.AuthMetadataPlugin, ...] = ()
     inner = getattr(credentials, "_credentials", None)
     composed = getattr(inner, "_call_credentialses", None)
@@ -142,13 +143,11 @@ def channel_security(credentials: grpc.ChannelCredentials, options: Any, target:
     if type(inner).__name__ == "LocalChannelCredentials":
         return _local(target, plugins)
     if type(inner).__name__ == "SSLChannelCredentials":
-        return Security(_grpc_ssl(inner, options), plugins, True)
-    if not isinstance(credentials, ChannelCredentials):
-        raise TypeError(
-            "isthmus.secure_channel takes credentials from isthmus.ssl_channel_credentials or grpc's "
-            f"local, SSL or composite channel credentials, not {type(credentials).__name__}"
-        )
-    return Security(_tls(credentials, options), plugins, True)
+        return Security(_tls(inner, options), plugins, True)
+    raise TypeError(
+        "isthmus.secure_channel takes credentials from isthmus.ssl_channel_credentials or grpc's "
+        f"local, SSL or composite channel credentials, not {type(credentials).__name__}"
+    )
 
 
 def _local(target: str, plugins: tuple[grpc.AuthMetadataPlugin, ...]) -> Security:
@@ -158,28 +157,21 @@ def _local(target: str, plugins: tuple[grpc.AuthMetadataPlugin, ...]) -> Securit
     return Security(None, plugins, True)
 
 
-def _tls(credentials: ChannelCredentials, options: Any) -> Tls:
-    override = dict(options or ()).get(_NAME_OVERRIDE)
-    return (
-        credentials.root_certificates,
-        credentials.private_key,
-        credentials.certificate_chain,
-        None if override is None else str(override),
-    )
-
-
 _SSL_FIELDS = ("_pem_root_certificates", "_private_key", "_certificate_chain")
 
 
-def _grpc_ssl(inner: Any, options: Any) -> Tls:
-    """grpc.ssl_channel_credentials' PEM, which its cygrpc object keeps readable (in the
-    grpcio releases this package was tested with: another that hides it is refused, rather
-    than trusting the system's roots and sending no client certificate)."""
+def _tls(inner: Any, options: Any) -> Tls:
+    """What the native channel takes for grpc's SSL credentials (a cygrpc object, which keeps
+    its PEM readable in the grpcio releases this package was tested with: one that hides it is
+    refused, rather than trusting the system's roots and sending no client certificate) and
+    the options' name override."""
     if not all(hasattr(inner, field) for field in _SSL_FIELDS):
         raise TypeError(
             "this grpcio's ssl_channel_credentials cannot be read: use isthmus.ssl_channel_credentials"
         )
-    return _tls(ChannelCredentials(*(getattr(inner, field) for field in _SSL_FIELDS)), options)
+    override = dict(options or ()).get(_NAME_OVERRIDE)
+    root, key, chain = (getattr(inner, field) for field in _SSL_FIELDS)
+    return (root, key, chain, None if override is None else str(override))
 
 
 def _plugins_of(credentials: Iterable[Any]) -> tuple[grpc.AuthMetadataPlugin, ...]:
@@ -232,11 +224,9 @@ class Auth:
         self, metadata: Any, credentials: grpc.CallCredentials | None, path: str, timeout: float | None
     ) -> Any:
         """The call's metadata (an iterable of pairs, or None), then what the call credentials
-        (the channel's, then the call's own) give for it; `metadata` itself if there are none.
-        The call's timeout bounds the plugins' answers; as in grpcio, the call then has its
-        whole timeout. Raises CallError as grpcio fails such a call."""
-        if credentials is None and not self.plugins:
-            return metadata
+        (the channel's, then the call's own) give for it. The call's timeout bounds the
+        plugins' answers; as in grpcio, the call then has its whole timeout. Raises CallError
+        as grpcio fails such a call. (Its callers skip it when there are no credentials.)"""
         plugins = self.plugins + call_plugins(credentials)
         end = None if timeout is None else time.monotonic() + timeout
         extra = ask_plugins(plugins, self.secure, self.scheme, self.authority, path, end)

@@ -253,9 +253,11 @@ class _StreamCall(_Call):
         self._done_callbacks: list[Callable[[Any], None]] = []
         token = self._start_token = driver.token()
         # A call that failed before it could start (its call credentials) is never started.
-        started = (False, failure) if failure is not None else None
-        if failure is None:
-            started = channel.start(token, path, metadata, timeout, wait_for_ready, compression)
+        started = (
+            (False, failure)
+            if failure is not None
+            else channel.start(token, path, metadata, timeout, wait_for_ready, compression)
+        )
         # Resolves to the AsyncCall or a CallError; at once if the call started at once.
         if started is None:
             self._started = driver.wait(loop, token)

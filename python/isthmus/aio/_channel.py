@@ -114,6 +114,8 @@ class _MultiCallable:
         which fails the call as grpc.aio's, and on a channel that is not secure grpc.aio's
         UsageError, as grpc.aio raises it making the call."""
         auth = self._channel._auth
+        if credentials is None and not auth.plugins:
+            return metadata
         if credentials is not None and not auth.secure:
             # grpc.aio's refusal (where grpcio's blocking API fails the call UNAUTHENTICATED).
             raise grpc.aio.UsageError("Call credentials are only valid on secure channels")
