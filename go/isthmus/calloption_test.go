@@ -740,6 +740,32 @@ func TestMaxMessageSizeHoldsRequestsNotReplies(t *testing.T) {
 	}
 }
 
+// A server with no MaxMessageSize takes requests of up to 4 MiB over HTTP/2, grpc-go's default:
+// a 5 MiB one fails ResourceExhausted naming the limit, as on a grpc-go server with none set,
+// since there a request is gathered, and a compressed one inflated, in memory before its
+// handler sees it. Over shm:// it takes 4 GiB.
+func TestAServerTakesFourMiBOverHTTP2UnlessToldOtherwise(t *testing.T) {
+	shm, unix := fresh(t, "srvdefaultrecv")
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, &echo.Service{})
+	clients := serveToLimitClients(t, s, shm, unix, grpc.EmptyServerOption{})
+	ctx := testContext(t)
+	for _, c := range clients {
+		client := pb.NewEchoClient(c.conn)
+		r, err := client.Unary(ctx, &pb.EchoRequest{Payload: make([]byte, 4<<20-64)})
+		if err != nil || len(r.Payload) != 4<<20-64 {
+			t.Errorf("%s: a request just under 4 MiB: %v", c.label, err)
+		}
+		_, err = client.Unary(ctx, &pb.EchoRequest{Payload: make([]byte, 5<<20)}, grpc.MaxCallRecvMsgSize(8<<20))
+		switch {
+		case c.label == "isthmus shm" && err != nil:
+			t.Errorf("%s: a 5 MiB request: %v", c.label, err)
+		case c.label != "isthmus shm" && (status.Code(err) != codes.ResourceExhausted || !strings.Contains(status.Convert(err).Message(), "4194304")):
+			t.Errorf("%s: a 5 MiB request: %v", c.label, err)
+		}
+	}
+}
+
 // nilFirst's Bidi reads one request and answers it with an untyped nil message.
 type nilFirst struct{ echo.Service }
 

@@ -132,8 +132,11 @@ func KeepaliveParams(kp keepalive.ServerParameters) ServerOption {
 	return func(o *serverOptions) { o.keepalive = kp }
 }
 
-// MaxMessageSize sets the largest request message accepted, in bytes (default 4 GiB); a
-// larger one fails its call with codes.ResourceExhausted and the server goes on.
+// MaxMessageSize sets the largest request message accepted on every target, in bytes, as
+// grpc.MaxRecvMsgSize does on a grpc-go server; a larger one fails its call with
+// codes.ResourceExhausted and the server goes on. Unset, shm:// takes up to 4 GiB and HTTP/2
+// up to 4 MiB (grpc-go's default), where a request is gathered in memory before its handler
+// sees it.
 func MaxMessageSize(n uint64) ServerOption {
 	return func(o *serverOptions) { o.maxMessageSize = n }
 }

@@ -119,7 +119,9 @@ func (p *pki) server(asks, requires bool) isthmus.ServerTLSConfig {
 // "https://127.0.0.1:PORT".
 func startTLSServer(t *testing.T, c isthmus.ServerTLSConfig) (string, *peerService) {
 	t.Helper()
-	s, svc := startPeerServer(t, []string{"https://127.0.0.1:0"}, isthmus.ServerTLS(c))
+	// The suite's 64 MiB messages: over HTTP/2 a server takes 4 MiB unless told otherwise, as
+	// grpc-go's (its counterpart below sets grpc.MaxRecvMsgSize).
+	s, svc := startPeerServer(t, []string{"https://127.0.0.1:0"}, isthmus.ServerTLS(c), isthmus.MaxMessageSize(128<<20))
 	addresses := s.HTTPAddresses()
 	if len(addresses) != 1 || !strings.HasPrefix(addresses[0], "https://127.0.0.1:") {
 		t.Fatalf("the server's addresses: %v", addresses)

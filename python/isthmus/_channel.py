@@ -458,7 +458,8 @@ _RESOURCE_EXHAUSTED = 8
 def limits(options: Any) -> tuple[int | None, int | None]:
     """grpc's `max_send_message_length` and `max_receive_message_length` (None for none: unset,
     or -1 as grpc spells it). Unlike grpcio, whose default receive limit is 4 MiB, an unset
-    limit is the engine's own (4 GiB)."""
+    limit is the engine's own: a channel's 4 GiB; a server's 4 GiB over shm:// and 4 MiB over
+    HTTP/2."""
     given = dict(options or ())
 
     def size(key: str) -> int | None:

@@ -22,6 +22,8 @@ from ._native import ServerCall
 from ._stats import TransportStats
 
 _LOG = logging.getLogger("isthmus")
+# A receive limit of -1 (grpcio's "none"), for the engine.
+_NO_LIMIT = 2**64 - 1
 
 # How long a blocking wait lasts at most before Python gets a chance to run signal handlers
 # (Ctrl-C): the engine's waits release the GIL and cannot be interrupted.
@@ -77,6 +79,10 @@ class ServerBase:
         replies = channel_compression(compression, options)
         max_send, max_receive = limits(options)
         self._max_send = max_send
+        if max_receive is None and int(dict(options or ()).get("grpc.max_receive_message_length", 0)) < 0:
+            # grpcio's -1: no limit but the transport's. Unset: the engine's defaults, 4 MiB
+            # over HTTP/2 (grpcio's) and 4 GiB over shm://.
+            max_receive = _NO_LIMIT
         # `grpc.so_reuseport` (default on, as grpcio's): servers of several processes share a
         # TCP port.
         reuse_port = bool(dict(options or ()).get("grpc.so_reuseport", 1))

@@ -883,18 +883,64 @@ def test_plain_handlers_on_the_asyncio_server_run_as_grpc_aio_runs_them(loop: st
 
 @contextlib.contextmanager
 def _serving(
-    module: Any, handlers: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]]
+    module: Any,
+    handlers: dict[str, Callable[[bytes, grpc.ServicerContext], bytes]],
+    options: list[tuple[str, Any]] | None = None,
 ) -> Iterator[tuple[Any, str]]:
-    """A server of `module` (grpc or isthmus) answering `/t.T/<name>` with each of `handlers`
-    on a fresh Unix socket, started; and its target. Stopped at once, with its pool, after."""
+    """A server of `module` (grpc or isthmus) with `options` answering `/t.T/<name>` with each
+    of `handlers` on a fresh Unix socket, started; and its target. Stopped at once, with its
+    pool, after."""
     methods = {name: grpc.unary_unary_rpc_method_handler(h) for name, h in handlers.items()}
     pool = futures.ThreadPoolExecutor(4)
-    server = module.server(pool, handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
+    generic = grpc.method_handlers_generic_handler("t.T", methods)
+    server = module.server(pool, handlers=[generic], options=options)
     target = fresh("unix")
     server.add_insecure_port(target)
     server.start()
     try:
         yield server, target
+    finally:
+        server.stop(None)
+        pool.shutdown(wait=False)
+
+
+def _length(request: bytes, context: grpc.ServicerContext) -> bytes:
+    return str(len(request)).encode()
+
+
+@pytest.mark.parametrize("limit", [None, -1, 8 << 20])
+@pytest.mark.parametrize("api", ["grpc", "isthmus"])
+def test_a_servers_default_receive_limit_over_http2_is_grpcios_4_mib(api: str, limit: int | None) -> None:
+    """Unset, `grpc.max_receive_message_length` is 4 MiB over HTTP/2 on both servers: a 5 MiB
+    request fails RESOURCE_EXHAUSTED, 4 MiB passes; -1 takes any, 8 MiB takes 6 MiB and not 9.
+    (isthmus over shm:// takes 4 GiB unless told otherwise.) A grpcio client over a Unix
+    socket."""
+    module: Any = grpc if api == "grpc" else isthmus
+    options = None if limit is None else [("grpc.max_receive_message_length", limit)]
+    top = {None: 4 << 20, -1: 9 << 20, 8 << 20: 8 << 20}[limit]
+    with _serving(module, {"Length": _length}, options) as (_, target), grpc.insecure_channel(target) as ch:
+        length = ch.unary_unary("/t.T/Length")
+        for size in (min(top, 6 << 20), top + 1) if limit != -1 else (top,):
+            if size <= top:
+                assert length(bytes(size), timeout=60) == str(size).encode()
+                continue
+            with pytest.raises(grpc.RpcError) as refused:
+                length(bytes(size), timeout=60)
+            assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, refused.value
+            assert str(size) in refused.value.details() and str(top) in refused.value.details()
+
+
+def test_a_servers_default_receive_limit_over_shm_is_4_gib() -> None:
+    """The same server with no limit set takes 5 MiB over shm://."""
+    pool = futures.ThreadPoolExecutor(2)
+    methods = {"Length": grpc.unary_unary_rpc_method_handler(_length)}
+    server = isthmus.server(pool, handlers=[grpc.method_handlers_generic_handler("t.T", methods)])
+    target = fresh("shm")
+    server.add_insecure_port(target)
+    server.start()
+    try:
+        with isthmus.insecure_channel(target) as channel:
+            assert channel.unary_unary("/t.T/Length")(bytes(5 << 20), timeout=60) == str(5 << 20).encode()
     finally:
         server.stop(None)
         pool.shutdown(wait=False)

@@ -276,8 +276,10 @@ typedef struct {
 
 // Options of a server. Zero-initialise it, then set what you need; NULL means defaults.
 typedef struct {
-  // The largest request message accepted, in bytes; 0 for the default (4 GiB). A larger
-  // one fails its call with RESOURCE_EXHAUSTED and the server goes on.
+  // The largest request message accepted on every target, in bytes; 0 for the defaults:
+  // 4 GiB over `shm://`, 4 MiB over HTTP/2 (as gRPC's servers), where a request is gathered
+  // in memory before its handler sees it. A larger one fails its call with
+  // RESOURCE_EXHAUSTED and the server goes on.
   uint64_t max_message_size;
   // Calls one client connection may have open at once; 0 for no limit. A call over the
   // limit is refused with RESOURCE_EXHAUSTED.

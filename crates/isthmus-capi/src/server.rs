@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use isthmus::binding::{block_on, hand_off, runtime, HandedCall, Lender};
-use isthmus::{Code, Config, Handler, HandlerFuture, Status};
+use isthmus::{Code, Handler, HandlerFuture, Status};
 
 use crate::abi::{
     c_bytes, c_str, c_str_or_empty, c_strs, entry, entry_out, grpc_code, guard, invalid, isthmus_code_t,
@@ -53,7 +53,6 @@ enum ServerState {
     /// Taking handlers and options.
     Building {
         server: Box<isthmus::Server>,
-        config: Config,
         stream_limit: Option<usize>,
         /// The TLS settings, or why they could not be read (reported when the server starts).
         tls: Box<Result<Option<TlsPems>, Status>>,
@@ -198,8 +197,10 @@ impl Handler for Deliver {
 /// Options of a server. Zero-initialise it, then set what you need; NULL means defaults.
 #[repr(C)]
 pub struct isthmus_server_options_t {
-    /// The largest request message accepted, in bytes; 0 for the default (4 GiB). A larger
-    /// one fails its call with RESOURCE_EXHAUSTED and the server goes on.
+    /// The largest request message accepted on every target, in bytes; 0 for the defaults:
+    /// 4 GiB over `shm://`, 4 MiB over HTTP/2 (as gRPC's servers), where a request is gathered
+    /// in memory before its handler sees it. A larger one fails its call with
+    /// RESOURCE_EXHAUSTED and the server goes on.
     pub max_message_size: u64,
     /// Calls one client connection may have open at once; 0 for no limit. A call over the
     /// limit is refused with RESOURCE_EXHAUSTED.
@@ -249,12 +250,8 @@ pub const ISTHMUS_SERVER_COMPRESS_DEFLATE: u32 = 2;
 #[no_mangle]
 pub unsafe extern "C" fn isthmus_server_new(opts: *const isthmus_server_options_t) -> *mut isthmus_server_t {
     guard(std::ptr::null_mut(), || {
-        let mut config = Config::default();
         // SAFETY: the caller promises NULL or a valid struct.
         let opts = unsafe { opts.as_ref() };
-        if let Some(limit) = opts.map(|o| o.max_message_size).filter(|l| *l > 0) {
-            config.max_message_size = limit;
-        }
         let stream_limit = opts.map(|o| o.max_concurrent_streams).filter(|l| *l > 0).map(|l| l as usize);
         // SAFETY: the caller promises NULL or a valid struct, whose strings are NULL or
         // NUL-terminated. What is wrong with them `isthmus_server_start` reports: this function
@@ -273,6 +270,9 @@ pub unsafe extern "C" fn isthmus_server_new(opts: *const isthmus_server_options_
             unknown => Err(invalid(format!("unknown server flags {unknown:#x}"))),
         };
         let mut server = isthmus::Server::builder();
+        if let Some(limit) = opts.map(|o| o.max_message_size).filter(|l| *l > 0) {
+            server = server.max_message_size(limit);
+        }
         if let Some(k) = opts.and_then(|o| crate::client::keepalive(o.keepalive_time_ms, o.keepalive_timeout_ms)) {
             server = server.keepalive(k.time, k.timeout);
         }
@@ -282,7 +282,7 @@ pub unsafe extern "C" fn isthmus_server_new(opts: *const isthmus_server_options_
                 server = server.max_connection_age_grace(Duration::from_millis(o.max_connection_age_grace_ms));
             }
         }
-        let state = ServerState::Building { server: Box::new(server), config, stream_limit, tls, compression };
+        let state = ServerState::Building { server: Box::new(server), stream_limit, tls, compression };
         SERVERS.add(isthmus_server_t { state: Mutex::new(state), stats: std::sync::OnceLock::new() })
     })
 }
@@ -449,12 +449,12 @@ pub unsafe extern "C" fn isthmus_server_start(
         // refused before any is read.
         let list = unsafe { c_strs(targets, count, "the targets")? };
         let mut state = server.state.lock().map_err(|_| invalid("server state poisoned"))?;
-        let ServerState::Building { server: builder, config, stream_limit, tls, compression } =
+        let ServerState::Building { server: builder, stream_limit, tls, compression } =
             std::mem::replace(&mut *state, ServerState::Stopped)
         else {
             return Err(Status::new(Code::FailedPrecondition, "the server was started already"));
         };
-        let mut builder = (*builder).config(config);
+        let mut builder = *builder;
         if let Some(compression) = compression? {
             builder = builder.send_compressed(compression);
         }

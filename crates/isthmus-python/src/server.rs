@@ -544,7 +544,9 @@ pub(crate) struct Server {
     handler: Arc<PyHandler>,
     /// The blocking server's calls on their way to its threads (not `to_loop`).
     queue: Option<Arc<CallQueue>>,
-    config: isthmus::Config,
+    /// grpcio's `grpc.max_receive_message_length`, for every port; unset, the engine's
+    /// defaults (4 GiB over `shm://`, 4 MiB over HTTP/2).
+    max_message: Option<u64>,
     /// Every port's replies over HTTP/2 are compressed with this, for clients that read it.
     compression: Option<isthmus::Compression>,
     /// What every port's HTTP/2 clients are offered: the `shm://` port, whichever call bound it.
@@ -582,10 +584,6 @@ impl Server {
         max_connection_age: Option<(u64, Option<u64>)>,
     ) -> PyResult<Server> {
         let compression = crate::convert::compression_from_py(compression)?;
-        let mut config = isthmus::Config::default();
-        if let Some(limit) = max_message_size {
-            config.max_message_size = limit;
-        }
         let (deliver, queue) = match to_loop {
             true => (Deliver::Loop(Arc::default()), None),
             false => {
@@ -597,7 +595,7 @@ impl Server {
         Ok(Server {
             handler: Arc::new(PyHandler { deliver, limit }),
             queue,
-            config,
+            max_message: max_message_size,
             compression,
             offer: offer_shm.then(isthmus::ShmOffer::new),
             reuse_port,
@@ -616,11 +614,11 @@ impl Server {
     fn add_port(&self, target: &str, tls: Option<crate::tls::ServerTls>, health: bool) -> PyResult<String> {
         let tls = tls.map(crate::tls::server_config).transpose()?;
         let _runtime = runtime().enter();
-        let mut server = isthmus::Server::builder()
-            .fallback(self.handler.clone())
-            .config(self.config.clone())
-            .health(health)
-            .reuse_port(self.reuse_port);
+        let mut server =
+            isthmus::Server::builder().fallback(self.handler.clone()).health(health).reuse_port(self.reuse_port);
+        if let Some(limit) = self.max_message {
+            server = server.max_message_size(limit);
+        }
         if let Some(compression) = self.compression {
             server = server.send_compressed(compression);
         }

@@ -75,7 +75,7 @@ pub use engine::mux::ConnectionCounters;
 pub use engine::server::{Handler, HandlerFuture, ServerCall, ServerStats};
 pub use engine::{blocking, wire};
 pub use metadata::{InvalidMetadata, MetadataMap};
-pub use server::{stop_by, Bound, Server};
+pub use server::{stop_by, Bound, Server, HTTP_MAX_MESSAGE};
 pub use status::{Code, Status};
 pub use topic::{Delivery, Published, SlowSubscriber, Subscription, Topic, TopicOptions, TopicStats};
 pub use upgrade::{ShmOffer, TransportCounts, UpgradeStatus, UpgradedTo};

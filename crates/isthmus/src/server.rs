@@ -86,6 +86,11 @@ use crate::http::tls::ServerTlsConfig;
 use crate::status::{Code, Status};
 use crate::upgrade::ShmOffer;
 
+/// The largest request message a server's handlers take over HTTP/2 unless
+/// [`Server::max_message_size`] says otherwise: 4 MiB, the default of grpc-go's, grpcio's and
+/// tonic's servers.
+pub const HTTP_MAX_MESSAGE: u64 = 4 << 20;
+
 /// A server: handlers by method path, served on one or more endpoints.
 ///
 /// ```no_run
@@ -113,6 +118,8 @@ pub struct Server {
     /// Encoded `FileDescriptorSet`s for server reflection.
     descriptors: Vec<Vec<u8>>,
     config: Config,
+    /// The request limit set for every endpoint (`max_message_size`), if one was.
+    max_message: Option<u64>,
     grace: Duration,
     stream_limit: usize,
     /// For `https://` targets (and `bind_secure`).
@@ -139,6 +146,7 @@ impl Default for Server {
             services: Vec::new(),
             descriptors: Vec::new(),
             config: Config::default(),
+            max_message: None,
             grace: Duration::from_secs(10),
             stream_limit: usize::MAX,
             tls: None,
@@ -268,9 +276,22 @@ impl Server {
         self
     }
 
-    /// The transport configuration (sizes, message limit, peer policy, spinning).
+    /// The transport configuration (sizes, peer policy, spinning), and the message limit of
+    /// its `shm://` endpoints unless [`max_message_size`](Self::max_message_size) sets one.
     pub fn config(mut self, config: Config) -> Server {
         self.config = config;
+        self
+    }
+
+    /// The largest request message a call may carry, on every endpoint, as grpc-go's
+    /// `MaxRecvMsgSize`: a larger one fails its call RESOURCE_EXHAUSTED, naming both sizes, and
+    /// the server goes on. Unset, `shm://` endpoints take their [`Config`]'s `max_message_size`
+    /// (4 GiB by default) and HTTP/2 endpoints the same or [`HTTP_MAX_MESSAGE`] (4 MiB),
+    /// whichever is less: there a request is gathered, and a compressed one inflated, in memory
+    /// before its handler sees it, for any client that reaches the port (ADR 0034). tonic
+    /// services over HTTP/2 keep tonic's limits.
+    pub fn max_message_size(mut self, limit: u64) -> Server {
+        self.max_message = Some(limit);
         self
     }
 
@@ -358,6 +379,9 @@ impl Server {
         // The service itself joins the routes when serving starts (`Bound::serve_health`).
         let (health, _) = tonic_health::server::health_reporter();
         let mut this = self;
+        if let Some(limit) = this.max_message {
+            this.config.max_message_size = limit;
+        }
         if !this.descriptors.is_empty() {
             let bad = |e: tonic_reflection::server::Error| {
                 Status::new(Code::InvalidArgument, format!("a reflection descriptor set does not decode: {e}"))
@@ -430,7 +454,8 @@ impl Server {
             // to the limit by the bridge, and by the shm:// side again).
             let replies = Config { max_message_size: u64::MAX, max_reassembly: None, ..this.config.clone() };
             let channel = crate::Channel::lazy_with(&target, replies)?;
-            let max_request = usize::try_from(this.config.max_message_size).unwrap_or(usize::MAX);
+            let max_request = this.max_message.unwrap_or(this.config.max_message_size.min(HTTP_MAX_MESSAGE));
+            let max_request = usize::try_from(max_request).unwrap_or(usize::MAX);
             let loopback = crate::http::Loopback { channel, replies: this.reply_compression, max_request };
             let channel = tower::service_fn(move |request| loopback.clone().call(request));
             http_routes = http_routes.map(|mut routes| {

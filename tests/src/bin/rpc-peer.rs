@@ -337,6 +337,11 @@ fn main() {
             config.features = features;
         }
         let mut server = server.config(config);
+        // The limit for every endpoint (Server::max_message_size), where the second argument
+        // sets the transport's (and so HTTP/2's only below its default).
+        if let Some(limit) = std::env::var("RPC_PEER_MAX_MESSAGE").ok().and_then(|n| n.parse().ok()) {
+            server = server.max_message_size(limit);
+        }
         if let Some(ms) = std::env::var("RPC_PEER_GRACE_MS").ok().and_then(|n| n.parse().ok()) {
             server = server.grace(std::time::Duration::from_millis(ms));
         }

@@ -1,5 +1,6 @@
 //! The RPC engine end to end: a client in this process, the server (`rpc-peer`) in another.
 
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 use isthmus::{CallOptions, Channel, Code, Connectivity, MetadataMap};
@@ -906,6 +907,53 @@ fn tonic_services_refuse_a_message_over_their_limit_as_grpc_does() {
             .await
             .expect_err("a 2 MiB reply");
         assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{s}");
+    });
+}
+
+#[test]
+fn http2_takes_requests_up_to_grpcs_4_mib_unless_the_server_says_otherwise() {
+    // Over HTTP/2 a request is gathered, and a compressed one inflated, in memory before its
+    // handler sees it: with shm://'s 4 GiB there, 64 KiB of gzip from any client that reached
+    // the port held 64 MiB of the server's memory (4 GiB for 4 MiB of gzip). grpc-go's,
+    // grpcio's and tonic's servers take 4 MiB unless told otherwise, and so does this one.
+    let five_mib = vec![5u8; 5 << 20];
+    let (_server, addrs) = server_everywhere("http-default-limit");
+    run(async move {
+        let ch = Channel::connect(&addrs[0]).await.expect("connect");
+        let r = ch.unary("/test.Echo/Unary", &five_mib, CallOptions::default()).await.expect("shm:// takes 5 MiB");
+        assert_eq!(r.message.len(), 5 << 20);
+        for addr in &addrs[1..] {
+            let ch = Channel::builder(addr).upgrade(false).connect().await.expect("connect");
+            let s = ch.unary("/test.Echo/Unary", &five_mib, CallOptions::default()).await.expect_err("5 MiB");
+            assert_eq!(s.code(), Code::ResourceExhausted, "{addr}: {s}");
+            assert!(s.message().contains("5242880") && s.message().contains("4194304"), "{addr}: {s}");
+            let r = ch.unary("/test.Echo/Unary", &vec![4u8; 4 << 20], CallOptions::default()).await;
+            assert_eq!(r.unwrap_or_else(|s| panic!("{addr}: 4 MiB: {s}")).message.len(), 4 << 20);
+            let mut grpc = compressing_client(addr, tonic::codec::CompressionEncoding::Gzip).await;
+            grpc.ready().await.expect("ready");
+            let path = http::uri::PathAndQuery::from_static("/test.Echo/Unary");
+            let bomb = bytes::Bytes::from(vec![0u8; 64 << 20]);
+            let s = grpc.unary(tonic::Request::new(bomb), path, isthmus::BytesCodec).await.expect_err("bomb");
+            assert_eq!(s.code(), tonic::Code::ResourceExhausted, "{addr}: {s:?}");
+            assert!(s.message().contains("limit of 4194304 bytes"), "{addr}: {s:?}");
+        }
+    });
+    // A server that sets a limit of its own has it on every endpoint, HTTP/2 too.
+    let (shm, socket) = (fresh_addr("http-set-limit"), fresh_socket("http-set-limit"));
+    let targets = format!("{shm},unix://{}", socket.display());
+    let mut peer = Peer::command(
+        Command::new(isthmus_tests::peer_bin("rpc-peer")).arg(&targets).env("RPC_PEER_MAX_MESSAGE", "8388608"),
+    );
+    let unix = peer.expect_line("LISTENING ", Duration::from_secs(30))["LISTENING ".len()..].to_owned();
+    run(async move {
+        for addr in [shm, unix] {
+            let ch = Channel::builder(&addr).upgrade(false).connect().await.expect("connect");
+            let r = ch.unary("/test.Echo/Unary", &vec![6u8; 6 << 20], CallOptions::default()).await;
+            assert_eq!(r.unwrap_or_else(|s| panic!("{addr}: 6 MiB: {s}")).message.len(), 6 << 20);
+            let s = ch.unary("/test.Echo/Unary", &vec![9u8; 9 << 20], CallOptions::default()).await.expect_err("9 MiB");
+            assert_eq!(s.code(), Code::ResourceExhausted, "{addr}: {s}");
+            assert!(s.message().contains("8388608"), "{addr}: {s}");
+        }
     });
 }
 
