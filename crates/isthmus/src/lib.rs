@@ -48,9 +48,9 @@
 //! through them. A binding for `shm://` alone would not need them; there is no cargo feature to
 //! leave them out yet.
 //!
-//! The hidden module `fuzz` holds the entry points of the `http2_authority`, `grpc_http` and
-//! `x509` fuzz targets (the `:authority` filter, gRPC bodies and header values, a TLS client's
-//! certificate); `wire::fuzz` serves `rpc_wire`.
+//! The hidden module `fuzz` holds the entry points of the `http2_authority`, `hpack`,
+//! `grpc_http` and `x509` fuzz targets (the `:authority` filter and its HPACK decoder, gRPC
+//! bodies and header values, a TLS client's certificate); `wire::fuzz` serves `rpc_wire`.
 
 pub mod binding;
 mod call;
@@ -103,5 +103,32 @@ pub mod fuzz {
     /// Arbitrary bytes as a TLS peer's certificate (the names the auth context shows).
     pub fn x509(data: &[u8]) {
         crate::http::x509::fuzz(data);
+    }
+
+    /// The `:authority` filter's HPACK decoder, following one connection's dynamic table (a
+    /// client may grow it to 4096 bytes), for a target that compares it with another decoder.
+    pub struct Hpack(crate::http::hpack::Decoder);
+
+    impl std::fmt::Debug for Hpack {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("Hpack")
+        }
+    }
+
+    impl Default for Hpack {
+        fn default() -> Hpack {
+            Hpack(crate::http::hpack::Decoder::new(4096))
+        }
+    }
+
+    impl Hpack {
+        /// The fields of one header block, or None where it does not decode (after which the
+        /// decoder's table is in no known state).
+        #[allow(clippy::type_complexity)]
+        pub fn decode(&mut self, block: &[u8]) -> Option<Vec<(Vec<u8>, Vec<u8>)>> {
+            let mut fields = Vec::new();
+            self.0.decode(block, usize::MAX, |n, v| fields.push((n.to_vec(), v.to_vec()))).ok()?;
+            Some(fields)
+        }
     }
 }

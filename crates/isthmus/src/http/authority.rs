@@ -16,12 +16,11 @@
 //! How: the preface and every frame pass through unchanged (copied once, from the bytes read to the
 //! bytes handed on; each frame's payload is read in place) except header blocks, which are gathered
 //! (HEADERS and its CONTINUATIONs; padding removed, priority kept), decoded with an HPACK decoder
-//! that follows the client's dynamic table (`fluke-hpack`), and encoded again as literals without
-//! indexing, so h2's decoder table stays empty and can never disagree with ours. Blocks are bounded
-//! (1 MiB), and the client may not grow its table past h2's 4096 bytes. `fluke-hpack` panics on
-//! some malformed blocks (a truncated table-size update, found by the `http2_authority` fuzz
-//! target) instead of returning its error; the filter catches that panic and ends the connection
-//! the same way.
+//! that follows the client's dynamic table (`hpack.rs`), and encoded again as literals without
+//! indexing, so h2's decoder table stays empty and can never disagree with ours. Frames are
+//! bounded by the 16 KiB the server's settings allow (refused at their header, before their
+//! payload is held), blocks by 1 MiB, and what a block decodes to by 1 MiB too, the decoding
+//! stopping there; the client may not grow its table past h2's 4096 bytes.
 //!
 //! Deadlines: tonic's server enforces `grpc-timeout` from outside any layer a server can add, and
 //! answers an expired call with CANCELLED "Timeout expired", where gRPC and a grpcio client expect
@@ -52,8 +51,8 @@ const MAX_FRAME: usize = 16_384;
 /// counts it: each field's name and value, and 32). The server advertises it as that setting,
 /// so a client that keeps to it never meets either bound.
 pub(crate) const MAX_BLOCK: usize = 1 << 20;
-/// What HTTP/2 counts per header field beside its name and value (RFC 7540 §6.5.2).
-const FIELD_OVERHEAD: usize = 32;
+#[cfg(test)]
+use crate::http::hpack::FIELD_OVERHEAD;
 
 /// A header block being gathered from HEADERS and CONTINUATION frames.
 struct Block {
@@ -66,7 +65,7 @@ struct Block {
 /// An accepted stream whose inbound header blocks get a valid `:authority`.
 pub(crate) struct AuthorityFix<S> {
     io: S,
-    decoder: fluke_hpack::Decoder<'static>,
+    decoder: crate::http::hpack::Decoder,
     /// Bytes read from the peer, not yet looked at.
     raw: Vec<u8>,
     /// Bytes ready for h2.
@@ -79,13 +78,11 @@ pub(crate) struct AuthorityFix<S> {
 
 impl<S> AuthorityFix<S> {
     pub(crate) fn new(io: S) -> AuthorityFix<S> {
-        let mut decoder = fluke_hpack::Decoder::new();
-        // The table size h2 advertises (its default): a client may not grow the table past it,
-        // so a hostile one cannot make us hold more.
-        decoder.set_max_allowed_table_size(4096);
         AuthorityFix {
             io,
-            decoder,
+            // The table size h2 advertises (its default): a client may not grow the table past
+            // it, so a hostile one cannot make us hold more.
+            decoder: crate::http::hpack::Decoder::new(4096),
             raw: Vec::new(),
             out: Vec::new(),
             out_at: 0,
@@ -115,6 +112,11 @@ impl<S> AuthorityFix<S> {
             let len = (usize::from(h[0]) << 16) | (usize::from(h[1]) << 8) | usize::from(h[2]);
             let (kind, flags) = (h[3], h[4]);
             let stream = u32::from_be_bytes([h[5], h[6], h[7], h[8]]) & 0x7fff_ffff;
+            if len > MAX_FRAME {
+                // The server's SETTINGS_MAX_FRAME_SIZE is the default: h2 would refuse the frame
+                // at this header too (FRAME_SIZE_ERROR), so none of it is held.
+                return Err(bad("a frame over the 16 KiB the server allows"));
+            }
             if raw.len() - at < FRAME_HEADER_LEN + len {
                 break;
             }
@@ -177,33 +179,21 @@ impl<S> AuthorityFix<S> {
     fn finish_block(&mut self) -> io::Result<()> {
         let Some(block) = self.block.take() else { return Ok(()) };
         let mut encoded = Vec::with_capacity(block.fragment.len() + 16);
-        // The decoder panics on some malformed blocks (a truncated table-size update) instead of
-        // returning its error: a panic is caught and counted as the error it should have been.
-        // The decoder is not used again after an error: the connection ends.
-        let decoder = &mut self.decoder;
         // Decoded, a block can be far larger than it is: a field indexed in the client's table
         // costs one byte each time it is named again (a 62 KB block made this filter write
-        // 240 MB before). What it decodes to is bounded too, and nothing past the bound is kept.
-        let mut list_size = 0usize;
-        let decoded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            decoder.decode_with_cb(&block.fragment, |name, value| {
-                list_size = list_size.saturating_add(name.len() + value.len() + FIELD_OVERHEAD);
-                if list_size > MAX_BLOCK {
-                    return;
-                }
-                let value: &[u8] =
-                    if &name[..] == b":authority" && !valid_authority(&value) { b"localhost" } else { &value };
-                // The deadline goes around tonic's own timer, which would answer CANCELLED; the
-                // endpoint's deadline layer puts it back and answers DEADLINE_EXCEEDED.
-                let name: &[u8] = if &name[..] == b"grpc-timeout" { DEADLINE_HEADER.as_bytes() } else { &name };
-                literal(&mut encoded, name, value);
-            })
-        }));
+        // 240 MB before). What it decodes to is bounded too, and the decoding stops there. The
+        // decoder is not used again after an error: the connection ends.
+        let decoded = self.decoder.decode(&block.fragment, MAX_BLOCK, |name, value| {
+            let value = if name == b":authority" && !valid_authority(value) { b"localhost" } else { value };
+            // The deadline goes around tonic's own timer, which would answer CANCELLED; the
+            // endpoint's deadline layer puts it back and answers DEADLINE_EXCEEDED.
+            let name = if name == b"grpc-timeout" { DEADLINE_HEADER.as_bytes() } else { name };
+            literal(&mut encoded, name, value);
+        });
         match decoded {
-            Ok(Ok(())) if list_size > MAX_BLOCK => return Err(bad("a header list over 1 MiB, decoded")),
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Err(bad(&format!("header block does not decode: {e:?}"))),
-            Err(_) => return Err(bad("header block does not decode")),
+            Ok(()) => {}
+            Err(crate::http::hpack::Error::TooLarge) => return Err(bad("a header list over 1 MiB, decoded")),
+            Err(e) => return Err(bad(&format!("header block does not decode: {e:?}"))),
         }
         // HEADERS, then CONTINUATIONs, each within the default frame size.
         let mut first_len = MAX_FRAME;
@@ -288,9 +278,6 @@ impl<S: AsyncRead + Unpin> AsyncRead for AuthorityFix<S> {
             }
             if this.eof {
                 return Poll::Ready(Ok(()));
-            }
-            if this.raw.len() > MAX_BLOCK + MAX_FRAME * 2 + (1 << 24) {
-                return Poll::Ready(Err(bad("a frame larger than the maximum")));
             }
             let mut chunk = [0u8; 16 * 1024];
             let mut rb = ReadBuf::new(&mut chunk);
@@ -460,7 +447,11 @@ mod tests {
             }
             at += FRAME_HEADER_LEN + len;
         }
-        fluke_hpack::Decoder::new().decode(&block).expect("re-encoded block decodes")
+        let mut fields = Vec::new();
+        crate::http::hpack::Decoder::new(4096)
+            .decode(&block, usize::MAX, |n, v| fields.push((n.to_vec(), v.to_vec())))
+            .expect("re-encoded block decodes");
+        fields
     }
 
     #[test]
@@ -504,6 +495,23 @@ mod tests {
         let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
         frame(&mut bytes, HEADERS, END_HEADERS, 1, &block);
         assert_eq!(decoded_headers(&filter(&bytes, 4096).expect("within the bound")).len(), 3 + fields);
+    }
+
+    #[test]
+    fn a_frame_over_16_kib_is_refused_at_its_header() {
+        // The server allows the default frame size: a longer frame ends the connection once its
+        // nine-byte header is in, none of its payload held (a client could send up to 16 MiB).
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        let at = bytes.len();
+        frame(&mut bytes, 0x0, 0, 1, &[0u8; MAX_FRAME + 1]);
+        let mut f = AuthorityFix::new(());
+        f.raw.extend_from_slice(&bytes[..at + FRAME_HEADER_LEN]);
+        let err = f.process().expect_err("refused");
+        assert!(err.to_string().contains("over the 16 KiB"), "{err}");
+        // One of 16 KiB passes whole.
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        frame(&mut bytes, 0x0, 0, 1, &[7u8; MAX_FRAME]);
+        assert_eq!(filter(&bytes, 1000).expect("passes"), bytes);
     }
 
     #[test]

@@ -39,6 +39,7 @@ pub(crate) mod authority;
 pub(crate) mod call;
 pub(crate) mod codec;
 pub(crate) mod endpoint;
+pub(crate) mod hpack;
 mod retry;
 pub(crate) mod tls;
 mod tonic_client;
