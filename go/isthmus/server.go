@@ -156,7 +156,10 @@ func SendCompressed(name string) ServerOption {
 	return func(o *serverOptions) { o.compression = name }
 }
 
-// MaxConcurrentStreams limits the calls one client connection may have open at once.
+// MaxConcurrentStreams limits the calls one client connection may have open at once: over
+// shm:// one more is refused with codes.ResourceExhausted; an HTTP/2 connection is told the
+// limit in its settings, as grpc-go's MaxConcurrentStreams does, and its client waits for a
+// place.
 func MaxConcurrentStreams(n uint32) ServerOption {
 	return func(o *serverOptions) { o.maxConcurrentStreams = n }
 }

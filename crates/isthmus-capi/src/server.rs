@@ -202,8 +202,9 @@ pub struct isthmus_server_options_t {
     /// in memory before its handler sees it. A larger one fails its call with
     /// RESOURCE_EXHAUSTED and the server goes on.
     pub max_message_size: u64,
-    /// Calls one client connection may have open at once; 0 for no limit. A call over the
-    /// limit is refused with RESOURCE_EXHAUSTED.
+    /// Calls one client connection may have open at once; 0 for no limit. Over `shm://` a call
+    /// over the limit is refused with RESOURCE_EXHAUSTED; an HTTP/2 connection is told the limit
+    /// in its settings (SETTINGS_MAX_CONCURRENT_STREAMS), and its client waits for a place.
     pub max_concurrent_streams: u32,
     /// TLS settings for the server's TCP targets (`https://host:port`, `host:port`,
     /// `[::]:port`…; an `http://` target stays plaintext): its certificate and key, and for

@@ -54,12 +54,12 @@
 //!
 //! Not yet, or by design:
 //!
-//! - `max_concurrent_streams`, `config`, the call counters and the `isthmus.serve` spans reach only
-//!   the calls the engine serves: every `shm://` call and the HTTP/2 calls that reach handlers
-//!   through the loopback. HTTP/2 calls to tonic services get tonic's settings (set message limits
-//!   on the generated `FooServer`). All HTTP/2 calls to handlers share the loopback's one
-//!   connection, so the per-connection stream limit counts them together and `ServerStats` shows
-//!   one connection.
+//! - `config`, the call counters and the `isthmus.serve` spans reach only the calls the engine
+//!   serves: every `shm://` call and the HTTP/2 calls that reach handlers through the loopback.
+//!   HTTP/2 calls to tonic services get tonic's settings (set message limits on the generated
+//!   `FooServer`). All HTTP/2 calls to handlers share the loopback's one connection, so
+//!   `ServerStats` shows one connection; `max_concurrent_streams` holds each HTTP/2 connection in
+//!   its settings instead.
 //! - The loopback is a real socket in the private runtime directory, reachable by processes of the
 //!   same user as the named endpoints are; it costs each HTTP/2 handler call one more local hop
 //!   (about 2 µs beside HTTP/2's tens of µs), and the HTTP/2 peer's address does not cross it.
@@ -269,10 +269,14 @@ impl Server {
         self
     }
 
-    /// Calls one client connection may have open at once (default: no limit). A call over the
-    /// limit is refused with RESOURCE_EXHAUSTED, as grpcio's `maximum_concurrent_rpcs` does.
+    /// Calls one client connection may have open at once (default: no limit). Over `shm://` a
+    /// call over the limit is refused with RESOURCE_EXHAUSTED, as grpcio's
+    /// `maximum_concurrent_rpcs` does; an HTTP/2 connection is told the limit in its settings
+    /// (SETTINGS_MAX_CONCURRENT_STREAMS, as grpc-go's `MaxConcurrentStreams`), and its client
+    /// waits for a place.
     pub fn max_concurrent_streams(mut self, limit: usize) -> Server {
         self.stream_limit = limit.max(1);
+        self.connections.max_streams = Some(u32::try_from(self.stream_limit).unwrap_or(u32::MAX));
         self
     }
 
@@ -403,6 +407,7 @@ impl Server {
             this.services.iter().map(|(name, _)| *name).filter(|name| *name != health_name).collect();
         let mut shm = Vec::new();
         let mut http = Vec::new();
+        let mut loopback = None;
         for target in targets {
             match target {
                 Target::Shm(t) => {
@@ -448,7 +453,7 @@ impl Server {
             // tonic service takes go through the bridge to a private shm:// endpoint of this
             // server (ADR 0007). One local hop (~2 µs) is small beside HTTP/2's own cost.
             let target = loopback_target();
-            shm.push(bind_shm(&target, &this.config, true)?);
+            loopback = Some(bind_shm(&target, &this.config, true)?);
             // The server's message limit is on what it receives: its replies may be larger, and
             // the loopback's client side takes them as any client would (its requests are held
             // to the limit by the bridge, and by the shm:// side again).
@@ -466,6 +471,7 @@ impl Server {
         }
         Ok(Bound {
             shm,
+            loopback,
             http,
             routes: http_routes,
             handlers: Arc::new(Methods {
@@ -542,6 +548,8 @@ fn sweep_dead_loopbacks(dir: &std::path::Path) {
 /// A bound server, accepting once served.
 pub struct Bound {
     shm: Vec<AsyncFd<Accepting>>,
+    /// The private `shm://` endpoint through which HTTP/2 calls reach the handlers.
+    loopback: Option<AsyncFd<Accepting>>,
     http: Vec<HttpListener>,
     routes: Option<tonic::service::Routes>,
     health: (tonic_health::server::HealthReporter, Vec<&'static str>),
@@ -627,6 +635,7 @@ impl Bound {
     ) -> Result<(), Status> {
         let Bound {
             shm,
+            loopback,
             http,
             mut routes,
             health,
@@ -667,6 +676,12 @@ impl Bound {
         for listener in shm {
             let (handlers, tracker, stop) = (handlers.clone(), tracker.clone(), stopped());
             endpoints.spawn(accept_shm(listener, handlers, tracker, stream_limit, stop));
+        }
+        if let Some(listener) = loopback {
+            // Every HTTP/2 connection's calls to handlers share it: each of those connections
+            // has the stream limit of its own, in its settings.
+            let (handlers, tracker, stop) = (handlers.clone(), tracker.clone(), stopped());
+            endpoints.spawn(accept_shm(listener, handlers, tracker, usize::MAX, stop));
         }
         tokio::pin!(shutdown);
         // An endpoint that failed gives the builder's grace to the others.

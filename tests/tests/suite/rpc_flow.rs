@@ -84,6 +84,39 @@ fn a_server_that_does_not_read_holds_back_a_streaming_client() {
 }
 
 #[test]
+fn an_http2_connection_is_held_to_the_stream_limit_in_its_settings() {
+    // Over HTTP/2 the limit is each connection's SETTINGS_MAX_CONCURRENT_STREAMS, as grpc-go's
+    // MaxConcurrentStreams: a third call on a connection with two open waits for a place (it
+    // was refused RESOURCE_EXHAUSTED), and another connection is not counted with it (all
+    // HTTP/2 calls to handlers counted together, through the loopback they share).
+    let mut server = Peer::spawn_bin("rpc-peer", &[&format!("{},http://127.0.0.1:0", fresh_addr("h2limit")), "0", "2"]);
+    let addr = server.expect_line("LISTENING ", Duration::from_secs(30))["LISTENING ".len()..].to_owned();
+    run(async move {
+        let ch = Channel::builder(&addr).upgrade(false).connect().await.expect("connect");
+        let mut sleepers = Vec::new();
+        for _ in 0..2 {
+            let mut call = ch.start("/test.Echo/Sleep", CallOptions::default()).await.expect("start");
+            call.send(b"z").await.expect("send");
+            server.expect_line("SLEEPING", Duration::from_secs(30));
+            sleepers.push(call);
+        }
+        let waits = CallOptions { timeout: Some(Duration::from_millis(300)), ..CallOptions::default() };
+        let s = ch.unary("/test.Echo/Unary", b"x", waits).await.expect_err("no place on this connection");
+        assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+        let other = Channel::builder(&addr).upgrade(false).connect().await.expect("connect");
+        let r = other.unary("/test.Echo/Unary", b"y", CallOptions::default()).await.expect("another connection");
+        assert_eq!(&r.message[..], b"y");
+        let waiting = tokio::spawn({
+            let ch = ch.clone();
+            async move { ch.unary("/test.Echo/Unary", b"w", CallOptions::default()).await }
+        });
+        drop(sleepers.pop());
+        let r = waiting.await.expect("task").expect("the place a cancel freed");
+        assert_eq!(&r.message[..], b"w");
+    });
+}
+
+#[test]
 fn a_call_over_the_servers_stream_limit_is_resource_exhausted() {
     let addr = fresh_addr("limit");
     let mut server = Peer::spawn_bin("rpc-peer", &[&addr, "0", "2"]);

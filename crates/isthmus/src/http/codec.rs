@@ -136,16 +136,24 @@ impl ReplyCompression {
 
 /// Cuts a gRPC body's data frames back into messages. A message that lies whole inside one
 /// data frame (tonic yields each encoded message as one frame) is a slice of that frame, not a
-/// copy; only a message split across frames is gathered into a buffer of its own.
+/// copy; what is left of a frame that does not end at a message's end is copied into a buffer
+/// of its own, where the next frames join it. So at most one frame as it came is held (a frame
+/// received is a slice of the connection's read buffer, and keeps all of that alive), and the
+/// buffer holds at most the message being gathered, within the limit: a client that sends a
+/// message a byte per frame costs its bytes, not a read buffer and a queue entry per byte.
 #[derive(Debug)]
 pub(crate) struct Deframer {
-    /// Whole frames not yet cut, oldest first.
-    frames: crate::engine::queue::Queue<Bytes>,
-    queued: usize,
+    /// A frame taken as it came, not yet cut (then `gather` is empty).
+    frame: Option<Bytes>,
+    /// Bytes of a message that did not lie whole in one frame, and the frames after.
+    gather: BytesMut,
     limit: usize,
     /// The body's `grpc-encoding`, for messages with the compressed flag; `None`: identity.
     encoding: Option<Encoding>,
 }
+
+/// The most a message being gathered reserves at once; a larger one grows as it comes.
+const RESERVE_MAX: usize = 16 << 20;
 
 /// A message encoding gRPC peers agree on in `grpc-encoding` (besides `identity`): the public
 /// [`Compression`](crate::Compression), read here.
@@ -196,7 +204,7 @@ impl Encoding {
 impl Deframer {
     /// `limit`: the largest message accepted; a larger one is RESOURCE_EXHAUSTED.
     pub(crate) fn new(limit: usize) -> Deframer {
-        Deframer { frames: crate::engine::queue::Queue::default(), queued: 0, limit, encoding: None }
+        Deframer { frame: None, gather: BytesMut::new(), limit, encoding: None }
     }
 
     /// The body's `grpc-encoding` (see [`Encoding::from_headers`]).
@@ -207,85 +215,87 @@ impl Deframer {
 
     /// Adds a data frame.
     pub(crate) fn push(&mut self, data: Bytes) {
-        if !data.is_empty() {
-            self.queued += data.len();
-            self.frames.push_back(data);
+        if data.is_empty() {
+            return;
         }
+        if self.frame.is_none() && self.gather.is_empty() {
+            self.frame = Some(data);
+            return;
+        }
+        self.spill();
+        self.gather.extend_from_slice(&data);
     }
 
-    /// Takes `n` queued bytes (`n <= queued`): a slice of the first frame if it holds them all.
-    fn take(&mut self, n: usize) -> Bytes {
-        self.queued -= n;
-        if let Some(first) = self.frames.front_mut() {
-            if first.len() >= n {
-                let out = first.split_to(n);
-                if first.is_empty() {
-                    self.frames.pop_front();
-                }
-                return out;
-            }
+    /// Moves the frame held as it came into `gather`.
+    fn spill(&mut self) {
+        if let Some(frame) = self.frame.take() {
+            self.gather.extend_from_slice(&frame);
         }
-        let mut out = BytesMut::with_capacity(n);
-        while out.len() < n {
-            let Some(mut f) = self.frames.pop_front() else { break };
-            let want = n - out.len();
-            if f.len() > want {
-                out.extend_from_slice(&f.split_to(want));
-                self.frames.push_front(f);
-            } else {
-                out.extend_from_slice(&f);
-            }
-        }
-        out.freeze()
     }
 
     /// The next whole message, if one has arrived.
     pub(crate) fn next(&mut self) -> Result<Option<Bytes>, Status> {
-        if self.queued < 5 {
+        if let Some(frame) = &mut self.frame {
+            if frame.len() >= 5 {
+                let len = header(&frame[..5], self.encoding, self.limit)?;
+                if frame.len() >= 5 + len {
+                    let mut message = frame.split_to(5 + len);
+                    if frame.is_empty() {
+                        self.frame = None;
+                    }
+                    let compressed = message[0] == 1;
+                    return self.finish(message.split_off(5), compressed).map(Some);
+                }
+            }
+            self.spill();
+        }
+        if self.gather.len() < 5 {
             return Ok(None);
         }
-        let mut head = [0u8; 5];
-        let mut at = 0;
-        for f in self.frames.iter() {
-            let n = (5 - at).min(f.len());
-            head[at..at + n].copy_from_slice(&f[..n]);
-            at += n;
-            if at == 5 {
-                break;
-            }
-        }
-        let compressed = match (head[0], self.encoding) {
-            (0, _) => None,
-            (1, Some(encoding)) => Some(encoding),
-            (1, None) => {
-                return Err(Status::new(Code::Internal, "a compressed message, but no grpc-encoding was given"));
-            }
-            (flag, _) => {
-                return Err(Status::new(Code::Internal, format!("a message flag of {flag}: gRPC's are 0 and 1")));
-            }
-        };
-        let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
-        if len > self.limit {
-            return Err(Status::new(
-                Code::ResourceExhausted,
-                format!("received a {len}-byte message, larger than the limit of {} bytes", self.limit),
-            ));
-        }
-        if self.queued < 5 + len {
+        let len = header(&self.gather[..5], self.encoding, self.limit)?;
+        if self.gather.len() < 5 + len {
+            self.gather.reserve((5 + len - self.gather.len()).min(RESERVE_MAX));
             return Ok(None);
         }
-        self.take(5);
-        let message = self.take(len);
-        match compressed {
-            None => Ok(Some(message)),
-            Some(encoding) => encoding.inflate(&message, self.limit).map(Some),
+        let mut message = self.gather.split_to(5 + len);
+        let compressed = message[0] == 1;
+        let message = message.split_off(5).freeze();
+        self.finish(message, compressed).map(Some)
+    }
+
+    /// A whole message, inflated if its flag said it was compressed.
+    fn finish(&self, message: Bytes, compressed: bool) -> Result<Bytes, Status> {
+        match self.encoding.filter(|_| compressed) {
+            None => Ok(message),
+            Some(encoding) => encoding.inflate(&message, self.limit),
         }
     }
 
     /// Whether bytes of an unfinished message are left (an error at the end of a body).
     pub(crate) fn is_empty(&self) -> bool {
-        self.queued == 0
+        self.frame.is_none() && self.gather.is_empty()
     }
+}
+
+/// A message's length from its 5-byte prefix, if its flag and length are acceptable.
+fn header(head: &[u8], encoding: Option<Encoding>, limit: usize) -> Result<usize, Status> {
+    match (head[0], encoding) {
+        (0, _) | (1, Some(_)) => {}
+        (1, None) => {
+            return Err(Status::new(Code::Internal, "a compressed message, but no grpc-encoding was given"));
+        }
+        (flag, _) => {
+            return Err(Status::new(Code::Internal, format!("a message flag of {flag}: gRPC's are 0 and 1")));
+        }
+    }
+    let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
+    if len > limit {
+        return Err(Status::new(
+            Code::ResourceExhausted,
+            format!("received a {len}-byte message, larger than the limit of {limit} bytes"),
+        ));
+    }
+    Ok(len)
 }
 
 /// Reads `grpc-timeout` (gRPC over HTTP/2: at most 8 digits and a unit).
@@ -567,6 +577,31 @@ mod tests {
             assert_eq!(got, messages, "split every {step} bytes");
             assert!(d.is_empty());
         }
+    }
+
+    #[test]
+    fn a_message_in_many_frames_holds_none_of_them() {
+        // Frames are slices of the connection's read buffer; one kept per byte of a message
+        // sent a byte per frame kept that whole buffer alive, and a queue entry, per byte.
+        let read_buffer = Bytes::from(vec![7u8; 64 << 10]);
+        let mut d = Deframer::new(1 << 20);
+        d.push(Bytes::copy_from_slice(&prefix(1000).expect("prefix")));
+        for i in 0..999 {
+            d.push(read_buffer.slice(i..i + 1));
+            assert_eq!(d.next().expect("well-formed"), None);
+        }
+        assert!(read_buffer.is_unique(), "a frame of the read buffer is still held");
+        d.push(read_buffer.slice(0..1));
+        assert_eq!(d.next().expect("well-formed").expect("the message"), vec![7u8; 1000]);
+        assert!(d.is_empty());
+        // A frame of whole messages is cut in place, not copied.
+        let mut body = prefix(3).expect("prefix").to_vec();
+        body.extend_from_slice(b"abc");
+        let frame = Bytes::from(body);
+        let mut d = Deframer::new(1 << 20);
+        d.push(frame.clone());
+        let message = d.next().expect("well-formed").expect("the message");
+        assert_eq!(message.as_ptr(), frame[5..].as_ptr());
     }
 
     #[test]

@@ -314,8 +314,12 @@ impl HttpListener {
         connections: ConnectionPolicy,
         stop: impl std::future::Future<Output = ()> + Send + 'static,
     ) -> Result<(), Status> {
-        let ConnectionPolicy { keepalive, max_age, max_age_grace } = connections;
+        let ConnectionPolicy { keepalive, max_age, max_age_grace, max_streams } = connections;
         let mut server = tonic::transport::Server::builder()
+            .max_concurrent_streams(max_streams)
+            // hyper's own default, which tonic's builder turns off: a client whose streams the
+            // server keeps resetting for its errors gets a GOAWAY after 1024 of them.
+            .http2_max_local_error_reset_streams(Some(1024))
             // What the `:authority` filter every connection is read through takes (its
             // bound): a client that keeps to it is not cut off.
             .http2_max_header_list_size(crate::http::authority::MAX_BLOCK as u32)
@@ -374,6 +378,8 @@ pub(crate) struct ConnectionPolicy {
     pub(crate) max_age: Option<std::time::Duration>,
     /// After the GOAWAY, close the connection this much later, whatever still runs on it.
     pub(crate) max_age_grace: Option<std::time::Duration>,
+    /// The streams a connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS).
+    pub(crate) max_streams: Option<u32>,
 }
 
 /// A server connection's stream that fails every read and write once `end` passes: h2 then
