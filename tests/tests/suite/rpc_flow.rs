@@ -83,6 +83,18 @@ fn a_server_that_does_not_read_holds_back_a_streaming_client() {
     });
 }
 
+/// `n` calls to `rpc-peer`'s Sleep on `ch`, each once its handler says it sleeps.
+async fn sleeping(ch: &Channel, server: &mut Peer, n: usize) -> Vec<isthmus::ClientCall> {
+    let mut sleepers = Vec::new();
+    for _ in 0..n {
+        let mut call = ch.start("/test.Echo/Sleep", CallOptions::default()).await.expect("start");
+        call.send(b"z").await.expect("send");
+        server.expect_line("SLEEPING", Duration::from_secs(30));
+        sleepers.push(call);
+    }
+    sleepers
+}
+
 #[test]
 fn an_http2_connection_is_held_to_the_stream_limit_in_its_settings() {
     // Over HTTP/2 the limit is each connection's SETTINGS_MAX_CONCURRENT_STREAMS, as grpc-go's
@@ -93,13 +105,7 @@ fn an_http2_connection_is_held_to_the_stream_limit_in_its_settings() {
     let addr = server.expect_line("LISTENING ", Duration::from_secs(30))["LISTENING ".len()..].to_owned();
     run(async move {
         let ch = Channel::builder(&addr).upgrade(false).connect().await.expect("connect");
-        let mut sleepers = Vec::new();
-        for _ in 0..2 {
-            let mut call = ch.start("/test.Echo/Sleep", CallOptions::default()).await.expect("start");
-            call.send(b"z").await.expect("send");
-            server.expect_line("SLEEPING", Duration::from_secs(30));
-            sleepers.push(call);
-        }
+        let mut sleepers = sleeping(&ch, &mut server, 2).await;
         let waits = CallOptions { timeout: Some(Duration::from_millis(300)), ..CallOptions::default() };
         let s = ch.unary("/test.Echo/Unary", b"x", waits).await.expect_err("no place on this connection");
         assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
@@ -122,13 +128,7 @@ fn a_call_over_the_servers_stream_limit_is_resource_exhausted() {
     let mut server = Peer::spawn_bin("rpc-peer", &[&addr, "0", "2"]);
     run(async move {
         let ch = Channel::connect(&addr).await.expect("connect");
-        let mut sleepers = Vec::new();
-        for _ in 0..2 {
-            let mut call = ch.start("/test.Echo/Sleep", CallOptions::default()).await.expect("start");
-            call.send(b"z").await.expect("send");
-            server.expect_line("SLEEPING", Duration::from_secs(30));
-            sleepers.push(call);
-        }
+        let mut sleepers = sleeping(&ch, &mut server, 2).await;
         let s = ch.unary("/test.Echo/Unary", b"x", CallOptions::default()).await.expect_err("over the limit");
         assert_eq!(s.code(), Code::ResourceExhausted, "{s}");
         assert!(s.message().contains("limit of 2"), "{s}");
