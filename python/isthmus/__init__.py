@@ -106,7 +106,9 @@ def server(
     `add_insecure_port`. `options` it reads: `grpc.max_receive_message_length` and
     `grpc.max_send_message_length` (a larger request or reply fails its call
     RESOURCE_EXHAUSTED; unset, requests up to 4 MiB over HTTP/2, as grpcio's, and 4 GiB over
-    shm://), `grpc.default_compression_algorithm`, `grpc.so_reuseport` (on by
+    shm://), `grpc.max_concurrent_streams` (calls one connection may have open at once: an
+    HTTP/2 client waits for a place, as grpcio's do; over shm:// one more is refused
+    RESOURCE_EXHAUSTED), `grpc.default_compression_algorithm`, `grpc.so_reuseport` (on by
     default, as grpcio's: servers of several processes can bind the same TCP port, the kernel
     spreading the connections among them; 0: a port in use fails the bind),
     `grpc.keepalive_time_ms` and `grpc.keepalive_timeout_ms` (a PING to an HTTP/2 client

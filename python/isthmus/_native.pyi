@@ -516,8 +516,10 @@ class Server:
         reuse_port: bool = False,
         keepalive: tuple[int, int, bool] | None = None,
         max_connection_age: tuple[int, int | None] | None = None,
+        max_streams: int | None = None,
     ) -> Self:
-        """`max_connection_age`: (age in ms, grace in ms or None) of every HTTP/2 connection."""
+        """`max_connection_age`: (age in ms, grace in ms or None) of every HTTP/2 connection;
+        `max_streams`: calls one connection may have open at once."""
     def stats(self) -> dict[str, int]:
         """The counters of the live shm connections (`isthmus.TransportStats`'s fields)."""
     def linger(self, reactor: Reactor, spin_us: int) -> bool:

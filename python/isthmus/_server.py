@@ -25,6 +25,13 @@ _LOG = logging.getLogger("isthmus")
 # A receive limit of -1 (grpcio's "none"), for the engine.
 _NO_LIMIT = 2**64 - 1
 
+
+def _positive(options: Any, key: str) -> int | None:
+    """An option's value if it is a positive count (grpc-core ignores others), else None."""
+    value = dict(options or ()).get(key)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
 # How long a blocking wait lasts at most before Python gets a chance to run signal handlers
 # (Ctrl-C): the engine's waits release the GIL and cannot be interrupted.
 _WAIT_SLICE = 1.0
@@ -99,6 +106,7 @@ class ServerBase:
             reuse_port,
             keepalive(options),
             connection_age(options),
+            _positive(options, "grpc.max_concurrent_streams"),
         )
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:

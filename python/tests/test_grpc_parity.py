@@ -930,6 +930,40 @@ def test_a_servers_default_receive_limit_over_http2_is_grpcios_4_mib(api: str, l
             assert str(size) in refused.value.details() and str(top) in refused.value.details()
 
 
+@pytest.mark.parametrize("api", ["grpc", "isthmus"])
+def test_max_concurrent_streams_holds_each_connection_and_its_client_waits(api: str) -> None:
+    """`grpc.max_concurrent_streams` 2: with two calls open on a connection, a third on it waits
+    (its deadline passes, not refused), a call on another connection is served, and the one
+    that waits goes once a place frees; grpcio clients over a Unix socket on both servers."""
+    release = threading.Event()
+    started = threading.Semaphore(0)
+
+    def wait(request: bytes, context: grpc.ServicerContext) -> bytes:
+        started.release()
+        release.wait(60)
+        return b"waited"
+
+    module: Any = grpc if api == "grpc" else isthmus
+    handlers = {"Wait": wait, "Length": _length}
+    own_connection = [("grpc.use_local_subchannel_pool", 1)]
+    with (
+        _serving(module, handlers, [("grpc.max_concurrent_streams", 2)]) as (_, target),
+        grpc.insecure_channel(target, options=own_connection) as ch,
+        grpc.insecure_channel(target, options=own_connection) as other,
+    ):
+        waiting = [ch.unary_unary("/t.T/Wait").future(b"", timeout=60) for _ in range(2)]
+        for _ in waiting:
+            assert started.acquire(timeout=30)
+        with pytest.raises(grpc.RpcError) as waited:
+            ch.unary_unary("/t.T/Length")(b"abc", timeout=0.5)
+        assert waited.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, waited.value
+        assert other.unary_unary("/t.T/Length")(b"abcd", timeout=30) == b"4"
+        third = ch.unary_unary("/t.T/Length").future(b"ab", timeout=60)
+        release.set()
+        assert [w.result(timeout=30) for w in waiting] == [b"waited", b"waited"]
+        assert third.result(timeout=30) == b"2"
+
+
 def test_a_servers_default_receive_limit_over_shm_is_4_gib() -> None:
     """The same server with no limit set takes 5 MiB over shm://."""
     pool = futures.ThreadPoolExecutor(2)

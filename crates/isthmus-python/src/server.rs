@@ -54,7 +54,8 @@
 //!   grpcio's does: one more is refused RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!"
 //!   before Python sees it (counted from its arrival until its handler finishes it, queued or
 //!   running, even past the client's cancel, as grpcio counts);
-//!   `grpc.max_receive_message_length` becomes `max_message_size`; other options and `compression`
+//!   `grpc.max_receive_message_length` becomes `max_message_size`, `grpc.max_concurrent_streams`
+//!   the engine's `max_concurrent_streams`; other options and `compression`
 //!   are accepted and unused. `add_port` with TLS settings is `add_secure_port` (TCP targets).
 //! - A call's two halves have locks of their own (`HandedCall`): a handler that reads in one
 //!   thread (or task) while it writes in another sees neither wait for the other.
@@ -547,6 +548,8 @@ pub(crate) struct Server {
     /// grpcio's `grpc.max_receive_message_length`, for every port; unset, the engine's
     /// defaults (4 GiB over `shm://`, 4 MiB over HTTP/2).
     max_message: Option<u64>,
+    /// grpcio's `grpc.max_concurrent_streams`: calls one connection may have open at once.
+    max_streams: Option<usize>,
     /// Every port's replies over HTTP/2 are compressed with this, for clients that read it.
     compression: Option<isthmus::Compression>,
     /// What every port's HTTP/2 clients are offered: the `shm://` port, whichever call bound it.
@@ -570,7 +573,7 @@ pub(crate) struct Server {
 #[pymethods]
 impl Server {
     #[new]
-    #[pyo3(signature = (to_loop, max_concurrent_rpcs=None, max_message_size=None, offer_shm=true, max_threads=None, compression=None, reuse_port=false, keepalive=None, max_connection_age=None))]
+    #[pyo3(signature = (to_loop, max_concurrent_rpcs=None, max_message_size=None, offer_shm=true, max_threads=None, compression=None, reuse_port=false, keepalive=None, max_connection_age=None, max_streams=None))]
     #[allow(clippy::too_many_arguments)] // Python's keywords
     fn new(
         to_loop: bool,
@@ -582,6 +585,7 @@ impl Server {
         reuse_port: bool,
         keepalive: Option<crate::client::Keepalive>,
         max_connection_age: Option<(u64, Option<u64>)>,
+        max_streams: Option<usize>,
     ) -> PyResult<Server> {
         let compression = crate::convert::compression_from_py(compression)?;
         let (deliver, queue) = match to_loop {
@@ -596,6 +600,7 @@ impl Server {
             handler: Arc::new(PyHandler { deliver, limit }),
             queue,
             max_message: max_message_size,
+            max_streams,
             compression,
             offer: offer_shm.then(isthmus::ShmOffer::new),
             reuse_port,
@@ -618,6 +623,9 @@ impl Server {
             isthmus::Server::builder().fallback(self.handler.clone()).health(health).reuse_port(self.reuse_port);
         if let Some(limit) = self.max_message {
             server = server.max_message_size(limit);
+        }
+        if let Some(limit) = self.max_streams {
+            server = server.max_concurrent_streams(limit);
         }
         if let Some(compression) = self.compression {
             server = server.send_compressed(compression);
