@@ -455,18 +455,27 @@ def channel_compression(compression: grpc.Compression | None, options: Any) -> s
 _RESOURCE_EXHAUSTED = 8
 
 
-def limits(options: Any) -> tuple[int | None, int | None]:
+def limits(options: Any, no_receive_limit: int | None = None) -> tuple[int | None, int | None]:
     """grpc's `max_send_message_length` and `max_receive_message_length` (None for none: unset,
     or -1 as grpc spells it). Unlike grpcio, whose default receive limit is 4 MiB, an unset
     limit is the engine's own: a channel's 4 GiB; a server's 4 GiB over shm:// and 4 MiB over
-    HTTP/2."""
+    HTTP/2, so a server passes `no_receive_limit`, what a receive limit of -1 becomes."""
     given = dict(options or ())
 
-    def size(key: str) -> int | None:
+    def size(key: str, none: int | None = None) -> int | None:
         value = given.get(key)
-        return None if value is None or int(value) < 0 else int(value)
+        if value is None:
+            return None
+        return none if int(value) < 0 else int(value)
 
-    return size("grpc.max_send_message_length"), size("grpc.max_receive_message_length")
+    return size("grpc.max_send_message_length"), size("grpc.max_receive_message_length", no_receive_limit)
+
+
+def max_streams(options: Any) -> int | None:
+    """grpc's `grpc.max_concurrent_streams`, the calls one connection of a server may have
+    open at once, if it is a positive count (grpc-core ignores others)."""
+    value = dict(options or ()).get("grpc.max_concurrent_streams")
+    return value if isinstance(value, int) and value > 0 else None
 
 
 def limited(serialize: Serializer, limit: int | None) -> Serializer:

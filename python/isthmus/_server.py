@@ -14,7 +14,7 @@ from typing import Any
 import grpc
 
 from . import _native
-from ._channel import channel_compression, connection_age, keepalive, limits
+from ._channel import channel_compression, connection_age, keepalive, limits, max_streams
 from ._context import ServicerContext
 from ._credentials import is_local, server_tls
 from ._handler import Handlers
@@ -24,12 +24,6 @@ from ._stats import TransportStats
 _LOG = logging.getLogger("isthmus")
 # A receive limit of -1 (grpcio's "none"), for the engine.
 _NO_LIMIT = 2**64 - 1
-
-
-def _positive(options: Any, key: str) -> int | None:
-    """An option's value if it is a positive count (grpc-core ignores others), else None."""
-    value = dict(options or ()).get(key)
-    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 # How long a blocking wait lasts at most before Python gets a chance to run signal handlers
@@ -84,12 +78,9 @@ class ServerBase:
         offer_shm = bool(dict(options or ()).get("isthmus.offer_shm", True))
         # Replies over HTTP/2 to clients that read it, as grpcio's (see `channel_compression`).
         replies = channel_compression(compression, options)
-        max_send, max_receive = limits(options)
+        # Unset, the engine's receive limits: 4 MiB over HTTP/2 (grpcio's), 4 GiB over shm://.
+        max_send, max_receive = limits(options, no_receive_limit=_NO_LIMIT)
         self._max_send = max_send
-        if max_receive is None and int(dict(options or ()).get("grpc.max_receive_message_length", 0)) < 0:
-            # grpcio's -1: no limit but the transport's. Unset: the engine's defaults, 4 MiB
-            # over HTTP/2 (grpcio's) and 4 GiB over shm://.
-            max_receive = _NO_LIMIT
         # `grpc.so_reuseport` (default on, as grpcio's): servers of several processes share a
         # TCP port.
         reuse_port = bool(dict(options or ()).get("grpc.so_reuseport", 1))
@@ -106,7 +97,7 @@ class ServerBase:
             reuse_port,
             keepalive(options),
             connection_age(options),
-            _positive(options, "grpc.max_concurrent_streams"),
+            max_streams(options),
         )
 
     def add_generic_rpc_handlers(self, generic_rpc_handlers: Iterable[grpc.GenericRpcHandler]) -> None:

@@ -105,8 +105,9 @@ pub mod fuzz {
         crate::http::x509::fuzz(data);
     }
 
-    /// The `:authority` filter's HPACK decoder, following one connection's dynamic table (a
-    /// client may grow it to 4096 bytes), for a target that compares it with another decoder.
+    /// The `:authority` filter's HPACK decoder, following one connection's dynamic table (as
+    /// large as the filter lets a client make it), for a target that compares it with another
+    /// decoder.
     pub struct Hpack(crate::http::hpack::Decoder);
 
     impl std::fmt::Debug for Hpack {
@@ -117,7 +118,7 @@ pub mod fuzz {
 
     impl Default for Hpack {
         fn default() -> Hpack {
-            Hpack(crate::http::hpack::Decoder::new(4096))
+            Hpack(crate::http::hpack::Decoder::new(crate::http::authority::HEADER_TABLE))
         }
     }
 

@@ -51,8 +51,9 @@ const MAX_FRAME: usize = 16_384;
 /// counts it: each field's name and value, and 32). The server advertises it as that setting,
 /// so a client that keeps to it never meets either bound.
 pub(crate) const MAX_BLOCK: usize = 1 << 20;
-#[cfg(test)]
-use crate::http::hpack::FIELD_OVERHEAD;
+/// The dynamic table a client's HPACK encoder may use: the SETTINGS_HEADER_TABLE_SIZE h2
+/// announces (its default). A hostile client cannot make the filter hold more.
+pub(crate) const HEADER_TABLE: usize = 4096;
 
 /// A header block being gathered from HEADERS and CONTINUATION frames.
 struct Block {
@@ -80,9 +81,7 @@ impl<S> AuthorityFix<S> {
     pub(crate) fn new(io: S) -> AuthorityFix<S> {
         AuthorityFix {
             io,
-            // The table size h2 advertises (its default): a client may not grow the table past
-            // it, so a hostile one cannot make us hold more.
-            decoder: crate::http::hpack::Decoder::new(4096),
+            decoder: crate::http::hpack::Decoder::new(HEADER_TABLE),
             raw: Vec::new(),
             out: Vec::new(),
             out_at: 0,
@@ -399,6 +398,7 @@ pub(crate) fn fuzz(data: &[u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http::hpack::FIELD_OVERHEAD;
 
     /// A client's bytes: the preface, a SETTINGS frame, one header block split over HEADERS and
     /// CONTINUATION (padded, with priority), a DATA frame.
@@ -448,7 +448,7 @@ mod tests {
             at += FRAME_HEADER_LEN + len;
         }
         let mut fields = Vec::new();
-        crate::http::hpack::Decoder::new(4096)
+        crate::http::hpack::Decoder::new(HEADER_TABLE)
             .decode(&block, usize::MAX, |n, v| fields.push((n.to_vec(), v.to_vec())))
             .expect("re-encoded block decodes");
         fields

@@ -237,14 +237,13 @@ impl Deframer {
     pub(crate) fn next(&mut self) -> Result<Option<Bytes>, Status> {
         if let Some(frame) = &mut self.frame {
             if frame.len() >= 5 {
-                let len = header(&frame[..5], self.encoding, self.limit)?;
+                let (len, compressed) = header(&frame[..5], self.encoding, self.limit)?;
                 if frame.len() >= 5 + len {
-                    let mut message = frame.split_to(5 + len);
+                    let message = frame.split_to(5 + len).split_off(5);
                     if frame.is_empty() {
                         self.frame = None;
                     }
-                    let compressed = message[0] == 1;
-                    return self.finish(message.split_off(5), compressed).map(Some);
+                    return self.finish(message, compressed).map(Some);
                 }
             }
             self.spill();
@@ -252,14 +251,12 @@ impl Deframer {
         if self.gather.len() < 5 {
             return Ok(None);
         }
-        let len = header(&self.gather[..5], self.encoding, self.limit)?;
+        let (len, compressed) = header(&self.gather[..5], self.encoding, self.limit)?;
         if self.gather.len() < 5 + len {
             self.gather.reserve((5 + len - self.gather.len()).min(RESERVE_MAX));
             return Ok(None);
         }
-        let mut message = self.gather.split_to(5 + len);
-        let compressed = message[0] == 1;
-        let message = message.split_off(5).freeze();
+        let message = self.gather.split_to(5 + len).split_off(5).freeze();
         self.finish(message, compressed).map(Some)
     }
 
@@ -277,17 +274,19 @@ impl Deframer {
     }
 }
 
-/// A message's length from its 5-byte prefix, if its flag and length are acceptable.
-fn header(head: &[u8], encoding: Option<Encoding>, limit: usize) -> Result<usize, Status> {
-    match (head[0], encoding) {
-        (0, _) | (1, Some(_)) => {}
+/// A message's length and whether it is compressed, from its 5-byte prefix, if its flag and
+/// length are acceptable.
+fn header(head: &[u8], encoding: Option<Encoding>, limit: usize) -> Result<(usize, bool), Status> {
+    let compressed = match (head[0], encoding) {
+        (0, _) => false,
+        (1, Some(_)) => true,
         (1, None) => {
             return Err(Status::new(Code::Internal, "a compressed message, but no grpc-encoding was given"));
         }
         (flag, _) => {
             return Err(Status::new(Code::Internal, format!("a message flag of {flag}: gRPC's are 0 and 1")));
         }
-    }
+    };
     let len = u32::from_be_bytes([head[1], head[2], head[3], head[4]]) as usize;
     if len > limit {
         return Err(Status::new(
@@ -295,7 +294,7 @@ fn header(head: &[u8], encoding: Option<Encoding>, limit: usize) -> Result<usize
             format!("received a {len}-byte message, larger than the limit of {limit} bytes"),
         ));
     }
-    Ok(len)
+    Ok((len, compressed))
 }
 
 /// Reads `grpc-timeout` (gRPC over HTTP/2: at most 8 digits and a unit).

@@ -44,15 +44,12 @@ pub(crate) struct Decoder {
     max_size: usize,
     /// The most a size update may set (the SETTINGS_HEADER_TABLE_SIZE the server announces).
     allowed: usize,
-    /// Scratch for a literal's name and value.
-    name: Vec<u8>,
-    value: Vec<u8>,
 }
 
 impl Decoder {
     /// A decoder whose client may use a dynamic table of up to `allowed` bytes.
     pub(crate) fn new(allowed: usize) -> Decoder {
-        Decoder { table: VecDeque::new(), size: 0, max_size: allowed, allowed, name: Vec::new(), value: Vec::new() }
+        Decoder { table: VecDeque::new(), size: 0, max_size: allowed, allowed }
     }
 
     /// Decodes one header block, calling `field` with each field's name and value in order,
@@ -67,6 +64,8 @@ impl Decoder {
         let mut at = 0;
         let mut list = 0usize;
         let mut fields_seen = false;
+        // A literal's name and value, decoded.
+        let (mut name, mut value) = (Vec::new(), Vec::new());
         while let Some(&first) = block.get(at) {
             if first & 0x80 != 0 {
                 // Indexed field.
@@ -92,36 +91,20 @@ impl Decoder {
                 let prefix = if indexing { 6 } else { 4 };
                 let (index, n) = integer(&block[at..], prefix)?;
                 at += n;
-                let mut name = std::mem::take(&mut self.name);
-                let mut value = std::mem::take(&mut self.value);
                 name.clear();
                 value.clear();
-                let read = (|| {
-                    if index == 0 {
-                        at += string(&block[at..], &mut name, bound - list)?;
-                    } else {
-                        let (known, _) = self.entry(index)?;
-                        if known.len() > bound - list {
-                            return Err(Error::TooLarge);
-                        }
-                        name.extend_from_slice(known);
-                    }
-                    let left = (bound - list).checked_sub(name.len()).ok_or(Error::TooLarge)?;
-                    at += string(&block[at..], &mut value, left)?;
-                    Ok(())
-                })();
-                let outcome = read.and_then(|()| within(list, name.len() + value.len(), bound));
-                match outcome {
-                    Ok(l) => {
-                        list = l;
-                        field(&name, &value);
-                        if indexing {
-                            self.insert(&name, &value);
-                        }
-                        self.name = name;
-                        self.value = value;
-                    }
-                    Err(e) => return Err(e),
+                // An indexed name is at most the table's size; a new one, and the value, are
+                // held to what is left of the bound as they are read.
+                if index == 0 {
+                    at += string(&block[at..], &mut name, bound - list)?;
+                } else {
+                    name.extend_from_slice(self.entry(index)?.0);
+                }
+                at += string(&block[at..], &mut value, (bound - list).saturating_sub(name.len()))?;
+                list = within(list, name.len() + value.len(), bound)?;
+                field(&name, &value);
+                if indexing {
+                    self.insert(&name, &value);
                 }
             }
             fields_seen = true;
