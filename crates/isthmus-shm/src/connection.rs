@@ -1045,6 +1045,8 @@ pub struct Receiver {
     /// `Core::max_reassembly`.
     reassembling: u64,
     pool: Arc<BufferPool>,
+    /// `Config::copy_received`: whole arena messages are copied out as they arrive.
+    copy_received: bool,
     /// Our `bytes_sent` when the peer's last frame came in (see [`Core::rx_waiter`]); read by
     /// blocking waits only.
     heard: u64,
@@ -1123,6 +1125,10 @@ impl Receiver {
         if d.len == d.total && !self.partial.contains_key(&h.stream) {
             if d.total > c.max_message_size {
                 return Err(self.too_large(h.stream, d.total));
+            }
+            if self.copy_received {
+                return self.copied(h.stream, &lease, d.len).map(|b| Some(frame(b)));
+                // the block goes back here
             }
             return Ok(Some(frame(Bytes::from_owner(lease))));
         }
@@ -1207,7 +1213,22 @@ impl Receiver {
         if d.total > c.max_message_size {
             return Err(self.too_large(h.stream, d.total)); // the lease's drop gives it back
         }
+        if self.copy_received {
+            return self.copied(h.stream, &lease, d.len);
+        }
         Ok(Bytes::from_owner(lease))
+    }
+
+    /// A whole message's bytes in our own memory (`Config::copy_received`); its block goes back
+    /// when the caller drops `lease`. No memory for it fails the message, not the connection.
+    fn copied(&self, stream: u64, lease: &Lease, len: u64) -> Result<Bytes> {
+        // Not from the pool, whose spare may be far larger than a message held this long.
+        let mut buf = Vec::new();
+        if lease.copy_into(&mut buf).is_err() {
+            let what = format!("stream {stream}: could not reserve memory for a {len}-byte message");
+            return Err(Error::new(ErrorKind::MessageTooLarge, what).on_stream(stream));
+        }
+        Ok(Bytes::from(buf))
     }
 
     fn too_large(&self, stream: u64, size: u64) -> Error {
@@ -1443,6 +1464,7 @@ impl Connection {
             partial: HashMap::new(),
             reassembling: 0,
             pool: Arc::default(),
+            copy_received: cfg.copy_received,
             heard: 0,
         };
         Connection { sender: Sender { core }, receiver }

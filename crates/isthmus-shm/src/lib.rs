@@ -184,7 +184,8 @@ pub mod fuzz {
 
     /// Fills a client's ring and arena with `data` as a hostile client would, then reads them as
     /// the server's `Receiver` does: frames, arena descriptors, and messages in pieces with their
-    /// reassembly, under small limits taken from `data` (`max_message_size`, `max_reassembly`).
+    /// reassembly, under small limits taken from `data` (`max_message_size`, `max_reassembly`),
+    /// reading whole messages in place or copying them out (`copy_received`) as `data` says.
     pub fn receive(data: &[u8]) {
         use crate::connection::{Bells, Parts, SharedSide};
         use crate::doorbell::Bell;
@@ -213,6 +214,7 @@ pub mod fuzz {
         let cfg = Config {
             max_message_size: limits % (256 << 10),
             max_reassembly: Some((limits >> 32) % (128 << 10)),
+            copy_received: limits & (1 << 31) != 0,
             ..Config::default()
         };
         let mut receiver = Connection::from_parts(parts, &cfg).receiver;

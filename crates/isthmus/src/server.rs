@@ -59,7 +59,9 @@
 //!   HTTP/2 calls to tonic services get tonic's settings (set message limits on the generated
 //!   `FooServer`). All HTTP/2 calls to handlers share the loopback's one connection, so
 //!   `ServerStats` shows one connection; `max_concurrent_streams` holds each HTTP/2 connection in
-//!   its settings instead.
+//!   its settings instead. Both its ends copy what arrives out of its arena (ADR 0036), so one
+//!   HTTP/2 client that reads slowly holds its streams' windows in memory, not the arena the
+//!   other clients' calls need.
 //! - The loopback is a real socket in the private runtime directory, reachable by processes of the
 //!   same user as the named endpoints are; it costs each HTTP/2 handler call one more local hop
 //!   (about 2 µs beside HTTP/2's tens of µs), and the HTTP/2 peer's address does not cross it.
@@ -453,11 +455,15 @@ impl Server {
             // tonic service takes go through the bridge to a private shm:// endpoint of this
             // server (ADR 0007). One local hop (~2 µs) is small beside HTTP/2's own cost.
             let target = loopback_target();
-            loopback = Some(bind_shm(&target, &this.config, true)?);
+            // Both ends take what arrives out of the arena: the one connection carries every
+            // HTTP/2 client's calls, so a client that reads slowly (or a handler) holds its
+            // streams' windows in memory, not the arena all of them need (ADR 0036).
+            let config = Config { copy_received: true, ..this.config.clone() };
+            loopback = Some(bind_shm(&target, &config, true)?);
             // The server's message limit is on what it receives: its replies may be larger, and
             // the loopback's client side takes them as any client would (its requests are held
             // to the limit by the bridge, and by the shm:// side again).
-            let replies = Config { max_message_size: u64::MAX, max_reassembly: None, ..this.config.clone() };
+            let replies = Config { max_message_size: u64::MAX, max_reassembly: None, ..config };
             let channel = crate::Channel::lazy_with(&target, replies)?;
             let max_request = this.max_message.unwrap_or(this.config.max_message_size.min(HTTP_MAX_MESSAGE));
             let max_request = usize::try_from(max_request).unwrap_or(usize::MAX);

@@ -83,6 +83,89 @@ fn a_server_that_does_not_read_holds_back_a_streaming_client() {
     });
 }
 
+/// Three echoes of 100 kB (too large to go inline) from a new HTTP/2 connection to `http`, each
+/// answered within 10 s.
+async fn another_client_is_answered(http: &str) {
+    let other = Channel::builder(http).upgrade(false).connect().await.expect("connect");
+    let opts = CallOptions { timeout: Some(Duration::from_secs(10)), ..CallOptions::default() };
+    for i in 0..3 {
+        let m = isthmus_tests::pattern(100_000, i);
+        let r = other.unary("/test.Echo/Unary", &m, opts.clone()).await.expect("another client's call");
+        assert!(r.message[..] == m[..], "reply {i} differs");
+    }
+}
+
+#[test]
+fn an_http2_client_that_reads_no_replies_holds_up_no_other_clients_replies() {
+    // Every HTTP/2 call to a handler goes through the server's one loopback connection. A client
+    // that reads none of the replies of 24 floods (a window of 4 MiB each, 96 MiB in all) filled
+    // that connection's 64 MiB arena, and every other client's replies too large to go inline
+    // waited for room until their deadlines. The loopback now takes what arrives out of its
+    // arena (ADR 0036): each flood holds its window in the server's memory, none of the arena.
+    let shm = fresh_addr("h2hog");
+    let mut server = Peer::spawn_bin("rpc-peer", &[&format!("{shm},http://127.0.0.1:0")]);
+    let http = server.expect_line("LISTENING ", Duration::from_secs(30))["LISTENING ".len()..].to_owned();
+    run(async move {
+        let hog = Channel::builder(&http).upgrade(false).connect().await.expect("connect");
+        let mut floods = Vec::new();
+        for _ in 0..24 {
+            let mut flood = hog.start("/test.Echo/Flood", CallOptions::default()).await.expect("start");
+            flood.send_last(b"go").await.expect("request");
+            floods.push(flood);
+        }
+        // Every flood gets to use up its window (beyond it, the HTTP/2 connection's own).
+        let admin = Channel::connect(&shm).await.expect("connect");
+        let windows = 24 * fit(64 << 10);
+        let rt = tokio::runtime::Handle::current();
+        let filled = tokio::task::spawn_blocking(move || {
+            eventually(Duration::from_secs(30), || rt.block_on(flood_sent(&admin)) >= windows)
+        })
+        .await
+        .expect("poll");
+        assert!(filled, "the floods were held back before they used up their windows");
+        another_client_is_answered(&http).await;
+        drop(floods);
+    });
+}
+
+#[test]
+fn an_http2_client_whose_requests_are_not_read_holds_up_no_other_clients_requests() {
+    // The other way through the loopback: 24 calls whose handler never reads (Stall), each sent
+    // all its window lets through, no longer fill the arena that other clients' requests of
+    // 100 kB need.
+    let mut server = Peer::spawn_bin("rpc-peer", &[&format!("{},http://127.0.0.1:0", fresh_addr("h2stall"))]);
+    let http = server.expect_line("LISTENING ", Duration::from_secs(30))["LISTENING ".len()..].to_owned();
+    run(async move {
+        let hog = Channel::builder(&http).upgrade(false).connect().await.expect("connect");
+        let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let mut stalls = Vec::new();
+        for _ in 0..24 {
+            let mut call = hog.start("/test.Echo/Stall", CallOptions::default()).await.expect("start");
+            let sent = sent.clone();
+            stalls.push(tokio::spawn(async move {
+                let message = vec![7u8; 64 << 10];
+                while call.send(&message).await.is_ok() {
+                    sent.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                }
+            }));
+        }
+        // What the 24 windows take in all, more than the arena holds; the HTTP/2 connection
+        // holds a little more.
+        let windows = 24 * fit(64 << 10);
+        let filled = tokio::task::spawn_blocking({
+            let sent = sent.clone();
+            move || eventually(Duration::from_secs(30), || sent.load(std::sync::atomic::Ordering::SeqCst) >= windows)
+        })
+        .await
+        .expect("poll");
+        assert!(filled, "the stalled calls were held back before they used up their windows");
+        another_client_is_answered(&http).await;
+        for stall in stalls {
+            stall.abort();
+        }
+    });
+}
+
 /// `n` calls to `rpc-peer`'s Sleep on `ch`, each once its handler says it sleeps.
 async fn sleeping(ch: &Channel, server: &mut Peer, n: usize) -> Vec<isthmus::ClientCall> {
     let mut sleepers = Vec::new();

@@ -37,6 +37,35 @@ fn round_trips_at_every_size() {
 }
 
 #[test]
+fn a_receiver_that_copies_what_arrives_holds_none_of_the_peers_arena() {
+    // 96 messages of 1 MiB, all held, through the peer's 64 MiB arena: read in place they would
+    // keep its blocks and the echo would wait for room; copied out as they arrive
+    // (`copy_received`, what a server's loopback does, ADR 0036) they keep none.
+    let (_peer, addr) = echo_peer("copyout");
+    watchdog(Duration::from_secs(300), move || {
+        const N: u64 = 96;
+        let cfg = Config { copy_received: true, ..Config::default() };
+        let Connection { sender, mut receiver } = Connection::connect(&addr, &cfg).expect("connect");
+        let writer = std::thread::spawn(move || {
+            for stream in 1..=N {
+                let deadline = Some(Instant::now() + Duration::from_secs(60));
+                sender.send_message(stream, flags::END_STREAM, &pattern(1 << 20, stream), deadline).expect("send");
+            }
+            sender
+        });
+        let mut held = Vec::new();
+        for _ in 0..N {
+            let f =
+                receiver.recv(Some(Instant::now() + Duration::from_secs(60))).expect("an echo, the earlier ones held");
+            assert_eq!((f.body.len(), first_mismatch(&f.body, f.stream)), (1 << 20, None), "stream {}", f.stream);
+            held.push(f);
+        }
+        let sender = writer.join().expect("writer");
+        assert_eq!(sender.counters().bytes_received, N << 20);
+    });
+}
+
+#[test]
 fn ten_thousand_messages_from_eight_threads_arrive_intact() {
     const THREADS: u64 = 8;
     const PER_THREAD: u64 = 1250;
