@@ -2,6 +2,9 @@
 //! `:authority` filter's HPACK decoder and, beside it, by `fluke-hpack` (the decoder it
 //! replaced). Ours must never panic; where both decode a block they must agree on every field,
 //! which checks the static table, the Huffman code and the dynamic table's evictions.
+//! `fluke-hpack` spends ~18 µs on each Huffman-coded string (the reason for ADR 0035), so it
+//! sees only blocks of a few fields, and a connection's blocks after one it did not see go to
+//! ours alone (its dynamic table would differ from there): runs reach millions.
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
@@ -20,8 +23,16 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     let mut ours = isthmus::fuzz::Hpack::default();
     let mut theirs = fluke_hpack::Decoder::new();
     theirs.set_max_allowed_table_size(4096);
+    let mut compared = true;
     for block in rest.chunks(usize::from(step).max(1)) {
         let mine = ours.decode(block);
+        compared &= mine.as_ref().is_some_and(|fields| fields.len() <= COMPARED_FIELDS);
+        if !compared {
+            if mine.is_none() {
+                return;
+            }
+            continue;
+        }
         let other = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| theirs.decode(block)));
         match (mine, other) {
             (Some(mine), Ok(Ok(other))) => assert_eq!(mine, other, "the decoders disagree on {block:02x?}"),
@@ -30,3 +41,6 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         }
     }
 });
+
+/// The most fields a block `fluke-hpack` decodes too may have: two strings each at most.
+const COMPARED_FIELDS: usize = 8;
