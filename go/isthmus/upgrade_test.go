@@ -1,6 +1,7 @@
 package isthmus_test
 
 import (
+	"bytes"
 	"context"
 	"os"
 	"os/exec"
@@ -83,5 +84,34 @@ func TestWithUpgradeOverrulesTheProcessDefault(t *testing.T) {
 	out, err := child.CombinedOutput()
 	if err != nil {
 		t.Fatalf("the child with ISTHMUS_UPGRADE=1: %v\n%s", err, out)
+	}
+}
+
+// A connection's first calls go over HTTP/2 while its probe runs, where a server takes 4 MiB
+// unless told otherwise (ADR 0034): a unary request larger than that waits for the probe and
+// goes over shm:// (it failed codes.ResourceExhausted).
+func TestAFirstRequestTooLargeForHTTP2WaitsForTheMove(t *testing.T) {
+	shm, unix := fresh(t, "upgrade-large")
+	p := startPeer(t, goPeerBin, shm, unix)
+	conn, err := isthmus.Dial(p.addresses[0], isthmus.WithUpgrade(true))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	payload := make([]byte, 8<<20)
+	for i := range payload {
+		payload[i] = byte(i)
+	}
+	reply, err := pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{Payload: payload})
+	if err != nil {
+		t.Fatalf("the first call: %v", err)
+	}
+	if !bytes.Equal(reply.GetPayload(), payload) {
+		t.Fatal("the echo differs")
+	}
+	if n := conn.TransportStats().CallsStarted; n != 1 {
+		t.Fatalf("calls over shm://: %d, want 1", n)
 	}
 }

@@ -97,6 +97,29 @@ def test_asyncio_channels_move_too(cert_dir: tuple[certs.Certs, Path]) -> None:
         assert started >= 1, started
 
 
+def test_a_first_request_too_large_for_http2_waits_for_the_move(cert_dir: tuple[certs.Certs, Path]) -> None:
+    # A channel's first calls go over HTTP/2 while its probe runs, where the server takes 4 MiB
+    # unless told otherwise (ADR 0034): a unary request larger than that waits for the probe and
+    # goes over shm:// (it failed RESOURCE_EXHAUSTED), from the blocking and the asyncio API.
+    large = b"x" * (8 << 20)
+    with Server("isthmus", cert_dir[1], "none", "localhost:0", shm_name()) as server:
+        target = f"localhost:{server.ports[0]}"
+        with isthmus.insecure_channel(target) as channel:
+            assert channel.upgrade_status() == "pending"
+            peer = json.loads(channel.unary_unary(METHOD)(large, timeout=30))["peer"]
+            assert peer.startswith(f"shm:pid={os.getpid()},"), peer
+            assert channel.transport_counts() == {"shm": 1, "http2": 0}
+
+        async def first() -> tuple[str, dict[str, int]]:
+            async with isthmus.aio.insecure_channel(target) as channel:
+                reply = await channel.unary_unary(METHOD)(large, timeout=30)
+                return json.loads(reply)["peer"], channel.transport_counts()
+
+        peer, counts = asyncio.run(first())
+        assert peer.startswith(f"shm:pid={os.getpid()},"), peer
+        assert counts == {"shm": 1, "http2": 0}, counts
+
+
 @pytest.mark.parametrize("case", ["grpcio", "no-offer"])
 def test_servers_that_offer_nothing_keep_http2(cert_dir: tuple[certs.Certs, Path], case: str) -> None:
     kind = "grpcio" if case == "grpcio" else "isthmus"

@@ -237,6 +237,21 @@ impl Peer {
         p
     }
 
+    /// `rpc-peer` on a fresh `shm://` address (tagged `tag`) and a TCP port, with `args` after
+    /// its addresses: the peer, its `shm://` address and its HTTP/2 one (`http://127.0.0.1:PORT`).
+    pub fn rpc_peer_with_http(tag: &str, args: &[&str]) -> (Peer, String, String) {
+        let shm = fresh_addr(tag);
+        let addresses = format!("{shm},http://127.0.0.1:0");
+        let mut peer = Peer::spawn_bin("rpc-peer", &[&[addresses.as_str()], args].concat());
+        let http = peer.http_address();
+        (peer, shm, http)
+    }
+
+    /// The address of the peer's next HTTP/2 endpoint, as it announces it (`LISTENING ADDRESS`).
+    pub fn http_address(&mut self) -> String {
+        self.expect_line("LISTENING ", Duration::from_secs(30))["LISTENING ".len()..].to_owned()
+    }
+
     /// Reads stdout lines until one starts with `prefix`; returns it. Panics if the peer exits
     /// first or nothing matching arrives within `patience` (a watchdog, not a timing test).
     pub fn expect_line(&mut self, prefix: &str, patience: Duration) -> String {

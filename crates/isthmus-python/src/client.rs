@@ -233,6 +233,16 @@ impl Channel {
         None
     }
 
+    /// [`upgraded`](Self::upgraded) for a unary request of `len` bytes, which waits for a
+    /// probe under way first if HTTP/2 would likely refuse the request
+    /// (`isthmus::Channel::settle_upgrade`). Blocks: call without the GIL.
+    fn settled_upgrade(&self, len: usize, timeout: Option<std::time::Duration>) -> Option<isthmus::blocking::Channel> {
+        if len as u64 > isthmus::HTTP_MAX_MESSAGE {
+            runtime().block_on(self.engine.settle_upgrade(len, timeout));
+        }
+        self.upgraded()
+    }
+
     /// One unary call, the GIL released while it runs.
     fn call_unary(
         &self,
@@ -246,7 +256,7 @@ impl Channel {
         }
         let response = match &self.blocking {
             Some(channel) => py.detach(|| channel.unary(path, request, options)),
-            None => py.detach(|| match self.upgraded() {
+            None => py.detach(|| match self.settled_upgrade(request.len(), options.timeout) {
                 Some(channel) => channel.unary(path, request, options),
                 None => runtime().block_on(self.direct.unary(path, request, options)),
             }),

@@ -476,6 +476,22 @@ impl Channel {
         self.route().map(|(_, to)| to)
     }
 
+    /// For a unary request of `len` bytes, more than an HTTP/2 server takes unless told
+    /// otherwise ([`HTTP_MAX_MESSAGE`](crate::HTTP_MAX_MESSAGE), gRPC's 4 MiB): if this channel
+    /// to an HTTP/2 address is probing for the move to shared memory, or due to, waits (within
+    /// `timeout`) for the probe to end, so that the call takes the move when there is one, where
+    /// HTTP/2 would refuse it RESOURCE_EXHAUSTED (a channel's first calls go over HTTP/2 while
+    /// its probe runs). At once otherwise. `unary` does this itself; bindings with a fast path of
+    /// their own call it before [`route_for_binding`](Self::route_for_binding).
+    pub async fn settle_upgrade(&self, len: usize, timeout: Option<std::time::Duration>) {
+        if len as u64 <= crate::HTTP_MAX_MESSAGE {
+            return;
+        }
+        if let Some(up) = self.upgrade().filter(|_| self.routes) {
+            up.settle(self, timeout.map(|t| tokio::time::Instant::now() + t)).await;
+        }
+    }
+
     /// For bindings: the binding's own connection to `to` failed, so the call that
     /// [`route_for_binding`](Self::route_for_binding) counted over shared memory goes over
     /// HTTP/2 (and is counted there), as do the next ones; a probe runs again later.
@@ -707,6 +723,7 @@ impl Channel {
 
     /// [`unary`](Self::unary) over HTTP/2.
     async fn unary_http(&self, path: &str, request: &[u8], options: CallOptions) -> Result<Response, Status> {
+        self.settle_upgrade(request.len(), options.timeout).await;
         let mut call = self.start(path, options).await?;
         call.send_last(request).await?;
         let message = call.recv().await?.ok_or_else(|| no_response(path))?;

@@ -11,7 +11,8 @@
 //! plain gRPC server does.
 //!
 //! **The move.** A channel's first call goes over HTTP/2 and starts a probe beside it: it asks
-//! for the offer on the HTTP/2 connection itself. The offer is taken only if three things the
+//! for the offer on the HTTP/2 connection itself. (A unary request larger than HTTP/2 servers
+//! take by default waits for the probe instead, `Channel::settle_upgrade`.) The offer is taken only if three things the
 //! kernel, not the peer, vouches for agree:
 //! - the process at the other end of the channel's own HTTP/2 connection is the offered pid
 //!   (`SO_PEERCRED` for a unix socket; for TCP, the server's end of the connection found in
@@ -221,6 +222,8 @@ pub(crate) struct Upgrade {
     http_peer: HttpPeer,
     shm: AtomicU64,
     http2: AtomicU64,
+    /// Told when a probe ends (`ProbeGuard`), for calls that wait for it (`settle`).
+    probe_ended: tokio::sync::Notify,
 }
 
 impl Upgrade {
@@ -233,6 +236,7 @@ impl Upgrade {
             http_peer,
             shm: AtomicU64::new(0),
             http2: AtomicU64::new(0),
+            probe_ended: tokio::sync::Notify::new(),
         }
     }
 
@@ -250,14 +254,45 @@ impl Upgrade {
                 *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true };
                 None
             }
-            State::Idle { next_probe, probed } if Instant::now() >= *next_probe => {
-                let Ok(runtime) = tokio::runtime::Handle::try_current() else { return None };
-                let probed = *probed;
-                *state = State::Probing { probed };
-                runtime.spawn(probe(self.clone(), http.clone()));
+            State::Idle { .. } => {
+                self.probe_if_due(&mut state, http);
                 None
             }
             _ => None,
+        }
+    }
+
+    /// Starts a probe over `http` if one is due (inside a tokio runtime); whether one runs now.
+    fn probe_if_due(self: &Arc<Self>, state: &mut State, http: &Channel) -> bool {
+        match *state {
+            State::Probing { .. } => true,
+            State::Idle { next_probe, probed } if Instant::now() >= next_probe => {
+                let Ok(runtime) = tokio::runtime::Handle::try_current() else { return false };
+                *state = State::Probing { probed };
+                runtime.spawn(probe(self.clone(), http.clone()));
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// Waits for the probe under way, or due now (which it starts), to end, until `until` at
+    /// the latest; at once if none is. For a call that HTTP/2 would likely refuse and the move
+    /// would carry (`Channel::settle_upgrade`).
+    pub(crate) async fn settle(self: &Arc<Self>, http: &Channel, until: Option<tokio::time::Instant>) {
+        let ended = self.probe_ended.notified();
+        tokio::pin!(ended);
+        {
+            let Some(mut state) = self.state() else { return };
+            if !self.probe_if_due(&mut state, http) {
+                return;
+            }
+            // Before the lock goes: the probe's end, under the same lock, cannot come unseen.
+            ended.as_mut().enable();
+        }
+        match until {
+            Some(until) => drop(tokio::time::timeout_at(until, ended).await),
+            None => ended.await,
         }
     }
 
@@ -356,6 +391,7 @@ impl Drop for ProbeGuard {
                 *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true };
             }
         }
+        self.0.probe_ended.notify_waiters();
     }
 }
 

@@ -944,7 +944,7 @@ fn http2_takes_requests_up_to_grpcs_4_mib_unless_the_server_says_otherwise() {
     let mut peer = Peer::command(
         Command::new(isthmus_tests::peer_bin("rpc-peer")).arg(&targets).env("RPC_PEER_MAX_MESSAGE", "8388608"),
     );
-    let unix = peer.expect_line("LISTENING ", Duration::from_secs(30))["LISTENING ".len()..].to_owned();
+    let unix = peer.http_address();
     run(async move {
         for addr in [shm, unix] {
             let ch = Channel::builder(&addr).upgrade(false).connect().await.expect("connect");
@@ -972,9 +972,7 @@ fn requests_compressed_with_gzip_or_deflate_reach_the_handlers() {
     // Path handlers answer HTTP/2 through the server's private shm:// endpoint, whose bridge
     // inflates what the client compressed (tonic's client, and isthmus's asked to compress),
     // within the server's 1 MiB limit. (unix:// takes the same way once accepted.)
-    let shm = fresh_addr("gzip");
-    let mut server = Peer::spawn_bin("rpc-peer", &[&format!("{shm},http://127.0.0.1:0"), "1048576"]);
-    let addr = server.expect_line("LISTENING ", Duration::from_secs(30))["LISTENING ".len()..].to_owned();
+    let (_server, shm, addr) = Peer::rpc_peer_with_http("gzip", &["1048576"]);
     run(async move {
         let message = pattern(4096, 7).repeat(64); // 256 KiB that compresses well
         {

@@ -102,9 +102,7 @@ fn an_http2_client_that_reads_no_replies_holds_up_no_other_clients_replies() {
     // that connection's 64 MiB arena, and every other client's replies too large to go inline
     // waited for room until their deadlines. The loopback now takes what arrives out of its
     // arena (ADR 0036): each flood holds its window in the server's memory, none of the arena.
-    let shm = fresh_addr("h2hog");
-    let mut server = Peer::spawn_bin("rpc-peer", &[&format!("{shm},http://127.0.0.1:0")]);
-    let http = server.expect_line("LISTENING ", Duration::from_secs(30))["LISTENING ".len()..].to_owned();
+    let (_server, shm, http) = Peer::rpc_peer_with_http("h2hog", &[]);
     run(async move {
         let hog = Channel::builder(&http).upgrade(false).connect().await.expect("connect");
         let mut floods = Vec::new();
@@ -133,8 +131,7 @@ fn an_http2_client_whose_requests_are_not_read_holds_up_no_other_clients_request
     // The other way through the loopback: 24 calls whose handler never reads (Stall), each sent
     // all its window lets through, no longer fill the arena that other clients' requests of
     // 100 kB need.
-    let mut server = Peer::spawn_bin("rpc-peer", &[&format!("{},http://127.0.0.1:0", fresh_addr("h2stall"))]);
-    let http = server.expect_line("LISTENING ", Duration::from_secs(30))["LISTENING ".len()..].to_owned();
+    let (_server, _, http) = Peer::rpc_peer_with_http("h2stall", &[]);
     run(async move {
         let hog = Channel::builder(&http).upgrade(false).connect().await.expect("connect");
         let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
@@ -184,8 +181,7 @@ fn an_http2_connection_is_held_to_the_stream_limit_in_its_settings() {
     // MaxConcurrentStreams: a third call on a connection with two open waits for a place (it
     // was refused RESOURCE_EXHAUSTED), and another connection is not counted with it (all
     // HTTP/2 calls to handlers counted together, through the loopback they share).
-    let mut server = Peer::spawn_bin("rpc-peer", &[&format!("{},http://127.0.0.1:0", fresh_addr("h2limit")), "0", "2"]);
-    let addr = server.expect_line("LISTENING ", Duration::from_secs(30))["LISTENING ".len()..].to_owned();
+    let (mut server, _, addr) = Peer::rpc_peer_with_http("h2limit", &["0", "2"]);
     run(async move {
         let ch = Channel::builder(&addr).upgrade(false).connect().await.expect("connect");
         let mut sleepers = sleeping(&ch, &mut server, 2).await;

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use isthmus::{CallOptions, Channel, Code, Keepalive};
-use isthmus_tests::{fresh_addr, run, OnDrop, Peer};
+use isthmus_tests::{run, OnDrop, Peer};
 
 /// A TCP proxy to `upstream` that forwards both ways until it is frozen. Frozen, it reads what
 /// either side sends and drops it, and keeps every socket open: to both ends the connection is
@@ -88,9 +88,8 @@ fn pump(mut from: TcpStream, mut to: TcpStream, frozen: &AtomicBool) {
 /// `rpc-peer` on shm:// (which its handlers answer HTTP/2 through) and TCP, and a proxy to the
 /// latter.
 fn server_behind_a_proxy(tag: &str) -> (Peer, SilentProxy) {
-    let mut server = Peer::spawn_bin("rpc-peer", &[&format!("{},http://127.0.0.1:0", fresh_addr(tag))]);
-    let line = server.expect_line("LISTENING ", Duration::from_secs(30));
-    let upstream = line["LISTENING ".len()..].trim_start_matches("http://").to_owned();
+    let (server, _, http) = Peer::rpc_peer_with_http(tag, &[]);
+    let upstream = http.trim_start_matches("http://").to_owned();
     (server, SilentProxy::to(upstream))
 }
 

@@ -108,11 +108,7 @@ fn a_generated_client_that_compresses_works_on_every_transport() {
     let (shm, unix) = (fresh_addr("gzip"), format!("unix://{}", fresh_socket("gzip").display()));
     let targets = [shm.as_str(), unix.as_str(), "http://127.0.0.1:0"];
     let mut server = Peer::command(Command::new(peer_bin("tonic-peer")).args(targets).env("ISTHMUS_SEND_GZIP", "1"));
-    let targets: Vec<String> = std::iter::once(shm.clone())
-        .chain(
-            (0..2).map(|_| server.expect_line("LISTENING ", Duration::from_secs(30))["LISTENING ".len()..].to_owned()),
-        )
-        .collect();
+    let targets: Vec<String> = std::iter::once(shm.clone()).chain((0..2).map(|_| server.http_address())).collect();
     run(async move {
         let payload = pattern(4096, 3).repeat(32);
         for addr in &targets {

@@ -86,6 +86,24 @@ fn http2_calls_to_a_local_isthmus_server_move_to_shm() {
 }
 
 #[test]
+fn a_first_request_too_large_for_http2_waits_for_the_move() {
+    // A channel's first calls go over HTTP/2 while its probe runs, where a server takes 4 MiB
+    // unless told otherwise (ADR 0034): a unary request larger than that waits for the probe,
+    // and goes over shm:// (it failed RESOURCE_EXHAUSTED).
+    let (_server, _, http) = Peer::rpc_peer_with_http("upgrade-large", &[]);
+    run(async move {
+        let channel = Channel::connect(&http).await.expect("connect");
+        assert_eq!(channel.upgrade_status(), UpgradeStatus::Pending);
+        let request = isthmus_tests::pattern(8 << 20, 1);
+        let options = isthmus::CallOptions { timeout: Some(Duration::from_secs(30)), ..Default::default() };
+        let response = channel.unary("/test.Echo/Unary", &request, options).await.expect("the first call");
+        assert!(response.message[..] == request[..], "the echo differs");
+        assert!(matches!(channel.upgrade_status(), UpgradeStatus::Shm(_)), "{:?}", channel.upgrade_status());
+        assert_eq!(channel.transport_counts(), isthmus::TransportCounts { shm: 1, http2: 0 });
+    });
+}
+
+#[test]
 fn a_server_that_offers_nothing_keeps_its_clients_on_http2() {
     let shm = fresh_addr("no-offer");
     let mut command = std::process::Command::new(isthmus_tests::peer_bin("tonic-peer"));
