@@ -106,15 +106,29 @@ class _MultiCallable:
     def _with_credentials(
         self, metadata: Any, credentials: grpc.CallCredentials | None, timeout: float | None
     ) -> Any:
-        """The call's metadata with what its call credentials give (`Auth.metadata`); a call
-        they fail raises grpc's error, as grpcio's does (on the calling thread, for a future
-        or a stream too)."""
+        """The call's metadata with what its call credentials give (`Auth.metadata`); a
+        blocking call they fail raises grpc's error, as grpcio's does."""
         if credentials is None and not self._auth.plugins:
             return metadata
         try:
             return self._auth.metadata(metadata, credentials, self._path, timeout)
         except CallError as e:
             raise rpc_error(e) from None
+
+    def _asked(
+        self, metadata: Any, credentials: grpc.CallCredentials | None, timeout: float | None
+    ) -> tuple[Any, Call | None]:
+        """`_with_credentials` for a call that returns a future or a response stream: a
+        failure of its call credentials is that call, ended with it, as grpcio returns it
+        (and raises it from `result()` or the first read), where a blocking call raises."""
+        if credentials is None and not self._auth.plugins:
+            return metadata, None
+        try:
+            return self._auth.metadata(metadata, credentials, self._path, timeout), None
+        except CallError as e:
+            failed = Call(self._deserialize, timeout)
+            failed._end(e)
+            return None, failed
 
     def _encode(self, request: Any) -> bytes:
         """The request serialised; a serializer's failure raises grpc's INTERNAL error."""
@@ -284,7 +298,9 @@ class UnaryUnaryMultiCallable(_native.UnaryCallable, _MultiCallable, grpc.UnaryU
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        metadata = self._with_credentials(metadata, credentials, timeout)
+        metadata, failed = self._asked(metadata, credentials, timeout)
+        if failed is not None:
+            return failed
         return self._future(
             self._encode(request), timeout, metadata, wait_for_ready, self._encoding(compression)
         )
@@ -307,7 +323,9 @@ class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        metadata = self._with_credentials(metadata, credentials, timeout)
+        metadata, failed = self._asked(metadata, credentials, timeout)
+        if failed is not None:
+            return failed
         return self._stream(
             self._encode(request), timeout, metadata, wait_for_ready, self._encoding(compression)
         )
@@ -352,7 +370,9 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        metadata = self._with_credentials(metadata, credentials, timeout)
+        metadata, failed = self._asked(metadata, credentials, timeout)
+        if failed is not None:
+            return failed
         return self._future(
             iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
         )
@@ -368,7 +388,9 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        metadata = self._with_credentials(metadata, credentials, timeout)
+        metadata, failed = self._asked(metadata, credentials, timeout)
+        if failed is not None:
+            return failed
         return self._stream(
             iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
         )

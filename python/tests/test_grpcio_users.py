@@ -1440,6 +1440,36 @@ def test_call_credentials_send_their_metadata_as_grpcios_do(kind: str, tmp_path:
             server.stop(None)
 
 
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_failing_plugin_fails_the_future_or_stream_not_the_call_making_it(kind: str, tmp_path: Any) -> None:
+    """A future (`.future()`) or a response stream whose call credentials fail is returned
+    all the same, and ends with the failure: `result()` and the first read raise it, as
+    grpcio's do. isthmus raised it from the call that made the future or the stream."""
+    module: Any = grpc if kind == "grpcio" else isthmus
+    servers, targets, _ = _auth_servers(tmp_path)
+    failing = grpc.metadata_call_credentials(_Raises())
+    want = (grpc.StatusCode.UNAVAILABLE, "Getting metadata from plugin failed with error: no token here")
+    try:
+        local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+        with module.secure_channel(targets[kind], local) as channel:
+            futures_ = (
+                channel.unary_unary("/t.Auth/Unary").future(b"", timeout=10, credentials=failing),
+                channel.stream_unary("/t.Auth/Requests").future(iter([b""]), timeout=10, credentials=failing),
+            )
+            for future in futures_:
+                assert (future.code(), future.details()) == want
+                with pytest.raises(grpc.RpcError) as raised:
+                    future.result()
+                assert (raised.value.code(), raised.value.details()) == want
+            stream = channel.unary_stream("/t.Auth/Stream")(b"", timeout=10, credentials=failing)
+            with pytest.raises(grpc.RpcError) as raised:
+                next(stream)
+            assert (raised.value.code(), raised.value.details()) == want
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
 @pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
 def test_asyncio_call_credentials_send_their_metadata_as_grpc_aios_do(kind: str, tmp_path: Any) -> None:
     """The same through grpc.aio's API: per call and composed into the channel's credentials;
