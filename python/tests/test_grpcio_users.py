@@ -1509,6 +1509,51 @@ def test_asyncio_call_credentials_send_their_metadata_as_grpc_aios_do(kind: str,
             server.stop(None)
 
 
+class _NeedsTheLoop(grpc.AuthMetadataPlugin):
+    """Waits (up to 10 s) for the event loop to let it go, then answers through that loop: a
+    plugin asked on the loop's own thread hears nothing and fails the call."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.go = threading.Event()
+
+    def __call__(self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback) -> None:
+        if not self.go.wait(10):
+            raise RuntimeError("the loop never ran while the plugin waited")
+        self.loop.call_soon_threadsafe(callback, (("x-ctx", context.method_name),), None)
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_asyncio_call_credentials_are_asked_off_the_loop_as_grpc_aios_are(kind: str, tmp_path: Any) -> None:
+    """grpc.aio asks call credentials' plugins on a thread of its own, so one may block, or
+    answer through the event loop, while the loop runs on. isthmus.aio asked them on the loop's
+    thread: such a plugin held the loop up and failed the call."""
+    module: Any = grpc.aio if kind == "grpc.aio" else isthmus.aio
+    servers, targets, _ = _auth_servers(tmp_path)
+    local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    target = targets["grpcio" if kind == "grpc.aio" else "isthmus"]
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        async with module.secure_channel(target, local) as channel:
+            unary, stream = channel.unary_unary("/t.Auth/Unary"), channel.unary_stream("/t.Auth/Stream")
+            for method, call in (
+                ("Unary", lambda c: unary(b"", timeout=30, credentials=c)),
+                ("Stream", lambda c: stream(b"", timeout=30, credentials=c).read()),
+            ):
+                plugin = _NeedsTheLoop(loop)
+                pending = asyncio.ensure_future(call(grpc.metadata_call_credentials(plugin)))
+                await asyncio.sleep(0)  # the call is made: the loop runs on
+                plugin.go.set()
+                assert (await pending).decode() == f"[('x-ctx', '{method}')]", method
+
+    try:
+        asyncio.run(run())
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
 def _identity(request: Any, context: Any) -> bytes:
     return repr((context.peer_identity_key(), context.peer_identities())).encode()
 

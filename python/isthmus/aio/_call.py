@@ -17,7 +17,7 @@ import grpc.aio
 from .. import _native
 from .._call import Deserializer, Serializer, decode, deserialize_failed, encode
 from .._errors import LOCALLY_CANCELLED, rpc_error, status_code
-from .._metadata import Metadatum, incoming_aio
+from .._metadata import Metadatum, incoming_aio, outgoing
 from .._native import CallError
 from ._reactor import Driver
 
@@ -236,7 +236,7 @@ class _StreamCall(_Call):
         serialize: Serializer,
         deserialize: Deserializer,
         requests: RequestIterable | None,
-        failure: CallError | None = None,
+        asked: asyncio.Future[Any] | None = None,
     ) -> None:
         self._loop = loop
         self._timeout = timeout
@@ -252,14 +252,18 @@ class _StreamCall(_Call):
         # comes): by the time a reader sees the end, or `cancel()` returns, they have run.
         self._done_callbacks: list[Callable[[Any], None]] = []
         token = self._start_token = driver.token()
-        # A call that failed before it could start (its call credentials) is never started.
+        # A call with call credentials starts once they have answered (`asked`, off the loop's
+        # thread): `_start_when` resolves `_started`, unless a cancel comes first.
         started = (
-            (False, failure)
-            if failure is not None
+            None
+            if asked is not None
             else channel.start(token, path, metadata, timeout, wait_for_ready, compression)
         )
         # Resolves to the AsyncCall or a CallError; at once if the call started at once.
-        if started is None:
+        if asked is not None:
+            self._started = loop.create_future()
+            self._started.add_done_callback(self._on_started)
+        elif started is None:
             self._started = driver.wait(loop, token)
             self._started.add_done_callback(self._on_started)
         else:
@@ -278,8 +282,34 @@ class _StreamCall(_Call):
         self._early: collections.deque[bytes] = collections.deque()  # see `_read_ahead`
         self._tasks: list[asyncio.Task[Any]] = []
         self._drainer: asyncio.Task[None] | None = None  # see `_end`
+        if asked is not None:
+            start = self._start_when(asked, channel, path, timeout, wait_for_ready, compression)
+            self._tasks.append(loop.create_task(start))
         if requests is not None and not self._send_now(requests):
             self._tasks.append(loop.create_task(self._write_all(requests)))
+
+    async def _start_when(
+        self,
+        asked: asyncio.Future[Any],
+        channel: _native.AsyncChannel,
+        path: str,
+        timeout: float | None,
+        wait_for_ready: bool,
+        compression: str | None,
+    ) -> None:
+        """Starts the call once its call credentials have answered (`asked`: the metadata,
+        or the CallError that fails the call), unless it was cancelled meanwhile."""
+        metadata = await asked
+        if self._started.done():
+            return
+        if isinstance(metadata, CallError):
+            value = metadata
+        else:
+            token = self._start_token
+            started = channel.start(token, path, outgoing(metadata), timeout, wait_for_ready, compression)
+            value = started[1] if started is not None else await self._driver.wait(self._loop, token)
+        if not self._started.done():
+            self._started.set_result(value)
 
     def _send_now(self, requests: RequestIterable) -> bool:
         """Sends a unary request (the channel passes it as a 1-tuple) here, with the half-close

@@ -105,21 +105,37 @@ class _MultiCallable:
         """The call's compression: its own if given, else the channel's."""
         return call_encoding(self._channel._compression, compression)
 
-    def _with_credentials(
-        self, metadata: Any, credentials: grpc.CallCredentials | None, timeout: float | None
-    ) -> Any:
-        """The call's metadata with what its call credentials give (`Auth.metadata`). Their
-        plugins run on the loop's thread: one that blocks holds the loop up, and one that
-        answers through the loop is not heard before the call's deadline. Raises CallError,
-        which fails the call as grpc.aio's, and on a channel that is not secure grpc.aio's
-        UsageError, as grpc.aio raises it making the call."""
+    def _asks(self, credentials: grpc.CallCredentials | None) -> bool:
+        """Whether the call has call credentials to ask (its own, or its channel's); on a
+        channel that is not secure, its own raise grpc.aio's UsageError, as grpc.aio raises it
+        making the call."""
         auth = self._channel._auth
-        if credentials is None and not auth.plugins:
-            return metadata
         if credentials is not None and not auth.secure:
             # grpc.aio's refusal (where grpcio's blocking API fails the call UNAUTHENTICATED).
             raise grpc.aio.UsageError("Call credentials are only valid on secure channels")
-        return auth.metadata(metadata, credentials, self._path, timeout)
+        return credentials is not None or bool(auth.plugins)
+
+    def _asking(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        metadata: Any,
+        credentials: grpc.CallCredentials | None,
+        timeout: float | None,
+    ) -> asyncio.Future[Any]:
+        """The call's metadata with what its call credentials give (`Auth.metadata`), or the
+        CallError they fail the call with, asked on a thread of the loop's default executor as
+        grpc.aio asks them on a thread of its own: a plugin may block, or answer through the
+        loop. The caller's own metadata is checked here, at once."""
+        outgoing(metadata)
+        auth, path = self._channel._auth, self._path
+
+        def ask() -> Any:
+            try:
+                return auth.metadata(metadata, credentials, path, timeout)
+            except CallError as error:
+                return error
+
+        return loop.run_in_executor(None, ask)
 
     def _start(
         self,
@@ -133,25 +149,21 @@ class _MultiCallable:
     ) -> _S:
         """A streaming call of `shape`, kept by the channel for `close`."""
         loop, driver, native = self._channel._bind()
-        failure = None
-        try:
-            metadata = self._with_credentials(metadata, credentials, timeout)
-        except CallError as error:
-            failure = error
+        asked = self._asking(loop, metadata, credentials, timeout) if self._asks(credentials) else None
         return self._channel._track(
             shape(
                 loop,
                 driver,
                 native,
                 self._path,
-                outgoing(metadata),
+                None if asked is not None else outgoing(metadata),
                 timeout,
                 bool(wait_for_ready),
                 self._encoding(compression),
                 self._serialize,
                 self._deserialize,
                 requests,
-                failure,
+                asked,
             )
         )
 
@@ -181,9 +193,11 @@ class UnaryUnaryMultiCallable(_native.AioUnaryCallable, _MultiCallable, grpc.aio
         # (`encode` also fails a request that serializes to None, as the native path does.)
         try:
             message = encode(serialize, request)
-            metadata = self._with_credentials(metadata, credentials, timeout)
         except CallError as error:  # as grpcio's: the call fails (INTERNAL for the serializer)
             return channel._track(_failed(loop, timeout, self._deserialize, error))
+        if self._asks(credentials):
+            asked = self._asking(loop, metadata, credentials, timeout)
+            return channel._track(self._unary_when(asked, message, timeout, wait_for_ready, compression))
         spin = driver.idle(loop)
         token, outcome = driver.begin(loop)
         try:
@@ -206,6 +220,45 @@ class UnaryUnaryMultiCallable(_native.AioUnaryCallable, _MultiCallable, grpc.aio
         return channel._track(
             UnaryUnaryCall(loop, timeout, self._deserialize, outcome, driver, token, done is not False)
         )
+
+    def _unary_when(
+        self,
+        asked: asyncio.Future[Any],
+        message: bytes,
+        timeout: float | None,
+        wait_for_ready: bool | None,
+        compression: grpc.Compression | None,
+    ) -> UnaryUnaryCall:
+        """A unary call that starts once its call credentials have answered (`asked`: the
+        metadata, or the CallError that fails the call); cancelled before then, it starts
+        nothing."""
+        loop, driver, native = self._channel._bind()
+        outcome: asyncio.Future[Any] = loop.create_future()
+        path, encoding = self._path, self._encoding(compression)
+
+        def start(answer: asyncio.Future[Any]) -> None:
+            if outcome.done():  # cancelled while the plugins answered
+                return
+            metadata = answer.result()
+            if isinstance(metadata, CallError):
+                outcome.set_result(metadata)
+                return
+            token, engine = driver.begin(loop)
+            try:
+                done = native.unary(
+                    token, path, message, outgoing(metadata), timeout, bool(wait_for_ready), encoding, False
+                )
+            except BaseException as error:
+                driver.abandon(token)
+                outcome.set_exception(error)
+                return
+            if isinstance(done, tuple):
+                driver.finish(token, done[1])
+            engine.add_done_callback(lambda e: None if outcome.done() else outcome.set_result(e.result()))
+            outcome.add_done_callback(lambda o: driver.abandon(token) if o.cancelled() else None)
+
+        asked.add_done_callback(start)
+        return UnaryUnaryCall(loop, timeout, self._deserialize, outcome, None, 0, False)
 
     def _serialize_failed(self, error: Exception, timeout: float | None) -> UnaryUnaryCall:
         """The call of a request the serializer failed on (as grpcio's: INTERNAL, logged)."""
