@@ -4,7 +4,8 @@
 //!   through the sender's arena) is a view of shared memory; the `Message`, and every
 //!   `memoryview` or numpy array made from it (each holds a reference to it), keeps that block
 //!   from its sender until the last of them is gone. Small messages travel inline in the ring
-//!   and are copied once, into memory of their own.
+//!   and are copied once, into memory of their own; so are a server's requests that came over
+//!   HTTP/2 (its loopback copies what it receives, ADR 0036).
 //! - [`Block`]: a writable buffer to send a message from, filled in place: a block of this
 //!   side's shared memory over `shm://` (the receiver reads it where it is), heap memory on
 //!   other transports (copied when sent). A block is sent once; sending it while a view of it

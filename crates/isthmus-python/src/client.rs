@@ -235,10 +235,11 @@ impl Channel {
 
     /// [`upgraded`](Self::upgraded) for a unary request of `len` bytes, which waits for a
     /// probe under way first if HTTP/2 would likely refuse the request
-    /// (`isthmus::Channel::settle_upgrade`). Blocks: call without the GIL.
-    fn settled_upgrade(&self, len: usize, timeout: Option<std::time::Duration>) -> Option<isthmus::blocking::Channel> {
+    /// (`isthmus::Channel::settle_upgrade`), taking the time waited from `options`' timeout.
+    /// Blocks: call without the GIL.
+    fn settled_upgrade(&self, len: usize, options: &mut isthmus::CallOptions) -> Option<isthmus::blocking::Channel> {
         if len as u64 > isthmus::HTTP_MAX_MESSAGE {
-            runtime().block_on(self.engine.settle_upgrade(len, timeout));
+            options.timeout = runtime().block_on(self.engine.settle_upgrade(len, options.timeout));
         }
         self.upgraded()
     }
@@ -249,14 +250,14 @@ impl Channel {
         py: Python<'_>,
         path: &str,
         request: &[u8],
-        options: isthmus::CallOptions,
+        mut options: isthmus::CallOptions,
     ) -> PyResult<isthmus::Response> {
         if self.closed.load(Ordering::Relaxed) {
             return Err(call_error(py, &closed()));
         }
         let response = match &self.blocking {
             Some(channel) => py.detach(|| channel.unary(path, request, options)),
-            None => py.detach(|| match self.settled_upgrade(request.len(), options.timeout) {
+            None => py.detach(|| match self.settled_upgrade(request.len(), &mut options) {
                 Some(channel) => channel.unary(path, request, options),
                 None => runtime().block_on(self.direct.unary(path, request, options)),
             }),

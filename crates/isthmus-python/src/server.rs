@@ -398,7 +398,8 @@ impl ServerCall {
     }
 
     /// [`recv`](Self::recv) for the raw tier: the request as a read-only [`Message`], a view
-    /// of the client's shared memory when it came through its arena.
+    /// of the client's shared memory when it came through its arena (a copy when it came over
+    /// HTTP/2, through the loopback).
     fn recv_raw(&self, py: Python<'_>) -> PyResult<Option<Message>> {
         match crate::recv(py, &self.core) {
             Ok(m) => Ok(m.map(Message::new)),

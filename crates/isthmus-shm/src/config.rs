@@ -159,13 +159,15 @@ pub struct Config {
     /// default): a client offers these, a server grants those of the client's it has here.
     /// Turning one off makes a connection behave as with a peer that lacks it.
     pub features: u16,
-    /// Copy every message that arrives in an arena block into this process's memory as it
-    /// arrives, and give the block back at once (off by default: messages are read in place).
-    /// For a receiver that may hold messages a long time on behalf of others, as a server's
-    /// bridge to its own handlers does for every HTTP/2 client (ADR 0036): one slow reader then
-    /// holds its windows' worth of memory, not the arena every stream of the connection needs.
-    /// Costs one copy per message larger than `inline_max`.
-    pub copy_received: bool,
+    /// `Some(limit)`: copy each message that arrives in an arena block into this process's
+    /// memory as it arrives, and give the block back at once, while the copies not yet dropped
+    /// hold fewer than `limit` bytes; past it, messages are read in place. `None` (the default):
+    /// read in place. For a receiver that may hold messages a long time on behalf of others, as
+    /// a server's bridge to its own handlers does for every HTTP/2 client (ADR 0036): one slow
+    /// reader then holds its windows' worth of memory, not the arena every stream of the
+    /// connection needs, and the limit bounds that memory. Costs one copy per message larger
+    /// than `inline_max`.
+    pub copy_received: Option<u64>,
 }
 
 impl Default for Config {
@@ -183,7 +185,7 @@ impl Default for Config {
             max_arena_size: 4 << 30,
             shared_arena_size: 64 << 20,
             features: crate::features::ALL,
-            copy_received: false,
+            copy_received: None,
         }
     }
 }

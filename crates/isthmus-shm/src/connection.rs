@@ -62,7 +62,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::os::fd::BorrowedFd;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -990,21 +990,63 @@ impl BufferPool {
     }
 }
 
-/// A reassembled message; its buffer goes back to the pool when the last `Bytes` drops.
-struct Pooled {
-    buf: Vec<u8>,
-    pool: Arc<BufferPool>,
+/// The bytes of received messages copied out of the arena and not yet dropped
+/// (`Config::copy_received`), against its limit.
+#[derive(Debug)]
+struct Copies {
+    held: AtomicU64,
+    limit: u64,
 }
 
-impl AsRef<[u8]> for Pooled {
+impl Copies {
+    /// Counts `len` bytes more if they stay within the limit; whether they do.
+    fn take(&self, len: u64) -> bool {
+        self.held
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |held| {
+                held.checked_add(len).filter(|&after| after <= self.limit)
+            })
+            .is_ok()
+    }
+
+    fn give(&self, len: u64) {
+        self.held.fetch_sub(len, Ordering::AcqRel);
+    }
+}
+
+/// Who is told when a message held in our own memory is dropped.
+trait Keeper {
+    fn dropped(&self, buf: Vec<u8>);
+}
+
+impl Keeper for BufferPool {
+    fn dropped(&self, buf: Vec<u8>) {
+        self.give(buf);
+    }
+}
+
+impl Keeper for Copies {
+    fn dropped(&self, buf: Vec<u8>) {
+        self.give(buf.len() as u64);
+    }
+}
+
+/// A received message in our own memory: a reassembled one, whose buffer goes back to the
+/// pool, or one copied out of the arena, whose bytes leave the count of copies, when the last
+/// `Bytes` of it drops.
+struct Held<K: Keeper> {
+    buf: Vec<u8>,
+    keeper: Arc<K>,
+}
+
+impl<K: Keeper> AsRef<[u8]> for Held<K> {
     fn as_ref(&self) -> &[u8] {
         &self.buf
     }
 }
 
-impl Drop for Pooled {
+impl<K: Keeper> Drop for Held<K> {
     fn drop(&mut self) {
-        self.pool.give(std::mem::take(&mut self.buf));
+        self.keeper.dropped(std::mem::take(&mut self.buf));
     }
 }
 
@@ -1045,8 +1087,9 @@ pub struct Receiver {
     /// `Core::max_reassembly`.
     reassembling: u64,
     pool: Arc<BufferPool>,
-    /// `Config::copy_received`: whole arena messages are copied out as they arrive.
-    copy_received: bool,
+    /// `Config::copy_received`: whole arena messages are copied out as they arrive, while the
+    /// copies held stay under its limit.
+    copies: Option<Arc<Copies>>,
     /// Our `bytes_sent` when the peer's last frame came in (see [`Core::rx_waiter`]); read by
     /// blocking waits only.
     heard: u64,
@@ -1126,11 +1169,7 @@ impl Receiver {
             if d.total > c.max_message_size {
                 return Err(self.too_large(h.stream, d.total));
             }
-            if self.copy_received {
-                return self.copied(h.stream, &lease, d.len).map(|b| Some(frame(b)));
-                // the block goes back here
-            }
-            return Ok(Some(frame(Bytes::from_owner(lease))));
+            return self.received(h.stream, lease, d.len).map(|b| Some(frame(b)));
         }
         if !self.partial.contains_key(&h.stream) && self.partial.len() >= MAX_PARTIALS {
             return Err(Error::protocol(format!("more than {MAX_PARTIALS} messages in pieces at once")));
@@ -1191,7 +1230,7 @@ impl Receiver {
             None if p.oversize => return Err(self.too_large(h.stream, p.total)),
             None => {}
         }
-        Ok(Some(frame(Bytes::from_owner(Pooled { buf: p.buf, pool: self.pool.clone() }))))
+        Ok(Some(frame(Bytes::from_owner(Held { buf: p.buf, keeper: self.pool.clone() }))))
     }
 
     /// A whole message by reference into the server's shared arena.
@@ -1213,22 +1252,25 @@ impl Receiver {
         if d.total > c.max_message_size {
             return Err(self.too_large(h.stream, d.total)); // the lease's drop gives it back
         }
-        if self.copy_received {
-            return self.copied(h.stream, &lease, d.len);
-        }
-        Ok(Bytes::from_owner(lease))
+        self.received(h.stream, lease, d.len)
     }
 
-    /// A whole message's bytes in our own memory (`Config::copy_received`); its block goes back
-    /// when the caller drops `lease`. No memory for it fails the message, not the connection.
-    fn copied(&self, stream: u64, lease: &Lease, len: u64) -> Result<Bytes> {
+    /// A whole message of `len` bytes in an arena block: a view of it (`lease`, which gives the
+    /// block back when the last view drops), or, where `Config::copy_received` asks and its
+    /// limit allows, a copy in our own memory, the block given back at once. No memory for the
+    /// copy fails the message, not the connection.
+    fn received(&self, stream: u64, lease: Lease, len: u64) -> Result<Bytes> {
+        let Some(copies) = self.copies.as_ref().filter(|c| c.take(len)) else {
+            return Ok(Bytes::from_owner(lease));
+        };
         // Not from the pool, whose spare may be far larger than a message held this long.
         let mut buf = Vec::new();
         if lease.copy_into(&mut buf).is_err() {
+            copies.give(len);
             let what = format!("stream {stream}: could not reserve memory for a {len}-byte message");
             return Err(Error::new(ErrorKind::MessageTooLarge, what).on_stream(stream));
         }
-        Ok(Bytes::from(buf))
+        Ok(Bytes::from_owner(Held { buf, keeper: copies.clone() }))
     }
 
     fn too_large(&self, stream: u64, size: u64) -> Error {
@@ -1464,7 +1506,7 @@ impl Connection {
             partial: HashMap::new(),
             reassembling: 0,
             pool: Arc::default(),
-            copy_received: cfg.copy_received,
+            copies: cfg.copy_received.map(|limit| Arc::new(Copies { held: AtomicU64::new(0), limit })),
             heard: 0,
         };
         Connection { sender: Sender { core }, receiver }

@@ -214,7 +214,7 @@ pub mod fuzz {
         let cfg = Config {
             max_message_size: limits % (256 << 10),
             max_reassembly: Some((limits >> 32) % (128 << 10)),
-            copy_received: limits & (1 << 31) != 0,
+            copy_received: (limits & (1 << 31) != 0).then_some((limits >> 16) % (256 << 10)),
             ..Config::default()
         };
         let mut receiver = Connection::from_parts(parts, &cfg).receiver;

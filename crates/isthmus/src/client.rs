@@ -482,14 +482,20 @@ impl Channel {
     /// `timeout`) for the probe to end, so that the call takes the move when there is one, where
     /// HTTP/2 would refuse it RESOURCE_EXHAUSTED (a channel's first calls go over HTTP/2 while
     /// its probe runs). At once otherwise. `unary` does this itself; bindings with a fast path of
-    /// their own call it before [`route_for_binding`](Self::route_for_binding).
-    pub async fn settle_upgrade(&self, len: usize, timeout: Option<std::time::Duration>) {
-        if len as u64 <= crate::HTTP_MAX_MESSAGE {
-            return;
-        }
-        if let Some(up) = self.upgrade().filter(|_| self.routes) {
-            up.settle(self, timeout.map(|t| tokio::time::Instant::now() + t)).await;
-        }
+    /// their own call it before [`route_for_binding`](Self::route_for_binding). Returns the
+    /// call's timeout less the time waited, for the call to be given.
+    pub async fn settle_upgrade(
+        &self,
+        len: usize,
+        timeout: Option<std::time::Duration>,
+    ) -> Option<std::time::Duration> {
+        let Some(up) = self.upgrade().filter(|_| self.routes && len as u64 > crate::HTTP_MAX_MESSAGE) else {
+            return timeout;
+        };
+        let began = std::time::Instant::now();
+        // A timeout too long for the clock (a caller's "forever") bounds nothing.
+        up.settle(self, timeout.and_then(|t| tokio::time::Instant::now().checked_add(t))).await;
+        timeout.map(|t| t.saturating_sub(began.elapsed()))
     }
 
     /// For bindings: the binding's own connection to `to` failed, so the call that
@@ -723,8 +729,8 @@ impl Channel {
 
     /// [`unary`](Self::unary) over HTTP/2.
     async fn unary_http(&self, path: &str, request: &[u8], options: CallOptions) -> Result<Response, Status> {
-        self.settle_upgrade(request.len(), options.timeout).await;
-        let mut call = self.start(path, options).await?;
+        let timeout = self.settle_upgrade(request.len(), options.timeout).await;
+        let mut call = self.start(path, CallOptions { timeout, ..options }).await?;
         call.send_last(request).await?;
         let message = call.recv().await?.ok_or_else(|| no_response(path))?;
         if call.recv().await?.is_some() {

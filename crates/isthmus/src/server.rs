@@ -458,7 +458,7 @@ impl Server {
             // Both ends take what arrives out of the arena: the one connection carries every
             // HTTP/2 client's calls, so a client that reads slowly (or a handler) holds its
             // streams' windows in memory, not the arena all of them need (ADR 0036).
-            let config = Config { copy_received: true, ..this.config.clone() };
+            let config = Config { copy_received: Some(LOOPBACK_COPIES), ..this.config.clone() };
             loopback = Some(bind_shm(&target, &config, true)?);
             // The server's message limit is on what it receives: its replies may be larger, and
             // the loopback's client side takes them as any client would (its requests are held
@@ -512,6 +512,11 @@ impl Server {
         self.bind_all(targets)?.serve().await
     }
 }
+
+/// The most bytes of copies each end of the loopback holds for calls that have not taken
+/// them (ADR 0036): past it, messages wait in the arena as on any connection, so clients that
+/// leave many streams unread cannot take more of the server's memory than this and the arena.
+const LOOPBACK_COPIES: u64 = 256 << 20;
 
 /// The prefix of a loopback endpoint's name (`isthmus-loopback-PID-N`).
 const LOOPBACK: &str = "isthmus-loopback-";

@@ -192,10 +192,13 @@ pub struct TransportCounts {
 }
 
 enum State {
-    /// Calls go over HTTP/2; a probe runs with the first call after `next_probe`.
+    /// Calls go over HTTP/2; a probe runs with the first call after `next_probe`. `lost`: the
+    /// `shm://` connection it had moved to went (a server restarted, say), so a call that
+    /// HTTP/2 would likely refuse probes at once (`settle`).
     Idle {
         next_probe: Instant,
         probed: bool,
+        lost: bool,
     },
     Probing {
         probed: bool,
@@ -229,7 +232,7 @@ pub(crate) struct Upgrade {
 impl Upgrade {
     pub(crate) fn new(config: Config, http_peer: HttpPeer, agent: Option<Arc<str>>) -> Upgrade {
         Upgrade {
-            state: Mutex::new(State::Idle { next_probe: Instant::now(), probed: false }),
+            state: Mutex::new(State::Idle { next_probe: Instant::now(), probed: false, lost: false }),
             forks: AtomicU64::new(isthmus_shm::forks()),
             config,
             agent,
@@ -251,22 +254,28 @@ impl Upgrade {
                     return Some((channel.clone(), to.clone()));
                 }
                 // The server went away (or restarted): HTTP/2 until a probe finds it again.
-                *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true };
+                *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true, lost: true };
                 None
             }
             State::Idle { .. } => {
-                self.probe_if_due(&mut state, http);
+                self.probe_if_due(&mut state, http, false);
                 None
             }
             _ => None,
         }
     }
 
-    /// Starts a probe over `http` if one is due (inside a tokio runtime); whether one runs now.
-    fn probe_if_due(self: &Arc<Self>, state: &mut State, http: &Channel) -> bool {
+    /// Starts a probe over `http` if one is due (inside a tokio runtime), or `now` and the
+    /// channel lost its `shm://` connection; whether one runs now.
+    fn probe_if_due(self: &Arc<Self>, state: &mut State, http: &Channel, now: bool) -> bool {
+        if let State::Shm { channel, .. } = &*state {
+            if now && !channel.shm_connected() {
+                *state = State::Idle { next_probe: Instant::now(), probed: true, lost: true };
+            }
+        }
         match *state {
             State::Probing { .. } => true,
-            State::Idle { next_probe, probed } if Instant::now() >= next_probe => {
+            State::Idle { next_probe, probed, lost } if (now && lost) || Instant::now() >= next_probe => {
                 let Ok(runtime) = tokio::runtime::Handle::try_current() else { return false };
                 *state = State::Probing { probed };
                 runtime.spawn(probe(self.clone(), http.clone()));
@@ -276,15 +285,15 @@ impl Upgrade {
         }
     }
 
-    /// Waits for the probe under way, or due now (which it starts), to end, until `until` at
-    /// the latest; at once if none is. For a call that HTTP/2 would likely refuse and the move
-    /// would carry (`Channel::settle_upgrade`).
+    /// Waits for the probe under way, or due now (which it starts; also where the `shm://`
+    /// connection was lost), to end, until `until` at the latest; at once if none is. For a
+    /// call that HTTP/2 would likely refuse and the move would carry (`Channel::settle_upgrade`).
     pub(crate) async fn settle(self: &Arc<Self>, http: &Channel, until: Option<tokio::time::Instant>) {
         let ended = self.probe_ended.notified();
         tokio::pin!(ended);
         {
             let Some(mut state) = self.state() else { return };
-            if !self.probe_if_due(&mut state, http) {
+            if !self.probe_if_due(&mut state, http, true) {
                 return;
             }
             // Before the lock goes: the probe's end, under the same lock, cannot come unseen.
@@ -306,7 +315,7 @@ impl Upgrade {
                 // Not dropped: the parent's `shm://` channel is the parent's to close.
                 std::mem::forget(std::mem::replace(
                     &mut *state,
-                    State::Idle { next_probe: Instant::now(), probed: false },
+                    State::Idle { next_probe: Instant::now(), probed: false, lost: false },
                 ));
             }
             // The counts are of this process's calls.
@@ -333,7 +342,7 @@ impl Upgrade {
         self.http2.fetch_add(1, Ordering::Relaxed);
         if let Some(mut state) = state {
             if matches!(&*state, State::Shm { to: current, .. } if current == to) {
-                *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true };
+                *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true, lost: true };
             }
         }
     }
@@ -388,7 +397,7 @@ impl Drop for ProbeGuard {
     fn drop(&mut self) {
         if let Ok(mut state) = self.0.state.lock() {
             if let State::Probing { .. } = *state {
-                *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true };
+                *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true, lost: false };
             }
         }
         self.0.probe_ended.notify_waiters();
@@ -433,7 +442,7 @@ async fn probe_once(up: Arc<Upgrade>, http: Channel) {
     };
     if let Ok(mut state) = up.state.lock() {
         if !matches!(*state, State::Closed) {
-            *state = State::Idle { next_probe: Instant::now() + wait, probed: true };
+            *state = State::Idle { next_probe: Instant::now() + wait, probed: true, lost: false };
         }
     }
 }

@@ -44,7 +44,7 @@ fn a_receiver_that_copies_what_arrives_holds_none_of_the_peers_arena() {
     let (_peer, addr) = echo_peer("copyout");
     watchdog(Duration::from_secs(300), move || {
         const N: u64 = 96;
-        let cfg = Config { copy_received: true, ..Config::default() };
+        let cfg = Config { copy_received: Some(u64::MAX), ..Config::default() };
         let Connection { sender, mut receiver } = Connection::connect(&addr, &cfg).expect("connect");
         let writer = std::thread::spawn(move || {
             for stream in 1..=N {
@@ -62,6 +62,43 @@ fn a_receiver_that_copies_what_arrives_holds_none_of_the_peers_arena() {
         }
         let sender = writer.join().expect("writer");
         assert_eq!(sender.counters().bytes_received, N << 20);
+    });
+}
+
+#[test]
+fn copies_past_their_limit_are_read_in_place() {
+    // With room for 8 MiB of copies, 96 messages of 1 MiB held: 8 are copied, the next ones are
+    // read in place until the peer's 64 MiB arena is full, and the echo waits for room; once
+    // the held messages go, the rest arrive.
+    let (_peer, addr) = echo_peer("copylimit");
+    watchdog(Duration::from_secs(300), move || {
+        const N: u64 = 96;
+        let cfg = Config { copy_received: Some(8 << 20), ..Config::default() };
+        let Connection { sender, mut receiver } = Connection::connect(&addr, &cfg).expect("connect");
+        let writer = std::thread::spawn(move || {
+            for stream in 1..=N {
+                let deadline = Some(Instant::now() + Duration::from_secs(60));
+                sender.send_message(stream, flags::END_STREAM, &pattern(1 << 20, stream), deadline).expect("send");
+            }
+        });
+        let mut held = Vec::new();
+        let stalled = loop {
+            match receiver.recv(Some(Instant::now() + Duration::from_secs(2))) {
+                Ok(f) => held.push(f),
+                Err(e) => break e,
+            }
+            assert!(held.len() < N as usize, "every echo came while all were held");
+        };
+        assert_eq!(stalled.kind(), isthmus_shm::ErrorKind::Timeout, "{stalled:?}");
+        assert!(held.len() > 8 + 32, "the arena held fewer than it should: {}", held.len());
+        let mut count = held.len() as u64;
+        drop(held);
+        while count < N {
+            let f = receiver.recv(Some(Instant::now() + Duration::from_secs(60))).expect("an echo");
+            assert_eq!((f.body.len(), first_mismatch(&f.body, f.stream)), (1 << 20, None), "stream {}", f.stream);
+            count += 1;
+        }
+        writer.join().expect("writer");
     });
 }
 

@@ -104,6 +104,35 @@ fn a_first_request_too_large_for_http2_waits_for_the_move() {
 }
 
 #[test]
+fn a_large_first_request_that_waits_for_the_probe_keeps_its_deadline() {
+    // A server that accepts and never answers: the probe hangs, so the call waits for it until
+    // its deadline, and then has no time left (it was given its whole timeout again).
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    let target = format!("http://{}", listener.local_addr().expect("address"));
+    run(async move {
+        let channel = Channel::builder(&target).connect_lazy().expect("channel");
+        let options = isthmus::CallOptions { timeout: Some(Duration::from_secs(2)), ..Default::default() };
+        let began = Instant::now();
+        let err = channel.unary("/test.Echo/Unary", &vec![0u8; 8 << 20], options).await.expect_err("no answer");
+        assert_eq!(err.code(), isthmus::Code::DeadlineExceeded, "{err:?}");
+        // 4 s before; the margin is for a loaded machine.
+        assert!(began.elapsed() < Duration::from_millis(3500), "{:?}", began.elapsed());
+        // A caller's "forever" is no deadline, not a panic: the call waits for the probe's own
+        // bound, and then for HTTP/2, until the channel is closed.
+        let forever = isthmus::CallOptions { timeout: Some(Duration::MAX), ..Default::default() };
+        let call = tokio::spawn({
+            let channel = channel.clone();
+            async move { channel.unary("/test.Echo/Unary", &vec![0u8; 8 << 20], forever).await }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        channel.close(isthmus::Status::new(isthmus::Code::Cancelled, "closed by the test"));
+        let err = call.await.expect("no panic").expect_err("closed");
+        assert_eq!(err.code(), isthmus::Code::Cancelled, "{err:?}");
+    });
+    drop(listener);
+}
+
+#[test]
 fn a_server_that_offers_nothing_keeps_its_clients_on_http2() {
     let shm = fresh_addr("no-offer");
     let mut command = std::process::Command::new(isthmus_tests::peer_bin("tonic-peer"));
