@@ -483,7 +483,8 @@ impl Channel {
     /// HTTP/2 would refuse it RESOURCE_EXHAUSTED (a channel's first calls go over HTTP/2 while
     /// its probe runs). At once otherwise. `unary` does this itself; bindings with a fast path of
     /// their own call it before [`route_for_binding`](Self::route_for_binding). Returns the
-    /// call's timeout less the time waited, for the call to be given.
+    /// call's timeout less the time waited, for the call to be given. Call inside a tokio
+    /// runtime with its timers, as every call on an HTTP/2 channel is.
     pub async fn settle_upgrade(
         &self,
         len: usize,

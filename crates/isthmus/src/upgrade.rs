@@ -12,8 +12,8 @@
 //!
 //! **The move.** A channel's first call goes over HTTP/2 and starts a probe beside it: it asks
 //! for the offer on the HTTP/2 connection itself. (A unary request larger than HTTP/2 servers
-//! take by default waits for the probe instead, `Channel::settle_upgrade`.) The offer is taken only if three things the
-//! kernel, not the peer, vouches for agree:
+//! take by default waits for the probe instead: `Channel::settle_upgrade`.) The offer is taken
+//! only if three things the kernel, not the peer, vouches for agree:
 //! - the process at the other end of the channel's own HTTP/2 connection is the offered pid
 //!   (`SO_PEERCRED` for a unix socket; for TCP, the server's end of the connection found in
 //!   `/proc/net/tcp*` and among the offered process's open files), so a remote server, a proxy
