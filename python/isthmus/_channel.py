@@ -106,29 +106,27 @@ class _MultiCallable:
     def _with_credentials(
         self, metadata: Any, credentials: grpc.CallCredentials | None, timeout: float | None
     ) -> Any:
-        """The call's metadata with what its call credentials give (`Auth.metadata`); a
-        blocking call they fail raises grpc's error, as grpcio's does."""
+        """`_asked` for a blocking call: one that its call credentials fail raises grpc's
+        error, as grpcio's does."""
+        asked = self._asked(metadata, credentials, timeout)
+        if isinstance(asked, CallError):
+            raise rpc_error(asked) from None
+        return asked
+
+    def _asked(self, metadata: Any, credentials: grpc.CallCredentials | None, timeout: float | None) -> Any:
+        """The call's metadata with what its call credentials give (`Auth.metadata`), or the
+        CallError they fail the call with."""
         if credentials is None and not self._auth.plugins:
             return metadata
-        try:
-            return self._auth.metadata(metadata, credentials, self._path, timeout)
-        except CallError as e:
-            raise rpc_error(e) from None
+        return self._auth.metadata(metadata, credentials, self._path, timeout)
 
-    def _asked(
-        self, metadata: Any, credentials: grpc.CallCredentials | None, timeout: float | None
-    ) -> tuple[Any, Call | None]:
-        """`_with_credentials` for a call that returns a future or a response stream: a
-        failure of its call credentials is that call, ended with it, as grpcio returns it
-        (and raises it from `result()` or the first read), where a blocking call raises."""
-        if credentials is None and not self._auth.plugins:
-            return metadata, None
-        try:
-            return self._auth.metadata(metadata, credentials, self._path, timeout), None
-        except CallError as e:
-            failed = Call(self._deserialize, timeout)
-            failed._end(e)
-            return None, failed
+    def _ended(self, error: CallError, timeout: float | None) -> Call:
+        """A future or response stream whose call credentials failed: returned ended with the
+        failure, as grpcio's is (`result()` and the first read raise it), where a blocking call
+        raises it."""
+        call = Call(self._deserialize, timeout)
+        call._end(error)
+        return call
 
     def _encode(self, request: Any) -> bytes:
         """The request serialised; a serializer's failure raises grpc's INTERNAL error."""
@@ -298,9 +296,9 @@ class UnaryUnaryMultiCallable(_native.UnaryCallable, _MultiCallable, grpc.UnaryU
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        metadata, failed = self._asked(metadata, credentials, timeout)
-        if failed is not None:
-            return failed
+        metadata = self._asked(metadata, credentials, timeout)
+        if isinstance(metadata, CallError):
+            return self._ended(metadata, timeout)
         return self._future(
             self._encode(request), timeout, metadata, wait_for_ready, self._encoding(compression)
         )
@@ -323,9 +321,9 @@ class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        metadata, failed = self._asked(metadata, credentials, timeout)
-        if failed is not None:
-            return failed
+        metadata = self._asked(metadata, credentials, timeout)
+        if isinstance(metadata, CallError):
+            return self._ended(metadata, timeout)
         return self._stream(
             self._encode(request), timeout, metadata, wait_for_ready, self._encoding(compression)
         )
@@ -370,9 +368,9 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        metadata, failed = self._asked(metadata, credentials, timeout)
-        if failed is not None:
-            return failed
+        metadata = self._asked(metadata, credentials, timeout)
+        if isinstance(metadata, CallError):
+            return self._ended(metadata, timeout)
         return self._future(
             iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
         )
@@ -388,9 +386,9 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        metadata, failed = self._asked(metadata, credentials, timeout)
-        if failed is not None:
-            return failed
+        metadata = self._asked(metadata, credentials, timeout)
+        if isinstance(metadata, CallError):
+            return self._ended(metadata, timeout)
         return self._stream(
             iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
         )

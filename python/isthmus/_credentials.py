@@ -224,12 +224,16 @@ class Auth:
         self, metadata: Any, credentials: grpc.CallCredentials | None, path: str, timeout: float | None
     ) -> Any:
         """The call's metadata (an iterable of pairs, or None), then what the call credentials
-        (the channel's, then the call's own) give for it. The call's timeout bounds the
-        plugins' answers; as in grpcio, the call then has its whole timeout. Raises CallError
-        as grpcio fails such a call. (Its callers skip it when there are no credentials.)"""
+        (the channel's, then the call's own) give for it; or the CallError that fails the call,
+        as grpcio fails it, returned for the caller to raise or to end a call with. The call's
+        timeout bounds the plugins' answers; as in grpcio, the call then has its whole timeout.
+        (Its callers skip it when there are no credentials.)"""
         plugins = self.plugins + call_plugins(credentials)
         end = None if timeout is None else time.monotonic() + timeout
-        extra = ask_plugins(plugins, self.secure, self.scheme, self.authority, path, end)
+        try:
+            extra = ask_plugins(plugins, self.secure, self.scheme, self.authority, path, end)
+        except CallError as error:
+            return error
         return (*(metadata or ()), *extra)
 
 

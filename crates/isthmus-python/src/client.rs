@@ -238,6 +238,8 @@ impl Channel {
     /// (`isthmus::Channel::settle_upgrade`), taking the time waited from `options`' timeout.
     /// Blocks: call without the GIL.
     fn settled_upgrade(&self, len: usize, options: &mut isthmus::CallOptions) -> Option<isthmus::blocking::Channel> {
+        // `settle_upgrade` looks at the size too; here it saves the calls that cannot wait
+        // (nearly all) a trip into the runtime.
         if len as u64 > isthmus::HTTP_MAX_MESSAGE {
             options.timeout = runtime().block_on(self.engine.settle_upgrade(len, options.timeout));
         }

@@ -1260,8 +1260,9 @@ impl Receiver {
     /// limit allows, a copy in our own memory, the block given back at once. No memory for the
     /// copy fails the message, not the connection.
     fn received(&self, stream: u64, lease: Lease, len: u64) -> Result<Bytes> {
-        let Some(copies) = self.copies.as_ref().filter(|c| c.take(len)) else {
-            return Ok(Bytes::from_owner(lease));
+        let copies = match &self.copies {
+            Some(copies) if copies.take(len) => copies,
+            _ => return Ok(Bytes::from_owner(lease)),
         };
         // Not from the pool, whose spare may be far larger than a message held this long.
         let mut buf = Vec::new();

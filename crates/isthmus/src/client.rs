@@ -493,9 +493,9 @@ impl Channel {
         let Some(up) = self.upgrade().filter(|_| self.routes && len as u64 > crate::HTTP_MAX_MESSAGE) else {
             return timeout;
         };
-        let began = std::time::Instant::now();
+        let began = tokio::time::Instant::now();
         // A timeout too long for the clock (a caller's "forever") bounds nothing.
-        up.settle(self, timeout.and_then(|t| tokio::time::Instant::now().checked_add(t))).await;
+        up.settle(self, timeout.and_then(|t| began.checked_add(t))).await;
         timeout.map(|t| t.saturating_sub(began.elapsed()))
     }
 

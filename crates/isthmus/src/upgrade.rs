@@ -253,8 +253,7 @@ impl Upgrade {
                 if channel.shm_connected() {
                     return Some((channel.clone(), to.clone()));
                 }
-                // The server went away (or restarted): HTTP/2 until a probe finds it again.
-                *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true, lost: true };
+                lost_shm(&mut state);
                 None
             }
             State::Idle { .. } => {
@@ -265,17 +264,15 @@ impl Upgrade {
         }
     }
 
-    /// Starts a probe over `http` if one is due (inside a tokio runtime), or `now` and the
-    /// channel lost its `shm://` connection; whether one runs now.
-    fn probe_if_due(self: &Arc<Self>, state: &mut State, http: &Channel, now: bool) -> bool {
-        if let State::Shm { channel, .. } = &*state {
-            if now && !channel.shm_connected() {
-                *state = State::Idle { next_probe: Instant::now(), probed: true, lost: true };
-            }
+    /// Starts a probe over `http` if one is due (inside a tokio runtime), or, for an `urgent`
+    /// call, if the channel lost its `shm://` connection; whether one runs now.
+    fn probe_if_due(self: &Arc<Self>, state: &mut State, http: &Channel, urgent: bool) -> bool {
+        if matches!(&*state, State::Shm { channel, .. } if urgent && !channel.shm_connected()) {
+            lost_shm(state);
         }
         match *state {
             State::Probing { .. } => true,
-            State::Idle { next_probe, probed, lost } if (now && lost) || Instant::now() >= next_probe => {
+            State::Idle { next_probe, probed, lost } if (urgent && lost) || Instant::now() >= next_probe => {
                 let Ok(runtime) = tokio::runtime::Handle::try_current() else { return false };
                 *state = State::Probing { probed };
                 runtime.spawn(probe(self.clone(), http.clone()));
@@ -342,7 +339,7 @@ impl Upgrade {
         self.http2.fetch_add(1, Ordering::Relaxed);
         if let Some(mut state) = state {
             if matches!(&*state, State::Shm { to: current, .. } if current == to) {
-                *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true, lost: true };
+                lost_shm(&mut state);
             }
         }
     }
@@ -384,6 +381,13 @@ impl Drop for Upgrade {
             std::mem::forget(std::mem::replace(state, State::Closed));
         }
     }
+}
+
+/// The `shm://` connection the channel moved to is gone (the server went away, or restarted):
+/// HTTP/2 until a probe finds it again, `REPROBE` from now or at once for a call that HTTP/2
+/// would likely refuse.
+fn lost_shm(state: &mut State) {
+    *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true, lost: true };
 }
 
 /// How long a whole probe (offer, checks, connect) may take.

@@ -252,19 +252,16 @@ class _StreamCall(_Call):
         # comes): by the time a reader sees the end, or `cancel()` returns, they have run.
         self._done_callbacks: list[Callable[[Any], None]] = []
         token = self._start_token = driver.token()
-        # A call with call credentials starts once they have answered (`asked`, off the loop's
-        # thread): `_start_when` resolves `_started`, unless a cancel comes first.
+        # Resolves to the AsyncCall or a CallError; at once if the call started at once. A call
+        # with call credentials starts once they have answered (`asked`, off the loop's
+        # thread): `_start_when` resolves it then, unless a cancel comes first.
         started = (
             None
             if asked is not None
             else channel.start(token, path, metadata, timeout, wait_for_ready, compression)
         )
-        # Resolves to the AsyncCall or a CallError; at once if the call started at once.
-        if asked is not None:
-            self._started = loop.create_future()
-            self._started.add_done_callback(self._on_started)
-        elif started is None:
-            self._started = driver.wait(loop, token)
+        if started is None:
+            self._started = loop.create_future() if asked is not None else driver.wait(loop, token)
             self._started.add_done_callback(self._on_started)
         else:
             self._started = loop.create_future()

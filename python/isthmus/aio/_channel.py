@@ -127,15 +127,9 @@ class _MultiCallable:
         grpc.aio asks them on a thread of its own: a plugin may block, or answer through the
         loop. The caller's own metadata is checked here, at once."""
         outgoing(metadata)
-        auth, path = self._channel._auth, self._path
-
-        def ask() -> Any:
-            try:
-                return auth.metadata(metadata, credentials, path, timeout)
-            except CallError as error:
-                return error
-
-        return loop.run_in_executor(None, ask)
+        return loop.run_in_executor(
+            None, self._channel._auth.metadata, metadata, credentials, self._path, timeout
+        )
 
     def _start(
         self,

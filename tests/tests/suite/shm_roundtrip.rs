@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use isthmus_shm::{flags, Address, Config, Connection, Kind};
+use isthmus_shm::{flags, Address, Config, Connection, Kind, Sender};
 use isthmus_tests::{first_mismatch, fresh_addr, pattern, watchdog, Peer};
 
 fn echo_peer(tag: &str) -> (Peer, Address) {
@@ -36,6 +36,18 @@ fn round_trips_at_every_size() {
     });
 }
 
+/// Sends `n` patterned messages of 1 MiB on streams 1..=n from a thread of their own, which
+/// hands the sender back.
+fn send_mebibytes(sender: Sender, n: u64) -> std::thread::JoinHandle<Sender> {
+    std::thread::spawn(move || {
+        for stream in 1..=n {
+            let deadline = Some(Instant::now() + Duration::from_secs(60));
+            sender.send_message(stream, flags::END_STREAM, &pattern(1 << 20, stream), deadline).expect("send");
+        }
+        sender
+    })
+}
+
 #[test]
 fn a_receiver_that_copies_what_arrives_holds_none_of_the_peers_arena() {
     // 96 messages of 1 MiB, all held, through the peer's 64 MiB arena: read in place they would
@@ -46,13 +58,7 @@ fn a_receiver_that_copies_what_arrives_holds_none_of_the_peers_arena() {
         const N: u64 = 96;
         let cfg = Config { copy_received: Some(u64::MAX), ..Config::default() };
         let Connection { sender, mut receiver } = Connection::connect(&addr, &cfg).expect("connect");
-        let writer = std::thread::spawn(move || {
-            for stream in 1..=N {
-                let deadline = Some(Instant::now() + Duration::from_secs(60));
-                sender.send_message(stream, flags::END_STREAM, &pattern(1 << 20, stream), deadline).expect("send");
-            }
-            sender
-        });
+        let writer = send_mebibytes(sender, N);
         let mut held = Vec::new();
         for _ in 0..N {
             let f =
@@ -75,12 +81,7 @@ fn copies_past_their_limit_are_read_in_place() {
         const N: u64 = 96;
         let cfg = Config { copy_received: Some(8 << 20), ..Config::default() };
         let Connection { sender, mut receiver } = Connection::connect(&addr, &cfg).expect("connect");
-        let writer = std::thread::spawn(move || {
-            for stream in 1..=N {
-                let deadline = Some(Instant::now() + Duration::from_secs(60));
-                sender.send_message(stream, flags::END_STREAM, &pattern(1 << 20, stream), deadline).expect("send");
-            }
-        });
+        let writer = send_mebibytes(sender, N);
         let mut held = Vec::new();
         let stalled = loop {
             match receiver.recv(Some(Instant::now() + Duration::from_secs(2))) {
