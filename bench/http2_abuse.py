@@ -1,5 +1,5 @@
-"""What a hostile HTTP/2 client costs an isthmus server: the measurements behind ADRs 0034 and
-0035, rerunnable against any build (not part of ``make bench``; they time nothing the issues'
+"""What a hostile HTTP/2 client costs an isthmus server: the measurements behind ADRs 0034,
+0035 and 0036, rerunnable against any build (not part of ``make bench``; they time nothing the issues'
 targets compare).
 
 - ``hpack``: one header block of ~1 MB sent to a server binary's Unix socket (``tonic-peer`` by
@@ -10,11 +10,17 @@ targets compare).
   1 GiB of zeros compressed with gzip (about 1 MiB sent), once with the server's default
   limits and once with ``grpc.max_receive_message_length`` -1; prints the outcome and the
   server's peak memory (``VmHWM``). Before ADR 0034 the default took it: 35 -> 2,215 MB.
+- ``loopback``: a grpcio client opens N ``/test.Echo/Flood`` calls to a server binary's TCP
+  port (``rpc-peer`` by default, which answers HTTP/2 through its loopback) and reads none of
+  their replies; 4 s later, prints the server's memory (``VmRSS``, ``VmHWM``) and how another
+  client's 100 kB ``/test.Echo/Unary`` call with a 3 s deadline ended. Before ADR 0036, 24
+  calls made it DEADLINE_EXCEEDED (the loopback's arena full), at 142 MB.
 
 Usage::
 
     python bench/http2_abuse.py hpack [PEER_BINARY]     # default target/debug/tonic-peer
     python bench/http2_abuse.py gzip
+    python bench/http2_abuse.py loopback [PEER_BINARY [N ...]]   # target/release/rpc-peer; 24 96 192
 """
 
 from __future__ import annotations
@@ -135,11 +141,49 @@ def gzip() -> None:
                 server.wait()
 
 
+def rss_mb(pid: int) -> tuple[int, int]:
+    """The process's resident memory now and at its peak, MB."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines())
+    return int(fields["VmRSS"].split()[0]) // 1024, int(fields["VmHWM"].split()[0]) // 1024
+
+
+def loopback(peer: str, counts: list[int]) -> None:
+    for n in counts:
+        tmp = tempfile.TemporaryDirectory()  # the shm:// socket a killed server leaves goes with it
+        addresses = f"shm://{tmp.name}/peer.sock,http://127.0.0.1:0"
+        server = subprocess.Popen([peer, addresses], stdout=subprocess.PIPE, text=True)
+        try:
+            assert server.stdout is not None
+            line = ""
+            while not line.startswith("LISTENING "):
+                line = server.stdout.readline()
+            target = line.split()[1].removeprefix("http://")
+            with grpc.insecure_channel(target) as hog, grpc.insecure_channel(target) as other:
+                floods = [hog.unary_stream("/test.Echo/Flood")(b"go") for _ in range(n)]
+                time.sleep(4)
+                now, peak = rss_mb(server.pid)
+                try:
+                    other.unary_unary("/test.Echo/Unary")(bytes(100_000), timeout=3)
+                    outcome = "answered"
+                except grpc.RpcError as e:
+                    outcome = e.code().name
+                print(f"{n} unread calls: server RSS {now} MB (peak {peak}); another client's call {outcome}")
+                for flood in floods:
+                    flood.cancel()
+        finally:
+            server.kill()
+            server.wait()
+            tmp.cleanup()
+
+
 if __name__ == "__main__":
     what = sys.argv[1] if len(sys.argv) > 1 else ""
     if what == "hpack":
         hpack(sys.argv[2] if len(sys.argv) > 2 else str(ROOT / "target/debug/tonic-peer"))
     elif what == "gzip":
         gzip()
+    elif what == "loopback":
+        peer = sys.argv[2] if len(sys.argv) > 2 else str(ROOT / "target/release/rpc-peer")
+        loopback(peer, [int(n) for n in sys.argv[3:]] or [24, 96, 192])
     else:
         sys.exit(__doc__)
