@@ -155,9 +155,9 @@ pub struct Config {
     /// 4 GiB; memory is used only as blocks are written. Every client can read all of it, so a
     /// listener whose `peer_policy` admits other users has none, whatever this says.
     pub shared_arena_size: usize,
-    /// The optional protocol features this side takes part in ([`crate::features`]; all of them by
-    /// default): a client offers these, a server grants those of the client's it has here.
-    /// Turning one off makes a connection behave as with a peer that lacks it.
+    /// The optional protocol features this side takes part in ([`crate::features`]; those of
+    /// `features::ALL` by default): a client offers these, a server grants those of the client's
+    /// it has here. Turning one off makes a connection behave as with a peer that lacks it.
     pub features: u16,
     /// `Some(limit)`: copy each message that arrives in an arena block into this process's
     /// memory as it arrives, and give the block back at once, while the copies not yet dropped

@@ -119,7 +119,7 @@ pub(crate) fn connect(addr: &Address, cfg: &Config) -> Result<Connection> {
     let mut hello = Hello::new(HelloKind::Client);
     hello.ring_size = [cfg.ring_size as u64, 0];
     hello.arena_size = [cfg.arena_size as u64, 0];
-    hello.features = cfg.features & handshake::features::ALL;
+    hello.features = cfg.features & handshake::features::KNOWN;
     sys::send_with_fds(s.as_fd(), &hello.encode(), &[]).map_err(|e| Error::io("handshake: cannot send hello", e))?;
 
     // The fds arrive with the first byte of the server's record; the rest may trail behind.
@@ -286,7 +286,7 @@ pub(crate) fn accept(mut s: UnixStream, cfg: &Config, shared: Option<SharedArena
     reply.arena_size = [layout.arena_size[0] as u64, layout.arena_size[1] as u64];
     reply.segment_len = layout.total as u64;
     reply.shared_len = layout.shared_size as u64;
-    reply.features = h.features & cfg.features & handshake::features::ALL;
+    reply.features = h.features & cfg.features & handshake::features::KNOWN;
     let mut fds = vec![memfd.as_fd(), c_rx.as_fd(), c_tx.as_fd(), s_rx.as_fd(), s_tx.as_fd()];
     if let Some(shared) = &shared {
         fds.push(shared.fd());

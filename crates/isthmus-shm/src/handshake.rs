@@ -42,8 +42,15 @@ pub mod features {
     /// The RPC layer's one-frame unary call: a client's HEADERS may carry the call's only
     /// request, and a server's TRAILERS the call's last response (protocol 13.9).
     pub const UNARY_IN_ONE_FRAME: u16 = 0x0001;
-    /// Every feature this crate knows.
+    /// The RPC layer's streams start with a window of 64 KiB instead of 4 MiB (protocol 13.8):
+    /// for a connection that carries many other parties' calls (a server's loopback, ADR 0037),
+    /// where a stream nobody reads should hold little. Not in [`ALL`]: only a connection whose
+    /// two ends ask for it uses it.
+    pub const SMALL_WINDOW: u16 = 0x0002;
+    /// The features a connection uses by default (`Config::features`).
     pub const ALL: u16 = UNARY_IN_ONE_FRAME;
+    /// Every feature this crate knows: what a hello may offer or grant.
+    pub const KNOWN: u16 = UNARY_IN_ONE_FRAME | SMALL_WINDOW;
 }
 /// The handshake magic.
 pub const MAGIC: [u8; 8] = *b"ISTHMUS\0";
@@ -242,7 +249,7 @@ mod tests {
     #[test]
     fn round_trips() {
         let mut h = Hello::new(HelloKind::Server);
-        h.features = features::ALL | 0x8000;
+        h.features = features::KNOWN | 0x8000;
         h.ring_size = [1 << 20, 1 << 16];
         h.arena_size = [64 << 20, 1 << 30];
         h.segment_len = 12345;

@@ -70,7 +70,7 @@ pub use self::http::{
 pub use call::{CallOptions, Compression, Response};
 pub use client::{CallSender, Channel, ChannelBuilder, ClientCall, Keepalive};
 pub use connectivity::Connectivity;
-pub use engine::flow::{INITIAL_WINDOW, MESSAGE_OVERHEAD};
+pub use engine::flow::{INITIAL_WINDOW, MESSAGE_OVERHEAD, SMALL_WINDOW};
 pub use engine::mux::ConnectionCounters;
 pub use engine::server::{Handler, HandlerFuture, ServerCall, ServerStats};
 pub use engine::{blocking, wire};

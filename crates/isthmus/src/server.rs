@@ -458,7 +458,13 @@ impl Server {
             // Both ends take what arrives out of the arena: the one connection carries every
             // HTTP/2 client's calls, so a client that reads slowly (or a handler) holds its
             // streams' windows in memory, not the arena all of them need (ADR 0036).
-            let config = Config { copy_received: Some(LOOPBACK_COPIES), ..this.config.clone() };
+            // And its streams have small windows, so that one a client leaves unread holds 64 KiB
+            // and a message of that, not 4 MiB (ADR 0037).
+            let config = Config {
+                copy_received: Some(LOOPBACK_COPIES),
+                features: this.config.features | isthmus_shm::features::SMALL_WINDOW,
+                ..this.config.clone()
+            };
             loopback = Some(bind_shm(&target, &config, true)?);
             // The server's message limit is on what it receives: its replies may be larger, and
             // the loopback's client side takes them as any client would (its requests are held

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use isthmus::{CallOptions, Channel, Code, INITIAL_WINDOW, MESSAGE_OVERHEAD};
+use isthmus::{CallOptions, Channel, Code, INITIAL_WINDOW, MESSAGE_OVERHEAD, SMALL_WINDOW as SMALL_WINDOW_BYTES};
 use isthmus_tests::{eventually, first_mismatch, fresh_addr, run, Peer};
 
 /// Messages of `len` bytes a writer can send into a fresh window before it must wait: it may
@@ -96,31 +96,91 @@ async fn another_client_is_answered(http: &str) {
 }
 
 #[test]
+fn a_stream_has_the_small_window_only_where_both_sides_ask_for_it() {
+    // `features::SMALL_WINDOW` (protocol 3.12, 13.8): what a stream nobody reads lets its writer
+    // send, both ways. Asked by one side only, the window is the usual one.
+    use isthmus_shm::features::{ALL, SMALL_WINDOW};
+    let small = SMALL_WINDOW_BYTES.div_ceil((64 << 10) + MESSAGE_OVERHEAD);
+    for (server, client) in
+        [(ALL | SMALL_WINDOW, ALL | SMALL_WINDOW), (ALL, ALL | SMALL_WINDOW), (ALL | SMALL_WINDOW, ALL)]
+    {
+        let agreed = server & client & SMALL_WINDOW != 0;
+        let want = if agreed { small } else { fit(64 << 10) };
+        let addr = fresh_addr("small-window");
+        let _server = Peer::command(
+            std::process::Command::new(isthmus_tests::peer_bin("rpc-peer"))
+                .arg(&addr)
+                .env("RPC_PEER_FEATURES", server.to_string()),
+        );
+        let what = format!("server {server:#x}, client {client:#x}");
+        run(async move {
+            let config = isthmus::Config { features: client, ..isthmus::Config::default() };
+            let ch = Channel::connect_with(&addr, config).await.expect("connect");
+            // Replies nobody reads: the server's handler sends what the window lets through.
+            let mut flood = ch.start("/test.Echo/Flood", CallOptions::default()).await.expect("start");
+            flood.send_last(b"go").await.expect("request");
+            let rt = tokio::runtime::Handle::current();
+            let admin = ch.clone();
+            let sent =
+                tokio::task::spawn_blocking(move || settled(|| rt.block_on(flood_sent(&admin)))).await.expect("poll");
+            assert_eq!(sent, want, "{what}: replies sent into a window nobody reads");
+            // Requests nobody reads: this client sends what the window lets through.
+            let mut stall = ch.start("/test.Echo/Stall", CallOptions::default()).await.expect("start");
+            let message = vec![7u8; 64 << 10];
+            let mut sent = 0;
+            let wait = Duration::from_secs(1);
+            while let Ok(Ok(())) = tokio::time::timeout(wait, stall.send(&message)).await {
+                sent += 1;
+            }
+            assert_eq!(sent, want, "{what}: requests sent into a window nobody reads");
+            drop((flood, stall));
+        });
+    }
+}
+
+/// HTTP/2 calls one client leaves unread in the tests below: with the 4 MiB window of other
+/// connections, some 80 of them filled the loopback's arena and the copies it may hold (ADR 0036).
+const UNREAD: u64 = 120;
+
+/// `count` once it has stopped growing for a second (at most 30 s).
+fn settled(mut count: impl FnMut() -> u64) -> u64 {
+    let end = std::time::Instant::now() + Duration::from_secs(30);
+    let mut last = count();
+    loop {
+        std::thread::sleep(Duration::from_secs(1));
+        let now = count();
+        if now == last || std::time::Instant::now() > end {
+            return now;
+        }
+        last = now;
+    }
+}
+
+#[test]
 fn an_http2_client_that_reads_no_replies_holds_up_no_other_clients_replies() {
     // Every HTTP/2 call to a handler goes through the server's one loopback connection. A client
-    // that reads none of the replies of 24 floods (a window of 4 MiB each, 96 MiB in all) filled
-    // that connection's 64 MiB arena, and every other client's replies too large to go inline
-    // waited for room until their deadlines. The loopback now takes what arrives out of its
-    // arena (ADR 0036): each flood holds its window in the server's memory, none of the arena.
+    // that reads none of the replies of its floods filled that connection's 64 MiB arena, and
+    // every other client's replies too large to go inline waited for room until their
+    // deadlines: at 24 floods, until the loopback took what arrives out of its arena (ADR 0036);
+    // at some 80, until its streams had small windows (ADR 0037). Each flood now holds the
+    // loopback's 64 KiB window and a message, and what HTTP/2 buffers for it.
     let (_server, shm, http) = Peer::rpc_peer_with_http("h2hog", &[]);
     run(async move {
         let hog = Channel::builder(&http).upgrade(false).connect().await.expect("connect");
         let mut floods = Vec::new();
-        for _ in 0..24 {
+        for _ in 0..UNREAD {
             let mut flood = hog.start("/test.Echo/Flood", CallOptions::default()).await.expect("start");
             flood.send_last(b"go").await.expect("request");
             floods.push(flood);
         }
-        // Every flood gets to use up its window (beyond it, the HTTP/2 connection's own).
         let admin = Channel::connect(&shm).await.expect("connect");
-        let windows = 24 * fit(64 << 10);
         let rt = tokio::runtime::Handle::current();
-        let filled = tokio::task::spawn_blocking(move || {
-            eventually(Duration::from_secs(30), || rt.block_on(flood_sent(&admin)) >= windows)
-        })
-        .await
-        .expect("poll");
-        assert!(filled, "the floods were held back before they used up their windows");
+        let sent =
+            tokio::task::spawn_blocking(move || settled(|| rt.block_on(flood_sent(&admin)))).await.expect("poll");
+        eprintln!("FLOOD SENT {sent}");
+        // Every flood started, and none got to send its old window.
+        assert!(sent >= UNREAD, "only {sent} messages for {UNREAD} floods");
+        assert!(sent < UNREAD * fit(64 << 10) / 4, "{sent} messages held for {UNREAD} unread floods");
         another_client_is_answered(&http).await;
         drop(floods);
     });
@@ -128,15 +188,15 @@ fn an_http2_client_that_reads_no_replies_holds_up_no_other_clients_replies() {
 
 #[test]
 fn an_http2_client_whose_requests_are_not_read_holds_up_no_other_clients_requests() {
-    // The other way through the loopback: 24 calls whose handler never reads (Stall), each sent
-    // all its window lets through, no longer fill the arena that other clients' requests of
+    // The other way through the loopback: calls whose handler never reads (Stall), each sent
+    // all its windows let through, no longer fill the arena that other clients' requests of
     // 100 kB need.
     let (_server, _, http) = Peer::rpc_peer_with_http("h2stall", &[]);
     run(async move {
         let hog = Channel::builder(&http).upgrade(false).connect().await.expect("connect");
         let sent = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
         let mut stalls = Vec::new();
-        for _ in 0..24 {
+        for _ in 0..UNREAD {
             let mut call = hog.start("/test.Echo/Stall", CallOptions::default()).await.expect("start");
             let sent = sent.clone();
             stalls.push(tokio::spawn(async move {
@@ -146,16 +206,13 @@ fn an_http2_client_whose_requests_are_not_read_holds_up_no_other_clients_request
                 }
             }));
         }
-        // What the 24 windows take in all, more than the arena holds; the HTTP/2 connection
-        // holds a little more.
-        let windows = 24 * fit(64 << 10);
-        let filled = tokio::task::spawn_blocking({
-            let sent = sent.clone();
-            move || eventually(Duration::from_secs(30), || sent.load(std::sync::atomic::Ordering::SeqCst) >= windows)
-        })
-        .await
-        .expect("poll");
-        assert!(filled, "the stalled calls were held back before they used up their windows");
+        let count = sent.clone();
+        let sent = tokio::task::spawn_blocking(move || settled(|| count.load(std::sync::atomic::Ordering::SeqCst)))
+            .await
+            .expect("poll");
+        eprintln!("STALL SENT {sent}");
+        assert!(sent >= UNREAD, "only {sent} messages for {UNREAD} calls");
+        assert!(sent < UNREAD * fit(64 << 10) / 4, "{sent} messages held for {UNREAD} unread calls");
         another_client_is_answered(&http).await;
         for stall in stalls {
             stall.abort();

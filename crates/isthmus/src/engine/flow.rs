@@ -2,7 +2,8 @@
 //! one.
 //!
 //! Each side of each stream may have at most [`INITIAL_WINDOW`] bytes of messages that the
-//! other side's application has not taken yet. A message costs its length plus
+//! other side's application has not taken yet ([`SMALL_WINDOW`] on a connection whose handshake
+//! agreed to it: a server's loopback, ADR 0037). A message costs its length plus
 //! [`MESSAGE_OVERHEAD`], so even empty messages use up the window. A writer may send while its
 //! credit is above zero, so one message of any size always goes (the window never makes a message
 //! too big to send) and the credit may end below zero. The reader gives credit back with WINDOW
@@ -53,6 +54,12 @@ use tokio::sync::Notify;
 /// Bytes a side may send on one stream before the reader gives credit back.
 pub const INITIAL_WINDOW: u64 = 4 << 20;
 
+/// The window instead of [`INITIAL_WINDOW`] on a connection whose handshake granted
+/// `features::SMALL_WINDOW` (protocol 13.8): a server's loopback, which every HTTP/2 client
+/// shares, so that a stream nobody reads holds little of it (ADR 0037). As grpc-go's write
+/// quota: a stream holds this and one message.
+pub const SMALL_WINDOW: u64 = 64 << 10;
+
 /// What each message costs beyond its length: the bookkeeping a queued message takes, so a flood
 /// of empty messages is bounded too.
 pub const MESSAGE_OVERHEAD: u64 = 64;
@@ -88,16 +95,21 @@ pub(crate) enum Credit {
 
 impl Default for SendWindow {
     fn default() -> SendWindow {
+        SendWindow::new(INITIAL_WINDOW)
+    }
+}
+
+impl SendWindow {
+    /// A stream's credit as it opens: its connection's window.
+    pub(crate) fn new(window: u64) -> SendWindow {
         SendWindow {
-            credit: AtomicI64::new(INITIAL_WINDOW as i64),
+            credit: AtomicI64::new(window as i64),
             closed: AtomicBool::new(false),
             changed: Notify::new(),
             waiting: AtomicUsize::new(0),
         }
     }
-}
 
-impl SendWindow {
     /// Takes credit for a message costing `charge`, if the window is open.
     pub(crate) fn try_take(&self, charge: i64) -> Credit {
         // SeqCst: a waiting writer's half of the handshake with `grant` and `close` (`take`).
@@ -180,15 +192,22 @@ impl SendWindow {
 #[derive(Debug)]
 pub(crate) struct RecvWindow {
     remaining: AtomicI64,
+    /// The connection's window: where `remaining` starts, and twice what is granted at once.
+    window: u64,
 }
 
 impl Default for RecvWindow {
     fn default() -> RecvWindow {
-        RecvWindow { remaining: AtomicI64::new(INITIAL_WINDOW as i64) }
+        RecvWindow::new(INITIAL_WINDOW)
     }
 }
 
 impl RecvWindow {
+    /// What the peer may send on a stream as it opens: its connection's window.
+    pub(crate) fn new(window: u64) -> RecvWindow {
+        RecvWindow { remaining: AtomicI64::new(window as i64), window }
+    }
+
     /// Charges an arriving message; `false` if the peer had no credit left to send it.
     pub(crate) fn charge_arrival(&self, len: usize) -> bool {
         self.remaining.fetch_sub(charge(len), Ordering::AcqRel) > 0
@@ -210,7 +229,7 @@ impl Consumed {
     /// The grant due now (half a window taken, or a grant that failed to send before), if any;
     /// already added to `window`.
     pub(crate) fn due(&mut self, window: &RecvWindow) -> Option<u64> {
-        if self.0 < INITIAL_WINDOW / 2 {
+        if self.0 < window.window / 2 {
             return None;
         }
         let grant = std::mem::take(&mut self.0);
@@ -267,5 +286,22 @@ mod tests {
             }
         }
         assert!(taken - granted < INITIAL_WINDOW / 2);
+    }
+
+    #[test]
+    fn a_small_window_holds_its_writer_and_grants_in_its_own_halves() {
+        let (w, r) = (SendWindow::new(SMALL_WINDOW), RecvWindow::new(SMALL_WINDOW));
+        let mut consumed = Consumed::default();
+        let len = 1000;
+        let mut sent = 0;
+        while w.try_take(charge(len)) == Credit::Taken {
+            assert!(r.charge_arrival(len), "message {sent} was within the window");
+            sent += 1;
+        }
+        assert_eq!(sent, SMALL_WINDOW.div_ceil(charge(len) as u64), "a writer sends its window and stops");
+        assert!(!r.charge_arrival(len), "the reader's count agrees the window is used up");
+        let grants: Vec<u64> = (0..sent).filter_map(|_| consumed.take(len, &r)).collect();
+        assert_eq!(grants.len(), 2, "one WINDOW per half of the small window: {grants:?}");
+        assert!(grants.iter().all(|&g| (SMALL_WINDOW / 2..SMALL_WINDOW).contains(&g)), "{grants:?}");
     }
 }

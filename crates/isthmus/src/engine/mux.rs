@@ -972,6 +972,16 @@ impl Mux {
         self.sender.features() & isthmus_shm::features::UNARY_IN_ONE_FRAME != 0
     }
 
+    /// Each stream's window as it opens, both ways (protocol 13.8): the small one where the
+    /// handshake agreed to it.
+    pub(crate) fn window(&self) -> u64 {
+        if self.sender.features() & isthmus_shm::features::SMALL_WINDOW != 0 {
+            crate::engine::flow::SMALL_WINDOW
+        } else {
+            crate::INITIAL_WINDOW
+        }
+    }
+
     /// The status every call gets once the connection is gone, if it is.
     pub(crate) fn dead(&self) -> Option<Status> {
         if !self.is_dead.load(Ordering::SeqCst) {
@@ -1006,7 +1016,12 @@ impl Mux {
         if let Some(s) = self.dead() {
             return Err(s);
         }
-        let shared = Arc::new(StreamShared::default());
+        let window = self.window();
+        let shared = Arc::new(StreamShared {
+            send_window: SendWindow::new(window),
+            recv_window: RecvWindow::new(window),
+            ..StreamShared::default()
+        });
         // Queued before the stream is in the table, where nothing else can see it yet: one lock
         // of the table per call, not two. A fresh window takes any first message.
         let peer_done = last.is_some();
@@ -1201,7 +1216,7 @@ impl Mux {
         let Some(waker) = charged else {
             let status = Status::new(
                 Code::Internal,
-                format!("the peer sent on stream {id} past its flow-control window ({} bytes)", crate::INITIAL_WINDOW),
+                format!("the peer sent on stream {id} past its flow-control window ({} bytes)", self.window()),
             );
             return self.end_broken(id, status, Reply::cancel(id, Code::Internal));
         };

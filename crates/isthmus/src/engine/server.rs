@@ -366,7 +366,8 @@ impl Requests {
                     Ok(Some(m))
                 }
                 Some(Event::Last(m)) => {
-                    self.stream.took(m.len(), &self.mux);
+                    // No credit back: the client sends nothing more (with a small window a
+                    // unary request of 32 KiB would otherwise cost a WINDOW frame).
                     self.half_closed = true;
                     Ok(Some(m))
                 }
