@@ -27,9 +27,10 @@
 //!   bounded by the sender's deadline.
 //! - **Very large** (over half the arena): pieces of a quarter of the arena, each an arena message
 //!   carrying the whole `total`, `END_STREAM` on the last only. The receiver keeps one partial
-//!   message per stream, at most 256 at once (`MAX_PARTIALS`), checks every piece against the total
-//!   (`len > total - received`, which cannot overflow), copies it out with `Lease::copy_into` and
-//!   releases the block at once, so the sender refills it while the receiver copies the next piece.
+//!   message per stream, at most 256 at once (`MAX_PARTIALS`; a sender keeps to 128, waiting for
+//!   a place), checks every piece against the total (`len > total - received`, which cannot
+//!   overflow), copies it out with `Lease::copy_into` and releases the block at once, so the
+//!   sender refills it while the receiver copies the next piece.
 //!   A CANCEL or TRAILERS on the stream discards a partial message. A 2 GiB message passes through
 //!   a 64 MiB arena this way.
 //!
@@ -62,7 +63,7 @@ use std::collections::HashMap;
 use std::fmt;
 use std::ops::{Deref, DerefMut};
 use std::os::fd::BorrowedFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Instant;
 
@@ -159,6 +160,78 @@ struct Core {
     features: u16,
     /// Set by an [`Interrupter`]: the receiver's interruptible wait should return.
     interrupted: std::sync::atomic::AtomicBool,
+    /// The messages this side is sending in pieces, held below the peer's `MAX_PARTIALS`.
+    pieces: PieceSlots,
+}
+
+/// Messages one side sends in pieces at once: half of what a receiver takes (`MAX_PARTIALS`,
+/// past which it closes the connection), since a message abandoned half-way (its call dropped
+/// while it was being sent) gives its place back here before its stream's end reaches the
+/// receiver, which holds the message until then.
+const MAX_SENDING_IN_PIECES: usize = MAX_PARTIALS / 2;
+
+/// The count of messages being sent in pieces, and the waits for a place among them (blocking
+/// and async alike).
+#[derive(Debug, Default)]
+struct PieceSlots {
+    taken: AtomicUsize,
+    freed: event_listener::Event,
+}
+
+/// A place among the messages in pieces, given back when its message is sent or abandoned.
+struct PieceSlot<'a>(&'a PieceSlots);
+
+impl PieceSlots {
+    fn try_take(&self) -> Option<PieceSlot<'_>> {
+        let more = |n: usize| (n < MAX_SENDING_IN_PIECES).then_some(n + 1);
+        self.taken.fetch_update(Ordering::AcqRel, Ordering::Acquire, more).ok().map(|_| PieceSlot(self))
+    }
+
+    /// Waits until `deadline` for a place (the others' messages are still being sent).
+    fn take(&self, deadline: Option<Instant>) -> Result<PieceSlot<'_>> {
+        use event_listener::Listener;
+        loop {
+            if let Some(place) = self.try_take() {
+                return Ok(place);
+            }
+            // Listening before the second look: a place freed in between wakes this wait.
+            let freed = self.freed.listen();
+            if let Some(place) = self.try_take() {
+                return Ok(place);
+            }
+            match deadline {
+                None => freed.wait(),
+                Some(deadline) => {
+                    if freed.wait_deadline(deadline).is_none() {
+                        return self.try_take().ok_or_else(|| {
+                            Error::timeout("waiting for one of the other messages being sent in pieces to finish")
+                        });
+                    }
+                }
+            }
+        }
+    }
+
+    #[cfg(feature = "tokio")]
+    async fn take_async(&self) -> PieceSlot<'_> {
+        loop {
+            if let Some(place) = self.try_take() {
+                return place;
+            }
+            let freed = self.freed.listen();
+            if let Some(place) = self.try_take() {
+                return place;
+            }
+            freed.await;
+        }
+    }
+}
+
+impl Drop for PieceSlot<'_> {
+    fn drop(&mut self) {
+        self.0.taken.fetch_sub(1, Ordering::AcqRel);
+        self.0.freed.notify(1);
+    }
 }
 
 fn lock<T>(m: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
@@ -446,6 +519,7 @@ impl Sender {
                 self.send_block(stream, frame_flags, block, deadline)
             }
             Route::Pieces(piece) => {
+                let _place = self.core.pieces.take(deadline)?;
                 let total = payload.len() as u64;
                 let mut chunks = payload.chunks(piece).peekable();
                 while let Some(chunk) = chunks.next() {
@@ -695,6 +769,7 @@ impl Sender {
                 self.send_block_as_async(stream, frame_flags, block, payload.len() as u64).await
             }
             Route::Pieces(piece) => {
+                let _place = self.core.pieces.take_async().await;
                 let total = payload.len() as u64;
                 let mut chunks = payload.chunks(piece).peekable();
                 while let Some(chunk) = chunks.next() {
@@ -1495,6 +1570,7 @@ impl Connection {
             stats: Stats::default(),
             peer: p.peer,
             interrupted: std::sync::atomic::AtomicBool::new(false),
+            pieces: PieceSlots::default(),
         });
         if let Some(arena) = &core.shared {
             let drain: std::sync::Weak<dyn Drain> = Arc::downgrade(&core) as std::sync::Weak<Core>;

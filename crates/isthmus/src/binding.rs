@@ -17,7 +17,6 @@
 
 use std::collections::HashMap;
 use std::future::Future;
-use std::hash::BuildHasherDefault;
 use std::os::fd::{AsRawFd, RawFd};
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, Weak};
@@ -29,7 +28,7 @@ use isthmus_shm::{EventFd, SocketBell};
 use tokio::sync::watch;
 
 use crate::client::{CallSender, ClientCall};
-use crate::engine::mux::IdHasher;
+use crate::engine::mux::IdKeys;
 pub use crate::engine::mux::Lender;
 use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
@@ -374,7 +373,7 @@ pub struct Completions<O> {
     queue: Mutex<Queue<O>>,
     /// Operations waiting, by token (to abandon them); a token is hashed as a stream id is,
     /// cheaper than SipHash, on every operation that waits.
-    running: Mutex<HashMap<u64, Arc<Op<O>>, BuildHasherDefault<IdHasher>>>,
+    running: Mutex<HashMap<u64, Arc<Op<O>>, IdKeys>>,
 }
 
 impl<O> std::fmt::Debug for Completions<O> {

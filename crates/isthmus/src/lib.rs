@@ -70,7 +70,7 @@ pub use self::http::{
 pub use call::{CallOptions, Compression, Response};
 pub use client::{CallSender, Channel, ChannelBuilder, ClientCall, Keepalive};
 pub use connectivity::Connectivity;
-pub use engine::flow::{INITIAL_WINDOW, MESSAGE_OVERHEAD, SMALL_WINDOW};
+pub use engine::flow::{INITIAL_WINDOW, MESSAGE_OVERHEAD, SMALL_INITIAL_WINDOW};
 pub use engine::mux::ConnectionCounters;
 pub use engine::server::{Handler, HandlerFuture, ServerCall, ServerStats};
 pub use engine::{blocking, wire};
@@ -83,7 +83,7 @@ pub use upgrade::{ShmOffer, TransportCounts, UpgradeStatus, UpgradedTo};
 /// What a binding needs of the transport under the engine, so that bindings (the Python
 /// extension, the C ABI) stand on this crate alone.
 pub use isthmus_shm::{
-    copy_into_shared, move_into_shared, BlockMut, Config, EventFd, PeerPolicy, SharedArena, SharedBlock,
+    copy_into_shared, features, move_into_shared, BlockMut, Config, EventFd, PeerPolicy, SharedArena, SharedBlock,
     SharedBlockMut, SocketBell, SpinPolicy,
 };
 

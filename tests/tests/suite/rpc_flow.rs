@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use isthmus::{CallOptions, Channel, Code, INITIAL_WINDOW, MESSAGE_OVERHEAD, SMALL_WINDOW as SMALL_WINDOW_BYTES};
+use isthmus::{CallOptions, Channel, Code, INITIAL_WINDOW, MESSAGE_OVERHEAD, SMALL_INITIAL_WINDOW};
 use isthmus_tests::{eventually, first_mismatch, fresh_addr, run, Peer};
 
 /// Messages of `len` bytes a writer can send into a fresh window before it must wait: it may
@@ -99,8 +99,8 @@ async fn another_client_is_answered(http: &str) {
 fn a_stream_has_the_small_window_only_where_both_sides_ask_for_it() {
     // `features::SMALL_WINDOW` (protocol 3.12, 13.8): what a stream nobody reads lets its writer
     // send, both ways. Asked by one side only, the window is the usual one.
-    use isthmus_shm::features::{ALL, SMALL_WINDOW};
-    let small = SMALL_WINDOW_BYTES.div_ceil((64 << 10) + MESSAGE_OVERHEAD);
+    use isthmus::features::{ALL, SMALL_WINDOW};
+    let small = SMALL_INITIAL_WINDOW.div_ceil((64 << 10) + MESSAGE_OVERHEAD);
     for (server, client) in
         [(ALL | SMALL_WINDOW, ALL | SMALL_WINDOW), (ALL, ALL | SMALL_WINDOW), (ALL | SMALL_WINDOW, ALL)]
     {
@@ -121,8 +121,9 @@ fn a_stream_has_the_small_window_only_where_both_sides_ask_for_it() {
             flood.send_last(b"go").await.expect("request");
             let rt = tokio::runtime::Handle::current();
             let admin = ch.clone();
-            let sent =
-                tokio::task::spawn_blocking(move || settled(|| rt.block_on(flood_sent(&admin)))).await.expect("poll");
+            let sent = tokio::task::spawn_blocking(move || settled(1, || rt.block_on(flood_sent(&admin))))
+                .await
+                .expect("poll");
             assert_eq!(sent, want, "{what}: replies sent into a window nobody reads");
             // Requests nobody reads: this client sends what the window lets through.
             let mut stall = ch.start("/test.Echo/Stall", CallOptions::default()).await.expect("start");
@@ -142,18 +143,19 @@ fn a_stream_has_the_small_window_only_where_both_sides_ask_for_it() {
 /// connections, some 80 of them filled the loopback's arena and the copies it may hold (ADR 0036).
 const UNREAD: u64 = 120;
 
-/// `count` once it has stopped growing for a second (at most 30 s).
-fn settled(mut count: impl FnMut() -> u64) -> u64 {
+/// `count` once it has reached `at_least` (waiting up to 30 s) and then stayed the same for a
+/// second, twice running (at most 30 s more).
+fn settled(at_least: u64, mut count: impl FnMut() -> u64) -> u64 {
+    assert!(eventually(Duration::from_secs(30), || count() >= at_least), "fewer than {at_least} in 30 s");
     let end = std::time::Instant::now() + Duration::from_secs(30);
-    let mut last = count();
-    loop {
+    let (mut last, mut same) = (count(), 0);
+    while same < 2 && std::time::Instant::now() < end {
         std::thread::sleep(Duration::from_secs(1));
         let now = count();
-        if now == last || std::time::Instant::now() > end {
-            return now;
-        }
+        same = if now == last { same + 1 } else { 0 };
         last = now;
     }
+    last
 }
 
 #[test]
@@ -175,9 +177,9 @@ fn an_http2_client_that_reads_no_replies_holds_up_no_other_clients_replies() {
         }
         let admin = Channel::connect(&shm).await.expect("connect");
         let rt = tokio::runtime::Handle::current();
-        let sent =
-            tokio::task::spawn_blocking(move || settled(|| rt.block_on(flood_sent(&admin)))).await.expect("poll");
-        eprintln!("FLOOD SENT {sent}");
+        let sent = tokio::task::spawn_blocking(move || settled(UNREAD, || rt.block_on(flood_sent(&admin))))
+            .await
+            .expect("poll");
         // Every flood started, and none got to send its old window.
         assert!(sent >= UNREAD, "only {sent} messages for {UNREAD} floods");
         assert!(sent < UNREAD * fit(64 << 10) / 4, "{sent} messages held for {UNREAD} unread floods");
@@ -207,10 +209,10 @@ fn an_http2_client_whose_requests_are_not_read_holds_up_no_other_clients_request
             }));
         }
         let count = sent.clone();
-        let sent = tokio::task::spawn_blocking(move || settled(|| count.load(std::sync::atomic::Ordering::SeqCst)))
-            .await
-            .expect("poll");
-        eprintln!("STALL SENT {sent}");
+        let sent =
+            tokio::task::spawn_blocking(move || settled(UNREAD, || count.load(std::sync::atomic::Ordering::SeqCst)))
+                .await
+                .expect("poll");
         assert!(sent >= UNREAD, "only {sent} messages for {UNREAD} calls");
         assert!(sent < UNREAD * fit(64 << 10) / 4, "{sent} messages held for {UNREAD} unread calls");
         another_client_is_answered(&http).await;

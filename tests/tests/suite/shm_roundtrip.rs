@@ -200,6 +200,68 @@ fn async_send_and_recv_on_tokio() {
     });
 }
 
+/// Senders of more messages in pieces than a receiver takes at once (`MAX_PARTIALS`, 256, past
+/// which it closes the connection): 300 of them, each with a 1 MiB message through a 256 KiB
+/// arena (16 pieces of 64 KiB, 4 at a time), from threads and from tokio tasks. They began more
+/// than 256 before a sender kept to a limit of its own, and the echo server closed the
+/// connection.
+#[test]
+fn more_messages_in_pieces_than_a_receiver_takes_at_once_wait_their_turn() {
+    const SENDERS: u64 = 300;
+    const SIZE: usize = 1 << 20;
+    let (_peer, addr) = echo_peer("partials-turn");
+    watchdog(Duration::from_secs(300), move || {
+        let cfg = Config { arena_size: 256 << 10, ..Config::default() };
+        for tasks in [false, true] {
+            let Connection { sender, mut receiver } = Connection::connect(&addr, &cfg).expect("connect");
+            let reader = std::thread::spawn(move || {
+                let mut seen = HashSet::new();
+                for _ in 0..SENDERS {
+                    let f = receiver.recv(Some(Instant::now() + Duration::from_secs(60))).expect("echo");
+                    assert_eq!((f.body.len(), first_mismatch(&f.body, f.stream)), (SIZE, None), "stream {}", f.stream);
+                    seen.insert(f.stream);
+                }
+                seen.len() as u64
+            });
+            let sender = Arc::new(sender);
+            let deadline = || Some(Instant::now() + Duration::from_secs(60));
+            if tasks {
+                let rt = tokio::runtime::Builder::new_multi_thread()
+                    .worker_threads(2)
+                    .enable_all()
+                    .build()
+                    .expect("runtime");
+                rt.block_on(async {
+                    let sends = (1..=SENDERS).map(|stream| {
+                        let sender = sender.clone();
+                        tokio::spawn(async move {
+                            let message = pattern(SIZE, stream);
+                            sender.send_message_async(stream, flags::END_STREAM, &message).await.expect("send");
+                        })
+                    });
+                    for send in sends.collect::<Vec<_>>() {
+                        send.await.expect("task");
+                    }
+                });
+            } else {
+                let threads: Vec<_> = (1..=SENDERS)
+                    .map(|stream| {
+                        let sender = sender.clone();
+                        std::thread::spawn(move || {
+                            let message = pattern(SIZE, stream);
+                            sender.send_message(stream, flags::END_STREAM, &message, deadline()).expect("send");
+                        })
+                    })
+                    .collect();
+                for t in threads {
+                    t.join().expect("sender");
+                }
+            }
+            assert_eq!(reader.join().expect("reader"), SENDERS, "tasks: {tasks}");
+        }
+    });
+}
+
 /// An interruptible wait gives up when interrupted from another thread, whether it is asleep
 /// on the doorbell by then or not yet waiting, and no frame is lost: the next wait gets the
 /// echo that arrives later.

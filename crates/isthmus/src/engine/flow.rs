@@ -2,13 +2,15 @@
 //! one.
 //!
 //! Each side of each stream may have at most [`INITIAL_WINDOW`] bytes of messages that the
-//! other side's application has not taken yet ([`SMALL_WINDOW`] on a connection whose handshake
+//! other side's application has not taken yet ([`SMALL_INITIAL_WINDOW`] on a connection whose handshake
 //! agreed to it: a server's loopback, ADR 0037). A message costs its length plus
 //! [`MESSAGE_OVERHEAD`], so even empty messages use up the window. A writer may send while its
 //! credit is above zero, so one message of any size always goes (the window never makes a message
 //! too big to send) and the credit may end below zero. The reader gives credit back with WINDOW
 //! frames once its application has taken half a window's worth, so an even stream of messages
-//! flows without stopping and a unary call never sends a WINDOW at all.
+//! flows without stopping and a unary call sends no WINDOW (a server never grants for a request
+//! that came with its half-close; a client, under the small window, grants for a reply over
+//! 32 KiB that came before its TRAILERS).
 //!
 //! Memory held for one stalled stream is therefore at most a window plus one message, however
 //! many the writer tries to send; the transport's rings and arenas stay free for the others.
@@ -36,7 +38,7 @@
 //!
 //! The receiving side charges every arriving MESSAGE to its own count
 //! (`RecvWindow::charge_arrival`); one that arrives at zero or below ends that call alone with
-//! INTERNAL ("the peer sent on stream N past its flow-control window (4194304 bytes)") and a CANCEL
+//! INTERNAL ("the peer sent on stream N past its flow-control window (W bytes)") and a CANCEL
 //! to the peer. Credit adds with saturation, so a peer that grants too much only lets us send more
 //! to it.
 //!
@@ -58,7 +60,7 @@ pub const INITIAL_WINDOW: u64 = 4 << 20;
 /// `features::SMALL_WINDOW` (protocol 13.8): a server's loopback, which every HTTP/2 client
 /// shares, so that a stream nobody reads holds little of it (ADR 0037). As grpc-go's write
 /// quota: a stream holds this and one message.
-pub const SMALL_WINDOW: u64 = 64 << 10;
+pub const SMALL_INITIAL_WINDOW: u64 = 64 << 10;
 
 /// What each message costs beyond its length: the bookkeeping a queued message takes, so a flood
 /// of empty messages is bounded too.
@@ -290,7 +292,7 @@ mod tests {
 
     #[test]
     fn a_small_window_holds_its_writer_and_grants_in_its_own_halves() {
-        let (w, r) = (SendWindow::new(SMALL_WINDOW), RecvWindow::new(SMALL_WINDOW));
+        let (w, r) = (SendWindow::new(SMALL_INITIAL_WINDOW), RecvWindow::new(SMALL_INITIAL_WINDOW));
         let mut consumed = Consumed::default();
         let len = 1000;
         let mut sent = 0;
@@ -298,10 +300,10 @@ mod tests {
             assert!(r.charge_arrival(len), "message {sent} was within the window");
             sent += 1;
         }
-        assert_eq!(sent, SMALL_WINDOW.div_ceil(charge(len) as u64), "a writer sends its window and stops");
+        assert_eq!(sent, SMALL_INITIAL_WINDOW.div_ceil(charge(len) as u64), "a writer sends its window and stops");
         assert!(!r.charge_arrival(len), "the reader's count agrees the window is used up");
         let grants: Vec<u64> = (0..sent).filter_map(|_| consumed.take(len, &r)).collect();
         assert_eq!(grants.len(), 2, "one WINDOW per half of the small window: {grants:?}");
-        assert!(grants.iter().all(|&g| (SMALL_WINDOW / 2..SMALL_WINDOW).contains(&g)), "{grants:?}");
+        assert!(grants.iter().all(|&g| (SMALL_INITIAL_WINDOW / 2..SMALL_INITIAL_WINDOW).contains(&g)), "{grants:?}");
     }
 }

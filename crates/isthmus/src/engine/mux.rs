@@ -2,9 +2,9 @@
 //!
 //! The table maps a stream id to the stream's shared state (its `Inbox` and both flow-control
 //! windows), the batch in which it opened, and on the server the `Cancel` that stops its handler; a
-//! call holds its side through a `Stream`. Ids are hashed with `IdHasher`, a multiply-shift cheaper
-//! than SipHash; the peer picks the ids and could make them collide, but that slows only its own
-//! connection's table.
+//! call holds its side through a `Stream`. Ids are hashed with `IdHasher`, a keyed multiply cheaper
+//! than SipHash, with keys of each table's own, so that the peer, which picks the ids, cannot
+//! make them collide.
 //!
 //! Routing (`step`, `route`) is the same whoever reads: HEADERS, MESSAGE (charged to the receive
 //! window first), TRAILERS and CANCEL become events in the stream's inbox, under the table's lock;
@@ -93,7 +93,7 @@
 //! connection's, afresh after a reconnect; `Bound::stats()` every live connection's.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
@@ -340,26 +340,54 @@ impl Cancel {
     }
 }
 
-/// Hashes stream ids: they are chosen by the peer, so not trusted to be spread out, but a
-/// multiply-shift spreads any pattern of ids well enough for a table the peer can only fill
-/// with its own open calls. The bindings' operations, named by their caller's tokens, are kept
+/// Builds the hashers of one table of stream ids, with keys of its own: the peer chooses the
+/// ids, and with a fixed function it could choose ids that all land in one bucket (ids with the
+/// same low bits did, with the multiply-shift this replaced), making each insert scan them all
+/// under the table's lock. The bindings' operations, named by their caller's tokens, are kept
 /// so too (`binding::Completions`).
-#[derive(Default)]
-pub(crate) struct IdHasher(u64);
+#[derive(Clone)]
+pub(crate) struct IdKeys {
+    mix: u64,
+    multiplier: u64,
+}
+
+impl Default for IdKeys {
+    fn default() -> IdKeys {
+        // std's RandomState is seeded from the OS once per thread, then varied per instance.
+        let seed = std::collections::hash_map::RandomState::new();
+        IdKeys { mix: seed.hash_one(0u8), multiplier: seed.hash_one(1u8) | 1 }
+    }
+}
+
+impl BuildHasher for IdKeys {
+    type Hasher = IdHasher;
+
+    fn build_hasher(&self) -> IdHasher {
+        IdHasher { state: 0, keys: self.clone() }
+    }
+}
+
+/// Hashes a stream id with its table's keys: one keyed folded multiply (as foldhash's), far
+/// cheaper than SipHash on every frame's lookup.
+pub(crate) struct IdHasher {
+    state: u64,
+    keys: IdKeys,
+}
 
 impl Hasher for IdHasher {
     fn finish(&self) -> u64 {
-        self.0
+        self.state
     }
 
     fn write(&mut self, bytes: &[u8]) {
         for &b in bytes {
-            self.0 = (self.0 ^ u64::from(b)).wrapping_mul(0x100_0000_01b3);
+            self.write_u64(self.state ^ u64::from(b));
         }
     }
 
     fn write_u64(&mut self, id: u64) {
-        self.0 = (id ^ (id >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        let product = u128::from(id ^ self.keys.mix) * u128::from(self.keys.multiplier);
+        self.state = (product as u64) ^ ((product >> 64) as u64);
     }
 }
 
@@ -747,7 +775,7 @@ pub(crate) struct Mux {
     woke: AtomicBool,
     /// The current batch held only WINDOW and PING frames (see `spin_for_next`).
     credit_only: AtomicBool,
-    streams: Mutex<HashMap<u64, Entry, BuildHasherDefault<IdHasher>>>,
+    streams: Mutex<HashMap<u64, Entry, IdKeys>>,
     /// `streams.len()`, kept under its lock.
     open: std::sync::atomic::AtomicUsize,
     /// Set once the connection is finished: every later call fails with it.
@@ -976,7 +1004,7 @@ impl Mux {
     /// handshake agreed to it.
     pub(crate) fn window(&self) -> u64 {
         if self.sender.features() & isthmus_shm::features::SMALL_WINDOW != 0 {
-            crate::engine::flow::SMALL_WINDOW
+            crate::engine::flow::SMALL_INITIAL_WINDOW
         } else {
             crate::INITIAL_WINDOW
         }
@@ -2184,5 +2212,22 @@ impl Reply {
 
     fn cancel(stream: u64, code: Code) -> Reply {
         Reply { kind: Kind::Cancel, flags: 0, stream, body: wire::encode_cancel(code).to_vec() }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_a_peer_chooses_alike_spread_over_the_table() {
+        // Ids whose low 16 bits are zero: the multiply-shift this hasher replaced put every one
+        // of them in the same bucket of any table under 65,536 buckets.
+        let keys = IdKeys::default();
+        let buckets: std::collections::HashSet<u64> = (1..=4096u64).map(|j| keys.hash_one(j << 45) & 4095).collect();
+        // 4,096 random picks of 4,096 buckets find about 2,590 of them.
+        assert!(buckets.len() > 2048, "4,096 ids in {} buckets of 4,096", buckets.len());
+        let other = IdKeys::default();
+        assert!((1..=64u64).any(|id| other.hash_one(id) != keys.hash_one(id)), "each table has keys of its own");
     }
 }

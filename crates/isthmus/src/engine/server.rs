@@ -228,7 +228,8 @@ impl Future for OwnTask {
 /// The server's side of one call, handed to its handler.
 ///
 /// Response messages are flow-controlled: a `send` waits while the client has not taken the
-/// messages already sent (up to a window of [`INITIAL_WINDOW`](crate::INITIAL_WINDOW) bytes), so
+/// messages already sent (up to a window of [`INITIAL_WINDOW`](crate::INITIAL_WINDOW) bytes, or
+/// [`SMALL_INITIAL_WINDOW`](crate::SMALL_INITIAL_WINDOW) where the handshake agreed to it), so
 /// a slow client holds back this handler and no other.
 pub struct ServerCall {
     id: u64,
