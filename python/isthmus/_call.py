@@ -150,6 +150,12 @@ class Call(grpc.Call, grpc.Future):
             return None
         return native
 
+    def _restart_clock(self) -> None:
+        """The timeout counts from now: a call that waited for its call credentials' plugins
+        has its whole timeout after them, as grpcio's."""
+        if self._timeout is not None:
+            self._deadline = time.monotonic() + self._timeout
+
     def _send_one(self, native: _native.Call, request: bytes) -> None:
         try:
             native.send(request, True)  # the one request, and the half-close, in one frame
@@ -288,6 +294,10 @@ class Call(grpc.Call, grpc.Future):
 
     def __next__(self) -> Any:
         native = self._native
+        if native is None:  # not started yet: its call credentials are being asked
+            with self._lock:
+                self._lock.wait_for(lambda: self._native is not None or self._ended)
+                native = self._native
         if native is not None and not self._ended:
             try:
                 message = native.recv()

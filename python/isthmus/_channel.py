@@ -120,12 +120,31 @@ class _MultiCallable:
             return metadata
         return self._auth.metadata(metadata, credentials, self._path, timeout)
 
-    def _ended(self, error: CallError, timeout: float | None) -> Call:
-        """A future or response stream whose call credentials failed: returned ended with the
-        failure, as grpcio's is (`result()` and the first read raise it), where a blocking call
-        raises it."""
+    def _when_asked(
+        self,
+        start: Callable[[Call | None, Any], Call],
+        metadata: Any,
+        credentials: grpc.CallCredentials | None,
+        timeout: float | None,
+    ) -> Call:
+        """`start(None, metadata)` for a call with no call credentials. Otherwise a call
+        returned at once, whose credentials are asked on a thread of its own, and which then
+        starts (`start(call, metadata)`) or ends with their failure, as a grpcio future or
+        response stream does while its plugins answer off the caller's thread. A call
+        cancelled meanwhile starts nothing."""
+        if credentials is None and not self._auth.plugins:
+            return start(None, metadata)
         call = Call(self._deserialize, timeout)
-        call._end(error)
+
+        def ask() -> None:
+            asked = self._asked(metadata, credentials, timeout)
+            if isinstance(asked, CallError):
+                call._end(asked)
+            elif not call.done():
+                call._restart_clock()  # the plugin's time is not the call's, as in grpcio
+                start(call, asked)
+
+        threading.Thread(target=ask, name="isthmus-credentials", daemon=True).start()
         return call
 
     def _encode(self, request: Any) -> bytes:
@@ -164,14 +183,19 @@ class _MultiCallable:
         metadata: Iterable[Metadatum] | None,
         wait_for_ready: bool | None,
         compression: str | None,
+        call: Call | None = None,
     ) -> Call:
         """A call with one response, running while the caller goes on: a unary one completes
         on the completion thread; one with a request iterator runs on a thread of its own,
-        which that iterator needs anyway (grpcio consumes it on a thread of its own too)."""
-        call = Call(self._deserialize, timeout)
+        which that iterator needs anyway (grpcio consumes it on a thread of its own too).
+        `call`: the one to run, returned already (`_when_asked`)."""
+        call = call or Call(self._deserialize, timeout)
         if isinstance(request, bytes):
-            reactor, token = _COMPLETIONS.begin(call._resolve)
-            call._abandon = functools.partial(_COMPLETIONS.abandon, token)
+            with call._lock:
+                if call._ended:  # cancelled while its call credentials were asked
+                    return call
+                reactor, token = _COMPLETIONS.begin(call._resolve)
+                call._abandon = functools.partial(_COMPLETIONS.abandon, token)
             try:
                 self._channel.unary_future(
                     reactor,
@@ -207,9 +231,11 @@ class _MultiCallable:
         metadata: Iterable[Metadatum] | None,
         wait_for_ready: bool | None,
         compression: str | None,
+        call: Call | None = None,
     ) -> Call:
-        """A call with streaming responses, started; the caller reads them."""
-        call = Call(self._deserialize, timeout)
+        """A call with streaming responses, started; the caller reads them. `call`: the one to
+        start, returned already (`_when_asked`)."""
+        call = call or Call(self._deserialize, timeout)
         native = call._start(
             self._channel, self._path, outgoing(metadata), timeout, bool(wait_for_ready), compression
         )
@@ -296,11 +322,12 @@ class UnaryUnaryMultiCallable(_native.UnaryCallable, _MultiCallable, grpc.UnaryU
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        metadata = self._asked(metadata, credentials, timeout)
-        if isinstance(metadata, CallError):
-            return self._ended(metadata, timeout)
-        return self._future(
-            self._encode(request), timeout, metadata, wait_for_ready, self._encoding(compression)
+        message, encoding = self._encode(request), self._encoding(compression)
+        return self._when_asked(
+            lambda call, asked: self._future(message, timeout, asked, wait_for_ready, encoding, call),
+            metadata,
+            credentials,
+            timeout,
         )
 
 
@@ -321,11 +348,12 @@ class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        metadata = self._asked(metadata, credentials, timeout)
-        if isinstance(metadata, CallError):
-            return self._ended(metadata, timeout)
-        return self._stream(
-            self._encode(request), timeout, metadata, wait_for_ready, self._encoding(compression)
+        message, encoding = self._encode(request), self._encoding(compression)
+        return self._when_asked(
+            lambda call, asked: self._stream(message, timeout, asked, wait_for_ready, encoding, call),
+            metadata,
+            credentials,
+            timeout,
         )
 
 
@@ -368,11 +396,12 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        metadata = self._asked(metadata, credentials, timeout)
-        if isinstance(metadata, CallError):
-            return self._ended(metadata, timeout)
-        return self._future(
-            iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
+        requests, encoding = iter(request_iterator), self._encoding(compression)
+        return self._when_asked(
+            lambda call, asked: self._future(requests, timeout, asked, wait_for_ready, encoding, call),
+            metadata,
+            credentials,
+            timeout,
         )
 
 
@@ -386,11 +415,12 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        metadata = self._asked(metadata, credentials, timeout)
-        if isinstance(metadata, CallError):
-            return self._ended(metadata, timeout)
-        return self._stream(
-            iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
+        requests, encoding = iter(request_iterator), self._encoding(compression)
+        return self._when_asked(
+            lambda call, asked: self._stream(requests, timeout, asked, wait_for_ready, encoding, call),
+            metadata,
+            credentials,
+            timeout,
         )
 
 

@@ -8,7 +8,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -1286,12 +1286,18 @@ def _seen_requests(requests: Iterator[bytes], context: Any) -> bytes:
     return _seen(None, context)
 
 
+def _seen_both(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+    for _ in requests:
+        yield _seen(None, context)
+
+
 _SEEN = grpc.method_handlers_generic_handler(
     "t.Auth",
     {
         "Unary": grpc.unary_unary_rpc_method_handler(_seen),
         "Stream": grpc.unary_stream_rpc_method_handler(_seen_stream),
         "Requests": grpc.stream_unary_rpc_method_handler(_seen_requests),
+        "Both": grpc.stream_stream_rpc_method_handler(_seen_both),
         "Left": grpc.unary_unary_rpc_method_handler(_left),
     },
 )
@@ -1465,6 +1471,58 @@ def test_a_failing_plugin_fails_the_future_or_stream_not_the_call_making_it(kind
             with pytest.raises(grpc.RpcError) as raised:
                 next(stream)
             assert (raised.value.code(), raised.value.details()) == want
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
+class _Held(grpc.AuthMetadataPlugin):
+    """Answers once released (or after 30 s), with the method's name, and tells when it has."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.answered = threading.Event()
+
+    def __call__(self, context: grpc.AuthMetadataContext, callback: grpc.AuthMetadataPluginCallback) -> None:
+        self.release.wait(30)
+        self.answered.set()
+        callback((("x-ctx", context.method_name),), None)
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_future_or_stream_comes_back_before_its_plugin_answers(kind: str, tmp_path: Any) -> None:
+    """A `.future()` call or a response stream is returned at once, its call credentials'
+    plugin asked off the caller's thread, and the call goes once the plugin answers; one
+    cancelled before that is cancelled. grpcio's do so; isthmus waited for the plugin in the
+    call that made them."""
+    module: Any = grpc if kind == "grpcio" else isthmus
+    servers, targets, _ = _auth_servers(tmp_path)
+    try:
+        local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+        with module.secure_channel(targets[kind], local) as channel:
+            unary = channel.unary_unary("/t.Auth/Unary").future
+            requests = channel.stream_unary("/t.Auth/Requests").future
+            stream = channel.unary_stream("/t.Auth/Stream")
+            both = channel.stream_stream("/t.Auth/Both")
+            result: Callable[[Any], Any] = lambda f: f.result(timeout=30)  # noqa: E731
+            makers: list[tuple[str, Callable[[Any], Any], Callable[[Any], Any]]] = [
+                ("Unary", lambda c: unary(b"", timeout=60, credentials=c), result),
+                ("Requests", lambda c: requests(iter([b""]), timeout=60, credentials=c), result),
+                ("Stream", lambda c: stream(b"", timeout=60, credentials=c), next),
+                ("Both", lambda c: both(iter([b""]), timeout=60, credentials=c), next),
+            ]
+            for method, make, first in makers:
+                plugin = _Held()
+                call = make(grpc.metadata_call_credentials(plugin))
+                assert not plugin.answered.is_set(), method
+                plugin.release.set()
+                assert first(call) == f"[('x-ctx', '{method}')]".encode(), method
+                plugin = _Held()
+                call = make(grpc.metadata_call_credentials(plugin))
+                assert call.cancel(), method
+                plugin.release.set()
+                assert plugin.answered.wait(30), method
+                assert call.code() == grpc.StatusCode.CANCELLED, method
     finally:
         for server in servers:
             server.stop(None)
