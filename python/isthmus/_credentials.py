@@ -16,11 +16,14 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
 import logging
 import re
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
 import grpc
@@ -228,13 +231,71 @@ class Auth:
         as grpcio fails it, returned for the caller to raise or to end a call with. The call's
         timeout bounds the plugins' answers; as in grpcio, the call then has its whole timeout.
         (Its callers skip it when there are no credentials.)"""
-        plugins = self.plugins + call_plugins(credentials)
-        end = None if timeout is None else time.monotonic() + timeout
         try:
-            extra = ask_plugins(plugins, self.secure, self.scheme, self.authority, path, end)
+            plugins, context, end = self._asking(credentials, path, timeout)
+            extra = [pair for plugin in plugins for pair in _answered(_told(plugin, context, end))]
         except CallError as error:
             return error
         return (*(metadata or ()), *extra)
+
+    async def metadata_async(
+        self, metadata: Any, credentials: grpc.CallCredentials | None, path: str, timeout: float | None
+    ) -> Any:
+        """`metadata` for asyncio: each plugin is asked on a thread of the loop's default
+        executor (it may block, or answer through the loop), and its answer awaited on the
+        loop, so a plugin that returns without answering holds no thread until the deadline."""
+        try:
+            plugins, context, end = self._asking(credentials, path, timeout)
+            extra = []
+            for plugin in plugins:
+                extra += _answered(await _told_async(plugin, context, end))
+        except CallError as error:
+            return error
+        return (*(metadata or ()), *extra)
+
+    def _asking(
+        self, credentials: grpc.CallCredentials | None, path: str, timeout: float | None
+    ) -> tuple[tuple[grpc.AuthMetadataPlugin, ...], _Context, float | None]:
+        """The plugins to ask for a call of `path` (the channel's, then the call's own), what
+        they are told, and when their answers are due (on `time.monotonic`'s clock)."""
+        plugins = self.plugins + call_plugins(credentials)
+        end = None if timeout is None else time.monotonic() + timeout
+        return plugins, _context(self.secure, self.scheme, self.authority, path), end
+
+
+def _told(plugin: grpc.AuthMetadataPlugin, context: _Context, end: float | None) -> _Answer:
+    """`plugin`'s answer, asked on this thread, waited for until `end`."""
+    answer = _Answer()
+    _ask(plugin, context, answer)
+    if not answer.done.wait(None if end is None else max(0.0, end - time.monotonic())):
+        raise _deadline_exceeded()
+    return answer
+
+
+async def _told_async(plugin: grpc.AuthMetadataPlugin, context: _Context, end: float | None) -> _Answer:
+    """`plugin`'s answer, asked on a thread of the loop's default executor, awaited until
+    `end` on the loop."""
+    loop = asyncio.get_running_loop()
+    answered: asyncio.Future[None] = loop.create_future()
+    answer = _Answer(functools.partial(_wake, loop, answered))
+    await loop.run_in_executor(None, _ask, plugin, context, answer)
+    if not answer.done.is_set():
+        try:
+            await asyncio.wait_for(answered, None if end is None else max(0.0, end - time.monotonic()))
+        except asyncio.TimeoutError:
+            raise _deadline_exceeded() from None
+    return answer
+
+
+def _wake(loop: asyncio.AbstractEventLoop, answered: asyncio.Future[None]) -> None:
+    """Resolves `answered` on its loop, from any thread (a plugin answers from any)."""
+
+    def resolve() -> None:
+        if not answered.done():
+            answered.set_result(None)
+
+    with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits any more
+        loop.call_soon_threadsafe(resolve)
 
 
 class _Context(NamedTuple):
@@ -247,11 +308,12 @@ class _Context(NamedTuple):
 class _Answer:
     """A plugin's callback (grpc.AuthMetadataPluginCallback): the first answer counts."""
 
-    def __init__(self) -> None:
+    def __init__(self, then: Callable[[], None] | None = None) -> None:
         self.done = threading.Event()
         self.lock = threading.Lock()
         self.metadata: Any = None
         self.error: BaseException | str | None = None
+        self.then = then  # told once the answer is in
 
     def __call__(self, metadata: Any, error: BaseException | str | None) -> None:
         with self.lock:
@@ -259,6 +321,8 @@ class _Answer:
                 raise RuntimeError("AuthMetadataPluginCallback invoked more than once!")
             self.metadata, self.error = metadata, error
             self.done.set()
+        if self.then is not None:
+            self.then()
 
 
 def _plugin_failed(error: object) -> CallError:
@@ -267,39 +331,38 @@ def _plugin_failed(error: object) -> CallError:
     )
 
 
-def ask_plugins(
-    plugins: Sequence[grpc.AuthMetadataPlugin],
-    secure: bool,
-    scheme: str,
-    authority: str,
-    path: str,
-    end: float | None,
-) -> list[tuple[str, str | bytes]]:
-    """The metadata `plugins` give for a call of `path` (grpcio's words and codes when they
-    cannot): each is asked on this thread and may answer from another; the call's deadline
-    (`end`, on `time.monotonic`'s clock) bounds the wait. Raises CallError."""
+def _deadline_exceeded() -> CallError:
+    return CallError(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "Deadline Exceeded")
+
+
+def _context(secure: bool, scheme: str, authority: str, path: str) -> _Context:
+    """What plugins are told of a call of `path`; raises grpcio's CallError on a channel that
+    may not carry call credentials."""
     if not secure:
         raise CallError(
             grpc.StatusCode.UNAUTHENTICATED.value[0],
             "Established channel does not have a sufficient security level to transfer call credential.",
         )
     service, _, method = path.lstrip("/").rpartition("/")
-    context = _Context(f"{scheme}://{authority}/{service}", method)
-    out: list[tuple[str, str | bytes]] = []
-    for plugin in plugins:
-        answer = _Answer()
-        try:
-            plugin(context, answer)
-        except Exception as e:
-            _LOG.exception('AuthMetadataPluginCallback "%s" raised exception!', plugin)
-            if not answer.done.is_set():  # as grpcio: an answer given before the raise counts
-                raise _plugin_failed(e) from None
-        if not answer.done.wait(None if end is None else max(0.0, end - time.monotonic())):
-            raise CallError(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "Deadline Exceeded")
-        if answer.error is not None:
-            raise _plugin_failed(answer.error)
-        out.extend(_pairs(answer.metadata))
-    return out
+    return _Context(f"{scheme}://{authority}/{service}", method)
+
+
+def _ask(plugin: grpc.AuthMetadataPlugin, context: _Context, answer: _Answer) -> None:
+    """Asks `plugin`, which may answer now or later, from any thread; one that raises before it
+    answers fails the call, as in grpcio (an answer given before the raise counts)."""
+    try:
+        plugin(context, answer)
+    except Exception as e:
+        _LOG.exception('AuthMetadataPluginCallback "%s" raised exception!', plugin)
+        if not answer.done.is_set():
+            raise _plugin_failed(e) from None
+
+
+def _answered(answer: _Answer) -> list[tuple[str, str | bytes]]:
+    """A plugin's answer as metadata, or its failure as grpcio words it (raises CallError)."""
+    if answer.error is not None:
+        raise _plugin_failed(answer.error)
+    return _pairs(answer.metadata)
 
 
 def _pairs(metadata: Any) -> list[tuple[str, str | bytes]]:

@@ -1612,6 +1612,40 @@ def test_asyncio_call_credentials_are_asked_off_the_loop_as_grpc_aios_are(kind: 
             server.stop(None)
 
 
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_asyncio_plugins_that_never_answer_hold_no_thread(kind: str, tmp_path: Any) -> None:
+    """Calls whose plugin returns without answering wait for their deadline, and hold no
+    thread meanwhile: more of them than the loop's default executor has threads leave it free.
+    isthmus.aio waited for the answer on an executor thread, so twelve such calls took every
+    thread of it (six on two cores) until their deadlines."""
+    module: Any = grpc.aio if kind == "grpc.aio" else isthmus.aio
+    servers, targets, _ = _auth_servers(tmp_path)
+    local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    target = targets["grpcio" if kind == "grpc.aio" else "isthmus"]
+    silent = grpc.metadata_call_credentials(_Silent())
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        async with module.secure_channel(target, local) as channel:
+            unary, stream = channel.unary_unary("/t.Auth/Unary"), channel.unary_stream("/t.Auth/Stream")
+            calls = [unary(b"", timeout=30, credentials=silent) for _ in range(6)]
+            calls += [stream(b"", timeout=30, credentials=silent) for _ in range(6)]
+            await asyncio.sleep(0.5)  # the plugins have been asked (not needed to pass)
+            assert await asyncio.wait_for(loop.run_in_executor(None, sum, (1, 2)), 10) == 3
+            assert not any(call.done() for call in calls)
+            for call in calls:
+                call.cancel()
+            with pytest.raises(grpc.RpcError) as short:
+                await unary(b"", timeout=0.2, credentials=silent)
+            assert short.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+    try:
+        asyncio.run(run())
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
 def _identity(request: Any, context: Any) -> bytes:
     return repr((context.peer_identity_key(), context.peer_identities())).encode()
 

@@ -122,14 +122,14 @@ class _MultiCallable:
         credentials: grpc.CallCredentials | None,
         timeout: float | None,
     ) -> asyncio.Future[Any]:
-        """The call's metadata with what its call credentials give (`Auth.metadata`), or the
-        CallError they fail the call with, asked on a thread of the loop's default executor as
-        grpc.aio asks them on a thread of its own: a plugin may block, or answer through the
-        loop. The caller's own metadata is checked here, at once."""
+        """The call's metadata with what its call credentials give (`Auth.metadata_async`), or
+        the CallError they fail the call with: each plugin asked on a thread of the loop's
+        default executor, as grpc.aio asks them on a thread of its own (a plugin may block, or
+        answer through the loop), its answer awaited on the loop. The caller's own metadata is
+        checked here, at once."""
         outgoing(metadata)
-        return loop.run_in_executor(
-            None, self._channel._auth.metadata, metadata, credentials, self._path, timeout
-        )
+        auth = self._channel._auth
+        return loop.create_task(auth.metadata_async(metadata, credentials, self._path, timeout))
 
     def _start(
         self,
