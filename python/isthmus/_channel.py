@@ -13,6 +13,7 @@ import grpc
 
 from . import _native
 from ._call import (
+    _INTERNAL,
     Call,
     Deserializer,
     Serializer,
@@ -23,7 +24,7 @@ from ._call import (
     encode,
     serialize_failed,
 )
-from ._credentials import Auth, Security, insecure
+from ._credentials import Auth, Security, call_plugins, insecure
 from ._errors import rpc_error
 from ._metadata import Metadatum, outgoing
 from ._native import CallError
@@ -134,15 +135,22 @@ class _MultiCallable:
         cancelled meanwhile starts nothing."""
         if credentials is None and not self._auth.plugins:
             return start(None, metadata)
+        call_plugins(credentials)  # credentials of a kind isthmus cannot read: TypeError here
         call = Call(self._deserialize, timeout)
 
         def ask() -> None:
-            asked = self._asked(metadata, credentials, timeout)
-            if isinstance(asked, CallError):
-                call._end(asked)
-            elif not call.done():
-                call._restart_clock()  # the plugin's time is not the call's, as in grpcio
-                start(call, asked)
+            try:
+                asked = self._asked(metadata, credentials, timeout)
+                if isinstance(asked, CallError):
+                    call._end(asked)
+                elif not call.done():
+                    call._restart_clock()  # the plugin's time is not the call's, as in grpcio
+                    start(call, asked)
+            except Exception as e:
+                # What would have raised in the caller's thread (metadata the engine refuses,
+                # say) ends the call instead of the thread, so no one waits for it for ever.
+                _LOG.exception("A call could not start once its call credentials answered")
+                call._end(CallError(_INTERNAL, f"the call could not start: {e!r}"))
 
         threading.Thread(target=ask, name="isthmus-credentials", daemon=True).start()
         return call
@@ -189,6 +197,7 @@ class _MultiCallable:
         on the completion thread; one with a request iterator runs on a thread of its own,
         which that iterator needs anyway (grpcio consumes it on a thread of its own too).
         `call`: the one to run, returned already (`_when_asked`)."""
+        returned = call is not None
         call = call or Call(self._deserialize, timeout)
         if isinstance(request, bytes):
             with call._lock:
@@ -210,6 +219,10 @@ class _MultiCallable:
             except BaseException:
                 _COMPLETIONS.abandon(token)
                 raise
+            if returned and call.done():
+                # Cancelled between the look above and the start (from `_when_asked`'s thread):
+                # the abandon then found no operation to cancel; now it does.
+                _COMPLETIONS.abandon(token)
             return call
         args = (
             self._channel,

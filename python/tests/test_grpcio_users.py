@@ -1528,6 +1528,33 @@ def test_a_future_or_stream_comes_back_before_its_plugin_answers(kind: str, tmp_
             server.stop(None)
 
 
+def test_a_call_that_cannot_start_once_its_plugins_answer_ends(tmp_path: Any) -> None:
+    """A future or response stream returned before its plugins answered, whose start then
+    fails (metadata the engine refuses), ends INTERNAL with the reason; the thread that asked
+    the plugins died with it, and the call waited for ever. Credentials isthmus cannot read
+    still raise TypeError in the caller's thread."""
+    servers, targets, _ = _auth_servers(tmp_path)
+    try:
+        local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+        with isthmus.secure_channel(targets["isthmus"], local) as channel:
+            bad = (("x-bad", 7),)  # not a str or bytes value
+            later = grpc.metadata_call_credentials(_Later())
+            future = channel.unary_unary("/t.Auth/Unary").future(b"", metadata=bad, credentials=later)
+            error = future.exception(timeout=30)
+            assert error is not None and error.code() == grpc.StatusCode.INTERNAL, error
+            assert "could not start" in error.details(), error.details()
+            stream = channel.unary_stream("/t.Auth/Stream")(b"", metadata=bad, credentials=later)
+            assert stream.code() == grpc.StatusCode.INTERNAL
+            with pytest.raises(TypeError):
+                channel.unary_unary("/t.Auth/Unary").future(b"", credentials=object())  # type: ignore[arg-type]
+            assert channel.unary_unary("/t.Auth/Unary")(b"", timeout=10, credentials=later) == (
+                b"[('x-ctx', 'Unary')]"
+            )
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
 @pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
 def test_asyncio_call_credentials_send_their_metadata_as_grpc_aios_do(kind: str, tmp_path: Any) -> None:
     """The same through grpc.aio's API: per call and composed into the channel's credentials;

@@ -230,7 +230,10 @@ impl PieceSlots {
 impl Drop for PieceSlot<'_> {
     fn drop(&mut self) {
         self.0.taken.fetch_sub(1, Ordering::AcqRel);
-        self.0.freed.notify(1);
+        // One more waiter each time (`additional`): a plain `notify(1)` does nothing while an
+        // earlier notified waiter has not yet run, so a burst of freed places could rely on
+        // that waiter passing its wake-up on.
+        self.0.freed.notify(event_listener::IntoNotification::additional(1));
     }
 }
 
@@ -1592,5 +1595,38 @@ impl Connection {
     /// Splits into the two halves.
     pub fn split(self) -> (Sender, Receiver) {
         (self.sender, self.receiver)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn places_freed_one_right_after_another_wake_every_waiter() {
+        // Two waiters with no deadline, and every place freed in a burst, faster than the first
+        // waiter wakes: each must get a place (a free place never waits for a new sender).
+        for _ in 0..50 {
+            let slots = Arc::new(PieceSlots::default());
+            let held: Vec<_> = (0..MAX_SENDING_IN_PIECES).map(|_| slots.try_take().expect("a place")).collect();
+            assert!(slots.try_take().is_none(), "all places taken");
+            let (done, finished) = std::sync::mpsc::channel();
+            for _ in 0..2 {
+                let (slots, done) = (slots.clone(), done.clone());
+                std::thread::spawn(move || {
+                    let taken = slots.take(None).is_ok();
+                    let _ = done.send(taken);
+                });
+            }
+            while slots.freed.total_listeners() < 2 {
+                std::thread::yield_now();
+            }
+            drop(held); // frees every place, one after another
+            for _ in 0..2 {
+                let taken = finished.recv_timeout(Duration::from_secs(20));
+                assert_eq!(taken, Ok(true), "a waiter was left waiting with places free");
+            }
+        }
     }
 }
