@@ -137,6 +137,7 @@ class _MultiCallable:
             return start(None, metadata)
         call_plugins(credentials)  # credentials of a kind isthmus cannot read: TypeError here
         call = Call(self._deserialize, timeout)
+        self._auth.hold(call)  # until it starts: the channel's close ends it meanwhile
 
         def ask() -> None:
             try:
@@ -151,6 +152,8 @@ class _MultiCallable:
                 # say) ends the call instead of the thread, so no one waits for it for ever.
                 _LOG.exception("A call could not start once its call credentials answered")
                 call._end(CallError(_INTERNAL, f"the call could not start: {e!r}"))
+            finally:
+                self._auth.release(call)
 
         threading.Thread(target=ask, name="isthmus-credentials", daemon=True).start()
         return call
@@ -811,6 +814,8 @@ class Channel(grpc.Channel):
         HTTP/2 alike, and the `shm://` connections close; later calls fail UNAVAILABLE;
         subscriptions end, uncalled. The HTTP/2 connection closes with the channel."""
         self._connectivity.unsubscribe_all()
+        for call in self._auth.close():  # not started yet: their plugins have not answered
+            call._end(CallError(grpc.StatusCode.CANCELLED.value[0], "Channel closed!"))
         self._native.close()
 
     def __enter__(self) -> Channel:

@@ -204,11 +204,15 @@ def call_plugins(credentials: grpc.CallCredentials | None) -> tuple[grpc.AuthMet
 
 class Auth:
     """A channel's part in its calls' call credentials: its own plugins (composed into its
-    credentials), whether they may go over it, and what the plugins are told of it."""
+    credentials), whether they may go over it, what the plugins are told of it, and the calls
+    of the blocking API that wait for their plugins' answers (which `close` ends)."""
 
     def __init__(self, security: Security, target: str) -> None:
         self.plugins = security.plugins
         self.secure = security.secure
+        self._lock = threading.Lock()
+        self._waiting: set[Any] = set()
+        self._closed = False
         tls = security.tls
         self.scheme = "https" if tls is not None else ""
         if target.startswith(("unix:", "unix-abstract:", "shm:")):
@@ -222,6 +226,23 @@ class Auth:
                 self.authority = tls[3] + (f":{port}" if port else "")
             if tls is not None and self.authority.endswith(":443"):
                 self.authority = self.authority[: -len(":443")]
+
+    def hold(self, call: Any) -> None:
+        """`call` waits for its plugins (until `release`); a channel closed already keeps none."""
+        with self._lock:
+            if not self._closed:
+                self._waiting.add(call)
+
+    def release(self, call: Any) -> None:
+        with self._lock:
+            self._waiting.discard(call)
+
+    def close(self) -> list[Any]:
+        """The channel closes: the calls still waiting for their plugins, for it to end."""
+        with self._lock:
+            self._closed = True
+            waiting, self._waiting = list(self._waiting), set()
+        return waiting
 
     def metadata(
         self, metadata: Any, credentials: grpc.CallCredentials | None, path: str, timeout: float | None

@@ -1528,6 +1528,29 @@ def test_a_future_or_stream_comes_back_before_its_plugin_answers(kind: str, tmp_
             server.stop(None)
 
 
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_closing_the_channel_ends_calls_waiting_for_their_plugins(kind: str, tmp_path: Any) -> None:
+    """`close()` ends a future or response stream whose plugin has not answered yet CANCELLED
+    ("Channel closed!"), as every call in progress, as grpcio's does. isthmus left it waiting
+    for the plugin, to fail UNAVAILABLE afterwards (or never, with no deadline)."""
+    module: Any = grpc if kind == "grpcio" else isthmus
+    servers, targets, _ = _auth_servers(tmp_path)
+    plugin = _Held()
+    try:
+        local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+        channel = module.secure_channel(targets[kind], local)
+        held = grpc.metadata_call_credentials(plugin)
+        future = channel.unary_unary("/t.Auth/Unary").future(b"", credentials=held)
+        stream = channel.unary_stream("/t.Auth/Stream")(b"", credentials=held)
+        channel.close()
+        for call in (future, stream):
+            assert (call.code(), call.details()) == (grpc.StatusCode.CANCELLED, "Channel closed!")
+    finally:
+        plugin.release.set()
+        for server in servers:
+            server.stop(None)
+
+
 def test_a_call_that_cannot_start_once_its_plugins_answer_ends(tmp_path: Any) -> None:
     """A future or response stream returned before its plugins answered, whose start then
     fails (metadata the engine refuses), ends INTERNAL with the reason; the thread that asked
