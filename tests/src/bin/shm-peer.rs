@@ -15,9 +15,10 @@
 //! shm-peer ping-server ADDR COUNT LEN    accept one client, take its first frame (a call), send
 //!                                        COUNT PINGs of LEN bytes (pattern i) reading nothing,
 //!                                        then read the answers (`ACKS n`) and hang up
-//! shm-peer credit-server ADDR WAIT_MS   accept one client, take its call, send 20 PINGs of
-//!                                        64 KiB (their answers fill the client's 1 MiB ring and
-//!                                        4 more) and 40 messages of 64 KiB on the call, read
+//! shm-peer credit-server ADDR WAIT_MS [PINGS [LEN]]
+//!                                        accept one client, take its call, send PINGS (20) PINGs
+//!                                        of LEN bytes (64 KiB - 16: 20 answers fill the client's
+//!                                        1 MiB ring and 4 more) and 40 messages of 64 KiB on the call, read
 //!                                        nothing for WAIT_MS, then read: `ANSWERS n GRANTED b
 //!                                        ENDED kind` once a WINDOW for the call comes (`-`), or
 //!                                        the connection ends (or 10 s pass), and end the call OK
@@ -89,7 +90,11 @@ fn main() {
         "misanswering-server" => misanswering_server(&addr),
         "pieces-client" => pieces_client(&addr),
         "partials-client" => partials_client(&addr),
-        "credit-server" => credit_server(&addr, num(&arg(&args, 3, "wait_ms")) as u64),
+        "credit-server" => {
+            let pings = args.get(4).map_or(20, |p| num(p) as u64);
+            let len = args.get(5).map_or((64 << 10) - 16, |l| num(l));
+            credit_server(&addr, num(&arg(&args, 3, "wait_ms")) as u64, pings, len)
+        }
         "ping-server" => ping_server(&addr, num(&arg(&args, 3, "count")), num(&arg(&args, 4, "len"))),
         "shared-sink" => shared_sink(&addr, num(&arg(&args, 3, "count")), num(&arg(&args, 4, "hold"))),
         "sink-server" => sink_server(&addr),
@@ -377,7 +382,7 @@ fn ping_server(addr: &Address, count: usize, len: usize) {
     say(&format!("ACKS {acks}"));
 }
 
-fn credit_server(addr: &Address, wait_ms: u64) {
+fn credit_server(addr: &Address, wait_ms: u64, pings: u64, len: usize) {
     use isthmus::{wire, Status};
     let listener = Listener::bind(addr, Config::default()).expect("bind");
     say("READY");
@@ -385,7 +390,6 @@ fn credit_server(addr: &Address, wait_ms: u64) {
     let call = receiver.recv(None).expect("the client's call");
     let stream = call.stream;
     say(&format!("CALL {:?} {stream}", call.kind));
-    let (pings, len) = (20, (64 << 10) - 16);
     for i in 0..pings {
         sender.send(Kind::Ping, 0, 0, &pattern(len, i), None).expect("PING");
     }

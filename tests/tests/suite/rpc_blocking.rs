@@ -372,10 +372,25 @@ fn a_waiting_call_answers_every_ping_of_a_server_that_reads_nothing_meanwhile() 
 /// again.
 #[test]
 fn credit_queued_behind_a_full_ring_outlasts_a_long_stop_of_the_server() {
-    let (mut server, _ch, mut call) = take_40_messages_of_a_credit_server(3000);
+    let (mut server, _ch, mut call) = take_40_messages_of_a_credit_server(3000, 20, (64 << 10) - 16);
     let line = server.expect_line("ANSWERS", Duration::from_secs(30));
     let words: Vec<&str> = line.split(' ').collect();
     assert_eq!(words[1], "20", "every PING answered: {line}");
+    let granted: u64 = words[3].parse().expect("a count");
+    assert!(granted >= 2 << 20, "the grant came: {line}");
+    assert!(call.recv().expect("the end").is_none(), "ends OK");
+}
+
+/// The same behind more answers than may wait (100 PING answers of 64 KiB: the ring holds some,
+/// the queue exactly its 4 MiB, the rest are dropped): the grant waits all the same. It was dropped too, and
+/// stayed owed to the next message the call took, which the server never sent without it.
+#[test]
+fn credit_is_not_dropped_with_the_answers_a_stopped_server_asks_for() {
+    let (mut server, _ch, mut call) = take_40_messages_of_a_credit_server(1000, 100, 64 << 10);
+    let line = server.expect_line("ANSWERS", Duration::from_secs(30));
+    let words: Vec<&str> = line.split(' ').collect();
+    let answers: u32 = words[1].parse().expect("a count");
+    assert!(answers < 100, "some PING answers were dropped, so the queue was full: {line}");
     let granted: u64 = words[3].parse().expect("a count");
     assert!(granted >= 2 << 20, "the grant came: {line}");
     assert!(call.recv().expect("the end").is_none(), "ends OK");
@@ -386,7 +401,7 @@ fn credit_queued_behind_a_full_ring_outlasts_a_long_stop_of_the_server() {
 /// server. The server reads the answers the ring held, then finds the client gone.
 #[test]
 fn a_dropped_blocking_channel_lets_its_queued_answers_go() {
-    let (mut server, ch, call) = take_40_messages_of_a_credit_server(5000);
+    let (mut server, ch, call) = take_40_messages_of_a_credit_server(5000, 20, (64 << 10) - 16);
     drop((call, ch));
     let line = server.expect_line("ANSWERS", Duration::from_secs(30));
     let words: Vec<&str> = line.split(' ').collect();
@@ -396,11 +411,13 @@ fn a_dropped_blocking_channel_lets_its_queued_answers_go() {
     assert_eq!(words[5], "PeerGone", "the connection ended: {line}");
 }
 
-/// A call to `shm-peer credit-server` that reads nothing for `wait_ms` once it has sent; its 40
-/// messages taken (and checked), so that their credit is granted.
-fn take_40_messages_of_a_credit_server(wait_ms: u32) -> (Peer, Channel, isthmus::blocking::Call) {
+/// A call to `shm-peer credit-server` that sends `pings` PINGs of `len` bytes and reads nothing
+/// for `wait_ms` once it has sent; its 40 messages taken (and checked), so that their credit is
+/// granted.
+fn take_40_messages_of_a_credit_server(wait_ms: u32, pings: u32, len: u32) -> (Peer, Channel, isthmus::blocking::Call) {
     let addr = fresh_addr("blk-credit");
-    let mut server = Peer::spawn(&["credit-server", &addr, &wait_ms.to_string()]);
+    let (wait_ms, pings, len) = (wait_ms.to_string(), pings.to_string(), len.to_string());
+    let mut server = Peer::spawn(&["credit-server", &addr, &wait_ms, &pings, &len]);
     let ch = Channel::connect(&addr).expect("connect");
     let options = CallOptions { timeout: Some(Duration::from_secs(60)), ..Default::default() };
     let mut call = ch.start("/test.Echo/ServerStream", options).expect("start");

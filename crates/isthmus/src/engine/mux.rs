@@ -70,7 +70,7 @@
 //! cannot stop our reading, and two readers each waiting for the other's room cannot deadlock. At
 //! most `REPLIES_MAX` answers of `REPLY_BYTES_MAX` bytes in all wait; a peer that makes more
 //! while it reads nothing of ours loses the rest (logged and counted in
-//! `ConnectionCounters::answers_dropped`; a grant stays owed instead). A server call the peer
+//! `ConnectionCounters::answers_dropped`), except grants, which its own window bounds. A server call the peer
 //! broke (past its window, a message too large) is ended by the reader, which claims the call's
 //! end first (`end_broken`), so that its handler's task sends no second one.
 //!
@@ -270,9 +270,8 @@ impl Stream {
         }
     }
 
-    /// Sends credit still owed: a grant that found too many answers waiting for ring room
-    /// (`Mux::reply`). Call it before waiting for a message, since the peer may be waiting for
-    /// exactly this credit.
+    /// Sends credit still owed: a grant that could not be queued (`Mux::reply`). Call it before
+    /// waiting for a message, since the peer may be waiting for exactly this credit.
     pub(crate) fn settle(&mut self, mux: &Mux) {
         if let Some(n) = self.consumed.due(&self.shared.recv_window) {
             self.give(n, mux);
@@ -1169,7 +1168,9 @@ impl Mux {
     /// of the connection's runtime, or a thread where there is none; either waits as long as the
     /// connection lives). Past `REPLIES_MAX` answers or `REPLY_BYTES_MAX` bytes waiting, the
     /// peer reads nothing of ours while it keeps asking: the answer is dropped, and `false` says
-    /// so.
+    /// so. Grants are never dropped: a call waiting for one would wait for good once the peer
+    /// read again, and they cannot pile up, since the peer sends a stream's next window only
+    /// once a grant reaches it (a few wait per stream at most, each for half a window taken).
     fn reply(&self, r: Reply) -> bool {
         let Ok(mut q) = self.replies.lock() else { return false };
         if !q.flushing {
@@ -1179,7 +1180,8 @@ impl Mux {
                 Ok(true) | Err(_) => return true,
             }
         }
-        if q.queue.len() >= REPLIES_MAX || q.bytes + r.body.len() > REPLY_BYTES_MAX {
+        let full = q.queue.len() >= REPLIES_MAX || q.bytes + r.body.len() > REPLY_BYTES_MAX;
+        if full && r.kind != Kind::Window {
             q.dropped += 1;
             tracing::warn!(
                 kind = ?r.kind,
