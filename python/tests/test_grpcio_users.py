@@ -1696,6 +1696,37 @@ def test_asyncio_plugins_that_never_answer_hold_no_thread(kind: str, tmp_path: A
             server.stop(None)
 
 
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_asyncio_credentials_of_no_known_kind_raise_at_the_call(kind: str, tmp_path: Any) -> None:
+    """Call credentials that are not grpc's raise at the call, unary or streaming, as grpc.aio's
+    (AttributeError there, TypeError here, as isthmus's blocking API). isthmus.aio failed the
+    task that asks the plugins with them, and the call waited for ever."""
+    module: Any = grpc.aio if kind == "grpc.aio" else isthmus.aio
+    servers, targets, _ = _auth_servers(tmp_path)
+    local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+
+    target = targets["grpcio" if kind == "grpc.aio" else "isthmus"]
+
+    async def run() -> None:
+        async with module.secure_channel(target, local) as channel:
+            unary, stream = channel.unary_unary("/t.Auth/Unary"), channel.unary_stream("/t.Auth/Stream")
+            for call in (unary, stream):
+                with pytest.raises((TypeError, AttributeError)):
+                    await asyncio.wait_for(_awaited(call(b"", credentials=object())), 10)
+            assert await unary(b"", timeout=10) == b"[]"
+
+    try:
+        asyncio.run(run())
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
+async def _awaited(call: Any) -> Any:
+    """A unary call's response, or a stream's first message."""
+    return await (call.read() if hasattr(call, "read") else call)
+
+
 def _identity(request: Any, context: Any) -> bytes:
     return repr((context.peer_identity_key(), context.peer_identities())).encode()
 

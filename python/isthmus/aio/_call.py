@@ -296,7 +296,10 @@ class _StreamCall(_Call):
     ) -> None:
         """Starts the call once its call credentials have answered (`asked`: the metadata,
         or the CallError that fails the call), unless it was cancelled meanwhile."""
-        metadata = await asked
+        try:
+            metadata = await asked
+        except Exception as error:  # the plugins' task failed (the loop is closing): end the call
+            metadata = CallError(grpc.StatusCode.INTERNAL.value[0], f"call credentials failed: {error!r}")
         if self._started.done():
             return
         if isinstance(metadata, CallError):

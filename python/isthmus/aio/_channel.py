@@ -34,7 +34,7 @@ from .._channel import (
     upgrades,
     user_agent,
 )
-from .._credentials import Auth, Security, insecure
+from .._credentials import Auth, Security, call_plugins, insecure
 from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
 from .._native import CallError
@@ -113,6 +113,9 @@ class _MultiCallable:
         if credentials is not None and not auth.secure:
             # grpc.aio's refusal (where grpcio's blocking API fails the call UNAUTHENTICATED).
             raise grpc.aio.UsageError("Call credentials are only valid on secure channels")
+        # Credentials of a kind isthmus cannot read raise TypeError here, at the call, as grpc.aio
+        # raises its own error there (they failed the plugins' task, and the call waited for ever).
+        call_plugins(credentials)
         return credentials is not None or bool(auth.plugins)
 
     def _asking(
@@ -232,6 +235,13 @@ class UnaryUnaryMultiCallable(_native.AioUnaryCallable, _MultiCallable, grpc.aio
 
         def start(answer: asyncio.Future[Any]) -> None:
             if outcome.done():  # cancelled while the plugins answered
+                return
+            if answer.cancelled():  # the loop is ending its tasks: so the call ends
+                outcome.cancel()
+                return
+            failed = answer.exception()
+            if failed is not None:  # the plugins' task failed (the loop is closing)
+                outcome.set_exception(failed)
                 return
             metadata = answer.result()
             if isinstance(metadata, CallError):
