@@ -137,7 +137,10 @@ class _MultiCallable:
             return start(None, metadata)
         call_plugins(credentials)  # credentials of a kind isthmus cannot read: TypeError here
         call = Call(self._deserialize, timeout)
-        self._auth.hold(call)  # until it starts: the channel's close ends it meanwhile
+        if not self._auth.hold(call):  # until it starts: the channel's close ends it meanwhile
+            # As the native channel fails a call after its close, without asking the plugins.
+            call._end(CallError(grpc.StatusCode.UNAVAILABLE.value[0], "the channel was closed"))
+            return call
 
         def ask() -> None:
             try:

@@ -227,11 +227,13 @@ class Auth:
             if tls is not None and self.authority.endswith(":443"):
                 self.authority = self.authority[: -len(":443")]
 
-    def hold(self, call: Any) -> None:
-        """`call` waits for its plugins (until `release`); a channel closed already keeps none."""
+    def hold(self, call: Any) -> bool:
+        """`call` waits for its plugins (until `release`); False if the channel is closed."""
         with self._lock:
-            if not self._closed:
-                self._waiting.add(call)
+            if self._closed:
+                return False
+            self._waiting.add(call)
+            return True
 
     def release(self, call: Any) -> None:
         with self._lock:

@@ -240,8 +240,10 @@ class UnaryUnaryMultiCallable(_native.AioUnaryCallable, _MultiCallable, grpc.aio
                 outcome.cancel()
                 return
             failed = answer.exception()
-            if failed is not None:  # the plugins' task failed (the loop is closing)
-                outcome.set_exception(failed)
+            if failed is not None:  # the plugins' task failed (the loop is closing): as a stream
+                outcome.set_result(
+                    CallError(grpc.StatusCode.INTERNAL.value[0], f"call credentials failed: {failed!r}")
+                )
                 return
             metadata = answer.result()
             if isinstance(metadata, CallError):

@@ -386,7 +386,7 @@ fn credit_queued_behind_a_full_ring_outlasts_a_long_stop_of_the_server() {
 /// stayed owed to the next message the call took, which the server never sent without it.
 #[test]
 fn credit_is_not_dropped_with_the_answers_a_stopped_server_asks_for() {
-    let (mut server, _ch, mut call) = take_40_messages_of_a_credit_server(1000, 100, 64 << 10);
+    let (mut server, _ch, mut call) = take_40_messages_of_a_credit_server(3000, 100, 64 << 10);
     let line = server.expect_line("ANSWERS", Duration::from_secs(30));
     let words: Vec<&str> = line.split(' ').collect();
     let answers: u32 = words[1].parse().expect("a count");

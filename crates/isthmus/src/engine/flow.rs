@@ -29,8 +29,10 @@
 //! granted in one WINDOW. A WINDOW never waits for ring room (the sender may be inside a poll or on
 //! an event loop): without room it waits behind the reader's other answers for a flusher that
 //! sends them as room comes (`Mux::reply`), so it goes out as soon as the peer reads, whatever
-//! this call does meanwhile, however many other answers wait (the peer's window bounds the
-//! grants). Only if it cannot be queued at all (a poisoned lock) is the grant taken back
+//! this call does meanwhile, however many other answers wait (the peer's window bounds an open
+//! stream's grants; `Mux::reply` keeps four per open stream past its limit). Only if it cannot
+//! be queued (a poisoned lock, or a peer that filled the queue with ended streams' grants) is
+//! the grant taken back
 //! (`Consumed::undo`); it stays owed, and goes with the next `took` or with `settle`, which every
 //! call runs before it waits for a message. Who settles: the async
 //! `ClientCall` at each poll, the blocking call before it waits, the server's

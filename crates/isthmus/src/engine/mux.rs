@@ -2,9 +2,8 @@
 //!
 //! The table maps a stream id to the stream's shared state (its `Inbox` and both flow-control
 //! windows), the batch in which it opened, and on the server the `Cancel` that stops its handler; a
-//! call holds its side through a `Stream`. Ids are hashed with `IdHasher`, a keyed multiply cheaper
-//! than SipHash, with keys of each table's own, so that the peer, which picks the ids, cannot
-//! make them collide.
+//! call holds its side through a `Stream`. Ids are hashed with `IdHasher`, cheaper than SipHash
+//! and keyed per table, so that the peer, which picks the ids, cannot make them collide.
 //!
 //! Routing (`step`, `route`) is the same whoever reads: HEADERS, MESSAGE (charged to the receive
 //! window first), TRAILERS and CANCEL become events in the stream's inbox, under the table's lock;
@@ -70,7 +69,7 @@
 //! cannot stop our reading, and two readers each waiting for the other's room cannot deadlock. At
 //! most `REPLIES_MAX` answers of `REPLY_BYTES_MAX` bytes in all wait; a peer that makes more
 //! while it reads nothing of ours loses the rest (logged and counted in
-//! `ConnectionCounters::answers_dropped`), except grants, which its own window bounds. A server call the peer
+//! `ConnectionCounters::answers_dropped`), except grants, four per open stream beyond it. A server call the peer
 //! broke (past its window, a message too large) is ended by the reader, which claims the call's
 //! end first (`end_broken`), so that its handler's task sends no second one.
 //!
@@ -1170,9 +1169,10 @@ impl Mux {
     /// of the connection's runtime, or a thread where there is none; either waits as long as the
     /// connection lives). Past `REPLIES_MAX` answers or `REPLY_BYTES_MAX` bytes waiting, the
     /// peer reads nothing of ours while it keeps asking: the answer is dropped, and `false` says
-    /// so. Grants are never dropped: a call waiting for one would wait for good once the peer
-    /// read again, and they cannot pile up, since the peer sends a stream's next window only
-    /// once a grant reaches it (a few wait per stream at most, each for half a window taken).
+    /// so. Grants are kept past the limit, up to four per open stream more: a call waiting for
+    /// one would wait for good once the peer read again, and an open stream's cannot pile up,
+    /// since the peer sends its next window only once a grant reaches it (a few wait per stream
+    /// at most, each for half a window taken).
     fn reply(&self, r: Reply) -> bool {
         let Ok(mut q) = self.replies.lock() else { return false };
         if !q.flushing {
@@ -1183,7 +1183,11 @@ impl Mux {
             }
         }
         let full = q.queue.len() >= REPLIES_MAX || q.bytes + r.body.len() > REPLY_BYTES_MAX;
-        if full && r.kind != Kind::Window {
+        // Grants go past the limit by a few per open stream (what the peer's windows allow), not
+        // further: grants of streams that ended stay queued, and a peer that opens, fills and
+        // ends streams while it reads nothing would grow the queue without end.
+        let grant_fits = r.kind == Kind::Window && q.queue.len() < REPLIES_MAX.saturating_add(4 * self.open_streams());
+        if full && !grant_fits {
             q.dropped += 1;
             tracing::warn!(
                 kind = ?r.kind,
