@@ -13,7 +13,6 @@ import grpc
 
 from . import _native
 from ._call import (
-    _INTERNAL,
     Call,
     Deserializer,
     Serializer,
@@ -123,18 +122,21 @@ class _MultiCallable:
 
     def _when_asked(
         self,
-        start: Callable[[Call | None, Any], Call],
+        run: Callable[..., Call],
+        request: bytes | Iterator[Any],
+        timeout: float | None,
         metadata: Any,
         credentials: grpc.CallCredentials | None,
-        timeout: float | None,
+        wait_for_ready: bool | None,
+        compression: str | None,
     ) -> Call:
-        """`start(None, metadata)` for a call with no call credentials. Otherwise a call
-        returned at once, whose credentials are asked on a thread of its own, and which then
-        starts (`start(call, metadata)`) or ends with their failure, as a grpcio future or
-        response stream does while its plugins answer off the caller's thread. A call
+        """`run` (`_future` or `_stream`) for the call, at once if it has no call credentials.
+        Otherwise a call returned at once, whose credentials are asked on a thread of its own,
+        and which then runs with what they give, or ends with their failure, as a grpcio future
+        or response stream does while its plugins answer off the caller's thread. A call
         cancelled meanwhile starts nothing."""
         if credentials is None and not self._auth.plugins:
-            return start(None, metadata)
+            return run(request, timeout, metadata, wait_for_ready, compression)
         call_plugins(credentials)  # credentials of a kind isthmus cannot read: TypeError here
         call = Call(self._deserialize, timeout)
         if not self._auth.hold(call):  # until it starts: the channel's close ends it meanwhile
@@ -149,12 +151,12 @@ class _MultiCallable:
                     call._end(asked)
                 elif not call.done():
                     call._restart_clock()  # the plugin's time is not the call's, as in grpcio
-                    start(call, asked)
+                    run(request, timeout, asked, wait_for_ready, compression, call)
             except Exception as e:
                 # What would have raised in the caller's thread (metadata the engine refuses,
                 # say) ends the call instead of the thread, so no one waits for it for ever.
                 _LOG.exception("A call could not start once its call credentials answered")
-                call._end(CallError(_INTERNAL, f"the call could not start: {e!r}"))
+                call._end(CallError(grpc.StatusCode.INTERNAL.value[0], f"the call could not start: {e!r}"))
             finally:
                 self._auth.release(call)
 
@@ -341,12 +343,14 @@ class UnaryUnaryMultiCallable(_native.UnaryCallable, _MultiCallable, grpc.UnaryU
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        message, encoding = self._encode(request), self._encoding(compression)
         return self._when_asked(
-            lambda call, asked: self._future(message, timeout, asked, wait_for_ready, encoding, call),
+            self._future,
+            self._encode(request),
+            timeout,
             metadata,
             credentials,
-            timeout,
+            wait_for_ready,
+            self._encoding(compression),
         )
 
 
@@ -367,12 +371,14 @@ class UnaryStreamMultiCallable(_MultiCallable, grpc.UnaryStreamMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        message, encoding = self._encode(request), self._encoding(compression)
         return self._when_asked(
-            lambda call, asked: self._stream(message, timeout, asked, wait_for_ready, encoding, call),
+            self._stream,
+            self._encode(request),
+            timeout,
             metadata,
             credentials,
-            timeout,
+            wait_for_ready,
+            self._encoding(compression),
         )
 
 
@@ -415,12 +421,14 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        requests, encoding = iter(request_iterator), self._encoding(compression)
         return self._when_asked(
-            lambda call, asked: self._future(requests, timeout, asked, wait_for_ready, encoding, call),
+            self._future,
+            iter(request_iterator),
+            timeout,
             metadata,
             credentials,
-            timeout,
+            wait_for_ready,
+            self._encoding(compression),
         )
 
 
@@ -434,12 +442,14 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
         wait_for_ready: bool | None = None,
         compression: grpc.Compression | None = None,
     ) -> Call:
-        requests, encoding = iter(request_iterator), self._encoding(compression)
         return self._when_asked(
-            lambda call, asked: self._stream(requests, timeout, asked, wait_for_ready, encoding, call),
+            self._stream,
+            iter(request_iterator),
+            timeout,
             metadata,
             credentials,
-            timeout,
+            wait_for_ready,
+            self._encoding(compression),
         )
 
 

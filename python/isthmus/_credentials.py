@@ -354,6 +354,12 @@ def _plugin_failed(error: object) -> CallError:
     )
 
 
+def plugins_task_failed(error: BaseException) -> CallError:
+    """How an asyncio call ends whose plugins' task failed (an executor shut down with the
+    loop, say): INTERNAL with the reason."""
+    return CallError(grpc.StatusCode.INTERNAL.value[0], f"call credentials failed: {error!r}")
+
+
 def _deadline_exceeded() -> CallError:
     return CallError(grpc.StatusCode.DEADLINE_EXCEEDED.value[0], "Deadline Exceeded")
 

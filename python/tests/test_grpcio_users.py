@@ -8,7 +8,7 @@ import asyncio
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -1629,6 +1629,25 @@ def test_asyncio_call_credentials_send_their_metadata_as_grpc_aios_do(kind: str,
             server.stop(None)
 
 
+def _on_aio_channel(kind: str, tmp_path: Any, body: Callable[[Any], Awaitable[None]]) -> None:
+    """Runs `body(channel)` on a channel of `kind` (grpc.aio or isthmus.aio) with local
+    credentials to its own kind's server of `_SEEN`, then stops the servers."""
+    module: Any = grpc.aio if kind == "grpc.aio" else isthmus.aio
+    servers, targets, _ = _auth_servers(tmp_path)
+    local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    target = targets["grpcio" if kind == "grpc.aio" else "isthmus"]
+
+    async def run() -> None:
+        async with module.secure_channel(target, local) as channel:
+            await body(channel)
+
+    try:
+        asyncio.run(run())
+    finally:
+        for server in servers:
+            server.stop(None)
+
+
 class _NeedsTheLoop(grpc.AuthMetadataPlugin):
     """Waits (up to 10 s) for the event loop to let it go, then answers through that loop: a
     plugin asked on the loop's own thread hears nothing and fails the call."""
@@ -1648,30 +1667,21 @@ def test_asyncio_call_credentials_are_asked_off_the_loop_as_grpc_aios_are(kind: 
     """grpc.aio asks call credentials' plugins on a thread of its own, so one may block, or
     answer through the event loop, while the loop runs on. isthmus.aio asked them on the loop's
     thread: such a plugin held the loop up and failed the call."""
-    module: Any = grpc.aio if kind == "grpc.aio" else isthmus.aio
-    servers, targets, _ = _auth_servers(tmp_path)
-    local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
-    target = targets["grpcio" if kind == "grpc.aio" else "isthmus"]
 
-    async def run() -> None:
+    async def body(channel: Any) -> None:
         loop = asyncio.get_running_loop()
-        async with module.secure_channel(target, local) as channel:
-            unary, stream = channel.unary_unary("/t.Auth/Unary"), channel.unary_stream("/t.Auth/Stream")
-            for method, call in (
-                ("Unary", lambda c: unary(b"", timeout=30, credentials=c)),
-                ("Stream", lambda c: stream(b"", timeout=30, credentials=c).read()),
-            ):
-                plugin = _NeedsTheLoop(loop)
-                pending = asyncio.ensure_future(call(grpc.metadata_call_credentials(plugin)))
-                await asyncio.sleep(0)  # the call is made: the loop runs on
-                plugin.go.set()
-                assert (await pending).decode() == f"[('x-ctx', '{method}')]", method
+        unary, stream = channel.unary_unary("/t.Auth/Unary"), channel.unary_stream("/t.Auth/Stream")
+        for method, call in (
+            ("Unary", lambda c: unary(b"", timeout=30, credentials=c)),
+            ("Stream", lambda c: stream(b"", timeout=30, credentials=c).read()),
+        ):
+            plugin = _NeedsTheLoop(loop)
+            pending = asyncio.ensure_future(call(grpc.metadata_call_credentials(plugin)))
+            await asyncio.sleep(0)  # the call is made: the loop runs on
+            plugin.go.set()
+            assert (await pending).decode() == f"[('x-ctx', '{method}')]", method
 
-    try:
-        asyncio.run(run())
-    finally:
-        for server in servers:
-            server.stop(None)
+    _on_aio_channel(kind, tmp_path, body)
 
 
 @pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
@@ -1680,32 +1690,23 @@ def test_asyncio_plugins_that_never_answer_hold_no_thread(kind: str, tmp_path: A
     thread meanwhile: more of them than the loop's default executor has threads leave it free.
     isthmus.aio waited for the answer on an executor thread, so twelve such calls took every
     thread of it (six on two cores) until their deadlines."""
-    module: Any = grpc.aio if kind == "grpc.aio" else isthmus.aio
-    servers, targets, _ = _auth_servers(tmp_path)
-    local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
-    target = targets["grpcio" if kind == "grpc.aio" else "isthmus"]
     silent = grpc.metadata_call_credentials(_Silent())
 
-    async def run() -> None:
+    async def body(channel: Any) -> None:
         loop = asyncio.get_running_loop()
-        async with module.secure_channel(target, local) as channel:
-            unary, stream = channel.unary_unary("/t.Auth/Unary"), channel.unary_stream("/t.Auth/Stream")
-            calls = [unary(b"", timeout=30, credentials=silent) for _ in range(6)]
-            calls += [stream(b"", timeout=30, credentials=silent) for _ in range(6)]
-            await asyncio.sleep(0.5)  # the plugins have been asked (not needed to pass)
-            assert await asyncio.wait_for(loop.run_in_executor(None, sum, (1, 2)), 10) == 3
-            assert not any(call.done() for call in calls)
-            for call in calls:
-                call.cancel()
-            with pytest.raises(grpc.RpcError) as short:
-                await unary(b"", timeout=0.2, credentials=silent)
-            assert short.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        unary, stream = channel.unary_unary("/t.Auth/Unary"), channel.unary_stream("/t.Auth/Stream")
+        calls = [unary(b"", timeout=30, credentials=silent) for _ in range(6)]
+        calls += [stream(b"", timeout=30, credentials=silent) for _ in range(6)]
+        await asyncio.sleep(0.5)  # the plugins have been asked (not needed to pass)
+        assert await asyncio.wait_for(loop.run_in_executor(None, sum, (1, 2)), 10) == 3
+        assert not any(call.done() for call in calls)
+        for call in calls:
+            call.cancel()
+        with pytest.raises(grpc.RpcError) as short:
+            await unary(b"", timeout=0.2, credentials=silent)
+        assert short.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
 
-    try:
-        asyncio.run(run())
-    finally:
-        for server in servers:
-            server.stop(None)
+    _on_aio_channel(kind, tmp_path, body)
 
 
 @pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
@@ -1713,25 +1714,15 @@ def test_asyncio_credentials_of_no_known_kind_raise_at_the_call(kind: str, tmp_p
     """Call credentials that are not grpc's raise at the call, unary or streaming, as grpc.aio's
     (AttributeError there, TypeError here, as isthmus's blocking API). isthmus.aio failed the
     task that asks the plugins with them, and the call waited for ever."""
-    module: Any = grpc.aio if kind == "grpc.aio" else isthmus.aio
-    servers, targets, _ = _auth_servers(tmp_path)
-    local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
 
-    target = targets["grpcio" if kind == "grpc.aio" else "isthmus"]
+    async def body(channel: Any) -> None:
+        unary, stream = channel.unary_unary("/t.Auth/Unary"), channel.unary_stream("/t.Auth/Stream")
+        for call in (unary, stream):
+            with pytest.raises((TypeError, AttributeError)):
+                await asyncio.wait_for(_awaited(call(b"", credentials=object())), 10)
+        assert await unary(b"", timeout=10) == b"[]"
 
-    async def run() -> None:
-        async with module.secure_channel(target, local) as channel:
-            unary, stream = channel.unary_unary("/t.Auth/Unary"), channel.unary_stream("/t.Auth/Stream")
-            for call in (unary, stream):
-                with pytest.raises((TypeError, AttributeError)):
-                    await asyncio.wait_for(_awaited(call(b"", credentials=object())), 10)
-            assert await unary(b"", timeout=10) == b"[]"
-
-    try:
-        asyncio.run(run())
-    finally:
-        for server in servers:
-            server.stop(None)
+    _on_aio_channel(kind, tmp_path, body)
 
 
 async def _awaited(call: Any) -> Any:

@@ -187,18 +187,24 @@ impl PieceSlots {
         self.taken.fetch_update(Ordering::AcqRel, Ordering::Acquire, more).ok().map(|_| PieceSlot(self))
     }
 
+    /// A place now, or the listener a freed place wakes: listening before the second look, so
+    /// that a place freed in between wakes the wait.
+    fn take_or_listen(&self) -> std::result::Result<PieceSlot<'_>, event_listener::EventListener> {
+        if let Some(place) = self.try_take() {
+            return Ok(place);
+        }
+        let freed = self.freed.listen();
+        self.try_take().ok_or(freed)
+    }
+
     /// Waits until `deadline` for a place (the others' messages are still being sent).
     fn take(&self, deadline: Option<Instant>) -> Result<PieceSlot<'_>> {
         use event_listener::Listener;
         loop {
-            if let Some(place) = self.try_take() {
-                return Ok(place);
-            }
-            // Listening before the second look: a place freed in between wakes this wait.
-            let freed = self.freed.listen();
-            if let Some(place) = self.try_take() {
-                return Ok(place);
-            }
+            let freed = match self.take_or_listen() {
+                Ok(place) => return Ok(place),
+                Err(freed) => freed,
+            };
             match deadline {
                 None => freed.wait(),
                 Some(deadline) => {
@@ -215,14 +221,10 @@ impl PieceSlots {
     #[cfg(feature = "tokio")]
     async fn take_async(&self) -> PieceSlot<'_> {
         loop {
-            if let Some(place) = self.try_take() {
-                return place;
+            match self.take_or_listen() {
+                Ok(place) => return place,
+                Err(freed) => freed.await,
             }
-            let freed = self.freed.listen();
-            if let Some(place) = self.try_take() {
-                return place;
-            }
-            freed.await;
         }
     }
 }

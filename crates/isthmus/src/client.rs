@@ -768,7 +768,8 @@ fn more_than_one(path: &str) -> Status {
 ///
 /// Over `shm://`, request messages are flow-controlled: a `send` waits while the server has not
 /// taken the messages already sent (up to a window of [`INITIAL_WINDOW`](crate::INITIAL_WINDOW)
-/// bytes, or [`SMALL_INITIAL_WINDOW`](crate::SMALL_INITIAL_WINDOW) where the handshake agreed to it). Over `unix://` and `http://`, HTTP/2's own flow control does the same.
+/// bytes, or [`SMALL_INITIAL_WINDOW`](crate::SMALL_INITIAL_WINDOW) where the handshake agreed to
+/// it). Over `unix://` and `http://`, HTTP/2's own flow control does the same.
 pub struct ClientCall {
     via: CallVia,
 }

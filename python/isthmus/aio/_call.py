@@ -16,6 +16,7 @@ import grpc.aio
 
 from .. import _native
 from .._call import Deserializer, Serializer, decode, deserialize_failed, encode
+from .._credentials import plugins_task_failed
 from .._errors import LOCALLY_CANCELLED, rpc_error, status_code
 from .._metadata import Metadatum, incoming_aio, outgoing
 from .._native import CallError
@@ -299,7 +300,7 @@ class _StreamCall(_Call):
         try:
             metadata = await asked
         except Exception as error:  # the plugins' task failed (the loop is closing): end the call
-            metadata = CallError(grpc.StatusCode.INTERNAL.value[0], f"call credentials failed: {error!r}")
+            metadata = plugins_task_failed(error)
         if self._started.done():
             return
         if isinstance(metadata, CallError):

@@ -34,7 +34,7 @@ from .._channel import (
     upgrades,
     user_agent,
 )
-from .._credentials import Auth, Security, call_plugins, insecure
+from .._credentials import Auth, Security, call_plugins, insecure, plugins_task_failed
 from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
 from .._native import CallError
@@ -241,9 +241,7 @@ class UnaryUnaryMultiCallable(_native.AioUnaryCallable, _MultiCallable, grpc.aio
                 return
             failed = answer.exception()
             if failed is not None:  # the plugins' task failed (the loop is closing): as a stream
-                outcome.set_result(
-                    CallError(grpc.StatusCode.INTERNAL.value[0], f"call credentials failed: {failed!r}")
-                )
+                outcome.set_result(plugins_task_failed(failed))
                 return
             metadata = answer.result()
             if isinstance(metadata, CallError):

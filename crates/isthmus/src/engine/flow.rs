@@ -2,8 +2,8 @@
 //! one.
 //!
 //! Each side of each stream may have at most [`INITIAL_WINDOW`] bytes of messages that the
-//! other side's application has not taken yet ([`SMALL_INITIAL_WINDOW`] on a connection whose handshake
-//! agreed to it: a server's loopback, ADR 0037). A message costs its length plus
+//! other side's application has not taken yet ([`SMALL_INITIAL_WINDOW`] on a connection whose
+//! handshake agreed to it: a server's loopback, ADR 0037). A message costs its length plus
 //! [`MESSAGE_OVERHEAD`], so even empty messages use up the window. A writer may send while its
 //! credit is above zero, so one message of any size always goes (the window never makes a message
 //! too big to send) and the credit may end below zero. The reader gives credit back with WINDOW
@@ -32,9 +32,8 @@
 //! this call does meanwhile, however many other answers wait (the peer's window bounds an open
 //! stream's grants; `Mux::reply` keeps four per open stream past its limit). Only if it cannot
 //! be queued (a poisoned lock, or a peer that filled the queue with ended streams' grants) is
-//! the grant taken back
-//! (`Consumed::undo`); it stays owed, and goes with the next `took` or with `settle`, which every
-//! call runs before it waits for a message. Who settles: the async
+//! the grant taken back (`Consumed::undo`); it stays owed, and goes with the next `took` or with
+//! `settle`, which every call runs before it waits for a message. Who settles: the async
 //! `ClientCall` at each poll, the blocking call before it waits, the server's
 //! `Requests::poll_recv` (behind `ServerCall::recv` and the bridge's request body), and a
 //! `ServerCall` before each send while it holds its request side.
@@ -96,12 +95,6 @@ pub(crate) enum Credit {
     Wait,
     /// The stream is over; nothing more will be sent on it.
     Closed,
-}
-
-impl Default for SendWindow {
-    fn default() -> SendWindow {
-        SendWindow::new(INITIAL_WINDOW)
-    }
 }
 
 impl SendWindow {
@@ -201,12 +194,6 @@ pub(crate) struct RecvWindow {
     window: u64,
 }
 
-impl Default for RecvWindow {
-    fn default() -> RecvWindow {
-        RecvWindow::new(INITIAL_WINDOW)
-    }
-}
-
 impl RecvWindow {
     /// What the peer may send on a stream as it opens: its connection's window.
     pub(crate) fn new(window: u64) -> RecvWindow {
@@ -256,7 +243,7 @@ mod tests {
 
     #[test]
     fn one_message_of_any_size_goes_then_the_writer_waits() {
-        let w = SendWindow::default();
+        let w = SendWindow::new(INITIAL_WINDOW);
         assert_eq!(w.try_take(charge(1 << 30)), Credit::Taken);
         assert_eq!(w.try_take(charge(1)), Credit::Wait);
         assert!(!w.ready());
@@ -269,7 +256,7 @@ mod tests {
 
     #[test]
     fn the_reader_catches_a_writer_that_ignores_its_window() {
-        let r = RecvWindow::default();
+        let r = RecvWindow::new(INITIAL_WINDOW);
         let big = INITIAL_WINDOW as usize;
         assert!(r.charge_arrival(big)); // the one message over the window a writer may send
         assert!(!r.charge_arrival(0), "a second message with no credit left is a violation");
@@ -277,7 +264,7 @@ mod tests {
 
     #[test]
     fn credit_comes_back_in_half_windows() {
-        let r = RecvWindow::default();
+        let r = RecvWindow::new(INITIAL_WINDOW);
         let mut consumed = Consumed::default();
         let small = 1000;
         let mut granted = 0u64;

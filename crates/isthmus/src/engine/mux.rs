@@ -69,9 +69,9 @@
 //! cannot stop our reading, and two readers each waiting for the other's room cannot deadlock. At
 //! most `REPLIES_MAX` answers of `REPLY_BYTES_MAX` bytes in all wait; a peer that makes more
 //! while it reads nothing of ours loses the rest (logged and counted in
-//! `ConnectionCounters::answers_dropped`), except grants, four per open stream beyond it. A server call the peer
-//! broke (past its window, a message too large) is ended by the reader, which claims the call's
-//! end first (`end_broken`), so that its handler's task sends no second one.
+//! `ConnectionCounters::answers_dropped`), except grants, four per open stream beyond it. A server
+//! call the peer broke (past its window, a message too large) is ended by the reader, which claims
+//! the call's end first (`end_broken`), so that its handler's task sends no second one.
 //!
 //! The end: `fail_all(status)` records the connection's `dead` status (the first stays), empties
 //! the table, ends every call with it, fires every server `Cancel`, and closes every entry; from
@@ -292,7 +292,7 @@ impl Stream {
 /// flow-control windows, and a server call's state that its handler and its future share (one
 /// allocation per stream: a 64 B call allocated three more on the server when these had each
 /// their own).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct StreamShared {
     pub(crate) inbox: Inbox,
     pub(crate) send_window: SendWindow,
@@ -309,6 +309,22 @@ pub(crate) struct StreamShared {
     pub(crate) trailers: Mutex<crate::metadata::MetadataMap>,
     /// A server call's only response, held to go out inside its TRAILERS (`ServerCall::send_last`).
     pub(crate) last: Mutex<Option<Vec<u8>>>,
+}
+
+impl StreamShared {
+    /// A stream's state as it opens, with its connection's `window` both ways.
+    fn new(window: u64) -> StreamShared {
+        StreamShared {
+            inbox: Inbox::default(),
+            send_window: SendWindow::new(window),
+            recv_window: RecvWindow::new(window),
+            writer: std::sync::atomic::AtomicU8::default(),
+            cancel: Cancel::default(),
+            ended: super::server::EndedBy::default(),
+            trailers: Mutex::default(),
+            last: Mutex::default(),
+        }
+    }
 }
 
 /// Tells a server call that it is over before its handler finished, and with which code (the
@@ -343,7 +359,7 @@ impl Cancel {
 /// same low bits did, with the multiply-shift this replaced), making each insert scan them all
 /// under the table's lock. The bindings' operations, named by their caller's tokens, are kept
 /// so too (`binding::Completions`).
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 pub(crate) struct IdKeys {
     key: u64,
 }
@@ -359,7 +375,7 @@ impl BuildHasher for IdKeys {
     type Hasher = IdHasher;
 
     fn build_hasher(&self) -> IdHasher {
-        IdHasher { state: 0, keys: *self }
+        IdHasher { state: 0, key: self.key }
     }
 }
 
@@ -369,7 +385,7 @@ impl BuildHasher for IdKeys {
 /// left ids that differ only in high bits in a third of the buckets they should fill.)
 pub(crate) struct IdHasher {
     state: u64,
-    keys: IdKeys,
+    key: u64,
 }
 
 impl Hasher for IdHasher {
@@ -384,7 +400,7 @@ impl Hasher for IdHasher {
     }
 
     fn write_u64(&mut self, id: u64) {
-        let mut x = id ^ self.keys.key;
+        let mut x = id ^ self.key;
         x = (x ^ (x >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
         x = (x ^ (x >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
         self.state = x ^ (x >> 33);
@@ -1044,12 +1060,7 @@ impl Mux {
         if let Some(s) = self.dead() {
             return Err(s);
         }
-        let window = self.window();
-        let shared = Arc::new(StreamShared {
-            send_window: SendWindow::new(window),
-            recv_window: RecvWindow::new(window),
-            ..StreamShared::default()
-        });
+        let shared = Arc::new(StreamShared::new(self.window()));
         // Queued before the stream is in the table, where nothing else can see it yet: one lock
         // of the table per call, not two. A fresh window takes any first message.
         let peer_done = last.is_some();
