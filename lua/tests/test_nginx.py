@@ -723,6 +723,44 @@ print(r.seq, m.seq, fin == nil, ok4, err.name, ok5, stayed.name, stayed.state)
     assert out.stdout.split() == want
 
 
+def test_plain_luajit_bad_arguments_are_errors_not_raises(servers: Callable[[str], Served]) -> None:
+    """Bad arguments come back as `nil`/`false, err` with a gRPC code, also before the library
+    is loaded; they raised before (an error made before the load indexed the unloaded library).
+    And a method path the descriptors lack is not remembered: a gateway that builds paths from
+    its requests grew the proto's cache by one entry per path."""
+    luajit = shutil.which("luajit")
+    need(luajit is not None, "luajit is missing (make lua-tools)")
+    assert luajit is not None
+    target = servers("rust").addresses["shm"]
+    script = f"""
+package.path = "{LUA}/lib/?.lua;" .. package.path
+local isthmus = require "resty.isthmus"
+local ch0, e0 = isthmus.connect("{target}", "not a table")
+print(ch0 == nil, e0.name)
+isthmus.init{{ lib = "{library()}" }}
+local p1, e1 = isthmus.load_proto(nil)
+local p2, e2 = isthmus.load_descriptor_set(nil)
+print(p1 == nil, e1.name, p2 == nil, e2.name)
+local proto = assert(isthmus.load_proto({{ "{ROOT}/tests/proto/conformance.proto" }}))
+local ok3, e3 = proto:decode("conformance.EchoRequest", nil)
+local ok4, e4 = proto:encode(nil, {{}})
+print(ok3, e3.name, ok4, e4.name)
+local ch = assert(isthmus.connect("{target}", {{ proto = proto }}))
+local ok5, e5 = ch:wait_state("READY", "soon")
+print(ok5, e5.name)
+for i = 1, 1000 do proto:method_type("/nowhere.Service/M" .. i, 0) end
+assert(proto:method_type("/conformance.Echo/Unary", 0))
+local kept = 0
+for _ in pairs(proto.types) do kept = kept + 1 end
+print(kept)
+"""
+    out = subprocess.run([luajit, "-e", script], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    want = ["true", "INVALID_ARGUMENT", "true", "INVALID_ARGUMENT", "true", "INVALID_ARGUMENT"]
+    want += ["false", "INVALID_ARGUMENT", "false", "INVALID_ARGUMENT", "false", "INVALID_ARGUMENT", "1"]
+    assert out.stdout.split() == want
+
+
 @pytest.fixture(scope="module")
 def cert_dir() -> Iterator[Path]:
     """Certificates made for this run, as PEM files: `ca`, `server.crt`/`.key` (localhost and

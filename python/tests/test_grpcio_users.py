@@ -1006,6 +1006,52 @@ def test_a_handler_sends_initial_metadata_after_a_read_that_waited(kind: str) ->
     assert asyncio.run(run()) == (b"2", (("x-first", "alice"),)), kind
 
 
+def _head_then_echo(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+    context.send_initial_metadata((("x-ready", "1"),))
+    yield from requests
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_initial_metadata_come_while_another_thread_waits_for_a_message(kind: str) -> None:
+    """A bidirectional stream's client reads on one thread and, on another, waits for the
+    server's initial metadata (its "ready") before it sends: grpcio gives the metadata as they
+    come. isthmus gave them only once the reading thread had its message, which never came."""
+    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
+    generic = grpc.method_handlers_generic_handler(
+        "users.S", {"HeadThenEcho": grpc.stream_stream_rpc_method_handler(_head_then_echo)}
+    )
+    go = threading.Event()
+
+    def requests() -> Iterator[bytes]:
+        go.wait(20)
+        yield b"after the headers"
+
+    pool = futures.ThreadPoolExecutor(2)
+    s = (grpc.server if kind == "grpcio" else isthmus.server)(pool)
+    s.add_generic_rpc_handlers((generic,))
+    s.add_insecure_port(address)
+    s.start()
+    try:
+        with (grpc if kind == "grpcio" else isthmus).insecure_channel(address) as channel:
+            call = channel.stream_stream("/users.S/HeadThenEcho")(requests(), timeout=30)
+            received: list[bytes] = []
+            reader = threading.Thread(target=lambda: received.extend(call))
+            reader.start()
+            time.sleep(0.1)  # the reader waits in its first read by now, most likely
+            headers: list[Any] = []
+            asker = threading.Thread(target=lambda: headers.extend(call.initial_metadata()), daemon=True)
+            asker.start()
+            asker.join(10)
+            got = tuple(headers)
+            go.set()
+            reader.join(20)
+            assert (got, received) == ((("x-ready", "1"),), [b"after the headers"]), kind
+    finally:
+        go.set()
+        s.stop(None)
+        pool.shutdown()
+
+
 def test_metadata_entries_read_as_key_and_value(server: list[Any]) -> None:
     """`m.key`, `m.value` of `invocation_metadata()` entries (grpc's `_Metadatum`), the way
     auth interceptors read them; isthmus's were plain tuples (AttributeError, UNKNOWN)."""

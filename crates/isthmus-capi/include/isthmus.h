@@ -8,7 +8,10 @@
  * - Handles. Every object is an opaque pointer made by a _new/_connect/_start function (or
  *   handed out in an event) and released by exactly one _free/_close/_finish. A NULL, a handle
  *   freed already, or a pointer that is no handle of that type is refused with
- *   ISTHMUS_INVALID_ARGUMENT instead of crashing.
+ *   ISTHMUS_INVALID_ARGUMENT instead of crashing. (Handle values come from address space the
+ *   library reserves; in a process whose address space is too limited for 4 GiB more, they are
+ *   the objects' addresses, and a handle freed twice after its address went to a new object of
+ *   its type reaches that one.)
  * - Errors. Fallible functions return an isthmus_code_t: ISTHMUS_OK (0) or a gRPC status code.
  *   Where a function takes `isthmus_status_t **status` and it is not NULL, a failure stores a
  *   status there (code, message, details, trailers) for the caller to free with
@@ -1281,7 +1284,8 @@ isthmus_code_t isthmus_server_add_handler(const isthmus_server_t *server,
 
 // Registers `path` (NULL or "": every other path) to deliver its calls as events on `cq`
 // (`ISTHMUS_OP_NEW_CALL`, with `tag` and the call in `server_call`). Before
-// `isthmus_server_start` only. The queue must outlive the server.
+// `isthmus_server_start` only. The queue should outlive the server: a call that comes once it
+// is freed fails UNAVAILABLE.
 //
 // Thread-safety: any thread, before `isthmus_server_start` (a lock orders them). The new calls'
 // events go to whichever thread takes them from `cq`.
@@ -1355,10 +1359,12 @@ const char *isthmus_server_http_address(const isthmus_server_t *server,
 isthmus_code_t isthmus_server_shutdown(const isthmus_server_t *server,
                                        uint64_t grace_ms);
 
-// Frees a server, shutting it down first (with no grace) if it serves.
+// Frees a server, shutting it down first (with no grace) if it serves. It returns once no
+// handler callback of the server runs on another thread, and none starts after: a call that
+// comes meanwhile fails UNAVAILABLE. The handlers' user data may be freed then.
 //
-// Thread-safety: any thread, once, which it blocks while the server stops; as
-// `isthmus_server_shutdown` otherwise.
+// Thread-safety: any thread, once, which it blocks while the server stops and its callbacks
+// return; as `isthmus_server_shutdown` otherwise.
 isthmus_code_t isthmus_server_free(isthmus_server_t *server);
 
 // The call's method path (not NUL-terminated; its length in `*len`), valid until the call
@@ -1494,7 +1500,8 @@ isthmus_code_t isthmus_server_call_recv_async(const isthmus_server_call_t *call,
 // Asks for an event (`ISTHMUS_OP_DONE`, with `tag`) on `cq` when the call is over: finished,
 // cancelled by its client (or its connection's end), or past its deadline. If it is over
 // already, the event is queued at once. A handler that works on after its client gave up
-// learns of it this way.
+// learns of it this way. An operation like the `_async` ones: `tag` is taken until its event
+// is, and `isthmus_cq_cancel` abandons it.
 //
 // Thread-safety: any thread.
 //

@@ -38,6 +38,8 @@ pub type isthmus_handler_fn = Option<unsafe extern "C" fn(user_data: *mut c_void
 /// A server: handlers by method path, served on one or more targets at once.
 pub struct isthmus_server_t {
     state: Mutex<ServerState>,
+    /// Its C callbacks running now.
+    callbacks: Arc<Callbacks>,
     /// Its counters, from the moment it starts (kept past a shutdown).
     stats: std::sync::OnceLock<isthmus::ServerStats>,
 }
@@ -76,8 +78,17 @@ pub(crate) static SERVERS: Registry<isthmus_server_t> = Registry::new("server");
 
 /// Where a handler's calls go.
 enum Deliver {
-    Callback { f: unsafe extern "C" fn(*mut c_void, *mut isthmus_server_call_t), user_data: usize },
-    Queue { cq: Queue, tag: u64, taker: Arc<Taker> },
+    Callback {
+        f: unsafe extern "C" fn(*mut c_void, *mut isthmus_server_call_t),
+        user_data: usize,
+        /// The server's, which its free closes.
+        callbacks: Arc<Callbacks>,
+    },
+    Queue {
+        cq: Queue,
+        tag: u64,
+        taker: Arc<Taker>,
+    },
 }
 
 /// A queue's new calls, offered first to the one thread that spins for one
@@ -166,6 +177,11 @@ impl Taker {
         slot.call.take()
     }
 
+    /// Whether the queue was freed.
+    fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
     /// The queue is freed: a spinner stops, and no call is taken any more.
     pub(crate) fn close(&self) {
         let _slot = self.lock();
@@ -177,11 +193,23 @@ impl Handler for Deliver {
     fn handle(self: Arc<Self>, call: isthmus::ServerCall) -> HandlerFuture {
         Box::pin(hand_off(call, move |handed| {
             match &*self {
-                Deliver::Callback { f, user_data } => {
-                    let handle = server_call_handle(handed);
-                    // SAFETY: the registrant promised a function and user data valid for the
-                    // server's life; the handle is live until the handler finishes it.
-                    unsafe { f(*user_data as *mut c_void, handle) };
+                Deliver::Callback { f, user_data, callbacks } => {
+                    let mut handed = Some(handed);
+                    let ran = callbacks.run(|| {
+                        let handle = handed.take().map_or(std::ptr::null_mut(), server_call_handle);
+                        // SAFETY: the registrant promised a function and user data valid until
+                        // the server is freed, which waits for the callbacks under way and
+                        // starts none after; the handle is live until the handler finishes it.
+                        unsafe { f(*user_data as *mut c_void, handle) };
+                    });
+                    if !ran {
+                        return Err(Status::new(Code::Unavailable, "the server was freed"));
+                    }
+                }
+                // A freed queue is read by nobody: the call would wait there for its deadline.
+                // (A queue freed between this look and the `run` still keeps its call.)
+                Deliver::Queue { taker, .. } if taker.is_closed() => {
+                    return Err(Status::new(Code::Unavailable, "the handler's completion queue was freed"));
                 }
                 Deliver::Queue { cq, tag, taker } => {
                     if let Some(handed) = taker.offer(*tag, handed) {
@@ -191,6 +219,70 @@ impl Handler for Deliver {
             }
             Ok(())
         }))
+    }
+}
+
+/// A server's C callbacks running now. `isthmus_server_free` closes it: no callback starts
+/// after, and the free returns once those under way have returned, so that the handler and its
+/// user data need to live no longer than the server. (The engine's connections end on tasks of
+/// their own: a callback may still be under way on one when the server has stopped.)
+#[derive(Default)]
+struct Callbacks {
+    running: Mutex<Running>,
+    returned: std::sync::Condvar,
+}
+
+#[derive(Default)]
+struct Running {
+    count: usize,
+    closed: bool,
+}
+
+thread_local! {
+    /// The `Callbacks` (by address) of the callbacks under way on this thread: a callback
+    /// that frees its own server does not wait for itself.
+    static INSIDE: std::cell::RefCell<Vec<usize>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+impl Callbacks {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Running> {
+        // Nothing panics while holding it.
+        self.running.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `callback`, unless the server was freed: `false` then.
+    fn run(&self, callback: impl FnOnce()) -> bool {
+        {
+            let mut running = self.lock();
+            if running.closed {
+                return false;
+            }
+            running.count += 1;
+        }
+        /// Counts the callback out however it returns.
+        struct Returned<'a>(&'a Callbacks);
+        impl Drop for Returned<'_> {
+            fn drop(&mut self) {
+                INSIDE.with(|inside| inside.borrow_mut().pop());
+                self.0.lock().count -= 1;
+                self.0.returned.notify_all();
+            }
+        }
+        INSIDE.with(|inside| inside.borrow_mut().push(self as *const Callbacks as usize));
+        let _returned = Returned(self);
+        callback();
+        true
+    }
+
+    /// Starts no callback from now on, and waits for those under way on other threads.
+    fn close(&self) {
+        let me = self as *const Callbacks as usize;
+        let mine = INSIDE.with(|inside| inside.borrow().iter().filter(|c| **c == me).count());
+        let mut running = self.lock();
+        running.closed = true;
+        while running.count > mine {
+            running = self.returned.wait(running).unwrap_or_else(|p| p.into_inner());
+        }
     }
 }
 
@@ -284,7 +376,11 @@ pub unsafe extern "C" fn isthmus_server_new(opts: *const isthmus_server_options_
             }
         }
         let state = ServerState::Building { server: Box::new(server), stream_limit, tls, compression };
-        SERVERS.add(isthmus_server_t { state: Mutex::new(state), stats: std::sync::OnceLock::new() })
+        SERVERS.add(isthmus_server_t {
+            state: Mutex::new(state),
+            callbacks: Arc::default(),
+            stats: std::sync::OnceLock::new(),
+        })
     })
 }
 
@@ -348,13 +444,15 @@ pub unsafe extern "C" fn isthmus_server_add_handler(
         let f = handler.ok_or_else(|| invalid("the handler is NULL"))?;
         // SAFETY: the caller's promise, passed on.
         let path = unsafe { path_arg(path)? };
-        add_handler(server, path, Deliver::Callback { f, user_data: user_data as usize })
+        let callbacks = SERVERS.get(server)?.callbacks.clone();
+        add_handler(server, path, Deliver::Callback { f, user_data: user_data as usize, callbacks })
     })
 }
 
 /// Registers `path` (NULL or "": every other path) to deliver its calls as events on `cq`
 /// (`ISTHMUS_OP_NEW_CALL`, with `tag` and the call in `server_call`). Before
-/// `isthmus_server_start` only. The queue must outlive the server.
+/// `isthmus_server_start` only. The queue should outlive the server: a call that comes once it
+/// is freed fails UNAVAILABLE.
 ///
 /// Thread-safety: any thread, before `isthmus_server_start` (a lock orders them). The new calls'
 /// events go to whichever thread takes them from `cq`.
@@ -536,15 +634,18 @@ fn stop(server: &isthmus_server_t, grace: Duration) {
     }
 }
 
-/// Frees a server, shutting it down first (with no grace) if it serves.
+/// Frees a server, shutting it down first (with no grace) if it serves. It returns once no
+/// handler callback of the server runs on another thread, and none starts after: a call that
+/// comes meanwhile fails UNAVAILABLE. The handlers' user data may be freed then.
 ///
-/// Thread-safety: any thread, once, which it blocks while the server stops; as
-/// `isthmus_server_shutdown` otherwise.
+/// Thread-safety: any thread, once, which it blocks while the server stops and its callbacks
+/// return; as `isthmus_server_shutdown` otherwise.
 #[no_mangle]
 pub extern "C" fn isthmus_server_free(server: *mut isthmus_server_t) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
         let server = SERVERS.remove(server)?;
         stop(&server, Duration::ZERO);
+        server.callbacks.close();
         Ok(())
     })
 }
@@ -823,7 +924,8 @@ pub unsafe extern "C" fn isthmus_server_call_recv_async(
 /// Asks for an event (`ISTHMUS_OP_DONE`, with `tag`) on `cq` when the call is over: finished,
 /// cancelled by its client (or its connection's end), or past its deadline. If it is over
 /// already, the event is queued at once. A handler that works on after its client gave up
-/// learns of it this way.
+/// learns of it this way. An operation like the `_async` ones: `tag` is taken until its event
+/// is, and `isthmus_cq_cancel` abandons it.
 ///
 /// Thread-safety: any thread.
 ///
@@ -839,11 +941,17 @@ pub unsafe extern "C" fn isthmus_server_call_done_async(
 ) -> isthmus_code_t {
     entry(status, || {
         let (call, cq) = (handed(call)?, cq_for(cq, tag)?);
-        let queue = cq.clone();
-        if !call.add_done_callback(Box::new(move || queue.run(tag, ISTHMUS_OP_DONE, std::future::ready(Outcome::Done))))
-        {
-            cq.run(tag, ISTHMUS_OP_DONE, std::future::ready(Outcome::Done));
-        }
+        // An operation of the queue like any other, pending until the call is over: its tag is
+        // taken meanwhile, and `isthmus_cq_cancel` abandons it. A call over already drops the
+        // callback, and with it the sender: the wait ends at once.
+        let (over, ended) = tokio::sync::oneshot::channel::<()>();
+        call.add_done_callback(Box::new(move || {
+            let _ = over.send(());
+        }));
+        cq.run(tag, ISTHMUS_OP_DONE, async move {
+            let _ = ended.await;
+            Outcome::Done
+        });
         Ok(())
     })
 }

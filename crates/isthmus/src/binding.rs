@@ -125,6 +125,11 @@ pub struct SharedCall {
     sender: CallSender,
     /// `None` once cancelled.
     call: tokio::sync::Mutex<Option<ClientCall>>,
+    /// The server's initial metadata, or the status the call ended with before any came, once
+    /// known: [`headers`](Self::headers) reads it here while a [`recv`](Self::recv) holds `call`
+    /// waiting for a message (grpc-go's `Header()` waits for the headers only, whatever else
+    /// runs on the stream).
+    headers: watch::Sender<Option<Result<MetadataMap, Status>>>,
     cancel: watch::Sender<bool>,
     /// The trailing metadata and the OK status's message (empty after a failure), once the
     /// call has ended.
@@ -148,6 +153,7 @@ impl SharedCall {
         Arc::new(SharedCall {
             sender: call.sender(),
             call: tokio::sync::Mutex::new(Some(call)),
+            headers: watch::Sender::new(None),
             cancel: watch::Sender::new(false),
             trailers: Mutex::new(None),
             made_in: MadeIn::now(),
@@ -235,7 +241,7 @@ impl SharedCall {
         let received = tokio::select! {
             biased;
             _ = cancel.wait_for(|c| *c) => None,
-            r = call.recv() => Some(r),
+            r = Self::headers_then_recv(&self.headers, call) => Some(r),
         };
         match received {
             None => {
@@ -257,16 +263,45 @@ impl SharedCall {
         }
     }
 
-    /// The server's initial metadata, waiting for it.
+    /// The next response, the headers first if they are not known yet: they are published
+    /// for [`headers`](Self::headers), which cannot take the call while this waits. A message
+    /// that comes first implies empty headers and is kept for the `recv` after.
+    async fn headers_then_recv(
+        headers: &watch::Sender<Option<Result<MetadataMap, Status>>>,
+        call: &mut ClientCall,
+    ) -> Result<Option<Bytes>, Status> {
+        if headers.borrow().is_none() {
+            let got = call.headers().await;
+            headers.send_if_modified(|h| h.is_none() && h.replace(got).is_none());
+        }
+        call.recv().await
+    }
+
+    /// The server's initial metadata, waiting for it (not for a message a concurrent
+    /// [`recv`](Self::recv) waits for).
     pub async fn headers(&self) -> Result<MetadataMap, Status> {
         let mut cancel = self.cancel.subscribe();
-        let mut guard = self.lock().await?;
-        let Some(call) = guard.as_mut() else { return Err(cancelled()) };
-        tokio::select! {
-            biased;
-            _ = cancel.wait_for(|c| *c) => Err(cancelled()),
-            h = call.headers() => h,
+        let mut known = self.headers.subscribe();
+        if let Some(h) = known.borrow().clone() {
+            return h;
         }
+        let mut guard = tokio::select! {
+            biased;
+            _ = cancel.wait_for(|c| *c) => return Err(cancelled()),
+            // Published by a recv that holds the call meanwhile.
+            h = known.wait_for(Option::is_some) => {
+                return h.ok().and_then(|h| h.clone()).unwrap_or_else(|| Err(cancelled()));
+            }
+            guard = self.lock() => guard?,
+        };
+        let Some(call) = guard.as_mut() else { return Err(cancelled()) };
+        let got = tokio::select! {
+            biased;
+            _ = cancel.wait_for(|c| *c) => return Err(cancelled()),
+            h = call.headers() => h,
+        };
+        self.headers.send_if_modified(|h| h.is_none() && h.replace(got.clone()).is_none());
+        got
     }
 
     /// The trailing metadata, once the call has ended.

@@ -161,6 +161,9 @@ _M.code = {
     FAILED_PRECONDITION = 9, ABORTED = 10, OUT_OF_RANGE = 11, UNIMPLEMENTED = 12,
     INTERNAL = 13, UNAVAILABLE = 14, DATA_LOSS = 15, UNAUTHENTICATED = 16,
 }
+-- Code -> name, without the library: an error made before it loads has its name too.
+local CODE_NAMES = {}
+for name, code in pairs(_M.code) do CODE_NAMES[code] = name end
 
 ---------------------------------------------------------------------------------------------
 -- Loading the library
@@ -239,7 +242,7 @@ end
 local function new_error(code, message, trailers, details)
     return setmetatable({
         code = code,
-        name = ffi_string(C.isthmus_code_name(code)),
+        name = CODE_NAMES[code] or (C and ffi_string(C.isthmus_code_name(code))) or "UNKNOWN",
         message = message,
         headers = {},
         trailers = trailers or {},
@@ -534,6 +537,18 @@ function _M.load_proto(files, includes)
         includes = { includes }
     end
     includes = includes or {}
+    for _, arg in ipairs({ { "a .proto file", files }, { "an include directory", includes } }) do
+        local what, list = arg[1], arg[2]
+        if type(list) ~= "table" then
+            return nil, new_error(INVALID_ARGUMENT, ("%s is a string or a list of them, not a %s"):format(what, type(list)))
+        end
+        for i = 1, #list do
+            local _, err = c_string(what, list[i])
+            if err then
+                return nil, err
+            end
+        end
+    end
     local cfiles = ffi_new("const char*[?]", #files, files)
     local cincludes = ffi_new("const char*[?]", #includes + 1, includes)
     local out = ffi_new("isthmus_proto_t*[1]")
@@ -547,6 +562,9 @@ end
 --- Loads a serialized FileDescriptorSet (`protoc --include_imports --descriptor_set_out`).
 function _M.load_descriptor_set(bytes)
     load()
+    if type(bytes) ~= "string" then
+        return nil, new_error(INVALID_ARGUMENT, "a descriptor set is a string of bytes, not a " .. type(bytes))
+    end
     local out = ffi_new("isthmus_proto_t*[1]")
     local rc = C.isthmus_proto_load_descriptor_set(bytes, #bytes, out, status_out)
     if rc ~= OK then
@@ -555,20 +573,29 @@ function _M.load_descriptor_set(bytes)
     return new_proto(out[0])
 end
 
--- The request (which = 0) or response (1) type of the method at `path`, or nil.
+-- The request (which = 0) or response (1) type of the method at `path`, or nil. Only the
+-- methods the descriptors have are remembered: a path built from a request (a gateway's
+-- `ngx.var.uri`) would otherwise grow the table by one entry per distinct path.
 function Proto:method_type(path, which)
     local key = which .. path
     local name = self.types[key]
     if name == nil then
         local p = C.isthmus_proto_method_type(self.handle, path, which)
-        name = p ~= nil and ffi_string(p) or false
+        if p == nil then
+            return nil
+        end
+        name = ffi_string(p)
         self.types[key] = name
     end
-    return name or nil
+    return name
 end
 
 --- Encodes a Lua table as a message of type `type_name`: ok, bytes or false, err.
 function Proto:encode(type_name, tbl)
+    local _, terr = c_string("the type name", type_name)
+    if terr then
+        return false, terr
+    end
     local text, jerr = to_json(tbl)
     if not text then
         return false, new_error(INVALID_ARGUMENT, "cannot write the message as JSON: " .. tostring(jerr))
@@ -583,6 +610,13 @@ end
 
 --- Decodes the bytes of a `type_name` message into a Lua table: ok, table or false, err.
 function Proto:decode(type_name, bytes)
+    local _, terr = c_string("the type name", type_name)
+    if terr then
+        return false, terr
+    end
+    if type(bytes) ~= "string" then
+        return false, new_error(INVALID_ARGUMENT, "a message is a string of bytes, not a " .. type(bytes))
+    end
     local out = ffi_new("isthmus_message_t*[1]")
     local rc = C.isthmus_proto_decode(self.handle, type_name, bytes, #bytes, out, status_out)
     if rc ~= OK then
@@ -816,11 +850,12 @@ start_watching = function()
     return true
 end
 
+-- The worker's completion queue; nil, err if it cannot be made (no file descriptor left).
 local function queue()
     if not cq then
         local q = C.isthmus_cq_new()
         if q == nil then
-            error("resty.isthmus: cannot make a completion queue", 2)
+            return nil, new_error(UNAVAILABLE, "resty.isthmus: cannot make a completion queue (no descriptor left?)")
         end
         cq = q -- lives as long as the worker
         events = ffi_new("isthmus_event_t[?]", POLL_EVENTS)
@@ -1168,6 +1203,9 @@ function Channel:wait_state(last, timeout)
     if from == nil then
         return false, new_error(INVALID_ARGUMENT, ("%s is not a connectivity state"):format(tostring(last)))
     end
+    if timeout ~= nil and type(timeout) ~= "number" then
+        return false, new_error(INVALID_ARGUMENT, "the timeout is a number of seconds, not a " .. type(timeout))
+    end
     local h = self.handle
     if h == nil then
         if last ~= "SHUTDOWN" then
@@ -1176,7 +1214,11 @@ function Channel:wait_state(last, timeout)
         return false, new_error(UNAVAILABLE, "the channel is closed")
     end
     if can_yield() then
-        local q, tag = queue(), fresh_tag()
+        local q, qerr = queue()
+        if not q then
+            return false, qerr
+        end
+        local tag = fresh_tag()
         local ms = timeout and math.max(math.floor(timeout * 1000), 0) or -1
         local rc = C.isthmus_channel_wait_state_async(h, from, ms, q, tag, now, status_out)
         local r = finish_async(rc, tag, (timeout or FOREVER) + 1)
@@ -1204,8 +1246,6 @@ local STATS_FIELDS = {
     "bytes_received", "doorbells_rung", "sleeps", "spin_hits", "ring_full_waits",
     "arena_full_waits", "arena_in_use", "arena_high_water", "shared_sent", "answers_dropped",
 }
-local CODE_NAMES = {}
-for name, code in pairs(_M.code) do CODE_NAMES[code] = name end
 local stats_out = ffi_new("isthmus_stats_t")
 
 --- The counters of the channel's shm:// connections (for a target over HTTP/2, of the one it
@@ -1370,7 +1410,12 @@ function Channel:unary(path, request, opts)
         if not o then
             return false, md
         end
-        local q, tag = queue(), fresh_tag()
+        local q, qerr = queue()
+        if not q then
+            free_metadata(md)
+            return false, qerr
+        end
+        local tag = fresh_tag()
         local rc = C.isthmus_unary_async(h, path, bytes, #bytes, o, q, tag, now, status_out)
         free_metadata(md)
         r = finish_async(rc, tag, backstop(opts))
@@ -1424,7 +1469,12 @@ function Channel:stream(path, opts)
     end
     local call
     if can_yield() then
-        local q, tag = queue(), fresh_tag()
+        local q, qerr = queue()
+        if not q then
+            free_metadata(md)
+            return nil, qerr
+        end
+        local tag = fresh_tag()
         local rc = C.isthmus_call_start_async(h, path, o, q, tag, now, status_out)
         free_metadata(md)
         local r = finish_async(rc, tag, backstop(opts))
@@ -1458,7 +1508,11 @@ local function step(self, start_async, blocking)
         return { code = INVALID_ARGUMENT, err = new_error(INVALID_ARGUMENT, "the stream is closed") }
     end
     if can_yield() then
-        local q, tag = queue(), fresh_tag()
+        local q, qerr = queue()
+        if not q then
+            return { code = UNAVAILABLE, err = qerr }
+        end
+        local tag = fresh_tag()
         return finish_async(start_async(q, tag), tag, self.backstop)
     end
     return blocking()

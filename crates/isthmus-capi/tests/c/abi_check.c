@@ -1549,6 +1549,57 @@ static int check_bidi_threads(ctx_t *c) {
   return 1;
 }
 
+typedef struct {
+  isthmus_call_t *call;
+  isthmus_code_t rc;
+  int got_end;
+} receiver_t;
+
+/* One blocking receive of `r->call`. */
+static void *receiver(void *arg) {
+  receiver_t *r = arg;
+  isthmus_message_t *msg = NULL;
+  isthmus_status_t *st = NULL;
+  r->rc = isthmus_call_recv(r->call, &msg, &st);
+  r->got_end = msg == NULL;
+  if (msg) isthmus_message_free(msg);
+  if (st) isthmus_status_free(st);
+  return NULL;
+}
+
+/* The server's initial metadata are given while another thread waits in a receive for a message
+ * that has not come (Bidi sends them first, then reads). Before, the headers waited for the
+ * receive to return: a client waiting for them before it sends waited for its deadline. */
+static int check_headers_beside_a_receive(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  receiver_t r;
+  memset(&r, 0, sizeof r);
+  isthmus_cq_t *cq = isthmus_cq_new();
+  REQUIRE(cq != NULL, "a queue");
+  MUST(isthmus_call_start(c->ch, SVC "Bidi", &opts, &r.call, &st));
+  pthread_t t;
+  REQUIRE(pthread_create(&t, NULL, receiver, &r) == 0, "a thread");
+  sleep_ms(100); /* in its receive by now, most likely; if not, the check passes anyway */
+  isthmus_event_t ev;
+  int ok = 1;
+  isthmus_code_t rc = isthmus_call_headers_async(r.call, cq, 1, &ev, &st);
+  if (rc != ISTHMUS_OK) ok = failf(__LINE__, "headers_async: %s", describe(rc, st));
+  size_t n = ok && ev.op != 0;
+  for (double end = now_s() + 20; ok && n == 0 && now_s() < end;) n = isthmus_cq_wait(cq, &ev, 1, 0, 100000);
+  if (ok && (n != 1 || ev.op != ISTHMUS_OP_HEADERS || ev.code != ISTHMUS_OK))
+    ok = failf(__LINE__, "no headers in 20 s while a receive waited (%zu events)", n);
+  if (n == 1) event_free(&ev);
+  isthmus_call_close_send(r.call);
+  pthread_join(t, NULL);
+  if (ok && (r.rc != ISTHMUS_OK || !r.got_end))
+    ok = failf(__LINE__, "the receive ended %s, %s", isthmus_code_name(r.rc), r.got_end ? "at the end" : "with a message");
+  if (ok && isthmus_cq_cancel(cq, 1) == ISTHMUS_OK) ok = failf(__LINE__, "the headers were still pending");
+  isthmus_call_free(r.call);
+  isthmus_cq_free(cq);
+  return ok;
+}
+
 static int check_fail(ctx_t *c) {
   isthmus_status_t *st = NULL;
   isthmus_message_t *reply = NULL;
@@ -2651,6 +2702,163 @@ static int check_take_call(ctx_t *c) {
   return ok;
 }
 
+/* A server of this process on a fresh shm:// name, with `handler` (or, if NULL, `cq` and `tag`)
+ * for every path, and a channel to it; 0 (and `g_why` says why) if either failed. */
+static int own_server(const char *name, isthmus_handler_fn handler, void *user_data, isthmus_cq_t *cq, uint64_t tag,
+                      isthmus_server_t **server, isthmus_channel_t **ch) {
+  isthmus_status_t *st = NULL;
+  char target[96];
+  snprintf(target, sizeof target, "shm://abi-%s-%ld", name, (long)getpid());
+  const char *targets[] = {target};
+  *server = isthmus_server_new(NULL);
+  *ch = NULL;
+  isthmus_code_t rc = handler ? isthmus_server_add_handler(*server, NULL, handler, user_data, &st)
+                              : isthmus_server_add_handler_cq(*server, NULL, cq, tag, &st);
+  if (rc == ISTHMUS_OK) rc = isthmus_server_start(*server, targets, 1, &st);
+  if (rc == ISTHMUS_OK) rc = isthmus_channel_new(target, NULL, ch, &st);
+  if (rc != ISTHMUS_OK) {
+    isthmus_server_free(*server);
+    return failf(__LINE__, "a server and a channel on %s: %s", target, describe(rc, st));
+  }
+  return 1;
+}
+
+typedef struct {
+  atomic_int entered, returned;
+} slow_callback_t;
+
+/* A callback that takes 300 ms, then finishes its call. */
+static void on_slow(void *user_data, isthmus_server_call_t *call) {
+  slow_callback_t *s = user_data;
+  atomic_store(&s->entered, 1);
+  sleep_ms(300);
+  isthmus_server_call_finish(call, ISTHMUS_OK, NULL, NULL, NULL);
+  atomic_store(&s->returned, 1);
+}
+
+/* isthmus_server_free returns only once a handler callback under way has returned: its user
+ * data may be freed then. Before, the free returned at once (no grace) with the callback still
+ * running, which then used freed memory. */
+static int check_free_waits_for_callbacks(ctx_t *c) {
+  if (!c->shm) return 1; /* a server of its own: once (over shm://) is enough */
+  slow_callback_t *s = calloc(1, sizeof *s);
+  isthmus_server_t *server;
+  caller_t caller = {NULL, SVC "Slow", "slow", ISTHMUS_UNKNOWN, ""};
+  if (!own_server("slow", on_slow, s, NULL, 0, &server, &caller.ch)) {
+    free(s);
+    return 0;
+  }
+  pthread_t t;
+  pthread_create(&t, NULL, unary_caller, &caller);
+  int ok = eventually(&s->entered, 30) || failf(__LINE__, "the callback was not called in 30 s");
+  REQUIRE(isthmus_server_free(server) == ISTHMUS_OK, "the server freed");
+  if (ok && !atomic_load(&s->returned)) ok = failf(__LINE__, "isthmus_server_free returned with its callback running");
+  pthread_join(t, NULL);
+  isthmus_channel_close(caller.ch);
+  free(s); /* the user data, as a C program frees it once the server is */
+  return ok;
+}
+
+/* Events of `cq` for up to `seconds`, or until `enough` had `tag`: how many had it (each freed;
+ * a NEW_CALL's call finished UNIMPLEMENTED). */
+static int events_with_tag(isthmus_cq_t *cq, uint64_t tag, double seconds, int enough) {
+  int found = 0;
+  for (double end = now_s() + seconds; now_s() < end && (enough == 0 || found < enough);) {
+    isthmus_event_t ev;
+    if (isthmus_cq_wait(cq, &ev, 1, 0, 50000) == 0) continue;
+    found += ev.tag == tag;
+    if (ev.op == ISTHMUS_OP_NEW_CALL)
+      isthmus_server_call_finish(ev.server_call, ISTHMUS_UNIMPLEMENTED, NULL, NULL, NULL);
+    else
+      event_free(&ev);
+  }
+  return found;
+}
+
+/* isthmus_server_call_done_async is an operation of its queue like the others: its tag is taken
+ * until its event is (another operation with it is refused), and isthmus_cq_cancel abandons
+ * it: no event comes. Before, the tag was free for another operation meanwhile, and the cancel
+ * said NOT_FOUND while the event still came. */
+static int check_done_async_takes_its_tag(ctx_t *c) {
+  if (!c->shm) return 1; /* a server of its own: once (over shm://) is enough */
+  enum { CALLS = 1, DONE = 7 };
+  isthmus_status_t *st = NULL;
+  isthmus_cq_t *cq = isthmus_cq_new();
+  REQUIRE(cq != NULL, "a queue");
+  isthmus_server_t *server;
+  caller_t caller = {NULL, SVC "Done", "done", ISTHMUS_UNKNOWN, ""};
+  if (!own_server("done", NULL, NULL, cq, CALLS, &server, &caller.ch)) {
+    isthmus_cq_free(cq);
+    return 0;
+  }
+  int ok = 1;
+  for (int round = 0; ok && round < 2; round++) {
+    pthread_t t;
+    pthread_create(&t, NULL, unary_caller, &caller);
+    isthmus_event_t ev;
+    size_t n = 0;
+    for (double end = now_s() + 30; n == 0 && now_s() < end;) n = isthmus_cq_wait(cq, &ev, 1, 0, 100000);
+    if (n != 1 || ev.op != ISTHMUS_OP_NEW_CALL) {
+      ok = failf(__LINE__, "no new call in 30 s");
+      if (n == 1) event_free(&ev);
+      pthread_join(t, NULL);
+      break;
+    }
+    isthmus_server_call_t *call = ev.server_call;
+    isthmus_code_t rc = isthmus_server_call_done_async(call, cq, DONE, &st);
+    if (rc != ISTHMUS_OK) ok = failf(__LINE__, "done_async: %s", describe(rc, st));
+    st = NULL;
+    isthmus_event_t now;
+    rc = isthmus_server_call_recv_async(call, 0, cq, DONE, &now, &st);
+    if (ok && rc != ISTHMUS_INVALID_ARGUMENT)
+      ok = failf(__LINE__, "a receive under done_async's pending tag: %s", isthmus_code_name(rc));
+    if (st) isthmus_status_free(st);
+    st = NULL;
+    if (rc == ISTHMUS_OK && now.op != 0) event_free(&now);
+    if (round == 0 && ok && isthmus_cq_cancel(cq, DONE) != ISTHMUS_OK)
+      ok = failf(__LINE__, "done_async's operation could not be cancelled");
+    isthmus_server_call_finish(call, ISTHMUS_OK, NULL, NULL, NULL);
+    pthread_join(t, NULL);
+    /* Cancelled: no event. Not cancelled: one, and the tag is free again for another use. */
+    int events = round == 0 ? events_with_tag(cq, DONE, 0.5, 0) : events_with_tag(cq, DONE, 30, 1);
+    if (ok && events != (round == 0 ? 0 : 1))
+      ok = failf(__LINE__, "round %d: %d DONE events after the call ended", round, events);
+  }
+  isthmus_channel_close(caller.ch);
+  isthmus_server_free(server);
+  isthmus_cq_free(cq);
+  return ok;
+}
+
+/* A call to a handler whose completion queue was freed fails UNAVAILABLE at once. Before, it
+ * waited in the dead queue for its deadline. */
+static int check_freed_queue_refuses_calls(ctx_t *c) {
+  if (!c->shm) return 1; /* a server of its own: once (over shm://) is enough */
+  isthmus_cq_t *cq = isthmus_cq_new();
+  REQUIRE(cq != NULL, "a queue");
+  isthmus_server_t *server;
+  isthmus_channel_t *ch;
+  if (!own_server("freedq", NULL, NULL, cq, 1, &server, &ch)) {
+    isthmus_cq_free(cq);
+    return 0;
+  }
+  isthmus_cq_free(cq);
+  isthmus_status_t *st = NULL;
+  isthmus_message_t *reply = NULL;
+  isthmus_call_options_t opts = timeout_opts(20 * 1000 * 1000);
+  double start = now_s();
+  isthmus_code_t rc = isthmus_unary(ch, SVC "Nobody", (const uint8_t *)"x", 1, &opts, &reply, NULL, NULL, &st);
+  double took = now_s() - start;
+  int ok = 1;
+  if (rc != ISTHMUS_UNAVAILABLE || took > 10)
+    ok = failf(__LINE__, "a call to a freed queue's handler: %s after %.3f s", describe(rc, st), took);
+  if (st) isthmus_status_free(st);
+  if (reply) isthmus_message_free(reply);
+  isthmus_channel_close(ch);
+  isthmus_server_free(server);
+  return ok;
+}
+
 /* Whoami's reply over `ch`, NUL-terminated, into `out`; the call's code. */
 static isthmus_code_t whoami(isthmus_channel_t *ch, char *out, size_t cap, isthmus_status_t **st) {
   isthmus_message_t *reply = NULL;
@@ -2780,6 +2988,7 @@ static const check_t CHECKS[] = {
     {"server_stream_1000", check_server_stream},
     {"client_stream", check_client_stream},
     {"bidi_two_threads", check_bidi_threads},
+    {"headers_beside_a_receive", check_headers_beside_a_receive},
     {"fail_status", check_fail},
     {"deadline", check_deadline},
     {"cancel", check_cancel},
@@ -2799,6 +3008,9 @@ static const check_t CHECKS[] = {
     {"fork_keeps_queues_apart", check_fork_keeps_queues_apart},
     {"shutdown_twice", check_shutdown_twice_at_once},
     {"take_call", check_take_call},
+    {"free_waits_for_callbacks", check_free_waits_for_callbacks},
+    {"done_async_takes_its_tag", check_done_async_takes_its_tag},
+    {"freed_queue_refuses_calls", check_freed_queue_refuses_calls},
 };
 
 
