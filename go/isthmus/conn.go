@@ -61,6 +61,11 @@ type ClientConn struct {
 	// readerReads: streams leave the reading to the library's reader, as before ADR 0029
 	// (set by tests only, for a baseline).
 	readerReads bool
+	// streams are the streams open on the connection, which Close finishes (as grpc-go's
+	// does); streamsClosed is set once Close has taken them.
+	streamsMu     sync.Mutex
+	streams       map[*clientStream]struct{}
+	streamsClosed bool
 }
 
 // Messages up to inPlaceMax bytes are marshalled straight into shared memory (one copy)
@@ -261,7 +266,9 @@ func (cc *ClientConn) Target() string { return cc.target }
 
 // Close releases the connection. Calls in progress end now with codes.Canceled "grpc: the
 // client connection is closing" (their handlers see them end), and new calls fail with it, as
-// grpc-go's do; so does a second Close.
+// grpc-go's do; so does a second Close. Open streams are finished with it, read or not: their
+// grpc.OnFinish callbacks and stats handlers hear of it, their handles go, their RecvMsg
+// returns it and their SendMsg io.EOF.
 func (cc *ClientConn) Close() error {
 	if cc.closed.Swap(true) {
 		return errClosing()
@@ -270,9 +277,39 @@ func (cc *ClientConn) Close() error {
 	msg := C.CString(closingMessage)
 	C.isthmus_channel_shutdown(cc.ch, C.ISTHMUS_CANCELLED, msg, nil)
 	C.free(unsafe.Pointer(msg))
+	cc.streamsMu.Lock()
+	streams := cc.streams
+	cc.streams, cc.streamsClosed = nil, true
+	cc.streamsMu.Unlock()
+	// Without the lock: a stream finishing meanwhile leaves the set (untrack) as it does, and
+	// finish waits for it here.
+	for s := range streams {
+		s.fail(errClosing())
+	}
 	cc.unuse() // the connection's own reference: ch goes now, or with the last call using it
 	cc.connStats.end()
 	return nil
+}
+
+// track adds an open stream to those Close finishes; false once Close has taken them.
+func (cc *ClientConn) track(s *clientStream) bool {
+	cc.streamsMu.Lock()
+	defer cc.streamsMu.Unlock()
+	if cc.streamsClosed {
+		return false
+	}
+	if cc.streams == nil {
+		cc.streams = make(map[*clientStream]struct{})
+	}
+	cc.streams[s] = struct{}{}
+	return true
+}
+
+// untrack removes a finished stream from those Close finishes.
+func (cc *ClientConn) untrack(s *clientStream) {
+	cc.streamsMu.Lock()
+	delete(cc.streams, s)
+	cc.streamsMu.Unlock()
 }
 
 // use takes a reference to ch for a cgo call that passes it: false (and none taken) once the
@@ -755,13 +792,23 @@ func (cc *ClientConn) newStream(ctx context.Context, desc *grpc.StreamDesc, meth
 		err, _ := statusError(ev.code, ev.status)
 		return nil, cc.callError(ctx, err)
 	}
-	s := &clientStream{cc: cc, call: ev.call, ctx: ctx, desc: desc, opts: co}
+	s := &clientStream{cc: cc, call: ev.call, ctx: ctx, desc: desc, opts: co, done: make(chan struct{})}
+	if !cc.track(s) {
+		// Close came meanwhile, and finished the streams it knew: this one ends as they did.
+		C.isthmus_call_cancel(ev.call)
+		C.isthmus_call_free(ev.call)
+		return nil, errClosing()
+	}
 	// Under the lock: a context done already runs ctxEnded at once, on a goroutine of its own,
 	// and finish reads stop.
 	stop := context.AfterFunc(ctx, s.ctxEnded)
 	s.mu.Lock()
 	s.stop = stop
+	ended := s.ended // by a Close that came meanwhile: its finish found no stop
 	s.mu.Unlock()
+	if ended {
+		stop()
+	}
 	return s, nil
 }
 
@@ -773,10 +820,13 @@ type clientStream struct {
 	opts callOptions
 	stop func() bool
 
-	mu      sync.Mutex // guards call's release against the operations in flight
-	call    *C.isthmus_call_t
-	ops     int
-	ended   bool // the call is over: recv saw its end, or it was cancelled
+	mu    sync.Mutex // guards call's release against the operations in flight
+	call  *C.isthmus_call_t
+	ops   int
+	ended bool // the call is over: recv saw its end, or it was cancelled
+	// done is closed once the first finish has done all it does (the call options filled in,
+	// the stats handlers and OnFinish told): whatever returns the call's end waits for it.
+	done    chan struct{}
 	err     error
 	header  metadata.MD
 	gotHead bool
@@ -815,8 +865,11 @@ func (s *clientStream) releaseLocked() {
 
 // finish records how the call ended; trailers, if not nil, are its trailers (those of its
 // error's status) in place of what the call has. The first finish tells the call options and
-// stats handlers; a later one only what it brings.
-func (s *clientStream) finish(err error, trailers metadata.MD) {
+// stats handlers; a later one only what it brings, and waits until the first is through, so
+// that no operation returns the call's end before grpc.Trailer, grpc.Peer and the others are
+// filled in (grpc-go fills them in under its stream's lock). It returns the error the call
+// ended with (the first finish's).
+func (s *clientStream) finish(err error, trailers metadata.MD) error {
 	s.mu.Lock()
 	first := !s.ended
 	if first {
@@ -837,8 +890,11 @@ func (s *clientStream) finish(err error, trailers metadata.MD) {
 		stop()
 	}
 	if !first {
-		return
+		<-s.done
+		return err
 	}
+	defer close(s.done)
+	s.cc.untrack(s)
 	if s.opts.trailer != nil {
 		*s.opts.trailer = trailers
 	}
@@ -847,12 +903,23 @@ func (s *clientStream) finish(err error, trailers metadata.MD) {
 		s.opts.stats.end(err)
 	}
 	s.report(err)
+	return err
 }
 
-// fail ends the call with err, a failure of this side, as grpc-go's stream does.
-func (s *clientStream) fail(err error) {
+// over is the error the call ended with (nil for an OK end), once its finish is through; for
+// an operation that found it ended (begin).
+func (s *clientStream) over() error {
+	<-s.done
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.err
+}
+
+// fail ends the call with err, a failure of this side, as grpc-go's stream does; the error the
+// call ended with.
+func (s *clientStream) fail(err error) error {
 	s.cancel()
-	s.finish(err, nil)
+	return s.finish(err, nil)
 }
 
 // report tells the call options how the call ended (the first finish does, once): grpc.Peer
@@ -888,31 +955,38 @@ func (s *clientStream) cancel() {
 
 func (s *clientStream) Context() context.Context { return s.ctx }
 
+// Header is a copy of the initial metadata, each time, as grpc-go's: what a caller does to it
+// changes nobody else's.
 func (s *clientStream) Header() (metadata.MD, error) {
 	s.mu.Lock()
 	if s.gotHead {
 		defer s.mu.Unlock()
-		return s.header, nil
+		return s.header.Copy(), nil
 	}
 	s.mu.Unlock()
 	call, ok := s.begin()
 	if !ok {
+		_ = s.over()
 		s.mu.Lock()
 		defer s.mu.Unlock()
-		return s.header, nil
+		if !s.gotHead {
+			return nil, nil
+		}
+		return s.header.Copy(), nil
 	}
 	defer s.end()
-	md, err := s.headerOf(call)
-	if err != nil {
+	if _, err := s.headerOf(call); err != nil {
 		// As grpc-go's: a stream that ended without headers gives none and no error here;
 		// RecvMsg gives its status.
 		return nil, nil
 	}
-	return md, nil
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.header.Copy(), nil
 }
 
 // headerOf waits for the call's initial metadata (call is held, begin) and keeps it for
-// Header and grpc.Header.
+// Header and grpc.Header (a copy of its own), the first time.
 func (s *clientStream) headerOf(call *C.isthmus_call_t) (metadata.MD, error) {
 	ev, ok := s.cc.r.do(s.ctx, func(cq *C.isthmus_cq_t, tag C.uint64_t, now *C.isthmus_event_t) (C.isthmus_code_t, *C.isthmus_status_t) {
 		var st *C.isthmus_status_t
@@ -928,11 +1002,14 @@ func (s *clientStream) headerOf(call *C.isthmus_call_t) (metadata.MD, error) {
 	md := takeMetadata(ev.metadata)
 	s.mu.Lock()
 	first := !s.gotHead
-	s.header, s.gotHead = md, true
-	s.mu.Unlock()
-	if s.opts.header != nil {
-		*s.opts.header = md
+	if first {
+		s.header, s.gotHead = md, true
+		if s.opts.header != nil {
+			*s.opts.header = md.Copy()
+		}
 	}
+	md = s.header
+	s.mu.Unlock()
 	if first {
 		s.opts.stats.inHeader(md, "", nil)
 	}
@@ -974,7 +1051,9 @@ func (s *clientStream) SendMsg(m any) error {
 		s.fail(err)
 		return err
 	}
-	if err := s.sendBytes(b, false); err != nil {
+	// A client that does not stream sends its one request with the half-close, as grpc-go's
+	// does: a second one fails above.
+	if err := s.sendBytes(b, !s.desc.ClientStreams); err != nil {
 		return err
 	}
 	s.opts.stats.outPayload(m, len(b))
@@ -999,7 +1078,9 @@ func (s *clientStream) sendBytes(b []byte, last bool) error {
 	})
 	runtime.KeepAlive(b)
 	if !ok {
-		return ctxError(s.ctx)
+		// The context ended the wait (for flow control): the call is over with it, and as
+		// grpc-go's does for any failed write, SendMsg says io.EOF and RecvMsg gives why.
+		return io.EOF
 	}
 	if ev.code != C.ISTHMUS_OK {
 		// The call is over; as grpc-go, SendMsg says io.EOF and RecvMsg gives the status.
@@ -1030,30 +1111,32 @@ func (s *clientStream) CloseSend() error {
 	return nil
 }
 
-// recv takes the next message into m: nil, io.EOF at an OK end, or the call's error.
+// endError is what a receive gives for a call that ended with err: err, or io.EOF at an OK end.
+func endError(err error) error {
+	if err == nil {
+		return io.EOF
+	}
+	return err
+}
+
+// recv takes the next message into m: nil, io.EOF at an OK end, or the call's error. The end
+// it gives is the call's, as the first finish recorded it (a Close, a cancel, a failure of this
+// side may come first), once that finish is through.
 func (s *clientStream) recv(m any) error {
 	call, ok := s.begin()
 	if !ok {
-		s.mu.Lock()
-		defer s.mu.Unlock()
-		if s.err != nil {
-			return s.err
-		}
-		return io.EOF
+		return endError(s.over())
 	}
 	defer s.end()
 	ev, ok := s.cc.recvCall(s.ctx, call)
 	if !ok {
-		err := ctxError(s.ctx)
-		s.finish(err, nil)
-		return err
+		return endError(s.finish(ctxError(s.ctx), nil))
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, trailers := statusError(ev.code, ev.status)
 		err = s.cc.callError(s.ctx, err)
 		s.keepHeader(call)
-		s.finish(err, trailers)
-		return err
+		return endError(s.finish(err, trailers))
 	}
 	if ev.message == nil {
 		s.keepHeader(call)
@@ -1061,18 +1144,15 @@ func (s *clientStream) recv(m any) error {
 			// An OK end with no response, where one was due: grpc-go's error (from 1.66),
 			// which the call ends with.
 			err := status.Error(codes.Internal, "cardinality violation: received no response message from non-server-streaming RPC")
-			s.finish(err, nil)
-			return err
+			return endError(s.finish(err, nil))
 		}
-		s.finish(nil, nil)
-		return io.EOF
+		return endError(s.finish(nil, nil))
 	}
 	s.gotMessage = true
 	if err := s.opts.checkRecv(int(ev.message_len)); err != nil {
 		C.isthmus_message_free(ev.message)
 		s.keepHeader(call)
-		s.fail(err)
-		return err
+		return endError(s.fail(err))
 	}
 	if s.opts.stats != nil {
 		s.keepHeader(call)
@@ -1081,8 +1161,7 @@ func (s *clientStream) recv(m any) error {
 	C.isthmus_message_free(ev.message)
 	if err != nil {
 		// The call ends with it, as grpc-go's does: it is cancelled and its handle freed.
-		s.fail(err)
-		return err
+		return endError(s.fail(err))
 	}
 	s.opts.stats.inPayload(m, int(ev.message_len))
 	return nil
@@ -1097,8 +1176,7 @@ func (s *clientStream) RecvMsg(m any) error {
 	switch err := s.recv(m); {
 	case err == nil:
 		e := status.Error(codes.Internal, "cardinality violation: expected <EOF> for non server-streaming RPCs, but received another message")
-		s.fail(e)
-		return e
+		return endError(s.fail(e))
 	case errors.Is(err, io.EOF):
 		return nil
 	default:

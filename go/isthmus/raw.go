@@ -168,10 +168,7 @@ func (r *RawStream) Alloc(n int) (*Block, error) {
 	if !ok {
 		// Over; ended by its context (which finishes the stream with the context's error), it
 		// says why, as below; ended otherwise, io.EOF, as a send says.
-		r.cs.mu.Lock()
-		err := r.cs.err
-		r.cs.mu.Unlock()
-		if err != nil && r.cs.ctx.Err() != nil {
+		if err := r.cs.over(); err != nil && r.cs.ctx.Err() != nil {
 			return nil, err
 		}
 		return nil, io.EOF
@@ -228,29 +225,19 @@ func (r *RawStream) CloseSend() error { return r.cs.CloseSend() }
 func (r *RawStream) Recv() (*Message, error) {
 	call, ok := r.cs.begin()
 	if !ok {
-		r.cs.mu.Lock()
-		defer r.cs.mu.Unlock()
-		if r.cs.err != nil {
-			return nil, r.cs.err
-		}
-		return nil, io.EOF
+		return nil, endError(r.cs.over())
 	}
 	defer r.cs.end()
 	ev, ok := r.cs.cc.recvCall(r.cs.ctx, call)
 	if !ok {
-		err := ctxError(r.cs.ctx)
-		r.cs.finish(err, nil)
-		return nil, err
+		return nil, endError(r.cs.finish(ctxError(r.cs.ctx), nil))
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, _ := statusError(ev.code, ev.status)
-		err = r.cs.cc.callError(r.cs.ctx, err)
-		r.cs.finish(err, nil)
-		return nil, err
+		return nil, endError(r.cs.finish(r.cs.cc.callError(r.cs.ctx, err), nil))
 	}
 	if ev.message == nil {
-		r.cs.finish(nil, nil)
-		return nil, io.EOF
+		return nil, endError(r.cs.finish(nil, nil))
 	}
 	return newMessage(ev.message, ev.message_data, ev.message_len), nil
 }

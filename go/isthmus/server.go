@@ -399,15 +399,25 @@ func (s *Server) Serve(targets ...string) error {
 // see codes.Unavailable).
 func (s *Server) Stop() { s.shutdown(0) }
 
-// GracefulStop stops taking calls and waits for those in progress to finish; a Stop meanwhile
-// ends them now.
-func (s *Server) GracefulStop() { s.shutdown(time.Hour) }
+// GracefulStop stops taking calls and waits for those in progress to finish, however long they
+// take, as grpc-go's does; a Stop meanwhile ends them now.
+func (s *Server) GracefulStop() { s.shutdown(untilFinished) }
 
 // GracefulStopTimeout is GracefulStop that waits at most grace for the calls in progress.
-func (s *Server) GracefulStopTimeout(grace time.Duration) { s.shutdown(grace) }
+func (s *Server) GracefulStopTimeout(grace time.Duration) { s.shutdown(uint64(millis(grace))) }
 
-func (s *Server) shutdown(grace time.Duration) {
-	ms := C.uint64_t(grace.Milliseconds())
+// untilFinished is the grace, in milliseconds, that lets the calls in progress finish: one too
+// long for the engine's clock, which it takes as no cut-off (isthmus::stop_by).
+const untilFinished = math.MaxUint64
+
+// shutdownStarted, if set (by tests), hears the grace of each shutdown, in milliseconds.
+var shutdownStarted func(graceMs uint64)
+
+func (s *Server) shutdown(graceMs uint64) {
+	if shutdownStarted != nil {
+		shutdownStarted(graceMs)
+	}
+	ms := C.uint64_t(graceMs)
 	s.mu.Lock()
 	srvs, later := s.srvs, s.stopping
 	s.stopping = true
@@ -862,10 +872,7 @@ type transportStream struct{ *serverStream }
 
 func (t transportStream) Method() string { return t.m.name }
 
-func (t transportStream) SetTrailer(md metadata.MD) error {
-	t.serverStream.SetTrailer(md)
-	return nil
-}
+func (t transportStream) SetTrailer(md metadata.MD) error { return t.setTrailer(md) }
 
 func (st *serverStream) Context() context.Context { return st.ctx }
 
@@ -874,14 +881,19 @@ func (st *serverStream) Context() context.Context { return st.ctx }
 var errHeaderSent = status.Error(codes.Internal, "transport: SendHeader called multiple times")
 
 // SetHeader and SendHeader refuse metadata grpc-go's refuse (validateMetadata) at once, as
-// its streams' do; a header that failed only when it went could be lost with no word.
+// its streams' do; a header that failed only when it went could be lost with no word. Empty
+// metadata given to SetHeader is no error whenever it comes, as on grpc-go; other metadata
+// fails once the header went or the call is over.
 func (st *serverStream) SetHeader(md metadata.MD) error {
+	if md.Len() == 0 {
+		return nil
+	}
 	if err := validateMetadata(md); err != nil {
 		return err
 	}
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if st.headerSent {
+	if st.headerSent || st.finished {
 		return errHeaderSent
 	}
 	st.header = metadata.Join(st.header, md)
@@ -894,23 +906,32 @@ func (st *serverStream) SendHeader(md metadata.MD) error {
 	}
 	st.mu.Lock()
 	defer st.mu.Unlock()
+	if st.finished {
+		// The handle is gone with the call; grpc-go says the stream's context's error then.
+		return status.Error(codes.Canceled, context.Canceled.Error())
+	}
 	if st.headerSent {
 		return errHeaderSent
 	}
 	st.header = metadata.Join(st.header, md)
-	return st.sendHeaderLocked()
+	return st.sendHeaderLocked(true)
 }
 
-// sendHeaderLocked sends the initial metadata gathered so far, if any.
-func (st *serverStream) sendHeaderLocked() error {
+// sendHeaderLocked sends the initial metadata gathered so far: now, even if there are none,
+// with always (SendHeader: grpc-go writes the header then, and the client's Header returns);
+// otherwise only if there are some (the first response, or the status, carries them anyway).
+func (st *serverStream) sendHeaderLocked(always bool) error {
 	st.headerSent = true
 	st.stats.outHeader(st.header, "", nil)
-	if len(st.header) == 0 {
+	if len(st.header) == 0 && !always {
 		return nil
 	}
-	h, err := newMetadata(st.header)
-	if err != nil {
-		return err
+	var h *C.isthmus_metadata_t
+	if len(st.header) > 0 {
+		var err error
+		if h, err = newMetadata(st.header); err != nil {
+			return err
+		}
 	}
 	var cst *C.isthmus_status_t
 	code := C.isthmus_server_call_send_headers(st.sc, h, &cst)
@@ -956,10 +977,23 @@ func (st *serverStream) setSendCompressor(name string) error {
 	return nil
 }
 
-func (st *serverStream) SetTrailer(md metadata.MD) {
+// SetTrailer sets trailing metadata, as grpc.ServerStream's does: once the call is over they
+// are dropped (grpc.SetTrailer says so, setTrailer).
+func (st *serverStream) SetTrailer(md metadata.MD) { _ = st.setTrailer(md) }
+
+// setTrailer is SetTrailer with grpc-go's answer (grpc.ServerTransportStream's): nil for empty
+// metadata, errHeaderSent (transport.ErrIllegalHeaderWrite) once the call is over.
+func (st *serverStream) setTrailer(md metadata.MD) error {
+	if md.Len() == 0 {
+		return nil
+	}
 	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.finished {
+		return errHeaderSent
+	}
 	st.trailer = metadata.Join(st.trailer, md)
-	st.mu.Unlock()
+	return nil
 }
 
 // checkSend fails a response of size bytes over MaxSendMessageSize, in grpc-go's words. Every
@@ -1020,7 +1054,7 @@ func (st *serverStream) flushHeader() error {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if !st.headerSent {
-		return st.sendHeaderLocked()
+		return st.sendHeaderLocked(false)
 	}
 	return nil
 }
@@ -1201,7 +1235,7 @@ func (st *serverStream) end(err error) {
 	if !st.headerSent && len(st.header) > 0 {
 		// Set and not sent (an error before any reply, or a stream with none): grpc-go sends
 		// it ahead of the status too. A call already over takes none, which is no loss.
-		_ = st.sendHeaderLocked()
+		_ = st.sendHeaderLocked(false)
 	}
 	trailers, terr := newMetadata(st.trailer)
 	if terr != nil {

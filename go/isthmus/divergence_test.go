@@ -1,0 +1,564 @@
+package isthmus_test
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	grpcpeer "google.golang.org/grpc/peer"
+	"google.golang.org/grpc/stats"
+	"google.golang.org/grpc/status"
+
+	pb "example.invalid/isthmus/go/internal/conformancepb"
+	"example.invalid/isthmus/go/internal/echo"
+	"example.invalid/isthmus/go/isthmus"
+)
+
+// Behaviours where isthmus's Go binding differed from grpc-go's; each test runs the same
+// scenario against grpc-go's server and client over TCP and isthmus's over shm://, and expects
+// grpc-go's result.
+
+// emptyHeaderBidi sends its initial metadata at once with md (nil or empty), then reads until
+// the client's end.
+type emptyHeaderBidi struct {
+	echo.Service
+	md metadata.MD
+}
+
+func (h emptyHeaderBidi) Bidi(stream pb.Echo_BidiServer) error {
+	if err := stream.SendHeader(h.md); err != nil {
+		return err
+	}
+	for {
+		if _, err := stream.Recv(); err != nil {
+			return nil
+		}
+	}
+}
+
+// SendHeader with no metadata sends the initial metadata all the same: the client's Header
+// returns at once. It sent nothing (marking the header sent), and Header waited for the first
+// response or the end.
+func TestSendHeaderWithNoMetadataSendsTheHeader(t *testing.T) {
+	for _, md := range []metadata.MD{nil, {}} {
+		for name, conn := range besideGrpcGoServing(t, "empty-send-header", emptyHeaderBidi{md: md}) {
+			label := fmt.Sprintf("%s, SendHeader(%#v)", name, md)
+			ctx, cancel := context.WithCancel(testContext(t))
+			stream, err := pb.NewEchoClient(conn).Bidi(ctx)
+			if err != nil {
+				t.Fatalf("%s: %v", label, err)
+			}
+			type header struct {
+				md  metadata.MD
+				err error
+			}
+			got := make(chan header, 1)
+			go func() {
+				md, err := stream.Header()
+				got <- header{md, err}
+			}()
+			select {
+			case h := <-got:
+				if h.err != nil || h.md == nil {
+					t.Errorf("%s: Header gave %v, %v", label, h.md, h.err)
+				}
+			case <-time.After(10 * time.Second):
+				t.Errorf("%s: Header still waits 10 s after the handler's SendHeader", label)
+				cancel() // ends the Header still waiting
+				within(t, got, label+": Header after the cancel")
+			}
+			cancel()
+		}
+	}
+}
+
+// endBlocker is a client stats handler whose End waits, once entered, until released.
+type endBlocker struct {
+	entered chan struct{}
+	release chan struct{}
+	once    sync.Once
+}
+
+func newEndBlocker() *endBlocker {
+	return &endBlocker{entered: make(chan struct{}), release: make(chan struct{})}
+}
+
+func (b *endBlocker) TagRPC(ctx context.Context, _ *stats.RPCTagInfo) context.Context { return ctx }
+func (b *endBlocker) TagConn(ctx context.Context, _ *stats.ConnTagInfo) context.Context {
+	return ctx
+}
+func (b *endBlocker) HandleConn(context.Context, stats.ConnStats) {}
+func (b *endBlocker) HandleRPC(_ context.Context, s stats.RPCStats) {
+	if _, ok := s.(*stats.End); !ok || !s.IsClient() {
+		return
+	}
+	b.once.Do(func() { close(b.entered) })
+	select {
+	case <-b.release:
+	case <-time.After(10 * time.Second):
+	}
+}
+
+// A stream whose context ends is finished before any of its operations returns that end:
+// grpc.Trailer and grpc.Peer are filled in, and the stats handlers have heard End, when
+// RecvMsg returns the context's error, as grpc-go's finish does under its stream's lock. The
+// finish ran from the context's watcher while RecvMsg, having seen the stream ended, returned
+// at once (a data race on the trailer and the peer, with the peer still empty).
+func TestAStreamsEndIsCompleteWhenRecvMsgReturnsIt(t *testing.T) {
+	end := map[string]*endBlocker{"grpc-go": newEndBlocker(), "isthmus": newEndBlocker()}
+	conns := map[string]grpc.ClientConnInterface{
+		"grpc-go": newGrpcClient(t, startGrpcServer(t), grpc.WithStatsHandler(end["grpc-go"])),
+		"isthmus": dialWith(t, startEchoServer(t, "end-complete"), isthmus.WithStatsHandler(end["isthmus"])),
+	}
+	for name, conn := range conns {
+		b := end[name]
+		md := metadata.Pairs("x-before", "the end")
+		var p grpcpeer.Peer
+		ctx, cancel := context.WithCancel(testContext(t))
+		stream, err := pb.NewEchoClient(conn).Bidi(ctx, grpc.Trailer(&md), grpc.Peer(&p))
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		cancel()
+		within(t, b.entered, name+": End after the cancel")
+		recvd := make(chan error, 1)
+		go func() {
+			_, err := stream.Recv()
+			recvd <- err
+		}()
+		select {
+		case err := <-recvd:
+			t.Errorf("%s: Recv returned %v while the stream's end was still being reported", name, err)
+			close(b.release)
+		case <-time.After(300 * time.Millisecond):
+			close(b.release)
+			if err := within(t, recvd, name+": Recv"); status.Code(err) != codes.Canceled {
+				t.Errorf("%s: Recv gave %v, want Canceled", name, err)
+			}
+		}
+		if p.Addr == nil {
+			t.Errorf("%s: grpc.Peer is empty once Recv has returned the end", name)
+		}
+		if md.Get("x-before") != nil {
+			t.Errorf("%s: grpc.Trailer is not set once Recv has returned the end: %v", name, md)
+		}
+	}
+}
+
+// The same with the context ending a moment after the stream starts, RecvMsg waiting or not:
+// reading what grpc.Header, grpc.Trailer and grpc.Peer filled in once RecvMsg has returned is
+// no data race (go test -race).
+func TestCallOptionsAreSetBeforeACancelledStreamsRecvReturns(t *testing.T) {
+	conns := map[string]grpc.ClientConnInterface{
+		"grpc-go": newGrpcClient(t, startGrpcServer(t)),
+		"isthmus": dial(t, startEchoServer(t, "cancel-race")),
+	}
+	for name, conn := range conns {
+		client := pb.NewEchoClient(conn)
+		for i := 0; i < 50; i++ {
+			var header, trailer metadata.MD
+			var p grpcpeer.Peer
+			ctx, cancel := context.WithCancel(testContext(t))
+			stream, err := client.Bidi(ctx, grpc.Header(&header), grpc.Trailer(&trailer), grpc.Peer(&p))
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			stop := time.AfterFunc(time.Millisecond, cancel)
+			if _, err := stream.Recv(); status.Code(err) != codes.Canceled {
+				t.Fatalf("%s: Recv gave %v, want Canceled", name, err)
+			}
+			_ = fmt.Sprint(header, trailer, p.Addr)
+			stop.Stop()
+			cancel()
+		}
+	}
+}
+
+// closableConn is a connection of either kind, to close.
+type closableConn interface {
+	grpc.ClientConnInterface
+	Close() error
+}
+
+// bothConns is a grpc-go connection to grpcAddress and an isthmus one to shm, by name.
+func bothConns(t *testing.T, grpcAddress, shm string) map[string]closableConn {
+	return map[string]closableConn{"grpc-go": newGrpcClient(t, grpcAddress), "isthmus": dial(t, shm)}
+}
+
+// Closing a connection finishes its open streams, as grpc-go's does (ErrClientConnClosing):
+// one never read again is told (grpc.OnFinish) and frees its handle, one waiting in RecvMsg
+// gets the error, and later operations say the stream is over. The never-read stream kept its
+// handle for ever, and OnFinish never came.
+func TestClosingTheConnectionFinishesItsStreams(t *testing.T) {
+	grpcAddress, shm := startGrpcServer(t), startEchoServer(t, "close-streams")
+	// A call first, so that what the process keeps for good is counted in the baseline.
+	if _, err := pb.NewEchoClient(dial(t, shm)).Unary(testContext(t), &pb.EchoRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	before := isthmus.LiveHandles()
+	conns := bothConns(t, grpcAddress, shm)
+	for name, conn := range conns {
+		client := pb.NewEchoClient(conn)
+		finished := make(chan error, 1)
+		left, err := client.Bidi(context.Background(), grpc.OnFinish(func(err error) { finished <- err }))
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if err := left.Send(&pb.EchoRequest{Seq: 1}); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if r, err := left.Recv(); err != nil || r.Seq != 1 {
+			t.Fatalf("%s: %v, %v", name, r, err)
+		}
+		reading, err := client.Bidi(context.Background())
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		recvd := make(chan error, 1)
+		go func() {
+			_, err := reading.Recv()
+			recvd <- err
+		}()
+		if err := conn.Close(); err != nil {
+			t.Fatalf("%s: Close: %v", name, err)
+		}
+		closing := func(what string, err error) {
+			if s := status.Convert(err); s.Code() != codes.Canceled || s.Message() != "grpc: the client connection is closing" {
+				t.Errorf("%s: %s gave %v, want Canceled, the connection is closing", name, what, err)
+			}
+		}
+		closing("OnFinish of the stream left", within(t, finished, name+": OnFinish"))
+		closing("the waiting Recv", within(t, recvd, name+": the waiting Recv"))
+		_, err = left.Recv()
+		closing("Recv after Close", err)
+		if err := left.Send(&pb.EchoRequest{}); err != io.EOF {
+			t.Errorf("%s: Send after Close gave %v, want io.EOF", name, err)
+		}
+	}
+	eventually(t, "the streams' handles freed", func() bool { return isthmus.LiveHandles() <= before })
+}
+
+// Close while streams end by themselves (their contexts cancelled, their receives under way)
+// finishes each stream once, deadlocks on none, and frees every handle.
+func TestCloseWhileStreamsEndFinishesEachOnce(t *testing.T) {
+	grpcAddress, shm := startGrpcServer(t), startEchoServer(t, "close-while-ending")
+	if _, err := pb.NewEchoClient(dial(t, shm)).Unary(testContext(t), &pb.EchoRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	before := isthmus.LiveHandles()
+	conns := bothConns(t, grpcAddress, shm)
+	for name, conn := range conns {
+		client := pb.NewEchoClient(conn)
+		const n = 40
+		var finishes sync.WaitGroup
+		var counts [n]atomic.Int32
+		var cancels []context.CancelFunc
+		finishes.Add(n)
+		for i := 0; i < n; i++ {
+			ctx, cancel := context.WithCancel(context.Background())
+			cancels = append(cancels, cancel)
+			stream, err := client.Bidi(ctx, grpc.OnFinish(func(error) {
+				if counts[i].Add(1) == 1 {
+					finishes.Done()
+				}
+			}))
+			if err != nil {
+				t.Fatalf("%s: %v", name, err)
+			}
+			if i%2 == 0 {
+				go stream.Recv()
+			}
+		}
+		start := make(chan struct{})
+		var ending sync.WaitGroup
+		for i, cancel := range cancels {
+			if i%4 < 2 {
+				ending.Add(1)
+				go func() {
+					defer ending.Done()
+					<-start
+					cancel()
+				}()
+			}
+		}
+		close(start)
+		closed := make(chan error, 1)
+		go func() { closed <- conn.Close() }()
+		if err := within(t, closed, name+": Close"); err != nil {
+			t.Errorf("%s: Close: %v", name, err)
+		}
+		ending.Wait()
+		all := make(chan struct{})
+		go func() {
+			finishes.Wait()
+			close(all)
+		}()
+		within(t, all, name+": every stream's OnFinish")
+		for i := range counts {
+			if c := counts[i].Load(); c != 1 {
+				t.Errorf("%s: stream %d finished %d times", name, i, c)
+			}
+		}
+		for _, cancel := range cancels {
+			cancel()
+		}
+	}
+	eventually(t, "the streams' handles freed", func() bool { return isthmus.LiveHandles() <= before })
+}
+
+// stuckBidi never reads its requests: a client that sends enough waits for flow control.
+type stuckBidi struct{ echo.Service }
+
+func (stuckBidi) Bidi(stream pb.Echo_BidiServer) error {
+	<-stream.Context().Done()
+	return stream.Context().Err()
+}
+
+// A SendMsg whose wait for flow control the stream's context ends returns io.EOF, as grpc-go's
+// does for every failed write; RecvMsg gives the status. It returned Canceled.
+func TestASendInterruptedByItsContextSaysEOF(t *testing.T) {
+	for name, conn := range besideGrpcGoServing(t, "send-interrupted", stuckBidi{}) {
+		ctx, cancel := context.WithCancel(testContext(t))
+		stream, err := pb.NewEchoClient(conn).Bidi(ctx)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		sent := make(chan struct{}, 1)
+		failed := make(chan error, 1)
+		go func() {
+			req := &pb.EchoRequest{Payload: make([]byte, 64<<10)}
+			for {
+				if err := stream.Send(req); err != nil {
+					failed <- err
+					return
+				}
+				select {
+				case sent <- struct{}{}:
+				default:
+				}
+			}
+		}()
+		// Sends go until the windows are full; one that has waited a second waits for credit.
+		give := time.After(30 * time.Second)
+	waiting:
+		for {
+			select {
+			case <-sent:
+			case err := <-failed:
+				t.Fatalf("%s: a send failed before the cancel: %v", name, err)
+			case <-time.After(time.Second):
+				break waiting
+			case <-give:
+				t.Fatalf("%s: sends still go through after 30 s", name)
+			}
+		}
+		cancel()
+		if err := within(t, failed, name+": the waiting send"); err != io.EOF {
+			t.Errorf("%s: a send its context interrupted gave %v, want io.EOF", name, err)
+		}
+		if _, err := stream.Recv(); status.Code(err) != codes.Canceled {
+			t.Errorf("%s: Recv gave %v, want Canceled", name, err)
+		}
+	}
+}
+
+// The one request of a call whose client does not stream goes with the half-close, as with
+// grpc-go: a second SendMsg fails (and ends the call) as one after CloseSend does. It went to
+// the server.
+func TestASecondRequestWhereOneIsDueFailsAsOnGrpcGo(t *testing.T) {
+	for name, conn := range besideGrpcGo(t, "second-request") {
+		desc := &grpc.StreamDesc{ServerStreams: true}
+		stream, err := conn.NewStream(testContext(t), desc, pb.Echo_ServerStream_FullMethodName)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if err := stream.SendMsg(&pb.StreamRequest{Count: 1}); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		err = stream.SendMsg(&pb.StreamRequest{Count: 1})
+		if s := status.Convert(err); s.Code() != codes.Internal || s.Message() != "SendMsg called after CloseSend" {
+			t.Errorf("%s: a second SendMsg gave %v", name, err)
+		}
+		if err := stream.RecvMsg(&pb.EchoReply{}); status.Code(err) != codes.Internal {
+			t.Errorf("%s: RecvMsg after it: %v, want Internal", name, err)
+		}
+	}
+}
+
+// headerAfterSent checks what its streams' SetHeader and SetTrailer say once the header went,
+// and what grpc.SetHeader and grpc.SetTrailer say once a unary call is over.
+type headerAfterSent struct {
+	echo.Service
+	saw   chan []error
+	after chan struct{}
+}
+
+func (h headerAfterSent) Bidi(stream pb.Echo_BidiServer) error {
+	if err := stream.SendHeader(metadata.Pairs("x-h", "1")); err != nil {
+		return err
+	}
+	h.saw <- []error{stream.SetHeader(nil), stream.SetHeader(metadata.MD{}), stream.SetHeader(metadata.Pairs("x-late", "1"))}
+	return nil
+}
+
+func (h headerAfterSent) Unary(ctx context.Context, _ *pb.EchoRequest) (*pb.EchoReply, error) {
+	go func() {
+		<-h.after // the client has the reply: the call is over
+		h.saw <- []error{
+			grpc.SetTrailer(ctx, metadata.MD{}),
+			grpc.SetTrailer(ctx, metadata.Pairs("x-late", "1")),
+			grpc.SetHeader(ctx, metadata.Pairs("x-late", "1")),
+		}
+	}()
+	return &pb.EchoReply{}, nil
+}
+
+// Empty metadata given to SetHeader once the header went is no error, as on grpc-go (it was
+// Internal); metadata given to grpc.SetTrailer or grpc.SetHeader once the call is over fails
+// with grpc-go's error (nil before).
+func TestHeadersAndTrailersGivenLateAreAnsweredAsOnGrpcGo(t *testing.T) {
+	h := headerAfterSent{saw: make(chan []error, 1), after: make(chan struct{})}
+	late := status.Error(codes.Internal, "transport: SendHeader called multiple times")
+	for name, conn := range besideGrpcGoServing(t, "late-metadata", h) {
+		client := pb.NewEchoClient(conn)
+		ctx := testContext(t)
+		stream, err := client.Bidi(ctx)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if _, err := stream.Recv(); err != io.EOF {
+			t.Fatalf("%s: %v", name, err)
+		}
+		check := func(what string, got []error, want ...error) {
+			for i := range want {
+				if fmt.Sprint(got[i]) != fmt.Sprint(want[i]) {
+					t.Errorf("%s: %s #%d gave %v, want %v", name, what, i, got[i], want[i])
+				}
+			}
+		}
+		check("a stream's SetHeader after SendHeader", within(t, h.saw, name), nil, nil, late)
+		if _, err := client.Unary(ctx, &pb.EchoRequest{}); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		h.after <- struct{}{}
+		check("grpc.SetTrailer, grpc.SetHeader after the call", within(t, h.saw, name), nil, late, late)
+	}
+}
+
+// Header gives a copy of the initial metadata each time, apart from grpc.Header's, as grpc-go
+// does: a caller that changes what it got changes nobody else's. It gave the map it kept.
+func TestAStreamsHeaderIsACopy(t *testing.T) {
+	for name, conn := range besideGrpcGo(t, "header-copy") {
+		var option metadata.MD
+		ctx := metadata.AppendToOutgoingContext(testContext(t), "x-echo-stream", "v")
+		stream, err := pb.NewEchoClient(conn).Bidi(ctx, grpc.Header(&option))
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		first, err := stream.Header()
+		if err != nil || fmt.Sprint(first.Get("x-echo-stream")) != "[v]" {
+			t.Fatalf("%s: Header %v, %v", name, first, err)
+		}
+		first.Set("x-echo-stream", "changed")
+		first.Set("x-added", "1")
+		second, _ := stream.Header()
+		if fmt.Sprint(second.Get("x-echo-stream")) != "[v]" || second.Get("x-added") != nil {
+			t.Errorf("%s: a change to what Header gave shows in the next Header: %v", name, second)
+		}
+		if err := stream.CloseSend(); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := stream.Recv(); err != io.EOF {
+			t.Fatalf("%s: %v", name, err)
+		}
+		second.Set("x-echo-stream", "changed")
+		if fmt.Sprint(option.Get("x-echo-stream")) != "[v]" || option.Get("x-added") != nil {
+			t.Errorf("%s: a change to what Header gave shows in grpc.Header's: %v", name, option)
+		}
+	}
+}
+
+// sendsHeaderThenReads sends its initial metadata at once, then waits for requests.
+type sendsHeaderThenReads struct{ echo.Service }
+
+func (sendsHeaderThenReads) Bidi(stream pb.Echo_BidiServer) error {
+	if err := stream.SendHeader(metadata.Pairs("x-h", "1")); err != nil {
+		return err
+	}
+	for {
+		if _, err := stream.Recv(); err != nil {
+			return nil
+		}
+	}
+}
+
+// Header returns the initial metadata the handler sent while another goroutine waits in
+// RecvMsg, as grpc-go's does. Waits on the engine's fix (the Header waited for the receive).
+func TestHeaderReturnsWhileARecvWaits(t *testing.T) {
+	for name, conn := range besideGrpcGoServing(t, "header-while-recv", sendsHeaderThenReads{}) {
+		ctx, cancel := context.WithCancel(testContext(t))
+		stream, err := pb.NewEchoClient(conn).Bidi(ctx)
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		recvd := make(chan error, 1)
+		go func() {
+			_, err := stream.Recv()
+			recvd <- err
+		}()
+		time.Sleep(100 * time.Millisecond) // the Recv waits meanwhile
+		got := make(chan error, 1)
+		go func() {
+			md, err := stream.Header()
+			if err == nil && fmt.Sprint(md.Get("x-h")) != "[1]" {
+				err = fmt.Errorf("header %v", md)
+			}
+			got <- err
+		}()
+		select {
+		case err := <-got:
+			if err != nil {
+				t.Errorf("%s: %v", name, err)
+			}
+		case <-time.After(5 * time.Second):
+			t.Errorf("%s: Header still waits 5 s after the handler's SendHeader, with a Recv waiting", name)
+			cancel()
+			within(t, got, name+": Header after the cancel")
+		}
+		cancel()
+		within(t, recvd, name+": Recv after the cancel")
+	}
+}
+
+// GracefulStop, which gives the calls in progress all the time they take, still returns once
+// they have finished, and they finish OK.
+func TestGracefulStopReturnsOnceTheCallsFinish(t *testing.T) {
+	shm, _ := fresh(t, "graceful")
+	sleeping := make(chan uint64, 1)
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, &echo.Service{UnarySleeping: func(seq uint64) { sleeping <- seq }})
+	serving(t, s, shm)
+	client, ctx := pb.NewEchoClient(dial(t, shm)), testContext(t)
+	ended := make(chan error, 1)
+	go func() {
+		_, err := client.Unary(ctx, &pb.EchoRequest{Seq: 1, SleepMs: 500})
+		ended <- err
+	}()
+	within(t, sleeping, "the call in its handler")
+	stopped := make(chan struct{})
+	go func() {
+		s.GracefulStop()
+		close(stopped)
+	}()
+	if err := within(t, ended, "the call"); err != nil {
+		t.Errorf("the call in progress during GracefulStop: %v", err)
+	}
+	within(t, stopped, "GracefulStop's return")
+}
