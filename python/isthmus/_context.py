@@ -56,6 +56,9 @@ class Context:
     # Whether a plain int is taken as the code of that number (`status_number`): grpc.aio's
     # server does, grpcio's ends the call UNKNOWN.
     _NUMBERS = False
+    # A handler that set details and then raised: grpcio's server sends those details;
+    # grpc.aio's sends its words for the exception, keeping only a failing code.
+    _KEEPS_DETAILS_ON_FAULT = True
 
     def __init__(
         self, call: ServerCall, handler: grpc.RpcMethodHandler, raw: bool = False, max_send: int | None = None
@@ -164,8 +167,8 @@ class Context:
         try:
             # Only a raw context receives Messages, and it has no deserializer.
             return self._deserialize(message)  # type: ignore[arg-type]
-        except Exception:
-            self._abort(grpc.StatusCode.INTERNAL, "Exception deserializing request!")
+        except Exception as e:
+            self._codec_failed(e, "Exception deserializing request!")
 
     def _encode(self, response: Any) -> bytes:
         if self._serialize is None:
@@ -173,8 +176,8 @@ class Context:
         else:
             try:
                 message = self._serialize(response)
-            except Exception:
-                self._abort(grpc.StatusCode.INTERNAL, "Failed to serialize response!")
+            except Exception as e:
+                self._codec_failed(e, "Failed to serialize response!")
         if message is None:
             message = self._no_message()
         if self._max_send is not None:
@@ -196,6 +199,11 @@ class Context:
         """The details of a call whose handler raised `error`, in grpcio's words."""
         return f"Exception calling application: {error}"
 
+    def _codec_failed(self, error: Exception, words: str) -> NoReturn:
+        """The method's deserializer or serializer raised `error`: grpcio's server ends the
+        call INTERNAL with `words`."""
+        self._abort(grpc.StatusCode.INTERNAL, words)
+
     def _responds(self) -> bool:
         """Whether a unary handler's return value is sent: not once it set a failing code."""
         return status_number(self._code, self._NUMBERS) == 0
@@ -213,7 +221,7 @@ class Context:
                 _LOG.error("Exception calling application", exc_info=error)
             if status_number(code, self._NUMBERS) == 0:
                 code = grpc.StatusCode.UNKNOWN
-            if details is None:
+            if details is None or not self._KEEPS_DETAILS_ON_FAULT:
                 details = self._fault(error) if fault is None else fault
         self._finished = True
         trailing = None if self._trailing is None else outgoing(self._trailing)

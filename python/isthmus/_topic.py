@@ -103,11 +103,13 @@ class Topic:
     def subscribe(self, context: grpc.ServicerContext, on_gap: OnGap | None = None) -> Iterator[Any]:
         """Serves this topic on the call of `context` (an `isthmus.server` handler's) until the
         client leaves or the topic closes, and then returns an empty iterator, so a
-        response-streaming handler can `return topic.subscribe(context)`. With `on_gap`, when
-        messages were dropped for this subscriber the ones still queued are dropped too, and
-        `on_gap(n)` (`n` counts them all) may return a message to send in their place: a resync,
-        best a full state with a version, since messages published meanwhile follow it. A
-        subscriber cancelled for falling behind ends RESOURCE_EXHAUSTED at once."""
+        response-streaming handler can `return topic.subscribe(context)`. Without `on_gap`,
+        messages dropped for a slow subscriber are only counted (`stats().dropped`). With it,
+        `on_gap(n)` is asked after such a drop (`n` counts the dropped messages and those still
+        queued) and may return a message to send in place of them all: a resync, best a full
+        state with a version, since messages published meanwhile follow it; if it returns None
+        the queued ones are still sent. A subscriber cancelled for falling behind ends
+        RESOURCE_EXHAUSTED at once."""
         call = _call_of(context)
         try:
             call.serve_topic(self._native, _gap(on_gap))
@@ -122,8 +124,14 @@ class Topic:
         if driver is None:
             raise TypeError("subscribe_async needs the context of an isthmus.aio server's handler")
         token, future = driver.begin(context._loop)
-        call.serve_topic_async(driver.reactor, token, self._native, _gap(on_gap))
-        outcome = await future
+        try:
+            call.serve_topic_async(driver.reactor, token, self._native, _gap(on_gap))
+            outcome = await future
+        except BaseException:
+            # Cancelled (`asyncio.wait_for`, the handler's task): the subscription ends here,
+            # as every other asyncio operation's; it went on sending on the call.
+            driver.abandon(token)
+            raise
         if isinstance(outcome, _native.CallError) and not context.done():
             await context.abort(status_code(outcome.code), outcome.details)
 

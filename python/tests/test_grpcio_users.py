@@ -19,6 +19,7 @@ from peer import fresh, grpcio_target
 
 import isthmus
 import isthmus.aio
+from isthmus.aio._call import READ_AHEAD_BYTES
 
 # A serialized google.rpc.Status (code 3, message "rich"): what grpc_status.rpc_status.to_status
 # puts under grpc-status-details-bin.
@@ -689,6 +690,15 @@ async def _raises_aio(request: bytes, context: Any) -> bytes:
     raise ValueError("boom")
 
 
+async def _details_then_raises_aio(request: bytes, context: Any) -> bytes:
+    context.set_details("mine")
+    raise ValueError("boom")
+
+
+def _serialized(response: Any) -> bytes:
+    return response.SerializeToString()  # type: ignore[no-any-return]
+
+
 def _careless(aio: bool) -> grpc.GenericRpcHandler:
     """/users.Careless/{Nothing,NothingInStream,RaiseInStream,Raise}: handlers that return
     None where a message belongs, or raise; each of the asyncio server's plain ones too."""
@@ -706,6 +716,9 @@ def _careless(aio: bool) -> grpc.GenericRpcHandler:
             NothingInStream=stream(_yields_then_nothing_aio),
             RaiseInStream=stream(_yields_then_raises_aio),
             Raise=unary(_raises_aio),
+            DetailsThenRaise=unary(_details_then_raises_aio),
+            # A protobuf serializer given a handler's None (a forgotten `return`).
+            Unserializable=unary(_returns_nothing_aio, response_serializer=_serialized),
         )
     return grpc.method_handlers_generic_handler("users.Careless", methods)
 
@@ -760,8 +773,9 @@ def test_a_blocking_handler_that_returns_nothing_or_raises_while_iterated(kind: 
 @pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
 def test_an_asyncio_handler_that_returns_nothing_or_raises(kind: str) -> None:
     """grpc.aio's server sends a handler's None as an empty message, and words a handler's
-    exception "Unexpected <class '…'>: …", for coroutines and plain handlers alike. isthmus.aio's
-    failed a None UNKNOWN and used the blocking server's words."""
+    exception "Unexpected <class '…'>: …", for coroutines and plain handlers alike, also one
+    that set its details first and a serializer's. isthmus.aio's failed a None UNKNOWN and used
+    the blocking server's words (and its INTERNAL for a serializer's)."""
     module = grpc.aio if kind == "grpc.aio" else isthmus.aio
     pool = futures.ThreadPoolExecutor(2)
     unix = fresh("unix")
@@ -774,6 +788,11 @@ def test_an_asyncio_handler_that_returns_nothing_or_raises(kind: str) -> None:
         "RaiseInStream": unexpected,
         "PlainRaiseInStream": unexpected,
         "Raise": unexpected,
+        "DetailsThenRaise": unexpected,
+        "Unserializable": (
+            grpc.StatusCode.UNKNOWN,
+            "Unexpected <class 'AttributeError'>: 'NoneType' object has no attribute 'SerializeToString'",
+        ),
     }
 
     async def serve() -> None:
@@ -1050,6 +1069,143 @@ def test_initial_metadata_come_while_another_thread_waits_for_a_message(kind: st
         go.set()
         s.stop(None)
         pool.shutdown()
+
+
+async def _ready_then_count(requests: Any, context: Any) -> bytes:
+    await context.send_initial_metadata((("x-ready", "1"),))
+    n = 0
+    async for _ in requests:
+        n += 1
+    return b"%d" % n
+
+
+async def _ready_then_echo(requests: Any, context: Any) -> AsyncIterator[bytes]:
+    await context.send_initial_metadata((("x-ready", "1"),))
+    async for request in requests:
+        yield request
+
+
+async def _flood(request: bytes, context: Any) -> AsyncIterator[bytes]:
+    for _ in range(4000):  # 250 MiB, far more than any read-ahead should hold
+        yield b"x" * 65536
+
+
+_ENDINGS: dict[str, str] = {}
+
+
+async def _echo_recording(requests: Any, context: Any) -> AsyncIterator[bytes]:
+    key = dict(context.invocation_metadata())["x-key"]
+    try:
+        async for request in requests:
+            yield request
+        _ENDINGS[key] = "ended"
+    except asyncio.CancelledError:
+        _ENDINGS[key] = "CancelledError"
+        raise
+    except BaseException as e:
+        _ENDINGS[key] = type(e).__name__
+        raise
+
+
+_AIO_USERS = grpc.method_handlers_generic_handler(
+    "users.A",
+    {
+        "ReadyThenCount": grpc.stream_unary_rpc_method_handler(_ready_then_count),
+        "ReadyThenEcho": grpc.stream_stream_rpc_method_handler(_ready_then_echo),
+        "Flood": grpc.unary_stream_rpc_method_handler(_flood),
+        "EchoRecording": grpc.stream_stream_rpc_method_handler(_echo_recording),
+    },
+)
+
+
+def _on_aio_server(kind: str, body: Callable[[Any], Awaitable[Any]]) -> Any:
+    """`body(channel)` on an asyncio server of `kind` with `_AIO_USERS`, and its channel."""
+    module: Any = grpc.aio if kind == "grpc.aio" else isthmus.aio
+    address = fresh("shm") if kind == "isthmus.aio" else grpcio_target(fresh("unix"))
+
+    async def run() -> Any:
+        s = module.server()
+        s.add_generic_rpc_handlers((_AIO_USERS,))
+        s.add_insecure_port(address)
+        await s.start()
+        try:
+            async with module.insecure_channel(address) as channel:
+                return await body(channel)
+        finally:
+            await s.stop(None)
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_an_asyncio_streams_initial_metadata_come_before_a_write_and_beside_a_read(kind: str) -> None:
+    """A client-streaming client awaits the server's initial metadata (its "ready") before it
+    writes, and a bidirectional one awaits them while a read waits for a message: grpc.aio
+    gives them as they come. isthmus.aio waited behind the read (its own, for the one
+    response of a client stream), which waited for a write that never came."""
+
+    async def body(channel: Any) -> Any:
+        upload = channel.stream_unary("/users.A/ReadyThenCount")(timeout=20)
+        ready = tuple(await asyncio.wait_for(upload.initial_metadata(), 10))
+        await upload.write(b"a")
+        await upload.done_writing()
+        chat = channel.stream_stream("/users.A/ReadyThenEcho")(timeout=20)
+        reading = asyncio.ensure_future(chat.read())
+        await asyncio.sleep(0.1)  # the read waits by now, most likely
+        chat_ready = tuple(await asyncio.wait_for(chat.initial_metadata(), 10))
+        await chat.write(b"b")
+        await chat.done_writing()
+        return ready, await upload, chat_ready, await reading, await chat.read() is grpc.aio.EOF
+
+    ready = (("x-ready", "1"),)
+    assert _on_aio_server(kind, body) == (ready, b"1", ready, b"b", True), kind
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_a_status_awaited_while_a_slow_reader_reads_holds_a_bounded_read_ahead(kind: str) -> None:
+    """`code()` awaited while the caller reads a stream slowly: grpc.aio holds what its flow
+    control lets in. isthmus.aio read the whole stream ahead into memory for the status
+    (8,406 messages of 64 KiB, 584 MB, in the second a review measured)."""
+
+    async def body(channel: Any) -> Any:
+        call = channel.unary_stream("/users.A/Flood")(b"", timeout=60)
+        status = asyncio.ensure_future(call.code())
+        got = 0
+        held = 0
+        for _ in range(20):
+            got += len(await call.read())
+            await asyncio.sleep(0.02)
+            held = max(held, sum(len(m) for m in getattr(call, "_early", ())))
+        call.cancel()
+        code = await status
+        return got, held <= READ_AHEAD_BYTES + 65536, code
+
+    assert _on_aio_server(kind, body) == (20 * 65536, True, grpc.StatusCode.CANCELLED), kind
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_an_asyncio_handler_whose_client_cancels_is_cancelled_not_failed(kind: str) -> None:
+    """A bidirectional handler reading its requests when its client cancels: grpc.aio ends
+    the handler's loop or cancels its task; its read never raises an RpcError. isthmus.aio's
+    read raised RpcError(CANCELLED), and the handler's `except CancelledError` never ran."""
+
+    async def body(channel: Any) -> list[str]:
+        seen = []
+        for round in range(10):
+            key = f"{kind}-{round}"
+            call = channel.stream_stream("/users.A/EchoRecording")(metadata=(("x-key", key),))
+            await call.write(b"a")
+            await call.read()  # the handler waits for the next request now
+            call.cancel()
+            for _ in range(1000):
+                if key in _ENDINGS:
+                    break
+                await asyncio.sleep(0.01)
+            seen.append(_ENDINGS.pop(key, "nothing in 10 s"))
+        return seen
+
+    seen = _on_aio_server(kind, body)
+    assert all(s in ("ended", "CancelledError") for s in seen), (kind, seen)
 
 
 def test_metadata_entries_read_as_key_and_value(server: list[Any]) -> None:

@@ -5,6 +5,8 @@ subscribers are processes of their own (`topic_server.py`, `topic_subscriber.py`
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import os
 import sys
@@ -18,6 +20,7 @@ import pytest
 from peer import PATIENCE, Peer, Served, fresh
 
 import isthmus
+import isthmus.aio
 
 TESTS = Path(__file__).resolve().parent
 
@@ -225,3 +228,41 @@ def test_topic_arguments_are_checked() -> None:
         topic.subscribe(object())  # type: ignore[arg-type]
     assert topic.publish(b"nobody listens") == 0
     assert topic.stats().published == 1
+
+
+def test_an_asyncio_subscription_cancelled_by_its_handler_stops_sending() -> None:
+    """A handler that gives up on one topic (`asyncio.wait_for` ran out) and serves another:
+    the first's messages no longer reach its client. The cancelled subscription went on
+    sending on the call, so the two topics' messages mixed on one stream."""
+    first, second = isthmus.Topic("first"), isthmus.Topic("second")
+
+    async def watch(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(first.subscribe_async(context), 0.2)
+        await second.subscribe_async(context)
+
+    address = fresh("shm")
+
+    async def run() -> list[bytes]:
+        server = isthmus.aio.server()
+        watching = {"Watch": grpc.unary_stream_rpc_method_handler(watch)}
+        feed = grpc.method_handlers_generic_handler("t.Feed", watching)
+        server.add_generic_rpc_handlers((feed,))
+        server.add_insecure_port(address)
+        await server.start()
+        try:
+            async with isthmus.aio.insecure_channel(address) as channel:
+                call = channel.unary_stream("/t.Feed/Watch")(b"", timeout=30)
+                end = time.monotonic() + PATIENCE
+                while second.stats().subscribers == 0 and time.monotonic() < end:
+                    await asyncio.sleep(0.01)
+                assert first.stats().subscribers == 0, "the cancelled subscription left its topic"
+                first.publish(b"from the first")
+                second.publish(b"from the second")
+                got = [await call.read()]
+                call.cancel()
+                return got
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(run()) == [b"from the second"]

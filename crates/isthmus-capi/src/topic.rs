@@ -36,7 +36,7 @@ pub const ISTHMUS_TOPIC_CANCEL_SLOW: u32 = 1;
 
 /// Topic flag: when a subscriber's queue overflowed (messages were dropped for it), the messages
 /// still queued for it are dropped too and the topic's state (`isthmus_topic_publish_state`) is
-/// sent in their place, a resync; with no state, it goes on with the next message.
+/// sent in their place, a resync; with no state, the queued messages are sent as they are.
 pub const ISTHMUS_TOPIC_RESYNC_STATE: u32 = 2;
 
 /// A topic's counters (`isthmus_topic_stats`); fields are only ever appended.

@@ -1024,13 +1024,10 @@ impl HandedCall {
         }
         while let Some(next) = sub.next().await? {
             let (message, published) = match next {
-                Delivery::Gap(n) => {
-                    let Some(on_gap) = on_gap.as_mut() else { continue };
-                    match on_gap(n + topic.drop_queued(&sub)) {
-                        Some(resync) => (Err(resync), false),
-                        None => continue,
-                    }
-                }
+                Delivery::Gap(n) => match on_gap.as_mut().and_then(|on_gap| topic.resync(&sub, n, on_gap)) {
+                    Some(resync) => (Err(resync), false),
+                    None => continue,
+                },
                 Delivery::Message(p) => match arena.as_ref().and_then(|a| p.shared_block(a)) {
                     Some(block) => (Ok(block.clone()), true),
                     None => (Err(p.bytes()), true),

@@ -167,6 +167,10 @@ pub enum Delivery {
 #[derive(Default)]
 struct Queue {
     items: VecDeque<Published>,
+    /// The first item is the topic's state, queued when the subscriber joined: it does not
+    /// count against the capacity (a late joiner would otherwise be one message short, and a
+    /// subscriber of capacity 1 cancelled by the first publish).
+    state_first: bool,
     gap: u64,
     /// How the subscription ends once its queue is empty: OK (the topic closed) or a status.
     end: Option<Result<(), Status>>,
@@ -369,10 +373,11 @@ impl Topic {
                 }
             }
         }
-        if q.items.len() >= self.inner.options.capacity {
+        if q.items.len() - usize::from(q.state_first) >= self.inner.options.capacity {
             match self.inner.options.slow {
                 SlowSubscriber::DropOldest => {
                     q.items.pop_front();
+                    q.state_first = false;
                     q.gap += 1;
                     self.inner.dropped.fetch_add(1, Ordering::Relaxed);
                 }
@@ -416,7 +421,9 @@ impl Topic {
             sub.end(Ok(()));
         } else {
             if let Some(state) = &m.state {
-                sub.queue().items.push_back(state.clone());
+                let mut q = sub.queue();
+                q.items.push_back(state.clone());
+                q.state_first = true;
             }
             m.by_id.insert(id, sub.clone());
         }
@@ -432,10 +439,10 @@ impl Topic {
     }
 
     /// [`serve`](Self::serve), calling `on_gap(n)` when messages were dropped for this
-    /// subscriber: the messages still queued then are dropped too (`n` counts them all), and a
-    /// message `on_gap` returns is sent in their place, a resync (the full state, say).
-    /// Messages published while `on_gap` runs follow the resync and may already be in it: give
-    /// the state a version the client can compare.
+    /// subscriber (`n` counts them and those still queued): a message it returns is sent in
+    /// place of them all, a resync (the full state, say); with `None` the queued ones are sent
+    /// still. Messages published while `on_gap` runs follow the resync and may already be in
+    /// it: give the state a version the client can compare.
     pub async fn serve_with(
         &self,
         call: &mut ServerCall,
@@ -453,14 +460,8 @@ impl Topic {
         sub.send_directly(call.direct().await?);
         while let Some(next) = sub.next().await? {
             let (message, published) = match next {
-                Delivery::Gap(n) => match on_gap.as_mut() {
-                    Some(on_gap) => {
-                        let n = n + self.drop_queued(&sub);
-                        match on_gap(n) {
-                            Some(resync) => (Outgoing::Bytes(resync), false),
-                            None => continue,
-                        }
-                    }
+                Delivery::Gap(n) => match on_gap.as_mut().and_then(|on_gap| self.resync(&sub, n, on_gap)) {
+                    Some(resync) => (Outgoing::Bytes(resync), false),
                     None => continue,
                 },
                 Delivery::Message(p) => match call.shared_arena().and_then(|a| p.shared_block(a)).cloned() {
@@ -488,16 +489,36 @@ impl Topic {
         Ok(())
     }
 
-    /// Drops what `sub` has queued (a resync replaces it), counted as dropped; how many.
-    pub(crate) fn drop_queued(&self, sub: &Subscription) -> u64 {
-        let n = {
-            let mut q = sub.sub.queue();
-            let n = q.items.len() as u64;
-            q.items.clear();
-            n
-        };
-        self.inner.dropped.fetch_add(n, Ordering::Relaxed);
-        n
+    /// A subscriber's resync after `n` messages were dropped for it: the messages still queued
+    /// are taken out and `on_gap(n + their count)` asked. With a message, they are dropped (it
+    /// goes in their place: the state, say, newer than them); without, they go back in front
+    /// of what was published meanwhile, to be delivered after all.
+    pub(crate) fn resync(
+        &self,
+        sub: &Subscription,
+        n: u64,
+        on_gap: &mut dyn FnMut(u64) -> Option<Bytes>,
+    ) -> Option<Bytes> {
+        let queued = std::mem::take(&mut sub.sub.queue().items);
+        let count = queued.len() as u64;
+        let resync = on_gap(n + count);
+        match resync {
+            Some(_) => {
+                self.inner.dropped.fetch_add(count, Ordering::Relaxed);
+            }
+            None => {
+                let mut q = sub.sub.queue();
+                let later = std::mem::replace(&mut q.items, queued);
+                q.items.extend(later);
+                // Past the capacity by what came meanwhile: the oldest go, as in `offer`.
+                while q.items.len() > self.inner.options.capacity {
+                    q.items.pop_front();
+                    q.gap += 1;
+                    self.inner.dropped.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        resync
     }
 
     /// Counts a message a binding delivered itself (the Python and C bindings send on their own
@@ -563,6 +584,7 @@ impl Subscription {
                     return Ok(Some(Delivery::Gap(std::mem::take(&mut q.gap))));
                 }
                 if let Some(p) = q.items.pop_front() {
+                    q.state_first = false;
                     q.busy = true;
                     return Ok(Some(Delivery::Message(p)));
                 }
@@ -717,10 +739,42 @@ mod tests {
             topic.publish(&[i]);
         }
         assert!(matches!(next_now(&mut sub), Some(Ok(Some(Delivery::Gap(3))))));
-        assert_eq!(topic.drop_queued(&sub), 2, "messages 3 and 4 go: the resync is newer");
+        let mut asked = 0;
+        let resync = topic.resync(&sub, 3, &mut |n| {
+            asked = n;
+            Some(Bytes::from_static(b"state"))
+        });
+        assert_eq!((resync.as_deref(), asked), (Some(&b"state"[..]), 5), "messages 3 and 4 go: the resync is newer");
         topic.publish(&[5]);
         assert_eq!(message(next_now(&mut sub)), [5]);
         assert_eq!(topic.stats().dropped, 5);
+    }
+
+    /// A gap with no resync to send (no state yet) keeps what is queued: it was dropped, and
+    /// nothing went in its place (the C ABI's resync with the state lost up to a queue's worth
+    /// so).
+    #[test]
+    fn a_gap_with_no_resync_keeps_what_is_queued() {
+        let topic = Topic::with_options("t", TopicOptions { capacity: 2, slow: SlowSubscriber::DropOldest });
+        let mut sub = topic.subscribe();
+        for i in 0..5u8 {
+            topic.publish(&[i]);
+        }
+        assert!(matches!(next_now(&mut sub), Some(Ok(Some(Delivery::Gap(3))))));
+        assert_eq!(topic.resync(&sub, 3, &mut |_| None), None);
+        assert_eq!((message(next_now(&mut sub)), message(next_now(&mut sub))), (vec![3], vec![4]));
+        assert_eq!(topic.stats().dropped, 3);
+    }
+
+    /// A late joiner's state does not count against its capacity: a subscriber of capacity 1
+    /// is not cancelled by the first publish after it joined, and gets both.
+    #[test]
+    fn the_state_a_late_joiner_gets_first_is_not_counted_against_its_capacity() {
+        let topic = Topic::with_options("t", TopicOptions { capacity: 1, slow: SlowSubscriber::Cancel });
+        topic.publish_state(b"state");
+        let mut sub = topic.subscribe();
+        topic.publish(b"x");
+        assert_eq!((message(next_now(&mut sub)), message(next_now(&mut sub))), (b"state".to_vec(), b"x".to_vec()));
     }
 
     #[test]

@@ -198,6 +198,12 @@ def _run_done_callback(loop: asyncio.AbstractEventLoop, callback: Callable[[Any]
         loop.call_exception_handler({"message": f"Exception in callback {callback!r}", "exception": e})
 
 
+#: What a stream's read-ahead (`_end`: `code()`, `details()`, `trailing_metadata()` awaited
+#: while responses are still coming) keeps for a caller who reads them, in bytes, before it
+#: waits for the caller to take some: about an HTTP/2 stream's window.
+READ_AHEAD_BYTES = 4 << 20
+
+
 class _CountedLock(asyncio.Lock):
     """An asyncio lock that counts the coroutines holding it or waiting for it: `users` is 0
     only when an acquire takes it at once. `locked()` alone says free while a waiter was woken
@@ -274,10 +280,12 @@ class _StreamCall(_Call):
         # is not iterated with `async for`, nor the other way round (`_style`).
         self._requests_given = requests is not None
         self._reading: str | None = None
-        # The engine takes one receive-side operation at a time (recv, initial_metadata).
+        # One receive at a time (the initial metadata go beside it).
         self._receive_lock = _CountedLock()
         self._initial: list[Metadatum] | None = None
         self._early: collections.deque[bytes] = collections.deque()  # see `_read_ahead`
+        self._early_bytes = 0
+        self._taken: asyncio.Event | None = None  # set as a reader takes from `_early`
         self._tasks: list[asyncio.Task[Any]] = []
         self._drainer: asyncio.Task[None] | None = None  # see `_end`
         if asked is not None:
@@ -447,11 +455,13 @@ class _StreamCall(_Call):
         return self._done
 
     async def initial_metadata(self) -> grpc.aio.Metadata:
+        # Not under the receive lock: the engine gives the headers while a receive waits for
+        # a message (grpc.aio's are an operation of their own), and a client that waits for
+        # them before it writes would wait for ever behind a read of the response.
         if self._initial is None:
-            async with self._receive_lock:
-                if self._initial is None:
-                    value = await self._attempt("initial_metadata")
-                    self._initial = value.initial_metadata if isinstance(value, CallError) else value
+            value = await self._attempt("initial_metadata")
+            if self._initial is None:
+                self._initial = value.initial_metadata if isinstance(value, CallError) else value
         return incoming_aio(self._initial)
 
     async def wait_for_connection(self) -> None:
@@ -547,16 +557,35 @@ class _StreamCall(_Call):
     async def _read_ahead(self) -> None:
         """Receives until the call's end, keeping the responses for `read`: the engine gives
         the status only after them. A message at a time, so that a reader waiting for the lock
-        still gets each as it comes."""
+        still gets each as it comes. While the caller reads, what it has not taken yet is
+        bounded (`READ_AHEAD_BYTES`): the stream's flow control then holds the server, as it
+        would hold grpc.aio's, whose status waits for a reader that stops too."""
         while not self._done.done():
+            if self._reading is not None and self._early_bytes >= READ_AHEAD_BYTES:
+                taken = self._taken = asyncio.Event()
+                waiter = self._loop.create_task(taken.wait())
+                try:
+                    await asyncio.wait((waiter, self._done), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                continue
             async with self._receive_lock:
                 if self._done.done():
                     return
                 value = await self._attempt("recv")
                 if isinstance(value, bytes):
                     self._early.append(value)
+                    self._early_bytes += len(value)
                 else:  # None at an OK end, else the CallError it ended with
                     self._close(value)
+
+    def _take_early(self) -> bytes:
+        """The oldest response read ahead, for a reader."""
+        message = self._early.popleft()
+        self._early_bytes -= len(message)
+        if self._taken is not None:
+            self._taken.set()
+        return message
 
     async def _recv(self) -> bytes | None:
         """The next response; None at an OK end. Raises the status otherwise."""
@@ -564,7 +593,7 @@ class _StreamCall(_Call):
         if native is None or lock.users or self._early or self._done.done():
             async with lock:
                 if self._early:
-                    return self._early.popleft()
+                    return self._take_early()
                 if self._done.done():
                     self._raise_status()
                     return None

@@ -16,9 +16,17 @@ from .._metadata import Metadatum, outgoing
 from .._native import Block, CallError, ServerCall
 from ._reactor import Driver
 
+#: How a call that its handler did not end ends (CANCELLED, DEADLINE_EXCEEDED, UNAVAILABLE):
+#: a read that finds it so is the handler's cancellation, as grpc.aio's task is cancelled.
+_ENDED_UNDER_THE_HANDLER = frozenset(
+    code.value[0]
+    for code in (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
+)
+
 
 class ServicerContext(Context, grpc.aio.ServicerContext):
     _NUMBERS = True  # grpc.aio's server takes `abort(5, ...)` as NOT_FOUND
+    _KEEPS_DETAILS_ON_FAULT = False
 
     def __init__(
         self,
@@ -85,6 +93,11 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
             value = await asyncio.shield(future)
             self._unread = None
         if isinstance(value, CallError):
+            if value.code in _ENDED_UNDER_THE_HANDLER:
+                # The client cancelled, went away or ran out of time: grpc.aio cancels the
+                # handler's task then, and its read never raises an RpcError of it. The task's
+                # own cancel may come after this read: it sees the CancelledError now.
+                raise asyncio.CancelledError()
             raise rpc_error(value, aio=True)
         return value
 
@@ -123,6 +136,11 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
 
     def _fault(self, error: BaseException) -> str:
         return f"Unexpected {type(error)}: {error}"  # grpc.aio's words
+
+    def _codec_failed(self, error: Exception, words: str) -> NoReturn:
+        # grpc.aio's server does not catch its method's serializers: their exception is the
+        # handler's, UNKNOWN in its words.
+        self._abort(grpc.StatusCode.UNKNOWN, self._fault(error))
 
     def details(self) -> str:
         return self._details or ""

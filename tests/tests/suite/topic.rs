@@ -116,3 +116,26 @@ fn a_subscriber_killed_holding_blocks_leaves_and_frees_them() {
     });
     assert_eq!(topic.publish(b"nobody"), 0);
 }
+
+/// A subscriber gets the response's initial metadata when it joins, before anything is
+/// published: a tonic-generated client's server-streaming call returns its stream only then,
+/// and grpc-go's `Header()` waits for them. They came with the first message, and a topic with
+/// no state left such a client waiting until the first publish (an application that publishes
+/// once its client says it has subscribed waited for ever).
+#[test]
+fn a_subscriber_gets_its_headers_before_the_first_message() {
+    let rt = isthmus_tests::runtime();
+    let topic = Topic::new("feed");
+    let (_, _, addresses) = serve(&rt, &topic);
+    rt.block_on(async {
+        for address in &addresses {
+            let channel = isthmus::Channel::connect(address).await.expect("connect");
+            let mut call = channel.start("/topic.Feed/Watch", Default::default()).await.expect("start");
+            call.send_last(b"").await.expect("the request");
+            let headers = tokio::time::timeout(Duration::from_secs(10), call.headers()).await;
+            assert!(matches!(headers, Ok(Ok(_))), "{address}: no headers in 10 s, nothing published: {headers:?}");
+            call.cancel().await;
+        }
+    });
+    assert_eq!(topic.stats().published, 0);
+}

@@ -632,11 +632,11 @@ impl ServerCall {
     }
 
     /// A way to send on this call from another thread while its handler waits, for a topic's
-    /// publisher (see [`Direct`]). Initial metadata counts as sent from now on: a message may go
-    /// at any moment, and it implies them; a choice of compression goes first, in HEADERS.
+    /// publisher (see [`Direct`]). The initial metadata go now, if they have not: a subscriber
+    /// may wait for them before the first message, which may be long in coming (tonic's
+    /// generated client waits for them to return the stream; so does grpc-go's `Header()`).
     pub(crate) async fn direct(&mut self) -> Result<Direct, Status> {
-        self.send_chosen_encoding().await?;
-        self.headers_sent = true;
+        self.flush_headers().await?;
         Ok(Direct { sender: self.mux.sender.clone(), id: self.id, shared: self.shared.clone() })
     }
 

@@ -183,7 +183,7 @@ impl Drop for HttpCall {
 
 /// A status from tonic, with its trailers as metadata; `limit` is the call's largest response.
 fn status_from_tonic(t: tonic::Status, limit: usize) -> Status {
-    let metadata = codec::metadata_from(&t.metadata().clone().into_headers()).unwrap_or_default();
+    let metadata = codec::metadata_from_server(&t.metadata().clone().into_headers());
     // An UNKNOWN that tonic made from a transport error, not one the server sent: the
     // connection broke, which gRPC calls UNAVAILABLE. tonic keeps the error as its source, or,
     // where the status was copied on the way (a response body that broke), only its text.
@@ -361,7 +361,7 @@ impl HttpCall {
             Ok(Ok(Ok(response))) => {
                 let (metadata, body, _) = response.into_parts();
                 let headers = metadata.into_headers();
-                let fields = codec::metadata_from(&headers).unwrap_or_default();
+                let fields = codec::metadata_from_server(&headers);
                 if headers.contains_key(codec::GRPC_STATUS) {
                     // A trailers-only response (tonic passes only an OK one): its fields are the
                     // trailers, as grpcio and grpc-go read them, and there is no initial metadata.
@@ -428,7 +428,7 @@ impl HttpCall {
                 };
                 if let Some(t) = &trailers {
                     self.ok_message = codec::status_message(t);
-                    self.trailers = Some(codec::metadata_from(t).unwrap_or_default());
+                    self.trailers = Some(codec::metadata_from_server(t));
                 }
                 self.end(Ok(())).map(|()| None)
             }

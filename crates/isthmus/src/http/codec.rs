@@ -346,23 +346,45 @@ fn is_protocol_header(key: &str) -> bool {
     key.starts_with("grpc-") || matches!(key, "content-type" | "te" | "user-agent" | "host" | "content-length")
 }
 
-/// The metadata in a header map (request headers, response headers or trailers). `-bin` values
-/// are base64 (padded or not); a value that does not decode is INVALID_ARGUMENT, naming the key.
+/// The metadata in a header map (request headers, response headers or trailers), as a server
+/// reads a request's: `-bin` values are base64 (padded or not; several joined by `,`, which the
+/// spec lets a proxy do), and one that does not decode is INVALID_ARGUMENT, naming the key, as
+/// grpc-go refuses it. An entry this side cannot hold (a text value that is not printable
+/// ASCII, a key gRPC would not send) is left out: the spec says such a value must not fail the
+/// call, and may be dropped.
 pub(crate) fn metadata_from(headers: &HeaderMap) -> Result<MetadataMap, Status> {
+    read_metadata(headers, true)
+}
+
+/// [`metadata_from`] as a client reads a response's: a `-bin` value that does not decode is
+/// left out too, with the rest kept (a server's bad entry must not lose its others).
+pub(crate) fn metadata_from_server(headers: &HeaderMap) -> MetadataMap {
+    read_metadata(headers, false).unwrap_or_default()
+}
+
+fn read_metadata(headers: &HeaderMap, strict_binary: bool) -> Result<MetadataMap, Status> {
     let mut md = MetadataMap::new();
-    let bad = |what: String| Status::new(Code::InvalidArgument, what);
     for (key, value) in headers {
         let key = key.as_str();
         if is_protocol_header(key) {
             continue;
         }
-        if crate::metadata::is_binary_key(key) {
-            let decoded =
-                decode_base64(value.as_bytes()).ok_or_else(|| bad(format!("metadata {key}: value is not base64")))?;
-            md.append_bin(key, decoded).map_err(|e| bad(e.to_string()))?;
-        } else {
-            let text = value.to_str().map_err(|_| bad(format!("metadata {key}: value is not printable ASCII")))?;
-            md.append(key, text).map_err(|e| bad(e.to_string()))?;
+        if !crate::metadata::is_binary_key(key) {
+            if let Ok(text) = value.to_str() {
+                let _ = md.append(key, text);
+            }
+            continue;
+        }
+        for part in value.as_bytes().split(|b| *b == b',') {
+            match decode_base64(part.trim_ascii()) {
+                Some(decoded) => {
+                    let _ = md.append_bin(key, decoded);
+                }
+                None if strict_binary => {
+                    return Err(Status::new(Code::InvalidArgument, format!("metadata {key}: value is not base64")));
+                }
+                None => {}
+            }
         }
     }
     Ok(md)
@@ -488,6 +510,33 @@ pub(crate) fn status_from(headers: &HeaderMap) -> Option<Status> {
 /// The status message in `headers` (`grpc-message`, percent-decoded); empty if there is none.
 pub(crate) fn status_message(headers: &HeaderMap) -> String {
     headers.get(GRPC_MESSAGE).map(|m| percent_decode(m.as_bytes())).unwrap_or_default()
+}
+
+/// A peer's status headers (a trailers-only response's headers, or trailers) made readable by
+/// tonic, which reads them strictly: `grpc-status-details-bin` that is not base64 is dropped
+/// (tonic panics on it), and a `grpc-message` that is not UTF-8 once percent-decoded is kept
+/// with U+FFFD in place of the bad bytes (tonic replaces the status's code with UNKNOWN; the
+/// spec says a message that does not decode must not be thrown away).
+pub(crate) fn conform_status(headers: &mut HeaderMap) {
+    use base64::Engine as _;
+    let tonics_base64 = base64::engine::GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        base64::engine::GeneralPurposeConfig::new()
+            .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+    );
+    if headers.get(GRPC_STATUS_DETAILS).is_some_and(|d| tonics_base64.decode(d.as_bytes()).is_err()) {
+        headers.remove(GRPC_STATUS_DETAILS);
+    }
+    let unreadable = headers
+        .get(GRPC_MESSAGE)
+        .is_some_and(|m| percent_encoding::percent_decode(m.as_bytes()).decode_utf8().is_err());
+    if unreadable {
+        let message = status_message(headers);
+        match HeaderValue::from_str(&percent_encode(&message)) {
+            Ok(value) => headers.insert(GRPC_MESSAGE, value),
+            Err(_) => headers.remove(GRPC_MESSAGE),
+        };
+    }
 }
 
 /// gRPC's percent-encoding of `grpc-message`: bytes outside printable ASCII, and `%`.
@@ -709,6 +758,27 @@ mod tests {
             assert_eq!(status_from(&headers).expect("a status").code(), code);
             assert_eq!(too_large_code(Status::new(code, message)).code(), code);
         }
+    }
+
+    /// The spec: a value that is a valid HTTP field value but not gRPC's must not fail the call
+    /// (it is dropped here), and binary values a proxy joined with `,` are split before they
+    /// are decoded. One entry this side cannot read failed a request INVALID_ARGUMENT, and
+    /// lost a response all its metadata.
+    #[test]
+    fn metadata_a_peer_may_send_is_read_entry_by_entry() {
+        let mut h = HeaderMap::new();
+        h.insert("x-ok", HeaderValue::from_static("1"));
+        h.insert("x-note", HeaderValue::from_bytes(b"caf\xe9").expect("obs-text"));
+        h.insert("x!y", HeaderValue::from_static("1"));
+        h.insert("x-b-bin", HeaderValue::from_static("AAEC, AwQ"));
+        let md = metadata_from(&h).expect("read");
+        assert_eq!(md.get("x-ok"), Some("1"));
+        assert_eq!(md.get_all("x-b-bin").collect::<Vec<_>>(), [&[0u8, 1, 2][..], &[3, 4]]);
+        assert_eq!(md.len(), 3, "{md:?}");
+        h.insert("x-bad-bin", HeaderValue::from_static("!!!"));
+        assert_eq!(metadata_from(&h).map_err(|s| s.code()).err(), Some(Code::InvalidArgument));
+        let md = metadata_from_server(&h);
+        assert_eq!((md.get("x-ok"), md.get_all("x-b-bin").count(), md.len()), (Some("1"), 2, 3));
     }
 
     #[test]

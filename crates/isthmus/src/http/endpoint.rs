@@ -742,7 +742,7 @@ fn not_grpc<B>(request: &http::Request<B>) -> Option<http::Response<tonic::body:
 }
 
 /// `application/grpc`, or it followed by `+` (a codec) or `;` (parameters), as grpc-go reads it.
-fn is_grpc_content_type(value: &[u8]) -> bool {
+pub(crate) fn is_grpc_content_type(value: &[u8]) -> bool {
     match value.strip_prefix(b"application/grpc") {
         Some(rest) => rest.is_empty() || rest[0] == b'+' || rest[0] == b';',
         None => false,

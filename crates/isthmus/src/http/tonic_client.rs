@@ -125,9 +125,12 @@ impl Body for ResponseBody {
                 Poll::Ready(Some(Err(_))) if passed(deadline) => {
                     Frame::trailers(codec::status_trailers(&Status::deadline_exceeded()))
                 }
-                Poll::Ready(frame) => {
+                Poll::Ready(mut frame) => {
                     if frame.as_ref().is_none_or(|f| f.as_ref().is_ok_and(|f| f.is_trailers())) {
                         cancel.disarm(); // the call is over: nothing left to cancel
+                    }
+                    if let Some(Ok(Some(trailers))) = frame.as_mut().map(|f| f.as_mut().map(Frame::trailers_mut)) {
+                        codec::conform_status(trailers);
                     }
                     return Poll::Ready(frame.map(|r| r.map_err(body_error)));
                 }
@@ -202,6 +205,39 @@ fn deadline_code(headers: &mut HeaderMap) {
         headers.insert(codec::GRPC_STATUS, HeaderValue::from_static("4"));
         headers.insert(codec::GRPC_MESSAGE, HeaderValue::from_static(crate::status::DEADLINE_EXCEEDED));
     }
+}
+
+/// Whether a response is gRPC's: by its content type, as grpc-go tells (`application/grpc`,
+/// `+…` or `;…`), whatever its HTTP status; a gRPC server's own refusals (HTTP 415 or 405)
+/// carry their `grpc-status`.
+fn is_grpc(headers: &HeaderMap) -> bool {
+    headers.get(http::header::CONTENT_TYPE).is_some_and(|c| super::endpoint::is_grpc_content_type(c.as_bytes()))
+}
+
+/// The status of a response that is not gRPC's, as grpc-go gives it (PROTOCOL-HTTP2, "HTTP to
+/// gRPC Status Code Mapping"): the code its HTTP status maps to, UNKNOWN for any other (200
+/// among them), and what was wrong in grpc-go's words. tonic read such a body (a proxy's error
+/// page) as gRPC messages: INTERNAL "invalid compression flag", or a wait for bytes that never
+/// came.
+fn not_grpc<B>(response: &http::Response<B>) -> Status {
+    let http = response.status();
+    let code = match http.as_u16() {
+        400 => Code::Internal,
+        401 => Code::Unauthenticated,
+        403 => Code::PermissionDenied,
+        404 => Code::Unimplemented,
+        429 | 502 | 503 | 504 => Code::Unavailable,
+        _ => Code::Unknown,
+    };
+    let content_type = match response.headers().get(http::header::CONTENT_TYPE) {
+        Some(c) => format!("transport: received unexpected content-type {:?}", String::from_utf8_lossy(c.as_bytes())),
+        None => "malformed header: missing HTTP content-type".to_owned(),
+    };
+    let reason = http.canonical_reason().unwrap_or("");
+    Status::new(
+        code,
+        format!("unexpected HTTP status code received from server: {} ({reason}); {content_type}", http.as_u16()),
+    )
 }
 
 /// Whether a call's deadline (its timer) has passed, fired or not.
@@ -707,8 +743,12 @@ where
             }
         };
         Ok(match sent {
+            // Not a gRPC response (a proxy's error page): its body is not read, and dropping
+            // it (and `cancel`) resets the stream.
+            Ok(response) if !is_grpc(response.headers()) => failed_response(not_grpc(&response)),
             Ok(mut response) => {
                 deadline_code(response.headers_mut());
+                codec::conform_status(response.headers_mut());
                 response.map(|body| ResponseBody(Source::Http { body, cancel, deadline }))
             }
             // tonic's own reading of its errors: a deadline that passed is
@@ -747,4 +787,105 @@ where
             }
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What the fake server below answers on each path: responses a gRPC client meets from
+    /// proxies and from other implementations' servers.
+    fn answer(path: &str, respond: &mut h2::server::SendResponse<Bytes>) -> Result<(), h2::Error> {
+        let head = |status: u16, content_type: &str| {
+            http::Response::builder().status(status).header("content-type", content_type).body(()).expect("head")
+        };
+        let grpc = |trailers: &[(&'static str, &'static str)]| {
+            let mut response = head(200, "application/grpc");
+            for (k, v) in trailers {
+                response.headers_mut().insert(*k, HeaderValue::from_static(v));
+            }
+            response
+        };
+        match path {
+            "/t.S/Page" => {
+                let mut body = respond.send_response(head(502, "text/html"), false)?;
+                body.send_data(Bytes::from_static(b"<html>502 Bad Gateway</html>"), true)
+            }
+            "/t.S/PageOk" => {
+                let mut body = respond.send_response(head(200, "text/html"), false)?;
+                body.send_data(Bytes::from_static(b"<html>hello</html>"), true)
+            }
+            "/t.S/NoSuchPage" => respond.send_response(head(404, "text/plain"), true).map(drop),
+            "/t.S/BadDetails" => {
+                respond.send_response(grpc(&[("grpc-status", "3"), ("grpc-status-details-bin", "!!!")]), true).map(drop)
+            }
+            "/t.S/BadDetailsInTrailers" => {
+                let mut body = respond.send_response(head(200, "application/grpc"), false)?;
+                let mut trailers = HeaderMap::new();
+                trailers.insert("grpc-status", HeaderValue::from_static("3"));
+                trailers.insert("grpc-status-details-bin", HeaderValue::from_static("QR=="));
+                body.send_trailers(trailers)
+            }
+            "/t.S/NotUtf8" => {
+                respond.send_response(grpc(&[("grpc-status", "5"), ("grpc-message", "caf%E9")]), true).map(drop)
+            }
+            _ => respond.send_response(grpc(&[("grpc-status", "12")]), true).map(drop),
+        }
+    }
+
+    /// A server that answers every request at once by its path (`answer`), its body unread.
+    async fn fake_server(listener: tokio::net::TcpListener) {
+        while let Ok((socket, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let Ok(mut connection) = h2::server::handshake(socket).await else { return };
+                while let Some(Ok((request, mut respond))) = connection.accept().await {
+                    let _ = answer(request.uri().path(), &mut respond);
+                }
+            });
+        }
+    }
+
+    /// Responses that are not gRPC's, or whose status headers tonic cannot read, end the call
+    /// as grpc-go ends it: a proxy's error page with the code its HTTP status maps to (it was
+    /// INTERNAL "invalid compression flag"); details that are not base64 dropped (tonic
+    /// panicked on them, in trailers-only headers and in trailers alike); a message that is
+    /// not UTF-8 kept, with its code (it became UNKNOWN).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn what_tonic_reads_strictly_ends_a_call_as_grpc_go_ends_it() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a port");
+        let port = listener.local_addr().expect("its address").port();
+        let server = tokio::spawn(fake_server(listener));
+        let channel = crate::Channel::builder(&format!("http://127.0.0.1:{port}"))
+            .upgrade(false)
+            .connect()
+            .await
+            .expect("a channel");
+        let options = || CallOptions { timeout: Some(std::time::Duration::from_secs(20)), ..Default::default() };
+        let mut got = Vec::new();
+        for path in ["Page", "PageOk", "NoSuchPage", "BadDetails", "BadDetailsInTrailers", "NotUtf8"] {
+            // On a task of its own: a panic (tonic's, before) fails the test, not the runtime.
+            let (channel, path_of_call) = (channel.clone(), format!("/t.S/{path}"));
+            let call = async move { channel.unary(&path_of_call, b"", options()).await };
+            let status = tokio::spawn(call).await.expect("no panic").expect_err("a failed call");
+            got.push((path, status.code(), status.message().to_owned(), status.details().len()));
+        }
+        server.abort();
+        let page = "unexpected HTTP status code received from server: 502 (Bad Gateway); \
+                    transport: received unexpected content-type \"text/html\"";
+        let ok_page = "unexpected HTTP status code received from server: 200 (OK); \
+                       transport: received unexpected content-type \"text/html\"";
+        let not_found = "unexpected HTTP status code received from server: 404 (Not Found); \
+                         transport: received unexpected content-type \"text/plain\"";
+        assert_eq!(
+            got,
+            [
+                ("Page", Code::Unavailable, page.to_owned(), 0),
+                ("PageOk", Code::Unknown, ok_page.to_owned(), 0),
+                ("NoSuchPage", Code::Unimplemented, not_found.to_owned(), 0),
+                ("BadDetails", Code::InvalidArgument, String::new(), 0),
+                ("BadDetailsInTrailers", Code::InvalidArgument, String::new(), 0),
+                ("NotUtf8", Code::NotFound, "caf\u{FFFD}".to_owned(), 0),
+            ]
+        );
+    }
 }
