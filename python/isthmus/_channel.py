@@ -130,14 +130,19 @@ class _MultiCallable:
         wait_for_ready: bool | None,
         compression: str | None,
     ) -> Call:
-        """`run` (`_future` or `_stream`) for the call, at once if it has no call credentials.
-        Otherwise a call returned at once, whose credentials are asked on a thread of its own,
-        and which then runs with what they give, or ends with their failure, as a grpcio future
-        or response stream does while its plugins answer off the caller's thread. A call
+        """`run` (`_future` or `_stream`) for the call, at once if it has no call credentials
+        and need not wait for a server. Otherwise a call returned at once, whose credentials
+        are asked, or whose server is waited for (`wait_for_ready` on a channel not READY), on a
+        thread of its own, and which then runs, or ends with their failure, as a grpcio future
+        or response stream does while its plugins answer or its channel connects off the
+        caller's thread (a caller could not even cancel a call it did not have yet). A call
         cancelled meanwhile starts nothing."""
-        if credentials is None and not self._auth.plugins:
+        asks = credentials is not None or bool(self._auth.plugins)
+        waits = bool(wait_for_ready) and self._channel.connectivity(False) != _READY
+        if not asks and not waits:
             return run(request, timeout, metadata, wait_for_ready, compression)
-        call_plugins(credentials)  # credentials of a kind isthmus cannot read: TypeError here
+        if asks:
+            call_plugins(credentials)  # credentials of a kind isthmus cannot read: TypeError here
         call = Call(self._deserialize, timeout)
         if not self._auth.hold(call):  # until it starts: the channel's close ends it meanwhile
             # As the native channel fails a call after its close, without asking the plugins.
@@ -146,11 +151,12 @@ class _MultiCallable:
 
         def ask() -> None:
             try:
-                asked = self._asked(metadata, credentials, timeout)
+                asked = self._asked(metadata, credentials, timeout) if asks else metadata
                 if isinstance(asked, CallError):
                     call._end(asked)
                 elif not call.done():
-                    call._restart_clock()  # the plugin's time is not the call's, as in grpcio
+                    if asks:
+                        call._restart_clock()  # the plugin's time is not the call's, as in grpcio
                     run(request, timeout, asked, wait_for_ready, compression, call)
             except Exception as e:
                 # What would have raised in the caller's thread (metadata the engine refuses,
@@ -160,7 +166,7 @@ class _MultiCallable:
             finally:
                 self._auth.release(call)
 
-        threading.Thread(target=ask, name="isthmus-credentials", daemon=True).start()
+        threading.Thread(target=ask, name="isthmus-start", daemon=True).start()
         return call
 
     def _encode(self, request: Any) -> bytes:
@@ -257,6 +263,7 @@ class _MultiCallable:
         """A call with streaming responses, started; the caller reads them. `call`: the one to
         start, returned already (`_when_asked`)."""
         call = call or Call(self._deserialize, timeout)
+        call._streams = True
         native = call._start(
             self._channel, self._path, outgoing(metadata), timeout, bool(wait_for_ready), compression
         )
@@ -451,6 +458,10 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
             wait_for_ready,
             self._encoding(compression),
         )
+
+
+#: The native channel's number for READY (`STATES`).
+_READY = 2
 
 
 def upgrades(options: Any) -> bool:

@@ -22,6 +22,18 @@ from ._native import ServerCall
 from ._stats import TransportStats
 
 _LOG = logging.getLogger("isthmus")
+
+#: grpcio's details for a handler whose exception could not be told.
+UNPRINTABLE = "Calling application raised unprintable Exception!"
+
+
+def unprintable(call: ServerCall) -> None:
+    """Ends `call` UNKNOWN as grpcio ends a handler whose exception could not be told: for what
+    failed ending the call itself. Logs what did."""
+    _LOG.exception(UNPRINTABLE)
+    call.finish(grpc.StatusCode.UNKNOWN.value[0], UNPRINTABLE, None)
+
+
 # A receive limit of -1 (grpcio's "none"), for the engine.
 _NO_LIMIT = 2**64 - 1
 
@@ -206,7 +218,15 @@ class Server(ServerBase, grpc.Server):
         if plan is None:
             refuse(call, None)
             return
-        handler, method, raw = plan
+        try:
+            self._serve(call, *plan)
+        except BaseException:
+            # `_serve` ends its call however the handler ends: what comes here failed ending it
+            # (an exception whose `str` raises, a method handler without its parts). grpcio's
+            # words for it.
+            unprintable(call)
+
+    def _serve(self, call: ServerCall, handler: grpc.RpcMethodHandler, method: Any, raw: bool) -> None:
         context = ServicerContext(call, handler, raw, self._max_send)
         try:
             request = context._requests() if handler.request_streaming else context._request(context._recv())

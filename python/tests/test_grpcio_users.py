@@ -5,6 +5,9 @@ this process, and expects the same result."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
+import queue
 import socket
 import threading
 import time
@@ -1025,6 +1028,24 @@ def test_a_handler_sends_initial_metadata_after_a_read_that_waited(kind: str) ->
     assert asyncio.run(run()) == (b"2", (("x-first", "alice"),)), kind
 
 
+@contextlib.contextmanager
+def _blocking_server(kind: str, generic: grpc.GenericRpcHandler) -> Iterator[Any]:
+    """A blocking server of `kind` (grpcio's or isthmus's) with `generic`, and a channel of the
+    same kind to it, closed and stopped after."""
+    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
+    pool = futures.ThreadPoolExecutor(4)
+    s = (grpc.server if kind == "grpcio" else isthmus.server)(pool)
+    s.add_generic_rpc_handlers((generic,))
+    s.add_insecure_port(address)
+    s.start()
+    try:
+        with (grpc if kind == "grpcio" else isthmus).insecure_channel(address) as channel:
+            yield channel
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
 def _head_then_echo(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
     context.send_initial_metadata((("x-ready", "1"),))
     yield from requests
@@ -1035,7 +1056,6 @@ def test_initial_metadata_come_while_another_thread_waits_for_a_message(kind: st
     """A bidirectional stream's client reads on one thread and, on another, waits for the
     server's initial metadata (its "ready") before it sends: grpcio gives the metadata as they
     come. isthmus gave them only once the reading thread had its message, which never came."""
-    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
     generic = grpc.method_handlers_generic_handler(
         "users.S", {"HeadThenEcho": grpc.stream_stream_rpc_method_handler(_head_then_echo)}
     )
@@ -1045,13 +1065,8 @@ def test_initial_metadata_come_while_another_thread_waits_for_a_message(kind: st
         go.wait(20)
         yield b"after the headers"
 
-    pool = futures.ThreadPoolExecutor(2)
-    s = (grpc.server if kind == "grpcio" else isthmus.server)(pool)
-    s.add_generic_rpc_handlers((generic,))
-    s.add_insecure_port(address)
-    s.start()
     try:
-        with (grpc if kind == "grpcio" else isthmus).insecure_channel(address) as channel:
+        with _blocking_server(kind, generic) as channel:
             call = channel.stream_stream("/users.S/HeadThenEcho")(requests(), timeout=30)
             received: list[bytes] = []
             reader = threading.Thread(target=lambda: received.extend(call))
@@ -1067,8 +1082,6 @@ def test_initial_metadata_come_while_another_thread_waits_for_a_message(kind: st
             assert (got, received) == ((("x-ready", "1"),), [b"after the headers"]), kind
     finally:
         go.set()
-        s.stop(None)
-        pool.shutdown()
 
 
 async def _ready_then_count(requests: Any, context: Any) -> bytes:
@@ -1206,6 +1219,160 @@ def test_an_asyncio_handler_whose_client_cancels_is_cancelled_not_failed(kind: s
 
     seen = _on_aio_server(kind, body)
     assert all(s in ("ended", "CancelledError") for s in seen), (kind, seen)
+
+
+def _aborts_at_once(request: bytes, context: Any) -> Iterator[bytes]:
+    context.abort(grpc.StatusCode.NOT_FOUND, "nothing here")
+    yield b"never"
+
+
+def _three(request: bytes, context: Any) -> Iterator[bytes]:
+    yield from (b"1", b"2", b"3")
+
+
+def _quiet(request: bytes, context: Any) -> Iterator[bytes]:
+    end = time.monotonic() + 20
+    while context.is_active() and time.monotonic() < end:
+        time.sleep(0.02)
+    yield from ()
+
+
+_STATUS_FIRST = grpc.method_handlers_generic_handler(
+    "users.Status",
+    {
+        "AbortsAtOnce": grpc.unary_stream_rpc_method_handler(_aborts_at_once),
+        "Three": grpc.unary_stream_rpc_method_handler(_three),
+        "Quiet": grpc.unary_stream_rpc_method_handler(_quiet),
+        "Nothing": grpc.unary_stream_rpc_method_handler(lambda request, context: iter(())),
+    },
+)
+
+
+def _within(seconds: float, fn: Callable[[], Any]) -> Any:
+    """`fn()`, or "hung" if it has not returned in `seconds` (its thread is left behind)."""
+    out: list[Any] = ["hung"]
+
+    def run() -> None:
+        try:
+            out[0] = fn()
+        except Exception as e:  # an RpcError is an answer too
+            out[0] = repr(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(seconds)
+    return out[0]
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_streaming_calls_status_comes_without_reading_to_the_end(kind: str) -> None:
+    """grpcio gives a response stream's status once its responses are all received: `code()`,
+    `trailing_metadata()` and `add_callback` need no read of the end. isthmus's waited for a
+    reader to reach the end: `code()` hung for ever on a call whose server had aborted, on one
+    whose messages were all read, and past a deadline. (With responses left unread grpcio's
+    `code()` waits for them to be read; isthmus's reads them ahead, up to a bound, and answers,
+    as isthmus.aio's does.)"""
+    with _blocking_server(kind, _STATUS_FIRST) as channel:
+
+        def stream(method: str, timeout: float = 20) -> Any:
+            return channel.unary_stream(f"/users.Status/{method}")(b"", timeout=timeout)
+
+        aborted = stream("AbortsAtOnce")
+        read = stream("Three")
+        three = [next(read), next(read), next(read)]
+        quiet = stream("Quiet", timeout=0.5)
+        nothing = stream("Nothing")
+        ended = threading.Event()
+        told = stream("AbortsAtOnce")
+        told.add_callback(ended.set)
+        got = (
+            _within(10, aborted.code),
+            (three, _within(10, read.code), list(read)),
+            _within(10, quiet.code),
+            _within(10, lambda: tuple(nothing.trailing_metadata())),
+            ended.wait(10),
+        )
+    want = (
+        grpc.StatusCode.NOT_FOUND,
+        ([b"1", b"2", b"3"], grpc.StatusCode.OK, []),
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        (),
+        True,
+    )
+    assert got == want, kind
+
+
+class _UntellableError(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("this exception cannot be told")
+
+
+def _raises_untellable(request: bytes, context: Any) -> bytes:
+    raise _UntellableError()
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_handler_whose_exception_cannot_be_told_ends_its_call(kind: str) -> None:
+    """A handler raises an exception whose `str` raises: grpcio ends the call UNKNOWN
+    "Calling application raised unprintable Exception!". isthmus's server failed while ending
+    the call and never ended it: with no deadline its client waited for ever."""
+    generic = grpc.method_handlers_generic_handler(
+        "users.Untellable", {"Raise": grpc.unary_unary_rpc_method_handler(_raises_untellable)}
+    )
+    with _blocking_server(kind, generic) as channel:
+        call = channel.unary_unary("/users.Untellable/Raise").future(b"")
+        got = _within(10, lambda: (call.code(), call.details()))
+        call.cancel()
+    assert got == (grpc.StatusCode.UNKNOWN, "Calling application raised unprintable Exception!"), kind
+
+
+_LET_GO: dict[str, threading.Event] = {}
+
+
+def _echo_telling(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:
+    context.add_callback(_LET_GO[dict(context.invocation_metadata())["x-key"]].set)
+    yield from requests
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_stream_its_caller_lets_go_of_is_cancelled(kind: str) -> None:
+    """A bidirectional call fed by an iterator that blocks (a queue nobody fills), dropped by
+    its caller after one reply: grpcio cancels it when it is collected, and its handler ends.
+    isthmus's thread that sends the requests held the call, which was never collected: the
+    handler ran on, holding its server's thread, until the call's deadline, or for ever."""
+    generic = grpc.method_handlers_generic_handler(
+        "users.LetGo", {"Echo": grpc.stream_stream_rpc_method_handler(_echo_telling)}
+    )
+    ended = _LET_GO[kind] = threading.Event()
+    feed: queue.Queue[bytes | None] = queue.Queue()
+    feed.put(b"one")
+    try:
+        with _blocking_server(kind, generic) as channel:
+            echo = channel.stream_stream("/users.LetGo/Echo")
+            call = echo(iter(feed.get, None), metadata=(("x-key", kind),))
+            first = next(call)
+            del call
+            gc.collect()
+            assert (first, ended.wait(10)) == (b"one", True), kind
+    finally:
+        feed.put(None)
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_stream_that_waits_for_ready_is_returned_at_once(kind: str) -> None:
+    """A response stream with `wait_for_ready` on a channel with no server yet: grpcio returns
+    the call at once and waits in its first read, which a `cancel()` ends. isthmus's waited
+    inside the stub call over shm:// (the whole timeout, or for ever), so the caller had no
+    call to cancel."""
+    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
+    with (grpc if kind == "grpcio" else isthmus).insecure_channel(address) as channel:
+        stub = channel.unary_stream("/users.Nobody/Stream")
+        returned = _within(10, lambda: stub(b"", timeout=60, wait_for_ready=True))
+        assert not isinstance(returned, str), (kind, returned)
+        returned.cancel()
+        with pytest.raises(grpc.RpcError) as failed:
+            list(returned)
+    assert failed.value.code() == grpc.StatusCode.CANCELLED, kind
 
 
 def test_metadata_entries_read_as_key_and_value(server: list[Any]) -> None:

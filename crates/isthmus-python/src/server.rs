@@ -262,6 +262,16 @@ pub(crate) struct ServerCall {
     inbox: Option<(u64, std::sync::Weak<Inbox>)>,
 }
 
+/// A call its handler let go of without finishing it (Python code that failed while ending it,
+/// a call the server never got to) ends UNKNOWN now, not at its deadline (or never, without
+/// one): the engine's future for it waits for a finish that would not come. Does nothing for a
+/// call finished or over already.
+impl Drop for ServerCall {
+    fn drop(&mut self) {
+        self.core.finish(Status::new(Code::Unknown, "the handler was dropped without finishing the call"));
+    }
+}
+
 impl ServerCall {
     /// A call of the blocking server.
     fn queued(core: Arc<HandedCall>) -> ServerCall {

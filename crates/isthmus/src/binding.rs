@@ -682,9 +682,10 @@ pub async fn hand_off(
     let _ended = Ended(handed.clone());
     deliver(handed)?;
     crate::engine::mux::handed_off();
-    finished
-        .await
-        .unwrap_or_else(|_| Err(Status::new(Code::Unknown, "the handler was dropped without finishing the call")))
+    // The sender lives in the call, which this future holds (`_ended`): it is never dropped
+    // unsent while the call waits here. A binding whose handler may let go of its handle
+    // unfinished finishes it then itself (Python's server call does, when it is dropped).
+    finished.await.unwrap_or_else(|_| Err(Status::new(Code::Unknown, "the call's finish was lost")))
 }
 
 /// Marks a handed call over and runs its callbacks when its handler's future ends, however it

@@ -17,7 +17,7 @@ import grpc
 import grpc.aio
 
 from .._native import ServerCall
-from .._server import ServerBase, StartError, refuse
+from .._server import ServerBase, StartError, refuse, unprintable
 from ._context import ServicerContext
 from ._reactor import Driver, driver
 from ._sync import SyncServicerContext
@@ -139,23 +139,28 @@ class Server(ServerBase, grpc.aio.Server):
         handler, method, raw = plan
         loop, driver = self._loop, self._driver
         assert loop is not None and driver is not None  # set by start, before any call
-        context = ServicerContext(call, handler, loop, driver, raw, self.done_callbacks, self._max_send)
         try:
-            await self._serve(handler, method, context)
-        except asyncio.CancelledError:
-            ending[0] = True
-            # A task cancelled by the call's end or the server's stop finds its call over
-            # already (this finish does nothing then): the call still open is one whose
-            # handler raised CancelledError itself, or cancelled its own task. grpc.aio's
-            # server leaves that call to its deadline.
-            call.finish(grpc.StatusCode.CANCELLED.value[0], "the handler was cancelled", None)
-            raise
-        except Exception as e:
-            ending[0] = True
-            context._finish(e)
-        else:
-            ending[0] = True
-            context._finish(None)
+            context = ServicerContext(call, handler, loop, driver, raw, self.done_callbacks, self._max_send)
+            try:
+                await self._serve(handler, method, context)
+            except asyncio.CancelledError:
+                ending[0] = True
+                # A task cancelled by the call's end or the server's stop finds its call over
+                # already (this finish does nothing then): the call still open is one whose
+                # handler raised CancelledError itself, or cancelled its own task. grpc.aio's
+                # server leaves that call to its deadline.
+                call.finish(grpc.StatusCode.CANCELLED.value[0], "the handler was cancelled", None)
+                raise
+            except Exception as e:
+                ending[0] = True
+                context._finish(e)
+            else:
+                ending[0] = True
+                context._finish(None)
+        except Exception:
+            # What failed ending the call (an exception whose `str` raises, a method handler
+            # without its parts): it ends all the same, in grpcio's words for it.
+            unprintable(call)
 
     async def _serve(
         self, handler: grpc.RpcMethodHandler, method: Callable[..., Any], context: ServicerContext
