@@ -93,6 +93,9 @@ use crate::upgrade::ShmOffer;
 /// tonic's servers.
 pub const HTTP_MAX_MESSAGE: u64 = 4 << 20;
 
+/// The health service's name (`grpc.health.v1.Health`).
+const HEALTH_SERVICE: &str = <tonic_health::pb::health_server::HealthServer<()> as tonic::server::NamedService>::NAME;
+
 /// A server: handlers by method path, served on one or more endpoints.
 ///
 /// ```no_run
@@ -326,8 +329,10 @@ impl Server {
     }
 
     /// Whether the server answers `grpc.health.v1` itself (default: yes). Off for an
-    /// application that serves its own health service under that name (a handler, or a
-    /// foreign servicer behind the catch-all handler).
+    /// application that serves its own health service under that name through a handler, or a
+    /// foreign servicer behind the catch-all handler; a tonic health service added with
+    /// [`add_service`](Self::add_service) (tonic_health's `health_reporter`) takes its place
+    /// by itself.
     pub fn health(mut self, on: bool) -> Server {
         self.health = on;
         self
@@ -481,6 +486,10 @@ impl Server {
                 routes
             });
         }
+        // An application's own health service (tonic_health's `health_reporter`, added as any
+        // service) is the one served: a second under the same name made the router panic when
+        // serving began.
+        let serve_health = this.health && !this.services.iter().any(|(name, _)| *name == HEALTH_SERVICE);
         Ok(Bound {
             shm,
             loopback,
@@ -500,7 +509,7 @@ impl Server {
                 catch_all: this.catch_all,
             }),
             health: (health, names),
-            serve_health: this.health,
+            serve_health,
             grace: this.grace,
             stream_limit: this.stream_limit,
             connections: this.connections,

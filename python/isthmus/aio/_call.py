@@ -527,7 +527,8 @@ class _StreamCall(_Call):
         except grpc.RpcError:
             pass  # likewise
         except Exception:
-            _LOG.exception("The request iterator raised; cancelling the call")
+            # At DEBUG, as grpc.aio logs it: the caller sees the call cancelled.
+            _LOG.debug("The request iterator raised; cancelling the call", exc_info=True)
             self.cancel()
 
     async def write(self, request: Any) -> None:

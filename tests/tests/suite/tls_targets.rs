@@ -148,7 +148,11 @@ fn every_grpc_target_form_reaches_the_server() {
 #[test]
 fn unknown_schemes_and_bad_ports_are_refused_by_name() {
     run(async {
-        for bad in ["tcp://x:1", "localhost:http", "dns:///", "ipv4:300.1.1.1:5", "ipv6:[nope]:1", "unix-abstract:"] {
+        // A host with a colon that is no IPv6 address: other gRPC schemes, a typo. They were
+        // taken for IPv6 literals, and every call failed later, looking the "host" up.
+        let colons = ["vsock:3:5000", "xds:svc:443", "localhost::50051"];
+        let forms = ["tcp://x:1", "localhost:http", "dns:///", "ipv4:300.1.1.1:5", "ipv6:[nope]:1", "unix-abstract:"];
+        for bad in forms.into_iter().chain(colons) {
             let err = isthmus::Channel::lazy(bad).expect_err(bad);
             assert_eq!(err.code(), Code::InvalidArgument, "{bad}: {err:?}");
         }

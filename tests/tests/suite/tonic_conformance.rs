@@ -328,3 +328,32 @@ fn health_turns_not_serving_when_a_graceful_shutdown_begins() {
         server.expect_line("SHUTDOWN-DONE", Duration::from_secs(30));
     });
 }
+
+/// An application that serves tonic_health's own health service, as tonic applications do
+/// (`health_reporter`, added with `add_service`), gets its answers on every endpoint. The
+/// server added its built-in one beside it, and the router panicked when serving began.
+#[test]
+fn an_applications_own_health_service_takes_the_built_in_ones_place() {
+    use tonic_health::pb::health_check_response::ServingStatus;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let rt = runtime();
+    let shm = fresh_addr("own-health");
+    let (reporter, service) = tonic_health::server::health_reporter();
+    let bound = rt.block_on(async {
+        reporter.set_service_status("app.Thing", tonic_health::ServingStatus::NotServing).await;
+        isthmus::Server::builder().add_service(service).bind_all([shm.as_str(), "http://127.0.0.1:0"]).expect("bind")
+    });
+    let mut targets = vec![shm];
+    targets.extend(bound.http_addresses());
+    let serving = rt.spawn(bound.serve());
+    rt.block_on(async {
+        for addr in &targets {
+            let mut health = HealthClient::new(isthmus_tests::cases::connect(addr).await);
+            let r = health.check(HealthCheckRequest { service: "app.Thing".into() }).await.expect("check");
+            assert_eq!(r.into_inner().status(), ServingStatus::NotServing, "{addr}: the application's own answer");
+        }
+    });
+    assert!(!serving.is_finished(), "the server stopped serving");
+    serving.abort();
+}

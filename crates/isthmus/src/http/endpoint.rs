@@ -147,6 +147,11 @@ fn host_port(s: &str, default_port: u16) -> Result<String, String> {
         None => default_port,
         Some(p) => p.parse::<u16>().map_err(|_| format!("{p:?} is not a port number"))?,
     };
+    // A host with a colon is an IPv6 literal or nothing: `vsock:3:5000`, `xds:svc:443` (other
+    // gRPC schemes) or `localhost::50051` (a typo) passed as hosts, failing every call later.
+    if host.contains(':') && host.parse::<std::net::Ipv6Addr>().is_err() {
+        return Err(format!("{s:?} is neither HOST:PORT nor an IPv6 address"));
+    }
     // An IPv6 literal keeps its brackets, which is how the socket address parser wants it.
     Ok(if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") })
 }

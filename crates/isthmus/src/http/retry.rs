@@ -79,6 +79,11 @@ pub(crate) fn never_processed(e: &(dyn std::error::Error + 'static)) -> bool {
     })
 }
 
+/// The reason the server reset the call's stream with (RST_STREAM), if it did.
+pub(crate) fn reset_by_peer(e: &(dyn std::error::Error + 'static)) -> Option<h2::Reason> {
+    cause::<h2::Error>(e).filter(|h2| h2.is_reset() && h2.is_remote()).and_then(h2::Error::reason)
+}
+
 /// Whether `e` is the server's GOAWAY: the connection went away under the call, which gRPC
 /// calls UNAVAILABLE (tonic says INTERNAL, "h2 protocol error", for one with NO_ERROR).
 pub(crate) fn went_away(e: &(dyn std::error::Error + 'static)) -> bool {

@@ -763,6 +763,7 @@ where
                 let tls = crate::http::tls::describe(&e);
                 let causes = crate::http::call::with_causes(&e.to_string(), &e);
                 let went_away = retry::went_away(&e);
+                let reset = retry::reset_by_peer(&e);
                 let t = tonic::Status::from_error(Box::new(e));
                 // No response at all: the request could not be carried (the server hung
                 // up or died before answering), which gRPC calls UNAVAILABLE; tonic names
@@ -770,6 +771,10 @@ where
                 // hyper's "operation was canceled" is a request its connection dropped
                 // (the server went away), not a cancel of ours: ours drops this future.
                 let code = match t.code() {
+                    // The server reset the stream with CANCEL (a handler that panicked, say):
+                    // gRPC's CANCELLED, as tonic and grpc-go read it, not a retry-safe
+                    // UNAVAILABLE for a call the server may have run.
+                    _ if reset == Some(h2::Reason::CANCEL) => Code::Cancelled,
                     tonic::Code::Unknown | tonic::Code::Cancelled => Code::Unavailable,
                     // A GOAWAY that left the call out, which tonic calls INTERNAL.
                     _ if went_away => Code::Unavailable,
@@ -777,6 +782,10 @@ where
                 };
                 match tls {
                     Some(why) => failed_response(Status::new(Code::Unavailable, why)),
+                    // grpc-go's words for it (tonic's are "h2 protocol error: http2 error").
+                    None if code == Code::Cancelled => {
+                        failed_response(Status::new(code, "stream terminated by RST_STREAM with error code: CANCEL"))
+                    }
                     // tonic words a broken connection by its outermost error ("http2
                     // error"); what broke is further down ("keep-alive timed out").
                     None if code == Code::Unavailable => failed_response(Status::new(code, causes)),
@@ -826,6 +835,10 @@ mod tests {
                 trailers.insert("grpc-status-details-bin", HeaderValue::from_static("QR=="));
                 body.send_trailers(trailers)
             }
+            "/t.S/Reset" => {
+                respond.send_reset(h2::Reason::CANCEL);
+                Ok(())
+            }
             "/t.S/NotUtf8" => {
                 respond.send_response(grpc(&[("grpc-status", "5"), ("grpc-message", "caf%E9")]), true).map(drop)
             }
@@ -849,7 +862,8 @@ mod tests {
     /// as grpc-go ends it: a proxy's error page with the code its HTTP status maps to (it was
     /// INTERNAL "invalid compression flag"); details that are not base64 dropped (tonic
     /// panicked on them, in trailers-only headers and in trailers alike); a message that is
-    /// not UTF-8 kept, with its code (it became UNKNOWN).
+    /// not UTF-8 kept, with its code (it became UNKNOWN); a reset with CANCEL before any
+    /// response is CANCELLED, as tonic reads it (it was a retry-safe UNAVAILABLE).
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn what_tonic_reads_strictly_ends_a_call_as_grpc_go_ends_it() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("a port");
@@ -862,7 +876,7 @@ mod tests {
             .expect("a channel");
         let options = || CallOptions { timeout: Some(std::time::Duration::from_secs(20)), ..Default::default() };
         let mut got = Vec::new();
-        for path in ["Page", "PageOk", "NoSuchPage", "BadDetails", "BadDetailsInTrailers", "NotUtf8"] {
+        for path in ["Page", "PageOk", "NoSuchPage", "BadDetails", "BadDetailsInTrailers", "NotUtf8", "Reset"] {
             // On a task of its own: a panic (tonic's, before) fails the test, not the runtime.
             let (channel, path_of_call) = (channel.clone(), format!("/t.S/{path}"));
             let call = async move { channel.unary(&path_of_call, b"", options()).await };
@@ -876,6 +890,7 @@ mod tests {
                        transport: received unexpected content-type \"text/html\"";
         let not_found = "unexpected HTTP status code received from server: 404 (Not Found); \
                          transport: received unexpected content-type \"text/plain\"";
+        let reset = "stream terminated by RST_STREAM with error code: CANCEL";
         assert_eq!(
             got,
             [
@@ -885,6 +900,7 @@ mod tests {
                 ("BadDetails", Code::InvalidArgument, String::new(), 0),
                 ("BadDetailsInTrailers", Code::InvalidArgument, String::new(), 0),
                 ("NotUtf8", Code::NotFound, "caf\u{FFFD}".to_owned(), 0),
+                ("Reset", Code::Cancelled, reset.to_owned(), 0),
             ]
         );
     }
