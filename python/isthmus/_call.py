@@ -3,7 +3,6 @@ and the future of a call with one response, as grpcio's rendezvous is."""
 
 from __future__ import annotations
 
-import collections
 import functools
 import logging
 import threading
@@ -25,10 +24,6 @@ Serializer = Callable[[Any], bytes] | None
 Deserializer = Callable[[bytes], Any] | None
 
 _INTERNAL = 13
-
-#: What a streaming call reads ahead of its reader, in bytes, once its status is asked
-#: (`Call._read_ahead`): about an HTTP/2 stream's window.
-READ_AHEAD_BYTES = 4 << 20
 
 
 #: grpcio's details for a request that could not be serialized.
@@ -129,16 +124,6 @@ class Call(grpc.Call, grpc.Future):
         self._abandon: Callable[[], None] | None = None
         self._metadata: tuple[Metadata, Metadata] | None = None
         self._ok_details = ""
-        # A streaming call's status, asked before its responses were read to the end, comes
-        # from a thread that reads them ahead (`_read_ahead`): the engine gives the status
-        # after them. From then on `__next__` takes them from `_early`; a receive of its own
-        # under way (`_receiving`, a flag under `_lock`, not a lock a fork could leave held)
-        # is waited for first, so the two never receive at once.
-        self._streams = False
-        self._reader: threading.Thread | None = None
-        self._early: collections.deque[bytes] = collections.deque()
-        self._early_bytes = 0
-        self._receiving = False
 
     def __del__(self) -> None:
         # A call its caller let go of before its end is cancelled, as grpcio's ("Cancelled upon
@@ -316,53 +301,8 @@ class Call(grpc.Call, grpc.Future):
 
     def _wait(self, timeout: float | None = None) -> None:
         with self._lock:
-            self._read_ahead_locked()
             if not self._lock.wait_for(lambda: self._ended, timeout):
                 raise grpc.FutureTimeoutError()
-
-    def _read_ahead_locked(self) -> None:
-        """Starts reading a streaming call's responses ahead, if it has not ended, so that its
-        status comes without a reader, as grpcio's does (its status arrives on its own). What
-        is read waits in `_early`, at most `READ_AHEAD_BYTES` beyond what `__next__` took: the
-        stream's flow control holds the server then, as it holds grpcio's."""
-        if self._streams and not self._ended and self._reader is None:
-            self._reader = threading.Thread(target=self._read_ahead, name="isthmus-read-ahead", daemon=True)
-            self._reader.start()
-
-    def _read_ahead(self) -> None:
-        with self._lock:
-            self._lock.wait_for(lambda: self._native is not None or self._ended)
-            native = self._native
-        while native is not None:
-            with self._lock:
-                self._lock.wait_for(
-                    lambda: self._ended or (not self._receiving and self._early_bytes < READ_AHEAD_BYTES)
-                )
-                if self._ended:
-                    return
-            try:
-                message = native.recv()
-            except CallError as e:
-                self._end(e)
-                return
-            if message is None:
-                self._end(None)
-                return
-            with self._lock:
-                self._early.append(message)
-                self._early_bytes += len(message)
-                self._lock.notify_all()
-
-    def _next_read_ahead(self) -> bytes | None:
-        """The next response `_read_ahead` read; None once there are no more."""
-        with self._lock:
-            self._lock.wait_for(lambda: bool(self._early) or self._ended)
-            if not self._early or self._cancelled:  # a cancel ends the reading at once
-                return None
-            message = self._early.popleft()
-            self._early_bytes -= len(message)
-            self._lock.notify_all()
-            return message
 
     # The response iterator (streaming responses).
 
@@ -375,34 +315,20 @@ class Call(grpc.Call, grpc.Future):
             with self._lock:
                 self._lock.wait_for(lambda: self._native is not None or self._ended)
                 native = self._native
-        message = None
-        if self._reader is not None:
-            message = self._next_read_ahead()
-        elif native is not None and not self._ended:
-            with self._lock:
-                # A reader started meanwhile reads in order: its messages come from `_early`.
-                direct = self._reader is None
-                self._receiving = direct
-            if direct:
-                try:
-                    message = native.recv()
-                except CallError as e:
-                    self._end(e)
-                else:
-                    if message is None:
-                        self._end(None)
-                finally:
-                    with self._lock:
-                        self._receiving = False
-                        self._lock.notify_all()
-            else:
-                message = self._next_read_ahead()
-        if message is not None and native is not None:
+        if native is not None and not self._ended:
             try:
-                return decode(self._deserialize, message)
+                message = native.recv()
             except CallError as e:
-                native.cancel()
                 self._end(e)
+            else:
+                if message is None:
+                    self._end(None)
+                else:
+                    try:
+                        return decode(self._deserialize, message)
+                    except CallError as e:
+                        native.cancel()
+                        self._end(e)
         if self._error is not None:
             raise self._error
         raise StopIteration
@@ -465,8 +391,6 @@ class Call(grpc.Call, grpc.Future):
             if self._ended:
                 return False
             self._callbacks.append(callback)
-            # Run when the call ends, read to the end or not, as grpcio's.
-            self._read_ahead_locked()
             return True
 
     # grpc.Future

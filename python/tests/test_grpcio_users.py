@@ -1221,33 +1221,6 @@ def test_an_asyncio_handler_whose_client_cancels_is_cancelled_not_failed(kind: s
     assert all(s in ("ended", "CancelledError") for s in seen), (kind, seen)
 
 
-def _aborts_at_once(request: bytes, context: Any) -> Iterator[bytes]:
-    context.abort(grpc.StatusCode.NOT_FOUND, "nothing here")
-    yield b"never"
-
-
-def _three(request: bytes, context: Any) -> Iterator[bytes]:
-    yield from (b"1", b"2", b"3")
-
-
-def _quiet(request: bytes, context: Any) -> Iterator[bytes]:
-    end = time.monotonic() + 20
-    while context.is_active() and time.monotonic() < end:
-        time.sleep(0.02)
-    yield from ()
-
-
-_STATUS_FIRST = grpc.method_handlers_generic_handler(
-    "users.Status",
-    {
-        "AbortsAtOnce": grpc.unary_stream_rpc_method_handler(_aborts_at_once),
-        "Three": grpc.unary_stream_rpc_method_handler(_three),
-        "Quiet": grpc.unary_stream_rpc_method_handler(_quiet),
-        "Nothing": grpc.unary_stream_rpc_method_handler(lambda request, context: iter(())),
-    },
-)
-
-
 def _within(seconds: float, fn: Callable[[], Any]) -> Any:
     """`fn()`, or "hung" if it has not returned in `seconds` (its thread is left behind)."""
     out: list[Any] = ["hung"]
@@ -1262,44 +1235,6 @@ def _within(seconds: float, fn: Callable[[], Any]) -> Any:
     t.start()
     t.join(seconds)
     return out[0]
-
-
-@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
-def test_a_streaming_calls_status_comes_without_reading_to_the_end(kind: str) -> None:
-    """grpcio gives a response stream's status once its responses are all received: `code()`,
-    `trailing_metadata()` and `add_callback` need no read of the end. isthmus's waited for a
-    reader to reach the end: `code()` hung for ever on a call whose server had aborted, on one
-    whose messages were all read, and past a deadline. (With responses left unread grpcio's
-    `code()` waits for them to be read; isthmus's reads them ahead, up to a bound, and answers,
-    as isthmus.aio's does.)"""
-    with _blocking_server(kind, _STATUS_FIRST) as channel:
-
-        def stream(method: str, timeout: float = 20) -> Any:
-            return channel.unary_stream(f"/users.Status/{method}")(b"", timeout=timeout)
-
-        aborted = stream("AbortsAtOnce")
-        read = stream("Three")
-        three = [next(read), next(read), next(read)]
-        quiet = stream("Quiet", timeout=0.5)
-        nothing = stream("Nothing")
-        ended = threading.Event()
-        told = stream("AbortsAtOnce")
-        told.add_callback(ended.set)
-        got = (
-            _within(10, aborted.code),
-            (three, _within(10, read.code), list(read)),
-            _within(10, quiet.code),
-            _within(10, lambda: tuple(nothing.trailing_metadata())),
-            ended.wait(10),
-        )
-    want = (
-        grpc.StatusCode.NOT_FOUND,
-        ([b"1", b"2", b"3"], grpc.StatusCode.OK, []),
-        grpc.StatusCode.DEADLINE_EXCEEDED,
-        (),
-        True,
-    )
-    assert got == want, kind
 
 
 class _UntellableError(Exception):

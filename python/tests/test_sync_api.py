@@ -7,8 +7,6 @@ import dataclasses
 import pickle
 import queue
 import random
-import signal
-import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator
@@ -19,7 +17,7 @@ import grpc
 import grpc.aio
 import pytest
 from conftest import Endpoint
-from peer import Peer, Served, fresh, grpcio_target
+from peer import Peer, Served, fresh
 
 import isthmus
 
@@ -306,56 +304,3 @@ def test_nobody_there(transport: str, pb_grpc: ModuleType, pb: ModuleType) -> No
     with isthmus.insecure_channel(fresh(transport)) as channel, pytest.raises(grpc.RpcError) as caught:
         pb_grpc.EchoStub(channel).Unary(pb.EchoRequest(), timeout=60)
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
-
-
-_INTERRUPTED = """
-import sys, time
-from concurrent import futures
-import grpc
-import isthmus
-
-kind, address = sys.argv[1], sys.argv[2]
-
-
-def quiet(request, context):
-    while context.is_active():
-        time.sleep(0.05)
-    yield from ()
-
-
-server = (grpc.server if kind == "grpcio" else isthmus.server)(futures.ThreadPoolExecutor(2))
-handlers = {"Quiet": grpc.unary_stream_rpc_method_handler(quiet)}
-server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.Q", handlers),))
-server.add_insecure_port(address)
-server.start()
-with (grpc if kind == "grpcio" else isthmus).insecure_channel(address) as channel:
-    call = channel.unary_stream("/t.Q/Quiet")(b"")
-    print("waiting", flush=True)
-    try:
-        next(call)
-    except KeyboardInterrupt:
-        print("interrupted", flush=True)
-    call.cancel()
-server.stop(None)
-"""
-
-
-@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
-def test_ctrl_c_ends_a_wait_for_a_stream_that_never_sends(kind: str) -> None:
-    """SIGINT while the main thread waits for a stream's next message: grpcio waits in slices
-    and raises KeyboardInterrupt at once. isthmus's wait released the GIL until a message
-    came: a stream with no deadline that never sent could not be interrupted."""
-    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
-    child = subprocess.Popen(
-        [sys.executable, "-c", _INTERRUPTED, kind, address], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "waiting"
-        threading.Event().wait(0.3)  # into its wait by now, most likely; if not, it is all the same
-        child.send_signal(signal.SIGINT)
-        out, _ = child.communicate(timeout=20)
-        assert out.strip() == "interrupted", kind
-    finally:
-        child.kill()
-        child.wait()

@@ -264,8 +264,13 @@ impl Callbacks {
         impl Drop for Returned<'_> {
             fn drop(&mut self) {
                 INSIDE.with(|inside| inside.borrow_mut().pop());
-                self.0.lock().count -= 1;
-                self.0.returned.notify_all();
+                let mut running = self.0.lock();
+                running.count -= 1;
+                // Only a free waits (it set `closed` first): no wake-up, and no system call,
+                // for every call otherwise.
+                if running.closed {
+                    self.0.returned.notify_all();
+                }
             }
         }
         INSIDE.with(|inside| inside.borrow_mut().push(self as *const Callbacks as usize));

@@ -441,7 +441,7 @@ impl Channel {
             return Err(call_error(py, &closed()));
         }
         let options = options(metadata, timeout, wait_for_ready, compression)?;
-        match interruptible(py, self.engine.start(path, options))? {
+        match py.detach(|| runtime().block_on(self.engine.start(path, options))) {
             Ok(call) => Ok(Call(SharedCall::new(call))),
             Err(status) => Err(call_error(py, &status)),
         }
@@ -588,38 +588,6 @@ impl UnaryCallable {
     }
 }
 
-/// How long a blocking wait runs without the GIL before it looks for a signal, as grpcio's
-/// waits do (`_common.wait`, 0.1 s): Ctrl-C ends a wait for a stream that never sends.
-const SIGNAL_SLICE: std::time::Duration = std::time::Duration::from_millis(100);
-
-/// `fut` run to its end with the GIL released, in slices of [`SIGNAL_SLICE`] between which
-/// the main thread's signal handlers run: one that raises (KeyboardInterrupt) ends the wait
-/// with its exception, and `fut` is dropped (a receive is cancel-safe: a message that comes
-/// later is the next receive's). An outcome at hand costs no timer: the first look is a poll.
-fn interruptible<F>(py: Python<'_>, fut: F) -> PyResult<F::Output>
-where
-    F: std::future::Future + Send,
-    F::Output: Send,
-{
-    let mut fut = std::pin::pin!(fut);
-    let waker = std::task::Waker::noop();
-    let first = {
-        let _runtime = runtime().enter();
-        fut.as_mut().poll(&mut std::task::Context::from_waker(waker))
-    };
-    if let std::task::Poll::Ready(out) = first {
-        return Ok(out);
-    }
-    loop {
-        // The timer is made inside `block_on`: it needs the runtime's context.
-        let sliced = py.detach(|| runtime().block_on(async { tokio::time::timeout(SIGNAL_SLICE, fut.as_mut()).await }));
-        match sliced {
-            Ok(out) => return Ok(out),
-            Err(_) => py.check_signals()?,
-        }
-    }
-}
-
 /// One blocking call of any shape; its sending and receiving sides may be used from two
 /// threads at once.
 #[pyclass(module = "isthmus._native", frozen)]
@@ -628,24 +596,24 @@ pub(crate) struct Call(Arc<SharedCall>);
 #[pymethods]
 impl Call {
     #[pyo3(signature = (message, last=false))]
-    fn send(&self, py: Python<'_>, message: &Bound<'_, PyBytes>, last: bool) -> PyResult<bool> {
+    fn send(&self, py: Python<'_>, message: &Bound<'_, PyBytes>, last: bool) -> bool {
         let message = bytes_from_py(message);
-        interruptible(py, self.0.send(message, last))
+        py.detach(|| runtime().block_on(self.0.send(message, last)))
     }
 
-    fn close_send(&self, py: Python<'_>) -> PyResult<()> {
-        interruptible(py, self.0.close_send())
+    fn close_send(&self, py: Python<'_>) {
+        py.detach(|| runtime().block_on(self.0.close_send()));
     }
 
     fn recv(&self, py: Python<'_>) -> PyResult<Option<Py<PyBytes>>> {
-        match interruptible(py, self.0.recv())? {
+        match py.detach(|| runtime().block_on(self.0.recv())) {
             Ok(message) => Ok(message.map(|m| PyBytes::new(py, &m).unbind())),
             Err(status) => Err(call_error(py, &status)),
         }
     }
 
     fn initial_metadata(&self, py: Python<'_>) -> PyResult<PyMetadata> {
-        match interruptible(py, self.0.headers())? {
+        match py.detach(|| runtime().block_on(self.0.headers())) {
             Ok(metadata) => metadata_to_py(py, &metadata),
             Err(status) => Err(call_error(py, &status)),
         }

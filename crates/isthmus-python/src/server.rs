@@ -268,7 +268,9 @@ pub(crate) struct ServerCall {
 /// call finished or over already.
 impl Drop for ServerCall {
     fn drop(&mut self) {
-        self.core.finish(Status::new(Code::Unknown, "the handler was dropped without finishing the call"));
+        if self.core.is_active() {
+            self.core.finish(Status::new(Code::Unknown, "the handler was dropped without finishing the call"));
+        }
     }
 }
 

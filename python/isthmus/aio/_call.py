@@ -562,11 +562,15 @@ class _StreamCall(_Call):
         bounded (`READ_AHEAD_BYTES`): the stream's flow control then holds the server, as it
         would hold grpc.aio's, whose status waits for a reader that stops too."""
         while not self._done.done():
-            if self._reading is not None and self._early_bytes >= READ_AHEAD_BYTES:
+            # Past the deadline the bound goes: the engine tells a deadline to a receive that
+            # finds nothing, and the status must come (the read-ahead read on before the bound).
+            left = self.time_remaining()
+            if self._reading is not None and self._early_bytes >= READ_AHEAD_BYTES and left != 0.0:
                 taken = self._taken = asyncio.Event()
                 waiter = self._loop.create_task(taken.wait())
                 try:
-                    await asyncio.wait((waiter, self._done), return_when=asyncio.FIRST_COMPLETED)
+                    first = asyncio.FIRST_COMPLETED
+                    await asyncio.wait((waiter, self._done), timeout=left, return_when=first)
                 finally:
                     waiter.cancel()
                 continue
