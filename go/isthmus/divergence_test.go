@@ -187,9 +187,16 @@ type closableConn interface {
 	Close() error
 }
 
-// bothConns is a grpc-go connection to grpcAddress and an isthmus one to shm, by name.
-func bothConns(t *testing.T, grpcAddress, shm string) map[string]closableConn {
-	return map[string]closableConn{"grpc-go": newGrpcClient(t, grpcAddress), "isthmus": dial(t, shm)}
+// connsToClose starts a grpc-go server and an isthmus echo server (on shm://name), makes one
+// call first, so that what the process keeps for good is counted in the baseline, and gives a
+// connection of each kind by name, and the live handles before them.
+func connsToClose(t *testing.T, name string) (map[string]closableConn, int) {
+	grpcAddress, shm := startGrpcServer(t), startEchoServer(t, name)
+	if _, err := pb.NewEchoClient(dial(t, shm)).Unary(testContext(t), &pb.EchoRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	before := isthmus.LiveHandles()
+	return map[string]closableConn{"grpc-go": newGrpcClient(t, grpcAddress), "isthmus": dial(t, shm)}, before
 }
 
 // Closing a connection finishes its open streams, as grpc-go's does (ErrClientConnClosing):
@@ -197,13 +204,7 @@ func bothConns(t *testing.T, grpcAddress, shm string) map[string]closableConn {
 // gets the error, and later operations say the stream is over. The never-read stream kept its
 // handle for ever, and OnFinish never came.
 func TestClosingTheConnectionFinishesItsStreams(t *testing.T) {
-	grpcAddress, shm := startGrpcServer(t), startEchoServer(t, "close-streams")
-	// A call first, so that what the process keeps for good is counted in the baseline.
-	if _, err := pb.NewEchoClient(dial(t, shm)).Unary(testContext(t), &pb.EchoRequest{}); err != nil {
-		t.Fatal(err)
-	}
-	before := isthmus.LiveHandles()
-	conns := bothConns(t, grpcAddress, shm)
+	conns, before := connsToClose(t, "close-streams")
 	for name, conn := range conns {
 		client := pb.NewEchoClient(conn)
 		finished := make(chan error, 1)
@@ -248,12 +249,7 @@ func TestClosingTheConnectionFinishesItsStreams(t *testing.T) {
 // Close while streams end by themselves (their contexts cancelled, their receives under way)
 // finishes each stream once, deadlocks on none, and frees every handle.
 func TestCloseWhileStreamsEndFinishesEachOnce(t *testing.T) {
-	grpcAddress, shm := startGrpcServer(t), startEchoServer(t, "close-while-ending")
-	if _, err := pb.NewEchoClient(dial(t, shm)).Unary(testContext(t), &pb.EchoRequest{}); err != nil {
-		t.Fatal(err)
-	}
-	before := isthmus.LiveHandles()
-	conns := bothConns(t, grpcAddress, shm)
+	conns, before := connsToClose(t, "close-while-ending")
 	for name, conn := range conns {
 		client := pb.NewEchoClient(conn)
 		const n = 40

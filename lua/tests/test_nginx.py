@@ -694,15 +694,25 @@ def serve_at(kind: str, name: str, stubs: object) -> Served:
     return Served(kind, Peer([str(binary), f"shm://{name}"]), {"shm": f"shm://{name}"})
 
 
-def test_plain_luajit_blocks_instead(servers: Callable[[str], Served]) -> None:
-    """Outside nginx the same module's calls block: a LuaJIT script against a real server."""
+def _plain_luajit(body: str) -> str:
+    """`body` run by plain LuaJIT (outside nginx) after `local isthmus = require ...`: what it
+    printed, split; it must exit 0."""
     luajit = shutil.which("luajit")
     need(luajit is not None, "luajit is missing (make lua-tools)")
     assert luajit is not None
-    target = servers("rust").addresses["shm"]
     script = f"""
 package.path = "{LUA}/lib/?.lua;" .. package.path
 local isthmus = require "resty.isthmus"
+{body}"""
+    out = subprocess.run([luajit, "-e", script], check=False, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out.stdout.split()
+
+
+def test_plain_luajit_blocks_instead(servers: Callable[[str], Served]) -> None:
+    """Outside nginx the same module's calls block: a LuaJIT script against a real server."""
+    target = servers("rust").addresses["shm"]
+    body = f"""
 isthmus.init{{ lib = "{library()}" }}
 local proto = assert(isthmus.load_proto({{ "{ROOT}/tests/proto/conformance.proto" }}))
 local ch = assert(isthmus.connect("{target}", {{ proto = proto }}))
@@ -717,10 +727,8 @@ local ok4, err = ch:unary("/conformance.Echo/Unary", {{ fail_with = 5 }})
 local ok5, stayed = ch:wait_state("READY", 0.05)
 print(r.seq, m.seq, fin == nil, ok4, err.name, ok5, stayed.name, stayed.state)
 """
-    out = subprocess.run([luajit, "-e", script], check=False, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
     want = ["5", "6", "true", "false", "NOT_FOUND", "false", "DEADLINE_EXCEEDED", "READY"]
-    assert out.stdout.split() == want
+    assert _plain_luajit(body) == want
 
 
 def test_plain_luajit_bad_arguments_are_errors_not_raises(servers: Callable[[str], Served]) -> None:
@@ -728,13 +736,8 @@ def test_plain_luajit_bad_arguments_are_errors_not_raises(servers: Callable[[str
     is loaded; they raised before (an error made before the load indexed the unloaded library).
     And a method path the descriptors lack is not remembered: a gateway that builds paths from
     its requests grew the proto's cache by one entry per path."""
-    luajit = shutil.which("luajit")
-    need(luajit is not None, "luajit is missing (make lua-tools)")
-    assert luajit is not None
     target = servers("rust").addresses["shm"]
-    script = f"""
-package.path = "{LUA}/lib/?.lua;" .. package.path
-local isthmus = require "resty.isthmus"
+    body = f"""
 local ch0, e0 = isthmus.connect("{target}", "not a table")
 print(ch0 == nil, e0.name)
 isthmus.init{{ lib = "{library()}" }}
@@ -754,11 +757,9 @@ local kept = 0
 for _ in pairs(proto.types) do kept = kept + 1 end
 print(kept)
 """
-    out = subprocess.run([luajit, "-e", script], check=False, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
     want = ["true", "INVALID_ARGUMENT", "true", "INVALID_ARGUMENT", "true", "INVALID_ARGUMENT"]
     want += ["false", "INVALID_ARGUMENT", "false", "INVALID_ARGUMENT", "false", "INVALID_ARGUMENT", "1"]
-    assert out.stdout.split() == want
+    assert _plain_luajit(body) == want
 
 
 @pytest.fixture(scope="module")

@@ -972,6 +972,24 @@ async def _read_then_head_aio(requests: Any, context: Any) -> bytes:
     return b"%d" % n
 
 
+@contextlib.contextmanager
+def _blocking_server(kind: str, generic: grpc.GenericRpcHandler) -> Iterator[Any]:
+    """A blocking server of `kind` (grpcio's or isthmus's) with `generic`, and a channel of the
+    same kind to it, closed and stopped after."""
+    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
+    pool = futures.ThreadPoolExecutor(4)
+    s = (grpc.server if kind == "grpcio" else isthmus.server)(pool)
+    s.add_generic_rpc_handlers((generic,))
+    s.add_insecure_port(address)
+    s.start()
+    try:
+        with (grpc if kind == "grpcio" else isthmus).insecure_channel(address) as channel:
+            yield channel
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
 @pytest.mark.parametrize("kind", ["grpcio", "isthmus", "grpc.aio", "isthmus.aio"])
 def test_a_handler_sends_initial_metadata_after_a_read_that_waited(kind: str) -> None:
     """A request-streaming handler that reads its first request (authenticating by it, say),
@@ -991,18 +1009,9 @@ def test_a_handler_sends_initial_metadata_after_a_read_that_waited(kind: str) ->
         yield b"more"
 
     if not aio:
-        pool = futures.ThreadPoolExecutor(2)
-        s = (grpc.server if kind == "grpcio" else isthmus.server)(pool)
-        s.add_generic_rpc_handlers((generic,))
-        s.add_insecure_port(address)
-        s.start()
-        try:
-            with (grpc if kind == "grpcio" else isthmus).insecure_channel(address) as channel:
-                reply, call = channel.stream_unary("/users.S/ReadThenHead").with_call(later(), timeout=10)
-                assert (reply, tuple(call.initial_metadata())) == (b"2", (("x-first", "alice"),)), kind
-        finally:
-            s.stop(None)
-            pool.shutdown()
+        with _blocking_server(kind, generic) as channel:
+            reply, call = channel.stream_unary("/users.S/ReadThenHead").with_call(later(), timeout=10)
+            assert (reply, tuple(call.initial_metadata())) == (b"2", (("x-first", "alice"),)), kind
         return
 
     module: Any = grpc.aio if kind == "grpc.aio" else isthmus.aio
@@ -1026,24 +1035,6 @@ def test_a_handler_sends_initial_metadata_after_a_read_that_waited(kind: str) ->
             await s.stop(None)
 
     assert asyncio.run(run()) == (b"2", (("x-first", "alice"),)), kind
-
-
-@contextlib.contextmanager
-def _blocking_server(kind: str, generic: grpc.GenericRpcHandler) -> Iterator[Any]:
-    """A blocking server of `kind` (grpcio's or isthmus's) with `generic`, and a channel of the
-    same kind to it, closed and stopped after."""
-    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
-    pool = futures.ThreadPoolExecutor(4)
-    s = (grpc.server if kind == "grpcio" else isthmus.server)(pool)
-    s.add_generic_rpc_handlers((generic,))
-    s.add_insecure_port(address)
-    s.start()
-    try:
-        with (grpc if kind == "grpcio" else isthmus).insecure_channel(address) as channel:
-            yield channel
-    finally:
-        s.stop(None)
-        pool.shutdown()
 
 
 def _head_then_echo(requests: Iterator[bytes], context: Any) -> Iterator[bytes]:

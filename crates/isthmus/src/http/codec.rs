@@ -512,6 +512,14 @@ pub(crate) fn status_message(headers: &HeaderMap) -> String {
     headers.get(GRPC_MESSAGE).map(|m| percent_decode(m.as_bytes())).unwrap_or_default()
 }
 
+/// tonic's base64 for status details (its `util::base64::STANDARD`): `decode_base64` is
+/// more lenient (trailing bits), and what it takes tonic may still refuse.
+const TONICS_BASE64: base64::engine::GeneralPurpose = base64::engine::GeneralPurpose::new(
+    &base64::alphabet::STANDARD,
+    base64::engine::GeneralPurposeConfig::new()
+        .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+);
+
 /// A peer's status headers (a trailers-only response's headers, or trailers) made readable by
 /// tonic, which reads them strictly: `grpc-status-details-bin` that is not base64 is dropped
 /// (tonic panics on it), and a `grpc-message` that is not UTF-8 once percent-decoded is kept
@@ -519,12 +527,7 @@ pub(crate) fn status_message(headers: &HeaderMap) -> String {
 /// spec says a message that does not decode must not be thrown away).
 pub(crate) fn conform_status(headers: &mut HeaderMap) {
     use base64::Engine as _;
-    let tonics_base64 = base64::engine::GeneralPurpose::new(
-        &base64::alphabet::STANDARD,
-        base64::engine::GeneralPurposeConfig::new()
-            .with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
-    );
-    if headers.get(GRPC_STATUS_DETAILS).is_some_and(|d| tonics_base64.decode(d.as_bytes()).is_err()) {
+    if headers.get(GRPC_STATUS_DETAILS).is_some_and(|d| TONICS_BASE64.decode(d.as_bytes()).is_err()) {
         headers.remove(GRPC_STATUS_DETAILS);
     }
     let unreadable = headers
