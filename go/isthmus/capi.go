@@ -205,10 +205,10 @@ func statusError(code C.isthmus_code_t, st *C.isthmus_status_t) (error, metadata
 }
 
 // withDetails is the error of a status with code, msg and the details bytes the server sent
-// (a serialized google.rpc.Status, read before the status handle holding them is freed): its
-// details are what status.FromError(err).Details() gives, as grpc-go's client does with
-// grpc-status-details-bin. The code and message are the status's own; details that do not
-// decode are left out.
+// (a serialized google.rpc.Status, read before the status handle holding them is freed), read
+// as grpc-go's client reads grpc-status-details-bin: details of the same code are the status
+// whole, their own message included; details of another code make the call INTERNAL, in
+// grpc-go's words; details that do not decode are left out.
 func withDetails(code codes.Code, msg string, details []byte) error {
 	if len(details) == 0 {
 		return status.Error(code, msg)
@@ -217,7 +217,10 @@ func withDetails(code codes.Code, msg string, details []byte) error {
 	if err := proto.Unmarshal(details, p); err != nil {
 		return status.Error(code, msg)
 	}
-	p.Code, p.Message = int32(code), msg
+	if p.Code != int32(code) {
+		return status.Errorf(codes.Internal,
+			"grpc-status-details-bin mismatch: grpc-status=%v, grpc-message=%q, grpc-status-details-bin=%+v", code, msg, p)
+	}
 	return status.FromProto(p).Err()
 }
 

@@ -131,6 +131,35 @@ func TestDetailsThatDoNotDecodeAreIgnored(t *testing.T) {
 	}
 }
 
+// Details that are a google.rpc.Status are read as grpc-go reads them: of the same code, the
+// status is theirs, message included (the library's code and message overwrote theirs); of
+// another code, the call ends INTERNAL saying so. The same calls through grpc-go's client to
+// the same server must end the same.
+func TestDetailsOfAStatusAreReadAsGrpcGoReadsThem(t *testing.T) {
+	bin := tonicPeer(t)
+	shm, unix := fresh(t, "status-details")
+	p := startPeer(t, bin, shm, unix, "http://127.0.0.1:0")
+	for _, which := range []string{"details same-code", "details other-code"} {
+		req := &pb.EchoRequest{FailWith: int32(codes.Aborted), FailMessage: which}
+		gconn, err := grpc.NewClient(grpcTarget(p.addresses[0]), grpc.WithTransportCredentials(insecure.NewCredentials()))
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = pb.NewEchoClient(gconn).Unary(context.Background(), req)
+		gconn.Close()
+		want := status.Convert(err).Proto()
+		if which == "details same-code" && want.GetMessage() != "the details' own message" {
+			t.Fatalf("grpc-go read %v: the peer's details are not what this test expects", want)
+		}
+		for _, target := range append([]string{shm}, p.addresses...) {
+			_, err := pb.NewEchoClient(dial(t, target)).Unary(context.Background(), req)
+			if got := status.Convert(err).Proto(); !proto.Equal(got, want) {
+				t.Errorf("%s, %s: got %v, want grpc-go's %v", target, which, got, want)
+			}
+		}
+	}
+}
+
 // oddMessages fails each call with the status message its request's seq picks.
 type oddMessages struct{ echo.Service }
 

@@ -263,6 +263,7 @@ class _MultiCallable:
         """A call with streaming responses, started; the caller reads them. `call`: the one to
         start, returned already (`_when_asked`)."""
         call = call or Call(self._deserialize, timeout)
+        call._streaming = True
         native = call._start(
             self._channel, self._path, outgoing(metadata), timeout, bool(wait_for_ready), compression
         )

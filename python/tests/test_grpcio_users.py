@@ -8,7 +8,10 @@ import asyncio
 import contextlib
 import gc
 import queue
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
@@ -2060,3 +2063,130 @@ def test_call_credentials_go_over_shm_and_local_credentials_stay_local(tmp_path:
             server.add_secure_port("0.0.0.0:0", isthmus.local_server_credentials())
     finally:
         server.stop(None)
+
+
+_INTERRUPTED = """
+import sys, threading, time
+from concurrent import futures
+import grpc
+import isthmus
+
+kind, shape, address = sys.argv[1:4]
+ended = threading.Event()
+
+
+def quiet(request, context):
+    print("waiting", flush=True)  # the client's main thread is in its call by now
+    while context.is_active():
+        time.sleep(0.02)
+    ended.set()
+    return b""
+
+
+def quiet_stream(request, context):
+    yield from (quiet(request, context) and ())
+
+
+server = (grpc.server if kind == "grpcio" else isthmus.server)(futures.ThreadPoolExecutor(2))
+handlers = {
+    "Unary": grpc.unary_unary_rpc_method_handler(quiet),
+    "Stream": grpc.unary_stream_rpc_method_handler(quiet_stream),
+}
+server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.Q", handlers),))
+server.add_insecure_port(address)
+server.start()
+with (grpc if kind == "grpcio" else isthmus).insecure_channel(address) as channel:
+    try:
+        if shape == "unary":
+            channel.unary_unary("/t.Q/Unary")(b"")
+        else:
+            call = channel.unary_stream("/t.Q/Stream")(b"")
+            next(call)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    if shape == "stream":
+        call.cancel()
+    print("the handler saw its end" if ended.wait(20) else "the handler runs on", flush=True)
+server.stop(None)
+"""
+
+
+@pytest.mark.parametrize("shape", ["unary", "stream"])
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_ctrl_c_ends_a_wait_for_a_reply_that_does_not_come(kind: str, shape: str) -> None:
+    """SIGINT while the main thread waits for a unary reply or a stream's next message, with no
+    deadline: grpcio waits in slices, runs the signal handlers between them and raises
+    KeyboardInterrupt, and its server's handler sees the call end. isthmus's waits held no
+    slices: Ctrl-C did nothing until a reply came."""
+    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
+    child = subprocess.Popen(
+        [sys.executable, "-c", _INTERRUPTED, kind, shape, address], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "waiting"
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=30)
+        assert out.split("\n")[:2] == ["interrupted", "the handler saw its end"], (kind, out)
+    finally:
+        child.kill()
+        child.wait()
+
+
+def _counted(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+    """Streams request[0] responses, then aborts if request[1]."""
+    for i in range(request[0]):
+        yield b"m%d" % i
+    if request[1]:
+        context.abort(grpc.StatusCode.ABORTED, "aborted")
+
+
+def _status_of(call: Any) -> tuple[Any, str, Any] | str:
+    """The call's code, details and trailing metadata, or "waiting" if they did not come in
+    10 s."""
+    out: list[tuple[Any, str, Any]] = []
+
+    def ask() -> None:
+        out.append((call.code(), call.details(), call.trailing_metadata()))
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    asker.join(10)
+    return out[0] if out else "waiting"
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_response_streams_status_comes_once_its_responses_are_read(kind: str) -> None:
+    """grpcio gives a response stream's status (code(), details(), trailing_metadata()) once
+    the server ended the call and every response before the end was read, without a reader
+    asking for the end; until the deadline while responses stay unread. isthmus gave it only
+    once a reader reached the end: after all responses were read, after an abort with none to
+    read, and past the deadline, code() waited for ever."""
+    ok, aborted = grpc.StatusCode.OK, grpc.StatusCode.ABORTED
+    generic = grpc.method_handlers_generic_handler(
+        "users.S", {"Counted": grpc.unary_stream_rpc_method_handler(_counted)}
+    )
+    with _blocking_server(kind, generic) as channel:
+        counted = channel.unary_stream("/users.S/Counted")
+        call = counted(bytes([3, 0]), timeout=30)
+        read = [next(call) for _ in range(3)]
+        assert (read, _status_of(call)) == ([b"m0", b"m1", b"m2"], (ok, "", ()))
+        assert list(call) == []
+        assert _status_of(counted(bytes([0, 1]), timeout=30)) == (aborted, "aborted", ())
+        call = counted(bytes([1, 1]), timeout=30)
+        assert (next(call), _status_of(call)) == (b"m0", (aborted, "aborted", ()))
+        # Responses nobody reads: the status waits for them, here until the deadline, and
+        # the reader that comes later finds the call failed.
+        call = counted(bytes([3, 0]), timeout=1)
+        assert _status_of(call) == (grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded", ())
+        with pytest.raises(grpc.RpcError) as failed:
+            next(call)
+        assert failed.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # A reader beside a status waiter gets every response, in order.
+        call = counted(bytes([50, 0]), timeout=30)
+        status: list[Any] = []
+        asker = threading.Thread(target=lambda: status.append(_status_of(call)))
+        asker.start()
+        assert list(call) == [b"m%d" % i for i in range(50)]
+        asker.join(20)
+        assert status == [(ok, "", ())]

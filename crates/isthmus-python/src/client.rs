@@ -25,6 +25,8 @@
 //! - Connectivity (`connectivity`, `wait_connectivity`): READY while the fast path's blocking
 //!   connection is up (its socket is looked at), else the engine channel's state, which
 //!   `try_to_connect` starts connecting in the background (`isthmus::connectivity`).
+//! - A wait on the main thread runs the signal handlers every 100 ms (`SIGNAL_SLICE`), as
+//!   grpcio's do: Ctrl-C raises KeyboardInterrupt out of it, and cancels a unary call.
 //! - `close` fails calls in progress CANCELLED "Channel closed!" as grpcio does, over `shm://`
 //!   (its connections end) and over HTTP/2 alike (their streams reset; the connection closes
 //!   with the channel). Of `options`, the message-size limits, `grpc.ssl_target_name_override` and
@@ -258,11 +260,16 @@ impl Channel {
             return Err(call_error(py, &closed()));
         }
         let response = match &self.blocking {
-            Some(channel) => py.detach(|| channel.unary(path, request, options)),
+            Some(channel) => py.detach(|| channel.unary_checked(path, request, options, SIGNAL_SLICE, signals))?,
             None => py.detach(|| match self.settled_upgrade(request.len(), &mut options) {
-                Some(channel) => channel.unary(path, request, options),
-                None => runtime().block_on(self.direct.unary(path, request, options)),
-            }),
+                // As the engine's own upgraded calls: over shm:// the call does not wait for a
+                // server (it would retry the address a restarted server left for good).
+                Some(channel) => {
+                    let options = isthmus::CallOptions { wait_for_ready: false, ..options };
+                    channel.unary_checked(path, request, options, SIGNAL_SLICE, signals)
+                }
+                None => block_on_checked(self.direct.unary(path, request, options)),
+            })?,
         };
         response.map_err(|status| call_error(py, &status))
     }
@@ -414,7 +421,10 @@ impl Channel {
         let response = match Request::from_py(request)? {
             Request::Block(Outgoing::Shm(block)) => {
                 let sent = match &self.blocking {
-                    Some(channel) => py.detach(|| channel.unary_block(path, block, options)),
+                    Some(channel) => py.detach(|| match channel.unary_block_begin(path, block, options) {
+                        Ok(pending) => pending.wait_checked(SIGNAL_SLICE, signals),
+                        Err(status) => Ok(Err(status)),
+                    })?,
                     None => Err(Status::new(Code::InvalidArgument, "this block was allocated by another channel")),
                 };
                 sent.map_err(|status| call_error(py, &status))?
@@ -441,7 +451,7 @@ impl Channel {
             return Err(call_error(py, &closed()));
         }
         let options = options(metadata, timeout, wait_for_ready, compression)?;
-        match py.detach(|| runtime().block_on(self.engine.start(path, options))) {
+        match py.detach(|| block_on_checked(self.engine.start(path, options)))? {
             Ok(call) => Ok(Call(SharedCall::new(call))),
             Err(status) => Err(call_error(py, &status)),
         }
@@ -588,6 +598,47 @@ impl UnaryCallable {
     }
 }
 
+/// How long a blocking wait runs before the waiting thread looks for a signal, as grpcio's
+/// waits do: Ctrl-C ends a wait for a reply or a message that does not come.
+const SIGNAL_SLICE: std::time::Duration = std::time::Duration::from_millis(100);
+
+thread_local! {
+    /// Whether this thread is Python's main thread, once a wait has asked: only there do
+    /// signal handlers run, so other threads need not take the GIL to look.
+    static MAIN_THREAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+}
+
+/// Runs the signal handlers if this is the main thread (called without the GIL, which it
+/// takes): the exception one raised (KeyboardInterrupt) ends the wait that called.
+fn signals() -> PyResult<()> {
+    if MAIN_THREAD.get() == Some(false) {
+        return Ok(());
+    }
+    Python::attach(|py| {
+        if MAIN_THREAD.get().is_none() {
+            let threading = py.import(pyo3::intern!(py, "threading"))?;
+            let main = threading.call_method0(pyo3::intern!(py, "main_thread"))?;
+            MAIN_THREAD.set(Some(main.is(&threading.call_method0(pyo3::intern!(py, "current_thread"))?)));
+        }
+        py.check_signals()
+    })
+}
+
+/// `fut` run to its end on the runtime, called without the GIL: the signal handlers run each
+/// [`SIGNAL_SLICE`] it waits, and one that raises ends the wait with its exception, `fut`
+/// dropped (a stream's receive, send and start are cancel-safe; a unary call is cancelled).
+/// An outcome at hand costs no timer: the slice's timer waits until the first pending poll.
+fn block_on_checked<F: std::future::Future>(fut: F) -> PyResult<F::Output> {
+    let mut fut = std::pin::pin!(fut);
+    loop {
+        // Made inside `block_on`: a timer needs the runtime's context.
+        match runtime().block_on(async { tokio::time::timeout(SIGNAL_SLICE, fut.as_mut()).await }) {
+            Ok(out) => return Ok(out),
+            Err(_) => signals()?,
+        }
+    }
+}
+
 /// One blocking call of any shape; its sending and receiving sides may be used from two
 /// threads at once.
 #[pyclass(module = "isthmus._native", frozen)]
@@ -596,24 +647,24 @@ pub(crate) struct Call(Arc<SharedCall>);
 #[pymethods]
 impl Call {
     #[pyo3(signature = (message, last=false))]
-    fn send(&self, py: Python<'_>, message: &Bound<'_, PyBytes>, last: bool) -> bool {
+    fn send(&self, py: Python<'_>, message: &Bound<'_, PyBytes>, last: bool) -> PyResult<bool> {
         let message = bytes_from_py(message);
-        py.detach(|| runtime().block_on(self.0.send(message, last)))
+        py.detach(|| block_on_checked(self.0.send(message, last)))
     }
 
-    fn close_send(&self, py: Python<'_>) {
-        py.detach(|| runtime().block_on(self.0.close_send()));
+    fn close_send(&self, py: Python<'_>) -> PyResult<()> {
+        py.detach(|| block_on_checked(self.0.close_send()))
     }
 
     fn recv(&self, py: Python<'_>) -> PyResult<Option<Py<PyBytes>>> {
-        match py.detach(|| runtime().block_on(self.0.recv())) {
+        match py.detach(|| block_on_checked(self.0.recv()))? {
             Ok(message) => Ok(message.map(|m| PyBytes::new(py, &m).unbind())),
             Err(status) => Err(call_error(py, &status)),
         }
     }
 
     fn initial_metadata(&self, py: Python<'_>) -> PyResult<PyMetadata> {
-        match py.detach(|| runtime().block_on(self.0.headers())) {
+        match py.detach(|| block_on_checked(self.0.headers()))? {
             Ok(metadata) => metadata_to_py(py, &metadata),
             Err(status) => Err(call_error(py, &status)),
         }

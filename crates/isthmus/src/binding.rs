@@ -1014,11 +1014,11 @@ impl HandedCall {
     ) -> Result<(), Status> {
         use crate::Delivery;
         self.check_active()?;
-        let (arena, direct) = {
+        let (arena, inline_max, direct) = {
             let mut call = self.sending().await;
-            (call.shared_arena().cloned(), call.direct().await?)
+            (call.shared_arena().cloned(), call.inline_max(), call.direct().await?)
         };
-        let mut sub = topic.subscribe_for(arena.as_ref());
+        let mut sub = topic.subscribe_sending(arena.as_ref(), inline_max);
         sub.send_directly(direct);
         if !self.add_done_callback(Box::new(sub.canceller())) {
             return Err(Status::new(Code::Cancelled, "the call is over"));

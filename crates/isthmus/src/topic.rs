@@ -4,8 +4,8 @@
 //! - **One write.** `publish` copies the message once into the shared arena of each listener
 //!   its subscribers came through (usually one), and every subscriber's call carries a
 //!   reference to that block ([`ServerCall::send_shared`]); its client reads it in place. A
-//!   small message (inline size, 8 KiB) is copied once into the heap and inline into each ring,
-//!   which costs less than a shared block would. Calls that came over `unix://` or `http://`
+//!   small message (up to the connection's `inline_max`, 8 KiB by default) is copied once into
+//!   the heap and inline into each ring, which costs less than a shared block would. Calls that came over `unix://` or `http://`
 //!   reach the handler through the server's loopback `shm://` endpoint (ADR 0007) and get the
 //!   same block; the bridge then writes an ordinary gRPC stream.
 //! - **No task per subscriber per message.** A subscriber whose handler waits idle in
@@ -51,7 +51,8 @@ use crate::engine::server::{Direct, ServerCall};
 use crate::status::{Code, Status};
 
 /// Messages up to this size travel inline in the ring, where a copy per subscriber is cheaper
-/// than a shared block and its release (the transport's default `inline_max`).
+/// than a shared block and its release: the transport's default `inline_max`, for a subscriber
+/// that does not say its connection's ([`Topic::subscribe_for`]).
 const INLINE: usize = 8 << 10;
 
 /// What a topic does with a subscriber whose queue is full.
@@ -183,6 +184,9 @@ struct Queue {
 
 struct Subscriber {
     arena: Option<SharedArena>,
+    /// The largest message its connection sends inline, copied into the ring: it needs no
+    /// block of the arena for those (`Connection::inline_max`).
+    inline_max: usize,
     queue: Mutex<Queue>,
     wake: Notify,
 }
@@ -331,25 +335,27 @@ impl Topic {
         // Arenas with no room for it: asked once per publish (a full arena drains every
         // connection it serves before it says no).
         let mut full: Vec<&SharedArena> = Vec::new();
-        let mut heap = message.len() <= INLINE;
-        if !heap {
-            for sub in subs {
-                match &sub.arena {
-                    Some(arena) if blocks.iter().any(|b| b.arena().same(arena)) => {}
-                    Some(arena) if full.iter().any(|f| f.same(arena)) => {}
-                    Some(arena) => match arena.try_alloc(message.len()) {
-                        Ok(Some(mut block)) => {
-                            block.copy_from_slice(message);
-                            blocks.push(block.freeze());
-                        }
-                        // Full, or too large for it: this arena's subscribers get copies.
-                        _ => {
-                            heap = true;
-                            full.push(arena);
-                        }
-                    },
-                    None => heap = true,
-                }
+        let mut heap = false;
+        for sub in subs {
+            if message.len() <= sub.inline_max {
+                heap = true; // its connection copies it into the ring
+                continue;
+            }
+            match &sub.arena {
+                Some(arena) if blocks.iter().any(|b| b.arena().same(arena)) => {}
+                Some(arena) if full.iter().any(|f| f.same(arena)) => {}
+                Some(arena) => match arena.try_alloc(message.len()) {
+                    Ok(Some(mut block)) => {
+                        block.copy_from_slice(message);
+                        blocks.push(block.freeze());
+                    }
+                    // Full, or too large for it: this arena's subscribers get copies.
+                    _ => {
+                        heap = true;
+                        full.push(arena);
+                    }
+                },
+                None => heap = true,
             }
         }
         // With no subscriber at all, the heap copy is what a late joiner gets as the state.
@@ -413,7 +419,14 @@ impl Topic {
     /// The current state, if any, is queued first. After [`close`](Self::close) the subscription
     /// ends at once, with OK.
     pub fn subscribe_for(&self, arena: Option<&SharedArena>) -> Subscription {
-        let sub = Arc::new(Subscriber { arena: arena.cloned(), queue: Mutex::default(), wake: Notify::new() });
+        self.subscribe_sending(arena, INLINE)
+    }
+
+    /// [`subscribe_for`](Self::subscribe_for) a call whose connection sends messages up to
+    /// `inline_max` bytes inline: `publish` writes no block for those.
+    pub(crate) fn subscribe_sending(&self, arena: Option<&SharedArena>, inline_max: usize) -> Subscription {
+        let sub =
+            Arc::new(Subscriber { arena: arena.cloned(), inline_max, queue: Mutex::default(), wake: Notify::new() });
         let mut m = self.inner.members();
         let id = m.next_id;
         m.next_id += 1;
@@ -456,7 +469,7 @@ impl Topic {
         call: &mut ServerCall,
         mut on_gap: Option<&mut (dyn FnMut(u64) -> Option<Bytes> + Send)>,
     ) -> Result<(), Status> {
-        let mut sub = self.subscribe_for(call.shared_arena());
+        let mut sub = self.subscribe_sending(call.shared_arena(), call.inline_max());
         sub.send_directly(call.direct().await?);
         while let Some(next) = sub.next().await? {
             let (message, published) = match next {
@@ -528,11 +541,16 @@ impl Topic {
     }
 
     /// Ends every subscription with OK once it has sent what it has queued; later publishes do
-    /// nothing and later subscriptions end at once.
+    /// nothing and later subscriptions end at once. The state ([`state`](Self::state)) stays,
+    /// in the heap: the arena's block goes back once the subscribers have sent it.
     pub fn close(&self) {
         let subs: Vec<Arc<Subscriber>> = {
             let mut m = self.inner.members();
             m.closed = true;
+            if let Some(state) = m.state.as_mut().filter(|s| !s.0.blocks.is_empty()) {
+                let heap = Some(state.bytes());
+                *state = Published(Arc::new(PublishedInner { heap, blocks: Vec::new(), ..*state.0 }));
+            }
             m.by_id.drain().map(|(_, s)| s).collect()
         };
         for sub in subs {
@@ -796,5 +814,46 @@ mod tests {
         }
         drop(subs);
         assert_eq!(arena.in_use(), 0, "freed with the last reference");
+    }
+
+    #[test]
+    fn a_closed_topic_keeps_its_state_but_not_its_block() {
+        let arena = isthmus_shm::SharedArena::for_tests(1 << 20).expect("arena");
+        let topic = Topic::new("t");
+        let sub = topic.subscribe_for(Some(&arena));
+        let state = vec![5u8; 100_000];
+        topic.publish_state(&state);
+        drop(sub); // it never sent the state
+        assert!(arena.in_use() > 0);
+        topic.close();
+        assert_eq!(arena.in_use(), 0, "the block pinned by the state went back (it stayed before)");
+        assert_eq!(topic.state().as_deref(), Some(&state[..]));
+    }
+
+    #[test]
+    fn the_inline_size_is_the_subscribers_connections() {
+        // A 4 KiB message: inline under the default 8 KiB (a heap copy, no block); one block
+        // for subscribers whose connections send at most 1 KiB inline (before, they got the
+        // heap copy, and each connection copied it into a block of its own).
+        let arena = isthmus_shm::SharedArena::for_tests(1 << 20).expect("arena");
+        let topic = Topic::new("t");
+        let message = vec![3u8; 4096];
+        let mut default = topic.subscribe_for(Some(&arena));
+        topic.publish(&message);
+        assert_eq!(arena.in_use(), 0, "inline for a connection of the default size");
+        let mut small = [(); 2].map(|_| topic.subscribe_sending(Some(&arena), 1024));
+        assert!(matches!(next_now(&mut default), Some(Ok(Some(Delivery::Message(_))))));
+        topic.publish(&message);
+        assert_eq!(arena.in_use(), 4096, "one block for the two small-ring subscribers");
+        for s in small.iter_mut() {
+            match next_now(s) {
+                Some(Ok(Some(Delivery::Message(p)))) => assert!(p.shared_block(&arena).is_some()),
+                other => panic!("{other:?}"),
+            }
+        }
+        match next_now(&mut default) {
+            Some(Ok(Some(Delivery::Message(p)))) => assert!(p.0.heap.is_some(), "and a heap copy for the other"),
+            other => panic!("{other:?}"),
+        }
     }
 }

@@ -25,7 +25,8 @@
 //! Another host, another pid namespace (a container), another uid (whose `/proc` entries and
 //! socket directory the client cannot read) fail a check, and the channel stays on HTTP/2. Once connected, calls go over `shm://`; if that connection dies (the server
 //! restarted, say), calls go back to HTTP/2 at once and the probe runs again 5 s later (60 s
-//! after a server that offered nothing). Calls in flight are never moved.
+//! after a server that offered nothing; after probes that failed, 5 s doubled for each failure
+//! in a row, up to 120 s). Calls in flight are never moved.
 //!
 //! It is on by default; `ChannelBuilder::upgrade(false)` turns it off for a channel, the
 //! environment variable `ISTHMUS_UPGRADE=0` for every channel of a process that does not say.
@@ -37,7 +38,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -56,8 +57,12 @@ const PID_KEY: &str = "isthmus-shm-pid";
 const BOOT_KEY: &str = "isthmus-boot-id";
 /// The longest target an offer may name (a unix socket path is at most 108 bytes).
 const MAX_TARGET: usize = 200;
-/// How long after a failed probe, or after the shm connection was lost, the next probe runs.
+/// How long after a failed probe, or after the shm connection was lost, the next probe runs;
+/// doubled for each probe in a row that fails (an offer this client can never connect to: a
+/// mount namespace of its own, say), up to `REPROBE_MAX`, as gRPC's reconnect backoff grows.
 const REPROBE: Duration = Duration::from_secs(5);
+/// The longest wait between two failed probes (gRPC's reconnect backoff stops at 120 s too).
+const REPROBE_MAX: Duration = Duration::from_secs(120);
 /// The same, after a server that offers nothing (a plain gRPC server, say).
 const NOT_OFFERED: Duration = Duration::from_secs(60);
 /// How long a probe's offer call may take.
@@ -227,6 +232,9 @@ pub(crate) struct Upgrade {
     http2: AtomicU64,
     /// Told when a probe ends (`ProbeGuard`), for calls that wait for it (`settle`).
     probe_ended: tokio::sync::Notify,
+    /// Probes in a row that failed to reach an offer (`failed_probe`); none since the last
+    /// that moved the channel.
+    failed_probes: AtomicU32,
 }
 
 impl Upgrade {
@@ -240,7 +248,15 @@ impl Upgrade {
             shm: AtomicU64::new(0),
             http2: AtomicU64::new(0),
             probe_ended: tokio::sync::Notify::new(),
+            failed_probes: AtomicU32::new(0),
         }
+    }
+
+    /// How long to wait before the next probe after one more that failed: `REPROBE`, doubled
+    /// for each failure in a row before it, at most `REPROBE_MAX`.
+    fn failed_probe(&self) -> Duration {
+        let before = self.failed_probes.fetch_add(1, Ordering::Relaxed).min(16);
+        REPROBE.saturating_mul(1 << before).min(REPROBE_MAX)
     }
 
     /// The `shm://` channel to carry the next call, if the channel has moved and its
@@ -401,7 +417,8 @@ impl Drop for ProbeGuard {
     fn drop(&mut self) {
         if let Ok(mut state) = self.0.state.lock() {
             if let State::Probing { .. } = *state {
-                *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true, lost: false };
+                let wait = self.0.failed_probe();
+                *state = State::Idle { next_probe: Instant::now() + wait, probed: true, lost: false };
             }
         }
         self.0.probe_ended.notify_waiters();
@@ -424,6 +441,7 @@ async fn probe_once(up: Arc<Upgrade>, http: Channel) {
         }
         Ok(Some(to)) => match connect(&to, up.config.clone(), up.agent.as_deref()).await {
             Ok(channel) => {
+                up.failed_probes.store(0, Ordering::Relaxed);
                 if let Ok(mut state) = up.state.lock() {
                     match *state {
                         // Closed while the probe ran: the connection it made goes too.
@@ -435,13 +453,13 @@ async fn probe_once(up: Arc<Upgrade>, http: Channel) {
             }
             Err(status) => {
                 tracing::debug!("the offered {} is not reachable: {status:?}", to.target);
-                REPROBE
+                up.failed_probe()
             }
         },
         Ok(None) => NOT_OFFERED,
         Err(status) => {
             tracing::debug!("asking for an shm:// offer failed: {status:?}");
-            REPROBE
+            up.failed_probe()
         }
     };
     if let Ok(mut state) = up.state.lock() {
@@ -585,6 +603,16 @@ fn holds_socket(pid: u32, inode: u64) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn failed_probes_back_off_and_a_move_starts_afresh() {
+        let up = Upgrade::new(Config::default(), HttpPeer::default(), None);
+        let waits: Vec<u64> = (0..40).map(|_| up.failed_probe().as_secs()).collect();
+        assert_eq!(waits[..7], [5, 10, 20, 40, 80, 120, 120]);
+        assert!(waits.iter().all(|&w| w <= 120), "never past REPROBE_MAX, nor wrapped: {waits:?}");
+        up.failed_probes.store(0, Ordering::Relaxed); // what a probe that moved the channel does
+        assert_eq!(up.failed_probe(), REPROBE);
+    }
 
     #[test]
     fn proc_addresses_read_in_the_kernels_order() {

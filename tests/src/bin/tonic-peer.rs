@@ -1,9 +1,11 @@
 //! A tonic service served by `isthmus::Server`: `tonic-peer TARGET…` (any of `shm://`,
 //! `unix://`, `http://`; prints `LISTENING ADDRESS` for each HTTP/2 endpoint after `READY`).
 //! `Bidi` prints `BIDI-ENDED CODE` when its request stream fails (a client's cancel), and
-//! `BIDI-ENDED half-close` when it ends; a `Unary` call with a `sleep_ms` prints
-//! `UNARY-SLEEPING SEQ` as its handler starts to sleep, and `UNARY-DROPPED SEQ` if the call is
-//! cancelled (its handler dropped) during the sleep.
+//! `BIDI-ENDED half-close` when it ends; a failure (`fail_with`) carries details that are no
+//! google.rpc.Status unless its message asks for one (`details same-code`, `details
+//! other-code`); a `Unary` call with a `sleep_ms` prints `UNARY-SLEEPING SEQ` as its handler
+//! starts to sleep, and `UNARY-DROPPED SEQ` if the call is cancelled (its handler dropped)
+//! during the sleep.
 //! `https://` targets take the certificate and key in the files `ISTHMUS_TLS_CERT` and
 //! `ISTHMUS_TLS_KEY` name, and with `ISTHMUS_TLS_CLIENT_CA` require client certificates signed
 //! by it; `Unary` then answers a client's certificate's common name in `x-peer-cn`.
@@ -70,9 +72,26 @@ fn failure(req: &EchoRequest) -> Result<(), Status> {
     Err(Status::with_details_and_metadata(
         tonic::Code::from_i32(req.fail_with),
         req.fail_message.clone(),
-        bytes::Bytes::from_static(b"\x00details\xff"),
+        details(req),
         md,
     ))
+}
+
+/// The details a failure carries: raw bytes that are no google.rpc.Status, unless the failure
+/// message asks for one, `details same-code` with the failure's code and a message of its own,
+/// or `details other-code` with the next code, as a server that builds its trailers by hand
+/// may send.
+fn details(req: &EchoRequest) -> bytes::Bytes {
+    let code = match req.fail_message.as_str() {
+        "details same-code" => req.fail_with,
+        "details other-code" => req.fail_with + 1,
+        _ => return bytes::Bytes::from_static(b"\x00details\xff"),
+    };
+    // google.rpc.Status: field 1 the code (a varint; codes fit in one byte), field 2 the message.
+    let message = b"the details' own message";
+    let mut proto = vec![0x08, u8::try_from(code).expect("a code"), 0x12, message.len() as u8];
+    proto.extend_from_slice(message);
+    proto.into()
 }
 
 #[tonic::async_trait]

@@ -299,6 +299,26 @@ impl Channel {
         unary_wait(&mut call, &mut None, path)
     }
 
+    /// [`unary`](Self::unary) for a caller that has something else to look at while it waits
+    /// (a Python thread its signal handlers, as grpcio's waits do): `check` runs each time
+    /// `every` passes with the call still running. An `Err` from it cancels the call (the
+    /// server sees CANCELLED) and is returned; the call's own outcome is the `Ok`.
+    pub fn unary_checked<E>(
+        &self,
+        path: &str,
+        request: &[u8],
+        options: CallOptions,
+        every: Duration,
+        check: impl FnMut() -> Result<(), E>,
+    ) -> Result<Result<Response, Status>, E> {
+        let (mut call, _) = match self.begin(path, request, &options, None) {
+            Ok(Some(begun)) => begun,
+            Ok(None) => return Ok(Err(no_room())),
+            Err(status) => return Ok(Err(status)),
+        };
+        unary_wait_checked(&mut call, &mut None, path, every, check)
+    }
+
     /// A unary call whose request is sent and whose response is waited for later, on this
     /// thread or another: [`PendingUnary::wait_until`] gives up at a time of the caller's
     /// choosing and leaves the call running. An event loop waits a moment for a fast reply and
@@ -524,6 +544,26 @@ fn unary_wait(call: &mut Call, message: &mut Option<Bytes>, path: &str) -> Resul
         let until = call.deadline.unwrap_or_else(|| Instant::now() + Duration::from_secs(3600));
         if let Some(outcome) = unary_outcome(call, message, path, until) {
             return outcome;
+        }
+    }
+}
+
+/// [`unary_wait`] with `check` run each time `every` passes ([`Channel::unary_checked`]).
+fn unary_wait_checked<E>(
+    call: &mut Call,
+    message: &mut Option<Bytes>,
+    path: &str,
+    every: Duration,
+    mut check: impl FnMut() -> Result<(), E>,
+) -> Result<Result<Response, Status>, E> {
+    loop {
+        // Past the deadline `unary_outcome` ends the call itself: `until` needs no bound by it.
+        if let Some(outcome) = unary_outcome(call, message, path, Instant::now() + every) {
+            return Ok(outcome);
+        }
+        if let Err(e) = check() {
+            call.state.cancel_blocking(Code::Cancelled, "the call was cancelled", CANCEL_PATIENCE);
+            return Err(e);
         }
     }
 }
@@ -768,6 +808,16 @@ impl PendingUnary {
     /// Waits for the call's outcome (bounded by its deadline).
     pub fn wait(mut self) -> Result<Response, Status> {
         unary_wait(&mut self.call, &mut self.message, &self.path)
+    }
+
+    /// [`wait`](Self::wait) with `check` run each time `every` passes, as
+    /// [`Channel::unary_checked`]'s.
+    pub fn wait_checked<E>(
+        mut self,
+        every: Duration,
+        check: impl FnMut() -> Result<(), E>,
+    ) -> Result<Result<Response, Status>, E> {
+        unary_wait_checked(&mut self.call, &mut self.message, &self.path, every, check)
     }
 
     /// Cancels the call: the server sees CANCELLED.

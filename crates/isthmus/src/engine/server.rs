@@ -619,6 +619,12 @@ impl ServerCall {
         self.mux.sender.shared_arena()
     }
 
+    /// The largest message this call's connection copies into its ring rather than sending
+    /// a block (its `inline_max`).
+    pub(crate) fn inline_max(&self) -> usize {
+        self.mux.sender.inline_max()
+    }
+
     /// Sends a block of a shared arena as one response message: by reference if it is this
     /// call's [`shared_arena`](Self::shared_arena) and the client does not hold it already, else
     /// as a copy. [`Topic`](crate::Topic) uses this to write a message once for every subscriber.
