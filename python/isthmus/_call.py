@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import threading
 import time
 import weakref
@@ -25,18 +24,6 @@ Serializer = Callable[[Any], bytes] | None
 Deserializer = Callable[[bytes], Any] | None
 
 _INTERNAL = 13
-
-# Forks so far, as a child counts them. A call's receive lock held at a fork by a thread of the
-# parent stays held in the child, where no thread will release it (`Call._take_recv`).
-_forks = 0
-
-
-def _count_fork() -> None:
-    global _forks
-    _forks += 1
-
-
-os.register_at_fork(after_in_child=_count_fork)
 
 
 #: grpcio's details for a request that could not be serialized.
@@ -137,16 +124,9 @@ class Call(grpc.Call, grpc.Future):
         self._abandon: Callable[[], None] | None = None
         self._metadata: tuple[Metadata, Metadata] | None = None
         self._ok_details = ""
-        # A call with streaming responses (`_stream`): a thread that wants its status while no
-        # reader receives reads on as far as the next response, which it keeps in `_ahead` for
-        # the reader. `_recv` is held by the thread in the engine's receive, and `_ahead` is
-        # read and written only under it; `_waiters` count the threads waiting on `_lock` for
-        # a change, which a thread that releases `_recv` or takes `_ahead` then tells.
+        # A call with streaming responses (`_stream`): its status comes once its responses
+        # are read (`_wait_for_status`).
         self._streaming = False
-        self._recv = threading.Lock()
-        self._forks = _forks
-        self._ahead: bytes | None = None
-        self._waiters = 0
 
     def __del__(self) -> None:
         # A call its caller let go of before its end is cancelled, as grpcio's ("Cancelled upon
@@ -192,6 +172,9 @@ class Call(grpc.Call, grpc.Future):
             native.send(request, True)  # the one request, and the half-close, in one frame
         except CallError as e:
             self._end(e)
+        except BaseException:
+            native.cancel()  # Ctrl-C in the send: what went of the request goes no further
+            raise
 
     def _send_all(self, native: _native.Call, requests: Iterator[Any], serialize: Serializer) -> None:
         """Sends `requests` from a thread of its own, so that responses can be read meanwhile
@@ -256,6 +239,9 @@ class Call(grpc.Call, grpc.Future):
             response = decode(self._deserialize, message)
         except CallError as e:
             self._end(e)
+        except BaseException:
+            native.cancel()  # Ctrl-C in the wait: the server stops, as for a unary call
+            raise
         else:
             self._end(None, response)
 
@@ -332,76 +318,24 @@ class Call(grpc.Call, grpc.Future):
 
     def _wait_for_status(self) -> None:
         """Waits for a response stream's status as grpcio gives it: once the server ended the
-        call and every response before its end was read. While no reader receives, this thread
-        reads on itself: the end is the status; a response is kept for the reader, and the
-        status waits for the reader to take it, or for the deadline."""
-        while True:
-            holds = False
-            with self._lock:
-                self._waiters += 1
-                try:
-                    while not self._ended:
-                        if self._native is not None and self._ahead is None and self._take_recv():
-                            holds = True
-                            break
-                        left = None
-                        if self._ahead is not None and self._deadline is not None:
-                            left = self._deadline - time.monotonic()
-                            if left <= 0:
-                                break
-                        self._lock.wait(left)
-                    else:
-                        return
-                finally:
-                    self._waiters -= 1
-            if not holds:  # the deadline passed with a response the reader never took
-                self._cancel("Deadline Exceeded", grpc.StatusCode.DEADLINE_EXCEEDED)
-                return
+        call and every response before its end was read. The engine reads on while no reader
+        does, and keeps a response it meets for the reader (`drained_end`); a response left
+        unread holds the status until the deadline, which then ends the call, as grpcio's."""
+        with self._lock:
+            self._lock.wait_for(lambda: self._native is not None or self._ended)
             native = self._native
-            assert native is not None
-            if self._ahead is not None:  # another status waiter kept one meanwhile
-                self._release()
-                continue
-            self._receive(native, keep=True)
-
-    def _receive(self, native: _native.Call, keep: bool) -> bytes | None:
-        """The next response (`_recv` held by the caller, released here; `_ahead` empty), or
-        None at the call's end, which it records. `keep`: a response is kept for the reader."""
+        if self._ended or native is None:
+            return
+        left = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
         try:
-            try:
-                message = native.recv()
-            except CallError as e:
-                self._end(e)
-                return None
-            if message is None:
-                self._end(None)
-            elif keep:
-                self._ahead = message
-            return message
-        finally:  # after a KeyboardInterrupt too: another thread may receive then
-            self._recv.release()  # `_release`, inline: once per response
-            if self._waiters:
-                with self._lock:
-                    self._lock.notify_all()
-
-    def _take_recv(self) -> bool:
-        """Takes `_recv` if it is free; the lock is held. In a child forked since the call
-        began, the lock may be held by a thread of the parent, which the child lacks: the call
-        gets a new one there."""
-        if self._recv.acquire(False):
-            return True
-        if self._forks == _forks:
-            return False
-        self._forks = _forks
-        self._recv = threading.Lock()
-        return self._recv.acquire(False)
-
-    def _release(self) -> None:
-        """Releases `_recv` and tells the threads waiting for a change."""
-        self._recv.release()
-        if self._waiters:
-            with self._lock:
-                self._lock.notify_all()
+            ended = native.drained_end(left)
+        except CallError as e:
+            self._end(e)
+            return
+        if ended:
+            self._end(None)
+        else:
+            self._cancel("Deadline Exceeded", grpc.StatusCode.DEADLINE_EXCEEDED)
 
     # The response iterator (streaming responses).
 
@@ -410,42 +344,27 @@ class Call(grpc.Call, grpc.Future):
 
     def __next__(self) -> Any:
         native = self._native
-        if native is None or self._ended or not self._recv.acquire(False):
-            # Not started yet (its call credentials are being asked), ended, or another
-            # thread is receiving (a status waiter keeps what it receives for this reader).
-            native = self._take_receive()
-        if native is not None:
-            message = self._ahead
-            if message is None:
-                message = self._receive(native, keep=False)
+        if native is None:  # not started yet: its call credentials are being asked
+            with self._lock:
+                self._lock.wait_for(lambda: self._native is not None or self._ended)
+                native = self._native
+        if native is not None and not self._ended:
+            try:
+                message = native.recv()
+            except CallError as e:
+                self._end(e)
             else:
-                self._ahead = None
-                self._release()
-            if message is not None:
-                try:
-                    return decode(self._deserialize, message)
-                except CallError as e:
-                    native.cancel()
-                    self._end(e)
+                if message is None:
+                    self._end(None)
+                else:
+                    try:
+                        return decode(self._deserialize, message)
+                    except CallError as e:
+                        native.cancel()
+                        self._end(e)
         if self._error is not None:
             raise self._error
         raise StopIteration
-
-    def _take_receive(self) -> _native.Call | None:
-        """Waits until this thread holds `_recv`, and returns the call to receive from; None
-        once the call ended (one that failed drops what was read ahead, as grpcio's; one that
-        ended OK has nothing ahead: its end was received after the last response was taken)."""
-        with self._lock:
-            self._waiters += 1
-            try:
-                while not self._ended:
-                    native = self._native
-                    if native is not None and self._take_recv():
-                        return native
-                    self._lock.wait()
-                return None
-            finally:
-                self._waiters -= 1
 
     def next(self) -> Any:
         return self.__next__()

@@ -144,6 +144,7 @@ class _MultiCallable:
         if asks:
             call_plugins(credentials)  # credentials of a kind isthmus cannot read: TypeError here
         call = Call(self._deserialize, timeout)
+        call._streaming = run == self._stream  # its status waits for its responses meanwhile too
         if not self._auth.hold(call):  # until it starts: the channel's close ends it meanwhile
             # As the native channel fails a call after its close, without asking the plugins.
             call._end(CallError(grpc.StatusCode.UNAVAILABLE.value[0], "the channel was closed"))

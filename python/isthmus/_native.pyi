@@ -225,6 +225,10 @@ class Call:
         """The trailers once the call ended (OK or not); None before."""
     def details(self) -> str | None:
         """The OK status's message once the call ended (empty after a failure); None before."""
+    def drained_end(self, left: float | None = None) -> bool:
+        """Waits for the call's end once every response before it was read, reading on while
+        no reader does and keeping a response for the next recv: True for OK, CallError for
+        another status; False if `left` seconds pass with a response still unread."""
     def cancel(self) -> None:
         """Ends the call with CANCELLED on both sides; idempotent."""
 

@@ -2133,6 +2133,41 @@ def test_ctrl_c_ends_a_wait_for_a_reply_that_does_not_come(kind: str, shape: str
         child.wait()
 
 
+_INTERRUPTED_WAITING_FOR_READY = """
+import sys
+import grpc
+import isthmus
+
+kind, address = sys.argv[1:3]
+with (grpc if kind == "grpcio" else isthmus).insecure_channel(address) as channel:
+    try:
+        print("waiting", flush=True)
+        channel.unary_unary("/t.Q/Unary")(b"", wait_for_ready=True)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+"""
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_ctrl_c_ends_a_wait_for_a_server_that_is_not_there(kind: str) -> None:
+    """SIGINT while the main thread's unary call waits for a server to come up
+    (`wait_for_ready`, no deadline): grpcio raises KeyboardInterrupt. isthmus's wait between
+    attempts to connect slept through it, until a server came."""
+    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
+    script = _INTERRUPTED_WAITING_FOR_READY
+    child = subprocess.Popen([sys.executable, "-c", script, kind, address], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "waiting"
+        threading.Event().wait(0.5)  # into its wait by now, most likely; if not, it is all the same
+        child.send_signal(signal.SIGINT)
+        out, _ = child.communicate(timeout=30)
+        assert out.strip() == "interrupted", (kind, out)
+    finally:
+        child.kill()
+        child.wait()
+
+
 def _counted(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
     """Streams request[0] responses, then aborts if request[1]."""
     for i in range(request[0]):
@@ -2190,3 +2225,32 @@ def test_a_response_streams_status_comes_once_its_responses_are_read(kind: str) 
         assert list(call) == [b"m%d" % i for i in range(50)]
         asker.join(20)
         assert status == [(ok, "", ())]
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_response_streams_status_comes_when_it_starts_after_the_ask(kind: str) -> None:
+    """A response stream returned before it started (its call credentials answer 0.5 s later)
+    whose status is asked meanwhile: the status comes once the server ends it, as from grpcio.
+    isthmus's asker took the stream for a call with one response and waited for a reader for
+    ever."""
+    generic = grpc.method_handlers_generic_handler(
+        "users.S", {"Counted": grpc.unary_stream_rpc_method_handler(_counted)}
+    )
+    server = (grpc.server if kind == "grpcio" else isthmus.server)(futures.ThreadPoolExecutor(2))
+    server.add_generic_rpc_handlers((generic,))
+    credentials = (
+        grpc.local_server_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+        if kind == "grpcio"
+        else isthmus.local_server_credentials()
+    )
+    target = f"127.0.0.1:{server.add_secure_port('127.0.0.1:0', credentials)}"
+    server.start()
+    local = grpc.local_channel_credentials(grpc.LocalConnectionType.LOCAL_TCP)
+    late = grpc.metadata_call_credentials(_Later(delay=0.5))
+    try:
+        with (grpc if kind == "grpcio" else isthmus).secure_channel(target, local) as channel:
+            call = channel.unary_stream("/users.S/Counted")(bytes([0, 1]), timeout=30, credentials=late)
+            status = _status_of(call)  # its trailers over HTTP/2 are the server's own: not compared
+            assert status[:2] == (grpc.StatusCode.ABORTED, "aborted"), (kind, status)
+    finally:
+        server.stop(None)

@@ -129,7 +129,8 @@ pub(crate) fn blocking_channel(
     named(isthmus::blocking::Channel::lazy_with(target, config)?, user_agent)
 }
 
-/// `channel`, naming `user_agent` if given.
+/// `channel`, naming `user_agent` if given; a wait for its server runs the signal handlers,
+/// and one that raises ends the wait with its exception ([`interrupted`]).
 fn named(
     channel: isthmus::blocking::Channel,
     user_agent: Option<&str>,
@@ -137,7 +138,23 @@ fn named(
     if let Some(agent) = user_agent {
         channel.set_user_agent(agent)?;
     }
+    channel.set_interrupt(std::sync::Arc::new(|| match signals() {
+        Ok(()) => true,
+        Err(raised) => {
+            Python::attach(|py| raised.restore(py));
+            false
+        }
+    }));
     Ok(channel)
+}
+
+/// The exception a signal handler raised while the call that failed with `status` waited for
+/// its server (the channel's interrupt left it set), else `status`'s error.
+fn interrupted(py: Python<'_>, status: &Status) -> PyErr {
+    match status.code() == Code::Cancelled {
+        true => PyErr::take(py).unwrap_or_else(|| call_error(py, status)),
+        false => call_error(py, status),
+    }
 }
 
 /// [`Channel::upgrade_status`] as Python sees it.
@@ -271,7 +288,7 @@ impl Channel {
                 None => block_on_checked(self.direct.unary(path, request, options)),
             })?,
         };
-        response.map_err(|status| call_error(py, &status))
+        response.map_err(|status| interrupted(py, &status))
     }
 }
 
@@ -427,7 +444,7 @@ impl Channel {
                     })?,
                     None => Err(Status::new(Code::InvalidArgument, "this block was allocated by another channel")),
                 };
-                sent.map_err(|status| call_error(py, &status))?
+                sent.map_err(|status| interrupted(py, &status))?
             }
             other => {
                 let bytes = other.as_slice().unwrap_or_default();
@@ -603,22 +620,26 @@ impl UnaryCallable {
 const SIGNAL_SLICE: std::time::Duration = std::time::Duration::from_millis(100);
 
 thread_local! {
-    /// Whether this thread is Python's main thread, once a wait has asked: only there do
-    /// signal handlers run, so other threads need not take the GIL to look.
-    static MAIN_THREAD: std::cell::Cell<Option<bool>> = const { std::cell::Cell::new(None) };
+    /// Whether this thread is Python's main thread, once a wait has asked, and in which
+    /// process (a thread that forks is the child's main thread): only there do signal handlers
+    /// run, so other threads need not take the GIL to look.
+    static MAIN_THREAD: std::cell::Cell<Option<(u32, bool)>> = const { std::cell::Cell::new(None) };
 }
 
 /// Runs the signal handlers if this is the main thread (called without the GIL, which it
 /// takes): the exception one raised (KeyboardInterrupt) ends the wait that called.
 fn signals() -> PyResult<()> {
-    if MAIN_THREAD.get() == Some(false) {
+    let pid = std::process::id();
+    let known = MAIN_THREAD.get().filter(|(of, _)| *of == pid);
+    if known.is_some_and(|(_, main)| !main) {
         return Ok(());
     }
     Python::attach(|py| {
-        if MAIN_THREAD.get().is_none() {
+        if known.is_none() {
             let threading = py.import(pyo3::intern!(py, "threading"))?;
             let main = threading.call_method0(pyo3::intern!(py, "main_thread"))?;
-            MAIN_THREAD.set(Some(main.is(&threading.call_method0(pyo3::intern!(py, "current_thread"))?)));
+            let current = threading.call_method0(pyo3::intern!(py, "current_thread"))?;
+            MAIN_THREAD.set(Some((pid, main.is(&current))));
         }
         py.check_signals()
     })
@@ -672,6 +693,21 @@ impl Call {
 
     fn trailing_metadata(&self, py: Python<'_>) -> PyResult<Option<PyMetadata>> {
         self.0.trailers().map(|t| metadata_to_py(py, &t)).transpose()
+    }
+
+    /// Waits for the call's end once every response before it was read
+    /// (`SharedCall::drained_end`, a response stream's status as grpcio gives it): `True` for
+    /// OK, the status's `CallError` otherwise; `False` if `left` seconds pass with a response
+    /// still unread.
+    #[pyo3(signature = (left=None))]
+    fn drained_end(&self, py: Python<'_>, left: Option<f64>) -> PyResult<bool> {
+        let until =
+            left.map(|left| std::time::Instant::now() + std::time::Duration::from_secs_f64(left.clamp(0.0, 1e9)));
+        match py.detach(|| block_on_checked(self.0.drained_end(until)))? {
+            Some(Ok(())) => Ok(true),
+            Some(Err(status)) => Err(call_error(py, &status)),
+            None => Ok(false),
+        }
     }
 
     fn details(&self) -> Option<String> {

@@ -139,7 +139,18 @@ pub struct SharedCall {
     /// if a thread of the parent was reading at the fork: the call then ends UNAVAILABLE
     /// without it; otherwise the call itself ends so when read (ADR 0030).
     made_in: MadeIn,
+    /// A response [`drained_end`](Self::drained_end) received while no reader did, for the
+    /// next [`recv`](Self::recv); taken and put only while holding `call`.
+    ahead: Mutex<Option<Bytes>>,
+    /// Told when a reader takes the response held `ahead`.
+    ahead_taken: tokio::sync::Notify,
+    /// Receives readers began, by which `drained_end` sees a reader at work.
+    turns: std::sync::atomic::AtomicU64,
 }
+
+/// How long [`SharedCall::drained_end`] lets a reader at work go on (it will reach the end
+/// itself) before it looks again whether it should read on itself.
+const READER_IDLE: std::time::Duration = std::time::Duration::from_millis(10);
 
 impl std::fmt::Debug for SharedCall {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -157,6 +168,9 @@ impl SharedCall {
             cancel: watch::Sender::new(false),
             trailers: Mutex::new(None),
             made_in: MadeIn::now(),
+            ahead: Mutex::new(None),
+            ahead_taken: tokio::sync::Notify::new(),
+            turns: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -235,8 +249,22 @@ impl SharedCall {
     /// The next response; `None` at an OK end (the trailers are then in
     /// [`trailers`](Self::trailers)); the call's status otherwise.
     pub async fn recv(&self) -> Result<Option<Bytes>, Status> {
+        self.turns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut cancel = self.cancel.subscribe();
         let mut guard = self.lock().await?;
+        if let Some(message) = self.ahead.lock().ok().and_then(|mut a| a.take()) {
+            self.ahead_taken.notify_waiters();
+            return Ok(Some(message));
+        }
+        self.receive(&mut cancel, &mut guard).await
+    }
+
+    /// The next response from the call held in `guard`, as [`recv`](Self::recv) gives it.
+    async fn receive(
+        &self,
+        cancel: &mut watch::Receiver<bool>,
+        guard: &mut tokio::sync::MutexGuard<'_, Option<ClientCall>>,
+    ) -> Result<Option<Bytes>, Status> {
         let Some(call) = guard.as_mut() else { return Err(cancelled()) };
         let received = tokio::select! {
             biased;
@@ -259,6 +287,66 @@ impl SharedCall {
             Some(Err(status)) => {
                 self.ended(status.metadata().clone(), "");
                 Err(status)
+            }
+        }
+    }
+
+    /// The call's end once every response before it was read, as grpcio gives a response
+    /// stream's status: `Ok(())` for OK, the status otherwise. A reader at work reaches the
+    /// end itself, and this waits; while none is, this reads on itself, and keeps a response
+    /// it meets for the next [`recv`](Self::recv), waiting for a reader to take it. `None` if
+    /// `until` passes with a response still untaken (grpcio's call then ends
+    /// DEADLINE_EXCEEDED: the caller ends it so). Cancel-safe as `recv` is.
+    pub async fn drained_end(&self, until: Option<Instant>) -> Option<Result<(), Status>> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut cancel = self.cancel.subscribe();
+        let mut seen = self.turns.load(Relaxed);
+        loop {
+            let mut guard = tokio::select! {
+                biased;
+                _ = cancel.wait_for(|c| *c) => return Some(Err(cancelled())),
+                guard = self.lock() => match guard {
+                    Ok(guard) => guard,
+                    Err(status) => return Some(Err(status)),
+                },
+            };
+            let turns = self.turns.load(Relaxed);
+            if turns != seen {
+                // A reader at work, or one that came while this waited for the call.
+                drop(guard);
+                seen = turns;
+                tokio::select! {
+                    biased;
+                    _ = cancel.wait_for(|c| *c) => return Some(Err(cancelled())),
+                    _ = tokio::time::sleep(READER_IDLE) => continue,
+                }
+            }
+            if self.ahead.lock().is_ok_and(|a| a.is_some()) {
+                let taken = self.ahead_taken.notified();
+                let mut taken = std::pin::pin!(taken);
+                taken.as_mut().enable(); // before the call is let go: a reader may take it at once
+                drop(guard);
+                let expiry = async {
+                    match until {
+                        Some(until) => tokio::time::sleep_until(until.into()).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    biased;
+                    _ = cancel.wait_for(|c| *c) => return Some(Err(cancelled())),
+                    _ = taken => continue,
+                    _ = expiry => return None,
+                }
+            }
+            match self.receive(&mut cancel, &mut guard).await {
+                Ok(Some(message)) => {
+                    if let Ok(mut ahead) = self.ahead.lock() {
+                        *ahead = Some(message);
+                    }
+                }
+                Ok(None) => return Some(Ok(())),
+                Err(status) => return Some(Err(status)),
             }
         }
     }

@@ -5,7 +5,9 @@
 //! google.rpc.Status unless its message asks for one (`details same-code`, `details
 //! other-code`); a `Unary` call with a `sleep_ms` prints `UNARY-SLEEPING SEQ` as its handler
 //! starts to sleep, and `UNARY-DROPPED SEQ` if the call is cancelled (its handler dropped)
-//! during the sleep.
+//! during the sleep. A `Unary` call with `x-want-peer` metadata is answered in `x-peer` with what
+//! tonic tells the service of its caller: `REMOTE_ADDR LOCAL_ADDR UNIX_PEER_PID`, `none` for each
+//! it lacks.
 //! `https://` targets take the certificate and key in the files `ISTHMUS_TLS_CERT` and
 //! `ISTHMUS_TLS_KEY` name, and with `ISTHMUS_TLS_CLIENT_CA` require client certificates signed
 //! by it; `Unary` then answers a client's certificate's common name in `x-peer-cn`.
@@ -102,6 +104,14 @@ impl Echo for Service {
         let echo_bin = request.metadata().get_bin("x-echo-bin").cloned();
         // The caller's user agent, for a caller that asks for it.
         let agent = request.metadata().get("x-want-agent").and(request.metadata().get("user-agent")).cloned();
+        // Where the call came from, as tonic's server tells a service, for a caller that asks.
+        let peer = request.metadata().get("x-want-peer").map(|_| {
+            let uds = request.extensions().get::<tonic::transport::server::UdsConnectInfo>();
+            let pid = uds.and_then(|info| info.peer_cred).and_then(|cred| cred.pid());
+            let show = |v: Option<String>| v.unwrap_or_else(|| "none".into());
+            let addrs = [request.remote_addr(), request.local_addr()].map(|a| show(a.map(|a| a.to_string())));
+            format!("{} {} {}", addrs[0], addrs[1], show(pid.map(|p| p.to_string())))
+        });
         // An mTLS client's certificate, as the isthmus server hands it to tonic services.
         let peer_cn = request
             .metadata()
@@ -127,6 +137,9 @@ impl Echo for Service {
         }
         if let Some(v) = agent {
             response.metadata_mut().insert("x-user-agent", v);
+        }
+        if let Some(v) = peer.and_then(|p| p.parse().ok()) {
+            response.metadata_mut().insert("x-peer", v);
         }
         if let Some(cn) = peer_cn.and_then(|cn| cn.parse().ok()) {
             response.metadata_mut().insert("x-peer-cn", cn);

@@ -28,6 +28,37 @@ fn a_generated_client_and_service_make_every_kind_of_call() {
     });
 }
 
+/// A tonic service behind `add_service` learns where an HTTP/2 call came from as tonic's own
+/// server tells it: `remote_addr()` and `local_addr()` over TCP, the client's credentials
+/// (`UdsConnectInfo`) over a unix socket. It learned neither (`None`): the server's connections
+/// gave tonic no connection info of its kind. Over `shm://` there is none, as over a unix
+/// socket for `remote_addr()`.
+#[test]
+fn a_tonic_service_learns_its_http2_callers_address_as_from_tonics_server() {
+    let (_server, targets) = server();
+    run(async move {
+        for addr in &targets {
+            let mut c = isthmus_tests::cases::client_on(
+                isthmus::Channel::builder(addr).upgrade(false).connect().await.expect("connect"),
+            );
+            let mut req = Request::new(request(b"a".to_vec(), 0));
+            req.metadata_mut().insert("x-want-peer", "1".parse().expect("ascii"));
+            let reply = c.unary(req).await.expect("unary");
+            let seen = reply.metadata().get("x-peer").and_then(|v| v.to_str().ok()).unwrap_or("").to_owned();
+            let seen: Vec<&str> = seen.split(' ').collect();
+            match addr.split_once("://") {
+                Some(("http", server)) => {
+                    let remote: std::net::SocketAddr = seen[0].parse().expect("the remote address");
+                    assert!(remote.ip().is_loopback() && remote.to_string() != server, "{addr}: {seen:?}");
+                    assert_eq!((seen[1], seen[2]), (server, "none"), "{addr}");
+                }
+                Some(("unix", _)) => assert_eq!(seen, ["none", "none", &std::process::id().to_string()], "{addr}"),
+                _ => assert_eq!(seen, ["none", "none", "none"], "{addr}"),
+            }
+        }
+    });
+}
+
 /// A tonic service behind `add_service` sees its caller's user agent as its request's
 /// `user-agent` header over every transport: the agent a channel names, as it is over
 /// `shm://` (the channel's calls, and those of a channel to an HTTP/2 address that moved to

@@ -63,7 +63,15 @@ struct Inner {
     /// socket first ([`STALE`]).
     last_start: AtomicU64,
     born: Instant,
+    /// Looked at while a call waits to connect ([`Channel::set_interrupt`]).
+    interrupt: std::sync::OnceLock<Interrupt>,
 }
+
+/// A binding's look at whether a wait should go on ([`Channel::set_interrupt`]).
+pub type Interrupt = Arc<dyn Fn() -> bool + Send + Sync>;
+
+/// How often a wait to connect looks at its channel's [`Interrupt`].
+const INTERRUPT_EVERY: Duration = Duration::from_millis(100);
 
 impl Inner {
     fn new(slot: Slot) -> Inner {
@@ -74,6 +82,7 @@ impl Inner {
             live: Mutex::new(None),
             last_start: AtomicU64::new(0),
             born: Instant::now(),
+            interrupt: std::sync::OnceLock::new(),
         }
     }
 }
@@ -129,6 +138,35 @@ impl Channel {
         self.inner.slot.set_agent(agent)
     }
 
+    /// Has `interrupt` looked at every 100 ms while a call waits for a server to connect to
+    /// (`wait_for_ready`, between attempts): `false` from it ends the wait CANCELLED. A
+    /// binding's way to let a signal end such a wait (Python's Ctrl-C, which the binding
+    /// raises then); waits for a reply take a check of their own
+    /// ([`unary_checked`](Self::unary_checked)). Set once: later ones are ignored.
+    pub fn set_interrupt(&self, interrupt: Interrupt) {
+        let _ = self.inner.interrupt.set(interrupt);
+    }
+
+    /// Sleeps `pause` between two attempts to connect, looking at the channel's
+    /// [`Interrupt`] every [`INTERRUPT_EVERY`].
+    fn pause(&self, pause: Duration) -> Result<(), Status> {
+        let Some(interrupt) = self.inner.interrupt.get() else {
+            std::thread::sleep(pause);
+            return Ok(());
+        };
+        let until = Instant::now() + pause;
+        loop {
+            let left = until.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Ok(());
+            }
+            std::thread::sleep(left.min(INTERRUPT_EVERY));
+            if !interrupt() {
+                return Err(Status::new(Code::Cancelled, "the wait for a server was interrupted"));
+            }
+        }
+    }
+
     /// A lazy channel to the `shm://` endpoint an HTTP/2 channel was upgraded to
     /// ([`crate::Channel::route_for_binding`]): it refuses any server but that process.
     pub fn lazy_upgraded(upgrade: &crate::UpgradedTo, config: Config) -> Result<Channel, Status> {
@@ -166,7 +204,7 @@ impl Channel {
                 }
                 Err(status) => {
                     self.inner.connectivity.failed();
-                    std::thread::sleep(reconnect.after(status, wait_for_ready, deadline)?);
+                    self.pause(reconnect.after(status, wait_for_ready, deadline)?)?;
                 }
             }
         }

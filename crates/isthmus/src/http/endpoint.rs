@@ -573,6 +573,18 @@ pub(crate) struct PeerInfo {
     pub(crate) tls: bool,
     /// The client's certificate (DER), under mutual TLS.
     pub(crate) cert: Option<bytes::Bytes>,
+    /// What tonic's own server gives a service of the connection, for
+    /// `Request::remote_addr` and `local_addr`, and a unix client's credentials.
+    pub(crate) tonic: TonicInfo,
+}
+
+/// tonic's connection info for one transport, as its server would put it into each request's
+/// extensions (a TLS connection's too: tonic's own `TlsConnectInfo` cannot be made outside it,
+/// and `remote_addr` reads the TCP one as well).
+#[derive(Debug, Clone)]
+pub(crate) enum TonicInfo {
+    Tcp(tonic::transport::server::TcpConnectInfo),
+    Uds(tonic::transport::server::UdsConnectInfo),
 }
 
 fn grpc_addr(addr: std::io::Result<std::net::SocketAddr>) -> String {
@@ -593,15 +605,27 @@ impl tonic::transport::server::Connected for ServerIo {
 
     fn connect_info(&self) -> PeerInfo {
         match self {
-            ServerIo::Unix(_) => PeerInfo { addr: "unix:".into(), tls: false, cert: None },
-            ServerIo::Tcp(s) => PeerInfo { addr: grpc_addr(s.peer_addr()), tls: false, cert: None },
+            ServerIo::Unix(s) => {
+                PeerInfo { addr: "unix:".into(), tls: false, cert: None, tonic: TonicInfo::Uds(s.connect_info()) }
+            }
+            ServerIo::Tcp(s) => PeerInfo {
+                addr: grpc_addr(s.peer_addr()),
+                tls: false,
+                cert: None,
+                tonic: TonicInfo::Tcp(s.connect_info()),
+            },
             ServerIo::Tls(s) => {
                 let (tcp, session) = s.get_ref();
                 let cert = session
                     .peer_certificates()
                     .and_then(|chain| chain.first())
                     .map(|leaf| bytes::Bytes::copy_from_slice(leaf.as_ref()));
-                PeerInfo { addr: grpc_addr(tcp.peer_addr()), tls: true, cert }
+                PeerInfo {
+                    addr: grpc_addr(tcp.peer_addr()),
+                    tls: true,
+                    cert,
+                    tonic: TonicInfo::Tcp(tcp.connect_info()),
+                }
             }
         }
     }
@@ -624,7 +648,8 @@ pub(crate) const REPLY_ENCODING_HEADER: &str = "x-isthmus-reply-encoding";
 
 /// Puts the connection's [`PeerInfo`] into each request's headers, for handlers reached through
 /// the loopback (whose `shm://` connection is the server's own), after removing any the client
-/// sent.
+/// sent; and tonic's connection info into its extensions, as tonic's server does, for tonic
+/// services (`Request::remote_addr`).
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct PeerLayer;
 
@@ -654,6 +679,11 @@ where
 
     fn call(&mut self, mut request: http::Request<B>) -> S::Future {
         let peer = request.extensions().get::<PeerInfo>().cloned();
+        match peer.as_ref().map(|p| &p.tonic) {
+            Some(TonicInfo::Tcp(info)) => drop(request.extensions_mut().insert(info.clone())),
+            Some(TonicInfo::Uds(info)) => drop(request.extensions_mut().insert(info.clone())),
+            None => {}
+        }
         let headers = request.headers_mut();
         headers.remove(PEER_HEADER);
         headers.remove(PEER_CERT_HEADER);
