@@ -2134,12 +2134,23 @@ def test_ctrl_c_ends_a_wait_for_a_reply_that_does_not_come(kind: str, shape: str
 
 
 _INTERRUPTED_WAITING_FOR_READY = """
-import sys
+import signal, sys
 import grpc
 import isthmus
 
-kind, address = sys.argv[1:3]
+kind, address, handler = sys.argv[1:4]
 with (grpc if kind == "grpcio" else isthmus).insecure_channel(address) as channel:
+
+    def calls_then_raises(signum, frame):
+        # A handler that calls on the channel its interrupted call waits on (a goodbye, say).
+        try:
+            channel.unary_unary("/t.Q/Unary")(b"", timeout=0.5)
+        except grpc.RpcError:
+            pass
+        raise KeyboardInterrupt
+
+    if handler == "calls":
+        signal.signal(signal.SIGINT, calls_then_raises)
     try:
         print("waiting", flush=True)
         channel.unary_unary("/t.Q/Unary")(b"", wait_for_ready=True)
@@ -2148,14 +2159,18 @@ with (grpc if kind == "grpcio" else isthmus).insecure_channel(address) as channe
 """
 
 
+@pytest.mark.parametrize("handler", ["default", "calls"])
 @pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
-def test_ctrl_c_ends_a_wait_for_a_server_that_is_not_there(kind: str) -> None:
+def test_ctrl_c_ends_a_wait_for_a_server_that_is_not_there(kind: str, handler: str) -> None:
     """SIGINT while the main thread's unary call waits for a server to come up
-    (`wait_for_ready`, no deadline): grpcio raises KeyboardInterrupt. isthmus's wait between
-    attempts to connect slept through it, until a server came."""
+    (`wait_for_ready`, no deadline): grpcio raises KeyboardInterrupt, also from a handler that
+    first makes a call on the same channel. isthmus's wait between attempts to connect slept
+    through it, until a server came; then its handler ran with the channel's connect lock held,
+    and a call from it waited for that lock for ever."""
     address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
     script = _INTERRUPTED_WAITING_FOR_READY
-    child = subprocess.Popen([sys.executable, "-c", script, kind, address], stdout=subprocess.PIPE, text=True)
+    argv = [sys.executable, "-c", script, kind, address, handler]
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None
         assert child.stdout.readline().strip() == "waiting"

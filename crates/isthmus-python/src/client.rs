@@ -487,7 +487,7 @@ impl Channel {
     /// change (the fast path's connection has no events: callers look again after the
     /// timeout), and gives [`connectivity`](Self::connectivity) then.
     fn wait_connectivity(&self, py: Python<'_>, timeout: f64) -> u8 {
-        let timeout = std::time::Duration::from_secs_f64(timeout.clamp(0.0, 3600.0));
+        let timeout = seconds_up_to(timeout, 3600.0);
         let engine = &self.engine;
         py.detach(|| {
             runtime().block_on(async {
@@ -615,6 +615,15 @@ impl UnaryCallable {
     }
 }
 
+/// `seconds` from Python as a duration of at most `max` seconds; a negative one or NaN is none
+/// (`Duration::from_secs_f64` panics on both).
+fn seconds_up_to(seconds: f64, max: f64) -> std::time::Duration {
+    match seconds.is_nan() {
+        true => std::time::Duration::ZERO,
+        false => std::time::Duration::from_secs_f64(seconds.clamp(0.0, max)),
+    }
+}
+
 /// How long a blocking wait runs before the waiting thread looks for a signal, as grpcio's
 /// waits do: Ctrl-C ends a wait for a reply or a message that does not come.
 const SIGNAL_SLICE: std::time::Duration = std::time::Duration::from_millis(100);
@@ -701,8 +710,7 @@ impl Call {
     /// still unread.
     #[pyo3(signature = (left=None))]
     fn drained_end(&self, py: Python<'_>, left: Option<f64>) -> PyResult<bool> {
-        let until =
-            left.map(|left| std::time::Instant::now() + std::time::Duration::from_secs_f64(left.clamp(0.0, 1e9)));
+        let until = left.map(|left| std::time::Instant::now() + seconds_up_to(left, 1e9));
         match py.detach(|| block_on_checked(self.0.drained_end(until)))? {
             Some(Ok(())) => Ok(true),
             Some(Err(status)) => Err(call_error(py, &status)),

@@ -252,9 +252,13 @@ impl SharedCall {
         self.turns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let mut cancel = self.cancel.subscribe();
         let mut guard = self.lock().await?;
-        if let Some(message) = self.ahead.lock().ok().and_then(|mut a| a.take()) {
-            self.ahead_taken.notify_waiters();
-            return Ok(Some(message));
+        // Not in a child forked since: the response is the parent's (its block, over shm://,
+        // the parent gives back), and the call ends UNAVAILABLE there when read.
+        if !self.made_in.forked() {
+            if let Some(message) = self.ahead.lock().ok().and_then(|mut a| a.take()) {
+                self.ahead_taken.notify_waiters();
+                return Ok(Some(message));
+            }
         }
         self.receive(&mut cancel, &mut guard).await
     }
@@ -293,10 +297,12 @@ impl SharedCall {
 
     /// The call's end once every response before it was read, as grpcio gives a response
     /// stream's status: `Ok(())` for OK, the status otherwise. A reader at work reaches the
-    /// end itself, and this waits; while none is, this reads on itself, and keeps a response
-    /// it meets for the next [`recv`](Self::recv), waiting for a reader to take it. `None` if
-    /// `until` passes with a response still untaken (grpcio's call then ends
-    /// DEADLINE_EXCEEDED: the caller ends it so). Cancel-safe as `recv` is.
+    /// end itself, and this waits (one that was already waiting when this began may find its
+    /// next response held for it: after that, this waits); while none is, this reads on
+    /// itself, and keeps a response it meets for the next [`recv`](Self::recv), waiting for a
+    /// reader to take it. `None` if `until` passes with a response still untaken (grpcio's
+    /// call then ends DEADLINE_EXCEEDED: the caller ends it so, and [`cancel`](Self::cancel)
+    /// drops the response). Cancel-safe as `recv` is.
     pub async fn drained_end(&self, until: Option<Instant>) -> Option<Result<(), Status>> {
         use std::sync::atomic::Ordering::Relaxed;
         let mut cancel = self.cancel.subscribe();
@@ -412,6 +418,10 @@ impl SharedCall {
         if self.made_in.forked() {
             self.ended(MetadataMap::new(), "");
             return;
+        }
+        // A response held for a reader goes: over shm:// it pins a block of the server's arena.
+        if let Ok(mut ahead) = self.ahead.lock() {
+            ahead.take();
         }
         if self.cancel.send_replace(true) {
             return;

@@ -182,31 +182,37 @@ impl Channel {
         }
         self.inner.slot.closed()?;
         let connecting = self.inner.connecting.get();
-        let _one_at_a_time = connecting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         let mut reconnect = Reconnect::new();
         loop {
-            if let Some(m) = self.inner.slot.live() {
-                return Ok(m);
-            }
-            let slot = &self.inner.slot;
-            slot.closed()?;
-            self.inner.connectivity.connecting();
-            match Slot::connect(&slot.target, &slot.config, slot.expect_pid) {
-                Ok(conn) => {
-                    let (sender, receiver) = conn.split();
-                    let mux = Mux::driven(sender, receiver);
-                    slot.install(mux.clone())?;
-                    let live = self.inner.connectivity.connected();
-                    if let Ok(mut held) = self.inner.live.lock() {
-                        *held = Some((mux.clone(), live));
+            let failed = {
+                // One attempt at a time, not the pause after it: a thread waiting for a server
+                // holds up no other, and the interrupt (a Python signal handler, which may call
+                // on this channel) runs with nothing held.
+                let _one_at_a_time = connecting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                if let Some(m) = self.inner.slot.live() {
+                    return Ok(m);
+                }
+                let slot = &self.inner.slot;
+                slot.closed()?;
+                self.inner.connectivity.connecting();
+                match Slot::connect(&slot.target, &slot.config, slot.expect_pid) {
+                    Ok(conn) => {
+                        let (sender, receiver) = conn.split();
+                        let mux = Mux::driven(sender, receiver);
+                        slot.install(mux.clone())?;
+                        let live = self.inner.connectivity.connected();
+                        if let Ok(mut held) = self.inner.live.lock() {
+                            *held = Some((mux.clone(), live));
+                        }
+                        return Ok(mux);
                     }
-                    return Ok(mux);
+                    Err(status) => {
+                        self.inner.connectivity.failed();
+                        status
+                    }
                 }
-                Err(status) => {
-                    self.inner.connectivity.failed();
-                    self.pause(reconnect.after(status, wait_for_ready, deadline)?)?;
-                }
-            }
+            };
+            self.pause(reconnect.after(failed, wait_for_ready, deadline)?)?;
         }
     }
 
