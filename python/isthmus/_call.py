@@ -298,7 +298,13 @@ class Call(grpc.Call, grpc.Future):
             native.cancel()
         if abandon is not None:
             abandon()
-        self._run_callbacks(callbacks)
+        if callbacks:
+            # Not on the cancelling thread, as grpcio runs them later on a thread of its own:
+            # one that cancels while holding a lock its callbacks take would wait for itself.
+            run = threading.Thread(
+                target=self._run_callbacks, args=(callbacks,), name="isthmus-callbacks", daemon=True
+            )
+            run.start()
         return True
 
     def _outcome(self) -> Any:

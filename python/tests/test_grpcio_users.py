@@ -2269,3 +2269,36 @@ def test_a_response_streams_status_comes_when_it_starts_after_the_ask(kind: str)
             assert status[:2] == (grpc.StatusCode.ABORTED, "aborted"), (kind, status)
     finally:
         server.stop(None)
+
+
+def _held(request: bytes, context: grpc.ServicerContext) -> bytes:
+    """Answers only when its call is over (cancelled, or past its deadline)."""
+    while context.is_active():
+        time.sleep(0.02)
+    return b""
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_future_cancelled_under_a_lock_its_callback_takes_does_not_wait_for_itself(kind: str) -> None:
+    """A future cancelled while the caller holds a lock its done-callback takes (a registry of
+    calls in progress, say): grpcio runs the callback later, on a thread of its own, once the
+    lock is free. isthmus ran it inside `cancel()`, on the thread that held the lock: the
+    callback waited for a lock its own thread held, for ever."""
+    held = grpc.unary_unary_rpc_method_handler(_held)
+    generic = grpc.method_handlers_generic_handler("users.S", {"Held": held})
+    registry = threading.Lock()
+    seen: queue.Queue[str] = queue.Queue()
+
+    def done(future: grpc.Future) -> None:
+        if not registry.acquire(timeout=5):
+            seen.put("the callback waited for the lock its own cancel held")
+            return
+        registry.release()
+        seen.put(f"cancelled={future.cancelled()}")
+
+    with _blocking_server(kind, generic) as channel:
+        future = channel.unary_unary("/users.S/Held").future(b"", timeout=30)
+        future.add_done_callback(done)
+        with registry:
+            assert future.cancel()
+        assert seen.get(timeout=20) == "cancelled=True", kind
