@@ -138,7 +138,8 @@ class _MultiCallable:
         caller's thread (a caller could not even cancel a call it did not have yet). A call
         cancelled meanwhile starts nothing."""
         asks = credentials is not None or bool(self._auth.plugins)
-        waits = bool(wait_for_ready) and self._channel.connectivity(False) != _READY
+        ready = grpc.ChannelConnectivity.READY
+        waits = bool(wait_for_ready) and STATES[self._channel.connectivity(False)] is not ready
         if not asks and not waits:
             return run(request, timeout, metadata, wait_for_ready, compression)
         if asks:
@@ -459,10 +460,6 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
             wait_for_ready,
             self._encoding(compression),
         )
-
-
-#: The native channel's number for READY (`STATES`).
-_READY = 2
 
 
 def upgrades(options: Any) -> bool:

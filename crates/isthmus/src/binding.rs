@@ -146,6 +146,9 @@ pub struct SharedCall {
     ahead_taken: tokio::sync::Notify,
     /// Receives readers began, by which `drained_end` sees a reader at work.
     turns: std::sync::atomic::AtomicU64,
+    /// Whether `drained_end` ever ran: until it does, a receive neither counts its turn nor
+    /// looks `ahead` (the C ABI's and Lua's streams never call it).
+    drained: std::sync::atomic::AtomicBool,
 }
 
 /// How long [`SharedCall::drained_end`] lets a reader at work go on (it will reach the end
@@ -171,6 +174,7 @@ impl SharedCall {
             ahead: Mutex::new(None),
             ahead_taken: tokio::sync::Notify::new(),
             turns: std::sync::atomic::AtomicU64::new(0),
+            drained: std::sync::atomic::AtomicBool::new(false),
         })
     }
 
@@ -249,12 +253,19 @@ impl SharedCall {
     /// The next response; `None` at an OK end (the trailers are then in
     /// [`trailers`](Self::trailers)); the call's status otherwise.
     pub async fn recv(&self) -> Result<Option<Bytes>, Status> {
-        self.turns.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        use std::sync::atomic::Ordering::Relaxed;
+        // A turn that begins as `drained_end` first sets `drained` may go uncounted: its
+        // response may then be held `ahead` for it, as for a reader already waiting.
+        if self.drained.load(Relaxed) {
+            self.turns.fetch_add(1, Relaxed);
+        }
         let mut cancel = self.cancel.subscribe();
         let mut guard = self.lock().await?;
-        // Not in a child forked since: the response is the parent's (its block, over shm://,
-        // the parent gives back), and the call ends UNAVAILABLE there when read.
-        if !self.made_in.forked() {
+        // `drained` is read under the call, which `drained_end` set it before taking: it is
+        // seen if anything is `ahead`. Not in a child forked since: the response is the
+        // parent's (its block, over shm://, the parent gives back), and the call ends
+        // UNAVAILABLE there when read.
+        if self.drained.load(Relaxed) && !self.made_in.forked() {
             if let Some(message) = self.ahead.lock().ok().and_then(|mut a| a.take()) {
                 self.ahead_taken.notify_waiters();
                 return Ok(Some(message));
@@ -305,6 +316,7 @@ impl SharedCall {
     /// drops the response). Cancel-safe as `recv` is.
     pub async fn drained_end(&self, until: Option<Instant>) -> Option<Result<(), Status>> {
         use std::sync::atomic::Ordering::Relaxed;
+        self.drained.store(true, Relaxed);
         let mut cancel = self.cancel.subscribe();
         let mut seen = self.turns.load(Relaxed);
         loop {

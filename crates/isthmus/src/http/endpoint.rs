@@ -587,16 +587,16 @@ pub(crate) enum TonicInfo {
     Uds(tonic::transport::server::UdsConnectInfo),
 }
 
-fn grpc_addr(addr: std::io::Result<std::net::SocketAddr>) -> String {
+fn grpc_addr(addr: Option<std::net::SocketAddr>) -> String {
     match addr {
-        Ok(std::net::SocketAddr::V4(a)) => format!("ipv4:{a}"),
+        Some(std::net::SocketAddr::V4(a)) => format!("ipv4:{a}"),
         // A v4 client of a dual-stack socket shows as v4, as grpc shows it.
-        Ok(std::net::SocketAddr::V6(a)) => match a.ip().to_ipv4_mapped() {
+        Some(std::net::SocketAddr::V6(a)) => match a.ip().to_ipv4_mapped() {
             Some(v4) => format!("ipv4:{v4}:{}", a.port()),
             // grpc-core's URI form, brackets %-encoded, as grpcio's `peer()` shows it.
             None => format!("ipv6:%5B{}%5D:{}", a.ip(), a.port()),
         },
-        Err(_) => "unknown".into(),
+        None => "unknown".into(),
     }
 }
 
@@ -608,24 +608,18 @@ impl tonic::transport::server::Connected for ServerIo {
             ServerIo::Unix(s) => {
                 PeerInfo { addr: "unix:".into(), tls: false, cert: None, tonic: TonicInfo::Uds(s.connect_info()) }
             }
-            ServerIo::Tcp(s) => PeerInfo {
-                addr: grpc_addr(s.peer_addr()),
-                tls: false,
-                cert: None,
-                tonic: TonicInfo::Tcp(s.connect_info()),
-            },
+            ServerIo::Tcp(s) => {
+                let info = s.connect_info(); // the peer's address, asked of the socket once
+                PeerInfo { addr: grpc_addr(info.remote_addr), tls: false, cert: None, tonic: TonicInfo::Tcp(info) }
+            }
             ServerIo::Tls(s) => {
                 let (tcp, session) = s.get_ref();
                 let cert = session
                     .peer_certificates()
                     .and_then(|chain| chain.first())
                     .map(|leaf| bytes::Bytes::copy_from_slice(leaf.as_ref()));
-                PeerInfo {
-                    addr: grpc_addr(tcp.peer_addr()),
-                    tls: true,
-                    cert,
-                    tonic: TonicInfo::Tcp(tcp.connect_info()),
-                }
+                let info = tcp.connect_info();
+                PeerInfo { addr: grpc_addr(info.remote_addr), tls: true, cert, tonic: TonicInfo::Tcp(info) }
             }
         }
     }
