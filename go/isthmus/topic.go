@@ -168,8 +168,9 @@ func (t *Topic) Stats() TopicStats {
 
 // ServeTopic serves t at path (`/package.Service/Method`, a server-streaming method): each
 // call to it subscribes, gets the topic's state if it has one, then every message published
-// while it is subscribed, until its client cancels or goes away, or the topic closes. The
-// request is not read. The library serves these calls itself: server interceptors and stats
+// while it is subscribed, until its client cancels or goes away, or the topic closes, or the
+// server stops: a GracefulStop ends each subscription codes.Unavailable once what was queued
+// for it is sent, and does not wait for subscribers. The request is not read. The library serves these calls itself: server interceptors and stats
 // handlers do not see them. Before Serve only.
 func (s *Server) ServeTopic(path string, t *Topic) {
 	s.register(&method{name: path, topic: t}, "ServeTopic")

@@ -6,6 +6,7 @@ import (
 	"io"
 	"path/filepath"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -67,6 +68,46 @@ func TestATopicReachesGeneratedClientsStreams(t *testing.T) {
 		t.Errorf("Publish after Close: %v", err)
 	}
 	topic.Close() // a no-op
+}
+
+// A subscription never ends on its own, and GracefulStop waited for it for ever. Now the
+// server's shutdown ends each subscription codes.Unavailable (go elsewhere) once what was
+// published before has been sent, and GracefulStop returns.
+func TestGracefulStopEndsSubscriptionsAfterWhatTheyQueued(t *testing.T) {
+	target, topic, s := topicServer(t)
+	defer s.Stop()
+	client := pb.NewEchoClient(dial(t, target))
+	stream, err := client.ServerStream(context.Background(), &pb.StreamRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, "subscribed", func() bool { return topic.Stats().Subscribers == 1 })
+	for seq := uint64(1); seq <= 3; seq++ {
+		if n, err := topic.PublishMessage(&pb.EchoReply{Seq: seq}); n != 1 || err != nil {
+			t.Fatalf("seq %d reached %d subscribers (%v), want 1", seq, n, err)
+		}
+	}
+	stopped := make(chan struct{})
+	go func() {
+		s.GracefulStop()
+		close(stopped)
+	}()
+	select {
+	case <-stopped:
+	case <-time.After(30 * time.Second):
+		t.Fatal("GracefulStop is still waiting for the subscriber")
+	}
+	for seq := uint64(1); seq <= 3; seq++ {
+		if m, err := stream.Recv(); err != nil || m.Seq != seq {
+			t.Fatalf("want seq %d, got %v, %v", seq, m, err)
+		}
+	}
+	if _, err := stream.Recv(); status.Code(err) != codes.Unavailable {
+		t.Errorf("after GracefulStop the stream ended with %v, want codes.Unavailable", err)
+	}
+	if got := topic.Stats().Subscribers; got != 0 {
+		t.Errorf("%d subscribers left", got)
+	}
 }
 
 // topicServer serves a new topic at the Echo service's ServerStream method on a shm:// target

@@ -109,7 +109,8 @@ class Topic:
         queued) and may return a message to send in place of them all: a resync, best a full
         state with a version, since messages published meanwhile follow it; if it returns None
         the queued ones are still sent. A subscriber cancelled for falling behind ends
-        RESOURCE_EXHAUSTED at once."""
+        RESOURCE_EXHAUSTED at once; a server's `stop(grace)` ends each subscription UNAVAILABLE
+        once what was queued for it is sent, and does not wait for subscribers."""
         call = _call_of(context)
         try:
             call.serve_topic(self._native, _gap(on_gap))

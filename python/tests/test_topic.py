@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -266,3 +267,55 @@ def test_an_asyncio_subscription_cancelled_by_its_handler_stops_sending() -> Non
             await server.stop(None)
 
     assert asyncio.run(run()) == [b"from the second"]
+
+
+def test_a_graceful_stop_ends_each_subscription_after_its_queue(kind: str) -> None:
+    """A subscription never ends on its own: `stop(grace)` waited out its whole grace for every
+    subscriber. Now the stop ends each subscription UNAVAILABLE (the code that sends a client
+    elsewhere) once what was published before it is sent, and the server is done."""
+    # Here, not at the top: it imports the conformance stubs, on the path once `_stubs` ran.
+    import topic_server  # noqa: PLC0415
+
+    topic = isthmus.Topic("feed")
+    targets = [fresh("shm"), fresh("unix")]
+
+    def subscribe() -> list[Peer]:
+        subs = [Peer([sys.executable, "-m", "topic_subscriber", t, "1000"], env()) for t in targets]
+        end = time.monotonic() + PATIENCE
+        while topic.stats().subscribers != 2:
+            assert time.monotonic() < end, f"never 2 subscribers: {topic.stats()}"
+            time.sleep(0.01)
+        for seq in (1, 2, 3):
+            assert topic.publish(topic_server.message(seq, 100_000 if seq == 2 else 100)) == 2
+        return subs
+
+    if kind == "sync":
+        handlers = [topic_server.handlers(topic, False)]
+        server = isthmus.server(futures.ThreadPoolExecutor(max_workers=4), handlers=handlers)
+        for t in targets:
+            server.add_insecure_port(t)
+        server.start()
+        subs = subscribe()
+        assert server.stop(600).wait(PATIENCE), "the stop is still waiting for its subscribers"
+    else:
+
+        async def run() -> list[Peer]:
+            server = isthmus.aio.server()
+            server.add_generic_rpc_handlers((topic_server.handlers(topic, True),))
+            for t in targets:
+                server.add_insecure_port(t)
+            await server.start()
+            subs = await asyncio.to_thread(subscribe)  # the loop serves meanwhile
+            await asyncio.wait_for(server.stop(600), PATIENCE)
+            return subs
+
+        subs = asyncio.run(run())
+    try:
+        for sub in subs:
+            for seq in (1, 2, 3):
+                assert sub.expect("GOT") == f"GOT {seq}"
+            assert sub.expect("END") == "END UNAVAILABLE"
+        assert topic.stats().subscribers == 0
+    finally:
+        for sub in subs:
+            sub.close()

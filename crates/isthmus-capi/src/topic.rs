@@ -226,8 +226,9 @@ pub extern "C" fn isthmus_topic_free(topic: *mut isthmus_topic_t) -> isthmus_cod
 
 /// Serves `topic` at `path`: each call to it (a server-streaming call; its request is not read)
 /// is a subscriber, sent the topic's state if it has one, then every message published while
-/// it is subscribed, until its client cancels or goes away, or the topic closes (OK). Before
-/// `isthmus_server_start` only.
+/// it is subscribed, until its client cancels or goes away, or the topic closes (OK), or the
+/// server starts to shut down (UNAVAILABLE, once what was queued is sent: a graceful shutdown
+/// does not wait for subscribers). Before `isthmus_server_start` only.
 ///
 /// Thread-safety: any thread, before `isthmus_server_start` (a lock orders them).
 ///

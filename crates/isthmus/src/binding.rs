@@ -1116,7 +1116,8 @@ impl HandedCall {
     /// the queued ones are dropped too and `on_gap(n)`'s message, if any, is sent in their
     /// place. Leaves the topic at once when the call ends (the client's cancel, its deadline,
     /// its death): `Err` CANCELLED then; `Err` RESOURCE_EXHAUSTED at once for a subscriber that
-    /// fell behind, even while a send waits for it.
+    /// fell behind, even while a send waits for it; `Err` UNAVAILABLE once the server starts to
+    /// shut down and what was queued is sent.
     pub async fn serve_topic(
         &self,
         topic: &crate::Topic,
@@ -1124,11 +1125,12 @@ impl HandedCall {
     ) -> Result<(), Status> {
         use crate::Delivery;
         self.check_active()?;
-        let (arena, inline_max, direct) = {
+        let (arena, inline_max, direct, going_away) = {
             let mut call = self.sending().await;
-            (call.shared_arena().cloned(), call.inline_max(), call.direct().await?)
+            (call.shared_arena().cloned(), call.inline_max(), call.direct().await?, call.going_away())
         };
         let mut sub = topic.subscribe_sending(arena.as_ref(), inline_max);
+        sub.end_when(going_away);
         sub.send_directly(direct);
         if !self.add_done_callback(Box::new(sub.canceller())) {
             return Err(Status::new(Code::Cancelled, "the call is over"));

@@ -42,7 +42,8 @@
 //!    socket, and starts tonic's graceful shutdown on each HTTP/2 endpoint;
 //! 3. every live `shm://` connection gets GOAWAY and drains: a HEADERS after it is refused
 //!    UNAVAILABLE, with no handler run; a connection whose handshake was still under way gets
-//!    GOAWAY once it ends, and closes at once;
+//!    GOAWAY once it ends, and closes at once. A [`Topic`](crate::Topic)'s subscriptions, which
+//!    never end on their own, end UNAVAILABLE once what was queued for them is sent;
 //! 4. the server waits until no `shm://` call is in flight and every endpoint's task has ended, for
 //!    at most `grace` in all;
 //! 5. endpoint tasks still running are aborted (their HTTP/2 calls dropped) and every `shm://`

@@ -22,7 +22,11 @@
 //!   topic's current state, delivered first to every later subscriber.
 //! - **Leaving.** A [`Subscription`] leaves the topic when dropped: when its client cancels or
 //!   goes away the engine drops the handler's future, and with it the subscription, at once.
-//!   [`close`](Topic::close) ends every subscription with OK after what it has queued.
+//!   [`close`](Topic::close) ends every subscription with OK after what it has queued. A
+//!   server that starts to shut down ends each subscription its calls serve with UNAVAILABLE
+//!   (`the server is shutting down`) after what it has queued, so that a graceful shutdown
+//!   waits for no subscriber longer than it takes to send that, and its clients know to
+//!   subscribe again elsewhere.
 //!
 //! ```no_run
 //! # async fn demo() -> Result<(), isthmus::Status> {
@@ -47,7 +51,7 @@ use bytes::Bytes;
 use isthmus_shm::{SharedArena, SharedBlock};
 use tokio::sync::Notify;
 
-use crate::engine::server::{Direct, ServerCall};
+use crate::engine::server::{Direct, GoingAway, ServerCall, GOING_AWAY};
 use crate::status::{Code, Status};
 
 /// Messages up to this size travel inline in the ring, where a copy per subscriber is cheaper
@@ -175,6 +179,9 @@ struct Queue {
     gap: u64,
     /// How the subscription ends once its queue is empty: OK (the topic closed) or a status.
     end: Option<Result<(), Status>>,
+    /// `end` is a status that lets the queue, and a send under way, go first (the server is
+    /// shutting down): it does not resolve [`Subscription::cancelled`].
+    end_waits: bool,
     /// The subscriber took a delivery and may still be sending it (until its next `next`).
     busy: bool,
     /// The call of a subscriber served by [`Topic::serve`]: a publish sends to it directly
@@ -198,11 +205,32 @@ impl Subscriber {
 
     fn end(&self, how: Result<(), Status>) {
         let mut q = self.queue();
-        if q.end.is_none() {
+        // A cancel cuts an end that was waiting for the queue.
+        if q.end.is_none() || (q.end_waits && how.is_err()) {
             q.end = Some(how);
+            q.end_waits = false;
         }
         drop(q);
         self.wake.notify_one();
+    }
+
+    /// The status this subscriber was cut off with, if it was: an end that does not wait for
+    /// the queue.
+    fn cut(&self) -> Option<Status> {
+        let q = self.queue();
+        match &q.end {
+            Some(Err(status)) if !q.end_waits => Some(status.clone()),
+            _ => None,
+        }
+    }
+
+    /// Ends the subscription with `status` once its queue is sent (a send under way goes on).
+    fn end_after_queue(&self, status: Status) {
+        let mut q = self.queue();
+        if q.end.is_none() {
+            q.end = Some(Err(status));
+            q.end_waits = true;
+        }
     }
 }
 
@@ -440,13 +468,14 @@ impl Topic {
             }
             m.by_id.insert(id, sub.clone());
         }
-        Subscription { topic: self.inner.clone(), id, sub }
+        Subscription { topic: self.inner.clone(), id, sub, going_away: None }
     }
 
     /// Delivers the topic to `call` until the client leaves (the engine then drops this future)
     /// or the topic closes (`Ok`); an error if the call fails or the subscriber is cancelled for
-    /// falling behind, at once, even while a send waits for a client that stopped reading. Gaps
-    /// are skipped; see [`serve_with`](Self::serve_with).
+    /// falling behind, at once, even while a send waits for a client that stopped reading; and
+    /// UNAVAILABLE once the server starts to shut down and what was queued is sent. Gaps are
+    /// skipped; see [`serve_with`](Self::serve_with).
     pub async fn serve(&self, call: &mut ServerCall) -> Result<(), Status> {
         self.serve_inner(call, None).await
     }
@@ -470,6 +499,7 @@ impl Topic {
         mut on_gap: Option<&mut (dyn FnMut(u64) -> Option<Bytes> + Send)>,
     ) -> Result<(), Status> {
         let mut sub = self.subscribe_sending(call.shared_arena(), call.inline_max());
+        sub.end_when(call.going_away());
         sub.send_directly(call.direct().await?);
         while let Some(next) = sub.next().await? {
             let (message, published) = match next {
@@ -578,6 +608,8 @@ pub struct Subscription {
     topic: Arc<Inner>,
     id: u64,
     sub: Arc<Subscriber>,
+    /// The serving call's server, until it starts to shut down ([`end_when`](Self::end_when)).
+    going_away: Option<GoingAway>,
 }
 
 impl std::fmt::Debug for Subscription {
@@ -611,8 +643,26 @@ impl Subscription {
                 }
             }
             // A notification sent between the check and here is kept as a permit.
-            self.sub.wake.notified().await;
+            let Some(going_away) = &self.going_away else {
+                self.sub.wake.notified().await;
+                continue;
+            };
+            let gone = tokio::select! {
+                biased;
+                () = self.sub.wake.notified() => false,
+                () = going_away.wait() => true,
+            };
+            if gone {
+                self.going_away = None;
+                self.sub.end_after_queue(Status::new(Code::Unavailable, GOING_AWAY));
+            }
         }
+    }
+
+    /// Ends this subscription with UNAVAILABLE, after what it has queued, once the server of
+    /// the call that serves it starts to shut down.
+    pub(crate) fn end_when(&mut self, going_away: GoingAway) {
+        self.going_away = Some(going_away);
     }
 
     /// Resolves with the status this subscription was ended with: cancelled for falling behind
@@ -623,8 +673,8 @@ impl Subscription {
             let notified = self.sub.wake.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if let Some(Err(status)) = &self.sub.queue().end {
-                return status.clone();
+            if let Some(status) = self.sub.cut() {
+                return status;
             }
             notified.await;
             // `next` checks the queue before it waits, so the wake-up taken here loses nothing.
@@ -747,6 +797,34 @@ mod tests {
         assert!(poll().is_pending(), "one message fits");
         topic.publish(b"2");
         assert_eq!(poll(), std::task::Poll::Ready(Code::ResourceExhausted));
+    }
+
+    /// The end a server's shutdown gives lets the queue and a send under way go first, which
+    /// a cancel does not: `cancelled` (raced against a send) ignores it until a cancel comes.
+    #[test]
+    fn an_end_after_the_queue_cuts_no_send_but_a_cancel_still_does() {
+        let topic = Topic::new("t");
+        let sub = topic.subscribe();
+        topic.publish(b"queued");
+        sub.sub.end_after_queue(Status::new(Code::Unavailable, GOING_AWAY));
+        let poll_cancelled = || {
+            let cancelled = std::pin::pin!(sub.cancelled());
+            cancelled.poll(&mut std::task::Context::from_waker(std::task::Waker::noop())).map(|s| s.code())
+        };
+        assert!(poll_cancelled().is_pending());
+        let cancel = sub.canceller();
+        cancel();
+        assert_eq!(poll_cancelled(), std::task::Poll::Ready(Code::Cancelled));
+
+        let mut sub = topic.subscribe();
+        topic.publish(b"queued");
+        sub.sub.end_after_queue(Status::new(Code::Unavailable, GOING_AWAY));
+        topic.publish(b"after the end"); // not queued
+        assert_eq!(message(next_now(&mut sub)), b"queued");
+        match next_now(&mut sub) {
+            Some(Err(status)) => assert_eq!(status.code(), Code::Unavailable),
+            other => panic!("expected the end, got {other:?}"),
+        }
     }
 
     #[test]

@@ -16,6 +16,14 @@ type Arena = Arc<Mutex<Option<SharedArena>>>;
 /// A server of `topic` on shm, unix and http: the shared arena of the first call that subscribed
 /// (once one has), the server's counters, the addresses.
 fn serve(rt: &tokio::runtime::Runtime, topic: &Topic) -> (Arena, ServerStats, Vec<String>) {
+    let (arena, bound, addresses) = bind(rt, topic, Duration::from_secs(10));
+    let stats = bound.stats();
+    rt.spawn(bound.serve());
+    (arena, stats, addresses)
+}
+
+/// The server [`serve`] runs, bound with `grace` for its shutdown, not yet serving.
+fn bind(rt: &tokio::runtime::Runtime, topic: &Topic, grace: Duration) -> (Arena, isthmus::Bound, Vec<String>) {
     let arena: Arc<Mutex<Option<SharedArena>>> = Arc::default();
     let (seen, served) = (arena.clone(), topic.clone());
     let shm = fresh_addr("topic");
@@ -31,14 +39,13 @@ fn serve(rt: &tokio::runtime::Runtime, topic: &Topic) -> (Arena, ServerStats, Ve
                     topic.serve(&mut call).await
                 }
             })
+            .grace(grace)
             .bind_all([shm.as_str(), unix.as_str(), "http://127.0.0.1:0"])
             .expect("bind")
     });
     let mut addresses = vec![shm];
     addresses.extend(bound.http_addresses());
-    let stats = bound.stats();
-    rt.spawn(bound.serve());
-    (arena, stats, addresses)
+    (arena, bound, addresses)
 }
 
 /// Message `seq`: seq as a u64, then `len - 8` bytes of the pattern for seed seq.
@@ -91,6 +98,38 @@ fn every_subscriber_gets_every_message_once_written() {
     for p in &mut subs {
         assert_eq!(p.expect_line("END", PATIENCE), "END OK");
     }
+}
+
+/// A subscription never ends on its own: a graceful shutdown waited out its whole grace for
+/// every subscriber (and grpc-go's `GracefulStop`, which has none, for ever). Now each
+/// subscription ends UNAVAILABLE, the code that tells a client to go elsewhere, once what was
+/// published before is sent, and the shutdown is done with it.
+#[test]
+fn a_graceful_shutdown_ends_each_subscription_after_its_queue() {
+    let rt = isthmus_tests::runtime();
+    let topic = Topic::new("feed");
+    let (_, bound, addresses) = bind(&rt, &topic, Duration::from_secs(600));
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let serving = rt.spawn(bound.serve_with_shutdown(async move {
+        let _ = stopped.await;
+    }));
+    let mut subs: Vec<Peer> =
+        addresses.iter().map(|addr| Peer::spawn_bin("topic-subscriber", &[addr, "1000", "0"])).collect();
+    until("3 subscribers", || topic.stats().subscribers == 3);
+    for seq in 0..3 {
+        assert_eq!(topic.publish(&message(seq, if seq == 1 { 300_000 } else { 500 })), 3);
+    }
+    let _ = stop.send(());
+    let ended = rt.block_on(async { tokio::time::timeout(PATIENCE, serving).await });
+    ended.expect("the shutdown waited for its subscribers").expect("the server's task").expect("served");
+    for p in &mut subs {
+        for seq in 0..3 {
+            assert_eq!(p.expect_line("", PATIENCE), format!("GOT {seq}"));
+        }
+        assert_eq!(p.expect_line("END", PATIENCE), "END Unavailable");
+    }
+    assert_eq!(topic.stats().subscribers, 0);
+    assert_eq!(topic.publish(b"after"), 0);
 }
 
 #[test]

@@ -801,6 +801,8 @@ pub(crate) struct Mux {
     is_dead: AtomicBool,
     /// Server side: GOAWAY was sent; new calls are refused.
     draining: AtomicBool,
+    /// Server side: wakes the calls that end once the server goes away (`GoingAway`).
+    going_away: Notify,
     /// Server side: the highest stream id accepted.
     last_stream: AtomicU64,
     /// Calls started and finished on this connection, by final code.
@@ -990,6 +992,7 @@ impl Mux {
             dead: Mutex::new(None),
             is_dead: AtomicBool::new(false),
             draining: AtomicBool::new(false),
+            going_away: Notify::new(),
             last_stream: AtomicU64::new(0),
             calls: CallTally::default(),
             runtime: tokio::runtime::Handle::try_current().ok(),
@@ -1332,8 +1335,20 @@ impl Mux {
     /// go on.
     pub(crate) async fn go_away(&self, why: &str) {
         self.draining.store(true, Ordering::Release);
+        self.going_away.notify_waiters();
         let g = wire::GoAway { last_stream: self.last_stream.load(Ordering::Acquire), message: why.to_owned() };
         let _ = self.sender.send_async(Kind::GoAway, 0, 0, &g.encode()).await;
+    }
+
+    /// Server side: resolves once GOAWAY was sent (at once if it was already).
+    pub(crate) async fn gone_away(&self) {
+        let notified = self.going_away.notified();
+        tokio::pin!(notified);
+        // Enabled before the look: a `go_away` between the two wakes it.
+        notified.as_mut().enable();
+        if !self.draining.load(Ordering::Acquire) {
+            notified.await;
+        }
     }
 
     /// Sends a CANCEL for `id` (best effort: the connection may be gone) and forgets it.

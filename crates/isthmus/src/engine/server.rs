@@ -247,6 +247,17 @@ pub struct ServerCall {
     peer: Peer,
 }
 
+/// A server call's connection, to learn when its server starts to shut down
+/// ([`ServerCall::going_away`]).
+pub(crate) struct GoingAway(Arc<Mux>);
+
+impl GoingAway {
+    /// Resolves once the server is shutting down: at once if it is already.
+    pub(crate) async fn wait(&self) {
+        self.0.gone_away().await;
+    }
+}
+
 /// Who has claimed the sending of a call's end (its status, or a CANCEL): the engine when the
 /// handler returns, the handler itself through [`ServerCall::end_now`], or the connection's
 /// reader when the peer broke the call (past its window, a message too large); only one does,
@@ -609,6 +620,13 @@ impl ServerCall {
         self.mux.sender.send_block_async(self.id, 0, block).await.map_err(|e| Status::from_transport(&e))?;
         writing.done();
         Ok(())
+    }
+
+    /// The signal that this call's server is shutting down (it sent its connection GOAWAY):
+    /// a call that would never end on its own (a [`Topic`](crate::Topic)'s subscription)
+    /// ends on it, and the shutdown need not wait out its grace.
+    pub(crate) fn going_away(&self) -> GoingAway {
+        GoingAway(self.mux.clone())
     }
 
     /// The shared arena of the listener this call came through: a block of it
