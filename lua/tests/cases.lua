@@ -57,6 +57,20 @@ function _M.init_master(proto_path, targets)
     end
 end
 
+-- From set_by_lua, a phase that cannot yield (a call blocks the worker), with no timeouts of
+-- their own: a unary call the server answers after `sleep_ms`, and a wait for a fresh
+-- channel to leave IDLE (it never connects unasked). What each ended with, as JSON.
+function _M.set_calls(target, sleep_ms)
+    local out = { phase = ngx.get_phase() }
+    local ok, r = channel(target):unary(ECHO .. "Unary", { sleep_ms = tonumber(sleep_ms), seq = 95 })
+    out.unary = ok and "OK" or r.name
+    local idle = assert(isthmus.connect(target))
+    local changed, err = idle:wait_state("IDLE")
+    out.wait = changed and "changed" or err.name
+    idle:close()
+    return cjson.encode(out)
+end
+
 function cases.master_results()
     return { ok = master_results ~= nil, results = master_results }
 end

@@ -18,11 +18,13 @@ import tempfile
 import threading
 import time
 import urllib.parse
+import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent import futures
 from pathlib import Path
 
 import certs
+import conftest
 import pytest
 from conftest import LUA, PATIENCE, ROOT, Nginx, library, need
 from peer import Peer, Served, ServerBehindSilentProxy, serve, tonic_peer
@@ -616,6 +618,78 @@ def test_a_call_left_by_its_request_is_cancelled_while_another_call_waits(nginx:
         waiting.join()
         assert slow[0]["ok"], slow
     finally:
+        served.close()
+
+
+def test_a_watcher_that_never_ran_leaves_no_bell_behind(servers: Callable[[str], Served]) -> None:
+    """nginx drops the watcher's timer each time it is made (both running timers held for 8 s,
+    as above), and the only call gives up at its backstop (its deadline and 5 s): the bell's
+    socket, whose directory the library removes once a watcher connects, stayed in the
+    temporary directory after the worker had gone. Now the call that gives up last removes
+    it."""
+    target = servers("rust").addresses["shm"]
+    own = Nginx(http_extra="lua_max_running_timers 2;")
+    try:
+        assert own.case("hog_timers", "", n=2, ms=8000)["started"] == 2
+        r = own.case("slow", target, sleep=10000, timeout=0.2)
+        assert r["code"] == 4, r  # DEADLINE_EXCEEDED
+        pids = own.worker_pids()
+        assert "lua_max_running_timers are not enough" in own.errors()
+    finally:
+        own.close()
+    assert pids
+    # nginx passes no TMPDIR to its worker: the library's temporary directory there is /tmp.
+    roots = {Path(tempfile.gettempdir()), Path("/tmp")}
+    bells = [p for root in roots for pid in pids for p in root.glob(f"isthmus-bell-{pid}-*")]
+    assert not bells, bells
+
+
+def test_a_call_left_by_its_request_is_cancelled_in_an_idle_worker(stubs: Path) -> None:
+    """The same left call in a worker that has nothing else to do: no other call waits (whose
+    wait would prune) and no bell rings. It is cancelled all the same, within a second or two;
+    before, its handler ran on until the server answered, a minute later here."""
+    served = serve("rust", ["shm"], stubs)
+    own = Nginx()
+    try:
+        assert own.case("orphan_unary", served.addresses["shm"], seq=93)["ok"]
+        served.peer.expect("UNARY-DROPPED 93", patience=10)
+    finally:
+        own.close()
+        served.close()
+
+
+def test_a_call_that_cannot_yield_has_a_deadline_by_default(stubs: Path) -> None:
+    """A call with no timeout in a phase that cannot yield (set_by_lua) blocks the worker: it had
+    no deadline at all, and a server that never answered hung the worker. Now it takes
+    `blocking_timeout` (60 s by default, 1 s here, as a cosocket's default timeouts): the unary
+    call fails DEADLINE_EXCEEDED and its handler is dropped, and so does a wait for a state
+    that never changes. A phase that yields keeps no default: the same call, slower than it,
+    succeeds from content_by_lua."""
+    served = serve("rust", ["shm"], stubs)
+    port = conftest.free_port()
+    own = Nginx(
+        http_extra=f"""
+    init_by_lua_block {{ require("resty.isthmus").init{{ blocking_timeout = 1 }} }}
+    server {{
+        listen 127.0.0.1:{port};
+        location = /set {{
+            set_by_lua_block $r {{
+                return require("cases").set_calls(ngx.unescape_uri(ngx.var.arg_target), ngx.var.arg_sleep)
+            }}
+            return 200 $r;
+        }}
+    }}"""
+    )
+    try:
+        target = served.addresses["shm"]
+        query = urllib.parse.urlencode({"target": target, "sleep": 5000})
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/set?{query}", timeout=PATIENCE) as reply:
+            r = json.loads(reply.read())
+        assert r == {"phase": "set", "unary": "DEADLINE_EXCEEDED", "wait": "DEADLINE_EXCEEDED"}, r
+        served.peer.expect("UNARY-DROPPED 95", patience=10)
+        assert own.case("slow", target, sleep=1500)["ok"]
+    finally:
+        own.close()
         served.close()
 
 

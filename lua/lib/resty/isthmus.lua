@@ -7,7 +7,7 @@
 -- microseconds for a fast reply, and otherwise yields on an ngx.semaphore; one timer per worker
 -- watches the completion queue through a cosocket the library rings (docs/adr/0011). Outside
 -- nginx, and in nginx phases that cannot yield (init_worker_by_lua, set_by_lua, log_by_lua...),
--- the same calls block.
+-- the same calls block: in nginx, for 60 s at most unless they say (`init`'s blocking_timeout).
 --
 --   local isthmus = require "resty.isthmus"
 --   local ch = assert(isthmus.connect("shm://sidecar", { proto = isthmus.load_proto({ "hello.proto" }) }))
@@ -209,8 +209,23 @@ local function load(path)
     return C
 end
 
---- Loads the C library from `opts.lib` (a path) now instead of on first use. Returns true.
+-- The deadline, in seconds, of a call or wait that blocks the worker (a phase that cannot
+-- yield) and whose options name none: as a cosocket's default timeouts, no wait of the worker
+-- is unbounded (a server that hangs would hang it). `init{ blocking_timeout = s }` sets it.
+local blocking_timeout = 60
+
+--- Loads the C library from `opts.lib` (a path) now instead of on first use, and sets
+--- `opts.blocking_timeout`, the deadline in seconds of a call that blocks an nginx worker
+--- (made in a phase that cannot yield) and names none (default 60; `math.huge` for none).
+--- Returns true.
 function _M.init(opts)
+    if opts ~= nil and opts.blocking_timeout ~= nil then
+        local t = opts.blocking_timeout
+        if type(t) ~= "number" or t ~= t or t <= 0 then
+            error("resty.isthmus: blocking_timeout is a number of seconds above 0, not " .. tostring(t), 2)
+        end
+        blocking_timeout = t
+    end
     load(opts and opts.lib)
     return true
 end
@@ -650,6 +665,15 @@ local function can_yield()
     return yield_phase() ~= nil
 end
 
+-- The default deadline (seconds) of a call made now that names none: `blocking_timeout` in an
+-- nginx phase that cannot yield, where the call blocks the worker; nil elsewhere (a phase that
+-- yields, ngx.run_worker_thread's VM, plain LuaJIT: a wait there holds no one else up).
+local function default_timeout()
+    if ngx ~= nil and ngx.get_phase ~= nil and not can_yield() then
+        return blocking_timeout
+    end
+end
+
 local FOREVER = 86400 * 24 -- an ngx.semaphore wait is in whole milliseconds below 2^31
 local POLL_EVENTS = 64
 -- The watcher's read never times out (an idle worker logs nothing): when the worker exits, a
@@ -670,6 +694,8 @@ local watcher_made_at = 0  -- when its timer was made (ngx.now())
 -- nobody waits for any more.
 local LOOK_S = 1
 local last_prune = 0
+local prune_number = 0 -- the current prune timer's number: a stale one leaves at once
+local prune_due        -- when the current prune timer is due (nil: none is made)
 
 -- An event as a plain outcome table; frees or takes over every handle in it.
 local function outcome(ev)
@@ -723,6 +749,18 @@ end
 
 local watch, start_watching
 
+-- The bell's socket while no watcher has connected to it (the library removes it, and its
+-- directory, once one has): if none will, it is removed here, or it outlives the worker.
+local bell_socket
+
+local function forget_bell()
+    if bell_socket then
+        os.remove(bell_socket)
+        os.remove(bell_socket:match("^(.*)/[^/]*$") or bell_socket)
+        bell_socket = nil
+    end
+end
+
 -- Abandons the operations whose coroutine no longer waits (its request was finalised, by a
 -- client that went away or an ngx.exit from another light thread): nobody would take their
 -- results, and an operation with no deadline would stay forever. A unary call ends with its
@@ -739,6 +777,35 @@ local function prune(own)
     end
     if ngx.worker.exiting() and next(waiting) == nil then
         C.isthmus_cq_wake(cq) -- a cancelled operation rings no bell: the watcher may leave now
+    end
+end
+
+-- Prunes each LOOK_S while operations wait, so that those whose request ended go even when no
+-- other call waits (whose own wait prunes too) and no bell rings: a unary call abandoned with
+-- no deadline in an idle worker held its server's handler for as long as that took.
+local prune_tick
+
+local function arm_prune()
+    prune_number = prune_number + 1
+    prune_due = ngx.now() + LOOK_S
+    if not ngx.timer.at(LOOK_S, prune_tick, prune_number) then
+        prune_due = nil -- none left: the calls still prune each other, as before
+    end
+end
+
+prune_tick = function(premature, number)
+    if number ~= prune_number then
+        return -- taken for lost (nginx dropped it), and another made
+    end
+    prune_due = nil
+    if premature then
+        return -- the worker exits: the watcher prunes from here on
+    end
+    if ngx.now() - last_prune >= LOOK_S then
+        prune()
+    end
+    if next(waiting) ~= nil then
+        arm_prune()
     end
 end
 
@@ -762,6 +829,7 @@ watch = function(premature, path, number)
     watcher_ran = true
     if premature and next(waiting) == nil then
         watching = false
+        forget_bell()
         return
     end
     local sock = ngx.socket.tcp()
@@ -770,10 +838,13 @@ watch = function(premature, path, number)
         local rc = C.isthmus_cq_bell_accept(cq, status_out)
         if rc ~= OK then
             ok, err = false, tostring(failed(rc))
+        else
+            bell_socket = nil -- the library removed it
         end
     end
     if not ok then
         watching = false
+        forget_bell()
         ngx.log(ngx.ERR, "resty.isthmus: cannot watch the completion queue: ", err)
         fail_all("cannot watch the completion queue: " .. tostring(err))
         return
@@ -833,6 +904,7 @@ start_watching = function()
     if rc ~= OK then
         return nil, failed(rc)
     end
+    bell_socket = ffi_string(bell_path)
     -- The timer that wakes the watcher when the worker exits comes first; while the worker is
     -- exiting there is none to make, and the watcher ends with the last call's reply.
     local ok, err = true, nil
@@ -841,9 +913,10 @@ start_watching = function()
         ok = exit_timer ~= nil
     end
     if ok then
-        ok, err = ngx.timer.at(0, watch, ffi_string(bell_path), watcher)
+        ok, err = ngx.timer.at(0, watch, bell_socket, watcher)
     end
     if not ok then
+        forget_bell()
         return nil, new_error(UNAVAILABLE, "resty.isthmus: cannot start the completion queue's watcher: " .. tostring(err))
     end
     watching = true
@@ -951,6 +1024,10 @@ local function finish_async(rc, tag, backstop)
         w = { sema = require("ngx.semaphore").new() }
     end
     waiting[tag] = w
+    -- Made anew if it is long overdue: nginx drops a timer it cannot run.
+    if not ngx.worker.exiting() and (prune_due == nil or ngx.now() - prune_due > LOOK_S) then
+        arm_prune()
+    end
     if not watching then
         local ok, err = start_watching()
         if not ok then
@@ -965,6 +1042,13 @@ local function finish_async(rc, tag, backstop)
     if not ok then
         waiting[tag] = nil
         C.isthmus_cq_cancel(cq, tag)
+        if watching and not watcher_ran and next(waiting) == nil then
+            -- Its timer has not run, and may never (nginx drops one it cannot run): the last
+            -- call leaves no bell behind. A late run leaves at once; the next call makes one.
+            watcher = watcher + 1
+            watching = false
+            forget_bell()
+        end
         if ngx.worker.exiting() and next(waiting) == nil then
             C.isthmus_cq_wake(cq) -- a cancelled operation rings no bell: the watcher may leave now
         end
@@ -1197,7 +1281,8 @@ local WAIT_MS_MAX = 2 ^ 32 - 1
 --- seconds at most (nil: no limit): true, the new state; or false, err, with err.code
 --- DEADLINE_EXCEEDED and err.state `last` once the time ran out (grpc-go's
 --- WaitForStateChange). In a yieldable phase the worker serves other requests meanwhile;
---- elsewhere (init_worker, plain LuaJIT) it blocks. A closed channel is "SHUTDOWN", for good.
+--- elsewhere (init_worker, plain LuaJIT) it blocks, in nginx for `blocking_timeout` at most
+--- (`init`) if `timeout` is nil. A closed channel is "SHUTDOWN", for good.
 function Channel:wait_state(last, timeout)
     local from = STATE_NUMBERS[last]
     if from == nil then
@@ -1228,6 +1313,7 @@ function Channel:wait_state(last, timeout)
         end
         return true, STATES[r.state]
     end
+    timeout = timeout or default_timeout()
     local ms = timeout and math.min(math.max(math.floor(timeout * 1000), 0), WAIT_MS_MAX) or WAIT_MS_MAX
     local rc = C.isthmus_channel_wait_state(h, from, ms, state_out)
     if rc == OK then
@@ -1278,33 +1364,34 @@ end
 local COMPRESSION_FLAGS = { gzip = 4, deflate = 8 }
 
 -- The C options of one call; the metadata handle is returned so that it lives until the call
--- has copied it.
+-- has copied it. A call with no timeout of its own takes `default_timeout()`'s.
 local function call_options(opts, flags)
     if opts ~= nil and type(opts) ~= "table" then
         return nil, new_error(INVALID_ARGUMENT, "a call's options are a table, not a " .. type(opts))
     end
     local o = ffi_new("isthmus_call_options_t")
     local md, err
-    if opts then
-        if opts.timeout then
-            if type(opts.timeout) ~= "number" or opts.timeout ~= opts.timeout then
-                return nil, new_error(INVALID_ARGUMENT, "timeout is a number of seconds, not " .. tostring(opts.timeout))
-            end
-            -- The library takes whole microseconds, and 0 or less as no deadline at all: a
-            -- budget that is spent fails here, as a passed deadline; under a microsecond is
-            -- one (truncated, it was 0).
-            local us = math.ceil(opts.timeout * 1e6)
-            if us <= 0 then
-                return nil, new_error(DEADLINE_EXCEEDED, "the call's deadline passed before it started (timeout "
-                    .. tostring(opts.timeout) .. " s)")
-            end
-            -- One past the library's int64 microseconds (`math.huge` too) is no deadline, as
-            -- the library reads a timeout too long for its clock: converted, it was whatever
-            -- the CPU makes of a double out of range.
-            if us < 2 ^ 63 then
-                o.timeout_us = us
-            end
+    local timeout = opts and opts.timeout or default_timeout()
+    if timeout then
+        if type(timeout) ~= "number" or timeout ~= timeout then
+            return nil, new_error(INVALID_ARGUMENT, "timeout is a number of seconds, not " .. tostring(timeout))
         end
+        -- The library takes whole microseconds, and 0 or less as no deadline at all: a
+        -- budget that is spent fails here, as a passed deadline; under a microsecond is one
+        -- (truncated, it was 0).
+        local us = math.ceil(timeout * 1e6)
+        if us <= 0 then
+            return nil, new_error(DEADLINE_EXCEEDED, "the call's deadline passed before it started (timeout "
+                .. tostring(timeout) .. " s)")
+        end
+        -- One past the library's int64 microseconds (`math.huge` too) is no deadline, as the
+        -- library reads a timeout too long for its clock: converted, it was whatever the CPU
+        -- makes of a double out of range.
+        if us < 2 ^ 63 then
+            o.timeout_us = us
+        end
+    end
+    if opts then
         md, err = make_metadata(opts.metadata)
         if err then
             return nil, err
