@@ -4,6 +4,7 @@ and the future of a call with one response, as grpcio's rendezvous is."""
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 import threading
 import time
@@ -104,6 +105,57 @@ class Succeeded(Ended, grpc.Call):
         return self._details
 
 
+class Completions:
+    """The thread that completes every channel's unary `.future()` calls: each is an operation
+    of one engine `Reactor`, finished by the engine's reader tasks, so no thread waits per
+    call (as grpcio's futures all wait in its core), and the status watches of response
+    streams (`Call._watch`). Started on first use. A future's done callbacks run on it: one
+    that blocks (waiting for another future's result, say) holds up every other future until
+    it returns."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reactor: _native.Reactor | None = None
+        self._tokens = itertools.count()
+        self._waiting: dict[int, Callable[[bool, Any], None]] = {}
+
+    def begin(self, done: Callable[[bool, Any], None]) -> tuple[_native.Reactor, int]:
+        """The reactor and a token for one operation; `done(ok, value)` runs on the completion
+        thread when it finishes."""
+        with self._lock:
+            if self._reactor is None:
+                self._reactor = _native.Reactor()
+                threading.Thread(
+                    target=self._run, args=(self._reactor,), name="isthmus-futures", daemon=True
+                ).start()
+            token = next(self._tokens)
+            self._waiting[token] = done
+            return self._reactor, token
+
+    def abandon(self, token: int) -> None:
+        """Operation `token` will not complete; a call it was making is cancelled."""
+        with self._lock:
+            self._waiting.pop(token, None)
+            reactor = self._reactor
+        if reactor is not None:
+            reactor.cancel(token)
+
+    def _run(self, reactor: _native.Reactor) -> None:
+        while True:
+            for token, ok, value in reactor.wait(None):
+                with self._lock:
+                    done = self._waiting.pop(token, None)
+                if done is not None:
+                    try:
+                        done(ok, value)
+                    except Exception:  # the thread must go on: every other future waits on it
+                        _LOG.exception("completing a .future() call failed")
+
+
+#: The process's one: every channel's `.future()` calls and response streams' status watches.
+COMPLETIONS = Completions()
+
+
 class Call(grpc.Call, grpc.Future):
     """One call started with the engine's `Channel.start`. Thread-safe: one thread may read
     responses while another cancels it or waits for its status."""
@@ -127,6 +179,9 @@ class Call(grpc.Call, grpc.Future):
         # A call with streaming responses (`_stream`): its status comes once its responses
         # are read (`_wait_for_status`).
         self._streaming = False
+        # Its status is watched for (`_watch`), or will be once it starts.
+        self._watch_asked = False
+        self._watched = False
 
     def __del__(self) -> None:
         # A call its caller let go of before its end is cancelled, as grpcio's ("Cancelled upon
@@ -159,6 +214,8 @@ class Call(grpc.Call, grpc.Future):
         if cancelled:
             native.cancel()
             return None
+        if self._watch_asked:
+            self._watch()
         return native
 
     def _restart_clock(self) -> None:
@@ -315,9 +372,10 @@ class Call(grpc.Call, grpc.Future):
         return self._response
 
     def _wait(self, timeout: float | None = None) -> None:
-        if self._streaming and timeout is None:
+        if self._streaming and timeout is None and not self._watched:
             self._wait_for_status()
             return
+        self._watch()
         with self._lock:
             if not self._lock.wait_for(lambda: self._ended, timeout):
                 raise grpc.FutureTimeoutError()
@@ -342,6 +400,24 @@ class Call(grpc.Call, grpc.Future):
             self._end(None)
         else:
             self._cancel("Deadline Exceeded", grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    def _watch(self) -> None:
+        """For a response stream: has the engine wait for its status as `_wait_for_status`
+        does (a response it meets is kept for the reader), on the completion thread's reactor,
+        so that `done()`, `is_active()`, the done callbacks and timed waits learn of it with
+        no reader at its end, as grpcio's do. Once per call, from when it starts; the watch
+        holds the call weakly, so that one its caller drops is still cancelled (`__del__`)."""
+        with self._lock:
+            if not self._streaming or self._ended or self._watched:
+                return
+            self._watch_asked = True
+            native = self._native
+            if native is None:
+                return  # `_start` watches once its call credentials have answered
+            self._watched = True
+        left = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+        reactor, token = COMPLETIONS.begin(functools.partial(_status_came, weakref.ref(self)))
+        native.watch_end(reactor, token, left)
 
     # The response iterator (streaming responses).
 
@@ -413,6 +489,7 @@ class Call(grpc.Call, grpc.Future):
         return "" if self._error is None else self._error.debug_error_string()
 
     def is_active(self) -> bool:
+        self._watch()
         return not self._ended
 
     def time_remaining(self) -> float | None:
@@ -430,7 +507,8 @@ class Call(grpc.Call, grpc.Future):
             if self._ended:
                 return False
             self._callbacks.append(callback)
-            return True
+        self._watch()
+        return True
 
     # grpc.Future
 
@@ -438,9 +516,11 @@ class Call(grpc.Call, grpc.Future):
         return self._cancelled
 
     def running(self) -> bool:
+        self._watch()
         return not self._ended
 
     def done(self) -> bool:
+        self._watch()
         return self._ended
 
     def result(self, timeout: float | None = None) -> Any:
@@ -462,3 +542,19 @@ class Call(grpc.Call, grpc.Future):
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         if not self.add_callback(functools.partial(fn, self)):
             fn(self)
+
+
+def _status_came(this: weakref.ref[Call], ok: bool, value: Any) -> None:
+    """The end of a response stream's status watch (`Call._watch`), on the completion thread:
+    True once the server ended it OK and its responses were read, its status's `CallError`,
+    or False if a response was still unread at the deadline (the call then ends
+    DEADLINE_EXCEEDED, as `_wait_for_status` ends it)."""
+    call = this()
+    if call is None:
+        return
+    if not ok:
+        call._end(value)
+    elif value:
+        call._end(None)
+    else:
+        call._cancel("Deadline Exceeded", grpc.StatusCode.DEADLINE_EXCEEDED)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -12,6 +11,9 @@ from typing import Any, TypeVar
 import grpc
 
 from . import _native
+from ._call import (
+    COMPLETIONS as _COMPLETIONS,
+)
 from ._call import (
     Call,
     Deserializer,
@@ -30,55 +32,6 @@ from ._native import CallError
 from ._stats import TransportStats
 
 _LOG = logging.getLogger("isthmus")
-
-
-class _Completions:
-    """The thread that completes every channel's unary `.future()` calls: each is an operation
-    of one engine `Reactor`, finished by the engine's reader tasks, so no thread waits per
-    call (as grpcio's futures all wait in its core). Started on first use. A future's done
-    callbacks run on it: one that blocks (waiting for another future's result, say) holds up
-    every other future until it returns."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._reactor: _native.Reactor | None = None
-        self._tokens = itertools.count()
-        self._waiting: dict[int, Callable[[bool, Any], None]] = {}
-
-    def begin(self, done: Callable[[bool, Any], None]) -> tuple[_native.Reactor, int]:
-        """The reactor and a token for one operation; `done(ok, value)` runs on the completion
-        thread when it finishes."""
-        with self._lock:
-            if self._reactor is None:
-                self._reactor = _native.Reactor()
-                threading.Thread(
-                    target=self._run, args=(self._reactor,), name="isthmus-futures", daemon=True
-                ).start()
-            token = next(self._tokens)
-            self._waiting[token] = done
-            return self._reactor, token
-
-    def abandon(self, token: int) -> None:
-        """Operation `token` will not complete; a call it was making is cancelled."""
-        with self._lock:
-            self._waiting.pop(token, None)
-            reactor = self._reactor
-        if reactor is not None:
-            reactor.cancel(token)
-
-    def _run(self, reactor: _native.Reactor) -> None:
-        while True:
-            for token, ok, value in reactor.wait(None):
-                with self._lock:
-                    done = self._waiting.pop(token, None)
-                if done is not None:
-                    try:
-                        done(ok, value)
-                    except Exception:  # the thread must go on: every other future waits on it
-                        _LOG.exception("completing a .future() call failed")
-
-
-_COMPLETIONS = _Completions()
 
 
 class _MultiCallable:

@@ -229,6 +229,9 @@ class Call:
         """Waits for the call's end once every response before it was read, reading on while
         no reader does and keeping a response for the next recv: True for OK, CallError for
         another status; False if `left` seconds pass with a response still unread."""
+    def watch_end(self, reactor: Reactor, token: int, left: float | None = None) -> None:
+        """`drained_end` as operation `token` of `reactor`, waiting on no thread: it completes
+        with True, False or the status's CallError as that returns."""
     def cancel(self) -> None:
         """Ends the call with CANCELLED on both sides; idempotent."""
 

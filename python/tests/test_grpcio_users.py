@@ -2302,3 +2302,57 @@ def test_a_future_cancelled_under_a_lock_its_callback_takes_does_not_wait_for_it
         with registry:
             assert future.cancel()
         assert seen.get(timeout=20) == "cancelled=True", kind
+
+
+def _eventually(holds: Callable[[], bool]) -> bool:
+    """Whether `holds()` comes to be true within 10 s: grpcio's stream is done, and has run its
+    callbacks, a moment after its status came, from a thread of its own."""
+    end = time.monotonic() + 10
+    while not holds():
+        if time.monotonic() > end:
+            return False
+        time.sleep(0.01)
+    return True
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_response_streams_future_is_done_once_its_responses_are_read(kind: str) -> None:
+    """A response stream is a future too, done (and its done callbacks run, and `result` and
+    `exception` answer) once the server ended it and its responses were read, with no reader
+    asking for the end: grpcio's are. isthmus's waited for a reader to reach the end (or for
+    `code()`): the callbacks of a stream read to its last response never ran, and a timed
+    `result` timed out."""
+    generic = grpc.method_handlers_generic_handler(
+        "users.S", {"Counted": grpc.unary_stream_rpc_method_handler(_counted)}
+    )
+    with _blocking_server(kind, generic) as channel:
+        counted = channel.unary_stream("/users.S/Counted")
+        called: list[Any] = []
+        call = counted(bytes([3, 0]), timeout=30)
+        call.add_done_callback(called.append)
+        assert [next(call) for _ in range(3)] == [b"m0", b"m1", b"m2"]
+        assert _eventually(call.done) and not call.is_active()
+        assert call.result(5) is None and call.exception(5) is None
+        assert _eventually(lambda: called == [call])
+        assert list(call) == []
+        # With no response at all, nothing is left to read.
+        call = counted(bytes([0, 0]), timeout=30)
+        assert _eventually(call.done) and call.result(5) is None
+        # A failure after the responses: exception() gives it, result() raises it.
+        call = counted(bytes([2, 1]), timeout=30)
+        assert [next(call), next(call)] == [b"m0", b"m1"]
+        assert call.exception(5).code() == grpc.StatusCode.ABORTED
+        with pytest.raises(grpc.RpcError):
+            call.result(5)
+        # A response left unread holds it back, until the deadline.
+        call = counted(bytes([3, 0]), timeout=30)
+        assert next(call) == b"m0"
+        with pytest.raises(grpc.FutureTimeoutError):
+            call.result(0.3)
+        assert not call.done() and call.is_active()
+        call.cancel()
+        called.clear()
+        call = counted(bytes([3, 0]), timeout=1)
+        call.add_done_callback(called.append)
+        assert call.exception(10).code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert _eventually(lambda: called == [call])

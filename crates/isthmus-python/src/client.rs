@@ -718,6 +718,21 @@ impl Call {
         }
     }
 
+    /// [`drained_end`](Self::drained_end) as operation `token` of `reactor`, waiting on no
+    /// thread: it completes with `True`, `False` or the status's `CallError` as that returns.
+    #[pyo3(signature = (reactor, token, left=None))]
+    fn watch_end(&self, reactor: &crate::reactor::Reactor, token: u64, left: Option<f64>) {
+        let until = left.map(|left| std::time::Instant::now() + seconds_up_to(left, 1e9));
+        let call = self.0.clone();
+        reactor.completions.run(token, async move {
+            match call.drained_end(until).await {
+                Some(Ok(())) => crate::reactor::Outcome::Drained(true),
+                Some(Err(status)) => crate::reactor::Outcome::Failed(status),
+                None => crate::reactor::Outcome::Drained(false),
+            }
+        });
+    }
+
     fn details(&self) -> Option<String> {
         self.0.status_message()
     }

@@ -67,6 +67,9 @@ pub(crate) enum Outcome {
     Raw(Option<Bytes>),
     Metadata(MetadataMap),
     Sent(bool),
+    /// A response stream's status watch (`Call.watch_end`): true once it ended OK with every
+    /// response read, false if a response was still unread at the deadline.
+    Drained(bool),
     Done,
     Started(Arc<SharedCall>),
     /// The asyncio server's news of its calls (`Server.listen_async`).
@@ -239,7 +242,9 @@ pub(crate) fn outcome_value(
         Outcome::Raw(Some(m)) => (true, Py::new(py, Message::new(m))?.into_any()),
         Outcome::Message(None) | Outcome::Raw(None) | Outcome::Done => (true, py.None()),
         Outcome::Metadata(m) => (true, metadata_to_py(py, &m)?.into_any()),
-        Outcome::Sent(sent) => (true, pyo3::types::PyBool::new(py, sent).to_owned().into_any().unbind()),
+        Outcome::Sent(b) | Outcome::Drained(b) => {
+            (true, pyo3::types::PyBool::new(py, b).to_owned().into_any().unbind())
+        }
         Outcome::Started(core) => {
             let call = AsyncCall { core, completions: completions.clone() };
             (true, Py::new(py, call)?.into_any())
