@@ -301,6 +301,32 @@ fn a_generated_clients_unary_request_goes_in_one_frame() {
     });
 }
 
+/// A service that ends a bidirectional call while its client still feeds requests: the
+/// client's request stream is let go (its sender sees the receiver closed), as tonic over
+/// HTTP/2 lets it go. Over `shm://` the task sending it waited for its next request for as
+/// long as the application kept the sender: a task, and what the stream holds, per such call.
+#[test]
+fn a_request_stream_is_let_go_once_the_service_ended_the_call() {
+    let (_server, targets) = server();
+    run(async move {
+        for addr in &targets {
+            let mut c = client(addr).await;
+            let (tx, rx) = tokio::sync::mpsc::channel(1);
+            let fail = EchoRequest { fail_with: Code::FailedPrecondition as i32, seq: 1, ..Default::default() };
+            tx.send(fail).await.expect("send");
+            let ended = async {
+                let mut replies = c.bidi(ReceiverStream::new(rx)).await?.into_inner();
+                while replies.message().await?.is_some() {}
+                Ok::<(), tonic::Status>(())
+            };
+            let status = ended.await.expect_err("the service fails the call");
+            assert_eq!(status.code(), Code::FailedPrecondition, "{addr}");
+            let let_go = tokio::time::timeout(Duration::from_secs(30), tx.closed()).await;
+            assert!(let_go.is_ok(), "{addr}: the request stream is still held");
+        }
+    });
+}
+
 #[test]
 fn a_client_cancel_reaches_the_service_and_concurrent_calls_stay_apart() {
     let (mut server, targets) = server();

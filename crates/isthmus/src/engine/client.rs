@@ -332,6 +332,11 @@ impl SendHalf {
         self.mux.abandon(self.id, status);
     }
 
+    /// Resolves once the call is over (it ended, or was cancelled or dropped).
+    pub(crate) async fn closed(&self) {
+        self.shared.send_window.closed().await;
+    }
+
     /// Half-closes without a message.
     pub(crate) async fn close(&self) -> Result<(), ()> {
         self.mux.sender.send_async(Kind::Trailers, flags::END_STREAM, self.id, &[]).await.map_err(|_| ())

@@ -86,6 +86,22 @@ pub(crate) struct SendWindow {
     waiting: AtomicUsize,
 }
 
+/// One writer counted in [`SendWindow::waiting`] while it lives.
+struct Waiting<'a>(&'a AtomicUsize);
+
+impl<'a> Waiting<'a> {
+    fn new(count: &'a AtomicUsize) -> Waiting<'a> {
+        count.fetch_add(1, Ordering::SeqCst);
+        Waiting(count)
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
 /// What a writer may do now.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Credit {
@@ -142,14 +158,7 @@ impl SendWindow {
         // Counted before the look that decides to wait, and `grant`/`close` change the window
         // before they look at the count (all SeqCst): one of the two sees the other, so either
         // this look finds the change or the change wakes this wait.
-        struct Waiting<'a>(&'a AtomicUsize);
-        impl Drop for Waiting<'_> {
-            fn drop(&mut self) {
-                self.0.fetch_sub(1, Ordering::SeqCst);
-            }
-        }
-        self.waiting.fetch_add(1, Ordering::SeqCst);
-        let _waiting = Waiting(&self.waiting);
+        let _waiting = Waiting::new(&self.waiting);
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
@@ -158,6 +167,21 @@ impl SendWindow {
                 Credit::Wait => changed.await,
                 done => return done,
             }
+        }
+    }
+
+    /// Resolves once the stream is over: nothing more will be sent on it. For a writer that
+    /// waits for something else meanwhile (the next request of an application's stream).
+    pub(crate) async fn closed(&self) {
+        let _waiting = Waiting::new(&self.waiting); // as in `take`
+        loop {
+            let changed = self.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.closed.load(Ordering::SeqCst) {
+                return;
+            }
+            changed.await;
         }
     }
 
@@ -240,6 +264,20 @@ impl Consumed {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_wait_for_the_streams_end_outlasts_grants_and_ends_with_it() {
+        use std::future::Future;
+        let w = SendWindow::new(INITIAL_WINDOW);
+        let mut closed = std::pin::pin!(w.closed());
+        let mut poll = || closed.as_mut().poll(&mut std::task::Context::from_waker(std::task::Waker::noop()));
+        assert!(poll().is_pending());
+        w.grant(100);
+        assert!(poll().is_pending(), "a grant is no end");
+        w.close();
+        assert!(poll().is_ready());
+        assert_eq!(w.waiting.load(Ordering::SeqCst), 0);
+    }
 
     #[test]
     fn one_message_of_any_size_goes_then_the_writer_waits() {

@@ -23,7 +23,8 @@
 //!    there, on the caller's task. If it must wait (a streaming request, or no credit) it
 //!    continues as a spawned task sending through a `SendHalf`. A body that fails ends the call on
 //!    both sides CANCELLED ("the request stream failed: …"); one that ends inside a message
-//!    INTERNAL (`Mux::abandon`). If the call ends first, the pump stops.
+//!    INTERNAL (`Mux::abandon`). If the call ends first, the pump stops, and drops the body even
+//!    while it waits for the application's next request.
 //! 4. The response is returned once the server's initial metadata arrives (a HEADERS, or the first
 //!    MESSAGE), with `content-type: application/grpc` and the metadata. A call that fails before
 //!    then gives a trailers-only response: the status in its headers, and an empty body.
@@ -466,7 +467,14 @@ where
                         if let Some(m) = held.take() {
                             sender.send(&m, false).await.map_err(closed)?;
                         }
-                        next.await
+                        // The body is the application's stream, fed for as long as it likes:
+                        // once the call is over it is let go (dropped with this task), as
+                        // hyper lets it go once the server ended the stream.
+                        tokio::select! {
+                            biased;
+                            f = next => f,
+                            () = sender.closed() => return Err(Stop::CallOver),
+                        }
                     }
                 }
             }
