@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+import os
 import threading
 import time
 import weakref
@@ -118,6 +119,17 @@ class Completions:
         self._reactor: _native.Reactor | None = None
         self._tokens = itertools.count()
         self._waiting: dict[int, Callable[[bool, Any], None]] = {}
+        # Reactors of the processes this one was forked from: kept, not dropped (their end
+        # would reach for the parent's tasks, which do not run here).
+        self._forsaken: list[_native.Reactor] = []
+
+    def after_fork(self) -> None:
+        """In a forked child: the parent's completion thread does not exist here, nor its
+        operations; the next `begin` starts afresh."""
+        self._lock = threading.Lock()  # a parent's thread may have held it at the fork
+        if self._reactor is not None:
+            self._forsaken.append(self._reactor)
+        self._reactor, self._waiting = None, {}
 
     def begin(self, done: Callable[[bool, Any], None]) -> tuple[_native.Reactor, int]:
         """The reactor and a token for one operation; `done(ok, value)` runs on the completion
@@ -154,6 +166,7 @@ class Completions:
 
 #: The process's one: every channel's `.future()` calls and response streams' status watches.
 COMPLETIONS = Completions()
+os.register_at_fork(after_in_child=COMPLETIONS.after_fork)
 
 
 class Call(grpc.Call, grpc.Future):
@@ -179,9 +192,10 @@ class Call(grpc.Call, grpc.Future):
         # A call with streaming responses (`_stream`): its status comes once its responses
         # are read (`_wait_for_status`).
         self._streaming = False
-        # Its status is watched for (`_watch`), or will be once it starts.
+        # Its status is watched for (`_watch`), by the process of this pid, or will be once
+        # it starts.
         self._watch_asked = False
-        self._watched = False
+        self._watched_in: int | None = None
 
     def __del__(self) -> None:
         # A call its caller let go of before its end is cancelled, as grpcio's ("Cancelled upon
@@ -371,8 +385,13 @@ class Call(grpc.Call, grpc.Future):
             raise self._error
         return self._response
 
+    def _watched(self) -> bool:
+        """Whether this process watches the call's status (a forked child does not see the
+        parent's watch end)."""
+        return self._watched_in == os.getpid()
+
     def _wait(self, timeout: float | None = None) -> None:
-        if self._streaming and timeout is None and not self._watched:
+        if self._streaming and timeout is None and not self._watched():
             self._wait_for_status()
             return
         self._watch()
@@ -408,13 +427,13 @@ class Call(grpc.Call, grpc.Future):
         no reader at its end, as grpcio's do. Once per call, from when it starts; the watch
         holds the call weakly, so that one its caller drops is still cancelled (`__del__`)."""
         with self._lock:
-            if not self._streaming or self._ended or self._watched:
+            if not self._streaming or self._ended or self._watched():
                 return
             self._watch_asked = True
             native = self._native
             if native is None:
                 return  # `_start` watches once its call credentials have answered
-            self._watched = True
+            self._watched_in = os.getpid()
         left = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
         reactor, token = COMPLETIONS.begin(functools.partial(_status_came, weakref.ref(self)))
         native.watch_end(reactor, token, left)
@@ -442,8 +461,8 @@ class Call(grpc.Call, grpc.Future):
                     try:
                         return decode(self._deserialize, message)
                     except CallError as e:
+                        self._end(e)  # before the cancel, whose end a status watch would give
                         native.cancel()
-                        self._end(e)
         if self._error is not None:
             raise self._error
         raise StopIteration

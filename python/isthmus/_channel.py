@@ -109,7 +109,7 @@ class _MultiCallable:
                 asked = self._asked(metadata, credentials, timeout) if asks else metadata
                 if isinstance(asked, CallError):
                     call._end(asked)
-                elif not call.done():
+                elif not call._ended:  # not `done()`, which would have its status watched
                     if asks:
                         call._restart_clock()  # the plugin's time is not the call's, as in grpcio
                     run(request, timeout, asked, wait_for_ready, compression, call)

@@ -733,10 +733,12 @@ impl Bound {
         tracker.stopping.store(true, std::sync::atomic::Ordering::SeqCst);
         let live: Vec<Arc<Mux>> =
             tracker.connections.lock().map(|c| c.iter().filter_map(|w| w.upgrade()).collect()).unwrap_or_default();
-        for mux in &live {
-            mux.go_away(GOING_AWAY).await;
-        }
+        // Each GOAWAY within the grace, all at once: one waits for room in its ring for as long
+        // as its client reads nothing, and that must hold up neither the others (each stops
+        // taking calls, and ends its subscriptions, at its first poll) nor the grace.
+        let goaways = futures_util::future::join_all(live.iter().map(|mux| mux.go_away(GOING_AWAY)));
         let drained = async {
+            goaways.await;
             // SeqCst, after `stopping`: a call that ends unseen here sees `stopping` and wakes
             // this (`CallGuard`).
             while tracker.calls.load(std::sync::atomic::Ordering::SeqCst) > 0 {
@@ -749,6 +751,7 @@ impl Bound {
             while endpoints.join_next().await.is_some() {}
         };
         tokio::select! {
+            biased; // `drained` first: its first poll sets every connection draining
             () = drained => {}
             () = grace_over(cut_off, hurry) => {}
         }

@@ -624,6 +624,12 @@ impl Subscription {
     /// error of a subscriber cancelled for falling behind, or by its [`canceller`](Self::canceller).
     pub async fn next(&mut self) -> Result<Option<Delivery>, Status> {
         loop {
+            // Looked at before the queue, not only when it is empty: a topic that publishes as
+            // fast as this subscriber sends would never let it see the shutdown.
+            if self.going_away.as_ref().is_some_and(GoingAway::is_set) {
+                self.going_away = None;
+                self.sub.end_after_queue(Status::new(Code::Unavailable, GOING_AWAY));
+            }
             {
                 let mut q = self.sub.queue();
                 // Asking for the next one means the last is sent: direct sends may go again
@@ -643,18 +649,13 @@ impl Subscription {
                 }
             }
             // A notification sent between the check and here is kept as a permit.
-            let Some(going_away) = &self.going_away else {
-                self.sub.wake.notified().await;
-                continue;
-            };
-            let gone = tokio::select! {
-                biased;
-                () = self.sub.wake.notified() => false,
-                () = going_away.wait() => true,
-            };
-            if gone {
-                self.going_away = None;
-                self.sub.end_after_queue(Status::new(Code::Unavailable, GOING_AWAY));
+            match &self.going_away {
+                Some(going_away) => tokio::select! {
+                    biased;
+                    () = self.sub.wake.notified() => {}
+                    () = going_away.wait() => {} // the look above ends it
+                },
+                None => self.sub.wake.notified().await,
             }
         }
     }

@@ -767,6 +767,17 @@ end
 -- operation; a stream's step does not end the stream, which other light threads of a request may
 -- still use: an abandoned stream ends when the garbage collector frees it. `own`: the tag of
 -- the caller's operation, if a caller prunes (it is not waiting on its semaphore just then).
+-- Once no operation waits: a watcher whose timer has not run, and may never (nginx drops one it
+-- cannot run), is forgotten, and its bell with it, so that none outlives the worker. A late run
+-- leaves at once; the next call makes one.
+local function forget_unrun_watcher()
+    if watching and not watcher_ran and next(waiting) == nil then
+        watcher = watcher + 1
+        watching = false
+        forget_bell()
+    end
+end
+
 local function prune(own)
     last_prune = ngx.now()
     for tag, w in pairs(waiting) do
@@ -775,6 +786,7 @@ local function prune(own)
             C.isthmus_cq_cancel(cq, tag)
         end
     end
+    forget_unrun_watcher()
     if ngx.worker.exiting() and next(waiting) == nil then
         C.isthmus_cq_wake(cq) -- a cancelled operation rings no bell: the watcher may leave now
     end
@@ -1024,10 +1036,6 @@ local function finish_async(rc, tag, backstop)
         w = { sema = require("ngx.semaphore").new() }
     end
     waiting[tag] = w
-    -- Made anew if it is long overdue: nginx drops a timer it cannot run.
-    if not ngx.worker.exiting() and (prune_due == nil or ngx.now() - prune_due > LOOK_S) then
-        arm_prune()
-    end
     if not watching then
         local ok, err = start_watching()
         if not ok then
@@ -1036,19 +1044,18 @@ local function finish_async(rc, tag, backstop)
             return { code = err.code, err = err }
         end
     end
+    -- After the watcher, which a call needs, so that this one never takes the last timer.
+    -- Made anew if it is long overdue: nginx drops a timer it cannot run.
+    if not ngx.worker.exiting() and (prune_due == nil or ngx.now() - prune_due > LOOK_S) then
+        arm_prune()
+    end
     local ok, err = await(w, tag, backstop)
     local r = w.result
     w.result = nil
     if not ok then
         waiting[tag] = nil
         C.isthmus_cq_cancel(cq, tag)
-        if watching and not watcher_ran and next(waiting) == nil then
-            -- Its timer has not run, and may never (nginx drops one it cannot run): the last
-            -- call leaves no bell behind. A late run leaves at once; the next call makes one.
-            watcher = watcher + 1
-            watching = false
-            forget_bell()
-        end
+        forget_unrun_watcher()
         if ngx.worker.exiting() and next(waiting) == nil then
             C.isthmus_cq_wake(cq) -- a cancelled operation rings no bell: the watcher may leave now
         end

@@ -48,6 +48,26 @@ fn bind(rt: &tokio::runtime::Runtime, topic: &Topic, grace: Duration) -> (Arena,
     (arena, bound, addresses)
 }
 
+/// A server of the topic (as [`serve`]'s) that shuts down gracefully, within `grace`, once
+/// `stop` is sent or dropped: its counters, its addresses, and where its outcome comes.
+struct Stoppable {
+    server: ServerStats,
+    addresses: Vec<String>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    ended: std::sync::mpsc::Receiver<Result<(), isthmus::Status>>,
+}
+
+fn serve_stoppable(rt: &tokio::runtime::Runtime, topic: &Topic, grace: Duration) -> Stoppable {
+    let (_, bound, addresses) = bind(rt, topic, grace);
+    let server = bound.stats();
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let (done, ended) = std::sync::mpsc::channel();
+    rt.spawn(async move {
+        let _ = done.send(bound.serve_with_shutdown(async move { drop(stopped.await) }).await);
+    });
+    Stoppable { server, addresses, stop, ended }
+}
+
 /// Message `seq`: seq as a u64, then `len - 8` bytes of the pattern for seed seq.
 fn message(seq: u64, len: usize) -> Vec<u8> {
     let mut m = vec![0u8; len];
@@ -108,11 +128,7 @@ fn every_subscriber_gets_every_message_once_written() {
 fn a_graceful_shutdown_ends_each_subscription_after_its_queue() {
     let rt = isthmus_tests::runtime();
     let topic = Topic::new("feed");
-    let (_, bound, addresses) = bind(&rt, &topic, Duration::from_secs(600));
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let serving = rt.spawn(bound.serve_with_shutdown(async move {
-        let _ = stopped.await;
-    }));
+    let Stoppable { addresses, stop, ended, .. } = serve_stoppable(&rt, &topic, Duration::from_secs(600));
     let mut subs: Vec<Peer> =
         addresses.iter().map(|addr| Peer::spawn_bin("topic-subscriber", &[addr, "1000", "0"])).collect();
     until("3 subscribers", || topic.stats().subscribers == 3);
@@ -120,8 +136,8 @@ fn a_graceful_shutdown_ends_each_subscription_after_its_queue() {
         assert_eq!(topic.publish(&message(seq, if seq == 1 { 300_000 } else { 500 })), 3);
     }
     let _ = stop.send(());
-    let ended = rt.block_on(async { tokio::time::timeout(PATIENCE, serving).await });
-    ended.expect("the shutdown waited for its subscribers").expect("the server's task").expect("served");
+    let ended = ended.recv_timeout(PATIENCE);
+    ended.expect("the shutdown waited for its subscribers").expect("served");
     for p in &mut subs {
         for seq in 0..3 {
             assert_eq!(p.expect_line("", PATIENCE), format!("GOT {seq}"));
@@ -130,6 +146,84 @@ fn a_graceful_shutdown_ends_each_subscription_after_its_queue() {
     }
     assert_eq!(topic.stats().subscribers, 0);
     assert_eq!(topic.publish(b"after"), 0);
+}
+
+/// The same shutdown while the topic publishes faster than its subscribers take it: each
+/// always has something queued, and a subscription that looked for the shutdown only with an
+/// empty queue never saw it (grpc-go's `GracefulStop` waited for ever again). Messages
+/// published after the shutdown began are not queued any more.
+#[test]
+fn a_graceful_shutdown_ends_subscriptions_that_always_have_more_queued() {
+    let rt = isthmus_tests::runtime();
+    let topic = Topic::new("feed");
+    let Stoppable { addresses, stop, ended, .. } = serve_stoppable(&rt, &topic, Duration::from_secs(600));
+    let mut subs: Vec<Peer> =
+        addresses.iter().map(|addr| Peer::spawn_bin("topic-subscriber", &[addr, "100000000", "0"])).collect();
+    until("3 subscribers", || topic.stats().subscribers == 3);
+    let publishing = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let publisher = {
+        let (topic, publishing) = (topic.clone(), publishing.clone());
+        std::thread::spawn(move || {
+            let mut seq = 0;
+            while publishing.load(std::sync::atomic::Ordering::Relaxed) {
+                topic.publish(&message(seq, 300_000));
+                seq += 1;
+            }
+        })
+    };
+    for p in &mut subs {
+        for _ in 0..20 {
+            p.expect_line("GOT", PATIENCE); // flowing, with more queued behind
+        }
+    }
+    let _ = stop.send(());
+    let ended = ended.recv_timeout(PATIENCE);
+    publishing.store(false, std::sync::atomic::Ordering::Relaxed);
+    publisher.join().expect("publisher");
+    ended.expect("the shutdown waited for its subscribers").expect("served");
+    for p in &mut subs {
+        assert_eq!(p.expect_line("END", PATIENCE), "END Unavailable");
+    }
+}
+
+/// A subscriber whose process stopped (SIGSTOP) with its ring full holds the shutdown until
+/// the grace is over, and no longer: it is cut off then, and a subscriber that reads ends
+/// UNAVAILABLE. (The GOAWAYs now go all at once within the grace: one that found no room at
+/// all in a ring, a few bytes, waited before the grace began, for as long as the process
+/// stayed stopped, and held up the others'. No test fills a ring to the byte.)
+#[test]
+fn a_stopped_subscriber_holds_a_graceful_shutdown_no_longer_than_its_grace() {
+    let rt = isthmus_tests::runtime();
+    let topic = Topic::new("feed");
+    let Stoppable { server, addresses, stop, ended } = serve_stoppable(&rt, &topic, Duration::from_secs(2));
+    let mut stalled = Peer::spawn_bin("topic-subscriber", &[&addresses[0], "100000000", "0"]);
+    until("the first subscriber", || topic.stats().subscribers == 1);
+    topic.publish(&message(0, 500));
+    stalled.expect_line("GOT 0", PATIENCE);
+    let stop_process = |signal: &str| {
+        let pid = stalled.child.id().to_string();
+        let sent = std::process::Command::new("kill").args([signal, &pid]).status().expect("kill");
+        assert!(sent.success(), "kill {signal} {pid}");
+    };
+    stop_process("-STOP");
+    // Until its ring is full and a send waits for room in it.
+    let mut seq = 0;
+    until("a send waits for room in the stalled subscriber's ring", || {
+        for _ in 0..100 {
+            seq += 1;
+            topic.publish(&message(seq, 500));
+        }
+        server.connections().iter().any(|c| c.transport.ring_full_waits > 0)
+    });
+    let mut reading = Peer::spawn_bin("topic-subscriber", &[&addresses[0], "100000000", "0"]);
+    until("the second subscriber", || topic.stats().subscribers == 2);
+    topic.publish(&message(seq + 1, 500));
+    reading.expect_line("GOT", PATIENCE);
+    let _ = stop.send(());
+    let ended = ended.recv_timeout(PATIENCE);
+    stop_process("-CONT");
+    ended.expect("the shutdown outlasted its grace").expect("served");
+    assert_eq!(reading.expect_line("END", PATIENCE), "END Unavailable");
 }
 
 #[test]

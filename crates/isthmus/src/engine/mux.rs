@@ -1340,6 +1340,11 @@ impl Mux {
         let _ = self.sender.send_async(Kind::GoAway, 0, 0, &g.encode()).await;
     }
 
+    /// Server side: whether GOAWAY was sent (or is on its way).
+    pub(crate) fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Acquire)
+    }
+
     /// Server side: resolves once GOAWAY was sent (at once if it was already).
     pub(crate) async fn gone_away(&self) {
         let notified = self.going_away.notified();

@@ -256,6 +256,11 @@ impl GoingAway {
     pub(crate) async fn wait(&self) {
         self.0.gone_away().await;
     }
+
+    /// Whether the server is shutting down, now.
+    pub(crate) fn is_set(&self) -> bool {
+        self.0.is_draining()
+    }
 }
 
 /// Who has claimed the sending of a call's end (its status, or a CANCEL): the engine when the
