@@ -654,8 +654,10 @@ def test_a_call_left_by_its_request_is_cancelled_in_an_idle_worker(stubs: Path) 
         assert own.case("orphan_unary", served.addresses["shm"], seq=93)["ok"]
         served.peer.expect("UNARY-DROPPED 93", patience=10)
     finally:
-        own.close()
-        served.close()
+        try:
+            own.close()
+        finally:
+            served.close()  # even if nginx did not stop
 
 
 def test_a_call_that_cannot_yield_has_a_deadline_by_default(stubs: Path) -> None:
@@ -689,8 +691,10 @@ def test_a_call_that_cannot_yield_has_a_deadline_by_default(stubs: Path) -> None
         served.peer.expect("UNARY-DROPPED 95", patience=10)
         assert own.case("slow", target, sleep=1500)["ok"]
     finally:
-        own.close()
-        served.close()
+        try:
+            own.close()
+        finally:
+            served.close()  # even if nginx did not stop
 
 
 def await_state(nginx: Nginx, target: str, want: str, never: str) -> None:
