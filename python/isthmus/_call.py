@@ -461,8 +461,12 @@ class Call(grpc.Call, grpc.Future):
                     try:
                         return decode(self._deserialize, message)
                     except CallError as e:
-                        self._end(e)  # before the cancel, whose end a status watch would give
+                        # Settled before the cancel, whose end a status watch would give; the
+                        # callbacks after it, so that none holds the server's handler up.
+                        with self._lock:
+                            callbacks = self._settle(e, None)
                         native.cancel()
+                        self._run_callbacks(callbacks)
         if self._error is not None:
             raise self._error
         raise StopIteration

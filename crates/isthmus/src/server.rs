@@ -737,8 +737,7 @@ impl Bound {
         // as its client reads nothing, and that must hold up neither the others (each stops
         // taking calls, and ends its subscriptions, at its first poll) nor the grace.
         let goaways = futures_util::future::join_all(live.iter().map(|mux| mux.go_away(GOING_AWAY)));
-        let drained = async {
-            goaways.await;
+        let calls_done = async {
             // SeqCst, after `stopping`: a call that ends unseen here sees `stopping` and wakes
             // this (`CallGuard`).
             while tracker.calls.load(std::sync::atomic::Ordering::SeqCst) > 0 {
@@ -749,6 +748,16 @@ impl Bound {
                 idle.await;
             }
             while endpoints.join_next().await.is_some() {}
+        };
+        // The calls decide when this is done; the GOAWAYs go meanwhile, and one a client never
+        // makes room for holds nothing up (its connection closes below).
+        let drained = async {
+            tokio::pin!(goaways, calls_done);
+            tokio::select! {
+                biased; // the GOAWAYs' first poll first: it sets every connection draining
+                _ = &mut goaways => calls_done.await,
+                () = &mut calls_done => {}
+            }
         };
         tokio::select! {
             biased; // `drained` first: its first poll sets every connection draining
