@@ -409,13 +409,22 @@ class Call(grpc.Call, grpc.Future):
             native = self._native
         if self._ended or native is None:
             return
-        left = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
         try:
-            ended = native.drained_end(left)
+            self._drained(native.drained_end(self._left()))
         except CallError as e:
-            self._end(e)
-            return
-        if ended:
+            self._drained(e)
+
+    def _left(self) -> float | None:
+        """Seconds to the deadline (none past it), or None without one."""
+        return None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
+
+    def _drained(self, outcome: bool | CallError) -> None:
+        """Ends a response stream as its engine's `drained_end` says: True once it ended OK
+        with its responses read, its status's `CallError`, or False if a response was still
+        unread at the deadline (the call then ends DEADLINE_EXCEEDED, as grpcio's)."""
+        if isinstance(outcome, CallError):
+            self._end(outcome)
+        elif outcome:
             self._end(None)
         else:
             self._cancel("Deadline Exceeded", grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -434,9 +443,8 @@ class Call(grpc.Call, grpc.Future):
             if native is None:
                 return  # `_start` watches once its call credentials have answered
             self._watched_in = os.getpid()
-        left = None if self._deadline is None else max(0.0, self._deadline - time.monotonic())
         reactor, token = COMPLETIONS.begin(functools.partial(_status_came, weakref.ref(self)))
-        native.watch_end(reactor, token, left)
+        native.watch_end(reactor, token, self._left())
 
     # The response iterator (streaming responses).
 
@@ -569,15 +577,7 @@ class Call(grpc.Call, grpc.Future):
 
 def _status_came(this: weakref.ref[Call], ok: bool, value: Any) -> None:
     """The end of a response stream's status watch (`Call._watch`), on the completion thread:
-    True once the server ended it OK and its responses were read, its status's `CallError`,
-    or False if a response was still unread at the deadline (the call then ends
-    DEADLINE_EXCEEDED, as `_wait_for_status` ends it)."""
+    `drained_end`'s outcome (`value` is its `CallError` if not `ok`)."""
     call = this()
-    if call is None:
-        return
-    if not ok:
-        call._end(value)
-    elif value:
-        call._end(None)
-    else:
-        call._cancel("Deadline Exceeded", grpc.StatusCode.DEADLINE_EXCEEDED)
+    if call is not None:
+        call._drained(value)

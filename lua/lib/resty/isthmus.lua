@@ -665,11 +665,11 @@ local function can_yield()
     return yield_phase() ~= nil
 end
 
--- The default deadline (seconds) of a call made now that names none: `blocking_timeout` in an
--- nginx phase that cannot yield, where the call blocks the worker; nil elsewhere (a phase that
--- yields, ngx.run_worker_thread's VM, plain LuaJIT: a wait there holds no one else up).
-local function default_timeout()
-    if ngx ~= nil and ngx.get_phase ~= nil and not can_yield() then
+-- The default deadline (seconds) of a blocking call or wait (made where it cannot yield) that
+-- names none: `blocking_timeout` inside nginx, where it blocks the worker; nil in
+-- ngx.run_worker_thread's VM and plain LuaJIT, where a wait holds no one else up.
+local function blocking_default()
+    if ngx ~= nil and ngx.get_phase ~= nil then
         return blocking_timeout
     end
 end
@@ -761,12 +761,6 @@ local function forget_bell()
     end
 end
 
--- Abandons the operations whose coroutine no longer waits (its request was finalised, by a
--- client that went away or an ngx.exit from another light thread): nobody would take their
--- results, and an operation with no deadline would stay forever. A unary call ends with its
--- operation; a stream's step does not end the stream, which other light threads of a request may
--- still use: an abandoned stream ends when the garbage collector frees it. `own`: the tag of
--- the caller's operation, if a caller prunes (it is not waiting on its semaphore just then).
 -- Once no operation waits: a watcher whose timer has not run, and may never (nginx drops one it
 -- cannot run), is forgotten, and its bell with it, so that none outlives the worker. A late run
 -- leaves at once; the next call makes one.
@@ -778,6 +772,12 @@ local function forget_unrun_watcher()
     end
 end
 
+-- Abandons the operations whose coroutine no longer waits (its request was finalised, by a
+-- client that went away or an ngx.exit from another light thread): nobody would take their
+-- results, and an operation with no deadline would stay forever. A unary call ends with its
+-- operation; a stream's step does not end the stream, which other light threads of a request may
+-- still use: an abandoned stream ends when the garbage collector frees it. `own`: the tag of
+-- the caller's operation, if a caller prunes (it is not waiting on its semaphore just then).
 local function prune(own)
     last_prune = ngx.now()
     for tag, w in pairs(waiting) do
@@ -1320,7 +1320,7 @@ function Channel:wait_state(last, timeout)
         end
         return true, STATES[r.state]
     end
-    timeout = timeout or default_timeout()
+    timeout = timeout or blocking_default()
     local ms = timeout and math.min(math.max(math.floor(timeout * 1000), 0), WAIT_MS_MAX) or WAIT_MS_MAX
     local rc = C.isthmus_channel_wait_state(h, from, ms, state_out)
     if rc == OK then
@@ -1371,14 +1371,14 @@ end
 local COMPRESSION_FLAGS = { gzip = 4, deflate = 8 }
 
 -- The C options of one call; the metadata handle is returned so that it lives until the call
--- has copied it. A call with no timeout of its own takes `default_timeout()`'s.
-local function call_options(opts, flags)
+-- has copied it. A call with no timeout of its own takes `default` (seconds, or nil: none).
+local function call_options(opts, flags, default)
     if opts ~= nil and type(opts) ~= "table" then
         return nil, new_error(INVALID_ARGUMENT, "a call's options are a table, not a " .. type(opts))
     end
     local o = ffi_new("isthmus_call_options_t")
     local md, err
-    local timeout = opts and opts.timeout or default_timeout()
+    local timeout = opts and opts.timeout or default
     if timeout then
         if type(timeout) ~= "number" or timeout ~= timeout then
             return nil, new_error(INVALID_ARGUMENT, "timeout is a number of seconds, not " .. tostring(timeout))
@@ -1517,7 +1517,7 @@ function Channel:unary(path, request, opts)
             return false, r.err
         end
     else
-        local o, md = call_options(opts, 0)
+        local o, md = call_options(opts, 0, blocking_default())
         if not o then
             return false, md
         end
@@ -1557,12 +1557,13 @@ function Channel:stream(path, opts)
         return nil, perr
     end
     -- Streams never wait on the worker's thread: each of their waits goes through the bell.
-    local o, md = call_options(opts, 0)
+    local yields = can_yield()
+    local o, md = call_options(opts, 0, not yields and blocking_default() or nil)
     if not o then
         return nil, md
     end
     local call
-    if can_yield() then
+    if yields then
         local q, qerr = queue()
         if not q then
             free_metadata(md)

@@ -86,7 +86,7 @@ pub(crate) struct SendWindow {
     waiting: AtomicUsize,
 }
 
-/// One writer counted in [`SendWindow::waiting`] while it lives.
+/// One waiter counted in [`SendWindow::waiting`] while it lives.
 struct Waiting<'a>(&'a AtomicUsize);
 
 impl<'a> Waiting<'a> {
@@ -152,34 +152,30 @@ impl SendWindow {
 
     /// Waits (async) until credit for `charge` is taken or the stream is over.
     pub(crate) async fn take(&self, charge: i64) -> Credit {
-        if let done @ (Credit::Taken | Credit::Closed) = self.try_take(charge) {
-            return done;
-        }
-        // Counted before the look that decides to wait, and `grant`/`close` change the window
-        // before they look at the count (all SeqCst): one of the two sees the other, so either
-        // this look finds the change or the change wakes this wait.
-        let _waiting = Waiting::new(&self.waiting);
-        loop {
-            let changed = self.changed.notified();
-            tokio::pin!(changed);
-            changed.as_mut().enable();
-            match self.try_take(charge) {
-                Credit::Wait => changed.await,
-                done => return done,
-            }
+        match self.try_take(charge) {
+            Credit::Wait => self.wait_for(|| Some(self.try_take(charge)).filter(|c| *c != Credit::Wait)).await,
+            done => done,
         }
     }
 
     /// Resolves once the stream is over: nothing more will be sent on it. For a writer that
     /// waits for something else meanwhile (the next request of an application's stream).
     pub(crate) async fn closed(&self) {
-        let _waiting = Waiting::new(&self.waiting); // as in `take`
+        self.wait_for(|| self.closed.load(Ordering::SeqCst).then_some(())).await;
+    }
+
+    /// Waits until `look` finds what it looks for, looking again at each grant and at the
+    /// close. Counted in `waiting` before the first look, and `grant`/`close` change the window
+    /// before they look at the count (all SeqCst): one of the two sees the other, so either a
+    /// look finds the change or the change wakes the wait.
+    async fn wait_for<T>(&self, mut look: impl FnMut() -> Option<T>) -> T {
+        let _waiting = Waiting::new(&self.waiting);
         loop {
             let changed = self.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
-            if self.closed.load(Ordering::SeqCst) {
-                return;
+            if let Some(found) = look() {
+                return found;
             }
             changed.await;
         }
