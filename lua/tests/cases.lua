@@ -71,6 +71,28 @@ function _M.set_calls(target, sleep_ms)
     return cjson.encode(out)
 end
 
+-- A bidi stream with no timeout, started from content_by_lua (a phase that yields), and a
+-- receive on it from header_filter_by_lua (one that cannot): the server never answers, as it
+-- waits for a request. What the receive ended with goes into the header X-Step.
+function _M.filter_stream_start(target)
+    local st = assert(channel(target):stream(ECHO .. "Bidi"))
+    ngx.ctx.stream = st
+    ngx.say("started")
+end
+
+function _M.filter_stream_step()
+    local st = ngx.ctx.stream
+    if st == nil then
+        return
+    end
+    local ok, r = st:recv()
+    ngx.header["X-Step"] = ngx.get_phase() .. " " .. (ok and "OK" or r.name)
+    -- The next step finds the call over.
+    local again, r2 = st:recv()
+    ngx.header["X-Step-Again"] = again and "OK" or r2.name
+    st:close()
+end
+
 function cases.master_results()
     return { ok = master_results ~= nil, results = master_results }
 end

@@ -7,6 +7,7 @@ with certificates made at test time."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -660,6 +661,30 @@ def test_a_call_left_by_its_request_is_cancelled_in_an_idle_worker(stubs: Path) 
             served.close()  # even if nginx did not stop
 
 
+@contextlib.contextmanager
+def blocking_timeout_of_1s(stubs: Path, location: str) -> Iterator[tuple[Served, int, Nginx]]:
+    """A Rust server on shm://, and an nginx of its own on a free port, serving `location` (a
+    location block), whose calls that cannot yield get `blocking_timeout = 1`: the server, the
+    port and nginx. Both stopped after, the server even if nginx does not stop."""
+    served = serve("rust", ["shm"], stubs)
+    try:
+        port = conftest.free_port()
+        own = Nginx(
+            http_extra=f"""
+    init_by_lua_block {{ require("resty.isthmus").init{{ blocking_timeout = 1 }} }}
+    server {{
+        listen 127.0.0.1:{port};
+        {location}
+    }}"""
+        )
+        try:
+            yield served, port, own
+        finally:
+            own.close()
+    finally:
+        served.close()
+
+
 def test_a_call_that_cannot_yield_has_a_deadline_by_default(stubs: Path) -> None:
     """A call with no timeout in a phase that cannot yield (set_by_lua) blocks the worker: it had
     no deadline at all, and a server that never answered hung the worker. Now it takes
@@ -667,22 +692,13 @@ def test_a_call_that_cannot_yield_has_a_deadline_by_default(stubs: Path) -> None
     call fails DEADLINE_EXCEEDED and its handler is dropped, and so does a wait for a state
     that never changes. A phase that yields keeps no default: the same call, slower than it,
     succeeds from content_by_lua."""
-    served = serve("rust", ["shm"], stubs)
-    port = conftest.free_port()
-    own = Nginx(
-        http_extra=f"""
-    init_by_lua_block {{ require("resty.isthmus").init{{ blocking_timeout = 1 }} }}
-    server {{
-        listen 127.0.0.1:{port};
-        location = /set {{
-            set_by_lua_block $r {{
+    location = """location = /set {
+            set_by_lua_block $r {
                 return require("cases").set_calls(ngx.unescape_uri(ngx.var.arg_target), ngx.var.arg_sleep)
-            }}
+            }
             return 200 $r;
-        }}
-    }}"""
-    )
-    try:
+        }"""
+    with blocking_timeout_of_1s(stubs, location) as (served, port, own):
         target = served.addresses["shm"]
         query = urllib.parse.urlencode({"target": target, "sleep": 5000})
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/set?{query}", timeout=PATIENCE) as reply:
@@ -690,11 +706,33 @@ def test_a_call_that_cannot_yield_has_a_deadline_by_default(stubs: Path) -> None
         assert r == {"phase": "set", "unary": "DEADLINE_EXCEEDED", "wait": "DEADLINE_EXCEEDED"}, r
         served.peer.expect("UNARY-DROPPED 95", patience=10)
         assert own.case("slow", target, sleep=1500)["ok"]
-    finally:
-        try:
-            own.close()
-        finally:
-            served.close()  # even if nginx did not stop
+
+
+def test_a_streams_step_that_cannot_yield_is_bounded_like_a_call(stubs: Path) -> None:
+    """A stream started with no timeout where it could yield (content_by_lua) and received
+    from where it cannot (header_filter_by_lua) blocked the worker with no bound: a server that
+    never answered hung the worker. The step now takes `blocking_timeout` (1 s here), as a call
+    made in such a phase does: it fails DEADLINE_EXCEEDED, the call is cancelled (the server's
+    handler is let go), and the worker goes on serving."""
+    location = """location = /filter {
+            content_by_lua_block {
+                require("cases").filter_stream_start(ngx.unescape_uri(ngx.var.arg_target))
+            }
+            header_filter_by_lua_block { require("cases").filter_stream_step() }
+        }"""
+    with blocking_timeout_of_1s(stubs, location) as (served, port, own):
+        target = served.addresses["shm"]
+        query = urllib.parse.urlencode({"target": target})
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/filter?{query}", timeout=PATIENCE) as reply:
+            assert reply.read() == b"started\n"
+            step, again = reply.headers["X-Step"], reply.headers["X-Step-Again"]
+        assert step == "header_filter DEADLINE_EXCEEDED", step
+        assert again != "OK", again
+        # tonic hands a cancelled request stream to its service as a plain end (see
+        # test_cancel_ends_the_call_on_the_server_too): either way the handler was let go.
+        line = served.peer.expect("BIDI-ENDED", patience=10)
+        assert line in ("BIDI-ENDED half-close", "BIDI-ENDED Cancelled"), line
+        assert own.case("unary", target)["ok"]  # the worker serves on
 
 
 def await_state(nginx: Nginx, target: str, want: str, never: str) -> None:

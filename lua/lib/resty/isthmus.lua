@@ -126,6 +126,7 @@ isthmus_code_t isthmus_call_cancel(const isthmus_call_t *call);
 isthmus_code_t isthmus_call_free(isthmus_call_t *call);
 isthmus_cq_t *isthmus_cq_new(void);
 size_t isthmus_cq_poll(const isthmus_cq_t *cq, isthmus_event_t *events, size_t capacity);
+size_t isthmus_cq_wait(const isthmus_cq_t *cq, isthmus_event_t *events, size_t capacity, uint32_t spin_us, int64_t timeout_us);
 isthmus_code_t isthmus_cq_cancel(const isthmus_cq_t *cq, uint64_t tag);
 isthmus_code_t isthmus_cq_wake(const isthmus_cq_t *cq);
 isthmus_code_t isthmus_cq_bell_listen(const isthmus_cq_t *cq, char *path, size_t capacity, isthmus_status_t **status);
@@ -148,6 +149,7 @@ isthmus_code_t isthmus_proto_free(isthmus_proto_t *proto);
 -- The header's constants this module uses.
 local ABI_VERSION = 1
 local OK, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, INTERNAL, UNAVAILABLE = 0, 2, 3, 4, 13, 14
+local NOT_FOUND = 5
 local CALL_SPIN = 2
 local OP_STATE = 10
 local CHANNEL_UPGRADE, CHANNEL_NO_UPGRADE, CHANNEL_KEEPALIVE_WITHOUT_CALLS = 1, 2, 4
@@ -1592,12 +1594,65 @@ function Channel:stream(path, opts)
         path = path,
         codec = self:_codec(path, opts),
         backstop = backstop(opts),
+        -- Started where it could yield, with no timeout: no deadline bounds a step that a
+        -- later phase makes blocking (`bounded_step`).
+        unbounded = yields and not (opts and opts.timeout),
         done = false,
     }, Stream)
 end
 
--- A stream's operation that waits: `start_async(q, tag)` without blocking inside nginx,
--- `blocking()` elsewhere. Returns the outcome table.
+-- The queue of the steps `bounded_step` makes, apart from the worker's: its waits must take
+-- only their own event, and nothing the watcher hands out.
+local step_q, step_event, step_now
+
+-- A stream's step in a phase that cannot yield, on a stream that has no deadline (started with
+-- no timeout where it could yield): it blocks the worker, so it gets `blocking_timeout`, as a
+-- call made in such a phase does. Past it the call is cancelled (the server sees CANCELLED, and
+-- the step's operation cannot be taken back otherwise) and the step fails DEADLINE_EXCEEDED.
+local function bounded_step(self, start_async, limit)
+    if step_q == nil then
+        local q = C.isthmus_cq_new()
+        if q == nil then
+            return { code = UNAVAILABLE, err = new_error(UNAVAILABLE,
+                "resty.isthmus: cannot make a completion queue (no descriptor left?)") }
+        end
+        step_q, step_event, step_now = q, ffi_new("isthmus_event_t[1]"), ffi_new("isthmus_event_t[1]")
+    end
+    local tag = fresh_tag()
+    step_now[0].op = 0
+    local rc = start_async(step_q, tag, step_now)
+    if rc ~= OK then
+        return { code = rc, err = failed(rc) }
+    end
+    if step_now[0].op ~= 0 then
+        return outcome(step_now[0])
+    end
+    ngx.update_time()
+    local deadline = ngx.now() + limit
+    while true do
+        local left_us = math.max(math.ceil((deadline - ngx.now()) * 1e6), 0)
+        if tonumber(C.isthmus_cq_wait(step_q, step_event, 1, 0, left_us)) == 1 then
+            return outcome(step_event[0]) -- the queue's one operation: this one
+        end
+        ngx.update_time()
+        if ngx.now() >= deadline then
+            if C.isthmus_cq_cancel(step_q, tag) == NOT_FOUND then
+                -- It finished as the time ran out: its event is queued.
+                if tonumber(C.isthmus_cq_poll(step_q, step_event, 1)) == 1 then
+                    return outcome(step_event[0])
+                end
+            end
+            C.isthmus_call_cancel(self.call)
+            local what = ("resty.isthmus: a step of a stream with no deadline blocked the worker for "
+                .. "blocking_timeout (%g s) in phase %s"):format(limit, ngx.get_phase())
+            return { code = DEADLINE_EXCEEDED, err = new_error(DEADLINE_EXCEEDED, what) }
+        end
+    end
+end
+
+-- A stream's operation that waits: `start_async(q, tag, now)` without blocking inside nginx,
+-- `blocking()` elsewhere (bounded by `blocking_timeout` in nginx if the stream has no
+-- deadline). Returns the outcome table.
 local function step(self, start_async, blocking)
     if self.call == nil then
         return { code = INVALID_ARGUMENT, err = new_error(INVALID_ARGUMENT, "the stream is closed") }
@@ -1608,7 +1663,11 @@ local function step(self, start_async, blocking)
             return { code = UNAVAILABLE, err = qerr }
         end
         local tag = fresh_tag()
-        return finish_async(start_async(q, tag), tag, self.backstop)
+        return finish_async(start_async(q, tag, now), tag, self.backstop)
+    end
+    local limit = self.unbounded and blocking_default()
+    if limit then
+        return bounded_step(self, start_async, limit)
     end
     return blocking()
 end
@@ -1622,8 +1681,8 @@ function Stream:send(message, last)
     end
     local flag = last and 1 or 0
     local call = self.call
-    local r = step(self, function(q, tag)
-        return C.isthmus_call_send_async(call, bytes, #bytes, flag, q, tag, now, status_out)
+    local r = step(self, function(q, tag, ev)
+        return C.isthmus_call_send_async(call, bytes, #bytes, flag, q, tag, ev, status_out)
     end, function()
         local rc = C.isthmus_call_send(call, bytes, #bytes, flag, status_out)
         return rc == OK and { code = OK } or { code = rc, err = failed(rc) }
@@ -1638,8 +1697,8 @@ end
 --- (Writing the half-close waits while the server's ring is full: inside nginx it yields.)
 function Stream:close_send()
     local call = self.call
-    local r = step(self, function(q, tag)
-        return C.isthmus_call_close_send_async(call, q, tag, now, status_out)
+    local r = step(self, function(q, tag, ev)
+        return C.isthmus_call_close_send_async(call, q, tag, ev, status_out)
     end, function()
         local rc = C.isthmus_call_close_send(call)
         return rc == OK and { code = OK } or { code = rc, err = new_error(rc, "close_send failed") }
@@ -1654,8 +1713,8 @@ end
 --- then in stream.trailers), or `false, err` when the call failed.
 function Stream:recv()
     local call = self.call
-    local r = step(self, function(q, tag)
-        return C.isthmus_call_recv_async(call, q, tag, now, status_out)
+    local r = step(self, function(q, tag, ev)
+        return C.isthmus_call_recv_async(call, q, tag, ev, status_out)
     end, function()
         local rc = C.isthmus_call_recv(call, reply_out, status_out)
         if rc ~= OK then
@@ -1678,8 +1737,8 @@ end
 --- The server's initial metadata (waits for it): true, {key = value} or false, err.
 function Stream:headers()
     local call = self.call
-    local r = step(self, function(q, tag)
-        return C.isthmus_call_headers_async(call, q, tag, now, status_out)
+    local r = step(self, function(q, tag, ev)
+        return C.isthmus_call_headers_async(call, q, tag, ev, status_out)
     end, function()
         local rc = C.isthmus_call_headers(call, headers_out, status_out)
         if rc ~= OK then
