@@ -234,6 +234,17 @@ impl Subscriber {
     }
 }
 
+/// What became of a message offered to one subscriber.
+enum Offered {
+    /// Sent or queued: the subscriber counts as reached.
+    Taken,
+    /// Not queued: the subscriber is ending (a shutdown's end waits for its queue), and leaves
+    /// when its handler does.
+    Ending,
+    /// Not queued: the subscriber fell too far behind and is cancelled; it leaves now.
+    Cancelled,
+}
+
 #[derive(Default)]
 struct Members {
     by_id: HashMap<u64, Arc<Subscriber>>,
@@ -306,8 +317,9 @@ impl Topic {
         self.inner.options
     }
 
-    /// Queues `message` for every current subscriber; returns how many. Never waits. After
-    /// [`close`](Self::close), does nothing and returns 0.
+    /// Queues `message` for every current subscriber; returns how many took it (one that is
+    /// ending, on a server's shutdown or a cancel, takes no more and is not counted). Never
+    /// waits. After [`close`](Self::close), does nothing and returns 0.
     pub fn publish(&self, message: &[u8]) -> usize {
         self.publish_inner(message, false)
     }
@@ -340,8 +352,9 @@ impl Topic {
         let mut cancelled = Vec::new();
         for (&id, sub) in &m.by_id {
             match self.offer(sub, &published) {
-                true => reached += 1,
-                false => cancelled.push(id),
+                Offered::Taken => reached += 1,
+                Offered::Ending => {}
+                Offered::Cancelled => cancelled.push(id),
             }
         }
         for id in cancelled {
@@ -393,17 +406,17 @@ impl Topic {
 
     /// Queues `p` for `sub`, or sends it at once on its call; false if the subscriber was
     /// cancelled for falling behind.
-    fn offer(&self, sub: &Subscriber, p: &Published) -> bool {
+    fn offer(&self, sub: &Subscriber, p: &Published) -> Offered {
         let mut q = sub.queue();
         if q.end.is_some() {
-            return true; // ending already; it leaves when its handler does
+            return Offered::Ending; // it leaves when its handler does
         }
         if q.items.is_empty() && q.gap == 0 && !q.busy {
             if let Some(direct) = &q.direct {
                 let block = sub.arena.as_ref().and_then(|a| p.shared_block(a));
                 if direct.try_send(block, || p.bytes()) {
                     self.inner.delivered.fetch_add(1, Ordering::Relaxed);
-                    return true;
+                    return Offered::Taken;
                 }
             }
         }
@@ -427,14 +440,14 @@ impl Topic {
                     drop(q);
                     sub.wake.notify_one();
                     self.inner.cancelled.fetch_add(1, Ordering::Relaxed);
-                    return false;
+                    return Offered::Cancelled;
                 }
             }
         }
         q.items.push_back(p.clone());
         drop(q);
         sub.wake.notify_one();
-        true
+        Offered::Taken
     }
 
     /// Subscribes with no shared arena: every message arrives as [`Published::bytes`].
@@ -820,7 +833,7 @@ mod tests {
         let mut sub = topic.subscribe();
         topic.publish(b"queued");
         sub.sub.end_after_queue(Status::new(Code::Unavailable, GOING_AWAY));
-        topic.publish(b"after the end"); // not queued
+        assert_eq!(topic.publish(b"after the end"), 0, "not queued, so not counted as reached");
         assert_eq!(message(next_now(&mut sub)), b"queued");
         match next_now(&mut sub) {
             Some(Err(status)) => assert_eq!(status.code(), Code::Unavailable),
