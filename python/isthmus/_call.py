@@ -118,22 +118,32 @@ class Completions:
         self._lock = threading.Lock()
         self._reactor: _native.Reactor | None = None
         self._tokens = itertools.count()
-        self._waiting: dict[int, Callable[[bool, Any], None]] = {}
+        # token -> (done, whether a forked child ends it UNAVAILABLE)
+        self._waiting: dict[int, tuple[Callable[[bool, Any], None], bool]] = {}
         # Reactors of the processes this one was forked from: kept, not dropped (their end
         # would reach for the parent's tasks, which do not run here).
         self._forsaken: list[_native.Reactor] = []
 
     def after_fork(self) -> None:
         """In a forked child: the parent's completion thread does not exist here, nor its
-        operations; the next `begin` starts afresh."""
+        operations; the next `begin` starts afresh. The unary calls the parent had in flight
+        end UNAVAILABLE here (their replies go to the parent), on a thread of their own: their
+        done callbacks are the user's, which must not run inside `fork`."""
         self._lock = threading.Lock()  # a parent's thread may have held it at the fork
         if self._reactor is not None:
             self._forsaken.append(self._reactor)
+        orphans = [done for done, ends_in_child in self._waiting.values() if ends_in_child]
         self._reactor, self._waiting = None, {}
+        if orphans:
+            ender = threading.Thread(target=_end_in_child, args=(orphans,), daemon=True)
+            ender.start()
 
-    def begin(self, done: Callable[[bool, Any], None]) -> tuple[_native.Reactor, int]:
+    def begin(
+        self, done: Callable[[bool, Any], None], ends_in_child: bool = False
+    ) -> tuple[_native.Reactor, int]:
         """The reactor and a token for one operation; `done(ok, value)` runs on the completion
-        thread when it finishes."""
+        thread when it finishes, or with a `CallError` (UNAVAILABLE) in a child forked before
+        then if `ends_in_child` (a unary call's end; a stream's watch ends by its own reads)."""
         with self._lock:
             if self._reactor is None:
                 self._reactor = _native.Reactor()
@@ -141,7 +151,7 @@ class Completions:
                     target=self._run, args=(self._reactor,), name="isthmus-futures", daemon=True
                 ).start()
             token = next(self._tokens)
-            self._waiting[token] = done
+            self._waiting[token] = (done, ends_in_child)
             return self._reactor, token
 
     def abandon(self, token: int) -> None:
@@ -156,12 +166,25 @@ class Completions:
         while True:
             for token, ok, value in reactor.wait(None):
                 with self._lock:
-                    done = self._waiting.pop(token, None)
-                if done is not None:
+                    entry = self._waiting.pop(token, None)
+                if entry is not None:
                     try:
-                        done(ok, value)
+                        entry[0](ok, value)
                     except Exception:  # the thread must go on: every other future waits on it
                         _LOG.exception("completing a .future() call failed")
+
+
+def _end_in_child(orphans: list[Callable[[bool, Any], None]]) -> None:
+    """Ends, in a forked child, the unary calls its parent had in flight (`Completions.after_fork`)."""
+    for done in orphans:
+        try:
+            done(False, CallError(grpc.StatusCode.UNAVAILABLE.value[0], FORKED_AWAY))
+        except Exception:
+            _LOG.exception("completing a .future() call failed")
+
+
+#: Why a unary `.future()` in flight at a fork fails in the child.
+FORKED_AWAY = "the call was made by the parent process before a fork: its reply goes there"
 
 
 #: The process's one: every channel's `.future()` calls and response streams' status watches.

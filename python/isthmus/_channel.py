@@ -172,7 +172,7 @@ class _MultiCallable:
             with call._lock:
                 if call._ended:  # cancelled while its call credentials were asked
                     return call
-                reactor, token = _COMPLETIONS.begin(call._resolve)
+                reactor, token = _COMPLETIONS.begin(call._resolve, ends_in_child=True)
                 call._abandon = functools.partial(_COMPLETIONS.abandon, token)
             try:
                 self._channel.unary_future(

@@ -201,6 +201,35 @@ def test_a_stream_a_parent_thread_reads_at_the_fork_ends_in_the_child(
         channel.close()
 
 
+def test_a_unary_future_in_flight_at_the_fork_ends_unavailable_in_the_child(
+    servers: Callable[[str], Served], pb: ModuleType, pb_grpc: ModuleType
+) -> None:
+    """A unary `.future()` the parent has in flight at the fork: its reply goes to the parent,
+    so in the child it ends UNAVAILABLE at once, as an inherited stream does (before, its
+    `result()` waited for ever there), and its done callbacks run; the parent's ends as usual."""
+    served = servers("rust")
+    channel = isthmus.insecure_channel(served.addresses["shm"])
+    try:
+        request = pb.EchoRequest(seq=4242, sleep_ms=1500)
+        future = pb_grpc.EchoStub(channel).Unary.future(request, timeout=WATCHDOG)
+        served.peer.expect("UNARY-SLEEPING 4242")  # in flight at the fork
+
+        def child() -> dict:
+            called = threading.Event()
+            future.add_done_callback(lambda _: called.set())
+            try:
+                return {"seq": future.result(timeout=20).seq}
+            except grpc.RpcError as e:
+                return {"code": e.code().name, "callback": called.wait(10)}
+            except grpc.FutureTimeoutError:
+                return {"code": "still running after 20 s"}
+
+        assert forked(child) == {"code": "UNAVAILABLE", "callback": True}
+        assert future.result(timeout=WATCHDOG).seq == 4242
+    finally:
+        channel.close()
+
+
 @pytest.mark.parametrize("shape", ["unary", "stream"])
 def test_a_child_forked_while_a_call_waits_for_its_server_connects_for_itself(
     stubs: Path, pb: ModuleType, pb_grpc: ModuleType, shape: str
