@@ -21,7 +21,7 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
-from peer import fresh, grpcio_target
+from peer import fresh, grpcio_target, serve
 
 import isthmus
 import isthmus.aio
@@ -2181,6 +2181,62 @@ def test_ctrl_c_ends_a_wait_for_a_server_that_is_not_there(kind: str, handler: s
     finally:
         child.kill()
         child.wait()
+
+
+_INTERRUPTED_WAITING_FOR_ROOM = """
+import sys
+import grpc
+import isthmus
+
+big = b"x" * (30 << 20)
+with isthmus.insecure_channel(sys.argv[1]) as channel:
+    call = channel.unary_unary("/conformance.Echo/Unary")
+    call(b"", timeout=30)  # connected
+    print("connected", flush=True)
+    sys.stdin.readline()
+    # The server is stopped now: each request stays where it was sent, and two of them hold
+    # 60 MiB of the client's 64 MiB arena, so the third waits for room.
+    for _ in range(2):
+        try:
+            call(big, timeout=1)
+        except grpc.RpcError as e:
+            print(e.code().name, flush=True)
+    try:
+        print("waiting", flush=True)
+        call(big)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_ends_a_wait_for_room_for_the_request(stubs: Any) -> None:
+    """SIGINT while the main thread's unary call waits for room in shared memory to send its
+    request (a stopped server let none of the earlier ones go): KeyboardInterrupt, as grpcio's
+    calls raise it in every wait (its own call of 30 MiB to a stopped server does not even end
+    at its deadline, but Ctrl-C ends it). Before, that wait held no slices and went on until
+    the server let some room go."""
+    served = serve("rust", ["shm"], stubs)
+    try:
+        argv = [sys.executable, "-c", _INTERRUPTED_WAITING_FOR_ROOM, served.addresses["shm"]]
+        child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            assert child.stdin is not None and child.stdout is not None
+            assert child.stdout.readline().strip() == "connected"
+            served.peer.stop()
+            child.stdin.write("go\n")
+            child.stdin.flush()
+            seen = [child.stdout.readline().strip() for _ in range(3)]
+            assert seen == ["DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED", "waiting"], seen
+            threading.Event().wait(0.5)  # into its wait by now, most likely; if not, it is all the same
+            child.send_signal(signal.SIGINT)
+            out, _ = child.communicate(timeout=30)
+            assert out.strip() == "interrupted", out
+        finally:
+            child.kill()
+            child.wait()
+    finally:
+        served.peer.resume()
+        served.close()
 
 
 def _counted(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:

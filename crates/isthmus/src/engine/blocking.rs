@@ -345,20 +345,29 @@ impl Channel {
 
     /// [`unary`](Self::unary) for a caller that has something else to look at while it waits
     /// (a Python thread its signal handlers, as grpcio's waits do): `check` runs each time
-    /// `every` passes with the call still running. An `Err` from it cancels the call (the
-    /// server sees CANCELLED) and is returned; the call's own outcome is the `Ok`.
+    /// `every` passes with the call still running, or still waiting for arena room for its
+    /// request (nothing is sent before that room is there, so the wait is taken in slices
+    /// without restarting anything). An `Err` from it cancels the call (the server sees
+    /// CANCELLED) and is returned; the call's own outcome is the `Ok`. Not sliced: a wait for
+    /// ring room for the call's head or request, which the blocking paths of every client share.
     pub fn unary_checked<E>(
         &self,
         path: &str,
         request: &[u8],
         options: CallOptions,
         every: Duration,
-        check: impl FnMut() -> Result<(), E>,
+        mut check: impl FnMut() -> Result<(), E>,
     ) -> Result<Result<Response, Status>, E> {
-        let (mut call, _) = match self.begin(path, request, &options, None) {
-            Ok(Some(begun)) => begun,
-            Ok(None) => return Ok(Err(no_room())),
-            Err(status) => return Ok(Err(status)),
+        if let Err(status) = check_start(path, &options) {
+            return Ok(Err(status));
+        }
+        let deadline = options.timeout.and_then(crate::call::deadline_in);
+        let (mut call, _) = loop {
+            match self.begin_by(path, request, &options, deadline, Some(Instant::now() + every), None) {
+                Ok(Some(begun)) => break begun,
+                Ok(None) => check()?, // no arena room yet: nothing went out
+                Err(status) => return Ok(Err(status)),
+            }
         };
         unary_wait_checked(&mut call, &mut None, path, every, check)
     }
@@ -431,7 +440,22 @@ impl Channel {
     ) -> Result<Option<(Call, usize)>, Status> {
         check_start(path, options)?;
         let deadline = options.timeout.and_then(crate::call::deadline_in);
-        let live = match self.stage(request, options, deadline, patience)? {
+        self.begin_by(path, request, options, deadline, patience, patience)
+    }
+
+    /// [`begin`](Self::begin) with its deadline worked out, and a patience of its own for the
+    /// arena room a request sent as one block waits for (`room`, with `None` past it before
+    /// anything is sent), apart from the patience for the rest (`patience`).
+    fn begin_by(
+        &self,
+        path: &str,
+        request: &[u8],
+        options: &CallOptions,
+        deadline: Option<Instant>,
+        room: Option<Instant>,
+        patience: Option<Instant>,
+    ) -> Result<Option<(Call, usize)>, Status> {
+        let live = match self.stage(request, options, deadline, room)? {
             Staged::Usual(live) => live,
             Staged::NoRoom => return Ok(None),
             Staged::Ready(mux, block) => match self.open(mux.clone(), path, options, deadline, patience, None) {
