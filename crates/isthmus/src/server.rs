@@ -377,9 +377,9 @@ impl Server {
     /// TLS, as grpcio's `add_secure_port` does. INVALID_ARGUMENT for a target that is not TCP.
     pub fn bind_secure(mut self, target: &str, tls: ServerTlsConfig) -> Result<Bound, Status> {
         match Target::parse(target)? {
-            Target::Tcp { addrs, .. } => {
+            Target::Tcp { addrs, authority, .. } => {
                 self.tls = Some(tls);
-                self.bind_targets(vec![Target::Tcp { addrs, tls: Some(true) }])
+                self.bind_targets(vec![Target::Tcp { addrs, tls: Some(true), authority }])
             }
             _ => Err(Status::new(Code::InvalidArgument, format!("{target}: TLS is served on TCP addresses only"))),
         }

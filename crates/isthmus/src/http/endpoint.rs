@@ -57,8 +57,11 @@ pub(crate) enum Target {
     /// TCP: `host:port` in any of gRPC's forms, or `http://`/`https://`. `addrs` are tried in
     /// order (gRPC's `ipv4:` and `ipv6:` take lists). `tls`: `Some(true)` for `https://`,
     /// `Some(false)` for `http://` (plaintext whatever the settings), `None` for gRPC's forms
-    /// (TLS if the channel or server has TLS settings).
-    Tcp { addrs: Vec<String>, tls: Option<bool> },
+    /// (TLS if the channel or server has TLS settings). `authority`: what a client's calls send
+    /// as `:authority`, the host (and port) as the target wrote it, as grpc-go, grpcio and
+    /// tonic send it: no default port added (a proxy that routes by host, Envoy's virtual
+    /// hosts say, may not match `host:443` to `host`); an `ipv4:`/`ipv6:` list's first address.
+    Tcp { addrs: Vec<String>, tls: Option<bool>, authority: String },
 }
 
 impl Target {
@@ -66,7 +69,9 @@ impl Target {
     /// A form with no port gets gRPC's default, 443 (80 for `http://`).
     pub(crate) fn parse(target: &str) -> Result<Target, Status> {
         let bad = |why: &str| Status::new(Code::InvalidArgument, format!("target {target:?}: {why}"));
-        let tcp = |addrs: Vec<String>, tls: Option<bool>| Ok(Target::Tcp { addrs, tls });
+        let tcp = |addrs: Vec<String>, tls: Option<bool>, authority: &str| {
+            Ok(Target::Tcp { addrs, tls, authority: as_authority(authority) })
+        };
         if target.starts_with("shm://") {
             return Ok(Target::Shm(target.to_owned()));
         }
@@ -92,7 +97,7 @@ impl Target {
                 if host.contains('/') {
                     return Err(bad(&format!("expected {scheme}HOST:PORT, with no path")));
                 }
-                return tcp(vec![host_port(host, port).map_err(|why| bad(&why))?], Some(tls));
+                return tcp(vec![host_port(host, port).map_err(|why| bad(&why))?], Some(tls), host);
             }
         }
         if let Some(rest) = target.strip_prefix("dns:") {
@@ -102,7 +107,7 @@ impl Target {
                 Some(after) => after.split_once('/').map(|(_, h)| h).ok_or_else(|| bad("expected dns:///HOST:PORT"))?,
                 None => rest,
             };
-            return tcp(vec![host_port(host, 443).map_err(|why| bad(&why))?], None);
+            return tcp(vec![host_port(host, 443).map_err(|why| bad(&why))?], None, host);
         }
         for (scheme, v6) in [("ipv4:", false), ("ipv6:", true)] {
             if let Some(list) = target.strip_prefix(scheme) {
@@ -111,7 +116,8 @@ impl Target {
                     .map(|a| ip_port(a, v6))
                     .collect::<Result<Vec<_>, String>>()
                     .map_err(|why| bad(&why))?;
-                return tcp(addrs, None);
+                let first = addrs.first().cloned().unwrap_or_default();
+                return tcp(addrs, None, &first);
             }
         }
         if let Some((scheme, _)) = target.split_once("://") {
@@ -119,7 +125,7 @@ impl Target {
         }
         // No scheme: gRPC's default, `dns:///target`.
         host_port(target, 443)
-            .map(|a| Target::Tcp { addrs: vec![a], tls: None })
+            .map(|a| Target::Tcp { addrs: vec![a], tls: None, authority: as_authority(target) })
             .map_err(|why| bad(&format!("{why}; the accepted forms are {ACCEPTED}")))
     }
 
@@ -154,6 +160,15 @@ fn host_port(s: &str, default_port: u16) -> Result<String, String> {
     }
     // An IPv6 literal keeps its brackets, which is how the socket address parser wants it.
     Ok(if host.contains(':') { format!("[{host}]:{port}") } else { format!("{host}:{port}") })
+}
+
+/// A target's `host[:port]` as an `:authority`: a bare IPv6 literal (`::1`) gets its brackets.
+fn as_authority(host: &str) -> String {
+    if host.parse::<std::net::Ipv6Addr>().is_ok() {
+        format!("[{host}]")
+    } else {
+        host.to_owned()
+    }
 }
 
 /// Splits `host:port` or `[v6]:port` (or a host or `[v6]` alone); a bare IPv6 literal
@@ -269,7 +284,7 @@ impl HttpListener {
                     format!("unix-abstract:{}", String::from_utf8_lossy(name)),
                 ))
             }
-            Target::Tcp { addrs, tls: wants_tls } => {
+            Target::Tcp { addrs, tls: wants_tls, .. } => {
                 let [host] = addrs.as_slice() else {
                     return Err(Status::new(Code::InvalidArgument, "a server binds one address per target"));
                 };
@@ -869,14 +884,13 @@ pub(crate) type Connecting = Pin<Box<dyn Future<Output = std::io::Result<Io>> + 
 /// filter's bound.)
 pub(crate) const MAX_HEADER_LIST: u32 = 16 << 20;
 
-/// tonic's endpoint for an HTTP/2 target. Its URI's authority is `localhost` for a unix
-/// socket, as grpc-go and h2 expect, and the first address for TCP.
+/// tonic's endpoint for an HTTP/2 target. Its URI's authority, which its calls send as
+/// `:authority`, is `localhost` for a unix socket, as grpc-go and h2 expect, and the target's
+/// own for TCP (`Target::Tcp`'s `authority`); the connector connects to the addresses either way.
 pub(crate) fn http_endpoint(target: &Target, tls: bool) -> Result<tonic::transport::Endpoint, Status> {
     let uri = match target {
         Target::Unix(_) | Target::UnixAbstract(_) => "http://localhost".to_owned(),
-        Target::Tcp { addrs, .. } => {
-            format!("{}://{}", if tls { "https" } else { "http" }, addrs.first().map_or("localhost", String::as_str))
-        }
+        Target::Tcp { authority, .. } => format!("{}://{authority}", if tls { "https" } else { "http" }),
         Target::Shm(t) => return Err(Status::new(Code::Internal, format!("{t} is not an HTTP/2 target"))),
     };
     let endpoint =
@@ -1111,7 +1125,7 @@ mod tests {
     fn a_tcp_port_is_shared_only_by_listeners_that_all_reuse_it() {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
         let _context = runtime.enter();
-        let tcp = |addr: String| Target::Tcp { addrs: vec![addr], tls: None };
+        let tcp = |addr: String| Target::Tcp { addrs: vec![addr.clone()], tls: None, authority: addr };
         let first = HttpListener::bind(&tcp("127.0.0.1:0".into()), None, true).expect("bind");
         let HttpListener::Tcp(listener, _) = &first else { panic!("a TCP listener") };
         let port = listener.local_addr().expect("address").port();
@@ -1129,28 +1143,35 @@ mod tests {
 
     #[test]
     fn targets_parse_in_grpcs_forms() {
-        let tcp =
-            |a: &[&str], tls: Option<bool>| Target::Tcp { addrs: a.iter().map(|s| (*s).to_owned()).collect(), tls };
+        // The authority is the host as written: a default port is for connecting only.
+        let tcp = |a: &[&str], tls: Option<bool>, authority: &str| Target::Tcp {
+            addrs: a.iter().map(|s| (*s).to_owned()).collect(),
+            tls,
+            authority: authority.to_owned(),
+        };
         let cases = [
             ("shm://a", Target::Shm("shm://a".into())),
             ("unix:///run/a.sock", Target::Unix("/run/a.sock".into())),
             ("unix:/run/a.sock", Target::Unix("/run/a.sock".into())),
             ("unix:a.sock", Target::Unix("a.sock".into())),
             ("unix-abstract:a b", Target::UnixAbstract(b"a b".to_vec())),
-            ("http://127.0.0.1:50051", tcp(&["127.0.0.1:50051"], Some(false))),
-            ("http://h", tcp(&["h:80"], Some(false))),
-            ("https://h", tcp(&["h:443"], Some(true))),
-            ("https://[::1]:8443/", tcp(&["[::1]:8443"], Some(true))),
-            ("localhost:50051", tcp(&["localhost:50051"], None)),
-            ("localhost", tcp(&["localhost:443"], None)),
-            ("[::]:0", tcp(&["[::]:0"], None)),
-            ("0.0.0.0:7", tcp(&["0.0.0.0:7"], None)),
-            ("dns:h:1", tcp(&["h:1"], None)),
-            ("dns:///h:1", tcp(&["h:1"], None)),
-            ("dns://8.8.8.8/h:1", tcp(&["h:1"], None)),
-            ("ipv4:1.2.3.4:5,6.7.8.9", tcp(&["1.2.3.4:5", "6.7.8.9:443"], None)),
-            ("ipv6:[::1]:5", tcp(&["[::1]:5"], None)),
-            ("ipv6:::1", tcp(&["[::1]:443"], None)),
+            ("http://127.0.0.1:50051", tcp(&["127.0.0.1:50051"], Some(false), "127.0.0.1:50051")),
+            ("http://h", tcp(&["h:80"], Some(false), "h")),
+            ("https://h", tcp(&["h:443"], Some(true), "h")),
+            ("https://h:443", tcp(&["h:443"], Some(true), "h:443")),
+            ("https://[::1]:8443/", tcp(&["[::1]:8443"], Some(true), "[::1]:8443")),
+            ("localhost:50051", tcp(&["localhost:50051"], None, "localhost:50051")),
+            ("localhost", tcp(&["localhost:443"], None, "localhost")),
+            ("::1", tcp(&["[::1]:443"], None, "[::1]")),
+            ("[::]:0", tcp(&["[::]:0"], None, "[::]:0")),
+            ("0.0.0.0:7", tcp(&["0.0.0.0:7"], None, "0.0.0.0:7")),
+            ("dns:h:1", tcp(&["h:1"], None, "h:1")),
+            ("dns:///h:1", tcp(&["h:1"], None, "h:1")),
+            ("dns:///h", tcp(&["h:443"], None, "h")),
+            ("dns://8.8.8.8/h:1", tcp(&["h:1"], None, "h:1")),
+            ("ipv4:1.2.3.4:5,6.7.8.9", tcp(&["1.2.3.4:5", "6.7.8.9:443"], None, "1.2.3.4:5")),
+            ("ipv6:[::1]:5", tcp(&["[::1]:5"], None, "[::1]:5")),
+            ("ipv6:::1", tcp(&["[::1]:443"], None, "[::1]:443")),
         ];
         for (text, want) in cases {
             assert_eq!(Target::parse(text).unwrap_or_else(|e| panic!("{text}: {e:?}")), want, "{text}");
