@@ -127,16 +127,16 @@ class Completions:
     def after_fork(self) -> None:
         """In a forked child: the parent's completion thread does not exist here, nor its
         operations; the next `begin` starts afresh. The unary calls the parent had in flight
-        end UNAVAILABLE here (their replies go to the parent), on a thread of their own: their
-        done callbacks are the user's, which must not run inside `fork`."""
+        end UNAVAILABLE here (their replies go to the parent), each on a thread of its own:
+        their done callbacks are the user's, which must not run inside `fork`, and a call whose
+        lock a parent's thread held at the fork holds up only its own."""
         self._lock = threading.Lock()  # a parent's thread may have held it at the fork
         if self._reactor is not None:
             self._forsaken.append(self._reactor)
         orphans = [done for done, ends_in_child in self._waiting.values() if ends_in_child]
         self._reactor, self._waiting = None, {}
-        if orphans:
-            ender = threading.Thread(target=_end_in_child, args=(orphans,), daemon=True)
-            ender.start()
+        for done in orphans:
+            threading.Thread(target=_end_in_child, args=(done,), daemon=True).start()
 
     def begin(
         self, done: Callable[[bool, Any], None], ends_in_child: bool = False
@@ -174,13 +174,12 @@ class Completions:
                         _LOG.exception("completing a .future() call failed")
 
 
-def _end_in_child(orphans: list[Callable[[bool, Any], None]]) -> None:
-    """Ends, in a forked child, the unary calls its parent had in flight (`Completions.after_fork`)."""
-    for done in orphans:
-        try:
-            done(False, CallError(grpc.StatusCode.UNAVAILABLE.value[0], FORKED_AWAY))
-        except Exception:
-            _LOG.exception("completing a .future() call failed")
+def _end_in_child(done: Callable[[bool, Any], None]) -> None:
+    """Ends, in a forked child, a unary call its parent had in flight (`Completions.after_fork`)."""
+    try:
+        done(False, CallError(grpc.StatusCode.UNAVAILABLE.value[0], FORKED_AWAY))
+    except Exception:
+        _LOG.exception("completing a .future() call failed")
 
 
 #: Why a unary `.future()` in flight at a fork fails in the child.

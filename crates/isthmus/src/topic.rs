@@ -404,8 +404,7 @@ impl Topic {
         Published(Arc::new(PublishedInner { seq, len: message.len(), heap, blocks }))
     }
 
-    /// Queues `p` for `sub`, or sends it at once on its call; false if the subscriber was
-    /// cancelled for falling behind.
+    /// Queues `p` for `sub`, or sends it at once on its call; what became of it.
     fn offer(&self, sub: &Subscriber, p: &Published) -> Offered {
         let mut q = sub.queue();
         if q.end.is_some() {

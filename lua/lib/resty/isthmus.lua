@@ -1632,14 +1632,21 @@ local function bounded_step(self, start_async, limit)
     while true do
         local left_us = math.max(math.ceil((deadline - ngx.now()) * 1e6), 0)
         if tonumber(C.isthmus_cq_wait(step_q, step_event, 1, 0, left_us)) == 1 then
-            return outcome(step_event[0]) -- the queue's one operation: this one
+            local r = outcome(step_event[0]) -- frees what it holds, whoever's it is
+            if tonumber(step_event[0].tag) == tag then
+                return r
+            end
+            -- An earlier step's, given up on as it finished: not this one's.
         end
         ngx.update_time()
         if ngx.now() >= deadline then
             if C.isthmus_cq_cancel(step_q, tag) == NOT_FOUND then
                 -- It finished as the time ran out: its event is queued.
-                if tonumber(C.isthmus_cq_poll(step_q, step_event, 1)) == 1 then
-                    return outcome(step_event[0])
+                while tonumber(C.isthmus_cq_poll(step_q, step_event, 1)) == 1 do
+                    local r = outcome(step_event[0])
+                    if tonumber(step_event[0].tag) == tag then
+                        return r
+                    end
                 end
             end
             C.isthmus_call_cancel(self.call)
@@ -1666,7 +1673,7 @@ local function step(self, start_async, blocking)
         return finish_async(start_async(q, tag, now), tag, self.backstop)
     end
     local limit = self.unbounded and blocking_default()
-    if limit then
+    if limit and limit < math.huge then -- (`math.huge`: none, and no int64 microseconds)
         return bounded_step(self, start_async, limit)
     end
     return blocking()

@@ -345,11 +345,12 @@ impl Channel {
 
     /// [`unary`](Self::unary) for a caller that has something else to look at while it waits
     /// (a Python thread its signal handlers, as grpcio's waits do): `check` runs each time
-    /// `every` passes with the call still running, or still waiting for arena room for its
-    /// request (nothing is sent before that room is there, so the wait is taken in slices
-    /// without restarting anything). An `Err` from it cancels the call (the server sees
-    /// CANCELLED) and is returned; the call's own outcome is the `Ok`. Not sliced: a wait for
-    /// ring room for the call's head or request, which the blocking paths of every client share.
+    /// `every` passes with the call still running, or still waiting for arena room for a
+    /// request sent as one block (up to half the arena: nothing is sent before that room is
+    /// there, so the wait is taken in slices without restarting anything). An `Err` from it
+    /// cancels the call (the server sees CANCELLED) and is returned; the call's own outcome is
+    /// the `Ok`. Not sliced: a wait for ring room for the call's head or request, and for arena
+    /// room for a larger request's pieces, which go after its head.
     pub fn unary_checked<E>(
         &self,
         path: &str,
