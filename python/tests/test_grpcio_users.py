@@ -2183,6 +2183,37 @@ def test_ctrl_c_ends_a_wait_for_a_server_that_is_not_there(kind: str, handler: s
         child.wait()
 
 
+@pytest.mark.parametrize("kind", ["grpcio", "grpc.aio", "isthmus", "isthmus.aio"])
+def test_a_call_to_a_server_that_never_answers_ends_at_its_deadline(stubs: Any, kind: str) -> None:
+    """A server that accepts the connection but never answers its handshake (stopped): a call
+    with a 1 s timeout ends DEADLINE_EXCEEDED at its deadline, as grpcio's does. isthmus's
+    waited for its handshake's own 5 s and then failed UNAVAILABLE."""
+    grpcio = kind.startswith("grpc")
+    served = serve("grpcio" if grpcio else "rust", ["unix" if grpcio else "shm"], stubs)
+    target = grpcio_target(served.addresses["unix"]) if grpcio else served.addresses["shm"]
+    module = {"grpcio": grpc, "grpc.aio": grpc.aio, "isthmus": isthmus, "isthmus.aio": isthmus.aio}[kind]
+
+    async def aio_call() -> None:
+        async with module.insecure_channel(target) as channel:
+            await channel.unary_unary("/conformance.Echo/Unary")(b"", timeout=1)
+
+    try:
+        served.peer.stop()
+        began = time.monotonic()
+        with pytest.raises(grpc.RpcError) as raised:
+            if kind.endswith(".aio"):
+                asyncio.run(aio_call())
+            else:
+                with module.insecure_channel(target) as channel:
+                    channel.unary_unary("/conformance.Echo/Unary")(b"", timeout=1)
+        took = time.monotonic() - began
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, (kind, raised.value)
+        assert took < 4, f"{kind}: {took:.1f} s for a call with a 1 s timeout"
+    finally:
+        served.peer.resume()
+        served.close()
+
+
 _INTERRUPTED_WAITING_FOR_ROOM = """
 import sys
 import grpc

@@ -75,6 +75,33 @@ def test_a_local_isthmus_server_takes_the_calls_over_shm(cert_dir: tuple[certs.C
             assert off.upgrade_status() == "off"
 
 
+def test_a_call_whose_move_cannot_connect_keeps_its_deadline(cert_dir: tuple[certs.Certs, Path]) -> None:
+    """The channel has moved (its probe reached the server's shm:// endpoint), and its first
+    call over shared memory makes the fast path's own connection while the server is stopped,
+    so the handshake gets no answer: the call ends DEADLINE_EXCEEDED at its deadline (1 s), as
+    any wait of a call does. Before, the handshake's own 5 s ran first, and the call then went
+    to HTTP/2 with its whole timeout again."""
+    with (
+        Server("isthmus", cert_dir[1], "none", "localhost:0", shm_name()) as server,
+        isthmus.insecure_channel(f"localhost:{server.ports[0]}") as channel,
+    ):
+        channel.unary_unary(METHOD)(b"", timeout=10)  # over HTTP/2; it starts the probe
+        end = time.monotonic() + 30
+        while channel.upgrade_status() == "pending" and time.monotonic() < end:
+            time.sleep(0.01)  # no call meanwhile: the fast path has not connected yet
+        assert channel.upgrade_status().startswith("shm:///"), channel.upgrade_status()
+        server.peer.stop()
+        try:
+            began = time.monotonic()
+            with pytest.raises(grpc.RpcError) as raised:
+                channel.unary_unary(METHOD)(b"", timeout=1)
+            took = time.monotonic() - began
+        finally:
+            server.peer.resume()
+        assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, raised.value
+        assert took < 4, f"{took:.1f} s for a call with a 1 s timeout"
+
+
 def test_asyncio_channels_move_too(cert_dir: tuple[certs.Certs, Path]) -> None:
     with Server("isthmus", cert_dir[1], "none", "localhost:0", shm_name()) as server:
         port = server.ports[0]

@@ -35,6 +35,7 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Instant;
 
 use isthmus::binding::SharedCall;
 use isthmus::{Code, MetadataMap, Status};
@@ -226,43 +227,66 @@ pub(crate) struct Channel {
 
 impl Channel {
     /// The fast path's channel for a unary call, if this channel to an HTTP/2 address has moved
-    /// to shared memory and that connection is up (connecting it if need be); `None` for
-    /// HTTP/2. Blocks (a handshake): call without the GIL.
-    fn upgraded(&self) -> Option<isthmus::blocking::Channel> {
+    /// to shared memory and that connection is up (connecting it if need be, by `deadline`);
+    /// `Ok(None)` for HTTP/2, `Err` (DEADLINE_EXCEEDED) if the deadline passed while it
+    /// connected. Blocks (a handshake): call without the GIL.
+    fn upgraded(&self, deadline: Option<Instant>) -> Result<Option<isthmus::blocking::Channel>, Status> {
         let to = {
             let _runtime = runtime().enter();
-            self.engine.route_for_binding()?
+            self.engine.route_for_binding()
         };
+        let Some(to) = to else { return Ok(None) };
         let channel = {
-            let mut cached = self.upgraded.lock().ok()?;
+            let Ok(mut cached) = self.upgraded.lock() else { return Ok(None) };
             match &*cached {
                 Some((current, channel)) if *current == to => channel.clone(),
                 _ => {
                     let channel = isthmus::blocking::Channel::lazy_upgraded(&to, self.config.clone());
-                    let channel = named(channel.ok()?, self.user_agent.as_deref()).ok()?;
+                    let Some(channel) = channel.ok().and_then(|c| named(c, self.user_agent.as_deref()).ok()) else {
+                        return Ok(None);
+                    };
                     *cached = Some((to.clone(), channel.clone()));
                     channel
                 }
             }
         };
-        if channel.is_connected() || channel.connect_now().is_ok() {
-            return Some(channel);
+        if channel.is_connected() {
+            return Ok(Some(channel));
         }
-        self.engine.upgrade_lost(&to);
-        None
+        match channel.connect_by(deadline) {
+            Ok(()) => Ok(Some(channel)),
+            // A handshake the call's deadline cut short: that says nothing of the connection.
+            Err(status) if status.code() == Code::DeadlineExceeded => Err(status),
+            Err(_) => {
+                self.engine.upgrade_lost(&to);
+                Ok(None)
+            }
+        }
     }
 
     /// [`upgraded`](Self::upgraded) for a unary request of `len` bytes, which waits for a
     /// probe under way first if HTTP/2 would likely refuse the request
-    /// (`isthmus::Channel::settle_upgrade`), taking the time waited from `options`' timeout.
-    /// Blocks: call without the GIL.
-    fn settled_upgrade(&self, len: usize, options: &mut isthmus::CallOptions) -> Option<isthmus::blocking::Channel> {
+    /// (`isthmus::Channel::settle_upgrade`). Takes the time waited, and spent connecting, from
+    /// `options`' timeout, so that a call that goes on over HTTP/2 keeps its deadline. Blocks:
+    /// call without the GIL.
+    fn settled_upgrade(
+        &self,
+        len: usize,
+        options: &mut isthmus::CallOptions,
+    ) -> Result<Option<isthmus::blocking::Channel>, Status> {
         // `settle_upgrade` looks at the size too; here it saves the calls that cannot wait
         // (nearly all) a trip into the runtime.
         if len as u64 > isthmus::HTTP_MAX_MESSAGE {
             options.timeout = runtime().block_on(self.engine.settle_upgrade(len, options.timeout));
         }
-        self.upgraded()
+        let began = Instant::now();
+        // A timeout too long for the clock (a caller's "forever") bounds nothing.
+        let deadline = options.timeout.and_then(|t| began.checked_add(t));
+        let channel = self.upgraded(deadline)?;
+        if channel.is_none() {
+            options.timeout = options.timeout.map(|t| t.saturating_sub(began.elapsed()));
+        }
+        Ok(channel)
     }
 
     /// One unary call, the GIL released while it runs.
@@ -281,11 +305,12 @@ impl Channel {
             None => py.detach(|| match self.settled_upgrade(request.len(), &mut options) {
                 // As the engine's own upgraded calls: over shm:// the call does not wait for a
                 // server (it would retry the address a restarted server left for good).
-                Some(channel) => {
+                Ok(Some(channel)) => {
                     let options = isthmus::CallOptions { wait_for_ready: false, ..options };
                     channel.unary_checked(path, request, options, SIGNAL_SLICE, signals)
                 }
-                None => block_on_checked(self.direct.unary(path, request, options)),
+                Ok(None) => block_on_checked(self.direct.unary(path, request, options)),
+                Err(status) => Ok(Err(status)),
             })?,
         };
         response.map_err(|status| interrupted(py, &status))

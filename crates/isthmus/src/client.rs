@@ -660,18 +660,22 @@ impl Channel {
         match &*self.via {
             Via::Shm(_) => Ok(ClientCall { via: CallVia::Shm(self.start_shm(path, options).await?) }),
             Via::Http { .. } => {
-                if let Some((shm, to)) = self.route() {
-                    // Over shm:// the call does not wait for a server: HTTP/2 is there.
-                    let shm_options = CallOptions { wait_for_ready: false, ..options.clone() };
-                    match shm.start_shm(path, shm_options).await {
-                        Ok(call) => return Ok(ClientCall { via: CallVia::Shm(call) }),
-                        // The connection went before the call's head did: the server never saw
-                        // it, so HTTP/2 carries it instead.
-                        Err(status) if status.code() == Code::Unavailable => self.upgrade_lost(&to),
-                        Err(status) => return Err(status),
+                let Some((shm, to)) = self.route() else { return self.start_http(path, options) };
+                // Over shm:// the call does not wait for a server: HTTP/2 is there.
+                let shm_options = CallOptions { wait_for_ready: false, ..options.clone() };
+                let began = std::time::Instant::now();
+                match shm.start_shm(path, shm_options).await {
+                    Ok(call) => Ok(ClientCall { via: CallVia::Shm(call) }),
+                    // The connection went before the call's head did (or could not be made):
+                    // the server never saw it, so HTTP/2 carries it instead, within what is left
+                    // of its time.
+                    Err(status) if status.code() == Code::Unavailable => {
+                        self.upgrade_lost(&to);
+                        let timeout = options.timeout.map(|t| t.saturating_sub(began.elapsed()));
+                        self.start_http(path, CallOptions { timeout, ..options })
                     }
+                    Err(status) => Err(status),
                 }
-                self.start_http(path, options)
             }
         }
     }

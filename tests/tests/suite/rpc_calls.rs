@@ -689,7 +689,8 @@ fn a_stream_waiting_for_a_server_ends_its_sends_at_its_deadline() {
 fn a_server_that_never_answers_the_handshake_is_unavailable_and_waited_for() {
     // A socket that takes connections (into its backlog) and never answers: a server hung
     // before its handshake. Connecting is the call's first step, so this is UNAVAILABLE, as
-    // gRPC says of a failed connect, not the call's own DEADLINE_EXCEEDED.
+    // gRPC says of a failed connect, unless the call's deadline comes before the handshake
+    // timeout: then DEADLINE_EXCEEDED at that deadline, as grpc's calls end.
     struct Removed(std::path::PathBuf);
     impl Drop for Removed {
         fn drop(&mut self) {
@@ -704,6 +705,10 @@ fn a_server_that_never_answers_the_handshake_is_unavailable_and_waited_for() {
         let s = ch.unary("/test.Echo/Unary", b"x", CallOptions::default()).await.expect_err("nobody answers");
         assert_eq!(s.code(), Code::Unavailable, "{s}");
         assert!(s.message().contains("hello"), "{s}");
+        let opts = CallOptions { timeout: Some(Duration::from_millis(30)), ..CallOptions::default() };
+        let s = ch.unary("/test.Echo/Unary", b"x", opts).await.expect_err("nobody answers in time");
+        assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+        assert!(s.message().contains("handshake before the call's deadline"), "{s}");
         // Waiting for ready waits it out, to the call's deadline.
         let opts =
             CallOptions { wait_for_ready: true, timeout: Some(Duration::from_millis(500)), ..CallOptions::default() };

@@ -195,7 +195,7 @@ impl Channel {
                 let slot = &self.inner.slot;
                 slot.closed()?;
                 self.inner.connectivity.connecting();
-                match Slot::connect(&slot.target, &slot.config, slot.expect_pid) {
+                match Slot::connect(&slot.target, &slot.config, slot.expect_pid, deadline) {
                     Ok(conn) => {
                         let (sender, receiver) = conn.split();
                         let mux = Mux::driven(sender, receiver);
@@ -271,6 +271,12 @@ impl Channel {
     /// Connects now if no connection is up (a call connects on its own otherwise).
     pub fn connect_now(&self) -> Result<(), Status> {
         self.mux(false, None).map(drop)
+    }
+
+    /// [`connect_now`](Self::connect_now) by `deadline` (DEADLINE_EXCEEDED past it), for a
+    /// binding that connects for a call before it makes it.
+    pub fn connect_by(&self, deadline: Option<Instant>) -> Result<(), Status> {
+        self.mux(false, deadline).map(drop)
     }
 
     /// Starts a call of any shape: send messages, half-close, read responses.

@@ -184,10 +184,40 @@ impl Slot {
 
     /// A new connection to the target (blocking: the handshake reads with timeouts). With
     /// `expect_pid`, a server that is not that process is refused, whoever bound the address.
-    pub(crate) fn connect(target: &Address, config: &Config, expect_pid: Option<u32>) -> Result<Connection, Status> {
+    /// The handshake waits until `deadline` at most (the call's that connects), if that comes
+    /// before the configured handshake timeout: DEADLINE_EXCEEDED past it, as grpc's calls end
+    /// when their connection does not come up in time.
+    pub(crate) fn connect(
+        target: &Address,
+        config: &Config,
+        expect_pid: Option<u32>,
+        deadline: Option<std::time::Instant>,
+    ) -> Result<Connection, Status> {
+        let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
+        let bounded;
+        let config = match left {
+            Some(left) if left.is_zero() => {
+                return Err(Status::new(
+                    Code::DeadlineExceeded,
+                    format!("no server became ready before the deadline: {target} was not connected to in time"),
+                ))
+            }
+            Some(left) if left < config.handshake_timeout => {
+                bounded = Config { handshake_timeout: left, ..config.clone() };
+                &bounded
+            }
+            _ => config,
+        };
         // A server that does not answer the handshake in time is one not ready for calls: gRPC's
-        // UNAVAILABLE (which `wait_for_ready` waits out), not the call's DEADLINE_EXCEEDED.
+        // UNAVAILABLE (which `wait_for_ready` waits out), unless the call's deadline came first.
         let conn = Connection::connect(target, config).map_err(|e| match e.kind() {
+            isthmus_shm::ErrorKind::Timeout if deadline.is_some_and(|d| std::time::Instant::now() >= d) => Status::new(
+                Code::DeadlineExceeded,
+                format!(
+                    "no server became ready before the deadline: cannot connect to {target}: no answer to \
+                         the handshake before the call's deadline: {e}"
+                ),
+            ),
             isthmus_shm::ErrorKind::Timeout => Status::new(
                 Code::Unavailable,
                 format!(

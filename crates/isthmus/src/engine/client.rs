@@ -138,7 +138,7 @@ impl ShmChannel {
             }
             self.slot.closed()?;
             self.connectivity.connecting();
-            match self.connect_once().await {
+            match self.connect_once(deadline).await {
                 Ok(mux) => {
                     self.slot.install(mux.clone())?;
                     return Ok(mux);
@@ -152,9 +152,10 @@ impl ShmChannel {
         }
     }
 
-    async fn connect_once(&self) -> Result<Arc<Mux>, Status> {
+    async fn connect_once(&self, deadline: Option<Instant>) -> Result<Arc<Mux>, Status> {
         let (addr, config, pid) = (self.slot.target.clone(), self.slot.config.clone(), self.slot.expect_pid);
-        let conn = tokio::task::spawn_blocking(move || Slot::connect(&addr, &config, pid))
+        let deadline = deadline.map(Instant::into_std);
+        let conn = tokio::task::spawn_blocking(move || Slot::connect(&addr, &config, pid, deadline))
             .await
             .map_err(|e| Status::new(Code::Internal, format!("connect task failed: {e}")))??;
         let (sender, receiver) = conn.split();
