@@ -283,9 +283,8 @@ impl Channel {
         // A timeout too long for the clock (a caller's "forever") bounds nothing.
         let deadline = options.timeout.and_then(|t| began.checked_add(t));
         let channel = self.upgraded(deadline)?;
-        if channel.is_none() {
-            options.timeout = options.timeout.map(|t| t.saturating_sub(began.elapsed()));
-        }
+        // Whichever way the call goes, connecting took from its time.
+        options.timeout = options.timeout.map(|t| t.saturating_sub(began.elapsed()));
         Ok(channel)
     }
 

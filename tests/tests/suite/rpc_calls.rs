@@ -708,13 +708,14 @@ fn a_server_that_never_answers_the_handshake_is_unavailable_and_waited_for() {
         let opts = CallOptions { timeout: Some(Duration::from_millis(30)), ..CallOptions::default() };
         let s = ch.unary("/test.Echo/Unary", b"x", opts).await.expect_err("nobody answers in time");
         assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
-        assert!(s.message().contains("handshake before the call's deadline"), "{s}");
+        assert_eq!(s.message(), "Deadline Exceeded", "grpc-core's words");
         // Waiting for ready waits it out, to the call's deadline.
         let opts =
             CallOptions { wait_for_ready: true, timeout: Some(Duration::from_millis(500)), ..CallOptions::default() };
         let s = ch.unary("/test.Echo/Unary", b"x", opts).await.expect_err("still nobody");
         assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
-        assert!(s.message().contains("no server became ready"), "{s}");
+        // Between two attempts, or cut short in one's handshake.
+        assert!(s.message().contains("no server became ready") || s.message() == "Deadline Exceeded", "{s}");
     });
 }
 

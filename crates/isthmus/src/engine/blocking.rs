@@ -370,7 +370,7 @@ impl Channel {
         }
         let deadline = options.timeout.and_then(crate::call::deadline_in);
         let (mut call, _) = loop {
-            match self.begin_by(path, request, &options, deadline, Some(Instant::now() + every), None) {
+            match self.begin_by(path, request, &options, deadline, Room::Slice(every), None) {
                 Ok(Some(begun)) => break begun,
                 Ok(None) => check()?, // no arena room yet: nothing went out
                 Err(status) => return Ok(Err(status)),
@@ -393,19 +393,24 @@ impl Channel {
     /// the request reaches the server with its HEADERS, and the handler finds it at its first
     /// look; copied after, a handler the server runs inline (Go's, C's) found it missing and
     /// waited for it through a queue and a wake-up: a Go echo of 64 KiB took 90 µs that way,
-    /// and 15 µs through the raw tier, which fills its block first. `patience` bounds the wait
+    /// and 15 µs through the raw tier, which fills its block first. `room` bounds the wait
     /// for arena room (`Staged::NoRoom` past it).
     fn stage(
         &self,
         request: &[u8],
         options: &CallOptions,
         deadline: Option<Instant>,
-        patience: Option<Instant>,
+        room: Room,
     ) -> Result<Staged, Status> {
         let mux = self.mux_for_call(options.wait_for_ready, deadline)?;
         if !mux.sender.sends_as_block(request.len()) {
             return Ok(Staged::Usual(Some(mux)));
         }
+        // Read the clock only for a request that may wait for room: most calls' are inline.
+        let patience = match room {
+            Room::Until(until) => until,
+            Room::Slice(slice) => Instant::now().checked_add(slice),
+        };
         match mux.sender.alloc(request.len(), sooner(deadline, patience)) {
             Ok(mut block) => {
                 isthmus_shm::copy_into_shared(&mut block, request);
@@ -447,7 +452,7 @@ impl Channel {
     ) -> Result<Option<(Call, usize)>, Status> {
         check_start(path, options)?;
         let deadline = options.timeout.and_then(crate::call::deadline_in);
-        self.begin_by(path, request, options, deadline, patience, patience)
+        self.begin_by(path, request, options, deadline, Room::Until(patience), patience)
     }
 
     /// [`begin`](Self::begin) with its deadline worked out, and a patience of its own for the
@@ -459,7 +464,7 @@ impl Channel {
         request: &[u8],
         options: &CallOptions,
         deadline: Option<Instant>,
-        room: Option<Instant>,
+        room: Room,
         patience: Option<Instant>,
     ) -> Result<Option<(Call, usize)>, Status> {
         let live = match self.stage(request, options, deadline, room)? {
@@ -641,6 +646,16 @@ fn unary_wait_checked<E>(
             return Err(e);
         }
     }
+}
+
+/// How long [`Channel::stage`] waits for arena room for a request sent as one block.
+#[derive(Clone, Copy)]
+enum Room {
+    /// Until then (`None`: the deadline alone bounds it).
+    Until(Option<Instant>),
+    /// This long from when it starts to wait (a slice of a wait that looks at something
+    /// between slices).
+    Slice(Duration),
 }
 
 /// What [`Channel::stage`] made of a request.

@@ -196,12 +196,7 @@ impl Slot {
         let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
         let bounded;
         let config = match left {
-            Some(left) if left.is_zero() => {
-                return Err(Status::new(
-                    Code::DeadlineExceeded,
-                    format!("no server became ready before the deadline: {target} was not connected to in time"),
-                ))
-            }
+            Some(left) if left.is_zero() => return Err(Status::deadline_exceeded()),
             Some(left) if left < config.handshake_timeout => {
                 bounded = Config { handshake_timeout: left, ..config.clone() };
                 &bounded
@@ -211,13 +206,10 @@ impl Slot {
         // A server that does not answer the handshake in time is one not ready for calls: gRPC's
         // UNAVAILABLE (which `wait_for_ready` waits out), unless the call's deadline came first.
         let conn = Connection::connect(target, config).map_err(|e| match e.kind() {
-            isthmus_shm::ErrorKind::Timeout if deadline.is_some_and(|d| std::time::Instant::now() >= d) => Status::new(
-                Code::DeadlineExceeded,
-                format!(
-                    "no server became ready before the deadline: cannot connect to {target}: no answer to \
-                         the handshake before the call's deadline: {e}"
-                ),
-            ),
+            // In grpc-core's words, as every deadline of a call (code compares them).
+            isthmus_shm::ErrorKind::Timeout if deadline.is_some_and(|d| std::time::Instant::now() >= d) => {
+                Status::deadline_exceeded()
+            }
             isthmus_shm::ErrorKind::Timeout => Status::new(
                 Code::Unavailable,
                 format!(

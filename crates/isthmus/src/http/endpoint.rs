@@ -26,7 +26,7 @@
 //!
 //! `http_endpoint` and `connector` make a channel's tonic `Endpoint` and open its stream
 //! (`HttpIo`): a unix stream, or TCP with `TCP_NODELAY`. The URI's authority is `localhost` for a
-//! unix socket, as grpc-go and h2 expect, and `host:port` for TCP.
+//! unix socket, as grpc-go and h2 expect, and the target's host (and port) as written for TCP.
 
 use std::future::Future;
 use std::path::PathBuf;
@@ -59,8 +59,9 @@ pub(crate) enum Target {
     /// `Some(false)` for `http://` (plaintext whatever the settings), `None` for gRPC's forms
     /// (TLS if the channel or server has TLS settings). `authority`: what a client's calls send
     /// as `:authority`, the host (and port) as the target wrote it, as grpc-go, grpcio and
-    /// tonic send it: no default port added (a proxy that routes by host, Envoy's virtual
-    /// hosts say, may not match `host:443` to `host`); an `ipv4:`/`ipv6:` list's first address.
+    /// tonic send it for their forms: no default port added (a proxy that routes by host,
+    /// Envoy's virtual hosts say, may not match `host:443` to `host`); for an `ipv4:`/`ipv6:`
+    /// list, its first address as written.
     Tcp { addrs: Vec<String>, tls: Option<bool>, authority: String },
 }
 
@@ -116,8 +117,10 @@ impl Target {
                     .map(|a| ip_port(a, v6))
                     .collect::<Result<Vec<_>, String>>()
                     .map_err(|why| bad(&why))?;
-                let first = addrs.first().cloned().unwrap_or_default();
-                return tcp(addrs, None, &first);
+                // The first address as written (grpc-core sends the whole list, which is no
+                // URI authority; grpc-go has no such scheme).
+                let first = list.split(',').next().unwrap_or_default();
+                return tcp(addrs, None, first);
             }
         }
         if let Some((scheme, _)) = target.split_once("://") {
@@ -1170,8 +1173,9 @@ mod tests {
             ("dns:///h", tcp(&["h:443"], None, "h")),
             ("dns://8.8.8.8/h:1", tcp(&["h:1"], None, "h:1")),
             ("ipv4:1.2.3.4:5,6.7.8.9", tcp(&["1.2.3.4:5", "6.7.8.9:443"], None, "1.2.3.4:5")),
+            ("ipv4:6.7.8.9", tcp(&["6.7.8.9:443"], None, "6.7.8.9")),
             ("ipv6:[::1]:5", tcp(&["[::1]:5"], None, "[::1]:5")),
-            ("ipv6:::1", tcp(&["[::1]:443"], None, "[::1]:443")),
+            ("ipv6:::1", tcp(&["[::1]:443"], None, "[::1]")),
         ];
         for (text, want) in cases {
             assert_eq!(Target::parse(text).unwrap_or_else(|e| panic!("{text}: {e:?}")), want, "{text}");

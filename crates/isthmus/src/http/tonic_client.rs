@@ -657,10 +657,19 @@ where
             if let Some((shm, to)) = self.route() {
                 let http = self.without_upgrade();
                 return Box::pin(async move {
+                    let began = tokio::time::Instant::now();
                     match shm.call_shm(request, true, None, usize::MAX).await {
                         Ok(response) => Ok(response),
-                        Err(request) => {
+                        Err(mut request) => {
                             http.upgrade_lost(&to);
+                            // With what is left of its deadline, not all of it again.
+                            if let Ok(Some(t)) = codec::timeout_from(request.headers()) {
+                                let left = t.saturating_sub(began.elapsed());
+                                if left.is_zero() {
+                                    return Ok(failed_response(Status::deadline_exceeded()));
+                                }
+                                request.headers_mut().insert(codec::GRPC_TIMEOUT, codec::timeout_value(left));
+                            }
                             over_http(h2, connections, request).await
                         }
                     }
