@@ -2214,6 +2214,62 @@ def test_a_call_to_a_server_that_never_answers_ends_at_its_deadline(stubs: Any, 
         served.close()
 
 
+@pytest.mark.parametrize("kind", ["grpcio", "grpc.aio", "isthmus", "isthmus.aio"])
+def test_a_call_behind_another_calls_connection_ends_at_its_deadline(stubs: Any, kind: str) -> None:
+    """Two calls on a channel not yet connected, to a server that never answers the handshake
+    (stopped): the first (30 s timeout) is connecting when the second (1 s) comes, which ends
+    DEADLINE_EXCEEDED at its own deadline, as grpc's does. isthmus's waited for the first
+    call's handshake, 5 s."""
+    grpcio = kind.startswith("grpc")
+    served = serve("grpcio" if grpcio else "rust", ["unix" if grpcio else "shm"], stubs)
+    target = grpcio_target(served.addresses["unix"]) if grpcio else served.addresses["shm"]
+    module = {"grpcio": grpc, "grpc.aio": grpc.aio, "isthmus": isthmus, "isthmus.aio": isthmus.aio}[kind]
+    path = "/conformance.Echo/Unary"
+
+    def second(call: Callable[[], Any]) -> tuple[Any, float]:
+        began = time.monotonic()
+        try:
+            call()
+        except grpc.RpcError as e:
+            return e.code(), time.monotonic() - began
+        return "OK", time.monotonic() - began
+
+    async def aio_calls() -> tuple[Any, float]:
+        async with module.insecure_channel(target) as channel:
+            method = channel.unary_unary(path)
+            first = asyncio.ensure_future(method(b"", timeout=30))
+            await asyncio.sleep(0.3)  # the first is connecting by now
+            began = time.monotonic()
+            try:
+                await method(b"", timeout=1)
+                outcome: tuple[Any, float] = ("OK", time.monotonic() - began)
+            except grpc.RpcError as e:
+                outcome = (e.code(), time.monotonic() - began)
+            first.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                await first
+            return outcome
+
+    try:
+        served.peer.stop()
+        if kind.endswith(".aio"):
+            code, took = asyncio.run(aio_calls())
+        else:
+            with module.insecure_channel(target) as channel:
+                method = channel.unary_unary(path)
+                first = threading.Thread(target=second, args=(lambda: method(b"", timeout=30),))
+                first.start()
+                time.sleep(0.3)  # the first is connecting by now
+                code, took = second(lambda: method(b"", timeout=1))
+                served.peer.resume()  # the first call ends now, whichever way
+                first.join(60)
+        assert code == grpc.StatusCode.DEADLINE_EXCEEDED, (kind, code)
+        assert took < 3, f"{kind}: {took:.1f} s for a call with a 1 s timeout (the first's handshake: 5 s)"
+    finally:
+        served.peer.resume()
+        served.close()
+
+
 _INTERRUPTED_WAITING_FOR_ROOM = """
 import sys
 import grpc

@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use isthmus_shm::{flags, BlockMut, Config, Kind};
 
-use super::call::{head_frame, open_head, request_in_head, CallState, ConnectLock, Next, Reconnect, Slot};
+use super::call::{head_frame, open_head, request_in_head, CallState, ConnectLock, Next, Reconnect, Slot, TimedLock};
 use crate::call::{check_start, CallOptions, Response};
 use crate::connectivity::{Connectivity, Live, Tracker};
 use crate::engine::flow::{self, Credit};
@@ -53,7 +53,7 @@ use crate::status::{Code, Status, DEADLINE_EXCEEDED};
 struct Inner {
     slot: Slot,
     /// Serialises reconnecting, so a burst of calls makes one connection, not many.
-    connecting: ConnectLock<Mutex<()>>,
+    connecting: ConnectLock<TimedLock>,
     connectivity: Arc<Tracker>,
     /// The newest connection, and what holds the channel READY for it. Nobody reads it
     /// between calls, so its end is seen by the next look ([`Channel::connectivity`], a call
@@ -188,7 +188,10 @@ impl Channel {
                 // One attempt at a time, not the pause after it: a thread waiting for a server
                 // holds up no other, and the interrupt (a Python signal handler, which may call
                 // on this channel) runs with nothing held.
-                let _one_at_a_time = connecting.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+                // Another call's handshake is waited for within this call's deadline.
+                let Some(_one_at_a_time) = connecting.lock_until(deadline) else {
+                    return Err(Status::deadline_exceeded());
+                };
                 if let Some(m) = self.inner.slot.live() {
                     return Ok(m);
                 }

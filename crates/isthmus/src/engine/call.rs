@@ -137,6 +137,46 @@ impl<L: Default> ConnectLock<L> {
     }
 }
 
+/// The blocking client's connect lock: a mutex whose wait a deadline bounds, so that a call
+/// waiting for another call's handshake ends at its own deadline.
+#[derive(Default)]
+pub(crate) struct TimedLock {
+    held: std::sync::Mutex<bool>,
+    freed: std::sync::Condvar,
+}
+
+/// [`TimedLock`] held; dropping it frees it.
+pub(crate) struct TimedGuard<'a>(&'a TimedLock);
+
+impl TimedLock {
+    /// Takes the lock, waiting until `deadline` at most (`None`: as long as it takes); `None`
+    /// if the deadline came first.
+    pub(crate) fn lock_until(&self, deadline: Option<std::time::Instant>) -> Option<TimedGuard<'_>> {
+        let mut held = self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        while *held {
+            held = match deadline {
+                None => self.freed.wait(held).unwrap_or_else(std::sync::PoisonError::into_inner),
+                Some(d) => {
+                    let left = d.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        return None;
+                    }
+                    self.freed.wait_timeout(held, left).unwrap_or_else(std::sync::PoisonError::into_inner).0
+                }
+            };
+        }
+        *held = true;
+        Some(TimedGuard(self))
+    }
+}
+
+impl Drop for TimedGuard<'_> {
+    fn drop(&mut self) {
+        *self.0.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = false;
+        self.0.freed.notify_one();
+    }
+}
+
 /// One channel's connection slot, shared by its clones: the target, and the live connection
 /// that calls use until it dies.
 pub(crate) struct Slot {
@@ -528,5 +568,31 @@ impl Drop for CallState {
     fn drop(&mut self) {
         // Never blocks: a drop may run on an event loop.
         self.cancel_blocking(Code::Cancelled, "the call was dropped", std::time::Duration::ZERO);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::{Duration, Instant};
+
+    use super::TimedLock;
+
+    /// A wait for a held lock ends at its deadline (`None`), and the lock is taken once freed,
+    /// by a waiter that was asleep on it too.
+    #[test]
+    fn a_timed_locks_wait_ends_at_its_deadline_or_when_it_is_freed() {
+        let lock = std::sync::Arc::new(TimedLock::default());
+        let held = lock.lock_until(None).expect("a free lock is taken");
+        let began = Instant::now();
+        assert!(lock.lock_until(Some(began + Duration::from_millis(50))).is_none(), "held by another");
+        assert!(began.elapsed() >= Duration::from_millis(50), "not before the deadline");
+        assert!(lock.lock_until(Some(Instant::now())).is_none(), "a deadline passed takes nothing");
+        let waiter = {
+            let lock = lock.clone();
+            std::thread::spawn(move || lock.lock_until(None).is_some())
+        };
+        drop(held);
+        assert!(waiter.join().expect("waiter"), "freed, it is taken");
+        assert!(lock.lock_until(Some(Instant::now() + Duration::from_secs(10))).is_some(), "and freed again");
     }
 }

@@ -130,7 +130,12 @@ impl ShmChannel {
             return Ok(m);
         }
         self.slot.closed()?;
-        let _one_at_a_time = self.connecting.get().lock_owned().await;
+        // Another call's handshake is waited for within this call's deadline.
+        let lock = self.connecting.get().lock_owned();
+        let _one_at_a_time = match deadline {
+            None => lock.await,
+            Some(d) => tokio::time::timeout_at(d, lock).await.map_err(|_| Status::deadline_exceeded())?,
+        };
         let mut reconnect = Reconnect::new();
         loop {
             if let Some(m) = self.live() {
