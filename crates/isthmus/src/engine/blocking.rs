@@ -181,14 +181,15 @@ impl Channel {
             return Ok(m);
         }
         self.inner.slot.closed()?;
-        let connecting = self.inner.connecting.get();
         let mut reconnect = Reconnect::new();
         loop {
             let failed = {
                 // One attempt at a time, not the pause after it: a thread waiting for a server
                 // holds up no other, and the interrupt (a Python signal handler, which may call
-                // on this channel) runs with nothing held.
-                // Another call's handshake is waited for within this call's deadline.
+                // on this channel, or fork) runs with nothing held; the lock is this process's,
+                // looked up for each attempt. Another call's handshake is waited for within
+                // this call's deadline.
+                let connecting = self.inner.connecting.get();
                 let Some(_one_at_a_time) = connecting.lock_until(deadline) else {
                     return Err(Status::deadline_exceeded());
                 };

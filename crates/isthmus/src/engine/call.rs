@@ -591,6 +591,7 @@ mod tests {
             let lock = lock.clone();
             std::thread::spawn(move || lock.lock_until(None).is_some())
         };
+        std::thread::sleep(Duration::from_millis(50)); // asleep on the lock by then, most likely
         drop(held);
         assert!(waiter.join().expect("waiter"), "freed, it is taken");
         assert!(lock.lock_until(Some(Instant::now() + Duration::from_secs(10))).is_some(), "and freed again");
