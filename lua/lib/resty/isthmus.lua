@@ -937,14 +937,24 @@ start_watching = function()
     return true
 end
 
--- The worker's completion queue; nil, err if it cannot be made (no file descriptor left).
+-- A new completion queue, which lives as long as the worker; nil, err if it cannot be made (no
+-- file descriptor left).
+local function new_queue()
+    local q = C.isthmus_cq_new()
+    if q == nil then
+        return nil, new_error(UNAVAILABLE, "resty.isthmus: cannot make a completion queue (no descriptor left?)")
+    end
+    return q
+end
+
+-- The worker's completion queue; nil, err if it cannot be made.
 local function queue()
     if not cq then
-        local q = C.isthmus_cq_new()
-        if q == nil then
-            return nil, new_error(UNAVAILABLE, "resty.isthmus: cannot make a completion queue (no descriptor left?)")
+        local q, err = new_queue()
+        if not q then
+            return nil, err
         end
-        cq = q -- lives as long as the worker
+        cq = q
         events = ffi_new("isthmus_event_t[?]", POLL_EVENTS)
         now = ffi_new("isthmus_event_t[1]")
     end
@@ -1022,14 +1032,23 @@ local function await(w, tag, backstop)
     end
 end
 
--- After an _async start that returned `rc`: the outcome, at once (in `now`) or after waiting on
--- the semaphore; `backstop` bounds the wait (seconds) beyond the call's own deadline.
-local function finish_async(rc, tag, backstop)
+-- What an _async start that returned `rc` came to at once: its failure, or its outcome if it
+-- finished in `ev` (the `now` it was given; the library clears it otherwise); nil while it runs.
+local function at_once(rc, ev)
     if rc ~= OK then
         return { code = rc, err = failed(rc) }
     end
-    if now[0].op ~= 0 then
-        return outcome(now[0])
+    if ev[0].op ~= 0 then
+        return outcome(ev[0])
+    end
+end
+
+-- After an _async start that returned `rc`: the outcome, at once (in `now`) or after waiting on
+-- the semaphore; `backstop` bounds the wait (seconds) beyond the call's own deadline.
+local function finish_async(rc, tag, backstop)
+    local done = at_once(rc, now)
+    if done then
+        return done
     end
     local w = spare[#spare]
     if w then
@@ -1611,21 +1630,16 @@ local step_q, step_event, step_now
 -- the step's operation cannot be taken back otherwise) and the step fails DEADLINE_EXCEEDED.
 local function bounded_step(self, start_async, limit)
     if step_q == nil then
-        local q = C.isthmus_cq_new()
-        if q == nil then
-            return { code = UNAVAILABLE, err = new_error(UNAVAILABLE,
-                "resty.isthmus: cannot make a completion queue (no descriptor left?)") }
+        local q, err = new_queue()
+        if not q then
+            return { code = UNAVAILABLE, err = err }
         end
         step_q, step_event, step_now = q, ffi_new("isthmus_event_t[1]"), ffi_new("isthmus_event_t[1]")
     end
     local tag = fresh_tag()
-    step_now[0].op = 0
-    local rc = start_async(step_q, tag, step_now)
-    if rc ~= OK then
-        return { code = rc, err = failed(rc) }
-    end
-    if step_now[0].op ~= 0 then
-        return outcome(step_now[0])
+    local done = at_once(start_async(step_q, tag, step_now), step_now)
+    if done then
+        return done
     end
     ngx.update_time()
     local deadline = ngx.now() + limit

@@ -120,6 +120,15 @@ fn every_subscriber_gets_every_message_once_written() {
     }
 }
 
+/// A `topic-subscriber` on each of `addresses`, taking up to `count` messages, once the topic
+/// counts them all.
+fn subscribed(topic: &Topic, addresses: &[String], count: &str) -> Vec<Peer> {
+    let subs: Vec<Peer> =
+        addresses.iter().map(|addr| Peer::spawn_bin("topic-subscriber", &[addr, count, "0"])).collect();
+    until("every subscriber", || topic.stats().subscribers == subs.len());
+    subs
+}
+
 /// A subscription never ends on its own: a graceful shutdown waited out its whole grace for
 /// every subscriber (and grpc-go's `GracefulStop`, which has none, for ever). Now each
 /// subscription ends UNAVAILABLE, the code that tells a client to go elsewhere, once what was
@@ -129,9 +138,7 @@ fn a_graceful_shutdown_ends_each_subscription_after_its_queue() {
     let rt = isthmus_tests::runtime();
     let topic = Topic::new("feed");
     let Stoppable { addresses, stop, ended, .. } = serve_stoppable(&rt, &topic, Duration::from_secs(600));
-    let mut subs: Vec<Peer> =
-        addresses.iter().map(|addr| Peer::spawn_bin("topic-subscriber", &[addr, "1000", "0"])).collect();
-    until("3 subscribers", || topic.stats().subscribers == 3);
+    let mut subs = subscribed(&topic, &addresses, "1000");
     for seq in 0..3 {
         assert_eq!(topic.publish(&message(seq, if seq == 1 { 300_000 } else { 500 })), 3);
     }
@@ -157,9 +164,7 @@ fn a_graceful_shutdown_ends_subscriptions_that_always_have_more_queued() {
     let rt = isthmus_tests::runtime();
     let topic = Topic::new("feed");
     let Stoppable { addresses, stop, ended, .. } = serve_stoppable(&rt, &topic, Duration::from_secs(600));
-    let mut subs: Vec<Peer> =
-        addresses.iter().map(|addr| Peer::spawn_bin("topic-subscriber", &[addr, "100000000", "0"])).collect();
-    until("3 subscribers", || topic.stats().subscribers == 3);
+    let mut subs = subscribed(&topic, &addresses, "100000000");
     let publishing = Arc::new(std::sync::atomic::AtomicBool::new(true));
     let publisher = {
         let (topic, publishing) = (topic.clone(), publishing.clone());

@@ -664,11 +664,9 @@ where
                             http.upgrade_lost(&to);
                             // With what is left of its deadline, not all of it again.
                             if let Ok(Some(t)) = codec::timeout_from(request.headers()) {
-                                let left = t.saturating_sub(began.elapsed());
-                                if left.is_zero() {
+                                if !time_left(request.headers_mut(), t, began) {
                                     return Ok(failed_response(Status::deadline_exceeded()));
                                 }
-                                request.headers_mut().insert(codec::GRPC_TIMEOUT, codec::timeout_value(left));
                             }
                             over_http(h2, connections, request).await
                         }
@@ -681,6 +679,16 @@ where
         // future that took it: this future is allocated and moved whole for every call.
         Box::pin(futures_util::FutureExt::map(self.clone().call_http(request, None, usize::MAX), Ok))
     }
+}
+
+/// Puts what is left of `timeout`, counted from `since`, in a request's `grpc-timeout` (a call
+/// that goes again, or another way); false if nothing is left (the call is past its deadline).
+fn time_left(headers: &mut http::HeaderMap, timeout: std::time::Duration, since: tokio::time::Instant) -> bool {
+    let left = timeout.saturating_sub(since.elapsed());
+    if !left.is_zero() {
+        headers.insert(codec::GRPC_TIMEOUT, codec::timeout_value(left));
+    }
+    !left.is_zero()
 }
 
 /// A request carried by tonic's own HTTP/2 channel as it is (unix:// and http://, and a call an
@@ -721,11 +729,9 @@ where
             *request.headers_mut() = parts.headers.clone();
             *request.extensions_mut() = parts.extensions.clone();
             if let Some(t) = timeout.filter(|_| attempt > 1) {
-                let left = t.saturating_sub(start.elapsed());
-                if left.is_zero() {
+                if !time_left(request.headers_mut(), t, start) {
                     return Ok(failed_response(Status::deadline_exceeded()));
                 }
-                request.headers_mut().insert(codec::GRPC_TIMEOUT, codec::timeout_value(left));
             }
             let mut sent = std::pin::pin!(async {
                 tower::ServiceExt::ready(&mut http).await?;
