@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import gc
 import queue
 import signal
@@ -21,7 +22,7 @@ from typing import Any
 import grpc
 import grpc.aio
 import pytest
-from peer import fresh, grpcio_target, serve
+from peer import fresh, grpcio_target, runtime_dir, serve
 
 import isthmus
 import isthmus.aio
@@ -2210,6 +2211,60 @@ def test_a_call_to_a_server_that_never_answers_ends_at_its_deadline(stubs: Any, 
         assert raised.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED, (kind, raised.value)
         assert took < 4, f"{kind}: {took:.1f} s for a call with a 1 s timeout"
     finally:
+        served.peer.resume()
+        served.close()
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_call_to_a_stopped_server_with_a_full_backlog_ends_at_its_deadline(stubs: Any, kind: str) -> None:
+    """A stopped server whose listen backlog is full of connections it never accepted: a call
+    with a 1 s timeout ends by its deadline. grpcio's non-blocking connect is turned away and
+    the call fails UNAVAILABLE at once; isthmus waits for room in the backlog, as long as the
+    deadline allows (DEADLINE_EXCEEDED). Its `connect(2)` waited with no bound, and the call
+    hung."""
+    grpcio = kind == "grpcio"
+    served = serve("grpcio" if grpcio else "rust", ["unix" if grpcio else "shm"], stubs)
+    if grpcio:
+        target = grpcio_target(served.addresses["unix"])
+        path = target.removeprefix("unix:")
+    else:
+        target = served.addresses["shm"]
+        path = str(runtime_dir() / f"{target.removeprefix('shm://')}.sock")
+    module = grpc if grpcio else isthmus
+    queued: list[socket.socket] = []
+    try:
+        served.peer.stop()
+        while len(queued) < 100_000:
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.setblocking(False)
+            queued.append(s)
+            if s.connect_ex(path) == errno.EAGAIN:
+                break
+        else:
+            pytest.fail("the backlog never filled")
+        result: queue.Queue[tuple[BaseException, float]] = queue.Queue()
+
+        def call() -> None:
+            began = time.monotonic()
+            try:
+                with module.insecure_channel(target) as channel:
+                    channel.unary_unary("/conformance.Echo/Unary")(b"", timeout=1)
+            except BaseException as e:  # reported to the test's thread
+                result.put((e, time.monotonic() - began))
+
+        # A thread, so that a call that hangs fails the test instead of hanging it.
+        threading.Thread(target=call, daemon=True).start()
+        try:
+            error, took = result.get(timeout=30)
+        except queue.Empty:
+            pytest.fail(f"{kind}: the call hung")
+        assert isinstance(error, grpc.RpcError), (kind, error)
+        expected = grpc.StatusCode.UNAVAILABLE if grpcio else grpc.StatusCode.DEADLINE_EXCEEDED
+        assert error.code() == expected, (kind, error)
+        assert took < 4, f"{kind}: {took:.1f} s for a call with a 1 s timeout"
+    finally:
+        for s in queued:
+            s.close()
         served.peer.resume()
         served.close()
 

@@ -91,7 +91,10 @@ pub(crate) fn connect(addr: &Address, cfg: &Config) -> Result<Connection> {
     // Whoever can write the runtime directory can pose as the server: check it as the server does.
     addr.check_dir()?;
     let path = addr.socket_path();
-    let mut s = UnixStream::connect(path).map_err(|e| {
+    // One deadline for the whole handshake, the wait for room in a busy (or stopped) server's
+    // listen backlog included.
+    let deadline = Instant::now() + cfg.handshake_timeout;
+    let mut s = sys::connect_unix(path, cfg.handshake_timeout).map_err(|e| {
         let kind = e.kind();
         let err = Error::io(format!("cannot connect to {addr} (socket {})", path.display()), e);
         if matches!(kind, std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) {
@@ -103,7 +106,7 @@ pub(crate) fn connect(addr: &Address, cfg: &Config) -> Result<Connection> {
             err
         }
     })?;
-    set_timeouts(&s, cfg.handshake_timeout)?;
+    set_timeouts(&s, deadline.saturating_duration_since(Instant::now()))?;
     let peer = peer_info(&s)?;
     let own = sys::uid();
     if peer.uid != 0 && !cfg.peer_policy.allows(own, peer.uid) {

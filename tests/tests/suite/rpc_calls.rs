@@ -685,18 +685,21 @@ fn a_stream_waiting_for_a_server_ends_its_sends_at_its_deadline() {
     assert!(started.elapsed() >= Duration::from_millis(300), "not before the deadline: {:?}", started.elapsed());
 }
 
+/// A socket file removed when the test ends, however it ends.
+struct Removed(std::path::PathBuf);
+
+impl Drop for Removed {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
 #[test]
 fn a_server_that_never_answers_the_handshake_is_unavailable_and_waited_for() {
     // A socket that takes connections (into its backlog) and never answers: a server hung
     // before its handshake. Connecting is the call's first step, so this is UNAVAILABLE, as
     // gRPC says of a failed connect, unless the call's deadline comes before the handshake
     // timeout: then DEADLINE_EXCEEDED at that deadline, as grpc's calls end.
-    struct Removed(std::path::PathBuf);
-    impl Drop for Removed {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_file(&self.0);
-        }
-    }
     let path = Removed(fresh_socket("mute"));
     let _mute = std::os::unix::net::UnixListener::bind(&path.0).expect("bind");
     let config = isthmus::Config { handshake_timeout: Duration::from_millis(100), ..isthmus::Config::default() };
@@ -717,6 +720,77 @@ fn a_server_that_never_answers_the_handshake_is_unavailable_and_waited_for() {
         // Between two attempts, or cut short in one's handshake.
         assert!(s.message().contains("no server became ready") || s.message() == "Deadline Exceeded", "{s}");
     });
+}
+
+/// A server that has stopped accepting (hung, or stopped with SIGSTOP) and whose listen backlog
+/// is full: `connect(2)` itself waits for room. That wait is bounded as the handshake is, by the
+/// handshake timeout and by the call's deadline; it had no bound, and the call hung.
+#[test]
+fn a_server_whose_listen_backlog_is_full_is_unavailable_and_waited_for() {
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+    let path = Removed(fresh_socket("full"));
+    let listener = std::os::unix::net::UnixListener::bind(&path.0).expect("bind");
+    // SAFETY: a listening socket's backlog may be changed by listening again.
+    assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0, "listen again");
+    // Connections the listener never accepts, until the backlog turns the next one away.
+    // SAFETY: an all-zero sockaddr_un is a valid value, filled below.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = std::os::unix::ffi::OsStrExt::as_bytes(path.0.as_os_str());
+    for (to, from) in addr.sun_path.iter_mut().zip(bytes) {
+        *to = *from as libc::c_char;
+    }
+    let len = (std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1) as libc::socklen_t;
+    let mut queued = Vec::new();
+    let full = (0..64).any(|_| {
+        let flags = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
+        // SAFETY: plain socket creation, checked.
+        let fd = unsafe { libc::socket(libc::AF_UNIX, flags, 0) };
+        assert!(fd >= 0, "socket");
+        // SAFETY: `fd` was just returned to this process and nothing else owns it.
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // SAFETY: `addr` is a sockaddr_un valid for `len` bytes.
+        let ret = unsafe { libc::connect(fd.as_raw_fd(), (&addr as *const libc::sockaddr_un).cast(), len) };
+        let turned_away = ret != 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock;
+        queued.push(fd);
+        turned_away
+    });
+    assert!(full, "the backlog never filled");
+    let target = format!("shm://{}", path.0.display());
+    let ended = std::sync::mpsc::channel();
+    let done = ended.0.clone();
+    std::thread::spawn(move || {
+        let short = isthmus::Config { handshake_timeout: Duration::from_millis(200), ..isthmus::Config::default() };
+        let ch = Channel::lazy_with(&target, short).expect("lazy channel");
+        let began = Instant::now();
+        let rt = runtime();
+        let unavailable = rt.block_on(ch.unary("/test.Echo/Unary", b"x", CallOptions::default()));
+        let _ = done.send(("handshake timeout", unavailable.map(drop), began.elapsed()));
+        // The call's deadline, before the handshake's own timeout.
+        let ch = Channel::lazy_with(&target, isthmus::Config::default()).expect("lazy channel");
+        let opts = CallOptions { timeout: Some(Duration::from_millis(300)), ..CallOptions::default() };
+        let began = Instant::now();
+        let late = rt.block_on(ch.unary("/test.Echo/Unary", b"x", opts));
+        let _ = done.send(("deadline", late.map(drop), began.elapsed()));
+        // The blocking client's call too.
+        let ch = isthmus::blocking::Channel::lazy_with(&target, isthmus::Config::default()).expect("lazy channel");
+        let opts = CallOptions { timeout: Some(Duration::from_millis(300)), ..CallOptions::default() };
+        let began = Instant::now();
+        let late = ch.unary("/test.Echo/Unary", b"x", opts);
+        let _ = done.send(("blocking deadline", late.map(drop), began.elapsed()));
+    });
+    let outcome = || ended.1.recv_timeout(Duration::from_secs(30)).expect("the call hung in connect(2)");
+    let (what, r, took) = outcome();
+    let s = r.expect_err(what);
+    assert_eq!(s.code(), Code::Unavailable, "{what}: {s}");
+    assert!(took >= Duration::from_millis(200), "{what}: not before the handshake timeout: {took:?}");
+    for _ in 0..2 {
+        let (what, r, took) = outcome();
+        let s = r.expect_err(what);
+        assert_eq!(s.code(), Code::DeadlineExceeded, "{what}: {s}");
+        assert!(took >= Duration::from_millis(300), "{what}: not before the deadline: {took:?}");
+    }
+    drop(queued);
 }
 
 #[test]

@@ -3,7 +3,8 @@
 use std::ffi::CString;
 use std::io;
 use std::mem::{size_of, MaybeUninit};
-use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::ptr::NonNull;
 use std::time::Instant;
 
@@ -392,6 +393,72 @@ pub(crate) struct PeerCred {
     pub(crate) pid: i32,
     pub(crate) uid: u32,
     pub(crate) gid: u32,
+}
+
+/// Connects a Unix stream socket to `path`, waiting at most `timeout` for room in the
+/// listener's backlog: a blocking `connect(2)` to a listener that has stopped accepting (hung,
+/// stopped) waits for room with no bound, but Linux bounds that wait by the socket's send
+/// timeout (`SO_SNDTIMEO`), set here before connecting. Past it the error is `TimedOut`.
+pub(crate) fn connect_unix(path: &std::path::Path, timeout: std::time::Duration) -> io::Result<UnixStream> {
+    use std::os::unix::ffi::OsStrExt;
+    // SAFETY: an all-zero sockaddr_un is a valid value (family 0, empty path), filled below.
+    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+    let bytes = path.as_os_str().as_bytes();
+    // One byte is left for the terminating NUL, as a path socket needs.
+    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "socket path too long, or with a NUL byte"));
+    }
+    for (to, from) in addr.sun_path.iter_mut().zip(bytes) {
+        *to = *from as libc::c_char;
+    }
+    // SAFETY: plain socket creation; the result is checked and owned at once.
+    let fd = owned(cvt(unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) })?);
+    let deadline = Instant::now() + timeout;
+    let len = (size_of::<libc::sa_family_t>() + bytes.len() + 1) as libc::socklen_t;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(io::Error::new(io::ErrorKind::TimedOut, "connect: the deadline passed"));
+        }
+        set_send_timeout(fd.as_fd(), left)?;
+        // SAFETY: `addr` is a sockaddr_un valid for `len` bytes (family, path and its NUL).
+        let ret = unsafe { libc::connect(fd.as_raw_fd(), (&addr as *const libc::sockaddr_un).cast(), len) };
+        match cvt(ret) {
+            Ok(_) => return Ok(UnixStream::from(fd)),
+            // A Unix socket's connect that a signal interrupted has not connected: a retry
+            // starts over, with what is left of the time.
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            // What the send timeout's expiry reports: the backlog stayed full.
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                return Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    format!("the listener's backlog stayed full for {timeout:?}"),
+                ))
+            }
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Sets a socket's send timeout (`SO_SNDTIMEO`); at least a microsecond, since zero means none.
+fn set_send_timeout(sock: BorrowedFd<'_>, timeout: std::time::Duration) -> io::Result<()> {
+    let timeout = timeout.max(std::time::Duration::from_micros(1));
+    let tv = libc::timeval {
+        tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
+        tv_usec: libc::suseconds_t::from(timeout.subsec_micros()),
+    };
+    // SAFETY: `tv` is a valid timeval for the length given.
+    cvt(unsafe {
+        libc::setsockopt(
+            sock.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_SNDTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            size_of::<libc::timeval>() as libc::socklen_t,
+        )
+    })
+    .map(drop)
 }
 
 /// Reads SO_PEERCRED from a connected Unix socket.

@@ -8,8 +8,9 @@
 //!   the platform has none, nothing changes).
 //! - **Doorbells**: a counter fd that one process signals and another waits on (`eventfd`),
 //!   non-blocking, drained by one read.
-//! - **Handshake socket**: pass fds with a message (`SCM_RIGHTS`), report the peer's credentials
-//!   (`SO_PEERCRED`), and tell an orderly EOF from stray bytes without consuming them.
+//! - **Handshake socket**: connect with a bound on the wait for room in the listener's backlog,
+//!   pass fds with a message (`SCM_RIGHTS`), report the peer's credentials (`SO_PEERCRED`), and
+//!   tell an orderly EOF from stray bytes without consuming them.
 //! - **Waiting**: block until one of two fds is readable or a deadline passes, retrying `EINTR`.
 //!
 //! Every fd handed out is close-on-exec and owned (`OwnedFd`), so nothing leaks into children or
