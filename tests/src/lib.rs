@@ -68,6 +68,50 @@ pub fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime")
 }
 
+/// A listening Unix socket that never accepts and whose backlog is full: a server that has
+/// stopped accepting (hung, or stopped with SIGSTOP) under connections it never took. A
+/// blocking `connect(2)` to it waits for room in the backlog.
+#[derive(Debug)]
+pub struct FullBacklog {
+    _listener: std::os::unix::net::UnixListener,
+    _queued: Vec<std::os::fd::OwnedFd>,
+}
+
+impl FullBacklog {
+    /// Binds `path` and fills its backlog.
+    pub fn bind(path: &std::path::Path) -> FullBacklog {
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        let listener = std::os::unix::net::UnixListener::bind(path).expect("bind");
+        // SAFETY: a listening socket's backlog may be changed by listening again.
+        assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0, "listen again");
+        // SAFETY: an all-zero sockaddr_un is a valid value, filled below.
+        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
+        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
+        let bytes = std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str());
+        for (to, from) in addr.sun_path.iter_mut().zip(bytes) {
+            *to = *from as libc::c_char;
+        }
+        let len = (std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1) as libc::socklen_t;
+        // Connections it never accepts, until the backlog turns the next one away.
+        let mut queued = Vec::new();
+        let full = (0..64).any(|_| {
+            let flags = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
+            // SAFETY: plain socket creation, checked.
+            let fd = unsafe { libc::socket(libc::AF_UNIX, flags, 0) };
+            assert!(fd >= 0, "socket");
+            // SAFETY: `fd` was just returned to this process and nothing else owns it.
+            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+            // SAFETY: `addr` is a sockaddr_un valid for `len` bytes.
+            let ret = unsafe { libc::connect(fd.as_raw_fd(), (&addr as *const libc::sockaddr_un).cast(), len) };
+            let turned_away = ret != 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock;
+            queued.push(fd);
+            turned_away
+        });
+        assert!(full, "the backlog never filled");
+        FullBacklog { _listener: listener, _queued: queued }
+    }
+}
+
 /// Runs a test body on a fresh [`runtime`] under a 120 s watchdog: a hang fails instead of
 /// stalling the suite.
 pub fn run<F: std::future::Future<Output = ()>>(f: F) {

@@ -42,7 +42,8 @@ impl Incoming {
 
 impl Listener {
     /// Binds `addr`. A socket file left by a crashed server is replaced; one a live server
-    /// answers on is [`ErrorKind::AddrInUse`]. Creates the listener's shared arena
+    /// answers on, or one whose server has stopped accepting with its backlog full (the probe
+    /// gives up after the handshake timeout), is [`ErrorKind::AddrInUse`]. Creates the listener's shared arena
     /// ([`Config::shared_arena_size`]), which every connection it accepts can carry, if the
     /// policy admits only the server's own user and the kernel can seal it.
     pub fn bind(addr: &Address, cfg: Config) -> Result<Listener> {
@@ -66,7 +67,9 @@ impl Listener {
                         format!("{} exists and is not a socket; refusing to replace it", path.display()),
                     ));
                 }
-                match UnixStream::connect(path) {
+                // Bounded: a stopped server's full backlog makes a connect wait for room.
+                match sys::connect_unix(path, cfg.handshake_timeout) {
+                    // One that connects, or that waits for a backlog that stays full, is alive.
                     Ok(_) => {
                         return Err(Error::new(
                             ErrorKind::AddrInUse,
@@ -78,6 +81,12 @@ impl Listener {
                         std::fs::remove_file(path)
                             .map_err(|e| Error::io(format!("cannot remove stale socket {}", path.display()), e))?;
                         UnixListener::bind(path).map_err(|e| Error::io(format!("cannot bind {}", path.display()), e))?
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                        return Err(Error::new(
+                            ErrorKind::AddrInUse,
+                            format!("another server holds {} ({addr}) and does not accept", path.display()),
+                        ))
                     }
                     Err(e) => return Err(Error::io(format!("cannot probe existing socket {}", path.display()), e)),
                 }

@@ -727,35 +727,8 @@ fn a_server_that_never_answers_the_handshake_is_unavailable_and_waited_for() {
 /// handshake timeout and by the call's deadline; it had no bound, and the call hung.
 #[test]
 fn a_server_whose_listen_backlog_is_full_is_unavailable_and_waited_for() {
-    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
     let path = Removed(fresh_socket("full"));
-    let listener = std::os::unix::net::UnixListener::bind(&path.0).expect("bind");
-    // SAFETY: a listening socket's backlog may be changed by listening again.
-    assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0, "listen again");
-    // Connections the listener never accepts, until the backlog turns the next one away.
-    // SAFETY: an all-zero sockaddr_un is a valid value, filled below.
-    let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-    addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    let bytes = std::os::unix::ffi::OsStrExt::as_bytes(path.0.as_os_str());
-    for (to, from) in addr.sun_path.iter_mut().zip(bytes) {
-        *to = *from as libc::c_char;
-    }
-    let len = (std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1) as libc::socklen_t;
-    let mut queued = Vec::new();
-    let full = (0..64).any(|_| {
-        let flags = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
-        // SAFETY: plain socket creation, checked.
-        let fd = unsafe { libc::socket(libc::AF_UNIX, flags, 0) };
-        assert!(fd >= 0, "socket");
-        // SAFETY: `fd` was just returned to this process and nothing else owns it.
-        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-        // SAFETY: `addr` is a sockaddr_un valid for `len` bytes.
-        let ret = unsafe { libc::connect(fd.as_raw_fd(), (&addr as *const libc::sockaddr_un).cast(), len) };
-        let turned_away = ret != 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock;
-        queued.push(fd);
-        turned_away
-    });
-    assert!(full, "the backlog never filled");
+    let _stuffed = isthmus_tests::FullBacklog::bind(&path.0);
     let target = format!("shm://{}", path.0.display());
     let ended = std::sync::mpsc::channel();
     let done = ended.0.clone();
@@ -790,7 +763,6 @@ fn a_server_whose_listen_backlog_is_full_is_unavailable_and_waited_for() {
         assert_eq!(s.code(), Code::DeadlineExceeded, "{what}: {s}");
         assert!(took >= Duration::from_millis(300), "{what}: not before the deadline: {took:?}");
     }
-    drop(queued);
 }
 
 #[test]
