@@ -278,7 +278,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         assert_eq!(isthmus_status_free(status), ISTHMUS_OK);
     }
 
-    // Channel options from a caller: a user agent (any bytes but NUL), sizes, flags (known
+    // Channel options from a caller: a user agent and an authority (any bytes but NUL), sizes, flags (known
     // bits and others) and keepalive times, for a target that parses. Checked when the channel
     // is made: it is refused with a status, or made IDLE.
     // Each field from bytes of its own (after the first, which picks the shutdown's code).
@@ -290,10 +290,11 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         keepalive_time_ms: word(13, 8),
         keepalive_timeout_ms: word(21, 8),
         user_agent: if b.get(29).is_some_and(|x| x & 1 == 1) { std::ptr::null() } else { text.as_ptr() },
+        authority: if b.get(29).is_some_and(|x| x & 2 == 2) { std::ptr::null() } else { text.as_ptr() },
     };
     let mut channel = std::ptr::null_mut();
     let mut status = std::ptr::null_mut();
-    // SAFETY: a NUL-terminated target, options whose agent is NUL-terminated or NULL, valid
+    // SAFETY: a NUL-terminated target, options whose agent and authority are NUL-terminated or NULL, valid
     // out-pointers.
     let code = unsafe { isthmus_channel_new(c"shm://isthmus-fuzz-none".as_ptr(), &options, &mut channel, &mut status) };
     if code == ISTHMUS_OK {

@@ -135,6 +135,7 @@ type dialOptions struct {
 	upgrade   C.uint32_t
 	keepalive keepalive.ClientParameters
 	userAgent string
+	authority string
 }
 
 // millis is d in whole milliseconds, rounded up (a keepalive time or timeout under a
@@ -169,6 +170,15 @@ func WithKeepaliveParams(kp keepalive.ClientParameters) DialOption {
 // 1 KiB: Dial fails with codes.InvalidArgument otherwise. "" names none, as with grpc-go.
 func WithUserAgent(s string) DialOption {
 	return func(o *dialOptions) { o.userAgent = s }
+}
+
+// WithAuthority names the :authority the connection's HTTP/2 calls send in place of the
+// target's, as grpc.WithAuthority does: for a proxy or a server that routes by host. As in
+// grpc-go, TLS then checks the server's certificate against its host, unless the TLS settings
+// name another server name. HOST[:PORT]: Dial fails with codes.InvalidArgument otherwise.
+// shm:// sends no :authority. "" is the target's.
+func WithAuthority(s string) DialOption {
+	return func(o *dialOptions) { o.authority = s }
 }
 
 // WithUpgrade says whether calls to an HTTP/2 address move to shared memory when its server is
@@ -237,6 +247,14 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 		}
 		copts.user_agent = C.CString(o.userAgent)
 		defer C.free(unsafe.Pointer(copts.user_agent))
+	}
+	if o.authority != "" {
+		if strings.IndexByte(o.authority, 0) >= 0 {
+			// C would end the string there.
+			return nil, status.Errorf(codes.InvalidArgument, "authority %q is not HOST[:PORT]", o.authority)
+		}
+		copts.authority = C.CString(o.authority)
+		defer C.free(unsafe.Pointer(copts.authority))
 	}
 	var ch *C.isthmus_channel_t
 	var st *C.isthmus_status_t

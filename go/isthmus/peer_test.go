@@ -163,6 +163,59 @@ func (agentService) Unary(ctx context.Context, _ *pb.EchoRequest) (*pb.EchoReply
 	return &pb.EchoReply{Payload: []byte(strings.Join(md.Get("user-agent"), "|"))}, nil
 }
 
+type authorityService struct{ echo.Service }
+
+func (authorityService) Unary(ctx context.Context, _ *pb.EchoRequest) (*pb.EchoReply, error) {
+	md, _ := metadata.FromIncomingContext(ctx)
+	return &pb.EchoReply{Payload: []byte(strings.Join(md.Get(":authority"), "|"))}, nil
+}
+
+// WithAuthority is the :authority an isthmus client's calls send, as grpc.WithAuthority is a
+// grpc-go client's, read by a grpc-go server (which puts it in a handler's metadata); without
+// it both send the target's. One that is no HOST[:PORT] fails Dial with InvalidArgument.
+func TestWithAuthorityIsTheAuthorityCallsSendAsGrpcGos(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	theirs := grpc.NewServer()
+	pb.RegisterEchoServer(theirs, authorityService{})
+	go theirs.Serve(l)
+	defer theirs.Stop()
+	seen := func(conn grpc.ClientConnInterface) string {
+		reply, err := pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		return string(reply.Payload)
+	}
+	target := l.Addr().String()
+	for _, given := range []string{"", "routed.example:8443"} {
+		opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
+		if given != "" {
+			opts = append(opts, grpc.WithAuthority(given))
+		}
+		plain, err := grpc.NewClient(target, opts...)
+		if err != nil {
+			t.Fatal(err)
+		}
+		want := seen(plain)
+		plain.Close()
+		if got := seen(dial(t, target, isthmus.WithAuthority(given))); got != want {
+			t.Errorf("authority %q: isthmus sent %q, grpc-go %q", given, got, want)
+		}
+		if given != "" && want != given {
+			t.Errorf("grpc-go sent %q for %q", want, given)
+		}
+	}
+	_, err = isthmus.Dial(target, isthmus.WithAuthority("a b"))
+	if status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("a bad authority: %v", err)
+	}
+}
+
 // A handler's incoming metadata holds its caller's user-agent, as on grpc-go's server
 // (goroutine and inline handlers alike): a grpc-go client's, never one a client claims through
 // isthmus's own forwarding header, and an isthmus client's WithUserAgent, over HTTP/2 (tonic's

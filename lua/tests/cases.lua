@@ -570,6 +570,22 @@ function cases.option_refused(ch, args)
     return connect_answer(args.target, { [args.key] = value })
 end
 
+-- connect's authority: what the server saw as a call's `:authority` on a channel that names
+-- `args.authority` (none: the target's), over HTTP/2; or connect's refusal of one.
+function cases.authority(_, args)
+    local own, err = isthmus.connect(args.target, { proto = proto, authority = args.authority, upgrade = false })
+    if not own then
+        return failure(err)
+    end
+    local ok, r, meta = own:unary(ECHO .. "Unary", { seq = 1 },
+        { timeout = 10, metadata = { ["x-want-authority"] = "1" } })
+    own:close()
+    if not ok then
+        return failure(r)
+    end
+    return { ok = true, authority = meta.headers["x-authority"] }
+end
+
 -- connect's user_agent: a call on a channel that names one, or connect's refusal of a value
 -- that is no agent (`args.value` picks it).
 function cases.user_agent(_, args)

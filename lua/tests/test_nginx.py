@@ -1020,6 +1020,20 @@ def test_a_numeric_option_that_is_no_count_fails_connect(nginx: Nginx, key: str,
     ), r
 
 
+def test_connect_names_an_authority_and_refuses_what_is_none(
+    nginx: Nginx, servers: Callable[[str], Served]
+) -> None:
+    """connect's `authority` is the `:authority` calls send over HTTP/2 in place of the
+    target's (grpc-go's `WithAuthority`), as the tonic peer saw it; one that is no
+    `host[:port]` fails connect INVALID_ARGUMENT."""
+    target = servers("rust").addresses["http"]
+    assert nginx.case("authority", target) == {"ok": True, "authority": target.removeprefix("http://")}
+    r = nginx.case("authority", target, authority="routed.example:8443")
+    assert r == {"ok": True, "authority": "routed.example:8443"}, r
+    r = nginx.case("authority", target, authority="a b")
+    assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and "authority" in r["message"], r
+
+
 def test_connect_names_a_user_agent_and_refuses_what_is_none(nginx: Nginx, shm: str) -> None:
     """connect's `user_agent` (which the C ABI sends with every call; the Go and Python tests
     show a server's handler seeing it): a channel that names one calls as any other, and a

@@ -452,6 +452,15 @@ def user_agent(options: Any) -> str | None:
     return " ".join(parts) or None
 
 
+def default_authority(options: Any) -> str | None:
+    """The `:authority` a channel's HTTP/2 calls send in place of the target's, from grpc's
+    option `grpc.default_authority` as grpcio reads it; TLS then checks the server's
+    certificate against its host, unless `grpc.ssl_target_name_override` names another. None
+    if not given."""
+    given = dict(options or ()).get("grpc.default_authority")
+    return None if given is None else str(given)
+
+
 def connection_age(options: Any) -> tuple[int, int | None] | None:
     """A server's maximum HTTP/2 connection age, from grpc's options as grpcio reads them:
     `grpc.max_connection_age_ms` (a GOAWAY at that age, so the client moves its next calls to a
@@ -632,7 +641,8 @@ class Channel(grpc.Channel):
     `grpc.keepalive_permit_without_calls`: a connection whose PING goes unanswered closes, and
     its calls end UNAVAILABLE). Over every transport, `grpc.primary_user_agent` and
     `grpc.secondary_user_agent` name what the calls give as `user-agent`, which a server's
-    handlers see in their `invocation_metadata()`. The option
+    handlers see in their `invocation_metadata()`. `grpc.default_authority` is the `:authority`
+    HTTP/2 calls send in place of the target's (and the name TLS checks, as in grpcio). The option
     `grpc.default_compression_algorithm` (or else `compression`) compresses every call's
     requests over HTTP/2, as a call's own `compression=` does for it; over `shm://` messages
     cross no wire and go as they are."""
@@ -649,7 +659,13 @@ class Channel(grpc.Channel):
         security = security or insecure(target)
         self._auth = Auth(security, target)
         self._native = _native.Channel(
-            target, security.tls, upgrades(options), max_receive, keepalive(options), user_agent(options)
+            target,
+            security.tls,
+            upgrades(options),
+            max_receive,
+            keepalive(options),
+            user_agent(options),
+            default_authority(options),
         )
         self._connectivity = _Connectivity(self._native)
 

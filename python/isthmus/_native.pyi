@@ -110,10 +110,12 @@ class Channel:
         max_receive: int | None = None,
         keepalive: tuple[int, int, bool] | None = None,
         user_agent: str | None = None,
+        authority: str | None = None,
     ) -> Self:
-        """Raises ValueError for a target that does not parse, or TLS settings or a user agent
-        that do not. `keepalive`: HTTP/2 keepalive, (time in ms, timeout in ms, permit without
-        calls). `user_agent`: what every call names as `user-agent`."""
+        """Raises ValueError for a target that does not parse, or TLS settings, a user agent or
+        an authority that do not. `keepalive`: HTTP/2 keepalive, (time in ms, timeout in ms,
+        permit without calls). `user_agent`: what every call names as `user-agent`.
+        `authority`: the `:authority` HTTP/2 calls send in place of the target's."""
     def stats(self) -> dict[str, int]:
         """The counters of the channel's shm connections (`isthmus.TransportStats`'s fields)."""
     def transport_counts(self) -> tuple[int, int]:
@@ -270,6 +272,7 @@ class AsyncChannel:
         max_receive: int | None = None,
         keepalive: tuple[int, int, bool] | None = None,
         user_agent: str | None = None,
+        authority: str | None = None,
     ) -> Self: ...
     def stats(self) -> dict[str, int]: ...
     def transport_counts(self) -> tuple[int, int]: ...

@@ -2215,6 +2215,47 @@ def test_a_call_to_a_server_that_never_answers_ends_at_its_deadline(stubs: Any, 
         served.close()
 
 
+@pytest.mark.parametrize("kind", ["grpcio", "grpc.aio", "isthmus", "isthmus.aio"])
+def test_default_authority_is_what_calls_send_as_their_authority(stubs: Any, kind: str) -> None:
+    """`grpc.default_authority` replaces the `:authority` a channel's calls send, over TCP and a
+    Unix socket; without it a call sends its target's host and port, or `localhost` for a
+    Unix socket. The server (the tonic peer) answers what it saw. isthmus ignored the option."""
+    served = serve("rust", ["http", "unix"], stubs)
+    module = {"grpcio": grpc, "grpc.aio": grpc.aio, "isthmus": isthmus, "isthmus.aio": isthmus.aio}[kind]
+    tcp, unix = grpcio_target(served.addresses["http"]), grpcio_target(served.addresses["unix"])
+    cases = [
+        (tcp, None, tcp),
+        (tcp, "routed.example:8443", "routed.example:8443"),
+        (unix, None, "localhost"),
+        (unix, "routed.example", "routed.example"),
+    ]
+    asked = (("x-want-authority", "1"),)
+
+    async def aio_seen(target: str, options: list[tuple[str, Any]]) -> Any:
+        async with module.insecure_channel(target, options=options) as channel:
+            call = channel.unary_unary("/conformance.Echo/Unary")(b"", metadata=asked, timeout=10)
+            await call
+            return next((v for k, v in await call.initial_metadata() if k == "x-authority"), None)
+
+    try:
+        for target, given, expected in cases:
+            # Calls stay on HTTP/2 (grpcio ignores the option), where an `:authority` travels.
+            options: list[tuple[str, Any]] = [("isthmus.upgrade", False)]
+            if given is not None:
+                options.append(("grpc.default_authority", given))
+            if kind.endswith(".aio"):
+                seen = asyncio.run(aio_seen(target, options))
+            else:
+                with module.insecure_channel(target, options=options) as channel:
+                    _, call = channel.unary_unary("/conformance.Echo/Unary").with_call(
+                        b"", metadata=asked, timeout=10
+                    )
+                    seen = dict(call.initial_metadata()).get("x-authority")
+            assert seen == expected, (kind, target, given, seen)
+    finally:
+        served.close()
+
+
 @pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
 def test_a_call_to_a_stopped_server_with_a_full_backlog_ends_at_its_deadline(stubs: Any, kind: str) -> None:
     """A stopped server whose listen backlog is full of connections it never accepted: a call

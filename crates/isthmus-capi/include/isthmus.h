@@ -231,6 +231,12 @@ typedef struct {
   // 1 KiB (`ISTHMUS_INVALID_ARGUMENT` otherwise). Over HTTP/2 the library's own agent
   // follows it; over `shm://` it goes as it is.
   const char *user_agent;
+  // The `:authority` the calls send over HTTP/2 in place of the target's (grpc-go's
+  // `WithAuthority`, grpcio's `grpc.default_authority`), `host[:port]`, NUL-terminated,
+  // copied; NULL: the target's. TLS then checks the server's certificate against its host,
+  // unless `tls` names another. `ISTHMUS_INVALID_ARGUMENT` if it is no `host[:port]`.
+  // `shm://` sends none.
+  const char *authority;
 } isthmus_channel_options_t;
 
 // Which operation an event completes.

@@ -98,6 +98,12 @@ pub struct isthmus_channel_options_t {
     /// 1 KiB (`ISTHMUS_INVALID_ARGUMENT` otherwise). Over HTTP/2 the library's own agent
     /// follows it; over `shm://` it goes as it is.
     pub user_agent: *const c_char,
+    /// The `:authority` the calls send over HTTP/2 in place of the target's (grpc-go's
+    /// `WithAuthority`, grpcio's `grpc.default_authority`), `host[:port]`, NUL-terminated,
+    /// copied; NULL: the target's. TLS then checks the server's certificate against its host,
+    /// unless `tls` names another. `ISTHMUS_INVALID_ARGUMENT` if it is no `host[:port]`.
+    /// `shm://` sends none.
+    pub authority: *const c_char,
 }
 
 /// Channel flag: calls to an HTTP/2 address move to shared memory when its server is a local
@@ -255,6 +261,10 @@ pub unsafe extern "C" fn isthmus_channel_new(
             };
             if let Some(agent) = agent {
                 builder = builder.user_agent(agent);
+            }
+            match opts.map_or(std::ptr::null(), |o| o.authority) {
+                p if p.is_null() => {}
+                p => builder = builder.authority(c_str(p, "the authority")?),
             }
             let engine = {
                 let _runtime = runtime().enter();

@@ -106,11 +106,15 @@ pub(crate) fn lazy_channel(
     config: isthmus::Config,
     keepalive: Option<Keepalive>,
     user_agent: Option<&str>,
+    authority: Option<&str>,
 ) -> PyResult<isthmus::Channel> {
     let _runtime = runtime().enter();
     let mut builder = isthmus::Channel::builder(target).upgrade(upgrade).config(config);
     if let Some(agent) = user_agent {
         builder = builder.user_agent(agent);
+    }
+    if let Some(authority) = authority {
+        builder = builder.authority(authority);
     }
     if let Some(tls) = tls {
         builder = builder.tls_config(crate::tls::client_config(tls)?);
@@ -319,7 +323,7 @@ impl Channel {
 #[pymethods]
 impl Channel {
     #[new]
-    #[pyo3(signature = (target, tls=None, upgrade=true, max_receive=None, keepalive=None, user_agent=None))]
+    #[pyo3(signature = (target, tls=None, upgrade=true, max_receive=None, keepalive=None, user_agent=None, authority=None))]
     fn new(
         target: &str,
         tls: Option<crate::tls::ClientTls>,
@@ -327,6 +331,7 @@ impl Channel {
         max_receive: Option<u64>,
         keepalive: Option<Keepalive>,
         user_agent: Option<String>,
+        authority: Option<&str>,
     ) -> PyResult<Channel> {
         let config = client_config(max_receive);
         let agent = user_agent.as_deref();
@@ -334,7 +339,7 @@ impl Channel {
             true => Some(blocking_channel(target, config.clone(), agent).map_err(|s| bad_target(&s))?),
             false => None,
         };
-        let engine = lazy_channel(target, tls, upgrade, config.clone(), keepalive, agent)?;
+        let engine = lazy_channel(target, tls, upgrade, config.clone(), keepalive, agent, authority)?;
         let direct = engine.without_upgrade();
         let upgraded = std::sync::Mutex::new(None);
         Ok(Channel { blocking, engine, direct, upgraded, config, user_agent, closed: AtomicBool::new(false) })

@@ -187,6 +187,7 @@ pub struct ChannelBuilder {
     upgrade: bool,
     keepalive: Option<Keepalive>,
     user_agent: Option<String>,
+    authority: Option<String>,
 }
 
 /// HTTP/2 keepalive for a channel's connection ([`ChannelBuilder::keepalive`]): gRPC's
@@ -241,6 +242,17 @@ impl ChannelBuilder {
     /// connect otherwise. None by default (an HTTP/2 call then names tonic's alone).
     pub fn user_agent(mut self, agent: impl Into<String>) -> ChannelBuilder {
         self.user_agent = Some(agent.into());
+        self
+    }
+
+    /// The `:authority` the channel's calls send over HTTP/2 in place of the target's (grpcio's
+    /// `grpc.default_authority`, grpc-go's `WithAuthority`), for a proxy or a server that routes
+    /// by host. As in grpc-go and grpcio, TLS then checks the server's certificate against its
+    /// host, unless the TLS settings name another ([`ClientTlsConfig::domain_name`]).
+    /// `host[:port]`; INVALID_ARGUMENT on connect otherwise. `shm://` sends no `:authority`,
+    /// and a call that moved there (the upgrade) goes without it.
+    pub fn authority(mut self, authority: impl Into<String>) -> ChannelBuilder {
+        self.authority = Some(authority.into());
         self
     }
 
@@ -353,12 +365,17 @@ impl ChannelBuilder {
             }
             (_, None) => None,
         };
+        let authority = self.authority.as_deref().map(crate::http::endpoint::checked_authority).transpose()?;
+        let host = match &authority {
+            Some(authority) => crate::http::endpoint::authority_host(authority).to_owned(),
+            None => target.host(),
+        };
         let tls = match tls {
-            Some(tls) => Some((tls.rustls()?, tls.server_name(&target.host())?)),
+            Some(tls) => Some((tls.rustls()?, tls.server_name(&host)?)),
             None => None,
         };
         let (peer, connectivity) = (HttpPeer::default(), Arc::<Tracker>::default());
-        let mut endpoint = http_endpoint(target, tls.is_some())?;
+        let mut endpoint = http_endpoint(target, tls.is_some(), authority.as_deref())?;
         if let Some(agent) = &self.user_agent {
             crate::call::check_user_agent(agent)?;
             endpoint = endpoint
@@ -413,6 +430,7 @@ impl Channel {
             upgrade: crate::upgrade::on_by_default(),
             keepalive: None,
             user_agent: None,
+            authority: None,
         }
     }
 
@@ -988,7 +1006,6 @@ mod tests {
     /// read off the wire by a listener that decodes the call's HEADERS.
     #[test]
     fn an_http2_call_sends_its_targets_authority() {
-        use tokio::io::AsyncReadExt;
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
         let seen = runtime.block_on(async {
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -1001,34 +1018,78 @@ mod tests {
             let options = CallOptions { timeout: Some(std::time::Duration::from_secs(30)), ..Default::default() };
             let call = tokio::spawn(async move { channel.unary("/t.S/M", b"", options).await });
             let (mut conn, _) = listener.accept().await.expect("accept");
-            // The preface, then frames until the first HEADERS (one frame: hyper sends the
-            // call's few headers whole, unpadded, with no priority).
-            let mut preface = [0u8; 24];
-            conn.read_exact(&mut preface).await.expect("preface");
-            let block = loop {
-                let mut head = [0u8; 9];
-                conn.read_exact(&mut head).await.expect("frame header");
-                let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
-                let mut payload = vec![0u8; len];
-                conn.read_exact(&mut payload).await.expect("frame");
-                if head[3] == 0x1 {
-                    assert_eq!(head[4] & 0x28, 0, "padded or with priority");
-                    break payload;
-                }
-            };
-            let mut authority = None;
-            let mut decoder = crate::http::hpack::Decoder::new(4096);
-            decoder
-                .decode(&block, 1 << 20, |name, value| {
-                    if name == b":authority" {
-                        authority = Some(String::from_utf8_lossy(value).into_owned());
-                    }
-                })
-                .expect("the block decodes");
+            let authority = first_authority(&mut conn).await;
             call.abort();
             authority
         });
         assert_eq!(seen.as_deref(), Some("sidecar.example"));
+    }
+
+    /// The `:authority` of the first HEADERS on a client's connection, after its preface
+    /// (hyper sends a call's few headers in one frame, unpadded, with no priority).
+    async fn first_authority(conn: &mut (impl tokio::io::AsyncRead + Unpin)) -> Option<String> {
+        use tokio::io::AsyncReadExt;
+        let mut preface = [0u8; 24];
+        conn.read_exact(&mut preface).await.expect("preface");
+        let block = loop {
+            let mut head = [0u8; 9];
+            conn.read_exact(&mut head).await.expect("frame header");
+            let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+            let mut payload = vec![0u8; len];
+            conn.read_exact(&mut payload).await.expect("frame");
+            if head[3] == 0x1 {
+                assert_eq!(head[4] & 0x28, 0, "padded or with priority");
+                break payload;
+            }
+        };
+        let mut authority = None;
+        let mut decoder = crate::http::hpack::Decoder::new(4096);
+        decoder
+            .decode(&block, 1 << 20, |name, value| {
+                if name == b":authority" {
+                    authority = Some(String::from_utf8_lossy(value).into_owned());
+                }
+            })
+            .expect("the block decodes");
+        authority
+    }
+
+    /// A channel given an authority (grpcio's `grpc.default_authority`, grpc-go's
+    /// `WithAuthority`) sends it in place of its target's, over TCP and a Unix socket; one that
+    /// is no `host[:port]` is INVALID_ARGUMENT.
+    #[test]
+    fn a_channel_given_an_authority_sends_it() {
+        let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
+        let dir = std::env::temp_dir().join(format!("isthmus-authority-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let seen = runtime.block_on(async {
+            let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+            let unix = tokio::net::UnixListener::bind(dir.join("s.sock")).expect("bind");
+            let targets = [
+                (format!("127.0.0.1:{}", tcp.local_addr().expect("address").port()), "routed.example:8443"),
+                (format!("unix:{}", dir.join("s.sock").display()), "::1"),
+            ];
+            let mut seen = Vec::new();
+            for (i, (target, authority)) in targets.iter().enumerate() {
+                let channel =
+                    Channel::builder(target).upgrade(false).authority(*authority).connect_lazy().expect("lazy");
+                let options = CallOptions { timeout: Some(std::time::Duration::from_secs(30)), ..Default::default() };
+                let call = tokio::spawn(async move { channel.unary("/t.S/M", b"", options).await });
+                let mut conn: Box<dyn tokio::io::AsyncRead + Unpin + Send> = match i {
+                    0 => Box::new(tcp.accept().await.expect("accept").0),
+                    _ => Box::new(unix.accept().await.expect("accept").0),
+                };
+                seen.push(first_authority(&mut conn).await);
+                call.abort();
+            }
+            seen
+        });
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(seen, [Some("routed.example:8443".to_owned()), Some("[::1]".to_owned())]);
+        for bad in ["a b", "user@host", ""] {
+            let made = Channel::builder("127.0.0.1:1").authority(bad).connect_lazy();
+            assert_eq!(made.err().map(|s| s.code()), Some(Code::InvalidArgument), "{bad:?}");
+        }
     }
 
     /// The bindings box a unary call's future and move it whole (see `Channel::unary`): the

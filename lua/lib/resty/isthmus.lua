@@ -57,6 +57,7 @@ typedef struct {
   uint64_t keepalive_time_ms;
   uint64_t keepalive_timeout_ms;
   const char *user_agent;
+  const char *authority;
 } isthmus_channel_options_t;
 typedef struct {
   int64_t timeout_us;
@@ -1197,7 +1198,10 @@ end
 --- `keepalive_timeout_ms`, 20000 by default, the connection closes and its calls fail
 --- UNAVAILABLE; `keepalive_without_calls = true` pings while none is open too), and
 --- `user_agent` (what the calls name as gRPC's `user-agent`, which the server's handlers see
---- in their metadata; over HTTP/2 the library's own agent follows it).
+--- in their metadata; over HTTP/2 the library's own agent follows it), and `authority` (the
+--- `:authority` HTTP/2 calls send in place of the target's, `host[:port]`, as grpc-go's
+--- `WithAuthority`; TLS then checks the server's certificate against its host unless
+--- `tls.server_name` names another).
 --- `tls` makes a TCP target's connection TLS (`https://` is TLS without it, verified against
 --- the system's roots): `ca` (PEM text of the CAs that sign the server's certificate; nil: the
 --- system's roots), `cert` and `key` (PEM text of a client certificate and its key, for
@@ -1242,16 +1246,19 @@ function _M.connect(target, opts)
         copts.flags = bor(copts.flags, CHANNEL_KEEPALIVE_WITHOUT_CALLS)
     end
     local keep = {}
-    if opts.user_agent ~= nil then
-        if type(opts.user_agent) ~= "string" then
-            return nil, new_error(INVALID_ARGUMENT, "user_agent is a string, not " .. type(opts.user_agent))
+    for _, key in ipairs({ "user_agent", "authority" }) do
+        local v = opts[key]
+        if v ~= nil then
+            if type(v) ~= "string" then
+                return nil, new_error(INVALID_ARGUMENT, key .. " is a string, not " .. type(v))
+            end
+            if v:find("\0", 1, true) then
+                -- C would end the string there: refused, as the library refuses any control byte.
+                return nil, new_error(INVALID_ARGUMENT, key:gsub("_", " ") .. " must be printable ASCII")
+            end
+            keep[#keep + 1] = v
+            copts[key] = v
         end
-        if opts.user_agent:find("\0", 1, true) then
-            -- C would end the string there: refused, as the library refuses any control byte.
-            return nil, new_error(INVALID_ARGUMENT, "user agent must be printable ASCII")
-        end
-        keep[#keep + 1] = opts.user_agent
-        copts.user_agent = opts.user_agent
     end
     if opts.tls ~= nil then
         local tls, err = tls_options(opts.tls, keep)

@@ -28,6 +28,7 @@ from .._channel import (
     call_encoding,
     channel_compression,
     check_raw_size,
+    default_authority,
     keepalive,
     limited,
     limits,
@@ -636,6 +637,7 @@ class Channel(grpc.aio.Channel):
         self._upgrade = upgrades(options)
         self._keepalive = keepalive(options)
         self._user_agent = user_agent(options)
+        self._authority = default_authority(options)
         self._max_send, self._max_receive = limits(options)
         self._compression = channel_compression(compression, options)
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -687,6 +689,7 @@ class Channel(grpc.aio.Channel):
                 self._max_receive,
                 self._keepalive,
                 self._user_agent,
+                self._authority,
             )
             self._loop = loop
             self._bound = (loop, self._driver, self._native)

@@ -7,7 +7,8 @@
 //! starts to sleep, and `UNARY-DROPPED SEQ` if the call is cancelled (its handler dropped)
 //! during the sleep. A `Unary` call with `x-want-peer` metadata is answered in `x-peer` with what
 //! tonic tells the service of its caller: `REMOTE_ADDR LOCAL_ADDR UNIX_PEER_PID`, `none` for each
-//! it lacks.
+//! it lacks. With `x-want-authority` it is answered in `x-authority` with the call's
+//! `:authority` (`none` over shm://).
 //! `https://` targets take the certificate and key in the files `ISTHMUS_TLS_CERT` and
 //! `ISTHMUS_TLS_KEY` name, and with `ISTHMUS_TLS_CLIENT_CA` require client certificates signed
 //! by it; `Unary` then answers a client's certificate's common name in `x-peer-cn`.
@@ -104,6 +105,11 @@ impl Echo for Service {
         let echo_bin = request.metadata().get_bin("x-echo-bin").cloned();
         // The caller's user agent, for a caller that asks for it.
         let agent = request.metadata().get("x-want-agent").and(request.metadata().get("user-agent")).cloned();
+        // The `:authority` the call came with (`none` over shm://, which sends none).
+        let authority = request.metadata().get("x-want-authority").map(|_| {
+            let seen = request.extensions().get::<SeenAuthority>().and_then(|a| a.0.clone());
+            seen.unwrap_or_else(|| "none".into())
+        });
         // Where the call came from, as tonic's server tells a service, for a caller that asks.
         let peer = request.metadata().get("x-want-peer").map(|_| {
             let uds = request.extensions().get::<tonic::transport::server::UdsConnectInfo>();
@@ -137,6 +143,9 @@ impl Echo for Service {
         }
         if let Some(v) = agent {
             response.metadata_mut().insert("x-user-agent", v);
+        }
+        if let Some(v) = authority.and_then(|a| a.parse().ok()) {
+            response.metadata_mut().insert("x-authority", v);
         }
         if let Some(v) = peer.and_then(|p| p.parse().ok()) {
             response.metadata_mut().insert("x-peer", v);
@@ -208,6 +217,38 @@ impl Echo for Service {
     }
 }
 
+/// The `:authority` of a call (its URI's), which tonic does not hand a service: put in the
+/// request's extensions by [`WithAuthority`] for `Unary` to answer.
+#[derive(Clone)]
+struct SeenAuthority(Option<String>);
+
+/// A tonic service that records each request's authority first ([`SeenAuthority`]).
+#[derive(Clone)]
+struct WithAuthority<S>(S);
+
+impl<S: tonic::server::NamedService> tonic::server::NamedService for WithAuthority<S> {
+    const NAME: &'static str = S::NAME;
+}
+
+impl<S, B> tonic::codegen::Service<http::Request<B>> for WithAuthority<S>
+where
+    S: tonic::codegen::Service<http::Request<B>>,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = S::Future;
+
+    fn poll_ready(&mut self, cx: &mut std::task::Context<'_>) -> std::task::Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, mut request: http::Request<B>) -> S::Future {
+        let seen = request.uri().authority().map(|a| a.to_string());
+        request.extensions_mut().insert(SeenAuthority(seen));
+        self.0.call(request)
+    }
+}
+
 fn main() {
     let targets: Vec<String> = std::env::args().skip(1).collect();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().expect("runtime");
@@ -235,7 +276,7 @@ fn main() {
             builder = builder.tls_config(tls);
         }
         let bound = builder
-            .add_service(server)
+            .add_service(WithAuthority(server))
             .grace(Duration::from_secs(3))
             .reflection(isthmus_tests::conformance::DESCRIPTORS)
             .bind_all(targets.iter().map(String::as_str))

@@ -6,7 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use isthmus::{Certificate, ClientTlsConfig, Code, Identity};
+use isthmus::{CallOptions, Certificate, ClientTlsConfig, Code, Identity};
 use isthmus_tests::{fresh_socket, run, spawn_tonic_peer, Peer};
 use rcgen::{BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, SanType};
 
@@ -240,6 +240,23 @@ fn certificate_problems_say_which() {
             .connect_lazy()
             .expect("channel");
         isthmus_tests::cases::every_kind_of_call_on(channel).await;
+        // So can the authority, which TLS then checks the certificate against, as grpc-go's
+        // `WithAuthority` and grpcio's `grpc.default_authority` do; the TLS settings' own name
+        // still comes first.
+        let channel = isthmus::Channel::builder(&format!("127.0.0.1:{elsewhere_port}"))
+            .tls_config(client_tls(&ca.pem))
+            .authority("elsewhere.example")
+            .connect_lazy()
+            .expect("channel");
+        isthmus_tests::cases::every_kind_of_call_on(channel).await;
+        let channel = isthmus::Channel::builder(&format!("127.0.0.1:{elsewhere_port}"))
+            .tls_config(client_tls(&ca.pem).domain_name("localhost"))
+            .authority("elsewhere.example")
+            .connect_lazy()
+            .expect("channel");
+        let status =
+            channel.unary("/conformance.Echo/Unary", b"", CallOptions::default()).await.expect_err("localhost");
+        assert!(status.message().contains("not valid for the host name"), "{status:?}");
     });
 }
 

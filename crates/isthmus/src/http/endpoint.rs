@@ -888,17 +888,45 @@ pub(crate) type Connecting = Pin<Box<dyn Future<Output = std::io::Result<Io>> + 
 pub(crate) const MAX_HEADER_LIST: u32 = 16 << 20;
 
 /// tonic's endpoint for an HTTP/2 target. Its URI's authority, which its calls send as
-/// `:authority`, is `localhost` for a unix socket, as grpc-go and h2 expect, and the target's
-/// own for TCP (`Target::Tcp`'s `authority`); the connector connects to the addresses either way.
-pub(crate) fn http_endpoint(target: &Target, tls: bool) -> Result<tonic::transport::Endpoint, Status> {
-    let uri = match target {
-        Target::Unix(_) | Target::UnixAbstract(_) => "http://localhost".to_owned(),
-        Target::Tcp { authority, .. } => format!("{}://{authority}", if tls { "https" } else { "http" }),
-        Target::Shm(t) => return Err(Status::new(Code::Internal, format!("{t} is not an HTTP/2 target"))),
+/// `:authority`, is `chosen` if the channel was given one, else `localhost` for a unix socket,
+/// as grpc-go and h2 expect, and the target's own for TCP (`Target::Tcp`'s `authority`); the
+/// connector connects to the addresses either way.
+pub(crate) fn http_endpoint(
+    target: &Target,
+    tls: bool,
+    chosen: Option<&str>,
+) -> Result<tonic::transport::Endpoint, Status> {
+    let authority = match (target, chosen) {
+        (Target::Shm(t), _) => return Err(Status::new(Code::Internal, format!("{t} is not an HTTP/2 target"))),
+        (_, Some(chosen)) => checked_authority(chosen)?,
+        (Target::Unix(_) | Target::UnixAbstract(_), None) => "localhost".to_owned(),
+        (Target::Tcp { authority, .. }, None) => authority.clone(),
     };
+    let uri = format!("{}://{authority}", if tls { "https" } else { "http" });
     let endpoint =
         tonic::transport::Endpoint::from_shared(uri).map_err(|e| Status::new(Code::InvalidArgument, e.to_string()))?;
     Ok(endpoint.http2_max_header_list_size(MAX_HEADER_LIST))
+}
+
+/// An authority a channel was given (grpcio's `grpc.default_authority`, grpc-go's
+/// `WithAuthority`), as a URI takes it: `host[:port]`, a bare IPv6 literal bracketed; no user
+/// part, path or spaces (INVALID_ARGUMENT).
+pub(crate) fn checked_authority(given: &str) -> Result<String, Status> {
+    let authority = as_authority(given);
+    let bad = |why: &str| Status::new(Code::InvalidArgument, format!("authority {given:?}: {why}"));
+    if authority.is_empty() || authority.contains('@') {
+        return Err(bad("not HOST[:PORT]"));
+    }
+    match authority.parse::<http::uri::Authority>() {
+        Ok(_) => Ok(authority),
+        Err(e) => Err(bad(&e.to_string())),
+    }
+}
+
+/// The host of an authority (`checked_authority`'s), without its port or an IPv6 literal's
+/// brackets: what TLS checks the server's certificate against when the channel names one.
+pub(crate) fn authority_host(authority: &str) -> &str {
+    split_host_port(authority).0
 }
 
 /// What opens the stream under a channel's HTTP/2 connection.
