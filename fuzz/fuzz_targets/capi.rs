@@ -278,9 +278,11 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         assert_eq!(isthmus_status_free(status), ISTHMUS_OK);
     }
 
-    // Channel options from a caller: a user agent and an authority (any bytes but NUL), sizes, flags (known
-    // bits and others) and keepalive times, for a target that parses. Checked when the channel
-    // is made: it is refused with a status, or made IDLE.
+    // Channel options from a caller: a user agent and an authority (any bytes but NUL; `text`,
+    // each present or not by a bit of byte 29), sizes, flags (known bits and others) and
+    // keepalive times, for a target that parses (shm://, or HTTP/2 by byte 30, where an
+    // authority is checked the way calls send it). Checked when the channel is made: it is
+    // refused with a status, or made IDLE.
     // Each field from bytes of its own (after the first, which picks the shutdown's code).
     let word = |at: usize, n: usize| b.iter().skip(at).take(n).fold(0u64, |w, x| w << 8 | u64::from(*x));
     let options = isthmus_channel_options_t {
@@ -294,9 +296,10 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     };
     let mut channel = std::ptr::null_mut();
     let mut status = std::ptr::null_mut();
-    // SAFETY: a NUL-terminated target, options whose agent and authority are NUL-terminated or NULL, valid
-    // out-pointers.
-    let code = unsafe { isthmus_channel_new(c"shm://isthmus-fuzz-none".as_ptr(), &options, &mut channel, &mut status) };
+    let target = if b.get(30).is_some_and(|x| x & 1 == 1) { c"http://127.0.0.1:9" } else { c"shm://isthmus-fuzz-none" };
+    // SAFETY: a NUL-terminated target, options whose agent and authority are NUL-terminated or
+    // NULL, valid out-pointers.
+    let code = unsafe { isthmus_channel_new(target.as_ptr(), &options, &mut channel, &mut status) };
     if code == ISTHMUS_OK {
         let mut state = u32::MAX;
         // SAFETY: a live channel and a valid out-pointer.

@@ -174,9 +174,10 @@ func WithUserAgent(s string) DialOption {
 
 // WithAuthority names the :authority the connection's HTTP/2 calls send in place of the
 // target's, as grpc.WithAuthority does: for a proxy or a server that routes by host. As in
-// grpc-go, TLS then checks the server's certificate against its host, unless the TLS settings
-// name another server name. HOST[:PORT]: Dial fails with codes.InvalidArgument otherwise.
-// shm:// sends no :authority. "" is the target's.
+// grpc-go, TLS then checks the server's certificate against its host, per-RPC credentials are
+// given it in their uri, and Dial refuses a WithTLS ServerName that differs from it.
+// HOST[:PORT]: Dial fails with codes.InvalidArgument otherwise. shm:// sends no :authority.
+// "" is the target's.
 func WithAuthority(s string) DialOption {
 	return func(o *dialOptions) { o.authority = s }
 }
@@ -213,6 +214,11 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 	var o dialOptions
 	for _, f := range opts {
 		f(&o)
+	}
+	if o.authority != "" && o.tls != nil && o.tls.ServerName != "" && o.tls.ServerName != o.authority {
+		// As grpc-go's NewClient refuses the two when they differ.
+		return nil, status.Errorf(codes.InvalidArgument,
+			"the authority from the TLS settings (%q) and from WithAuthority (%q) don't match", o.tls.ServerName, o.authority)
 	}
 	creds, err := newPerRPC(&o, target)
 	if err != nil {

@@ -21,7 +21,7 @@ import (
 // GetRequestMetadata is given grpc-go's uri, "https://" + the connection's authority + the
 // service ("https://example.com/pkg.Service", a :443 port left out); the authority is the
 // target's host:port, WithTLS's ServerName if set, and "localhost" for shm:// and unix://
-// targets, as grpc-go names a unix socket's. Its context has a credentials.RequestInfo with
+// targets, as grpc-go names a unix socket's; WithAuthority's in place of all of them. Its context has a credentials.RequestInfo with
 // the method and an AuthInfo of the connection's security level ("tls" or "local" with
 // credentials.PrivacyAndIntegrity, "insecure" with credentials.NoSecurity).
 // An error from it fails the call as grpc-go's does: a status error with its own code (one of
@@ -47,6 +47,15 @@ func security(target string, withTLS bool) string {
 		return "tls"
 	}
 	return "insecure"
+}
+
+// callAuthority is the :authority the connection's calls carry as grpc-go gives it:
+// WithAuthority's if set, else authority's.
+func (o *dialOptions) callAuthority(target string) string {
+	if o.authority != "" {
+		return o.authority
+	}
+	return authority(target, o.tls)
 }
 
 // authority is the :authority grpc-go would give a connection to target: WithTLS's
@@ -115,7 +124,7 @@ func newPerRPC(o *dialOptions, target string) (perRPC, error) {
 		creds:    o.perRPC,
 		secure:   sec != "insecure",
 		auth:     callAuth{CommonAuthInfo: credentials.CommonAuthInfo{SecurityLevel: level}, kind: sec},
-		audience: "https://" + strings.TrimSuffix(authority(target, o.tls), ":443"),
+		audience: "https://" + strings.TrimSuffix(o.callAuthority(target), ":443"),
 	}, nil
 }
 

@@ -193,7 +193,10 @@ func TestWithAuthorityIsTheAuthorityCallsSendAsGrpcGos(t *testing.T) {
 	}
 	target := l.Addr().String()
 	for _, given := range []string{"", "routed.example:8443"} {
-		opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}
+		// Per-RPC credentials are told the authority in their uri, by both.
+		theirCreds, ourCreds := &tokenCreds{}, &tokenCreds{}
+		opts := []grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials()),
+			grpc.WithPerRPCCredentials(theirCreds)}
 		if given != "" {
 			opts = append(opts, grpc.WithAuthority(given))
 		}
@@ -203,16 +206,27 @@ func TestWithAuthorityIsTheAuthorityCallsSendAsGrpcGos(t *testing.T) {
 		}
 		want := seen(plain)
 		plain.Close()
-		if got := seen(dial(t, target, isthmus.WithAuthority(given))); got != want {
+		ours := dial(t, target, isthmus.WithAuthority(given), isthmus.WithPerRPCCredentials(ourCreds))
+		if got := seen(ours); got != want {
 			t.Errorf("authority %q: isthmus sent %q, grpc-go %q", given, got, want)
 		}
 		if given != "" && want != given {
 			t.Errorf("grpc-go sent %q for %q", want, given)
 		}
+		theirURIs, _ := theirCreds.asked()
+		ourURIs, _ := ourCreds.asked()
+		if fmt.Sprint(ourURIs) != fmt.Sprint(theirURIs) || len(theirURIs) != 1 {
+			t.Errorf("authority %q: credentials told %v, grpc-go's %v", given, ourURIs, theirURIs)
+		}
 	}
 	_, err = isthmus.Dial(target, isthmus.WithAuthority("a b"))
 	if status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("a bad authority: %v", err)
+	}
+	// A TLS server name that differs from the authority is refused, as grpc-go refuses it.
+	_, err = isthmus.Dial(target, isthmus.WithAuthority("a.example"), isthmus.WithTLS(isthmus.TLSConfig{ServerName: "b.example"}))
+	if status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("a TLS server name other than the authority: %v", err)
 	}
 }
 

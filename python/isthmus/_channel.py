@@ -455,10 +455,13 @@ def user_agent(options: Any) -> str | None:
 def default_authority(options: Any) -> str | None:
     """The `:authority` a channel's HTTP/2 calls send in place of the target's, from grpc's
     option `grpc.default_authority` as grpcio reads it; TLS then checks the server's
-    certificate against its host, unless `grpc.ssl_target_name_override` names another. None
-    if not given."""
+    certificate against its host, unless `grpc.ssl_target_name_override` names another; call
+    credentials' plugins are told it in their `service_url`. None if not given, or empty (as
+    grpc-go's `WithAuthority("")`); bytes are read as ASCII, as grpcio reads string options."""
     given = dict(options or ()).get("grpc.default_authority")
-    return None if given is None else str(given)
+    if isinstance(given, bytes):
+        given = given.decode("ascii", "replace")
+    return str(given) if given else None
 
 
 def connection_age(options: Any) -> tuple[int, int | None] | None:
@@ -657,7 +660,7 @@ class Channel(grpc.Channel):
         self._max_send, max_receive = limits(options)
         self._compression = channel_compression(compression, options)
         security = security or insecure(target)
-        self._auth = Auth(security, target)
+        self._auth = Auth(security, target, default_authority(options))
         self._native = _native.Channel(
             target,
             security.tls,

@@ -207,7 +207,7 @@ class Auth:
     credentials), whether they may go over it, what the plugins are told of it, and the calls
     of the blocking API that wait for their plugins' answers (which `close` ends)."""
 
-    def __init__(self, security: Security, target: str) -> None:
+    def __init__(self, security: Security, target: str, authority: str | None = None) -> None:
         self.plugins = security.plugins
         self.secure = security.secure
         self._lock = threading.Lock()
@@ -215,7 +215,11 @@ class Auth:
         self._closed = False
         tls = security.tls
         self.scheme = "https" if tls is not None else ""
-        if target.startswith(("unix:", "unix-abstract:", "shm:")):
+        if authority is not None:
+            # The channel's `grpc.default_authority`, which its calls send: grpc's filter
+            # builds the URL from the call's authority.
+            self.authority = authority.removesuffix(":443") if tls is not None else authority
+        elif target.startswith(("unix:", "unix-abstract:", "shm:")):
             self.authority = "localhost"
         else:
             # As grpc's client auth filter: the target's host and port, the name override's

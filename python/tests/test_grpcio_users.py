@@ -9,6 +9,7 @@ import contextlib
 import errno
 import gc
 import queue
+import resource
 import signal
 import socket
 import subprocess
@@ -17,6 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent import futures
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -1674,6 +1676,22 @@ def _outcome(call: Any, *args: Any, **kwargs: Any) -> str:
         return f"{e.code().name} {e.details()}"
 
 
+def _told_with_an_authority(module: Any, target: str, local: Any, told: _Later) -> set[str]:
+    """The service URLs `told` is given for a call on a channel to `target` whose
+    `grpc.default_authority` is `routed.example:8443`."""
+    told.urls.clear()
+    routed = [("grpc.default_authority", "routed.example:8443")]
+    with module.secure_channel(target, local, options=routed) as channel:
+        got = _outcome(
+            channel.unary_unary("/t.Auth/Unary"),
+            b"",
+            timeout=10,
+            credentials=grpc.metadata_call_credentials(told),
+        )
+        assert got == "[('x-ctx', 'Unary')]", target
+    return set(told.urls)
+
+
 @pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
 def test_call_credentials_send_their_metadata_as_grpcios_do(kind: str, tmp_path: Any) -> None:
     """grpc's call credentials, given to a call or composed into the channel's local
@@ -1719,6 +1737,10 @@ def test_call_credentials_send_their_metadata_as_grpcios_do(kind: str, tmp_path:
                 # credentials; a Unix socket's host is localhost).
                 host = "localhost" if target.startswith("unix:") else target
                 assert set(told.urls) == {f"://{host}/t.Auth"}, (name, told.urls)
+                # A channel's `grpc.default_authority` is the URL's host, the calls' authority.
+                assert _told_with_an_authority(module, target, local, told) == {
+                    "://routed.example:8443/t.Auth"
+                }
                 # A plugin's time is not taken from the call's: grpcio's handler sees the
                 # whole timeout after a plugin that took 0.3 s.
                 slow = grpc.metadata_call_credentials(_Later(delay=0.3))
@@ -2069,6 +2091,7 @@ def test_call_credentials_go_over_shm_and_local_credentials_stay_local(tmp_path:
 _INTERRUPTED = """
 import sys, threading, time
 from concurrent import futures
+from pathlib import Path
 import grpc
 import isthmus
 
@@ -2256,6 +2279,29 @@ def test_default_authority_is_what_calls_send_as_their_authority(stubs: Any, kin
         served.close()
 
 
+def _filled_backlog(path: str) -> list[socket.socket]:
+    """Connections to the Unix socket `path`, whose server does not accept, until its backlog
+    turns the next one away (servers listen with the kernel's largest backlog, so this raises
+    the soft limit of open files where it must; the caller restores it)."""
+    backlog = int(Path("/proc/sys/net/core/somaxconn").read_text())
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = backlog + 256
+    if soft < needed:
+        if hard != resource.RLIM_INFINITY and hard < needed:
+            pytest.skip(f"a backlog of {backlog} needs {needed} open files; the hard limit is {hard}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+    queued = []
+    for _ in range(backlog + 2):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        queued.append(s)
+        connected = s.connect_ex(path)
+        if connected == errno.EAGAIN:
+            return queued
+        assert connected == 0, (path, errno.errorcode.get(connected, connected))
+    pytest.fail("the backlog never filled")
+
+
 @pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
 def test_a_call_to_a_stopped_server_with_a_full_backlog_ends_at_its_deadline(stubs: Any, kind: str) -> None:
     """A stopped server whose listen backlog is full of connections it never accepted: a call
@@ -2273,16 +2319,10 @@ def test_a_call_to_a_stopped_server_with_a_full_backlog_ends_at_its_deadline(stu
         path = str(runtime_dir() / f"{target.removeprefix('shm://')}.sock")
     module = grpc if grpcio else isthmus
     queued: list[socket.socket] = []
+    limits = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         served.peer.stop()
-        while len(queued) < 100_000:
-            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            s.setblocking(False)
-            queued.append(s)
-            if s.connect_ex(path) == errno.EAGAIN:
-                break
-        else:
-            pytest.fail("the backlog never filled")
+        queued = _filled_backlog(path)
         result: queue.Queue[tuple[BaseException, float]] = queue.Queue()
 
         def call() -> None:
@@ -2306,6 +2346,7 @@ def test_a_call_to_a_stopped_server_with_a_full_backlog_ends_at_its_deadline(stu
     finally:
         for s in queued:
             s.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, limits)
         served.peer.resume()
         served.close()
 

@@ -70,45 +70,58 @@ pub fn runtime() -> tokio::runtime::Runtime {
 
 /// A listening Unix socket that never accepts and whose backlog is full: a server that has
 /// stopped accepting (hung, or stopped with SIGSTOP) under connections it never took. A
-/// blocking `connect(2)` to it waits for room in the backlog.
+/// blocking `connect(2)` to it waits for room in the backlog. Its socket file is removed on
+/// drop.
 #[derive(Debug)]
 pub struct FullBacklog {
     _listener: std::os::unix::net::UnixListener,
-    _queued: Vec<std::os::fd::OwnedFd>,
+    _queued: Vec<std::os::unix::net::UnixStream>,
+    path: Option<PathBuf>,
 }
 
 impl FullBacklog {
     /// Binds `path` and fills its backlog.
     pub fn bind(path: &std::path::Path) -> FullBacklog {
-        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
         let listener = std::os::unix::net::UnixListener::bind(path).expect("bind");
+        let queued = FullBacklog::fill(&listener, || isthmus_shm::connect_unix(path, None));
+        FullBacklog { _listener: listener, _queued: queued, path: Some(path.to_owned()) }
+    }
+
+    /// Binds `name` in Linux's abstract namespace and fills its backlog.
+    pub fn bind_abstract(name: &[u8]) -> FullBacklog {
+        use std::os::linux::net::SocketAddrExt;
+        let addr = std::os::unix::net::SocketAddr::from_abstract_name(name).expect("abstract name");
+        let listener = std::os::unix::net::UnixListener::bind_addr(&addr).expect("bind");
+        let queued = FullBacklog::fill(&listener, || isthmus_shm::connect_unix_abstract(name, None));
+        FullBacklog { _listener: listener, _queued: queued, path: None }
+    }
+
+    /// Connections the listener never accepts, until its backlog (made one place long) turns
+    /// the next one away.
+    fn fill(
+        listener: &std::os::unix::net::UnixListener,
+        connect: impl Fn() -> std::io::Result<std::os::unix::net::UnixStream>,
+    ) -> Vec<std::os::unix::net::UnixStream> {
+        use std::os::fd::AsRawFd;
         // SAFETY: a listening socket's backlog may be changed by listening again.
         assert_eq!(unsafe { libc::listen(listener.as_raw_fd(), 0) }, 0, "listen again");
-        // SAFETY: an all-zero sockaddr_un is a valid value, filled below.
-        let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
-        addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-        let bytes = std::os::unix::ffi::OsStrExt::as_bytes(path.as_os_str());
-        for (to, from) in addr.sun_path.iter_mut().zip(bytes) {
-            *to = *from as libc::c_char;
-        }
-        let len = (std::mem::size_of::<libc::sa_family_t>() + bytes.len() + 1) as libc::socklen_t;
-        // Connections it never accepts, until the backlog turns the next one away.
         let mut queued = Vec::new();
-        let full = (0..64).any(|_| {
-            let flags = libc::SOCK_STREAM | libc::SOCK_NONBLOCK | libc::SOCK_CLOEXEC;
-            // SAFETY: plain socket creation, checked.
-            let fd = unsafe { libc::socket(libc::AF_UNIX, flags, 0) };
-            assert!(fd >= 0, "socket");
-            // SAFETY: `fd` was just returned to this process and nothing else owns it.
-            let fd = unsafe { OwnedFd::from_raw_fd(fd) };
-            // SAFETY: `addr` is a sockaddr_un valid for `len` bytes.
-            let ret = unsafe { libc::connect(fd.as_raw_fd(), (&addr as *const libc::sockaddr_un).cast(), len) };
-            let turned_away = ret != 0 && std::io::Error::last_os_error().kind() == std::io::ErrorKind::WouldBlock;
-            queued.push(fd);
-            turned_away
-        });
-        assert!(full, "the backlog never filled");
-        FullBacklog { _listener: listener, _queued: queued }
+        for _ in 0..64 {
+            match connect() {
+                Ok(s) => queued.push(s),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return queued,
+                Err(e) => panic!("filling the backlog: {e}"),
+            }
+        }
+        panic!("the backlog never filled");
+    }
+}
+
+impl Drop for FullBacklog {
+    fn drop(&mut self) {
+        if let Some(path) = &self.path {
+            let _ = std::fs::remove_file(path);
+        }
     }
 }
 

@@ -94,7 +94,7 @@ pub(crate) fn connect(addr: &Address, cfg: &Config) -> Result<Connection> {
     // One deadline for the whole handshake, the wait for room in a busy (or stopped) server's
     // listen backlog included.
     let deadline = Instant::now() + cfg.handshake_timeout;
-    let mut s = sys::connect_unix(path, cfg.handshake_timeout).map_err(|e| {
+    let mut s = crate::connect_unix(path, Some(cfg.handshake_timeout)).map_err(|e| {
         let kind = e.kind();
         let err = Error::io(format!("cannot connect to {addr} (socket {})", path.display()), e);
         if matches!(kind, std::io::ErrorKind::NotFound | std::io::ErrorKind::ConnectionRefused) {
@@ -130,6 +130,13 @@ pub(crate) fn connect(addr: &Address, cfg: &Config) -> Result<Connection> {
     let mut got = 0;
     let mut fds: Vec<OwnedFd> = Vec::new();
     while got < HELLO_LEN {
+        // Each read gets what is left of the deadline, so a server that trickles its hello
+        // cannot stretch the handshake past it.
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(Error::new(ErrorKind::Timeout, "handshake: the server's hello did not come in time"));
+        }
+        s.set_read_timeout(Some(left)).map_err(|e| Error::io("cannot set handshake timeouts", e))?;
         let (n, more) = sys::recv_with_fds(s.as_fd(), &mut rec[got..], MAX_SERVER_FDS)
             .map_err(|e| Error::io("handshake: cannot read the server's hello", e))?;
         if n == 0 {

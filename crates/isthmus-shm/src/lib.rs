@@ -87,6 +87,8 @@ mod shared;
 mod stats;
 mod sys;
 
+use std::os::unix::net::UnixStream;
+
 pub use addr::{runtime_dir, Address};
 pub use config::{Config, PeerPolicy, SpinPolicy};
 pub use connection::{BlockMut, Connection, Frame, Interrupter, PeerInfo, Receiver, Role, Sender};
@@ -99,6 +101,21 @@ pub use link::MadeIn;
 pub use listener::{Incoming, Listener};
 pub use shared::{SharedArena, SharedBlock, SharedBlockMut};
 pub use stats::Counters;
+
+/// Connects to a Unix stream socket at `path` without an unbounded wait: a listener that has
+/// stopped accepting (hung, stopped) and whose backlog is full makes a blocking `connect(2)`
+/// wait for room for ever. `wait` bounds that wait (`TimedOut` past it); `None` waits not at all
+/// (`WouldBlock` at once, and the stream is non-blocking). Any other error is `connect(2)`'s.
+pub fn connect_unix(path: &std::path::Path, wait: Option<std::time::Duration>) -> std::io::Result<UnixStream> {
+    use std::os::unix::ffi::OsStrExt;
+    sys::connect_unix(path.as_os_str().as_bytes(), false, wait)
+}
+
+/// [`connect_unix`] to `name` in Linux's abstract socket namespace (no file; `name` without the
+/// leading NUL byte).
+pub fn connect_unix_abstract(name: &[u8], wait: Option<std::time::Duration>) -> std::io::Result<UnixStream> {
+    sys::connect_unix(name, true, wait)
+}
 
 /// Blocks SIGPIPE on the calling thread: a write to a socket whose peer has gone then fails
 /// with EPIPE instead of killing the process. For the threads of a library that runs inside

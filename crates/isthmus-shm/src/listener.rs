@@ -68,7 +68,7 @@ impl Listener {
                     ));
                 }
                 // Bounded: a stopped server's full backlog makes a connect wait for room.
-                match sys::connect_unix(path, cfg.handshake_timeout) {
+                match crate::connect_unix(path, Some(cfg.handshake_timeout)) {
                     // One that connects, or that waits for a backlog that stays full, is alive.
                     Ok(_) => {
                         return Err(Error::new(

@@ -330,6 +330,10 @@ impl ChannelBuilder {
                 format!("{}: TLS applies to TCP targets; shm:// is local and checked by uid", self.target),
             )),
             Target::Shm(_) => {
+                // Refused as on any other target, though shm:// sends none.
+                if let Some(authority) = &self.authority {
+                    crate::http::endpoint::checked_authority(authority)?;
+                }
                 let shm = ShmChannel::new(&self.target, self.config)?;
                 shm.set_agent(self.user_agent.as_deref())?;
                 Ok(Channel { via: Arc::new(Via::Shm(shm)), calls_read: true, routes: true })
@@ -1060,8 +1064,17 @@ mod tests {
     #[test]
     fn a_channel_given_an_authority_sends_it() {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        let dir = std::env::temp_dir().join(format!("isthmus-authority-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
+        // A directory of this test's own, removed however the test ends.
+        struct Dir(std::path::PathBuf);
+        impl Drop for Dir {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_dir_all(&self.0);
+            }
+        }
+        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+        let dir = Dir(std::env::temp_dir().join(format!("isthmus-authority-{}-{nanos}", std::process::id())));
+        std::fs::create_dir_all(&dir.0).expect("dir");
+        let dir = &dir.0;
         let seen = runtime.block_on(async {
             let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
             let unix = tokio::net::UnixListener::bind(dir.join("s.sock")).expect("bind");
@@ -1084,11 +1097,18 @@ mod tests {
             }
             seen
         });
-        let _ = std::fs::remove_dir_all(&dir);
         assert_eq!(seen, [Some("routed.example:8443".to_owned()), Some("[::1]".to_owned())]);
-        for bad in ["a b", "user@host", ""] {
-            let made = Channel::builder("127.0.0.1:1").authority(bad).connect_lazy();
-            assert_eq!(made.err().map(|s| s.code()), Some(Code::InvalidArgument), "{bad:?}");
+        let _runtime = runtime.enter();
+        let bad =
+            ["a b", "user@host", "", "host:notaport", "host:", "host:99999", ":443", "[::1]x", "[::1", "[notanip]:1"];
+        for bad in bad {
+            for target in ["127.0.0.1:1", "unix:/tmp/nowhere.sock", "shm://nowhere"] {
+                let made = Channel::builder(target).authority(bad).connect_lazy();
+                assert_eq!(made.err().map(|s| s.code()), Some(Code::InvalidArgument), "{bad:?} on {target}");
+            }
+        }
+        for good in ["h", "h:1", "routed.example:8443", "10.0.0.1", "[::1]:443", "::1", "xn--bcher-kva.example"] {
+            assert!(Channel::builder("127.0.0.1:1").authority(good).connect_lazy().is_ok(), "{good:?}");
         }
     }
 

@@ -633,11 +633,11 @@ class Channel(grpc.aio.Channel):
         self._target = target
         security = security or insecure(target)
         self._tls = security.tls
-        self._auth = Auth(security, target)
+        self._authority = default_authority(options)
+        self._auth = Auth(security, target, self._authority)
         self._upgrade = upgrades(options)
         self._keepalive = keepalive(options)
         self._user_agent = user_agent(options)
-        self._authority = default_authority(options)
         self._max_send, self._max_receive = limits(options)
         self._compression = channel_compression(compression, options)
         self._loop: asyncio.AbstractEventLoop | None = None

@@ -727,9 +727,9 @@ fn a_server_that_never_answers_the_handshake_is_unavailable_and_waited_for() {
 /// handshake timeout and by the call's deadline; it had no bound, and the call hung.
 #[test]
 fn a_server_whose_listen_backlog_is_full_is_unavailable_and_waited_for() {
-    let path = Removed(fresh_socket("full"));
-    let _stuffed = isthmus_tests::FullBacklog::bind(&path.0);
-    let target = format!("shm://{}", path.0.display());
+    let path = fresh_socket("full");
+    let _stuffed = isthmus_tests::FullBacklog::bind(&path);
+    let target = format!("shm://{}", path.display());
     let ended = std::sync::mpsc::channel();
     let done = ended.0.clone();
     std::thread::spawn(move || {

@@ -145,6 +145,37 @@ fn every_grpc_target_form_reaches_the_server() {
     let _ = std::fs::remove_file(&unix);
 }
 
+/// A server that has stopped accepting, with its backlog full, at a `unix:` path or an
+/// abstract name: an HTTP/2 client's call to it fails UNAVAILABLE at once (tokio's connect to a
+/// path never waited; the abstract one blocked a runtime thread with no bound), and binding an
+/// HTTP/2 server at that path finds it in use (its probe waited with no bound).
+#[test]
+fn a_unix_socket_whose_backlog_is_full_neither_hangs_calls_nor_binds() {
+    let path = fresh_socket("http-full");
+    let name = format!("isthmus-full-{}", std::process::id());
+    let _at_path = isthmus_tests::FullBacklog::bind(&path);
+    let _at_name = isthmus_tests::FullBacklog::bind_abstract(name.as_bytes());
+    let targets = [format!("unix:{}", path.display()), format!("unix-abstract:{name}")];
+    let (done, ended) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        run(async move {
+            for target in &targets {
+                let channel = isthmus::Channel::builder(target).upgrade(false).connect_lazy().expect("channel");
+                let options = CallOptions { timeout: Some(Duration::from_secs(60)), ..CallOptions::default() };
+                let called = channel.unary("/conformance.Echo/Unary", b"", options).await.map(drop);
+                let _ = done.send((target.clone(), called.map_err(|s| s.code())));
+            }
+            let bound = isthmus::Server::builder().bind_all([targets[0].as_str()]).map(drop);
+            let _ = done.send(("bind".to_owned(), bound.map_err(|s| s.code())));
+        })
+    });
+    for _ in 0..3 {
+        let (what, outcome) = ended.recv_timeout(Duration::from_secs(30)).expect("hung in connect(2)");
+        let expected = if what == "bind" { Code::AlreadyExists } else { Code::Unavailable };
+        assert_eq!(outcome, Err(expected), "{what}");
+    }
+}
+
 #[test]
 fn unknown_schemes_and_bad_ports_are_refused_by_name() {
     run(async {

@@ -395,34 +395,44 @@ pub(crate) struct PeerCred {
     pub(crate) gid: u32,
 }
 
-/// Connects a Unix stream socket to `path`, waiting at most `timeout` for room in the
-/// listener's backlog: a blocking `connect(2)` to a listener that has stopped accepting (hung,
-/// stopped) waits for room with no bound, but Linux bounds that wait by the socket's send
-/// timeout (`SO_SNDTIMEO`), set here before connecting. Past it the error is `TimedOut`.
-pub(crate) fn connect_unix(path: &std::path::Path, timeout: std::time::Duration) -> io::Result<UnixStream> {
-    use std::os::unix::ffi::OsStrExt;
+/// Connects a Unix stream socket to `name` (a path, or with `abstract_name` a name in Linux's
+/// abstract namespace). A blocking `connect(2)` to a listener that has stopped accepting (hung,
+/// stopped) and whose backlog is full waits for room with no bound; Linux bounds that wait by
+/// the socket's send timeout (`SO_SNDTIMEO`), set here to `wait` before connecting: `TimedOut`
+/// past it. `None` does not wait at all: the socket is non-blocking, a full backlog is
+/// `WouldBlock` at once (a Unix socket's connect never stays in progress), and the stream stays
+/// non-blocking.
+pub(crate) fn connect_unix(
+    name: &[u8],
+    abstract_name: bool,
+    wait: Option<std::time::Duration>,
+) -> io::Result<UnixStream> {
     // SAFETY: an all-zero sockaddr_un is a valid value (family 0, empty path), filled below.
     let mut addr: libc::sockaddr_un = unsafe { std::mem::zeroed() };
     addr.sun_family = libc::AF_UNIX as libc::sa_family_t;
-    let bytes = path.as_os_str().as_bytes();
-    // One byte is left for the terminating NUL, as a path socket needs.
-    if bytes.len() >= addr.sun_path.len() || bytes.contains(&0) {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, "socket path too long, or with a NUL byte"));
+    // A path needs its terminating NUL (and no other); an abstract name starts with one.
+    let room = addr.sun_path.len() - 1;
+    if name.is_empty() || name.len() > room || (!abstract_name && name.contains(&0)) {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, "no socket name, one too long, or a path with a NUL"));
     }
-    for (to, from) in addr.sun_path.iter_mut().zip(bytes) {
+    let at = usize::from(abstract_name);
+    for (to, from) in addr.sun_path[at..].iter_mut().zip(name) {
         *to = *from as libc::c_char;
     }
+    let len = (size_of::<libc::sa_family_t>() + at + name.len() + usize::from(!abstract_name)) as libc::socklen_t;
+    let flags = libc::SOCK_STREAM | libc::SOCK_CLOEXEC | if wait.is_none() { libc::SOCK_NONBLOCK } else { 0 };
     // SAFETY: plain socket creation; the result is checked and owned at once.
-    let fd = owned(cvt(unsafe { libc::socket(libc::AF_UNIX, libc::SOCK_STREAM | libc::SOCK_CLOEXEC, 0) })?);
-    let deadline = Instant::now() + timeout;
-    let len = (size_of::<libc::sa_family_t>() + bytes.len() + 1) as libc::socklen_t;
+    let fd = owned(cvt(unsafe { libc::socket(libc::AF_UNIX, flags, 0) })?);
+    let deadline = wait.map(|wait| Instant::now() + wait);
     loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::Error::new(io::ErrorKind::TimedOut, "connect: the deadline passed"));
+        if let Some(deadline) = deadline {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(io::Error::new(io::ErrorKind::TimedOut, "connect: the deadline passed"));
+            }
+            set_send_timeout(fd.as_fd(), left)?;
         }
-        set_send_timeout(fd.as_fd(), left)?;
-        // SAFETY: `addr` is a sockaddr_un valid for `len` bytes (family, path and its NUL).
+        // SAFETY: `addr` is a sockaddr_un valid for `len` bytes (family, name and a path's NUL).
         let ret = unsafe { libc::connect(fd.as_raw_fd(), (&addr as *const libc::sockaddr_un).cast(), len) };
         match cvt(ret) {
             Ok(_) => return Ok(UnixStream::from(fd)),
@@ -430,10 +440,10 @@ pub(crate) fn connect_unix(path: &std::path::Path, timeout: std::time::Duration)
             // starts over, with what is left of the time.
             Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
             // What the send timeout's expiry reports: the backlog stayed full.
-            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock && wait.is_some() => {
                 return Err(io::Error::new(
                     io::ErrorKind::TimedOut,
-                    format!("the listener's backlog stayed full for {timeout:?}"),
+                    format!("the listener's backlog stayed full for {:?}", wait.unwrap_or_default()),
                 ))
             }
             Err(e) => return Err(e),
@@ -446,7 +456,8 @@ fn set_send_timeout(sock: BorrowedFd<'_>, timeout: std::time::Duration) -> io::R
     let timeout = timeout.max(std::time::Duration::from_micros(1));
     let tv = libc::timeval {
         tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
-        tv_usec: libc::suseconds_t::from(timeout.subsec_micros()),
+        // Under a million: fits every platform's suseconds_t.
+        tv_usec: timeout.subsec_micros() as libc::suseconds_t,
     };
     // SAFETY: `tv` is a valid timeval for the length given.
     cvt(unsafe {

@@ -256,7 +256,10 @@ impl HttpListener {
         }
         match target {
             Target::Unix(path) => {
-                if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                // Without waiting: a server stopped with its backlog full would hold a blocking
+                // connect for ever, and it is alive all the same.
+                let probe = isthmus_shm::connect_unix(path, None);
+                if probe.is_ok() || probe.is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock) {
                     return Err(Status::new(
                         Code::AlreadyExists,
                         format!("a server is already listening on {}", path.display()),
@@ -913,14 +916,18 @@ pub(crate) fn http_endpoint(
 /// part, path or spaces (INVALID_ARGUMENT).
 pub(crate) fn checked_authority(given: &str) -> Result<String, Status> {
     let authority = as_authority(given);
-    let bad = |why: &str| Status::new(Code::InvalidArgument, format!("authority {given:?}: {why}"));
-    if authority.is_empty() || authority.contains('@') {
-        return Err(bad("not HOST[:PORT]"));
+    let bad = || Status::new(Code::InvalidArgument, format!("authority {given:?} is not HOST[:PORT]"));
+    let (host, port) = split_host_port(&authority);
+    let bracketed = authority.starts_with('[');
+    let host_ok = !host.is_empty()
+        && !host.contains(['/', '[', ']', ' ', '@', '?', '#'])
+        && (!(bracketed || host.contains(':')) || host.parse::<std::net::Ipv6Addr>().is_ok());
+    let port_ok = port.is_none_or(|p| p.parse::<u16>().is_ok());
+    // What the URI's own parser refuses besides (control bytes, `%` not followed by hex…).
+    if !host_ok || !port_ok || authority.parse::<http::uri::Authority>().is_err() {
+        return Err(bad());
     }
-    match authority.parse::<http::uri::Authority>() {
-        Ok(_) => Ok(authority),
-        Err(e) => Err(bad(&e.to_string())),
-    }
+    Ok(authority)
 }
 
 /// The host of an authority (`checked_authority`'s), without its port or an IPv6 literal's
@@ -982,9 +989,9 @@ async fn open(
     let stream = match target {
         Target::Unix(path) => unix(tokio::net::UnixStream::connect(path).await?),
         Target::UnixAbstract(name) => {
-            let addr = abstract_addr(&name).map_err(|s| std::io::Error::other(s.message().to_owned()))?;
-            let std = std::os::unix::net::UnixStream::connect_addr(&addr)?;
-            std.set_nonblocking(true)?;
+            // Without waiting, as tokio connects a path: a full backlog fails at once (a
+            // blocking connect would hold this runtime's thread while it lasted).
+            let std = isthmus_shm::connect_unix_abstract(&name, None)?;
             unix(tokio::net::UnixStream::from_std(std)?)
         }
         Target::Tcp { addrs, .. } => {
