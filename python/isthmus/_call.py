@@ -175,20 +175,54 @@ class Completions:
 
 
 def _end_in_child(done: Callable[[bool, Any], None]) -> None:
-    """Ends, in a forked child, a unary call its parent had in flight (`Completions.after_fork`)."""
+    """Ends, in a forked child, a call its parent had in flight (`Completions.after_fork`,
+    `_end_own_threads`)."""
     try:
         done(False, CallError(grpc.StatusCode.UNAVAILABLE.value[0], FORKED_AWAY))
     except Exception:
         _LOG.exception("completing a .future() call failed")
 
 
-#: Why a unary `.future()` in flight at a fork fails in the child.
+#: Why a `.future()` in flight at a fork fails in the child.
 FORKED_AWAY = "the call was made by the parent process before a fork: its reply goes there"
 
 
 #: The process's one: every channel's `.future()` calls and response streams' status watches.
 COMPLETIONS = Completions()
 os.register_at_fork(after_in_child=COMPLETIONS.after_fork)
+
+#: Calls that a thread of their own brings to their end, or starts, while it runs
+#: (`run_on_own_thread`).
+_ON_OWN_THREAD: weakref.WeakSet[Call] = weakref.WeakSet()
+
+
+def run_on_own_thread(call: Call, target: Callable[[], None], name: str) -> None:
+    """Runs `target`, which ends `call` or starts it, on a thread of its own: a `.future()` with
+    a request iterator (the iterator's thread), or a call whose call credentials or server are
+    waited for before it starts. A child forked meanwhile has no such thread; the call ends
+    UNAVAILABLE there (`_end_own_threads`), as a unary `.future()` does."""
+    _ON_OWN_THREAD.add(call)
+
+    def run() -> None:
+        try:
+            target()
+        finally:
+            _ON_OWN_THREAD.discard(call)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+
+
+def _end_own_threads() -> None:
+    """In a forked child: the calls whose threads the parent had (`run_on_own_thread`) end, each
+    on a thread of its own, as `Completions.after_fork` ends unary calls (one already over stays
+    as it was)."""
+    calls = list(_ON_OWN_THREAD)
+    _ON_OWN_THREAD.clear()
+    for call in calls:
+        threading.Thread(target=_end_in_child, args=(call._forked,), daemon=True).start()
+
+
+os.register_at_fork(after_in_child=_end_own_threads)
 
 
 class Call(grpc.Call, grpc.Future):
@@ -337,6 +371,10 @@ class Call(grpc.Call, grpc.Future):
             raise
         else:
             self._end(None, response)
+
+    def _forked(self, _ok: bool, error: CallError) -> None:
+        """Its end in a child forked while a thread of the parent's ran it (`run_on_own_thread`)."""
+        self._end(error)
 
     def _resolve(self, ok: bool, value: Any) -> None:
         """The end of a unary `.future()` call (a `UnaryResult`, or its `CallError`), on the

@@ -23,6 +23,7 @@ from ._call import (
     decode,
     deserialize_failed,
     encode,
+    run_on_own_thread,
     serialize_failed,
 )
 from ._credentials import Auth, Security, call_plugins, insecure
@@ -121,7 +122,7 @@ class _MultiCallable:
             finally:
                 self._auth.release(call)
 
-        threading.Thread(target=ask, name="isthmus-start", daemon=True).start()
+        run_on_own_thread(call, ask, "isthmus-start")
         return call
 
     def _encode(self, request: Any) -> bytes:
@@ -203,7 +204,7 @@ class _MultiCallable:
             request,
             self._serialize,
         )
-        threading.Thread(target=call._complete, args=args, name="isthmus-future", daemon=True).start()
+        run_on_own_thread(call, functools.partial(call._complete, *args), "isthmus-future")
         return call
 
     def _stream(
