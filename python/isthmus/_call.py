@@ -176,7 +176,7 @@ class Completions:
 
 def _end_in_child(done: Callable[[bool, Any], None]) -> None:
     """Ends, in a forked child, a call its parent had in flight (`Completions.after_fork`,
-    `_end_own_threads`)."""
+    `_after_fork_in_child`)."""
     try:
         done(False, CallError(grpc.StatusCode.UNAVAILABLE.value[0], FORKED_AWAY))
     except Exception:
@@ -189,40 +189,45 @@ FORKED_AWAY = "the call was made by the parent process before a fork: its reply 
 
 #: The process's one: every channel's `.future()` calls and response streams' status watches.
 COMPLETIONS = Completions()
-os.register_at_fork(after_in_child=COMPLETIONS.after_fork)
 
 #: Calls that a thread of their own brings to their end, or starts, while it runs
-#: (`run_on_own_thread`).
-_ON_OWN_THREAD: weakref.WeakSet[Call] = weakref.WeakSet()
+#: (`run_on_own_thread`), by the thread's token: one call may have two such threads at once
+#: (the one that asked its credentials starts the one that runs it).
+_ON_OWN_THREAD: weakref.WeakValueDictionary[int, Call] = weakref.WeakValueDictionary()
+_OWN_THREADS = itertools.count()
 
 
 def run_on_own_thread(call: Call, target: Callable[[], None], name: str) -> None:
     """Runs `target`, which ends `call` or starts it, on a thread of its own: a `.future()` with
     a request iterator (the iterator's thread), or a call whose call credentials or server are
     waited for before it starts. A child forked meanwhile has no such thread; the call ends
-    UNAVAILABLE there (`_end_own_threads`), as a unary `.future()` does."""
-    _ON_OWN_THREAD.add(call)
+    UNAVAILABLE there (`_after_fork_in_child`), as a unary `.future()` does."""
+    token = next(_OWN_THREADS)
+    _ON_OWN_THREAD[token] = call
 
     def run() -> None:
         try:
             target()
         finally:
-            _ON_OWN_THREAD.discard(call)
+            _ON_OWN_THREAD.pop(token, None)
 
     threading.Thread(target=run, name=name, daemon=True).start()
 
 
-def _end_own_threads() -> None:
-    """In a forked child: the calls whose threads the parent had (`run_on_own_thread`) end, each
-    on a thread of its own, as `Completions.after_fork` ends unary calls (one already over stays
-    as it was)."""
-    calls = list(_ON_OWN_THREAD)
-    _ON_OWN_THREAD.clear()
+def _after_fork_in_child() -> None:
+    """In a forked child: the calls the parent had in flight on threads of their own
+    (`run_on_own_thread`) end UNAVAILABLE, each on a thread of its own, as
+    `Completions.after_fork` ends the unary ones (a call already over stays as it was). Both
+    are taken before any such thread starts, since a done callback may start new calls."""
+    global _ON_OWN_THREAD
+    taken, _ON_OWN_THREAD = _ON_OWN_THREAD, weakref.WeakValueDictionary()
+    calls = {id(call): call for call in taken.values()}.values()
+    COMPLETIONS.after_fork()
     for call in calls:
         threading.Thread(target=_end_in_child, args=(call._forked,), daemon=True).start()
 
 
-os.register_at_fork(after_in_child=_end_own_threads)
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class Call(grpc.Call, grpc.Future):

@@ -232,13 +232,15 @@ def test_a_unary_future_in_flight_at_the_fork_ends_unavailable_in_the_child(
         channel.close()
 
 
+@pytest.mark.parametrize("wait_for_ready", [False, True])
 def test_a_stream_unary_future_in_flight_at_the_fork_ends_unavailable_in_the_child(
-    servers: Callable[[str], Served], pb: ModuleType, pb_grpc: ModuleType
+    servers: Callable[[str], Served], pb: ModuleType, pb_grpc: ModuleType, wait_for_ready: bool
 ) -> None:
     """A `.future()` with a request iterator runs on a thread of its own, which a forked child
     does not have: in flight at the fork, it ends UNAVAILABLE in the child, as a unary one does
     (before, its `result()` waited for ever there), and its done callbacks run; the parent's
-    ends as usual once its iterator does."""
+    ends as usual once its iterator does. With `wait_for_ready` on a channel not yet connected,
+    a thread waits for the server and starts the one that runs the call."""
     served = servers("rust")
     channel = isthmus.insecure_channel(served.addresses["shm"])
     sent, finish = threading.Event(), threading.Event()
@@ -250,7 +252,8 @@ def test_a_stream_unary_future_in_flight_at_the_fork_ends_unavailable_in_the_chi
         yield pb.EchoRequest(seq=2)
 
     try:
-        future = pb_grpc.EchoStub(channel).ClientStream.future(requests(), timeout=WATCHDOG)
+        stub = pb_grpc.EchoStub(channel)
+        future = stub.ClientStream.future(requests(), timeout=WATCHDOG, wait_for_ready=wait_for_ready)
         assert sent.wait(WATCHDOG), "the first request did not go"
 
         assert forked(lambda: outcome_of(future)) == {"code": "UNAVAILABLE", "callback": True}

@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import errno
 import gc
+import os
 import queue
 import resource
 import signal
@@ -2091,7 +2092,6 @@ def test_call_credentials_go_over_shm_and_local_credentials_stay_local(tmp_path:
 _INTERRUPTED = """
 import sys, threading, time
 from concurrent import futures
-from pathlib import Path
 import grpc
 import isthmus
 
@@ -2279,25 +2279,25 @@ def test_default_authority_is_what_calls_send_as_their_authority(stubs: Any, kin
         served.close()
 
 
-def _filled_backlog(path: str) -> list[socket.socket]:
-    """Connections to the Unix socket `path`, whose server does not accept, until its backlog
-    turns the next one away (servers listen with the kernel's largest backlog, so this raises
-    the soft limit of open files where it must; the caller restores it)."""
+def _fill_backlog(path: str, queued: list[socket.socket]) -> None:
+    """Connections to the Unix socket `path`, whose server does not accept, into `queued` (the
+    caller closes them, however this ends) until its backlog turns the next one away. Servers
+    listen with the kernel's largest backlog, so this raises the soft limit of open files where
+    it must; the caller restores it."""
     backlog = int(Path("/proc/sys/net/core/somaxconn").read_text())
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    needed = backlog + 256
+    needed = backlog + len(os.listdir("/proc/self/fd")) + 256
     if soft < needed:
         if hard != resource.RLIM_INFINITY and hard < needed:
             pytest.skip(f"a backlog of {backlog} needs {needed} open files; the hard limit is {hard}")
         resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
-    queued = []
     for _ in range(backlog + 2):
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.setblocking(False)
         queued.append(s)
         connected = s.connect_ex(path)
         if connected == errno.EAGAIN:
-            return queued
+            return
         assert connected == 0, (path, errno.errorcode.get(connected, connected))
     pytest.fail("the backlog never filled")
 
@@ -2322,7 +2322,7 @@ def test_a_call_to_a_stopped_server_with_a_full_backlog_ends_at_its_deadline(stu
     limits = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:
         served.peer.stop()
-        queued = _filled_backlog(path)
+        _fill_backlog(path, queued)
         result: queue.Queue[tuple[BaseException, float]] = queue.Queue()
 
         def call() -> None:

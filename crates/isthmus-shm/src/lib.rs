@@ -104,8 +104,9 @@ pub use stats::Counters;
 
 /// Connects to a Unix stream socket at `path` without an unbounded wait: a listener that has
 /// stopped accepting (hung, stopped) and whose backlog is full makes a blocking `connect(2)`
-/// wait for room for ever. `wait` bounds that wait (`TimedOut` past it); `None` waits not at all
-/// (`WouldBlock` at once, and the stream is non-blocking). Any other error is `connect(2)`'s.
+/// wait for room for ever. `wait` bounds that wait (`TimedOut` past it; one try at least, and
+/// the stream comes back blocking, with no timeouts); `None` waits not at all (`WouldBlock` at
+/// once, and the stream is non-blocking). Any other error is `connect(2)`'s.
 pub fn connect_unix(path: &std::path::Path, wait: Option<std::time::Duration>) -> std::io::Result<UnixStream> {
     use std::os::unix::ffi::OsStrExt;
     sys::connect_unix(path.as_os_str().as_bytes(), false, wait)

@@ -42,8 +42,8 @@ impl Incoming {
 
 impl Listener {
     /// Binds `addr`. A socket file left by a crashed server is replaced; one a live server
-    /// answers on, or one whose server has stopped accepting with its backlog full (the probe
-    /// gives up after the handshake timeout), is [`ErrorKind::AddrInUse`]. Creates the listener's shared arena
+    /// answers on, or one whose server has stopped accepting with its backlog full, is
+    /// [`ErrorKind::AddrInUse`]. Creates the listener's shared arena
     /// ([`Config::shared_arena_size`]), which every connection it accepts can carry, if the
     /// policy admits only the server's own user and the kernel can seal it.
     pub fn bind(addr: &Address, cfg: Config) -> Result<Listener> {
@@ -67,9 +67,10 @@ impl Listener {
                         format!("{} exists and is not a socket; refusing to replace it", path.display()),
                     ));
                 }
-                // Bounded: a stopped server's full backlog makes a connect wait for room.
-                match crate::connect_unix(path, Some(cfg.handshake_timeout)) {
-                    // One that connects, or that waits for a backlog that stays full, is alive.
+                // Without waiting: a blocking connect to a server stopped with its backlog full
+                // would wait for room for ever, and that server is alive all the same.
+                match crate::connect_unix(path, None) {
+                    // One that connects is alive.
                     Ok(_) => {
                         return Err(Error::new(
                             ErrorKind::AddrInUse,
@@ -82,7 +83,7 @@ impl Listener {
                             .map_err(|e| Error::io(format!("cannot remove stale socket {}", path.display()), e))?;
                         UnixListener::bind(path).map_err(|e| Error::io(format!("cannot bind {}", path.display()), e))?
                     }
-                    Err(e) if e.kind() == io::ErrorKind::TimedOut => {
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                         return Err(Error::new(
                             ErrorKind::AddrInUse,
                             format!("another server holds {} ({addr}) and does not accept", path.display()),

@@ -1099,8 +1099,19 @@ mod tests {
         });
         assert_eq!(seen, [Some("routed.example:8443".to_owned()), Some("[::1]".to_owned())]);
         let _runtime = runtime.enter();
-        let bad =
-            ["a b", "user@host", "", "host:notaport", "host:", "host:99999", ":443", "[::1]x", "[::1", "[notanip]:1"];
+        let bad = [
+            "a b",
+            "user@host",
+            "",
+            "host:notaport",
+            "host:",
+            "host:99999",
+            "host:+443",
+            ":443",
+            "[::1]x",
+            "[::1",
+            "[notanip]:1",
+        ];
         for bad in bad {
             for target in ["127.0.0.1:1", "unix:/tmp/nowhere.sock", "shm://nowhere"] {
                 let made = Channel::builder(target).authority(bad).connect_lazy();

@@ -35,6 +35,25 @@ fn a_live_servers_socket_is_not_taken() {
     assert_eq!(e.kind(), ErrorKind::AddrInUse, "{e}");
 }
 
+/// `isthmus_shm::connect_unix`: to a listener with room it connects however short the wait, and
+/// the stream comes back with no timeout of its own; to a full backlog it gives up at the wait
+/// (`TimedOut`), or at once without one (`WouldBlock`).
+#[test]
+fn a_bounded_unix_connect_connects_or_says_why_not() {
+    let open = isthmus_tests::fresh_socket("open");
+    let listener = UnixListener::bind(&open).expect("bind");
+    let s = isthmus_shm::connect_unix(&open, Some(Duration::ZERO)).expect("room in the backlog");
+    assert_eq!(s.write_timeout().expect("timeout"), None, "the connect's own timeout is left behind");
+    drop((s, listener));
+    let _ = std::fs::remove_file(&open);
+    let full = isthmus_tests::fresh_socket("full-connect");
+    let _stopped = isthmus_tests::FullBacklog::bind(&full);
+    let e = isthmus_shm::connect_unix(&full, Some(Duration::from_millis(50))).expect_err("full");
+    assert_eq!(e.kind(), std::io::ErrorKind::TimedOut, "{e}");
+    let e = isthmus_shm::connect_unix(&full, None).expect_err("full");
+    assert_eq!(e.kind(), std::io::ErrorKind::WouldBlock, "{e}");
+}
+
 /// A server that has stopped accepting with its backlog full still holds its address, and
 /// binding finds that out within the handshake timeout: the probe's `connect(2)` waited for
 /// room in the backlog with no bound.

@@ -426,19 +426,29 @@ pub(crate) fn connect_unix(
     let deadline = wait.map(|wait| Instant::now() + wait);
     loop {
         if let Some(deadline) = deadline {
+            // At least one try, however short the wait: a microsecond at least, since a zero
+            // timeout is none at all.
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(io::Error::new(io::ErrorKind::TimedOut, "connect: the deadline passed"));
-            }
-            set_send_timeout(fd.as_fd(), left)?;
+            set_send_timeout(fd.as_fd(), left.max(std::time::Duration::from_micros(1)))?;
         }
         // SAFETY: `addr` is a sockaddr_un valid for `len` bytes (family, name and a path's NUL).
         let ret = unsafe { libc::connect(fd.as_raw_fd(), (&addr as *const libc::sockaddr_un).cast(), len) };
         match cvt(ret) {
-            Ok(_) => return Ok(UnixStream::from(fd)),
+            Ok(_) => {
+                if wait.is_some() {
+                    // The stream's writes get no timeout of ours.
+                    set_send_timeout(fd.as_fd(), std::time::Duration::ZERO)?;
+                }
+                return Ok(UnixStream::from(fd));
+            }
             // A Unix socket's connect that a signal interrupted has not connected: a retry
             // starts over, with what is left of the time.
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    return Err(io::Error::new(io::ErrorKind::TimedOut, "connect: the deadline passed"));
+                }
+                continue;
+            }
             // What the send timeout's expiry reports: the backlog stayed full.
             Err(e) if e.kind() == io::ErrorKind::WouldBlock && wait.is_some() => {
                 return Err(io::Error::new(
@@ -451,9 +461,9 @@ pub(crate) fn connect_unix(
     }
 }
 
-/// Sets a socket's send timeout (`SO_SNDTIMEO`); at least a microsecond, since zero means none.
+/// Sets a socket's send timeout (`SO_SNDTIMEO`), in whole microseconds; `Duration::ZERO` is
+/// none at all, as the kernel reads a zero timeval.
 fn set_send_timeout(sock: BorrowedFd<'_>, timeout: std::time::Duration) -> io::Result<()> {
-    let timeout = timeout.max(std::time::Duration::from_micros(1));
     let tv = libc::timeval {
         tv_sec: libc::time_t::try_from(timeout.as_secs()).unwrap_or(libc::time_t::MAX),
         // Under a million: fits every platform's suseconds_t.

@@ -258,18 +258,21 @@ impl HttpListener {
             Target::Unix(path) => {
                 // Without waiting: a server stopped with its backlog full would hold a blocking
                 // connect for ever, and it is alive all the same.
-                let probe = isthmus_shm::connect_unix(path, None);
-                if probe.is_ok() || probe.is_err_and(|e| e.kind() == std::io::ErrorKind::WouldBlock) {
-                    return Err(Status::new(
-                        Code::AlreadyExists,
-                        format!("a server is already listening on {}", path.display()),
-                    ));
-                }
-                // Only a socket left by a dead server is replaced; any other file stays, and the
-                // bind below reports it.
-                use std::os::unix::fs::FileTypeExt;
-                if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
-                    let _ = std::fs::remove_file(path);
+                use std::io::ErrorKind;
+                match isthmus_shm::connect_unix(path, None) {
+                    Ok(_) => return Err(in_use(path)),
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => return Err(in_use(path)),
+                    // Only a socket nobody listens on (a dead server's) is replaced; any other
+                    // file stays, and the bind below reports it.
+                    Err(e) if e.kind() == ErrorKind::ConnectionRefused => {
+                        use std::os::unix::fs::FileTypeExt;
+                        if std::fs::symlink_metadata(path).is_ok_and(|m| m.file_type().is_socket()) {
+                            let _ = std::fs::remove_file(path);
+                        }
+                    }
+                    Err(e) if e.kind() == ErrorKind::NotFound => {}
+                    // One we may not connect to (another user's, say) is not ours to remove.
+                    Err(e) => return Err(unavailable(format!("cannot probe {}: {e}", path.display()))),
                 }
                 let std = std::os::unix::net::UnixListener::bind(path)
                     .map_err(|e| unavailable(format!("cannot bind {}: {e}", path.display())))?;
@@ -911,6 +914,11 @@ pub(crate) fn http_endpoint(
     Ok(endpoint.http2_max_header_list_size(MAX_HEADER_LIST))
 }
 
+/// The error for a `unix:` path a live server holds.
+fn in_use(path: &std::path::Path) -> Status {
+    Status::new(Code::AlreadyExists, format!("a server is already listening on {}", path.display()))
+}
+
 /// An authority a channel was given (grpcio's `grpc.default_authority`, grpc-go's
 /// `WithAuthority`), as a URI takes it: `host[:port]`, a bare IPv6 literal bracketed; no user
 /// part, path or spaces (INVALID_ARGUMENT).
@@ -922,7 +930,9 @@ pub(crate) fn checked_authority(given: &str) -> Result<String, Status> {
     let host_ok = !host.is_empty()
         && !host.contains(['/', '[', ']', ' ', '@', '?', '#'])
         && (!(bracketed || host.contains(':')) || host.parse::<std::net::Ipv6Addr>().is_ok());
-    let port_ok = port.is_none_or(|p| p.parse::<u16>().is_ok());
+    // Digits only: `u16`'s parser takes a leading `+`, and so does the URI's.
+    let port_ok =
+        port.is_none_or(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) && p.parse::<u16>().is_ok());
     // What the URI's own parser refuses besides (control bytes, `%` not followed by hex…).
     if !host_ok || !port_ok || authority.parse::<http::uri::Authority>().is_err() {
         return Err(bad());
