@@ -293,14 +293,13 @@ impl Channel {
     fn start_by(&self, path: &str, options: &CallOptions, patience: Option<Instant>) -> Result<Call, Option<Status>> {
         check_start(path, options)?;
         let deadline = options.timeout.and_then(crate::call::deadline_in);
-        self.start_with(None, path, options, deadline, patience, None, None).map(|(call, _)| call)
+        self.start_with(None, path, options, deadline, patience, None).map(|(call, _)| call)
     }
 
     /// [`start_by`](Self::start_by) with the call's deadline already set (a unary call sets it
     /// before it stages its request, and keeps it), sending `first`, the call's only request,
     /// inside its HEADERS when it can (a one-frame call, `request_in_head`); whether it did.
     /// `live` is the connection the caller just took for it, if it did.
-    #[allow(clippy::too_many_arguments)] // open's, and the connection to open it on
     fn start_with(
         &self,
         mut live: Option<Arc<Mux>>,
@@ -308,7 +307,6 @@ impl Channel {
         options: &CallOptions,
         deadline: Option<Instant>,
         patience: Option<Instant>,
-        slice: Option<Duration>,
         first: Option<&[u8]>,
     ) -> Result<(Call, bool), Option<Status>> {
         let mut again = true;
@@ -317,7 +315,7 @@ impl Channel {
                 Some(mux) => mux,
                 None => self.mux_for_call(options.wait_for_ready, deadline)?,
             };
-            match self.open(mux.clone(), path, options, deadline, patience, slice, first) {
+            match self.open(mux.clone(), path, options, deadline, patience, first) {
                 // As the async client's `start`: a call whose connection died before its HEADERS
                 // went out never reached the server, and starts once more on a new connection.
                 Err(Some(_)) if again && !mux.takes_calls() => again = false,
@@ -326,10 +324,6 @@ impl Channel {
         }
     }
 
-    /// Opens a call on `mux`: its HEADERS (with `first` inside if it fits) sent, waiting for
-    /// ring room until the deadline or `patience`, and with `slice` no longer than that from
-    /// when the wait begins (the ring full; `Err(None)` past either, nothing sent).
-    #[allow(clippy::too_many_arguments)] // a call's start, its bounds, and what it carries
     fn open(
         &self,
         mux: Arc<Mux>,
@@ -337,7 +331,6 @@ impl Channel {
         options: &CallOptions,
         deadline: Option<Instant>,
         patience: Option<Instant>,
-        slice: Option<Duration>,
         first: Option<&[u8]>,
     ) -> Result<(Call, bool), Option<Status>> {
         let stream = mux.register(self.inner.slot.next_stream())?;
@@ -346,20 +339,7 @@ impl Channel {
         let by = sooner(deadline, patience);
         let first = first.filter(|m| request_in_head(&call.state, &head, m));
         let (f, body) = head_frame(&head, first);
-        let sender = &call.state.mux.sender;
-        let sent = match slice {
-            None => sender.send_parts(Kind::Headers, f, call.state.id(), &body, by),
-            // The clock is read only for a head that waits: most find room at once.
-            Some(slice) => match sender.try_send_parts(Kind::Headers, f, call.state.id(), &body) {
-                Ok(true) => Ok(()),
-                Ok(false) => {
-                    let by = sooner(by, Instant::now().checked_add(slice));
-                    sender.send_parts(Kind::Headers, f, call.state.id(), &body, by)
-                }
-                Err(e) => Err(e),
-            },
-        };
-        match sent {
+        match call.state.mux.sender.send_parts(Kind::Headers, f, call.state.id(), &body, by) {
             Ok(()) => Ok((call, first.is_some())),
             Err(e) if impatient(&e, deadline) => Err(None),
             Err(e) => Err(Some(Status::from_transport(&e))),
@@ -375,13 +355,12 @@ impl Channel {
 
     /// [`unary`](Self::unary) for a caller that has something else to look at while it waits
     /// (a Python thread its signal handlers, as grpcio's waits do): `check` runs each time
-    /// `every` passes with the call still running, or still waiting for ring room for its head
-    /// (with a request inside, up to `inline_max`), or for arena room for a request sent as one
-    /// block (up to half the arena): nothing is sent before that room is there, so the wait is
-    /// taken in slices without restarting anything. An `Err` from it cancels the call (the
-    /// server sees CANCELLED) and is returned; the call's own outcome is the `Ok`. Not sliced: a
-    /// wait for ring room for a request that follows its head, and for arena room for a larger
-    /// request's pieces.
+    /// `every` passes with the call still running, or still waiting for arena room for a
+    /// request sent as one block (up to half the arena: nothing is sent before that room is
+    /// there, so the wait is taken in slices without restarting anything). An `Err` from it
+    /// cancels the call (the server sees CANCELLED) and is returned; the call's own outcome is
+    /// the `Ok`. Not sliced: a wait for ring room for the call's head or request, and for arena
+    /// room for a larger request's pieces, which go after its head.
     pub fn unary_checked<E>(
         &self,
         path: &str,
@@ -397,7 +376,7 @@ impl Channel {
         let (mut call, _) = loop {
             match self.begin_by(path, request, &options, deadline, Room::Slice(every), None) {
                 Ok(Some(begun)) => break begun,
-                Ok(None) => check()?, // no ring or arena room yet: nothing went out
+                Ok(None) => check()?, // no arena room yet: nothing went out
                 Err(status) => return Ok(Err(status)),
             }
         };
@@ -492,16 +471,10 @@ impl Channel {
         room: Room,
         patience: Option<Instant>,
     ) -> Result<Option<(Call, usize)>, Status> {
-        // A wait for ring room for the head is sliced as the one for arena room: past a slice
-        // nothing has gone out. One for a request that follows the head is not.
-        let slice = match room {
-            Room::Slice(slice) => Some(slice),
-            Room::Until(_) => None,
-        };
         let live = match self.stage(request, options, deadline, room)? {
             Staged::Usual(live) => live,
             Staged::NoRoom => return Ok(None),
-            Staged::Ready(mux, block) => match self.open(mux.clone(), path, options, deadline, patience, slice, None) {
+            Staged::Ready(mux, block) => match self.open(mux.clone(), path, options, deadline, patience, None) {
                 Ok((call, _)) => return send_last(call, Body::Block(block), patience),
                 Err(None) => return Ok(None),
                 // Its HEADERS never went out: as `start_by`, once more on a new connection.
@@ -509,7 +482,7 @@ impl Channel {
                 Err(Some(status)) => return Err(status),
             },
         };
-        let call = match self.start_with(live, path, options, deadline, patience, slice, Some(request)) {
+        let call = match self.start_with(live, path, options, deadline, patience, Some(request)) {
             Ok((call, true)) => return Ok(Some((call, request.len()))),
             Ok((call, false)) => call,
             Err(None) => return Ok(None),
