@@ -255,9 +255,8 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 		defer C.free(unsafe.Pointer(copts.user_agent))
 	}
 	if o.authority != "" {
-		if strings.IndexByte(o.authority, 0) >= 0 {
-			// C would end the string there.
-			return nil, status.Errorf(codes.InvalidArgument, "authority %q is not HOST[:PORT]", o.authority)
+		if err := noNUL("authority", o.authority); err != nil {
+			return nil, err
 		}
 		copts.authority = C.CString(o.authority)
 		defer C.free(unsafe.Pointer(copts.authority))

@@ -19,11 +19,12 @@ import (
 // (http://, or host:port without WithTLS), where grpc-go's Dial refuses them too.
 //
 // GetRequestMetadata is given grpc-go's uri, "https://" + the connection's authority + the
-// service ("https://example.com/pkg.Service", a :443 port left out); the authority is the
-// target's host:port, WithTLS's ServerName if set, and "localhost" for shm:// and unix://
-// targets, as grpc-go names a unix socket's; WithAuthority's in place of all of them. Its context has a credentials.RequestInfo with
-// the method and an AuthInfo of the connection's security level ("tls" or "local" with
-// credentials.PrivacyAndIntegrity, "insecure" with credentials.NoSecurity).
+// service ("https://example.com/pkg.Service", a :443 port left out); the authority is
+// WithAuthority's if set, else the target's host:port, WithTLS's ServerName if set, and
+// "localhost" for shm:// and unix:// targets, as grpc-go names a unix socket's. Its context has
+// a credentials.RequestInfo with the method and an AuthInfo of the connection's security level
+// ("tls" or "local" with credentials.PrivacyAndIntegrity, "insecure" with
+// credentials.NoSecurity).
 // An error from it fails the call as grpc-go's does: a status error with its own code (one of
 // the codes gRFC A54 keeps from the control plane becomes codes.Internal), another error
 // with codes.Unauthenticated (codes.Internal from the call option's credentials).

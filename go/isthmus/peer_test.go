@@ -176,14 +176,7 @@ func (authorityService) Unary(ctx context.Context, _ *pb.EchoRequest) (*pb.EchoR
 func TestWithAuthorityIsTheAuthorityCallsSendAsGrpcGos(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
-	l, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	theirs := grpc.NewServer()
-	pb.RegisterEchoServer(theirs, authorityService{})
-	go theirs.Serve(l)
-	defer theirs.Stop()
+	target := startGrpcServing(t, authorityService{})
 	seen := func(conn grpc.ClientConnInterface) string {
 		reply, err := pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{})
 		if err != nil {
@@ -191,7 +184,6 @@ func TestWithAuthorityIsTheAuthorityCallsSendAsGrpcGos(t *testing.T) {
 		}
 		return string(reply.Payload)
 	}
-	target := l.Addr().String()
 	for _, given := range []string{"", "routed.example:8443"} {
 		// Per-RPC credentials are told the authority in their uri, by both.
 		theirCreds, ourCreds := &tokenCreds{}, &tokenCreds{}
@@ -219,7 +211,7 @@ func TestWithAuthorityIsTheAuthorityCallsSendAsGrpcGos(t *testing.T) {
 			t.Errorf("authority %q: credentials told %v, grpc-go's %v", given, ourURIs, theirURIs)
 		}
 	}
-	_, err = isthmus.Dial(target, isthmus.WithAuthority("a b"))
+	_, err := isthmus.Dial(target, isthmus.WithAuthority("a b"))
 	if status.Code(err) != codes.InvalidArgument {
 		t.Fatalf("a bad authority: %v", err)
 	}

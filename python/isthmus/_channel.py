@@ -661,7 +661,8 @@ class Channel(grpc.Channel):
         self._max_send, max_receive = limits(options)
         self._compression = channel_compression(compression, options)
         security = security or insecure(target)
-        self._auth = Auth(security, target, default_authority(options))
+        authority = default_authority(options)
+        self._auth = Auth(security, target, authority)
         self._native = _native.Channel(
             target,
             security.tls,
@@ -669,7 +670,7 @@ class Channel(grpc.Channel):
             max_receive,
             keepalive(options),
             user_agent(options),
-            default_authority(options),
+            authority,
         )
         self._connectivity = _Connectivity(self._native)
 

@@ -1064,16 +1064,7 @@ mod tests {
     #[test]
     fn a_channel_given_an_authority_sends_it() {
         let runtime = tokio::runtime::Builder::new_current_thread().enable_all().build().expect("runtime");
-        // A directory of this test's own, removed however the test ends.
-        struct Dir(std::path::PathBuf);
-        impl Drop for Dir {
-            fn drop(&mut self) {
-                let _ = std::fs::remove_dir_all(&self.0);
-            }
-        }
-        let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
-        let dir = Dir(std::env::temp_dir().join(format!("isthmus-authority-{}-{nanos}", std::process::id())));
-        std::fs::create_dir_all(&dir.0).expect("dir");
+        let dir = crate::testing::TempDir::new("authority");
         let dir = &dir.0;
         let seen = runtime.block_on(async {
             let tcp = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");

@@ -87,6 +87,29 @@ pub use isthmus_shm::{
     SharedBlockMut, SocketBell, SpinPolicy,
 };
 
+/// What the crate's unit tests share.
+#[cfg(test)]
+pub(crate) mod testing {
+    /// A directory of one test's own, made fresh and removed however the test ends.
+    pub(crate) struct TempDir(pub(crate) std::path::PathBuf);
+
+    impl TempDir {
+        /// A new directory named after `tag`, this process and the time.
+        pub(crate) fn new(tag: &str) -> TempDir {
+            let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_nanos());
+            let dir = TempDir(std::env::temp_dir().join(format!("isthmus-{tag}-{}-{nanos}", std::process::id())));
+            std::fs::create_dir_all(&dir.0).expect("the test's directory");
+            dir
+        }
+    }
+
+    impl Drop for TempDir {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+}
+
 /// Entry points for the fuzz targets (`fuzz/`): decoders of what HTTP/2 peers send. Not API.
 #[doc(hidden)]
 pub mod fuzz {

@@ -829,19 +829,9 @@ async fn grace_over(
 mod tests {
     use super::*;
 
-    /// Removes its directory, whatever the test's outcome.
-    struct TempDir(std::path::PathBuf);
-
-    impl Drop for TempDir {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-
     #[test]
     fn the_sweep_removes_only_dead_processes_loopback_sockets() {
-        let dir = TempDir(std::env::temp_dir().join(format!("isthmus-sweep-{}", std::process::id())));
-        std::fs::create_dir_all(&dir.0).expect("the test's directory");
+        let dir = crate::testing::TempDir::new("sweep");
         // No process has an id above the kernel's limit (pid_max is at most 2^22).
         let dead = 1u32 << 23;
         let me = std::process::id();

@@ -894,9 +894,9 @@ pub(crate) type Connecting = Pin<Box<dyn Future<Output = std::io::Result<Io>> + 
 pub(crate) const MAX_HEADER_LIST: u32 = 16 << 20;
 
 /// tonic's endpoint for an HTTP/2 target. Its URI's authority, which its calls send as
-/// `:authority`, is `chosen` if the channel was given one, else `localhost` for a unix socket,
-/// as grpc-go and h2 expect, and the target's own for TCP (`Target::Tcp`'s `authority`); the
-/// connector connects to the addresses either way.
+/// `:authority`, is `chosen` if the channel was given one (already [`checked_authority`]'s),
+/// else `localhost` for a unix socket, as grpc-go and h2 expect, and the target's own for TCP
+/// (`Target::Tcp`'s `authority`); the connector connects to the addresses either way.
 pub(crate) fn http_endpoint(
     target: &Target,
     tls: bool,
@@ -904,9 +904,9 @@ pub(crate) fn http_endpoint(
 ) -> Result<tonic::transport::Endpoint, Status> {
     let authority = match (target, chosen) {
         (Target::Shm(t), _) => return Err(Status::new(Code::Internal, format!("{t} is not an HTTP/2 target"))),
-        (_, Some(chosen)) => checked_authority(chosen)?,
-        (Target::Unix(_) | Target::UnixAbstract(_), None) => "localhost".to_owned(),
-        (Target::Tcp { authority, .. }, None) => authority.clone(),
+        (_, Some(chosen)) => chosen,
+        (Target::Unix(_) | Target::UnixAbstract(_), None) => "localhost",
+        (Target::Tcp { authority, .. }, None) => authority.as_str(),
     };
     let uri = format!("{}://{authority}", if tls { "https" } else { "http" });
     let endpoint =
@@ -924,20 +924,20 @@ fn in_use(path: &std::path::Path) -> Status {
 /// part, path or spaces (INVALID_ARGUMENT).
 pub(crate) fn checked_authority(given: &str) -> Result<String, Status> {
     let authority = as_authority(given);
-    let bad = || Status::new(Code::InvalidArgument, format!("authority {given:?} is not HOST[:PORT]"));
     let (host, port) = split_host_port(&authority);
-    let bracketed = authority.starts_with('[');
-    let host_ok = !host.is_empty()
-        && !host.contains(['/', '[', ']', ' ', '@', '?', '#'])
-        && (!(bracketed || host.contains(':')) || host.parse::<std::net::Ipv6Addr>().is_ok());
-    // Digits only: `u16`'s parser takes a leading `+`, and so does the URI's.
-    let port_ok =
-        port.is_none_or(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) && p.parse::<u16>().is_ok());
-    // What the URI's own parser refuses besides (control bytes, `%` not followed by hex…).
-    if !host_ok || !port_ok || authority.parse::<http::uri::Authority>().is_err() {
-        return Err(bad());
+    // A target's rules for its host and port (`host_port`), and stricter ones where a target's
+    // address would fail later, at connect, but an authority would go out as it is: a bracketed
+    // host is an IPv6 address, and a port is digits only (`u16`'s parser takes a leading `+`,
+    // and so does the URI's). Then what the URI's own parser refuses besides (control bytes,
+    // `%` not followed by hex…).
+    let ok = host_port(&authority, 0).is_ok()
+        && (!authority.starts_with('[') || host.parse::<std::net::Ipv6Addr>().is_ok())
+        && port.is_none_or(|p| p.bytes().all(|b| b.is_ascii_digit()))
+        && authority.parse::<http::uri::Authority>().is_ok();
+    match ok {
+        true => Ok(authority),
+        false => Err(Status::new(Code::InvalidArgument, format!("authority {given:?} is not HOST[:PORT]"))),
     }
-    Ok(authority)
 }
 
 /// The host of an authority (`checked_authority`'s), without its port or an IPv6 literal's
