@@ -194,3 +194,31 @@ def test_many_unary_futures_wait_together_with_no_thread_each(
             cancelled.result()
     finally:
         channel.close()
+
+
+@pytest.mark.parametrize(("api", "transport"), SYNC, ids=["-".join(p) for p in SYNC])
+def test_a_handshake_slower_than_the_first_calls_deadline_still_connects_the_channel(
+    api: str, transport: str, stubs: Path
+) -> None:
+    """A stopped server answers a new connection's handshake only once it goes on, after the
+    first call's deadline: that call fails DEADLINE_EXCEEDED, and the attempt it began goes on
+    and connects the channel, as grpcio's does. isthmus's ended with the call, so a channel
+    whose calls all had less time than a handshake never connected."""
+    served = serve("rust", [transport], stubs)
+    channel = _sync_channel(api, served.addresses[transport])
+    seen = _Seen()
+    try:
+        served.peer.stop()
+        echo = channel.unary_unary("/conformance.Echo/Unary")
+        with pytest.raises(grpc.RpcError) as failed:
+            echo(b"", timeout=0.3)
+        assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED, failed.value
+        channel.subscribe(seen)  # looks, without asking for a connection
+        served.peer.resume()
+        seen.wait_for(lambda s: bool(s) and s[-1] is State.READY)
+        assert isinstance(echo(b"", timeout=EVENTUALLY_S), bytes)  # answered
+    finally:
+        channel.unsubscribe(seen)
+        channel.close()
+        served.peer.resume()
+        served.close()

@@ -2439,9 +2439,18 @@ def test_ctrl_c_ends_a_wait_for_room_for_the_request(stubs: Any) -> None:
     calls raise it in every wait (its own call of 30 MiB to a stopped server does not even end
     at its deadline, but Ctrl-C ends it). Before, that wait held no slices and went on until
     the server let some room go."""
+    _interrupted_in_a_wait(
+        stubs, _INTERRUPTED_WAITING_FOR_ROOM, ["DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED", "waiting"]
+    )
+
+
+def _interrupted_in_a_wait(stubs: Any, script: str, before: list[str]) -> None:
+    """Runs `script` against a Rust server on shm://, stops the server once the script says
+    `connected`, lets the script go on, reads the lines `before` from it, then sends it SIGINT:
+    it must say `interrupted` and end."""
     served = serve("rust", ["shm"], stubs)
     try:
-        argv = [sys.executable, "-c", _INTERRUPTED_WAITING_FOR_ROOM, served.addresses["shm"]]
+        argv = [sys.executable, "-c", script, served.addresses["shm"]]
         child = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         try:
             assert child.stdin is not None and child.stdout is not None
@@ -2449,8 +2458,8 @@ def test_ctrl_c_ends_a_wait_for_room_for_the_request(stubs: Any) -> None:
             served.peer.stop()
             child.stdin.write("go\n")
             child.stdin.flush()
-            seen = [child.stdout.readline().strip() for _ in range(3)]
-            assert seen == ["DEADLINE_EXCEEDED", "DEADLINE_EXCEEDED", "waiting"], seen
+            seen = [child.stdout.readline().strip() for _ in before]
+            assert seen == before, seen
             threading.Event().wait(0.5)  # into its wait by now, most likely; if not, it is all the same
             child.send_signal(signal.SIGINT)
             out, _ = child.communicate(timeout=30)
@@ -2461,6 +2470,48 @@ def test_ctrl_c_ends_a_wait_for_room_for_the_request(stubs: Any) -> None:
     finally:
         served.peer.resume()
         served.close()
+
+
+_INTERRUPTED_WAITING_FOR_THE_RING = """
+import sys, threading, time
+import grpc
+import isthmus
+
+request = b"x" * (6 << 10)  # inside its call's HEADERS
+with isthmus.insecure_channel(sys.argv[1]) as channel:
+    call = channel.unary_unary("/conformance.Echo/Unary")
+    call(b"", timeout=30)  # connected
+    print("connected", flush=True)
+    sys.stdin.readline()
+
+    # The server is stopped now: no frame leaves the 1 MiB ring, and these threads' calls fill
+    # it, until some wait for room (counted), and so will the main thread's.
+    def fill():
+        try:
+            call(request, timeout=60)
+        except grpc.RpcError:
+            pass
+
+    for _ in range(300):
+        threading.Thread(target=fill, daemon=True).start()
+    end = time.monotonic() + 30
+    while channel.stats().ring_full_waits == 0 and time.monotonic() < end:
+        time.sleep(0.01)
+    print("full" if channel.stats().ring_full_waits else "never full", flush=True)
+    try:
+        print("waiting", flush=True)
+        call(request)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_ends_a_wait_for_ring_room_for_the_calls_head(stubs: Any) -> None:
+    """SIGINT while the main thread's unary call waits for room in its connection's ring for
+    its head (a stopped server reads none of the frames other threads' calls sent):
+    KeyboardInterrupt, as grpcio's calls raise it in every wait. Before, that wait held no
+    slices and went on until the server read some frames."""
+    _interrupted_in_a_wait(stubs, _INTERRUPTED_WAITING_FOR_THE_RING, ["full", "waiting"])
 
 
 def _counted(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:

@@ -259,7 +259,8 @@ impl Channel {
         }
         match channel.connect_by(deadline) {
             Ok(()) => Ok(Some(channel)),
-            // A handshake the call's deadline cut short: that says nothing of the connection.
+            // The call's deadline came before the handshake ended (which goes on): that says
+            // nothing of the connection.
             Err(status) if status.code() == Code::DeadlineExceeded => Err(status),
             Err(_) => {
                 self.engine.upgrade_lost(&to);

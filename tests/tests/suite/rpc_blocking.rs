@@ -295,6 +295,152 @@ fn a_send_that_would_wait_for_room_gives_up_after_its_patience() {
     assert!(first_mismatch(&r.message, 2).is_none());
 }
 
+/// A blocking channel with a small ring to `server`, which is then stopped with the ring full
+/// of one-frame calls begun with `unary_begin_within` (returned, to be waited for): none of
+/// their frames leaves the ring until it goes on.
+fn ring_filled(server: &Peer, addr: &str, request: &[u8]) -> (Channel, Vec<isthmus::blocking::PendingUnary>) {
+    let config = isthmus::Config { ring_size: 64 << 10, ..isthmus::Config::default() };
+    let ch = Channel::connect_with(addr, config).expect("connect");
+    ch.unary("/test.Echo/Unary", b"connected", CallOptions::default()).expect("first call");
+    server.stop();
+    let patience = Duration::from_millis(50);
+    let mut begun = Vec::new();
+    loop {
+        match ch.unary_begin_within("/test.Echo/Unary", request, &CallOptions::default(), patience) {
+            Ok(Some(call)) => begun.push(call),
+            Ok(None) => break,
+            Err(status) => panic!("begun {}: {status}", begun.len()),
+        }
+        assert!(begun.len() < 1000, "a 64 KiB ring of a stopped server took 1,000 calls of 1 KiB");
+    }
+    (ch, begun)
+}
+
+#[test]
+fn a_head_that_finds_no_ring_room_in_time_leaves_no_trace() {
+    // A call given up before its HEADERS went out is not a call: it is not counted, and no
+    // CANCEL follows it (before, it counted as started and cancelled, and a CANCEL for a stream
+    // the server never heard of waited for ring room). The fast path of an event loop's call
+    // gives up so, then sends the request another way.
+    let (server, addr) = server();
+    let request = pattern(1 << 10, 3);
+    let (ch, begun) = ring_filled(&server, &addr, &request);
+    let n = begun.len() as u64 + 1; // and the first call
+    let before = ch.counters();
+    assert_eq!((before.calls_started, before.finished(Code::Ok)), (n, 1), "{before:?}");
+    for _ in 0..3 {
+        let given_up =
+            ch.unary_begin_within("/test.Echo/Unary", &request, &CallOptions::default(), Duration::from_millis(20));
+        assert!(given_up.expect("no error").is_none(), "the ring is still full");
+    }
+    let after = ch.counters();
+    assert_eq!(after.calls_started, n, "calls given up before they went out are not counted");
+    assert_eq!(after.finished(Code::Cancelled), 0, "nor cancelled");
+    assert_eq!(after.transport.frames_sent, before.transport.frames_sent, "nothing more went out");
+    assert_eq!(after.transport.bytes_sent, before.transport.bytes_sent, "nor counted as sent");
+    server.resume();
+    for call in begun {
+        let r = call.wait().expect("answered once the server goes on");
+        assert_eq!(first_mismatch(&r.message, 3), None);
+    }
+    let last = ch.counters();
+    assert_eq!((last.calls_started, last.finished(Code::Ok), last.finished(Code::Cancelled)), (n, n, 0), "{last:?}");
+}
+
+#[test]
+fn a_checked_unary_call_looks_between_slices_of_its_wait_for_ring_room() {
+    // Python's blocking calls wait so, looking at Ctrl-C between slices. Before, a wait for ring
+    // room for the head was not sliced: `check` never ran until the server read again. A
+    // request too large for the head travels in an arena block, given back when the call is
+    // given up.
+    let (server, addr) = server();
+    let (ch, begun) = ring_filled(&server, &addr, &pattern(1 << 10, 4));
+    let n = begun.len() as u64 + 1;
+    let (in_use, sent) = (ch.counters().transport.arena_in_use, ch.counters().transport.bytes_sent);
+    // Metadata of 2 KiB: a head too large for what the 1 KiB calls left of the ring.
+    let mut metadata = MetadataMap::new();
+    metadata.append("x-pad", &"p".repeat(2 << 10)).expect("metadata");
+    for request in [pattern(1 << 10, 5), pattern(64 << 10, 6)] {
+        let (done, result) = std::sync::mpsc::channel();
+        let waiter = {
+            let ch = ch.clone();
+            let options = CallOptions { metadata: metadata.clone(), ..CallOptions::default() };
+            std::thread::spawn(move || {
+                let mut looks = 0;
+                let outcome =
+                    ch.unary_checked("/test.Echo/Unary", &request, options, Duration::from_millis(20), || {
+                        looks += 1;
+                        if looks < 5 {
+                            Ok(())
+                        } else {
+                            Err(looks)
+                        }
+                    });
+                done.send(outcome.map(|r| r.map(|r| r.message.len()))).expect("the test waits");
+            })
+        };
+        let got = result.recv_timeout(Duration::from_secs(60));
+        if got.is_err() {
+            server.resume(); // lets the waiter go, and the test end
+        }
+        waiter.join().expect("waiter");
+        assert_eq!(got.expect("the wait looked between slices and ended"), Err(5), "ended by the fifth look");
+        let c = ch.counters();
+        assert_eq!((c.calls_started, c.finished(Code::Cancelled)), (n, 0), "left no trace: {c:?}");
+        assert_eq!(c.transport.arena_in_use, in_use, "the staged block went back to the arena");
+        assert_eq!(c.transport.bytes_sent, sent, "no request counted as sent");
+    }
+    server.resume();
+    for call in begun {
+        call.wait().expect("answered once the server goes on");
+    }
+}
+
+#[test]
+fn a_handshake_slower_than_the_calls_deadline_still_connects_the_channel() {
+    // gRPC's connection attempts outlive the call that began them. Before, the handshake was
+    // bounded by the call's deadline: with every call's deadline shorter than a handshake, the
+    // channel never connected. A stopped server takes the connection into its backlog and
+    // answers the handshake only once it goes on.
+    let (server, addr) = server();
+    let ch = Channel::lazy(&addr).expect("lazy");
+    ch.unary("/test.Echo/Unary", b"up", CallOptions::default()).expect("the server is up");
+    // A fresh channel, not connected; a handshake timeout long enough for a loaded machine.
+    let config = isthmus::Config { handshake_timeout: Duration::from_secs(60), ..isthmus::Config::default() };
+    let ch = Channel::lazy_with(&addr, config).expect("lazy");
+    server.stop();
+    let short = CallOptions { timeout: Some(Duration::from_millis(100)), ..CallOptions::default() };
+    let s = ch.unary("/test.Echo/Unary", b"x", short.clone()).expect_err("no handshake within 100 ms");
+    assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+    server.resume(); // within the handshake's timeout
+    let connected = eventually(Duration::from_secs(30), || ch.connectivity(false) == isthmus::Connectivity::Ready);
+    assert!(connected, "the attempt the call began went on and connected the channel");
+    let later = CallOptions { timeout: Some(Duration::from_secs(10)), ..CallOptions::default() };
+    let r = ch.unary("/test.Echo/Unary", b"after", later).expect("a call on the connected channel");
+    assert_eq!(&r.message[..], b"after");
+}
+
+#[test]
+fn closing_the_channel_ends_a_call_waiting_for_a_server() {
+    // `wait_for_ready` with nobody at the address: the call waits between attempts until the
+    // channel closes, then ends UNAVAILABLE "the channel was closed" (Go's `Close` relies on
+    // it, and names grpc-go's status).
+    let ch = Channel::lazy(&fresh_addr("nobody")).expect("lazy");
+    let (done, ended) = std::sync::mpsc::channel();
+    let waiting = {
+        let ch = ch.clone();
+        std::thread::spawn(move || {
+            let opts = CallOptions { wait_for_ready: true, ..CallOptions::default() };
+            let _ = done.send(ch.unary("/test.Echo/Unary", b"x", opts).map(|_| ()));
+        })
+    };
+    std::thread::sleep(Duration::from_millis(100)); // waiting by then, most likely; if not, the same
+    ch.close(isthmus::Status::new(Code::Cancelled, "Channel closed!"));
+    let s = ended.recv_timeout(Duration::from_secs(60)).expect("the call ended").expect_err("closed");
+    assert_eq!((s.code(), s.message()), (Code::Unavailable, "the channel was closed"), "{s}");
+    waiting.join().expect("thread");
+}
+
 #[test]
 fn a_connection_found_dead_by_a_call_no_longer_counts_as_ready() {
     let (mut server, addr) = server();

@@ -724,7 +724,7 @@ fn a_server_that_never_answers_the_handshake_is_unavailable_and_waited_for() {
 
 /// A server that has stopped accepting (hung, or stopped with SIGSTOP) and whose listen backlog
 /// is full: `connect(2)` itself waits for room. That wait is bounded as the handshake is, by the
-/// handshake timeout and by the call's deadline; it had no bound, and the call hung.
+/// handshake timeout, and the call by its deadline; it had no bound, and the call hung.
 #[test]
 fn a_server_whose_listen_backlog_is_full_is_unavailable_and_waited_for() {
     let path = fresh_socket("full");
@@ -1795,5 +1795,28 @@ fn a_handler_that_blocks_its_thread_stops_holding_up_its_connection() {
         let (waited, released) = tokio::join!(waits, releases);
         assert!(released, "no Hog call was seen waiting");
         assert_eq!(&waited.expect("the blocking hog").message[..], b"released");
+    });
+}
+
+#[test]
+fn an_async_channels_handshake_slower_than_the_calls_deadline_still_connects_it() {
+    // As the blocking channel's (`rpc_blocking`): a stopped server answers the handshake only
+    // once it goes on, after the call's deadline; the attempt goes on and connects the channel.
+    let (server, addr) = server();
+    run(async move {
+        // A handshake timeout long enough for a loaded machine.
+        let config = isthmus::Config { handshake_timeout: Duration::from_secs(60), ..isthmus::Config::default() };
+        let ch = Channel::builder(&addr).config(config).upgrade(false).connect_lazy().expect("lazy channel");
+        server.stop();
+        let s = ch.unary("/test.Echo/Unary", b"x", with_timeout(100)).await.expect_err("no handshake in 100 ms");
+        assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+        server.resume(); // within the handshake's timeout
+        let began = Instant::now();
+        while ch.connectivity(false) != Connectivity::Ready && began.elapsed() < Duration::from_secs(30) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(ch.connectivity(false), Connectivity::Ready, "the attempt the call began connected the channel");
+        let r = ch.unary("/test.Echo/Unary", b"after", with_timeout(10_000)).await.expect("a call now");
+        assert_eq!(&r.message[..], b"after");
     });
 }

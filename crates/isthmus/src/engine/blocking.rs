@@ -8,8 +8,9 @@
 //!
 //! It has the async client's methods and meaning (see `engine::client`); where they differ:
 //!
-//! - No runtime: the handshake runs on the calling thread, and the connection is read by the
-//!   threads waiting in its calls (`Mux::driven`, `Mux::wait`). Between calls nobody reads: frames
+//! - No runtime: the handshake runs on the calling thread (on a thread of its own when the call
+//!   has less time left than a handshake may take, so that it can outlive the call), and the
+//!   connection is read by the threads waiting in its calls (`Mux::driven`, `Mux::wait`). Between calls nobody reads: frames
 //!   from the server stay in the ring (once it is full, the server's sends wait). A call that
 //!   starts after a pause of 1 ms or more first looks at the socket (one non-blocking system
 //!   call), so a server that died meanwhile is noticed before the call goes out, and the call
@@ -43,7 +44,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use isthmus_shm::{flags, BlockMut, Config, Kind};
 
-use super::call::{head_frame, open_head, request_in_head, CallState, ConnectLock, Next, Reconnect, Slot, TimedLock};
+use super::call::{
+    count_inside, head_frame, open_head, request_in_head, CallState, ConnectLock, Next, Reconnect, Slot, TimedGuard,
+    TimedLock,
+};
 use crate::call::{check_start, CallOptions, Response};
 use crate::connectivity::{Connectivity, Live, Tracker};
 use crate::engine::flow::{self, Credit};
@@ -74,6 +78,80 @@ pub type Interrupt = Arc<dyn Fn() -> bool + Send + Sync>;
 const INTERRUPT_EVERY: Duration = Duration::from_millis(100);
 
 impl Inner {
+    /// One attempt to connect, made holding `lock`; what it makes serves every call. A call
+    /// with less time left than a handshake may take (the handshake timeout) leaves the attempt
+    /// to a thread of its own, which holds the lock until the attempt ends: the call ends
+    /// DEADLINE_EXCEEDED at its deadline, and a handshake slower than it still connects the
+    /// channel for the calls after it, as gRPC's connection attempts outlive the call that
+    /// began them. (Bounded by the call's deadline, a handshake slower than every call's never
+    /// ended, and no call got through.)
+    ///
+    /// The thread holds the channel weakly: a channel dropped meanwhile is not kept, and the
+    /// connection made for it is closed (one closed meanwhile refuses it). Its handshake still
+    /// runs to its end or its timeout, holding a socket and the thread that long.
+    fn attempt(self: &Arc<Self>, lock: TimedGuard, deadline: Option<Instant>) -> Result<Arc<Mux>, Status> {
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let Some(left) = left.filter(|left| *left < self.slot.config.handshake_timeout) else {
+            let _lock = lock;
+            self.begin_attempt()?;
+            return self.connected(Slot::connect(&self.slot.target, &self.slot.config, self.slot.expect_pid, deadline));
+        };
+        if left.is_zero() {
+            return Err(Status::deadline_exceeded());
+        }
+        self.begin_attempt()?;
+        let (done, outcome) = std::sync::mpsc::sync_channel(1);
+        let (inner, slot) = (Arc::downgrade(self), &self.slot);
+        let (target, config, pid) = (slot.target.clone(), slot.config.clone(), slot.expect_pid);
+        let spawned = std::thread::Builder::new().name("isthmus-connect".into()).spawn(move || {
+            let conn = Slot::connect(&target, &config, pid, None);
+            let made = match inner.upgrade() {
+                Some(inner) => inner.connected(conn),
+                None => Err(Status::new(Code::Cancelled, "the channel was dropped")),
+            };
+            drop(lock);
+            let _ = done.send(made); // the call may have ended meanwhile
+        });
+        if let Err(e) = spawned {
+            return Err(Status::new(Code::Unavailable, format!("cannot start a thread to connect on: {e}")));
+        }
+        match outcome.recv_timeout(left) {
+            Ok(made) => made,
+            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(Status::deadline_exceeded()),
+            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                Err(Status::new(Code::Internal, "the thread connecting the channel ended without an outcome"))
+            }
+        }
+    }
+
+    /// Before an attempt to connect: CONNECTING, unless the channel is closed.
+    fn begin_attempt(&self) -> Result<(), Status> {
+        self.slot.closed()?;
+        self.connectivity.connecting();
+        Ok(())
+    }
+
+    /// What an attempt to connect made, installed for every call if it is a connection.
+    fn connected(&self, made: Result<isthmus_shm::Connection, Status>) -> Result<Arc<Mux>, Status> {
+        let slot = &self.slot;
+        match made {
+            Ok(conn) => {
+                let (sender, receiver) = conn.split();
+                let mux = Mux::driven(sender, receiver);
+                slot.install(mux.clone())?;
+                let live = self.connectivity.connected();
+                if let Ok(mut held) = self.live.lock() {
+                    *held = Some((mux.clone(), live));
+                }
+                Ok(mux)
+            }
+            Err(status) => {
+                self.connectivity.failed();
+                Err(status)
+            }
+        }
+    }
+
     fn new(slot: Slot) -> Inner {
         Inner {
             slot,
@@ -190,30 +268,16 @@ impl Channel {
                 // looked up for each attempt. Another call's handshake is waited for within
                 // this call's deadline.
                 let connecting = self.inner.connecting.get();
-                let Some(_one_at_a_time) = connecting.lock_until(deadline) else {
+                let Some(one_at_a_time) = connecting.lock_until(deadline) else {
                     return Err(Status::deadline_exceeded());
                 };
                 if let Some(m) = self.inner.slot.live() {
                     return Ok(m);
                 }
-                let slot = &self.inner.slot;
-                slot.closed()?;
-                self.inner.connectivity.connecting();
-                match Slot::connect(&slot.target, &slot.config, slot.expect_pid, deadline) {
-                    Ok(conn) => {
-                        let (sender, receiver) = conn.split();
-                        let mux = Mux::driven(sender, receiver);
-                        slot.install(mux.clone())?;
-                        let live = self.inner.connectivity.connected();
-                        if let Ok(mut held) = self.inner.live.lock() {
-                            *held = Some((mux.clone(), live));
-                        }
-                        return Ok(mux);
-                    }
-                    Err(status) => {
-                        self.inner.connectivity.failed();
-                        status
-                    }
+                self.inner.slot.closed()?;
+                match self.inner.attempt(one_at_a_time, deadline) {
+                    Ok(mux) => return Ok(mux),
+                    Err(status) => status,
                 }
             };
             self.pause(reconnect.after(failed, wait_for_ready, deadline)?)?;
@@ -293,13 +357,15 @@ impl Channel {
     fn start_by(&self, path: &str, options: &CallOptions, patience: Option<Instant>) -> Result<Call, Option<Status>> {
         check_start(path, options)?;
         let deadline = options.timeout.and_then(crate::call::deadline_in);
-        self.start_with(None, path, options, deadline, patience, None).map(|(call, _)| call)
+        self.start_with(None, path, options, deadline, patience, None, None).map(|(call, _)| call)
     }
 
     /// [`start_by`](Self::start_by) with the call's deadline already set (a unary call sets it
     /// before it stages its request, and keeps it), sending `first`, the call's only request,
     /// inside its HEADERS when it can (a one-frame call, `request_in_head`); whether it did.
-    /// `live` is the connection the caller just took for it, if it did.
+    /// `live` is the connection the caller just took for it, if it did; `slice` bounds a wait
+    /// for ring room for the head as [`open`](Self::open) says.
+    #[allow(clippy::too_many_arguments)] // open's, and the connection to open it on
     fn start_with(
         &self,
         mut live: Option<Arc<Mux>>,
@@ -307,6 +373,7 @@ impl Channel {
         options: &CallOptions,
         deadline: Option<Instant>,
         patience: Option<Instant>,
+        slice: Option<Duration>,
         first: Option<&[u8]>,
     ) -> Result<(Call, bool), Option<Status>> {
         let mut again = true;
@@ -315,7 +382,7 @@ impl Channel {
                 Some(mux) => mux,
                 None => self.mux_for_call(options.wait_for_ready, deadline)?,
             };
-            match self.open(mux.clone(), path, options, deadline, patience, first) {
+            match self.open(mux.clone(), path, options, deadline, patience, slice, first) {
                 // As the async client's `start`: a call whose connection died before its HEADERS
                 // went out never reached the server, and starts once more on a new connection.
                 Err(Some(_)) if again && !mux.takes_calls() => again = false,
@@ -324,6 +391,12 @@ impl Channel {
         }
     }
 
+    /// Opens a call on `mux`: its HEADERS sent (with `first` inside if it fits), waiting for
+    /// ring room until the deadline or `patience`, and with `slice` for no longer than that from
+    /// when the wait begins. Past `patience` or `slice` the call is forgotten, with no trace
+    /// (`Err(None)`): nothing went out, so the caller may start afresh. A call whose head could
+    /// not go for another reason ends here with it, and no CANCEL goes either.
+    #[allow(clippy::too_many_arguments)] // a call's start, its bounds, and what it carries
     fn open(
         &self,
         mux: Arc<Mux>,
@@ -331,18 +404,41 @@ impl Channel {
         options: &CallOptions,
         deadline: Option<Instant>,
         patience: Option<Instant>,
+        slice: Option<Duration>,
         first: Option<&[u8]>,
     ) -> Result<(Call, bool), Option<Status>> {
         let stream = mux.register(self.inner.slot.next_stream())?;
-        let call = Call { state: CallState::new(stream, mux, path, self.inner.clone()), deadline };
+        let mut call = Call { state: CallState::new(stream, mux, path, self.inner.clone()), deadline };
         let head = open_head(path, &options.metadata, deadline, self.inner.slot.agent());
         let by = sooner(deadline, patience);
         let first = first.filter(|m| request_in_head(&call.state, &head, m));
         let (f, body) = head_frame(&head, first);
-        match call.state.mux.sender.send_parts(Kind::Headers, f, call.state.id(), &body, by) {
-            Ok(()) => Ok((call, first.is_some())),
-            Err(e) if impatient(&e, deadline) => Err(None),
-            Err(e) => Err(Some(Status::from_transport(&e))),
+        let (sender, id) = (&call.state.mux.sender, call.state.id());
+        let sent = match slice {
+            None => sender.send_parts(Kind::Headers, f, id, &body, by),
+            // The clock is read only for a head that must wait: most find room at once.
+            Some(slice) => match sender.try_send_parts(Kind::Headers, f, id, &body) {
+                Ok(true) => Ok(()),
+                Ok(false) => {
+                    sender.send_parts(Kind::Headers, f, id, &body, sooner(by, Instant::now().checked_add(slice)))
+                }
+                Err(e) => Err(e),
+            },
+        };
+        match sent {
+            Ok(()) => {
+                count_inside(&call.state, first);
+                Ok((call, first.is_some()))
+            }
+            Err(e) if impatient(&e, deadline) => {
+                call.state.forget_unsent();
+                Err(None)
+            }
+            Err(e) => {
+                let status = Status::from_transport(&e);
+                call.state.end(status.clone());
+                Err(Some(status))
+            }
         }
     }
 
@@ -355,12 +451,14 @@ impl Channel {
 
     /// [`unary`](Self::unary) for a caller that has something else to look at while it waits
     /// (a Python thread its signal handlers, as grpcio's waits do): `check` runs each time
-    /// `every` passes with the call still running, or still waiting for arena room for a
-    /// request sent as one block (up to half the arena: nothing is sent before that room is
-    /// there, so the wait is taken in slices without restarting anything). An `Err` from it
-    /// cancels the call (the server sees CANCELLED) and is returned; the call's own outcome is
-    /// the `Ok`. Not sliced: a wait for ring room for the call's head or request, and for arena
-    /// room for a larger request's pieces, which go after its head.
+    /// `every` passes with the call still running, or still waiting for ring room for its head
+    /// (with the request inside, when it fits), or for arena room for a request sent as one
+    /// block (up to half the arena). Nothing has gone out before that room is there, so those
+    /// waits are taken in slices and leave no trace (a call forgotten, a block kept for the
+    /// next slice). An `Err` from `check` cancels a call that went out (the server sees
+    /// CANCELLED) and is returned; the call's own outcome is the `Ok`. Not sliced: a wait for
+    /// ring room for a request that follows its head, and for arena room for a larger
+    /// request's pieces.
     pub fn unary_checked<E>(
         &self,
         path: &str,
@@ -373,10 +471,13 @@ impl Channel {
             return Ok(Err(status));
         }
         let deadline = options.timeout.and_then(crate::call::deadline_in);
+        // A request staged in an arena block whose head found no ring room: sent with the
+        // next slice's head, not copied again.
+        let mut staged = None;
         let (mut call, _) = loop {
-            match self.begin_by(path, request, &options, deadline, Room::Slice(every), None) {
+            match self.begin_by(path, request, &options, deadline, Room::Slice(every), None, &mut staged) {
                 Ok(Some(begun)) => break begun,
-                Ok(None) => check()?, // no arena room yet: nothing went out
+                Ok(None) => check()?, // no ring or arena room yet: nothing went out
                 Err(status) => return Ok(Err(status)),
             }
         };
@@ -430,8 +531,9 @@ impl Channel {
     /// [`unary_begin`](Self::unary_begin) for a thread that must not wait long for room (an
     /// event loop's): `Ok(None)` if the ring or the arena had no room for the request within
     /// `patience` (the server is behind, or has stopped reading). A call whose head went out is
-    /// then cancelled (its handler, if it started, sees CANCELLED and never the request), and
-    /// the caller sends the request another way, where waiting costs it nothing. The patience
+    /// then cancelled (its handler, if it started, sees CANCELLED and never the request); one
+    /// whose head did not leaves no trace (not counted, no CANCEL). The caller sends the
+    /// request another way, where waiting costs it nothing. The patience
     /// bounds waits for room only: connecting, if no connection is up, is not bounded by it.
     pub fn unary_begin_within(
         &self,
@@ -456,12 +558,15 @@ impl Channel {
     ) -> Result<Option<(Call, usize)>, Status> {
         check_start(path, options)?;
         let deadline = options.timeout.and_then(crate::call::deadline_in);
-        self.begin_by(path, request, options, deadline, Room::Until(patience), patience)
+        self.begin_by(path, request, options, deadline, Room::Until(patience), patience, &mut None)
     }
 
     /// [`begin`](Self::begin) with its deadline worked out, and a patience of its own for the
     /// arena room a request sent as one block waits for (`room`, with `None` past it before
-    /// anything is sent), apart from the patience for the rest (`patience`).
+    /// anything is sent), apart from the patience for the rest (`patience`). A `Room::Slice`
+    /// bounds the wait for ring room for the head too; a block staged for a head that found
+    /// none within the slice is left in `staged`, for the next call of this to send.
+    #[allow(clippy::too_many_arguments)] // begin's, with how it waits and what it kept
     fn begin_by(
         &self,
         path: &str,
@@ -470,19 +575,33 @@ impl Channel {
         deadline: Option<Instant>,
         room: Room,
         patience: Option<Instant>,
+        staged: &mut Option<(Arc<Mux>, BlockMut)>,
     ) -> Result<Option<(Call, usize)>, Status> {
-        let live = match self.stage(request, options, deadline, room)? {
+        let slice = match room {
+            Room::Slice(slice) => Some(slice),
+            Room::Until(_) => None,
+        };
+        let staging = match staged.take() {
+            Some((mux, block)) => Staged::Ready(mux, block),
+            None => self.stage(request, options, deadline, room)?,
+        };
+        let live = match staging {
             Staged::Usual(live) => live,
             Staged::NoRoom => return Ok(None),
-            Staged::Ready(mux, block) => match self.open(mux.clone(), path, options, deadline, patience, None) {
+            Staged::Ready(mux, block) => match self.open(mux.clone(), path, options, deadline, patience, slice, None) {
                 Ok((call, _)) => return send_last(call, Body::Block(block), patience),
-                Err(None) => return Ok(None),
+                Err(None) => {
+                    if slice.is_some() {
+                        *staged = Some((mux, block));
+                    }
+                    return Ok(None);
+                }
                 // Its HEADERS never went out: as `start_by`, once more on a new connection.
                 Err(Some(_)) if !mux.takes_calls() => None,
                 Err(Some(status)) => return Err(status),
             },
         };
-        let call = match self.start_with(live, path, options, deadline, patience, Some(request)) {
+        let call = match self.start_with(live, path, options, deadline, patience, slice, Some(request)) {
             Ok((call, true)) => return Ok(Some((call, request.len()))),
             Ok((call, false)) => call,
             Err(None) => return Ok(None),

@@ -89,18 +89,21 @@ pub(crate) fn open_head<'a>(
 
 /// Whether `request` travels inside the HEADERS `head` that opens `state`'s call, as a one-frame
 /// call (protocol 13.9): the connection agreed to them, the two fit inline in the ring, and the
-/// stream has credit for the request (a new one always has). If so, that credit is taken and the
-/// bytes are counted as sent; the caller then sends `head.parts_with(request)` with
-/// `END_STREAM | WITH_MESSAGE`.
+/// stream has credit for the request (a new one always has). If so, that credit is taken; the
+/// caller then sends `head.parts_with(request)` with `END_STREAM | WITH_MESSAGE`, and counts the
+/// request as sent once that frame went ([`count_inside`]).
 pub(crate) fn request_in_head(state: &CallState, head: &wire::HeadParts<'_>, request: &[u8]) -> bool {
-    let sender = &state.mux.sender;
-    let inside = state.mux.one_frame()
-        && head.len() + request.len() <= sender.inline_max()
-        && state.stream.shared.send_window.try_take(super::flow::charge(request.len())) == super::flow::Credit::Taken;
-    if inside {
-        sender.count_sent_inside(request.len());
+    state.mux.one_frame()
+        && head.len() + request.len() <= state.mux.sender.inline_max()
+        && state.stream.shared.send_window.try_take(super::flow::charge(request.len())) == super::flow::Credit::Taken
+}
+
+/// Counts `first`, a request that went inside its call's HEADERS, as message bytes sent: only
+/// once they went, so that a head given up before it did leaves no count behind.
+pub(crate) fn count_inside(state: &CallState, first: Option<&[u8]>) {
+    if let Some(request) = first {
+        state.mux.sender.count_sent_inside(request.len());
     }
-    inside
 }
 
 /// The flags and body of the HEADERS that opens a call: `head`, with `first` inside it for a
@@ -110,8 +113,9 @@ pub(crate) fn head_frame<'a>(head: &'a wire::HeadParts<'_>, first: Option<&'a [u
     (flags, head.parts_with(first.unwrap_or_default()))
 }
 
-/// The lock that serialises a channel's reconnecting, which a call holds while it waits for a
-/// server (`wait_for_ready`'s backoff): one per process. A child forked while a thread or task
+/// The lock that serialises a channel's reconnecting, held through each attempt to connect (by
+/// a thread or task of its own when the attempt outlives the call that began it): one per
+/// process. A child forked while a thread or task
 /// of its parent held it would otherwise find it held for ever, since nothing of the parent's
 /// runs there to let it go (ADR 0030): its calls waited for their deadline, or, on a blocking
 /// channel, for ever.
@@ -145,13 +149,14 @@ pub(crate) struct TimedLock {
     freed: std::sync::Condvar,
 }
 
-/// [`TimedLock`] held; dropping it frees it.
-pub(crate) struct TimedGuard<'a>(&'a TimedLock);
+/// [`TimedLock`] held; dropping it frees it. It holds its lock, so it can move to the thread
+/// that goes on with the work the lock guards.
+pub(crate) struct TimedGuard(Arc<TimedLock>);
 
 impl TimedLock {
     /// Takes the lock, waiting until `deadline` at most (`None`: as long as it takes); `None`
     /// if the deadline came first.
-    pub(crate) fn lock_until(&self, deadline: Option<std::time::Instant>) -> Option<TimedGuard<'_>> {
+    pub(crate) fn lock_until(self: &Arc<Self>, deadline: Option<std::time::Instant>) -> Option<TimedGuard> {
         let mut held = self.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
         while *held {
             held = match deadline {
@@ -166,11 +171,11 @@ impl TimedLock {
             };
         }
         *held = true;
-        Some(TimedGuard(self))
+        Some(TimedGuard(self.clone()))
     }
 }
 
-impl Drop for TimedGuard<'_> {
+impl Drop for TimedGuard {
     fn drop(&mut self) {
         *self.0.held.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = false;
         self.0.freed.notify_one();
@@ -224,9 +229,10 @@ impl Slot {
 
     /// A new connection to the target (blocking: the handshake reads with timeouts). With
     /// `expect_pid`, a server that is not that process is refused, whoever bound the address.
-    /// The handshake waits until `deadline` at most (the call's that connects), if that comes
-    /// before the configured handshake timeout: DEADLINE_EXCEEDED past it, as grpc's calls end
-    /// when their connection does not come up in time.
+    /// The handshake waits until `deadline` at most, if that comes before the configured
+    /// handshake timeout: DEADLINE_EXCEEDED past it. The channels give it no deadline sooner
+    /// than the handshake timeout: a call with less time left than that waits for an attempt
+    /// that goes on without it.
     pub(crate) fn connect(
         target: &Address,
         config: &Config,
@@ -408,6 +414,19 @@ impl CallState {
             // A failure keeps the initial metadata that came before it (what grpcio's
             // `RpcError.initial_metadata()` and grpc-go's `grpc.Header` give).
             self.ended = Some(status.after_headers(self.headers.as_ref()));
+        }
+    }
+
+    /// Forgets a call whose HEADERS never went out, leaving no trace of it: its stream leaves
+    /// the connection's table, it no longer counts as started, and no CANCEL goes, since the
+    /// server never heard of it. A caller that gave up waiting for ring room for the head (a
+    /// slice of a wait that looks at something between slices, or its patience) starts
+    /// afresh later, or another way.
+    pub(crate) fn forget_unsent(&mut self) {
+        if self.ended.is_none() {
+            self.mux.calls.unstart();
+            self.mux.unregister(self.stream.id);
+            self.ended = Some(Status::new(Code::Cancelled, "the call was never sent"));
         }
     }
 

@@ -2,9 +2,10 @@
 //! it dies), and `ShmCall`, one call on it. The public [`Channel`](crate::Channel) and
 //! [`ClientCall`](crate::ClientCall) put this and the HTTP/2 calls behind one API.
 //!
-//! Connecting needs a tokio runtime: the handshake runs on `spawn_blocking`, and the connection's
-//! reader task is spawned on the runtime current at connect, whose reactor the transport registers
-//! the connection's fds with. The channel must be used within that runtime; if it shuts down, the
+//! Connecting needs a tokio runtime: the handshake runs on `spawn_blocking` (to its end or the
+//! handshake timeout, past a call whose deadline is sooner: dropping the runtime then waits for
+//! it), and the connection's reader task is spawned on the runtime current at connect, whose
+//! reactor the transport registers the connection's fds with. The channel must be used within that runtime; if it shuts down, the
 //! reader task is dropped and its `Watch` guard ends every call UNAVAILABLE (no test shows it yet).
 //!
 //! A call: `start` checks the path, takes a connection (see `call`), registers the stream and sends
@@ -55,7 +56,9 @@ use bytes::Bytes;
 use isthmus_shm::{flags, BlockMut, Config, Kind};
 use tokio::time::Instant;
 
-use super::call::{head_frame, open_head, request_in_head, CallState, ConnectLock, Next, Reconnect, Slot};
+use super::call::{
+    count_inside, head_frame, open_head, request_in_head, CallState, ConnectLock, Next, Reconnect, Slot,
+};
 use super::flow::{self, Credit};
 use super::inbox::Event;
 use super::mux::{ConnectionCounters, Mux, StreamShared};
@@ -66,7 +69,8 @@ use crate::status::{Code, Status, DEADLINE_EXCEEDED};
 
 /// A channel's way to one `shm://` server: the connection slot its clones share.
 pub(crate) struct ShmChannel {
-    slot: Slot,
+    /// Shared with a connection attempt that outlives the call that began it (`mux`).
+    slot: Arc<Slot>,
     /// Serialises reconnecting, so a burst of calls makes one connection, not many.
     connecting: ConnectLock<tokio::sync::Mutex<()>>,
     /// gRPC's connectivity state: set as connections are made and as their readers end.
@@ -79,7 +83,7 @@ impl ShmChannel {
     }
 
     fn on(slot: Slot) -> ShmChannel {
-        ShmChannel { slot, connecting: ConnectLock::default(), connectivity: Arc::default() }
+        ShmChannel { slot: Arc::new(slot), connecting: ConnectLock::default(), connectivity: Arc::default() }
     }
 
     /// Names `agent`, if given, as the user agent of the channel's calls (see
@@ -130,49 +134,57 @@ impl ShmChannel {
             return Ok(m);
         }
         self.slot.closed()?;
-        // Another call's handshake is waited for within this call's deadline.
-        let lock = self.connecting.get().lock_owned();
-        let _one_at_a_time = match deadline {
-            None => lock.await,
-            Some(d) => tokio::time::timeout_at(d, lock).await.map_err(|_| Status::deadline_exceeded())?,
-        };
         let mut reconnect = Reconnect::new();
         loop {
+            // Another call's handshake is waited for within this call's deadline.
+            let lock = self.connecting.get().lock_owned();
+            let one_at_a_time = match deadline {
+                None => lock.await,
+                Some(d) => tokio::time::timeout_at(d, lock).await.map_err(|_| Status::deadline_exceeded())?,
+            };
             if let Some(m) = self.live() {
                 return Ok(m); // another call connected while we waited
             }
             self.slot.closed()?;
-            self.connectivity.connecting();
-            match self.connect_once(deadline).await {
-                Ok(mux) => {
-                    self.slot.install(mux.clone())?;
-                    return Ok(mux);
+            let (slot, connectivity) = (Arc::downgrade(&self.slot), self.connectivity.clone());
+            let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+            let made = match left.filter(|left| *left < self.slot.config.handshake_timeout) {
+                None => {
+                    let made = connect_once(slot, connectivity, deadline).await;
+                    drop(one_at_a_time);
+                    made
                 }
+                Some(left) if left.is_zero() => return Err(Status::deadline_exceeded()),
+                // Less time left than a handshake may take: the attempt goes on in a task of
+                // its own, holding the lock, and connects the channel for the calls after this
+                // one even if it ends after this call's deadline (as the blocking channel's).
+                // It holds the channel weakly: one dropped meanwhile is not kept.
+                Some(_) => {
+                    let (done, outcome) = tokio::sync::oneshot::channel();
+                    tokio::spawn(async move {
+                        let made = connect_once(slot, connectivity, None).await;
+                        drop(one_at_a_time);
+                        let _ = done.send(made); // the call may have ended meanwhile
+                    });
+                    let outcome = match deadline {
+                        Some(d) => {
+                            tokio::time::timeout_at(d, outcome).await.map_err(|_| Status::deadline_exceeded())?
+                        }
+                        None => outcome.await,
+                    };
+                    outcome.unwrap_or_else(|_| {
+                        Err(Status::new(Code::Internal, "the task connecting the channel ended without an outcome"))
+                    })
+                }
+            };
+            match made {
+                Ok(mux) => return Ok(mux),
                 Err(s) => {
-                    self.connectivity.failed();
                     let wait = reconnect.after(s, wait_for_ready, deadline.map(Instant::into_std))?;
                     tokio::time::sleep(wait).await;
                 }
             }
         }
-    }
-
-    async fn connect_once(&self, deadline: Option<Instant>) -> Result<Arc<Mux>, Status> {
-        let (addr, config, pid) = (self.slot.target.clone(), self.slot.config.clone(), self.slot.expect_pid);
-        let deadline = deadline.map(Instant::into_std);
-        let conn = tokio::task::spawn_blocking(move || Slot::connect(&addr, &config, pid, deadline))
-            .await
-            .map_err(|e| Status::new(Code::Internal, format!("connect task failed: {e}")))??;
-        let (sender, receiver) = conn.split();
-        let mux = Mux::led(sender, &receiver);
-        // The channel is READY while the reader runs: it ends when the connection does.
-        let live = self.connectivity.connected();
-        let reader = mux.clone().read_loop(receiver, None);
-        tokio::spawn(async move {
-            reader.await;
-            drop(live);
-        });
-        Ok(mux)
     }
 
     /// Starts a call and sends its head; with `first`, the call's only request, inside its
@@ -241,6 +253,9 @@ impl ShmChannel {
         let (f, body) = head_frame(&head, first);
         let sent = call.state.mux.sender.try_send_parts(Kind::Headers, f, call.state.id(), &body);
         let sent = sent.map_err(|e| Status::from_transport(&e))?;
+        if sent {
+            count_inside(&call.state, first);
+        }
         Ok((call, first.is_some(), sent))
     }
 
@@ -253,6 +268,40 @@ impl ShmChannel {
     pub(crate) fn counters(&self) -> ConnectionCounters {
         self.slot.counters()
     }
+}
+
+/// Connects `slot` once, within `deadline` (and the handshake timeout), and installs the
+/// connection, whose reader then runs as a task of its own; `connectivity` follows. A slot
+/// dropped meanwhile gets nothing: the connection closes.
+async fn connect_once(
+    slot: std::sync::Weak<Slot>,
+    connectivity: Arc<Tracker>,
+    deadline: Option<Instant>,
+) -> Result<Arc<Mux>, Status> {
+    let dropped = || Status::new(Code::Cancelled, "the channel was dropped");
+    let (addr, config, pid) = {
+        let slot = slot.upgrade().ok_or_else(dropped)?;
+        (slot.target.clone(), slot.config.clone(), slot.expect_pid)
+    };
+    connectivity.connecting();
+    let deadline = deadline.map(Instant::into_std);
+    let conn = tokio::task::spawn_blocking(move || Slot::connect(&addr, &config, pid, deadline))
+        .await
+        .map_err(|e| Status::new(Code::Internal, format!("connect task failed: {e}")))
+        .and_then(|made| made)
+        .inspect_err(|_| connectivity.failed())?;
+    let slot = slot.upgrade().ok_or_else(dropped)?;
+    let (sender, receiver) = conn.split();
+    let mux = Mux::led(sender, &receiver);
+    // The channel is READY while the reader runs: it ends when the connection does.
+    let live = connectivity.connected();
+    let reader = mux.clone().read_loop(receiver, None);
+    tokio::spawn(async move {
+        reader.await;
+        drop(live);
+    });
+    slot.install(mux.clone())?;
+    Ok(mux)
 }
 
 /// Sends the HEADERS of a call that found no room in the ring ([`ShmChannel::open`]), with
@@ -273,6 +322,7 @@ async fn send_head(
         Some(sent) => sent.map_err(|e| Status::from_transport(&e))?,
         None => return Err(Status::deadline_exceeded()),
     }
+    count_inside(&call.state, first);
     Ok(call)
 }
 

@@ -872,6 +872,11 @@ impl CallTally {
         self.started.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Takes back a [`start`](Self::start) whose call never went out.
+    pub(crate) fn unstart(&self) {
+        self.started.fetch_sub(1, Ordering::Relaxed);
+    }
+
     pub(crate) fn finish(&self, code: Code) {
         self.finished[code as usize].fetch_add(1, Ordering::Relaxed);
     }
