@@ -2514,6 +2514,35 @@ def test_ctrl_c_ends_a_wait_for_ring_room_for_the_calls_head(stubs: Any) -> None
     _interrupted_in_a_wait(stubs, _INTERRUPTED_WAITING_FOR_THE_RING, ["full", "waiting"])
 
 
+_INTERRUPTED_WAITING_FOR_THE_HANDSHAKE = """
+import sys, time
+import grpc
+import isthmus
+
+with isthmus.insecure_channel(sys.argv[1]) as channel:  # not connected before its first call
+    call = channel.unary_unary("/conformance.Echo/Unary")
+    print("connected", flush=True)
+    sys.stdin.readline()
+    # The server is stopped now: the connection goes into its listen backlog, and the
+    # handshake waits for its answer (5 s at most).
+    began = time.monotonic()
+    try:
+        print("waiting", flush=True)
+        call(b"")
+    except KeyboardInterrupt:
+        took = time.monotonic() - began
+        print("interrupted" if took < 4 else f"interrupted only after {took:.1f} s", flush=True)
+"""
+
+
+def test_ctrl_c_ends_a_wait_for_a_servers_handshake(stubs: Any) -> None:
+    """SIGINT while the main thread's first call on a channel waits for a stopped server to
+    answer the handshake: KeyboardInterrupt at once, as grpcio's calls raise it in every wait.
+    Before, the handshake ran on the calling thread and heard nothing until it timed out (5 s),
+    then failed UNAVAILABLE."""
+    _interrupted_in_a_wait(stubs, _INTERRUPTED_WAITING_FOR_THE_HANDSHAKE, ["waiting"])
+
+
 def _counted(request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
     """Streams request[0] responses, then aborts if request[1]."""
     for i in range(request[0]):

@@ -143,14 +143,42 @@ fn named(
     if let Some(agent) = user_agent {
         channel.set_user_agent(agent)?;
     }
-    channel.set_interrupt(std::sync::Arc::new(|| match signals() {
-        Ok(()) => true,
-        Err(raised) => {
-            Python::attach(|py| raised.restore(py));
-            false
-        }
-    }));
+    channel.set_interrupt(
+        std::sync::Arc::new(|| match signals() {
+            Ok(()) => true,
+            Err(raised) => {
+                Python::attach(|py| raised.restore(py));
+                false
+            }
+        }),
+        std::sync::Arc::new(interruptible_here),
+    );
     Ok(channel)
+}
+
+/// Whether a wait on this thread for a handshake should look at the signal handlers: inside a
+/// unary call on the main thread (the only one they run on; [`Armed`], whose error
+/// [`interrupted`] makes of what they raise). Elsewhere the handshake runs on the calling
+/// thread, with no thread started for it and no handler run.
+fn interruptible_here() -> bool {
+    ARMED.get()
+}
+
+/// A unary call's wait on the main thread, which may be interrupted by a signal handler while
+/// it waits for a handshake ([`interruptible_here`]), for as long as this lives; what it held
+/// before comes back after.
+struct Armed(bool);
+
+impl Armed {
+    fn new(py: Python<'_>) -> Armed {
+        Armed(ARMED.replace(is_main_thread(py).unwrap_or(false)))
+    }
+}
+
+impl Drop for Armed {
+    fn drop(&mut self) {
+        ARMED.set(self.0);
+    }
 }
 
 /// The exception a signal handler raised while the call that failed with `status` waited for
@@ -233,7 +261,7 @@ impl Channel {
     /// The fast path's channel for a unary call, if this channel to an HTTP/2 address has moved
     /// to shared memory and that connection is up (connecting it if need be, by `deadline`);
     /// `Ok(None)` for HTTP/2, `Err` (DEADLINE_EXCEEDED) if the deadline passed while it
-    /// connected. Blocks (a handshake): call without the GIL.
+    /// connected, or (CANCELLED) if a signal handler ended the wait. Blocks (a handshake): call without the GIL.
     fn upgraded(&self, deadline: Option<Instant>) -> Result<Option<isthmus::blocking::Channel>, Status> {
         let to = {
             let _runtime = runtime().enter();
@@ -259,9 +287,9 @@ impl Channel {
         }
         match channel.connect_by(deadline) {
             Ok(()) => Ok(Some(channel)),
-            // The call's deadline came before the handshake ended (which goes on): that says
-            // nothing of the connection.
-            Err(status) if status.code() == Code::DeadlineExceeded => Err(status),
+            // The call's deadline came before the handshake ended (which goes on), or a signal
+            // handler ended the wait: that says nothing of the connection.
+            Err(status) if matches!(status.code(), Code::DeadlineExceeded | Code::Cancelled) => Err(status),
             Err(_) => {
                 self.engine.upgrade_lost(&to);
                 Ok(None)
@@ -304,6 +332,7 @@ impl Channel {
         if self.closed.load(Ordering::Relaxed) {
             return Err(call_error(py, &closed()));
         }
+        let _armed = Armed::new(py);
         let response = match &self.blocking {
             Some(channel) => py.detach(|| channel.unary_checked(path, request, options, SIGNAL_SLICE, signals))?,
             None => py.detach(|| match self.settled_upgrade(request.len(), &mut options) {
@@ -659,29 +688,44 @@ fn seconds_up_to(seconds: f64, max: f64) -> std::time::Duration {
 const SIGNAL_SLICE: std::time::Duration = std::time::Duration::from_millis(100);
 
 thread_local! {
-    /// Whether this thread is Python's main thread, once a wait has asked, and in which
-    /// process (a thread that forks is the child's main thread): only there do signal handlers
-    /// run, so other threads need not take the GIL to look.
-    static MAIN_THREAD: std::cell::Cell<Option<(u32, bool)>> = const { std::cell::Cell::new(None) };
+    /// Whether this thread is Python's main thread, once a wait or a call has asked, and in
+    /// which process (`isthmus::binding::forks`: a thread that forks is the child's main
+    /// thread): only there do signal handlers run, so other threads need not take the GIL to
+    /// look.
+    static MAIN_THREAD: std::cell::Cell<Option<(u64, bool)>> = const { std::cell::Cell::new(None) };
+    /// Inside a unary call on this thread ([`Armed`]).
+    static ARMED: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// Runs the signal handlers if this is the main thread (called without the GIL, which it
 /// takes): the exception one raised (KeyboardInterrupt) ends the wait that called.
 fn signals() -> PyResult<()> {
-    let pid = std::process::id();
-    let known = MAIN_THREAD.get().filter(|(of, _)| *of == pid);
-    if known.is_some_and(|(_, main)| !main) {
+    if MAIN_THREAD.get().filter(|(of, _)| *of == isthmus::binding::forks()).is_some_and(|(_, main)| !main) {
         return Ok(());
     }
     Python::attach(|py| {
-        if known.is_none() {
-            let threading = py.import(pyo3::intern!(py, "threading"))?;
-            let main = threading.call_method0(pyo3::intern!(py, "main_thread"))?;
-            let current = threading.call_method0(pyo3::intern!(py, "current_thread"))?;
-            MAIN_THREAD.set(Some((pid, main.is(&current))));
+        if !is_main_thread(py)? {
+            return Ok(());
         }
+        // What the handlers call is no part of the call that waits ([`Armed`]).
+        let _disarmed = Armed(ARMED.replace(false));
         py.check_signals()
     })
+}
+
+/// Whether this is Python's main thread, looked up once per thread and process (no system
+/// call after that: a unary call asks).
+fn is_main_thread(py: Python<'_>) -> PyResult<bool> {
+    let forks = isthmus::binding::forks();
+    if let Some((_, main)) = MAIN_THREAD.get().filter(|(of, _)| *of == forks) {
+        return Ok(main);
+    }
+    let threading = py.import(pyo3::intern!(py, "threading"))?;
+    let main = threading.call_method0(pyo3::intern!(py, "main_thread"))?;
+    let current = threading.call_method0(pyo3::intern!(py, "current_thread"))?;
+    let main = main.is(&current);
+    MAIN_THREAD.set(Some((forks, main)));
+    Ok(main)
 }
 
 /// `fut` run to its end on the runtime, called without the GIL: the signal handlers run each

@@ -9,7 +9,8 @@
 //! It has the async client's methods and meaning (see `engine::client`); where they differ:
 //!
 //! - No runtime: the handshake runs on the calling thread (on a thread of its own when the call
-//!   has less time left than a handshake may take, so that it can outlive the call), and the
+//!   has less time left than a handshake may take, so that it can outlive the call, or may be
+//!   interrupted), and the
 //!   connection is read by the threads waiting in its calls (`Mux::driven`, `Mux::wait`). Between calls nobody reads: frames
 //!   from the server stay in the ring (once it is full, the server's sends wait). A call that
 //!   starts after a pause of 1 ms or more first looks at the socket (one non-blocking system
@@ -69,6 +70,9 @@ struct Inner {
     born: Instant,
     /// Looked at while a call waits to connect ([`Channel::set_interrupt`]).
     interrupt: std::sync::OnceLock<Interrupt>,
+    /// Whether the calling thread's wait for a handshake may be interrupted now
+    /// ([`Channel::set_interrupt`]).
+    interruptible: std::sync::OnceLock<Interrupt>,
 }
 
 /// A binding's look at whether a wait should go on ([`Channel::set_interrupt`]).
@@ -79,27 +83,33 @@ const INTERRUPT_EVERY: Duration = Duration::from_millis(100);
 
 impl Inner {
     /// One attempt to connect, made holding `lock`; what it makes serves every call. A call
-    /// with less time left than a handshake may take (the handshake timeout) leaves the attempt
-    /// to a thread of its own, which holds the lock until the attempt ends: the call ends
-    /// DEADLINE_EXCEEDED at its deadline, and a handshake slower than it still connects the
-    /// channel for the calls after it, as gRPC's connection attempts outlive the call that
-    /// began them. (Bounded by the call's deadline, a handshake slower than every call's never
-    /// ended, and no call got through.)
+    /// with less time left than a handshake may take (the handshake timeout), or one that may
+    /// be interrupted ([`Inner::interruptible_here`]), leaves the attempt to a thread of its own, which holds the lock
+    /// until the attempt ends: the call ends DEADLINE_EXCEEDED at its deadline (or CANCELLED
+    /// when interrupted, looked at every [`INTERRUPT_EVERY`]), and a handshake slower than it
+    /// still connects the channel for the calls after it, as gRPC's connection attempts outlive
+    /// the call that began them. (Bounded by the call's deadline, a handshake slower than every
+    /// call's never ended, and no call got through; on the calling thread, a Python call
+    /// waited for a stopped server's handshake for its whole timeout, deaf to Ctrl-C.)
     ///
     /// The thread holds the channel weakly: a channel dropped meanwhile is not kept, and the
     /// connection made for it is closed (one closed meanwhile refuses it). Its handshake still
     /// runs to its end or its timeout, holding a socket and the thread that long.
     fn attempt(self: &Arc<Self>, lock: TimedGuard, deadline: Option<Instant>) -> Result<Arc<Mux>, Status> {
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        let Some(left) = left.filter(|left| *left < self.slot.config.handshake_timeout) else {
+        let short = left.is_some_and(|left| left < self.slot.config.handshake_timeout);
+        let interruptible = self.interruptible_here();
+        if !short && !interruptible {
             let _lock = lock;
             self.begin_attempt()?;
             return self.connected(Slot::connect(&self.slot.target, &self.slot.config, self.slot.expect_pid, deadline));
-        };
-        if left.is_zero() {
+        }
+        if left.is_some_and(|left| left.is_zero()) {
             return Err(Status::deadline_exceeded());
         }
         self.begin_attempt()?;
+        // A signal handler run between slices may fork: the child has no connecting thread.
+        let forks = isthmus_shm::forks();
         let (done, outcome) = std::sync::mpsc::sync_channel(1);
         let (inner, slot) = (Arc::downgrade(self), &self.slot);
         let (target, config, pid) = (slot.target.clone(), slot.config.clone(), slot.expect_pid);
@@ -115,12 +125,72 @@ impl Inner {
         if let Err(e) = spawned {
             return Err(Status::new(Code::Unavailable, format!("cannot start a thread to connect on: {e}")));
         }
-        match outcome.recv_timeout(left) {
-            Ok(made) => made,
-            Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(Status::deadline_exceeded()),
-            Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                Err(Status::new(Code::Internal, "the thread connecting the channel ended without an outcome"))
+        loop {
+            // Sliced only where the interrupt may be looked at; else one wait, to the deadline.
+            let wait = match interruptible {
+                true => self.slice_of(deadline)?,
+                false => left.unwrap_or(INTERRUPT_EVERY),
+            };
+            match outcome.recv_timeout(wait) {
+                Ok(made) => return made,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !interruptible => {
+                    return Err(Status::deadline_exceeded())
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                    self.not_interrupted()?;
+                    if isthmus_shm::forks() != forks {
+                        return Err(Status::new(Code::Unavailable, "forked while connecting: connect anew"));
+                    }
+                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                    return Err(Status::new(
+                        Code::Internal,
+                        "the thread connecting the channel ended without an outcome",
+                    ))
+                }
             }
+        }
+    }
+
+    /// The next slice of a wait that ends at `deadline` and looks at the channel's interrupt
+    /// between slices: [`INTERRUPT_EVERY`] at most; DEADLINE_EXCEEDED once it has passed.
+    fn slice_of(&self, deadline: Option<Instant>) -> Result<Duration, Status> {
+        match deadline.map(|d| d.saturating_duration_since(Instant::now())) {
+            Some(left) if left.is_zero() => Err(Status::deadline_exceeded()),
+            Some(left) => Ok(left.min(INTERRUPT_EVERY)),
+            None => Ok(INTERRUPT_EVERY),
+        }
+    }
+
+    /// Whether the calling thread's wait may be interrupted now: the channel has an interrupt,
+    /// and its binding says this thread's wait is one that looks at it.
+    fn interruptible_here(&self) -> bool {
+        self.interrupt.get().is_some() && self.interruptible.get().is_some_and(|here| here())
+    }
+
+    /// CANCELLED if the channel's interrupt says the wait should end.
+    fn not_interrupted(&self) -> Result<(), Status> {
+        match self.interrupt.get() {
+            Some(interrupt) if !interrupt() => {
+                Err(Status::new(Code::Cancelled, "the wait for a server was interrupted"))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// The channel's connect lock, waited for until `deadline` (DEADLINE_EXCEEDED past it) and,
+    /// for a wait that may be interrupted, in slices that look at the interrupt. The lock is
+    /// looked up for each slice: a signal handler may fork, and the child has a lock of its own.
+    fn connect_lock(&self, deadline: Option<Instant>) -> Result<TimedGuard, Status> {
+        if !self.interruptible_here() {
+            return self.connecting.get().lock_until(deadline).ok_or_else(Status::deadline_exceeded);
+        }
+        loop {
+            let slice = self.slice_of(deadline)?;
+            if let Some(held) = self.connecting.get().lock_until(Instant::now().checked_add(slice)) {
+                return Ok(held);
+            }
+            self.not_interrupted()?;
         }
     }
 
@@ -161,6 +231,7 @@ impl Inner {
             last_start: AtomicU64::new(0),
             born: Instant::now(),
             interrupt: std::sync::OnceLock::new(),
+            interruptible: std::sync::OnceLock::new(),
         }
     }
 }
@@ -217,12 +288,16 @@ impl Channel {
     }
 
     /// Has `interrupt` looked at every 100 ms while a call waits for a server to connect to
-    /// (`wait_for_ready`, between attempts): `false` from it ends the wait CANCELLED. A
-    /// binding's way to let a signal end such a wait (Python's Ctrl-C, which the binding
-    /// raises then); waits for a reply take a check of their own
-    /// ([`unary_checked`](Self::unary_checked)). Set once: later ones are ignored.
-    pub fn set_interrupt(&self, interrupt: Interrupt) {
+    /// (`wait_for_ready`, between attempts) and, where `interruptible` says so for the calling
+    /// thread, for a handshake (its own, which then runs on a thread of its own, or another
+    /// call's): `false` from it ends the wait CANCELLED. A binding's way to let a signal end
+    /// such a wait (Python's Ctrl-C, which the binding raises then; `interruptible` is true on
+    /// the main thread inside a call that raises what the interrupt leaves); waits for a reply
+    /// take a check of their own ([`unary_checked`](Self::unary_checked)). Set once: later
+    /// ones are ignored.
+    pub fn set_interrupt(&self, interrupt: Interrupt, interruptible: Interrupt) {
         let _ = self.inner.interrupt.set(interrupt);
+        let _ = self.inner.interruptible.set(interruptible);
     }
 
     /// Sleeps `pause` between two attempts to connect, looking at the channel's
@@ -267,10 +342,7 @@ impl Channel {
                 // on this channel, or fork) runs with nothing held; the lock is this process's,
                 // looked up for each attempt. Another call's handshake is waited for within
                 // this call's deadline.
-                let connecting = self.inner.connecting.get();
-                let Some(one_at_a_time) = connecting.lock_until(deadline) else {
-                    return Err(Status::deadline_exceeded());
-                };
+                let one_at_a_time = self.inner.connect_lock(deadline)?;
                 if let Some(m) = self.inner.slot.live() {
                     return Ok(m);
                 }

@@ -135,12 +135,20 @@ impl ShmChannel {
         }
         self.slot.closed()?;
         let mut reconnect = Reconnect::new();
+        // Held through the backoff between this call's attempts, as before a call's attempt
+        // could outlive it: other calls wait for it rather than try too.
+        let mut held = None;
         loop {
-            // Another call's handshake is waited for within this call's deadline.
-            let lock = self.connecting.get().lock_owned();
-            let one_at_a_time = match deadline {
-                None => lock.await,
-                Some(d) => tokio::time::timeout_at(d, lock).await.map_err(|_| Status::deadline_exceeded())?,
+            let one_at_a_time = match held.take() {
+                Some(held) => held,
+                // Another call's handshake is waited for within this call's deadline.
+                None => {
+                    let lock = self.connecting.get().lock_owned();
+                    match deadline {
+                        None => lock.await,
+                        Some(d) => tokio::time::timeout_at(d, lock).await.map_err(|_| Status::deadline_exceeded())?,
+                    }
+                }
             };
             if let Some(m) = self.live() {
                 return Ok(m); // another call connected while we waited
@@ -151,7 +159,7 @@ impl ShmChannel {
             let made = match left.filter(|left| *left < self.slot.config.handshake_timeout) {
                 None => {
                     let made = connect_once(slot, connectivity, deadline).await;
-                    drop(one_at_a_time);
+                    held = Some(one_at_a_time);
                     made
                 }
                 Some(left) if left.is_zero() => return Err(Status::deadline_exceeded()),
