@@ -261,7 +261,8 @@ impl Channel {
     /// The fast path's channel for a unary call, if this channel to an HTTP/2 address has moved
     /// to shared memory and that connection is up (connecting it if need be, by `deadline`);
     /// `Ok(None)` for HTTP/2, `Err` (DEADLINE_EXCEEDED) if the deadline passed while it
-    /// connected, or (CANCELLED) if a signal handler ended the wait. Blocks (a handshake): call without the GIL.
+    /// connected, or (CANCELLED) if a signal handler ended the wait. Blocks (a handshake): call
+    /// without the GIL.
     fn upgraded(&self, deadline: Option<Instant>) -> Result<Option<isthmus::blocking::Channel>, Status> {
         let to = {
             let _runtime = runtime().enter();

@@ -10,9 +10,9 @@
 //!
 //! - No runtime: the handshake runs on the calling thread (on a thread of its own when the call
 //!   has less time left than a handshake may take, so that it can outlive the call, or may be
-//!   interrupted), and the
-//!   connection is read by the threads waiting in its calls (`Mux::driven`, `Mux::wait`). Between calls nobody reads: frames
-//!   from the server stay in the ring (once it is full, the server's sends wait). A call that
+//!   interrupted), and the connection is read by the threads waiting in its calls
+//!   (`Mux::driven`, `Mux::wait`). Between calls nobody reads: frames from the server stay in
+//!   the ring (once it is full, the server's sends wait). A call that
 //!   starts after a pause of 1 ms or more first looks at the socket (one non-blocking system
 //!   call), so a server that died meanwhile is noticed before the call goes out, and the call
 //!   connects anew; a GOAWAY, or a death between calls closer together, is noticed by the next
@@ -84,8 +84,8 @@ const INTERRUPT_EVERY: Duration = Duration::from_millis(100);
 impl Inner {
     /// One attempt to connect, made holding `lock`; what it makes serves every call. A call
     /// with less time left than a handshake may take (the handshake timeout), or one that may
-    /// be interrupted ([`Inner::interruptible_here`]), leaves the attempt to a thread of its own, which holds the lock
-    /// until the attempt ends: the call ends DEADLINE_EXCEEDED at its deadline (or CANCELLED
+    /// be interrupted ([`Inner::interruptible_here`]), leaves the attempt to a thread of its
+    /// own, which holds the lock until the attempt ends: the call ends DEADLINE_EXCEEDED at its deadline (or CANCELLED
     /// when interrupted, looked at every [`INTERRUPT_EVERY`]), and a handshake slower than it
     /// still connects the channel for the calls after it, as gRPC's connection attempts outlive
     /// the call that began them. (Bounded by the call's deadline, a handshake slower than every
@@ -125,29 +125,25 @@ impl Inner {
         if let Err(e) = spawned {
             return Err(Status::new(Code::Unavailable, format!("cannot start a thread to connect on: {e}")));
         }
-        loop {
-            // Sliced only where the interrupt may be looked at; else one wait, to the deadline.
-            let wait = match interruptible {
-                true => self.slice_of(deadline)?,
-                false => left.unwrap_or(INTERRUPT_EVERY),
+        let ended = || Status::new(Code::Internal, "the thread connecting the channel ended without an outcome");
+        // Not to be interrupted: one wait, to the deadline (a short one: see above).
+        if let (false, Some(left)) = (interruptible, left) {
+            return match outcome.recv_timeout(left) {
+                Ok(made) => made,
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => Err(Status::deadline_exceeded()),
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => Err(ended()),
             };
-            match outcome.recv_timeout(wait) {
+        }
+        loop {
+            match outcome.recv_timeout(self.slice_of(deadline)?) {
                 Ok(made) => return made,
-                Err(std::sync::mpsc::RecvTimeoutError::Timeout) if !interruptible => {
-                    return Err(Status::deadline_exceeded())
-                }
                 Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
                     self.not_interrupted()?;
                     if isthmus_shm::forks() != forks {
                         return Err(Status::new(Code::Unavailable, "forked while connecting: connect anew"));
                     }
                 }
-                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                    return Err(Status::new(
-                        Code::Internal,
-                        "the thread connecting the channel ended without an outcome",
-                    ))
-                }
+                Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return Err(ended()),
             }
         }
     }

@@ -5,8 +5,9 @@
 //! Connecting needs a tokio runtime: the handshake runs on `spawn_blocking` (to its end or the
 //! handshake timeout, past a call whose deadline is sooner: dropping the runtime then waits for
 //! it), and the connection's reader task is spawned on the runtime current at connect, whose
-//! reactor the transport registers the connection's fds with. The channel must be used within that runtime; if it shuts down, the
-//! reader task is dropped and its `Watch` guard ends every call UNAVAILABLE (no test shows it yet).
+//! reactor the transport registers the connection's fds with. The channel must be used within
+//! that runtime; if it shuts down, the reader task is dropped and its `Watch` guard ends every
+//! call UNAVAILABLE (no test shows it yet).
 //!
 //! A call: `start` checks the path, takes a connection (see `call`), registers the stream and sends
 //! HEADERS (once more on a new connection if the old one died before they went out: the server
