@@ -857,6 +857,9 @@ type clientStream struct {
 	sent    atomic.Bool // CloseSend or the last message went
 	// gotMessage: a response came (read by the receiving goroutine only, as RecvMsg is).
 	gotMessage bool
+	// shown is Context's, made when first asked for, and unshow its cancel.
+	shown  context.Context
+	unshow context.CancelFunc
 }
 
 // begin marks an operation on the call in progress; false if the call is over.
@@ -907,10 +910,13 @@ func (s *clientStream) finish(err error, trailers metadata.MD) error {
 	}
 	err, trailers = s.err, s.trailer
 	s.releaseLocked()
-	stop := s.stop
+	stop, unshow := s.stop, s.unshow
 	s.mu.Unlock()
 	if stop != nil {
 		stop()
+	}
+	if unshow != nil {
+		unshow()
 	}
 	if !first {
 		<-s.done
@@ -976,7 +982,21 @@ func (s *clientStream) cancel() {
 	s.mu.Unlock()
 }
 
-func (s *clientStream) Context() context.Context { return s.ctx }
+// Context is the caller's context, ended once the call is over (its end received, or the call
+// cancelled or failed), as grpc-go's stream's is: a goroutine that waits on it to clean up
+// after the stream is not left waiting for the caller's context. Made on first use: few
+// callers ask.
+func (s *clientStream) Context() context.Context {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.shown == nil {
+		s.shown, s.unshow = context.WithCancel(s.ctx)
+		if s.ended {
+			s.unshow()
+		}
+	}
+	return s.shown
+}
 
 // Header is a copy of the initial metadata, each time, as grpc-go's: what a caller does to it
 // changes nobody else's.

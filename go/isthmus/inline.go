@@ -21,9 +21,6 @@ import (
 	"runtime/cgo"
 	"sync"
 	"unsafe"
-
-	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/status"
 )
 
 // Inline unary handlers (InlineUnary): the library calls isthmusGoHandle on the thread that
@@ -180,7 +177,7 @@ func (s *Server) answerWaiting(st *serverStream, m *method, ev C.isthmus_event_t
 func (s *Server) runUnarySafely(st *serverStream, m *method, ev C.isthmus_event_t) (reply any, err error) {
 	defer func() {
 		if p := recover(); p != nil {
-			err = status.Errorf(codes.Internal, "the handler panicked: %v", p)
+			err = panicked(m.name, p)
 		}
 	}()
 	return s.runUnary(st, m, ev)

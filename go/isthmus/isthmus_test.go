@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/grpclog"
 	"google.golang.org/grpc/status"
 
 	"example.invalid/isthmus/go/internal/conformance"
@@ -32,6 +33,9 @@ import (
 var goPeerBin string
 
 func TestMain(m *testing.M) {
+	// What the package logs at ERROR goes to stderr, as with grpclog's default logger, and
+	// into errorLog, for tests to read.
+	grpclog.SetLoggerV2(grpclog.NewLoggerV2(io.Discard, io.Discard, io.MultiWriter(os.Stderr, &errorLog)))
 	dir, err := os.MkdirTemp("", "isthmus-go-test-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)

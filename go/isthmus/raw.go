@@ -475,8 +475,7 @@ func (s *Server) register(m *method, caller string) {
 // reply; a panic in the handler fails the call INTERNAL.
 func (s *Server) runRawUnary(st *serverStream, m *method, ev C.isthmus_event_t) (err error) {
 	if ev.code != C.ISTHMUS_OK {
-		err, _ := statusError(ev.code, ev.status)
-		return err
+		return st.failed(ev.code, ev.status)
 	}
 	if ev.message == nil {
 		return errNoRequest
@@ -488,7 +487,7 @@ func (s *Server) runRawUnary(st *serverStream, m *method, ev C.isthmus_event_t) 
 	func() {
 		defer func() {
 			if p := recover(); p != nil {
-				err = status.Errorf(codes.Internal, "the handler panicked: %v", p)
+				err = panicked(m.name, p)
 			}
 		}()
 		reply, err = m.rawUnary(call, request)
@@ -517,8 +516,7 @@ func (c *RawServerCall) Recv() (*Message, error) {
 		return nil, ctxError(c.st.ctx)
 	}
 	if ev.code != C.ISTHMUS_OK {
-		err, _ := statusError(ev.code, ev.status)
-		return nil, err
+		return nil, c.st.failed(ev.code, ev.status)
 	}
 	if ev.message == nil {
 		return nil, io.EOF
@@ -556,8 +554,7 @@ func (c *RawServerCall) SendBlock(b *Block) error {
 	}
 	var st *C.isthmus_status_t
 	if code := C.isthmus_server_call_send_block(c.st.sc, h, &st); code != C.ISTHMUS_OK {
-		err, _ := statusError(code, st)
-		return err
+		return c.st.failed(code, st)
 	}
 	return nil
 }

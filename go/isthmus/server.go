@@ -14,6 +14,7 @@ import (
 	"math"
 	"reflect"
 	"runtime"
+	"runtime/debug"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -23,6 +24,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/grpclog"
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/peer"
@@ -539,7 +541,7 @@ func (s *Server) handle(m *method, sc *C.isthmus_server_call_t) {
 	func() {
 		defer func() {
 			if p := recover(); p != nil {
-				err = status.Errorf(codes.Internal, "the handler panicked: %v", p)
+				err = panicked(m.name, p)
 			}
 		}()
 		switch {
@@ -559,6 +561,18 @@ func (s *Server) handle(m *method, sc *C.isthmus_server_call_t) {
 	}()
 	st.end(err)
 }
+
+// panicked is the error a call ends with when its handler panicked with p: INTERNAL, as
+// grpc-go's recovery interceptors answer. The panic and its stack go to grpclog at ERROR
+// (stderr by default), as net/http logs a handler's: grpc-go's server would crash the
+// process instead, and a panic a server survives must not go unseen.
+func panicked(method string, p any) error {
+	logger.Errorf("the handler of %s panicked: %v\n%s", method, p, debug.Stack())
+	return status.Errorf(codes.Internal, "the handler panicked: %v", p)
+}
+
+// logger is the package's grpclog component.
+var logger = grpclog.Component("isthmus")
 
 func (s *Server) unary(st *serverStream, m *method) error {
 	ev, ok := st.recv()
@@ -636,7 +650,7 @@ func (o *op) awaitReply() {
 func (s *Server) runUnary(st *serverStream, m *method, ev C.isthmus_event_t) (any, error) {
 	dec := func(v any) error {
 		if ev.code != C.ISTHMUS_OK {
-			err, _ := statusError(ev.code, ev.status)
+			err := st.failed(ev.code, ev.status)
 			ev.status = nil
 			return err
 		}
@@ -683,6 +697,7 @@ type serverStream struct {
 	mu         sync.Mutex
 	stop       context.CancelFunc // call's, once a handler asked for it
 	over       bool               // the handler has returned: a context asked for later is done
+	gone       bool               // the call ended under its handler (endedBy): the same
 	header     metadata.MD
 	headerSent bool
 	trailer    metadata.MD
@@ -826,6 +841,49 @@ func (st *serverStream) cancel() {
 	}
 }
 
+// failed is the error of a receive or send whose event ev says the call is over (consumed),
+// through endedBy.
+func (st *serverStream) failed(code C.isthmus_code_t, cst *C.isthmus_status_t) error {
+	err, _ := statusError(code, cst)
+	return st.endedBy(err)
+}
+
+// endedBy is err, a receive's or a send's, as grpc-go's stream gives it. A call that ended
+// under its handler (its client cancelled or went away, or Stop closed its connection) ends
+// the handler's context first: grpc-go's has ended by the time its stream fails, and a
+// handler that looks at ctx.Err() after the error must find it (here the context learned of
+// the end through an event of its own, which came up to a millisecond later). Such an end is
+// then the context's error, Canceled "context canceled", as on grpc-go. One at the deadline
+// is "context deadline exceeded" once the context's own timer, on the same deadline, has
+// ended the context too.
+func (st *serverStream) endedBy(err error) error {
+	switch status.Code(err) {
+	case codes.Canceled, codes.Unavailable:
+		st.mu.Lock()
+		st.gone = true
+		stop := st.stop
+		st.mu.Unlock()
+		if stop != nil {
+			stop()
+		}
+		return status.Error(codes.Canceled, context.Canceled.Error())
+	case codes.DeadlineExceeded:
+		if d, ok := st.call.Deadline(); ok && time.Until(d) < deadlineSlack {
+			// The library's timer can go off a little before Go's ends the context.
+			select {
+			case <-st.ctx.Done():
+			case <-time.After(time.Until(d) + deadlineSlack):
+			}
+			return status.FromContextError(context.DeadlineExceeded).Err()
+		}
+	}
+	return err
+}
+
+// deadlineSlack bounds how much earlier than Go's timer the library's may see a deadline
+// pass: it rounds the deadline down to whole microseconds, and Go's timer fires late.
+const deadlineSlack = 10 * time.Millisecond
+
 // client is the call's peer.Peer. Once the call is finished the library's strings are gone:
 // a goroutine that asks only then is told "unknown".
 func (st *serverStream) client() *peer.Peer {
@@ -847,7 +905,7 @@ func (st *serverStream) client() *peer.Peer {
 func (st *serverStream) watch(cancel context.CancelFunc) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if st.over {
+	if st.over || st.gone {
 		cancel()
 		return
 	}
@@ -1108,8 +1166,7 @@ func (st *serverStream) sendBytes(b []byte) error {
 		return ctxError(st.ctx)
 	}
 	if ev.code != C.ISTHMUS_OK {
-		err, _ := statusError(ev.code, ev.status)
-		return err
+		return st.failed(ev.code, ev.status)
 	}
 	return nil
 }
@@ -1166,8 +1223,7 @@ func (st *serverStream) RecvMsg(m any) error {
 // of the client's stream, or the call's failure.
 func (st *serverStream) decode(ev C.isthmus_event_t, m any) error {
 	if ev.code != C.ISTHMUS_OK {
-		err, _ := statusError(ev.code, ev.status)
-		return err
+		return st.failed(ev.code, ev.status)
 	}
 	if ev.message == nil {
 		return io.EOF
@@ -1202,7 +1258,7 @@ func (st *serverStream) onlyRequest(ev C.isthmus_event_t) error {
 	case !ok:
 		err = ctxError(st.ctx)
 	case next.code != C.ISTHMUS_OK:
-		err, _ = statusError(next.code, next.status)
+		err = st.failed(next.code, next.status)
 	case next.message == nil:
 		return nil
 	default:
