@@ -180,9 +180,14 @@ fn wait_for_ready_on_a_blocking_channel() {
     let ch = Channel::lazy(&addr).expect("lazy");
     let s = ch.unary("/test.Echo/Unary", b"x", Default::default()).expect_err("no server");
     assert_eq!(s.code(), Code::Unavailable, "{s}");
+    // Waiting for ready waits until the deadline, as grpc's calls do: it gave up when its
+    // next try would come after it (here at 155 ms).
     let opts = CallOptions { wait_for_ready: true, timeout: Some(Duration::from_millis(200)), ..Default::default() };
+    let began = Instant::now();
     let s = ch.unary("/test.Echo/Unary", b"x", opts).expect_err("still none");
     assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+    assert!(s.message().contains("no server became ready"), "{s}");
+    assert!(began.elapsed() >= Duration::from_millis(200), "gave up after {:?}", began.elapsed());
     let addr2 = addr.clone();
     let starter = std::thread::spawn(move || {
         std::thread::sleep(Duration::from_millis(300));

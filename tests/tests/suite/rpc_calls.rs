@@ -564,10 +564,15 @@ fn wait_for_ready_waits_for_a_server_and_fail_fast_does_not() {
     runtime().block_on(async {
         let s = ch.unary("/test.Echo/Unary", b"x", CallOptions::default()).await.expect_err("no server yet");
         assert_eq!(s.code(), Code::Unavailable, "{s}");
+        // Until the deadline, as grpc's calls wait: it gave up when its next try would come
+        // after it (here at 155 ms).
         let opts =
             CallOptions { wait_for_ready: true, timeout: Some(Duration::from_millis(200)), ..CallOptions::default() };
+        let began = std::time::Instant::now();
         let s = ch.unary("/test.Echo/Unary", b"x", opts).await.expect_err("still no server");
         assert_eq!(s.code(), Code::DeadlineExceeded, "{s}");
+        assert!(s.message().contains("no server became ready"), "{s}");
+        assert!(began.elapsed() >= Duration::from_millis(200), "gave up after {:?}", began.elapsed());
     });
     let waiting = {
         let ch = ch.clone();

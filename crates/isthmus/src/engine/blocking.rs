@@ -332,6 +332,7 @@ impl Channel {
         self.inner.slot.closed()?;
         let mut reconnect = Reconnect::new();
         loop {
+            reconnect.too_late(deadline)?;
             let failed = {
                 // One attempt at a time, not the pause after it: a thread waiting for a server
                 // holds up no other, and the interrupt (a Python signal handler, which may call

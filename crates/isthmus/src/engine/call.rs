@@ -39,19 +39,27 @@ use crate::metadata::MetadataMap;
 use crate::status::{Code, Status};
 
 /// Retrying a connect for `wait_for_ready`: waits that start at 5 ms and double up to 500 ms,
-/// while the deadline allows.
+/// until the deadline. The last wait ends [`LAST_TRY`] before it, for one more attempt, and the
+/// call ends at the deadline, as grpc's waiting calls do: it gave up when the next wait would
+/// have passed the deadline, up to 500 ms early, missing a server that came up meanwhile.
 pub(crate) struct Reconnect {
     backoff: std::time::Duration,
+    /// The last attempt's failure, once there was one: what the call ends with at the deadline.
+    failed: Option<Status>,
 }
+
+/// How long before the deadline the last attempt to connect starts: a handshake takes about
+/// half a millisecond on the machines measured.
+const LAST_TRY: std::time::Duration = std::time::Duration::from_millis(1);
 
 impl Reconnect {
     pub(crate) fn new() -> Reconnect {
-        Reconnect { backoff: std::time::Duration::from_millis(5) }
+        Reconnect { backoff: std::time::Duration::from_millis(5), failed: None }
     }
 
     /// After a connect failed with `failed`: how long to wait before trying again, or the status
     /// the call ends with (the failure itself without `wait_for_ready` or if it is not
-    /// UNAVAILABLE; DEADLINE_EXCEEDED if the next try would come too late).
+    /// UNAVAILABLE; DEADLINE_EXCEEDED once the deadline has passed).
     pub(crate) fn after(
         &mut self,
         failed: Status,
@@ -61,15 +69,31 @@ impl Reconnect {
         if !wait_for_ready || failed.code() != Code::Unavailable {
             return Err(failed);
         }
-        let wait = self.backoff;
-        if deadline.is_some_and(|d| std::time::Instant::now() + wait >= d) {
-            return Err(Status::new(
+        let backoff = self.backoff;
+        self.backoff = (backoff * 2).min(std::time::Duration::from_millis(500));
+        self.failed = Some(failed);
+        self.too_late(deadline)?;
+        let Some(left) = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now())) else {
+            return Ok(backoff);
+        };
+        // Short of the last try: wait for it. Past it (the last try failed): wait out the
+        // deadline, after which the next attempt is not made (`too_late`).
+        Ok(match left.checked_sub(LAST_TRY) {
+            Some(before_last) if !before_last.is_zero() => backoff.min(before_last),
+            _ => left,
+        })
+    }
+
+    /// Before an attempt after a pause: DEADLINE_EXCEEDED, with the last failure, if the
+    /// deadline has passed meanwhile.
+    pub(crate) fn too_late(&self, deadline: Option<std::time::Instant>) -> Result<(), Status> {
+        match &self.failed {
+            Some(failed) if deadline.is_some_and(|d| std::time::Instant::now() >= d) => Err(Status::new(
                 Code::DeadlineExceeded,
                 format!("no server became ready before the deadline: {failed}"),
-            ));
+            )),
+            _ => Ok(()),
         }
-        self.backoff = (wait * 2).min(std::time::Duration::from_millis(500));
-        Ok(wait)
     }
 }
 

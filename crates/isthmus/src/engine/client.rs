@@ -140,6 +140,7 @@ impl ShmChannel {
         // could outlive it: other calls wait for it rather than try too.
         let mut held = None;
         loop {
+            reconnect.too_late(deadline.map(Instant::into_std))?;
             let one_at_a_time = match held.take() {
                 Some(held) => held,
                 // Another call's handshake is waited for within this call's deadline.
