@@ -3,6 +3,7 @@ and the future of a call with one response, as grpcio's rendezvous is."""
 
 from __future__ import annotations
 
+import collections
 import functools
 import itertools
 import logging
@@ -110,12 +111,14 @@ class Completions:
     """The thread that completes every channel's unary `.future()` calls: each is an operation
     of one engine `Reactor`, finished by the engine's reader tasks, so no thread waits per
     call (as grpcio's futures all wait in its core), and the status watches of response
-    streams (`Call._watch`). Started on first use. A future's done callbacks run on it: one
-    that blocks (waiting for another future's result, say) holds up every other future until
-    it returns."""
+    streams (`Call._watch`). Started on first use. It runs no code of the application's: the
+    done callbacks of the calls it ends go to `CALLBACK_THREADS`. (They ran on it: one that
+    blocked held up every other future, and one that read a response stream whose status was
+    watched waited for ever, since the watch's operation runs on this thread too.)"""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        self._thread: int | None = None  # the completion thread's ident, once it runs
         self._reactor: _native.Reactor | None = None
         self._tokens = itertools.count()
         # token -> (done, whether a forked child ends it UNAVAILABLE)
@@ -131,6 +134,7 @@ class Completions:
         their done callbacks are the user's, which must not run inside `fork`, and a call whose
         lock a parent's thread held at the fork holds up only its own."""
         self._lock = threading.Lock()  # a parent's thread may have held it at the fork
+        self._thread = None
         if self._reactor is not None:
             self._forsaken.append(self._reactor)
         orphans = [done for done, ends_in_child in self._waiting.values() if ends_in_child]
@@ -162,7 +166,12 @@ class Completions:
         if reactor is not None:
             reactor.cancel(token)
 
+    def on_thread(self) -> bool:
+        """Whether this is the completion thread."""
+        return threading.get_ident() == self._thread
+
     def _run(self, reactor: _native.Reactor) -> None:
+        self._thread = threading.get_ident()
         while True:
             for token, ok, value in reactor.wait(None):
                 with self._lock:
@@ -189,6 +198,57 @@ FORKED_AWAY = "the call was made by the parent process before a fork: its reply 
 
 #: The process's one: every channel's `.future()` calls and response streams' status watches.
 COMPLETIONS = Completions()
+
+
+class CallbackThreads:
+    """Runs the done callbacks of the calls that the completion thread ends, each call's in
+    order, on threads of their own: grpcio runs a future's callbacks on its channel's thread,
+    not on the one every future waits on. A callback that blocks (waiting for another
+    future's result, or reading a response stream) then holds up no other call's end and no
+    other call's callbacks: each batch goes to an idle thread, or to a new one, and a thread
+    idle for `IDLE_S` ends."""
+
+    IDLE_S = 10.0
+
+    def __init__(self) -> None:
+        self._ready = threading.Condition(threading.Lock())
+        self._tasks: collections.deque[list[Callable[[], None]]] = collections.deque()
+        self._idle = 0  # threads waiting for a batch
+
+    def run(self, callbacks: list[Callable[[], None]]) -> None:
+        with self._ready:
+            self._tasks.append(callbacks)
+            if len(self._tasks) <= self._idle:
+                self._ready.notify()
+                return
+        threading.Thread(target=self._serve, name="isthmus-callbacks", daemon=True).start()
+
+    def _serve(self) -> None:
+        with self._ready:
+            while True:
+                while self._tasks:
+                    callbacks = self._tasks.popleft()
+                    self._ready.release()
+                    try:
+                        Call._run_callbacks(callbacks)
+                    finally:
+                        self._ready.acquire()
+                self._idle += 1
+                came = self._ready.wait_for(lambda: bool(self._tasks), self.IDLE_S)
+                self._idle -= 1
+                if not came:
+                    return
+
+    def after_fork(self) -> None:
+        """In a forked child: no thread of the parent's runs here, and the batches it had not
+        run yet are the parent's calls' (run there)."""
+        self._ready = threading.Condition(threading.Lock())
+        self._tasks = collections.deque()
+        self._idle = 0
+
+
+#: The process's one (`CallbackThreads`).
+CALLBACK_THREADS = CallbackThreads()
 
 #: Calls that a thread of their own brings to their end, or starts, while it runs
 #: (`run_on_own_thread`), by the thread's token: one call may have two such threads at once
@@ -223,6 +283,7 @@ def _after_fork_in_child() -> None:
     taken, _ON_OWN_THREAD = _ON_OWN_THREAD, weakref.WeakValueDictionary()
     calls = {id(call): call for call in taken.values()}.values()
     COMPLETIONS.after_fork()
+    CALLBACK_THREADS.after_fork()
     for call in calls:
         threading.Thread(target=_end_in_child, args=(call._forked,), daemon=True).start()
 
@@ -399,7 +460,10 @@ class Call(grpc.Call, grpc.Future):
     def _end(self, error: CallError | None, response: Any = None) -> None:
         with self._lock:
             callbacks = self._settle(error, response)
-        self._run_callbacks(callbacks)
+        if callbacks and COMPLETIONS.on_thread():
+            CALLBACK_THREADS.run(callbacks)
+        else:
+            self._run_callbacks(callbacks)
 
     def _settle(self, error: CallError | None, response: Any) -> list[Callable[[], None]]:
         """Records the call's end (the first one counts); the lock is held. Returns the
@@ -437,10 +501,7 @@ class Call(grpc.Call, grpc.Future):
         if callbacks:
             # Not on the cancelling thread, as grpcio runs them later on a thread of its own:
             # one that cancels while holding a lock its callbacks take would wait for itself.
-            run = threading.Thread(
-                target=self._run_callbacks, args=(callbacks,), name="isthmus-callbacks", daemon=True
-            )
-            run.start()
+            CALLBACK_THREADS.run(callbacks)
         return True
 
     def _outcome(self) -> Any:

@@ -101,9 +101,8 @@ class _MultiCallable:
         call = Call(self._deserialize, timeout)
         call._streaming = run == self._stream  # its status waits for its responses meanwhile too
         if not self._auth.hold(call):  # until it starts: the channel's close ends it meanwhile
-            # As the native channel fails a call after its close, without asking the plugins.
-            call._end(CallError(grpc.StatusCode.UNAVAILABLE.value[0], "the channel was closed"))
-            return call
+            # As the native channel refuses a call after its close, without asking the plugins.
+            raise ValueError("Cannot invoke RPC: Channel closed!")
 
         def ask() -> None:
             try:
@@ -807,8 +806,8 @@ class Channel(grpc.Channel):
 
     def close(self) -> None:
         """As grpcio's: calls in progress end CANCELLED ("Channel closed!"), over `shm://` and
-        HTTP/2 alike, and the `shm://` connections close; later calls fail UNAVAILABLE;
-        subscriptions end, uncalled. The HTTP/2 connection closes with the channel."""
+        HTTP/2 alike, and the `shm://` connections close; later calls raise ValueError, in
+        grpcio's words; subscriptions end, uncalled. The HTTP/2 connection closes with the channel."""
         self._connectivity.unsubscribe_all()
         for call in self._auth.close():  # not started yet: their plugins have not answered
             call._end(CallError(grpc.StatusCode.CANCELLED.value[0], "Channel closed!"))

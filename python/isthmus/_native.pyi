@@ -538,9 +538,12 @@ class Server:
     def listen_async(self, reactor: Reactor, token: int) -> None:
         """Completes operation `token` with `(calls, abandoned ids, done ids)` once the inbox
         has news (`to_loop` servers)."""
-    def serve_calls(self, handle: Callable[[ServerCall], None]) -> None:
+    def serve_calls(
+        self, handle: Callable[[ServerCall], None], others_waiting: Callable[[], int] | None = None
+    ) -> None:
         """Runs `handle(call)` for each queued call on this thread until none comes for 2 s or
-        the server stops."""
+        the server stops, or, while none comes, `others_waiting()` (looked at every 10 ms)
+        says other work waits for the executor's threads."""
     def wait_demand(self) -> bool:
         """Waits (GIL released) until queued calls need one more `serve_calls` loop; False once
         the server has stopped."""

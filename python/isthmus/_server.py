@@ -168,7 +168,9 @@ class Server(ServerBase, grpc.Server):
     serves runs a loop that takes calls straight from the engine (`_native.Server.serve_calls`)
     and spins briefly for the next one, so a call costs no wake-up of a sleeping thread. A
     dispatcher thread submits one more loop when calls wait and every loop is busy, up to the
-    pool's `_max_workers`; a loop idle for 2 s gives its thread back to the pool."""
+    pool's `_max_workers`; a loop idle for 2 s gives its thread back to the pool, and so does
+    an idle one that finds other work queued for the pool (a `ThreadPoolExecutor`'s; looked at
+    every 10 ms): the application's own tasks, or another server's, on a shared pool."""
 
     def __init__(
         self,
@@ -190,6 +192,8 @@ class Server(ServerBase, grpc.Server):
             compression,
         )
         self._pool = thread_pool
+        # A ThreadPoolExecutor's queue of work waiting for its threads, which idle loops yield to.
+        self._others_waiting = getattr(getattr(thread_pool, "_work_queue", None), "qsize", None)
 
     def _dispatch(self) -> None:
         """The dispatcher thread: one more loop on the pool whenever calls wait for one."""
@@ -203,7 +207,8 @@ class Server(ServerBase, grpc.Server):
 
         while native.wait_demand():
             try:
-                self._pool.submit(native.serve_calls, self._handle).add_done_callback(started)
+                loop = self._pool.submit(native.serve_calls, self._handle, self._others_waiting)
+                loop.add_done_callback(started)
             except Exception:  # the pool was shut down (RuntimeError), or refuses work
                 _LOG.exception("the server's thread pool refused a task; calls now fail UNAVAILABLE")
                 native.refuse_calls("the server's thread pool refuses work")

@@ -1869,16 +1869,13 @@ def test_closing_the_channel_ends_calls_waiting_for_their_plugins(kind: str, tmp
         channel.close()
         for call in (future, stream):
             assert (call.code(), call.details()) == (grpc.StatusCode.CANCELLED, "Channel closed!")
-        if kind == "isthmus":
-            # A call after the close fails at once, as a call without credentials does, and its
-            # plugin is not asked (grpcio raises ValueError instead).
-            late = _Held()
-            call = channel.unary_unary("/t.Auth/Unary").future(
-                b"", credentials=grpc.metadata_call_credentials(late)
-            )
-            assert (call.code(), call.details()) == (grpc.StatusCode.UNAVAILABLE, "the channel was closed")
-            assert not late.asked.is_set()
-            late.release.set()
+        # A call after the close is refused at once, as a call without credentials is, and
+        # its plugin is not asked.
+        late = _Held()
+        with pytest.raises(ValueError, match="Cannot invoke RPC: Channel closed!"):
+            channel.unary_unary("/t.Auth/Unary").future(b"", credentials=grpc.metadata_call_credentials(late))
+        assert not late.asked.is_set()
+        late.release.set()
     finally:
         plugin.release.set()
         for server in servers:
@@ -2716,3 +2713,146 @@ def test_a_response_streams_future_is_done_once_its_responses_are_read(kind: str
         call.add_done_callback(called.append)
         assert call.exception(10).code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert _eventually(lambda: called == [call])
+
+
+def _two(request: bytes, context: Any) -> Iterator[bytes]:
+    yield b"1"
+    yield b"2"
+
+
+_CALLBACKS = grpc.method_handlers_generic_handler(
+    "users.Callbacks",
+    {
+        "Ok": grpc.unary_unary_rpc_method_handler(lambda request, context: b"ok:" + request),
+        "Two": grpc.unary_stream_rpc_method_handler(_two),
+    },
+)
+
+
+@contextlib.contextmanager
+def _two_channels(kind: str) -> Iterator[tuple[Any, Any]]:
+    """Two channels of `kind` to one blocking server of `_CALLBACKS` of the same kind, closed
+    and stopped after."""
+    module: Any = grpc if kind == "grpcio" else isthmus
+    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
+    pool = futures.ThreadPoolExecutor(4)
+    s = module.server(pool)
+    s.add_generic_rpc_handlers((_CALLBACKS,))
+    s.add_insecure_port(address)
+    s.start()
+    try:
+        with module.insecure_channel(address) as one, module.insecure_channel(address) as other:
+            yield one, other
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+@pytest.mark.parametrize("step", ["done", "is_active", "add_done_callback", "result"])
+def test_a_futures_done_callback_may_make_calls_and_wait_for_them(kind: str, step: str) -> None:
+    """A `.future()`'s done callback that makes calls on another channel and waits for them
+    (a response stream it asks `done()` or `is_active()` of, or gives a callback of its own
+    and reads; another future's `result()`) gets their outcomes, as on grpcio, whose
+    callbacks run on their channel's thread. isthmus ran callbacks on the one thread that
+    completes every future and polls the status watches of response streams: the stream's
+    read waited for ever, past its deadline, and a future's result until its timeout, while
+    every other future in the process stood still."""
+    with _two_channels(kind) as (channel, other):
+        seen: queue.Queue[Any] = queue.Queue()
+
+        def callback(_: Any) -> None:
+            try:
+                if step == "result":
+                    future = other.unary_unary("/users.Callbacks/Ok").future(b"B", timeout=20)
+                    seen.put(future.result(timeout=20))
+                    return
+                stream = other.unary_stream("/users.Callbacks/Two")(b"", timeout=20)
+                if step == "done":
+                    stream.done()
+                elif step == "is_active":
+                    stream.is_active()
+                else:
+                    stream.add_done_callback(lambda _: None)
+                seen.put((list(stream), stream.code()))
+            except BaseException as e:  # what the callback met, for the test to report
+                seen.put(e)
+
+        channel.unary_unary("/users.Callbacks/Ok").future(b"A", timeout=20).add_done_callback(callback)
+        got = seen.get(timeout=30)
+    want = b"ok:B" if step == "result" else ([b"1", b"2"], grpc.StatusCode.OK)
+    assert got == want
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_done_callback_that_blocks_holds_up_no_other_channels_future(kind: str) -> None:
+    """While one channel's future's done callback blocks, another channel's future completes
+    and runs its own callbacks, as on grpcio (a thread per channel runs them). The blocked
+    callback here waits for the other's, so before, on isthmus's one completion thread, the
+    two waited for each other until the test gave up."""
+    with _two_channels(kind) as (channel, other):
+        other.unary_unary("/users.Callbacks/Ok")(b"warm", timeout=20)
+        second_ran = threading.Event()
+        outcome: queue.Queue[bool] = queue.Queue()
+        first = channel.unary_unary("/users.Callbacks/Ok").future(b"A", timeout=20)
+        first.add_done_callback(lambda _: outcome.put(second_ran.wait(20)))
+        first.result(timeout=20)
+        second = other.unary_unary("/users.Callbacks/Ok").future(b"B", timeout=20)
+        second.add_done_callback(lambda _: second_ran.set())
+        assert outcome.get(timeout=30), "the other channel's callback did not run while the first blocked"
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_call_on_a_closed_channel_raises_valueerror(kind: str) -> None:
+    """Every kind of call on a closed channel raises ValueError at once, in grpcio's words: a
+    retry loop that retries UNAVAILABLE (what isthmus said) then stops. Calls in progress at
+    the close still end CANCELLED (`test_closing_the_channel_ends_every_call_in_progress`)."""
+    with _two_channels(kind) as (channel, _):
+        channel.close()
+        on_closed = "Cannot invoke RPC on closed channel!"
+        closed = "Cannot invoke RPC: Channel closed!"
+        calls: dict[str, tuple[Callable[[], Any], str]] = {
+            "unary": (lambda: channel.unary_unary("/users.Callbacks/Ok")(b""), on_closed),
+            "with_call": (lambda: channel.unary_unary("/users.Callbacks/Ok").with_call(b""), on_closed),
+            "future": (lambda: channel.unary_unary("/users.Callbacks/Ok").future(b""), closed),
+            "server stream": (lambda: channel.unary_stream("/users.Callbacks/Two")(b""), closed),
+            "bidi": (lambda: channel.stream_stream("/users.Callbacks/Two")(iter(())), closed),
+        }
+        for name, (call, words) in calls.items():
+            with pytest.raises(ValueError) as raised:
+                call()
+            assert str(raised.value) == words, name
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_the_servers_threads_go_back_to_a_shared_pool_that_has_other_work(kind: str) -> None:
+    """An application's task submitted to the thread pool its server uses runs at once after
+    a burst of calls, and so does a second server's call on the same pool, as with grpcio,
+    which takes a thread per call. isthmus's loops held the pool's threads, waiting for more
+    calls, for 2 s after the last one."""
+    pool = futures.ThreadPoolExecutor(1)
+    module: Any = grpc if kind == "grpcio" else isthmus
+    servers, channels = [], []
+    try:
+        for _ in range(2):
+            address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
+            s = module.server(pool)
+            s.add_generic_rpc_handlers((_CALLBACKS,))
+            s.add_insecure_port(address)
+            s.start()
+            servers.append(s)
+            channels.append(module.insecure_channel(address))
+        a, b = (c.unary_unary("/users.Callbacks/Ok") for c in channels)
+        for f in [a.future(b"", timeout=20) for _ in range(4)]:
+            f.result(timeout=20)
+        began = time.monotonic()
+        pool.submit(lambda: None).result(timeout=20)
+        b(b"", timeout=20)
+        took = time.monotonic() - began
+        assert took < 1.0, f"the task and the other server's call took {took:.2f} s"
+    finally:
+        for c in channels:
+            c.close()
+        for s in servers:
+            s.stop(None)
+        pool.shutdown()

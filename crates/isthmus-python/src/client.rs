@@ -234,8 +234,14 @@ pub(crate) fn bad_target(status: &Status) -> PyErr {
     PyValueError::new_err(status.message().to_owned())
 }
 
-fn closed() -> Status {
-    Status::new(Code::Unavailable, "the channel was closed")
+/// What a call made on a closed channel raises, as grpcio's: `ValueError`, in its words for a
+/// blocking unary call (`on_closed`) or for the others. Calls failed UNAVAILABLE, which a
+/// retry loop takes as a reason to try again.
+fn closed(on_closed: bool) -> PyErr {
+    PyValueError::new_err(match on_closed {
+        true => "Cannot invoke RPC on closed channel!",
+        false => "Cannot invoke RPC: Channel closed!",
+    })
 }
 
 /// A channel for blocking calls.
@@ -331,7 +337,7 @@ impl Channel {
         mut options: isthmus::CallOptions,
     ) -> PyResult<isthmus::Response> {
         if self.closed.load(Ordering::Relaxed) {
-            return Err(call_error(py, &closed()));
+            return Err(closed(true));
         }
         let _armed = Armed::new(py);
         let response = match &self.blocking {
@@ -449,11 +455,13 @@ impl Channel {
         wait_for_ready: bool,
         compression: Option<&str>,
     ) -> PyResult<()> {
+        if self.closed.load(Ordering::Relaxed) {
+            return Err(closed(false));
+        }
         let options = options(metadata, timeout, wait_for_ready, compression)?;
-        let closed = self.closed.load(Ordering::Relaxed).then(closed);
         let engine = self.engine.with_calls_read(false);
         let request = bytes_from_py(request);
-        crate::reactor::run_unary(&reactor.completions, token, engine, closed, path, request, options, false);
+        crate::reactor::run_unary(&reactor.completions, token, engine, None, path, request, options, false);
         Ok(())
     }
 
@@ -492,7 +500,7 @@ impl Channel {
     ) -> PyResult<Message> {
         // Checked before the request is taken: a Block taken is a Block sent.
         if self.closed.load(Ordering::Relaxed) {
-            return Err(call_error(py, &closed()));
+            return Err(closed(true));
         }
         let options = options(metadata, timeout, wait_for_ready, compression)?;
         let response = match Request::from_py(request)? {
@@ -525,7 +533,7 @@ impl Channel {
         compression: Option<&str>,
     ) -> PyResult<Call> {
         if self.closed.load(Ordering::Relaxed) {
-            return Err(call_error(py, &closed()));
+            return Err(closed(false));
         }
         let options = options(metadata, timeout, wait_for_ready, compression)?;
         match py.detach(|| block_on_checked(self.engine.start(path, options)))? {

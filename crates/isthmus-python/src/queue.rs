@@ -14,7 +14,10 @@
 //! How many threads take calls follows demand: when calls wait and no thread is free, the
 //! queue asks the server's dispatcher (a Python thread, so the engine's reader never takes
 //! the GIL) to submit one more loop to the executor, up to the executor's size; a loop that
-//! sees no call for [`IDLE`] returns its thread to the executor.
+//! sees no call for [`IDLE`] returns its thread to the executor, and so does an idle one that
+//! finds other work waiting for the executor's threads (the application's own tasks, or
+//! another server's loops, on a shared pool), which grpcio's server, taking a thread per
+//! call, never holds up.
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -32,6 +35,9 @@ const GRACE: Duration = Duration::from_micros(200);
 
 /// How long a loop waits for a call before it returns its thread to the executor.
 pub(crate) const IDLE: Duration = Duration::from_secs(2);
+
+/// How often an idle loop looks whether other work waits for the executor's threads.
+const LOOK_FOR_OTHERS: Duration = Duration::from_millis(10);
 
 /// What [`CallQueue::next`] found.
 pub(crate) enum Next {
@@ -136,7 +142,12 @@ impl CallQueue {
     /// The next call, for a loop; spins for up to `spin` first if no other loop spins. The
     /// spinner reads `connection` meanwhile (that of the loop's last call, ADR 0020), so that
     /// a call coming on it is this thread's without a reader in between.
-    pub(crate) fn next(&self, spin: Duration, connection: Option<&Lender>) -> Next {
+    pub(crate) fn next(
+        &self,
+        spin: Duration,
+        connection: Option<&Lender>,
+        others_wait: Option<&(dyn Fn() -> bool + Sync)>,
+    ) -> Next {
         let mut st = self.lock();
         if let Some(call) = self.pop(&mut st) {
             return Next::Call(call);
@@ -166,6 +177,7 @@ impl CallQueue {
             st = self.lock();
         }
         let until = Instant::now() + IDLE;
+        let mut look = Instant::now() + LOOK_FOR_OTHERS;
         let next = loop {
             if let Some(call) = self.pop(&mut st) {
                 break Next::Call(call);
@@ -173,12 +185,27 @@ impl CallQueue {
             if st.closed {
                 break Next::Closed;
             }
-            let now = Instant::now();
+            let mut now = Instant::now();
             if now >= until {
                 break Next::Idle;
             }
+            if let Some(others_wait) = others_wait.filter(|_| now >= look) {
+                // Without the queue's lock: the look takes the GIL.
+                drop(st);
+                let yields = others_wait();
+                st = self.lock();
+                if yields {
+                    break self.pop(&mut st).map_or(Next::Idle, Next::Call);
+                }
+                now = Instant::now();
+                look = now + LOOK_FOR_OTHERS;
+            }
+            let wake = if others_wait.is_some() { until.min(look) } else { until };
             st.parked += 1;
-            st = self.ready.wait_timeout(st, until - now).map_or_else(|p| p.into_inner().0, |(g, _)| g);
+            st = self
+                .ready
+                .wait_timeout(st, wake.saturating_duration_since(now))
+                .map_or_else(|p| p.into_inner().0, |(g, _)| g);
             st.parked -= 1;
         };
         st.idle -= 1;

@@ -671,15 +671,23 @@ impl Server {
     }
 
     /// Takes calls from the queue and runs `handle(call)` for each, on the calling thread (one
-    /// of the executor's), until none comes for a while or the server stops.
-    fn serve_calls(&self, py: Python<'_>, handle: Py<PyAny>) -> PyResult<()> {
+    /// of the executor's), until none comes for a while or the server stops, or, while none
+    /// comes, `others_waiting()` (the executor's queue's `qsize`) says other work waits for
+    /// the executor's threads.
+    #[pyo3(signature = (handle, others_waiting=None))]
+    fn serve_calls(&self, py: Python<'_>, handle: Py<PyAny>, others_waiting: Option<Py<PyAny>>) -> PyResult<()> {
         let queue = self.blocking_queue()?;
         queue.loop_running(true);
         let _running = LoopRunning(queue);
         // The connection of the last call: this thread reads it while it waits (ADR 0020).
         let mut connection: Option<Lender> = None;
+        // A look that fails (the executor's queue gone strange) is taken as nothing waiting.
+        let look =
+            |f: &Py<PyAny>| Python::attach(|py| f.call0(py).and_then(|n| n.bind(py).is_truthy()).unwrap_or(false));
+        let others = others_waiting.as_ref().map(|f| move || look(f));
+        let others: Option<&(dyn Fn() -> bool + Sync)> = others.as_ref().map(|f| f as &(dyn Fn() -> bool + Sync));
         loop {
-            match py.detach(|| queue.next(crate::queue::SPIN, connection.as_ref())) {
+            match py.detach(|| queue.next(crate::queue::SPIN, connection.as_ref(), others)) {
                 Next::Call(core) => {
                     if let Some(c) = core.connection() {
                         if !connection.as_ref().is_some_and(|last| last.same(c)) {
