@@ -94,8 +94,14 @@ def _until_cancelled(request: bytes, context: Any) -> bytes:
     return b"not cancelled"
 
 
+def _head_until_cancelled(request: bytes, context: Any) -> bytes:
+    context.send_initial_metadata((("x-h", "1"),))
+    return _until_cancelled(request, context)
+
+
 HANDLERS = {
     "UntilCancelled": _until_cancelled,
+    "HeadUntilCancelled": _head_until_cancelled,
     "HeadThenFail": _head_then_fail,
     "KeyValue": _key_value,
     "Left": _left,
@@ -173,6 +179,18 @@ def test_a_failed_call_keeps_the_initial_metadata_sent_before_the_failure(server
             e = caught.value
             assert (e.code(), e.details()) == (grpc.StatusCode.NOT_FOUND, "after a header"), (channel, way)
             assert ("x-h", "1") in tuple(e.initial_metadata()), (channel, way, e.initial_metadata())
+
+
+def test_a_call_past_its_deadline_keeps_the_initial_metadata_sent_before(server: list[Any]) -> None:
+    """The same for a blocking unary call that its deadline ends after the handler sent its
+    initial metadata: isthmus's blocking client over shm:// gave none (its other ways, and
+    every failure the server sends, kept them)."""
+    for channel in server:
+        with pytest.raises(grpc.RpcError) as caught:
+            channel.unary_unary("/users.T/HeadUntilCancelled")(b"", timeout=1)
+        e = caught.value
+        assert e.code() == grpc.StatusCode.DEADLINE_EXCEEDED, channel
+        assert ("x-h", "1") in tuple(e.initial_metadata()), (channel, e.initial_metadata())
 
 
 def test_a_method_without_its_leading_slash_is_unimplemented(server: list[Any]) -> None:

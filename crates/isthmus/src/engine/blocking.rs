@@ -883,9 +883,11 @@ fn no_room() -> Status {
 const CANCEL_PATIENCE: Duration = Duration::from_millis(100);
 
 impl Call {
+    /// Ends the call at its deadline. The status keeps the initial metadata that came before
+    /// it, as every other failure's does (grpcio's `RpcError.initial_metadata()`); it had none.
     fn expire(&mut self) -> Status {
         self.state.cancel_blocking(Code::DeadlineExceeded, DEADLINE_EXCEEDED, CANCEL_PATIENCE);
-        Status::deadline_exceeded()
+        Status::deadline_exceeded().after_headers(self.state.headers())
     }
 
     /// A transport failure while sending, past the deadline if it was a timeout.
