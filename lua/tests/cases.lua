@@ -207,6 +207,32 @@ function cases.bidi(ch, args)
     return { ok = true, seqs = seqs, ended = ok and last == nil }
 end
 
+-- Sends after the half-close (a send with `last`, and one after close_send on another
+-- stream) fail INTERNAL, as grpc-go's, and the stream goes on: the echo of the one request,
+-- then the end. A whole-number metadata value goes in full.
+function cases.send_after_half_close(ch, args)
+    local out = {}
+    for _, way in ipairs({ "last", "close_send" }) do
+        local st, err = ch:stream(ECHO .. "Bidi", { timeout = 30 })
+        if not st then return failure(err) end
+        if way == "last" then
+            assert(st:send({ seq = 1 }, true))
+        else
+            assert(st:send({ seq = 1 }))
+            assert(st:close_send())
+        end
+        local sent, serr = st:send({ seq = 2 })
+        local ok, m = st:recv()
+        local ended, last = st:recv()
+        out[way] = { sent = sent, err = not sent and serr.name or nil, message = serr and serr.message,
+            seq = ok and m and tonumber(m.seq), ended = ended and last == nil }
+        st:close()
+    end
+    local ok, r, meta = ch:unary(ECHO .. "Unary", { seq = 3 }, { timeout = 30, metadata = { ["x-echo"] = 123456789012345 } })
+    out.header = ok and meta.headers["x-echo"] or failure(r).name
+    return out
+end
+
 function cases.cancel(ch, args)
     local st, err = ch:stream(ECHO .. "Bidi", { timeout = 30 })
     if not st then return failure(err) end
@@ -297,6 +323,9 @@ function cases.bad_arguments(ch, args)
         target_nul = function() return isthmus.connect(args.target .. "\0more") end,
         target_number = function() return isthmus.connect(5) end,
         connect_options_string = function() return isthmus.connect(args.target, "opts") end,
+        connect_options_unknown = function() return isthmus.connect(args.target, { timeout = 0.1 }) end,
+        call_options_unknown = function() return ch:unary(ECHO .. "Unary", "", { raw = true, timeout_ms = 100 }) end,
+        stream_options_unknown = function() return ch:stream(ECHO .. "Bidi", { deadline = 1 }) end,
     }
     local out = {}
     for name, call in pairs(calls) do

@@ -346,9 +346,33 @@ def test_arguments_a_c_string_would_cut_or_that_are_none_fail_their_call(nginx: 
             "target_nul",
             "target_number",
             "connect_options_string",
+            "connect_options_unknown",
+            "call_options_unknown",
+            "stream_options_unknown",
         )
     }, r
     assert after == "abc", after
+
+
+@pytest.mark.parametrize("transport", ["shm", "http"])
+def test_a_send_after_the_half_close_fails_internal(
+    nginx: Nginx, servers: Callable[[str], Served], transport: str
+) -> None:
+    """`st:send` after `send(m, true)` or `close_send()` returns false, INTERNAL "SendMsg called
+    after CloseSend" (grpc-go's words), and the stream goes on to its end; the message went
+    nowhere. Over shm:// it returned true and dropped the message; over HTTP/2 it said the call
+    was over (CANCELLED) while the stream then ended OK. A whole-number metadata value goes in
+    full: 123456789012345 went as "1.2345678901235e+14"."""
+    r = nginx.case("send_after_half_close", servers("rust").addresses[transport])
+    for way in ("last", "close_send"):
+        assert r[way] == {
+            "sent": False,
+            "err": "INTERNAL",
+            "message": "SendMsg called after CloseSend",
+            "seq": 1,
+            "ended": True,
+        }, (way, r)
+    assert r["header"] == "123456789012345", r
 
 
 def test_16_mib_message(nginx: Nginx, shm: str) -> None:

@@ -789,7 +789,9 @@ isthmus_code_t isthmus_call_start_async(const isthmus_channel_t *channel,
 
 // Sends one request message (copied), blocking while flow control holds it back; `last`
 // (non-zero) half-closes with it. A call that is over fails with `ISTHMUS_CANCELLED`: its
-// status comes from `isthmus_call_recv`.
+// status comes from `isthmus_call_recv`. A send after the half-close (a send with `last`, or
+// `isthmus_call_close_send`) fails with `ISTHMUS_INTERNAL`, as grpc-go's `SendMsg` after
+// `CloseSend`, and the call goes on.
 //
 // Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread
 // receives. Sends from two threads at once both go, in an order they fix themselves.
@@ -804,7 +806,8 @@ isthmus_code_t isthmus_call_send(const isthmus_call_t *call,
                                  isthmus_status_t **status);
 
 // [`isthmus_call_send`] without blocking (`ISTHMUS_OP_SEND`; `code` is `ISTHMUS_CANCELLED`
-// if the call was over). The message is copied before this returns.
+// if the call was over). The message is copied before this returns. After the half-close it
+// fails at once with `ISTHMUS_INTERNAL`, as `isthmus_call_send` does.
 //
 // Thread-safety: any thread; the call's sending side, usable while another thread receives. Sends
 // started from two threads at once go in an order they fix themselves.
@@ -937,7 +940,8 @@ isthmus_code_t isthmus_call_alloc(const isthmus_call_t *call,
                                   isthmus_status_t **status);
 
 // Sends a block from `isthmus_call_alloc` as one request message, with no copy; `last`
-// (non-zero) half-closes with it. The block handle is consumed, sent or not.
+// (non-zero) half-closes with it. The block handle is consumed, sent or not. After the
+// half-close it fails as `isthmus_call_send` does.
 //
 // Thread-safety: any thread, which it blocks; the call's sending side, as `isthmus_call_send`. No
 // other thread may write the block once it is passed here.

@@ -955,9 +955,21 @@ fn over() -> Status {
     Status::new(Code::Cancelled, "the call is over: recv gives its status")
 }
 
+/// A send on `call` may go: INTERNAL once its sending side was half-closed, in grpc-go's
+/// words, where the message was dropped and the send said it went (over `shm://`; over HTTP/2
+/// it failed CANCELLED, as if the call were over).
+fn sendable(call: &SharedCall) -> Result<(), Status> {
+    match call.half_closed() {
+        true => Err(Status::new(Code::Internal, "SendMsg called after CloseSend")),
+        false => Ok(()),
+    }
+}
+
 /// Sends one request message (copied), blocking while flow control holds it back; `last`
 /// (non-zero) half-closes with it. A call that is over fails with `ISTHMUS_CANCELLED`: its
-/// status comes from `isthmus_call_recv`.
+/// status comes from `isthmus_call_recv`. A send after the half-close (a send with `last`, or
+/// `isthmus_call_close_send`) fails with `ISTHMUS_INTERNAL`, as grpc-go's `SendMsg` after
+/// `CloseSend`, and the call goes on.
 ///
 /// Thread-safety: any thread, which it blocks; the call's sending side, usable while another thread
 /// receives. Sends from two threads at once both go, in an order they fix themselves.
@@ -975,6 +987,7 @@ pub unsafe extern "C" fn isthmus_call_send(
 ) -> isthmus_code_t {
     entry(status, || {
         let call = CALLS.get(call)?;
+        sendable(&call.call)?;
         // SAFETY: the caller's promise, passed on.
         let message = Bytes::copy_from_slice(unsafe { c_bytes(data, len, "the message")? });
         match block_on(call.call.send(message, last != 0)) {
@@ -985,7 +998,8 @@ pub unsafe extern "C" fn isthmus_call_send(
 }
 
 /// [`isthmus_call_send`] without blocking (`ISTHMUS_OP_SEND`; `code` is `ISTHMUS_CANCELLED`
-/// if the call was over). The message is copied before this returns.
+/// if the call was over). The message is copied before this returns. After the half-close it
+/// fails at once with `ISTHMUS_INTERNAL`, as `isthmus_call_send` does.
 ///
 /// Thread-safety: any thread; the call's sending side, usable while another thread receives. Sends
 /// started from two threads at once go in an order they fix themselves.
@@ -1005,6 +1019,7 @@ pub unsafe extern "C" fn isthmus_call_send_async(
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     start_on(CALLS.get(call).map(|c| c.call.clone()), cq, tag, ISTHMUS_OP_SEND, now, status, |shared| {
+        sendable(&shared)?;
         // SAFETY: the caller's promise, passed on.
         let message = Bytes::copy_from_slice(unsafe { c_bytes(data, len, "the message")? });
         Ok(async move { Outcome::done_if(shared.send(message, last != 0).await, over) })
@@ -1200,7 +1215,8 @@ pub unsafe extern "C" fn isthmus_call_alloc(
 }
 
 /// Sends a block from `isthmus_call_alloc` as one request message, with no copy; `last`
-/// (non-zero) half-closes with it. The block handle is consumed, sent or not.
+/// (non-zero) half-closes with it. The block handle is consumed, sent or not. After the
+/// half-close it fails as `isthmus_call_send` does.
 ///
 /// Thread-safety: any thread, which it blocks; the call's sending side, as `isthmus_call_send`. No
 /// other thread may write the block once it is passed here.
@@ -1218,7 +1234,9 @@ pub unsafe extern "C" fn isthmus_call_send_block(
     entry(status, || {
         let call = CALLS.get(call);
         let block = take_block(block)?;
-        match block_on(call?.call.send_block(block, last != 0)) {
+        let call = call?;
+        sendable(&call.call)?;
+        match block_on(call.call.send_block(block, last != 0)) {
             true => Ok(()),
             false => Err(over()),
         }

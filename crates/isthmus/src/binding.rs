@@ -149,6 +149,8 @@ pub struct SharedCall {
     /// Whether `drained_end` ever ran: until it does, a receive neither counts its turn nor
     /// looks `ahead` (the C ABI's and Lua's streams never call it).
     drained: std::sync::atomic::AtomicBool,
+    /// Whether the sending side was half-closed ([`half_closed`](Self::half_closed)).
+    half_closed: std::sync::atomic::AtomicBool,
 }
 
 /// How long [`SharedCall::drained_end`] lets a reader at work go on (it will reach the end
@@ -175,7 +177,22 @@ impl SharedCall {
             ahead_taken: tokio::sync::Notify::new(),
             turns: std::sync::atomic::AtomicU64::new(0),
             drained: std::sync::atomic::AtomicBool::new(false),
+            half_closed: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Whether the sending side was half-closed (a send with `last`, or
+    /// [`close_send`](Self::close_send)). A message sent after it goes nowhere (the server has
+    /// seen the end of the requests), so a binding refuses it, as grpc-go's `SendMsg` after
+    /// `CloseSend` fails INTERNAL, rather than report it sent.
+    pub fn half_closed(&self) -> bool {
+        self.half_closed.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn closing_send(&self, last: bool) {
+        if last {
+            self.half_closed.store(true, std::sync::atomic::Ordering::Release);
+        }
     }
 
     /// The call, locked; UNAVAILABLE in a child forked since the call was made if a thread of
@@ -193,6 +210,7 @@ impl SharedCall {
     /// Sends one request (`last` half-closes with it); `false` if the call is over (or
     /// cancelled): its status then comes from [`recv`](Self::recv).
     pub async fn send(&self, message: Bytes, last: bool) -> bool {
+        self.closing_send(last);
         if self.made_in.forked() {
             return false;
         }
@@ -220,6 +238,7 @@ impl SharedCall {
 
     /// Sends a block from [`alloc`](Self::alloc) as one request; `false` if the call is over.
     pub async fn send_block(&self, block: crate::BlockMut, last: bool) -> bool {
+        self.closing_send(last);
         if self.made_in.forked() {
             return false;
         }
@@ -233,6 +252,7 @@ impl SharedCall {
 
     /// Half-closes.
     pub async fn close_send(&self) {
+        self.closing_send(true);
         if self.made_in.forked() {
             return;
         }

@@ -340,6 +340,15 @@ end
 -- Lua metadata ({key = value or {values}}) as a handle for one call, or nil. A value is a
 -- string (or a number, written as Lua writes it); anything else is refused, not sent as
 -- something else (a list's keys were its indexes, a key with a NUL was cut at it).
+-- A metadata value as text: a whole number in full (`tostring` gives 14 significant digits,
+-- and sent 123456789012345 as "1.2345678901235e+14"), anything else as `tostring` writes it.
+local function number_text(value)
+    if type(value) == "number" and value == math.floor(value) and math.abs(value) < 2 ^ 63 then
+        return ("%d"):format(value)
+    end
+    return tostring(value)
+end
+
 local function make_metadata(t)
     if t ~= nil and type(t) ~= "table" then
         return nil, new_error(INVALID_ARGUMENT, "metadata is a table of key = value or {values}, not a " .. type(t))
@@ -360,7 +369,7 @@ local function make_metadata(t)
                 return nil, new_error(INVALID_ARGUMENT,
                     ("metadata value of %s is a string or a number, not a %s"):format(key, kind))
             end
-            value = tostring(value)
+            value = number_text(value)
             local rc = C.isthmus_metadata_add(md, key, value, #value, status_out)
             if rc ~= OK then
                 return nil, failed(rc)
@@ -1187,6 +1196,27 @@ local function tls_options(t, keep)
     return c
 end
 
+-- Refuses an option `opts` does not know, rather than ignore it: a misspelt one set nothing
+-- (`{ timeout_ms = 100 }` left a call with no deadline at all). nil if every key is known.
+local function unknown_option(opts, known, what)
+    for key in pairs(opts) do
+        if not known[key] then
+            return new_error(INVALID_ARGUMENT, ("%s has no option %s"):format(what, tostring(key)))
+        end
+    end
+end
+
+local function set_of(list)
+    local t = {}
+    for _, v in ipairs(list) do
+        t[v] = true
+    end
+    return t
+end
+
+local CONNECT_OPTIONS = set_of({ "proto", "max_message_size", "tls", "spin_us", "spin", "lib", "upgrade",
+    "keepalive_time_ms", "keepalive_timeout_ms", "keepalive_without_calls", "user_agent", "authority" })
+
 --- Makes a channel to `target` (`shm://NAME`, `unix:///path.sock`, `http://host:port`,
 --- `https://host:port`, or gRPC's other names: `host:port`, `dns:`, `ipv4:`...). It connects
 --- on its first call, and again after the server went away. Options: `proto` (from
@@ -1211,12 +1241,17 @@ end
 --- roots. TLS on `shm://` or `unix://`, and PEM that does not parse, are INVALID_ARGUMENT here;
 --- a certificate the other side refuses fails the calls UNAVAILABLE, saying why.
 --- One channel per worker, made in init_worker_by_lua or on first use, serves every request.
+--- An option it does not know is INVALID_ARGUMENT, as one a call does not know is a call's.
 --- Returns the channel, or nil, err.
 function _M.connect(target, opts)
     if opts ~= nil and type(opts) ~= "table" then
         return nil, new_error(INVALID_ARGUMENT, "connect's options are a table, not a " .. type(opts))
     end
     opts = opts or {}
+    local uerr = unknown_option(opts, CONNECT_OPTIONS, "connect")
+    if uerr then
+        return nil, uerr
+    end
     load(opts.lib)
     -- nil is the library's to refuse (INVALID_ARGUMENT "the target is NULL").
     if target ~= nil then
@@ -1339,7 +1374,7 @@ function Channel:wait_state(last, timeout)
             return false, qerr
         end
         local tag = fresh_tag()
-        local ms = timeout and math.max(math.floor(timeout * 1000), 0) or -1
+        local ms = timeout and math.max(math.ceil(timeout * 1000), 0) or -1
         local rc = C.isthmus_channel_wait_state_async(h, from, ms, q, tag, now, status_out)
         local r = finish_async(rc, tag, (timeout or FOREVER) + 1)
         if r.err then
@@ -1349,7 +1384,7 @@ function Channel:wait_state(last, timeout)
         return true, STATES[r.state]
     end
     timeout = timeout or blocking_default()
-    local ms = timeout and math.min(math.max(math.floor(timeout * 1000), 0), WAIT_MS_MAX) or WAIT_MS_MAX
+    local ms = timeout and math.min(math.max(math.ceil(timeout * 1000), 0), WAIT_MS_MAX) or WAIT_MS_MAX
     local rc = C.isthmus_channel_wait_state(h, from, ms, state_out)
     if rc == OK then
         return true, STATES[tonumber(state_out[0])]
@@ -1400,9 +1435,15 @@ local COMPRESSION_FLAGS = { gzip = 4, deflate = 8 }
 
 -- The C options of one call; the metadata handle is returned so that it lives until the call
 -- has copied it. A call with no timeout of its own takes `default` (seconds, or nil: none).
+local CALL_OPTIONS = set_of({ "timeout", "metadata", "wait_for_ready", "compression", "raw" })
+
 local function call_options(opts, flags, default)
     if opts ~= nil and type(opts) ~= "table" then
         return nil, new_error(INVALID_ARGUMENT, "a call's options are a table, not a " .. type(opts))
+    end
+    local uerr = opts and unknown_option(opts, CALL_OPTIONS, "a call")
+    if uerr then
+        return nil, uerr
     end
     local o = ffi_new("isthmus_call_options_t")
     local md, err
@@ -1701,7 +1742,8 @@ local function step(self, start_async, blocking)
 end
 
 --- Sends one message (a string, or a table with the channel's proto); `last` half-closes
---- after it. ok or false, err.
+--- after it. ok or false, err; after the half-close, INTERNAL (as grpc-go's `SendMsg` after
+--- `CloseSend`), and the stream goes on.
 function Stream:send(message, last)
     local ok, bytes = encode(self.channel, self.codec, self.path, message)
     if not ok then
