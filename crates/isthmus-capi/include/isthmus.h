@@ -941,7 +941,9 @@ isthmus_code_t isthmus_call_alloc(const isthmus_call_t *call,
 
 // Sends a block from `isthmus_call_alloc` as one request message, with no copy; `last`
 // (non-zero) half-closes with it. The block handle is consumed, sent or not. After the
-// half-close it fails as `isthmus_call_send` does.
+// half-close it fails as `isthmus_call_send` does; a block of another connection (another
+// channel's, `isthmus_channel_alloc`'s, or the call's own from before a reconnect) fails
+// `ISTHMUS_INVALID_ARGUMENT`, and the call goes on.
 //
 // Thread-safety: any thread, which it blocks; the call's sending side, as `isthmus_call_send`. No
 // other thread may write the block once it is passed here.
@@ -1051,7 +1053,8 @@ isthmus_code_t isthmus_cq_bell_accept(const isthmus_cq_t *cq,
 isthmus_code_t isthmus_cq_wake(const isthmus_cq_t *cq);
 
 // Frees a queue. Operations still waiting on it are abandoned: their calls are cancelled and
-// their events never come; events not yet taken are freed.
+// their events never come; events not yet taken are freed, and a new call among them (a
+// handler's `ISTHMUS_OP_NEW_CALL`) is finished UNAVAILABLE, as one that comes after.
 //
 // Thread-safety: any thread, once: operations other threads start on it afterwards fail
 // `ISTHMUS_INVALID_ARGUMENT`, a thread asleep in `isthmus_cq_wait` on it wakes and gets no
@@ -1177,9 +1180,9 @@ isthmus_metadata_t *isthmus_status_trailers(const isthmus_status_t *status);
 
 // Compiles `.proto` files (with what they import) at run time. Imports are looked up in the
 // `includes` directories, then in the directory of each file neither under nor found in any of
-// them (with no `includes`, each file's own directory). A file that does not parse,
-// or an import not found, fails with `ISTHMUS_INVALID_ARGUMENT` and a message naming the file
-// and line. Free the result with `isthmus_proto_free`.
+// them (with no `includes`, each file's own directory). A file that does not parse, one whose
+// braces nest more than 100 deep, or an import not found, fails with
+// `ISTHMUS_INVALID_ARGUMENT` and a message naming the file and line. Free the result with `isthmus_proto_free`.
 //
 // Thread-safety: any thread.
 //
@@ -1479,7 +1482,8 @@ int32_t isthmus_server_call_headers_sent(const isthmus_server_call_t *call);
 // Receives the next request message, blocking: `ISTHMUS_OK` with `*message` set, or with
 // `*message` NULL once the client has half-closed; another code if the call is over. With
 // `flags` 0 it sends nothing, so `isthmus_server_call_send_headers` works after it; see
-// `ISTHMUS_RECV_FLUSH_HEADERS` for request-streaming handlers.
+// `ISTHMUS_RECV_FLUSH_HEADERS` for request-streaming handlers. An unknown flag is
+// `ISTHMUS_INVALID_ARGUMENT`.
 //
 // Thread-safety: any thread, which it blocks; the call's receiving side, usable while another
 // thread sends (receives from two threads take turns).
@@ -1492,7 +1496,8 @@ isthmus_code_t isthmus_server_call_recv(const isthmus_server_call_t *call,
                                         isthmus_message_t **message,
                                         isthmus_status_t **status);
 
-// [`isthmus_server_call_recv`] without blocking (`ISTHMUS_OP_RECV`).
+// [`isthmus_server_call_recv`] without blocking (`ISTHMUS_OP_RECV`); an unknown flag is
+// `ISTHMUS_INVALID_ARGUMENT`, returned at once.
 //
 // Thread-safety: any thread, which it holds up to 50 µs with `ISTHMUS_RECV_SPIN` only; the call's
 // receiving side, usable while another thread sends.
@@ -1640,7 +1645,8 @@ isthmus_code_t isthmus_server_call_alloc(const isthmus_server_call_t *call,
                                          isthmus_status_t **status);
 
 // Sends a block from `isthmus_server_call_alloc` as one response message, with no copy. The
-// block handle is consumed, sent or not.
+// block handle is consumed, sent or not. A block of another connection fails
+// `ISTHMUS_INVALID_ARGUMENT`, and the call goes on.
 //
 // Thread-safety: any thread, which it blocks; the call's sending side, as
 // `isthmus_server_call_send`. No other thread may write the block once it is passed here.

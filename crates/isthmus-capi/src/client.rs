@@ -1216,7 +1216,9 @@ pub unsafe extern "C" fn isthmus_call_alloc(
 
 /// Sends a block from `isthmus_call_alloc` as one request message, with no copy; `last`
 /// (non-zero) half-closes with it. The block handle is consumed, sent or not. After the
-/// half-close it fails as `isthmus_call_send` does.
+/// half-close it fails as `isthmus_call_send` does; a block of another connection (another
+/// channel's, `isthmus_channel_alloc`'s, or the call's own from before a reconnect) fails
+/// `ISTHMUS_INVALID_ARGUMENT`, and the call goes on.
 ///
 /// Thread-safety: any thread, which it blocks; the call's sending side, as `isthmus_call_send`. No
 /// other thread may write the block once it is passed here.
@@ -1236,6 +1238,12 @@ pub unsafe extern "C" fn isthmus_call_send_block(
         let block = take_block(block)?;
         let call = call?;
         sendable(&call.call)?;
+        if !call.call.can_send_block(&block) {
+            return Err(Status::new(
+                Code::InvalidArgument,
+                "a block can only be sent on the connection it was allocated from",
+            ));
+        }
         match block_on(call.call.send_block(block, last != 0)) {
             true => Ok(()),
             false => Err(over()),

@@ -685,7 +685,8 @@ pub extern "C" fn isthmus_cq_wake(cq: *const isthmus_cq_t) -> isthmus_code_t {
 }
 
 /// Frees a queue. Operations still waiting on it are abandoned: their calls are cancelled and
-/// their events never come; events not yet taken are freed.
+/// their events never come; events not yet taken are freed, and a new call among them (a
+/// handler's `ISTHMUS_OP_NEW_CALL`) is finished UNAVAILABLE, as one that comes after.
 ///
 /// Thread-safety: any thread, once: operations other threads start on it afterwards fail
 /// `ISTHMUS_INVALID_ARGUMENT`, a thread asleep in `isthmus_cq_wait` on it wakes and gets no
@@ -701,8 +702,18 @@ pub extern "C" fn isthmus_cq_free(cq: *mut isthmus_cq_t) -> isthmus_code_t {
         }
         q.taker.close();
         q.completions.abort_all();
-        q.overflow.lock().unwrap_or_else(std::sync::PoisonError::into_inner).clear();
-        drop(q.completions.take());
+        let untaken: Vec<(u64, Finished)> = {
+            let mut overflow = q.overflow.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+            overflow.drain(..).chain(q.completions.take()).collect()
+        };
+        // A new call nobody took is finished, as one that comes after the free is: dropped, it
+        // stayed open until its deadline (for ever without one), and held the server's
+        // shutdown for its whole grace.
+        for (_, Finished(_, outcome)) in untaken {
+            if let Outcome::NewCall(call) = outcome {
+                call.finish(crate::server::queue_freed());
+            }
+        }
         // Wakes a waiter, whose poll then finds no queue (the waiter's hold on it keeps the
         // descriptor open until it has looked).
         q.completions.signal();
@@ -771,6 +782,64 @@ mod tests {
         assert_eq!(isthmus_cq_wake(cq), crate::abi::ISTHMUS_INVALID_ARGUMENT, "freed");
         let mut rest = Vec::new();
         second.read_to_end(&mut rest).expect("closed with the queue");
+    }
+
+    /// A new call whose `ISTHMUS_OP_NEW_CALL` event nobody took when its queue is freed ends
+    /// UNAVAILABLE for its client, at once, as one that comes after the free does. It stayed
+    /// open until its deadline (for ever without one), and held the server's shutdown for its
+    /// whole grace.
+    #[test]
+    fn a_new_call_left_in_a_freed_queue_ends_unavailable() {
+        use crate::client::{isthmus_channel_close, isthmus_channel_new, isthmus_unary};
+        use crate::server::{
+            isthmus_server_add_handler_cq, isthmus_server_free, isthmus_server_new, isthmus_server_start,
+        };
+        let target = std::ffi::CString::new(format!("shm://capi-freed-queue-{}", std::process::id())).expect("name");
+        let cq = isthmus_cq_new();
+        // SAFETY: NULL options are the defaults; the path is NULL (every path); `target` is a
+        // NUL-terminated string that outlives the calls; every out pointer is writable.
+        unsafe {
+            let server = isthmus_server_new(std::ptr::null());
+            assert_eq!(
+                isthmus_server_add_handler_cq(server, std::ptr::null(), cq, 7, std::ptr::null_mut()),
+                ISTHMUS_OK
+            );
+            let targets = [target.as_ptr()];
+            assert_eq!(isthmus_server_start(server, targets.as_ptr(), 1, std::ptr::null_mut()), ISTHMUS_OK);
+            let mut channel = std::ptr::null_mut();
+            assert_eq!(
+                isthmus_channel_new(target.as_ptr(), std::ptr::null(), &mut channel, std::ptr::null_mut()),
+                ISTHMUS_OK
+            );
+            let address = channel as usize; // the handle crosses to the client's thread
+            let client = std::thread::spawn(move || {
+                let mut reply = std::ptr::null_mut();
+                let path = c"/t.S/Unary";
+                let rc = isthmus_unary(
+                    address as *const _,
+                    path.as_ptr(),
+                    b"hi".as_ptr(),
+                    2,
+                    std::ptr::null(),
+                    &mut reply,
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                    std::ptr::null_mut(),
+                );
+                assert!(reply.is_null());
+                rc
+            });
+            // The call's event is in the queue, untaken.
+            let mut readable = libc::pollfd { fd: isthmus_cq_fd(cq), events: libc::POLLIN, revents: 0 };
+            assert_eq!(libc::poll(&mut readable, 1, 30_000), 1, "the new call's event came");
+            assert_eq!(isthmus_cq_free(cq), ISTHMUS_OK);
+            let (ended, end) = std::sync::mpsc::channel();
+            std::thread::spawn(move || ended.send(client.join().expect("client")));
+            let rc = end.recv_timeout(Duration::from_secs(20)).expect("the client's call ended");
+            assert_eq!(rc, crate::abi::ISTHMUS_UNAVAILABLE);
+            assert_eq!(isthmus_channel_close(channel), ISTHMUS_OK);
+            assert_eq!(isthmus_server_free(server), ISTHMUS_OK);
+        }
     }
 
     #[test]

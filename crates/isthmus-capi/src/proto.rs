@@ -54,9 +54,9 @@ impl isthmus_proto_t {
 
 /// Compiles `.proto` files (with what they import) at run time. Imports are looked up in the
 /// `includes` directories, then in the directory of each file neither under nor found in any of
-/// them (with no `includes`, each file's own directory). A file that does not parse,
-/// or an import not found, fails with `ISTHMUS_INVALID_ARGUMENT` and a message naming the file
-/// and line. Free the result with `isthmus_proto_free`.
+/// them (with no `includes`, each file's own directory). A file that does not parse, one whose
+/// braces nest more than 100 deep, or an import not found, fails with
+/// `ISTHMUS_INVALID_ARGUMENT` and a message naming the file and line. Free the result with `isthmus_proto_free`.
 ///
 /// Thread-safety: any thread.
 ///
@@ -100,7 +100,7 @@ pub unsafe extern "C" fn isthmus_proto_load(
                 return Err(invalid(format!("cannot load {missing}: no such file")));
             }
             let compile = || -> Result<DescriptorPool, protox::Error> {
-                let mut compiler = protox::Compiler::new(&dirs)?;
+                let mut compiler = protox::Compiler::with_file_resolver(Shallow::new(&dirs));
                 compiler.include_imports(true);
                 compiler.open_files(&files)?;
                 Ok(compiler.descriptor_pool())
@@ -109,6 +109,103 @@ pub unsafe extern "C" fn isthmus_proto_load(
             Ok(Some(PROTOS.add(isthmus_proto_t::new(pool)?)))
         })
     }
+}
+
+/// How deep a `.proto` file's braces may nest (messages in messages, option values): protox
+/// parses them by recursion, and a file nested a few thousand deep overflowed the caller's
+/// stack (a thousand on a 256 KiB thread), a crash where every other bad file is
+/// INVALID_ARGUMENT. Real files nest a handful deep.
+const MAX_NESTING: usize = 100;
+
+/// protox's usual resolver (the include directories, then the well-known types) with each file
+/// found on disk looked at before it is parsed: one nested deeper than [`MAX_NESTING`] is
+/// refused.
+struct Shallow {
+    dirs: Vec<PathBuf>,
+    inner: protox::file::ChainFileResolver,
+}
+
+impl Shallow {
+    fn new(dirs: &[PathBuf]) -> Shallow {
+        let mut inner = protox::file::ChainFileResolver::new();
+        for dir in dirs {
+            inner.add(protox::file::IncludeFileResolver::new(dir.clone()));
+        }
+        inner.add(protox::file::GoogleFileResolver::new());
+        Shallow { dirs: dirs.to_vec(), inner }
+    }
+}
+
+impl protox::file::FileResolver for Shallow {
+    fn resolve_path(&self, path: &Path) -> Option<String> {
+        self.inner.resolve_path(path)
+    }
+
+    fn open_file(&self, name: &str) -> Result<protox::file::File, protox::Error> {
+        // The file the include resolvers would open: the first directory that has it.
+        if let Some(source) = self.dirs.iter().find_map(|dir| std::fs::read_to_string(dir.join(name)).ok()) {
+            if let Some(line) = nested_too_deep(&source) {
+                return Err(protox::Error::new(format!("{name}:{line}: braces nested more than {MAX_NESTING} deep")));
+            }
+        }
+        self.inner.open_file(name)
+    }
+}
+
+/// The line where `source`'s braces first nest deeper than [`MAX_NESTING`], if they do;
+/// braces in comments and string literals do not count.
+fn nested_too_deep(source: &str) -> Option<usize> {
+    let (mut depth, mut line) = (0usize, 1usize);
+    let mut chars = source.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '\n' => line += 1,
+            '{' => {
+                depth += 1;
+                if depth > MAX_NESTING {
+                    return Some(line);
+                }
+            }
+            '}' => depth = depth.saturating_sub(1),
+            '/' if chars.peek() == Some(&'/') => {
+                for c in chars.by_ref() {
+                    if c == '\n' {
+                        line += 1;
+                        break;
+                    }
+                }
+            }
+            '/' if chars.peek() == Some(&'*') => {
+                chars.next();
+                let mut star = false;
+                for c in chars.by_ref() {
+                    match c {
+                        '/' if star => break,
+                        '\n' => line += 1,
+                        _ => {}
+                    }
+                    star = c == '*';
+                }
+            }
+            '"' | '\'' => {
+                let mut escaped = false;
+                for s in chars.by_ref() {
+                    match s {
+                        '\n' => {
+                            line += 1;
+                            break; // a string does not span lines: the parser says what is wrong
+                        }
+                        _ if escaped => escaped = false,
+                        '\\' => escaped = true,
+                        _ if s == c => break,
+                        _ => {}
+                    }
+                }
+            }
+            _ => {}
+        }
+    }
+    None
 }
 
 /// Loads a serialized `google.protobuf.FileDescriptorSet` (what `protoc --include_imports
@@ -360,6 +457,53 @@ service Echo { rpc Call(Ping) returns (Pong); }
             unsafe { isthmus_proto_load(files.as_ptr(), 1, std::ptr::null(), 0, &mut proto, std::ptr::null_mut()) };
         assert_eq!(rc, ISTHMUS_OK);
         (proto, dir)
+    }
+
+    /// `source` written to a file and loaded: the code, and the failure's message.
+    fn load_source(source: &str) -> (isthmus_code_t, String) {
+        let dir = tempdir::Dir::new();
+        let file = dir.0.join("deep.proto");
+        std::fs::write(&file, source).expect("write");
+        let path = CString::new(file.to_str().expect("utf8")).expect("cstr");
+        let files = [path.as_ptr()];
+        let (mut proto, mut status) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: one valid path; valid out-pointers.
+        let rc = unsafe { isthmus_proto_load(files.as_ptr(), 1, std::ptr::null(), 0, &mut proto, &mut status) };
+        if rc == ISTHMUS_OK {
+            assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
+            return (rc, String::new());
+        }
+        // SAFETY: a status was stored on failure.
+        let message = unsafe { CStr::from_ptr(isthmus_status_message(status)) }.to_string_lossy().into_owned();
+        isthmus_status_free(status);
+        (rc, message)
+    }
+
+    /// Messages nested `depth` deep, with braces in a comment and a string that do not count.
+    fn nested(depth: usize) -> String {
+        let mut s = String::from("syntax = \"proto3\";\n// {{{{ not a brace\n/* {{{{ */\n");
+        for i in 0..depth {
+            s.push_str(&format!("message M{i} {{ string s{i} = 1 [json_name = \"x{{\"];\n"));
+        }
+        s.push_str(&"}\n".repeat(depth));
+        s
+    }
+
+    /// A file nested a few thousand deep is INVALID_ARGUMENT, naming the line: protox's parser
+    /// recursed into it and overflowed the caller's stack (a crash of the whole process). One
+    /// nested as deep as real files nest loads, braces in comments and strings not counted.
+    #[test]
+    fn a_proto_nested_too_deep_is_refused_not_a_crash() {
+        // A small stack, as a C caller's thread may have: 1,000 levels overflowed 256 KiB.
+        let loads = std::thread::Builder::new().stack_size(256 << 10);
+        let (deep, shallow) = loads
+            .spawn(|| (load_source(&nested(3000)), load_source(&nested(50))))
+            .expect("thread")
+            .join()
+            .expect("no crash");
+        assert_eq!(deep.0, ISTHMUS_INVALID_ARGUMENT, "{}", deep.1);
+        assert!(deep.1.contains("deep.proto:104: braces nested more than 100 deep"), "{}", deep.1);
+        assert_eq!(shallow, (ISTHMUS_OK, String::new()));
     }
 
     /// The bytes of a message handle, freeing it.

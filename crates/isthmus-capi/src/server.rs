@@ -182,10 +182,17 @@ impl Taker {
         self.closed.load(Ordering::Acquire)
     }
 
-    /// The queue is freed: a spinner stops, and no call is taken any more.
+    /// The queue is freed: a spinner stops, and no call is taken any more; one offered and
+    /// not taken yet is finished UNAVAILABLE.
     pub(crate) fn close(&self) {
-        let _slot = self.lock();
-        self.closed.store(true, Ordering::Release);
+        let offered = {
+            let mut slot = self.lock();
+            self.closed.store(true, Ordering::Release);
+            slot.call.take()
+        };
+        if let Some((_, call)) = offered {
+            call.finish(queue_freed());
+        }
     }
 }
 
@@ -208,9 +215,7 @@ impl Handler for Deliver {
                 }
                 // A freed queue is read by nobody: the call would wait there for its deadline.
                 // (A queue freed between this look and the `run` still keeps its call.)
-                Deliver::Queue { taker, .. } if taker.is_closed() => {
-                    return Err(Status::new(Code::Unavailable, "the handler's completion queue was freed"));
-                }
+                Deliver::Queue { taker, .. } if taker.is_closed() => return Err(queue_freed()),
                 Deliver::Queue { cq, tag, taker } => {
                     if let Some(handed) = taker.offer(*tag, handed) {
                         cq.run(*tag, ISTHMUS_OP_NEW_CALL, std::future::ready(Outcome::NewCall(handed)));
@@ -220,6 +225,11 @@ impl Handler for Deliver {
             Ok(())
         }))
     }
+}
+
+/// How a call ends whose handler's completion queue was freed before it took the call.
+pub(crate) fn queue_freed() -> Status {
+    Status::new(Code::Unavailable, "the handler's completion queue was freed")
 }
 
 /// A server's C callbacks running now. `isthmus_server_free` closes it: no callback starts
@@ -860,10 +870,20 @@ pub const ISTHMUS_RECV_FLUSH_HEADERS: u32 = 1;
 /// the connection itself meanwhile, so the request needs no hand-over from the library's reader.
 pub const ISTHMUS_RECV_SPIN: u32 = 2;
 
+/// `flags` of a receive, if it knows each: an older library refuses a flag it does not know
+/// (`ISTHMUS_INVALID_ARGUMENT`), as every other flags argument does, instead of dropping it.
+fn recv_flags(flags: u32) -> Result<(), Status> {
+    match flags & !(ISTHMUS_RECV_FLUSH_HEADERS | ISTHMUS_RECV_SPIN) {
+        0 => Ok(()),
+        unknown => Err(invalid(format!("unknown receive flags {unknown:#x}"))),
+    }
+}
+
 /// Receives the next request message, blocking: `ISTHMUS_OK` with `*message` set, or with
 /// `*message` NULL once the client has half-closed; another code if the call is over. With
 /// `flags` 0 it sends nothing, so `isthmus_server_call_send_headers` works after it; see
-/// `ISTHMUS_RECV_FLUSH_HEADERS` for request-streaming handlers.
+/// `ISTHMUS_RECV_FLUSH_HEADERS` for request-streaming handlers. An unknown flag is
+/// `ISTHMUS_INVALID_ARGUMENT`.
 ///
 /// Thread-safety: any thread, which it blocks; the call's receiving side, usable while another
 /// thread sends (receives from two threads take turns).
@@ -880,10 +900,16 @@ pub unsafe extern "C" fn isthmus_server_call_recv(
 ) -> isthmus_code_t {
     let flush = flags & ISTHMUS_RECV_FLUSH_HEADERS != 0;
     // SAFETY: the caller's promises, passed on.
-    unsafe { entry_out(message, "message", status, || Ok(block_on(handed(call)?.recv(flush))?.map(message_handle))) }
+    unsafe {
+        entry_out(message, "message", status, || {
+            recv_flags(flags)?;
+            Ok(block_on(handed(call)?.recv(flush))?.map(message_handle))
+        })
+    }
 }
 
-/// [`isthmus_server_call_recv`] without blocking (`ISTHMUS_OP_RECV`).
+/// [`isthmus_server_call_recv`] without blocking (`ISTHMUS_OP_RECV`); an unknown flag is
+/// `ISTHMUS_INVALID_ARGUMENT`, returned at once.
 ///
 /// Thread-safety: any thread, which it holds up to 50 µs with `ISTHMUS_RECV_SPIN` only; the call's
 /// receiving side, usable while another thread sends.
@@ -921,7 +947,8 @@ pub unsafe extern "C" fn isthmus_server_call_recv_async(
         }
         call.try_recv().map(Outcome::received)
     };
-    start_trying_on(handed(call), cq, tag, ISTHMUS_OP_RECV, now, spin, status, at_hand, |call| {
+    let call = recv_flags(flags).and_then(|()| handed(call));
+    start_trying_on(call, cq, tag, ISTHMUS_OP_RECV, now, spin, status, at_hand, |call| {
         Ok(async move { Outcome::received(call.recv(flush).await) })
     })
 }
@@ -1197,7 +1224,8 @@ pub unsafe extern "C" fn isthmus_server_call_alloc(
 }
 
 /// Sends a block from `isthmus_server_call_alloc` as one response message, with no copy. The
-/// block handle is consumed, sent or not.
+/// block handle is consumed, sent or not. A block of another connection fails
+/// `ISTHMUS_INVALID_ARGUMENT`, and the call goes on.
 ///
 /// Thread-safety: any thread, which it blocks; the call's sending side, as
 /// `isthmus_server_call_send`. No other thread may write the block once it is passed here.

@@ -579,6 +579,13 @@ impl Sender {
         BlockMut { sender: self.clone(), offset, generation, ptr, len, sent: false, announced }
     }
 
+    /// Whether `block` was allocated from this connection's arena, the only one it can be sent
+    /// on: a caller that reserves something for the send first (flow control's credit) looks
+    /// here before, so that a block refused later takes nothing with it.
+    pub fn owns(&self, block: &BlockMut) -> bool {
+        Arc::ptr_eq(&block.sender.core, &self.core)
+    }
+
     /// Sends a filled block as one MESSAGE of the block's length (after any `truncate`).
     pub fn send_block(&self, stream: u64, frame_flags: u8, block: BlockMut, deadline: Option<Instant>) -> Result<()> {
         let total = block.len as u64;
@@ -612,7 +619,7 @@ impl Sender {
         block: &BlockMut,
         total: u64,
     ) -> Result<Option<(FrameHeader, [u8; ArenaDescriptor::LEN])>> {
-        if !Arc::ptr_eq(&block.sender.core, &self.core) {
+        if !self.owns(block) {
             return Err(Error::new(
                 ErrorKind::InvalidConfig,
                 "a block can only be sent on the connection it was allocated from",

@@ -236,6 +236,11 @@ impl SharedCall {
         }
     }
 
+    /// Whether `block` can go by [`send_block`](Self::send_block) (`CallSender::can_send`).
+    pub fn can_send_block(&self, block: &crate::BlockMut) -> bool {
+        self.sender.can_send(block)
+    }
+
     /// Sends a block from [`alloc`](Self::alloc) as one request; `false` if the call is over.
     pub async fn send_block(&self, block: crate::BlockMut, last: bool) -> bool {
         self.closing_send(last);

@@ -858,6 +858,16 @@ impl CallSender {
         }
     }
 
+    /// Whether `block` can go by [`send_block`](Self::send_block): over `shm://`, one
+    /// allocated from this call's connection (another is refused, as the call being over
+    /// is); over HTTP/2 any, copied.
+    pub fn can_send(&self, block: &BlockMut) -> bool {
+        match &self.via {
+            SenderVia::Shm(half) => half.owns(block),
+            SenderVia::Http(_) => true,
+        }
+    }
+
     /// Sends a block from [`alloc`](Self::alloc) as one request message, as it is; `last`
     /// half-closes with it. `false` if the call is over.
     pub async fn send_block(&self, block: BlockMut, last: bool) -> bool {

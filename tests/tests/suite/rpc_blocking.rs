@@ -88,6 +88,32 @@ fn messages_built_in_place_travel_both_ways() {
     assert_eq!((r.message.len(), first_mismatch(&r.message, 9)), (5 << 20, None));
 }
 
+/// A block allocated from another connection is refused INVALID_ARGUMENT before it takes any
+/// of the call's credit, and the call goes on: it took the credit first, so that after 4 MiB
+/// of refused blocks (the stream's window) the next message waited for credit for good.
+#[test]
+fn a_block_of_another_connection_is_refused_and_takes_no_credit() {
+    let (_server, addr) = server();
+    let (ch, other) = (Channel::connect(&addr).expect("connect"), Channel::connect(&addr).expect("connect"));
+    let mut donor = other.start("/test.Echo/Bidi", CallOptions::default()).expect("start");
+    let timeout = Some(Duration::from_secs(30));
+    let mut call = ch.start("/test.Echo/Bidi", CallOptions { timeout, ..CallOptions::default() }).expect("start");
+    for _ in 0..6 {
+        let block = donor.alloc(1 << 20).expect("a block of the other connection");
+        let s = call.send_block(block, false).expect_err("another connection's block");
+        assert_eq!(s.code(), Code::InvalidArgument, "{s}");
+    }
+    let mut block = call.alloc(1 << 20).expect("a block of its own");
+    block.copy_from_slice(&pattern(1 << 20, 6));
+    call.send_block(block, false).expect("its own block goes");
+    let m = call.recv().expect("the echo").expect("a message");
+    assert_eq!((m.len(), first_mismatch(&m, 6)), (1 << 20, None));
+    call.send_last(b"still").expect("a message after them goes");
+    assert_eq!(&call.recv().expect("the echo").expect("a message")[..], b"still");
+    assert_eq!(call.recv().expect("end"), None);
+    drop(donor);
+}
+
 #[test]
 fn threads_share_one_channel_and_every_reply_reaches_its_caller() {
     let (_server, addr) = server();

@@ -199,6 +199,8 @@ static void h_unary(isthmus_server_call_t *call) {
     wrong = "set_compression: zstd taken";
   else if (isthmus_server_call_set_compression(call, NULL, NULL) != ISTHMUS_INVALID_ARGUMENT)
     wrong = "set_compression: NULL taken";
+  else if (isthmus_server_call_recv(call, 0x80000000u, &req, NULL) != ISTHMUS_INVALID_ARGUMENT || req != NULL)
+    wrong = "recv: an unknown flag taken";
 
   isthmus_code_t rc = isthmus_server_call_recv(call, 0, &req, &st);
   if (rc == ISTHMUS_OK && req == NULL) rc = ISTHMUS_INVALID_ARGUMENT;

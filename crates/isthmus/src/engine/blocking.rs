@@ -948,6 +948,11 @@ impl Call {
     /// Sends a block from [`alloc`](Self::alloc) as one request message, as it is; `last`
     /// half-closes with it.
     pub fn send_block(&mut self, block: BlockMut, last: bool) -> Result<(), Status> {
+        // Refused before it takes credit it would never give back (the call stalled for good
+        // once refused blocks had taken its window).
+        if !self.state.mux.sender.owns(&block) {
+            return Err(super::client::foreign_block());
+        }
         if !self.credit(block.len())? {
             return Ok(());
         }

@@ -386,11 +386,18 @@ impl SendHalf {
     /// Sends a block from [`alloc`](Self::alloc) once the server's window allows; `last`
     /// half-closes with it.
     pub(crate) async fn send_block(&self, block: BlockMut, last: bool) -> Result<(), ()> {
-        if credit(&self.mux, &self.shared, block.len()).await != Credit::Taken {
+        // A block of another connection is refused before it takes credit it would never give
+        // back: the call stalled for good once refused blocks had taken its window.
+        if !self.owns(&block) || credit(&self.mux, &self.shared, block.len()).await != Credit::Taken {
             return Err(());
         }
         let f = if last { flags::END_STREAM } else { 0 };
         self.mux.sender.send_block_async(self.id, f, block).await.map_err(|_| ())
+    }
+
+    /// Whether `block` can be sent on this call: it was allocated from its connection.
+    pub(crate) fn owns(&self, block: &BlockMut) -> bool {
+        self.mux.sender.owns(block)
     }
 
     /// Ends the call with `status` on both sides (the request could not be sent).
@@ -471,6 +478,9 @@ impl ShmCall {
     /// Sends a block from [`alloc`](Self::alloc) as one request message, as it is; `last`
     /// half-closes with it.
     pub(crate) async fn send_block(&mut self, block: BlockMut, last: bool) -> Result<(), Status> {
+        if !self.state.mux.sender.owns(&block) {
+            return Err(foreign_block());
+        }
         if !self.credit(block.len()).await? {
             return Ok(());
         }
@@ -590,4 +600,10 @@ impl ShmCall {
         // As `expire`'s CANCEL, without waiting for ring room.
         self.state.cancel_blocking(Code::Cancelled, "the call was cancelled", std::time::Duration::ZERO);
     }
+}
+
+/// How a send of a block allocated from another connection (another channel's, or the one a
+/// call had before it reconnected) fails, before it takes any credit.
+pub(crate) fn foreign_block() -> Status {
+    Status::new(Code::InvalidArgument, "a block can only be sent on the connection it was allocated from")
 }

@@ -619,6 +619,9 @@ impl ServerCall {
 
     /// Sends a block from [`alloc`](Self::alloc) as one response message, as it is.
     pub async fn send_block(&mut self, block: BlockMut) -> Result<(), Status> {
+        if !self.mux.sender.owns(&block) {
+            return Err(super::client::foreign_block());
+        }
         let shared = self.shared.clone();
         let mut writing = Writer::claim(&shared).await;
         self.ready_to_send(block.len()).await?;
