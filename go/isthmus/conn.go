@@ -469,6 +469,22 @@ func unmarshal(b []byte, m any) error {
 	return nil
 }
 
+// sendFailed is a client stream's send that the library refused with code (and status, which
+// it frees). A call that is over (CANCELLED, UNAVAILABLE) says io.EOF, as grpc-go's SendMsg
+// does, and RecvMsg gives the status; a send refused while the call goes on (a block of
+// another connection, a send after the half-close) says why, as io.EOF would tell the caller
+// to stop reading for a status that is not there.
+func sendFailed(code C.isthmus_code_t, st *C.isthmus_status_t) error {
+	if code == C.ISTHMUS_CANCELLED || code == C.ISTHMUS_UNAVAILABLE {
+		if st != nil {
+			C.isthmus_status_free(st)
+		}
+		return io.EOF
+	}
+	err, _ := statusError(code, st)
+	return err
+}
+
 // ctxError is what a call whose context ended returns.
 func ctxError(ctx context.Context) error {
 	return status.FromContextError(ctx.Err()).Err()
@@ -1126,11 +1142,7 @@ func (s *clientStream) sendBytes(b []byte, last bool) error {
 		return io.EOF
 	}
 	if ev.code != C.ISTHMUS_OK {
-		// The call is over; as grpc-go, SendMsg says io.EOF and RecvMsg gives the status.
-		if ev.status != nil {
-			C.isthmus_status_free(ev.status)
-		}
-		return io.EOF
+		return sendFailed(ev.code, ev.status)
 	}
 	return nil
 }

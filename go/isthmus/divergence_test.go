@@ -703,3 +703,45 @@ func TestAClientStreamsContextEndsWithTheCall(t *testing.T) {
 		}
 	}
 }
+
+// deadlineWatcher is a ServerStream handler that sends until its stream fails, and reports
+// what the failure and its context said then.
+type deadlineWatcher struct {
+	echo.Service
+	saw chan streamEnd
+}
+
+func (h deadlineWatcher) ServerStream(_ *pb.StreamRequest, stream grpc.ServerStreamingServer[pb.EchoReply]) error {
+	var err error
+	for err == nil {
+		err = stream.Send(&pb.EchoReply{Payload: make([]byte, 16<<10)})
+	}
+	h.saw <- streamEnd{err, stream.Context().Err()}
+	return err
+}
+
+// A handler whose Send fails at its call's deadline (its client reads nothing, so the send
+// waits for flow control until then) finds its context ended, and the error says what the
+// context's does: grpc-go's says Canceled or DeadlineExceeded as its client's cancel at the
+// deadline or its own timer comes first (here, Canceled); isthmus's, whose library tells the
+// deadline as the call being over, is DeadlineExceeded once Go's timer has ended the context.
+func TestAHandlersSendAtItsDeadlineSaysWhatItsContextSays(t *testing.T) {
+	h := deadlineWatcher{saw: make(chan streamEnd, 1)}
+	for name, conn := range besideGrpcGoServing(t, "send-deadline", h) {
+		ctx, cancel := context.WithTimeout(testContext(t), 300*time.Millisecond)
+		if _, err := pb.NewEchoClient(conn).ServerStream(ctx, &pb.StreamRequest{Count: 1}); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		end := within(t, h.saw, name+": the handler's failed Send")
+		cancel()
+		if end.ctxErr == nil {
+			t.Fatalf("%s: Send failed (%v) with its context still live", name, end.err)
+		}
+		if want := status.FromContextError(end.ctxErr); status.Code(end.err) != want.Code() || status.Convert(end.err).Message() != want.Message() {
+			t.Errorf("%s: Send failed %v where its context says %v", name, end.err, end.ctxErr)
+		}
+		if name == "isthmus" && end.ctxErr != context.DeadlineExceeded {
+			t.Errorf("%s: the context ended %v at the deadline", name, end.ctxErr)
+		}
+	}
+}

@@ -206,10 +206,7 @@ func (r *RawStream) SendBlock(b *Block, last bool) error {
 		r.cs.sent.Store(true)
 	}
 	if code := C.isthmus_call_send_block(call, h, l, &st); code != C.ISTHMUS_OK {
-		if st != nil {
-			C.isthmus_status_free(st)
-		}
-		return io.EOF
+		return sendFailed(code, st)
 	}
 	return nil
 }
@@ -475,7 +472,7 @@ func (s *Server) register(m *method, caller string) {
 // reply; a panic in the handler fails the call INTERNAL.
 func (s *Server) runRawUnary(st *serverStream, m *method, ev C.isthmus_event_t) (err error) {
 	if ev.code != C.ISTHMUS_OK {
-		return st.failed(ev.code, ev.status)
+		return st.failed(ev.code, ev.status, false)
 	}
 	if ev.message == nil {
 		return errNoRequest
@@ -516,7 +513,7 @@ func (c *RawServerCall) Recv() (*Message, error) {
 		return nil, ctxError(c.st.ctx)
 	}
 	if ev.code != C.ISTHMUS_OK {
-		return nil, c.st.failed(ev.code, ev.status)
+		return nil, c.st.failed(ev.code, ev.status, false)
 	}
 	if ev.message == nil {
 		return nil, io.EOF
@@ -554,7 +551,7 @@ func (c *RawServerCall) SendBlock(b *Block) error {
 	}
 	var st *C.isthmus_status_t
 	if code := C.isthmus_server_call_send_block(c.st.sc, h, &st); code != C.ISTHMUS_OK {
-		return c.st.failed(code, st)
+		return c.st.failed(code, st, true)
 	}
 	return nil
 }

@@ -650,7 +650,7 @@ func (o *op) awaitReply() {
 func (s *Server) runUnary(st *serverStream, m *method, ev C.isthmus_event_t) (any, error) {
 	dec := func(v any) error {
 		if ev.code != C.ISTHMUS_OK {
-			err := st.failed(ev.code, ev.status)
+			err := st.failed(ev.code, ev.status, false)
 			ev.status = nil
 			return err
 		}
@@ -841,43 +841,49 @@ func (st *serverStream) cancel() {
 	}
 }
 
-// failed is the error of a receive or send whose event ev says the call is over (consumed),
-// through endedBy.
-func (st *serverStream) failed(code C.isthmus_code_t, cst *C.isthmus_status_t) error {
+// failed is the error of a receive (sending false) or send whose outcome, code and its status
+// (consumed), says the call is over, through endedBy.
+func (st *serverStream) failed(code C.isthmus_code_t, cst *C.isthmus_status_t, sending bool) error {
 	err, _ := statusError(code, cst)
-	return st.endedBy(err)
+	return st.endedBy(err, sending)
 }
 
-// endedBy is err, a receive's or a send's, as grpc-go's stream gives it. A call that ended
-// under its handler (its client cancelled or went away, or Stop closed its connection) ends
-// the handler's context first: grpc-go's has ended by the time its stream fails, and a
+// endedBy is err, a receive's or a send's (sending), as grpc-go's stream gives it, with the
+// handler's context ended first: grpc-go's has ended by the time its stream fails, and a
 // handler that looks at ctx.Err() after the error must find it (here the context learned of
-// the end through an event of its own, which came up to a millisecond later). Such an end is
-// then the context's error, Canceled "context canceled", as on grpc-go. One at the deadline
-// is "context deadline exceeded" once the context's own timer, on the same deadline, has
-// ended the context too.
-func (st *serverStream) endedBy(err error) error {
-	switch status.Code(err) {
-	case codes.Canceled, codes.Unavailable:
-		st.mu.Lock()
-		st.gone = true
-		stop := st.stop
-		st.mu.Unlock()
-		if stop != nil {
-			stop()
-		}
-		return status.Error(codes.Canceled, context.Canceled.Error())
-	case codes.DeadlineExceeded:
-		if d, ok := st.call.Deadline(); ok && time.Until(d) < deadlineSlack {
-			// The library's timer can go off a little before Go's ends the context.
-			select {
-			case <-st.ctx.Done():
-			case <-time.After(time.Until(d) + deadlineSlack):
-			}
-			return status.FromContextError(context.DeadlineExceeded).Err()
-		}
+// the end through an event of its own, which came up to a millisecond later).
+//   - At the deadline (the library tells it as the call being over): once Go's timer, on the
+//     same deadline, has ended the context, "context deadline exceeded".
+//   - A cancel (the client's, or its connection's end, or Stop): the context is cancelled, and
+//     the error is Canceled "context canceled"; for a send that found the connection gone,
+//     Unavailable, as grpc-go's "transport is closing".
+func (st *serverStream) endedBy(err error, sending bool) error {
+	code := status.Code(err)
+	if code != codes.Canceled && code != codes.Unavailable && code != codes.DeadlineExceeded {
+		return err
 	}
-	return err
+	if d, ok := st.call.Deadline(); ok && time.Until(d) < deadlineSlack {
+		// The library's timer can go off a little before Go's ends the context.
+		select {
+		case <-st.ctx.Done():
+		case <-time.After(time.Until(d) + deadlineSlack):
+		}
+		return status.FromContextError(context.DeadlineExceeded).Err()
+	}
+	if code == codes.DeadlineExceeded {
+		return err
+	}
+	st.mu.Lock()
+	st.gone = true
+	stop := st.stop
+	st.mu.Unlock()
+	if stop != nil {
+		stop()
+	}
+	if sending && code == codes.Unavailable {
+		return err
+	}
+	return status.Error(codes.Canceled, context.Canceled.Error())
 }
 
 // deadlineSlack bounds how much earlier than Go's timer the library's may see a deadline
@@ -913,7 +919,13 @@ func (st *serverStream) watch(cancel context.CancelFunc) {
 	if st.finished {
 		return
 	}
-	tag := st.s.r.tag(func(C.isthmus_event_t) { cancel() })
+	tag := st.s.r.tag(func(C.isthmus_event_t) {
+		// At the deadline the call ends too, and the context's own timer, on the same
+		// deadline, ends it DeadlineExceeded, as grpc-go's: not cancelled first.
+		if d, ok := st.call.Deadline(); !ok || time.Until(d) >= deadlineSlack {
+			cancel()
+		}
+	})
 	var status *C.isthmus_status_t
 	if C.isthmus_server_call_done_async(st.sc, st.s.r.cq, C.uint64_t(tag), &status) != C.ISTHMUS_OK {
 		st.s.r.forget(tag)
@@ -1166,7 +1178,7 @@ func (st *serverStream) sendBytes(b []byte) error {
 		return ctxError(st.ctx)
 	}
 	if ev.code != C.ISTHMUS_OK {
-		return st.failed(ev.code, ev.status)
+		return st.failed(ev.code, ev.status, true)
 	}
 	return nil
 }
@@ -1223,7 +1235,7 @@ func (st *serverStream) RecvMsg(m any) error {
 // of the client's stream, or the call's failure.
 func (st *serverStream) decode(ev C.isthmus_event_t, m any) error {
 	if ev.code != C.ISTHMUS_OK {
-		return st.failed(ev.code, ev.status)
+		return st.failed(ev.code, ev.status, false)
 	}
 	if ev.message == nil {
 		return io.EOF
@@ -1258,7 +1270,7 @@ func (st *serverStream) onlyRequest(ev C.isthmus_event_t) error {
 	case !ok:
 		err = ctxError(st.ctx)
 	case next.code != C.ISTHMUS_OK:
-		err = st.failed(next.code, next.status)
+		err = st.failed(next.code, next.status, false)
 	case next.message == nil:
 		return nil
 	default:

@@ -268,6 +268,14 @@ def run_on_own_thread(call: Call, target: Callable[[], None], name: str) -> None
     def run() -> None:
         try:
             target()
+        except ValueError as e:
+            # The channel was closed before the call could start here (the native channel's
+            # refusal): it ends as the calls in progress at the close did. The error ended this
+            # thread, and the call waited for ever.
+            if str(e).startswith("Cannot invoke RPC"):
+                call._end(CallError(grpc.StatusCode.CANCELLED.value[0], "Channel closed!"))
+            else:
+                call._end(CallError(grpc.StatusCode.UNKNOWN.value[0], f"the call could not start: {e}"))
         finally:
             _ON_OWN_THREAD.pop(token, None)
 
@@ -343,6 +351,7 @@ class Call(grpc.Call, grpc.Future):
         except CallError as e:
             self._end(e)
             return None
+
         with self._lock:
             self._native = native
             self._lock.notify_all()

@@ -203,6 +203,8 @@ class _MultiCallable:
             request,
             self._serialize,
         )
+        if not returned and STATES[self._channel.connectivity(False)] is grpc.ChannelConnectivity.SHUTDOWN:
+            raise ValueError("Cannot invoke RPC: Channel closed!")  # as grpcio, at once
         run_on_own_thread(call, functools.partial(call._complete, *args), "isthmus-future")
         return call
 

@@ -2835,6 +2835,10 @@ def test_a_call_on_a_closed_channel_raises_valueerror(kind: str) -> None:
             "future": (lambda: channel.unary_unary("/users.Callbacks/Ok").future(b""), closed),
             "server stream": (lambda: channel.unary_stream("/users.Callbacks/Two")(b""), closed),
             "bidi": (lambda: channel.stream_stream("/users.Callbacks/Two")(iter(())), closed),
+            "client stream future": (
+                lambda: channel.stream_unary("/users.Callbacks/Ok").future(iter(())),
+                closed,
+            ),
         }
         for name, (call, words) in calls.items():
             with pytest.raises(ValueError) as raised:

@@ -111,8 +111,8 @@ pub unsafe extern "C" fn isthmus_proto_load(
     }
 }
 
-/// How deep a `.proto` file's braces may nest (messages in messages, option values): protox
-/// parses them by recursion, and a file nested a few thousand deep overflowed the caller's
+/// How deep a `.proto` file's braces and angle brackets may nest (messages in messages,
+/// option values): protox and its text-format parser take them by recursion, and a file nested a few thousand deep overflowed the caller's
 /// stack (a thousand on a 256 KiB thread), a crash where every other bad file is
 /// INVALID_ARGUMENT. Real files nest a handful deep.
 const MAX_NESTING: usize = 100;
@@ -152,21 +152,23 @@ impl protox::file::FileResolver for Shallow {
     }
 }
 
-/// The line where `source`'s braces first nest deeper than [`MAX_NESTING`], if they do;
-/// braces in comments and string literals do not count.
+/// The line where `source`'s braces (and angle brackets) first nest deeper than
+/// [`MAX_NESTING`], if they do; those in comments and string literals do not count.
 fn nested_too_deep(source: &str) -> Option<usize> {
     let (mut depth, mut line) = (0usize, 1usize);
     let mut chars = source.chars().peekable();
     while let Some(c) = chars.next() {
         match c {
             '\n' => line += 1,
-            '{' => {
+            // Angle brackets too: `map<K, V>`, and an option's aggregate value, parsed by
+            // recursion as well (`{ c < c < ... > > }`).
+            '{' | '<' => {
                 depth += 1;
                 if depth > MAX_NESTING {
                     return Some(line);
                 }
             }
-            '}' => depth = depth.saturating_sub(1),
+            '}' | '>' => depth = depth.saturating_sub(1),
             '/' if chars.peek() == Some(&'/') => {
                 for c in chars.by_ref() {
                     if c == '\n' {
@@ -486,6 +488,21 @@ service Echo { rpc Call(Ping) returns (Pong); }
             s.push_str(&format!("message M{i} {{ string s{i} = 1 [json_name = \"x{{\"];\n"));
         }
         s.push_str(&"}\n".repeat(depth));
+        s.push_str("message Maps { map<string, string> m = 1; }\n");
+        s
+    }
+
+    /// A message option's aggregate value nested `depth` deep in angle brackets, on one line.
+    fn nested_option(depth: usize) -> String {
+        let mut s = String::from(
+            "syntax = \"proto2\";\nimport \"google/protobuf/descriptor.proto\";\n\
+             message N { optional N c = 1; }\n\
+             extend google.protobuf.MessageOptions { optional N o = 50000; }\n\
+             message X { option (o) = { ",
+        );
+        s.push_str(&"c < ".repeat(depth));
+        s.push_str(&"> ".repeat(depth));
+        s.push_str("}; }\n");
         s
     }
 
@@ -496,14 +513,16 @@ service Echo { rpc Call(Ping) returns (Pong); }
     fn a_proto_nested_too_deep_is_refused_not_a_crash() {
         // A small stack, as a C caller's thread may have: 1,000 levels overflowed 256 KiB.
         let loads = std::thread::Builder::new().stack_size(256 << 10);
-        let (deep, shallow) = loads
-            .spawn(|| (load_source(&nested(3000)), load_source(&nested(50))))
-            .expect("thread")
-            .join()
-            .expect("no crash");
+        let loaded = loads.spawn(|| {
+            [nested(3000), nested(50), nested_option(3000), nested_option(50)].map(|source| load_source(&source))
+        });
+        let [deep, shallow, deep_option, shallow_option] = loaded.expect("thread").join().expect("no crash");
         assert_eq!(deep.0, ISTHMUS_INVALID_ARGUMENT, "{}", deep.1);
         assert!(deep.1.contains("deep.proto:104: braces nested more than 100 deep"), "{}", deep.1);
         assert_eq!(shallow, (ISTHMUS_OK, String::new()));
+        assert_eq!(deep_option.0, ISTHMUS_INVALID_ARGUMENT, "{}", deep_option.1);
+        assert!(deep_option.1.contains("deep.proto:5: braces nested more than 100 deep"), "{}", deep_option.1);
+        assert_eq!(shallow_option, (ISTHMUS_OK, String::new()));
     }
 
     /// The bytes of a message handle, freeing it.

@@ -428,7 +428,8 @@ impl ShmCall {
     /// a server that reads nothing does not hold the caller past its deadline.
     fn expire(&mut self) -> Status {
         self.state.cancel_blocking(Code::DeadlineExceeded, DEADLINE_EXCEEDED, std::time::Duration::ZERO);
-        Status::deadline_exceeded()
+        // With the initial metadata that came before, as every other failure keeps them.
+        Status::deadline_exceeded().after_headers(self.state.headers())
     }
 
     /// Waits for credit to send `len` bytes; `Ok(false)` if the call is already over and the
