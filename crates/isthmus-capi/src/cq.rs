@@ -794,7 +794,16 @@ mod tests {
         use crate::server::{
             isthmus_server_add_handler_cq, isthmus_server_free, isthmus_server_new, isthmus_server_start,
         };
-        let target = std::ffi::CString::new(format!("shm://capi-freed-queue-{}", std::process::id())).expect("name");
+        // A socket path of the test's own, removed however the test ends (a panic left the
+        // runtime directory's socket behind).
+        struct Removed(std::path::PathBuf);
+        impl Drop for Removed {
+            fn drop(&mut self) {
+                let _ = std::fs::remove_file(&self.0);
+            }
+        }
+        let socket = Removed(std::env::temp_dir().join(format!("capi-freed-queue-{}.sock", std::process::id())));
+        let target = std::ffi::CString::new(format!("shm://{}", socket.0.display())).expect("name");
         let cq = isthmus_cq_new();
         // SAFETY: NULL options are the defaults; the path is NULL (every path); `target` is a
         // NUL-terminated string that outlives the calls; every out pointer is writable.
