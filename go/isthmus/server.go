@@ -696,8 +696,7 @@ type serverStream struct {
 
 	mu         sync.Mutex
 	stop       context.CancelFunc // call's, once a handler asked for it
-	over       bool               // the handler has returned: a context asked for later is done
-	gone       bool               // the call ended under its handler (endedBy): the same
+	over       bool               // the handler returned, or the call ended under it: a context asked for later is done
 	header     metadata.MD
 	headerSent bool
 	trailer    metadata.MD
@@ -829,8 +828,8 @@ func (c *callContext) Value(key any) any {
 	return c.Context.Value(key)
 }
 
-// cancel ends the handler's context, the call being over: now if a handler made it, else
-// when one does.
+// cancel ends the handler's context, the call being over (its handler returned, or it ended
+// under it): now if a handler made it, else when one does.
 func (st *serverStream) cancel() {
 	st.mu.Lock()
 	st.over = true
@@ -862,7 +861,7 @@ func (st *serverStream) endedBy(err error, sending bool) error {
 	if code != codes.Canceled && code != codes.Unavailable && code != codes.DeadlineExceeded {
 		return err
 	}
-	if d, ok := st.call.Deadline(); ok && time.Until(d) < deadlineSlack {
+	if d, ok := st.call.Deadline(); ok && atDeadline(d) {
 		// The library's timer can go off a little before Go's ends the context.
 		select {
 		case <-st.ctx.Done():
@@ -873,13 +872,7 @@ func (st *serverStream) endedBy(err error, sending bool) error {
 	if code == codes.DeadlineExceeded {
 		return err
 	}
-	st.mu.Lock()
-	st.gone = true
-	stop := st.stop
-	st.mu.Unlock()
-	if stop != nil {
-		stop()
-	}
+	st.cancel()
 	if sending && code == codes.Unavailable {
 		return err
 	}
@@ -889,6 +882,9 @@ func (st *serverStream) endedBy(err error, sending bool) error {
 // deadlineSlack bounds how much earlier than Go's timer the library's may see a deadline
 // pass: it rounds the deadline down to whole microseconds, and Go's timer fires late.
 const deadlineSlack = 10 * time.Millisecond
+
+// atDeadline is whether a call that ends now ends at its deadline d, as the library sees it.
+func atDeadline(d time.Time) bool { return time.Until(d) < deadlineSlack }
 
 // client is the call's peer.Peer. Once the call is finished the library's strings are gone:
 // a goroutine that asks only then is told "unknown".
@@ -911,7 +907,7 @@ func (st *serverStream) client() *peer.Peer {
 func (st *serverStream) watch(cancel context.CancelFunc) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
-	if st.over || st.gone {
+	if st.over {
 		cancel()
 		return
 	}
@@ -922,7 +918,7 @@ func (st *serverStream) watch(cancel context.CancelFunc) {
 	tag := st.s.r.tag(func(C.isthmus_event_t) {
 		// At the deadline the call ends too, and the context's own timer, on the same
 		// deadline, ends it DeadlineExceeded, as grpc-go's: not cancelled first.
-		if d, ok := st.call.Deadline(); !ok || time.Until(d) >= deadlineSlack {
+		if d, ok := st.call.Deadline(); !ok || !atDeadline(d) {
 			cancel()
 		}
 	})
