@@ -5,7 +5,11 @@
 //! `fluke-hpack` builds its Huffman tables for each Huffman-coded string (~18 µs, far more under
 //! AddressSanitizer; the reason for ADR 0035), so it sees only a connection's first few fields
 //! and bytes, and the blocks after go to ours alone (its dynamic table would differ from there
-//! on): runs reach millions.
+//! on): runs reach millions. A third decoder follows each block in pieces, as the filter
+//! follows a block too large to hold, and must hand on the same fields. Two more, with a
+//! 64-byte table (so that short strings count as too long to hold), decode each block whole and
+//! past a 64-byte bound: the second must hand on the first's fields up to the bound, count the
+//! same list, and refuse the same blocks.
 #![no_main]
 
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
@@ -22,12 +26,23 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     });
     let Some((&step, rest)) = data.split_first() else { return };
     let mut ours = isthmus::fuzz::Hpack::default();
+    let mut in_pieces = isthmus::fuzz::Hpack::default();
+    let (mut small, mut bounded) = (isthmus::fuzz::Hpack::with_table(64), isthmus::fuzz::Hpack::with_table(64));
     let mut theirs = fluke_hpack::Decoder::new();
     theirs.set_max_allowed_table_size(4096);
     let (mut compared, mut fields, mut bytes) = (true, 0, 0);
     for block in rest.chunks(usize::from(step).max(1)) {
         // Either decoder refusing a block ends the connection here.
-        let Some(mine) = ours.decode(block) else { return };
+        let decoded = ours.decode(block);
+        let followed = in_pieces.follow(block, usize::from(step % 7) + 1);
+        assert_eq!(decoded, followed, "decoded whole and in pieces, {block:02x?}");
+        let whole = small.decode_bounded(block, usize::MAX);
+        let past = bounded.decode_bounded(block, 64);
+        assert_eq!(whole.is_some(), past.is_some(), "decoded whole and past a bound, {block:02x?}");
+        if let (Some((all, list)), Some((before, counted))) = (&whole, &past) {
+            assert_eq!((&all[..before.len()], list), (&before[..], counted), "past a bound, {block:02x?}");
+        }
+        let Some(mine) = decoded else { return };
         fields += mine.len();
         bytes += block.len();
         compared &= fields <= COMPARED_FIELDS && bytes <= COMPARED_BYTES;

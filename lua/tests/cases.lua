@@ -279,6 +279,20 @@ function cases.fail_headers(ch, args)
     return r
 end
 
+-- The lua-resty idiom `ngx.say("failed: ", err)` prints the error's text (it raised, the
+-- error's fields being a table's own), and the fields still read and write as before.
+function cases.say_error(ch, args)
+    local ok, err = ch:unary(ECHO .. "Unary", { fail_with = tonumber(args.code), fail_message = args.message })
+    if ok then return { ok = true } end
+    ngx.say("failed: ", err)
+    ngx.print(err, "\n")
+    err.message = "changed"
+    local raw = 0
+    for _ in pairs(err) do raw = raw + 1 end
+    return { ok = false, code = err.code, name = err.name, message = err.message, text = tostring(err),
+        concat = "e: " .. err, said_after = err[1], raw_keys = raw, trailers = err.trailers["x-failed"] }
+end
+
 -- A failure's details, in hex ("" for none).
 function cases.fail_details(ch, args)
     local ok, err = ch:unary(ECHO .. "Unary", { fail_with = tonumber(args.code), fail_message = args.message })

@@ -98,6 +98,27 @@ def test_status_code_message_and_trailers(nginx: Nginx, shm: str) -> None:
     assert r == {"ok": False, "code": 9, "name": "FAILED_PRECONDITION", "message": "not now", "failed": "yes"}
 
 
+def test_ngx_say_prints_an_error_as_lua_resty_code_does(nginx: Nginx, shm: str) -> None:
+    """`ngx.say("failed: ", err)`: ngx.say takes a table as a list of strings, and an error
+    holds only its text as one (its fields beside it), so it prints; it raised "non-array table
+    found" before, with `err.code` and the rest as the table's own fields."""
+    query = urllib.parse.urlencode({"target": shm, "code": 5, "message": "not here"})
+    said, printed, result = nginx.get(f"/case/say_error?{query}").splitlines()
+    assert (said, printed) == ("failed: NOT_FOUND: not here", "NOT_FOUND: not here")
+    assert json.loads(result) == {
+        "ok": False,
+        "code": 5,
+        "name": "NOT_FOUND",
+        "message": "changed",
+        "text": "NOT_FOUND: changed",
+        "concat": "e: NOT_FOUND: changed",
+        "said_after": "NOT_FOUND: changed",
+        "raw_keys": 1,
+        "trailers": "yes",
+    }
+    assert nginx.logged_errors() == []
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_failed_call_keeps_the_initial_metadata_sent_before(
     nginx: Nginx, servers: Callable[[str], Served], kind: str

@@ -121,19 +121,30 @@ impl Taker {
         self.slot.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Gives `call` to the spinner, if one spins with empty hands; else it comes back, for
-    /// the queue.
-    fn offer(&self, tag: u64, call: Arc<HandedCall>) -> Option<Arc<HandedCall>> {
+    /// Gives `call` to the spinner, if one spins with empty hands, else to `queue`; back, if
+    /// the queue was freed. Under the lock that `close` takes: a queue freed at that moment
+    /// either refuses the call here or finds it among its events when it drains them (it was
+    /// queued, after the free's look, to a queue nobody reads).
+    fn deliver(
+        &self,
+        tag: u64,
+        call: Arc<HandedCall>,
+        queue: impl FnOnce(Arc<HandedCall>),
+    ) -> Result<(), Arc<HandedCall>> {
         let mut slot = self.lock();
+        if self.closed.load(Ordering::Acquire) {
+            return Err(call);
+        }
         if !matches!((&slot.last, call.connection()), (Some(a), Some(b)) if a.same(b)) {
             slot.last = call.connection().cloned();
         }
-        if slot.spinning && slot.call.is_none() && !self.closed.load(Ordering::Acquire) {
+        if slot.spinning && slot.call.is_none() {
             slot.call = Some((tag, call));
             self.ready.store(true, Ordering::Release);
-            return None;
+            return Ok(());
         }
-        Some(call)
+        queue(call);
+        Ok(())
     }
 
     /// Waits up to `spin` for a call offered; `None` at once if another thread spins. A call
@@ -177,11 +188,6 @@ impl Taker {
         slot.call.take()
     }
 
-    /// Whether the queue was freed.
-    fn is_closed(&self) -> bool {
-        self.closed.load(Ordering::Acquire)
-    }
-
     /// The queue is freed: a spinner stops, and no call is taken any more; one offered and
     /// not taken yet is finished UNAVAILABLE.
     pub(crate) fn close(&self) {
@@ -214,11 +220,11 @@ impl Handler for Deliver {
                     }
                 }
                 // A freed queue is read by nobody: the call would wait there for its deadline.
-                // (A queue freed between this look and the `run` still keeps its call.)
-                Deliver::Queue { taker, .. } if taker.is_closed() => return Err(queue_freed()),
                 Deliver::Queue { cq, tag, taker } => {
-                    if let Some(handed) = taker.offer(*tag, handed) {
-                        cq.run(*tag, ISTHMUS_OP_NEW_CALL, std::future::ready(Outcome::NewCall(handed)));
+                    let queue =
+                        |handed| cq.run(*tag, ISTHMUS_OP_NEW_CALL, std::future::ready(Outcome::NewCall(handed)));
+                    if taker.deliver(*tag, handed, queue).is_err() {
+                        return Err(queue_freed());
                     }
                 }
             }

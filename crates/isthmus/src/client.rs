@@ -538,6 +538,11 @@ impl Channel {
             Via::Http { closed, .. } => closed.subscribe(),
             Via::Shm(_) => tokio::sync::watch::Sender::new(None).subscribe(),
         };
+        // A closed channel's call fails here, as grpc-go's `NewStream` does, not at its first
+        // receive (its first send went nowhere and said nothing).
+        if let Some(status) = closed.borrow().clone() {
+            return Err(status);
+        }
         // gRPC's wait_for_ready: the call waits (within its deadline) until the channel is
         // READY instead of failing UNAVAILABLE while no server answers.
         let http = self.without_upgrade();

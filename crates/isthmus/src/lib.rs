@@ -154,5 +154,44 @@ pub mod fuzz {
             self.0.decode(block, usize::MAX, |n, v| fields.push((n.to_vec(), v.to_vec()))).ok()?;
             Some(fields)
         }
+
+        /// A decoder whose client may use a table of only `allowed` bytes, so that short
+        /// strings are already too long to hold when followed past a bound.
+        pub fn with_table(allowed: usize) -> Hpack {
+            Hpack(crate::http::hpack::Decoder::new(allowed))
+        }
+
+        /// The fields handed on before the list passed `bound` (all of them within it), and
+        /// the list's size, as HTTP/2 counts it; None where the block does not decode.
+        #[allow(clippy::type_complexity)]
+        pub fn decode_bounded(&mut self, block: &[u8], bound: usize) -> Option<(Vec<(Vec<u8>, Vec<u8>)>, usize)> {
+            let mut fields = Vec::new();
+            let mut list = 0;
+            let outcome = self
+                .0
+                .decode(block, bound, |n, v| {
+                    list += n.len() + v.len() + crate::http::hpack::FIELD_OVERHEAD;
+                    fields.push((n.to_vec(), v.to_vec()))
+                })
+                .ok()?;
+            match outcome {
+                crate::http::hpack::Outcome::Within => Some((fields, list)),
+                crate::http::hpack::Outcome::Over(over) => Some((fields, over.finish().ok()?)),
+            }
+        }
+
+        /// The same block followed as the filter follows one too large to hold, in pieces of
+        /// `step` bytes: the fields it hands on (each one held whole), or None where it does
+        /// not decode or ends inside a field.
+        #[allow(clippy::type_complexity)]
+        pub fn follow(&mut self, block: &[u8], step: usize) -> Option<Vec<(Vec<u8>, Vec<u8>)>> {
+            let mut fields = Vec::new();
+            let mut over = crate::http::hpack::Overflow::default();
+            for piece in block.chunks(step.max(1)) {
+                over.feed(&mut self.0, piece, |n, v| fields.push((n.to_vec(), v.to_vec()))).ok()?;
+            }
+            over.finish().ok()?;
+            Some(fields)
+        }
     }
 }

@@ -244,28 +244,50 @@ local md_val = ffi_new("const uint8_t*[1]")
 local md_val_len = ffi_new("size_t[1]")
 local details_len = ffi_new("size_t[1]")
 
-local error_mt = {
-    __tostring = function(e)
-        return e.name .. ": " .. e.message
-    end,
-}
+-- An error's fields (`code`, `name`, `message`, ...) live beside it, in its own metatable's
+-- `__index`, and the table itself holds only its text, at [1]: ngx.say and ngx.print take a
+-- table as a list of strings, so `ngx.say("failed: ", err)`, the lua-resty idiom, prints the
+-- text (it raised "non-array table found" while the fields were the table's own).
+local function error_text(f)
+    return tostring(f.name) .. ": " .. tostring(f.message)
+end
+
+local function error_tostring(e)
+    return error_text(getmetatable(e).__index)
+end
+
+local function is_error(v)
+    local mt = getmetatable(v)
+    return type(mt) == "table" and rawget(mt, "__tostring") == error_tostring
+end
+
 -- `"failed: " .. err` reads as tostring(err) does (lua-resty code concatenates its errors).
-error_mt.__concat = function(a, b)
-    return (getmetatable(a) == error_mt and error_mt.__tostring(a) or a)
-        .. (getmetatable(b) == error_mt and error_mt.__tostring(b) or b)
+local function error_concat(a, b)
+    return (is_error(a) and error_tostring(a) or a) .. (is_error(b) and error_tostring(b) or b)
 end
 
 -- `details`: the status's binary details (a serialized google.rpc.Status, gRPC's
 -- grpc-status-details-bin), or nil.
 local function new_error(code, message, trailers, details)
-    return setmetatable({
+    local f = {
         code = code,
         name = CODE_NAMES[code] or (C and ffi_string(C.isthmus_code_name(code))) or "UNKNOWN",
         message = message,
         headers = {},
         trailers = trailers or {},
         details = details,
-    }, error_mt)
+    }
+    return setmetatable({ error_text(f) }, {
+        __index = f,
+        __newindex = function(e, k, v)
+            f[k] = v
+            if k == "name" or k == "message" then
+                rawset(e, 1, error_text(f))
+            end
+        end,
+        __tostring = error_tostring,
+        __concat = error_concat,
+    })
 end
 _M.new_error = new_error
 

@@ -99,6 +99,47 @@ fn server_streaming_client_streaming_and_bidi() {
     });
 }
 
+/// A call whose metadata is larger than a server takes (1 MiB over HTTP/2) fails alone,
+/// RESOURCE_EXHAUSTED with its size and the limit: the server's `:authority` filter follows the
+/// block without holding it, and the connection's other calls go on. It ended the connection.
+#[test]
+fn metadata_over_the_http2_servers_limit_fails_its_call_and_no_other() {
+    let (_server, addrs) = server_everywhere("bigmd");
+    run(async move {
+        // shm:// refuses it at the ring, with its sizes too.
+        for addr in &addrs {
+            let ch = Channel::builder(addr).upgrade(false).connect().await.expect("connect");
+            let mut open = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
+            open.send(b"before").await.expect("send");
+            assert_eq!(open.recv().await.expect("echo").as_deref(), Some(&b"before"[..]));
+            // Text that Huffman-codes under 1 MiB, and bytes that do not.
+            for big in [false, true] {
+                let mut md = MetadataMap::new();
+                if big {
+                    md.append_bin("x-large-bin", vec![0xa5u8; 3 << 20]).expect("binary");
+                } else {
+                    md.append("x-large", &"x".repeat(1 << 20)).expect("ascii");
+                }
+                let e = ch
+                    .unary("/test.Echo/Unary", b"payload", CallOptions { metadata: md, ..CallOptions::default() })
+                    .await
+                    .expect_err("too large");
+                assert_eq!(e.code(), Code::ResourceExhausted, "{addr}: {e:?}");
+                if !addr.starts_with("shm://") {
+                    assert!(e.message().contains("bytes is larger than this server's limit of 1048576 bytes"), "{e:?}");
+                }
+                // The stream opened before goes on, on the same connection.
+                open.send(b"after").await.expect("send");
+                assert_eq!(open.recv().await.expect("echo").as_deref(), Some(&b"after"[..]), "{addr}");
+            }
+            let r = ch.unary("/test.Echo/Unary", b"next", CallOptions::default()).await.expect("the next call");
+            assert_eq!(&r.message[..], b"next");
+            open.close_send().await.expect("half-close");
+            assert_eq!(open.recv().await.expect("ok"), None);
+        }
+    });
+}
+
 #[test]
 fn every_status_code_arrives_with_message_details_and_trailers() {
     let (_server, addrs) = server_everywhere("codes");
@@ -1201,18 +1242,34 @@ fn connectivity_follows_the_server_as_it_comes_and_goes() {
     }
 }
 
+/// `close` ends the calls in progress with its status, and later calls fail at their start
+/// (over HTTP/2 with that status, as grpc-go's `NewStream` on a closed connection; its start
+/// succeeded and only the first receive said so).
 #[test]
 fn close_ends_the_calls_in_progress_with_its_status() {
-    let (_server, addr) = server();
+    let (_server, addrs) = server_everywhere("close");
     let rt = runtime();
     rt.block_on(async {
-        let ch = Channel::connect(&addr).await.expect("connect");
-        let mut call = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
-        call.send(b"x").await.expect("send");
-        assert_eq!(call.recv().await.expect("echo").as_deref(), Some(&b"x"[..]));
-        ch.close(isthmus::Status::new(Code::Cancelled, "Channel closed!"));
-        let s = call.recv().await.expect_err("closed under it");
-        assert_eq!((s.code(), s.message()), (Code::Cancelled, "Channel closed!"));
+        for addr in &addrs {
+            let ch = Channel::builder(addr).upgrade(false).connect().await.expect("connect");
+            let mut call = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
+            call.send(b"x").await.expect("send");
+            assert_eq!(call.recv().await.expect("echo").as_deref(), Some(&b"x"[..]));
+            ch.close(isthmus::Status::new(Code::Cancelled, "Channel closed!"));
+            let s = call.recv().await.expect_err("closed under it");
+            assert_eq!((s.code(), s.message()), (Code::Cancelled, "Channel closed!"), "{addr}");
+            let later = match ch.start("/test.Echo/Bidi", CallOptions::default()).await {
+                Ok(_) => panic!("{addr}: a call started on a closed channel"),
+                Err(s) => s,
+            };
+            let unary = ch.unary("/test.Echo/Unary", b"x", CallOptions::default()).await.expect_err("closed");
+            for s in [later, unary] {
+                match addr.starts_with("shm://") {
+                    true => assert_eq!(s.code(), Code::Unavailable, "{addr}: {s}"),
+                    false => assert_eq!((s.code(), s.message()), (Code::Cancelled, "Channel closed!"), "{addr}"),
+                }
+            }
+        }
     });
 }
 

@@ -19,8 +19,11 @@
 //! that follows the client's dynamic table (`hpack.rs`), and encoded again as literals without
 //! indexing, so h2's decoder table stays empty and can never disagree with ours. Frames are
 //! bounded by the 16 KiB the server's settings allow (refused at their header, before their
-//! payload is held), blocks by 1 MiB, and what a block decodes to by 1 MiB too, the decoding
-//! stopping there; the client may not grow its table past h2's 4096 bytes.
+//! payload is held); the client may not grow its table past h2's 4096 bytes. A block over 1 MiB,
+//! or one that decodes to over 1 MiB, is not held: the rest of it is followed to keep the
+//! client's table, only its pseudo-headers go on, with its size, and [`Deadline`] refuses that
+//! call RESOURCE_EXHAUSTED; the connection and its other calls go on (grpc-go resets the
+//! stream).
 //!
 //! Deadlines: tonic's server enforces `grpc-timeout` from outside any layer a server can add, and
 //! answers an expired call with CANCELLED "Timeout expired", where gRPC and a grpcio client expect
@@ -34,6 +37,8 @@ use std::task::{ready, Context, Poll};
 
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
+use crate::http::hpack::{Outcome, Overflow};
+
 /// Where a client's `grpc-timeout` travels between this filter and the deadline layer.
 pub(crate) const DEADLINE_HEADER: &str = "x-isthmus-grpc-timeout";
 
@@ -46,14 +51,21 @@ const PADDED: u8 = 0x8;
 const PRIORITY: u8 = 0x20;
 /// The frame size every HTTP/2 peer accepts before settings say otherwise.
 const MAX_FRAME: usize = 16_384;
-/// A header block larger than this (after its CONTINUATIONs) ends the connection; so does one
-/// whose header list, decoded, is larger (counted as HTTP/2's SETTINGS_MAX_HEADER_LIST_SIZE
-/// counts it: each field's name and value, and 32). The server advertises it as that setting,
+/// A header block larger than this (after its CONTINUATIONs), or whose header list, decoded, is
+/// larger (counted as HTTP/2's SETTINGS_MAX_HEADER_LIST_SIZE counts it: each field's name and
+/// value, and 32), fails its call RESOURCE_EXHAUSTED. The server advertises it as that setting,
 /// so a client that keeps to it never meets either bound.
 pub(crate) const MAX_BLOCK: usize = 1 << 20;
+/// A header block is followed (not held) past [`MAX_BLOCK`] up to this, grpc-go's default
+/// header list bound four times over; a client that sends more ends its connection.
+const MAX_FOLLOWED: usize = 64 << 20;
 /// The dynamic table a client's HPACK encoder may use: the SETTINGS_HEADER_TABLE_SIZE h2
 /// announces (its default). A hostile client cannot make the filter hold more.
 pub(crate) const HEADER_TABLE: usize = 4096;
+
+/// Where the filter tells [`Deadline`] that a call's header list was too large to pass on: its
+/// size, as HTTP/2 counts it. A client's own field of this name is dropped.
+pub(crate) const TOO_LARGE_HEADER: &str = "x-isthmus-header-list-too-large";
 
 /// A header block being gathered from HEADERS and CONTINUATION frames.
 struct Block {
@@ -61,6 +73,62 @@ struct Block {
     flags: u8,
     priority: Option<[u8; 5]>,
     fragment: Vec<u8>,
+    /// Once the block is larger than [`MAX_BLOCK`]: it is followed, not held, and only its
+    /// pseudo-headers will go on.
+    over: Option<(Overflow, Rewritten)>,
+    /// Its frames' bytes so far, headers included.
+    followed: usize,
+}
+
+/// A header block's fields as they go on to h2, and how many of its bytes are the
+/// pseudo-headers (all that goes on of a call refused for its size).
+#[derive(Default)]
+struct Rewritten {
+    encoded: Vec<u8>,
+    pseudo_end: usize,
+    regular_seen: bool,
+    /// Only the request's pseudo-headers are wanted, the first of each (a client can name a
+    /// 4 KB entry of its table again for one byte: it must not make the filter hold more).
+    refusing: bool,
+    /// Which of [`REQUEST_PSEUDO`] went on while refusing.
+    kept: u8,
+}
+
+/// The pseudo-headers of a request that a refused call keeps, so that h2 takes its stream.
+const REQUEST_PSEUDO: [&[u8]; 4] = [b":method", b":scheme", b":path", b":authority"];
+
+impl Rewritten {
+    fn field(&mut self, name: &[u8], value: &[u8]) {
+        if name == TOO_LARGE_HEADER.as_bytes() {
+            return;
+        }
+        if self.refusing {
+            let Some(i) = REQUEST_PSEUDO.iter().position(|p| *p == name) else { return };
+            if self.kept & (1 << i) != 0 {
+                return;
+            }
+            self.kept |= 1 << i;
+        }
+        let pseudo = !self.regular_seen && name.starts_with(b":");
+        self.regular_seen |= !pseudo;
+        let value = if name == b":authority" && !valid_authority(value) { b"localhost" } else { value };
+        // The deadline goes around tonic's own timer, which would answer CANCELLED; the
+        // endpoint's deadline layer puts it back and answers DEADLINE_EXCEEDED.
+        let name = if name == b"grpc-timeout" { DEADLINE_HEADER.as_bytes() } else { name };
+        literal(&mut self.encoded, name, value);
+        if pseudo {
+            self.pseudo_end = self.encoded.len();
+        }
+    }
+
+    /// The call's header list was `list` bytes, too many to pass on: its pseudo-headers go on
+    /// (the call reaches its route), with the size, for [`Deadline`] to refuse the call.
+    fn refuse(&mut self, list: usize) {
+        self.refusing = true;
+        self.encoded.truncate(self.pseudo_end);
+        literal(&mut self.encoded, b"content-type", b"application/grpc");
+        literal(&mut self.encoded, TOO_LARGE_HEADER.as_bytes(), list.to_string().as_bytes());
+    }
 }
 
 /// An accepted stream whose inbound header blocks get a valid `:authority`.
@@ -152,7 +220,14 @@ impl<S> AuthorityFix<S> {
             priority = Some(p);
             body = &body[5..];
         }
-        self.block = Some(Block { stream, flags, priority, fragment: body.to_vec() });
+        self.block = Some(Block {
+            stream,
+            flags,
+            priority,
+            fragment: body.to_vec(),
+            over: None,
+            followed: FRAME_HEADER_LEN + payload.len(),
+        });
         if flags & END_HEADERS != 0 {
             self.finish_block()?;
         }
@@ -164,36 +239,56 @@ impl<S> AuthorityFix<S> {
         if block.stream != stream {
             return Err(bad("CONTINUATION on another stream"));
         }
-        if block.fragment.len() + payload.len() > MAX_BLOCK {
-            return Err(bad("a header block over 1 MiB"));
+        // Frames count with their headers: empty CONTINUATIONs are not free.
+        block.followed += FRAME_HEADER_LEN + payload.len();
+        if let Some((over, kept)) = block.over.as_mut() {
+            if block.followed > MAX_FOLLOWED {
+                return Err(bad("a header block over 64 MiB"));
+            }
+            over.feed(&mut self.decoder, payload, |n, v| kept.field(n, v)).map_err(undecodable)?;
+        } else if block.followed > MAX_BLOCK {
+            // Too large to hold: followed from here on, so the connection's other calls go on.
+            let mut over = Overflow::default();
+            let mut kept = Rewritten { refusing: true, ..Rewritten::default() };
+            for piece in [&block.fragment[..], payload] {
+                over.feed(&mut self.decoder, piece, |n, v| kept.field(n, v)).map_err(undecodable)?;
+            }
+            block.fragment = Vec::new();
+            block.over = Some((over, kept));
+        } else {
+            block.fragment.extend_from_slice(payload);
         }
-        block.fragment.extend_from_slice(payload);
         if flags & END_HEADERS != 0 {
             self.finish_block()?;
         }
         Ok(())
     }
 
-    /// Decodes the gathered block, fixes `:authority`, and writes it out again.
+    /// Decodes the gathered block, fixes `:authority`, and writes it out again; or, for a block
+    /// too large to pass on, writes its pseudo-headers and its size for [`Deadline`] to refuse
+    /// the call with.
     fn finish_block(&mut self) -> io::Result<()> {
         let Some(block) = self.block.take() else { return Ok(()) };
-        let mut encoded = Vec::with_capacity(block.fragment.len() + 16);
-        // Decoded, a block can be far larger than it is: a field indexed in the client's table
-        // costs one byte each time it is named again (a 62 KB block made this filter write
-        // 240 MB before). What it decodes to is bounded too, and the decoding stops there. The
-        // decoder is not used again after an error: the connection ends.
-        let decoded = self.decoder.decode(&block.fragment, MAX_BLOCK, |name, value| {
-            let value = if name == b":authority" && !valid_authority(value) { b"localhost" } else { value };
-            // The deadline goes around tonic's own timer, which would answer CANCELLED; the
-            // endpoint's deadline layer puts it back and answers DEADLINE_EXCEEDED.
-            let name = if name == b"grpc-timeout" { DEADLINE_HEADER.as_bytes() } else { name };
-            literal(&mut encoded, name, value);
-        });
-        match decoded {
-            Ok(()) => {}
-            Err(crate::http::hpack::Error::TooLarge) => return Err(bad("a header list over 1 MiB, decoded")),
-            Err(e) => return Err(bad(&format!("header block does not decode: {e:?}"))),
-        }
+        let encoded = match block.over {
+            Some((over, mut kept)) => {
+                kept.refuse(over.finish().map_err(undecodable)?);
+                kept.encoded
+            }
+            None => {
+                let mut kept =
+                    Rewritten { encoded: Vec::with_capacity(block.fragment.len() + 16), ..Rewritten::default() };
+                // Decoded, a block can be far larger than it is: a field indexed in the
+                // client's table costs one byte each time it is named again (a 62 KB block
+                // made this filter write 240 MB before). What it decodes to is bounded too:
+                // past the bound the rest is only counted.
+                let outcome =
+                    self.decoder.decode(&block.fragment, MAX_BLOCK, |n, v| kept.field(n, v)).map_err(undecodable)?;
+                if let Outcome::Over(over) = outcome {
+                    kept.refuse(over.finish().map_err(undecodable)?);
+                }
+                kept.encoded
+            }
+        };
         // HEADERS, then CONTINUATIONs, each within the default frame size.
         let mut first_len = MAX_FRAME;
         let mut head = Vec::new();
@@ -216,6 +311,11 @@ impl<S> AuthorityFix<S> {
         }
         Ok(())
     }
+}
+
+/// A block that does not decode ends the connection: the decoder's table is in no known state.
+fn undecodable(e: crate::http::hpack::Error) -> io::Error {
+    bad(&format!("header block does not decode: {e:?}"))
 }
 
 fn bad(what: &str) -> io::Error {
@@ -328,7 +428,8 @@ impl<S: tonic::transport::server::Connected> tonic::transport::server::Connected
 /// Enforces a call's deadline on an HTTP/2 endpoint with gRPC's code. tonic's server answers an
 /// expired `grpc-timeout` with CANCELLED ("Timeout expired"), from outside any layer a server
 /// can add; [`AuthorityFix`] renames the header on the way in so tonic's timer never sees it,
-/// and this layer restores it (handlers read it as before) and answers DEADLINE_EXCEEDED.
+/// and this layer restores it (handlers read it as before) and answers DEADLINE_EXCEEDED. It also
+/// refuses, RESOURCE_EXHAUSTED, a call whose header list the filter found too large.
 #[derive(Debug, Clone, Copy, Default)]
 pub(crate) struct DeadlineLayer;
 
@@ -350,6 +451,7 @@ impl<S, B> tower_service::Service<http::Request<B>> for Deadline<S>
 where
     S: tower_service::Service<http::Request<B>, Response = http::Response<tonic::body::Body>>,
     S::Future: Send + 'static,
+    S::Error: Send + 'static,
 {
     type Response = http::Response<tonic::body::Body>;
     type Error = S::Error;
@@ -360,6 +462,15 @@ where
     }
 
     fn call(&mut self, mut request: http::Request<B>) -> Self::Future {
+        if let Some(list) = request.headers().get(TOO_LARGE_HEADER) {
+            // Only the filter sets it (it drops a client's own): the call's header list was too
+            // large to pass on. grpc-core says RESOURCE_EXHAUSTED too.
+            let message = format!(
+                "header list of {} bytes is larger than this server's limit of {MAX_BLOCK} bytes",
+                String::from_utf8_lossy(list.as_bytes())
+            );
+            return Box::pin(std::future::ready(Ok(tonic::Status::resource_exhausted(message).into_http())));
+        }
         let renamed = request.headers_mut().remove(DEADLINE_HEADER);
         let timeout = renamed.and_then(|v| {
             let mut h = http::HeaderMap::new();
@@ -470,31 +581,120 @@ mod tests {
     }
 
     #[test]
-    fn a_block_that_decodes_past_the_bound_ends_the_connection_and_keeps_nothing_of_it() {
+    fn a_block_that_decodes_past_the_bound_goes_on_as_its_pseudo_headers_and_its_size() {
         // One 4,000-byte field into the client's table, then named again by its index (one
         // byte) 2,000 times: a 6 KB block that decodes to 8 MB.
         let mut block = Vec::new();
         for (n, v) in [(&b":method"[..], &b"POST"[..]), (b":scheme", b"http"), (b":path", b"/a.B/C")] {
             literal(&mut block, n, v);
         }
+        literal(&mut block, b"content-type", b"application/grpc");
         block.push(0x40); // literal with incremental indexing, new name
         string(&mut block, b"x-big");
         string(&mut block, &[b'a'; 4000]);
         block.extend(std::iter::repeat_n(0x80 | 62, 2000)); // indexed: the table's newest entry
         let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
         frame(&mut bytes, HEADERS, END_HEADERS, 1, &block);
-        let mut f = AuthorityFix::new(());
-        f.raw.extend_from_slice(&bytes);
-        let err = f.process().expect_err("a header list of 8 MB is refused");
-        assert!(err.to_string().contains("over 1 MiB, decoded"), "{err}");
-        assert!(f.out.len() < 64, "what was written of it: {} bytes", f.out.len());
+        let out = filter(&bytes, 4096).expect("the connection goes on");
+        let list = 3 * FIELD_OVERHEAD + 33 + (12 + 16 + FIELD_OVERHEAD) + 2001 * (5 + 4000 + FIELD_OVERHEAD);
+        assert_eq!(
+            decoded_headers(&out),
+            [
+                (b":method".to_vec(), b"POST".to_vec()),
+                (b":scheme".to_vec(), b"http".to_vec()),
+                (b":path".to_vec(), b"/a.B/C".to_vec()),
+                (b"content-type".to_vec(), b"application/grpc".to_vec()),
+                (TOO_LARGE_HEADER.as_bytes().to_vec(), list.to_string().into_bytes()),
+            ]
+        );
+        assert!(out.len() < 200, "what was written of it: {} bytes", out.len());
         // At the bound itself the block goes through.
-        let fields = (MAX_BLOCK - 3 * 100) / (5 + 4000 + FIELD_OVERHEAD);
+        let fields = (MAX_BLOCK - 3 * 100 - 60) / (5 + 4000 + FIELD_OVERHEAD);
         let mut block = block[..block.len() - 2000].to_vec();
         block.extend(std::iter::repeat_n(0x80 | 62, fields - 1));
         let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
         frame(&mut bytes, HEADERS, END_HEADERS, 1, &block);
-        assert_eq!(decoded_headers(&filter(&bytes, 4096).expect("within the bound")).len(), 3 + fields);
+        assert_eq!(decoded_headers(&filter(&bytes, 4096).expect("within the bound")).len(), 4 + fields);
+    }
+
+    #[test]
+    fn a_block_over_1_mib_is_followed_not_held_and_the_next_block_decodes() {
+        // 2 MiB of metadata over HEADERS and 128 CONTINUATIONs, with an entry for the client's
+        // table after it; then another call that names that entry.
+        let mut block = Vec::new();
+        for (n, v) in [(&b":method"[..], &b"POST"[..]), (b":scheme", b"http"), (b":path", b"/a.B/C")] {
+            literal(&mut block, n, v);
+        }
+        literal(&mut block, b"x-large-bin", &vec![7u8; 2 << 20]);
+        block.push(0x40);
+        string(&mut block, b"x-kept");
+        string(&mut block, b"in the table");
+        literal(&mut block, TOO_LARGE_HEADER.as_bytes(), b"1"); // a client's own: dropped
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        let mut pieces = block.chunks(MAX_FRAME).peekable();
+        let first = pieces.next().expect("a first piece");
+        frame(&mut bytes, HEADERS, if pieces.peek().is_none() { END_HEADERS } else { 0 }, 1, first);
+        while let Some(piece) = pieces.next() {
+            frame(&mut bytes, CONTINUATION, if pieces.peek().is_none() { END_HEADERS } else { 0 }, 1, piece);
+        }
+        frame(&mut bytes, 0x0, 0x1, 1, b"payload");
+        let mut next = Vec::new();
+        for (n, v) in [(&b":method"[..], &b"POST"[..]), (b":scheme", b"http"), (b":path", b"/a.B/D")] {
+            literal(&mut next, n, v);
+        }
+        next.push(0x80 | 62); // x-kept, from the table the large block left
+        frame(&mut bytes, HEADERS, END_HEADERS | 0x1, 3, &next);
+        let mut f = AuthorityFix::new(());
+        for piece in bytes.chunks(10_000) {
+            f.raw.extend_from_slice(piece);
+            f.process().expect("the connection goes on");
+            // What is held: a frame, and a block up to 1 MiB, then nothing of it.
+            assert!(f.raw.len() < MAX_FRAME + 10_000, "held {}", f.raw.len());
+            assert!(f
+                .block
+                .as_ref()
+                .is_none_or(|b| b.fragment.len() <= MAX_BLOCK && (b.over.is_none() || b.fragment.is_empty())));
+        }
+        let out = std::mem::take(&mut f.out);
+        assert!(out.len() < 1000, "written: {} bytes", out.len());
+        let list =
+            3 * FIELD_OVERHEAD + 33 + (11 + (2 << 20) + FIELD_OVERHEAD) + (6 + 12 + FIELD_OVERHEAD) + (31 + 1 + 32);
+        let fields = decoded_headers(&out);
+        assert_eq!(
+            fields[..5].to_vec(),
+            [
+                (b":method".to_vec(), b"POST".to_vec()),
+                (b":scheme".to_vec(), b"http".to_vec()),
+                (b":path".to_vec(), b"/a.B/C".to_vec()),
+                (b"content-type".to_vec(), b"application/grpc".to_vec()),
+                (TOO_LARGE_HEADER.as_bytes().to_vec(), list.to_string().into_bytes()),
+            ]
+        );
+        assert_eq!(fields[8..], [(b"x-kept".to_vec(), b"in the table".to_vec())]);
+        assert_eq!(fields[7], (b":path".to_vec(), b"/a.B/D".to_vec()));
+    }
+
+    #[test]
+    fn a_refused_block_keeps_one_of_each_pseudo_header_however_often_it_is_named() {
+        // A 4,000-byte :path into the client's table, then named again by its index (one byte)
+        // 1.2 million times, past 1 MiB of frames: what goes on is one :path, not 4.8 GB of them.
+        let mut block = Vec::new();
+        literal(&mut block, b":method", b"POST");
+        block.extend([0x44, 0x7f, 0xa1, 0x1e]); // :path (static name), indexed, 4,000 bytes
+        block.extend(std::iter::repeat_n(b'/', 4000));
+        block.extend(std::iter::repeat_n(0x80 | 62, 1_200_000));
+        let mut bytes = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+        let mut pieces = block.chunks(MAX_FRAME).peekable();
+        frame(&mut bytes, HEADERS, 0, 1, pieces.next().expect("a first piece"));
+        while let Some(piece) = pieces.next() {
+            frame(&mut bytes, CONTINUATION, if pieces.peek().is_none() { END_HEADERS } else { 0 }, 1, piece);
+        }
+        let out = filter(&bytes, 100_000).expect("the connection goes on");
+        assert!(out.len() < 5000, "written: {} bytes", out.len());
+        let fields = decoded_headers(&out);
+        assert_eq!(fields.iter().filter(|(n, _)| n == b":path").count(), 1);
+        assert_eq!(fields[0], (b":method".to_vec(), b"POST".to_vec()));
+        assert_eq!(fields.last().map(|(n, _)| n.as_slice()), Some(TOO_LARGE_HEADER.as_bytes()));
     }
 
     #[test]

@@ -3,8 +3,9 @@
 //!
 //! The client is untrusted, so the decoder's work is bounded by what it is sent: the caller
 //! gives the largest header list it takes (counted as HTTP/2 counts it: name, value and 32 per
-//! field) and decoding stops with [`Error::TooLarge`] the moment a field would pass it, before
-//! the field's strings are copied or inflated. A Huffman-coded string is decoded bit by bit with
+//! field) and stops handing fields on the moment one would pass it, before the field's strings
+//! are copied or inflated; the rest of such a block is followed without being held
+//! ([`Overflow`]), so one call's oversized metadata need not end its connection. A Huffman-coded string is decoded bit by bit with
 //! the code's canonical form (per code length, its first code and where its symbols start), in
 //! time proportional to its bits and with no table built per string. (The decoder used before,
 //! `fluke-hpack`, built two levels of hash maps for every Huffman string: a 1 MB block of empty
@@ -12,6 +13,7 @@
 //! h2 accepts, so a block h2 would decode decodes here too.
 
 use std::collections::VecDeque;
+use std::sync::Arc;
 
 /// Why a header block does not decode; the connection ends.
 #[derive(Debug, PartialEq, Eq)]
@@ -36,8 +38,9 @@ pub(crate) const FIELD_OVERHEAD: usize = 32;
 
 /// A decoder following one connection's dynamic table.
 pub(crate) struct Decoder {
-    /// The newest entry first (index 62).
-    table: VecDeque<(Vec<u8>, Vec<u8>)>,
+    /// The newest entry first (index 62). A name is shared: a field that names an entry's name
+    /// and is indexed again costs a client two bytes, and must not cost a copy of the name.
+    table: VecDeque<(Arc<[u8]>, Vec<u8>)>,
     /// The entries' sizes, each name + value + 32.
     size: usize,
     /// The table's size now, as the client's last size update set it.
@@ -52,14 +55,39 @@ impl Decoder {
         Decoder { table: VecDeque::new(), size: 0, max_size: allowed, allowed }
     }
 
-    /// Decodes one header block, calling `field` with each field's name and value in order,
-    /// unless the list passes `bound` bytes. After an error the decoder's table is in no known
-    /// state: the connection must end.
+    /// Decodes one header block, calling `field` with each field's name and value in order
+    /// while the list stays within `bound` bytes. A list that passes it is followed to the
+    /// block's end without being held ([`Overflow`]), so the table stays the client's and the
+    /// connection can go on. After an error the decoder's table is in no known state: the
+    /// connection must end.
     pub(crate) fn decode(
         &mut self,
         block: &[u8],
         bound: usize,
         mut field: impl FnMut(&[u8], &[u8]),
+    ) -> Result<Outcome, Error> {
+        let mut progress = Progress::default();
+        match self.decode_within(block, bound, &mut field, &mut progress) {
+            Ok(()) => Ok(Outcome::Within),
+            Err(Error::TooLarge) => {
+                // The field that passed the bound changed nothing yet: follow it and the rest.
+                let mut over =
+                    Overflow { list: progress.list, fields_seen: progress.fields_seen, ..Overflow::default() };
+                over.feed(self, &block[progress.start..], |_, _| ())?;
+                Ok(Outcome::Over(over))
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// [`Decoder::decode`] up to the field that passes `bound`, where `progress` says where it
+    /// began and what the list held before it.
+    fn decode_within(
+        &mut self,
+        block: &[u8],
+        bound: usize,
+        field: &mut impl FnMut(&[u8], &[u8]),
+        progress: &mut Progress,
     ) -> Result<(), Error> {
         let mut at = 0;
         let mut list = 0usize;
@@ -67,6 +95,7 @@ impl Decoder {
         // A literal's name and value, decoded.
         let (mut name, mut value) = (Vec::new(), Vec::new());
         while let Some(&first) = block.get(at) {
+            *progress = Progress { start: at, list, fields_seen };
             if first & 0x80 != 0 {
                 // Indexed field.
                 let (index, n) = integer(&block[at..], 7)?;
@@ -78,18 +107,13 @@ impl Decoder {
                 // Dynamic table size update: only before the block's first field (as h2).
                 let (size, n) = integer(&block[at..], 5)?;
                 at += n;
-                if fields_seen || size > self.allowed {
-                    return Err(Error::TableSize(size));
-                }
-                self.max_size = size;
-                self.evict(0);
+                self.size_update(size, fields_seen)?;
                 continue;
             } else {
                 // A literal: with incremental indexing (01), or without (0000) or never (0001)
                 // indexed, its name indexed or new.
                 let indexing = first & 0x40 != 0;
-                let prefix = if indexing { 6 } else { 4 };
-                let (index, n) = integer(&block[at..], prefix)?;
+                let (index, n) = integer(&block[at..], literal_prefix(indexing))?;
                 at += n;
                 name.clear();
                 value.clear();
@@ -112,6 +136,23 @@ impl Decoder {
         Ok(())
     }
 
+    /// A dynamic table size update, allowed only before a block's first field (as h2).
+    fn size_update(&mut self, size: usize, fields_seen: bool) -> Result<(), Error> {
+        if fields_seen || size > self.allowed {
+            return Err(Error::TableSize(size));
+        }
+        self.max_size = size;
+        self.evict(0);
+        Ok(())
+    }
+
+    /// A string longer than this, encoded, is never held by an [`Overflow`]: even Huffman-coded
+    /// (at most 30 bits a byte) it decodes to more than the whole table, so an entry made of it
+    /// only empties the table.
+    fn long_string(&self) -> usize {
+        self.allowed * 4 + 64
+    }
+
     /// The entry at HPACK index `index` (1-61 static, 62 on the dynamic table).
     fn entry(&self, index: usize) -> Result<(&[u8], &[u8]), Error> {
         match index {
@@ -124,18 +165,38 @@ impl Decoder {
         }
     }
 
+    /// The name of the entry at HPACK index `index`, shared.
+    fn entry_name(&self, index: usize) -> Result<Arc<[u8]>, Error> {
+        match index {
+            i if i > STATIC.len() => {
+                self.table.get(i - STATIC.len() - 1).map(|(n, _)| n.clone()).ok_or(Error::Index(i))
+            }
+            i => self.entry(i).map(|(n, _)| Arc::from(n)),
+        }
+    }
+
     /// Adds a field to the dynamic table, evicting the oldest to make room; one larger than the
     /// whole table empties it (RFC 7541 §4.4).
     fn insert(&mut self, name: &[u8], value: &[u8]) {
+        self.insert_named(Arc::from(name), value);
+    }
+
+    /// [`insert`](Self::insert) of a name held already.
+    fn insert_named(&mut self, name: Arc<[u8]>, value: &[u8]) {
         let size = name.len() + value.len() + FIELD_OVERHEAD;
         if size > self.max_size {
-            self.table.clear();
-            self.size = 0;
+            self.insert_too_large();
             return;
         }
         self.evict(size);
-        self.table.push_front((name.to_vec(), value.to_vec()));
+        self.table.push_front((name, value.to_vec()));
         self.size += size;
+    }
+
+    /// What adding an entry larger than the whole table does: empties it.
+    fn insert_too_large(&mut self) {
+        self.table.clear();
+        self.size = 0;
     }
 
     /// Evicts the oldest entries until `room` more bytes fit.
@@ -144,6 +205,261 @@ impl Decoder {
             let Some((n, v)) = self.table.pop_back() else { break };
             self.size -= n.len() + v.len() + FIELD_OVERHEAD;
         }
+    }
+}
+
+/// What [`Decoder::decode`] made of a block.
+pub(crate) enum Outcome {
+    /// The whole list, each field handed on.
+    Within,
+    /// The list passed the bound; the fields before it were handed on. The block's rest may
+    /// still come ([`Overflow::feed`]); [`Overflow::finish`] gives the list's size.
+    Over(Overflow),
+}
+
+/// Where decoding stood when a field began.
+#[derive(Default)]
+struct Progress {
+    start: usize,
+    list: usize,
+    fields_seen: bool,
+}
+
+/// Follows a header block whose list is too large to pass on, in pieces as they come: the
+/// dynamic table keeps the client's entries and the list is counted, but no more of the block is
+/// held than a field the table could take (a string too long for the table is counted as it
+/// goes by, never held). A connection carrying such a block can then go on, and only its call
+/// is refused.
+#[derive(Default)]
+pub(crate) struct Overflow {
+    /// The bytes of a field not yet whole.
+    held: Vec<u8>,
+    /// Where in its field the next bytes are.
+    step: Step,
+    /// Bytes of a long string still to go by, and the length it decodes to so far.
+    skip: usize,
+    skipped: Skipped,
+    /// The list's size so far, counted as HTTP/2 does.
+    list: usize,
+    fields_seen: bool,
+}
+
+#[derive(Default)]
+enum Step {
+    /// At a field's first byte.
+    #[default]
+    Start,
+    /// At a new name's string.
+    Name { indexing: bool },
+    /// At the value's string; the name, unless it was too long to hold, and its length.
+    Value { indexing: bool, name: Option<Arc<[u8]>>, name_len: usize },
+}
+
+/// A long string going by: its decoded length so far, and a Huffman code's unfinished bits.
+#[derive(Default)]
+struct Skipped {
+    huffman: bool,
+    len: usize,
+    code: u32,
+    bits: usize,
+}
+
+impl Skipped {
+    /// Counts the symbols of the next bytes, refusing what [`huffman_decode`] refuses.
+    fn count(&mut self, bytes: &[u8]) -> Result<(), Error> {
+        if !self.huffman {
+            self.len += bytes.len();
+            return Ok(());
+        }
+        for &byte in bytes {
+            for shift in (0..8).rev() {
+                self.code = (self.code << 1) | u32::from((byte >> shift) & 1);
+                self.bits += 1;
+                let i = self.code.wrapping_sub(CANONICAL.first[self.bits]);
+                if i < u32::from(CANONICAL.count[self.bits]) {
+                    if CANONICAL.symbols[usize::from(CANONICAL.offset[self.bits]) + i as usize] > 255 {
+                        return Err(Error::Huffman); // EOS
+                    }
+                    self.len += 1;
+                    self.code = 0;
+                    self.bits = 0;
+                } else if self.bits == MAX_CODE {
+                    return Err(Error::Huffman);
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The string has ended: its padding must be EOS's first bits, as [`huffman_decode`] says.
+    fn end(&self) -> Result<usize, Error> {
+        if self.huffman && (self.bits > 7 || self.code != (1u32 << self.bits) - 1) {
+            return Err(Error::Huffman);
+        }
+        Ok(self.len)
+    }
+}
+
+impl Overflow {
+    /// The next piece of the block. `field` gets each field held whole (a long string's field
+    /// is not); nothing is copied for a field that is not.
+    pub(crate) fn feed(
+        &mut self,
+        d: &mut Decoder,
+        bytes: &[u8],
+        mut field: impl FnMut(&[u8], &[u8]),
+    ) -> Result<(), Error> {
+        // A piece that starts at a field is read where it lies; only a field cut between
+        // pieces is put together, in `held`, which never holds more than one (so a piece added
+        // to it costs what it brings, however many pieces a long field comes in).
+        if self.held.is_empty() {
+            let at = self.take(d, bytes, &mut field)?;
+            self.held.extend_from_slice(&bytes[at..]);
+        } else {
+            let mut held = std::mem::take(&mut self.held);
+            held.extend_from_slice(bytes);
+            let taken = self.take(d, &held, &mut field);
+            held.drain(..*taken.as_ref().unwrap_or(&0));
+            self.held = held;
+            taken?;
+        }
+        Ok(())
+    }
+
+    /// Takes every whole item at the start of `buf`, and the part of a long string it holds;
+    /// the bytes taken.
+    fn take(&mut self, d: &mut Decoder, buf: &[u8], field: &mut impl FnMut(&[u8], &[u8])) -> Result<usize, Error> {
+        let mut at = 0;
+        loop {
+            if self.skip > 0 {
+                let n = self.skip.min(buf.len() - at);
+                self.skipped.count(&buf[at..at + n])?;
+                at += n;
+                self.skip -= n;
+                if self.skip > 0 {
+                    return Ok(at);
+                }
+                let len = self.skipped.end()?;
+                self.string_done(d, None, len, field);
+                continue;
+            }
+            match self.next(d, &buf[at..], field)? {
+                Some(n) => at += n,
+                None => return Ok(at),
+            }
+        }
+    }
+
+    /// The list's size, once the block has ended; an error if it ended inside a field.
+    pub(crate) fn finish(&self) -> Result<usize, Error> {
+        match (&self.step, self.skip, self.held.is_empty()) {
+            (Step::Start, 0, true) => Ok(self.list),
+            _ => Err(Error::Truncated),
+        }
+    }
+
+    /// Takes the next whole item at the start of `buf`: a field's head or one of its strings.
+    /// The bytes taken, or None if more must come first.
+    fn next(
+        &mut self,
+        d: &mut Decoder,
+        buf: &[u8],
+        field: &mut impl FnMut(&[u8], &[u8]),
+    ) -> Result<Option<usize>, Error> {
+        let Some(&first) = buf.first() else { return Ok(None) };
+        let Some((v, n)) = whole(integer(buf, prefix_of(&self.step, first)))? else { return Ok(None) };
+        match std::mem::take(&mut self.step) {
+            Step::Start if first & 0x80 != 0 => {
+                let (name, value) = d.entry(v)?;
+                self.list = self.list.saturating_add(name.len() + value.len() + FIELD_OVERHEAD);
+                self.fields_seen = true;
+                field(name, value);
+            }
+            Step::Start if first & 0xe0 == 0x20 => d.size_update(v, self.fields_seen)?,
+            Step::Start => {
+                let indexing = first & 0x40 != 0;
+                self.step = if v == 0 {
+                    Step::Name { indexing }
+                } else {
+                    let name = d.entry_name(v)?;
+                    Step::Value { indexing, name_len: name.len(), name: Some(name) }
+                };
+            }
+            step => {
+                // A string: `v` bytes after its length.
+                self.step = step;
+                if v > d.long_string() {
+                    self.skip = v;
+                    self.skipped = Skipped { huffman: first & 0x80 != 0, ..Skipped::default() };
+                    return Ok(Some(n));
+                }
+                let Some(raw) = buf.get(n..n + v) else { return Ok(None) };
+                let mut s = Vec::new();
+                if first & 0x80 != 0 {
+                    huffman_decode(raw, &mut s, usize::MAX)?;
+                } else {
+                    s.extend_from_slice(raw);
+                }
+                let len = s.len();
+                self.string_done(d, Some(s), len, field);
+                return Ok(Some(n + v));
+            }
+        }
+        Ok(Some(n))
+    }
+
+    /// A name or value string has been read (`s`, or None if it was too long to hold).
+    fn string_done(&mut self, d: &mut Decoder, s: Option<Vec<u8>>, len: usize, field: &mut impl FnMut(&[u8], &[u8])) {
+        match std::mem::take(&mut self.step) {
+            Step::Name { indexing } => {
+                self.step = Step::Value { indexing, name: s.map(Arc::from), name_len: len };
+            }
+            Step::Value { indexing, name, name_len } => {
+                self.list = self.list.saturating_add(name_len).saturating_add(len).saturating_add(FIELD_OVERHEAD);
+                self.fields_seen = true;
+                match (name, s) {
+                    (Some(name), Some(value)) => {
+                        field(&name, &value);
+                        if indexing {
+                            d.insert_named(name, &value);
+                        }
+                    }
+                    // Larger than the whole table: indexing it empties the table (RFC 7541 §4.4).
+                    _ if indexing => d.insert_too_large(),
+                    _ => {}
+                }
+            }
+            Step::Start => {}
+        }
+    }
+}
+
+/// The prefix bits of the integer that starts an item at `step` whose first byte is `first`.
+fn prefix_of(step: &Step, first: u8) -> u32 {
+    match step {
+        Step::Start if first & 0x80 != 0 => 7,
+        Step::Start if first & 0xe0 == 0x20 => 5,
+        Step::Start => literal_prefix(first & 0x40 != 0),
+        // A string's length.
+        _ => 7,
+    }
+}
+
+/// The prefix of a literal's name index: 6 bits with incremental indexing, else 4.
+fn literal_prefix(indexing: bool) -> u32 {
+    if indexing {
+        6
+    } else {
+        4
+    }
+}
+
+/// An integer that may not all have come yet: None then.
+fn whole(r: Result<(usize, usize), Error>) -> Result<Option<(usize, usize)>, Error> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(Error::Truncated) => Ok(None),
+        Err(e) => Err(e),
     }
 }
 
@@ -477,7 +793,7 @@ mod tests {
         }
         assert_eq!(d.size, 215);
         assert_eq!(d.table.len(), 3);
-        assert_eq!(d.table[0].0, b"set-cookie");
+        assert_eq!(&d.table[0].0[..], b"set-cookie");
         assert_eq!(d.table[2].1, b"Mon, 21 Oct 2013 20:13:22 GMT");
     }
 
@@ -490,25 +806,162 @@ mod tests {
         block.extend(std::iter::repeat_n(0xbe, 10_000)); // index 62
         let mut d = Decoder::new(4096);
         let mut seen = 0;
-        assert_eq!(d.decode(&block, 64 << 10, |_, _| seen += 1), Err(Error::TooLarge));
+        let Ok(Outcome::Over(over)) = d.decode(&block, 64 << 10, |_, _| seen += 1) else { panic!("over") };
         assert_eq!(seen, (64 << 10) / (1 + 1000 + FIELD_OVERHEAD));
-        // A Huffman string past the bound is not inflated past it.
+        // The rest is counted, not handed on.
+        assert_eq!(over.finish(), Ok(10_001 * (1 + 1000 + FIELD_OVERHEAD)));
+        // A Huffman string past the bound is not inflated: counted as it goes by.
         let mut d = Decoder::new(4096);
         let mut block = vec![0x00, 0x01, b'k', 0xff, 0xff, 0x7f]; // a 16,510-byte Huffman value
         block.extend(std::iter::repeat_n(0x00, 16_510)); // '0' '0' '0'... (5 bits each)
-        assert_eq!(d.decode(&block, 1 << 10, |_, _| ()), Err(Error::TooLarge));
+        let Ok(Outcome::Over(over)) = d.decode(&block, 1 << 10, |_, _| ()) else { panic!("over") };
+        assert_eq!(over.finish(), Ok(1 + 16_510 * 8 / 5 + FIELD_OVERHEAD));
+    }
+
+    /// A block of every kind of representation: a size update, indexed fields, literals with
+    /// and without indexing, new and indexed names, Huffman strings, and two strings too long
+    /// for the table, one of them indexed (which empties the table).
+    fn every_kind() -> Vec<u8> {
+        let mut block = vec![0x3f, 0xe1, 0x1f]; // table size 4096
+        block.extend(hex("8286 8441 8cf1 e3c2 e5f2 3a6b a0ab 90f4 ff")); // RFC C.4.1
+        block.extend(hex("5886 a8eb 1064 9cbf")); // cache-control: no-cache, indexed
+        block.extend(hex("4088 25a8 49e9 5ba9 7d7f 8925 a849 e95b b8e8 b4bf")); // custom-key, indexed
+        block.push(0x40); // a long value, indexed: the table empties
+        block.extend([0x01, b'x', 0x7f, 0x81, 0xa0, 0x01]); // 20,608 bytes
+        block.extend(std::iter::repeat_n(b'v', 20_608));
+        block.extend([0x00, 0x02, b'y', b'z', 0x7f, 0x81, 0xa0, 0x01]); // one not indexed
+        block.extend(std::iter::repeat_n(b'w', 20_608));
+        block.extend([0x40, 0x01, b'k', 0x03, b'a', b'b', b'c']); // k: abc, indexed
+        block.extend([0x44, 0x02, b'/', b'1']); // :path from the static table's name, "/1", indexed
+        block.push(0xbe); // index 62: the newest, :path /1
+        block
+    }
+
+    #[test]
+    fn a_block_followed_in_pieces_leaves_the_table_a_whole_decode_leaves() {
+        let block = every_kind();
+        let mut whole = Decoder::new(4096);
+        let mut expected = Vec::new();
+        let outcome = whole.decode(&block, usize::MAX, |n, v| {
+            if v.len() < 20_000 {
+                expected.push((n.to_vec(), v.to_vec()));
+            }
+        });
+        assert!(matches!(outcome, Ok(Outcome::Within)));
+        let list: usize = (FIELD_OVERHEAD * 11)
+            + [":method", "GET", ":scheme", "http", ":path", "/", ":authority", "www.example.com"]
+                .iter()
+                .map(|s| s.len())
+                .sum::<usize>()
+            + "cache-controlno-cache".len()
+            + "custom-keycustom-value".len()
+            + 1
+            + 20_608
+            + 2
+            + 20_608
+            + "kabc".len()
+            + 2 * ":path/1".len();
+        for step in [1, 2, 3, 7, 100, 5000, block.len()] {
+            let mut d = Decoder::new(4096);
+            let mut over = Overflow::default();
+            let mut got = Vec::new();
+            for piece in block.chunks(step) {
+                over.feed(&mut d, piece, |n, v| got.push((n.to_vec(), v.to_vec()))).expect("decodes");
+            }
+            assert_eq!(over.finish(), Ok(list), "step {step}");
+            assert_eq!(got, expected, "step {step}");
+            assert_eq!((d.size, &d.table), (whole.size, &whole.table), "step {step}");
+            // Only what the long indexed value left: k, then :path.
+            assert_eq!(d.table.len(), 2);
+            // The table is the client's: the next block names its entries.
+            let mut next = Vec::new();
+            d.decode(&[0xbf, 0xbe], usize::MAX, |n, v| next.push((n.to_vec(), v.to_vec()))).expect("next");
+            assert_eq!(next, [(b"k".to_vec(), b"abc".to_vec()), (b":path".to_vec(), b"/1".to_vec())]);
+        }
+        // Past a bound, the decoder hands on the fields before it and follows the rest.
+        let mut d = Decoder::new(4096);
+        let mut before = 0;
+        let Ok(Outcome::Over(over)) = d.decode(&block, 10_000, |_, _| before += 1) else { panic!("over") };
+        assert_eq!(before, 6);
+        assert_eq!(over.finish(), Ok(list));
+        assert_eq!((d.size, &d.table), (whole.size, &whole.table));
+    }
+
+    #[test]
+    fn a_name_named_again_is_shared_not_copied() {
+        // A 4,000-byte name into the table, then indexed again 100,000 times by its index with
+        // an empty value (two bytes each): each new entry evicts the last, and shares its name.
+        let mut d = Decoder::new(4096);
+        let mut over = Overflow::default();
+        let mut head = vec![0x40, 0x7f, 0xa1, 0x1e]; // literal, indexed, new name of 4,000 bytes
+        head.extend(std::iter::repeat_n(b'n', 4000));
+        head.push(0x00);
+        over.feed(&mut d, &head, |_, _| ()).expect("head");
+        let first = d.table[0].0.clone();
+        let again: Vec<u8> = std::iter::repeat_n([0x7e, 0x00], 100_000).flatten().collect();
+        over.feed(&mut d, &again, |_, _| ()).expect("again");
+        assert_eq!(over.finish(), Ok(100_001 * (4000 + FIELD_OVERHEAD)));
+        assert_eq!(d.table.len(), 1);
+        assert!(Arc::ptr_eq(&first, &d.table[0].0), "the name was copied");
+    }
+
+    #[test]
+    fn a_long_string_that_goes_by_is_still_checked() {
+        // Huffman: EOS inside, or padding that is not EOS's first bits, as huffman_decode says.
+        let long = |fill: u8, last: &[u8]| {
+            let mut block = vec![0x00, 0x01, b'k', 0xff, 0xff, 0x7f]; // a 16,510-byte Huffman value
+            block.extend(std::iter::repeat_n(fill, 16_510 - last.len()));
+            block.extend_from_slice(last);
+            block
+        };
+        for (block, want) in [
+            (long(0x00, &[0x1f]), Ok(())),              // '0's, then '0' and 111 padding
+            (long(0x00, &[0x18]), Err(Error::Huffman)), // '0', then padding 11000
+            (long(0x00, &[0xff, 0xff, 0xff, 0xff]), Err(Error::Huffman)), // EOS
+        ] {
+            let mut over = Overflow::default();
+            let fed = over.feed(&mut Decoder::new(4096), &block, |_, _| ());
+            assert_eq!(fed.and_then(|()| over.finish().map(|_| ())), want);
+        }
+    }
+
+    #[test]
+    fn an_overflow_that_ends_inside_a_field_or_holds_bad_input_is_an_error() {
+        let block = every_kind();
+        for cut in [1, 21, 40, 100, 30_000, block.len() - 2] {
+            let mut over = Overflow::default();
+            over.feed(&mut Decoder::new(4096), &block[..cut], |_, _| ()).expect("a piece");
+            assert_eq!(over.finish(), Err(Error::Truncated), "cut at {cut}");
+        }
+        let mut over = Overflow::default();
+        assert_eq!(over.feed(&mut Decoder::new(4096), &[0x82, 0xbe], |_, _| ()), Err(Error::Index(62)));
+        let mut over = Overflow::default();
+        assert_eq!(over.feed(&mut Decoder::new(4096), &[0x82, 0x20], |_, _| ()), Err(Error::TableSize(0)));
+        let mut over = Overflow::default();
+        assert_eq!(over.feed(&mut Decoder::new(4096), &[0x00, 0x81, 0x00, 0x00], |_, _| ()), Err(Error::Huffman));
+        // What it holds at most: a field the table could take, not a long string.
+        let mut over = Overflow::default();
+        let mut d = Decoder::new(4096);
+        over.feed(&mut d, &[0x00, 0x01, b'x', 0x7f, 0x81, 0xa0, 0x01], |_, _| ()).expect("head");
+        for _ in 0..100 {
+            over.feed(&mut d, &[b'v'; 200], |_, _| ()).expect("a piece");
+            assert!(over.held.is_empty());
+        }
     }
 
     #[test]
     fn malformed_blocks_are_errors() {
         let mut d = Decoder::new(4096);
-        assert_eq!(d.decode(&[0x80], 1 << 20, |_, _| ()), Err(Error::Index(0)));
-        assert_eq!(d.decode(&[0xbe], 1 << 20, |_, _| ()), Err(Error::Index(62)));
-        assert_eq!(d.decode(&[0xff], 1 << 20, |_, _| ()), Err(Error::Truncated));
-        assert_eq!(d.decode(&[0xff, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01], 1 << 20, |_, _| ()), Err(Error::Integer));
-        assert_eq!(d.decode(&[0x00, 0x05, b'a'], 1 << 20, |_, _| ()), Err(Error::Truncated));
-        assert_eq!(d.decode(&[0x3f, 0xe2, 0x1f], 1 << 20, |_, _| ()), Err(Error::TableSize(4097)));
-        assert_eq!(d.decode(&[0x82, 0x20], 1 << 20, |_, _| ()), Err(Error::TableSize(0)));
+        assert_eq!(d.decode(&[0x80], 1 << 20, |_, _| ()).err(), Some(Error::Index(0)));
+        assert_eq!(d.decode(&[0xbe], 1 << 20, |_, _| ()).err(), Some(Error::Index(62)));
+        assert_eq!(d.decode(&[0xff], 1 << 20, |_, _| ()).err(), Some(Error::Truncated));
+        assert_eq!(
+            d.decode(&[0xff, 0x80, 0x80, 0x80, 0x80, 0x80, 0x01], 1 << 20, |_, _| ()).err(),
+            Some(Error::Integer)
+        );
+        assert_eq!(d.decode(&[0x00, 0x05, b'a'], 1 << 20, |_, _| ()).err(), Some(Error::Truncated));
+        assert_eq!(d.decode(&[0x3f, 0xe2, 0x1f], 1 << 20, |_, _| ()).err(), Some(Error::TableSize(4097)));
+        assert_eq!(d.decode(&[0x82, 0x20], 1 << 20, |_, _| ()).err(), Some(Error::TableSize(0)));
         // Updates before the first field are fine, and a table of 0 holds nothing.
         let mut d = Decoder::new(4096);
         assert_eq!(fields(&mut d, &[0x20, 0x3f, 0x01, 0x40, 0x01, b'a', 0x01, b'b']), Ok(pairs(&[("a", "b")])));
