@@ -541,7 +541,11 @@ impl Channel {
         // A closed channel's call fails here, as grpc-go's `NewStream` does, not at its first
         // receive (its first send went nowhere and said nothing).
         if let Some(status) = closed.borrow().clone() {
-            return Err(status);
+            // A close given OK (the Rust API takes any status) must still fail the call.
+            return Err(match status.code() {
+                Code::Ok => Status::new(Code::Cancelled, "the channel was closed"),
+                _ => status,
+            });
         }
         // gRPC's wait_for_ready: the call waits (within its deadline) until the channel is
         // READY instead of failing UNAVAILABLE while no server answers.

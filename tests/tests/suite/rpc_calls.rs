@@ -1269,6 +1269,11 @@ fn close_ends_the_calls_in_progress_with_its_status() {
                     false => assert_eq!((s.code(), s.message()), (Code::Cancelled, "Channel closed!"), "{addr}"),
                 }
             }
+            // Closed with OK (the Rust API takes any status), its calls still fail.
+            let ch = Channel::builder(addr).upgrade(false).connect().await.expect("connect");
+            ch.close(isthmus::Status::new(Code::Ok, ""));
+            let s = ch.unary("/test.Echo/Unary", b"x", CallOptions::default()).await.expect_err("closed with OK");
+            assert_ne!(s.code(), Code::Ok, "{addr}");
         }
     });
 }
