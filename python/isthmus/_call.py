@@ -257,6 +257,12 @@ _ON_OWN_THREAD: weakref.WeakValueDictionary[int, Call] = weakref.WeakValueDictio
 _OWN_THREADS = itertools.count()
 
 
+def channel_closed() -> CallError:
+    """How a call ends that its channel's `close` ended (or that came too late to start), in
+    grpcio's words."""
+    return CallError(grpc.StatusCode.CANCELLED.value[0], "Channel closed!")
+
+
 def run_on_own_thread(call: Call, target: Callable[[], None], name: str) -> None:
     """Runs `target`, which ends `call` or starts it, on a thread of its own: a `.future()` with
     a request iterator (the iterator's thread), or a call whose call credentials or server are
@@ -273,7 +279,7 @@ def run_on_own_thread(call: Call, target: Callable[[], None], name: str) -> None
             # refusal): it ends as the calls in progress at the close did. The error ended this
             # thread, and the call waited for ever.
             if str(e).startswith("Cannot invoke RPC"):
-                call._end(CallError(grpc.StatusCode.CANCELLED.value[0], "Channel closed!"))
+                call._end(channel_closed())
             else:
                 call._end(CallError(grpc.StatusCode.UNKNOWN.value[0], f"the call could not start: {e}"))
         finally:
@@ -351,7 +357,6 @@ class Call(grpc.Call, grpc.Future):
         except CallError as e:
             self._end(e)
             return None
-
         with self._lock:
             self._native = native
             self._lock.notify_all()

@@ -20,6 +20,7 @@ from ._call import (
     Serializer,
     Succeeded,
     buffer_size,
+    channel_closed,
     decode,
     deserialize_failed,
     encode,
@@ -812,7 +813,7 @@ class Channel(grpc.Channel):
         grpcio's words; subscriptions end, uncalled. The HTTP/2 connection closes with the channel."""
         self._connectivity.unsubscribe_all()
         for call in self._auth.close():  # not started yet: their plugins have not answered
-            call._end(CallError(grpc.StatusCode.CANCELLED.value[0], "Channel closed!"))
+            call._end(channel_closed())
         self._native.close()
 
     def __enter__(self) -> Channel:

@@ -1238,12 +1238,7 @@ pub unsafe extern "C" fn isthmus_call_send_block(
         let block = take_block(block)?;
         let call = call?;
         sendable(&call.call)?;
-        if !call.call.can_send_block(&block) {
-            return Err(Status::new(
-                Code::InvalidArgument,
-                "a block can only be sent on the connection it was allocated from",
-            ));
-        }
+        call.call.can_send_block(&block)?;
         match block_on(call.call.send_block(block, last != 0)) {
             true => Ok(()),
             false => Err(over()),

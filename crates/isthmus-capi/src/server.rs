@@ -124,7 +124,10 @@ impl Taker {
     /// Gives `call` to the spinner, if one spins with empty hands, else to `queue`; back, if
     /// the queue was freed. Under the lock that `close` takes: a queue freed at that moment
     /// either refuses the call here or finds it among its events when it drains them (it was
-    /// queued, after the free's look, to a queue nobody reads).
+    /// queued, after the free's look, to a queue nobody reads). The queuing stays under the
+    /// lock, bell and all: queued outside it, a look after queuing would have to finish the
+    /// call if the queue was freed meanwhile, and could not tell a call nobody took from one
+    /// a handler took and is answering.
     fn deliver(
         &self,
         tag: u64,

@@ -236,9 +236,13 @@ impl SharedCall {
         }
     }
 
-    /// Whether `block` can go by [`send_block`](Self::send_block) (`CallSender::can_send`).
-    pub fn can_send_block(&self, block: &crate::BlockMut) -> bool {
-        self.sender.can_send(block)
+    /// Whether `block` can go by [`send_block`](Self::send_block) (`CallSender::can_send`):
+    /// INVALID_ARGUMENT, as the engine's own refusal says it, for a block of another connection.
+    pub fn can_send_block(&self, block: &crate::BlockMut) -> Result<(), Status> {
+        match self.sender.can_send(block) {
+            true => Ok(()),
+            false => Err(crate::engine::client::foreign_block()),
+        }
     }
 
     /// Sends a block from [`alloc`](Self::alloc) as one request; `false` if the call is over.

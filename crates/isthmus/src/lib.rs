@@ -150,9 +150,7 @@ pub mod fuzz {
         /// decoder's table is in no known state).
         #[allow(clippy::type_complexity)]
         pub fn decode(&mut self, block: &[u8]) -> Option<Vec<(Vec<u8>, Vec<u8>)>> {
-            let mut fields = Vec::new();
-            self.0.decode(block, usize::MAX, |n, v| fields.push((n.to_vec(), v.to_vec()))).ok()?;
-            Some(fields)
+            self.decode_bounded(block, usize::MAX).map(|(fields, _)| fields)
         }
 
         /// A decoder whose client may use a table of only `allowed` bytes, so that short

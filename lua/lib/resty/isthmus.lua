@@ -252,8 +252,9 @@ local function error_text(f)
     return tostring(f.name) .. ": " .. tostring(f.message)
 end
 
+-- The text the table keeps at [1] (`__newindex` keeps it current).
 local function error_tostring(e)
-    return error_text(getmetatable(e).__index)
+    return rawget(e, 1)
 end
 
 local function is_error(v)
@@ -359,9 +360,6 @@ local function c_string(what, s)
     return s
 end
 
--- Lua metadata ({key = value or {values}}) as a handle for one call, or nil. A value is a
--- string (or a number, written as Lua writes it); anything else is refused, not sent as
--- something else (a list's keys were its indexes, a key with a NUL was cut at it).
 -- A metadata value as text: a whole number in full (`tostring` gives 14 significant digits,
 -- and sent 123456789012345 as "1.2345678901235e+14"), anything else as `tostring` writes it.
 local function number_text(value)
@@ -371,6 +369,9 @@ local function number_text(value)
     return tostring(value)
 end
 
+-- Lua metadata ({key = value or {values}}) as a handle for one call, or nil. A value is a
+-- string (or a number, written as Lua writes it); anything else is refused, not sent as
+-- something else (a list's keys were its indexes, a key with a NUL was cut at it).
 local function make_metadata(t)
     if t ~= nil and type(t) ~= "table" then
         return nil, new_error(INVALID_ARGUMENT, "metadata is a table of key = value or {values}, not a " .. type(t))
@@ -1228,16 +1229,9 @@ local function unknown_option(opts, known, what)
     end
 end
 
-local function set_of(list)
-    local t = {}
-    for _, v in ipairs(list) do
-        t[v] = true
-    end
-    return t
-end
-
-local CONNECT_OPTIONS = set_of({ "proto", "max_message_size", "tls", "spin_us", "spin", "lib", "upgrade",
-    "keepalive_time_ms", "keepalive_timeout_ms", "keepalive_without_calls", "user_agent", "authority" })
+local CONNECT_OPTIONS = { proto = true, max_message_size = true, tls = true, spin_us = true, spin = true,
+    lib = true, upgrade = true, keepalive_time_ms = true, keepalive_timeout_ms = true,
+    keepalive_without_calls = true, user_agent = true, authority = true }
 
 --- Makes a channel to `target` (`shm://NAME`, `unix:///path.sock`, `http://host:port`,
 --- `https://host:port`, or gRPC's other names: `host:port`, `dns:`, `ipv4:`...). It connects
@@ -1455,10 +1449,10 @@ end
 -- ISTHMUS_CALL_COMPRESS_* by grpc-encoding name.
 local COMPRESSION_FLAGS = { gzip = 4, deflate = 8 }
 
+local CALL_OPTIONS = { timeout = true, metadata = true, wait_for_ready = true, compression = true, raw = true }
+
 -- The C options of one call; the metadata handle is returned so that it lives until the call
 -- has copied it. A call with no timeout of its own takes `default` (seconds, or nil: none).
-local CALL_OPTIONS = set_of({ "timeout", "metadata", "wait_for_ready", "compression", "raw" })
-
 local function call_options(opts, flags, default)
     if opts ~= nil and type(opts) ~= "table" then
         return nil, new_error(INVALID_ARGUMENT, "a call's options are a table, not a " .. type(opts))

@@ -255,47 +255,34 @@ enum Step {
     Value { indexing: bool, name: Option<Arc<[u8]>>, name_len: usize },
 }
 
-/// A long string going by: its decoded length so far, and a Huffman code's unfinished bits.
+/// A long string going by: its decoded length so far, and, if it is Huffman-coded, where its
+/// code stands.
 #[derive(Default)]
 struct Skipped {
-    huffman: bool,
+    huffman: Option<Huffman>,
     len: usize,
-    code: u32,
-    bits: usize,
 }
 
 impl Skipped {
-    /// Counts the symbols of the next bytes, refusing what [`huffman_decode`] refuses.
+    /// Counts the octets of the next bytes, refusing what [`huffman_decode`] refuses.
     fn count(&mut self, bytes: &[u8]) -> Result<(), Error> {
-        if !self.huffman {
+        let Some(code) = &mut self.huffman else {
             self.len += bytes.len();
             return Ok(());
-        }
+        };
         for &byte in bytes {
             for shift in (0..8).rev() {
-                self.code = (self.code << 1) | u32::from((byte >> shift) & 1);
-                self.bits += 1;
-                let i = self.code.wrapping_sub(CANONICAL.first[self.bits]);
-                if i < u32::from(CANONICAL.count[self.bits]) {
-                    if CANONICAL.symbols[usize::from(CANONICAL.offset[self.bits]) + i as usize] > 255 {
-                        return Err(Error::Huffman); // EOS
-                    }
+                if code.bit((byte >> shift) & 1)?.is_some() {
                     self.len += 1;
-                    self.code = 0;
-                    self.bits = 0;
-                } else if self.bits == MAX_CODE {
-                    return Err(Error::Huffman);
                 }
             }
         }
         Ok(())
     }
 
-    /// The string has ended: its padding must be EOS's first bits, as [`huffman_decode`] says.
+    /// The string has ended: its length, decoded.
     fn end(&self) -> Result<usize, Error> {
-        if self.huffman && (self.bits > 7 || self.code != (1u32 << self.bits) - 1) {
-            return Err(Error::Huffman);
-        }
+        self.huffman.as_ref().map_or(Ok(()), Huffman::end)?;
         Ok(self.len)
     }
 }
@@ -312,16 +299,16 @@ impl Overflow {
         // A piece that starts at a field is read where it lies; only a field cut between
         // pieces is put together, in `held`, which never holds more than one (so a piece added
         // to it costs what it brings, however many pieces a long field comes in).
+        // After an error the connection ends: what is held then does not matter.
         if self.held.is_empty() {
             let at = self.take(d, bytes, &mut field)?;
             self.held.extend_from_slice(&bytes[at..]);
         } else {
             let mut held = std::mem::take(&mut self.held);
             held.extend_from_slice(bytes);
-            let taken = self.take(d, &held, &mut field);
-            held.drain(..*taken.as_ref().unwrap_or(&0));
+            let at = self.take(d, &held, &mut field)?;
+            held.drain(..at);
             self.held = held;
-            taken?;
         }
         Ok(())
     }
@@ -390,7 +377,7 @@ impl Overflow {
                 self.step = step;
                 if v > d.long_string() {
                     self.skip = v;
-                    self.skipped = Skipped { huffman: first & 0x80 != 0, ..Skipped::default() };
+                    self.skipped = Skipped { huffman: (first & 0x80 != 0).then(Huffman::default), len: 0 };
                     return Ok(Some(n));
                 }
                 let Some(raw) = buf.get(n..n + v) else { return Ok(None) };
@@ -513,34 +500,54 @@ fn string(buf: &[u8], out: &mut Vec<u8>, limit: usize) -> Result<usize, Error> {
 /// Decodes the Huffman code of RFC 7541 Appendix B, appending at most `limit` bytes to `out`.
 fn huffman_decode(src: &[u8], out: &mut Vec<u8>, limit: usize) -> Result<(), Error> {
     let start = out.len();
-    let mut code = 0u32;
-    let mut len = 0usize;
+    let mut code = Huffman::default();
     for &byte in src {
         for shift in (0..8).rev() {
-            code = (code << 1) | u32::from((byte >> shift) & 1);
-            len += 1;
-            // A canonical code: the `len`-bit codes are `first[len]` onwards, consecutive, and a
-            // longer code's first `len` bits are past them. Every 30-bit pattern starts a code.
-            let i = code.wrapping_sub(CANONICAL.first[len]);
-            if i < u32::from(CANONICAL.count[len]) {
-                let symbol = CANONICAL.symbols[usize::from(CANONICAL.offset[len]) + i as usize];
-                let byte = u8::try_from(symbol).map_err(|_| Error::Huffman)?; // 256 is EOS
+            if let Some(byte) = code.bit((byte >> shift) & 1)? {
                 if out.len() - start >= limit {
                     return Err(Error::TooLarge);
                 }
                 out.push(byte);
-                code = 0;
-                len = 0;
-            } else if len == MAX_CODE {
-                return Err(Error::Huffman);
             }
         }
     }
-    // Padding: fewer than 8 bits, the first bits of EOS (all ones).
-    if len > 7 || code != (1u32 << len) - 1 {
-        return Err(Error::Huffman);
+    code.end()
+}
+
+/// Where a Huffman-coded string stands between two bits: the bits of a code not yet whole.
+#[derive(Default)]
+struct Huffman {
+    code: u32,
+    len: usize,
+}
+
+impl Huffman {
+    /// Takes the next bit; the octet it completes, if any.
+    #[inline]
+    fn bit(&mut self, bit: u8) -> Result<Option<u8>, Error> {
+        self.code = (self.code << 1) | u32::from(bit);
+        self.len += 1;
+        // A canonical code: the `len`-bit codes are `first[len]` onwards, consecutive, and a
+        // longer code's first `len` bits are past them. Every 30-bit pattern starts a code.
+        let i = self.code.wrapping_sub(CANONICAL.first[self.len]);
+        if i < u32::from(CANONICAL.count[self.len]) {
+            let symbol = CANONICAL.symbols[usize::from(CANONICAL.offset[self.len]) + i as usize];
+            *self = Huffman::default();
+            return u8::try_from(symbol).map(Some).map_err(|_| Error::Huffman); // 256 is EOS
+        }
+        if self.len == MAX_CODE {
+            return Err(Error::Huffman);
+        }
+        Ok(None)
     }
-    Ok(())
+
+    /// The string has ended. Padding: fewer than 8 bits, the first bits of EOS (all ones).
+    fn end(&self) -> Result<(), Error> {
+        if self.len > 7 || self.code != (1u32 << self.len) - 1 {
+            return Err(Error::Huffman);
+        }
+        Ok(())
+    }
 }
 
 /// The longest code (EOS's).
