@@ -136,6 +136,8 @@ type dialOptions struct {
 	keepalive keepalive.ClientParameters
 	userAgent string
 	authority string
+	// connectTimeout bounds a connection's coming up (0: the library's 20 s).
+	connectTimeout time.Duration
 }
 
 // millis is d in whole milliseconds, rounded up (a keepalive time or timeout under a
@@ -161,6 +163,16 @@ func millis(d time.Duration) C.uint64_t {
 // ping policy. shm:// needs none: a server that dies there is seen at once.
 func WithKeepaliveParams(kp keepalive.ClientParameters) DialOption {
 	return func(o *dialOptions) { o.keepalive = kp }
+}
+
+// WithConnectParams takes, of grpc.WithConnectParams's settings, MinConnectTimeout: how long
+// an HTTP/2 connection may take to come up, its TLS handshake and the server's first bytes
+// included (20 s if zero, as grpc-go's). Past it the calls waiting on it fail with
+// codes.Unavailable, where they would wait for their deadlines on a host that drops packets
+// or a server that never answers. The backoff between attempts is the library's (100 ms, x1.6,
+// at most 5 s), not cp.Backoff. shm:// has its handshake's own bound.
+func WithConnectParams(cp grpc.ConnectParams) DialOption {
+	return func(o *dialOptions) { o.connectTimeout = cp.MinConnectTimeout }
 }
 
 // WithUserAgent names the connection's calls' user agent, as grpc.WithUserAgent does: a
@@ -235,6 +247,7 @@ func Dial(target string, opts ...DialOption) (*ClientConn, error) {
 	defer C.free(unsafe.Pointer(ct))
 	copts := C.isthmus_channel_options_t{max_message_size: C.uint64_t(o.maxMessageSize), flags: o.upgrade}
 	copts.keepalive_time_ms, copts.keepalive_timeout_ms = millis(o.keepalive.Time), millis(o.keepalive.Timeout)
+	copts.connect_timeout_ms = millis(o.connectTimeout)
 	if o.keepalive.PermitWithoutStream {
 		copts.flags |= C.ISTHMUS_CHANNEL_KEEPALIVE_WITHOUT_CALLS
 	}

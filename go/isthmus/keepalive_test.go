@@ -112,3 +112,31 @@ func TestServerKeepaliveCancelsTheCallsOfAClientGoneSilent(t *testing.T) {
 		t.Fatal("the handler of the silent client's call still runs after 30 s")
 	}
 }
+
+// With WithConnectParams, a call to a server that accepts and never says a word (a listener
+// nobody accepts on: the kernel completes the connect) fails with codes.Unavailable after
+// MinConnectTimeout, not at its deadline a minute away.
+func TestAServerThatNeverAnswersFailsTheCallAfterMinConnectTimeout(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	params := grpc.ConnectParams{MinConnectTimeout: 300 * time.Millisecond}
+	conn, err := isthmus.Dial("http://"+ln.Addr().String(), isthmus.WithUpgrade(false), isthmus.WithConnectParams(params))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	began := time.Now()
+	_, err = pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{Payload: []byte("x")})
+	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "connect timeout") {
+		t.Fatalf("got %v, want Unavailable naming the connect timeout", err)
+	}
+	// Well before the deadline, and before the 20 s default.
+	if took := time.Since(began); took > 10*time.Second {
+		t.Fatalf("failed after %v", took)
+	}
+}

@@ -663,6 +663,23 @@ function cases.keepalive(ch, args)
     return { ok = true, reply = r }
 end
 
+-- A raw unary call, with a deadline a minute away, on a channel to `args.target` whose
+-- connections must come up within `args.ms` milliseconds; and how long it took.
+function cases.connect_timeout(_, args)
+    local ch = assert(isthmus.connect(args.target, { connect_timeout_ms = tonumber(args.ms), upgrade = false }))
+    local began = ngx.now()
+    local ok, r = ch:unary("/any.S/M", "", { raw = true, timeout = 60 })
+    ngx.update_time()
+    local took = ngx.now() - began
+    ch:close()
+    if not ok then
+        local f = failure(r)
+        f.took = took
+        return f
+    end
+    return { ok = true, took = took }
+end
+
 -- Runs case `args.run` in a timer (ngx.timer.at); its result lands in the shared dict under
 -- `args.id`, which timer_result reads.
 function cases.timer_start(ch, args)

@@ -14,6 +14,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -1056,7 +1057,9 @@ def test_tls_options_connect_refuses(nginx: Nginx, which: str, words: str) -> No
     assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and words in r["message"], r
 
 
-@pytest.mark.parametrize("key", ["spin_us", "max_message_size", "keepalive_time_ms", "keepalive_timeout_ms"])
+@pytest.mark.parametrize(
+    "key", ["spin_us", "max_message_size", "keepalive_time_ms", "keepalive_timeout_ms", "connect_timeout_ms"]
+)
 @pytest.mark.parametrize("value", ["string", "negative", "fraction", "nan", "huge"])
 def test_a_numeric_option_that_is_no_count_fails_connect(nginx: Nginx, key: str, value: str) -> None:
     r = nginx.case("option_refused", "shm://lua-option-nobody", key=key, value=value)
@@ -1092,6 +1095,19 @@ def test_connect_names_a_user_agent_and_refuses_what_is_none(nginx: Nginx, shm: 
     ):
         r = nginx.case("user_agent", shm, value=value)
         assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and words in r["message"], (value, r)
+
+
+def test_a_server_that_never_answers_fails_the_call_after_connect_timeout_ms(nginx: Nginx) -> None:
+    """connect's `connect_timeout_ms`: a server that accepts and never says a word (a listener
+    nobody accepts on) fails the call UNAVAILABLE then, not at its deadline a minute away."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        target = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        r = nginx.case("connect_timeout", target, ms="300")
+    assert r["ok"] is False and r["name"] == "UNAVAILABLE", r
+    # Well before the deadline, and before the 20 s default.
+    assert "connect timeout" in r["message"] and r["took"] < 10, r
 
 
 def test_keepalive_ends_a_call_on_a_connection_gone_silent(nginx: Nginx) -> None:

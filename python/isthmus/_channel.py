@@ -428,6 +428,14 @@ _NO_LIMIT_MS = 2**31 - 1
 _KEEPALIVE_TIMEOUT_MS = 20_000
 
 
+def connect_timeout_ms(options: Any) -> int | None:
+    """How long an HTTP/2 connection may take to come up, from grpc's options as grpc-core
+    reads its minimum connect timeout: `grpc.min_reconnect_backoff_ms`, at least 100 ms. None
+    for the engine's 20 s, grpc-core's default."""
+    given = dict(options or ()).get("grpc.min_reconnect_backoff_ms")
+    return None if given is None else max(int(given), 100)
+
+
 def keepalive(options: Any) -> tuple[int, int, bool] | None:
     """HTTP/2 keepalive from grpc's options, as grpcio reads them: `grpc.keepalive_time_ms` (a
     PING after that long without a frame; unset, or grpc's INT_MAX, for none),
@@ -645,7 +653,9 @@ class Channel(grpc.Channel):
     fails its call RESOURCE_EXHAUSTED), and over HTTP/2 the keepalive options
     (`grpc.keepalive_time_ms`, `grpc.keepalive_timeout_ms`,
     `grpc.keepalive_permit_without_calls`: a connection whose PING goes unanswered closes, and
-    its calls end UNAVAILABLE). Over every transport, `grpc.primary_user_agent` and
+    its calls end UNAVAILABLE) and `grpc.min_reconnect_backoff_ms` (grpc-core's minimum connect
+    timeout, 20 s by default: a connection not up by then fails the calls waiting on it
+    UNAVAILABLE). Over every transport, `grpc.primary_user_agent` and
     `grpc.secondary_user_agent` name what the calls give as `user-agent`, which a server's
     handlers see in their `invocation_metadata()`. `grpc.default_authority` is the `:authority`
     HTTP/2 calls send in place of the target's (and the name TLS checks, as in grpcio). The option
@@ -673,6 +683,7 @@ class Channel(grpc.Channel):
             keepalive(options),
             user_agent(options),
             authority,
+            connect_timeout_ms(options),
         )
         self._connectivity = _Connectivity(self._native)
 

@@ -111,11 +111,13 @@ class Channel:
         keepalive: tuple[int, int, bool] | None = None,
         user_agent: str | None = None,
         authority: str | None = None,
+        connect_timeout_ms: int | None = None,
     ) -> Self:
         """Raises ValueError for a target that does not parse, or TLS settings, a user agent or
         an authority that do not. `keepalive`: HTTP/2 keepalive, (time in ms, timeout in ms,
         permit without calls). `user_agent`: what every call names as `user-agent`.
-        `authority`: the `:authority` HTTP/2 calls send in place of the target's."""
+        `authority`: the `:authority` HTTP/2 calls send in place of the target's.
+        `connect_timeout_ms`: how long an HTTP/2 connection may take to come up (None: 20 s)."""
     def stats(self) -> dict[str, int]:
         """The counters of the channel's shm connections (`isthmus.TransportStats`'s fields)."""
     def transport_counts(self) -> tuple[int, int]:
@@ -273,6 +275,7 @@ class AsyncChannel:
         keepalive: tuple[int, int, bool] | None = None,
         user_agent: str | None = None,
         authority: str | None = None,
+        connect_timeout_ms: int | None = None,
     ) -> Self: ...
     def stats(self) -> dict[str, int]: ...
     def transport_counts(self) -> tuple[int, int]: ...

@@ -5,6 +5,7 @@ leaving them to their deadlines. The engine's own test is `tests/tests/suite/rpc
 from __future__ import annotations
 
 import asyncio
+import socket
 import threading
 import time
 from concurrent import futures
@@ -139,3 +140,37 @@ def test_a_servers_keepalive_cancels_the_calls_of_a_client_gone_silent(kind: str
         loop_thread.join(30)
         loop.close()
         pool.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus", "asyncio", "uvloop"])
+def test_a_server_that_never_answers_fails_the_call_after_the_connect_timeout(kind: str) -> None:
+    """`grpc.min_reconnect_backoff_ms`, which grpc-core takes as its minimum connect timeout: a
+    server that accepts and never says a word (a listener nobody accepts on: the kernel
+    completes the connect) fails a call UNAVAILABLE then, not at its deadline a minute away.
+    The same code against grpcio's channel and isthmus's."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        target = f"127.0.0.1:{silent.getsockname()[1]}"
+        options = [("grpc.min_reconnect_backoff_ms", 300), ("isthmus.upgrade", False)]
+        began = time.monotonic()
+        if kind in ("grpcio", "isthmus"):
+            make = grpc.insecure_channel if kind == "grpcio" else isthmus.insecure_channel
+            with make(target, options=options) as channel, pytest.raises(grpc.RpcError) as caught:
+                channel.unary_unary("/any.S/M")(b"x", timeout=60)
+            code = caught.value.code()
+        else:
+            codes: list[grpc.StatusCode] = []
+
+            async def call() -> None:
+                async with isthmus.aio.insecure_channel(target, options=options) as channel:
+                    with pytest.raises(grpc.aio.AioRpcError) as caught:
+                        await channel.unary_unary("/any.S/M")(b"x", timeout=60)
+                    codes.append(caught.value.code())
+
+            run_on(kind, call)
+            code = codes[0]
+        took = time.monotonic() - began
+    assert code == grpc.StatusCode.UNAVAILABLE, code
+    # Well before the deadline, and before the 20 s default.
+    assert took < 10, f"failed after {took:.1f} s"

@@ -237,6 +237,12 @@ typedef struct {
   // unless `tls` names another. `ISTHMUS_INVALID_ARGUMENT` if it is no `host[:port]`.
   // `shm://` sends none.
   const char *authority;
+  // How long an HTTP/2 connection may take to come up (its connect, TLS handshake and the
+  // server's first bytes), in milliseconds; 0 for gRPC's 20 s (grpc-go's
+  // `ConnectParams.MinConnectTimeout`). Past it the calls waiting on that connection fail
+  // `ISTHMUS_UNAVAILABLE` instead of waiting for a host that drops packets or a server that
+  // never answers. `shm://` has its handshake's own bound.
+  uint64_t connect_timeout_ms;
 } isthmus_channel_options_t;
 
 // Which operation an event completes.

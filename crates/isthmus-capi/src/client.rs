@@ -104,6 +104,12 @@ pub struct isthmus_channel_options_t {
     /// unless `tls` names another. `ISTHMUS_INVALID_ARGUMENT` if it is no `host[:port]`.
     /// `shm://` sends none.
     pub authority: *const c_char,
+    /// How long an HTTP/2 connection may take to come up (its connect, TLS handshake and the
+    /// server's first bytes), in milliseconds; 0 for gRPC's 20 s (grpc-go's
+    /// `ConnectParams.MinConnectTimeout`). Past it the calls waiting on that connection fail
+    /// `ISTHMUS_UNAVAILABLE` instead of waiting for a host that drops packets or a server that
+    /// never answers. `shm://` has its handshake's own bound.
+    pub connect_timeout_ms: u64,
 }
 
 /// Channel flag: calls to an HTTP/2 address move to shared memory when its server is a local
@@ -265,6 +271,9 @@ pub unsafe extern "C" fn isthmus_channel_new(
             match opts.map_or(std::ptr::null(), |o| o.authority) {
                 p if p.is_null() => {}
                 p => builder = builder.authority(c_str(p, "the authority")?),
+            }
+            if let Some(ms) = opts.map(|o| o.connect_timeout_ms).filter(|ms| *ms > 0) {
+                builder = builder.connect_timeout(Duration::from_millis(ms));
             }
             let engine = {
                 let _runtime = runtime().enter();

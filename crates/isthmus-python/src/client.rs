@@ -99,6 +99,7 @@ pub(crate) fn engine_keepalive((time_ms, timeout_ms, permit_without_calls): Keep
 
 /// The engine's channel to `target`, with TLS settings from Python if given; connects on its
 /// first call.
+#[allow(clippy::too_many_arguments)] // grpc's channel options, one by one
 pub(crate) fn lazy_channel(
     target: &str,
     tls: Option<crate::tls::ClientTls>,
@@ -107,6 +108,7 @@ pub(crate) fn lazy_channel(
     keepalive: Option<Keepalive>,
     user_agent: Option<&str>,
     authority: Option<&str>,
+    connect_timeout_ms: Option<u64>,
 ) -> PyResult<isthmus::Channel> {
     let _runtime = runtime().enter();
     let mut builder = isthmus::Channel::builder(target).upgrade(upgrade).config(config);
@@ -121,6 +123,9 @@ pub(crate) fn lazy_channel(
     }
     if let Some(k) = keepalive {
         builder = builder.keepalive(engine_keepalive(k));
+    }
+    if let Some(ms) = connect_timeout_ms {
+        builder = builder.connect_timeout(std::time::Duration::from_millis(ms));
     }
     builder.connect_lazy().map_err(|s| bad_target(&s))
 }
@@ -360,7 +365,8 @@ impl Channel {
 #[pymethods]
 impl Channel {
     #[new]
-    #[pyo3(signature = (target, tls=None, upgrade=true, max_receive=None, keepalive=None, user_agent=None, authority=None))]
+    #[pyo3(signature = (target, tls=None, upgrade=true, max_receive=None, keepalive=None, user_agent=None, authority=None, connect_timeout_ms=None))]
+    #[allow(clippy::too_many_arguments)] // grpc's channel options, one by one
     fn new(
         target: &str,
         tls: Option<crate::tls::ClientTls>,
@@ -369,6 +375,7 @@ impl Channel {
         keepalive: Option<Keepalive>,
         user_agent: Option<String>,
         authority: Option<&str>,
+        connect_timeout_ms: Option<u64>,
     ) -> PyResult<Channel> {
         let config = client_config(max_receive);
         let agent = user_agent.as_deref();
@@ -376,7 +383,8 @@ impl Channel {
             true => Some(blocking_channel(target, config.clone(), agent).map_err(|s| bad_target(&s))?),
             false => None,
         };
-        let engine = lazy_channel(target, tls, upgrade, config.clone(), keepalive, agent, authority)?;
+        let engine =
+            lazy_channel(target, tls, upgrade, config.clone(), keepalive, agent, authority, connect_timeout_ms)?;
         let direct = engine.without_upgrade();
         let upgraded = std::sync::Mutex::new(None);
         Ok(Channel { blocking, engine, direct, upgraded, config, user_agent, closed: AtomicBool::new(false) })

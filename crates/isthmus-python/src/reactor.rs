@@ -272,7 +272,7 @@ pub(crate) struct AsyncChannel {
 #[pymethods]
 impl AsyncChannel {
     #[new]
-    #[pyo3(signature = (target, reactor, tls=None, upgrade=true, max_receive=None, keepalive=None, user_agent=None, authority=None))]
+    #[pyo3(signature = (target, reactor, tls=None, upgrade=true, max_receive=None, keepalive=None, user_agent=None, authority=None, connect_timeout_ms=None))]
     #[allow(clippy::too_many_arguments)] // grpc's channel options, one by one
     fn new(
         target: &str,
@@ -283,6 +283,7 @@ impl AsyncChannel {
         keepalive: Option<crate::client::Keepalive>,
         user_agent: Option<String>,
         authority: Option<&str>,
+        connect_timeout_ms: Option<u64>,
     ) -> PyResult<AsyncChannel> {
         let config = crate::client::client_config(max_receive);
         let agent = user_agent.as_deref();
@@ -295,8 +296,9 @@ impl AsyncChannel {
             )),
             false => None,
         };
-        let engine = crate::client::lazy_channel(target, tls, upgrade, config, keepalive, agent, authority)?
-            .with_calls_read(false);
+        let engine =
+            crate::client::lazy_channel(target, tls, upgrade, config, keepalive, agent, authority, connect_timeout_ms)?
+                .with_calls_read(false);
         Ok(AsyncChannel {
             engine,
             spin_first,

@@ -188,6 +188,7 @@ pub struct ChannelBuilder {
     keepalive: Option<Keepalive>,
     user_agent: Option<String>,
     authority: Option<String>,
+    connect_timeout: Duration,
 }
 
 /// HTTP/2 keepalive for a channel's connection ([`ChannelBuilder::keepalive`]): gRPC's
@@ -253,6 +254,18 @@ impl ChannelBuilder {
     /// and a call that moved there (the upgrade) goes without it.
     pub fn authority(mut self, authority: impl Into<String>) -> ChannelBuilder {
         self.authority = Some(authority.into());
+        self
+    }
+
+    /// How long an HTTP/2 connection may take to come up: its connect, TLS handshake and the
+    /// server's first bytes (gRPC's minimum connect timeout, grpc-go's
+    /// `ConnectParams.MinConnectTimeout`; 20 s by default, as theirs). Past it the attempt fails
+    /// and the calls waiting on it fail UNAVAILABLE (those with `wait_for_ready` wait for the
+    /// next attempt), instead of waiting for their deadline, or for ever, on a host that drops
+    /// packets or a server that never answers. An `shm://` connection is bounded by its
+    /// configuration's `handshake_timeout` instead.
+    pub fn connect_timeout(mut self, timeout: Duration) -> ChannelBuilder {
+        self.connect_timeout = timeout;
         self
     }
 
@@ -392,7 +405,12 @@ impl ChannelBuilder {
                 .keep_alive_timeout(k.timeout)
                 .keep_alive_while_idle(k.permit_without_calls);
         }
-        Ok((endpoint, connector(target, tls, peer.clone(), connectivity.clone()), peer, connectivity))
+        Ok((
+            endpoint,
+            connector(target, tls, peer.clone(), connectivity.clone(), self.connect_timeout),
+            peer,
+            connectivity,
+        ))
     }
 }
 
@@ -435,6 +453,7 @@ impl Channel {
             keepalive: None,
             user_agent: None,
             authority: None,
+            connect_timeout: crate::http::endpoint::DEFAULT_CONNECT_TIMEOUT,
         }
     }
 
@@ -541,11 +560,7 @@ impl Channel {
         // A closed channel's call fails here, as grpc-go's `NewStream` does, not at its first
         // receive (its first send went nowhere and said nothing).
         if let Some(status) = closed.borrow().clone() {
-            // A close given OK (the Rust API takes any status) must still fail the call.
-            return Err(match status.code() {
-                Code::Ok => Status::new(Code::Cancelled, "the channel was closed"),
-                _ => status,
-            });
+            return Err(status);
         }
         // gRPC's wait_for_ready: the call waits (within its deadline) until the channel is
         // READY instead of failing UNAVAILABLE while no server answers.
@@ -637,8 +652,13 @@ impl Channel {
     /// ([`start`](Self::start), [`unary`](Self::unary)) and later ones fail with `status` (their
     /// streams reset), as grpcio's `close` cancels its calls; tonic's connection closes when the
     /// last handle on the channel is dropped. A channel that moved to shared memory closes that
-    /// connection now, and moves no more.
+    /// connection now, and moves no more. A `status` of OK ends them CANCELLED ("the channel was
+    /// closed"): a call the channel ended did not succeed.
     pub fn close(&self, status: Status) {
+        let status = match status.code() {
+            Code::Ok => Status::new(Code::Cancelled, "the channel was closed"),
+            _ => status,
+        };
         match &*self.via {
             Via::Shm(shm) => shm.close(status),
             Via::Http { upgrade, connectivity, closed, .. } => {

@@ -58,6 +58,7 @@ typedef struct {
   uint64_t keepalive_timeout_ms;
   const char *user_agent;
   const char *authority;
+  uint64_t connect_timeout_ms;
 } isthmus_channel_options_t;
 typedef struct {
   int64_t timeout_us;
@@ -1231,7 +1232,7 @@ end
 
 local CONNECT_OPTIONS = { proto = true, max_message_size = true, tls = true, spin_us = true, spin = true,
     lib = true, upgrade = true, keepalive_time_ms = true, keepalive_timeout_ms = true,
-    keepalive_without_calls = true, user_agent = true, authority = true }
+    keepalive_without_calls = true, user_agent = true, authority = true, connect_timeout_ms = true }
 
 --- Makes a channel to `target` (`shm://NAME`, `unix:///path.sock`, `http://host:port`,
 --- `https://host:port`, or gRPC's other names: `host:port`, `dns:`, `ipv4:`...). It connects
@@ -1247,7 +1248,9 @@ local CONNECT_OPTIONS = { proto = true, max_message_size = true, tls = true, spi
 --- in their metadata; over HTTP/2 the library's own agent follows it), and `authority` (the
 --- `:authority` HTTP/2 calls send in place of the target's, `host[:port]`, as grpc-go's
 --- `WithAuthority`; TLS then checks the server's certificate against its host unless
---- `tls.server_name` names another).
+--- `tls.server_name` names another), and `connect_timeout_ms` (how long a connection may take
+--- to come up, its TLS handshake and the server's first bytes included, 20000 by default as
+--- gRPC's; past it the calls waiting on it fail UNAVAILABLE).
 --- `tls` makes a TCP target's connection TLS (`https://` is TLS without it, verified against
 --- the system's roots): `ca` (PEM text of the CAs that sign the server's certificate; nil: the
 --- system's roots), `cert` and `key` (PEM text of a client certificate and its key, for
@@ -1278,7 +1281,8 @@ function _M.connect(target, opts)
     end
     -- Checked before the channel exists: a value the ffi cannot convert raised after it was
     -- made, and the channel leaked.
-    for _, key in ipairs({ "max_message_size", "spin_us", "keepalive_time_ms", "keepalive_timeout_ms" }) do
+    for _, key in ipairs({ "max_message_size", "spin_us", "keepalive_time_ms", "keepalive_timeout_ms",
+        "connect_timeout_ms" }) do
         local v = opts[key]
         -- (NaN fails `v == math.floor(v)`; infinity and counts past 2^32 are no sizes here.)
         if v ~= nil and (type(v) ~= "number" or v < 0 or v ~= math.floor(v) or v >= 2 ^ 53
@@ -1293,6 +1297,7 @@ function _M.connect(target, opts)
     end
     copts.keepalive_time_ms = opts.keepalive_time_ms or 0
     copts.keepalive_timeout_ms = opts.keepalive_timeout_ms or 0
+    copts.connect_timeout_ms = opts.connect_timeout_ms or 0
     if opts.keepalive_without_calls then
         copts.flags = bor(copts.flags, CHANNEL_KEEPALIVE_WITHOUT_CALLS)
     end

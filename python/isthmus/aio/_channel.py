@@ -28,6 +28,7 @@ from .._channel import (
     call_encoding,
     channel_compression,
     check_raw_size,
+    connect_timeout_ms,
     default_authority,
     keepalive,
     limited,
@@ -614,8 +615,8 @@ class Channel(grpc.aio.Channel):
     with TLS if `tls` is given (from `secure_channel`). Its calls complete through the Reactor of
     the event loop it is first used on, and it stays with that loop (as a grpc.aio channel
     does). It moves to shared memory as the blocking channel does (`isthmus.upgrade`). Of grpc's
-    `options` it uses `grpc.ssl_target_name_override`, the message-size limits, the keepalive
-    and the user agent options, as the blocking channel does, and compresses requests over
+    `options` it uses `grpc.ssl_target_name_override`, the message-size limits, the keepalive,
+    connect timeout and user agent options, as the blocking channel does, and compresses requests over
     HTTP/2 as it does (`compression`, `grpc.default_compression_algorithm`, or a call's own
     `compression=`).
     `interceptors` are grpc.aio's client interceptors, run as a grpc.aio channel runs them."""
@@ -637,6 +638,7 @@ class Channel(grpc.aio.Channel):
         self._auth = Auth(security, target, self._authority)
         self._upgrade = upgrades(options)
         self._keepalive = keepalive(options)
+        self._connect_timeout_ms = connect_timeout_ms(options)
         self._user_agent = user_agent(options)
         self._max_send, self._max_receive = limits(options)
         self._compression = channel_compression(compression, options)
@@ -690,6 +692,7 @@ class Channel(grpc.aio.Channel):
                 self._keepalive,
                 self._user_agent,
                 self._authority,
+                self._connect_timeout_ms,
             )
             self._loop = loop
             self._bound = (loop, self._driver, self._native)

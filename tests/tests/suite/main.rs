@@ -11,6 +11,7 @@ mod grpcurl_peer;
 mod python_servers;
 mod rpc_blocking;
 mod rpc_calls;
+mod rpc_connect_timeout;
 mod rpc_connection_age;
 mod rpc_flow;
 mod rpc_keepalive;

@@ -25,7 +25,9 @@
 //! ends the connection when the age's grace is over too.
 //!
 //! `http_endpoint` and `connector` make a channel's tonic `Endpoint` and open its stream
-//! (`HttpIo`): a unix stream, or TCP with `TCP_NODELAY`. The URI's authority is `localhost` for a
+//! (`HttpIo`): a unix stream, or TCP with `TCP_NODELAY`; the connect, TLS handshake and the
+//! server's first bytes within the channel's connect timeout (20 s, gRPC's), or the attempt
+//! and the connection fail. The URI's authority is `localhost` for a
 //! unix socket, as grpc-go and h2 expect, and the target's host (and port) as written for TCP.
 
 use std::future::Future;
@@ -960,21 +962,40 @@ impl<T> MakeIo for T where
 {
 }
 
+/// How long a channel's connection may take to come up (gRPC's `MIN_CONNECT_TIMEOUT`, grpc-go's
+/// `ConnectParams.MinConnectTimeout`): its connect and TLS handshake, and then the first bytes
+/// from the server (its SETTINGS, which an HTTP/2 server sends first).
+pub(crate) const DEFAULT_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
+
 /// Opens the stream under an HTTP/2 connection: the unix socket, or TCP to the first address
-/// that answers, with TLS over it if `tls` is given.
+/// that answers, with TLS over it if `tls` is given; within `timeout`, or the attempt fails
+/// (`TimedOut`), as grpc-go's does after its connect timeout, and the calls waiting on it fail
+/// UNAVAILABLE instead of waiting for a host that drops packets or a server that never answers.
 pub(crate) fn connector(
     target: &Target,
     tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
     peer: HttpPeer,
     connectivity: Arc<Tracker>,
+    timeout: std::time::Duration,
 ) -> impl MakeIo {
     let target = target.clone();
     tower::service_fn(move |_: http::Uri| {
         let (target, tls, peer, connectivity) = (target.clone(), tls.clone(), peer.clone(), connectivity.clone());
         connectivity.connecting();
         Box::pin(async move {
-            match open(target, tls, peer).await {
-                Ok(io) => Ok(hyper_util::rt::TokioIo::new(Tracked { io, _live: connectivity.connected() })),
+            let deadline = tokio::time::Instant::now() + timeout;
+            let opened = match tokio::time::timeout_at(deadline, open(target, tls, peer)).await {
+                Ok(opened) => opened,
+                Err(_) => Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no connection within the connect timeout ({timeout:?})"),
+                )),
+            };
+            match opened {
+                Ok(io) => {
+                    let silent = Some(Box::pin(tokio::time::sleep_until(deadline)));
+                    Ok(hyper_util::rt::TokioIo::new(Tracked { io, silent, timeout, _live: connectivity.connected() }))
+                }
                 Err(e) => {
                     connectivity.failed();
                     Err(e)
@@ -1021,11 +1042,40 @@ async fn open(
 }
 
 /// A client connection's stream, which holds its channel READY while hyper keeps it: hyper
-/// drops it when the connection ends.
+/// drops it when the connection ends. Until the server's first bytes arrive, a read fails
+/// `TimedOut` once the connect timeout has passed (`silent`): a server that accepts and says
+/// nothing ends the connection, and its calls, as in grpc-go, instead of holding them for ever.
 #[derive(Debug)]
 pub(crate) struct Tracked {
     io: HttpIo,
+    silent: Option<Pin<Box<tokio::time::Sleep>>>,
+    timeout: std::time::Duration,
     _live: Live,
+}
+
+impl tokio::io::AsyncRead for Tracked {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        let read = Pin::new(&mut this.io).poll_read(cx, buf);
+        if let Some(silent) = &mut this.silent {
+            match read {
+                Poll::Ready(Ok(())) if buf.filled().len() > before => this.silent = None,
+                Poll::Pending if silent.as_mut().poll(cx).is_ready() => {
+                    return Poll::Ready(Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("the server sent nothing within the connect timeout ({:?})", this.timeout),
+                    )))
+                }
+                _ => {}
+            }
+        }
+        read
+    }
 }
 
 /// TCP to the first of `addrs` that answers (each may name several addresses).
@@ -1049,19 +1099,9 @@ pub(crate) enum HttpIo {
 }
 
 /// `AsyncRead` and `AsyncWrite` for an enum of streams, each call passed to the variant's; or
-/// for a struct around a stream, each call passed to that field's.
+/// `AsyncWrite` for a struct around a stream, each call passed to that field's.
 macro_rules! delegate_io {
-    ($ty:ident . $field:ident) => {
-        impl tokio::io::AsyncRead for $ty {
-            fn poll_read(
-                self: Pin<&mut Self>,
-                cx: &mut Context<'_>,
-                buf: &mut tokio::io::ReadBuf<'_>,
-            ) -> Poll<std::io::Result<()>> {
-                Pin::new(&mut self.get_mut().$field).poll_read(cx, buf)
-            }
-        }
-
+    (write $ty:ident . $field:ident) => {
         impl tokio::io::AsyncWrite for $ty {
             fn poll_write(self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<std::io::Result<usize>> {
                 Pin::new(&mut self.get_mut().$field).poll_write(cx, buf)
@@ -1129,7 +1169,7 @@ macro_rules! delegate_io {
 
 delegate_io!(HttpIo { Unix, Tcp, Tls });
 delegate_io!(ServerIo { Unix, Tcp, Tls });
-delegate_io!(Tracked.io);
+delegate_io!(write Tracked.io);
 
 #[cfg(test)]
 mod tests {

@@ -229,11 +229,16 @@ impl ServerTlsConfig {
 }
 
 /// Says in words why a TLS handshake failed, if a rustls error (or one already put in words)
-/// is in `error`'s chain, directly or inside an I/O error.
+/// is in `error`'s chain, directly or inside an I/O error; or that the connection did not come
+/// up within the connect timeout (the connector's `TimedOut`).
 pub(crate) fn describe(error: &(dyn std::error::Error + 'static)) -> Option<String> {
     fn words(e: &(dyn std::error::Error + 'static)) -> Option<String> {
         if let Some(tls) = e.downcast_ref::<rustls::Error>() {
             return Some(describe_rustls(tls));
+        }
+        if let Some(io) = e.downcast_ref::<std::io::Error>().filter(|io| io.kind() == std::io::ErrorKind::TimedOut) {
+            // The connector's own words for its connect timeout.
+            return Some(io.to_string());
         }
         e.downcast_ref::<TlsFailure>().map(|worded| worded.0.clone())
     }

@@ -1,0 +1,64 @@
+//! The connect timeout (`ChannelBuilder::connect_timeout`, gRPC's minimum connect timeout): an
+//! HTTP/2 connection that does not come up within it fails, and the calls waiting on it fail
+//! UNAVAILABLE instead of waiting for their deadline or for ever. The server here is a TCP
+//! listener that never accepts: the kernel completes the client's connect, and nothing answers.
+
+use std::net::TcpListener;
+use std::time::{Duration, Instant};
+
+use isthmus::{CallOptions, Channel, Code};
+use isthmus_tests::run;
+
+const TIMEOUT: Duration = Duration::from_millis(300);
+
+/// A listener that never accepts or answers, and its `host:port`.
+fn silent_server() -> (TcpListener, String) {
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let addr = listener.local_addr().expect("address").to_string();
+    (listener, addr)
+}
+
+/// A call whose deadline is far off: only the connect timeout can end it sooner. (The tests
+/// bound it at 10 s: before the deadline, and before the 20 s default.)
+async fn call(ch: &Channel) -> (isthmus::Status, Duration) {
+    let began = Instant::now();
+    let options = CallOptions { timeout: Some(Duration::from_secs(60)), ..CallOptions::default() };
+    let status = ch.unary("/test.Echo/Unary", &b"x"[..], options).await.expect_err("nobody answers");
+    (status, began.elapsed())
+}
+
+#[test]
+fn a_server_that_never_says_a_word_fails_the_calls_unavailable_after_the_connect_timeout() {
+    // Plaintext: the connect is the kernel's and succeeds; the server's SETTINGS never come.
+    let (_listener, addr) = silent_server();
+    run(async move {
+        let ch = Channel::builder(&format!("http://{addr}"))
+            .upgrade(false)
+            .connect_timeout(TIMEOUT)
+            .connect_lazy()
+            .expect("channel");
+        let (status, took) = call(&ch).await;
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        assert!(status.message().contains("sent nothing within the connect timeout"), "{status:?}");
+        assert!(took < Duration::from_secs(10), "failed after {took:?}, not at the deadline");
+    });
+}
+
+#[test]
+fn a_tls_handshake_nobody_answers_fails_connect_and_calls_unavailable_after_the_connect_timeout() {
+    let (_listener, addr) = silent_server();
+    run(async move {
+        let target = format!("https://{addr}");
+        let began = Instant::now();
+        let err = Channel::builder(&target).connect_timeout(TIMEOUT).connect().await.expect_err("no handshake");
+        assert_eq!(err.code(), Code::Unavailable, "{err:?}");
+        assert!(err.message().contains("connect timeout"), "{err:?}");
+        assert!(began.elapsed() < Duration::from_secs(10), "connect failed after {:?}", began.elapsed());
+
+        let ch = Channel::builder(&target).connect_timeout(TIMEOUT).connect_lazy().expect("channel");
+        let (status, took) = call(&ch).await;
+        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+        assert!(status.message().contains("connect timeout"), "{status:?}");
+        assert!(took < Duration::from_secs(10), "failed after {took:?}, not at the deadline");
+    });
+}
