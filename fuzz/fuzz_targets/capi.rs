@@ -280,7 +280,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
 
     // Channel options from a caller: a user agent and an authority (any bytes but NUL; `text`,
     // each present or not by a bit of byte 29), sizes, flags (known bits and others) and
-    // keepalive times, for a target that parses (shm://, or HTTP/2 by byte 30, where an
+    // keepalive times and a connect timeout, for a target that parses (shm://, or HTTP/2 by byte 30, where an
     // authority is checked the way calls send it). Checked when the channel is made: it is
     // refused with a status, or made IDLE.
     // Each field from bytes of its own (after the first, which picks the shutdown's code).
@@ -293,6 +293,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         keepalive_timeout_ms: word(21, 8),
         user_agent: if b.get(29).is_some_and(|x| x & 1 == 1) { std::ptr::null() } else { text.as_ptr() },
         authority: if b.get(29).is_some_and(|x| x & 2 == 2) { std::ptr::null() } else { text.as_ptr() },
+        connect_timeout_ms: word(31, 8),
     };
     let mut channel = std::ptr::null_mut();
     let mut status = std::ptr::null_mut();

@@ -262,10 +262,14 @@ impl ChannelBuilder {
     /// `ConnectParams.MinConnectTimeout`; 20 s by default, as theirs). Past it the attempt fails
     /// and the calls waiting on it fail UNAVAILABLE (those with `wait_for_ready` wait for the
     /// next attempt), instead of waiting for their deadline, or for ever, on a host that drops
-    /// packets or a server that never answers. An `shm://` connection is bounded by its
+    /// packets or a server that never answers. Zero is the default, as in the C ABI, Go and
+    /// Lua; `Duration::MAX` is no bound. An `shm://` connection is bounded by its
     /// configuration's `handshake_timeout` instead.
     pub fn connect_timeout(mut self, timeout: Duration) -> ChannelBuilder {
-        self.connect_timeout = timeout;
+        self.connect_timeout = match timeout.is_zero() {
+            true => crate::http::endpoint::DEFAULT_CONNECT_TIMEOUT,
+            false => timeout,
+        };
         self
     }
 
@@ -655,10 +659,7 @@ impl Channel {
     /// connection now, and moves no more. A `status` of OK ends them CANCELLED ("the channel was
     /// closed"): a call the channel ended did not succeed.
     pub fn close(&self, status: Status) {
-        let status = match status.code() {
-            Code::Ok => Status::new(Code::Cancelled, "the channel was closed"),
-            _ => status,
-        };
+        let status = Status::closing(status);
         match &*self.via {
             Via::Shm(shm) => shm.close(status),
             Via::Http { upgrade, connectivity, closed, .. } => {

@@ -149,6 +149,16 @@ static NO_DETAILS: Bytes = Bytes::new();
 static NO_METADATA: MetadataMap = MetadataMap::EMPTY;
 
 impl Status {
+    /// What a channel's `close` given `status` ends its calls with: `status`, or CANCELLED "the
+    /// channel was closed" for OK (the Rust API takes any status, and a call the channel ended
+    /// did not succeed).
+    pub(crate) fn closing(status: Status) -> Status {
+        match status.code() {
+            Code::Ok => Status::new(Code::Cancelled, "the channel was closed"),
+            _ => status,
+        }
+    }
+
     /// A status with a code and a message.
     pub fn new(code: Code, message: impl Into<String>) -> Status {
         let message = message.into();

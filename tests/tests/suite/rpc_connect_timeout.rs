@@ -18,6 +18,12 @@ fn silent_server() -> (TcpListener, String) {
     (listener, addr)
 }
 
+/// A channel to `addr` over plaintext HTTP/2 with the tests' connect timeout.
+fn plaintext(addr: &str) -> Channel {
+    let ch = Channel::builder(&format!("http://{addr}")).upgrade(false).connect_timeout(TIMEOUT);
+    ch.connect_lazy().expect("channel")
+}
+
 /// A call whose deadline is far off: only the connect timeout can end it sooner. (The tests
 /// bound it at 10 s: before the deadline, and before the 20 s default.)
 async fn call(ch: &Channel) -> (isthmus::Status, Duration) {
@@ -32,11 +38,7 @@ fn a_server_that_never_says_a_word_fails_the_calls_unavailable_after_the_connect
     // Plaintext: the connect is the kernel's and succeeds; the server's SETTINGS never come.
     let (_listener, addr) = silent_server();
     run(async move {
-        let ch = Channel::builder(&format!("http://{addr}"))
-            .upgrade(false)
-            .connect_timeout(TIMEOUT)
-            .connect_lazy()
-            .expect("channel");
+        let ch = plaintext(&addr);
         let (status, took) = call(&ch).await;
         assert_eq!(status.code(), Code::Unavailable, "{status:?}");
         assert!(status.message().contains("sent nothing within the connect timeout"), "{status:?}");
@@ -60,5 +62,43 @@ fn a_tls_handshake_nobody_answers_fails_connect_and_calls_unavailable_after_the_
         assert_eq!(status.code(), Code::Unavailable, "{status:?}");
         assert!(status.message().contains("connect timeout"), "{status:?}");
         assert!(took < Duration::from_secs(10), "failed after {took:?}, not at the deadline");
+    });
+}
+
+#[test]
+fn a_call_that_waits_for_ready_is_not_sent_on_a_connection_nobody_answers() {
+    // The channel is READY from the server's first bytes: a call that waits for READY waits
+    // through the silent connection and the attempts after it, and ends at its own deadline.
+    // (READY counted from the connect sent it there, and it failed UNAVAILABLE.)
+    let (_listener, addr) = silent_server();
+    run(async move {
+        let ch = plaintext(&addr);
+        let options =
+            CallOptions { timeout: Some(Duration::from_secs(2)), wait_for_ready: true, ..CallOptions::default() };
+        let status = ch.unary("/test.Echo/Unary", &b"x"[..], options).await.expect_err("nobody answers");
+        assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+        assert_ne!(ch.connectivity(false), isthmus::Connectivity::Ready);
+    });
+}
+
+#[test]
+fn a_connect_timeout_of_zero_is_the_default_and_one_of_forever_is_none() {
+    run(async move {
+        let bound = isthmus::Server::builder()
+            .handler("/test.Echo/Unary", |mut call: isthmus::ServerCall| async move {
+                let m = call.recv().await?.unwrap_or_default();
+                call.send(&m).await
+            })
+            .bind_all(["http://127.0.0.1:0"])
+            .expect("bind");
+        let addr = bound.http_addresses().into_iter().next().expect("an address");
+        tokio::spawn(bound.serve());
+        for timeout in [Duration::ZERO, Duration::MAX] {
+            let ch = Channel::builder(&addr).upgrade(false).connect_timeout(timeout).connect().await.expect("connect");
+            let options = CallOptions { timeout: Some(Duration::from_secs(30)), ..CallOptions::default() };
+            let reply = ch.unary("/test.Echo/Unary", &b"x"[..], options).await.expect("a call");
+            assert_eq!(&reply.message[..], b"x", "{timeout:?}");
+            assert_eq!(ch.connectivity(false), isthmus::Connectivity::Ready, "{timeout:?}");
+        }
     });
 }

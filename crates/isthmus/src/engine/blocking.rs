@@ -727,10 +727,10 @@ impl Channel {
         self.inner.slot.counters()
     }
 
-    /// Closes the channel: its connection ends now, its calls in progress fail with `status`,
-    /// and later calls fail UNAVAILABLE (no connection is made again).
+    /// Closes the channel: its connection ends now, its calls in progress fail with `status`
+    /// (CANCELLED for OK), and later calls fail UNAVAILABLE (no connection is made again).
     pub fn close(&self, status: Status) {
-        self.inner.slot.close(status);
+        self.inner.slot.close(Status::closing(status));
         self.inner.connectivity.shutdown();
         if let Ok(mut held) = self.inner.live.lock() {
             held.take();

@@ -971,6 +971,7 @@ pub(crate) const DEFAULT_CONNECT_TIMEOUT: std::time::Duration = std::time::Durat
 /// that answers, with TLS over it if `tls` is given; within `timeout`, or the attempt fails
 /// (`TimedOut`), as grpc-go's does after its connect timeout, and the calls waiting on it fail
 /// UNAVAILABLE instead of waiting for a host that drops packets or a server that never answers.
+/// The channel is READY once the server's first bytes arrive ([`Tracked`]).
 pub(crate) fn connector(
     target: &Target,
     tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
@@ -983,18 +984,23 @@ pub(crate) fn connector(
         let (target, tls, peer, connectivity) = (target.clone(), tls.clone(), peer.clone(), connectivity.clone());
         connectivity.connecting();
         Box::pin(async move {
-            let deadline = tokio::time::Instant::now() + timeout;
-            let opened = match tokio::time::timeout_at(deadline, open(target, tls, peer)).await {
-                Ok(opened) => opened,
-                Err(_) => Err(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!("no connection within the connect timeout ({timeout:?})"),
-                )),
+            // A timeout too long for the clock (a caller's "forever") bounds nothing.
+            let deadline = tokio::time::Instant::now().checked_add(timeout);
+            let opened = match deadline {
+                Some(deadline) => match tokio::time::timeout_at(deadline, open(target, tls, peer, deadline)).await {
+                    Ok(opened) => opened,
+                    Err(_) => Err(std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!("no connection within the connect timeout ({timeout:?})"),
+                    )),
+                },
+                None => open(target, tls, peer, None).await,
             };
             match opened {
                 Ok(io) => {
-                    let silent = Some(Box::pin(tokio::time::sleep_until(deadline)));
-                    Ok(hyper_util::rt::TokioIo::new(Tracked { io, silent, timeout, _live: connectivity.connected() }))
+                    let silent = deadline.map(|d| Box::pin(tokio::time::sleep_until(d)));
+                    let waiting = Some(Waiting { silent, timeout, tracker: connectivity });
+                    Ok(hyper_util::rt::TokioIo::new(Tracked { io, waiting, _live: None }))
                 }
                 Err(e) => {
                     connectivity.failed();
@@ -1005,12 +1011,15 @@ pub(crate) fn connector(
     })
 }
 
-/// Opens the stream under one HTTP/2 connection.
+/// Opens the stream under one HTTP/2 connection, by `deadline` (the connect timeout's end) if
+/// there is one.
 async fn open(
     target: Target,
     tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
     peer: HttpPeer,
+    deadline: impl Into<Option<tokio::time::Instant>>,
 ) -> std::io::Result<HttpIo> {
+    let deadline = deadline.into();
     // Who is at the other end: the upgrade checks an offer against it.
     let unix = |s: tokio::net::UnixStream| {
         let pid = s.peer_cred().ok().and_then(|c| c.pid()).and_then(|p| u32::try_from(p).ok());
@@ -1032,7 +1041,12 @@ async fn open(
                 peer.record(Ends::Tcp { local, peer: remote });
             }
             match tls {
-                Some((config, name)) => HttpIo::Tls(Box::new(tls::connect(&config, name, tcp).await?)),
+                Some((config, name)) => {
+                    // TLS's look for the server's first bytes takes at most half of what is left:
+                    // a server that speaks only after the client's preface is still reached.
+                    let left = deadline.map(|d| d.saturating_duration_since(tokio::time::Instant::now()) / 2);
+                    HttpIo::Tls(Box::new(tls::connect(&config, name, tcp, left).await?))
+                }
                 None => HttpIo::Tcp(tcp),
             }
         }
@@ -1041,16 +1055,35 @@ async fn open(
     Ok(stream)
 }
 
-/// A client connection's stream, which holds its channel READY while hyper keeps it: hyper
-/// drops it when the connection ends. Until the server's first bytes arrive, a read fails
-/// `TimedOut` once the connect timeout has passed (`silent`): a server that accepts and says
-/// nothing ends the connection, and its calls, as in grpc-go, instead of holding them for ever.
+/// A client connection's stream, which holds its channel READY, from the server's first bytes
+/// (its SETTINGS) until hyper drops it when the connection ends: a call that waits for READY
+/// is then not sent on a connection nobody answers. Until those bytes, a read fails `TimedOut`
+/// once the connect timeout has passed: a server that accepts and says nothing ends the
+/// connection, and its calls, as in grpc-go, instead of holding them for ever; and the
+/// channel's attempt counts as failed (TRANSIENT_FAILURE).
 #[derive(Debug)]
 pub(crate) struct Tracked {
     io: HttpIo,
+    /// Until the server's first bytes.
+    waiting: Option<Waiting>,
+    _live: Option<Live>,
+}
+
+/// A connection waiting for its server's first bytes.
+#[derive(Debug)]
+struct Waiting {
+    /// The connect timeout's end (none for a timeout the clock cannot say).
     silent: Option<Pin<Box<tokio::time::Sleep>>>,
     timeout: std::time::Duration,
-    _live: Live,
+    tracker: Arc<Tracker>,
+}
+
+impl Drop for Tracked {
+    fn drop(&mut self) {
+        if let Some(waiting) = self.waiting.take() {
+            waiting.tracker.failed();
+        }
+    }
 }
 
 impl tokio::io::AsyncRead for Tracked {
@@ -1062,13 +1095,16 @@ impl tokio::io::AsyncRead for Tracked {
         let this = self.get_mut();
         let before = buf.filled().len();
         let read = Pin::new(&mut this.io).poll_read(cx, buf);
-        if let Some(silent) = &mut this.silent {
+        if let Some(waiting) = &mut this.waiting {
             match read {
-                Poll::Ready(Ok(())) if buf.filled().len() > before => this.silent = None,
-                Poll::Pending if silent.as_mut().poll(cx).is_ready() => {
+                Poll::Ready(Ok(())) if buf.filled().len() > before => {
+                    this._live = Some(waiting.tracker.connected());
+                    this.waiting = None;
+                }
+                Poll::Pending if waiting.silent.as_mut().is_some_and(|s| s.as_mut().poll(cx).is_ready()) => {
                     return Poll::Ready(Err(std::io::Error::new(
                         std::io::ErrorKind::TimedOut,
-                        format!("the server sent nothing within the connect timeout ({:?})", this.timeout),
+                        format!("the server sent nothing within the connect timeout ({:?})", waiting.timeout),
                     )))
                 }
                 _ => {}

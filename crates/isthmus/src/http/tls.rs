@@ -370,7 +370,7 @@ impl tokio::io::AsyncWrite for ClientTls {
     }
 }
 
-/// How long `connect` waits for the server's first bytes after the handshake.
+/// How long `connect` waits for the server's first bytes after the handshake, at most.
 const FIRST_READ: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// Connects TLS over `tcp`, checking the server's certificate against `host` (or the
@@ -381,11 +381,13 @@ const FIRST_READ: std::time::Duration = std::time::Duration::from_secs(3);
 /// next read sees. Read by hyper's connection task, that error would never reach a call,
 /// which would end with a bare "transport error". So the first read happens here: an HTTP/2
 /// server sends its SETTINGS at once, which are kept for hyper; an alert fails the connect in
-/// words. A server that sends nothing first is not waited for beyond `FIRST_READ`.
+/// words. A server that sends nothing first is not waited for beyond `FIRST_READ`, or `within`
+/// if that is shorter (part of the connect timeout left).
 pub(crate) async fn connect(
     config: &Arc<rustls::ClientConfig>,
     name: ServerName<'static>,
     tcp: tokio::net::TcpStream,
+    within: Option<std::time::Duration>,
 ) -> std::io::Result<ClientTls> {
     use tokio::io::AsyncReadExt;
     let mut tls = tokio_rustls::TlsConnector::from(config.clone()).connect(name, tcp).await.map_err(worded)?;
@@ -404,7 +406,7 @@ pub(crate) async fn connect(
             ),
         )
     };
-    let n = match tokio::time::timeout(FIRST_READ, tls.read(&mut first)).await {
+    let n = match tokio::time::timeout(within.map_or(FIRST_READ, |w| w.min(FIRST_READ)), tls.read(&mut first)).await {
         Ok(Ok(0)) => return Err(closed()),
         Ok(Ok(n)) => n,
         // A server that hangs up without an alert (BoringSSL's, grpcio's, may).
