@@ -145,6 +145,14 @@ impl Tracker {
         });
     }
 
+    /// A connection that never came up (its server sent nothing before it closed, or it was
+    /// not an HTTP/2 server) closed: its attempt failed, and whoever watches [`ends`](Self::ends)
+    /// is told, as of a connection that was up.
+    pub(crate) fn ended_unready(&self) {
+        self.failed();
+        self.ends.send_modify(|n| *n += 1);
+    }
+
     /// Told of every connection that closes from now on (its `changed` wakes), once the state
     /// says so.
     pub(crate) fn ends(&self) -> watch::Receiver<u64> {

@@ -33,6 +33,15 @@ async fn call(ch: &Channel) -> (isthmus::Status, Duration) {
     (status, began.elapsed())
 }
 
+/// A call that waits for READY, 2 s at most, on a channel that never gets there: it ends at
+/// its deadline, not sent anywhere.
+async fn waits_for_ready_in_vain(ch: &Channel) {
+    let options = CallOptions { timeout: Some(Duration::from_secs(2)), wait_for_ready: true, ..CallOptions::default() };
+    let status = ch.unary("/test.Echo/Unary", &b"x"[..], options).await.expect_err("never READY");
+    assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    assert_ne!(ch.connectivity(false), isthmus::Connectivity::Ready);
+}
+
 #[test]
 fn a_server_that_never_says_a_word_fails_the_calls_unavailable_after_the_connect_timeout() {
     // Plaintext: the connect is the kernel's and succeeds; the server's SETTINGS never come.
@@ -73,11 +82,7 @@ fn a_call_that_waits_for_ready_is_not_sent_on_a_connection_nobody_answers() {
     let (_listener, addr) = silent_server();
     run(async move {
         let ch = plaintext(&addr);
-        let options =
-            CallOptions { timeout: Some(Duration::from_secs(2)), wait_for_ready: true, ..CallOptions::default() };
-        let status = ch.unary("/test.Echo/Unary", &b"x"[..], options).await.expect_err("nobody answers");
-        assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
-        assert_ne!(ch.connectivity(false), isthmus::Connectivity::Ready);
+        waits_for_ready_in_vain(&ch).await;
     });
 }
 
@@ -101,4 +106,35 @@ fn a_connect_timeout_of_zero_is_the_default_and_one_of_forever_is_none() {
             assert_eq!(ch.connectivity(false), isthmus::Connectivity::Ready, "{timeout:?}");
         }
     });
+}
+
+#[test]
+fn a_server_that_answers_in_http1_never_makes_the_channel_ready() {
+    // An HTTP/1 server answers the client's preface with a 400 and closes. Only a SETTINGS
+    // frame first makes the channel READY: a call that waits for READY is not sent there and
+    // ends at its own deadline. (Any first bytes made it READY, and the call failed UNAVAILABLE.)
+    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    listener.set_nonblocking(true).expect("nonblocking");
+    let addr = listener.local_addr().expect("address").to_string();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let answering = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            use std::io::Write;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                match listener.accept() {
+                    Ok((mut s, _)) => {
+                        let _ = s.write_all(b"HTTP/1.1 400 Bad Request\r\nConnection: close\r\n\r\n");
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                }
+            }
+        })
+    };
+    run(async move {
+        let ch = plaintext(&addr);
+        waits_for_ready_in_vain(&ch).await;
+    });
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    answering.join().expect("the answering thread");
 }

@@ -968,10 +968,11 @@ impl<T> MakeIo for T where
 pub(crate) const DEFAULT_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// Opens the stream under an HTTP/2 connection: the unix socket, or TCP to the first address
-/// that answers, with TLS over it if `tls` is given; within `timeout`, or the attempt fails
-/// (`TimedOut`), as grpc-go's does after its connect timeout, and the calls waiting on it fail
-/// UNAVAILABLE instead of waiting for a host that drops packets or a server that never answers.
-/// The channel is READY once the server's first bytes arrive ([`Tracked`]).
+/// that answers, with TLS over it if `tls` is given; within `timeout` (unless it is longer than
+/// the clock can say), or the attempt fails (`TimedOut`), as grpc-go's does after its connect
+/// timeout, and the calls waiting on it fail UNAVAILABLE instead of waiting for a host that
+/// drops packets or a server that never answers. The channel is READY once the server's first
+/// frame arrives ([`Tracked`]).
 pub(crate) fn connector(
     target: &Target,
     tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
@@ -999,7 +1000,7 @@ pub(crate) fn connector(
             match opened {
                 Ok(io) => {
                     let silent = deadline.map(|d| Box::pin(tokio::time::sleep_until(d)));
-                    let waiting = Some(Waiting { silent, timeout, tracker: connectivity });
+                    let waiting = Some(Waiting { silent, timeout, tracker: connectivity, head: [0; 4], seen: 0 });
                     Ok(hyper_util::rt::TokioIo::new(Tracked { io, waiting, _live: None }))
                 }
                 Err(e) => {
@@ -1035,16 +1036,24 @@ async fn open(
             unix(tokio::net::UnixStream::from_std(std)?)
         }
         Target::Tcp { addrs, .. } => {
+            let began = tokio::time::Instant::now();
             let tcp = connect_first(&addrs).await?;
+            // About a round trip: a TLS 1.3 server's alert comes one after the handshake.
+            let round_trip = began.elapsed();
             tcp.set_nodelay(true)?;
             if let (Ok(local), Ok(remote)) = (tcp.local_addr(), tcp.peer_addr()) {
                 peer.record(Ends::Tcp { local, peer: remote });
             }
             match tls {
                 Some((config, name)) => {
-                    // TLS's look for the server's first bytes takes at most half of what is left:
-                    // a server that speaks only after the client's preface is still reached.
-                    let left = deadline.map(|d| d.saturating_duration_since(tokio::time::Instant::now()) / 2);
+                    // TLS's look for the server's first bytes (where a refusal of the client's
+                    // certificate is read in words) takes half of what is left, so that a server
+                    // that speaks only after the client's preface is still reached; but at least
+                    // a few round trips, within what is left.
+                    let left = deadline.map(|d| {
+                        let left = d.saturating_duration_since(tokio::time::Instant::now());
+                        (left / 2).max(round_trip.saturating_mul(4)).min(left)
+                    });
                     HttpIo::Tls(Box::new(tls::connect(&config, name, tcp, left).await?))
                 }
                 None => HttpIo::Tcp(tcp),
@@ -1055,9 +1064,9 @@ async fn open(
     Ok(stream)
 }
 
-/// A client connection's stream, which holds its channel READY, from the server's first bytes
+/// A client connection's stream, which holds its channel READY, from the server's first frame
 /// (its SETTINGS) until hyper drops it when the connection ends: a call that waits for READY
-/// is then not sent on a connection nobody answers. Until those bytes, a read fails `TimedOut`
+/// is then not sent on a connection nobody answers. Until that frame, a read fails `TimedOut`
 /// once the connect timeout has passed: a server that accepts and says nothing ends the
 /// connection, and its calls, as in grpc-go, instead of holding them for ever; and the
 /// channel's attempt counts as failed (TRANSIENT_FAILURE).
@@ -1069,19 +1078,35 @@ pub(crate) struct Tracked {
     _live: Option<Live>,
 }
 
-/// A connection waiting for its server's first bytes.
+/// A connection waiting for its server's first frame.
 #[derive(Debug)]
 struct Waiting {
     /// The connect timeout's end (none for a timeout the clock cannot say).
     silent: Option<Pin<Box<tokio::time::Sleep>>>,
     timeout: std::time::Duration,
     tracker: Arc<Tracker>,
+    /// The first frame's header as far as it has come (its type is the fourth byte).
+    head: [u8; 4],
+    seen: usize,
+}
+
+impl Waiting {
+    /// Takes the server's next bytes: `true` once they show a SETTINGS frame first, as an HTTP/2
+    /// server's preface begins. Anything else (an HTTP/1 server's answer) never makes the
+    /// channel READY; h2 fails that connection, and its attempt counts as failed.
+    fn took(&mut self, bytes: &[u8]) -> bool {
+        let n = bytes.len().min(self.head.len() - self.seen);
+        self.head[self.seen..self.seen + n].copy_from_slice(&bytes[..n]);
+        self.seen += n;
+        const SETTINGS: u8 = 4;
+        self.seen == self.head.len() && self.head[3] == SETTINGS
+    }
 }
 
 impl Drop for Tracked {
     fn drop(&mut self) {
         if let Some(waiting) = self.waiting.take() {
-            waiting.tracker.failed();
+            waiting.tracker.ended_unready();
         }
     }
 }
@@ -1097,7 +1122,7 @@ impl tokio::io::AsyncRead for Tracked {
         let read = Pin::new(&mut this.io).poll_read(cx, buf);
         if let Some(waiting) = &mut this.waiting {
             match read {
-                Poll::Ready(Ok(())) if buf.filled().len() > before => {
+                Poll::Ready(Ok(())) if buf.filled().len() > before && waiting.took(&buf.filled()[before..]) => {
                     this._live = Some(waiting.tracker.connected());
                     this.waiting = None;
                 }
@@ -1210,6 +1235,27 @@ delegate_io!(write Tracked.io);
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_settings_frame_first_counts_as_an_http2_server_in_whatever_pieces_it_comes() {
+        let waiting = || Waiting {
+            silent: None,
+            timeout: std::time::Duration::ZERO,
+            tracker: Arc::default(),
+            head: [0; 4],
+            seen: 0,
+        };
+        // An empty SETTINGS frame's header, then its flags and stream: whole, and byte by byte.
+        let settings = [0u8, 0, 0, 4, 0, 0, 0, 0, 0];
+        assert!(waiting().took(&settings));
+        let mut w = waiting();
+        let taken: Vec<bool> = settings[..4].iter().map(|b| w.took(std::slice::from_ref(b))).collect();
+        assert_eq!(taken, [false, false, false, true]);
+        // An HTTP/1 answer, a PING first, and too few bytes are not.
+        assert!(!waiting().took(b"HTTP/1.1 400 Bad Request\r\n"));
+        assert!(!waiting().took(&[0, 0, 8, 6, 0, 0, 0, 0, 0]));
+        assert!(!waiting().took(&[0, 0, 0]));
+    }
 
     #[test]
     fn grpc_content_types_are_grpc_gos() {
