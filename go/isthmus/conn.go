@@ -166,7 +166,7 @@ func WithKeepaliveParams(kp keepalive.ClientParameters) DialOption {
 }
 
 // WithConnectParams takes, of grpc.WithConnectParams's settings, MinConnectTimeout: how long
-// an HTTP/2 connection may take to come up, its TLS handshake and the server's first bytes
+// an HTTP/2 connection may take to come up, its TLS handshake and the server's SETTINGS
 // included (20 s if zero, as grpc-go's). Past it the calls waiting on it fail with
 // codes.Unavailable, where they would wait for their deadlines on a host that drops packets
 // or a server that never answers. The backoff between attempts is the library's (100 ms, x1.6,

@@ -238,7 +238,7 @@ typedef struct {
   // `shm://` sends none.
   const char *authority;
   // How long an HTTP/2 connection may take to come up (its connect, TLS handshake and the
-  // server's first bytes), in milliseconds; 0 for gRPC's 20 s (grpc-go's
+  // server's SETTINGS), in milliseconds; 0 for gRPC's 20 s (grpc-go's
   // `ConnectParams.MinConnectTimeout`). Past it the calls waiting on that connection fail
   // `ISTHMUS_UNAVAILABLE` instead of waiting for a host that drops packets or a server that
   // never answers. `shm://` has its handshake's own bound.

@@ -258,7 +258,7 @@ impl ChannelBuilder {
     }
 
     /// How long an HTTP/2 connection may take to come up: its connect, TLS handshake and the
-    /// server's first bytes (gRPC's minimum connect timeout, grpc-go's
+    /// server's SETTINGS (gRPC's minimum connect timeout, grpc-go's
     /// `ConnectParams.MinConnectTimeout`; 20 s by default, as theirs). Past it the attempt fails
     /// and the calls waiting on it fail UNAVAILABLE (those with `wait_for_ready` wait for the
     /// next attempt), instead of waiting for their deadline, or for ever, on a host that drops

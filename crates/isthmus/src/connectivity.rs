@@ -5,8 +5,8 @@
 //!   (`try_to_connect`), makes it connect: CONNECTING, then READY, or TRANSIENT_FAILURE if the
 //!   attempt failed. A connection that ends (the server went away) or takes no more calls
 //!   (GOAWAY) takes the channel back to IDLE, as grpc-core's does; the next call or request to
-//!   connect connects again. Over HTTP/2 a connection counts from the server's first bytes (its
-//!   SETTINGS), as in grpc-go; one whose server sends nothing within the connect timeout ends
+//!   connect connects again. Over HTTP/2 a connection counts from the server's first frame, if it
+//!   is a SETTINGS, as in grpc-go; one whose server sends none within the connect timeout ends
 //!   then, and its attempt failed.
 //! - The states come from the connections themselves: over `shm://` from the engine's connect
 //!   and the connection's reader task, which ends the moment the peer's socket closes; over

@@ -1249,7 +1249,7 @@ local CONNECT_OPTIONS = { proto = true, max_message_size = true, tls = true, spi
 --- `:authority` HTTP/2 calls send in place of the target's, `host[:port]`, as grpc-go's
 --- `WithAuthority`; TLS then checks the server's certificate against its host unless
 --- `tls.server_name` names another), and `connect_timeout_ms` (how long a connection may take
---- to come up, its TLS handshake and the server's first bytes included, 20000 by default as
+--- to come up, its TLS handshake and the server's SETTINGS included, 20000 by default as
 --- gRPC's; past it the calls waiting on it fail UNAVAILABLE).
 --- `tls` makes a TCP target's connection TLS (`https://` is TLS without it, verified against
 --- the system's roots): `ca` (PEM text of the CAs that sign the server's certificate; nil: the

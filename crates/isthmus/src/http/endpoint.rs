@@ -26,8 +26,8 @@
 //!
 //! `http_endpoint` and `connector` make a channel's tonic `Endpoint` and open its stream
 //! (`HttpIo`): a unix stream, or TCP with `TCP_NODELAY`; the connect, TLS handshake and the
-//! server's first bytes within the channel's connect timeout (20 s, gRPC's), or the attempt
-//! and the connection fail. The URI's authority is `localhost` for a
+//! server's SETTINGS within the channel's connect timeout (20 s, gRPC's), or the attempt and
+//! the connection fail. The URI's authority is `localhost` for a
 //! unix socket, as grpc-go and h2 expect, and the target's host (and port) as written for TCP.
 
 use std::future::Future;
@@ -963,8 +963,8 @@ impl<T> MakeIo for T where
 }
 
 /// How long a channel's connection may take to come up (gRPC's `MIN_CONNECT_TIMEOUT`, grpc-go's
-/// `ConnectParams.MinConnectTimeout`): its connect and TLS handshake, and then the first bytes
-/// from the server (its SETTINGS, which an HTTP/2 server sends first).
+/// `ConnectParams.MinConnectTimeout`): its connect and TLS handshake, and then the server's
+/// SETTINGS, the frame an HTTP/2 server sends first.
 pub(crate) const DEFAULT_CONNECT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(20);
 
 /// Opens the stream under an HTTP/2 connection: the unix socket, or TCP to the first address
@@ -1038,7 +1038,8 @@ async fn open(
         Target::Tcp { addrs, .. } => {
             let began = tokio::time::Instant::now();
             let tcp = connect_first(&addrs).await?;
-            // About a round trip: a TLS 1.3 server's alert comes one after the handshake.
+            // A round trip at least (with name lookups and addresses that refused first, more): a
+            // TLS 1.3 server's alert comes one after the handshake.
             let round_trip = began.elapsed();
             tcp.set_nodelay(true)?;
             if let (Ok(local), Ok(remote)) = (tcp.local_addr(), tcp.peer_addr()) {
@@ -1049,7 +1050,7 @@ async fn open(
                     // TLS's look for the server's first bytes (where a refusal of the client's
                     // certificate is read in words) takes half of what is left, so that a server
                     // that speaks only after the client's preface is still reached; but at least
-                    // a few round trips, within what is left.
+                    // a few round trips, within what is left (and `tls::FIRST_READ`).
                     let left = deadline.map(|d| {
                         let left = d.saturating_duration_since(tokio::time::Instant::now());
                         (left / 2).max(round_trip.saturating_mul(4)).min(left)
@@ -1073,7 +1074,7 @@ async fn open(
 #[derive(Debug)]
 pub(crate) struct Tracked {
     io: HttpIo,
-    /// Until the server's first bytes.
+    /// Until the server's first frame, if it is a SETTINGS.
     waiting: Option<Waiting>,
     _live: Option<Live>,
 }
@@ -1092,8 +1093,10 @@ struct Waiting {
 
 impl Waiting {
     /// Takes the server's next bytes: `true` once they show a SETTINGS frame first, as an HTTP/2
-    /// server's preface begins. Anything else (an HTTP/1 server's answer) never makes the
-    /// channel READY; h2 fails that connection, and its attempt counts as failed.
+    /// server's preface begins. Anything else never makes the channel READY: h2 fails the
+    /// connection where it refuses the frame (an HTTP/1 server's answer reads as one too long),
+    /// the connect timeout ends it otherwise (none with no bound), and its attempt counts as
+    /// failed.
     fn took(&mut self, bytes: &[u8]) -> bool {
         let n = bytes.len().min(self.head.len() - self.seen);
         self.head[self.seen..self.seen + n].copy_from_slice(&bytes[..n]);
