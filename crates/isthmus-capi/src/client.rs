@@ -272,8 +272,9 @@ pub unsafe extern "C" fn isthmus_channel_new(
                 p if p.is_null() => {}
                 p => builder = builder.authority(c_str(p, "the authority")?),
             }
-            if let Some(ms) = opts.map(|o| o.connect_timeout_ms).filter(|ms| *ms > 0) {
-                builder = builder.connect_timeout(Duration::from_millis(ms));
+            if let Some(o) = opts {
+                // 0 is the engine's default too.
+                builder = builder.connect_timeout(Duration::from_millis(o.connect_timeout_ms));
             }
             let engine = {
                 let _runtime = runtime().enter();

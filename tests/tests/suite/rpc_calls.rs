@@ -1242,6 +1242,16 @@ fn connectivity_follows_the_server_as_it_comes_and_goes() {
     }
 }
 
+/// A channel to `addr` (kept on HTTP/2 for an HTTP/2 one) and a bidi call on it whose first
+/// message came back.
+async fn bidi_under_way(addr: &str) -> (Channel, isthmus::ClientCall) {
+    let ch = Channel::builder(addr).upgrade(false).connect().await.expect("connect");
+    let mut call = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
+    call.send(b"x").await.expect("send");
+    assert_eq!(call.recv().await.expect("echo").as_deref(), Some(&b"x"[..]), "{addr}");
+    (ch, call)
+}
+
 /// `close` ends the calls in progress with its status, and later calls fail at their start
 /// (over HTTP/2 with that status, as grpc-go's `NewStream` on a closed connection; its start
 /// succeeded and only the first receive said so).
@@ -1251,10 +1261,7 @@ fn close_ends_the_calls_in_progress_with_its_status() {
     let rt = runtime();
     rt.block_on(async {
         for addr in &addrs {
-            let ch = Channel::builder(addr).upgrade(false).connect().await.expect("connect");
-            let mut call = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
-            call.send(b"x").await.expect("send");
-            assert_eq!(call.recv().await.expect("echo").as_deref(), Some(&b"x"[..]));
+            let (ch, mut call) = bidi_under_way(addr).await;
             ch.close(isthmus::Status::new(Code::Cancelled, "Channel closed!"));
             let s = call.recv().await.expect_err("closed under it");
             assert_eq!((s.code(), s.message()), (Code::Cancelled, "Channel closed!"), "{addr}");
@@ -1271,10 +1278,7 @@ fn close_ends_the_calls_in_progress_with_its_status() {
             }
             // Closed with OK (the Rust API takes any status), its calls still fail: those in
             // progress CANCELLED, as a grpcio channel's close ends them, and later ones too.
-            let ch = Channel::builder(addr).upgrade(false).connect().await.expect("connect");
-            let mut call = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
-            call.send(b"y").await.expect("send");
-            assert_eq!(call.recv().await.expect("echo").as_deref(), Some(&b"y"[..]));
+            let (ch, mut call) = bidi_under_way(addr).await;
             ch.close(isthmus::Status::new(Code::Ok, ""));
             let s = call.recv().await.expect_err("closed under it");
             assert_eq!((s.code(), s.message()), (Code::Cancelled, "the channel was closed"), "{addr}");

@@ -33,6 +33,15 @@ async fn call(ch: &Channel) -> (isthmus::Status, Duration) {
     (status, began.elapsed())
 }
 
+/// What a call on a channel whose connection never comes up fails with: UNAVAILABLE saying
+/// `words`, after the connect timeout (within 10 s).
+async fn fails_at_the_connect_timeout(ch: &Channel, words: &str) {
+    let (status, took) = call(ch).await;
+    assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+    assert!(status.message().contains(words), "{status:?}");
+    assert!(took < Duration::from_secs(10), "failed after {took:?}, not at the deadline");
+}
+
 /// A call that waits for READY, 2 s at most, on a channel that never gets there: it ends at
 /// its deadline, not sent anywhere.
 async fn waits_for_ready_in_vain(ch: &Channel) {
@@ -47,11 +56,7 @@ fn a_server_that_never_says_a_word_fails_the_calls_unavailable_after_the_connect
     // Plaintext: the connect is the kernel's and succeeds; the server's SETTINGS never come.
     let (_listener, addr) = silent_server();
     run(async move {
-        let ch = plaintext(&addr);
-        let (status, took) = call(&ch).await;
-        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-        assert!(status.message().contains("sent nothing within the connect timeout"), "{status:?}");
-        assert!(took < Duration::from_secs(10), "failed after {took:?}, not at the deadline");
+        fails_at_the_connect_timeout(&plaintext(&addr), "sent nothing within the connect timeout").await;
     });
 }
 
@@ -67,16 +72,13 @@ fn a_tls_handshake_nobody_answers_fails_connect_and_calls_unavailable_after_the_
         assert!(began.elapsed() < Duration::from_secs(10), "connect failed after {:?}", began.elapsed());
 
         let ch = Channel::builder(&target).connect_timeout(TIMEOUT).connect_lazy().expect("channel");
-        let (status, took) = call(&ch).await;
-        assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-        assert!(status.message().contains("connect timeout"), "{status:?}");
-        assert!(took < Duration::from_secs(10), "failed after {took:?}, not at the deadline");
+        fails_at_the_connect_timeout(&ch, "connect timeout").await;
     });
 }
 
 #[test]
 fn a_call_that_waits_for_ready_is_not_sent_on_a_connection_nobody_answers() {
-    // The channel is READY from the server's first bytes: a call that waits for READY waits
+    // The channel is READY from the server's SETTINGS: a call that waits for READY waits
     // through the silent connection and the attempts after it, and ends at its own deadline.
     // (READY counted from the connect sent it there, and it failed UNAVAILABLE.)
     let (_listener, addr) = silent_server();
@@ -88,16 +90,8 @@ fn a_call_that_waits_for_ready_is_not_sent_on_a_connection_nobody_answers() {
 
 #[test]
 fn a_connect_timeout_of_zero_is_the_default_and_one_of_forever_is_none() {
+    let (_server, _, addr) = isthmus_tests::Peer::rpc_peer_with_http("connect-timeout", &[]);
     run(async move {
-        let bound = isthmus::Server::builder()
-            .handler("/test.Echo/Unary", |mut call: isthmus::ServerCall| async move {
-                let m = call.recv().await?.unwrap_or_default();
-                call.send(&m).await
-            })
-            .bind_all(["http://127.0.0.1:0"])
-            .expect("bind");
-        let addr = bound.http_addresses().into_iter().next().expect("an address");
-        tokio::spawn(bound.serve());
         for timeout in [Duration::ZERO, Duration::MAX] {
             let ch = Channel::builder(&addr).upgrade(false).connect_timeout(timeout).connect().await.expect("connect");
             let options = CallOptions { timeout: Some(Duration::from_secs(30)), ..CallOptions::default() };
@@ -112,7 +106,7 @@ fn a_connect_timeout_of_zero_is_the_default_and_one_of_forever_is_none() {
 fn a_server_that_answers_in_http1_never_makes_the_channel_ready() {
     // An HTTP/1 server answers the client's preface with a 400 and closes. Only a SETTINGS
     // frame first makes the channel READY: a call that waits for READY is not sent there and
-    // ends at its own deadline. (Any first bytes made it READY, and the call failed UNAVAILABLE.)
+    // ends at its own deadline. (Any first bytes made it READY, and the call failed INTERNAL.)
     let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
     listener.set_nonblocking(true).expect("nonblocking");
     let addr = listener.local_addr().expect("address").to_string();

@@ -988,19 +988,14 @@ pub(crate) fn connector(
             // A timeout too long for the clock (a caller's "forever") bounds nothing.
             let deadline = tokio::time::Instant::now().checked_add(timeout);
             let opened = match deadline {
-                Some(deadline) => match tokio::time::timeout_at(deadline, open(target, tls, peer, deadline)).await {
-                    Ok(opened) => opened,
-                    Err(_) => Err(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!("no connection within the connect timeout ({timeout:?})"),
-                    )),
-                },
+                Some(d) => tokio::time::timeout_at(d, open(target, tls, peer, deadline))
+                    .await
+                    .unwrap_or_else(|_| Err(past_connect_timeout("no connection", timeout))),
                 None => open(target, tls, peer, None).await,
             };
             match opened {
                 Ok(io) => {
-                    let silent = deadline.map(|d| Box::pin(tokio::time::sleep_until(d)));
-                    let waiting = Some(Waiting { silent, timeout, tracker: connectivity, head: [0; 4], seen: 0 });
+                    let waiting = Some(Waiting::new(deadline, timeout, connectivity));
                     Ok(hyper_util::rt::TokioIo::new(Tracked { io, waiting, _live: None }))
                 }
                 Err(e) => {
@@ -1018,9 +1013,8 @@ async fn open(
     target: Target,
     tls: Option<(Arc<rustls::ClientConfig>, ServerName<'static>)>,
     peer: HttpPeer,
-    deadline: impl Into<Option<tokio::time::Instant>>,
+    deadline: Option<tokio::time::Instant>,
 ) -> std::io::Result<HttpIo> {
-    let deadline = deadline.into();
     // Who is at the other end: the upgrade checks an offer against it.
     let unix = |s: tokio::net::UnixStream| {
         let pid = s.peer_cred().ok().and_then(|c| c.pid()).and_then(|p| u32::try_from(p).ok());
@@ -1091,7 +1085,19 @@ struct Waiting {
     seen: usize,
 }
 
+/// The error of a connection that did not come up within the connect timeout: `what` did not
+/// happen within it.
+fn past_connect_timeout(what: &str, timeout: std::time::Duration) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::TimedOut, format!("{what} within the connect timeout ({timeout:?})"))
+}
+
 impl Waiting {
+    /// Waiting for the first frame until `deadline`, if there is one.
+    fn new(deadline: Option<tokio::time::Instant>, timeout: std::time::Duration, tracker: Arc<Tracker>) -> Waiting {
+        let silent = deadline.map(|d| Box::pin(tokio::time::sleep_until(d)));
+        Waiting { silent, timeout, tracker, head: [0; 4], seen: 0 }
+    }
+
     /// Takes the server's next bytes: `true` once they show a SETTINGS frame first, as an HTTP/2
     /// server's preface begins. Anything else never makes the channel READY: h2 fails the
     /// connection where it refuses the frame (an HTTP/1 server's answer reads as one too long),
@@ -1130,10 +1136,7 @@ impl tokio::io::AsyncRead for Tracked {
                     this.waiting = None;
                 }
                 Poll::Pending if waiting.silent.as_mut().is_some_and(|s| s.as_mut().poll(cx).is_ready()) => {
-                    return Poll::Ready(Err(std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!("the server sent nothing within the connect timeout ({:?})", waiting.timeout),
-                    )))
+                    return Poll::Ready(Err(past_connect_timeout("the server sent nothing", waiting.timeout)))
                 }
                 _ => {}
             }
@@ -1241,13 +1244,7 @@ mod tests {
 
     #[test]
     fn only_a_settings_frame_first_counts_as_an_http2_server_in_whatever_pieces_it_comes() {
-        let waiting = || Waiting {
-            silent: None,
-            timeout: std::time::Duration::ZERO,
-            tracker: Arc::default(),
-            head: [0; 4],
-            seen: 0,
-        };
+        let waiting = || Waiting::new(None, std::time::Duration::ZERO, Arc::default());
         // An empty SETTINGS frame's header, then its flags and stream: whole, and byte by byte.
         let settings = [0u8, 0, 0, 4, 0, 0, 0, 0, 0];
         assert!(waiting().took(&settings));
