@@ -114,7 +114,7 @@ const HEALTH_SERVICE: &str = <tonic_health::pb::health_server::HealthServer<()> 
 /// ```
 #[derive(Clone)]
 pub struct Server {
-    handlers: HashMap<String, HandlerFn>,
+    handlers: HashMap<String, HandlerFn, crate::engine::server::PathKeys>,
     catch_all: Option<HandlerFn>,
     /// tonic services, for the methods no handler takes: routed by axum over HTTP/2.
     routes: Option<tonic::service::Routes>,
@@ -146,7 +146,7 @@ pub struct Server {
 impl Default for Server {
     fn default() -> Server {
         Server {
-            handlers: HashMap::new(),
+            handlers: HashMap::default(),
             catch_all: None,
             routes: None,
             services: Vec::new(),

@@ -64,10 +64,9 @@ struct Inner {
     /// between calls, so its end is seen by the next look ([`Channel::connectivity`], a call
     /// after a pause) or by a call that reads it.
     live: Mutex<Option<(Arc<Mux>, Live)>>,
-    /// When the last call started, in ns since `born`: a call after a pause looks at the
-    /// socket first ([`STALE`]).
+    /// When the last call started, in [`isthmus_shm::ticks`]: a call after a pause looks at the
+    /// socket first ([`STALE_TICKS`]).
     last_start: AtomicU64,
-    born: Instant,
     /// Looked at while a call waits to connect ([`Channel::set_interrupt`]).
     interrupt: std::sync::OnceLock<Interrupt>,
     /// Whether the calling thread's wait for a handshake may be interrupted now
@@ -225,7 +224,6 @@ impl Inner {
             connectivity: Arc::default(),
             live: Mutex::new(None),
             last_start: AtomicU64::new(0),
-            born: Instant::now(),
             interrupt: std::sync::OnceLock::new(),
             interruptible: std::sync::OnceLock::new(),
         }
@@ -236,7 +234,11 @@ impl Inner {
 /// goes out on it: a server that went away meanwhile is then noticed before the call is sent,
 /// and the call connects anew instead of failing. Calls closer together skip the check; a
 /// server dying between two of them is the race every client has.
-const STALE: Duration = Duration::from_millis(1);
+///
+/// Counted in time-stamp counts, not read from the clock: a clock read (~20 ns) was on every
+/// call's way out. The counter runs at 1-4 GHz, so this is 0.25-1 ms (1 ms where the counts are
+/// nanoseconds), and a count that went back (read on another core) checks too.
+const STALE_TICKS: u64 = 1_000_000;
 
 /// A connection to one server for blocking code. Cheap to clone and to share between threads;
 /// clones share the connection. If the connection dies (the server restarted, say), the next
@@ -354,17 +356,20 @@ impl Channel {
     }
 
     /// The live connection for a call starting now: after a pause, one whose peer has gone is
-    /// found out here (see [`STALE`]) and replaced.
+    /// found out here (see [`STALE_TICKS`]) and replaced.
     fn mux_for_call(&self, wait_for_ready: bool, deadline: Option<Instant>) -> Result<Arc<Mux>, Status> {
         self.check_if_stale();
         self.mux(wait_for_ready, deadline)
     }
 
-    /// [`check_alive`](Self::check_alive) if no call started in the last [`STALE`].
+    /// [`check_alive`](Self::check_alive) if no call started in the last [`STALE_TICKS`].
     fn check_if_stale(&self) {
-        let now = u64::try_from(self.inner.born.elapsed().as_nanos()).unwrap_or(u64::MAX);
-        let last = self.inner.last_start.swap(now, Ordering::Relaxed);
-        if now.saturating_sub(last) >= STALE.as_nanos() as u64 {
+        let now = isthmus_shm::ticks();
+        // A load and a store, not a swap: threads racing here at worst both check, or neither
+        // for a call that came right after another anyway.
+        let last = self.inner.last_start.load(Ordering::Relaxed);
+        self.inner.last_start.store(now, Ordering::Relaxed);
+        if now < last || now - last >= STALE_TICKS {
             self.check_alive();
         }
     }
@@ -418,7 +423,9 @@ impl Channel {
 
     /// Starts a call of any shape: send messages, half-close, read responses.
     pub fn start(&self, path: &str, options: CallOptions) -> Result<Call, Status> {
-        self.start_by(path, &options, None).map_err(|e| e.unwrap_or_else(no_room))
+        let mut call = self.start_by(path, &options, None).map_err(|e| e.unwrap_or_else(no_room))?;
+        call.state.keep_channel(self.inner.clone());
+        Ok(call)
     }
 
     /// [`start`](Self::start), waiting for ring room only until `patience` (if sooner than the
@@ -451,11 +458,14 @@ impl Channel {
                 Some(mux) => mux,
                 None => self.mux_for_call(options.wait_for_ready, deadline)?,
             };
-            match self.open(mux.clone(), path, options, deadline, patience, slice, first) {
+            // The connection moves into the call: a reference taken and dropped per call was on
+            // its way out.
+            match self.open(mux, path, options, deadline, patience, slice, first) {
+                Ok(opened) => return Ok(opened),
                 // As the async client's `start`: a call whose connection died before its HEADERS
                 // went out never reached the server, and starts once more on a new connection.
-                Err(Some(_)) if again && !mux.takes_calls() => again = false,
-                opened => return opened,
+                Err((Some(_), true)) if again => again = false,
+                Err((status, _)) => return Err(status),
             }
         }
     }
@@ -464,7 +474,8 @@ impl Channel {
     /// ring room until the deadline or `patience`, and with `slice` for no longer than that from
     /// when the wait begins. Past `patience` or `slice` the call is forgotten, with no trace
     /// (`Err(None)`): nothing went out, so the caller may start afresh. A call whose head could
-    /// not go for another reason ends here with it, and no CANCEL goes either.
+    /// not go for another reason ends here with it, and no CANCEL goes either; the error says
+    /// too whether `mux` has stopped taking calls (its end, or a close).
     #[allow(clippy::too_many_arguments)] // a call's start, its bounds, and what it carries
     fn open(
         &self,
@@ -475,9 +486,13 @@ impl Channel {
         patience: Option<Instant>,
         slice: Option<Duration>,
         first: Option<&[u8]>,
-    ) -> Result<(Call, bool), Option<Status>> {
-        let stream = mux.register(self.inner.slot.next_stream())?;
-        let mut call = Call { state: CallState::new(stream, mux, path, self.inner.clone()), deadline };
+    ) -> Result<(Call, bool), (Option<Status>, bool)> {
+        let stream = match mux.register(self.inner.slot.next_stream()) {
+            Ok(stream) => stream,
+            Err(status) => return Err((Some(status), !mux.takes_calls())),
+        };
+        // The channel is kept by the calls handed to the caller (`start`, `PendingUnary`) only.
+        let mut call = Call { state: CallState::new(stream, mux, path, None), deadline };
         let head = open_head(path, &options.metadata, deadline, self.inner.slot.agent());
         let by = sooner(deadline, patience);
         let first = first.filter(|m| request_in_head(&call.state, &head, m));
@@ -501,12 +516,12 @@ impl Channel {
             }
             Err(e) if impatient(&e, deadline) => {
                 call.state.forget_unsent();
-                Err(None)
+                Err((None, !call.state.mux.takes_calls()))
             }
             Err(e) => {
                 let status = Status::from_transport(&e);
                 call.state.end(status.clone());
-                Err(Some(status))
+                Err((Some(status), !call.state.mux.takes_calls()))
             }
         }
     }
@@ -559,7 +574,7 @@ impl Channel {
     /// hands a slow one to a thread of its own.
     pub fn unary_begin(&self, path: &str, request: &[u8], options: CallOptions) -> Result<PendingUnary, Status> {
         let (call, sent) = self.begin(path, request, &options, None)?.ok_or_else(no_room)?;
-        Ok(PendingUnary::new(call, path, sent))
+        Ok(PendingUnary::new(call, path, sent, self.inner.clone()))
     }
 
     /// For a request that travels as one block of the arena: that block, filled, from the
@@ -612,7 +627,7 @@ impl Channel {
         patience: Duration,
     ) -> Result<Option<PendingUnary>, Status> {
         let begun = self.begin(path, request, options, Some(Instant::now() + patience))?;
-        Ok(begun.map(|(call, sent)| PendingUnary::new(call, path, sent)))
+        Ok(begun.map(|(call, sent)| PendingUnary::new(call, path, sent, self.inner.clone())))
     }
 
     /// [`unary_begin`](Self::unary_begin), or with `patience`
@@ -659,15 +674,15 @@ impl Channel {
             Staged::NoRoom => return Ok(None),
             Staged::Ready(mux, block) => match self.open(mux.clone(), path, options, deadline, patience, slice, None) {
                 Ok((call, _)) => return send_last(call, Body::Block(block), patience),
-                Err(None) => {
+                Err((None, _)) => {
                     if slice.is_some() {
                         *staged = Some((mux, block));
                     }
                     return Ok(None);
                 }
                 // Its HEADERS never went out: as `start_by`, once more on a new connection.
-                Err(Some(_)) if !mux.takes_calls() => None,
-                Err(Some(status)) => return Err(status),
+                Err((Some(_), true)) => None,
+                Err((Some(status), false)) => return Err(status),
             },
         };
         let call = match self.start_with(live, path, options, deadline, patience, slice, Some(request)) {
@@ -719,7 +734,7 @@ impl Channel {
         let len = request.len();
         let mut call = self.start(path, options)?;
         call.send_block(request, true)?;
-        Ok(PendingUnary::new(call, path, len))
+        Ok(PendingUnary::new(call, path, len, self.inner.clone()))
     }
 
     /// Counters of the current connection (zero if there is none yet).
@@ -1076,7 +1091,9 @@ pub struct PendingUnary {
 }
 
 impl PendingUnary {
-    fn new(call: Call, path: &str, sent: usize) -> PendingUnary {
+    /// `channel` stays open while the call lives.
+    fn new(mut call: Call, path: &str, sent: usize, channel: Arc<Inner>) -> PendingUnary {
+        call.state.keep_channel(channel);
         PendingUnary { call, path: path.to_owned(), message: None, sent }
     }
 

@@ -372,7 +372,9 @@ pub(crate) struct CallState {
     /// The channel's shared state: while a call lives, its channel's connection stays open even
     /// if every handle on the channel is gone (a response stream read after the client that
     /// made it was dropped, say).
-    _channel: Arc<dyn std::any::Any + Send + Sync>,
+    /// `None` for a call that cannot outlive its caller's handle on the channel (the blocking
+    /// client's own unary calls): taking and dropping a reference was on every call's way.
+    _channel: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 /// What `recv` gives: a message, `None` at the end of an OK call, or the failed call's status.
@@ -393,7 +395,7 @@ impl CallState {
         stream: Stream,
         mux: Arc<Mux>,
         path: &str,
-        channel: Arc<dyn std::any::Any + Send + Sync>,
+        channel: Option<Arc<dyn std::any::Any + Send + Sync>>,
     ) -> CallState {
         let span = tracing::debug_span!("isthmus.call", path, stream = stream.id, code = tracing::field::Empty);
         mux.calls.start();
@@ -411,6 +413,12 @@ impl CallState {
 
     pub(crate) fn id(&self) -> u64 {
         self.stream.id
+    }
+
+    /// Keeps the channel's connection open while this call lives: for a call handed to its
+    /// caller, who may drop every handle on the channel before the call ends.
+    pub(crate) fn keep_channel(&mut self, channel: Arc<dyn std::any::Any + Send + Sync>) {
+        self._channel = Some(channel);
     }
 
     pub(crate) fn is_over(&self) -> bool {

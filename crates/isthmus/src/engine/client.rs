@@ -256,8 +256,13 @@ impl ShmChannel {
         first: Option<&[u8]>,
     ) -> Result<(ShmCall, bool, bool), Status> {
         let stream = mux.register(self.slot.next_stream())?;
-        let call =
-            ShmCall { state: CallState::new(stream, mux, path, keep), deadline, timer: None, reads, read_dry: false };
+        let call = ShmCall {
+            state: CallState::new(stream, mux, path, Some(keep)),
+            deadline,
+            timer: None,
+            reads,
+            read_dry: false,
+        };
         let head = open_head(path, &options.metadata, deadline.map(Instant::into_std), self.slot.agent());
         let first = first.filter(|m| request_in_head(&call.state, &head, m));
         let (f, body) = head_frame(&head, first);

@@ -224,6 +224,11 @@ impl RecvWindow {
     pub(crate) fn charge_arrival(&self, len: usize) -> bool {
         self.remaining.fetch_sub(charge(len), Ordering::AcqRel) > 0
     }
+
+    /// [`charge_arrival`](Self::charge_arrival) on a window nothing else can see yet.
+    pub(crate) fn charge_fresh(&mut self, len: usize) {
+        *self.remaining.get_mut() -= charge(len);
+    }
 }
 
 /// What the application of one call has taken and not yet given back as credit.

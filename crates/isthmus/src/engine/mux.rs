@@ -261,6 +261,12 @@ pub(crate) struct Stream {
 }
 
 impl Stream {
+    /// This stream for another holder (the tonic bridge's request body), with what the
+    /// application took and owes credit for: this one keeps nothing to give back.
+    pub(crate) fn hand_over(&mut self) -> Stream {
+        Stream { id: self.id, shared: self.shared.clone(), consumed: std::mem::take(&mut self.consumed) }
+    }
+
     /// Counts a message the application took, and gives credit back to the peer once due
     /// (one WINDOW frame per half window).
     pub(crate) fn took(&mut self, len: usize, mux: &Mux) {
@@ -307,8 +313,11 @@ pub(crate) struct StreamShared {
     pub(crate) ended: super::server::EndedBy,
     /// Trailing metadata a server call's handler set (`ServerCall::set_trailers`).
     pub(crate) trailers: Mutex<crate::metadata::MetadataMap>,
-    /// A server call's only response, held to go out inside its TRAILERS (`ServerCall::send_last`).
-    pub(crate) last: Mutex<Option<Vec<u8>>>,
+    /// Whether `trailers` was ever set: most calls' ends look at this, not take that lock.
+    pub(crate) trailers_set: std::sync::atomic::AtomicBool,
+    /// A server call's only response, held to go out inside its TRAILERS (`ServerCall::send_last`):
+    /// set once, and read in place by whoever sends the end, with no lock.
+    pub(crate) last: std::sync::OnceLock<Vec<u8>>,
 }
 
 impl StreamShared {
@@ -322,7 +331,8 @@ impl StreamShared {
             cancel: Cancel::default(),
             ended: super::server::EndedBy::default(),
             trailers: Mutex::default(),
-            last: Mutex::default(),
+            trailers_set: std::sync::atomic::AtomicBool::new(false),
+            last: std::sync::OnceLock::new(),
         }
     }
 }
@@ -1068,26 +1078,26 @@ impl Mux {
         if let Some(s) = self.dead() {
             return Err(s);
         }
-        let shared = Arc::new(StreamShared::new(self.window()));
-        // Queued before the stream is in the table, where nothing else can see it yet: one lock
-        // of the table per call, not two. A fresh window takes any first message.
+        let mut fresh = StreamShared::new(self.window());
+        // Queued before the stream is shared, let alone in the table, where nothing else can see
+        // it yet: no lock of its queue, one of the table per call. A fresh window takes any first
+        // message.
         let peer_done = last.is_some();
         if let Some(m) = last {
-            shared.recv_window.charge_arrival(m.len());
-            let no_waker = shared.inbox.push_unwoken(Event::Last(m));
-            debug_assert!(no_waker.is_none());
+            fresh.recv_window.charge_fresh(m.len());
+            fresh.inbox.push_fresh(Event::Last(m));
         }
+        let shared = Arc::new(fresh);
         let mut streams = self.streams.lock().map_err(|_| poisoned())?;
-        if streams.contains_key(&id) {
+        let std::collections::hash_map::Entry::Vacant(vacant) = streams.entry(id) else {
             return Err(Status::new(Code::Internal, format!("the peer reused open stream id {id}")));
-        }
-        let entry = Entry {
+        };
+        vacant.insert(Entry {
             born: self.batch.load(Ordering::Relaxed),
             peer_done: AtomicBool::new(peer_done),
             shared: shared.clone(),
             serving,
-        };
-        streams.insert(id, entry);
+        });
         self.open.store(streams.len(), Ordering::SeqCst);
         drop(streams);
         // The reader may have died between the check and the insert; it empties the table
@@ -1128,7 +1138,7 @@ impl Mux {
         // table is unlocked (`push`): each may wake a task.
         let (waker, ended) = {
             let Ok(mut s) = self.streams.lock() else { return };
-            let waker = s.get(&id).and_then(|entry| self.push(entry, ev));
+            let waker = s.get(&id).and_then(|entry| self.push(entry, ev, end.is_some()));
             let ended = end.and_then(|_| s.remove(&id));
             if ended.is_some() {
                 self.open.store(s.len(), Ordering::SeqCst);
@@ -1142,7 +1152,8 @@ impl Mux {
             if e.serving {
                 e.shared.cancel.fire(code);
             }
-            e.close();
+            // Its queue closed with its last event.
+            e.shared.send_window.close();
         }
     }
 
@@ -1151,14 +1162,18 @@ impl Mux {
     /// (an eventfd's write, a runtime worker's unpark), and every call of the connection, and
     /// its reader, take that lock.
     #[must_use = "the waker must be woken"]
-    fn push(&self, entry: &Entry, ev: Event) -> Option<std::task::Waker> {
+    /// `last` closes the stream's queue with the event: one lock of it, not two.
+    fn push(&self, entry: &Entry, ev: Event, last: bool) -> Option<std::task::Waker> {
         if entry.born != self.batch.load(Ordering::Relaxed) {
             self.woke.store(true, Ordering::Relaxed);
         }
         if matches!(ev, Event::HalfClose | Event::Last(_)) {
             entry.peer_done.store(true, Ordering::Relaxed);
         }
-        entry.shared.inbox.push_unwoken(ev)
+        match last {
+            true => entry.shared.inbox.push_closing(ev),
+            false => entry.shared.inbox.push_unwoken(ev),
+        }
     }
 
     /// Ends stream `id` here with `status` (its call sees it as its end) and tells the peer with a
@@ -1262,11 +1277,9 @@ impl Mux {
             // One lookup for the message and its half-close: this is every message's path.
             let s = self.streams.lock().ok()?;
             let entry = s.get(&id)?; // a stream that has ended: the message crossed its end
-            entry
-                .shared
-                .recv_window
-                .charge_arrival(message.len())
-                .then(|| self.push(entry, if half_close { Event::Last(message) } else { Event::Message(message) }))
+            entry.shared.recv_window.charge_arrival(message.len()).then(|| {
+                self.push(entry, if half_close { Event::Last(message) } else { Event::Message(message) }, false)
+            })
         };
         let Some(waker) = charged else {
             let status = Status::new(
@@ -2096,10 +2109,11 @@ impl Mux {
                     return false;
                 }
             }
-            pump.bump(false);
+            // Done: the caller steps down, which wakes the sleepers as this would (one lock).
             if ready() {
                 return false;
             }
+            pump.bump(false);
         }
     }
 

@@ -127,11 +127,53 @@ pub(crate) type BoxFuture = HandlerFuture;
 /// What answers each method: handlers by path, then the tonic services, if any.
 #[derive(Clone)]
 pub(crate) struct Methods {
-    pub(crate) by_path: HashMap<String, HandlerFn>,
+    pub(crate) by_path: HashMap<String, HandlerFn, PathKeys>,
     /// The tonic services by path prefix (`/package.Service/`).
     pub(crate) services: Vec<(String, HandlerFn)>,
     /// Takes every other path ([`Server::fallback`](crate::Server::fallback)).
     pub(crate) catch_all: Option<HandlerFn>,
+}
+
+/// Hashes method paths for [`Methods`]: eight bytes at a step (FxHash's rotate, xor and
+/// multiply), then murmur3's finalizer so the top bits that tag a bucket mix too. Unkeyed, as
+/// the table holds the server's own methods and never a key a peer chose: a peer's path is only
+/// looked up, and a lookup that collides costs a comparison. SipHash's rounds took ~20 ns of a
+/// call that costs ~1.6 µs.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct PathKeys;
+
+impl std::hash::BuildHasher for PathKeys {
+    type Hasher = PathHasher;
+
+    fn build_hasher(&self) -> PathHasher {
+        PathHasher(0)
+    }
+}
+
+/// [`PathKeys`]'s hasher.
+pub(crate) struct PathHasher(u64);
+
+impl std::hash::Hasher for PathHasher {
+    fn finish(&self) -> u64 {
+        let mut x = self.0;
+        x = (x ^ (x >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
+        x = (x ^ (x >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+        x ^ (x >> 33)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        const K: u64 = 0x517c_c1b7_2722_0a95;
+        let mut chunks = bytes.chunks_exact(8);
+        for c in &mut chunks {
+            let word = u64::from_le_bytes(c.try_into().unwrap_or_default());
+            self.0 = (self.0.rotate_left(5) ^ word).wrapping_mul(K);
+        }
+        let mut tail = [0u8; 8];
+        tail[..chunks.remainder().len()].copy_from_slice(chunks.remainder());
+        // The length too, so that a tail of zero bytes is not the same as none.
+        let last = u64::from_le_bytes(tail) ^ ((bytes.len() as u64) << 56);
+        self.0 = (self.0.rotate_left(5) ^ last).wrapping_mul(K);
+    }
 }
 
 impl Methods {
@@ -233,11 +275,12 @@ impl Future for OwnTask {
 /// a slow client holds back this handler and no other.
 pub struct ServerCall {
     id: u64,
-    /// The stream's windows, for sending.
-    shared: Arc<StreamShared>,
-    mux: Arc<Mux>,
-    /// The request side; the tonic bridge takes it to feed a service's request body.
-    requests: Option<Requests>,
+    /// The request side, whose stream (with both windows) and connection the sends use too:
+    /// one reference to each per call, not two, since taking and dropping them is on every
+    /// call's way to its reply.
+    requests: Requests,
+    /// The tonic bridge took (a copy of) the request side to feed a service's request body.
+    requests_taken: bool,
     head: wire::RequestHead,
     deadline: Option<Instant>,
     headers_sent: bool,
@@ -401,9 +444,19 @@ impl Requests {
 }
 
 impl ServerCall {
+    /// The call's stream as the reader shares it: events, windows, the end's state.
+    fn shared(&self) -> &Arc<StreamShared> {
+        &self.requests.stream.shared
+    }
+
+    /// The call's connection.
+    fn mux(&self) -> &Arc<Mux> {
+        &self.requests.mux
+    }
+
     /// The connection, for a foreign handler's thread to read while it waits for calls.
     pub(crate) fn lender(&self) -> Option<super::mux::Lender> {
-        self.mux.lender()
+        self.mux().lender()
     }
 
     /// The method path, `/package.Service/Method`.
@@ -442,15 +495,23 @@ impl ServerCall {
     /// A large message is a view into the client's shared memory, not a copy; holding it keeps
     /// that memory from the client, so drop it (or copy what you keep) when done.
     pub async fn recv(&mut self) -> Result<Option<Bytes>, Status> {
-        match &mut self.requests {
-            Some(requests) => std::future::poll_fn(|cx| requests.poll_recv(cx)).await,
-            None => Err(Status::new(Code::FailedPrecondition, "the request stream was handed to a tonic service")),
+        if self.requests_taken {
+            return Err(Status::new(Code::FailedPrecondition, "the request stream was handed to a tonic service"));
         }
+        std::future::poll_fn(|cx| self.requests.poll_recv(cx)).await
     }
 
     /// Takes the request side, for the tonic bridge; `recv` then fails.
     pub(crate) fn take_requests(&mut self) -> Option<Requests> {
-        self.requests.take()
+        if std::mem::replace(&mut self.requests_taken, true) {
+            return None;
+        }
+        let requests = &mut self.requests;
+        Some(Requests {
+            stream: requests.stream.hand_over(),
+            mux: requests.mux.clone(),
+            half_closed: requests.half_closed,
+        })
     }
 
     /// Sends empty initial metadata now unless some already went (or a message, which implies
@@ -476,7 +537,7 @@ impl ServerCall {
             let _ = metadata.append(crate::http::endpoint::REPLY_ENCODING_HEADER, encoding);
         }
         let body = wire::ResponseHead { metadata }.encode();
-        self.mux.sender.send_async(Kind::Headers, 0, self.id, &body).await.map_err(|e| Status::from_transport(&e))
+        self.mux().sender.send_async(Kind::Headers, 0, self.id, &body).await.map_err(|e| Status::from_transport(&e))
     }
 
     /// Compresses this call's response messages with `compression`, or sends them
@@ -516,25 +577,25 @@ impl ServerCall {
         self.headers_sent = true;
         // Credit owed to the client goes first: it may be waiting for it to send what this
         // handler waits for.
-        if let Some(requests) = &mut self.requests {
-            requests.stream.settle(&self.mux);
+        if !self.requests_taken {
+            self.requests.settle();
         }
-        if self.shared.send_window.starved() {
+        if self.shared().send_window.starved() {
             // The credit comes in a WINDOW frame, which someone must read (ADR 0020).
-            self.mux.need_reader();
+            self.mux().need_reader();
         }
-        match self.shared.send_window.take(flow::charge(len)).await {
+        match self.shared().send_window.take(flow::charge(len)).await {
             Credit::Taken => Ok(()),
-            _ => Err(self.mux.dead().unwrap_or_else(|| Status::new(Code::Cancelled, "the call was cancelled"))),
+            _ => Err(self.mux().dead().unwrap_or_else(|| Status::new(Code::Cancelled, "the call was cancelled"))),
         }
     }
 
     /// Sends one response message.
     pub async fn send(&mut self, message: &[u8]) -> Result<(), Status> {
-        let shared = self.shared.clone();
+        let shared = self.shared().clone();
         let mut writing = Writer::claim(&shared).await;
         self.ready_to_send(message.len()).await?;
-        self.mux.sender.send_message_async(self.id, 0, message).await.map_err(|e| Status::from_transport(&e))?;
+        self.mux().sender.send_message_async(self.id, 0, message).await.map_err(|e| Status::from_transport(&e))?;
         writing.done();
         Ok(())
     }
@@ -559,7 +620,8 @@ impl ServerCall {
         if !self.reserve_last(message.len()) {
             return false;
         }
-        *self.shared.last.lock().unwrap_or_else(std::sync::PoisonError::into_inner) = Some(message.to_vec());
+        // `reserve_last` holds once per call at most (it marks the headers sent), so this sets.
+        let _ = self.shared().last.set(message.to_vec());
         true
     }
 
@@ -570,9 +632,9 @@ impl ServerCall {
     pub(crate) fn reserve_last(&mut self, len: usize) -> bool {
         let ready = !self.headers_sent
             && self.reply_encoding.is_none()
-            && self.mux.one_frame()
-            && len + wire::PLAIN_TRAILERS_LEN <= self.mux.sender.inline_max()
-            && self.shared.send_window.try_take(flow::charge(len)) == Credit::Taken;
+            && self.mux().one_frame()
+            && len + wire::PLAIN_TRAILERS_LEN <= self.mux().sender.inline_max()
+            && self.shared().send_window.try_take(flow::charge(len)) == Credit::Taken;
         // The message implies empty initial metadata (protocol 13.7, rule 2).
         self.headers_sent |= ready;
         ready
@@ -583,11 +645,11 @@ impl ServerCall {
     /// of the call is under way. False, with nothing sent, otherwise ([`send`](Self::send) then
     /// waits as it must). A foreign thread's unary reply goes this way with no future polled.
     pub(crate) fn try_send_now(&mut self, message: &[u8]) -> bool {
-        let (sender, id) = (&self.mux.sender, self.id);
+        let (sender, id) = (&self.mux().sender, self.id);
         // A choice of compression goes in HEADERS first, which `send` sends.
         let sent = (self.headers_sent || self.reply_encoding.is_none())
             && message.len() <= sender.inline_max()
-            && push_now(&self.shared, Writer::HANDLER, message.len(), || {
+            && push_now(self.shared(), Writer::HANDLER, message.len(), || {
                 matches!(sender.try_send(Kind::Message, 0, id, message), Ok(true))
             });
         // The first message implies empty initial metadata (protocol 13.7, rule 2).
@@ -607,25 +669,25 @@ impl ServerCall {
     /// # }
     /// ```
     pub async fn alloc(&mut self, len: usize) -> Result<BlockMut, Status> {
-        self.mux.sender.alloc_async(len).await.map_err(|e| Status::from_transport(&e))
+        self.mux().sender.alloc_async(len).await.map_err(|e| Status::from_transport(&e))
     }
 
     /// [`alloc`](Self::alloc) without waiting: `None` while the arena has no room for `len`
     /// bytes, for a handler on an event loop's thread that must not wait (it can build its
     /// reply elsewhere and send it as a copy).
     pub fn try_alloc(&mut self, len: usize) -> Result<Option<BlockMut>, Status> {
-        self.mux.sender.try_alloc(len).map_err(|e| Status::from_transport(&e))
+        self.mux().sender.try_alloc(len).map_err(|e| Status::from_transport(&e))
     }
 
     /// Sends a block from [`alloc`](Self::alloc) as one response message, as it is.
     pub async fn send_block(&mut self, block: BlockMut) -> Result<(), Status> {
-        if !self.mux.sender.owns(&block) {
+        if !self.mux().sender.owns(&block) {
             return Err(super::client::foreign_block());
         }
-        let shared = self.shared.clone();
+        let shared = self.shared().clone();
         let mut writing = Writer::claim(&shared).await;
         self.ready_to_send(block.len()).await?;
-        self.mux.sender.send_block_async(self.id, 0, block).await.map_err(|e| Status::from_transport(&e))?;
+        self.mux().sender.send_block_async(self.id, 0, block).await.map_err(|e| Status::from_transport(&e))?;
         writing.done();
         Ok(())
     }
@@ -634,7 +696,7 @@ impl ServerCall {
     /// a call that would never end on its own (a [`Topic`](crate::Topic)'s subscription)
     /// ends on it, and the shutdown need not wait out its grace.
     pub(crate) fn going_away(&self) -> GoingAway {
-        GoingAway(self.mux.clone())
+        GoingAway(self.mux().clone())
     }
 
     /// The shared arena of the listener this call came through: a block of it
@@ -642,23 +704,23 @@ impl ServerCall {
     /// [`send_shared`](Self::send_shared), each client reading it in place. `None` for a server
     /// configured without one.
     pub fn shared_arena(&self) -> Option<&SharedArena> {
-        self.mux.sender.shared_arena()
+        self.mux().sender.shared_arena()
     }
 
     /// The largest message this call's connection copies into its ring rather than sending
     /// a block (its `inline_max`).
     pub(crate) fn inline_max(&self) -> usize {
-        self.mux.sender.inline_max()
+        self.mux().sender.inline_max()
     }
 
     /// Sends a block of a shared arena as one response message: by reference if it is this
     /// call's [`shared_arena`](Self::shared_arena) and the client does not hold it already, else
     /// as a copy. [`Topic`](crate::Topic) uses this to write a message once for every subscriber.
     pub async fn send_shared(&mut self, block: &SharedBlock) -> Result<(), Status> {
-        let shared = self.shared.clone();
+        let shared = self.shared().clone();
         let mut writing = Writer::claim(&shared).await;
         self.ready_to_send(block.len()).await?;
-        self.mux.sender.send_shared_async(self.id, 0, block).await.map_err(|e| Status::from_transport(&e))?;
+        self.mux().sender.send_shared_async(self.id, 0, block).await.map_err(|e| Status::from_transport(&e))?;
         writing.done();
         Ok(())
     }
@@ -669,13 +731,14 @@ impl ServerCall {
     /// generated client waits for them to return the stream; so does grpc-go's `Header()`).
     pub(crate) async fn direct(&mut self) -> Result<Direct, Status> {
         self.flush_headers().await?;
-        Ok(Direct { sender: self.mux.sender.clone(), id: self.id, shared: self.shared.clone() })
+        Ok(Direct { sender: self.mux().sender.clone(), id: self.id, shared: self.shared().clone() })
     }
 
     /// Trailing metadata to send with the final status (OK or not).
     pub fn set_trailers(&self, metadata: MetadataMap) {
-        if let Ok(mut t) = self.shared.trailers.lock() {
+        if let Ok(mut t) = self.shared().trailers.lock() {
             *t = metadata;
+            self.shared().trailers_set.store(true, Ordering::Release);
         }
     }
 
@@ -687,17 +750,17 @@ impl ServerCall {
     /// deadline, the client's cancel, or an earlier `end_now`). `last`, made ready with
     /// [`reserve_last`](Self::reserve_last) (or one held), goes inside the status: one frame.
     pub(crate) fn end_now(&self, status: Status, last: Option<&[u8]>) -> bool {
-        if !self.shared.ended.claim(EndedBy::HANDLER) {
+        if !self.shared().ended.claim(EndedBy::HANDLER) {
             return false;
         }
-        let status = with_set_trailers(status, &self.shared.trailers);
+        let status = with_set_trailers(status, self.shared());
         // Closed once the end has gone, as `run_call` does.
-        let _unlisted = self.mux.unlist(self.id);
-        self.mux.calls.finish(status.code());
-        let (mux, id, body) = (self.mux.clone(), self.id, wire::encode_trailers(&status));
+        let _unlisted = self.mux().unlist(self.id);
+        self.mux().calls.finish(status.code());
+        let (mux, id, body) = (self.mux().clone(), self.id, wire::encode_trailers(&status));
         // A message given here was never held (`try_reply`): no lock to take for it.
-        let held = if last.is_none() { self.shared.last.lock().ok().and_then(|mut l| l.take()) } else { None };
-        let last = last.or(held.as_deref());
+        let held = if last.is_none() { self.shared().last.get() } else { None };
+        let last = last.or(held.map(Vec::as_slice));
         // Straight onto the ring when it has room (the common case): no future, no runtime.
         if try_send_end(&mux.sender, id, &body, last) {
             return true;
@@ -867,8 +930,12 @@ impl Drop for Writer<'_> {
 }
 
 /// `status` with the trailing metadata set by `set_trailers` after its own.
-fn with_set_trailers(status: Status, trailers: &Mutex<MetadataMap>) -> Status {
-    let set = trailers.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
+fn with_set_trailers(status: Status, shared: &StreamShared) -> Status {
+    // The handler set its trailers before it returned or ended the call, which is before this.
+    if !shared.trailers_set.load(Ordering::Acquire) {
+        return status;
+    }
+    let set = shared.trailers.lock().map(|mut t| std::mem::take(&mut *t)).unwrap_or_default();
     if set.is_empty() {
         status
     } else {
@@ -1116,7 +1183,9 @@ fn run_call(
             }
             Err(status) => Some(status),
         };
-        recorder.record("code", tracing::field::debug(status.as_ref().map_or(shared.cancel.code(), |s| s.code())));
+        // The cancel's code (under its lock) only for a call without a status.
+        let code = status.as_ref().map_or_else(|| shared.cancel.code(), Status::code);
+        recorder.record("code", tracing::field::debug(code));
         if !shared.ended.claim(EndedBy::ENGINE) {
             // The handler sent the end itself (`ServerCall::end_now`), which counted it; or the
             // reader did, which counts it not.
@@ -1133,10 +1202,10 @@ fn run_call(
                 let unlisted = mux.unlist(id);
                 mux.calls.finish(status.code());
                 let body = wire::encode_trailers(&status);
-                let last = shared.last.lock().ok().and_then(|mut l| l.take());
+                let last = shared.last.get().map(Vec::as_slice);
                 // Waiting for ring room is rare: its future, boxed, keeps every call's small.
-                if !try_send_end(&mux.sender, id, &body, last.as_deref()) {
-                    Box::pin(send_end(&mux.sender, id, &body, last.as_deref())).await;
+                if !try_send_end(&mux.sender, id, &body, last) {
+                    Box::pin(send_end(&mux.sender, id, &body, last)).await;
                 }
                 drop(unlisted);
             }
@@ -1173,9 +1242,8 @@ fn begin_call(
     let deadline = head.timeout.map(|t| arrived.unwrap_or_else(Instant::now) + t);
     let call = ServerCall {
         id: stream.id,
-        shared: stream.shared.clone(),
-        mux: mux.clone(),
-        requests: Some(Requests { stream, mux: mux.clone(), half_closed: false }),
+        requests: Requests { stream, mux: mux.clone(), half_closed: false },
+        requests_taken: false,
         head,
         deadline,
         headers_sent: false,
@@ -1195,7 +1263,7 @@ fn outcome_status(outcome: Outcome, shared: &StreamShared) -> Option<Status> {
         Outcome::Cancelled => return None,
     };
     // Trailers set on the call go after any the returned status carries.
-    Some(with_set_trailers(status, &shared.trailers))
+    Some(with_set_trailers(status, shared))
 }
 
 enum Outcome {
@@ -1258,7 +1326,23 @@ async fn supervise(fut: BoxFuture, deadline: Option<Instant>, cancelled: &Cancel
 
 #[cfg(test)]
 mod tests {
-    use super::Pace;
+    use std::hash::BuildHasher;
+
+    use super::{Pace, PathKeys};
+
+    /// Paths that differ anywhere (in a full eight-byte word, in the tail, or only in length by
+    /// trailing zero bytes) hash apart, and the same path alike.
+    #[test]
+    fn paths_hash_apart() {
+        let paths = ["/a.B/C", "/a.B/D", "/pkg.Service/Method", "/pkg.Servicf/Method", "/x", "/x\0", "/x\0\0", ""];
+        let hashes: Vec<u64> = paths.iter().map(|p| PathKeys.hash_one(p)).collect();
+        for (i, a) in hashes.iter().enumerate() {
+            for b in &hashes[i + 1..] {
+                assert_ne!(a, b, "{paths:?}");
+            }
+        }
+        assert_eq!(PathKeys.hash_one("/pkg.Service/Method"), hashes[2]);
+    }
 
     const SLOW: u64 = Pace::SLOW;
 
