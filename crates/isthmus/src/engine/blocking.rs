@@ -13,7 +13,7 @@
 //!   interrupted), and the connection is read by the threads waiting in its calls
 //!   (`Mux::driven`, `Mux::wait`). Between calls nobody reads: frames from the server stay in
 //!   the ring (once it is full, the server's sends wait). A call that
-//!   starts after a pause of 1 ms or more first looks at the socket (one non-blocking system
+//!   starts after a pause of about 1 ms or more (`STALE_TICKS`) first looks at the socket (one non-blocking system
 //!   call), so a server that died meanwhile is noticed before the call goes out, and the call
 //!   connects anew; a GOAWAY, or a death between calls closer together, is noticed by the next
 //!   call, which fails UNAVAILABLE, and the call after it connects anew.
@@ -237,7 +237,7 @@ impl Inner {
 ///
 /// Counted in time-stamp counts, not read from the clock: a clock read (~20 ns) was on every
 /// call's way out. The counter runs at 1-4 GHz, so this is 0.25-1 ms (1 ms where the counts are
-/// nanoseconds), and a count that went back (read on another core) checks too.
+/// nanoseconds), either way: threads sharing the channel store their counts in any order.
 const STALE_TICKS: u64 = 1_000_000;
 
 /// A connection to one server for blocking code. Cheap to clone and to share between threads;
@@ -366,10 +366,11 @@ impl Channel {
     fn check_if_stale(&self) {
         let now = isthmus_shm::ticks();
         // A load and a store, not a swap: threads racing here at worst both check, or neither
-        // for a call that came right after another anyway.
+        // for a call that came right after another anyway. Another thread may have stored a
+        // later count just before: only a gap that large either way is a pause.
         let last = self.inner.last_start.load(Ordering::Relaxed);
         self.inner.last_start.store(now, Ordering::Relaxed);
-        if now < last || now - last >= STALE_TICKS {
+        if now.abs_diff(last) >= STALE_TICKS {
             self.check_alive();
         }
     }
@@ -732,7 +733,8 @@ impl Channel {
             ));
         }
         let len = request.len();
-        let mut call = self.start(path, options)?;
+        // Not `start`: `PendingUnary::new` keeps the channel.
+        let mut call = self.start_by(path, &options, None).map_err(|e| e.unwrap_or_else(no_room))?;
         call.send_block(request, true)?;
         Ok(PendingUnary::new(call, path, len, self.inner.clone()))
     }

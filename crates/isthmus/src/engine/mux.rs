@@ -261,7 +261,8 @@ pub(crate) struct Stream {
 }
 
 impl Stream {
-    /// This stream for another holder (the tonic bridge's request body), with what the
+    /// This stream for another holder (the tonic bridge's request body, a foreign handler's
+    /// requests), with what the
     /// application took and owes credit for: this one keeps nothing to give back.
     pub(crate) fn hand_over(&mut self) -> Stream {
         Stream { id: self.id, shared: self.shared.clone(), consumed: std::mem::take(&mut self.consumed) }

@@ -279,7 +279,8 @@ pub struct ServerCall {
     /// one reference to each per call, not two, since taking and dropping them is on every
     /// call's way to its reply.
     requests: Requests,
-    /// The tonic bridge took (a copy of) the request side to feed a service's request body.
+    /// (A copy of) the request side was taken: by the tonic bridge for a service's request body,
+    /// or for a foreign handler's requests.
     requests_taken: bool,
     head: wire::RequestHead,
     deadline: Option<Instant>,
@@ -501,7 +502,7 @@ impl ServerCall {
         std::future::poll_fn(|cx| self.requests.poll_recv(cx)).await
     }
 
-    /// Takes the request side, for the tonic bridge; `recv` then fails.
+    /// Takes the request side, for the tonic bridge or a foreign handler; `recv` then fails.
     pub(crate) fn take_requests(&mut self) -> Option<Requests> {
         if std::mem::replace(&mut self.requests_taken, true) {
             return None;
