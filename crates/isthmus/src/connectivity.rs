@@ -150,6 +150,11 @@ impl Tracker {
     /// is told, as of a connection that was up.
     pub(crate) fn ended_unready(&self) {
         self.failed();
+        self.ended();
+    }
+
+    /// Tells whoever watches [`ends`](Self::ends) that a connection closed.
+    fn ended(&self) {
         self.ends.send_modify(|n| *n += 1);
     }
 
@@ -221,7 +226,7 @@ impl Drop for Live {
     fn drop(&mut self) {
         self.tracker.not_ready(Some(self.generation));
         // After the state, which whoever this wakes looks at.
-        self.tracker.ends.send_modify(|n| *n += 1);
+        self.tracker.ended();
     }
 }
 

@@ -107,9 +107,8 @@ fn a_server_that_answers_in_http1_never_makes_the_channel_ready() {
     // An HTTP/1 server answers the client's preface with a 400 and closes. Only a SETTINGS
     // frame first makes the channel READY: a call that waits for READY is not sent there and
     // ends at its own deadline. (Any first bytes made it READY, and the call failed INTERNAL.)
-    let listener = TcpListener::bind("127.0.0.1:0").expect("bind");
+    let (listener, addr) = silent_server();
     listener.set_nonblocking(true).expect("nonblocking");
-    let addr = listener.local_addr().expect("address").to_string();
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let answering = {
         let stop = stop.clone();

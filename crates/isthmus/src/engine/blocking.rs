@@ -733,8 +733,7 @@ impl Channel {
             ));
         }
         let len = request.len();
-        // Not `start`: `PendingUnary::new` keeps the channel.
-        let mut call = self.start_by(path, &options, None).map_err(|e| e.unwrap_or_else(no_room))?;
+        let mut call = self.start(path, options)?;
         call.send_block(request, true)?;
         Ok(PendingUnary::new(call, path, len, self.inner.clone()))
     }

@@ -81,21 +81,23 @@ impl Inbox {
 
     /// Queues an event and wakes the call waiting for it. Events after `close` are dropped.
     pub(crate) fn push(&self, ev: Event) {
-        if let Some(w) = self.push_unwoken(ev) {
+        if let Some(w) = self.push_unwoken(ev, false) {
             w.wake();
         }
     }
 
     /// Queues an event; the waker of the call waiting for it, for the caller to wake once it
     /// holds no lock: a wake-up may make a system call (an eventfd's write, a worker's unpark),
-    /// which must not keep a connection's stream table locked.
+    /// which must not keep a connection's stream table locked. `close`: the stream's last event,
+    /// and [`close`](Self::close) with it, in the same look.
     #[must_use = "the waker must be woken"]
-    pub(crate) fn push_unwoken(&self, ev: Event) -> Option<Waker> {
+    pub(crate) fn push_unwoken(&self, ev: Event, close: bool) -> Option<Waker> {
         let mut st = self.state();
         if st.closed {
             return None;
         }
         st.events.push_back(ev);
+        st.closed = close;
         self.mark(&st);
         st.waker.take()
     }
@@ -105,19 +107,6 @@ impl Inbox {
         let st = self.state.get_mut().unwrap_or_else(std::sync::PoisonError::into_inner);
         st.events.push_back(ev);
         *self.ready.get_mut() = true;
-    }
-
-    /// [`push_unwoken`](Self::push_unwoken) for the stream's last event, and
-    /// [`close`](Self::close) with it.
-    #[must_use = "the waker must be woken"]
-    pub(crate) fn push_closing(&self, ev: Event) -> Option<Waker> {
-        let mut st = self.state();
-        if !st.closed {
-            st.events.push_back(ev);
-            st.closed = true;
-        }
-        self.mark(&st);
-        st.waker.take()
     }
 
     /// No more events will come; the call drains what is queued, then sees the end.
@@ -181,17 +170,17 @@ mod tests {
     fn is_ready_follows_the_queue_through_each_change() {
         let inbox = Inbox::default();
         assert!(!inbox.is_ready(), "a new queue is empty");
-        assert!(inbox.push_unwoken(Event::Message(Bytes::from_static(b"a"))).is_none());
+        assert!(inbox.push_unwoken(Event::Message(Bytes::from_static(b"a")), false).is_none());
         assert!(inbox.is_ready(), "an event came");
         assert!(matches!(inbox.try_recv(), Ok(Event::Message(_))));
         assert!(!inbox.is_ready(), "it was taken");
         assert_eq!(inbox.try_recv().err(), Some(Empty::Now));
-        assert!(inbox.push_closing(Event::End(Status::ok())).is_none());
+        assert!(inbox.push_unwoken(Event::End(Status::ok()), true).is_none());
         assert!(inbox.is_ready(), "the last event came");
         assert!(matches!(inbox.try_recv(), Ok(Event::End(_))));
         assert!(inbox.is_ready(), "taken, the end is still there to see");
         assert_eq!(inbox.try_recv().err(), Some(Empty::Closed));
-        assert!(inbox.push_unwoken(Event::HalfClose).is_none());
+        assert!(inbox.push_unwoken(Event::HalfClose, false).is_none());
         assert_eq!(inbox.try_recv().err(), Some(Empty::Closed), "nothing is queued after the end");
 
         let mut fresh = Inbox::default();

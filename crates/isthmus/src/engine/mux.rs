@@ -262,8 +262,8 @@ pub(crate) struct Stream {
 
 impl Stream {
     /// This stream for another holder (the tonic bridge's request body, a foreign handler's
-    /// requests), with what the
-    /// application took and owes credit for: this one keeps nothing to give back.
+    /// requests), with what the application took and owes credit for: this one keeps nothing
+    /// to give back.
     pub(crate) fn hand_over(&mut self) -> Stream {
         Stream { id: self.id, shared: self.shared.clone(), consumed: std::mem::take(&mut self.consumed) }
     }
@@ -411,11 +411,16 @@ impl Hasher for IdHasher {
     }
 
     fn write_u64(&mut self, id: u64) {
-        let mut x = id ^ self.key;
-        x = (x ^ (x >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
-        x = (x ^ (x >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-        self.state = x ^ (x >> 33);
+        self.state = fmix64(id ^ self.key);
     }
+}
+
+/// murmur3's 64-bit finalizer: every input bit reaches every output bit, the low ones that pick
+/// a bucket and the top 7 that tag it (also [`PathHasher`](super::server::PathHasher)'s end).
+pub(crate) fn fmix64(mut x: u64) -> u64 {
+    x = (x ^ (x >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
+    x = (x ^ (x >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
+    x ^ (x >> 33)
 }
 
 /// One open stream: where its events go, its windows, and (server side) who to tell of a
@@ -1171,10 +1176,7 @@ impl Mux {
         if matches!(ev, Event::HalfClose | Event::Last(_)) {
             entry.peer_done.store(true, Ordering::Relaxed);
         }
-        match last {
-            true => entry.shared.inbox.push_closing(ev),
-            false => entry.shared.inbox.push_unwoken(ev),
-        }
+        entry.shared.inbox.push_unwoken(ev, last)
     }
 
     /// Ends stream `id` here with `status` (its call sees it as its end) and tells the peer with a

@@ -155,10 +155,7 @@ pub(crate) struct PathHasher(u64);
 
 impl std::hash::Hasher for PathHasher {
     fn finish(&self) -> u64 {
-        let mut x = self.0;
-        x = (x ^ (x >> 33)).wrapping_mul(0xff51_afd7_ed55_8ccd);
-        x = (x ^ (x >> 33)).wrapping_mul(0xc4ce_b9fe_1a85_ec53);
-        x ^ (x >> 33)
+        super::mux::fmix64(self.0)
     }
 
     fn write(&mut self, bytes: &[u8]) {

@@ -987,11 +987,12 @@ pub(crate) fn connector(
         Box::pin(async move {
             // A timeout too long for the clock (a caller's "forever") bounds nothing.
             let deadline = tokio::time::Instant::now().checked_add(timeout);
+            let opening = open(target, tls, peer, deadline);
             let opened = match deadline {
-                Some(d) => tokio::time::timeout_at(d, open(target, tls, peer, deadline))
+                Some(d) => tokio::time::timeout_at(d, opening)
                     .await
                     .unwrap_or_else(|_| Err(past_connect_timeout("no connection", timeout))),
-                None => open(target, tls, peer, None).await,
+                None => opening.await,
             };
             match opened {
                 Ok(io) => {
@@ -1088,7 +1089,8 @@ struct Waiting {
 /// The error of a connection that did not come up within the connect timeout: `what` did not
 /// happen within it.
 fn past_connect_timeout(what: &str, timeout: std::time::Duration) -> std::io::Error {
-    std::io::Error::new(std::io::ErrorKind::TimedOut, format!("{what} within the connect timeout ({timeout:?})"))
+    let words = format!("{what} within the connect timeout ({timeout:?})");
+    std::io::Error::new(std::io::ErrorKind::TimedOut, super::tls::Worded(words))
 }
 
 impl Waiting {

@@ -228,19 +228,15 @@ impl ServerTlsConfig {
     }
 }
 
-/// Says in words why a TLS handshake failed, if a rustls error (or one already put in words)
-/// is in `error`'s chain, directly or inside an I/O error; or that the connection did not come
-/// up within the connect timeout (the connector's `TimedOut`).
+/// Says in words why a TLS handshake failed, if a rustls error (or one already put in words,
+/// [`Worded`]: the connect timeout's too) is in `error`'s chain, directly or inside an I/O
+/// error.
 pub(crate) fn describe(error: &(dyn std::error::Error + 'static)) -> Option<String> {
     fn words(e: &(dyn std::error::Error + 'static)) -> Option<String> {
         if let Some(tls) = e.downcast_ref::<rustls::Error>() {
             return Some(describe_rustls(tls));
         }
-        if let Some(io) = e.downcast_ref::<std::io::Error>().filter(|io| io.kind() == std::io::ErrorKind::TimedOut) {
-            // The connector's own words for its connect timeout.
-            return Some(io.to_string());
-        }
-        e.downcast_ref::<TlsFailure>().map(|worded| worded.0.clone())
+        e.downcast_ref::<Worded>().map(|worded| worded.0.clone())
     }
     let mut next = Some(error);
     while let Some(e) = next {
@@ -303,22 +299,22 @@ pub(crate) struct ClientTls {
     at: usize,
 }
 
-/// A TLS failure put in words, carried inside the I/O errors that reach hyper and tonic, so
-/// that `describe` finds it again at the call's end.
+/// A failure put in words (a TLS handshake's, or the connect timeout's), carried inside the I/O
+/// errors that reach hyper and tonic, so that `describe` finds it again at the call's end.
 #[derive(Debug)]
-struct TlsFailure(String);
+pub(crate) struct Worded(pub(crate) String);
 
-impl std::fmt::Display for TlsFailure {
+impl std::fmt::Display for Worded {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)
     }
 }
 
-impl std::error::Error for TlsFailure {}
+impl std::error::Error for Worded {}
 
 fn worded(e: std::io::Error) -> std::io::Error {
     match describe(&e) {
-        Some(words) => std::io::Error::new(e.kind(), TlsFailure(words)),
+        Some(words) => std::io::Error::new(e.kind(), Worded(words)),
         None => e,
     }
 }
@@ -399,7 +395,7 @@ pub(crate) async fn connect(
     let closed = || {
         std::io::Error::new(
             std::io::ErrorKind::ConnectionAborted,
-            TlsFailure(
+            Worded(
                 "TLS: the server closed the connection right after the handshake, as servers that require a \
                  client certificate do when none they trust was sent"
                     .into(),
