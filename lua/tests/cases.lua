@@ -71,6 +71,14 @@ function _M.set_calls(target, sleep_ms)
     return cjson.encode(out)
 end
 
+-- From a TLS handshake's `ssl_*_by_lua` phase: a unary call the server answers after
+-- `sleep_ms` (no spin catches its reply), and what it ended with, kept in the shared dict under
+-- "ssl <phase>" for the server's location to answer.
+function _M.ssl_call(target, sleep_ms)
+    local ok, r = channel(target):unary(ECHO .. "Unary", { sleep_ms = sleep_ms, seq = 96 })
+    ngx.shared.isthmus_tests:set("ssl " .. ngx.get_phase(), ok and "OK" or r.name)
+end
+
 -- A bidi stream with no timeout, started from content_by_lua (a phase that yields), and a
 -- receive on it from header_filter_by_lua (one that cannot): the server never answers, as it
 -- waits for a request. What the receive ended with goes into the header X-Step.

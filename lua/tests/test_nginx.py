@@ -15,6 +15,7 @@ import re
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import threading
@@ -871,6 +872,17 @@ local isthmus = require "resty.isthmus"
     return out.stdout.split()
 
 
+def test_init_refuses_an_ssl_yield_that_is_not_a_boolean() -> None:
+    """`init{ ssl_yield = ... }` takes true or false; anything else is an error that names it,
+    and leaves the module as it was."""
+    body = f"""
+local ok, err = pcall(isthmus.init, {{ lib = "{library()}", ssl_yield = "yes" }})
+print(ok, (tostring(err):find("ssl_yield is true or false, not yes", 1, true)) ~= nil)
+print(isthmus.init{{ lib = "{library()}", ssl_yield = false }})
+"""
+    assert _plain_luajit(body) == ["false", "true", "true"]
+
+
 def test_plain_luajit_blocks_instead(servers: Callable[[str], Served]) -> None:
     """Outside nginx the same module's calls block: a LuaJIT script against a real server."""
     target = servers("rust").addresses["shm"]
@@ -936,6 +948,45 @@ def cert_dir() -> Iterator[Path]:
         Path(d, "elsewhere.crt").write_bytes(pems.wrong_host_server.cert)
         Path(d, "elsewhere.key").write_bytes(pems.wrong_host_server.key)
         yield Path(d)
+
+
+def test_calls_from_the_tls_handshakes_phases_finish_the_handshake(stubs: Path, cert_dir: Path) -> None:
+    """A call from `ssl_client_hello_by_lua` or `ssl_certificate_by_lua` whose reply is not
+    in at once. Yielding there hands OpenSSL a retry that only an nginx core patched for that
+    callback resumes: Debian's has the patch for the certificate's phase, not for the client
+    hello's, where the module yielded all the same and the handshake failed. Now it blocks
+    there (`init{ ssl_yield = true }` for a patched core): both calls end OK and the page is
+    served over the handshake they were made in."""
+    served = serve("rust", ["shm"], stubs)
+    try:
+        port = conftest.free_port()
+        target = served.addresses["shm"]
+        own = Nginx(
+            http_extra=f"""
+    server {{
+        listen 127.0.0.1:{port} ssl;
+        ssl_certificate {cert_dir / "server.crt"};
+        ssl_certificate_key {cert_dir / "server.key"};
+        ssl_client_hello_by_lua_block {{ require("cases").ssl_call("{target}", 50) }}
+        ssl_certificate_by_lua_block {{ require("cases").ssl_call("{target}", 50) }}
+        location = /ssl {{
+            content_by_lua_block {{
+                local seen = ngx.shared.isthmus_tests
+                ngx.say(seen:get("ssl ssl_client_hello"), " ", seen:get("ssl ssl_cert"))
+            }}
+        }}
+    }}"""
+        )
+        try:
+            tls = ssl.create_default_context(cafile=str(cert_dir / "ca"))
+            url = f"https://127.0.0.1:{port}/ssl"
+            with urllib.request.urlopen(url, context=tls, timeout=PATIENCE) as reply:
+                assert reply.read() == b"OK OK\n"
+            assert own.logged_errors() == []
+        finally:
+            own.close()
+    finally:
+        served.close()
 
 
 class HttpsPeer:

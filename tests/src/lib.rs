@@ -125,6 +125,107 @@ impl Drop for FullBacklog {
     }
 }
 
+/// A TCP proxy to `upstream` for tests of a network that misbehaves. It accepts at once and,
+/// once open, forwards both ways. Held (made by [`TcpProxy::held`]) it leaves what each client
+/// sends unread until [`TcpProxy::open`] (a TLS handshake then waits, its ClientHello in the
+/// socket, as on a slow network). Frozen ([`TcpProxy::freeze`]) it reads what either side sends
+/// and drops it, keeping every socket open: to both ends the connection is up and the other
+/// side silent.
+#[derive(Debug)]
+pub struct TcpProxy {
+    /// `127.0.0.1:PORT`, to connect to.
+    pub addr: String,
+    open: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    frozen: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    acceptor: Option<std::thread::JoinHandle<()>>,
+}
+
+impl TcpProxy {
+    /// A proxy that forwards from the start.
+    pub fn to(upstream: String) -> TcpProxy {
+        let proxy = TcpProxy::held(upstream);
+        proxy.open();
+        proxy
+    }
+
+    /// A proxy that holds its connections until [`TcpProxy::open`].
+    pub fn held(upstream: String) -> TcpProxy {
+        use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+        use std::sync::Arc;
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
+        listener.set_nonblocking(true).expect("nonblocking");
+        let addr = listener.local_addr().expect("address").to_string();
+        let (open, frozen, stop) =
+            (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
+        let (o, f, s) = (open.clone(), frozen.clone(), stop.clone());
+        let acceptor = std::thread::spawn(move || {
+            let mut waiting = Vec::new();
+            while !s.load(SeqCst) {
+                match listener.accept() {
+                    Ok((client, _)) => waiting.push(client),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(5))
+                    }
+                    Err(e) => panic!("accept: {e}"),
+                }
+                if !o.load(SeqCst) {
+                    continue;
+                }
+                for client in waiting.drain(..) {
+                    client.set_nonblocking(false).expect("blocking");
+                    let server = std::net::TcpStream::connect(&upstream).expect("connect upstream");
+                    for (from, to) in [(&client, &server), (&server, &client)] {
+                        let (from, to, f) =
+                            (from.try_clone().expect("clone"), to.try_clone().expect("clone"), f.clone());
+                        std::thread::spawn(move || pump(from, to, &f));
+                    }
+                }
+            }
+        });
+        TcpProxy { addr, open, frozen, stop, acceptor: Some(acceptor) }
+    }
+
+    /// Forwards the connections held so far and every later one.
+    pub fn open(&self) {
+        self.open.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Drops what either side sends (`true`), or forwards it again (`false`).
+    pub fn freeze(&self, on: bool) {
+        self.frozen.store(on, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Drop for TcpProxy {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
+        if let Some(a) = self.acceptor.take() {
+            let _ = a.join();
+        }
+    }
+}
+
+/// Copies `from` to `to` while the proxy is not frozen, drops what comes while it is; ends both
+/// when either side closes. (Its sockets close with the test's peer and channel.)
+fn pump(mut from: std::net::TcpStream, mut to: std::net::TcpStream, frozen: &std::sync::atomic::AtomicBool) {
+    use std::io::{Read, Write};
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        match from.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) if !frozen.load(std::sync::atomic::Ordering::SeqCst) => {
+                if to.write_all(&buf[..n]).is_err() {
+                    break;
+                }
+            }
+            Ok(_) => {}
+        }
+    }
+    let _ = from.shutdown(std::net::Shutdown::Both);
+    let _ = to.shutdown(std::net::Shutdown::Both);
+}
+
 /// Runs a test body on a fresh [`runtime`] under a 120 s watchdog: a hang fails instead of
 /// stalling the suite.
 pub fn run<F: std::future::Future<Output = ()>>(f: F) {

@@ -213,6 +213,15 @@ local function load(path)
     return C
 end
 
+-- Phases in which a coroutine may yield on a semaphore (others block instead). Yielding in an
+-- `ssl_*` phase hands OpenSSL a "retry" that only an nginx core with OpenResty's patch for that
+-- callback can resume: Debian's nginx carries the one for `ssl_certificate_by_lua`
+-- (ssl_cert_cb_yield) and not those for `ssl_client_hello_by_lua` and
+-- `ssl_session_fetch_by_lua`, where a yield fails the TLS handshake. Those two block unless
+-- `init{ ssl_yield = true }` says the core has their patches (OpenResty's own builds).
+local YIELDABLE = { rewrite = true, server_rewrite = true, access = true, content = true, timer = true,
+    ssl_cert = true, preread = true }
+
 -- The deadline, in seconds, of a call or wait that blocks the worker (a phase that cannot
 -- yield) and whose options name none: as a cosocket's default timeouts, no wait of the worker
 -- is unbounded (a server that hangs would hang it). `init{ blocking_timeout = s }` sets it.
@@ -221,8 +230,17 @@ local blocking_timeout = 60
 --- Loads the C library from `opts.lib` (a path) now instead of on first use, and sets
 --- `opts.blocking_timeout`, the deadline in seconds of a call that blocks an nginx worker
 --- (made in a phase that cannot yield) and names none (default 60; `math.huge` for none).
---- Returns true.
+--- `opts.ssl_yield = true` lets calls yield in `ssl_client_hello_by_lua` and
+--- `ssl_session_fetch_by_lua` too, on an nginx core patched for it (OpenResty's builds; not
+--- Debian's, where they block). Returns true.
 function _M.init(opts)
+    if opts ~= nil and opts.ssl_yield ~= nil then
+        if type(opts.ssl_yield) ~= "boolean" then
+            error("resty.isthmus: ssl_yield is true or false, not " .. tostring(opts.ssl_yield), 2)
+        end
+        YIELDABLE.ssl_client_hello = opts.ssl_yield or nil
+        YIELDABLE.ssl_session_fetch = opts.ssl_yield or nil
+    end
     if opts ~= nil and opts.blocking_timeout ~= nil then
         local t = opts.blocking_timeout
         if type(t) ~= "number" or t ~= t or t <= 0 then
@@ -683,10 +701,6 @@ end
 ---------------------------------------------------------------------------------------------
 -- Waiting inside nginx: a completion queue, rung through a cosocket, and a semaphore per call
 ---------------------------------------------------------------------------------------------
-
--- Phases in which a coroutine may yield on a semaphore (others block instead).
-local YIELDABLE = { rewrite = true, server_rewrite = true, access = true, content = true, timer = true,
-    ssl_cert = true, ssl_session_fetch = true, ssl_client_hello = true, preread = true }
 
 -- The phase a coroutine may yield in now, or nil where it must block. (In a VM of
 -- ngx.run_worker_thread, `ngx` has no get_phase: such a thread may block.)

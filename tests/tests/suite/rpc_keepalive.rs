@@ -4,98 +4,22 @@
 //! The silence is made by a TCP proxy between the client and `rpc-peer` that stops forwarding
 //! while keeping both sockets open.
 
-use std::io::{Read, Write};
-use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
 use std::time::Duration;
 
 use isthmus::{CallOptions, Channel, Code, Keepalive};
-use isthmus_tests::{run, OnDrop, Peer};
-
-/// A TCP proxy to `upstream` that forwards both ways until it is frozen. Frozen, it reads what
-/// either side sends and drops it, and keeps every socket open: to both ends the connection is
-/// up and the other side silent. Connections made while it is thawed forward again.
-struct SilentProxy {
-    addr: String,
-    frozen: Arc<AtomicBool>,
-    stop: Arc<AtomicBool>,
-    acceptor: Option<std::thread::JoinHandle<()>>,
-}
-
-impl SilentProxy {
-    fn to(upstream: String) -> SilentProxy {
-        let listener = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
-        listener.set_nonblocking(true).expect("nonblocking");
-        let addr = listener.local_addr().expect("address").to_string();
-        let (frozen, stop) = (Arc::new(AtomicBool::new(false)), Arc::new(AtomicBool::new(false)));
-        let (f, s) = (frozen.clone(), stop.clone());
-        let acceptor = std::thread::spawn(move || {
-            while !s.load(Ordering::SeqCst) {
-                match listener.accept() {
-                    Ok((client, _)) => {
-                        client.set_nonblocking(false).expect("blocking");
-                        let server = TcpStream::connect(&upstream).expect("connect upstream");
-                        for (from, to) in [(&client, &server), (&server, &client)] {
-                            let (from, to, f) =
-                                (from.try_clone().expect("clone"), to.try_clone().expect("clone"), f.clone());
-                            std::thread::spawn(move || pump(from, to, &f));
-                        }
-                    }
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        std::thread::sleep(Duration::from_millis(5))
-                    }
-                    Err(e) => panic!("accept: {e}"),
-                }
-            }
-        });
-        SilentProxy { addr, frozen, stop, acceptor: Some(acceptor) }
-    }
-
-    fn freeze(&self, on: bool) {
-        self.frozen.store(on, Ordering::SeqCst);
-    }
-}
-
-impl Drop for SilentProxy {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::SeqCst);
-        if let Some(a) = self.acceptor.take() {
-            let _ = a.join();
-        }
-    }
-}
-
-/// Copies `from` to `to` while the proxy is thawed, drops what comes while it is frozen; ends
-/// both when either side closes. (Its sockets close with the test's peer and channel.)
-fn pump(mut from: TcpStream, mut to: TcpStream, frozen: &AtomicBool) {
-    let mut buf = vec![0u8; 64 << 10];
-    loop {
-        match from.read(&mut buf) {
-            Ok(0) | Err(_) => break,
-            Ok(n) if !frozen.load(Ordering::SeqCst) => {
-                if to.write_all(&buf[..n]).is_err() {
-                    break;
-                }
-            }
-            Ok(_) => {}
-        }
-    }
-    let _ = from.shutdown(Shutdown::Both);
-    let _ = to.shutdown(Shutdown::Both);
-}
+use isthmus_tests::{run, OnDrop, Peer, TcpProxy};
 
 /// `rpc-peer` on shm:// (which its handlers answer HTTP/2 through) and TCP, and a proxy to the
 /// latter.
-fn server_behind_a_proxy(tag: &str) -> (Peer, SilentProxy) {
+fn server_behind_a_proxy(tag: &str) -> (Peer, TcpProxy) {
     let (server, _, http) = Peer::rpc_peer_with_http(tag, &[]);
     let upstream = http.trim_start_matches("http://").to_owned();
-    (server, SilentProxy::to(upstream))
+    (server, TcpProxy::to(upstream))
 }
 
 /// A channel through `proxy` with a quick keepalive, kept on HTTP/2 (the server is on this
 /// machine and offers shm://, which would bypass the proxy).
-async fn channel(proxy: &SilentProxy) -> Channel {
+async fn channel(proxy: &TcpProxy) -> Channel {
     let keepalive = Keepalive {
         time: Duration::from_millis(200),
         timeout: Duration::from_millis(500),
@@ -187,7 +111,7 @@ fn a_servers_keepalive_cancels_the_calls_of_a_client_gone_silent() {
             .expect("bind");
         let addr = bound.http_addresses().into_iter().next().expect("an address");
         tokio::spawn(bound.serve());
-        let proxy = SilentProxy::to(addr.trim_start_matches("http://").to_owned());
+        let proxy = TcpProxy::to(addr.trim_start_matches("http://").to_owned());
         let ch = Channel::builder(&format!("http://{}", proxy.addr)).upgrade(false).connect().await.expect("connect");
         let call = {
             let ch = ch.clone();

@@ -451,66 +451,6 @@ fn own_uid() -> u32 {
     unsafe { libc::getuid() }
 }
 
-/// A TCP proxy that accepts at once and forwards to `upstream` only once opened: until then a
-/// client's TLS handshake waits, its ClientHello held in the socket, as on a slow network.
-struct Gate {
-    addr: String,
-    open: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    acceptor: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Gate {
-    fn to(upstream: String) -> Gate {
-        use std::sync::atomic::Ordering::SeqCst;
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the gate");
-        listener.set_nonblocking(true).expect("nonblocking");
-        let addr = listener.local_addr().expect("address").to_string();
-        let open = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let (o, s) = (open.clone(), stop.clone());
-        let acceptor = std::thread::spawn(move || {
-            let mut waiting = Vec::new();
-            while !s.load(SeqCst) {
-                match listener.accept() {
-                    Ok((client, _)) => waiting.push(client),
-                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                        std::thread::sleep(Duration::from_millis(5))
-                    }
-                    Err(e) => panic!("accept: {e}"),
-                }
-                if o.load(SeqCst) {
-                    for client in waiting.drain(..) {
-                        client.set_nonblocking(false).expect("blocking");
-                        let server = std::net::TcpStream::connect(&upstream).expect("connect upstream");
-                        for (from, to) in [(&client, &server), (&server, &client)] {
-                            let (from, to) = (from.try_clone().expect("clone"), to.try_clone().expect("clone"));
-                            std::thread::spawn(move || forward(from, to));
-                        }
-                    }
-                }
-            }
-        });
-        Gate { addr, open, stop, acceptor: Some(acceptor) }
-    }
-}
-
-impl Drop for Gate {
-    fn drop(&mut self) {
-        self.stop.store(true, std::sync::atomic::Ordering::SeqCst);
-        if let Some(a) = self.acceptor.take() {
-            let _ = a.join();
-        }
-    }
-}
-
-/// Copies `from` to `to` until either side closes, then closes both.
-fn forward(mut from: std::net::TcpStream, mut to: std::net::TcpStream) {
-    let _ = std::io::copy(&mut from, &mut to);
-    let _ = from.shutdown(std::net::Shutdown::Both);
-    let _ = to.shutdown(std::net::Shutdown::Both);
-}
-
 #[test]
 fn wait_for_ready_connects_a_channel_whose_first_attempt_lost_its_caller() {
     // Calls start the channel's connection and give up (a deadline, a caller that drops its
@@ -521,7 +461,7 @@ fn wait_for_ready_connects_a_channel_whose_first_attempt_lost_its_caller() {
     let dir = Dir::new("gate");
     let server = ca.issue("localhost", &["localhost"], false, false);
     let (_peer, port) = tls_peer(&dir, &server, None);
-    let gate = Gate::to(format!("127.0.0.1:{port}"));
+    let gate = isthmus_tests::TcpProxy::held(format!("127.0.0.1:{port}"));
     run(async move {
         let channel = isthmus::Channel::builder(&format!("https://{}", gate.addr))
             .tls_config(client_tls(&ca.pem))
@@ -538,7 +478,7 @@ fn wait_for_ready_connects_a_channel_whose_first_attempt_lost_its_caller() {
         tokio::time::sleep(Duration::from_millis(200)).await;
         assert_eq!(channel.connectivity(false), isthmus::Connectivity::Connecting);
 
-        gate.open.store(true, std::sync::atomic::Ordering::SeqCst);
+        gate.open();
         let ready =
             CallOptions { timeout: Some(Duration::from_secs(20)), wait_for_ready: true, ..CallOptions::default() };
         let began = std::time::Instant::now();
