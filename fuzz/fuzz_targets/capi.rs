@@ -2,7 +2,8 @@
 //! bytes: targets and channel options (a user agent, sizes, flags, keepalive times) for
 //! `isthmus_channel_new`, metadata keys and values, method paths, status codes, JSON and
 //! protobuf bytes for `isthmus_proto_encode`/`_decode`, and handles that are
-//! garbage (also for the block calls, `isthmus_channel_alloc`, `isthmus_block_write` and
+//! garbage (also for the block calls, `isthmus_channel_alloc`, `isthmus_block_write`,
+//! `isthmus_block_truncate` and
 //! `isthmus_unary_block`, the connectivity calls, the counters, the topics,
 //! `isthmus_server_call_reply_async` and `isthmus_server_call_begin`). Each must answer with a
 //! code, never crash or leak.
@@ -184,14 +185,31 @@ fn live() -> (*const isthmus_channel_t, *const isthmus_cq_t) {
 fn call_live(text: &CString, b: &[u8]) {
     let (live, cq) = live();
     let byte = |i: usize| b.get(i).copied().unwrap_or(0);
-    // A block of a caller's size, up to `usize::MAX`: refused, or given and freed. Its timeout
-    // bounds the wait for room in a full arena.
+    // A block of a caller's size, up to `usize::MAX`: refused, or given, cut to a caller's
+    // length (refused past its own) and freed. Its timeout bounds the wait for room in a full
+    // arena.
     let size = b.iter().skip(10).take(8).fold(0usize, |w, x| w << 8 | usize::from(*x));
     let opts = isthmus_call_options_t { timeout_us: 1000, metadata: std::ptr::null(), flags: 0 };
     let (mut block, mut status) = (std::ptr::null_mut(), std::ptr::null_mut());
     // SAFETY: a live channel, valid options and out-pointers.
     match unsafe { isthmus_channel_alloc(live, size, &opts, &mut block, &mut status) } {
-        ISTHMUS_OK => assert_eq!(isthmus_block_free(block), ISTHMUS_OK),
+        ISTHMUS_OK => {
+            let cut = usize::from(byte(19)) << 8 | usize::from(byte(20));
+            let mut refused = std::ptr::null_mut();
+            // SAFETY: a live block and a valid out-pointer.
+            let rc = unsafe { isthmus_block_truncate(block, cut, &mut refused) };
+            if cut > size {
+                assert_eq!(rc, ISTHMUS_INVALID_ARGUMENT, "a block never grows");
+                assert_eq!(isthmus_status_free(refused), ISTHMUS_OK);
+            } else {
+                assert_eq!(rc, ISTHMUS_OK);
+                let mut len = usize::MAX;
+                // SAFETY: a live block and a writable length.
+                let _ = unsafe { isthmus_block_data(block, &mut len) };
+                assert_eq!(len, cut);
+            }
+            assert_eq!(isthmus_block_free(block), ISTHMUS_OK);
+        }
         _ => assert_eq!(isthmus_status_free(status), ISTHMUS_OK),
     }
     // The call. Its timeout is none, negative (none) or long: the server always answers first,
@@ -434,6 +452,7 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
         let _ = isthmus_channel_wait_state(word as *const isthmus_channel_t, last, 0, &mut state);
         let (channel, block) = (word as *const isthmus_channel_t, word as *mut isthmus_block_t);
         let _ = isthmus_block_write(block, word as usize, b.as_ptr(), b.len(), std::ptr::null_mut());
+        let _ = isthmus_block_truncate(block, word as usize, std::ptr::null_mut());
         let (none, path) = (std::ptr::null_mut(), text.as_ptr());
         let _ =
             isthmus_unary_block(channel, path, block, std::ptr::null(), &mut reply, none, none, std::ptr::null_mut());

@@ -606,9 +606,10 @@ func checkRawUnary(t *testing.T, label string, conn *isthmus.ClientConn) {
 		m.Release() // a second release does nothing
 		for _, size := range []int{0, 64, 1 << 20, 16 << 20} {
 			want := pattern(size, byte(size))
-			b, err := conn.Alloc(ctx, size)
+			// 100 bytes more than it writes: the block is cut to size before it is sent.
+			b, err := conn.Alloc(ctx, size+100)
 			if err != nil {
-				t.Fatalf("%s: Alloc(%d): %v", label, size, err)
+				t.Fatalf("%s: Alloc(%d): %v", label, size+100, err)
 			}
 			// Filled by WriteAt, the second half first (16 MiB takes the streaming copy).
 			half := size / 2
@@ -616,6 +617,14 @@ func checkRawUnary(t *testing.T, label string, conn *isthmus.ClientConn) {
 				if n, err := b.WriteAt(want[w.from:w.to], int64(w.from)); n != w.to-w.from || err != nil {
 					t.Fatalf("%s: WriteAt(%d bytes at %d) of %d: %d, %v", label, w.to-w.from, w.from, size, n, err)
 				}
+			}
+			for _, n := range []int{-1, size + 101} {
+				if err := b.Truncate(n); status.Code(err) != codes.InvalidArgument {
+					t.Fatalf("%s: Truncate(%d) of %d: %v, want InvalidArgument", label, n, size+100, err)
+				}
+			}
+			if err := b.Truncate(size); err != nil || len(b.Bytes()) != size {
+				t.Fatalf("%s: Truncate(%d): %v, %d bytes left", label, size, err, len(b.Bytes()))
 			}
 			for _, off := range []int64{-1, int64(size) + 1} {
 				if n, err := b.WriteAt(nil, off); n != 0 || status.Code(err) != codes.InvalidArgument {
@@ -638,6 +647,9 @@ func checkRawUnary(t *testing.T, label string, conn *isthmus.ClientConn) {
 			}
 			if _, err := b.WriteAt([]byte{1}, 0); status.Code(err) != codes.InvalidArgument {
 				t.Fatalf("%s: WriteAt into a sent block: %v, want InvalidArgument", label, err)
+			}
+			if err := b.Truncate(0); status.Code(err) != codes.InvalidArgument {
+				t.Fatalf("%s: Truncate of a sent block: %v, want InvalidArgument", label, err)
 			}
 		}
 		released, err := conn.Alloc(ctx, 10)

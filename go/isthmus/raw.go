@@ -119,6 +119,28 @@ func (b *Block) WriteAt(p []byte, off int64) (int, error) {
 	return len(p), nil
 }
 
+// Truncate shortens the block to its first n bytes, for a message written short of what was
+// allocated: a send then carries those n bytes, and Bytes gives them. A block never grows: n
+// below 0 or above its length, or a block sent or released, is codes.InvalidArgument, the
+// block unchanged.
+func (b *Block) Truncate(n int) error {
+	if b.spent {
+		return status.Error(codes.InvalidArgument, "the block was sent or released already")
+	}
+	if n < 0 || n > len(b.data) {
+		return status.Errorf(codes.InvalidArgument, "cannot cut a block of %d bytes to %d", len(b.data), n)
+	}
+	if b.h != nil {
+		var st *C.isthmus_status_t
+		if code := C.isthmus_block_truncate(b.h, C.size_t(n), &st); code != C.ISTHMUS_OK {
+			err, _ := statusError(code, st)
+			return err
+		}
+	}
+	b.data = b.data[:n]
+	return nil
+}
+
 // Release frees a block that will not be sent.
 func (b *Block) Release() {
 	if !b.spent {

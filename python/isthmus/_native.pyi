@@ -89,7 +89,8 @@ class Block:
 
     def __len__(self) -> int: ...
     def truncate(self, size: int) -> None:
-        """Shortens the block before it is sent (not while a view of it is exported)."""
+        """Shortens the block before it is sent (not while a view of it is exported);
+        ValueError for a size above its length (a block never grows)."""
     def write(self, data: Buffer, offset: int = 0) -> None:
         """Copies `data` (C-contiguous) in from `offset`, as the transport copies a message:
         streaming stores for a large one (ADR 0022). ValueError if it does not fit."""

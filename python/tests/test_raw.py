@@ -174,7 +174,12 @@ def test_truncate_sends_only_what_was_written(shm: isthmus.Channel) -> None:
     block = shm.alloc(1000)
     with memoryview(block) as view:
         view[:3] = b"xyz"
+    with pytest.raises(ValueError, match="cannot lengthen a block of 1000 bytes to 1001"):
+        block.truncate(1001)  # a block never grows, as in the C ABI and Go
     block.truncate(3)
+    assert len(block) == 3
+    with pytest.raises(ValueError):
+        block.truncate(4)
     assert bytes(shm.raw_unary("/raw.Raw/Echo", block)) == b"xyz"
 
 

@@ -1123,6 +1123,21 @@ isthmus_code_t isthmus_block_write(isthmus_block_t *block,
                                    size_t len,
                                    isthmus_status_t **status);
 
+// Shortens the block to its first `len` bytes, for a caller that wrote less than it
+// allocated: a send then carries those bytes only. The arena space stays the block's until
+// the receiver releases the message. `isthmus_block_data` gives the new length after.
+// `ISTHMUS_INVALID_ARGUMENT`, the block unchanged, for a NULL, freed or sent block or a `len`
+// longer than the block (a block never grows).
+//
+// Thread-safety: any thread; waits for a write to the block under way (`isthmus_block_write`).
+//
+// # Safety
+//
+// `status` is NULL or writable.
+isthmus_code_t isthmus_block_truncate(isthmus_block_t *block,
+                                      size_t len,
+                                      isthmus_status_t **status);
+
 // Frees a block that will not be sent (its shared memory goes back to the arena).
 //
 // Thread-safety: any thread, once; not while another thread still writes the block's bytes.

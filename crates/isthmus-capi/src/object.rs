@@ -3,6 +3,7 @@
 //! metadata and statuses.
 
 use std::ffi::c_char;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
@@ -40,7 +41,8 @@ pub struct isthmus_block_t {
     block: Mutex<Option<BlockMut>>,
     /// The block's bytes, fixed for its life (shared memory does not move).
     data: usize,
-    len: usize,
+    /// Its length: only ever shortened (`isthmus_block_truncate`, under the block's lock).
+    len: AtomicUsize,
 }
 
 /// Metadata: an ordered list of (key, value) entries under gRPC's rules (lower-case keys;
@@ -82,7 +84,7 @@ pub(crate) fn message_handle(bytes: Bytes) -> *mut isthmus_message_t {
 /// A handle for a block to fill.
 pub(crate) fn block_handle(mut block: BlockMut) -> *mut isthmus_block_t {
     let (data, len) = (block.as_mut_ptr() as usize, block.len());
-    BLOCKS.add(isthmus_block_t { block: Mutex::new(Some(block)), data, len })
+    BLOCKS.add(isthmus_block_t { block: Mutex::new(Some(block)), data, len: AtomicUsize::new(len) })
 }
 
 /// Takes the block out of its handle (to send it); the handle is freed.
@@ -163,10 +165,9 @@ pub extern "C" fn isthmus_message_free(msg: *mut isthmus_message_t) -> isthmus_c
 #[no_mangle]
 pub unsafe extern "C" fn isthmus_block_data(block: *mut isthmus_block_t, len: *mut usize) -> *mut u8 {
     guard(std::ptr::null_mut(), || {
-        let (ptr, n) = match BLOCKS.get(block) {
-            Ok(b) if b.len > 0 => (b.data as *mut u8, b.len),
-            Ok(_) => (std::ptr::null_mut(), 0),
-            Err(_) => (std::ptr::null_mut(), 0),
+        let (ptr, n) = match BLOCKS.get(block).map(|b| (b.data, b.len.load(Ordering::Acquire))) {
+            Ok((data, len)) if len > 0 => (data as *mut u8, len),
+            Ok(_) | Err(_) => (std::ptr::null_mut(), 0),
         };
         // SAFETY: the caller promises `len` is NULL or writable.
         unsafe { put(len, n) };
@@ -198,23 +199,62 @@ pub unsafe extern "C" fn isthmus_block_write(
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
-        let b = BLOCKS.get(block)?;
-        // Held while copying, so the block is neither sent nor freed under the copy.
-        let held = b.block.lock().map_err(|_| invalid("block poisoned"))?;
-        if held.is_none() {
-            return Err(invalid("the block was sent already"));
-        }
-        let end = offset.checked_add(len).filter(|&end| end <= b.len).ok_or_else(|| {
-            invalid(format!("a write of {len} bytes at offset {offset} does not fit the block's {} bytes", b.len))
-        })?;
-        if data.is_null() && len > 0 {
-            return Err(invalid(format!("data is NULL with length {len}")));
-        }
-        // SAFETY: the destination is `offset..end` of the block's writable bytes (checked
-        // above), alive while the lock keeps the block from being sent; the caller promises
-        // `data` readable for `len` bytes, and it may point into the block itself.
-        unsafe { isthmus::move_into_shared((b.data + offset) as *mut u8, data, end - offset) };
-        Ok(())
+        // Under the block's lock, so the block is neither sent nor freed under the copy.
+        with_unsent(block, |b, _| {
+            let size = b.len.load(Ordering::Acquire);
+            let end = offset.checked_add(len).filter(|&end| end <= size).ok_or_else(|| {
+                invalid(format!("a write of {len} bytes at offset {offset} does not fit the block's {size} bytes"))
+            })?;
+            if data.is_null() && len > 0 {
+                return Err(invalid(format!("data is NULL with length {len}")));
+            }
+            // SAFETY: the destination is `offset..end` of the block's writable bytes (checked
+            // above), alive while the lock keeps the block from being sent; the caller promises
+            // `data` readable for `len` bytes, and it may point into the block itself.
+            unsafe { isthmus::move_into_shared((b.data + offset) as *mut u8, data, end - offset) };
+            Ok(())
+        })
+    })
+}
+
+/// Runs `f` on a block not yet sent, under its lock (a send or a free waits for it).
+fn with_unsent<R>(
+    block: *mut isthmus_block_t,
+    f: impl FnOnce(&isthmus_block_t, &mut BlockMut) -> Result<R, Status>,
+) -> Result<R, Status> {
+    let b = BLOCKS.get(block)?;
+    let mut held = b.block.lock().map_err(|_| invalid("block poisoned"))?;
+    let unsent = held.as_mut().ok_or_else(|| invalid("the block was sent already"))?;
+    f(&b, unsent)
+}
+
+/// Shortens the block to its first `len` bytes, for a caller that wrote less than it
+/// allocated: a send then carries those bytes only. The arena space stays the block's until
+/// the receiver releases the message. `isthmus_block_data` gives the new length after.
+/// `ISTHMUS_INVALID_ARGUMENT`, the block unchanged, for a NULL, freed or sent block or a `len`
+/// longer than the block (a block never grows).
+///
+/// Thread-safety: any thread; waits for a write to the block under way (`isthmus_block_write`).
+///
+/// # Safety
+///
+/// `status` is NULL or writable.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_block_truncate(
+    block: *mut isthmus_block_t,
+    len: usize,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
+    entry(status, || {
+        with_unsent(block, |b, unsent| {
+            let size = b.len.load(Ordering::Acquire);
+            if len > size {
+                return Err(invalid(format!("cannot lengthen a block of {size} bytes to {len}")));
+            }
+            unsent.truncate(len);
+            b.len.store(len, Ordering::Release);
+            Ok(())
+        })
     })
 }
 

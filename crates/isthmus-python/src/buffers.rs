@@ -164,10 +164,15 @@ impl Block {
     }
 
     /// Shortens the block to `size` bytes before sending (a serializer that wrote less than it
-    /// reserved). Not while a view is exported.
+    /// reserved). Not while a view is exported; a block never grows (ValueError, as the C ABI
+    /// and Go refuse it).
     fn truncate(&mut self, size: usize) -> PyResult<()> {
         if self.exports > 0 {
             return Err(PyBufferError::new_err("the block is still exported: release its views first"));
+        }
+        let len = self.__len__();
+        if size > len && !matches!(self.memory, Memory::Sent) {
+            return Err(PyValueError::new_err(format!("cannot lengthen a block of {len} bytes to {size}")));
         }
         match &mut self.memory {
             Memory::Shm(block) => block.truncate(size),

@@ -1034,6 +1034,7 @@ static int check_null_arguments(ctx_t *c) {
   len = 7;
   REQUIRE(isthmus_block_data(NULL, &len) == NULL && len == 0, "block data of NULL");
   INVALID(isthmus_block_write(NULL, 0, data, 1, &st));
+  INVALID(isthmus_block_truncate(NULL, 0, &st));
   INVALID(isthmus_block_free(NULL));
 
   /* metadata */
@@ -1835,12 +1836,20 @@ static int check_zero_copy(ctx_t *c) {
   INVALID(isthmus_block_write(block, SIZE_MAX, want, 2, &st));
   INVALID(isthmus_block_write(block, 0, NULL, 5, &st));
   REQUIRE(memcmp(data, want, MIB) == 0, "the block after the writes");
+  /* written short of what it took: the send carries what the block was cut to */
+  const size_t SHORT = MIB - 1000;
+  INVALID(isthmus_block_truncate(block, MIB + 1, &st)); /* a block never grows */
+  MUST(isthmus_block_truncate(block, SHORT, &st));
+  REQUIRE(isthmus_block_data(block, &len) == data && len == SHORT, "the cut block's length (%zu)", len);
+  INVALID(isthmus_block_write(block, SHORT, want, 1, &st)); /* past its new end */
+  INVALID(isthmus_block_truncate(block, SHORT + 1, &st));
   MUST(isthmus_call_send_block(call, block, 1, &st));
   INVALID(isthmus_block_free(block)); /* sent: consumed */
   INVALID(isthmus_block_write(block, 0, want, 1, &st));
+  INVALID(isthmus_block_truncate(block, 0, &st));
   st = NULL;
   isthmus_code_t rc = isthmus_call_recv(call, &msg, &st);
-  int same = rc == ISTHMUS_OK && bytes_are(msg, want, MIB);
+  int same = rc == ISTHMUS_OK && bytes_are(msg, want, SHORT);
   free(want);
   REQUIRE(same, "the reply to the block: %s", rc == ISTHMUS_OK ? "differs" : describe(rc, st));
   REQUIRE(in_segment(isthmus_message_data(msg, NULL)) == 1, "the reply is a view of the shared segment, not a copy");
