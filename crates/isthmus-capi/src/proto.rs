@@ -342,7 +342,9 @@ pub unsafe extern "C" fn isthmus_proto_decode(
             let mut json = Vec::new();
             message
                 .serialize_with_options(&mut serde_json::Serializer::new(&mut json), &options)
-                .map_err(|e| Status::new(Code::Internal, format!("cannot write {} as JSON: {e}", desc.full_name())))?;
+                // What the bytes hold, not the library, is why (an `Any` of a type no loaded
+                // `.proto` declares).
+                .map_err(|e| invalid(format!("the {} cannot be written as proto3 JSON: {e}", desc.full_name())))?;
             Ok(json)
         })
     }
@@ -442,6 +444,8 @@ mod tests {
 
     const PROTO: &str = r#"syntax = "proto3";
 package demo;
+import "google/protobuf/any.proto";
+message Boxed { google.protobuf.Any held = 1; }
 message Ping { bytes payload = 1; uint64 seq = 2; string note_text = 3; repeated string labels = 4; map<string, string> attrs = 5; }
 message Pong { repeated Ping pings = 1; map<string, Ping> by_name = 2; Ping first = 3; }
 service Echo { rpc Call(Ping) returns (Pong); }
@@ -553,12 +557,54 @@ service Echo { rpc Call(Ping) returns (Pong); }
 
     /// Bytes of type `ty` as their JSON value.
     fn decode(proto: *mut isthmus_proto_t, ty: &CStr, bytes: &[u8]) -> serde_json::Value {
+        serde_json::from_slice(&try_decode(proto, ty, bytes).expect("decode")).expect("json")
+    }
+
+    /// Bytes of type `ty` as JSON text, or the failure's code and message.
+    fn try_decode(proto: *mut isthmus_proto_t, ty: &CStr, bytes: &[u8]) -> Result<Vec<u8>, (isthmus_code_t, String)> {
         let (mut out, mut status) = (std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: valid arguments.
         let rc =
             unsafe { isthmus_proto_decode(proto, ty.as_ptr(), bytes.as_ptr(), bytes.len(), &mut out, &mut status) };
-        assert_eq!(rc, ISTHMUS_OK);
-        serde_json::from_slice(&take(out)).expect("json")
+        if rc == ISTHMUS_OK {
+            return Ok(take(out));
+        }
+        assert!(out.is_null());
+        // SAFETY: a status was stored on failure.
+        let message = unsafe { CStr::from_ptr(isthmus_status_message(status)) }.to_string_lossy().into_owned();
+        isthmus_status_free(status);
+        Err((rc, message))
+    }
+
+    /// An `Any` holding a type no loaded `.proto` declares has no proto3 JSON form, either way
+    /// (as in protobuf's own JSON libraries). Decoding such bytes, which a peer sends, failed
+    /// INTERNAL, as if the library were at fault; both ways are INVALID_ARGUMENT, naming it.
+    #[test]
+    fn an_any_of_a_type_not_loaded_is_invalid_both_ways() {
+        let (proto, _dir) = load();
+        let known = r#"{"held":{"@type":"type.googleapis.com/demo.Ping","seq":"7"}}"#;
+        let bytes = encode(proto, c"demo.Boxed", known).expect("an Any of a loaded type");
+        assert_eq!(
+            decode(proto, c"demo.Boxed", &bytes),
+            serde_json::from_str::<serde_json::Value>(known).expect("json")
+        );
+
+        let unknown = r#"{"held":{"@type":"type.googleapis.com/demo.Elsewhere","x":1}}"#;
+        let (code, message) = encode(proto, c"demo.Boxed", unknown).expect_err("an Any of a type not loaded");
+        assert_eq!(code, ISTHMUS_INVALID_ARGUMENT);
+        assert!(message.contains("demo.Elsewhere"), "{message}");
+
+        // Boxed { held: Any { type_url: ".../demo.Elsewhere", value: 08 01 } }, as a peer sends it.
+        let url = b"type.googleapis.com/demo.Elsewhere";
+        let mut any = vec![0x0a, url.len() as u8];
+        any.extend_from_slice(url);
+        any.extend_from_slice(&[0x12, 0x02, 0x08, 0x01]);
+        let mut boxed = vec![0x0a, any.len() as u8];
+        boxed.extend_from_slice(&any);
+        let (code, message) = try_decode(proto, c"demo.Boxed", &boxed).expect_err("an Any of a type not loaded");
+        assert_eq!(code, ISTHMUS_INVALID_ARGUMENT, "{message}");
+        assert!(message.contains("demo.Elsewhere"), "{message}");
+        assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
     }
 
     #[test]
