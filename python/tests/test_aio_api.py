@@ -75,6 +75,11 @@ async def test_unary_call_object(address: str, pb_grpc: ModuleType, pb: ModuleTy
         assert 0 < call.time_remaining() <= 60
         assert (await call).seq == 2
         assert (await call).seq == 2  # as a grpc.aio call, awaited again it gives its reply again
+        # Stepped by hand, its await's iterator raises StopIteration with the reply; `await`
+        # takes the iterator's am_send slot, which returns it: the same object either way.
+        with pytest.raises(StopIteration) as stopped:
+            next(call.__await__())
+        assert stopped.value.value is await call
         with pytest.raises(TypeError):
             iter(call)  # and, as one, it is no iterator (its await's iterator is another object)
         await asyncio.wait_for(ended.wait(), 60)

@@ -91,7 +91,8 @@ impl<'py> Fast<'py> {
 #[pyclass(module = "isthmus._native", frozen, subclass)]
 pub(crate) struct AioUnaryCallable {
     channel: Py<PyAny>,
-    path: String,
+    /// Shared with each call's operation, which must own it (a count, not a copy).
+    path: std::sync::Arc<str>,
     serialize: Option<Py<PyAny>>,
     deserialize: Py<PyAny>,
 }
@@ -100,7 +101,7 @@ pub(crate) struct AioUnaryCallable {
 impl AioUnaryCallable {
     #[new]
     fn new(channel: Py<PyAny>, path: String, serialize: Option<Py<PyAny>>, deserialize: Py<PyAny>) -> Self {
-        AioUnaryCallable { channel, path, serialize, deserialize }
+        AioUnaryCallable { channel, path: path.into(), serialize, deserialize }
     }
 
     /// Its references, for Python's cycle collector: a serializer that is a bound method of an
@@ -177,13 +178,13 @@ impl AioUnaryCallable {
                 py,
                 token.extract()?,
                 this.path.clone(),
-                crate::convert::bytes_from_py(request),
+                crate::convert::PyBuffer::of(request),
                 options,
                 idle,
             ),
             Err(_) => {
                 let args =
-                    (&token, &this.path, request, py.None(), timeout, options.wait_for_ready, &fast.compression, idle);
+                    (&token, &*this.path, request, py.None(), timeout, options.wait_for_ready, &fast.compression, idle);
                 fast.native.call_method1(intern!(py, "unary"), args).map(Bound::unbind)
             }
         };
@@ -314,46 +315,13 @@ impl AioUnaryWait {
     }
 
     /// The awaiting task's step: the outcome future while it is pending (the task waits for
-    /// it), then the reply, returned as StopIteration's value.
+    /// it), then the reply, returned as StopIteration's value. (`await` takes the `am_send`
+    /// slot instead, [`install_send`], which returns the reply without the exception.)
     fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        let slf = self.call.bind(py);
-        let this = slf.get();
-        let outcome = this.outcome.bind(py);
-        let done = intern!(py, "done");
-        if !outcome.call_method0(done)?.is_truthy()? {
-            let mut settled = false;
-            if this.settle.swap(false, Ordering::Relaxed) && !this.driver.is_none(py) {
-                let driver = this.driver.bind(py);
-                // Driver.settle's cheapest test first: under load many calls wait at once.
-                if driver.getattr(intern!(py, "_waiting"))?.len()? == 1 {
-                    driver.call_method1(intern!(py, "settle"), (&this.loop_, outcome))?;
-                    settled = true;
-                }
-            }
-            if !settled || !outcome.call_method0(done)?.is_truthy()? {
-                if self.yielded.swap(true, Ordering::Relaxed) {
-                    return Err(PyRuntimeError::new_err("await wasn't used with future"));
-                }
-                // What Future.__await__ does before it yields the future to the task.
-                outcome.setattr(intern!(py, "_asyncio_future_blocking"), true)?;
-                return Ok(outcome.clone());
-            }
+        match self.step(py)? {
+            Step::Wait(outcome) => Ok(outcome),
+            Step::Return(reply) => Err(PyStopIteration::new_err((reply.unbind(),))),
         }
-        let value = match outcome.call_method0(intern!(py, "result")) {
-            Ok(value) => value,
-            Err(e) => {
-                // Cancelled, by `cancel` or its task: the call ends on both sides.
-                this.abandon(py)?;
-                return Err(e);
-            }
-        };
-        if value.cast::<UnaryResult>().is_err() && value.is_instance_of::<crate::convert::CallError>() {
-            return Err(slf.call_method1(intern!(py, "_raise"), (value,)).err().unwrap_or_else(unraised));
-        }
-        let Some(reply) = this.reply(&message_of(&value)?)? else {
-            return Err(slf.call_method0(intern!(py, "_undecodable")).err().unwrap_or_else(unraised));
-        };
-        Err(PyStopIteration::new_err((reply.unbind(),)))
     }
 
     /// As `__next__`, for a task that sends None (anything else is an error, as for a future).
@@ -388,6 +356,113 @@ impl AioUnaryWait {
         }
         Err(error)
     }
+}
+
+/// What one step of an await gives its task.
+enum Step<'py> {
+    /// The outcome future, still pending: the task waits for it.
+    Wait(Bound<'py, PyAny>),
+    /// The reply: the await is over.
+    Return(Bound<'py, PyAny>),
+}
+
+impl AioUnaryWait {
+    /// One step of the await, for `__next__` and `am_send` alike.
+    fn step<'py>(&self, py: Python<'py>) -> PyResult<Step<'py>> {
+        let slf = self.call.bind(py);
+        let this = slf.get();
+        let outcome = this.outcome.bind(py);
+        let done = intern!(py, "done");
+        if !outcome.call_method0(done)?.is_truthy()? {
+            let mut settled = false;
+            if this.settle.swap(false, Ordering::Relaxed) && !this.driver.is_none(py) {
+                let driver = this.driver.bind(py);
+                // Driver.settle's cheapest test first: under load many calls wait at once.
+                if driver.getattr(intern!(py, "_waiting"))?.len()? == 1 {
+                    driver.call_method1(intern!(py, "settle"), (&this.loop_, outcome))?;
+                    settled = true;
+                }
+            }
+            if !settled || !outcome.call_method0(done)?.is_truthy()? {
+                if self.yielded.swap(true, Ordering::Relaxed) {
+                    return Err(PyRuntimeError::new_err("await wasn't used with future"));
+                }
+                // What Future.__await__ does before it yields the future to the task.
+                outcome.setattr(intern!(py, "_asyncio_future_blocking"), true)?;
+                return Ok(Step::Wait(outcome.clone()));
+            }
+        }
+        let value = match outcome.call_method0(intern!(py, "result")) {
+            Ok(value) => value,
+            Err(e) => {
+                // Cancelled, by `cancel` or its task: the call ends on both sides.
+                this.abandon(py)?;
+                return Err(e);
+            }
+        };
+        if value.cast::<UnaryResult>().is_err() && value.is_instance_of::<crate::convert::CallError>() {
+            return Err(slf.call_method1(intern!(py, "_raise"), (value,)).err().unwrap_or_else(unraised));
+        }
+        let Some(reply) = this.reply(&message_of(&value)?)? else {
+            return Err(slf.call_method0(intern!(py, "_undecodable")).err().unwrap_or_else(unraised));
+        };
+        Ok(Step::Return(reply))
+    }
+}
+
+/// Gives [`AioUnaryWait`]'s type the `am_send` slot, which CPython's `await` calls before
+/// `__next__` (`PyIter_Send`), as asyncio's own future iterator has it: the reply comes back
+/// as `PYGEN_RETURN`, where `__next__` must raise it in a StopIteration that the interpreter
+/// then fetches and takes apart, an exception object made and dropped on every call.
+pub(crate) fn install_send(py: Python<'_>) {
+    let ty = py.get_type::<AioUnaryWait>();
+    let tp = ty.as_type_ptr();
+    // SAFETY: a heap type's `tp_as_async` points into its own heap object (CPython sets it for
+    // every heap type, NULL never here but checked), which lives as long as the type; the
+    // slot is set once, at import, before any instance exists, and `PyType_Modified` drops
+    // what CPython cached of the type.
+    unsafe {
+        if let Some(slots) = (*tp).tp_as_async.as_mut() {
+            slots.am_send = Some(wait_send);
+            pyo3::ffi::PyType_Modified(tp);
+        }
+    }
+}
+
+/// `am_send` of [`AioUnaryWait`]: [`AioUnaryWait::send`], with the reply returned.
+unsafe extern "C" fn wait_send(
+    iter: *mut pyo3::ffi::PyObject,
+    arg: *mut pyo3::ffi::PyObject,
+    result: *mut *mut pyo3::ffi::PyObject,
+) -> pyo3::ffi::PySendResult {
+    use pyo3::ffi::PySendResult::{PYGEN_ERROR, PYGEN_NEXT, PYGEN_RETURN};
+    // SAFETY: CPython calls a type's slots with the thread attached (it holds the GIL).
+    let py = unsafe { Python::assume_attached() };
+    let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        // SAFETY: CPython passes live objects, borrowed for the call: `iter` of the type this
+        // slot is installed on (checked all the same), `arg` never NULL (`PyIter_Send`).
+        let (iter, arg) = unsafe { (Bound::from_borrowed_ptr(py, iter), Bound::from_borrowed_ptr(py, arg)) };
+        let wait = iter.cast::<AioUnaryWait>()?;
+        if !arg.is_none() {
+            return Err(pyo3::exceptions::PyTypeError::new_err("can't send non-None value to an awaited call"));
+        }
+        wait.get().step(py)
+    }));
+    let (code, value) = match step {
+        Ok(Ok(Step::Wait(outcome))) => (PYGEN_NEXT, outcome.into_ptr()),
+        Ok(Ok(Step::Return(reply))) => (PYGEN_RETURN, reply.into_ptr()),
+        Ok(Err(e)) => {
+            e.restore(py);
+            (PYGEN_ERROR, std::ptr::null_mut())
+        }
+        Err(_) => {
+            pyo3::panic::PanicException::new_err("isthmus: a panic while a unary call was awaited").restore(py);
+            (PYGEN_ERROR, std::ptr::null_mut())
+        }
+    };
+    // SAFETY: CPython passes a writable `result`; it takes the reference given there.
+    unsafe { *result = value };
+    code
 }
 
 impl AioUnaryCall {

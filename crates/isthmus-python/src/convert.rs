@@ -243,12 +243,12 @@ pub(crate) fn timeout_from_py(timeout: Option<f64>) -> Option<Duration> {
 
 /// A Python `bytes` as [`Bytes`] without a copy: the object is kept alive by the returned value.
 pub(crate) fn bytes_from_py(data: &Bound<'_, PyBytes>) -> Bytes {
-    let view = data.as_bytes();
-    Bytes::from_owner(PyBuffer { ptr: view.as_ptr(), len: view.len(), _object: data.clone().unbind() })
+    Bytes::from_owner(PyBuffer::of(data))
 }
 
-/// A Python `bytes` object's buffer, with the reference that keeps it alive.
-struct PyBuffer {
+/// A Python `bytes` object's buffer, with the reference that keeps it alive: for what needs its
+/// bytes owned but not as `Bytes` (which would box it once more).
+pub(crate) struct PyBuffer {
     ptr: *const u8,
     len: usize,
     _object: Py<PyBytes>,
@@ -258,6 +258,14 @@ struct PyBuffer {
 // thread may read it; dropping `_object` off the GIL defers the reference count change to
 // PyO3's pool, which is made for that.
 unsafe impl Send for PyBuffer {}
+
+impl PyBuffer {
+    /// The buffer of `data`, which it holds a reference to.
+    pub(crate) fn of(data: &Bound<'_, PyBytes>) -> PyBuffer {
+        let view = data.as_bytes();
+        PyBuffer { ptr: view.as_ptr(), len: view.len(), _object: data.clone().unbind() }
+    }
+}
 
 impl AsRef<[u8]> for PyBuffer {
     fn as_ref(&self) -> &[u8] {

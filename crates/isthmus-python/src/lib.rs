@@ -88,6 +88,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<aio_call::AioUnaryCallable>()?;
     m.add_class::<aio_call::AioUnaryCall>()?;
     m.add_class::<aio_call::AioUnaryWait>()?;
+    aio_call::install_send(m.py());
     m.add_function(wrap_pyfunction!(aio_call::forks, m)?)?;
     m.add_class::<server::ServerCall>()?;
     m.add_class::<server::Server>()?;

@@ -470,22 +470,24 @@ impl AsyncChannel {
         &self,
         py: Python<'_>,
         token: u64,
-        path: String,
-        request: Bytes,
+        path: impl AsRef<str> + Send + 'static,
+        request: impl AsRef<[u8]> + Send + 'static,
         options: isthmus::CallOptions,
         spin: bool,
     ) -> PyResult<Py<PyAny>> {
         let wait_for_ready = options.wait_for_ready;
-        let fast = match spin && !wait_for_ready && request.len() <= SPIN_REQUEST_MAX && self.is_closed().is_none() {
-            true => self.spin_first.as_ref().and_then(SpinFirst::ready),
-            false => None,
-        };
+        let fast =
+            match spin && !wait_for_ready && request.as_ref().len() <= SPIN_REQUEST_MAX && self.is_closed().is_none() {
+                true => self.spin_first.as_ref().and_then(SpinFirst::ready),
+                false => None,
+            };
         let Some(fast) = fast else {
             self.run_unary(token, path, request, options, false);
             return Ok(py.None());
         };
+        let (to, message) = (path.as_ref(), request.as_ref());
         let begun = py.detach(|| {
-            let begun = fast.unary_begin_within(&path, &request, &options, SEND_PATIENCE);
+            let begun = fast.unary_begin_within(to, message, &options, SEND_PATIENCE);
             begun.map(|unary| unary.map(|unary| finish_unary(unary, isthmus::SpinPolicy::default().max)))
         });
         let reply = match begun {
@@ -583,7 +585,7 @@ impl AsyncChannel {
     fn run_unary(
         &self,
         token: u64,
-        path: String,
+        path: impl AsRef<str> + Send + 'static,
         request: impl AsRef<[u8]> + Send + 'static,
         options: isthmus::CallOptions,
         raw: bool,
@@ -601,7 +603,7 @@ pub(crate) fn run_unary(
     token: u64,
     engine: isthmus::Channel,
     closed: Option<Status>,
-    path: String,
+    path: impl AsRef<str> + Send + 'static,
     request: impl AsRef<[u8]> + Send + 'static,
     options: isthmus::CallOptions,
     raw: bool,
@@ -610,7 +612,7 @@ pub(crate) fn run_unary(
         if let Some(status) = closed {
             return Outcome::Failed(status);
         }
-        match engine.unary(&path, request.as_ref(), options).await {
+        match engine.unary(path.as_ref(), request.as_ref(), options).await {
             Ok(response) if raw => Outcome::Raw(Some(response.message)),
             Ok(response) => Outcome::Unary(response),
             Err(status) => Outcome::Failed(status),
