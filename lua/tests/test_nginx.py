@@ -872,15 +872,18 @@ local isthmus = require "resty.isthmus"
     return out.stdout.split()
 
 
-def test_init_refuses_an_ssl_yield_that_is_not_a_boolean() -> None:
-    """`init{ ssl_yield = ... }` takes true or false; anything else is an error that names it,
-    and leaves the module as it was."""
+def test_init_refuses_a_bad_option() -> None:
+    """`init{ ssl_yield = ... }` takes true or false, `blocking_timeout` seconds above 0;
+    anything else is an error that names it. (That a refused call changes nothing is checked
+    in nginx, by the TLS phases' test.)"""
     body = f"""
 local ok, err = pcall(isthmus.init, {{ lib = "{library()}", ssl_yield = "yes" }})
 print(ok, (tostring(err):find("ssl_yield is true or false, not yes", 1, true)) ~= nil)
+ok, err = pcall(isthmus.init, {{ lib = "{library()}", ssl_yield = true, blocking_timeout = 0 }})
+print(ok, (tostring(err):find("blocking_timeout is a number of seconds above 0, not 0", 1, true)) ~= nil)
 print(isthmus.init{{ lib = "{library()}", ssl_yield = false }})
 """
-    assert _plain_luajit(body) == ["false", "true", "true"]
+    assert _plain_luajit(body) == ["false", "true", "false", "true", "true"]
 
 
 def test_plain_luajit_blocks_instead(servers: Callable[[str], Served]) -> None:
@@ -956,13 +959,17 @@ def test_calls_from_the_tls_handshakes_phases_finish_the_handshake(stubs: Path, 
     callback resumes: Debian's has the patch for the certificate's phase, not for the client
     hello's, where the module yielded all the same and the handshake failed. Now it blocks
     there (`init{ ssl_yield = true }` for a patched core): both calls end OK and the page is
-    served over the handshake they were made in."""
+    served over the handshake they were made in. An `init` refused for one of its options
+    takes none of them: its `ssl_yield = true` would fail the handshake again."""
     served = serve("rust", ["shm"], stubs)
     try:
         port = conftest.free_port()
         target = served.addresses["shm"]
         own = Nginx(
             http_extra=f"""
+    init_by_lua_block {{
+        assert(not pcall(require("resty.isthmus").init, {{ ssl_yield = true, blocking_timeout = 0 }}))
+    }}
     server {{
         listen 127.0.0.1:{port} ssl;
         ssl_certificate {cert_dir / "server.crt"};

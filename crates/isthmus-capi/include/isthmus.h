@@ -1091,7 +1091,9 @@ size_t isthmus_message_len(const isthmus_message_t *msg);
 // die with it.
 isthmus_code_t isthmus_message_free(isthmus_message_t *msg);
 
-// The block's writable bytes; their count in `*len`. Valid until the block is sent or freed.
+// The block's writable bytes; their count in `*len` (after `isthmus_block_truncate`, the
+// count it was cut to; NULL and 0 for a block cut to nothing). Valid until the block is sent or
+// freed.
 //
 // Thread-safety: any thread; the bytes are plain memory, so writers on several threads order their
 // writes themselves. They go when the block is sent or freed, on any thread.

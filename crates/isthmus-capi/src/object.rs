@@ -154,7 +154,9 @@ pub extern "C" fn isthmus_message_free(msg: *mut isthmus_message_t) -> isthmus_c
 
 // ---- blocks ----
 
-/// The block's writable bytes; their count in `*len`. Valid until the block is sent or freed.
+/// The block's writable bytes; their count in `*len` (after `isthmus_block_truncate`, the
+/// count it was cut to; NULL and 0 for a block cut to nothing). Valid until the block is sent or
+/// freed.
 ///
 /// Thread-safety: any thread; the bytes are plain memory, so writers on several threads order their
 /// writes themselves. They go when the block is sent or freed, on any thread.

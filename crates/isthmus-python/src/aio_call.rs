@@ -315,8 +315,9 @@ impl AioUnaryWait {
     }
 
     /// The awaiting task's step: the outcome future while it is pending (the task waits for
-    /// it), then the reply, returned as StopIteration's value. (`await` takes the `am_send`
-    /// slot instead, [`install_send`], which returns the reply without the exception.)
+    /// it), then the reply, returned as StopIteration's value. (`await` on CPython 3.10 and
+    /// 3.11 takes the `am_send` slot instead, [`install_send`], which returns the reply without
+    /// the exception.)
     fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         match self.step(py)? {
             Step::Wait(outcome) => Ok(outcome),
@@ -410,20 +411,28 @@ impl AioUnaryWait {
     }
 }
 
-/// Gives [`AioUnaryWait`]'s type the `am_send` slot, which CPython's `await` calls before
-/// `__next__` (`PyIter_Send`), as asyncio's own future iterator has it: the reply comes back
-/// as `PYGEN_RETURN`, where `__next__` must raise it in a StopIteration that the interpreter
-/// then fetches and takes apart, an exception object made and dropped on every call.
+/// Gives [`AioUnaryWait`]'s type the `am_send` slot, as asyncio's own future iterator has it:
+/// the reply comes back as `PYGEN_RETURN`, where `__next__` must raise it in a StopIteration
+/// that the interpreter then fetches and takes apart, an exception object made and dropped on
+/// every call. CPython 3.10 and 3.11's `await` calls the slot (`PyIter_Send`; 3.10 only with
+/// the type's `Py_TPFLAGS_HAVE_AM_SEND`); from 3.12 on `await` calls `__next__` of any iterator
+/// that is not a generator, and the slot serves only `PyIter_Send`'s other callers.
 pub(crate) fn install_send(py: Python<'_>) {
+    /// 3.10's flag for a type whose `am_send` may be called (its slot is read from 3.11 on).
+    const HAVE_AM_SEND: std::ffi::c_ulong = 1 << 21;
     let ty = py.get_type::<AioUnaryWait>();
     let tp = ty.as_type_ptr();
+    let flag = py.version_info() < (3, 11);
     // SAFETY: a heap type's `tp_as_async` points into its own heap object (CPython sets it for
-    // every heap type, NULL never here but checked), which lives as long as the type; the
-    // slot is set once, at import, before any instance exists, and `PyType_Modified` drops
+    // every heap type, NULL never here but checked), which lives as long as the type; the slot
+    // and flag are set once, at import, before any instance exists, and `PyType_Modified` drops
     // what CPython cached of the type.
     unsafe {
         if let Some(slots) = (*tp).tp_as_async.as_mut() {
             slots.am_send = Some(wait_send);
+            if flag {
+                (*tp).tp_flags |= HAVE_AM_SEND;
+            }
             pyo3::ffi::PyType_Modified(tp);
         }
     }
@@ -436,33 +445,36 @@ unsafe extern "C" fn wait_send(
     result: *mut *mut pyo3::ffi::PyObject,
 ) -> pyo3::ffi::PySendResult {
     use pyo3::ffi::PySendResult::{PYGEN_ERROR, PYGEN_NEXT, PYGEN_RETURN};
-    // SAFETY: CPython calls a type's slots with the thread attached (it holds the GIL).
-    let py = unsafe { Python::assume_attached() };
-    let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        // SAFETY: CPython passes live objects, borrowed for the call: `iter` of the type this
-        // slot is installed on (checked all the same), `arg` never NULL (`PyIter_Send`).
-        let (iter, arg) = unsafe { (Bound::from_borrowed_ptr(py, iter), Bound::from_borrowed_ptr(py, arg)) };
-        let wait = iter.cast::<AioUnaryWait>()?;
-        if !arg.is_none() {
-            return Err(pyo3::exceptions::PyTypeError::new_err("can't send non-None value to an awaited call"));
-        }
-        wait.get().step(py)
-    }));
-    let (code, value) = match step {
-        Ok(Ok(Step::Wait(outcome))) => (PYGEN_NEXT, outcome.into_ptr()),
-        Ok(Ok(Step::Return(reply))) => (PYGEN_RETURN, reply.into_ptr()),
-        Ok(Err(e)) => {
-            e.restore(py);
-            (PYGEN_ERROR, std::ptr::null_mut())
-        }
-        Err(_) => {
-            pyo3::panic::PanicException::new_err("isthmus: a panic while a unary call was awaited").restore(py);
-            (PYGEN_ERROR, std::ptr::null_mut())
-        }
-    };
-    // SAFETY: CPython passes a writable `result`; it takes the reference given there.
-    unsafe { *result = value };
-    code
+    // CPython calls a type's slots with the thread attached (it holds the GIL); `attach`
+    // records that for pyo3 too, so a reference dropped inside is released at once, not left
+    // to its pool, as pyo3's own entry points (`__next__`'s) do.
+    Python::attach(|py| {
+        let step = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            // SAFETY: CPython passes live objects, borrowed for the call: `iter` of the type this
+            // slot is installed on (checked all the same), `arg` never NULL (`PyIter_Send`).
+            let (iter, arg) = unsafe { (Bound::from_borrowed_ptr(py, iter), Bound::from_borrowed_ptr(py, arg)) };
+            let wait = iter.cast::<AioUnaryWait>()?;
+            if !arg.is_none() {
+                return Err(pyo3::exceptions::PyTypeError::new_err("can't send non-None value to an awaited call"));
+            }
+            wait.get().step(py)
+        }));
+        let (code, value) = match step {
+            Ok(Ok(Step::Wait(outcome))) => (PYGEN_NEXT, outcome.into_ptr()),
+            Ok(Ok(Step::Return(reply))) => (PYGEN_RETURN, reply.into_ptr()),
+            Ok(Err(e)) => {
+                e.restore(py);
+                (PYGEN_ERROR, std::ptr::null_mut())
+            }
+            Err(_) => {
+                pyo3::panic::PanicException::new_err("isthmus: a panic while a unary call was awaited").restore(py);
+                (PYGEN_ERROR, std::ptr::null_mut())
+            }
+        };
+        // SAFETY: CPython passes a writable `result`; it takes the reference given there.
+        unsafe { *result = value };
+        code
+    })
 }
 
 impl AioUnaryCall {

@@ -234,18 +234,19 @@ local blocking_timeout = 60
 --- `ssl_session_fetch_by_lua` too, on an nginx core patched for it (OpenResty's builds; not
 --- Debian's, where they block). Returns true.
 function _M.init(opts)
-    if opts ~= nil and opts.ssl_yield ~= nil then
-        if type(opts.ssl_yield) ~= "boolean" then
-            error("resty.isthmus: ssl_yield is true or false, not " .. tostring(opts.ssl_yield), 2)
-        end
-        YIELDABLE.ssl_client_hello = opts.ssl_yield or nil
-        YIELDABLE.ssl_session_fetch = opts.ssl_yield or nil
+    local yield, t = opts and opts.ssl_yield, opts and opts.blocking_timeout
+    -- Every option is checked before any takes effect: a refused call changes nothing.
+    if yield ~= nil and type(yield) ~= "boolean" then
+        error("resty.isthmus: ssl_yield is true or false, not " .. tostring(yield), 2)
     end
-    if opts ~= nil and opts.blocking_timeout ~= nil then
-        local t = opts.blocking_timeout
-        if type(t) ~= "number" or t ~= t or t <= 0 then
-            error("resty.isthmus: blocking_timeout is a number of seconds above 0, not " .. tostring(t), 2)
-        end
+    if t ~= nil and (type(t) ~= "number" or t ~= t or t <= 0) then
+        error("resty.isthmus: blocking_timeout is a number of seconds above 0, not " .. tostring(t), 2)
+    end
+    if yield ~= nil then
+        YIELDABLE.ssl_client_hello = yield or nil
+        YIELDABLE.ssl_session_fetch = yield or nil
+    end
+    if t ~= nil then
         blocking_timeout = t
     end
     load(opts and opts.lib)
