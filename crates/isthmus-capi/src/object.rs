@@ -41,7 +41,9 @@ pub struct isthmus_block_t {
     block: Mutex<Option<BlockMut>>,
     /// The block's bytes, fixed for its life (shared memory does not move).
     data: usize,
-    /// Its length: only ever shortened (`isthmus_block_truncate`, under the block's lock).
+    /// The block's length, for `isthmus_block_data` to read without the lock (a write holds it
+    /// while it copies); under the lock the block's own length is read. Only ever shortened
+    /// (`isthmus_block_truncate`).
     len: AtomicUsize,
 }
 
@@ -202,8 +204,8 @@ pub unsafe extern "C" fn isthmus_block_write(
 ) -> isthmus_code_t {
     entry(status, || {
         // Under the block's lock, so the block is neither sent nor freed under the copy.
-        with_unsent(block, |b, _| {
-            let size = b.len.load(Ordering::Acquire);
+        with_unsent(block, |b, unsent| {
+            let size = unsent.len();
             let end = offset.checked_add(len).filter(|&end| end <= size).ok_or_else(|| {
                 invalid(format!("a write of {len} bytes at offset {offset} does not fit the block's {size} bytes"))
             })?;
@@ -249,7 +251,7 @@ pub unsafe extern "C" fn isthmus_block_truncate(
 ) -> isthmus_code_t {
     entry(status, || {
         with_unsent(block, |b, unsent| {
-            let size = b.len.load(Ordering::Acquire);
+            let size = unsent.len();
             if len > size {
                 return Err(invalid(format!("cannot lengthen a block of {size} bytes to {len}")));
             }

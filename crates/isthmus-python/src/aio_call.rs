@@ -319,18 +319,12 @@ impl AioUnaryWait {
     /// 3.11 takes the `am_send` slot instead, [`install_send`], which returns the reply without
     /// the exception.)
     fn __next__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
-        match self.step(py)? {
-            Step::Wait(outcome) => Ok(outcome),
-            Step::Return(reply) => Err(PyStopIteration::new_err((reply.unbind(),))),
-        }
+        self.step(py)?.raised()
     }
 
     /// As `__next__`, for a task that sends None (anything else is an error, as for a future).
     fn send<'py>(&self, value: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
-        if !value.is_none() {
-            return Err(pyo3::exceptions::PyTypeError::new_err("can't send non-None value to an awaited call"));
-        }
-        self.__next__(value.py())
+        self.sent(value)?.raised()
     }
 
     /// An exception thrown into the awaiting task (its cancellation) abandons the call, which
@@ -367,7 +361,25 @@ enum Step<'py> {
     Return(Bound<'py, PyAny>),
 }
 
+impl<'py> Step<'py> {
+    /// As an iterator's `__next__` gives it: the reply raised as StopIteration's value.
+    fn raised(self) -> PyResult<Bound<'py, PyAny>> {
+        match self {
+            Step::Wait(outcome) => Ok(outcome),
+            Step::Return(reply) => Err(PyStopIteration::new_err((reply.unbind(),))),
+        }
+    }
+}
+
 impl AioUnaryWait {
+    /// The step of a `send(value)`: only None may be sent, as to a future.
+    fn sent<'py>(&self, value: &Bound<'py, PyAny>) -> PyResult<Step<'py>> {
+        if !value.is_none() {
+            return Err(pyo3::exceptions::PyTypeError::new_err("can't send non-None value to an awaited call"));
+        }
+        self.step(value.py())
+    }
+
     /// One step of the await, for `__next__` and `am_send` alike.
     fn step<'py>(&self, py: Python<'py>) -> PyResult<Step<'py>> {
         let slf = self.call.bind(py);
@@ -438,7 +450,7 @@ pub(crate) fn install_send(py: Python<'_>) {
     }
 }
 
-/// `am_send` of [`AioUnaryWait`]: [`AioUnaryWait::send`], with the reply returned.
+/// `am_send` of [`AioUnaryWait`]: its `send`, with the reply returned.
 unsafe extern "C" fn wait_send(
     iter: *mut pyo3::ffi::PyObject,
     arg: *mut pyo3::ffi::PyObject,
@@ -453,11 +465,7 @@ unsafe extern "C" fn wait_send(
             // SAFETY: CPython passes live objects, borrowed for the call: `iter` of the type this
             // slot is installed on (checked all the same), `arg` never NULL (`PyIter_Send`).
             let (iter, arg) = unsafe { (Bound::from_borrowed_ptr(py, iter), Bound::from_borrowed_ptr(py, arg)) };
-            let wait = iter.cast::<AioUnaryWait>()?;
-            if !arg.is_none() {
-                return Err(pyo3::exceptions::PyTypeError::new_err("can't send non-None value to an awaited call"));
-            }
-            wait.get().step(py)
+            iter.cast::<AioUnaryWait>()?.get().sent(&arg)
         }));
         let (code, value) = match step {
             Ok(Ok(Step::Wait(outcome))) => (PYGEN_NEXT, outcome.into_ptr()),

@@ -171,13 +171,13 @@ impl Block {
             return Err(PyBufferError::new_err("the block is still exported: release its views first"));
         }
         let len = self.__len__();
-        if size > len && !matches!(self.memory, Memory::Sent) {
-            return Err(PyValueError::new_err(format!("cannot lengthen a block of {len} bytes to {size}")));
-        }
         match &mut self.memory {
+            Memory::Sent => return Err(PyBufferError::new_err("the block was already sent")),
+            _ if size > len => {
+                return Err(PyValueError::new_err(format!("cannot lengthen a block of {len} bytes to {size}")));
+            }
             Memory::Shm(block) => block.truncate(size),
             Memory::Heap(bytes) => bytes.truncate(size),
-            Memory::Sent => return Err(PyBufferError::new_err("the block was already sent")),
         }
         Ok(())
     }

@@ -468,7 +468,7 @@ impl Channel {
         }
         let options = options(metadata, timeout, wait_for_ready, compression)?;
         let engine = self.engine.with_calls_read(false);
-        let request = bytes_from_py(request);
+        let request = crate::convert::PyBuffer::of(request);
         crate::reactor::run_unary(&reactor.completions, token, engine, None, path, request, options, false);
         Ok(())
     }

@@ -345,7 +345,7 @@ impl AsyncChannel {
         spin: bool,
     ) -> PyResult<Py<PyAny>> {
         let options = options(metadata, timeout, wait_for_ready, compression)?;
-        self.unary_now(py, token, path, bytes_from_py(request), options, spin)
+        self.unary_now(py, token, path, crate::convert::PyBuffer::of(request), options, spin)
     }
     /// A block to build a request in: in the shared memory of the connection `unary_raw`
     /// sends it on (a direct `shm://` target that is connected and has arena room now), else

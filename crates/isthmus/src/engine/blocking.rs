@@ -12,8 +12,8 @@
 //!   has less time left than a handshake may take, so that it can outlive the call, or may be
 //!   interrupted), and the connection is read by the threads waiting in its calls
 //!   (`Mux::driven`, `Mux::wait`). Between calls nobody reads: frames from the server stay in
-//!   the ring (once it is full, the server's sends wait). A call that
-//!   starts after a pause of about 1 ms or more (`STALE_TICKS`) first looks at the socket (one non-blocking system
+//!   the ring (once it is full, the server's sends wait). A call that starts after a pause of
+//!   about 1 ms or more (`STALE_TICKS`) first looks at the socket (one non-blocking system
 //!   call), so a server that died meanwhile is noticed before the call goes out, and the call
 //!   connects anew; a GOAWAY, or a death between calls closer together, is noticed by the next
 //!   call, which fails UNAVAILABLE, and the call after it connects anew.
