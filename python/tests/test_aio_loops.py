@@ -146,6 +146,8 @@ def _count(monkeypatch: pytest.MonkeyPatch) -> _Counts:
     monkeypatch.setattr(_reactor.Driver, "settle", counting_settle)
     monkeypatch.setattr(_reactor.Driver, "finish", counting_finish)
     monkeypatch.setattr(_reactor.Driver, "_drive", counting_drive)
+    # A busy loop's wait before it sleeps (the next test's) would take replies these count.
+    monkeypatch.setattr(_reactor, "BUSY_SPIN_MISSES", 0)
     return counts
 
 
@@ -238,6 +240,49 @@ def test_a_loop_waiting_for_a_slow_reply_sleeps(
             cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
             assert elapsed >= 0.9
             assert cpu < 0.3 * elapsed, f"{cpu:.3f} s of CPU over {elapsed:.3f} s of waiting"
+
+    run(loop, test)
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_loop_with_calls_in_flight_spins_briefly_then_sleeps(
+    loop: str, servers: Callable[[str], Any], pb_grpc: ModuleType, pb: ModuleType
+) -> None:
+    """Many calls in flight: asyncio's own loop, about to sleep in its selector, first waits a
+    moment for their replies on its thread (uvloop has no selector to wrap, and never does).
+    Calls whose replies take long, with a timer waking the loop every millisecond meanwhile:
+    two waits that find nothing, then none until a reply comes. (Whether a wait finds a reply
+    is the scheduler's; that one is made, with replies 5 ms away, is not.)"""
+    address = servers("rust").addresses["shm"]
+
+    async def test() -> None:
+        async with isthmus.aio.insecure_channel(address) as channel:
+            stub = pb_grpc.EchoStub(channel)
+            await stub.Unary(pb.EchoRequest(), timeout=60)
+            driver = _reactor.driver(asyncio.get_running_loop())
+            before = driver.spins
+            replies = await asyncio.gather(
+                *(stub.Unary(pb.EchoRequest(seq=i, sleep_ms=5), timeout=60) for i in range(32))
+            )
+            assert [r.seq for r in replies] == list(range(32))
+            spun = driver.spins - before
+            assert spun >= 1 if loop == "asyncio" else spun == 0, spun
+            # Replies 30 s away: none can come while the timer ticks.
+            slow = [stub.Unary(pb.EchoRequest(seq=i, sleep_ms=30_000), timeout=60) for i in range(4)]
+            await asyncio.sleep(0)
+            before = driver.spins
+            for _ in range(200):
+                await asyncio.sleep(0.001)
+            assert driver.spins - before <= _reactor.BUSY_SPIN_MISSES, driver.spins - before
+            for call in slow:
+                call.cancel()
+            # A reply through the selector lets the loop spin again.
+            assert (await stub.Unary(pb.EchoRequest(seq=5, sleep_ms=50), timeout=60)).seq == 5
+            before = driver.spins
+            await asyncio.gather(
+                *(stub.Unary(pb.EchoRequest(seq=i, sleep_ms=5), timeout=60) for i in range(32))
+            )
+            assert driver.spins - before >= 1 if loop == "asyncio" else driver.spins == 0
 
     run(loop, test)
 
