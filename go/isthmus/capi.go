@@ -9,6 +9,7 @@ package isthmus
 import "C"
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"strings"
@@ -90,8 +91,7 @@ func reserved(key string) bool {
 // validateMetadata refuses what grpc-go's client refuses to send, with its code
 // (codes.Internal) and words: an empty key, a key with a character outside [0-9a-z-_.] (a
 // pseudo-header's ":" aside), and a value of a key not ending in "-bin" with a byte outside
-// printable ASCII. grpc-go checks the keys as the caller wrote them; what the metadata
-// package gives here is lowercased already, so an upper-case key passes.
+// printable ASCII.
 func validateMetadata(md metadata.MD) error {
 	for k, vs := range md {
 		if err := validatePair(k, vs); err != nil {
@@ -100,6 +100,33 @@ func validateMetadata(md metadata.MD) error {
 	}
 	return nil
 }
+
+// validateOutgoing is validateMetadata of a call's outgoing metadata as grpc-go's client
+// checks them: with the keys as the caller wrote them, so that an upper-case key in a
+// metadata.MD literal fails the call. metadata.FromOutgoingContext lowercases the keys, and
+// such a key went out lowercased.
+func validateOutgoing(ctx context.Context) error {
+	md, added, _ := outgoingRaw(ctx)
+	if err := validateMetadata(md); err != nil {
+		return err
+	}
+	for _, kv := range added {
+		for i := 0; i+1 < len(kv); i += 2 {
+			if err := validatePair(kv[i], kv[i+1:i+2]); err != nil {
+				return status.Error(codes.Internal, err.Error())
+			}
+		}
+	}
+	return nil
+}
+
+// outgoingRaw is the outgoing metadata of ctx as NewOutgoingContext took it, and the pairs
+// AppendToOutgoingContext added since: what grpc-go's client validates, which the metadata
+// package gives only to grpc's internal packages (internal.FromOutgoingContextRaw). A grpc
+// release without it fails the build here, not the checks at run time.
+//
+//go:linkname outgoingRaw google.golang.org/grpc/metadata.fromOutgoingContextRaw
+func outgoingRaw(ctx context.Context) (md metadata.MD, added [][]string, ok bool)
 
 func validatePair(key string, values []string) error {
 	if key == "" {

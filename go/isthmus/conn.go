@@ -409,7 +409,7 @@ func (cc *ClientConn) cCallOptions(ctx context.Context, method string, co callOp
 	}
 	md, ok := metadata.FromOutgoingContext(ctx)
 	if method != "" {
-		if err := validateMetadata(md); err != nil {
+		if err := validateOutgoing(ctx); err != nil {
 			return o, err
 		}
 		if len(cc.perRPC.creds) > 0 || co.creds != nil {
@@ -690,13 +690,15 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 	if ev.code != C.ISTHMUS_OK {
 		err, trailers := statusError(ev.code, ev.status)
 		// The initial metadata the server sent before it failed the call: grpc-go's
-		// grpc.Header gives them too.
+		// grpc.Header gives them too, and nil where there were none (not what the caller's
+		// variable held).
+		var header metadata.MD
 		if ev.metadata != nil {
-			header := takeMetadata(ev.metadata)
-			if co.header != nil {
-				*co.header = header
-			}
+			header = withContentType(takeMetadata(ev.metadata))
 			co.stats.inHeader(header, "", nil)
+		}
+		if co.header != nil {
+			*co.header = header
 		}
 		if co.trailer != nil {
 			*co.trailer = trailers
@@ -706,7 +708,7 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 	}
 	var header, trailer metadata.MD
 	if co.header != nil || co.stats != nil {
-		header = takeMetadata(ev.metadata)
+		header = withContentType(takeMetadata(ev.metadata))
 	} else {
 		freeMetadata(ev.metadata)
 	}
@@ -724,15 +726,27 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 	} else {
 		freeMetadata(ev.trailers)
 	}
-	// Empty maps, not nil, when the server sent none: grpc-go gives copies of its own.
 	if co.header != nil {
-		*co.header = orEmpty(header)
+		*co.header = header
 	}
+	// An empty map, not nil, when the server sent none: grpc-go gives a copy of its own.
 	if co.trailer != nil {
 		*co.trailer = orEmpty(trailer)
 	}
 	co.stats.inTrailer(trailer)
 	return err
+}
+
+// withContentType is md, the initial metadata of a response (nil for none), with the
+// content-type that grpc-go's client keeps there (Header, grpc.Header and the stats
+// handlers' InHeader show it). The library keeps it to itself: isthmus's calls are all
+// application/grpc, and so are the responses.
+func withContentType(md metadata.MD) metadata.MD {
+	if md == nil {
+		md = make(metadata.MD, 1)
+	}
+	md["content-type"] = []string{grpcContentType}
+	return md
 }
 
 // orEmpty is md, or an empty map for nil.
@@ -938,6 +952,7 @@ func (s *clientStream) finish(err error, trailers metadata.MD) error {
 		s.trailer = trailers
 	}
 	err, trailers = s.err, s.trailer
+	gotHead := s.gotHead
 	s.releaseLocked()
 	stop, unshow := s.stop, s.unshow
 	s.mu.Unlock()
@@ -953,6 +968,11 @@ func (s *clientStream) finish(err error, trailers metadata.MD) error {
 	}
 	defer close(s.done)
 	s.cc.untrack(s)
+	if s.opts.header != nil && !gotHead {
+		// The call ended before any initial metadata (it failed, or was cancelled):
+		// grpc-go's grpc.Header is nil then, not what the caller's variable held.
+		*s.opts.header = nil
+	}
 	if s.opts.trailer != nil {
 		*s.opts.trailer = trailers
 	}
@@ -1071,7 +1091,7 @@ func (s *clientStream) headerOf(call *C.isthmus_call_t) (metadata.MD, error) {
 		err, _ := statusError(ev.code, ev.status)
 		return nil, err
 	}
-	md := takeMetadata(ev.metadata)
+	md := withContentType(takeMetadata(ev.metadata))
 	s.mu.Lock()
 	first := !s.gotHead
 	if first {

@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -742,6 +743,204 @@ func TestAHandlersSendAtItsDeadlineSaysWhatItsContextSays(t *testing.T) {
 		}
 		if name == "isthmus" && end.ctxErr != context.DeadlineExceeded {
 			t.Errorf("%s: the context ended %v at the deadline", name, end.ctxErr)
+		}
+	}
+}
+
+// A call to a service the server does not have, or to a method its service lacks, fails
+// Unimplemented in grpc-go's words: the server answers it. The library answered "method
+// /nope.Svc/M is not implemented by this server".
+func TestAnUnknownServiceOrMethodIsAnsweredInGrpcGosWords(t *testing.T) {
+	want := map[string]string{
+		"/nope.Svc/M":            "unknown service nope.Svc",
+		"/conformance.Echo/Nope": "unknown method Nope for service conformance.Echo",
+	}
+	for name, conn := range besideGrpcGo(t, "unknown-method") {
+		for path, words := range want {
+			err := conn.Invoke(testContext(t), path, &pb.EchoRequest{}, &pb.EchoReply{})
+			if s := status.Convert(err); s.Code() != codes.Unimplemented || s.Message() != words {
+				t.Errorf("%s: a unary call of %s gave %v, want Unimplemented %q", name, path, err, words)
+			}
+			desc := &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}
+			stream, err := conn.NewStream(testContext(t), desc, path)
+			if err == nil {
+				err = stream.RecvMsg(&pb.EchoReply{})
+			}
+			if s := status.Convert(err); s.Code() != codes.Unimplemented || s.Message() != words {
+				t.Errorf("%s: a stream of %s gave %v, want Unimplemented %q", name, path, err, words)
+			}
+		}
+	}
+}
+
+// The initial metadata a client gets (Header, grpc.Header) hold the response's content-type,
+// as grpc-go's do. They lacked it.
+func TestTheHeaderHoldsTheContentType(t *testing.T) {
+	contentType := func(md metadata.MD) string { return fmt.Sprint(md.Get("content-type")) }
+	for name, conn := range besideGrpcGo(t, "header-content-type") {
+		client := pb.NewEchoClient(conn)
+		ctx := testContext(t)
+		var header metadata.MD
+		if _, err := client.Unary(ctx, &pb.EchoRequest{}, grpc.Header(&header)); err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if contentType(header) != "[application/grpc]" {
+			t.Errorf("%s: a unary call's grpc.Header is %v", name, header)
+		}
+		header = nil
+		failing := metadata.AppendToOutgoingContext(ctx, "x-echo", "v")
+		if _, err := client.Unary(failing, &pb.EchoRequest{FailWith: int32(codes.NotFound)}, grpc.Header(&header)); status.Code(err) != codes.NotFound {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if contentType(header) != "[application/grpc]" || fmt.Sprint(header.Get("x-echo")) != "[v]" {
+			t.Errorf("%s: the grpc.Header of a unary call that failed after its header is %v", name, header)
+		}
+		header = nil
+		stream, err := client.ServerStream(ctx, &pb.StreamRequest{Count: 1}, grpc.Header(&header))
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		md, err := stream.Header()
+		if err != nil || contentType(md) != "[application/grpc]" {
+			t.Errorf("%s: a stream's Header gave %v, %v", name, md, err)
+		}
+		for err == nil {
+			_, err = stream.Recv()
+		}
+		if err != io.EOF {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if contentType(header) != "[application/grpc]" {
+			t.Errorf("%s: a stream's grpc.Header is %v", name, header)
+		}
+	}
+}
+
+// A call that fails with no initial metadata sets grpc.Header's to nil, as grpc-go does: a
+// variable used for an earlier call keeps nothing of it. It was left as it was.
+func TestGrpcHeaderOfACallThatFailedWithoutOneIsNil(t *testing.T) {
+	for name, conn := range besideGrpcGo(t, "header-none") {
+		client := pb.NewEchoClient(conn)
+		ctx := testContext(t)
+		header := metadata.Pairs("x-earlier", "1")
+		if _, err := client.Unary(ctx, &pb.EchoRequest{FailWith: int32(codes.NotFound)}, grpc.Header(&header)); status.Code(err) != codes.NotFound {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if header != nil {
+			t.Errorf("%s: a failed unary call left grpc.Header's %v", name, header)
+		}
+		header = metadata.Pairs("x-earlier", "1")
+		stream, err := client.Bidi(ctx, grpc.Header(&header))
+		if err == nil {
+			err = stream.Send(&pb.EchoRequest{FailWith: int32(codes.NotFound)})
+		}
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if _, err := stream.Recv(); status.Code(err) != codes.NotFound {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if header != nil {
+			t.Errorf("%s: a failed stream left grpc.Header's %v", name, header)
+		}
+	}
+}
+
+// Outgoing metadata whose key has an upper-case letter, as a metadata.MD literal may hold,
+// fails the call Internal, as grpc-go's client checks the keys as written. The key went out
+// lowercased.
+func TestAnUpperCaseOutgoingKeyFailsTheCall(t *testing.T) {
+	want := `header key "X-Key" contains illegal characters not in [0-9a-z-_.]`
+	for name, conn := range besideGrpcGo(t, "upper-case-key") {
+		client := pb.NewEchoClient(conn)
+		ctx := metadata.NewOutgoingContext(testContext(t), metadata.MD{"X-Key": {"v"}})
+		_, err := client.Unary(ctx, &pb.EchoRequest{})
+		if s := status.Convert(err); s.Code() != codes.Internal || s.Message() != want {
+			t.Errorf("%s: a unary call gave %v, want Internal %q", name, err, want)
+		}
+		_, err = client.Bidi(ctx)
+		if s := status.Convert(err); s.Code() != codes.Internal || s.Message() != want {
+			t.Errorf("%s: a stream gave %v, want Internal %q", name, err, want)
+		}
+		// The same pair through metadata.Pairs, which lowercases it, goes.
+		ok := metadata.NewOutgoingContext(testContext(t), metadata.Pairs("X-Key", "v"))
+		if _, err := client.Unary(ok, &pb.EchoRequest{}); err != nil {
+			t.Errorf("%s: a key lowercased by metadata.Pairs: %v", name, err)
+		}
+	}
+}
+
+// oneRequestDesc is a method that takes one request and streams replies, whose handler reads
+// the request as RecvMsg gives it and reports what its stream says after that.
+func oneRequestDesc(saw chan<- []error) *grpc.ServiceDesc {
+	type service interface{}
+	return &grpc.ServiceDesc{
+		ServiceName: "divergence.OneRequest",
+		HandlerType: (*service)(nil),
+		Streams: []grpc.StreamDesc{{StreamName: "Call", ServerStreams: true, Handler: func(_ any, stream grpc.ServerStream) error {
+			first := stream.RecvMsg(&pb.EchoRequest{})
+			second := stream.RecvMsg(&pb.EchoRequest{})
+			ctxErr := stream.Context().Err()
+			sent := stream.SendMsg(&pb.EchoReply{Seq: 1})
+			saw <- []error{first, second, ctxErr, sent}
+			return status.Error(codes.Aborted, "what the handler returned")
+		}}},
+	}
+}
+
+// A method that takes one request, called with none or two: RecvMsg's cardinality failure ends
+// the call at once, as grpc-go's does, so the client gets it whatever the handler does next;
+// a second RecvMsg says it again where none came, and io.EOF after two (on grpc-go, the
+// context's error when the failure closed the stream before the client's half-close came);
+// the handler's context has ended, and its SendMsg fails Canceled. The call went on: RecvMsg
+// said io.EOF, the reply went, and the client got the handler's status.
+func TestACardinalityFailureOfRecvMsgEndsTheCall(t *testing.T) {
+	saw := make(chan []error, 1)
+	desc := oneRequestDesc(saw)
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gs := grpc.NewServer()
+	gs.RegisterService(desc, struct{}{})
+	go gs.Serve(lis)
+	t.Cleanup(gs.Stop)
+	shm, _ := fresh(t, "one-request")
+	is := isthmus.NewServer()
+	is.RegisterService(desc, struct{}{})
+	serving(t, is, shm)
+	conns := map[string]grpc.ClientConnInterface{"grpc-go": newGrpcClient(t, lis.Addr().String()), "isthmus": dial(t, shm)}
+	none := status.Error(codes.Internal, "cardinality violation: received no request message from non-client-streaming RPC")
+	many := status.Error(codes.Internal, "cardinality violation: received multiple request messages for non-client-streaming RPC")
+	canceled := status.Error(codes.Canceled, "context canceled")
+	for name, conn := range conns {
+		for requests, want := range map[int][][]error{
+			0: {{none}, {none}, {context.Canceled}, {canceled}},
+			2: {{many}, {io.EOF, canceled}, {context.Canceled}, {canceled}},
+		} {
+			label := fmt.Sprintf("%s, %d requests", name, requests)
+			// The client's side streams, so that it may send other than one request.
+			stream, err := conn.NewStream(testContext(t), &grpc.StreamDesc{ClientStreams: true, ServerStreams: true}, "/divergence.OneRequest/Call")
+			if err != nil {
+				t.Fatalf("%s: %v", label, err)
+			}
+			for i := 0; i < requests; i++ {
+				if err := stream.SendMsg(&pb.EchoRequest{}); err != nil {
+					t.Fatalf("%s: %v", label, err)
+				}
+			}
+			if err := stream.CloseSend(); err != nil {
+				t.Fatalf("%s: %v", label, err)
+			}
+			got := within(t, saw, label+": the handler")
+			for i, what := range []string{"RecvMsg", "a second RecvMsg", "the context", "SendMsg"} {
+				if !slices.ContainsFunc(want[i], func(e error) bool { return fmt.Sprint(e) == fmt.Sprint(got[i]) }) {
+					t.Errorf("%s: %s gave %v, want one of %v", label, what, got[i], want[i])
+				}
+			}
+			if err := stream.RecvMsg(&pb.EchoReply{}); fmt.Sprint(err) != fmt.Sprint(want[0][0]) {
+				t.Errorf("%s: the client got %v, want %v", label, err, want[0][0])
+			}
 		}
 	}
 }

@@ -86,6 +86,10 @@ type method struct {
 	// topic subscribes calls to it (ServeTopic).
 	topic *Topic
 	name  string // full path, /package.Service/Method
+	// services, on the method that takes every path the others do not (Start's), are the
+	// services that have methods here: its answer names the service or the method unknown,
+	// as grpc-go's server does.
+	services map[string]bool
 }
 
 // streams says whether the method's requests and replies are streams, as stats.Begin does; a
@@ -320,8 +324,18 @@ func (s *Server) Start(targets ...string) error {
 		forgetTags(r, tags)
 		return err
 	}
+	queue := func(cname *C.char, m *method, st **C.isthmus_status_t) C.isthmus_code_t {
+		// A new call's tag stays registered: the reactor keeps NEW_CALL tags after delivery.
+		tag := r.tag(func(ev C.isthmus_event_t) { go s.serveFrom(m, ev.server_call) })
+		queuedMethods.Store(tag, &inlineEntry{s: s, m: m})
+		tags = append(tags, tag)
+		return C.isthmus_server_add_handler_cq(srv, cname, r.cq, C.uint64_t(tag), st)
+	}
+	services := make(map[string]bool)
 	for name, m := range s.methods {
-		m := m
+		if service, _, ok := splitPath(name); ok {
+			services[service] = true
+		}
 		cname := C.CString(name)
 		var st *C.isthmus_status_t
 		var code C.isthmus_code_t
@@ -330,17 +344,20 @@ func (s *Server) Start(targets ...string) error {
 		} else if s.opts.inline && (m.unary != nil || m.rawUnary != nil) {
 			code = addInlineHandler(l, cname, s, m, &st)
 		} else {
-			// A new call's tag stays registered: the reactor keeps NEW_CALL tags after delivery.
-			tag := r.tag(func(ev C.isthmus_event_t) { go s.serveFrom(m, ev.server_call) })
-			queuedMethods.Store(tag, &inlineEntry{s: s, m: m})
-			tags = append(tags, tag)
-			code = C.isthmus_server_add_handler_cq(srv, cname, r.cq, C.uint64_t(tag), &st)
+			code = queue(cname, m, &st)
 		}
 		C.free(unsafe.Pointer(cname))
 		if code != C.ISTHMUS_OK {
 			err, _ := statusError(code, st)
 			return fail(err)
 		}
+	}
+	// Every other path (a NULL one) comes here to be refused in grpc-go's words: the library's
+	// own answer is "method … is not implemented by this server".
+	var cst *C.isthmus_status_t
+	if code := queue(nil, &method{services: services}, &cst); code != C.ISTHMUS_OK {
+		err, _ := statusError(code, cst)
+		return fail(err)
 	}
 	ctargets := make([]*C.char, len(targets))
 	for i, t := range targets {
@@ -535,6 +552,10 @@ func forgetTags(r *reactor, tags []uint64) {
 
 // handle runs one call's handler and ends the call with its outcome.
 func (s *Server) handle(m *method, sc *C.isthmus_server_call_t) {
+	if m.services != nil {
+		unknownPath(m, sc)
+		return
+	}
 	st := newServerStream(s, m, sc)
 	defer st.cancel()
 	var err error
@@ -560,6 +581,37 @@ func (s *Server) handle(m *method, sc *C.isthmus_server_call_t) {
 		}
 	}()
 	st.end(err)
+}
+
+// unknownPath refuses a call of a path no method has, Unimplemented, as grpc-go's server
+// does and in its words; m is the method that takes such paths. No handler runs, and the stats
+// handlers hear nothing of it.
+func unknownPath(m *method, sc *C.isthmus_server_call_t) {
+	var n C.size_t
+	path := C.GoStringN((*C.char)(unsafe.Pointer(C.isthmus_server_call_path(sc, &n))), C.int(n))
+	var msg string
+	switch service, method, ok := splitPath(path); {
+	case !ok:
+		msg = fmt.Sprintf("malformed method name: %q", path)
+	case !m.services[service]:
+		msg = "unknown service " + service
+	default:
+		msg = fmt.Sprintf("unknown method %v for service %v", method, service)
+	}
+	cmsg := C.CString(statusText(msg))
+	C.isthmus_server_call_finish(sc, C.ISTHMUS_UNIMPLEMENTED, cmsg, nil, nil)
+	C.free(unsafe.Pointer(cmsg))
+}
+
+// splitPath reads a method path as grpc-go's server does: "/service/method", split at its
+// last "/".
+func splitPath(path string) (service, method string, ok bool) {
+	sm, ok := strings.CutPrefix(path, "/")
+	i := strings.LastIndexByte(sm, '/')
+	if !ok || i < 0 {
+		return "", "", false
+	}
+	return sm[:i], sm[i+1:], true
 }
 
 // panicked is the error a call ends with when its handler panicked with p: INTERNAL, as
@@ -704,6 +756,7 @@ type serverStream struct {
 	peer       *peer.Peer // once asked for (callContext.Value)
 	stats      *rpcStats  // nil without stats handlers (StatsHandler)
 	tookOnly   bool       // RecvMsg has taken the one request of a server-streaming call
+	noRequest  bool       // and found none: each later RecvMsg says so again, as grpc-go's
 }
 
 func newServerStream(s *Server, m *method, sc *C.isthmus_server_call_t) *serverStream {
@@ -844,7 +897,19 @@ func (st *serverStream) cancel() {
 // (consumed), says the call is over, through endedBy.
 func (st *serverStream) failed(code C.isthmus_code_t, cst *C.isthmus_status_t, sending bool) error {
 	err, _ := statusError(code, cst)
-	return st.endedBy(err, sending)
+	return st.endedBy(st.overOr(err), sending)
+}
+
+// overOr is err, a failed operation's; or, if the call was finished under its handler (endNow),
+// whose handle the operation found gone, grpc-go's error for a stream that is over: its
+// context's.
+func (st *serverStream) overOr(err error) error {
+	st.mu.Lock()
+	defer st.mu.Unlock()
+	if st.finished {
+		return status.Error(codes.Canceled, context.Canceled.Error())
+	}
+	return err
 }
 
 // endedBy is err, a receive's or a send's (sending), as grpc-go's stream gives it, with the
@@ -1101,7 +1166,7 @@ func (st *serverStream) sendLarge(m proto.Message, size int) error {
 	call := &RawServerCall{st: st}
 	b, err := call.Alloc(size)
 	if err != nil {
-		return err
+		return st.overOr(err)
 	}
 	out, err := proto.MarshalOptions{}.MarshalAppend(b.Bytes()[:0], m)
 	if err != nil || len(out) != size {
@@ -1206,9 +1271,13 @@ func (st *serverStream) recv() (C.isthmus_event_t, bool) {
 
 func (st *serverStream) RecvMsg(m any) error {
 	// A method whose client sends one request (server-streaming) takes it as grpc-go's does:
-	// followed by the half-close, else the call fails (onlyRequest); later calls give io.EOF.
+	// followed by the half-close, else the call fails (onlyRequest) at once; later calls give
+	// io.EOF, or errNoRequest again where none came.
 	only := st.m.stream != nil && !st.m.stream.ClientStreams
 	if only && st.tookOnly {
+		if st.noRequest {
+			return errNoRequest
+		}
 		return io.EOF
 	}
 	ev, ok := st.recv()
@@ -1218,13 +1287,23 @@ func (st *serverStream) RecvMsg(m any) error {
 	if only {
 		st.tookOnly = true
 		if ev.code == C.ISTHMUS_OK && ev.message == nil {
-			return errNoRequest
+			st.noRequest = true
+			return st.endNow(errNoRequest)
 		}
 		if err := st.onlyRequest(ev); err != nil {
-			return err
+			return st.endNow(err)
 		}
 	}
 	return st.decode(ev, m)
+}
+
+// endNow finishes the call with err, the failure of its one request, and ends the handler's
+// context, as grpc-go's RecvMsg sends its client such a failure at once: a handler that goes
+// on finds the call over, and what it returns is not sent.
+func (st *serverStream) endNow(err error) error {
+	st.end(err)
+	st.cancel()
+	return err
 }
 
 // decode consumes a received event ev: its message unmarshalled into m, io.EOF at the end
