@@ -252,11 +252,16 @@ func withDetails(code codes.Code, msg string, details []byte) error {
 }
 
 // detailsOf is what a server sends as the details of s: s as a serialized google.rpc.Status
-// when it carries details (status.WithDetails), else nothing.
+// when it carries details (status.WithDetails), else nothing. The library sends a code above
+// 16 as UNKNOWN (as tonic does), so the details say UNKNOWN too: details of another code than
+// the status's fail the call INTERNAL in every client (withDetails, grpc-go's).
 func detailsOf(s *status.Status) []byte {
-	p := s.Proto()
+	p := s.Proto() // a copy
 	if len(p.GetDetails()) == 0 {
 		return nil
+	}
+	if uint32(p.Code) > uint32(codes.Unauthenticated) {
+		p.Code = int32(codes.Unknown)
 	}
 	b, err := proto.Marshal(p)
 	if err != nil {

@@ -102,6 +102,20 @@ func TestStatusDetailsFromTheGoServerReachTheGoClient(t *testing.T) {
 	}
 }
 
+// A handler's status of a code gRPC does not define (above 16), with details, reaches every
+// client as codes.Unknown with its message and details: the library carries codes 0-16 (as
+// tonic does; grpc-go would keep the number). The details said 20 where the status said
+// Unknown, and isthmus's and grpc-go's clients alike failed the call Internal "mismatch".
+func TestAnUndefinedCodeWithDetailsArrivesUnknownWithThem(t *testing.T) {
+	for label, conn := range echoClients(t, "odd-code", echo.Service{}) {
+		_, err := pb.NewEchoClient(conn).Unary(context.Background(), &pb.EchoRequest{FailWith: 20, FailMessage: "odd"})
+		got := status.Convert(err)
+		if got.Code() != codes.Unknown || got.Message() != "odd" || len(got.Details()) != 1 {
+			t.Errorf("%s: got %v with details %v, want Unknown \"odd\" with one", label, err, got.Details())
+		}
+	}
+}
+
 // The Go client reads the details a plain grpc-go server sends (grpc-status-details-bin).
 func TestStatusDetailsFromAGrpcGoServerReachTheGoClient(t *testing.T) {
 	lis, err := net.Listen("tcp", "127.0.0.1:0")
@@ -160,6 +174,24 @@ func TestDetailsOfAStatusAreReadAsGrpcGoReadsThem(t *testing.T) {
 	}
 }
 
+// echoClients serves impl from a Go server in this process over shm:// and http://, and gives
+// clients of it by name: isthmus's over each, HTTP/2 kept, and grpc-go's over HTTP/2.
+func echoClients(t *testing.T, name string, impl pb.EchoServer) map[string]grpc.ClientConnInterface {
+	shm, _ := fresh(t, name)
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, impl)
+	serving(t, s, shm, "http://127.0.0.1:0")
+	address := s.HTTPAddresses()[0]
+	gconn, err := grpc.NewClient(grpcTarget(address), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { gconn.Close() })
+	return map[string]grpc.ClientConnInterface{
+		"isthmus " + shm: dial(t, shm), "isthmus " + address: dial(t, address, isthmus.WithUpgrade(false)), "grpc-go " + address: gconn,
+	}
+}
+
 // oddMessages fails each call with the status message its request's seq picks.
 type oddMessages struct{ echo.Service }
 
@@ -192,23 +224,7 @@ func (oddMessages) Unary(ctx context.Context, r *pb.EchoRequest) (*pb.EchoReply,
 // hyper's 16 KiB of headers, the isthmus client's call ended INTERNAL 'h2 protocol error').
 // As much metadata the other way reaches the server, as grpc-go's takes up to 16 MiB.
 func TestAStatusMessageOfAnyBytesReachesTheClientWithItsCode(t *testing.T) {
-	shm, _ := fresh(t, "odd-messages")
-	s := isthmus.NewServer()
-	pb.RegisterEchoServer(s, oddMessages{})
-	if err := s.Start(shm, "http://127.0.0.1:0"); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(s.Stop)
-	address := s.HTTPAddresses()[0]
-	gconn, err := grpc.NewClient(grpcTarget(address), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { gconn.Close() })
-	clients := map[string]grpc.ClientConnInterface{
-		"isthmus " + shm: dial(t, shm), "isthmus " + address: dial(t, address, isthmus.WithUpgrade(false)), "grpc-go " + address: gconn,
-	}
-	for name, conn := range clients {
+	for name, conn := range echoClients(t, "odd-messages", oddMessages{}) {
 		for seq := uint64(0); seq < 3; seq++ {
 			_, err := pb.NewEchoClient(conn).Unary(context.Background(), &pb.EchoRequest{Seq: seq})
 			_, read := oddMessage(seq)
