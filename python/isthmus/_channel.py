@@ -550,7 +550,9 @@ def limited(serialize: Serializer, limit: int | None) -> Serializer:
     def checked(request: Any) -> bytes:
         message = request if serialize is None else serialize(request)
         if len(message) > limit:
-            raise CallError(_RESOURCE_EXHAUSTED, f"Sent message larger than max ({len(message)} vs. {limit})")
+            raise CallError(
+                _RESOURCE_EXHAUSTED, f"CLIENT: Sent message larger than max ({len(message)} vs. {limit})"
+            )
         return message
 
     return checked
@@ -564,7 +566,7 @@ def check_raw_size(request: Any, limit: int | None) -> None:
         return
     size = buffer_size(request)
     if size is not None and size > limit:
-        raise CallError(_RESOURCE_EXHAUSTED, f"Sent message larger than max ({size} vs. {limit})")
+        raise CallError(_RESOURCE_EXHAUSTED, f"CLIENT: Sent message larger than max ({size} vs. {limit})")
 
 
 #: grpcio's states by the engine's numbers.

@@ -363,7 +363,7 @@ def test_a_raw_request_over_the_send_limit_fails_as_a_serialized_one_does(
     with isthmus.insecure_channel(address, options=SEND_LIMIT) as ch:
         with pytest.raises(grpc.RpcError) as serialized:
             ch.unary_unary("/raw.Raw/Echo")(b"x" * 2000, timeout=60)
-        want = (grpc.StatusCode.RESOURCE_EXHAUSTED, "Sent message larger than max (2000 vs. 1000)")
+        want = (grpc.StatusCode.RESOURCE_EXHAUSTED, "CLIENT: Sent message larger than max (2000 vs. 1000)")
         assert (serialized.value.code(), serialized.value.details()) == want
         block = ch.alloc(2000)
         for request in (b"x" * 2000, np.zeros(250, np.float64), block):
