@@ -123,7 +123,8 @@ func validateOutgoing(ctx context.Context) error {
 // outgoingRaw is the outgoing metadata of ctx as NewOutgoingContext took it, and the pairs
 // AppendToOutgoingContext added since: what grpc-go's client validates, which the metadata
 // package gives only to grpc's internal packages (internal.FromOutgoingContextRaw). A grpc
-// release without it fails the build here, not the checks at run time.
+// release without it fails the build here; one that changed its signature would not (a
+// linkname is not type-checked): TestOutgoingRawReadsTheCallersKeys pins what it returns.
 //
 //go:linkname outgoingRaw google.golang.org/grpc/metadata.fromOutgoingContextRaw
 func outgoingRaw(ctx context.Context) (md metadata.MD, added [][]string, ok bool)

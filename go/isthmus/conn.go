@@ -947,12 +947,17 @@ func (s *clientStream) finish(err error, trailers metadata.MD) error {
 		if s.call != nil {
 			s.trailer = takeMetadata(C.isthmus_call_trailers(s.call))
 		}
+		if s.opts.header != nil && !s.gotHead {
+			// The call ended with no initial metadata taken (it failed, or was cancelled):
+			// grpc-go's grpc.Header is nil then, not what the caller's variable held. Under
+			// the lock, as headerOf writes it, which leaves it alone from now on.
+			*s.opts.header = nil
+		}
 	}
 	if trailers != nil {
 		s.trailer = trailers
 	}
 	err, trailers = s.err, s.trailer
-	gotHead := s.gotHead
 	s.releaseLocked()
 	stop, unshow := s.stop, s.unshow
 	s.mu.Unlock()
@@ -968,11 +973,6 @@ func (s *clientStream) finish(err error, trailers metadata.MD) error {
 	}
 	defer close(s.done)
 	s.cc.untrack(s)
-	if s.opts.header != nil && !gotHead {
-		// The call ended before any initial metadata (it failed, or was cancelled):
-		// grpc-go's grpc.Header is nil then, not what the caller's variable held.
-		*s.opts.header = nil
-	}
 	if s.opts.trailer != nil {
 		*s.opts.trailer = trailers
 	}
@@ -1096,7 +1096,7 @@ func (s *clientStream) headerOf(call *C.isthmus_call_t) (metadata.MD, error) {
 	first := !s.gotHead
 	if first {
 		s.header, s.gotHead = md, true
-		if s.opts.header != nil {
+		if s.opts.header != nil && !s.ended {
 			*s.opts.header = md.Copy()
 		}
 	}

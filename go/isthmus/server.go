@@ -332,6 +332,9 @@ func (s *Server) Start(targets ...string) error {
 		return C.isthmus_server_add_handler_cq(srv, cname, r.cq, C.uint64_t(tag), st)
 	}
 	services := make(map[string]bool)
+	for name := range s.services {
+		services[name] = true // with no methods, as grpc-go's: "unknown method"
+	}
 	for name, m := range s.methods {
 		if service, _, ok := splitPath(name); ok {
 			services[service] = true
@@ -1184,6 +1187,11 @@ func (st *serverStream) sendLarge(m proto.Message, size int) error {
 func (st *serverStream) flushHeader() error {
 	st.mu.Lock()
 	defer st.mu.Unlock()
+	if st.finished && !st.headerSent {
+		// Finished under its handler (endNow): nothing more goes, and no stats event follows
+		// its end.
+		return status.Error(codes.Canceled, context.Canceled.Error())
+	}
 	if !st.headerSent {
 		return st.sendHeaderLocked(false)
 	}

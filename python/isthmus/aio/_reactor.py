@@ -10,16 +10,17 @@ waited for on the reactor (`settle`). A reply that comes within microseconds is 
 with no sleep in the loop's selector and no wake-up through the eventfd, which cost tens of
 microseconds each.
 
-A standard loop (one with a selector) that waits for several operations and is about to sleep
-in its selector first waits a shorter moment for their replies the same way (`BUSY_SPIN_US`):
-with many calls in flight replies come microseconds apart, and each sleep and wake-up of the
-loop costs more than that. Two such moments that find nothing stop them until a reply comes
+A standard loop (one with a selector) with operations pending that is about to sleep in its
+selector first waits a shorter moment for their replies the same way (`BUSY_SPIN_US`): with
+many calls in flight replies come microseconds apart, and each sleep and wake-up of the loop
+costs more than that. Two such moments that find nothing stop them until a reply comes
 through the selector, so a loop whose pending operations are slow (a long stream, a slow
 server) spins at most twice between its replies. uvloop has no selector to wrap: it sleeps."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import weakref
@@ -32,7 +33,7 @@ from .. import _native
 #: How long `settle` waits on the loop's thread, in µs: the blocking client's spin bound.
 SPIN_US = 50
 
-#: How long a loop with several operations pending waits for their replies on its own thread
+#: How long a loop with operations pending waits for their replies on its own thread
 #: before it sleeps in its selector, in µs (the module's doc).
 BUSY_SPIN_US = 20
 
@@ -52,12 +53,12 @@ class Driver:
         # Standing operations (a server's `listen_async`): their outcome goes to a callback, and
         # they never make the loop look busy to `idle`.
         self._standing: dict[int, Callable[[Any], None]] = {}
-        loop.add_reader(self.reactor.fileno(), self._drive)
         #: Busy spins taken (the tests read it), and how many in a row found nothing.
         self.spins = 0
         self._missed = 0
         if isinstance(loop, selector_events.BaseSelectorEventLoop):
-            self._wrap_select(loop._selector)  # type: ignore[attr-defined]
+            self._wrap_select(loop, loop._selector)  # type: ignore[attr-defined]
+        loop.add_reader(self.reactor.fileno(), self._drive)
 
     def begin(self, loop: asyncio.AbstractEventLoop) -> tuple[int, asyncio.Future[Any]]:
         """A token for one operation, and the future its outcome resolves: the operation's
@@ -132,31 +133,44 @@ class Driver:
         self._standing.clear()
 
     def _drive(self) -> None:
-        self._missed = 0
-        self._then(self.reactor.resolve(self._waiting))
+        pending = len(self._waiting)
+        standing = self.reactor.resolve(self._waiting)
+        if standing is not None or len(self._waiting) != pending:
+            self._missed = 0  # a reply came: waits before sleeping may find the next ones
+        self._then(standing)
 
-    def _wrap_select(self, selector: Any) -> None:
+    def _wrap_select(self, loop: asyncio.AbstractEventLoop, selector: Any) -> None:
         """Makes the loop's selector wait `BUSY_SPIN_US` for the pending operations' replies
         before it would block (see the module's doc). The loop runs what they resolve in the
-        same turn: its ready callbacks are counted after the select."""
+        same turn: its ready callbacks are counted after the select. A selector that takes no
+        new `select` (a custom one with slots) is left as it is."""
         inner = selector.select
         waiting = self._waiting
         resolve = self.reactor.resolve
 
         def select(timeout: float | None = None) -> Any:
-            if waiting and self._missed < BUSY_SPIN_MISSES and (timeout is None or timeout > 0):
-                self.spins += 1
-                pending = len(waiting)
-                spin = BUSY_SPIN_US if timeout is None else min(BUSY_SPIN_US, int(timeout * 1e6))
+            if not waiting or self._missed >= BUSY_SPIN_MISSES or timeout == 0:
+                return inner(timeout)
+            spin = BUSY_SPIN_US if timeout is None else min(BUSY_SPIN_US, int(timeout * 1e6))
+            if spin <= 0:
+                return inner(timeout)
+            self.spins += 1
+            pending = len(waiting)
+            try:
                 standing = resolve(waiting, spin)
-                if standing is not None or len(waiting) != pending:
-                    self._missed = 0
-                    self._then(standing)
-                    return inner(0)
-                self._missed += 1
-            return inner(timeout)
+                if standing is None and len(waiting) == pending:
+                    self._missed += 1
+                    return inner(timeout)
+                self._missed = 0
+                self._then(standing)
+            except Exception as e:  # as `_drive`'s would be: reported, the loop goes on
+                loop.call_exception_handler(
+                    {"message": "isthmus could not resolve its operations", "exception": e}
+                )
+            return inner(0)
 
-        selector.select = select
+        with contextlib.suppress(AttributeError):
+            selector.select = select
 
     def _then(self, standing: list[tuple[int, Any]] | None) -> None:
         """Hands the standing operations' outcomes to their callbacks; `Reactor.resolve` has
