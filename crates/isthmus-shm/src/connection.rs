@@ -845,7 +845,7 @@ impl Sender {
     pub fn received_inside(&self, stream: u64, len: usize) -> Result<()> {
         self.core.stats.add(&self.core.stats.bytes_received, len as u64);
         if len as u64 > self.core.max_message_size {
-            return Err(too_large(stream, len as u64, self.core.max_message_size));
+            return Err(too_large(self.core.role, stream, len as u64, self.core.max_message_size));
         }
         Ok(())
     }
@@ -1362,7 +1362,7 @@ impl Receiver {
     }
 
     fn too_large(&self, stream: u64, size: u64) -> Error {
-        too_large(stream, size, self.core.max_message_size)
+        too_large(self.core.role, stream, size, self.core.max_message_size)
     }
 
     /// Waits for the next frame until `deadline`: spins briefly, then sleeps on the doorbell.
@@ -1537,14 +1537,17 @@ pub(crate) struct Parts {
     pub(crate) features: u16,
 }
 
-/// The error for a received message above this side's limit; the call on `stream` fails, the
-/// connection goes on.
-fn too_large(stream: u64, size: u64, limit: u64) -> Error {
-    Error::new(
-        ErrorKind::MessageTooLarge,
-        format!("received a {size}-byte message, larger than the limit of {limit} bytes"),
-    )
-    .on_stream(stream)
+/// The error for a received message above the limit of this side (`role`); the call on
+/// `stream` fails, the connection goes on. In grpc-core's words, which grpcio's and grpc.aio's
+/// users read in `details()`: "CLIENT: Received message larger than max (N vs. M)", or
+/// "SERVER: …" in a status a server sends.
+fn too_large(role: Role, stream: u64, size: u64, limit: u64) -> Error {
+    let side = match role {
+        Role::Client => "CLIENT",
+        Role::Server => "SERVER",
+    };
+    Error::new(ErrorKind::MessageTooLarge, format!("{side}: Received message larger than max ({size} vs. {limit})"))
+        .on_stream(stream)
 }
 
 impl Connection {
@@ -1611,6 +1614,17 @@ impl Connection {
 mod tests {
     use super::*;
     use std::time::Duration;
+
+    #[test]
+    fn a_message_over_the_limit_is_refused_in_grpc_cores_words_for_its_side() {
+        // grpcio's and grpc.aio's users read these in `details()`.
+        let client = too_large(Role::Client, 7, 2014, 1000);
+        assert_eq!(client.kind(), ErrorKind::MessageTooLarge);
+        assert_eq!(client.stream(), Some(7));
+        assert!(client.to_string().contains("CLIENT: Received message larger than max (2014 vs. 1000)"), "{client}");
+        let server = too_large(Role::Server, 9, 1500, 1000);
+        assert!(server.to_string().contains("SERVER: Received message larger than max (1500 vs. 1000)"), "{server}");
+    }
 
     #[test]
     fn places_freed_one_right_after_another_wake_every_waiter() {

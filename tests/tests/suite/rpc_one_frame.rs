@@ -102,7 +102,7 @@ fn a_request_over_the_servers_limit_in_one_frame_is_resource_exhausted_naming_bo
     let ch = isthmus::blocking::Channel::connect(&addr).expect("connect");
     let s = ch.unary("/test.Echo/Last", &[1u8; 101], CallOptions::default()).expect_err("too large");
     assert_eq!(s.code(), Code::ResourceExhausted, "{s}");
-    assert!(s.message().contains("101-byte") && s.message().contains("limit of 100"), "{s}");
+    assert_eq!(s.message(), "SERVER: Received message larger than max (101 vs. 100)", "grpc-core's words");
     // The connection goes on.
     let r = ch.unary("/test.Echo/Last", &[2u8; 100], CallOptions::default()).expect("at the limit");
     assert_eq!(&r.message[..], &[2u8; 100]);
@@ -116,7 +116,7 @@ fn a_response_over_the_clients_limit_in_one_frame_is_resource_exhausted_naming_b
         let ch = isthmus::Channel::connect_with(&addr, config).await.expect("connect");
         let s = ch.unary("/test.Echo/Last", &[1u8; 101], CallOptions::default()).await.expect_err("too large");
         assert_eq!(s.code(), Code::ResourceExhausted, "{s}");
-        assert!(s.message().contains("101-byte") && s.message().contains("limit of 100"), "{s}");
+        assert_eq!(s.message(), "CLIENT: Received message larger than max (101 vs. 100)", "grpc-core's words");
         let r = ch.unary("/test.Echo/Last", &[2u8; 100], CallOptions::default()).await.expect("at the limit");
         assert_eq!(&r.message[..], &[2u8; 100]);
     });

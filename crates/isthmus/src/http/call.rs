@@ -205,9 +205,22 @@ fn status_from_tonic(t: tonic::Status, limit: usize) -> Status {
     let message = match crate::http::tls::describe(&t) {
         Some(why) if code == Code::Unavailable => why,
         _ if code == Code::Unavailable => with_causes(t.message(), &t),
+        // tonic's refusal, in the words the shm:// transport and grpc-core use.
+        _ if code == Code::ResourceExhausted && t.code() == tonic::Code::OutOfRange => found_bytes(t.message())
+            .map_or_else(
+                || t.message().to_owned(),
+                |size| format!("CLIENT: Received message larger than max ({size} vs. {limit})"),
+            ),
         _ => t.message().to_owned(),
     };
     Status::new(code, message).with_details(t.details().to_vec()).with_metadata(metadata)
+}
+
+/// N of tonic's "…: found N bytes, the limit is: …".
+fn found_bytes(message: &str) -> Option<&str> {
+    let rest = message.split_once(": found ")?.1;
+    let digits = rest.split_once(' ')?.0;
+    (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())).then_some(digits)
 }
 
 /// `message` followed by what the error's sources say that it does not ("http2 error: keep-alive

@@ -202,7 +202,8 @@ impl Encoding {
 }
 
 impl Deframer {
-    /// `limit`: the largest message accepted; a larger one is RESOURCE_EXHAUSTED.
+    /// `limit`: the largest message accepted; a larger one is RESOURCE_EXHAUSTED, in grpc-core's
+    /// words for a client (servers deframe with no limit here: tonic's codec holds theirs).
     pub(crate) fn new(limit: usize) -> Deframer {
         Deframer { frame: None, gather: BytesMut::new(), limit, encoding: None }
     }
@@ -291,7 +292,7 @@ fn header(head: &[u8], encoding: Option<Encoding>, limit: usize) -> Result<(usiz
     if len > limit {
         return Err(Status::new(
             Code::ResourceExhausted,
-            format!("received a {len}-byte message, larger than the limit of {limit} bytes"),
+            format!("CLIENT: Received message larger than max ({len} vs. {limit})"),
         ));
     }
     Ok((len, compressed))
