@@ -656,9 +656,9 @@ func TestMaxSendMessageSizeFailsALargerReply(t *testing.T) {
 }
 
 // A connection's WithMaxMessageSize holds what it receives, over shm:// and HTTP/2: a larger
-// reply fails its call ResourceExhausted naming the size and the limit (the library's words;
-// grpc-go has no such connection-wide option), a larger request goes, and the connection serves
-// on.
+// reply fails its call ResourceExhausted naming the size and the limit (grpc-core's words,
+// "CLIENT: Received message larger than max (N vs. M)"; grpc-go has no such connection-wide
+// option), a larger request goes, and the connection serves on.
 func TestWithMaxMessageSizeHoldsReplies(t *testing.T) {
 	replySize := regexp.MustCompile(`\b20\d\d\b`)
 	shm, unix := fresh(t, "connmax")
@@ -671,7 +671,8 @@ func TestWithMaxMessageSizeHoldsReplies(t *testing.T) {
 		_, err := client.Unary(ctx, &pb.EchoRequest{Payload: make([]byte, 2000)})
 		// The reply's size depends on its time-left field, so any 20xx-byte size will do.
 		if msg := status.Convert(err).Message(); status.Code(err) != codes.ResourceExhausted ||
-			!strings.Contains(msg, "1000 bytes") || !replySize.MatchString(msg) {
+			!strings.HasPrefix(msg, "CLIENT: Received message larger than max (") ||
+			!strings.HasSuffix(msg, " vs. 1000)") || !replySize.MatchString(msg) {
 			t.Errorf("%s: a 2000-byte echo: %v", target, err)
 		}
 		st, err := client.ClientStream(ctx)
