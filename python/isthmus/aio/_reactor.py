@@ -133,11 +133,18 @@ class Driver:
         self._standing.clear()
 
     def _drive(self) -> None:
+        self._take()
+
+    def _take(self, spin_us: int = 0) -> bool:
+        """Resolves what has finished, after waiting up to `spin_us` for something to; whether
+        anything did. A reply resets the waits' misses: the next ones may find more."""
         pending = len(self._waiting)
-        standing = self.reactor.resolve(self._waiting)
-        if standing is not None or len(self._waiting) != pending:
-            self._missed = 0  # a reply came: waits before sleeping may find the next ones
+        standing = self.reactor.resolve(self._waiting, spin_us)
+        if standing is None and len(self._waiting) == pending:
+            return False
+        self._missed = 0
         self._then(standing)
+        return True
 
     def _wrap_select(self, loop: asyncio.AbstractEventLoop, selector: Any) -> None:
         """Makes the loop's selector wait `BUSY_SPIN_US` for the pending operations' replies
@@ -146,7 +153,6 @@ class Driver:
         new `select` (a custom one with slots) is left as it is."""
         inner = selector.select
         waiting = self._waiting
-        resolve = self.reactor.resolve
 
         def select(timeout: float | None = None) -> Any:
             if not waiting or self._missed >= BUSY_SPIN_MISSES or timeout == 0:
@@ -155,14 +161,10 @@ class Driver:
             if spin <= 0:
                 return inner(timeout)
             self.spins += 1
-            pending = len(waiting)
             try:
-                standing = resolve(waiting, spin)
-                if standing is None and len(waiting) == pending:
+                if not self._take(spin):
                     self._missed += 1
                     return inner(timeout)
-                self._missed = 0
-                self._then(standing)
             except Exception as e:  # as `_drive`'s would be: reported, the loop goes on
                 loop.call_exception_handler(
                     {"message": "isthmus could not resolve its operations", "exception": e}

@@ -184,6 +184,13 @@ impl Drop for HttpCall {
 /// A status from tonic, with its trailers as metadata; `limit` is the call's largest response.
 fn status_from_tonic(t: tonic::Status, limit: usize) -> Status {
     let metadata = codec::metadata_from_server(&t.metadata().clone().into_headers());
+    // tonic's own refusal of a response over this call's limit (its words with this side's
+    // limit in them): the size of the message it refused.
+    let refused = (t.code() == tonic::Code::OutOfRange)
+        .then(|| codec::tonic_refusal(t.message()))
+        .flatten()
+        .filter(|&(decoded, _, max)| decoded && max.parse() == Ok(limit))
+        .map(|(_, size, _)| size);
     // An UNKNOWN that tonic made from a transport error, not one the server sent: the
     // connection broke, which gRPC calls UNAVAILABLE. tonic keeps the error as its source, or,
     // where the status was copied on the way (a response body that broke), only its text.
@@ -191,36 +198,18 @@ fn status_from_tonic(t: tonic::Status, limit: usize) -> Status {
         tonic::Code::Unknown if std::error::Error::source(&t).is_some() || t.message() == "transport error" => {
             Code::Unavailable
         }
-        // tonic's own refusal of a response over this call's limit, which gRPC names
-        // RESOURCE_EXHAUSTED: tonic's words with this side's limit in them.
-        tonic::Code::OutOfRange
-            if t.message().starts_with(codec::TONIC_TOO_LARGE[0])
-                && t.message().ends_with(&format!("the limit is: {limit} bytes")) =>
-        {
-            Code::ResourceExhausted
-        }
+        _ if refused.is_some() => Code::ResourceExhausted, // as gRPC names it
         other => Code::from_u32(other as u32),
     };
     // A TLS failure under the transport error says which (unknown CA, no client certificate…).
-    let message = match crate::http::tls::describe(&t) {
-        Some(why) if code == Code::Unavailable => why,
+    let message = match (crate::http::tls::describe(&t), refused) {
+        (Some(why), _) if code == Code::Unavailable => why,
         _ if code == Code::Unavailable => with_causes(t.message(), &t),
-        // tonic's refusal, in the words the shm:// transport and grpc-core use.
-        _ if code == Code::ResourceExhausted && t.code() == tonic::Code::OutOfRange => found_bytes(t.message())
-            .map_or_else(
-                || t.message().to_owned(),
-                |size| format!("CLIENT: Received message larger than max ({size} vs. {limit})"),
-            ),
+        // In the words the shm:// transport and grpc-core use.
+        (_, Some(size)) => format!("CLIENT: Received message larger than max ({size} vs. {limit})"),
         _ => t.message().to_owned(),
     };
     Status::new(code, message).with_details(t.details().to_vec()).with_metadata(metadata)
-}
-
-/// N of tonic's "…: found N bytes, the limit is: …".
-fn found_bytes(message: &str) -> Option<&str> {
-    let rest = message.split_once(": found ")?.1;
-    let digits = rest.split_once(' ')?.0;
-    (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())).then_some(digits)
 }
 
 /// `message` followed by what the error's sources say that it does not ("http2 error: keep-alive

@@ -456,19 +456,22 @@ pub(crate) const TONIC_TOO_LARGE: [&str; 2] =
 /// tonic's words to the last one, which gRPC names RESOURCE_EXHAUSTED (grpc-go and grpc-core
 /// do).
 pub(crate) fn tonic_too_large(code: Code, message: &str) -> bool {
-    fn number_then<'a>(s: &'a str, then: &str) -> Option<&'a str> {
+    code == Code::OutOfRange && tonic_refusal(message).is_some()
+}
+
+/// tonic's refusal in `message`, to the last word: whether of a message it decoded (received),
+/// the message's size and the limit, as written.
+pub(crate) fn tonic_refusal(message: &str) -> Option<(bool, &str, &str)> {
+    fn number_then<'a>(s: &'a str, then: &str) -> Option<(&'a str, &'a str)> {
         let digits = s.bytes().take_while(u8::is_ascii_digit).count();
-        (digits > 0).then(|| s[digits..].strip_prefix(then)).flatten()
+        (digits > 0).then(|| s[digits..].strip_prefix(then).map(|rest| (&s[..digits], rest))).flatten()
     }
-    code == Code::OutOfRange
-        && TONIC_TOO_LARGE.iter().any(|words| {
-            message
-                .strip_prefix(words)
-                .and_then(|rest| rest.strip_prefix(": found "))
-                .and_then(|rest| number_then(rest, " bytes, the limit is: "))
-                .and_then(|rest| number_then(rest, " bytes"))
-                .is_some_and(str::is_empty)
-        })
+    TONIC_TOO_LARGE.iter().enumerate().find_map(|(i, words)| {
+        let rest = message.strip_prefix(words)?.strip_prefix(": found ")?;
+        let (size, rest) = number_then(rest, " bytes, the limit is: ")?;
+        let (limit, rest) = number_then(rest, " bytes")?;
+        rest.is_empty().then_some((i == 0, size, limit))
+    })
 }
 
 /// `status`, with gRPC's code if it is tonic's refusal of a message over a limit: what a tonic
@@ -736,6 +739,7 @@ mod tests {
     #[test]
     fn tonics_refusal_of_a_message_too_large_gets_grpcs_code_and_nothing_else_does() {
         let words = "Error, decoded message length too large: found 5242880 bytes, the limit is: 4194304 bytes";
+        assert_eq!(tonic_refusal(words), Some((true, "5242880", "4194304")));
         let refused = tonic::Status::out_of_range(words);
         // As tonic writes it: trailers (or a trailers-only response's headers), message encoded.
         let mut headers = HeaderMap::new();
