@@ -136,12 +136,14 @@ go-proto:
 	  --go-grpc_out=go/internal/conformancepb --go-grpc_opt=paths=source_relative \
 	  --go-grpc_opt=Mconformance.proto=example.invalid/isthmus/go/internal/conformancepb conformance.proto
 
+# Two pytest workers (pytest-xdist): much of the suite waits (graces, deadlines, connection
+# ages), and the waits of one worker overlap the other's work: about half the time on 2 cores.
 pytest: python unit ## The Python package's tests (pytest), against the Rust peers unit built
 	@mkdir -p target
 	$(CARGO) build --quiet -p gateway-sidecar
 	set -o pipefail; ISTHMUS_TONIC_PEER=$(CURDIR)/target/debug/tonic-peer ISTHMUS_SIDECAR=$(CURDIR)/target/debug/gateway-sidecar \
 	  ISTHMUS_GO_PEER=$(CURDIR)/target/go-bin/go-peer \
-	  $(VENV)/bin/python -m pytest python/tests -q -p no:cacheprovider 2>&1 | tee target/pytest-output.log
+	  $(VENV)/bin/python -m pytest python/tests -q -p no:cacheprovider -n 2 2>&1 | tee target/pytest-output.log
 
 # The fuzz targets' build (sanitizers, optimised, its own target directory: about four minutes
 # of both cores) shares nothing with the rest. `make test` starts it first, in the background and
