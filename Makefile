@@ -158,14 +158,14 @@ fuzz-build-idle: rust-tools
 
 # cargo-fuzz drives libFuzzer with AddressSanitizer, which needs unstable flags;
 # RUSTC_BOOTSTRAP lets the stable toolchain accept them, so no nightly is needed.
-# The targets are built in one cargo invocation first, so that both cores compile and link them.
+# The targets are built in one cargo invocation first, so that both cores compile and link them;
+# then they run two at a time, one per core (a failing target fails xargs, and so the target).
 fuzz-smoke: rust-tools ## Run each fuzz target for FUZZ_SECONDS
 	cd fuzz && RUSTC_BOOTSTRAP=1 $(CARGO) fuzz build -O
-	cd fuzz && for t in $(FUZZ_TARGETS); do \
-	  RUSTC_BOOTSTRAP=1 $(CARGO) fuzz run -O $$t -- -max_total_time=$(FUZZ_SECONDS) 2>&1 \
-	    | grep -E '^(Done|==[0-9]+==|SUMMARY|thread .* panicked)|ERROR' ; \
-	  test $${PIPESTATUS[0]} -eq 0 || exit 1; \
-	done
+	cd fuzz && printf '%s\n' $(FUZZ_TARGETS) | RUSTC_BOOTSTRAP=1 xargs -P 2 -I{} bash -c '\
+	  $(CARGO) fuzz run -O {} -- -max_total_time=$(FUZZ_SECONDS) 2>&1 \
+	    | grep -E "^(Done|==[0-9]+==|SUMMARY|thread .* panicked)|ERROR"; \
+	  test $${PIPESTATUS[0]} -eq 0 || { echo "fuzz target {} failed"; exit 1; }'
 
 fuzz-long: rust-tools ## Run each fuzz target for FUZZ_RUNS executions (10 million) and record the counts in docs/fuzz-long.md
 	CARGO=$(CARGO) RUNS=$(FUZZ_RUNS) fuzz/long.sh $(FUZZ_TARGETS)
