@@ -81,7 +81,7 @@ test: tools fuzz-build-idle lint unit pytest gotest luatest fuzz-smoke ## Run ev
 	   done; \
 	 } | awk '{p += $$1; f += $$2} END {printf "tests: %d passed, %d failed\n", p, f}' 
 
-lint: rust-tools python ## cargo fmt --check, one feature set per dependency, clippy -D warnings, rustdoc -D warnings, ruff, mypy, stubtest
+lint: rust-tools python ## cargo fmt --check, one feature set per dependency and unoptimised build-time code, clippy -D warnings, rustdoc -D warnings, ruff, mypy, stubtest
 	$(CARGO) fmt --all -- --check
 	python3 .ci/unified_features.py
 	$(CARGO) clippy --workspace --all-targets -- -D warnings
@@ -159,7 +159,7 @@ fuzz-build-idle: rust-tools
 # cargo-fuzz drives libFuzzer with AddressSanitizer, which needs unstable flags;
 # RUSTC_BOOTSTRAP lets the stable toolchain accept them, so no nightly is needed.
 # The targets are built in one cargo invocation first, so that both cores compile and link them;
-# then they run two at a time, one per core (a failing target fails xargs, and so the target).
+# then they run two at a time, one per core; one that fails makes xargs, and so this step, fail.
 fuzz-smoke: rust-tools ## Run each fuzz target for FUZZ_SECONDS
 	cd fuzz && RUSTC_BOOTSTRAP=1 $(CARGO) fuzz build -O
 	cd fuzz && printf '%s\n' $(FUZZ_TARGETS) | RUSTC_BOOTSTRAP=1 xargs -P 2 -I{} bash -c '\

@@ -16,6 +16,11 @@ A unit counts as shared when the test build has one with the same package, targe
 profile (but for its name: `test` inherits `dev`) and, recursively, dependencies. This names each
 unit that differs while its dependencies do not (the root of a rebuild), and what differs.
 
+It also checks that code which runs only while building (proc macros, build scripts and what only
+they use) is compiled unoptimised, as Cargo.toml's `[profile.dev.package]` list asks: a
+dependency added or renamed under a proc macro would otherwise be optimised by the `"*"` entry,
+which outranks `build-override`, and make every cold build slower without failing anything.
+
 It reads cargo's unit graph (`--unit-graph`, unstable, hence RUSTC_BOOTSTRAP), which resolves
 without compiling: a few seconds.
 """
@@ -54,7 +59,9 @@ class Graph:
         )
         if out.returncode != 0:
             sys.exit(f"cargo {' '.join(args)} --unit-graph failed:\n{out.stderr}")
-        self.units: list[Unit] = json.loads(out.stdout)["units"]
+        graph = json.loads(out.stdout)
+        self.units: list[Unit] = graph["units"]
+        self.roots: list[int] = graph["roots"]
         self.keys: dict[int, str] = {}
         for i in range(len(self.units)):
             self.key(i)
@@ -83,15 +90,60 @@ def describe(u: Unit) -> str:
     return f"{u['pkg_id'].rsplit('#', 1)[-1]} ({u['mode']} {u['target']['name']})"
 
 
+def package(u: Unit) -> str:
+    """The unit's package name, from its id (`…#name@1.2.3`, or `…/name#1.2.3` for a path)."""
+    source, _, version = u["pkg_id"].rpartition("#")
+    return version.split("@")[0] if "@" in version else source.rstrip("/").rsplit("/", 1)[-1]
+
+
+def build_time(u: Unit) -> bool:
+    """A unit that runs in the compiler's process or before it: a proc macro, a build script."""
+    return u["mode"] == "build" and any(k in ("proc-macro", "custom-build") for k in u["target"]["kind"])
+
+
+def runtime_packages(graph: Graph) -> set[str]:
+    """The packages some root of the build uses other than through build-time code."""
+    found: set[str] = set()
+    seen: set[int] = set()
+    stack = list(graph.roots)
+    while stack:
+        i = stack.pop()
+        if i in seen or build_time(graph.units[i]):
+            continue
+        seen.add(i)
+        found.add(package(graph.units[i]))
+        stack.extend(d["index"] for d in graph.units[i]["dependencies"])
+    return found
+
+
+def optimised_build_time_code(graphs: list[tuple[list[str], Graph]]) -> bool:
+    """Names each compiled unit of a package that no build uses but through build-time code and
+    that is not at opt-level 0 (a profile setting is per package name: one that also runs in a
+    test, such as the .proto reader the C ABI has, stays optimised); whether there was any."""
+    runtime = set().union(*(runtime_packages(g) for _, g in graphs))
+    named: set[str] = set()
+    for args, graph in graphs:
+        for u in graph.units:
+            name = package(u)
+            if name in runtime or name in named or u["mode"] != "build" or u["profile"]["opt_level"] == "0":
+                continue
+            named.add(name)
+            print(
+                f"cargo {' '.join(args)}: {describe(u)} only runs while building but is optimised: "
+                f"add `{name} = {{ opt-level = 0 }}` to Cargo.toml's [profile.dev.package]"
+            )
+    return bool(named)
+
+
 def main() -> int:
     test = Graph(TEST_BUILD)
+    builds = [(args, Graph(args)) for args in BUILDS]
+    failed = optimised_build_time_code([(TEST_BUILD, test), *builds])
     shared = set(test.keys.values())
     by_target: dict[tuple[str, str, str], list[Unit]] = {}
     for u in test.units:
         by_target.setdefault((u["pkg_id"], u["mode"], u["target"]["name"]), []).append(u)
-    failed = False
-    for args in BUILDS:
-        build = Graph(args)
+    for args, build in builds:
         for i, u in enumerate(build.units):
             if build.keys[i] in shared:
                 continue
