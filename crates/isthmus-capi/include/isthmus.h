@@ -1207,7 +1207,9 @@ isthmus_metadata_t *isthmus_status_trailers(const isthmus_status_t *status);
 // braces nest more than 100 deep, or an import not found, fails with
 // `ISTHMUS_INVALID_ARGUMENT` and a message naming the file and line. Free the result with `isthmus_proto_free`.
 //
-// Thread-safety: any thread.
+// Thread-safety: any thread, whatever its stack: a caller's thread with less than 1 MiB of
+// stack left (4 MiB in a debug build) has the parsing done on a thread of the library's own,
+// and so have `isthmus_proto_load_descriptor_set`, `_encode` and `_decode`.
 //
 // # Safety
 //
@@ -1224,7 +1226,7 @@ isthmus_code_t isthmus_proto_load(const char *const *files,
 // --descriptor_set_out` writes, or a server's reflection gives). Free the result with
 // `isthmus_proto_free`.
 //
-// Thread-safety: any thread.
+// Thread-safety: any thread, whatever its stack (as `isthmus_proto_load`).
 //
 // # Safety
 //
@@ -1256,7 +1258,8 @@ const char *isthmus_proto_method_type(const isthmus_proto_t *proto,
 // empty repeated field, and an array for a map field as keys 1..n (a Lua table with keys
 // 1..n is an array to any encoder).
 //
-// Thread-safety: any thread; several may use one proto at once.
+// Thread-safety: any thread, whatever its stack (as `isthmus_proto_load`); several may use one
+// proto at once.
 //
 // # Safety
 //
@@ -1274,7 +1277,8 @@ isthmus_code_t isthmus_proto_encode(const isthmus_proto_t *proto,
 // their default value left out, 64-bit integers as strings, `bytes` in base64. `*out` holds
 // the JSON text. Bytes that are not such a message fail with `ISTHMUS_INVALID_ARGUMENT`.
 //
-// Thread-safety: any thread; several may use one proto at once.
+// Thread-safety: any thread, whatever its stack (as `isthmus_proto_load`); several may use one
+// proto at once.
 //
 // # Safety
 //

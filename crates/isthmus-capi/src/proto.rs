@@ -58,7 +58,9 @@ impl isthmus_proto_t {
 /// braces nest more than 100 deep, or an import not found, fails with
 /// `ISTHMUS_INVALID_ARGUMENT` and a message naming the file and line. Free the result with `isthmus_proto_free`.
 ///
-/// Thread-safety: any thread.
+/// Thread-safety: any thread, whatever its stack: a caller's thread with less than 1 MiB of
+/// stack left (4 MiB in a debug build) has the parsing done on a thread of the library's own,
+/// and so have `isthmus_proto_load_descriptor_set`, `_encode` and `_decode`.
 ///
 /// # Safety
 ///
@@ -105,16 +107,18 @@ pub unsafe extern "C" fn isthmus_proto_load(
                 compiler.open_files(&files)?;
                 Ok(compiler.descriptor_pool())
             };
-            let pool = compile().map_err(|e| invalid(format!("cannot load {}: {e}", files.join(", "))))?;
+            let pool =
+                on_deep_stack(|| compile().map_err(|e| invalid(format!("cannot load {}: {e}", files.join(", ")))))?;
             Ok(Some(PROTOS.add(isthmus_proto_t::new(pool)?)))
         })
     }
 }
 
 /// How deep a `.proto` file's braces and angle brackets may nest (messages in messages,
-/// option values): protox and its text-format parser take them by recursion, and a file nested a few thousand deep overflowed the caller's
-/// stack (a thousand on a 256 KiB thread), a crash where every other bad file is
-/// INVALID_ARGUMENT. Real files nest a handful deep.
+/// option values): protox and its text-format parser take them by recursion, and a file nested
+/// a few thousand deep overflowed any stack, a crash where every other bad file is
+/// INVALID_ARGUMENT. At this limit the parse fits in [`STACK_NEEDED`] (unoptimised, ~20 KiB a
+/// level). Real files nest a handful deep.
 const MAX_NESTING: usize = 100;
 
 /// protox's usual resolver (the include directories, then the well-known types) with each file
@@ -214,7 +218,7 @@ fn nested_too_deep(source: &str) -> Option<usize> {
 /// --descriptor_set_out` writes, or a server's reflection gives). Free the result with
 /// `isthmus_proto_free`.
 ///
-/// Thread-safety: any thread.
+/// Thread-safety: any thread, whatever its stack (as `isthmus_proto_load`).
 ///
 /// # Safety
 ///
@@ -230,8 +234,9 @@ pub unsafe extern "C" fn isthmus_proto_load_descriptor_set(
     unsafe {
         entry_out(out, "proto", status, || {
             let data = c_bytes(data, len, "the descriptor set")?;
-            let pool =
-                DescriptorPool::decode(data).map_err(|e| invalid(format!("not a usable FileDescriptorSet: {e}")))?;
+            let pool = on_deep_stack(|| {
+                DescriptorPool::decode(data).map_err(|e| invalid(format!("not a usable FileDescriptorSet: {e}")))
+            })?;
             Ok(Some(PROTOS.add(isthmus_proto_t::new(pool)?)))
         })
     }
@@ -275,7 +280,8 @@ pub unsafe extern "C" fn isthmus_proto_method_type(
 /// empty repeated field, and an array for a map field as keys 1..n (a Lua table with keys
 /// 1..n is an array to any encoder).
 ///
-/// Thread-safety: any thread; several may use one proto at once.
+/// Thread-safety: any thread, whatever its stack (as `isthmus_proto_load`); several may use one
+/// proto at once.
 ///
 /// # Safety
 ///
@@ -318,7 +324,8 @@ pub unsafe extern "C" fn isthmus_proto_encode(
 /// their default value left out, 64-bit integers as strings, `bytes` in base64. `*out` holds
 /// the JSON text. Bytes that are not such a message fail with `ISTHMUS_INVALID_ARGUMENT`.
 ///
-/// Thread-safety: any thread; several may use one proto at once.
+/// Thread-safety: any thread, whatever its stack (as `isthmus_proto_load`); several may use one
+/// proto at once.
 ///
 /// # Safety
 ///
@@ -410,16 +417,77 @@ unsafe fn convert(
     input: (*const u8, usize, &str),
     out: *mut *mut isthmus_message_t,
     status: *mut *mut isthmus_status_t,
-    f: impl FnOnce(MessageDescriptor, &[u8]) -> Result<Vec<u8>, Status>,
+    f: impl FnOnce(MessageDescriptor, &[u8]) -> Result<Vec<u8>, Status> + Send,
 ) -> isthmus_code_t {
     // SAFETY: the caller's promises, passed on.
     unsafe {
         entry_out(out, "message", status, || {
             let proto = PROTOS.get(proto)?;
             let desc = proto.message(c_str(type_name, "the type name")?)?;
-            let bytes = f(desc, c_bytes(input.0, input.1, input.2)?)?;
+            let input = c_bytes(input.0, input.1, input.2)?;
+            let bytes = on_deep_stack(|| f(desc, input))?;
             Ok(Some(message_handle(Bytes::from(bytes))))
         })
+    }
+}
+
+/// The stack a conversion or a load may use: JSON, protobuf and `.proto` files are taken by
+/// recursion, up to serde_json's 128 levels, prost's 100 and [`MAX_NESTING`], a few KiB a level
+/// optimised and ten times that not (a C library built in a debug profile).
+const STACK_NEEDED: usize = if cfg!(debug_assertions) { 4 << 20 } else { 1 << 20 };
+
+/// The stack of the thread [`on_deep_stack`] starts: only what it touches is committed.
+const STACK_OWN: usize = 16 << 20;
+
+/// Runs `f` where at least [`STACK_NEEDED`] of stack is free: on the caller's thread when it
+/// has that much left (an nginx worker's or a Go thread's 8 MiB), else on a thread of its own.
+/// A C caller's thread may have a small stack (a few hundred KiB: musl's default, a pool's
+/// setting), and input nested as deep as the parsers allow overflowed one, a crash of the
+/// whole process where every other bad input is INVALID_ARGUMENT.
+fn on_deep_stack<T: Send>(f: impl FnOnce() -> Result<T, Status> + Send) -> Result<T, Status> {
+    if stack_left().is_some_and(|left| left >= STACK_NEEDED) {
+        return f();
+    }
+    std::thread::scope(|scope| {
+        let thread = std::thread::Builder::new().name("isthmus-proto".into()).stack_size(STACK_OWN);
+        let running = thread.spawn_scoped(scope, f).map_err(|e| {
+            Status::new(Code::ResourceExhausted, format!("cannot start a thread for the conversion: {e}"))
+        })?;
+        // A panic goes on to the entry point's guard, as it would have on this thread.
+        running.join().unwrap_or_else(|panic| std::panic::resume_unwind(panic))
+    })
+}
+
+/// The stack left below this frame on the calling thread, if the thread says where its stack
+/// ends (its lowest usable address, found once per thread).
+fn stack_left() -> Option<usize> {
+    thread_local! {
+        static LOWEST: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+    }
+    let lowest = LOWEST.with(|lowest| {
+        if lowest.get().is_none() {
+            lowest.set(stack_lowest());
+        }
+        lowest.get()
+    })?;
+    let here = 0u8;
+    (std::ptr::addr_of!(here) as usize).checked_sub(lowest)
+}
+
+/// The calling thread's lowest usable stack address: the bottom of its stack above the guard.
+fn stack_lowest() -> Option<usize> {
+    // SAFETY: `attr` is initialised by `pthread_getattr_np` for the calling thread before it is
+    // read, and destroyed once; the out-pointers are locals.
+    unsafe {
+        let mut attr: libc::pthread_attr_t = std::mem::zeroed();
+        if libc::pthread_getattr_np(libc::pthread_self(), &mut attr) != 0 {
+            return None;
+        }
+        let (mut addr, mut size, mut guard) = (std::ptr::null_mut(), 0usize, 0usize);
+        let found = libc::pthread_attr_getstack(&attr, &mut addr, &mut size) == 0
+            && libc::pthread_attr_getguardsize(&attr, &mut guard) == 0;
+        libc::pthread_attr_destroy(&mut attr);
+        found.then(|| addr as usize + guard)
     }
 }
 
@@ -452,9 +520,14 @@ service Echo { rpc Call(Ping) returns (Pong); }
 "#;
 
     fn load() -> (*mut isthmus_proto_t, tempdir::Dir) {
+        load_text(PROTO)
+    }
+
+    /// `source` written to a file and loaded.
+    fn load_text(source: &str) -> (*mut isthmus_proto_t, tempdir::Dir) {
         let dir = tempdir::Dir::new();
         let file = dir.0.join("demo.proto");
-        std::fs::write(&file, PROTO).expect("write");
+        std::fs::write(&file, source).expect("write");
         let path = CString::new(file.to_str().expect("utf8")).expect("cstr");
         let files = [path.as_ptr()];
         let mut proto = std::ptr::null_mut();
@@ -512,13 +585,16 @@ service Echo { rpc Call(Ping) returns (Pong); }
 
     /// A file nested a few thousand deep is INVALID_ARGUMENT, naming the line: protox's parser
     /// recursed into it and overflowed the caller's stack (a crash of the whole process). One
-    /// nested as deep as real files nest loads, braces in comments and strings not counted.
+    /// nested as deep as the limit loads, braces in comments and strings not counted.
     #[test]
     fn a_proto_nested_too_deep_is_refused_not_a_crash() {
-        // A small stack, as a C caller's thread may have: 1,000 levels overflowed 256 KiB.
-        let loads = std::thread::Builder::new().stack_size(256 << 10);
+        // A small stack, as a C caller's thread may have: 1,000 levels overflowed 256 KiB, and
+        // the limit's 100 overflowed 64 KiB before the parser ran on a stack of its own.
+        let loads = std::thread::Builder::new().stack_size(64 << 10);
         let loaded = loads.spawn(|| {
-            [nested(3000), nested(50), nested_option(3000), nested_option(50)].map(|source| load_source(&source))
+            // The option's value sits inside two braces of its own (`message X {`, `= {`).
+            [nested(3000), nested(MAX_NESTING), nested_option(3000), nested_option(MAX_NESTING - 2)]
+                .map(|source| load_source(&source))
         });
         let [deep, shallow, deep_option, shallow_option] = loaded.expect("thread").join().expect("no crash");
         assert_eq!(deep.0, ISTHMUS_INVALID_ARGUMENT, "{}", deep.1);
@@ -527,6 +603,45 @@ service Echo { rpc Call(Ping) returns (Pong); }
         assert_eq!(deep_option.0, ISTHMUS_INVALID_ARGUMENT, "{}", deep_option.1);
         assert!(deep_option.1.contains("deep.proto:5: braces nested more than 100 deep"), "{}", deep_option.1);
         assert_eq!(shallow_option, (ISTHMUS_OK, String::new()));
+    }
+
+    /// Messages nested as deep as prost and serde_json take convert on a caller's thread with a
+    /// small stack (64 KiB, as a C pool's thread may have), and deeper ones fail
+    /// INVALID_ARGUMENT: a recursive message 100 deep overflowed such a thread, a crash of the
+    /// whole process on bytes a peer sent or a table a Lua caller built.
+    #[test]
+    fn deep_messages_convert_on_a_small_stack() {
+        let (proto, _dir) = load_text("syntax = \"proto3\";\nmessage R { R r = 1; string s = 2; }\n");
+        // `R` nested `depth` deep, as protobuf bytes and as JSON.
+        let bytes = |depth: usize| {
+            let mut b = vec![0x12, 1, b'x'];
+            for _ in 0..depth {
+                let mut outer = vec![0x0a];
+                prost::encoding::encode_varint(b.len() as u64, &mut outer);
+                outer.extend(b);
+                b = outer;
+            }
+            b
+        };
+        let json = |depth: usize| format!("{}{{\"s\": \"x\"}}{}", "{\"r\": ".repeat(depth), "}".repeat(depth));
+        let p = proto as usize;
+        let small = std::thread::Builder::new().stack_size(64 << 10);
+        let converted = small.spawn(move || {
+            let proto = p as *mut isthmus_proto_t;
+            let ty = c"R";
+            let decoded = [98, 500].map(|depth| try_decode(proto, ty, &bytes(depth)).map(|j| j.len()));
+            let encoded = [98, 126, 500].map(|depth| encode(proto, ty, &json(depth)).map(|b| b.len()));
+            (decoded, encoded)
+        });
+        let (decoded, encoded) = converted.expect("thread").join().expect("no crash");
+        assert!(decoded[0].is_ok(), "{decoded:?}");
+        assert_eq!(encoded[0].as_ref().ok(), Some(&bytes(98).len()), "{encoded:?}");
+        assert!(encoded[1].is_ok(), "{encoded:?}");
+        for failed in [&decoded[1], &encoded[2]] {
+            let (code, message) = failed.as_ref().expect_err("too deep");
+            assert_eq!(*code, ISTHMUS_INVALID_ARGUMENT, "{message}");
+        }
+        assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
     }
 
     /// The bytes of a message handle, freeing it.

@@ -24,6 +24,8 @@
 // server processes it starts itself. go-bench load SYSTEM SIZE INFLIGHT SECONDS runs one
 // system alone, for a profiler (perf, pprof) to watch; it prints the record and writes none.
 // A SYSTEM ending in -deadline gives each of its calls a deadline, as run does for those rows.
+// With GO_BENCH_SERVER_CPUPROFILE=FILE a Go server it starts writes its CPU profile there when
+// it stops (go tool pprof -top target/go-bin-release/go-bench FILE).
 package main
 
 import (
@@ -38,6 +40,7 @@ import (
 	"os/signal"
 	"path/filepath"
 	"runtime"
+	"runtime/pprof"
 	"sort"
 	"strings"
 	"sync"
@@ -74,6 +77,15 @@ func (echoServer) Unary(_ context.Context, r *pb.EchoRequest) (*pb.EchoReply, er
 func waitForSignal() {
 	ch := make(chan os.Signal, 1)
 	signal.Notify(ch, syscall.SIGTERM, syscall.SIGINT)
+	// A server's CPU profile, for pprof, when $GO_BENCH_SERVER_CPUPROFILE names a file.
+	if path := os.Getenv("GO_BENCH_SERVER_CPUPROFILE"); path != "" {
+		if f, err := os.Create(path); err == nil {
+			defer f.Close()
+			if pprof.StartCPUProfile(f) == nil {
+				defer pprof.StopCPUProfile() // before the Close above
+			}
+		}
+	}
 	<-ch
 }
 
