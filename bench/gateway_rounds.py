@@ -7,7 +7,7 @@ callers (`gateway_floor.py`: requests/s of the gateway's own work, no transport)
 `gateway-floor-async` (the same with one turn of the event loop per reply and per streamed
 message: the least a transport that completes calls on the loop adds).
 
-Usage: gateway_rounds.py RESULTS_JSON [--quick]
+Usage: gateway_rounds.py RESULTS_JSON [--quick] (a RESULTS_JSON not there yet is made)
 """
 
 from __future__ import annotations
@@ -87,14 +87,16 @@ def main() -> int:
                     "round": round_,
                 }
             )
-    data = json.loads(results.read_text())
-    data["header"].setdefault("versions", {}).update(versions())
-    data["header"]["fields"] = (
+    # A file that is not there yet, or holds no header or records (a run of its own), is made.
+    data = json.loads(results.read_text()) if results.exists() else {}
+    header = data.setdefault("header", {})
+    header.setdefault("versions", {}).update(versions())
+    header["fields"] = (
         "system, size (bytes), inflight, p50_us, p99_us, rps, round; gateway rows also avg_us and failures; "
         "medians are taken across rounds"
     )
     ours = {*SYSTEMS.values(), "gateway-floor", "gateway-floor-async"}
-    kept = [r for r in data["records"] if r["system"] not in ours]
+    kept = [r for r in data.get("records", []) if r["system"] not in ours]
     data["records"] = kept + records
     # As isthmus-bench writes it: one compact record a line, keys sorted.
     compact = {"separators": (",", ":"), "sort_keys": True}
