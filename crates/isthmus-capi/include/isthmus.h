@@ -606,7 +606,8 @@ isthmus_code_t isthmus_channel_set_spin(const isthmus_channel_t *channel,
 // The channel's connectivity state (`ISTHMUS_STATE_*`) into `*state`. With `try_to_connect`
 // not 0, an IDLE or failed channel starts connecting in the background (retrying with
 // backoff until it is READY), as grpc-go's `Connect` and grpcio's `try_to_connect`; the
-// calling thread never waits for it.
+// calling thread never waits for it. On an error (a handle that is no channel) `*state` is
+// `ISTHMUS_STATE_SHUTDOWN`.
 //
 // Thread-safety: any thread, an event loop's included: it never waits.
 //
@@ -620,7 +621,9 @@ isthmus_code_t isthmus_channel_state(const isthmus_channel_t *channel,
 // Blocks until the channel's state is not `last` (an `ISTHMUS_STATE_*`), for at most
 // `timeout_ms` milliseconds: `ISTHMUS_OK` with the new state in `*state`, or
 // `ISTHMUS_DEADLINE_EXCEEDED` with the state, still `last`, if the time ran out (grpc-go's
-// `WaitForStateChange`). Closing the channel from another thread moves it to SHUTDOWN.
+// `WaitForStateChange`). Closing the channel from another thread moves it to SHUTDOWN. On
+// an error (a handle that is no channel, a `last` that is no state) `*state` is
+// `ISTHMUS_STATE_SHUTDOWN`.
 //
 // Thread-safety: any thread, which it blocks; closing the channel on another thread ends the wait.
 //
@@ -1175,7 +1178,8 @@ isthmus_code_t isthmus_metadata_add(isthmus_metadata_t *md,
 size_t isthmus_metadata_len(const isthmus_metadata_t *md);
 
 // Entry `index`: its key (not NUL-terminated) and value (NULL when empty), valid until the
-// metadata is changed or freed. `ISTHMUS_OUT_OF_RANGE` past the end.
+// metadata is changed or freed. `ISTHMUS_OUT_OF_RANGE` past the end; on an error every
+// out-pointer is set to NULL or 0.
 //
 // Thread-safety: any thread; the pointers last until the metadata is changed
 // (`isthmus_metadata_add`) or freed, on any thread.
@@ -1343,7 +1347,7 @@ isthmus_code_t isthmus_server_add_handler_cq(const isthmus_server_t *server,
 // registered on `cq` (`isthmus_server_add_handler_cq`), and takes it: `*tag` and `*call` are
 // set as its `ISTHMUS_OP_NEW_CALL` event would set them, and that event never comes. `*call`
 // is NULL (and `*tag` 0) if none came in time, or at once if another thread waits here
-// already: one thread waits at a time. Meant for the thread that has just finished a call:
+// already: one thread waits at a time, and on an error. Meant for the thread that has just finished a call:
 // the next call then reaches it with no wake-up of the queue's waiter. Calls that come while
 // nobody waits here go to the queue as before. The thread also reads the connection of the
 // latest call meanwhile, so a call on it may start (and a callback handler run) on this
@@ -1365,7 +1369,9 @@ isthmus_code_t isthmus_cq_take_call(const isthmus_cq_t *cq,
 
 // Binds every target in `targets` (`count` NUL-terminated strings: `shm://NAME`,
 // `unix:///path.sock`, `http://host:port`) and starts serving them in the background.
-// Clients can connect as soon as this returns. A server starts once.
+// Clients can connect as soon as this returns. A server starts once; a start that fails (a
+// target that does not parse or bind, TLS settings that do not load) leaves it as it was,
+// handlers and options kept, to be started again.
 //
 // Thread-safety: any thread, which it blocks while it binds; of two calls at once, one starts the
 // server and the other fails `ISTHMUS_FAILED_PRECONDITION`.

@@ -425,7 +425,8 @@ impl isthmus_channel_t {
 /// The channel's connectivity state (`ISTHMUS_STATE_*`) into `*state`. With `try_to_connect`
 /// not 0, an IDLE or failed channel starts connecting in the background (retrying with
 /// backoff until it is READY), as grpc-go's `Connect` and grpcio's `try_to_connect`; the
-/// calling thread never waits for it.
+/// calling thread never waits for it. On an error (a handle that is no channel) `*state` is
+/// `ISTHMUS_STATE_SHUTDOWN`.
 ///
 /// Thread-safety: any thread, an event loop's included: it never waits.
 ///
@@ -444,7 +445,8 @@ pub unsafe extern "C" fn isthmus_channel_state(
 
 /// [`entry`] for the connectivity calls: `state` NULL is refused; otherwise the state the body
 /// gives is stored there, and its result (OK, or DEADLINE_EXCEEDED for a wait that ran out)
-/// returned.
+/// returned. A body that fails (a handle that is no channel, a `last` that is no state) leaves
+/// SHUTDOWN there, so a caller that reads it regardless reads no stale state.
 ///
 /// # Safety
 ///
@@ -457,6 +459,8 @@ unsafe fn entry_state(
         if state.is_null() {
             return Err(invalid("the state out-pointer is NULL"));
         }
+        // SAFETY: checked not NULL; writable by the caller's promise.
+        unsafe { state.write(ISTHMUS_STATE_SHUTDOWN) };
         let (now, result) = body()?;
         // SAFETY: checked not NULL; writable by the caller's promise.
         unsafe { state.write(now as u32) };
@@ -467,7 +471,9 @@ unsafe fn entry_state(
 /// Blocks until the channel's state is not `last` (an `ISTHMUS_STATE_*`), for at most
 /// `timeout_ms` milliseconds: `ISTHMUS_OK` with the new state in `*state`, or
 /// `ISTHMUS_DEADLINE_EXCEEDED` with the state, still `last`, if the time ran out (grpc-go's
-/// `WaitForStateChange`). Closing the channel from another thread moves it to SHUTDOWN.
+/// `WaitForStateChange`). Closing the channel from another thread moves it to SHUTDOWN. On
+/// an error (a handle that is no channel, a `last` that is no state) `*state` is
+/// `ISTHMUS_STATE_SHUTDOWN`.
 ///
 /// Thread-safety: any thread, which it blocks; closing the channel on another thread ends the wait.
 ///

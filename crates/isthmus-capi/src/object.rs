@@ -319,7 +319,8 @@ pub extern "C" fn isthmus_metadata_len(md: *const isthmus_metadata_t) -> usize {
 }
 
 /// Entry `index`: its key (not NUL-terminated) and value (NULL when empty), valid until the
-/// metadata is changed or freed. `ISTHMUS_OUT_OF_RANGE` past the end.
+/// metadata is changed or freed. `ISTHMUS_OUT_OF_RANGE` past the end; on an error every
+/// out-pointer is set to NULL or 0.
 ///
 /// Thread-safety: any thread; the pointers last until the metadata is changed
 /// (`isthmus_metadata_add`) or freed, on any thread.
@@ -337,6 +338,13 @@ pub unsafe extern "C" fn isthmus_metadata_get(
     value_len: *mut usize,
 ) -> isthmus_code_t {
     entry(std::ptr::null_mut(), || {
+        // SAFETY: each is NULL or writable by the caller's promise; set before anything can fail.
+        unsafe {
+            put(key, std::ptr::null());
+            put(key_len, 0);
+            put(value, std::ptr::null());
+            put(value_len, 0);
+        }
         let md = METADATA.get(md)?;
         let map = md.map.lock().map_err(|_| invalid("metadata poisoned"))?;
         let (k, v) = map

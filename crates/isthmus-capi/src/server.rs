@@ -505,7 +505,7 @@ pub unsafe extern "C" fn isthmus_server_add_handler_cq(
 /// registered on `cq` (`isthmus_server_add_handler_cq`), and takes it: `*tag` and `*call` are
 /// set as its `ISTHMUS_OP_NEW_CALL` event would set them, and that event never comes. `*call`
 /// is NULL (and `*tag` 0) if none came in time, or at once if another thread waits here
-/// already: one thread waits at a time. Meant for the thread that has just finished a call:
+/// already: one thread waits at a time, and on an error. Meant for the thread that has just finished a call:
 /// the next call then reaches it with no wake-up of the queue's waiter. Calls that come while
 /// nobody waits here go to the queue as before. The thread also reads the connection of the
 /// latest call meanwhile, so a call on it may start (and a callback handler run) on this
@@ -528,6 +528,12 @@ pub unsafe extern "C" fn isthmus_cq_take_call(
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
     entry(status, || {
+        // SAFETY: each is NULL or writable by the caller's promise. Set first, so that a
+        // failure below (a queue that is no live handle) leaves no earlier call's handle there.
+        unsafe {
+            put(tag, 0);
+            put(call, std::ptr::null_mut());
+        }
         if tag.is_null() || call.is_null() {
             return Err(invalid("tag or call is NULL"));
         }
@@ -548,7 +554,9 @@ pub unsafe extern "C" fn isthmus_cq_take_call(
 
 /// Binds every target in `targets` (`count` NUL-terminated strings: `shm://NAME`,
 /// `unix:///path.sock`, `http://host:port`) and starts serving them in the background.
-/// Clients can connect as soon as this returns. A server starts once.
+/// Clients can connect as soon as this returns. A server starts once; a start that fails (a
+/// target that does not parse or bind, TLS settings that do not load) leaves it as it was,
+/// handlers and options kept, to be started again.
 ///
 /// Thread-safety: any thread, which it blocks while it binds; of two calls at once, one starts the
 /// server and the other fails `ISTHMUS_FAILED_PRECONDITION`.
@@ -572,19 +580,19 @@ pub unsafe extern "C" fn isthmus_server_start(
         // refused before any is read.
         let list = unsafe { c_strs(targets, count, "the targets")? };
         let mut state = server.state.lock().map_err(|_| invalid("server state poisoned"))?;
-        let ServerState::Building { server: builder, stream_limit, tls, compression } =
-            std::mem::replace(&mut *state, ServerState::Stopped)
-        else {
+        let ServerState::Building { server: builder, stream_limit, tls, compression } = &*state else {
             return Err(Status::new(Code::FailedPrecondition, "the server was started already"));
         };
-        let mut builder = *builder;
-        if let Some(compression) = compression? {
+        // A copy is bound: a start that fails (a target that does not parse or bind, bad TLS
+        // settings) leaves the server as it was, its handlers and options kept for another try.
+        let mut builder = (**builder).clone();
+        if let Some(compression) = compression.clone()? {
             builder = builder.send_compressed(compression);
         }
-        if let Some(tls) = (*tls)? {
+        if let Some(tls) = tls.as_ref().as_ref().map_err(Clone::clone)? {
             builder = builder.tls_config(tls.server()?);
         }
-        if let Some(limit) = stream_limit {
+        if let Some(limit) = *stream_limit {
             builder = builder.max_concurrent_streams(limit);
         }
         let _runtime = runtime().enter();
@@ -1349,4 +1357,121 @@ unsafe fn finish(
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::ffi::{c_void, CStr, CString};
+
+    use super::*;
+    use crate::abi::{isthmus_status_free, isthmus_status_message, ISTHMUS_NOT_FOUND, ISTHMUS_OK};
+    use crate::client::{isthmus_channel_close, isthmus_channel_new, isthmus_unary};
+
+    /// Ends every call NOT_FOUND "kept": a status only this handler gives.
+    unsafe extern "C" fn kept(_: *mut c_void, call: *mut isthmus_server_call_t) {
+        // SAFETY: a live call, handed to this handler; a NUL-terminated message.
+        unsafe {
+            isthmus_server_call_finish(
+                call,
+                ISTHMUS_NOT_FOUND,
+                c"kept".as_ptr(),
+                std::ptr::null(),
+                std::ptr::null_mut(),
+            )
+        };
+    }
+
+    /// A start that fails leaves the server as it was: started again on a target that binds, it
+    /// serves with the handler added before. The first start took the server's builder before
+    /// binding, so a failed one lost its handlers, and every later start failed
+    /// FAILED_PRECONDITION "started already".
+    #[test]
+    fn a_start_that_fails_keeps_the_server_for_another() {
+        let name = CString::new(format!("shm://capi-restart-{}", std::process::id())).expect("name");
+        let bad = c"nosuch://where";
+        // SAFETY: NULL options are the defaults; the strings are NUL-terminated and outlive the
+        // calls; the out-pointers are writable.
+        unsafe {
+            let server = isthmus_server_new(std::ptr::null());
+            let path = c"/t.S/M";
+            let rc = isthmus_server_add_handler(
+                server,
+                path.as_ptr(),
+                Some(kept),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            );
+            assert_eq!(rc, ISTHMUS_OK);
+            let mut status = std::ptr::null_mut();
+            let targets = [bad.as_ptr()];
+            assert_ne!(isthmus_server_start(server, targets.as_ptr(), 1, &mut status), ISTHMUS_OK);
+            let message = CStr::from_ptr(isthmus_status_message(status)).to_string_lossy().into_owned();
+            assert!(message.contains("nosuch"), "{message}");
+            isthmus_status_free(status);
+
+            let targets = [name.as_ptr()];
+            assert_eq!(isthmus_server_start(server, targets.as_ptr(), 1, std::ptr::null_mut()), ISTHMUS_OK);
+            let mut channel = std::ptr::null_mut();
+            assert_eq!(
+                isthmus_channel_new(name.as_ptr(), std::ptr::null(), &mut channel, std::ptr::null_mut()),
+                ISTHMUS_OK
+            );
+            let (mut reply, mut status) = (std::ptr::null_mut(), std::ptr::null_mut());
+            let rc = isthmus_unary(
+                channel,
+                path.as_ptr(),
+                b"hi".as_ptr(),
+                2,
+                std::ptr::null(),
+                &mut reply,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                &mut status,
+            );
+            assert_eq!(rc, ISTHMUS_NOT_FOUND, "the handler added before the failed start answers");
+            assert_eq!(CStr::from_ptr(isthmus_status_message(status)).to_str(), Ok("kept"));
+            isthmus_status_free(status);
+            assert_eq!(
+                isthmus_server_start(server, targets.as_ptr(), 1, std::ptr::null_mut()),
+                crate::abi::ISTHMUS_FAILED_PRECONDITION
+            );
+            assert_eq!(isthmus_channel_close(channel), ISTHMUS_OK);
+            assert_eq!(isthmus_server_free(server), ISTHMUS_OK);
+        }
+    }
+
+    /// An entry point that fails leaves no stale value in its out-pointers: a worker loop that
+    /// reuses its variables and reads them regardless finds no earlier call's handle (which it
+    /// would then finish a second time), entry or state.
+    #[test]
+    fn a_failure_leaves_no_stale_out_values() {
+        use crate::client::{isthmus_channel_state, ISTHMUS_STATE_READY, ISTHMUS_STATE_SHUTDOWN};
+        use crate::cq::{isthmus_cq_free, isthmus_cq_new};
+        use crate::object::{isthmus_metadata_add, isthmus_metadata_free, isthmus_metadata_get, isthmus_metadata_new};
+        let cq = isthmus_cq_new();
+        assert_eq!(isthmus_cq_free(cq), ISTHMUS_OK);
+        let (mut tag, mut call) = (7u64, 0x10 as *mut isthmus_server_call_t);
+        // SAFETY: writable out-pointers; the freed queue is refused by the registry.
+        let rc = unsafe { isthmus_cq_take_call(cq, 0, &mut tag, &mut call, std::ptr::null_mut()) };
+        assert_eq!(rc, crate::abi::ISTHMUS_INVALID_ARGUMENT);
+        assert_eq!((tag, call), (0, std::ptr::null_mut()));
+
+        let md = isthmus_metadata_new();
+        // SAFETY: a live handle, NUL-terminated key, a value of 1 byte.
+        let added = unsafe { isthmus_metadata_add(md, c"k".as_ptr(), b"v".as_ptr(), 1, std::ptr::null_mut()) };
+        assert_eq!(added, ISTHMUS_OK);
+        let (mut key, mut key_len) = (b"stale".as_ptr(), 5usize);
+        let (mut value, mut value_len) = (b"stale".as_ptr(), 5usize);
+        // SAFETY: writable out-pointers.
+        let rc = unsafe { isthmus_metadata_get(md, 1, &mut key, &mut key_len, &mut value, &mut value_len) };
+        assert_eq!(rc, crate::abi::ISTHMUS_OUT_OF_RANGE);
+        assert_eq!((key, key_len, value, value_len), (std::ptr::null(), 0, std::ptr::null(), 0));
+        assert_eq!(isthmus_metadata_free(md), ISTHMUS_OK);
+
+        let mut state = ISTHMUS_STATE_READY;
+        // SAFETY: a writable out-pointer; the handle is none the library made.
+        let rc = unsafe { isthmus_channel_state(0x10 as *const _, 0, &mut state) };
+        assert_eq!(rc, crate::abi::ISTHMUS_INVALID_ARGUMENT);
+        assert_eq!(state, ISTHMUS_STATE_SHUTDOWN);
+    }
 }
