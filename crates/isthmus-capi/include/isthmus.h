@@ -1228,7 +1228,8 @@ isthmus_code_t isthmus_proto_load(const char *const *files,
 
 // Loads a serialized `google.protobuf.FileDescriptorSet` (what `protoc --include_imports
 // --descriptor_set_out` writes, or a server's reflection gives). Free the result with
-// `isthmus_proto_free`.
+// `isthmus_proto_free`. A set that does not decode, or whose files import one another in a
+// cycle or more than 100 deep, fails with `ISTHMUS_INVALID_ARGUMENT`.
 //
 // Thread-safety: any thread, whatever its stack (as `isthmus_proto_load`).
 //
@@ -1279,7 +1280,8 @@ isthmus_code_t isthmus_proto_encode(const isthmus_proto_t *proto,
 // Decodes protobuf bytes of type `type_name` into its proto3 JSON form, with the field names
 // the `.proto` file gives (`time_left_ms`, not `timeLeftMs`; encoding takes either): fields at
 // their default value left out, 64-bit integers as strings, `bytes` in base64. `*out` holds
-// the JSON text. Bytes that are not such a message fail with `ISTHMUS_INVALID_ARGUMENT`.
+// the JSON text. Bytes that are not such a message, or whose `google.protobuf.Any` values nest
+// more than 100 deep, fail with `ISTHMUS_INVALID_ARGUMENT`.
 //
 // Thread-safety: any thread, whatever its stack (as `isthmus_proto_load`); several may use one
 // proto at once.

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use bytes::Bytes;
 use isthmus::{Code, Status};
 use prost::Message as _;
-use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, SerializeOptions};
+use prost_reflect::{DescriptorPool, DynamicMessage, MessageDescriptor, ReflectMessage as _, SerializeOptions};
 
 use crate::abi::{c_bytes, c_str, c_strs, entry_out, guard, invalid, isthmus_code_t, isthmus_status_t};
 use crate::handle::Registry;
@@ -216,7 +216,8 @@ fn nested_too_deep(source: &str) -> Option<usize> {
 
 /// Loads a serialized `google.protobuf.FileDescriptorSet` (what `protoc --include_imports
 /// --descriptor_set_out` writes, or a server's reflection gives). Free the result with
-/// `isthmus_proto_free`.
+/// `isthmus_proto_free`. A set that does not decode, or whose files import one another in a
+/// cycle or more than 100 deep, fails with `ISTHMUS_INVALID_ARGUMENT`.
 ///
 /// Thread-safety: any thread, whatever its stack (as `isthmus_proto_load`).
 ///
@@ -234,11 +235,136 @@ pub unsafe extern "C" fn isthmus_proto_load_descriptor_set(
     unsafe {
         entry_out(out, "proto", status, || {
             let data = c_bytes(data, len, "the descriptor set")?;
+            imports_are_a_shallow_dag(data)?;
             let pool = on_deep_stack(|| {
                 DescriptorPool::decode(data).map_err(|e| invalid(format!("not a usable FileDescriptorSet: {e}")))
             })?;
             Ok(Some(PROTOS.add(isthmus_proto_t::new(pool)?)))
         })
+    }
+}
+
+/// How deep a descriptor set's files may import one another (a file importing a file importing
+/// ...), and how deep `google.protobuf.Any` messages may nest in bytes being decoded: both are
+/// taken by recursion (prost-reflect's), neither with a bound of its own.
+const MAX_DEPTH: usize = 100;
+
+/// As much of a `google.protobuf.FileDescriptorSet` as the import check reads.
+#[derive(Clone, PartialEq, prost::Message)]
+struct FileImportsSet {
+    #[prost(message, repeated, tag = "1")]
+    file: Vec<FileImports>,
+}
+
+/// A file's name and what it imports (`FileDescriptorProto` fields 1 and 3).
+#[derive(Clone, PartialEq, prost::Message)]
+struct FileImports {
+    #[prost(string, optional, tag = "1")]
+    name: Option<String>,
+    #[prost(string, repeated, tag = "3")]
+    dependency: Vec<String>,
+}
+
+/// Refuses a descriptor set whose files import one another in a cycle, or in a chain deeper
+/// than [`MAX_DEPTH`]: prost-reflect resolves imports by recursion, and two files that publicly
+/// import each other recursed until the stack overflowed (a crash of the whole process, from
+/// bytes a server's reflection may give). protoc refuses both.
+fn imports_are_a_shallow_dag(data: &[u8]) -> Result<(), Status> {
+    let set = FileImportsSet::decode(data).map_err(|e| invalid(format!("not a usable FileDescriptorSet: {e}")))?;
+    let index: HashMap<&str, usize> =
+        set.file.iter().enumerate().filter_map(|(i, f)| f.name.as_deref().map(|n| (n, i))).collect();
+    let imports: Vec<Vec<usize>> =
+        set.file.iter().map(|f| f.dependency.iter().filter_map(|d| index.get(d.as_str()).copied()).collect()).collect();
+    // Depth-first, by hand (a recursion here would have the same problem): `depth[i]` is the
+    // longest import chain from file i once it is done; `open` marks the files on the path.
+    let (mut depth, mut open) = (vec![None::<usize>; imports.len()], vec![false; imports.len()]);
+    for root in 0..imports.len() {
+        let mut path = vec![(root, 0usize)];
+        while let Some(&mut (file, ref mut next)) = path.last_mut() {
+            if depth[file].is_some() {
+                path.pop();
+                continue;
+            }
+            open[file] = true;
+            if let Some(&import) = imports[file].get(*next) {
+                *next += 1;
+                if open[import] {
+                    let name = |i: usize| set.file[i].name.as_deref().unwrap_or("?");
+                    return Err(invalid(format!("{} and {} import each other (a cycle)", name(file), name(import))));
+                }
+                if depth[import].is_none() {
+                    if path.len() > MAX_DEPTH {
+                        return Err(invalid(format!("files import one another more than {MAX_DEPTH} deep")));
+                    }
+                    path.push((import, 0));
+                }
+                continue;
+            }
+            let deepest = imports[file].iter().filter_map(|&i| depth[i]).max().map_or(0, |d| d + 1);
+            if deepest > MAX_DEPTH {
+                return Err(invalid(format!("files import one another more than {MAX_DEPTH} deep")));
+            }
+            depth[file] = Some(deepest);
+            open[file] = false;
+            path.pop();
+        }
+    }
+    Ok(())
+}
+
+/// Refuses bytes whose `google.protobuf.Any` messages nest, with the messages between them,
+/// deeper than [`MAX_DEPTH`]. prost bounds the nesting of one message's bytes, but writing an
+/// `Any` as JSON decodes its payload afresh, with a fresh bound, and serde_json's writer has
+/// none: an `Any` in an `Any` 100,000 deep (5 MB from a peer) ran a process out of memory, and
+/// deep enough overflows any stack. Only a pool that declares `Any` has its messages walked.
+fn any_nesting_is_shallow(message: &DynamicMessage) -> Result<(), Status> {
+    fn walk(message: &DynamicMessage, depth: usize) -> Result<(), Status> {
+        if depth > MAX_DEPTH {
+            return Err(invalid(format!("messages in google.protobuf.Any nest more than {MAX_DEPTH} deep")));
+        }
+        let desc = message.descriptor();
+        if desc.full_name() == "google.protobuf.Any" {
+            let url = message.get_field_by_number(1);
+            let bytes = message.get_field_by_number(2);
+            let (Some(url), Some(bytes)) =
+                (url.as_deref().and_then(|v| v.as_str()), bytes.as_deref().and_then(|v| v.as_bytes()))
+            else {
+                return Ok(());
+            };
+            let name = url.rsplit('/').next().unwrap_or(url);
+            // A type no loaded file declares, or bytes that are not one: the JSON writer says so.
+            if let Some(inner) = desc.parent_pool().get_message_by_name(name) {
+                if let Ok(payload) = DynamicMessage::decode(inner, bytes.clone()) {
+                    walk(&payload, depth + 1)?;
+                }
+            }
+            return Ok(());
+        }
+        for (_, value) in message.fields() {
+            match value {
+                prost_reflect::Value::Message(m) => walk(m, depth + 1)?,
+                prost_reflect::Value::List(items) => {
+                    for item in items {
+                        if let prost_reflect::Value::Message(m) = item {
+                            walk(m, depth + 1)?;
+                        }
+                    }
+                }
+                prost_reflect::Value::Map(entries) => {
+                    for item in entries.values() {
+                        if let prost_reflect::Value::Message(m) = item {
+                            walk(m, depth + 1)?;
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+    match message.descriptor().parent_pool().get_message_by_name("google.protobuf.Any") {
+        Some(_) => walk(message, 0),
+        None => Ok(()),
     }
 }
 
@@ -322,7 +448,8 @@ pub unsafe extern "C" fn isthmus_proto_encode(
 /// Decodes protobuf bytes of type `type_name` into its proto3 JSON form, with the field names
 /// the `.proto` file gives (`time_left_ms`, not `timeLeftMs`; encoding takes either): fields at
 /// their default value left out, 64-bit integers as strings, `bytes` in base64. `*out` holds
-/// the JSON text. Bytes that are not such a message fail with `ISTHMUS_INVALID_ARGUMENT`.
+/// the JSON text. Bytes that are not such a message, or whose `google.protobuf.Any` values nest
+/// more than 100 deep, fail with `ISTHMUS_INVALID_ARGUMENT`.
 ///
 /// Thread-safety: any thread, whatever its stack (as `isthmus_proto_load`); several may use one
 /// proto at once.
@@ -345,6 +472,7 @@ pub unsafe extern "C" fn isthmus_proto_decode(
         convert(proto, type_name, (data, len, "the message"), out, status, |desc, bytes| {
             let message = DynamicMessage::decode(desc.clone(), bytes)
                 .map_err(|e| invalid(format!("the bytes are not a {}: {e}", desc.full_name())))?;
+            any_nesting_is_shallow(&message)?;
             let options = SerializeOptions::new().use_proto_field_name(true);
             let mut json = Vec::new();
             message
@@ -459,23 +587,25 @@ fn on_deep_stack<T: Send>(f: impl FnOnce() -> Result<T, Status> + Send) -> Resul
 }
 
 /// The stack left below this frame on the calling thread, if the thread says where its stack
-/// ends (its lowest usable address, found once per thread).
+/// is (found once per thread) and this frame is on it: a fiber's or `makecontext`'s stack,
+/// which the thread does not know of, is taken as unknown (too small).
 fn stack_left() -> Option<usize> {
     thread_local! {
-        static LOWEST: std::cell::Cell<Option<usize>> = const { std::cell::Cell::new(None) };
+        static BOUNDS: std::cell::Cell<Option<(usize, usize)>> = const { std::cell::Cell::new(None) };
     }
-    let lowest = LOWEST.with(|lowest| {
-        if lowest.get().is_none() {
-            lowest.set(stack_lowest());
+    let (lowest, highest) = BOUNDS.with(|bounds| {
+        if bounds.get().is_none() {
+            bounds.set(stack_bounds());
         }
-        lowest.get()
+        bounds.get()
     })?;
     let here = 0u8;
-    (std::ptr::addr_of!(here) as usize).checked_sub(lowest)
+    let here = std::ptr::addr_of!(here) as usize;
+    (lowest..highest).contains(&here).then(|| here - lowest)
 }
 
-/// The calling thread's lowest usable stack address: the bottom of its stack above the guard.
-fn stack_lowest() -> Option<usize> {
+/// The calling thread's stack: its lowest usable address (above the guard) and its top.
+fn stack_bounds() -> Option<(usize, usize)> {
     // SAFETY: `attr` is initialised by `pthread_getattr_np` for the calling thread before it is
     // read, and destroyed once; the out-pointers are locals.
     unsafe {
@@ -487,7 +617,7 @@ fn stack_lowest() -> Option<usize> {
         let found = libc::pthread_attr_getstack(&attr, &mut addr, &mut size) == 0
             && libc::pthread_attr_getguardsize(&attr, &mut guard) == 0;
         libc::pthread_attr_destroy(&mut attr);
-        found.then(|| addr as usize + guard)
+        found.then(|| (addr as usize + guard, addr as usize + size))
     }
 }
 
@@ -548,14 +678,7 @@ service Echo { rpc Call(Ping) returns (Pong); }
         let (mut proto, mut status) = (std::ptr::null_mut(), std::ptr::null_mut());
         // SAFETY: one valid path; valid out-pointers.
         let rc = unsafe { isthmus_proto_load(files.as_ptr(), 1, std::ptr::null(), 0, &mut proto, &mut status) };
-        if rc == ISTHMUS_OK {
-            assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
-            return (rc, String::new());
-        }
-        // SAFETY: a status was stored on failure.
-        let message = unsafe { CStr::from_ptr(isthmus_status_message(status)) }.to_string_lossy().into_owned();
-        isthmus_status_free(status);
-        (rc, message)
+        loaded(rc, proto, status)
     }
 
     /// Messages nested `depth` deep, with braces in a comment and a string that do not count.
@@ -641,6 +764,129 @@ service Echo { rpc Call(Ping) returns (Pong); }
             let (code, message) = failed.as_ref().expect_err("too deep");
             assert_eq!(*code, ISTHMUS_INVALID_ARGUMENT, "{message}");
         }
+        assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
+    }
+
+    /// A descriptor set as a server's reflection might give one: files by name, what each
+    /// imports, and which of those imports are public.
+    fn descriptor_set(files: &[(&str, &[&str], &[i32])]) -> Vec<u8> {
+        #[derive(Clone, PartialEq, prost::Message)]
+        struct Set {
+            #[prost(message, repeated, tag = "1")]
+            file: Vec<File>,
+        }
+        #[derive(Clone, PartialEq, prost::Message)]
+        struct File {
+            #[prost(string, optional, tag = "1")]
+            name: Option<String>,
+            #[prost(string, repeated, tag = "3")]
+            dependency: Vec<String>,
+            #[prost(int32, repeated, packed = "false", tag = "10")]
+            public_dependency: Vec<i32>,
+        }
+        let file = files
+            .iter()
+            .map(|(name, imports, public)| File {
+                name: Some((*name).to_owned()),
+                dependency: imports.iter().map(|i| (*i).to_owned()).collect(),
+                public_dependency: public.to_vec(),
+            })
+            .collect();
+        Set { file }.encode_to_vec()
+    }
+
+    /// A load's code and the failure's message (empty on success); frees what it made.
+    fn loaded(
+        rc: isthmus_code_t,
+        proto: *mut isthmus_proto_t,
+        status: *mut isthmus_status_t,
+    ) -> (isthmus_code_t, String) {
+        if rc == ISTHMUS_OK {
+            assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
+            return (rc, String::new());
+        }
+        // SAFETY: a status was stored on failure.
+        let message = unsafe { CStr::from_ptr(isthmus_status_message(status)) }.to_string_lossy().into_owned();
+        isthmus_status_free(status);
+        (rc, message)
+    }
+
+    /// `isthmus_proto_load_descriptor_set` of `set`: the code, and the failure's message.
+    fn load_set(set: &[u8]) -> (isthmus_code_t, String) {
+        let (mut proto, mut status) = (std::ptr::null_mut(), std::ptr::null_mut());
+        // SAFETY: valid bytes and out-pointers.
+        let rc = unsafe { isthmus_proto_load_descriptor_set(set.as_ptr(), set.len(), &mut proto, &mut status) };
+        loaded(rc, proto, status)
+    }
+
+    /// Files that import one another in a cycle, or in a chain deeper than the limit, are
+    /// INVALID_ARGUMENT: two that publicly imported each other recursed in prost-reflect until
+    /// the stack overflowed, a crash of the process on 44 bytes a server's reflection could
+    /// send. A chain within the limit loads.
+    #[test]
+    fn a_descriptor_set_whose_imports_cycle_is_refused_not_a_crash() {
+        let cycle = descriptor_set(&[("a.proto", &["b.proto"], &[0]), ("b.proto", &["a.proto"], &[0])]);
+        let (code, message) = load_set(&cycle);
+        assert_eq!(code, ISTHMUS_INVALID_ARGUMENT, "{message}");
+        assert!(message.contains("import each other (a cycle)"), "{message}");
+        let itself = descriptor_set(&[("a.proto", &["a.proto"], &[0])]);
+        assert_eq!(load_set(&itself).0, ISTHMUS_INVALID_ARGUMENT);
+
+        let chain = |n: usize| {
+            let names: Vec<String> = (0..=n).map(|i| format!("f{i}.proto")).collect();
+            let imports: Vec<[&str; 1]> = (0..n).map(|i| [names[i + 1].as_str()]).collect();
+            let mut files: Vec<(&str, &[&str], &[i32])> =
+                (0..n).map(|i| (names[i].as_str(), &imports[i][..], &[0][..])).collect();
+            files.push((names[n].as_str(), &[], &[]));
+            files.reverse(); // each file after what it imports, as protoc writes them
+            descriptor_set(&files)
+        };
+        assert_eq!(load_set(&chain(MAX_DEPTH - 1)), (ISTHMUS_OK, String::new()));
+        let (code, message) = load_set(&chain(5000));
+        assert_eq!(code, ISTHMUS_INVALID_ARGUMENT, "{message}");
+        assert!(message.contains("more than 100 deep"), "{message}");
+    }
+
+    /// Bytes with `google.protobuf.Any` nested in `Any` deeper than the limit are
+    /// INVALID_ARGUMENT; writing them as JSON decoded each payload afresh, with no bound: 100,000
+    /// levels (5 MB from a peer) got the test process killed here (its memory ran out while the
+    /// writer recursed, each level holding its payload; deep enough, the stack overflows). Ten
+    /// levels convert.
+    #[test]
+    fn anys_nested_too_deep_are_refused_not_a_crash() {
+        let (proto, _dir) = load_text(
+            "syntax = \"proto3\";\nimport \"google/protobuf/any.proto\";\nmessage W { google.protobuf.Any a = 1; }\n",
+        );
+        // W { a: Any { Any { ... Any { W {} } } } }, `depth` Anys deep: each Any's value is its
+        // last field, so the bytes are the prefixes, outermost first, then the innermost Any.
+        let nested = |depth: usize| {
+            let any_prefix = |url: &str, value_len: usize| {
+                let mut out = vec![0x0a];
+                prost::encoding::encode_varint(url.len() as u64, &mut out);
+                out.extend_from_slice(url.as_bytes());
+                out.push(0x12);
+                prost::encoding::encode_varint(value_len as u64, &mut out);
+                out
+            };
+            let innermost = any_prefix("type.googleapis.com/W", 0);
+            let mut prefixes = Vec::new();
+            let mut len = innermost.len();
+            for _ in 1..depth {
+                let prefix = any_prefix("type.googleapis.com/google.protobuf.Any", len);
+                len += prefix.len();
+                prefixes.push(prefix);
+            }
+            let mut out = vec![0x0a];
+            prost::encoding::encode_varint(len as u64, &mut out);
+            out.extend(prefixes.into_iter().rev().flatten());
+            out.extend(innermost);
+            out
+        };
+        let shallow = try_decode(proto, c"W", &nested(10)).map(|json| String::from_utf8(json).expect("utf8"));
+        assert!(shallow.as_deref().is_ok_and(|j| j.matches("@type").count() == 10), "{shallow:?}");
+        let (code, message) = try_decode(proto, c"W", &nested(100_000)).expect_err("too deep");
+        assert_eq!(code, ISTHMUS_INVALID_ARGUMENT, "{message}");
+        assert!(message.contains("nest more than 100 deep"), "{message}");
         assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
     }
 
