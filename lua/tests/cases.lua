@@ -342,6 +342,12 @@ function cases.bad_arguments(ch, args)
         metadata_value_bool = function()
             return ch:unary(ECHO .. "Unary", "", { raw = true, metadata = { ["x-echo"] = true } })
         end,
+        metadata_values_hole = function()
+            return ch:unary(ECHO .. "Unary", "", { raw = true, metadata = { ["x-echo"] = { "a", nil, "c" } } })
+        end,
+        metadata_values_key = function()
+            return ch:unary(ECHO .. "Unary", "", { raw = true, metadata = { ["x-echo"] = { "a", other = "b" } } })
+        end,
         target_nul = function() return isthmus.connect(args.target .. "\0more") end,
         target_number = function() return isthmus.connect(5) end,
         connect_options_string = function() return isthmus.connect(args.target, "opts") end,
@@ -447,6 +453,27 @@ function cases.lua_tables(_, args)
         ch:close()
     end
     return r
+end
+
+-- A bidi stream whose reply does not parse as the type a proto (`args.strict_proto`)
+-- declares: the receive fails, and the call with it (cancelled, as grpc-go's stream ends): the
+-- next receive gives the same error at once, and a send fails.
+function cases.unparsable_stream(_, args)
+    local strict = assert(isthmus.load_proto({ args.strict_proto }))
+    local ch = assert(isthmus.connect(args.target, { proto = strict }))
+    local st = assert(ch:stream(ECHO .. "Bidi", { timeout = 10 }))
+    assert(st:send({ payload = ngx.encode_base64("\255\254"), seq = 1 }))
+    local ok, err = st:recv()
+    local again_ok, again = st:recv()
+    local sent, serr = st:send({ payload = ngx.encode_base64("ok"), seq = 2 })
+    st:close()
+    ch:close()
+    return {
+        first = ok and "a message" or failure(err),
+        again = again_ok and "a message" or failure(again),
+        same = again == err,
+        sent = sent and "sent" or serr.name,
+    }
 end
 
 -- A channel of its own to `target` (`upgrade` "1", "0" or absent), making unary calls until its

@@ -346,11 +346,12 @@ def test_unknown_method(nginx: Nginx, shm: str) -> None:
 
 def test_arguments_a_c_string_would_cut_or_that_are_none_fail_their_call(nginx: Nginx, shm: str) -> None:
     """A target, path or metadata key with a NUL, a target or path that is no string, metadata
-    or options that are no table, a metadata list, a value that is no string or number: each
-    call (or connect) fails INVALID_ARGUMENT, and the channel serves on. The module cut a NUL's
-    string short (a connection to another server, a call to another method, a key of another
-    name), raised for a number or a string where a table goes, and sent a list's indexes as
-    its keys."""
+    or options that are no table, a metadata list, a value that is no string or number, a
+    key's values with a hole or a key of their own: each call (or connect) fails
+    INVALID_ARGUMENT, and the channel serves on. The module cut a NUL's string short (a
+    connection to another server, a call to another method, a key of another name), raised for
+    a number or a string where a table goes, sent a list's indexes as its keys, and sent the
+    values before a hole (or none) and dropped the rest."""
     r = nginx.case("bad_arguments", shm)
     after = r.pop("after")
     assert r == {
@@ -366,6 +367,8 @@ def test_arguments_a_c_string_would_cut_or_that_are_none_fail_their_call(nginx: 
             "metadata_list",
             "metadata_key_nul",
             "metadata_value_bool",
+            "metadata_values_hole",
+            "metadata_values_key",
             "target_nul",
             "target_number",
             "connect_options_string",
@@ -465,6 +468,26 @@ def test_lua_tables_take_the_shapes_their_fields_declare(
     # A reply the client cannot parse is INTERNAL (gRPC's statuscodes.md), was INVALID_ARGUMENT.
     assert r["unparsable"]["name"] == "INTERNAL", r
     assert "the reply could not be read" in r["unparsable"]["message"], r
+
+
+def test_a_streams_reply_that_does_not_parse_ends_the_call(
+    nginx: Nginx, servers: Callable[[str], Served], tmp_path: Path
+) -> None:
+    """A stream's message that does not parse as the proto's type fails the receive INTERNAL
+    and ends the call, as grpc-go's stream does: the next receive gives the same error at once
+    and a send fails. The call went on: the next receive waited for the server's next message
+    (here, until the deadline), and a send went to a handler nobody read."""
+    strict = tmp_path / "strict.proto"
+    strict.write_text(
+        'syntax = "proto3"; package conformance; message Req { bytes payload = 1; uint64 seq = 2; }\n'
+        "message Strict { string payload = 1; }\n"
+        "service Echo { rpc Bidi(stream Req) returns (stream Strict); }\n"
+    )
+    r = nginx.case("unparsable_stream", servers("rust").addresses["shm"], strict_proto=strict)
+    first = r["first"]
+    assert first["name"] == "INTERNAL" and "the reply could not be read" in first["message"], r
+    assert r["again"] == first and r["same"] is True, r
+    assert r["sent"] != "sent", r
 
 
 def test_call_in_the_access_phase(nginx: Nginx, servers: Callable[[str], Served]) -> None:
@@ -774,7 +797,8 @@ def test_a_streams_step_that_cannot_yield_is_bounded_like_a_call(stubs: Path) ->
             assert reply.read() == b"started\n"
             step, again = reply.headers["X-Step"], reply.headers["X-Step-Again"]
         assert step == "header_filter DEADLINE_EXCEEDED", step
-        assert again == "CANCELLED", again  # the step cancelled the call: no second wait
+        # The step cancelled the call: the next gives the same error at once, no second wait.
+        assert again == "DEADLINE_EXCEEDED", again
         # tonic hands a cancelled request stream to its service as a plain end (see
         # test_cancel_ends_the_call_on_the_server_too): either way the handler was let go.
         line = served.peer.expect("BIDI-ENDED", patience=10)

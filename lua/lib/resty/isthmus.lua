@@ -150,7 +150,7 @@ isthmus_code_t isthmus_proto_free(isthmus_proto_t *proto);
 
 -- The header's constants this module uses.
 local ABI_VERSION = 1
-local OK, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, INTERNAL, UNAVAILABLE = 0, 2, 3, 4, 13, 14
+local OK, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE = 0, 2, 3, 4, 8, 13, 14
 local NOT_FOUND = 5
 local CALL_SPIN = 2
 local OP_STATE = 10
@@ -356,14 +356,29 @@ local function failed(code)
     return take_status(st, code)
 end
 
--- A message handle as a Lua string; frees the handle.
+-- The longest string LuaJIT makes (LJ_MAX_STR): ffi.string raises past it.
+local MAX_STRING = 0x7fffff00
+
+-- The error of a message too long for a Lua string (the library's limit is 4 GiB).
+local function too_long(len)
+    return new_error(RESOURCE_EXHAUSTED,
+        ("a message of %.0f bytes is longer than a Lua string can be (%d bytes)"):format(len, MAX_STRING))
+end
+
+-- A message handle as a Lua string, or nil and an error for one too long to be one; frees the
+-- handle either way.
 local len_out = ffi_new("size_t[1]")
 local function take_message(msg)
     if msg == nil then
         return nil
     end
     local data = C.isthmus_message_data(msg, len_out)
-    local s = ffi_string(data, len_out[0])
+    local len = tonumber(len_out[0])
+    if len > MAX_STRING then
+        C.isthmus_message_free(msg)
+        return nil, too_long(len)
+    end
+    local s = ffi_string(data, len)
     C.isthmus_message_free(msg)
     return s
 end
@@ -391,7 +406,8 @@ end
 
 -- Lua metadata ({key = value or {values}}) as a handle for one call, or nil. A value is a
 -- string (or a number, written as Lua writes it); anything else is refused, not sent as
--- something else (a list's keys were its indexes, a key with a NUL was cut at it).
+-- something else (a list's keys were its indexes, a key with a NUL was cut at it, values past
+-- a hole were dropped).
 local function make_metadata(t)
     if t ~= nil and type(t) ~= "table" then
         return nil, new_error(INVALID_ARGUMENT, "metadata is a table of key = value or {values}, not a " .. type(t))
@@ -405,7 +421,22 @@ local function make_metadata(t)
         if not key then
             return nil, err
         end
-        local values = type(v) == "table" and v or { v }
+        local values = v
+        if type(v) == "table" then
+            -- A list, 1..n with no hole (an empty one sends nothing): other keys would be lost.
+            local n = 0
+            for _ in pairs(v) do
+                n = n + 1
+            end
+            for i in pairs(v) do
+                if type(i) ~= "number" or i < 1 or i > n or i ~= math.floor(i) then
+                    return nil, new_error(INVALID_ARGUMENT,
+                        ("metadata values of %s are a list {v1, v2, ...}, with no hole and no other key"):format(key))
+                end
+            end
+        else
+            values = { v }
+        end
         for _, value in ipairs(values) do
             local kind = type(value)
             if kind ~= "string" and kind ~= "number" then
@@ -675,7 +706,11 @@ function Proto:encode(type_name, tbl)
     if rc ~= OK then
         return false, failed(rc)
     end
-    return true, take_message(out[0])
+    local message, merr = take_message(out[0])
+    if merr then
+        return false, merr
+    end
+    return true, message
 end
 
 --- Decodes the bytes of a `type_name` message into a Lua table: ok, table or false, err.
@@ -692,7 +727,11 @@ function Proto:decode(type_name, bytes)
     if rc ~= OK then
         return false, failed(rc)
     end
-    local t, jerr = json().decode(take_message(out[0]))
+    local text, merr = take_message(out[0])
+    if merr then
+        return false, merr
+    end
+    local t, jerr = json().decode(text)
     if t == nil then
         return false, new_error(UNKNOWN, "cannot read the message's JSON: " .. tostring(jerr))
     end
@@ -762,7 +801,12 @@ local function outcome(ev)
         return r
     end
     if ev.message ~= nil then
-        r.message = ffi_string(ev.message_data, ev.message_len)
+        local len = tonumber(ev.message_len)
+        if len > MAX_STRING then
+            r.code, r.err = RESOURCE_EXHAUSTED, too_long(len)
+        else
+            r.message = ffi_string(ev.message_data, len)
+        end
         C.isthmus_message_free(ev.message)
     end
     if ev.metadata ~= nil then
@@ -777,14 +821,31 @@ local function outcome(ev)
     return r
 end
 
--- Hands every finished operation to its waiter.
+-- Frees every handle an event holds, for one whose outcome could not be taken: those taken
+-- already are refused by the library (its handles are never reused), so none is freed twice.
+local function release(ev)
+    if ev.message ~= nil then C.isthmus_message_free(ev.message) end
+    if ev.metadata ~= nil then C.isthmus_metadata_free(ev.metadata) end
+    if ev.trailers ~= nil then C.isthmus_metadata_free(ev.trailers) end
+    if ev.status ~= nil then C.isthmus_status_free(ev.status) end
+    if ev.call ~= nil then C.isthmus_call_free(ev.call) end
+end
+
+-- Hands every finished operation to its waiter. An outcome that raises (memory ran out) fails
+-- its own operation, INTERNAL, and no other: a raise here ended the worker's watcher, and every
+-- later call of the worker waited for its deadline.
 local function dispatch()
     while true do
         local n = tonumber(C.isthmus_cq_poll(cq, events, POLL_EVENTS))
         for i = 0, n - 1 do
             local ev = events[i]
             local tag = tonumber(ev.tag)
-            local r = outcome(ev)
+            local ok, r = pcall(outcome, ev)
+            if not ok then
+                ngx.log(ngx.ERR, "resty.isthmus: an operation's outcome could not be taken: ", tostring(r))
+                release(ev)
+                r = { code = INTERNAL, err = new_error(INTERNAL, "resty.isthmus: the outcome could not be taken: " .. tostring(r)) }
+            end
             local w = waiting[tag]
             if w then
                 waiting[tag] = nil
@@ -1635,12 +1696,17 @@ function Channel:unary(path, request, opts)
             end
             return false, err
         end
-        r = { message = take_message(reply_out[0]) }
+        local message, merr = take_message(reply_out[0])
+        r = { message = message }
         if headers_out[0] ~= nil then
             r.headers = take_metadata(headers_out[0])
         end
         if trailers_out[0] ~= nil then
             r.trailers = take_metadata(trailers_out[0])
+        end
+        if merr then
+            merr.headers = r.headers or {}
+            return false, merr
         end
     end
     local dok, reply = decode(codec, r.message or "")
@@ -1816,8 +1882,12 @@ function Stream:close_send()
 end
 
 --- The next message: `true, message`, `true, nil` at the end of the stream (its trailers are
---- then in stream.trailers), or `false, err` when the call failed.
+--- then in stream.trailers), or `false, err` when the call failed; a message this side cannot
+--- take (not of the proto's type, too long for a Lua string) fails it too, cancelled.
 function Stream:recv()
+    if self.failure then
+        return false, self.failure
+    end
     local call = self.call
     local r = step(self, function(q, tag, ev)
         return C.isthmus_call_recv_async(call, q, tag, ev, status_out)
@@ -1826,18 +1896,34 @@ function Stream:recv()
         if rc ~= OK then
             return { code = rc, err = failed(rc) }
         end
-        return { code = OK, message = take_message(reply_out[0]) }
+        local message, merr = take_message(reply_out[0])
+        return { code = merr and merr.code or OK, message = message, err = merr }
     end)
     if r.err then
-        self.done = true
-        return false, r.err
+        return self:_failed(r.err)
     end
     if r.message == nil then
         self.done = true
         self.trailers = take_metadata(C.isthmus_call_trailers(call))
         return true, nil
     end
-    return decode(self.codec, r.message)
+    local ok, reply = decode(self.codec, r.message)
+    if not ok then
+        return self:_failed(reply)
+    end
+    return true, reply
+end
+
+-- A receive that failed ends the call, as grpc-go's stream does: a message this side cannot
+-- take (too long for a Lua string, not of the proto's type) cancels it, so the server's
+-- handler stops sending to a stream nobody reads; later receives give the same error. (A
+-- cancel of a call that is over already does nothing.)
+function Stream:_failed(err)
+    if self.call ~= nil then
+        C.isthmus_call_cancel(self.call)
+    end
+    self.done, self.failure = true, err
+    return false, err
 end
 
 --- The server's initial metadata (waits for it): true, {key = value} or false, err.
