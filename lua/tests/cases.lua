@@ -455,6 +455,34 @@ function cases.lua_tables(_, args)
     return r
 end
 
+-- A receive bounded the OpenResty way (in a light thread, killed when a sleep wins) leaves
+-- its operation under way; the next receive, made at once, takes it over, while another light
+-- thread sends: every message comes, in order, none lost.
+function cases.killed_recv(ch, args)
+    local st, err = ch:stream(ECHO .. "Bidi", { timeout = 30 })
+    if not st then return failure(err) end
+    local th = ngx.thread.spawn(function() return st:recv() end)
+    ngx.thread.wait(th, ngx.thread.spawn(function() ngx.sleep(0.05) end))
+    assert(ngx.thread.kill(th))
+    local sender = ngx.thread.spawn(function()
+        for i = 1, 3 do
+            assert(st:send({ seq = i }))
+        end
+        return true
+    end)
+    local seqs = {}
+    for _ = 1, 3 do
+        local ok, m = st:recv()
+        if not ok then return failure(m) end
+        seqs[#seqs + 1] = tonumber(m.seq)
+    end
+    assert(ngx.thread.wait(sender))
+    assert(st:close_send())
+    local ok, last = st:recv()
+    st:close()
+    return { ok = true, seqs = seqs, ended = ok and last == nil }
+end
+
 -- A bidi stream whose reply does not parse as the type a proto (`args.strict_proto`)
 -- declares: the receive fails, and the call with it (cancelled, as grpc-go's stream ends): the
 -- next receive gives the same error at once, and a send fails.

@@ -894,8 +894,16 @@ local function prune(own)
     last_prune = ngx.now()
     for tag, w in pairs(waiting) do
         if tag ~= own and w.sema:count() >= 0 then
-            waiting[tag] = nil
-            C.isthmus_cq_cancel(cq, tag)
+            local st = w.stream
+            if C.isthmus_cq_cancel(cq, tag) == NOT_FOUND and st then
+                -- A stream's receive that has finished: its message, queued, is the stream's
+                -- next; dispatch hands it to the waiter, for that receive to take over.
+            else
+                waiting[tag] = nil
+                if st and st.left_recv and st.left_recv.tag == tag then
+                    st.left_recv = nil
+                end
+            end
         end
     end
     forget_unrun_watcher()
@@ -1153,9 +1161,9 @@ local function at_once(rc, ev)
     end
 end
 
--- After an _async start that returned `rc`: the outcome, at once (in `now`) or after waiting on
--- the semaphore; `backstop` bounds the wait (seconds) beyond the call's own deadline.
-local function finish_async(rc, tag, backstop)
+-- After an _async start that returned `rc`: its outcome if it came at once (in `now`), else
+-- the waiter it is registered under (the watcher started if need be).
+local function begin_wait(rc, tag)
     local done = at_once(rc, now)
     if done then
         return done
@@ -1180,6 +1188,12 @@ local function finish_async(rc, tag, backstop)
     if not ngx.worker.exiting() and (prune_due == nil or ngx.now() - prune_due > LOOK_S) then
         arm_prune()
     end
+    return nil, w
+end
+
+-- Waits on waiter `w` for operation `tag`'s outcome; `backstop` bounds the wait (seconds)
+-- beyond the call's own deadline.
+local function wait_on(w, tag, backstop)
     local ok, err = await(w, tag, backstop)
     local r = w.result
     w.result = nil
@@ -1197,6 +1211,25 @@ local function finish_async(rc, tag, backstop)
     end
     spare[#spare + 1] = w
     return r
+end
+
+-- After an _async start that returned `rc`: the outcome, at once (in `now`) or after waiting on
+-- the semaphore; `backstop` bounds the wait (seconds) beyond the call's own deadline.
+local function finish_async(rc, tag, backstop)
+    local done, w = begin_wait(rc, tag)
+    if done then
+        return done
+    end
+    return wait_on(w, tag, backstop)
+end
+
+-- Whether no coroutine waits on waiter `w` any more, nor is about to resume with its outcome
+-- (the one that waited was killed, or its request ended): nobody waits and no outcome came
+-- (count 0, no result), or the outcome was posted to nobody (count 1). Posted to a coroutine
+-- that has not resumed yet, the count is 0 with a result.
+local function abandoned(w)
+    local n = w.sema:count()
+    return n >= 1 or (n == 0 and w.result == nil)
 end
 
 ---------------------------------------------------------------------------------------------
@@ -1889,16 +1922,33 @@ function Stream:recv()
         return false, self.failure
     end
     local call = self.call
-    local r = step(self, function(q, tag, ev)
-        return C.isthmus_call_recv_async(call, q, tag, ev, status_out)
-    end, function()
-        local rc = C.isthmus_call_recv(call, reply_out, status_out)
-        if rc ~= OK then
-            return { code = rc, err = failed(rc) }
+    local r
+    if call == nil or not can_yield() then
+        -- Closed (step says so), or where the worker cannot yield: it blocks.
+        r = step(self, function(q, tag, ev)
+            return C.isthmus_call_recv_async(call, q, tag, ev, status_out)
+        end, function()
+            local rc = C.isthmus_call_recv(call, reply_out, status_out)
+            if rc ~= OK then
+                return { code = rc, err = failed(rc) }
+            end
+            local message, merr = take_message(reply_out[0])
+            return { code = merr and merr.code or OK, message = message, err = merr }
+        end)
+    elseif self.left_recv and abandoned(self.left_recv.w) then
+        -- A receive whose light thread went away (killed, say, to bound its wait) left its
+        -- operation under way: the message it gets is the stream's next, so this receive takes
+        -- it over. A new one would take the message after it, and that one would be lost.
+        r = self:_wait_recv(self.left_recv.w, self.left_recv.tag)
+    else
+        local q, qerr = queue()
+        if not q then
+            return self:_failed(qerr)
         end
-        local message, merr = take_message(reply_out[0])
-        return { code = merr and merr.code or OK, message = message, err = merr }
-    end)
+        local tag = fresh_tag()
+        local done, w = begin_wait(C.isthmus_call_recv_async(call, q, tag, now, status_out), tag)
+        r = done or self:_wait_recv(w, tag)
+    end
     if r.err then
         return self:_failed(r.err)
     end
@@ -1912,6 +1962,21 @@ function Stream:recv()
         return self:_failed(reply)
     end
     return true, reply
+end
+
+-- Waits, as a receive, on waiter `w` of receive operation `tag`, noted on the stream until it
+-- has its outcome: if this light thread goes away meanwhile, the stream's next receive takes the
+-- operation over (Stream:recv), and prune leaves its queued message for that one.
+function Stream:_wait_recv(w, tag)
+    w.stream = self
+    local left = { w = w, tag = tag }
+    self.left_recv = left
+    local r = wait_on(w, tag, self.backstop)
+    w.stream = nil
+    if self.left_recv == left then
+        self.left_recv = nil
+    end
+    return r
 end
 
 -- A receive that failed ends the call, as grpc-go's stream does: a message this side cannot
