@@ -387,7 +387,9 @@ func errClosing() error {
 // closingError is err, or errClosing for an Unavailable that Close caused: a call that
 // started while Close shut the channel, or that waited for a server (WaitForReady).
 func (cc *ClientConn) closingError(err error) error {
-	if status.Code(err) == codes.Unavailable && cc.closed.Load() {
+	// Unavailable: the library's end of a call Close cut; Canceled: a call that found the
+	// connection closed as it started (its start gives CANCELLED).
+	if c := status.Code(err); (c == codes.Unavailable || c == codes.Canceled) && cc.closed.Load() {
 		return errClosing()
 	}
 	return err
@@ -681,6 +683,14 @@ func unaryEvent(code C.isthmus_code_t, msg *C.isthmus_message_t, header, trailer
 // MaxCallRecvMsgSize fails the call, as grpc-go's would.
 func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok bool, reply any, co callOptions) error {
 	if !ok {
+		// As grpc-go's grpc.Header and grpc.Trailer after every call: no metadata came, and
+		// the caller's variables do not keep an earlier call's.
+		if co.header != nil {
+			*co.header = nil
+		}
+		if co.trailer != nil {
+			*co.trailer = nil
+		}
 		return ctxError(ctx)
 	}
 	// A call that failed UNAVAILABLE did not reach a server: grpc-go leaves the peer then.

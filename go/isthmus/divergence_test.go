@@ -773,6 +773,26 @@ func TestAnUnknownServiceOrMethodIsAnsweredInGrpcGosWords(t *testing.T) {
 	}
 }
 
+// A unary call its context ends leaves no earlier call's metadata in the variables of
+// grpc.Header and grpc.Trailer, as grpc-go's does (it sets them after every call): the
+// isthmus client returned before it touched them, and a variable reused across calls kept the
+// last call's header and trailer.
+func TestACallItsContextEndsLeavesNoStaleMetadata(t *testing.T) {
+	for name, conn := range besideGrpcGo(t, "stale-metadata") {
+		client := pb.NewEchoClient(conn)
+		header, trailer := metadata.Pairs("stale", "h"), metadata.Pairs("stale", "t")
+		ctx, cancel := context.WithTimeout(context.Background(), 50*time.Millisecond)
+		_, err := client.Unary(ctx, &pb.EchoRequest{SleepMs: 10_000}, grpc.Header(&header), grpc.Trailer(&trailer))
+		cancel()
+		if status.Code(err) != codes.DeadlineExceeded {
+			t.Fatalf("%s: %v, want DeadlineExceeded", name, err)
+		}
+		if len(header) != 0 || len(trailer) != 0 {
+			t.Errorf("%s: after the deadline grpc.Header gave %v and grpc.Trailer %v, want neither", name, header, trailer)
+		}
+	}
+}
+
 // The initial metadata a client gets (Header, grpc.Header) hold the response's content-type,
 // as grpc-go's do. They lacked it.
 func TestTheHeaderHoldsTheContentType(t *testing.T) {

@@ -138,13 +138,13 @@ func (s *Server) answerInline(st *serverStream, m *method, ev C.isthmus_event_t)
 	}
 	reply, err := s.runUnarySafely(st, m, ev)
 	if err == nil {
-		var pending *op
-		if pending, err = st.startReply(reply); pending != nil {
+		var wait func()
+		if wait, err = st.startReply(reply); wait != nil {
 			// Flow control holds the reply back: the library finishes the call once it is
 			// sent; its event is awaited on a goroutine, since this thread reads.
 			go func() {
 				defer st.cancel()
-				pending.awaitReply()
+				wait()
 			}()
 			return
 		}

@@ -271,7 +271,11 @@ func (s *Server) Start(targets ...string) error {
 		// As grpc-go's Serve after Stop: a Stop that ran before a `go s.Serve(...)` began.
 		return grpc.ErrServerStopped
 	}
-	s.r = r
+	// The process's one reactor: set by the first start only, so that handlers of an earlier
+	// start, which read it without the lock, race with no write.
+	if s.r == nil {
+		s.r = r
+	}
 	for name := range s.methods {
 		if err := noNUL("method path", name); err != nil {
 			return err
@@ -646,20 +650,19 @@ func (s *Server) unary(st *serverStream, m *method) error {
 
 // sendReply sends a unary call's response (startReply), waiting for it if it must.
 func (st *serverStream) sendReply(m any) error {
-	pending, err := st.startReply(m)
-	if pending != nil {
-		pending.awaitReply()
+	wait, err := st.startReply(m)
+	if wait != nil {
+		wait()
 	}
 	return err
 }
 
 // startReply sends a unary call's response m. A small one also finishes the call OK, in one
 // cgo call (reply) that sends it at once when it can; while it waits for flow control instead,
-// pending is its op, whose event comes when the send is over (awaitReply), and the library
-// finishes the call then. A large one is marshalled into shared memory and sent, waiting here
-// if it must (a reading thread is handed to the runtime meanwhile), and the call is left for
-// end; so is the call on an error.
-func (st *serverStream) startReply(m any) (pending *op, err error) {
+// wait waits for the send to be over (the library finishes the call then). A large one is
+// marshalled into shared memory and sent, waiting here if it must (a reading thread is handed
+// to the runtime meanwhile), and the call is left for end; so is the call on an error.
+func (st *serverStream) startReply(m any) (wait func(), err error) {
 	if pm, ok := m.(proto.Message); ok {
 		if size := proto.Size(pm); inPlace(size, true) {
 			err := st.sendLarge(pm, size)
@@ -679,26 +682,47 @@ func (st *serverStream) startReply(m any) (pending *op, err error) {
 	if err != nil {
 		return nil, err
 	}
-	pending, err = st.reply(b)
-	if err == nil && st.stats != nil {
-		// The reply finished the call OK (or will, once flow control lets it go).
-		st.stats.outPayload(m, len(b))
-		st.mu.Lock()
-		trailer := st.trailer
-		st.mu.Unlock()
-		st.stats.finish(trailer, nil)
+	pending, sent, err := st.reply(b)
+	if err != nil {
+		return nil, err
 	}
-	return pending, err
+	if pending == nil {
+		st.replied(m, len(b), sent)
+		return nil, nil
+	}
+	return func() { st.replied(m, len(b), pending.awaitReply()) }, nil
 }
 
-// awaitReply waits for the event of a reply that did not go at once, and releases the op. The
-// library finishes the call when the send ends, sent or failed, so the wait ends with the call
-// (a call that ends ends the wait for credit too) and takes no context.
-func (o *op) awaitReply() {
-	if ev, ok := o.wait(context.Background()); ok && ev.status != nil {
-		C.isthmus_status_free(ev.status)
+// replied tells the stats handlers how the reply of len n went: sent, or the send's failure
+// (the client cancelled meanwhile), with which the library finished the call, as grpc-go's End
+// carries it. They heard of every reply as sent.
+func (st *serverStream) replied(m any, n int, sent error) {
+	if st.stats == nil {
+		return
+	}
+	if sent == nil {
+		st.stats.outPayload(m, n)
+	}
+	st.mu.Lock()
+	trailer := st.trailer
+	st.mu.Unlock()
+	st.stats.finish(trailer, sent)
+}
+
+// awaitReply waits for the event of a reply that did not go at once, releases the op, and
+// says whether the send failed. The library finishes the call when the send ends, sent or
+// failed, so the wait ends with the call (a call that ends ends the wait for credit too) and
+// takes no context.
+func (o *op) awaitReply() (sent error) {
+	if ev, ok := o.wait(context.Background()); ok {
+		if ev.code != C.ISTHMUS_OK {
+			sent, _ = statusError(ev.code, ev.status)
+		} else if ev.status != nil {
+			C.isthmus_status_free(ev.status)
+		}
 	}
 	o.done()
+	return sent
 }
 
 // runUnary runs a unary handler on the request event ev (which it consumes).
@@ -759,7 +783,7 @@ type serverStream struct {
 	peer       *peer.Peer // once asked for (callContext.Value)
 	stats      *rpcStats  // nil without stats handlers (StatsHandler)
 	tookOnly   bool       // RecvMsg has taken the one request of a server-streaming call
-	noRequest  bool       // and found none: each later RecvMsg says so again, as grpc-go's
+	onlyErr    error      // and failed so: each later RecvMsg says so again, as grpc-go's
 }
 
 func newServerStream(s *Server, m *method, sc *C.isthmus_server_call_t) *serverStream {
@@ -1201,17 +1225,17 @@ func (st *serverStream) flushHeader() error {
 // reply sends b as a unary call's response and finishes the call OK with the trailers set,
 // in one cgo call (isthmus_server_call_reply_async), which frees the call's handle: the
 // stream is finished from here. pending is the op to await while the send waits, nil once it
-// is over; a send that fails finishes the call with its status in the library, so its outcome
-// is not returned. An error means nothing was sent and the call is still open.
-func (st *serverStream) reply(b []byte) (pending *op, err error) {
+// is over; sent is the failure of a send that failed at once, with whose status the library
+// finished the call. An error means nothing was sent and the call is still open.
+func (st *serverStream) reply(b []byte) (pending *op, sent error, err error) {
 	st.mu.Lock()
 	defer st.mu.Unlock()
 	if st.finished {
-		return nil, status.Error(codes.Internal, "the call was finished before its reply")
+		return nil, nil, status.Error(codes.Internal, "the call was finished before its reply")
 	}
 	trailers, err := newMetadata(st.trailer)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	st.finished = true
 	o := st.s.r.newOp()
@@ -1221,13 +1245,15 @@ func (st *serverStream) reply(b []byte) (pending *op, err error) {
 	freeMetadata(trailers)
 	ev, now := o.started(code, cst)
 	if !now {
-		return o, nil
+		return o, nil, nil
 	}
-	if ev.status != nil {
+	if ev.code != C.ISTHMUS_OK {
+		sent, _ = statusError(ev.code, ev.status)
+	} else if ev.status != nil {
 		C.isthmus_status_free(ev.status)
 	}
 	o.done()
-	return nil, nil
+	return nil, sent, nil
 }
 
 // sendBytes sends one response message.
@@ -1280,26 +1306,36 @@ func (st *serverStream) recv() (C.isthmus_event_t, bool) {
 func (st *serverStream) RecvMsg(m any) error {
 	// A method whose client sends one request (server-streaming) takes it as grpc-go's does:
 	// followed by the half-close, else the call fails (onlyRequest) at once; later calls give
-	// io.EOF, or errNoRequest again where none came.
+	// io.EOF, or the first one's error again where none came (errNoRequest) or the call failed
+	// first (the client went, the context ended): an EOF there read as a clean end of input.
 	only := st.m.stream != nil && !st.m.stream.ClientStreams
 	if only && st.tookOnly {
-		if st.noRequest {
-			return errNoRequest
+		if st.onlyErr != nil {
+			return st.onlyErr
 		}
 		return io.EOF
 	}
 	ev, ok := st.recv()
 	if !ok {
-		return ctxError(st.ctx)
+		err := ctxError(st.ctx)
+		if only {
+			st.tookOnly, st.onlyErr = true, err
+		}
+		return err
 	}
 	if only {
 		st.tookOnly = true
 		if ev.code == C.ISTHMUS_OK && ev.message == nil {
-			st.noRequest = true
+			st.onlyErr = errNoRequest
 			return st.endNow(errNoRequest)
 		}
 		if err := st.onlyRequest(ev); err != nil {
-			return st.endNow(err)
+			return st.endNow(err) // later calls give io.EOF, as grpc-go's (or its context's error)
+		}
+		if ev.code != C.ISTHMUS_OK {
+			// The call failed before its request came (the client cancelled): said again.
+			st.onlyErr = st.decode(ev, m)
+			return st.onlyErr
 		}
 	}
 	return st.decode(ev, m)

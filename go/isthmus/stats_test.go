@@ -202,6 +202,40 @@ func TestStatsHandlersSeeWhatGrpcGoReports(t *testing.T) {
 	}
 }
 
+// sleepsThroughEchoService answers Unary after its sleep_ms whatever its context says.
+type sleepsThroughEchoService struct{ echo.Service }
+
+func (sleepsThroughEchoService) Unary(_ context.Context, req *pb.EchoRequest) (*pb.EchoReply, error) {
+	time.Sleep(time.Duration(req.SleepMs) * time.Millisecond)
+	return &pb.EchoReply{Seq: req.Seq}, nil
+}
+
+// A unary reply whose client went away while the handler ran (its deadline passed) is
+// reported to the server's stats handlers as grpc-go reports it: End with an error, and no
+// OutPayload. They heard of it as sent, End OK. (An InlineUnary handler holds the thread that
+// reads its connection, so the client's cancel is read only after its reply went: sent.)
+func TestAReplyWhoseClientLeftIsNoSentReply(t *testing.T) {
+	server := &statsRecorder{}
+	shm, _ := fresh(t, "stats-left")
+	s := isthmus.NewServer(isthmus.StatsHandler(server))
+	pb.RegisterEchoServer(s, sleepsThroughEchoService{})
+	serving(t, s, shm)
+	conn := dialWith(t, shm, isthmus.WithStatsHandler(&statsRecorder{client: true}))
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
+	_, err := pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{SleepMs: 200})
+	cancel()
+	if status.Code(err) != codes.DeadlineExceeded {
+		t.Fatal(err)
+	}
+	events := server.take(t, "the server")
+	if slices.Contains(events, "OutPayload") || slices.Contains(events, "End:OK") {
+		t.Errorf("a reply nobody got was reported sent: %v", events)
+	}
+	if !slices.ContainsFunc(events, func(e string) bool { return strings.HasPrefix(e, "End:") }) {
+		t.Errorf("no End: %v", events)
+	}
+}
+
 // A stream whose context ends before its status comes still reports End, with the
 // context's error, once.
 func TestStatsHandlersHearOfACancelledStream(t *testing.T) {

@@ -256,25 +256,45 @@ struct FileImportsSet {
     file: Vec<FileImports>,
 }
 
-/// A file's name and what it imports (`FileDescriptorProto` fields 1 and 3).
+/// A file's name, what it imports and which of those imports are public
+/// (`FileDescriptorProto` fields 1, 3 and 10).
 #[derive(Clone, PartialEq, prost::Message)]
 struct FileImports {
     #[prost(string, optional, tag = "1")]
     name: Option<String>,
     #[prost(string, repeated, tag = "3")]
     dependency: Vec<String>,
+    #[prost(int32, repeated, tag = "10")]
+    public_dependency: Vec<i32>,
 }
 
+/// How many paths through public imports prost-reflect may walk for a descriptor set: it
+/// walks each path from each import of each file, not each file once, so a few layers of files
+/// that each publicly import the next layer's two make 2^layers walks.
+const MAX_PUBLIC_PATHS: u64 = 100_000;
+
 /// Refuses a descriptor set whose files import one another in a cycle, or in a chain deeper
-/// than [`MAX_DEPTH`]: prost-reflect resolves imports by recursion, and two files that publicly
-/// import each other recursed until the stack overflowed (a crash of the whole process, from
-/// bytes a server's reflection may give). protoc refuses both.
+/// than [`MAX_DEPTH`], or whose public imports make more than [`MAX_PUBLIC_PATHS`] paths:
+/// prost-reflect resolves imports by recursion, and two files that publicly import each other
+/// recursed until the stack overflowed (a crash of the whole process, from bytes a server's
+/// reflection may give), and 120 files in layers that publicly import the next layer's two
+/// (a few KB) would have had it walk 2^60 paths. protoc refuses cycles.
 fn imports_are_a_shallow_dag(data: &[u8]) -> Result<(), Status> {
     let set = FileImportsSet::decode(data).map_err(|e| invalid(format!("not a usable FileDescriptorSet: {e}")))?;
     let index: HashMap<&str, usize> =
         set.file.iter().enumerate().filter_map(|(i, f)| f.name.as_deref().map(|n| (n, i))).collect();
     let imports: Vec<Vec<usize>> =
         set.file.iter().map(|f| f.dependency.iter().filter_map(|d| index.get(d.as_str()).copied()).collect()).collect();
+    let public: Vec<Vec<usize>> = set
+        .file
+        .iter()
+        .map(|f| {
+            let named = |&i: &i32| usize::try_from(i).ok().and_then(|i| f.dependency.get(i));
+            f.public_dependency.iter().filter_map(named).filter_map(|d| index.get(d.as_str()).copied()).collect()
+        })
+        .collect();
+    // Paths through public imports from each file, itself included (saturating).
+    let mut paths = vec![0u64; imports.len()];
     // Depth-first, by hand (a recursion here would have the same problem): `depth[i]` is the
     // longest import chain from file i once it is done; `open` marks the files on the path.
     let (mut depth, mut open) = (vec![None::<usize>; imports.len()], vec![false; imports.len()]);
@@ -305,9 +325,18 @@ fn imports_are_a_shallow_dag(data: &[u8]) -> Result<(), Status> {
                 return Err(invalid(format!("files import one another more than {MAX_DEPTH} deep")));
             }
             depth[file] = Some(deepest);
+            // Every public import is an import, so each is done by now.
+            paths[file] = public[file].iter().fold(1u64, |sum, &i| sum.saturating_add(paths[i]));
             open[file] = false;
             path.pop();
         }
+    }
+    // prost-reflect walks the public paths from every import of every file.
+    let walks = imports.iter().flatten().fold(0u64, |sum, &i| sum.saturating_add(paths[i]));
+    if walks > MAX_PUBLIC_PATHS {
+        return Err(invalid(format!(
+            "the files' public imports make {walks} paths to resolve (at most {MAX_PUBLIC_PATHS})"
+        )));
     }
     Ok(())
 }
@@ -340,7 +369,8 @@ fn any_nesting_is_shallow(message: &DynamicMessage) -> Result<(), Status> {
             }
             return Ok(());
         }
-        for (_, value) in message.fields() {
+        let values = message.fields().map(|(_, v)| v).chain(message.extensions().map(|(_, v)| v));
+        for value in values {
             match value {
                 prost_reflect::Value::Message(m) => walk(m, depth + 1)?,
                 prost_reflect::Value::List(items) => {
@@ -819,10 +849,10 @@ service Echo { rpc Call(Ping) returns (Pong); }
         loaded(rc, proto, status)
     }
 
-    /// Files that import one another in a cycle, or in a chain deeper than the limit, are
-    /// INVALID_ARGUMENT: two that publicly imported each other recursed in prost-reflect until
-    /// the stack overflowed, a crash of the process on 44 bytes a server's reflection could
-    /// send. A chain within the limit loads.
+    /// Files that import one another in a cycle, in a chain deeper than the limit, or through
+    /// more public paths than the limit are INVALID_ARGUMENT: two that publicly imported each
+    /// other recursed in prost-reflect until the stack overflowed, a crash of the process on
+    /// 44 bytes a server's reflection could send. A chain or layers within the limits load.
     #[test]
     fn a_descriptor_set_whose_imports_cycle_is_refused_not_a_crash() {
         let cycle = descriptor_set(&[("a.proto", &["b.proto"], &[0]), ("b.proto", &["a.proto"], &[0])]);
@@ -845,6 +875,32 @@ service Echo { rpc Call(Ping) returns (Pong); }
         let (code, message) = load_set(&chain(5000));
         assert_eq!(code, ISTHMUS_INVALID_ARGUMENT, "{message}");
         assert!(message.contains("more than 100 deep"), "{message}");
+
+        // Layers of two files, each publicly importing both of the next layer's, a file that
+        // publicly imports the first layer's first, and one importing all three: no cycle, 62
+        // deep, and about 2^60 public paths to walk, which held the caller for good (a test
+        // without the check ran until its 60 s timeout).
+        let layers = |n: usize| {
+            let name = |layer: usize, side: usize| format!("l{layer}{}.proto", ["a", "b"][side]);
+            let names: Vec<[String; 2]> = (0..=n).map(|l| [name(l, 0), name(l, 1)]).collect();
+            let mut files: Vec<(&str, Vec<&str>, &[i32])> = vec![];
+            for last in &names[n] {
+                files.push((last.as_str(), vec![], &[]));
+            }
+            for l in (0..n).rev() {
+                for file in &names[l] {
+                    files.push((file.as_str(), vec![names[l + 1][0].as_str(), names[l + 1][1].as_str()], &[0, 1]));
+                }
+            }
+            files.push(("c.proto", vec![names[0][0].as_str()], &[0]));
+            files.push(("top.proto", vec![names[0][0].as_str(), names[0][1].as_str(), "c.proto"], &[]));
+            let files: Vec<(&str, &[&str], &[i32])> = files.iter().map(|(n, i, p)| (*n, &i[..], *p)).collect();
+            descriptor_set(&files)
+        };
+        assert_eq!(load_set(&layers(5)), (ISTHMUS_OK, String::new()));
+        let (code, message) = load_set(&layers(60));
+        assert_eq!(code, ISTHMUS_INVALID_ARGUMENT, "{message}");
+        assert!(message.contains("public imports make"), "{message}");
     }
 
     /// Bytes with `google.protobuf.Any` nested in `Any` deeper than the limit are

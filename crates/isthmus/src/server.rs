@@ -416,13 +416,16 @@ impl Server {
         let mut shm = Vec::new();
         let mut http = Vec::new();
         let mut loopback = None;
+        // Offered once every target is bound: the offer is shared with clones of this builder,
+        // and one from a bind that failed later would name a socket that is gone to a retry.
+        let mut first_shm = None;
         for target in targets {
             match target {
                 Target::Shm(t) => {
                     let listener = bind_shm(&t, &this.config, false)?;
-                    if this.offer_shm {
-                        this.offer
-                            .offer(format!("shm://{}", listener.get_ref().listener.address().socket_path().display()));
+                    if this.offer_shm && first_shm.is_none() {
+                        let path = listener.get_ref().listener.address().socket_path().display().to_string();
+                        first_shm = Some(format!("shm://{path}"));
                     }
                     shm.push(listener);
                 }
@@ -491,6 +494,9 @@ impl Server {
         // service) is the one served: a second under the same name made the router panic when
         // serving began.
         let serve_health = this.health && !this.services.iter().any(|(name, _)| *name == HEALTH_SERVICE);
+        if let Some(offered) = first_shm {
+            this.offer.offer(offered);
+        }
         Ok(Bound {
             shm,
             loopback,
@@ -855,5 +861,24 @@ mod tests {
         ];
         want.sort();
         assert_eq!(left, want);
+    }
+
+    /// A bind that fails on a later target offers none of the `shm://` endpoints it bound
+    /// before: the offer is shared with the builder's clones, and a retry (the C ABI's
+    /// `isthmus_server_start` binds a clone and keeps the builder) went on offering a socket
+    /// that was gone. A bind that succeeds offers its first `shm://` endpoint.
+    #[tokio::test]
+    async fn a_failed_bind_offers_nothing_to_a_retry() {
+        let dir = crate::testing::TempDir::new("offer");
+        let busy = std::net::TcpListener::bind("127.0.0.1:0").expect("a port in use");
+        let taken = format!("http://127.0.0.1:{}", busy.local_addr().expect("its address").port());
+        let shm = |name: &str| format!("shm://{}", dir.0.join(name).display());
+        let kept = Server::builder();
+        let failed = kept.clone().bind_all([shm("a.sock").as_str(), taken.as_str()]);
+        assert!(failed.is_err(), "the port is taken");
+        assert_eq!(kept.offer.offered(), None);
+        let bound = kept.clone().bind_all([shm("b.sock").as_str(), "http://127.0.0.1:0"]).expect("bind");
+        assert_eq!(kept.offer.offered(), Some(shm("b.sock")));
+        drop(bound);
     }
 }

@@ -109,7 +109,7 @@ impl ShmOffer {
         }
     }
 
-    fn offered(&self) -> Option<String> {
+    pub(crate) fn offered(&self) -> Option<String> {
         self.0.lock().ok().and_then(|o| o.clone())
     }
 }

@@ -25,7 +25,8 @@
 // system alone, for a profiler (perf, pprof) to watch; it prints the record and writes none.
 // A SYSTEM ending in -deadline gives each of its calls a deadline, as run does for those rows.
 // With GO_BENCH_SERVER_CPUPROFILE=FILE a Go server it starts writes its CPU profile there when
-// it stops (go tool pprof -top target/go-bin-release/go-bench FILE).
+// it stops (go tool pprof -top target/go-bin-release/go-bench FILE): meant for load, which
+// starts one server; under run each server's profile replaces the last one's.
 package main
 
 import (

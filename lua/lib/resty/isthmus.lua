@@ -818,6 +818,9 @@ local function outcome(ev)
     if ev.call ~= nil then
         r.call = ffi_gc(ev.call, C.isthmus_call_free)
     end
+    if r.err and r.headers then -- a reply too long to take: its error carries the headers
+        r.err.headers = r.headers
+    end
     return r
 end
 
@@ -1924,8 +1927,9 @@ function Stream:recv()
     local call = self.call
     local r
     if call == nil or not can_yield() then
-        -- Closed (step says so), or where the worker cannot yield: it blocks.
-        r = step(self, function(q, tag, ev)
+        -- Closed (step says so), or where the worker cannot yield: it blocks, unless a left
+        -- receive has the stream's next message.
+        r = call ~= nil and self:_take_left() or step(self, function(q, tag, ev)
             return C.isthmus_call_recv_async(call, q, tag, ev, status_out)
         end, function()
             local rc = C.isthmus_call_recv(call, reply_out, status_out)
@@ -1979,10 +1983,34 @@ function Stream:_wait_recv(w, tag)
     return r
 end
 
--- A receive that failed ends the call, as grpc-go's stream does: a message this side cannot
--- take (too long for a Lua string, not of the proto's type) cancels it, so the server's
--- handler stops sending to a stream nobody reads; later receives give the same error. (A
--- cancel of a call that is over already does nothing.)
+-- Where a receive cannot wait on a left receive (a phase that cannot yield): the left one's
+-- outcome if it has come (dispatched here if it is queued), else nil, the left one cancelled
+-- so that a blocking receive takes the next message itself.
+function Stream:_take_left()
+    local left = self.left_recv
+    if left == nil or not abandoned(left.w) then
+        return nil
+    end
+    self.left_recv = nil
+    local w = left.w
+    if w.result == nil then
+        if C.isthmus_cq_cancel(cq, left.tag) ~= NOT_FOUND then
+            waiting[left.tag] = nil
+            return nil
+        end
+        dispatch() -- it finished: its event is queued
+    end
+    w.stream = nil
+    local r = w.result
+    w.result = nil
+    return r
+end
+
+-- A receive that failed ends the call, as any error of grpc-go's RecvMsg ends its stream: a
+-- message this side cannot take (too long for a Lua string, not of the proto's type), or a
+-- wait that failed here, cancels it, so the server's handler stops sending to a stream nobody
+-- reads; later receives give the same error. (A cancel of a call that is over already, as
+-- after the server's own status, does nothing.)
 function Stream:_failed(err)
     if self.call ~= nil then
         C.isthmus_call_cancel(self.call)
