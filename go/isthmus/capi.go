@@ -81,8 +81,11 @@ func bytesPtr(b []byte) *C.uint8_t {
 	return (*C.uint8_t)(unsafe.Pointer(unsafe.SliceData(b)))
 }
 
-// reserved reports the keys that gRPC keeps for itself and grpc-go leaves out of what it
-// sends, as isthmus does.
+// reserved reports the keys that isthmus keeps for itself and leaves out of what it sends:
+// gRPC's own (grpc-status, grpc-timeout, ...), pseudo-headers, content-type, te and
+// user-agent, as grpc-go leaves them out, and every other grpc- key too, which the library
+// refuses. grpc-go sends those others (grpc-trace-bin, grpc-previous-rpc-attempts, ...):
+// here they are dropped, a known difference.
 func reserved(key string) bool {
 	return strings.HasPrefix(key, "grpc-") || strings.HasPrefix(key, ":") ||
 		key == "content-type" || key == "te" || key == "user-agent"
