@@ -1349,13 +1349,13 @@ isthmus_code_t isthmus_server_add_handler_cq(const isthmus_server_t *server,
 // registered on `cq` (`isthmus_server_add_handler_cq`), and takes it: `*tag` and `*call` are
 // set as its `ISTHMUS_OP_NEW_CALL` event would set them, and that event never comes. `*call`
 // is NULL (and `*tag` 0) if none came in time, or at once if another thread waits here
-// already: one thread waits at a time, and on an error. Meant for the thread that has just finished a call:
-// the next call then reaches it with no wake-up of the queue's waiter. Calls that come while
-// nobody waits here go to the queue as before. The thread also reads the connection of the
-// latest call meanwhile, so a call on it may start (and a callback handler run) on this
-// thread; the connection goes back to its reader when the wait takes nothing. A `spin_us` of
-// 0 takes only a call offered already, and gives that connection back: for a thread that
-// will not wait again soon. Freeing the queue ends a wait with no call.
+// already (one thread waits at a time), and on an error. Meant for the thread that has just
+// finished a call: the next call then reaches it with no wake-up of the queue's waiter. Calls
+// that come while nobody waits here go to the queue as before. The thread also reads the
+// connection of the latest call meanwhile, so a call on it may start (and a callback handler
+// run) on this thread; the connection goes back to its reader when the wait takes nothing. A
+// `spin_us` of 0 takes only a call offered already, and gives that connection back: for a
+// thread that will not wait again soon. Freeing the queue ends a wait with no call.
 //
 // Thread-safety: any thread, which it holds for up to `spin_us`, and longer while a callback
 // handler runs on it (above).

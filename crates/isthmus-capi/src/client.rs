@@ -1289,3 +1289,31 @@ pub extern "C" fn isthmus_call_free(call: *mut isthmus_call_t) -> isthmus_code_t
         Ok(())
     })
 }
+
+/// For the crate's tests: one blocking unary call of `request` on `channel` (an address, so that
+/// it crosses to another thread); its code, reply and status (NULL where none came).
+#[cfg(test)]
+pub(crate) fn unary_for_test(
+    channel: usize,
+    path: &std::ffi::CStr,
+    request: &[u8],
+) -> (isthmus_code_t, *mut isthmus_message_t, *mut isthmus_status_t) {
+    let (mut reply, mut status) = (std::ptr::null_mut(), std::ptr::null_mut());
+    // SAFETY: a NUL-terminated path, a request valid for its length, NULL options and metadata
+    // out-pointers, writable reply and status out-pointers; a channel that is no live handle is
+    // refused by the registry.
+    let rc = unsafe {
+        isthmus_unary(
+            channel as *const isthmus_channel_t,
+            path.as_ptr(),
+            request.as_ptr(),
+            request.len(),
+            std::ptr::null(),
+            &mut reply,
+            std::ptr::null_mut(),
+            std::ptr::null_mut(),
+            &mut status,
+        )
+    };
+    (rc, reply, status)
+}

@@ -790,7 +790,7 @@ mod tests {
     /// whole grace.
     #[test]
     fn a_new_call_left_in_a_freed_queue_ends_unavailable() {
-        use crate::client::{isthmus_channel_close, isthmus_channel_new, isthmus_unary};
+        use crate::client::{isthmus_channel_close, isthmus_channel_new};
         use crate::server::{
             isthmus_server_add_handler_cq, isthmus_server_free, isthmus_server_new, isthmus_server_start,
         };
@@ -822,20 +822,9 @@ mod tests {
             );
             let address = channel as usize; // the handle crosses to the client's thread
             let client = std::thread::spawn(move || {
-                let mut reply = std::ptr::null_mut();
-                let path = c"/t.S/Unary";
-                let rc = isthmus_unary(
-                    address as *const _,
-                    path.as_ptr(),
-                    b"hi".as_ptr(),
-                    2,
-                    std::ptr::null(),
-                    &mut reply,
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                    std::ptr::null_mut(),
-                );
+                let (rc, reply, status) = crate::client::unary_for_test(address, c"/t.S/Unary", b"hi");
                 assert!(reply.is_null());
+                crate::abi::isthmus_status_free(status);
                 rc
             });
             // The call's event is in the queue, untaken.

@@ -798,31 +798,17 @@ service Echo { rpc Call(Ping) returns (Pong); }
     }
 
     /// A descriptor set as a server's reflection might give one: files by name, what each
-    /// imports, and which of those imports are public.
+    /// imports, and which of those imports are public (the import check's own fields).
     fn descriptor_set(files: &[(&str, &[&str], &[i32])]) -> Vec<u8> {
-        #[derive(Clone, PartialEq, prost::Message)]
-        struct Set {
-            #[prost(message, repeated, tag = "1")]
-            file: Vec<File>,
-        }
-        #[derive(Clone, PartialEq, prost::Message)]
-        struct File {
-            #[prost(string, optional, tag = "1")]
-            name: Option<String>,
-            #[prost(string, repeated, tag = "3")]
-            dependency: Vec<String>,
-            #[prost(int32, repeated, packed = "false", tag = "10")]
-            public_dependency: Vec<i32>,
-        }
         let file = files
             .iter()
-            .map(|(name, imports, public)| File {
+            .map(|(name, imports, public)| FileImports {
                 name: Some((*name).to_owned()),
                 dependency: imports.iter().map(|i| (*i).to_owned()).collect(),
                 public_dependency: public.to_vec(),
             })
             .collect();
-        Set { file }.encode_to_vec()
+        FileImportsSet { file }.encode_to_vec()
     }
 
     /// A load's code and the failure's message (empty on success); frees what it made.

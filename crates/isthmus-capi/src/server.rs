@@ -505,13 +505,13 @@ pub unsafe extern "C" fn isthmus_server_add_handler_cq(
 /// registered on `cq` (`isthmus_server_add_handler_cq`), and takes it: `*tag` and `*call` are
 /// set as its `ISTHMUS_OP_NEW_CALL` event would set them, and that event never comes. `*call`
 /// is NULL (and `*tag` 0) if none came in time, or at once if another thread waits here
-/// already: one thread waits at a time, and on an error. Meant for the thread that has just finished a call:
-/// the next call then reaches it with no wake-up of the queue's waiter. Calls that come while
-/// nobody waits here go to the queue as before. The thread also reads the connection of the
-/// latest call meanwhile, so a call on it may start (and a callback handler run) on this
-/// thread; the connection goes back to its reader when the wait takes nothing. A `spin_us` of
-/// 0 takes only a call offered already, and gives that connection back: for a thread that
-/// will not wait again soon. Freeing the queue ends a wait with no call.
+/// already (one thread waits at a time), and on an error. Meant for the thread that has just
+/// finished a call: the next call then reaches it with no wake-up of the queue's waiter. Calls
+/// that come while nobody waits here go to the queue as before. The thread also reads the
+/// connection of the latest call meanwhile, so a call on it may start (and a callback handler
+/// run) on this thread; the connection goes back to its reader when the wait takes nothing. A
+/// `spin_us` of 0 takes only a call offered already, and gives that connection back: for a
+/// thread that will not wait again soon. Freeing the queue ends a wait with no call.
 ///
 /// Thread-safety: any thread, which it holds for up to `spin_us`, and longer while a callback
 /// handler runs on it (above).
@@ -1365,7 +1365,7 @@ mod tests {
 
     use super::*;
     use crate::abi::{isthmus_status_free, isthmus_status_message, ISTHMUS_NOT_FOUND, ISTHMUS_OK};
-    use crate::client::{isthmus_channel_close, isthmus_channel_new, isthmus_unary};
+    use crate::client::{isthmus_channel_close, isthmus_channel_new, unary_for_test};
 
     /// Ends every call NOT_FOUND "kept": a status only this handler gives.
     unsafe extern "C" fn kept(_: *mut c_void, call: *mut isthmus_server_call_t) {
@@ -1416,18 +1416,7 @@ mod tests {
                 isthmus_channel_new(name.as_ptr(), std::ptr::null(), &mut channel, std::ptr::null_mut()),
                 ISTHMUS_OK
             );
-            let (mut reply, mut status) = (std::ptr::null_mut(), std::ptr::null_mut());
-            let rc = isthmus_unary(
-                channel,
-                path.as_ptr(),
-                b"hi".as_ptr(),
-                2,
-                std::ptr::null(),
-                &mut reply,
-                std::ptr::null_mut(),
-                std::ptr::null_mut(),
-                &mut status,
-            );
+            let (rc, _, status) = unary_for_test(channel as usize, path, b"hi");
             assert_eq!(rc, ISTHMUS_NOT_FOUND, "the handler added before the failed start answers");
             assert_eq!(CStr::from_ptr(isthmus_status_message(status)).to_str(), Ok("kept"));
             isthmus_status_free(status);
