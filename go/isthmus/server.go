@@ -715,14 +715,22 @@ func (st *serverStream) replied(m any, n int, sent error) {
 // takes no context.
 func (o *op) awaitReply() (sent error) {
 	if ev, ok := o.wait(context.Background()); ok {
-		if ev.code != C.ISTHMUS_OK {
-			sent, _ = statusError(ev.code, ev.status)
-		} else if ev.status != nil {
-			C.isthmus_status_free(ev.status)
-		}
+		sent = sendFailure(ev)
 	}
 	o.done()
 	return sent
+}
+
+// sendFailure is a reply's send event's failure (nil if it went); the event's status is freed.
+func sendFailure(ev C.isthmus_event_t) error {
+	if ev.code != C.ISTHMUS_OK {
+		err, _ := statusError(ev.code, ev.status)
+		return err
+	}
+	if ev.status != nil {
+		C.isthmus_status_free(ev.status)
+	}
+	return nil
 }
 
 // runUnary runs a unary handler on the request event ev (which it consumes).
@@ -1247,13 +1255,8 @@ func (st *serverStream) reply(b []byte) (pending *op, sent error, err error) {
 	if !now {
 		return o, nil, nil
 	}
-	if ev.code != C.ISTHMUS_OK {
-		sent, _ = statusError(ev.code, ev.status)
-	} else if ev.status != nil {
-		C.isthmus_status_free(ev.status)
-	}
 	o.done()
-	return nil, sent, nil
+	return nil, sendFailure(ev), nil
 }
 
 // sendBytes sends one response message.

@@ -222,7 +222,8 @@ func TestAReplyWhoseClientLeftIsNoSentReply(t *testing.T) {
 	serving(t, s, shm)
 	conn := dialWith(t, shm, isthmus.WithStatsHandler(&statsRecorder{client: true}))
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Millisecond)
-	_, err := pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{SleepMs: 200})
+	// The handler outlasts the deadline by far: the cancel is read long before its reply.
+	_, err := pb.NewEchoClient(conn).Unary(ctx, &pb.EchoRequest{SleepMs: 1000})
 	cancel()
 	if status.Code(err) != codes.DeadlineExceeded {
 		t.Fatal(err)

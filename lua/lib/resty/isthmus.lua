@@ -359,10 +359,15 @@ end
 -- The longest string LuaJIT makes (LJ_MAX_STR): ffi.string raises past it.
 local MAX_STRING = 0x7fffff00
 
--- The error of a message too long for a Lua string (the library's limit is 4 GiB).
-local function too_long(len)
-    return new_error(RESOURCE_EXHAUSTED,
-        ("a message of %.0f bytes is longer than a Lua string can be (%d bytes)"):format(len, MAX_STRING))
+-- A message's `len` bytes at `data` as a Lua string, or nil and RESOURCE_EXHAUSTED for one
+-- longer than a Lua string can be (the library's limit is 4 GiB).
+local function message_string(data, len)
+    len = tonumber(len)
+    if len > MAX_STRING then
+        return nil, new_error(RESOURCE_EXHAUSTED,
+            ("a message of %.0f bytes is longer than a Lua string can be (%d bytes)"):format(len, MAX_STRING))
+    end
+    return ffi_string(data, len)
 end
 
 -- A message handle as a Lua string, or nil and an error for one too long to be one; frees the
@@ -372,15 +377,9 @@ local function take_message(msg)
     if msg == nil then
         return nil
     end
-    local data = C.isthmus_message_data(msg, len_out)
-    local len = tonumber(len_out[0])
-    if len > MAX_STRING then
-        C.isthmus_message_free(msg)
-        return nil, too_long(len)
-    end
-    local s = ffi_string(data, len)
+    local s, err = message_string(C.isthmus_message_data(msg, len_out), len_out[0])
     C.isthmus_message_free(msg)
-    return s
+    return s, err
 end
 
 -- A string the library takes as a C string (a path, a metadata key): nil and an error for
@@ -801,11 +800,9 @@ local function outcome(ev)
         return r
     end
     if ev.message ~= nil then
-        local len = tonumber(ev.message_len)
-        if len > MAX_STRING then
-            r.code, r.err = RESOURCE_EXHAUSTED, too_long(len)
-        else
-            r.message = ffi_string(ev.message_data, len)
+        r.message, r.err = message_string(ev.message_data, ev.message_len)
+        if r.err then
+            r.code = RESOURCE_EXHAUSTED
         end
         C.isthmus_message_free(ev.message)
     end
@@ -898,10 +895,10 @@ local function prune(own)
     for tag, w in pairs(waiting) do
         if tag ~= own and w.sema:count() >= 0 then
             local st = w.stream
-            if C.isthmus_cq_cancel(cq, tag) == NOT_FOUND and st then
-                -- A stream's receive that has finished: its message, queued, is the stream's
-                -- next; dispatch hands it to the waiter, for that receive to take over.
-            else
+            -- A stream's receive that has finished keeps its waiter: its message, queued, is the
+            -- stream's next, and dispatch hands it over for the next receive to take.
+            local finished = C.isthmus_cq_cancel(cq, tag) == NOT_FOUND
+            if not (finished and st) then
                 waiting[tag] = nil
                 if st and st.left_recv and st.left_recv.tag == tag then
                     st.left_recv = nil
@@ -1802,7 +1799,6 @@ function Channel:stream(path, opts)
         -- Started where it could yield, with no timeout: no deadline bounds a step that a
         -- later phase makes blocking (`bounded_step`).
         unbounded = yields and not (opts and opts.timeout),
-        done = false,
     }, Stream)
 end
 
@@ -1957,7 +1953,6 @@ function Stream:recv()
         return self:_failed(r.err)
     end
     if r.message == nil then
-        self.done = true
         self.trailers = take_metadata(C.isthmus_call_trailers(call))
         return true, nil
     end
@@ -2015,7 +2010,7 @@ function Stream:_failed(err)
     if self.call ~= nil then
         C.isthmus_call_cancel(self.call)
     end
-    self.done, self.failure = true, err
+    self.failure = err
     return false, err
 end
 
