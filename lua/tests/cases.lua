@@ -881,6 +881,46 @@ function cases.close_send_full_ring(ch, args)
         echoed = { echoed_big, echoed_small } }
 end
 
+-- The aborts of LuaJIT's traces in the module that leave a path interpreted for good (an inner
+-- loop, blacklisting), while requests each make one call (jit_one), as under load: watching
+-- starts afresh, or with `stop` ends and answers what was seen, by where and why. An inner loop on a call's path that never turns (the wait's, once)
+-- made LuaJIT give up on every trace through it until it blacklisted the path, which then ran
+-- interpreted: about 2 µs more per call under wrk (docs/adr/0011).
+local jit_seen = {}
+local function on_trace(what, _, func, pc, otr, oex)
+    -- Requests' traces only: the watcher's (a timer) runs once per bell, not per call.
+    if what ~= "abort" or ngx.get_phase() == "timer" then
+        return
+    end
+    local where = require("jit.util").funcinfo(func, pc)
+    if where.source and where.source:find("resty/isthmus.lua", 1, true) then
+        local why = type(otr) == "number" and require("jit.vmdef").traceerr[otr]:format(tostring(oex)) or tostring(otr)
+        if why:find("inner loop", 1, true) or why:find("blacklisted", 1, true) then
+            local key = tostring(where.loc) .. ": " .. why
+            jit_seen[key] = (jit_seen[key] or 0) + 1
+        end
+    end
+end
+
+function cases.jit_watch(_, args)
+    if args.stop then
+        jit.attach(on_trace)
+        return { ok = true, aborts = jit_seen, jit = jit.status() }
+    end
+    jit_seen = {}
+    jit.attach(on_trace, "trace")
+    return { ok = true }
+end
+
+local jit_channel
+function cases.jit_one(_, args)
+    jit_channel = jit_channel or assert(isthmus.connect(args.target, { spin = false }))
+    -- EchoRequest{payload: "jit"}, with an option if asked.
+    local ok, r = jit_channel:unary(ECHO .. "Unary", "\10\3jit", args.timeout and { timeout = 30 } or nil)
+    if not ok then return failure(r) end
+    return { ok = true }
+end
+
 -- Who a call is taken to come from (the spin rule's caller, docs/adr/0011) and the coroutine
 -- this request runs on, each against the last request's that ran this case.
 local last_co, last_caller

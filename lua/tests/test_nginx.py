@@ -560,6 +560,25 @@ def test_the_worker_serves_other_requests_while_calls_wait(
     print(f"{n} concurrent calls of {sleep_ms} ms from one worker: {elapsed * 1000:.0f} ms in all")
 
 
+@pytest.mark.parametrize("options", [{}, {"timeout": "1"}], ids=["no-options", "a-timeout"])
+def test_luajit_compiles_the_path_of_a_call(
+    nginx: Nginx, servers: Callable[[str], Served], options: dict[str, str]
+) -> None:
+    """Requests each make one call, as under wrk, while LuaJIT's trace events are watched. A
+    loop on every call's path that never turned (the wait's) made LuaJIT give up each trace
+    through it until it blacklisted the path, which then ran interpreted: about 2 µs more per
+    call under wrk (docs/adr/0011). The old wait's loop aborted 5 traces here in 3,000 calls;
+    LuaJIT's thresholds are 56 loop turns and 112 calls."""
+    target = servers("rust").addresses["shm"]
+    nginx.case("jit_watch", target)
+    for _ in range(3000):
+        r = nginx.case("jit_one", target, **options)
+        assert r["ok"], r
+    r = nginx.case("jit_watch", target, stop=1)
+    assert r["jit"] is True
+    assert not r["aborts"], r["aborts"]  # cjson writes an empty table as {}
+
+
 def test_the_next_request_on_a_reused_coroutine_is_another_caller(nginx: Nginx) -> None:
     """A unary call waits for its reply on the worker's thread only if it comes from the same
     request as the last call (or after a quiet spell). lua-nginx-module runs the next request
