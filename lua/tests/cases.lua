@@ -353,6 +353,12 @@ function cases.bad_arguments(ch, args)
         connect_options_string = function() return isthmus.connect(args.target, "opts") end,
         connect_options_unknown = function() return isthmus.connect(args.target, { timeout = 0.1 }) end,
         call_options_unknown = function() return ch:unary(ECHO .. "Unary", "", { raw = true, timeout_ms = 100 }) end,
+        -- As many keys as options looked up, one of them through __index: still an unknown one.
+        call_options_unknown_beside_inherited = function()
+            local opts = setmetatable({ raw = true, timeout_ms = 100 }, { __index = { timeout = 30 } })
+            return ch:unary(ECHO .. "Unary", "", opts)
+        end,
+        call_options_list = function() return ch:unary(ECHO .. "Unary", "", { raw = true, 30 }) end,
         stream_options_unknown = function() return ch:stream(ECHO .. "Bidi", { deadline = 1 }) end,
     }
     local out = {}
@@ -464,8 +470,8 @@ end
 
 -- Receives killed while they wait leave their operations under way; no message is lost, and
 -- they come in order. First the echo the left receive gets comes while nobody receives (the
--- watcher's prune finds it finished); then the next receive starts at once, while another light
--- thread sends.
+-- watcher's prune, 10 ms or more after the last, finds it finished); then the next receive
+-- starts at once, while another light thread sends.
 function cases.killed_recv(ch, args)
     local st, err = ch:stream(ECHO .. "Bidi", { timeout = 5 })
     if not st then return failure(err) end
@@ -881,42 +887,54 @@ function cases.close_send_full_ring(ch, args)
         echoed = { echoed_big, echoed_small } }
 end
 
--- The aborts of LuaJIT's traces in the module that leave a path interpreted for good (an inner
--- loop, blacklisting), while requests each make one call (jit_one), as under load: watching
--- starts afresh, or with `stop` ends and answers what was seen, by where and why. An inner loop on a call's path that never turns (the wait's, once)
--- made LuaJIT give up on every trace through it until it blacklisted the path, which then ran
--- interpreted: about 2 µs more per call under wrk (docs/adr/0011).
-local jit_seen = {}
+-- LuaJIT's trace events in the module while requests each make one call (jit_one), as under
+-- load: the traces compiled there, and the aborts that leave a path interpreted for good (an
+-- inner loop, blacklisting). Watching starts afresh, or with `stop` ends and answers what was
+-- seen. An inner loop on a call's path that never turns (the wait's, once) made LuaJIT give up
+-- on every trace through it until it blacklisted the path, which then ran interpreted: about
+-- 2 µs more per call under wrk (docs/adr/0011).
+local jit_seen, jit_compiled = {}, 0
+local jutil, vmdef -- loaded outside the callback, whose errors LuaJIT only prints
 local function on_trace(what, _, func, pc, otr, oex)
     -- Requests' traces only: the watcher's (a timer) runs once per bell, not per call.
-    if what ~= "abort" or ngx.get_phase() == "timer" then
+    if (what ~= "abort" and what ~= "stop") or ngx.get_phase() == "timer" then
         return
     end
-    local where = require("jit.util").funcinfo(func, pc)
-    if where.source and where.source:find("resty/isthmus.lua", 1, true) then
-        local why = type(otr) == "number" and require("jit.vmdef").traceerr[otr]:format(tostring(oex)) or tostring(otr)
-        if why:find("inner loop", 1, true) or why:find("blacklisted", 1, true) then
-            local key = tostring(where.loc) .. ": " .. why
-            jit_seen[key] = (jit_seen[key] or 0) + 1
-        end
+    local where = jutil.funcinfo(func, pc)
+    if not (where.source and where.source:find("resty/isthmus.lua", 1, true)) then
+        return
+    end
+    if what == "stop" then
+        jit_compiled = jit_compiled + 1
+        return
+    end
+    local why = type(otr) == "number" and vmdef.traceerr[otr]:format(tostring(oex)) or tostring(otr)
+    if why:find("inner loop", 1, true) or why:find("blacklisted", 1, true) then
+        local key = tostring(where.loc) .. ": " .. why
+        jit_seen[key] = (jit_seen[key] or 0) + 1
     end
 end
 
 function cases.jit_watch(_, args)
     if args.stop then
         jit.attach(on_trace)
-        return { ok = true, aborts = jit_seen, jit = jit.status() }
+        return { ok = true, aborts = jit_seen, compiled = jit_compiled, jit = jit.status() }
     end
-    jit_seen = {}
+    jutil, vmdef = require("jit.util"), require("jit.vmdef")
+    jit_seen, jit_compiled = {}, 0
     jit.attach(on_trace, "trace")
     return { ok = true }
 end
 
-local jit_channel
 function cases.jit_one(_, args)
-    jit_channel = jit_channel or assert(isthmus.connect(args.target, { spin = false }))
+    local key = args.target .. "#nospin"
+    local ch = channels[key]
+    if not ch then
+        ch = assert(isthmus.connect(args.target, { spin = false }))
+        channels[key] = ch
+    end
     -- EchoRequest{payload: "jit"}, with an option if asked.
-    local ok, r = jit_channel:unary(ECHO .. "Unary", "\10\3jit", args.timeout and { timeout = 30 } or nil)
+    local ok, r = ch:unary(ECHO .. "Unary", "\10\3jit", args.timeout and { timeout = 30 } or nil)
     if not ok then return failure(r) end
     return { ok = true }
 end

@@ -1605,9 +1605,10 @@ local function may_hold_unknown(opts)
     if nkeys == nil then
         return true
     end
-    local named = (opts.timeout ~= nil and 1 or 0) + (opts.metadata ~= nil and 1 or 0)
-        + (opts.wait_for_ready ~= nil and 1 or 0) + (opts.compression ~= nil and 1 or 0)
-        + (opts.raw ~= nil and 1 or 0)
+    -- rawget: nkeys counts the table's own keys, not those an __index would give.
+    local named = (rawget(opts, "timeout") ~= nil and 1 or 0) + (rawget(opts, "metadata") ~= nil and 1 or 0)
+        + (rawget(opts, "wait_for_ready") ~= nil and 1 or 0) + (rawget(opts, "compression") ~= nil and 1 or 0)
+        + (rawget(opts, "raw") ~= nil and 1 or 0)
     return nkeys(opts) ~= named
 end
 
