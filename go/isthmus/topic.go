@@ -48,7 +48,8 @@ func CancelSlowSubscribers() TopicOption {
 
 // ResyncWithState makes a subscriber whose queue overflowed (messages were dropped for it)
 // drop what is still queued for it and receive the topic's state (PublishState) in its place,
-// a resync; with no state, it goes on with the next message.
+// a resync. With no state, or one a plain Publish came after (sent again, it would take the
+// subscriber back past those messages), it goes on with what is queued.
 func ResyncWithState() TopicOption {
 	return func(o *C.isthmus_topic_options_t) { o.flags |= C.ISTHMUS_TOPIC_RESYNC_STATE }
 }

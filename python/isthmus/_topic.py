@@ -111,6 +111,10 @@ class Topic:
         the queued ones are still sent. A subscriber cancelled for falling behind ends
         RESOURCE_EXHAUSTED at once; a server's `stop(grace)` ends each subscription UNAVAILABLE
         once what was queued for it is sent, and does not wait for subscribers."""
+        if getattr(context, "_driver", None) is not None:
+            # It would block the handler's event loop, and every call on it, for the whole
+            # subscription.
+            raise TypeError("an isthmus.aio handler subscribes with `await topic.subscribe_async(context)`")
         call = _call_of(context)
         try:
             call.serve_topic(self._native, _gap(on_gap))

@@ -673,6 +673,96 @@ def test_a_servers_receive_limit_holds_its_requests_not_its_replies(api: str, lo
         served.close()
 
 
+WAIT_THEN_CANCEL = """
+import asyncio, contextlib, sys
+import grpc.aio, isthmus.aio
+
+async def main():
+    server = (grpc.aio if sys.argv[1] == "grpc.aio" else isthmus.aio).server()
+    server.add_insecure_port(sys.argv[2])
+    await server.start()
+    assert await server.wait_for_termination(timeout=0.2) is True
+    waiting = asyncio.ensure_future(server.wait_for_termination())
+    await asyncio.sleep(0.2)
+    waiting.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await waiting
+
+asyncio.run(main())
+print("EXITED")
+"""
+
+
+@pytest.mark.parametrize("api", ["grpc.aio", "isthmus.aio"])
+def test_a_cancelled_wait_for_termination_lets_the_program_exit(api: str, tmp_path: Path) -> None:
+    """Ctrl-C under `asyncio.run` cancels `await server.wait_for_termination()` of a server
+    nobody stops. isthmus.aio waited on an executor thread for the whole stop, which never
+    came: `asyncio.run` waited for that thread when it closed the loop, for good."""
+    done = subprocess.run(
+        [sys.executable, "-c", WAIT_THEN_CANCEL, api, f"unix:{tmp_path}/s.sock"],
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE,
+        check=False,
+    )
+    assert (done.returncode, done.stdout.strip()) == (0, "EXITED"), done.stderr
+
+
+@pytest.mark.parametrize("aio", [grpc.aio, isthmus.aio], ids=["grpc.aio", "isthmus.aio"])
+def test_abort_ends_the_call_though_the_handler_catches_it(aio: ModuleType, tmp_path: Path) -> None:
+    """A streaming handler whose broad `except` catches `context.abort`'s exception and writes
+    on: grpc.aio sends the status inside `abort`, and the write raises the abort again.
+    isthmus.aio sent the status only when the handler ended: its client got the later message
+    before it."""
+    seen: list[str] = []
+
+    async def stream(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        await context.write(b"before")
+        try:
+            await context.abort(grpc.StatusCode.NOT_FOUND, "gone")
+        except Exception as e:
+            seen.append(type(e).__name__)
+        for step in (context.write(b"after"), context.read()):
+            try:
+                await step
+            except Exception as e:
+                seen.append(type(e).__name__)
+
+    address = f"unix:{tmp_path}/s.sock"
+
+    async def run() -> tuple[list[bytes], Any, str]:
+        server = aio.server()
+        handlers = {"Stream": grpc.unary_stream_rpc_method_handler(stream)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.Aborting", handlers),))
+        server.add_insecure_port(address)
+        await server.start()
+        got: list[bytes] = []
+        try:
+            async with grpc.aio.insecure_channel(address) as channel:
+                call = channel.unary_stream("/t.Aborting/Stream")(b"", timeout=30)
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    async for message in call:
+                        got.append(message)
+                return got, caught.value.code(), caught.value.details()
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(run()) == ([b"before"], grpc.StatusCode.NOT_FOUND, "gone")
+    assert seen == ["AbortError", "AbortError", "AbortError"], seen
+
+
+@pytest.mark.parametrize("aio", [grpc.aio, isthmus.aio], ids=["grpc.aio", "isthmus.aio"])
+@pytest.mark.parametrize("limit", [0, -1])
+def test_an_asyncio_server_refuses_a_concurrency_limit_below_one(aio: ModuleType, limit: int) -> None:
+    """isthmus.aio took `maximum_concurrent_rpcs=0`, and refused every call RESOURCE_EXHAUSTED."""
+
+    async def make() -> None:
+        aio.server(maximum_concurrent_rpcs=limit)
+
+    with pytest.raises(ValueError, match="maximum_concurrent_rpcs should be a positive integer"):
+        asyncio.run(make())
+
+
 @pytest.mark.parametrize("kind", ["grpcio", "isthmus", "isthmus-aio", "isthmus-aio-uvloop"])
 def test_maximum_concurrent_rpcs_counts_the_whole_server(
     kind: str, stubs: Path, pb_grpc: ModuleType, pb: ModuleType, monkeypatch: pytest.MonkeyPatch

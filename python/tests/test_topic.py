@@ -269,6 +269,37 @@ def test_an_asyncio_subscription_cancelled_by_its_handler_stops_sending() -> Non
     assert asyncio.run(run()) == [b"from the second"]
 
 
+def test_the_blocking_subscribe_refuses_an_asyncio_handlers_context() -> None:
+    """`subscribe` (the blocking one) given an `isthmus.aio` handler's context took it, and
+    blocked that server's event loop, and every call on it, for the whole subscription."""
+    topic = isthmus.Topic("feed")
+    refused: list[str] = []
+
+    async def watch(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        try:
+            topic.subscribe(context)
+        except TypeError as e:
+            refused.append(str(e))
+
+    address = fresh("shm")
+
+    async def run() -> list[bytes]:
+        server = isthmus.aio.server()
+        watching = {"Watch": grpc.unary_stream_rpc_method_handler(watch)}
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.Feed", watching),))
+        server.add_insecure_port(address)
+        await server.start()
+        try:
+            async with isthmus.aio.insecure_channel(address) as channel:
+                return [m async for m in channel.unary_stream("/t.Feed/Watch")(b"", timeout=30)]
+        finally:
+            await server.stop(None)
+
+    assert asyncio.run(run()) == []
+    assert len(refused) == 1 and "subscribe_async" in refused[0], refused
+    assert topic.stats().subscribers == 0
+
+
 def test_a_graceful_stop_ends_each_subscription_after_its_queue(kind: str) -> None:
     """A subscription never ends on its own: `stop(grace)` waited out its whole grace for every
     subscriber. Now the stop ends each subscription UNAVAILABLE (the code that sends a client

@@ -131,7 +131,9 @@
 
 // Topic flag: when a subscriber's queue overflowed (messages were dropped for it), the messages
 // still queued for it are dropped too and the topic's state (`isthmus_topic_publish_state`) is
-// sent in their place, a resync; with no state, the queued messages are sent as they are.
+// sent in their place, a resync. With no state, or one a plain `isthmus_topic_publish` came
+// after (sent again, it would take the subscriber back past those messages), the queued
+// messages are sent as they are.
 #define ISTHMUS_TOPIC_RESYNC_STATE 2
 
 // A writable block in this side's shared memory, from `isthmus_call_alloc` or

@@ -36,7 +36,9 @@ pub const ISTHMUS_TOPIC_CANCEL_SLOW: u32 = 1;
 
 /// Topic flag: when a subscriber's queue overflowed (messages were dropped for it), the messages
 /// still queued for it are dropped too and the topic's state (`isthmus_topic_publish_state`) is
-/// sent in their place, a resync; with no state, the queued messages are sent as they are.
+/// sent in their place, a resync. With no state, or one a plain `isthmus_topic_publish` came
+/// after (sent again, it would take the subscriber back past those messages), the queued
+/// messages are sent as they are.
 pub const ISTHMUS_TOPIC_RESYNC_STATE: u32 = 2;
 
 /// A topic's counters (`isthmus_topic_stats`); fields are only ever appended.
@@ -255,7 +257,7 @@ pub unsafe extern "C" fn isthmus_server_add_topic(
                 let topic = topic.clone();
                 async move {
                     match resync {
-                        true => topic.serve_with(&mut call, |_| topic.state()).await,
+                        true => topic.serve_with(&mut call, |_| topic.current_state()).await,
                         false => topic.serve(&mut call).await,
                     }
                 }

@@ -336,6 +336,15 @@ impl Topic {
         self.inner.members().state.as_ref().map(Published::bytes)
     }
 
+    /// The current state, if no plain [`publish`](Self::publish) came after it: what a resync
+    /// may send in place of dropped messages. A state older than a message published since
+    /// would take a subscriber back past what it may have had already (state v1 sent again in
+    /// place of deltas published after it).
+    pub fn current_state(&self) -> Option<Bytes> {
+        let m = self.inner.members();
+        m.state.as_ref().filter(|s| s.0.seq == m.seq).map(Published::bytes)
+    }
+
     /// Forgets the current state: later subscribers start with the next message.
     pub fn clear_state(&self) {
         self.inner.members().state = None;
@@ -705,7 +714,18 @@ impl Subscription {
 impl Drop for Subscription {
     fn drop(&mut self) {
         self.topic.members().by_id.remove(&self.id);
-        self.sub.queue().direct = None;
+        let mut q = self.sub.queue();
+        q.direct = None;
+        // Nobody takes what is queued any more. A canceller the call keeps until it ends holds
+        // the subscriber, and held the queue with it: an abandoned asyncio subscription pinned
+        // up to `capacity` messages (blocks of the shared arena) for the rest of its call. The
+        // end refuses what a publish that found this subscriber before it left still offers.
+        q.items.clear();
+        q.state_first = false;
+        q.gap = 0;
+        if q.end.is_none() {
+            q.end = Some(Err(Status::new(Code::Cancelled, "the subscription was dropped")));
+        }
     }
 }
 
@@ -761,6 +781,36 @@ mod tests {
         assert_eq!(topic.publish(b"late"), 0);
         let mut c = topic.subscribe();
         assert!(matches!(next_now(&mut c), Some(Ok(None))), "a subscription after close ends at once");
+    }
+
+    #[test]
+    fn the_current_state_is_one_no_plain_message_came_after() {
+        let topic = Topic::new("t");
+        assert!(topic.current_state().is_none());
+        topic.publish_state(b"v1");
+        assert_eq!(topic.current_state().as_deref(), Some(&b"v1"[..]));
+        topic.publish(b"delta");
+        assert!(topic.current_state().is_none(), "v1 is older than the delta");
+        assert_eq!(topic.state().as_deref(), Some(&b"v1"[..]), "still what a new subscriber gets");
+        topic.publish_state(b"v2");
+        assert_eq!(topic.current_state().as_deref(), Some(&b"v2"[..]));
+    }
+
+    #[test]
+    fn a_dropped_subscription_lets_go_of_its_queue_though_its_canceller_lives_on() {
+        let topic = Topic::new("t");
+        let sub = topic.subscribe();
+        let cancel = sub.canceller(); // kept by the call, which lives on
+        let held = sub.sub.clone();
+        topic.publish_state(b"state");
+        topic.publish(b"m1");
+        assert_eq!(held.queue().items.len(), 2);
+        drop(sub);
+        assert!(held.queue().items.is_empty(), "the queue went with the subscription");
+        assert_eq!(topic.publish(b"m2"), 0, "nobody takes it");
+        assert!(held.queue().items.is_empty());
+        cancel(); // what the call's end does: nothing left to do
+        assert!(held.queue().items.is_empty());
     }
 
     #[test]

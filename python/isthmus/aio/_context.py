@@ -47,6 +47,9 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         self._send_op = call.send_raw_async if raw else call.send_async
         # A receive whose reader was cancelled, still under way or holding its message.
         self._unread: asyncio.Future[Any] | None = None
+        # What `abort` raised: raised again by every later read, write or metadata send, as
+        # grpc.aio's are.
+        self._abort_error: grpc.aio.AbortError | None = None
 
     def alloc(self, size: int) -> Block:
         """For a raw handler (`isthmus.raw`): a writable reply buffer of `size` bytes, in the
@@ -70,7 +73,12 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
             raise rpc_error(value, aio=True)
         return value
 
+    def _after_abort(self) -> None:
+        if self._abort_error is not None:
+            raise self._abort_error
+
     async def read(self) -> Any:
+        self._after_abort()
         message = await self._receive()
         return grpc.aio.EOF if message is None else self._decode(message)
 
@@ -102,9 +110,11 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         return value
 
     async def write(self, message: Any) -> None:
+        self._after_abort()
         await self._op(self._send_op, self._encode(message))
 
     async def send_initial_metadata(self, initial_metadata: Iterable[Metadatum]) -> None:
+        self._after_abort()
         try:
             await self._op(self._call.send_initial_metadata_async, outgoing(initial_metadata) or ())
         except grpc.RpcError as e:
@@ -122,7 +132,14 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
             raise grpc.aio.UsageError("Abort already called!")
         if trailing_metadata:
             self._trailing = trailing_metadata
-        self._abort(code, details)
+        try:
+            self._abort(code, details)
+        except grpc.aio.AbortError as e:
+            # The status goes now, as grpc.aio sends it: a handler whose broad `except` caught
+            # this went on writing, and its client got those messages before the status.
+            self._abort_error = e
+            self._finish(None)
+            raise
 
     def _encode(self, response: Any) -> bytes:
         # grpc.aio's server sends a `str` reply of a method with no serializer as its UTF-8
@@ -165,6 +182,7 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         """A unary handler's response: with the call's status in one step, now, when that takes
         no wait (the message inside the status frame where the connection agreed, ADR 0025);
         else written as `write` does, and the status follows when the handler's task ends."""
+        self._after_abort()  # its status went with the abort
         encoded = self._encode(response)
         if not self._raw and isinstance(encoded, bytes):
             md = None if self._trailing is None else outgoing(self._trailing)

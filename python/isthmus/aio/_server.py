@@ -17,7 +17,7 @@ import grpc
 import grpc.aio
 
 from .._native import ServerCall
-from .._server import ServerBase, StartError, refuse, unprintable
+from .._server import _WAIT_SLICE, ServerBase, StartError, refuse, unprintable
 from ._context import ServicerContext
 from ._reactor import Driver, driver
 from ._sync import SyncServicerContext
@@ -53,6 +53,9 @@ class Server(ServerBase, grpc.aio.Server):
         maximum_concurrent_rpcs: int | None = None,
         compression: grpc.Compression | None = None,
     ) -> None:
+        if maximum_concurrent_rpcs is not None and maximum_concurrent_rpcs < 1:
+            # As grpc.aio (its blocking server takes 0, and refuses every call, as isthmus's).
+            raise ValueError("maximum_concurrent_rpcs should be a positive integer")
         super().__init__(True, handlers, interceptors, options, maximum_concurrent_rpcs, None, compression)
         self._pool = migration_thread_pool
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -269,6 +272,14 @@ class Server(ServerBase, grpc.aio.Server):
             task.cancel()
 
     async def wait_for_termination(self, timeout: float | None = None) -> bool:
-        """True if `timeout` passed first, as grpc has it."""
-        stopped = await asyncio.get_running_loop().run_in_executor(None, self._native.wait, timeout)
-        return not stopped
+        """True if `timeout` passed first, as grpc has it. The wait runs on an executor thread
+        in slices of _WAIT_SLICE: one whole wait outlived its cancellation (Ctrl-C under
+        `asyncio.run`), and held the interpreter's exit for good when no stop came."""
+        loop = asyncio.get_running_loop()
+        end = None if timeout is None else loop.time() + timeout
+        while True:
+            left = _WAIT_SLICE if end is None else max(0.0, min(_WAIT_SLICE, end - loop.time()))
+            if await loop.run_in_executor(None, self._native.wait, left):
+                return False
+            if end is not None and loop.time() >= end:
+                return True
