@@ -159,3 +159,61 @@ def test_a_read_given_up_on_loses_no_message(loop: str) -> None:
         uvloop.run(run())
     else:
         asyncio.run(run())
+
+
+# A server whose handlers are a coroutine function behind a plain decorator (functools.wraps),
+# and behind a plain function that gives its coroutine with nothing to say so, each sending
+# initial metadata through its context; called from the same loop. In a process of its own: the
+# loop hung for good before (the coroutine waited on the loop for the blocking context it had
+# been given, which waits for the loop).
+_WRAPPED_HANDLERS = """
+import asyncio, functools, sys
+import grpc, isthmus, isthmus.aio
+
+def plainly(fn):
+    @functools.wraps(fn)
+    def wrapper(request, context):
+        return fn(request, context)
+    return wrapper
+
+async def greet(request, context):
+    await context.send_initial_metadata((("x-a", "1"),))
+    return request
+
+def hidden(request, context):
+    return greet(request, context)
+
+async def main():
+    handlers = {"Wrapped": grpc.unary_unary_rpc_method_handler(plainly(greet)),
+                "Hidden": grpc.unary_unary_rpc_method_handler(hidden)}
+    server = isthmus.aio.server(handlers=[grpc.method_handlers_generic_handler("t.T", handlers)])
+    server.add_insecure_port(sys.argv[1])
+    await server.start()
+    async with isthmus.aio.insecure_channel(sys.argv[1]) as channel:
+        call = channel.unary_unary("/t.T/Wrapped")(b"hi", timeout=30)
+        print(await call, (await call.initial_metadata())["x-a"])
+        try:
+            await channel.unary_unary("/t.T/Hidden")(b"hi", timeout=30)
+        except grpc.RpcError as e:
+            print(e.code(), "event loop's thread" in e.details())
+    await server.stop(None)
+
+asyncio.run(main())
+"""
+
+
+def test_a_coroutine_handler_behind_a_plain_wrapper_does_not_hang_the_loop() -> None:
+    import subprocess  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    from peer import PATIENCE  # noqa: PLC0415
+
+    done = subprocess.run(
+        [sys.executable, "-c", _WRAPPED_HANDLERS, fresh("shm")],
+        capture_output=True,
+        text=True,
+        timeout=PATIENCE,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["b'hi' 1", "StatusCode.UNKNOWN True"], done.stdout

@@ -170,7 +170,14 @@ class Server(ServerBase, grpc.aio.Server):
     ) -> None:
         plain = self._plain.get(method)
         if plain is None:
-            plain = not (inspect.iscoroutinefunction(method) or inspect.isasyncgenfunction(method))
+            # Through decorators (functools.wraps): a plain wrapper of a coroutine function ran
+            # on the executor with the blocking context, and the coroutine it gave then waited
+            # on the loop for that context, which waits for the loop: the loop hung.
+            try:
+                target = inspect.unwrap(method)
+            except ValueError:  # a __wrapped__ chain with no end (a mock's)
+                target = method
+            plain = not (inspect.iscoroutinefunction(target) or inspect.isasyncgenfunction(target))
             if not self._handlers.intercepted:  # an interceptor's handlers may be new every call
                 self._plain[method] = plain
         if plain:

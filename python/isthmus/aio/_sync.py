@@ -31,7 +31,19 @@ class SyncServicerContext(grpc.ServicerContext):
         self._loop = loop
 
     def _wait(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        """Runs `coroutine` on the loop and waits for it (on the handler's thread)."""
+        """Runs `coroutine` on the loop and waits for it (on the handler's thread). Refused on
+        the loop's own thread (a coroutine a plain handler gave, using this context), where it
+        would wait for ever, and every call of the server with it."""
+        try:
+            on_loop = asyncio.get_running_loop() is self._loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            coroutine.close()
+            raise RuntimeError(
+                "a plain handler's blocking context was used on the event loop's thread, where it"
+                " would wait for ever: make the handler a coroutine function (async def)"
+            )
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     def _requests(self) -> Iterator[Any]:
