@@ -87,8 +87,9 @@ def test_stop_runs_the_done_callbacks_of_the_handlers_it_ends() -> None:
 
 
 def test_a_server_whose_loop_went_away_refuses_calls_unavailable() -> None:
-    """A server started on a loop that ended without `stop()` (an exception path): calls are
-    refused UNAVAILABLE at once, not left to their deadline."""
+    """A server started on a loop that ended without `stop()` (an exception path), and then
+    dropped: calls are refused UNAVAILABLE at once, not left to their deadline. (Dropped, it
+    stops; one its program still holds leaves them to their deadline: not fixed yet.)"""
 
     async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return request
@@ -113,8 +114,34 @@ def test_a_server_whose_loop_went_away_refuses_calls_unavailable() -> None:
             raise AssertionError("a call to a server with no loop succeeded")
         except grpc.RpcError as e:
             assert e.code() is grpc.StatusCode.UNAVAILABLE, (e.code(), e.details())
-            assert "event loop" in (e.details() or "")
+            assert "no isthmus server is listening" in (e.details() or ""), e.details()
         assert time.monotonic() - began < 20
+
+
+def test_a_server_dropped_without_a_stop_stops() -> None:
+    """A started server its program drops (no `stop`, its loop running on): grpc.aio's shuts
+    down. isthmus's served on: the first call after failed UNKNOWN, every later one waited for
+    its deadline, its news taken by nobody. Now each is UNAVAILABLE at once."""
+
+    async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        return request
+
+    async def run() -> list[Any]:
+        server, target = serve(handler)
+        await server.start()
+        async with isthmus.aio.insecure_channel(target) as channel:
+            got: list[Any] = [await channel.unary_unary("/t.T/Call")(b"served", timeout=30)]
+        del server
+        gc.collect()
+        for _ in range(2):
+            async with isthmus.aio.insecure_channel(target) as channel:
+                try:
+                    got.append(await channel.unary_unary("/t.T/Call")(b"dropped", timeout=30))
+                except grpc.RpcError as e:
+                    got.append(e.code())
+        return got
+
+    assert asyncio.run(run()) == [b"served", grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE]
 
 
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])

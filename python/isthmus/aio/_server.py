@@ -251,7 +251,10 @@ class Server(ServerBase, grpc.aio.Server):
         self._driver = driver(self._loop)
         self._context = contextvars.copy_context()
         # The driver lives as long as its loop (a weak key) and must not hold the loop up: it
-        # holds this server weakly. A server dropped stops serving (its engine side ends).
+        # holds this server weakly. A server dropped without `stop` stops, as grpc.aio's does
+        # (its `__del__` shuts it down): its engine side served on, with its ports, and every
+        # call after the first waited for its deadline, its news taken by nobody.
+        weakref.finalize(self, self._native.stop, None).atexit = False
         news = weakref.WeakMethod(self._news)
 
         def on_news(value: Any) -> None:
