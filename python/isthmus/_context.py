@@ -213,7 +213,9 @@ class Context:
         handler that raised (`fault`, if given, the details then). Does nothing if the call is
         already over. `reply` (the blocking server's unary response, encoded) is sent first, in
         the same step."""
-        if self._finished and error is None:  # ended already, with its reply (`aio._reply`)
+        # Ended already: with its reply (`aio._reply`), or by `aio`'s abort, whose status went
+        # then (the handler's exception after it would end the call a second time).
+        if self._finished and (error is None or self._aborted):
             return
         code, details = self._code, self._details
         if error is not None and not self._aborted:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import subprocess
+import sys
 import threading
 import time
 from typing import Any
@@ -16,7 +18,7 @@ import grpc
 import grpc.aio
 import pytest
 import uvloop
-from peer import fresh
+from peer import PATIENCE, fresh
 
 import isthmus
 import isthmus.aio
@@ -230,11 +232,6 @@ asyncio.run(main())
 
 
 def test_a_coroutine_handler_behind_a_plain_wrapper_does_not_hang_the_loop() -> None:
-    import subprocess  # noqa: PLC0415
-    import sys  # noqa: PLC0415
-
-    from peer import PATIENCE  # noqa: PLC0415
-
     done = subprocess.run(
         [sys.executable, "-c", _WRAPPED_HANDLERS, fresh("shm")],
         capture_output=True,
