@@ -347,7 +347,7 @@ func (s *Server) Start(targets ...string) error {
 		var st *C.isthmus_status_t
 		var code C.isthmus_code_t
 		if m.topic != nil {
-			code = addTopic(srv, cname, m.topic, &st)
+			code = addTopic(srv, cname, m.topic, s.opts.maxSendMessageSize, &st)
 		} else if s.opts.inline && (m.unary != nil || m.rawUnary != nil) {
 			code = addInlineHandler(l, cname, s, m, &st)
 		} else {

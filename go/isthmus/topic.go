@@ -171,18 +171,20 @@ func (t *Topic) Stats() TopicStats {
 // call to it subscribes, gets the topic's state if it has one, then every message published
 // while it is subscribed, until its client cancels or goes away, or the topic closes, or the
 // server stops: a GracefulStop ends each subscription codes.Unavailable once what was queued
-// for it is sent, and does not wait for subscribers. The request is not read. The library serves these calls itself: server interceptors and stats
+// for it is sent, and does not wait for subscribers. A message over the server's
+// MaxSendMessageSize ends that subscriber's call codes.ResourceExhausted, and only that one. The request is not read. The library serves these calls itself: server interceptors and stats
 // handlers do not see them. Before Serve only.
 func (s *Server) ServeTopic(path string, t *Topic) {
 	s.register(&method{name: path, topic: t}, "ServeTopic")
 }
 
-// addTopic registers m's topic with the library's server.
-func addTopic(srv *C.isthmus_server_t, path *C.char, t *Topic, st **C.isthmus_status_t) C.isthmus_code_t {
+// addTopic registers m's topic with the library's server, whose MaxSendMessageSize (0: none)
+// the library applies to the messages it sends the topic's subscribers.
+func addTopic(srv *C.isthmus_server_t, path *C.char, t *Topic, maxSend uint64, st **C.isthmus_status_t) C.isthmus_code_t {
 	t.mu.RLock()
 	defer t.mu.RUnlock()
 	if t.closed {
 		return C.ISTHMUS_FAILED_PRECONDITION
 	}
-	return C.isthmus_server_add_topic(srv, path, t.h, st)
+	return C.isthmus_server_add_topic_limited(srv, path, t.h, C.uint64_t(maxSend), st)
 }

@@ -3,8 +3,10 @@ package isthmus_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -112,6 +114,62 @@ func TestGracefulStopEndsSubscriptionsAfterWhatTheyQueued(t *testing.T) {
 
 // topicServer serves a new topic at the Echo service's ServerStream method on a shm:// target
 // of its own; the target, the topic and the server.
+// MaxSendMessageSize reaches the messages the library sends a topic's subscribers, as it does
+// a handler's sends: a larger message ends the subscriber's call codes.ResourceExhausted with
+// the size and the limit. A server with no limit, serving the same topic, gets the message.
+// Before, the limited server sent it too.
+func TestATopicMessageOverTheServersSendLimitEndsItsSubscriber(t *testing.T) {
+	topic, err := isthmus.NewTopic("limited")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer topic.Close()
+	serve := func(opts ...isthmus.ServerOption) pb.EchoClient {
+		target := "shm://" + filepath.Join(t.TempDir(), "topic.sock")
+		s := isthmus.NewServer(opts...)
+		s.ServeTopic("/conformance.Echo/ServerStream", topic)
+		if err := s.Start(target); err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(s.Stop)
+		return pb.NewEchoClient(dial(t, target))
+	}
+	limited, open := serve(isthmus.MaxSendMessageSize(64)), serve()
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	var streams []pb.Echo_ServerStreamClient
+	for _, client := range []pb.EchoClient{limited, open} {
+		stream, err := client.ServerStream(ctx, &pb.StreamRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		streams = append(streams, stream)
+	}
+	eventually(t, "both subscribed", func() bool { return topic.Stats().Subscribers == 2 })
+	small, large := mustMarshal(t, &pb.EchoReply{Seq: 1}), mustMarshal(t, &pb.EchoReply{Seq: 2, Payload: make([]byte, 1000)})
+	if n, err := topic.Publish(small); n != 2 || err != nil {
+		t.Fatalf("the small message reached %d (%v), want 2", n, err)
+	}
+	if n, err := topic.Publish(large); n != 1 || err != nil {
+		t.Fatalf("the large message reached %d (%v), want 1: the server with no limit", n, err)
+	}
+	for _, stream := range streams {
+		if m, err := stream.Recv(); err != nil || m.Seq != 1 {
+			t.Fatalf("want seq 1, got %v, %v", m, err)
+		}
+	}
+	_, err = streams[0].Recv()
+	if status.Code(err) != codes.ResourceExhausted || !strings.Contains(err.Error(), fmt.Sprintf("(%d vs. 64)", len(large))) {
+		t.Errorf("the limited server's subscriber ended with %v, want ResourceExhausted naming (%d vs. 64)", err, len(large))
+	}
+	if m, err := streams[1].Recv(); err != nil || m.Seq != 2 {
+		t.Errorf("the other subscriber: want seq 2, got %v, %v", m, err)
+	}
+	if got := topic.Stats().Subscribers; got != 1 {
+		t.Errorf("%d subscribers left, want 1", got)
+	}
+}
+
 func topicServer(t *testing.T, opts ...isthmus.TopicOption) (string, *isthmus.Topic, *isthmus.Server) {
 	t.Helper()
 	target := "shm://" + filepath.Join(t.TempDir(), "topic.sock")

@@ -485,11 +485,19 @@ class ServerCall:
         """A Block or any C-contiguous buffer, read when sent; BufferError at once for a block
         still exported or already sent."""
     def send_initial_metadata_async(self, reactor: Reactor, token: int, metadata: _Metadata) -> _Now: ...
-    def serve_topic(self, topic: Topic, on_gap: Callable[[int], Buffer | None] | None = None) -> None:
+    def serve_topic(
+        self, topic: Topic, on_gap: Callable[[int], Buffer | None] | None = None, max_send: int | None = None
+    ) -> None:
         """Delivers the topic until the client leaves (raises CallError CANCELLED) or the topic
-        closes (returns); CallError RESOURCE_EXHAUSTED for a subscriber that fell behind."""
+        closes (returns); CallError RESOURCE_EXHAUSTED for a subscriber that fell behind, or for
+        a message over `max_send` bytes."""
     def serve_topic_async(
-        self, reactor: Reactor, token: int, topic: Topic, on_gap: Callable[[int], Buffer | None] | None = None
+        self,
+        reactor: Reactor,
+        token: int,
+        topic: Topic,
+        on_gap: Callable[[int], Buffer | None] | None = None,
+        max_send: int | None = None,
     ) -> None:
         """Completes with None, or a CallError, as serve_topic ends."""
     def finish(self, code: int, details: str, trailing_metadata: _Metadata | None = None) -> None:

@@ -117,7 +117,7 @@ class Topic:
             raise TypeError("an isthmus.aio handler subscribes with `await topic.subscribe_async(context)`")
         call = _call_of(context)
         try:
-            call.serve_topic(self._native, _gap(on_gap))
+            call.serve_topic(self._native, _gap(on_gap), _max_send(context))
         except _native.CallError as e:
             _end(context, e)
         return iter(())
@@ -130,7 +130,7 @@ class Topic:
             raise TypeError("subscribe_async needs the context of an isthmus.aio server's handler")
         token, future = driver.begin(context._loop)
         try:
-            call.serve_topic_async(driver.reactor, token, self._native, _gap(on_gap))
+            call.serve_topic_async(driver.reactor, token, self._native, _gap(on_gap), _max_send(context))
             outcome = await future
         except BaseException:
             # Cancelled (`asyncio.wait_for`, the handler's task): the subscription ends here,
@@ -149,6 +149,12 @@ def _call_of(context: Any) -> _native.ServerCall:
     if not isinstance(call, _native.ServerCall):
         raise TypeError("a Topic serves the calls of isthmus servers; this context is not one")
     return call
+
+
+def _max_send(context: Any) -> int | None:
+    """The server's `grpc.max_send_message_length`, which the context of its handler keeps."""
+    limit = getattr(context, "_max_send", None)
+    return limit if isinstance(limit, int) else None
 
 
 def _end(context: grpc.ServicerContext, error: _native.CallError) -> None:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable
 from concurrent import futures
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -350,3 +351,70 @@ def test_a_graceful_stop_ends_each_subscription_after_its_queue(kind: str) -> No
     finally:
         for sub in subs:
             sub.close()
+
+
+def test_a_message_over_the_servers_send_limit_ends_its_subscriber(kind: str) -> None:
+    """The server's `grpc.max_send_message_length` reaches the messages the library sends a
+    topic's subscribers, as it does a handler's own sends: a larger one ends the subscriber's
+    call RESOURCE_EXHAUSTED with the size and the limit. The limited server sent it before."""
+    topic = isthmus.Topic("limited")
+    address, options = fresh("shm"), [("grpc.max_send_message_length", 64)]
+    large = b"x" * 1000
+
+    def watch_sync(request: bytes, context: grpc.ServicerContext) -> Any:
+        return topic.subscribe(context)
+
+    async def watch_aio(request: bytes, context: grpc.aio.ServicerContext) -> None:
+        await topic.subscribe_async(context)
+
+    def publish_when_subscribed() -> list[int]:
+        end = time.monotonic() + PATIENCE
+        while topic.stats().subscribers == 0:
+            assert time.monotonic() < end, "never subscribed"
+            time.sleep(0.01)
+        return [topic.publish(b"small"), topic.publish(large)]
+
+    def generic(watch: Any) -> grpc.GenericRpcHandler:
+        return grpc.method_handlers_generic_handler(
+            "t.Feed", {"Watch": grpc.unary_stream_rpc_method_handler(watch)}
+        )
+
+    got: list[bytes] = []
+    if kind == "sync":
+        server = isthmus.server(
+            futures.ThreadPoolExecutor(2), handlers=(generic(watch_sync),), options=options
+        )
+        server.add_insecure_port(address)
+        server.start()
+        try:
+            with isthmus.insecure_channel(address) as channel:
+                stream = channel.unary_stream("/t.Feed/Watch")(b"", timeout=PATIENCE)
+                reached = publish_when_subscribed()
+                with pytest.raises(grpc.RpcError) as failed:
+                    got.extend(stream)
+                error = failed.value
+        finally:
+            server.stop(None)
+    else:
+
+        async def run() -> tuple[list[int], grpc.aio.AioRpcError]:
+            server = isthmus.aio.server(handlers=(generic(watch_aio),), options=options)
+            server.add_insecure_port(address)
+            await server.start()
+            try:
+                async with isthmus.aio.insecure_channel(address) as channel:
+                    stream = channel.unary_stream("/t.Feed/Watch")(b"", timeout=PATIENCE)
+                    reached = await asyncio.get_running_loop().run_in_executor(None, publish_when_subscribed)
+                    with pytest.raises(grpc.aio.AioRpcError) as failed:
+                        async for m in stream:
+                            got.append(m)
+                    return reached, failed.value
+            finally:
+                await server.stop(None)
+
+        reached, error = asyncio.run(run())
+    assert reached == [1, 0], "the large message reached nobody"
+    assert got == [b"small"]
+    assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, error
+    assert f"({len(large)} vs. 64)" in (error.details() or ""), error.details()
+    assert topic.stats().subscribers == 0

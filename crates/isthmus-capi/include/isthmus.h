@@ -1852,6 +1852,23 @@ isthmus_code_t isthmus_server_add_topic(const isthmus_server_t *server,
                                         const isthmus_topic_t *topic,
                                         isthmus_status_t **status);
 
+// [`isthmus_server_add_topic`] for a server whose handlers send messages of at most
+// `max_send_message_size` bytes (gRPC's `max_send_message_length`; 0: no limit): a message,
+// state or resync over it ends that subscriber's call with `ISTHMUS_RESOURCE_EXHAUSTED`,
+// naming its size and the limit, as a handler's send of it would fail; the topic's other
+// subscribers go on, and the publish counts only those it reached.
+//
+// Thread-safety: as [`isthmus_server_add_topic`].
+//
+// # Safety
+//
+// As [`isthmus_server_add_topic`].
+isthmus_code_t isthmus_server_add_topic_limited(const isthmus_server_t *server,
+                                                const char *path,
+                                                const isthmus_topic_t *topic,
+                                                uint64_t max_send_message_size,
+                                                isthmus_status_t **status);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif  // __cplusplus

@@ -244,6 +244,29 @@ pub unsafe extern "C" fn isthmus_server_add_topic(
     topic: *const isthmus_topic_t,
     status: *mut *mut isthmus_status_t,
 ) -> isthmus_code_t {
+    // SAFETY: the caller's promises, passed on.
+    unsafe { isthmus_server_add_topic_limited(server, path, topic, 0, status) }
+}
+
+/// [`isthmus_server_add_topic`] for a server whose handlers send messages of at most
+/// `max_send_message_size` bytes (gRPC's `max_send_message_length`; 0: no limit): a message,
+/// state or resync over it ends that subscriber's call with `ISTHMUS_RESOURCE_EXHAUSTED`,
+/// naming its size and the limit, as a handler's send of it would fail; the topic's other
+/// subscribers go on, and the publish counts only those it reached.
+///
+/// Thread-safety: as [`isthmus_server_add_topic`].
+///
+/// # Safety
+///
+/// As [`isthmus_server_add_topic`].
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_server_add_topic_limited(
+    server: *const isthmus_server_t,
+    path: *const c_char,
+    topic: *const isthmus_topic_t,
+    max_send_message_size: u64,
+    status: *mut *mut isthmus_status_t,
+) -> isthmus_code_t {
     entry(status, || {
         // SAFETY: the caller's promise, passed on.
         let path = unsafe { c_str(path, "the path")? };
@@ -252,14 +275,18 @@ pub unsafe extern "C" fn isthmus_server_add_topic(
         }
         let handle = TOPICS.get(topic)?;
         let (topic, resync) = (handle.topic.clone(), handle.resync);
+        // 0, or past usize (a 32-bit host): no message can be over it.
+        let max_send = match max_send_message_size {
+            0 => usize::MAX,
+            n => usize::try_from(n).unwrap_or(usize::MAX),
+        };
         build(server, |b| {
             b.handler(path, move |mut call| {
                 let topic = topic.clone();
                 async move {
-                    match resync {
-                        true => topic.serve_with(&mut call, |_| topic.current_state()).await,
-                        false => topic.serve(&mut call).await,
-                    }
+                    let mut resync_with_state = |_| topic.current_state();
+                    let on_gap = resync.then_some(&mut resync_with_state as &mut (dyn FnMut(u64) -> _ + Send));
+                    topic.serve_limited(&mut call, max_send, on_gap).await
                 }
             })
         })

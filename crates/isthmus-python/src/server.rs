@@ -120,9 +120,22 @@ pub(crate) struct News {
     pub(crate) done: Vec<u64>,
 }
 
+/// News dropped untaken (its loop's reactor went first) ends its calls as a closed inbox ends
+/// those it holds: a call handed to nobody would wait for its deadline.
+impl Drop for News {
+    fn drop(&mut self) {
+        for (_, call) in self.calls.drain(..) {
+            call.finish(no_loop());
+        }
+    }
+}
+
 impl Inbox {
     fn tell(&self, add: impl FnOnce(&mut News)) {
         if let Ok(mut news) = self.news.lock() {
+            if self.closed.load(Ordering::Acquire) {
+                return; // no loop will take it
+            }
             add(&mut news);
             self.told.store(true, Ordering::Release);
         }
@@ -146,19 +159,38 @@ impl Inbox {
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed) + 1;
         let inbox = Arc::downgrade(self);
+        // Before the news lock is taken: a call abandoned already runs this at once.
         core.add_abandon_callback(Box::new(move || {
             if let Some(inbox) = inbox.upgrade() {
                 inbox.tell(|n| n.abandoned.push(id));
             }
         }));
-        self.tell(|n| n.calls.push((id, core)));
+        // `closed` again under the lock `close` sets it under: a call is either refused here or
+        // among those `close` ends, never left where no loop will take it.
+        let Ok(mut news) = self.news.lock() else { return Err(no_loop()) };
+        if self.closed.load(Ordering::Acquire) {
+            return Err(no_loop());
+        }
+        news.calls.push((id, core));
+        self.told.store(true, Ordering::Release);
+        drop(news);
+        self.ready.notify_one();
         Ok(())
     }
 
     /// No loop listens any more: the calls waiting for one end UNAVAILABLE, as later ones will.
     fn close(&self) {
-        self.closed.store(true, Ordering::Release);
-        let waiting = self.news.lock().map(|mut n| std::mem::take(&mut n.calls)).unwrap_or_default();
+        let waiting = self
+            .news
+            .lock()
+            .map(|mut n| {
+                self.closed.store(true, Ordering::Release);
+                std::mem::take(&mut n.calls)
+            })
+            .unwrap_or_else(|_| {
+                self.closed.store(true, Ordering::Release);
+                Vec::new()
+            });
         for (_, call) in waiting {
             call.finish(no_loop());
         }
@@ -282,12 +314,13 @@ impl ServerCall {
 
     /// `(calls, abandoned ids, done ids)` for the asyncio server's loop.
     pub(crate) fn news_to_py(py: Python<'_>, news: News, inbox: &std::sync::Weak<Inbox>) -> PyResult<Py<PyAny>> {
-        let calls = news
-            .calls
+        let mut news = news;
+        let calls = std::mem::take(&mut news.calls)
             .into_iter()
             .map(|(id, core)| Py::new(py, ServerCall { core, inbox: Some((id, inbox.clone())) }))
             .collect::<PyResult<Vec<_>>>()?;
-        Ok((calls, news.abandoned, news.done).into_pyobject(py)?.into_any().unbind())
+        let (abandoned, done) = (std::mem::take(&mut news.abandoned), std::mem::take(&mut news.done));
+        Ok((calls, abandoned, done).into_pyobject(py)?.into_any().unbind())
     }
 }
 
@@ -512,19 +545,34 @@ impl ServerCall {
 
     /// Delivers `topic` to this call until the client leaves or the topic closes, GIL released
     /// (no Python per message); `on_gap(n)` may return a message to send after `n` were dropped.
-    #[pyo3(signature = (topic, on_gap=None))]
-    fn serve_topic(&self, py: Python<'_>, topic: &crate::topic::Topic, on_gap: Option<Py<PyAny>>) -> PyResult<()> {
+    /// A message (or resync) over `max_send` bytes, the server's `grpc.max_send_message_length`,
+    /// ends the call RESOURCE_EXHAUSTED.
+    #[pyo3(signature = (topic, on_gap=None, max_send=None))]
+    fn serve_topic(
+        &self,
+        py: Python<'_>,
+        topic: &crate::topic::Topic,
+        on_gap: Option<Py<PyAny>>,
+        max_send: Option<usize>,
+    ) -> PyResult<()> {
         let (core, topic) = (&self.core, &topic.inner);
         let on_gap = crate::topic::gap_callback(on_gap);
-        py.detach(|| runtime().block_on(core.serve_topic(topic, on_gap))).map_err(|s| call_error(py, &s))
+        py.detach(|| runtime().block_on(core.serve_topic(topic, max_send, on_gap))).map_err(|s| call_error(py, &s))
     }
 
     /// [`serve_topic`](Self::serve_topic) for the asyncio server: completes when it ends.
-    #[pyo3(signature = (reactor, token, topic, on_gap=None))]
-    fn serve_topic_async(&self, reactor: &Reactor, token: u64, topic: &crate::topic::Topic, on_gap: Option<Py<PyAny>>) {
+    #[pyo3(signature = (reactor, token, topic, on_gap=None, max_send=None))]
+    fn serve_topic_async(
+        &self,
+        reactor: &Reactor,
+        token: u64,
+        topic: &crate::topic::Topic,
+        on_gap: Option<Py<PyAny>>,
+        max_send: Option<usize>,
+    ) {
         let (core, topic) = (self.core.clone(), topic.inner.clone());
         let on_gap = crate::topic::gap_callback(on_gap);
-        reactor.completions.run(token, async move { core.serve_topic(&topic, on_gap).await.into() });
+        reactor.completions.run(token, async move { core.serve_topic(&topic, max_send, on_gap).await.into() });
     }
 
     /// Ends the call with this status (0 = OK) and trailing metadata.

@@ -1145,11 +1145,13 @@ impl HandedCall {
     /// the queued ones are dropped too and `on_gap(n)`'s message, if any, is sent in their
     /// place. Leaves the topic at once when the call ends (the client's cancel, its deadline,
     /// its death): `Err` CANCELLED then; `Err` RESOURCE_EXHAUSTED at once for a subscriber that
-    /// fell behind, even while a send waits for it; `Err` UNAVAILABLE once the server starts to
-    /// shut down and what was queued is sent.
+    /// fell behind, even while a send waits for it, or for a message over `max_send` bytes
+    /// ([`Topic::serve_limited`](crate::Topic::serve_limited)); `Err` UNAVAILABLE once the
+    /// server starts to shut down and what was queued is sent.
     pub async fn serve_topic(
         &self,
         topic: &crate::Topic,
+        max_send: Option<usize>,
         mut on_gap: Option<impl FnMut(u64) -> Option<Bytes>>,
     ) -> Result<(), Status> {
         use crate::Delivery;
@@ -1158,7 +1160,7 @@ impl HandedCall {
             let mut call = self.sending().await;
             (call.shared_arena().cloned(), call.inline_max(), call.direct().await?, call.going_away())
         };
-        let mut sub = topic.subscribe_sending(arena.as_ref(), inline_max);
+        let mut sub = topic.subscribe_sending(arena.as_ref(), inline_max, max_send);
         sub.end_when(going_away);
         sub.send_directly(direct);
         if !self.add_done_callback(Box::new(sub.canceller())) {
@@ -1167,7 +1169,10 @@ impl HandedCall {
         while let Some(next) = sub.next().await? {
             let (message, published) = match next {
                 Delivery::Gap(n) => match on_gap.as_mut().and_then(|on_gap| topic.resync(&sub, n, on_gap)) {
-                    Some(resync) => (Err(resync), false),
+                    Some(resync) => {
+                        sub.check_size(resync.len())?;
+                        (Err(resync), false)
+                    }
                     None => continue,
                 },
                 Delivery::Message(p) => match arena.as_ref().and_then(|a| p.shared_block(a)) {

@@ -194,6 +194,9 @@ struct Subscriber {
     /// The largest message its connection sends inline, copied into the ring: it needs no
     /// block of the arena for those (`Connection::inline_max`).
     inline_max: usize,
+    /// The largest message its call may send (its server's `max_send_message_length`): a
+    /// larger one ends the call RESOURCE_EXHAUSTED instead of going out.
+    max_send: Option<usize>,
     queue: Mutex<Queue>,
     wake: Notify,
 }
@@ -201,6 +204,17 @@ struct Subscriber {
 impl Subscriber {
     fn queue(&self) -> MutexGuard<'_, Queue> {
         self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// RESOURCE_EXHAUSTED if a message of `len` bytes is over this subscriber's limit.
+    fn check_size(&self, topic: &str, len: usize) -> Result<(), Status> {
+        match self.max_send {
+            Some(max) if len > max => Err(Status::new(
+                Code::ResourceExhausted,
+                format!("topic {topic:?}: trying to send message larger than max ({len} vs. {max})"),
+            )),
+            _ => Ok(()),
+        }
     }
 
     fn end(&self, how: Result<(), Status>) {
@@ -419,6 +433,15 @@ impl Topic {
         if q.end.is_some() {
             return Offered::Ending; // it leaves when its handler does
         }
+        if let Err(status) = sub.check_size(&self.inner.name, p.len()) {
+            // As a handler's send over its server's limit ends its call, after what it sent
+            // before: this subscriber only, once its queue is sent.
+            q.end = Some(Err(status));
+            q.end_waits = true;
+            drop(q);
+            sub.wake.notify_one();
+            return Offered::Cancelled;
+        }
         if q.items.is_empty() && q.gap == 0 && !q.busy {
             if let Some(direct) = &q.direct {
                 let block = sub.arena.as_ref().and_then(|a| p.shared_block(a));
@@ -468,19 +491,33 @@ impl Topic {
     /// The current state, if any, is queued first. After [`close`](Self::close) the subscription
     /// ends at once, with OK.
     pub fn subscribe_for(&self, arena: Option<&SharedArena>) -> Subscription {
-        self.subscribe_sending(arena, INLINE)
+        self.subscribe_sending(arena, INLINE, None)
     }
 
     /// [`subscribe_for`](Self::subscribe_for) a call whose connection sends messages up to
-    /// `inline_max` bytes inline: `publish` writes no block for those.
-    pub(crate) fn subscribe_sending(&self, arena: Option<&SharedArena>, inline_max: usize) -> Subscription {
-        let sub =
-            Arc::new(Subscriber { arena: arena.cloned(), inline_max, queue: Mutex::default(), wake: Notify::new() });
+    /// `inline_max` bytes inline (`publish` writes no block for those) and that may send
+    /// messages of at most `max_send` bytes.
+    pub(crate) fn subscribe_sending(
+        &self,
+        arena: Option<&SharedArena>,
+        inline_max: usize,
+        max_send: Option<usize>,
+    ) -> Subscription {
+        let sub = Arc::new(Subscriber {
+            arena: arena.cloned(),
+            inline_max,
+            max_send,
+            queue: Mutex::default(),
+            wake: Notify::new(),
+        });
         let mut m = self.inner.members();
         let id = m.next_id;
         m.next_id += 1;
+        let state_too_large = m.state.as_ref().and_then(|state| sub.check_size(&self.inner.name, state.len()).err());
         if m.closed {
             sub.end(Ok(()));
+        } else if let Some(status) = state_too_large {
+            sub.end(Err(status));
         } else {
             if let Some(state) = &m.state {
                 let mut q = sub.queue();
@@ -498,7 +535,7 @@ impl Topic {
     /// UNAVAILABLE once the server starts to shut down and what was queued is sent. Gaps are
     /// skipped; see [`serve_with`](Self::serve_with).
     pub async fn serve(&self, call: &mut ServerCall) -> Result<(), Status> {
-        self.serve_inner(call, None).await
+        self.serve_inner(call, None, None).await
     }
 
     /// [`serve`](Self::serve), calling `on_gap(n)` when messages were dropped for this
@@ -511,21 +548,39 @@ impl Topic {
         call: &mut ServerCall,
         mut on_gap: impl FnMut(u64) -> Option<Bytes> + Send,
     ) -> Result<(), Status> {
-        self.serve_inner(call, Some(&mut on_gap)).await
+        self.serve_inner(call, None, Some(&mut on_gap)).await
+    }
+
+    /// [`serve_with`](Self::serve_with) (or [`serve`](Self::serve), with no `on_gap`) for a
+    /// server whose handlers send messages of at most `max_send` bytes (gRPC's
+    /// `max_send_message_length`): a message, state or resync over it ends this subscriber's
+    /// call with RESOURCE_EXHAUSTED, naming its size and the limit; the other subscribers
+    /// go on.
+    pub async fn serve_limited(
+        &self,
+        call: &mut ServerCall,
+        max_send: usize,
+        on_gap: Option<&mut (dyn FnMut(u64) -> Option<Bytes> + Send)>,
+    ) -> Result<(), Status> {
+        self.serve_inner(call, Some(max_send), on_gap).await
     }
 
     async fn serve_inner(
         &self,
         call: &mut ServerCall,
+        max_send: Option<usize>,
         mut on_gap: Option<&mut (dyn FnMut(u64) -> Option<Bytes> + Send)>,
     ) -> Result<(), Status> {
-        let mut sub = self.subscribe_sending(call.shared_arena(), call.inline_max());
+        let mut sub = self.subscribe_sending(call.shared_arena(), call.inline_max(), max_send);
         sub.end_when(call.going_away());
         sub.send_directly(call.direct().await?);
         while let Some(next) = sub.next().await? {
             let (message, published) = match next {
                 Delivery::Gap(n) => match on_gap.as_mut().and_then(|on_gap| self.resync(&sub, n, on_gap)) {
-                    Some(resync) => (Outgoing::Bytes(resync), false),
+                    Some(resync) => {
+                        sub.check_size(resync.len())?;
+                        (Outgoing::Bytes(resync), false)
+                    }
                     None => continue,
                 },
                 Delivery::Message(p) => match call.shared_arena().and_then(|a| p.shared_block(a)).cloned() {
@@ -735,6 +790,12 @@ impl Subscription {
     pub(crate) fn send_directly(&self, direct: Direct) {
         self.sub.queue().direct = Some(direct);
     }
+
+    /// RESOURCE_EXHAUSTED if a message of `len` bytes (a resync) is over this subscriber's
+    /// `max_send`: published messages and the state are checked before they are queued.
+    pub(crate) fn check_size(&self, len: usize) -> Result<(), Status> {
+        self.sub.check_size(&self.topic.name, len)
+    }
 }
 
 #[cfg(test)]
@@ -757,6 +818,33 @@ mod tests {
     }
 
     use std::future::Future;
+
+    #[test]
+    fn a_message_over_a_subscribers_limit_ends_that_subscriber_only() {
+        let topic = Topic::new("t");
+        let mut small = topic.subscribe_sending(None, INLINE, Some(4));
+        let mut any = topic.subscribe();
+        assert_eq!(topic.publish(b"four"), 2, "at the limit: both");
+        assert_eq!(topic.publish(b"fives"), 1, "over it: only the subscriber with no limit");
+        assert_eq!(message(next_now(&mut small)), b"four");
+        match next_now(&mut small) {
+            Some(Err(status)) => {
+                assert_eq!(status.code(), Code::ResourceExhausted);
+                assert!(status.message().contains("(5 vs. 4)"), "{}", status.message());
+            }
+            other => panic!("expected RESOURCE_EXHAUSTED, got {other:?}"),
+        }
+        assert_eq!(topic.stats().subscribers, 1, "it left the topic");
+        assert_eq!(message(next_now(&mut any)), b"four");
+        assert_eq!(message(next_now(&mut any)), b"fives");
+        assert_eq!(small.check_size(5).map_err(|s| s.code()), Err(Code::ResourceExhausted), "a resync too");
+
+        // A state over the limit ends a subscriber that joins after it, before anything is sent.
+        topic.publish_state(b"state!");
+        let mut late = topic.subscribe_sending(None, INLINE, Some(4));
+        assert!(matches!(next_now(&mut late), Some(Err(s)) if s.code() == Code::ResourceExhausted));
+        assert_eq!(topic.stats().cancelled, 0, "not counted as falling behind");
+    }
 
     #[test]
     fn every_subscriber_gets_every_message_in_order_and_late_joiners_the_state() {
@@ -982,7 +1070,7 @@ mod tests {
         let mut default = topic.subscribe_for(Some(&arena));
         topic.publish(&message);
         assert_eq!(arena.in_use(), 0, "inline for a connection of the default size");
-        let mut small = [(); 2].map(|_| topic.subscribe_sending(Some(&arena), 1024));
+        let mut small = [(); 2].map(|_| topic.subscribe_sending(Some(&arena), 1024, None));
         assert!(matches!(next_now(&mut default), Some(Ok(Some(Delivery::Message(_))))));
         topic.publish(&message);
         assert_eq!(arena.in_use(), 4096, "one block for the two small-ring subscribers");
