@@ -88,15 +88,18 @@ def test_stop_runs_the_done_callbacks_of_the_handlers_it_ends() -> None:
     asyncio.run(run())
 
 
-def test_a_server_whose_loop_went_away_refuses_calls_unavailable() -> None:
-    """A server started on a loop that ended without `stop()` (an exception path), and then
-    dropped: calls are refused UNAVAILABLE at once, not left to their deadline. (Dropped, it
-    stops; one its program still holds leaves them to their deadline: not fixed yet.)"""
+@pytest.mark.parametrize("held", [False, True], ids=["dropped", "held"])
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_server_whose_loop_went_away_refuses_calls_unavailable(loop: str, held: bool) -> None:
+    """A server started on a loop that ended without `stop()` (an exception path), then
+    dropped or still held by its program: calls are refused UNAVAILABLE at once, not left to
+    their deadline. One still held left them to their deadline before: nothing took its calls."""
 
     async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
         return request
 
     targets: list[str] = []
+    kept: list[Any] = []
 
     async def start_and_leave() -> None:
         server, target = serve(handler)
@@ -104,8 +107,12 @@ def test_a_server_whose_loop_went_away_refuses_calls_unavailable() -> None:
         async with isthmus.aio.insecure_channel(target) as ch:
             assert await ch.unary_unary("/t.T/Call")(b"served", timeout=30) == b"served"
         targets.append(target)
+        if held:
+            kept.append(server)
 
-    thread = threading.Thread(target=lambda: asyncio.run(start_and_leave()))
+    thread = threading.Thread(
+        target=lambda: (uvloop.run if loop == "uvloop" else asyncio.run)(start_and_leave())
+    )
     thread.start()
     thread.join()
     gc.collect()

@@ -25,6 +25,19 @@ from ._sync import SyncServicerContext
 _END = object()  # what `next` gives for a plain handler's responses once they are over
 
 
+async def _stop_when_the_loop_ends(stop: Callable[[None], Any], stopped: asyncio.Future[None]) -> None:
+    """Waits for `stop()` to resolve `stopped`. Cancelled first (`asyncio.run` and uvloop's
+    `run` cancel every task before they close their loop), the loop is ending with the server
+    still serving: it stops, so that calls are refused UNAVAILABLE at once instead of waiting
+    for a loop that will never take them. Holds the native server's `stop`, not the server, so
+    a server dropped without `stop` still goes (and stops, `_serve_news`)."""
+    try:
+        await stopped
+    except asyncio.CancelledError:
+        stop(None)
+        raise
+
+
 def _cancel_unfinished(task: asyncio.Task[None], ending: list[bool]) -> None:
     """Cancels a handler whose call ended under it, as grpc.aio does (not one that is sending
     its own outcome)."""
@@ -71,6 +84,9 @@ class Server(ServerBase, grpc.aio.Server):
         self._on_news: Callable[[Any], None] | None = None  # `_news`, weakly held (`start`)
         self._plain: dict[Callable[..., Any], bool] = {}  # whether a behaviour is a plain function
         self._context = contextvars.Context()
+        # Resolved by `stop`; until then a task on the loop stops the server if the loop ends.
+        self._stopped_future: asyncio.Future[None] | None = None
+        self._loop_watch: asyncio.Task[None] | None = None
 
     def _listen(self) -> None:
         driver, native, on_news = self._driver, self._native, self._on_news
@@ -264,11 +280,18 @@ class Server(ServerBase, grpc.aio.Server):
 
         self._on_news = on_news
         self._listen()
+        # grpc.aio's server keeps a serving task on its loop too.
+        self._stopped_future = self._loop.create_future()
+        self._loop_watch = self._loop.create_task(
+            _stop_when_the_loop_ends(self._native.stop, self._stopped_future)
+        )
 
     async def stop(self, grace: float | None) -> None:
         if not self._native.stop(grace):
             return  # never started: nothing to stop, and `start` may still serve, as in grpc.aio
         self._stopped = True
+        if self._stopped_future is not None and not self._stopped_future.done():
+            self._stopped_future.set_result(None)  # its watch ends with nothing to do
         await asyncio.get_running_loop().run_in_executor(None, self._native.wait, None)
         if self._listening is not None and self._driver is not None:
             self._driver.abandon(self._listening)  # which closes the inbox
