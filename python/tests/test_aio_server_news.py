@@ -61,13 +61,19 @@ def test_a_done_callback_that_raises_harms_no_other_call() -> None:
 
 
 def test_stop_runs_the_done_callbacks_of_the_handlers_it_ends() -> None:
+    """Each after its handler has ended (as grpc.aio runs them), which the test did not look
+    at before."""
     started: list[int] = []
     done: list[bool] = []
 
     async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
-        context.add_done_callback(lambda c: done.append(c.cancelled()))
+        ended = [False]
+        context.add_done_callback(lambda c: done.append(ended[0]))
         started.append(1)
-        await asyncio.sleep(60)
+        try:
+            await asyncio.sleep(60)
+        finally:
+            ended[0] = True
         return request
 
     async def run() -> None:
@@ -83,9 +89,60 @@ def test_stop_runs_the_done_callbacks_of_the_handlers_it_ends() -> None:
             assert all(isinstance(o, grpc.aio.AioRpcError) for o in outcomes), outcomes[:3]
             for _ in range(10):
                 await asyncio.sleep(0)  # the callbacks' turns
-            assert len(done) == 50
+            assert done == [True] * 50, "each callback ran after its handler ended"
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("server", ["grpc.aio", "isthmus.aio"])
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_done_callbacks_run_after_a_cancelled_handlers_cleanup(server: str, loop: str) -> None:
+    """A handler its client cancels cleans up (an await in its `except CancelledError`) before
+    its done-callbacks run, as grpc.aio runs them once the handler's task has ended.
+    isthmus.aio ran them as soon as the call was over, in the middle of that cleanup."""
+    order: list[str] = []
+    started = asyncio.Event()
+
+    async def handler(request: bytes, context: grpc.aio.ServicerContext) -> bytes:
+        context.add_done_callback(lambda _: order.append("done-callback"))
+        started.set()
+        try:
+            await asyncio.sleep(PATIENCE)
+        except asyncio.CancelledError:
+            order.append("cancelled")
+            await asyncio.sleep(0.05)  # a cleanup that takes the loop some turns
+            order.append("cleaned up")
+            raise
+        return request
+
+    async def run() -> None:
+        generic = grpc.method_handlers_generic_handler(
+            "t.T", {"Call": grpc.unary_unary_rpc_method_handler(handler)}
+        )
+        if server == "grpc.aio":
+            target = f"unix:{fresh('unix').removeprefix('unix://')}"
+            s: Any = grpc.aio.server()
+            channel = grpc.aio.insecure_channel
+        else:
+            target = fresh("shm")
+            s = isthmus.aio.server()
+            channel = isthmus.aio.insecure_channel
+        s.add_generic_rpc_handlers((generic,))
+        s.add_insecure_port(target)
+        await s.start()
+        try:
+            async with channel(target) as ch:
+                call = ch.unary_unary("/t.T/Call")(b"x", timeout=PATIENCE)
+                await started.wait()
+                call.cancel()
+                end = time.monotonic() + PATIENCE
+                while len(order) < 3 and time.monotonic() < end:
+                    await asyncio.sleep(0.01)
+        finally:
+            await s.stop(None)
+
+    (uvloop.run if loop == "uvloop" else asyncio.run)(run())
+    assert order == ["cancelled", "cleaned up", "done-callback"]
 
 
 @pytest.mark.parametrize("held", [False, True], ids=["dropped", "held"])

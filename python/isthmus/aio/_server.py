@@ -80,6 +80,9 @@ class Server(ServerBase, grpc.aio.Server):
         self._running: dict[int, tuple[asyncio.Task[None], list[bool]]] = {}
         # `context.add_done_callback` callbacks, by call id, run when the news says it is done.
         self.done_callbacks: dict[int, list[Callable[[], None]]] = {}
+        # Calls done while their handler's task still ran (a cancelled handler cleaning up):
+        # their callbacks run when it ends, as grpc.aio runs them after the handler.
+        self._done_after_task: set[int] = set()
         self._listening: int | None = None
         self._on_news: Callable[[Any], None] | None = None  # `_news`, weakly held (`start`)
         self._plain: dict[Callable[..., Any], bool] = {}  # whether a behaviour is a plain function
@@ -106,6 +109,14 @@ class Server(ServerBase, grpc.aio.Server):
             if running is not None:
                 _cancel_unfinished(*running)
         for id in done:
+            self._call_done(id)
+
+    def _call_done(self, id: int) -> None:
+        """Call `id` is over: its done-callbacks run now, or when its handler's task ends."""
+        running = self._running.get(id)
+        if running is not None and not running[0].done():
+            self._done_after_task.add(id)
+        else:
             self._run_done_callbacks(id)
 
     def _run_done_callbacks(self, id: int) -> None:
@@ -136,6 +147,9 @@ class Server(ServerBase, grpc.aio.Server):
 
         def finished(task: asyncio.Task[None]) -> None:
             self._running.pop(id, None)
+            if id in self._done_after_task:
+                self._done_after_task.discard(id)
+                self._run_done_callbacks(id)
             if not self._running:
                 self._linger()  # the last handler done: a moment for the next call
 
@@ -297,9 +311,9 @@ class Server(ServerBase, grpc.aio.Server):
             self._driver.abandon(self._listening)  # which closes the inbox
             self._listening = None
         # The engine has ended every call: their done-callbacks are due, whether or not their
-        # news came before the inbox closed.
+        # news came before the inbox closed (those of handlers still running once they end).
         for id in list(self.done_callbacks):
-            self._run_done_callbacks(id)
+            self._call_done(id)
         # Handlers still running have nothing left to do.
         for task, _ in list(self._running.values()):
             task.cancel()
