@@ -689,7 +689,7 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 			*co.header = nil
 		}
 		if co.trailer != nil {
-			*co.trailer = nil
+			*co.trailer = metadata.MD{} // a copy of none, as grpc-go's: a map to Set in
 		}
 		return ctxError(ctx)
 	}
@@ -711,7 +711,7 @@ func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok b
 			*co.header = header
 		}
 		if co.trailer != nil {
-			*co.trailer = trailers
+			*co.trailer = orEmpty(trailers)
 		}
 		co.stats.inTrailer(trailers)
 		return cc.callError(ctx, err)
@@ -809,10 +809,30 @@ func (cc *ClientConn) invokeLarge(ctx context.Context, method string, args proto
 // any.
 func (cc *ClientConn) NewStream(ctx context.Context, desc *grpc.StreamDesc, method string, opts ...grpc.CallOption) (grpc.ClientStream, error) {
 	opts = withDefaults(cc.defaults, opts)
+	var s grpc.ClientStream
+	var err error
 	if cc.streamer != nil {
-		return cc.streamer(ctx, desc, nil, method, opts...)
+		s, err = cc.streamer(ctx, desc, nil, method, opts...)
+	} else {
+		s, err = cc.newClientStream(ctx, desc, method, opts)
 	}
-	return cc.newClientStream(ctx, desc, method, opts)
+	if err != nil || desc.ClientStreams {
+		return s, err
+	}
+	return oneRequestStream{s}, nil
+}
+
+// oneRequestStream is, as grpc-go's clientStreamWrapper, the stream of a call whose client
+// sends one request (a server-streaming call): a SendMsg that finds the call over gives nil,
+// not io.EOF, and RecvMsg gives the status. The generated client returns SendMsg's error from
+// the call itself, where io.EOF (status Unknown) read as a stream that ended cleanly.
+type oneRequestStream struct{ grpc.ClientStream }
+
+func (s oneRequestStream) SendMsg(m any) error {
+	if err := s.ClientStream.SendMsg(m); err != io.EOF {
+		return err
+	}
+	return nil
 }
 
 // newClientStream starts a streaming call, the interceptors' streamer.
@@ -915,8 +935,13 @@ type clientStream struct {
 	unshow context.CancelFunc
 }
 
-// begin marks an operation on the call in progress; false if the call is over.
+// begin marks an operation on the call in progress; false if the call is over, as it is once
+// its context is done, whether or not ctxEnded has run yet on its goroutine (as on grpc-go,
+// whose stream's reads and writes look at the context).
 func (s *clientStream) begin() (*C.isthmus_call_t, bool) {
+	if s.ctx.Err() != nil {
+		s.ctxEnded()
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.ended {
@@ -984,7 +1009,7 @@ func (s *clientStream) finish(err error, trailers metadata.MD) error {
 	defer close(s.done)
 	s.cc.untrack(s)
 	if s.opts.trailer != nil {
-		*s.opts.trailer = trailers
+		*s.opts.trailer = orEmpty(trailers)
 	}
 	if s.opts.stats != nil {
 		s.opts.stats.inTrailer(trailers)

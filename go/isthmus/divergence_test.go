@@ -6,6 +6,7 @@ import (
 	"io"
 	"net"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -175,6 +176,9 @@ func TestCallOptionsAreSetBeforeACancelledStreamsRecvReturns(t *testing.T) {
 			stop := time.AfterFunc(time.Millisecond, cancel)
 			if _, err := stream.Recv(); status.Code(err) != codes.Canceled {
 				t.Fatalf("%s: Recv gave %v, want Canceled", name, err)
+			}
+			if trailer == nil {
+				t.Fatalf("%s: a cancelled stream's grpc.Trailer is nil, want an empty map", name)
 			}
 			_ = fmt.Sprint(header, trailer, p.Addr)
 			stop.Stop()
@@ -363,6 +367,65 @@ func TestASendInterruptedByItsContextSaysEOF(t *testing.T) {
 		}
 		if _, err := stream.Recv(); status.Code(err) != codes.Canceled {
 			t.Errorf("%s: Recv gave %v, want Canceled", name, err)
+		}
+	}
+}
+
+// A server-streaming call whose SendMsg finds it over (its context ended) gives nil there, as
+// grpc-go's does, and the status from RecvMsg: the generated client returns SendMsg's error
+// from the call itself, and isthmus's io.EOF made the call return io.EOF, status Unknown.
+func TestASendOfAServerStreamingCallThatIsOverGivesNilAsOnGrpcGo(t *testing.T) {
+	desc := &grpc.StreamDesc{ServerStreams: true}
+	for name, conn := range besideGrpcGo(t, "one-request-over") {
+		ctx, cancel := context.WithCancel(testContext(t))
+		stream, err := conn.NewStream(ctx, desc, "/conformance.Echo/ServerStream")
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		cancel()
+		if err := stream.SendMsg(&pb.StreamRequest{Count: 1}); err != nil {
+			t.Errorf("%s: SendMsg on a call that is over gave %v, want nil", name, err)
+		}
+		if err := stream.RecvMsg(&pb.EchoReply{}); status.Code(err) != codes.Canceled {
+			t.Errorf("%s: RecvMsg gave %v, want Canceled", name, err)
+		}
+	}
+}
+
+// ignoresFailedSends sends a response, then one over the server's send limit, then another,
+// ignoring both errors, and returns nil.
+type ignoresFailedSends struct{ echo.Service }
+
+func (ignoresFailedSends) ServerStream(_ *pb.StreamRequest, stream grpc.ServerStreamingServer[pb.EchoReply]) error {
+	_ = stream.Send(&pb.EchoReply{Seq: 1})
+	_ = stream.Send(&pb.EchoReply{Seq: 2, Payload: make([]byte, 2000)})
+	_ = stream.Send(&pb.EchoReply{Seq: 3})
+	return nil
+}
+
+// A response over MaxSendMsgSize ends the call ResourceExhausted at once, as grpc-go's SendMsg
+// writes its status: a handler that ignores the error and returns nil does not end it OK, and
+// what it sends after goes nowhere. isthmus's ended the call OK with the third message.
+func TestAFailedSendEndsTheCallAsOnGrpcGo(t *testing.T) {
+	shm, _ := fresh(t, "failed-send")
+	s := isthmus.NewServer(isthmus.MaxSendMessageSize(1000))
+	pb.RegisterEchoServer(s, ignoresFailedSends{})
+	serving(t, s, shm)
+	conns := map[string]grpc.ClientConnInterface{
+		"grpc-go": newGrpcClient(t, startGrpcServing(t, ignoresFailedSends{}, grpc.MaxSendMsgSize(1000))),
+		"isthmus": dial(t, shm),
+	}
+	for name, conn := range conns {
+		stream, err := pb.NewEchoClient(conn).ServerStream(testContext(t), &pb.StreamRequest{})
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		if m, err := stream.Recv(); err != nil || m.Seq != 1 {
+			t.Fatalf("%s: want seq 1, got %v, %v", name, m, err)
+		}
+		m, err := stream.Recv()
+		if status.Code(err) != codes.ResourceExhausted || !strings.Contains(err.Error(), "larger than max") {
+			t.Errorf("%s: after the failed send got %v, %v; want ResourceExhausted", name, m, err)
 		}
 	}
 }
@@ -789,6 +852,10 @@ func TestACallItsContextEndsLeavesNoStaleMetadata(t *testing.T) {
 		}
 		if len(header) != 0 || len(trailer) != 0 {
 			t.Errorf("%s: after the deadline grpc.Header gave %v and grpc.Trailer %v, want neither", name, header, trailer)
+		}
+		// A map, not nil, as grpc-go's (a copy of the stream's): Set on isthmus's nil panicked.
+		if trailer == nil {
+			t.Errorf("%s: grpc.Trailer gave nil, want an empty map", name)
 		}
 	}
 }

@@ -1171,9 +1171,15 @@ func (st *serverStream) checkSend(size int) error {
 	return nil
 }
 
+// SendMsg sends one response. A response that cannot go (it does not marshal, or is over
+// MaxSendMessageSize) ends the call with that error at once, as grpc-go's SendMsg writes its
+// status: a handler that goes on, or returns nil, does not end it OK.
 func (st *serverStream) SendMsg(m any) error {
 	if pm, ok := m.(proto.Message); ok {
 		if size := proto.Size(pm); inPlace(size, st.m != nil && st.m.unary != nil) {
+			if err := st.checkSend(size); err != nil {
+				return st.endNow(err)
+			}
 			err := st.sendLarge(pm, size)
 			if err == nil {
 				st.stats.outPayload(m, size)
@@ -1182,8 +1188,11 @@ func (st *serverStream) SendMsg(m any) error {
 		}
 	}
 	b, err := marshal(m)
+	if err == nil {
+		err = st.checkSend(len(b))
+	}
 	if err != nil {
-		return err
+		return st.endNow(err)
 	}
 	if err := st.sendBytes(b); err != nil {
 		return err
@@ -1344,9 +1353,10 @@ func (st *serverStream) RecvMsg(m any) error {
 	return st.decode(ev, m)
 }
 
-// endNow finishes the call with err, the failure of its one request, and ends the handler's
-// context, as grpc-go's RecvMsg sends its client such a failure at once: a handler that goes
-// on finds the call over, and what it returns is not sent.
+// endNow finishes the call with err, a failure of this side (its one request's, a request that
+// does not unmarshal, a response that cannot go), and ends the handler's context, as grpc-go's
+// RecvMsg and SendMsg send their client such a failure at once: a handler that goes on finds
+// the call over, and what it returns is not sent.
 func (st *serverStream) endNow(err error) error {
 	st.end(err)
 	st.cancel()
@@ -1367,7 +1377,12 @@ func (st *serverStream) decode(ev C.isthmus_event_t, m any) error {
 		st.stats.inPayload(m, int(ev.message_len))
 	}
 	C.isthmus_message_free(ev.message)
-	return err
+	if err != nil {
+		// A request that does not unmarshal ends the call at once, as grpc-go's RecvMsg
+		// writes its status.
+		return st.endNow(err)
+	}
+	return nil
 }
 
 // errNoRequest and errManyRequests end a call whose client sent no request, or more than

@@ -1400,7 +1400,9 @@ const char *isthmus_server_http_address(const isthmus_server_t *server,
 // Shuts the server down gracefully, blocking until it has: its sockets go, clients are told
 // to go away, new calls are refused with UNAVAILABLE, and calls in progress get `grace_ms`
 // milliseconds to finish before their connections close. The handle stays valid (free it
-// with `isthmus_server_free`).
+// with `isthmus_server_free`). A server shut down before it started never starts:
+// `isthmus_server_start` then fails `ISTHMUS_FAILED_PRECONDITION`, as grpc-go's `Serve`
+// after `Stop` does.
 //
 // Thread-safety: any thread, which it blocks. A second call meanwhile (or an
 // `isthmus_server_free`) waits for the shutdown to finish, and ends its grace period sooner if

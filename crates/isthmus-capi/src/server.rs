@@ -581,7 +581,11 @@ pub unsafe extern "C" fn isthmus_server_start(
         let list = unsafe { c_strs(targets, count, "the targets")? };
         let mut state = server.state.lock().map_err(|_| invalid("server state poisoned"))?;
         let ServerState::Building { server: builder, stream_limit, tls, compression } = &*state else {
-            return Err(Status::new(Code::FailedPrecondition, "the server was started already"));
+            let why = match &*state {
+                ServerState::Stopped => "the server was shut down",
+                _ => "the server was started already",
+            };
+            return Err(Status::new(Code::FailedPrecondition, why));
         };
         // A copy is bound: a start that fails (a target that does not parse or bind, bad TLS
         // settings) leaves the server as it was, its handlers and options kept for another try.
@@ -632,7 +636,9 @@ pub extern "C" fn isthmus_server_http_address(server: *const isthmus_server_t, i
 /// Shuts the server down gracefully, blocking until it has: its sockets go, clients are told
 /// to go away, new calls are refused with UNAVAILABLE, and calls in progress get `grace_ms`
 /// milliseconds to finish before their connections close. The handle stays valid (free it
-/// with `isthmus_server_free`).
+/// with `isthmus_server_free`). A server shut down before it started never starts:
+/// `isthmus_server_start` then fails `ISTHMUS_FAILED_PRECONDITION`, as grpc-go's `Serve`
+/// after `Stop` does.
 ///
 /// Thread-safety: any thread, which it blocks. A second call meanwhile (or an
 /// `isthmus_server_free`) waits for the shutdown to finish, and ends its grace period sooner if
@@ -651,12 +657,18 @@ pub extern "C" fn isthmus_server_shutdown(server: *const isthmus_server_t, grace
 /// for the same way, its grace cut to this one's if that ends sooner.
 fn stop(server: &isthmus_server_t, grace: Duration) {
     let Ok(state) = server.state.lock() else { return };
+    let mut state = state;
     let mut finished = match &*state {
         ServerState::Serving { stop, finished, .. } => {
             isthmus::stop_by(stop, grace);
             finished.clone()
         }
-        _ => return,
+        // Stopped before it started: it never starts (grpc-go's `Serve` after `Stop` fails).
+        ServerState::Building { .. } => {
+            *state = ServerState::Stopped;
+            return;
+        }
+        ServerState::Stopped => return,
     };
     drop(state);
     // Err: the serving task is gone (it panicked), which ends the server too.

@@ -1084,6 +1084,14 @@ static int check_null_arguments(ctx_t *c) {
   REQUIRE(newer != NULL, "a server with an unknown flag");
   INVALID(isthmus_server_start(newer, (const char *const *)&c->target, 1, &st));
   MUST(isthmus_server_free(newer));
+  /* shut down before it started: it never starts (it served, as if never shut down) */
+  isthmus_server_t *stopped = isthmus_server_new(NULL);
+  REQUIRE(stopped != NULL, "a server to shut down before its start");
+  MUST(isthmus_server_shutdown(stopped, 0));
+  EXPECT(isthmus_server_start(stopped, (const char *const *)&c->target, 1, &st), ISTHMUS_FAILED_PRECONDITION);
+  REQUIRE(st != NULL && strstr(isthmus_status_message(st), "shut down") != NULL, "why the start failed");
+  isthmus_status_free(st);
+  MUST(isthmus_server_free(stopped));
 
   /* the server's side of a call */
   len = 7;
