@@ -3,6 +3,8 @@ package isthmus_test
 import (
 	"context"
 	"errors"
+	"fmt"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -568,4 +570,73 @@ func TestATargetWithANulIsRefused(t *testing.T) {
 	if err := s.Start(shm + "\x00more"); status.Code(err) != codes.InvalidArgument {
 		t.Errorf("Start: %v, want InvalidArgument", err)
 	}
+}
+
+// A server's Alloc that waits for room in its arena, full of replies its client holds (views
+// it has not released), ends when the client cancels the call: Canceled, and the handler
+// returns. It waited until the client let go of memory, for ever here, holding its thread and
+// the call's other sends.
+func TestAnAllocWaitingForArenaRoomEndsWithItsCall(t *testing.T) {
+	shm, _ := fresh(t, "alloc-ends")
+	s := isthmus.NewServer()
+	allocErr := make(chan error, 1)
+	s.HandleRaw("/t.T/Fill", func(c *isthmus.RawServerCall) error {
+		for {
+			b, err := c.Alloc(1 << 20)
+			if err != nil {
+				allocErr <- err
+				return err
+			}
+			if err := c.SendBlock(b); err != nil {
+				allocErr <- fmt.Errorf("a send failed first: %w", err)
+				return err
+			}
+		}
+	})
+	serving(t, s, shm)
+	defer s.Stop()
+	conn := dial(t, shm)
+	ctx, cancel := context.WithCancel(context.Background())
+	defer cancel()
+	stream, err := conn.StartRaw(ctx, "/t.T/Fill")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := stream.CloseSend(); err != nil {
+		t.Fatal(err)
+	}
+	var received atomic.Int64
+	reading := make(chan []*isthmus.Message)
+	go func() {
+		var held []*isthmus.Message // every reply, kept: the server's arena fills
+		defer func() { reading <- held }()
+		for {
+			m, err := stream.Recv()
+			if err != nil {
+				return
+			}
+			held = append(held, m)
+			received.Add(1)
+		}
+	}()
+	defer func() {
+		for _, m := range <-reading {
+			m.Release()
+		}
+	}()
+	// The replies stop once the arena is full (not a timer the test depends on: cancelled
+	// earlier, the Alloc ends Canceled all the same).
+	for last := int64(-1); received.Load() != last; time.Sleep(300 * time.Millisecond) {
+		last = received.Load()
+	}
+	cancel()
+	select {
+	case err := <-allocErr:
+		if status.Code(err) != codes.Canceled {
+			t.Errorf("the waiting Alloc ended with %v, want Canceled", err)
+		}
+	case <-time.After(20 * time.Second):
+		t.Fatalf("the Alloc still waits 20 s after its call was cancelled (%d replies held)", received.Load())
+	}
+	t.Logf("%d replies of 1 MiB held", received.Load())
 }

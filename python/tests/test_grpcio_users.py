@@ -2738,10 +2738,20 @@ def _two(request: bytes, context: Any) -> Iterator[bytes]:
     yield b"2"
 
 
+# Released by a test once it has given a call to "Held" its callbacks.
+_HELD = threading.Event()
+
+
+def _held(request: bytes, context: grpc.ServicerContext) -> bytes:
+    _HELD.wait(30)
+    return b"ok:" + request
+
+
 _CALLBACKS = grpc.method_handlers_generic_handler(
     "users.Callbacks",
     {
         "Ok": grpc.unary_unary_rpc_method_handler(lambda request, context: b"ok:" + request),
+        "Held": grpc.unary_unary_rpc_method_handler(_held),
         "Two": grpc.unary_stream_rpc_method_handler(_two),
     },
 )
@@ -2807,13 +2817,17 @@ def test_a_done_callback_that_blocks_holds_up_no_other_channels_future(kind: str
     """While one channel's future's done callback blocks, another channel's future completes
     and runs its own callbacks, as on grpcio (a thread per channel runs them). The blocked
     callback here waits for the other's, so before, on isthmus's one completion thread, the
-    two waited for each other until the test gave up."""
+    two waited for each other until the test gave up. The first call ends only once its
+    callback is added: one added to a call that is over runs at once on the adding thread
+    (grpcio's too), which under load made the grpcio case wait on itself."""
+    _HELD.clear()
     with _two_channels(kind) as (channel, other):
         other.unary_unary("/users.Callbacks/Ok")(b"warm", timeout=20)
         second_ran = threading.Event()
         outcome: queue.Queue[bool] = queue.Queue()
-        first = channel.unary_unary("/users.Callbacks/Ok").future(b"A", timeout=20)
+        first = channel.unary_unary("/users.Callbacks/Held").future(b"A", timeout=20)
         first.add_done_callback(lambda _: outcome.put(second_ran.wait(20)))
+        _HELD.set()
         first.result(timeout=20)
         second = other.unary_unary("/users.Callbacks/Ok").future(b"B", timeout=20)
         second.add_done_callback(lambda _: second_ran.set())

@@ -766,6 +766,9 @@ pub struct HandedCall {
     deadline: Option<Instant>,
     /// False once the call is over: finished, cancelled by the client, or past its deadline.
     active: std::sync::atomic::AtomicBool,
+    /// Notified when `active` turns false: waits that nothing else ends (room in the arena)
+    /// end then ([`until_over`](HandedCall::until_over)).
+    over: tokio::sync::Notify,
     /// Initial metadata or a message has been sent, or is being sent.
     responded: std::sync::atomic::AtomicBool,
     /// A choice of compression made while another thread held `call`, for whoever sends
@@ -810,6 +813,7 @@ pub async fn hand_off(
         requests: tokio::sync::Mutex::new(call.take_requests()),
         call: tokio::sync::Mutex::new(call),
         active: AtomicBool::new(true),
+        over: tokio::sync::Notify::new(),
         responded: AtomicBool::new(false),
         chosen: Mutex::new(None),
         choice_waits: AtomicBool::new(false),
@@ -834,6 +838,7 @@ struct Ended(Arc<HandedCall>);
 impl Drop for Ended {
     fn drop(&mut self) {
         self.0.active.store(false, std::sync::atomic::Ordering::Release);
+        self.0.over.notify_waiters();
         let mut callbacks = self.0.done.lock().map(|mut c| std::mem::take(&mut *c)).unwrap_or_default();
         let abandoned = self.0.abandoned.lock().map(|mut c| std::mem::take(&mut *c)).unwrap_or_default();
         // Unfinished: the client cancelled, the deadline passed or the connection ended.
@@ -939,6 +944,34 @@ impl HandedCall {
         match self.is_active() {
             true => Ok(()),
             false => Err(Status::new(Code::Cancelled, "the call is over")),
+        }
+    }
+
+    /// `op`, unless the call ends first (its client cancels, its deadline passes, another
+    /// thread finishes it): then CANCELLED, or DEADLINE_EXCEEDED past the deadline. A send or
+    /// an `alloc` waiting for room in the arena (held by a client that keeps what it received)
+    /// watches nothing else, and held its thread, and the call's other sends, after the call
+    /// was over. An `op` ready at once costs no watch.
+    async fn until_over<T>(&self, op: impl Future<Output = Result<T, Status>>) -> Result<T, Status> {
+        let over = async {
+            loop {
+                let notified = self.over.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if !self.active.load(std::sync::atomic::Ordering::Acquire) {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        tokio::select! {
+            biased;
+            done = op => done,
+            // Within the engine's rounding of the deadline, it is what ended the call.
+            () = over => Err(match self.deadline.is_some_and(|d| Instant::now() + std::time::Duration::from_millis(10) >= d) {
+                true => Status::new(Code::DeadlineExceeded, "the call's deadline passed"),
+                false => Status::new(Code::Cancelled, "the call is over"),
+            }),
         }
     }
 
@@ -1060,13 +1093,13 @@ impl HandedCall {
     pub async fn send(&self, message: &[u8]) -> Result<(), Status> {
         self.check_active()?;
         self.settle();
-        self.sending().await.send(message).await
+        self.until_over(async { self.sending().await.send(message).await }).await
     }
 
     /// Sends initial metadata now.
     pub async fn send_headers(&self, metadata: MetadataMap) -> Result<(), Status> {
         self.check_active()?;
-        self.sending().await.send_headers(metadata).await
+        self.until_over(async { self.sending().await.send_headers(metadata).await }).await
     }
 
     /// Chooses the compression of this call's replies where they cross a wire (see
@@ -1119,7 +1152,7 @@ impl HandedCall {
     /// A writable block in the server's shared memory (`shm://` calls only).
     pub async fn alloc(&self, len: usize) -> Result<crate::BlockMut, Status> {
         self.check_active()?;
-        self.call.lock().await.alloc(len).await
+        self.until_over(async { self.call.lock().await.alloc(len).await }).await
     }
 
     /// [`alloc`](Self::alloc) without waiting, for an event loop's thread: `None` while the
@@ -1136,7 +1169,7 @@ impl HandedCall {
     pub async fn send_block(&self, block: crate::BlockMut) -> Result<(), Status> {
         self.check_active()?;
         self.settle();
-        self.sending().await.send_block(block).await
+        self.until_over(async { self.sending().await.send_block(block).await }).await
     }
 
     /// Delivers `topic` to this call until the client leaves or the topic closes
