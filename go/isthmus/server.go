@@ -813,8 +813,9 @@ func newServerStreamWith(s *Server, m *method, sc *C.isthmus_server_call_t, mdh 
 	ctx := metadata.NewIncomingContext(parent, md)
 	if len(s.opts.stats) > 0 {
 		clientStream, serverStream := m.streams()
-		ctx, st.stats = beginRPC(ctx, s.opts.stats, false, m.name, false, clientStream, serverStream)
 		st.peer = peerOf(sc) // kept for peer.FromContext: one cgo call and parse per call
+		// The stats handlers' context holds the peer too, as grpc-go's does.
+		ctx, st.stats = beginRPC(peer.NewContext(ctx, st.peer), s.opts.stats, false, m.name, false, clientStream, serverStream)
 		st.stats.inHeader(md, m.name, st.peer.Addr)
 		st.stats.serverBegin(clientStream, serverStream)
 	}

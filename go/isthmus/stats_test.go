@@ -13,6 +13,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	grpcpeer "google.golang.org/grpc/peer"
 	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -56,6 +57,11 @@ func (r *statsRecorder) HandleRPC(ctx context.Context, s stats.RPCStats) {
 	}
 	if s.IsClient() != r.client {
 		r.errs = append(r.errs, fmt.Sprintf("%T says client=%v", s, s.IsClient()))
+	}
+	// A server's handlers learn the client from the context, as grpc-go gives it (per-client
+	// metrics and logs); isthmus's held no peer.
+	if p, ok := grpcpeer.FromContext(ctx); !r.client && (!ok || p.Addr == nil) {
+		r.errs = append(r.errs, fmt.Sprintf("%T came without the client's peer", s))
 	}
 	name := strings.TrimPrefix(fmt.Sprintf("%T", s), "*stats.")
 	switch s := s.(type) {

@@ -28,9 +28,16 @@ impl<T> Registry<T> {
         Registry { what, live: Mutex::new(BTreeMap::new()) }
     }
 
+    /// The live handles, even if a thread panicked holding them: every change under this lock
+    /// is one insert or removal, so none is left half made, and refusing the lock would drop
+    /// every object registered after (a server call among them, left to its deadline).
+    fn live(&self) -> std::sync::MutexGuard<'_, BTreeMap<usize, Arc<T>>> {
+        self.live.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Registers `value`; its handle.
     pub(crate) fn insert(&self, value: Arc<T>) -> *mut T {
-        let Ok(mut live) = self.live.lock() else { return Arc::as_ptr(&value).cast_mut() };
+        let mut live = self.live();
         let handle = loop {
             let (handle, wrapped) = match handle_values() {
                 Some(values) => values.next(),
@@ -55,8 +62,7 @@ impl<T> Registry<T> {
         if handle.is_null() {
             return Err(invalid(format!("the {} is NULL", self.what)));
         }
-        let live = self.live.lock().map_err(|_| invalid("handle registry poisoned"))?;
-        live.get(&(handle as usize)).cloned().ok_or_else(|| self.stale())
+        self.live().get(&(handle as usize)).cloned().ok_or_else(|| self.stale())
     }
 
     /// Unregisters `handle`: the object lives on only while something else holds it.
@@ -64,13 +70,12 @@ impl<T> Registry<T> {
         if handle.is_null() {
             return Err(invalid(format!("the {} is NULL", self.what)));
         }
-        let mut live = self.live.lock().map_err(|_| invalid("handle registry poisoned"))?;
-        live.remove(&(handle as usize)).ok_or_else(|| self.stale())
+        self.live().remove(&(handle as usize)).ok_or_else(|| self.stale())
     }
 
     /// The number of live handles of this type.
     pub(crate) fn len(&self) -> usize {
-        self.live.lock().map_or(0, |live| live.len())
+        self.live().len()
     }
 
     fn stale(&self) -> Status {
@@ -149,5 +154,27 @@ mod tests {
         assert!(r.remove(first).is_err(), "a second free of the first");
         assert_eq!(*r.get(second).expect("the new handle"), [2; 40]);
         r.remove(second).expect("live");
+    }
+
+    /// A thread that panicked holding the registry's lock leaves it usable: a handle made
+    /// after is registered and found. Refused, the lock dropped every object registered after
+    /// (a server call among them, left to its deadline) and found no live handle.
+    #[test]
+    fn a_registry_poisoned_by_a_panic_goes_on() {
+        let r: Registry<u32> = Registry::new("test");
+        let before = r.add(1);
+        let poisoned = std::thread::scope(|s| {
+            s.spawn(|| {
+                let _live = r.live.lock();
+                panic!("a panic holding the registry's lock");
+            })
+            .join()
+        });
+        assert!(poisoned.is_err() && r.live.is_poisoned(), "the lock is poisoned");
+        let after = r.add(2);
+        assert_eq!((*r.get(before).expect("made before"), *r.get(after).expect("made after")), (1, 2));
+        assert_eq!(r.len(), 2);
+        r.remove(before).expect("live");
+        r.remove(after).expect("live");
     }
 }

@@ -163,6 +163,7 @@ impl Taker {
             slot.spinning = true;
             slot.last.clone()
         };
+        let spinning = Spinning(self);
         let start = Instant::now();
         let stop = || self.ready.load(Ordering::Acquire) || self.closed.load(Ordering::Acquire);
         if let Some(connection) = last {
@@ -185,6 +186,12 @@ impl Taker {
         while !stop() && start.elapsed() < spin {
             std::thread::yield_now();
         }
+        std::mem::forget(spinning);
+        self.end_spin()
+    }
+
+    /// Ends the spin; the call offered meanwhile, if any.
+    fn end_spin(&self) -> Option<(u64, Arc<HandedCall>)> {
         let mut slot = self.lock();
         slot.spinning = false;
         self.ready.store(false, Ordering::Release);
@@ -201,6 +208,18 @@ impl Taker {
         };
         if let Some((_, call)) = offered {
             call.finish(queue_freed());
+        }
+    }
+}
+
+/// Ends a [`Taker::take`] left by a panic: a spinner left marked would be handed every next
+/// call, and take none (each would wait for its deadline). A call offered to it fails.
+struct Spinning<'a>(&'a Taker);
+
+impl Drop for Spinning<'_> {
+    fn drop(&mut self) {
+        if let Some((_, call)) = self.0.end_spin() {
+            call.finish(Status::new(Code::Internal, "the thread taking the call panicked"));
         }
     }
 }
