@@ -18,6 +18,7 @@ import (
 	grpcpeer "google.golang.org/grpc/peer"
 	"google.golang.org/grpc/stats"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	pb "example.invalid/isthmus/go/internal/conformancepb"
 	"example.invalid/isthmus/go/internal/echo"
@@ -427,6 +428,51 @@ func TestAFailedSendEndsTheCallAsOnGrpcGo(t *testing.T) {
 		if status.Code(err) != codes.ResourceExhausted || !strings.Contains(err.Error(), "larger than max") {
 			t.Errorf("%s: after the failed send got %v, %v; want ResourceExhausted", name, m, err)
 		}
+	}
+}
+
+// ignoresBadRequests counts the requests it could read, skipping those that fail.
+type ignoresBadRequests struct{ echo.Service }
+
+func (ignoresBadRequests) ClientStream(stream grpc.ClientStreamingServer[pb.EchoRequest, pb.Summary]) error {
+	var n uint64
+	for {
+		_, err := stream.Recv()
+		if err == io.EOF {
+			return stream.SendAndClose(&pb.Summary{Count: n})
+		}
+		if err == nil {
+			n++
+		}
+		if status.Code(err) == codes.Canceled {
+			return err
+		}
+	}
+}
+
+// A request that does not unmarshal ends the call Internal at once, as grpc-go's RecvMsg
+// writes its status (stream.go: a RecvMsg error other than io.EOF): a handler that ignores
+// the error does not end the call OK. (A raw client sends the bytes; grpc-go's client has no
+// raw tier, so the test runs on isthmus only.)
+func TestARequestThatDoesNotUnmarshalEndsTheCall(t *testing.T) {
+	conn := dial(t, startIsthmusServing(t, "bad-request", ignoresBadRequests{}))
+	stream, err := conn.StartRaw(testContext(t), "/conformance.Echo/ClientStream")
+	if err != nil {
+		t.Fatal(err)
+	}
+	good, _ := proto.Marshal(&pb.EchoRequest{Seq: 1})
+	for _, b := range [][]byte{{0xff, 0xff, 0xff}, good} {
+		if err := stream.Send(b, false); err != nil && err != io.EOF {
+			t.Fatal(err)
+		}
+	}
+	_ = stream.CloseSend()
+	m, err := stream.Recv()
+	if status.Code(err) != codes.Internal || !strings.Contains(err.Error(), "unmarshal") {
+		t.Errorf("got %v, %v; want Internal, failed to unmarshal", m, err)
+	}
+	if m != nil {
+		m.Release()
 	}
 }
 
