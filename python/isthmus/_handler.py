@@ -4,6 +4,7 @@ interceptors."""
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -57,10 +58,14 @@ def behaviour(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
     return method
 
 
-class HandlerCallDetails(grpc.HandlerCallDetails):
-    def __init__(self, method: str, invocation_metadata: Metadata) -> None:
-        self.method = method
-        self.invocation_metadata = invocation_metadata
+class HandlerCallDetails(
+    collections.namedtuple("HandlerCallDetails", ("method", "invocation_metadata")),
+    grpc.HandlerCallDetails,
+):
+    """A named tuple, as grpcio's: an interceptor may `_replace` a field or unpack it."""
+
+    method: str
+    invocation_metadata: Metadata
 
 
 HEALTH_CHECK = "/grpc.health.v1.Health/Check"

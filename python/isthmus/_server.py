@@ -3,6 +3,7 @@ handlers, the engine's server)."""
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -215,6 +216,12 @@ class Server(ServerBase, grpc.Server):
                 return
 
     def _handle(self, call: ServerCall) -> None:
+        # Each call in a context of its own, as grpcio runs it (a fresh `contextvars.Context`,
+        # its interceptors too): a ContextVar a handler sets did not reset (a request id, say)
+        # leaked into the next call served on the thread.
+        contextvars.Context().run(self._handle_here, call)
+
+    def _handle_here(self, call: ServerCall) -> None:
         try:
             plan = self._handlers.plan(call)
         except BaseException as e:  # an interceptor's SystemExit too: the call ends all the same

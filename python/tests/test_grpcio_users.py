@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import errno
 import gc
 import os
@@ -2891,4 +2892,67 @@ def test_the_servers_threads_go_back_to_a_shared_pool_that_has_other_work(kind: 
             c.close()
         for s in servers:
             s.stop(None)
+        pool.shutdown()
+
+
+_REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="unset")
+
+
+def _remembers(request: bytes, context: grpc.ServicerContext) -> bytes:
+    """Answers what the ContextVar held when the call came, and sets it (never resets it)."""
+    seen = _REQUEST_ID.get()
+    _REQUEST_ID.set(request.decode())
+    return seen.encode()
+
+
+class _ReplacingInterceptor(grpc.ServerInterceptor):
+    """Passes each call on with its details `_replace`d and unpacked, as interceptors written
+    against grpcio's named tuple do."""
+
+    def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+        method, _metadata = handler_call_details
+        return continuation(handler_call_details._replace(method=method))
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_each_call_runs_in_a_context_of_its_own_and_interceptors_see_a_named_tuple(kind: str) -> None:
+    """As grpcio's server: a ContextVar one call set (and did not reset) is unset in the next
+    call served on the same thread (isthmus's leaked it), and an interceptor may `_replace`
+    or unpack its HandlerCallDetails, a named tuple (isthmus's failed every call UNKNOWN)."""
+    module: Any = grpc if kind == "grpcio" else isthmus
+    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
+    pool = futures.ThreadPoolExecutor(1)  # one thread serves every call
+    s = module.server(pool, interceptors=(_ReplacingInterceptor(),))
+    s.add_generic_rpc_handlers(
+        (
+            grpc.method_handlers_generic_handler(
+                "users.Vars", {"Remember": grpc.unary_unary_rpc_method_handler(_remembers)}
+            ),
+        )
+    )
+    s.add_insecure_port(address)
+    s.start()
+    try:
+        with module.insecure_channel(address) as channel:
+            remember = channel.unary_unary("/users.Vars/Remember")
+            assert [remember(b"first", timeout=20), remember(b"second", timeout=20)] == [b"unset", b"unset"]
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
+def test_a_port_added_after_start_is_refused() -> None:
+    """grpc's servers take ports "only before starting". A port added after, isthmus's bound and
+    said its number, and nothing served it: its clients waited for their deadline. grpcio's does
+    the same (its port 1, then DEADLINE_EXCEEDED, checked by hand); isthmus's raises RuntimeError
+    instead, as for any port it cannot serve."""
+    pool = futures.ThreadPoolExecutor(1)
+    s = isthmus.server(pool)
+    s.add_insecure_port(fresh("shm"))
+    s.start()
+    try:
+        with pytest.raises(RuntimeError, match="ports can no longer be bound"):
+            s.add_insecure_port(fresh("shm"))
+    finally:
+        s.stop(None)
         pool.shutdown()

@@ -583,6 +583,11 @@ impl ServerCall {
     }
 }
 
+/// A port added once the server has started: grpcio refuses it too (RuntimeError).
+fn started_already() -> PyErr {
+    PyOSError::new_err("the server has started: ports can no longer be bound")
+}
+
 fn no_loop() -> Status {
     Status::new(Code::Unavailable, "the server's event loop is not taking calls")
 }
@@ -678,6 +683,9 @@ impl Server {
 
     #[pyo3(signature = (target, tls=None, health=true))]
     fn add_port(&self, target: &str, tls: Option<crate::tls::ServerTls>, health: bool) -> PyResult<String> {
+        if self.started.load(Ordering::Acquire) {
+            return Err(started_already());
+        }
         let tls = tls.map(crate::tls::server_config).transpose()?;
         let _runtime = runtime().enter();
         let mut server =
@@ -713,8 +721,14 @@ impl Server {
             _ => PyOSError::new_err(s.message().to_owned()),
         })?;
         let address = bound.http_addresses().into_iter().next().unwrap_or_else(|| target.to_owned());
+        let mut bound_now = self.bound.lock().map_err(|_| PyRuntimeError::new_err("server state poisoned"))?;
+        // Again under the lock `start` takes what is bound under: a port bound as it started
+        // would listen with nothing serving it, its clients waiting for their deadline.
+        if self.started.load(Ordering::Acquire) {
+            return Err(started_already());
+        }
         self.stats.lock().map_err(|_| PyRuntimeError::new_err("server state poisoned"))?.push(bound.stats());
-        self.bound.lock().map_err(|_| PyRuntimeError::new_err("server state poisoned"))?.push(bound);
+        bound_now.push(bound);
         Ok(address)
     }
 
