@@ -8,7 +8,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Executor, Future
 from typing import Any
 
@@ -21,6 +21,8 @@ from ._credentials import is_local, server_tls
 from ._handler import Handlers
 from ._native import ServerCall
 from ._stats import TransportStats
+
+_UNAVAILABLE = grpc.StatusCode.UNAVAILABLE.value[0]
 
 _LOG = logging.getLogger("isthmus")
 
@@ -196,9 +198,10 @@ class Server(ServerBase, grpc.Server):
         # A ThreadPoolExecutor's queue of work waiting for its threads, which idle loops yield to.
         self._others_waiting = getattr(getattr(thread_pool, "_work_queue", None), "qsize", None)
 
-    def _dispatch(self) -> None:
-        """The dispatcher thread: one more loop on the pool whenever calls wait for one."""
-        native = self._native
+    @staticmethod
+    def _dispatch(native: Any, pool: Executor, handle: Callable[[ServerCall], None], others: Any) -> None:
+        """The dispatcher thread: one more loop on the pool whenever calls wait for one. It
+        holds no reference to the server (`start`)."""
 
         def started(loop: Future[None]) -> None:
             # A loop cancelled before it ran (`pool.shutdown(cancel_futures=True)`): the pool
@@ -208,7 +211,7 @@ class Server(ServerBase, grpc.Server):
 
         while native.wait_demand():
             try:
-                loop = self._pool.submit(native.serve_calls, self._handle, self._others_waiting)
+                loop = pool.submit(native.serve_calls, handle, others)
                 loop.add_done_callback(started)
             except Exception:  # the pool was shut down (RuntimeError), or refuses work
                 _LOG.exception("the server's thread pool refused a task; calls now fail UNAVAILABLE")
@@ -271,7 +274,21 @@ class Server(ServerBase, grpc.Server):
         self._check_health()
         if not self._native.start():
             raise StartError("Cannot start already-started server!")  # grpcio's words
-        threading.Thread(target=self._dispatch, name="isthmus-dispatch", daemon=True).start()
+        # The dispatcher and the loops hold the server weakly, so a server dropped without
+        # `stop` goes and stops, as grpcio's does (its `__del__`): it served on, with its
+        # ports, its dispatcher thread and its loops, for the rest of the process.
+        weak = weakref.WeakMethod(self._handle)
+
+        def handle(call: ServerCall) -> None:
+            method = weak()
+            if method is None:  # dropped: its stop is under way
+                call.finish(_UNAVAILABLE, "the server was dropped")
+            else:
+                method(call)
+
+        args = (self._native, self._pool, handle, self._others_waiting)
+        threading.Thread(target=self._dispatch, args=args, name="isthmus-dispatch", daemon=True).start()
+        weakref.finalize(self, self._native.stop, None).atexit = False
         # At exit, before the executor joins its threads (its hook was registered first, and
         # these run last first): the loops on them end now instead of after 2 s without calls.
         this = weakref.ref(self)

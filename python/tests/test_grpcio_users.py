@@ -2956,3 +2956,33 @@ def test_a_port_added_after_start_is_refused() -> None:
     finally:
         s.stop(None)
         pool.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_server_dropped_without_a_stop_stops(kind: str) -> None:
+    """grpcio's server stops when it is dropped (its `__del__`), and its calls fail
+    UNAVAILABLE. isthmus's served on for the rest of the process, with its ports, its
+    dispatcher thread and its loops, which held it."""
+    module: Any = grpc if kind == "grpcio" else isthmus
+    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
+    pool = futures.ThreadPoolExecutor(2)
+    s = module.server(pool, handlers=(_CALLBACKS,))
+    s.add_insecure_port(address)
+    s.start()
+    try:
+        with module.insecure_channel(address) as channel:
+            ok = channel.unary_unary("/users.Callbacks/Ok")
+            assert ok(b"served", timeout=20) == b"ok:served"
+            del s
+            gc.collect()
+            # grpcio's serving thread notices within a second: calls go on until then.
+            end, code = time.monotonic() + 20, None
+            while code is not grpc.StatusCode.UNAVAILABLE and time.monotonic() < end:
+                try:
+                    ok(b"dropped", timeout=5)
+                    time.sleep(0.05)
+                except grpc.RpcError as e:
+                    code = e.code()
+            assert code is grpc.StatusCode.UNAVAILABLE, code
+    finally:
+        pool.shutdown()
