@@ -158,7 +158,10 @@ class Context:
     def _request(self, message: bytes | Message | None) -> Any:
         """The one request of a unary-request call."""
         if message is None:
-            self._abort(grpc.StatusCode.INTERNAL, "the client sent no request")
+            # grpcio's code and words (it gives its method as bytes there).
+            self._abort(
+                grpc.StatusCode.UNIMPLEMENTED, f'"{self._call.path}" requires exactly one request message.'
+            )
         return self._decode(message)
 
     def _decode(self, message: bytes | Message) -> Any:

@@ -2986,3 +2986,47 @@ def test_a_server_dropped_without_a_stop_stops(kind: str) -> None:
             assert code is grpc.StatusCode.UNAVAILABLE, code
     finally:
         pool.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus", "isthmus.aio"])
+def test_a_unary_method_sent_no_request_is_unimplemented(kind: str) -> None:
+    """A client that half-closes a unary method's call with no request (a stub of another
+    shape): grpcio's server ends it UNIMPLEMENTED, "requires exactly one request message".
+    isthmus's ended it INTERNAL. (grpc.aio's leaves it to the client's deadline.)"""
+    generic = grpc.method_handlers_generic_handler(
+        "users.Vars", {"Remember": grpc.unary_unary_rpc_method_handler(_remembers)}
+    )
+    if kind == "isthmus.aio":
+        address = fresh("shm")
+
+        async def run() -> grpc.StatusCode:
+            server = isthmus.aio.server(handlers=(generic,))
+            server.add_insecure_port(address)
+            await server.start()
+            try:
+                async with isthmus.aio.insecure_channel(address) as channel:
+                    try:
+                        await channel.stream_unary("/users.Vars/Remember")(iter(()), timeout=20)
+                    except grpc.aio.AioRpcError as e:
+                        assert "requires exactly one request message" in (e.details() or "")
+                        return e.code()
+                    raise AssertionError("a unary call with no request succeeded")
+            finally:
+                await server.stop(None)
+
+        assert asyncio.run(run()) is grpc.StatusCode.UNIMPLEMENTED
+        return
+    module: Any = grpc if kind == "grpcio" else isthmus
+    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
+    pool = futures.ThreadPoolExecutor(1)
+    s = module.server(pool, handlers=(generic,))
+    s.add_insecure_port(address)
+    s.start()
+    try:
+        with module.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as caught:
+            channel.stream_unary("/users.Vars/Remember")(iter(()), timeout=20)
+        assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED
+        assert "requires exactly one request message" in (caught.value.details() or "")
+    finally:
+        s.stop(None)
+        pool.shutdown()
