@@ -2895,6 +2895,18 @@ def test_the_servers_threads_go_back_to_a_shared_pool_that_has_other_work(kind: 
         pool.shutdown()
 
 
+def _started(kind: str, threads: int, **kwargs: Any) -> tuple[Any, str, Any, futures.ThreadPoolExecutor]:
+    """A started blocking server of `kind` (`grpcio` or `isthmus`) made with `kwargs`, on one
+    fresh port: its module, address, server and pool (the caller stops and shuts them down)."""
+    module: Any = grpc if kind == "grpcio" else isthmus
+    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
+    pool = futures.ThreadPoolExecutor(threads)
+    server = module.server(pool, **kwargs)
+    server.add_insecure_port(address)
+    server.start()
+    return module, address, server, pool
+
+
 _REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="unset")
 
 
@@ -2919,19 +2931,11 @@ def test_each_call_runs_in_a_context_of_its_own_and_interceptors_see_a_named_tup
     """As grpcio's server: a ContextVar one call set (and did not reset) is unset in the next
     call served on the same thread (isthmus's leaked it), and an interceptor may `_replace`
     or unpack its HandlerCallDetails, a named tuple (isthmus's failed every call UNKNOWN)."""
-    module: Any = grpc if kind == "grpcio" else isthmus
-    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
-    pool = futures.ThreadPoolExecutor(1)  # one thread serves every call
-    s = module.server(pool, interceptors=(_ReplacingInterceptor(),))
-    s.add_generic_rpc_handlers(
-        (
-            grpc.method_handlers_generic_handler(
-                "users.Vars", {"Remember": grpc.unary_unary_rpc_method_handler(_remembers)}
-            ),
-        )
+    generic = grpc.method_handlers_generic_handler(
+        "users.Vars", {"Remember": grpc.unary_unary_rpc_method_handler(_remembers)}
     )
-    s.add_insecure_port(address)
-    s.start()
+    # One thread serves every call.
+    module, address, s, pool = _started(kind, 1, handlers=(generic,), interceptors=(_ReplacingInterceptor(),))
     try:
         with module.insecure_channel(address) as channel:
             remember = channel.unary_unary("/users.Vars/Remember")
@@ -2963,12 +2967,7 @@ def test_a_server_dropped_without_a_stop_stops(kind: str) -> None:
     """grpcio's server stops when it is dropped (its `__del__`), and its calls fail
     UNAVAILABLE. isthmus's served on for the rest of the process, with its ports, its
     dispatcher thread and its loops, which held it."""
-    module: Any = grpc if kind == "grpcio" else isthmus
-    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
-    pool = futures.ThreadPoolExecutor(2)
-    s = module.server(pool, handlers=(_CALLBACKS,))
-    s.add_insecure_port(address)
-    s.start()
+    module, address, s, pool = _started(kind, 2, handlers=(_CALLBACKS,))
     try:
         with module.insecure_channel(address) as channel:
             ok = channel.unary_unary("/users.Callbacks/Ok")
@@ -3016,12 +3015,7 @@ def test_a_unary_method_sent_no_request_is_unimplemented(kind: str) -> None:
 
         assert asyncio.run(run()) is grpc.StatusCode.UNIMPLEMENTED
         return
-    module: Any = grpc if kind == "grpcio" else isthmus
-    address = fresh("shm") if kind == "isthmus" else grpcio_target(fresh("unix"))
-    pool = futures.ThreadPoolExecutor(1)
-    s = module.server(pool, handlers=(generic,))
-    s.add_insecure_port(address)
-    s.start()
+    module, address, s, pool = _started(kind, 1, handlers=(generic,))
     try:
         with module.insecure_channel(address) as channel, pytest.raises(grpc.RpcError) as caught:
             channel.stream_unary("/users.Vars/Remember")(iter(()), timeout=20)
