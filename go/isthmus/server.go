@@ -665,6 +665,9 @@ func (st *serverStream) sendReply(m any) error {
 func (st *serverStream) startReply(m any) (wait func(), err error) {
 	if pm, ok := m.(proto.Message); ok {
 		if size := proto.Size(pm); inPlace(size, true) {
+			if err := st.checkSend(size); err != nil {
+				return nil, err
+			}
 			err := st.sendLarge(pm, size)
 			if err == nil {
 				st.stats.outPayload(m, size)
@@ -1164,7 +1167,8 @@ func (st *serverStream) setTrailer(md metadata.MD) error {
 }
 
 // checkSend fails a response of size bytes over MaxSendMessageSize, in grpc-go's words. Every
-// way a response goes checks it: sendBytes, sendLarge, SendBlock and startReply.
+// way a response goes checks it once: SendMsg (which ends the call on it, as grpc-go's does),
+// startReply, and the raw tier's Send and SendBlock.
 func (st *serverStream) checkSend(size int) error {
 	if limit := st.s.opts.maxSendMessageSize; limit > 0 && uint64(size) > limit {
 		return status.Errorf(codes.ResourceExhausted, "trying to send message larger than max (%d vs. %d)", size, limit)
@@ -1195,7 +1199,7 @@ func (st *serverStream) SendMsg(m any) error {
 	if err != nil {
 		return st.endNow(err)
 	}
-	if err := st.sendBytes(b); err != nil {
+	if err := st.sendChecked(b); err != nil {
 		return err
 	}
 	st.stats.outPayload(m, len(b))
@@ -1204,10 +1208,8 @@ func (st *serverStream) SendMsg(m any) error {
 
 // sendLarge marshals a response straight into a block of the server's shared memory (every
 // server call is an shm:// one: HTTP/2 calls reach handlers through a loopback) and sends it.
+// Its caller has checked its size (checkSend).
 func (st *serverStream) sendLarge(m proto.Message, size int) error {
-	if err := st.checkSend(size); err != nil {
-		return err
-	}
 	call := &RawServerCall{st: st}
 	b, err := call.Alloc(size)
 	if err != nil {
@@ -1269,11 +1271,16 @@ func (st *serverStream) reply(b []byte) (pending *op, sent error, err error) {
 	return nil, sendFailure(ev), nil
 }
 
-// sendBytes sends one response message.
+// sendBytes sends one response message (the raw tier's Send).
 func (st *serverStream) sendBytes(b []byte) error {
 	if err := st.checkSend(len(b)); err != nil {
 		return err
 	}
+	return st.sendChecked(b)
+}
+
+// sendChecked is sendBytes of a message whose size has been checked.
+func (st *serverStream) sendChecked(b []byte) error {
 	if err := st.flushHeader(); err != nil {
 		return err
 	}

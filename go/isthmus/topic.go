@@ -172,8 +172,9 @@ func (t *Topic) Stats() TopicStats {
 // while it is subscribed, until its client cancels or goes away, or the topic closes, or the
 // server stops: a GracefulStop ends each subscription codes.Unavailable once what was queued
 // for it is sent, and does not wait for subscribers. A message over the server's
-// MaxSendMessageSize ends that subscriber's call codes.ResourceExhausted, and only that one. The request is not read. The library serves these calls itself: server interceptors and stats
-// handlers do not see them. Before Serve only.
+// MaxSendMessageSize ends that subscriber's call codes.ResourceExhausted, and only that one.
+// The request is not read. The library serves these calls itself: server interceptors and
+// stats handlers do not see them. Before Serve only.
 func (s *Server) ServeTopic(path string, t *Topic) {
 	s.register(&method{name: path, topic: t}, "ServeTopic")
 }

@@ -157,6 +157,12 @@ class ServerBase:
         except ValueError as e:
             raise AddressError(f"Failed to bind to address {address}: {e}") from e
 
+    def _stop_when_dropped(self) -> None:
+        """A started server dropped without `stop` stops, as grpcio's and grpc.aio's do (their
+        `__del__`): its engine side served on, with its ports. Whatever serves its calls must
+        hold it weakly for this to run."""
+        weakref.finalize(self, self._native.stop, None).atexit = False
+
     def _check_health(self) -> None:
         """At start, once every servicer is known (added before or after the ports, as grpcio
         allows): the engine answers grpc.health.v1 on every port unless a servicer of the
@@ -219,12 +225,6 @@ class Server(ServerBase, grpc.Server):
                 return
 
     def _handle(self, call: ServerCall) -> None:
-        # Each call in a context of its own, as grpcio runs it (a fresh `contextvars.Context`,
-        # its interceptors too): a ContextVar a handler sets did not reset (a request id, say)
-        # leaked into the next call served on the thread.
-        contextvars.Context().run(self._handle_here, call)
-
-    def _handle_here(self, call: ServerCall) -> None:
         try:
             plan = self._handlers.plan(call)
         except BaseException as e:  # an interceptor's SystemExit too: the call ends all the same
@@ -274,21 +274,23 @@ class Server(ServerBase, grpc.Server):
         self._check_health()
         if not self._native.start():
             raise StartError("Cannot start already-started server!")  # grpcio's words
-        # The dispatcher and the loops hold the server weakly, so a server dropped without
-        # `stop` goes and stops, as grpcio's does (its `__del__`): it served on, with its
-        # ports, its dispatcher thread and its loops, for the rest of the process.
+        # The dispatcher and the loops hold the server weakly (`_stop_when_dropped`): they held
+        # it, and a server dropped served on for the rest of the process.
         weak = weakref.WeakMethod(self._handle)
 
         def handle(call: ServerCall) -> None:
             method = weak()
             if method is None:  # dropped: its stop is under way
                 call.finish(_UNAVAILABLE, "the server was dropped")
-            else:
-                method(call)
+                return
+            # Each call in a context of its own, as grpcio runs it (a fresh
+            # `contextvars.Context`, its interceptors too): a ContextVar a handler set and did
+            # not reset (a request id, say) leaked into the next call served on the thread.
+            contextvars.Context().run(method, call)
 
         args = (self._native, self._pool, handle, self._others_waiting)
         threading.Thread(target=self._dispatch, args=args, name="isthmus-dispatch", daemon=True).start()
-        weakref.finalize(self, self._native.stop, None).atexit = False
+        self._stop_when_dropped()
         # At exit, before the executor joins its threads (its hook was registered first, and
         # these run last first): the loops on them end now instead of after 2 s without calls.
         this = weakref.ref(self)

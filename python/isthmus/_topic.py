@@ -152,9 +152,10 @@ def _call_of(context: Any) -> _native.ServerCall:
 
 
 def _max_send(context: Any) -> int | None:
-    """The server's `grpc.max_send_message_length`, which the context of its handler keeps."""
-    limit = getattr(context, "_max_send", None)
-    return limit if isinstance(limit, int) else None
+    """The server's `grpc.max_send_message_length`, which its handler's context keeps (one
+    `_call_of` took)."""
+    limit: int | None = context._max_send
+    return limit
 
 
 def _end(context: grpc.ServicerContext, error: _native.CallError) -> None:

@@ -675,8 +675,7 @@ pub extern "C" fn isthmus_server_shutdown(server: *const isthmus_server_t, grace
 /// Stops a serving server and waits until it has stopped; a stop already under way is waited
 /// for the same way, its grace cut to this one's if that ends sooner.
 fn stop(server: &isthmus_server_t, grace: Duration) {
-    let Ok(state) = server.state.lock() else { return };
-    let mut state = state;
+    let Ok(mut state) = server.state.lock() else { return };
     let mut finished = match &*state {
         ServerState::Serving { stop, finished, .. } => {
             isthmus::stop_by(stop, grace);

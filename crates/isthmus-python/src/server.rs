@@ -131,15 +131,25 @@ impl Drop for News {
 }
 
 impl Inbox {
-    fn tell(&self, add: impl FnOnce(&mut News)) {
-        if let Ok(mut news) = self.news.lock() {
-            if self.closed.load(Ordering::Acquire) {
-                return; // no loop will take it
-            }
-            add(&mut news);
-            self.told.store(true, Ordering::Release);
+    /// The news, even if a thread panicked holding the lock: each change under it is one push
+    /// or take.
+    fn news(&self) -> std::sync::MutexGuard<'_, News> {
+        self.news.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Adds to the news for the loop; false (and `add` not run) once no loop listens.
+    /// `closed` is read under the lock `close` sets it under: what is told is either taken by
+    /// `close` or refused here, never left where no loop takes it.
+    fn tell(&self, add: impl FnOnce(&mut News)) -> bool {
+        let mut news = self.news();
+        if self.closed.load(Ordering::Acquire) {
+            return false;
         }
+        add(&mut news);
+        self.told.store(true, Ordering::Release);
+        drop(news);
         self.ready.notify_one();
+        true
     }
 
     fn has_news(&self) -> bool {
@@ -165,32 +175,18 @@ impl Inbox {
                 inbox.tell(|n| n.abandoned.push(id));
             }
         }));
-        // `closed` again under the lock `close` sets it under: a call is either refused here or
-        // among those `close` ends, never left where no loop will take it.
-        let Ok(mut news) = self.news.lock() else { return Err(no_loop()) };
-        if self.closed.load(Ordering::Acquire) {
-            return Err(no_loop());
+        match self.tell(|n| n.calls.push((id, core))) {
+            true => Ok(()),
+            false => Err(no_loop()),
         }
-        news.calls.push((id, core));
-        self.told.store(true, Ordering::Release);
-        drop(news);
-        self.ready.notify_one();
-        Ok(())
     }
 
     /// No loop listens any more: the calls waiting for one end UNAVAILABLE, as later ones will.
     fn close(&self) {
-        let waiting = self
-            .news
-            .lock()
-            .map(|mut n| {
-                self.closed.store(true, Ordering::Release);
-                std::mem::take(&mut n.calls)
-            })
-            .unwrap_or_else(|_| {
-                self.closed.store(true, Ordering::Release);
-                Vec::new()
-            });
+        let mut news = self.news();
+        self.closed.store(true, Ordering::Release);
+        let waiting = std::mem::take(&mut news.calls);
+        drop(news);
         for (_, call) in waiting {
             call.finish(no_loop());
         }
@@ -215,7 +211,8 @@ impl Inbox {
 
     async fn next_news(&self) -> News {
         loop {
-            if let Ok(mut news) = self.news.lock() {
+            {
+                let mut news = self.news();
                 if !(news.calls.is_empty() && news.abandoned.is_empty() && news.done.is_empty()) {
                     self.told.store(false, Ordering::Release);
                     return std::mem::take(&mut *news);
@@ -313,8 +310,7 @@ impl ServerCall {
     }
 
     /// `(calls, abandoned ids, done ids)` for the asyncio server's loop.
-    pub(crate) fn news_to_py(py: Python<'_>, news: News, inbox: &std::sync::Weak<Inbox>) -> PyResult<Py<PyAny>> {
-        let mut news = news;
+    pub(crate) fn news_to_py(py: Python<'_>, mut news: News, inbox: &std::sync::Weak<Inbox>) -> PyResult<Py<PyAny>> {
         let calls = std::mem::take(&mut news.calls)
             .into_iter()
             .map(|(id, core)| Py::new(py, ServerCall { core, inbox: Some((id, inbox.clone())) }))

@@ -1193,7 +1193,7 @@ impl HandedCall {
             let mut call = self.sending().await;
             (call.shared_arena().cloned(), call.inline_max(), call.direct().await?, call.going_away())
         };
-        let mut sub = topic.subscribe_sending(arena.as_ref(), inline_max, max_send);
+        let mut sub = topic.subscribe_sending(arena.as_ref(), inline_max, max_send.unwrap_or(usize::MAX));
         sub.end_when(going_away);
         sub.send_directly(direct);
         if !self.add_done_callback(Box::new(sub.canceller())) {
@@ -1201,12 +1201,9 @@ impl HandedCall {
         }
         while let Some(next) = sub.next().await? {
             let (message, published) = match next {
-                Delivery::Gap(n) => match on_gap.as_mut().and_then(|on_gap| topic.resync(&sub, n, on_gap)) {
-                    Some(resync) => {
-                        sub.check_size(resync.len())?;
-                        (Err(resync), false)
-                    }
-                    None => continue,
+                Delivery::Gap(n) => match on_gap.as_mut().map(|on_gap| topic.resync(&sub, n, on_gap)).transpose()? {
+                    Some(Some(resync)) => (Err(resync), false),
+                    _ => continue,
                 },
                 Delivery::Message(p) => match arena.as_ref().and_then(|a| p.shared_block(a)) {
                     Some(block) => (Ok(block.clone()), true),

@@ -194,9 +194,10 @@ struct Subscriber {
     /// The largest message its connection sends inline, copied into the ring: it needs no
     /// block of the arena for those (`Connection::inline_max`).
     inline_max: usize,
-    /// The largest message its call may send (its server's `max_send_message_length`): a
-    /// larger one ends the call RESOURCE_EXHAUSTED instead of going out.
-    max_send: Option<usize>,
+    /// The largest message its call may send (its server's `max_send_message_length`;
+    /// `usize::MAX` for none): a larger one ends the call RESOURCE_EXHAUSTED instead of going
+    /// out.
+    max_send: usize,
     queue: Mutex<Queue>,
     wake: Notify,
 }
@@ -208,13 +209,14 @@ impl Subscriber {
 
     /// RESOURCE_EXHAUSTED if a message of `len` bytes is over this subscriber's limit.
     fn check_size(&self, topic: &str, len: usize) -> Result<(), Status> {
-        match self.max_send {
-            Some(max) if len > max => Err(Status::new(
-                Code::ResourceExhausted,
-                format!("topic {topic:?}: trying to send message larger than max ({len} vs. {max})"),
-            )),
-            _ => Ok(()),
+        if len <= self.max_send {
+            return Ok(());
         }
+        let max = self.max_send;
+        Err(Status::new(
+            Code::ResourceExhausted,
+            format!("topic {topic:?}: trying to send message larger than max ({len} vs. {max})"),
+        ))
     }
 
     fn end(&self, how: Result<(), Status>) {
@@ -491,17 +493,17 @@ impl Topic {
     /// The current state, if any, is queued first. After [`close`](Self::close) the subscription
     /// ends at once, with OK.
     pub fn subscribe_for(&self, arena: Option<&SharedArena>) -> Subscription {
-        self.subscribe_sending(arena, INLINE, None)
+        self.subscribe_sending(arena, INLINE, usize::MAX)
     }
 
     /// [`subscribe_for`](Self::subscribe_for) a call whose connection sends messages up to
     /// `inline_max` bytes inline (`publish` writes no block for those) and that may send
-    /// messages of at most `max_send` bytes.
+    /// messages of at most `max_send` bytes (`usize::MAX`: any).
     pub(crate) fn subscribe_sending(
         &self,
         arena: Option<&SharedArena>,
         inline_max: usize,
-        max_send: Option<usize>,
+        max_send: usize,
     ) -> Subscription {
         let sub = Arc::new(Subscriber {
             arena: arena.cloned(),
@@ -535,7 +537,7 @@ impl Topic {
     /// UNAVAILABLE once the server starts to shut down and what was queued is sent. Gaps are
     /// skipped; see [`serve_with`](Self::serve_with).
     pub async fn serve(&self, call: &mut ServerCall) -> Result<(), Status> {
-        self.serve_inner(call, None, None).await
+        self.serve_inner(call, usize::MAX, None).await
     }
 
     /// [`serve`](Self::serve), calling `on_gap(n)` when messages were dropped for this
@@ -548,7 +550,7 @@ impl Topic {
         call: &mut ServerCall,
         mut on_gap: impl FnMut(u64) -> Option<Bytes> + Send,
     ) -> Result<(), Status> {
-        self.serve_inner(call, None, Some(&mut on_gap)).await
+        self.serve_inner(call, usize::MAX, Some(&mut on_gap)).await
     }
 
     /// [`serve_with`](Self::serve_with) (or [`serve`](Self::serve), with no `on_gap`) for a
@@ -562,13 +564,13 @@ impl Topic {
         max_send: usize,
         on_gap: Option<&mut (dyn FnMut(u64) -> Option<Bytes> + Send)>,
     ) -> Result<(), Status> {
-        self.serve_inner(call, Some(max_send), on_gap).await
+        self.serve_inner(call, max_send, on_gap).await
     }
 
     async fn serve_inner(
         &self,
         call: &mut ServerCall,
-        max_send: Option<usize>,
+        max_send: usize,
         mut on_gap: Option<&mut (dyn FnMut(u64) -> Option<Bytes> + Send)>,
     ) -> Result<(), Status> {
         let mut sub = self.subscribe_sending(call.shared_arena(), call.inline_max(), max_send);
@@ -576,12 +578,9 @@ impl Topic {
         sub.send_directly(call.direct().await?);
         while let Some(next) = sub.next().await? {
             let (message, published) = match next {
-                Delivery::Gap(n) => match on_gap.as_mut().and_then(|on_gap| self.resync(&sub, n, on_gap)) {
-                    Some(resync) => {
-                        sub.check_size(resync.len())?;
-                        (Outgoing::Bytes(resync), false)
-                    }
-                    None => continue,
+                Delivery::Gap(n) => match on_gap.as_mut().map(|on_gap| self.resync(&sub, n, on_gap)).transpose()? {
+                    Some(Some(resync)) => (Outgoing::Bytes(resync), false),
+                    _ => continue,
                 },
                 Delivery::Message(p) => match call.shared_arena().and_then(|a| p.shared_block(a)).cloned() {
                     Some(block) => (Outgoing::Shared(block), true),
@@ -611,13 +610,14 @@ impl Topic {
     /// A subscriber's resync after `n` messages were dropped for it: the messages still queued
     /// are taken out and `on_gap(n + their count)` asked. With a message, they are dropped (it
     /// goes in their place: the state, say, newer than them); without, they go back in front
-    /// of what was published meanwhile, to be delivered after all.
+    /// of what was published meanwhile, to be delivered after all. A message over the
+    /// subscriber's `max_send` is RESOURCE_EXHAUSTED, as a published one is when offered.
     pub(crate) fn resync(
         &self,
         sub: &Subscription,
         n: u64,
         on_gap: &mut dyn FnMut(u64) -> Option<Bytes>,
-    ) -> Option<Bytes> {
+    ) -> Result<Option<Bytes>, Status> {
         let queued = std::mem::take(&mut sub.sub.queue().items);
         let count = queued.len() as u64;
         let resync = on_gap(n + count);
@@ -637,7 +637,10 @@ impl Topic {
                 }
             }
         }
-        resync
+        if let Some(message) = &resync {
+            sub.sub.check_size(&self.inner.name, message.len())?;
+        }
+        Ok(resync)
     }
 
     /// Counts a message a binding delivered itself (the Python and C bindings send on their own
@@ -790,12 +793,6 @@ impl Subscription {
     pub(crate) fn send_directly(&self, direct: Direct) {
         self.sub.queue().direct = Some(direct);
     }
-
-    /// RESOURCE_EXHAUSTED if a message of `len` bytes (a resync) is over this subscriber's
-    /// `max_send`: published messages and the state are checked before they are queued.
-    pub(crate) fn check_size(&self, len: usize) -> Result<(), Status> {
-        self.sub.check_size(&self.topic.name, len)
-    }
 }
 
 #[cfg(test)]
@@ -822,7 +819,7 @@ mod tests {
     #[test]
     fn a_message_over_a_subscribers_limit_ends_that_subscriber_only() {
         let topic = Topic::new("t");
-        let mut small = topic.subscribe_sending(None, INLINE, Some(4));
+        let mut small = topic.subscribe_sending(None, INLINE, 4);
         let mut any = topic.subscribe();
         assert_eq!(topic.publish(b"four"), 2, "at the limit: both");
         assert_eq!(topic.publish(b"fives"), 1, "over it: only the subscriber with no limit");
@@ -837,11 +834,12 @@ mod tests {
         assert_eq!(topic.stats().subscribers, 1, "it left the topic");
         assert_eq!(message(next_now(&mut any)), b"four");
         assert_eq!(message(next_now(&mut any)), b"fives");
-        assert_eq!(small.check_size(5).map_err(|s| s.code()), Err(Code::ResourceExhausted), "a resync too");
+        let resync = topic.resync(&small, 1, &mut |_| Some(Bytes::from_static(b"fives")));
+        assert_eq!(resync.map_err(|s| s.code()), Err(Code::ResourceExhausted), "a resync too");
 
         // A state over the limit ends a subscriber that joins after it, before anything is sent.
         topic.publish_state(b"state!");
-        let mut late = topic.subscribe_sending(None, INLINE, Some(4));
+        let mut late = topic.subscribe_sending(None, INLINE, 4);
         assert!(matches!(next_now(&mut late), Some(Err(s)) if s.code() == Code::ResourceExhausted));
         assert_eq!(topic.stats().cancelled, 0, "not counted as falling behind");
     }
@@ -991,6 +989,7 @@ mod tests {
             asked = n;
             Some(Bytes::from_static(b"state"))
         });
+        let resync = resync.expect("no limit");
         assert_eq!((resync.as_deref(), asked), (Some(&b"state"[..]), 5), "messages 3 and 4 go: the resync is newer");
         topic.publish(&[5]);
         assert_eq!(message(next_now(&mut sub)), [5]);
@@ -1008,7 +1007,7 @@ mod tests {
             topic.publish(&[i]);
         }
         assert!(matches!(next_now(&mut sub), Some(Ok(Some(Delivery::Gap(3))))));
-        assert_eq!(topic.resync(&sub, 3, &mut |_| None), None);
+        assert_eq!(topic.resync(&sub, 3, &mut |_| None).expect("no limit"), None);
         assert_eq!((message(next_now(&mut sub)), message(next_now(&mut sub))), (vec![3], vec![4]));
         assert_eq!(topic.stats().dropped, 3);
     }
@@ -1070,7 +1069,7 @@ mod tests {
         let mut default = topic.subscribe_for(Some(&arena));
         topic.publish(&message);
         assert_eq!(arena.in_use(), 0, "inline for a connection of the default size");
-        let mut small = [(); 2].map(|_| topic.subscribe_sending(Some(&arena), 1024, None));
+        let mut small = [(); 2].map(|_| topic.subscribe_sending(Some(&arena), 1024, usize::MAX));
         assert!(matches!(next_now(&mut default), Some(Ok(Some(Delivery::Message(_))))));
         topic.publish(&message);
         assert_eq!(arena.in_use(), 4096, "one block for the two small-ring subscribers");

@@ -87,7 +87,8 @@ class Server(ServerBase, grpc.aio.Server):
         self._on_news: Callable[[Any], None] | None = None  # `_news`, weakly held (`start`)
         self._plain: dict[Callable[..., Any], bool] = {}  # whether a behaviour is a plain function
         self._context = contextvars.Context()
-        # Resolved by `stop`; until then a task on the loop stops the server if the loop ends.
+        # Resolved by `stop`; until then a task on the loop stops the server if the loop ends
+        # (`_stop_when_the_loop_ends`), kept here: the loop holds its tasks only weakly.
         self._stopped_future: asyncio.Future[None] | None = None
         self._loop_watch: asyncio.Task[None] | None = None
 
@@ -148,7 +149,7 @@ class Server(ServerBase, grpc.aio.Server):
         def finished(task: asyncio.Task[None]) -> None:
             self._running.pop(id, None)
             if id in self._done_after_task:
-                self._done_after_task.discard(id)
+                self._done_after_task.remove(id)
                 self._run_done_callbacks(id)
             if not self._running:
                 self._linger()  # the last handler done: a moment for the next call
@@ -281,10 +282,9 @@ class Server(ServerBase, grpc.aio.Server):
         self._driver = driver(self._loop)
         self._context = contextvars.copy_context()
         # The driver lives as long as its loop (a weak key) and must not hold the loop up: it
-        # holds this server weakly. A server dropped without `stop` stops, as grpc.aio's does
-        # (its `__del__` shuts it down): its engine side served on, with its ports, and every
-        # call after the first waited for its deadline, its news taken by nobody.
-        weakref.finalize(self, self._native.stop, None).atexit = False
+        # holds this server weakly, so a server dropped without `stop` stops: every call after
+        # the first waited for its deadline, its news taken by nobody.
+        self._stop_when_dropped()
         news = weakref.WeakMethod(self._news)
 
         def on_news(value: Any) -> None:
