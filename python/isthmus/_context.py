@@ -273,6 +273,13 @@ class ServicerContext(Context, grpc.ServicerContext):
     def is_active(self) -> bool:
         return self._call.is_active()
 
+    def details(self) -> bytes | None:  # type: ignore[override]
+        # `bytes`, as grpcio's (its `set_details` keeps their UTF-8); grpc.aio's is a `str`.
+        details = self._details
+        if details is None or isinstance(details, bytes):
+            return details
+        return str(details).encode("utf-8", "replace")
+
     def time_remaining(self) -> float:
         # grpcio's for a call without a deadline: a float, as if the deadline were its time's
         # end (2**63 s), never None, which a handler comparing it (`< 1`) would raise on.

@@ -309,6 +309,14 @@ class Server(ServerBase, grpc.Server):
             stopped.set()
             return stopped
 
+        if grace is None:
+            # grpcio's returns once its server has stopped (calls cancelled, ports closed): a
+            # bind of the same address may follow at once. In slices, for Ctrl-C.
+            while not self._native.wait(_WAIT_SLICE):
+                pass
+            stopped.set()
+            return stopped
+
         def wait() -> None:
             self._native.wait(None)
             stopped.set()

@@ -3024,3 +3024,71 @@ def test_a_unary_method_sent_no_request_is_unimplemented(kind: str) -> None:
     finally:
         s.stop(None)
         pool.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_stop_without_grace_returns_once_the_server_has_stopped(kind: str) -> None:
+    """As grpcio's: `stop(None)` returns once the server has stopped, its event already set,
+    while a handler still runs (isthmus's returned at once and stopped a moment later); the
+    call in progress ends UNAVAILABLE."""
+    started, release = threading.Event(), threading.Event()
+
+    def held(request: bytes, context: grpc.ServicerContext) -> bytes:
+        started.set()
+        release.wait(30)
+        return request
+
+    generic = grpc.method_handlers_generic_handler(
+        "users.Stop", {"Held": grpc.unary_unary_rpc_method_handler(held)}
+    )
+    module, address, s, pool = _started(kind, 2, handlers=(generic,))
+    try:
+        with module.insecure_channel(address) as channel:
+            call = channel.unary_unary("/users.Stop/Held").future(b"x", timeout=30)
+            assert started.wait(30)
+            assert s.stop(None).is_set()
+            assert call.exception(30).code() is grpc.StatusCode.UNAVAILABLE
+    finally:
+        release.set()
+        s.stop(None)
+        pool.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_server_with_no_port_serves_until_stopped(kind: str) -> None:
+    """As grpcio's: a server started with no port is still serving, so `wait_for_termination`
+    waits for its timeout (isthmus's returned at once, as if stopped) and ends with `stop`."""
+    module: Any = grpc if kind == "grpcio" else isthmus
+    pool = futures.ThreadPoolExecutor(1)
+    s = module.server(pool)
+    s.start()
+    try:
+        assert s.wait_for_termination(0.2) is True
+        s.stop(None)
+        assert s.wait_for_termination(30) is False
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_handler_reads_its_details_as_bytes(kind: str) -> None:
+    """As grpcio's blocking server: `context.details()` is None until set, then the UTF-8 of
+    what was set (isthmus's gave the `str`)."""
+
+    def details(request: bytes, context: grpc.ServicerContext) -> bytes:
+        before = context.details()
+        context.set_details("caf\u00e9")
+        return repr((before, context.details())).encode()
+
+    generic = grpc.method_handlers_generic_handler(
+        "users.Details", {"Read": grpc.unary_unary_rpc_method_handler(details)}
+    )
+    module, address, s, pool = _started(kind, 1, handlers=(generic,))
+    try:
+        with module.insecure_channel(address) as channel:
+            reply = channel.unary_unary("/users.Details/Read")(b"", timeout=30)
+        assert reply == repr((None, "caf\u00e9".encode())).encode()
+    finally:
+        s.stop(None)
+        pool.shutdown()

@@ -857,6 +857,11 @@ impl Server {
         let stop = self.stop.clone();
         let queue = self.queue.clone();
         runtime().spawn(async move {
+            if bound.is_empty() {
+                // Nothing to serve still serves until stopped, as grpcio's: its
+                // `wait_for_termination` returned at once.
+                let _ = stop.subscribe().wait_for(Option::is_some).await;
+            }
             let mut serving = tokio::task::JoinSet::new();
             for b in bound {
                 serving.spawn(b.serve_until_deadline(stop.subscribe()));
