@@ -84,15 +84,33 @@ def buffer_size(message: Any) -> int | None:
         return None
 
 
-class Succeeded(Ended, grpc.Call):
-    """A call that ended OK, as `with_call` returns it."""
+class Succeeded(Ended, grpc.Call, grpc.Future):
+    """A unary call that ended OK, as `with_call` returns it: a done `grpc.Future` of its
+    response too, as grpcio's."""
 
     def __init__(
-        self, initial: Sequence[Metadatum], trailing: Sequence[Metadatum] | None, details: str = ""
+        self,
+        initial: Sequence[Metadatum],
+        trailing: Sequence[Metadatum] | None,
+        details: str = "",
+        response: Any = None,
     ) -> None:
         self._initial = incoming(initial)
         self._trailing = incoming(trailing)
         self._details = details
+        self._response = response
+
+    def result(self, timeout: float | None = None) -> Any:
+        return self._response
+
+    def exception(self, timeout: float | None = None) -> None:
+        return None
+
+    def traceback(self, timeout: float | None = None) -> None:
+        return None
+
+    def debug_error_string(self) -> str:
+        return ""  # grpcio's for a call that succeeded
 
     def initial_metadata(self) -> Metadata:
         return self._initial

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import threading
@@ -297,7 +298,9 @@ class UnaryUnaryMultiCallable(_native.UnaryCallable, _MultiCallable, grpc.UnaryU
             response = decode(self._deserialize, result.message)
         except CallError as e:
             raise rpc_error(e) from None
-        return response, Succeeded(result.initial_metadata, result.trailing_metadata, result.details)
+        return response, Succeeded(
+            result.initial_metadata, result.trailing_metadata, result.details, response
+        )
 
     def future(
         self,
@@ -359,7 +362,7 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
     ) -> Any:
         metadata = self._with_credentials(metadata, credentials, timeout)
         return self._run(
-            iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
+            _requests(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
         )._outcome()
 
     def with_call(
@@ -373,7 +376,7 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
     ) -> tuple[Any, grpc.Call]:
         metadata = self._with_credentials(metadata, credentials, timeout)
         call = self._run(
-            iter(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
+            _requests(request_iterator), timeout, metadata, wait_for_ready, self._encoding(compression)
         )
         return call._outcome(), call
 
@@ -388,7 +391,7 @@ class StreamUnaryMultiCallable(_MultiCallable, grpc.StreamUnaryMultiCallable):
     ) -> Call:
         return self._when_asked(
             self._future,
-            iter(request_iterator),
+            _requests(request_iterator),
             timeout,
             metadata,
             credentials,
@@ -409,7 +412,7 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
     ) -> Call:
         return self._when_asked(
             self._stream,
-            iter(request_iterator),
+            _requests(request_iterator),
             timeout,
             metadata,
             credentials,
@@ -458,9 +461,17 @@ def user_agent(options: Any) -> str | None:
     given."""
     given = dict(options or ())
     parts = [
-        str(given[key]) for key in ("grpc.primary_user_agent", "grpc.secondary_user_agent") if given.get(key)
+        _text(given[key])
+        for key in ("grpc.primary_user_agent", "grpc.secondary_user_agent")
+        if given.get(key)
     ]
     return " ".join(parts) or None
+
+
+def _text(value: Any) -> str:
+    """An option's text: `bytes` as their UTF-8, as grpcio takes them (`str()` made them
+    "b'…'")."""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def default_authority(options: Any) -> str | None:
@@ -586,7 +597,10 @@ LOOK_AGAIN_S = 0.2
 class _Connectivity:
     """`subscribe`'s machinery, as grpcio's: one watcher thread per channel while it has
     subscribers, which calls each back with the state when it subscribes and at every change;
-    a subscriber with `try_to_connect` keeps the channel connecting."""
+    a subscriber with `try_to_connect` keeps the channel connecting. Callbacks run on a
+    delivery thread of their own, one at a time in the order the states came, as grpcio's:
+    run on the subscriber's thread, a callback that takes a lock the subscriber holds
+    deadlocked, and one a watcher told at the same time could hear the states out of order."""
 
     def __init__(self, native: _native.Channel) -> None:
         self._native = native
@@ -595,6 +609,29 @@ class _Connectivity:
         self._subscribers: list[list[Any]] = []
         self._watching = False
         self._state: grpc.ChannelConnectivity | None = None
+        # (callback, state) to tell, in order, and whether a thread tells them.
+        self._due: collections.deque[tuple[Callable[[grpc.ChannelConnectivity], None], Any]] = (
+            collections.deque()
+        )
+        self._delivering = False
+
+    def _tell(self, due: Iterable[tuple[Callable[[grpc.ChannelConnectivity], None], Any]]) -> None:
+        """Queues callbacks for the delivery thread, starting it if none runs. Under the lock."""
+        self._due.extend(due)
+        if self._due and not self._delivering:
+            self._delivering = True
+            threading.Thread(
+                target=self._deliver_all, name="isthmus-connectivity-delivery", daemon=True
+            ).start()
+
+    def _deliver_all(self) -> None:
+        while True:
+            with self._lock:
+                if not self._due:
+                    self._delivering = False
+                    return
+                callback, state = self._due.popleft()
+            _deliver(callback, state)
 
     def subscribe(self, callback: Callable[[grpc.ChannelConnectivity], None], try_to_connect: bool) -> None:
         with self._lock:
@@ -604,13 +641,16 @@ class _Connectivity:
                 self._watching = True
                 self._state = entry[2] = None
                 threading.Thread(target=self._watch, name="isthmus-connectivity", daemon=True).start()
-            state = entry[2]
-        if state is not None:  # marked told under the lock: the watcher leaves this one to us
-            _deliver(callback, state)
+            elif entry[2] is not None:  # marked told: the watcher leaves this one to us
+                self._tell([(callback, entry[2])])
 
     def unsubscribe(self, callback: Callable[[grpc.ChannelConnectivity], None]) -> None:
         with self._lock:
-            self._subscribers = [e for e in self._subscribers if e[0] != callback]
+            # Its first subscription only, as grpcio's: one subscribed twice is still told.
+            for i, entry in enumerate(self._subscribers):
+                if entry[0] == callback:
+                    del self._subscribers[i]
+                    break
 
     def unsubscribe_all(self) -> None:
         with self._lock:
@@ -627,12 +667,26 @@ class _Connectivity:
             state = STATES[native.connectivity(try_to_connect)]
             with self._lock:
                 self._state = state
-                due = [e[0] for e in self._subscribers if e[2] is not state]
+                self._tell((e[0], state) for e in self._subscribers if e[2] is not state)
                 for entry in self._subscribers:
                     entry[2] = state
-            for callback in due:
-                _deliver(callback, state)
             native.wait_connectivity(LOOK_AGAIN_S)
+
+
+def _requests(given: Any) -> Iterator[Any]:
+    """A streaming call's requests. What is not iterable fails the call as a request iterator
+    that raises does (UNKNOWN, "Exception iterating requests!"), as grpcio's: its TypeError
+    reached the caller, past `except grpc.RpcError`."""
+    try:
+        return iter(given)
+    except TypeError as e:
+        error = e
+
+        def failing() -> Iterator[Any]:
+            raise error
+            yield  # a generator
+
+        return failing()
 
 
 def _deliver(callback: Callable[[grpc.ChannelConnectivity], None], state: grpc.ChannelConnectivity) -> None:

@@ -29,7 +29,20 @@ def status_code(number: int) -> grpc.StatusCode:
 
 
 class Ended:
-    """grpc.RpcContext for a call that is over: no time left, nothing to cancel or wait for."""
+    """grpc.RpcContext, and a done grpc.Future's state, for a call that is over: no time
+    left, nothing to cancel or wait for."""
+
+    def cancelled(self) -> bool:
+        return False
+
+    def running(self) -> bool:
+        return False
+
+    def done(self) -> bool:
+        return True
+
+    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
+        fn(self)
 
     def is_active(self) -> bool:
         return False
@@ -77,16 +90,7 @@ class RpcError(Ended, IsthmusError, grpc.aio.AioRpcError, grpc.Call, grpc.Future
 
     __repr__ = __str__
 
-    # grpc.Future, for a call that is over (`cancel` is Ended's).
-
-    def cancelled(self) -> bool:
-        return False
-
-    def running(self) -> bool:
-        return False
-
-    def done(self) -> bool:
-        return True
+    # grpc.Future, for a call that is over (its state is Ended's).
 
     def result(self, timeout: float | None = None) -> NoReturn:
         raise self
@@ -96,9 +100,6 @@ class RpcError(Ended, IsthmusError, grpc.aio.AioRpcError, grpc.Call, grpc.Future
 
     def traceback(self, timeout: float | None = None) -> TracebackType | None:
         return traceback_of(self)
-
-    def add_done_callback(self, fn: Callable[[Any], None]) -> None:
-        fn(self)
 
 
 def traceback_of(error: BaseException) -> TracebackType | None:

@@ -1120,6 +1120,16 @@ async def _flood(request: bytes, context: Any) -> AsyncIterator[bytes]:
         yield b"x" * 65536
 
 
+async def _fail_at_once(request: bytes, context: Any) -> AsyncIterator[bytes]:
+    await context.abort(grpc.StatusCode.NOT_FOUND, "nothing here")
+    yield b""  # a generator, as a streaming handler
+
+
+async def _two(request: bytes, context: Any) -> AsyncIterator[bytes]:
+    yield b"1"
+    yield b"2"
+
+
 _ENDINGS: dict[str, str] = {}
 
 
@@ -1144,6 +1154,8 @@ _AIO_USERS = grpc.method_handlers_generic_handler(
         "ReadyThenEcho": grpc.stream_stream_rpc_method_handler(_ready_then_echo),
         "Flood": grpc.unary_stream_rpc_method_handler(_flood),
         "EchoRecording": grpc.stream_stream_rpc_method_handler(_echo_recording),
+        "FailAtOnce": grpc.unary_stream_rpc_method_handler(_fail_at_once),
+        "Two": grpc.unary_stream_rpc_method_handler(_two),
     },
 )
 
@@ -1189,6 +1201,40 @@ def test_an_asyncio_streams_initial_metadata_come_before_a_write_and_beside_a_re
 
     ready = (("x-ready", "1"),)
     assert _on_aio_server(kind, body) == (ready, b"1", ready, b"b", True), kind
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_an_asyncio_stream_nobody_reads_to_its_end_is_done_when_its_server_ends_it(kind: str) -> None:
+    """As grpc.aio's: a response stream its server ended is `done()`, and runs its done
+    callbacks, with no read of its end: one that failed before any response, and one whose
+    responses were all read (isthmus.aio's stayed undone, and a `cancel()` of them said
+    CANCELLED). One flooding responses nobody reads stays undone, its read-ahead bounded."""
+
+    async def body(channel: Any) -> Any:
+        failed = channel.unary_stream("/users.A/FailAtOnce")(b"", timeout=20)
+        ended = asyncio.Event()
+        failed.add_done_callback(lambda _call: ended.set())
+        await asyncio.wait_for(ended.wait(), 10)
+        first = (failed.done(), failed.cancel(), await failed.code())
+        two = channel.unary_stream("/users.A/Two")(b"", timeout=20)
+        got = [await two.read(), await two.read()]
+        for _ in range(1000):
+            if two.done():
+                break
+            await asyncio.sleep(0.01)
+        second = (got, two.done(), two.cancel(), await two.code())
+        flood = channel.unary_stream("/users.A/Flood")(b"", timeout=20)
+        undone = flood.done()
+        await asyncio.sleep(0.5)
+        held = sum(len(m) for m in getattr(flood, "_early", ()))
+        flood.cancel()
+        return first, second, (undone, held <= READ_AHEAD_BYTES + 65536)
+
+    assert _on_aio_server(kind, body) == (
+        (True, False, grpc.StatusCode.NOT_FOUND),
+        ([b"1", b"2"], True, False, grpc.StatusCode.OK),
+        (False, True),
+    ), kind
 
 
 @pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
@@ -3089,6 +3135,168 @@ def test_a_handler_reads_its_details_as_bytes(kind: str) -> None:
         with module.insecure_channel(address) as channel:
             reply = channel.unary_unary("/users.Details/Read")(b"", timeout=30)
         assert reply == repr((None, "caf\u00e9".encode())).encode()
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_client_refuses_the_metadata_grpcio_refuses(kind: str) -> None:
+    """As grpcio's client, before any connection: a key with an upper-case letter, a key or
+    value gRPC cannot carry are ValueError "metadata was invalid: …", a `str` on a `-bin` key
+    a TypeError, for every shape of call (isthmus lower-cased the key and sent the `str`)."""
+    module: Any = grpc if kind == "grpcio" else isthmus
+    refused = (
+        [("X-Request-Id", "a")],
+        [("trace-bin", "abc")],
+        [("ok", "v"), ("bad key", "x")],
+        [("k", "\n")],
+    )
+    seen = []
+    with module.insecure_channel(grpcio_target(fresh("unix"))) as channel:  # nothing listens there
+        unary, stream = channel.unary_unary("/users.M/Unary"), channel.unary_stream("/users.M/Stream")
+        calls = (
+            lambda md: unary(b"", metadata=md, timeout=5),
+            lambda md: unary.future(b"", metadata=md, timeout=5).result(),
+            lambda md: list(stream(b"", metadata=md, timeout=5)),
+        )
+        for metadata in refused:
+            for call in calls:
+                with pytest.raises((ValueError, TypeError)) as caught:
+                    call(metadata)
+                seen.append((type(caught.value).__name__, str(caught.value)))
+    assert seen == [
+        *[("ValueError", "metadata was invalid: [('X-Request-Id', 'a')]")] * 3,
+        *[("TypeError", "Binary metadata key=\"trace-bin\" expected bytes, got <class 'str'>")] * 3,
+        *[("ValueError", "metadata was invalid: [('ok', 'v'), ('bad key', 'x')]")] * 3,
+        *[("ValueError", "metadata was invalid: [('k', '\\n')]")] * 3,
+    ]
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_the_call_with_call_returns_is_a_done_future(kind: str) -> None:
+    """As grpcio's: the call `with_call` returns with its response is a done `grpc.Future` of
+    that response (isthmus's had no `result`, `add_done_callback`… and raised
+    AttributeError)."""
+    generic = grpc.method_handlers_generic_handler(
+        "users.WithCall", {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request)}
+    )
+    module, address, s, pool = _started(kind, 1, handlers=(generic,))
+    try:
+        with module.insecure_channel(address) as channel:
+            response, call = channel.unary_unary("/users.WithCall/Echo").with_call(b"hi", timeout=30)
+        called = []
+        call.add_done_callback(lambda done: called.append(done is call))
+        assert isinstance(call, grpc.Future)
+        assert (response, call.result(), call.exception(), call.traceback()) == (b"hi", b"hi", None, None)
+        assert (call.done(), call.running(), call.cancelled(), call.cancel(), called) == (
+            True,
+            False,
+            False,
+            False,
+            [True],
+        )
+        assert (call.code(), call.details(), call.debug_error_string()) == (grpc.StatusCode.OK, "", "")
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_unsubscribe_ends_one_subscription_of_a_callback(kind: str) -> None:
+    """As grpcio's: a callback subscribed twice and unsubscribed once is still told the
+    channel's changes (isthmus's unsubscribe ended both)."""
+    module: Any = grpc if kind == "grpcio" else isthmus
+    address = grpcio_target(fresh("unix"))  # nothing listens there yet
+    states: queue.Queue[grpc.ChannelConnectivity] = queue.Queue()
+    pool = futures.ThreadPoolExecutor(1)
+    s = module.server(pool)
+    try:
+        with module.insecure_channel(address) as channel:
+            channel.subscribe(states.put)
+            channel.subscribe(states.put)
+            told = [states.get(timeout=30), states.get(timeout=30)]  # each told the state now
+            assert told[0] is told[1]
+            channel.unsubscribe(states.put)
+            s.add_insecure_port(address)
+            s.start()
+            grpc.channel_ready_future(channel).result(timeout=30)
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                if states.get(timeout=30) is grpc.ChannelConnectivity.READY:
+                    break
+            else:
+                raise AssertionError("the callback still subscribed was not told READY")
+            channel.unsubscribe(states.put)
+    finally:
+        s.stop(None)
+        pool.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_connectivity_callback_runs_on_a_thread_of_its_own(kind: str) -> None:
+    """As grpcio's: a callback subscribed while another subscription watches the channel runs
+    on a delivery thread, not on the subscriber's, so one that takes a lock its subscriber
+    holds waits for it (isthmus's ran it on the subscriber's thread: a deadlock, here a
+    failed acquire)."""
+    module: Any = grpc if kind == "grpcio" else isthmus
+    first: queue.Queue[grpc.ChannelConnectivity] = queue.Queue()
+    took: queue.Queue[tuple[bool, bool]] = queue.Queue()
+    lock = threading.Lock()
+    subscriber = threading.current_thread()
+
+    def locking(state: grpc.ChannelConnectivity) -> None:
+        got = lock.acquire(timeout=5)
+        if got:
+            lock.release()
+        took.put((got, threading.current_thread() is subscriber))
+
+    with module.insecure_channel(grpcio_target(fresh("unix"))) as channel:
+        channel.subscribe(first.put)
+        first.get(timeout=30)  # the channel is watched now
+        with lock:
+            channel.subscribe(locking)
+        assert took.get(timeout=30) == (True, False)
+        channel.unsubscribe(locking)
+        channel.unsubscribe(first.put)
+
+
+def _count_requests(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+    return b"%d" % sum(1 for _ in requests)
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_request_stream_that_is_not_iterable_fails_its_call(kind: str) -> None:
+    """As grpcio's: a streaming call given something that is not iterable (a single message
+    by mistake) fails UNKNOWN "Exception iterating requests!", an RpcError, however it is
+    called (isthmus's raised the TypeError in the caller)."""
+    generic = grpc.method_handlers_generic_handler(
+        "users.Requests",
+        {
+            "Count": grpc.stream_unary_rpc_method_handler(_count_requests),
+            "Echo": grpc.stream_stream_rpc_method_handler(lambda requests, context: requests),
+        },
+    )
+    module, address, s, pool = _started(kind, 2, handlers=(generic,))
+    try:
+        with module.insecure_channel(address) as channel:
+            count, echo = (
+                channel.stream_unary("/users.Requests/Count"),
+                channel.stream_stream("/users.Requests/Echo"),
+            )
+            calls = (
+                lambda: count(object(), timeout=30),
+                lambda: count.with_call(object(), timeout=30),
+                lambda: count.future(object(), timeout=30).result(),
+                lambda: list(echo(object(), timeout=30)),
+            )
+            for call in calls:
+                with pytest.raises(grpc.RpcError) as caught:
+                    call()
+                assert (caught.value.code(), caught.value.details()) == (
+                    grpc.StatusCode.UNKNOWN,
+                    "Exception iterating requests!",
+                )
     finally:
         s.stop(None)
         pool.shutdown()

@@ -218,6 +218,30 @@ def test_aio_an_interceptor_adds_metadata(shape: str, aio_client: tuple[AioChann
     assert details.timeout == 60
 
 
+def test_aio_a_call_without_compression_leaves_its_callers_metadata_alone(
+    aio_client: tuple[AioChannel, str],
+) -> None:
+    """A call through interceptors given `grpc.aio.Metadata` and `NoCompression`: the caller's
+    object is unchanged after it, as grpc.aio leaves it (isthmus.aio added its compression key
+    to the caller's own object)."""
+    make, loop = aio_client
+
+    async def intercept(continuation: Any, details: Any, request: Any) -> Any:
+        return await continuation(details, request)
+
+    async def test() -> None:
+        channel = make(aio_interceptors(intercept))
+        given = grpc.aio.Metadata(("x-caller", "1"))
+        response, _ = await aio_call(
+            channel, "unary_unary", metadata=given, compression=grpc.Compression.NoCompression, timeout=60
+        )
+        assert response == ANSWERS["unary_unary"]
+        assert list(given) == [("x-caller", "1")]
+        await channel.close()
+
+    run(loop, test)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_aio_an_interceptor_rewrites_the_method(shape: str, aio_client: tuple[AioChannel, str]) -> None:
     make, loop = aio_client

@@ -149,10 +149,12 @@ def test_a_handler_sees_its_callers_user_agent_as_grpcios_does(
     monkeypatch.setenv("ISTHMUS_NO_OFFER", "1")  # HTTP/2 stays HTTP/2: no move to shared memory
     name = f"isthmus-py-agent-{os.getpid()}-{kind}-{loop}"
     named = [("grpc.primary_user_agent", "py-test/1.0"), ("grpc.secondary_user_agent", "(extra)")]
+    # As bytes, which grpcio reads as their text (isthmus sent "b'py-test/1.0'").
+    named_bytes = [(key, value.encode()) for key, value in named]
 
     def agents(target: str) -> list[list[str]]:
         seen = []
-        for options in (None, named):
+        for options in (None, named, named_bytes):
             for channel in (
                 grpc.insecure_channel(target, options),
                 isthmus.insecure_channel(target, options),
@@ -172,15 +174,18 @@ def test_a_handler_sees_its_callers_user_agent_as_grpcios_does(
         ours = agents(f"unix-abstract:{name}")
         shm = f"shm://{name}"
         over_shm = []
-        for options in (None, named):
+        for options in (None, named, named_bytes):
             with isthmus.insecure_channel(shm, options) as channel:
                 over_shm.append(json.loads(channel.unary_unary(METHOD)(b"", timeout=10))["agent"])
         over_shm.append(asyncio.run(over_aio(shm)))
     assert theirs[0][0].startswith("grpc-python/"), theirs
     assert theirs[2][0].startswith("py-test/1.0 grpc-python/") and theirs[2][0].endswith(" (extra)"), theirs
     assert theirs[3][0].startswith("py-test/1.0 (extra) "), theirs
+    assert theirs[4:] == theirs[2:4], theirs
     assert ours == theirs, (ours, theirs)
-    assert over_shm == [[], ["py-test/1.0 (extra)"], ["py-test/1.0 (extra)"]], over_shm
+    assert over_shm == [[], ["py-test/1.0 (extra)"], ["py-test/1.0 (extra)"], ["py-test/1.0 (extra)"]], (
+        over_shm
+    )
 
 
 def test_a_channel_that_moved_to_shared_memory_names_its_user_agent_there(cert_dir: Path) -> None:

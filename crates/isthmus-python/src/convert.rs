@@ -132,14 +132,14 @@ const DETAILS_KEY: &str = "grpc-status-details-bin";
 /// itself (`grpc-*`, `user-agent`, `content-type`, `te`) are left out, as grpcio leaves out
 /// the ones it sets itself, instead of failing the call.
 pub(crate) fn metadata_from_py(metadata: Option<&Bound<'_, PyAny>>) -> PyResult<MetadataMap> {
-    Ok(metadata_and_details_from_py(metadata)?.0)
+    Ok(metadata_and_details_from_py(metadata, false)?.0)
 }
 
 /// A status's trailing metadata from Python, with the details a handler gave under
 /// `grpc-status-details-bin` (what `grpc_status.rpc_status.to_status` builds), taken out of
 /// it: the status carries them.
 pub(crate) fn trailers_from_py(code: u32, details: String, metadata: Option<&Bound<'_, PyAny>>) -> PyResult<Status> {
-    let (trailers, rich) = metadata_and_details_from_py(metadata)?;
+    let (trailers, rich) = metadata_and_details_from_py(metadata, false)?;
     let status = Status::new(Code::from_u32(code), details).with_metadata(trailers);
     Ok(match rich {
         Some(rich) => status.with_details(rich),
@@ -147,10 +147,25 @@ pub(crate) fn trailers_from_py(code: u32, details: String, metadata: Option<&Bou
     })
 }
 
-fn metadata_and_details_from_py(metadata: Option<&Bound<'_, PyAny>>) -> PyResult<(MetadataMap, Option<Bytes>)> {
+/// `caller`: the metadata of a call a client starts, checked as grpcio's client checks them:
+/// a key with an upper-case letter (which the server side lower-cases, as HTTP/2 would) and
+/// any other key or value gRPC refuses are grpcio's ValueError, "metadata was invalid: …"
+/// with the metadata as given; a `str` on a `-bin` key its TypeError.
+fn metadata_and_details_from_py(
+    metadata: Option<&Bound<'_, PyAny>>,
+    caller: bool,
+) -> PyResult<(MetadataMap, Option<Bytes>)> {
     let mut map = MetadataMap::new();
     let mut rich = None;
     let Some(metadata) = metadata.filter(|m| !m.is_none()) else { return Ok((map, rich)) };
+    let invalid = |e: &dyn std::fmt::Display| {
+        if caller {
+            let shown = metadata.repr().map_or_else(|_| String::from("?"), |r| r.to_string());
+            PyValueError::new_err(format!("metadata was invalid: {shown}"))
+        } else {
+            PyValueError::new_err(format!("invalid metadata: {e}"))
+        }
+    };
     for pair in metadata.try_iter()? {
         let pair = pair?;
         // A pair is any two-item sequence: grpcio takes lists as well as tuples.
@@ -159,6 +174,9 @@ fn metadata_and_details_from_py(metadata: Option<&Bound<'_, PyAny>>) -> PyResult
             Err(e) if pair.len().ok() == Some(2) => (pair.get_item(0)?.extract().map_err(|_| e)?, pair.get_item(1)?),
             Err(e) => return Err(e),
         };
+        if caller && key.bytes().any(|b| b.is_ascii_uppercase()) {
+            return Err(invalid(&"a key with an upper-case letter"));
+        }
         let key = key.to_ascii_lowercase();
         if key == DETAILS_KEY {
             if let Ok(b) = value.cast::<PyBytes>() {
@@ -177,6 +195,12 @@ fn metadata_and_details_from_py(metadata: Option<&Bound<'_, PyAny>>) -> PyResult
             map.append_raw(&key, Bytes::copy_from_slice(b.as_bytes()))
         } else if let Ok(s) = value.cast::<PyString>() {
             let s = s.to_str()?;
+            if caller && is_binary_key(&key) {
+                // grpcio's words.
+                return Err(PyTypeError::new_err(format!(
+                    "Binary metadata key=\"{key}\" expected bytes, got <class 'str'>"
+                )));
+            }
             if is_binary_key(&key) {
                 map.append_bin(&key, Bytes::copy_from_slice(s.as_bytes()))
             } else {
@@ -186,7 +210,7 @@ fn metadata_and_details_from_py(metadata: Option<&Bound<'_, PyAny>>) -> PyResult
             // grpcio's error for this too (its is "Expected str, not <class 'int'>").
             return Err(PyTypeError::new_err(format!("metadata value for {key:?} must be str or bytes")));
         };
-        added.map_err(|e| PyValueError::new_err(format!("invalid metadata: {e}")))?;
+        added.map_err(|e| invalid(&e))?;
     }
     Ok((map, rich))
 }
@@ -214,7 +238,7 @@ pub(crate) fn options(
 ) -> PyResult<CallOptions> {
     let compression = compression_from_py(compression)?;
     Ok(CallOptions {
-        metadata: metadata_from_py(metadata)?,
+        metadata: metadata_and_details_from_py(metadata, true)?.0,
         timeout: timeout_from_py(timeout),
         wait_for_ready,
         compression,

@@ -435,15 +435,21 @@ class _StreamCall(_Call):
             raise rpc_error(self._status, aio=True)
 
     async def _end(self) -> CallError | None:
-        # The engine gives the status after the responses: with no reader at the end, `code()`
-        # (or `details()`…) would wait forever, past the deadline. A task reads the rest into
-        # `_early` for `read`, a message at a time, so that a reader still gets each as it
-        # comes. A task, and shielded: a cancelled `code()` must not cancel the call.
-        if not self._done.done() and self._drainer is None:
-            self._drainer = self._loop.create_task(self._read_ahead())
-            self._tasks.append(self._drainer)
+        # Shielded: a cancelled `code()` must not cancel the call.
+        self._watch_end()
         await asyncio.shield(self._done)
         return self._status
+
+    def _watch_end(self) -> None:
+        """Has a task read on to the call's end, for whoever asked how it ends (`code()`,
+        `done()`, a done callback): the engine gives the status after the responses, so with
+        no reader at the end it would never come, and `done()` would stay False for a stream
+        the server ended. The task keeps what it reads in `_early` for `read`, a message at a
+        time, so that a reader still gets each as it comes; at most `READ_AHEAD_BYTES` of them
+        (`_read_ahead`). Started on demand: a task per call costs the streams nobody asks."""
+        if not self._done.done() and self._drainer is None and not self._loop.is_closed():
+            self._drainer = self._loop.create_task(self._read_ahead())
+            self._tasks.append(self._drainer)
 
     def _ok_trailers(self) -> list[Metadatum] | None:
         return None if self._native is None else self._native.trailing_metadata()
@@ -489,6 +495,7 @@ class _StreamCall(_Call):
         return self._cancelled
 
     def done(self) -> bool:
+        self._watch_end()
         return self._done.done()
 
     def add_done_callback(self, callback: Callable[[Any], None]) -> None:
@@ -539,7 +546,7 @@ class _StreamCall(_Call):
         if self._done_writing:
             raise asyncio.InvalidStateError('RPC is half closed after calling "done_writing".')
         if not await self._send(request):
-            await self._read_ahead()
+            await self._read_ahead(unread_too=True)
             self._raise_status()
 
     async def done_writing(self) -> None:
@@ -555,17 +562,19 @@ class _StreamCall(_Call):
 
     # The receiving side.
 
-    async def _read_ahead(self) -> None:
+    async def _read_ahead(self, unread_too: bool = False) -> None:
         """Receives until the call's end, keeping the responses for `read`: the engine gives
         the status only after them. A message at a time, so that a reader waiting for the lock
-        still gets each as it comes. While the caller reads, what it has not taken yet is
-        bounded (`READ_AHEAD_BYTES`): the stream's flow control then holds the server, as it
-        would hold grpc.aio's, whose status waits for a reader that stops too."""
+        still gets each as it comes. What the caller has not taken yet is bounded
+        (`READ_AHEAD_BYTES`): the stream's flow control then holds the server, as it would
+        hold grpc.aio's, whose status waits for a reader too; with `unread_too`, only while
+        the caller reads (a `write` that found the call over reads on to its status)."""
         while not self._done.done():
             # Past the deadline the bound goes: the engine tells a deadline to a receive that
             # finds nothing, and the status must come (the read-ahead read on before the bound).
             left = self.time_remaining()
-            if self._reading is not None and self._early_bytes >= READ_AHEAD_BYTES and left != 0.0:
+            bounded = self._reading is not None or not unread_too
+            if bounded and self._early_bytes >= READ_AHEAD_BYTES and left != 0.0:
                 taken = self._taken = asyncio.Event()
                 waiter = self._loop.create_task(taken.wait())
                 try:

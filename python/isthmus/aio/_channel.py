@@ -492,7 +492,8 @@ class _InterceptedMultiCallable(_MultiCallable):
         # loop) fails the call at the last continuation, where the interceptors see it.
         initial = _init_metadata(metadata, compression)
         if compression == grpc.Compression.NoCompression:  # which grpc.aio drops (it is 0)
-            initial.add(_COMPRESSION_KEY, "identity")
+            # A copy: `_init_metadata` gives back the caller's own Metadata when it adds nothing.
+            initial = grpc.aio.Metadata(*initial, (_COMPRESSION_KEY, "identity"))
         call = shape(
             self._interceptors,
             request,
