@@ -9,8 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
+import ssl
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -254,6 +257,83 @@ def test_tls_between_isthmus_and_grpcio_both_ways(pems: certs.Certs, cert_dir: P
     if mode == "mtls":
         assert answers["isthmus"]["identities"] == ["client.example", "spiffe://isthmus.test/client"]
         assert answers["isthmus"]["key"] == "x509_subject_alternative_name"
+
+
+def test_client_roots_without_required_client_auth_ask_no_client_certificate(
+    pems: certs.Certs, cert_dir: Path
+) -> None:
+    """As grpcio's: a server given client roots with `require_client_auth=False` asks clients
+    for no certificate, so one another CA signed gets in, and a handler is told no client
+    identity (isthmus's asked: it refused the first, and named the second's certificate)."""
+    answers = {}
+    for kind in ("grpcio", "isthmus"):
+        with Server(kind, cert_dir, "mtls-optional", "localhost:0") as server:
+            (port,) = server.ports
+            seen = []
+            for key, cert in (
+                (None, None),
+                (pems.client.key, pems.client.cert),
+                (pems.other_client.key, pems.other_client.cert),
+            ):
+                credentials = grpc.ssl_channel_credentials(pems.ca, key, cert)
+                seen.append(whoami(isthmus.secure_channel(f"localhost:{port}", credentials)))
+            answers[kind] = [{**answer, "peer": ""} for answer in seen]
+    assert answers["isthmus"] == answers["grpcio"], answers
+    assert all(not answer["identities"] for answer in answers["isthmus"]), answers
+
+
+def _refused_without_alpn(port: int, ca: Path) -> bool:
+    """Whether a server closes on a TLS client that offers no ALPN, after its handshake,
+    instead of answering its HTTP/2 preface with SETTINGS."""
+    context = ssl.create_default_context(cafile=str(ca))
+    with context.wrap_socket(
+        socket.create_connection(("localhost", port), 10), server_hostname="localhost"
+    ) as s:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0]))
+        try:
+            return s.recv(100) == b""
+        except (ConnectionError, ssl.SSLError):
+            return True
+
+
+def test_tls_without_alpn_h2_is_refused_both_ways(pems: certs.Certs, cert_dir: Path) -> None:
+    """gRPC requires ALPN "h2" of both sides, as grpc-core and grpc-go do: a server closes on
+    a client that offered none (grpcio's does; isthmus's served it), and a channel refuses a
+    server that picked none, UNAVAILABLE saying so (isthmus's sent it HTTP/2 regardless)."""
+    for kind in ("grpcio", "isthmus"):
+        with Server(kind, cert_dir, "tls", "localhost:0") as server:
+            (port,) = server.ports
+            assert _refused_without_alpn(port, cert_dir / "ca"), kind
+
+    # A TLS server that picks no protocol, answering nothing.
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(cert_dir / "server.crt", cert_dir / "server.key")
+    listener = socket.create_server(("localhost", 0))
+    held: list[socket.socket] = []
+
+    def serve() -> None:
+        while True:
+            try:
+                conn, _ = listener.accept()
+                held.append(context.wrap_socket(conn, server_side=True))
+            except OSError:  # the listener closed, or a client gave up on its handshake
+                if listener.fileno() < 0:
+                    return
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    try:
+        port = listener.getsockname()[1]
+        channel = isthmus.secure_channel(f"localhost:{port}", isthmus.ssl_channel_credentials(pems.ca))
+        error = failure(channel)
+        assert error.code() is grpc.StatusCode.UNAVAILABLE, error
+        assert 'no ALPN "h2"' in (error.details() or ""), error
+    finally:
+        listener.shutdown(socket.SHUT_RDWR)  # wakes the accept
+        listener.close()
+        thread.join(10)
+        for conn in held:
+            conn.close()
 
 
 def test_asyncio_secure_channel(pems: certs.Certs, cert_dir: Path) -> None:

@@ -2,11 +2,12 @@
 caller: `peer()`, `auth_context()`, `peer_identities()`, `peer_identity_key()` and the
 `user-agent` values in `invocation_metadata()`, as JSON.
 
-    whoami_server.py isthmus|isthmus-aio|grpcio CERT_DIR none|tls|mtls TARGET...
+    whoami_server.py isthmus|isthmus-aio|grpcio CERT_DIR none|tls|mtls|mtls-optional TARGET...
 
 `isthmus-aio` serves with `isthmus.aio.server` on the loop `PEER_LOOP` names (`peer.run_loop`).
 Serves every TARGET (`add_insecure_port`, or `add_secure_port` with CERT_DIR's `server.crt`,
-`server.key` and, for mtls, `ca` as the required client CA), prints `READY`, then `PORTS` and
+`server.key` and, for mtls, `ca` as the required client CA; for mtls-optional, `ca` given
+with `require_client_auth=False`), prints `READY`, then `PORTS` and
 what grpc's add_*_port returned for each target. Runs until killed. With `ISTHMUS_NO_OFFER`
 set, an isthmus server does not offer its `shm://` port to HTTP/2 clients."""
 
@@ -90,7 +91,7 @@ def _add_ports(server: Any, api: Any, cert_dir: str, mode: str, targets: list[st
             files = Path(cert_dir)
             credentials = api.ssl_server_credentials(
                 [((files / "server.key").read_bytes(), (files / "server.crt").read_bytes())],
-                root_certificates=(files / "ca").read_bytes() if mode == "mtls" else None,
+                root_certificates=(files / "ca").read_bytes() if mode.startswith("mtls") else None,
                 require_client_auth=mode == "mtls",
             )
             port = server.add_secure_port(target, credentials)

@@ -40,8 +40,15 @@ pub(crate) type ServerTls = (Vec<u8>, Vec<u8>, Option<Vec<u8>>, bool);
 pub(crate) fn server_config((key, chain, roots, require): ServerTls) -> PyResult<ServerTlsConfig> {
     let mut tls = ServerTlsConfig::new().identity(Identity::from_pem(chain, key).map_err(bad)?);
     match roots {
+        // Without `require_client_auth` grpcio asks clients for no certificate, roots or not
+        // (grpc-core's GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE): asked, a client whose
+        // certificate another CA signed was refused, and handlers saw identities grpcio's do
+        // not. The roots are still read, so that bad ones fail here as in grpcio.
         Some(roots) => {
-            tls = tls.client_ca_root(Certificate::from_pem(roots).map_err(bad)?).client_auth_optional(!require);
+            let roots = Certificate::from_pem(roots).map_err(bad)?;
+            if require {
+                tls = tls.client_ca_root(roots);
+            }
         }
         None if require => {
             return Err(PyValueError::new_err("require_client_auth needs root_certificates to check clients with"))

@@ -471,14 +471,27 @@ where
             );
             return Box::pin(std::future::ready(Ok(tonic::Status::resource_exhausted(message).into_http())));
         }
-        let renamed = request.headers_mut().remove(DEADLINE_HEADER);
-        let timeout = renamed.and_then(|v| {
+        let refuse = |s: crate::Status| {
+            let refused = tonic::Status::new(tonic::Code::Internal, s.message().to_owned());
+            Box::pin(std::future::ready(Ok(refused.into_http()))) as Self::Future
+        };
+        // Whatever serves the method, as grpc-go's server (tonic's services read their
+        // metadata lazily, and ran the call).
+        if let Err(s) = crate::http::codec::check_binary_metadata(request.headers()) {
+            return refuse(s);
+        }
+        let mut timeout = None;
+        if let Some(v) = request.headers_mut().remove(DEADLINE_HEADER) {
             let mut h = http::HeaderMap::new();
             h.insert(crate::http::codec::GRPC_TIMEOUT, v.clone());
-            let t = crate::http::codec::timeout_from(&h).ok().flatten();
+            // One that does not parse fails the call, as grpc-go's server fails it, whatever
+            // serves the method: tonic's services ran it with no deadline at all.
+            match crate::http::codec::timeout_from(&h) {
+                Ok(t) => timeout = t,
+                Err(s) => return refuse(s),
+            }
             request.headers_mut().insert(crate::http::codec::GRPC_TIMEOUT, v);
-            t
-        });
+        }
         let responding = self.0.call(request);
         Box::pin(async move {
             match timeout {

@@ -150,6 +150,9 @@ pub(crate) struct Deframer {
     limit: usize,
     /// The body's `grpc-encoding`, for messages with the compressed flag; `None`: identity.
     encoding: Option<Encoding>,
+    /// Which side receives, as grpc-core names it in a refusal over the limit: `CLIENT` or
+    /// `SERVER`.
+    side: &'static str,
 }
 
 /// The most a message being gathered reserves at once; a larger one grows as it comes.
@@ -203,9 +206,16 @@ impl Encoding {
 
 impl Deframer {
     /// `limit`: the largest message accepted; a larger one is RESOURCE_EXHAUSTED, in grpc-core's
-    /// words for a client (servers deframe with no limit here: tonic's codec holds theirs).
+    /// words for a client ([`Deframer::for_server`] for a server's).
     pub(crate) fn new(limit: usize) -> Deframer {
-        Deframer { frame: None, gather: BytesMut::new(), limit, encoding: None }
+        Deframer { frame: None, gather: BytesMut::new(), limit, encoding: None, side: "CLIENT" }
+    }
+
+    /// A server's reading of requests: a refusal over the limit in a server's words, as
+    /// `shm://` words it (the client reads them in its status).
+    pub(crate) fn for_server(mut self) -> Deframer {
+        self.side = "SERVER";
+        self
     }
 
     /// The body's `grpc-encoding` (see [`Encoding::from_headers`]).
@@ -238,7 +248,7 @@ impl Deframer {
     pub(crate) fn next(&mut self) -> Result<Option<Bytes>, Status> {
         if let Some(frame) = &mut self.frame {
             if frame.len() >= 5 {
-                let (len, compressed) = header(&frame[..5], self.encoding, self.limit)?;
+                let (len, compressed) = header(&frame[..5], self.encoding, self.limit, self.side)?;
                 if frame.len() >= 5 + len {
                     let message = frame.split_to(5 + len).split_off(5);
                     if frame.is_empty() {
@@ -252,7 +262,7 @@ impl Deframer {
         if self.gather.len() < 5 {
             return Ok(None);
         }
-        let (len, compressed) = header(&self.gather[..5], self.encoding, self.limit)?;
+        let (len, compressed) = header(&self.gather[..5], self.encoding, self.limit, self.side)?;
         if self.gather.len() < 5 + len {
             self.gather.reserve((5 + len - self.gather.len()).min(RESERVE_MAX));
             return Ok(None);
@@ -277,7 +287,7 @@ impl Deframer {
 
 /// A message's length and whether it is compressed, from its 5-byte prefix, if its flag and
 /// length are acceptable.
-fn header(head: &[u8], encoding: Option<Encoding>, limit: usize) -> Result<(usize, bool), Status> {
+fn header(head: &[u8], encoding: Option<Encoding>, limit: usize, side: &str) -> Result<(usize, bool), Status> {
     let compressed = match (head[0], encoding) {
         (0, _) => false,
         (1, Some(_)) => true,
@@ -292,7 +302,7 @@ fn header(head: &[u8], encoding: Option<Encoding>, limit: usize) -> Result<(usiz
     if len > limit {
         return Err(Status::new(
             Code::ResourceExhausted,
-            format!("CLIENT: Received message larger than max ({len} vs. {limit})"),
+            format!("{side}: Received message larger than max ({len} vs. {limit})"),
         ));
     }
     Ok((len, compressed))
@@ -301,7 +311,8 @@ fn header(head: &[u8], encoding: Option<Encoding>, limit: usize) -> Result<(usiz
 /// Reads `grpc-timeout` (gRPC over HTTP/2: at most 8 digits and a unit).
 pub(crate) fn timeout_from(headers: &HeaderMap) -> Result<Option<Duration>, Status> {
     let Some(v) = headers.get(GRPC_TIMEOUT) else { return Ok(None) };
-    let bad = || Status::new(Code::InvalidArgument, format!("malformed grpc-timeout {v:?}"));
+    // grpc-go's code for it.
+    let bad = || Status::new(Code::Internal, format!("malformed grpc-timeout {v:?}"));
     let s = v.to_str().map_err(|_| bad())?;
     if s.len() < 2 || s.len() > 9 {
         return Err(bad());
@@ -349,8 +360,8 @@ fn is_protocol_header(key: &str) -> bool {
 
 /// The metadata in a header map (request headers, response headers or trailers), as a server
 /// reads a request's: `-bin` values are base64 (padded or not; several joined by `,`, which the
-/// spec lets a proxy do), and one that does not decode is INVALID_ARGUMENT, naming the key, as
-/// grpc-go refuses it. An entry this side cannot hold (a text value that is not printable
+/// spec lets a proxy do), and one that does not decode is INTERNAL, naming the key, as grpc-go
+/// refuses it. An entry this side cannot hold (a text value that is not printable
 /// ASCII, a key gRPC would not send) is left out: the spec says such a value must not fail the
 /// call, and may be dropped.
 pub(crate) fn metadata_from(headers: &HeaderMap) -> Result<MetadataMap, Status> {
@@ -361,6 +372,19 @@ pub(crate) fn metadata_from(headers: &HeaderMap) -> Result<MetadataMap, Status> 
 /// left out too, with the rest kept (a server's bad entry must not lose its others).
 pub(crate) fn metadata_from_server(headers: &HeaderMap) -> MetadataMap {
     read_metadata(headers, false).unwrap_or_default()
+}
+
+/// Whether a request's `-bin` values all decode, as [`metadata_from`] reads them: for the
+/// services that read their metadata lazily, which grpc-go's server would refuse INTERNAL.
+pub(crate) fn check_binary_metadata(headers: &HeaderMap) -> Result<(), Status> {
+    for (key, value) in headers {
+        if crate::metadata::is_binary_key(key.as_str())
+            && value.as_bytes().split(|b| *b == b',').any(|part| decode_base64(part.trim_ascii()).is_none())
+        {
+            return Err(Status::new(Code::Internal, format!("metadata {key}: value is not base64")));
+        }
+    }
+    Ok(())
 }
 
 fn read_metadata(headers: &HeaderMap, strict_binary: bool) -> Result<MetadataMap, Status> {
@@ -382,7 +406,8 @@ fn read_metadata(headers: &HeaderMap, strict_binary: bool) -> Result<MetadataMap
                     let _ = md.append_bin(key, decoded);
                 }
                 None if strict_binary => {
-                    return Err(Status::new(Code::InvalidArgument, format!("metadata {key}: value is not base64")));
+                    // grpc-go's code for it ("malformed binary metadata").
+                    return Err(Status::new(Code::Internal, format!("metadata {key}: value is not base64")));
                 }
                 None => {}
             }
@@ -784,7 +809,7 @@ mod tests {
         assert_eq!(md.get_all("x-b-bin").collect::<Vec<_>>(), [&[0u8, 1, 2][..], &[3, 4]]);
         assert_eq!(md.len(), 3, "{md:?}");
         h.insert("x-bad-bin", HeaderValue::from_static("!!!"));
-        assert_eq!(metadata_from(&h).map_err(|s| s.code()).err(), Some(Code::InvalidArgument));
+        assert_eq!(metadata_from(&h).map_err(|s| s.code()).err(), Some(Code::Internal));
         let md = metadata_from_server(&h);
         assert_eq!((md.get("x-ok"), md.get_all("x-b-bin").count(), md.len()), (Some("1"), 2, 3));
     }

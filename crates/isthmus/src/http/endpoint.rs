@@ -387,7 +387,7 @@ impl HttpListener {
             HttpListener::Tcp(l, None) => {
                 let incoming =
                     tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(l), move |s| {
-                        fix(s.map(ServerIo::Tcp))
+                        fix(s.map(ServerIo::tcp))
                     });
                 server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed)
             }
@@ -570,6 +570,12 @@ fn tls_incoming(
             tokio::spawn(async move {
                 let _slot = slot;
                 match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
+                    // A client that did not offer HTTP/2 is closed on, as grpc-core's and
+                    // grpc-go's servers close on it (rustls refuses only a client that offered
+                    // other protocols).
+                    Ok(Ok(tls)) if !crate::http::tls::is_h2(tls.get_ref().1.alpn_protocol()) => {
+                        tracing::debug!("TLS client without ALPN \"h2\" refused");
+                    }
                     Ok(Ok(tls)) => {
                         let _ = tx.send(Ok(ServerIo::Tls(Box::new(tls)))).await;
                     }
@@ -587,6 +593,17 @@ pub(crate) enum ServerIo {
     Unix(tokio::net::UnixStream),
     Tcp(tokio::net::TcpStream),
     Tls(Box<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>),
+}
+
+impl ServerIo {
+    /// An accepted plaintext TCP connection, with Nagle's algorithm off, as the TLS ones and
+    /// the client's: with it on, a small write that follows one not yet acknowledged (the next
+    /// message of a stream) waited for the client's delayed ACK, some 40 ms. tonic sets it
+    /// only on the connections its own listener accepts.
+    fn tcp(tcp: tokio::net::TcpStream) -> ServerIo {
+        let _ = tcp.set_nodelay(true);
+        ServerIo::Tcp(tcp)
+    }
 }
 
 /// Who is at the other end of an HTTP/2 connection: what tonic puts in each request's
@@ -1257,6 +1274,17 @@ mod tests {
         assert!(!waiting().took(b"HTTP/1.1 400 Bad Request\r\n"));
         assert!(!waiting().took(&[0, 0, 8, 6, 0, 0, 0, 0, 0]));
         assert!(!waiting().took(&[0, 0, 0]));
+    }
+
+    #[tokio::test]
+    async fn an_accepted_plaintext_connection_has_nagles_algorithm_off() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let client = tokio::net::TcpStream::connect(listener.local_addr().expect("addr")).await.expect("connect");
+        let (accepted, _) = listener.accept().await.expect("accept");
+        assert!(!accepted.nodelay().expect("nodelay"), "the kernel's default");
+        let ServerIo::Tcp(served) = ServerIo::tcp(accepted) else { panic!("not TCP") };
+        assert!(served.nodelay().expect("nodelay"));
+        drop(client);
     }
 
     #[test]

@@ -304,6 +304,11 @@ pub(crate) struct ClientTls {
 #[derive(Debug)]
 pub(crate) struct Worded(pub(crate) String);
 
+/// Whether a TLS connection's peer agreed to HTTP/2, as gRPC requires of both sides (ALPN).
+pub(crate) fn is_h2(alpn: Option<&[u8]>) -> bool {
+    alpn == Some(b"h2")
+}
+
 impl std::fmt::Display for Worded {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str(&self.0)
@@ -387,6 +392,15 @@ pub(crate) async fn connect(
 ) -> std::io::Result<ClientTls> {
     use tokio::io::AsyncReadExt;
     let mut tls = tokio_rustls::TlsConnector::from(config.clone()).connect(name, tcp).await.map_err(worded)?;
+    // rustls holds a server to the protocols offered only when it picks one: a server that
+    // picks none (an HTTPS server of HTTP/1.1 only, say) got an HTTP/2 preface and answered
+    // it with an HTTP/1 error, read as a bare protocol error. grpc-core and grpc-go refuse it.
+    if !is_h2(tls.get_ref().1.alpn_protocol()) {
+        return Err(std::io::Error::new(
+            std::io::ErrorKind::InvalidData,
+            Worded("TLS: the server did not agree to HTTP/2 (no ALPN \"h2\"), which gRPC requires".into()),
+        ));
+    }
     // Under TLS 1.2 the server's verdict on the client is part of the handshake.
     if tls.get_ref().1.protocol_version() != Some(rustls::ProtocolVersion::TLSv1_3) {
         return Ok(ClientTls { tls, first: Vec::new(), at: 0 });

@@ -346,9 +346,10 @@ struct Begun {
 }
 
 impl Begun {
-    /// Nothing read yet.
+    /// Nothing read yet. A server's bridge reads requests (a client's has no limit on them).
     fn new(limit: usize, encoding: Option<codec::Encoding>) -> Begun {
-        Begun { deframer: Deframer::new(limit).with_encoding(encoding), held: None, frame: None, ended: false }
+        let deframer = Deframer::new(limit).for_server().with_encoding(encoding);
+        Begun { deframer, held: None, frame: None, ended: false }
     }
 
     /// What `body` has ready now (polled with the caller's `cx`, never waiting): at most two
