@@ -101,6 +101,56 @@ function _M.filter_stream_step()
     st:close()
 end
 
+-- A light thread waits for a stream's headers (the echo server sends them with its first
+-- reply) and is killed while it waits; then a message is sent, whose echo header_filter
+-- receives (`filter_recv_step`), where the worker cannot yield.
+function _M.filter_killed_headers_start(target)
+    local st = assert(channel(target):stream(ECHO .. "Bidi", { timeout = 30 }))
+    ngx.ctx.stream = st
+    local waiter = ngx.thread.spawn(function()
+        return st:headers()
+    end)
+    ngx.sleep(0.1)
+    ngx.ctx.killed = ngx.thread.kill(waiter) and "yes" or "no"
+    assert(st:send({ seq = 7 }))
+    ngx.say("started")
+end
+
+function _M.filter_recv_step()
+    local st = ngx.ctx.stream
+    if st == nil then
+        return
+    end
+    ngx.header["X-Killed"] = ngx.ctx.killed
+    local ok, m = st:recv()
+    ngx.header["X-Step"] = ok and tostring(m.seq) or m.name
+    local headers = st:headers()
+    ngx.header["X-Headers"] = headers and "OK" or "failed"
+    st:close()
+end
+
+-- A light thread receives on a stream while another receive waits there: refused, as a
+-- cosocket refuses a second reader; the stream goes on.
+function cases.two_receivers(ch, args)
+    local st = assert(ch:stream(ECHO .. "Bidi", { timeout = 5 }))
+    local first = ngx.thread.spawn(function()
+        return st:recv()
+    end)
+    ngx.sleep(0.05)
+    local second, err = st:recv()
+    assert(st:send({ seq = 1 }))
+    local _, ok1, m1 = ngx.thread.wait(first)
+    assert(st:send({ seq = 2 }))
+    local ok3, m3 = st:recv()
+    st:close()
+    return {
+        ok = true,
+        second = second and "received" or err.name,
+        first = ok1 and tonumber(m1.seq) or m1.name,
+        after = ok3 and tonumber(m3.seq) or m3.name,
+    }
+end
+
 function cases.master_results()
     return { ok = master_results ~= nil, results = master_results }
 end
@@ -267,6 +317,17 @@ function cases.orphan_unary(ch, args)
         ngx.sleep(0.01)
     end
     ngx.sleep(0.1)
+    ngx.say(cjson.encode({ ok = true }))
+    return ngx.exit(200)
+end
+
+-- A light thread starts a bidirectional stream on a channel still connecting (its first call)
+-- when the request ends (ngx.exit aborts the thread): its start finishes with nobody to take
+-- the stream.
+function cases.orphan_stream(ch, args)
+    ngx.thread.spawn(function()
+        ch:stream(ECHO .. "Bidi")
+    end)
     ngx.say(cjson.encode({ ok = true }))
     return ngx.exit(200)
 end

@@ -750,6 +750,29 @@ def test_a_watcher_that_never_ran_leaves_no_bell_behind(servers: Callable[[str],
     assert not bells, bells
 
 
+def test_a_stream_started_for_a_request_that_ended_is_cancelled(stubs: Path) -> None:
+    """A request ends (ngx.exit) while its light thread waits for a stream's start, on a
+    channel still connecting: the start finishes with nobody to take the stream, which is
+    cancelled at once (or, if its start had not finished, never started): the channel has no
+    call in flight. Before, the call stayed open until the garbage collector ran, which in an
+    idle worker it may never do."""
+    served = serve("rust", ["shm"], stubs)
+    own = Nginx()
+    try:
+        target = served.addresses["shm"]
+        assert own.case("orphan_stream", target)["ok"]
+        end = time.monotonic() + 10
+        while own.case("stats", target)["calls_in_flight"] != 0:
+            assert time.monotonic() < end, "the stream nobody took is still in flight"
+            time.sleep(0.05)
+        assert own.case("unary", target)["ok"]  # the worker serves on
+    finally:
+        try:
+            own.close()
+        finally:
+            served.close()
+
+
 def test_a_call_left_by_its_request_is_cancelled_in_an_idle_worker(stubs: Path) -> None:
     """The same left call in a worker that has nothing else to do: no other call waits (whose
     wait would prune) and no bell rings. It is cancelled all the same, within a second or two;
@@ -767,11 +790,13 @@ def test_a_call_left_by_its_request_is_cancelled_in_an_idle_worker(stubs: Path) 
 
 
 @contextlib.contextmanager
-def blocking_timeout_of_1s(stubs: Path, location: str) -> Iterator[tuple[Served, int, Nginx]]:
-    """A Rust server on shm://, and an nginx of its own on a free port, serving `location` (a
-    location block), whose calls that cannot yield get `blocking_timeout = 1`: the server, the
-    port and nginx. Both stopped after, the server even if nginx does not stop."""
-    served = serve("rust", ["shm"], stubs)
+def blocking_timeout_of_1s(
+    stubs: Path, location: str, kind: str = "rust"
+) -> Iterator[tuple[Served, int, Nginx]]:
+    """A server of `kind` on shm://, and an nginx of its own on a free port, serving `location`
+    (a location block), whose calls that cannot yield get `blocking_timeout = 1`: the server,
+    the port and nginx. Both stopped after, the server even if nginx does not stop."""
+    served = serve(kind, ["shm"], stubs)
     try:
         port = conftest.free_port()
         own = Nginx(
@@ -839,6 +864,40 @@ def test_a_streams_step_that_cannot_yield_is_bounded_like_a_call(stubs: Path) ->
         line = served.peer.expect("BIDI-ENDED", patience=10)
         assert line in ("BIDI-ENDED half-close", "BIDI-ENDED Cancelled"), line
         assert own.case("unary", target)["ok"]  # the worker serves on
+
+
+def test_a_headers_wait_left_by_a_killed_thread_does_not_hang_a_phase_that_cannot_yield(stubs: Path) -> None:
+    """A light thread killed while it waits for a stream's headers leaves that wait on the
+    worker's queue, holding the stream's receiving side, and only the worker's thread moves
+    that queue on: a receive in header_filter (which blocks) waited behind it for ever, and
+    the worker hung. Now the left wait is cancelled first, and the receive gets the echo."""
+    location = """location = /filter {
+            content_by_lua_block {
+                require("cases").filter_killed_headers_start(ngx.unescape_uri(ngx.var.arg_target))
+            }
+            header_filter_by_lua_block { require("cases").filter_recv_step() }
+        }"""
+    # The Python server sends a stream's headers with its first reply, as grpcio's does.
+    with blocking_timeout_of_1s(stubs, location, "isthmus") as (served, port, own):
+        target = served.addresses["shm"]
+        query = urllib.parse.urlencode({"target": target})
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/filter?{query}", timeout=PATIENCE) as reply:
+            assert reply.read() == b"started\n"
+            headers = reply.headers
+        assert headers["X-Killed"] == "yes", "the headers came before the thread was killed"
+        assert (headers["X-Step"], headers["X-Headers"]) == ("7", "OK"), dict(headers)
+        assert own.case("unary", target)["ok"]  # the worker serves on
+
+
+def test_a_second_receive_on_a_stream_is_refused_while_one_waits(
+    nginx: Nginx, servers: Callable[[str], Served]
+) -> None:
+    """Two light threads receiving on one stream at once: the second is refused
+    FAILED_PRECONDITION, as a cosocket refuses a second reader, and the stream goes on (the
+    first gets the next message, a later receive the one after). Both went on before: killing
+    the first lost the message it was to get."""
+    r = nginx.case("two_receivers", servers("rust").addresses["shm"])
+    assert (r["second"], r["first"], r["after"]) == ("FAILED_PRECONDITION", 1, 2), r
 
 
 def await_state(nginx: Nginx, target: str, want: str, never: str) -> None:

@@ -151,7 +151,7 @@ isthmus_code_t isthmus_proto_free(isthmus_proto_t *proto);
 -- The header's constants this module uses.
 local ABI_VERSION = 1
 local OK, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE = 0, 2, 3, 4, 8, 13, 14
-local NOT_FOUND = 5
+local NOT_FOUND, FAILED_PRECONDITION = 5, 9
 local CALL_SPIN = 2
 local OP_STATE = 10
 local CHANNEL_UPGRADE, CHANNEL_NO_UPGRADE, CHANNEL_KEEPALIVE_WITHOUT_CALLS = 1, 2, 4
@@ -763,7 +763,10 @@ local function blocking_default()
     end
 end
 
-local FOREVER = 86400 * 24 -- an ngx.semaphore wait is in whole milliseconds below 2^31
+-- The backstop of a wait with no deadline: none. A wait goes in slices of LOOK_S (an
+-- ngx.semaphore wait is in whole milliseconds below 2^31), so it needs no finite bound: one of
+-- 24 days ended a quiet stream's receive DEADLINE_EXCEEDED, a deadline nobody set.
+local FOREVER = math.huge
 local POLL_EVENTS = 64
 -- The watcher's read never times out (an idle worker logs nothing): when the worker exits, a
 -- timer that nginx fires early (premature) wakes it through the library instead.
@@ -852,6 +855,13 @@ local function dispatch()
             local w = waiting[tag]
             if w then
                 waiting[tag] = nil
+            end
+            if r.call ~= nil and not (w and w.sema:count() < 0) then
+                -- A stream started for a coroutine that no longer waits (its request ended):
+                -- nobody would ever hold the stream, and the call stayed open on the server
+                -- until the garbage collector ran. It ends now, as an orphaned unary call does.
+                C.isthmus_call_free(ffi_gc(r.call, nil))
+            elseif w then
                 w.result = r
                 w.sema:post(1)
             end
@@ -1846,6 +1856,7 @@ function Channel:stream(path, opts)
         -- Started where it could yield, with no timeout: no deadline bounds a step that a
         -- later phase makes blocking (`bounded_step`).
         unbounded = yields and not (opts and opts.timeout),
+        heading = {}, -- tags of its headers() waiting on the worker's queue
     }, Stream)
 end
 
@@ -1968,10 +1979,18 @@ function Stream:recv()
         return false, self.failure
     end
     local call = self.call
+    local busy = self:_receiving_elsewhere()
+    if busy then
+        return false, busy -- the stream goes on: this receive is refused, not failed
+    end
     local r
     if call == nil or not can_yield() then
         -- Closed (step says so), or where the worker cannot yield: it blocks, unless a left
         -- receive has the stream's next message.
+        local blocked = call ~= nil and self:_cannot_block()
+        if blocked then
+            return false, blocked
+        end
         r = call ~= nil and self:_take_left() or step(self, function(q, tag, ev)
             return C.isthmus_call_recv_async(call, q, tag, ev, status_out)
         end, function()
@@ -2025,6 +2044,40 @@ function Stream:_wait_recv(w, tag)
     return r
 end
 
+-- The error for a receive while another light thread's receive waits on the stream, which
+-- gets the stream's next message: one receive at a time, as a cosocket reads ("socket busy
+-- reading") and as grpc-go's RecvMsg is not to be called from two goroutines. Two went on:
+-- when the first one's light thread was killed, the message it was to get was lost.
+function Stream:_receiving_elsewhere()
+    local left = self.left_recv
+    if left and not abandoned(left.w) then
+        return new_error(FAILED_PRECONDITION, "resty.isthmus: another light thread is receiving on this stream")
+    end
+end
+
+-- Before a receive or `headers()` blocks the worker's thread (a phase that cannot yield): a
+-- `headers()` of this stream under way on the worker's queue holds the call's receiving side,
+-- and only this thread moves that queue on, so the step would wait behind it for ever. One
+-- whose light thread went away is cancelled; one still awaited refuses the step (an error).
+function Stream:_cannot_block()
+    for tag in pairs(self.heading) do
+        local w = waiting[tag]
+        if w and not abandoned(w) then
+            return new_error(FAILED_PRECONDITION,
+                "resty.isthmus: another light thread waits for this stream's headers; a phase that cannot yield cannot wait behind it")
+        end
+        self.heading[tag] = nil
+        if w then
+            if C.isthmus_cq_cancel(cq, tag) == NOT_FOUND then
+                dispatch() -- it finished: its event is queued, and goes to nobody
+            else
+                waiting[tag] = nil
+            end
+            w.result = nil
+        end
+    end
+end
+
 -- Where a receive cannot wait on a left receive (a phase that cannot yield): the left one's
 -- outcome if it has come (dispatched here if it is queued), else nil, the left one cancelled
 -- so that a blocking receive takes the next message itself.
@@ -2064,7 +2117,21 @@ end
 --- The server's initial metadata (waits for it): true, {key = value} or false, err.
 function Stream:headers()
     local call = self.call
+    if call ~= nil and not can_yield() then
+        -- A receive waiting on the worker's queue holds the receiving side too.
+        local blocked = self:_cannot_block()
+            or (self.left_recv and new_error(FAILED_PRECONDITION,
+                "resty.isthmus: a receive waits on this stream; a phase that cannot yield cannot wait behind it"))
+        if blocked then
+            return false, blocked
+        end
+    end
+    -- Noted while it waits on the worker's queue: a light thread killed meanwhile leaves it
+    -- there (Stream:_cannot_block).
+    local heading, noted = self.heading, nil
     local r = step(self, function(q, tag, ev)
+        noted = tag
+        heading[tag] = true
         return C.isthmus_call_headers_async(call, q, tag, ev, status_out)
     end, function()
         local rc = C.isthmus_call_headers(call, headers_out, status_out)
@@ -2073,6 +2140,9 @@ function Stream:headers()
         end
         return { code = OK, headers = take_metadata(headers_out[0]) }
     end)
+    if noted then
+        heading[noted] = nil
+    end
     if r.err then
         return false, r.err
     end
