@@ -353,10 +353,15 @@ class Call(grpc.Call, grpc.Future):
 
     def __del__(self) -> None:
         # A call its caller let go of before its end is cancelled, as grpcio's ("Cancelled upon
-        # garbage collection!"): its server stops, and what the call holds there goes.
-        native = getattr(self, "_native", None)
-        if native is not None and not self._ended:
+        # garbage collection!"): its server stops, and what the call holds there goes. A unary
+        # `.future()` has no native call: its operation is abandoned, which cancels it.
+        if getattr(self, "_ended", True):
+            return
+        native, abandon = getattr(self, "_native", None), getattr(self, "_abandon", None)
+        if native is not None:
             native.cancel()
+        elif abandon is not None:
+            abandon()
 
     # Driving the call.
 
@@ -506,6 +511,7 @@ class Call(grpc.Call, grpc.Future):
         self._error = None if error is None else rpc_error(error)
         self._response = response
         callbacks, self._callbacks = self._callbacks, []
+        _CALLED_BACK.discard(self)
         self._lock.notify_all()
         return callbacks
 
@@ -696,6 +702,9 @@ class Call(grpc.Call, grpc.Future):
             if self._ended:
                 return False
             self._callbacks.append(callback)
+            # Held until it ends, as grpcio's call state holds its callbacks: dropped by its
+            # caller, a call with callbacks still runs them (one without is cancelled).
+            _CALLED_BACK.add(self)
         self._watch()
         return True
 
@@ -731,6 +740,19 @@ class Call(grpc.Call, grpc.Future):
     def add_done_callback(self, fn: Callable[[Any], None]) -> None:
         if not self.add_callback(functools.partial(fn, self)):
             fn(self)
+
+
+# The calls with callbacks still to run (`Call.add_callback`).
+_CALLED_BACK: set[Call] = set()
+
+
+def resolved(this: weakref.ref[Call], ok: bool, value: Any) -> None:
+    """The end of a unary `.future()` call, on the completion thread (`Call._resolve`). The
+    completion holds the call weakly, so that one its caller drops is cancelled (`__del__`),
+    as grpcio's: it held the call, and a dropped future ran to its end."""
+    call = this()
+    if call is not None:
+        call._resolve(ok, value)
 
 
 def _status_came(this: weakref.ref[Call], ok: bool, value: Any) -> None:

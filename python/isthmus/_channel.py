@@ -6,6 +6,7 @@ import collections
 import functools
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
@@ -25,6 +26,7 @@ from ._call import (
     decode,
     deserialize_failed,
     encode,
+    resolved,
     run_on_own_thread,
     serialize_failed,
 )
@@ -174,7 +176,9 @@ class _MultiCallable:
             with call._lock:
                 if call._ended:  # cancelled while its call credentials were asked
                     return call
-                reactor, token = _COMPLETIONS.begin(call._resolve, ends_in_child=True)
+                reactor, token = _COMPLETIONS.begin(
+                    functools.partial(resolved, weakref.ref(call)), ends_in_child=True
+                )
                 call._abandon = functools.partial(_COMPLETIONS.abandon, token)
             try:
                 self._channel.unary_future(

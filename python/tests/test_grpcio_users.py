@@ -3300,3 +3300,44 @@ def test_a_request_stream_that_is_not_iterable_fails_its_call(kind: str) -> None
     finally:
         s.stop(None)
         pool.shutdown()
+
+
+@pytest.mark.parametrize("kind", ["grpcio", "isthmus"])
+def test_a_future_its_caller_drops_is_cancelled_unless_it_has_callbacks(kind: str) -> None:
+    """As grpcio's: a unary `.future()` its caller lets go of is cancelled (its handler sees
+    the call end), and one with a done callback runs on and calls it. isthmus's completion
+    thread held every future, and a dropped one ran to its end."""
+    ended: queue.Queue[str] = queue.Queue()
+    started, release = threading.Semaphore(0), threading.Event()
+
+    def held(request: bytes, context: grpc.ServicerContext) -> bytes:
+        started.release()
+        deadline = time.monotonic() + 30
+        while context.is_active() and time.monotonic() < deadline and not release.is_set():
+            time.sleep(0.01)
+        ended.put(request.decode() + (" active" if context.is_active() else " cancelled"))
+        return request
+
+    generic = grpc.method_handlers_generic_handler(
+        "users.Drop", {"Held": grpc.unary_unary_rpc_method_handler(held)}
+    )
+    module, address, s, pool = _started(kind, 2, handlers=(generic,))
+    try:
+        with module.insecure_channel(address) as channel:
+            method = channel.unary_unary("/users.Drop/Held")
+            dropped = method.future(b"dropped", timeout=60)
+            assert started.acquire(timeout=30)  # the handler runs
+            del dropped
+            gc.collect()
+            assert ended.get(timeout=30) == "dropped cancelled"
+            done: queue.Queue[bytes] = queue.Queue()
+            method.future(b"called back", timeout=60).add_done_callback(lambda f: done.put(f.result()))
+            assert started.acquire(timeout=30)
+            gc.collect()
+            release.set()
+            assert ended.get(timeout=30) == "called back active"
+            assert done.get(timeout=30) == b"called back"
+    finally:
+        release.set()
+        s.stop(None)
+        pool.shutdown()
