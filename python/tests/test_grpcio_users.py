@@ -1125,6 +1125,19 @@ async def _fail_at_once(request: bytes, context: Any) -> AsyncIterator[bytes]:
     yield b""  # a generator, as a streaming handler
 
 
+async def _rich_aio(request: bytes, context: Any) -> bytes:
+    await context.abort_with_status(
+        RichStatus(grpc.StatusCode.INVALID_ARGUMENT, "rich", (("grpc-status-details-bin", RICH), ("k", "v")))
+    )
+    raise AssertionError("abort_with_status returned")
+
+
+async def _details_then_abort(request: bytes, context: Any) -> bytes:
+    context.set_details("quota")
+    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED)
+    raise AssertionError("abort returned")
+
+
 async def _two(request: bytes, context: Any) -> AsyncIterator[bytes]:
     yield b"1"
     yield b"2"
@@ -1156,6 +1169,8 @@ _AIO_USERS = grpc.method_handlers_generic_handler(
         "EchoRecording": grpc.stream_stream_rpc_method_handler(_echo_recording),
         "FailAtOnce": grpc.unary_stream_rpc_method_handler(_fail_at_once),
         "Two": grpc.unary_stream_rpc_method_handler(_two),
+        "Rich": grpc.unary_unary_rpc_method_handler(_rich_aio),
+        "DetailsThenAbort": grpc.unary_unary_rpc_method_handler(_details_then_abort),
     },
 )
 
@@ -1201,6 +1216,31 @@ def test_an_asyncio_streams_initial_metadata_come_before_a_write_and_beside_a_re
 
     ready = (("x-ready", "1"),)
     assert _on_aio_server(kind, body) == (ready, b"1", ready, b"b", True), kind
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_an_asyncio_handler_aborts_with_a_status_and_keeps_the_details_it_set(kind: str) -> None:
+    """As grpc.aio's: `await context.abort_with_status(status)` (grpc_status's rich errors)
+    sends its code, details and trailers (isthmus.aio's context had no such method: UNKNOWN,
+    AttributeError), and an `abort(code)` with no details sends those set before (isthmus.aio
+    sent none)."""
+
+    async def body(channel: Any) -> Any:
+        seen = []
+        for method in ("Rich", "DetailsThenAbort"):
+            try:
+                await channel.unary_unary(f"/users.A/{method}")(b"", timeout=20)
+            except grpc.aio.AioRpcError as e:
+                trailers = dict(list(e.trailing_metadata() or ()))
+                seen.append(
+                    (e.code(), e.details(), trailers.get("grpc-status-details-bin"), trailers.get("k"))
+                )
+        return seen
+
+    assert _on_aio_server(kind, body) == [
+        (grpc.StatusCode.INVALID_ARGUMENT, "rich", RICH, "v"),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, "quota", None, None),
+    ], kind
 
 
 @pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])

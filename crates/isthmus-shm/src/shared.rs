@@ -174,8 +174,11 @@ impl SharedArena {
             return;
         }
         let mut graves = lock(&self.inner.graves);
-        // One grave (and one pidfd) per process, however often it reconnects.
-        if let Some(grave) = graves.iter_mut().find(|g| g.pid == pid) {
+        // One grave (and one pidfd) per process, however often it reconnects. Not one whose
+        // process has exited and not been reaped yet: a new process given the same pid would
+        // join it, and the next reap would free its blocks while it still reads them.
+        let alive = |g: &Grave| !g.pidfd.as_ref().is_some_and(|fd| sys::pidfd_exited(fd.as_fd()));
+        if let Some(grave) = graves.iter_mut().find(|g| g.pid == pid && alive(g)) {
             grave._blocks.extend(blocks);
             return;
         }
@@ -420,6 +423,25 @@ mod tests {
         assert!(arena.try_alloc(1).expect("ok").is_none(), "full: None at once");
         drop((a, b));
         assert!(arena.try_alloc(1).expect("ok").is_some());
+    }
+
+    #[test]
+    fn a_process_given_an_exited_ones_pid_gets_a_grave_of_its_own() {
+        // The exited process: a child, waited for, whose grave is not reaped yet.
+        let mut child = std::process::Command::new("true").spawn().expect("spawn");
+        let pidfd = sys::pidfd_open(child.id() as i32).expect("pidfd_open").expect("alive");
+        child.wait().expect("wait");
+        let arena = SharedArena::create(1 << 20).expect("arena");
+        let block = |arena: &SharedArena| arena.try_alloc(4096).expect("ok").expect("room").freeze();
+        // This process stands for the new one the pid went to: its blocks join no dead grave.
+        let pid = std::process::id() as i32;
+        // Both allocated first: an allocation reaps.
+        let (theirs, ours) = (block(&arena), block(&arena));
+        lock(&arena.inner.graves).push(Grave { pid, pidfd: Some(pidfd), _blocks: vec![theirs] });
+        arena.bury(pid, vec![ours]);
+        assert_eq!(arena.in_use(), 8 << 10);
+        arena.reap();
+        assert_eq!(arena.in_use(), 4 << 10, "the exited process's block freed, the live one's kept");
     }
 
     #[test]

@@ -132,6 +132,8 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
             raise grpc.aio.UsageError("Abort already called!")
         if trailing_metadata:
             self._trailing = trailing_metadata
+        if not details and self._details:
+            details = self._details  # as grpc.aio's: an abort with none keeps those set before
         try:
             self._abort(code, details)
         except grpc.aio.AbortError as e:
@@ -140,6 +142,10 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
             self._abort_error = e
             self._finish(None)
             raise
+
+    async def abort_with_status(self, status: grpc.Status) -> NoReturn:
+        # grpc.aio's: the code, details and trailers of `status` (grpc_status's rich errors).
+        await self.abort(status.code, status.details, status.trailing_metadata)
 
     def _encode(self, response: Any) -> bytes:
         # grpc.aio's server sends a `str` reply of a method with no serializer as its UTF-8
