@@ -818,7 +818,9 @@ isthmus_code_t isthmus_call_send(const isthmus_call_t *call,
 
 // [`isthmus_call_send`] without blocking (`ISTHMUS_OP_SEND`; `code` is `ISTHMUS_CANCELLED`
 // if the call was over). The message is copied before this returns. After the half-close it
-// fails at once with `ISTHMUS_INTERNAL`, as `isthmus_call_send` does.
+// fails at once with `ISTHMUS_INTERNAL`, as `isthmus_call_send` does. Abandoned before it
+// completes (`isthmus_cq_cancel`, or its queue freed), it cancels the call: part of the
+// message may have gone.
 //
 // Thread-safety: any thread; the call's sending side, usable while another thread receives. Sends
 // started from two threads at once go in an order they fix themselves.
@@ -841,7 +843,8 @@ isthmus_code_t isthmus_call_send_async(const isthmus_call_t *call,
 // receives.
 isthmus_code_t isthmus_call_close_send(const isthmus_call_t *call);
 
-// [`isthmus_call_close_send`] without blocking (`ISTHMUS_OP_CLOSE_SEND`).
+// [`isthmus_call_close_send`] without blocking (`ISTHMUS_OP_CLOSE_SEND`). Abandoned before it
+// completes, it cancels the call, as an abandoned send does.
 //
 // Thread-safety: any thread; the call's sending side, usable while another thread receives.
 //

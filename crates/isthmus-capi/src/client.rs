@@ -1015,7 +1015,9 @@ pub unsafe extern "C" fn isthmus_call_send(
 
 /// [`isthmus_call_send`] without blocking (`ISTHMUS_OP_SEND`; `code` is `ISTHMUS_CANCELLED`
 /// if the call was over). The message is copied before this returns. After the half-close it
-/// fails at once with `ISTHMUS_INTERNAL`, as `isthmus_call_send` does.
+/// fails at once with `ISTHMUS_INTERNAL`, as `isthmus_call_send` does. Abandoned before it
+/// completes (`isthmus_cq_cancel`, or its queue freed), it cancels the call: part of the
+/// message may have gone.
 ///
 /// Thread-safety: any thread; the call's sending side, usable while another thread receives. Sends
 /// started from two threads at once go in an order they fix themselves.
@@ -1038,8 +1040,34 @@ pub unsafe extern "C" fn isthmus_call_send_async(
         sendable(&shared)?;
         // SAFETY: the caller's promise, passed on.
         let message = Bytes::copy_from_slice(unsafe { c_bytes(data, len, "the message")? });
-        Ok(async move { Outcome::done_if(shared.send(message, last != 0).await, over) })
+        Ok(async move {
+            let abandoned = CancelIfAbandoned(Some(shared.clone()));
+            let sent = shared.send(message, last != 0).await;
+            abandoned.finished();
+            Outcome::done_if(sent, over)
+        })
     })
+}
+
+/// Cancels its call when dropped before [`finished`](Self::finished): a send abandoned while
+/// it waits (`isthmus_cq_cancel`, its queue freed) may have taken flow-control credit, or
+/// begun a message in pieces, that the server never gets, and every later send on the call
+/// then waited for its end. The header's promise: a call such an operation was making is
+/// cancelled.
+struct CancelIfAbandoned(Option<std::sync::Arc<SharedCall>>);
+
+impl CancelIfAbandoned {
+    fn finished(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CancelIfAbandoned {
+    fn drop(&mut self) {
+        if let Some(call) = self.0.take() {
+            call.cancel();
+        }
+    }
 }
 
 /// Half-closes: no more request messages.
@@ -1055,7 +1083,8 @@ pub extern "C" fn isthmus_call_close_send(call: *const isthmus_call_t) -> isthmu
     })
 }
 
-/// [`isthmus_call_close_send`] without blocking (`ISTHMUS_OP_CLOSE_SEND`).
+/// [`isthmus_call_close_send`] without blocking (`ISTHMUS_OP_CLOSE_SEND`). Abandoned before it
+/// completes, it cancels the call, as an abandoned send does.
 ///
 /// Thread-safety: any thread; the call's sending side, usable while another thread receives.
 ///
@@ -1072,7 +1101,9 @@ pub unsafe extern "C" fn isthmus_call_close_send_async(
 ) -> isthmus_code_t {
     start_on(CALLS.get(call).map(|c| c.call.clone()), cq, tag, ISTHMUS_OP_CLOSE_SEND, now, status, |shared| {
         Ok(async move {
+            let abandoned = CancelIfAbandoned(Some(shared.clone()));
             shared.close_send().await;
+            abandoned.finished();
             Outcome::Done
         })
     })

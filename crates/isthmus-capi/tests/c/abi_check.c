@@ -1777,6 +1777,48 @@ static int check_cancel(ctx_t *c) {
   return 1;
 }
 
+/* A send abandoned on its queue (isthmus_cq_cancel) while it waits cancels its call, as the
+ * header says of an operation's call: it may have taken flow-control credit for bytes the
+ * server never gets, and later sends waited for the call's end. Sleep never reads: the first
+ * 16 MiB use up the stream's window (over shm://; over HTTP/2 the server's 4 MiB limit ends
+ * the call), so the second send waits. */
+static int check_abandoned_send_cancels_its_call(ctx_t *c) {
+  isthmus_status_t *st = NULL;
+  isthmus_call_options_t opts = timeout_opts(CALL_TIMEOUT_US);
+  isthmus_call_t *call = NULL;
+  isthmus_cq_t *cq = isthmus_cq_new();
+  REQUIRE(cq != NULL, "a queue");
+  MUST(isthmus_call_start(c->ch, SVC "Sleep", &opts, &call, &st));
+  size_t len = (size_t)16 << 20;
+  uint8_t *big = calloc(len, 1);
+  REQUIRE(big != NULL, "memory");
+  isthmus_code_t first = isthmus_call_send(call, big, len, 0, &st);
+  if (st) isthmus_status_free(st);
+  isthmus_event_t now;
+  memset(&now, 0, sizeof now);
+  st = NULL;
+  isthmus_code_t rc = first == ISTHMUS_OK ? isthmus_call_send_async(call, big, len, 0, cq, 9, &now, &st) : first;
+  free(big);
+  if (st) isthmus_status_free(st);
+  if (rc == ISTHMUS_OK && now.op == 0) { /* it waits for the server's window */
+    MUST(isthmus_cq_cancel(cq, 9));
+    isthmus_message_t *msg = NULL;
+    st = NULL;
+    rc = isthmus_call_recv(call, &msg, &st);
+    const char *words = st ? isthmus_status_message(st) : "";
+    int ran_on = strcmp(words, "slept") == 0;
+    if (st) isthmus_status_free(st);
+    if (msg) isthmus_message_free(msg);
+    REQUIRE(rc == ISTHMUS_CANCELLED, "recv gave %s", isthmus_code_name(rc));
+    REQUIRE(!ran_on, "the call ran on to the server's end: the abandoned send did not cancel it");
+  } else if (now.op != 0) {
+    event_free(&now);
+  }
+  MUST(isthmus_call_free(call));
+  isthmus_cq_free(cq);
+  return 1;
+}
+
 /* 1 if `p` lies in a mapping of an isthmus shared-memory segment (its memfd's name in
    /proc/self/maps), 0 if in other memory, -1 if the maps cannot be read. */
 static int in_segment(const void *p) {
@@ -3011,6 +3053,7 @@ static const check_t CHECKS[] = {
     {"fail_status", check_fail},
     {"deadline", check_deadline},
     {"cancel", check_cancel},
+    {"abandoned_send_cancels_its_call", check_abandoned_send_cancels_its_call},
     {"zero_copy_block", check_zero_copy},
     {"block_reply", check_block_reply},
     {"reply", check_reply},
