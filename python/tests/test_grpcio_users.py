@@ -1138,6 +1138,38 @@ async def _details_then_abort(request: bytes, context: Any) -> bytes:
     raise AssertionError("abort returned")
 
 
+async def _late_compression(request: bytes, context: Any) -> AsyncIterator[bytes]:
+    yield b"first"  # the initial metadata go with it
+    try:
+        context.set_compression(grpc.Compression.Gzip)
+    except RuntimeError as e:
+        yield str(e).encode()
+
+
+def _picky(message: bytes) -> bytes:
+    if message == b"bad":
+        raise ValueError("not a request")
+    return message
+
+
+async def _count_or_refuse(requests: Any, context: Any) -> bytes:
+    n = 0
+    try:
+        async for _ in requests:
+            n += 1
+    except ValueError as e:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"bad: {e}")
+    return b"%d" % n
+
+
+def _plain_twice_abort(request: bytes, context: Any) -> bytes:
+    try:
+        context.abort(grpc.StatusCode.NOT_FOUND, "missing")
+    except Exception as e:
+        context.abort(grpc.StatusCode.INTERNAL, f"wrapped: {e}")
+    return b"returned"  # grpc.aio's plain abort returns
+
+
 async def _two(request: bytes, context: Any) -> AsyncIterator[bytes]:
     yield b"1"
     yield b"2"
@@ -1171,6 +1203,9 @@ _AIO_USERS = grpc.method_handlers_generic_handler(
         "Two": grpc.unary_stream_rpc_method_handler(_two),
         "Rich": grpc.unary_unary_rpc_method_handler(_rich_aio),
         "DetailsThenAbort": grpc.unary_unary_rpc_method_handler(_details_then_abort),
+        "LateCompression": grpc.unary_stream_rpc_method_handler(_late_compression),
+        "PlainTwiceAbort": grpc.unary_unary_rpc_method_handler(_plain_twice_abort),
+        "CountOrRefuse": grpc.stream_unary_rpc_method_handler(_count_or_refuse, request_deserializer=_picky),
     },
 )
 
@@ -1240,6 +1275,52 @@ def test_an_asyncio_handler_aborts_with_a_status_and_keeps_the_details_it_set(ki
     assert _on_aio_server(kind, body) == [
         (grpc.StatusCode.INVALID_ARGUMENT, "rich", RICH, "v"),
         (grpc.StatusCode.RESOURCE_EXHAUSTED, "quota", None, None),
+    ], kind
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_an_asyncio_handler_hears_of_a_request_that_does_not_deserialize(kind: str) -> None:
+    """As grpc.aio's: a request whose deserializer raises raises that exception in the
+    handler's read, which may catch it and abort in its own words. isthmus.aio aborted the
+    call itself (the handler saw an AbortError, and its own abort was refused)."""
+
+    async def body(channel: Any) -> Any:
+        try:
+            await channel.stream_unary("/users.A/CountOrRefuse")(iter([b"a", b"bad"]), timeout=20)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details()
+        return None
+
+    assert _on_aio_server(kind, body) == (grpc.StatusCode.INVALID_ARGUMENT, "bad: not a request"), kind
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_a_plain_handlers_abort_on_the_asyncio_server_ends_the_call_at_once(kind: str) -> None:
+    """A plain (not async) handler on the asyncio server whose `except` around an abort aborts
+    again: grpc.aio's first abort sent its status there and then, and the client gets it.
+    isthmus.aio only recorded it, and the second abort's replaced it."""
+
+    async def body(channel: Any) -> Any:
+        try:
+            await channel.unary_unary("/users.A/PlainTwiceAbort")(b"", timeout=20)
+        except grpc.aio.AioRpcError as e:
+            return e.code(), e.details()
+        return None
+
+    assert _on_aio_server(kind, body) == (grpc.StatusCode.NOT_FOUND, "missing"), kind
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_an_asyncio_handler_sets_compression_before_its_initial_metadata_or_hears_of_it(kind: str) -> None:
+    """As grpc.aio's: `set_compression` once the initial metadata went raises RuntimeError
+    (isthmus.aio's said nothing, and the replies went on uncompressed)."""
+
+    async def body(channel: Any) -> Any:
+        return [m async for m in channel.unary_stream("/users.A/LateCompression")(b"", timeout=20)]
+
+    assert _on_aio_server(kind, body) == [
+        b"first",
+        b"Compression setting must be specified before sending initial metadata",
     ], kind
 
 
@@ -3381,3 +3462,22 @@ def test_a_future_its_caller_drops_is_cancelled_unless_it_has_callbacks(kind: st
         release.set()
         s.stop(None)
         pool.shutdown()
+
+
+class _BlockingInterceptor(grpc.ServerInterceptor):
+    def intercept_service(self, continuation: Any, handler_call_details: Any) -> Any:
+        return continuation(handler_call_details)
+
+
+@pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
+def test_an_asyncio_server_refuses_a_blocking_servers_interceptor(kind: str) -> None:
+    """As grpc.aio's: `server(interceptors=[...])` given a `grpc.ServerInterceptor` (the blocking
+    server's kind, whose `intercept_service` returns a handler, not an awaitable) raises
+    ValueError at once. isthmus.aio took it, and failed, UNKNOWN, only the calls it refused."""
+    module: Any = grpc.aio if kind == "grpc.aio" else isthmus.aio
+
+    async def make() -> None:
+        module.server(interceptors=[_BlockingInterceptor()])
+
+    with pytest.raises(ValueError, match="Interceptor must be ServerInterceptor"):
+        asyncio.run(make())

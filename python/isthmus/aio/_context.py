@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 import grpc
 import grpc.aio
 
+from .._channel import encoding
 from .._context import Context, status_details, status_number
 from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
@@ -123,6 +124,11 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
                 raise grpc.aio.UsageError("Send initial metadata failed: already sent") from None
             raise
 
+    def set_compression(self, compression: grpc.Compression) -> None:
+        # grpc.aio's error once the initial metadata went (the blocking server's ignores it).
+        if not self._call.set_compression(encoding(compression)):
+            raise RuntimeError("Compression setting must be specified before sending initial metadata")
+
     async def abort(
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: Iterable[Metadatum] = ()
     ) -> NoReturn:
@@ -162,8 +168,10 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
 
     def _codec_failed(self, error: Exception, words: str) -> NoReturn:
         # grpc.aio's server does not catch its method's serializers: their exception is the
-        # handler's, UNKNOWN in its words.
-        self._abort(grpc.StatusCode.UNKNOWN, self._fault(error))
+        # handler's (raised in its `read()` or `write()`, which it may catch and abort in its
+        # own words), UNKNOWN in grpc.aio's words if it goes out of it. Aborted here, the call
+        # took no later abort, and the handler saw an AbortError.
+        raise error
 
     def details(self) -> str:
         return self._details or ""

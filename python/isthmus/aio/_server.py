@@ -69,6 +69,11 @@ class Server(ServerBase, grpc.aio.Server):
         if maximum_concurrent_rpcs is not None and maximum_concurrent_rpcs < 1:
             # As grpc.aio (its blocking server takes 0, and refuses every call, as isthmus's).
             raise ValueError("maximum_concurrent_rpcs should be a positive integer")
+        # As grpc.aio: a blocking server's interceptor here (its `intercept_service` returns a
+        # handler, not an awaitable) failed only the calls it refused, UNKNOWN.
+        invalid = [i for i in interceptors or () if not isinstance(i, grpc.aio.ServerInterceptor)]
+        if invalid:
+            raise ValueError(f"Interceptor must be ServerInterceptor, the following are invalid: {invalid}")
         super().__init__(True, handlers, interceptors, options, maximum_concurrent_rpcs, None, compression)
         self._pool = migration_thread_pool
         self._loop: asyncio.AbstractEventLoop | None = None

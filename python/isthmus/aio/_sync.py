@@ -54,9 +54,12 @@ class SyncServicerContext(grpc.ServicerContext):
     def abort(
         self, code: grpc.StatusCode, details: str = "", trailing_metadata: Iterable[Metadatum] = ()
     ) -> NoReturn:
-        if trailing_metadata:
-            self._context.set_trailing_metadata(trailing_metadata)
-        self._context._abort(code, details)
+        # The asyncio context's abort, on the loop, as grpc.aio's: the status goes now, and a
+        # second abort (a handler's `except` around the first) is refused, UsageError, leaving
+        # the first's status (only recorded, the second's replaced it). grpc.aio's then returns
+        # (its abort does not raise); this one raises the AbortError, as abort is documented to.
+        self._wait(self._context.abort(code, details, tuple(trailing_metadata or ())))
+        raise grpc.aio.AbortError(details)  # not reached: the abort raised
 
     def abort_with_status(self, status: grpc.Status) -> NoReturn:
         self.abort(status.code, status.details, status.trailing_metadata or ())
