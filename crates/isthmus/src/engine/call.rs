@@ -88,11 +88,20 @@ impl Reconnect {
     /// deadline has passed meanwhile.
     pub(crate) fn too_late(&self, deadline: Option<std::time::Instant>) -> Result<(), Status> {
         match &self.failed {
-            Some(failed) if deadline.is_some_and(|d| std::time::Instant::now() >= d) => Err(Status::new(
-                Code::DeadlineExceeded,
-                format!("no server became ready before the deadline: {failed}"),
-            )),
+            Some(_) if deadline.is_some_and(|d| std::time::Instant::now() >= d) => Err(self.deadline_passed()),
             _ => Ok(()),
+        }
+    }
+
+    /// DEADLINE_EXCEEDED for a call whose deadline passed while it connected: with the last
+    /// failure, if an attempt failed before. Whichever wait saw the deadline first (the
+    /// backoff's, or one on an attempt under way), the call says why it never started.
+    pub(crate) fn deadline_passed(&self) -> Status {
+        match &self.failed {
+            Some(failed) => {
+                Status::new(Code::DeadlineExceeded, format!("no server became ready before the deadline: {failed}"))
+            }
+            None => Status::deadline_exceeded(),
         }
     }
 }

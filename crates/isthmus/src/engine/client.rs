@@ -148,7 +148,7 @@ impl ShmChannel {
                     let lock = self.connecting.get().lock_owned();
                     match deadline {
                         None => lock.await,
-                        Some(d) => tokio::time::timeout_at(d, lock).await.map_err(|_| Status::deadline_exceeded())?,
+                        Some(d) => tokio::time::timeout_at(d, lock).await.map_err(|_| reconnect.deadline_passed())?,
                     }
                 }
             };
@@ -164,7 +164,7 @@ impl ShmChannel {
                     held = Some(one_at_a_time);
                     made
                 }
-                Some(left) if left.is_zero() => return Err(Status::deadline_exceeded()),
+                Some(left) if left.is_zero() => return Err(reconnect.deadline_passed()),
                 // Less time left than a handshake may take: the attempt goes on in a task of
                 // its own, holding the lock, and connects the channel for the calls after this
                 // one even if it ends after this call's deadline (as the blocking channel's).
@@ -178,7 +178,7 @@ impl ShmChannel {
                     });
                     let outcome = match deadline {
                         Some(d) => {
-                            tokio::time::timeout_at(d, outcome).await.map_err(|_| Status::deadline_exceeded())?
+                            tokio::time::timeout_at(d, outcome).await.map_err(|_| reconnect.deadline_passed())?
                         }
                         None => outcome.await,
                     };
