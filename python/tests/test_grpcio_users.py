@@ -1278,6 +1278,15 @@ def test_an_asyncio_handler_aborts_with_a_status_and_keeps_the_details_it_set(ki
     ], kind
 
 
+async def _aio_failure(call: Awaitable[Any]) -> tuple[grpc.StatusCode, str] | None:
+    """The code and details an awaited asyncio call failed with; None if it succeeded."""
+    try:
+        await call
+    except grpc.aio.AioRpcError as e:
+        return e.code(), e.details()
+    return None
+
+
 @pytest.mark.parametrize("kind", ["grpc.aio", "isthmus.aio"])
 def test_an_asyncio_handler_hears_of_a_request_that_does_not_deserialize(kind: str) -> None:
     """As grpc.aio's: a request whose deserializer raises raises that exception in the
@@ -1285,11 +1294,9 @@ def test_an_asyncio_handler_hears_of_a_request_that_does_not_deserialize(kind: s
     call itself (the handler saw an AbortError, and its own abort was refused)."""
 
     async def body(channel: Any) -> Any:
-        try:
-            await channel.stream_unary("/users.A/CountOrRefuse")(iter([b"a", b"bad"]), timeout=20)
-        except grpc.aio.AioRpcError as e:
-            return e.code(), e.details()
-        return None
+        return await _aio_failure(
+            channel.stream_unary("/users.A/CountOrRefuse")(iter([b"a", b"bad"]), timeout=20)
+        )
 
     assert _on_aio_server(kind, body) == (grpc.StatusCode.INVALID_ARGUMENT, "bad: not a request"), kind
 
@@ -1301,11 +1308,7 @@ def test_a_plain_handlers_abort_on_the_asyncio_server_ends_the_call_at_once(kind
     isthmus.aio only recorded it, and the second abort's replaced it."""
 
     async def body(channel: Any) -> Any:
-        try:
-            await channel.unary_unary("/users.A/PlainTwiceAbort")(b"", timeout=20)
-        except grpc.aio.AioRpcError as e:
-            return e.code(), e.details()
-        return None
+        return await _aio_failure(channel.unary_unary("/users.A/PlainTwiceAbort")(b"", timeout=20))
 
     assert _on_aio_server(kind, body) == (grpc.StatusCode.NOT_FOUND, "missing"), kind
 
