@@ -640,3 +640,76 @@ func TestAnAllocWaitingForArenaRoomEndsWithItsCall(t *testing.T) {
 	}
 	t.Logf("%d replies of 1 MiB held", received.Load())
 }
+
+// A raw stream cancelled while one goroutine waits in Recv and another in SendBlock (out of
+// credit: the server reads nothing) is cancelled at the server, and the send returns. When
+// Recv's end of the wait finished the stream before the context's own hook ran, the hook found
+// it ended and cancelled nothing: the send waited in cgo, and the handler ran on, until the
+// connection closed. A race the old code seldom lost here: this test passed on it in 15
+// rounds; it holds the behaviour, and fails when the race goes the other way.
+func TestARawStreamCancelledDuringRecvAndSendEndsBoth(t *testing.T) {
+	shm, _ := fresh(t, "raw-cancel-both")
+	s := isthmus.NewServer()
+	handlerSaw := make(chan error, 8)
+	s.HandleRaw("/t.T/Deaf", func(c *isthmus.RawServerCall) error {
+		<-c.Context().Done()
+		handlerSaw <- c.Context().Err()
+		return c.Context().Err()
+	})
+	serving(t, s, shm)
+	defer s.Stop()
+	conn := dial(t, shm)
+	for round := 0; round < 5; round++ {
+		ctx, cancel := context.WithCancel(context.Background())
+		stream, err := conn.StartRaw(ctx, "/t.T/Deaf")
+		if err != nil {
+			t.Fatal(err)
+		}
+		sent := make(chan int, 64)
+		sendDone := make(chan error, 1)
+		go func() {
+			for {
+				b, err := stream.Alloc(1 << 20)
+				if err == nil {
+					err = stream.SendBlock(b, false)
+				}
+				if err != nil {
+					sendDone <- err
+					return
+				}
+				sent <- 1
+			}
+		}()
+		recvDone := make(chan error, 1)
+		go func() {
+			_, err := stream.Recv()
+			recvDone <- err
+		}()
+		// The 4 MiB window's worth: the next send waits for credit that never comes.
+		for i := 0; i < 4; i++ {
+			select {
+			case <-sent:
+			case err := <-sendDone:
+				t.Fatalf("round %d: send %d: %v", round, i, err)
+			case <-time.After(30 * time.Second):
+				t.Fatalf("round %d: send %d took 30 s", round, i)
+			}
+		}
+		cancel()
+		for what, done := range map[string]chan error{"Recv": recvDone, "SendBlock": sendDone} {
+			select {
+			case err := <-done:
+				if err == nil {
+					t.Errorf("round %d: %s ended without an error", round, what)
+				}
+			case <-time.After(30 * time.Second):
+				t.Fatalf("round %d: %s still waits 30 s after the cancel", round, what)
+			}
+		}
+		select {
+		case <-handlerSaw:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("round %d: the handler never saw the cancel", round)
+		}
+	}
+}

@@ -678,19 +678,23 @@ func unaryEvent(code C.isthmus_code_t, msg *C.isthmus_message_t, header, trailer
 	return ev
 }
 
+// noMetadata is grpc-go's grpc.Header and grpc.Trailer after a call that got none: the
+// caller's variables do not keep an earlier call's.
+func (co callOptions) noMetadata() {
+	if co.header != nil {
+		*co.header = nil
+	}
+	if co.trailer != nil {
+		*co.trailer = metadata.MD{} // a copy of none, as grpc-go's: a map to Set in
+	}
+}
+
 // unaryReply unmarshals a unary call's outcome into reply and hands its metadata (and peer)
 // to the call options that asked for it; every handle in ev is freed. A reply over
 // MaxCallRecvMsgSize fails the call, as grpc-go's would.
 func (cc *ClientConn) unaryReply(ctx context.Context, ev C.isthmus_event_t, ok bool, reply any, co callOptions) error {
 	if !ok {
-		// As grpc-go's grpc.Header and grpc.Trailer after every call: no metadata came, and
-		// the caller's variables do not keep an earlier call's.
-		if co.header != nil {
-			*co.header = nil
-		}
-		if co.trailer != nil {
-			*co.trailer = metadata.MD{} // a copy of none, as grpc-go's: a map to Set in
-		}
+		co.noMetadata()
 		return ctxError(ctx)
 	}
 	// A call that failed UNAVAILABLE did not reach a server: grpc-go leaves the peer then.
@@ -783,8 +787,11 @@ func (cc *ClientConn) invokeLarge(ctx context.Context, method string, args proto
 		}
 	}
 	if err != nil {
+		// As any call's failure: in the context's words once it ended, Canceled "closing"
+		// after Close, and no metadata left from an earlier call.
 		freeMetadata(copts.metadata)
-		return err
+		co.noMetadata()
+		return cc.callError(ctx, err)
 	}
 	out, err := proto.MarshalOptions{}.MarshalAppend(b.Bytes()[:0], args)
 	if err != nil || len(out) != size {
@@ -1104,7 +1111,12 @@ func (s *clientStream) Header() (metadata.MD, error) {
 	defer s.end()
 	if _, err := s.headerOf(call); err != nil {
 		// As grpc-go's: a stream that ended without headers gives none and no error here;
-		// RecvMsg gives its status.
+		// RecvMsg gives its status. The stream is finished now, as grpc-go's is: its handle,
+		// its stats and its call options' end do not wait for a RecvMsg that may never come.
+		if s.ctx.Err() != nil {
+			s.cancel()
+		}
+		_ = s.finish(s.cc.callError(s.ctx, err), nil)
 		return nil, nil
 	}
 	s.mu.Lock()
@@ -1253,6 +1265,9 @@ func (s *clientStream) recv(m any) error {
 	defer s.end()
 	ev, ok := s.cc.recvCall(s.ctx, call)
 	if !ok {
+		// Cancelled before the finish: after it, ctxEnded's cancel would find the call ended
+		// and leave it running at the server, and a send waiting beside this receive with it.
+		s.cancel()
 		return endError(s.finish(ctxError(s.ctx), nil))
 	}
 	if ev.code != C.ISTHMUS_OK {
@@ -1271,14 +1286,17 @@ func (s *clientStream) recv(m any) error {
 		}
 		return endError(s.finish(nil, nil))
 	}
+	first := !s.gotMessage
 	s.gotMessage = true
+	if first {
+		// The initial metadata came with or before it: kept now, a cancel, a Close or a
+		// failure that ends the stream later leaves Header and grpc.Header what came, as
+		// grpc-go's do. Once per stream, and at once (the library has them).
+		s.keepHeader(call)
+	}
 	if err := s.opts.checkRecv(int(ev.message_len)); err != nil {
 		C.isthmus_message_free(ev.message)
-		s.keepHeader(call)
 		return endError(s.fail(err))
-	}
-	if s.opts.stats != nil {
-		s.keepHeader(call)
 	}
 	err := s.opts.unmarshal(messageBytes(ev.message_data, ev.message_len), m)
 	C.isthmus_message_free(ev.message)

@@ -574,3 +574,76 @@ func TestAMethodTakingOneRequestRefusesNoneOrMore(t *testing.T) {
 		}
 	}
 }
+
+// headerThenWait is a server-streaming handler that sends initial metadata and its messages,
+// then waits for its call to end.
+type headerThenWait struct{ pb.UnimplementedEchoServer }
+
+func (headerThenWait) ServerStream(r *pb.StreamRequest, s grpc.ServerStreamingServer[pb.EchoReply]) error {
+	if err := s.SendHeader(metadata.Pairs("x-h", "3")); err != nil {
+		return err
+	}
+	for i := uint32(0); i < r.GetCount(); i++ {
+		if err := s.Send(&pb.EchoReply{Seq: uint64(i)}); err != nil {
+			return err
+		}
+	}
+	<-s.Context().Done()
+	return s.Context().Err()
+}
+
+// A stream read in part and then cancelled keeps the initial metadata that came, for Header
+// and grpc.Header, as grpc-go's does: isthmus took them only when asked for, or for stats
+// handlers, and a cancel before that left both nil.
+func TestAStreamCancelledAfterItsMessagesKeepsTheHeaderThatCame(t *testing.T) {
+	for name, conn := range besideGrpcGoServing(t, "header-kept", headerThenWait{}) {
+		ctx, cancel := context.WithCancel(testContext(t))
+		var h metadata.MD
+		stream, err := pb.NewEchoClient(conn).ServerStream(ctx, &pb.StreamRequest{Count: 3}, grpc.Header(&h))
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		for i := 0; i < 3; i++ {
+			if _, err := stream.Recv(); err != nil {
+				t.Fatalf("%s: message %d: %v", name, i, err)
+			}
+		}
+		cancel()
+		if _, err := stream.Recv(); status.Code(err) != codes.Canceled {
+			t.Errorf("%s: after the cancel: %v", name, err)
+		}
+		got, err := stream.Header()
+		if err != nil || fmt.Sprint(got.Get("x-h")) != "[3]" {
+			t.Errorf("%s: Header after the cancel: %v, %v", name, got, err)
+		}
+		if fmt.Sprint(h.Get("x-h")) != "[3]" {
+			t.Errorf("%s: grpc.Header after the cancel: %v", name, h)
+		}
+	}
+}
+
+// A stream whose Header finds it ended without initial metadata is finished then, as
+// grpc-go's is: its handle is freed though nobody reads its status. Before, it was kept until
+// a Recv, or the connection's Close.
+func TestAStreamEndedBareIsFinishedByHeader(t *testing.T) {
+	shm, unix := fresh(t, "header-finishes")
+	s := isthmus.NewServer()
+	pb.RegisterEchoServer(s, failingAfterHeader{})
+	serving(t, s, shm, unix)
+	conn := dial(t, shm)
+	client := pb.NewEchoClient(conn)
+	ctx := testContext(t)
+	before := isthmus.LiveHandles()
+	for i := 0; i < 3; i++ {
+		bare, err := client.ServerStream(ctx, &pb.StreamRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if h, err := bare.Header(); err != nil || len(h.Get("x-h")) != 0 {
+			t.Errorf("a stream that failed bare: header %v, %v", h, err)
+		}
+	}
+	if n := isthmus.LiveHandles(); n != before {
+		t.Errorf("%d handles live after three streams that ended, %d before", n, before)
+	}
+}

@@ -249,6 +249,8 @@ func (r *RawStream) Recv() (*Message, error) {
 	defer r.cs.end()
 	ev, ok := r.cs.cc.recvCall(r.cs.ctx, call)
 	if !ok {
+		// Cancelled before the finish, as clientStream.recv does.
+		r.cs.cancel()
 		return nil, endError(r.cs.finish(ctxError(r.cs.ctx), nil))
 	}
 	if ev.code != C.ISTHMUS_OK {

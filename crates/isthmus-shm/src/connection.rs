@@ -419,6 +419,12 @@ impl Sender {
         }
     }
 
+    /// Whether a message of `len` bytes goes in pieces (over half the arena), which the peer
+    /// reassembles until the last one, or the stream's CANCEL or TRAILERS, arrives.
+    pub fn in_pieces(&self, len: usize) -> bool {
+        matches!(self.route(len), Route::Pieces(_))
+    }
+
     /// Sends one frame with an inline body (HEADERS, TRAILERS, CANCEL, PING, GOAWAY, or a small
     /// MESSAGE), waiting for ring room until `deadline`.
     pub fn send(&self, kind: Kind, frame_flags: u8, stream: u64, body: &[u8], deadline: Option<Instant>) -> Result<()> {
@@ -1189,6 +1195,12 @@ impl fmt::Debug for Receiver {
 }
 
 impl Receiver {
+    /// Messages arriving in pieces that this side holds part of now: each ends with its last
+    /// piece, or with its stream's CANCEL or TRAILERS.
+    pub fn partial_messages(&self) -> usize {
+        self.partial.len()
+    }
+
     /// Takes the next frame if one is waiting. Frames the peer wrote before it died are still
     /// delivered; after them comes [`ErrorKind::PeerGone`]. Returns `None` after a bounded number
     /// of message pieces even if more are waiting, so a peer streaming pieces cannot hold the

@@ -1189,10 +1189,14 @@ impl HandedCall {
     ) -> Result<(), Status> {
         use crate::Delivery;
         self.check_active()?;
-        let (arena, inline_max, direct, going_away) = {
-            let mut call = self.sending().await;
-            (call.shared_arena().cloned(), call.inline_max(), call.direct().await?, call.going_away())
-        };
+        // Raced against the call's end, as every send here is: the initial metadata wait for
+        // ring room, which a stalled client's never gives, and this held its thread.
+        let (arena, inline_max, direct, going_away) = self
+            .until_over(async {
+                let mut call = self.sending().await;
+                Ok((call.shared_arena().cloned(), call.inline_max(), call.direct().await?, call.going_away()))
+            })
+            .await?;
         let mut sub = topic.subscribe_sending(arena.as_ref(), inline_max, max_send.unwrap_or(usize::MAX));
         sub.end_when(going_away);
         sub.send_directly(direct);

@@ -456,10 +456,15 @@ impl Topic {
         if q.items.len() - usize::from(q.state_first) >= self.inner.options.capacity {
             match self.inner.options.slow {
                 SlowSubscriber::DropOldest => {
-                    q.items.pop_front();
-                    q.state_first = false;
-                    q.gap += 1;
-                    self.inner.dropped.fetch_add(1, Ordering::Relaxed);
+                    // The initial state goes first, and with it its place beside the `capacity`
+                    // messages: the oldest of them goes too, or the queue held one over its
+                    // bound for good.
+                    while q.items.len() - usize::from(q.state_first) >= self.inner.options.capacity {
+                        q.items.pop_front();
+                        q.state_first = false;
+                        q.gap += 1;
+                        self.inner.dropped.fetch_add(1, Ordering::Relaxed);
+                    }
                 }
                 SlowSubscriber::Cancel => {
                     q.items.clear();
@@ -1021,6 +1026,23 @@ mod tests {
         let mut sub = topic.subscribe();
         topic.publish(b"x");
         assert_eq!((message(next_now(&mut sub)), message(next_now(&mut sub))), (b"state".to_vec(), b"x".to_vec()));
+    }
+
+    /// Once a late joiner falls behind, its queue holds `capacity` messages, not one more: the
+    /// state went first, and its place with it. Before, it held capacity + 1 for good.
+    #[test]
+    fn a_late_joiner_that_falls_behind_holds_its_capacity_and_no_more() {
+        let topic = Topic::with_options("t", TopicOptions { capacity: 2, slow: SlowSubscriber::DropOldest });
+        topic.publish_state(b"state");
+        let mut sub = topic.subscribe();
+        for m in [b"a", b"b", b"c", b"d"] {
+            topic.publish(m);
+        }
+        // Dropped: the state, a and b (the two that made room for c and d).
+        assert!(matches!(next_now(&mut sub), Some(Ok(Some(Delivery::Gap(3))))));
+        assert_eq!((message(next_now(&mut sub)), message(next_now(&mut sub))), (b"c".to_vec(), b"d".to_vec()));
+        assert!(next_now(&mut sub).is_none(), "nothing more queued");
+        assert_eq!(topic.stats().dropped, 3);
     }
 
     #[test]

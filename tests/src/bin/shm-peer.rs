@@ -541,6 +541,14 @@ fn answer(sender: &Sender, stream: u64, request: &[u8]) {
             send(Kind::Message, 0, stream, b"two");
             send(Kind::Trailers, flags::END_STREAM, stream, &ok);
         }
+        "two-headers" => {
+            send(Kind::Headers, 0, stream, &head);
+            send(Kind::Headers, 0, stream, &head);
+            send(Kind::Message, 0, stream, request);
+            send(Kind::Trailers, flags::END_STREAM, stream, &ok);
+        }
+        // A CANCEL that says OK, where the response was due.
+        "cancel-ok" => send(Kind::Cancel, 0, stream, &wire::encode_cancel(Code::Ok)),
         "trailers-only" => {
             let failed = Status::new(Code::PermissionDenied, "no headers first");
             send(Kind::Trailers, flags::END_STREAM, stream, &wire::encode_trailers(&failed));

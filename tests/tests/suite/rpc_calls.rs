@@ -1940,3 +1940,192 @@ fn a_malformed_grpc_timeout_or_binary_value_fails_the_call_internal_whatever_ser
         }
     });
 }
+
+/// The status, and the response if it carries one, of the call on stream 1 of a raw client,
+/// read to its TRAILERS (or its CANCEL, as a status with its code).
+fn raw_outcome(c: &mut isthmus_shm::Connection) -> (isthmus::Status, Vec<u8>) {
+    use isthmus::wire;
+    use isthmus_shm::Kind;
+    let mut reply = Vec::new();
+    loop {
+        let f = c.receiver.recv(patience_30s()).expect("an answer");
+        match (f.kind, f.stream) {
+            (Kind::Message, 1) => reply.extend_from_slice(&f.body),
+            (Kind::Trailers, 1) if f.flags & wire::WITH_MESSAGE != 0 => {
+                let (status, at) = wire::decode_trailers_prefix(&f.body).expect("trailers");
+                reply.extend_from_slice(&f.body[at..]);
+                return (status, reply);
+            }
+            (Kind::Trailers, 1) => return (wire::decode_trailers(&f.body).expect("trailers"), reply),
+            (Kind::Cancel, 1) => {
+                let code = wire::decode_cancel(&f.body).expect("cancel");
+                return (isthmus::Status::new(code, "CANCEL"), reply);
+            }
+            (Kind::Headers | Kind::Window, _) | (Kind::Ping, 0) => {}
+            (kind, stream) => panic!("unexpected {kind:?} on stream {stream}"),
+        }
+    }
+}
+
+/// A client of the spec may open a call half-closed: END_STREAM on its HEADERS and no request
+/// (a client stream of none). Its handler's first read ends the requests. Before, the flag was
+/// read only to tell a one-frame call, and the handler waited for a half-close that had come,
+/// until the call's deadline.
+#[test]
+fn a_call_opened_half_closed_has_no_requests() {
+    use isthmus::wire;
+    use isthmus_shm::{flags, Kind};
+    let (_server, mut c) = raw_client();
+    let timeout = Some(Duration::from_secs(20));
+    let head = wire::encode_request_head("/test.Echo/ClientStream", timeout, &MetadataMap::new());
+    c.sender.send(Kind::Headers, flags::END_STREAM, 1, &head, patience_30s()).expect("HEADERS");
+    let (status, reply) = raw_outcome(&mut c);
+    assert_eq!(status.code(), Code::Ok, "{status:?}");
+    assert_eq!(reply, [0u8; 16], "no requests, no bytes");
+}
+
+/// A client that sends on a stream it half-closed breaks that call (as a frame after
+/// END_STREAM breaks an HTTP/2 stream): the server ends it INTERNAL with a CANCEL, and the
+/// connection goes on. Before, the message was queued for a handler that would never read it
+/// (`Sleep` read the half-close, then waits): the call went on, holding it.
+#[test]
+fn a_message_after_the_half_close_breaks_its_call_only() {
+    use isthmus::wire;
+    use isthmus_shm::{flags, Kind};
+    let (_server, mut c) = raw_client();
+    let head = wire::encode_request_head("/test.Echo/Sleep", None, &MetadataMap::new());
+    c.sender.send(Kind::Headers, 0, 1, &head, patience_30s()).expect("HEADERS");
+    c.sender.send(Kind::Trailers, flags::END_STREAM, 1, b"", patience_30s()).expect("TRAILERS");
+    c.sender.send_message(1, 0, b"late", patience_30s()).expect("MESSAGE");
+    let (status, _) = raw_outcome(&mut c);
+    assert_eq!(status.code(), Code::Internal, "{status:?}");
+    c.sender.send(Kind::Ping, 0, 0, b"after", patience_30s()).expect("PING");
+    let f = c.receiver.recv(patience_30s()).expect("an answer");
+    assert_eq!((f.kind, &f.body[..]), (Kind::Ping, &b"after"[..]), "the connection goes on");
+}
+
+/// Resident memory of process `pid`, in bytes.
+fn resident(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).expect("status");
+    let kib = status.lines().find_map(|l| l.strip_prefix("VmRSS:")).expect("VmRSS");
+    kib.trim().trim_end_matches("kB").trim().parse::<u64>().expect("a number") << 10
+}
+
+/// A client that half-closes again and again, on a call whose handler no longer reads (as a
+/// topic's subscriber's), costs the server nothing: a half-close counts once. Before, each of
+/// a million 16-byte TRAILERS queued an event for the call: 46 MiB of the server's memory here.
+#[test]
+fn a_half_close_repeated_a_million_times_takes_no_memory() {
+    use isthmus::wire;
+    use isthmus_shm::{flags, Kind};
+    let (server, mut c) = raw_client();
+    let head = wire::encode_request_head("/test.Echo/Sleep", None, &MetadataMap::new());
+    c.sender.send(Kind::Headers, 0, 1, &head, patience_30s()).expect("HEADERS");
+    // The server has read all before the PING's answer.
+    let settled = |c: &mut isthmus_shm::Connection| {
+        c.sender.send(Kind::Ping, 0, 0, b"settled", patience_30s()).expect("PING");
+        loop {
+            let f = c.receiver.recv(patience_30s()).expect("an answer");
+            if f.kind == Kind::Ping {
+                break;
+            }
+        }
+    };
+    settled(&mut c);
+    let before = resident(server.child.id());
+    for _ in 0..1_000_000 {
+        c.sender.send(Kind::Trailers, flags::END_STREAM, 1, b"", patience_30s()).expect("TRAILERS");
+    }
+    settled(&mut c);
+    let grown = resident(server.child.id()).saturating_sub(before);
+    println!("a million half-closes grew the server by {} KiB", grown >> 10);
+    assert!(grown < 16 << 20, "a million half-closes grew the server by {} MiB", grown >> 20);
+}
+
+/// A message in pieces whose call ends here while its pieces go (its `CallSender` sends on
+/// after the call is dropped) leaves the server holding no part of it: the pieces after the
+/// call's CANCEL began a message the server held for the connection's life (one of its few
+/// places for messages in pieces, and the bytes), until a CANCEL after them ended it. The
+/// server here is the test's, of raw frames, which counts what it holds.
+#[test]
+fn pieces_sent_after_a_calls_cancel_leave_the_server_holding_nothing() {
+    use isthmus_shm::{Config, Connection, Kind, Listener};
+    let addr = fresh_addr("pieces-cut");
+    let listener = Listener::bind(&addr.parse().expect("address"), Config::default()).expect("bind");
+    let (cut_tx, cut_rx) = std::sync::mpsc::channel::<()>();
+    let (resume_tx, resume_rx) = std::sync::mpsc::channel::<()>();
+    let client = std::thread::spawn(move || {
+        run(async move {
+            let ch = Channel::builder(&addr).upgrade(false).connect().await.expect("connect");
+            let call = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
+            let sender = call.sender();
+            // 256 MiB: sixteen pieces of a quarter of the 64 MiB arena, four of which fill it; the
+            // server reads the first few, then nothing until the call is dropped.
+            let sending = tokio::spawn(async move { sender.send(&vec![7u8; 256 << 20], false).await });
+            tokio::task::spawn_blocking(move || cut_rx.recv()).await.expect("join").expect("cut");
+            drop(call); // its CANCEL goes now, while the pieces wait for arena room
+            resume_tx.send(()).expect("resume");
+            let _ = sending.await.expect("the send");
+            // A second call: the server reads to its HEADERS, after all that came before.
+            let mut next = ch.start("/test.Echo/Bidi", CallOptions::default()).await.expect("start");
+            next.send(b"x").await.expect("send");
+        })
+    });
+    let Connection { sender: _sender, mut receiver } = listener.accept().expect("accept");
+    let patience = || Some(Instant::now() + Duration::from_secs(30));
+    // Until the first pieces are in (`recv` would wait for the whole message): then the
+    // others wait for arena room, which this side frees only as it reads.
+    let start = Instant::now();
+    while receiver.partial_messages() == 0 {
+        assert!(start.elapsed() < Duration::from_secs(30), "no piece came");
+        match receiver.try_recv().expect("a frame") {
+            Some(f) => assert!(matches!(f.kind, Kind::Headers), "{:?} before the first piece", f.kind),
+            None => std::thread::sleep(Duration::from_millis(1)),
+        }
+    }
+    cut_tx.send(()).expect("cut");
+    resume_rx.recv_timeout(Duration::from_secs(30)).expect("the call dropped");
+    let mut cancels = 0;
+    let next = loop {
+        let f = receiver.recv(patience()).expect("a frame");
+        match (f.kind, f.stream) {
+            (Kind::Cancel, 1) => cancels += 1,
+            (Kind::Headers, id) if id != 1 => break id,
+            (kind, stream) => panic!("{kind:?} on stream {stream}"),
+        }
+    };
+    assert!(cancels >= 1 && next > 1, "{cancels} CANCELs");
+    assert_eq!(receiver.partial_messages(), 0, "a message in pieces held after its stream's end");
+    client.join().expect("the client");
+}
+
+/// A call's `CallSender` stops at the call's deadline, whoever reads the responses: with no
+/// reader, and a server that reads nothing (the test's, of raw frames), a send waiting for
+/// credit ends then, and the call with it. It waited for ever: only the call's own reads
+/// watched the deadline.
+#[test]
+fn a_call_sender_stops_at_its_calls_deadline() {
+    use isthmus_shm::{Config, Listener};
+    let addr = fresh_addr("sender-deadline");
+    let listener = Listener::bind(&addr.parse().expect("address"), Config::default()).expect("bind");
+    let accepting = std::thread::spawn(move || listener.accept().expect("accept"));
+    run(async move {
+        let ch = Channel::builder(&addr).upgrade(false).connect().await.expect("connect");
+        let mut call = ch.start("/test.Echo/Anything", with_timeout(1000)).await.expect("start");
+        let sender = call.sender();
+        let message = vec![1u8; 1 << 20];
+        let sends = async {
+            let mut sent = 0u32;
+            while sender.send(&message, false).await {
+                sent += 1;
+            }
+            sent
+        };
+        let sent = tokio::time::timeout(Duration::from_secs(30), sends).await;
+        let sent = sent.expect("the sender still waits 30 s past the call's 1 s deadline");
+        assert!(sent >= 1, "the window's first message went");
+        let status = call.recv().await.expect_err("the call ended");
+        assert_eq!(status.code(), Code::DeadlineExceeded, "{status:?}");
+    });
+    drop(accepting.join().expect("accept")); // the server's side, held until now
+}

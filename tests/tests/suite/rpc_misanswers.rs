@@ -8,7 +8,7 @@ use isthmus_tests::{fresh_addr, run, Peer};
 
 /// Each misanswer (the request that asks for it), the code its call ends with, a part of the
 /// status message, and whether the connection ends with it (a frame that does not decode).
-const CASES: [(&str, Code, &str, bool); 10] = [
+const CASES: [(&str, Code, &str, bool); 12] = [
     ("bad-trailers", Code::Internal, "malformed frame from the peer", true),
     ("bad-headers", Code::Internal, "malformed frame from the peer", true),
     ("bad-window", Code::Internal, "malformed frame from the peer", true),
@@ -18,6 +18,10 @@ const CASES: [(&str, Code, &str, bool); 10] = [
     ("unknown-code", Code::Unknown, "odd", false),
     ("no-response", Code::Internal, "without a response", false),
     ("two-responses", Code::Internal, "more than one response", false),
+    // HEADERS come once; a peer that sent them on and on had each queued for the call.
+    ("two-headers", Code::Internal, "a second HEADERS", false),
+    // A cancelled call is not a success, whatever code its CANCEL carries.
+    ("cancel-ok", Code::Cancelled, "cancelled by the peer", false),
     ("trailers-only", Code::PermissionDenied, "no headers first", false),
     // Frames for streams nobody opened are no fault: the call gets its echo.
     ("stray-frames", Code::Ok, "", false),

@@ -52,7 +52,7 @@ use super::call::{
 use crate::call::{check_start, CallOptions, Response};
 use crate::connectivity::{Connectivity, Live, Tracker};
 use crate::engine::flow::{self, Credit};
-use crate::engine::mux::{ConnectionCounters, Mux};
+use crate::engine::mux::{ConnectionCounters, Mux, Outgoing};
 use crate::status::{Code, Status, DEADLINE_EXCEEDED};
 
 struct Inner {
@@ -940,7 +940,13 @@ impl Call {
         if !self.credit(message.len())? {
             return Ok(());
         }
-        let sent = self.state.mux.sender.send_message(self.state.id(), frame_flags, message, self.deadline);
+        let out = Outgoing {
+            id: self.state.id(),
+            shared: &self.state.stream.shared,
+            flags: frame_flags,
+            deadline: self.deadline,
+        };
+        let sent = self.state.mux.send_message_blocking(out, message);
         sent.map_err(|e| self.failed(e))
     }
 

@@ -62,7 +62,7 @@ use super::call::{
 };
 use super::flow::{self, Credit};
 use super::inbox::Event;
-use super::mux::{ConnectionCounters, Mux, StreamShared};
+use super::mux::{ConnectionCounters, Mux, Outgoing, StreamShared};
 use crate::call::{check_start, until, CallOptions};
 use crate::connectivity::Tracker;
 use crate::metadata::MetadataMap;
@@ -370,22 +370,42 @@ pub(crate) struct SendHalf {
     mux: Arc<Mux>,
     id: u64,
     shared: Arc<StreamShared>,
+    /// The call's: it bounds every wait here as it does the call's own.
+    deadline: Option<Instant>,
 }
 
 impl SendHalf {
+    /// Runs `op` until the call's deadline; past it the call ends, here and at the server,
+    /// DEADLINE_EXCEEDED. A sender whose caller reads no response (a client stream sent whole
+    /// before its reply is read) waited for credit, ring or arena room for ever.
+    async fn within<T>(&self, op: impl std::future::Future<Output = T>) -> Result<T, Status> {
+        match until(self.deadline, op).await {
+            Some(done) => Ok(done),
+            None => {
+                self.mux.abandon(self.id, Status::deadline_exceeded());
+                Err(Status::deadline_exceeded())
+            }
+        }
+    }
+
     /// Sends one message once the server's window allows; `last` half-closes with it. An error
     /// means the call is over (its status comes from the receiving side).
     pub(crate) async fn send(&self, message: &[u8], last: bool) -> Result<(), ()> {
-        if credit(&self.mux, &self.shared, message.len()).await != Credit::Taken {
+        if self.within(credit(&self.mux, &self.shared, message.len())).await != Ok(Credit::Taken) {
             return Err(());
         }
         let f = if last { flags::END_STREAM } else { 0 };
-        self.mux.sender.send_message_async(self.id, f, message).await.map_err(|_| ())
+        let deadline = self.deadline.map(Instant::into_std);
+        let out = Outgoing { id: self.id, shared: &self.shared, flags: f, deadline };
+        match self.within(self.mux.send_message(out, message)).await {
+            Ok(Ok(())) => Ok(()),
+            _ => Err(()),
+        }
     }
 
     /// A writable block in this side's shared memory, for a message built in place.
     pub(crate) async fn alloc(&self, len: usize) -> Result<BlockMut, Status> {
-        self.mux.sender.alloc_async(len).await.map_err(|e| Status::from_transport(&e))
+        self.within(self.mux.sender.alloc_async(len)).await?.map_err(|e| Status::from_transport(&e))
     }
 
     /// Sends a block from [`alloc`](Self::alloc) once the server's window allows; `last`
@@ -393,11 +413,14 @@ impl SendHalf {
     pub(crate) async fn send_block(&self, block: BlockMut, last: bool) -> Result<(), ()> {
         // A block of another connection is refused before it takes credit it would never give
         // back: the call stalled for good once refused blocks had taken its window.
-        if !self.owns(&block) || credit(&self.mux, &self.shared, block.len()).await != Credit::Taken {
+        if !self.owns(&block) || self.within(credit(&self.mux, &self.shared, block.len())).await != Ok(Credit::Taken) {
             return Err(());
         }
         let f = if last { flags::END_STREAM } else { 0 };
-        self.mux.sender.send_block_async(self.id, f, block).await.map_err(|_| ())
+        match self.within(self.mux.sender.send_block_async(self.id, f, block)).await {
+            Ok(Ok(())) => Ok(()),
+            _ => Err(()),
+        }
     }
 
     /// Whether `block` can be sent on this call: it was allocated from its connection.
@@ -417,7 +440,10 @@ impl SendHalf {
 
     /// Half-closes without a message.
     pub(crate) async fn close(&self) -> Result<(), ()> {
-        self.mux.sender.send_async(Kind::Trailers, flags::END_STREAM, self.id, &[]).await.map_err(|_| ())
+        match self.within(self.mux.sender.send_async(Kind::Trailers, flags::END_STREAM, self.id, &[])).await {
+            Ok(Ok(())) => Ok(()),
+            _ => Err(()),
+        }
     }
 }
 
@@ -455,8 +481,10 @@ impl ShmCall {
         if !self.credit(message.len()).await? {
             return Ok(());
         }
-        let (sender, id) = (self.state.mux.sender.clone(), self.state.id());
-        match until(self.deadline, sender.send_message_async(id, frame_flags, message)).await {
+        let (mux, id, shared) = (self.state.mux.clone(), self.state.id(), self.state.stream.shared.clone());
+        let deadline = self.deadline.map(Instant::into_std);
+        let out = Outgoing { id, shared: &shared, flags: frame_flags, deadline };
+        match until(self.deadline, mux.send_message(out, message)).await {
             Some(sent) => sent.map_err(|e| Status::from_transport(&e)),
             None => Err(self.expire()),
         }
@@ -583,7 +611,12 @@ impl ShmCall {
     /// the responses (the tonic bridge does so). It stops, with an error, once the call has
     /// ended.
     pub(crate) fn send_half(&self) -> SendHalf {
-        SendHalf { mux: self.state.mux.clone(), id: self.state.id(), shared: self.state.stream.shared.clone() }
+        SendHalf {
+            mux: self.state.mux.clone(),
+            id: self.state.id(),
+            shared: self.state.stream.shared.clone(),
+            deadline: self.deadline,
+        }
     }
 
     /// The server's trailing metadata, once the call has ended with OK.

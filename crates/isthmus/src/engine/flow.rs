@@ -130,19 +130,26 @@ impl SendWindow {
         if self.closed.load(Ordering::SeqCst) {
             return Credit::Closed;
         }
-        // One writer per stream (calls are `&mut self`), so nothing can take the credit between
-        // the check and the subtraction; the reader only ever adds.
-        if self.credit.load(Ordering::SeqCst) <= 0 {
-            return Credit::Wait;
+        // Taken only while some is left, in one step: two writers of one stream (clones of a
+        // `CallSender`, a C caller's threads) that both saw credit had both taken it, and the
+        // peer saw one of them send past its window. The reader only ever adds.
+        let taken = self.credit.fetch_update(Ordering::AcqRel, Ordering::SeqCst, |c| (c > 0).then(|| c - charge));
+        if taken.is_ok() {
+            Credit::Taken
+        } else {
+            Credit::Wait
         }
-        self.credit.fetch_sub(charge, Ordering::AcqRel);
-        Credit::Taken
     }
 
     /// Whether the writer has used up its credit on a stream still open: it waits, or will at
     /// its next message, for a WINDOW.
     pub(crate) fn starved(&self) -> bool {
         !self.closed.load(Ordering::Acquire) && self.credit.load(Ordering::Acquire) <= 0
+    }
+
+    /// Whether the stream is over: nothing more will be sent on it.
+    pub(crate) fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
     }
 
     /// Whether a writer waiting for credit should look again.

@@ -431,6 +431,8 @@ struct Entry {
     born: u64,
     /// The peer has half-closed: no more messages will come on this stream.
     peer_done: AtomicBool,
+    /// A client's stream has had its server's HEADERS, which come once (protocol 13.7, rule 2).
+    headers_seen: AtomicBool,
     shared: Arc<StreamShared>,
     /// A server's stream, whose end fires its call's cancel signal.
     serving: bool,
@@ -442,6 +444,38 @@ impl Entry {
     fn close(self) {
         self.shared.inbox.close();
         self.shared.send_window.close();
+    }
+}
+
+/// A call's message on its way out ([`Mux::send_message`]): its stream, the flags of its (last)
+/// frame, and the call's deadline.
+pub(crate) struct Outgoing<'a> {
+    pub(crate) id: u64,
+    pub(crate) shared: &'a StreamShared,
+    pub(crate) flags: u8,
+    pub(crate) deadline: Option<std::time::Instant>,
+}
+
+/// A message in pieces under way on a stream ([`Mux::send_message`]): dropped armed (its send
+/// abandoned or failed midway), it ends the stream's call here and at the peer.
+struct CutShort<'a> {
+    mux: &'a Mux,
+    id: u64,
+    deadline: Option<std::time::Instant>,
+    armed: bool,
+}
+
+impl Drop for CutShort<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let code = match self.deadline {
+            Some(d) if d <= std::time::Instant::now() => Code::DeadlineExceeded,
+            _ => Code::Cancelled,
+        };
+        let why = "a message in pieces was cut short: its send stopped midway";
+        self.mux.abandon(self.id, Status::new(code, why));
     }
 }
 
@@ -1075,12 +1109,14 @@ impl Mux {
 
     /// Opens stream `id`: its event queue and its windows.
     pub(crate) fn register(&self, id: u64) -> Result<Stream, Status> {
-        self.register_entry(id, false, None)
+        self.register_entry(id, false, None, false)
     }
 
     /// Opens stream `id`; a server's stream whose request came inside its HEADERS (`last`)
-    /// opens with that request queued as its last message, charged to its window.
-    fn register_entry(&self, id: u64, serving: bool, last: Option<Bytes>) -> Result<Stream, Status> {
+    /// opens with that request queued as its last message, charged to its window, and one
+    /// whose HEADERS half-closed it with no request (`closed`, a client-streaming call with no
+    /// message) opens half-closed.
+    fn register_entry(&self, id: u64, serving: bool, last: Option<Bytes>, closed: bool) -> Result<Stream, Status> {
         if let Some(s) = self.dead() {
             return Err(s);
         }
@@ -1088,10 +1124,12 @@ impl Mux {
         // Queued before the stream is shared, let alone in the table, where nothing else can see
         // it yet: no lock of its queue, one of the table per call. A fresh window takes any first
         // message.
-        let peer_done = last.is_some();
+        let peer_done = last.is_some() || closed;
         if let Some(m) = last {
             fresh.recv_window.charge_fresh(m.len());
             fresh.inbox.push_fresh(Event::Last(m));
+        } else if closed {
+            fresh.inbox.push_fresh(Event::HalfClose);
         }
         let shared = Arc::new(fresh);
         let mut streams = self.streams.lock().map_err(|_| poisoned())?;
@@ -1101,6 +1139,7 @@ impl Mux {
         vacant.insert(Entry {
             born: self.batch.load(Ordering::Relaxed),
             peer_done: AtomicBool::new(peer_done),
+            headers_seen: AtomicBool::new(false),
             shared: shared.clone(),
             serving,
         });
@@ -1185,6 +1224,47 @@ impl Mux {
         let code = status.code();
         self.deliver(id, Event::End(status));
         self.send_cancel(id, code, std::time::Instant::now());
+    }
+
+    /// Sends one message of a call on stream `id`, as the transport's `send_message_async`, and
+    /// keeps the protocol's word for a message in pieces, which the peer holds until its last
+    /// piece or the stream's CANCEL or TRAILERS (13.7, "Cancellation"):
+    /// - pieces that went after this side ended the stream (another task's CANCEL, a server's
+    ///   answer to its client's) would begin a message the peer held for the connection's life,
+    ///   taking one of its few places for messages in pieces: a CANCEL follows them, which ends
+    ///   it, and which the peer ignores for a stream it no longer knows;
+    /// - a send dropped or failed midway left the peer holding its first pieces, and the call's
+    ///   next message would break the connection: it ends the call, here and at the peer, with
+    ///   DEADLINE_EXCEEDED once `deadline` has passed and CANCELLED before.
+    pub(crate) async fn send_message(&self, out: Outgoing<'_>, message: &[u8]) -> Result<(), Error> {
+        if !self.sender.in_pieces(message.len()) {
+            return self.sender.send_message_async(out.id, out.flags, message).await;
+        }
+        let mut cut = CutShort { mux: self, id: out.id, deadline: out.deadline, armed: true };
+        let sent = self.sender.send_message_async(out.id, out.flags, message).await;
+        cut.armed = false;
+        self.pieces_sent(&out, sent.is_ok());
+        sent
+    }
+
+    /// [`send_message`](Self::send_message) on the caller's thread, waiting for room until
+    /// the call's deadline.
+    pub(crate) fn send_message_blocking(&self, out: Outgoing<'_>, message: &[u8]) -> Result<(), Error> {
+        let pieces = self.sender.in_pieces(message.len());
+        let sent = self.sender.send_message(out.id, out.flags, message, out.deadline);
+        if pieces {
+            self.pieces_sent(&out, sent.is_ok());
+        }
+        sent
+    }
+
+    /// What follows a message in pieces once its send is over (see `send_message`).
+    fn pieces_sent(&self, out: &Outgoing<'_>, whole: bool) {
+        if !whole {
+            drop(CutShort { mux: self, id: out.id, deadline: out.deadline, armed: true });
+        } else if out.shared.send_window.is_closed() {
+            self.send_cancel(out.id, Code::Cancelled, std::time::Instant::now());
+        }
     }
 
     /// Sends a CANCEL for `id`, waiting for ring room until `patience` at most; if the ring is
@@ -1280,6 +1360,12 @@ impl Mux {
             // One lookup for the message and its half-close: this is every message's path.
             let s = self.streams.lock().ok()?;
             let entry = s.get(&id)?; // a stream that has ended: the message crossed its end
+            if entry.serving && entry.peer_done.load(Ordering::Relaxed) {
+                drop(s);
+                let status =
+                    Status::new(Code::Internal, format!("the client sent on stream {id} after it half-closed"));
+                return self.end_broken(id, status, Reply::cancel(id, Code::Internal));
+            }
             entry.shared.recv_window.charge_arrival(message.len()).then(|| {
                 self.push(entry, if half_close { Event::Last(message) } else { Event::Message(message) }, false)
             })
@@ -1290,6 +1376,43 @@ impl Mux {
                 format!("the peer sent on stream {id} past its flow-control window ({} bytes)", self.window()),
             );
             return self.end_broken(id, status, Reply::cancel(id, Code::Internal));
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+        None
+    }
+
+    /// A client's half-close without a message (its TRAILERS). Once per stream: a peer that
+    /// sent it again and again would have queued an event each time, for a call that may never
+    /// read them (a subscription's handler, already half-closed).
+    fn half_close(&self, id: u64) {
+        let waker = {
+            let Ok(s) = self.streams.lock() else { return };
+            let Some(entry) = s.get(&id) else { return };
+            if entry.peer_done.load(Ordering::Relaxed) {
+                return;
+            }
+            self.push(entry, Event::HalfClose, false)
+        };
+        if let Some(w) = waker {
+            w.wake();
+        }
+    }
+
+    /// A server's HEADERS on a client's stream. Once per call (protocol 13.7, rule 2): a
+    /// second breaks the call, as a HEADERS after HEADERS breaks an HTTP/2 stream, rather than
+    /// queue the metadata of every one a peer sends.
+    fn deliver_headers(&self, id: u64, metadata: crate::metadata::MetadataMap) -> Option<Reply> {
+        let waker = {
+            let s = self.streams.lock().ok()?;
+            let entry = s.get(&id)?;
+            if entry.headers_seen.swap(true, Ordering::Relaxed) {
+                drop(s);
+                let status = Status::new(Code::Internal, format!("the server sent a second HEADERS on stream {id}"));
+                return self.end_broken(id, status, Reply::cancel(id, Code::Internal));
+            }
+            self.push(entry, Event::Headers(metadata), false)
         };
         if let Some(w) = waker {
             w.wake();
@@ -2193,7 +2316,7 @@ impl Mux {
                     };
                     self.last_stream.fetch_max(f.stream, Ordering::AcqRel);
                     let one_frame = request.is_some();
-                    let stream = self.register_entry(f.stream, true, request)?;
+                    let stream = self.register_entry(f.stream, true, request, end)?;
                     let call = (accept.make)(Incoming { head, stream });
                     accept.batch.push(call);
                     if !end && !one_frame {
@@ -2203,15 +2326,17 @@ impl Mux {
                 None if with_message => {
                     return Err(internal(wire::bad("a server's HEADERS with a message inside")));
                 }
-                None => self
-                    .deliver(f.stream, Event::Headers(wire::ResponseHead::decode(&f.body).map_err(internal)?.metadata)),
+                None => {
+                    let metadata = wire::ResponseHead::decode(&f.body).map_err(internal)?.metadata;
+                    return Ok(self.deliver_headers(f.stream, metadata));
+                }
             },
             Kind::Message => return Ok(self.deliver_message(f.stream, f.body, f.flags & flags::END_STREAM != 0)),
             // From the client, TRAILERS (empty) is a half-close without a message.
             Kind::Trailers if serving && with_message => {
                 return Err(internal(wire::bad("a client's TRAILERS with a message inside")));
             }
-            Kind::Trailers if serving => self.deliver(f.stream, Event::HalfClose),
+            Kind::Trailers if serving => self.half_close(f.stream),
             // A one-frame call's end: its last response, then its status.
             Kind::Trailers if with_message => {
                 let (status, at) = wire::decode_trailers_prefix(&f.body).map_err(internal)?;
@@ -2226,7 +2351,12 @@ impl Mux {
             }
             Kind::Trailers => self.deliver(f.stream, Event::End(wire::decode_trailers(&f.body).map_err(internal)?)),
             Kind::Cancel => {
-                let code = wire::decode_cancel(&f.body).map_err(internal)?;
+                // A CANCEL that says OK would end a call cut short as a success (a stream's
+                // missing messages unnoticed): a cancelled call is CANCELLED whatever it says.
+                let code = match wire::decode_cancel(&f.body).map_err(internal)? {
+                    Code::Ok => Code::Cancelled,
+                    code => code,
+                };
                 self.deliver(f.stream, Event::End(Status::new(code, "the call was cancelled by the peer")));
             }
             Kind::Window => {

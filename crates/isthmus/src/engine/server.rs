@@ -593,7 +593,9 @@ impl ServerCall {
         let shared = self.shared().clone();
         let mut writing = Writer::claim(&shared).await;
         self.ready_to_send(message.len()).await?;
-        self.mux().sender.send_message_async(self.id, 0, message).await.map_err(|e| Status::from_transport(&e))?;
+        let out = super::mux::Outgoing { id: self.id, shared: &shared, flags: 0, deadline: None };
+        let sent = self.mux().send_message(out, message).await;
+        sent.map_err(|e| Status::from_transport(&e))?;
         writing.done();
         Ok(())
     }
