@@ -344,11 +344,17 @@ func (s *Server) Start(targets ...string) error {
 			services[service] = true
 		}
 		cname := C.CString(name)
+		if m.topic != nil {
+			err := addTopic(srv, cname, m.topic, s.opts.maxSendMessageSize)
+			C.free(unsafe.Pointer(cname))
+			if err != nil {
+				return fail(err)
+			}
+			continue
+		}
 		var st *C.isthmus_status_t
 		var code C.isthmus_code_t
-		if m.topic != nil {
-			code = addTopic(srv, cname, m.topic, s.opts.maxSendMessageSize, &st)
-		} else if s.opts.inline && (m.unary != nil || m.rawUnary != nil) {
+		if s.opts.inline && (m.unary != nil || m.rawUnary != nil) {
 			code = addInlineHandler(l, cname, s, m, &st)
 		} else {
 			code = queue(cname, m, &st)

@@ -31,7 +31,8 @@ type Topic struct {
 // TopicOption configures a Topic.
 type TopicOption func(*C.isthmus_topic_options_t)
 
-// TopicCapacity sets how many messages each subscriber's queue holds (default 64).
+// TopicCapacity sets how many messages each subscriber's queue holds (default 64); n of 0 or
+// less keeps the default.
 func TopicCapacity(n int) TopicOption {
 	return func(o *C.isthmus_topic_options_t) {
 		if n > 0 {
@@ -180,12 +181,18 @@ func (s *Server) ServeTopic(path string, t *Topic) {
 }
 
 // addTopic registers m's topic with the library's server, whose MaxSendMessageSize (0: none)
-// the library applies to the messages it sends the topic's subscribers.
-func addTopic(srv *C.isthmus_server_t, path *C.char, t *Topic, maxSend uint64, st **C.isthmus_status_t) C.isthmus_code_t {
+// the library applies to the messages it sends the topic's subscribers. A closed topic (its
+// handle freed) fails Start, naming the path: it said only "FAILED_PRECONDITION".
+func addTopic(srv *C.isthmus_server_t, path *C.char, t *Topic, maxSend uint64) error {
 	t.mu.RLock()
 	defer t.mu.RUnlock()
 	if t.closed {
-		return C.ISTHMUS_FAILED_PRECONDITION
+		return status.Errorf(codes.FailedPrecondition, "isthmus: ServeTopic(%q): the topic is closed", C.GoString(path))
 	}
-	return C.isthmus_server_add_topic_limited(srv, path, t.h, C.uint64_t(maxSend), st)
+	var st *C.isthmus_status_t
+	if code := C.isthmus_server_add_topic_limited(srv, path, t.h, C.uint64_t(maxSend), &st); code != C.ISTHMUS_OK {
+		err, _ := statusError(code, st)
+		return err
+	}
+	return nil
 }

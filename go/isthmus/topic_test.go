@@ -261,3 +261,24 @@ func TestASlowSubscriberIsNeverResyncedWithAnOlderState(t *testing.T) {
 		s.Stop()
 	}
 }
+
+// A server asked to serve a closed topic fails to start, saying which path and why, in a
+// status of codes.FailedPrecondition. It said only "FAILED_PRECONDITION".
+func TestServingAClosedTopicFailsNamingIt(t *testing.T) {
+	topic, err := isthmus.NewTopic("closed")
+	if err != nil {
+		t.Fatal(err)
+	}
+	topic.Close()
+	shm, _ := fresh(t, "closed-topic")
+	s := isthmus.NewServer()
+	s.ServeTopic("/t.Feed/Watch", topic)
+	err = s.Start(shm)
+	if err == nil {
+		s.Stop()
+		t.Fatal("a server of a closed topic started")
+	}
+	if status.Code(err) != codes.FailedPrecondition || !strings.Contains(err.Error(), `ServeTopic("/t.Feed/Watch"): the topic is closed`) {
+		t.Errorf("%v", err)
+	}
+}

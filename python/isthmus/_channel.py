@@ -425,9 +425,12 @@ class StreamStreamMultiCallable(_MultiCallable, grpc.StreamStreamMultiCallable):
         )
 
 
-def upgrades(options: Any) -> bool:
-    """Whether a channel may move to shared memory: the option `isthmus.upgrade` (default on)."""
-    return bool(dict(options or ()).get("isthmus.upgrade", True))
+def upgrades(options: Any) -> bool | None:
+    """Whether a channel may move to shared memory: the option `isthmus.upgrade`, or None for
+    the process's default (on, unless the environment's `ISTHMUS_UPGRADE` is 0, off or false,
+    as for every binding)."""
+    chosen = dict(options or ()).get("isthmus.upgrade")
+    return None if chosen is None else bool(chosen)
 
 
 # grpc's "none" for its millisecond options (INT_MAX), and its 20 s for a PING's answer.

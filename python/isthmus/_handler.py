@@ -38,7 +38,8 @@ def raw(method: F) -> F:
     returns or yields as it is: a `Block` from `context.alloc(size)`, filled in place, or any
     C-contiguous buffer. The method's serializers are not used. A view of a request is valid
     while the handler holds it; keep a copy (`bytes(request)`) to keep the data longer without
-    holding the client's memory.
+    holding the client's memory. A client that is hostile could change that memory while the
+    handler reads it: a handler serving clients it does not trust checks a copy, and uses it.
 
     grpcio ignores the mark: with a grpcio server the method gets the deserialized request,
     as usual. Behind server interceptors (`interceptors=`), a handler an interceptor returns

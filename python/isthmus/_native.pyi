@@ -107,7 +107,7 @@ class Channel:
         cls,
         target: str,
         tls: _ClientTls | None = None,
-        upgrade: bool = True,
+        upgrade: bool | None = None,
         max_receive: int | None = None,
         keepalive: tuple[int, int, bool] | None = None,
         user_agent: str | None = None,
@@ -158,8 +158,10 @@ class Channel:
     ) -> None:
         """A unary call as operation `token` of `reactor`: completes with a UnaryResult."""
     def alloc(self, size: int, timeout: float | None = None) -> Block:
-        """A block to build a request in: shared memory over `shm://` (connecting first),
-        heap memory elsewhere. Raises CallError."""
+        """A block to build a request in: shared memory over `shm://` (connecting first,
+        waiting for room in slices that run the signal handlers), heap memory elsewhere and
+        for a size the arena could never hold. Raises CallError; MemoryError when the heap
+        cannot hold it, OverflowError for a negative size."""
     def unary_raw(
         self,
         path: str,
@@ -271,7 +273,7 @@ class AsyncChannel:
         target: str,
         reactor: Reactor,
         tls: _ClientTls | None = None,
-        upgrade: bool = True,
+        upgrade: bool | None = None,
         max_receive: int | None = None,
         keepalive: tuple[int, int, bool] | None = None,
         user_agent: str | None = None,
@@ -312,7 +314,8 @@ class AsyncChannel:
         compression: str | None = None,
     ) -> None:
         """Completes with a Message; BufferError at once for a non-contiguous buffer or a
-        block still exported, ValueError for a shared-memory block."""
+        block still exported or sent; a shared-memory block of another connection fails the
+        call (CallError, UNAVAILABLE)."""
     def start(
         self,
         token: int,
@@ -514,6 +517,8 @@ class Topic:
     def publish(self, message: Buffer) -> int:
         """Queues the message for every subscriber, written once per shared arena; how many."""
     def publish_state(self, message: Buffer) -> int: ...
+    def state(self) -> bytes | None: ...
+    def current_state(self) -> bytes | None: ...
     def clear_state(self) -> None: ...
     def close(self) -> None: ...
     def stats(self) -> dict[str, int]: ...

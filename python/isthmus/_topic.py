@@ -89,6 +89,16 @@ class Topic:
         subscriber."""
         return self._native.publish_state(_payload(message))
 
+    def state(self) -> bytes | None:
+        """The state `publish_state` kept (serialised), or None."""
+        return self._native.state()
+
+    def current_state(self) -> bytes | None:
+        """The state, or None if a plain `publish` came after it: what an `on_gap` resync
+        should send. An older state sent in place of later messages would take a subscriber
+        back past what it may have had already."""
+        return self._native.current_state()
+
     def clear_state(self) -> None:
         """Later subscribers start with the next message."""
         self._native.clear_state()
@@ -115,6 +125,12 @@ class Topic:
             # It would block the handler's event loop, and every call on it, for the whole
             # subscription.
             raise TypeError("an isthmus.aio handler subscribes with `await topic.subscribe_async(context)`")
+        inner = getattr(context, "_context", None)
+        if getattr(inner, "_driver", None) is not None:
+            # A plain handler on isthmus.aio.server: the subscription runs on the server's loop,
+            # and this, the handler's thread, waits for its end, as on the blocking server.
+            context._wait(self.subscribe_async(inner, on_gap))
+            return iter(())
         call = _call_of(context)
         try:
             call.serve_topic(self._native, _gap(on_gap), _max_send(context))

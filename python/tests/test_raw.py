@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -579,3 +581,107 @@ def test_a_server_counts_each_client_whose_handshake_fails(raw_served: Served, s
         s.sendall(b"not a hello" * 16)
     assert settles(failed, before + 1) == before + 1
     assert bytes(shm.raw_unary("/raw.Raw/Echo", b"still serving", timeout=60)) == b"still serving"
+
+
+# A tool that takes a block's address and releases its view at once, keeping only the object
+# (as `torch.frombuffer` does), then writes after the block was sent: here with ctypes.
+_WRITE_AFTER_SEND = r"""
+import ctypes, gc, sys
+import isthmus
+
+class Py_buffer(ctypes.Structure):
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+                ("suboffsets", ctypes.c_void_p), ("internal", ctypes.c_void_p)]
+
+get, release = ctypes.pythonapi.PyObject_GetBuffer, ctypes.pythonapi.PyBuffer_Release
+get.argtypes = [ctypes.py_object, ctypes.POINTER(Py_buffer), ctypes.c_int]
+release.argtypes = [ctypes.POINTER(Py_buffer)]
+
+target, size = sys.argv[1], int(sys.argv[2])
+ch = isthmus.insecure_channel(target)
+block = ch.alloc(size)
+view = Py_buffer()
+get(block, ctypes.byref(view), 1)  # PyBUF_WRITABLE
+address = view.buf
+release(ctypes.byref(view))
+assert len(ch.raw_unary("/raw.Raw/Echo", block, timeout=60)) == size
+ch.close()
+gc.collect()
+ctypes.memset(address, 7, size)  # into freed or unmapped memory, unless the block keeps it
+print("WROTE", flush=True)
+"""
+
+
+@pytest.mark.parametrize(("transport", "size"), [("unix", 64 << 20), ("shm", 1 << 20)])
+def test_a_sent_block_keeps_its_memory_for_a_tool_that_kept_its_address(
+    raw_served: Served, transport: str, size: int
+) -> None:
+    """A block's memory lives as long as the block, sent or not: `torch.frombuffer` releases
+    its view at once and keeps the object, and its tensor wrote, after the send, into heap
+    memory freed with the send (64 MiB, given back to the system) or an arena unmapped with
+    its channel: the process died of SIGSEGV. Now the writes land in memory still there."""
+    done = subprocess.run(
+        [sys.executable, "-c", _WRITE_AFTER_SEND, raw_served.addresses[transport], str(size)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0 and "WROTE" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+_ALLOC_WAITS = r"""
+import sys
+import isthmus
+
+ch = isthmus.insecure_channel(sys.argv[1])
+held = [ch.alloc(20 << 20) for _ in range(3)]  # 60 MiB of the 64 MiB arena, never sent
+try:
+    print("WAITING", flush=True)
+    ch.alloc(20 << 20)  # room only these blocks' end would make
+except KeyboardInterrupt:
+    print("interrupted", flush=True)
+"""
+
+
+def test_ctrl_c_ends_an_alloc_waiting_for_room(raw_served: Served) -> None:
+    """A blocking `alloc` with no timeout waits for arena room in slices and runs the signal
+    handlers between them, as every blocking wait of isthmus's does: here the room is held by
+    the waiting thread's own unsent blocks, so nothing would ever end the wait but Ctrl-C,
+    which did nothing."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _ALLOC_WAITS, raw_served.addresses["shm"]],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert child.stdout is not None
+        assert child.stdout.readline().strip() == "WAITING"
+        time.sleep(0.2)  # into the wait (one before it is caught all the same)
+        child.send_signal(signal.SIGINT)
+        out, err = child.communicate(timeout=30)
+        assert "interrupted" in out, err[-2000:]
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_a_block_refused_by_a_channel_is_not_used_up(raw_served: Served) -> None:
+    """A block sent on a channel that did not allocate it fails INVALID_ARGUMENT before it is
+    taken, and goes on the channel that did. It failed UNAVAILABLE after it was taken, and the
+    retry raised "the block was already sent", though nothing was."""
+    with (
+        isthmus.insecure_channel(raw_served.addresses["shm"]) as mine,
+        isthmus.insecure_channel(raw_served.addresses["shm"]) as other,
+    ):
+        block = mine.alloc(100_000)
+        assert block.shared
+        block.write(b"x" * 100_000)
+        with pytest.raises(grpc.RpcError) as refused:
+            other.raw_unary("/raw.Raw/Echo", block)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+        assert "another channel" in (refused.value.details() or "")
+        assert bytes(mine.raw_unary("/raw.Raw/Echo", block)) == b"x" * 100_000

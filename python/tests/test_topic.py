@@ -12,7 +12,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent import futures
 from pathlib import Path
 from typing import Any
@@ -232,6 +232,45 @@ def test_topic_arguments_are_checked() -> None:
     assert topic.stats().published == 1
 
 
+def test_the_state_and_the_current_state_as_rust_c_and_go_give_them() -> None:
+    """A Python `on_gap` can resync with the topic's own current state, as C and Go do: Python
+    had no way to read it, and a state the user kept could be an old one."""
+    topic = isthmus.Topic("t")
+    assert (topic.state(), topic.current_state()) == (None, None)
+    topic.publish_state(b"v1")
+    assert (topic.state(), topic.current_state()) == (b"v1", b"v1")
+    topic.publish(b"a delta after it")
+    assert (topic.state(), topic.current_state()) == (b"v1", None), "v1 is no longer current"
+    topic.publish_state(b"v2")
+    assert topic.current_state() == b"v2"
+    topic.clear_state()
+    assert (topic.state(), topic.current_state()) == (None, None)
+
+
+@contextlib.asynccontextmanager
+async def _aio_feed(watch: Callable[..., Any], *server: Any) -> AsyncIterator[grpc.aio.Channel]:
+    """An `isthmus.aio` server (made with `server`) of `watch` as `/t.Feed/Watch`, and a channel
+    to it."""
+    address = fresh("shm")
+    serving = isthmus.aio.server(*server)
+    watching = {"Watch": grpc.unary_stream_rpc_method_handler(watch)}
+    serving.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.Feed", watching),))
+    serving.add_insecure_port(address)
+    await serving.start()
+    try:
+        async with isthmus.aio.insecure_channel(address) as channel:
+            yield channel
+    finally:
+        await serving.stop(None)
+
+
+async def _subscribed(topic: isthmus.Topic) -> None:
+    """Until `topic` has a subscriber (at most PATIENCE)."""
+    end = time.monotonic() + PATIENCE
+    while topic.stats().subscribers == 0 and time.monotonic() < end:
+        await asyncio.sleep(0.01)
+
+
 def test_an_asyncio_subscription_cancelled_by_its_handler_stops_sending() -> None:
     """A handler that gives up on one topic (`asyncio.wait_for` ran out) and serves another:
     the first's messages no longer reach its client. The cancelled subscription went on
@@ -243,29 +282,16 @@ def test_an_asyncio_subscription_cancelled_by_its_handler_stops_sending() -> Non
             await asyncio.wait_for(first.subscribe_async(context), 0.2)
         await second.subscribe_async(context)
 
-    address = fresh("shm")
-
     async def run() -> list[bytes]:
-        server = isthmus.aio.server()
-        watching = {"Watch": grpc.unary_stream_rpc_method_handler(watch)}
-        feed = grpc.method_handlers_generic_handler("t.Feed", watching)
-        server.add_generic_rpc_handlers((feed,))
-        server.add_insecure_port(address)
-        await server.start()
-        try:
-            async with isthmus.aio.insecure_channel(address) as channel:
-                call = channel.unary_stream("/t.Feed/Watch")(b"", timeout=30)
-                end = time.monotonic() + PATIENCE
-                while second.stats().subscribers == 0 and time.monotonic() < end:
-                    await asyncio.sleep(0.01)
-                assert first.stats().subscribers == 0, "the cancelled subscription left its topic"
-                first.publish(b"from the first")
-                second.publish(b"from the second")
-                got = [await call.read()]
-                call.cancel()
-                return got
-        finally:
-            await server.stop(None)
+        async with _aio_feed(watch) as channel:
+            call = channel.unary_stream("/t.Feed/Watch")(b"", timeout=30)
+            await _subscribed(second)
+            assert first.stats().subscribers == 0, "the cancelled subscription left its topic"
+            first.publish(b"from the first")
+            second.publish(b"from the second")
+            got = [await call.read()]
+            call.cancel()
+            return got
 
     assert asyncio.run(run()) == [b"from the second"]
 
@@ -282,22 +308,37 @@ def test_the_blocking_subscribe_refuses_an_asyncio_handlers_context() -> None:
         except TypeError as e:
             refused.append(str(e))
 
-    address = fresh("shm")
-
     async def run() -> list[bytes]:
-        server = isthmus.aio.server()
-        watching = {"Watch": grpc.unary_stream_rpc_method_handler(watch)}
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.Feed", watching),))
-        server.add_insecure_port(address)
-        await server.start()
-        try:
-            async with isthmus.aio.insecure_channel(address) as channel:
-                return [m async for m in channel.unary_stream("/t.Feed/Watch")(b"", timeout=30)]
-        finally:
-            await server.stop(None)
+        async with _aio_feed(watch) as channel:
+            return [m async for m in channel.unary_stream("/t.Feed/Watch")(b"", timeout=30)]
 
     assert asyncio.run(run()) == []
     assert len(refused) == 1 and "subscribe_async" in refused[0], refused
+    assert topic.stats().subscribers == 0
+
+
+def test_a_plain_handler_on_the_asyncio_server_subscribes() -> None:
+    """A plain (def) handler on `isthmus.aio.server` serves a topic with `subscribe`, as on the
+    blocking server: the subscription runs on the server's loop while the handler's thread
+    waits. It raised "this context is not one" of an isthmus server's, which it is."""
+    topic = isthmus.Topic("feed")
+
+    def watch(request: bytes, context: grpc.ServicerContext) -> Any:
+        return topic.subscribe(context)
+
+    async def run() -> list[bytes]:
+        async with _aio_feed(watch, futures.ThreadPoolExecutor(2)) as channel:
+            call = channel.unary_stream("/t.Feed/Watch")(b"", timeout=30)
+            await _subscribed(topic)
+            topic.publish(b"one")
+            topic.publish(b"two")
+            got = [await call.read(), await call.read()]
+            topic.close()
+            assert await call.read() == grpc.aio.EOF
+            assert await call.code() == grpc.StatusCode.OK
+            return got
+
+    assert asyncio.run(run()) == [b"one", b"two"]
     assert topic.stats().subscribers == 0
 
 

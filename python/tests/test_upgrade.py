@@ -10,6 +10,7 @@ import asyncio
 import base64
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -204,3 +205,39 @@ def _der(pem: bytes) -> bytes:
     """The DER inside one PEM certificate."""
     body = b"".join(line for line in pem.splitlines() if line and not line.startswith(b"-----"))
     return base64.b64decode(body)
+
+
+_STATUSES = r"""
+import asyncio, sys
+import isthmus, isthmus.aio
+
+target = sys.argv[1]
+on = [("isthmus.upgrade", True)]
+
+async def aio() -> list[str]:
+    async with isthmus.aio.insecure_channel(target) as a:
+        async with isthmus.aio.insecure_channel(target, options=on) as b:
+            return [a.upgrade_status(), b.upgrade_status()]
+
+with isthmus.insecure_channel(target) as a, isthmus.insecure_channel(target, options=on) as b:
+    print(a.upgrade_status(), b.upgrade_status(), *asyncio.run(aio()))
+"""
+
+
+def test_the_process_default_turns_the_upgrade_off_unless_a_channel_says() -> None:
+    """`ISTHMUS_UPGRADE=0` turns the move off for every channel of the process that does not
+    say, blocking and asyncio, as it does for the C ABI, Go and Lua (a kill switch); a channel
+    given `isthmus.upgrade` keeps its choice. Python's channels moved whatever it said."""
+    env = dict(os.environ, ISTHMUS_UPGRADE="0")
+    done = subprocess.run(
+        [sys.executable, "-c", _STATUSES, "http://127.0.0.1:9"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    default_off, chosen, aio_default_off, aio_chosen = done.stdout.split()
+    assert (default_off, aio_default_off) == ("off", "off"), done.stdout
+    assert "off" not in (chosen, aio_chosen), done.stdout

@@ -5,7 +5,10 @@
 //!   `memoryview` or numpy array made from it (each holds a reference to it), keeps that block
 //!   from its sender until the last of them is gone. Small messages travel inline in the ring
 //!   and are copied once, into memory of their own; so are a server's requests that came over
-//!   HTTP/2 (its loopback copies what it receives, ADR 0036).
+//!   HTTP/2 (its loopback copies what it receives, ADR 0036). A view of shared memory is
+//!   memory the sender maps writable: an honest one leaves it alone until it is given back,
+//!   but a hostile one could change it under its reader (ADR 0003, "The one exception"), so a
+//!   handler that checks a message before it uses it checks a copy (`bytes(message)`).
 //! - [`Block`]: a writable buffer to send a message from, filled in place: a block of this
 //!   side's shared memory over `shm://` (the receiver reads it where it is), heap memory on
 //!   other transports (copied when sent). A block is sent once; sending it while a view of it
@@ -52,8 +55,10 @@ impl Message {
         }
         let (ptr, len) = (slf.get().bytes.as_ptr(), slf.get().bytes.len());
         // SAFETY: `view` is the struct Python asked us to fill. The memory is the message's,
-        // which never moves or changes while the `Message` lives, and the view holds a
-        // reference to the `Message` (its `obj`) for as long as it is exported.
+        // which stays mapped and in place while the `Message` lives (the view holds a reference
+        // to it, its `obj`, for as long as it is exported); Python reads it as bytes, which any
+        // value is, so a hostile sender that changes it meanwhile changes what is read, not
+        // what is safe (the module's documentation).
         unsafe { fill_view(slf.as_any(), view, ptr.cast_mut(), len, true, flags) }
     }
 
@@ -77,8 +82,18 @@ enum Memory {
     Shm(BlockMut),
     /// Heap memory, for transports without an arena.
     Heap(Vec<u8>),
-    /// Sent: nothing left.
-    Sent,
+    /// Sent: the block lends no more views, but its memory stays as long as the object. A tool
+    /// may keep the address of a view it released at once while it keeps the object
+    /// (`torch.frombuffer` does): its writes after the send must land in memory that is still
+    /// there (the arena, or the bytes that were sent), not in memory freed or unmapped.
+    Sent { _kept: Kept },
+}
+
+/// What a sent [`Block`] keeps of its memory: held, never read.
+#[allow(dead_code)]
+enum Kept {
+    Mapping(isthmus::Mapping),
+    Heap(Bytes),
 }
 
 /// A writable buffer to send one message from (see the module's documentation).
@@ -92,7 +107,7 @@ pub(crate) struct Block {
 /// What a [`Block`] holds, taken out to be sent.
 pub(crate) enum Outgoing {
     Shm(BlockMut),
-    Heap(Vec<u8>),
+    Heap(Bytes),
 }
 
 impl Block {
@@ -110,6 +125,13 @@ impl Block {
         Ok(Block { memory: Memory::Heap(bytes), exports: 0 })
     }
 
+    /// Whether this is a block of shared memory that `can_send` refuses (another channel's, or
+    /// its connection's that is gone): checked before the block is taken, since a block taken
+    /// is a block sent, and a retry of a call that sent nothing found it "already sent".
+    pub(crate) fn refused_by(&self, can_send: impl Fn(&BlockMut) -> bool) -> bool {
+        matches!(&self.memory, Memory::Shm(block) if !can_send(block))
+    }
+
     /// Takes the bytes to send; `BufferError` if a view of them is still exported, or if the
     /// block was sent already.
     pub(crate) fn take(&mut self) -> PyResult<Outgoing> {
@@ -120,11 +142,20 @@ impl Block {
                 self.exports
             )));
         }
-        match std::mem::replace(&mut self.memory, Memory::Sent) {
-            Memory::Shm(block) => Ok(Outgoing::Shm(block)),
-            Memory::Heap(bytes) => Ok(Outgoing::Heap(bytes)),
-            Memory::Sent => Err(PyBufferError::new_err("the block was already sent")),
-        }
+        let (kept, outgoing) = match std::mem::replace(&mut self.memory, Memory::Heap(Vec::new())) {
+            Memory::Shm(block) => (Kept::Mapping(block.mapping()), Outgoing::Shm(block)),
+            Memory::Heap(bytes) => {
+                // The same allocation, shared: no copy.
+                let bytes = Bytes::from(bytes);
+                (Kept::Heap(bytes.clone()), Outgoing::Heap(bytes))
+            }
+            sent @ Memory::Sent { .. } => {
+                self.memory = sent;
+                return Err(PyBufferError::new_err("the block was already sent"));
+            }
+        };
+        self.memory = Memory::Sent { _kept: kept };
+        Ok(outgoing)
     }
 }
 
@@ -138,7 +169,7 @@ impl Block {
         let (ptr, len) = match &mut this.memory {
             Memory::Shm(block) => (block.as_mut_ptr(), block.len()),
             Memory::Heap(bytes) => (bytes.as_mut_ptr(), bytes.len()),
-            Memory::Sent => return Err(PyBufferError::new_err("the block was sent: it can no longer be used")),
+            Memory::Sent { .. } => return Err(PyBufferError::new_err("the block was sent: it can no longer be used")),
         };
         // SAFETY: `view` is the struct Python asked us to fill. The memory is the block's own
         // (no one else writes it until it is sent), and `take` refuses to send it while this
@@ -159,7 +190,7 @@ impl Block {
         match &self.memory {
             Memory::Shm(block) => block.len(),
             Memory::Heap(bytes) => bytes.len(),
-            Memory::Sent => 0,
+            Memory::Sent { .. } => 0,
         }
     }
 
@@ -172,7 +203,7 @@ impl Block {
         }
         let len = self.__len__();
         match &mut self.memory {
-            Memory::Sent => return Err(PyBufferError::new_err("the block was already sent")),
+            Memory::Sent { .. } => return Err(PyBufferError::new_err("the block was already sent")),
             _ if size > len => {
                 return Err(PyValueError::new_err(format!("cannot lengthen a block of {len} bytes to {size}")));
             }
@@ -192,7 +223,7 @@ impl Block {
         let (ptr, len) = match &mut self.memory {
             Memory::Shm(block) => (block.as_mut_ptr(), block.len()),
             Memory::Heap(bytes) => (bytes.as_mut_ptr(), bytes.len()),
-            Memory::Sent => return Err(PyBufferError::new_err("the block was already sent")),
+            Memory::Sent { .. } => return Err(PyBufferError::new_err("the block was already sent")),
         };
         let n = data.len();
         if offset.checked_add(n).is_none_or(|end| end > len) {
@@ -217,7 +248,7 @@ impl Block {
         match &self.memory {
             Memory::Shm(block) => format!("<isthmus.Block of {} bytes in shared memory>", block.len()),
             Memory::Heap(bytes) => format!("<isthmus.Block of {} bytes>", bytes.len()),
-            Memory::Sent => "<isthmus.Block (sent)>".into(),
+            Memory::Sent { .. } => "<isthmus.Block (sent)>".into(),
         }
     }
 }
@@ -331,7 +362,7 @@ impl Request {
     pub(crate) fn as_slice(&self) -> Option<&[u8]> {
         match self {
             Request::Block(Outgoing::Shm(_)) => None,
-            Request::Block(Outgoing::Heap(bytes)) => Some(bytes),
+            Request::Block(Outgoing::Heap(bytes)) => Some(bytes.as_ref()),
             Request::Buffer(buffer) => Some(buffer.as_slice()),
         }
     }

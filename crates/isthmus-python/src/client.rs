@@ -103,7 +103,7 @@ pub(crate) fn engine_keepalive((time_ms, timeout_ms, permit_without_calls): Keep
 pub(crate) fn lazy_channel(
     target: &str,
     tls: Option<crate::tls::ClientTls>,
-    upgrade: bool,
+    upgrade: Option<bool>,
     config: isthmus::Config,
     keepalive: Option<Keepalive>,
     user_agent: Option<&str>,
@@ -111,7 +111,11 @@ pub(crate) fn lazy_channel(
     connect_timeout_ms: Option<u64>,
 ) -> PyResult<isthmus::Channel> {
     let _runtime = runtime().enter();
-    let mut builder = isthmus::Channel::builder(target).upgrade(upgrade).config(config);
+    // No choice made: the process's (`ISTHMUS_UPGRADE`), the builder's default.
+    let mut builder = isthmus::Channel::builder(target).config(config);
+    if let Some(upgrade) = upgrade {
+        builder = builder.upgrade(upgrade);
+    }
     if let Some(agent) = user_agent {
         builder = builder.user_agent(agent);
     }
@@ -365,12 +369,12 @@ impl Channel {
 #[pymethods]
 impl Channel {
     #[new]
-    #[pyo3(signature = (target, tls=None, upgrade=true, max_receive=None, keepalive=None, user_agent=None, authority=None, connect_timeout_ms=None))]
+    #[pyo3(signature = (target, tls=None, upgrade=None, max_receive=None, keepalive=None, user_agent=None, authority=None, connect_timeout_ms=None))]
     #[allow(clippy::too_many_arguments)] // grpc's channel options, one by one
     fn new(
         target: &str,
         tls: Option<crate::tls::ClientTls>,
-        upgrade: bool,
+        upgrade: Option<bool>,
         max_receive: Option<u64>,
         keepalive: Option<Keepalive>,
         user_agent: Option<String>,
@@ -480,8 +484,21 @@ impl Channel {
     fn alloc(&self, py: Python<'_>, size: usize, timeout: Option<f64>) -> PyResult<Block> {
         match &self.blocking {
             Some(channel) => {
+                // In slices, as every blocking wait here: Ctrl-C ends a wait for room that
+                // nothing may ever make (this thread's own unsent blocks fill the arena).
                 let timeout = crate::convert::timeout_from_py(timeout);
-                match py.detach(|| channel.alloc(size, timeout)) {
+                let deadline = timeout.and_then(|t| std::time::Instant::now().checked_add(t));
+                let allocated = py.detach(|| loop {
+                    let left = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
+                    let slice = left.map_or(SIGNAL_SLICE, |left| left.min(SIGNAL_SLICE));
+                    match channel.alloc(size, Some(slice)) {
+                        Err(s) if s.code() == Code::DeadlineExceeded && left.is_none_or(|l| l > slice) => {
+                            signals()?;
+                        }
+                        done => return PyResult::Ok(done),
+                    }
+                })?;
+                match allocated {
                     Ok(block) => Ok(Block::shm(block)),
                     Err(s) if s.code() == Code::ResourceExhausted => Block::heap(size),
                     Err(s) => Err(call_error(py, &s)),
@@ -511,6 +528,17 @@ impl Channel {
             return Err(closed(true));
         }
         let options = options(metadata, timeout, wait_for_ready, compression)?;
+        if let Ok(block) = request.cast::<Block>() {
+            let refused = block.try_borrow().is_ok_and(|block| match &self.blocking {
+                Some(channel) => block.refused_by(|b| channel.can_send(b)),
+                None => block.refused_by(|_| false),
+            });
+            if refused {
+                let why = "the block was allocated by another channel, or by a connection of this one that is gone \
+                           (allocate it again)";
+                return Err(call_error(py, &Status::new(Code::InvalidArgument, why)));
+            }
+        }
         let response = match Request::from_py(request)? {
             Request::Block(Outgoing::Shm(block)) => {
                 let sent = match &self.blocking {

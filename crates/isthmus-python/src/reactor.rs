@@ -272,13 +272,13 @@ pub(crate) struct AsyncChannel {
 #[pymethods]
 impl AsyncChannel {
     #[new]
-    #[pyo3(signature = (target, reactor, tls=None, upgrade=true, max_receive=None, keepalive=None, user_agent=None, authority=None, connect_timeout_ms=None))]
+    #[pyo3(signature = (target, reactor, tls=None, upgrade=None, max_receive=None, keepalive=None, user_agent=None, authority=None, connect_timeout_ms=None))]
     #[allow(clippy::too_many_arguments)] // grpc's channel options, one by one
     fn new(
         target: &str,
         reactor: &Reactor,
         tls: Option<crate::tls::ClientTls>,
-        upgrade: bool,
+        upgrade: Option<bool>,
         max_receive: Option<u64>,
         keepalive: Option<crate::client::Keepalive>,
         user_agent: Option<String>,

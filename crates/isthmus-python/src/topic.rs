@@ -7,7 +7,7 @@
 
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyBytes, PyDict};
 
 use crate::buffers::Exported;
 
@@ -54,17 +54,30 @@ impl Topic {
         Ok(py.detach(|| self.inner.publish_state(bytes)))
     }
 
-    fn clear_state(&self) {
-        self.inner.clear_state();
+    // The topic's lock, which these take, is held through a publish (a copy of up to half a
+    // shared arena): each waits for it with the GIL released, or every Python thread waited.
+
+    /// The state kept by `publish_state`, if any.
+    fn state<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        py.detach(|| self.inner.state()).map(|b| PyBytes::new(py, &b))
     }
 
-    fn close(&self) {
-        self.inner.close();
+    /// The state, if no plain `publish` came after it: a resync's message.
+    fn current_state<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
+        py.detach(|| self.inner.current_state()).map(|b| PyBytes::new(py, &b))
+    }
+
+    fn clear_state(&self, py: Python<'_>) {
+        py.detach(|| self.inner.clear_state());
+    }
+
+    fn close(&self, py: Python<'_>) {
+        py.detach(|| self.inner.close());
     }
 
     /// The counters, as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
+        let s = py.detach(|| self.inner.stats());
         let d = PyDict::new(py);
         d.set_item("subscribers", s.subscribers)?;
         d.set_item("published", s.published)?;

@@ -975,7 +975,27 @@ unsafe impl Send for BlockMut {}
 // SAFETY: shared references only read.
 unsafe impl Sync for BlockMut {}
 
+/// Keeps the segment of a [`BlockMut`] mapped while it lives, and nothing else of its
+/// connection: for a binding whose callers may hold the block's address past its send (a
+/// Python object a tool took the address of). Writes there after the send land in the arena,
+/// perhaps in a later block, never in unmapped memory.
+#[derive(Clone)]
+pub struct Mapping {
+    _segment: Arc<Segment>,
+}
+
+impl fmt::Debug for Mapping {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Mapping").finish_non_exhaustive()
+    }
+}
+
 impl BlockMut {
+    /// What keeps this block's memory mapped (see [`Mapping`]).
+    pub fn mapping(&self) -> Mapping {
+        Mapping { _segment: self.sender.core.seg.clone() }
+    }
+
     /// Whether this block was allocated from `sender`'s connection (the only one it can be
     /// sent on).
     pub fn is_from(&self, sender: &Sender) -> bool {

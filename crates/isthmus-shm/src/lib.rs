@@ -91,7 +91,7 @@ use std::os::unix::net::UnixStream;
 
 pub use addr::{runtime_dir, Address};
 pub use config::{Config, PeerPolicy, SpinPolicy};
-pub use connection::{BlockMut, Connection, Frame, Interrupter, PeerInfo, Receiver, Role, Sender};
+pub use connection::{BlockMut, Connection, Frame, Interrupter, Mapping, PeerInfo, Receiver, Role, Sender};
 pub use copy::{copy_into_shared, move_into_shared};
 pub use doorbell::{EventFd, SocketBell};
 pub use error::{Error, ErrorKind, Result};

@@ -83,8 +83,8 @@ pub use upgrade::{ShmOffer, TransportCounts, UpgradeStatus, UpgradedTo};
 /// What a binding needs of the transport under the engine, so that bindings (the Python
 /// extension, the C ABI) stand on this crate alone.
 pub use isthmus_shm::{
-    copy_into_shared, features, move_into_shared, BlockMut, Config, EventFd, PeerPolicy, SharedArena, SharedBlock,
-    SharedBlockMut, SocketBell, SpinPolicy,
+    copy_into_shared, features, move_into_shared, BlockMut, Config, EventFd, Mapping, PeerPolicy, SharedArena,
+    SharedBlock, SharedBlockMut, SocketBell, SpinPolicy,
 };
 
 /// What the crate's unit tests share.

@@ -205,8 +205,10 @@ enum State {
         probed: bool,
         lost: bool,
     },
+    /// A probe runs, started at `since`.
     Probing {
         probed: bool,
+        since: Instant,
     },
     Shm {
         channel: Channel,
@@ -286,15 +288,28 @@ impl Upgrade {
         if matches!(&*state, State::Shm { channel, .. } if urgent && !channel.shm_connected()) {
             lost_shm(state);
         }
+        self.end_stale_probe(state);
         match *state {
             State::Probing { .. } => true,
             State::Idle { next_probe, probed, lost } if (urgent && lost) || Instant::now() >= next_probe => {
                 let Ok(runtime) = tokio::runtime::Handle::try_current() else { return false };
-                *state = State::Probing { probed };
+                *state = State::Probing { probed, since: Instant::now() };
                 runtime.spawn(probe(self.clone(), http.clone()));
                 true
             }
             _ => false,
+        }
+    }
+
+    /// Ends a probe whose task never ran: dropped unpolled with its runtime, where its guard,
+    /// made in the task, never was, it stayed under way for ever (no probe again, and a call
+    /// that waited for its end with no deadline waited for ever). Each probe ends within
+    /// `PROBE_LIMIT`: one past it twice over is taken to have failed.
+    fn end_stale_probe(&self, state: &mut State) {
+        if let State::Probing { probed, since } = *state {
+            if since.elapsed() > 2 * PROBE_LIMIT {
+                *state = State::Idle { next_probe: after(self.failed_probe()), probed, lost: false };
+            }
         }
     }
 
@@ -312,10 +327,10 @@ impl Upgrade {
             // Before the lock goes: the probe's end, under the same lock, cannot come unseen.
             ended.as_mut().enable();
         }
-        match until {
-            Some(until) => drop(tokio::time::timeout_at(until, ended).await),
-            None => ended.await,
-        }
+        // Bounded all the same: a probe ends within `PROBE_LIMIT`, or is taken to have failed.
+        let limit = tokio::time::Instant::now() + 2 * PROBE_LIMIT;
+        let until = until.map_or(limit, |until| until.min(limit));
+        drop(tokio::time::timeout_at(until, ended).await);
     }
 
     /// The state, as this process's: in a child forked since, a new start (closed stays closed).
@@ -381,7 +396,7 @@ impl Upgrade {
     pub(crate) fn status(&self) -> UpgradeStatus {
         match self.state().as_deref() {
             Some(State::Shm { to, .. }) => UpgradeStatus::Shm(to.clone()),
-            Some(State::Idle { probed: true, .. } | State::Probing { probed: true } | State::Closed) => {
+            Some(State::Idle { probed: true, .. } | State::Probing { probed: true, .. } | State::Closed) => {
                 UpgradeStatus::Http2
             }
             _ => UpgradeStatus::Pending,
@@ -403,7 +418,16 @@ impl Drop for Upgrade {
 /// HTTP/2 until a probe finds it again, `REPROBE` from now or at once for a call that HTTP/2
 /// would likely refuse.
 fn lost_shm(state: &mut State) {
-    *state = State::Idle { next_probe: Instant::now() + REPROBE, probed: true, lost: true };
+    *state = State::Idle { next_probe: after(REPROBE), probed: true, lost: true };
+}
+
+/// When the next probe runs: `wait` from now, give or take a fifth, as gRPC's backoff jitters,
+/// so that the clients of a server that restarted do not all probe it at the same moment.
+fn after(wait: Duration) -> Instant {
+    use std::hash::BuildHasher;
+    // std's RandomState is seeded per thread and varied per instance: enough to spread clients.
+    let draw = std::collections::hash_map::RandomState::new().hash_one(0u8) % 1000;
+    Instant::now() + wait.mul_f64(0.8 + 0.4 * draw as f64 / 1000.0)
 }
 
 /// How long a whole probe (offer, checks, connect) may take.
@@ -418,7 +442,7 @@ impl Drop for ProbeGuard {
         if let Ok(mut state) = self.0.state.lock() {
             if let State::Probing { .. } = *state {
                 let wait = self.0.failed_probe();
-                *state = State::Idle { next_probe: Instant::now() + wait, probed: true, lost: false };
+                *state = State::Idle { next_probe: after(wait), probed: true, lost: false };
             }
         }
         self.0.probe_ended.notify_waiters();
@@ -433,12 +457,23 @@ async fn probe(up: Arc<Upgrade>, http: Channel) {
 
 /// Asks for the offer over `http`, connects to it and checks it; the channel moves on success.
 async fn probe_once(up: Arc<Upgrade>, http: Channel) {
-    let wait = match offer(&http).await {
-        // The offer must come from the process at the other end of this very connection.
-        Ok(Some(to)) if !up.http_peer.is_process(to.pid) => {
-            tracing::debug!("the offer names process {}, which is not the HTTP/2 peer", to.pid);
-            NOT_OFFERED
+    let offered = match offer(&http).await {
+        // The offer must come from the process at the other end of this very connection. The
+        // look reads `/proc` (every TCP socket of the machine's table, every descriptor of the
+        // server): off the runtime's workers, as the handshake is.
+        Ok(Some(to)) => {
+            let (peer, pid) = (up.clone(), to.pid);
+            match tokio::task::spawn_blocking(move || peer.http_peer.is_process(pid)).await {
+                Ok(true) => Ok(Some(to)),
+                _ => {
+                    tracing::debug!("the offer names process {pid}, which is not the HTTP/2 peer");
+                    Ok(None)
+                }
+            }
         }
+        other => other,
+    };
+    let wait = match offered {
         Ok(Some(to)) => match connect(&to, up.config.clone(), up.agent.as_deref()).await {
             Ok(channel) => {
                 up.failed_probes.store(0, Ordering::Relaxed);
@@ -464,7 +499,7 @@ async fn probe_once(up: Arc<Upgrade>, http: Channel) {
     };
     if let Ok(mut state) = up.state.lock() {
         if !matches!(*state, State::Closed) {
-            *state = State::Idle { next_probe: Instant::now() + wait, probed: true, lost: false };
+            *state = State::Idle { next_probe: after(wait), probed: true, lost: false };
         }
     }
 }
@@ -612,6 +647,23 @@ mod tests {
         assert!(waits.iter().all(|&w| w <= 120), "never past REPROBE_MAX, nor wrapped: {waits:?}");
         up.failed_probes.store(0, Ordering::Relaxed); // what a probe that moved the channel does
         assert_eq!(up.failed_probe(), REPROBE);
+    }
+
+    #[test]
+    fn a_probe_under_way_past_twice_its_limit_is_taken_to_have_failed() {
+        let up = Upgrade::new(Config::default(), HttpPeer::default(), None);
+        let started = |ago: Duration| State::Probing { probed: true, since: Instant::now() - ago };
+        let mut state = started(PROBE_LIMIT);
+        up.end_stale_probe(&mut state);
+        assert!(matches!(state, State::Probing { .. }), "a probe within its time runs on");
+        let mut state = started(2 * PROBE_LIMIT + Duration::from_secs(1));
+        up.end_stale_probe(&mut state);
+        match state {
+            State::Idle { next_probe, probed: true, lost: false } => {
+                assert!(next_probe > Instant::now(), "the next probe after a failed one's wait");
+            }
+            _ => panic!("a stale probe stays under way"),
+        }
     }
 
     #[test]

@@ -2129,3 +2129,49 @@ fn a_call_sender_stops_at_its_calls_deadline() {
     });
     drop(accepting.join().expect("accept")); // the server's side, held until now
 }
+
+/// A blocking channel made inside a runtime that has ended since still sends the answers that
+/// wait for ring room: its server (the test's, of raw frames) sends 48 PINGs of 60 KiB while
+/// it reads nothing, so that most answers wait, then reads them all. They went to a task of the
+/// runtime the connecting thread was inside, which never ran once it had ended: every answer
+/// after the ring filled stayed queued for the connection's life.
+#[test]
+fn a_blocking_channel_made_in_an_ended_runtime_still_sends_its_waiting_answers() {
+    use isthmus::{wire, Status};
+    use isthmus_shm::{flags, Config, Connection, Kind, Listener};
+    let addr = fresh_addr("ended-runtime");
+    let listener = Listener::bind(&addr.parse().expect("address"), Config::default()).expect("bind");
+    let accepting = std::thread::spawn(move || listener.accept().expect("accept"));
+    let rt = runtime();
+    let ch = {
+        let _inside = rt.enter();
+        isthmus::blocking::Channel::connect(&addr).expect("connect")
+    };
+    drop(rt);
+    let Connection { sender, mut receiver } = accepting.join().expect("accept");
+    // A call that waits for its answer, and so reads the connection.
+    let calling = std::thread::spawn(move || ch.unary("/t.T/Wait", b"", with_timeout(60_000)));
+    let patience = || Some(Instant::now() + Duration::from_secs(30));
+    let stream = receiver.recv(patience()).expect("the call").stream;
+    let (pings, len) = (48, 60 << 10);
+    for i in 0..pings {
+        sender.send(Kind::Ping, 0, 0, &pattern(len, i), patience()).expect("PING");
+    }
+    let mut acks = 0;
+    while acks < pings {
+        let f = receiver.recv(patience()).unwrap_or_else(|e| panic!("answer {acks} of {pings}: {e}"));
+        match f.kind {
+            Kind::Ping => {
+                assert!(f.body[..] == pattern(len, acks)[..], "answer {acks} comes in order");
+                acks += 1;
+            }
+            Kind::Message | Kind::Trailers => {} // the call's request, in a frame of its own
+            kind => panic!("unexpected {kind:?}"),
+        }
+    }
+    sender.send_message(stream, 0, b"done", patience()).expect("MESSAGE");
+    let ok = wire::encode_trailers(&Status::ok());
+    sender.send(Kind::Trailers, flags::END_STREAM, stream, &ok, patience()).expect("TRAILERS");
+    let answered = calling.join().expect("the call").expect("answered");
+    assert_eq!(&answered.message[..], b"done");
+}

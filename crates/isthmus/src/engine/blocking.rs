@@ -716,6 +716,12 @@ impl Channel {
         self.unary_block_begin(path, request, options)?.wait()
     }
 
+    /// Whether `block` can be sent on this channel now: it came from the channel's connection,
+    /// which is still the one calls take (a block lives and dies with its connection).
+    pub fn can_send(&self, block: &BlockMut) -> bool {
+        self.inner.slot.live().is_some_and(|mux| block.is_from(&mux.sender))
+    }
+
     /// [`unary_begin`](Self::unary_begin) with a block from [`alloc`](Self::alloc) as the
     /// request, sent where it is.
     pub fn unary_block_begin(
@@ -726,7 +732,7 @@ impl Channel {
     ) -> Result<PendingUnary, Status> {
         // Checked before anything is sent, and never by connecting: a block lives and dies
         // with the connection it came from.
-        if !self.inner.slot.live().is_some_and(|mux| request.is_from(&mux.sender)) {
+        if !self.can_send(&request) {
             return Err(Status::new(
                 Code::Unavailable,
                 "the connection the block was allocated from is gone (or the block is another channel's)",

@@ -447,6 +447,15 @@ impl Entry {
     }
 }
 
+/// Clears the answers' queue when dropped (see `Mux::reply`).
+struct ClearOnDrop<'a>(&'a Mutex<Replies>);
+
+impl Drop for ClearOnDrop<'_> {
+    fn drop(&mut self) {
+        Replies::clear(self.0);
+    }
+}
+
 /// A call's message on its way out ([`Mux::send_message`]): its stream, the flags of its (last)
 /// frame, and the call's deadline.
 pub(crate) struct Outgoing<'a> {
@@ -1017,13 +1026,16 @@ impl Mux {
 
     /// A connection whose frames the calls' threads read themselves ([`wait`](Self::wait)).
     pub(crate) fn driven(sender: Sender, receiver: Receiver) -> Arc<Mux> {
-        Mux::build(
-            sender,
-            Some(Pump { receiver: Mutex::new(receiver), state: Mutex::default(), changed: Condvar::new() }),
-            None,
-            None,
-            usize::MAX,
-        )
+        let pump = Pump { receiver: Mutex::new(receiver), state: Mutex::default(), changed: Condvar::new() };
+        let mut mux = Mux::build(sender, Some(pump), None, None, usize::MAX);
+        // Its answers that wait for ring room go out from a thread of their own, never a
+        // task of whatever runtime the connecting thread was inside: that runtime may have
+        // ended since, or be blocked in this very call, and the task never ran (every later
+        // answer queued behind it, grants a stream waits for among them).
+        if let Some(only) = Arc::get_mut(&mut mux) {
+            only.runtime = None;
+        }
+        mux
     }
 
     fn build(
@@ -1323,11 +1335,15 @@ impl Mux {
         let (replies, sender) = (self.replies.clone(), self.sender.clone());
         match &self.runtime {
             Some(rt) => drop(rt.spawn(async move {
+                // A task dropped before it finished (its runtime shutting down) leaves the
+                // queue as the connection's end does, not `flushing` for good.
+                let flushing = ClearOnDrop(&replies);
                 while let Some(r) = Replies::next(&replies) {
                     if sender.send_async(r.kind, r.flags, r.stream, &r.body).await.is_err() {
-                        return Replies::clear(&replies);
+                        return;
                     }
                 }
+                std::mem::forget(flushing);
             })),
             None => {
                 // Waits as long as the connection lives, since what waits may be credit a
