@@ -495,6 +495,8 @@ func (s *Server) register(m *method, caller string) {
 // runRawUnary runs a raw unary handler on the request event ev (consumed here) and sends its
 // reply; a panic in the handler fails the call INTERNAL.
 func (s *Server) runRawUnary(st *serverStream, m *method, ev C.isthmus_event_t) (err error) {
+	s.handlerStarted() // inline ones too, which handle does not run
+	defer s.handlerEnded()
 	if ev.code != C.ISTHMUS_OK {
 		return st.failed(ev.code, ev.status, false)
 	}

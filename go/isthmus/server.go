@@ -54,6 +54,51 @@ type Server struct {
 	queued []uint64
 	// services describe what RegisterService registered, for GetServiceInfo.
 	services map[string]grpc.ServiceInfo
+	// running counts the handlers running now, and idle, when made, is closed once none is:
+	// GracefulStop waits for it, as grpc-go's waits for its handlers.
+	hmu     sync.Mutex
+	running int
+	idle    chan struct{}
+	// awaitingHandlers (under mu): a GracefulStop has shut the library down and waits for
+	// handlers only; a Stop then has nothing left to stop, and does not wait with it. cut: a
+	// shutdown with less grace (a Stop) came while the first drained, and nobody waits for
+	// handlers.
+	awaitingHandlers, cut bool
+}
+
+// handlerStarted counts a handler in (running); handlerEnded counts it out.
+func (s *Server) handlerStarted() {
+	s.hmu.Lock()
+	s.running++
+	s.hmu.Unlock()
+}
+
+func (s *Server) handlerEnded() {
+	s.hmu.Lock()
+	s.running--
+	if s.running == 0 && s.idle != nil {
+		close(s.idle)
+		s.idle = nil
+	}
+	s.hmu.Unlock()
+}
+
+// handlersEnded returns once no handler runs. The library's graceful shutdown ends when the
+// calls have, and a call ends without its handler when its client cancels it or its deadline
+// passes: a handler that went on regardless (a commit that ignores its context) ran on past
+// GracefulStop, and past a main that returned after it.
+func (s *Server) handlersEnded() {
+	s.hmu.Lock()
+	if s.running == 0 {
+		s.hmu.Unlock()
+		return
+	}
+	if s.idle == nil {
+		s.idle = make(chan struct{})
+	}
+	idle := s.idle
+	s.hmu.Unlock()
+	<-idle
 }
 
 var _ grpc.ServiceRegistrar = (*Server)(nil)
@@ -432,7 +477,9 @@ func (s *Server) Serve(targets ...string) error {
 func (s *Server) Stop() { s.shutdown(0) }
 
 // GracefulStop stops taking calls and waits for those in progress to finish, however long they
-// take, as grpc-go's does; a Stop meanwhile ends them now.
+// take, and then for their handlers to return (one whose call ended under it, cancelled by
+// its client, runs on until it returns), as grpc-go's does; a Stop meanwhile ends the calls
+// now, and does not wait for their handlers.
 func (s *Server) GracefulStop() { s.shutdown(untilFinished) }
 
 // GracefulStopTimeout is GracefulStop that waits at most grace for the calls in progress.
@@ -451,10 +498,17 @@ func (s *Server) shutdown(graceMs uint64) {
 	}
 	ms := C.uint64_t(graceMs)
 	s.mu.Lock()
+	if s.awaitingHandlers {
+		s.mu.Unlock()
+		return
+	}
 	srvs, later := s.srvs, s.stopping
 	s.stopping = true
 	if later && len(srvs) > 0 {
 		s.cutting.Add(1)
+	}
+	if later && graceMs != untilFinished {
+		s.cut = true
 	}
 	s.mu.Unlock()
 	if later && len(srvs) > 0 {
@@ -470,6 +524,13 @@ func (s *Server) shutdown(graceMs uint64) {
 			s.srvs = nil // no later shutdown joins cutting from here on
 			s.mu.Unlock()
 			s.cutting.Wait()
+			s.mu.Lock()
+			s.awaitingHandlers = graceMs == untilFinished && !s.cut
+			wait := s.awaitingHandlers
+			s.mu.Unlock()
+			if wait {
+				s.handlersEnded()
+			}
 			for _, l := range srvs {
 				l.free()
 			}
@@ -571,6 +632,8 @@ func (s *Server) handle(m *method, sc *C.isthmus_server_call_t) {
 	}
 	st := newServerStream(s, m, sc)
 	defer st.cancel()
+	s.handlerStarted()
+	defer s.handlerEnded()
 	var err error
 	func() {
 		defer func() {
@@ -744,6 +807,8 @@ func sendFailure(ev C.isthmus_event_t) error {
 
 // runUnary runs a unary handler on the request event ev (which it consumes).
 func (s *Server) runUnary(st *serverStream, m *method, ev C.isthmus_event_t) (any, error) {
+	s.handlerStarted() // inline ones too, which handle does not run
+	defer s.handlerEnded()
 	dec := func(v any) error {
 		if ev.code != C.ISTHMUS_OK {
 			err := st.failed(ev.code, ev.status, false)

@@ -6,11 +6,14 @@ import (
 	"net"
 	"path/filepath"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
 	pb "example.invalid/isthmus/go/internal/conformancepb"
@@ -306,4 +309,85 @@ func TestAServiceRegisteredTwicePanics(t *testing.T) {
 		}
 	}()
 	pb.RegisterEchoServer(s, &echo.Service{})
+}
+
+// deafEcho's Unary tells started when it runs, then waits for its context's end and for
+// release, ignoring the end as a handler that commits what it began does.
+type deafEcho struct {
+	pb.UnimplementedEchoServer
+	started, release chan struct{}
+	finished         *atomic.Bool
+}
+
+func (d deafEcho) Unary(ctx context.Context, r *pb.EchoRequest) (*pb.EchoReply, error) {
+	d.started <- struct{}{}
+	<-ctx.Done()
+	<-d.release
+	d.finished.Store(true)
+	return &pb.EchoReply{}, nil
+}
+
+// GracefulStop returns once the handlers have returned, as grpc-go's does, not only once the
+// calls have ended: a handler whose client cancelled its call ran on past GracefulStop (and
+// past a main that returned after it).
+func TestGracefulStopWaitsForHandlersWhoseCallsEnded(t *testing.T) {
+	shm, _ := fresh(t, "graceful-handlers")
+	s := isthmus.NewServer()
+	d := deafEcho{started: make(chan struct{}, 1), release: make(chan struct{}), finished: new(atomic.Bool)}
+	pb.RegisterEchoServer(s, d)
+	if err := s.Start(shm); err != nil {
+		t.Fatal(err)
+	}
+	client := pb.NewEchoClient(dial(t, shm))
+	ctx, cancel := context.WithCancel(context.Background())
+	called := make(chan error, 1)
+	go func() {
+		_, err := client.Unary(ctx, &pb.EchoRequest{})
+		called <- err
+	}()
+	select {
+	case <-d.started:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the handler did not start")
+	}
+	cancel()
+	if err := <-called; status.Code(err) != codes.Canceled {
+		t.Fatalf("the cancelled call: %v", err)
+	}
+	stopped := make(chan bool, 1)
+	go func() {
+		s.GracefulStop()
+		stopped <- d.finished.Load()
+	}()
+	select {
+	case <-stopped:
+		t.Fatal("GracefulStop returned while the handler still ran")
+	case <-time.After(500 * time.Millisecond):
+	}
+	close(d.release)
+	select {
+	case finished := <-stopped:
+		if !finished {
+			t.Error("GracefulStop returned before the handler did")
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("GracefulStop has not returned 30 s after the handler could")
+	}
+}
+
+// A Go health service (grpc-go's health.Server) answers health checks over every transport:
+// over HTTP/2 the library's own answered first, SERVING while the Go one said NOT_SERVING.
+func TestAGoHealthServiceAnswersOverEveryTransport(t *testing.T) {
+	shm, unix := fresh(t, "health")
+	s := isthmus.NewServer()
+	h := health.NewServer()
+	healthpb.RegisterHealthServer(s, h)
+	h.SetServingStatus("", healthpb.HealthCheckResponse_NOT_SERVING)
+	serving(t, s, shm, unix)
+	for _, target := range append([]string{shm}, s.HTTPAddresses()...) {
+		got, err := healthpb.NewHealthClient(dial(t, target)).Check(testContext(t), &healthpb.HealthCheckRequest{})
+		if err != nil || got.GetStatus() != healthpb.HealthCheckResponse_NOT_SERVING {
+			t.Errorf("%s: %v, %v", target, got, err)
+		}
+	}
 }

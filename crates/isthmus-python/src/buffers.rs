@@ -115,13 +115,23 @@ impl Block {
         Block { memory: Memory::Shm(block), exports: 0 }
     }
 
-    /// `MemoryError` if the heap cannot hold `len` bytes.
+    /// `MemoryError` if the heap cannot hold `len` bytes. Zeroed by the allocator, lazily for a
+    /// large block (fresh pages of the system are zero): a block of gigabytes, the heap's are
+    /// the ones over the arena, took its memory and cleared it before the caller wrote a byte.
     pub(crate) fn heap(len: usize) -> PyResult<Block> {
-        let mut bytes = Vec::new();
-        bytes
-            .try_reserve_exact(len)
-            .map_err(|_| pyo3::exceptions::PyMemoryError::new_err(format!("cannot allocate a block of {len} bytes")))?;
-        bytes.resize(len, 0);
+        let refused = || pyo3::exceptions::PyMemoryError::new_err(format!("cannot allocate a block of {len} bytes"));
+        if len == 0 {
+            return Ok(Block { memory: Memory::Heap(Vec::new()), exports: 0 });
+        }
+        let layout = std::alloc::Layout::array::<u8>(len).map_err(|_| refused())?;
+        // SAFETY: `layout` has a size above zero.
+        let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            return Err(refused());
+        }
+        // SAFETY: `ptr` comes from the global allocator with the layout of `len` bytes, all of
+        // them initialised (zero); the Vec takes it over, with that length and capacity.
+        let bytes = unsafe { Vec::from_raw_parts(ptr, len, len) };
         Ok(Block { memory: Memory::Heap(bytes), exports: 0 })
     }
 
@@ -316,7 +326,12 @@ impl Exported {
         match usize::try_from(self.0.len) {
             Ok(len) if len > 0 && !self.0.buf.is_null() => {
                 // SAFETY: a C-contiguous export: `len` bytes from `buf`, valid while the export
-                // is held, which is as long as `self`.
+                // is held, which is as long as `self`. A writable exporter (a bytearray, a numpy
+                // array) may yet be written by another Python thread while this is read with the
+                // GIL released. Rust's model calls that a data race, which no type here can
+                // prevent (grpcio's copies race alike): the slice only feeds copies (memcpy) of
+                // memory that stays mapped, which then hold torn bytes, and the module's
+                // documentation tells callers not to write a buffer while it is sent.
                 unsafe { std::slice::from_raw_parts(self.0.buf.cast::<u8>(), len) }
             }
             _ => &[],

@@ -330,10 +330,10 @@ impl Server {
     }
 
     /// Whether the server answers `grpc.health.v1` itself (default: yes). Off for an
-    /// application that serves its own health service under that name through a handler, or a
-    /// foreign servicer behind the catch-all handler; a tonic health service added with
-    /// [`add_service`](Self::add_service) (tonic_health's `health_reporter`) takes its place
-    /// by itself.
+    /// application whose own health service is a foreign servicer behind the catch-all
+    /// handler; a tonic health service added with [`add_service`](Self::add_service)
+    /// (tonic_health's `health_reporter`), or handlers of the service's methods (Go's
+    /// `RegisterHealthServer`), take its place by themselves.
     pub fn health(mut self, on: bool) -> Server {
         self.health = on;
         self
@@ -493,7 +493,15 @@ impl Server {
         // An application's own health service (tonic_health's `health_reporter`, added as any
         // service) is the one served: a second under the same name made the router panic when
         // serving began.
-        let serve_health = this.health && !this.services.iter().any(|(name, _)| *name == HEALTH_SERVICE);
+        // So is one a binding registered method by method (Go's `RegisterHealthServer`, C's
+        // handlers): over HTTP/2 the built-in service's routes came first, and a Go server
+        // draining (NOT_SERVING) still answered SERVING there.
+        let own_health = |path: &String| {
+            path.strip_prefix('/').and_then(|p| p.strip_prefix(HEALTH_SERVICE)).is_some_and(|m| m.starts_with('/'))
+        };
+        let serve_health = this.health
+            && !this.services.iter().any(|(name, _)| *name == HEALTH_SERVICE)
+            && !this.handlers.keys().any(own_health);
         if let Some(offered) = first_shm {
             this.offer.offer(offered);
         }

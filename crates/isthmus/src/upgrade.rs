@@ -200,20 +200,11 @@ enum State {
     /// Calls go over HTTP/2; a probe runs with the first call after `next_probe`. `lost`: the
     /// `shm://` connection it had moved to went (a server restarted, say), so a call that
     /// HTTP/2 would likely refuse probes at once (`settle`).
-    Idle {
-        next_probe: Instant,
-        probed: bool,
-        lost: bool,
-    },
+    Idle { next_probe: Instant, probed: bool, lost: bool },
     /// A probe runs, started at `since`.
-    Probing {
-        probed: bool,
-        since: Instant,
-    },
-    Shm {
-        channel: Channel,
-        to: UpgradedTo,
-    },
+    Probing { probed: bool, since: Instant },
+    /// Calls go over `channel`, to which the channel moved at `since`.
+    Shm { channel: Channel, to: UpgradedTo, since: Instant },
     /// The channel was closed: calls stay on HTTP/2 and no probe runs again.
     Closed,
 }
@@ -254,6 +245,30 @@ impl Upgrade {
         }
     }
 
+    /// The `shm://` connection the channel moved to is gone (the server went away, or
+    /// restarted): HTTP/2 until a probe finds it again, or at once for a call that HTTP/2 would
+    /// likely refuse (`lost`).
+    fn lost_shm(&self, state: &mut State) {
+        let held = match state {
+            State::Shm { since, .. } => since.elapsed(),
+            _ => Duration::MAX,
+        };
+        *state = State::Idle { next_probe: after(self.wait_after_loss(held)), probed: true, lost: true };
+    }
+
+    /// How long after losing an `shm://` connection that had `held` that long the next probe
+    /// runs: `REPROBE` after one that held (`HELD`), the failed probes' growing wait after one
+    /// that died young. A server whose `shm://` side broke each connection soon after the move
+    /// (its calls failing with it) was probed again every 5 s for ever, where HTTP/2 would
+    /// have served every call.
+    fn wait_after_loss(&self, held: Duration) -> Duration {
+        if held >= HELD {
+            self.failed_probes.store(0, Ordering::Relaxed);
+            return REPROBE;
+        }
+        self.failed_probe()
+    }
+
     /// How long to wait before the next probe after one more that failed: `REPROBE`, doubled
     /// for each failure in a row before it, at most `REPROBE_MAX`.
     fn failed_probe(&self) -> Duration {
@@ -267,11 +282,11 @@ impl Upgrade {
     pub(crate) fn route(self: &Arc<Self>, http: &Channel) -> Option<(Channel, UpgradedTo)> {
         let mut state = self.state()?;
         match &*state {
-            State::Shm { channel, to } => {
+            State::Shm { channel, to, .. } => {
                 if channel.shm_connected() {
                     return Some((channel.clone(), to.clone()));
                 }
-                lost_shm(&mut state);
+                self.lost_shm(&mut state);
                 None
             }
             State::Idle { .. } => {
@@ -286,7 +301,7 @@ impl Upgrade {
     /// call, if the channel lost its `shm://` connection; whether one runs now.
     fn probe_if_due(self: &Arc<Self>, state: &mut State, http: &Channel, urgent: bool) -> bool {
         if matches!(&*state, State::Shm { channel, .. } if urgent && !channel.shm_connected()) {
-            lost_shm(state);
+            self.lost_shm(state);
         }
         self.end_stale_probe(state);
         match *state {
@@ -370,7 +385,7 @@ impl Upgrade {
         self.http2.fetch_add(1, Ordering::Relaxed);
         if let Some(mut state) = state {
             if matches!(&*state, State::Shm { to: current, .. } if current == to) {
-                lost_shm(&mut state);
+                self.lost_shm(&mut state);
             }
         }
     }
@@ -414,12 +429,9 @@ impl Drop for Upgrade {
     }
 }
 
-/// The `shm://` connection the channel moved to is gone (the server went away, or restarted):
-/// HTTP/2 until a probe finds it again, `REPROBE` from now or at once for a call that HTTP/2
-/// would likely refuse.
-fn lost_shm(state: &mut State) {
-    *state = State::Idle { next_probe: after(REPROBE), probed: true, lost: true };
-}
+/// How long an `shm://` connection must have held for its loss to count as a server going
+/// away, not as a move that failed.
+const HELD: Duration = Duration::from_secs(30);
 
 /// When the next probe runs: `wait` from now, give or take a fifth, as gRPC's backoff jitters,
 /// so that the clients of a server that restarted do not all probe it at the same moment.
@@ -476,12 +488,13 @@ async fn probe_once(up: Arc<Upgrade>, http: Channel) {
     let wait = match offered {
         Ok(Some(to)) => match connect(&to, up.config.clone(), up.agent.as_deref()).await {
             Ok(channel) => {
-                up.failed_probes.store(0, Ordering::Relaxed);
+                // The failed probes before it count on until the connection has held
+                // (`wait_after_loss`).
                 if let Ok(mut state) = up.state.lock() {
                     match *state {
                         // Closed while the probe ran: the connection it made goes too.
                         State::Closed => channel.close(Status::new(Code::Cancelled, "the channel was closed")),
-                        _ => *state = State::Shm { channel, to },
+                        _ => *state = State::Shm { channel, to, since: Instant::now() },
                     }
                 }
                 return;
@@ -645,8 +658,18 @@ mod tests {
         let waits: Vec<u64> = (0..40).map(|_| up.failed_probe().as_secs()).collect();
         assert_eq!(waits[..7], [5, 10, 20, 40, 80, 120, 120]);
         assert!(waits.iter().all(|&w| w <= 120), "never past REPROBE_MAX, nor wrapped: {waits:?}");
-        up.failed_probes.store(0, Ordering::Relaxed); // what a probe that moved the channel does
+        // A connection that held: the next loss waits the least, and the count starts afresh.
+        assert_eq!(up.wait_after_loss(HELD), REPROBE);
         assert_eq!(up.failed_probe(), REPROBE);
+    }
+
+    #[test]
+    fn a_move_lost_young_backs_off_as_a_failed_probe_and_one_that_held_does_not() {
+        let up = Upgrade::new(Config::default(), HttpPeer::default(), None);
+        let young: Vec<u64> = (0..4).map(|_| up.wait_after_loss(Duration::from_secs(1)).as_secs()).collect();
+        assert_eq!(young, [5, 10, 20, 40], "each move that broke at once waits longer");
+        assert_eq!(up.wait_after_loss(Duration::from_secs(3600)), REPROBE);
+        assert_eq!(up.wait_after_loss(Duration::from_secs(1)), REPROBE, "counted afresh after one that held");
     }
 
     #[test]

@@ -548,6 +548,9 @@ impl Channel {
         };
         let encoding = match codec::Encoding::from_headers(&parts.headers) {
             Ok(encoding) => encoding,
+            // A compression HTTP/2 may carry and `shm://` does not read (tonic's zstd): a call
+            // that may go back to HTTP/2 does, as it did before the move.
+            Err(_) if hand_back => return Err(http::Request::from_parts(parts, Box::pin(body))),
             Err(s) => return Ok(failed_response(s)),
         };
         // Requests are usually whole already (a unary call's one message): one that is goes
