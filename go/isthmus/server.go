@@ -54,11 +54,13 @@ type Server struct {
 	queued []uint64
 	// services describe what RegisterService registered, for GetServiceInfo.
 	services map[string]grpc.ServiceInfo
-	// running counts the handlers running now, and idle, when made, is closed once none is:
-	// GracefulStop waits for it, as grpc-go's waits for its handlers.
-	hmu     sync.Mutex
-	running int
-	idle    chan struct{}
+	// running counts the handlers running now (an atomic: every call's path counts); once
+	// awaiting is set, the handler that brings it to zero closes idle, which GracefulStop
+	// waits for, as grpc-go's waits for its handlers.
+	running  atomic.Int64
+	awaiting atomic.Bool
+	hmu      sync.Mutex
+	idle     chan struct{}
 	// awaitingHandlers (under mu): a GracefulStop has shut the library down and waits for
 	// handlers only; a Stop then has nothing left to stop, and does not wait with it. cut: a
 	// shutdown with less grace (a Stop) came while the first drained, and nobody waits for
@@ -67,16 +69,14 @@ type Server struct {
 }
 
 // handlerStarted counts a handler in (running); handlerEnded counts it out.
-func (s *Server) handlerStarted() {
-	s.hmu.Lock()
-	s.running++
-	s.hmu.Unlock()
-}
+func (s *Server) handlerStarted() { s.running.Add(1) }
 
 func (s *Server) handlerEnded() {
+	if s.running.Add(-1) != 0 || !s.awaiting.Load() {
+		return
+	}
 	s.hmu.Lock()
-	s.running--
-	if s.running == 0 && s.idle != nil {
+	if s.idle != nil && s.running.Load() == 0 {
 		close(s.idle)
 		s.idle = nil
 	}
@@ -89,15 +89,14 @@ func (s *Server) handlerEnded() {
 // GracefulStop, and past a main that returned after it.
 func (s *Server) handlersEnded() {
 	s.hmu.Lock()
-	if s.running == 0 {
-		s.hmu.Unlock()
+	idle := make(chan struct{})
+	s.idle = idle
+	s.awaiting.Store(true)
+	s.hmu.Unlock()
+	// A handler that ended before awaiting was set closed nothing: look once more.
+	if s.running.Load() == 0 {
 		return
 	}
-	if s.idle == nil {
-		s.idle = make(chan struct{})
-	}
-	idle := s.idle
-	s.hmu.Unlock()
 	<-idle
 }
 

@@ -397,10 +397,7 @@ impl SendHalf {
         let f = if last { flags::END_STREAM } else { 0 };
         let deadline = self.deadline.map(Instant::into_std);
         let out = Outgoing { id: self.id, shared: &self.shared, flags: f, deadline };
-        match self.within(self.mux.send_message(out, message)).await {
-            Ok(Ok(())) => Ok(()),
-            _ => Err(()),
-        }
+        sent(self.within(self.mux.send_message(out, message)).await)
     }
 
     /// A writable block in this side's shared memory, for a message built in place.
@@ -417,10 +414,7 @@ impl SendHalf {
             return Err(());
         }
         let f = if last { flags::END_STREAM } else { 0 };
-        match self.within(self.mux.sender.send_block_async(self.id, f, block)).await {
-            Ok(Ok(())) => Ok(()),
-            _ => Err(()),
-        }
+        sent(self.within(self.mux.sender.send_block_async(self.id, f, block)).await)
     }
 
     /// Whether `block` can be sent on this call: it was allocated from its connection.
@@ -440,10 +434,16 @@ impl SendHalf {
 
     /// Half-closes without a message.
     pub(crate) async fn close(&self) -> Result<(), ()> {
-        match self.within(self.mux.sender.send_async(Kind::Trailers, flags::END_STREAM, self.id, &[])).await {
-            Ok(Ok(())) => Ok(()),
-            _ => Err(()),
-        }
+        sent(self.within(self.mux.sender.send_async(Kind::Trailers, flags::END_STREAM, self.id, &[])).await)
+    }
+}
+
+/// A `SendHalf` send's outcome: `Err` if its deadline passed or the connection failed (the
+/// call's status comes from the receiving side either way).
+fn sent(outcome: Result<Result<(), isthmus_shm::Error>, Status>) -> Result<(), ()> {
+    match outcome {
+        Ok(Ok(())) => Ok(()),
+        _ => Err(()),
     }
 }
 

@@ -1004,7 +1004,7 @@ impl Mux {
             askers: Default::default(),
             since: std::time::Instant::now(),
         };
-        Mux::build(sender, None, Some(lead), None, usize::MAX)
+        Mux::build(sender, None, Some(lead), None, usize::MAX, tokio::runtime::Handle::try_current().ok())
     }
 
     /// A server's connection: a reader task, which lends `receiver` to a foreign handler's
@@ -1021,21 +1021,17 @@ impl Mux {
             busy_until: AtomicU64::new(0),
             since: std::time::Instant::now(),
         };
-        Mux::build(sender, None, None, Some(lend), stream_limit)
+        Mux::build(sender, None, None, Some(lend), stream_limit, tokio::runtime::Handle::try_current().ok())
     }
 
     /// A connection whose frames the calls' threads read themselves ([`wait`](Self::wait)).
     pub(crate) fn driven(sender: Sender, receiver: Receiver) -> Arc<Mux> {
         let pump = Pump { receiver: Mutex::new(receiver), state: Mutex::default(), changed: Condvar::new() };
-        let mut mux = Mux::build(sender, Some(pump), None, None, usize::MAX);
         // Its answers that wait for ring room go out from a thread of their own, never a
         // task of whatever runtime the connecting thread was inside: that runtime may have
         // ended since, or be blocked in this very call, and the task never ran (every later
         // answer queued behind it, grants a stream waits for among them).
-        if let Some(only) = Arc::get_mut(&mut mux) {
-            only.runtime = None;
-        }
-        mux
+        Mux::build(sender, Some(pump), None, None, usize::MAX, None)
     }
 
     fn build(
@@ -1044,6 +1040,7 @@ impl Mux {
         lead: Option<Lead>,
         lend: Option<Lend>,
         stream_limit: usize,
+        runtime: Option<tokio::runtime::Handle>,
     ) -> Arc<Mux> {
         Arc::new(Mux {
             sender,
@@ -1062,7 +1059,7 @@ impl Mux {
             going_away: Notify::new(),
             last_stream: AtomicU64::new(0),
             calls: CallTally::default(),
-            runtime: tokio::runtime::Handle::try_current().ok(),
+            runtime,
             replies: Arc::default(),
         })
     }
