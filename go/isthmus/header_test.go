@@ -197,7 +197,7 @@ func TestInitialMetadataSetBeforeAFailureReachesTheClient(t *testing.T) {
 					t.Errorf("%s: raw: %v", name, err)
 				}
 			}
-			if n := isthmus.LiveHandles(); n != before {
+			if n := isthmus.LiveHandles(); n > before { // fewer: an earlier test's freed meanwhile
 				t.Errorf("%s: %d handles live after failed calls, %d before", name, n, before)
 			}
 		}
@@ -643,7 +643,9 @@ func TestAStreamEndedBareIsFinishedByHeader(t *testing.T) {
 			t.Errorf("a stream that failed bare: header %v, %v", h, err)
 		}
 	}
-	if n := isthmus.LiveHandles(); n != before {
+	// More than before: a stream kept. (Fewer is an earlier test's handle freed meanwhile:
+	// the count is the process's.)
+	if n := isthmus.LiveHandles(); n > before {
 		t.Errorf("%d handles live after three streams that ended, %d before", n, before)
 	}
 }

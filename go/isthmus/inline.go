@@ -87,6 +87,7 @@ func (s *Server) handleInline(m *method, sc *C.isthmus_server_call_t) {
 	} else {
 		st = newServerStreamWith(s, m, sc, b.metadata, int64(b.left))
 	}
+	st.inline = true
 	ev := b.now
 	*b = C.isthmus_go_begin_t{}
 	beginPool.Put(buf)

@@ -66,6 +66,13 @@ type Server struct {
 	// shutdown with less grace (a Stop) came while the first drained, and nobody waits for
 	// handlers.
 	awaitingHandlers, cut bool
+	// inlineWaits (under hmu) are the InlineUnary handlers running now that asked when their
+	// call ends (ctx.Done or Err). The thread that would tell them is the one they run on, their
+	// connection's reader, so a shutdown tells them itself once the library's grace is over
+	// (endInlineWaits), rather than wait for them for ever as it frees the library's server.
+	// inlineCut: that has happened, and a handler that asks later is told at once.
+	inlineWaits map[*serverStream]struct{}
+	inlineCut   bool
 }
 
 // handlerStarted counts a handler in (running); handlerEnded counts it out.
@@ -523,6 +530,7 @@ func (s *Server) shutdown(graceMs uint64) {
 			s.srvs = nil // no later shutdown joins cutting from here on
 			s.mu.Unlock()
 			s.cutting.Wait()
+			s.endInlineWaits()
 			s.mu.Lock()
 			s.awaitingHandlers = graceMs == untilFinished && !s.cut
 			wait := s.awaitingHandlers
@@ -539,6 +547,34 @@ func (s *Server) shutdown(graceMs uint64) {
 		}
 		close(s.serving)
 	})
+}
+
+// waitInline lists st, an InlineUnary handler's stream that asked when its call ends, for a
+// shutdown to tell (endInlineWaits); false if that has happened already.
+func (s *Server) waitInline(st *serverStream) bool {
+	s.hmu.Lock()
+	defer s.hmu.Unlock()
+	if s.inlineCut {
+		return false
+	}
+	if s.inlineWaits == nil {
+		s.inlineWaits = make(map[*serverStream]struct{})
+	}
+	s.inlineWaits[st] = struct{}{}
+	return true
+}
+
+// endInlineWaits ends the contexts of the InlineUnary handlers that wait for them, once the
+// library's servers have shut down: their calls are over (the library ended them when its grace
+// did), but the thread that would have told them is the one they hold.
+func (s *Server) endInlineWaits() {
+	s.hmu.Lock()
+	waits := s.inlineWaits
+	s.inlineWaits, s.inlineCut = nil, true
+	s.hmu.Unlock()
+	for st := range waits {
+		st.cancel()
+	}
 }
 
 // shutdownAll shuts the library's servers down at once, each with the grace ms, and returns
@@ -864,6 +900,7 @@ type serverStream struct {
 	peer       *peer.Peer // once asked for (callContext.Value)
 	stats      *rpcStats  // nil without stats handlers (StatsHandler)
 	tookOnly   bool       // RecvMsg has taken the one request of a server-streaming call
+	inline     bool       // its handler runs on the connection's reader (InlineUnary)
 	onlyErr    error      // and failed so: each later RecvMsg says so again, as grpc-go's
 }
 
@@ -999,6 +1036,11 @@ func (st *serverStream) cancel() {
 	st.mu.Unlock()
 	if stop != nil {
 		stop()
+		if st.inline {
+			st.s.hmu.Lock()
+			delete(st.s.inlineWaits, st)
+			st.s.hmu.Unlock()
+		}
 	}
 }
 
@@ -1087,6 +1129,10 @@ func (st *serverStream) watch(cancel context.CancelFunc) {
 	}
 	st.stop = cancel
 	if st.finished {
+		return
+	}
+	if st.inline && !st.s.waitInline(st) {
+		cancel() // the server has stopped: its call is over, or soon will be
 		return
 	}
 	tag := st.s.r.tag(func(C.isthmus_event_t) {

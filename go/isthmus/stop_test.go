@@ -35,18 +35,7 @@ func TestStopCutsAGracefulStopShort(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer conn.Close()
-	client := pb.NewEchoClient(conn)
-	if _, err := client.Unary(context.Background(), &pb.EchoRequest{}); err != nil {
-		t.Fatal(err)
-	}
-	ended := make(chan error, 1)
-	go func() {
-		// Its handler sleeps for a minute, unless its call ends first.
-		_, err := client.Unary(context.Background(), &pb.EchoRequest{SleepMs: 60_000})
-		ended <- err
-	}()
-	time.Sleep(200 * time.Millisecond) // the call is in its handler by now (if not, it is refused)
-
+	ended := sleepingCall(t, pb.NewEchoClient(conn))
 	graceful := make(chan struct{})
 	go func() {
 		s.GracefulStop()
@@ -66,6 +55,30 @@ func TestStopCutsAGracefulStopShort(t *testing.T) {
 			t.Fatalf("%s has not returned 30 s after Stop began", what)
 		}
 	}
+	endedByStop(t, ended)
+	t.Logf("both stops returned within %v", time.Since(began))
+}
+
+// sleepingCall makes a call whose handler sleeps for a minute unless its call ends first, once
+// a first call has gone through, and returns once it is in its handler (if not, it is
+// refused): its error comes on the channel.
+func sleepingCall(t *testing.T, client pb.EchoClient) chan error {
+	t.Helper()
+	if _, err := client.Unary(context.Background(), &pb.EchoRequest{}); err != nil {
+		t.Fatal(err)
+	}
+	ended := make(chan error, 1)
+	go func() {
+		_, err := client.Unary(context.Background(), &pb.EchoRequest{SleepMs: 60_000})
+		ended <- err
+	}()
+	time.Sleep(200 * time.Millisecond)
+	return ended
+}
+
+// endedByStop checks that the call of sleepingCall ended, Unavailable or Canceled, within 30 s.
+func endedByStop(t *testing.T, ended chan error) {
+	t.Helper()
 	select {
 	case err := <-ended:
 		if c := status.Code(err); c != codes.Unavailable && c != codes.Canceled {
@@ -74,7 +87,6 @@ func TestStopCutsAGracefulStopShort(t *testing.T) {
 	case <-time.After(30 * time.Second):
 		t.Fatal("the call in progress still runs 30 s after Stop")
 	}
-	t.Logf("both stops returned within %v", time.Since(began))
 }
 
 // A Stop that runs before Serve (a signal handler's, before `go s.Serve(...)` began) leaves
@@ -390,4 +402,27 @@ func TestAGoHealthServiceAnswersOverEveryTransport(t *testing.T) {
 			t.Errorf("%s: %v, %v", target, got, err)
 		}
 	}
+}
+
+// Stop ends a call whose InlineUnary handler waits for its context: the handler runs on the
+// thread that reads its connection, and that thread's cancel must still reach it.
+func TestStopEndsAnInlineHandlerWaitingForItsContext(t *testing.T) {
+	shm, _ := fresh(t, "stop-inline")
+	s := isthmus.NewServer(isthmus.InlineUnary())
+	pb.RegisterEchoServer(s, &echo.Service{})
+	if err := s.Start(shm); err != nil {
+		t.Fatal(err)
+	}
+	ended := sleepingCall(t, pb.NewEchoClient(dial(t, shm)))
+	stopped := make(chan struct{})
+	go func() {
+		s.Stop()
+		close(stopped)
+	}()
+	select {
+	case <-stopped:
+	case <-time.After(30 * time.Second):
+		t.Fatal("Stop has not returned 30 s after it began")
+	}
+	endedByStop(t, ended)
 }

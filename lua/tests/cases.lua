@@ -749,8 +749,29 @@ function cases.tls_refused(ch, args)
         both = { ca = "x", ca_file = "/nonexistent" },
         missing_file = { ca_file = "/nonexistent/ca.pem" },
         cert_alone = { cert = "x" },
+        nul_name = { server_name = "api.internal\0x" },
+        nul_file = { ca_file = "/etc/hosts\0x" },
     })[args.which]
     return connect_answer(args.target, { tls = tls })
+end
+
+-- connect's answer to a switch (`upgrade`...) that is no boolean: refused, where "no" turned
+-- it on.
+function cases.switch_refused(ch, args)
+    return connect_answer(args.target, { [args.key] = args.value })
+end
+
+-- wait_state's answer to a timeout of NaN (which never ended the wait), -1 or math.huge.
+function cases.wait_state_refused(ch, args)
+    local now = ch:state()
+    local last = args.value == "huge" and "SHUTDOWN" or now
+    local ok, err = ch:wait_state(last, ({ nan = 0 / 0, negative = -1, huge = math.huge })[args.value])
+    if ok then
+        return { ok = true, changed = err ~= last }
+    end
+    local r = failure(err)
+    r.kept = err.state == now
+    return r
 end
 
 -- connect's answer to a numeric option that is no whole number of 0 or more: refused before

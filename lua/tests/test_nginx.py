@@ -665,6 +665,28 @@ def test_a_quitting_worker_answers_its_pending_calls_and_exits(servers: Callable
         own.close()  # waits for the graceful exit, and fails if it does not come
 
 
+def test_a_quitting_worker_exits_once_its_last_call_is_abandoned(servers: Callable[[str], Served]) -> None:
+    """nginx -s quit while a call with no deadline waits, then its client goes away (and with
+    lua_check_client_abort, its request with it): nobody waits for the call, and the worker
+    exits, its handler cut off. Before, nothing pruned the call while the worker exited (the
+    prune timer stops then, and the watcher slept on the bell): the worker stayed until the
+    server answered, here a minute later."""
+    target = servers("rust").addresses["shm"]
+    own = Nginx(http_extra="lua_check_client_abort on;")
+    try:
+        assert own.case("unary", target)["ok"]
+        query = urllib.parse.urlencode({"target": target, "sleep": 60_000})
+        client = socket.create_connection(("127.0.0.1", own.port))
+        client.sendall(f"GET /case/slow?{query} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        time.sleep(1.0)  # the request reaches the worker, its call the server (no timing is asserted)
+        own.process.send_signal(signal.SIGQUIT)
+        time.sleep(0.5)  # the worker learns it exits
+        client.close()
+        own.process.wait(timeout=30)
+    finally:
+        own.close()  # fails if the graceful exit has not come
+
+
 def test_channels_made_in_init_by_lua_serve_the_worker_forked_after(servers: Callable[[str], Served]) -> None:
     """nginx's master connects in init_by_lua and calls over shm://, unix:// and http://, then
     forks its worker, which calls on the same channels: each worker connects anew and the
@@ -1008,6 +1030,25 @@ print(isthmus.init{{ lib = "{library()}", ssl_yield = false }})
     assert _plain_luajit(body) == ["false", "true", "false", "true", "true"]
 
 
+def test_a_library_or_lua_cjson_missing_is_an_error_not_a_raise() -> None:
+    """connect and load_proto return nil, FAILED_PRECONDITION when the C library does not
+    load, and load_proto when lua-cjson (which reads replies) is missing; they raised, and
+    a proto without lua-cjson raised only once a call's reply came back, its request served."""
+    body = f"""
+local ch, e1 = isthmus.connect("shm://nobody", {{ lib = "/nonexistent/libisthmus_capi.so" }})
+print(ch == nil, e1.name, (e1.message:find("cannot load the isthmus C library", 1, true)) ~= nil)
+local ok = pcall(isthmus.init, {{ lib = "/nonexistent/libisthmus_capi.so" }})
+print(ok)
+isthmus.init{{ lib = "{library()}" }}
+package.loaded["cjson.safe"] = nil
+package.preload["cjson.safe"] = function() error("not installed") end
+local p3, e3 = isthmus.load_proto({{ "{ROOT}/tests/proto/conformance.proto" }})
+print(p3 == nil, e3.name, (e3.message:find("need lua-cjson", 1, true)) ~= nil)
+"""
+    want = ["true", "FAILED_PRECONDITION", "true", "false", "true", "FAILED_PRECONDITION", "true"]
+    assert _plain_luajit(body) == want
+
+
 def test_plain_luajit_blocks_instead(servers: Callable[[str], Served]) -> None:
     """Outside nginx the same module's calls block: a LuaJIT script against a real server."""
     target = servers("rust").addresses["shm"]
@@ -1230,6 +1271,8 @@ def test_tls_on_a_local_transport_fails_connect(nginx: Nginx, cert_dir: Path, ta
         ("both", "give one of the two"),
         ("missing_file", "tls.ca_file: /nonexistent/ca.pem"),
         ("cert_alone", "go together"),
+        ("nul_name", "tls.server_name holds a NUL"),
+        ("nul_file", "tls.ca_file holds a NUL"),
     ],
 )
 def test_tls_options_connect_refuses(nginx: Nginx, which: str, words: str) -> None:
@@ -1246,6 +1289,25 @@ def test_a_numeric_option_that_is_no_count_fails_connect(nginx: Nginx, key: str,
     assert (
         r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and f"{key} is a whole number" in r["message"]
     ), r
+
+
+@pytest.mark.parametrize("key", ["upgrade", "keepalive_without_calls", "spin"])
+def test_a_switch_that_is_no_boolean_fails_connect(nginx: Nginx, key: str) -> None:
+    r = nginx.case("switch_refused", "shm://lua-option-nobody", key=key, value="no")
+    assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT", r
+    assert f"{key} is true or false" in r["message"], r
+
+
+def test_wait_state_takes_any_timeout_but_nan(nginx: Nginx) -> None:
+    """NaN is refused (the wait never ended); a timeout run out already ends the wait at
+    once, DEADLINE_EXCEEDED in the state it had; math.huge is no limit (its conversion to C's
+    milliseconds was undefined): a wait for a change from SHUTDOWN ends at once."""
+    nobody = "shm://lua-option-nobody"
+    r = nginx.case("wait_state_refused", nobody, value="nan")
+    assert r["ok"] is False and r["name"] == "INVALID_ARGUMENT" and "not NaN" in r["message"], r
+    r = nginx.case("wait_state_refused", nobody, value="negative")
+    assert r["ok"] is False and r["name"] == "DEADLINE_EXCEEDED" and r["kept"] is True, r
+    assert nginx.case("wait_state_refused", nobody, value="huge") == {"ok": True, "changed": True}
 
 
 def test_connect_names_an_authority_and_refuses_what_is_none(

@@ -73,6 +73,10 @@ class Context:
         self._trailing: Iterable[Metadatum] | None = None
         self._aborted = False
         self._finished = False
+        # The RpcErrors this context raised for the call's end (`_ended_by`): a handler that
+        # lets one through has not failed, as grpcio's `rpc_errors`; any other exception it
+        # raises is logged, the call still open or not.
+        self._ends: list[grpc.RpcError] | tuple[()] = ()
         # A raw handler (`isthmus.raw`) gets requests as read-only `Message` buffers and sends
         # its replies as they are: no (de)serializer.
         self._raw = raw
@@ -145,7 +149,16 @@ class Context:
         try:
             return self._call.alloc(size)
         except CallError as e:
-            raise rpc_error(e) from None
+            raise self._ended_by(e) from None
+
+    def _ended_by(self, error: CallError, aio: bool = False) -> grpc.RpcError:
+        """The RpcError that says the call ended under its handler (`error`, the engine's
+        account of it), remembered: the handler's own failure it is not."""
+        raised = rpc_error(error, aio)
+        if not self._ends:
+            self._ends = []
+        self._ends.append(raised)
+        return raised
 
     def _abort(self, code: grpc.StatusCode, details: str) -> NoReturn:
         # Recorded before raising: a handler that catches the exception still ends aborted.
@@ -171,6 +184,7 @@ class Context:
             # Only a raw context receives Messages, and it has no deserializer.
             return self._deserialize(message)  # type: ignore[arg-type]
         except Exception as e:
+            _LOG.error("Exception deserializing message!", exc_info=e)  # grpcio's log
             self._codec_failed(e, "Exception deserializing request!")
 
     def _encode(self, response: Any) -> bytes:
@@ -180,6 +194,7 @@ class Context:
             try:
                 message = self._serialize(response)
             except Exception as e:
+                _LOG.error("Exception serializing message!", exc_info=e)  # grpcio's log
                 self._codec_failed(e, "Failed to serialize response!")
         if message is None:
             message = self._no_message()
@@ -222,7 +237,11 @@ class Context:
             return
         code, details = self._code, self._details
         if error is not None and not self._aborted:
-            if self._call.is_active():  # otherwise the error is the call's end, not a fault
+            # The call's end, as this context's own operations raised it (a receive, a send),
+            # is no fault of the handler's; anything else is, whether the call is still open
+            # or has ended meanwhile (its deadline passed, its client cancelled), as grpcio
+            # logs it.
+            if not isinstance(error, CallError) and not any(error is e for e in self._ends):
                 _LOG.error("Exception calling application", exc_info=error)
             if status_number(code, self._NUMBERS) == 0:
                 code = grpc.StatusCode.UNKNOWN
@@ -273,6 +292,15 @@ class ServicerContext(Context, grpc.ServicerContext):
     def is_active(self) -> bool:
         return self._call.is_active()
 
+    def _decode(self, message: bytes | Message) -> Any:
+        request = super()._decode(message)
+        if request is None and self._deserialize is not None:
+            # grpcio's server takes a deserializer's None for its failure (grpc.aio's passes
+            # it on).
+            failure = ValueError("the deserializer returned None")
+            self._codec_failed(failure, "Exception deserializing request!")
+        return request
+
     def details(self) -> bytes | None:  # type: ignore[override]
         # `bytes`, as grpcio's (its `set_details` keeps their UTF-8); grpc.aio's is a `str`.
         details = self._details
@@ -312,7 +340,7 @@ class ServicerContext(Context, grpc.ServicerContext):
         except CallError as e:
             if self._call.is_active():
                 raise ValueError("Initial metadata no longer allowed!") from None
-            raise rpc_error(e) from None
+            raise self._ended_by(e) from None
 
     def _requests(self) -> Iterator[Any]:
         """A request-streaming handler's request iterator; raises an RpcError if the call ends
@@ -321,7 +349,7 @@ class ServicerContext(Context, grpc.ServicerContext):
             try:
                 message = self._recv()
             except CallError as e:
-                raise rpc_error(e) from None
+                raise self._ended_by(e) from None
             if message is None:
                 return
             yield self._decode(message)

@@ -4,12 +4,15 @@ request iterators, the channel's shapes and isthmus's errors."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import pickle
 import queue
 import random
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
+from concurrent import futures
 from types import ModuleType
 from typing import Any
 
@@ -304,3 +307,145 @@ def test_nobody_there(transport: str, pb_grpc: ModuleType, pb: ModuleType) -> No
     with isthmus.insecure_channel(fresh(transport)) as channel, pytest.raises(grpc.RpcError) as caught:
         pb_grpc.EchoStub(channel).Unary(pb.EchoRequest(), timeout=60)
     assert caught.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+class _Faults(logging.Handler):
+    """Collects the servers' records that start with `prefix` (grpcio's and ours): the
+    exception of each, or its message with `messages`."""
+
+    def __init__(self, prefix: str = "Exception calling application", messages: bool = False) -> None:
+        super().__init__()
+        self.prefix, self.messages = prefix, messages
+        self.seen: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith(self.prefix):
+            error = repr(record.exc_info[1]) if record.exc_info else ""
+            self.seen.append(message if self.messages else error)
+
+
+def _serving(implementation: str, methods: dict[str, grpc.RpcMethodHandler]) -> tuple[Any, Any]:
+    """A started server of `implementation` serving `methods` as service t.T, and a channel to
+    it (grpcio's over a Unix socket, isthmus's over shm://)."""
+    if implementation == "grpcio":
+        target = fresh("unix").replace("unix://", "unix:")
+        server, channel = grpc.server(futures.ThreadPoolExecutor(4)), grpc.insecure_channel(target)
+    else:
+        target = fresh("shm")
+        server, channel = isthmus.server(futures.ThreadPoolExecutor(4)), isthmus.insecure_channel(target)
+    server.add_insecure_port(target)
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", methods)])
+    server.start()
+    return server, channel
+
+
+@pytest.mark.parametrize("implementation", ["grpcio", "isthmus"])
+def test_a_servers_codec_failure_is_internal_and_logged(implementation: str) -> None:
+    """A request deserializer that raises or returns None, and a response serializer that
+    raises, fail the call INTERNAL in grpcio's words, and the server logs why (isthmus logged
+    nothing, and handed the handler a request of None)."""
+
+    def fails(data: bytes) -> Any:
+        raise ValueError("cannot")
+
+    echo = lambda request, context: b"reply"  # noqa: E731
+    methods = {
+        "Raises": grpc.unary_unary_rpc_method_handler(echo, request_deserializer=fails),
+        "Nothing": grpc.unary_unary_rpc_method_handler(echo, request_deserializer=lambda data: None),
+        "Reply": grpc.unary_unary_rpc_method_handler(echo, response_serializer=fails),
+    }
+    faults = _Faults("Exception ", messages=True)
+    logging.getLogger().addHandler(faults)
+    server, channel = _serving(implementation, methods)
+    try:
+        for method, details in [
+            ("Raises", "Exception deserializing request!"),
+            ("Nothing", "Exception deserializing request!"),
+            ("Reply", "Failed to serialize response!"),
+        ]:
+            with pytest.raises(grpc.RpcError) as failed:
+                channel.unary_unary(f"/t.T/{method}")(b"x", timeout=30)
+            got = (failed.value.code(), failed.value.details())
+            assert got == (grpc.StatusCode.INTERNAL, details), method
+        want = ["Exception deserializing message!", "Exception serializing message!"]
+        assert faults.seen == want, faults.seen
+    finally:
+        logging.getLogger().removeHandler(faults)
+        channel.close()
+        server.stop(None)
+
+
+@pytest.mark.parametrize("implementation", ["grpcio", "isthmus"])
+def test_a_handlers_exception_is_logged_unless_it_is_its_calls_end(implementation: str) -> None:
+    """A handler that raises after its call ended (here, past the deadline) has failed, and the
+    server logs it, as grpcio's does (isthmus logged only while the call was open, so a late
+    bug went unseen); a handler that lets through the RpcError its request iterator raised
+    when the client cancelled has not, and nothing is logged (isthmus logged it when the cancel
+    reached the iterator before the call's end)."""
+    started, ended = threading.Event(), threading.Event()
+
+    def late(request: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            for _ in range(3000):  # until the deadline has passed, 30 s at most
+                if not context.is_active():
+                    break
+                time.sleep(0.01)
+            raise KeyError("late")
+        finally:
+            ended.set()
+
+    def reads(requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:
+        try:
+            for _ in requests:
+                started.set()
+            return b""
+        finally:
+            ended.set()
+
+    methods = {
+        "Late": grpc.unary_unary_rpc_method_handler(late),
+        "Reads": grpc.stream_unary_rpc_method_handler(reads),
+    }
+    faults = _Faults()
+    logging.getLogger().addHandler(faults)
+    server, channel = _serving(implementation, methods)
+    try:
+        release = threading.Event()
+
+        def requests() -> Iterator[bytes]:
+            yield b"a"
+            release.wait(30)
+
+        call = channel.stream_unary("/t.T/Reads").future(requests(), timeout=30)
+        assert started.wait(30), "the handler got no request"
+        call.cancel()
+        assert ended.wait(30), "the cancelled call's handler did not end"
+        release.set()
+        ended.clear()
+        with pytest.raises(grpc.RpcError) as late_call:
+            channel.unary_unary("/t.T/Late")(b"", timeout=0.3)
+        assert late_call.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert ended.wait(30), "the late handler did not end"
+        for _ in range(3000):  # its record comes as its call ends, after the handler's `finally`
+            if faults.seen:
+                break
+            time.sleep(0.01)
+        assert faults.seen == ["KeyError('late')"], faults.seen
+    finally:
+        logging.getLogger().removeHandler(faults)
+        channel.close()
+        server.stop(None)
+
+
+@pytest.mark.parametrize("implementation", ["grpcio", "isthmus"])
+def test_a_generic_handler_without_service_is_refused_at_once(implementation: str) -> None:
+    """As grpcio: an AttributeError when the handler is added (or given to the server), not
+    calls that each fail UNKNOWN later."""
+    make = grpc.server if implementation == "grpcio" else isthmus.server
+    with pytest.raises(AttributeError, match='does not have "service" method'):
+        make(futures.ThreadPoolExecutor(1), handlers=[object()])
+    server = make(futures.ThreadPoolExecutor(1))
+    with pytest.raises(AttributeError, match='does not have "service" method'):
+        server.add_generic_rpc_handlers([object()])
+    server.stop(None)

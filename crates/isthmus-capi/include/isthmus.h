@@ -1318,7 +1318,9 @@ isthmus_code_t isthmus_proto_free(isthmus_proto_t *proto);
 isthmus_server_t *isthmus_server_new(const isthmus_server_options_t *opts);
 
 // Registers `handler` for `path` (NULL or "": every other path), called with `user_data` for
-// each new call. Before `isthmus_server_start` only.
+// each new call. Before `isthmus_server_start` only. A path that is no
+// `/package.Service/Method` is `ISTHMUS_INVALID_ARGUMENT`; one already registered (by either
+// `add_handler` function or a topic), or a second fallback, `ISTHMUS_ALREADY_EXISTS`.
 //
 // Thread-safety: any thread, before `isthmus_server_start` (a lock orders them). `handler` is
 // called on the library's threads, for several calls at once.
@@ -1335,8 +1337,8 @@ isthmus_code_t isthmus_server_add_handler(const isthmus_server_t *server,
 
 // Registers `path` (NULL or "": every other path) to deliver its calls as events on `cq`
 // (`ISTHMUS_OP_NEW_CALL`, with `tag` and the call in `server_call`). Before
-// `isthmus_server_start` only. The queue should outlive the server: a call that comes once it
-// is freed fails UNAVAILABLE.
+// `isthmus_server_start` only; paths are checked as `isthmus_server_add_handler`'s. The queue
+// should outlive the server: a call that comes once it is freed fails UNAVAILABLE.
 //
 // Thread-safety: any thread, before `isthmus_server_start` (a lock orders them). The new calls'
 // events go to whichever thread takes them from `cq`.
@@ -1609,8 +1611,11 @@ isthmus_code_t isthmus_server_call_send_async(const isthmus_server_call_t *call,
 // whether the message went; a send that failed finished the call with its status.
 //
 // The handle is freed whatever happens, as by `isthmus_server_call_finish`: a `data` that is
-// NULL with a length, a `trailers` or `cq` that is no live handle still ends the call
-// (INTERNAL, saying which) and returns `ISTHMUS_INVALID_ARGUMENT`, with no event.
+// NULL with a length, a `trailers` or `cq` that is no live handle, a `tag` that names an
+// operation still pending on `cq` (`isthmus_server_call_done_async`'s, say: give the reply a
+// tag of its own), or a `cq` made before a `fork` still ends the call (INTERNAL, saying which)
+// and returns the code that says why (`ISTHMUS_INVALID_ARGUMENT`, or
+// `ISTHMUS_FAILED_PRECONDITION` for the fork), with no event.
 //
 // Thread-safety: any thread, exactly once, in place of `isthmus_server_call_finish`; operations
 // other threads start on the call afterwards fail `ISTHMUS_INVALID_ARGUMENT`.
@@ -1845,7 +1850,8 @@ isthmus_code_t isthmus_topic_free(isthmus_topic_t *topic);
 // is a subscriber, sent the topic's state if it has one, then every message published while
 // it is subscribed, until its client cancels or goes away, or the topic closes (OK), or the
 // server starts to shut down (UNAVAILABLE, once what was queued is sent: a graceful shutdown
-// does not wait for subscribers). Before `isthmus_server_start` only.
+// does not wait for subscribers). Before `isthmus_server_start` only; `path` is checked as
+// `isthmus_server_add_handler`'s (ALREADY_EXISTS for one that has a handler or a topic).
 //
 // Thread-safety: any thread, before `isthmus_server_start` (a lock orders them).
 //

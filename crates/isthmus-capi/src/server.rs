@@ -431,7 +431,8 @@ pub unsafe extern "C" fn isthmus_server_new(opts: *const isthmus_server_options_
 /// (`/package.Service/Method`); NULL or "" takes every path no other handler takes.
 fn add_handler(server: *const isthmus_server_t, path: Option<&str>, deliver: Deliver) -> Result<(), Status> {
     let handler: Arc<dyn Handler> = Arc::new(deliver);
-    build(server, |b| match path.filter(|p| !p.is_empty()) {
+    let path = path.filter(|p| !p.is_empty());
+    build_at(server, path, |b| match path {
         Some(path) => b.handler_object(path, handler),
         None => b.fallback(handler),
     })
@@ -452,6 +453,37 @@ pub(crate) fn build(
     Ok(())
 }
 
+/// [`build`] for what serves `path` (None: the fallback). A path that is no
+/// `/package.Service/Method` would never be called: INVALID_ARGUMENT. One already served:
+/// ALREADY_EXISTS, as grpc-go refuses a service registered twice, where the engine's builder
+/// would replace the first quietly and its handler (or queue) would never hear of a call again.
+pub(crate) fn build_at(
+    server: *const isthmus_server_t,
+    path: Option<&str>,
+    f: impl FnOnce(isthmus::Server) -> isthmus::Server,
+) -> Result<(), Status> {
+    if let Some(path) = path {
+        let method = path.strip_prefix('/').and_then(|p| p.split_once('/'));
+        if !method.is_some_and(|(service, method)| !service.is_empty() && !method.is_empty() && !method.contains('/')) {
+            return Err(invalid(format!("the path {path:?} is no /package.Service/Method")));
+        }
+    }
+    let mut taken = false;
+    build(server, |b| {
+        taken = b.handles(path);
+        if taken {
+            b
+        } else {
+            f(b)
+        }
+    })?;
+    if taken {
+        let what = path.map_or_else(|| "the fallback (a NULL or empty path)".to_owned(), |p| format!("the path {p}"));
+        return Err(Status::new(Code::AlreadyExists, format!("{what} has a handler already")));
+    }
+    Ok(())
+}
+
 /// The optional path argument of the `add_handler` functions.
 ///
 /// # Safety
@@ -466,7 +498,9 @@ unsafe fn path_arg<'a>(path: *const c_char) -> Result<Option<&'a str>, Status> {
 }
 
 /// Registers `handler` for `path` (NULL or "": every other path), called with `user_data` for
-/// each new call. Before `isthmus_server_start` only.
+/// each new call. Before `isthmus_server_start` only. A path that is no
+/// `/package.Service/Method` is `ISTHMUS_INVALID_ARGUMENT`; one already registered (by either
+/// `add_handler` function or a topic), or a second fallback, `ISTHMUS_ALREADY_EXISTS`.
 ///
 /// Thread-safety: any thread, before `isthmus_server_start` (a lock orders them). `handler` is
 /// called on the library's threads, for several calls at once.
@@ -494,8 +528,8 @@ pub unsafe extern "C" fn isthmus_server_add_handler(
 
 /// Registers `path` (NULL or "": every other path) to deliver its calls as events on `cq`
 /// (`ISTHMUS_OP_NEW_CALL`, with `tag` and the call in `server_call`). Before
-/// `isthmus_server_start` only. The queue should outlive the server: a call that comes once it
-/// is freed fails UNAVAILABLE.
+/// `isthmus_server_start` only; paths are checked as `isthmus_server_add_handler`'s. The queue
+/// should outlive the server: a call that comes once it is freed fails UNAVAILABLE.
 ///
 /// Thread-safety: any thread, before `isthmus_server_start` (a lock orders them). The new calls'
 /// events go to whichever thread takes them from `cq`.
@@ -1093,8 +1127,11 @@ pub unsafe extern "C" fn isthmus_server_call_send_async(
 /// whether the message went; a send that failed finished the call with its status.
 ///
 /// The handle is freed whatever happens, as by `isthmus_server_call_finish`: a `data` that is
-/// NULL with a length, a `trailers` or `cq` that is no live handle still ends the call
-/// (INTERNAL, saying which) and returns `ISTHMUS_INVALID_ARGUMENT`, with no event.
+/// NULL with a length, a `trailers` or `cq` that is no live handle, a `tag` that names an
+/// operation still pending on `cq` (`isthmus_server_call_done_async`'s, say: give the reply a
+/// tag of its own), or a `cq` made before a `fork` still ends the call (INTERNAL, saying which)
+/// and returns the code that says why (`ISTHMUS_INVALID_ARGUMENT`, or
+/// `ISTHMUS_FAILED_PRECONDITION` for the fork), with no event.
 ///
 /// Thread-safety: any thread, exactly once, in place of `isthmus_server_call_finish`; operations
 /// other threads start on the call afterwards fail `ISTHMUS_INVALID_ARGUMENT`.

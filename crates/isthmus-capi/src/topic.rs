@@ -8,7 +8,7 @@ use isthmus::{SlowSubscriber, Topic, TopicOptions};
 
 use crate::abi::{c_bytes, c_str, entry, entry_out, invalid, isthmus_code_t, isthmus_status_t, put};
 use crate::handle::Registry;
-use crate::server::{build, isthmus_server_t};
+use crate::server::{build_at, isthmus_server_t};
 
 /// A topic: publish to it from any thread; a server serves it at a method path
 /// (`isthmus_server_add_topic`).
@@ -230,7 +230,8 @@ pub extern "C" fn isthmus_topic_free(topic: *mut isthmus_topic_t) -> isthmus_cod
 /// is a subscriber, sent the topic's state if it has one, then every message published while
 /// it is subscribed, until its client cancels or goes away, or the topic closes (OK), or the
 /// server starts to shut down (UNAVAILABLE, once what was queued is sent: a graceful shutdown
-/// does not wait for subscribers). Before `isthmus_server_start` only.
+/// does not wait for subscribers). Before `isthmus_server_start` only; `path` is checked as
+/// `isthmus_server_add_handler`'s (ALREADY_EXISTS for one that has a handler or a topic).
 ///
 /// Thread-safety: any thread, before `isthmus_server_start` (a lock orders them).
 ///
@@ -280,7 +281,7 @@ pub unsafe extern "C" fn isthmus_server_add_topic_limited(
             0 => usize::MAX,
             n => usize::try_from(n).unwrap_or(usize::MAX),
         };
-        build(server, |b| {
+        build_at(server, Some(path), |b| {
             b.handler(path, move |mut call| {
                 let topic = topic.clone();
                 async move {

@@ -66,8 +66,8 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
                 .thread_name("isthmus")
                 // The host may not ignore SIGPIPE (a Go or C program): a peer that hangs up
                 // while a worker writes to its Unix socket must fail that write, not kill the
-                // host.
-                .on_thread_start(isthmus_shm::block_sigpipe_on_this_thread)
+                // host. Nor may these threads take the signals the host waits for.
+                .on_thread_start(isthmus_shm::block_host_signals_on_this_thread)
                 .enable_all()
                 .build()
                 .unwrap_or_else(|e| panic!("isthmus cannot start its runtime: {e}"));
@@ -548,6 +548,11 @@ pub struct Completions<O> {
     /// Operations waiting, by token (to abandon them); a token is hashed as a stream id is,
     /// cheaper than SipHash, on every operation that waits.
     running: Mutex<HashMap<u64, Arc<Op<O>>, IdKeys>>,
+    /// Set by [`abort_all`](Self::abort_all) under `running`'s lock: an operation that would
+    /// wait after it (started on another thread as the queue closed) is dropped instead, so
+    /// that what it was doing (a reply, a receive) ends rather than waits for a poll that no
+    /// one will make.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl<O> std::fmt::Debug for Completions<O> {
@@ -564,6 +569,7 @@ impl<O: Outcome> Completions<O> {
             bell: Mutex::new(None),
             queue: Mutex::default(),
             running: Mutex::default(),
+            closed: std::sync::atomic::AtomicBool::new(false),
         }))
     }
 
@@ -631,7 +637,16 @@ impl<O: Outcome> Completions<O> {
             Poll::Pending => {
                 // Registered while the slot is still locked: a `take` that polls it to its end
                 // (after a wake-up during the first poll) then finds it there to remove.
-                lock(&self.running).insert(token, op.clone());
+                let mut running = lock(&self.running);
+                if self.closed.load(std::sync::atomic::Ordering::Relaxed) {
+                    drop(running);
+                    let future = slot.take();
+                    drop(slot);
+                    drop(future); // as abort_all drops those that waited before
+                    return None;
+                }
+                running.insert(token, op.clone());
+                drop(running);
                 drop(slot);
                 None
             }
@@ -735,9 +750,14 @@ impl<O: Outcome> Completions<O> {
         abandoned
     }
 
-    /// Abandons every waiting operation (the loop is closing).
+    /// Abandons every waiting operation (the loop is closing), and every one that would wait
+    /// from now on.
     pub fn abort_all(&self) {
-        let ops: Vec<_> = lock(&self.running).drain().map(|(_, op)| op).collect();
+        let ops: Vec<_> = {
+            let mut running = lock(&self.running);
+            self.closed.store(true, std::sync::atomic::Ordering::Relaxed);
+            running.drain().map(|(_, op)| op).collect()
+        };
         for op in ops {
             let future = lock(&op.future).take();
             drop(future);
@@ -1042,8 +1062,8 @@ impl HandedCall {
     /// A unary handler's whole answer: sends `message` and finishes the call with `status()`,
     /// now, from the calling thread, if that takes no wait (see `ServerCall::try_send_now`),
     /// in one frame where the connection agreed to one-frame calls (`ServerCall::send_last`).
-    /// False, with nothing sent and the call still open, otherwise: then [`send`](Self::send)
-    /// and [`finish`](Self::finish) as usual.
+    /// False, with nothing sent, otherwise: then [`send`](Self::send) and
+    /// [`finish`](Self::finish) as usual (the send fails if the call has ended meanwhile).
     pub fn try_reply(&self, message: &[u8], status: impl FnOnce() -> Status) -> bool {
         if !self.active.load(std::sync::atomic::Ordering::Acquire) {
             return false;
@@ -1057,9 +1077,11 @@ impl HandedCall {
         if call.reserve_last(message.len()) {
             // One frame, the message inside the status, sent under this hold of the call.
             let Some(finish) = self.begin_finish() else { return false };
-            call.end_now(status(), Some(message));
+            // False: the call ended meanwhile (its deadline, its client's cancel) and nothing
+            // went; the caller's send then says how it ended, as it would have a moment later.
+            let sent = call.end_now(status(), Some(message));
             let _ = finish.send(Ok(()));
-            return true;
+            return sent;
         }
         if !call.try_send_now(message) {
             return false;
@@ -1272,6 +1294,69 @@ mod tests {
         fn panicked(_: Status) -> u32 {
             u32::MAX
         }
+    }
+
+    /// The signals this thread has blocked, from /proc (`SigBlk`, a hex mask: bit n-1 for
+    /// signal n).
+    fn blocked_here() -> u64 {
+        let status = std::fs::read_to_string("/proc/thread-self/status").expect("/proc");
+        let line = status.lines().find_map(|l| l.strip_prefix("SigBlk:")).expect("SigBlk");
+        u64::from_str_radix(line.trim(), 16).expect("hex")
+    }
+
+    #[test]
+    fn the_runtimes_threads_leave_the_hosts_signals_to_it() {
+        // Linux's signal numbers (this crate has no libc of its own).
+        let bit = |sig: u32| 1u64 << (sig - 1);
+        let on_worker = runtime().block_on(async { tokio::spawn(async { blocked_here() }).await.expect("task") });
+        let on_blocking = runtime().block_on(async { tokio::task::spawn_blocking(blocked_here).await.expect("task") });
+        for (thread, blocked) in [("worker", on_worker), ("blocking", on_blocking)] {
+            for (name, sig) in [
+                ("SIGPIPE", 13),
+                ("SIGTERM", 15),
+                ("SIGHUP", 1),
+                ("SIGCHLD", 17),
+                ("SIGINT", 2),
+                ("SIGQUIT", 3),
+                ("SIGUSR1", 10),
+            ] {
+                assert_ne!(blocked & bit(sig), 0, "{name} is not blocked on a {thread} thread");
+            }
+            // A fault's signal goes to its thread whatever the mask: never blocked.
+            assert_eq!(blocked & bit(11), 0, "SIGSEGV is blocked on a {thread} thread");
+        }
+    }
+
+    #[test]
+    fn an_operation_that_would_wait_once_the_queue_closed_is_dropped() {
+        struct Dropped(Arc<std::sync::atomic::AtomicBool>);
+        impl Drop for Dropped {
+            fn drop(&mut self) {
+                self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+            }
+        }
+        let completions = Completions::<u32>::new().expect("eventfd");
+        let before = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let guard = Dropped(before.clone());
+        completions.run(1, async move {
+            let _guard = guard;
+            std::future::pending::<u32>().await
+        });
+        assert!(completions.is_running(1));
+        completions.abort_all();
+        assert!(before.load(std::sync::atomic::Ordering::SeqCst), "a waiting operation was not dropped");
+        // Started after the close (another thread's, as the queue was freed): dropped too,
+        // where it waited for ever among the running.
+        let after = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let guard = Dropped(after.clone());
+        completions.run(2, async move {
+            let _guard = guard;
+            std::future::pending::<u32>().await
+        });
+        assert!(after.load(std::sync::atomic::Ordering::SeqCst), "an operation started after the close waits");
+        assert!(!completions.is_running(2));
+        // One that finishes at once still gives its outcome.
+        assert_eq!(completions.run_now(3, async { 7 }), Some(7));
     }
 
     #[test]

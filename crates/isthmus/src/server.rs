@@ -229,6 +229,15 @@ impl Server {
         self
     }
 
+    /// Whether a handler is registered for `path` (None: the [`fallback`](Server::fallback)),
+    /// for a binding that refuses a second registration where this builder replaces the first.
+    pub fn handles(&self, path: Option<&str>) -> bool {
+        match path {
+            Some(path) => self.handlers.contains_key(path),
+            None => self.catch_all.is_some(),
+        }
+    }
+
     /// Registers a [`Handler`] for every path that no handler and no tonic service takes: for
     /// servers whose methods are known only at run time (the Python binding's). It then answers
     /// unknown methods itself.

@@ -195,6 +195,7 @@ local function find_library(explicit)
     return "isthmus_capi"
 end
 
+-- The C library, loaded on first use: C, or nil and why not (each caller says it its way).
 local function load(path)
     if C then
         return C
@@ -202,12 +203,12 @@ local function load(path)
     local name = find_library(path)
     local ok, lib = pcall(ffi.load, name)
     if not ok then
-        error("resty.isthmus: cannot load the isthmus C library (" .. name .. "): " .. tostring(lib)
-            .. "; set ISTHMUS_LIB or call isthmus.init{ lib = '/path/to/libisthmus_capi.so' }", 3)
+        return nil, "resty.isthmus: cannot load the isthmus C library (" .. name .. "): " .. tostring(lib)
+            .. "; set ISTHMUS_LIB or call isthmus.init{ lib = '/path/to/libisthmus_capi.so' }"
     end
     local version = lib.isthmus_abi_version()
     if version ~= ABI_VERSION then
-        error(("resty.isthmus: %s has ABI version %d, this module speaks %d"):format(name, version, ABI_VERSION), 3)
+        return nil, ("resty.isthmus: %s has ABI version %d, this module speaks %d"):format(name, version, ABI_VERSION)
     end
     C = lib
     return C
@@ -249,7 +250,10 @@ function _M.init(opts)
     if t ~= nil then
         blocking_timeout = t
     end
-    load(opts and opts.lib)
+    local _, lerr = load(opts and opts.lib)
+    if lerr then
+        error(lerr, 2) -- set-up, as a bad option is
+    end
     return true
 end
 
@@ -470,11 +474,25 @@ local function json()
     if not cjson then
         local ok, lib = pcall(require, "cjson.safe")
         if not ok then
-            error("resty.isthmus: Lua tables as messages need lua-cjson (Debian: apt-get install lua-cjson)", 3)
+            return nil, "resty.isthmus: Lua tables as messages need lua-cjson (Debian: apt-get install lua-cjson)"
         end
         cjson = lib.new and lib.new() or lib
     end
     return cjson
+end
+
+-- Why a proto cannot be made here, or nil: the C library does not load, or lua-cjson (which
+-- reads replies) is missing. Found when the proto is made, not when a call's reply has come
+-- back, its request served, and cannot be read.
+local function unusable()
+    local _, lerr = load()
+    if lerr then
+        return new_error(FAILED_PRECONDITION, lerr)
+    end
+    local _, jerr = json()
+    if jerr then
+        return new_error(FAILED_PRECONDITION, jerr)
+    end
 end
 
 -- Tables are written as JSON here, not by lua-cjson, whose numbers keep at most 14 digits
@@ -629,7 +647,10 @@ end
 --- up in `includes`, a directory or a list of them, then in the directory of each file under
 --- none of those). Returns a proto for isthmus.connect's `proto` option, or nil, err.
 function _M.load_proto(files, includes)
-    load()
+    local lerr = unusable()
+    if lerr then
+        return nil, lerr
+    end
     if type(files) == "string" then
         files = { files }
     end
@@ -661,7 +682,10 @@ end
 
 --- Loads a serialized FileDescriptorSet (`protoc --include_imports --descriptor_set_out`).
 function _M.load_descriptor_set(bytes)
-    load()
+    local lerr = unusable()
+    if lerr then
+        return nil, lerr
+    end
     if type(bytes) ~= "string" then
         return nil, new_error(INVALID_ARGUMENT, "a descriptor set is a string of bytes, not a " .. type(bytes))
     end
@@ -730,7 +754,11 @@ function Proto:decode(type_name, bytes)
     if merr then
         return false, merr
     end
-    local t, jerr = json().decode(text)
+    local j, lerr = json()
+    if not j then
+        return false, new_error(FAILED_PRECONDITION, lerr)
+    end
+    local t, jerr = j.decode(text)
     if t == nil then
         return false, new_error(UNKNOWN, "cannot read the message's JSON: " .. tostring(jerr))
     end
@@ -1005,6 +1033,10 @@ watch = function(premature, path, number)
             if next(waiting) == nil then
                 break
             end
+            -- No prune timer runs now (nginx fires it early, and makes no new one): the bell is
+            -- read in slices, so that a call abandoned meanwhile (its client went away) is
+            -- pruned, and the worker can exit, rather than wait for a reply that may never come.
+            sock:settimeouts(nil, nil, LOOK_S * 1000)
         end
         local data, rerr = sock:receiveany(4096)
         if not data and rerr ~= "timeout" then
@@ -1330,6 +1362,11 @@ local function tls_options(t, keep)
         if type(v) ~= "string" then
             return tls_error("%s is a string, not a %s", k, type(v))
         end
+        if v:find("\0", 1, true) then
+            -- C (and io.open) would end the string there: a server name cut short is verified
+            -- as the shorter name, a path opens another file.
+            return tls_error("%s holds a NUL", k)
+        end
         if TLS_FILES[k] and t[name] ~= nil then
             return tls_error("%s and tls.%s: give one of the two", name, k)
         end
@@ -1415,12 +1452,22 @@ function _M.connect(target, opts)
     if uerr then
         return nil, uerr
     end
-    load(opts.lib)
+    local _, lerr = load(opts.lib)
+    if lerr then
+        return nil, new_error(FAILED_PRECONDITION, lerr)
+    end
     -- nil is the library's to refuse (INVALID_ARGUMENT "the target is NULL").
     if target ~= nil then
         local _, terr = c_string("the target", target)
         if terr then
             return nil, terr
+        end
+    end
+    -- A switch is true or false: any other value ("no", 0) would count as true.
+    for _, key in ipairs({ "upgrade", "keepalive_without_calls", "spin" }) do
+        local v = opts[key]
+        if v ~= nil and type(v) ~= "boolean" then
+            return nil, new_error(INVALID_ARGUMENT, key .. " is true or false, not " .. tostring(v))
         end
     end
     -- Checked before the channel exists: a value the ffi cannot convert raised after it was
@@ -1525,6 +1572,15 @@ function Channel:wait_state(last, timeout)
     end
     if timeout ~= nil and type(timeout) ~= "number" then
         return false, new_error(INVALID_ARGUMENT, "the timeout is a number of seconds, not a " .. type(timeout))
+    end
+    -- NaN would never end the wait's backstop. A timeout too long for the library's
+    -- milliseconds (math.huge, say), whose conversion to an integer C leaves undefined, is
+    -- what nil says; one of 0 or less has run out (DEADLINE_EXCEEDED, as a call's).
+    if timeout ~= timeout then
+        return false, new_error(INVALID_ARGUMENT, "the timeout is a number of seconds, not NaN")
+    end
+    if timeout ~= nil and timeout >= 2 ^ 50 then
+        timeout = nil
     end
     local h = self.handle
     if h == nil then

@@ -12,7 +12,6 @@ import grpc.aio
 
 from .._channel import encoding
 from .._context import Context, status_details, status_number
-from .._errors import rpc_error
 from .._metadata import Metadatum, outgoing
 from .._native import Block, CallError, ServerCall
 from ._reactor import Driver
@@ -60,7 +59,7 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         try:
             return self._call.alloc(size, False)
         except CallError as e:
-            raise rpc_error(e, aio=True) from None
+            raise self._ended_by(e, aio=True) from None
 
     async def _op(self, start: Callable[..., tuple[bool, Any] | None], *args: Any) -> Any:
         """One engine operation on the call; raises an RpcError if the call is over. One that
@@ -71,7 +70,7 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
         now = start(driver.reactor, token, *args)
         value = now[1] if now is not None else await driver.wait(self._loop, token)
         if isinstance(value, CallError):
-            raise rpc_error(value, aio=True)
+            raise self._ended_by(value, aio=True)
         return value
 
     def _after_abort(self) -> None:
@@ -107,7 +106,7 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
                 # handler's task then, and its read never raises an RpcError of it. The task's
                 # own cancel may come after this read: it sees the CancelledError now.
                 raise asyncio.CancelledError()
-            raise rpc_error(value, aio=True)
+            raise self._ended_by(value, aio=True)
         return value
 
     async def write(self, message: Any) -> None:

@@ -1064,6 +1064,21 @@ static int check_null_arguments(ctx_t *c) {
   INVALID(isthmus_server_add_handler(server, path, NULL, NULL, &st));
   INVALID(isthmus_server_add_handler_cq(NULL, path, cq, 1, &st));
   INVALID(isthmus_server_add_handler_cq(server, path, NULL, 1, &st));
+  /* a path no call can name, and one served twice: refused (the second replaced the first) */
+  INVALID(isthmus_server_add_handler(server, "no.Service/Method", on_nothing, NULL, &st));
+  INVALID(isthmus_server_add_handler_cq(server, "/no.Service/", cq, 1, &st));
+  isthmus_server_t *twice_served = isthmus_server_new(NULL);
+  REQUIRE(twice_served != NULL, "a server to register a path twice on");
+  MUST(isthmus_server_add_handler(twice_served, "/once.Service/M", on_nothing, NULL, &st));
+  EXPECT(isthmus_server_add_handler_cq(twice_served, "/once.Service/M", cq, 1, &st), ISTHMUS_ALREADY_EXISTS);
+  REQUIRE(st != NULL && strstr(isthmus_status_message(st), "/once.Service/M") != NULL, "which path is taken");
+  isthmus_status_free(st);
+  st = NULL;
+  MUST(isthmus_server_add_handler(twice_served, NULL, on_nothing, NULL, &st));
+  EXPECT(isthmus_server_add_handler(twice_served, "", on_nothing, NULL, &st), ISTHMUS_ALREADY_EXISTS);
+  isthmus_status_free(st);
+  st = NULL;
+  MUST(isthmus_server_free(twice_served));
   INVALID(isthmus_server_start(NULL, (const char *const *)&c->target, 1, &st));
   INVALID(isthmus_server_start(server, NULL, 1, &st));
   INVALID(isthmus_server_start(server, (const char *const *)&c->target, 0, &st));
