@@ -265,6 +265,22 @@ function cases.bidi(ch, args)
     return { ok = true, seqs = seqs, ended = ok and last == nil }
 end
 
+-- A stream the server failed: the receive gives its status and trailers, stream.trailers
+-- holds them, and a later send gives the same error (it said CANCELLED, "the call is over").
+function cases.send_after_failure(ch, args)
+    local st, err = ch:stream(ECHO .. "Bidi", { timeout = 30 })
+    if not st then return failure(err) end
+    assert(st:send({ seq = 1, fail_with = 7, fail_message = "no" }))
+    local ok, rerr = st:recv()
+    local sent, serr = st:send({ seq = 2 })
+    local out = {
+        received = ok, received_name = rerr and rerr.name, sent = sent, sent_name = serr and serr.name,
+        sent_message = serr and serr.message, failed_marked = st.trailers and st.trailers["x-failed"],
+    }
+    st:close()
+    return out
+end
+
 -- Sends after the half-close (a send with `last`, and one after close_send on another
 -- stream) fail INTERNAL, as grpc-go's, and the stream goes on: the echo of the one request,
 -- then the end. A whole-number metadata value goes in full.

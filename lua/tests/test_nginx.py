@@ -70,6 +70,18 @@ def test_client_stream(nginx: Nginx, shm: str) -> None:
     assert r == {"ok": True, "count": 4, "bytes": 0, "ended": True}
 
 
+def test_a_send_after_the_server_failed_the_stream_says_why(nginx: Nginx, shm: str) -> None:
+    r = nginx.case("send_after_failure", shm)
+    assert r == {
+        "received": False,
+        "received_name": "PERMISSION_DENIED",
+        "sent": False,
+        "sent_name": "PERMISSION_DENIED",
+        "sent_message": "no",
+        "failed_marked": "yes",
+    }, r
+
+
 def test_bidi(nginx: Nginx, shm: str) -> None:
     r = nginx.case("bidi", shm, n=5)
     assert r == {"ok": True, "seqs": [1, 2, 3, 4, 5], "ended": True}
@@ -1031,9 +1043,9 @@ print(isthmus.init{{ lib = "{library()}", ssl_yield = false }})
 
 
 def test_a_library_or_lua_cjson_missing_is_an_error_not_a_raise() -> None:
-    """connect and load_proto return nil, FAILED_PRECONDITION when the C library does not
-    load, and load_proto when lua-cjson (which reads replies) is missing; they raised, and
-    a proto without lua-cjson raised only once a call's reply came back, its request served."""
+    """connect returns nil, FAILED_PRECONDITION when the C library does not load (it raised;
+    `init`, set-up, still does), and a reply read as a table without lua-cjson false,
+    FAILED_PRECONDITION: it raised once the reply came back, its request served."""
     body = f"""
 local ch, e1 = isthmus.connect("shm://nobody", {{ lib = "/nonexistent/libisthmus_capi.so" }})
 print(ch == nil, e1.name, (e1.message:find("cannot load the isthmus C library", 1, true)) ~= nil)
@@ -1042,10 +1054,11 @@ print(ok)
 isthmus.init{{ lib = "{library()}" }}
 package.loaded["cjson.safe"] = nil
 package.preload["cjson.safe"] = function() error("not installed") end
-local p3, e3 = isthmus.load_proto({{ "{ROOT}/tests/proto/conformance.proto" }})
-print(p3 == nil, e3.name, (e3.message:find("need lua-cjson", 1, true)) ~= nil)
+local p3 = assert(isthmus.load_proto({{ "{ROOT}/tests/proto/conformance.proto" }}))
+local ok3, e3 = p3:decode("conformance.EchoRequest", "")
+print(ok3, e3.name, (e3.message:find("need lua-cjson", 1, true)) ~= nil)
 """
-    want = ["true", "FAILED_PRECONDITION", "true", "false", "true", "FAILED_PRECONDITION", "true"]
+    want = ["true", "FAILED_PRECONDITION", "true", "false", "false", "FAILED_PRECONDITION", "true"]
     assert _plain_luajit(body) == want
 
 

@@ -184,8 +184,7 @@ class Context:
             # Only a raw context receives Messages, and it has no deserializer.
             return self._deserialize(message)  # type: ignore[arg-type]
         except Exception as e:
-            _LOG.error("Exception deserializing message!", exc_info=e)  # grpcio's log
-            self._codec_failed(e, "Exception deserializing request!")
+            self._codec_failed(e, "Exception deserializing request!", "Exception deserializing message!")
 
     def _encode(self, response: Any) -> bytes:
         if self._serialize is None:
@@ -194,8 +193,7 @@ class Context:
             try:
                 message = self._serialize(response)
             except Exception as e:
-                _LOG.error("Exception serializing message!", exc_info=e)  # grpcio's log
-                self._codec_failed(e, "Failed to serialize response!")
+                self._codec_failed(e, "Failed to serialize response!", "Exception serializing message!")
         if message is None:
             message = self._no_message()
         if self._max_send is not None:
@@ -217,9 +215,11 @@ class Context:
         """The details of a call whose handler raised `error`, in grpcio's words."""
         return f"Exception calling application: {error}"
 
-    def _codec_failed(self, error: Exception, words: str) -> NoReturn:
-        """The method's deserializer or serializer raised `error`: grpcio's server ends the
-        call INTERNAL with `words`."""
+    def _codec_failed(self, error: Exception, words: str, logged: str | None = None) -> NoReturn:
+        """The method's deserializer or serializer raised `error` (or gave None): grpcio's
+        server logs it as `logged` (for an exception) and ends the call INTERNAL with `words`."""
+        if logged is not None:
+            _LOG.error(logged, exc_info=error)
         self._abort(grpc.StatusCode.INTERNAL, words)
 
     def _responds(self) -> bool:
@@ -248,6 +248,9 @@ class Context:
             if details is None or not self._KEEPS_DETAILS_ON_FAULT:
                 details = self._fault(error) if fault is None else fault
         self._finished = True
+        # What they held (their tracebacks, the handler's frames) goes now, not at the next
+        # collection of cycles: on the raw tier, views of the peer's arena.
+        self._ends = ()
         trailing = None if self._trailing is None else outgoing(self._trailing)
         status, details = status_number(code, self._NUMBERS), status_details(details)
         try:

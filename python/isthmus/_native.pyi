@@ -451,8 +451,8 @@ class ServerCall:
         self, message: bytes, code: int, details: str, trailing_metadata: _Metadata | None = None
     ) -> bool:
         """`reply` for an event loop's thread: only if it takes no wait (the ring has room, no
-        other operation of the call is under way); False, with nothing sent and the call still
-        open, otherwise."""
+        other operation of the call is under way); False, with nothing sent, otherwise (a send
+        then fails if the call ended meanwhile)."""
     def add_done_callback(self, callback: Callable[[], None]) -> bool:
         """Runs callback (on an engine thread, with the GIL) when the call ends; False, without
         registering, if it already has."""

@@ -1319,7 +1319,8 @@ isthmus_server_t *isthmus_server_new(const isthmus_server_options_t *opts);
 
 // Registers `handler` for `path` (NULL or "": every other path), called with `user_data` for
 // each new call. Before `isthmus_server_start` only. A path that is no
-// `/package.Service/Method` is `ISTHMUS_INVALID_ARGUMENT`; one already registered (by either
+// `/package.Service/Method` (a leading `/`, and a method after the last `/`, as grpc-go
+// routes them) is `ISTHMUS_INVALID_ARGUMENT`; one already registered (by either
 // `add_handler` function or a topic), or a second fallback, `ISTHMUS_ALREADY_EXISTS`.
 //
 // Thread-safety: any thread, before `isthmus_server_start` (a lock orders them). `handler` is

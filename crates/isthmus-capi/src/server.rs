@@ -453,8 +453,8 @@ pub(crate) fn build(
     Ok(())
 }
 
-/// [`build`] for what serves `path` (None: the fallback). A path that is no
-/// `/package.Service/Method` would never be called: INVALID_ARGUMENT. One already served:
+/// [`build`] for what serves `path` (None: the fallback). A path with no `/` after its leading
+/// one, or nothing after its last, would never be called: INVALID_ARGUMENT. One already served:
 /// ALREADY_EXISTS, as grpc-go refuses a service registered twice, where the engine's builder
 /// would replace the first quietly and its handler (or queue) would never hear of a call again.
 pub(crate) fn build_at(
@@ -463,8 +463,10 @@ pub(crate) fn build_at(
     f: impl FnOnce(isthmus::Server) -> isthmus::Server,
 ) -> Result<(), Status> {
     if let Some(path) = path {
-        let method = path.strip_prefix('/').and_then(|p| p.split_once('/'));
-        if !method.is_some_and(|(service, method)| !service.is_empty() && !method.is_empty() && !method.contains('/')) {
+        // grpc-go's rule for the paths it routes: a leading `/`, then a service and a method
+        // split at the last `/`. One without that `/`, or with no method after it, no call names.
+        let method = path.strip_prefix('/').and_then(|p| p.rsplit_once('/'));
+        if method.is_none_or(|(_, method)| method.is_empty()) {
             return Err(invalid(format!("the path {path:?} is no /package.Service/Method")));
         }
     }
@@ -499,7 +501,8 @@ unsafe fn path_arg<'a>(path: *const c_char) -> Result<Option<&'a str>, Status> {
 
 /// Registers `handler` for `path` (NULL or "": every other path), called with `user_data` for
 /// each new call. Before `isthmus_server_start` only. A path that is no
-/// `/package.Service/Method` is `ISTHMUS_INVALID_ARGUMENT`; one already registered (by either
+/// `/package.Service/Method` (a leading `/`, and a method after the last `/`, as grpc-go
+/// routes them) is `ISTHMUS_INVALID_ARGUMENT`; one already registered (by either
 /// `add_handler` function or a topic), or a second fallback, `ISTHMUS_ALREADY_EXISTS`.
 ///
 /// Thread-safety: any thread, before `isthmus_server_start` (a lock orders them). `handler` is

@@ -424,8 +424,8 @@ impl ServerCall {
     }
 
     /// [`reply`](Self::reply) for an event loop's thread: only if it takes no wait. False, with
-    /// nothing sent and the call still open, otherwise (the loop then sends and finishes as
-    /// usual, without blocking).
+    /// nothing sent, otherwise (the loop then sends and finishes as usual, without blocking;
+    /// the send fails if the call ended meanwhile).
     #[pyo3(signature = (message, code, details, trailing_metadata=None))]
     fn try_reply(
         &self,

@@ -118,13 +118,12 @@ pub fn connect_unix_abstract(name: &[u8], wait: Option<std::time::Duration>) -> 
     sys::connect_unix(name, true, wait)
 }
 
-/// Blocks, on the calling thread, SIGPIPE and the signals a host process handles itself
-/// (SIGTERM, SIGHUP, SIGCHLD, SIGINT...), all but a fault's: for the threads of a library that
-/// runs inside hosts. A write to a socket whose peer has gone then fails with EPIPE instead of
-/// killing a host that does not ignore SIGPIPE (Go, C programs), and a signal meant for the
-/// host (nginx's master, Python's main thread) is not taken by a thread that is not its own.
-pub fn block_host_signals_on_this_thread() {
-    sys::block_host_signals();
+/// Blocks SIGPIPE on the calling thread: a write to a socket whose peer has gone then fails
+/// with EPIPE instead of killing the process. For the threads of a library that runs inside
+/// hosts that do not ignore SIGPIPE (Go, C programs); Rust programs and Python ignore it
+/// already.
+pub fn block_sigpipe_on_this_thread() {
+    sys::block_sigpipe();
 }
 
 /// Forks this process has gone through since the transport was first used: a value taken

@@ -66,8 +66,8 @@ pub fn runtime() -> &'static tokio::runtime::Runtime {
                 .thread_name("isthmus")
                 // The host may not ignore SIGPIPE (a Go or C program): a peer that hangs up
                 // while a worker writes to its Unix socket must fail that write, not kill the
-                // host. Nor may these threads take the signals the host waits for.
-                .on_thread_start(isthmus_shm::block_host_signals_on_this_thread)
+                // host.
+                .on_thread_start(isthmus_shm::block_sigpipe_on_this_thread)
                 .enable_all()
                 .build()
                 .unwrap_or_else(|e| panic!("isthmus cannot start its runtime: {e}"));
@@ -1078,7 +1078,8 @@ impl HandedCall {
             // One frame, the message inside the status, sent under this hold of the call.
             let Some(finish) = self.begin_finish() else { return false };
             // False: the call ended meanwhile (its deadline, its client's cancel) and nothing
-            // went; the caller's send then says how it ended, as it would have a moment later.
+            // went. Its finish is taken, so the caller's send fails CANCELLED ("the call is
+            // over"), as any send after the end does.
             let sent = call.end_now(status(), Some(message));
             let _ = finish.send(Ok(()));
             return sent;
@@ -1293,37 +1294,6 @@ mod tests {
     impl Outcome for u32 {
         fn panicked(_: Status) -> u32 {
             u32::MAX
-        }
-    }
-
-    /// The signals this thread has blocked, from /proc (`SigBlk`, a hex mask: bit n-1 for
-    /// signal n).
-    fn blocked_here() -> u64 {
-        let status = std::fs::read_to_string("/proc/thread-self/status").expect("/proc");
-        let line = status.lines().find_map(|l| l.strip_prefix("SigBlk:")).expect("SigBlk");
-        u64::from_str_radix(line.trim(), 16).expect("hex")
-    }
-
-    #[test]
-    fn the_runtimes_threads_leave_the_hosts_signals_to_it() {
-        // Linux's signal numbers (this crate has no libc of its own).
-        let bit = |sig: u32| 1u64 << (sig - 1);
-        let on_worker = runtime().block_on(async { tokio::spawn(async { blocked_here() }).await.expect("task") });
-        let on_blocking = runtime().block_on(async { tokio::task::spawn_blocking(blocked_here).await.expect("task") });
-        for (thread, blocked) in [("worker", on_worker), ("blocking", on_blocking)] {
-            for (name, sig) in [
-                ("SIGPIPE", 13),
-                ("SIGTERM", 15),
-                ("SIGHUP", 1),
-                ("SIGCHLD", 17),
-                ("SIGINT", 2),
-                ("SIGQUIT", 3),
-                ("SIGUSR1", 10),
-            ] {
-                assert_ne!(blocked & bit(sig), 0, "{name} is not blocked on a {thread} thread");
-            }
-            // A fault's signal goes to its thread whatever the mask: never blocked.
-            assert_eq!(blocked & bit(11), 0, "SIGSEGV is blocked on a {thread} thread");
         }
     }
 

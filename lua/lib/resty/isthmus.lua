@@ -481,17 +481,13 @@ local function json()
     return cjson
 end
 
--- Why a proto cannot be made here, or nil: the C library does not load, or lua-cjson (which
--- reads replies) is missing. Found when the proto is made, not when a call's reply has come
--- back, its request served, and cannot be read.
+-- Why a proto cannot be made here, or nil: the C library does not load. (lua-cjson, which
+-- reads replies as tables, is looked for when one is: a proto that only writes requests, or
+-- whose replies are read raw, needs none.)
 local function unusable()
     local _, lerr = load()
     if lerr then
         return new_error(FAILED_PRECONDITION, lerr)
-    end
-    local _, jerr = json()
-    if jerr then
-        return new_error(FAILED_PRECONDITION, jerr)
     end
 end
 
@@ -1579,9 +1575,7 @@ function Channel:wait_state(last, timeout)
     if timeout ~= timeout then
         return false, new_error(INVALID_ARGUMENT, "the timeout is a number of seconds, not NaN")
     end
-    if timeout ~= nil and timeout >= 2 ^ 50 then
-        timeout = nil
-    end
+    local unbounded = timeout ~= nil and timeout >= 2 ^ 50
     local h = self.handle
     if h == nil then
         if last ~= "SHUTDOWN" then
@@ -1595,6 +1589,9 @@ function Channel:wait_state(last, timeout)
             return false, qerr
         end
         local tag = fresh_tag()
+        if unbounded then
+            timeout = nil
+        end
         local ms = timeout and math.max(math.ceil(timeout * 1000), 0) or -1
         local rc = C.isthmus_channel_wait_state_async(h, from, ms, q, tag, now, status_out)
         local r = finish_async(rc, tag, (timeout or FOREVER) + 1)
@@ -1605,7 +1602,8 @@ function Channel:wait_state(last, timeout)
         return true, STATES[r.state]
     end
     timeout = timeout or blocking_default()
-    local ms = timeout and math.min(math.max(math.ceil(timeout * 1000), 0), WAIT_MS_MAX) or WAIT_MS_MAX
+    local ms = timeout and not unbounded and math.min(math.max(math.ceil(timeout * 1000), 0), WAIT_MS_MAX)
+        or WAIT_MS_MAX
     local rc = C.isthmus_channel_wait_state(h, from, ms, state_out)
     if rc == OK then
         return true, STATES[tonumber(state_out[0])]
@@ -1993,6 +1991,12 @@ end
 --- after it. ok or false, err; after the half-close, INTERNAL (as grpc-go's `SendMsg` after
 --- `CloseSend`), and the stream goes on.
 function Stream:send(message, last)
+    -- A call known to have failed (a receive saw why) says why, where the library says only
+    -- that it is over (CANCELLED, "recv gives its status"): a caller that branches on the code
+    -- would take the server's PERMISSION_DENIED, or the deadline, for its own cancel.
+    if self.failure then
+        return false, self.failure
+    end
     local ok, bytes = encode(self.channel, self.codec, self.path, message)
     if not ok then
         return false, bytes
@@ -2167,6 +2171,9 @@ function Stream:_failed(err)
         C.isthmus_call_cancel(self.call)
     end
     self.failure = err
+    -- The server's trailers, if it ended the call (`{}` otherwise): stream.trailers holds
+    -- them whichever way the stream ended, as grpc-go's Trailer() does.
+    self.trailers = err.trailers or {}
     return false, err
 end
 

@@ -165,7 +165,7 @@ class ServicerContext(Context, grpc.aio.ServicerContext):
     def _fault(self, error: BaseException) -> str:
         return f"Unexpected {type(error)}: {error}"  # grpc.aio's words
 
-    def _codec_failed(self, error: Exception, words: str) -> NoReturn:
+    def _codec_failed(self, error: Exception, words: str, logged: str | None = None) -> NoReturn:
         # grpc.aio's server does not catch its method's serializers: their exception is the
         # handler's (raised in its `read()` or `write()`, which it may catch and abort in its
         # own words), UNKNOWN in grpc.aio's words if it goes out of it. Aborted here, the call

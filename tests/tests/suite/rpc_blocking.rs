@@ -752,3 +752,38 @@ fn a_blocking_calls_cancel_stops_its_handler() {
     let r = ch.unary("/test.Echo/Unary", b"next", CallOptions::default()).expect("the channel serves on");
     assert_eq!(&r.message[..], b"next");
 }
+
+/// The CPU time process `pid` has used so far (user and system), from /proc.
+fn cpu_of(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("/proc/PID/stat");
+    // The fields after the command's closing parenthesis: utime and stime are the 12th and 13th.
+    let after = &stat[stat.rfind(')').expect("comm") + 2..];
+    let fields: Vec<u64> = after.split(' ').skip(11).take(2).map(|f| f.parse().expect("ticks")).collect();
+    // SAFETY: sysconf only reads a system constant.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    Duration::from_millis((fields[0] + fields[1]) * 1000 / hz)
+}
+
+/// An HTTP/2 endpoint out of file descriptors waits between failed accepts, as the shm://
+/// listener does: tonic took the failure and accepted again at once, and the server spun a
+/// core for as long as the connections that held the descriptors lived.
+#[test]
+fn an_http2_endpoint_out_of_descriptors_does_not_spin() {
+    use std::process::Command;
+    let socket = isthmus_tests::fresh_socket("h2-fds");
+    let targets = format!("{},unix://{}", fresh_addr("h2-fds"), socket.display());
+    let mut server =
+        Peer::command(Command::new(isthmus_tests::peer_bin("rpc-peer")).arg(&targets).env("RPC_PEER_FDS_LEFT", "4"));
+    let path = server.http_address().trim_start_matches("unix://").to_owned();
+    // Each accepted connection takes a descriptor: a few more than were left, and the
+    // endpoint's accepts fail from then on (the rest wait in the listener's backlog).
+    let held: Vec<_> = (0..16).map(|_| std::os::unix::net::UnixStream::connect(&path).expect("connect")).collect();
+    std::thread::sleep(Duration::from_millis(500)); // the server accepts what it can
+    let (before, at) = (cpu_of(server.pid()), Instant::now());
+    std::thread::sleep(Duration::from_secs(2));
+    let (used, over) = (cpu_of(server.pid()) - before, at.elapsed());
+    // Spinning, it took a whole core (here, all it could get of one); waiting, a few accepts a
+    // second. A quarter of the time is far from both.
+    assert!(used < over / 4, "the server used {used:?} of CPU in {over:?} with no descriptors left");
+    drop(held);
+}

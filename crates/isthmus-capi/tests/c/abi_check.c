@@ -1067,6 +1067,7 @@ static int check_null_arguments(ctx_t *c) {
   /* a path no call can name, and one served twice: refused (the second replaced the first) */
   INVALID(isthmus_server_add_handler(server, "no.Service/Method", on_nothing, NULL, &st));
   INVALID(isthmus_server_add_handler_cq(server, "/no.Service/", cq, 1, &st));
+  INVALID(isthmus_server_add_handler(server, "/Echo", on_nothing, NULL, &st));
   isthmus_server_t *twice_served = isthmus_server_new(NULL);
   REQUIRE(twice_served != NULL, "a server to register a path twice on");
   MUST(isthmus_server_add_handler(twice_served, "/once.Service/M", on_nothing, NULL, &st));

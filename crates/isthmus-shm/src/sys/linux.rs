@@ -252,26 +252,15 @@ pub(crate) fn wait_one(fd: BorrowedFd<'_>, deadline: Option<Instant>) -> bool {
     }
 }
 
-/// Blocks, on the calling thread, SIGPIPE and every signal the host process handles for itself
-/// (SIGTERM, SIGHUP, SIGCHLD, SIGINT...): all but those a fault raises on the faulting thread.
-///
-/// - SIGPIPE: a write to a socket whose peer has gone fails with EPIPE instead of killing a
-///   host that has not ignored the signal (a signal raised by a write is sent to the writing
-///   thread; blocked, it stays pending there, unseen).
-/// - The rest: the kernel hands a process-directed signal to any thread that has not blocked
-///   it, so a library thread could take one meant for the host's main thread, whose handler
-///   then ran here and did not wake the main thread's `sigsuspend` (nginx's master reaps its
-///   workers and reloads that way), or, in Python, ran nothing until the main thread next woke.
-pub(crate) fn block_host_signals() {
-    // SAFETY: `set` is a local sigset that sigfillset initialises before use.
+/// Blocks SIGPIPE on the calling thread, so that a write to a socket whose peer has gone fails
+/// with EPIPE instead of killing a host process that has not ignored the signal. (A signal
+/// raised by a write is sent to the writing thread; blocked, it stays pending there, unseen.)
+pub(crate) fn block_sigpipe() {
+    // SAFETY: `set` is a local sigset that sigemptyset initialises before use.
     unsafe {
         let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigfillset(&mut set);
-        // A fault's signal goes to the faulting thread whatever its mask (blocked, the kernel
-        // kills the process): they stay as they are, for the host's handlers to see.
-        for sync in [libc::SIGSEGV, libc::SIGBUS, libc::SIGFPE, libc::SIGILL, libc::SIGTRAP, libc::SIGSYS] {
-            libc::sigdelset(&mut set, sync);
-        }
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGPIPE);
         libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
     }
 }

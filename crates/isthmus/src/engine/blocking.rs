@@ -113,7 +113,6 @@ impl Inner {
         let (inner, slot) = (Arc::downgrade(self), &self.slot);
         let (target, config, pid) = (slot.target.clone(), slot.config.clone(), slot.expect_pid);
         let spawned = std::thread::Builder::new().name("isthmus-connect".into()).spawn(move || {
-            isthmus_shm::block_host_signals_on_this_thread(); // a host's thread made it
             let conn = Slot::connect(&target, &config, pid, None);
             let made = match inner.upgrade() {
                 Some(inner) => inner.connected(conn),

@@ -1348,7 +1348,6 @@ impl Mux {
                 // GOAWAY) or dropped is not kept open by this thread's sender.
                 let table = Arc::downgrade(&replies);
                 let flush = move || {
-                    isthmus_shm::block_host_signals_on_this_thread(); // a host's thread made it
                     while let Some(replies) = table.upgrade() {
                         let Some(r) = Replies::next(&replies) else { return };
                         let patience = std::time::Instant::now() + FLUSHER_THREAD_PATIENCE;

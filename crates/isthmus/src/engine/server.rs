@@ -1083,9 +1083,9 @@ pub(crate) async fn accept_shm(
 
 /// The pause after the first accept error in a row; each next one doubles it, up to
 /// [`ACCEPT_PAUSE_MAX`].
-const ACCEPT_PAUSE_MIN: Duration = Duration::from_millis(5);
+pub(crate) const ACCEPT_PAUSE_MIN: Duration = Duration::from_millis(5);
 /// The longest pause between two accepts that fail.
-const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
+pub(crate) const ACCEPT_PAUSE_MAX: Duration = Duration::from_secs(1);
 
 /// The listener as tokio sees it.
 pub(crate) struct Accepting {

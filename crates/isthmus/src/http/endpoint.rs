@@ -379,14 +379,14 @@ impl HttpListener {
             // `_file` goes when this ends, or when the task is aborted at the end of a grace.
             HttpListener::Unix(l, _file, _) => {
                 let incoming =
-                    tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(l), move |s| {
+                    tokio_stream::StreamExt::map(paced(tokio_stream::wrappers::UnixListenerStream::new(l)), move |s| {
                         fix(s.map(ServerIo::Unix))
                     });
                 server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed)
             }
             HttpListener::Tcp(l, None) => {
                 let incoming =
-                    tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(l), move |s| {
+                    tokio_stream::StreamExt::map(paced(tokio_stream::wrappers::TcpListenerStream::new(l)), move |s| {
                         fix(s.map(ServerIo::tcp))
                     });
                 server.serve_with_incoming_shutdown(incoming, stop).await.map_err(failed)
@@ -533,6 +533,29 @@ fn abstract_addr(name: &[u8]) -> Result<std::os::unix::net::SocketAddr, Status> 
     use std::os::linux::net::SocketAddrExt;
     std::os::unix::net::SocketAddr::from_abstract_name(name)
         .map_err(|e| Status::new(Code::InvalidArgument, format!("unix-abstract name: {e}")))
+}
+
+/// `incoming` with its accept errors (out of fds, say) dropped after a pause that doubles while
+/// they last, as the `shm://` listener's are: passed on, tonic took the next at once, and the
+/// accept failed again at once, a core spinning while the connections that held the fds lived.
+fn paced<T: Send + 'static>(
+    incoming: impl tokio_stream::Stream<Item = std::io::Result<T>> + Send + 'static,
+) -> impl tokio_stream::Stream<Item = std::io::Result<T>> + Send + 'static {
+    use crate::engine::server::{ACCEPT_PAUSE_MAX, ACCEPT_PAUSE_MIN};
+    let start = (Box::pin(incoming), None::<std::time::Duration>);
+    futures_util::stream::unfold(start, |(mut incoming, mut pause)| async move {
+        loop {
+            match tokio_stream::StreamExt::next(&mut incoming).await? {
+                Ok(io) => return Some((Ok(io), (incoming, None))),
+                Err(e) => {
+                    let p = pause.map_or(ACCEPT_PAUSE_MIN, |p| (p * 2).min(ACCEPT_PAUSE_MAX));
+                    pause = Some(p);
+                    tracing::warn!(error = %e, retry_in = ?p, "isthmus: accepting an HTTP/2 connection failed");
+                    tokio::time::sleep(p).await;
+                }
+            }
+        }
+    })
 }
 
 /// How long a TLS client may take over its handshake before the server drops it.
