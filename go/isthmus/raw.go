@@ -9,6 +9,9 @@ import "C"
 import (
 	"context"
 	"io"
+	"math"
+	"sync"
+	"sync/atomic"
 	"time"
 	"unsafe"
 
@@ -48,11 +51,14 @@ func (m *Message) Release() {
 // Block is a writable block of memory for one message, filled in place: Bytes, then a send
 // (SendBlock, CallRawBlock) that consumes it. Over shm:// it lies in this side's shared memory
 // and is handed over with no copy; on other transports it is Go memory, copied once into the
-// call. Release a block that is not sent.
+// call. Release a block that is not sent. A block is for one goroutine at a time: one writing
+// it while another sends it may write into a message already on its way.
 type Block struct {
-	h     *C.isthmus_block_t // nil for a block of Go memory
-	data  []byte
-	spent bool // sent or released
+	h    *C.isthmus_block_t // nil for a block of Go memory
+	data []byte
+	// spent: sent or released. The first to set it (a send's take, a Release, or the
+	// release of a handler's unsent blocks) owns h.
+	spent atomic.Bool
 }
 
 func newBlock(h *C.isthmus_block_t) *Block {
@@ -80,7 +86,7 @@ func allocated(code C.isthmus_code_t, h *C.isthmus_block_t, st *C.isthmus_status
 		if st != nil {
 			C.isthmus_status_free(st)
 		}
-		return &Block{data: make([]byte, n)}, nil
+		return goBlock(n)
 	}
 	err, _ := statusError(code, st)
 	return nil, err
@@ -88,6 +94,17 @@ func allocated(code C.isthmus_code_t, h *C.isthmus_block_t, st *C.isthmus_status
 
 func negativeSize(n int) error {
 	return status.Errorf(codes.InvalidArgument, "a block of %d bytes", n)
+}
+
+// goBlock is a block of n bytes of Go memory, for a transport with no shared memory. Past the
+// largest message gRPC sends (grpc-go's default send limit, 2 GiB - 1) it is refused
+// RESOURCE_EXHAUSTED, naming both, as shm:// refuses a block larger than its arena: make
+// panicked on a size past the address space, and aborted the process on one past its memory.
+func goBlock(n int) (*Block, error) {
+	if int64(n) > math.MaxInt32 {
+		return nil, status.Errorf(codes.ResourceExhausted, "trying to send message larger than max (%d vs. %d)", n, math.MaxInt32)
+	}
+	return &Block{data: make([]byte, n)}, nil
 }
 
 // Bytes is the block's memory to write, valid until it is sent or released.
@@ -100,7 +117,7 @@ func (b *Block) Bytes() []byte { return b.data }
 // than Go's copy into Bytes. Nothing is written, and the error is codes.InvalidArgument, when
 // p does not fit at off or the block was sent or released.
 func (b *Block) WriteAt(p []byte, off int64) (int, error) {
-	if b.spent {
+	if b.spent.Load() {
 		return 0, status.Error(codes.InvalidArgument, "the block was sent or released already")
 	}
 	if off < 0 || off > int64(len(b.data)) || int64(len(p)) > int64(len(b.data))-off {
@@ -124,7 +141,7 @@ func (b *Block) WriteAt(p []byte, off int64) (int, error) {
 // below 0 or above its length, or a block sent or released, is codes.InvalidArgument, the
 // block unchanged.
 func (b *Block) Truncate(n int) error {
-	if b.spent {
+	if b.spent.Load() {
 		return status.Error(codes.InvalidArgument, "the block was sent or released already")
 	}
 	if n < 0 || n > len(b.data) {
@@ -143,8 +160,7 @@ func (b *Block) Truncate(n int) error {
 
 // Release frees a block that will not be sent.
 func (b *Block) Release() {
-	if !b.spent {
-		b.spent = true
+	if !b.spent.Swap(true) {
 		if b.h != nil {
 			C.isthmus_block_free(b.h)
 		}
@@ -155,11 +171,11 @@ func (b *Block) Release() {
 // take hands the block to a send: its handle (nil for Go memory) and its bytes. The block is
 // spent either way.
 func (b *Block) take() (*C.isthmus_block_t, []byte, error) {
-	if b.spent {
+	if b.spent.Swap(true) {
 		return nil, nil, status.Error(codes.InvalidArgument, "the block was sent or released already")
 	}
 	h, data := b.h, b.data
-	b.h, b.data, b.spent = nil, nil, true
+	b.h, b.data = nil, nil
 	return h, data, nil
 }
 
@@ -225,10 +241,14 @@ func (r *RawStream) SendBlock(b *Block, last bool) error {
 	l := C.int32_t(0)
 	if last {
 		l = 1
-		r.cs.sent.Store(true)
 	}
 	if code := C.isthmus_call_send_block(call, h, l, &st); code != C.ISTHMUS_OK {
+		// Not half-closed (a block of another connection is refused and the call goes on):
+		// a CloseSend after this must still send the half-close.
 		return sendFailed(code, st)
+	}
+	if last {
+		r.cs.sent.Store(true)
 	}
 	return nil
 }
@@ -255,10 +275,17 @@ func (r *RawStream) Recv() (*Message, error) {
 	}
 	if ev.code != C.ISTHMUS_OK {
 		err, _ := statusError(ev.code, ev.status)
+		r.cs.keepHeader(call)
 		return nil, endError(r.cs.finish(r.cs.cc.callError(r.cs.ctx, err), nil))
 	}
 	if ev.message == nil {
+		r.cs.keepHeader(call)
 		return nil, endError(r.cs.finish(nil, nil))
+	}
+	if !r.cs.gotMessage {
+		// As the typed stream's: Header and grpc.Header keep what came, however it ends.
+		r.cs.gotMessage = true
+		r.cs.keepHeader(call)
 	}
 	return newMessage(ev.message, ev.message_data, ev.message_len), nil
 }
@@ -298,7 +325,7 @@ func (cc *ClientConn) Alloc(ctx context.Context, n int) (*Block, error) {
 		return nil, negativeSize(n)
 	}
 	if !cc.shm {
-		return &Block{data: make([]byte, n)}, nil
+		return goBlock(n)
 	}
 	copts, err := cc.cCallOptions(ctx, "", callOptions{}, 0)
 	if err != nil {
@@ -461,6 +488,11 @@ type RawHandler func(call *RawServerCall) error
 // RawServerCall is the server's side of a raw call.
 type RawServerCall struct {
 	st *serverStream
+	// blocks (under mu) are those Alloc gave: the ones neither sent nor released when the
+	// handler returns (it failed, or panicked) are released then (releaseUnsent). Held, each
+	// kept its arena space, and the connection's mapping, for the life of the process.
+	mu     sync.Mutex
+	blocks []*Block
 }
 
 // HandleRaw registers h for path (`/package.Service/Method`), beside or instead of
@@ -472,7 +504,8 @@ func (s *Server) HandleRaw(path string, h RawHandler) {
 // RawUnaryHandler answers a unary call by method path. request is the client's message (over
 // shm:// a view of the client's memory), valid until the handler returns; the reply is a
 // block from call.Alloc, filled in place and sent with no copy over shm://, and spent by the
-// send. A handler that fails returns a nil block and a status error.
+// send. A handler that fails returns a status error (and the block, or nil); the blocks from
+// call.Alloc that no send spent are released when it returns, whichever way it does.
 type RawUnaryHandler func(call *RawServerCall, request *Message) (*Block, error)
 
 // HandleRawUnary registers h for unary calls to path (`/package.Service/Method`), beside or
@@ -506,6 +539,7 @@ func (s *Server) runRawUnary(st *serverStream, m *method, ev C.isthmus_event_t) 
 	request := newMessage(ev.message, ev.message_data, ev.message_len)
 	defer request.Release()
 	call := &RawServerCall{st: st}
+	defer call.releaseUnsent()
 	var reply *Block
 	func() {
 		defer func() {
@@ -551,11 +585,43 @@ func (c *RawServerCall) Recv() (*Message, error) {
 func (c *RawServerCall) Send(data []byte) error { return c.st.sendBytes(data) }
 
 // Alloc returns a writable block of n bytes for a reply written in place: the server's shared
-// memory over shm://, Go memory on other transports.
+// memory over shm://, Go memory on other transports. A block that no send spends is released
+// when the handler returns.
 func (c *RawServerCall) Alloc(n int) (*Block, error) {
 	var h *C.isthmus_block_t
 	var st *C.isthmus_status_t
-	return allocated(C.isthmus_server_call_alloc(c.st.sc, C.size_t(n), &h, &st), h, st, n)
+	b, err := allocated(C.isthmus_server_call_alloc(c.st.sc, C.size_t(n), &h, &st), h, st, n)
+	if err != nil {
+		// The call's end as a send tells it: the handler's context done first.
+		return nil, c.st.endedBy(c.st.overOr(err), true)
+	}
+	if b.h != nil {
+		c.mu.Lock()
+		if len(c.blocks) >= 64 {
+			// A streaming handler sends block after block: the spent ones go from the list.
+			kept := c.blocks[:0]
+			for _, old := range c.blocks {
+				if !old.spent.Load() {
+					kept = append(kept, old)
+				}
+			}
+			c.blocks = kept
+		}
+		c.blocks = append(c.blocks, b)
+		c.mu.Unlock()
+	}
+	return b, nil
+}
+
+// releaseUnsent releases the blocks from Alloc that no send spent, once the handler returned.
+func (c *RawServerCall) releaseUnsent() {
+	c.mu.Lock()
+	blocks := c.blocks
+	c.blocks = nil
+	c.mu.Unlock()
+	for _, b := range blocks {
+		b.Release()
+	}
 }
 
 // SendBlock sends a block from Alloc as one response, with no copy over shm://.

@@ -680,7 +680,9 @@ func (s *Server) handle(m *method, sc *C.isthmus_server_call_t) {
 		case m.unary != nil:
 			err = s.unary(st, m)
 		case m.raw != nil:
-			err = m.raw(&RawServerCall{st: st})
+			call := &RawServerCall{st: st}
+			defer call.releaseUnsent() // a panic's too
+			err = m.raw(call)
 		case m.rawUnary != nil:
 			if ev, ok := st.recv(); !ok {
 				err = ctxError(st.ctx)

@@ -342,12 +342,16 @@ fn imports_are_a_shallow_dag(data: &[u8]) -> Result<(), Status> {
 }
 
 /// Refuses bytes whose `google.protobuf.Any` messages nest, with the messages between them,
-/// deeper than [`MAX_DEPTH`]. prost bounds the nesting of one message's bytes, but writing an
-/// `Any` as JSON decodes its payload afresh, with a fresh bound, and serde_json's writer has
-/// none: an `Any` in an `Any` 100,000 deep (5 MB from a peer) ran a process out of memory, and
-/// deep enough overflows any stack. Only a pool that declares `Any` has its messages walked.
-fn any_nesting_is_shallow(message: &DynamicMessage) -> Result<(), Status> {
-    fn walk(message: &DynamicMessage, depth: usize) -> Result<(), Status> {
+/// deeper than [`MAX_DEPTH`], or hold more than [`ANY_HELD`] times the message's `len` bytes
+/// (and a MiB) along one line of `Any`s. prost bounds the nesting of one message's bytes, but
+/// writing an `Any` as JSON decodes its payload afresh, with a fresh bound, and serde_json's
+/// writer has none: an `Any` in an `Any` 100,000 deep (5 MB from a peer) ran a process out of
+/// memory, and deep enough overflows any stack. And each level holds copies of its payload
+/// while the levels inside it are written: 100 levels around 40 MB held some 8 GB. Its caller
+/// walks only the messages of a pool that declares `Any`.
+fn any_nesting_is_shallow(message: &DynamicMessage, len: usize) -> Result<(), Status> {
+    /// `held`: the payload bytes of the `Any`s around `message`.
+    fn walk(message: &DynamicMessage, depth: usize, held: usize, budget: usize) -> Result<(), Status> {
         if depth > MAX_DEPTH {
             return Err(invalid(format!("messages in google.protobuf.Any nest more than {MAX_DEPTH} deep")));
         }
@@ -363,8 +367,14 @@ fn any_nesting_is_shallow(message: &DynamicMessage) -> Result<(), Status> {
             let name = url.rsplit('/').next().unwrap_or(url);
             // A type no loaded file declares, or bytes that are not one: the JSON writer says so.
             if let Some(inner) = desc.parent_pool().get_message_by_name(name) {
+                let held = held.saturating_add(bytes.len());
+                if held > budget {
+                    return Err(invalid(format!(
+                        "messages in google.protobuf.Any nest {held} bytes deep, past {ANY_HELD} times the message's"
+                    )));
+                }
                 if let Ok(payload) = DynamicMessage::decode(inner, bytes.clone()) {
-                    walk(&payload, depth + 1)?;
+                    walk(&payload, depth + 1, held, budget)?;
                 }
             }
             return Ok(());
@@ -372,18 +382,18 @@ fn any_nesting_is_shallow(message: &DynamicMessage) -> Result<(), Status> {
         let values = message.fields().map(|(_, v)| v).chain(message.extensions().map(|(_, v)| v));
         for value in values {
             match value {
-                prost_reflect::Value::Message(m) => walk(m, depth + 1)?,
+                prost_reflect::Value::Message(m) => walk(m, depth + 1, held, budget)?,
                 prost_reflect::Value::List(items) => {
                     for item in items {
                         if let prost_reflect::Value::Message(m) = item {
-                            walk(m, depth + 1)?;
+                            walk(m, depth + 1, held, budget)?;
                         }
                     }
                 }
                 prost_reflect::Value::Map(entries) => {
                     for item in entries.values() {
                         if let prost_reflect::Value::Message(m) = item {
-                            walk(m, depth + 1)?;
+                            walk(m, depth + 1, held, budget)?;
                         }
                     }
                 }
@@ -392,11 +402,12 @@ fn any_nesting_is_shallow(message: &DynamicMessage) -> Result<(), Status> {
         }
         Ok(())
     }
-    match message.descriptor().parent_pool().get_message_by_name("google.protobuf.Any") {
-        Some(_) => walk(message, 0),
-        None => Ok(()),
-    }
+    walk(message, 0, 0, len.saturating_mul(ANY_HELD).saturating_add(1 << 20))
 }
+
+/// How many times a message's size its nested `Any`s may hold, along one line of them, before
+/// it is refused ([`any_nesting_is_shallow`]): real messages nest one or two deep.
+const ANY_HELD: usize = 4;
 
 /// The full name of the request (`which` = `ISTHMUS_PROTO_REQUEST`) or response
 /// (`ISTHMUS_PROTO_RESPONSE`) type of the method at `path` (`/package.Service/Method`),
@@ -500,9 +511,12 @@ pub unsafe extern "C" fn isthmus_proto_decode(
     // SAFETY: the caller's promises, passed on.
     unsafe {
         convert(proto, type_name, (data, len, "the message"), out, status, |desc, bytes| {
+            let bytes_len = bytes.len();
             let message = DynamicMessage::decode(desc.clone(), bytes)
                 .map_err(|e| invalid(format!("the bytes are not a {}: {e}", desc.full_name())))?;
-            any_nesting_is_shallow(&message)?;
+            if message.descriptor().parent_pool().get_message_by_name("google.protobuf.Any").is_some() {
+                any_nesting_is_shallow(&message, bytes_len)?;
+            }
             let options = SerializeOptions::new().use_proto_field_name(true);
             let mut json = Vec::new();
             message
@@ -928,7 +942,44 @@ service Echo { rpc Call(Ping) returns (Pong); }
         assert!(shallow.as_deref().is_ok_and(|j| j.matches("@type").count() == 10), "{shallow:?}");
         let (code, message) = try_decode(proto, c"W", &nested(100_000)).expect_err("too deep");
         assert_eq!(code, ISTHMUS_INVALID_ARGUMENT, "{message}");
+        // (What it holds is past the bound before its depth is.)
+        assert!(message.contains("messages in google.protobuf.Any nest"), "{message}");
+        let (code, message) = try_decode(proto, c"W", &nested(102)).expect_err("too deep");
+        assert_eq!(code, ISTHMUS_INVALID_ARGUMENT, "{message}");
         assert!(message.contains("nest more than 100 deep"), "{message}");
+        assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
+    }
+
+    /// `Any`s around a large payload are refused past a few levels: each level held copies of
+    /// the payload while the ones inside it were written (100 around 40 MB held some 8 GB).
+    /// Three levels around 1 MiB convert.
+    #[test]
+    fn anys_around_a_large_payload_are_refused_past_a_few_levels() {
+        let (proto, _dir) = load_text(
+            "syntax = \"proto3\";\nimport \"google/protobuf/any.proto\";\n\
+             import \"google/protobuf/wrappers.proto\";\n\
+             message W { google.protobuf.Any a = 1; google.protobuf.BytesValue b = 2; }\n",
+        );
+        let field = |tag: u8, body: &[u8]| {
+            let mut out = vec![tag];
+            prost::encoding::encode_varint(body.len() as u64, &mut out);
+            out.extend_from_slice(body);
+            out
+        };
+        let any = |url: &str, value: &[u8]| [field(0x0a, url.as_bytes()), field(0x12, value)].concat();
+        // W { a: Any(Any(... Any(BytesValue { value: payload }))) }, `depth` Anys deep.
+        let nested = |depth: usize, payload: usize| {
+            let mut inner = any("type.googleapis.com/google.protobuf.BytesValue", &field(0x0a, &vec![7u8; payload]));
+            for _ in 1..depth {
+                inner = any("type.googleapis.com/google.protobuf.Any", &inner);
+            }
+            field(0x0a, &inner)
+        };
+        let shallow = try_decode(proto, c"W", &nested(3, 1 << 20));
+        assert!(shallow.is_ok(), "{:?}", shallow.map(|j| j.len()));
+        let (code, message) = try_decode(proto, c"W", &nested(20, 1 << 20)).expect_err("too much held");
+        assert_eq!(code, ISTHMUS_INVALID_ARGUMENT, "{message}");
+        assert!(message.contains("times the message's"), "{message}");
         assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
     }
 
