@@ -8,6 +8,7 @@ import logging
 import pickle
 import queue
 import random
+import subprocess
 import sys
 import threading
 import time
@@ -449,3 +450,34 @@ def test_a_generic_handler_without_service_is_refused_at_once(implementation: st
     with pytest.raises(AttributeError, match='does not have "service" method'):
         server.add_generic_rpc_handlers([object()])
     server.stop(None)
+
+
+# A process whose library's first loopback name is taken (as by another copy of the library
+# loaded beside it, which counts its names from 0 as well) still serves HTTP/2 to handlers.
+_LOOPBACK_TAKEN = """
+import os
+from concurrent import futures
+import grpc, isthmus
+
+squat = isthmus.server(futures.ThreadPoolExecutor(1))
+squat.add_insecure_port(f"shm://isthmus-loopback-{os.getpid()}-0")
+squat.start()
+server = isthmus.server(futures.ThreadPoolExecutor(2))
+methods = {"Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request)}
+server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", methods)])
+port = server.add_insecure_port("http://127.0.0.1:0")
+server.start()
+with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+    print(channel.unary_unary("/t.T/Echo")(b"served", timeout=30).decode(), flush=True)
+server.stop(None)
+squat.stop(None)
+"""
+
+
+def test_an_http2_server_passes_over_a_loopback_name_taken() -> None:
+    """The second copy of the library in a process started no HTTP/2 server with handlers:
+    its first private loopback name was the first copy's ("another server is listening")."""
+    done = subprocess.run(
+        [sys.executable, "-c", _LOOPBACK_TAKEN], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0 and done.stdout.split() == ["served"], done.stdout + done.stderr

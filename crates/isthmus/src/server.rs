@@ -82,7 +82,8 @@ use tokio::io::unix::AsyncFd;
 
 use crate::engine::mux::Mux;
 use crate::engine::server::{
-    accept_shm, bind_shm, route, Accepting, Handler, HandlerFn, Methods, ServerCall, ServerStats, Tracker, GOING_AWAY,
+    accept_shm, bind_shm, bind_shm_unless_taken, route, Accepting, Handler, HandlerFn, Methods, ServerCall,
+    ServerStats, Tracker, GOING_AWAY,
 };
 use crate::http::endpoint::{ConnectionPolicy, HttpListener, Target};
 use crate::http::tls::ServerTlsConfig;
@@ -472,7 +473,6 @@ impl Server {
             // Handlers take a ServerCall, which only an shm:// stream gives: HTTP/2 calls no
             // tonic service takes go through the bridge to a private shm:// endpoint of this
             // server (ADR 0007). One local hop (~2 µs) is small beside HTTP/2's own cost.
-            let target = loopback_target();
             // Both ends take what arrives out of the arena: the one connection carries every
             // HTTP/2 client's calls, so a client that reads slowly (or a handler) holds its
             // streams' windows in memory, not the arena all of them need (ADR 0036).
@@ -483,7 +483,8 @@ impl Server {
                 features: this.config.features | isthmus_shm::features::SMALL_WINDOW,
                 ..this.config.clone()
             };
-            loopback = Some(bind_shm(&target, &config, true)?);
+            let (target, bound) = bind_loopback(&config)?;
+            loopback = Some(bound);
             // The server's message limit is on what it receives: its replies may be larger, and
             // the loopback's client side takes them as any client would (its requests are held
             // to the limit by the bridge, and by the shm:// side again).
@@ -570,6 +571,23 @@ fn loopback_target() -> String {
     }
     format!("shm://{LOOPBACK}{}-{n}", std::process::id())
 }
+
+/// Binds the loopback at a fresh name. One that a live server has already is passed over for
+/// the next: another copy of this library in the process (two modules that each link it)
+/// counts its names from 0 too, and its second server failed to start ("another server is
+/// listening on …isthmus-loopback-PID-0").
+fn bind_loopback(config: &Config) -> Result<(String, AsyncFd<Accepting>), Status> {
+    for _ in 0..LOOPBACK_TRIES {
+        let target = loopback_target();
+        if let Some(bound) = bind_shm_unless_taken(&target, config, true)? {
+            return Ok((target, bound));
+        }
+    }
+    Err(Status::new(Code::Unavailable, format!("{LOOPBACK_TRIES} loopback names in a row are taken")))
+}
+
+/// How many names [`bind_loopback`] tries.
+const LOOPBACK_TRIES: usize = 64;
 
 /// Removes from `dir` the loopback sockets of processes that no longer run. A server removes
 /// its own when it stops; one killed (SIGKILL, a crash) cannot, and since each name carries its

@@ -949,6 +949,26 @@ fn with_set_trailers(status: Status, shared: &StreamShared) -> Status {
 pub(crate) fn bind_shm(target: &str, config: &Config, bridge: bool) -> Result<AsyncFd<Accepting>, Status> {
     let addr: Address = target.parse().map_err(|e| Status::from_transport(&e))?;
     let listener = Listener::bind(&addr, config.clone()).map_err(|e| Status::from_transport(&e))?;
+    watch(listener, bridge, target)
+}
+
+/// [`bind_shm`], but `None` where a live server has the address already (or the path is no
+/// socket), for a caller that then tries another name.
+pub(crate) fn bind_shm_unless_taken(
+    target: &str,
+    config: &Config,
+    bridge: bool,
+) -> Result<Option<AsyncFd<Accepting>>, Status> {
+    let addr: Address = target.parse().map_err(|e| Status::from_transport(&e))?;
+    match Listener::bind(&addr, config.clone()) {
+        Ok(listener) => watch(listener, bridge, target).map(Some),
+        Err(e) if e.kind() == ErrorKind::AddrInUse => Ok(None),
+        Err(e) => Err(Status::from_transport(&e)),
+    }
+}
+
+/// A bound listener, non-blocking and registered with tokio.
+fn watch(listener: Listener, bridge: bool, target: &str) -> Result<AsyncFd<Accepting>, Status> {
     listener.set_nonblocking(true).map_err(|e| Status::from_transport(&e))?;
     // SAFETY: the AsyncFd owns the listener, so its fd stays open for the registration's life.
     unsafe { AsyncFd::register_with_interest(Accepting { listener, bridge }, tokio::io::Interest::READABLE) }
