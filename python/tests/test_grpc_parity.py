@@ -715,18 +715,22 @@ def test_abort_ends_the_call_though_the_handler_catches_it(aio: ModuleType, tmp_
     isthmus.aio sent the status only when the handler ended: its client got the later message
     before it."""
     seen: list[str] = []
+    ended: list[asyncio.Event] = []
 
     async def stream(request: bytes, context: grpc.aio.ServicerContext) -> None:
-        await context.write(b"before")
         try:
-            await context.abort(grpc.StatusCode.NOT_FOUND, "gone")
-        except Exception as e:
-            seen.append(type(e).__name__)
-        for step in (context.write(b"after"), context.read()):
+            await context.write(b"before")
             try:
-                await step
+                await context.abort(grpc.StatusCode.NOT_FOUND, "gone")
             except Exception as e:
                 seen.append(type(e).__name__)
+            for step in (context.write(b"after"), context.read()):
+                try:
+                    await step
+                except Exception as e:
+                    seen.append(type(e).__name__)
+        finally:
+            ended[0].set()
 
     address = f"unix:{tmp_path}/s.sock"
 
@@ -736,6 +740,7 @@ def test_abort_ends_the_call_though_the_handler_catches_it(aio: ModuleType, tmp_
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("t.Aborting", handlers),))
         server.add_insecure_port(address)
         await server.start()
+        ended.append(asyncio.Event())
         got: list[bytes] = []
         try:
             async with grpc.aio.insecure_channel(address) as channel:
@@ -743,6 +748,10 @@ def test_abort_ends_the_call_though_the_handler_catches_it(aio: ModuleType, tmp_
                 with pytest.raises(grpc.aio.AioRpcError) as caught:
                     async for message in call:
                         got.append(message)
+                # The client has the status once `abort` sent it, before the handler goes on:
+                # a stop now (no grace) cancelled the handler at its next step, and grpc.aio's
+                # saw none of the three once here.
+                await asyncio.wait_for(ended[0].wait(), 30)
                 return got, caught.value.code(), caught.value.details()
         finally:
             await server.stop(None)

@@ -470,15 +470,21 @@ pub unsafe extern "C" fn isthmus_proto_encode(
             let mut de = serde_json::Deserializer::from_slice(json);
             let strict = DynamicMessage::deserialize(desc.clone(), &mut de).and_then(|m| de.end().map(|()| m));
             // JSON that fits as it is is read as it is; only what does not may be a shape a
-            // Lua encoder could not tell apart (the error, with its position, is the first one's).
+            // Lua encoder could not tell apart. The error is the first reading's (with its
+            // position), unless reshaping changed something: then the second's, since the
+            // first may name an empty table that was fine (`{"labels": {}, "seq": "x"}`).
             let message = match strict {
                 Ok(m) => m,
                 Err(e) => {
-                    let reshaped = serde_json::from_slice::<serde_json::Value>(json).ok().and_then(|mut value| {
-                        as_declared(&desc, &mut value);
-                        DynamicMessage::deserialize(desc.clone(), value).ok()
-                    });
-                    reshaped.ok_or_else(|| not_a(e))?
+                    let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(json) else {
+                        return Err(not_a(e));
+                    };
+                    let before = value.clone();
+                    as_declared(&desc, &mut value);
+                    if value == before {
+                        return Err(not_a(e));
+                    }
+                    DynamicMessage::deserialize(desc.clone(), value).map_err(not_a)?
                 }
             };
             Ok(message.encode_to_vec())
@@ -1155,6 +1161,10 @@ service Echo { rpc Call(Ping) returns (Pong); }
         );
         let (_, message) = encode(proto, c"demo.Pong", r#"{"first":{"nope":{}}}"#).expect_err("unknown");
         assert!(message.contains("nope"), "{message}");
+        // An empty table that was fine, beside a field that is not: the error is the field's
+        // (it was the empty table's, "expected a list", the reading before the reshape).
+        let (_, message) = encode(proto, c"demo.Ping", r#"{"labels":{},"seq":"not a number"}"#).expect_err("a bad seq");
+        assert!(!message.contains("expected a list"), "{message}");
         assert_eq!(isthmus_proto_free(proto), ISTHMUS_OK);
     }
 
