@@ -3,6 +3,7 @@ request iterators, the channel's shapes and isthmus's errors."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import pickle
@@ -326,9 +327,13 @@ class _Faults(logging.Handler):
             self.seen.append(message if self.messages else error)
 
 
-def _serving(implementation: str, methods: dict[str, grpc.RpcMethodHandler]) -> tuple[Any, Any]:
-    """A started server of `implementation` serving `methods` as service t.T, and a channel to
-    it (grpcio's over a Unix socket, isthmus's over shm://)."""
+@contextlib.contextmanager
+def _serving(
+    implementation: str, methods: dict[str, grpc.RpcMethodHandler], faults: _Faults
+) -> Iterator[Any]:
+    """A channel to a started server of `implementation` serving `methods` as service t.T
+    (grpcio's over a Unix socket, isthmus's over shm://), with `faults` hearing the logs; all
+    three go when the block ends."""
     if implementation == "grpcio":
         target = fresh("unix").replace("unix://", "unix:")
         server, channel = grpc.server(futures.ThreadPoolExecutor(4)), grpc.insecure_channel(target)
@@ -337,8 +342,14 @@ def _serving(implementation: str, methods: dict[str, grpc.RpcMethodHandler]) -> 
         server, channel = isthmus.server(futures.ThreadPoolExecutor(4)), isthmus.insecure_channel(target)
     server.add_insecure_port(target)
     server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler("t.T", methods)])
+    logging.getLogger().addHandler(faults)
     server.start()
-    return server, channel
+    try:
+        yield channel
+    finally:
+        logging.getLogger().removeHandler(faults)
+        channel.close()
+        server.stop(None)
 
 
 @pytest.mark.parametrize("implementation", ["grpcio", "isthmus"])
@@ -357,9 +368,7 @@ def test_a_servers_codec_failure_is_internal_and_logged(implementation: str) -> 
         "Reply": grpc.unary_unary_rpc_method_handler(echo, response_serializer=fails),
     }
     faults = _Faults("Exception ", messages=True)
-    logging.getLogger().addHandler(faults)
-    server, channel = _serving(implementation, methods)
-    try:
+    with _serving(implementation, methods, faults) as channel:
         for method, details in [
             ("Raises", "Exception deserializing request!"),
             ("Nothing", "Exception deserializing request!"),
@@ -371,10 +380,6 @@ def test_a_servers_codec_failure_is_internal_and_logged(implementation: str) -> 
             assert got == (grpc.StatusCode.INTERNAL, details), method
         want = ["Exception deserializing message!", "Exception serializing message!"]
         assert faults.seen == want, faults.seen
-    finally:
-        logging.getLogger().removeHandler(faults)
-        channel.close()
-        server.stop(None)
 
 
 @pytest.mark.parametrize("implementation", ["grpcio", "isthmus"])
@@ -409,9 +414,7 @@ def test_a_handlers_exception_is_logged_unless_it_is_its_calls_end(implementatio
         "Reads": grpc.stream_unary_rpc_method_handler(reads),
     }
     faults = _Faults()
-    logging.getLogger().addHandler(faults)
-    server, channel = _serving(implementation, methods)
-    try:
+    with _serving(implementation, methods, faults) as channel:
         release = threading.Event()
 
         def requests() -> Iterator[bytes]:
@@ -433,10 +436,6 @@ def test_a_handlers_exception_is_logged_unless_it_is_its_calls_end(implementatio
                 break
             time.sleep(0.01)
         assert faults.seen == ["KeyError('late')"], faults.seen
-    finally:
-        logging.getLogger().removeHandler(faults)
-        channel.close()
-        server.stop(None)
 
 
 @pytest.mark.parametrize("implementation", ["grpcio", "isthmus"])

@@ -316,6 +316,15 @@ local function new_error(code, message, trailers, details)
 end
 _M.new_error = new_error
 
+-- Why the C library cannot be used, as an error for `nil, err`, or nil once it is loaded. (A
+-- proto needs no lua-cjson until a reply is read as a table.)
+local function load_error(lib)
+    local _, lerr = load(lib)
+    if lerr then
+        return new_error(FAILED_PRECONDITION, lerr)
+    end
+end
+
 -- A metadata handle as a Lua table (key -> value; a key given more than once -> a list of
 -- values); frees the handle.
 local function take_metadata(md)
@@ -481,16 +490,6 @@ local function json()
     return cjson
 end
 
--- Why a proto cannot be made here, or nil: the C library does not load. (lua-cjson, which
--- reads replies as tables, is looked for when one is: a proto that only writes requests, or
--- whose replies are read raw, needs none.)
-local function unusable()
-    local _, lerr = load()
-    if lerr then
-        return new_error(FAILED_PRECONDITION, lerr)
-    end
-end
-
 -- Tables are written as JSON here, not by lua-cjson, whose numbers keep at most 14 digits
 -- (16 in OpenResty's build; a double needs 17), which refuses NaN, infinities, boolean keys,
 -- 64-bit cdata and sparse arrays, and whose settings are shared by every library of the VM.
@@ -643,7 +642,7 @@ end
 --- up in `includes`, a directory or a list of them, then in the directory of each file under
 --- none of those). Returns a proto for isthmus.connect's `proto` option, or nil, err.
 function _M.load_proto(files, includes)
-    local lerr = unusable()
+    local lerr = load_error()
     if lerr then
         return nil, lerr
     end
@@ -678,7 +677,7 @@ end
 
 --- Loads a serialized FileDescriptorSet (`protoc --include_imports --descriptor_set_out`).
 function _M.load_descriptor_set(bytes)
-    local lerr = unusable()
+    local lerr = load_error()
     if lerr then
         return nil, lerr
     end
@@ -1448,9 +1447,9 @@ function _M.connect(target, opts)
     if uerr then
         return nil, uerr
     end
-    local _, lerr = load(opts.lib)
+    local lerr = load_error(opts.lib)
     if lerr then
-        return nil, new_error(FAILED_PRECONDITION, lerr)
+        return nil, lerr
     end
     -- nil is the library's to refuse (INVALID_ARGUMENT "the target is NULL").
     if target ~= nil then
