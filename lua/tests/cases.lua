@@ -361,6 +361,47 @@ function cases.orphan_stream(ch, args)
     return ngx.exit(200)
 end
 
+-- A stream its request leaves open, kept past the request in a module table, so that no
+-- collection can be what ends it: the request's end does, as a cosocket's.
+local kept = {}
+
+function cases.left_stream(ch, args)
+    local st, err = ch:stream(ECHO .. "Bidi")
+    if not st then return failure(err) end
+    assert(st:send({ seq = 1 }))
+    local ok, m = st:recv()
+    if not ok then return failure(m) end
+    kept[args.target] = st
+    return { ok = true, seq = tonumber(m.seq) }
+end
+
+-- A step on the stream left_stream kept, from a later request.
+function cases.kept_stream(ch, args)
+    local st = kept[args.target]
+    kept[args.target] = nil
+    local sent, serr = st:send({ seq = 2 })
+    local ok, rerr = st:recv()
+    st:close()
+    return { ok = sent and ok, sent_name = serr and serr.name, message = serr and serr.message,
+        received_name = rerr and rerr.name }
+end
+
+-- A stream whose request lives on for `wait` seconds between two echoes (prunes pass meanwhile).
+function cases.slow_request_stream(ch, args)
+    local st, err = ch:stream(ECHO .. "Bidi", { timeout = 30 })
+    if not st then return failure(err) end
+    assert(st:send({ seq = 1 }))
+    local ok, m = st:recv()
+    if not ok then return failure(m) end
+    ngx.sleep(tonumber(args.wait))
+    local sent, serr = st:send({ seq = 2 })
+    if not sent then return failure(serr) end
+    ok, m = st:recv()
+    if not ok then return failure(m) end
+    st:close()
+    return { ok = true, seq = tonumber(m.seq) }
+end
+
 function cases.fail(ch, args)
     local ok, err = ch:unary(ECHO .. "Unary", { fail_with = tonumber(args.code), fail_message = args.message })
     if ok then return { ok = true } end

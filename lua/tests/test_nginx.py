@@ -818,6 +818,39 @@ def test_a_stream_started_for_a_request_that_ended_is_cancelled(stubs: Path) -> 
             served.close()
 
 
+def test_a_stream_its_request_left_open_ends_with_the_request(stubs: Path) -> None:
+    """A request leaves a stream open (no close on its way out) and something keeps the stream
+    past it, so no garbage collection ends it: the request's end does, within a second or two,
+    as it closes a cosocket. Before, the stream stayed in flight, and its server's handler ran
+    on, for as long as anything held it. A later step on it says why it ended."""
+    served = serve("rust", ["shm"], stubs)
+    own = Nginx()
+    try:
+        target = served.addresses["shm"]
+        assert own.case("left_stream", target) == {"ok": True, "seq": 1}
+        end = time.monotonic() + 10
+        while (stats := own.case("stats", target))["calls_in_flight"] != 0:
+            assert time.monotonic() < end, f"the stream its request left is still in flight: {stats}"
+            time.sleep(0.05)
+        r = own.case("kept_stream", target)
+        assert r["sent_name"] == "CANCELLED" and r["received_name"] == "CANCELLED", r
+        assert "the request that started the stream ended" in r["message"], r
+        assert own.case("unary", target)["ok"]  # the worker serves on
+        assert own.logged_errors() == []
+    finally:
+        try:
+            own.close()
+        finally:
+            served.close()
+
+
+def test_a_stream_lives_as_long_as_its_request(nginx: Nginx, servers: Callable[[str], Served]) -> None:
+    """A request that keeps its stream for 2.5 s between two echoes: the prunes that pass
+    meanwhile (every second while a stream is owned) leave it alone."""
+    target = servers("rust").addresses["shm"]
+    assert nginx.case("slow_request_stream", target, wait=2.5) == {"ok": True, "seq": 2}
+
+
 def test_a_call_left_by_its_request_is_cancelled_in_an_idle_worker(stubs: Path) -> None:
     """The same left call in a worker that has nothing else to do: no other call waits (whose
     wait would prune) and no bell rings. It is cancelled all the same, within a second or two;

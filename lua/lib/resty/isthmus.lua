@@ -151,7 +151,7 @@ isthmus_code_t isthmus_proto_free(isthmus_proto_t *proto);
 -- The header's constants this module uses.
 local ABI_VERSION = 1
 local OK, UNKNOWN, INVALID_ARGUMENT, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, INTERNAL, UNAVAILABLE = 0, 2, 3, 4, 8, 13, 14
-local NOT_FOUND, FAILED_PRECONDITION = 5, 9
+local NOT_FOUND, FAILED_PRECONDITION, CANCELLED = 5, 9, 1
 local CALL_SPIN = 2
 local OP_STATE = 10
 local CHANNEL_UPGRADE, CHANNEL_NO_UPGRADE, CHANNEL_KEEPALIVE_WITHOUT_CALLS = 1, 2, 4
@@ -815,6 +815,24 @@ local last_prune = 0
 local prune_number = 0 -- the current prune timer's number: a stale one leaves at once
 local prune_due        -- when the current prune timer is due (nil: none is made)
 
+-- Streams end with the request that started them, as cosockets do: a stream a request left
+-- open (no close() on some path out of its handler) otherwise held its server's handler until
+-- Lua's garbage collector freed it, which in a quiet worker may be never. Stock
+-- lua-nginx-module gives Lua no hook at a request's end; what it does there is release the
+-- request's ngx.ctx table from lua-resty-core's registry of them. So each stream keeps its
+-- request's ngx.ctx and the slot that holds it, and the prunes end those whose slot holds
+-- something else. stream -> { ctx = table, ref = slot }, weak: a stream collected leaves.
+local owned = setmetatable({}, { __mode = "k" })
+-- lua-resty-core's registry of ngx.ctx tables and what reads a request's slot in it, looked up
+-- on first use (nil outside nginx's http subsystem, or if lua-resty-core keeps them elsewhere:
+-- streams then live until closed or collected, as before).
+local ctx_tables, get_ctx_ref, get_request
+local ctx_looked = false
+-- The phases with a request of their own that ends: not init_worker's, nor an SSL handshake's
+-- (whose ngx.ctx passes on to the connection's requests).
+local OWNING = { rewrite = true, server_rewrite = true, access = true, content = true, timer = true,
+    header_filter = true, body_filter = true, log = true }
+
 -- An event as a plain outcome table; frees or takes over every handle in it.
 local function outcome(ev)
     local r = { code = ev.code, op = ev.op }
@@ -920,6 +938,59 @@ local function forget_unrun_watcher()
     end
 end
 
+-- The request a stream started now belongs to ({ ctx, ref }), or nil where none ends it.
+local function request_owner()
+    if not OWNING[ngx and ngx.get_phase and ngx.get_phase()] then
+        return nil
+    end
+    if not ctx_looked then
+        ctx_looked = true
+        local ok, base = pcall(require, "resty.core.base")
+        local tables = debug.getregistry().ngx_lua_ctx_tables
+        if ok and type(tables) == "table" and ngx.config and ngx.config.subsystem == "http" then
+            -- nginx's own symbol (ffi.C), which lua-resty-core declares as it loads its ngx.ctx.
+            local found, fn = pcall(function() return ffi.C.ngx_http_lua_ffi_get_ctx_ref end)
+            if not found then
+                found = pcall(ffi.cdef, "int ngx_http_lua_ffi_get_ctx_ref(void *r, int *in_ssl_phase, int *ssl_ctx_ref);")
+                found, fn = pcall(function() return ffi.C.ngx_http_lua_ffi_get_ctx_ref end)
+            end
+            if found then
+                ctx_tables, get_ctx_ref, get_request = tables, fn, base.get_request
+            end
+        end
+    end
+    if ctx_tables == nil then
+        return nil
+    end
+    local ctx = ngx.ctx -- made now if the request has none: its slot is what is watched
+    local r = get_request()
+    if r == nil then
+        return nil
+    end
+    local ref = tonumber(get_ctx_ref(r, nil, nil))
+    if ref == nil or ref < 1 or not rawequal(rawget(ctx_tables, ref), ctx) then
+        return nil -- not kept as expected: no end to watch for
+    end
+    return { ctx = ctx, ref = ref }
+end
+
+-- Ends the streams whose request has ended: their server sees CANCELLED, and a later step on
+-- one (from another request that kept it) fails CANCELLED, saying why.
+local function end_orphaned_streams()
+    for st, o in pairs(owned) do
+        if not rawequal(rawget(ctx_tables, o.ref), o.ctx) then
+            owned[st] = nil
+            local call = st.call
+            if call ~= nil then
+                st.call = nil
+                st.failure = st.failure or new_error(CANCELLED,
+                    "resty.isthmus: the request that started the stream ended (a stream lives as long as its request, as a cosocket does)")
+                C.isthmus_call_free(ffi_gc(call, nil)) -- cancels it if it still runs
+            end
+        end
+    end
+end
+
 -- Abandons the operations whose coroutine no longer waits (its request was finalised, by a
 -- client that went away or an ngx.exit from another light thread): nobody would take their
 -- results, and an operation with no deadline would stay forever. A unary call ends with its
@@ -941,6 +1012,9 @@ local function prune(own)
                 end
             end
         end
+    end
+    if next(owned) ~= nil then
+        end_orphaned_streams()
     end
     forget_unrun_watcher()
     if ngx.worker.exiting() and next(waiting) == nil then
@@ -972,7 +1046,7 @@ prune_tick = function(premature, number)
     if ngx.now() - last_prune >= LOOK_S then
         prune()
     end
-    if next(waiting) ~= nil then
+    if next(waiting) ~= nil or next(owned) ~= nil then
         arm_prune()
     end
 end
@@ -1900,7 +1974,7 @@ function Channel:stream(path, opts)
         end
         call = ffi_gc(out[0], C.isthmus_call_free)
     end
-    return setmetatable({
+    local st = setmetatable({
         call = call,
         channel = self,
         path = path,
@@ -1911,6 +1985,15 @@ function Channel:stream(path, opts)
         unbounded = yields and not (opts and opts.timeout),
         heading = {}, -- tags of its headers() waiting on the worker's queue
     }, Stream)
+    local o = request_owner()
+    if o then
+        owned[st] = o
+        -- Looked at within LOOK_S of its request's end, even with no call waiting.
+        if not ngx.worker.exiting() and (prune_due == nil or ngx.now() - prune_due > LOOK_S) then
+            arm_prune()
+        end
+    end
+    return st
 end
 
 -- The queue of the steps `bounded_step` makes, apart from the worker's: its waits must take
@@ -2221,6 +2304,7 @@ end
 
 --- Frees the stream (a call still running is cancelled).
 function Stream:close()
+    owned[self] = nil
     local call = self.call
     if call ~= nil then
         self.call = nil
