@@ -361,6 +361,26 @@ function cases.orphan_stream(ch, args)
     return ngx.exit(200)
 end
 
+-- A receive bounded on its own (`wait` seconds) with nothing sent: it times out, and the stream
+-- goes on: a refused timeout, then an echo and the end, each receive bounded too.
+function cases.recv_timeout(ch, args)
+    local st, err = ch:stream(ECHO .. "Bidi", { timeout = 30 })
+    if not st then return failure(err) end
+    ngx.update_time()
+    local t0 = ngx.now()
+    local ok, terr = st:recv(tonumber(args.wait))
+    ngx.update_time()
+    local waited = ngx.now() - t0
+    local _, bad = st:recv("soon")
+    assert(st:send({ seq = 1 }))
+    local got, m = st:recv(10)
+    assert(st:close_send())
+    local ended, last = st:recv(10)
+    st:close()
+    return { received = ok, timeout = terr and terr.timeout, name = terr and terr.name, message = terr and terr.message,
+        waited = waited, bad_name = bad and bad.name, seq = got and tonumber(m.seq), ended = ended and last == nil }
+end
+
 -- A stream its request leaves open, kept past the request in a module table, so that no
 -- collection can be what ends it: the request's end does, as a cosocket's.
 local kept = {}
@@ -381,18 +401,23 @@ function cases.kept_stream(ch, args)
     kept[args.target] = nil
     local sent, serr = st:send({ seq = 2 })
     local ok, rerr = st:recv()
+    local _, cerr = st:close_send()
+    local trailers = 0
+    for _ in pairs(st.trailers) do trailers = trailers + 1 end
     st:close()
     return { ok = sent and ok, sent_name = serr and serr.name, message = serr and serr.message,
-        received_name = rerr and rerr.name }
+        received_name = rerr and rerr.name, close_send_name = cerr and cerr.name, trailers = trailers }
 end
 
--- A stream whose request lives on for `wait` seconds between two echoes (prunes pass meanwhile).
+-- A stream whose request lives on for `wait` seconds between two echoes (prunes pass meanwhile),
+-- and replaces its ngx.ctx meanwhile (lua-resty-core puts the new table in the old one's slot).
 function cases.slow_request_stream(ch, args)
     local st, err = ch:stream(ECHO .. "Bidi", { timeout = 30 })
     if not st then return failure(err) end
     assert(st:send({ seq = 1 }))
     local ok, m = st:recv()
     if not ok then return failure(m) end
+    ngx.ctx = { replaced = true }
     ngx.sleep(tonumber(args.wait))
     local sent, serr = st:send({ seq = 2 })
     if not sent then return failure(serr) end

@@ -834,6 +834,7 @@ def test_a_stream_its_request_left_open_ends_with_the_request(stubs: Path) -> No
             time.sleep(0.05)
         r = own.case("kept_stream", target)
         assert r["sent_name"] == "CANCELLED" and r["received_name"] == "CANCELLED", r
+        assert r["close_send_name"] == "CANCELLED" and r["trailers"] == 0, r
         assert "the request that started the stream ended" in r["message"], r
         assert own.case("unary", target)["ok"]  # the worker serves on
         assert own.logged_errors() == []
@@ -845,8 +846,8 @@ def test_a_stream_its_request_left_open_ends_with_the_request(stubs: Path) -> No
 
 
 def test_a_stream_lives_as_long_as_its_request(nginx: Nginx, servers: Callable[[str], Served]) -> None:
-    """A request that keeps its stream for 2.5 s between two echoes: the prunes that pass
-    meanwhile (every second while a stream is owned) leave it alone."""
+    """A request that keeps its stream for 2.5 s between two echoes, and replaces its ngx.ctx
+    meanwhile: the prunes that pass (every second while a stream is owned) leave it alone."""
     target = servers("rust").addresses["shm"]
     assert nginx.case("slow_request_stream", target, wait=2.5) == {"ok": True, "seq": 2}
 
@@ -1122,6 +1123,37 @@ print(r.seq, m.seq, fin == nil, ok4, err.name, ok5, stayed.name, stayed.state)
 """
     want = ["5", "6", "true", "false", "NOT_FOUND", "false", "DEADLINE_EXCEEDED", "READY"]
     assert _plain_luajit(body) == want
+
+
+def test_a_receive_with_a_timeout_of_its_own_leaves_the_stream_going(nginx: Nginx, shm: str) -> None:
+    """`st:recv(timeout)` bounds that receive alone, as a cosocket's read timeout: with nothing
+    sent it ends DEADLINE_EXCEEDED (`err.timeout`) after about the timeout, and the stream goes
+    on: a bad timeout is refused, the next receive gets the echo, then the end."""
+    r = nginx.case("recv_timeout", shm, wait=0.3)
+    assert r["received"] is False and r["timeout"] is True and r["name"] == "DEADLINE_EXCEEDED", r
+    assert "the stream goes on" in r["message"], r
+    assert 0.25 <= r["waited"] < 10, r  # not at once, and not the call's 30 s
+    assert r["bad_name"] == "INVALID_ARGUMENT" and r["seq"] == 1 and r["ended"] is True, r
+
+
+def test_plain_luajit_receives_with_a_timeout_and_goes_on(servers: Callable[[str], Served]) -> None:
+    """The same where receives block (plain LuaJIT; so too a phase that cannot yield): a
+    receive with nothing sent times out, and the stream goes on, its echo not lost."""
+    target = servers("rust").addresses["shm"]
+    body = f"""
+isthmus.init{{ lib = "{library()}" }}
+local proto = assert(isthmus.load_proto({{ "{ROOT}/tests/proto/conformance.proto" }}))
+local ch = assert(isthmus.connect("{target}", {{ proto = proto }}))
+local st = assert(ch:stream("/conformance.Echo/Bidi", {{ timeout = 30 }}))
+local ok, err = st:recv(0.2)
+print(ok, err.name, err.timeout)
+assert(st:send({{ seq = 8 }}))
+local ok2, m = st:recv(10)
+assert(st:close_send())
+local ok3, fin = st:recv(10)
+print(ok2, m.seq, ok3, fin == nil)
+"""
+    assert _plain_luajit(body) == ["false", "DEADLINE_EXCEEDED", "true", "true", "8", "true", "true"]
 
 
 def test_plain_luajit_bad_arguments_are_errors_not_raises(servers: Callable[[str], Served]) -> None:

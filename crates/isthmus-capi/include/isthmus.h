@@ -508,6 +508,14 @@ extern "C" {
 // Thread-safety: any thread.
 uint32_t isthmus_abi_version(void);
 
+// Microseconds on a monotonic clock, counted from an arbitrary moment fixed for the process:
+// for a caller with no clock of its own (LuaJIT outside nginx) to bound a wait made of several
+// `isthmus_cq_wait`s, which may return before their time (the operations woken have not
+// finished yet).
+//
+// Thread-safety: any thread.
+int64_t isthmus_clock_us(void);
+
 // The gRPC name of `code` (`"UNAVAILABLE"`), static and NUL-terminated; `"UNKNOWN"` for a
 // number that is no code.
 //

@@ -75,6 +75,21 @@ pub extern "C" fn isthmus_abi_version() -> u32 {
     ISTHMUS_ABI_VERSION
 }
 
+/// Microseconds on a monotonic clock, counted from an arbitrary moment fixed for the process:
+/// for a caller with no clock of its own (LuaJIT outside nginx) to bound a wait made of several
+/// `isthmus_cq_wait`s, which may return before their time (the operations woken have not
+/// finished yet).
+///
+/// Thread-safety: any thread.
+#[no_mangle]
+pub extern "C" fn isthmus_clock_us() -> i64 {
+    static START: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    abi::guard(0, || {
+        let start = *START.get_or_init(std::time::Instant::now);
+        i64::try_from(start.elapsed().as_micros()).unwrap_or(i64::MAX)
+    })
+}
+
 /// The gRPC name of `code` (`"UNAVAILABLE"`), static and NUL-terminated; `"UNKNOWN"` for a
 /// number that is no code.
 ///

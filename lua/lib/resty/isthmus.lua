@@ -98,6 +98,7 @@ typedef struct {
 } isthmus_stats_t;
 
 uint32_t isthmus_abi_version(void);
+int64_t isthmus_clock_us(void);
 const char *isthmus_code_name(isthmus_code_t code);
 isthmus_code_t isthmus_status_code(const isthmus_status_t *status);
 const char *isthmus_status_message(const isthmus_status_t *status);
@@ -819,19 +820,25 @@ local prune_due        -- when the current prune timer is due (nil: none is made
 -- open (no close() on some path out of its handler) otherwise held its server's handler until
 -- Lua's garbage collector freed it, which in a quiet worker may be never. Stock
 -- lua-nginx-module gives Lua no hook at a request's end; what it does there is release the
--- request's ngx.ctx table from lua-resty-core's registry of them. So each stream keeps its
--- request's ngx.ctx and the slot that holds it, and the prunes end those whose slot holds
--- something else. stream -> { ctx = table, ref = slot }, weak: a stream collected leaves.
+-- request's ngx.ctx table from lua-resty-core's registry of them, leaving its slot free (a
+-- number or nil) until another request takes it. So each stream notes its request's slot, and
+-- the prunes end those whose slot holds no table. A slot some later request has taken again
+-- holds a table, and the stream waits for that one to end (under load, a collection may come
+-- first): a table there cannot say whether it is a new request's or this one's replaced
+-- (`ngx.ctx = t` puts it in the same slot), and a stream of a request still running is never
+-- ended. stream -> slot, weak: a stream collected leaves (and the slot keeps nothing alive).
 local owned = setmetatable({}, { __mode = "k" })
+local last_orphan_look = 0
 -- lua-resty-core's registry of ngx.ctx tables and what reads a request's slot in it, looked up
 -- on first use (nil outside nginx's http subsystem, or if lua-resty-core keeps them elsewhere:
 -- streams then live until closed or collected, as before).
 local ctx_tables, get_ctx_ref, get_request
 local ctx_looked = false
 -- The phases with a request of their own that ends: not init_worker's, nor an SSL handshake's
--- (whose ngx.ctx passes on to the connection's requests).
-local OWNING = { rewrite = true, server_rewrite = true, access = true, content = true, timer = true,
-    header_filter = true, body_filter = true, log = true }
+-- (whose ngx.ctx passes on to the connection's requests). A subrequest's slot is freed with its
+-- main request (they share a memory pool).
+local OWNING = { set = true, rewrite = true, server_rewrite = true, access = true, content = true,
+    balancer = true, timer = true, header_filter = true, body_filter = true, log = true }
 
 -- An event as a plain outcome table; frees or takes over every handle in it.
 local function outcome(ev)
@@ -938,7 +945,7 @@ local function forget_unrun_watcher()
     end
 end
 
--- The request a stream started now belongs to ({ ctx, ref }), or nil where none ends it.
+-- The slot of the request a stream started now belongs to, or nil where none ends it.
 local function request_owner()
     if not OWNING[ngx and ngx.get_phase and ngx.get_phase()] then
         return nil
@@ -971,20 +978,22 @@ local function request_owner()
     if ref == nil or ref < 1 or not rawequal(rawget(ctx_tables, ref), ctx) then
         return nil -- not kept as expected: no end to watch for
     end
-    return { ctx = ctx, ref = ref }
+    return ref
 end
 
 -- Ends the streams whose request has ended: their server sees CANCELLED, and a later step on
 -- one (from another request that kept it) fails CANCELLED, saying why.
 local function end_orphaned_streams()
-    for st, o in pairs(owned) do
-        if not rawequal(rawget(ctx_tables, o.ref), o.ctx) then
+    last_orphan_look = ngx.now()
+    for st, ref in pairs(owned) do
+        if type(rawget(ctx_tables, ref)) ~= "table" then
             owned[st] = nil
             local call = st.call
             if call ~= nil then
                 st.call = nil
                 st.failure = st.failure or new_error(CANCELLED,
                     "resty.isthmus: the request that started the stream ended (a stream lives as long as its request, as a cosocket does)")
+                st.trailers = st.trailers or {}
                 C.isthmus_call_free(ffi_gc(call, nil)) -- cancels it if it still runs
             end
         end
@@ -995,7 +1004,7 @@ end
 -- client that went away or an ngx.exit from another light thread): nobody would take their
 -- results, and an operation with no deadline would stay forever. A unary call ends with its
 -- operation; a stream's step does not end the stream, which other light threads of a request may
--- still use: an abandoned stream ends when the garbage collector frees it. `own`: the tag of
+-- still use: a stream ends with its request (end_orphaned_streams), or when it is collected. `own`: the tag of
 -- the caller's operation, if a caller prunes (it is not waiting on its semaphore just then).
 local function prune(own)
     last_prune = ngx.now()
@@ -1013,7 +1022,7 @@ local function prune(own)
             end
         end
     end
-    if next(owned) ~= nil then
+    if next(owned) ~= nil and ngx.now() - last_orphan_look >= LOOK_S then
         end_orphaned_streams()
     end
     forget_unrun_watcher()
@@ -1347,6 +1356,41 @@ local function wait_on(w, tag, backstop)
     end
     spare[#spare + 1] = w
     return r
+end
+
+-- wait_on, for a receive with a timeout of its own: past `timeout` seconds the operation is
+-- taken back, not the call, and the outcome is { timed_out = true }: the stream goes on. (One
+-- that finished as the time ran out gives its outcome; its waiter, posted to nobody, is not
+-- reused.)
+local function wait_a_while(w, tag, timeout)
+    local ok, err = await(w, tag, timeout)
+    if ok then
+        local r = w.result
+        w.result = nil
+        spare[#spare + 1] = w
+        return r
+    end
+    if err ~= "timeout" then
+        C.isthmus_cq_cancel(cq, tag)
+    elseif C.isthmus_cq_cancel(cq, tag) == NOT_FOUND then
+        if w.result == nil then
+            dispatch() -- its event is queued: handed to `w` now
+        end
+        local r = w.result
+        w.result = nil
+        if r then
+            return r
+        end
+    end
+    waiting[tag] = nil
+    forget_unrun_watcher()
+    if ngx.worker.exiting() and next(waiting) == nil then
+        C.isthmus_cq_wake(cq) -- a cancelled operation rings no bell: the watcher may leave now
+    end
+    if err == "timeout" then
+        return { timed_out = true }
+    end
+    return { code = UNKNOWN, err = new_error(UNKNOWN, "resty.isthmus: waiting failed: " .. tostring(err)) }
 end
 
 -- After an _async start that returned `rc`: the outcome, at once (in `now`) or after waiting on
@@ -1985,9 +2029,9 @@ function Channel:stream(path, opts)
         unbounded = yields and not (opts and opts.timeout),
         heading = {}, -- tags of its headers() waiting on the worker's queue
     }, Stream)
-    local o = request_owner()
-    if o then
-        owned[st] = o
+    local slot = request_owner()
+    if slot then
+        owned[st] = slot
         -- Looked at within LOOK_S of its request's end, even with no call waiting.
         if not ngx.worker.exiting() and (prune_due == nil or ngx.now() - prune_due > LOOK_S) then
             arm_prune()
@@ -1996,55 +2040,76 @@ function Channel:stream(path, opts)
     return st
 end
 
--- The queue of the steps `bounded_step` makes, apart from the worker's: its waits must take
+-- The queue of the steps `step_within` makes, apart from the worker's: its waits must take
 -- only their own event, and nothing the watcher hands out.
 local step_q, step_event, step_now
 
--- A stream's step in a phase that cannot yield, on a stream that has no deadline (started with
--- no timeout where it could yield): it blocks the worker, so it gets `blocking_timeout`, as a
--- call made in such a phase does. Past it the call is cancelled (the server sees CANCELLED, and
--- the step's operation cannot be taken back otherwise) and the step fails DEADLINE_EXCEEDED.
-local function bounded_step(self, start_async, limit)
+-- The step queue, made on first use; nil, err if it cannot be.
+local function step_queue()
     if step_q == nil then
         local q, err = new_queue()
         if not q then
-            return { code = UNAVAILABLE, err = err }
+            return nil, err
         end
         step_q, step_event, step_now = q, ffi_new("isthmus_event_t[1]"), ffi_new("isthmus_event_t[1]")
+    end
+    return step_q
+end
+
+-- A receive with a timeout of its own where the thread blocks (a phase that cannot yield, a
+-- worker thread's VM, plain LuaJIT): `start_async` on the step queue, waited for at most
+-- `seconds`. Past them the operation is taken back, not the call: { timed_out = true }, and
+-- the stream goes on. (A step that finished as the time ran out gives its outcome.)
+local function step_within(start_async, seconds)
+    local _, qerr = step_queue()
+    if qerr then
+        return { code = UNAVAILABLE, err = qerr }
     end
     local tag = fresh_tag()
     local done = at_once(start_async(step_q, tag, step_now), step_now)
     if done then
         return done
     end
-    ngx.update_time()
-    local deadline = ngx.now() + limit
+    -- A wait may end early, with no event (an operation woken that has not finished): the
+    -- library's clock says how long is left (LuaJIT has none of its own outside nginx).
+    local bounded = seconds < 2^50 / 1e6
+    local deadline = bounded and tonumber(C.isthmus_clock_us()) + math.ceil(seconds * 1e6)
     while true do
-        local left_us = math.max(math.ceil((deadline - ngx.now()) * 1e6), 0)
+        local left_us = bounded and math.max(deadline - tonumber(C.isthmus_clock_us()), 0) or -1
         if tonumber(C.isthmus_cq_wait(step_q, step_event, 1, 0, left_us)) == 1 then
             local r = outcome(step_event[0]) -- frees what it holds, whoever's it is
             if tonumber(step_event[0].tag) == tag then
                 return r
             end
             -- An earlier step's, given up on as it finished: not this one's.
-        end
-        ngx.update_time()
-        if ngx.now() >= deadline then
-            if C.isthmus_cq_cancel(step_q, tag) == NOT_FOUND then
-                -- It finished as the time ran out: its event is queued.
-                while tonumber(C.isthmus_cq_poll(step_q, step_event, 1)) == 1 do
-                    local r = outcome(step_event[0])
-                    if tonumber(step_event[0].tag) == tag then
-                        return r
-                    end
-                end
-            end
-            C.isthmus_call_cancel(self.call)
-            local what = ("resty.isthmus: a step of a stream with no deadline blocked the worker for "
-                .. "blocking_timeout (%g s) in phase %s"):format(limit, ngx.get_phase())
-            return { code = DEADLINE_EXCEEDED, err = new_error(DEADLINE_EXCEEDED, what) }
+        elseif left_us == 0 then
+            break
         end
     end
+    if C.isthmus_cq_cancel(step_q, tag) == NOT_FOUND then
+        while tonumber(C.isthmus_cq_poll(step_q, step_event, 1)) == 1 do
+            local r = outcome(step_event[0])
+            if tonumber(step_event[0].tag) == tag then
+                return r
+            end
+        end
+    end
+    return { timed_out = true }
+end
+
+-- A stream's step in a phase that cannot yield, on a stream that has no deadline (started with
+-- no timeout where it could yield): it blocks the worker, so it gets `blocking_timeout`, as a
+-- call made in such a phase does. Past it the call is cancelled (the server sees CANCELLED) and
+-- the step fails DEADLINE_EXCEEDED.
+local function bounded_step(self, start_async, limit)
+    local r = step_within(start_async, limit)
+    if r.timed_out then
+        C.isthmus_call_cancel(self.call)
+        local what = ("resty.isthmus: a step of a stream with no deadline blocked the worker for "
+            .. "blocking_timeout (%g s) in phase %s"):format(limit, ngx.get_phase())
+        return { code = DEADLINE_EXCEEDED, err = new_error(DEADLINE_EXCEEDED, what) }
+    end
+    return r
 end
 
 -- A stream's operation that waits: `start_async(q, tag, now)` without blocking inside nginx,
@@ -2052,6 +2117,9 @@ end
 -- deadline). Returns the outcome table.
 local function step(self, start_async, blocking)
     if self.call == nil then
+        if self.failure then -- ended with its request: says so
+            return { code = self.failure.code, err = self.failure }
+        end
         return { code = INVALID_ARGUMENT, err = new_error(INVALID_ARGUMENT, "the stream is closed") }
     end
     if can_yield() then
@@ -2116,9 +2184,17 @@ end
 --- The next message: `true, message`, `true, nil` at the end of the stream (its trailers are
 --- then in stream.trailers), or `false, err` when the call failed; a message this side cannot
 --- take (not of the proto's type, too long for a Lua string) fails it too, cancelled.
-function Stream:recv()
+--- `timeout` (seconds, optional) bounds this receive alone, as a cosocket's read timeout: past
+--- it `false, err` with `err.code` DEADLINE_EXCEEDED and `err.timeout` true, and the stream goes
+--- on (the next receive gets the next message; the call's own deadline is the `timeout` option
+--- of `ch:stream`).
+function Stream:recv(timeout)
     if self.failure then
         return false, self.failure
+    end
+    if timeout ~= nil and (type(timeout) ~= "number" or not (timeout > 0)) then
+        return false, new_error(INVALID_ARGUMENT,
+            "resty.isthmus: a receive's timeout is a number of seconds above 0, not " .. tostring(timeout))
     end
     local call = self.call
     local busy = self:_receiving_elsewhere()
@@ -2126,7 +2202,17 @@ function Stream:recv()
         return false, busy -- the stream goes on: this receive is refused, not failed
     end
     local r
-    if call == nil or not can_yield() then
+    if call ~= nil and timeout and not can_yield() then
+        -- Where the thread blocks, a receive bounded on its own waits on the step queue; a left
+        -- receive's message, if it has come, is the stream's next.
+        local blocked = self:_cannot_block()
+        if blocked then
+            return false, blocked
+        end
+        r = self:_take_left() or step_within(function(q, tag, ev)
+            return C.isthmus_call_recv_async(call, q, tag, ev, status_out)
+        end, timeout)
+    elseif call == nil or not can_yield() then
         -- Closed (step says so), or where the worker cannot yield: it blocks, unless a left
         -- receive has the stream's next message.
         local blocked = call ~= nil and self:_cannot_block()
@@ -2147,7 +2233,7 @@ function Stream:recv()
         -- A receive whose light thread went away (killed, say, to bound its wait) left its
         -- operation under way: the message it gets is the stream's next, so this receive takes
         -- it over. A new one would take the message after it, and that one would be lost.
-        r = self:_wait_recv(self.left_recv.w, self.left_recv.tag)
+        r = self:_wait_recv(self.left_recv.w, self.left_recv.tag, timeout)
     else
         local q, qerr = queue()
         if not q then
@@ -2155,7 +2241,13 @@ function Stream:recv()
         end
         local tag = fresh_tag()
         local done, w = begin_wait(C.isthmus_call_recv_async(call, q, tag, now, status_out), tag)
-        r = done or self:_wait_recv(w, tag)
+        r = done or self:_wait_recv(w, tag, timeout)
+    end
+    if r.timed_out then
+        local err = new_error(DEADLINE_EXCEEDED,
+            ("resty.isthmus: no message within the receive's timeout (%g s); the stream goes on"):format(timeout))
+        err.timeout = true
+        return false, err
     end
     if r.err then
         return self:_failed(r.err)
@@ -2171,14 +2263,20 @@ function Stream:recv()
     return true, reply
 end
 
--- Waits, as a receive, on waiter `w` of receive operation `tag`, noted on the stream until it
--- has its outcome: if this light thread goes away meanwhile, the stream's next receive takes the
--- operation over (Stream:recv), and prune leaves its queued message for that one.
-function Stream:_wait_recv(w, tag)
+-- Waits, as a receive, on waiter `w` of receive operation `tag` (at most `timeout` seconds, if
+-- given, after which the stream goes on), noted on the stream until it has its outcome: if
+-- this light thread goes away meanwhile, the stream's next receive takes the operation over
+-- (Stream:recv), and prune leaves its queued message for that one.
+function Stream:_wait_recv(w, tag, timeout)
     w.stream = self
     local left = { w = w, tag = tag }
     self.left_recv = left
-    local r = wait_on(w, tag, self.backstop)
+    local r
+    if timeout and timeout < self.backstop then
+        r = wait_a_while(w, tag, timeout)
+    else
+        r = wait_on(w, tag, self.backstop)
+    end
     w.stream = nil
     if self.left_recv == left then
         self.left_recv = nil
@@ -2251,6 +2349,11 @@ end
 function Stream:_failed(err)
     if self.call ~= nil then
         C.isthmus_call_cancel(self.call)
+    end
+    if self.failure then
+        -- Known already (its request ended): a receive under way then ends with the call,
+        -- and its error says less.
+        return false, self.failure
     end
     self.failure = err
     -- The server's trailers, if it ended the call (`{}` otherwise): stream.trailers holds
