@@ -174,3 +174,47 @@ def test_a_server_that_never_answers_fails_the_call_after_the_connect_timeout(ki
     assert code == grpc.StatusCode.UNAVAILABLE, code
     # Well before the deadline, and before the 20 s default.
     assert took < 10, f"failed after {took:.1f} s"
+
+
+def _tcp_timers(port: int) -> dict[str, str]:
+    """The kernel's timer on each established loopback connection to or from `port`, by end
+    (`/proc/net/tcp`'s `tr`): `2` is the keepalive timer, armed on an idle connection only
+    where SO_KEEPALIVE is on; `0` is none."""
+    timers = {}
+    with open("/proc/net/tcp") as table:
+        for line in table.read().splitlines()[1:]:
+            fields = line.split()
+            local, remote, state, timer = fields[1], fields[2], fields[3], fields[5].split(":")[0]
+            if state != "01":  # ESTABLISHED
+                continue
+            if int(local.split(":")[1], 16) == port:
+                timers["server"] = str(int(timer, 16))
+            elif int(remote.split(":")[1], 16) == port:
+                timers["client"] = str(int(timer, 16))
+    return timers
+
+
+def test_tcp_connections_probe_a_silent_peer() -> None:
+    """Both ends of an HTTP/2 connection over TCP, the client's and the server's, have TCP
+    keepalive on (Go's 15 s, as grpc-go's run with): a peer whose host went away is found out
+    in minutes, and its calls end UNAVAILABLE, instead of never. Neither end had it: a call
+    with no deadline to a host that lost power waited for ever."""
+    server = isthmus.server(futures.ThreadPoolExecutor(2), options=[("isthmus.offer_shm", False)])
+    server.add_generic_rpc_handlers(
+        [
+            grpc.method_handlers_generic_handler(
+                "keep.K", {"Echo": grpc.unary_unary_rpc_method_handler(lambda r, c: r)}
+            )
+        ]
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with isthmus.insecure_channel(f"127.0.0.1:{port}") as channel:
+            assert channel.unary_unary("/keep.K/Echo")(b"x", timeout=30) == b"x"
+            end = time.monotonic() + 10
+            while (timers := _tcp_timers(port)) != {"server": "2", "client": "2"}:
+                assert time.monotonic() < end, f"no keepalive timer on an idle connection: {timers}"
+                time.sleep(0.05)
+    finally:
+        server.stop(None)
