@@ -88,6 +88,40 @@ function _M.filter_stream_start(target)
     ngx.say("started")
 end
 
+-- In nginx's master (init_by_lua, which blocks): a receive with a timeout of its own on a
+-- stream nothing answers, which makes the module's step queue there; the worker forked after
+-- must make its own. What it ended with is `master_recv`'s.
+local master_recv
+
+function _M.master_recv_timeout(proto_path, target)
+    proto = proto or assert(isthmus.load_proto({ proto_path }))
+    local st = assert(channel(target):stream(ECHO .. "Bidi", { timeout = 30 }))
+    local ok, err = st:recv(0.05)
+    master_recv = ok and "received" or (err.name .. (err.timeout and " timeout" or ""))
+    st:close()
+end
+
+function cases.master_recv()
+    return { seen = master_recv }
+end
+
+-- From header_filter_by_lua (which cannot yield), on the stream filter_stream_start made: a
+-- receive with a timeout of its own (`wait`), then with `echo` an echo through the same stream.
+function _M.filter_recv_timeout()
+    local st = ngx.ctx.stream
+    if st == nil then
+        return
+    end
+    local ok, err = st:recv(tonumber(ngx.var.arg_wait))
+    ngx.header["X-Timeout"] = ok and "received" or (err.name .. (err.timeout and " timeout" or ""))
+    if ngx.var.arg_echo == "1" then
+        local sent, serr = st:send({ seq = 7 })
+        local got, m = st:recv(5)
+        ngx.header["X-Echo"] = not sent and serr.name or got and tostring(m.seq) or m.name
+    end
+    st:close()
+end
+
 function _M.filter_stream_step()
     local st = ngx.ctx.stream
     if st == nil then
@@ -232,6 +266,34 @@ function cases.server_stream(ch, args)
     end
     st:close()
     return { ok = true, seqs = seqs, sizes = sizes }
+end
+
+-- Methods whose client sends one request, through ch:stream with no half-close asked for: the
+-- send half-closes (as generated clients do), so a server that waits for it answers; a second
+-- send is refused as after close_send, and close_send itself is harmless.
+function cases.one_request_streams(ch, args)
+    local st, err = ch:stream(ECHO .. "ServerStream", { timeout = 30 })
+    if not st then return failure(err) end
+    assert(st:send({ count = 2, size = 1 }))
+    local seqs = {}
+    while true do
+        local ok, m = st:recv(10)
+        if not ok then return failure(m) end
+        if m == nil then break end
+        seqs[#seqs + 1] = tonumber(m.seq or 0)
+    end
+    local again, aerr = st:send({ count = 1 })
+    local closed = st:close_send()
+    st:close()
+    local un, uerr = ch:stream(ECHO .. "Unary", { timeout = 30 })
+    if not un then return failure(uerr) end
+    assert(un:send({ seq = 12 }))
+    local ok, m = un:recv(10)
+    if not ok then return failure(m) end
+    local ok2, after = un:recv(10)
+    un:close()
+    return { ok = true, seqs = seqs, again = again or aerr.name, closed = closed, unary = tonumber(m.seq),
+        ended = ok2 and after == nil }
 end
 
 function cases.client_stream(ch, args)

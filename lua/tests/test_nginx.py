@@ -65,6 +65,16 @@ def test_server_stream(nginx: Nginx, shm: str) -> None:
     assert r == {"ok": True, "seqs": [0, 1, 2, 3, 4], "sizes": [100] * 5}
 
 
+def test_a_stream_of_a_method_with_one_request_half_closes_as_it_sends(nginx: Nginx, shm: str) -> None:
+    """A server-streaming and a unary method through `ch:stream`, the request sent with no
+    half-close asked for: the channel's proto says their client sends one request, so the send
+    half-closes, as generated clients do. Before, tonic's server waited for the half-close and
+    the receive for the deadline."""
+    r = nginx.case("one_request_streams", shm)
+    want = {"ok": True, "seqs": [0, 1], "again": "INTERNAL", "closed": True, "unary": 12, "ended": True}
+    assert r == want, r
+
+
 def test_client_stream(nginx: Nginx, shm: str) -> None:
     r = nginx.case("client_stream", shm, n=4)
     assert r == {"ok": True, "count": 4, "bytes": 0, "ended": True}
@@ -943,6 +953,54 @@ def test_a_streams_step_that_cannot_yield_is_bounded_like_a_call(stubs: Path) ->
         line = served.peer.expect("BIDI-ENDED", patience=10)
         assert line in ("BIDI-ENDED half-close", "BIDI-ENDED Cancelled"), line
         assert own.case("unary", target)["ok"]  # the worker serves on
+
+
+def test_a_receive_with_a_timeout_where_the_worker_blocks(stubs: Path) -> None:
+    """`st:recv(timeout)` from header_filter_by_lua (which cannot yield), on a stream started in
+    content with no deadline: a short timeout ends that receive alone and the stream goes on
+    (an echo follows), and a timeout past `blocking_timeout` (1 s here) is cut to it, as every
+    step there is, the call cancelled. The master made the module's step queue first, in
+    init_by_lua: the worker makes its own (the master's is refused after the fork)."""
+    served = serve("rust", ["shm"], stubs)
+    try:
+        target = served.addresses["shm"]
+        proto = ROOT / "tests" / "proto" / "conformance.proto"
+        port = conftest.free_port()
+        own = Nginx(
+            http_extra=f"""
+    init_by_lua_block {{
+        require("resty.isthmus").init{{ blocking_timeout = 1 }}
+        require("cases").master_recv_timeout("{proto}", "{target}")
+    }}
+    server {{
+        listen 127.0.0.1:{port};
+        location = /filter {{
+            content_by_lua_block {{
+                require("cases").filter_stream_start(ngx.unescape_uri(ngx.var.arg_target))
+            }}
+            header_filter_by_lua_block {{ require("cases").filter_recv_timeout() }}
+        }}
+    }}"""
+        )
+        try:
+            assert own.case("master_recv", target) == {"seen": "DEADLINE_EXCEEDED timeout"}
+
+            def get(**query: object) -> tuple[str | None, str | None, float]:
+                url = f"http://127.0.0.1:{port}/filter?" + urllib.parse.urlencode({"target": target, **query})
+                began = time.monotonic()
+                with urllib.request.urlopen(url, timeout=PATIENCE) as reply:
+                    assert reply.read() == b"started\n"
+                    return reply.headers["X-Timeout"], reply.headers["X-Echo"], time.monotonic() - began
+
+            timeout, echo, _ = get(wait=0.2, echo=1)
+            assert (timeout, echo) == ("DEADLINE_EXCEEDED timeout", "7")
+            timeout, echo, took = get(wait=600)
+            assert (timeout, echo) == ("DEADLINE_EXCEEDED", None) and took < 30, (timeout, took)
+            assert own.case("unary", target)["ok"]  # the worker serves on
+        finally:
+            own.close()
+    finally:
+        served.close()
 
 
 def test_a_headers_wait_left_by_a_killed_thread_does_not_hang_a_phase_that_cannot_yield(stubs: Path) -> None:

@@ -100,6 +100,12 @@
 // `isthmus_proto_method_type`: the response's type.
 #define ISTHMUS_PROTO_RESPONSE 1
 
+// `isthmus_proto_method_streams`: the client sends a stream of requests.
+#define ISTHMUS_PROTO_CLIENT_STREAMING 1
+
+// `isthmus_proto_method_streams`: the server sends a stream of responses.
+#define ISTHMUS_PROTO_SERVER_STREAMING 2
+
 // Server flag: the handlers' replies to HTTP/2 calls go compressed with gzip, to each client
 // whose `grpc-accept-encoding` lists it (grpc's clients do); others get them as they are.
 // Replies over `shm://` cross no wire and go as they are.
@@ -1268,6 +1274,21 @@ isthmus_code_t isthmus_proto_load_descriptor_set(const uint8_t *data,
 const char *isthmus_proto_method_type(const isthmus_proto_t *proto,
                                       const char *path,
                                       int32_t which);
+
+// Which sides of the method at `path` (`/package.Service/Method`) stream: its
+// `ISTHMUS_PROTO_CLIENT_STREAMING` and `ISTHMUS_PROTO_SERVER_STREAMING` bits (0 for a unary
+// method); -1 if no loaded service has that method (or for an invalid handle or path). A
+// binding that starts a call through a general stream half-closes it after the one request
+// of a method whose client does not stream, as generated clients do: a server may wait for
+// that half-close before it answers (tonic's does).
+//
+// Thread-safety: any thread.
+//
+// # Safety
+//
+// `path` is a NUL-terminated string.
+int32_t isthmus_proto_method_streams(const isthmus_proto_t *proto,
+                                     const char *path);
 
 // Encodes a message of type `type_name` (`package.Message`) from its proto3 JSON form: `*out`
 // holds the protobuf bytes. JSON that does not fit the type fails with

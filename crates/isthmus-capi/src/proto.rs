@@ -20,14 +20,19 @@ use crate::object::{isthmus_message_t, message_handle};
 /// `isthmus_proto_free`.
 pub struct isthmus_proto_t {
     pool: DescriptorPool,
-    /// Each method's request and response type names, by path (`/package.Service/Method`).
-    methods: HashMap<String, [CString; 2]>,
+    /// Each method's request and response type names, and its `ISTHMUS_PROTO_*_STREAMING`
+    /// bits, by path (`/package.Service/Method`).
+    methods: HashMap<String, ([CString; 2], i32)>,
 }
 
 /// `isthmus_proto_method_type`: the request's type.
 pub const ISTHMUS_PROTO_REQUEST: i32 = 0;
 /// `isthmus_proto_method_type`: the response's type.
 pub const ISTHMUS_PROTO_RESPONSE: i32 = 1;
+/// `isthmus_proto_method_streams`: the client sends a stream of requests.
+pub const ISTHMUS_PROTO_CLIENT_STREAMING: i32 = 1;
+/// `isthmus_proto_method_streams`: the server sends a stream of responses.
+pub const ISTHMUS_PROTO_SERVER_STREAMING: i32 = 2;
 
 pub(crate) static PROTOS: Registry<isthmus_proto_t> = Registry::new("proto");
 
@@ -39,7 +44,9 @@ impl isthmus_proto_t {
                 let name =
                     |m: MessageDescriptor| CString::new(m.full_name()).map_err(|_| invalid("a NUL in a type name"));
                 let types = [name(method.input())?, name(method.output())?];
-                methods.insert(format!("/{}/{}", service.full_name(), method.name()), types);
+                let streams = i32::from(method.is_client_streaming()) * ISTHMUS_PROTO_CLIENT_STREAMING
+                    + i32::from(method.is_server_streaming()) * ISTHMUS_PROTO_SERVER_STREAMING;
+                methods.insert(format!("/{}/{}", service.full_name(), method.name()), (types, streams));
             }
         }
         Ok(isthmus_proto_t { pool, methods })
@@ -436,7 +443,29 @@ pub unsafe extern "C" fn isthmus_proto_method_type(
             _ => return std::ptr::null(),
         };
         // The names live as long as the proto's handle; the registry's Arc outlives this guard.
-        proto.methods.get(path).map_or(std::ptr::null(), |types| types[index].as_ptr())
+        proto.methods.get(path).map_or(std::ptr::null(), |(types, _)| types[index].as_ptr())
+    })
+}
+
+/// Which sides of the method at `path` (`/package.Service/Method`) stream: its
+/// `ISTHMUS_PROTO_CLIENT_STREAMING` and `ISTHMUS_PROTO_SERVER_STREAMING` bits (0 for a unary
+/// method); -1 if no loaded service has that method (or for an invalid handle or path). A
+/// binding that starts a call through a general stream half-closes it after the one request
+/// of a method whose client does not stream, as generated clients do: a server may wait for
+/// that half-close before it answers (tonic's does).
+///
+/// Thread-safety: any thread.
+///
+/// # Safety
+///
+/// `path` is a NUL-terminated string.
+#[no_mangle]
+pub unsafe extern "C" fn isthmus_proto_method_streams(proto: *const isthmus_proto_t, path: *const c_char) -> i32 {
+    guard(-1, || {
+        let Ok(proto) = PROTOS.get(proto) else { return -1 };
+        // SAFETY: the caller promises a NUL-terminated string.
+        let Ok(path) = (unsafe { c_str(path, "the path") }) else { return -1 };
+        proto.methods.get(path).map_or(-1, |(_, streams)| *streams)
     })
 }
 
@@ -696,7 +725,7 @@ import "google/protobuf/any.proto";
 message Boxed { google.protobuf.Any held = 1; }
 message Ping { bytes payload = 1; uint64 seq = 2; string note_text = 3; repeated string labels = 4; map<string, string> attrs = 5; }
 message Pong { repeated Ping pings = 1; map<string, Ping> by_name = 2; Ping first = 3; }
-service Echo { rpc Call(Ping) returns (Pong); }
+service Echo { rpc Call(Ping) returns (Pong); rpc Watch(Ping) returns (stream Pong); rpc Chat(stream Ping) returns (stream Pong); }
 "#;
 
     fn load() -> (*mut isthmus_proto_t, tempdir::Dir) {
@@ -1080,6 +1109,14 @@ service Echo { rpc Call(Ping) returns (Pong); }
         assert_eq!(unsafe { CStr::from_ptr(response) }, c"demo.Pong");
         // SAFETY: as above.
         assert!(unsafe { isthmus_proto_method_type(proto, c"/demo.Echo/Nope".as_ptr(), 0) }.is_null());
+        // SAFETY: NUL-terminated paths, and a NULL one (refused).
+        let streams = |path: &CStr| unsafe { isthmus_proto_method_streams(proto, path.as_ptr()) };
+        assert_eq!(streams(c"/demo.Echo/Call"), 0);
+        assert_eq!(streams(c"/demo.Echo/Watch"), ISTHMUS_PROTO_SERVER_STREAMING);
+        assert_eq!(streams(c"/demo.Echo/Chat"), ISTHMUS_PROTO_CLIENT_STREAMING | ISTHMUS_PROTO_SERVER_STREAMING);
+        assert_eq!(streams(c"/demo.Echo/Nope"), -1);
+        // SAFETY: NULL is refused before it is read.
+        assert_eq!(unsafe { isthmus_proto_method_streams(proto, std::ptr::null()) }, -1);
 
         // Either field name spelling is read; 64-bit integers as numbers or strings.
         let bytes = encode(proto, c"demo.Ping", r#"{"payload":"aGk=","seq":7,"noteText":"n"}"#).expect("encode");

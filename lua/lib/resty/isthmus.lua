@@ -19,7 +19,7 @@
 -- status's details as the server sent them, or nil).
 
 local ffi = require "ffi"
-local bor = require("bit").bor
+local bor, band = require("bit").bor, require("bit").band
 
 local C
 local ffi_new, ffi_string, ffi_gc = ffi.new, ffi.string, ffi.gc
@@ -128,6 +128,7 @@ isthmus_metadata_t *isthmus_call_trailers(const isthmus_call_t *call);
 isthmus_code_t isthmus_call_cancel(const isthmus_call_t *call);
 isthmus_code_t isthmus_call_free(isthmus_call_t *call);
 isthmus_cq_t *isthmus_cq_new(void);
+int32_t isthmus_cq_fd(const isthmus_cq_t *cq);
 size_t isthmus_cq_poll(const isthmus_cq_t *cq, isthmus_event_t *events, size_t capacity);
 size_t isthmus_cq_wait(const isthmus_cq_t *cq, isthmus_event_t *events, size_t capacity, uint32_t spin_us, int64_t timeout_us);
 isthmus_code_t isthmus_cq_cancel(const isthmus_cq_t *cq, uint64_t tag);
@@ -144,6 +145,7 @@ isthmus_code_t isthmus_metadata_free(isthmus_metadata_t *md);
 isthmus_code_t isthmus_proto_load(const char *const *files, size_t nfiles, const char *const *includes, size_t nincludes, isthmus_proto_t **out, isthmus_status_t **status);
 isthmus_code_t isthmus_proto_load_descriptor_set(const uint8_t *data, size_t len, isthmus_proto_t **out, isthmus_status_t **status);
 const char *isthmus_proto_method_type(const isthmus_proto_t *proto, const char *path, int32_t which);
+int32_t isthmus_proto_method_streams(const isthmus_proto_t *proto, const char *path);
 isthmus_code_t isthmus_proto_encode(const isthmus_proto_t *proto, const char *type_name, const uint8_t *json, size_t json_len, isthmus_message_t **out, isthmus_status_t **status);
 isthmus_code_t isthmus_proto_decode(const isthmus_proto_t *proto, const char *type_name, const uint8_t *data, size_t len, isthmus_message_t **out, isthmus_status_t **status);
 isthmus_code_t isthmus_proto_free(isthmus_proto_t *proto);
@@ -157,6 +159,7 @@ local CALL_SPIN = 2
 local OP_STATE = 10
 local CHANNEL_UPGRADE, CHANNEL_NO_UPGRADE, CHANNEL_KEEPALIVE_WITHOUT_CALLS = 1, 2, 4
 local PROTO_REQUEST, PROTO_RESPONSE = 0, 1
+local PROTO_CLIENT_STREAMING = 1
 local STATES = { [0] = "IDLE", "CONNECTING", "READY", "TRANSIENT_FAILURE", "SHUTDOWN" }
 
 --- The gRPC status codes by name (`isthmus.code.UNAVAILABLE == 14`).
@@ -710,6 +713,22 @@ function Proto:method_type(path, which)
     return name
 end
 
+-- Whether the client of the method at `path` sends a stream of requests: true, false, or nil
+-- if the loaded services have no such method (not remembered, as method_type's).
+function Proto:client_streams(path)
+    local key = "s" .. path
+    local known = self.types[key]
+    if known == nil then
+        local bits = tonumber(C.isthmus_proto_method_streams(self.handle, path))
+        if bits < 0 then
+            return nil
+        end
+        known = band(bits, PROTO_CLIENT_STREAMING) ~= 0
+        self.types[key] = known
+    end
+    return known
+end
+
 --- Encodes a Lua table as a message of type `type_name`: ok, bytes or false, err.
 function Proto:encode(type_name, tbl)
     local _, terr = c_string("the type name", type_name)
@@ -989,7 +1008,7 @@ local function end_orphaned_streams()
         if type(rawget(ctx_tables, ref)) ~= "table" then
             owned[st] = nil
             local call = st.call
-            if call ~= nil then
+            if call ~= nil and not st.ended then -- (one over, OK, holds nothing on the server)
                 st.call = nil
                 st.failure = st.failure or new_error(CANCELLED,
                     "resty.isthmus: the request that started the stream ended (a stream lives as long as its request, as a cosocket does)")
@@ -2028,6 +2047,10 @@ function Channel:stream(path, opts)
         -- later phase makes blocking (`bounded_step`).
         unbounded = yields and not (opts and opts.timeout),
         heading = {}, -- tags of its headers() waiting on the worker's queue
+        -- A method whose client sends one request (unary, server streaming), as the channel's
+        -- proto says: its send half-closes, as generated clients do (a server may wait for
+        -- the half-close before it answers; tonic's does).
+        one_request = self.proto ~= nil and self.proto:client_streams(path) == false,
     }, Stream)
     local slot = request_owner()
     if slot then
@@ -2044,8 +2067,13 @@ end
 -- only their own event, and nothing the watcher hands out.
 local step_q, step_event, step_now
 
--- The step queue, made on first use; nil, err if it cannot be.
+-- The step queue, made on first use; nil, err if it cannot be. One made before a fork (in
+-- nginx's master, by init_by_lua) is the parent's, which the library refuses in the worker: a
+-- new one is made there.
 local function step_queue()
+    if step_q ~= nil and C.isthmus_cq_fd(step_q) < 0 then
+        step_q = nil
+    end
     if step_q == nil then
         local q, err = new_queue()
         if not q then
@@ -2151,7 +2179,7 @@ function Stream:send(message, last)
     if not ok then
         return false, bytes
     end
-    local flag = last and 1 or 0
+    local flag = (last or self.one_request) and 1 or 0
     local call = self.call
     local r = step(self, function(q, tag, ev)
         return C.isthmus_call_send_async(call, bytes, #bytes, flag, q, tag, ev, status_out)
@@ -2209,9 +2237,13 @@ function Stream:recv(timeout)
         if blocked then
             return false, blocked
         end
-        r = self:_take_left() or step_within(function(q, tag, ev)
+        local start = function(q, tag, ev)
             return C.isthmus_call_recv_async(call, q, tag, ev, status_out)
-        end, timeout)
+        end
+        -- A stream with no deadline, blocking the worker: `blocking_timeout` bounds it, as it
+        -- bounds every step there (bounded_step); a longer timeout of its own does not lift it.
+        local cap = self.unbounded and blocking_default()
+        r = self:_take_left() or (cap and cap < timeout and bounded_step(self, start, cap) or step_within(start, timeout))
     elseif call == nil or not can_yield() then
         -- Closed (step says so), or where the worker cannot yield: it blocks, unless a left
         -- receive has the stream's next message.
@@ -2254,6 +2286,7 @@ function Stream:recv(timeout)
     end
     if r.message == nil then
         self.trailers = take_metadata(C.isthmus_call_trailers(call))
+        self.ended = true
         return true, nil
     end
     local ok, reply = decode(self.codec, r.message)
