@@ -372,6 +372,8 @@ libfuzzer_sys::fuzz_target!(|data: &[u8]| {
     }
     // SAFETY: `text` is NUL-terminated.
     let _ = unsafe { isthmus_proto_method_type(proto, text.as_ptr(), 0) };
+    // SAFETY: as above.
+    let _ = unsafe { isthmus_proto_method_streams(proto, text.as_ptr()) };
     // Not `isthmus_proto_load_descriptor_set`: prost-reflect 0.16 panics on some malformed sets
     // (a unit test in proto.rs keeps one); the entry point's guard makes that INTERNAL, but
     // under the fuzzer a panic aborts.

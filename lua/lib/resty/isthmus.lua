@@ -129,6 +129,7 @@ isthmus_code_t isthmus_call_cancel(const isthmus_call_t *call);
 isthmus_code_t isthmus_call_free(isthmus_call_t *call);
 isthmus_cq_t *isthmus_cq_new(void);
 int32_t isthmus_cq_fd(const isthmus_cq_t *cq);
+isthmus_code_t isthmus_cq_free(isthmus_cq_t *cq);
 size_t isthmus_cq_poll(const isthmus_cq_t *cq, isthmus_event_t *events, size_t capacity);
 size_t isthmus_cq_wait(const isthmus_cq_t *cq, isthmus_event_t *events, size_t capacity, uint32_t spin_us, int64_t timeout_us);
 isthmus_code_t isthmus_cq_cancel(const isthmus_cq_t *cq, uint64_t tag);
@@ -2072,6 +2073,7 @@ local step_q, step_event, step_now
 -- new one is made there.
 local function step_queue()
     if step_q ~= nil and C.isthmus_cq_fd(step_q) < 0 then
+        C.isthmus_cq_free(step_q) -- in a child, this only forgets it
         step_q = nil
     end
     if step_q == nil then
@@ -2166,8 +2168,9 @@ local function step(self, start_async, blocking)
 end
 
 --- Sends one message (a string, or a table with the channel's proto); `last` half-closes
---- after it. ok or false, err; after the half-close, INTERNAL (as grpc-go's `SendMsg` after
---- `CloseSend`), and the stream goes on.
+--- after it, and so does the one request of a method whose client does not stream (the
+--- channel's proto says which). ok or false, err; after the half-close, INTERNAL (as grpc-go's
+--- `SendMsg` after `CloseSend`), and the stream goes on.
 function Stream:send(message, last)
     -- A call known to have failed (a receive saw why) says why, where the library says only
     -- that it is over (CANCELLED, "recv gives its status"): a caller that branches on the code
@@ -2190,12 +2193,16 @@ function Stream:send(message, last)
     if r.err then
         return false, r.err
     end
+    self.half_closed = self.half_closed or flag == 1
     return true
 end
 
 --- Half-closes the sending side: the server sees the end of the requests. ok or false, err.
 --- (Writing the half-close waits while the server's ring is full: inside nginx it yields.)
 function Stream:close_send()
+    if self.half_closed and self.call ~= nil then
+        return true -- as grpc-go's CloseSend after a CloseSend: nothing more goes
+    end
     local call = self.call
     local r = step(self, function(q, tag, ev)
         return C.isthmus_call_close_send_async(call, q, tag, ev, status_out)
@@ -2206,6 +2213,7 @@ function Stream:close_send()
     if r.err then
         return false, r.err
     end
+    self.half_closed = true
     return true
 end
 

@@ -1167,6 +1167,7 @@ static int check_null_arguments(ctx_t *c) {
   INVALID(isthmus_proto_load_descriptor_set(data, 4, NULL, &st));
   REQUIRE(proto == NULL, "no proto");
   REQUIRE(isthmus_proto_method_type(NULL, path, ISTHMUS_PROTO_REQUEST) == NULL, "method type of NULL");
+  REQUIRE(isthmus_proto_method_streams(NULL, path) == -1, "method streams of NULL");
   INVALID(isthmus_proto_encode(NULL, "x.Y", data, 2, &msg, &st));
   INVALID(isthmus_proto_decode(NULL, "x.Y", data, 4, &msg, &st));
   REQUIRE(msg == NULL, "no message");
