@@ -40,7 +40,11 @@ func newMessage(h *C.isthmus_message_t, data *C.uint8_t, n C.size_t) *Message {
 // Bytes is the message's content, valid until Release.
 func (m *Message) Bytes() []byte { return m.data }
 
-// Release gives the message's memory back. The bytes must not be used after.
+// Release gives the message's memory back; a second Release does nothing. A slice taken
+// from Bytes must not be used after: over shm:// it points into the sender's shared memory,
+// which the sender reuses for later messages and which goes away with the connection, so
+// reading it may give other bytes or crash the process. Copy what you keep (bytes.Clone)
+// before Release.
 func (m *Message) Release() {
 	if m.h != nil {
 		C.isthmus_message_free(m.h)
@@ -158,7 +162,10 @@ func (b *Block) Truncate(n int) error {
 	return nil
 }
 
-// Release frees a block that will not be sent.
+// Release frees a block that will not be sent; after a send, or a second time, it does
+// nothing. A slice taken from Bytes must not be used after Release or a send: the memory
+// goes back to this side's shared memory for later messages (and away with the connection),
+// so a write through it may change another message or crash the process.
 func (b *Block) Release() {
 	if !b.spent.Swap(true) {
 		if b.h != nil {
