@@ -341,14 +341,16 @@ impl Channel {
                 // on this channel, or fork) runs with nothing held; the lock is this process's,
                 // looked up for each attempt. Another call's handshake is waited for within
                 // this call's deadline.
-                let one_at_a_time = self.inner.connect_lock(deadline)?;
+                let one_at_a_time = self.inner.connect_lock(deadline).map_err(|s| reconnect.passed(s))?;
                 if let Some(m) = self.inner.slot.live() {
                     return Ok(m);
                 }
                 self.inner.slot.closed()?;
                 match self.inner.attempt(one_at_a_time, deadline) {
                     Ok(mux) => return Ok(mux),
-                    Err(status) => status,
+                    // The deadline came during an attempt after an earlier one failed: the call
+                    // says why it never started, as the async client's does.
+                    Err(status) => reconnect.passed(status),
                 }
             };
             self.pause(reconnect.after(failed, wait_for_ready, deadline)?)?;

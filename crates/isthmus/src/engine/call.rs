@@ -93,6 +93,15 @@ impl Reconnect {
         }
     }
 
+    /// `status`, unless it is the deadline's: then [`deadline_passed`](Self::deadline_passed)'s,
+    /// which names the failure before it.
+    pub(crate) fn passed(&self, status: Status) -> Status {
+        match status.code() {
+            Code::DeadlineExceeded => self.deadline_passed(),
+            _ => status,
+        }
+    }
+
     /// DEADLINE_EXCEEDED for a call whose deadline passed while it connected: with the last
     /// failure, if an attempt failed before. Whichever wait saw the deadline first (the
     /// backoff's, or one on an attempt under way), the call says why it never started.
