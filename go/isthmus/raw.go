@@ -500,6 +500,10 @@ type RawServerCall struct {
 	// kept its arena space, and the connection's mapping, for the life of the process.
 	mu     sync.Mutex
 	blocks []*Block
+	// compactAt is the length of blocks at which the spent ones are dropped from it: twice
+	// what was left at the last compaction, so that a handler holding many unsent blocks does
+	// not rescan them on every Alloc.
+	compactAt int
 }
 
 // HandleRaw registers h for path (`/package.Service/Method`), beside or instead of
@@ -604,7 +608,7 @@ func (c *RawServerCall) Alloc(n int) (*Block, error) {
 	}
 	if b.h != nil {
 		c.mu.Lock()
-		if len(c.blocks) >= 64 {
+		if len(c.blocks) >= max(c.compactAt, 64) {
 			// A streaming handler sends block after block: the spent ones go from the list.
 			kept := c.blocks[:0]
 			for _, old := range c.blocks {
@@ -612,7 +616,9 @@ func (c *RawServerCall) Alloc(n int) (*Block, error) {
 					kept = append(kept, old)
 				}
 			}
+			clear(c.blocks[len(kept):]) // the dropped ones are not held by the array
 			c.blocks = kept
+			c.compactAt = 2 * len(kept)
 		}
 		c.blocks = append(c.blocks, b)
 		c.mu.Unlock()

@@ -508,9 +508,7 @@ pub unsafe extern "C" fn isthmus_proto_encode(
                     let Ok(mut value) = serde_json::from_slice::<serde_json::Value>(json) else {
                         return Err(not_a(e));
                     };
-                    let before = value.clone();
-                    as_declared(&desc, &mut value);
-                    if value == before {
+                    if !as_declared(&desc, &mut value) {
                         return Err(not_a(e));
                     }
                     DynamicMessage::deserialize(desc.clone(), value).map_err(not_a)?
@@ -569,19 +567,22 @@ pub unsafe extern "C" fn isthmus_proto_decode(
 /// `google.protobuf.ListValue`) becomes an empty array, and an array given for a map field an
 /// object keyed `"1"`..`"n"` (a Lua table with keys 1..n is an array to any encoder; its null
 /// entries, holes, are left out). The other well-known types (`google.protobuf.*`), whose JSON
-/// forms are their own, are left as they are.
-fn as_declared(desc: &MessageDescriptor, value: &mut serde_json::Value) {
+/// forms are their own, are left as they are. Whether it changed anything.
+fn as_declared(desc: &MessageDescriptor, value: &mut serde_json::Value) -> bool {
     use serde_json::Value;
+    let empty_object = |v: &Value| matches!(v, Value::Object(o) if o.is_empty());
     if desc.full_name() == "google.protobuf.ListValue" {
-        if matches!(value, Value::Object(o) if o.is_empty()) {
+        if empty_object(value) {
             *value = Value::Array(Vec::new());
+            return true;
         }
-        return;
+        return false;
     }
     if desc.full_name().starts_with("google.protobuf.") {
-        return;
+        return false;
     }
-    let Value::Object(fields) = value else { return };
+    let Value::Object(fields) = value else { return false };
+    let mut changed = false;
     for (name, v) in fields.iter_mut() {
         let Some(field) = desc.get_field_by_name(name).or_else(|| desc.get_field_by_json_name(name)) else {
             continue; // deserializing names it
@@ -592,22 +593,25 @@ fn as_declared(desc: &MessageDescriptor, value: &mut serde_json::Value) {
             if let Value::Array(items) = v {
                 let entries = std::mem::take(items).into_iter().enumerate().filter(|(_, item)| !item.is_null());
                 *v = Value::Object(entries.map(|(i, item)| ((i + 1).to_string(), item)).collect());
+                changed = true;
             }
             let values = inner.map(|entry| entry.map_entry_value_field().kind());
             if let (Some(prost_reflect::Kind::Message(m)), Value::Object(entries)) = (values, v) {
-                entries.values_mut().for_each(|e| as_declared(&m, e));
+                changed = entries.values_mut().fold(changed, |c, e| as_declared(&m, e) | c);
             }
         } else if field.is_list() {
-            if matches!(v, Value::Object(o) if o.is_empty()) {
+            if empty_object(v) {
                 *v = Value::Array(Vec::new());
+                changed = true;
             }
             if let (Some(m), Value::Array(items)) = (inner, v) {
-                items.iter_mut().for_each(|item| as_declared(m, item));
+                changed = items.iter_mut().fold(changed, |c, item| as_declared(m, item) | c);
             }
         } else if let Some(m) = inner {
-            as_declared(m, v);
+            changed |= as_declared(m, v);
         }
     }
+    changed
 }
 
 /// The shape of `_encode` and `_decode`: the type `type_name` looked up in `proto`, and the

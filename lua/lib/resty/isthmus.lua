@@ -975,12 +975,9 @@ local function request_owner()
         local ok, base = pcall(require, "resty.core.base")
         local tables = debug.getregistry().ngx_lua_ctx_tables
         if ok and type(tables) == "table" and ngx.config and ngx.config.subsystem == "http" then
-            -- nginx's own symbol (ffi.C), which lua-resty-core declares as it loads its ngx.ctx.
+            -- nginx's own symbol (ffi.C), which lua-resty-core's ngx.ctx, the registry's maker,
+            -- declares.
             local found, fn = pcall(function() return ffi.C.ngx_http_lua_ffi_get_ctx_ref end)
-            if not found then
-                found = pcall(ffi.cdef, "int ngx_http_lua_ffi_get_ctx_ref(void *r, int *in_ssl_phase, int *ssl_ctx_ref);")
-                found, fn = pcall(function() return ffi.C.ngx_http_lua_ffi_get_ctx_ref end)
-            end
             if found then
                 ctx_tables, get_ctx_ref, get_request = tables, fn, base.get_request
             end
@@ -1024,8 +1021,9 @@ end
 -- client that went away or an ngx.exit from another light thread): nobody would take their
 -- results, and an operation with no deadline would stay forever. A unary call ends with its
 -- operation; a stream's step does not end the stream, which other light threads of a request may
--- still use: a stream ends with its request (end_orphaned_streams), or when it is collected. `own`: the tag of
--- the caller's operation, if a caller prunes (it is not waiting on its semaphore just then).
+-- still use: a stream ends with its request (end_orphaned_streams), or when it is collected.
+-- `own`: the tag of the caller's operation, if a caller prunes (it is not waiting on its
+-- semaphore just then).
 local function prune(own)
     last_prune = ngx.now()
     for tag, w in pairs(waiting) do
@@ -1061,6 +1059,14 @@ local function arm_prune()
     prune_due = ngx.now() + LOOK_S
     if not ngx.timer.at(LOOK_S, prune_tick, prune_number) then
         prune_due = nil -- none left: the calls still prune each other, as before
+    end
+end
+
+-- Arms the prune timer unless one is due (or the worker exits). One long overdue is made anew:
+-- nginx drops a timer it cannot run.
+local function prune_soon()
+    if not ngx.worker.exiting() and (prune_due == nil or ngx.now() - prune_due > LOOK_S) then
+        arm_prune()
     end
 end
 
@@ -1349,50 +1355,24 @@ local function begin_wait(rc, tag)
         end
     end
     -- After the watcher, which a call needs, so that this one never takes the last timer.
-    -- Made anew if it is long overdue: nginx drops a timer it cannot run.
-    if not ngx.worker.exiting() and (prune_due == nil or ngx.now() - prune_due > LOOK_S) then
-        arm_prune()
-    end
+    prune_soon()
     return nil, w
 end
 
--- Waits on waiter `w` for operation `tag`'s outcome; `backstop` bounds the wait (seconds)
--- beyond the call's own deadline.
-local function wait_on(w, tag, backstop)
-    local ok, err = await(w, tag, backstop)
-    local r = w.result
-    w.result = nil
-    if not ok then
-        waiting[tag] = nil
-        C.isthmus_cq_cancel(cq, tag)
-        forget_unrun_watcher()
-        if ngx.worker.exiting() and next(waiting) == nil then
-            C.isthmus_cq_wake(cq) -- a cancelled operation rings no bell: the watcher may leave now
-        end
-        if err == "timeout" then
-            return { code = DEADLINE_EXCEEDED, err = new_error(DEADLINE_EXCEEDED, "resty.isthmus: no answer in time") }
-        end
-        return { code = UNKNOWN, err = new_error(UNKNOWN, "resty.isthmus: waiting failed: " .. tostring(err)) }
-    end
-    spare[#spare + 1] = w
-    return r
-end
-
--- wait_on, for a receive with a timeout of its own: past `timeout` seconds the operation is
--- taken back, not the call, and the outcome is { timed_out = true }: the stream goes on. (One
--- that finished as the time ran out gives its outcome; its waiter, posted to nobody, is not
--- reused.)
-local function wait_a_while(w, tag, timeout)
-    local ok, err = await(w, tag, timeout)
+-- Waits on waiter `w` for operation `tag`'s outcome; `limit` bounds the wait (seconds) beyond the
+-- call's own deadline. With `own` it is a receive's own timeout instead, past which the
+-- operation is taken back but not the call: the outcome is { timed_out = true }, and the stream
+-- goes on (one that finished as the time ran out gives its outcome; its waiter, posted to
+-- nobody, is not reused).
+local function wait_on(w, tag, limit, own)
+    local ok, err = await(w, tag, limit)
     if ok then
         local r = w.result
         w.result = nil
         spare[#spare + 1] = w
         return r
     end
-    if err ~= "timeout" then
-        C.isthmus_cq_cancel(cq, tag)
-    elseif C.isthmus_cq_cancel(cq, tag) == NOT_FOUND then
+    if C.isthmus_cq_cancel(cq, tag) == NOT_FOUND and own and err == "timeout" then
         if w.result == nil then
             dispatch() -- its event is queued: handed to `w` now
         end
@@ -1407,10 +1387,12 @@ local function wait_a_while(w, tag, timeout)
     if ngx.worker.exiting() and next(waiting) == nil then
         C.isthmus_cq_wake(cq) -- a cancelled operation rings no bell: the watcher may leave now
     end
-    if err == "timeout" then
+    if err ~= "timeout" then
+        return { code = UNKNOWN, err = new_error(UNKNOWN, "resty.isthmus: waiting failed: " .. tostring(err)) }
+    elseif own then
         return { timed_out = true }
     end
-    return { code = UNKNOWN, err = new_error(UNKNOWN, "resty.isthmus: waiting failed: " .. tostring(err)) }
+    return { code = DEADLINE_EXCEEDED, err = new_error(DEADLINE_EXCEEDED, "resty.isthmus: no answer in time") }
 end
 
 -- After an _async start that returned `rc`: the outcome, at once (in `now`) or after waiting on
@@ -2056,10 +2038,7 @@ function Channel:stream(path, opts)
     local slot = request_owner()
     if slot then
         owned[st] = slot
-        -- Looked at within LOOK_S of its request's end, even with no call waiting.
-        if not ngx.worker.exiting() and (prune_due == nil or ngx.now() - prune_due > LOOK_S) then
-            arm_prune()
-        end
+        prune_soon() -- looked at within LOOK_S of its request's end, even with no call waiting
     end
     return st
 end
@@ -2238,37 +2217,33 @@ function Stream:recv(timeout)
         return false, busy -- the stream goes on: this receive is refused, not failed
     end
     local r
-    if call ~= nil and timeout and not can_yield() then
-        -- Where the thread blocks, a receive bounded on its own waits on the step queue; a left
-        -- receive's message, if it has come, is the stream's next.
-        local blocked = self:_cannot_block()
-        if blocked then
-            return false, blocked
-        end
-        local start = function(q, tag, ev)
-            return C.isthmus_call_recv_async(call, q, tag, ev, status_out)
-        end
-        -- A stream with no deadline, blocking the worker: `blocking_timeout` bounds it, as it
-        -- bounds every step there (bounded_step); a longer timeout of its own does not lift it.
-        local cap = self.unbounded and blocking_default()
-        r = self:_take_left() or (cap and cap < timeout and bounded_step(self, start, cap) or step_within(start, timeout))
-    elseif call == nil or not can_yield() then
+    if call == nil or not can_yield() then
         -- Closed (step says so), or where the worker cannot yield: it blocks, unless a left
         -- receive has the stream's next message.
         local blocked = call ~= nil and self:_cannot_block()
         if blocked then
             return false, blocked
         end
-        r = call ~= nil and self:_take_left() or step(self, function(q, tag, ev)
+        local start = function(q, tag, ev)
             return C.isthmus_call_recv_async(call, q, tag, ev, status_out)
-        end, function()
-            local rc = C.isthmus_call_recv(call, reply_out, status_out)
-            if rc ~= OK then
-                return { code = rc, err = failed(rc) }
-            end
-            local message, merr = take_message(reply_out[0])
-            return { code = merr and merr.code or OK, message = message, err = merr }
-        end)
+        end
+        r = call ~= nil and self:_take_left()
+        if not r and call ~= nil and timeout then
+            -- Bounded on its own, on the step queue. On a stream with no deadline,
+            -- `blocking_timeout` bounds it, as it bounds every step here (bounded_step): a
+            -- longer timeout of its own does not lift it.
+            local cap = self.unbounded and blocking_default()
+            r = cap and cap < timeout and bounded_step(self, start, cap) or step_within(start, timeout)
+        elseif not r then
+            r = step(self, start, function()
+                local rc = C.isthmus_call_recv(call, reply_out, status_out)
+                if rc ~= OK then
+                    return { code = rc, err = failed(rc) }
+                end
+                local message, merr = take_message(reply_out[0])
+                return { code = merr and merr.code or OK, message = message, err = merr }
+            end)
+        end
     elseif self.left_recv and abandoned(self.left_recv.w) then
         -- A receive whose light thread went away (killed, say, to bound its wait) left its
         -- operation under way: the message it gets is the stream's next, so this receive takes
@@ -2312,12 +2287,8 @@ function Stream:_wait_recv(w, tag, timeout)
     w.stream = self
     local left = { w = w, tag = tag }
     self.left_recv = left
-    local r
-    if timeout and timeout < self.backstop then
-        r = wait_a_while(w, tag, timeout)
-    else
-        r = wait_on(w, tag, self.backstop)
-    end
+    local own = timeout ~= nil and timeout < self.backstop
+    local r = wait_on(w, tag, own and timeout or self.backstop, own)
     w.stream = nil
     if self.left_recv == left then
         self.left_recv = nil
